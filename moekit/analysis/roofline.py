@@ -1,0 +1,112 @@
+"""FLOPs, compulsory bytes, arithmetic intensity, the ridge batch and time floors of MoE layers.
+
+Shapes: B = tokens in the batch, E = routed experts, k = experts per token, K = hidden size (d),
+N = one expert's intermediate size (d_ff), b_w = bytes per weight element.
+
+One routed expert holds 3·K·N weights (w13 [2N, K] and w2 [K, N]) and costs 6·K·N FLOPs per token
+routed to it. A batch therefore does F = B·k·6·K·N FLOPs and must read Q = E_touched(B)·3·K·N·b_w
+weight bytes, so I = F/Q = 2·B·k / (b_w·E_touched(B)): K and N cancel. Activations are O(B·K) bytes
+against O(E·K·N) of weights; they are reported but left out of I and the floors, which count routed
+expert weights only (no attention, no shared expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moekit.analysis.formats import WeightFormat
+from moekit.analysis.gpus import GpuSpec
+from moekit.analysis.touch import experts_touched
+from moekit.config import MoEConfig
+
+ACTIVATION_BYTES = 2  # bf16 activations in and out of the layer
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """The byte model of one batch size; per-layer fields are for one MoE layer's routed experts."""
+
+    batch: int  # B, tokens
+    experts_touched: float  # expected distinct experts read, k <= . <= E (uniform routing)
+    flops: float  # B·k·6·K·N
+    weight_bytes: float  # compulsory: experts_touched·3·K·N·b_w
+    activation_bytes: float  # x read once and out written once: 2·B·K·2 (bf16)
+    intensity: float  # flops / weight_bytes, FLOP per byte
+    memory_time_s: float  # weight_bytes / bandwidth: the weight-streaming floor
+    compute_time_s: float  # flops / dense peak of the format's compute dtype
+    time_floor_s: float  # max(memory_time_s, compute_time_s), one layer
+    step_time_floor_s: float  # time_floor_s × MoE layers: one decode step's routed experts
+    bound: str  # "memory" or "compute": which floor is higher
+    num_moe_layers: int  # layers in step_time_floor_s; 1 when the model's layer count is unknown
+
+
+def expert_params(cfg: MoEConfig) -> int:
+    """3·K·N: weights of one routed expert."""
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size
+
+
+def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec) -> BatchCost:
+    """The byte model at one batch size. ``cfg.num_moe_layers`` None counts as one layer."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    touched = experts_touched(batch, cfg.num_experts, cfg.top_k)
+    flops = batch * cfg.top_k * 2.0 * expert_params(cfg)
+    weight_bytes = touched * expert_params(cfg) * fmt.bytes_per_weight
+    memory_s = weight_bytes / gpu.bandwidth_bytes_s
+    compute_s = flops / gpu.flops_per_s(fmt.compute_dtype)
+    floor = max(memory_s, compute_s)
+    layers = cfg.num_moe_layers or 1
+    return BatchCost(
+        batch=batch,
+        experts_touched=touched,
+        flops=flops,
+        weight_bytes=weight_bytes,
+        activation_bytes=2.0 * batch * cfg.hidden_size * ACTIVATION_BYTES,
+        intensity=flops / weight_bytes,
+        memory_time_s=memory_s,
+        compute_time_s=compute_s,
+        time_floor_s=floor,
+        step_time_floor_s=floor * layers,
+        bound="memory" if memory_s >= compute_s else "compute",
+        num_moe_layers=layers,
+    )
+
+
+def intensity_at_batch_one(fmt: WeightFormat) -> float:
+    """I(1) = 2/b_w: one token reads k experts and does one multiply-add per weight, like a dense GEMV."""
+    return 2.0 / fmt.bytes_per_weight
+
+
+def asymptotic_slope(cfg: MoEConfig, fmt: WeightFormat) -> float:
+    """dI/dB once every expert is touched: 2k/(b_w·E), the dense slope 2/b_w divided by E/k."""
+    return 2.0 * cfg.top_k / (fmt.bytes_per_weight * cfg.num_experts)
+
+
+def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec) -> float:
+    """The batch where I(B) reaches the GPU's ridge I* and the expert GEMMs turn compute-bound.
+
+    Solved exactly (I is increasing in B); once all experts are touched it is b_w·I*·E/(2k),
+    the dense crossover b_w·I*/2 multiplied by E/k. Returns 1.0 when batch 1 is already compute-bound.
+    """
+    target = gpu.ridge_intensity(fmt.compute_dtype)
+
+    def intensity(b: float) -> float:
+        return 2.0 * b * cfg.top_k / (fmt.bytes_per_weight * experts_touched(b, cfg.num_experts, cfg.top_k))
+
+    if intensity(1.0) >= target:
+        return 1.0
+    lo, hi = 1.0, 2.0
+    while intensity(hi) < target:
+        lo, hi = hi, hi * 2.0
+    for _ in range(100):  # bisection to float64 resolution
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if intensity(mid) < target else (lo, mid)
+    return hi
+
+
+def dense_step_floor_s(params: float, batch: int, fmt: WeightFormat, gpu: GpuSpec) -> float:
+    """Decode-step floor of a dense model with ``params`` weights: it reads them all once per step
+    whatever the batch, and does 2 FLOPs per weight per token."""
+    memory_s = params * fmt.bytes_per_weight / gpu.bandwidth_bytes_s
+    compute_s = 2.0 * params * batch / gpu.flops_per_s(fmt.compute_dtype)
+    return max(memory_s, compute_s)

@@ -1,0 +1,183 @@
+"""``MoEConfig``: the shapes and router settings of one MoE layer.
+
+Shape legend used across moekit:
+    M = tokens, K = hidden size (d), N = one expert's intermediate size (d_ff),
+    E = routed experts, k = experts per token, S = shared-expert slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from moekit.presets import hf_config_of_preset
+
+Scoring = Literal["softmax", "sigmoid"]
+NonFinitePolicy = Literal["raise", "mask"]
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+# transformers' hidden_act names -> moekit's activation names.
+_HF_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer. Every field is checked in ``__post_init__``.
+
+    ``shared_expert_intermediate_size`` is the total width of the always-on shared MLP (0 = none).
+    When it is a multiple of ``moe_intermediate_size`` the shared MLP splits exactly into
+    ``num_shared_slots`` experts of the routed width, which is what lets it run as extra routed slots.
+    """
+
+    hidden_size: int  # K
+    moe_intermediate_size: int  # N
+    num_experts: int  # E, routed experts
+    top_k: int  # k
+    scoring: Scoring = "softmax"
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    use_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (selection only)
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ g)
+    activation: str = "silu"
+    nonfinite: NonFinitePolicy = "raise"  # NaN/inf router logits: raise, or mask the expert out
+    num_moe_layers: int | None = None  # MoE layers in the whole model, when known
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+        if self.num_experts % self.n_group != 0:
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group must be <= n_group ({self.n_group}), got {self.topk_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the experts in the topk_group={self.topk_group} kept groups "
+                f"({self.topk_group * (self.num_experts // self.n_group)})"
+            )
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.nonfinite not in ("raise", "mask"):
+            raise ValueError(f"nonfinite must be 'raise' or 'mask', got {self.nonfinite!r}")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
+    @property
+    def num_shared_slots(self) -> int:
+        """S: routed-width slots the shared MLP splits into, or 0 when it has none or cannot split."""
+        width, n = self.shared_expert_intermediate_size, self.moe_intermediate_size
+        return width // n if width and width % n == 0 else 0
+
+    def replace(self, **changes: Any) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str) -> "MoEConfig":
+        """The real shapes of a published model: see ``moekit.presets.preset_names()``."""
+        return cls.from_hf_config(hf_config_of_preset(name))
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "MoEConfig":
+        """Read a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 config (transformers object or dict)."""
+        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        model_type = d.get("model_type")
+        reader = _HF_READERS.get(model_type)
+        if reader is None:
+            raise ValueError(f"cfg.model_type must be one of {sorted(_HF_READERS)}, got {model_type!r}")
+        act = d.get("hidden_act", "silu")
+        if act not in _HF_ACTIVATIONS:
+            raise ValueError(f"cfg.hidden_act must be one of {sorted(_HF_ACTIVATIONS)}, got {act!r}")
+        return cls(activation=_HF_ACTIVATIONS[act], **reader(d))
+
+
+def _count_layers(d: dict, is_moe) -> int:
+    return sum(1 for i in range(d["num_hidden_layers"]) if is_moe(i))
+
+
+def _read_mixtral(d: dict) -> dict:
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["intermediate_size"],
+        num_experts=d["num_local_experts"],
+        top_k=d["num_experts_per_tok"],
+        scoring="softmax",
+        renormalize=True,
+        num_moe_layers=d["num_hidden_layers"],
+    )
+
+
+def _qwen_moe_layers(d: dict) -> int:
+    step, dense = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
+    return _count_layers(d, lambda i: i not in dense and (i + 1) % step == 0)
+
+
+def _read_qwen3_moe(d: dict) -> dict:
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        num_experts=d["num_experts"],
+        top_k=d["num_experts_per_tok"],
+        scoring="softmax",
+        renormalize=bool(d.get("norm_topk_prob", False)),
+        num_moe_layers=_qwen_moe_layers(d),
+    )
+
+
+def _read_qwen2_moe(d: dict) -> dict:
+    shared = d.get("shared_expert_intermediate_size", 0) or 0
+    return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
+
+
+def _read_deepseek(d: dict) -> dict:
+    method = d.get("topk_method", "noaux_tc" if d["model_type"] == "deepseek_v3" else "greedy")
+    grouped = method in ("group_limited_greedy", "noaux_tc")
+    first_dense, freq = d.get("first_k_dense_replace", 0), d.get("moe_layer_freq", 1)
+    scoring = d.get("scoring_func", "sigmoid" if d["model_type"] == "deepseek_v3" else "softmax")
+    return dict(
+        hidden_size=d["hidden_size"],
+        moe_intermediate_size=d["moe_intermediate_size"],
+        num_experts=d["n_routed_experts"],
+        top_k=d["num_experts_per_tok"],
+        scoring=scoring,
+        renormalize=bool(d.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0) or 1.0),
+        n_group=d.get("n_group", 1) if grouped else 1,
+        topk_group=d.get("topk_group", 1) if grouped else 1,
+        use_correction_bias=method == "noaux_tc",
+        shared_expert_intermediate_size=(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
+        num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
+    )
+
+
+_HF_READERS = {
+    "mixtral": _read_mixtral,
+    "qwen2_moe": _read_qwen2_moe,
+    "qwen3_moe": _read_qwen3_moe,
+    "deepseek_v2": _read_deepseek,
+    "deepseek_v3": _read_deepseek,
+}

@@ -1,0 +1,109 @@
+"""Expert computation behind one signature:
+
+    fn(x [M, K], w13 [E, 2N, K], w2 [E, K, N], topk_ids [M, k], topk_weights [M, k],
+       *, activation="silu", expert_map=None) -> out [M, K] (x.dtype)
+
+out[t] = sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk_ids[t, j].
+An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (contributes 0): that
+covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
+
+Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels,
+CUDA). ``backend="auto"`` picks the best available for the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+ExpertsFn = Callable[..., torch.Tensor]
+
+# name -> "module:function"; imported on first use so that optional dependencies stay optional.
+_BACKENDS = {
+    "reference": "moekit.experts.reference:experts_reference",
+    "grouped_mm": "moekit.experts.grouped_mm:experts_grouped_mm",
+    "triton": "moekit.experts.triton:experts_triton",
+}
+# Preference order of "auto", best first.
+_AUTO_ORDER = ("triton", "grouped_mm", "reference")
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_backend(name: str) -> ExpertsFn:
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {name!r}")
+    module, fn = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def backend_available(name: str, device: torch.device | str) -> bool:
+    """Whether ``name`` can run on ``device`` here (its dependencies import and it supports the device)."""
+    try:
+        module = importlib.import_module(_BACKENDS[name].split(":")[0])
+    except ImportError:
+        return False
+    check = getattr(module, "is_available", None)
+    return True if check is None else bool(check(torch.device(device)))
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    return [name for name in _AUTO_ORDER if backend_available(name, device)]
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """The concrete backend name for ``backend`` ("auto" or a name) on ``device``."""
+    if backend == "auto":
+        return available_backends(device)[0]
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
+    if not backend_available(backend, device):
+        raise RuntimeError(f"backend {backend!r} is not available on {device}; available: {available_backends(device)}")
+    return backend
+
+
+def run_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    fn = get_backend(resolve_backend(backend, x.device))
+    return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+
+
+def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None) -> None:
+    """Raise a clear error naming the argument when shapes, dtypes or devices do not fit together."""
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [M, K], got {tuple(x.shape)}")
+    if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
+        raise ValueError(f"w13 must have shape [E, 2N, K={x.shape[1]}], got {tuple(w13.shape)}")
+    num_experts, two_n, hidden = w13.shape
+    if w2.shape != (num_experts, hidden, two_n // 2):
+        raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={two_n // 2}], got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids must have shape [M={x.shape[0]}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != x.device):
+        raise ValueError(f"expert_map must be 1-D on {x.device}, got {tuple(expert_map.shape)} on {expert_map.device}")

@@ -1,0 +1,79 @@
+"""Experts on torch's grouped GEMM (``torch.nn.functional.grouped_mm`` or ``torch._grouped_mm``),
+falling back to a loop over the non-empty experts where the installed torch or device lacks it.
+
+Assignments are sorted by expert (a contiguous permutation without padding); rows are gathered,
+run through two grouped GEMMs, weighted, and summed back per token.
+
+Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from moekit.experts.activations import act_and_mul
+from moekit.layouts._grouping import to_local_ids
+
+
+def _grouped_mm_fn():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch runs a grouped GEMM of ``dtype`` on ``device_type`` (probed once)."""
+    fn = _grouped_mm_fn()
+    if fn is None:
+        return False
+    try:
+        a = torch.ones(4, 16, dtype=dtype, device=device_type)
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+        fn(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device_type))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _group_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """a [A, in] grouped by expert (rows offs[e-1]:offs[e]) times w[e] [out, in]^T -> [A, out]."""
+    # torch's grouped GEMM needs 16-byte aligned row strides on both operands.
+    aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (w.shape[1] * w.element_size()) % 16 == 0
+    if aligned and grouped_mm_supported(a.device.type, a.dtype):
+        return _grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=offs)
+    out = a.new_zeros(a.shape[0], w.shape[1])
+    start = 0
+    for expert, count in enumerate(counts.tolist()):  # host sync: the fallback loops over experts
+        if count:
+            out[start : start + count] = a[start : start + count] @ w[expert].t()
+        start += count
+    return out
+
+
+def experts_grouped_mm(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K]
+    w2: torch.Tensor,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    local = to_local_ids(topk_ids, num_experts, expert_map)  # [A]; E = not routed here
+    order = torch.sort(local, stable=True).indices  # [A] grouped by expert
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
+    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)  # [E] end row of each expert
+    routed = (local[order] < num_experts)[:, None]  # [A, 1]; rows past offs[-1] are left unwritten by the GEMM
+
+    xs = x[order // top_k]  # [A, K]
+    h = _group_gemm(xs, w13, offs, counts[:num_experts])  # [A, 2N]
+    h = torch.where(routed, h, torch.zeros_like(h))
+    y = _group_gemm(act_and_mul(h, activation), w2, offs, counts[:num_experts])  # [A, K]
+    y = torch.where(routed, y.float() * topk_weights.reshape(-1)[order, None].float(), 0.0)  # [A, K] fp32
+    per_slot = torch.empty_like(y).index_copy_(0, order, y)  # [A, K] back in assignment order
+    return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [M, K]

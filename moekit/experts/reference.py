@@ -1,0 +1,39 @@
+"""The oracle: a per-expert loop with float32 accumulation. Slow, obvious, and what every other
+backend is held to.
+
+Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts.activations import act_and_mul
+from moekit.layouts._grouping import to_local_ids
+
+
+def experts_reference(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K]
+    w2: torch.Tensor,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = ids[t, j], accumulated in float32
+    (float64 for float64 inputs); returns x.dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=acc, device=x.device)  # [M, K]
+    for expert in range(num_experts):
+        tokens, slots = (local == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x[tokens].to(acc) @ w13[expert].to(acc).t()  # [m, 2N]
+        y = act_and_mul(h, activation) @ w2[expert].to(acc).t()  # [m, K]
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(acc))
+    return out.to(x.dtype)

@@ -1,0 +1,84 @@
+"""Capacity-factor dropping (GShard / Switch training style). Opt-in: moekit is dropless by default.
+
+Each routed expert keeps at most C = ceil(capacity_factor * M * k / E) assignments; the rest are
+dropped (their id becomes -1 and their weight 0, so they contribute nothing and the token passes on
+its residual). The number dropped is always returned.
+
+Shapes: M tokens, k routed slots, E routed experts. Apply it before appending shared-expert slots
+(``moekit.routing.append_shared_slots``); ids outside [0, E) are never dropped nor counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from moekit.routing import Routing
+
+DropPolicy = Literal["position", "weight"]
+
+
+@dataclass
+class CapacityResult:
+    """A routing with over-capacity assignments removed, and the account of what was removed."""
+
+    routing: Routing  # dropped slots have topk_ids -1 and topk_weights 0
+    capacity: int  # C: assignments each routed expert may keep
+    dropped_mask: torch.Tensor  # [M, k] bool; True where an assignment was dropped
+    dropped: torch.Tensor  # [] int64; dropped_mask.sum(): the number of dropped assignments
+    kept_counts: torch.Tensor  # [E] int32; assignments each expert kept; each <= C
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(capacity_factor * M * k / E)."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def apply_capacity(
+    routing: Routing, num_experts: int, capacity_factor: float, policy: DropPolicy = "position"
+) -> CapacityResult:
+    """Drop the assignments past each expert's capacity.
+
+    Policies, deciding which assignments an over-full expert keeps:
+    - ``"position"`` (GShard): first choices before second choices, and within a choice rank the
+      earlier token first; i.e. priority order (slot j, token t).
+    - ``"weight"``: the highest router weights first; equal weights fall back to the position order.
+    """
+    if policy not in ("position", "weight"):
+        raise ValueError(f"policy must be 'position' or 'weight', got {policy!r}")
+    ids, weights = routing.topk_ids, routing.topk_weights
+    num_tokens, top_k = ids.shape
+    capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+
+    prio_ids = ids.t().reshape(-1).long()  # [k*M] in priority order (slot-major)
+    routed = (prio_ids >= 0) & (prio_ids < num_experts)
+    key = torch.where(routed, prio_ids, num_experts)
+    order = torch.arange(key.numel(), device=ids.device)
+    if policy == "weight":
+        order = torch.sort(-weights.t().reshape(-1), stable=True).indices  # heaviest first, ties by position
+    order = order[torch.sort(key[order], stable=True).indices]  # grouped by expert, priority kept inside
+    sorted_key = key[order]
+    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    starts = torch.cumsum(counts_all, 0) - counts_all
+    rank_sorted = torch.arange(key.numel(), device=ids.device) - starts[sorted_key]
+    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)  # [k*M] rank within its expert
+    drop_prio = routed & (rank >= capacity)
+    dropped_mask = drop_prio.view(top_k, num_tokens).t()  # [M, k]
+
+    kept_ids = torch.where(dropped_mask, torch.full_like(ids, -1), ids)
+    kept_weights = torch.where(dropped_mask, torch.zeros_like(weights), weights)
+    kept_counts = torch.clamp(counts_all[:num_experts], max=capacity).to(torch.int32)
+    return CapacityResult(
+        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights),
+        capacity=capacity,
+        dropped_mask=dropped_mask,
+        dropped=dropped_mask.sum(),
+        kept_counts=kept_counts,
+    )

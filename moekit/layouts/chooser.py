@@ -1,0 +1,88 @@
+"""Pick a token grouping by memory budget (SGLang's masked-vs-compact choice, generalised).
+
+Cost is the rows the expert GEMMs process, padding included (the tensor-core bill); the cheapest
+layout whose peak activation bytes fit the budget wins, and the choice says why.
+
+Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayoutEstimate:
+    name: str
+    rows: int  # rows the GEMMs process, padding included
+    peak_bytes: int  # activation buffers alive at the peak (weights excluded)
+    syncs: bool  # True when building it reads a size back to the host
+
+
+@dataclass
+class LayoutChoice:
+    name: str  # the chosen layout's name, or "none" when nothing fits
+    reason: str
+    estimates: list[LayoutEstimate] = field(default_factory=list)  # every candidate, cheapest first
+
+
+def choose_layout(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    dtype_bytes: int,
+    memory_budget_bytes: int,
+    counts: list[int] | None = None,
+    block_size: int = 64,
+    align: int = 128,
+    allow_sync: bool = True,
+) -> LayoutChoice:
+    """Choose among ``block_aligned``, ``contiguous``, ``masked`` and ``masked_measured_cap``.
+
+    ``counts`` are the per-expert assignment counts if known; without them every expert is taken to
+    hold its mean A/E (rounded up). ``allow_sync=False`` excludes layouts that read sizes back to the host.
+    """
+    if memory_budget_bytes <= 0:
+        raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+    if counts is None:
+        counts = [math.ceil(num_tokens * top_k / num_experts)] * num_experts
+    elif len(counts) != num_experts:
+        raise ValueError(f"counts must have num_experts={num_experts} entries, got {len(counts)}")
+    estimates = _estimates(num_tokens, top_k, num_experts, hidden_size, intermediate_size, dtype_bytes, counts,
+                           block_size, align)
+    estimates.sort(key=lambda e: (e.rows, e.peak_bytes))
+    for est in estimates:
+        if est.peak_bytes <= memory_budget_bytes and (allow_sync or not est.syncs):
+            others = ", ".join(f"{e.name} {e.rows} rows/{e.peak_bytes / 2**20:.1f} MiB" for e in estimates if e is not est)
+            return LayoutChoice(
+                est.name,
+                f"{est.name}: fewest GEMM rows ({est.rows}) among layouts whose peak {est.peak_bytes / 2**20:.1f} MiB "
+                f"fits the {memory_budget_bytes / 2**20:.1f} MiB budget (others: {others})",
+                estimates,
+            )
+    smallest = min(estimates, key=lambda e: e.peak_bytes)
+    return LayoutChoice(
+        "none",
+        f"no layout fits {memory_budget_bytes / 2**20:.1f} MiB; the smallest, {smallest.name}, needs "
+        f"{smallest.peak_bytes / 2**20:.1f} MiB: process the batch in chunks",
+        estimates,
+    )
+
+
+def _estimates(m, k, e, hidden, inter, b, counts, block, align) -> list[LayoutEstimate]:
+    a = m * k
+    per_row = lambda gate_up: (hidden + (2 * inter if gate_up else 0) + inter + hidden) * b  # noqa: E731
+    block_rows = sum(math.ceil(c / block) * block for c in counts)
+    contig_rows = sum(math.ceil(c / align) * align for c in counts)
+    cap = max(64, math.ceil(max(counts, default=0) / 64) * 64)
+    # The block-aligned path gathers x in place and fuses the activation: [A, N] and [A, K] only.
+    block_bytes = a * (inter + hidden) * b + (a + min(e, a) * (block - 1)) * 4
+    return [
+        LayoutEstimate("block_aligned", block_rows, block_bytes, syncs=False),
+        LayoutEstimate("contiguous", contig_rows, contig_rows * per_row(True), syncs=False),
+        LayoutEstimate("masked", e * m, e * m * per_row(True), syncs=False),
+        LayoutEstimate("masked_measured_cap", e * cap, e * cap * per_row(True), syncs=True),
+    ]

@@ -1,0 +1,89 @@
+"""Contiguous permuted layout (DeepGEMM's grouped-contiguous input): rows are physically copied into
+per-expert segments, each starting on an ``align``-row boundary, so a grouped GEMM sees dense tiles.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, T total rows of the permuted buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.layouts._grouping import aligned_positions, scatter_to_rows
+
+DEFAULT_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
+
+
+@dataclass
+class ContiguousLayout:
+    """Rows grouped by expert into ``align``-aligned segments of one packed buffer."""
+
+    x_perm: torch.Tensor  # [T, K]; row dst holds x[t] for the assignment whose src_to_dst is dst; padding = fill
+    segment_ids: torch.Tensor  # [T] int32; local expert of each row; -1 on padding rows (the GEMM skips them)
+    src_to_dst: torch.Tensor  # [M, k] int32; row of x_perm holding assignment (t, j); -1 when not routed here
+    counts: torch.Tensor  # [E] int32; real rows per local expert
+    offsets: torch.Tensor  # [E+1] int64; segment starts (multiples of align); offsets[E] = rows used
+    align: int
+
+    @property
+    def total_rows(self) -> int:
+        return self.x_perm.shape[0]
+
+    def padding_factor(self) -> float:
+        """Rows of the buffer / real rows (syncs with the host)."""
+        real = int(self.counts.sum())
+        return self.total_rows / real if real else 0.0
+
+
+def static_rows_bound(num_tokens: int, top_k: int, num_experts: int, align: int = DEFAULT_ALIGN) -> int:
+    """Rows that always suffice: A + min(E, A)*(align-1). Use it as ``static_rows`` for graph capture."""
+    num_assignments = num_tokens * top_k
+    return num_assignments + min(num_experts, num_assignments) * (align - 1)
+
+
+def permute_contiguous(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    align: int = DEFAULT_ALIGN,
+    expert_map: torch.Tensor | None = None,
+    static_rows: int | None = None,
+    fill: float = 0.0,
+) -> ContiguousLayout:
+    """Copy x [M, K] into expert segments.
+
+    ``static_rows=None`` sizes the buffer to exactly the rows used, which reads that size back to the
+    host (a sync). Pass ``static_rows`` (at least ``static_rows_bound(...)``) for a fixed shape with no
+    sync: the spare rows trail the last segment with ``segment_ids`` -1. A smaller value raises rather
+    than risk losing a token.
+    """
+    if x.dim() != 2 or topk_ids.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    num_tokens, top_k = topk_ids.shape
+    pos = aligned_positions(topk_ids, num_experts, align, expert_map)
+    if static_rows is None:
+        total = int(pos.offsets[-1])  # host sync: the exact size is data-dependent
+    else:
+        bound = static_rows_bound(num_tokens, top_k, num_experts, align)
+        if static_rows < bound:
+            raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got {static_rows}")
+        total = static_rows
+    token = torch.arange(num_tokens * top_k, device=x.device) // top_k  # [A]
+    x_perm = scatter_to_rows(x[token], pos.dst, total, fill)  # [T, K]
+    segment_ids = scatter_to_rows(pos.local_ids.to(torch.int32), pos.dst, total, fill=-1)  # [T]
+    return ContiguousLayout(
+        x_perm=x_perm,
+        segment_ids=segment_ids,
+        src_to_dst=pos.dst.view(num_tokens, top_k).to(torch.int32),
+        counts=pos.counts,
+        offsets=pos.offsets,
+        align=align,
+    )
+
+
+def unpermute_contiguous(y_perm: torch.Tensor, layout: ContiguousLayout) -> torch.Tensor:
+    """The exact inverse: y_perm [T, D] -> [M, k, D]; 0 for assignments not routed here. Padding rows are never read."""
+    dst = layout.src_to_dst.long()  # [M, k]
+    rows = y_perm[torch.where(dst >= 0, dst, 0)]  # [M, k, D]
+    return torch.where((dst >= 0)[..., None], rows, torch.zeros_like(rows))

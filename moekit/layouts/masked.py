@@ -1,0 +1,99 @@
+"""Masked per-expert layout (DeepGEMM's grouped-masked input): every expert gets a rectangle of
+``m_max`` rows and a count of how many are real.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, m_max rows per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.layouts._grouping import aligned_positions, scatter_to_rows
+
+
+@dataclass
+class MaskedLayout:
+    """One [m_max, K] rectangle per local expert; rows past ``counts[e]`` are padding."""
+
+    x_masked: torch.Tensor  # [E, m_max, K]; x_masked[e, i] = x[t] of expert e's i-th assignment; padding = fill
+    counts: torch.Tensor  # [E] int32; real rows in each rectangle (DeepGEMM's masked_m); each <= m_max
+    src_to_dst: torch.Tensor  # [M, k] int64; flat row e*m_max + i of assignment (t, j); -1 when not routed here
+
+    @property
+    def m_max(self) -> int:
+        return self.x_masked.shape[1]
+
+    def padding_factor(self) -> float:
+        """Rows allocated / real rows (syncs with the host)."""
+        real = int(self.counts.sum())
+        return self.x_masked.shape[0] * self.m_max / real if real else 0.0
+
+
+def masked_layout(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    m_max: int | None = None,
+    expert_map: torch.Tensor | None = None,
+    fill: float = 0.0,
+) -> MaskedLayout:
+    """Uncapped masked layout: ``m_max`` defaults to M, the whole token budget, which holds any routing
+    whose ids are distinct within a token (``route`` guarantees it). No host synchronisation.
+
+    An explicit ``m_max`` below M is checked against the counts (a host sync) and raises on overflow.
+    """
+    num_tokens = topk_ids.shape[0]
+    if m_max is None:
+        m_max = max(num_tokens, 1)
+    elif m_max < 1:
+        raise ValueError(f"m_max must be >= 1, got {m_max}")
+    return _build(x, topk_ids, num_experts, m_max, expert_map, fill, check=m_max < num_tokens)
+
+
+def masked_layout_measured_cap_syncs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    round_to: int = 64,
+    expert_map: torch.Tensor | None = None,
+    fill: float = 0.0,
+) -> MaskedLayout:
+    """Masked layout with the measured cap: m_max = max per-expert count rounded up to ``round_to``.
+
+    SYNCHRONISES WITH THE HOST (it reads the largest count back), so it cannot be captured in a CUDA
+    graph. It allocates E * m_cap rows instead of E * M.
+    """
+    pos = aligned_positions(topk_ids, num_experts, 1, expert_map)
+    biggest = int(pos.counts.max()) if pos.counts.numel() else 0  # host sync
+    m_max = max(round_to, (biggest + round_to - 1) // round_to * round_to)
+    return _build(x, topk_ids, num_experts, m_max, expert_map, fill, check=False)
+
+
+def _build(x, topk_ids, num_experts, m_max, expert_map, fill, check: bool) -> MaskedLayout:
+    if x.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
+        raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
+    num_tokens, top_k = topk_ids.shape
+    pos = aligned_positions(topk_ids, num_experts, 1, expert_map)  # align 1: offsets are the unpadded starts
+    if check and pos.counts.numel() and int(pos.counts.max()) > m_max:  # host sync, explicit m_max only
+        raise ValueError(f"m_max={m_max} is smaller than the busiest expert's {int(pos.counts.max())} rows")
+    routed = pos.dst >= 0
+    local = torch.where(routed, pos.local_ids, 0)
+    rank = pos.dst - pos.offsets[local]  # [A] row within the expert's rectangle
+    flat_dst = torch.where(routed, local * m_max + rank, -1)  # [A]
+    token = torch.arange(num_tokens * top_k, device=x.device) // top_k
+    rows = scatter_to_rows(x[token], flat_dst, num_experts * m_max, fill)  # [E*m_max, K]
+    return MaskedLayout(
+        x_masked=rows.view(num_experts, m_max, x.shape[1]),
+        counts=pos.counts,
+        src_to_dst=flat_dst.view(num_tokens, top_k),
+    )
+
+
+def unmask(y_masked: torch.Tensor, layout: MaskedLayout) -> torch.Tensor:
+    """The exact inverse: y_masked [E, m_max, D] -> [M, k, D]; 0 for assignments not routed here."""
+    flat = y_masked.reshape(-1, y_masked.shape[-1])  # [E*m_max, D]
+    dst = layout.src_to_dst
+    rows = flat[torch.where(dst >= 0, dst, 0)]  # [M, k, D]
+    return torch.where((dst >= 0)[..., None], rows, torch.zeros_like(rows))

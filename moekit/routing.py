@@ -1,0 +1,176 @@
+"""Routing: router logits -> which k experts each token uses, and with what weight.
+
+    [Router] -> Group -> Experts -> Combine
+
+Shapes: M tokens, E routed experts, k = top_k, G = n_group, S = shared slots.
+
+Tie rule: when two experts (or two groups) score exactly the same, the lower id wins. Selection is a
+stable descending sort, so the rule holds on every device and in every torch version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    """Which experts each token is sent to, and the weight its output is scaled by."""
+
+    topk_ids: torch.Tensor  # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
+    topk_weights: torch.Tensor  # [M, k(+S)] float32; weight of each slot; 0 where the id is -1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids.shape[1]
+
+
+def route(
+    router_logits: torch.Tensor,
+    config: MoEConfig,
+    correction_bias: torch.Tensor | None = None,
+    *,
+    shared_gate_logits: torch.Tensor | None = None,
+    fuse_shared: bool = False,
+) -> Routing:
+    """Score, select and weight experts as the model's reference implementation does.
+
+    - softmax scoring (Mixtral, Qwen): probabilities over all E experts; with ``renormalize`` the chosen
+      weights are re-scaled to sum to 1, otherwise they are the chosen experts' probabilities.
+    - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used
+      for *selection* only; weights come from the unbiased scores.
+    - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 biased scores when a bias is
+      given, its max otherwise; only the best ``topk_group`` groups can be chosen from.
+    - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
+      w / sum(w) and stays finite when every score underflows (no 0/0).
+    - ``routed_scaling_factor`` multiplies the routed weights.
+    - ``fuse_shared``: append S shared-expert slots (ids E..E+S-1) with weight 1, or the Qwen2-MoE gate
+      ``sigmoid(shared_gate_logits)`` [M, 1], so the shared MLP runs in the same grouped GEMM.
+
+    NaN or infinite logits raise ``ValueError`` (this checks on the host) unless ``config.nonfinite``
+    is ``"mask"``: then such an expert scores -inf for selection and gets weight 0 if still chosen.
+    """
+    logits = _check_logits(router_logits, config)
+    num_tokens = logits.shape[0]
+    bias = _check_bias(correction_bias, config, logits.device)
+    if config.nonfinite == "mask":
+        finite = torch.isfinite(logits)
+        # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no
+        # probability mass from the others and only wins a slot when fewer than k experts are finite.
+        logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
+    else:
+        finite = None
+
+    scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
+    choice = scores if bias is None else scores + bias  # [M, E]
+    if finite is not None:
+        choice = choice.masked_fill(~finite, float("-inf"))
+    if config.n_group > 1:
+        choice = _mask_unselected_groups(choice, config, biased=bias is not None)
+    topk_ids = _topk_lower_id_wins(choice, config.top_k)  # [M, k] int64
+
+    weights = _weights(logits, scores, topk_ids, config)  # [M, k] float32
+    if finite is not None:
+        weights = weights * finite.gather(1, topk_ids)
+    topk_ids = topk_ids.to(torch.int32)
+    routing = Routing(topk_ids=topk_ids, topk_weights=weights)
+    if fuse_shared and config.has_shared_expert:
+        routing = append_shared_slots(routing, config, shared_gate_logits)
+    return routing
+
+
+def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+    if router_logits.dim() != 2 or router_logits.shape[1] != config.num_experts:
+        raise ValueError(
+            f"router_logits must have shape [M, num_experts={config.num_experts}], got {tuple(router_logits.shape)}"
+        )
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
+    logits = router_logits.float()  # [M, E]
+    if config.nonfinite == "raise" and logits.numel() and not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()
+        raise ValueError(
+            f"router_logits contains NaN or infinite values (first bad token rows: {bad}); "
+            "pass MoEConfig(nonfinite='mask') to mask those experts instead"
+        )
+    return logits
+
+
+def _check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.device) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.shape != (config.num_experts,):
+        raise ValueError(f"correction_bias must have shape [num_experts={config.num_experts}], got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"correction_bias must be on {device} like router_logits, got {bias.device}")
+    return bias.float()
+
+
+def _topk_lower_id_wins(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, ties broken towards the lower index."""
+    # A stable descending sort keeps equal scores in index order; topk makes no such promise.
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # [M, k]
+
+
+def _mask_unselected_groups(choice: torch.Tensor, config: MoEConfig, biased: bool) -> torch.Tensor:
+    num_tokens, per_group = choice.shape[0], config.num_experts // config.n_group
+    grouped = choice.view(num_tokens, config.n_group, per_group)  # [M, G, E/G]
+    if biased and per_group >= 2:
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
+    else:
+        group_scores = grouped.max(dim=-1).values  # [M, G]
+    keep = _topk_lower_id_wins(group_scores, config.topk_group)  # [M, topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [M, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)  # [M, E]
+    return choice.masked_fill(~expert_mask, float("-inf"))
+
+
+def _weights(logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    if config.renormalize:
+        # softmax over the chosen log-scores == w_i / sum_j w_j, without underflow to 0/0.
+        chosen_logits = logits.gather(1, topk_ids)  # [M, k]
+        log_scores = chosen_logits if config.scoring == "softmax" else torch.nn.functional.logsigmoid(chosen_logits)
+        weights = torch.softmax(log_scores, dim=-1)
+    else:
+        weights = scores.gather(1, topk_ids)  # [M, k]
+    if config.routed_scaling_factor != 1.0:
+        weights = weights * config.routed_scaling_factor
+    return weights.float()
+
+
+def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits: torch.Tensor | None = None) -> Routing:
+    """Append the S shared-expert slots (ids E..E+S-1) to every token.
+
+    The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert.
+    SGLang writes the shared weight as sum(routed weights) / routed_scaling_factor because it scales the
+    whole output afterwards; moekit scales the routed weights themselves, so the same shared output
+    needs weight exactly 1.
+    """
+    topk_ids, weights, num_tokens = routing.topk_ids, routing.topk_weights, routing.num_tokens
+    slots = config.num_shared_slots
+    if slots == 0:
+        raise ValueError(
+            f"fuse_shared needs shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) to be a "
+            f"multiple of moe_intermediate_size ({config.moe_intermediate_size})"
+        )
+    device = topk_ids.device
+    shared_ids = torch.arange(config.num_experts, config.num_experts + slots, device=device, dtype=torch.int32)
+    shared_ids = shared_ids.expand(num_tokens, slots)  # [M, S]
+    if config.shared_expert_gate:
+        if shared_gate_logits is None or shared_gate_logits.shape != (num_tokens, 1):
+            got = None if shared_gate_logits is None else tuple(shared_gate_logits.shape)
+            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got {got}")
+        shared_w = torch.sigmoid(shared_gate_logits.float()).expand(num_tokens, slots)  # [M, S]
+    else:
+        shared_w = torch.ones(num_tokens, slots, device=device, dtype=torch.float32)  # [M, S]
+    return Routing(topk_ids=torch.cat([topk_ids, shared_ids], dim=1), topk_weights=torch.cat([weights, shared_w], dim=1))
