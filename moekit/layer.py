@@ -1,0 +1,154 @@
+"""``MoE``: the whole layer as an ``nn.Module``.
+
+    [Gate] -> [Route] -> [Capacity, opt-in] -> [Experts: group, w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
+
+Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
+k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moekit.config import MoEConfig
+from moekit.experts import resolve_backend, run_experts
+from moekit.experts.activations import act_and_mul
+from moekit.layouts.capacity import DropPolicy, apply_capacity
+from moekit.routing import Routing, append_shared_slots, route
+
+
+@dataclass
+class MoEStats:
+    """What one forward did, per routed expert (shared slots excluded)."""
+
+    counts: torch.Tensor  # [E] int64; assignments each routed expert processed (after drops); sums to M*k - dropped
+    experts_touched: int  # experts with counts > 0
+    padded_rows: int  # rows of the block-aligned layout (block_size) the GEMMs would run, padding included
+    dropped: int  # assignments dropped by the capacity factor (0 when dropless)
+    num_tokens: int  # M
+
+
+@dataclass
+class MoEOutput:
+    out: torch.Tensor  # [..., K]
+    stats: MoEStats
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts layer built from a ``MoEConfig``.
+
+    Weights follow transformers v5 and vLLM: ``w13 [E(+S), 2N, K]`` (gate rows, then up rows) and
+    ``w2 [E(+S), K, N]``. With ``fuse_shared=True`` (default, when the shared width is a multiple of N)
+    the shared MLP lives in the last S rows of ``w13``/``w2`` and runs as extra routed slots in the same
+    grouped GEMM; with ``fuse_shared=False`` it is a separate MLP (``shared_w13 [2SN, K]``,
+    ``shared_w2 [K, SN]``). Both compute the same function.
+
+    ``capacity_factor=None`` is dropless (default). A number enables training-style dropping with
+    ``drop_policy`` ("position" or "weight"); the dropped count is in the stats.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        backend: str = "auto",
+        fuse_shared: bool = True,
+        capacity_factor: float | None = None,
+        drop_policy: DropPolicy = "position",
+        stats_block_size: int = 64,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+        self.config = config
+        self.backend = backend
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+        self.stats_block_size = stats_block_size
+        self.fuse_shared = bool(fuse_shared and config.num_shared_slots)
+        k_dim, n_dim, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        factory = {"dtype": dtype, "device": device}
+        slots = config.num_shared_slots if self.fuse_shared else 0
+        self.gate = nn.Linear(k_dim, e, bias=False, **factory)  # weight [E, K]
+        self.w13 = nn.Parameter(torch.empty(e + slots, 2 * n_dim, k_dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(e + slots, k_dim, n_dim, **factory))
+        bias = torch.zeros(e, dtype=torch.float32, device=device) if config.use_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+        shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
+        self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
+        self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
+        self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Random init: N(0, 1/fan_in) for every matrix, so outputs stay O(1) at any width."""
+        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2):
+            if p is not None:
+                nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
+
+    def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """Gate and route x2d [M, K]: the routing (shared slots appended when fused) and the dropped count []."""
+        logits = self.gate(x2d)  # [M, E]
+        routing = route(logits, self.config, self.e_score_correction_bias)
+        dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
+        if self.capacity_factor is not None:
+            capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
+            routing, dropped = capped.routing, capped.dropped
+        if self.fuse_shared:
+            gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None
+            routing = append_shared_slots(routing, self.config, gate_logits)
+        return routing, dropped
+
+    def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
+        """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
+        if x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        routing, dropped = self.route_tokens(x2d)
+        out = run_experts(
+            x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
+            activation=self.config.activation, backend=self.backend,
+        )  # [M, K]
+        if self.shared_w13 is not None:
+            out = out + self._shared_mlp(x2d)
+        out = out.reshape(x.shape)
+        if not return_stats:
+            return out
+        return MoEOutput(out=out, stats=self._stats(routing, dropped))
+
+    def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
+        y = act_and_mul(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
+        if self.shared_gate is not None:
+            y = torch.sigmoid(self.shared_gate(x2d)) * y
+        return y
+
+    def _stats(self, routing: Routing, dropped: torch.Tensor) -> MoEStats:
+        e, block = self.config.num_experts, self.stats_block_size
+        ids = routing.topk_ids.reshape(-1).long()
+        ids = ids[(ids >= 0) & (ids < e)]
+        counts = torch.bincount(ids, minlength=e)  # [E]
+        return MoEStats(
+            counts=counts,
+            experts_touched=int((counts > 0).sum()),
+            padded_rows=int(((counts + block - 1) // block * block).sum()),
+            dropped=int(dropped),
+            num_tokens=routing.num_tokens,
+        )
+
+    def resolved_backend(self) -> str:
+        return resolve_backend(self.backend, self.w13.device)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
+            f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
+            f"backend={self.backend}, capacity_factor={self.capacity_factor}"
+        )
