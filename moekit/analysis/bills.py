@@ -1,0 +1,95 @@
+"""Parameter and memory bills of a whole model, read from its ``config.json`` fields.
+
+Shapes: V = vocab, d = hidden size, L = layers, H = attention heads, H_kv = key/value heads,
+h = head dim, E = routed experts, k = experts per token, N = one expert's intermediate size.
+
+Counted: input embedding, output head, attention (GQA, or DeepSeek's MLA with its low-rank projections
+and norms), dense MLP layers, routed experts, shared experts (and Qwen2-MoE's shared gate), the router,
+and the RMSNorms. Not counted: DeepSeek-V3's multi-token-prediction module (14B), which the published
+671B total also excludes, and non-parameter buffers (DeepSeek-V3's e_score_correction_bias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moekit.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class ParamBill:
+    """Parameters of a whole model, by part. ``active`` follows the model cards: what one token's
+    forward pass uses, embedding row lookup included."""
+
+    embedding: int  # V·d
+    output: int  # V·d, 0 when tied to the embedding
+    attention: int  # all L layers
+    dense_mlp: int  # 3·d·intermediate_size per dense layer
+    routed_experts: int  # E·3·d·N per MoE layer
+    active_routed_experts: int  # k·3·d·N per MoE layer
+    shared_experts: int  # 3·d·width (+ d for a shared gate) per MoE layer
+    router: int  # d·E per MoE layer
+    norms: int  # 2·d per layer + the final d
+    num_moe_layers: int
+    num_dense_layers: int
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.output + self.attention + self.dense_mlp + self.routed_experts
+                + self.shared_experts + self.router + self.norms)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: everything but the routed experts it did not pick."""
+        return self.total - self.routed_experts + self.active_routed_experts
+
+    @property
+    def active_matmul(self) -> int:
+        """Active parameters that take part in a matmul (the embedding is a lookup): F ≈ 2·this per token."""
+        return self.active - self.embedding - self.norms
+
+
+def param_bill(hf_config: dict) -> ParamBill:
+    """The bill of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 config dict."""
+    cfg = MoEConfig.from_hf_config(hf_config)
+    d, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    moe_layers = cfg.num_moe_layers or layers
+    vocab = hf_config["vocab_size"]
+    expert = 3 * d * cfg.moe_intermediate_size
+    shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
+    return ParamBill(
+        embedding=vocab * d,
+        output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
+        attention=layers * attention_params(hf_config),
+        dense_mlp=(layers - moe_layers) * 3 * d * hf_config["intermediate_size"],
+        routed_experts=moe_layers * cfg.num_experts * expert,
+        active_routed_experts=moe_layers * cfg.top_k * expert,
+        shared_experts=moe_layers * shared,
+        router=moe_layers * d * cfg.num_experts,
+        norms=layers * 2 * d + d,
+        num_moe_layers=moe_layers,
+        num_dense_layers=layers - moe_layers,
+    )
+
+
+def attention_params(c: dict) -> int:
+    """One layer's attention: MLA when the config has ``kv_lora_rank``, grouped-query otherwise."""
+    if c.get("kv_lora_rank"):
+        return _mla_params(c)
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or heads
+    h = c.get("head_dim") or d // heads
+    weights = d * heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
+    qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c["model_type"] == "qwen2_moe") else 0
+    qk_norm = 2 * h if c["model_type"] == "qwen3_moe" else 0  # Qwen3's per-head RMSNorm on q and k
+    return weights + qkv_bias + qk_norm
+
+
+def _mla_params(c: dict) -> int:
+    """DeepSeek's multi-head latent attention: low-rank q (optional) and a shared compressed kv."""
+    d, heads, q_rank, kv_rank = c["hidden_size"], c["num_attention_heads"], c.get("q_lora_rank"), c["kv_lora_rank"]
+    qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    q = d * q_rank + q_rank + q_rank * heads * qk_head if q_rank else d * heads * qk_head  # a, norm, b
+    kv_a = d * (kv_rank + c["qk_rope_head_dim"]) + kv_rank  # compress to the latent + rope key, norm
+    kv_b = kv_rank * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])  # latent -> per-head k_nope, v
+    return q + kv_a + kv_b + heads * c["v_head_dim"] * d  # + o_proj
