@@ -115,6 +115,17 @@ class MoEConfig:
         return cls(activation=_HF_ACTIVATIONS[act], **reader(d))
 
 
+def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
+    """The first of ``names`` present (and not None) in d: config.json and transformers' own
+    ``to_dict()`` spell some fields differently (Qwen3's num_experts vs num_local_experts)."""
+    for name in names:
+        if d.get(name) is not None:
+            return d[name]
+    if default is KeyError:
+        raise KeyError(f"cfg has none of the fields {names} ({d.get('model_type')} config)")
+    return default
+
+
 def _count_layers(d: dict, is_moe) -> int:
     return sum(1 for i in range(d["num_hidden_layers"]) if is_moe(i))
 
@@ -123,7 +134,7 @@ def _read_mixtral(d: dict) -> dict:
     return dict(
         hidden_size=d["hidden_size"],
         moe_intermediate_size=d["intermediate_size"],
-        num_experts=d["num_local_experts"],
+        num_experts=_get(d, "num_local_experts", "num_experts"),
         top_k=d["num_experts_per_tok"],
         scoring="softmax",
         renormalize=True,
@@ -140,36 +151,37 @@ def _read_qwen3_moe(d: dict) -> dict:
     return dict(
         hidden_size=d["hidden_size"],
         moe_intermediate_size=d["moe_intermediate_size"],
-        num_experts=d["num_experts"],
+        num_experts=_get(d, "num_experts", "num_local_experts"),
         top_k=d["num_experts_per_tok"],
         scoring="softmax",
-        renormalize=bool(d.get("norm_topk_prob", False)),
+        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
         num_moe_layers=_qwen_moe_layers(d),
     )
 
 
 def _read_qwen2_moe(d: dict) -> dict:
-    shared = d.get("shared_expert_intermediate_size", 0) or 0
+    shared = _get(d, "shared_expert_intermediate_size", default=0)
     return dict(_read_qwen3_moe(d), shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0)
 
 
 def _read_deepseek(d: dict) -> dict:
-    method = d.get("topk_method", "noaux_tc" if d["model_type"] == "deepseek_v3" else "greedy")
+    v3 = d["model_type"] == "deepseek_v3"
+    method = _get(d, "topk_method", default="noaux_tc" if v3 else "greedy")
     grouped = method in ("group_limited_greedy", "noaux_tc")
-    first_dense, freq = d.get("first_k_dense_replace", 0), d.get("moe_layer_freq", 1)
-    scoring = d.get("scoring_func", "sigmoid" if d["model_type"] == "deepseek_v3" else "softmax")
+    first_dense, freq = _get(d, "first_k_dense_replace", default=0), _get(d, "moe_layer_freq", default=1)
+    scoring = _get(d, "scoring_func", default="sigmoid" if v3 else "softmax")
     return dict(
         hidden_size=d["hidden_size"],
         moe_intermediate_size=d["moe_intermediate_size"],
-        num_experts=d["n_routed_experts"],
+        num_experts=_get(d, "n_routed_experts", "num_local_experts"),
         top_k=d["num_experts_per_tok"],
         scoring=scoring,
-        renormalize=bool(d.get("norm_topk_prob", False)),
-        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0) or 1.0),
-        n_group=d.get("n_group", 1) if grouped else 1,
-        topk_group=d.get("topk_group", 1) if grouped else 1,
+        renormalize=bool(_get(d, "norm_topk_prob", default=False)),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+        n_group=_get(d, "n_group", default=1) if grouped else 1,
+        topk_group=_get(d, "topk_group", default=1) if grouped else 1,
         use_correction_bias=method == "noaux_tc",
-        shared_expert_intermediate_size=(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
+        shared_expert_intermediate_size=_get(d, "n_shared_experts", default=0) * d["moe_intermediate_size"],
         num_moe_layers=_count_layers(d, lambda i: i >= first_dense and i % freq == 0),
     )
 

@@ -95,7 +95,8 @@ class MoE(nn.Module):
 
     def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """Gate and route x2d [M, K]: the routing (shared slots appended when fused) and the dropped count []."""
-        logits = self.gate(x2d)  # [M, E]
+        # The router runs in its weight's dtype: DeepSeek-V3 keeps an fp32 router in a bf16 model.
+        logits = self.gate(x2d.to(self.gate.weight.dtype))  # [M, E]
         routing = route(logits, self.config, self.e_score_correction_bias)
         dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
         if self.capacity_factor is not None:
