@@ -1,0 +1,166 @@
+"""One analysis of a model on a GPU in a weight format: the batch sweep, the regime markers and the
+bills, as plain dataclasses that the CLI prints, serialises to JSON and plots.
+
+Shapes: B = tokens in the batch, E = routed experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from moekit.analysis.bills import ParamBill, param_bill
+from moekit.analysis.formats import FORMATS, WeightFormat
+from moekit.analysis.gpus import GpuSpec
+from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, Fit, MemoryBill, fit_on_gpus, weight_memory
+from moekit.analysis.padding import padding_factor
+from moekit.analysis.roofline import (
+    BatchCost,
+    asymptotic_slope,
+    batch_cost,
+    dense_step_floor_s,
+    intensity_at_batch_one,
+    ridge_batch,
+)
+from moekit.analysis.touch import batch_for_fraction
+from moekit.config import MoEConfig
+
+DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256, 512, 4096)
+PADDING_BLOCKS = (16, 64, 128)  # tile heights of the padding columns: Triton's floor, a mid tile, DeepGEMM's
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One batch size: the byte model of one MoE layer plus whole-model comparisons."""
+
+    cost: BatchCost
+    padding: dict[int, float]  # block height -> expected padded rows / real rows
+    model_step_floor_s: float | None  # routed-expert step floor + the other matmul weights; None without a bill
+    dense_same_active_step_floor_s: float | None  # a dense model with this model's active matmul parameters
+    dense_same_total_step_floor_s: float | None  # a dense model with all of this model's matmul parameters
+
+
+@dataclass(frozen=True)
+class ModelBills:
+    """Whole-model bills, present when the full config is known (a preset or a config.json)."""
+
+    params: ParamBill
+    memory: dict[str, MemoryBill]  # format name -> weight memory
+    fit: Fit  # the analysed format on ``num_gpus`` of the GPU
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything ``moekit analyze`` shows."""
+
+    model: str  # preset name, config path, or "custom"
+    config: MoEConfig
+    gpu: GpuSpec
+    fmt: WeightFormat
+    ridge_intensity: float  # I*: the GPU's FLOP per byte in the format's compute dtype
+    intensity_at_batch_one: float  # 2 / b_w
+    asymptotic_slope: float  # 2k / (b_w·E), FLOP per byte per token
+    half_batch: float  # B_1/2
+    batch_95: float  # B_0.95
+    ridge_batch: float  # batch where I(B) = I*
+    rows: list[SweepRow]
+    bills: ModelBills | None
+
+
+def analyze(
+    config: MoEConfig,
+    gpu: GpuSpec,
+    fmt: WeightFormat,
+    batches: tuple[int, ...] = DEFAULT_BATCHES,
+    hf_config: dict | None = None,
+    model: str = "custom",
+    num_gpus: int = 1,
+    utilization: float = DEFAULT_UTILIZATION,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+) -> Report:
+    """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills."""
+    bills = _bills(hf_config, gpu, fmt, num_gpus, utilization, reserve_gib) if hf_config is not None else None
+    e, k = config.num_experts, config.top_k
+    return Report(
+        model=model,
+        config=config,
+        gpu=gpu,
+        fmt=fmt,
+        ridge_intensity=gpu.ridge_intensity(fmt.compute_dtype),
+        intensity_at_batch_one=intensity_at_batch_one(fmt),
+        asymptotic_slope=asymptotic_slope(config, fmt),
+        half_batch=batch_for_fraction(0.5, e, k),
+        batch_95=batch_for_fraction(0.95, e, k),
+        ridge_batch=ridge_batch(config, fmt, gpu),
+        rows=[_row(config, b, fmt, gpu, bills.params if bills else None) for b in batches],
+        bills=bills,
+    )
+
+
+def _bills(hf_config: dict, gpu: GpuSpec, fmt: WeightFormat, num_gpus: int, utilization: float,
+           reserve_gib: float) -> ModelBills:
+    params = param_bill(hf_config)
+    memory = {name: weight_memory(params, f) for name, f in FORMATS.items()}
+    fit = fit_on_gpus(memory[fmt.name].total_bytes, gpu, num_gpus, utilization, reserve_gib)
+    return ModelBills(params, memory, fit)
+
+
+def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None) -> SweepRow:
+    cost = batch_cost(config, batch, fmt, gpu)
+    padding = {b: padding_factor(batch, config.num_experts, config.top_k, b) for b in PADDING_BLOCKS}
+    if params is None:
+        return SweepRow(cost, padding, None, None, None)
+    other = params.active_matmul - params.active_routed_experts  # attention, dense MLP, shared, router, head
+    return SweepRow(
+        cost,
+        padding,
+        model_step_floor_s=cost.step_time_floor_s + dense_step_floor_s(other, batch, fmt, gpu),
+        dense_same_active_step_floor_s=dense_step_floor_s(params.active_matmul, batch, fmt, gpu),
+        dense_same_total_step_floor_s=dense_step_floor_s(params.total - params.embedding - params.norms, batch,
+                                                         fmt, gpu),
+    )
+
+
+def report_to_json(report: Report) -> dict:
+    """The report as JSON-ready data: per row ``batch``, ``experts_touched``, ``flops``, ``weight_bytes``,
+    ``intensity``, ``time_floor_s`` (one layer), ``step_time_floor_s`` (all MoE layers), and more."""
+    rows = []
+    for row in report.rows:
+        d = dataclasses.asdict(row.cost)
+        d["padding_factor"] = {str(b): f for b, f in row.padding.items()}
+        d["model_step_floor_s"] = row.model_step_floor_s
+        d["dense_same_active_step_floor_s"] = row.dense_same_active_step_floor_s
+        d["dense_same_total_step_floor_s"] = row.dense_same_total_step_floor_s
+        rows.append(d)
+    out = {
+        "model": report.model,
+        "config": dataclasses.asdict(report.config),
+        "gpu": dataclasses.asdict(report.gpu),
+        "dtype": report.fmt.name,
+        "bytes_per_weight": report.fmt.bytes_per_weight,
+        "compute_dtype": report.fmt.compute_dtype,
+        "ridge_intensity": report.ridge_intensity,
+        "intensity_at_batch_one": report.intensity_at_batch_one,
+        "asymptotic_slope": report.asymptotic_slope,
+        "half_batch": report.half_batch,
+        "batch_95": report.batch_95,
+        "ridge_batch": report.ridge_batch,
+        "rows": rows,
+        "bills": None,
+    }
+    if report.bills is not None:
+        out["bills"] = _bills_to_json(report.bills)
+    return out
+
+
+def _bills_to_json(bills: ModelBills) -> dict:
+    p = bills.params
+    return {
+        "params": {**dataclasses.asdict(p), "total": p.total, "active": p.active, "active_matmul": p.active_matmul},
+        "memory": {
+            name: {"total_bytes": m.total_bytes, "total_gb": m.total_gb, "total_gib": m.total_gib,
+                   "routed_expert_gb": m.routed_expert_gb}
+            for name, m in bills.memory.items()
+        },
+        "fit": {**dataclasses.asdict(bills.fit), "fits": bills.fit.fits},
+    }

@@ -1,0 +1,138 @@
+"""``moekit analyze --measure``: run the real ``MoE`` layer over the batch sweep on the present device
+and put each measured point beside the byte model's prediction for the same shapes and device.
+
+Shapes: B = tokens, E = routed experts, k = experts per token, K = hidden, N = expert intermediate.
+E and k are kept, because experts touched and padding depend on nothing else; K and N are divided by
+a common power of two when one layer's weights would not fit the device budget, and the note says so.
+The device's ceilings (copy bandwidth, matmul throughput) are measured in the same run, so the
+prediction is for this device, not for the GPU being analysed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moekit.analysis.formats import WeightFormat
+from moekit.analysis.gpus import GIB, GpuSpec
+from moekit.analysis.padding import padding_factor, padding_factor_from_counts
+from moekit.analysis.report import PADDING_BLOCKS
+from moekit.analysis.roofline import batch_cost
+from moekit.config import MoEConfig
+from moekit.layer import MoE
+
+CPU_WEIGHT_BUDGET = 256 * 2**20  # bytes; keeps a 4096-token CPU forward near a second on 2 cores
+CUDA_BUDGET_FRACTION = 0.25  # of free device memory: weights, plus room for B·k rows of activations
+MIN_WIDTH = 16  # K and N are not scaled below this
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    batch: int
+    time_s: float  # median forward time of the layer
+    predicted_time_s: float  # byte-model floor for the measured shapes on the measured ceilings
+    experts_touched: int  # from the layer's stats
+    predicted_experts_touched: float
+    padding: dict[int, float]  # block -> measured padded / real rows
+    predicted_padding: dict[int, float]  # block -> expected under uniform routing
+
+
+@dataclass(frozen=True)
+class Measurement:
+    device: str
+    backend: str
+    dtype: str
+    hidden_size: int  # K as measured (scaled when ``scale`` > 1)
+    moe_intermediate_size: int  # N as measured
+    scale: int  # K and N were divided by this
+    note: str  # what was changed from the analysed shapes, and why
+    ceilings: GpuSpec  # measured bandwidth and matmul throughput of this device
+    rows: list[MeasuredRow]
+
+
+def measure(config: MoEConfig, batches: tuple[int, ...], reps: int = 3) -> Measurement:
+    """Measure one routed-expert MoE layer of ``config``'s E and k over ``batches`` on the present device."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # bf16 GEMMs on CPU are slow
+    fmt = WeightFormat(str(dtype).removeprefix("torch."), torch.finfo(dtype).bits, 0.0, 1,
+                       str(dtype).removeprefix("torch."))
+    cfg, scale = _fit_shapes(config, fmt, device)
+    note = "routed experts only (shared expert removed)"
+    if scale > 1:
+        note += f"; K and N divided by {scale} to fit the {_budget(device) / GIB:.2f} GiB weight budget"
+    ceilings = _ceilings(device, dtype, fmt.compute_dtype)
+    layer = MoE(cfg, dtype=dtype, device=device)
+    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, reps) for b in batches]
+    return Measurement(str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+                       layer.resolved_backend(), fmt.name, cfg.hidden_size, cfg.moe_intermediate_size, scale,
+                       note, ceilings, rows)
+
+
+def _budget(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] * CUDA_BUDGET_FRACTION
+    return float(CPU_WEIGHT_BUDGET)
+
+
+def _fit_shapes(config: MoEConfig, fmt: WeightFormat, device: torch.device) -> tuple[MoEConfig, int]:
+    """The routed-only config to run, with K and N divided by the smallest power of two that fits."""
+    cfg = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+    scale = 1
+    while (3 * cfg.num_experts * (cfg.hidden_size // scale) * (cfg.moe_intermediate_size // scale)
+           * fmt.bytes_per_weight > _budget(device)
+           and min(cfg.hidden_size, cfg.moe_intermediate_size) // (2 * scale) >= MIN_WIDTH):
+        scale *= 2
+    return cfg.replace(hidden_size=cfg.hidden_size // scale,
+                       moe_intermediate_size=cfg.moe_intermediate_size // scale), scale
+
+
+def _time(fn, reps: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after one warm-up, synchronising the device."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ceilings(device: torch.device, dtype: torch.dtype, dtype_name: str) -> GpuSpec:
+    """Copy bandwidth and square-matmul throughput of this device, measured now."""
+    n_bytes = (1 << 30) if device.type == "cuda" else (1 << 27)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * n_bytes / _time(lambda: dst.copy_(src), 5, device)  # read + write
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    flops = 2 * n**3 / _time(lambda: a @ a, 5, device)
+    memory_gib = torch.cuda.mem_get_info(device)[1] / GIB if device.type == "cuda" else 0.0
+    return GpuSpec(f"{device} (measured)", bandwidth / 1e12, memory_gib, {dtype_name: flops / 1e12},
+                   "measured in this run: uint8 copy bandwidth, square matmul throughput")
+
+
+def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ceilings: GpuSpec,
+                   reps: int) -> MeasuredRow:
+    device, dtype = layer.w13.device, layer.w13.dtype
+    x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)  # [B, K]
+    with torch.no_grad():
+        elapsed = _time(lambda: layer(x), reps, device)
+        stats = layer(x, return_stats=True).stats
+    counts = stats.counts.cpu().numpy()  # [E]
+    predicted = batch_cost(cfg, batch, fmt, ceilings)
+    return MeasuredRow(
+        batch=batch,
+        time_s=elapsed,
+        predicted_time_s=predicted.time_floor_s,
+        experts_touched=stats.experts_touched,
+        predicted_experts_touched=predicted.experts_touched,
+        padding={b: padding_factor_from_counts(counts, b) for b in PADDING_BLOCKS},
+        predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.top_k, b) for b in PADDING_BLOCKS},
+    )

@@ -1,0 +1,82 @@
+"""``moekit analyze --plot out.png``: the touch curve, intensity with the ridge, the step-time floors
+and the padding factor, over a dense batch grid, with the sweep's measured points when there are any."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moekit.analysis.padding import padding_factor
+from moekit.analysis.report import PADDING_BLOCKS, Report
+from moekit.analysis.roofline import batch_cost
+from moekit.cli._analyze_measure import Measurement
+
+GRID_POINTS = 60  # log-spaced batches per curve: smooth enough, and the padding sums stay fast
+
+
+def plot_report(report: Report, path: str, measurement: Measurement | None = None) -> None:
+    """Write the figure to ``path`` (any format matplotlib infers from the suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, fmt, gpu = report.config, report.fmt, report.gpu
+    top = max(8192, int(report.ridge_batch * 2), max(r.cost.batch for r in report.rows))
+    grid = np.unique(np.geomspace(1, top, GRID_POINTS).astype(int))  # [G] batches
+    costs = [batch_cost(cfg, int(b), fmt, gpu) for b in grid]
+    fig, axes = plt.subplots(2, 3 if measurement else 2, figsize=(16 if measurement else 11, 8.5))
+    ax = axes.flat
+    title = f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}"
+    fig.suptitle(title)
+
+    ax[0].plot(grid, [c.experts_touched for c in costs], label="E_touched(B), uniform routing")
+    ax[0].axhline(cfg.num_experts, color="gray", ls=":", label=f"E = {cfg.num_experts}")
+    for b, name in ((report.half_batch, "B½"), (report.batch_95, "B95")):
+        ax[0].axvline(b, color="gray", ls="--", lw=0.8)
+        ax[0].annotate(f"{name}={b:.1f}", (b, cfg.num_experts * 0.05), rotation=90, fontsize=8)
+    ax[0].set(xscale="log", xlabel="batch B (tokens)", ylabel="experts touched", title="experts touched")
+
+    ax[1].plot(grid, [c.intensity for c in costs], label="MoE layer I(B)")
+    ax[1].plot(grid, 2.0 * grid / fmt.bytes_per_weight, ls=":", label="dense GEMM 2B/b_w")
+    ax[1].axhline(report.ridge_intensity, color="red", ls="--", label=f"ridge I* = {report.ridge_intensity:.0f}")
+    ax[1].axvline(report.ridge_batch, color="red", ls=":", label=f"ridge batch = {report.ridge_batch:,.0f}")
+    ax[1].set(xscale="log", yscale="log", xlabel="batch B", ylabel="FLOP / weight byte", title="arithmetic intensity")
+
+    layers = report.rows[0].cost.num_moe_layers
+    ax[2].plot(grid, [c.memory_time_s * layers * 1e3 for c in costs], label="weight streaming")
+    ax[2].plot(grid, [c.compute_time_s * layers * 1e3 for c in costs], label="compute")
+    ax[2].plot(grid, [c.step_time_floor_s * 1e3 for c in costs], color="black", lw=2, alpha=0.4, label="floor")
+    ax[2].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
+              title=f"decode step, routed experts of {layers} MoE layer(s)")
+
+    pad_grid = grid[grid <= 16384]
+    for block in PADDING_BLOCKS:
+        ax[3].plot(pad_grid, [padding_factor(int(b), cfg.num_experts, cfg.top_k, block) for b in pad_grid],
+                   label=f"block {block}")
+    ax[3].set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
+
+    if measurement:
+        _overlay(ax, measurement)
+    for a in ax:
+        a.grid(True, which="both", alpha=0.3)
+        if a.has_data():
+            a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _overlay(ax, m: Measurement) -> None:
+    """Measured touch and padding on the predicted curves (they depend on E, k, B only), and one
+    measured layer's time against its own prediction on the measured device."""
+    batches = [r.batch for r in m.rows]
+    ax[0].scatter(batches, [r.experts_touched for r in m.rows], color="black", zorder=3, label="measured")
+    for i, block in enumerate(PADDING_BLOCKS):
+        ax[3].scatter(batches, [r.padding[block] for r in m.rows], color=f"C{i}", marker="x", zorder=3,
+                      label=f"measured, block {block}")
+    ax[4].plot(batches, [r.predicted_time_s * 1e3 for r in m.rows], label="predicted floor")
+    ax[4].scatter(batches, [r.time_s * 1e3 for r in m.rows], color="black", label="measured")
+    ax[4].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
+              title=f"one layer on {m.device} ({m.dtype}, K={m.hidden_size}, N={m.moe_intermediate_size})")
+    ax[5].plot(batches, [r.time_s / r.predicted_time_s for r in m.rows], marker="o")
+    ax[5].set(xscale="log", xlabel="batch B", ylabel="measured / predicted", title="time ratio")

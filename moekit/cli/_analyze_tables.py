@@ -1,0 +1,114 @@
+"""Rich tables for ``moekit analyze``: the regime markers, the batch sweep, the bills, measurements."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from moekit.analysis.memory import GB
+from moekit.analysis.report import PADDING_BLOCKS, Report
+from moekit.cli._analyze_measure import Measurement
+
+
+def print_report(report: Report, console: Console) -> None:
+    cfg, gpu, fmt = report.config, report.gpu, report.fmt
+    layers = cfg.num_moe_layers or 1
+    console.print(
+        f"[bold]{report.model}[/]: one MoE layer has E={cfg.num_experts} routed experts, k={cfg.top_k}, "
+        f"d={cfg.hidden_size}, d_ff={cfg.moe_intermediate_size}; {layers} MoE layer(s)"
+    )
+    console.print(
+        f"[bold]{gpu.name}[/], {fmt.name} weights (b_w = {fmt.bytes_per_weight:g} B, {fmt.compute_dtype} GEMMs): "
+        f"{gpu.bandwidth_tb_s:g} TB/s, {gpu.dense_tflops[fmt.compute_dtype]:,.1f} TFLOP/s dense, "
+        f"ridge I* = {report.ridge_intensity:,.1f} FLOP/B"
+    )
+    console.print(
+        f"B½ = {report.half_batch:.1f}   B95 = {report.batch_95:.1f}   ridge batch = {report.ridge_batch:,.0f}   "
+        f"I(1) = {report.intensity_at_batch_one:g}   slope once all experts are touched = "
+        f"{report.asymptotic_slope:.4g} FLOP/B per token"
+    )
+    console.print(_sweep_table(report))
+    console.print(_step_table(report))
+    if report.bills is not None:
+        console.print(_params_table(report))
+        console.print(_memory_table(report))
+        fit = report.bills.fit
+        verdict = "fits" if fit.fits else "does not fit"
+        console.print(
+            f"{fmt.name} on {fit.num_gpus}x {gpu.name} at utilisation {fit.utilization:g} minus a "
+            f"{fit.reserve_gib:g} GiB reserve: {fit.usable_gib:.2f} GiB usable per GPU for weights + KV; "
+            f"weights {fit.weights_gib:.2f} GiB per GPU -> {verdict} (headroom {fit.headroom_gib:.2f} GiB); "
+            f"needs >= {fit.min_gpus} GPU(s)"
+        )
+    console.print(f"[dim]GPU figures: {gpu.source}[/]")
+
+
+def _sweep_table(report: Report) -> Table:
+    t = Table(title="One MoE layer (routed experts), uniform routing")
+    for col in ("batch", "experts touched", "% of E", "GFLOP", "weight GB", "FLOP/B", "floor µs", "bound"):
+        t.add_column(col, justify="right")
+    for row in report.rows:
+        c = row.cost
+        t.add_row(
+            f"{c.batch:,}", f"{c.experts_touched:.1f}", f"{100 * c.experts_touched / report.config.num_experts:.1f}",
+            f"{c.flops / 1e9:,.2f}", f"{c.weight_bytes / GB:,.3f}", f"{c.intensity:,.2f}",
+            f"{c.time_floor_s * 1e6:,.1f}", c.bound,
+        )
+    return t
+
+
+def _step_table(report: Report) -> Table:
+    t = Table(title="Decode step floors (ms) and padding factor (padded / real rows)",
+              caption="routed: MoE layers' routed experts; model: plus all other matmul weights; "
+                      "dense=act / dense=tot: a dense model of the active / total matmul parameters")
+    for col in ("batch", "routed", "model", "dense=act", "dense=tot"):
+        t.add_column(col, justify="right")
+    for block in PADDING_BLOCKS:
+        t.add_column(f"pad@{block}", justify="right")
+    for row in report.rows:
+        floors = (row.cost.step_time_floor_s, row.model_step_floor_s, row.dense_same_active_step_floor_s,
+                  row.dense_same_total_step_floor_s)
+        t.add_row(f"{row.cost.batch:,}", *("-" if s is None else f"{s * 1e3:,.4g}" for s in floors),
+                  *(f"{row.padding[b]:.2f}" for b in PADDING_BLOCKS))
+    return t
+
+
+def _params_table(report: Report) -> Table:
+    p = report.bills.params
+    t = Table(title=f"Parameters ({p.num_dense_layers} dense + {p.num_moe_layers} MoE layers)")
+    t.add_column("part")
+    t.add_column("params (B)", justify="right")
+    parts = (("embedding", p.embedding), ("output head", p.output), ("attention", p.attention),
+             ("dense MLP", p.dense_mlp), ("routed experts", p.routed_experts), ("shared experts", p.shared_experts),
+             ("router", p.router), ("norms", p.norms), ("total", p.total), ("active (model-card convention)", p.active),
+             ("active matmul (no embedding, norms)", p.active_matmul))
+    for name, n in parts:
+        t.add_row(name, f"{n / 1e9:,.3f}")
+    return t
+
+
+def _memory_table(report: Report) -> Table:
+    t = Table(title="Weight memory (matmul weights in the format; embedding, head, router, norms in bf16)")
+    for col in ("dtype", "total GB", "total GiB", "routed experts GB"):
+        t.add_column(col, justify="right")
+    for name, m in report.bills.memory.items():
+        t.add_row(name, f"{m.total_gb:,.2f}", f"{m.total_gib:,.2f}", f"{m.routed_expert_gb:,.2f}")
+    return t
+
+
+def print_measurement(m: Measurement, console: Console) -> None:
+    t = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
+                    f"K={m.hidden_size}, N={m.moe_intermediate_size}")
+    for col in ("batch", "time ms", "predicted ms", "meas/pred", "touched", "pred", "meas/pred",
+                "pad@16", "pred", "pad@128", "pred"):
+        t.add_column(col, justify="right")
+    for r in m.rows:
+        t.add_row(
+            f"{r.batch:,}", f"{r.time_s * 1e3:.3f}", f"{r.predicted_time_s * 1e3:.3f}",
+            f"{r.time_s / r.predicted_time_s:.2f}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
+            f"{r.experts_touched / r.predicted_experts_touched:.3f}", f"{r.padding[16]:.2f}",
+            f"{r.predicted_padding[16]:.2f}", f"{r.padding[128]:.2f}", f"{r.predicted_padding[128]:.2f}",
+        )
+    console.print(t)
+    console.print(f"[dim]{m.note}. Ceilings {m.ceilings.source}: {m.ceilings.bandwidth_tb_s * 1e3:,.1f} GB/s, "
+                  f"{next(iter(m.ceilings.dense_tflops.values())):,.2f} TFLOP/s.[/]")

@@ -1,0 +1,119 @@
+"""``moekit analyze``: what one MoE layer and one decode step cost on a GPU, and why.
+
+    moekit analyze --preset deepseek-v3 --gpu h100 --dtype fp8
+    moekit analyze --config config.json --gpu mi300x --dtype bf16 --json
+    moekit analyze --experts 64 --top-k 6 --hidden 2048 --moe-intermediate 1408 --layers 26 --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from moekit.analysis.formats import FORMATS, get_format
+from moekit.analysis.gpus import get_gpu, gpu_names
+from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
+from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
+from moekit.config import MoEConfig
+from moekit.presets import hf_config_of_preset, preset_names
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("analyze", help="the byte model: experts touched, intensity, step-time floors, bills",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model (one of)")
+    src.add_argument("--preset", choices=preset_names())
+    src.add_argument("--config", metavar="CONFIG_JSON", help="a transformers config.json")
+    src.add_argument("--experts", type=int, help="E, routed experts (with --top-k --hidden --moe-intermediate)")
+    src.add_argument("--top-k", type=int)
+    src.add_argument("--hidden", type=int, help="d, hidden size")
+    src.add_argument("--moe-intermediate", type=int, help="d_ff of one expert")
+    src.add_argument("--layers", type=int, help="MoE layers in the model (default 1)")
+    hw = p.add_argument_group("hardware and format")
+    hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
+    hw.add_argument("--dtype", default="fp8", choices=sorted(FORMATS), help="weight format (default fp8)")
+    hw.add_argument("--bandwidth", type=float, metavar="TB_S", help="override the GPU's memory bandwidth")
+    hw.add_argument("--tflops", type=float, help="override the GPU's dense TFLOP/s in the format's compute dtype")
+    hw.add_argument("--memory-gib", type=float, help="override the GPU's capacity")
+    hw.add_argument("--gpus", type=int, default=1, help="GPUs the weights are split over, for the fit (default 1)")
+    hw.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION, help="memory fraction an engine uses")
+    hw.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
+                    help="per-GPU reserve for activations, graphs, non-torch memory (GiB)")
+    out = p.add_argument_group("output")
+    out.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes to sweep")
+    out.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    out.add_argument("--plot", metavar="OUT_PNG", help="write the curves to this image")
+    out.add_argument("--measure", action="store_true",
+                     help="run the MoE layer on the present device over the sweep and compare")
+    p.set_defaults(func=run)
+
+
+def _model(args) -> tuple[MoEConfig, dict | None, str]:
+    """The layer config, the whole-model config dict when known, and a display name."""
+    shape_flags = (args.experts, args.top_k, args.hidden, args.moe_intermediate)
+    chosen = sum(x is not None for x in (args.preset, args.config)) + any(f is not None for f in shape_flags)
+    if chosen != 1:
+        raise SystemExit("analyze: give exactly one of --preset, --config, or --experts/--top-k/--hidden/"
+                         "--moe-intermediate")
+    if args.preset:
+        hf = hf_config_of_preset(args.preset)
+        return MoEConfig.from_hf_config(hf), hf, args.preset
+    if args.config:
+        with open(args.config) as f:
+            hf = json.load(f)
+        return MoEConfig.from_hf_config(hf), hf, args.config
+    if any(f is None for f in shape_flags):
+        raise SystemExit("analyze: --experts, --top-k, --hidden and --moe-intermediate go together")
+    cfg = MoEConfig(hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
+                    top_k=args.top_k, num_moe_layers=args.layers)
+    return cfg, None, "custom"
+
+
+def run(args) -> int:
+    cfg, hf, name = _model(args)
+    if args.layers is not None:
+        cfg = cfg.replace(num_moe_layers=args.layers)
+    fmt = get_format(args.dtype)
+    tflops = {fmt.compute_dtype: args.tflops} if args.tflops is not None else None
+    gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
+    if any(b < 1 for b in args.batches):
+        raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
+    report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib)
+    measurement = None
+    if args.measure:
+        from moekit.cli._analyze_measure import measure
+
+        measurement = measure(cfg, tuple(args.batches))
+    if args.plot:
+        from moekit.cli._analyze_plot import plot_report
+
+        plot_report(report, args.plot, measurement)
+    if args.json:
+        data = report_to_json(report)
+        data["measured"] = _measurement_json(measurement)
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+
+    from moekit.cli._analyze_tables import print_measurement, print_report
+
+    console = Console()
+    print_report(report, console)
+    if measurement:
+        print_measurement(measurement, console)
+    if args.plot:
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _measurement_json(m) -> dict | None:
+    if m is None:
+        return None
+    d = dataclasses.asdict(m)
+    for row in d["rows"]:
+        row["padding"] = {str(b): v for b, v in row["padding"].items()}
+        row["predicted_padding"] = {str(b): v for b, v in row["predicted_padding"].items()}
+    return d
