@@ -53,7 +53,7 @@ class Measurement:
     rows: list[MeasuredRow]
 
 
-def measure(config: MoEConfig, batches: tuple[int, ...], reps: int = 3) -> Measurement:
+def measure(config: MoEConfig, batches: tuple[int, ...], reps: int = 5) -> Measurement:
     """Measure one routed-expert MoE layer of ``config``'s E and k over ``batches`` on the present device."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # bf16 GEMMs on CPU are slow
@@ -90,7 +90,8 @@ def _fit_shapes(config: MoEConfig, fmt: WeightFormat, device: torch.device) -> t
 
 
 def _time(fn, reps: int, device: torch.device) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs after one warm-up, synchronising the device."""
+    """Median wall time of ``fn()`` over ``reps`` runs after two warm-ups, synchronising the device."""
+    fn()
     fn()
     times = []
     for _ in range(reps):
@@ -105,17 +106,17 @@ def _time(fn, reps: int, device: torch.device) -> float:
 
 
 def _ceilings(device: torch.device, dtype: torch.dtype, dtype_name: str) -> GpuSpec:
-    """Copy bandwidth and square-matmul throughput of this device, measured now."""
+    """Read bandwidth (a sum streams its input once, as the GEMMs stream weights) and square-matmul
+    throughput of this device, measured now."""
     n_bytes = (1 << 30) if device.type == "cuda" else (1 << 27)
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * n_bytes / _time(lambda: dst.copy_(src), 5, device)  # read + write
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+    bandwidth = n_bytes / _time(src.sum, 5, device)
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, dtype=dtype, device=device)
     flops = 2 * n**3 / _time(lambda: a @ a, 5, device)
     memory_gib = torch.cuda.mem_get_info(device)[1] / GIB if device.type == "cuda" else 0.0
     return GpuSpec(f"{device} (measured)", bandwidth / 1e12, memory_gib, {dtype_name: flops / 1e12},
-                   "measured in this run: uint8 copy bandwidth, square matmul throughput")
+                   "measured in this run: fp32 sum read bandwidth, square matmul throughput")
 
 
 def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ceilings: GpuSpec,

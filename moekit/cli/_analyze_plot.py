@@ -59,7 +59,7 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
         _overlay(ax, measurement)
     for a in ax:
         a.grid(True, which="both", alpha=0.3)
-        if a.has_data():
+        if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -98,17 +98,26 @@ def _memory_table(report: Report) -> Table:
 
 def print_measurement(m: Measurement, console: Console) -> None:
     t = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
-                    f"K={m.hidden_size}, N={m.moe_intermediate_size}")
-    for col in ("batch", "time ms", "predicted ms", "meas/pred", "touched", "pred", "meas/pred",
-                "pad@16", "pred", "pad@128", "pred"):
-        t.add_column(col, justify="right")
+                    f"K={m.hidden_size}, N={m.moe_intermediate_size}",
+              caption="time: measured; floor: the byte model on this device's measured ceilings; ratio = time / "
+                      "floor; hit: experts touched; p16 / p128: padded / real rows at that block height")
+    for col in ("batch", "time", "floor", "ratio", "hit", "pred", "p16", "pred", "p128", "pred"):
+        t.add_column(col, justify="right", no_wrap=True)
     for r in m.rows:
         t.add_row(
-            f"{r.batch:,}", f"{r.time_s * 1e3:.3f}", f"{r.predicted_time_s * 1e3:.3f}",
-            f"{r.time_s / r.predicted_time_s:.2f}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
-            f"{r.experts_touched / r.predicted_experts_touched:.3f}", f"{r.padding[16]:.2f}",
-            f"{r.predicted_padding[16]:.2f}", f"{r.padding[128]:.2f}", f"{r.predicted_padding[128]:.2f}",
+            f"{r.batch:,}", _seconds(r.time_s), _seconds(r.predicted_time_s),
+            f"{r.time_s / r.predicted_time_s:.3g}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
+            f"{r.padding[16]:.3g}", f"{r.predicted_padding[16]:.3g}", f"{r.padding[128]:.3g}",
+            f"{r.predicted_padding[128]:.3g}",
         )
     console.print(t)
     console.print(f"[dim]{m.note}. Ceilings {m.ceilings.source}: {m.ceilings.bandwidth_tb_s * 1e3:,.1f} GB/s, "
                   f"{next(iter(m.ceilings.dense_tflops.values())):,.2f} TFLOP/s.[/]")
+
+
+def _seconds(s: float) -> str:
+    """A duration in the unit that keeps it short: 3.2 s, 41.5 ms, 870 µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
