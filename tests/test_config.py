@@ -1,0 +1,33 @@
+"""Presets carry the published shapes; from_hf_config reads config.json dicts and rejects what it can't."""
+
+import pytest
+
+from moekit import MoEConfig, hf_config_of_preset, preset_names
+
+
+def test_presets_have_the_published_shapes():
+    v3 = MoEConfig.preset("deepseek-v3")
+    assert (v3.hidden_size, v3.moe_intermediate_size, v3.num_experts, v3.top_k) == (7168, 2048, 256, 8)
+    assert (v3.n_group, v3.topk_group, v3.num_moe_layers, v3.routed_scaling_factor) == (8, 4, 58, 2.5)
+    q3 = MoEConfig.preset("qwen3-30b-a3b")
+    assert (q3.hidden_size, q3.moe_intermediate_size, q3.num_experts, q3.top_k, q3.num_moe_layers) == (2048, 768, 128, 8, 48)
+    mx = MoEConfig.preset("mixtral-8x7b")
+    assert (mx.hidden_size, mx.moe_intermediate_size, mx.num_experts, mx.top_k) == (4096, 14336, 8, 2)
+    assert {"deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"} <= set(preset_names())
+
+
+def test_preset_dicts_are_copies():
+    d = hf_config_of_preset("mixtral-8x7b")
+    d["hidden_size"] = 1
+    assert hf_config_of_preset("mixtral-8x7b")["hidden_size"] == 4096
+
+
+def test_unknown_inputs_are_named():
+    with pytest.raises(KeyError, match="preset must be one of"):
+        MoEConfig.preset("gpt-5")
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        MoEConfig.from_hf_config({"model_type": "llama"})
+    with pytest.raises(ValueError, match="hidden_act must be one of"):
+        MoEConfig.from_hf_config({**hf_config_of_preset("mixtral-8x7b"), "hidden_act": "swiglu9"})
+    with pytest.raises(ValueError, match="activation must be one of"):
+        MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2, activation="tanh")

@@ -1,0 +1,107 @@
+"""Every experts backend against a float64 per-token loop written here."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.experts import available_backends, run_experts
+
+ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+BACKENDS = ["reference", "grouped_mm"]
+
+
+def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None):
+    """float64, one token and one slot at a time."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    n = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if expert_map is not None and 0 <= e < len(expert_map):
+                e = int(expert_map[e])
+            if e < 0 or e >= w13.shape[0]:
+                continue
+            h = w13[e] @ x[t]
+            out[t] += float(weights[t, j]) * (w2[e] @ (ACTS[activation](h[:n]) * h[n:]))
+    return out
+
+
+def make_problem(m, k, e, hidden, inter, seed, skips=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k).int()
+    if skips and m:
+        ids[torch.rand(m, k, generator=g) < 0.2] = -1
+    weights = torch.rand(m, k, generator=g)
+    return x, w13, w2, ids, weights
+
+
+def rel_l2(got, ref):
+    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, k, e, hidden, inter", [(1, 1, 4, 16, 8), (33, 6, 8, 24, 20), (64, 2, 5, 32, 48), (7, 3, 3, 17, 13)])
+def test_backend_matches_float64_loop(backend, dtype, m, k, e, hidden, inter):
+    x, w13, w2, ids, weights = make_problem(m, k, e, hidden, inter, seed=m * e, skips=True)
+    ref = per_token_loop(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
+    got = run_experts(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights, backend=backend)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert rel_l2(got, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_other_activations(backend, activation):
+    x, w13, w2, ids, weights = make_problem(9, 2, 4, 16, 8, seed=4)
+    ref = per_token_loop(x, w13, w2, ids, weights, activation)
+    assert rel_l2(run_experts(x, w13, w2, ids, weights, activation=activation, backend=backend), ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skip_markers_expert_map_and_sentinels(backend):
+    x, w13, w2, ids, weights = make_problem(20, 3, 8, 16, 8, seed=9)
+    expert_map = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])
+    ref = per_token_loop(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map.tolist())
+    got = run_experts(x, w13[:4], w2[:4], ids, weights, expert_map=expert_map, backend=backend)
+    assert rel_l2(got, ref) < 1e-5
+    sentinel = torch.where(ids >= 4, 4, ids)  # transformers' EP sentinel: id >= num_experts
+    ref = per_token_loop(x, w13[:4], w2[:4], sentinel, weights)
+    assert rel_l2(run_experts(x, w13[:4], w2[:4], sentinel, weights, backend=backend), ref) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_tokens_on_one_expert_and_empty_batch(backend):
+    x, w13, w2, _, _ = make_problem(10, 1, 6, 16, 8, seed=2)
+    ids, weights = torch.full((10, 1), 4, dtype=torch.int32), torch.ones(10, 1)
+    assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend), per_token_loop(x, w13, w2, ids, weights)) < 1e-5
+    empty = run_experts(x[:0], w13, w2, ids[:0], weights[:0], backend=backend)
+    assert empty.shape == (0, 16)
+
+
+def test_auto_picks_an_available_backend_on_cpu():
+    assert available_backends("cpu")[0] == "grouped_mm"
+
+
+@pytest.mark.parametrize(
+    "mutate, error, match",
+    [
+        (lambda p: p.__setitem__(1, p[1][:, :, :5]), ValueError, "w13 must have shape"),
+        (lambda p: p.__setitem__(2, p[2][:, :, :3]), ValueError, "w2 must have shape"),
+        (lambda p: p.__setitem__(3, p[3].float()), TypeError, "topk_ids must be int32 or int64"),
+        (lambda p: p.__setitem__(4, p[4][:, :1]), ValueError, "topk_weights must have the shape"),
+        (lambda p: p.__setitem__(1, p[1].double()), TypeError, "must share a dtype"),
+    ],
+)
+def test_bad_arguments_are_named(mutate, error, match):
+    problem = list(make_problem(4, 2, 3, 8, 4, seed=0))
+    mutate(problem)
+    with pytest.raises(error, match=match):
+        run_experts(*problem)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        run_experts(*make_problem(4, 2, 3, 8, 4, seed=0), backend="cutlass")

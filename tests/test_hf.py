@@ -1,0 +1,105 @@
+"""transformers parity, offline: tiny models built from configs with random weights (no hub)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is part of the test extras")
+
+import moekit.hf as moekit_hf  # noqa: E402  (registers the "moekit" experts implementation)
+from moekit import MoEConfig  # noqa: E402
+
+
+def qwen3(norm_topk_prob):
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob,
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def mixtral():
+    cfg = transformers.MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def deepseek_v3():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1,
+        q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+    )
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:  # a nonzero bias, and a router sharp enough for the bias to matter
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+            layer.mlp.gate.weight.normal_(0, 0.3, generator=g)
+    return model
+
+
+def qwen2():
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2,
+    )
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
+MODELS = {
+    "qwen3-norm": (lambda: qwen3(True), 0),
+    "qwen3-no-norm": (lambda: qwen3(False), 0),
+    "mixtral": (mixtral, 0),
+    "deepseek-v3": (deepseek_v3, 1),
+    "qwen2-moe": (qwen2, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_moe_from_hf_equals_block(name, fuse_shared):
+    torch.manual_seed(0)
+    build, layer = MODELS[name]
+    model = build().eval()
+    block = model.model.layers[layer].mlp
+    moe = moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    x = torch.randn(3, 5, model.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), block(x), rtol=1e-5, atol=1e-6)
+    if not fuse_shared:  # routed weights are shared, not copied
+        assert moe.w13 is block.experts.gate_up_proj and moe.gate.weight is block.gate.weight
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_whole_model_logits_with_moekit_experts(name, monkeypatch):
+    torch.manual_seed(1)
+    model = MODELS[name][0]().eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+        calls = []
+        original = moekit_hf.run_experts
+        monkeypatch.setattr(moekit_hf, "run_experts", lambda *a, **k: calls.append(1) or original(*a, **k))
+        model.set_experts_implementation("moekit")
+        ours = model(ids).logits
+    assert calls, "the moekit implementation was not called"
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_from_hf_config_reads_objects_and_dicts():
+    v3 = MoEConfig.from_hf_config(transformers.DeepseekV3Config())
+    assert (v3.num_experts, v3.top_k, v3.n_group, v3.topk_group, v3.scoring) == (256, 8, 8, 4, "sigmoid")
+    assert v3.use_correction_bias and v3.routed_scaling_factor == 2.5 and v3.num_shared_slots == 1
+    assert MoEConfig.from_hf_config(transformers.DeepseekV3Config().to_dict()) == v3
+    q2 = MoEConfig.from_hf_config(transformers.Qwen2MoeConfig())
+    assert q2.shared_expert_gate and q2.shared_expert_intermediate_size == 5632 and q2.num_shared_slots == 4
+    mx = MoEConfig.from_hf_config(transformers.MixtralConfig())
+    assert (mx.num_experts, mx.top_k, mx.moe_intermediate_size, mx.renormalize) == (8, 2, 14336, True)
+    v2 = MoEConfig.from_hf_config(transformers.DeepseekV2Config(num_experts_per_tok=6))
+    assert v2.scoring == "softmax" and v2.n_group == 1 and not v2.use_correction_bias

@@ -1,0 +1,94 @@
+"""The MoE module: against a dense FFN, a per-token loop, and a hand count of drops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit import MoEConfig
+from moekit.layer import MoE
+
+BACKENDS = ["reference", "grouped_mm"]
+
+
+def moe_per_token(moe, x):
+    """float64: gate, route with the lesson's formulas, and run each chosen expert for each token."""
+    cfg = moe.config
+    x = x.double()
+    logits = x @ moe.gate.weight.double().t()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t], 0) if cfg.scoring == "softmax" else torch.sigmoid(logits[t])
+        top = sorted(range(cfg.num_experts), key=lambda e: (-float(probs[e]), e))[: cfg.top_k]
+        w = probs[top] / probs[top].sum() if cfg.renormalize else probs[top]
+        for e, we in zip(top, w):
+            h = moe.w13[e].double() @ x[t]
+            out[t] += we * (moe.w2[e].double() @ (F.silu(h[: cfg.moe_intermediate_size]) * h[cfg.moe_intermediate_size:]))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_expert_equals_dense_ffn(backend):
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=24, num_experts=1, top_k=1)
+    moe = MoE(cfg, backend=backend)
+    x = torch.randn(2, 7, 16)
+    w13, w2 = moe.w13[0], moe.w2[0]
+    dense = (F.silu(x @ w13[:24].t()) * (x @ w13[24:].t())) @ w2.t()
+    torch.testing.assert_close(moe(x), dense, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_module_matches_per_token_loop(backend, renormalize):
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=6, top_k=2, renormalize=renormalize)
+    moe = MoE(cfg, backend=backend)
+    x = torch.randn(11, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x).double(), moe_per_token(moe, x), rtol=1e-5, atol=1e-6)
+
+
+def test_shared_expert_fused_equals_separate():
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, top_k=2, scoring="sigmoid",
+                    n_group=2, topk_group=1, use_correction_bias=True, routed_scaling_factor=2.5,
+                    shared_expert_intermediate_size=16)
+    fused, separate = MoE(cfg), MoE(cfg, fuse_shared=False)
+    assert fused.fuse_shared and fused.w13.shape[0] == 10 and separate.w13.shape[0] == 8
+    with torch.no_grad():
+        separate.gate.weight.copy_(fused.gate.weight)
+        fused.e_score_correction_bias.normal_()
+        separate.e_score_correction_bias.copy_(fused.e_score_correction_bias)
+        separate.w13.copy_(fused.w13[:8])
+        separate.w2.copy_(fused.w2[:8])
+        # the shared MLP of width 16 is the two width-8 slots side by side
+        separate.shared_w13.copy_(torch.cat([fused.w13[8:, :8].reshape(16, 16), fused.w13[8:, 8:].reshape(16, 16)]))
+        separate.shared_w2.copy_(torch.cat([fused.w2[8], fused.w2[9]], dim=1))
+        x = torch.randn(13, 16)
+        torch.testing.assert_close(fused(x), separate(x), rtol=1e-5, atol=1e-6)
+
+
+def test_stats_count_assignments_and_drops_exactly():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2)
+    moe = MoE(cfg, capacity_factor=1.0)
+    x = torch.rand(32, 8) + 0.1  # positive rows: expert 0's logit 5*sum(x) > 0 = every other logit
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[0] = 5.0
+        stats = moe(x, return_stats=True).stats
+    # capacity ceil(1.0 * 32 * 2 / 4) = 16. First choices: all 32 on expert 0, 16 kept. Second choices:
+    # experts 1-3 tie at logit 0, the lower id wins, so all 32 go to expert 1, 16 kept. 32 dropped by hand.
+    assert stats.dropped == 32
+    assert stats.counts.tolist() == [16, 16, 0, 0]
+    assert stats.experts_touched == 2 and stats.num_tokens == 32
+    dropless = MoE(cfg)
+    dropless.load_state_dict(moe.state_dict())
+    dropless_stats = dropless(x, return_stats=True).stats
+    assert dropless_stats.dropped == 0 and dropless_stats.counts.tolist() == [32, 32, 0, 0]
+
+
+def test_empty_batch_and_bad_shape():
+    moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2))
+    assert moe(torch.zeros(0, 8)).shape == (0, 8)
+    with pytest.raises(ValueError, match="last dim hidden_size=8"):
+        moe(torch.zeros(3, 7))
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        MoE(moe.config, capacity_factor=0)

@@ -1,0 +1,210 @@
+"""Layouts: integer metadata equal to naive loops written here; the inverses invert; padding is never read."""
+
+import math
+
+import pytest
+import torch
+
+from moekit.layouts import (
+    align_block, apply_capacity, choose_layout, gather_rows, masked_layout, masked_layout_measured_cap_syncs,
+    permute_contiguous, scatter_rows, static_rows_bound, unmask, unpermute_contiguous,
+)
+from moekit.routing import Routing
+
+
+def random_ids(m, k, e, seed, with_skips=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]) if m else torch.zeros(0, k, dtype=torch.int64)
+    if with_skips and m:
+        ids[torch.rand(m, k, generator=g) < 0.2] = -1
+    return ids.int()
+
+
+def local_of(global_id, expert_map, num_experts):
+    if global_id < 0:
+        return None
+    if expert_map is not None:
+        if global_id >= len(expert_map) or expert_map[global_id] < 0:
+            return None
+        global_id = expert_map[global_id]
+    return global_id if global_id < num_experts else None
+
+
+def naive_block_layout(ids, num_experts, block, expert_map=None):
+    flat = ids.reshape(-1).tolist()
+    rows, blocks = [], []
+    for e in range(num_experts):
+        mine = [a for a, g in enumerate(flat) if local_of(g, expert_map, num_experts) == e]
+        if not mine:
+            continue
+        padded = math.ceil(len(mine) / block) * block
+        rows += mine + [len(flat)] * (padded - len(mine))
+        blocks += [e] * (padded // block)
+    return rows, blocks
+
+
+CASES = [(1, 1, 4, 4), (7, 2, 5, 3), (33, 6, 8, 16), (64, 8, 12, 16), (40, 3, 3, 64), (5, 7, 7, 2)]
+
+
+@pytest.mark.parametrize("m, k, e, block", CASES)
+def test_block_aligned_equals_naive_loop(m, k, e, block):
+    ids = random_ids(m, k, e, seed=m + e, with_skips=True)
+    layout = align_block(ids, e, block, allow_naive=False)
+    rows, blocks = naive_block_layout(ids, e, block)
+    used = int(layout.num_padded)
+    assert used == len(rows) and used % block == 0
+    assert layout.sorted_ids[:used].tolist() == rows
+    assert (layout.sorted_ids[used:] == m * k).all()
+    assert layout.expert_ids[: used // block].tolist() == blocks
+    assert (layout.expert_ids[used // block:] == -1).all()
+    assert layout.max_padded == m * k + min(e, m * k) * (block - 1)
+    assert int(layout.counts.sum()) == int((ids >= 0).sum())
+
+
+def test_vllm_docstring_example():
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]]) - 1  # zero-based experts
+    layout = align_block(ids, 4, 4)
+    assert layout.sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+
+
+def test_expert_map_minus_one_never_contributes():
+    ids = random_ids(20, 3, 8, seed=5)
+    expert_map = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1])  # this rank holds experts 0, 2, 4, 6
+    layout = align_block(ids, 4, 8, expert_map=expert_map)
+    rows, blocks = naive_block_layout(ids, 4, 8, expert_map.tolist())
+    assert layout.sorted_ids[: int(layout.num_padded)].tolist() == rows
+    assert layout.expert_ids[: len(blocks)].tolist() == blocks
+    assert not layout.naive
+    real = layout.sorted_ids[layout.sorted_ids < 60].long()
+    assert set(ids.reshape(-1)[real].tolist()) <= {0, 2, 4, 6}
+
+
+def test_tiny_batch_shortcut_needs_no_sort():
+    ids = torch.tensor([[9, 3]], dtype=torch.int32)
+    layout = align_block(ids, 64, 16)
+    assert layout.naive and layout.expert_ids.tolist() == [9, 3]
+    assert layout.sorted_ids.view(2, 16)[:, 0].tolist() == [0, 1]
+    assert (layout.sorted_ids.view(2, 16)[:, 1:] == 2).all()
+    x = torch.randn(1, 6)
+    torch.testing.assert_close(scatter_rows(gather_rows(x, layout), layout), x.repeat(2, 1))
+
+
+@pytest.mark.parametrize("m, k, e, block", CASES)
+def test_block_gather_scatter_inverts_and_never_reads_padding(m, k, e, block):
+    ids = random_ids(m, k, e, seed=7 * m + e, with_skips=True)
+    x = torch.randn(m, 10, 3)[:, :, 0]  # non-contiguous input
+    layout = align_block(ids, e, block)
+    rows = gather_rows(x, layout, fill=float("nan"))
+    back = scatter_rows(rows, layout)  # [A, D]
+    expected = x.repeat_interleave(k, 0) * (ids.reshape(-1, 1) >= 0)
+    torch.testing.assert_close(back, expected)  # finite: the NaN padding rows were never read
+
+
+@pytest.mark.parametrize("m, k, e, align", [(1, 1, 4, 4), (33, 6, 8, 16), (64, 2, 5, 128), (9, 3, 3, 1)])
+@pytest.mark.parametrize("static", [False, True])
+def test_contiguous_permute_and_inverse(m, k, e, align, static):
+    ids = random_ids(m, k, e, seed=m, with_skips=True)
+    x = torch.randn(m, 12).t().contiguous().t()  # non-contiguous
+    rows = static_rows_bound(m, k, e, align) if static else None
+    layout = permute_contiguous(x, ids, e, align=align, static_rows=rows, fill=float("nan"))
+    flat = ids.reshape(-1).tolist()
+    for expert in range(e):  # each segment starts aligned and holds that expert's tokens in order
+        start, count = int(layout.offsets[expert]), int(layout.counts[expert])
+        assert start % align == 0
+        mine = [a // k for a, g in enumerate(flat) if g == expert]
+        assert count == len(mine)
+        torch.testing.assert_close(layout.x_perm[start:start + count], x[mine])
+        assert (layout.segment_ids[start:start + count] == expert).all()
+    real = layout.segment_ids >= 0
+    assert int(real.sum()) == sum(g >= 0 for g in flat)
+    assert torch.isnan(layout.x_perm[~real]).all()
+    back = unpermute_contiguous(layout.x_perm, layout)
+    torch.testing.assert_close(back, x[:, None, :].expand(m, k, 12) * (ids >= 0)[..., None])
+    if static:
+        assert layout.total_rows == rows
+    else:
+        assert layout.total_rows == int(layout.offsets[-1])
+
+
+def test_contiguous_static_rows_too_small_raises():
+    with pytest.raises(ValueError, match="static_rows must be >="):
+        permute_contiguous(torch.randn(4, 3), random_ids(4, 2, 4, 0), 4, align=8, static_rows=8)
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_masked_layout_and_inverse(measured):
+    m, k, e = 30, 3, 6
+    ids = random_ids(m, k, e, seed=3, with_skips=True)
+    x = torch.randn(m, 5)
+    if measured:
+        layout = masked_layout_measured_cap_syncs(x, ids, e, round_to=4, fill=float("nan"))
+        assert layout.m_max == math.ceil(int(layout.counts.max()) / 4) * 4
+    else:
+        layout = masked_layout(x, ids, e, fill=float("nan"))
+        assert layout.m_max == m
+    for expert in range(e):
+        mine = [a // k for a, g in enumerate(ids.reshape(-1).tolist()) if g == expert]
+        assert int(layout.counts[expert]) == len(mine)
+        torch.testing.assert_close(layout.x_masked[expert, : len(mine)], x[mine])
+        assert torch.isnan(layout.x_masked[expert, len(mine):]).all()
+    torch.testing.assert_close(unmask(layout.x_masked, layout), x[:, None].expand(m, k, 5) * (ids >= 0)[..., None])
+
+
+def test_masked_explicit_cap_overflow_raises():
+    ids = torch.zeros(10, 1, dtype=torch.int32)  # all ten tokens on expert 0
+    with pytest.raises(ValueError, match="m_max=4 is smaller"):
+        masked_layout(torch.randn(10, 2), ids, 3, m_max=4)
+
+
+def hand_count_drops(ids, weights, e, capacity, policy):
+    """Walk assignments in priority order, keeping the first `capacity` per expert."""
+    m, k = ids.shape
+    order = [(j, t) for j in range(k) for t in range(m)]
+    if policy == "weight":
+        order.sort(key=lambda jt: -float(weights[jt[1], jt[0]]))  # stable: ties keep position order
+    seen, dropped = [0] * e, set()
+    for j, t in order:
+        g = int(ids[t, j])
+        if 0 <= g < e:
+            seen[g] += 1
+            if seen[g] > capacity:
+                dropped.add((t, j))
+    return dropped
+
+
+@pytest.mark.parametrize("policy", ["position", "weight"])
+@pytest.mark.parametrize("cf", [0.5, 1.0, 1.25, 2.0])
+def test_capacity_drops_equal_hand_count(policy, cf):
+    m, k, e = 40, 2, 8
+    g = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.multinomial(torch.tensor([8.0, 4, 2, 1, 1, 1, 1, 1]), k, generator=g) for _ in range(m)]).int()
+    weights = torch.rand(m, k, generator=g)
+    result = apply_capacity(Routing(ids, weights), e, cf, policy)
+    capacity = math.ceil(cf * m * k / e)
+    assert result.capacity == capacity
+    expected = hand_count_drops(ids, weights, e, capacity, policy)
+    got = {(t, j) for t, j in result.dropped_mask.nonzero().tolist()}
+    assert got == expected and int(result.dropped) == len(expected)
+    assert (result.routing.topk_ids[result.dropped_mask] == -1).all()
+    assert (result.routing.topk_weights[result.dropped_mask] == 0).all()
+    assert (result.kept_counts <= capacity).all()
+    assert int(result.kept_counts.sum()) + len(expected) == m * k
+
+
+def test_huge_capacity_drops_nothing():
+    ids = random_ids(16, 2, 4, 1)
+    result = apply_capacity(Routing(ids, torch.rand(16, 2)), 4, 100.0)
+    assert int(result.dropped) == 0 and torch.equal(result.routing.topk_ids, ids)
+
+
+def test_chooser_respects_budget_and_explains():
+    args = dict(num_tokens=512, top_k=8, num_experts=256, hidden_size=7168, intermediate_size=2048, dtype_bytes=2)
+    roomy = choose_layout(memory_budget_bytes=2**34, **args)
+    assert roomy.name == "block_aligned" and "fewest GEMM rows" in roomy.reason
+    est = {x.name: x for x in roomy.estimates}
+    assert est["masked"].peak_bytes > est["contiguous"].peak_bytes > est["block_aligned"].peak_bytes
+    tight = choose_layout(memory_budget_bytes=1, **args)
+    assert tight.name == "none" and "chunks" in tight.reason
+    counts = [512 * 8] + [0] * 255  # everything on one expert: the measured cap is the cheap masked layout
+    no_sync = choose_layout(memory_budget_bytes=2**34, counts=counts, allow_sync=False, block_size=128, **args)
+    assert no_sync.name in ("block_aligned", "contiguous") and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs
