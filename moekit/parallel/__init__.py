@@ -24,5 +24,15 @@ __all__ = [
     "rank_loads",
     "balancedness",
     "load_lower_bound",
+    "EPMoE",
+    "RebalanceReport",
 ]
 
+
+
+def __getattr__(name: str):
+    if name in ("EPMoE", "RebalanceReport"):  # imported on first use: it needs torch.distributed
+        from moekit.parallel import layer
+
+        return getattr(layer, name)
+    raise AttributeError(f"module 'moekit.parallel' has no attribute {name!r}")

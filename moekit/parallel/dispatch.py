@@ -1,0 +1,186 @@
+"""Dispatch and combine over ``torch.distributed.all_to_all_single``.
+
+    Gate+Route -> [Plan -> Counts all-to-all -> Payload all-to-all] -> Local experts -> [Combine all-to-all -> Sum]
+
+Shapes: M local tokens, k slots per token (routed, plus S fused shared slots), E logical experts,
+W ranks, Rmax = most replicas of one expert, T = rows this rank sends (a token once per destination
+rank), U = rows it receives, K hidden, B = bytes of one payload row.
+
+A payload row is one token's hidden vector followed by its k local expert ids (int32, -1 where the
+slot is served elsewhere) and k weights (float32, 0 there), packed as bytes so that one collective
+carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
+U weighted partial sums back and the source rank adds them into its tokens.
+
+Host synchronisation: exactly one per forward, in ``exchange``. ``all_to_all_single`` takes its split
+sizes as Python ints (NCCL posts one send and one receive per peer with host-side sizes), so after the
+small counts all-to-all the counts are copied to the host. Everything before it (planning, replica
+choice, packing) and after it (payload and combine collectives, the sum) is device work; the whole
+layer is therefore not CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moekit.parallel.placement import Placement
+
+
+@dataclass
+class ReplicaTables:
+    """Device tables that turn a logical expert into (rank, local index) of one of its replicas."""
+
+    num_replicas: torch.Tensor  # [E] int64; ranks holding expert e (>= 1)
+    rank_of: torch.Tensor  # [E, Rmax] int64; rank of replica i of e (ascending); padding repeats replica 0
+    local_of: torch.Tensor  # [E, Rmax] int64; e's local index on rank_of[e, i]
+    num_local_routed: int  # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
+    num_shared_slots: int  # S: fused shared slots, run on the token's own rank
+
+    @classmethod
+    def build(cls, placement: Placement, rank: int, num_shared_slots: int, device) -> "ReplicaTables":
+        num_experts = placement.num_experts
+        replicas = [placement.replicas(e) for e in range(num_experts)]
+        width = max(len(r) for r in replicas)
+        local_index = [{e: i for i, e in enumerate(s)} for s in placement.slots]
+        rank_of = [[r[i % len(r)] for i in range(width)] for r in replicas]
+        local_of = [[local_index[r][e] for r in row] for e, row in enumerate(rank_of)]
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(
+            num_replicas=as_tensor([len(r) for r in replicas]),
+            rank_of=as_tensor(rank_of),
+            local_of=as_tensor(local_of),
+            num_local_routed=placement.num_local_experts(rank),
+            num_shared_slots=num_shared_slots,
+        )
+
+
+@dataclass
+class SendPlan:
+    """Where this rank's token slots go (device tensors; built with no host sync)."""
+
+    dest: torch.Tensor  # [M, k] int64; rank serving each slot, -1 for a skipped slot
+    local: torch.Tensor  # [M, k] int64; local expert index on that rank
+    send_counts: torch.Tensor  # [W] int64; rows sent to each rank (a token once per rank it needs)
+    row_order: torch.Tensor  # [W*M] int64; flat (rank, token) keys, the T sent rows first, by rank then token
+
+
+def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_size: int) -> SendPlan:
+    """Choose a replica for every slot and group the rows to send by destination rank.
+
+    Replica choice is deterministic and even: the j-th slot (in token order) on this rank that routes
+    to expert e goes to replica ``(j + rank) % replicas(e)``, so each source splits e's traffic within
+    one row of even, and the ``+ rank`` offset spreads the remainders over the replicas.
+    """
+    num_tokens, top_k = topk_ids.shape
+    device = topk_ids.device
+    num_experts = tables.num_replicas.numel()
+    ids = topk_ids.reshape(-1).long()  # [M*k]
+    routed = (ids >= 0) & (ids < num_experts)
+    shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
+    key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
+
+    # j = position of each slot among this rank's slots of the same expert (stable sort, no host sync).
+    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    starts = torch.cumsum(per_expert, 0) - per_expert  # [E+1]
+    order = torch.sort(key, stable=True).indices  # [M*k]
+    position = torch.empty_like(key)
+    position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
+
+    safe = torch.where(routed, ids, 0)
+    replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
+    dest = torch.where(routed, tables.rank_of[safe, replica], -1)
+    local = torch.where(routed, tables.local_of[safe, replica], -1)
+    dest = torch.where(shared, rank, dest)  # fused shared slots run where the token lives
+    local = torch.where(shared, tables.num_local_routed + ids - num_experts, local)
+    dest, local = dest.view(num_tokens, top_k), local.view(num_tokens, top_k)  # [M, k]
+
+    # needs[t, w]: token t has a slot served by rank w. Column W collects skipped slots.
+    needs = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
+    needs.scatter_(1, torch.where(dest >= 0, dest, world_size), True)
+    needs = needs[:, :world_size]  # [M, W]
+    send_counts = needs.sum(0)  # [W]
+    # Sorting "not needed" flags (stable) lists the needed (rank, token) keys first in rank-major order;
+    # the host learns how many there are only after the counts exchange, so no nonzero() sync here.
+    row_order = torch.sort((~needs.t()).reshape(-1).to(torch.uint8), stable=True).indices  # [W*M]
+    return SendPlan(dest=dest, local=local, send_counts=send_counts, row_order=row_order)
+
+
+@dataclass
+class Dispatched:
+    """What the dispatch delivered to this rank, and how to send the results back."""
+
+    x: torch.Tensor  # [U, K]; received token rows, grouped by source rank
+    local_ids: torch.Tensor  # [U, k] int32; local expert of each slot on this rank, -1 = not here
+    weights: torch.Tensor  # [U, k] float32; routing weight of each slot, 0 where not here
+    send_token: torch.Tensor  # [T] int64; local token of each sent row (rank-major)
+    send_splits: list[int]  # [W]; rows sent to each rank (host ints, from the one sync)
+    recv_splits: list[int]  # [W]; rows received from each rank
+    num_tokens: int  # M
+
+
+def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tuple[list[int], list[int]]:
+    """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
+    recv_counts = torch.empty_like(send_counts)
+    work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
+    # A peer that never arrives raises here after the timeout (gloo: the process group's timeout;
+    # NCCL: ``timeout`` if given, else the watchdog aborts after the process group's timeout).
+    work.wait() if timeout is None else work.wait(timeout)
+    both = torch.cat([send_counts, recv_counts]).tolist()  # host sync
+    world_size = send_counts.numel()
+    return both[:world_size], both[world_size:]
+
+
+def dispatch(
+    x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan, group, timeout: timedelta | None = None
+) -> Dispatched:
+    """Send each token once to every rank that serves one of its slots, with that rank's local ids
+    and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
+    num_tokens, hidden = x2d.shape
+    top_k = plan.dest.shape[1]
+    send_splits, recv_splits = exchange(plan.send_counts, group, timeout)
+    keys = plan.row_order[: sum(send_splits)]  # [T]
+    send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
+
+    here = plan.dest[send_token] == send_rank[:, None]  # [T, k]
+    ids = torch.where(here, plan.local[send_token], -1).to(torch.int32)  # [T, k]
+    weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
+    payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
+    received = payload.new_empty((sum(recv_splits), payload.shape[1]))  # [U, B]
+    dist.all_to_all_single(received, payload, recv_splits, send_splits, group=group)
+    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
+    return Dispatched(x_recv, ids_recv, weights_recv, send_token, send_splits, recv_splits, num_tokens)
+
+
+def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
+    """y [U, K] (each row the weighted sum of this rank's slots for that token) -> out [M, K]:
+    send the rows back to their source ranks and sum each token's partials in float32."""
+    back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K]
+    dist.all_to_all_single(back, y.contiguous(), sent.send_splits, sent.recv_splits, group=group)
+    acc = torch.promote_types(y.dtype, torch.float32)
+    out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
+    out.index_add_(0, sent.send_token, back.to(acc))
+    return out.to(y.dtype)
+
+
+def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
+    parts = [t.contiguous().view(torch.uint8) for t in (x, ids, weights)]  # [T, bytes of one row each]
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
+    x_bytes = hidden * dtype.itemsize
+    x = _view_as(rows[:, :x_bytes], dtype)  # [U, K], a strided view when the row size allows (no copy)
+    ids = _view_as(rows[:, x_bytes : x_bytes + 4 * top_k], torch.int32)  # [U, k]
+    weights = _view_as(rows[:, x_bytes + 4 * top_k :], torch.float32)  # [U, k]
+    return x, ids, weights
+
+
+def _view_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        return byte_cols.view(dtype)
+    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first
+        return byte_cols.contiguous().view(dtype)

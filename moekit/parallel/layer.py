@@ -1,0 +1,365 @@
+"""``EPMoE``: one rank's part of an expert-parallel MoE layer.
+
+    [Gate+Route, local tokens] -> [Dispatch: counts, payload all_to_all_single] -> [Local experts] -> [Combine: all_to_all_single, sum] (+ shared)
+
+Shapes: M local tokens, K hidden, N expert intermediate, E logical routed experts (``num_experts``),
+L physical experts on this rank (``num_local_experts``), S fused shared slots, W ranks, U rows received.
+
+Every rank holds the gate (and the correction bias, and the shared expert) in full and only its own
+experts' ``w13 [L(+S), 2N, K]`` / ``w2 [L(+S), K, N]``. A fused shared expert's S slots live on every
+rank and serve that rank's own tokens, so its work never crosses the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moekit.config import MoEConfig
+from moekit.experts import run_experts
+from moekit.experts.activations import act_and_mul
+from moekit.layer import MoE, MoEOutput, MoEStats
+from moekit.layouts.capacity import DropPolicy, apply_capacity
+from moekit.parallel.dispatch import Dispatched, ReplicaTables, combine, dispatch, plan_sends
+from moekit.parallel.placement import (
+    Placement,
+    balancedness,
+    contiguous_placement,
+    eplb_placement,
+    load_lower_bound,
+    rank_loads,
+)
+from moekit.parallel.weights import move_experts, shard_experts
+from moekit.routing import Routing, append_shared_slots, route
+
+
+@dataclass
+class RebalanceReport:
+    """What one EPLB rebalance saw and did (identical on every rank)."""
+
+    loads: list[float]  # [E] routed assignments per logical expert, summed over ranks since the last rebalance
+    balancedness_before: float  # mean / max rank load under the old placement
+    balancedness_after: float  # the same under the placement now in use
+    max_load_before: float
+    max_load_after: float  # <= max_load_before: the old placement is kept unless the new one is better
+    lower_bound: float  # no placement with this many redundant slots can have a lower max rank load
+    slots_received: int  # expert slots whose weights this rank received over the network
+    placement: Placement  # the placement now in use
+
+
+class EPMoE(nn.Module):
+    """An expert-parallel MoE layer over a ``torch.distributed`` process group (NCCL or gloo).
+
+    Same forward signature and result as ``moekit.MoE``: each rank passes its own tokens and gets
+    their outputs; ranks may pass different numbers of tokens, including none, but every rank of the
+    group must call ``forward`` the same number of times (the collectives pair up).
+
+    Host synchronisation per forward: one, after the counts all-to-all (``all_to_all_single`` needs the
+    split sizes as Python ints), plus whatever the routing does (the NaN check of
+    ``nonfinite="raise"``) and the stats when ``return_stats=True``. Construction and ``rebalance``
+    also sync (they exchange Python objects). The layer is forward-only: the collectives carry no
+    gradients, so an input that requires grad is refused.
+
+    Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
+    expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
+    placement, moves the weights and resets the count.
+
+    ``capacity_factor`` applies over each rank's local tokens (GShard's per-group capacity), so with
+    dropping the result differs from a single-device ``MoE`` over all tokens; dropless (None) matches it.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        placement: Placement | None = None,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: str = "auto",
+        fuse_shared: bool = True,
+        capacity_factor: float | None = None,
+        drop_policy: DropPolicy = "position",
+        stats_block_size: int = 64,
+        timeout: timedelta | None = None,
+        track_load: bool = True,
+        init: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("EPMoE needs torch.distributed initialised (init_process_group) before construction")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        placement = placement if placement is not None else contiguous_placement(config.num_experts, self.world_size)
+        if placement.num_experts != config.num_experts or placement.world_size != self.world_size:
+            raise ValueError(
+                f"placement must place num_experts={config.num_experts} over world_size={self.world_size} ranks, got "
+                f"num_experts={placement.num_experts}, world_size={placement.world_size}"
+            )
+        self.config, self.placement = config, placement
+        self.backend, self.timeout, self.track_load = backend, timeout, track_load
+        self.capacity_factor, self.drop_policy, self.stats_block_size = capacity_factor, drop_policy, stats_block_size
+        self.fuse_shared = bool(fuse_shared and config.num_shared_slots)
+        k_dim, n_dim, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        factory = {"dtype": dtype, "device": device}
+        local = placement.num_local_experts(self.rank) + self.num_shared_slots
+        self.gate = nn.Linear(k_dim, num_experts, bias=False, **factory)  # weight [E, K], on every rank
+        self.w13 = nn.Parameter(torch.empty(local, 2 * n_dim, k_dim, **factory))  # [L(+S), 2N, K]
+        self.w2 = nn.Parameter(torch.empty(local, k_dim, n_dim, **factory))  # [L(+S), K, N]
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if config.use_correction_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+        shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
+        self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
+        self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
+        self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
+        # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float64, device=device), persistent=False)
+        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device)
+        if init:
+            self.reset_parameters()
+        _check_same_on_all_ranks(self._fingerprint(), group)
+
+    # ----- construction helpers -------------------------------------------------------------------
+
+    @property
+    def num_experts(self) -> int:
+        """E: logical routed experts of the whole layer."""
+        return self.config.num_experts
+
+    @property
+    def num_local_experts(self) -> int:
+        """L: physical routed experts on this rank (replicas included, fused shared slots excluded)."""
+        return self.placement.num_local_experts(self.rank)
+
+    @property
+    def num_shared_slots(self) -> int:
+        return self.config.num_shared_slots if self.fuse_shared else 0
+
+    def reset_parameters(self) -> None:
+        """Random init like ``MoE``. The gate must be equal on all ranks: seed every rank alike first."""
+        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2):
+            if p is not None:
+                nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
+
+    @classmethod
+    def from_moe(
+        cls, moe: MoE, placement: Placement | None = None, group: dist.ProcessGroup | None = None, **kwargs
+    ) -> "EPMoE":
+        """This rank's ``EPMoE`` from a full ``MoE`` (same weights on every rank): the gate, bias and
+        shared expert are copied, the routed experts sliced by ``placement`` (contiguous by default).
+        ``kwargs`` override the settings taken from ``moe`` (backend, timeout, track_load...)."""
+        settings = dict(
+            backend=moe.backend, fuse_shared=moe.fuse_shared, capacity_factor=moe.capacity_factor,
+            drop_policy=moe.drop_policy, stats_block_size=moe.stats_block_size,
+            dtype=moe.w13.dtype, device=moe.w13.device,
+        )
+        settings.update(kwargs)
+        ep = cls(moe.config, placement, group, init=False, **settings)
+        with torch.no_grad():
+            ep.gate.weight.copy_(moe.gate.weight)
+            if moe.e_score_correction_bias is not None:
+                ep.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+            ep.w13.copy_(shard_experts(moe.w13, ep.placement, ep.rank))
+            ep.w2.copy_(shard_experts(moe.w2, ep.placement, ep.rank))
+            for name in ("shared_w13", "shared_w2"):
+                if getattr(ep, name) is not None:
+                    getattr(ep, name).copy_(getattr(moe, name))
+            if ep.shared_gate is not None:
+                ep.shared_gate.weight.copy_(moe.shared_gate.weight)
+        return ep
+
+    def load_experts(self, expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill this rank's routed slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` for each
+        logical expert it holds (e.g. read from a checkpoint), without materialising the others."""
+        with torch.no_grad():
+            for local, expert in enumerate(self.placement.slots[self.rank]):
+                w13, w2 = expert_weights(expert)
+                self.w13[local].copy_(w13)
+                self.w2[local].copy_(w2)
+
+    def _fingerprint(self) -> dict:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "placement": self.placement.to_dict(),
+            "fuse_shared": self.fuse_shared,
+            "capacity_factor": self.capacity_factor,
+            "drop_policy": self.drop_policy,
+            "dtype": str(self.w13.dtype),
+            "world_size": self.world_size,
+        }
+
+    # ----- forward --------------------------------------------------------------------------------
+
+    def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """Gate and route this rank's x2d [M, K] like ``MoE.route_tokens``: (routing, dropped [])."""
+        logits = self.gate(x2d)  # [M, E]
+        routing = route(logits, self.config, self.e_score_correction_bias)
+        dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
+        if self.capacity_factor is not None:
+            capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
+            routing, dropped = capped.routing, capped.dropped
+        if self.track_load:
+            self._accumulate_load(routing.topk_ids)
+        if self.fuse_shared:
+            gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None
+            routing = append_shared_slots(routing, self.config, gate_logits)
+        return routing, dropped
+
+    def dispatch(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
+        """Plan (replica choice, no sync), exchange counts (the one host sync), send the payload."""
+        plan = plan_sends(topk_ids, self._tables, self.rank, self.world_size)
+        return dispatch(x2d, topk_weights, plan, self.group, self.timeout)
+
+    def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
+        """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
+        return run_experts(
+            sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
+            activation=self.config.activation, backend=self.backend,
+        )
+
+    def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
+        return combine(y, sent, self.group)
+
+    def forward_routed(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Experts only, for a routing computed elsewhere: x2d [M, K], topk_ids [M, k] (logical ids; -1 or
+        >= E + S means skip), topk_weights [M, k] -> [M, K]. Collective."""
+        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x2d.shape[0]:
+            raise ValueError(
+                f"topk_ids and topk_weights must both have shape [M={x2d.shape[0]}, k], got "
+                f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+            )
+        sent = self.dispatch(x2d, topk_ids, topk_weights)
+        return self.combine(self.run_local_experts(sent), sent)
+
+    def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
+        """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
+        if x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
+        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        routing, dropped = self.route_tokens(x2d)
+        out = self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)  # [M, K]
+        if self.shared_w13 is not None:
+            out = out + self._shared_mlp(x2d)
+        out = out.reshape(x.shape)
+        if not return_stats:
+            return out
+        return MoEOutput(out=out, stats=self._stats(routing, dropped))
+
+    def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
+        y = act_and_mul(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
+        if self.shared_gate is not None:
+            y = torch.sigmoid(self.shared_gate(x2d)) * y
+        return y
+
+    def _accumulate_load(self, topk_ids: torch.Tensor) -> None:
+        num_experts = self.config.num_experts
+        ids = topk_ids.reshape(-1).long()
+        key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # E = not routed
+        counts = torch.zeros(num_experts + 1, dtype=torch.float64, device=ids.device)
+        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.float64))
+        self.expert_load += counts[:num_experts]
+
+    def _stats(self, routing: Routing, dropped: torch.Tensor) -> MoEStats:
+        """This rank's tokens, as ``MoE`` reports them (counts per logical routed expert)."""
+        num_experts, block = self.config.num_experts, self.stats_block_size
+        ids = routing.topk_ids.reshape(-1).long()
+        counts = torch.bincount(ids[(ids >= 0) & (ids < num_experts)], minlength=num_experts)  # [E]
+        return MoEStats(
+            counts=counts,
+            experts_touched=int((counts > 0).sum()),
+            padded_rows=int(((counts + block - 1) // block * block).sum()),
+            dropped=int(dropped),
+            num_tokens=routing.num_tokens,
+        )
+
+    # ----- EPLB -----------------------------------------------------------------------------------
+
+    def global_expert_load(self) -> torch.Tensor:
+        """[E] float64: ``expert_load`` summed over the group (all_reduce). Collective."""
+        loads = self.expert_load.clone()
+        dist.all_reduce(loads, group=self.group)
+        return loads
+
+    def rebalance(self, num_redundant: int = 0, loads=None) -> RebalanceReport:
+        """EPLB: sum the tracked load over ranks (or take ``loads`` [E], equal on every rank), compute a
+        placement with ``num_redundant`` replica slots, move the weights and reset ``expert_load``.
+
+        The placement is computed on the group's rank 0 and broadcast, so every rank applies the very
+        same one; it replaces the current placement only when it lowers the maximum rank load.
+        Collective, and syncs with the host (the loads and the placement travel as Python objects).
+        """
+        values = (self.global_expert_load() if loads is None else torch.as_tensor(loads, dtype=torch.float64)).tolist()
+        if len(values) != self.num_experts:
+            raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(values)}")
+        box = [eplb_placement(values, self.world_size, num_redundant, current=self.placement) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
+        new = box[0]
+        before, after = rank_loads(self.placement, values), rank_loads(new, values)
+        received = self.apply_placement(new) if new != self.placement else 0
+        self.expert_load.zero_()
+        return RebalanceReport(
+            loads=values,
+            balancedness_before=balancedness(before),
+            balancedness_after=balancedness(after),
+            max_load_before=max(before),
+            max_load_after=max(after),
+            lower_bound=load_lower_bound(values, self.world_size, new.num_redundant),
+            slots_received=received,
+            placement=new,
+        )
+
+    def apply_placement(self, placement: Placement) -> int:
+        """Move expert weights between ranks so this rank holds ``placement.slots[rank]``; returns the
+        slots received over the network. Collective; every rank passes the same placement."""
+        if placement.num_experts != self.num_experts or placement.world_size != self.world_size:
+            raise ValueError(
+                f"placement must place num_experts={self.num_experts} over world_size={self.world_size}, got "
+                f"{placement.num_experts} over {placement.world_size}"
+            )
+        with torch.no_grad():
+            w13, received = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
+            w2, _ = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
+        self.w13 = nn.Parameter(w13, requires_grad=self.w13.requires_grad)
+        self.w2 = nn.Parameter(w2, requires_grad=self.w2.requires_grad)
+        self.placement = placement
+        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device)
+        return received
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"rank={self.rank}/{self.world_size}, E={c.num_experts}, local={self.num_local_experts}, k={c.top_k}, "
+            f"K={c.hidden_size}, N={c.moe_intermediate_size}, shared_slots={self.num_shared_slots}, backend={self.backend}"
+        )
+
+
+def _check_same_on_all_ranks(fingerprint: dict, group) -> None:
+    """Raise the same clear ValueError on every rank when the ranks' settings differ (one all_gather)."""
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fingerprint, group=group)
+    reference = gathered[0]
+    problems = []
+    for rank, other in enumerate(gathered[1:], start=1):
+        for key in reference:
+            if other.get(key) != reference[key]:
+                if key == "config":
+                    fields = [f for f in reference[key] if reference[key][f] != other[key].get(f)]
+                    detail = ", ".join(f"{f}: {reference[key][f]!r} vs {other[key].get(f)!r}" for f in fields)
+                else:
+                    detail = f"{reference[key]!r} vs {other.get(key)!r}"
+                detail = detail if len(detail) <= 200 else detail[:200] + "..."
+                problems.append(f"rank 0 vs rank {rank} differ in {key} ({detail})")
+    if problems:
+        raise ValueError("EPMoE: the ranks were built with different settings: " + "; ".join(problems))

@@ -1,0 +1,66 @@
+"""Expert weights under a placement: a rank's slice of full weights, and moving weights between ranks
+when the placement changes (EPLB's rebalance).
+
+Shapes: E logical experts, L = num_local_experts(rank) physical slots on a rank, S fused shared slots
+(kept on every rank, after the L routed slots), [..] = one expert's weight shape ([2N, K] or [K, N]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moekit.parallel.placement import Placement
+
+
+def shard_experts(weight: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
+    """weight [E(+S), ..] -> [L(+S), ..]: the rows of ``rank``'s experts in local order, then the S
+    fused shared-slot rows (every rank keeps those)."""
+    num_experts = placement.num_experts
+    if weight.shape[0] < num_experts:
+        raise ValueError(f"weight must have at least num_experts={num_experts} rows, got shape {tuple(weight.shape)}")
+    index = torch.tensor(placement.slots[rank] + list(range(num_experts, weight.shape[0])), device=weight.device)
+    return weight.index_select(0, index)
+
+
+def move_experts(
+    weight: torch.Tensor, old: Placement, new: Placement, rank: int, group=None
+) -> tuple[torch.Tensor, int]:
+    """weight [L_old(+S), ..] under ``old`` -> ([L_new(+S), ..] under ``new``, slots received).
+
+    A slot whose expert this rank already holds is copied locally; every other slot is received from
+    one rank that holds it under ``old`` (spread over the replicas), in one ``all_to_all_single``.
+    Collective: every rank of ``group`` calls it with the same ``old`` and ``new``; needs no host sync
+    beyond the placements, which every rank already knows.
+    """
+    if (old.num_experts, old.world_size) != (new.num_experts, new.world_size):
+        raise ValueError(
+            f"new placement must keep num_experts={old.num_experts} and world_size={old.world_size}, got "
+            f"{new.num_experts} and {new.world_size}"
+        )
+    world_size = old.world_size
+    num_local_old = old.num_local_experts(rank)
+    old_local = {e: i for i, e in enumerate(old.slots[rank])}
+
+    def source(dst: int, expert: int) -> int:
+        holders = old.replicas(expert)
+        return dst if dst in holders else holders[(dst + expert) % len(holders)]
+
+    sends = [[e for e in new.slots[dst] if dst != rank and source(dst, e) == rank] for dst in range(world_size)]
+    recvs = [[e for e in new.slots[rank] if src != rank and source(rank, e) == src] for src in range(world_size)]
+    tail = weight.shape[1:]
+    send_rows = [old_local[e] for dst_list in sends for e in dst_list]
+    send_buf = weight.index_select(0, torch.tensor(send_rows, dtype=torch.long, device=weight.device)).contiguous()
+    recv_buf = weight.new_empty((sum(len(r) for r in recvs), *tail))
+    dist.all_to_all_single(recv_buf, send_buf, [len(r) for r in recvs], [len(s) for s in sends], group=group)
+
+    received, offset = {}, 0
+    for src_list in recvs:
+        for e in src_list:
+            received[e] = recv_buf[offset]
+            offset += 1
+    rows = [weight[old_local[e]] if e in old_local else received[e] for e in new.slots[rank]]
+    shared_rows = list(weight[num_local_old:])
+    if not rows and not shared_rows:
+        return weight.new_empty((0, *tail)), 0
+    return torch.stack(rows + shared_rows), len(received)
