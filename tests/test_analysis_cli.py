@@ -1,0 +1,86 @@
+"""``moekit analyze``: the JSON round-trips and agrees with the library, the tables print, the plot is
+written, and ``--measure`` runs the real layer on tiny shapes."""
+
+import json
+
+import pytest
+
+from moekit.analysis.formats import get_format
+from moekit.analysis.gpus import get_gpu
+from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
+from moekit.cli import main
+from moekit.config import MoEConfig
+from moekit.presets import hf_config_of_preset
+
+ROW_KEYS = {"batch", "experts_touched", "flops", "weight_bytes", "intensity", "time_floor_s", "step_time_floor_s"}
+TINY = ["--experts", "8", "--top-k", "2", "--hidden", "64", "--moe-intermediate", "32"]
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["analyze", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_round_trip(capsys):
+    data = run_json(capsys, "--preset", "deepseek-v3", "--gpu", "h100", "--dtype", "fp8")
+    assert json.loads(json.dumps(data)) == data
+    assert [r["batch"] for r in data["rows"]] == list(DEFAULT_BATCHES)
+    assert all(ROW_KEYS <= set(r) for r in data["rows"])
+    assert round(data["half_batch"], 1) == 21.8 and round(data["batch_95"]) == 94
+    assert data["ridge_batch"] == pytest.approx(9456, rel=1e-3)
+    report = analyze(MoEConfig.preset("deepseek-v3"), get_gpu("h100"), get_format("fp8"),
+                     hf_config=hf_config_of_preset("deepseek-v3"), model="deepseek-v3")
+    assert data == json.loads(json.dumps(report_to_json(report) | {"measured": None}))
+    assert data["bills"]["params"]["total"] == pytest.approx(671e9, rel=0.01)
+
+
+def test_json_layer_counts(capsys):
+    data = run_json(capsys, *TINY, "--batches", "1", "16")
+    assert [r["batch"] for r in data["rows"]] == [1, 16]
+    assert all(r["step_time_floor_s"] == r["time_floor_s"] for r in data["rows"])  # no layer count: one layer
+    assert data["bills"] is None
+    data = run_json(capsys, *TINY, "--layers", "10", "--batches", "4")
+    assert data["rows"][0]["step_time_floor_s"] == pytest.approx(10 * data["rows"][0]["time_floor_s"])
+
+
+def test_config_file_and_overrides(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf_config_of_preset("qwen3-30b-a3b")))
+    data = run_json(capsys, "--config", str(path), "--bandwidth", "2.0", "--tflops", "500", "--batches", "1")
+    assert data["gpu"]["bandwidth_tb_s"] == 2.0 and data["ridge_intensity"] == pytest.approx(250.0)
+    assert data["rows"][0]["step_time_floor_s"] == pytest.approx(48 * 8 * 3 * 2048 * 768 / 2.0e12)
+
+
+def test_tables_print(capsys):
+    assert main(["analyze", "--preset", "qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    for text in ("B½ = 10.7", "B95 = 46.4", "ridge batch", "routed experts", "28.99", "0.5409"):
+        assert text in out
+
+
+def test_bad_arguments():
+    with pytest.raises(SystemExit):
+        main(["analyze", "--preset", "deepseek-v3", "--experts", "8"])
+    with pytest.raises(SystemExit):
+        main(["analyze", "--experts", "8", "--top-k", "2"])
+
+
+def test_plot_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out.png"
+    assert main(["analyze", "--preset", "qwen3-30b-a3b", "--batches", "1", "64", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+
+
+def test_measure_tiny(tmp_path, capsys):
+    out = tmp_path / "m.png"
+    data = run_json(capsys, *TINY, "--batches", "1", "8", "32", "--measure", "--plot", str(out))
+    measured = data["measured"]
+    assert [r["batch"] for r in measured["rows"]] == [1, 8, 32]
+    assert measured["scale"] == 1 and measured["hidden_size"] == 64
+    for row in measured["rows"]:
+        assert row["time_s"] > 0 and row["predicted_time_s"] > 0
+        assert 1 <= row["experts_touched"] <= 8
+        assert row["padding"]["16"] >= 1
+    assert measured["rows"][0]["experts_touched"] == 2  # one token touches exactly k experts
+    assert out.stat().st_size > 10_000
