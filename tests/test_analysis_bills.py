@@ -98,3 +98,16 @@ def test_gpu_table():
         get_gpu("a100").flops_per_s("fp8")
     custom = get_gpu("h100").with_overrides(bandwidth_tb_s=3.0, dense_tflops={"fp8": 1000.0})
     assert custom.ridge_intensity("fp8") == pytest.approx(1000 / 3.0) and "user-supplied" in custom.source
+
+
+def test_analysis_imports_no_kernels():
+    """design.md: analysis reasons about shapes and counts; beyond what ``import moekit`` loads, it
+    imports no experts backend, layout or Triton."""
+    import subprocess
+    import sys
+
+    code = ("import sys, moekit; before = set(sys.modules); import moekit.analysis; "
+            "print(sorted(m for m in set(sys.modules) - before "
+            "if m.startswith(('moekit.experts', 'moekit.layouts', 'moekit.layer', 'triton'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
