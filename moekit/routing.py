@@ -55,8 +55,9 @@ def route(
     - ``fuse_shared``: append S shared-expert slots (ids E..E+S-1) with weight 1, or the Qwen2-MoE gate
       ``sigmoid(shared_gate_logits)`` [M, 1], so the shared MLP runs in the same grouped GEMM.
 
-    NaN or infinite logits raise ``ValueError`` (this checks on the host) unless ``config.nonfinite``
-    is ``"mask"``: then such an expert scores -inf for selection and gets weight 0 if still chosen.
+    NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"`` (then such an expert scores
+    lowest for selection and gets weight 0 if still chosen). On the CPU the error is a ``ValueError``
+    naming the bad rows; on a GPU it is a device-side assert, so the path never syncs with the host.
     """
     logits = _check_logits(router_logits, config)
     num_tokens = logits.shape[0]
@@ -97,7 +98,13 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
     logits = router_logits.float()  # [M, E]
-    if config.nonfinite == "raise" and logits.numel() and not bool(torch.isfinite(logits).all()):
+    if config.nonfinite != "raise" or logits.numel() == 0:
+        return logits
+    all_finite = torch.isfinite(logits).all()
+    if logits.device.type != "cpu":
+        # A device-side assert: no host sync on the GPU path, so it stays CUDA-graph capturable.
+        torch._assert_async(all_finite, "router_logits contains NaN or infinite values")
+    elif not bool(all_finite):
         bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()
         raise ValueError(
             f"router_logits contains NaN or infinite values (first bad token rows: {bad}); "
