@@ -84,3 +84,10 @@ def test_measure_tiny(tmp_path, capsys):
         assert row["padding"]["16"] >= 1
     assert measured["rows"][0]["experts_touched"] == 2  # one token touches exactly k experts
     assert out.stat().st_size > 10_000
+
+
+def test_unsupported_dtype_on_gpu_is_a_clear_error():
+    with pytest.raises(SystemExit, match="no fp8 tensor throughput"):
+        main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "a100", "--dtype", "fp8"])
+    with pytest.raises(SystemExit, match="gpu must be one of"):
+        main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "tpu"])

@@ -27,10 +27,6 @@ class GpuSpec:
     def bandwidth_bytes_s(self) -> float:
         return self.bandwidth_tb_s * 1e12
 
-    @property
-    def memory_bytes(self) -> float:
-        return self.memory_gib * GIB
-
     def flops_per_s(self, dtype: str) -> float:
         """Dense peak FLOP/s for GEMMs in ``dtype``; raises ``KeyError`` naming the supported dtypes."""
         if dtype not in self.dense_tflops:

@@ -23,8 +23,8 @@ CONTIGUOUS_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
 def binomial_pmf(n: int, p: float) -> np.ndarray:
     """P(m) for m = 0..n of Binomial(n, p), in log space so n in the millions stays finite.
 
-    Entries more than 40 standard deviations (+10) from the mean are left 0: their mass is below
-    1e-300, and skipping them keeps a million-token batch to a few thousand lgamma calls.
+    Entries more than 40 standard deviations + 10 from the mean are left 0: by a Chernoff bound their
+    mass is below 1e-30, and skipping them keeps a million-token batch to a few thousand lgamma calls.
     """
     if n < 0 or not 0.0 <= p <= 1.0:
         raise ValueError(f"need n >= 0 and 0 <= p <= 1, got n={n}, p={p}")

@@ -24,7 +24,7 @@ def print_report(report: Report, console: Console) -> None:
     )
     console.print(
         f"B½ = {report.half_batch:.1f}   B95 = {report.batch_95:.1f}   ridge batch = {report.ridge_batch:,.0f}   "
-        f"I(1) = {report.intensity_at_batch_one:g}   slope once all experts are touched = "
+        f"I(1) = {report.intensity_at_batch_one:.3g}   slope once all experts are touched = "
         f"{report.asymptotic_slope:.4g} FLOP/B per token"
     )
     console.print(_sweep_table(report))

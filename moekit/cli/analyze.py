@@ -77,7 +77,13 @@ def run(args) -> int:
         cfg = cfg.replace(num_moe_layers=args.layers)
     fmt = get_format(args.dtype)
     tflops = {fmt.compute_dtype: args.tflops} if args.tflops is not None else None
-    gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
+    try:
+        gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
+    except KeyError as err:
+        raise SystemExit(f"analyze: {err.args[0]}") from None
+    if fmt.compute_dtype not in gpu.dense_tflops:
+        raise SystemExit(f"analyze: {gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
+                         f"choose another --dtype or supply --tflops")
     if any(b < 1 for b in args.batches):
         raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
     report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib)
