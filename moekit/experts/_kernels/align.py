@@ -1,0 +1,131 @@
+"""Block alignment on the device: topk_ids [M, k] -> the block-aligned layout, with no host sync.
+
+Torch twin: ``moekit.layouts.block_aligned.align_block``; the results are equal element for element.
+
+Shapes: A = M*k assignments (a = t*k + j), E local experts, EP = next_pow2(E + 1) histogram bins
+(bin E = "not routed here"), C = assignments per chunk, num_chunks = ceil(A / C), B = block size,
+R = rows of sorted_ids, R/B blocks.
+
+Three launches, each parallel over chunks except the short scan:
+  1. hist:    hist[c, e]      = assignments of chunk c routed to expert e          [num_chunks, EP]
+  2. scan:    chunk_base[c, e] = sum of hist[c' < c, e] (exclusive, per expert)   [num_chunks, EP]
+              counts[e], offsets[e] = padded start row of expert e (offsets[E] = rows used), num_padded
+  3. scatter: chunk programs write sorted_ids[offsets[e] + chunk_base[c, e] + rank] = a, where rank
+              counts earlier same-expert lanes of the chunk, so each expert's rows stay in a-order
+              (the twin's stable sort); block programs write expert_ids and the padding sentinel A.
+Unlike vLLM's atomicAdd scatter this order is deterministic, which is what lets the tests demand
+exact equality with the twin.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import local_expert_ids
+
+
+@triton.jit
+def align_hist_kernel(
+    ids_ptr, map_ptr, hist_ptr,  # ids [A] int, map [G] int, hist [num_chunks, EP] int32
+    num_assignments, num_experts, num_global,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_assignments
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
+    local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+    local = tl.where(valid, local, num_experts).to(tl.int32)
+    hist = tl.histogram(local, E_PAD)  # [EP]
+    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), hist)
+
+
+@triton.jit
+def align_scan_kernel(
+    hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr,
+    num_chunks, num_experts, block_size,
+    CHUNK_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """One program: column-wise exclusive scan of hist, then the padded expert offsets."""
+    e = tl.arange(0, E_PAD)
+    running = tl.zeros([E_PAD], dtype=tl.int32)  # [EP] assignments per expert in chunks scanned so far
+    for start in range(0, num_chunks, CHUNK_ROWS):
+        rows = start + tl.arange(0, CHUNK_ROWS)
+        ptrs = rows[:, None] * E_PAD + e[None, :]
+        row_ok = rows[:, None] < num_chunks
+        tile = tl.load(hist_ptr + ptrs, mask=row_ok, other=0)  # [CR, EP]
+        before = tl.cumsum(tile, axis=0) - tile + running[None, :]
+        tl.store(chunk_base_ptr + ptrs, before, mask=row_ok)
+        running += tl.sum(tile, axis=0)
+    is_expert = e < num_experts
+    padded = tl.where(is_expert, (running + block_size - 1) // block_size * block_size, 0)  # [EP]
+    offsets = tl.cumsum(padded, axis=0) - padded  # [EP] exclusive; offsets[E] = rows used
+    tl.store(counts_ptr + e, running, mask=is_expert)
+    tl.store(offsets_ptr + e, offsets)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+
+
+@triton.jit
+def align_scatter_kernel(
+    ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr,
+    sorted_ids_ptr, expert_ids_ptr,
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_PAD: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < num_chunks:
+        # Chunk program: place this chunk's assignments.
+        lane = tl.arange(0, CHUNK)
+        offs = pid * CHUNK + lane
+        valid = offs < num_assignments
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
+        local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+        local = tl.where(valid, local, num_experts)
+        earlier_same = (local[:, None] == local[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
+        rank = tl.sum(earlier_same.to(tl.int32), axis=1)  # [C] rank among this chunk's rows of the expert
+        routed = local < num_experts
+        base = tl.load(offsets_ptr + local, mask=routed, other=0) + tl.load(
+            chunk_base_ptr + pid * E_PAD + local, mask=routed, other=0
+        )
+        tl.store(sorted_ids_ptr + base + rank, offs.to(tl.int32), mask=routed)
+    else:
+        # Block program: expert_ids of its blocks and the sentinel in their padding rows.
+        blocks = (pid - num_chunks) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+        starts = blocks * block_size  # [BP] first row of each block
+        e = tl.arange(0, E_PAD)
+        ends = tl.load(offsets_ptr + e + 1, mask=e < num_experts, other=2147483647)  # [EP] end row of expert e
+        expert = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), axis=1)  # [BP] the twin's searchsorted
+        used = starts < tl.load(num_padded_ptr)
+        tl.store(expert_ids_ptr + blocks, tl.where(used, expert, -1), mask=blocks < num_blocks)
+        safe = tl.where(used, expert, 0)
+        real_end = tl.load(offsets_ptr + safe) + tl.load(counts_ptr + safe)  # [BP] end of the expert's real rows
+        j = tl.arange(0, BLOCK_PAD)
+        rows = starts[:, None] + j[None, :]  # [BP, B]
+        pad = (~used[:, None]) | (rows >= real_end[:, None])
+        in_range = (j[None, :] < block_size) & (rows < num_rows)
+        sentinel = tl.full([BLOCKS_PER_PROGRAM, BLOCK_PAD], 0, tl.int32) + num_assignments
+        tl.store(sorted_ids_ptr + rows, sentinel, mask=pad & in_range)
+
+
+@triton.jit
+def align_naive_kernel(
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
+    num_assignments, num_experts, block_size,
+    A_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr,
+):
+    """The tiny-batch shortcut (A*4 <= E, no map): block a holds assignment a alone, in its first row."""
+    a = tl.arange(0, A_PAD)
+    valid = a < num_assignments
+    ids = tl.load(ids_ptr + a, mask=valid, other=-1).to(tl.int64)
+    local = local_expert_ids(ids, ids_ptr, num_experts, 0, False)
+    local = tl.where(valid, local, num_experts)
+    routed = local < num_experts
+    tl.store(expert_ids_ptr + a, tl.where(routed, local, -1).to(tl.int32), mask=valid)
+    hist = tl.histogram(local.to(tl.int32), E_PAD)
+    e = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + e, hist, mask=e < num_experts)
+    j = tl.arange(0, BLOCK_PAD)
+    value = tl.where((j[None, :] == 0) & routed[:, None], a[:, None], num_assignments)  # [A_PAD, B]
+    tl.store(sorted_ids_ptr + a[:, None] * block_size + j[None, :], value.to(tl.int32),
+             mask=valid[:, None] & (j[None, :] < block_size))
+    tl.store(num_padded_ptr, num_assignments * block_size)

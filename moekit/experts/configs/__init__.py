@@ -1,0 +1,146 @@
+"""Tuned launch configurations of the Triton experts kernels, as JSON data files.
+
+One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.json`` (device as
+``torch.cuda.get_device_name`` gives it, spaces -> ``_``), holding one entry per batch size M:
+
+    {"E": 128, "N": 768, "K": 2048, "dtype": "bfloat16", "device": "NVIDIA_H200",
+     "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
+
+``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
+GEMMs walk the same block-aligned layout. A lookup takes the entry of the nearest M (in log2 distance).
+
+Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
+``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
+``heuristic_config`` decides.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PACKAGED_DIR = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """The tile of one GEMM: BLOCK_N output columns x BLOCK_K reduction per step."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """A launch configuration of the fused experts path."""
+
+    BLOCK_M: int  # rows per block of the aligned layout; shared by both GEMMs
+    up: GemmTile  # gate-up GEMM: columns tile N, reduction over K
+    down: GemmTile  # down GEMM: columns tile K, reduction over N
+
+    def to_dict(self) -> dict:
+        return {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KernelConfig":
+        return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]))
+
+
+def device_key(device: torch.device | str | None = None) -> str:
+    """The device part of a config file name: 'NVIDIA_H200'; 'cpu' off CUDA."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_")
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_file_name(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> str:
+    return f"E{num_experts}_N{n}_K{k}_{dtype_key(dtype)}_{device}.json"
+
+
+def user_config_dirs() -> list[Path]:
+    """Directories searched before the packaged one, first wins."""
+    dirs = []
+    if os.environ.get("MOEKIT_CONFIG_DIR"):
+        dirs.append(Path(os.environ["MOEKIT_CONFIG_DIR"]))
+    xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    dirs.append(Path(xdg) / "moekit" / "configs")
+    return dirs
+
+
+def default_user_dir() -> Path:
+    """Where ``moekit tune`` writes: the first user directory."""
+    return user_config_dirs()[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _read(path: str, mtime: float) -> dict[int, KernelConfig]:
+    data = json.loads(Path(path).read_text())
+    return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
+
+
+def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> dict[int, KernelConfig] | None:
+    """The tuned entries {M: config} for this shape, from the first directory that has a file; else None."""
+    name = config_file_name(num_experts, n, k, dtype, device)
+    for directory in [*user_config_dirs(), PACKAGED_DIR]:
+        path = directory / name
+        if path.is_file():
+            return _read(str(path), path.stat().st_mtime)
+    return None
+
+
+def nearest(configs: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
+    """The entry whose M is nearest to ``num_tokens`` in log2 distance (ties: the smaller M)."""
+    target = math.log2(max(num_tokens, 1))
+    return configs[min(configs, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))]
+
+
+def heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> KernelConfig:
+    """The default when no tuned file matches. The tile height follows the mean rows per expert
+    m_e = M*k/E (the padding tax: a tile much taller than m_e is mostly padding)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert <= 16:
+        # Decode: a weight-streaming GEMV. Narrow column tiles give enough programs to fill the chip.
+        block_n_up = 32 if n <= 1024 else 64
+        return KernelConfig(16, GemmTile(block_n_up, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if rows_per_expert <= 48:
+        return KernelConfig(32, GemmTile(64, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if rows_per_expert <= 160:
+        return KernelConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 4))
+    return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+
+
+def get_config(
+    num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, device: str
+) -> KernelConfig:
+    """The tuned config of the nearest M for this shape, or the heuristic."""
+    configs = load_configs(num_experts, n, k, dtype, device)
+    if configs:
+        return nearest(configs, num_tokens)
+    return heuristic_config(num_tokens, num_experts, n, k, top_k)
+
+
+def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dtype, device: str,
+                  configs: dict[int, KernelConfig]) -> None:
+    """Write a config file atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "E": num_experts, "N": n, "K": k, "dtype": dtype_key(dtype), "device": device,
+        "configs": {str(m): configs[m].to_dict() for m in sorted(configs)},
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,306 @@
+"""Fused Triton experts: the default backend on CUDA.
+
+    [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + act-and-mul] -> [down GEMM x routed weight] -> [sum over k]
+
+Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
+gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
+activation is fused into that GEMM's epilogue); the routed weight is applied in the down GEMM's
+epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no expert map (vLLM's
+tiny-batch shortcut) no alignment runs: block a is assignment a.
+
+No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
+capturable and replays correctly with new routing. ``torch.ops.moekit.triton_experts`` and
+``torch.ops.moekit.align_block_triton`` are ``torch.library`` custom ops with fakes, so
+``torch.compile(fullgraph=True)`` traces through them.
+
+Torch twins: ``moekit.layouts.block_aligned.align_block`` (alignment, equal element for element) and
+``moekit.experts.reference`` (the GEMMs). The kernels are in ``moekit.experts._kernels``.
+
+On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, read when a kernel is
+decorated, so the kernel modules are imported lazily). The interpreter's bf16 ``tl.dot`` is wrong, so
+there the operands are upcast to float32 first; and its float -> bf16 conversion truncates instead of
+rounding (measured: 2x the rounding error), so there the [A, N] and [A, K] workspaces are float32.
+Everything else runs as on the GPU.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B = BLOCK_M.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+from moekit.experts import check_experts_args
+from moekit.experts.configs import KernelConfig, device_key, get_config
+from moekit.layouts.block_aligned import NAIVE_SPARSITY_FACTOR, BlockAlignedLayout
+
+_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ALIGN_CHUNK = 128  # assignments per chunk program; the in-chunk rank is a [C, C] compare (16k lanes)
+
+# Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
+POISON_WORKSPACE = False
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_available(device: torch.device | str) -> bool:
+    """True on CUDA with Triton importable; on the CPU only under ``TRITON_INTERPRET=1`` (so ``auto``
+    never picks the interpreter on its own)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def _kernels(name: str):
+    return importlib.import_module(f"moekit.experts._kernels.{name}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def use_naive(num_assignments: int, num_experts: int, expert_map: torch.Tensor | None) -> bool:
+    """vLLM's shortcut condition, as ``align_block`` applies it."""
+    return expert_map is None and num_assignments * NAIVE_SPARSITY_FACTOR <= num_experts
+
+
+def max_padded_rows(num_assignments: int, num_experts: int, block_size: int) -> int:
+    """R, as ``align_block`` sizes it: A + min(E, A)*(B-1)."""
+    return num_assignments + min(num_experts, num_assignments) * (block_size - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Alignment
+# ---------------------------------------------------------------------------------------------------
+
+
+def _align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None,
+                num_rows: int):
+    """Launch the sorted alignment; sorted_ids gets ``num_rows`` rows (>= R; the rest are padding)."""
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)  # [A]
+    num_assignments = ids.numel()
+    e_pad = _next_pow2(num_experts + 1)
+    num_chunks = triton_cdiv(num_assignments, _ALIGN_CHUNK)
+    num_blocks = triton_cdiv(num_rows, block_size)
+    i32 = dict(dtype=torch.int32, device=device)
+    hist = torch.empty(max(num_chunks, 1), e_pad, **i32)  # [chunks, EP]
+    chunk_base = torch.empty_like(hist)  # [chunks, EP]
+    counts = torch.empty(num_experts, **i32)  # [E]
+    offsets = torch.empty(e_pad, **i32)  # [EP]; offsets[E] = rows used
+    num_padded = torch.empty(1, **i32)
+    sorted_ids = torch.empty(num_rows, **i32)  # [rows]
+    expert_ids = torch.empty(num_blocks, **i32)  # [rows / B]
+    has_map = expert_map is not None
+    map_arg = expert_map if has_map else ids
+    num_global = expert_map.numel() if has_map else 0
+    k = _kernels("align")
+    if num_chunks:
+        k.align_hist_kernel[(num_chunks,)](
+            ids, map_arg, hist, num_assignments, num_experts, num_global,
+            CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map,
+        )
+    chunk_rows = max(1, min(_next_pow2(max(num_chunks, 1)), 8192 // e_pad))
+    k.align_scan_kernel[(1,)](
+        hist, chunk_base, counts, offsets, num_padded, num_chunks, num_experts, block_size,
+        CHUNK_ROWS=chunk_rows, E_PAD=e_pad,
+    )
+    blocks_per_program = max(1, min(_next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    grid = num_chunks + triton_cdiv(num_blocks, blocks_per_program)
+    if grid:
+        k.align_scatter_kernel[(grid,)](
+            ids, map_arg, chunk_base, offsets, counts, num_padded, sorted_ids, expert_ids,
+            num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
+            CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_PROGRAM=blocks_per_program,
+            BLOCK_PAD=_next_pow2(block_size), HAS_MAP=has_map,
+        )
+    return sorted_ids, expert_ids, num_padded, counts
+
+
+def _align_naive(topk_ids: torch.Tensor, num_experts: int, block_size: int):
+    device = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    num_assignments = ids.numel()
+    i32 = dict(dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(num_assignments * block_size, **i32)
+    expert_ids = torch.empty(num_assignments, **i32)
+    counts = torch.empty(num_experts, **i32)
+    num_padded = torch.empty(1, **i32)
+    _kernels("align").align_naive_kernel[(1,)](
+        ids, sorted_ids, expert_ids, counts, num_padded, num_assignments, num_experts, block_size,
+        A_PAD=_next_pow2(max(num_assignments, 1)), E_PAD=_next_pow2(num_experts + 1),
+        BLOCK_PAD=_next_pow2(block_size),
+    )
+    return sorted_ids, expert_ids, num_padded, counts
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@torch.library.custom_op("moekit::align_block_triton", mutates_args=())
+def _align_op(
+    topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor], allow_naive: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_assignments = topk_ids.numel()
+    if allow_naive and use_naive(num_assignments, num_experts, expert_map):
+        return _align_naive(topk_ids.contiguous(), num_experts, block_size)
+    num_rows = max_padded_rows(num_assignments, num_experts, block_size)
+    return _align_into(topk_ids.contiguous(), num_experts, block_size, expert_map, num_rows)
+
+
+@_align_op.register_fake
+def _align_fake(topk_ids, num_experts, block_size, expert_map, allow_naive):
+    num_assignments = topk_ids.numel()
+    if allow_naive and use_naive(num_assignments, num_experts, expert_map):
+        rows, blocks = num_assignments * block_size, num_assignments
+    else:
+        rows = max_padded_rows(num_assignments, num_experts, block_size)
+        blocks = triton_cdiv(rows, block_size)
+    new = dict(dtype=torch.int32, device=topk_ids.device)
+    return (torch.empty(rows, **new), torch.empty(blocks, **new), torch.empty(1, **new),
+            torch.empty(num_experts, **new))
+
+
+def align_block_triton(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_size: int,
+    expert_map: torch.Tensor | None = None,
+    allow_naive: bool = True,
+) -> BlockAlignedLayout:
+    """``align_block`` on the device (Triton kernels, no host sync); equal to it element for element."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be an int32/int64 tensor of shape [M, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if num_experts < 1 or block_size < 1:
+        raise ValueError(f"num_experts and block_size must be >= 1, got {num_experts}, {block_size}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != topk_ids.device):
+        raise ValueError(f"expert_map must be 1-D on {topk_ids.device}, got {tuple(expert_map.shape)} on {expert_map.device}")
+    sorted_ids, expert_ids, num_padded, counts = torch.ops.moekit.align_block_triton(
+        topk_ids, num_experts, block_size, expert_map, allow_naive
+    )
+    num_assignments = topk_ids.numel()
+    return BlockAlignedLayout(
+        sorted_ids=sorted_ids, expert_ids=expert_ids, num_padded=num_padded, counts=counts,
+        block_size=block_size, top_k=topk_ids.shape[1], num_assignments=num_assignments,
+        naive=allow_naive and use_naive(num_assignments, num_experts, expert_map),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fused experts path
+# ---------------------------------------------------------------------------------------------------
+
+
+def _workspace(shape, dtype, device) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype, device=device)
+    return buf.fill_(float("nan")) if POISON_WORKSPACE else buf
+
+
+def fused_experts(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K]
+    w2: torch.Tensor,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup."""
+    num_tokens, hidden = x.shape
+    num_experts, two_n, _ = w13.shape
+    n = two_n // 2
+    top_k = topk_ids.shape[1]
+    num_assignments = num_tokens * top_k
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [M, K]
+    if num_assignments == 0:
+        return out
+    if config is None:
+        config = get_config(num_tokens, num_experts, n, hidden, top_k, x.dtype, device_key(x.device))
+    ids = topk_ids.contiguous().view(-1)  # [A]
+    weights = topk_weights.contiguous().view(-1)  # [A]
+    naive = use_naive(num_assignments, num_experts, expert_map)
+    block_m = 16 if naive else config.BLOCK_M
+    if naive:
+        sorted_ids = expert_ids = num_padded = ids  # unused: block a is assignment a, expert ids[a]
+        num_pid_m = num_assignments
+    else:
+        num_rows = max_padded_rows(num_assignments, num_experts, block_m)
+        num_pid_m = triton_cdiv(num_rows, block_m)
+        sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
+    common = dict(
+        NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )
+    gemm = _kernels("gemm")
+    work_dtype = torch.float32 if interpreting() else x.dtype
+    h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
+    up = config.up
+    gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
+        x, w13, h, ids, sorted_ids, expert_ids, num_padded,
+        n, hidden, num_assignments, top_k, num_experts, num_pid_m,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
+        BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
+        ACT=_ACTIVATIONS[activation], num_warps=up.num_warps, num_stages=up.num_stages, **common,
+    )
+    y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
+    down = config.down
+    gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
+        h, w2, y, weights, ids, sorted_ids, expert_ids, num_padded,
+        hidden, n, num_assignments, num_experts, num_pid_m,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
+        num_warps=down.num_warps, num_stages=down.num_stages, **common,
+    )
+    has_map = expert_map is not None
+    block_t, block_k = 4, min(256, _next_pow2(hidden))
+    _kernels("combine").sum_slots_kernel[(triton_cdiv(num_tokens, block_t), triton_cdiv(hidden, block_k))](
+        y, ids, expert_map if has_map else ids, out,
+        num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0,
+        y.stride(0), out.stride(0), out.stride(1),
+        BLOCK_T=block_t, BLOCK_K=block_k, HAS_MAP=has_map,
+    )
+    return out
+
+
+@torch.library.custom_op("moekit::triton_experts", mutates_args=())
+def _experts_op(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    expert_map: Optional[torch.Tensor], activation: str,
+) -> torch.Tensor:
+    return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+
+
+@_experts_op.register_fake
+def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation):
+    return x.new_empty(x.shape)
+
+
+def experts_triton(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K]
+    w2: torch.Tensor,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts contract (see ``moekit.experts``) on fused Triton kernels; returns [M, K] in x.dtype."""
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be one of {_DTYPES} for the triton backend, got {x.dtype}")
+    if not is_available(x.device):
+        raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation)

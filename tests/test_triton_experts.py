@@ -1,0 +1,281 @@
+"""The Triton experts backend on the CPU, under Triton's interpreter (TRITON_INTERPRET=1), small shapes.
+
+Chain: triton kernels vs the torch twins (``align_block`` exactly; ``experts_reference`` within the
+dtype's tolerance on a float64 reference). Intermediate buffers are filled with NaN before every run
+(``POISON_WORKSPACE``), so a read of an unwritten row shows up as NaN in the output.
+
+What the interpreter cannot run and the device run covers instead: bf16 ``tl.dot`` (upcast here),
+bf16 rounding of the intermediates (float32 here), timing, CUDA graphs, int64 offsets past 2^31.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+
+def _purge(prefix: str) -> None:
+    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+def _purge_kernels():
+    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the new setting.
+    _purge("moekit.experts._kernels")
+
+
+# Triton's own library functions (tl.zeros, tl.cumsum, ...) are decorated when triton is imported, so
+# the interpreter needs TRITON_INTERPRET=1 *before* that import. Set it for the import only (the fixture
+# below sets it again for this module's tests); if triton came in earlier without it, import it afresh.
+_saved_env = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(triton.language.standard.zeros, InterpretedFunction):
+        _purge("triton")
+        import triton  # noqa: F811
+finally:
+    if _saved_env is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        _purge_kernels()
+        import moekit.experts.triton as tri
+
+        mp.setattr(tri, "POISON_WORKSPACE", True)
+        yield tri
+    _purge_kernels()
+
+
+from moekit.experts import available_backends  # noqa: E402
+from moekit.experts.configs import (  # noqa: E402
+    GemmTile, KernelConfig, config_file_name, get_config, heuristic_config, load_configs, nearest, write_configs,
+)
+from moekit.experts.reference import experts_reference  # noqa: E402
+from moekit.layouts.block_aligned import align_block  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output: an unwritten row was read"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _problem(m, k, e, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k, dtype=torch.int32)
+    weights = torch.rand(m, k, generator=g)
+    return x, w13, w2, ids, weights
+
+
+def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
+    out = tri.experts_triton(x, w13, w2, ids, weights, expert_map=expert_map, activation=activation)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights, expert_map=expert_map, activation=activation)
+    if x.shape[0]:
+        assert _rel_err(out, ref) < TOL[x.dtype]
+    return out
+
+
+# --- alignment: exactly the torch twin --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [0, 1, 3, 33])
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("e,block", [(8, 4), (64, 16), (3, 16)])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_align_equals_twin(interpreter, m, k, e, block, with_map):
+    g = torch.Generator().manual_seed(m * 100 + k * 10 + e)
+    ids = torch.randint(-1, e + 2, (m, k), generator=g, dtype=torch.int32)  # includes skipped ids (-1, >= E)
+    expert_map = None
+    if with_map:
+        expert_map = torch.randperm(e + 2, generator=g).int() - 2  # [E+2]: two entries -1/-2 -> not here
+        expert_map[expert_map == -2] = -1
+    for allow_naive in (True, False):
+        want = align_block(ids, e, block, expert_map, allow_naive)
+        got = interpreter.align_block_triton(ids, e, block, expert_map, allow_naive)
+        assert got.naive == want.naive
+        for field in ("sorted_ids", "expert_ids", "num_padded", "counts"):
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b), field
+
+
+def test_align_many_chunks(interpreter):
+    # More assignments than one chunk (128): the cross-chunk scan must keep each expert's rows in a-order.
+    ids = torch.randint(0, 5, (150, 3), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
+    want, got = align_block(ids, 5, 16), interpreter.align_block_triton(ids, 5, 16)
+    assert torch.equal(got.sorted_ids, want.sorted_ids) and torch.equal(got.expert_ids, want.expert_ids)
+
+
+# --- the fused experts path vs the reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("m", [0, 1, 3, 33])
+def test_experts_odd_shapes(interpreter, m, k, dtype):
+    # K = 33 and N = 17 are multiples of no block: every tail is masked. E = 8 with k = 1, m <= 1 takes
+    # the naive (no-alignment) path; the rest aligns.
+    _check(interpreter, *_problem(m, k, 8, 33, 17, dtype, seed=m + k))
+
+
+def test_naive_path_with_many_experts(interpreter):
+    x, w13, w2, ids, weights = _problem(3, 2, 32, 33, 17, torch.float32)  # A*4 = 24 <= 32: naive
+    assert interpreter.use_naive(ids.numel(), 32, None)
+    _check(interpreter, x, w13, w2, ids, weights)
+
+
+def test_empty_experts_and_all_on_one(interpreter):
+    x, w13, w2, _, weights = _problem(33, 2, 8, 33, 17, torch.float32)
+    ids = torch.stack([torch.full((33,), 5), torch.full((33,), 2)], 1).int()  # six experts stay empty
+    _check(interpreter, x, w13, w2, ids, weights)
+    ids = torch.full((33, 2), 7, dtype=torch.int32)  # every assignment on one expert, rows > one block
+    _check(interpreter, x, w13, w2, ids, weights)
+
+
+def test_expert_map_and_skipped_ids(interpreter):
+    x, w13, w2, _, weights = _problem(33, 6, 8, 33, 17, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 14, (33, 6), generator=g, dtype=torch.int32)  # global ids, -1 and >= 12 skipped
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, -1, 6, 7, -1], dtype=torch.int32)  # [12] global -> local
+    _check(interpreter, x, w13, w2, ids, weights, expert_map=expert_map)
+    _check(interpreter, x, w13, w2, ids, weights)  # no map: ids >= E are transformers' EP skip marker
+
+
+def test_non_contiguous_inputs(interpreter):
+    x, w13, w2, ids, weights = _problem(33, 2, 8, 33, 17, torch.float32)
+    x_nc = torch.cat([x, x], 1)[:, ::2]  # [M, K] with column stride 2
+    x_nc.copy_(x)
+    w13_nc = w13.transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2N, K] with K-stride 2N
+    w2_nc = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    ids_nc, weights_nc = ids.t().contiguous().t(), weights.t().contiguous().t()
+    assert not any(t.is_contiguous() for t in (x_nc, w13_nc, w2_nc, ids_nc, weights_nc))
+    _check(interpreter, x_nc, w13_nc, w2_nc, ids_nc, weights_nc)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_activations(interpreter, activation):
+    _check(interpreter, *_problem(3, 2, 8, 33, 17, torch.float32), activation=activation)
+
+
+def test_nan_padding_never_leaks(interpreter):
+    # Padding rows of x's gather are masked; poisoned (NaN) workspace rows are never read. A token routed
+    # nowhere gets exact zeros.
+    x, w13, w2, ids, weights = _problem(3, 2, 8, 33, 17, torch.float32)
+    ids[1] = -1
+    out = _check(interpreter, x, w13, w2, ids, weights)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_explicit_configs_agree(interpreter):
+    x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, torch.float32)
+    ref = experts_reference(x, w13, w2, ids, weights)
+    for block_m in (16, 32):
+        cfg = KernelConfig(block_m, GemmTile(16, 32, 2, 4, 2), GemmTile(32, 16, 1, 4, 2))
+        out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
+        assert _rel_err(out, ref.double()) < 1e-5
+
+
+def test_bad_arguments(interpreter):
+    x, w13, w2, ids, weights = _problem(3, 2, 8, 33, 17, torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        interpreter.experts_triton(x, w13, w2, ids, weights, activation="tanh")
+    with pytest.raises(TypeError, match="x must be one of"):
+        interpreter.experts_triton(x.double(), w13.double(), w2.double(), ids, weights)
+    with pytest.raises(ValueError, match="w2"):
+        interpreter.experts_triton(x, w13, w2[:, :, :5], ids, weights)
+
+
+# --- availability, registration, compile -------------------------------------------------------------
+
+
+def test_availability(interpreter, monkeypatch):
+    assert interpreter.is_available("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not interpreter.is_available("cpu")
+    assert "triton" not in available_backends("cpu")  # auto on the CPU never picks the interpreter
+
+
+def test_opcheck(interpreter):
+    x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
+    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu"))
+    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False))
+    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids[:1, :1], 8, 16, None, True))
+
+
+def test_moe_compiles_fullgraph(interpreter, monkeypatch):
+    import moekit.layer
+    from moekit.config import MoEConfig
+    from moekit.layer import MoE
+
+    def run_triton(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None, backend="auto"):
+        return interpreter.experts_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+
+    # The registry's backend resolution (importlib) cannot be traced yet; the layer calls this backend directly.
+    monkeypatch.setattr(moekit.layer, "run_experts", run_triton)
+    torch.manual_seed(0)
+    # nonfinite="raise" (the default) checks the logits on the host, which fullgraph cannot trace.
+    config = MoEConfig(hidden_size=33, moe_intermediate_size=17, num_experts=8, top_k=2, nonfinite="mask")
+    layer = MoE(config, backend="triton")
+    x = torch.randn(2, 3, 33)
+    with torch.no_grad():  # forward only: the triton ops have no backward
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager)
+    monkeypatch.undo()
+    layer.backend = "reference"
+    with torch.no_grad():
+        torch.testing.assert_close(eager, layer(x), rtol=1e-5, atol=1e-5)
+
+
+# --- tuned config files ------------------------------------------------------------------------------
+
+
+def test_config_lookup_nearest_and_user_dir(interpreter, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    small = KernelConfig(16, GemmTile(32, 128), GemmTile(64, 128))
+    big = KernelConfig(64, GemmTile(64, 64, 8), GemmTile(128, 64, 8, 8, 3))
+    path = tmp_path / config_file_name(8, 17, 33, torch.float32, "cpu")
+    write_configs(path, 8, 17, 33, torch.float32, "cpu", {1: small, 256: big})
+    assert json.loads(path.read_text())["configs"]["256"]["up"]["BLOCK_N"] == 64
+    assert load_configs(8, 17, 33, torch.float32, "cpu") == {1: small, 256: big}
+    assert get_config(3, 8, 17, 33, 2, torch.float32, "cpu") == small  # log2 distance: 3 is nearer 1 than 256
+    assert get_config(64, 8, 17, 33, 2, torch.float32, "cpu") == big
+    assert nearest({1: small, 256: big}, 16) == small  # equal distance: the smaller M
+    # The file changes the launch, and the result stays right.
+    _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float32))
+
+
+def test_heuristic_without_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert load_configs(7, 5, 3, torch.bfloat16, "nowhere") is None
+    assert get_config(1, 7, 5, 3, 2, torch.bfloat16, "nowhere") == heuristic_config(1, 7, 5, 3, 2)
+    heights = [heuristic_config(m, 128, 768, 2048, 8).BLOCK_M for m in (1, 64, 512, 4096, 16384)]
+    assert heights == sorted(heights) and heights[0] == 16 and heights[-1] == 128
+
+
+def test_packaged_configs_parse():
+    from moekit.experts.configs import PACKAGED_DIR
+
+    for path in PACKAGED_DIR.glob("*.json"):
+        data = json.loads(path.read_text())
+        assert path.name == config_file_name(data["E"], data["N"], data["K"], getattr(torch, data["dtype"]), data["device"])
+        for entry in data["configs"].values():
+            KernelConfig.from_dict(entry)
