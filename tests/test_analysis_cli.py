@@ -91,3 +91,19 @@ def test_unsupported_dtype_on_gpu_is_a_clear_error():
         main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "a100", "--dtype", "fp8"])
     with pytest.raises(SystemExit, match="gpu must be one of"):
         main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "tpu"])
+
+
+def test_expert_load(capsys, tmp_path):
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps([100] * 8))
+    uniform = run_json(capsys, *TINY, "--batches", "1", "4")
+    balanced = run_json(capsys, *TINY, "--batches", "1", "4", "--expert-load", str(path))
+    assert balanced["rows"][1]["experts_touched"] == pytest.approx(uniform["rows"][1]["experts_touched"])
+    assert balanced["half_batch"] == pytest.approx(uniform["half_batch"])
+    path.write_text(json.dumps([50, 50, 0, 0, 0, 0, 0, 0]))  # 50 tokens, all on experts 0 and 1
+    pinned = run_json(capsys, *TINY, "--batches", "4", "--expert-load", str(path))
+    assert pinned["rows"][0]["experts_touched"] == pytest.approx(2)
+    assert pinned["half_batch"] is None and pinned["routing"].startswith("measured load")
+    path.write_text(json.dumps([1, 2, 3]))
+    with pytest.raises(SystemExit, match="list of 8"):
+        main(["analyze", *TINY, "--expert-load", str(path)])

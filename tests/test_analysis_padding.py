@@ -13,6 +13,7 @@ from moekit.analysis.padding import (
     masked_padding_factor_from_counts,
     padding_factor,
     padding_factor_from_counts,
+    padding_factor_from_inclusion,
 )
 from moekit.layouts.block_aligned import align_block
 from moekit.layouts.contiguous import permute_contiguous
@@ -69,3 +70,24 @@ def test_masked_from_counts():
     assert masked_padding_factor_from_counts([8, 0, 0, 0], 4) == 4.0  # every expert gets the busiest's rows
     with pytest.raises(ValueError, match="all zero"):
         padding_factor_from_counts([0, 0], 16)
+
+
+def test_padding_under_skew_matches_simulation():
+    rng = np.random.default_rng(4)
+    weights = 1.0 / np.arange(1, 33) ** 1.2  # Zipf-like over 32 experts, k = 4
+    calibration = simulate_counts(rng, 1, 200_000, 32, 4, weights)[0]  # [E]
+    inclusion = calibration / 200_000
+    counts = simulate_counts(rng, 1000, 40, 32, 4, weights)  # [T, E]
+    for block in (16, 64):
+        factor = (-(-counts // block) * block).sum(axis=1) / (40 * 4)  # [T]
+        assert within(factor, padding_factor_from_inclusion(40, inclusion, block), sigmas=6)
+        assert padding_factor_from_inclusion(40, inclusion, block) < padding_factor(40, 32, 4, block)
+
+
+def test_padding_from_inclusion_reduces_to_uniform():
+    for batch, block in ((1, 16), (64, 16), (512, 128)):
+        assert padding_factor_from_inclusion(batch, np.full(256, 8 / 256), block) == pytest.approx(
+            padding_factor(batch, 256, 8, block))
+    pinned = np.zeros(8)
+    pinned[:2] = 1.0  # every token on experts 0 and 1: 5 rows each, padded to 8
+    assert padding_factor_from_inclusion(5, pinned, 4) == pytest.approx(16 / 10)

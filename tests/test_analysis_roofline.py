@@ -1,5 +1,6 @@
 """Roofline: FLOPs, bytes, intensity and its limits, the ridge batch, time floors, the seed's numbers."""
 
+import numpy as np
 import pytest
 
 from moekit.analysis.formats import get_format
@@ -76,3 +77,19 @@ def test_dense_floor():
     # another chapter, which is 15.0 GB). Memory-bound at batch 1, compute-bound past the dense crossover.
     assert dense_step_floor_s(8e9, 1, bf16, H100) == pytest.approx(16e9 / 3.35e12)
     assert dense_step_floor_s(8e9, 4096, bf16, H100) == pytest.approx(2 * 8e9 * 4096 / 989.4e12)
+
+
+def test_skewed_inclusion():
+    fp8 = get_format("fp8")
+    uniform = np.full(256, 8 / 256)
+    for b in (1, 64, 4096):
+        assert batch_cost(V3, b, fp8, H100, uniform).weight_bytes == pytest.approx(
+            batch_cost(V3, b, fp8, H100).weight_bytes)
+    assert ridge_batch(V3, fp8, H100, uniform) == pytest.approx(ridge_batch(V3, fp8, H100))
+    skewed = np.zeros(256)
+    skewed[:16] = 0.5  # 16 hot experts, each in half the tokens
+    cost = batch_cost(V3, 64, fp8, H100, skewed)
+    assert cost.experts_touched == pytest.approx(16) and cost.intensity > batch_cost(V3, 64, fp8, H100).intensity
+    assert ridge_batch(V3, fp8, H100, skewed) == pytest.approx(591 * 16 / 16, rel=1e-3)  # b_w·I*·16/(2k)
+    with pytest.raises(ValueError, match="sum to top_k"):
+        batch_cost(V3, 8, fp8, H100, np.full(256, 1 / 256))

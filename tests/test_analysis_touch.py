@@ -8,6 +8,7 @@ import pytest
 from _routing_sim import simulate_counts, within
 from moekit.analysis.touch import (
     batch_for_fraction,
+    batch_for_fraction_from_inclusion,
     experts_touched,
     experts_touched_from_counts,
     experts_touched_from_inclusion,
@@ -84,3 +85,15 @@ def test_touched_from_counts():
     with pytest.raises(ValueError, match="counts"):
         inclusion_from_counts([5, 1], 4)
     assert math.isclose(experts_touched_from_inclusion(3, [1.0, 0.0, 0.5]), 1 + 0 + 0.875)
+
+
+def test_batch_for_fraction_under_skew():
+    uniform = np.full(256, 8 / 256)
+    assert batch_for_fraction_from_inclusion(0.5, uniform) == pytest.approx(batch_for_fraction(0.5, 256, 8))
+    skewed = inclusion_from_weights(1.0 / np.arange(1, 257), 8)
+    b = batch_for_fraction_from_inclusion(0.5, skewed)
+    assert b > batch_for_fraction(0.5, 256, 8)  # skew reaches half the experts later
+    assert experts_touched_from_inclusion(b, skewed) == pytest.approx(128)
+    idle = np.zeros(8)
+    idle[:2] = 1.0  # every token goes to experts 0 and 1: 6 of 8 are never touched
+    assert batch_for_fraction_from_inclusion(0.5, idle) == math.inf

@@ -50,6 +50,22 @@ def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -
     return num_experts * float(pmf @ rows)
 
 
+def padding_factor_from_inclusion(batch: int, inclusion: Sequence[float] | np.ndarray, block: int) -> float:
+    """Expected padding factor under skewed routing: tokens are independent, so expert e's rows are
+    exactly Binomial(B, inclusion[e]); real rows are B·k with k = sum(inclusion)."""
+    pi = np.asarray(inclusion, dtype=np.float64)  # [E]
+    if batch < 1 or block < 1 or pi.ndim != 1 or pi.min() < 0 or pi.max() > 1:
+        raise ValueError(f"need batch >= 1, block >= 1 and inclusion probabilities in [0, 1]; got {batch}, {block}")
+    m = np.arange(batch + 1, dtype=np.float64)  # [B+1]
+    rows = np.ceil(m / block) * block  # [B+1]; padded rows of an expert with m rows
+    inner = pi[(pi > 0) & (pi < 1)]  # [E']; p = 0 costs no rows, p = 1 costs rows[B]
+    log_choose = math.lgamma(batch + 1) - np.array([math.lgamma(v + 1) + math.lgamma(batch - v + 1) for v in m])
+    log_pmf = log_choose + m * np.log(inner)[:, None] + (batch - m) * np.log1p(-inner)[:, None]  # [E', B+1]
+    padded = float((np.exp(log_pmf) @ rows).sum())  # an empty [0] sum is 0
+    padded += np.count_nonzero(pi == 1) * rows[batch]
+    return padded / (batch * pi.sum())
+
+
 def padding_factor(batch: int, num_experts: int, top_k: int, block: int) -> float:
     """Expected padded rows / real rows (B·k) for block height ``block``; >= 1, → 1 as B grows."""
     if batch < 1:

@@ -7,22 +7,26 @@ Shapes: B = tokens in the batch, E = routed experts, k = experts per token.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from moekit.analysis.bills import ParamBill, param_bill
 from moekit.analysis.formats import FORMATS, WeightFormat
 from moekit.analysis.gpus import GpuSpec
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, Fit, MemoryBill, fit_on_gpus, weight_memory
-from moekit.analysis.padding import padding_factor
+from moekit.analysis.padding import padding_factor, padding_factor_from_inclusion
 from moekit.analysis.roofline import (
     BatchCost,
     asymptotic_slope,
     batch_cost,
     dense_step_floor_s,
     intensity_at_batch_one,
+    check_inclusion,
     ridge_batch,
 )
-from moekit.analysis.touch import batch_for_fraction
+from moekit.analysis.touch import batch_for_fraction, batch_for_fraction_from_inclusion
 from moekit.config import MoEConfig
 
 DEFAULT_BATCHES = (1, 8, 32, 64, 128, 256, 512, 4096)
@@ -34,7 +38,7 @@ class SweepRow:
     """One batch size: the byte model of one MoE layer plus whole-model comparisons."""
 
     cost: BatchCost
-    padding: dict[int, float]  # block height -> expected padded rows / real rows
+    padding: dict[int, float]  # block height -> expected padded rows / real rows (same routing as ``cost``)
     model_step_floor_s: float | None  # routed-expert step floor + the other matmul weights; None without a bill
     dense_same_active_step_floor_s: float | None  # a dense model with this model's active matmul parameters
     dense_same_total_step_floor_s: float | None  # a dense model with all of this model's matmul parameters
@@ -55,12 +59,14 @@ class Report:
 
     model: str  # preset name, config path, or "custom"
     config: MoEConfig
+    routing: str  # "uniform", or where the per-expert load came from
+    inclusion: np.ndarray | None  # [E] per-token probability of each expert (sums to k); None = uniform
     gpu: GpuSpec
     fmt: WeightFormat
     ridge_intensity: float  # I*: the GPU's FLOP per byte in the format's compute dtype
     intensity_at_batch_one: float  # 2 / b_w
     asymptotic_slope: float  # 2k / (b_w·E), FLOP per byte per token
-    half_batch: float  # B_1/2
+    half_batch: float  # B_1/2 (inf when skew leaves over half the experts idle)
     batch_95: float  # B_0.95
     ridge_batch: float  # batch where I(B) = I*
     rows: list[SweepRow]
@@ -77,22 +83,33 @@ def analyze(
     num_gpus: int = 1,
     utilization: float = DEFAULT_UTILIZATION,
     reserve_gib: float = DEFAULT_RESERVE_GIB,
+    inclusion: np.ndarray | None = None,
+    routing: str = "uniform",
 ) -> Report:
-    """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills."""
+    """Sweep ``batches`` for one MoE layer of ``config``; with ``hf_config`` add the whole-model bills.
+    ``inclusion`` [E] replaces uniform routing with a measured per-expert load."""
     bills = _bills(hf_config, gpu, fmt, num_gpus, utilization, reserve_gib) if hf_config is not None else None
     e, k = config.num_experts, config.top_k
+    if inclusion is not None:
+        check_inclusion(config, inclusion)
+        half, b95 = (batch_for_fraction_from_inclusion(p, inclusion) for p in (0.5, 0.95))
+    else:
+        half, b95 = (batch_for_fraction(p, e, k) for p in (0.5, 0.95))
+    params = bills.params if bills else None
     return Report(
         model=model,
         config=config,
+        routing=routing,
+        inclusion=inclusion,
         gpu=gpu,
         fmt=fmt,
         ridge_intensity=gpu.ridge_intensity(fmt.compute_dtype),
         intensity_at_batch_one=intensity_at_batch_one(fmt),
         asymptotic_slope=asymptotic_slope(config, fmt),
-        half_batch=batch_for_fraction(0.5, e, k),
-        batch_95=batch_for_fraction(0.95, e, k),
-        ridge_batch=ridge_batch(config, fmt, gpu),
-        rows=[_row(config, b, fmt, gpu, bills.params if bills else None) for b in batches],
+        half_batch=half,
+        batch_95=b95,
+        ridge_batch=ridge_batch(config, fmt, gpu, inclusion),
+        rows=[_row(config, b, fmt, gpu, params, inclusion) for b in batches],
         bills=bills,
     )
 
@@ -105,9 +122,13 @@ def _bills(hf_config: dict, gpu: GpuSpec, fmt: WeightFormat, num_gpus: int, util
     return ModelBills(params, memory, fit)
 
 
-def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None) -> SweepRow:
-    cost = batch_cost(config, batch, fmt, gpu)
-    padding = {b: padding_factor(batch, config.num_experts, config.top_k, b) for b in PADDING_BLOCKS}
+def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None,
+         inclusion: np.ndarray | None) -> SweepRow:
+    cost = batch_cost(config, batch, fmt, gpu, inclusion)
+    if inclusion is None:
+        padding = {b: padding_factor(batch, config.num_experts, config.top_k, b) for b in PADDING_BLOCKS}
+    else:
+        padding = {b: padding_factor_from_inclusion(batch, inclusion, b) for b in PADDING_BLOCKS}
     if params is None:
         return SweepRow(cost, padding, None, None, None)
     other = params.active_matmul - params.active_routed_experts  # attention, dense MLP, shared, router, head
@@ -135,6 +156,8 @@ def report_to_json(report: Report) -> dict:
     out = {
         "model": report.model,
         "config": dataclasses.asdict(report.config),
+        "routing": report.routing,
+        "inclusion": None if report.inclusion is None else report.inclusion.tolist(),
         "gpu": dataclasses.asdict(report.gpu),
         "dtype": report.fmt.name,
         "bytes_per_weight": report.fmt.bytes_per_weight,
@@ -142,8 +165,8 @@ def report_to_json(report: Report) -> dict:
         "ridge_intensity": report.ridge_intensity,
         "intensity_at_batch_one": report.intensity_at_batch_one,
         "asymptotic_slope": report.asymptotic_slope,
-        "half_batch": report.half_batch,
-        "batch_95": report.batch_95,
+        "half_batch": _finite_or_none(report.half_batch),
+        "batch_95": _finite_or_none(report.batch_95),
         "ridge_batch": report.ridge_batch,
         "rows": rows,
         "bills": None,
@@ -164,3 +187,8 @@ def _bills_to_json(bills: ModelBills) -> dict:
         },
         "fit": {**dataclasses.asdict(bills.fit), "fits": bills.fit.fits},
     }
+
+
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no infinity: an unreachable batch (skewed routing) is written as null."""
+    return x if math.isfinite(x) else None

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from moekit.analysis.formats import WeightFormat
 from moekit.analysis.gpus import GpuSpec
-from moekit.analysis.touch import experts_touched
+from moekit.analysis.touch import experts_touched, experts_touched_from_inclusion
 from moekit.config import MoEConfig
 
 ACTIVATION_BYTES = 2  # bf16 activations in and out of the layer
@@ -27,7 +29,7 @@ class BatchCost:
     """The byte model of one batch size; per-layer fields are for one MoE layer's routed experts."""
 
     batch: int  # B, tokens
-    experts_touched: float  # expected distinct experts read, k <= . <= E (uniform routing)
+    experts_touched: float  # expected distinct experts read, k <= . <= E
     flops: float  # B·k·6·K·N
     weight_bytes: float  # compulsory: experts_touched·3·K·N·b_w
     activation_bytes: float  # x read once and out written once: 2·B·K·2 (bf16)
@@ -45,20 +47,37 @@ def expert_params(cfg: MoEConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
-def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec) -> BatchCost:
-    """The byte model at one batch size. ``cfg.num_moe_layers`` None counts as one layer."""
+def touched(cfg: MoEConfig, batch: float, inclusion: np.ndarray | None = None) -> float:
+    """Expected experts touched: uniform routing, or skewed with per-expert ``inclusion`` [E] (sums to k)."""
+    if inclusion is None:
+        return experts_touched(batch, cfg.num_experts, cfg.top_k)
+    return experts_touched_from_inclusion(batch, inclusion)
+
+
+def check_inclusion(cfg: MoEConfig, inclusion: np.ndarray) -> None:
+    if inclusion.shape != (cfg.num_experts,) or not np.isclose(inclusion.sum(), cfg.top_k):
+        raise ValueError(f"inclusion must have shape [{cfg.num_experts}] and sum to top_k={cfg.top_k}, got shape "
+                         f"{inclusion.shape} summing to {inclusion.sum():.4g}")
+
+
+def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
+               inclusion: np.ndarray | None = None) -> BatchCost:
+    """The byte model at one batch size, for uniform routing or skewed ``inclusion`` [E].
+    ``cfg.num_moe_layers`` None counts as one layer."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    touched = experts_touched(batch, cfg.num_experts, cfg.top_k)
+    if inclusion is not None:
+        check_inclusion(cfg, inclusion)
+    touched_experts = touched(cfg, batch, inclusion)
     flops = batch * cfg.top_k * 2.0 * expert_params(cfg)
-    weight_bytes = touched * expert_params(cfg) * fmt.bytes_per_weight
+    weight_bytes = touched_experts * expert_params(cfg) * fmt.bytes_per_weight
     memory_s = weight_bytes / gpu.bandwidth_bytes_s
     compute_s = flops / gpu.flops_per_s(fmt.compute_dtype)
     floor = max(memory_s, compute_s)
     layers = cfg.num_moe_layers or 1
     return BatchCost(
         batch=batch,
-        experts_touched=touched,
+        experts_touched=touched_experts,
         flops=flops,
         weight_bytes=weight_bytes,
         activation_bytes=2.0 * batch * cfg.hidden_size * ACTIVATION_BYTES,
@@ -82,16 +101,17 @@ def asymptotic_slope(cfg: MoEConfig, fmt: WeightFormat) -> float:
     return 2.0 * cfg.top_k / (fmt.bytes_per_weight * cfg.num_experts)
 
 
-def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec) -> float:
+def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec, inclusion: np.ndarray | None = None) -> float:
     """The batch where I(B) reaches the GPU's ridge I* and the expert GEMMs turn compute-bound.
 
-    Solved exactly (I is increasing in B); once all experts are touched it is b_w·I*·E/(2k),
-    the dense crossover b_w·I*/2 multiplied by E/k. Returns 1.0 when batch 1 is already compute-bound.
+    Solved exactly (I is increasing in B, skewed or not); under uniform routing, once all experts are
+    touched it is b_w·I*·E/(2k), the dense crossover b_w·I*/2 multiplied by E/k. Returns 1.0 when
+    batch 1 is already compute-bound.
     """
     target = gpu.ridge_intensity(fmt.compute_dtype)
 
     def intensity(b: float) -> float:
-        return 2.0 * b * cfg.top_k / (fmt.bytes_per_weight * experts_touched(b, cfg.num_experts, cfg.top_k))
+        return 2.0 * b * cfg.top_k / (fmt.bytes_per_weight * touched(cfg, b, inclusion))
 
     if intensity(1.0) >= target:
         return 1.0

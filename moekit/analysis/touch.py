@@ -51,8 +51,28 @@ def experts_touched_from_inclusion(batch: float, inclusion: Sequence[float] | np
     return float(np.sum(1.0 - (1.0 - pi) ** batch))
 
 
+def batch_for_fraction_from_inclusion(fraction: float, inclusion: Sequence[float] | np.ndarray) -> float:
+    """The batch at which a fraction p of all E experts is touched on average under skewed routing,
+    solved by bisection (the expectation increases with B); ``inf`` when fewer than p·E experts ever
+    receive tokens."""
+    pi = np.asarray(inclusion, dtype=np.float64)  # [E]
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    target = fraction * pi.size
+    if np.count_nonzero(pi) <= target:
+        return math.inf
+    lo, hi = 0.0, 1.0
+    while experts_touched_from_inclusion(hi, pi) < target:
+        lo, hi = hi, hi * 2.0
+    for _ in range(100):  # bisection to float64 resolution
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if experts_touched_from_inclusion(mid, pi) < target else (lo, mid)
+    return hi
+
+
 def inclusion_from_counts(counts: Sequence[int] | np.ndarray, num_tokens: int) -> np.ndarray:
-    """Inclusion probabilities measured from per-expert counts over ``num_tokens`` tokens: counts / M."""
+    """Inclusion probabilities measured from per-expert counts over ``num_tokens`` tokens: counts / M.
+    Dropless routing gives every token k assignments, so M = sum(counts) / k when only counts are known."""
     c = np.asarray(counts, dtype=np.float64)  # [E]; c[e] = tokens routed to expert e
     if num_tokens < 1 or c.min() < 0 or c.max() > num_tokens:
         raise ValueError(f"counts must lie in [0, num_tokens={num_tokens}], got min {c.min()}, max {c.max()}")

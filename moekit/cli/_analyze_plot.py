@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moekit.analysis.padding import padding_factor
+from moekit.analysis.padding import padding_factor, padding_factor_from_inclusion
 from moekit.analysis.report import PADDING_BLOCKS, Report
 from moekit.analysis.roofline import batch_cost
 from moekit.cli._analyze_measure import Measurement
@@ -23,13 +23,13 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     cfg, fmt, gpu = report.config, report.fmt, report.gpu
     top = max(8192, int(report.ridge_batch * 2), max(r.cost.batch for r in report.rows))
     grid = np.unique(np.geomspace(1, top, GRID_POINTS).astype(int))  # [G] batches
-    costs = [batch_cost(cfg, int(b), fmt, gpu) for b in grid]
+    costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion) for b in grid]
     fig, axes = plt.subplots(2, 3 if measurement else 2, figsize=(16 if measurement else 11, 8.5))
     ax = axes.flat
     title = f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}"
     fig.suptitle(title)
 
-    ax[0].plot(grid, [c.experts_touched for c in costs], label="E_touched(B), uniform routing")
+    ax[0].plot(grid, [c.experts_touched for c in costs], label=f"E_touched(B), {report.routing}")
     ax[0].axhline(cfg.num_experts, color="gray", ls=":", label=f"E = {cfg.num_experts}")
     for b, name in ((report.half_batch, "B½"), (report.batch_95, "B95")):
         ax[0].axvline(b, color="gray", ls="--", lw=0.8)
@@ -51,8 +51,7 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
 
     pad_grid = grid[grid <= 16384]
     for block in PADDING_BLOCKS:
-        ax[3].plot(pad_grid, [padding_factor(int(b), cfg.num_experts, cfg.top_k, block) for b in pad_grid],
-                   label=f"block {block}")
+        ax[3].plot(pad_grid, [_padding(report, int(b), block) for b in pad_grid], label=f"block {block}")
     ax[3].set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
 
     if measurement:
@@ -64,6 +63,12 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _padding(report: Report, batch: int, block: int) -> float:
+    if report.inclusion is None:
+        return padding_factor(batch, report.config.num_experts, report.config.top_k, block)
+    return padding_factor_from_inclusion(batch, report.inclusion, block)
 
 
 def _overlay(ax, m: Measurement) -> None:

@@ -22,6 +22,7 @@ def print_report(report: Report, console: Console) -> None:
         f"{gpu.bandwidth_tb_s:g} TB/s, {gpu.dense_tflops[fmt.compute_dtype]:,.1f} TFLOP/s dense, "
         f"ridge I* = {report.ridge_intensity:,.1f} FLOP/B"
     )
+    console.print(f"routing: {report.routing}")
     console.print(
         f"B½ = {report.half_batch:.1f}   B95 = {report.batch_95:.1f}   ridge batch = {report.ridge_batch:,.0f}   "
         f"I(1) = {report.intensity_at_batch_one:.3g}   slope once all experts are touched = "
@@ -44,7 +45,7 @@ def print_report(report: Report, console: Console) -> None:
 
 
 def _sweep_table(report: Report) -> Table:
-    t = Table(title="One MoE layer (routed experts), uniform routing")
+    t = Table(title=f"One MoE layer (routed experts), {'uniform' if report.inclusion is None else 'measured'} routing")
     for col in ("batch", "experts touched", "% of E", "GFLOP", "weight GB", "FLOP/B", "floor µs", "bound"):
         t.add_column(col, justify="right")
     for row in report.rows:

@@ -12,10 +12,13 @@ import dataclasses
 import json
 import sys
 
+import numpy as np
+
 from moekit.analysis.formats import FORMATS, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
+from moekit.analysis.touch import inclusion_from_counts
 from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset, preset_names
 
@@ -31,6 +34,8 @@ def register(subparsers) -> None:
     src.add_argument("--hidden", type=int, help="d, hidden size")
     src.add_argument("--moe-intermediate", type=int, help="d_ff of one expert")
     src.add_argument("--layers", type=int, help="MoE layers in the model (default 1)")
+    src.add_argument("--expert-load", metavar="COUNTS_JSON",
+                     help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew, not uniform")
     hw = p.add_argument_group("hardware and format")
     hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
     hw.add_argument("--dtype", default="fp8", choices=sorted(FORMATS), help="weight format (default fp8)")
@@ -86,7 +91,9 @@ def run(args) -> int:
                          f"choose another --dtype or supply --tflops")
     if any(b < 1 for b in args.batches):
         raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
-    report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib)
+    inclusion, routing = _inclusion(args.expert_load, cfg)
+    report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib,
+                     inclusion, routing)
     measurement = None
     if args.measure:
         from moekit.cli._analyze_measure import measure
@@ -113,6 +120,23 @@ def run(args) -> int:
     if args.plot:
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str]:
+    """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k), and a label."""
+    if path is None:
+        return None, "uniform"
+    with open(path) as f:
+        counts = np.asarray(json.load(f), dtype=np.float64)  # [E]
+    if counts.shape != (cfg.num_experts,) or counts.min() < 0 or counts.sum() == 0:
+        raise SystemExit(f"analyze: --expert-load must be a JSON list of {cfg.num_experts} non-negative counts, "
+                         f"got shape {counts.shape}")
+    num_tokens = counts.sum() / cfg.top_k
+    if counts.max() > num_tokens:
+        raise SystemExit(f"analyze: --expert-load has an expert with more than sum/k = {num_tokens:g} tokens; "
+                         f"a token routes to an expert at most once")
+    imbalance = counts.max() / counts.mean()
+    return inclusion_from_counts(counts, num_tokens), f"measured load from {path} (max/mean {imbalance:.2f})"
 
 
 def _measurement_json(m) -> dict | None:
