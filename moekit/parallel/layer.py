@@ -203,9 +203,15 @@ class EPMoE(nn.Module):
     def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """Gate and route this rank's x2d [M, K] like ``MoE.route_tokens``: (routing, dropped [])."""
         logits = self.gate(x2d)  # [M, E]
-        routing = route(logits, self.config, self.e_score_correction_bias)
+        if x2d.shape[0] == 0:
+            # route() cannot take M = 0 with grouped top-k yet (a reshape of 0 elements), and a rank
+            # without tokens must still reach the collectives: route nothing here.
+            empty = torch.empty(0, self.config.top_k, device=x2d.device)
+            routing = Routing(topk_ids=empty.to(torch.int32), topk_weights=empty.float())
+        else:
+            routing = route(logits, self.config, self.e_score_correction_bias)
         dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and x2d.shape[0]:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
         if self.track_load:
