@@ -81,6 +81,7 @@ def test_measure_tiny(tmp_path, capsys):
     for row in measured["rows"]:
         assert row["time_s"] > 0 and row["predicted_time_s"] > 0
         assert 1 <= row["experts_touched"] <= 8
+        assert row["predicted_experts_touched"] <= 8 and row["skew_experts_touched"] <= 8
         assert row["padding"]["16"] >= 1
     assert measured["rows"][0]["experts_touched"] == 2  # one token touches exactly k experts
     assert out.stat().st_size > 10_000

@@ -14,6 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moekit.analysis.formats import WeightFormat
@@ -21,12 +22,14 @@ from moekit.analysis.gpus import GIB, GpuSpec
 from moekit.analysis.padding import padding_factor, padding_factor_from_counts
 from moekit.analysis.report import PADDING_BLOCKS
 from moekit.analysis.roofline import batch_cost
+from moekit.analysis.touch import experts_touched_from_inclusion, inclusion_from_counts
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 
 CPU_WEIGHT_BUDGET = 256 * 2**20  # bytes; keeps a 4096-token CPU forward near a second on 2 cores
 CUDA_BUDGET_FRACTION = 0.25  # of free device memory: weights, plus room for B·k rows of activations
 MIN_WIDTH = 16  # K and N are not scaled below this
+CALIBRATION_TOKENS = 16384  # routed once to measure the router's per-expert load; ±1% on a 1/32 share
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ class MeasuredRow:
     time_s: float  # median forward time of the layer
     predicted_time_s: float  # byte-model floor for the measured shapes on the measured ceilings
     experts_touched: int  # from the layer's stats
-    predicted_experts_touched: float
+    predicted_experts_touched: float  # uniform routing
+    skew_experts_touched: float  # from the layer's own per-expert load, measured on a calibration batch
     padding: dict[int, float]  # block -> measured padded / real rows
     predicted_padding: dict[int, float]  # block -> expected under uniform routing
 
@@ -65,7 +69,8 @@ def measure(config: MoEConfig, batches: tuple[int, ...], reps: int = 5) -> Measu
         note += f"; K and N divided by {scale} to fit the {_budget(device) / GIB:.2f} GiB weight budget"
     ceilings = _ceilings(device, dtype, fmt.compute_dtype)
     layer = MoE(cfg, dtype=dtype, device=device)
-    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, reps) for b in batches]
+    inclusion = _calibrate(layer, cfg)
+    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, reps, inclusion) for b in batches]
     return Measurement(str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                        layer.resolved_backend(), fmt.name, cfg.hidden_size, cfg.moe_intermediate_size, scale,
                        note, ceilings, rows)
@@ -119,8 +124,18 @@ def _ceilings(device: torch.device, dtype: torch.dtype, dtype_name: str) -> GpuS
                    "measured in this run: fp32 sum read bandwidth, square matmul throughput")
 
 
+def _calibrate(layer: MoE, cfg: MoEConfig) -> np.ndarray:
+    """Per-expert inclusion probabilities [E] of this layer's router, from routing CALIBRATION_TOKENS
+    random tokens (routing only, no expert GEMMs): a random gate is not a uniform router."""
+    x = torch.randn(CALIBRATION_TOKENS, cfg.hidden_size, dtype=layer.w13.dtype, device=layer.w13.device)
+    with torch.no_grad():
+        routing, _ = layer.route_tokens(x)
+    counts = torch.bincount(routing.topk_ids.reshape(-1).long(), minlength=cfg.num_experts)  # [E]
+    return inclusion_from_counts(counts.cpu().numpy(), CALIBRATION_TOKENS)
+
+
 def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ceilings: GpuSpec,
-                   reps: int) -> MeasuredRow:
+                   reps: int, inclusion: np.ndarray) -> MeasuredRow:
     device, dtype = layer.w13.device, layer.w13.dtype
     x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)  # [B, K]
     with torch.no_grad():
@@ -134,6 +149,7 @@ def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ce
         predicted_time_s=predicted.time_floor_s,
         experts_touched=stats.experts_touched,
         predicted_experts_touched=predicted.experts_touched,
+        skew_experts_touched=experts_touched_from_inclusion(batch, inclusion),
         padding={b: padding_factor_from_counts(counts, b) for b in PADDING_BLOCKS},
         predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.top_k, b) for b in PADDING_BLOCKS},
     )

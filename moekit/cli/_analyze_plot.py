@@ -76,6 +76,8 @@ def _overlay(ax, m: Measurement) -> None:
     measured layer's time against its own prediction on the measured device."""
     batches = [r.batch for r in m.rows]
     ax[0].scatter(batches, [r.experts_touched for r in m.rows], color="black", zorder=3, label="measured")
+    ax[0].scatter(batches, [r.skew_experts_touched for r in m.rows], marker="+", s=80, color="red", zorder=3,
+                  label="predicted from the measured router's load")
     for i, block in enumerate(PADDING_BLOCKS):
         ax[3].scatter(batches, [r.padding[block] for r in m.rows], color=f"C{i}", marker="x", zorder=3,
                       label=f"measured, block {block}")

@@ -98,20 +98,26 @@ def _memory_table(report: Report) -> Table:
 
 
 def print_measurement(m: Measurement, console: Console) -> None:
-    t = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
-                    f"K={m.hidden_size}, N={m.moe_intermediate_size}",
-              caption="time: measured; floor: the byte model on this device's measured ceilings; ratio = time / "
-                      "floor; hit: experts touched; p16 / p128: padded / real rows at that block height")
-    for col in ("batch", "time", "floor", "ratio", "hit", "pred", "p16", "pred", "p128", "pred"):
-        t.add_column(col, justify="right", no_wrap=True)
+    times = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
+                        f"K={m.hidden_size}, N={m.moe_intermediate_size}",
+                  caption="floor: the byte model on this device's ceilings, measured in the same run")
+    for col in ("batch", "time", "floor", "time / floor"):
+        times.add_column(col, justify="right", no_wrap=True)
+    routing = Table(title="Measured routing vs predicted",
+                    caption="touched: predicted for uniform routing and for this router's measured load; "
+                            "pad: padded / real rows at block 16 and 128")
+    for col in ("batch", "touched", "uniform", "load", "pad16", "pred", "pad128", "pred"):
+        routing.add_column(col, justify="right", no_wrap=True)
     for r in m.rows:
-        t.add_row(
-            f"{r.batch:,}", _seconds(r.time_s), _seconds(r.predicted_time_s),
-            f"{r.time_s / r.predicted_time_s:.3g}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
-            f"{r.padding[16]:.3g}", f"{r.predicted_padding[16]:.3g}", f"{r.padding[128]:.3g}",
-            f"{r.predicted_padding[128]:.3g}",
+        times.add_row(f"{r.batch:,}", _seconds(r.time_s), _seconds(r.predicted_time_s),
+                      f"{r.time_s / r.predicted_time_s:.3g}")
+        routing.add_row(
+            f"{r.batch:,}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
+            f"{r.skew_experts_touched:.1f}", f"{r.padding[16]:.3g}", f"{r.predicted_padding[16]:.3g}",
+            f"{r.padding[128]:.3g}", f"{r.predicted_padding[128]:.3g}",
         )
-    console.print(t)
+    console.print(times)
+    console.print(routing)
     console.print(f"[dim]{m.note}. Ceilings {m.ceilings.source}: {m.ceilings.bandwidth_tb_s * 1e3:,.1f} GB/s, "
                   f"{next(iter(m.ceilings.dense_tflops.values())):,.2f} TFLOP/s.[/]")
 
