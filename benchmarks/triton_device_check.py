@@ -1,0 +1,156 @@
+"""GPU checks of the Triton experts backend that the CPU interpreter cannot make (run on the device).
+
+    PYTHONPATH=. python benchmarks/triton_device_check.py
+
+1. alignment equal to the torch twin at real shapes; 2. experts vs the float32 reference at the three
+preset shapes (bf16) and fp32, an expert map with -1, skipped ids; 3. CUDA-graph capture, then replay
+with different routing; 4. torch.compile(fullgraph=True) on MoE. Prints one line per check; exit 1 on
+any failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
+from moekit.experts.reference import experts_reference
+from moekit.experts.triton import align_block_triton, experts_triton
+from moekit.layouts.block_aligned import align_block
+
+FAILED = []
+
+
+def check(name, ok, detail=""):
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def rel_err(out, ref):
+    if out.isnan().any():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def alignment(dev):
+    for preset in PRESETS:
+        s = Shape.from_preset(preset)
+        for m in (1, 8, 64, 1024, 16384):
+            ids, _ = uniform_routing(m, s, dev, seed=m)
+            for block in (16, 64, 128):
+                for emap in (None, torch.where(torch.arange(s.num_experts, device=dev) % 5 == 3, -1,
+                                               torch.arange(s.num_experts, device=dev)).int()):
+                    a = align_block(ids, s.num_experts, block, emap)
+                    b = align_block_triton(ids, s.num_experts, block, emap)
+                    ok = all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("sorted_ids", "expert_ids", "num_padded", "counts"))
+                    if not ok:
+                        check(f"align {preset} M={m} B={block} map={emap is not None}", False)
+                        return
+    check("align == twin at real shapes (3 presets x 5 M x 3 blocks x map)", True)
+
+
+def experts(dev):
+    for preset in PRESETS:
+        s = Shape.from_preset(preset)
+        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        for m in (1, 3, 33, 256, 2048):
+            x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+            ids, w = uniform_routing(m, s, dev, seed=m)
+            out = experts_triton(x, w13, w2, ids, w)
+            ref = _ref32(x, w13, w2, ids, w)
+            e = rel_err(out, ref)
+            check(f"experts bf16 {preset} M={m}", e < 1e-2, f"rel_err={e:.2e}")
+        del w13, w2
+        torch.cuda.empty_cache()
+    s = Shape("small", 64, 200, 333, 6)
+    w13, w2 = make_weights(s, torch.float32, dev)
+    x = torch.randn(77, s.k, device=dev)
+    ids, w = uniform_routing(77, s, dev, seed=1)
+    check("experts fp32 odd K,N", (e := rel_err(experts_triton(x, w13, w2, ids, w), _ref32(x, w13, w2, ids, w, torch.float64))) < 1e-5, f"rel_err={e:.2e}")
+    emap = torch.full((80,), -1, dtype=torch.int32, device=dev)
+    emap[torch.randperm(80, device=dev)[:64]] = torch.arange(64, dtype=torch.int32, device=dev)
+    gids = torch.randint(-1, 90, (77, 6), device=dev, dtype=torch.int32)
+    e = rel_err(experts_triton(x, w13, w2, gids, w, expert_map=emap), _ref32(x, w13, w2, gids, w, torch.float64, emap))
+    check("experts fp32 expert map with -1, skipped ids", e < 1e-5, f"rel_err={e:.2e}")
+
+
+def _ref32(x, w13, w2, ids, w, dtype=torch.float32, emap=None):
+    return experts_reference(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, w, expert_map=emap)
+
+
+def graphs(dev):
+    s = Shape.from_preset("qwen3-30b-a3b")
+    w13, w2 = make_weights(s, torch.bfloat16, dev)
+    for m in (1, 64, 1024):
+        x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+        ids, w = uniform_routing(m, s, dev, seed=0)
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            experts_triton(x, w13, w2, ids, w)
+        torch.cuda.current_stream().wait_stream(st)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = experts_triton(x, w13, w2, ids, w)
+        worst = 0.0
+        for seed in (1, 2, 3):
+            new_ids, new_w = uniform_routing(m, s, dev, seed=seed)
+            ids.copy_(new_ids)
+            w.copy_(new_w)
+            x.normal_()
+            g.replay()
+            worst = max(worst, rel_err(out, experts_triton(x, w13, w2, ids, w)))
+        check(f"cuda graph replay with new routing M={m}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+
+
+def compiled(dev):
+    import moekit.layer
+    from moekit.config import MoEConfig
+    from moekit.layer import MoE
+
+    cfg = MoEConfig.preset("qwen3-30b-a3b").replace(nonfinite="mask")
+    layer = MoE(cfg, backend="triton", dtype=torch.bfloat16, device=dev)
+    x = torch.randn(4, 16, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        try:
+            out = torch.compile(layer, fullgraph=True)(x)
+            check("torch.compile(fullgraph=True) MoE, as is", rel_err(out, eager) < 1e-2)
+        except Exception as exc:  # noqa: BLE001
+            check("torch.compile(fullgraph=True) MoE, as is", False, repr(exc).splitlines()[0][:300])
+        torch._dynamo.reset()
+
+        def run_triton(x, w13, w2, ids, w, *, activation="silu", expert_map=None, backend="auto"):
+            return experts_triton(x, w13, w2, ids, w, activation=activation, expert_map=expert_map)
+
+        moekit.layer.run_experts, saved = run_triton, moekit.layer.run_experts
+        try:
+            out = torch.compile(layer, fullgraph=True)(x)
+            check("torch.compile(fullgraph=True) MoE, registry bypassed", (e := rel_err(out, eager)) < 1e-2, f"rel_err={e:.1e}")
+        except Exception as exc:  # noqa: BLE001
+            check("torch.compile(fullgraph=True) MoE, registry bypassed", False, repr(exc).splitlines()[0][:300])
+        finally:
+            moekit.layer.run_experts = saved
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    import triton
+
+    print("triton", triton.__version__, flush=True)
+    for step in (alignment, experts, graphs, compiled):
+        try:
+            step(dev)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            check(step.__name__, False, "raised")
+    print("FAILED:", FAILED if FAILED else "none", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What one benchmark cell is: a shape, a batch M, a backend; its inputs, and the byte model it is held to.
+
+Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
+
+Compulsory bytes = touched experts x 3*N*K*bytes (each weight of each touched expert read once) +
+activations (x read, out written). FLOPs = 6*N*K per routed assignment. The floor is
+max(bytes / copy bandwidth, FLOPs / matmul rate): no implementation runs much faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.config import MoEConfig
+
+# The issue's presets: (name, moekit preset) -> E, N, K, k of the routed experts.
+PRESETS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral-8x7b": "mixtral-8x7b"}
+GPU_BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+CPU_BATCHES = (1, 8, 32, 128, 512)
+CPU_SCALE = 16  # CPU mode divides N and K by this, so the sweep stays in memory and in minutes
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_experts: int  # E
+    n: int  # N
+    k: int  # K (hidden)
+    top_k: int
+
+    @classmethod
+    def from_preset(cls, name: str, scale: int = 1) -> "Shape":
+        c = MoEConfig.preset(PRESETS[name])
+        return cls(name if scale == 1 else f"{name}/{scale}", c.num_experts, c.moe_intermediate_size // scale,
+                   c.hidden_size // scale, c.top_k)
+
+    def expert_bytes(self, element_size: int) -> int:
+        return 3 * self.n * self.k * element_size
+
+
+@dataclass
+class CellInputs:
+    """``sets`` rotated input sets (x, topk_ids, topk_weights) for one (shape, M), and the weights."""
+
+    w13: torch.Tensor  # [E, 2N, K]
+    w2: torch.Tensor  # [E, K, N]
+    sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # each: x [M, K], ids [M, k] int32, weights [M, k] fp32
+
+
+def make_weights(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(shape.num_experts, 2 * shape.n, shape.k, device=device, dtype=dtype, generator=g) * shape.k**-0.5
+    w2 = torch.randn(shape.num_experts, shape.k, shape.n, device=device, dtype=dtype, generator=g) * shape.n**-0.5
+    return w13, w2
+
+
+def uniform_routing(num_tokens: int, shape: Shape, device: torch.device, seed: int):
+    """Each token picks k distinct experts uniformly at random (fixed seed); softmax-normalised weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(num_tokens, shape.num_experts, device=device, generator=g)
+    ids = scores.topk(shape.top_k, dim=1).indices.int()  # [M, k]
+    weights = torch.softmax(torch.rand(num_tokens, shape.top_k, device=device, generator=g), dim=1)  # [M, k]
+    return ids, weights
+
+
+def make_sets(shape: Shape, num_tokens: int, num_sets: int, dtype, device, seed: int = 0):
+    sets = []
+    for i in range(num_sets):
+        g = torch.Generator(device=device).manual_seed(seed * 1000 + i)
+        x = torch.randn(num_tokens, shape.k, device=device, dtype=dtype, generator=g)
+        sets.append((x, *uniform_routing(num_tokens, shape, device, seed * 1000 + i)))
+    return sets
+
+
+def experts_touched(ids: torch.Tensor, num_experts: int) -> int:
+    return int(torch.bincount(ids.reshape(-1).long(), minlength=num_experts).gt(0).sum())
+
+
+def cell_model(shape: Shape, num_tokens: int, touched: float, element_size: int, copy_TBps: float, mm_TFLOPs: float):
+    """(bytes, flops, floor_us) of one call."""
+    nbytes = touched * shape.expert_bytes(element_size) + 2 * num_tokens * shape.k * element_size
+    flops = 6 * shape.n * shape.k * num_tokens * shape.top_k
+    floor_us = max(nbytes / (copy_TBps * 1e12), flops / (mm_TFLOPs * 1e12)) * 1e6
+    return nbytes, flops, floor_us
