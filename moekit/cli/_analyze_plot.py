@@ -7,7 +7,7 @@ import numpy as np
 
 from moekit.analysis.padding import padding_factor, padding_factor_from_inclusion
 from moekit.analysis.report import PADDING_BLOCKS, Report
-from moekit.analysis.roofline import batch_cost
+from moekit.analysis.roofline import batch_cost, dense_step_floor_s
 from moekit.cli._analyze_measure import Measurement
 
 GRID_POINTS = 60  # log-spaced batches per curve: smooth enough, and the padding sums stay fast
@@ -46,6 +46,12 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     ax[2].plot(grid, [c.memory_time_s * layers * 1e3 for c in costs], label="weight streaming")
     ax[2].plot(grid, [c.compute_time_s * layers * 1e3 for c in costs], label="compute")
     ax[2].plot(grid, [c.step_time_floor_s * 1e3 for c in costs], color="black", lw=2, alpha=0.4, label="floor")
+    if report.bills is not None:
+        p = report.bills.params
+        dense = ((p.active_matmul, "dense, same active"), (p.total - p.embedding - p.norms, "dense, same total"))
+        for params, name in dense:
+            ax[2].plot(grid, [dense_step_floor_s(params, int(b), fmt, gpu) * 1e3 for b in grid], ls="--",
+                       label=f"{name} ({params / 1e9:.1f}B)")
     ax[2].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
               title=f"decode step, routed experts of {layers} MoE layer(s)")
 
@@ -86,4 +92,4 @@ def _overlay(ax, m: Measurement) -> None:
     ax[4].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
               title=f"one layer on {m.device} ({m.dtype}, K={m.hidden_size}, N={m.moe_intermediate_size})")
     ax[5].plot(batches, [r.time_s / r.predicted_time_s for r in m.rows], marker="o")
-    ax[5].set(xscale="log", xlabel="batch B", ylabel="measured / predicted", title="time ratio")
+    ax[5].set(xscale="log", yscale="log", xlabel="batch B", ylabel="measured / predicted", title="time ratio")
