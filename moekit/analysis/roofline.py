@@ -55,6 +55,7 @@ def touched(cfg: MoEConfig, batch: float, inclusion: np.ndarray | None = None) -
 
 
 def check_inclusion(cfg: MoEConfig, inclusion: np.ndarray) -> None:
+    """Raise unless ``inclusion`` has one probability per routed expert and they sum to k."""
     if inclusion.shape != (cfg.num_experts,) or not np.isclose(inclusion.sum(), cfg.top_k):
         raise ValueError(f"inclusion must have shape [{cfg.num_experts}] and sum to top_k={cfg.top_k}, got shape "
                          f"{inclusion.shape} summing to {inclusion.sum():.4g}")
