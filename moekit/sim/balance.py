@@ -1,0 +1,82 @@
+"""Load balancing, for real: train the router (auxiliary loss) or steer selection (DeepSeek's bias).
+
+    [synthetic router] -> (a) aux-loss: W <- Adam(W, grad of E·Σ_i f_i·P_i), fresh batches
+                       -> (b) bias:     b_i += γ·sign(mean load - load_i), one update per batch
+
+Shapes: M tokens per batch, E experts, F router inputs.
+
+(a) Switch Transformer / GShard load-balancing loss: f_i is the fraction of the batch's assignments that
+went to expert i (from the discrete top-k, no gradient) and P_i the mean softmax probability of expert i
+(differentiable). E·Σ f_i·P_i is 1 when routing is uniform and grows with skew. A synthetic router has no
+task loss, so the router weight is trained on this loss alone: the result is what the regulariser can
+do, bounded by ``steps``.
+
+(b) Auxiliary-loss-free balancing (Wang et al. 2024, DeepSeek-V3): a per-expert bias added to the scores
+for *selection only* (``moekit.route``'s ``correction_bias``); after each batch it moves by γ towards
+balance. It cannot split identical tokens: at skew 1 every token has the same scores, so every token
+still picks the same k experts, just different ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.sim import streams
+from moekit.sim.router import SyntheticRouter, draw_tokens
+
+AUX_LEARNING_RATE = 0.05  # Adam; flattens skew 0.55 to the noise floor of a 128-token batch in 100 steps
+BIAS_GAMMA = 1e-3  # DeepSeek-V3's bias update speed
+BATCH_TOKENS = 256  # tokens per training step / bias-update batch, fixed so cost does not grow with M
+
+
+@dataclass
+class BalanceOutcome:
+    """What balancing produced: a (possibly retrained) router and a selection bias, and the steps taken."""
+
+    router: SyntheticRouter  # the trained router for aux-loss, the input router otherwise
+    correction_bias: torch.Tensor | None  # [E] float32 for the bias method, None otherwise
+    steps: int  # optimizer steps (aux-loss) or bias updates (bias) actually taken
+
+
+def expert_loads(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert [E] int64 from topk_ids [M, k]; ids outside [0, E) are not counted."""
+    ids = topk_ids.reshape(-1).long()
+    ids = ids[(ids >= 0) & (ids < num_experts)]
+    return torch.bincount(ids, minlength=num_experts)
+
+
+def train_aux_loss(router: SyntheticRouter, steps: int, seed: int) -> BalanceOutcome:
+    """Train the router weight for ``steps`` Adam steps on the load-balancing loss, each on a fresh
+    batch of ``BATCH_TOKENS`` tokens from the same distribution as the evaluation batch."""
+    num_experts = router.config.num_experts
+    weight = router.weight.clone().requires_grad_(True)  # [F, E]
+    optimizer = torch.optim.Adam([weight], lr=AUX_LEARNING_RATE)
+    gen = streams.generator(seed, streams.AUX_TRAIN)
+    trained = SyntheticRouter(router.config, weight, router.popularity)
+    for _ in range(steps):
+        x = draw_tokens(BATCH_TOKENS, num_experts, gen)  # [M, F]
+        logits = x @ weight  # [M, E]
+        with torch.no_grad():
+            topk_ids = trained.route(x).topk_ids  # [M, k]
+        f = expert_loads(topk_ids, num_experts).float() / topk_ids.numel()  # [E], sums to 1
+        p = torch.softmax(logits, dim=-1).mean(dim=0)  # [E], sums to 1
+        loss = num_experts * (f * p).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return BalanceOutcome(SyntheticRouter(router.config, weight.detach(), router.popularity), None, steps)
+
+
+def update_bias(router: SyntheticRouter, batches: int, seed: int) -> BalanceOutcome:
+    """Route ``batches`` fresh batches of ``BATCH_TOKENS`` tokens, after each moving the selection bias
+    by γ·sign(mean load - load_i)."""
+    num_experts = router.config.num_experts
+    bias = torch.zeros(num_experts)  # [E]
+    gen = streams.generator(seed, streams.BIAS_BATCHES)
+    for _ in range(batches):
+        x = draw_tokens(BATCH_TOKENS, num_experts, gen)  # [M, F]
+        loads = expert_loads(router.route(x, bias).topk_ids, num_experts).float()  # [E]
+        bias += BIAS_GAMMA * torch.sign(loads.mean() - loads)
+    return BalanceOutcome(router, bias, batches)

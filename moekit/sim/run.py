@@ -1,0 +1,145 @@
+"""``simulate``: one run of the routing / load-balancing simulator.
+
+    [synthetic router, skew s] -> [balance: none | aux-loss | bias] -> route the batch (moekit.route)
+      -> per-expert loads -> capacity (moekit.layouts.capacity) -> drops, imbalance
+      -> experts touched per batch size -> parameters -> expert-parallel what-if
+
+Shapes: M = ``tokens``, E = ``experts``, k = ``top_k``, B = a batch size of the touched sweep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moekit.analysis import experts_touched
+from moekit.layouts.capacity import apply_capacity
+from moekit.sim import streams
+from moekit.sim.balance import BalanceOutcome, expert_loads, train_aux_loss, update_bias
+from moekit.sim.ep import EPReport, ep_what_if
+from moekit.sim.params import SimParams
+from moekit.sim.router import SyntheticRouter, draw_tokens, make_router
+from moekit.sim.shape import param_counts
+
+TOUCH_BATCHES = (1, 8, 64, 512)
+TOUCH_TRIALS = 8  # independent batches averaged per batch size
+
+
+@dataclass
+class BalanceReport:
+    """Balancing's effect on the evaluation batch (the same tokens before and after)."""
+
+    method: str  # "aux-loss" or "bias"
+    steps: int  # optimizer steps (aux-loss) or bias updates (bias) taken
+    imbalance_before: float  # max/mean expert load with the unbalanced router
+    imbalance_after: float
+    drop_rate_before: float  # dropped fraction at the run's capacity factor
+    drop_rate_after: float
+
+
+@dataclass
+class TouchPoint:
+    """Distinct experts a batch of B tokens routes to: simulated (mean of trials) and uniform prediction."""
+
+    batch: int  # B
+    simulated: float  # mean over TOUCH_TRIALS batches drawn from the (balanced) router
+    predicted: float  # E·(1 - (1 - k/E)^B), uniform independent routing
+
+
+@dataclass
+class SimResult:
+    """Everything one run reports; ``to_dict()`` is the JSON the CLI and the API emit."""
+
+    params: dict  # the SimParams, as a dict
+    loads: list[int]  # loads[e] = assignments routed to expert e (before capacity); sums to M·k
+    kept: list[int]  # kept[e] = min(loads[e], capacity)
+    capacity: int  # C = ceil(cf·M·k/E)
+    dropped: int  # assignments over capacity = sum(loads) - sum(kept)
+    drop_rate: float  # dropped / (M·k)
+    imbalance: float  # max(loads) / mean(loads)
+    experts_touched: int  # experts with loads > 0
+    total_params: int  # stated shape (moekit.sim.shape), all E experts
+    active_params: int  # read per token: k of the E experts
+    sparsity: float  # total / active
+    param_shape: str
+    touched_by_batch: list[TouchPoint]  # B in (1, 8, 64, 512)
+    balance: BalanceReport | None  # None when balancing is off
+    ep: EPReport
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def simulate(params: SimParams) -> SimResult:
+    """Run the simulator for ``params`` (deterministic: the same params give the same result)."""
+    router = make_router(params.experts, params.top_k, params.skew, params.seed)
+    x = draw_tokens(params.tokens, params.experts, streams.generator(params.seed, streams.EVAL))  # [M, F]
+    outcome = _balance(router, params)
+    loads = _loads(outcome.router, x, outcome.correction_bias)  # [E]
+    capped = apply_capacity(outcome.router.route(x, outcome.correction_bias), params.experts, params.capacity_factor)
+    assignments = params.tokens * params.top_k
+    dropped = int(capped.dropped)
+    counts = param_counts(params.experts, params.top_k)
+    balance = None
+    if params.balance != "none":
+        before = _loads(router, x, None)
+        balance = BalanceReport(
+            method=params.balance,
+            steps=outcome.steps,
+            imbalance_before=_imbalance(before),
+            imbalance_after=_imbalance(loads),
+            drop_rate_before=_drop_rate(before, capped.capacity),
+            drop_rate_after=dropped / assignments,
+        )
+    return SimResult(
+        params=params.to_dict(),
+        loads=loads.tolist(),
+        kept=capped.kept_counts.tolist(),
+        capacity=capped.capacity,
+        dropped=dropped,
+        drop_rate=dropped / assignments,
+        imbalance=_imbalance(loads),
+        experts_touched=int((loads > 0).sum()),
+        total_params=counts.total,
+        active_params=counts.active,
+        sparsity=counts.sparsity,
+        param_shape=counts.shape,
+        touched_by_batch=touched_by_batch(outcome, params.seed),
+        balance=balance,
+        ep=ep_what_if(loads.tolist(), params.gpus, params.spare_slots),
+    )
+
+
+def _balance(router: SyntheticRouter, params: SimParams) -> BalanceOutcome:
+    if params.balance == "aux-loss":
+        return train_aux_loss(router, params.aux_steps, params.seed)
+    if params.balance == "bias":
+        return update_bias(router, params.bias_batches, params.seed)
+    return BalanceOutcome(router, None, 0)
+
+
+def _loads(router: SyntheticRouter, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return expert_loads(router.route(x, bias).topk_ids, router.config.num_experts)  # [E]
+
+
+def _imbalance(loads: torch.Tensor) -> float:
+    return float(loads.max()) / float(loads.float().mean())
+
+
+def _drop_rate(loads: torch.Tensor, capacity: int) -> float:
+    """Fraction of assignments over capacity; the same count ``apply_capacity`` drops."""
+    return float((loads - capacity).clamp(min=0).sum()) / float(loads.sum())
+
+
+def touched_by_batch(outcome: BalanceOutcome, seed: int, batches=TOUCH_BATCHES) -> list[TouchPoint]:
+    """Distinct experts touched by batches of each size, simulated with the run's router and predicted."""
+    router, bias = outcome.router, outcome.correction_bias
+    num_experts, top_k = router.config.num_experts, router.config.top_k
+    gen = streams.generator(seed, streams.TOUCH)
+    points = []
+    for batch in batches:
+        trials = [int((_loads(router, draw_tokens(batch, num_experts, gen), bias) > 0).sum())
+                  for _ in range(TOUCH_TRIALS)]
+        points.append(TouchPoint(batch, sum(trials) / len(trials), experts_touched(batch, num_experts, top_k)))
+    return points
