@@ -4,14 +4,12 @@ and put each measured point beside the byte model's prediction for the same shap
 Shapes: B = tokens, E = routed experts, k = experts per token, K = hidden, N = expert intermediate.
 E and k are kept, because experts touched and padding depend on nothing else; K and N are divided by
 a common power of two when one layer's weights would not fit the device budget, and the note says so.
-The device's ceilings (copy bandwidth, matmul throughput) are measured in the same run, so the
-prediction is for this device, not for the GPU being analysed.
+The device's ceilings (copy bandwidth, matmul rate) are measured in the same run with the benchmark
+harness, so the prediction is for this device, not for the GPU being analysed.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +21,8 @@ from moekit.analysis.padding import padding_factor, padding_factor_from_counts
 from moekit.analysis.report import PADDING_BLOCKS
 from moekit.analysis.roofline import batch_cost
 from moekit.analysis.touch import experts_touched_from_inclusion, inclusion_from_counts
+from moekit.bench.ceilings import measure_ceilings
+from moekit.bench.timing import time_calls
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 
@@ -35,7 +35,7 @@ CALIBRATION_TOKENS = 16384  # routed once to measure the router's per-expert loa
 @dataclass(frozen=True)
 class MeasuredRow:
     batch: int
-    time_s: float  # median forward time of the layer
+    time_s: float  # median forward time of the layer (moekit.bench.timing)
     predicted_time_s: float  # byte-model floor for the measured shapes on the measured ceilings
     experts_touched: int  # from the layer's stats
     predicted_experts_touched: float  # uniform routing
@@ -57,20 +57,20 @@ class Measurement:
     rows: list[MeasuredRow]
 
 
-def measure(config: MoEConfig, batches: tuple[int, ...], reps: int = 5) -> Measurement:
+def measure(config: MoEConfig, batches: tuple[int, ...], budget_s: float = 0.3) -> Measurement:
     """Measure one routed-expert MoE layer of ``config``'s E and k over ``batches`` on the present device."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # bf16 GEMMs on CPU are slow
-    fmt = WeightFormat(str(dtype).removeprefix("torch."), torch.finfo(dtype).bits, 0.0, 1,
-                       str(dtype).removeprefix("torch."))
+    ceilings = _ceilings(device)
+    name = next(iter(ceilings.dense_tflops))  # the harness's matmul dtype: bf16 on CUDA, float32 on the CPU
+    dtype = getattr(torch, name)
+    fmt = WeightFormat(name, torch.finfo(dtype).bits, 0.0, 1, name)
     cfg, scale = _fit_shapes(config, fmt, device)
     note = "routed experts only (shared expert removed)"
     if scale > 1:
         note += f"; K and N divided by {scale} to fit the {_budget(device) / GIB:.2f} GiB weight budget"
-    ceilings = _ceilings(device, dtype, fmt.compute_dtype)
     layer = MoE(cfg, dtype=dtype, device=device)
     inclusion = _calibrate(layer, cfg)
-    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, reps, inclusion) for b in batches]
+    rows = [_measure_batch(layer, cfg, b, fmt, ceilings, budget_s, inclusion) for b in batches]
     return Measurement(str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
                        layer.resolved_backend(), fmt.name, cfg.hidden_size, cfg.moe_intermediate_size, scale,
                        note, ceilings, rows)
@@ -94,34 +94,12 @@ def _fit_shapes(config: MoEConfig, fmt: WeightFormat, device: torch.device) -> t
                        moe_intermediate_size=cfg.moe_intermediate_size // scale), scale
 
 
-def _time(fn, reps: int, device: torch.device) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs after two warm-ups, synchronising the device."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _ceilings(device: torch.device, dtype: torch.dtype, dtype_name: str) -> GpuSpec:
-    """Read bandwidth (a sum streams its input once, as the GEMMs stream weights) and square-matmul
-    throughput of this device, measured now."""
-    n_bytes = (1 << 30) if device.type == "cuda" else (1 << 27)
-    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
-    bandwidth = n_bytes / _time(src.sum, 5, device)
-    n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    flops = 2 * n**3 / _time(lambda: a @ a, 5, device)
+def _ceilings(device: torch.device) -> GpuSpec:
+    """This device's ceilings from the benchmark harness (copy bandwidth, square-matmul rate), as a spec."""
+    c = measure_ceilings(device)
     memory_gib = torch.cuda.mem_get_info(device)[1] / GIB if device.type == "cuda" else 0.0
-    return GpuSpec(f"{device} (measured)", bandwidth / 1e12, memory_gib, {dtype_name: flops / 1e12},
-                   "measured in this run: fp32 sum read bandwidth, square matmul throughput")
+    return GpuSpec(f"{device} (measured)", c.copy_TBps, memory_gib, {c.mm_dtype: c.mm_TFLOPs},
+                   "measured in this run by moekit.bench.ceilings: copy bandwidth, square matmul rate")
 
 
 def _calibrate(layer: MoE, cfg: MoEConfig) -> np.ndarray:
@@ -135,11 +113,11 @@ def _calibrate(layer: MoE, cfg: MoEConfig) -> np.ndarray:
 
 
 def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ceilings: GpuSpec,
-                   reps: int, inclusion: np.ndarray) -> MeasuredRow:
+                   budget_s: float, inclusion: np.ndarray) -> MeasuredRow:
     device, dtype = layer.w13.device, layer.w13.dtype
     x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)  # [B, K]
     with torch.no_grad():
-        elapsed = _time(lambda: layer(x), reps, device)
+        elapsed = time_calls([lambda: layer(x)], device, budget_s=budget_s) * 1e-6
         stats = layer(x, return_stats=True).stats
     counts = stats.counts.cpu().numpy()  # [E]
     predicted = batch_cost(cfg, batch, fmt, ceilings)
