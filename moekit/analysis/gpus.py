@@ -76,9 +76,9 @@ GPUS: dict[str, GpuSpec] = {
         "81,920 MiB reported by nvidia-smi",
     ),
     "mi300x": GpuSpec(
-        "AMD Instinct MI300X 192GB", 5.3, 192.0, {"bf16": 1307.4, "fp8": 2614.9},
-        "AMD Instinct MI300X datasheet (5.3 TB/s; 1,307.4 BF16 / 2,614.9 FP8 TFLOPS dense; 192 GB HBM3 "
-        "in 8 stacks of 24 GiB)",
+        "AMD Instinct MI300X 192GB", 5.3, 191.69, {"bf16": 1307.4, "fp8": 2614.9},
+        "AMD Instinct MI300X datasheet (5.3 TB/s; 1,307.4 BF16 / 2,614.9 FP8 TFLOPS dense); "
+        "205,822,885,888 bytes reported by rocm-smi",
     ),
     "l40s": GpuSpec(
         "NVIDIA L40S 48GB", 0.864, 44.99, {"bf16": 362.05, "fp8": 733.0},
