@@ -33,9 +33,10 @@ def register(subparsers) -> None:
     src.add_argument("--top-k", type=int)
     src.add_argument("--hidden", type=int, help="d, hidden size")
     src.add_argument("--moe-intermediate", type=int, help="d_ff of one expert")
-    src.add_argument("--layers", type=int, help="MoE layers in the model (default 1)")
-    src.add_argument("--expert-load", metavar="COUNTS_JSON",
-                     help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew, not uniform")
+    src.add_argument("--layers", type=int, help="MoE layers in the model (default: the config's, else 1)")
+    routing = p.add_argument_group("routing (default: uniform, independent tokens)")
+    routing.add_argument("--expert-load", metavar="COUNTS_JSON",
+                         help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew instead")
     hw = p.add_argument_group("hardware and format")
     hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
     hw.add_argument("--dtype", default="fp8", choices=sorted(FORMATS), help="weight format (default fp8)")
