@@ -134,13 +134,16 @@ def get_config(
 
 
 def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dtype, device: str,
-                  configs: dict[int, KernelConfig]) -> None:
-    """Write a config file atomically (a reader never sees half a file)."""
+                  configs: dict[int, KernelConfig], measured: dict[int, dict] | None = None) -> None:
+    """Write a config file atomically (a reader never sees half a file). ``measured`` (optional, per M:
+    the tuned and the heuristic µs) is kept beside the entries for the record; lookups ignore it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "E": num_experts, "N": n, "K": k, "dtype": dtype_key(dtype), "device": device,
         "configs": {str(m): configs[m].to_dict() for m in sorted(configs)},
     }
+    if measured:
+        data["measured"] = {str(m): measured[m] for m in sorted(measured)}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)

@@ -1,0 +1,52 @@
+"""``moekit tune``: tune the Triton experts kernels for a shape on this GPU; the file it writes (in the
+user config directory, searched before the packaged configs) is picked up with no code change."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tune", help="tune the Triton experts kernels for a shape on this GPU",
+                              description="Sweep launch configs of the Triton experts path per batch size M, "
+                              "resumably, and write a config file that lookups pick up.")
+    p.add_argument("--preset", action="append", default=None, help="a model preset (repeatable), e.g. qwen3-30b-a3b")
+    p.add_argument("--shape", default=None, help="explicit E,N,K,top_k instead of a preset, e.g. 64,1408,2048,6")
+    p.add_argument("--batches", type=_ints, default=None, help="comma-separated M values (default: 1..16384)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", type=Path, default=None, help="directory to write to (default: the user config dir)")
+    p.add_argument("--budget-s", type=float, default=None, help="stop starting new M after this many seconds per shape")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from moekit.bench.cells import Shape
+    from moekit.bench.tuning import TUNE_BATCHES, tune
+
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("moekit tune needs a CUDA GPU (the Triton kernels are tuned where they run)")
+        return 2
+    shapes = [Shape.from_preset(p) for p in (args.preset or [])]
+    if args.shape:
+        e, n, k, top_k = _ints(args.shape)
+        shapes.append(Shape(f"E{e}_N{n}_K{k}_k{top_k}", e, n, k, top_k))
+    if not shapes:
+        console.print("give --preset NAME or --shape E,N,K,top_k")
+        return 2
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        for shape in shapes:
+            path = tune(shape, args.batches or TUNE_BATCHES, getattr(torch, args.dtype), out_dir=args.out,
+                        budget_s=args.budget_s, progress=progress)
+            console.print(f"wrote {path}")
+    return 0
