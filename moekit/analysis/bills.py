@@ -18,8 +18,9 @@ from moekit.config import MoEConfig
 
 @dataclass(frozen=True)
 class ParamBill:
-    """Parameters of a whole model, by part. ``active`` follows the model cards: what one token's
-    forward pass uses, embedding row lookup included."""
+    """Parameters of a whole model, by part. ``active`` counts what one token's forward pass uses,
+    embedding included (Mixtral's and Qwen's cards count it: 12.9B, 3.3B); ``active_matmul`` leaves the
+    embedding lookup out (DeepSeek's cards do: 37B for V3, 2.4B for V2-Lite)."""
 
     embedding: int  # V·d
     output: int  # V·d, 0 when tied to the embedding

@@ -81,7 +81,7 @@ def _params_table(report: Report) -> Table:
     t.add_column("params (B)", justify="right")
     parts = (("embedding", p.embedding), ("output head", p.output), ("attention", p.attention),
              ("dense MLP", p.dense_mlp), ("routed experts", p.routed_experts), ("shared experts", p.shared_experts),
-             ("router", p.router), ("norms", p.norms), ("total", p.total), ("active (model-card convention)", p.active),
+             ("router", p.router), ("norms", p.norms), ("total", p.total), ("active, embedding included", p.active),
              ("active matmul (no embedding, norms)", p.active_matmul))
     for name, n in parts:
         t.add_row(name, f"{n / 1e9:,.3f}")
