@@ -1,0 +1,47 @@
+"""``moekit simulate`` and ``moekit serve`` through the real command-line entry point."""
+
+import functools
+import json
+
+from moekit.cli import build_parser, main
+from moekit.cli import simulate as simulate_cli
+from moekit.sim.exercises import exercise3
+
+
+def test_simulate_json_has_the_issue_fields(capsys):
+    assert main(["simulate", "--json", "--experts", "16", "--gpus", "4"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("loads", "capacity", "dropped", "drop_rate", "imbalance", "experts_touched",
+                "total_params", "active_params", "sparsity"):
+        assert key in d
+    assert sum(d["loads"]) == 128 * 2
+
+
+def test_simulate_summary_histogram_and_plot(capsys, tmp_path):
+    png = tmp_path / "run.png"
+    assert main(["simulate", "--balance", "bias", "--bias-batches", "20", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "capacity 5" in out and "imbalance" in out and "balancing         bias, 20 steps" in out
+    assert "#" in out  # the ASCII bars
+    assert png.stat().st_size > 10_000
+
+
+def test_simulate_bad_value_exits_2_with_the_message(capsys):
+    assert main(["simulate", "--skew", "1.5"]) == 2
+    assert "skew must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_exercise_runs_and_plots(capsys, tmp_path, monkeypatch):
+    # The CLI path (dispatch, answer text, plot) on a shorter sweep than the default; the exercise's
+    # own numbers are tested in test_sim_exercises.py.
+    monkeypatch.setitem(simulate_cli._EXERCISES, 3, functools.partial(exercise3, tokens=512, skews=[0.0, 0.4, 0.6]))
+    png = tmp_path / "ex3.png"
+    assert main(["simulate", "exercise", "3", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "loses 50% of the throughput" in out and "eplb" in out
+    assert png.stat().st_size > 10_000
+
+
+def test_serve_defaults_to_loopback():
+    args = build_parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1"
