@@ -1,0 +1,203 @@
+"""Expert-parallel benchmark: ``torchrun --nproc-per-node 2 -m moekit.parallel.bench``.
+
+    [Route] -> [Dispatch] -> [Experts] -> [Combine], each timed alone, beside the raw ``all_to_all_single``
+    of the same bytes and the single-GPU ``MoE`` doing the same per-GPU work.
+
+Per M (tokens per rank) it reports, as the maximum over ranks of each rank's median:
+- ``route_us``: gate + routing of the local tokens;
+- ``dispatch_us``: replica choice, counts all-to-all (the host sync), payload all-to-all;
+- ``experts_us``: the local experts over the received rows;
+- ``combine_us``: the all-to-all back and the per-token sum;
+- ``layer_us``: the whole ``EPMoE.forward``;
+- ``raw_dispatch_us`` / ``raw_combine_us``: one ``all_to_all_single`` with exactly the payload and
+  split sizes of the dispatch / combine, measured in the same run;
+- ``single_gpu_us``: ``MoE`` with E/W experts and the same top-k on M tokens on one GPU (the same
+  assignments per GPU when routing is uniform), i.e. the layer without the network;
+- ``target_us`` = 1.2 x (experts_us + raw_dispatch_us + raw_combine_us), and whether layer_us met it.
+
+Default shapes: DeepSeek-V3's routed experts (E=256, N=2048, K=7168, k=8, sigmoid grouped routing,
+bf16), 128 experts per GPU on 2 GPUs, M in 128/1024/4096/16384. ``--tiny`` runs small fp32 shapes on
+the CPU with gloo (a smoke test). ``--check`` first compares EPMoE with the single-process MoE (fp32).
+Rank 0 prints a table and writes the JSON document to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moekit.bench.run import commit_id, device_name
+from moekit.bench.timing import time_calls
+from moekit.config import MoEConfig
+from moekit.layer import MoE
+from moekit.parallel.layer import EPMoE
+from moekit.parallel.placement import contiguous_placement, eplb_placement, round_robin_placement
+
+DEEPSEEK_V3_ROUTED = MoEConfig(
+    hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8, scoring="sigmoid", renormalize=True,
+    routed_scaling_factor=2.5, n_group=8, topk_group=4, use_correction_bias=True,
+)
+TINY = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16, top_k=4)
+GPU_TOKENS = (128, 1024, 4096, 16384)
+TINY_TOKENS = (8, 64)
+
+
+def _setup() -> tuple[torch.device, int, int]:
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+@torch.no_grad()
+def check(device: torch.device, world_size: int, backend: str) -> dict[str, float]:
+    """EPMoE vs the single-process MoE in fp32 on this group (NCCL or gloo): max relative error per case."""
+    config = MoEConfig(hidden_size=256, moe_intermediate_size=128, num_experts=16, top_k=4, scoring="sigmoid",
+                       n_group=4, topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=128)
+    torch.manual_seed(0)
+    moe = MoE(config, backend=backend, device=device)
+    moe.e_score_correction_bias[:3] = 0.3  # skewed: experts 0-2 hot
+    rank = dist.get_rank()
+    sizes = [0 if r == world_size - 1 else 37 + 11 * r for r in range(world_size)]  # uneven, last rank empty
+    x = torch.randn(sum(sizes), config.hidden_size, device=device)
+    ref = moe(x)
+    start = sum(sizes[:rank])
+    counts = moe(x, return_stats=True).stats.counts
+    placements = {
+        "contiguous": contiguous_placement(16, world_size),
+        "round_robin": round_robin_placement(16, world_size),
+        "eplb_replicas": eplb_placement(counts, world_size, num_redundant=world_size),
+    }
+    errors = {}
+    for name, placement in placements.items():
+        out = EPMoE.from_moe(moe, placement)(x[start : start + sizes[rank]])
+        mine = ref[start : start + sizes[rank]]
+        err = float((out - mine).abs().max() / ref.abs().max()) if mine.numel() else 0.0
+        errors[name] = _max_over_ranks(err, device)
+    return errors
+
+
+def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
+    """One row of the table: every phase at M = num_tokens tokens per rank."""
+    x = torch.randn(num_tokens, ep.config.hidden_size, device=device, dtype=dtype)
+    routing, _ = ep.route_tokens(x)
+    ids, weights = routing.topk_ids, routing.topk_weights
+    sent = ep.dispatch(x, ids, weights)
+    y = ep.run_local_experts(sent)
+    group = ep.group
+    # The raw collectives: the very payload shape and split sizes the layer sends.
+    row_bytes = ep.config.hidden_size * dtype.itemsize + 8 * ids.shape[1]
+    payload = torch.empty(sum(sent.send_splits), row_bytes, dtype=torch.uint8, device=device)
+    received = torch.empty(sum(sent.recv_splits), row_bytes, dtype=torch.uint8, device=device)
+    back = torch.empty(sum(sent.send_splits), ep.config.hidden_size, dtype=dtype, device=device)
+    raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits, group=group)  # noqa: E731
+    raw_combine = lambda: dist.all_to_all_single(back, y, sent.send_splits, sent.recv_splits, group=group)  # noqa: E731
+    x_single = torch.randn(num_tokens, single.config.hidden_size, device=device, dtype=dtype)
+
+    phases = {
+        "route_us": lambda: ep.route_tokens(x),
+        "dispatch_us": lambda: ep.dispatch(x, ids, weights),
+        "experts_us": lambda: ep.run_local_experts(sent),
+        "combine_us": lambda: ep.combine(y, sent),
+        "layer_us": lambda: ep(x),
+        "raw_dispatch_us": raw_dispatch,
+        "raw_combine_us": raw_combine,
+    }
+    row = {"M": num_tokens}
+    for name, fn in phases.items():
+        dist.barrier()
+        # A fixed repetition count: time_calls' budget-based count differs per rank, and ranks that
+        # run different numbers of collectives deadlock.
+        row[name] = _max_over_ranks(time_calls([fn], device, min_reps=reps, max_reps=reps), device)
+    dist.barrier()
+    row["single_gpu_us"] = _max_over_ranks(time_calls([lambda: single(x_single)], device), device)
+    sent_bytes = payload.numel()
+    row["dispatch_bytes_per_rank"] = _max_over_ranks(float(sent_bytes), device)
+    row["raw_dispatch_GBps_per_rank"] = row["dispatch_bytes_per_rank"] / row["raw_dispatch_us"] / 1e3
+    row["rows_received_max"] = _max_over_ranks(float(sum(sent.recv_splits)), device)
+    row["target_us"] = 1.2 * (row["experts_us"] + row["raw_dispatch_us"] + row["raw_combine_us"])
+    row["target_met"] = row["layer_us"] <= row["target_us"]
+    return row
+
+
+def _print_table(rows: list[dict]) -> None:
+    cols = ["M", "route_us", "dispatch_us", "experts_us", "combine_us", "layer_us", "raw_dispatch_us",
+            "raw_combine_us", "single_gpu_us", "target_us", "target_met"]
+    print(" ".join(f"{c:>15}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]:>15.1f}" if isinstance(r[c], float) else f"{r[c]!s:>15}" for c in cols))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moekit.parallel.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
+    parser.add_argument("--backend", default="auto", help="experts backend (auto, triton, grouped_mm, reference)")
+    parser.add_argument("--tiny", action="store_true", help="small fp32 shapes (CPU smoke test)")
+    parser.add_argument("--check", action="store_true", help="first compare EPMoE with the single-process MoE")
+    parser.add_argument("--reps", type=int, default=20, help="timed repetitions of each phase (the same on every rank)")
+    parser.add_argument("--out", type=Path, help="JSON results file (rank 0 writes it)")
+    args = parser.parse_args(argv)
+
+    device, rank, world_size = _setup()
+    try:
+        doc = run(device, rank, world_size, args)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 and args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run(device: torch.device, rank: int, world_size: int, args) -> dict:
+    tiny = args.tiny or device.type != "cuda"
+    config, dtype = (TINY, torch.float32) if tiny else (DEEPSEEK_V3_ROUTED, torch.bfloat16)
+    tokens = args.tokens or (TINY_TOKENS if tiny else GPU_TOKENS)
+    doc = {
+        "bench": "expert_parallel", "device": device_name(device), "world_size": world_size,
+        "backend": dist.get_backend(), "experts_backend": args.backend, "commit": commit_id(),
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "config": {"E": config.num_experts, "N": config.moe_intermediate_size, "K": config.hidden_size,
+                   "k": config.top_k, "dtype": str(dtype).removeprefix("torch.")},
+    }
+    if args.check:
+        doc["check_rel_err"] = check(device, world_size, args.backend)
+        if rank == 0:
+            print("check (max relative error vs single-process MoE, fp32):", doc["check_rel_err"])
+    torch.manual_seed(0)  # the same gate on every rank; experts differ per rank, which timing does not mind
+    ep = EPMoE(config, backend=args.backend, track_load=False, dtype=dtype, device=device)
+    local = config.num_experts // world_size
+    single_config = config.replace(num_experts=local, n_group=1, topk_group=1, use_correction_bias=False)
+    single = MoE(single_config, backend=args.backend, dtype=dtype, device=device)
+    with torch.no_grad():
+        rows = [_bench_m(ep, single, m, device, dtype, args.reps) for m in tokens]
+    doc["rows"] = rows
+    if rank == 0:
+        _print_table(rows)
+        ratios = [r["layer_us"] / (r["target_us"] / 1.2) for r in rows]
+        print("layer / (experts + raw a2a both ways):", ", ".join(f"{v:.2f}" for v in ratios),
+              f"(median {statistics.median(ratios):.2f}; target <= 1.2)")
+    return doc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
