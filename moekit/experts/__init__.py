@@ -26,8 +26,10 @@ _BACKENDS = {
     "grouped_mm": "moekit.experts.grouped_mm:experts_grouped_mm",
     "triton": "moekit.experts.triton:experts_triton",
 }
-# Preference order of "auto", best first.
-_AUTO_ORDER = ("triton", "grouped_mm", "reference")
+# Preference order of "auto", best first. Off CUDA, Triton only runs interpreted (TRITON_INTERPRET=1,
+# for tests), so "auto" never picks it there; it stays available by name.
+_AUTO_ORDER = {"cuda": ("triton", "grouped_mm", "reference")}
+_AUTO_ORDER_OTHER = ("grouped_mm", "reference")
 
 
 def backend_names() -> list[str]:
@@ -52,7 +54,9 @@ def backend_available(name: str, device: torch.device | str) -> bool:
 
 
 def available_backends(device: torch.device | str) -> list[str]:
-    return [name for name in _AUTO_ORDER if backend_available(name, device)]
+    """The backends "auto" chooses from on ``device``, best first."""
+    order = _AUTO_ORDER.get(torch.device(device).type, _AUTO_ORDER_OTHER)
+    return [name for name in order if backend_available(name, device)]
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -62,7 +66,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {backend_names()} or 'auto', got {backend!r}")
     if not backend_available(backend, device):
-        raise RuntimeError(f"backend {backend!r} is not available on {device}; available: {available_backends(device)}")
+        raise RuntimeError(f"backend {backend!r} is not available on {device}; auto would use: {available_backends(device)}")
     return backend
 
 
