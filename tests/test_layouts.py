@@ -208,3 +208,17 @@ def test_chooser_respects_budget_and_explains():
     counts = [512 * 8] + [0] * 255  # everything on one expert: the measured cap is the cheap masked layout
     no_sync = choose_layout(memory_budget_bytes=2**34, counts=counts, allow_sync=False, block_size=128, **args)
     assert no_sync.name in ("block_aligned", "contiguous") and not {x.name: x for x in no_sync.estimates}[no_sync.name].syncs
+
+
+def test_empty_batch_gives_empty_layouts():
+    ids, x = torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 4)
+    for allow_naive in (True, False):
+        layout = align_block(ids, 4, 4, allow_naive=allow_naive)
+        assert layout.sorted_ids.numel() == 0 and int(layout.num_padded) == 0
+        assert scatter_rows(gather_rows(x, layout), layout).shape == (0, 4)
+    contiguous = permute_contiguous(x, ids, 4, align=4)
+    assert contiguous.total_rows == 0 and unpermute_contiguous(contiguous.x_perm, contiguous).shape == (0, 2, 4)
+    masked = masked_layout(x, ids, 4)
+    assert int(masked.counts.sum()) == 0 and unmask(masked.x_masked, masked).shape == (0, 2, 4)
+    capped = apply_capacity(Routing(ids, torch.zeros(0, 2)), 4, 1.0)
+    assert capped.capacity == 0 and int(capped.dropped) == 0
