@@ -111,8 +111,9 @@ def exercise2(experts: int = 64, top_k: int = 2, tokens: int = 512, intermediate
         router = make_router(experts, top_k, skew, seed)
         config = MoEConfig(hidden_size=router.num_features, moe_intermediate_size=intermediate,
                            num_experts=experts, top_k=top_k)
-        torch.manual_seed(seed)
-        dropless = MoE(config)
+        with torch.random.fork_rng():  # seeded expert weights without touching the caller's RNG
+            torch.manual_seed(seed)
+            dropless = MoE(config)
         with torch.no_grad():
             dropless.gate.weight.copy_(router.weight.t())  # [E, F]: the gate computes the router's logits
         x = draw_tokens(tokens, experts, streams.generator(seed, streams.EVAL))  # [M, F]

@@ -31,6 +31,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.routing import Routing, route
+from moekit.sim import streams
 
 
 @dataclass
@@ -66,7 +67,7 @@ def make_router(num_experts: int, top_k: int, skew: float, seed: int) -> Synthet
     """The synthetic router for ``skew`` in [0, 1] (see the module docstring), drawn from ``seed``."""
     if not 0.0 <= skew <= 1.0:
         raise ValueError(f"skew must be in [0, 1], got {skew}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = streams.generator(seed, streams.ROUTER)
     q, r = torch.linalg.qr(torch.randn(num_experts, num_experts, generator=gen, dtype=torch.float64))
     q = q * torch.sign(torch.diagonal(r))  # sign fix: Haar-distributed orthogonal matrix
     rank = torch.randperm(num_experts, generator=gen) + 1  # [E]; 1 = most popular

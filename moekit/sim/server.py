@@ -55,7 +55,10 @@ class SimRequestHandler(BaseHTTPRequestHandler):
         except ValueError as e:
             self._json(400, {"error": str(e)})
             return
-        self._json(200, simulate(params).to_dict())
+        try:
+            self._json(200, simulate(params).to_dict())
+        except Exception as e:  # a bug must answer, not drop the connection; the message says what broke
+            self._json(500, {"error": f"internal error: {type(e).__name__}: {e}"})
 
     def _method_not_allowed(self) -> None:
         self._json(405, {"error": f"method {self.command} not allowed; use GET"})
