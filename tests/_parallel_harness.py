@@ -46,7 +46,17 @@ def _entry(fn, rank, world_size, port, pg_timeout_s, results, args):
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 150, pg_timeout_s: float = 60) -> list:
     """fn's return value on each rank, in rank order. Raises AssertionError with the ranks' tracebacks
-    when one raised, and when the group does not finish within ``timeout_s`` (its processes are killed)."""
+    when one raised, and when the group does not finish within ``timeout_s`` (its processes are killed).
+    Retried once on a fresh port when the first one was taken between choosing and binding it."""
+    try:
+        return _run_ranks_once(fn, world_size, args, timeout_s, pg_timeout_s)
+    except AssertionError as err:
+        if "address already in use" not in str(err).lower():
+            raise
+    return _run_ranks_once(fn, world_size, args, timeout_s, pg_timeout_s)
+
+
+def _run_ranks_once(fn, world_size, args, timeout_s, pg_timeout_s) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -17,7 +17,7 @@ from _parallel_harness import run_ranks
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
 from moekit.layer import MoE
-from moekit.parallel import EPMoE, contiguous_placement, eplb_placement, rank_loads, round_robin_placement
+from moekit.parallel import EPMoE, Placement, contiguous_placement, eplb_placement, rank_loads, round_robin_placement
 
 FP32_TOL = 2e-6  # max |ep - single| / max |single|: only the summation order of a token's partials differs
 FP64_TOL = 1e-13
@@ -106,6 +106,11 @@ def _scenarios(rank: int, world_size: int) -> dict:
     config = SOFTMAX_SHARED.replace(num_experts=2 * world_size + 1)
     moe = _moe(config)
     res["uneven_experts"] = _compare(EPMoE.from_moe(moe), moe, x, sizes, rank)
+
+    # A rank that holds no expert at all (vLLM map of all -1) still takes part and gets its tokens back.
+    moe = _moe(SOFTMAX_SHARED.replace(shared_expert_intermediate_size=0))
+    slots = [list(range(8))] + [[] for _ in range(world_size - 1)]
+    res["rank_without_experts"] = _compare(EPMoE.from_moe(moe, Placement(8, world_size, slots)), moe, x, sizes, rank)
 
     # M = 0 on every rank, flat and with leading dims.
     moe = _moe(SOFTMAX_SHARED)
@@ -200,7 +205,7 @@ def results(request):
 
 FP32_CASES = [
     "contiguous_fused_shared_0", "contiguous_fused_shared_1", "round_robin_separate_shared_0",
-    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids",
+    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
 ]
 
 

@@ -43,6 +43,15 @@ def test_expert_map_and_replicas():
     assert Placement.from_dict(p.to_dict()) == p
 
 
+def test_placement_from_vllm_expert_maps():
+    maps = [[0, 1, -1, 2], [-1, -1, 1, 0]]
+    p = Placement.from_expert_maps(torch.tensor(maps))
+    assert p.slots == [[0, 1, 3], [3, 2]]
+    assert [p.expert_map_for(r).tolist() for r in range(2)] == maps
+    with pytest.raises(ValueError, match="local indices"):
+        Placement.from_expert_maps([[0, 2, -1, 1], [-1, -1, 3, 0]])
+
+
 @pytest.mark.parametrize(
     "slots, match",
     [

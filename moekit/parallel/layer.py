@@ -299,7 +299,7 @@ class EPMoE(nn.Module):
         return loads
 
     def rebalance(self, num_redundant: int = 0, loads=None) -> RebalanceReport:
-        """EPLB: sum the tracked load over ranks (or take ``loads`` [E], equal on every rank), compute a
+        """EPLB: sum the tracked load over ranks (or take ``loads`` [E], rank 0's counts), compute a
         placement with ``num_redundant`` replica slots, move the weights and reset ``expert_load``.
 
         The placement is computed on the group's rank 0 and broadcast, so every rank applies the very
@@ -309,9 +309,11 @@ class EPMoE(nn.Module):
         values = (self.global_expert_load() if loads is None else torch.as_tensor(loads, dtype=torch.float64)).tolist()
         if len(values) != self.num_experts:
             raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(values)}")
-        box = [eplb_placement(values, self.world_size, num_redundant, current=self.placement) if self.rank == 0 else None]
+        box = [None, None]
+        if self.rank == 0:
+            box = [values, eplb_placement(values, self.world_size, num_redundant, current=self.placement)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
-        new = box[0]
+        values, new = box
         before, after = rank_loads(self.placement, values), rank_loads(new, values)
         received = self.apply_placement(new) if new != self.placement else 0
         self.expert_load.zero_()

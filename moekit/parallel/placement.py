@@ -109,6 +109,21 @@ class Placement:
             out[e] = local
         return out.to(device) if device is not None else out
 
+    @classmethod
+    def from_expert_maps(cls, expert_maps) -> "Placement":
+        """From per-rank expert maps (vLLM's form): ``expert_maps[r][e]`` is e's local index on rank r,
+        or -1 where rank r does not hold e. Each rank's local indices must be 0..L-1."""
+        rows = [list(map(int, m.tolist() if isinstance(m, torch.Tensor) else m)) for m in expert_maps]
+        if not rows or len({len(r) for r in rows}) != 1:
+            raise ValueError("expert_maps must be a non-empty [world_size, num_experts] table")
+        slots = []
+        for rank, row in enumerate(rows):
+            held = sorted((local, e) for e, local in enumerate(row) if local != -1)
+            if [local for local, _ in held] != list(range(len(held))):
+                raise ValueError(f"expert_maps[{rank}] must use local indices 0..L-1 once each (or -1), got {row}")
+            slots.append([e for _, e in held])
+        return cls(num_experts=len(rows[0]), world_size=len(rows), slots=slots)
+
     def to_dict(self) -> dict:
         return {"num_experts": self.num_experts, "world_size": self.world_size, "slots": [list(s) for s in self.slots]}
 
@@ -219,7 +234,11 @@ def eplb_placement(
     """
     values = _check_loads(loads)
     num_experts = len(values)
-    _check_sizes(num_experts, world_size)
+    if world_size < 1 or num_experts + num_redundant < world_size:
+        raise ValueError(
+            f"need num_experts + num_redundant >= world_size >= 1 (a slot on every rank), got "
+            f"num_experts={num_experts}, num_redundant={num_redundant}, world_size={world_size}"
+        )
     counts = _replicate(values, world_size, num_redundant)
     num_physical = num_experts + num_redundant
     slot_limit = -(-num_physical // world_size)  # ceil(P / W) slots per rank at most
