@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.routing import route
 from moekit.sim import streams
 from moekit.sim.router import SyntheticRouter, draw_tokens
 
@@ -55,12 +56,10 @@ def train_aux_loss(router: SyntheticRouter, steps: int, seed: int) -> BalanceOut
     weight = router.weight.clone().requires_grad_(True)  # [F, E]
     optimizer = torch.optim.Adam([weight], lr=AUX_LEARNING_RATE)
     gen = streams.generator(seed, streams.AUX_TRAIN)
-    trained = SyntheticRouter(router.config, weight, router.popularity)
     for _ in range(steps):
         x = draw_tokens(BATCH_TOKENS, num_experts, gen)  # [M, F]
         logits = x @ weight  # [M, E]
-        with torch.no_grad():
-            topk_ids = trained.route(x).topk_ids  # [M, k]
+        topk_ids = route(logits.detach(), router.config).topk_ids  # [M, k]; selection has no gradient
         f = expert_loads(topk_ids, num_experts).float() / topk_ids.numel()  # [E], sums to 1
         p = torch.softmax(logits, dim=-1).mean(dim=0)  # [E], sums to 1
         loss = num_experts * (f * p).sum()
