@@ -112,6 +112,16 @@ def _scenarios(rank: int, world_size: int) -> dict:
     slots = [list(range(8))] + [[] for _ in range(world_size - 1)]
     res["rank_without_experts"] = _compare(EPMoE.from_moe(moe, Placement(8, world_size, slots)), moe, x, sizes, rank)
 
+    # Capacity dropping applies per rank (GShard's local group): equal to MoE on this rank's tokens alone.
+    moe = _moe(SOFTMAX_SHARED, capacity_factor=0.5)
+    out = EPMoE.from_moe(moe)(x_local, return_stats=True)
+    if sizes[rank]:
+        ref = moe(x_local, return_stats=True)
+        res["capacity_per_rank"] = _rel_err(out.out, ref.out)
+        res["capacity_dropped"] = (out.stats.dropped, ref.stats.dropped)
+    else:
+        res["capacity_per_rank"], res["capacity_dropped"] = 0.0, (0, 0)
+
     # M = 0 on every rank, flat and with leading dims.
     moe = _moe(SOFTMAX_SHARED)
     ep = EPMoE.from_moe(moe)
@@ -205,7 +215,7 @@ def results(request):
 
 FP32_CASES = [
     "contiguous_fused_shared_0", "contiguous_fused_shared_1", "round_robin_separate_shared_0",
-    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts",
+    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts", "capacity_per_rank",
 ]
 
 
@@ -226,6 +236,12 @@ def test_skewed_routing_lands_on_rank0(results):
     _, per_rank = results
     # Ranks other than 0 only serve their own tokens' fused shared slot.
     assert all(r["all_on_rank0_rows_from_others"] == 0 for r in per_rank[1:])
+
+
+def test_capacity_drops_counted_per_rank(results):
+    _, per_rank = results
+    assert all(r["capacity_dropped"][0] == r["capacity_dropped"][1] for r in per_rank)
+    assert any(r["capacity_dropped"][0] > 0 for r in per_rank)
 
 
 def test_empty_batches_everywhere(results):
