@@ -151,7 +151,9 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
     res.update(_rebalance_scenario(rank, world_size, x, sizes))
     res.update(_mismatch_scenarios(rank, world_size))
+    ep = EPMoE.from_moe(_moe(SOFTMAX_SHARED))
     with torch.enable_grad():
+        res["grad_mode_output_detached"] = not ep(x_local).requires_grad  # weights require grad; no graph is built
         try:
             ep(x_local.clone().requires_grad_(True))
             res["grad_refused"] = False
@@ -283,7 +285,7 @@ def test_mismatched_ranks_raise_clear_errors(results):
 
 def test_grad_input_refused(results):
     _, per_rank = results
-    assert all(r["grad_refused"] for r in per_rank)
+    assert all(r["grad_refused"] and r["grad_mode_output_detached"] for r in per_rank)
 
 
 def _absent_peer(rank: int, world_size: int) -> dict:

@@ -254,10 +254,11 @@ class EPMoE(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-        routing, dropped = self.route_tokens(x2d)
-        out = self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)  # [M, K]
-        if self.shared_w13 is not None:
-            out = out + self._shared_mlp(x2d)
+        with torch.no_grad():  # no half-built graphs through the weights: nothing flows back through the all-to-alls
+            routing, dropped = self.route_tokens(x2d)
+            out = self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)  # [M, K]
+            if self.shared_w13 is not None:
+                out = out + self._shared_mlp(x2d)
         out = out.reshape(x.shape)
         if not return_stats:
             return out
