@@ -86,12 +86,25 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
         "round_robin": round_robin_placement(16, world_size),
         "eplb_replicas": eplb_placement(counts, world_size, num_redundant=world_size),
     }
-    errors = {}
-    for name, placement in placements.items():
-        out = EPMoE.from_moe(moe, placement)(x[start : start + sizes[rank]])
-        mine = ref[start : start + sizes[rank]]
-        err = float((out - mine).abs().max() / ref.abs().max()) if mine.numel() else 0.0
-        errors[name] = _max_over_ranks(err, device)
+    mine = ref[start : start + sizes[rank]]
+    x_local = x[start : start + sizes[rank]]
+
+    def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
+        err = float((out - want).abs().max() / ref.abs().max()) if want.numel() else 0.0
+        return _max_over_ranks(err, device)
+
+    errors = {name: rel_err(EPMoE.from_moe(moe, p)(x_local), mine) for name, p in placements.items()}
+    # EPLB end to end: track the load, rebalance with replicas (weights move over the group), run again.
+    ep = EPMoE.from_moe(moe)
+    ep(x_local)
+    ep.rebalance(num_redundant=world_size)
+    errors["after_rebalance"] = rel_err(ep(x_local), mine)
+    # Every token on rank 0's experts (contiguous: experts 0-3 are rank 0's, and group 0 is theirs).
+    moe.e_score_correction_bias[:4] = 10.0
+    errors["all_on_rank0"] = rel_err(EPMoE.from_moe(moe)(x_local), moe(x)[start : start + sizes[rank]])
+    # No tokens anywhere.
+    empty = EPMoE.from_moe(moe)(x_local[:0])
+    errors["empty_everywhere"] = 0.0 if empty.shape == (0, config.hidden_size) else float("inf")
     return errors
 
 
