@@ -17,7 +17,7 @@ from _parallel_harness import run_ranks
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
 from moekit.layer import MoE
-from moekit.parallel import EPMoE, Placement, contiguous_placement, eplb_placement, rank_loads, round_robin_placement
+from moekit.parallel import EPMoE, Placement, contiguous_placement, eplb_placement, round_robin_placement
 
 FP32_TOL = 2e-6  # max |ep - single| / max |single|: only the summation order of a token's partials differs
 FP64_TOL = 1e-13
