@@ -17,18 +17,21 @@ def sum_slots_kernel(
     y_ptr, ids_ptr, map_ptr, out_ptr,
     num_tokens, K, top_k, num_experts, num_global,
     stride_ym, stride_om, stride_ok,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MAP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
+    # One [BT, k, BK] load: every slot's row is requested at once (a loop over j would wait on k
+    # dependent load round trips; measured 4.6 µs for M=8 on the H200 that way).
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, TOPK_PAD)
     t_ok = tokens < num_tokens
     c_ok = cols < K
-    acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for j in range(0, top_k):
-        a = tokens.to(tl.int64) * top_k + j  # [BT] assignment of slot j
-        ids = tl.load(ids_ptr + a, mask=t_ok, other=-1).to(tl.int64)
-        routed = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP) < num_experts
-        acc += tl.load(y_ptr + a[:, None] * stride_ym + cols[None, :],
-                       mask=(t_ok & routed)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    a = tokens[:, None].to(tl.int64) * top_k + slots[None, :]  # [BT, k] assignment of each slot
+    a_ok = t_ok[:, None] & (slots[None, :] < top_k)
+    ids = tl.load(ids_ptr + a, mask=a_ok, other=-1).to(tl.int64)
+    routed = a_ok & (local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP) < num_experts)
+    y = tl.load(y_ptr + a[:, :, None] * stride_ym + cols[None, None, :],
+                mask=routed[:, :, None] & c_ok[None, None, :], other=0.0)  # [BT, k, BK]
+    acc = tl.sum(y.to(tl.float32), axis=1)  # [BT, BK]
     out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_ok
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
