@@ -107,6 +107,13 @@ def _scenarios(rank: int, world_size: int) -> dict:
     moe = _moe(config)
     res["uneven_experts"] = _compare(EPMoE.from_moe(moe), moe, x, sizes, rank)
 
+    # Loading a rank's slice expert by expert (no full layer on this rank) gives the same layer.
+    moe = _moe(SOFTMAX_SHARED)
+    ep = EPMoE(SOFTMAX_SHARED, round_robin_placement(8, world_size), init=False)
+    ep.load_experts(lambda e: (moe.w13[e], moe.w2[e]))
+    ep.gate.weight.copy_(moe.gate.weight)
+    res["load_experts"] = _compare(ep, moe, x, sizes, rank)
+
     # A rank that holds no expert at all (vLLM map of all -1) still takes part and gets its tokens back.
     moe = _moe(SOFTMAX_SHARED.replace(shared_expert_intermediate_size=0))
     slots = [list(range(8))] + [[] for _ in range(world_size - 1)]
@@ -217,7 +224,7 @@ def results(request):
 
 FP32_CASES = [
     "contiguous_fused_shared_0", "contiguous_fused_shared_1", "round_robin_separate_shared_0",
-    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts", "capacity_per_rank",
+    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts", "capacity_per_rank", "load_experts",
 ]
 
 

@@ -179,10 +179,12 @@ class EPMoE(nn.Module):
         return ep
 
     def load_experts(self, expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Fill this rank's routed slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` for each
-        logical expert it holds (e.g. read from a checkpoint), without materialising the others."""
+        """Fill this rank's slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` (e.g. read from a
+        checkpoint), without materialising the other ranks' experts. ``e`` runs over the logical experts
+        this rank holds, then E..E+S-1 for the fused shared slots (``MoE.w13``'s numbering)."""
+        experts = self.placement.slots[self.rank] + list(range(self.num_experts, self.num_experts + self.num_shared_slots))
         with torch.no_grad():
-            for local, expert in enumerate(self.placement.slots[self.rank]):
+            for local, expert in enumerate(experts):
                 w13, w2 = expert_weights(expert)
                 self.w13[local].copy_(w13)
                 self.w2[local].copy_(w2)
