@@ -68,36 +68,12 @@ def heuristic_vs_tuned(batches):
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
 
-def naive_ab():
-    """The tiny-batch path with the down GEMM and k-sum fused (default) vs down GEMM + sum kernel."""
-    import moekit.experts.triton as tri
-
-    dev = torch.device("cuda")
-    for preset, batches in (("qwen3-30b-a3b", (1, 2, 4)), ("deepseek-v3", (1, 8)), ("mixtral-8x7b", (1,))):
-        s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
-        for m in batches:
-            sets = make_sets(s, m, 8, torch.bfloat16, dev)
-            res = {}
-            for fused in (True, False):
-                tri.NAIVE_FUSED_SUM = fused
-                calls = [lambda st=st: fused_experts(st[0], w13, w2, st[1], st[2]) for st in sets]
-                res[fused] = time_calls(calls, dev, graph=True, budget_s=0.2)
-            tri.NAIVE_FUSED_SUM = True
-            print(f"naive {preset:14s} M={m:<3d} fused down+sum {res[True]:7.1f} µs   down, then sum {res[False]:7.1f} µs", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
-    p.add_argument("--naive-ab", action="store_true")
     a = p.parse_args()
-    if a.naive_ab:
-        naive_ab()
-    elif a.heuristic:
+    if a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
     else:
         breakdown([int(v) for v in a.batches.split(",")])

@@ -70,13 +70,11 @@ def _activation(g, ACT: tl.constexpr):
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
-    weights_ptr,  # [A] routed weights; read only with MUL_WEIGHT
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
 ):
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -106,8 +104,6 @@ def gate_up_kernel(
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
-    if MUL_WEIGHT:  # the down GEMM is linear: scaling its input row is scaling its output row
-        h = h * tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -149,41 +145,3 @@ def down_kernel(
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
 
-
-@triton.jit
-def down_sum_naive_kernel(
-    h_ptr, w2_ptr, out_ptr,  # h [A, N] (routed weight already applied), w2 [E, K, N], out [M, K]
-    ids_ptr, K, N, top_k, num_experts,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_om, stride_ok,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """The tiny-batch path's down GEMM and k-sum in one launch: program (t, pid_n) loops over the
-    (slot, N-chunk) pairs of token t, so out[t] is written once and no [A, K] buffer or sum kernel
-    exists. Row 0 of a 16-row tile carries the slot's h row (tl.dot needs 16 rows; the rest are
-    masked zeros: the path is bound by streaming w2, not by the tensor cores)."""
-    t = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    lanes = tl.arange(0, 16)
-    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_ok = offs_out < K
-    offs_red = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    steps = tl.cdiv(N, BLOCK_K)
-    for it in range(0, top_k * steps):
-        j = it // steps
-        n0 = (it % steps) * BLOCK_K
-        a = t * top_k + j
-        eid = tl.load(ids_ptr + a).to(tl.int64)
-        routed = (eid >= 0) & (eid < num_experts)
-        expert = tl.where(routed, eid, 0)
-        red_ok = offs_red < tl.where(routed, N - n0, 0)  # a slot not routed here reads nothing
-        ha = tl.load(h_ptr + a * stride_hm + n0 + offs_red[None, :] + 0 * lanes[:, None],
-                     mask=(lanes[:, None] == 0) & red_ok[None, :], other=0.0)  # [16, BK]
-        wb = tl.load(w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk
-                     + (n0 + offs_red[:, None]) * stride_wn,
-                     mask=red_ok[:, None] & out_ok[None, :], other=0.0)  # [BK, BN]
-        if UPCAST:
-            ha, wb = ha.to(tl.float32), wb.to(tl.float32)
-        acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
-    out = tl.sum(acc, axis=0)  # rows 1..15 are zero: row 0 is the token's output
-    tl.store(out_ptr + t * stride_om + offs_out * stride_ok, out.to(out_ptr.dtype.element_ty), mask=out_ok)
