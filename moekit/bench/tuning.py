@@ -92,7 +92,8 @@ def tune_one(shape: Shape, num_tokens: int, dtype, device) -> tuple[KernelConfig
 def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path | None = None,
          budget_s: float | None = None, progress=None) -> Path:
     """Tune every M of ``batches`` (resuming a partial run), write the config file, return its path.
-    With ``budget_s``, no new M is started after that many seconds; the rest waits for a rerun."""
+    With ``budget_s``, no new M is started once that many seconds have passed (at least one M is
+    tuned per run); the rest waits for a rerun."""
     device = torch.device(device or "cuda")
     out_dir = Path(out_dir) if out_dir else default_user_dir()
     dev = device_key(device)
@@ -103,8 +104,6 @@ def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path
     task = progress.add_task(f"tune {shape.name}", total=len(batches), completed=len(batches) - len(todo)) if progress else None
     start = time.monotonic()
     for m in todo:
-        if budget_s is not None and time.monotonic() - start > budget_s:
-            break
         cfg, us, default_us = tune_one(shape, m, dtype, device)
         done["configs"][str(m)] = cfg.to_dict()
         done["measured"][str(m)] = {"us": round(us, 2), "heuristic_us": round(default_us, 2)}
@@ -112,6 +111,8 @@ def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path
         partial.write_text(json.dumps(done, indent=1))
         if progress:
             progress.update(task, advance=1, description=f"tune {shape.name} M={m}: {us:.1f} µs (default {default_us:.1f})")
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            break  # checked after each M, so every run makes progress
     configs = {int(m): KernelConfig.from_dict(c) for m, c in done["configs"].items()}
     if not configs:
         return path

@@ -1,0 +1,104 @@
+"""The bench harness and the tuner on the CPU: the byte model, the results document, the CLI, and the
+tuner's search and resume (with a fake timer: the kernels themselves are tested elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moekit.bench import tuning
+from moekit.bench.cells import Shape, cell_model, experts_touched, make_sets, uniform_routing
+from moekit.bench.report import plot, results_path, table, write_json
+from moekit.bench.run import Cell, geomean_speedup, run_bench
+from moekit.bench.timing import time_calls
+from moekit.cli import main
+from moekit.experts.configs import KernelConfig, config_file_name, load_configs
+
+TINY = Shape("tiny", num_experts=8, n=24, k=40, top_k=2)
+
+
+def test_cell_model_counts_touched_experts_and_activations():
+    nbytes, flops, floor_us = cell_model(TINY, 4, touched=3, element_size=2, copy_TBps=1.0, mm_TFLOPs=1.0)
+    assert nbytes == 3 * (3 * 24 * 40 * 2) + 2 * 4 * 40 * 2  # weights of 3 experts + x read + out written
+    assert flops == 6 * 24 * 40 * 4 * 2
+    assert floor_us == pytest.approx(max(nbytes, flops) / 1e12 * 1e6)
+
+
+def test_uniform_routing_is_seeded_and_distinct():
+    ids, w = uniform_routing(64, TINY, torch.device("cpu"), seed=3)
+    ids2, _ = uniform_routing(64, TINY, torch.device("cpu"), seed=3)
+    assert torch.equal(ids, ids2) and ids.dtype == torch.int32
+    assert all(len(set(row.tolist())) == TINY.top_k for row in ids)  # k distinct experts per token
+    torch.testing.assert_close(w.sum(1), torch.ones(64))
+    assert experts_touched(torch.tensor([[0, 3], [3, 5]]), 8) == 3
+
+
+def test_time_calls_cpu():
+    a = torch.randn(64, 64)
+    assert time_calls([lambda: a @ a], torch.device("cpu"), budget_s=0.01) > 0
+
+
+def test_run_bench_document(tmp_path):
+    doc = run_bench(torch.device("cpu"), shapes=[TINY], batches=[1, 5], backends=["grouped_mm", "reference"])
+    assert {"device", "date", "commit", "ceilings", "cells"} <= doc.keys()
+    assert doc["ceilings"]["copy_TBps"] > 0 and doc["ceilings"]["mm_TFLOPs"] > 0
+    assert {(c["M"], c["backend"]) for c in doc["cells"]} == {(1, "grouped_mm"), (1, "reference"), (5, "grouped_mm"), (5, "reference")}
+    for c in doc["cells"]:
+        assert {"shape", "M", "backend", "us", "bytes", "flops", "floor_us"} <= c.keys()
+        assert c["pct_floor"] == pytest.approx(100 * c["floor_us"] / c["us"])
+    path = write_json(doc, results_path(tmp_path, doc))
+    assert path.name == f"cpu-{doc['date']}.json" and json.loads(path.read_text())["cells"]
+    assert plot(doc, path.with_suffix(".png")).stat().st_size > 0
+    assert table(doc).row_count == 4
+
+
+def test_geomean_speedup():
+    def cell(m, backend, us):
+        return Cell("s", m, backend, us, 1, 1, 1, 1, 1, 1, 1, 1, False)
+
+    cells = [cell(1, "triton", 1.0), cell(1, "grouped_mm", 2.0), cell(2, "triton", 1.0), cell(2, "grouped_mm", 8.0)]
+    assert geomean_speedup(cells) == pytest.approx(4.0)
+    assert geomean_speedup([cell(1, "grouped_mm", 1.0)]) is None
+
+
+def test_bench_cli_on_cpu(tmp_path, capsys):
+    rc = main(["bench", "--device", "cpu", "--shapes", "mixtral-8x7b", "--batches", "1",
+               "--backends", "grouped_mm", "--out", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    (path,) = tmp_path.glob("cpu-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["cells"][0]["shape"] == "mixtral-8x7b/16" and "copy_TBps" in doc["ceilings"]
+
+
+def test_tuner_search_and_resume(tmp_path, monkeypatch):
+    timed = []
+
+    def fake_timer(shape, num_tokens, dtype, device):
+        def measure(cfg: KernelConfig) -> float:  # cheapest: up BLOCK_N 64, down BLOCK_K 256
+            timed.append(cfg)
+            return 10 + abs(cfg.up.BLOCK_N - 64) + abs(cfg.down.BLOCK_K - 256) / 64
+        return measure
+
+    monkeypatch.setattr(tuning, "_timer", fake_timer)
+    path = tuning.tune(TINY, [1, 64], torch.bfloat16, device="cpu", out_dir=tmp_path, budget_s=0.0)
+    partial = path.with_suffix(".partial.json")
+    assert json.loads(partial.read_text())["configs"].keys() == {"1"}  # the budget stopped it after one M
+    first = len(timed)
+    path = tuning.tune(TINY, [1, 64], torch.bfloat16, device="cpu", out_dir=tmp_path)
+    assert not partial.exists() and path.name == config_file_name(8, 24, 40, torch.bfloat16, "cpu")
+    assert len(timed) > first and all(c.BLOCK_M >= 16 for c in timed[first:])  # M=1 was not tuned again
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    configs = load_configs(8, 24, 40, torch.bfloat16, "cpu")
+    assert configs[1].up.BLOCK_N == 64 and configs[1].down.BLOCK_K == 256
+    measured = json.loads(path.read_text())["measured"]
+    assert measured["64"]["us"] <= measured["64"]["heuristic_us"]
+
+
+def test_block_m_candidates():
+    assert tuning.block_m_candidates(1, Shape("q", 128, 768, 2048, 8)) == [16]  # naive: one row per block
+    cands = tuning.block_m_candidates(1024, Shape("q", 128, 768, 2048, 8))  # 64 rows per expert
+    assert 64 in cands and all(16 <= b <= 128 for b in cands)
+    assert math.prod(len(tuning.tile_candidates(b, w)) for b in (16, 128) for w in ("up", "down")) > 0
