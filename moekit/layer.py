@@ -113,16 +113,21 @@ class MoE(nn.Module):
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         routing, dropped = self.route_tokens(x2d)
-        out = run_experts(
-            x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
-            activation=self.config.activation, backend=self.backend,
-        )  # [M, K]
+        out = self.run_routed(x2d, routing)  # [M, K]
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)
         out = out.reshape(x.shape)
         if not return_stats:
             return out
         return MoEOutput(out=out, stats=self._stats(routing, dropped))
+
+    def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place
+        experts elsewhere (expert parallelism) override this one step."""
+        return run_experts(
+            x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
+            activation=self.config.activation, backend=self.backend,
+        )
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
         y = act_and_mul(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
