@@ -1,4 +1,4 @@
-"""Expert-parallel benchmark: ``torchrun --nproc-per-node 2 -m moekit.parallel.bench``.
+"""Expert-parallel benchmark: ``torchrun --standalone --nproc-per-node 2 -m moekit.parallel.bench``.
 
     [Route] -> [Dispatch] -> [Experts] -> [Combine], each timed alone, beside the raw ``all_to_all_single``
     of the same bytes and the single-GPU ``MoE`` doing the same per-GPU work.
