@@ -207,6 +207,11 @@ def _mismatch_scenarios(rank, world_size) -> dict:
         res["config_mismatch"] = "no error"
     except ValueError as err:
         res["config_mismatch"] = str(err)
+    try:
+        EPMoE.from_moe(_moe(SOFTMAX_SHARED, seed=int(rank == 1)))  # rank 1's layer has other weights
+        res["weights_mismatch"] = "no error"
+    except ValueError as err:
+        res["weights_mismatch"] = str(err)
     placement = contiguous_placement(8, world_size) if rank else round_robin_placement(8, world_size)
     try:
         EPMoE(SOFTMAX_SHARED, placement)
@@ -288,6 +293,7 @@ def test_mismatched_ranks_raise_clear_errors(results):
     for r in per_rank:
         assert "top_k" in r["config_mismatch"] and "rank 0 vs rank" in r["config_mismatch"]
         assert "placement" in r["placement_mismatch"]
+        assert "replicated weights" in r["weights_mismatch"] and "gate" in r["weights_mismatch"]
 
 
 def test_grad_input_refused(results):

@@ -13,6 +13,7 @@ rank and serve that rank's own tokens, so its work never crosses the network.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -176,7 +177,21 @@ class EPMoE(nn.Module):
                     getattr(ep, name).copy_(getattr(moe, name))
             if ep.shared_gate is not None:
                 ep.shared_gate.weight.copy_(moe.shared_gate.weight)
+        ep.verify_replicated()
         return ep
+
+    def verify_replicated(self) -> None:
+        """Raise a clear ValueError on every rank unless the weights every rank holds in full (gate,
+        correction bias, shared expert and fused shared slots) are bit-identical across the group.
+        Collective; copies those weights to the host once to hash them."""
+        replicated = {
+            "gate": self.gate.weight, "e_score_correction_bias": self.e_score_correction_bias,
+            "shared_w13": self.shared_w13, "shared_w2": self.shared_w2,
+            "shared_gate": None if self.shared_gate is None else self.shared_gate.weight,
+            "fused_shared_w13": self.w13[self.num_local_experts :], "fused_shared_w2": self.w2[self.num_local_experts :],
+        }
+        digests = {name: _digest(t) for name, t in replicated.items() if t is not None}
+        _check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
 
     def load_experts(self, expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill this rank's slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` (e.g. read from a
@@ -356,8 +371,12 @@ class EPMoE(nn.Module):
         )
 
 
-def _check_same_on_all_ranks(fingerprint: dict, group) -> None:
-    """Raise the same clear ValueError on every rank when the ranks' settings differ (one all_gather)."""
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def _check_same_on_all_ranks(fingerprint: dict, group, what: str = "settings") -> None:
+    """Raise the same clear ValueError on every rank when the ranks' values differ (one all_gather)."""
     gathered: list[dict | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, fingerprint, group=group)
     reference = gathered[0]
@@ -373,4 +392,4 @@ def _check_same_on_all_ranks(fingerprint: dict, group) -> None:
                 detail = detail if len(detail) <= 200 else detail[:200] + "..."
                 problems.append(f"rank 0 vs rank {rank} differ in {key} ({detail})")
     if problems:
-        raise ValueError("EPMoE: the ranks were built with different settings: " + "; ".join(problems))
+        raise ValueError(f"EPMoE: the ranks were built with different {what}: " + "; ".join(problems))
