@@ -14,8 +14,8 @@ U weighted partial sums back and the source rank adds them into its tokens.
 Host synchronisation: exactly one per forward, in ``exchange``. ``all_to_all_single`` takes its split
 sizes as Python ints (NCCL posts one send and one receive per peer with host-side sizes), so after the
 small counts all-to-all the counts are copied to the host. Everything before it (planning, replica
-choice, packing) and after it (payload and combine collectives, the sum) is device work; the whole
-layer is therefore not CUDA-graph capturable.
+choice) and after it (packing, payload and combine collectives, the sum) is device work with no
+further sync; because of that one sync the layer is not CUDA-graph capturable.
 """
 
 from __future__ import annotations
