@@ -66,7 +66,7 @@ from moekit.experts.configs import (  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -168,6 +168,10 @@ def test_non_contiguous_inputs(interpreter):
     ids_nc, weights_nc = ids.t().contiguous().t(), weights.t().contiguous().t()
     assert not any(t.is_contiguous() for t in (x_nc, w13_nc, w2_nc, ids_nc, weights_nc))
     _check(interpreter, x_nc, w13_nc, w2_nc, ids_nc, weights_nc)
+
+
+def test_float16(interpreter):
+    _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float16))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
