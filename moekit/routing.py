@@ -138,7 +138,7 @@ def _mask_unselected_groups(choice: torch.Tensor, config: MoEConfig, biased: boo
         group_scores = grouped.max(dim=-1).values  # [M, G]
     keep = _topk_lower_id_wins(group_scores, config.topk_group)  # [M, topk_group]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [M, G]
-    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, -1)  # [M, E]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, config.num_experts)  # [M, E]
     return choice.masked_fill(~expert_mask, float("-inf"))
 
 

@@ -88,6 +88,9 @@ def test_stats_count_assignments_and_drops_exactly():
 def test_empty_batch_and_bad_shape():
     moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2))
     assert moe(torch.zeros(0, 8)).shape == (0, 8)
+    grouped = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=8, top_k=2, scoring="sigmoid",
+                            n_group=4, topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=4))
+    assert grouped(torch.zeros(2, 0, 8), return_stats=True).out.shape == (2, 0, 8)
     with pytest.raises(ValueError, match="last dim hidden_size=8"):
         moe(torch.zeros(3, 7))
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):

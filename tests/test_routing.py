@@ -142,6 +142,8 @@ def test_nonfinite_logits_raise_by_default_and_mask_on_request():
 def test_empty_batch():
     got = route(torch.zeros(0, 12), SOFTMAX)
     assert got.topk_ids.shape == (0, 3) and got.topk_weights.shape == (0, 3)
+    grouped = route(torch.zeros(0, 16), SIGMOID.replace(shared_expert_intermediate_size=8), torch.zeros(16), fuse_shared=True)
+    assert grouped.topk_ids.shape == (0, 5) and grouped.topk_weights.shape == (0, 5)
 
 
 @pytest.mark.parametrize(
