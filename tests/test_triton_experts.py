@@ -100,7 +100,10 @@ def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
 @pytest.mark.parametrize("k", [1, 2, 6])
 @pytest.mark.parametrize("e,block", [(8, 4), (64, 16), (3, 16)])
 @pytest.mark.parametrize("with_map", [False, True])
-def test_align_equals_twin(interpreter, m, k, e, block, with_map):
+@pytest.mark.parametrize("launch", ["single", "three"])
+def test_align_equals_twin(interpreter, monkeypatch, m, k, e, block, with_map, launch):
+    if launch == "three":  # force the chunked three-launch path even for small batches
+        monkeypatch.setattr(interpreter, "ALIGN_SMALL_MAX", 0)
     g = torch.Generator().manual_seed(m * 100 + k * 10 + e)
     ids = torch.randint(-1, e + 2, (m, k), generator=g, dtype=torch.int32)  # includes skipped ids (-1, >= E)
     expert_map = None

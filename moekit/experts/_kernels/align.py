@@ -129,3 +129,50 @@ def align_naive_kernel(
     tl.store(sorted_ids_ptr + a[:, None] * block_size + j[None, :], value.to(tl.int32),
              mask=valid[:, None] & (j[None, :] < block_size))
     tl.store(num_padded_ptr, num_assignments * block_size)
+
+
+@triton.jit
+def align_small_kernel(
+    ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_PAD: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+):
+    """The three launches above in one program, for A <= CHUNK (decode batches): the histogram, the
+    offsets and the scatter stay in registers, so only the stores touch memory. A register vector
+    cannot be indexed, so offsets[e] for a vector of e is a one-hot dot: sum(onehot * offsets)."""
+    lane = tl.arange(0, CHUNK)
+    valid = lane < num_assignments
+    ids = tl.load(ids_ptr + lane, mask=valid, other=-1).to(tl.int64)
+    local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+    local = tl.where(valid, local, num_experts).to(tl.int32)
+    e = tl.arange(0, E_PAD)
+    is_expert = e < num_experts
+    counts = tl.histogram(local, E_PAD)  # [EP]
+    padded = tl.where(is_expert, (counts + block_size - 1) // block_size * block_size, 0)
+    offsets = tl.cumsum(padded, axis=0) - padded  # [EP] exclusive start row of each expert
+    tl.store(counts_ptr + e, counts, mask=is_expert)
+    num_padded = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, num_padded)
+
+    onehot = local[:, None] == e[None, :]  # [C, EP]
+    base = tl.sum(tl.where(onehot, offsets[None, :], 0), axis=1)  # [C] offsets[local]
+    earlier_same = (local[:, None] == local[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    tl.store(sorted_ids_ptr + base + rank, lane, mask=local < num_experts)
+
+    ends = tl.where(is_expert, offsets + padded, 2147483647)  # [EP] end row of each expert
+    real_ends = offsets + counts  # [EP] end of each expert's real rows
+    j = tl.arange(0, BLOCK_PAD)
+    for b0 in range(0, num_blocks, BLOCKS_PER_ITER):
+        blocks = b0 + tl.arange(0, BLOCKS_PER_ITER)
+        starts = blocks * block_size
+        expert = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), axis=1)  # [BI] the twin's searchsorted
+        used = starts < num_padded
+        tl.store(expert_ids_ptr + blocks, tl.where(used, expert, -1), mask=blocks < num_blocks)
+        real_end = tl.sum(tl.where(expert[:, None] == e[None, :], real_ends[None, :], 0), axis=1)  # [BI]
+        rows = starts[:, None] + j[None, :]  # [BI, B]
+        pad = (~used[:, None]) | (rows >= real_end[:, None])
+        in_range = (j[None, :] < block_size) & (rows < num_rows)
+        sentinel = tl.full([BLOCKS_PER_ITER, BLOCK_PAD], 0, tl.int32) + num_assignments
+        tl.store(sorted_ids_ptr + rows, sentinel, mask=pad & in_range)
