@@ -59,9 +59,12 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         drop_policy: DropPolicy = "position",
         stats_block_size: int = 64,
+        num_local_experts: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
+        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
+        rank (``moekit.parallel.EPMoE``) holds only its own."""
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
@@ -74,9 +77,10 @@ class MoE(nn.Module):
         k_dim, n_dim, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0
+        rows = (e if num_local_experts is None else num_local_experts) + slots
         self.gate = nn.Linear(k_dim, e, bias=False, **factory)  # weight [E, K]
-        self.w13 = nn.Parameter(torch.empty(e + slots, 2 * n_dim, k_dim, **factory))
-        self.w2 = nn.Parameter(torch.empty(e + slots, k_dim, n_dim, **factory))
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]
+        self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]
         bias = torch.zeros(e, dtype=torch.float32, device=device) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0

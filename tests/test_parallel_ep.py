@@ -109,7 +109,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
 
     # Loading a rank's slice expert by expert (no full layer on this rank) gives the same layer.
     moe = _moe(SOFTMAX_SHARED)
-    ep = EPMoE(SOFTMAX_SHARED, round_robin_placement(8, world_size), init=False)
+    ep = EPMoE(SOFTMAX_SHARED, round_robin_placement(8, world_size))
     ep.load_experts(lambda e: (moe.w13[e], moe.w2[e]))
     ep.gate.weight.copy_(moe.gate.weight)
     res["load_experts"] = _compare(ep, moe, x, sizes, rank)

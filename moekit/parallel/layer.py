@@ -24,9 +24,7 @@ from torch import nn
 
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
-from moekit.experts.activations import act_and_mul
-from moekit.layer import MoE, MoEOutput, MoEStats
-from moekit.layouts.capacity import DropPolicy, apply_capacity
+from moekit.layer import MoE, MoEOutput
 from moekit.parallel.dispatch import Dispatched, ReplicaTables, combine, dispatch, plan_sends
 from moekit.parallel.placement import (
     Placement,
@@ -37,7 +35,7 @@ from moekit.parallel.placement import (
     rank_loads,
 )
 from moekit.parallel.weights import move_experts, shard_experts
-from moekit.routing import Routing, append_shared_slots, route
+from moekit.routing import Routing
 
 
 @dataclass
@@ -54,18 +52,18 @@ class RebalanceReport:
     placement: Placement  # the placement now in use
 
 
-class EPMoE(nn.Module):
+class EPMoE(MoE):
     """An expert-parallel MoE layer over a ``torch.distributed`` process group (NCCL or gloo).
 
-    Same forward signature and result as ``moekit.MoE``: each rank passes its own tokens and gets
-    their outputs; ranks may pass different numbers of tokens, including none, but every rank of the
-    group must call ``forward`` the same number of times (the collectives pair up).
+    A ``MoE`` whose experts-and-combine step (``run_routed``) dispatches rows to the ranks holding
+    their experts: same forward signature and result. Each rank passes its own tokens and gets their
+    outputs; ranks may pass different numbers of tokens, including none, but every rank of the group
+    must call ``forward`` the same number of times (the collectives pair up).
 
     Host synchronisation per forward: one, after the counts all-to-all (``all_to_all_single`` needs the
-    split sizes as Python ints), plus whatever the routing does (the NaN check of
-    ``nonfinite="raise"``) and the stats when ``return_stats=True``. Construction and ``rebalance``
-    also sync (they exchange Python objects). The layer is forward-only: the collectives carry no
-    gradients, so an input that requires grad is refused.
+    split sizes as Python ints), plus the stats when ``return_stats=True``. Construction and
+    ``rebalance`` also sync (they exchange Python objects). The layer is forward-only: the collectives
+    carry no gradients, so an input that requires grad is refused.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -81,51 +79,27 @@ class EPMoE(nn.Module):
         placement: Placement | None = None,
         group: dist.ProcessGroup | None = None,
         *,
-        backend: str = "auto",
-        fuse_shared: bool = True,
-        capacity_factor: float | None = None,
-        drop_policy: DropPolicy = "position",
-        stats_block_size: int = 64,
         timeout: timedelta | None = None,
         track_load: bool = True,
-        init: bool = True,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **moe_kwargs,
     ) -> None:
-        super().__init__()
+        """``moe_kwargs`` are ``MoE``'s (backend, fuse_shared, capacity_factor, drop_policy, ...)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPMoE needs torch.distributed initialised (init_process_group) before construction")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        placement = placement if placement is not None else contiguous_placement(config.num_experts, self.world_size)
-        if placement.num_experts != config.num_experts or placement.world_size != self.world_size:
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        placement = placement if placement is not None else contiguous_placement(config.num_experts, world_size)
+        if placement.num_experts != config.num_experts or placement.world_size != world_size:
             raise ValueError(
-                f"placement must place num_experts={config.num_experts} over world_size={self.world_size} ranks, got "
+                f"placement must place num_experts={config.num_experts} over world_size={world_size} ranks, got "
                 f"num_experts={placement.num_experts}, world_size={placement.world_size}"
             )
-        self.config, self.placement = config, placement
-        self.backend, self.timeout, self.track_load = backend, timeout, track_load
-        self.capacity_factor, self.drop_policy, self.stats_block_size = capacity_factor, drop_policy, stats_block_size
-        self.fuse_shared = bool(fuse_shared and config.num_shared_slots)
-        k_dim, n_dim, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
-        factory = {"dtype": dtype, "device": device}
-        local = placement.num_local_experts(self.rank) + self.num_shared_slots
-        self.gate = nn.Linear(k_dim, num_experts, bias=False, **factory)  # weight [E, K], on every rank
-        self.w13 = nn.Parameter(torch.empty(local, 2 * n_dim, k_dim, **factory))  # [L(+S), 2N, K]
-        self.w2 = nn.Parameter(torch.empty(local, k_dim, n_dim, **factory))  # [L(+S), K, N]
-        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if config.use_correction_bias else None
-        self.register_buffer("e_score_correction_bias", bias)
-        shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
-        self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
-        self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
-        self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
+        super().__init__(config, num_local_experts=placement.num_local_experts(rank), **moe_kwargs)
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.placement, self.timeout, self.track_load = placement, timeout, track_load
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
-        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float64, device=device), persistent=False)
-        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device)
-        if init:
-            self.reset_parameters()
+        device = self.w13.device
+        self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
+        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device)
         _check_same_on_all_ranks(self._fingerprint(), group)
 
     # ----- construction helpers -------------------------------------------------------------------
@@ -144,14 +118,6 @@ class EPMoE(nn.Module):
     def num_shared_slots(self) -> int:
         return self.config.num_shared_slots if self.fuse_shared else 0
 
-    def reset_parameters(self) -> None:
-        """Random init like ``MoE``. The gate must be equal on all ranks: seed every rank alike first."""
-        for p in (self.gate.weight, self.w13, self.w2, self.shared_w13, self.shared_w2):
-            if p is not None:
-                nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-        if self.shared_gate is not None:
-            nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
-
     @classmethod
     def from_moe(
         cls, moe: MoE, placement: Placement | None = None, group: dist.ProcessGroup | None = None, **kwargs
@@ -165,7 +131,7 @@ class EPMoE(nn.Module):
             dtype=moe.w13.dtype, device=moe.w13.device,
         )
         settings.update(kwargs)
-        ep = cls(moe.config, placement, group, init=False, **settings)
+        ep = cls(moe.config, placement, group, **settings)
         with torch.no_grad():
             ep.gate.weight.copy_(moe.gate.weight)
             if moe.e_score_correction_bias is not None:
@@ -218,24 +184,10 @@ class EPMoE(nn.Module):
     # ----- forward --------------------------------------------------------------------------------
 
     def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
-        """Gate and route this rank's x2d [M, K] like ``MoE.route_tokens``: (routing, dropped [])."""
-        logits = self.gate(x2d)  # [M, E]
-        if x2d.shape[0] == 0:
-            # route() cannot take M = 0 with grouped top-k yet (a reshape of 0 elements), and a rank
-            # without tokens must still reach the collectives: route nothing here.
-            empty = torch.empty(0, self.config.top_k, device=x2d.device)
-            routing = Routing(topk_ids=empty.to(torch.int32), topk_weights=empty.float())
-        else:
-            routing = route(logits, self.config, self.e_score_correction_bias)
-        dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
-        if self.capacity_factor is not None and x2d.shape[0]:
-            capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
-            routing, dropped = capped.routing, capped.dropped
+        """``MoE.route_tokens`` on this rank's tokens, counting the routed load for EPLB."""
+        routing, dropped = super().route_tokens(x2d)
         if self.track_load:
-            self._accumulate_load(routing.topk_ids)
-        if self.fuse_shared:
-            gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None
-            routing = append_shared_slots(routing, self.config, gate_logits)
+            self._accumulate_load(routing.topk_ids)  # shared slots (ids >= E) are not counted
         return routing, dropped
 
     def dispatch(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
@@ -264,28 +216,15 @@ class EPMoE(nn.Module):
         sent = self.dispatch(x2d, topk_ids, topk_weights)
         return self.combine(self.run_local_experts(sent), sent)
 
+    def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)
+
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
-        if x.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
-        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         with torch.no_grad():  # no half-built graphs through the weights: nothing flows back through the all-to-alls
-            routing, dropped = self.route_tokens(x2d)
-            out = self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)  # [M, K]
-            if self.shared_w13 is not None:
-                out = out + self._shared_mlp(x2d)
-        out = out.reshape(x.shape)
-        if not return_stats:
-            return out
-        return MoEOutput(out=out, stats=self._stats(routing, dropped))
-
-    def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = act_and_mul(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
-        if self.shared_gate is not None:
-            y = torch.sigmoid(self.shared_gate(x2d)) * y
-        return y
+            return super().forward(x, return_stats)
 
     def _accumulate_load(self, topk_ids: torch.Tensor) -> None:
         num_experts = self.config.num_experts
@@ -294,19 +233,6 @@ class EPMoE(nn.Module):
         counts = torch.zeros(num_experts + 1, dtype=torch.float64, device=ids.device)
         counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.float64))
         self.expert_load += counts[:num_experts]
-
-    def _stats(self, routing: Routing, dropped: torch.Tensor) -> MoEStats:
-        """This rank's tokens, as ``MoE`` reports them (counts per logical routed expert)."""
-        num_experts, block = self.config.num_experts, self.stats_block_size
-        ids = routing.topk_ids.reshape(-1).long()
-        counts = torch.bincount(ids[(ids >= 0) & (ids < num_experts)], minlength=num_experts)  # [E]
-        return MoEStats(
-            counts=counts,
-            experts_touched=int((counts > 0).sum()),
-            padded_rows=int(((counts + block - 1) // block * block).sum()),
-            dropped=int(dropped),
-            num_tokens=routing.num_tokens,
-        )
 
     # ----- EPLB -----------------------------------------------------------------------------------
 
