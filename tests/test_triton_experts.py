@@ -104,6 +104,8 @@ def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
 def test_align_equals_twin(interpreter, monkeypatch, m, k, e, block, with_map, launch):
     if launch == "three":  # force the chunked three-launch path even for small batches
         monkeypatch.setattr(interpreter, "ALIGN_SMALL_MAX", 0)
+    else:  # and the single launch for any expert count
+        monkeypatch.setattr(interpreter, "ALIGN_SMALL_MAX_BINS", 1 << 20)
     g = torch.Generator().manual_seed(m * 100 + k * 10 + e)
     ids = torch.randint(-1, e + 2, (m, k), generator=g, dtype=torch.int32)  # includes skipped ids (-1, >= E)
     expert_map = None
