@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.bench import tuning
-from moekit.bench.cells import Shape, cell_model, experts_touched, make_sets, uniform_routing
+from moekit.bench.cells import Shape, cell_model, experts_touched, uniform_routing
 from moekit.bench.report import plot, results_path, table, write_json
 from moekit.bench.run import Cell, geomean_speedup, run_bench
 from moekit.bench.timing import time_calls

@@ -20,7 +20,6 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import local_expert_ids
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
 
