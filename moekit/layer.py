@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moekit.config import MoEConfig
-from moekit.experts import resolve_backend, run_experts
+from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
 from moekit.experts.activations import act_and_mul
 from moekit.layouts.capacity import DropPolicy, apply_capacity
 from moekit.routing import Routing, append_shared_slots, route
@@ -69,7 +69,6 @@ class MoE(nn.Module):
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
         self.config = config
-        self.backend = backend
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.stats_block_size = stats_block_size
@@ -87,7 +86,25 @@ class MoE(nn.Module):
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
         self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
         self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
+        self.backend = backend  # resolves the backend function for the weights' device
         self.reset_parameters()
+
+    @property
+    def backend(self) -> str:
+        """The experts backend asked for ("auto" or a name); ``resolved_backend()`` says which one runs."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        # Resolved here and on every device move (``_apply``), never inside forward: the registry
+        # imports modules, which torch.compile(fullgraph=True) cannot trace.
+        self._backend = name
+        self._experts_fn: ExpertsFn = get_backend(resolve_backend(name, self.w13.device))
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)
+        self.backend = self._backend
+        return module
 
     def reset_parameters(self) -> None:
         """Random init: N(0, 1/fan_in) for every matrix, so outputs stay O(1) at any width."""
@@ -128,9 +145,9 @@ class MoE(nn.Module):
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place
         experts elsewhere (expert parallelism) override this one step."""
-        return run_experts(
-            x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
-            activation=self.config.activation, backend=self.backend,
+        return call_backend(
+            self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
+            activation=self.config.activation,
         )
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -153,6 +170,7 @@ class MoE(nn.Module):
         )
 
     def resolved_backend(self) -> str:
+        """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""
         return resolve_backend(self.backend, self.w13.device)
 
     def extra_repr(self) -> str:

@@ -101,8 +101,9 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
     if config.nonfinite != "raise" or logits.numel() == 0:
         return logits
     all_finite = torch.isfinite(logits).all()
-    if logits.device.type != "cpu":
-        # A device-side assert: no host sync on the GPU path, so it stays CUDA-graph capturable.
+    if logits.device.type != "cpu" or torch.compiler.is_compiling():
+        # A device-side assert: no host sync on the GPU path, so it stays CUDA-graph capturable and
+        # torch.compile(fullgraph=True) traces it.
         torch._assert_async(all_finite, "router_logits contains NaN or infinite values")
     elif not bool(all_finite):
         bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()

@@ -95,3 +95,14 @@ def test_empty_batch_and_bad_shape():
         moe(torch.zeros(3, 7))
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         MoE(moe.config, capacity_factor=0)
+
+
+def test_backend_is_resolved_outside_forward():
+    moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2), backend="reference")
+    assert moe.resolved_backend() == "reference"
+    moe.backend = "auto"
+    assert moe.resolved_backend() == "grouped_mm" and moe._experts_fn.__name__ == "experts_grouped_mm"
+    moe.to(torch.float64)  # a move re-resolves for the new device
+    assert moe._experts_fn.__name__ == "experts_grouped_mm" and moe(torch.randn(3, 8, dtype=torch.float64)).dtype == torch.float64
+    with pytest.raises(ValueError, match="backend must be one of"):
+        moe.backend = "cutlass"

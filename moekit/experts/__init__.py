@@ -82,10 +82,26 @@ def run_experts(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
+    fn = get_backend(resolve_backend(backend, x.device))
+    return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+
+
+def call_backend(
+    fn: ExpertsFn,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Check the arguments and run an already resolved backend function. Unlike ``run_experts`` it
+    imports nothing, so ``torch.compile(fullgraph=True)`` traces through it."""
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    fn = get_backend(resolve_backend(backend, x.device))
     return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
 
 
