@@ -61,6 +61,12 @@ def _setup() -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
+def _progress(message: str) -> None:
+    """One line from rank 0 as each step ends, flushed, so a run cut short still shows how far it got."""
+    if dist.get_rank() == 0:
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
 def _max_over_ranks(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -93,7 +99,10 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
         err = float((out - want).abs().max() / ref.abs().max()) if want.numel() else 0.0
         return _max_over_ranks(err, device)
 
-    errors = {name: rel_err(EPMoE.from_moe(moe, p)(x_local), mine) for name, p in placements.items()}
+    errors = {}
+    for name, placement in placements.items():
+        errors[name] = rel_err(EPMoE.from_moe(moe, placement)(x_local), mine)
+        _progress(f"check {name}: {errors[name]:.1e}")
     # EPLB end to end: track the load, rebalance with replicas (weights move over the group), run again.
     ep = EPMoE.from_moe(moe)
     ep(x_local)
@@ -192,6 +201,7 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
         "config": {"E": config.num_experts, "N": config.moe_intermediate_size, "K": config.hidden_size,
                    "k": config.top_k, "dtype": str(dtype).removeprefix("torch.")},
     }
+    _progress(f"{world_size} ranks on {doc['device']} ({doc['backend']}); config {doc['config']}")
     if args.check:
         doc["check_rel_err"] = check(device, world_size, args.backend)
         if rank == 0:
@@ -202,7 +212,10 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
     single_config = config.replace(num_experts=local, n_group=1, topk_group=1, use_correction_bias=False)
     single = MoE(single_config, backend=args.backend, dtype=dtype, device=device)
     with torch.no_grad():
-        rows = [_bench_m(ep, single, m, device, dtype, args.reps) for m in tokens]
+        rows = []
+        for m in tokens:
+            rows.append(_bench_m(ep, single, m, device, dtype, args.reps))
+            _progress(f"M={m}: layer {rows[-1]['layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} us")
     doc["rows"] = rows
     if rank == 0:
         _print_table(rows)
