@@ -35,7 +35,7 @@ import torch
 
 from moekit.experts import check_experts_args
 from moekit.experts.configs import KernelConfig, device_key, get_config
-from moekit.layouts.block_aligned import NAIVE_SPARSITY_FACTOR, BlockAlignedLayout
+from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, max_padded_rows, use_naive
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,16 +72,6 @@ def _kernels(name: str):
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def use_naive(num_assignments: int, num_experts: int, expert_map: torch.Tensor | None) -> bool:
-    """vLLM's shortcut condition, as ``align_block`` applies it."""
-    return expert_map is None and num_assignments * NAIVE_SPARSITY_FACTOR <= num_experts
-
-
-def max_padded_rows(num_assignments: int, num_experts: int, block_size: int) -> int:
-    """R, as ``align_block`` sizes it: A + min(E, A)*(B-1)."""
-    return num_assignments + min(num_experts, num_assignments) * (block_size - 1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,12 +183,7 @@ def align_block_triton(
     allow_naive: bool = True,
 ) -> BlockAlignedLayout:
     """``align_block`` on the device (Triton kernels, no host sync); equal to it element for element."""
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be an int32/int64 tensor of shape [M, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
-    if num_experts < 1 or block_size < 1:
-        raise ValueError(f"num_experts and block_size must be >= 1, got {num_experts}, {block_size}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != topk_ids.device):
-        raise ValueError(f"expert_map must be 1-D on {topk_ids.device}, got {tuple(expert_map.shape)} on {expert_map.device}")
+    check_align_args(topk_ids, num_experts, block_size, expert_map)
     sorted_ids, expert_ids, num_padded, counts = torch.ops.moekit.align_block_triton(
         topk_ids, num_experts, block_size, expert_map, allow_naive
     )

@@ -42,6 +42,16 @@ class BlockAlignedLayout:
         return int(self.num_padded) / real if real else 0.0
 
 
+def use_naive(num_assignments: int, num_experts: int, expert_map: torch.Tensor | None) -> bool:
+    """vLLM's tiny-batch shortcut condition: no expert map and A*4 <= E."""
+    return expert_map is None and num_assignments * NAIVE_SPARSITY_FACTOR <= num_experts
+
+
+def max_padded_rows(num_assignments: int, num_experts: int, block_size: int) -> int:
+    """R, the buffer bound: A + min(E, A)*(B-1), since at most min(E, A) experts leave a partial block."""
+    return num_assignments + min(num_experts, num_assignments) * (block_size - 1)
+
+
 def align_block(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -56,14 +66,14 @@ def align_block(
     A*4 <= E takes the shortcut: one assignment per block, in assignment order, no sort.
     No host synchronisation.
     """
-    _check_ids(topk_ids, num_experts, block_size, expert_map)
+    check_align_args(topk_ids, num_experts, block_size, expert_map)
     num_tokens, top_k = topk_ids.shape
     num_assignments = num_tokens * top_k
-    if allow_naive and expert_map is None and num_assignments * NAIVE_SPARSITY_FACTOR <= num_experts:
+    if allow_naive and use_naive(num_assignments, num_experts, expert_map):
         return _naive_layout(topk_ids, num_experts, block_size)
 
     pos = aligned_positions(topk_ids, num_experts, block_size, expert_map)
-    max_padded = num_assignments + min(num_experts, num_assignments) * (block_size - 1)
+    max_padded = max_padded_rows(num_assignments, num_experts, block_size)
     assignment = torch.arange(num_assignments, device=topk_ids.device, dtype=torch.int32)
     sorted_ids = scatter_to_rows(assignment, pos.dst, max_padded, fill=num_assignments)  # [R]
     block_start = torch.arange(0, max_padded, block_size, device=topk_ids.device)  # [R/B]
@@ -118,7 +128,8 @@ def scatter_rows(rows: torch.Tensor, layout: BlockAlignedLayout) -> torch.Tensor
     return out[: layout.num_assignments]  # [A, D]
 
 
-def _check_ids(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None) -> None:
+def check_align_args(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None) -> None:
+    """Raise a clear error naming the argument that does not fit."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must have shape [M, k], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
