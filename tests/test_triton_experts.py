@@ -18,33 +18,15 @@ import pytest
 import torch
 
 
-def _purge(prefix: str) -> None:
-    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+def _purge_kernels():
+    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting.
+    for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
         del sys.modules[name]
 
 
-def _purge_kernels():
-    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the new setting.
-    _purge("moekit.experts._kernels")
-
-
-# Triton's own library functions (tl.zeros, tl.cumsum, ...) are decorated when triton is imported, so
-# the interpreter needs TRITON_INTERPRET=1 *before* that import. Set it for the import only (the fixture
-# below sets it again for this module's tests); if triton came in earlier without it, import it afresh.
-_saved_env = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(triton.language.standard.zeros, InterpretedFunction):
-        _purge("triton")
-        import triton  # noqa: F811
-finally:
-    if _saved_env is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved_env
+# conftest.py sets TRITON_INTERPRET=1 before anything imports triton (Triton's own tl.zeros, tl.cumsum...
+# are decorated at `import triton`, so it must come first).
+triton = pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module", autouse=True)
