@@ -60,7 +60,6 @@ def route(
     naming the bad rows; on a GPU it is a device-side assert, so the path never syncs with the host.
     """
     logits = _check_logits(router_logits, config)
-    num_tokens = logits.shape[0]
     bias = _check_bias(correction_bias, config, logits.device)
     if config.nonfinite == "mask":
         finite = torch.isfinite(logits)

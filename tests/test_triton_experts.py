@@ -11,7 +11,6 @@ bf16 rounding of the intermediates (float32 here), timing, CUDA graphs, int64 of
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
