@@ -47,6 +47,22 @@ def expert_params(cfg: MoEConfig) -> int:
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
+def expert_flops(num_tokens: float, top_k: int, hidden_size: int, moe_intermediate_size: int) -> float:
+    """F = B·k·6·K·N: every routed assignment does one multiply-add per weight of its expert."""
+    return num_tokens * top_k * 2.0 * (3 * hidden_size * moe_intermediate_size)
+
+
+def expert_weight_bytes(experts_touched: float, hidden_size: int, moe_intermediate_size: int,
+                        bytes_per_weight: float) -> float:
+    """Q = E_touched·3·K·N·b_w: compulsory bytes, each weight of each touched expert read once."""
+    return experts_touched * (3 * hidden_size * moe_intermediate_size) * bytes_per_weight
+
+
+def activation_bytes(num_tokens: float, hidden_size: int, bytes_per_element: float = ACTIVATION_BYTES) -> float:
+    """2·B·K·b: x [B, K] read once and out [B, K] written once."""
+    return 2.0 * num_tokens * hidden_size * bytes_per_element
+
+
 def touched(cfg: MoEConfig, batch: float, inclusion: np.ndarray | None = None) -> float:
     """Expected experts touched: uniform routing, or skewed with per-expert ``inclusion`` [E] (sums to k)."""
     if inclusion is None:
@@ -70,8 +86,9 @@ def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
     if inclusion is not None:
         check_inclusion(cfg, inclusion)
     touched_experts = touched(cfg, batch, inclusion)
-    flops = batch * cfg.top_k * 2.0 * expert_params(cfg)
-    weight_bytes = touched_experts * expert_params(cfg) * fmt.bytes_per_weight
+    flops = expert_flops(batch, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size)
+    weight_bytes = expert_weight_bytes(touched_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                       fmt.bytes_per_weight)
     memory_s = weight_bytes / gpu.bandwidth_bytes_s
     compute_s = flops / gpu.flops_per_s(fmt.compute_dtype)
     floor = max(memory_s, compute_s)
@@ -81,7 +98,7 @@ def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
         experts_touched=touched_experts,
         flops=flops,
         weight_bytes=weight_bytes,
-        activation_bytes=2.0 * batch * cfg.hidden_size * ACTIVATION_BYTES,
+        activation_bytes=activation_bytes(batch, cfg.hidden_size),
         intensity=flops / weight_bytes,
         memory_time_s=memory_s,
         compute_time_s=compute_s,

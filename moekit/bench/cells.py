@@ -3,8 +3,9 @@
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 
 Compulsory bytes = touched experts x 3*N*K*bytes (each weight of each touched expert read once) +
-activations (x read, out written). FLOPs = 6*N*K per routed assignment. The floor is
-max(bytes / copy bandwidth, FLOPs / matmul rate): no implementation runs much faster.
+activations (x read, out written). FLOPs = 6*N*K per routed assignment. Both formulas are the byte
+model's (``moekit.analysis.roofline``). The floor is max(bytes / copy bandwidth, FLOPs / matmul rate):
+no implementation runs much faster.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.analysis.roofline import activation_bytes, expert_flops, expert_weight_bytes
 from moekit.config import MoEConfig
 
 # The issue's presets: (name, moekit preset) -> E, N, K, k of the routed experts.
@@ -36,8 +38,9 @@ class Shape:
         return cls(name if scale == 1 else f"{name}/{scale}", c.num_experts, c.moe_intermediate_size // scale,
                    c.hidden_size // scale, c.top_k)
 
-    def expert_bytes(self, element_size: int) -> int:
-        return 3 * self.n * self.k * element_size
+    def expert_bytes(self, element_size: int) -> float:
+        """Bytes of one expert's w13 and w2."""
+        return expert_weight_bytes(1, self.k, self.n, element_size)
 
 
 @dataclass
@@ -80,7 +83,8 @@ def experts_touched(ids: torch.Tensor, num_experts: int) -> int:
 
 def cell_model(shape: Shape, num_tokens: int, touched: float, element_size: int, copy_TBps: float, mm_TFLOPs: float):
     """(bytes, flops, floor_us) of one call."""
-    nbytes = touched * shape.expert_bytes(element_size) + 2 * num_tokens * shape.k * element_size
-    flops = 6 * shape.n * shape.k * num_tokens * shape.top_k
+    nbytes = (expert_weight_bytes(touched, shape.k, shape.n, element_size)
+              + activation_bytes(num_tokens, shape.k, element_size))
+    flops = expert_flops(num_tokens, shape.top_k, shape.k, shape.n)
     floor_us = max(nbytes / (copy_TBps * 1e12), flops / (mm_TFLOPs * 1e12)) * 1e6
     return nbytes, flops, floor_us
