@@ -43,15 +43,6 @@ class Shape:
         return expert_weight_bytes(1, self.k, self.n, element_size)
 
 
-@dataclass
-class CellInputs:
-    """``sets`` rotated input sets (x, topk_ids, topk_weights) for one (shape, M), and the weights."""
-
-    w13: torch.Tensor  # [E, 2N, K]
-    w2: torch.Tensor  # [E, K, N]
-    sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # each: x [M, K], ids [M, k] int32, weights [M, k] fp32
-
-
 def make_weights(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.randn(shape.num_experts, 2 * shape.n, shape.k, device=device, dtype=dtype, generator=g) * shape.k**-0.5
