@@ -21,10 +21,10 @@ TINY = Shape("tiny", num_experts=8, n=24, k=40, top_k=2)
 
 
 def test_cell_model_counts_touched_experts_and_activations():
-    nbytes, flops, floor_us = cell_model(TINY, 4, touched=3, element_size=2, copy_TBps=1.0, mm_TFLOPs=1.0)
-    assert nbytes == 3 * (3 * 24 * 40 * 2) + 2 * 4 * 40 * 2  # weights of 3 experts + x read + out written
-    assert flops == 6 * 24 * 40 * 4 * 2
-    assert floor_us == pytest.approx(max(nbytes, flops) / 1e12 * 1e6)
+    model = cell_model(TINY, 4, touched=3, element_size=2, copy_TBps=1.0, mm_TFLOPs=1.0)
+    assert model.bytes == 3 * (3 * 24 * 40 * 2) + 2 * 4 * 40 * 2  # weights of 3 experts + x read + out written
+    assert model.flops == 6 * 24 * 40 * 4 * 2
+    assert model.floor_us == pytest.approx(max(model.bytes, model.flops) / 1e12 * 1e6)
 
 
 def test_uniform_routing_is_seeded_and_distinct():

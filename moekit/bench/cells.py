@@ -72,10 +72,20 @@ def experts_touched(ids: torch.Tensor, num_experts: int) -> int:
     return int(torch.bincount(ids.reshape(-1).long(), minlength=num_experts).gt(0).sum())
 
 
-def cell_model(shape: Shape, num_tokens: int, touched: float, element_size: int, copy_TBps: float, mm_TFLOPs: float):
-    """(bytes, flops, floor_us) of one call."""
+@dataclass(frozen=True)
+class CellModel:
+    """The byte model of one call of one cell."""
+
+    bytes: float  # compulsory: touched·3·N·K·element_size + 2·M·K·element_size
+    flops: float  # 6·N·K·M·k
+    floor_us: float  # max(bytes / copy bandwidth, flops / matmul rate)
+
+
+def cell_model(shape: Shape, num_tokens: int, touched: float, element_size: int, copy_TBps: float,
+               mm_TFLOPs: float) -> CellModel:
+    """Bytes, FLOPs and floor of one call with ``touched`` experts read, on the measured ceilings."""
     nbytes = (expert_weight_bytes(touched, shape.k, shape.n, element_size)
               + activation_bytes(num_tokens, shape.k, element_size))
     flops = expert_flops(num_tokens, shape.top_k, shape.k, shape.n)
     floor_us = max(nbytes / (copy_TBps * 1e12), flops / (mm_TFLOPs * 1e12)) * 1e6
-    return nbytes, flops, floor_us
+    return CellModel(nbytes, flops, floor_us)

@@ -89,7 +89,7 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
         num_sets = max(2, min(8, math.ceil(ROTATION_BYTES / touched_once)))
         sets = make_sets(shape, m, num_sets, dtype, device)
         touched = sum(experts_touched(s[1], shape.num_experts) for s in sets) / num_sets
-        nbytes, flops, floor_us = cell_model(shape, m, touched, elem, ceilings.copy_TBps, ceilings.mm_TFLOPs)
+        model = cell_model(shape, m, touched, elem, ceilings.copy_TBps, ceilings.mm_TFLOPs)
         ref_out = None
         for name in backends:
             if name == "reference" and m > REFERENCE_MAX_M[device.type]:
@@ -106,10 +106,11 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
             use_graph = device.type == "cuda" and m <= GRAPH_MAX_M and name != "reference"
             us, graphed = _time_backend(fn, w13, w2, sets, device, use_graph)
             cell = Cell(
-                shape=shape.name, M=m, backend=name, us=us, experts_touched=touched, bytes=nbytes, flops=flops,
-                floor_us=floor_us, pct_floor=100 * floor_us / us,
-                pct_copy_bw=100 * nbytes / (us * 1e-6) / (ceilings.copy_TBps * 1e12),
-                tflops=flops / (us * 1e-6) / 1e12, pct_mm=100 * flops / (us * 1e-6) / (ceilings.mm_TFLOPs * 1e12),
+                shape=shape.name, M=m, backend=name, us=us, experts_touched=touched, bytes=model.bytes,
+                flops=model.flops, floor_us=model.floor_us, pct_floor=100 * model.floor_us / us,
+                pct_copy_bw=100 * model.bytes / (us * 1e-6) / (ceilings.copy_TBps * 1e12),
+                tflops=model.flops / (us * 1e-6) / 1e12,
+                pct_mm=100 * model.flops / (us * 1e-6) / (ceilings.mm_TFLOPs * 1e12),
                 graph=graphed, rel_err_vs_grouped_mm=err,
             )
             cells.append(cell)
