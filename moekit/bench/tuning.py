@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from moekit.bench.cells import Shape, make_sets, make_weights
+from moekit.bench.cells import GPU_BATCHES, Shape, make_sets, make_weights
+from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
 from moekit.experts.configs import (
     GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, heuristic_config, write_configs,
 )
 
-TUNE_BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024, 4096, 16384)
-GRAPH_MAX_M = 1024
+TUNE_BATCHES = GPU_BATCHES  # tuned at the M values the bench times
 
 
 def block_m_candidates(num_tokens: int, shape: Shape) -> list[int]:
