@@ -73,6 +73,18 @@ def test_bench_cli_on_cpu(tmp_path, capsys):
     assert doc["cells"][0]["shape"] == "mixtral-8x7b/16" and "copy_TBps" in doc["ceilings"]
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["bench", "--device", "cpu", "--shapes", "mixtral-8x8b"], "--shapes"),
+    (["tune", "--preset", "nope"], "--preset"),
+    (["tune", "--shape", "64,1408,2048"], "--shape"),
+    (["tune", "--shape", "8,a,4,2"], "--shape"),
+    (["tune", "--shape", "8,16,16,9"], "--shape"),
+])
+def test_cli_bad_shape_names_the_flag(argv, flag):
+    with pytest.raises(SystemExit, match=flag):
+        main(argv)
+
+
 def test_tuner_search_and_resume(tmp_path, monkeypatch):
     timed = []
 

@@ -34,6 +34,8 @@ class Shape:
 
     @classmethod
     def from_preset(cls, name: str, scale: int = 1) -> "Shape":
+        if name not in PRESETS:
+            raise ValueError(f"shape must be one of {sorted(PRESETS)}, got {name!r}")
         c = MoEConfig.preset(PRESETS[name])
         return cls(name if scale == 1 else f"{name}/{scale}", c.num_experts, c.moe_intermediate_size // scale,
                    c.hidden_size // scale, c.top_k)

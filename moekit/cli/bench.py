@@ -38,7 +38,10 @@ def _run(args: argparse.Namespace) -> int:
     shapes = None
     if args.shapes:
         scale = 1 if device.type == "cuda" else CPU_SCALE
-        shapes = [Shape.from_preset(name, scale) for name in args.shapes.split(",")]
+        try:
+            shapes = [Shape.from_preset(name, scale) for name in args.shapes.split(",")]
+        except ValueError as err:
+            raise SystemExit(f"bench: --shapes: {err}") from None
     backends = args.backends.split(",") if args.backends else None
     console = Console(width=120)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

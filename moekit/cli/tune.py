@@ -32,16 +32,18 @@ def _run(args: argparse.Namespace) -> int:
     from moekit.bench.cells import Shape
     from moekit.bench.tuning import TUNE_BATCHES, tune
 
-    console = Console()
-    if not torch.cuda.is_available():
-        console.print("moekit tune needs a CUDA GPU (the Triton kernels are tuned where they run)")
-        return 2
-    shapes = [Shape.from_preset(p) for p in (args.preset or [])]
+    try:
+        shapes = [Shape.from_preset(p) for p in (args.preset or [])]
+    except ValueError as err:
+        raise SystemExit(f"tune: --preset: {err}") from None
     if args.shape:
-        e, n, k, top_k = _ints(args.shape)
-        shapes.append(Shape(f"E{e}_N{n}_K{k}_k{top_k}", e, n, k, top_k))
+        shapes.append(_explicit_shape(args.shape))
+    console = Console()
     if not shapes:
         console.print("give --preset NAME or --shape E,N,K,top_k")
+        return 2
+    if not torch.cuda.is_available():
+        console.print("moekit tune needs a CUDA GPU (the Triton kernels are tuned where they run)")
         return 2
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -50,3 +52,18 @@ def _run(args: argparse.Namespace) -> int:
                         budget_s=args.budget_s, progress=progress)
             console.print(f"wrote {path}")
     return 0
+
+
+def _explicit_shape(text: str):
+    """``--shape E,N,K,top_k`` as a bench ``Shape``; exits naming the flag when it is not four positive
+    integers with top_k <= E."""
+    from moekit.bench.cells import Shape
+
+    try:
+        values = _ints(text)
+    except ValueError:
+        values = []
+    if len(values) != 4 or min(values) < 1 or values[3] > values[0]:
+        raise SystemExit(f"tune: --shape must be four positive integers E,N,K,top_k with top_k <= E, got {text!r}")
+    e, n, k, top_k = values
+    return Shape(f"E{e}_N{n}_K{k}_k{top_k}", e, n, k, top_k)
