@@ -73,6 +73,14 @@ def padding_factor(batch: int, num_experts: int, top_k: int, block: int) -> floa
     return expected_padded_rows(batch, num_experts, top_k, block) / (batch * top_k)
 
 
+def expected_padding_factor(batch: int, num_experts: int, top_k: int, block: int,
+                            inclusion: Sequence[float] | np.ndarray | None = None) -> float:
+    """The expected factor under uniform routing, or under skewed routing with per-expert ``inclusion`` [E]."""
+    if inclusion is None:
+        return padding_factor(batch, num_experts, top_k, block)
+    return padding_factor_from_inclusion(batch, inclusion, block)
+
+
 def contiguous_padding_factor(batch: int, num_experts: int, top_k: int, align: int = CONTIGUOUS_ALIGN) -> float:
     """The contiguous layout's factor: segments start on ``align``-row boundaries (128 for DeepGEMM)."""
     return padding_factor(batch, num_experts, top_k, align)

@@ -16,7 +16,7 @@ from moekit.analysis.bills import ParamBill, param_bill
 from moekit.analysis.formats import FORMATS, WeightFormat
 from moekit.analysis.gpus import GpuSpec
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION, Fit, MemoryBill, fit_on_gpus, weight_memory
-from moekit.analysis.padding import padding_factor, padding_factor_from_inclusion
+from moekit.analysis.padding import expected_padding_factor
 from moekit.analysis.roofline import (
     BatchCost,
     asymptotic_slope,
@@ -125,10 +125,8 @@ def _bills(hf_config: dict, gpu: GpuSpec, fmt: WeightFormat, num_gpus: int, util
 def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params: ParamBill | None,
          inclusion: np.ndarray | None) -> SweepRow:
     cost = batch_cost(config, batch, fmt, gpu, inclusion)
-    if inclusion is None:
-        padding = {b: padding_factor(batch, config.num_experts, config.top_k, b) for b in PADDING_BLOCKS}
-    else:
-        padding = {b: padding_factor_from_inclusion(batch, inclusion, b) for b in PADDING_BLOCKS}
+    padding = {b: expected_padding_factor(batch, config.num_experts, config.top_k, b, inclusion)
+               for b in PADDING_BLOCKS}
     if params is None:
         return SweepRow(cost, padding, None, None, None)
     other = params.active_matmul - params.active_routed_experts  # attention, dense MLP, shared, router, head

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moekit.analysis.padding import padding_factor, padding_factor_from_inclusion
+from moekit.analysis.padding import expected_padding_factor
 from moekit.analysis.report import PADDING_BLOCKS, Report
 from moekit.analysis.roofline import batch_cost, dense_step_floor_s
 from moekit.cli._analyze_measure import Measurement
@@ -57,7 +57,9 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
 
     pad_grid = grid[grid <= 16384]
     for block in PADDING_BLOCKS:
-        ax[3].plot(pad_grid, [_padding(report, int(b), block) for b in pad_grid], label=f"block {block}")
+        factors = [expected_padding_factor(int(b), cfg.num_experts, cfg.top_k, block, report.inclusion)
+                   for b in pad_grid]
+        ax[3].plot(pad_grid, factors, label=f"block {block}")
     ax[3].set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
 
     if measurement:
@@ -69,12 +71,6 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _padding(report: Report, batch: int, block: int) -> float:
-    if report.inclusion is None:
-        return padding_factor(batch, report.config.num_experts, report.config.top_k, block)
-    return padding_factor_from_inclusion(batch, report.inclusion, block)
 
 
 def _overlay(ax, m: Measurement) -> None:
