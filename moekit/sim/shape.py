@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.analysis import get_gpu, param_bill
+from moekit.analysis.roofline import expert_flops
 from moekit.presets import hf_config_of_preset
 
 PRESET = "mixtral-8x7b"
@@ -48,5 +49,5 @@ def seconds_per_assignment() -> float:
     """Cost model of the EP what-if: one routed token-assignment costs 6·d·d_ff FLOPs in one layer
     (w13 and w2, multiply-add) at the EP GPU's dense peak; 0.36 µs for Mixtral's expert on an H100."""
     cfg = hf_config_of_preset(PRESET)
-    flops = 6 * cfg["hidden_size"] * cfg["intermediate_size"]
+    flops = expert_flops(1, 1, cfg["hidden_size"], cfg["intermediate_size"])
     return flops / get_gpu(EP_GPU).flops_per_s(EP_DTYPE)
