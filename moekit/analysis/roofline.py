@@ -18,7 +18,7 @@ import numpy as np
 
 from moekit.analysis.formats import WeightFormat
 from moekit.analysis.gpus import GpuSpec
-from moekit.analysis.touch import experts_touched, experts_touched_from_inclusion
+from moekit.analysis.touch import experts_touched, experts_touched_from_inclusion, solve_increasing
 from moekit.config import MoEConfig
 
 ACTIVATION_BYTES = 2  # bf16 activations in and out of the layer
@@ -133,13 +133,7 @@ def ridge_batch(cfg: MoEConfig, fmt: WeightFormat, gpu: GpuSpec, inclusion: np.n
 
     if intensity(1.0) >= target:
         return 1.0
-    lo, hi = 1.0, 2.0
-    while intensity(hi) < target:
-        lo, hi = hi, hi * 2.0
-    for _ in range(100):  # bisection to float64 resolution
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if intensity(mid) < target else (lo, mid)
-    return hi
+    return solve_increasing(intensity, target, 1.0, 2.0)
 
 
 def dense_step_floor_s(params: float, batch: int, fmt: WeightFormat, gpu: GpuSpec) -> float:

@@ -9,9 +9,20 @@ Under uniform routing with independent tokens each token misses a given expert w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+
+def solve_increasing(f: Callable[[float], float], target: float, lo: float, hi: float, steps: int = 100) -> float:
+    """The x >= ``lo`` where an increasing ``f`` reaches ``target``: ``hi`` is doubled until f(hi) >= target,
+    then ``steps`` bisections (100 reach float64 resolution from a doubled bracket); returns the upper end."""
+    while f(hi) < target:
+        lo, hi = hi, hi * 2.0
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return hi
 
 
 def _check(num_experts: int, top_k: int) -> None:
@@ -61,13 +72,7 @@ def batch_for_fraction_from_inclusion(fraction: float, inclusion: Sequence[float
     target = fraction * pi.size
     if np.count_nonzero(pi) <= target:
         return math.inf
-    lo, hi = 0.0, 1.0
-    while experts_touched_from_inclusion(hi, pi) < target:
-        lo, hi = hi, hi * 2.0
-    for _ in range(100):  # bisection to float64 resolution
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if experts_touched_from_inclusion(mid, pi) < target else (lo, mid)
-    return hi
+    return solve_increasing(lambda b: experts_touched_from_inclusion(b, pi), target, 0.0, 1.0)
 
 
 def inclusion_from_counts(counts: Sequence[int] | np.ndarray, num_tokens: int) -> np.ndarray:
@@ -93,13 +98,8 @@ def inclusion_from_weights(weights: Sequence[float] | np.ndarray, top_k: int) ->
     if np.count_nonzero(w) == top_k:  # every token takes exactly the positive-weight experts
         return (w > 0).astype(np.float64)
     w = w / w.sum()
-    lo, hi = 0.0, 1.0
-    while np.sum(1.0 - np.exp(-hi * w)) < top_k - 1e-12:
-        hi *= 2.0
-    for _ in range(200):  # bisection on t; 200 halvings reach float64 resolution from any bracket
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if np.sum(1.0 - np.exp(-mid * w)) < top_k else (lo, mid)
-    return 1.0 - np.exp(-hi * w)
+    t = solve_increasing(lambda t: float(np.sum(1.0 - np.exp(-t * w))), top_k, 0.0, 1.0)
+    return 1.0 - np.exp(-t * w)
 
 
 def experts_touched_from_counts(counts: Sequence[int] | np.ndarray) -> int:
