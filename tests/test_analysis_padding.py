@@ -70,6 +70,8 @@ def test_masked_from_counts():
     assert masked_padding_factor_from_counts([8, 0, 0, 0], 4) == 4.0  # every expert gets the busiest's rows
     with pytest.raises(ValueError, match="all zero"):
         padding_factor_from_counts([0, 0], 16)
+    with pytest.raises(ValueError, match="all zero"):
+        masked_padding_factor_from_counts([0, 0], 16)
 
 
 def test_padding_under_skew_matches_simulation():
