@@ -65,6 +65,22 @@ def test_bad_arguments():
         main(["analyze", "--experts", "8", "--top-k", "2"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--preset", "deepseek-v3", "--gpus", "0"], "--gpus must be >= 1"),
+    (["--preset", "deepseek-v3", "--utilization", "1.5"], "--utilization must be in"),
+    (["--preset", "deepseek-v3", "--reserve-gib", "-1"], "--reserve-gib must be >= 0"),
+    (["--preset", "deepseek-v3", "--bandwidth", "-1"], "--bandwidth must be positive"),
+    ([*TINY, "--layers", "0"], "--layers must be positive"),
+    (["--preset", "deepseek-v3", "--batches", "0"], "--batches must be positive"),
+    (["--experts", "8", "--top-k", "9", "--hidden", "64", "--moe-intermediate", "32"], "top_k"),
+    (["--config", "/nonexistent/config.json"], "No such file"),
+    ([*TINY, "--expert-load", "/nonexistent/load.json"], "--expert-load"),
+])
+def test_bad_numbers_exit_naming_the_flag(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["analyze", *argv])
+
+
 def test_plot_file(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "out.png"

@@ -77,8 +77,30 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
     return cfg, None, "custom"
 
 
+def _check_numbers(args) -> None:
+    """Exit naming the flag when a number is out of its range (they would otherwise give negative times or
+    a traceback from deep inside the byte model)."""
+    positive = {"--bandwidth": args.bandwidth, "--tflops": args.tflops, "--memory-gib": args.memory_gib,
+                "--layers": args.layers}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise SystemExit(f"analyze: {flag} must be positive, got {value}")
+    if args.gpus < 1:
+        raise SystemExit(f"analyze: --gpus must be >= 1, got {args.gpus}")
+    if not 0.0 < args.utilization <= 1.0:
+        raise SystemExit(f"analyze: --utilization must be in (0, 1], got {args.utilization}")
+    if not args.reserve_gib >= 0:
+        raise SystemExit(f"analyze: --reserve-gib must be >= 0, got {args.reserve_gib}")
+    if any(b < 1 for b in args.batches):
+        raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
+
+
 def run(args) -> int:
-    cfg, hf, name = _model(args)
+    _check_numbers(args)
+    try:
+        cfg, hf, name = _model(args)
+    except (OSError, ValueError, KeyError) as err:  # no config file, or one moekit cannot read
+        raise SystemExit(f"analyze: {err.args[0] if isinstance(err, KeyError) else err}") from None
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
     fmt = get_format(args.dtype)
@@ -90,8 +112,6 @@ def run(args) -> int:
     if fmt.compute_dtype not in gpu.dense_tflops:
         raise SystemExit(f"analyze: {gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
                          f"choose another --dtype or supply --tflops")
-    if any(b < 1 for b in args.batches):
-        raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
     inclusion, routing = _inclusion(args.expert_load, cfg)
     report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib,
                      inclusion, routing)
@@ -127,8 +147,11 @@ def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str
     """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k), and a label."""
     if path is None:
         return None, "uniform"
-    with open(path) as f:
-        counts = np.asarray(json.load(f), dtype=np.float64)  # [E]
+    try:
+        with open(path) as f:
+            counts = np.asarray(json.load(f), dtype=np.float64)  # [E]
+    except (OSError, ValueError, TypeError) as err:
+        raise SystemExit(f"analyze: --expert-load: {err}") from None
     if counts.shape != (cfg.num_experts,) or counts.min() < 0 or counts.sum() == 0:
         raise SystemExit(f"analyze: --expert-load must be a JSON list of {cfg.num_experts} non-negative counts, "
                          f"got shape {counts.shape}")
