@@ -98,6 +98,10 @@ def test_gpu_table():
         get_gpu("a100").flops_per_s("fp8")
     custom = get_gpu("h100").with_overrides(bandwidth_tb_s=3.0, dense_tflops={"fp8": 1000.0})
     assert custom.ridge_intensity("fp8") == pytest.approx(1000 / 3.0) and "user-supplied" in custom.source
+    with pytest.raises(ValueError, match="bandwidth_tb_s"):
+        get_gpu("h100").with_overrides(bandwidth_tb_s=-1.0)
+    with pytest.raises(ValueError, match="dense_tflops"):
+        get_gpu("h100").with_overrides(dense_tflops={"fp8": 0.0})
 
 
 def test_analysis_imports_no_kernels():

@@ -23,6 +23,15 @@ class GpuSpec:
     dense_tflops: dict[str, float]  # dtype -> 1e12 FLOP/s, dense; a dtype absent here is not supported
     source: str  # where the numbers come from
 
+    def __post_init__(self) -> None:
+        if not self.bandwidth_tb_s > 0:
+            raise ValueError(f"bandwidth_tb_s must be positive, got {self.bandwidth_tb_s}")
+        if not self.memory_gib >= 0:
+            raise ValueError(f"memory_gib must be >= 0, got {self.memory_gib}")
+        bad = {d: v for d, v in self.dense_tflops.items() if not v > 0}
+        if bad:
+            raise ValueError(f"dense_tflops must be positive, got {bad}")
+
     @property
     def bandwidth_bytes_s(self) -> float:
         return self.bandwidth_tb_s * 1e12
