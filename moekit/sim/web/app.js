@@ -40,8 +40,16 @@ async function refresh() {
   const seq = ++requestSeq;
   const q = query();
   app.dataset.state = "loading";
-  const response = await fetch("/api/simulate?" + q);
-  const body = await response.json();
+  let response, body;
+  try {
+    response = await fetch("/api/simulate?" + q);
+    body = await response.json();
+  } catch (err) { // the server is gone or answered something that is not JSON: say so, not a silent spinner
+    if (seq !== requestSeq) return;
+    $("status").textContent = "no answer from the simulator: " + err.message;
+    app.dataset.state = "error";
+    return;
+  }
   if (seq !== requestSeq) return; // a newer request is on its way
   if (!response.ok) {
     $("status").textContent = body.error;
