@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -67,8 +67,17 @@ def _timer(shape: Shape, num_tokens: int, dtype, device):
     return measure
 
 
-def tune_one(shape: Shape, num_tokens: int, dtype, device) -> tuple[KernelConfig, float, float]:
-    """(best config, its µs, the heuristic's µs) for one M."""
+@dataclass(frozen=True)
+class TuneResult:
+    """The outcome of tuning one M."""
+
+    config: KernelConfig  # the fastest config timed; the heuristic default when nothing beat it
+    us: float  # its median µs per call
+    heuristic_us: float  # the heuristic default's median µs per call, timed in the same search
+
+
+def tune_one(shape: Shape, num_tokens: int, dtype, device) -> TuneResult:
+    """Search the configs for one M (coordinate descent, see the module docstring)."""
     measure = _timer(shape, num_tokens, dtype, device)
     default = heuristic_config(num_tokens, shape.num_experts, shape.n, shape.k, shape.top_k)
     default_us = measure(default)
@@ -86,7 +95,7 @@ def tune_one(shape: Shape, num_tokens: int, dtype, device) -> tuple[KernelConfig
                     cfg, cfg_us = cand, us
         if cfg_us < best_us:
             best, best_us = cfg, cfg_us
-    return best, best_us, default_us
+    return TuneResult(best, best_us, default_us)
 
 
 def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path | None = None,
@@ -104,13 +113,14 @@ def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path
     task = progress.add_task(f"tune {shape.name}", total=len(batches), completed=len(batches) - len(todo)) if progress else None
     start = time.monotonic()
     for m in todo:
-        cfg, us, default_us = tune_one(shape, m, dtype, device)
-        done["configs"][str(m)] = cfg.to_dict()
-        done["measured"][str(m)] = {"us": round(us, 2), "heuristic_us": round(default_us, 2)}
+        result = tune_one(shape, m, dtype, device)
+        done["configs"][str(m)] = result.config.to_dict()
+        done["measured"][str(m)] = {"us": round(result.us, 2), "heuristic_us": round(result.heuristic_us, 2)}
         out_dir.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(done, indent=1))
         if progress:
-            progress.update(task, advance=1, description=f"tune {shape.name} M={m}: {us:.1f} µs (default {default_us:.1f})")
+            progress.update(task, advance=1,
+                            description=f"tune {shape.name} M={m}: {result.us:.1f} µs (default {result.heuristic_us:.1f})")
         if budget_s is not None and time.monotonic() - start > budget_s:
             break  # checked after each M, so every run makes progress
     configs = {int(m): KernelConfig.from_dict(c) for m, c in done["configs"].items()}
