@@ -20,6 +20,11 @@ import numpy as np
 CONTIGUOUS_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
 
 
+def _log_choose(n: int, m: np.ndarray) -> np.ndarray:
+    """ln C(n, m) for each entry of ``m`` (integers in [0, n]), through lgamma so n in the millions is fine."""
+    return np.array([math.lgamma(n + 1) - math.lgamma(v + 1) - math.lgamma(n - v + 1) for v in m], dtype=np.float64)
+
+
 def binomial_pmf(n: int, p: float) -> np.ndarray:
     """P(m) for m = 0..n of Binomial(n, p), in log space so n in the millions stays finite.
 
@@ -35,8 +40,7 @@ def binomial_pmf(n: int, p: float) -> np.ndarray:
     mean, sd = n * p, math.sqrt(n * p * (1 - p))
     lo, hi = max(0, math.floor(mean - 40 * sd - 10)), min(n, math.ceil(mean + 40 * sd + 10))
     m = np.arange(lo, hi + 1)
-    log_choose = np.array([math.lgamma(n + 1) - math.lgamma(v + 1) - math.lgamma(n - v + 1) for v in m])
-    pmf[lo:hi + 1] = np.exp(log_choose + m * math.log(p) + (n - m) * math.log1p(-p))
+    pmf[lo:hi + 1] = np.exp(_log_choose(n, m) + m * math.log(p) + (n - m) * math.log1p(-p))
     return pmf
 
 
@@ -59,8 +63,7 @@ def padding_factor_from_inclusion(batch: int, inclusion: Sequence[float] | np.nd
     m = np.arange(batch + 1, dtype=np.float64)  # [B+1]
     rows = np.ceil(m / block) * block  # [B+1]; padded rows of an expert with m rows
     inner = pi[(pi > 0) & (pi < 1)]  # [E']; p = 0 costs no rows, p = 1 costs rows[B]
-    log_choose = math.lgamma(batch + 1) - np.array([math.lgamma(v + 1) + math.lgamma(batch - v + 1) for v in m])
-    log_pmf = log_choose + m * np.log(inner)[:, None] + (batch - m) * np.log1p(-inner)[:, None]  # [E', B+1]
+    log_pmf = _log_choose(batch, m) + m * np.log(inner)[:, None] + (batch - m) * np.log1p(-inner)[:, None]  # [E', B+1]
     padded = float((np.exp(log_pmf) @ rows).sum())  # an empty [0] sum is 0
     padded += np.count_nonzero(pi == 1) * rows[batch]
     return padded / (batch * pi.sum())
