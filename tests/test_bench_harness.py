@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.bench import tuning
-from moekit.bench.cells import Shape, cell_model, experts_touched, uniform_routing
+from moekit.bench.cells import Shape, cell_model, measured_experts_touched, uniform_routing
 from moekit.bench.report import plot, results_path, table, write_json
 from moekit.bench.run import Cell, geomean_speedup, run_bench
 from moekit.bench.timing import time_calls
@@ -33,7 +33,7 @@ def test_uniform_routing_is_seeded_and_distinct():
     assert torch.equal(ids, ids2) and ids.dtype == torch.int32
     assert all(len(set(row.tolist())) == TINY.top_k for row in ids)  # k distinct experts per token
     torch.testing.assert_close(w.sum(1), torch.ones(64))
-    assert experts_touched(torch.tensor([[0, 3], [3, 5]]), 8) == 3
+    assert measured_experts_touched(torch.tensor([[0, 3], [3, 5]]), 8) == 3
 
 
 def test_time_calls_cpu():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.analysis.roofline import activation_bytes, expert_flops, expert_weight_bytes
+from moekit.analysis.touch import experts_touched_from_counts
 from moekit.config import MoEConfig
 
 # The issue's presets: (name, moekit preset) -> E, N, K, k of the routed experts.
@@ -70,8 +71,11 @@ def make_sets(shape: Shape, num_tokens: int, num_sets: int, dtype, device, seed:
     return sets
 
 
-def experts_touched(ids: torch.Tensor, num_experts: int) -> int:
-    return int(torch.bincount(ids.reshape(-1).long(), minlength=num_experts).gt(0).sum())
+def measured_experts_touched(ids: torch.Tensor, num_experts: int) -> int:
+    """Distinct experts the routing ``ids`` [M, k] sends tokens to (``analysis.touch.experts_touched`` is
+    the expectation of this under uniform routing)."""
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=num_experts)  # [E]
+    return experts_touched_from_counts(counts.cpu().numpy())
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ import torch
 
 from moekit.bench.ceilings import Ceilings, measure_ceilings
 from moekit.bench.cells import (
-    CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, Shape, cell_model, experts_touched, make_sets, make_weights,
+    CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, Shape, cell_model, make_sets, make_weights,
+    measured_experts_touched,
 )
 from moekit.bench.timing import time_calls
 from moekit.experts import available_backends, get_backend
@@ -88,7 +89,7 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
         touched_once = max(1, min(shape.num_experts, m * shape.top_k)) * shape.expert_bytes(elem)
         num_sets = max(2, min(8, math.ceil(ROTATION_BYTES / touched_once)))
         sets = make_sets(shape, m, num_sets, dtype, device)
-        touched = sum(experts_touched(s[1], shape.num_experts) for s in sets) / num_sets
+        touched = sum(measured_experts_touched(s[1], shape.num_experts) for s in sets) / num_sets
         model = cell_model(shape, m, touched, elem, ceilings.copy_TBps, ceilings.mm_TFLOPs)
         ref_out = None
         for name in backends:
