@@ -25,10 +25,11 @@ from moekit.parallel.placement import (
     rank_loads,
     round_robin_placement,
 )
-from moekit.sim.shape import seconds_per_assignment
+from moekit.sim.shape import EP_DTYPE, EP_GPU, seconds_per_assignment
 
-COST_MODEL = ("GPU time = assignments on its experts × 6·d·d_ff FLOPs at the H100's dense bf16 peak "
-              "(Mixtral expert: 0.36 µs each); step = max over GPUs; communication not modelled")
+COST_MODEL = (f"GPU time = assignments on its experts × 6·d·d_ff FLOPs at the {EP_GPU.upper()}'s dense {EP_DTYPE} "
+              f"peak (Mixtral expert: {seconds_per_assignment() * 1e6:.2f} µs each); step = max over GPUs; "
+              "communication not modelled")  # stated from moekit.sim.shape, so the text follows its constants
 
 
 @dataclass
