@@ -79,8 +79,10 @@ def test_bench_cli_on_cpu(tmp_path, capsys):
     (["tune", "--shape", "64,1408,2048"], "--shape"),
     (["tune", "--shape", "8,a,4,2"], "--shape"),
     (["tune", "--shape", "8,16,16,9"], "--shape"),
+    (["bench", "--device", "cpu", "--backends", "grouped-mm"], "backends must be among"),
+    (["bench", "--device", "cpu", "--batches", "0,8"], "batches must be >= 1"),
 ])
-def test_cli_bad_shape_names_the_flag(argv, flag):
+def test_cli_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=flag):
         main(argv)
 

@@ -22,7 +22,7 @@ from moekit.bench.cells import (
     measured_experts_touched,
 )
 from moekit.bench.timing import time_calls
-from moekit.experts import available_backends, get_backend
+from moekit.experts import available_backends, backend_names, get_backend
 
 GRAPH_MAX_M = 1024  # CUDA-graph replay up to here: the decode range, where launch gaps matter
 REFERENCE_MAX_M = {"cuda": 8, "cpu": 128}  # the per-expert loop syncs and upcasts: past this it only costs time
@@ -131,8 +131,19 @@ def geomean_speedup(cells: list[Cell], fast: str = "triton", base: str = "groupe
     return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
 
 
+def check_args(backends=None, batches=None) -> None:
+    """Raise naming the argument for an unknown backend or a batch below one token (a known backend that
+    cannot run on the device is skipped by ``run_bench``, not refused)."""
+    unknown = [b for b in backends or () if b not in backend_names()]
+    if unknown:
+        raise ValueError(f"backends must be among {backend_names()}, got unknown {unknown}")
+    if batches and min(batches) < 1:
+        raise ValueError(f"batches must be >= 1 token, got {list(batches)}")
+
+
 def run_bench(device: torch.device, shapes=None, batches=None, backends=None, progress=None) -> dict:
     """Measure the ceilings, then every cell. Returns the results document (see ``report.write_json``)."""
+    check_args(backends, batches)
     default_shapes, default_batches, dtype = default_setup(device)
     shapes = shapes or default_shapes
     batches = batches or default_batches

@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from moekit.bench.cells import CPU_SCALE, Shape
     from moekit.bench.report import plot, print_report, results_path, write_json
-    from moekit.bench.run import run_bench
+    from moekit.bench.run import check_args, run_bench
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shapes = None
@@ -43,6 +43,10 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise SystemExit(f"bench: --shapes: {err}") from None
     backends = args.backends.split(",") if args.backends else None
+    try:
+        check_args(backends, args.batches)
+    except ValueError as err:
+        raise SystemExit(f"bench: {err}") from None
     console = Console(width=120)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
