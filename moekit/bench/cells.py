@@ -18,8 +18,8 @@ from moekit.analysis.roofline import activation_bytes, expert_flops, expert_weig
 from moekit.analysis.touch import experts_touched_from_counts
 from moekit.config import MoEConfig
 
-# The presets: (name, moekit preset) -> E, N, K, k of the routed experts.
-PRESETS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "deepseek-v3": "deepseek-v3", "mixtral-8x7b": "mixtral-8x7b"}
+# The presets: moekit preset names whose routed experts (E, N, K, k) the bench sweeps.
+PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 GPU_BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 CPU_BATCHES = (1, 8, 32, 128, 512)
 CPU_SCALE = 16  # CPU mode divides N and K by this, so the sweep stays in memory and in minutes
@@ -36,8 +36,8 @@ class Shape:
     @classmethod
     def from_preset(cls, name: str, scale: int = 1) -> "Shape":
         if name not in PRESETS:
-            raise ValueError(f"shape must be one of {sorted(PRESETS)}, got {name!r}")
-        c = MoEConfig.preset(PRESETS[name])
+            raise ValueError(f"shape must be one of {list(PRESETS)}, got {name!r}")
+        c = MoEConfig.preset(name)
         return cls(name if scale == 1 else f"{name}/{scale}", c.num_experts, c.moe_intermediate_size // scale,
                    c.hidden_size // scale, c.top_k)
 
