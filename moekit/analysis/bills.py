@@ -45,6 +45,11 @@ class ParamBill:
         return self.total - self.routed_experts + self.active_routed_experts
 
     @property
+    def total_matmul(self) -> int:
+        """All parameters that take part in a matmul: the total less the embedding lookup and the norms."""
+        return self.total - self.embedding - self.norms
+
+    @property
     def active_matmul(self) -> int:
         """Active parameters that take part in a matmul (the embedding is a lookup): F ≈ 2·this per token."""
         return self.active - self.embedding - self.norms

@@ -135,8 +135,7 @@ def _row(config: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec, params:
         padding,
         model_step_floor_s=cost.step_time_floor_s + dense_step_floor_s(other, batch, fmt, gpu),
         dense_same_active_step_floor_s=dense_step_floor_s(params.active_matmul, batch, fmt, gpu),
-        dense_same_total_step_floor_s=dense_step_floor_s(params.total - params.embedding - params.norms, batch,
-                                                         fmt, gpu),
+        dense_same_total_step_floor_s=dense_step_floor_s(params.total_matmul, batch, fmt, gpu),
     )
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from moekit.analysis.padding import expected_padding_factor
 from moekit.analysis.report import PADDING_BLOCKS, Report
-from moekit.analysis.roofline import batch_cost, dense_step_floor_s
+from moekit.analysis.roofline import BatchCost, batch_cost, dense_step_floor_s
 from moekit.cli._analyze_measure import Measurement
 
 GRID_POINTS = 60  # log-spaced batches per curve: smooth enough, and the padding sums stay fast
@@ -23,45 +23,14 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     cfg, fmt, gpu = report.config, report.fmt, report.gpu
     top = max(8192, int(report.ridge_batch * 2), max(r.cost.batch for r in report.rows))
     grid = np.unique(np.geomspace(1, top, GRID_POINTS).astype(int))  # [G] batches
-    costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion) for b in grid]
+    costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion) for b in grid]  # [G]
     fig, axes = plt.subplots(2, 3 if measurement else 2, figsize=(16 if measurement else 11, 8.5))
     ax = axes.flat
-    title = f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}"
-    fig.suptitle(title)
-
-    ax[0].plot(grid, [c.experts_touched for c in costs], label=f"E_touched(B), {report.routing}")
-    ax[0].axhline(cfg.num_experts, color="gray", ls=":", label=f"E = {cfg.num_experts}")
-    for b, name in ((report.half_batch, "B½"), (report.batch_95, "B95")):
-        ax[0].axvline(b, color="gray", ls="--", lw=0.8)
-        ax[0].annotate(f"{name}={b:.1f}", (b, cfg.num_experts * 0.05), rotation=90, fontsize=8)
-    ax[0].set(xscale="log", xlabel="batch B (tokens)", ylabel="experts touched", title="experts touched")
-
-    ax[1].plot(grid, [c.intensity for c in costs], label="MoE layer I(B)")
-    ax[1].plot(grid, 2.0 * grid / fmt.bytes_per_weight, ls=":", label="dense GEMM 2B/b_w")
-    ax[1].axhline(report.ridge_intensity, color="red", ls="--", label=f"ridge I* = {report.ridge_intensity:.0f}")
-    ax[1].axvline(report.ridge_batch, color="red", ls=":", label=f"ridge batch = {report.ridge_batch:,.0f}")
-    ax[1].set(xscale="log", yscale="log", xlabel="batch B", ylabel="FLOP / weight byte", title="arithmetic intensity")
-
-    layers = report.rows[0].cost.num_moe_layers
-    ax[2].plot(grid, [c.memory_time_s * layers * 1e3 for c in costs], label="weight streaming")
-    ax[2].plot(grid, [c.compute_time_s * layers * 1e3 for c in costs], label="compute")
-    ax[2].plot(grid, [c.step_time_floor_s * 1e3 for c in costs], color="black", lw=2, alpha=0.4, label="floor")
-    if report.bills is not None:
-        p = report.bills.params
-        dense = ((p.active_matmul, "dense, same active"), (p.total - p.embedding - p.norms, "dense, same total"))
-        for params, name in dense:
-            ax[2].plot(grid, [dense_step_floor_s(params, int(b), fmt, gpu) * 1e3 for b in grid], ls="--",
-                       label=f"{name} ({params / 1e9:.1f}B)")
-    ax[2].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
-              title=f"decode step, routed experts of {layers} MoE layer(s)")
-
-    pad_grid = grid[grid <= 16384]
-    for block in PADDING_BLOCKS:
-        factors = [expected_padding_factor(int(b), cfg.num_experts, cfg.top_k, block, report.inclusion)
-                   for b in pad_grid]
-        ax[3].plot(pad_grid, factors, label=f"block {block}")
-    ax[3].set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
-
+    fig.suptitle(f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}")
+    _touch_panel(ax[0], report, grid, costs)
+    _intensity_panel(ax[1], report, grid, costs)
+    _step_panel(ax[2], report, grid, costs)
+    _padding_panel(ax[3], report, grid)
     if measurement:
         _overlay(ax, measurement)
     for a in ax:
@@ -71,6 +40,48 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _touch_panel(ax, report: Report, grid: np.ndarray, costs: list[BatchCost]) -> None:
+    num_experts = report.config.num_experts
+    ax.plot(grid, [c.experts_touched for c in costs], label=f"E_touched(B), {report.routing}")
+    ax.axhline(num_experts, color="gray", ls=":", label=f"E = {num_experts}")
+    for b, name in ((report.half_batch, "B½"), (report.batch_95, "B95")):
+        ax.axvline(b, color="gray", ls="--", lw=0.8)
+        ax.annotate(f"{name}={b:.1f}", (b, num_experts * 0.05), rotation=90, fontsize=8)
+    ax.set(xscale="log", xlabel="batch B (tokens)", ylabel="experts touched", title="experts touched")
+
+
+def _intensity_panel(ax, report: Report, grid: np.ndarray, costs: list[BatchCost]) -> None:
+    ax.plot(grid, [c.intensity for c in costs], label="MoE layer I(B)")
+    ax.plot(grid, 2.0 * grid / report.fmt.bytes_per_weight, ls=":", label="dense GEMM 2B/b_w")
+    ax.axhline(report.ridge_intensity, color="red", ls="--", label=f"ridge I* = {report.ridge_intensity:.0f}")
+    ax.axvline(report.ridge_batch, color="red", ls=":", label=f"ridge batch = {report.ridge_batch:,.0f}")
+    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="FLOP / weight byte", title="arithmetic intensity")
+
+
+def _step_panel(ax, report: Report, grid: np.ndarray, costs: list[BatchCost]) -> None:
+    layers = report.rows[0].cost.num_moe_layers
+    ax.plot(grid, [c.memory_time_s * layers * 1e3 for c in costs], label="weight streaming")
+    ax.plot(grid, [c.compute_time_s * layers * 1e3 for c in costs], label="compute")
+    ax.plot(grid, [c.step_time_floor_s * 1e3 for c in costs], color="black", lw=2, alpha=0.4, label="floor")
+    if report.bills is not None:
+        p = report.bills.params
+        for params, name in ((p.active_matmul, "dense, same active"), (p.total_matmul, "dense, same total")):
+            ax.plot(grid, [dense_step_floor_s(params, int(b), report.fmt, report.gpu) * 1e3 for b in grid],
+                    ls="--", label=f"{name} ({params / 1e9:.1f}B)")
+    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
+           title=f"decode step, routed experts of {layers} MoE layer(s)")
+
+
+def _padding_panel(ax, report: Report, grid: np.ndarray) -> None:
+    cfg = report.config
+    pad_grid = grid[grid <= 16384]  # the exact binomial sums cost at least O(B) per point
+    for block in PADDING_BLOCKS:
+        factors = [expected_padding_factor(int(b), cfg.num_experts, cfg.top_k, block, report.inclusion)
+                   for b in pad_grid]
+        ax.plot(pad_grid, factors, label=f"block {block}")
+    ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
 
 
 def _overlay(ax, m: Measurement) -> None:
