@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.experts import available_backends, run_experts
+from moekit.experts import available_backends, get_backend, run_experts
 
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -82,6 +82,8 @@ def test_all_tokens_on_one_expert_and_empty_batch(backend):
     assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend), per_token_loop(x, w13, w2, ids, weights)) < 1e-5
     empty = run_experts(x[:0], w13, w2, ids[:0], weights[:0], backend=backend)
     assert empty.shape == (0, 16)
+    direct = get_backend(backend)(x[:0], w13, w2, ids[:0], weights[:0])  # the backend itself, no shortcut
+    assert direct.shape == (0, 16)
 
 
 def test_auto_picks_an_available_backend_on_cpu():

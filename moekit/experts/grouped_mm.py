@@ -77,4 +77,4 @@ def experts_grouped_mm(
     acc = torch.promote_types(x.dtype, torch.float32)  # weight and sum in fp32 (fp64 for fp64 inputs)
     y = torch.where(routed, y.to(acc) * topk_weights.reshape(-1)[order, None].to(acc), 0.0)  # [A, K]
     per_slot = torch.empty_like(y).index_copy_(0, order, y)  # [A, K] back in assignment order
-    return per_slot.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)  # [M, K]
+    return per_slot.view(num_tokens, top_k, x.shape[1]).sum(dim=1).to(x.dtype)  # [M, K]
