@@ -68,6 +68,8 @@ class MoE(nn.Module):
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
+        if drop_policy not in ("position", "weight"):
+            raise ValueError(f"drop_policy must be 'position' or 'weight', got {drop_policy!r}")
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -78,8 +80,8 @@ class MoE(nn.Module):
         slots = config.num_shared_slots if self.fuse_shared else 0
         rows = (e if num_local_experts is None else num_local_experts) + slots
         self.gate = nn.Linear(k_dim, e, bias=False, **factory)  # weight [E, K]
-        self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]
-        self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
+        self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
         bias = torch.zeros(e, dtype=torch.float32, device=device) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0

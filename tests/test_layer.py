@@ -95,6 +95,8 @@ def test_empty_batch_and_bad_shape():
         moe(torch.zeros(3, 7))
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         MoE(moe.config, capacity_factor=0)
+    with pytest.raises(ValueError, match="drop_policy must be"):
+        MoE(moe.config, capacity_factor=1.0, drop_policy="random")
 
 
 def test_backend_is_resolved_outside_forward():
