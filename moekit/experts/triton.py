@@ -263,6 +263,20 @@ def fused_experts(
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
         num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
+    _sum_slots(y, ids, expert_map, out, top_k, num_experts)
+    return out
+
+
+def _sum_slots(
+    y: torch.Tensor,  # [A, K] weighted per-slot outputs
+    ids: torch.Tensor,  # [A] expert id of each assignment
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor,  # [M, K], written
+    top_k: int,
+    num_experts: int,
+) -> None:
+    """out[t] = sum of y over token t's routed slots (skipped slots are never read)."""
+    num_tokens, hidden = out.shape
     has_map = expert_map is not None
     topk_pad = _next_pow2(top_k)
     block_t, block_k = 4, min(_next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
@@ -272,7 +286,6 @@ def fused_experts(
         y.stride(0), out.stride(0), out.stride(1),
         BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map,
     )
-    return out
 
 
 @torch.library.custom_op("moekit::triton_experts", mutates_args=())
