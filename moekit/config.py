@@ -109,10 +109,14 @@ class MoEConfig:
         reader = _HF_READERS.get(model_type)
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(_HF_READERS)}, got {model_type!r}")
-        act = d.get("hidden_act", "silu")
-        if act not in _HF_ACTIVATIONS:
-            raise ValueError(f"cfg.hidden_act must be one of {sorted(_HF_ACTIVATIONS)}, got {act!r}")
-        return cls(activation=_HF_ACTIVATIONS[act], **reader(d))
+        return cls(activation=activation_from_hf(d.get("hidden_act", "silu")), **reader(d))
+
+
+def activation_from_hf(hidden_act: str) -> str:
+    """moekit's activation name for a transformers ``hidden_act``; a clear error for one it lacks."""
+    if hidden_act not in _HF_ACTIVATIONS:
+        raise ValueError(f"cfg.hidden_act must be one of {sorted(_HF_ACTIVATIONS)}, got {hidden_act!r}")
+    return _HF_ACTIVATIONS[hidden_act]
 
 
 def _get(d: dict, *names: str, default: Any = KeyError) -> Any:

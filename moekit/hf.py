@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.config import _HF_ACTIVATIONS, MoEConfig
+from moekit.config import MoEConfig, activation_from_hf
 from moekit.experts import run_experts
 from moekit.layer import MoE
 
@@ -75,12 +75,9 @@ def moekit_experts_forward(
             "the moekit experts implementation supports gated, bias-free, non-transposed experts "
             "(gate_up_proj [E, 2N, K], down_proj [E, K, N])"
         )
-    act = self.config.hidden_act
-    if act not in _HF_ACTIVATIONS:
-        raise ValueError(f"config.hidden_act must be one of {sorted(_HF_ACTIVATIONS)} for moekit, got {act!r}")
     return run_experts(
         hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
-        activation=_HF_ACTIVATIONS[act], backend=HF_BACKEND,
+        activation=activation_from_hf(self.config.hidden_act), backend=HF_BACKEND,
     )
 
 
