@@ -27,6 +27,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Optional
@@ -34,7 +35,7 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args
-from moekit.experts.configs import KernelConfig, device_key, get_config
+from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, max_padded_rows, use_naive
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
@@ -64,6 +65,18 @@ def is_available(device: torch.device | str) -> bool:
         return False
     device = torch.device(device)
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory_of(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: the limit Triton's launcher checks."""
+    return _max_shared_memory_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _kernels(name: str):
@@ -226,6 +239,8 @@ def fused_experts(
         return out
     if config is None:
         config = get_config(num_tokens, num_experts, n, hidden, top_k, x.dtype, device_key(x.device))
+    if not interpreting():
+        config = fit_shared_memory(config, x.element_size(), _max_shared_memory(x.device))
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     naive = use_naive(num_assignments, num_experts, expert_map)

@@ -20,7 +20,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -128,6 +128,33 @@ def heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: i
     if rows_per_expert < 96:
         return KernelConfig(64, GemmTile(64, 128, 1, 4, 4), GemmTile(128, 64, 8, 4, 4))
     return KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 3))
+
+
+def shared_memory_bytes(block_m: int, tile: GemmTile, itemsize: int, weight_tiles: int) -> int:
+    """Shared memory of one GEMM's software pipeline: ``num_stages - 1`` buffered steps, each holding the
+    [BLOCK_M, BLOCK_K] activation tile and ``weight_tiles`` [BLOCK_K, BLOCK_N] weight tiles (2 in the
+    gate-up GEMM: gate and up). Matches what Triton 3.6 asked for on the H200: 294912 bytes for BLOCK_M 32,
+    BLOCK_N 128, BLOCK_K 128, 3 stages, fp32 (2 x (32*128 + 2*128*128) x 4)."""
+    per_step = (block_m * tile.BLOCK_K + weight_tiles * tile.BLOCK_K * tile.BLOCK_N) * itemsize
+    return max(tile.num_stages - 1, 1) * per_step
+
+
+def fit_shared_memory(config: KernelConfig, itemsize: int, limit_bytes: int) -> KernelConfig:
+    """``config`` with each GEMM's pipeline shrunk until it fits ``limit_bytes`` of shared memory: fewer
+    stages first (down to 2), then a halved BLOCK_K (down to 16). A config tuned for bf16 used on fp32
+    inputs needs this; a config that already fits comes back unchanged."""
+
+    def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
+        while shared_memory_bytes(config.BLOCK_M, tile, itemsize, weight_tiles) > limit_bytes:
+            if tile.num_stages > 2:
+                tile = replace(tile, num_stages=tile.num_stages - 1)
+            elif tile.BLOCK_K > 16:
+                tile = replace(tile, BLOCK_K=tile.BLOCK_K // 2)
+            else:
+                break  # the smallest tile we make; let Triton report what it needs
+        return tile
+
+    return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
 
 
 def get_config(
