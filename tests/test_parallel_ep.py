@@ -67,6 +67,11 @@ def _scenarios(rank: int, world_size: int) -> dict:
         moe = _moe(SOFTMAX_SHARED, fuse_shared=False)
         placement = round_robin_placement(8, world_size)
         res[f"round_robin_separate_shared_{i}"] = _compare(EPMoE.from_moe(moe, placement), moe, x_all[: sum(sizes)], sizes, rank)
+        # The padded (sync-free) dispatch: capacity above the largest rank's tokens, and exactly at it.
+        moe = _moe(SOFTMAX_SHARED)
+        for cap in (max(sizes) + 3, max(max(sizes), 1)):
+            ep = EPMoE.from_moe(moe, round_robin_placement(8, world_size), max_tokens_per_rank=cap)
+            res[f"padded_{i}_cap{cap - max(sizes)}"] = _compare(ep, moe, x_all[: sum(sizes)], sizes, rank)
 
     sizes = SPLITS[world_size][0]
     x = x_all[: sum(sizes)]
@@ -80,6 +85,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     res["eplb_num_replicated"] = sum(c > 1 for c in placement.replica_counts())
     ep = EPMoE.from_moe(moe, placement)
     res["eplb_replicas"] = _compare(ep, moe, x, sizes, rank)
+    res["eplb_replicas_padded"] = _compare(EPMoE.from_moe(moe, placement, max_tokens_per_rank=32), moe, x, sizes, rank)
     routing, _ = ep.route_tokens(x_local)
     sent = ep.dispatch(x_local, routing.topk_ids, routing.topk_weights)
     ep.combine(ep.run_local_experts(sent), sent)
@@ -133,6 +139,13 @@ def _scenarios(rank: int, world_size: int) -> dict:
     moe = _moe(SOFTMAX_SHARED)
     ep = EPMoE.from_moe(moe)
     res["empty_shapes"] = [tuple(ep(torch.empty(0, 32)).shape), tuple(ep(torch.empty(2, 0, 32)).shape)]
+    padded = EPMoE.from_moe(moe, max_tokens_per_rank=4)
+    res["empty_shapes_padded"] = [tuple(padded(torch.empty(0, 32)).shape), tuple(padded(torch.empty(2, 0, 32)).shape)]
+    try:  # every rank passes 5 > 4 tokens: each raises before any collective, so none hangs
+        padded(torch.randn(5, 32))
+        res["over_capacity"] = "no error"
+    except ValueError as err:
+        res["over_capacity"] = str(err)
 
     # Stats: per-rank counts sum to the single-process counts.
     out = ep(x_local, return_stats=True)
@@ -208,6 +221,11 @@ def _mismatch_scenarios(rank, world_size) -> dict:
     except ValueError as err:
         res["config_mismatch"] = str(err)
     try:
+        EPMoE(SOFTMAX_SHARED, max_tokens_per_rank=8 + rank)
+        res["capacity_mismatch"] = "no error"
+    except ValueError as err:
+        res["capacity_mismatch"] = str(err)
+    try:
         EPMoE.from_moe(_moe(SOFTMAX_SHARED, seed=int(rank == 1)))  # rank 1's layer has other weights
         res["weights_mismatch"] = "no error"
     except ValueError as err:
@@ -229,7 +247,8 @@ def results(request):
 
 FP32_CASES = [
     "contiguous_fused_shared_0", "contiguous_fused_shared_1", "round_robin_separate_shared_0",
-    "round_robin_separate_shared_1", "eplb_replicas", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts", "capacity_per_rank", "load_experts",
+    "round_robin_separate_shared_1", "padded_0_cap3", "padded_0_cap0", "padded_1_cap3", "padded_1_cap0",
+    "eplb_replicas", "eplb_replicas_padded", "all_on_rank0", "uneven_experts", "skipped_ids", "rank_without_experts", "capacity_per_rank", "load_experts",
 ]
 
 
@@ -261,6 +280,12 @@ def test_capacity_drops_counted_per_rank(results):
 def test_empty_batches_everywhere(results):
     _, per_rank = results
     assert all(r["empty_shapes"] == [(0, 32), (2, 0, 32)] for r in per_rank)
+    assert all(r["empty_shapes_padded"] == [(0, 32), (2, 0, 32)] for r in per_rank)
+
+
+def test_padded_dispatch_refuses_more_tokens_than_capacity(results):
+    _, per_rank = results
+    assert all("max_tokens_per_rank=4" in r["over_capacity"] and "got 5" in r["over_capacity"] for r in per_rank)
 
 
 def test_stats_sum_over_ranks(results):
@@ -293,6 +318,7 @@ def test_mismatched_ranks_raise_clear_errors(results):
     for r in per_rank:
         assert "top_k" in r["config_mismatch"] and "rank 0 vs rank" in r["config_mismatch"]
         assert "placement" in r["placement_mismatch"]
+        assert "max_tokens_per_rank" in r["capacity_mismatch"]
         assert "replicated weights" in r["weights_mismatch"] and "gate" in r["weights_mismatch"]
 
 

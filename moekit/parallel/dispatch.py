@@ -11,11 +11,15 @@ slot is served elsewhere) and k weights (float32, 0 there), packed as bytes so t
 carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
 U weighted partial sums back and the source rank adds them into its tokens.
 
-Host synchronisation: exactly one per forward, in ``exchange``. ``all_to_all_single`` takes its split
-sizes as Python ints (NCCL posts one send and one receive per peer with host-side sizes), so after the
-small counts all-to-all the counts are copied to the host. Everything before it (planning, replica
-choice) and after it (packing, payload and combine collectives, the sum) is device work with no
-further sync; because of that one sync the layer is not CUDA-graph capturable.
+Two dispatches:
+- exact (``dispatch``): T rows, each token once per rank that serves one of its slots. Host
+  synchronisation: exactly one per forward, in ``exchange``. ``all_to_all_single`` takes its split
+  sizes as Python ints (NCCL posts one send and one receive per peer with host-side sizes), so after the
+  small counts all-to-all the counts are copied to the host. Everything before it (planning, replica
+  choice) and after it (packing, payload and combine collectives, the sum) is device work with no
+  further sync; because of that one sync this path is not CUDA-graph capturable.
+- padded (``dispatch_padded``): C rows to every rank whatever the routing (C = the most tokens a rank
+  may pass), so no counts and no host sync: W*C rows on the wire, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -67,8 +71,16 @@ class SendPlan:
     row_order: torch.Tensor  # [W*M] int64; flat (rank, token) keys, the T sent rows first, by rank then token
 
 
-def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_size: int) -> SendPlan:
-    """Choose a replica for every slot and group the rows to send by destination rank.
+@dataclass
+class Destinations:
+    """The rank and local expert serving each of this rank's token slots (device tensors, no host sync)."""
+
+    dest: torch.Tensor  # [M, k] int64; rank serving each slot, -1 for a skipped slot
+    local: torch.Tensor  # [M, k] int64; local expert index on that rank
+
+
+def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) -> Destinations:
+    """Choose a replica for every slot: the rank that serves it and the expert's index there.
 
     Replica choice is deterministic and even: the j-th slot (in token order) on this rank that routes
     to expert e goes to replica ``(j + rank) % replicas(e)``, so each source splits e's traffic within
@@ -95,7 +107,15 @@ def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_s
     local = torch.where(routed, tables.local_of[safe, replica], -1)
     dest = torch.where(shared, rank, dest)  # fused shared slots run where the token lives
     local = torch.where(shared, tables.num_local_routed + ids - num_experts, local)
-    dest, local = dest.view(num_tokens, top_k), local.view(num_tokens, top_k)  # [M, k]
+    return Destinations(dest.view(num_tokens, top_k), local.view(num_tokens, top_k))
+
+
+def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_size: int) -> SendPlan:
+    """Choose the replicas (``choose_replicas``) and group the rows to send by destination rank."""
+    num_tokens = topk_ids.shape[0]
+    device = topk_ids.device
+    chosen = choose_replicas(topk_ids, tables, rank)
+    dest, local = chosen.dest, chosen.local  # [M, k]
 
     # needs[t, w]: token t has a slot served by rank w. Column W collects skipped slots.
     needs = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
@@ -115,10 +135,11 @@ class Dispatched:
     x: torch.Tensor  # [U, K]; received token rows, grouped by source rank
     local_ids: torch.Tensor  # [U, k] int32; local expert of each slot on this rank, -1 = not here
     weights: torch.Tensor  # [U, k] float32; routing weight of each slot, 0 where not here
-    send_token: torch.Tensor  # [T] int64; local token of each sent row (rank-major)
-    send_splits: list[int]  # [W]; rows sent to each rank (host ints, from the one sync)
+    send_token: torch.Tensor | None  # [T] int64; local token of each sent row (rank-major); None when padded
+    send_splits: list[int]  # [W]; rows sent to each rank (host ints, from the one sync; C each when padded)
     recv_splits: list[int]  # [W]; rows received from each rank
     num_tokens: int  # M
+    capacity: int | None = None  # C: rows per rank pair of the padded dispatch (row t = token t); None = exact
 
 
 def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tuple[list[int], list[int]]:
@@ -154,12 +175,44 @@ def dispatch(
     return Dispatched(x_recv, ids_recv, weights_recv, send_token, send_splits, recv_splits, num_tokens)
 
 
+def dispatch_padded(
+    x2d: torch.Tensor, topk_weights: torch.Tensor, chosen: Destinations, capacity: int, group
+) -> Dispatched:
+    """The dispatch without the host sync: every rank sends exactly ``capacity`` (C) rows to every rank,
+    row t carrying token t (ids -1 and weights 0 where that rank serves none of its slots; rows M..C-1
+    are zero padding), so the split sizes are known without exchanging counts. Costs W*C rows on the
+    wire whatever the routing; in exchange the forward never waits for the host and can be captured
+    in a CUDA graph (DeepEP's low-latency mode makes the same trade). Collective, also with M = 0."""
+    num_tokens, hidden = x2d.shape
+    if num_tokens > capacity:
+        raise ValueError(f"x must have at most max_tokens_per_rank={capacity} tokens on each rank, got {num_tokens}")
+    top_k = chosen.dest.shape[1]
+    world_size = dist.get_world_size(group)
+    ranks = torch.arange(world_size, device=x2d.device)
+    here = chosen.dest[None] == ranks[:, None, None]  # [W, M, k]
+    ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
+    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
+    weights = torch.zeros(world_size, capacity, top_k, dtype=torch.float32, device=x2d.device)  # [W, C, k]
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None].float(), 0.0)
+    rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
+    rows[:, :num_tokens] = x2d
+    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    received = torch.empty_like(payload)  # [W*C, B]
+    dist.all_to_all_single(received, payload, group=group)  # equal splits: C rows per rank pair
+    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
+    splits = [capacity] * world_size
+    return Dispatched(x_recv, ids_recv, weights_recv, None, splits, splits, num_tokens, capacity)
+
+
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
     """y [U, K] (each row the weighted sum of this rank's slots for that token) -> out [M, K]:
     send the rows back to their source ranks and sum each token's partials in float32."""
-    back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K]
+    back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K] (T = W*C when padded)
     dist.all_to_all_single(back, y.contiguous(), sent.send_splits, sent.recv_splits, group=group)
     acc = torch.promote_types(y.dtype, torch.float32)
+    if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
+        partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
+        return partials.sum(0, dtype=acc).to(y.dtype)
     out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
     out.index_add_(0, sent.send_token, back.to(acc))
     return out.to(y.dtype)

@@ -25,7 +25,15 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
 from moekit.layer import MoE, MoEOutput
-from moekit.parallel.dispatch import Dispatched, ReplicaTables, combine, dispatch, plan_sends
+from moekit.parallel.dispatch import (
+    Dispatched,
+    ReplicaTables,
+    choose_replicas,
+    combine,
+    dispatch,
+    dispatch_padded,
+    plan_sends,
+)
 from moekit.parallel.placement import (
     Placement,
     balancedness,
@@ -61,7 +69,12 @@ class EPMoE(MoE):
     must call ``forward`` the same number of times (the collectives pair up).
 
     Host synchronisation per forward: one, after the counts all-to-all (``all_to_all_single`` needs the
-    split sizes as Python ints), plus the stats when ``return_stats=True``. Construction and
+    split sizes as Python ints), plus the stats when ``return_stats=True``. With ``max_tokens_per_rank``
+    set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead:
+    C rows go to every rank whatever the routing, no counts are exchanged, and the forward makes no host
+    sync at all, so it can run ahead of the GPU and be captured in a CUDA graph; it pays W*C rows on the
+    wire against the exact T (about the same when most tokens need most ranks, as DeepSeek-V3's top-8
+    of 256 does on 2 ranks; wasteful when ranks are many and tokens need few of them). Construction and
     ``rebalance`` also sync (they exchange Python objects). The layer is forward-only: the collectives
     carry no gradients, so an input that requires grad is refused.
 
@@ -81,9 +94,12 @@ class EPMoE(MoE):
         *,
         timeout: timedelta | None = None,
         track_load: bool = True,
+        max_tokens_per_rank: int | None = None,
         **moe_kwargs,
     ) -> None:
         """``moe_kwargs`` are ``MoE``'s (backend, fuse_shared, capacity_factor, drop_policy, ...)."""
+        if max_tokens_per_rank is not None and (not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
+            raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPMoE needs torch.distributed initialised (init_process_group) before construction")
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -96,6 +112,7 @@ class EPMoE(MoE):
         super().__init__(config, num_local_experts=placement.num_local_experts(rank), **moe_kwargs)
         self.group, self.rank, self.world_size = group, rank, world_size
         self.placement, self.timeout, self.track_load = placement, timeout, track_load
+        self.max_tokens_per_rank = max_tokens_per_rank
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
         device = self.w13.device
         self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
@@ -179,6 +196,7 @@ class EPMoE(MoE):
             "drop_policy": self.drop_policy,
             "dtype": str(self.w13.dtype),
             "world_size": self.world_size,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
         }
 
     # ----- forward --------------------------------------------------------------------------------
@@ -191,7 +209,11 @@ class EPMoE(MoE):
         return routing, dropped
 
     def dispatch(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
-        """Plan (replica choice, no sync), exchange counts (the one host sync), send the payload."""
+        """Exact: plan (replica choice, no sync), exchange counts (the one host sync), send the payload.
+        Padded (``max_tokens_per_rank`` set): replica choice, then max_tokens_per_rank rows to every rank."""
+        if self.max_tokens_per_rank is not None:
+            chosen = choose_replicas(topk_ids, self._tables, self.rank)
+            return dispatch_padded(x2d, topk_weights, chosen, self.max_tokens_per_rank, self.group)
         plan = plan_sends(topk_ids, self._tables, self.rank, self.world_size)
         return dispatch(x2d, topk_weights, plan, self.group, self.timeout)
 
