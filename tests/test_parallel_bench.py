@@ -13,7 +13,8 @@ from _parallel_harness import run_ranks
 def _bench(rank: int, world_size: int) -> dict:
     from moekit.parallel import bench
 
-    args = argparse.Namespace(tiny=True, check=True, tokens=[0, 8], backend="auto", reps=2, out=None)
+    args = argparse.Namespace(tiny=True, check=True, tokens=[0, 8], backend="auto", reps=2, out=None, dispatch="both",
+                              profile=False)
     return bench.run(torch.device("cpu"), rank, world_size, args)
 
 
@@ -21,7 +22,7 @@ def test_bench_entry_runs_on_two_ranks():
     doc = run_ranks(_bench, 2, timeout_s=120)[0]
     assert doc["world_size"] == 2 and doc["backend"] == "gloo"
     assert max(doc["check_rel_err"].values()) < 1e-5
-    assert [row["M"] for row in doc["rows"]] == [0, 8]
+    assert [(row["dispatch"], row["M"]) for row in doc["rows"]] == [("exact", 0), ("exact", 8), ("padded", 0), ("padded", 8)]
     for row in doc["rows"]:
         for key in ("dispatch_us", "experts_us", "combine_us", "layer_us", "raw_dispatch_us", "single_gpu_us"):
             assert row[key] >= 0, key
