@@ -1,7 +1,7 @@
-"""Where the Triton experts path spends its time, per kernel (torch.profiler), how the heuristic
-default compares with the tuned configs, and what the short tail tiles save (run on the device).
+"""Where the Triton experts path spends its time, per kernel (torch.profiler), and how the heuristic
+default compares with the tuned configs (run on the device).
 
-    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic] [--tail]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic]
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights
 from moekit.bench.timing import time_calls
 from moekit.bench.tuning import TUNE_BATCHES
 from moekit.experts.configs import device_key, get_config, heuristic_config
-import moekit.experts.triton as tri
-from moekit.bench.ceilings import measure_ceilings
 from moekit.experts.triton import fused_experts
 
 
@@ -70,46 +68,12 @@ def heuristic_vs_tuned(batches):
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
 
-def tail_ab(batches):
-    """Tuned configs with the short tail tiles off and on, and the tall-tile (BLOCK_M 128) config of
-    the largest tuned M with them on; µs, % of the floor and rel. L2 against tails off."""
-    dev = torch.device("cuda")
-    ceilings = measure_ceilings(dev)
-    copy_bps, mm_flops = ceilings.copy_TBps * 1e12, ceilings.mm_TFLOPs * 1e12
-    print(f"ceilings: copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s", flush=True)
-    for preset in PRESETS:
-        s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
-        tall = get_config(1 << 20, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
-        for m in batches:
-            sets = make_sets(s, m, 2, torch.bfloat16, dev)
-            touched = len(torch.unique(sets[0][1]))
-            floor = max((touched * 3 * s.n * s.k * 2 + 2 * m * s.k * 2) / copy_bps, 2 * m * s.top_k * 3 * s.n * s.k / mm_flops) * 1e6
-            tuned = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
-            res, outs = {}, {}
-            for name, cfg, tail in (("off", tuned, False), ("on", tuned, True), ("tall_on", tall, True)):
-                tri.TAIL_TILES = tail
-                calls = [lambda st=st, c=cfg: fused_experts(st[0], w13, w2, st[1], st[2], config=c) for st in sets]
-                res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
-                outs[name] = calls[0]().float()
-            tri.TAIL_TILES = True
-            errs = {k: float((outs[k] - outs["off"]).norm() / outs["off"].norm()) for k in ("on", "tall_on")}
-            print(f"{preset:14s} M={m:<6d} BM={tuned.BLOCK_M:<4d} floor {floor:8.1f}  " + "  ".join(
-                f"{k} {v:8.1f} µs ({100 * floor / v:3.0f}%)" for k, v in res.items())
-                + f"  err on {errs['on']:.1e} tall {errs['tall_on']:.1e}", flush=True)
-        del w13, w2
-        torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
-    p.add_argument("--tail", action="store_true")
     a = p.parse_args()
-    if a.tail:
-        tail_ab([int(v) for v in a.batches.split(",")])
-    elif a.heuristic:
+    if a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
     else:
         breakdown([int(v) for v in a.batches.split(",")])

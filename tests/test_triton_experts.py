@@ -184,21 +184,6 @@ def test_explicit_configs_agree(interpreter):
         assert _rel_err(out, ref.double()) < 1e-5
 
 
-@pytest.mark.parametrize("tail", [True, False])
-def test_tail_tiles_cover_every_row(interpreter, monkeypatch, tail):
-    """BLOCK_M 64 with experts whose last block holds 10 (quarter tile), 30 (half), 50 (full) and 64
-    rows, one expert with 5 rows only, one with none; with and without the short tail tiles."""
-    monkeypatch.setattr(interpreter, "TAIL_TILES", tail)
-    x, w13, w2, _, weights = _problem(351, 1, 6, 40, 24, torch.float32)
-    per_expert = [64 + 10, 64 + 30, 50, 5, 0, 64 + 64]  # 351 assignments
-    ids = torch.repeat_interleave(torch.arange(6), torch.tensor(per_expert))
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(1))].int()[:, None]
-    cfg = KernelConfig(64, GemmTile(16, 32, 2, 4, 2), GemmTile(32, 16, 1, 4, 2))
-    out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
-    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
-    assert _rel_err(out, ref) < 1e-5
-
-
 def test_bad_arguments(interpreter):
     x, w13, w2, ids, weights = _problem(3, 2, 8, 33, 17, torch.float32)
     with pytest.raises(ValueError, match="activation"):

@@ -48,10 +48,6 @@ _ALIGN_CHUNK = 128  # assignments per chunk program; the in-chunk rank is a [C, 
 ALIGN_SMALL_MAX = _ALIGN_CHUNK
 ALIGN_SMALL_MAX_BINS = 64
 
-# With BLOCK_M >= 64, an expert's last block runs a quarter- or half-height tile when its real rows fit
-# (gemm.py's TAIL). A switch so that benchmarks can measure both ways in one run.
-TAIL_TILES = True
-
 # Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
 
@@ -258,7 +254,6 @@ def fused_experts(
         sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
     common = dict(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        TAIL=TAIL_TILES and not naive and block_m >= 64,
     )
     gemm = _kernels("gemm")
     work_dtype = torch.float32 if interpreting() else x.dtype

@@ -7,9 +7,6 @@ intermediate; BM/BN/BK the tile. Program (pid_m, pid_n) owns M-block pid_m of th
 up to BM assignment rows) and output columns pid_n*BN ..; every row index is int64 before it is
 multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
-TAIL (BLOCK_M >= 64, not NAIVE): a block whose real rows fit a quarter or a half of BLOCK_M (an
-expert's last block) runs a tile of that height: less tensor-core work spent on padding rows.
-
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
 expert read straight from topk_ids, so no alignment runs at all.
 
@@ -41,34 +38,19 @@ def _grid_position(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _block_expert(pid_m, ids_ptr, expert_ids_ptr, num_padded_ptr, num_experts,
-                  BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
-    """The expert of M-block pid_m, -1 = none (past the rows in use, or a naive assignment not routed here)."""
+def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                num_assignments, num_experts, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr):
+    """(assignment of each row of M-block pid_m [BM] int64, with A on padding rows; its expert, -1 = none)."""
+    lanes = tl.arange(0, BLOCK_M)
     if NAIVE:
         eid = tl.load(ids_ptr + pid_m).to(tl.int64)
-        return tl.where((eid >= 0) & (eid < num_experts), eid, -1)
-    in_use = pid_m * BLOCK_M < tl.load(num_padded_ptr)
-    return tl.where(in_use, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
-
-
-@triton.jit
-def _block_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                NAIVE: tl.constexpr):
-    """The assignment of each of the first ROWS rows of M-block pid_m [ROWS] int64, A on padding rows."""
-    lanes = tl.arange(0, ROWS)
-    if NAIVE:
-        return tl.where(lanes == 0, pid_m, num_assignments).to(tl.int64)
-    return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + lanes).to(tl.int64)  # the buffer holds whole blocks
-
-
-@triton.jit
-def _tile_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M: tl.constexpr):
-    """The tile height that covers M-block pid_m's real rows (a prefix of the block: an expert's rows
-    come first, then its padding): a quarter, a half or all of BLOCK_M. Only an expert's last block can
-    be short, so this trims the padding tax without another layout."""
-    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = tl.sum((rows < num_assignments).to(tl.int32), axis=0)
-    return tl.where(real <= BLOCK_M // 4, BLOCK_M // 4, tl.where(real <= BLOCK_M // 2, BLOCK_M // 2, BLOCK_M))
+        expert = tl.where((eid >= 0) & (eid < num_experts), eid, -1)
+        rows = tl.where(lanes == 0, pid_m, num_assignments).to(tl.int64)
+    else:
+        in_use = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+        expert = tl.where(in_use, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + lanes).to(tl.int64)  # the buffer holds whole blocks
+    return rows, expert
 
 
 @triton.jit
@@ -91,51 +73,23 @@ def gate_up_kernel(
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr,
-):
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert = _block_expert(pid_m, ids_ptr, expert_ids_ptr, num_padded_ptr, num_experts, BLOCK_M, NAIVE)
-    if expert < 0:
-        return  # nothing reads the h rows of a block not in use
-    if TAIL:  # an expert's last block with few real rows runs a shorter tile
-        tile_rows = _tile_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M)
-        if tile_rows == BLOCK_M // 4:
-            _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, pid_m, pid_n, expert, N, K, num_assignments, top_k,
-                          stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                          BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, ACT, NAIVE, UPCAST, PRECISION)
-        elif tile_rows == BLOCK_M // 2:
-            _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, pid_m, pid_n, expert, N, K, num_assignments, top_k,
-                          stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                          BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, ACT, NAIVE, UPCAST, PRECISION)
-        else:
-            _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, pid_m, pid_n, expert, N, K, num_assignments, top_k,
-                          stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                          BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, ACT, NAIVE, UPCAST, PRECISION)
-    else:
-        _gate_up_tile(x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, pid_m, pid_n, expert, N, K, num_assignments, top_k,
-                      stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-                      BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, ACT, NAIVE, UPCAST, PRECISION)
-
-
-@triton.jit
-def _gate_up_tile(
-    x_ptr, w13_ptr, h_ptr, sorted_ids_ptr, pid_m, pid_n, expert, N, K, num_assignments, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
-    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The first ROWS rows of M-block pid_m times output columns pid_n*BN ..: one [ROWS, BN] tile of h."""
-    rows = _block_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M, ROWS, NAIVE)  # [R]
-    row_ok = rows < num_assignments  # [R]
-    token = tl.where(row_ok, rows // top_k, 0)  # [R] int64: the gather, x row of each assignment
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
+    row_ok = rows < num_assignments  # [BM]
+    token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the gather, x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [R, BK]
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
-    acc_gate = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -148,7 +102,7 @@ def _gate_up_tile(
         x_ptrs += BLOCK_K * stride_xk
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
-    h = _activation(acc_gate, ACT) * acc_up  # [R, BN] fp32; the [A, 2N] product is never written
+    h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -160,50 +114,22 @@ def down_kernel(
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TAIL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    expert = _block_expert(pid_m, ids_ptr, expert_ids_ptr, num_padded_ptr, num_experts, BLOCK_M, NAIVE)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
-    if TAIL:
-        tile_rows = _tile_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M)
-        if tile_rows == BLOCK_M // 4:
-            _down_tile(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert, K, N, num_assignments,
-                       stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-                       BLOCK_M, BLOCK_M // 4, BLOCK_N, BLOCK_K, NAIVE, UPCAST, PRECISION)
-        elif tile_rows == BLOCK_M // 2:
-            _down_tile(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert, K, N, num_assignments,
-                       stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-                       BLOCK_M, BLOCK_M // 2, BLOCK_N, BLOCK_K, NAIVE, UPCAST, PRECISION)
-        else:
-            _down_tile(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert, K, N, num_assignments,
-                       stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-                       BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NAIVE, UPCAST, PRECISION)
-    else:
-        _down_tile(h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert, K, N, num_assignments,
-                   stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-                   BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, NAIVE, UPCAST, PRECISION)
-
-
-@triton.jit
-def _down_tile(
-    h_ptr, w2_ptr, y_ptr, weights_ptr, sorted_ids_ptr, pid_m, pid_n, expert, K, N, num_assignments,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """The first ROWS rows of M-block pid_m: one [ROWS, BN] tile of y, scaled by the routed weights."""
-    rows = _block_rows(pid_m, sorted_ids_ptr, num_assignments, BLOCK_M, ROWS, NAIVE)  # [R]
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [R, BK]
+    h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
@@ -213,7 +139,8 @@ def _down_tile(
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wn
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [R] routed weight
+    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+
