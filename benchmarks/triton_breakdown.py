@@ -1,7 +1,7 @@
 """Where the Triton experts path spends its time, per kernel (torch.profiler), and how the heuristic
 default compares with the tuned configs (run on the device).
 
-    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic] [--tma]
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights
 from moekit.bench.timing import time_calls
 from moekit.bench.tuning import TUNE_BATCHES
 from moekit.experts.configs import device_key, get_config, heuristic_config
+import moekit.experts.triton as tri
+from moekit.bench.ceilings import measure_ceilings
+from moekit.experts.configs import GemmTile, KernelConfig
 from moekit.experts.triton import fused_experts
 
 
@@ -68,12 +71,65 @@ def heuristic_vs_tuned(batches):
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
 
+# Tall-tile candidates tried with the descriptors on at M >= 512 (the pointer-tuned config may not suit them).
+TMA_CANDIDATES = {
+    "128x128x64/s4": KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 4)),
+    "128x128x64/s5": KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5)),
+    "128x256x64/s3": KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3)),
+    "64x128x64/s4": KernelConfig(64, GemmTile(128, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 4)),
+}
+
+
+def descriptors_ab(batches):
+    """Tuned configs with the weights through pointer loads and through TMA descriptors, plus a few
+    tall tiles with descriptors at M >= 512: µs, % of the floor, and rel. L2 against the pointer path."""
+    dev = torch.device("cuda")
+    ceilings = measure_ceilings(dev)
+    copy_bps, mm_flops = ceilings.copy_TBps * 1e12, ceilings.mm_TFLOPs * 1e12
+    print(f"ceilings: copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s", flush=True)
+    for preset in PRESETS:
+        s = Shape.from_preset(preset)
+        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        for m in batches:
+            sets = make_sets(s, m, 2, torch.bfloat16, dev)
+            touched = len(torch.unique(sets[0][1]))
+            floor = max((touched * 3 * s.n * s.k * 2 + 2 * m * s.k * 2) / copy_bps,
+                        2 * m * s.top_k * 3 * s.n * s.k / mm_flops) * 1e6
+            tuned = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
+            variants = [("ptr", tuned, False), ("tma", tuned, True)]
+            if m >= 512:
+                variants += [(name, cfg, True) for name, cfg in TMA_CANDIDATES.items()]
+            res, ref = {}, None
+            for name, cfg, desc in variants:
+                tri.WEIGHT_DESCRIPTORS = desc
+                calls = [lambda st=st, c=cfg: fused_experts(st[0], w13, w2, st[1], st[2], config=c) for st in sets]
+                try:
+                    res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
+                except Exception as err:  # noqa: BLE001 - an A/B script: report the variant and go on
+                    print(f"  {name}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                    continue
+                out = calls[0]().float()
+                if ref is None:
+                    ref = out
+                elif float((out - ref).norm() / ref.norm()) > 1e-2:
+                    print(f"  {name}: WRONG, rel. L2 {float((out - ref).norm() / ref.norm()):.1e}", flush=True)
+            tri.WEIGHT_DESCRIPTORS = True
+            best = min((v, k) for k, v in res.items())
+            print(f"{preset:14s} M={m:<6d} floor {floor:8.1f}  " + "  ".join(
+                f"{k} {v:.1f} ({100 * floor / v:.0f}%)" for k, v in res.items()) + f"  best {best[1]}", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
+    p.add_argument("--tma", action="store_true", help="A/B of the weights through TMA descriptors")
     a = p.parse_args()
-    if a.heuristic:
+    if a.tma:
+        descriptors_ab([int(v) for v in a.batches.split(",")])
+    elif a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
     else:
         breakdown([int(v) for v in a.batches.split(",")])

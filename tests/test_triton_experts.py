@@ -157,6 +157,22 @@ def test_non_contiguous_inputs(interpreter):
     _check(interpreter, x_nc, w13_nc, w2_nc, ids_nc, weights_nc)
 
 
+@pytest.mark.parametrize("descriptors", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dtype):
+    """16-byte rows (K=40, N=24) take the TMA descriptor path: the last N tile of the gate reads the up
+    rows, the last up tile reads the next expert's rows (or past the end), K=40 leaves a zero-filled
+    tail of the 32-wide K tile. None of it may reach the output."""
+    monkeypatch.setattr(interpreter, "WEIGHT_DESCRIPTORS", descriptors)
+    x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
+    cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
+    assert interpreter._weight_operands(w13, w2, cfg)[2] == descriptors
+    out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
+    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
+    assert _rel_err(out, ref) < TOL[dtype]
+    assert not interpreter._weight_operands(w13[:, :, :33].contiguous(), w2, cfg)[2]  # 66-byte rows: pointers
+
+
 def test_float16(interpreter):
     _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float16))
 
@@ -270,6 +286,10 @@ def test_shared_memory_fit():
         assert (tile.BLOCK_N, tile.GROUP_M, tile.num_warps) == (old.BLOCK_N, old.GROUP_M, old.num_warps)
     assert (fitted.up.num_stages, fitted.up.BLOCK_K) == (2, 128)  # one buffered step: 147456 bytes
     assert fitted.down == refused.down  # 3 x (32*128 + 64*128) x 4 = 147456 already fits
+    # With descriptors Triton buffers every stage: it asked 245848 bytes at BLOCK_M 128, 128x64, 5 stages, bf16.
+    tma = KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5))
+    assert 245848 <= shared_memory_bytes(128, tma.up, 2, 2, descriptors=True) <= 245848 + 1024
+    assert fit_shared_memory(tma, 2, H200_SHARED_MEMORY, descriptors=True).up.num_stages == 4
     # A tiny limit bottoms out at 2 stages and BLOCK_K 16 instead of looping forever.
     floor = fit_shared_memory(refused, 4, 1)
     assert (floor.up.num_stages, floor.up.BLOCK_K, floor.down.BLOCK_K) == (2, 16, 16)
@@ -283,8 +303,10 @@ def test_shipped_and_heuristic_configs_fit_16_bit(dtype):
     configs = [c for p in PACKAGED_DIR.glob("*.json") for c in _read(str(p), p.stat().st_mtime).values()]
     configs += [heuristic_config(m, e, n, k, top_k) for m in (1, 8, 64, 512, 4096, 16384)
                 for e, n, k, top_k in ((128, 768, 2048, 8), (256, 2048, 7168, 8), (8, 14336, 4096, 2))]
+    itemsize = torch.empty((), dtype=dtype).element_size()
     for config in configs:
-        assert fit_shared_memory(config, torch.empty((), dtype=dtype).element_size(), H200_SHARED_MEMORY) == config
+        for descriptors in (False, True):
+            assert fit_shared_memory(config, itemsize, H200_SHARED_MEMORY, descriptors=descriptors) == config
 
 
 def test_packaged_configs_parse():

@@ -48,6 +48,10 @@ _ALIGN_CHUNK = 128  # assignments per chunk program; the in-chunk rank is a [C, 
 ALIGN_SMALL_MAX = _ALIGN_CHUNK
 ALIGN_SMALL_MAX_BINS = 64
 
+# Weights through TMA tensor descriptors where the strides allow (``_weight_operands``). A switch so
+# that benchmarks can measure both ways in one run.
+WEIGHT_DESCRIPTORS = True
+
 # Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
 
@@ -213,6 +217,26 @@ def align_block_triton(
 # ---------------------------------------------------------------------------------------------------
 
 
+def _descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Both weights contiguous with 16-byte aligned rows: what a TMA copy needs."""
+    return WEIGHT_DESCRIPTORS and all(
+        w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * w.element_size() % 16 == 0 for w in (w13, w2)
+    )
+
+
+def _weight_operands(w13: torch.Tensor, w2: torch.Tensor, config: KernelConfig):
+    """(w13 operand, w2 operand, W_DESC): TMA tensor descriptors over w13 as [E*2N, K] and w2 as
+    [E*K, N] when ``_descriptors_allowed``, else the tensors themselves for pointer loads."""
+    if not _descriptors_allowed(w13, w2):
+        return w13, w2, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    up, down = config.up, config.down
+    w13_desc = TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [up.BLOCK_N, up.BLOCK_K])
+    w2_desc = TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [down.BLOCK_N, down.BLOCK_K])
+    return w13_desc, w2_desc, True
+
+
 def _workspace(shape, dtype, device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
     return buf.fill_(float("nan")) if POISON_WORKSPACE else buf
@@ -240,7 +264,8 @@ def fused_experts(
     if config is None:
         config = get_config(num_tokens, num_experts, n, hidden, top_k, x.dtype, device_key(x.device))
     if not interpreting():
-        config = fit_shared_memory(config, x.element_size(), _max_shared_memory(x.device))
+        config = fit_shared_memory(config, x.element_size(), _max_shared_memory(x.device),
+                                   descriptors=_descriptors_allowed(w13, w2))
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     naive = use_naive(num_assignments, num_experts, expert_map)
@@ -256,15 +281,16 @@ def fused_experts(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     gemm = _kernels("gemm")
+    w13_op, w2_op, w_desc = _weight_operands(w13, w2, config)
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up = config.up
     gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
-        x, w13, h, ids, sorted_ids, expert_ids, num_padded,
+        x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
         n, hidden, num_assignments, top_k, num_experts, num_pid_m,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        ACT=_ACTIVATIONS[activation], num_warps=up.num_warps, num_stages=up.num_stages, **common,
+        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, num_warps=up.num_warps, num_stages=up.num_stages, **common,
     )
     # The k-sum stays a separate kernel even on the tiny-batch path: a down+sum kernel looping over a
     # token's slots (one program per token x column tile) measured 27.9 µs against 8.7 + 2.6 µs for
@@ -272,11 +298,11 @@ def fused_experts(
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
     down = config.down
     gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
-        h, w2, y, weights, ids, sorted_ids, expert_ids, num_padded,
+        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
         hidden, n, num_assignments, num_experts, num_pid_m,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
     _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out

@@ -7,6 +7,10 @@ intermediate; BM/BN/BK the tile. Program (pid_m, pid_n) owns M-block pid_m of th
 up to BM assignment rows) and output columns pid_n*BN ..; every row index is int64 before it is
 multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
+W_DESC: the weights come as TMA tensor descriptors (Hopper's bulk tile copies) instead of pointer
+tiles; the host picks it when the strides allow (``triton.py``). Activation rows are gathered by index
+either way.
+
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
 expert read straight from topk_ids, so no alignment runs at all.
 
@@ -73,7 +77,7 @@ def gate_up_kernel(
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
 ):
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -86,22 +90,31 @@ def gate_up_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
+    if W_DESC:  # w13_ptr is a tensor descriptor over w13 as [E*2N, K], block [BN, BK]
+        gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)  # up rows follow the N gate rows
+    else:
+        wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if W_DESC:
+            # A last N tile reads past N into the next rows (up, or the next expert's gate): those
+            # columns are never stored. Past K, and past the last row, the descriptor reads zeros.
+            wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
+            wu = w13_ptr.load([gate_row + N, k0]).T
+        else:
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
         if UPCAST:
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -114,7 +127,7 @@ def down_kernel(
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
 ):
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
@@ -128,17 +141,23 @@ def down_kernel(
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
-    w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
+    if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
+        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
-        wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+        if W_DESC:
+            wb = w2_ptr.load([w_row, n0]).T  # [BK, BN]; rows past K are never stored, columns past N read 0
+        else:
+            wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wn
         if UPCAST:
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wn
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]

@@ -130,22 +130,26 @@ def heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: i
     return KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 3))
 
 
-def shared_memory_bytes(block_m: int, tile: GemmTile, itemsize: int, weight_tiles: int) -> int:
-    """Shared memory of one GEMM's software pipeline: ``num_stages - 1`` buffered steps, each holding the
-    [BLOCK_M, BLOCK_K] activation tile and ``weight_tiles`` [BLOCK_K, BLOCK_N] weight tiles (2 in the
-    gate-up GEMM: gate and up). Matches what Triton 3.6 asked for on the H200: 294912 bytes for BLOCK_M 32,
-    BLOCK_N 128, BLOCK_K 128, 3 stages, fp32 (2 x (32*128 + 2*128*128) x 4)."""
+def shared_memory_bytes(block_m: int, tile: GemmTile, itemsize: int, weight_tiles: int, descriptors: bool = False) -> int:
+    """Shared memory of one GEMM's software pipeline: its buffered steps, each holding the [BLOCK_M,
+    BLOCK_K] activation tile and ``weight_tiles`` [BLOCK_K, BLOCK_N] weight tiles (2 in the gate-up GEMM:
+    gate and up). Pointer loads buffer ``num_stages - 1`` steps, TMA descriptor loads ``num_stages``
+    (plus their barriers). Matches what Triton 3.6 asked for on the H200: 294912 bytes for pointer loads
+    at BLOCK_M 32, BLOCK_N 128, BLOCK_K 128, 3 stages, fp32 (2 x (32*128 + 2*128*128) x 4), and 245848
+    with descriptors at BLOCK_M 128, BLOCK_N 128, BLOCK_K 64, 5 stages, bf16 (5 x 49152 + 88)."""
     per_step = (block_m * tile.BLOCK_K + weight_tiles * tile.BLOCK_K * tile.BLOCK_N) * itemsize
+    if descriptors:
+        return tile.num_stages * per_step + 1024  # barriers: a few bytes per stage; 1 KiB covers them
     return max(tile.num_stages - 1, 1) * per_step
 
 
-def fit_shared_memory(config: KernelConfig, itemsize: int, limit_bytes: int) -> KernelConfig:
+def fit_shared_memory(config: KernelConfig, itemsize: int, limit_bytes: int, descriptors: bool = False) -> KernelConfig:
     """``config`` with each GEMM's pipeline shrunk until it fits ``limit_bytes`` of shared memory: fewer
     stages first (down to 2), then a halved BLOCK_K (down to 16). A config tuned for bf16 used on fp32
     inputs needs this; a config that already fits comes back unchanged."""
 
     def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
-        while shared_memory_bytes(config.BLOCK_M, tile, itemsize, weight_tiles) > limit_bytes:
+        while shared_memory_bytes(config.BLOCK_M, tile, itemsize, weight_tiles, descriptors) > limit_bytes:
             if tile.num_stages > 2:
                 tile = replace(tile, num_stages=tile.num_stages - 1)
             elif tile.BLOCK_K > 16:
