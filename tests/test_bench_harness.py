@@ -109,6 +109,11 @@ def test_tuner_search_and_resume(tmp_path, monkeypatch):
     assert configs[1].up.BLOCK_N == 64 and configs[1].down.BLOCK_K == 256
     measured = json.loads(path.read_text())["measured"]
     assert measured["64"]["us"] <= measured["64"]["heuristic_us"]
+    # Retuning one M keeps the file's other entries.
+    before = load_configs(8, 24, 40, torch.bfloat16, "cpu")
+    tuning.tune(TINY, [1024], torch.bfloat16, device="cpu", out_dir=tmp_path)
+    after = load_configs(8, 24, 40, torch.bfloat16, "cpu")
+    assert set(after) == {1, 64, 1024} and after[1] == before[1] and after[64] == before[64]
 
 
 def test_block_m_candidates():

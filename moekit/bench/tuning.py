@@ -7,6 +7,7 @@ fixed, keep the best, then the down tiles; keep the best BLOCK_M. The heuristic 
 and both times are stored beside the entry (``measured``), so the default's shortfall is on record.
 
 Resumable: each finished M is written to ``<file>.partial.json`` at once; a rerun skips those M.
+An existing file keeps its entries for the M not tuned in this run (``--batches`` retunes a few).
 """
 
 from __future__ import annotations
@@ -126,8 +127,12 @@ def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path
     configs = {int(m): KernelConfig.from_dict(c) for m, c in done["configs"].items()}
     if not configs:
         return path
-    write_configs(path, shape.num_experts, shape.n, shape.k, dtype, dev, configs,
-                  measured={int(m): v for m, v in done["measured"].items()})
+    measured = {int(m): v for m, v in done["measured"].items()}
+    if path.exists():  # entries of M not tuned in this run stay as they were
+        old = json.loads(path.read_text())
+        configs = {**{int(m): KernelConfig.from_dict(c) for m, c in old["configs"].items()}, **configs}
+        measured = {**{int(m): v for m, v in old.get("measured", {}).items()}, **measured}
+    write_configs(path, shape.num_experts, shape.n, shape.k, dtype, dev, configs, measured=measured)
     if all(str(m) in done["configs"] for m in batches):
         partial.unlink()
     return path
