@@ -2,6 +2,7 @@
 default compares with the tuned configs (run on the device).
 
     PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic] [--tma]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py --sweep qwen3-30b-a3b --batches 1
 """
 
 from __future__ import annotations
@@ -121,13 +122,52 @@ def descriptors_ab(batches):
         torch.cuda.empty_cache()
 
 
+def sweep(preset: str, m: int):
+    """A wider search than ``moekit tune`` for one cell: warps, stages and BLOCK_K too, coordinate-wise
+    (gate-up tile, then its stages; then the down tile, then its stages), from the tuned config."""
+    from dataclasses import replace
+
+    dev = torch.device("cuda")
+    s = Shape.from_preset(preset)
+    w13, w2 = make_weights(s, torch.bfloat16, dev)
+    sets = make_sets(s, m, 8, torch.bfloat16, dev)
+
+    def measure(cfg):
+        calls = [lambda st=st: fused_experts(st[0], w13, w2, st[1], st[2], config=cfg) for st in sets]
+        try:
+            return time_calls(calls, dev, graph=m <= 1024, budget_s=0.15)
+        except Exception:  # noqa: BLE001 - a config that does not fit is out of the running
+            return float("inf")
+
+    best = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
+    best_us = measure(best)
+    print(f"{preset} M={m} tuned {best_us:.1f} µs {best}", flush=True)
+    for which in ("up", "down"):
+        tiles = [GemmTile(bn, bk, 1, w, 4) for bn in (32, 64, 128) for bk in (128, 256) for w in (2, 4, 8)]
+        for stage_pass in (False, True):
+            if stage_pass:
+                tile = getattr(best, which)
+                tiles = [replace(tile, num_stages=st) for st in (2, 3, 5, 6) if st != tile.num_stages]
+            for tile in tiles:
+                cand = replace(best, **{which: tile})
+                us = measure(cand)
+                if us < best_us:
+                    best, best_us = cand, us
+                    print(f"  better: {us:.1f} µs {cand}", flush=True)
+    print(f"{preset} M={m} best {best_us:.1f} µs {best.to_dict()}", flush=True)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
     p.add_argument("--tma", action="store_true", help="A/B of the weights through TMA descriptors")
+    p.add_argument("--sweep", metavar="PRESET", help="a wider config search for PRESET at each of --batches")
     a = p.parse_args()
-    if a.tma:
+    if a.sweep:
+        for m in (int(v) for v in a.batches.split(",")):
+            sweep(a.sweep, m)
+    elif a.tma:
         descriptors_ab([int(v) for v in a.batches.split(",")])
     elif a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
