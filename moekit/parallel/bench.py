@@ -3,17 +3,21 @@
     [Route] -> [Dispatch] -> [Experts] -> [Combine], each timed alone, beside the raw ``all_to_all_single``
     of the same bytes and the single-GPU ``MoE`` doing the same per-GPU work.
 
-Per M (tokens per rank) it reports, as the maximum over ranks of each rank's median:
+Per dispatch (``exact``: counts all-to-all and one host sync; ``padded``: ``max_tokens_per_rank`` = M
+rows to every rank, no sync) and M (tokens per rank) it reports, as the maximum over ranks of each
+rank's median:
 - ``route_us``: gate + routing of the local tokens;
-- ``dispatch_us``: replica choice, counts all-to-all (the host sync), payload all-to-all;
+- ``dispatch_us``: replica choice, (exact: counts all-to-all, the host sync,) payload all-to-all;
 - ``experts_us``: the local experts over the received rows;
 - ``combine_us``: the all-to-all back and the per-token sum;
-- ``layer_us``: the whole ``EPMoE.forward``;
+- ``layer_us``: the whole ``EPMoE.forward``; ``layer_graph_us`` (padded, CUDA): the same replayed as
+  one CUDA graph, NCCL all-to-alls included;
 - ``raw_dispatch_us`` / ``raw_combine_us``: one ``all_to_all_single`` with exactly the payload and
   split sizes of the dispatch / combine, measured in the same run;
 - ``single_gpu_us``: ``MoE`` with E/W experts and the same top-k on M tokens on one GPU (the same
   assignments per GPU when routing is uniform), i.e. the layer without the network;
-- ``target_us`` = 1.2 x (experts_us + raw_dispatch_us + raw_combine_us), and whether layer_us met it.
+- ``target_us`` = 1.2 x (experts_us + raw_dispatch_us + raw_combine_us), and whether
+  ``best_layer_us`` (the better of layer_us and layer_graph_us) met it.
 
 Default shapes: DeepSeek-V3's routed experts (E=256, N=2048, K=7168, k=8, sigmoid grouped routing,
 bf16), 128 experts per GPU on 2 GPUs, M in 128/1024/4096/16384. ``--tiny`` runs small fp32 shapes on
