@@ -84,12 +84,31 @@ def test_whole_model_logits_with_moekit_experts(name, monkeypatch):
         model.set_experts_implementation("eager")
         eager = model(ids).logits
         calls = []
-        original = moekit_hf.run_experts
-        monkeypatch.setattr(moekit_hf, "run_experts", lambda *a, **k: calls.append(1) or original(*a, **k))
+        original = moekit_hf.call_backend
+        monkeypatch.setattr(moekit_hf, "call_backend", lambda *a, **k: calls.append(1) or original(*a, **k))
         model.set_experts_implementation("moekit")
         ours = model(ids).logits
     assert calls, "the moekit implementation was not called"
     torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_moekit_experts_compile_fullgraph(monkeypatch):
+    """A transformers block on the "moekit" experts traces whole under torch.compile(fullgraph=True):
+    the backend is resolved (imports and all) on the first eager call, and the compiled call only
+    meets the cache. The triton backend runs here under TRITON_INTERPRET=1 (conftest)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
+    monkeypatch.setattr(moekit_hf, "_RESOLVED", {})
+    torch.manual_seed(2)
+    model = qwen3(True).eval()
+    model.set_experts_implementation("moekit")
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, model.config.hidden_size)
+    with torch.no_grad():
+        eager = block(x)
+        assert ("triton", "cpu") in moekit_hf._RESOLVED
+        compiled = torch.compile(block, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
 def test_from_hf_config_reads_objects_and_dicts():
