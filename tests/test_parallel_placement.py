@@ -167,11 +167,11 @@ def test_replica_choice_splits_traffic_evenly():
     tables = ReplicaTables.build(placement, rank=1, num_shared_slots=0, device="cpu")
     topk_ids = torch.tensor([[0, 1]] * 10 + [[2, -1]] * 2, dtype=torch.int32)  # [12, 2]
     plan = plan_sends(topk_ids, tables, rank=1, world_size=3)
-    served = plan.dest[:10, 0].tolist()
+    served = plan.chosen.dest[:10, 0].tolist()
     assert served == [(j + 1) % 3 for j in range(10)]
     assert [served.count(r) for r in range(3)] == [3, 4, 3]
-    assert plan.dest[:, 1].tolist() == [0] * 10 + [-1, -1]
-    assert plan.local[:10, 0].tolist() == [0] * 10  # expert 0 is local slot 0 on every rank
+    assert plan.chosen.dest[:, 1].tolist() == [0] * 10 + [-1, -1]
+    assert plan.chosen.local[:10, 0].tolist() == [0] * 10  # expert 0 is local slot 0 on every rank
     # Rows: each token once per rank it needs: rank 0 gets the tokens whose expert-0 slot or
     # expert-1 slot it serves (all 10), rank 1 and 2 their expert-0 shares, rank 1 also the expert-2 tokens.
     assert plan.send_counts.tolist() == [10, 4 + 2, 3]

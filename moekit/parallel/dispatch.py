@@ -62,16 +62,6 @@ class ReplicaTables:
 
 
 @dataclass
-class SendPlan:
-    """Where this rank's token slots go (device tensors; built with no host sync)."""
-
-    dest: torch.Tensor  # [M, k] int64; rank serving each slot, -1 for a skipped slot
-    local: torch.Tensor  # [M, k] int64; local expert index on that rank
-    send_counts: torch.Tensor  # [W] int64; rows sent to each rank (a token once per rank it needs)
-    row_order: torch.Tensor  # [W*M] int64; flat (rank, token) keys, the T sent rows first, by rank then token
-
-
-@dataclass
 class Destinations:
     """The rank and local expert serving each of this rank's token slots (device tensors, no host sync)."""
 
@@ -110,12 +100,21 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     return Destinations(dest.view(num_tokens, top_k), local.view(num_tokens, top_k))
 
 
+@dataclass
+class SendPlan:
+    """Where this rank's token slots go, grouped by destination (device tensors; built with no host sync)."""
+
+    chosen: Destinations  # the serving rank and local expert of each slot
+    send_counts: torch.Tensor  # [W] int64; rows sent to each rank (a token once per rank it needs)
+    row_order: torch.Tensor  # [W*M] int64; flat (rank, token) keys, the T sent rows first, by rank then token
+
+
 def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_size: int) -> SendPlan:
     """Choose the replicas (``choose_replicas``) and group the rows to send by destination rank."""
     num_tokens = topk_ids.shape[0]
     device = topk_ids.device
     chosen = choose_replicas(topk_ids, tables, rank)
-    dest, local = chosen.dest, chosen.local  # [M, k]
+    dest = chosen.dest  # [M, k]
 
     # needs[t, w]: token t has a slot served by rank w. Column W collects skipped slots.
     needs = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
@@ -125,7 +124,7 @@ def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_s
     # Sorting "not needed" flags (stable) lists the needed (rank, token) keys first in rank-major order;
     # the host learns how many there are only after the counts exchange, so no nonzero() sync here.
     row_order = torch.sort((~needs.t()).reshape(-1).to(torch.uint8), stable=True).indices  # [W*M]
-    return SendPlan(dest=dest, local=local, send_counts=send_counts, row_order=row_order)
+    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order)
 
 
 @dataclass
@@ -160,13 +159,13 @@ def dispatch(
     """Send each token once to every rank that serves one of its slots, with that rank's local ids
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
     num_tokens, hidden = x2d.shape
-    top_k = plan.dest.shape[1]
+    top_k = plan.chosen.dest.shape[1]
     send_splits, recv_splits = exchange(plan.send_counts, group, timeout)
     keys = plan.row_order[: sum(send_splits)]  # [T]
     send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
 
-    here = plan.dest[send_token] == send_rank[:, None]  # [T, k]
-    ids = torch.where(here, plan.local[send_token], -1).to(torch.int32)  # [T, k]
+    here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
+    ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
     weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
     payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
     received = payload.new_empty((sum(recv_splits), payload.shape[1]))  # [U, B]
