@@ -158,11 +158,11 @@ def test_non_contiguous_inputs(interpreter):
 
 
 @pytest.mark.parametrize("descriptors", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dtype):
-    """16-byte rows (K=40, N=24) take the TMA descriptor path: the last N tile of the gate reads the up
-    rows, the last up tile reads the next expert's rows (or past the end), K=40 leaves a zero-filled
-    tail of the 32-wide K tile. None of it may reach the output."""
+    """16-bit weights with 16-byte rows (K=40, N=24) take the TMA descriptor path: the last N tile of
+    the gate reads the up rows, the last up tile reads the next expert's rows (or past the end), K=40
+    leaves a zero-filled tail of the 32-wide K tile. None of it may reach the output."""
     monkeypatch.setattr(interpreter, "WEIGHT_DESCRIPTORS", descriptors)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
@@ -171,6 +171,7 @@ def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dt
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(out, ref) < TOL[dtype]
     assert not interpreter._weight_operands(w13[:, :, :33].contiguous(), w2, cfg)[2]  # 66-byte rows: pointers
+    assert not interpreter._weight_operands(w13.float(), w2.float(), cfg)[2]  # float32 keeps pointer loads
 
 
 def test_float16(interpreter):

@@ -218,9 +218,11 @@ def align_block_triton(
 
 
 def _descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Both weights contiguous with 16-byte aligned rows: what a TMA copy needs."""
+    """16-bit weights, both contiguous with 16-byte aligned rows (what a TMA copy needs). float32 keeps
+    the pointer loads: it is the precise path, not the fast one, and only those were run on the H200."""
     return WEIGHT_DESCRIPTORS and all(
-        w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * w.element_size() % 16 == 0 for w in (w13, w2)
+        w.element_size() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * 2 % 16 == 0
+        for w in (w13, w2)
     )
 
 
