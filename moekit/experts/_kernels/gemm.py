@@ -8,8 +8,8 @@ up to BM assignment rows) and output columns pid_n*BN ..; every row index is int
 multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
 W_DESC: the weights come as TMA tensor descriptors (Hopper's bulk tile copies) instead of pointer
-tiles; the host picks it for 16-bit weights when the strides allow (``triton.py``). Activation rows are gathered by index
-either way.
+tiles; the host picks it for 16-bit weights when the strides allow (``triton.py``). Activation rows
+are gathered by index either way.
 
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
 expert read straight from topk_ids, so no alignment runs at all.
