@@ -166,12 +166,12 @@ def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dt
     monkeypatch.setattr(interpreter, "WEIGHT_DESCRIPTORS", descriptors)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
-    assert interpreter._weight_operands(w13, w2, cfg)[2] == descriptors
+    assert interpreter._descriptors_allowed(w13, w2) == descriptors
     out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(out, ref) < TOL[dtype]
-    assert not interpreter._weight_operands(w13[:, :, :33].contiguous(), w2, cfg)[2]  # 66-byte rows: pointers
-    assert not interpreter._weight_operands(w13.float(), w2.float(), cfg)[2]  # float32 keeps pointer loads
+    assert not interpreter._descriptors_allowed(w13[:, :, :33].contiguous(), w2)  # 66-byte rows: pointers
+    assert not interpreter._descriptors_allowed(w13.float(), w2.float())  # float32 keeps pointer loads
 
 
 def test_float16(interpreter):

@@ -48,7 +48,7 @@ _ALIGN_CHUNK = 128  # assignments per chunk program; the in-chunk rank is a [C, 
 ALIGN_SMALL_MAX = _ALIGN_CHUNK
 ALIGN_SMALL_MAX_BINS = 64
 
-# Weights through TMA tensor descriptors where the strides allow (``_weight_operands``). A switch so
+# Weights through TMA tensor descriptors where the strides allow (``_descriptors_allowed``). A switch so
 # that benchmarks can measure both ways in one run.
 WEIGHT_DESCRIPTORS = True
 
@@ -226,17 +226,24 @@ def _descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
-def _weight_operands(w13: torch.Tensor, w2: torch.Tensor, config: KernelConfig):
-    """(w13 operand, w2 operand, W_DESC): TMA tensor descriptors over w13 as [E*2N, K] and w2 as
-    [E*K, N] when ``_descriptors_allowed``, else the tensors themselves for pointer loads."""
-    if not _descriptors_allowed(w13, w2):
-        return w13, w2, False
+def _weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, config: KernelConfig):
+    """TMA tensor descriptors over w13 as [E*2N, K] and w2 as [E*K, N], blocks of the config's tiles
+    (only where ``_descriptors_allowed``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     up, down = config.up, config.down
-    w13_desc = TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [up.BLOCK_N, up.BLOCK_K])
-    w2_desc = TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [down.BLOCK_N, down.BLOCK_K])
-    return w13_desc, w2_desc, True
+    return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [up.BLOCK_N, up.BLOCK_K]),
+            TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [down.BLOCK_N, down.BLOCK_K]))
+
+
+def _launch_config(config: KernelConfig | None, x: torch.Tensor, num_experts: int, n: int, top_k: int,
+                   descriptors: bool) -> KernelConfig:
+    """``config``, or the tuned / heuristic one for this shape; on the GPU shrunk to its shared memory."""
+    if config is None:
+        config = get_config(x.shape[0], num_experts, n, x.shape[1], top_k, x.dtype, device_key(x.device))
+    if interpreting():
+        return config
+    return fit_shared_memory(config, x.element_size(), _max_shared_memory(x.device), descriptors=descriptors)
 
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
@@ -263,11 +270,8 @@ def fused_experts(
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)  # [M, K]
     if num_assignments == 0:
         return out
-    if config is None:
-        config = get_config(num_tokens, num_experts, n, hidden, top_k, x.dtype, device_key(x.device))
-    if not interpreting():
-        config = fit_shared_memory(config, x.element_size(), _max_shared_memory(x.device),
-                                   descriptors=_descriptors_allowed(w13, w2))
+    w_desc = _descriptors_allowed(w13, w2)
+    config = _launch_config(config, x, num_experts, n, top_k, w_desc)
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     naive = use_naive(num_assignments, num_experts, expert_map)
@@ -283,7 +287,7 @@ def fused_experts(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     gemm = _kernels("gemm")
-    w13_op, w2_op, w_desc = _weight_operands(w13, w2, config)
+    w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up = config.up
