@@ -288,6 +288,13 @@ def test_padded_dispatch_refuses_more_tokens_than_capacity(results):
     assert all("max_tokens_per_rank=4" in r["over_capacity"] and "got 5" in r["over_capacity"] for r in per_rank)
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_bad_capacity_named_before_any_collective(bad):
+    # Checked before anything touches torch.distributed: no process group is needed to see it.
+    with pytest.raises(ValueError, match="max_tokens_per_rank must be a positive int"):
+        EPMoE(SOFTMAX_SHARED, max_tokens_per_rank=bad)
+
+
 def test_stats_sum_over_ranks(results):
     _, per_rank = results
     assert all(r["stats_counts_match"] for r in per_rank)

@@ -16,18 +16,9 @@ from moekit.parallel.placement import (
     round_robin_placement,
 )
 
-__all__ = [
-    "Placement",
-    "contiguous_placement",
-    "round_robin_placement",
-    "eplb_placement",
-    "rank_loads",
-    "balancedness",
-    "load_lower_bound",
-    "EPMoE",
-    "RebalanceReport",
-]
+from moekit.parallel import placement as _placement
 
+__all__ = [*_placement.__all__, "EPMoE", "RebalanceReport"]
 
 
 def __getattr__(name: str):

@@ -98,7 +98,9 @@ class EPMoE(MoE):
         **moe_kwargs,
     ) -> None:
         """``moe_kwargs`` are ``MoE``'s (backend, fuse_shared, capacity_factor, drop_policy, ...)."""
-        if max_tokens_per_rank is not None and (not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
+        if max_tokens_per_rank is not None and (
+            not isinstance(max_tokens_per_rank, int) or isinstance(max_tokens_per_rank, bool) or max_tokens_per_rank < 1
+        ):
             raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("EPMoE needs torch.distributed initialised (init_process_group) before construction")
