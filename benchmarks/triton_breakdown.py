@@ -1,7 +1,8 @@
 """Where the Triton experts path spends its time, per kernel (torch.profiler), and how the heuristic
 default compares with the tuned configs (run on the device).
 
-    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic] [--tma]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py --ab WEIGHT_DESCRIPTORS,DEPENDENT_LAUNCH [--candidates]
     PYTHONPATH=. python benchmarks/triton_breakdown.py --sweep qwen3-30b-a3b --batches 1
 """
 
@@ -72,8 +73,8 @@ def heuristic_vs_tuned(batches):
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
 
-# Tall-tile candidates tried with the descriptors on at M >= 512 (the pointer-tuned config may not suit them).
-TMA_CANDIDATES = {
+# Tall-tile candidates timed with ``--candidates`` at M >= 512, all switches on.
+TALL_CANDIDATES = {
     "128x128x64/s4": KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 4)),
     "128x128x64/s5": KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5)),
     "128x256x64/s3": KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(256, 64, 8, 8, 3)),
@@ -81,13 +82,17 @@ TMA_CANDIDATES = {
 }
 
 
-def descriptors_ab(batches):
-    """Tuned configs with the weights through pointer loads and through TMA descriptors, plus a few
-    tall tiles with descriptors at M >= 512: µs, % of the floor, and rel. L2 against the pointer path."""
+def switches_ab(batches, switches: list[str], candidates: bool):
+    """The tuned configs with every on/off combination of the ``moekit.experts.triton`` module switches
+    named (``WEIGHT_DESCRIPTORS``, ``DEPENDENT_LAUNCH``, ``FUSED_SLOT_SUM``): µs, % of the floor, and a
+    rel. L2 check against the all-off variant. With ``candidates``, the tall tiles too at M >= 512."""
+    import itertools
+
     dev = torch.device("cuda")
     ceilings = measure_ceilings(dev)
     copy_bps, mm_flops = ceilings.copy_TBps * 1e12, ceilings.mm_TFLOPs * 1e12
     print(f"ceilings: copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s", flush=True)
+    defaults = {name: getattr(tri, name) for name in switches}
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         w13, w2 = make_weights(s, torch.bfloat16, dev)
@@ -97,12 +102,14 @@ def descriptors_ab(batches):
             floor = max((touched * 3 * s.n * s.k * 2 + 2 * m * s.k * 2) / copy_bps,
                         2 * m * s.top_k * 3 * s.n * s.k / mm_flops) * 1e6
             tuned = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
-            variants = [("ptr", tuned, False), ("tma", tuned, True)]
-            if m >= 512:
-                variants += [(name, cfg, True) for name, cfg in TMA_CANDIDATES.items()]
+            variants = [("+".join(n for n, on in zip(switches, flags) if on) or "off", tuned, dict(zip(switches, flags)))
+                        for flags in itertools.product((False, True), repeat=len(switches))]
+            if candidates and m >= 512:
+                variants += [(name, cfg, dict.fromkeys(switches, True)) for name, cfg in TALL_CANDIDATES.items()]
             res, ref = {}, None
-            for name, cfg, desc in variants:
-                tri.WEIGHT_DESCRIPTORS = desc
+            for name, cfg, flags in variants:
+                for switch, on in flags.items():
+                    setattr(tri, switch, on)
                 calls = [lambda st=st, c=cfg: fused_experts(st[0], w13, w2, st[1], st[2], config=c) for st in sets]
                 try:
                     res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
@@ -114,7 +121,8 @@ def descriptors_ab(batches):
                     ref = out
                 elif float((out - ref).norm() / ref.norm()) > 1e-2:
                     print(f"  {name}: WRONG, rel. L2 {float((out - ref).norm() / ref.norm()):.1e}", flush=True)
-            tri.WEIGHT_DESCRIPTORS = True
+            for switch, on in defaults.items():
+                setattr(tri, switch, on)
             best = min((v, k) for k, v in res.items())
             print(f"{preset:14s} M={m:<6d} floor {floor:8.1f}  " + "  ".join(
                 f"{k} {v:.1f} ({100 * floor / v:.0f}%)" for k, v in res.items()) + f"  best {best[1]}", flush=True)
@@ -161,14 +169,15 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
-    p.add_argument("--tma", action="store_true", help="A/B of the weights through TMA descriptors")
+    p.add_argument("--ab", metavar="SWITCH[,SWITCH]", help="A/B of moekit.experts.triton switches, e.g. DEPENDENT_LAUNCH")
+    p.add_argument("--candidates", action="store_true", help="with --ab: the tall tiles too at M >= 512")
     p.add_argument("--sweep", metavar="PRESET", help="a wider config search for PRESET at each of --batches")
     a = p.parse_args()
     if a.sweep:
         for m in (int(v) for v in a.batches.split(",")):
             sweep(a.sweep, m)
-    elif a.tma:
-        descriptors_ab([int(v) for v in a.batches.split(",")])
+    elif a.ab:
+        switches_ab([int(v) for v in a.batches.split(",")], a.ab.split(","), a.candidates)
     elif a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
     else:

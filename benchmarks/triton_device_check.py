@@ -5,7 +5,9 @@
 Steps (all by default): alignment (equal to the torch twin at real shapes); experts (vs the float32
 reference at the three preset shapes in bf16 and fp32, an expert map with -1, skipped ids); graphs
 (CUDA-graph capture, replay with different routing); compiled (torch.compile(fullgraph=True) on MoE);
-layer_graph (a CUDA graph of the whole MoE forward). Prints one line per check; exit 1 on any failure.
+layer_graph (a CUDA graph of the whole MoE forward); races (programmatic dependent launch and the
+fused tiny-batch k-sum, replayed many times in a CUDA graph against the path with both switched off).
+Prints one line per check; exit 1 on any failure.
 """
 
 from __future__ import annotations
@@ -144,13 +146,41 @@ def layer_graph(dev):
     check("cuda graph of the whole MoE forward (grouped routing, shared slot), new tokens", worst < 1e-6, f"{worst:.1e}")
 
 
+def races(dev):
+    """A kernel that read its input before the previous one finished, or a k-sum that read a slot's row
+    before it was visible, would show up as an occasional wrong row: replay 50 times, compare each."""
+    import moekit.experts.triton as tri
+
+    for preset in PRESETS:
+        s = Shape.from_preset(preset)
+        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        for m in (1, 8, 64, 1024):
+            x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+            ids, w = uniform_routing(m, s, dev, seed=m)
+            tri.DEPENDENT_LAUNCH = tri.FUSED_SLOT_SUM = False
+            want = experts_triton(x, w13, w2, ids, w)
+            tri.DEPENDENT_LAUNCH = tri.FUSED_SLOT_SUM = True
+            experts_triton(x, w13, w2, ids, w)  # compile outside the capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = experts_triton(x, w13, w2, ids, w)
+            worst = 0.0
+            for _ in range(50):
+                out.zero_()
+                g.replay()
+                worst = max(worst, rel_err(out, want))
+            check(f"races {preset} M={m}: 50 graph replays vs no PDL, no fused sum", worst < 1e-3, f"max rel diff {worst:.1e}")
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     dev = torch.device("cuda")
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     import triton
 
     print("triton", triton.__version__, flush=True)
-    steps = {f.__name__: f for f in (alignment, experts, graphs, compiled, layer_graph)}
+    steps = {f.__name__: f for f in (alignment, experts, graphs, compiled, layer_graph, races)}
     for step in [steps[name] for name in sys.argv[1:]] or steps.values():
         try:
             step(dev)

@@ -46,9 +46,13 @@ def tile_candidates(block_m: int, which: str) -> list[GemmTile]:
         return [GemmTile(bn, bk, 1, 4, st) for bn in bns for bk, st in ((128, 4), (256, 3))]
     if block_m <= 64:
         return [GemmTile(bn, bk, g, w, st) for (bn, bk, g, w, st) in (
-            (64, 128, 1, 4, 4), (64, 64, 8, 4, 5), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (32, 128, 1, 4, 4))]
+            (64, 128, 1, 4, 4), (64, 64, 8, 4, 5), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (32, 128, 1, 4, 4),
+            (128, 64, 8, 8, 5), (256, 64, 8, 8, 3))]
+    # Deeper pipelines too: TMA weight loads hold every stage in shared memory, and a tile that does not
+    # fit is shrunk by ``fit_shared_memory`` before it is timed.
     return [GemmTile(bn, bk, g, w, st) for (bn, bk, g, w, st) in (
-        (128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 128, 8, 8, 3), (128, 64, 8, 4, 4), (64, 64, 8, 4, 4))]
+        (128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 128, 8, 8, 3), (128, 64, 8, 4, 4), (64, 64, 8, 4, 4),
+        (128, 64, 8, 8, 5), (256, 64, 8, 8, 4), (128, 64, 4, 8, 4), (64, 128, 8, 4, 4))]
 
 
 def _timer(shape: Shape, num_tokens: int, dtype, device):

@@ -52,7 +52,17 @@ ALIGN_SMALL_MAX_BINS = 64
 # that benchmarks can measure both ways in one run.
 WEIGHT_DESCRIPTORS = True
 
-# Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
+# Programmatic dependent launch between the path's kernels where the GPU has it (compute capability
+# 9.0 and later): each grid launches while the one before it drains. A switch so that benchmarks can
+# measure both ways in one run.
+DEPENDENT_LAUNCH = True
+
+# The tiny-batch path sums the k slots at the end of its down GEMM (``combine.arrive_and_sum_slots``)
+# instead of in a pass of its own. A switch so that benchmarks can measure both ways in one run.
+FUSED_SLOT_SUM = True
+
+# Tests set this to fill the intermediate buffers with NaN (the counters with -12345), proving that
+# unwritten rows are never read and the counters are zeroed on the device.
 POISON_WORKSPACE = False
 
 
@@ -81,6 +91,19 @@ def _max_shared_memory_of(index: int) -> int:
 def _max_shared_memory(device: torch.device) -> int:
     """Bytes of shared memory one program may use on ``device``: the limit Triton's launcher checks."""
     return _max_shared_memory_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability_of(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _launch_options(device: torch.device) -> dict:
+    """Keyword arguments of every kernel launch: programmatic dependent launch (``PDL``, and Triton's
+    ``launch_pdl``) on CUDA devices of compute capability 9.0 and later, never under the interpreter."""
+    pdl = DEPENDENT_LAUNCH and device.type == "cuda" and not interpreting() and _major_capability_of(
+        device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return dict(PDL=pdl, launch_pdl=pdl)
 
 
 def _kernels(name: str):
@@ -117,23 +140,24 @@ def _align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, exper
     map_arg = expert_map if has_map else ids
     num_global = expert_map.numel() if has_map else 0
     k = _kernels("align")
+    launch = _launch_options(device)
     if 0 < num_assignments <= ALIGN_SMALL_MAX and e_pad <= ALIGN_SMALL_MAX_BINS:
         k.align_small_kernel[(1,)](
             ids, map_arg, sorted_ids, expert_ids, counts, num_padded,
             num_assignments, num_experts, num_global, block_size, num_rows, num_blocks,
             CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(_next_pow2(num_blocks), 4096 // e_pad)),
-            BLOCK_PAD=_next_pow2(block_size), HAS_MAP=has_map,
+            BLOCK_PAD=_next_pow2(block_size), HAS_MAP=has_map, **launch,
         )
         return sorted_ids, expert_ids, num_padded, counts
     if num_chunks:
         k.align_hist_kernel[(num_chunks,)](
             ids, map_arg, hist, num_assignments, num_experts, num_global,
-            CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map,
+            CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch,
         )
     chunk_rows = max(1, min(_next_pow2(max(num_chunks, 1)), 8192 // e_pad))
     k.align_scan_kernel[(1,)](
         hist, chunk_base, counts, offsets, num_padded, num_chunks, num_experts, block_size,
-        CHUNK_ROWS=chunk_rows, E_PAD=e_pad,
+        CHUNK_ROWS=chunk_rows, E_PAD=e_pad, **launch,
     )
     blocks_per_program = max(1, min(_next_pow2(max(num_blocks, 1)), 4096 // e_pad))
     grid = num_chunks + triton_cdiv(num_blocks, blocks_per_program)
@@ -142,7 +166,7 @@ def _align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, exper
             ids, map_arg, chunk_base, offsets, counts, num_padded, sorted_ids, expert_ids,
             num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
             CHUNK=_ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_PROGRAM=blocks_per_program,
-            BLOCK_PAD=_next_pow2(block_size), HAS_MAP=has_map,
+            BLOCK_PAD=_next_pow2(block_size), HAS_MAP=has_map, **launch,
         )
     return sorted_ids, expert_ids, num_padded, counts
 
@@ -159,7 +183,7 @@ def _align_naive(topk_ids: torch.Tensor, num_experts: int, block_size: int):
     _kernels("align").align_naive_kernel[(1,)](
         ids, sorted_ids, expert_ids, counts, num_padded, num_assignments, num_experts, block_size,
         A_PAD=_next_pow2(max(num_assignments, 1)), E_PAD=_next_pow2(num_experts + 1),
-        BLOCK_PAD=_next_pow2(block_size),
+        BLOCK_PAD=_next_pow2(block_size), **_launch_options(device),
     )
     return sorted_ids, expert_ids, num_padded, counts
 
@@ -248,7 +272,9 @@ def _launch_config(config: KernelConfig | None, x: torch.Tensor, num_experts: in
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
-    return buf.fill_(float("nan")) if POISON_WORKSPACE else buf
+    if POISON_WORKSPACE:
+        buf.fill_(float("nan") if dtype.is_floating_point else -12345)
+    return buf
 
 
 def fused_experts(
@@ -285,33 +311,41 @@ def fused_experts(
         sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
     common = dict(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **_launch_options(x.device),
     )
     gemm = _kernels("gemm")
     w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
-    up = config.up
+    up, down = config.up, config.down
+    # Tiny batches: the down GEMM's programs also sum the k slots (the last of a token's k programs for
+    # a column tile does it), so no sum pass is launched; its arrival counters are zeroed by gate-up.
+    # Two earlier ways to fuse it were slower (one program per token looping over its slots, 27.9 µs
+    # against 8.7 + 2.6 µs for down then sum at Qwen3-30B-A3B M=1 on the H200; one flat (slot, step)
+    # loop with CUDA-core sums, 39.6 µs at best): both gave up the GEMM's grid.
+    fuse_sum = naive and FUSED_SLOT_SUM
+    down_tiles = triton_cdiv(hidden, down.BLOCK_N)
+    num_counters = num_tokens * down_tiles if fuse_sum else 0
+    counters = _workspace(num_counters, torch.int32, x.device)  # [M, K / BN], or empty
     gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
-        x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
-        n, hidden, num_assignments, top_k, num_experts, num_pid_m,
+        x, w13_op, h, ids, sorted_ids, expert_ids, num_padded, counters,
+        n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_counters,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, num_warps=up.num_warps, num_stages=up.num_stages, **common,
+        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, FUSE_SUM=fuse_sum,
+        num_warps=up.num_warps, num_stages=up.num_stages, **common,
     )
-    # The k-sum stays a separate kernel even on the tiny-batch path: a down+sum kernel looping over a
-    # token's slots (one program per token x column tile) measured 27.9 µs against 8.7 + 2.6 µs for
-    # down then sum (Qwen3-30B-A3B, M=1, H200): too few programs, each waiting on its next expert id;
-    # one flat (slot, step) loop with CUDA-core sums and narrower tiles measured 39.6 µs at best.
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
-    down = config.down
-    gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
-        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
-        hidden, n, num_assignments, num_experts, num_pid_m,
-        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+    gemm.down_kernel[(num_pid_m * down_tiles,)](
+        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded, out, counters,
+        hidden, n, num_assignments, top_k, num_experts, num_pid_m,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, FUSE_SUM=fuse_sum, TOPK_PAD=_next_pow2(top_k),
+        num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
-    _sum_slots(y, ids, expert_map, out, top_k, num_experts)
+    if not fuse_sum:
+        _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out
 
 
@@ -332,7 +366,7 @@ def _sum_slots(
         y, ids, expert_map if has_map else ids, out,
         num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0,
         y.stride(0), out.stride(0), out.stride(1),
-        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map,
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, **_launch_options(y.device),
     )
 
 

@@ -2,6 +2,21 @@
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper and later; the host sets ``launch_pdl``). A kernel launched
+    so may start while the kernel before it in the stream is still running, which hides the launch and
+    the ramp of each grid behind the tail of the last. Every kernel of the path calls this before its
+    first read of another kernel's output and before its first write: it returns once the previous
+    kernel has finished and its writes are visible, then lets the next kernel start launching. Since
+    each kernel waits before it signals, the ordering is transitive: when this returns, every earlier
+    kernel in the stream has finished."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -20,15 +20,16 @@ exact equality with the twin.
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import local_expert_ids
+from moekit.experts._kernels._common import local_expert_ids, wait_for_previous_kernel
 
 
 @triton.jit
 def align_hist_kernel(
     ids_ptr, map_ptr, hist_ptr,  # ids [A] int, map [G] int, hist [num_chunks, EP] int32
     num_assignments, num_experts, num_global,
-    CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < num_assignments
@@ -43,9 +44,10 @@ def align_hist_kernel(
 def align_scan_kernel(
     hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr,
     num_chunks, num_experts, block_size,
-    CHUNK_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: column-wise exclusive scan of hist, then the padded expert offsets."""
+    wait_for_previous_kernel(PDL)
     e = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)  # [EP] assignments per expert in chunks scanned so far
     for start in range(0, num_chunks, CHUNK_ROWS):
@@ -70,8 +72,9 @@ def align_scatter_kernel(
     sorted_ids_ptr, expert_ids_ptr,
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid < num_chunks:
         # Chunk program: place this chunk's assignments.
@@ -111,9 +114,10 @@ def align_scatter_kernel(
 def align_naive_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
     num_assignments, num_experts, block_size,
-    A_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr,
+    A_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tiny-batch shortcut (A*4 <= E, no map): block a holds assignment a alone, in its first row."""
+    wait_for_previous_kernel(PDL)
     a = tl.arange(0, A_PAD)
     valid = a < num_assignments
     ids = tl.load(ids_ptr + a, mask=valid, other=-1).to(tl.int64)
@@ -136,11 +140,12 @@ def align_small_kernel(
     ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, BLOCK_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr,
+    HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """The three launches above in one program, for A <= CHUNK (decode batches): the histogram, the
     offsets and the scatter stay in registers, so only the stores touch memory. A register vector
     cannot be indexed, so offsets[e] for a vector of e is a one-hot dot: sum(onehot * offsets)."""
+    wait_for_previous_kernel(PDL)
     lane = tl.arange(0, CHUNK)
     valid = lane < num_assignments
     ids = tl.load(ids_ptr + lane, mask=valid, other=-1).to(tl.int64)

@@ -7,12 +7,16 @@ intermediate; BM/BN/BK the tile. Program (pid_m, pid_n) owns M-block pid_m of th
 up to BM assignment rows) and output columns pid_n*BN ..; every row index is int64 before it is
 multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
+PDL: programmatic dependent launch (``_common.wait_for_previous_kernel``), set by the host on Hopper.
+
 W_DESC: the weights come as TMA tensor descriptors (Hopper's bulk tile copies) instead of pointer
 tiles; the host picks it for 16-bit weights when the strides allow (``triton.py``). Activation rows
 are gathered by index either way.
 
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
-expert read straight from topk_ids, so no alignment runs at all.
+expert read straight from topk_ids, so no alignment runs at all. FUSE_SUM (only with NAIVE): the down
+GEMM also sums the k slots into out (``combine.arrive_and_sum_slots``), and the gate-up GEMM's first
+program zeroes the arrival counters that uses.
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
@@ -23,6 +27,9 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 
 import triton
 import triton.language as tl
+
+from moekit.experts._kernels._common import wait_for_previous_kernel
+from moekit.experts._kernels.combine import arrive_and_sum_slots, zero_counters
 
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
@@ -73,12 +80,17 @@ def _activation(g, ACT: tl.constexpr):
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_assignments, top_k, num_experts, num_pid_m,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, counters_ptr,
+    N, K, num_assignments, top_k, num_experts, num_pid_m, num_counters,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    FUSE_SUM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
+    if FUSE_SUM:
+        if tl.program_id(0) == 0:
+            zero_counters(counters_ptr, num_counters)  # the down kernel starts after this one ends
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
@@ -124,16 +136,23 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    K, N, num_assignments, num_experts, num_pid_m,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
+    out_ptr, counters_ptr,  # FUSE_SUM only: out [M, K] = sum of y over the k slots; counters [M, K / BN]
+    K, N, num_assignments, top_k, num_experts, num_pid_m,
+    stride_hm, stride_we, stride_wk, stride_wn, stride_ym, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    FUSE_SUM: tl.constexpr, TOPK_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    num_pid_n = tl.cdiv(K, BLOCK_N)
+    pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
+        if FUSE_SUM:  # a slot not routed here still counts as arrived
+            arrive_and_sum_slots(y_ptr, ids_ptr, out_ptr, counters_ptr, pid_m, pid_n, num_pid_n, top_k,
+                                 num_experts, K, stride_ym, stride_om, BLOCK_N, TOPK_PAD)
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -162,4 +181,7 @@ def down_kernel(
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+    if FUSE_SUM:  # naive: block pid_m is assignment pid_m
+        arrive_and_sum_slots(y_ptr, ids_ptr, out_ptr, counters_ptr, pid_m, pid_n, num_pid_n, top_k,
+                             num_experts, K, stride_ym, stride_om, BLOCK_N, TOPK_PAD)
 
