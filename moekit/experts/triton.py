@@ -57,12 +57,11 @@ WEIGHT_DESCRIPTORS = True
 # measure both ways in one run.
 DEPENDENT_LAUNCH = True
 
-# The tiny-batch path sums the k slots at the end of its down GEMM (``combine.arrive_and_sum_slots``)
-# instead of in a pass of its own. A switch so that benchmarks can measure both ways in one run.
-FUSED_SLOT_SUM = True
+# Where the GEMM kernels let the next kernel launch: right after their wait (False) or after their
+# main loop (True), so that the next grid's programs are not placed on the SMs while the GEMM streams.
+GEMM_LATE_SIGNAL = True
 
-# Tests set this to fill the intermediate buffers with NaN (the counters with -12345), proving that
-# unwritten rows are never read and the counters are zeroed on the device.
+# Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
 
 
@@ -272,9 +271,7 @@ def _launch_config(config: KernelConfig | None, x: torch.Tensor, num_experts: in
 
 def _workspace(shape, dtype, device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
-    if POISON_WORKSPACE:
-        buf.fill_(float("nan") if dtype.is_floating_point else -12345)
-    return buf
+    return buf.fill_(float("nan")) if POISON_WORKSPACE else buf
 
 
 def fused_experts(
@@ -311,41 +308,33 @@ def fused_experts(
         sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
     common = dict(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **_launch_options(x.device),
+        LATE_SIGNAL=GEMM_LATE_SIGNAL, **_launch_options(x.device),
     )
     gemm = _kernels("gemm")
     w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up, down = config.up, config.down
-    # Tiny batches: the down GEMM's programs also sum the k slots (the last of a token's k programs for
-    # a column tile does it), so no sum pass is launched; its arrival counters are zeroed by gate-up.
-    # Two earlier ways to fuse it were slower (one program per token looping over its slots, 27.9 µs
-    # against 8.7 + 2.6 µs for down then sum at Qwen3-30B-A3B M=1 on the H200; one flat (slot, step)
-    # loop with CUDA-core sums, 39.6 µs at best): both gave up the GEMM's grid.
-    fuse_sum = naive and FUSED_SLOT_SUM
-    down_tiles = triton_cdiv(hidden, down.BLOCK_N)
-    num_counters = num_tokens * down_tiles if fuse_sum else 0
-    counters = _workspace(num_counters, torch.int32, x.device)  # [M, K / BN], or empty
     gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
-        x, w13_op, h, ids, sorted_ids, expert_ids, num_padded, counters,
-        n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_counters,
+        x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
+        n, hidden, num_assignments, top_k, num_experts, num_pid_m,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, FUSE_SUM=fuse_sum,
-        num_warps=up.num_warps, num_stages=up.num_stages, **common,
+        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, num_warps=up.num_warps, num_stages=up.num_stages, **common,
     )
+    # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
+    # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
+    # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
+    # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
-    gemm.down_kernel[(num_pid_m * down_tiles,)](
-        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded, out, counters,
-        hidden, n, num_assignments, top_k, num_experts, num_pid_m,
-        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), out.stride(0),
+    gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
+        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
+        hidden, n, num_assignments, num_experts, num_pid_m,
+        h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        W_DESC=w_desc, FUSE_SUM=fuse_sum, TOPK_PAD=_next_pow2(top_k),
-        num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
-    if not fuse_sum:
-        _sum_slots(y, ids, expert_map, out, top_k, num_experts)
+    _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out
 
 

@@ -8,14 +8,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
     """Programmatic dependent launch (Hopper and later; the host sets ``launch_pdl``). A kernel launched
-    so may start while the kernel before it in the stream is still running, which hides the launch and
-    the ramp of each grid behind the tail of the last. Every kernel of the path calls this before its
-    first read of another kernel's output and before its first write: it returns once the previous
-    kernel has finished and its writes are visible, then lets the next kernel start launching. Since
-    each kernel waits before it signals, the ordering is transitive: when this returns, every earlier
-    kernel in the stream has finished."""
+    so may start while the kernel before it in the stream is still running, which hides its launch and
+    ramp behind that kernel's tail. Every kernel of the path calls this before its first read of another
+    kernel's output and before its first write: it returns once the previous kernel has finished and
+    its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_launch(PDL: tl.constexpr):
+    """Let the next kernel in the stream launch once every program of this one has called this (or
+    exited). Each kernel calls it only after ``wait_for_previous_kernel``, so the order is transitive:
+    when a kernel's wait returns, every earlier kernel in the stream has finished."""
+    if PDL:
         gdc_launch_dependents()
 
 

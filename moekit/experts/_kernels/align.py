@@ -20,7 +20,7 @@ exact equality with the twin.
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import local_expert_ids, wait_for_previous_kernel
+from moekit.experts._kernels._common import local_expert_ids, let_next_kernel_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -30,6 +30,7 @@ def align_hist_kernel(
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < num_assignments
@@ -48,6 +49,7 @@ def align_scan_kernel(
 ):
     """One program: column-wise exclusive scan of hist, then the padded expert offsets."""
     wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
     e = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)  # [EP] assignments per expert in chunks scanned so far
     for start in range(0, num_chunks, CHUNK_ROWS):
@@ -75,6 +77,7 @@ def align_scatter_kernel(
     HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
     pid = tl.program_id(0)
     if pid < num_chunks:
         # Chunk program: place this chunk's assignments.
@@ -118,6 +121,7 @@ def align_naive_kernel(
 ):
     """The tiny-batch shortcut (A*4 <= E, no map): block a holds assignment a alone, in its first row."""
     wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
     a = tl.arange(0, A_PAD)
     valid = a < num_assignments
     ids = tl.load(ids_ptr + a, mask=valid, other=-1).to(tl.int64)
@@ -146,6 +150,7 @@ def align_small_kernel(
     offsets and the scatter stay in registers, so only the stores touch memory. A register vector
     cannot be indexed, so offsets[e] for a vector of e is a one-hot dot: sum(onehot * offsets)."""
     wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
     lane = tl.arange(0, CHUNK)
     valid = lane < num_assignments
     ids = tl.load(ids_ptr + lane, mask=valid, other=-1).to(tl.int64)

@@ -14,9 +14,7 @@ tiles; the host picks it for 16-bit weights when the strides allow (``triton.py`
 are gathered by index either way.
 
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
-expert read straight from topk_ids, so no alignment runs at all. FUSE_SUM (only with NAIVE): the down
-GEMM also sums the k slots into out (``combine.arrive_and_sum_slots``), and the gate-up GEMM's first
-program zeroes the arrival counters that uses.
+expert read straight from topk_ids, so no alignment runs at all.
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
@@ -28,8 +26,7 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import wait_for_previous_kernel
-from moekit.experts._kernels.combine import arrive_and_sum_slots, zero_counters
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
@@ -80,17 +77,16 @@ def _activation(g, ACT: tl.constexpr):
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, counters_ptr,
-    N, K, num_assignments, top_k, num_experts, num_pid_m, num_counters,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    FUSE_SUM: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr, LATE_SIGNAL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    if FUSE_SUM:
-        if tl.program_id(0) == 0:
-            zero_counters(counters_ptr, num_counters)  # the down kernel starts after this one ends
+    if not LATE_SIGNAL:
+        let_next_kernel_launch(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
@@ -127,6 +123,8 @@ def gate_up_kernel(
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
+    if LATE_SIGNAL:
+        let_next_kernel_launch(PDL)
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -136,23 +134,20 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    out_ptr, counters_ptr,  # FUSE_SUM only: out [M, K] = sum of y over the k slots; counters [M, K / BN]
-    K, N, num_assignments, top_k, num_experts, num_pid_m,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_ym, stride_om,
+    K, N, num_assignments, num_experts, num_pid_m,
+    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    FUSE_SUM: tl.constexpr, TOPK_PAD: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr, LATE_SIGNAL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
+    if not LATE_SIGNAL:
+        let_next_kernel_launch(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
-    num_pid_n = tl.cdiv(K, BLOCK_N)
-    pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
-        if FUSE_SUM:  # a slot not routed here still counts as arrived
-            arrive_and_sum_slots(y_ptr, ids_ptr, out_ptr, counters_ptr, pid_m, pid_n, num_pid_n, top_k,
-                                 num_experts, K, stride_ym, stride_om, BLOCK_N, TOPK_PAD)
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -177,11 +172,10 @@ def down_kernel(
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
+    if LATE_SIGNAL:
+        let_next_kernel_launch(PDL)
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
-    if FUSE_SUM:  # naive: block pid_m is assignment pid_m
-        arrive_and_sum_slots(y_ptr, ids_ptr, out_ptr, counters_ptr, pid_m, pid_n, num_pid_n, top_k,
-                             num_experts, K, stride_ym, stride_om, BLOCK_N, TOPK_PAD)
 
