@@ -84,7 +84,7 @@ TALL_CANDIDATES = {
 
 def switches_ab(batches, switches: list[str], candidates: bool):
     """The tuned configs with every on/off combination of the ``moekit.experts.triton`` module switches
-    named (``WEIGHT_DESCRIPTORS``, ``DEPENDENT_LAUNCH``, ``GEMM_LATE_SIGNAL``): µs, % of the floor, and a
+    named (``WEIGHT_DESCRIPTORS``, ``DEPENDENT_LAUNCH``): µs, % of the floor, and a
     rel. L2 check against the all-off variant. With ``candidates``, the tall tiles too at M >= 512."""
     import itertools
 

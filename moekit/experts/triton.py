@@ -57,10 +57,6 @@ WEIGHT_DESCRIPTORS = True
 # measure both ways in one run.
 DEPENDENT_LAUNCH = True
 
-# Where the GEMM kernels let the next kernel launch: right after their wait (False) or after their
-# main loop (True), so that the next grid's programs are not placed on the SMs while the GEMM streams.
-GEMM_LATE_SIGNAL = True
-
 # Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
 
@@ -308,7 +304,7 @@ def fused_experts(
         sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
     common = dict(
         NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        LATE_SIGNAL=GEMM_LATE_SIGNAL, **_launch_options(x.device),
+        **_launch_options(x.device),
     )
     gemm = _kernels("gemm")
     w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)

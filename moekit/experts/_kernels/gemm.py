@@ -7,7 +7,9 @@ intermediate; BM/BN/BK the tile. Program (pid_m, pid_n) owns M-block pid_m of th
 up to BM assignment rows) and output columns pid_n*BN ..; every row index is int64 before it is
 multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
-PDL: programmatic dependent launch (``_common.wait_for_previous_kernel``), set by the host on Hopper.
+PDL: programmatic dependent launch (``_common``), set by the host on Hopper. A GEMM lets the next kernel
+launch only after its main loop: signalling right after the wait let the next grid's programs take SM
+slots while this one still streamed (Mixtral-8x7B M=1 on the H200: 175 -> 189 µs; 173 µs signalling late).
 
 W_DESC: the weights come as TMA tensor descriptors (Hopper's bulk tile copies) instead of pointer
 tiles; the host picks it for 16-bit weights when the strides allow (``triton.py``). Activation rows
@@ -82,11 +84,9 @@ def gate_up_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr, LATE_SIGNAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    if not LATE_SIGNAL:
-        let_next_kernel_launch(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
@@ -123,8 +123,7 @@ def gate_up_kernel(
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
-    if LATE_SIGNAL:
-        let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -138,11 +137,9 @@ def down_kernel(
     stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr, LATE_SIGNAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    if not LATE_SIGNAL:
-        let_next_kernel_launch(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -172,8 +169,7 @@ def down_kernel(
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
-    if LATE_SIGNAL:
-        let_next_kernel_launch(PDL)
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
