@@ -174,21 +174,6 @@ def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dt
     assert not interpreter._descriptors_allowed(w13.float(), w2.float())  # float32 keeps pointer loads
 
 
-@pytest.mark.parametrize("gemms", ["up", "down", "both"])
-def test_persistent_gemms(interpreter, monkeypatch, gemms):
-    """Persistent GEMMs: 3 programs walk the tiles of the blocks in use (num_padded read on the device),
-    so the loop strides over blocks of several experts, tails in N and K, and padding rows."""
-    monkeypatch.setattr(interpreter, "PERSISTENT_UP", gemms in ("up", "both"))
-    monkeypatch.setattr(interpreter, "PERSISTENT_DOWN", gemms in ("down", "both"))
-    cfg = KernelConfig(16, GemmTile(16, 16, 2, 4, 2), GemmTile(16, 16, 2, 4, 2))
-    for dtype in (torch.float32, torch.bfloat16):
-        x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
-        ids[3] = -1  # skipped slots: their rows are never written nor read
-        out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
-        ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
-        assert _rel_err(out, ref) < TOL[dtype]
-
-
 def test_float16(interpreter):
     _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float16))
 

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args
-from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, shared_memory_bytes
+from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, max_padded_rows, use_naive
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
@@ -56,14 +56,6 @@ WEIGHT_DESCRIPTORS = True
 # 9.0 and later): each grid launches while the one before it drains. A switch so that benchmarks can
 # measure both ways in one run.
 DEPENDENT_LAUNCH = True
-
-# Persistent GEMMs on the aligned layout: a grid of about one program per SM slot walks the tiles of
-# the blocks in use, in one flattened loop, so the next tile's loads overlap this one's epilogue.
-# Switches so that benchmarks can measure both ways in one run; the tiny-batch path never uses them.
-PERSISTENT_UP = False
-PERSISTENT_DOWN = False
-# Programs of a persistent GEMM under the interpreter (no SMs to count): a few, so the tile loop strides.
-INTERPRETER_PROGRAMS = 3
 
 # Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
@@ -107,23 +99,6 @@ def _launch_options(device: torch.device) -> dict:
     pdl = DEPENDENT_LAUNCH and device.type == "cuda" and not interpreting() and _major_capability_of(
         device.index if device.index is not None else torch.cuda.current_device()) >= 9
     return dict(PDL=pdl, launch_pdl=pdl)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _grid(num_tiles: int, persistent: bool, device: torch.device, smem_bytes: int) -> tuple[int]:
-    """One program per tile, or for a persistent GEMM as many as the SMs hold at once (by shared memory,
-    at most 2 per SM), never more than the tiles."""
-    if not persistent:
-        return (num_tiles,)
-    if interpreting():
-        return (max(1, min(num_tiles, INTERPRETER_PROGRAMS)),)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    per_sm = max(1, min(2, _max_shared_memory_of(index) // max(smem_bytes, 1)))
-    return (max(1, min(num_tiles, per_sm * _sm_count_of(index))),)
 
 
 def _kernels(name: str):
@@ -336,29 +311,24 @@ def fused_experts(
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up, down = config.up, config.down
-    item = x.element_size()
-    persistent_up, persistent_down = PERSISTENT_UP and not naive, PERSISTENT_DOWN and not naive
-    gemm.gate_up_kernel[_grid(num_pid_m * triton_cdiv(n, up.BLOCK_N), persistent_up, x.device,
-                              shared_memory_bytes(block_m, up, item, 2, w_desc))](
+    gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
         x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
         n, hidden, num_assignments, top_k, num_experts, num_pid_m,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, PERSISTENT=persistent_up,
-        num_warps=up.num_warps, num_stages=up.num_stages, **common,
+        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, num_warps=up.num_warps, num_stages=up.num_stages, **common,
     )
     # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
     # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
     # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
     # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
-    gemm.down_kernel[_grid(num_pid_m * triton_cdiv(hidden, down.BLOCK_N), persistent_down, x.device,
-                           shared_memory_bytes(block_m, down, item, 1, w_desc))](
+    gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
         h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
         hidden, n, num_assignments, num_experts, num_pid_m,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        W_DESC=w_desc, PERSISTENT=persistent_down, num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
     _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out

@@ -35,14 +35,15 @@ ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
 
 
 @triton.jit
-def _tile_position(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped ordering of tile ids: GROUP_M M-blocks (usually one expert's) sweep the N tiles together,
-    so an expert's weight tile is read from HBM once and from L2 by the other blocks."""
+def _grid_position(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M M-blocks (usually one expert's) sweep the N tiles together, so an
+    expert's weight tile is read from HBM once and from L2 by the other blocks."""
+    pid = tl.program_id(0)
     per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
+    first_m = (pid // per_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_m
-    pid_n = (tile % per_group) // group_m
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     return pid_m, pid_n
 
 
@@ -76,13 +77,21 @@ def _activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_accumulate(
-    x_ptr, w13_ptr, rows, expert, pid_n, N, K, num_assignments, top_k,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+def gate_up_kernel(
+    x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_assignments, top_k, num_experts, num_pid_m,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """(x w_gate^T, x w_up^T) of one tile: [BM, BN] fp32 each."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
     row_ok = rows < num_assignments  # [BM]
     token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the gather, x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,64 +123,29 @@ def _gate_up_accumulate(
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _gate_up_store(h_ptr, acc_gate, acc_up, rows, pid_n, N, num_assignments, stride_hm,
-                   BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=(rows < num_assignments)[:, None] & (offs_n < N)[None, :])
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
+def down_kernel(
+    h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_assignments, top_k, num_experts, num_pid_m,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
+    K, N, num_assignments, num_experts, num_pid_m,
+    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:  # aligned layout only: the programs walk the tiles of the blocks in use
-        used_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in tl.range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_position(tile, used_m, num_pid_n, GROUP_M)
-            rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                                       num_assignments, num_experts, BLOCK_M, NAIVE)
-            acc_gate, acc_up = _gate_up_accumulate(
-                x_ptr, w13_ptr, rows, expert, pid_n, N, K, num_assignments, top_k,
-                stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-                BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION, W_DESC)
-            _gate_up_store(h_ptr, acc_gate, acc_up, rows, pid_n, N, num_assignments, stride_hm, BLOCK_N, ACT)
-        let_next_kernel_launch(PDL)
-        return
-    pid_m, pid_n = _tile_position(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
-        return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
-    acc_gate, acc_up = _gate_up_accumulate(
-        x_ptr, w13_ptr, rows, expert, pid_n, N, K, num_assignments, top_k,
-        stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION, W_DESC)
-    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    _gate_up_store(h_ptr, acc_gate, acc_up, rows, pid_n, N, num_assignments, stride_hm, BLOCK_N, ACT)
-
-
-@triton.jit
-def _down_accumulate(
-    h_ptr, w2_ptr, rows, expert, pid_n, K, N, num_assignments,
-    stride_hm, stride_we, stride_wk, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-):
-    """h w2^T of one tile: [BM, BN] fp32 (BN tiles the K output columns, BK the reduction over N)."""
+        return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,50 +169,9 @@ def _down_accumulate(
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _down_store(y_ptr, weights_ptr, acc, rows, pid_n, K, num_assignments, stride_ym, BLOCK_N: tl.constexpr):
-    row_ok = rows < num_assignments
-    safe_rows = tl.where(row_ok, rows, 0)
-    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
-    tl.store(y_ptrs, (acc * weight[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_out < K)[None, :])
-
-
-@triton.jit
-def down_kernel(
-    h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    K, N, num_assignments, num_experts, num_pid_m,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PERSISTENT: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(PDL)
-    num_pid_n = tl.cdiv(K, BLOCK_N)
-    if PERSISTENT:  # aligned layout only: the programs walk the tiles of the blocks in use
-        used_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in tl.range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile_position(tile, used_m, num_pid_n, GROUP_M)
-            rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                                       num_assignments, num_experts, BLOCK_M, NAIVE)
-            acc = _down_accumulate(h_ptr, w2_ptr, rows, expert, pid_n, K, N, num_assignments,
-                                   stride_hm, stride_we, stride_wk, stride_wn,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION, W_DESC)
-            _down_store(y_ptr, weights_ptr, acc, rows, pid_n, K, num_assignments, stride_ym, BLOCK_N)
-        let_next_kernel_launch(PDL)
-        return
-    pid_m, pid_n = _tile_position(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
-    if expert < 0:
-        return
-    acc = _down_accumulate(h_ptr, w2_ptr, rows, expert, pid_n, K, N, num_assignments,
-                           stride_hm, stride_we, stride_wk, stride_wn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION, W_DESC)
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    _down_store(y_ptr, weights_ptr, acc, rows, pid_n, K, num_assignments, stride_ym, BLOCK_N)
+    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
+    acc = acc * weight[:, None]
+    y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+
