@@ -157,15 +157,13 @@ def test_non_contiguous_inputs(interpreter):
     _check(interpreter, x_nc, w13_nc, w2_nc, ids_nc, weights_nc)
 
 
-@pytest.mark.parametrize("descriptors,h_descriptor", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("descriptors", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, h_descriptor, dtype):
+def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dtype):
     """16-bit weights with 16-byte rows (K=40, N=24) take the TMA descriptor path: the last N tile of
     the gate reads the up rows, the last up tile reads the next expert's rows (or past the end), K=40
-    leaves a zero-filled tail of the 32-wide K tile; h's tiles come whole, padding rows (NaN) and the
-    zero-filled N tail included. None of it may reach the output."""
+    leaves a zero-filled tail of the 32-wide K tile. None of it may reach the output."""
     monkeypatch.setattr(interpreter, "WEIGHT_DESCRIPTORS", descriptors)
-    monkeypatch.setattr(interpreter, "H_DESCRIPTORS", h_descriptor)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
     assert interpreter._descriptors_allowed(w13, w2) == descriptors

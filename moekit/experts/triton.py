@@ -19,7 +19,7 @@ Torch twins: ``moekit.layouts.block_aligned.align_block`` (alignment, equal elem
 On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, read when a kernel is
 decorated, so the kernel modules are imported lazily). The interpreter's bf16 ``tl.dot`` is wrong, so
 there the operands are upcast to float32 first; and its float -> bf16 conversion truncates instead of
-rounding (measured: 2x the rounding error), so there the [R, N] and [A, K] workspaces are float32.
+rounding (measured: 2x the rounding error), so there the [A, N] and [A, K] workspaces are float32.
 Everything else runs as on the GPU.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B = BLOCK_M.
@@ -51,10 +51,6 @@ ALIGN_SMALL_MAX_BINS = 64
 # Weights through TMA tensor descriptors where the strides allow (``_descriptors_allowed``). A switch so
 # that benchmarks can measure both ways in one run.
 WEIGHT_DESCRIPTORS = True
-
-# The down GEMM reads its [BM, BK] tiles of h (in layout order) through a TMA descriptor when the
-# weights go through descriptors. A switch so that benchmarks can measure both ways in one run.
-H_DESCRIPTORS = True
 
 # Programmatic dependent launch between the path's kernels where the GPU has it (compute capability
 # 9.0 and later): each grid launches while the one before it drains. A switch so that benchmarks can
@@ -249,15 +245,14 @@ def _descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     )
 
 
-def _descriptors(w13: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, config: KernelConfig, block_m: int):
-    """TMA tensor descriptors over w13 as [E*2N, K], w2 as [E*K, N] and h [R, N], blocks of the config's
-    tiles (only where ``_descriptors_allowed``; h has w2's row length and x's dtype)."""
+def _weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, config: KernelConfig):
+    """TMA tensor descriptors over w13 as [E*2N, K] and w2 as [E*K, N], blocks of the config's tiles
+    (only where ``_descriptors_allowed``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     up, down = config.up, config.down
     return (TensorDescriptor.from_tensor(w13.view(-1, w13.shape[2]), [up.BLOCK_N, up.BLOCK_K]),
-            TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [down.BLOCK_N, down.BLOCK_K]),
-            TensorDescriptor.from_tensor(h, [block_m, down.BLOCK_K]))
+            TensorDescriptor.from_tensor(w2.view(-1, w2.shape[2]), [down.BLOCK_N, down.BLOCK_K]))
 
 
 def _launch_config(config: KernelConfig | None, x: torch.Tensor, num_experts: int, n: int, top_k: int,
@@ -312,11 +307,9 @@ def fused_experts(
         **_launch_options(x.device),
     )
     gemm = _kernels("gemm")
+    w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    h = _workspace((num_pid_m * block_m, n), work_dtype, x.device)  # [R, N] act(gate) * up, layout order
-    w13_op, w2_op, h_op = _descriptors(w13, w2, h, config, block_m) if w_desc else (w13, w2, h)
-    h_desc = w_desc and H_DESCRIPTORS
-    h_op = h_op if h_desc else h
+    h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up, down = config.up, config.down
     gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
         x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
@@ -331,11 +324,11 @@ def fused_experts(
     # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
     gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
-        h_op, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
+        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
         hidden, n, num_assignments, num_experts, num_pid_m,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        W_DESC=w_desc, H_DESC=h_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
     _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out

@@ -3,13 +3,9 @@
 Torch twins: ``moekit.experts.reference`` (per-expert loop) and ``moekit.experts.grouped_mm``.
 
 Shapes: M tokens, k slots, A = M*k assignments (a = t*k + j), E local experts, K hidden, N
-intermediate; BM/BN/BK the tile; R = rows of the layout (blocks x BM). Program (pid_m, pid_n) owns
-M-block pid_m of the layout (one expert, up to BM assignment rows) and output columns pid_n*BN ..;
-every row index is int64 before it is multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
-
-The intermediate h [R, N] is in layout order: gate-up writes block pid_m's rows at rows pid_m*BM ..,
-so the down GEMM reads each block as one contiguous tile (a TMA copy with H_DESC) instead of
-gathering rows. Padding rows are never written and never stored from.
+intermediate; BM/BN/BK the tile. Program (pid_m, pid_n) owns M-block pid_m of the layout (one expert,
+up to BM assignment rows) and output columns pid_n*BN ..; every row index is int64 before it is
+multiplied by a stride (A*K and E*2N*K pass 2^31 at real sizes).
 
 PDL: programmatic dependent launch (``_common``), set by the host on Hopper. A GEMM lets the next kernel
 launch only after its main loop: signalling right after the wait let the next grid's programs take SM
@@ -82,7 +78,7 @@ def _activation(g, ACT: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [R, N] out: act(x w_gate^T) * (x w_up^T)
+    x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
@@ -129,20 +125,19 @@ def gate_up_kernel(
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
-    layout_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] this block's rows of h
-    h_ptrs = h_ptr + layout_rows[:, None] * stride_hm + offs_n[None, :]
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [R, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
+    h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    H_DESC: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
@@ -156,11 +151,7 @@ def down_kernel(
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    if H_DESC:  # h_ptr is a tensor descriptor over h, block [BM, BK]
-        h_row = (pid_m * BLOCK_M).to(tl.int32)
-    else:
-        layout_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] this block's rows of h
-        h_ptrs = h_ptr + layout_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
+    h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
         w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
     else:
@@ -168,11 +159,7 @@ def down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
-        if H_DESC:
-            ha = h_ptr.load([h_row, n0])  # [BM, BK]; padding rows hold garbage, their outputs are never stored
-        else:
-            ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
-            h_ptrs += BLOCK_K
+        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         if W_DESC:
             wb = w2_ptr.load([w_row, n0]).T  # [BK, BN]; rows past K are never stored, columns past N read 0
         else:
@@ -181,6 +168,7 @@ def down_kernel(
         if UPCAST:
             ha, wb = ha.to(tl.float32), wb.to(tl.float32)
         acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
