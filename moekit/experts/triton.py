@@ -57,11 +57,6 @@ WEIGHT_DESCRIPTORS = True
 # measure both ways in one run.
 DEPENDENT_LAUNCH = True
 
-# Tiny batches whose down weights fit in half the L2: the down kernel's programs, launched while
-# gate-up runs (PDL), prefetch their w2 rows into L2 before they wait for h. A switch so that
-# benchmarks can measure both ways in one run.
-PREFETCH_DOWN_WEIGHTS = True
-
 # Tests set this to fill the intermediate buffers with NaN, proving that unwritten rows are never read.
 POISON_WORKSPACE = False
 
@@ -104,20 +99,6 @@ def _launch_options(device: torch.device) -> dict:
     pdl = DEPENDENT_LAUNCH and device.type == "cuda" and not interpreting() and _major_capability_of(
         device.index if device.index is not None else torch.cuda.current_device()) >= 9
     return dict(PDL=pdl, launch_pdl=pdl)
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes_of(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).L2_cache_size)
-
-
-def _prefetch_down_weights(w2: torch.Tensor, num_assignments: int, naive: bool, pdl: bool) -> bool:
-    """Whether the tiny-batch down kernel prefetches its weights: with PDL (it runs before the wait),
-    contiguous w2, and the touched experts' w2 (at most one per assignment) within half the L2."""
-    if not (PREFETCH_DOWN_WEIGHTS and naive and pdl and w2.is_contiguous()):
-        return False
-    index = w2.device.index if w2.device.index is not None else torch.cuda.current_device()
-    return num_assignments * w2[0].numel() * w2.element_size() <= _l2_bytes_of(index) // 2
 
 
 def _kernels(name: str):
@@ -330,14 +311,12 @@ def fused_experts(
     work_dtype = torch.float32 if interpreting() else x.dtype
     h = _workspace((num_assignments, n), work_dtype, x.device)  # [A, N] act(gate) * up, assignment order
     up, down = config.up, config.down
-    prefetch = _prefetch_down_weights(w2, num_assignments, naive, common["PDL"])
     gemm.gate_up_kernel[(num_pid_m * triton_cdiv(n, up.BLOCK_N),)](
         x, w13_op, h, ids, sorted_ids, expert_ids, num_padded,
         n, hidden, num_assignments, top_k, num_experts, num_pid_m,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, EARLY_SIGNAL=prefetch,
-        num_warps=up.num_warps, num_stages=up.num_stages, **common,
+        ACT=_ACTIVATIONS[activation], W_DESC=w_desc, num_warps=up.num_warps, num_stages=up.num_stages, **common,
     )
     # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
     # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
@@ -345,11 +324,11 @@ def fused_experts(
     # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
     y = _workspace((num_assignments, hidden), work_dtype, x.device)  # [A, K] weighted per-slot outputs
     gemm.down_kernel[(num_pid_m * triton_cdiv(hidden, down.BLOCK_N),)](
-        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded, w2,
+        h, w2_op, y, weights, ids, sorted_ids, expert_ids, num_padded,
         hidden, n, num_assignments, num_experts, num_pid_m,
         h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        W_DESC=w_desc, PREFETCH_W2=prefetch, num_warps=down.num_warps, num_stages=down.num_stages, **common,
+        W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
     _sum_slots(y, ids, expert_map, out, top_k, num_experts)
     return out

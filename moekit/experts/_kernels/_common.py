@@ -26,19 +26,6 @@ def let_next_kernel_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_to_l2(ptr, num_bytes, LANES: tl.constexpr):
-    """Ask L2 for the bytes [ptr, ptr + num_bytes) with evict-last priority, one 128-byte line per lane
-    and step; returns at once (nothing waits on it). GPU only: inline PTX."""
-    base = ptr.to(tl.pointer_type(tl.int8))
-    lanes = tl.arange(0, LANES).to(tl.int64) * 128
-    last = tl.maximum(num_bytes - 1, 0).to(tl.int64)
-    for start in range(0, num_bytes, LANES * 128):
-        addrs = base + tl.minimum(start + lanes, last)  # past the end: the last line again
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0 unused", "=r,l", [addrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP: tl.constexpr):
     """Global expert ids (int64 vector) -> local ids, ``num_experts`` meaning "not routed here".
 

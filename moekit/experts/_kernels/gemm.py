@@ -28,7 +28,7 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, prefetch_to_l2, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
@@ -84,11 +84,9 @@ def gate_up_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    EARLY_SIGNAL: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
-    if EARLY_SIGNAL:  # the down kernel prefetches its weights (PREFETCH_W2): let it start at once
-        let_next_kernel_launch(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
@@ -125,8 +123,7 @@ def gate_up_kernel(
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
-    if not EARLY_SIGNAL:
-        let_next_kernel_launch(PDL)  # after the main loop: see PDL above
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -136,26 +133,15 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    w2_raw_ptr,  # w2 itself (w2_ptr may be a descriptor), for PREFETCH_W2
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PREFETCH_W2: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    if PREFETCH_W2:
-        # Before the wait, while gate-up still runs: this program's w2 rows (contiguous w2) go to L2.
-        # The expert ids are safe to read here: gate-up lets this kernel launch only after its own
-        # wait, so whatever wrote them had finished.
-        rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                                   num_assignments, num_experts, BLOCK_M, NAIVE)
-        if expert >= 0:
-            first = pid_n * BLOCK_N
-            prefetch_to_l2(w2_raw_ptr + expert * stride_we + first * stride_wk,
-                           tl.minimum(BLOCK_N, K - first) * N * (w2_raw_ptr.dtype.element_ty.primitive_bitwidth // 8), 128)
-    wait_for_previous_kernel(PDL)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
