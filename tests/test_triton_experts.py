@@ -174,6 +174,23 @@ def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dt
     assert not interpreter._descriptors_allowed(w13.float(), w2.float())  # float32 keeps pointer loads
 
 
+def test_dependent_launch_only_on_hopper_gpus(interpreter, monkeypatch):
+    """Programmatic dependent launch is asked for on CUDA devices of compute capability >= 9 only:
+    never under the interpreter (it cannot run griddepcontrol), never on the CPU, never when switched off."""
+    off = dict(PDL=False, launch_pdl=False)
+    assert interpreter._launch_options(torch.device("cpu")) == off
+    monkeypatch.setattr(interpreter, "interpreting", lambda: False)
+    assert interpreter._launch_options(torch.device("cpu")) == off
+    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 9)
+    cuda = torch.device("cuda", 0)
+    assert interpreter._launch_options(cuda) == dict(PDL=True, launch_pdl=True)
+    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 8)
+    assert interpreter._launch_options(cuda) == off
+    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 9)
+    monkeypatch.setattr(interpreter, "DEPENDENT_LAUNCH", False)
+    assert interpreter._launch_options(cuda) == off
+
+
 def test_float16(interpreter):
     _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float16))
 

@@ -9,7 +9,9 @@ epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no exp
 tiny-batch shortcut) no alignment runs: block a is assignment a.
 
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
-capturable and replays correctly with new routing. ``torch.ops.moekit.triton_experts`` and
+capturable and replays correctly with new routing. On compute capability 9.0 and later every kernel
+is launched with programmatic dependent launch (``_launch_options``; the waits are in
+``_kernels._common``), so each grid launches while the one before it drains. ``torch.ops.moekit.triton_experts`` and
 ``torch.ops.moekit.align_block_triton`` are ``torch.library`` custom ops with fakes, so
 ``torch.compile(fullgraph=True)`` traces through them.
 
