@@ -49,12 +49,10 @@ def tile_candidates(block_m: int, which: str) -> list[GemmTile]:
             (64, 128, 1, 4, 4), (64, 64, 8, 4, 5), (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (32, 128, 1, 4, 4),
             (128, 64, 8, 8, 5), (256, 64, 8, 8, 3))]
     # Deeper pipelines too: TMA weight loads hold every stage in shared memory, and a tile that does not
-    # fit is shrunk by ``fit_shared_memory`` before it is timed. The last two are small enough for two
-    # programs per SM (~96 KB of shared memory, 4 warps), so one can stream while the other multiplies.
+    # fit is shrunk by ``fit_shared_memory`` before it is timed.
     return [GemmTile(bn, bk, g, w, st) for (bn, bk, g, w, st) in (
         (128, 64, 8, 8, 4), (256, 64, 8, 8, 3), (128, 128, 8, 8, 3), (128, 64, 8, 4, 4), (64, 64, 8, 4, 4),
-        (128, 64, 8, 8, 5), (256, 64, 8, 8, 4), (128, 64, 4, 8, 4), (64, 128, 8, 4, 4),
-        (64, 64, 8, 4, 3), (128, 64, 8, 4, 3))]
+        (128, 64, 8, 8, 5), (256, 64, 8, 8, 4), (128, 64, 4, 8, 4), (64, 128, 8, 4, 4))]
 
 
 def _timer(shape: Shape, num_tokens: int, dtype, device):
