@@ -175,8 +175,8 @@ def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dt
 
 
 def test_dependent_launch_only_on_hopper_gpus(interpreter, monkeypatch):
-    """Programmatic dependent launch is asked for on CUDA devices of compute capability >= 9 only:
-    never under the interpreter (it cannot run griddepcontrol), never on the CPU, never when switched off."""
+    """Programmatic dependent launch is asked for on NVIDIA devices of compute capability >= 9 only: never
+    under the interpreter (it cannot run griddepcontrol), on the CPU, on ROCm, or when switched off."""
     off = dict(PDL=False, launch_pdl=False)
     assert interpreter._launch_options(torch.device("cpu")) == off
     monkeypatch.setattr(interpreter, "interpreting", lambda: False)
@@ -187,6 +187,9 @@ def test_dependent_launch_only_on_hopper_gpus(interpreter, monkeypatch):
     monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 8)
     assert interpreter._launch_options(cuda) == off
     monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 9)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: MI300 reports capability 9.4, no griddepcontrol
+    assert interpreter._launch_options(cuda) == off
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(interpreter, "DEPENDENT_LAUNCH", False)
     assert interpreter._launch_options(cuda) == off
 

@@ -11,9 +11,9 @@ tiny-batch shortcut) no alignment runs: block a is assignment a.
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
 capturable and replays correctly with new routing. On compute capability 9.0 and later every kernel
 is launched with programmatic dependent launch (``_launch_options``; the waits are in
-``_kernels._common``), so each grid launches while the one before it drains. ``torch.ops.moekit.triton_experts`` and
-``torch.ops.moekit.align_block_triton`` are ``torch.library`` custom ops with fakes, so
-``torch.compile(fullgraph=True)`` traces through them.
+``_kernels._common``), so each grid launches while the one before it drains.
+``torch.ops.moekit.triton_experts`` and ``torch.ops.moekit.align_block_triton`` are ``torch.library``
+custom ops with fakes, so ``torch.compile(fullgraph=True)`` traces through them.
 
 Torch twins: ``moekit.layouts.block_aligned.align_block`` (alignment, equal element for element) and
 ``moekit.experts.reference`` (the GEMMs). The kernels are in ``moekit.experts._kernels``.
@@ -97,9 +97,10 @@ def _major_capability_of(index: int) -> int:
 
 def _launch_options(device: torch.device) -> dict:
     """Keyword arguments of every kernel launch: programmatic dependent launch (``PDL``, and Triton's
-    ``launch_pdl``) on CUDA devices of compute capability 9.0 and later, never under the interpreter."""
-    pdl = DEPENDENT_LAUNCH and device.type == "cuda" and not interpreting() and _major_capability_of(
-        device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    ``launch_pdl``) on NVIDIA devices of compute capability 9.0 and later; never under the interpreter,
+    never on ROCm (whose "cuda" devices report capabilities like 9.4 but have no griddepcontrol)."""
+    pdl = (DEPENDENT_LAUNCH and device.type == "cuda" and torch.version.hip is None and not interpreting()
+           and _major_capability_of(device.index if device.index is not None else torch.cuda.current_device()) >= 9)
     return dict(PDL=pdl, launch_pdl=pdl)
 
 

@@ -38,4 +38,3 @@ def sum_slots_kernel(
     acc = tl.sum(y.to(tl.float32), axis=1)  # [BT, BK]
     out_ptrs = out_ptr + tokens[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_ok
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
-

@@ -114,8 +114,8 @@ def heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: i
 
     The tile height follows the mean rows per expert m_e = M*k/E (the padding tax: a tile much taller
     than m_e is mostly padding): 16 below m_e = 16, then 32, 64, and 128 from m_e = 64 (the retune on
-    TMA weight loads picked 128-row tiles at m_e = 64: Mixtral M=256, Qwen3 M=1024). Decode tiles are narrow so that
-    the few blocks still make enough programs to keep every SM streaming weights.
+    TMA weight loads picked 128-row tiles at m_e = 64: Mixtral M=256, Qwen3 M=1024). Decode tiles are
+    narrow so that the few blocks still make enough programs to keep every SM streaming weights.
     """
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert < 16:
