@@ -118,8 +118,9 @@ def _next_pow2(n: int) -> int:
 
 
 def _align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None,
-                num_rows: int):
-    """Launch the sorted alignment; sorted_ids gets ``num_rows`` rows (>= R; the rest are padding)."""
+                num_rows: int, launch: dict):
+    """Launch the sorted alignment; sorted_ids gets ``num_rows`` rows (>= R; the rest are padding).
+    ``launch``: ``_launch_options`` of the device, decided once by the caller."""
     device = topk_ids.device
     ids = topk_ids.reshape(-1)  # [A]
     num_assignments = ids.numel()
@@ -138,7 +139,6 @@ def _align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, exper
     map_arg = expert_map if has_map else ids
     num_global = expert_map.numel() if has_map else 0
     k = _kernels("align")
-    launch = _launch_options(device)
     if 0 < num_assignments <= ALIGN_SMALL_MAX and e_pad <= ALIGN_SMALL_MAX_BINS:
         k.align_small_kernel[(1,)](
             ids, map_arg, sorted_ids, expert_ids, counts, num_padded,
@@ -198,7 +198,8 @@ def _align_op(
     if allow_naive and use_naive(num_assignments, num_experts, expert_map):
         return _align_naive(topk_ids.contiguous(), num_experts, block_size)
     num_rows = max_padded_rows(num_assignments, num_experts, block_size)
-    return _align_into(topk_ids.contiguous(), num_experts, block_size, expert_map, num_rows)
+    return _align_into(topk_ids.contiguous(), num_experts, block_size, expert_map, num_rows,
+                       _launch_options(topk_ids.device))
 
 
 @_align_op.register_fake
@@ -297,6 +298,7 @@ def fused_experts(
     ids = topk_ids.contiguous().view(-1)  # [A]
     weights = topk_weights.contiguous().view(-1)  # [A]
     naive = use_naive(num_assignments, num_experts, expert_map)
+    launch = _launch_options(x.device)  # decided once for the path's five or so launches
     block_m = 16 if naive else config.BLOCK_M
     if naive:
         sorted_ids = expert_ids = num_padded = ids  # unused: block a is assignment a, expert ids[a]
@@ -304,10 +306,10 @@ def fused_experts(
     else:
         num_rows = max_padded_rows(num_assignments, num_experts, block_m)
         num_pid_m = triton_cdiv(num_rows, block_m)
-        sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map, num_pid_m * block_m)
+        sorted_ids, expert_ids, num_padded, _ = _align_into(ids, num_experts, block_m, expert_map,
+                                                            num_pid_m * block_m, launch)
     common = dict(
-        NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        **_launch_options(x.device),
+        NAIVE=naive, UPCAST=interpreting(), PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **launch,
     )
     gemm = _kernels("gemm")
     w13_op, w2_op = _weight_descriptors(w13, w2, config) if w_desc else (w13, w2)
@@ -333,7 +335,7 @@ def fused_experts(
         BLOCK_M=block_m, BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
         W_DESC=w_desc, num_warps=down.num_warps, num_stages=down.num_stages, **common,
     )
-    _sum_slots(y, ids, expert_map, out, top_k, num_experts)
+    _sum_slots(y, ids, expert_map, out, top_k, num_experts, launch)
     return out
 
 
@@ -344,6 +346,7 @@ def _sum_slots(
     out: torch.Tensor,  # [M, K], written
     top_k: int,
     num_experts: int,
+    launch: dict,  # _launch_options of the device
 ) -> None:
     """out[t] = sum of y over token t's routed slots (skipped slots are never read)."""
     num_tokens, hidden = out.shape
@@ -354,7 +357,7 @@ def _sum_slots(
         y, ids, expert_map if has_map else ids, out,
         num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0,
         y.stride(0), out.stride(0), out.stride(1),
-        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, **_launch_options(y.device),
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, **launch,
     )
 
 
