@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moekit.layouts.grouping import rank_within_groups
 from moekit.parallel.placement import Placement
 
 
@@ -77,19 +78,12 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     one row of even, and the ``+ rank`` offset spreads the remainders over the replicas.
     """
     num_tokens, top_k = topk_ids.shape
-    device = topk_ids.device
     num_experts = tables.num_replicas.numel()
     ids = topk_ids.reshape(-1).long()  # [M*k]
     routed = (ids >= 0) & (ids < num_experts)
     shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
     key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
-
-    # j = position of each slot among this rank's slots of the same expert (stable sort, no host sync).
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(per_expert, 0) - per_expert  # [E+1]
-    order = torch.sort(key, stable=True).indices  # [M*k]
-    position = torch.empty_like(key)
-    position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
+    position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
 
     safe = torch.where(routed, ids, 0)
     replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
