@@ -16,8 +16,7 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
 from moekit.experts.activations import act_and_mul
-from moekit.layouts.capacity import DropPolicy, apply_capacity
-from moekit.routing import Routing, append_shared_slots, route
+from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 
 
 @dataclass

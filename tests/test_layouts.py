@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moekit.layouts import (
-    align_block, apply_capacity, choose_layout, gather_rows, masked_layout, masked_layout_measured_cap_syncs,
+    align_block, choose_layout, gather_rows, masked_layout, masked_layout_measured_cap_syncs,
     max_padded_rows, permute_contiguous, scatter_rows, unmask, unpermute_contiguous,
 )
-from moekit.routing import Routing
+from moekit.routing import Routing, apply_capacity
 
 
 def random_ids(m, k, e, seed, with_skips=False):

@@ -4,8 +4,10 @@ Each routed expert keeps at most C = ceil(capacity_factor * M * k / E) assignmen
 dropped (their id becomes -1 and their weight 0, so they contribute nothing and the token passes on
 its residual). The number dropped is always returned.
 
+    Route -> [Capacity (opt-in)] -> Shared slots -> Group -> Experts -> Combine
+
 Shapes: M tokens, k routed slots, E routed experts. Apply it before appending shared-expert slots
-(``moekit.routing.append_shared_slots``); ids outside [0, E) are never dropped nor counted.
+(``append_shared_slots``); ids outside [0, E) are never dropped nor counted.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Literal
 import torch
 
 from moekit.layouts.grouping import rank_within_groups
-from moekit.routing import Routing
+from moekit.routing.route import Routing
 
 DropPolicy = Literal["position", "weight"]
 
