@@ -135,7 +135,15 @@ class Dispatched:
     capacity: int | None = None  # C: rows per rank pair of the padded dispatch (row t = token t); None = exact
 
 
-def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tuple[list[int], list[int]]:
+@dataclass
+class SplitSizes:
+    """Rows this rank exchanges with every rank, as host ints (what ``all_to_all_single`` takes)."""
+
+    send: list[int]  # [W]; rows this rank sends to each rank
+    recv: list[int]  # [W]; rows this rank receives from each rank
+
+
+def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> SplitSizes:
     """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
     recv_counts = torch.empty_like(send_counts)
     work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
@@ -144,7 +152,7 @@ def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tup
     work.wait() if timeout is None else work.wait(timeout)
     both = torch.cat([send_counts, recv_counts]).tolist()  # host sync
     world_size = send_counts.numel()
-    return both[:world_size], both[world_size:]
+    return SplitSizes(send=both[:world_size], recv=both[world_size:])
 
 
 def dispatch(
@@ -154,18 +162,18 @@ def dispatch(
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
     num_tokens, hidden = x2d.shape
     top_k = plan.chosen.dest.shape[1]
-    send_splits, recv_splits = exchange(plan.send_counts, group, timeout)
-    keys = plan.row_order[: sum(send_splits)]  # [T]
+    splits = exchange(plan.send_counts, group, timeout)
+    keys = plan.row_order[: sum(splits.send)]  # [T]
     send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
 
     here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
     ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
     weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
     payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
-    received = payload.new_empty((sum(recv_splits), payload.shape[1]))  # [U, B]
-    dist.all_to_all_single(received, payload, recv_splits, send_splits, group=group)
+    received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
+    dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group)
     x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
-    return Dispatched(x_recv, ids_recv, weights_recv, send_token, send_splits, recv_splits, num_tokens)
+    return Dispatched(x_recv, ids_recv, weights_recv, send_token, splits.send, splits.recv, num_tokens)
 
 
 def dispatch_padded(
