@@ -4,8 +4,11 @@
 """
 
 from moekit.config import MoEConfig
-from moekit.layer import MoE, MoEOutput, MoEStats
+from moekit.layer import MoE, MoEOutput, MoEStats, RoutedTokens
 from moekit.presets import hf_config_of_preset, preset_names
 from moekit.routing import Routing, append_shared_slots, route
 
-__all__ = ["MoE", "MoEOutput", "MoEStats", "MoEConfig", "Routing", "route", "append_shared_slots", "preset_names", "hf_config_of_preset"]
+__all__ = [
+    "MoE", "MoEOutput", "MoEStats", "RoutedTokens", "MoEConfig", "Routing", "route", "append_shared_slots",
+    "preset_names", "hf_config_of_preset",
+]

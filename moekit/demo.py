@@ -63,7 +63,7 @@ class DemoReport:
 
 def naive_per_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The lesson's naive loop: route each token, then run its k experts one matmul at a time."""
-    routing, _ = moe.route_tokens(x)
+    routing = moe.route_tokens(x).routing
     n = moe.config.moe_intermediate_size
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):

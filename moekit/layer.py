@@ -16,8 +16,15 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
 from moekit.experts.activations import act_and_mul
-from moekit.layouts.capacity import DropPolicy, apply_capacity
-from moekit.routing import Routing, append_shared_slots, route
+from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
+
+
+@dataclass
+class RoutedTokens:
+    """What ``MoE.route_tokens`` decided for a batch of M tokens."""
+
+    routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
+    dropped: torch.Tensor  # [] int64; assignments the capacity factor dropped; 0 when dropless
 
 
 @dataclass
@@ -116,8 +123,8 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
-    def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
-        """Gate and route x2d [M, K]: the routing (shared slots appended when fused) and the dropped count []."""
+    def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
+        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
         # The router runs in its weight's dtype: DeepSeek-V3 keeps an fp32 router in a bf16 model.
         logits = self.gate(x2d.to(self.gate.weight.dtype))  # [M, E]
         routing = route(logits, self.config, self.e_score_correction_bias)
@@ -128,21 +135,21 @@ class MoE(nn.Module):
         if self.fuse_shared:
             gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None
             routing = append_shared_slots(routing, self.config, gate_logits)
-        return routing, dropped
+        return RoutedTokens(routing=routing, dropped=dropped)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
         if x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-        routing, dropped = self.route_tokens(x2d)
-        out = self.run_routed(x2d, routing)  # [M, K]
+        routed = self.route_tokens(x2d)
+        out = self.run_routed(x2d, routed.routing)  # [M, K]
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)
         out = out.reshape(x.shape)
         if not return_stats:
             return out
-        return MoEOutput(out=out, stats=self._stats(routing, dropped))
+        return MoEOutput(out=out, stats=self._stats(routed))
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place
@@ -158,17 +165,17 @@ class MoE(nn.Module):
             y = torch.sigmoid(self.shared_gate(x2d)) * y
         return y
 
-    def _stats(self, routing: Routing, dropped: torch.Tensor) -> MoEStats:
+    def _stats(self, routed: RoutedTokens) -> MoEStats:
         e, block = self.config.num_experts, self.stats_block_size
-        ids = routing.topk_ids.reshape(-1).long()
+        ids = routed.routing.topk_ids.reshape(-1).long()
         ids = ids[(ids >= 0) & (ids < e)]
         counts = torch.bincount(ids, minlength=e)  # [E]
         return MoEStats(
             counts=counts,
             experts_touched=int((counts > 0).sum()),
             padded_rows=int(((counts + block - 1) // block * block).sum()),
-            dropped=int(dropped),
-            num_tokens=routing.num_tokens,
+            dropped=int(routed.dropped),
+            num_tokens=routed.routing.num_tokens,
         )
 
     def resolved_backend(self) -> str:

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from moekit.layouts import (
-    align_block, apply_capacity, choose_layout, gather_rows, masked_layout, masked_layout_measured_cap_syncs,
-    permute_contiguous, scatter_rows, static_rows_bound, unmask, unpermute_contiguous,
+    align_block, choose_layout, gather_rows, masked_layout, masked_layout_measured_cap_syncs,
+    max_padded_rows, permute_contiguous, scatter_rows, unmask, unpermute_contiguous,
 )
-from moekit.routing import Routing
+from moekit.routing import Routing, apply_capacity
 
 
 def random_ids(m, k, e, seed, with_skips=False):
@@ -105,7 +105,7 @@ def test_block_gather_scatter_inverts_and_never_reads_padding(m, k, e, block):
 def test_contiguous_permute_and_inverse(m, k, e, align, static):
     ids = random_ids(m, k, e, seed=m, with_skips=True)
     x = torch.randn(m, 12).t().contiguous().t()  # non-contiguous
-    rows = static_rows_bound(m, k, e, align) if static else None
+    rows = max_padded_rows(m * k, e, align) if static else None
     layout = permute_contiguous(x, ids, e, align=align, static_rows=rows, fill=float("nan"))
     flat = ids.reshape(-1).tolist()
     for expert in range(e):  # each segment starts aligned and holds that expert's tokens in order

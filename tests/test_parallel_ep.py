@@ -86,7 +86,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     ep = EPMoE.from_moe(moe, placement)
     res["eplb_replicas"] = _compare(ep, moe, x, sizes, rank)
     res["eplb_replicas_padded"] = _compare(EPMoE.from_moe(moe, placement, max_tokens_per_rank=32), moe, x, sizes, rank)
-    routing, _ = ep.route_tokens(x_local)
+    routing = ep.route_tokens(x_local).routing
     sent = ep.dispatch(x_local, routing.topk_ids, routing.topk_weights)
     ep.combine(ep.run_local_experts(sent), sent)
     ids = sent.local_ids[sent.local_ids >= 0].long()
@@ -103,7 +103,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     moe = _skew(_moe(DEEPSEEK_LIKE), [0, 1], 10.0)
     ep = EPMoE.from_moe(moe)
     res["all_on_rank0"] = _compare(ep, moe, x, sizes, rank)
-    routing, _ = ep.route_tokens(x_local)
+    routing = ep.route_tokens(x_local).routing
     sent = ep.dispatch(x_local, routing.topk_ids, routing.topk_weights)
     ep.combine(ep.run_local_experts(sent), sent)
     res["all_on_rank0_rows_from_others"] = sum(n for r, n in enumerate(sent.recv_splits) if r != rank)

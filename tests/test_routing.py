@@ -142,7 +142,8 @@ def test_nonfinite_logits_raise_by_default_and_mask_on_request():
 def test_empty_batch():
     got = route(torch.zeros(0, 12), SOFTMAX)
     assert got.topk_ids.shape == (0, 3) and got.topk_weights.shape == (0, 3)
-    grouped = route(torch.zeros(0, 16), SIGMOID.replace(shared_expert_intermediate_size=8), torch.zeros(16), fuse_shared=True)
+    shared = SIGMOID.replace(shared_expert_intermediate_size=8)
+    grouped = append_shared_slots(route(torch.zeros(0, 16), shared, torch.zeros(16)), shared)
     assert grouped.topk_ids.shape == (0, 5) and grouped.topk_weights.shape == (0, 5)
 
 
@@ -173,7 +174,7 @@ def test_bad_inputs_name_the_argument():
 
 def test_shared_slots_appended_with_weight_one_or_gate():
     cfg = SIGMOID.replace(shared_expert_intermediate_size=16)  # two slots of width 8
-    got = route(torch.randn(5, 16), cfg, torch.zeros(16), fuse_shared=True)
+    got = append_shared_slots(route(torch.randn(5, 16), cfg, torch.zeros(16)), cfg)
     assert got.topk_ids[:, 4:].tolist() == [[16, 17]] * 5
     assert (got.topk_weights[:, 4:] == 1).all()
     gated = cfg.replace(shared_expert_gate=True)

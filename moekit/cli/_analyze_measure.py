@@ -107,7 +107,7 @@ def _calibrate(layer: MoE, cfg: MoEConfig) -> np.ndarray:
     random tokens (routing only, no expert GEMMs): a random gate is not a uniform router."""
     x = torch.randn(CALIBRATION_TOKENS, cfg.hidden_size, dtype=layer.w13.dtype, device=layer.w13.device)
     with torch.no_grad():
-        routing, _ = layer.route_tokens(x)
+        routing = layer.route_tokens(x).routing
     counts = torch.bincount(routing.topk_ids.reshape(-1).long(), minlength=cfg.num_experts)  # [E]
     return inclusion_from_counts(counts.cpu().numpy(), CALIBRATION_TOKENS)
 

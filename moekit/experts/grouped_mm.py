@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.experts.activations import act_and_mul
-from moekit.layouts._grouping import to_local_ids
+from moekit.layouts.grouping import rank_within_groups, to_local_ids
 
 
 def _grouped_mm_fn():
@@ -65,15 +65,15 @@ def experts_grouped_mm(
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = to_local_ids(topk_ids, num_experts, expert_map)  # [A]; E = not routed here
-    order = torch.sort(local, stable=True).indices  # [A] grouped by expert
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(0, local, torch.ones_like(local))
-    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)  # [E] end row of each expert
+    groups = rank_within_groups(local, num_experts)
+    order, counts = groups.order, groups.counts  # [A] grouped by expert, [E]
+    offs = groups.starts[1:].to(torch.int32)  # [E] end row of each expert
     routed = (local[order] < num_experts)[:, None]  # [A, 1]; rows past offs[-1] are left unwritten by the GEMM
 
     xs = x[order // top_k]  # [A, K]
-    h = _group_gemm(xs, w13, offs, counts[:num_experts])  # [A, 2N]
+    h = _group_gemm(xs, w13, offs, counts)  # [A, 2N]
     h = torch.where(routed, h, torch.zeros_like(h))
-    y = _group_gemm(act_and_mul(h, activation), w2, offs, counts[:num_experts])  # [A, K]
+    y = _group_gemm(act_and_mul(h, activation), w2, offs, counts)  # [A, K]
     acc = torch.promote_types(x.dtype, torch.float32)  # weight and sum in fp32 (fp64 for fp64 inputs)
     y = torch.where(routed, y.to(acc) * topk_weights.reshape(-1)[order, None].to(acc), 0.0)  # [A, K]
     per_slot = torch.empty_like(y).index_copy_(0, order, y)  # [A, K] back in assignment order

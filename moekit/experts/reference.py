@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from moekit.experts.activations import act_and_mul
-from moekit.layouts._grouping import to_local_ids
+from moekit.layouts.grouping import to_local_ids
 
 
 def experts_reference(

@@ -38,7 +38,8 @@ import torch
 
 from moekit.experts import check_experts_args
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config
-from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, max_padded_rows, use_naive
+from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, use_naive
+from moekit.layouts.grouping import max_padded_rows
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.layouts._grouping import aligned_positions, scatter_to_rows, to_local_ids
+from moekit.layouts.grouping import aligned_positions, max_padded_rows, scatter_to_rows, to_local_ids
 
 # vLLM's shortcut condition: with A*4 <= E tokens are spread so thin that sorting is pure overhead.
 NAIVE_SPARSITY_FACTOR = 4
@@ -45,11 +45,6 @@ class BlockAlignedLayout:
 def use_naive(num_assignments: int, num_experts: int, expert_map: torch.Tensor | None) -> bool:
     """vLLM's tiny-batch shortcut condition: no expert map and A*4 <= E."""
     return expert_map is None and num_assignments * NAIVE_SPARSITY_FACTOR <= num_experts
-
-
-def max_padded_rows(num_assignments: int, num_experts: int, block_size: int) -> int:
-    """R, the buffer bound: A + min(E, A)*(B-1), since at most min(E, A) experts leave a partial block."""
-    return num_assignments + min(num_experts, num_assignments) * (block_size - 1)
 
 
 def align_block(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moekit.layouts.grouping import max_padded_rows
+
 
 @dataclass
 class LayoutEstimate:
@@ -79,7 +81,7 @@ def _estimates(m, k, e, hidden, inter, b, counts, block, align) -> list[LayoutEs
     contig_rows = sum(math.ceil(c / align) * align for c in counts)
     cap = max(64, math.ceil(max(counts, default=0) / 64) * 64)
     # The block-aligned path gathers x in place and fuses the activation: [A, N] and [A, K] only.
-    block_bytes = a * (inter + hidden) * b + (a + min(e, a) * (block - 1)) * 4
+    block_bytes = a * (inter + hidden) * b + max_padded_rows(a, e, block) * 4  # + sorted_ids [R] int32
     return [
         LayoutEstimate("block_aligned", block_rows, block_bytes, syncs=False),
         LayoutEstimate("contiguous", contig_rows, contig_rows * per_row(True), syncs=False),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.layouts._grouping import aligned_positions, scatter_to_rows
+from moekit.layouts.grouping import aligned_positions, max_padded_rows, scatter_to_rows
 
 DEFAULT_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
 
@@ -36,12 +36,6 @@ class ContiguousLayout:
         return self.total_rows / real if real else 0.0
 
 
-def static_rows_bound(num_tokens: int, top_k: int, num_experts: int, align: int = DEFAULT_ALIGN) -> int:
-    """Rows that always suffice: A + min(E, A)*(align-1). Use it as ``static_rows`` for graph capture."""
-    num_assignments = num_tokens * top_k
-    return num_assignments + min(num_experts, num_assignments) * (align - 1)
-
-
 def permute_contiguous(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -54,9 +48,9 @@ def permute_contiguous(
     """Copy x [M, K] into expert segments.
 
     ``static_rows=None`` sizes the buffer to exactly the rows used, which reads that size back to the
-    host (a sync). Pass ``static_rows`` (at least ``static_rows_bound(...)``) for a fixed shape with no
-    sync: the spare rows trail the last segment with ``segment_ids`` -1. A smaller value raises rather
-    than risk losing a token.
+    host (a sync). Pass ``static_rows`` (at least ``max_padded_rows(M*k, E, align)``) for a fixed shape
+    with no sync: the spare rows trail the last segment with ``segment_ids`` -1. A smaller value raises
+    rather than risk losing a token.
     """
     if x.dim() != 2 or topk_ids.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
         raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
@@ -65,7 +59,7 @@ def permute_contiguous(
     if static_rows is None:
         total = int(pos.offsets[-1])  # host sync: the exact size is data-dependent
     else:
-        bound = static_rows_bound(num_tokens, top_k, num_experts, align)
+        bound = max_padded_rows(num_tokens * top_k, num_experts, align)
         if static_rows < bound:
             raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got {static_rows}")
         total = static_rows

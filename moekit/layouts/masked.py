@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.layouts._grouping import aligned_positions, scatter_to_rows
+from moekit.layouts.grouping import aligned_positions, scatter_to_rows
 
 
 @dataclass

@@ -130,7 +130,7 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
 def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
     """One row of the table: every phase at M = num_tokens tokens per rank."""
     x = torch.randn(num_tokens, ep.config.hidden_size, device=device, dtype=dtype)
-    routing, _ = ep.route_tokens(x)
+    routing = ep.route_tokens(x).routing
     ids, weights = routing.topk_ids, routing.topk_weights
     sent = ep.dispatch(x, ids, weights)
     y = ep.run_local_experts(sent)

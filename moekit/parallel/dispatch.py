@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moekit.layouts.grouping import rank_within_groups
 from moekit.parallel.placement import Placement
 
 
@@ -77,19 +78,12 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     one row of even, and the ``+ rank`` offset spreads the remainders over the replicas.
     """
     num_tokens, top_k = topk_ids.shape
-    device = topk_ids.device
     num_experts = tables.num_replicas.numel()
     ids = topk_ids.reshape(-1).long()  # [M*k]
     routed = (ids >= 0) & (ids < num_experts)
     shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
     key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
-
-    # j = position of each slot among this rank's slots of the same expert (stable sort, no host sync).
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    starts = torch.cumsum(per_expert, 0) - per_expert  # [E+1]
-    order = torch.sort(key, stable=True).indices  # [M*k]
-    position = torch.empty_like(key)
-    position[order] = torch.arange(key.numel(), device=device) - starts[key[order]]
+    position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
 
     safe = torch.where(routed, ids, 0)
     replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
@@ -141,7 +135,15 @@ class Dispatched:
     capacity: int | None = None  # C: rows per rank pair of the padded dispatch (row t = token t); None = exact
 
 
-def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tuple[list[int], list[int]]:
+@dataclass
+class SplitSizes:
+    """Rows this rank exchanges with every rank, as host ints (what ``all_to_all_single`` takes)."""
+
+    send: list[int]  # [W]; rows this rank sends to each rank
+    recv: list[int]  # [W]; rows this rank receives from each rank
+
+
+def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> SplitSizes:
     """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
     recv_counts = torch.empty_like(send_counts)
     work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
@@ -150,7 +152,7 @@ def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> tup
     work.wait() if timeout is None else work.wait(timeout)
     both = torch.cat([send_counts, recv_counts]).tolist()  # host sync
     world_size = send_counts.numel()
-    return both[:world_size], both[world_size:]
+    return SplitSizes(send=both[:world_size], recv=both[world_size:])
 
 
 def dispatch(
@@ -160,18 +162,18 @@ def dispatch(
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
     num_tokens, hidden = x2d.shape
     top_k = plan.chosen.dest.shape[1]
-    send_splits, recv_splits = exchange(plan.send_counts, group, timeout)
-    keys = plan.row_order[: sum(send_splits)]  # [T]
+    splits = exchange(plan.send_counts, group, timeout)
+    keys = plan.row_order[: sum(splits.send)]  # [T]
     send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
 
     here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
     ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
     weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
     payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
-    received = payload.new_empty((sum(recv_splits), payload.shape[1]))  # [U, B]
-    dist.all_to_all_single(received, payload, recv_splits, send_splits, group=group)
+    received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
+    dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group)
     x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
-    return Dispatched(x_recv, ids_recv, weights_recv, send_token, send_splits, recv_splits, num_tokens)
+    return Dispatched(x_recv, ids_recv, weights_recv, send_token, splits.send, splits.recv, num_tokens)
 
 
 def dispatch_padded(

@@ -24,7 +24,7 @@ from torch import nn
 
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
-from moekit.layer import MoE, MoEOutput
+from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (
     Dispatched,
     ReplicaTables,
@@ -203,12 +203,12 @@ class EPMoE(MoE):
 
     # ----- forward --------------------------------------------------------------------------------
 
-    def route_tokens(self, x2d: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+    def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
         """``MoE.route_tokens`` on this rank's tokens, counting the routed load for EPLB."""
-        routing, dropped = super().route_tokens(x2d)
+        routed = super().route_tokens(x2d)
         if self.track_load:
-            self._accumulate_load(routing.topk_ids)  # shared slots (ids >= E) are not counted
-        return routing, dropped
+            self._accumulate_load(routed.routing.topk_ids)  # shared slots (ids >= E) are not counted
+        return routed
 
     def dispatch(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
         """Exact: plan (replica choice, no sync), exchange counts (the one host sync), send the payload.
@@ -305,13 +305,13 @@ class EPMoE(MoE):
                 f"{placement.num_experts} over {placement.world_size}"
             )
         with torch.no_grad():
-            w13, received = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
-            w2, _ = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
-        self.w13 = nn.Parameter(w13, requires_grad=self.w13.requires_grad)
-        self.w2 = nn.Parameter(w2, requires_grad=self.w2.requires_grad)
+            w13 = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
+            w2 = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
+        self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
+        self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
         self.placement = placement
         self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device)
-        return received
+        return w13.received
 
     def extra_repr(self) -> str:
         c = self.config

@@ -7,6 +7,8 @@ Shapes: E logical experts, L = num_local_experts(rank) physical slots on a rank,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -23,10 +25,16 @@ def shard_experts(weight: torch.Tensor, placement: Placement, rank: int) -> torc
     return weight.index_select(0, index)
 
 
-def move_experts(
-    weight: torch.Tensor, old: Placement, new: Placement, rank: int, group=None
-) -> tuple[torch.Tensor, int]:
-    """weight [L_old(+S), ..] under ``old`` -> ([L_new(+S), ..] under ``new``, slots received).
+@dataclass
+class MovedExperts:
+    """One weight after ``move_experts``: this rank's rows under the new placement."""
+
+    weight: torch.Tensor  # [L_new(+S), ..]; the new placement's slots in local order, then the S shared rows
+    received: int  # slots whose rows came over the network (the rest were already here)
+
+
+def move_experts(weight: torch.Tensor, old: Placement, new: Placement, rank: int, group=None) -> MovedExperts:
+    """weight [L_old(+S), ..] under ``old`` -> [L_new(+S), ..] under ``new``, and the slots received.
 
     A slot whose expert this rank already holds is copied locally; every other slot is received from
     one rank that holds it under ``old`` (spread over the replicas), in one ``all_to_all_single``.
@@ -62,5 +70,5 @@ def move_experts(
     rows = [weight[old_local[e]] if e in old_local else received[e] for e in new.slots[rank]]
     shared_rows = list(weight[num_local_old:])
     if not rows and not shared_rows:
-        return weight.new_empty((0, *tail)), 0
-    return torch.stack(rows + shared_rows), len(received)
+        return MovedExperts(weight=weight.new_empty((0, *tail)), received=0)
+    return MovedExperts(weight=torch.stack(rows + shared_rows), received=len(received))

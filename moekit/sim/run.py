@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moekit.analysis import experts_touched
-from moekit.layouts.capacity import apply_capacity
+from moekit.routing import apply_capacity
 from moekit.sim import streams
 from moekit.sim.balance import BalanceOutcome, expert_loads, train_aux_loss, update_bias
 from moekit.sim.ep import EPReport, ep_what_if

@@ -29,7 +29,7 @@ def let_next_kernel_launch(PDL: tl.constexpr):
 def local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP: tl.constexpr):
     """Global expert ids (int64 vector) -> local ids, ``num_experts`` meaning "not routed here".
 
-    Same rule as ``moekit.layouts._grouping.to_local_ids``: an id < 0, an id >= the map's length, and
+    Same rule as ``moekit.layouts.grouping.to_local_ids``: an id < 0, an id >= the map's length, and
     a map entry of -1 are all "not here"; nothing is ever wrapped onto a valid expert.
     """
     if HAS_MAP:

@@ -1,6 +1,6 @@
 """Routing: router logits -> which k experts each token uses, and with what weight.
 
-    [Router] -> Group -> Experts -> Combine
+    [Route: score -> top-k -> weights] -> Capacity (opt-in) -> Shared slots -> Group -> Experts -> Combine
 
 Shapes: M tokens, E routed experts, k = top_k, G = n_group, S = shared slots.
 
@@ -37,9 +37,6 @@ def route(
     router_logits: torch.Tensor,
     config: MoEConfig,
     correction_bias: torch.Tensor | None = None,
-    *,
-    shared_gate_logits: torch.Tensor | None = None,
-    fuse_shared: bool = False,
 ) -> Routing:
     """Score, select and weight experts as the model's reference implementation does.
 
@@ -52,8 +49,8 @@ def route(
     - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
       w / sum(w) and stays finite when every score underflows (no 0/0).
     - ``routed_scaling_factor`` multiplies the routed weights.
-    - ``fuse_shared``: append S shared-expert slots (ids E..E+S-1) with weight 1, or the Qwen2-MoE gate
-      ``sigmoid(shared_gate_logits)`` [M, 1], so the shared MLP runs in the same grouped GEMM.
+
+    The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's.
 
     NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"`` (then such an expert scores
     lowest for selection and gets weight 0 if still chosen). On the CPU the error is a ``ValueError``
@@ -80,11 +77,7 @@ def route(
     weights = _weights(logits, scores, topk_ids, config)  # [M, k] float32
     if finite is not None:
         weights = weights * finite.gather(1, topk_ids)
-    topk_ids = topk_ids.to(torch.int32)
-    routing = Routing(topk_ids=topk_ids, topk_weights=weights)
-    if fuse_shared and config.has_shared_expert:
-        routing = append_shared_slots(routing, config, shared_gate_logits)
-    return routing
+    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights)
 
 
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -153,31 +146,3 @@ def _weights(logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor,
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
     return weights.float()
-
-
-def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits: torch.Tensor | None = None) -> Routing:
-    """Append the S shared-expert slots (ids E..E+S-1) to every token.
-
-    The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert.
-    SGLang writes the shared weight as sum(routed weights) / routed_scaling_factor because it scales the
-    whole output afterwards; moekit scales the routed weights themselves, so the same shared output
-    needs weight exactly 1.
-    """
-    topk_ids, weights, num_tokens = routing.topk_ids, routing.topk_weights, routing.num_tokens
-    slots = config.num_shared_slots
-    if slots == 0:
-        raise ValueError(
-            f"fuse_shared needs shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) to be a "
-            f"multiple of moe_intermediate_size ({config.moe_intermediate_size})"
-        )
-    device = topk_ids.device
-    shared_ids = torch.arange(config.num_experts, config.num_experts + slots, device=device, dtype=torch.int32)
-    shared_ids = shared_ids.expand(num_tokens, slots)  # [M, S]
-    if config.shared_expert_gate:
-        if shared_gate_logits is None or shared_gate_logits.shape != (num_tokens, 1):
-            got = None if shared_gate_logits is None else tuple(shared_gate_logits.shape)
-            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got {got}")
-        shared_w = torch.sigmoid(shared_gate_logits.float()).expand(num_tokens, slots)  # [M, S]
-    else:
-        shared_w = torch.ones(num_tokens, slots, device=device, dtype=torch.float32)  # [M, S]
-    return Routing(topk_ids=torch.cat([topk_ids, shared_ids], dim=1), topk_weights=torch.cat([weights, shared_w], dim=1))

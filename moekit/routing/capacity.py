@@ -4,8 +4,10 @@ Each routed expert keeps at most C = ceil(capacity_factor * M * k / E) assignmen
 dropped (their id becomes -1 and their weight 0, so they contribute nothing and the token passes on
 its residual). The number dropped is always returned.
 
+    Route -> [Capacity (opt-in)] -> Shared slots -> Group -> Experts -> Combine
+
 Shapes: M tokens, k routed slots, E routed experts. Apply it before appending shared-expert slots
-(``moekit.routing.append_shared_slots``); ids outside [0, E) are never dropped nor counted.
+(``append_shared_slots``); ids outside [0, E) are never dropped nor counted.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from moekit.routing import Routing
+from moekit.layouts.grouping import rank_within_groups
+from moekit.routing.route import Routing
 
 DropPolicy = Literal["position", "weight"]
 
@@ -57,24 +60,18 @@ def apply_capacity(
 
     prio_ids = ids.t().reshape(-1).long()  # [k*M] in priority order (slot-major)
     routed = (prio_ids >= 0) & (prio_ids < num_experts)
-    key = torch.where(routed, prio_ids, num_experts)
-    order = torch.arange(key.numel(), device=ids.device)
+    key = torch.where(routed, prio_ids, num_experts)  # [k*M]; E = not routed, never dropped
+    keep_first = torch.arange(key.numel(), device=ids.device)  # [k*M] the order an expert keeps them in
     if policy == "weight":
-        order = torch.sort(-weights.t().reshape(-1), stable=True).indices  # heaviest first, ties by position
-    order = order[torch.sort(key[order], stable=True).indices]  # grouped by expert, priority kept inside
-    sorted_key = key[order]
-    counts_all = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, key, torch.ones_like(key)
-    )
-    starts = torch.cumsum(counts_all, 0) - counts_all
-    rank_sorted = torch.arange(key.numel(), device=ids.device) - starts[sorted_key]
-    rank = torch.empty_like(rank_sorted).scatter_(0, order, rank_sorted)  # [k*M] rank within its expert
+        keep_first = torch.sort(-weights.t().reshape(-1), stable=True).indices  # heaviest first, ties by position
+    groups = rank_within_groups(key[keep_first], num_experts)
+    rank = torch.empty_like(groups.rank).scatter_(0, keep_first, groups.rank)  # [k*M] rank within its expert
     drop_prio = routed & (rank >= capacity)
     dropped_mask = drop_prio.view(top_k, num_tokens).t()  # [M, k]
 
     kept_ids = torch.where(dropped_mask, torch.full_like(ids, -1), ids)
     kept_weights = torch.where(dropped_mask, torch.zeros_like(weights), weights)
-    kept_counts = torch.clamp(counts_all[:num_experts], max=capacity).to(torch.int32)
+    kept_counts = torch.clamp(groups.counts, max=capacity).to(torch.int32)
     return CapacityResult(
         routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights),
         capacity=capacity,

@@ -1,0 +1,42 @@
+"""Shared-expert slots: a shared MLP split into S routed-width experts, appended to every token's
+routing so it runs in the same grouped GEMM as the routed experts.
+
+    Route -> Capacity (opt-in) -> [Shared slots] -> Group -> Experts -> Combine
+
+Shapes: M tokens, E routed experts, k routed slots, S = shared slots (ids E..E+S-1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.config import MoEConfig
+from moekit.routing.route import Routing
+
+
+def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits: torch.Tensor | None = None) -> Routing:
+    """Append the S shared-expert slots (ids E..E+S-1) to every token.
+
+    The weight is 1, or ``sigmoid(shared_gate_logits)`` [M, 1] for a gated (Qwen2-MoE) shared expert.
+    SGLang writes the shared weight as sum(routed weights) / routed_scaling_factor because it scales the
+    whole output afterwards; moekit scales the routed weights themselves, so the same shared output
+    needs weight exactly 1.
+    """
+    topk_ids, weights, num_tokens = routing.topk_ids, routing.topk_weights, routing.num_tokens
+    slots = config.num_shared_slots
+    if slots == 0:
+        raise ValueError(
+            f"fuse_shared needs shared_expert_intermediate_size ({config.shared_expert_intermediate_size}) to be a "
+            f"multiple of moe_intermediate_size ({config.moe_intermediate_size})"
+        )
+    device = topk_ids.device
+    shared_ids = torch.arange(config.num_experts, config.num_experts + slots, device=device, dtype=torch.int32)
+    shared_ids = shared_ids.expand(num_tokens, slots)  # [M, S]
+    if config.shared_expert_gate:
+        if shared_gate_logits is None or shared_gate_logits.shape != (num_tokens, 1):
+            got = None if shared_gate_logits is None else tuple(shared_gate_logits.shape)
+            raise ValueError(f"shared_gate_logits must have shape [M={num_tokens}, 1] for a gated shared expert, got {got}")
+        shared_w = torch.sigmoid(shared_gate_logits.float()).expand(num_tokens, slots)  # [M, S]
+    else:
+        shared_w = torch.ones(num_tokens, slots, device=device, dtype=torch.float32)  # [M, S]
+    return Routing(topk_ids=torch.cat([topk_ids, shared_ids], dim=1), topk_weights=torch.cat([weights, shared_w], dim=1))
