@@ -141,7 +141,7 @@ def _scenarios(rank: int, world_size: int) -> dict:
     res["empty_shapes"] = [tuple(ep(torch.empty(0, 32)).shape), tuple(ep(torch.empty(2, 0, 32)).shape)]
     padded = EPMoE.from_moe(moe, max_tokens_per_rank=4)
     res["empty_shapes_padded"] = [tuple(padded(torch.empty(0, 32)).shape), tuple(padded(torch.empty(2, 0, 32)).shape)]
-    try:  # every rank passes 5 > 4 tokens: each raises before any collective, so none hangs
+    try:  # every rank passes 5 > 4 tokens: each raises its own error before any payload collective
         padded(torch.randn(5, 32))
         res["over_capacity"] = "no error"
     except ValueError as err:

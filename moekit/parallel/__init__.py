@@ -18,7 +18,7 @@ from moekit.parallel.placement import (
 
 from moekit.parallel import placement as _placement
 
-__all__ = [*_placement.__all__, "EPMoE", "RebalanceReport"]
+__all__ = [*_placement.__all__, "EPMoE", "RebalanceReport", "PeerRankError"]
 
 
 def __getattr__(name: str):
@@ -26,4 +26,8 @@ def __getattr__(name: str):
         from moekit.parallel import layer
 
         return getattr(layer, name)
+    if name == "PeerRankError":
+        from moekit.parallel import errors
+
+        return errors.PeerRankError
     raise AttributeError(f"module 'moekit.parallel' has no attribute {name!r}")

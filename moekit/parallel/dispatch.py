@@ -45,10 +45,12 @@ class ReplicaTables:
     num_shared_slots: int  # S: fused shared slots, run on the token's own rank
 
     @classmethod
-    def build(cls, placement: Placement, rank: int, num_shared_slots: int, device) -> "ReplicaTables":
+    def build(cls, placement: Placement, rank: int, num_shared_slots: int, device, width: int | None = None) -> "ReplicaTables":
+        """``width``: Rmax, raised to the most replicas of one expert if smaller; a fixed width (W, the
+        most any placement can have) keeps the tables' shapes when the placement changes."""
         num_experts = placement.num_experts
         replicas = [placement.replicas(e) for e in range(num_experts)]
-        width = max(len(r) for r in replicas)
+        width = max(max(len(r) for r in replicas), width or 0)
         local_index = [{e: i for i, e in enumerate(s)} for s in placement.slots]
         rank_of = [[r[i % len(r)] for i in range(width)] for r in replicas]
         local_of = [[local_index[r][e] for r in row] for e, row in enumerate(rank_of)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
@@ -34,6 +35,7 @@ from moekit.parallel.dispatch import (
     dispatch_padded,
     plan_sends,
 )
+from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.placement import (
     Placement,
     balancedness,
@@ -68,15 +70,26 @@ class EPMoE(MoE):
     outputs; ranks may pass different numbers of tokens, including none, but every rank of the group
     must call ``forward`` the same number of times (the collectives pair up).
 
-    Host synchronisation per forward: one, after the counts all-to-all (``all_to_all_single`` needs the
-    split sizes as Python ints), plus the stats when ``return_stats=True``. With ``max_tokens_per_rank``
+    Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden
+    size than the weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...)
+    raises its own error and every other rank raises ``PeerRankError`` naming it, at once, with the
+    group still in step. Cost: each forward checks and routes locally, then does one ``all_reduce`` of
+    three int32s (error flag; the payload row's dtype, K and k, which must match) and reads it on the
+    host; messages are exchanged only after an error (``moekit.parallel.errors``).
+
+    Host synchronisation per forward: that flag, the counts after their all-to-all (``all_to_all_single``
+    takes split sizes as Python ints) and the stats when ``return_stats=True``. With ``max_tokens_per_rank``
     set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead:
-    C rows go to every rank whatever the routing, no counts are exchanged, and the forward makes no host
-    sync at all, so it can run ahead of the GPU and be captured in a CUDA graph; it pays W*C rows on the
-    wire against the exact T (about the same when most tokens need most ranks, as DeepSeek-V3's top-8
-    of 256 does on 2 ranks; wasteful when ranks are many and tokens need few of them). Construction and
-    ``rebalance`` also sync (they exchange Python objects). The layer is forward-only: the collectives
-    carry no gradients, so an input that requires grad is refused.
+    C rows go to every rank whatever the routing and no counts are exchanged, so captured in a CUDA
+    graph the forward makes no host sync; it pays W*C rows on the wire against the exact T (about the
+    same when most tokens need most ranks, as DeepSeek-V3's top-8 of 256 does on 2 ranks; wasteful when
+    ranks are many and tokens need few of them). Under capture the agreement is skipped and errors
+    stay local; the contract: shapes, dtypes, devices and token counts are static in a graph and are
+    agreed by the eager warm-up forward of the same shapes that precedes capture; value checks (NaN
+    logits) are device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context
+    as in a single-device ``MoE`` (the others then wait out the group's timeout). Construction and
+    ``rebalance`` also sync; ``rebalance`` keeps the weights' storage when each rank keeps its slot
+    count (``apply_placement``). Forward-only: an input that requires grad is refused.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -118,8 +131,11 @@ class EPMoE(MoE):
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
         device = self.w13.device
         self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
-        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device)
-        _check_same_on_all_ranks(self._fingerprint(), group)
+        # Tables of width W (the most replicas any placement can have): a rebalance overwrites them in place.
+        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, device, width=world_size)
+        self.graph_captured = False  # a forward ran under CUDA-graph capture: see apply_placement
+        self._errors = CollectiveErrors(group, timeout=timeout)  # one agreement per collective call
+        check_same_on_all_ranks(self._fingerprint(), group)
 
     # ----- construction helpers -------------------------------------------------------------------
 
@@ -176,7 +192,7 @@ class EPMoE(MoE):
             "fused_shared_w13": self.w13[self.num_local_experts :], "fused_shared_w2": self.w2[self.num_local_experts :],
         }
         digests = {name: _digest(t) for name, t in replicated.items() if t is not None}
-        _check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
+        check_same_on_all_ranks(digests, self.group, what="replicated weights (sha256)")
 
     def load_experts(self, expert_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Fill this rank's slots from ``expert_weights(e) -> (w13 [2N, K], w2 [K, N])`` (e.g. read from a
@@ -231,24 +247,48 @@ class EPMoE(MoE):
 
     def forward_routed(self, x2d: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Experts only, for a routing computed elsewhere: x2d [M, K], topk_ids [M, k] (logical ids; -1 or
-        >= E + S means skip), topk_weights [M, k] -> [M, K]. Collective."""
-        if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x2d.shape[0]:
-            raise ValueError(
-                f"topk_ids and topk_weights must both have shape [M={x2d.shape[0]}, k], got "
-                f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
-            )
-        sent = self.dispatch(x2d, topk_ids, topk_weights)
-        return self.combine(self.run_local_experts(sent), sent)
+        >= E + S means skip), topk_weights [M, k] -> [M, K]. Collective; a per-rank error raises on
+        every rank (the agreement is here, after every local check and before the dispatch)."""
+        with self._errors.on(self.w13.device) as errors:
+            self._check_x(x2d)
+            if x2d.dim() != 2 or x2d.shape[1] != self.config.hidden_size:
+                raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got {tuple(x2d.shape)}")
+            if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x2d.shape[0]:
+                raise ValueError(
+                    f"topk_ids and topk_weights must both have shape [M={x2d.shape[0]}, k], got "
+                    f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+                )
+            if self.max_tokens_per_rank is not None and x2d.shape[0] > self.max_tokens_per_rank:
+                raise ValueError(
+                    f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got {x2d.shape[0]}"
+                )
+            # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
+            row = f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token"
+            errors.agree(row, what="the dispatch payload row")
+            sent = self.dispatch(x2d, topk_ids, topk_weights)
+            return self.combine(self.run_local_experts(sent), sent)
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
-        with torch.no_grad():  # no half-built graphs through the weights: nothing flows back through the all-to-alls
-            return super().forward(x, return_stats)
+        with self._errors.on(self.w13.device) as errors:  # checks and routing may raise: agreed in forward_routed
+            self.graph_captured |= errors.capturing
+            self._check_x(x)
+            if torch.is_grad_enabled() and x.requires_grad:
+                raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
+            with torch.no_grad():  # no half-built graphs through the weights: nothing flows back through the all-to-alls
+                return super().forward(x, return_stats)
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != self.w13.dtype:
+            raise ValueError(f"x must be {_dtype_name(self.w13.dtype)} like the layer's weights, got {_dtype_name(x.dtype)}")
+        if x.device != self.w13.device:
+            raise ValueError(f"x must be on {self.w13.device} like the layer's weights, got {x.device}")
 
     def _accumulate_load(self, topk_ids: torch.Tensor) -> None:
         num_experts = self.config.num_experts
@@ -274,12 +314,17 @@ class EPMoE(MoE):
         same one; it replaces the current placement only when it lowers the maximum rank load.
         Collective, and syncs with the host (the loads and the placement travel as Python objects).
         """
-        values = (self.global_expert_load() if loads is None else torch.as_tensor(loads, dtype=torch.float64)).tolist()
-        if len(values) != self.num_experts:
-            raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(values)}")
-        box = [None, None]
-        if self.rank == 0:
-            box = [values, eplb_placement(values, self.world_size, num_redundant, current=self.placement)]
+        with self._errors.on(self.w13.device) as errors:  # a bad ``loads`` on one rank raises on every rank
+            given = None if loads is None else torch.as_tensor(loads, dtype=torch.float64).tolist()
+            if given is not None and len(given) != self.num_experts:
+                raise ValueError(f"loads must have num_experts={self.num_experts} entries, got {len(given)}")
+            errors.agree(f"loads {'passed' if loads is not None else 'tracked'}", what="where rebalance's loads come from")
+        values = self.global_expert_load().tolist() if given is None else given
+        with self._errors.on(self.w13.device) as errors:  # so does EPLB failing on rank 0 (e.g. a bad num_redundant)
+            box = [None, None]
+            if self.rank == 0:
+                box = [values, eplb_placement(values, self.world_size, num_redundant, current=self.placement)]
+            errors.agree()
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
         values, new = box
         before, after = rank_loads(self.placement, values), rank_loads(new, values)
@@ -298,19 +343,40 @@ class EPMoE(MoE):
 
     def apply_placement(self, placement: Placement) -> int:
         """Move expert weights between ranks so this rank holds ``placement.slots[rank]``; returns the
-        slots received over the network. Collective; every rank passes the same placement."""
-        if placement.num_experts != self.num_experts or placement.world_size != self.world_size:
-            raise ValueError(
-                f"placement must place num_experts={self.num_experts} over world_size={self.world_size}, got "
-                f"{placement.num_experts} over {placement.world_size}"
-            )
+        slots received over the network. Collective; every rank passes the same placement (checked).
+
+        In place when this rank keeps its slot count (always with EPLB when E + R is a multiple of W):
+        weights and replica tables are copied into their storage, so a CUDA graph captured before
+        replays the new placement. Otherwise ``w13``/``w2`` are reallocated, which is refused on every
+        rank once a forward ran under capture (``graph_captured``; reset it after dropping the graphs)."""
+        with self._errors.on(self.w13.device) as errors:
+            if placement.num_experts != self.num_experts or placement.world_size != self.world_size:
+                raise ValueError(
+                    f"placement must place num_experts={self.num_experts} over world_size={self.world_size}, got "
+                    f"{placement.num_experts} over {placement.world_size}"
+                )
+            num_local = placement.num_local_experts(self.rank)
+            if num_local != self.num_local_experts and self.graph_captured:
+                raise ValueError(
+                    f"the placement changes this rank's expert slots from {self.num_local_experts} to {num_local}, which "
+                    "reallocates w13/w2 under a captured CUDA graph; keep each rank's slot count (see apply_placement)"
+                )
+            errors.agree(json.dumps(placement.to_dict()), what="the placement to apply")
         with torch.no_grad():
             w13 = move_experts(self.w13.data, self.placement, placement, self.rank, self.group)
             w2 = move_experts(self.w2.data, self.placement, placement, self.rank, self.group)
-        self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
-        self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
+        tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device, width=self.world_size)
+        if num_local == self.num_local_experts:  # same shapes: copy into the same storage
+            with torch.no_grad():
+                self.w13.copy_(w13.weight)
+                self.w2.copy_(w2.weight)
+            for name in ("num_replicas", "rank_of", "local_of"):
+                getattr(self._tables, name).copy_(getattr(tables, name))
+        else:
+            self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
+            self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
+            self._tables = tables
         self.placement = placement
-        self._tables = ReplicaTables.build(placement, self.rank, self.num_shared_slots, self.w13.device)
         return w13.received
 
     def extra_repr(self) -> str:
@@ -325,21 +391,5 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def _check_same_on_all_ranks(fingerprint: dict, group, what: str = "settings") -> None:
-    """Raise the same clear ValueError on every rank when the ranks' values differ (one all_gather)."""
-    gathered: list[dict | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, fingerprint, group=group)
-    reference = gathered[0]
-    problems = []
-    for rank, other in enumerate(gathered[1:], start=1):
-        for key in reference:
-            if other.get(key) != reference[key]:
-                if key == "config":
-                    fields = [f for f in reference[key] if reference[key][f] != other[key].get(f)]
-                    detail = ", ".join(f"{f}: {reference[key][f]!r} vs {other[key].get(f)!r}" for f in fields)
-                else:
-                    detail = f"{reference[key]!r} vs {other.get(key)!r}"
-                detail = detail if len(detail) <= 200 else detail[:200] + "..."
-                problems.append(f"rank 0 vs rank {rank} differ in {key} ({detail})")
-    if problems:
-        raise ValueError(f"EPMoE: the ranks were built with different {what}: " + "; ".join(problems))
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
