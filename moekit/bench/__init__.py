@@ -6,4 +6,5 @@
     run.py       the sweep: ceilings, then every (shape, M, backend) cell
     report.py    results JSON, the PNG, the compact table
     tuning.py    the kernel-config tuner behind ``moekit tune``
+    ep.py        the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)
 """
