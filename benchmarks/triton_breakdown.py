@@ -41,13 +41,15 @@ def kernel_times(fn, reps: int = 5) -> dict[str, float]:
 def breakdown(batches):
     for preset in PRESETS:
         s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, torch.device("cuda"))
+        expert_weights = make_weights(s, torch.bfloat16, torch.device("cuda"))
+        w13, w2 = expert_weights.w13, expert_weights.w2
         for m in batches:
-            x, ids, w = make_sets(s, m, 1, torch.bfloat16, torch.device("cuda"))[0]
+            inputs = make_sets(s, m, 1, torch.bfloat16, torch.device("cuda"))[0]
+            x, ids, w = inputs.x, inputs.topk_ids, inputs.topk_weights
             t = kernel_times(lambda: fused_experts(x, w13, w2, ids, w))
             parts = "  ".join(f"{k}={v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
             print(f"{preset:14s} M={m:<6d} sum={sum(t.values()):8.1f} µs  {parts}", flush=True)
-        del w13, w2
+        del expert_weights, w13, w2
         torch.cuda.empty_cache()
 
 
@@ -56,19 +58,20 @@ def heuristic_vs_tuned(batches):
     worst = 10.0
     for preset in PRESETS:
         s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        expert_weights = make_weights(s, torch.bfloat16, dev)
+        w13, w2 = expert_weights.w13, expert_weights.w2
         for m in batches:
             sets = make_sets(s, m, 2, torch.bfloat16, dev)
             res = {}
             for name, cfg in (("tuned", get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))),
                               ("heuristic", heuristic_config(m, s.num_experts, s.n, s.k, s.top_k))):
-                calls = [lambda st=st, c=cfg: fused_experts(st[0], w13, w2, st[1], st[2], config=c) for st in sets]
+                calls = [lambda st=st, c=cfg: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=c) for st in sets]
                 res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
             speed = res["tuned"] / res["heuristic"]
             worst = min(worst, speed)
             print(f"{preset:14s} M={m:<6d} tuned {res['tuned']:9.1f} µs  heuristic {res['heuristic']:9.1f} µs  "
                   f"heuristic at {100 * speed:.0f}% of tuned speed", flush=True)
-        del w13, w2
+        del expert_weights, w13, w2
         torch.cuda.empty_cache()
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
@@ -95,10 +98,11 @@ def switches_ab(batches, switches: list[str], candidates: bool):
     defaults = {name: getattr(tri, name) for name in switches}
     for preset in PRESETS:
         s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        expert_weights = make_weights(s, torch.bfloat16, dev)
+        w13, w2 = expert_weights.w13, expert_weights.w2
         for m in batches:
             sets = make_sets(s, m, 2, torch.bfloat16, dev)
-            touched = len(torch.unique(sets[0][1]))
+            touched = len(torch.unique(sets[0].topk_ids))
             floor = max((touched * 3 * s.n * s.k * 2 + 2 * m * s.k * 2) / copy_bps,
                         2 * m * s.top_k * 3 * s.n * s.k / mm_flops) * 1e6
             tuned = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
@@ -110,7 +114,7 @@ def switches_ab(batches, switches: list[str], candidates: bool):
             for name, cfg, flags in variants:
                 for switch, on in flags.items():
                     setattr(tri, switch, on)
-                calls = [lambda st=st, c=cfg: fused_experts(st[0], w13, w2, st[1], st[2], config=c) for st in sets]
+                calls = [lambda st=st, c=cfg: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=c) for st in sets]
                 try:
                     res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
                 except Exception as err:  # noqa: BLE001 - an A/B script: report the variant and go on
@@ -126,7 +130,7 @@ def switches_ab(batches, switches: list[str], candidates: bool):
             best = min((v, k) for k, v in res.items())
             print(f"{preset:14s} M={m:<6d} floor {floor:8.1f}  " + "  ".join(
                 f"{k} {v:.1f} ({100 * floor / v:.0f}%)" for k, v in res.items()) + f"  best {best[1]}", flush=True)
-        del w13, w2
+        del expert_weights, w13, w2
         torch.cuda.empty_cache()
 
 
@@ -137,11 +141,12 @@ def sweep(preset: str, m: int):
 
     dev = torch.device("cuda")
     s = Shape.from_preset(preset)
-    w13, w2 = make_weights(s, torch.bfloat16, dev)
+    expert_weights = make_weights(s, torch.bfloat16, dev)
+    w13, w2 = expert_weights.w13, expert_weights.w2
     sets = make_sets(s, m, 8, torch.bfloat16, dev)
 
     def measure(cfg):
-        calls = [lambda st=st: fused_experts(st[0], w13, w2, st[1], st[2], config=cfg) for st in sets]
+        calls = [lambda st=st: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=cfg) for st in sets]
         try:
             return time_calls(calls, dev, graph=m <= 1024, budget_s=0.15)
         except Exception:  # noqa: BLE001 - a config that does not fit is out of the running

@@ -41,7 +41,7 @@ def alignment(dev):
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         for m in (1, 8, 64, 1024, 16384):
-            ids, _ = uniform_routing(m, s, dev, seed=m)
+            ids = uniform_routing(m, s, dev, seed=m).topk_ids
             for block in (16, 64, 128):
                 for emap in (None, torch.where(torch.arange(s.num_experts, device=dev) % 5 == 3, -1,
                                                torch.arange(s.num_experts, device=dev)).int()):
@@ -57,20 +57,24 @@ def alignment(dev):
 def experts(dev):
     for preset in PRESETS:
         s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        expert_weights = make_weights(s, torch.bfloat16, dev)
+        w13, w2 = expert_weights.w13, expert_weights.w2
         for m in (1, 3, 33, 256, 2048):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
-            ids, w = uniform_routing(m, s, dev, seed=m)
+            routing = uniform_routing(m, s, dev, seed=m)
+            ids, w = routing.topk_ids, routing.topk_weights
             out = experts_triton(x, w13, w2, ids, w)
             ref = _ref32(x, w13, w2, ids, w)
             e = rel_err(out, ref)
             check(f"experts bf16 {preset} M={m}", e < 1e-2, f"rel_err={e:.2e}")
-        del w13, w2
+        del expert_weights, w13, w2
         torch.cuda.empty_cache()
     s = Shape("small", 64, 200, 333, 6)
-    w13, w2 = make_weights(s, torch.float32, dev)
+    expert_weights = make_weights(s, torch.float32, dev)
+    w13, w2 = expert_weights.w13, expert_weights.w2
     x = torch.randn(77, s.k, device=dev)
-    ids, w = uniform_routing(77, s, dev, seed=1)
+    routing = uniform_routing(77, s, dev, seed=1)
+    ids, w = routing.topk_ids, routing.topk_weights
     check("experts fp32 odd K,N", (e := rel_err(experts_triton(x, w13, w2, ids, w), _ref32(x, w13, w2, ids, w, torch.float64))) < 1e-5, f"rel_err={e:.2e}")
     emap = torch.full((80,), -1, dtype=torch.int32, device=dev)
     emap[torch.randperm(80, device=dev)[:64]] = torch.arange(64, dtype=torch.int32, device=dev)
@@ -85,10 +89,12 @@ def _ref32(x, w13, w2, ids, w, dtype=torch.float32, emap=None):
 
 def graphs(dev):
     s = Shape.from_preset("qwen3-30b-a3b")
-    w13, w2 = make_weights(s, torch.bfloat16, dev)
+    expert_weights = make_weights(s, torch.bfloat16, dev)
+    w13, w2 = expert_weights.w13, expert_weights.w2
     for m in (1, 64, 1024):
         x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
-        ids, w = uniform_routing(m, s, dev, seed=0)
+        routing = uniform_routing(m, s, dev, seed=0)
+        ids, w = routing.topk_ids, routing.topk_weights
         st = torch.cuda.Stream()
         st.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(st):
@@ -99,7 +105,8 @@ def graphs(dev):
             out = experts_triton(x, w13, w2, ids, w)
         worst = 0.0
         for seed in (1, 2, 3):
-            new_ids, new_w = uniform_routing(m, s, dev, seed=seed)
+            routing = uniform_routing(m, s, dev, seed=seed)
+            new_ids, new_w = routing.topk_ids, routing.topk_weights
             ids.copy_(new_ids)
             w.copy_(new_w)
             x.normal_()
@@ -153,10 +160,12 @@ def races(dev):
 
     for preset in PRESETS:
         s = Shape.from_preset(preset)
-        w13, w2 = make_weights(s, torch.bfloat16, dev)
+        expert_weights = make_weights(s, torch.bfloat16, dev)
+        w13, w2 = expert_weights.w13, expert_weights.w2
         for m in (1, 8, 64, 1024):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
-            ids, w = uniform_routing(m, s, dev, seed=m)
+            routing = uniform_routing(m, s, dev, seed=m)
+            ids, w = routing.topk_ids, routing.topk_weights
             tri.DEPENDENT_LAUNCH = False
             want = experts_triton(x, w13, w2, ids, w)
             tri.DEPENDENT_LAUNCH = True
@@ -170,7 +179,7 @@ def races(dev):
                 g.replay()
                 worst = max(worst, rel_err(out, want))
             check(f"races {preset} M={m}: 50 graph replays vs no PDL", worst < 1e-3, f"max rel diff {worst:.1e}")
-        del w13, w2
+        del expert_weights, w13, w2
         torch.cuda.empty_cache()
 
 

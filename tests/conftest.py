@@ -1,4 +1,4 @@
-"""Session-wide test setup.
+"""Session-wide test setup, and the fixtures more than one test module uses.
 
 On a machine without CUDA, Triton kernels can only run under Triton's interpreter, and Triton reads
 TRITON_INTERPRET when it is first imported; set it here, before any test module imports triton, so
@@ -7,8 +7,23 @@ that ask for it by name run the interpreter.
 """
 
 import os
+import threading
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """The simulator's server on a free loopback port, for one test module."""
+    from moekit.sim.server import make_server
+
+    server = make_server()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()

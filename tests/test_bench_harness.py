@@ -28,8 +28,9 @@ def test_cell_model_counts_touched_experts_and_activations():
 
 
 def test_uniform_routing_is_seeded_and_distinct():
-    ids, w = uniform_routing(64, TINY, torch.device("cpu"), seed=3)
-    ids2, _ = uniform_routing(64, TINY, torch.device("cpu"), seed=3)
+    routing = uniform_routing(64, TINY, torch.device("cpu"), seed=3)
+    ids, w = routing.topk_ids, routing.topk_weights
+    ids2 = uniform_routing(64, TINY, torch.device("cpu"), seed=3).topk_ids
     assert torch.equal(ids, ids2) and ids.dtype == torch.int32
     assert all(len(set(row.tolist())) == TINY.top_k for row in ids)  # k distinct experts per token
     torch.testing.assert_close(w.sum(1), torch.ones(64))

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _helpers import TOLERANCE, make_problem, rel_l2
 from moekit.experts import available_backends, get_backend, run_experts
 
 ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 BACKENDS = ["reference", "grouped_mm"]
 
 
@@ -26,22 +26,6 @@ def per_token_loop(x, w13, w2, ids, weights, activation="silu", expert_map=None)
             h = w13[e] @ x[t]
             out[t] += float(weights[t, j]) * (w2[e] @ (ACTS[activation](h[:n]) * h[n:]))
     return out
-
-
-def make_problem(m, k, e, hidden, inter, seed, skips=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, hidden, generator=g)
-    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k).int()
-    if skips and m:
-        ids[torch.rand(m, k, generator=g) < 0.2] = -1
-    weights = torch.rand(m, k, generator=g)
-    return x, w13, w2, ids, weights
-
-
-def rel_l2(got, ref):
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,6 @@ here: it launches the system ``chromium``; the test skips only when that binary 
 
 import json
 import shutil
-import threading
 import urllib.request
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -17,7 +16,6 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from moekit.sim.report import format_params
-from moekit.sim.server import make_server
 
 CHROMIUM = shutil.which("chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -25,15 +23,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-backg
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
-
-
-@pytest.fixture(scope="module")
-def base_url():
-    server = make_server()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.fixture(scope="module")

@@ -1,25 +1,12 @@
 """The JSON API: same answer as the library, 4xx with a message for bad requests."""
 
 import json
-import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
 from moekit.sim import SimParams, simulate
-from moekit.sim.server import make_server
-
-
-@pytest.fixture(scope="module")
-def base_url():
-    server = make_server()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}"
-    server.shutdown()
-    server.server_close()
 
 
 def _get(url, method="GET"):

@@ -40,6 +40,7 @@ def interpreter():
     _purge_kernels()
 
 
+from _helpers import TOLERANCE as TOL, make_problem as _problem, rel_l2 as _rel_err  # noqa: E402
 from moekit.experts import available_backends  # noqa: E402
 from moekit.experts.configs import (  # noqa: E402
     GemmTile, KernelConfig, config_file_name, fit_shared_memory, get_config, heuristic_config, load_configs, nearest,
@@ -47,24 +48,6 @@ from moekit.experts.configs import (  # noqa: E402
 )
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.layouts.block_aligned import align_block  # noqa: E402
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not out.isnan().any(), "NaN in the output: an unwritten row was read"
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _problem(m, k, e, hidden, inter, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
-    w2 = (torch.randn(e, hidden, inter, generator=g) / inter**0.5).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k, dtype=torch.int32)
-    weights = torch.rand(m, k, generator=g)
-    return x, w13, w2, ids, weights
-
 
 def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
     out = tri.experts_triton(x, w13, w2, ids, weights, expert_map=expert_map, activation=activation)

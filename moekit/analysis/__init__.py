@@ -6,6 +6,7 @@
 - ``bills``: total and active parameters of a whole model; ``memory``: weight GB/GiB and GPU fit.
 - ``gpus``: accelerator specs with sources; ``formats``: bytes per weight of bf16 / fp8 / int4.
 - ``report``: all of the above for one model, GPU and format over a batch sweep (``moekit analyze``).
+- ``plots``: the report's figure (matplotlib, imported only when drawing; not imported here).
 """
 
 from moekit.analysis.bills import ParamBill, param_bill

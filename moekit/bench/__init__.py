@@ -1,9 +1,12 @@
-"""Side-by-side benchmarks of the experts backends against the measured ceilings of the device.
+"""Every measurement: the experts backends side by side against the measured ceilings of the device,
+the tuner, the expert-parallel layer, and one real layer against the byte model.
 
-    timing.py    the one timing helper (CUDA-graph replay or events on the GPU, wall clock on the CPU)
-    ceilings.py  copy bandwidth and dense matmul rate, measured in the same run
-    cells.py     the shapes, the routing, and each cell's compulsory bytes, FLOPs and floor
-    run.py       the sweep: ceilings, then every (shape, M, backend) cell
-    report.py    results JSON, the PNG, the compact table
-    tuning.py    the kernel-config tuner behind ``moekit tune``
+    timing.py         the one timing helper (CUDA-graph replay or events on the GPU, wall clock on CPU)
+    ceilings.py       copy bandwidth and dense matmul rate, measured in the same run
+    cells.py          the shapes, the routing, and each cell's compulsory bytes, FLOPs and floor
+    run.py            the sweep: ceilings, then every (shape, M, backend) cell
+    report.py         results JSON, the PNG, the compact table
+    tuning.py         the kernel-config tuner behind ``moekit tune``
+    ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)
+    layer_measure.py  one ``MoE`` layer over a batch sweep beside the byte model (``analyze --measure``)
 """

@@ -17,6 +17,7 @@ import torch
 from moekit.analysis.roofline import activation_bytes, expert_flops, expert_weight_bytes
 from moekit.analysis.touch import experts_touched_from_counts
 from moekit.config import MoEConfig
+from moekit.routing import Routing
 
 # The issue's presets: moekit preset names whose routed experts (E, N, K, k) the bench sweeps.
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
@@ -46,28 +47,46 @@ class Shape:
         return expert_weight_bytes(1, self.k, self.n, element_size)
 
 
-def make_weights(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0):
+@dataclass(frozen=True)
+class ExpertWeights:
+    """Random expert weights of one shape, scaled so each GEMM keeps unit variance."""
+
+    w13: torch.Tensor  # [E, 2N, K]: gate rows, then up rows
+    w2: torch.Tensor  # [E, K, N]
+
+
+@dataclass(frozen=True)
+class CellInputs:
+    """One input set of a cell: tokens and their uniform routing (a cell rotates over several)."""
+
+    x: torch.Tensor  # [M, K] tokens
+    topk_ids: torch.Tensor  # [M, k] int32, k distinct experts per token
+    topk_weights: torch.Tensor  # [M, k] float32, each row sums to 1
+
+
+def make_weights(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ExpertWeights:
     g = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.randn(shape.num_experts, 2 * shape.n, shape.k, device=device, dtype=dtype, generator=g) * shape.k**-0.5
     w2 = torch.randn(shape.num_experts, shape.k, shape.n, device=device, dtype=dtype, generator=g) * shape.n**-0.5
-    return w13, w2
+    return ExpertWeights(w13, w2)
 
 
-def uniform_routing(num_tokens: int, shape: Shape, device: torch.device, seed: int):
+def uniform_routing(num_tokens: int, shape: Shape, device: torch.device, seed: int) -> Routing:
     """Each token picks k distinct experts uniformly at random (fixed seed); softmax-normalised weights."""
     g = torch.Generator(device=device).manual_seed(seed)
     scores = torch.rand(num_tokens, shape.num_experts, device=device, generator=g)
     ids = scores.topk(shape.top_k, dim=1).indices.int()  # [M, k]
     weights = torch.softmax(torch.rand(num_tokens, shape.top_k, device=device, generator=g), dim=1)  # [M, k]
-    return ids, weights
+    return Routing(ids, weights)
 
 
-def make_sets(shape: Shape, num_tokens: int, num_sets: int, dtype, device, seed: int = 0):
+def make_sets(shape: Shape, num_tokens: int, num_sets: int, dtype, device, seed: int = 0) -> list[CellInputs]:
     sets = []
     for i in range(num_sets):
         g = torch.Generator(device=device).manual_seed(seed * 1000 + i)
         x = torch.randn(num_tokens, shape.k, device=device, dtype=dtype, generator=g)
-        sets.append((x, *uniform_routing(num_tokens, shape, device, seed * 1000 + i)))
+        routing = uniform_routing(num_tokens, shape, device, seed * 1000 + i)
+        sets.append(CellInputs(x, routing.topk_ids, routing.topk_weights))
     return sets
 
 

@@ -18,8 +18,8 @@ import torch
 
 from moekit.bench.ceilings import Ceilings, measure_ceilings
 from moekit.bench.cells import (
-    CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, Shape, cell_model, make_sets, make_weights,
-    measured_experts_touched,
+    CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, CellInputs, ExpertWeights, Shape, cell_model, make_sets,
+    make_weights, measured_experts_touched,
 )
 from moekit.bench.timing import time_calls
 from moekit.experts import available_backends, backend_names, get_backend
@@ -47,11 +47,20 @@ class Cell:
     rel_err_vs_grouped_mm: float | None = None  # sanity check on the first input set (triton only)
 
 
-def default_setup(device: torch.device):
-    """(shapes, batches, dtype) for the device: the real presets in bf16 on the GPU, scaled fp32 on the CPU."""
+@dataclass(frozen=True)
+class BenchSetup:
+    """What ``moekit bench`` sweeps on a device when not told otherwise."""
+
+    shapes: list[Shape]  # the presets' routed experts; N and K divided by CPU_SCALE on the CPU
+    batches: list[int]  # M values: GPU_BATCHES on the GPU, CPU_BATCHES on the CPU
+    dtype: torch.dtype  # bf16 on the GPU, float32 on the CPU
+
+
+def default_setup(device: torch.device) -> BenchSetup:
+    """The real presets in bf16 on the GPU, scaled-down presets in float32 on the CPU."""
     if device.type == "cuda":
-        return [Shape.from_preset(p) for p in PRESETS], list(GPU_BATCHES), torch.bfloat16
-    return [Shape.from_preset(p, CPU_SCALE) for p in PRESETS], list(CPU_BATCHES), torch.float32
+        return BenchSetup([Shape.from_preset(p) for p in PRESETS], list(GPU_BATCHES), torch.bfloat16)
+    return BenchSetup([Shape.from_preset(p, CPU_SCALE) for p in PRESETS], list(CPU_BATCHES), torch.float32)
 
 
 def commit_id() -> str:
@@ -71,8 +80,9 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _time_backend(fn, w13, w2, sets, device, graph: bool) -> tuple[float, bool]:
-    calls = [lambda s=s: fn(s[0], w13, w2, s[1], s[2]) for s in sets]
+def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, graph: bool) -> tuple[float, bool]:
+    w13, w2 = weights.w13, weights.w2
+    calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
     if graph:
         try:
             return time_calls(calls, device, graph=True), True
@@ -82,14 +92,15 @@ def _time_backend(fn, w13, w2, sets, device, graph: bool) -> tuple[float, bool]:
 
 
 def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings, on_cell=None) -> list[Cell]:
-    w13, w2 = make_weights(shape, dtype, device)
+    weights = make_weights(shape, dtype, device)
+    w13, w2 = weights.w13, weights.w2
     elem = w13.element_size()
     cells = []
     for m in batches:
         touched_once = max(1, min(shape.num_experts, m * shape.top_k)) * shape.expert_bytes(elem)
         num_sets = max(2, min(8, math.ceil(ROTATION_BYTES / touched_once)))
         sets = make_sets(shape, m, num_sets, dtype, device)
-        touched = sum(measured_experts_touched(s[1], shape.num_experts) for s in sets) / num_sets
+        touched = sum(measured_experts_touched(s.topk_ids, shape.num_experts) for s in sets) / num_sets
         model = cell_model(shape, m, touched, elem, ceilings.copy_TBps, ceilings.mm_TFLOPs)
         ref_out = None
         for name in backends:
@@ -97,15 +108,16 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
                 continue
             fn = get_backend(name)
             err = None
+            first = sets[0]
             if name == "grouped_mm":
-                ref_out = fn(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
+                ref_out = fn(first.x, w13, w2, first.topk_ids, first.topk_weights).float()
             if name == "triton" and "grouped_mm" in backends:
                 ref_out = ref_out if ref_out is not None else get_backend("grouped_mm")(
-                    sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
-                out = fn(sets[0][0], w13, w2, sets[0][1], sets[0][2]).float()
+                    first.x, w13, w2, first.topk_ids, first.topk_weights).float()
+                out = fn(first.x, w13, w2, first.topk_ids, first.topk_weights).float()
                 err = ((out - ref_out).norm() / ref_out.norm()).item()
             use_graph = device.type == "cuda" and m <= GRAPH_MAX_M and name != "reference"
-            us, graphed = _time_backend(fn, w13, w2, sets, device, use_graph)
+            us, graphed = _time_backend(fn, weights, sets, device, use_graph)
             cell = Cell(
                 shape=shape.name, M=m, backend=name, us=us, experts_touched=touched, bytes=model.bytes,
                 flops=model.flops, floor_us=model.floor_us, pct_floor=100 * model.floor_us / us,
@@ -119,7 +131,7 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
                 on_cell(cell)
         del sets
         ref_out = None
-    del w13, w2
+    del weights, w13, w2
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return cells
@@ -144,9 +156,10 @@ def check_args(backends=None, batches=None) -> None:
 def run_bench(device: torch.device, shapes=None, batches=None, backends=None, progress=None) -> dict:
     """Measure the ceilings, then every cell. Returns the results document (see ``report.write_json``)."""
     check_args(backends, batches)
-    default_shapes, default_batches, dtype = default_setup(device)
-    shapes = shapes or default_shapes
-    batches = batches or default_batches
+    setup = default_setup(device)
+    shapes = shapes or setup.shapes
+    batches = batches or setup.batches
+    dtype = setup.dtype
     backends = [b for b in (backends or available_backends(device)) if b in available_backends(device)]
     ceilings = measure_ceilings(device)
     cells: list[Cell] = []

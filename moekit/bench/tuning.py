@@ -58,11 +58,12 @@ def tile_candidates(block_m: int, which: str) -> list[GemmTile]:
 def _timer(shape: Shape, num_tokens: int, dtype, device):
     from moekit.experts.triton import fused_experts
 
-    w13, w2 = make_weights(shape, dtype, device)
+    weights = make_weights(shape, dtype, device)
+    w13, w2 = weights.w13, weights.w2
     sets = make_sets(shape, num_tokens, 2 if num_tokens > 64 else 4, dtype, device, seed=7)
 
     def measure(cfg: KernelConfig) -> float:
-        calls = [lambda s=s: fused_experts(s[0], w13, w2, s[1], s[2], config=cfg) for s in sets]
+        calls = [lambda s=s: fused_experts(s.x, w13, w2, s.topk_ids, s.topk_weights, config=cfg) for s in sets]
         try:
             return time_calls(calls, device, graph=num_tokens <= GRAPH_MAX_M, budget_s=0.08, min_reps=3, max_reps=20)
         except Exception:  # noqa: BLE001  (a config that does not compile or fit: out of the running)

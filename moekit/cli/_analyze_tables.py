@@ -7,7 +7,7 @@ from rich.table import Table
 
 from moekit.analysis.memory import GB
 from moekit.analysis.report import PADDING_BLOCKS, Report
-from moekit.cli._analyze_measure import Measurement
+from moekit.bench.layer_measure import Measurement
 
 
 def print_report(report: Report, console: Console) -> None:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 import sys
 
@@ -117,16 +117,18 @@ def run(args) -> int:
                      inclusion, routing)
     measurement = None
     if args.measure:
-        from moekit.cli._analyze_measure import measure
+        from moekit.bench.layer_measure import measure
 
         measurement = measure(cfg, tuple(args.batches))
     if args.plot:
-        from moekit.cli._analyze_plot import plot_report
-
-        plot_report(report, args.plot, measurement)
+        _plot(report, args.plot, measurement)
     if args.json:
         data = report_to_json(report)
-        data["measured"] = _measurement_json(measurement)
+        data["measured"] = None
+        if measurement:
+            from moekit.bench.layer_measure import measurement_to_json
+
+            data["measured"] = measurement_to_json(measurement)
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -141,6 +143,18 @@ def run(args) -> int:
     if args.plot:
         console.print(f"wrote {args.plot}")
     return 0
+
+
+def _plot(report, path: str, measurement) -> None:
+    """The figure, with the measured points drawn on it when there are any."""
+    from moekit.analysis.plots import plot_report
+
+    overlay = None
+    if measurement:
+        from moekit.bench.layer_measure import overlay_measurement
+
+        overlay = functools.partial(overlay_measurement, measurement)
+    plot_report(report, path, overlay)
 
 
 def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str]:
@@ -162,12 +176,3 @@ def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str
     imbalance = counts.max() / counts.mean()
     return inclusion_from_counts(counts, num_tokens), f"measured load from {path} (max/mean {imbalance:.2f})"
 
-
-def _measurement_json(m) -> dict | None:
-    if m is None:
-        return None
-    d = dataclasses.asdict(m)
-    for row in d["rows"]:
-        row["padding"] = {str(b): v for b, v in row["padding"].items()}
-        row["predicted_padding"] = {str(b): v for b, v in row["predicted_padding"].items()}
-    return d

@@ -1,5 +1,5 @@
 """The EP benchmark entry runs end to end on 2 gloo ranks with tiny fp32 shapes (a smoke test: the
-numbers on CI's CPU mean nothing; the GPU run is ``torchrun --nproc-per-node 2 -m moekit.parallel.bench``)."""
+numbers on CI's CPU mean nothing; the GPU run is ``torchrun --nproc-per-node 2 -m moekit.bench.ep``)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from _parallel_harness import run_ranks
 
 
 def _bench(rank: int, world_size: int) -> dict:
-    from moekit.parallel import bench
+    from moekit.bench import ep
 
     args = argparse.Namespace(tiny=True, check=True, tokens=[0, 8], backend="auto", reps=2, out=None, dispatch="both",
                               profile=False)
-    return bench.run(torch.device("cpu"), rank, world_size, args)
+    return ep.run(torch.device("cpu"), rank, world_size, args)
 
 
 def test_bench_entry_runs_on_two_ranks():

@@ -1,4 +1,4 @@
-"""Expert-parallel benchmark: ``torchrun --standalone --nproc-per-node 2 -m moekit.parallel.bench``.
+"""Expert-parallel benchmark: ``torchrun --standalone --nproc-per-node 2 -m moekit.bench.ep``.
 
     [Route] -> [Dispatch] -> [Experts] -> [Combine], each timed alone, beside the raw ``all_to_all_single``
     of the same bytes and the single-GPU ``MoE`` doing the same per-GPU work.
@@ -208,7 +208,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moekit.parallel.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moekit.bench.ep", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", help="tokens per rank (default 128 1024 4096 16384; tiny: 8 64)")
     parser.add_argument("--dispatch", choices=["exact", "padded", "both"], default="both",
                         help="exact: counts all-to-all + one host sync; padded: max_tokens_per_rank rows, no sync")

@@ -1,5 +1,5 @@
-"""``moekit analyze --measure``: run the real ``MoE`` layer over the batch sweep on the present device
-and put each measured point beside the byte model's prediction for the same shapes and device.
+"""One real ``MoE`` layer timed over a batch sweep on the present device, each point beside the byte
+model's prediction for the same shapes and device (behind ``moekit analyze --measure``).
 
 Shapes: B = tokens, E = routed experts, k = experts per token, K = hidden, N = expert intermediate.
 E and k are kept, because experts touched and padding depend on nothing else; K and N are divided by
@@ -10,6 +10,7 @@ harness, so the prediction is for this device, not for the GPU being analysed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,3 +132,31 @@ def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ce
         padding={b: padding_factor_from_counts(counts, b) for b in PADDING_BLOCKS},
         predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.top_k, b) for b in PADDING_BLOCKS},
     )
+
+
+def measurement_to_json(m: Measurement) -> dict:
+    """``m`` as plain JSON types (the padding dicts keyed by the block as a string)."""
+    d = dataclasses.asdict(m)
+    for row in d["rows"]:
+        row["padding"] = {str(b): v for b, v in row["padding"].items()}
+        row["predicted_padding"] = {str(b): v for b, v in row["predicted_padding"].items()}
+    return d
+
+
+def overlay_measurement(m: Measurement, ax) -> None:
+    """Draw ``m`` on ``moekit.analysis.plots.plot_report``'s panels (its ``overlay``): measured touch and
+    padding on the predicted curves (they depend on E, k, B only), and the measured layer's time against
+    its own prediction on the measured device in the two extra panels."""
+    batches = [r.batch for r in m.rows]
+    ax[0].scatter(batches, [r.experts_touched for r in m.rows], color="black", zorder=3, label="measured")
+    ax[0].scatter(batches, [r.skew_experts_touched for r in m.rows], marker="+", s=80, color="red", zorder=3,
+                  label="predicted from the measured router's load")
+    for i, block in enumerate(PADDING_BLOCKS):
+        ax[3].scatter(batches, [r.padding[block] for r in m.rows], color=f"C{i}", marker="x", zorder=3,
+                      label=f"measured, block {block}")
+    ax[4].plot(batches, [r.predicted_time_s * 1e3 for r in m.rows], label="predicted floor")
+    ax[4].scatter(batches, [r.time_s * 1e3 for r in m.rows], color="black", label="measured")
+    ax[4].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
+              title=f"one layer on {m.device} ({m.dtype}, K={m.hidden_size}, N={m.moe_intermediate_size})")
+    ax[5].plot(batches, [r.time_s / r.predicted_time_s for r in m.rows], marker="o")
+    ax[5].set(xscale="log", yscale="log", xlabel="batch B", ylabel="measured / predicted", title="time ratio")

@@ -1,19 +1,29 @@
-"""``moekit analyze --plot out.png``: the touch curve, intensity with the ridge, the step-time floors
-and the padding factor, over a dense batch grid, with the sweep's measured points when there are any."""
+"""The figure behind ``moekit analyze --plot out.png``: the touch curve, intensity with the ridge, the
+step-time floors and the padding factor, over a dense batch grid. matplotlib is imported only when a
+figure is drawn, so the byte model itself never needs it.
+
+Measured points are drawn by whoever measured them, through ``overlay`` (``moekit.analysis`` runs no
+layer): ``moekit.bench.layer_measure.overlay_measurement`` puts a ``--measure`` sweep on the curves.
+"""
 
 from __future__ import annotations
+
+from typing import Callable, Sequence
 
 import numpy as np
 
 from moekit.analysis.padding import expected_padding_factor
 from moekit.analysis.report import PADDING_BLOCKS, Report
 from moekit.analysis.roofline import BatchCost, batch_cost, dense_step_floor_s
-from moekit.cli._analyze_measure import Measurement
 
 GRID_POINTS = 60  # log-spaced batches per curve: smooth enough, and the padding sums stay fast
 
+# Draws on the panels [touch, intensity, step, padding, extra, extra] (the figure gets the two extra
+# panels when an overlay is given).
+Overlay = Callable[[Sequence], None]
 
-def plot_report(report: Report, path: str, measurement: Measurement | None = None) -> None:
+
+def plot_report(report: Report, path: str, overlay: Overlay | None = None) -> None:
     """Write the figure to ``path`` (any format matplotlib infers from the suffix)."""
     import matplotlib
 
@@ -24,15 +34,15 @@ def plot_report(report: Report, path: str, measurement: Measurement | None = Non
     top = max(8192, int(report.ridge_batch * 2), max(r.cost.batch for r in report.rows))
     grid = np.unique(np.geomspace(1, top, GRID_POINTS).astype(int))  # [G] batches
     costs = [batch_cost(cfg, int(b), fmt, gpu, report.inclusion) for b in grid]  # [G]
-    fig, axes = plt.subplots(2, 3 if measurement else 2, figsize=(16 if measurement else 11, 8.5))
+    fig, axes = plt.subplots(2, 3 if overlay else 2, figsize=(16 if overlay else 11, 8.5))
     ax = axes.flat
     fig.suptitle(f"{report.model}: E={cfg.num_experts}, k={cfg.top_k} on {gpu.name}, {fmt.name}")
     _touch_panel(ax[0], report, grid, costs)
     _intensity_panel(ax[1], report, grid, costs)
     _step_panel(ax[2], report, grid, costs)
     _padding_panel(ax[3], report, grid)
-    if measurement:
-        _overlay(ax, measurement)
+    if overlay:
+        overlay(ax)
     for a in ax:
         a.grid(True, which="both", alpha=0.3)
         if a.get_legend_handles_labels()[0]:
@@ -82,21 +92,3 @@ def _padding_panel(ax, report: Report, grid: np.ndarray) -> None:
                    for b in pad_grid]
         ax.plot(pad_grid, factors, label=f"block {block}")
     ax.set(xscale="log", yscale="log", xlabel="batch B", ylabel="padded rows / real rows", title="padding tax")
-
-
-def _overlay(ax, m: Measurement) -> None:
-    """Measured touch and padding on the predicted curves (they depend on E, k, B only), and one
-    measured layer's time against its own prediction on the measured device."""
-    batches = [r.batch for r in m.rows]
-    ax[0].scatter(batches, [r.experts_touched for r in m.rows], color="black", zorder=3, label="measured")
-    ax[0].scatter(batches, [r.skew_experts_touched for r in m.rows], marker="+", s=80, color="red", zorder=3,
-                  label="predicted from the measured router's load")
-    for i, block in enumerate(PADDING_BLOCKS):
-        ax[3].scatter(batches, [r.padding[block] for r in m.rows], color=f"C{i}", marker="x", zorder=3,
-                      label=f"measured, block {block}")
-    ax[4].plot(batches, [r.predicted_time_s * 1e3 for r in m.rows], label="predicted floor")
-    ax[4].scatter(batches, [r.time_s * 1e3 for r in m.rows], color="black", label="measured")
-    ax[4].set(xscale="log", yscale="log", xlabel="batch B", ylabel="ms",
-              title=f"one layer on {m.device} ({m.dtype}, K={m.hidden_size}, N={m.moe_intermediate_size})")
-    ax[5].plot(batches, [r.time_s / r.predicted_time_s for r in m.rows], marker="o")
-    ax[5].set(xscale="log", yscale="log", xlabel="batch B", ylabel="measured / predicted", title="time ratio")

@@ -1,0 +1,51 @@
+"""Helpers shared by the tests: one random experts problem, one tolerance table, the error measures.
+
+Shapes: M tokens, k slots, E experts, K hidden, N expert intermediate.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Relative L2 error against a float64 reference that a dtype must stay under (design.md's contract).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+class Problem(NamedTuple):
+    """Inputs of one ``run_experts`` call, in its argument order (so ``run_experts(*problem)`` works)."""
+
+    x: torch.Tensor  # [M, K]
+    w13: torch.Tensor  # [E, 2N, K], scaled by K^-1/2
+    w2: torch.Tensor  # [E, K, N], scaled by N^-1/2
+    ids: torch.Tensor  # [M, k] int32, k distinct experts per token; -1 (skipped) where ``skips``
+    weights: torch.Tensor  # [M, k] float32 in [0, 1)
+
+
+def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=False) -> Problem:
+    """A seeded problem, drawn in float32 and then cast to ``dtype``; ``skips`` marks about 20% of the
+    slots -1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k).int()
+    if skips and m:
+        ids[torch.rand(m, k, generator=g) < 0.2] = -1
+    weights = torch.rand(m, k, generator=g)
+    return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64; a NaN in ``got`` (an unwritten row was read) fails at once."""
+    assert not got.isnan().any(), "NaN in the output: an unwritten row was read"
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def rel_max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| in float64 (the EP tests' measure: one bad row is not averaged away);
+    0 for two equally shaped empty tensors, inf for an empty ``ref`` and a differently shaped ``out``."""
+    if ref.numel() == 0:
+        return 0.0 if out.shape == ref.shape else float("inf")
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
