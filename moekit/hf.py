@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.config import MoEConfig, activation_from_hf
+from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
+from moekit.experts.activations import activation_from_hf
 from moekit.layer import MoE
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.

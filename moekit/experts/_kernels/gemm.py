@@ -31,9 +31,6 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 
 
-ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
-
-
 @triton.jit
 def _grid_position(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M M-blocks (usually one expert's) sweep the N tiles together, so an
@@ -65,6 +62,7 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
 
 @triton.jit
 def _activation(g, ACT: tl.constexpr):
+    """ACT is ``moekit.experts.activations.ACTIVATIONS[name].kernel_id``; the torch twin is its ``fn``."""
     if ACT == 0:  # silu
         return g * tl.sigmoid(g)
     elif ACT == 1:  # gelu (erf)
