@@ -19,7 +19,9 @@ import torch
 
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.reference import experts_reference
-from moekit.experts.triton import align_block_triton, experts_triton
+from moekit.experts.triton import experts_triton
+from moekit.experts.triton_align import align_block_triton
+from moekit.experts.triton_launch import LaunchOptions
 from moekit.layouts.block_aligned import align_block
 
 FAILED = []
@@ -149,17 +151,13 @@ def layer_graph(dev):
 def races(dev):
     """A kernel that read its input before the previous one had finished would show up as an occasional
     wrong row: replay 50 times, compare each with the path launched without PDL."""
-    import moekit.experts.triton as tri
-
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         w13, w2 = make_weights(s, torch.bfloat16, dev)
         for m in (1, 8, 64, 1024):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
             ids, w = uniform_routing(m, s, dev, seed=m)
-            tri.DEPENDENT_LAUNCH = False
-            want = experts_triton(x, w13, w2, ids, w)
-            tri.DEPENDENT_LAUNCH = True
+            want = experts_triton(x, w13, w2, ids, w, options=LaunchOptions(dependent_launch=False))
             experts_triton(x, w13, w2, ids, w)  # compile outside the capture
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
