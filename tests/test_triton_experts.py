@@ -41,8 +41,7 @@ def interpreter():
 
 from moekit.experts import available_backends  # noqa: E402
 from moekit.experts.configs import (  # noqa: E402
-    GemmTile, KernelConfig, config_file_name, fit_shared_memory, get_config, heuristic_config, load_configs, nearest,
-    shared_memory_bytes, write_configs,
+    GemmTile, KernelConfig, config_file_name, get_config, load_configs, nearest, write_configs,
 )
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_align import align_block_triton  # noqa: E402
@@ -369,59 +368,3 @@ def test_config_lookup_nearest_and_user_dir(interpreter, tmp_path, monkeypatch):
     assert nearest({1: small, 256: big}, 16) == small  # equal distance: the smaller M
     # The file changes the launch, and the result stays right.
     _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float32))
-
-
-def test_heuristic_without_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    assert load_configs(7, 5, 3, torch.bfloat16, "nowhere") is None
-    assert get_config(1, 7, 5, 3, 2, torch.bfloat16, "nowhere") == heuristic_config(1, 7, 5, 3, 2)
-    heights = [heuristic_config(m, 128, 768, 2048, 8).BLOCK_M for m in (1, 64, 512, 4096, 16384)]
-    assert heights == sorted(heights) and heights[0] == 16 and heights[-1] == 128
-
-
-H200_SHARED_MEMORY = 232448  # the limit Triton 3.6 reported on the H200
-
-
-def test_shared_memory_fit():
-    # The H200 run that found this: Triton asked for 294912 bytes (gate-up, BLOCK_M 32, tile 128x128,
-    # 3 stages, fp32) and refused to launch.
-    refused = KernelConfig(32, GemmTile(128, 128, 8, 8, 3), GemmTile(64, 128, 1, 4, 4))
-    assert shared_memory_bytes(32, refused.up, 4, weight_tiles=2) == 294912
-    fitted = fit_shared_memory(refused, 4, H200_SHARED_MEMORY)
-    for tile, old, weight_tiles in ((fitted.up, refused.up, 2), (fitted.down, refused.down, 1)):
-        assert shared_memory_bytes(32, tile, 4, weight_tiles) <= H200_SHARED_MEMORY
-        assert (tile.BLOCK_N, tile.GROUP_M, tile.num_warps) == (old.BLOCK_N, old.GROUP_M, old.num_warps)
-    assert (fitted.up.num_stages, fitted.up.BLOCK_K) == (2, 128)  # one buffered step: 147456 bytes
-    assert fitted.down == refused.down  # 3 x (32*128 + 64*128) x 4 = 147456 already fits
-    # With descriptors Triton buffers every stage: it asked 245848 bytes at BLOCK_M 128, 128x64, 5 stages, bf16.
-    tma = KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5))
-    assert 245848 <= shared_memory_bytes(128, tma.up, 2, 2, descriptors=True) <= 245848 + 1024
-    assert fit_shared_memory(tma, 2, H200_SHARED_MEMORY, descriptors=True).up.num_stages == 4
-    # A tiny limit bottoms out at 2 stages and BLOCK_K 16 instead of looping forever.
-    floor = fit_shared_memory(refused, 4, 1)
-    assert (floor.up.num_stages, floor.up.BLOCK_K, floor.down.BLOCK_K) == (2, 16, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_shipped_and_heuristic_configs_fit_16_bit(dtype):
-    """Everything that ran on the H200 in bf16 fits as it is: the fit changes nothing there."""
-    from moekit.experts.configs import PACKAGED_DIR, _read
-
-    configs = [c for p in PACKAGED_DIR.glob("*.json") for c in _read(str(p), p.stat().st_mtime).values()]
-    configs += [heuristic_config(m, e, n, k, top_k) for m in (1, 8, 64, 512, 4096, 16384)
-                for e, n, k, top_k in ((128, 768, 2048, 8), (256, 2048, 7168, 8), (8, 14336, 4096, 2))]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for config in configs:
-        for descriptors in (False, True):
-            assert fit_shared_memory(config, itemsize, H200_SHARED_MEMORY, descriptors=descriptors) == config
-
-
-def test_packaged_configs_parse():
-    from moekit.experts.configs import PACKAGED_DIR
-
-    for path in PACKAGED_DIR.glob("*.json"):
-        data = json.loads(path.read_text())
-        assert path.name == config_file_name(data["E"], data["N"], data["K"], getattr(torch, data["dtype"]), data["device"])
-        for entry in data["configs"].values():
-            KernelConfig.from_dict(entry)
