@@ -67,7 +67,7 @@ def is_available(device: torch.device | str) -> bool:
 class _Plan:
     options: LaunchOptions  # resolved for the device
     config: KernelConfig  # the GEMM tiles; on the GPU shrunk to its shared memory
-    block_m: int  # rows per M-block: config.BLOCK_M; 16 (tl.dot's smallest) in the naive shortcut
+    block_m: int  # rows per M-block: config.BLOCK_M; 16 in the naive shortcut (its one assignment in row 0)
     num_pid_m: int  # M-blocks the GEMM grids cover: A in the naive shortcut, else whole blocks of R
     layout: BlockAlignedLayout | None  # the aligned rows; None in the naive shortcut (block a = assignment a)
     w13: Any  # [E, 2N, K], or a TMA descriptor over it as [E*2N, K] when weight_descriptors

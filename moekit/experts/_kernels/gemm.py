@@ -16,7 +16,8 @@ tiles; the host picks it for 16-bit weights when the strides allow (``triton.py`
 are gathered by index either way.
 
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
-expert read straight from topk_ids, so no alignment runs at all.
+expert read straight from topk_ids, so no alignment runs at all (the host passes None for
+sorted_ids, expert_ids and num_padded; the NAIVE branch never touches them).
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
