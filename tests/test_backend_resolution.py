@@ -22,7 +22,8 @@ def resolutions(monkeypatch) -> list:
     calls = []
     real = moekit.experts.resolve_backend
     monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
-    monkeypatch.setattr(moekit.experts, "resolve_backend", lambda name, device: calls.append((name, str(device))) or real(name, device))
+    monkeypatch.setattr(moekit.experts, "resolve_backend",
+                        lambda name, device: calls.append((name, str(device))) or real(name, device))
     return calls
 
 

@@ -183,7 +183,8 @@ def test_dependent_launch_only_on_hopper_gpus(monkeypatch):
         tl_.resolve_launch_options.cache_clear()  # the device facts are patched below
         return tl_.resolve_launch_options(options, device).pdl_kwargs()
 
-    off, on, cpu, cuda = dict(PDL=False, launch_pdl=False), dict(PDL=True, launch_pdl=True), torch.device("cpu"), torch.device("cuda", 0)
+    off, on = dict(PDL=False, launch_pdl=False), dict(PDL=True, launch_pdl=True)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     try:
         assert resolved(LaunchOptions(), cpu) == off and tl_.default_launch_options(cpu).pdl_kwargs() == off
         monkeypatch.setattr(tl_, "interpreting", lambda: False)
@@ -210,28 +211,37 @@ def test_launch_options_resolve_keeps_other_fields():
 
 
 class _LaunchLog:
-    """Stands in for ``triton_launch.kernels``: records (kernel name, constexpr kwargs) of every launch."""
+    """Stands in for ``triton_launch.kernels``: records (kernel name, keyword arguments) of each launch."""
 
     def __init__(self, real):
         self.real, self.launches = real, []
 
     def __call__(self, module: str):
-        log, real = self, self.real(module)
-
-        class Module:
-            def __getattr__(self, name):
-                def grid(g):
-                    def launch(*args, **kwargs):
-                        log.launches.append((name, kwargs))
-                        return getattr(real, name)[g](*args, **kwargs)
-                    return launch
-                return type("Kernel", (), {"__getitem__": lambda _, g: grid(g)})()
-
-        return Module()
+        return _LoggedModule(self.real(module), self.launches)
 
     def take(self) -> list:
-        launches, self.launches = self.launches, []
+        launches, self.launches[:] = list(self.launches), []
         return launches
+
+
+class _LoggedModule:
+    def __init__(self, module, launches: list):
+        self.module, self.launches = module, launches
+
+    def __getattr__(self, name: str):
+        return _LoggedKernel(getattr(self.module, name), name, self.launches)
+
+
+class _LoggedKernel:
+    def __init__(self, kernel, name: str, launches: list):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 @pytest.fixture
@@ -272,9 +282,10 @@ def test_compiled_caller_picks_its_options(interpreter, launch_log):
     outs = {}
     for w_desc in (False, True):
         options = LaunchOptions(weight_descriptors=w_desc, poison_workspace=True)
-        fn = torch.compile(lambda *t, o=options: interpreter.experts_triton(*t, options=o), fullgraph=True, backend="aot_eager")
+        fn = torch.compile(lambda *t, o=options: interpreter.experts_triton(*t, options=o),
+                           fullgraph=True, backend="aot_eager")
         outs[w_desc] = fn(x, w13, w2, ids, weights)
-        assert {kw["W_DESC"] for name, kw in launch_log.take() if name.endswith("_kernel") and "W_DESC" in kw} == {w_desc}
+        assert {kw["W_DESC"] for _, kw in launch_log.take() if "W_DESC" in kw} == {w_desc}
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(outs[False], ref) < 1e-2 and _rel_err(outs[True], ref) < 1e-2
 
@@ -328,7 +339,8 @@ def test_availability(interpreter, monkeypatch):
 
 def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
-    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu", True, True, True, 128, 64))
+    options = (True, True, True, 128, 64)  # weight_descriptors .. align_small_max_bins
+    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu", *options))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 0, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids[:1, :1], 8, 16, None, True, True, 128, 64))

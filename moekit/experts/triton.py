@@ -241,7 +241,8 @@ def _experts_op(
     expert_map: Optional[torch.Tensor], activation: str, weight_descriptors: bool, dependent_launch: bool,
     poison_workspace: bool, align_small_max: int, align_small_max_bins: int,
 ) -> torch.Tensor:
-    options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max, align_small_max_bins)
+    options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
+                            align_small_max_bins)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options)
 
 

@@ -79,7 +79,8 @@ def _launch_chunked(ids: torch.Tensor, expert_map: torch.Tensor | None, num_expe
         )
 
 
-def _align_naive(topk_ids: torch.Tensor, num_experts: int, block_size: int, options: LaunchOptions) -> BlockAlignedLayout:
+def _align_naive(topk_ids: torch.Tensor, num_experts: int, block_size: int,
+                 options: LaunchOptions) -> BlockAlignedLayout:
     """The tiny-batch shortcut (``use_naive``): block a holds assignment a alone, in its first row."""
     ids = topk_ids.reshape(-1)  # [A]
     num_assignments = ids.numel()
