@@ -2,7 +2,7 @@
 default compares with the tuned configs (run on the device).
 
     PYTHONPATH=. python benchmarks/triton_breakdown.py [--batches 1,8,1024,16384] [--heuristic]
-    PYTHONPATH=. python benchmarks/triton_breakdown.py --ab WEIGHT_DESCRIPTORS,DEPENDENT_LAUNCH [--candidates]
+    PYTHONPATH=. python benchmarks/triton_breakdown.py --ab weight_descriptors,dependent_launch [--candidates]
     PYTHONPATH=. python benchmarks/triton_breakdown.py --sweep qwen3-30b-a3b --batches 1
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 
 import torch
 
@@ -17,10 +18,10 @@ from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights
 from moekit.bench.timing import time_calls
 from moekit.bench.tuning import TUNE_BATCHES
 from moekit.experts.configs import device_key, get_config, heuristic_config
-import moekit.experts.triton as tri
 from moekit.bench.ceilings import measure_ceilings
 from moekit.experts.configs import GemmTile, KernelConfig
 from moekit.experts.triton import fused_experts
+from moekit.experts.triton_launch import LaunchOptions
 
 
 def kernel_times(fn, reps: int = 5) -> dict[str, float]:
@@ -76,7 +77,7 @@ def heuristic_vs_tuned(batches):
     print(f"worst: heuristic at {100 * worst:.0f}% of the tuned speed")
 
 
-# Tall-tile candidates timed with ``--candidates`` at M >= 512, all switches on.
+# Tall-tile candidates timed with ``--candidates`` at M >= 512, all named options on.
 TALL_CANDIDATES = {
     "128x128x64/s4": KernelConfig(128, GemmTile(128, 64, 8, 8, 4), GemmTile(128, 64, 8, 8, 4)),
     "128x128x64/s5": KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5)),
@@ -85,17 +86,21 @@ TALL_CANDIDATES = {
 }
 
 
-def switches_ab(batches, switches: list[str], candidates: bool):
-    """The tuned configs with every on/off combination of the ``moekit.experts.triton`` module switches
-    named (``WEIGHT_DESCRIPTORS``, ``DEPENDENT_LAUNCH``): µs, % of the floor, and a
-    rel. L2 check against the all-off variant. With ``candidates``, the tall tiles too at M >= 512."""
+# The on/off fields of ``LaunchOptions`` that ``--ab`` can toggle.
+AB_FIELDS = [f.name for f in dataclasses.fields(LaunchOptions) if isinstance(getattr(LaunchOptions(), f.name), bool)]
+
+
+def options_ab(batches, fields: list[str], candidates: bool):
+    """The tuned configs with every on/off combination of the ``LaunchOptions`` fields named
+    (``weight_descriptors``, ``dependent_launch``), the other fields at their defaults: µs, % of the
+    floor, and a rel. L2 check against the all-off variant. With ``candidates``, the tall tiles too at
+    M >= 512."""
     import itertools
 
     dev = torch.device("cuda")
     ceilings = measure_ceilings(dev)
     copy_bps, mm_flops = ceilings.copy_TBps * 1e12, ceilings.mm_TFLOPs * 1e12
     print(f"ceilings: copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s", flush=True)
-    defaults = {name: getattr(tri, name) for name in switches}
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         expert_weights = make_weights(s, torch.bfloat16, dev)
@@ -106,15 +111,17 @@ def switches_ab(batches, switches: list[str], candidates: bool):
             floor = max((touched * 3 * s.n * s.k * 2 + 2 * m * s.k * 2) / copy_bps,
                         2 * m * s.top_k * 3 * s.n * s.k / mm_flops) * 1e6
             tuned = get_config(m, s.num_experts, s.n, s.k, s.top_k, torch.bfloat16, device_key(dev))
-            variants = [("+".join(n for n, on in zip(switches, flags) if on) or "off", tuned, dict(zip(switches, flags)))
-                        for flags in itertools.product((False, True), repeat=len(switches))]
+            variants = [("+".join(n for n, on in zip(fields, flags) if on) or "off", tuned,
+                         LaunchOptions(**dict(zip(fields, flags))))
+                        for flags in itertools.product((False, True), repeat=len(fields))]
             if candidates and m >= 512:
-                variants += [(name, cfg, dict.fromkeys(switches, True)) for name, cfg in TALL_CANDIDATES.items()]
+                all_on = LaunchOptions(**dict.fromkeys(fields, True))
+                variants += [(name, cfg, all_on) for name, cfg in TALL_CANDIDATES.items()]
             res, ref = {}, None
-            for name, cfg, flags in variants:
-                for switch, on in flags.items():
-                    setattr(tri, switch, on)
-                calls = [lambda st=st, c=cfg: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights, config=c) for st in sets]
+            for name, cfg, options in variants:
+                calls = [lambda st=st, c=cfg, o=options: fused_experts(st.x, w13, w2, st.topk_ids, st.topk_weights,
+                                                                       config=c, options=o)
+                         for st in sets]
                 try:
                     res[name] = time_calls(calls, dev, graph=m <= 1024, budget_s=0.1)
                 except Exception as err:  # noqa: BLE001 - an A/B script: report the variant and go on
@@ -125,8 +132,6 @@ def switches_ab(batches, switches: list[str], candidates: bool):
                     ref = out
                 elif float((out - ref).norm() / ref.norm()) > 1e-2:
                     print(f"  {name}: WRONG, rel. L2 {float((out - ref).norm() / ref.norm()):.1e}", flush=True)
-            for switch, on in defaults.items():
-                setattr(tri, switch, on)
             best = min((v, k) for k, v in res.items())
             print(f"{preset:14s} M={m:<6d} floor {floor:8.1f}  " + "  ".join(
                 f"{k} {v:.1f} ({100 * floor / v:.0f}%)" for k, v in res.items()) + f"  best {best[1]}", flush=True)
@@ -174,7 +179,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,1024,16384")
     p.add_argument("--heuristic", action="store_true")
-    p.add_argument("--ab", metavar="SWITCH[,SWITCH]", help="A/B of moekit.experts.triton switches, e.g. DEPENDENT_LAUNCH")
+    p.add_argument("--ab", metavar="FIELD[,FIELD]", help=f"A/B of LaunchOptions fields, of {AB_FIELDS}")
     p.add_argument("--candidates", action="store_true", help="with --ab: the tall tiles too at M >= 512")
     p.add_argument("--sweep", metavar="PRESET", help="a wider config search for PRESET at each of --batches")
     a = p.parse_args()
@@ -182,7 +187,9 @@ if __name__ == "__main__":
         for m in (int(v) for v in a.batches.split(",")):
             sweep(a.sweep, m)
     elif a.ab:
-        switches_ab([int(v) for v in a.batches.split(",")], a.ab.split(","), a.candidates)
+        if unknown := set(a.ab.split(",")) - set(AB_FIELDS):
+            p.error(f"--ab: {sorted(unknown)} not among the on/off LaunchOptions fields {AB_FIELDS}")
+        options_ab([int(v) for v in a.batches.split(",")], a.ab.split(","), a.candidates)
     elif a.heuristic:
         heuristic_vs_tuned(TUNE_BATCHES)
     else:

@@ -19,7 +19,9 @@ import torch
 
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.reference import experts_reference
-from moekit.experts.triton import align_block_triton, experts_triton
+from moekit.experts.triton import experts_triton
+from moekit.experts.triton_align import align_block_triton
+from moekit.experts.triton_launch import LaunchOptions
 from moekit.layouts.block_aligned import align_block
 
 FAILED = []
@@ -156,8 +158,6 @@ def layer_graph(dev):
 def races(dev):
     """A kernel that read its input before the previous one had finished would show up as an occasional
     wrong row: replay 50 times, compare each with the path launched without PDL."""
-    import moekit.experts.triton as tri
-
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         expert_weights = make_weights(s, torch.bfloat16, dev)
@@ -166,9 +166,7 @@ def races(dev):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
             routing = uniform_routing(m, s, dev, seed=m)
             ids, w = routing.topk_ids, routing.topk_weights
-            tri.DEPENDENT_LAUNCH = False
-            want = experts_triton(x, w13, w2, ids, w)
-            tri.DEPENDENT_LAUNCH = True
+            want = experts_triton(x, w13, w2, ids, w, options=LaunchOptions(dependent_launch=False))
             experts_triton(x, w13, w2, ids, w)  # compile outside the capture
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):

@@ -11,22 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from moekit.activations import activation_from_hf, get_activation
 from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid"]
 NonFinitePolicy = Literal["raise", "mask"]
-
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
-
-# transformers' hidden_act names -> moekit's activation names.
-_HF_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu": "gelu",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_new": "gelu_tanh",
-    "relu": "relu",
-}
 
 
 @dataclass(frozen=True)
@@ -76,8 +65,7 @@ class MoEConfig:
             raise ValueError(f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        get_activation(self.activation)  # raises, naming the argument, for an unknown one
         if self.nonfinite not in ("raise", "mask"):
             raise ValueError(f"nonfinite must be 'raise' or 'mask', got {self.nonfinite!r}")
         if not self.routed_scaling_factor > 0:
@@ -110,13 +98,6 @@ class MoEConfig:
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(_HF_READERS)}, got {model_type!r}")
         return cls(activation=activation_from_hf(d.get("hidden_act", "silu")), **reader(d))
-
-
-def activation_from_hf(hidden_act: str) -> str:
-    """moekit's activation name for a transformers ``hidden_act``; a clear error for one it lacks."""
-    if hidden_act not in _HF_ACTIVATIONS:
-        raise ValueError(f"cfg.hidden_act must be one of {sorted(_HF_ACTIVATIONS)}, got {hidden_act!r}")
-    return _HF_ACTIVATIONS[hidden_act]
 
 
 def _get(d: dict, *names: str, default: Any = KeyError) -> Any:

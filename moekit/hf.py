@@ -3,10 +3,10 @@ model's experts through moekit.
 
 Importing this module registers moekit as a transformers experts implementation named ``"moekit"``,
 so ``model.set_experts_implementation("moekit")`` sends every experts call through
-``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default). The backend is
-resolved once per (HF_BACKEND, device type) and cached, at import for the CPU and CUDA: resolving
-imports modules, which ``torch.compile(fullgraph=True)`` cannot trace, so a compiled model only ever
-meets the cache.
+``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default). The backend
+comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
+for the CPU and CUDA: resolving imports modules, which ``torch.compile(fullgraph=True)`` cannot trace,
+so a compiled model only ever meets the cache.
 """
 
 from __future__ import annotations
@@ -14,20 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.config import MoEConfig, activation_from_hf
-from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
+from moekit.config import MoEConfig
+from moekit.experts import backend_fn, call_backend
+from moekit.activations import activation_from_hf
 from moekit.layer import MoE
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"
-_RESOLVED: dict[tuple[str, str], ExpertsFn] = {}  # (HF_BACKEND, device type) -> backend function
-
-
-def _backend_fn(device: torch.device) -> ExpertsFn:
-    key = (HF_BACKEND, device.type)
-    if key not in _RESOLVED:
-        _RESOLVED[key] = get_backend(resolve_backend(HF_BACKEND, device))
-    return _RESOLVED[key]
 
 
 def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto") -> MoE:
@@ -87,7 +80,7 @@ def moekit_experts_forward(
             "(gate_up_proj [E, 2N, K], down_proj [E, K, N])"
         )
     return call_backend(
-        _backend_fn(hidden_states.device), hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+        backend_fn(HF_BACKEND, hidden_states.device), hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
         top_k_weights, activation=activation_from_hf(self.config.hidden_act),
     )
 
@@ -99,6 +92,6 @@ def _register() -> None:
 
 
 _register()
-_backend_fn(torch.device("cpu"))
+backend_fn(HF_BACKEND, "cpu")
 if torch.cuda.is_available():
-    _backend_fn(torch.device("cuda"))
+    backend_fn(HF_BACKEND, "cuda")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from moekit.config import MoEConfig
-from moekit.experts import ExpertsFn, call_backend, get_backend, resolve_backend
-from moekit.experts.activations import act_and_mul
+from moekit.experts import ExpertsFn, backend_fn, call_backend, resolve_backend
+from moekit.activations import act_and_mul
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 
 
@@ -105,10 +105,10 @@ class MoE(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        # Resolved here and on every device move (``_apply``), never inside forward: the registry
+        # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
         # imports modules, which torch.compile(fullgraph=True) cannot trace.
         self._backend = name
-        self._experts_fn: ExpertsFn = get_backend(resolve_backend(name, self.w13.device))
+        self._experts_fn: ExpertsFn = backend_fn(name, self.w13.device)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)

@@ -97,8 +97,10 @@ def test_moekit_experts_compile_fullgraph(monkeypatch):
     the backend is resolved (imports and all) on the first eager call, and the compiled call only
     meets the cache. The triton backend runs here under TRITON_INTERPRET=1 (conftest)."""
     pytest.importorskip("triton")
+    import moekit.experts
+
     monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
-    monkeypatch.setattr(moekit_hf, "_RESOLVED", {})
+    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
     torch.manual_seed(2)
     model = qwen3(True).eval()
     model.set_experts_implementation("moekit")
@@ -106,7 +108,7 @@ def test_moekit_experts_compile_fullgraph(monkeypatch):
     x = torch.randn(1, 5, model.config.hidden_size)
     with torch.no_grad():
         eager = block(x)
-        assert ("triton", "cpu") in moekit_hf._RESOLVED
+        assert ("triton", "cpu") in moekit.experts._RESOLVED
         compiled = torch.compile(block, fullgraph=True, backend="eager")(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 

@@ -2,7 +2,7 @@
 
 Chain: triton kernels vs the torch twins (``align_block`` exactly; ``experts_reference`` within the
 dtype's tolerance on a float64 reference). Intermediate buffers are filled with NaN before every run
-(``POISON_WORKSPACE``), so a read of an unwritten row shows up as NaN in the output.
+(``LaunchOptions(poison_workspace=True)``), so a read of an unwritten row shows up as NaN in the output.
 
 What the interpreter cannot run and the device run covers instead: bf16 ``tl.dot`` (upcast here),
 bf16 rounding of the intermediates (float32 here), timing, CUDA graphs, int64 offsets past 2^31.
@@ -35,7 +35,6 @@ def interpreter():
         _purge_kernels()
         import moekit.experts.triton as tri
 
-        mp.setattr(tri, "POISON_WORKSPACE", True)
         yield tri
     _purge_kernels()
 
@@ -43,14 +42,18 @@ def interpreter():
 from _helpers import TOLERANCE as TOL, make_problem as _problem, rel_l2 as _rel_err  # noqa: E402
 from moekit.experts import available_backends  # noqa: E402
 from moekit.experts.configs import (  # noqa: E402
-    GemmTile, KernelConfig, config_file_name, fit_shared_memory, get_config, heuristic_config, load_configs, nearest,
-    shared_memory_bytes, write_configs,
+    GemmTile, KernelConfig, config_file_name, get_config, load_configs, nearest, write_configs,
 )
 from moekit.experts.reference import experts_reference  # noqa: E402
-from moekit.layouts.block_aligned import align_block  # noqa: E402
+from moekit.experts.triton_align import align_block_triton  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options  # noqa: E402
+from moekit.layouts.block_aligned import align_block, use_naive  # noqa: E402
+
+POISON = LaunchOptions(poison_workspace=True)  # every test run fills the workspaces with NaN first
+
 
 def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
-    out = tri.experts_triton(x, w13, w2, ids, weights, expert_map=expert_map, activation=activation)
+    out = tri.experts_triton(x, w13, w2, ids, weights, expert_map=expert_map, activation=activation, options=POISON)
     assert out.shape == x.shape and out.dtype == x.dtype
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights, expert_map=expert_map, activation=activation)
     if x.shape[0]:
@@ -66,11 +69,10 @@ def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
 @pytest.mark.parametrize("e,block", [(8, 4), (64, 16), (3, 16)])
 @pytest.mark.parametrize("with_map", [False, True])
 @pytest.mark.parametrize("launch", ["single", "three"])
-def test_align_equals_twin(interpreter, monkeypatch, m, k, e, block, with_map, launch):
-    if launch == "three":  # force the chunked three-launch path even for small batches
-        monkeypatch.setattr(interpreter, "ALIGN_SMALL_MAX", 0)
-    else:  # and the single launch for any expert count
-        monkeypatch.setattr(interpreter, "ALIGN_SMALL_MAX_BINS", 1 << 20)
+def test_align_equals_twin(m, k, e, block, with_map, launch):
+    # "three" forces the chunked three-launch path even for small batches, "single" the single launch
+    # for any expert count.
+    options = LaunchOptions(align_small_max=0) if launch == "three" else LaunchOptions(align_small_max_bins=1 << 20)
     g = torch.Generator().manual_seed(m * 100 + k * 10 + e)
     ids = torch.randint(-1, e + 2, (m, k), generator=g, dtype=torch.int32)  # includes skipped ids (-1, >= E)
     expert_map = None
@@ -79,17 +81,17 @@ def test_align_equals_twin(interpreter, monkeypatch, m, k, e, block, with_map, l
         expert_map[expert_map == -2] = -1
     for allow_naive in (True, False):
         want = align_block(ids, e, block, expert_map, allow_naive)
-        got = interpreter.align_block_triton(ids, e, block, expert_map, allow_naive)
+        got = align_block_triton(ids, e, block, expert_map, allow_naive, options=options)
         assert got.naive == want.naive
         for field in ("sorted_ids", "expert_ids", "num_padded", "counts"):
             a, b = getattr(got, field), getattr(want, field)
             assert a.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b), field
 
 
-def test_align_many_chunks(interpreter):
+def test_align_many_chunks():
     # More assignments than one chunk (128): the cross-chunk scan must keep each expert's rows in a-order.
     ids = torch.randint(0, 5, (150, 3), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
-    want, got = align_block(ids, 5, 16), interpreter.align_block_triton(ids, 5, 16)
+    want, got = align_block(ids, 5, 16), align_block_triton(ids, 5, 16)
     assert torch.equal(got.sorted_ids, want.sorted_ids) and torch.equal(got.expert_ids, want.expert_ids)
 
 
@@ -108,7 +110,7 @@ def test_experts_odd_shapes(interpreter, m, k, dtype):
 def test_naive_path_with_many_experts(interpreter):
     x, w13, w2, ids, weights = _problem(3, 2, 32, 33, 17, torch.bfloat16)  # A*4 = 24 <= 32: naive
     ids[1, 0] = -1  # a skipped slot: its h row is never written, so never read
-    assert interpreter.use_naive(ids.numel(), 32, None)
+    assert use_naive(ids.numel(), 32, None)
     _check(interpreter, x, w13, w2, ids, weights)
 
 
@@ -142,39 +144,135 @@ def test_non_contiguous_inputs(interpreter):
 
 @pytest.mark.parametrize("descriptors", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_descriptors_with_tails(interpreter, monkeypatch, descriptors, dtype):
+def test_weight_descriptors_with_tails(interpreter, descriptors, dtype):
     """16-bit weights with 16-byte rows (K=40, N=24) take the TMA descriptor path: the last N tile of
     the gate reads the up rows, the last up tile reads the next expert's rows (or past the end), K=40
     leaves a zero-filled tail of the 32-wide K tile. None of it may reach the output."""
-    monkeypatch.setattr(interpreter, "WEIGHT_DESCRIPTORS", descriptors)
+    options = LaunchOptions(weight_descriptors=descriptors, poison_workspace=True)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
-    assert interpreter._descriptors_allowed(w13, w2) == descriptors
-    out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
+    assert interpreter._descriptors_allowed(w13, w2, options) == descriptors
+    out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg, options=options)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(out, ref) < TOL[dtype]
-    assert not interpreter._descriptors_allowed(w13[:, :, :33].contiguous(), w2)  # 66-byte rows: pointers
-    assert not interpreter._descriptors_allowed(w13.float(), w2.float())  # float32 keeps pointer loads
+    assert not interpreter._descriptors_allowed(w13[:, :, :33].contiguous(), w2, POISON)  # 66-byte rows: pointers
+    assert not interpreter._descriptors_allowed(w13.float(), w2.float(), POISON)  # float32 keeps pointer loads
 
 
-def test_dependent_launch_only_on_hopper_gpus(interpreter, monkeypatch):
+def test_dependent_launch_only_on_hopper_gpus(monkeypatch):
     """Programmatic dependent launch is asked for on NVIDIA devices of compute capability >= 9 only: never
     under the interpreter (it cannot run griddepcontrol), on the CPU, on ROCm, or when switched off."""
-    off = dict(PDL=False, launch_pdl=False)
-    assert interpreter._launch_options(torch.device("cpu")) == off
-    monkeypatch.setattr(interpreter, "interpreting", lambda: False)
-    assert interpreter._launch_options(torch.device("cpu")) == off
-    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 9)
-    cuda = torch.device("cuda", 0)
-    assert interpreter._launch_options(cuda) == dict(PDL=True, launch_pdl=True)
-    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 8)
-    assert interpreter._launch_options(cuda) == off
-    monkeypatch.setattr(interpreter, "_major_capability_of", lambda index: 9)
-    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: MI300 reports capability 9.4, no griddepcontrol
-    assert interpreter._launch_options(cuda) == off
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(interpreter, "DEPENDENT_LAUNCH", False)
-    assert interpreter._launch_options(cuda) == off
+    from moekit.experts import triton_launch as tl_
+
+    def resolved(options: LaunchOptions, device: torch.device) -> dict:
+        tl_.resolve_launch_options.cache_clear()  # the device facts are patched below
+        return tl_.resolve_launch_options(options, device).pdl_kwargs()
+
+    off, on = dict(PDL=False, launch_pdl=False), dict(PDL=True, launch_pdl=True)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    try:
+        assert resolved(LaunchOptions(), cpu) == off and tl_.default_launch_options(cpu).pdl_kwargs() == off
+        monkeypatch.setattr(tl_, "interpreting", lambda: False)
+        assert resolved(LaunchOptions(), cpu) == off
+        monkeypatch.setattr(tl_, "_major_capability_of", lambda index: 9)
+        assert resolved(LaunchOptions(), cuda) == on
+        assert resolved(LaunchOptions(dependent_launch=False), cuda) == off  # switched off by the caller
+        monkeypatch.setattr(tl_, "_major_capability_of", lambda index: 8)
+        assert resolved(LaunchOptions(), cuda) == off
+        monkeypatch.setattr(tl_, "_major_capability_of", lambda index: 9)
+        monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: MI300 reports capability 9.4, no griddepcontrol
+        assert resolved(LaunchOptions(), cuda) == off
+    finally:
+        tl_.resolve_launch_options.cache_clear()  # no patched fact outlives the test
+
+
+def test_launch_options_resolve_keeps_other_fields():
+    asked = LaunchOptions(weight_descriptors=False, poison_workspace=True, align_small_max=0, align_small_max_bins=8)
+    got = resolve_launch_options(asked, torch.device("cpu"))
+    assert got == LaunchOptions(False, False, True, 0, 8)
+    assert resolve_launch_options(asked, torch.device("cpu")) is got  # cached per (options, device)
+    with pytest.raises(ValueError, match="align_small_max"):
+        LaunchOptions(align_small_max=129)  # the single-program alignment holds one chunk of 128
+
+
+class _LaunchLog:
+    """Stands in for ``triton_launch.kernels``: records (kernel name, keyword arguments) of each launch."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, []
+
+    def __call__(self, module: str):
+        return _LoggedModule(self.real(module), self.launches)
+
+    def take(self) -> list:
+        launches, self.launches[:] = list(self.launches), []
+        return launches
+
+
+class _LoggedModule:
+    def __init__(self, module, launches: list):
+        self.module, self.launches = module, launches
+
+    def __getattr__(self, name: str):
+        return _LoggedKernel(getattr(self.module, name), name, self.launches)
+
+
+class _LoggedKernel:
+    def __init__(self, kernel, name: str, launches: list):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.name, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def launch_log(interpreter, monkeypatch):
+    from moekit.experts import triton_align
+
+    log = _LaunchLog(interpreter.kernels)
+    monkeypatch.setattr(interpreter, "kernels", log)
+    monkeypatch.setattr(triton_align, "kernels", log)
+    return log
+
+
+def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
+    """Options travel with the call: interleaved callers with different options each get theirs, through
+    the op (``experts_triton``) and around it (``fused_experts``, ``align_block_triton``)."""
+    x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, torch.bfloat16)
+    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
+    a = LaunchOptions(weight_descriptors=False, align_small_max=0, poison_workspace=True)
+    b = LaunchOptions(weight_descriptors=True, align_small_max_bins=1 << 20, poison_workspace=True)
+    for _ in range(2):
+        for options, kernels_wanted, w_desc in ((a, {"align_hist_kernel", "align_scan_kernel"}, False),
+                                                (b, {"align_small_kernel"}, True)):
+            for run in (interpreter.experts_triton, interpreter.fused_experts):
+                out = run(x, w13, w2, ids, weights, options=options)
+                assert _rel_err(out, ref) < TOL[torch.bfloat16]
+                launches = dict(launch_log.take())
+                assert kernels_wanted <= set(launches), launches.keys()
+                assert launches["gate_up_kernel"]["W_DESC"] == launches["down_kernel"]["W_DESC"] == w_desc
+            align = align_block_triton(ids, 8, 16, options=options)
+            assert torch.equal(align.sorted_ids, align_block(ids, 8, 16).sorted_ids)
+            assert kernels_wanted <= {name for name, _ in launch_log.take()}
+
+
+def test_compiled_caller_picks_its_options(interpreter, launch_log):
+    """Under torch.compile(fullgraph=True) the options are constants of the graph: two compiled
+    functions with different options launch differently and agree."""
+    x, w13, w2, ids, weights = _problem(5, 2, 8, 40, 24, torch.bfloat16)
+    outs = {}
+    for w_desc in (False, True):
+        options = LaunchOptions(weight_descriptors=w_desc, poison_workspace=True)
+        fn = torch.compile(lambda *t, o=options: interpreter.experts_triton(*t, options=o),
+                           fullgraph=True, backend="aot_eager")
+        outs[w_desc] = fn(x, w13, w2, ids, weights)
+        assert {kw["W_DESC"] for _, kw in launch_log.take() if "W_DESC" in kw} == {w_desc}
+    ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
+    assert _rel_err(outs[False], ref) < 1e-2 and _rel_err(outs[True], ref) < 1e-2
 
 
 def test_float16(interpreter):
@@ -200,7 +298,7 @@ def test_explicit_configs_agree(interpreter):
     ref = experts_reference(x, w13, w2, ids, weights)
     for block_m in (16, 32):
         cfg = KernelConfig(block_m, GemmTile(16, 32, 2, 4, 2), GemmTile(32, 16, 1, 4, 2))
-        out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg)
+        out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg, options=POISON)
         assert _rel_err(out, ref.double()) < 1e-5
 
 
@@ -226,9 +324,11 @@ def test_availability(interpreter, monkeypatch):
 
 def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
-    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu"))
-    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False))
-    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids[:1, :1], 8, 16, None, True))
+    options = (True, True, True, 128, 64)  # weight_descriptors .. align_small_max_bins
+    torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu", *options))
+    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))
+    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 0, 64))
+    torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids[:1, :1], 8, 16, None, True, True, 128, 64))
 
 
 def test_moe_compiles_fullgraph(interpreter):
@@ -265,59 +365,3 @@ def test_config_lookup_nearest_and_user_dir(interpreter, tmp_path, monkeypatch):
     assert nearest({1: small, 256: big}, 16) == small  # equal distance: the smaller M
     # The file changes the launch, and the result stays right.
     _check(interpreter, *_problem(33, 2, 8, 33, 17, torch.float32))
-
-
-def test_heuristic_without_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
-    assert load_configs(7, 5, 3, torch.bfloat16, "nowhere") is None
-    assert get_config(1, 7, 5, 3, 2, torch.bfloat16, "nowhere") == heuristic_config(1, 7, 5, 3, 2)
-    heights = [heuristic_config(m, 128, 768, 2048, 8).BLOCK_M for m in (1, 64, 512, 4096, 16384)]
-    assert heights == sorted(heights) and heights[0] == 16 and heights[-1] == 128
-
-
-H200_SHARED_MEMORY = 232448  # the limit Triton 3.6 reported on the H200
-
-
-def test_shared_memory_fit():
-    # The H200 run that found this: Triton asked for 294912 bytes (gate-up, BLOCK_M 32, tile 128x128,
-    # 3 stages, fp32) and refused to launch.
-    refused = KernelConfig(32, GemmTile(128, 128, 8, 8, 3), GemmTile(64, 128, 1, 4, 4))
-    assert shared_memory_bytes(32, refused.up, 4, weight_tiles=2) == 294912
-    fitted = fit_shared_memory(refused, 4, H200_SHARED_MEMORY)
-    for tile, old, weight_tiles in ((fitted.up, refused.up, 2), (fitted.down, refused.down, 1)):
-        assert shared_memory_bytes(32, tile, 4, weight_tiles) <= H200_SHARED_MEMORY
-        assert (tile.BLOCK_N, tile.GROUP_M, tile.num_warps) == (old.BLOCK_N, old.GROUP_M, old.num_warps)
-    assert (fitted.up.num_stages, fitted.up.BLOCK_K) == (2, 128)  # one buffered step: 147456 bytes
-    assert fitted.down == refused.down  # 3 x (32*128 + 64*128) x 4 = 147456 already fits
-    # With descriptors Triton buffers every stage: it asked 245848 bytes at BLOCK_M 128, 128x64, 5 stages, bf16.
-    tma = KernelConfig(128, GemmTile(128, 64, 8, 8, 5), GemmTile(128, 64, 8, 8, 5))
-    assert 245848 <= shared_memory_bytes(128, tma.up, 2, 2, descriptors=True) <= 245848 + 1024
-    assert fit_shared_memory(tma, 2, H200_SHARED_MEMORY, descriptors=True).up.num_stages == 4
-    # A tiny limit bottoms out at 2 stages and BLOCK_K 16 instead of looping forever.
-    floor = fit_shared_memory(refused, 4, 1)
-    assert (floor.up.num_stages, floor.up.BLOCK_K, floor.down.BLOCK_K) == (2, 16, 16)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_shipped_and_heuristic_configs_fit_16_bit(dtype):
-    """Everything that ran on the H200 in bf16 fits as it is: the fit changes nothing there."""
-    from moekit.experts.configs import PACKAGED_DIR, _read
-
-    configs = [c for p in PACKAGED_DIR.glob("*.json") for c in _read(str(p), p.stat().st_mtime).values()]
-    configs += [heuristic_config(m, e, n, k, top_k) for m in (1, 8, 64, 512, 4096, 16384)
-                for e, n, k, top_k in ((128, 768, 2048, 8), (256, 2048, 7168, 8), (8, 14336, 4096, 2))]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    for config in configs:
-        for descriptors in (False, True):
-            assert fit_shared_memory(config, itemsize, H200_SHARED_MEMORY, descriptors=descriptors) == config
-
-
-def test_packaged_configs_parse():
-    from moekit.experts.configs import PACKAGED_DIR
-
-    for path in PACKAGED_DIR.glob("*.json"):
-        data = json.loads(path.read_text())
-        assert path.name == config_file_name(data["E"], data["N"], data["K"], getattr(torch, data["dtype"]), data["device"])
-        for entry in data["configs"].values():
-            KernelConfig.from_dict(entry)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
-import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +21,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

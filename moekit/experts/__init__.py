@@ -8,7 +8,9 @@ An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (cont
 covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
 
 Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels,
-CUDA). ``backend="auto"`` picks the best available for the device.
+CUDA). ``backend="auto"`` picks the best available for the device. ``backend_fn(name, device)`` is
+the one resolver that ``MoE``, ``EPMoE`` and ``moekit.hf`` use: resolved once per (name, device
+type), then a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ _BACKENDS = {
 # for tests), so "auto" never picks it there; it stays available by name.
 _AUTO_ORDER = {"cuda": ("triton", "grouped_mm", "reference")}
 _AUTO_ORDER_OTHER = ("grouped_mm", "reference")
+
+# (backend name, device type) -> its resolved function. A plain dict, not functools.lru_cache: on a hit
+# torch.compile traces a dict lookup, while it traces through an lru_cache wrapper into the resolution
+# itself (module imports), which fullgraph=True cannot take.
+_RESOLVED: dict[tuple[str, str], ExpertsFn] = {}
 
 
 def backend_names() -> list[str]:
@@ -70,6 +77,17 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     return backend
 
 
+def backend_fn(name: str, device: torch.device | str) -> ExpertsFn:
+    """The experts function of backend ``name`` ("auto" or a name) on ``device``'s type, resolved on
+    the first call per (name, device type) and cached. A cached call imports nothing, so it traces under
+    ``torch.compile(fullgraph=True)``; resolve once outside the trace (as ``MoE`` does on construction)."""
+    key = (name, device.type if isinstance(device, torch.device) else torch.device(device).type)
+    fn = _RESOLVED.get(key)
+    if fn is None:
+        fn = _RESOLVED[key] = get_backend(resolve_backend(name, device))
+    return fn
+
+
 def run_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -82,7 +100,7 @@ def run_experts(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
-    fn = get_backend(resolve_backend(backend, x.device))
+    fn = backend_fn(backend, x.device)
     return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
 
 

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from moekit.experts.activations import act_and_mul
+from moekit.activations import act_and_mul
 from moekit.layouts.grouping import rank_within_groups, to_local_ids
 
 

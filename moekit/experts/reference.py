@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.experts.activations import act_and_mul
+from moekit.activations import act_and_mul
 from moekit.layouts.grouping import to_local_ids
 
 

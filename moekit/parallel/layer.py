@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moekit.config import MoEConfig
-from moekit.experts import run_experts
+from moekit.experts import call_backend
 from moekit.layer import MoE, MoEOutput, RoutedTokens
 from moekit.parallel.dispatch import (
     Dispatched,
@@ -237,9 +237,9 @@ class EPMoE(MoE):
 
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
-        return run_experts(
-            sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
-            activation=self.config.activation, backend=self.backend,
+        return call_backend(
+            self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
+            activation=self.config.activation,
         )
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The ``@triton.jit`` code of the Triton experts backend. Private: only ``moekit.experts.triton``
-imports these modules, and it does so lazily, because Triton decides at decoration time whether a
-kernel is compiled or interpreted (``TRITON_INTERPRET=1``).
+"""The ``@triton.jit`` code of the Triton experts backend. Private: only its launchers
+(``moekit.experts.triton``, ``triton_align``) import these modules, lazily through
+``triton_launch.kernels``, because Triton decides at decoration time whether a kernel is compiled or
+interpreted (``TRITON_INTERPRET=1``).
 
     align.py    topk_ids -> block-aligned layout        (torch twin: moekit.layouts.block_aligned.align_block)
     gemm.py     gate-up + act-and-mul, down + weight    (torch twin: moekit.experts.reference / grouped_mm)

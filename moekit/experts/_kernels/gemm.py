@@ -16,7 +16,8 @@ tiles; the host picks it for 16-bit weights when the strides allow (``triton.py`
 are gathered by index either way.
 
 NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignment pid_m alone, its
-expert read straight from topk_ids, so no alignment runs at all.
+expert read straight from topk_ids, so no alignment runs at all (the host passes None for
+sorted_ids, expert_ids and num_padded; the NAIVE branch never touches them).
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
@@ -29,9 +30,6 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-
-
-ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU = 0, 1, 2, 3
 
 
 @triton.jit
@@ -65,6 +63,7 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
 
 @triton.jit
 def _activation(g, ACT: tl.constexpr):
+    """ACT is ``moekit.activations.ACTIVATIONS[name].kernel_id``; the torch twin is its ``fn``."""
     if ACT == 0:  # silu
         return g * tl.sigmoid(g)
     elif ACT == 1:  # gelu (erf)

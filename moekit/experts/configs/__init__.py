@@ -12,11 +12,14 @@ GEMMs walk the same block-aligned layout. A lookup takes the entry of the neares
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
 ``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
 ``heuristic_config`` decides.
+
+Lookups are cached in memory per shape (see ``_TABLES``): the filesystem is searched once per (E, N,
+K, dtype, device). ``write_configs`` (what ``moekit tune`` saves through) clears the cache; after
+editing a file by hand, or writing one from another process, call ``clear_config_cache()``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -86,20 +89,40 @@ def default_user_dir() -> Path:
     return user_config_dirs()[0]
 
 
-@functools.lru_cache(maxsize=256)
-def _read(path: str, mtime: float) -> dict[int, KernelConfig]:
+# (E, N, K, dtype, device, $MOEKIT_CONFIG_DIR, $XDG_CONFIG_HOME) -> the tuned entries {M: config} of
+# the first file found, None where there is none. A lookup used to stat each directory and read the
+# file on every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that
+# name the user directories are in the key, so pointing them elsewhere searches again.
+_TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
+
+
+def clear_config_cache() -> None:
+    """Forget every cached lookup: the next one searches the directories again."""
+    _TABLES.clear()
+
+
+def read_configs(path: Path) -> dict[int, KernelConfig]:
+    """The entries {M: config} of one config file."""
     data = json.loads(Path(path).read_text())
     return {int(m): KernelConfig.from_dict(c) for m, c in data["configs"].items()}
 
 
-def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> dict[int, KernelConfig] | None:
-    """The tuned entries {M: config} for this shape, from the first directory that has a file; else None."""
-    name = config_file_name(num_experts, n, k, dtype, device)
+def _load_from_disk(name: str) -> dict[int, KernelConfig] | None:
+    """The entries of file ``name`` in the first directory that has it (user ones first); else None."""
     for directory in [*user_config_dirs(), PACKAGED_DIR]:
         path = directory / name
         if path.is_file():
-            return _read(str(path), path.stat().st_mtime)
+            return read_configs(path)
     return None
+
+
+def load_configs(num_experts: int, n: int, k: int, dtype: torch.dtype, device: str) -> dict[int, KernelConfig] | None:
+    """The tuned entries {M: config} for this shape, from the first directory that has a file; else None.
+    Cached (``_TABLES``); the dict returned is shared, so do not change it."""
+    key = (num_experts, n, k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"), os.environ.get("XDG_CONFIG_HOME"))
+    if key not in _TABLES:
+        _TABLES[key] = _load_from_disk(config_file_name(num_experts, n, k, dtype, device))
+    return _TABLES[key]
 
 
 def nearest(configs: dict[int, KernelConfig], num_tokens: int) -> KernelConfig:
@@ -174,8 +197,9 @@ def get_config(
 
 def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dtype, device: str,
                   configs: dict[int, KernelConfig], measured: dict[int, dict] | None = None) -> None:
-    """Write a config file atomically (a reader never sees half a file). ``measured`` (optional, per M:
-    the tuned and the heuristic µs) is kept beside the entries for the record; lookups ignore it."""
+    """Write a config file atomically (a reader never sees half a file) and clear the lookup cache, so
+    the next lookup in this process finds it. ``measured`` (optional, per M: the tuned and the heuristic
+    µs) is kept beside the entries for the record; lookups ignore it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "E": num_experts, "N": n, "K": k, "dtype": dtype_key(dtype), "device": device,
@@ -186,3 +210,4 @@ def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dty
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
+    clear_config_cache()

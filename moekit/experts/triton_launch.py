@@ -1,0 +1,113 @@
+"""How the Triton experts path launches: the options a caller chooses, and the device facts they are
+resolved against.
+
+    LaunchOptions (asked for) --resolve_launch_options(options, device), cached--> LaunchOptions (what runs)
+
+Every switch of the path is a field of one frozen dataclass, passed down to each launch; none is a
+module global. So two callers in one process (a served model, an A/B benchmark, a test that poisons
+the workspaces) each launch with their own options and never see each other's. What the device
+decides (programmatic dependent launch exists only on NVIDIA compute capability >= 9.0, compiled) is
+resolved once per (options, device) and cached: after the first call it costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+ALIGN_CHUNK = 128  # assignments per alignment chunk program; the in-chunk rank is a [C, C] compare (16k lanes)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The choices of one experts launch that do not change its result (``poison_workspace`` aside, which
+    only turns a wrong read into NaN). Defaults are what the H200 measurements picked."""
+
+    # 16-bit weights through TMA tensor descriptors where their strides allow it (others keep pointer
+    # loads). On: H200 M=16384 Mixtral 23227 -> 20428 µs, Qwen3 3048 -> 2729; decode equal within noise.
+    weight_descriptors: bool = True
+    # Programmatic dependent launch: each kernel launches while the one before it drains. Asked for by
+    # default, kept only where the device has it (``resolve_launch_options``). On: H200 Qwen3 M=1
+    # 28.8 -> 27.7 µs, M=8 128.5 -> 124.7; Mixtral M=1 175.4 -> 173.3 (GEMMs signal after their main loop).
+    dependent_launch: bool = True
+    # Fill the [A, N] and [A, K] workspaces with NaN first, so that a read of a row no kernel wrote shows
+    # up as NaN in the output. For tests: off by default, it costs a fill of each buffer.
+    poison_workspace: bool = False
+    # Up to align_small_max assignments (at most one chunk) and align_small_max_bins histogram bins
+    # (next_pow2(E + 1)) the alignment is one single-program launch instead of three. H200 at M=8:
+    # Mixtral (E=8, 16 bins) 4.1 µs against 6.6 µs for three launches; Qwen3 (E=128, 256 bins) 11.5 µs
+    # against 6.8 µs, because one program then walks [blocks, bins] tiles that three launches spread.
+    align_small_max: int = ALIGN_CHUNK
+    align_small_max_bins: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.align_small_max <= ALIGN_CHUNK:
+            raise ValueError(f"align_small_max must be in [0, {ALIGN_CHUNK}] (one chunk), got {self.align_small_max}")
+
+    def pdl_kwargs(self) -> dict:
+        """Keyword arguments of every kernel launch: the kernels' ``PDL`` constexpr and Triton's
+        ``launch_pdl``. Only meaningful on resolved options."""
+        return dict(PDL=self.dependent_launch, launch_pdl=self.dependent_launch)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability_of(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def has_dependent_launch(device: torch.device) -> bool:
+    """Programmatic dependent launch exists on NVIDIA devices of compute capability 9.0 and later; never
+    under the interpreter, never on ROCm (whose "cuda" devices report capabilities like 9.4 but have no
+    griddepcontrol)."""
+    return (device.type == "cuda" and torch.version.hip is None and not interpreting()
+            and _major_capability_of(_index(device)) >= 9)
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_launch_options(options: LaunchOptions, device: torch.device) -> LaunchOptions:
+    """``options`` as they run on ``device``: what the device lacks switched off. Cached."""
+    return replace(options, dependent_launch=options.dependent_launch and has_dependent_launch(device))
+
+
+def default_launch_options(device: torch.device) -> LaunchOptions:
+    """The default options, resolved for ``device``."""
+    return resolve_launch_options(LaunchOptions(), device)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory_of(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: the limit Triton's launcher checks."""
+    return _max_shared_memory_of(_index(device))
+
+
+def kernels(name: str):
+    """The kernel module ``moekit.experts._kernels.<name>``, imported on first use: Triton decides at
+    decoration time whether a kernel is compiled or interpreted."""
+    return importlib.import_module(f"moekit.experts._kernels.{name}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
