@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from moekit.parallel.dispatch import ReplicaTables, plan_sends
+from moekit.parallel.eplb import eplb_placement, load_lower_bound
 from moekit.parallel.placement import (
     Placement,
     balancedness,
     contiguous_placement,
-    eplb_placement,
-    load_lower_bound,
     rank_loads,
     round_robin_placement,
 )
