@@ -30,9 +30,10 @@ __all__ = [
 class Placement:
     """A logical -> physical expert map over ``world_size`` ranks.
 
-    Every logical expert is held by at least one rank (else its tokens would have nowhere to go) and
-    by a rank at most once; an expert on several ranks has replicas, and the tokens routed to it are
-    split evenly over them.
+    Every logical expert is held by at least one slot (else its tokens would have nowhere to go); an
+    expert in several slots has replicas, and the tokens routed to it are split evenly over them. A
+    rank may hold two replicas of one expert (EPLB does when that balances better): it then serves
+    both shares, and dispatch sends that rank's share to one of the two slots.
     """
 
     num_experts: int  # E: logical routed experts
@@ -50,8 +51,6 @@ class Placement:
         self.slots = [[int(e) for e in rank_slots] for rank_slots in self.slots]
         replicas: list[list[int]] = [[] for _ in range(self.num_experts)]
         for rank, rank_slots in enumerate(self.slots):
-            if len(set(rank_slots)) != len(rank_slots):
-                raise ValueError(f"slots[{rank}] holds an expert twice: {rank_slots}")
             for e in rank_slots:
                 if not 0 <= e < self.num_experts:
                     raise ValueError(f"slots[{rank}] has expert id {e}, expected 0 <= id < num_experts={self.num_experts}")
@@ -75,16 +74,17 @@ class Placement:
         return len(self.slots[rank])
 
     def replicas(self, expert: int) -> list[int]:
-        """The ranks that hold logical ``expert``, ascending."""
+        """The rank of each replica of logical ``expert``, ascending (a rank holding it twice appears twice)."""
         return list(self._replicas[expert])
 
     def replica_counts(self) -> list[int]:
-        """replica_counts()[e] = number of ranks holding expert e (>= 1)."""
+        """replica_counts()[e] = number of slots holding expert e (>= 1)."""
         return [len(r) for r in self._replicas]
 
     def expert_map_for(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """[E] int32: the local index of each logical expert on ``rank``, or -1 where it holds none
-        (vLLM's expert-map convention, accepted by ``moekit.experts.run_experts``)."""
+        (vLLM's expert-map convention, accepted by ``moekit.experts.run_experts``). An expert held twice
+        on ``rank`` maps to the later of its two slots (a map has room for one)."""
         out = torch.full((self.num_experts,), -1, dtype=torch.int32)
         for local, e in enumerate(self.slots[rank]):
             out[e] = local
@@ -148,8 +148,8 @@ def _check_loads(loads) -> list[float]:
 
 
 def rank_loads(placement: Placement, loads) -> list[float]:
-    """Load per rank: each rank sums ``load[e] / replicas(e)`` over the experts it holds (the even
-    split EPMoE's replica choice produces)."""
+    """Load per rank: each rank sums ``load[e] / replicas(e)`` over its slots (the even split EPMoE's
+    replica choice produces; a rank holding e twice serves two shares)."""
     values = _check_loads(loads)
     if len(values) != placement.num_experts:
         raise ValueError(f"loads must have num_experts={placement.num_experts} entries, got {len(values)}")
