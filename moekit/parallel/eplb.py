@@ -27,12 +27,13 @@ the mean, other counts 1.000):
    rank (ties: the earlier candidate).
 
 A rank may hold two replicas of one expert: under the cost model that rank serves both shares, which
-is sometimes the only way to the optimum (loads [18, 1, 19, 18], W=2, R=2: 28/28 needs expert 2 twice
-on one rank; without it 28.5 is the best). DeepSeek's algorithm is one of the packings; the search
-starts from the lowest packings and never raises their maximum, so the result is never worse than
-DeepSeek's on the same loads (its ties broken as above). On every case with E <= 4, W <= 3, R <= 3
-tried against an exhaustive search it is optimal; in general it is a heuristic. Deterministic: the
-same loads give the same placement.
+is sometimes the only way to the optimum (loads [16, 13, 3], W=2, R=1: 16/16 needs expert 0 twice on
+one rank, as DeepSeek's packing does; with distinct experts per rank 17.5 is the best).
+
+DeepSeek's algorithm is one of the packings; the search starts from the lowest packings and never
+raises their maximum, so the result is never worse than DeepSeek's on the same loads (its ties broken
+as above). On every case with E <= 4, W <= 3, R <= 3 tried against an exhaustive search it is
+optimal; in general it is a heuristic. Deterministic: the same loads give the same placement.
 
 ``load_lower_bound``: max(mean rank load, the largest per-replica load of the W-capped greedy counts).
 Every placement's maximum rank load is at least that bound, so ``max / bound`` says how far a
@@ -152,12 +153,14 @@ def _pack(values: list[float], counts: list[int], world_size: int, spread: bool)
                    key=lambda item: (-item[0], item[1]))
     slots: list[list[int]] = [[] for _ in range(world_size)]
     loads = [0.0] * world_size
+    longer = 0  # ranks holding base + 1 slots; at most ``extra`` may
     for share, e in items:
-        full_ranks = sum(len(s) > base for s in slots)
-        open_ranks = [r for r in range(world_size) if len(slots[r]) < base + (full_ranks < extra)]
-        rank = min(open_ranks, key=lambda r: (spread and e in slots[r], loads[r], r))
+        room = base + (longer < extra)
+        rank = min((r for r in range(world_size) if len(slots[r]) < room),
+                   key=lambda r: (spread and e in slots[r], loads[r], r))
         slots[rank].append(e)
         loads[rank] += share
+        longer += len(slots[rank]) == base + 1
     return _Packing(values, list(counts), slots)
 
 
@@ -177,7 +180,7 @@ def _best_swap(p: _Packing, top: int, limit: float) -> _Move | None:
             k = bisect.bisect_left(ordered, (share[a] - gap / 2, -1))
             for b_share, j in ordered[max(k - 1, 0) : k + 1]:
                 delta = share[a] - b_share
-                new_max = max(p.loads[top] - delta, p.loads[other] + delta)
+                new_max = p.loads[top] - delta if 2 * delta < gap else p.loads[other] + delta
                 if 0 < delta and new_max < limit and (best is None or new_max < best.score):
                     best = _Move(new_max, [(top, i, p.slots[other][j]), (other, j, a)])
     return best
