@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from moekit.parallel.dispatch import ReplicaTables, plan_sends
+from moekit.parallel.eplb import eplb_placement, load_lower_bound
 from moekit.parallel.placement import (
     Placement,
     balancedness,
     contiguous_placement,
-    eplb_placement,
-    load_lower_bound,
     rank_loads,
     round_robin_placement,
 )
@@ -56,7 +55,6 @@ def test_placement_from_vllm_expert_maps():
     "slots, match",
     [
         ([[0, 1], [2]], "experts \\[3\\] are on none"),
-        ([[0, 0, 1], [2, 3]], "twice"),
         ([[0, 1], [2, 4]], "num_experts=4"),
         ([[0, 1, 2, 3]], "one list per rank"),
     ],
@@ -64,6 +62,16 @@ def test_placement_from_vllm_expert_maps():
 def test_placement_rejects_bad_maps(slots, match):
     with pytest.raises(ValueError, match=match):
         Placement(4, 2, slots)
+
+
+def test_an_expert_twice_on_one_rank_serves_two_shares():
+    """EPLB may put two replicas of one expert on a rank: each slot is a replica, so the rank carries two
+    of the expert's equal shares (and a vLLM map, with room for one local index, names the later slot)."""
+    p = Placement(4, 2, [[0, 0, 1], [2, 3, 0]])
+    assert p.replicas(0) == [0, 0, 1] and p.replica_counts() == [3, 1, 1, 1]
+    assert p.num_redundant == 2
+    assert rank_loads(p, [9.0, 1.0, 2.0, 3.0]) == [3.0 + 3.0 + 1.0, 2.0 + 3.0 + 3.0]
+    assert p.expert_map_for(0).tolist() == [1, 2, -1, -1]
 
 
 def test_rank_loads_split_replicas_evenly():

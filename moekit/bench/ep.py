@@ -42,7 +42,8 @@ from moekit.bench.timing import time_calls
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.parallel.layer import EPMoE
-from moekit.parallel.placement import contiguous_placement, eplb_placement, round_robin_placement
+from moekit.parallel.eplb import eplb_placement
+from moekit.parallel.placement import contiguous_placement, round_robin_placement
 
 DEEPSEEK_V3_ROUTED = MoEConfig(
     hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8, scoring="sigmoid", renormalize=True,

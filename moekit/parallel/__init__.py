@@ -2,23 +2,23 @@
 
     [Gate+Route, local tokens] -> [Dispatch: all_to_all_single] -> [Local experts] -> [Combine: all_to_all_single]
 
-``moekit.parallel.placement`` has no ``torch.distributed`` dependency (the simulator imports it);
-``EPMoE`` is imported on first use.
+``moekit.parallel.placement`` and ``moekit.parallel.eplb`` have no ``torch.distributed`` dependency (the
+simulator imports them); ``EPMoE`` is imported on first use.
 """
 
+from moekit.parallel.eplb import eplb_placement, load_lower_bound
 from moekit.parallel.placement import (
     Placement,
     balancedness,
     contiguous_placement,
-    eplb_placement,
-    load_lower_bound,
     rank_loads,
     round_robin_placement,
 )
 
+from moekit.parallel import eplb as _eplb
 from moekit.parallel import placement as _placement
 
-__all__ = [*_placement.__all__, "EPMoE", "RebalanceReport", "PeerRankError"]
+__all__ = [*_placement.__all__, *_eplb.__all__, "EPMoE", "RebalanceReport", "PeerRankError"]
 
 
 def __getattr__(name: str):

@@ -35,13 +35,12 @@ from moekit.parallel.dispatch import (
     dispatch_padded,
     plan_sends,
 )
+from moekit.parallel.eplb import eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.placement import (
     Placement,
     balancedness,
     contiguous_placement,
-    eplb_placement,
-    load_lower_bound,
     rank_loads,
 )
 from moekit.parallel.weights import move_experts, shard_experts

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from moekit.parallel.eplb import eplb_placement
 from moekit.parallel.placement import (
     Placement,
     balancedness,
     contiguous_placement,
-    eplb_placement,
     rank_loads,
     round_robin_placement,
 )
