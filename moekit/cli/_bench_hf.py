@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time whole transformers MoE models (random weights, no hub) per experts implementation")
     g.add_argument("--hf-model", default="all", help="qwen3, mixtral or all (default: all)")
     g.add_argument("--hf-impls", default=None,
-                   help="comma-separated experts implementations (default: every registered one; eager always runs)")
+                   help="comma-separated experts implementations (default: every registered one; eager, the reference, "
+                   "always runs in eager mode)")
     g.add_argument("--layers", type=int, default=None, help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
     g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
