@@ -6,4 +6,6 @@
     run.py       the sweep: ceilings, then every (shape, M, backend) cell
     report.py    results JSON, the PNG, the compact table
     tuning.py    the kernel-config tuner behind ``moekit tune``
+    hf_models.py, hf_measure.py, hf_run.py, hf_report.py
+                 ``moekit bench --hf``: transformers MoE models end to end, per experts implementation
 """

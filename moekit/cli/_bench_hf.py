@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=None, help="timed round-robin repeats; medians (default 3)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
-    g.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; 'eager' traces only)")
+    g.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
     g.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run; the tests use it)")
 
 
