@@ -24,6 +24,7 @@ from moekit.bench.hf_models import (
 from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
+NO_REFERENCE = "NoReference: the eager implementation failed, nothing to compare with"
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logit
         row.logits_rel_err_vs_eager = 0.0  # by definition
     elif ref_logits is not None:
         row.logits_rel_err_vs_eager = hm.rel_err(logits, ref_logits)
+    else:
+        row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
     keep = row.impl == REFERENCE_IMPL  # eager's step logits are the compiled rows' reference
     dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, keep_logits=keep))
     return logits, dec
@@ -138,8 +141,8 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> tu
     del ref_logits
     for rep in range(opts.repeats):
         for impl in impls:
-            _timed_pass(model, rows[impl], inputs, opts, compiled=None)
-        log(f"eager    repeat {rep + 1}/{opts.repeats} done")
+            log(f"eager    repeat {rep + 1}/{opts.repeats} {impl}: "
+                + _timed_pass(model, rows[impl], inputs, opts, compiled=None))
     return [rows[i] for i in impls], ref_decode
 
 
@@ -153,29 +156,36 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
             model.set_experts_implementation(impl)
             dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
                                                                compiled=config, keep_logits=True))
-            if dec is not None and ref is not None:
-                row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
-            elif dec is None:
+            if dec is None:
                 row.errors["logits_rel_err_vs_eager"] = row.errors["decode_tok_s"]
+            elif ref is None:
+                row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
+            else:
+                row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
             log(f"compiled warm {impl}: " + _summary(row, dec))
         for rep in range(opts.repeats):
             for impl in impls:
-                _timed_pass(model, rows[impl], inputs, opts, compiled=config)
-            log(f"compiled repeat {rep + 1}/{opts.repeats} done")
+                log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
+                    + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
     torch._dynamo.reset()
     return [rows[i] for i in impls]
 
 
-def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> None:
+def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
+    """One timed decode (and, in eager mode, prefill) of ``row``'s implementation; a line for the log."""
     model.set_experts_implementation(row.impl)
+    done = []
     if "decode_tok_s" not in row.errors:
         dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, compiled=compiled))
         if dec is not None:
             row.record("decode", dec.seconds)
+            done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")
     if compiled is None and "prefill_ms" not in row.errors:
         seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch)[1])
         if seconds is not None:
             row.record("prefill", seconds)
+            done.append(f"prefill {1e3 * seconds:.1f} ms")
+    return ", ".join(done) or "nothing to time (failed or skipped in the warm-up)"
 
 
 def _summary(row: Row, dec: hm.Decode | None) -> str:
