@@ -70,9 +70,11 @@ def test_registry_discovery_and_selection():
 
 def test_real_widths_and_batched_mm_gather():
     qwen3, mixtral = hf_config("qwen3", 8), hf_config("mixtral", 2)
-    assert (qwen3.hidden_size, qwen3.moe_intermediate_size, qwen3.num_experts_per_tok, qwen3.head_dim) == (2048, 768, 8, 128)
-    assert (qwen3.num_attention_heads, qwen3.num_key_value_heads, qwen3.num_hidden_layers, qwen3.vocab_size) == (32, 4, 8, 32000)
-    assert (mixtral.hidden_size, mixtral.intermediate_size, mixtral.num_local_experts, mixtral.num_key_value_heads) == (4096, 14336, 8, 8)
+    q, m = qwen3, mixtral
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok, q.head_dim) == (2048, 768, 8, 128)
+    assert (q.num_attention_heads, q.num_key_value_heads, q.num_hidden_layers, q.vocab_size) == (32, 4, 8, 32000)
+    assert (m.hidden_size, m.intermediate_size, m.num_local_experts, m.num_experts_per_tok) == (4096, 14336, 8, 2)
+    assert (m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers) == (32, 8, 2)
     assert qwen3.eos_token_id is None  # generate always runs its full number of tokens
     assert gathered_weight_bytes("batched_mm", qwen3, 4096, 2) == 4096 * 8 * 3 * 768 * 2048 * 2  # ~206 GB: skipped
     assert gathered_weight_bytes("grouped_mm", qwen3, 4096, 2) == 0

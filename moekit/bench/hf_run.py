@@ -176,7 +176,8 @@ def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled)
     model.set_experts_implementation(row.impl)
     done = []
     if "decode_tok_s" not in row.errors:
-        dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, compiled=compiled))
+        dec = row.attempt("decode_tok_s",
+                          lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, compiled=compiled))
         if dec is not None:
             row.record("decode", dec.seconds)
             done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")

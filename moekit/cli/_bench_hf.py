@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
                    "always runs in eager mode)")
-    g.add_argument("--layers", type=int, default=None, help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
     g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
     g.add_argument("--prefill-batch", type=int, default=None, help="prefill sequences (default 4 GPU, 1 CPU)")
@@ -23,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=None, help="timed round-robin repeats; medians (default 3)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
-    g.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
+    g.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
     g.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run; the tests use it)")
 
 
