@@ -7,6 +7,9 @@ repeated calls stream their weights from HBM, not L2) and returns the median mic
 - CUDA, ``graph=False``: CUDA events around a plain loop over the calls;
 - CPU: the wall clock around the loop.
 Every method warms up first (compilation and autotuning stay out of the numbers).
+
+``wall_time(fn, device)`` times one long call (a whole ``generate``, a model's prefill) by the wall
+clock between two device synchronisations; the caller repeats, interleaves and takes the median.
 """
 
 from __future__ import annotations
@@ -72,3 +75,17 @@ def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)  # ms -> µs
     return statistics.median(times) / len(fns)
+
+
+def wall_time(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """(fn's result, seconds it took), the device synchronised before and after."""
+    _sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return result, time.perf_counter() - t0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

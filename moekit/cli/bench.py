@@ -1,9 +1,12 @@
-"""``moekit bench``: the experts backends side by side against the device's measured ceilings."""
+"""``moekit bench``: the experts backends side by side against the device's measured ceilings;
+``moekit bench --hf``: whole transformers MoE models per experts implementation (``_bench_hf``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from moekit.cli import _bench_hf
 
 
 def _ints(text: str) -> list[int]:
@@ -22,10 +25,13 @@ def register(subparsers) -> None:
     p.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    _bench_hf.add_arguments(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.hf:
+        return _bench_hf.run(args)
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

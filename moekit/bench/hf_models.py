@@ -1,0 +1,123 @@
+"""The transformers models behind ``moekit bench --hf``: built offline from a config, random weights.
+
+Two models at their published widths (moekit's presets, which are the models' own ``config.json``
+fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936; Mixtral's is 32000):
+
+    qwen3    Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top-8, 32 query / 4 kv heads of 128
+    mixtral  Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
+
+``tiny=True`` shrinks every width (the CPU tests run the same code path on it). No tokenizer, no
+checkpoint: nothing here reaches the hub.
+
+The experts implementations are discovered from transformers' registry at run time (``"eager"`` plus
+every key of ``ALL_EXPERTS_FUNCTIONS``, which holds ``"moekit"`` once ``moekit.hf`` is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moekit.config import MoEConfig
+from moekit.presets import hf_config_of_preset
+
+VOCAB_SIZE = 32000  # both models' embeddings and LM head at this size: random ids need no real vocabulary
+REFERENCE_IMPL = "eager"  # transformers' per-expert loop: every other implementation is compared with it
+_IMPL_ORDER = ("eager", "moekit", "grouped_mm", "batched_mm")  # the rest follow in name order
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    name: str  # the --hf-model value
+    preset: str  # the moekit preset holding the published config.json fields
+    default_layers: int  # decoder layers on the GPU (the CPU default is 1: fp32 real widths are GBs per layer)
+    tiny: dict  # config overrides for --tiny
+
+
+MODELS = {
+    "qwen3": HFModelSpec(
+        "qwen3", "qwen3-30b-a3b", 8,
+        dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256),
+    ),
+    "mixtral": HFModelSpec(
+        "mixtral", "mixtral-8x7b", 2,
+        dict(hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256),
+    ),
+}
+
+
+def model_names() -> list[str]:
+    return list(MODELS)
+
+
+def hf_config(name: str, layers: int, tiny: bool = False):
+    """The transformers config object of model ``name`` with ``layers`` decoder layers."""
+    from transformers import AutoConfig
+
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {model_names()}, got {name!r}")
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    spec = MODELS[name]
+    fields = hf_config_of_preset(spec.preset)
+    model_type = fields.pop("model_type")
+    fields.update(num_hidden_layers=layers, vocab_size=VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=0)  # no EOS: every generate call runs its full number of new tokens
+    if tiny:
+        fields.update(spec.tiny)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A causal LM from ``config`` with random weights, made directly on ``device`` in ``dtype``, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def experts_implementations() -> list[str]:
+    """Every experts implementation transformers knows in this process, the reference first."""
+    import moekit.hf  # noqa: F401  (registers "moekit")
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    names = set(ALL_EXPERTS_FUNCTIONS.valid_keys()) | {REFERENCE_IMPL}
+    rank = {n: i for i, n in enumerate(_IMPL_ORDER)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def select_impls(requested: list[str] | None) -> list[str]:
+    """``requested`` (default: all) in the registry's order, the reference always included first."""
+    known = experts_implementations()
+    unknown = sorted(set(requested or ()) - set(known))
+    if unknown:
+        raise ValueError(f"hf-impls must be among {known}, got unknown {unknown}")
+    wanted = set(requested or known) | {REFERENCE_IMPL}
+    return [n for n in known if n in wanted]
+
+
+def gathered_weight_bytes(impl: str, config, num_tokens: int, element_size: int) -> int:
+    """Bytes of expert weights ``impl`` copies for one forward over ``num_tokens`` tokens: ``batched_mm``
+    gathers a full expert (3·N·K) for every (token, slot) pair; the others read the weights in place."""
+    if impl != "batched_mm":
+        return 0
+    moe = MoEConfig.from_hf_config(config)
+    return num_tokens * moe.top_k * 3 * moe.moe_intermediate_size * moe.hidden_size * element_size
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA) or available host memory (CPU); a large number where the OS says nothing."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50

@@ -1,0 +1,51 @@
+"""The results of ``moekit bench --hf``: the JSON file (never overwriting one) and the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def hf_results_path(out_dir: Path, doc: dict) -> Path:
+    """``<out_dir>/<device>-hf-<date>.json``, or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
+    stem = f"{doc['device'].replace(' ', '_')}-hf-{doc['date']}"
+    path, n = Path(out_dir) / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = Path(out_dir) / f"{stem}-{n}.json"
+    return path
+
+
+def _number(value: float | None, fmt: str, error: str | None) -> str:
+    if value is not None:
+        return format(value, fmt)
+    if error is None:
+        return "-"
+    return "skipped" if error.startswith("Skipped") else "[red]error[/red]"
+
+
+def hf_table(doc: dict) -> Table:
+    model = doc["model"]
+    t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
+                    f"{model['dtype']}) on {doc['device']}")
+    for col in ("impl", "mode", "decode tok/s", "prefill ms", "logits err vs eager"):
+        t.add_column(col, justify="left" if col in ("impl", "mode") else "right")
+    for r in doc["rows"]:
+        errors = r["errors"]
+        t.add_row(r["impl"], r["mode"], _number(r["decode_tok_s"], ".1f", errors.get("decode_tok_s")),
+                  _number(r["prefill_ms"], ".1f", errors.get("prefill_ms")),
+                  _number(r["logits_rel_err_vs_eager"], ".2e", errors.get("logits_rel_err_vs_eager")))
+    return t
+
+
+def print_hf_report(doc: dict, console: Console | None = None) -> None:
+    console = console or Console(width=120)
+    console.print(hf_table(doc))
+    s = doc["settings"]
+    console.print(f"decode: {s['decode_tokens']} new tokens after {s['prompt_len']}, batch 1; prefill "
+                  f"{s['prefill_batch']} x {s['prefill_len']}; median of {s['repeats']}")
+    for r in doc["rows"]:
+        for text in dict.fromkeys(r["errors"].values()):  # one line per distinct error of a row
+            console.print(f"  {r['impl']} ({r['mode']}): {text}", markup=False, highlight=False)

@@ -1,0 +1,261 @@
+"""``moekit bench --hf``: a transformers MoE model end to end, once per experts implementation.
+
+For each implementation: decode tok/s of a greedy ``generate`` (batch 1, a fixed random prompt), the
+prefill time of a B x L batch, and the relative error of the prefill logits against ``eager``. Then,
+unless told not to, transformers' compiled decode (static cache + ``torch.compile`` through generate's
+``CompileConfig``) with the error of its step logits against eager's decode. Every implementation is
+warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
+each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from moekit.bench import hf_measure as hm
+from moekit.bench.hf_models import (
+    MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, select_impls,
+)
+from moekit.bench.run import commit_id, device_name
+
+RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
+NO_REFERENCE = "NoReference: the eager implementation failed, nothing to compare with"
+
+
+@dataclass(frozen=True)
+class HFBenchOptions:
+    model: str  # a key of hf_models.MODELS
+    layers: int  # decoder layers
+    decode_tokens: int  # new tokens per generate call
+    prompt_len: int  # the decode prompt's tokens (batch 1)
+    prefill_batch: int  # B sequences ...
+    prefill_len: int  # ... of L tokens in the prefill batch
+    repeats: int  # timed round-robin passes; numbers are medians over them
+    compile: bool  # also measure transformers' compiled decode
+    compile_backend: str = "inductor"  # "eager" traces without code generation (the CPU tests)
+    impls: tuple[str, ...] | None = None  # None: every registered one; eager always runs in eager mode
+    tiny: bool = False  # tiny widths instead of the published ones
+
+
+def default_options(model: str, device: torch.device, tiny: bool = False, **overrides) -> HFBenchOptions:
+    """The GPU run (bf16, real widths), a CPU run of a minute or two (one layer, short sequences, no
+    compilation: transformers compiles generate only on accelerators), or the tiny CI run."""
+    if tiny:
+        base = HFBenchOptions(model, 2, 4, 8, 2, 16, 3, compile=True, compile_backend="eager", tiny=True)
+    elif device.type == "cuda":
+        base = HFBenchOptions(model, MODELS[model].default_layers, 64, 16, 4, 1024, 3, compile=True)
+    else:
+        base = HFBenchOptions(model, 1, 8, 8, 1, 64, 3, compile=False)
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass
+class Row:
+    impl: str
+    mode: str  # "eager" (no torch.compile) or "compiled" (static cache + torch.compile of the decode step)
+    decode_tok_s: float | None = None  # decode_tokens / median seconds of the whole generate call
+    prefill_ms: float | None = None  # median ms of the B x L forward (eager mode only: generate compiles decode)
+    logits_rel_err_vs_eager: float | None = None  # eager mode: prefill logits; compiled: decode step logits
+    errors: dict[str, str] = field(default_factory=dict)  # metric -> "Type: first line" where it failed or was skipped
+    _samples: dict[str, list[float]] = field(default_factory=dict, repr=False)  # metric -> seconds per repeat
+
+    def attempt(self, metric: str, fn: Callable[[], object]):
+        """fn(), or None with the error recorded under ``metric``."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001  (any failure of an implementation is a result, not a crash)
+            self.errors[metric] = hm.error_text(err)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+    def record(self, metric: str, seconds: float) -> None:
+        self._samples.setdefault(metric, []).append(seconds)
+
+    def finish(self, decode_tokens: int) -> dict:
+        if "decode" in self._samples and "decode_tok_s" not in self.errors:
+            self.decode_tok_s = decode_tokens / statistics.median(self._samples["decode"])
+        if "prefill" in self._samples and "prefill_ms" not in self.errors:
+            self.prefill_ms = 1e3 * statistics.median(self._samples["prefill"])
+        return {k: v for k, v in asdict(self).items() if k != "_samples"}
+
+
+@dataclass
+class Inputs:
+    prompt: torch.Tensor  # [1, P] random ids: the decode prompt
+    batch: torch.Tensor  # [B, L] random ids: the prefill batch
+
+
+def make_inputs(vocab_size: int, opts: HFBenchOptions, device: torch.device, seed: int = 1) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (1, opts.prompt_len), generator=g)
+    batch = torch.randint(0, vocab_size, (opts.prefill_batch, opts.prefill_len), generator=g)
+    return Inputs(prompt.to(device), batch.to(device))
+
+
+def _prefill_fits(model, impl: str, batch: torch.Tensor) -> None:
+    """Raise ``Skipped`` where ``impl`` would gather more expert weights than half the free memory."""
+    need = gathered_weight_bytes(impl, model.config, batch.numel(), model.dtype.itemsize)
+    free = free_memory_bytes(batch.device)
+    if need > free // 2:
+        raise hm.Skipped(f"{impl} would gather {need / 2**30:.1f} GiB of expert weights "
+                          f"for this batch ({free / 2**30:.1f} GiB free)")
+
+
+def _prefill_all_logits(model, impl: str, batch: torch.Tensor) -> torch.Tensor:
+    _prefill_fits(model, impl, batch)
+    return hm.prefill(model, batch, all_logits=True)[0]
+
+
+def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits):
+    """One prefill with all logits (the error check) and one decode: (logits or None, Decode or None)."""
+    model.set_experts_implementation(row.impl)
+    logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch))
+    if logits is None:
+        row.errors["logits_rel_err_vs_eager"] = row.errors["prefill_ms"]
+    elif row.impl == REFERENCE_IMPL:
+        row.logits_rel_err_vs_eager = 0.0  # by definition
+    elif ref_logits is not None:
+        row.logits_rel_err_vs_eager = hm.rel_err(logits, ref_logits)
+    else:
+        row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
+    keep = row.impl == REFERENCE_IMPL  # eager's step logits are the compiled rows' reference
+    dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, keep_logits=keep))
+    return logits, dec
+
+
+def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> tuple[list[Row], hm.Decode | None]:
+    """Eager-mode rows, and the reference's decode (its step logits, for the compiled rows)."""
+    rows = {impl: Row(impl, "eager") for impl in impls}
+    ref_logits, ref_decode = None, None
+    for impl in impls:  # the reference first (select_impls): warm all before timing any
+        logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits)
+        if impl == REFERENCE_IMPL:
+            ref_logits, ref_decode = logits, dec
+        log(f"eager    warm {impl}: " + _summary(rows[impl], dec))
+    del ref_logits
+    for rep in range(opts.repeats):
+        for impl in impls:
+            log(f"eager    repeat {rep + 1}/{opts.repeats} {impl}: "
+                + _timed_pass(model, rows[impl], inputs, opts, compiled=None))
+    return [rows[i] for i in impls], ref_decode
+
+
+def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> list[Row]:
+    """Compiled-decode rows: warm (compile) every implementation, then round-robin repeats."""
+    rows = {impl: Row(impl, "compiled") for impl in impls}
+    config = hm.compile_config(inputs.prompt.device, opts.compile_backend)
+    with _recompile_limit(RECOMPILE_LIMIT):
+        for impl in impls:
+            row = rows[impl]
+            model.set_experts_implementation(impl)
+            dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
+                                                               compiled=config, keep_logits=True))
+            if dec is None:
+                row.errors["logits_rel_err_vs_eager"] = row.errors["decode_tok_s"]
+            elif ref is None:
+                row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
+            else:
+                row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
+            log(f"compiled warm {impl}: " + _summary(row, dec))
+        for rep in range(opts.repeats):
+            for impl in impls:
+                log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
+                    + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
+    torch._dynamo.reset()
+    return [rows[i] for i in impls]
+
+
+def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
+    """One timed decode (and, in eager mode, prefill) of ``row``'s implementation; a line for the log."""
+    model.set_experts_implementation(row.impl)
+    done = []
+    if "decode_tok_s" not in row.errors:
+        dec = row.attempt("decode_tok_s",
+                          lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, compiled=compiled))
+        if dec is not None:
+            row.record("decode", dec.seconds)
+            done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")
+    if compiled is None and "prefill_ms" not in row.errors:
+        seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch)[1])
+        if seconds is not None:
+            row.record("prefill", seconds)
+            done.append(f"prefill {1e3 * seconds:.1f} ms")
+    return ", ".join(done) or "nothing to time (failed or skipped in the warm-up)"
+
+
+def _summary(row: Row, dec: hm.Decode | None) -> str:
+    parts = [f"generate {dec.seconds:.2f} s" if dec is not None else None,
+             f"err {row.logits_rel_err_vs_eager:.2e}" if row.logits_rel_err_vs_eager is not None else None]
+    parts += [f"{k}: {v}" for k, v in row.errors.items() if k != "logits_rel_err_vs_eager"]
+    return ", ".join(p for p in parts if p) or "ok"
+
+
+def _recompile_limit(limit: int):
+    """Dynamo's per-function recompile limit raised to ``limit`` for a block (``recompile_limit``;
+    ``cache_size_limit`` before torch 2.6), so that switching implementations never exhausts it and
+    silently falls back to eager."""
+    import torch._dynamo.config as cfg
+
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    return cfg.patch(**{name: max(getattr(cfg, name), limit)})
+
+
+def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
+    """Build the model, measure every implementation, return the results document."""
+    impls = select_impls(list(opts.impls) if opts.impls else None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = hf_config(opts.model, opts.layers, opts.tiny)
+    log(f"building {opts.model} ({'tiny' if opts.tiny else 'real'} widths, {opts.layers} layers, "
+        f"{str(dtype).removeprefix('torch.')}) on {device}; implementations: {', '.join(impls)}")
+    model = build_model(config, dtype, device)
+    inputs = make_inputs(config.vocab_size, opts, device)
+    rows, ref_decode = measure_eager(model, impls, inputs, opts, log)
+    if opts.compile:  # the reference runs compiled too only when asked for (compiling its loop is slow)
+        compiled = [i for i in impls if opts.impls is None or i in opts.impls]
+        rows += measure_compiled(model, compiled, inputs, opts, ref_decode, log)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return _document(device, opts, config, dtype, [r.finish(opts.decode_tokens) for r in rows])
+
+
+def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> dict:
+    spec = MODELS[opts.model]
+    return {
+        "device": device_name(device),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit_id(),
+        "versions": _versions(),
+        "model": {"name": opts.model, "preset": spec.preset, "widths": "tiny" if opts.tiny else "real",
+                  "vocab_size": config.vocab_size, "dtype": str(dtype).removeprefix("torch."),
+                  "config": config.to_diff_dict()},
+        "layers": opts.layers,
+        "settings": asdict(opts),
+        "method": (
+            "random weights and ids; decode: greedy generate, batch 1, decode_tokens new tokens after a "
+            "prompt_len prompt (tok/s over the whole call); prefill: one forward of prefill_batch x prefill_len "
+            "ids, no cache, last logits only; error: relative L2 of the prefill logits (eager mode) or of the "
+            "decode steps' logits while the tokens agree (compiled) against the eager implementation in eager "
+            "mode; compiled: generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
+            "all implementations warmed first, repeats round-robin, medians"
+        ),
+        "rows": rows,
+    }
+
+
+def _versions() -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version}

@@ -1,0 +1,76 @@
+"""``moekit bench --hf``: the options and the run (the library is ``moekit.bench.hf_run``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transformers end to end (--hf)")
+    g.add_argument("--hf", action="store_true",
+                   help="time whole transformers MoE models (random weights, no hub) per experts implementation")
+    g.add_argument("--hf-model", default="all", help="qwen3, mixtral or all (default: all)")
+    g.add_argument("--hf-impls", default=None,
+                   help="comma-separated experts implementations (default: every registered one; eager, the reference, "
+                   "always runs in eager mode)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
+    g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
+    g.add_argument("--prompt-len", type=int, default=None, help="decode prompt tokens (default 16 GPU, 8 CPU)")
+    g.add_argument("--prefill-batch", type=int, default=None, help="prefill sequences (default 4 GPU, 1 CPU)")
+    g.add_argument("--prefill-len", type=int, default=None, help="prefill tokens per sequence (default 1024 GPU, 64 CPU)")
+    g.add_argument("--repeats", type=int, default=None, help="timed round-robin repeats; medians (default 3)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
+    g.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
+    g.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run; the tests use it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Random weights, random ids: nothing needs the hub, and a hub-kernel implementation (deepgemm, sonicmoe)
+    # should fail and be recorded, not download. Set before transformers is imported.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from rich.console import Console
+
+    from moekit.bench.hf_models import model_names, select_impls
+    from moekit.bench.hf_report import hf_results_path, print_hf_report
+    from moekit.bench.hf_run import default_options, run_hf_bench
+    from moekit.bench.report import write_json
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    models = model_names() if args.hf_model == "all" else args.hf_model.split(",")
+    impls = tuple(args.hf_impls.split(",")) if args.hf_impls else None
+    try:
+        if set(models) - set(model_names()):
+            raise ValueError(f"hf-model must be qwen3, mixtral or all, got {args.hf_model!r}")
+        select_impls(list(impls) if impls else None)
+        options = [_options(args, name, device, impls, default_options) for name in models]
+    except ValueError as err:
+        raise SystemExit(f"bench: --{err}") from None
+    console = Console(width=120)
+    start = time.perf_counter()
+
+    def log(message: str) -> None:
+        console.print(f"[{time.perf_counter() - start:6.1f} s] {message}", markup=False, highlight=False)
+
+    for opts in options:
+        doc = run_hf_bench(device, opts, log)
+        path = write_json(doc, hf_results_path(args.out, doc))
+        print_hf_report(doc, console)
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _options(args, name, device, impls, default_options):
+    opts = default_options(name, device, args.tiny, layers=args.layers, decode_tokens=args.decode_tokens,
+                           prompt_len=args.prompt_len, prefill_batch=args.prefill_batch,
+                           prefill_len=args.prefill_len, repeats=args.repeats, compile=args.compile,
+                           compile_backend=args.compile_backend, impls=impls)
+    for flag in ("layers", "decode_tokens", "prompt_len", "prefill_batch", "prefill_len", "repeats"):
+        if getattr(opts, flag) < 1:
+            raise ValueError(f"{flag.replace('_', '-')} must be >= 1, got {getattr(opts, flag)}")
+    return opts

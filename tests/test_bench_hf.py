@@ -1,0 +1,117 @@
+"""``moekit bench --hf`` on the CPU: a ``--tiny`` run through the CLI (the same code path as the GPU run,
+tiny widths), the pieces it is made of, and its argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is part of the test extras")
+
+from moekit.bench import hf_measure  # noqa: E402
+from moekit.bench.hf_models import experts_implementations, gathered_weight_bytes, hf_config, select_impls  # noqa: E402
+from moekit.bench.hf_report import hf_results_path, hf_table  # noqa: E402
+from moekit.cli import main  # noqa: E402
+
+ROW_FIELDS = {"impl", "mode", "decode_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "errors"}
+
+
+def _number_or_error(row: dict, metric: str) -> bool:
+    value, error = row[metric], row["errors"].get(metric)
+    return (isinstance(value, float) and error is None) or (value is None and isinstance(error, str) and error)
+
+
+def test_bench_hf_tiny_cli(tmp_path, capsys):
+    (tmp_path / "cpu-hf-2000-01-01.json").write_text("{}")  # an older run's file stays untouched
+    argv = ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "qwen3", "--hf-impls", "moekit",
+            "--layers", "1", "--decode-tokens", "3", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = [p for p in tmp_path.glob("cpu-hf-*.json") if "2000" not in p.name]
+    doc = json.loads(path.read_text())
+    assert {"device", "date", "commit", "versions", "model", "layers", "rows"} <= doc.keys()
+    assert set(doc["versions"]) == {"torch", "transformers", "triton"} and doc["layers"] == 1
+    assert doc["model"]["name"] == "qwen3" and doc["model"]["dtype"] == "float32"
+    rows = {(r["impl"], r["mode"]): r for r in doc["rows"]}
+    assert set(rows) == {("eager", "eager"), ("moekit", "eager"), ("moekit", "compiled")}  # the reference always runs
+    for row in doc["rows"]:
+        assert row.keys() == ROW_FIELDS
+        assert _number_or_error(row, "decode_tok_s") and _number_or_error(row, "logits_rel_err_vs_eager")
+    eager_moekit = rows[("moekit", "eager")]
+    assert eager_moekit["decode_tok_s"] > 0 and eager_moekit["prefill_ms"] > 0
+    assert eager_moekit["logits_rel_err_vs_eager"] < 1e-5 and rows[("eager", "eager")]["logits_rel_err_vs_eager"] == 0
+    assert rows[("moekit", "compiled")]["prefill_ms"] is None  # generate compiles the decode steps only
+    out = capsys.readouterr().out
+    assert "eager    warm moekit" in out and "compiled warm moekit" in out and str(path) in out.replace("\n", "")
+    assert main(argv + ["--no-compile", "--repeats", "1", "--prefill-len", "4"]) == 0  # the same day: a new file
+    assert path.exists() and (tmp_path / path.name.replace(".json", "-2.json")).exists()
+    assert (tmp_path / "cpu-hf-2000-01-01.json").read_text() == "{}"
+
+
+def test_results_path_never_overwrites(tmp_path):
+    doc = {"device": "NVIDIA H200", "date": "2030-01-02"}
+    first = hf_results_path(tmp_path, doc)
+    assert first.name == "NVIDIA_H200-hf-2030-01-02.json"
+    first.write_text("{}")
+    second = hf_results_path(tmp_path, doc)
+    second.write_text("{}")
+    assert second.name == "NVIDIA_H200-hf-2030-01-02-2.json"
+    assert hf_results_path(tmp_path, doc).name == "NVIDIA_H200-hf-2030-01-02-3.json"
+
+
+def test_registry_discovery_and_selection():
+    names = experts_implementations()
+    assert names[:2] == ["eager", "moekit"] and "grouped_mm" in names
+    assert select_impls(["grouped_mm"]) == ["eager", "grouped_mm"]
+    with pytest.raises(ValueError, match="hf-impls must be among"):
+        select_impls(["grouped-mm"])
+
+
+def test_real_widths_and_batched_mm_gather():
+    qwen3, mixtral = hf_config("qwen3", 8), hf_config("mixtral", 2)
+    q, m = qwen3, mixtral
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_experts_per_tok, q.head_dim) == (2048, 768, 8, 128)
+    assert (q.num_attention_heads, q.num_key_value_heads, q.num_hidden_layers, q.vocab_size) == (32, 4, 8, 32000)
+    assert (m.hidden_size, m.intermediate_size, m.num_local_experts, m.num_experts_per_tok) == (4096, 14336, 8, 2)
+    assert (m.num_attention_heads, m.num_key_value_heads, m.num_hidden_layers) == (32, 8, 2)
+    assert qwen3.eos_token_id is None  # generate always runs its full number of tokens
+    assert gathered_weight_bytes("batched_mm", qwen3, 4096, 2) == 4096 * 8 * 3 * 768 * 2048 * 2  # ~309 GB: skipped
+    assert gathered_weight_bytes("grouped_mm", qwen3, 4096, 2) == 0
+
+
+def test_decode_rel_err_stops_where_tokens_diverge():
+    logits = torch.randn(4, 10)
+    ref = hf_measure.Decode(torch.tensor([1, 2, 3, 4]), logits, 1.0)
+    off = logits.clone()
+    off[3] += 100  # step 3 saw a different token 2: not comparable, not counted
+    out = hf_measure.Decode(torch.tensor([1, 2, 9, 4]), off, 1.0)
+    assert hf_measure.decode_rel_err(out, ref) == 0
+    assert hf_measure.decode_rel_err(hf_measure.Decode(ref.tokens, off, 1.0), ref) > 1
+
+
+def test_error_text_is_type_and_first_line():
+    assert hf_measure.error_text(ValueError("bad dtype\nmore detail")) == "ValueError: bad dtype"
+    assert hf_measure.error_text(RuntimeError("op failed\n  Explanation: got X\n  Hint: y")) == \
+        "RuntimeError: op failed (Explanation: got X)"
+
+
+def test_table_marks_errors_and_skips():
+    doc = {"device": "cpu", "layers": 1, "model": {"name": "qwen3", "widths": "tiny", "dtype": "float32"}, "rows": [
+        {"impl": "batched_mm", "mode": "eager", "decode_tok_s": 5.0, "prefill_ms": None, "logits_rel_err_vs_eager": None,
+         "errors": {"prefill_ms": "Skipped: too big", "logits_rel_err_vs_eager": "Skipped: too big"}},
+        {"impl": "moekit", "mode": "compiled", "decode_tok_s": None, "prefill_ms": None, "logits_rel_err_vs_eager": None,
+         "errors": {"decode_tok_s": "TorchRuntimeError: x"}}]}
+    cells = [list(col.cells) for col in hf_table(doc).columns]
+    assert cells[3] == ["skipped", "-"] and cells[2][1] == "[red]error[/red]"
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--hf-model", "llama"], "--hf-model"),
+    (["--hf-impls", "grouped-mm"], "--hf-impls"),
+    (["--layers", "0"], "--layers"),
+    (["--prefill-len", "0"], "--prefill-len"),
+])
+def test_bench_hf_bad_arguments_name_the_flag(argv, flag):
+    with pytest.raises(SystemExit, match=flag):
+        main(["bench", "--hf", "--tiny", "--device", "cpu"] + argv)
