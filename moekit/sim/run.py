@@ -76,8 +76,9 @@ def simulate(params: SimParams) -> SimResult:
     router = make_router(params.experts, params.top_k, params.skew, params.seed)
     x = draw_tokens(params.tokens, params.experts, streams.generator(params.seed, streams.EVAL))  # [M, F]
     outcome = _balance(router, params)
-    loads = _loads(outcome.router, x, outcome.correction_bias)  # [E]
-    capped = apply_capacity(outcome.router.route(x, outcome.correction_bias), params.experts, params.capacity_factor)
+    routing = outcome.router.route(x, outcome.correction_bias)  # routed once: loads and capacity read the same ids
+    loads = expert_loads(routing.topk_ids, params.experts)  # [E]
+    capped = apply_capacity(routing, params.experts, params.capacity_factor)
     assignments = params.tokens * params.top_k
     dropped = int(capped.dropped)
     counts = param_counts(params.experts, params.top_k)
