@@ -7,7 +7,8 @@ a run that would take more than about ``BUDGET_S`` seconds of one CPU core.
             + EPLB_S · (E + spare_slots)^2.5 · (M·k)^0.4     the EP what-if's EPLB placement
 
 Shapes: E = experts, M = tokens, k = top_k. Constants measured on one core (``torch.set_num_threads(1)``)
-of the development machine (2-core x86 VM, torch 2.13 CPU) and rounded up. The EPLB term is the largest
+of the development machine (2-core x86 VM, torch 2.13 CPU) in its slower hours (its speed varies by
+a third) and rounded up. The EPLB term is the largest
 cost seen over skews 0-0.9, k in 1-16, 2-128 GPUs (skew 0 with 3-12 GPUs is the slowest: its greedy
 swap refinement finds many small swaps); it is the bound, not the typical cost, which is 5-20x lower.
 
@@ -24,8 +25,8 @@ from moekit.sim.run import TOUCH_BATCHES, TOUCH_TRIALS
 
 BUDGET_S = 1.8  # predicted; the slowest accepted runs sampled took 1.5-1.9 s on the development machine
 BASE_S = 0.1  # QR of a 512 x 512 matrix: 0.08 s
-ROUTE_S = 170e-9  # per token and expert routed (E = 512: 20 ms for 256 tokens)
-STEP_S = {"aux-loss": (1.5e-3, 240e-9), "bias": (0.6e-3, 180e-9)}  # (per step, per token·expert of its batch)
+ROUTE_S = 210e-9  # per token and expert routed (E = 512: 20-27 ms for 256 tokens)
+STEP_S = {"aux-loss": (1.5e-3, 310e-9), "bias": (0.6e-3, 220e-9)}  # (per step, per token·expert of its batch)
 EPLB_S = 6.5e-9  # worst measured: 6.1 s at E + spare = 1024, M·k = 8192 (3-12 GPUs, skew 0)
 STEPS_PARAM = {"aux-loss": "aux_steps", "bias": "bias_batches"}
 
