@@ -2,6 +2,8 @@
 written, and ``--measure`` runs the real layer on tiny shapes."""
 
 import json
+import time
+import tracemalloc
 
 import pytest
 
@@ -71,7 +73,6 @@ def test_bad_arguments():
     (["--preset", "deepseek-v3", "--reserve-gib", "-1"], "--reserve-gib must be >= 0"),
     (["--preset", "deepseek-v3", "--bandwidth", "-1"], "--bandwidth must be positive"),
     ([*TINY, "--layers", "0"], "--layers must be positive"),
-    (["--preset", "deepseek-v3", "--batches", "0"], "--batches must be positive"),
     (["--experts", "8", "--top-k", "9", "--hidden", "64", "--moe-intermediate", "32"], "top_k"),
     (["--config", "/nonexistent/config.json"], "No such file"),
     ([*TINY, "--expert-load", "/nonexistent/load.json"], "--expert-load"),
@@ -79,6 +80,29 @@ def test_bad_arguments():
 def test_bad_numbers_exit_naming_the_flag(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["analyze", *argv])
+
+
+def test_a_trillion_token_batch_is_cheap(capsys):
+    # The padding columns once summed a pmf over every m in 0..B: 1.9 GB at B = 1e8, a crash at 1e12.
+    tracemalloc.start()
+    start = time.perf_counter()
+    data = run_json(capsys, "--preset", "deepseek-v3", "--batches", "1000000000000")
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    row = data["rows"][0]
+    assert row["batch"] == 10**12 and row["experts_touched"] == pytest.approx(256)
+    assert row["padding_factor"]["128"] == pytest.approx(1 + 256 * 63.5 / (8 * 10**12), rel=1e-12)
+    assert elapsed < 10 and peak < 50_000_000
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "9007199254740993", "1e12", "many"])
+def test_bad_batches_exit_2_naming_the_flag_and_the_range(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["analyze", "--preset", "deepseek-v3", "--batches", "8", value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "--batches" in err and "[1, 2^53 = 9007199254740992]" in err and repr(value) in err
 
 
 def test_plot_file(tmp_path, capsys):

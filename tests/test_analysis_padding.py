@@ -1,5 +1,10 @@
-"""Padding factor: the exact binomial expectation against Monte-Carlo routing and against the real
-layouts' own padding, plus its limits."""
+"""Padding factor: the exact binomial expectation against an exact rational sum over the pmf, against
+Monte-Carlo routing and against the real layouts' own padding, plus its limits."""
+
+import math
+import time
+import tracemalloc
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -7,7 +12,6 @@ import torch
 
 from _routing_sim import simulate_counts, within
 from moekit.analysis.padding import (
-    binomial_pmf,
     contiguous_padding_factor,
     expected_padded_rows,
     masked_padding_factor_from_counts,
@@ -37,11 +41,41 @@ def test_padding_limits():
     assert contiguous_padding_factor(512, 256, 8) == padding_factor(512, 256, 8, 128)
 
 
-def test_binomial_pmf():
-    pmf = binomial_pmf(4096, 8 / 256)
-    assert pmf.sum() == pytest.approx(1.0)
-    assert pmf @ np.arange(4097) == pytest.approx(4096 * 8 / 256)
-    assert binomial_pmf(3, 1.0).tolist() == [0, 0, 0, 1]
+def _exact_padded_rows(batch: int, p: Fraction, block: int) -> Fraction:
+    """Σ_m C(B, m)·p^m·(1-p)^(B-m)·ceil(m/b)·b in rational arithmetic: the definition, term by term."""
+    return sum(math.comb(batch, m) * p**m * (1 - p) ** (batch - m) * (-(-m // block)) * block for m in range(batch + 1))
+
+
+@pytest.mark.parametrize("batch", [0, 1, 2, 7, 64, 300])
+@pytest.mark.parametrize("num_experts,top_k", [(256, 8), (8, 2), (4, 3), (2, 1), (16, 16), (5, 4)])
+@pytest.mark.parametrize("block", [1, 3, 16, 128])
+def test_expected_padded_rows_is_the_exact_sum(batch, num_experts, top_k, block):
+    exact = num_experts * _exact_padded_rows(batch, Fraction(top_k, num_experts), block)
+    assert expected_padded_rows(batch, num_experts, top_k, block) == pytest.approx(float(exact), rel=1e-12, abs=1e-9)
+
+
+def test_padding_from_inclusion_is_the_exact_sum():
+    pi = [Fraction(n, 20) for n in (0, 20, 19, 12, 10, 6, 4, 2, 7)]  # 0, 1, p > 1/2, p = 1/2, p < 1/2
+    for batch in (1, 5, 40, 200):
+        for block in (4, 16, 64):
+            exact = sum(_exact_padded_rows(batch, p, block) for p in pi) / (batch * sum(pi))
+            got = padding_factor_from_inclusion(batch, np.array([float(p) for p in pi]), block)
+            assert got == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_padding_at_a_trillion_tokens_is_fast_exact_and_small():
+    # Once B·p·(1-p) >> b², m mod b is uniform: each expert pads (b-1)/2 rows on average.
+    tracemalloc.start()
+    start = time.perf_counter()
+    uniform = padding_factor(10**12, 256, 8, 128)
+    skewed = padding_factor_from_inclusion(10**12, np.array([1 - 1e-6, 1.0, 0.5, 1e-6, 0.0]), 16)
+    elapsed = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert uniform == pytest.approx(1 + 256 * 63.5 / (8 * 10**12), rel=1e-14)
+    # expert 1 (p = 1) pads (-B) mod 16 = 0 rows, expert 4 (p = 0) none, the other three 7.5 each
+    assert skewed == pytest.approx(1 + 3 * 7.5 / (10**12 * 2.5), rel=1e-14)
+    assert elapsed < 1.0 and peak < 1_000_000  # O(E·b), not O(B): the old pmf needed 8 TB here
 
 
 def test_seed_chapter_example():

@@ -125,3 +125,50 @@ def test_bad_setting_shows_the_servers_message(page):
     page.fill("#gpus", "1000")  # more GPUs than experts
     page.wait_for_function("document.getElementById('app').dataset.state === 'error'")
     assert "gpus must be" in page.text_content("#status")
+    # the numbers still shown are the last good answer's: dimmed while the error stands
+    assert float(page.eval_on_selector(".stats", "el => getComputedStyle(el).opacity")) < 0.5
+
+
+@pytest.fixture
+def fresh_page(page):
+    context = page.context.browser.new_context(viewport={"width": 1200, "height": 1500})
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    yield pg
+    context.close()
+
+
+def test_settings_live_in_the_address_and_survive_a_reload(fresh_page, base_url):
+    pg = fresh_page
+    pg.goto(base_url + "/?experts=32&top_k=4&skew=0.3&balance=bias&bias_batches=50")
+    _wait_rendered(pg, experts=32, top_k=4, skew=0.3, balance="bias", bias_batches=50)
+    assert pg.is_checked("#balance-toggle") and pg.input_value("#balance-method") == "bias"
+    pg.focus("#skew")
+    for _ in range(5):
+        pg.keyboard.press("ArrowRight")
+    _wait_rendered(pg, skew=0.35, experts=32)
+    assert "skew=0.35" in pg.url
+    pg.reload()
+    query, _ = _wait_rendered(pg, experts=32, top_k=4, skew=0.35, balance="bias", bias_batches=50)
+    assert pg.text_content("#skew-value") == "0.35" and pg.input_value("#bias_batches") == "50"
+    _check_page_shows(pg, _api(base_url, query))
+
+
+def test_histogram_has_a_y_axis_and_tooltips(fresh_page, base_url):
+    pg = fresh_page
+    pg.goto(base_url + "/?experts=16&tokens=256")
+    query, _ = _wait_rendered(pg, experts=16, tokens=256)
+    api = _api(base_url, query)
+    ticks = pg.eval_on_selector_all("#hist .y-axis text.tick",
+                                    "els => els.map(e => [Number(e.dataset.value), e.textContent, Number(e.getAttribute('y'))])")
+    values = [v for v, _, _ in ticks]
+    assert len(values) >= 3 and values[0] == 0 and [label for _, label, _ in ticks] == [f"{v:g}" for v in values]
+    steps = {b - a for a, b in zip(values, values[1:])}
+    assert len(steps) == 1 and str(steps.pop())[0] in "125"  # evenly spaced, 1, 2 or 5 times a power of ten
+    assert max(api["loads"]) / 2 <= values[-1] <= 1.1 * max(max(api["loads"]), api["capacity"])
+    assert [y for _, _, y in ticks] == sorted((y for _, _, y in ticks), reverse=True)  # larger values higher up
+    assert pg.text_content("#hist .y-axis .axis-name") == "assignments"
+    tips = pg.eval_on_selector_all("#hist g.expert > title", "els => els.map(e => e.textContent)")
+    for e, (tip, load, kept) in enumerate(zip(tips, api["loads"], api["kept"])):
+        dropped = f", {load - kept} dropped" if load > kept else ""
+        assert tip == f"expert {e}: {load} assignments, {kept} processed{dropped}"

@@ -6,13 +6,13 @@ b = block height (the tile M of the block-aligned layout, or the segment alignme
 Both the block-aligned index layout (vLLM's moe_align_block_size) and the contiguous permuted layout
 (DeepGEMM's, aligned to 128 rows) give expert e ceil(m_e/b)·b rows, so one expectation covers both.
 Under uniform, independent routing each token picks expert e with probability k/E, so m_e is exactly
-Binomial(B, k/E), and E[padded rows] = E · Σ_m P(m) · ceil(m/b)·b is computed exactly over that pmf.
+Binomial(B, k/E), and E[padded rows] = E·(B·k/E + E[(-m) mod b]); the expected gap E[(-m) mod b] is
+computed exactly from the distribution of m mod b (``expected_gap``), in time and memory independent of B.
 The masked layout instead gives every expert max_e(m_e) rows, rounded up to the block.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,28 +20,25 @@ import numpy as np
 CONTIGUOUS_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
 
 
-def _log_choose(n: int, m: np.ndarray) -> np.ndarray:
-    """ln C(n, m) for each entry of ``m`` (integers in [0, n]), through lgamma so n in the millions is fine."""
-    return np.array([math.lgamma(n + 1) - math.lgamma(v + 1) - math.lgamma(n - v + 1) for v in m], dtype=np.float64)
+def expected_gap(batch: int, inclusion: np.ndarray, block: int) -> np.ndarray:
+    """E[(-m_e) mod b] per expert for m_e ~ Binomial(B, inclusion[e]): the rows ceil(m/b)·b adds to m.
 
-
-def binomial_pmf(n: int, p: float) -> np.ndarray:
-    """P(m) for m = 0..n of Binomial(n, p), in log space so n in the millions stays finite.
-
-    Entries more than 40 standard deviations + 10 from the mean are left 0: by a Chernoff bound their
-    mass is below 1e-30, and skipping them keeps a million-token batch to a few thousand lgamma calls.
+    Exact for any B in O(E·b log b) time and memory, by the roots-of-unity filter: with ω = e^{2πi/b},
+    φ_j = E[ω^{j·m}] = (1 - p + p·ω^j)^B and P(m ≡ r mod b) = (1/b)·Σ_j ω^{-j·r}·φ_j, an inverse DFT.
+    For p > 1/2 the count of misses B - m ~ Binomial(B, 1 - p) is used instead, so the base
+    1 - q + q·ω^j (q <= 1/2) stays away from the unit circle and B·arg(base) stays small wherever
+    |base|^B is not already 0; that keeps the phases accurate at B = 1e12.
     """
-    if n < 0 or not 0.0 <= p <= 1.0:
-        raise ValueError(f"need n >= 0 and 0 <= p <= 1, got n={n}, p={p}")
-    pmf = np.zeros(n + 1)
-    if p in (0.0, 1.0):
-        pmf[n if p == 1.0 else 0] = 1.0
-        return pmf
-    mean, sd = n * p, math.sqrt(n * p * (1 - p))
-    lo, hi = max(0, math.floor(mean - 40 * sd - 10)), min(n, math.ceil(mean + 40 * sd + 10))
-    m = np.arange(lo, hi + 1)
-    pmf[lo:hi + 1] = np.exp(_log_choose(n, m) + m * math.log(p) + (n - m) * math.log1p(-p))
-    return pmf
+    p = np.asarray(inclusion, dtype=np.float64)  # [E]
+    flip = p > 0.5  # [E]; count misses instead of hits
+    q = np.where(flip, 1.0 - p, p)[:, None]  # [E, 1], in [0, 1/2]
+    omega = np.exp(2j * np.pi * np.arange(block) / block)  # [b]
+    with np.errstate(divide="ignore"):  # q = 1/2 at ω^j = -1: base 0, log -inf, power 0
+        phi = np.exp(batch * np.log(1.0 - q + q * omega))  # [E, b]; E[ω^{j·m}], m ~ Binomial(B, q)
+    residue = np.fft.fft(phi, axis=1).real / block  # [E, b]; P(m ≡ r mod b)
+    r = np.arange(block)  # [b]
+    gap = np.where(flip[:, None], (r - batch) % block, (-r) % block)  # [E, b]; for misses r, hits are B - r
+    return (residue * gap).sum(axis=1)  # [E]
 
 
 def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -> float:
@@ -49,9 +46,8 @@ def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -
     if block < 1 or not 1 <= top_k <= num_experts or batch < 0:
         raise ValueError(f"need block >= 1, 1 <= top_k <= num_experts, batch >= 0; got {block}, {top_k}, "
                          f"{num_experts}, {batch}")
-    pmf = binomial_pmf(batch, top_k / num_experts)  # [B+1]; P(m_e = m) for any one expert
-    rows = np.ceil(np.arange(batch + 1) / block) * block  # [B+1]; padded rows of an expert with m rows
-    return num_experts * float(pmf @ rows)
+    p = top_k / num_experts
+    return num_experts * (batch * p + float(expected_gap(batch, np.array([p]), block)[0]))
 
 
 def padding_factor_from_inclusion(batch: int, inclusion: Sequence[float] | np.ndarray, block: int) -> float:
@@ -60,13 +56,8 @@ def padding_factor_from_inclusion(batch: int, inclusion: Sequence[float] | np.nd
     pi = np.asarray(inclusion, dtype=np.float64)  # [E]
     if batch < 1 or block < 1 or pi.ndim != 1 or pi.min() < 0 or pi.max() > 1:
         raise ValueError(f"need batch >= 1, block >= 1 and inclusion probabilities in [0, 1]; got {batch}, {block}")
-    m = np.arange(batch + 1, dtype=np.float64)  # [B+1]
-    rows = np.ceil(m / block) * block  # [B+1]; padded rows of an expert with m rows
-    inner = pi[(pi > 0) & (pi < 1)]  # [E']; p = 0 costs no rows, p = 1 costs rows[B]
-    log_pmf = _log_choose(batch, m) + m * np.log(inner)[:, None] + (batch - m) * np.log1p(-inner)[:, None]  # [E', B+1]
-    padded = float((np.exp(log_pmf) @ rows).sum())  # an empty [0] sum is 0
-    padded += np.count_nonzero(pi == 1) * rows[batch]
-    return padded / (batch * pi.sum())
+    real = batch * pi.sum()
+    return (real + float(expected_gap(batch, pi, block).sum())) / real
 
 
 def padding_factor(batch: int, num_experts: int, top_k: int, block: int) -> float:

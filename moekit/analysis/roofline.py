@@ -22,6 +22,7 @@ from moekit.analysis.touch import experts_touched, experts_touched_from_inclusio
 from moekit.config import MoEConfig
 
 ACTIVATION_BYTES = 2  # bf16 activations in and out of the layer
+MAX_BATCH = 2**53  # batches enter float64 arithmetic, which holds every integer exactly up to 2^53
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def batch_cost(cfg: MoEConfig, batch: int, fmt: WeightFormat, gpu: GpuSpec,
                inclusion: np.ndarray | None = None) -> BatchCost:
     """The byte model at one batch size, for uniform routing or skewed ``inclusion`` [E].
     ``cfg.num_moe_layers`` None counts as one layer."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    if not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be in [1, 2^53 = {MAX_BATCH}], got {batch}")
     if inclusion is not None:
         check_inclusion(cfg, inclusion)
     touched_experts = touched(cfg, batch, inclusion)

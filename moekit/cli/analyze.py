@@ -18,6 +18,7 @@ from moekit.analysis.formats import FORMATS, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
+from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
 from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset, preset_names
@@ -48,12 +49,24 @@ def register(subparsers) -> None:
     hw.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
                     help="per-GPU reserve for activations, graphs, non-torch memory (GiB)")
     out = p.add_argument_group("output")
-    out.add_argument("--batches", type=int, nargs="+", default=list(DEFAULT_BATCHES), help="batch sizes to sweep")
+    out.add_argument("--batches", type=_batch, nargs="+", default=list(DEFAULT_BATCHES),
+                     help=f"batch sizes to sweep, each in [1, {MAX_BATCH}]")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--plot", metavar="OUT_PNG", help="write the curves to this image")
     out.add_argument("--measure", action="store_true",
                      help="run the MoE layer on the present device over the sweep and compare")
     p.set_defaults(func=run)
+
+
+def _batch(text: str) -> int:
+    """A --batches value: an integer in [1, 2^53] (the model's cost does not grow with it)."""
+    try:
+        batch = int(text)
+    except ValueError:
+        batch = 0
+    if not 1 <= batch <= MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"each batch must be an integer in [1, 2^53 = {MAX_BATCH}], got {text!r}")
+    return batch
 
 
 def _model(args) -> tuple[MoEConfig, dict | None, str]:
@@ -91,8 +104,6 @@ def _check_numbers(args) -> None:
         raise SystemExit(f"analyze: --utilization must be in (0, 1], got {args.utilization}")
     if not args.reserve_gib >= 0:
         raise SystemExit(f"analyze: --reserve-gib must be >= 0, got {args.reserve_gib}")
-    if any(b < 1 for b in args.batches):
-        raise SystemExit(f"analyze: --batches must be positive, got {args.batches}")
 
 
 def run(args) -> int:

@@ -1,7 +1,7 @@
 """``simulate``: one run of the routing / load-balancing simulator.
 
     [synthetic router, skew s] -> [balance: none | aux-loss | bias] -> route the batch (moekit.route)
-      -> per-expert loads -> capacity (moekit.layouts.capacity) -> drops, imbalance
+      -> per-expert loads -> capacity (moekit.routing.capacity) -> drops, imbalance
       -> experts touched per batch size -> parameters -> expert-parallel what-if
 
 Shapes: M = ``tokens``, E = ``experts``, k = ``top_k``, B = a batch size of the touched sweep.
@@ -76,8 +76,9 @@ def simulate(params: SimParams) -> SimResult:
     router = make_router(params.experts, params.top_k, params.skew, params.seed)
     x = draw_tokens(params.tokens, params.experts, streams.generator(params.seed, streams.EVAL))  # [M, F]
     outcome = _balance(router, params)
-    loads = _loads(outcome.router, x, outcome.correction_bias)  # [E]
-    capped = apply_capacity(outcome.router.route(x, outcome.correction_bias), params.experts, params.capacity_factor)
+    routing = outcome.router.route(x, outcome.correction_bias)  # routed once: loads and capacity read the same ids
+    loads = expert_loads(routing.topk_ids, params.experts)  # [E]
+    capped = apply_capacity(routing, params.experts, params.capacity_factor)
     assignments = params.tokens * params.top_k
     dropped = int(capped.dropped)
     counts = param_counts(params.experts, params.top_k)

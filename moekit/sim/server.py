@@ -1,9 +1,16 @@
 """The simulator's local web page and its JSON API, on the standard library's ``http.server``.
 
-    GET /                 the page (moekit/sim/web/index.html, app.js, style.css)
-    GET /api/defaults     {"params": SimParams defaults, "limits": {name: [min, max]}, "balance_methods": [...]}
+    GET /                 the page (moekit/sim/web/index.html, app.js, style.css, favicon.svg)
+    GET /api/defaults     {"params": SimParams defaults, "limits": {name: [min, max]}, "balance_methods": [...],
+                           "budget_s": the work budget}
     GET /api/simulate?experts=64&top_k=2&...   SimResult.to_dict(); any SimParams field may be given
-    bad parameters -> 400 {"error": message}; unknown path -> 404; other methods -> 405
+    bad parameters -> 400 {"error": message}; a run over the work budget -> 400 {"error": message,
+    "parameter": name, "max": the largest value of it that fits}; unknown path -> 404; other methods
+    -> 405; every error the server itself answers (414, 431, ...) is JSON too. HEAD works wherever GET does.
+
+The work budget (``moekit.sim.budget``) bounds each request: a run predicted to take more than about
+1.5 s of one core is refused before it starts, so no request runs on long after its client has left.
+A client that disconnects early costs one line on stderr, not a traceback.
 
 Binds to 127.0.0.1 by default: the page is a local tool, not a service. No simulation logic lives here
 or in the page; both ask ``moekit.sim.simulate``.
@@ -12,19 +19,26 @@ or in the page; both ask ``moekit.sim.simulate``.
 from __future__ import annotations
 
 import json
+import sys
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from moekit.sim.balance import warm_up
+from moekit.sim.budget import BUDGET_S, OverBudgetError, check_budget
 from moekit.sim.params import BALANCE_METHODS, LIMITS, SimParams
 from moekit.sim.run import simulate
 
 WEB_DIR = Path(__file__).with_name("web")
+SVG = "image/svg+xml"
 STATIC = {  # the only files served: no path from the URL ever reaches the filesystem
     "/": ("index.html", "text/html; charset=utf-8"),
     "/index.html": ("index.html", "text/html; charset=utf-8"),
     "/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/favicon.svg": ("favicon.svg", SVG),
+    "/favicon.ico": ("favicon.svg", SVG),  # browsers ask for this one unasked; every browser draws SVG icons
 }
 
 
@@ -39,11 +53,14 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             name, content_type = STATIC[url.path]
             self._send(200, (WEB_DIR / name).read_bytes(), content_type)
         elif url.path == "/api/defaults":
-            self._json(200, {"params": SimParams().to_dict(), "limits": LIMITS, "balance_methods": list(BALANCE_METHODS)})
+            self._json(200, {"params": SimParams().to_dict(), "limits": LIMITS,
+                             "balance_methods": list(BALANCE_METHODS), "budget_s": BUDGET_S})
         elif url.path == "/api/simulate":
             self._simulate(url.query)
         else:
             self._json(404, {"error": f"no such path: {url.path}"})
+
+    do_HEAD = do_GET  # the same status and headers; ``_send`` leaves the body out
 
     def _simulate(self, query: str) -> None:
         values = parse_qs(query, keep_blank_values=True)
@@ -52,6 +69,10 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             if repeated:
                 raise ValueError(f"parameter(s) given more than once: {', '.join(repeated)}")
             params = SimParams.from_strings({k: v[0] for k, v in values.items()})
+            check_budget(params)
+        except OverBudgetError as e:
+            self._json(400, {"error": str(e), "parameter": e.parameter, "max": e.largest})
+            return
         except ValueError as e:
             self._json(400, {"error": str(e)})
             return
@@ -61,29 +82,59 @@ class SimRequestHandler(BaseHTTPRequestHandler):
             self._json(500, {"error": f"internal error: {type(e).__name__}: {e}"})
 
     def _method_not_allowed(self) -> None:
-        self._json(405, {"error": f"method {self.command} not allowed; use GET"})
+        self._json(405, {"error": f"method {self.command} not allowed; use GET or HEAD"}, {"Allow": "GET, HEAD"})
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = _method_not_allowed
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
 
-    def _json(self, status: int, payload: dict) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json")
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (400 bad request line, 414 URI too long, 431 headers too large, 501
+        unknown method) as JSON like the API's, instead of its HTML page; the connection then closes."""
+        short, long = self.responses.get(code, ("error", ""))
+        self.log_error("code %d, message %s", code, message or short)
+        self.close_connection = True
+        text = f"{code} {message or short}: {explain or long}"
+        self._json(code, {"error": text}, {"Connection": "close"})
 
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
+    def _json(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json", headers)
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's signature)
         if getattr(self.server, "verbose", False):
             super().log_message(format, *args)
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> ThreadingHTTPServer:
-    """A server bound to ``host:port`` (port 0 picks a free one: read ``server.server_address``)."""
-    server = ThreadingHTTPServer((host, port), SimRequestHandler)
-    server.daemon_threads = True
-    server.verbose = verbose
-    return server
+class SimServer(ThreadingHTTPServer):
+    """One thread per request; a client that hangs up early is one line on stderr, not a traceback."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], verbose: bool = False) -> None:
+        super().__init__(address, SimRequestHandler)
+        self.verbose = verbose  # log every request
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, ConnectionError):  # BrokenPipe, ConnectionReset, ConnectionAborted
+            super().handle_error(request, client_address)
+            return
+        host, port = client_address[:2]
+        print(f"moekit-sim: client {host}:{port} went away before the answer was sent ({type(error).__name__})",
+              file=sys.stderr, flush=True)
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, verbose: bool = False) -> SimServer:
+    """A server bound to ``host:port`` (port 0 picks a free one: read ``server.server_address``), warmed
+    up so that no request pays a one-time import."""
+    warm_up()
+    return SimServer((host, port), verbose)

@@ -1,12 +1,16 @@
 // The simulator page: read the controls, ask /api/simulate, draw what it answers. No simulation here.
 "use strict";
 
-const NUMERIC = ["experts", "top_k", "tokens", "capacity_factor", "skew", "seed", "gpus", "spare_slots"];
+const NUMERIC = ["experts", "top_k", "tokens", "capacity_factor", "skew", "seed", "gpus", "spare_slots",
+                 "aux_steps", "bias_batches"];
 const SLIDERS = ["experts", "top_k", "tokens", "capacity_factor", "skew"];
+// Controls whose range is the server's (LIMITS); capacity factor and skew keep the page's own ranges.
+const RANGE_FROM_LIMITS = ["experts", "top_k", "tokens", "seed", "gpus", "spare_slots", "aux_steps", "bias_batches"];
 const app = document.getElementById("app");
 const $ = (id) => document.getElementById(id);
 let requestSeq = 0;
 let debounceTimer = null;
+let lastResult = null; // redrawn when the window resizes
 
 // 362390228992 -> "362.4G": the same rule as moekit.sim.report.format_params.
 function formatParams(n) {
@@ -39,6 +43,7 @@ function scheduleRefresh() {
 async function refresh() {
   const seq = ++requestSeq;
   const q = query();
+  history.replaceState(null, "", "?" + q); // the settings live in the address: reload restores them
   app.dataset.state = "loading";
   let response, body;
   try {
@@ -51,8 +56,10 @@ async function refresh() {
     return;
   }
   if (seq !== requestSeq) return; // a newer request is on its way
-  if (!response.ok) {
+  for (const el of document.querySelectorAll("[aria-invalid]")) el.removeAttribute("aria-invalid");
+  if (!response.ok) { // the numbers below are the last good answer's: the page dims them (style.css)
     $("status").textContent = body.error;
+    if (body.parameter && $(body.parameter)) $(body.parameter).setAttribute("aria-invalid", "true");
     app.dataset.state = "error";
     return;
   }
@@ -75,6 +82,7 @@ function render(r) {
   $("balance-report").textContent = b === null ? "Balancing off." :
     `${b.method}: ${b.steps} steps; imbalance ${b.imbalance_before.toFixed(2)}× → ${b.imbalance_after.toFixed(2)}×, ` +
     `drops ${(100 * b.drop_rate_before).toFixed(1)}% → ${(100 * b.drop_rate_after).toFixed(1)}%`;
+  lastResult = r;
   drawHistogram(r);
   $("mem-bar").style.width = "100%";
   $("read-bar").style.width = (100 * r.active_params / r.total_params).toFixed(2) + "%";
@@ -91,26 +99,52 @@ function svgEl(tag, attrs) {
   return el;
 }
 
+// Tick spacing of 1, 2 or 5 times a power of ten giving at most ~5 ticks up to `top`.
+function tickStep(top) {
+  const raw = top / 5, power = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
+}
+
+// Drawn in the SVG's own pixels (no stretching), so the axis text keeps its shape; redrawn on resize.
 function drawHistogram(r) {
   const svg = $("hist");
-  const width = 1000, height = 200, n = r.loads.length;
+  const width = svg.clientWidth || 1000, height = svg.clientHeight || 220;
+  const left = 48, right = 8, topPad = 8, bottom = 8, n = r.loads.length;
   const top = Math.max(...r.loads, r.capacity, 1) * 1.1;
-  const y = (v) => height - (v / top) * height;
-  const w = width / n;
+  const y = (v) => topPad + (1 - v / top) * (height - topPad - bottom);
+  const w = (width - left - right) / n;
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
-  svg.replaceChildren();
+  svg.replaceChildren(yAxis(top, y, left, width - right));
   r.loads.forEach((load, e) => {
-    const kept = r.kept[e];
-    svg.append(svgEl("rect", { class: "bar-kept", x: e * w + w * 0.1, width: w * 0.8, y: y(kept), height: height - y(kept),
-                               "data-expert": e, "data-load": load, "data-kept": kept }));
+    const kept = r.kept[e], x = left + e * w + w * 0.1;
+    const g = svgEl("g", { class: "expert" });
+    const title = svgEl("title", {});
+    title.textContent = `expert ${e}: ${load} assignments, ${kept} processed` + (load > kept ? `, ${load - kept} dropped` : "");
+    g.append(title, svgEl("rect", { class: "bar-kept", x, width: w * 0.8, y: y(kept), height: y(0) - y(kept),
+                                    "data-expert": e, "data-load": load, "data-kept": kept }));
     if (load > kept) {
-      svg.append(svgEl("rect", { class: "bar-over", x: e * w + w * 0.1, width: w * 0.8, y: y(load), height: y(kept) - y(load),
-                                 "data-expert": e }));
+      g.append(svgEl("rect", { class: "bar-over", x, width: w * 0.8, y: y(load), height: y(kept) - y(load), "data-expert": e }));
     }
+    svg.append(g);
   });
   const mean = (r.params.tokens * r.params.top_k) / n;
-  svg.append(svgEl("line", { class: "cap-line", x1: 0, x2: width, y1: y(r.capacity), y2: y(r.capacity) }));
-  svg.append(svgEl("line", { class: "mean-line", x1: 0, x2: width, y1: y(mean), y2: y(mean) }));
+  svg.append(svgEl("line", { class: "cap-line", x1: left, x2: width - right, y1: y(r.capacity), y2: y(r.capacity) }));
+  svg.append(svgEl("line", { class: "mean-line", x1: left, x2: width - right, y1: y(mean), y2: y(mean) }));
+}
+
+function yAxis(top, y, x0, x1) {
+  const axis = svgEl("g", { class: "y-axis" });
+  const step = tickStep(top);
+  for (let v = 0; v <= top; v += step) {
+    axis.append(svgEl("line", { class: "grid", x1: x0, x2: x1, y1: y(v), y2: y(v) }));
+    const label = svgEl("text", { class: "tick", x: x0 - 6, y: y(v) + 4, "data-value": v });
+    label.textContent = String(v);
+    axis.append(label);
+  }
+  const name = svgEl("text", { class: "axis-name", transform: `translate(12 ${y(top / 2)}) rotate(-90)` });
+  name.textContent = "assignments";
+  axis.append(name);
+  return axis;
 }
 
 function renderTouched(r) {
@@ -150,15 +184,26 @@ function renderEP(ep) {
   $("ep").tBodies[0].replaceChildren(...rows);
 }
 
+// Settings from the address (?experts=32&balance=bias...) over the lesson's defaults; the server
+// checks them, so a bad one shows its message like any other.
+function applySettings(settings) {
+  for (const name of NUMERIC) if (settings[name] !== undefined) $(name).value = settings[name];
+  const balance = settings.balance;
+  $("balance-toggle").checked = balance !== "none";
+  if (balance !== "none") $("balance-method").value = balance;
+}
+
 async function init() {
   const defaults = await (await fetch("/api/defaults")).json();
-  for (const name of NUMERIC) $(name).value = defaults.params[name];
-  const on = defaults.params.balance !== "none";
-  $("balance-toggle").checked = on;
-  if (on) $("balance-method").value = defaults.params.balance;
+  for (const name of RANGE_FROM_LIMITS) { // a slider keeps its own min: its steps count from there
+    if ($(name).type === "number") $(name).min = defaults.limits[name][0];
+    $(name).max = defaults.limits[name][1];
+  }
+  applySettings({ ...defaults.params, ...Object.fromEntries(new URLSearchParams(location.search)) });
   for (const name of NUMERIC) $(name).addEventListener("input", scheduleRefresh);
   $("balance-toggle").addEventListener("change", scheduleRefresh);
   $("balance-method").addEventListener("change", scheduleRefresh);
+  window.addEventListener("resize", () => { if (lastResult) drawHistogram(lastResult); });
   showSliderValues();
   await refresh();
 }
