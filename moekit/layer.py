@@ -36,6 +36,7 @@ class MoEStats:
     padded_rows: int  # rows of the block-aligned layout (block_size) the GEMMs would run, padding included
     dropped: int  # assignments dropped by the capacity factor (0 when dropless)
     num_tokens: int  # M
+    masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
 
 
 @dataclass
@@ -176,6 +177,7 @@ class MoE(nn.Module):
             padded_rows=int(((counts + block - 1) // block * block).sum()),
             dropped=int(routed.dropped),
             num_tokens=routed.routing.num_tokens,
+            masked_tokens=int(routed.routing.masked_tokens),
         )
 
     def resolved_backend(self) -> str:

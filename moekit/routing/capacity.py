@@ -73,7 +73,7 @@ def apply_capacity(
     kept_weights = torch.where(dropped_mask, torch.zeros_like(weights), weights)
     kept_counts = torch.clamp(groups.counts, max=capacity).to(torch.int32)
     return CapacityResult(
-        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights),
+        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights, masked_tokens=routing.masked_tokens),
         capacity=capacity,
         dropped_mask=dropped_mask,
         dropped=dropped_mask.sum(),
