@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._checks import check_int
 from moekit.layouts.grouping import aligned_positions, scatter_to_rows
 
 
@@ -49,8 +50,8 @@ def masked_layout(
     num_assignments = topk_ids.numel()
     if m_max is None:
         m_max = max(num_assignments, 1)
-    elif not isinstance(m_max, int) or isinstance(m_max, bool) or m_max < 1:
-        raise ValueError(f"m_max must be a positive int or None, got {m_max!r}")
+    else:
+        check_int("m_max", m_max)
     return _build(x, topk_ids, num_experts, m_max, expert_map, fill, check=m_max < num_assignments)
 
 
@@ -65,8 +66,9 @@ def masked_layout_measured_cap_syncs(
     """Masked layout with the measured cap: m_max = max per-expert count rounded up to ``round_to``.
 
     SYNCHRONISES WITH THE HOST (it reads the largest count back), so it cannot be captured in a CUDA
-    graph. It allocates E * m_cap rows instead of E * M.
+    graph. It allocates E * m_cap rows instead of E * M*k.
     """
+    check_int("round_to", round_to)
     pos = aligned_positions(topk_ids, num_experts, 1, expert_map)
     biggest = int(pos.counts.max()) if pos.counts.numel() else 0  # host sync
     m_max = max(round_to, (biggest + round_to - 1) // round_to * round_to)

@@ -72,6 +72,8 @@ def route(
     - a token with no finite expert at all gets all-zero weights and is counted in
       ``Routing.masked_tokens`` (surfaced as ``MoEStats.masked_tokens``), never silently.
     """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     logits = _check_logits(router_logits, config)
     bias = _check_bias(correction_bias, config, logits.device)
     finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool
