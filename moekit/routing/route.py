@@ -93,7 +93,8 @@ def route(
     else:
         choice = choice.masked_fill(~finite, float("-inf"))
         allowed = _allowed_experts(choice, finite, config, bias is not None)  # [M, E] bool
-        tier = (~finite).to(torch.int8) + 2 * (~allowed).to(torch.int8)  # [M, E]; 0 finite allowed, 1 masked allowed, 2+ not allowed
+        # [M, E] tier: 0 finite and allowed, 1 masked and allowed, 2 or 3 in a group not chosen
+        tier = (~finite).to(torch.int8) + 2 * (~allowed).to(torch.int8)
         topk_ids = _topk_tiered(choice, tier, config.top_k)  # [M, k] int64
         weights = _weights(logits, scores, topk_ids, finite.gather(1, topk_ids), config)  # [M, k] float32
         masked_tokens = (~finite.any(dim=1)).sum()
