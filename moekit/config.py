@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.activations import activation_from_hf, get_activation
 from moekit.presets import hf_config_of_preset
 
@@ -45,9 +46,13 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
+        check_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0)
+        if self.num_moe_layers is not None:
+            check_int("num_moe_layers", self.num_moe_layers)
+        for name in ("renormalize", "use_correction_bias", "shared_expert_gate"):
+            check_bool(name, getattr(self, name))
+        check_positive_finite("routed_scaling_factor", self.routed_scaling_factor)
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
         if self.scoring not in ("softmax", "sigmoid"):
@@ -61,15 +66,11 @@ class MoEConfig:
                 f"top_k ({self.top_k}) exceeds the experts in the topk_group={self.topk_group} kept groups "
                 f"({self.topk_group * (self.num_experts // self.n_group)})"
             )
-        if self.shared_expert_intermediate_size < 0:
-            raise ValueError(f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}")
         if self.shared_expert_gate and not self.shared_expert_intermediate_size:
             raise ValueError("shared_expert_gate=True needs shared_expert_intermediate_size > 0")
         get_activation(self.activation)  # raises, naming the argument, for an unknown one
         if self.nonfinite not in ("raise", "mask"):
             raise ValueError(f"nonfinite must be 'raise' or 'mask', got {self.nonfinite!r}")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
 
     @property
     def has_shared_expert(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, call_backend, resolve_backend
 from moekit.activations import act_and_mul
@@ -36,6 +37,7 @@ class MoEStats:
     padded_rows: int  # rows of the block-aligned layout (block_size) the GEMMs would run, padding included
     dropped: int  # assignments dropped by the capacity factor (0 when dropless)
     num_tokens: int  # M
+    masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
 
 
 @dataclass
@@ -73,10 +75,7 @@ class MoE(nn.Module):
         """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
         rank (``moekit.parallel.EPMoE``) holds only its own."""
         super().__init__()
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor}")
-        if drop_policy not in ("position", "weight"):
-            raise ValueError(f"drop_policy must be 'position' or 'weight', got {drop_policy!r}")
+        _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -139,7 +138,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
-        if x.shape[-1] != self.config.hidden_size:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
         routed = self.route_tokens(x2d)
@@ -176,6 +179,7 @@ class MoE(nn.Module):
             padded_rows=int(((counts + block - 1) // block * block).sum()),
             dropped=int(routed.dropped),
             num_tokens=routed.routing.num_tokens,
+            masked_tokens=int(routed.routing.masked_tokens),
         )
 
     def resolved_backend(self) -> str:
@@ -189,3 +193,22 @@ class MoE(nn.Module):
             f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
             f"backend={self.backend}, capacity_factor={self.capacity_factor}"
         )
+
+
+def _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype) -> None:
+    """``MoE.__init__``'s arguments: a clear error naming the one that cannot be honoured."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_bool("fuse_shared", fuse_shared)
+    if capacity_factor is not None:
+        try:
+            check_positive_finite("capacity_factor", capacity_factor)
+        except ValueError as err:
+            raise ValueError(f"{err} (None = dropless)") from None
+    if drop_policy not in ("position", "weight"):
+        raise ValueError(f"drop_policy must be 'position' or 'weight', got {drop_policy!r}")
+    check_int("stats_block_size", stats_block_size)
+    if num_local_experts is not None:
+        check_int("num_local_experts", num_local_experts, minimum=0)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -91,3 +91,16 @@ def test_bad_arguments_are_named(mutate, error, match):
         run_experts(*problem)
     with pytest.raises(ValueError, match="backend must be one of"):
         run_experts(*make_problem(4, 2, 3, 8, 4, seed=0), backend="cutlass")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_duplicate_ids_in_a_row(backend, dtype):
+    """A token routed twice to one expert (from a user, or transformers' EP sentinel id >= E) counts twice."""
+    x, w13, w2, _, weights = make_problem(24, 3, 4, 16, 8, seed=6)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 5, (24, 3), generator=g).int()  # id 4 = E: the sentinel, often twice in a row
+    ids[:3] = torch.tensor([[0, 0, 0], [0, 0, 1], [1, 1, 4]])
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    ref = per_token_loop(x, w13, w2, ids, weights)
+    assert rel_l2(run_experts(x, w13, w2, ids, weights, backend=backend), ref) < TOLERANCE[dtype]

@@ -124,3 +124,20 @@ def test_from_hf_config_reads_objects_and_dicts():
     assert (mx.num_experts, mx.top_k, mx.moe_intermediate_size, mx.renormalize) == (8, 2, 14336, True)
     v2 = MoEConfig.from_hf_config(transformers.DeepseekV2Config(num_experts_per_tok=6))
     assert v2.scoring == "softmax" and v2.n_group == 1 and not v2.use_correction_bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_moekit_experts_compile_fullgraph_cpu_default(dtype):
+    """A whole Qwen3-MoE model on the "moekit" experts with the CPU default backend (grouped_mm)
+    compiles with fullgraph in every dtype and equals its eager self."""
+    assert moekit_hf.HF_BACKEND == "auto"
+    torch.manual_seed(4)
+    model = qwen3(True).to(dtype).eval()
+    model.set_experts_implementation("moekit")
+    ids = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)

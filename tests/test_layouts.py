@@ -141,7 +141,7 @@ def test_masked_layout_and_inverse(measured):
         assert layout.m_max == math.ceil(int(layout.counts.max()) / 4) * 4
     else:
         layout = masked_layout(x, ids, e, fill=float("nan"))
-        assert layout.m_max == m
+        assert layout.m_max == m * k  # holds any routing, duplicate ids within a token included
     for expert in range(e):
         mine = [a // k for a, g in enumerate(ids.reshape(-1).tolist()) if g == expert]
         assert int(layout.counts[expert]) == len(mine)
@@ -222,3 +222,55 @@ def test_empty_batch_gives_empty_layouts():
     assert int(masked.counts.sum()) == 0 and unmask(masked.x_masked, masked).shape == (0, 2, 4)
     capped = apply_capacity(Routing(ids, torch.zeros(0, 2)), 4, 1.0)
     assert capped.capacity == 0 and int(capped.dropped) == 0
+
+
+def duplicate_ids(m, k, e, seed):
+    """Ids drawn with replacement, so a token often routes twice to one expert; some slots skipped
+    (-1) or on transformers' EP sentinel (id >= E)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (m, k), generator=g)
+    ids[:3] = torch.tensor([[0] * k, [0] * k, [1] * k])  # the issue's rows: tokens 0 and 1 both twice on expert 0
+    ids[torch.rand(m, k, generator=g) < 0.1] = -1
+    ids[torch.rand(m, k, generator=g) < 0.1] = e
+    return ids.int()
+
+
+def per_slot_loop(x, ids, e):
+    """float64: what every layout's round trip must give, y[t, j] = (ids[t, j] + 1) * x[t] for a routed slot, else 0."""
+    out = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            g = int(ids[t, j])
+            if 0 <= g < e:
+                out[t, j] = (g + 1) * x[t].double()
+    return out
+
+
+@pytest.mark.parametrize("m, k, e", [(3, 2, 2), (17, 4, 3), (40, 3, 5)])
+def test_duplicate_ids_in_a_row_keep_every_slot(m, k, e):
+    ids = duplicate_ids(m, k, e, seed=m)
+    x = torch.randn(m, 6)
+    expected = per_slot_loop(x, ids, e)
+    scale = torch.arange(1, e + 2, dtype=torch.float32)  # expert g multiplies its rows by g + 1; [E+1], padding too
+
+    masked = masked_layout(x, ids, e, fill=float("nan"))
+    assert masked.m_max == m * k and int(masked.counts.sum()) == int(((ids >= 0) & (ids < e)).sum())
+    y = masked.x_masked * scale[:e, None, None]
+    torch.testing.assert_close(unmask(y, masked).double(), expected)
+
+    contiguous = permute_contiguous(x, ids, e, align=4, fill=float("nan"))
+    y = contiguous.x_perm * scale[contiguous.segment_ids.long()][:, None]
+    torch.testing.assert_close(unpermute_contiguous(y, contiguous).double(), expected)
+
+    for allow_naive in (True, False):
+        block = align_block(ids, e, 4, allow_naive=allow_naive)
+        block_expert = block.expert_ids.long().repeat_interleave(4)[: block.max_padded]  # [R] expert of each row
+        y = gather_rows(x, block, fill=float("nan")) * scale[block_expert][:, None]
+        torch.testing.assert_close(scatter_rows(y, block).view(m, k, 6).double(), expected)
+
+
+def test_masked_explicit_cap_counts_duplicate_ids():
+    ids = torch.tensor([[0, 0], [0, 0], [1, 1]], dtype=torch.int32)  # expert 0 holds 4 assignments > M = 3
+    with pytest.raises(ValueError, match="m_max=3 is smaller than the busiest expert's 4 rows"):
+        masked_layout(torch.randn(3, 2), ids, 2, m_max=3)
+    assert masked_layout(torch.randn(3, 2), ids, 2, m_max=4).m_max == 4

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._checks import check_int
 from moekit.layouts.grouping import aligned_positions, max_padded_rows, scatter_to_rows, to_local_ids
 
 # vLLM's shortcut condition: with A*4 <= E tokens are spread so thin that sorting is pure overhead.
@@ -129,10 +130,8 @@ def check_align_args(topk_ids: torch.Tensor, num_experts: int, block_size: int, 
         raise ValueError(f"topk_ids must have shape [M, k], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    check_int("num_experts", num_experts)
+    check_int("block_size", block_size)
     if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != topk_ids.device):
         raise ValueError(
             f"expert_map must be 1-D on {topk_ids.device}, got shape {tuple(expert_map.shape)} on {expert_map.device}"

@@ -85,6 +85,7 @@ def _estimates(m, k, e, hidden, inter, b, counts, block, align) -> list[LayoutEs
     return [
         LayoutEstimate("block_aligned", block_rows, block_bytes, syncs=False),
         LayoutEstimate("contiguous", contig_rows, contig_rows * per_row(True), syncs=False),
+        # masked_layout(m_max=M): enough for route()'s ids, distinct within a token (the default, A, is k times more)
         LayoutEstimate("masked", e * m, e * m * per_row(True), syncs=False),
         LayoutEstimate("masked_measured_cap", e * cap, e * cap * per_row(True), syncs=True),
     ]

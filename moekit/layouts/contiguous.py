@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._checks import check_int
 from moekit.layouts.grouping import aligned_positions, max_padded_rows, scatter_to_rows
 
 DEFAULT_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
@@ -55,7 +56,9 @@ def permute_contiguous(
     if x.dim() != 2 or topk_ids.dim() != 2 or x.shape[0] != topk_ids.shape[0]:
         raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
-    pos = aligned_positions(topk_ids, num_experts, align, expert_map)
+    pos = aligned_positions(topk_ids, num_experts, align, expert_map)  # checks num_experts and align
+    if static_rows is not None:
+        check_int("static_rows", static_rows, minimum=0)
     if static_rows is None:
         total = int(pos.offsets[-1])  # host sync: the exact size is data-dependent
     else:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._checks import check_int
+
 
 @dataclass
 class GroupRanks:
@@ -35,6 +37,7 @@ def rank_within_groups(keys: torch.Tensor, num_groups: int) -> GroupRanks:
     """
     if keys.dim() != 1 or keys.is_floating_point() or keys.is_complex():
         raise ValueError(f"keys must be a 1-D integer tensor, got shape {tuple(keys.shape)} {keys.dtype}")
+    check_int("num_groups", num_groups, minimum=0)
     keys = keys.long()
     counts_all = torch.zeros(num_groups + 1, dtype=torch.int64, device=keys.device)
     counts_all.scatter_add_(0, keys, torch.ones_like(keys))  # [G+1]
@@ -82,6 +85,8 @@ def aligned_positions(
 ) -> AlignedPositions:
     """Group the assignments of ``topk_ids`` [M, k] by local expert, each expert's run starting on a
     multiple of ``align``; assignments keep their a-order within a run."""
+    check_int("num_experts", num_experts)
+    check_int("align", align)
     local = to_local_ids(topk_ids, num_experts, expert_map)  # [A]
     groups = rank_within_groups(local, num_experts)
     padded = (groups.counts + align - 1) // align * align  # [E]

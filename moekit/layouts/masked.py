@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit._checks import check_int
 from moekit.layouts.grouping import aligned_positions, scatter_to_rows
 
 
@@ -39,17 +40,19 @@ def masked_layout(
     expert_map: torch.Tensor | None = None,
     fill: float = 0.0,
 ) -> MaskedLayout:
-    """Uncapped masked layout: ``m_max`` defaults to M, the whole token budget, which holds any routing
-    whose ids are distinct within a token (``route`` guarantees it). No host synchronisation.
+    """Uncapped masked layout: every assignment gets its own row, a token routed twice to one expert
+    included. ``m_max`` defaults to A = M*k, which holds any routing; M is enough when ids are
+    distinct within a token (``route`` guarantees it) and saves a factor k of memory.
 
-    An explicit ``m_max`` below M is checked against the counts (a host sync) and raises on overflow.
+    An explicit ``m_max`` below A is checked against the counts: a ``ValueError`` on the CPU, a
+    device-side assert elsewhere (no host synchronisation on either path).
     """
-    num_tokens = topk_ids.shape[0]
+    num_assignments = topk_ids.numel()
     if m_max is None:
-        m_max = max(num_tokens, 1)
-    elif m_max < 1:
-        raise ValueError(f"m_max must be >= 1, got {m_max}")
-    return _build(x, topk_ids, num_experts, m_max, expert_map, fill, check=m_max < num_tokens)
+        m_max = max(num_assignments, 1)
+    else:
+        check_int("m_max", m_max)
+    return _build(x, topk_ids, num_experts, m_max, expert_map, fill, check=m_max < num_assignments)
 
 
 def masked_layout_measured_cap_syncs(
@@ -63,8 +66,9 @@ def masked_layout_measured_cap_syncs(
     """Masked layout with the measured cap: m_max = max per-expert count rounded up to ``round_to``.
 
     SYNCHRONISES WITH THE HOST (it reads the largest count back), so it cannot be captured in a CUDA
-    graph. It allocates E * m_cap rows instead of E * M.
+    graph. It allocates E * m_cap rows instead of E * M*k.
     """
+    check_int("round_to", round_to)
     pos = aligned_positions(topk_ids, num_experts, 1, expert_map)
     biggest = int(pos.counts.max()) if pos.counts.numel() else 0  # host sync
     m_max = max(round_to, (biggest + round_to - 1) // round_to * round_to)
@@ -76,8 +80,8 @@ def _build(x, topk_ids, num_experts, m_max, expert_map, fill, check: bool) -> Ma
         raise ValueError(f"x [M, K] and topk_ids [M, k] must agree on M, got {tuple(x.shape)} and {tuple(topk_ids.shape)}")
     num_tokens, top_k = topk_ids.shape
     pos = aligned_positions(topk_ids, num_experts, 1, expert_map)  # align 1: offsets are the unpadded starts
-    if check and pos.counts.numel() and int(pos.counts.max()) > m_max:  # host sync, explicit m_max only
-        raise ValueError(f"m_max={m_max} is smaller than the busiest expert's {int(pos.counts.max())} rows")
+    if check and pos.counts.numel():
+        _check_cap(pos.counts, m_max)
     routed = pos.dst >= 0
     local = torch.where(routed, pos.local_ids, 0)
     rank = pos.dst - pos.offsets[local]  # [A] row within the expert's rectangle
@@ -89,6 +93,14 @@ def _build(x, topk_ids, num_experts, m_max, expert_map, fill, check: bool) -> Ma
         counts=pos.counts,
         src_to_dst=flat_dst.view(num_tokens, top_k),
     )
+
+
+def _check_cap(counts: torch.Tensor, m_max: int) -> None:
+    fits = counts.max() <= m_max
+    if counts.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(fits, "masked_layout: m_max is smaller than the busiest expert's rows")  # no host sync
+    elif not bool(fits):
+        raise ValueError(f"m_max={m_max} is smaller than the busiest expert's {int(counts.max())} rows")
 
 
 def unmask(y_masked: torch.Tensor, layout: MaskedLayout) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from moekit._checks import check_int, check_positive_finite
 from moekit.layouts.grouping import rank_within_groups
 from moekit.routing.route import Routing
 
@@ -37,8 +38,8 @@ class CapacityResult:
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """C = ceil(capacity_factor * M * k / E)."""
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    check_positive_finite("capacity_factor", capacity_factor)
+    check_int("num_experts", num_experts)
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
@@ -73,7 +74,7 @@ def apply_capacity(
     kept_weights = torch.where(dropped_mask, torch.zeros_like(weights), weights)
     kept_counts = torch.clamp(groups.counts, max=capacity).to(torch.int32)
     return CapacityResult(
-        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights),
+        routing=Routing(topk_ids=kept_ids, topk_weights=kept_weights, masked_tokens=routing.masked_tokens),
         capacity=capacity,
         dropped_mask=dropped_mask,
         dropped=dropped_mask.sum(),

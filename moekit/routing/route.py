@@ -23,6 +23,9 @@ class Routing:
 
     topk_ids: torch.Tensor  # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
     topk_weights: torch.Tensor  # [M, k(+S)] float32; weight of each slot; 0 where the id is -1
+    # [] int64; tokens route() found with no finite logit (nonfinite="mask"): all their weights are 0.
+    # route() always sets it (0 with nonfinite="raise"); None on a Routing built by hand.
+    masked_tokens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -45,39 +48,69 @@ def route(
     - sigmoid scoring (DeepSeek-V3): independent gates. ``correction_bias`` [E] shifts the scores used
       for *selection* only; weights come from the unbiased scores.
     - grouped top-k (``n_group`` > 1): a group scores the sum of its top-2 biased scores when a bias is
-      given, its max otherwise; only the best ``topk_group`` groups can be chosen from.
+      given (and a group has >= 2 experts), its max otherwise; only the best ``topk_group`` groups can
+      be chosen from.
     - renormalisation is computed as a softmax over the chosen experts' log-scores, which equals
       w / sum(w) and stays finite when every score underflows (no 0/0).
     - ``routed_scaling_factor`` multiplies the routed weights.
 
     The result holds the k routed slots only; ``append_shared_slots`` adds a fused shared expert's.
 
-    NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"`` (then such an expert scores
-    lowest for selection and gets weight 0 if still chosen). On the CPU the error is a ``ValueError``
-    naming the bad rows; on a GPU it is a device-side assert, so the path never syncs with the host.
+    NaN or infinite logits raise unless ``config.nonfinite`` is ``"mask"``; a NaN or infinite
+    ``correction_bias`` always raises. On the CPU the error is a ``ValueError`` naming the bad rows
+    (or the bias); on a GPU it is a device-side assert, so the path never syncs with the host.
+
+    With ``nonfinite="mask"`` an expert whose logit is not finite is *masked*:
+    - it takes no probability mass from the others (softmax over the finite experts only);
+    - group score: computed over the group's finite experts only (with a bias and >= 2 experts per
+      group, the sum of the top-2 biased scores among them, or the one finite expert's biased score
+      when it has exactly one; otherwise their max biased score). A group with no finite expert scores
+      -inf and is chosen only when fewer than ``topk_group`` groups have a finite expert (lower id first);
+    - selection: a masked expert is never chosen over a finite one of the allowed groups; it fills a
+      slot only when fewer than k finite experts are allowed (lower id first), and gets weight 0;
+    - renormalisation runs over the chosen finite experts only;
+    - a token with no finite expert at all gets all-zero weights and is counted in
+      ``Routing.masked_tokens`` (surfaced as ``MoEStats.masked_tokens``), never silently.
     """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     logits = _check_logits(router_logits, config)
     bias = _check_bias(correction_bias, config, logits.device)
-    if config.nonfinite == "mask":
-        finite = torch.isfinite(logits)
+    finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool
+    if finite is not None:
         # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no
-        # probability mass from the others and only wins a slot when fewer than k experts are finite.
+        # probability mass from the others; selection and renormalisation exclude it explicitly.
         logits = logits.masked_fill(~finite, torch.finfo(torch.float32).min)
-    else:
-        finite = None
 
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
     choice = scores if bias is None else scores + bias  # [M, E]
-    if finite is not None:
-        choice = choice.masked_fill(~finite, float("-inf"))
-    if config.n_group > 1:
-        choice = _mask_unselected_groups(choice, config, biased=bias is not None)
-    topk_ids = _topk_lower_id_wins(choice, config.top_k)  # [M, k] int64
+    if finite is None:
+        return _select(logits, scores, choice, config, biased=bias is not None)
+    return _select_masked(logits, scores, choice, finite, config, biased=bias is not None)
 
-    weights = _weights(logits, scores, topk_ids, config)  # [M, k] float32
-    if finite is not None:
-        weights = weights * finite.gather(1, topk_ids)
-    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights)
+
+def _select(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, config: MoEConfig,
+            biased: bool) -> Routing:
+    """Top-k of ``choice`` [M, E] within the allowed groups, weighted from the unbiased scores."""
+    if config.n_group > 1:
+        choice = choice.masked_fill(~_allowed_experts(choice, None, config, biased), float("-inf"))
+    topk_ids = _topk_lower_id_wins(choice, config.top_k)  # [M, k] int64
+    weights = _weights(logits, scores, topk_ids, None, config)  # [M, k] float32
+    masked_tokens = torch.zeros((), dtype=torch.int64, device=logits.device)
+    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights, masked_tokens=masked_tokens)
+
+
+def _select_masked(logits: torch.Tensor, scores: torch.Tensor, choice: torch.Tensor, finite: torch.Tensor,
+                   config: MoEConfig, biased: bool) -> Routing:
+    """``_select`` with ``nonfinite="mask"``: finite [M, E] decides the tiers of the docstring of ``route``."""
+    choice = choice.masked_fill(~finite, float("-inf"))
+    allowed = _allowed_experts(choice, finite, config, biased)  # [M, E] bool
+    # [M, E] tier: 0 finite and allowed, 1 masked and allowed, 2 or 3 in a group not chosen
+    tier = (~finite).to(torch.int8) + 2 * (~allowed).to(torch.int8)
+    topk_ids = _topk_tiered(choice, tier, config.top_k)  # [M, k] int64
+    weights = _weights(logits, scores, topk_ids, finite.gather(1, topk_ids), config)  # [M, k] float32
+    masked_tokens = (~finite.any(dim=1)).sum()
+    return Routing(topk_ids=topk_ids.to(torch.int32), topk_weights=weights, masked_tokens=masked_tokens)
 
 
 def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -109,11 +142,22 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
 def _check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.device) -> torch.Tensor | None:
     if bias is None:
         return None
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"correction_bias must be a torch.Tensor or None, got {type(bias).__name__}")
     if bias.shape != (config.num_experts,):
         raise ValueError(f"correction_bias must have shape [num_experts={config.num_experts}], got {tuple(bias.shape)}")
     if bias.device != device:
         raise ValueError(f"correction_bias must be on {device} like router_logits, got {bias.device}")
-    return bias.float()
+    if not bias.is_floating_point():
+        raise TypeError(f"correction_bias must be a floating-point tensor, got {bias.dtype}")
+    bias = bias.float()  # [E]
+    all_finite = torch.isfinite(bias).all()
+    if bias.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(all_finite, "correction_bias contains NaN or infinite values")  # no host sync
+    elif not bool(all_finite):
+        bad = (~torch.isfinite(bias)).nonzero()[:5, 0].tolist()
+        raise ValueError(f"correction_bias contains NaN or infinite values (first bad experts: {bad})")
+    return bias
 
 
 def _topk_lower_id_wins(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -122,27 +166,58 @@ def _topk_lower_id_wins(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]  # [M, k]
 
 
-def _mask_unselected_groups(choice: torch.Tensor, config: MoEConfig, biased: bool) -> torch.Tensor:
-    num_tokens, per_group = choice.shape[0], config.num_experts // config.n_group
-    grouped = choice.view(num_tokens, config.n_group, per_group)  # [M, G, E/G]
+def _topk_tiered(scores: torch.Tensor, tier: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best per row: the lowest tier first, then the largest score, then the lower index."""
+    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [M, E]
+    by_tier = torch.sort(tier.gather(1, by_score), dim=-1, stable=True).indices  # [M, E]; stable keeps score order
+    return by_score.gather(1, by_tier)[:, :k]  # [M, k]
+
+
+def _allowed_experts(
+    choice: torch.Tensor, finite: torch.Tensor | None, config: MoEConfig, biased: bool
+) -> torch.Tensor:
+    """[M, E] bool: the experts of each token's best ``topk_group`` groups (all True without groups).
+
+    ``choice`` [M, E] holds the biased scores, -inf where ``finite`` is False (masked experts)."""
+    num_tokens, num_groups = choice.shape[0], config.n_group
+    if num_groups == 1:
+        return torch.ones_like(choice, dtype=torch.bool)
+    per_group = config.num_experts // num_groups
+    grouped = choice.view(num_tokens, num_groups, per_group)  # [M, G, E/G]
     if biased and per_group >= 2:
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [M, G]
+        top2 = grouped.topk(2, dim=-1).values  # [M, G, 2]; masked experts are -inf, so they come last
+        group_scores = top2.sum(dim=-1)  # [M, G]
+        if finite is not None:  # one finite expert: its score alone; none: -inf (top2[..., 0] is -inf)
+            num_finite = finite.view(num_tokens, num_groups, per_group).sum(dim=-1)  # [M, G]
+            group_scores = torch.where(num_finite >= 2, group_scores, top2[..., 0])
     else:
         group_scores = grouped.max(dim=-1).values  # [M, G]
-    keep = _topk_lower_id_wins(group_scores, config.topk_group)  # [M, topk_group]
+    if finite is None:
+        keep = _topk_lower_id_wins(group_scores, config.topk_group)  # [M, topk_group]
+    else:  # a group with no finite expert comes after every group with one, whatever the scores
+        empty = ~finite.view(num_tokens, num_groups, per_group).any(dim=-1)  # [M, G]
+        keep = _topk_tiered(group_scores, empty.to(torch.int8), config.topk_group)  # [M, topk_group]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)  # [M, G]
-    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, config.num_experts)  # [M, E]
-    return choice.masked_fill(~expert_mask, float("-inf"))
+    return group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, config.num_experts)  # [M, E]
 
 
-def _weights(logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+def _weights(
+    logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, chosen_finite: torch.Tensor | None,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """Weights of the chosen experts [M, k]; ``chosen_finite`` [M, k] (mask mode) zeroes masked slots
+    and keeps them out of the renormalisation."""
     if config.renormalize:
         # softmax over the chosen log-scores == w_i / sum_j w_j, without underflow to 0/0.
         chosen_logits = logits.gather(1, topk_ids)  # [M, k]
         log_scores = chosen_logits if config.scoring == "softmax" else torch.nn.functional.logsigmoid(chosen_logits)
-        weights = torch.softmax(log_scores, dim=-1)
+        if chosen_finite is not None:
+            log_scores = log_scores.masked_fill(~chosen_finite, float("-inf"))
+        weights = torch.softmax(log_scores, dim=-1)  # NaN on a row with no finite slot: zeroed below
     else:
         weights = scores.gather(1, topk_ids)  # [M, k]
+    if chosen_finite is not None:
+        weights = torch.where(chosen_finite, weights, 0.0)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
     return weights.float()

@@ -39,4 +39,8 @@ def append_shared_slots(routing: Routing, config: MoEConfig, shared_gate_logits:
         shared_w = torch.sigmoid(shared_gate_logits.float()).expand(num_tokens, slots)  # [M, S]
     else:
         shared_w = torch.ones(num_tokens, slots, device=device, dtype=torch.float32)  # [M, S]
-    return Routing(topk_ids=torch.cat([topk_ids, shared_ids], dim=1), topk_weights=torch.cat([weights, shared_w], dim=1))
+    return Routing(
+        topk_ids=torch.cat([topk_ids, shared_ids], dim=1),
+        topk_weights=torch.cat([weights, shared_w], dim=1),
+        masked_tokens=routing.masked_tokens,
+    )

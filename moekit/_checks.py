@@ -1,0 +1,25 @@
+"""Argument checks shared by every public entry point: each raises a clear error that names the
+argument and says what was expected. Python's bool is an int; none of these accept it as a number."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> None:
+    """``value`` must be an int (not a bool) >= ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def check_positive_finite(name: str, value: Any) -> None:
+    """``value`` must be a finite real number (int or float, not a bool) > 0."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 and finite (an int or float), got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
