@@ -120,6 +120,7 @@ def test_measure_tiny(tmp_path, capsys):
     assert measured["scale"] == 1 and measured["hidden_size"] == 64
     for row in measured["rows"]:
         assert row["time_s"] > 0 and row["predicted_time_s"] > 0
+        assert row["spread_pct"] >= 0 and isinstance(row["noisy"], bool)
         assert 1 <= row["experts_touched"] <= 8
         assert row["predicted_experts_touched"] <= 8 and row["skew_experts_touched"] <= 8
         assert row["padding"]["16"] >= 1

@@ -13,7 +13,7 @@ from moekit.bench import tuning
 from moekit.bench.cells import Shape, cell_model, measured_experts_touched, uniform_routing
 from moekit.bench.report import plot, results_path, table, write_json
 from moekit.bench.run import Cell, geomean_speedup, run_bench
-from moekit.bench.timing import time_calls
+from moekit.bench.timing import NOISY_SPREAD_PCT, time_calls
 from moekit.cli import main
 from moekit.experts.configs import KernelConfig, config_file_name, load_configs
 
@@ -47,9 +47,13 @@ def test_run_bench_document(tmp_path):
     assert {"device", "date", "commit", "ceilings", "cells"} <= doc.keys()
     assert doc["ceilings"]["copy_TBps"] > 0 and doc["ceilings"]["mm_TFLOPs"] > 0
     assert {(c["M"], c["backend"]) for c in doc["cells"]} == {(1, "grouped_mm"), (1, "reference"), (5, "grouped_mm"), (5, "reference")}
+    assert doc["noisy_spread_pct"] == NOISY_SPREAD_PCT and doc["cpu_threads"] >= 1
     for c in doc["cells"]:
         assert {"shape", "M", "backend", "us", "bytes", "flops", "floor_us"} <= c.keys()
         assert c["pct_floor"] == pytest.approx(100 * c["floor_us"] / c["us"])
+        assert c["repeats"] >= 5 and c["spread_pct"] >= 0 and c["noisy"] == (c["spread_pct"] > NOISY_SPREAD_PCT)
+        assert 0 < c["min_us"] <= c["us"] <= c["max_us"]
+        assert c["eager_us"] == c["us"] and c["host_us"] == c["us"] > 0  # one wall clock on the CPU
     path = write_json(doc, results_path(tmp_path, doc))
     assert path.name == f"cpu-{doc['date']}.json" and json.loads(path.read_text())["cells"]
     assert plot(doc, path.with_suffix(".png")).stat().st_size > 0
@@ -58,7 +62,9 @@ def test_run_bench_document(tmp_path):
 
 def test_geomean_speedup():
     def cell(m, backend, us):
-        return Cell("s", m, backend, us, 1, 1, 1, 1, 1, 1, 1, 1, False)
+        return Cell("s", m, backend, us, min_us=us, max_us=us, spread_pct=0.0, noisy=False, repeats=5, eager_us=us,
+                    host_us=us, experts_touched=1, bytes=1, flops=1, floor_us=1, pct_floor=1, pct_copy_bw=1,
+                    tflops=1, pct_mm=1, graph=False)
 
     cells = [cell(1, "triton", 1.0), cell(1, "grouped_mm", 2.0), cell(2, "triton", 1.0), cell(2, "grouped_mm", 8.0)]
     assert geomean_speedup(cells) == pytest.approx(4.0)
@@ -75,17 +81,25 @@ def test_bench_cli_on_cpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,flag", [
-    (["bench", "--device", "cpu", "--shapes", "mixtral-8x8b"], "--shapes"),
     (["tune", "--preset", "nope"], "--preset"),
     (["tune", "--shape", "64,1408,2048"], "--shape"),
     (["tune", "--shape", "8,a,4,2"], "--shape"),
     (["tune", "--shape", "8,16,16,9"], "--shape"),
-    (["bench", "--device", "cpu", "--backends", "grouped-mm"], "backends must be among"),
-    (["bench", "--device", "cpu", "--batches", "0,8"], "batches must be >= 1"),
 ])
 def test_cli_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=flag):
         main(argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shapes", "mixtral-8x8b"], "--shapes: shape must be one of"),
+    (["--backends", "grouped-mm"], "--backends: unknown ['grouped-mm']; must be among"),
+    (["--batches", "0,8"], "--batches: must be >= 1"),
+    (["--device", "tpu"], "--device: must be cuda or cpu"),
+])
+def test_bench_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_tuner_search_and_resume(tmp_path, monkeypatch):

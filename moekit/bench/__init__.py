@@ -1,7 +1,8 @@
 """Every measurement: the experts backends side by side against the measured ceilings of the device,
 the tuner, the expert-parallel layer, and one real layer against the byte model.
 
-    timing.py         the one timing helper (CUDA-graph replay or events on the GPU, wall clock on CPU)
+    timing.py         the one timing helper: median and spread of >= 5 passes (CUDA-graph replay or
+                      events on the GPU, wall clock on CPU); plain eager calls and their host time
     ceilings.py       copy bandwidth and dense matmul rate, measured in the same run
     cells.py          the shapes, the routing, and each cell's compulsory bytes, FLOPs and floor
     run.py            the sweep: ceilings, then every (shape, M, backend) cell

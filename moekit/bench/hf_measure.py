@@ -49,19 +49,25 @@ def decode(model, prompt: torch.Tensor, new_tokens: int, *, compiled=None, keep_
     else:
         kwargs.update(cache_implementation="static", compile_config=compiled)
     with torch.no_grad():
-        out, seconds = wall_time(lambda: model.generate(prompt, **kwargs), prompt.device)
+        timed = wall_time(lambda: model.generate(prompt, **kwargs), prompt.device)
+    out = timed.result
     tokens = out.sequences[0, prompt.shape[1]:]  # [T]
     logits = torch.stack([step[0].float() for step in out.logits]) if keep_logits else None  # [T, V]
-    return Decode(tokens, logits, seconds)
+    return Decode(tokens, logits, timed.seconds)
 
 
-def prefill(model, ids: torch.Tensor, *, all_logits: bool = False) -> tuple[torch.Tensor, float]:
-    """One forward over ``ids`` [B, L] without a cache: (logits, seconds). With ``all_logits=False`` only the
-    last position's logits are computed, as generate's prefill does; ``True`` gives [B, L, V] for the check."""
+@dataclass
+class Prefill:
+    logits: torch.Tensor  # [B, L, V] with all_logits, else [B, 1, V]: the last position's
+    seconds: float  # the forward, the device synchronised before and after
+
+
+def prefill(model, ids: torch.Tensor, *, all_logits: bool = False) -> Prefill:
+    """One forward over ``ids`` [B, L] without a cache. With ``all_logits=False`` only the last position's
+    logits are computed, as generate's prefill does; ``True`` gives [B, L, V] for the check."""
     with torch.no_grad():
-        out, seconds = wall_time(lambda: model(ids, use_cache=False, logits_to_keep=0 if all_logits else 1),
-                                 ids.device)
-    return out.logits, seconds
+        timed = wall_time(lambda: model(ids, use_cache=False, logits_to_keep=0 if all_logits else 1), ids.device)
+    return Prefill(logits=timed.result.logits, seconds=timed.seconds)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

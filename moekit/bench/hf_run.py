@@ -109,7 +109,7 @@ def _prefill_fits(model, impl: str, batch: torch.Tensor) -> None:
 
 def _prefill_all_logits(model, impl: str, batch: torch.Tensor) -> torch.Tensor:
     _prefill_fits(model, impl, batch)
-    return hm.prefill(model, batch, all_logits=True)[0]
+    return hm.prefill(model, batch, all_logits=True).logits
 
 
 def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits):
@@ -182,7 +182,7 @@ def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled)
             row.record("decode", dec.seconds)
             done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")
     if compiled is None and "prefill_ms" not in row.errors:
-        seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch)[1])
+        seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch).seconds)
         if seconds is not None:
             row.record("prefill", seconds)
             done.append(f"prefill {1e3 * seconds:.1f} ms")

@@ -23,7 +23,7 @@ from moekit.analysis.report import PADDING_BLOCKS
 from moekit.analysis.roofline import batch_cost
 from moekit.analysis.touch import experts_touched_from_inclusion, inclusion_from_counts
 from moekit.bench.ceilings import measure_ceilings
-from moekit.bench.timing import time_calls
+from moekit.bench.timing import time_stats
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 
@@ -36,7 +36,9 @@ CALIBRATION_TOKENS = 16384  # routed once to measure the router's per-expert loa
 @dataclass(frozen=True)
 class MeasuredRow:
     batch: int
-    time_s: float  # median forward time of the layer (moekit.bench.timing)
+    time_s: float  # median forward time of the layer over >= 5 passes (moekit.bench.timing)
+    spread_pct: float  # interquartile range of those passes / median * 100
+    noisy: bool  # spread_pct > moekit.bench.timing.NOISY_SPREAD_PCT: a busy machine, measure again
     predicted_time_s: float  # byte-model floor for the measured shapes on the measured ceilings
     experts_touched: int  # from the layer's stats
     predicted_experts_touched: float  # uniform routing
@@ -118,13 +120,15 @@ def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ce
     device, dtype = layer.w13.device, layer.w13.dtype
     x = torch.randn(batch, cfg.hidden_size, dtype=dtype, device=device)  # [B, K]
     with torch.no_grad():
-        elapsed = time_calls([lambda: layer(x)], device, budget_s=budget_s) * 1e-6
+        timing = time_stats([lambda: layer(x)], device, budget_s=budget_s)
         stats = layer(x, return_stats=True).stats
     counts = stats.counts.cpu().numpy()  # [E]
     predicted = batch_cost(cfg, batch, fmt, ceilings)
     return MeasuredRow(
         batch=batch,
-        time_s=elapsed,
+        time_s=timing.us * 1e-6,
+        spread_pct=timing.spread_pct,
+        noisy=timing.noisy,
         predicted_time_s=predicted.time_floor_s,
         experts_touched=stats.experts_touched,
         predicted_experts_touched=predicted.experts_touched,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 from rich.console import Console
@@ -10,14 +11,61 @@ from rich.table import Table
 
 
 def results_path(out_dir: Path, doc: dict) -> Path:
-    """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``)."""
-    return Path(out_dir) / f"{doc['device'].replace(' ', '_')}-{doc['date']}.json"
+    """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``), or ``<device>-<date>-2.json``,
+    ``-3`` ... when that name is taken: a run never overwrites an earlier result."""
+    stem = f"{doc['device'].replace(' ', '_')}-{doc['date']}"
+    path, n = Path(out_dir) / f"{stem}.json", 1
+    while path.exists() or path.with_suffix(".png").exists():
+        n += 1
+        path = Path(out_dir) / f"{stem}-{n}.json"
+    return path
 
 
 def write_json(doc: dict, path: Path) -> Path:
+    """Write ``doc`` to ``path``; refuses (``FileExistsError``) to replace an existing file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    with open(path, "x") as f:
+        f.write(json.dumps(doc, indent=1) + "\n")
     return path
+
+
+def _si(value: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def format_flops(flops_per_s: float) -> str:
+    """A rate with its SI prefix, 3 significant digits: ``755 TFLOP/s`` on an H200, ``48.2 GFLOP/s`` on a CPU."""
+    return _si(flops_per_s, "FLOP/s")
+
+
+def format_bandwidth(bytes_per_s: float) -> str:
+    """A bandwidth with its SI prefix, 3 significant digits: ``4.15 TB/s``, ``9.87 GB/s``."""
+    return _si(bytes_per_s, "B/s")
+
+
+def ceilings_line(doc: dict) -> str:
+    c = doc["ceilings"]
+    return (f"copy {format_bandwidth(c['copy_TBps'] * 1e12)}, matmul {format_flops(c['mm_TFLOPs'] * 1e12)} "
+            f"({c['mm_dtype']})")
+
+
+def plot_title(doc: dict) -> str:
+    return f"{doc['device']}  {ceilings_line(doc)}  commit {doc['commit'][:12]}"
+
+
+def _title_and_notes(fig, doc: dict) -> None:
+    """The title (wrapped to the figure's width), and the footnotes in a strip added below the panels."""
+    width_in, height_in = fig.get_size_inches()
+    fig.suptitle(textwrap.fill(plot_title(doc), int(width_in * 11)), fontsize=10)  # ~11 chars/inch at 10 pt
+    text = "\n".join(textwrap.fill(n, int(width_in * 17)) for n in footnotes(doc))  # ~17 chars/inch at 7 pt
+    strip_in = 0.12 * (text.count("\n") + 1) + 0.1 if text else 0.0
+    fig.set_size_inches(width_in, height_in + strip_in)
+    fig.tight_layout(rect=(0, strip_in / (height_in + strip_in), 1, 1))
+    if text:
+        fig.text(0.01, 0.01, text, fontsize=7, va="bottom")
 
 
 def plot(doc: dict, path: Path) -> Path | None:
@@ -40,32 +88,78 @@ def plot(doc: dict, path: Path) -> Path | None:
         ax.axhline(1 / 0.9, color="gray", ls="--", lw=0.8, label="90% of floor")
         ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="time / floor", title=shape)
         ax.legend(fontsize=8)
-    c = doc["ceilings"]
-    fig.suptitle(f"{doc['device']}  copy {c['copy_TBps']:.2f} TB/s, matmul {c['mm_TFLOPs']:.0f} TFLOP/s ({c['mm_dtype']})"
-                 f"  commit {doc['commit'][:12]}")
-    fig.tight_layout()
+    _title_and_notes(fig, doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+ABOVE_FLOOR_CPU = (
+    "%floor above 100 (time / floor below 1): the cell ran faster than the floor, i.e. the ceilings measured "
+    "at the start of the run are lower than what this kernel achieves. On the CPU two things do that: the copy "
+    "probe streams 2 x 128 MiB through DRAM, while a scaled-down cell's touched weights (a few MB) can stay in "
+    "the caches; and the probes share the cores with whatever else runs, so a busy moment during the probes "
+    "lowers the ceilings for every cell. Read such cells as 'at the ceiling'."
+)
+ABOVE_FLOOR_GPU = (
+    "%floor above 100 (time / floor below 1): the cell ran faster than the floor, i.e. the measured ceilings "
+    "are lower than what this kernel achieves: the copy probe moves read + write traffic, and a kernel that "
+    "mostly reads streams a few % faster than a copy. Read such cells as 'at the ceiling'."
+)
+NOISY_CPU = (
+    " On the CPU, torch's {threads} intra-op threads wait on each other when other processes hold the cores "
+    "(measured at load 11 on 2 cores: cells up to 17x slower than with one thread); OMP_NUM_THREADS=1 trades "
+    "speed for steadier numbers."
+)
+
+
+def footnotes(doc: dict) -> list[str]:
+    """What the table and the plot need explained: cells above 100% of the floor, noisy cells."""
+    notes = []
+    if any(c["pct_floor"] > 100 for c in doc["cells"]):
+        notes.append(ABOVE_FLOOR_CPU if doc["device"] == "cpu" else ABOVE_FLOOR_GPU)
+    noisy = sum(c.get("noisy", False) for c in doc["cells"])
+    if noisy:
+        threads = doc.get("cpu_threads", 1)
+        notes.append(f"{noisy} cell(s) marked noisy: their timed passes spread (interquartile range) more than "
+                     f"{doc['noisy_spread_pct']:.0f}% of the median; the machine was busy, run again to confirm."
+                     + (NOISY_CPU.format(threads=threads) if doc["device"] == "cpu" and threads > 1 else ""))
+    return notes
+
+
+def format_us(us: float) -> str:
+    """A time in µs with 3-4 significant digits, in ms or s past a millisecond (keeps the table narrow)."""
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.3g} ms"
+    return f"{us:.1f} µs" if us >= 10 else f"{us:.2f} µs"
+
+
 def table(doc: dict) -> Table:
-    t = Table(title=f"moekit bench: {doc['device']} ({doc['dtype']})", show_lines=False)
-    for col in ("shape", "M", "backend", "µs", "floor", "%floor", "%copy", "TFLOP/s", "%mm", "touched"):
-        t.add_column(col, justify="left" if col in ("shape", "backend") else "right")
+    t = Table(title=f"moekit bench: {doc['device']} ({doc['dtype']})", box=None, padding=(0, 1), pad_edge=False,
+              caption="time: median of repeated passes (CUDA graph on the GPU up to M=1024); ±%: their spread "
+                      "(interquartile range); eager: back-to-back eager calls, one sync; host: the issue time "
+                      "of those calls (on the CPU both equal time); achieved TFLOP/s: in the JSON")
+    columns = ("shape", "M", "backend", "time", "±%", "eager", "host", "floor", "%floor", "%copy", "%mm", "touched")
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("shape", "backend") else "right", no_wrap=True)
     for c in doc["cells"]:
-        t.add_row(c["shape"], str(c["M"]), c["backend"], f"{c['us']:.1f}", f"{c['floor_us']:.1f}",
-                  f"{c['pct_floor']:.0f}", f"{c['pct_copy_bw']:.0f}", f"{c['tflops']:.3g}", f"{c['pct_mm']:.0f}",
-                  f"{c['experts_touched']:.0f}")
+        spread = "-" if "spread_pct" not in c else f"{c['spread_pct']:.0f}" + (" noisy" if c["noisy"] else "")
+        eager, host = (format_us(c[k]) if k in c else "-" for k in ("eager_us", "host_us"))  # older files lack them
+        t.add_row(c["shape"], str(c["M"]), c["backend"], format_us(c["us"]), spread, eager,
+                  host, format_us(c["floor_us"]), f"{c['pct_floor']:.0f}",
+                  f"{c['pct_copy_bw']:.0f}", f"{c['pct_mm']:.0f}", f"{c['experts_touched']:.0f}")
     return t
 
 
 def print_report(doc: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
     console.print(table(doc))
-    c = doc["ceilings"]
-    console.print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, matmul {c['mm_TFLOPs']:.1f} TFLOP/s ({c['mm_dtype']})")
+    for note in footnotes(doc):
+        console.print(note)
+    console.print(f"ceilings: {ceilings_line(doc)}")
     speedup = doc["summary"].get("geomean_speedup_triton_vs_grouped_mm")
     if speedup:
         console.print(f"triton vs grouped_mm, geometric mean speed-up: {speedup:.2f}x")

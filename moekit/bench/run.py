@@ -21,8 +21,11 @@ from moekit.bench.cells import (
     CPU_BATCHES, CPU_SCALE, GPU_BATCHES, PRESETS, CellInputs, ExpertWeights, Shape, cell_model, make_sets,
     make_weights, measured_experts_touched,
 )
-from moekit.bench.timing import time_calls
-from moekit.experts import available_backends, backend_names, get_backend
+from moekit.bench.report import format_bandwidth, format_flops
+from moekit.bench.timing import (
+    EAGER_CALLS, MIN_REPEATS, NOISY_SPREAD_PCT, EagerTiming, Timing, time_eager, time_stats,
+)
+from moekit.experts import available_backends, backend_available, backend_names, get_backend
 
 GRAPH_MAX_M = 1024  # CUDA-graph replay up to here: the decode range, where launch gaps matter
 REFERENCE_MAX_M = {"cuda": 8, "cpu": 128}  # the per-expert loop syncs and upcasts: past this it only costs time
@@ -34,7 +37,14 @@ class Cell:
     shape: str
     M: int
     backend: str
-    us: float  # median µs per call
+    us: float  # median µs per call (graph replay where ``graph``, else events / wall clock)
+    min_us: float  # fastest of the timed passes, µs per call
+    max_us: float  # slowest of the timed passes, µs per call
+    spread_pct: float  # interquartile range of the passes / us * 100
+    noisy: bool  # spread_pct > timing.NOISY_SPREAD_PCT: the median is not to be trusted to 10%
+    repeats: int  # passes timed (>= 5)
+    eager_us: float  # back-to-back eager calls, one sync at the end, per call (on the CPU: = us)
+    host_us: float  # the host's time to issue those calls, before the sync, per call (on the CPU: = us)
     experts_touched: float  # mean over the rotated routings
     bytes: float  # compulsory bytes of one call
     flops: float  # 6*N*K*M*k
@@ -80,21 +90,61 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, graph: bool) -> tuple[float, bool]:
+@dataclass(frozen=True)
+class BackendTiming:
+    """One backend's timings in one cell."""
+
+    timing: Timing  # the cell's number: graph replay where ``graph``, else events / wall clock
+    eager: EagerTiming  # plain eager calls; on the CPU the same number as ``timing.us`` (one clock there)
+    graph: bool  # ``timing`` is a CUDA-graph replay
+
+
+def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, graph: bool) -> BackendTiming:
     w13, w2 = weights.w13, weights.w2
     calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+    timing = None
     if graph:
         try:
-            return time_calls(calls, device, graph=True), True
+            timing = time_stats(calls, device, graph=True)
         except RuntimeError:  # a backend that syncs cannot be captured: time it with events instead
             torch.cuda.synchronize()
-    return time_calls(calls, device, graph=False), False
+            graph = False
+    timing = timing or time_stats(calls, device, graph=False)
+    if device.type != "cuda":  # the host does the work: eager, host and the timing are one wall clock
+        return BackendTiming(timing, EagerTiming(timing.us, timing.us), False)
+    return BackendTiming(timing, time_eager(calls, device), graph)
+
+
+def _rel_err(name: str, backends, weights: ExpertWeights, first: CellInputs, ref_out):
+    """(grouped_mm's output on the first set, kept for the next backend; triton's error against it)."""
+    args = (first.x, weights.w13, weights.w2, first.topk_ids, first.topk_weights)
+    if name == "grouped_mm":
+        return get_backend(name)(*args).float(), None
+    if name == "triton" and "grouped_mm" in backends:
+        ref_out = ref_out if ref_out is not None else get_backend("grouped_mm")(*args).float()
+        out = get_backend(name)(*args).float()
+        return ref_out, ((out - ref_out).norm() / ref_out.norm()).item()
+    return ref_out, None
+
+
+def _make_cell(shape: Shape, m: int, name: str, t: BackendTiming, touched: float, model, ceilings: Ceilings,
+               err: float | None) -> Cell:
+    us = t.timing.us
+    return Cell(
+        shape=shape.name, M=m, backend=name, us=us, min_us=t.timing.min_us, max_us=t.timing.max_us,
+        spread_pct=t.timing.spread_pct, noisy=t.timing.noisy, repeats=t.timing.repeats,
+        eager_us=t.eager.eager_us, host_us=t.eager.host_us, experts_touched=touched, bytes=model.bytes,
+        flops=model.flops, floor_us=model.floor_us, pct_floor=100 * model.floor_us / us,
+        pct_copy_bw=100 * model.bytes / (us * 1e-6) / (ceilings.copy_TBps * 1e12),
+        tflops=model.flops / (us * 1e-6) / 1e12,
+        pct_mm=100 * model.flops / (us * 1e-6) / (ceilings.mm_TFLOPs * 1e12),
+        graph=t.graph, rel_err_vs_grouped_mm=err,
+    )
 
 
 def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings, on_cell=None) -> list[Cell]:
     weights = make_weights(shape, dtype, device)
-    w13, w2 = weights.w13, weights.w2
-    elem = w13.element_size()
+    elem = weights.w13.element_size()
     cells = []
     for m in batches:
         touched_once = max(1, min(shape.num_experts, m * shape.top_k)) * shape.expert_bytes(elem)
@@ -106,32 +156,15 @@ def run_cells(shape: Shape, batches, backends, dtype, device, ceilings: Ceilings
         for name in backends:
             if name == "reference" and m > REFERENCE_MAX_M[device.type]:
                 continue
-            fn = get_backend(name)
-            err = None
-            first = sets[0]
-            if name == "grouped_mm":
-                ref_out = fn(first.x, w13, w2, first.topk_ids, first.topk_weights).float()
-            if name == "triton" and "grouped_mm" in backends:
-                ref_out = ref_out if ref_out is not None else get_backend("grouped_mm")(
-                    first.x, w13, w2, first.topk_ids, first.topk_weights).float()
-                out = fn(first.x, w13, w2, first.topk_ids, first.topk_weights).float()
-                err = ((out - ref_out).norm() / ref_out.norm()).item()
+            ref_out, err = _rel_err(name, backends, weights, sets[0], ref_out)
             use_graph = device.type == "cuda" and m <= GRAPH_MAX_M and name != "reference"
-            us, graphed = _time_backend(fn, weights, sets, device, use_graph)
-            cell = Cell(
-                shape=shape.name, M=m, backend=name, us=us, experts_touched=touched, bytes=model.bytes,
-                flops=model.flops, floor_us=model.floor_us, pct_floor=100 * model.floor_us / us,
-                pct_copy_bw=100 * model.bytes / (us * 1e-6) / (ceilings.copy_TBps * 1e12),
-                tflops=model.flops / (us * 1e-6) / 1e12,
-                pct_mm=100 * model.flops / (us * 1e-6) / (ceilings.mm_TFLOPs * 1e12),
-                graph=graphed, rel_err_vs_grouped_mm=err,
-            )
+            timed = _time_backend(get_backend(name), weights, sets, device, use_graph)
+            cell = _make_cell(shape, m, name, timed, touched, model, ceilings, err)
             cells.append(cell)
             if on_cell:
                 on_cell(cell)
         del sets
-        ref_out = None
-    del weights, w13, w2
+    del weights
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return cells
@@ -143,37 +176,72 @@ def geomean_speedup(cells: list[Cell], fast: str = "triton", base: str = "groupe
     return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
 
 
-def check_args(backends=None, batches=None) -> None:
-    """Raise naming the argument for an unknown backend or a batch below one token (a known backend that
-    cannot run on the device is skipped by ``run_bench``, not refused)."""
+def check_args(backends=None, batches=None, device: torch.device | None = None) -> None:
+    """Raise ``ValueError`` for an unknown backend, a backend that cannot run on ``device`` here, or a
+    batch below one token. Each message begins with the argument's name (``backends: ...``), which is
+    also the CLI flag's."""
     unknown = [b for b in backends or () if b not in backend_names()]
     if unknown:
-        raise ValueError(f"backends must be among {backend_names()}, got unknown {unknown}")
+        raise ValueError(f"backends: unknown {unknown}; must be among {backend_names()}")
+    if device is not None:
+        runnable = runnable_backends(device)
+        missing = [b for b in backends or () if b not in runnable]
+        if missing:
+            hint = " (triton runs off CUDA only interpreted, under TRITON_INTERPRET=1)" if "triton" in missing else ""
+            raise ValueError(f"backends: {missing} cannot run on {device.type} here{hint}; "
+                             f"available on this device: {runnable}")
     if batches and min(batches) < 1:
-        raise ValueError(f"batches must be >= 1 token, got {list(batches)}")
+        raise ValueError(f"batches: must be >= 1 token, got {list(batches)}")
 
 
-def run_bench(device: torch.device, shapes=None, batches=None, backends=None, progress=None) -> dict:
-    """Measure the ceilings, then every cell. Returns the results document (see ``report.write_json``)."""
-    check_args(backends, batches)
+def runnable_backends(device: torch.device) -> list[str]:
+    """Every backend that can run on ``device`` here, by name (``auto``'s list, plus interpreted Triton)."""
+    return [b for b in backend_names() if backend_available(b, device)]
+
+
+@dataclass(frozen=True)
+class BenchProgress:
+    """What ``run_bench`` reports as it goes: once before and once after the ceilings, once per cell."""
+
+    done: int  # cells timed so far
+    total: int  # cells this run times
+    message: str  # one line: the ceilings, or the cell just timed
+
+
+def _cell_line(cell: Cell) -> str:
+    noisy = "  NOISY" if cell.noisy else ""
+    return (f"{cell.shape} M={cell.M} {cell.backend}: {cell.us:.1f} µs ±{cell.spread_pct:.0f}%, "
+            f"{cell.pct_floor:.0f}% of floor, eager {cell.eager_us:.1f} µs, host {cell.host_us:.1f} µs{noisy}")
+
+
+def run_bench(device: torch.device, shapes=None, batches=None, backends=None, on_progress=None) -> dict:
+    """Measure the ceilings, then every cell, calling ``on_progress(BenchProgress)`` as it goes.
+    Returns the results document (see ``report.write_json``)."""
+    check_args(backends, batches, device)
     setup = default_setup(device)
     shapes = shapes or setup.shapes
     batches = batches or setup.batches
-    dtype = setup.dtype
-    backends = [b for b in (backends or available_backends(device)) if b in available_backends(device)]
+    backends = backends or available_backends(device)
+    total = len(shapes) * sum(1 for m in batches for b in backends
+                              if b != "reference" or m <= REFERENCE_MAX_M[device.type])
+    report = on_progress or (lambda p: None)
+    report(BenchProgress(0, total, f"ceilings: measuring copy bandwidth and matmul rate on {device_name(device)}"))
     ceilings = measure_ceilings(device)
+    report(BenchProgress(0, total, f"ceilings: copy {format_bandwidth(ceilings.copy_TBps * 1e12)}, "
+                                   f"matmul {format_flops(ceilings.mm_TFLOPs * 1e12)} ({ceilings.mm_dtype})"))
     cells: list[Cell] = []
-    total = sum(len(batches) for _ in shapes) * len(backends)
-    task = progress.add_task("bench", total=total) if progress else None
+    timed: list[Cell] = []  # grows cell by cell, ``cells`` shape by shape
 
     def on_cell(cell: Cell):
-        if progress:
-            progress.update(task, advance=1, description=f"{cell.shape} M={cell.M} {cell.backend}: {cell.us:.1f} µs")
+        timed.append(cell)
+        report(BenchProgress(len(timed), total, _cell_line(cell)))
 
     for shape in shapes:
-        cells += run_cells(shape, batches, backends, dtype, device, ceilings, on_cell)
-    if progress:
-        progress.update(task, completed=total)
+        cells += run_cells(shape, batches, backends, setup.dtype, device, ceilings, on_cell)
+    return _document(device, setup.dtype, ceilings, shapes, cells)
+
+
+def _document(device, dtype, ceilings: Ceilings, shapes, cells: list[Cell]) -> dict:
     return {
         "device": device_name(device),
         "date": datetime.date.today().isoformat(),
@@ -183,9 +251,14 @@ def run_bench(device: torch.device, shapes=None, batches=None, backends=None, pr
         "dtype": str(dtype).removeprefix("torch."),
         "ceilings": asdict(ceilings),
         "method": (
-            "routing excluded, alignment included; CUDA-graph replay for M <= %d; inputs rotated over 2-8 "
-            "routings so each call streams its weights from HBM; median of repeats" % GRAPH_MAX_M
+            f"routing excluded, alignment included; CUDA-graph replay for M <= {GRAPH_MAX_M}; inputs rotated "
+            "over 2-8 routings so each call streams its weights from HBM; us = median of >= "
+            f"{MIN_REPEATS} passes, spread_pct = interquartile range / median, noisy above "
+            f"{NOISY_SPREAD_PCT:.0f}%; eager_us = {EAGER_CALLS} back-to-back eager calls, one sync at the "
+            "end, host_us = their issue time before that sync (both = us on the CPU)"
         ),
+        "noisy_spread_pct": NOISY_SPREAD_PCT,
+        "cpu_threads": torch.get_num_threads(),  # torch's intra-op threads (OMP_NUM_THREADS): CPU timings depend on it
         "shapes": [asdict(s) for s in shapes],
         "cells": [asdict(c) for c in cells],
         "summary": {"geomean_speedup_triton_vs_grouped_mm": geomean_speedup(cells)},

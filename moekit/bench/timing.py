@@ -1,12 +1,17 @@
 """The one timing helper.
 
-``time_calls(fns)`` runs a list of zero-argument calls (the same op on rotated inputs, so that
-repeated calls stream their weights from HBM, not L2) and returns the median microseconds per call:
+``time_stats(fns)`` runs a list of zero-argument calls (the same op on rotated inputs, so that
+repeated calls stream their weights from HBM, not L2) in repeated passes, at least ``MIN_REPEATS``,
+and returns a ``Timing``: the median microseconds per call and the spread of the passes:
 - CUDA, ``graph=True``: the calls captured once in a CUDA graph, the graph replayed; launch gaps shrink
   to what a serving engine sees (it replays graphs at decode batch sizes);
 - CUDA, ``graph=False``: CUDA events around a plain loop over the calls;
 - CPU: the wall clock around the loop.
-Every method warms up first (compilation and autotuning stay out of the numbers).
+Every method warms up first (compilation and autotuning stay out of the numbers). ``time_calls`` is
+the median alone, for callers that need no spread.
+
+``time_eager(fns)`` is what a plain eager caller sees: back-to-back calls, one synchronisation at the
+end, no graph, nothing between the calls; it also reports the host's issue time per call.
 
 ``wall_time(fn, device)`` times one long call (a whole ``generate``, a model's prefill) by the wall
 clock between two device synchronisations; the caller repeats, interleaves and takes the median.
@@ -16,17 +21,97 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+MIN_REPEATS = 5  # a loaded CPU gives 10-100x outlier passes; the median of 5 passes ignores up to 2
+# A cell whose passes spread more than this (interquartile range over the median) is flagged noisy:
+# its median is not good to +-10%. Measured on a shared 2-core CPU at load 11, one torch thread: the
+# bench's cells spread 2-59%, a third of them above 20%; with two threads competing for the cores,
+# 11% to 2500%.
+NOISY_SPREAD_PCT = 20.0
+# Calls per eager loop: few enough that their launches (about 5-20 per call) stay well inside the
+# CUDA launch queue (~1000 entries), so the host never blocks on a full queue and ``host_us`` stays
+# the issue cost even when the GPU is the slower side.
+EAGER_CALLS = 16
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Repeated passes over the calls, per call."""
+
+    us: float  # median µs per call over the passes
+    min_us: float  # fastest pass, µs per call
+    max_us: float  # slowest pass, µs per call
+    spread_pct: float  # interquartile range of the passes / median * 100; >= 0
+    repeats: int  # passes timed, >= MIN_REPEATS unless a caller fixed fewer
+
+    @property
+    def noisy(self) -> bool:
+        """The passes disagree by more than NOISY_SPREAD_PCT: treat the median with care."""
+        return self.spread_pct > NOISY_SPREAD_PCT
+
+    @classmethod
+    def from_samples(cls, per_call_us: list[float]) -> "Timing":
+        median = statistics.median(per_call_us)
+        if len(per_call_us) >= 2:
+            q1, _, q3 = statistics.quantiles(per_call_us, n=4, method="inclusive")
+        else:
+            q1 = q3 = median
+        return cls(median, min(per_call_us), max(per_call_us), 100 * (q3 - q1) / median if median > 0 else 0.0,
+                   len(per_call_us))
+
+
+@dataclass(frozen=True)
+class EagerTiming:
+    """Back-to-back eager calls, one synchronisation at the end (medians over MIN_REPEATS loops)."""
+
+    eager_us: float  # wall time of the loop, final sync included, per call
+    host_us: float  # wall time to issue the loop (before the final sync), per call: the host cost
+
+
+def time_stats(fns: list[Callable[[], object]], device: torch.device, *, graph: bool = False,
+               budget_s: float = 0.3, min_reps: int = MIN_REPEATS, max_reps: int = 50) -> Timing:
+    """Median and spread of µs per call over repeated passes through ``fns`` (about ``budget_s`` in all)."""
+    if device.type != "cuda":
+        return Timing.from_samples(_time_cpu(fns, budget_s, min_reps, max_reps))
+    return Timing.from_samples(_time_cuda(fns, graph, budget_s, min_reps, max_reps))
+
 
 def time_calls(fns: list[Callable[[], object]], device: torch.device, *, graph: bool = False,
-               budget_s: float = 0.3, min_reps: int = 3, max_reps: int = 50) -> float:
-    """Median µs per call over repeated passes through ``fns`` (about ``budget_s`` seconds in total)."""
-    if device.type != "cuda":
-        return _time_cpu(fns, budget_s, min_reps, max_reps)
-    return _time_cuda(fns, graph, budget_s, min_reps, max_reps)
+               budget_s: float = 0.3, min_reps: int = MIN_REPEATS, max_reps: int = 50) -> float:
+    """Median µs per call (``time_stats`` without the spread)."""
+    return time_stats(fns, device, graph=graph, budget_s=budget_s, min_reps=min_reps, max_reps=max_reps).us
+
+
+def time_eager(fns: list[Callable[[], object]], device: torch.device, *, calls: int = EAGER_CALLS,
+               repeats: int = MIN_REPEATS) -> EagerTiming:
+    """µs per call of ``calls`` back-to-back calls cycling through ``fns``, and the host's share.
+
+    The host time stops before the final synchronisation, so on the GPU it is the cost of issuing the
+    calls (Python, argument checks, launches) whichever side is slower; a backend that synchronises
+    inside a call (``reference``) makes the host wait, and its host time includes that wait. On the
+    CPU the host does the work, so the two are equal up to noise."""
+    sequence = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
+    _run_all(fns)  # warm-up
+    eager, host = [], []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        _run_all(sequence)
+        t_issued = time.perf_counter()
+        _sync(device)
+        t_done = time.perf_counter()
+        host.append((t_issued - t0) / len(sequence) * 1e6)
+        eager.append((t_done - t0) / len(sequence) * 1e6)
+    return EagerTiming(statistics.median(eager), statistics.median(host))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _run_all(fns):
@@ -34,20 +119,26 @@ def _run_all(fns):
         fn()
 
 
-def _time_cpu(fns, budget_s, min_reps, max_reps) -> float:
+def _repeats(once_s: float, budget_s: float, min_reps: int, max_reps: int) -> int:
+    return max(min_reps, min(max_reps, int(budget_s / max(once_s, 1e-9))))
+
+
+def _time_cpu(fns, budget_s, min_reps, max_reps) -> list[float]:
+    """µs per call of each pass."""
     _run_all(fns)  # warm-up
     t0 = time.perf_counter()
     _run_all(fns)
     once = time.perf_counter() - t0
     times = [once]
-    for _ in range(max(min_reps, min(max_reps, int(budget_s / max(once, 1e-9)))) - 1):
+    for _ in range(_repeats(once, budget_s, min_reps, max_reps) - 1):
         t0 = time.perf_counter()
         _run_all(fns)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) / len(fns) * 1e6
+    return [t / len(fns) * 1e6 for t in times]
 
 
-def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> float:
+def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> list[float]:
+    """µs per call of each pass (CUDA events around the loop or the graph replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture requires
@@ -68,24 +159,27 @@ def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> float:
     end.synchronize()
     once = start.elapsed_time(end) / 1e3
     times = []
-    for _ in range(max(min_reps, min(max_reps, int(budget_s / max(once, 1e-9))))):
+    for _ in range(_repeats(once, budget_s, min_reps, max_reps)):
         start.record()
         run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)  # ms -> µs
-    return statistics.median(times) / len(fns)
+    return [t / len(fns) for t in times]
 
 
-def wall_time(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """(fn's result, seconds it took), the device synchronised before and after."""
+@dataclass
+class WallTime:
+    """One long call timed by the wall clock between two device synchronisations."""
+
+    result: object  # what the call returned
+    seconds: float  # wall time of the call, the device synchronised before and after
+
+
+def wall_time(fn: Callable[[], object], device: torch.device) -> WallTime:
+    """Time one call of ``fn`` with the device synchronised before and after."""
     _sync(device)
     t0 = time.perf_counter()
     result = fn()
     _sync(device)
-    return result, time.perf_counter() - t0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return WallTime(result=result, seconds=time.perf_counter() - t0)

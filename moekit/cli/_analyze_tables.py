@@ -100,8 +100,10 @@ def _memory_table(report: Report) -> Table:
 def print_measurement(m: Measurement, console: Console) -> None:
     times = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
                         f"K={m.hidden_size}, N={m.moe_intermediate_size}",
-                  caption="floor: the byte model on this device's ceilings, measured in the same run")
-    for col in ("batch", "time", "floor", "time / floor"):
+                  caption="time: median of >= 5 passes, ±: their interquartile range over the median "
+                          "(noisy: a busy machine); floor: the byte model on this device's ceilings, measured "
+                          "in the same run")
+    for col in ("batch", "time", "±", "floor", "time / floor"):
         times.add_column(col, justify="right", no_wrap=True)
     routing = Table(title="Measured routing vs predicted",
                     caption="touched: predicted for uniform routing and for this router's measured load; "
@@ -109,7 +111,8 @@ def print_measurement(m: Measurement, console: Console) -> None:
     for col in ("batch", "touched", "uniform", "load", "pad16", "pred", "pad128", "pred"):
         routing.add_column(col, justify="right", no_wrap=True)
     for r in m.rows:
-        times.add_row(f"{r.batch:,}", _seconds(r.time_s), _seconds(r.predicted_time_s),
+        spread = f"{r.spread_pct:.0f}%" + (" noisy" if r.noisy else "")
+        times.add_row(f"{r.batch:,}", _seconds(r.time_s), spread, _seconds(r.predicted_time_s),
                       f"{r.time_s / r.predicted_time_s:.3g}")
         routing.add_row(
             f"{r.batch:,}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 from pathlib import Path
 
 from moekit.cli import _bench_hf
@@ -23,7 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--shapes", default=None, help="comma-separated presets (default: all three)")
     p.add_argument("--batches", type=_ints, default=None, help="comma-separated M values")
     p.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png; "
+                   "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _bench_hf.add_arguments(p)
     p.set_defaults(func=_run)
@@ -34,34 +37,71 @@ def _run(args: argparse.Namespace) -> int:
         return _bench_hf.run(args)
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moekit.bench.cells import CPU_SCALE, Shape
     from moekit.bench.report import plot, print_report, results_path, write_json
     from moekit.bench.run import check_args, run_bench
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    shapes = None
-    if args.shapes:
-        scale = 1 if device.type == "cuda" else CPU_SCALE
-        try:
-            shapes = [Shape.from_preset(name, scale) for name in args.shapes.split(",")]
-        except ValueError as err:
-            raise SystemExit(f"bench: --shapes: {err}") from None
-    backends = args.backends.split(",") if args.backends else None
     try:
-        check_args(backends, args.batches)
+        device = _device(args.device)
+        shapes = _shapes(args.shapes, device)
+        backends = args.backends.split(",") if args.backends else None
+        check_args(backends, args.batches, device)
     except ValueError as err:
-        raise SystemExit(f"bench: {err}") from None
-    console = Console(width=120)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
-        doc = run_bench(device, shapes, args.batches, backends, progress)
+        print(f"moekit bench: error: --{err}", file=sys.stderr)  # each message begins with the argument's name
+        return 2
+    with _progress() as on_progress:
+        doc = run_bench(device, shapes, args.batches, backends, on_progress)
     path = write_json(doc, results_path(args.out, doc))
+    console = Console(width=120)
     print_report(doc, console)
-    console.print(f"wrote {path}")
+    suffixed = not path.stem.endswith(doc["date"])
+    console.print(f"wrote {path}" + (" (an earlier result of the day exists; results are never overwritten, "
+                                     "each run takes the next free -N suffix)" if suffixed else ""))
     if not args.no_plot:
         png = plot(doc, path.with_suffix(".png"))
         if png:
             console.print(f"wrote {png}")
     return 0
+
+
+def _device(name: str | None):
+    """``--device``, or cuda when available; ``ValueError`` for a device this machine lacks."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.split(":")[0] not in ("cuda", "cpu"):
+        raise ValueError(f"device: must be cuda or cpu, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device: cuda is not available on this machine; use --device cpu")
+    return torch.device(name)
+
+
+def _shapes(names: str | None, device) -> list | None:
+    """The presets named by ``--shapes``, scaled down on the CPU; ``ValueError`` names the flag."""
+    from moekit.bench.cells import CPU_SCALE, Shape
+
+    if not names:
+        return None
+    try:
+        return [Shape.from_preset(name, 1 if device.type == "cuda" else CPU_SCALE) for name in names.split(",")]
+    except ValueError as err:
+        raise ValueError(f"shapes: {err}") from None
+
+
+@contextlib.contextmanager
+def _progress():
+    """A callback for ``run_bench``: one line per cell on stderr, under a progress bar on a terminal."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, width=120, highlight=False)
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("bench", total=None)
+
+        def on_progress(p) -> None:
+            bar.update(task, completed=p.done, total=p.total)
+            console.print(f"[{p.done}/{p.total}] {p.message}", markup=False, soft_wrap=True)  # one line each
+
+        yield on_progress
