@@ -17,6 +17,8 @@ from moekit.bench.timing import time_calls
 from moekit.cli import main
 from moekit.experts.configs import KernelConfig, config_file_name, load_configs
 
+from _helpers import cli_error
+
 TINY = Shape("tiny", num_experts=8, n=24, k=40, top_k=2)
 
 
@@ -81,11 +83,10 @@ def test_bench_cli_on_cpu(tmp_path, capsys):
     (["tune", "--shape", "8,a,4,2"], "--shape"),
     (["tune", "--shape", "8,16,16,9"], "--shape"),
     (["bench", "--device", "cpu", "--backends", "grouped-mm"], "backends must be among"),
-    (["bench", "--device", "cpu", "--batches", "0,8"], "batches must be >= 1"),
+    (["bench", "--device", "cpu", "--batches", "0,8"], "--batches"),
 ])
-def test_cli_bad_arguments_name_the_flag(argv, flag):
-    with pytest.raises(SystemExit, match=flag):
-        main(argv)
+def test_cli_bad_arguments_name_the_flag(argv, flag, capsys):
+    assert flag in cli_error(capsys, argv)
 
 
 def test_tuner_search_and_resume(tmp_path, monkeypatch):

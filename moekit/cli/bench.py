@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_int
 
 
 def register(subparsers) -> None:
@@ -16,11 +14,11 @@ def register(subparsers) -> None:
         description="Measure the device's copy bandwidth and dense matmul rate, then time every backend over "
         "the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B expert shapes (scaled down on the CPU); write JSON + PNG.",
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--shapes", default=None, help="comma-separated presets (default: all three)")
-    p.add_argument("--batches", type=_ints, default=None, help="comma-separated M values")
-    p.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png")
+    p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--shapes", action=ListOption, default=None, help="presets, space- or comma-separated (default: all three)")
+    p.add_argument("--batches", action=ListOption, item=positive_int, default=None, help="M values, space- or comma-separated")
+    p.add_argument("--backends", action=ListOption, default=None, help="backends, space- or comma-separated (default: all available)")
+    p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.set_defaults(func=_run)
 
@@ -39,14 +37,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.shapes:
         scale = 1 if device.type == "cuda" else CPU_SCALE
         try:
-            shapes = [Shape.from_preset(name, scale) for name in args.shapes.split(",")]
+            shapes = [Shape.from_preset(name, scale) for name in args.shapes]
         except ValueError as err:
-            raise SystemExit(f"bench: --shapes: {err}") from None
-    backends = args.backends.split(",") if args.backends else None
+            raise UsageError(f"--shapes: {err}") from None
+    backends = args.backends
     try:
         check_args(backends, args.batches)
     except ValueError as err:
-        raise SystemExit(f"bench: {err}") from None
+        raise UsageError(str(err)) from None
     console = Console(width=120)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
