@@ -80,6 +80,7 @@ CASES = [
     ([*TINY, "--batches", "-4"], "--batches"),
     ([*TINY, "--layers", "-1"], "--layers"),
     ([*TINY, "--memory-gib", "nan"], "--memory-gib"),
+    ([*TINY, "--tflops", "inf"], "--tflops must be positive and finite"),
     (["simulate", "--experts", "-3"], "--experts"),
     (["simulate", "--top-k", "99"], "--top-k"),
     (["simulate", "--skew", "nan"], "--skew"),
@@ -93,6 +94,7 @@ CASES = [
     (["serve", "--host", "192.0.2.1", "--port", "0"], "--host"),  # TEST-NET-1: never this machine's
     (["demo", "--device", "tpu"], "--device"),
     (["demo", "--seed", "x"], "--seed"),
+    (["demo", "--seed", str(2**80)], "--seed"),
     (["bench", "--device", "cuda:x"], "--device"),
     (["bench", "--device", "cpu", "--shapes", "nope"], "--shapes"),
     (["bench", "--device", "cpu", "--batches", "0"], "--batches"),

@@ -84,6 +84,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def seed_arg(text: str) -> int:
+    """A seed torch accepts: an integer in [0, 2^63)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^63), got {text!r}")
+    return seed
+
+
 def device_arg(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:N``, and present in this process: a CPU build of torch or a machine
     with no GPU is told so here rather than by a CUDA traceback halfway through a run."""

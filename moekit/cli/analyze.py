@@ -124,8 +124,8 @@ def _check_numbers(args) -> None:
     positive = {"--bandwidth": args.bandwidth, "--tflops": args.tflops, "--memory-gib": args.memory_gib,
                 "--layers": args.layers}
     for flag, value in positive.items():
-        if value is not None and not value > 0:
-            raise UsageError(f"{flag} must be positive, got {value}")
+        if value is not None and not 0 < value < float("inf"):
+            raise UsageError(f"{flag} must be positive and finite, got {value}")
     if args.gpus < 1:
         raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
     if not 0.0 < args.utilization <= 1.0:
