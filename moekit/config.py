@@ -92,13 +92,41 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
-        """Read a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 config (transformers object or dict)."""
-        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        """Read a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 config (transformers object or dict).
+
+        A field the layer needs that is absent raises ``MissingConfigField`` (a ``KeyError``) naming it;
+        without ``num_hidden_layers`` the layer is still read, with ``num_moe_layers=None``."""
+        if not isinstance(cfg, dict) and not hasattr(cfg, "to_dict"):
+            raise TypeError(f"cfg must be a transformers config or a dict of its fields, got {type(cfg).__name__}")
+        d = _Fields(cfg if isinstance(cfg, dict) else cfg.to_dict())
         model_type = d.get("model_type")
         reader = _HF_READERS.get(model_type)
         if reader is None:
             raise ValueError(f"cfg.model_type must be one of {sorted(_HF_READERS)}, got {model_type!r}")
         return cls(activation=activation_from_hf(d.get("hidden_act", "silu")), **reader(d))
+
+
+class MissingConfigField(KeyError):
+    """A config lacks a field the layer's reader needs. ``fields`` are the accepted spellings."""
+
+    def __init__(self, fields: tuple[str, ...], model_type: Any):
+        super().__init__(fields[0])
+        self.fields, self.model_type = fields, model_type
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def message(self, source: str = "config") -> str:
+        """The sentence, with ``source`` saying which config (``config.json at PATH``)."""
+        others = "".join(f" (or {name!r})" for name in self.fields[1:])
+        return f"{source} has no {self.fields[0]!r}{others}: a {self.model_type} MoE layer needs it"
+
+
+class _Fields(dict):
+    """A config dict whose missing field raises ``MissingConfigField`` naming it, not a bare KeyError."""
+
+    def __missing__(self, name: str) -> Any:
+        raise MissingConfigField((name,), self.get("model_type"))
 
 
 def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
@@ -108,12 +136,14 @@ def _get(d: dict, *names: str, default: Any = KeyError) -> Any:
         if d.get(name) is not None:
             return d[name]
     if default is KeyError:
-        raise KeyError(f"cfg has none of the fields {names} ({d.get('model_type')} config)")
+        raise MissingConfigField(names, d.get("model_type"))
     return default
 
 
-def _count_layers(d: dict, is_moe) -> int:
-    return sum(1 for i in range(d["num_hidden_layers"]) if is_moe(i))
+def _count_layers(d: dict, is_moe) -> int | None:
+    """The MoE layers among the model's ``num_hidden_layers``; None when the config does not say."""
+    layers = d.get("num_hidden_layers")
+    return None if layers is None else sum(1 for i in range(layers) if is_moe(i))
 
 
 def _read_mixtral(d: dict) -> dict:
@@ -124,7 +154,7 @@ def _read_mixtral(d: dict) -> dict:
         top_k=d["num_experts_per_tok"],
         scoring="softmax",
         renormalize=True,
-        num_moe_layers=d["num_hidden_layers"],
+        num_moe_layers=d.get("num_hidden_layers"),
     )
 
 

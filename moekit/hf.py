@@ -85,8 +85,16 @@ def moekit_experts_forward(
     )
 
 
+class MissingExtraError(ImportError):
+    """``moekit.hf`` imported without transformers >= 5 (the ``hf`` extra); the message says what to install."""
+
+
 def _register() -> None:
-    from transformers.integrations.moe import ExpertsInterface
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as err:  # no transformers, or one older than v5 (no experts interface)
+        raise MissingExtraError('moekit.hf needs transformers >= 5.0, which is not installed: '
+                                'pip install "moekit[hf]"', name=err.name) from err
 
     ExpertsInterface.register("moekit", moekit_experts_forward)
 

@@ -49,3 +49,21 @@ def rel_max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.numel() == 0:
         return 0.0 if out.shape == ref.shape else float("inf")
     return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Run ``moekit ARGV`` in-process and check that it failed as a usage error: exit code 2, no
+    traceback, stderr one line ``moekit <subcommand>: error: ...`` (after argparse's usage lines, for
+    the errors argparse reports itself). Returns that line."""
+    from moekit.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse exits by itself
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert lines and lines[-1].startswith(f"moekit {argv[0]}") and ": error: " in lines[-1], err
+    assert len(lines) == 1 or lines[0].startswith("usage: "), err
+    return lines[-1]

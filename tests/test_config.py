@@ -31,3 +31,17 @@ def test_unknown_inputs_are_named():
         MoEConfig.from_hf_config({**hf_config_of_preset("mixtral-8x7b"), "hidden_act": "swiglu9"})
     with pytest.raises(ValueError, match="activation must be one of"):
         MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, top_k=2, activation="tanh")
+
+
+def test_missing_fields_are_named():
+    from moekit.config import MissingConfigField
+
+    mixtral = hf_config_of_preset("mixtral-8x7b")
+    with pytest.raises(MissingConfigField, match="config has no 'hidden_size': a mixtral MoE layer needs it"):
+        MoEConfig.from_hf_config({k: v for k, v in mixtral.items() if k != "hidden_size"})
+    with pytest.raises(KeyError, match=r"no 'num_local_experts' \(or 'num_experts'\)"):  # still a KeyError
+        MoEConfig.from_hf_config({k: v for k, v in mixtral.items() if k != "num_local_experts"})
+    with pytest.raises(TypeError, match="got list"):
+        MoEConfig.from_hf_config([mixtral])
+    no_layers = MoEConfig.from_hf_config({k: v for k, v in mixtral.items() if k != "num_hidden_layers"})
+    assert no_layers.num_moe_layers is None and no_layers.num_experts == 8

@@ -8,6 +8,7 @@ layer): ``moekit.bench.layer_measure.overlay_measurement`` puts a ``--measure`` 
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -57,8 +58,12 @@ def _touch_panel(ax, report: Report, grid: np.ndarray, costs: list[BatchCost]) -
     ax.plot(grid, [c.experts_touched for c in costs], label=f"E_touched(B), {report.routing}")
     ax.axhline(num_experts, color="gray", ls=":", label=f"E = {num_experts}")
     for b, name in ((report.half_batch, "B½"), (report.batch_95, "B95")):
+        if not math.isfinite(b):  # inf: a skewed load that never touches that share of the experts
+            continue
         ax.axvline(b, color="gray", ls="--", lw=0.8)
-        ax.annotate(f"{name}={b:.1f}", (b, num_experts * 0.05), rotation=90, fontsize=8)
+        # x in data, y in axes fractions: the label stays inside the panel whatever the y range (small E)
+        ax.annotate(f" {name}={b:.1f}", (b, 0.04), xycoords=ax.get_xaxis_transform(), rotation=90, fontsize=8,
+                    va="bottom")
     ax.set(xscale="log", xlabel="batch B (tokens)", ylabel="experts touched", title="experts touched")
 
 

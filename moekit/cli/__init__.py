@@ -1,15 +1,34 @@
 """The ``moekit`` command. Each subcommand is a module in this package with
-``register(subparsers)``, which adds its parser and sets ``func`` (args -> exit code)."""
+``register(subparsers)``, which adds its parser and sets ``func`` (args -> exit code).
+
+Errors: a mistake in the command line or a file it names is a ``UsageError`` (``_args.py``), reported
+here as one line, ``moekit <subcommand>: error: <message>``, exit code 2 (argparse's own errors look
+and exit the same). Anything else is a bug and keeps its traceback. ``MOEKIT_DEBUG=1`` shows the
+traceback of a usage error too.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import pkgutil
+import sys
+
+from moekit.cli._args import UsageError
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("moekit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moekit", description="Mixture-of-Experts layers, exact and explained.")
+    parser.add_argument("--version", action="version", version=f"moekit {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if not info.name.startswith("_"):
@@ -19,5 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as err:
+        if os.environ.get("MOEKIT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"moekit {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"moekit {args.command}: interrupted", file=sys.stderr)
+        return 130
 

@@ -14,13 +14,15 @@ import sys
 
 import numpy as np
 
+from moekit.analysis.bills import param_bill
 from moekit.analysis.formats import FORMATS, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
 from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
-from moekit.config import MoEConfig
+from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
+from moekit.config import MissingConfigField, MoEConfig
 from moekit.presets import hf_config_of_preset, preset_names
 
 
@@ -49,10 +51,10 @@ def register(subparsers) -> None:
     hw.add_argument("--reserve-gib", type=float, default=DEFAULT_RESERVE_GIB,
                     help="per-GPU reserve for activations, graphs, non-torch memory (GiB)")
     out = p.add_argument_group("output")
-    out.add_argument("--batches", type=_batch, nargs="+", default=list(DEFAULT_BATCHES),
-                     help=f"batch sizes to sweep, each in [1, {MAX_BATCH}]")
+    out.add_argument("--batches", action=ListOption, item=_batch, default=list(DEFAULT_BATCHES),
+                     help=f"batch sizes to sweep, space- or comma-separated, each in [1, {MAX_BATCH}]")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    out.add_argument("--plot", metavar="OUT_PNG", help="write the curves to this image")
+    out.add_argument("--plot", metavar="OUT_PNG", type=plot_path, help="write the curves to this image")
     out.add_argument("--measure", action="store_true",
                      help="run the MoE layer on the present device over the sweep and compare")
     p.set_defaults(func=run)
@@ -74,20 +76,58 @@ def _model(args) -> tuple[MoEConfig, dict | None, str]:
     shape_flags = (args.experts, args.top_k, args.hidden, args.moe_intermediate)
     chosen = sum(x is not None for x in (args.preset, args.config)) + any(f is not None for f in shape_flags)
     if chosen != 1:
-        raise SystemExit("analyze: give exactly one of --preset, --config, or --experts/--top-k/--hidden/"
-                         "--moe-intermediate")
+        raise UsageError("give exactly one of --preset, --config, or --experts/--top-k/--hidden/--moe-intermediate")
     if args.preset:
         hf = hf_config_of_preset(args.preset)
         return MoEConfig.from_hf_config(hf), hf, args.preset
     if args.config:
-        with open(args.config) as f:
-            hf = json.load(f)
-        return MoEConfig.from_hf_config(hf), hf, args.config
+        hf = _read_config(args.config)
+        return _config_of(hf, args.config, args.layers), _bills_config(hf, args.config), args.config
     if any(f is None for f in shape_flags):
-        raise SystemExit("analyze: --experts, --top-k, --hidden and --moe-intermediate go together")
-    cfg = MoEConfig(hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate, num_experts=args.experts,
-                    top_k=args.top_k, num_moe_layers=args.layers)
+        raise UsageError("--experts, --top-k, --hidden and --moe-intermediate go together")
+    try:
+        cfg = MoEConfig(hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
+                        num_experts=args.experts, top_k=args.top_k, num_moe_layers=args.layers)
+    except ValueError as err:
+        raise UsageError(f"--experts/--top-k/--hidden/--moe-intermediate: {err}") from err
     return cfg, None, "custom"
+
+
+def _read_config(path: str) -> dict:
+    """The ``--config`` file as a dict of config fields."""
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--config: cannot read {path}: {err.strerror}") from err
+    except ValueError as err:  # json.JSONDecodeError, or bytes that are not UTF-8
+        raise UsageError(f"--config: {path} is not JSON: {err}") from err
+    if not isinstance(hf, dict):
+        raise UsageError(f"--config: {path} holds a JSON {type(hf).__name__}, not a config.json object of fields")
+    return hf
+
+
+def _config_of(hf: dict, path: str, layers: int | None) -> MoEConfig:
+    """The layer a config.json describes; ``--layers`` stands in for a missing ``num_hidden_layers``."""
+    try:
+        cfg = MoEConfig.from_hf_config(hf)
+    except MissingConfigField as err:
+        raise UsageError(err.message(f"config.json at {path}")) from err
+    except ValueError as err:
+        raise UsageError(f"config.json at {path}: {err}") from err
+    if cfg.num_moe_layers is None and layers is None:
+        raise UsageError(f"config.json at {path} has no 'num_hidden_layers': give --layers N, the model's MoE layers")
+    return cfg
+
+
+def _bills_config(hf: dict, path: str) -> dict | None:
+    """``hf`` when it has every field the whole-model bills read; else None, with a note on stderr."""
+    try:
+        param_bill(hf)
+    except KeyError as err:
+        print(f"note: config.json at {path} has no {err.args[0]!r}: no parameter or memory bills", file=sys.stderr)
+        return None
+    return hf
 
 
 def _check_numbers(args) -> None:
@@ -96,22 +136,19 @@ def _check_numbers(args) -> None:
     positive = {"--bandwidth": args.bandwidth, "--tflops": args.tflops, "--memory-gib": args.memory_gib,
                 "--layers": args.layers}
     for flag, value in positive.items():
-        if value is not None and not value > 0:
-            raise SystemExit(f"analyze: {flag} must be positive, got {value}")
+        if value is not None and not 0 < value < float("inf"):
+            raise UsageError(f"{flag} must be positive and finite, got {value}")
     if args.gpus < 1:
-        raise SystemExit(f"analyze: --gpus must be >= 1, got {args.gpus}")
+        raise UsageError(f"--gpus must be >= 1, got {args.gpus}")
     if not 0.0 < args.utilization <= 1.0:
-        raise SystemExit(f"analyze: --utilization must be in (0, 1], got {args.utilization}")
+        raise UsageError(f"--utilization must be in (0, 1], got {args.utilization}")
     if not args.reserve_gib >= 0:
-        raise SystemExit(f"analyze: --reserve-gib must be >= 0, got {args.reserve_gib}")
+        raise UsageError(f"--reserve-gib must be >= 0, got {args.reserve_gib}")
 
 
 def run(args) -> int:
     _check_numbers(args)
-    try:
-        cfg, hf, name = _model(args)
-    except (OSError, ValueError, KeyError) as err:  # no config file, or one moekit cannot read
-        raise SystemExit(f"analyze: {err.args[0] if isinstance(err, KeyError) else err}") from None
+    cfg, hf, name = _model(args)
     if args.layers is not None:
         cfg = cfg.replace(num_moe_layers=args.layers)
     fmt = get_format(args.dtype)
@@ -119,9 +156,9 @@ def run(args) -> int:
     try:
         gpu = get_gpu(args.gpu).with_overrides(args.bandwidth, args.memory_gib, tflops)
     except KeyError as err:
-        raise SystemExit(f"analyze: {err.args[0]}") from None
+        raise UsageError(err.args[0]) from None
     if fmt.compute_dtype not in gpu.dense_tflops:
-        raise SystemExit(f"analyze: {gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
+        raise UsageError(f"{gpu.name} has no {fmt.compute_dtype} tensor throughput for {fmt.name} weights; "
                          f"choose another --dtype or supply --tflops")
     inclusion, routing = _inclusion(args.expert_load, cfg)
     report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib,
@@ -131,18 +168,27 @@ def run(args) -> int:
         from moekit.bench.layer_measure import measure
 
         measurement = measure(cfg, tuple(args.batches))
-    if args.plot:
-        _plot(report, args.plot, measurement)
     if args.json:
-        data = report_to_json(report)
-        data["measured"] = None
-        if measurement:
-            from moekit.bench.layer_measure import measurement_to_json
+        _print_json(report, measurement)
+    else:
+        _print_tables(report, measurement)
+    if args.plot:
+        save_figure(functools.partial(_plot, report, measurement=measurement), args.plot, to_stderr=args.json)
+    return 0
 
-            data["measured"] = measurement_to_json(measurement)
-        json.dump(data, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
+
+def _print_json(report, measurement) -> None:
+    data = report_to_json(report)
+    data["measured"] = None
+    if measurement:
+        from moekit.bench.layer_measure import measurement_to_json
+
+        data["measured"] = measurement_to_json(measurement)
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _print_tables(report, measurement) -> None:
     from rich.console import Console
 
     from moekit.cli._analyze_tables import print_measurement, print_report
@@ -151,12 +197,9 @@ def run(args) -> int:
     print_report(report, console)
     if measurement:
         print_measurement(measurement, console)
-    if args.plot:
-        console.print(f"wrote {args.plot}")
-    return 0
 
 
-def _plot(report, path: str, measurement) -> None:
+def _plot(report, path: str, measurement=None) -> None:
     """The figure, with the measured points drawn on it when there are any."""
     from moekit.analysis.plots import plot_report
 
@@ -172,18 +215,34 @@ def _inclusion(path: str | None, cfg: MoEConfig) -> tuple[np.ndarray | None, str
     """Per-expert inclusion probabilities from a counts file (dropless: tokens = sum / k), and a label."""
     if path is None:
         return None, "uniform"
-    try:
-        with open(path) as f:
-            counts = np.asarray(json.load(f), dtype=np.float64)  # [E]
-    except (OSError, ValueError, TypeError) as err:
-        raise SystemExit(f"analyze: --expert-load: {err}") from None
-    if counts.shape != (cfg.num_experts,) or counts.min() < 0 or counts.sum() == 0:
-        raise SystemExit(f"analyze: --expert-load must be a JSON list of {cfg.num_experts} non-negative counts, "
-                         f"got shape {counts.shape}")
+    counts = _read_counts(path, cfg.num_experts)  # [E]
     num_tokens = counts.sum() / cfg.top_k
     if counts.max() > num_tokens:
-        raise SystemExit(f"analyze: --expert-load has an expert with more than sum/k = {num_tokens:g} tokens; "
+        raise UsageError(f"--expert-load has an expert with more than sum/k = {num_tokens:g} tokens; "
                          f"a token routes to an expert at most once")
     imbalance = counts.max() / counts.mean()
     return inclusion_from_counts(counts, num_tokens), f"measured load from {path} (max/mean {imbalance:.2f})"
 
+
+def _read_counts(path: str, num_experts: int) -> np.ndarray:
+    """The ``--expert-load`` file: E finite, non-negative token counts, not all zero."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--expert-load: cannot read {path}: {err.strerror}") from err
+    except ValueError as err:
+        raise UsageError(f"--expert-load: {path} is not JSON: {err}") from err
+    expected = f"--expert-load: {path} must hold a JSON list of {num_experts} token counts, one per expert"
+    try:
+        counts = np.asarray(data, dtype=np.float64)  # [E]
+    except (TypeError, ValueError):
+        raise UsageError(f"{expected}; got {type(data).__name__} {json.dumps(data)[:60]}") from None
+    if counts.shape != (num_experts,):
+        raise UsageError(f"{expected}; got shape {list(counts.shape)}")
+    bad = np.flatnonzero(~np.isfinite(counts) | (counts < 0))
+    if bad.size:
+        raise UsageError(f"{expected}, each finite and >= 0; expert {bad[0]} has {data[bad[0]]}")
+    if counts.sum() == 0:
+        raise UsageError(f"{expected}; every count is zero")
+    return counts

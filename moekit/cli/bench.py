@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 from moekit.cli import _bench_hf
-
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_int
 
 
 def register(subparsers) -> None:
@@ -21,11 +17,11 @@ def register(subparsers) -> None:
         description="Measure the device's copy bandwidth and dense matmul rate, then time every backend over "
         "the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B expert shapes (scaled down on the CPU); write JSON + PNG.",
     )
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--shapes", default=None, help="comma-separated presets (default: all three)")
-    p.add_argument("--batches", type=_ints, default=None, help="comma-separated M values")
-    p.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png; "
+    p.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--shapes", action=ListOption, default=None, help="presets, space- or comma-separated (default: all three)")
+    p.add_argument("--batches", action=ListOption, item=positive_int, default=None, help="M values, space- or comma-separated")
+    p.add_argument("--backends", action=ListOption, default=None, help="backends, space- or comma-separated (default: all available)")
+    p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png; "
                    "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _bench_hf.add_arguments(p)
@@ -35,7 +31,6 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.hf:
         return _bench_hf.run(args)
-    import torch
     from rich.console import Console
 
     from moekit.bench.report import plot, print_report, results_path, write_json
@@ -44,11 +39,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         device = _device(args.device)
         shapes = _shapes(args.shapes, device)
-        backends = args.backends.split(",") if args.backends else None
+        backends = args.backends or None
         check_args(backends, args.batches, device)
     except ValueError as err:
-        print(f"moekit bench: error: --{err}", file=sys.stderr)  # each message begins with the argument's name
-        return 2
+        raise UsageError(f"--{err}") from None  # each message begins with the argument's name
     with _progress() as on_progress:
         doc = run_bench(device, shapes, args.batches, backends, on_progress)
     path = write_json(doc, results_path(args.out, doc))
@@ -77,14 +71,14 @@ def _device(name: str | None):
     return torch.device(name)
 
 
-def _shapes(names: str | None, device) -> list | None:
+def _shapes(names: list[str] | None, device) -> list | None:
     """The presets named by ``--shapes``, scaled down on the CPU; ``ValueError`` names the flag."""
     from moekit.bench.cells import CPU_SCALE, Shape
 
     if not names:
         return None
     try:
-        return [Shape.from_preset(name, 1 if device.type == "cuda" else CPU_SCALE) for name in names.split(",")]
+        return [Shape.from_preset(name, 1 if device.type == "cuda" else CPU_SCALE) for name in names]
     except ValueError as err:
         raise ValueError(f"shapes: {err}") from None
 

@@ -9,13 +9,15 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from moekit.cli._args import device_arg, seed_arg
 from moekit.demo import DEMO_CONFIG, DemoReport, run_demo, total_steps
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("demo", help="grouped dispatch == naive loop, then imbalance, drops and sparsity")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the weights and tokens (default: 0)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
     p.set_defaults(func=main)
 

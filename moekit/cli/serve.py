@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
+
+from moekit.cli._args import DefaultsHelpFormatter, UsageError, port_arg
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve the routing / load-balancing simulator page locally")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8765, help="port (0 picks a free one)")
+    p = subparsers.add_parser("serve", help="serve the routing / load-balancing simulator page locally",
+                              formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only by default)")
+    p.add_argument("--port", type=port_arg, default=8765, help="port (0 picks a free one)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     p.set_defaults(func=_run)
 
@@ -16,7 +21,10 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     from moekit.sim.server import make_server
 
-    server = make_server(args.host, args.port, args.verbose)
+    try:
+        server = make_server(args.host, args.port, args.verbose)
+    except OSError as err:
+        raise UsageError(_bind_error(args.host, args.port, err)) from err
     host, port = server.server_address[:2]
     print(f"moekit simulator on http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
     try:
@@ -26,3 +34,14 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _bind_error(host: str, port: int, err: OSError) -> str:
+    """Why the server could not listen, naming the flag to change."""
+    if isinstance(err, socket.gaierror):
+        return f"--host {host!r}: not an address of this machine ({err.strerror})"
+    if err.errno == errno.EADDRINUSE:
+        return f"--port {port}: already in use on {host} (another moekit serve?); choose another, or 0 for a free one"
+    if err.errno == errno.EACCES:
+        return f"--port {port}: permission denied on {host} (ports below 1024 need root); choose another, or 0"
+    return f"--host {host!r} --port {port}: cannot listen there: {err.strerror or err}"

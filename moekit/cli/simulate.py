@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
 from dataclasses import asdict
 
+from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
 from moekit.sim.exercises import exercise1, exercise2, exercise3
 from moekit.sim.report import summary
@@ -15,26 +16,40 @@ _DEFAULTS = SimParams()
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("simulate", help="routing / load-balancing simulator and the lesson's exercises")
-    p.add_argument("--experts", type=int, default=_DEFAULTS.experts)
-    p.add_argument("--top-k", type=int, default=_DEFAULTS.top_k)
-    p.add_argument("--tokens", type=int, default=_DEFAULTS.tokens)
-    p.add_argument("--capacity-factor", type=float, default=_DEFAULTS.capacity_factor)
-    p.add_argument("--skew", type=float, default=_DEFAULTS.skew, help="router skew in [0, 1] (moekit.sim.router)")
-    p.add_argument("--balance", choices=BALANCE_METHODS, default=_DEFAULTS.balance)
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
-    p.add_argument("--gpus", type=int, default=_DEFAULTS.gpus)
-    p.add_argument("--spare-slots", type=int, default=_DEFAULTS.spare_slots, help="EPLB replica slots")
-    p.add_argument("--aux-steps", type=int, default=_DEFAULTS.aux_steps)
-    p.add_argument("--bias-batches", type=int, default=_DEFAULTS.bias_batches)
+    p = subparsers.add_parser("simulate", help="routing / load-balancing simulator and the lesson's exercises",
+                              description="One simulator run: a batch routed by the synthetic router, capacity "
+                              "drops, balancing, and the expert-parallel what-if.",
+                              formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--experts", type=int, default=_DEFAULTS.experts, help="E, routed experts")
+    p.add_argument("--top-k", type=int, default=_DEFAULTS.top_k, help="k, experts per token")
+    p.add_argument("--tokens", type=int, default=_DEFAULTS.tokens, help="M, tokens in the batch")
+    p.add_argument("--capacity-factor", type=float, default=_DEFAULTS.capacity_factor,
+                   help="per-expert capacity = ceil(factor * M * k / E); assignments over it are dropped")
+    p.add_argument("--skew", type=float, default=_DEFAULTS.skew,
+                   help="router skew in [0, 1]: 0 routes uniformly, 1 sends every token to the same experts")
+    p.add_argument("--balance", choices=BALANCE_METHODS, default=_DEFAULTS.balance,
+                   help="load balancing: none, an aux-loss-trained router, or DeepSeek's bias updates")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the router and the tokens")
+    p.add_argument("--gpus", type=int, default=_DEFAULTS.gpus, help="GPUs of the expert-parallel what-if")
+    p.add_argument("--spare-slots", type=int, default=_DEFAULTS.spare_slots,
+                   help="redundant expert slots EPLB may fill with replicas of hot experts")
+    p.add_argument("--aux-steps", type=int, default=_DEFAULTS.aux_steps,
+                   help="Adam steps of aux-loss training (with --balance aux-loss)")
+    p.add_argument("--bias-batches", type=int, default=_DEFAULTS.bias_batches,
+                   help="batches of correction-bias updates (with --balance bias)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--plot", metavar="PNG", help="save a figure")
+    p.add_argument("--plot", metavar="PNG", type=plot_path, help="save a figure to this image file")
     p.set_defaults(func=_run)
-    sub = p.add_subparsers(dest="sim_command", metavar="exercise")
-    ex = sub.add_parser("exercise", help="run exercise 1 (sparsity vs batch), 2 (capacity vs quality) or 3 (EP)")
-    ex.add_argument("number", type=int, choices=(1, 2, 3))
+    # No help= on the "exercise" parser: argparse would list it a second time under the metavar.
+    sub = p.add_subparsers(dest="sim_command", metavar="exercise N",
+                           help="instead of one run: exercise 1 (sparsity vs batch), 2 (capacity factor vs "
+                           "output quality) or 3 (expert parallelism)")
+    ex = sub.add_parser("exercise", description="Answer one of the lesson's three exercises.",
+                        formatter_class=DefaultsHelpFormatter)
+    ex.add_argument("number", type=int, choices=(1, 2, 3),
+                    help="1: sparsity vs batch, 2: capacity factor vs output quality, 3: expert parallelism")
     ex.add_argument("--json", action="store_true", help="print the result as JSON")
-    ex.add_argument("--plot", metavar="PNG", help="save a figure")
+    ex.add_argument("--plot", metavar="PNG", type=plot_path, help="save a figure to this image file")
     ex.set_defaults(func=_run_exercise)
 
 
@@ -45,16 +60,21 @@ def _run(args: argparse.Namespace) -> int:
             skew=args.skew, balance=args.balance, seed=args.seed, gpus=args.gpus, spare_slots=args.spare_slots,
             aux_steps=args.aux_steps, bias_batches=args.bias_batches,
         )
-    except ValueError as e:
-        print(f"moekit simulate: error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as err:
+        raise UsageError(_as_flag(str(err))) from err
     result = simulate(params)
     print(json.dumps(result.to_dict(), indent=1) if args.json else summary(result))
     if args.plot:
         from moekit.sim.plots import plot_run
 
-        plot_run(result, args.plot)
+        save_figure(functools.partial(plot_run, result), args.plot, to_stderr=args.json)
     return 0
+
+
+def _as_flag(message: str) -> str:
+    """SimParams names its fields (``top_k must be ...``); say the flag the user typed (``--top-k``)."""
+    name = message.split(" ", 1)[0]
+    return f"--{name.replace('_', '-')}{message[len(name):]}" if name in _DEFAULTS.to_dict() else message
 
 
 _EXERCISES = {1: exercise1, 2: exercise2, 3: exercise3}
@@ -66,7 +86,8 @@ def _run_exercise(args: argparse.Namespace) -> int:
     if args.plot:
         from moekit.sim import plots
 
-        getattr(plots, f"plot_exercise{args.number}")(result, args.plot)
+        save_figure(functools.partial(getattr(plots, f"plot_exercise{args.number}"), result), args.plot,
+                    to_stderr=args.json)
     return 0
 
 

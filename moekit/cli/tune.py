@@ -4,23 +4,23 @@ user config directory, searched before the packaged configs) is picked up with n
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+from moekit.cli._args import ListOption, UsageError, output_dir, positive_float, positive_int
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("tune", help="tune the Triton experts kernels for a shape on this GPU",
                               description="Sweep launch configs of the Triton experts path per batch size M, "
                               "resumably, and write a config file that lookups pick up.")
-    p.add_argument("--preset", action="append", default=None, help="a model preset (repeatable), e.g. qwen3-30b-a3b")
+    p.add_argument("--preset", action=ListOption, item=str, default=None,
+                   help="model presets, space- or comma-separated (repeatable), e.g. qwen3-30b-a3b")
     p.add_argument("--shape", default=None, help="explicit E,N,K,top_k instead of a preset, e.g. 64,1408,2048,6")
-    p.add_argument("--batches", type=_ints, default=None, help="comma-separated M values (default: 1..16384)")
+    p.add_argument("--batches", action=ListOption, item=positive_int, default=None,
+                   help="M values, space- or comma-separated (default: 1..16384)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--out", type=Path, default=None, help="directory to write to (default: the user config dir)")
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting new M after this many seconds per shape")
+    p.add_argument("--out", type=output_dir, default=None, help="directory to write to (default: the user config dir)")
+    p.add_argument("--budget-s", type=positive_float, default=None,
+                   help="stop starting new M after this many seconds per shape")
     p.set_defaults(func=_run)
 
 
@@ -35,16 +35,14 @@ def _run(args: argparse.Namespace) -> int:
     try:
         shapes = [Shape.from_preset(p) for p in (args.preset or [])]
     except ValueError as err:
-        raise SystemExit(f"tune: --preset: {err}") from None
+        raise UsageError(f"--preset: {err}") from None
     if args.shape:
         shapes.append(_explicit_shape(args.shape))
-    console = Console()
     if not shapes:
-        console.print("give --preset NAME or --shape E,N,K,top_k")
-        return 2
+        raise UsageError("give --preset NAME or --shape E,N,K,top_k")
     if not torch.cuda.is_available():
-        console.print("moekit tune needs a CUDA GPU (the Triton kernels are tuned where they run)")
-        return 2
+        raise UsageError("needs a CUDA GPU (the Triton kernels are tuned where they run); none is visible")
+    console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         for shape in shapes:
@@ -60,10 +58,10 @@ def _explicit_shape(text: str):
     from moekit.bench.cells import Shape
 
     try:
-        values = _ints(text)
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         values = []
     if len(values) != 4 or min(values) < 1 or values[3] > values[0]:
-        raise SystemExit(f"tune: --shape must be four positive integers E,N,K,top_k with top_k <= E, got {text!r}")
+        raise UsageError(f"--shape must be four positive integers E,N,K,top_k with top_k <= E, got {text!r}")
     e, n, k, top_k = values
     return Shape(f"E{e}_N{n}_K{k}_k{top_k}", e, n, k, top_k)

@@ -33,14 +33,21 @@ def plot_run(result: SimResult, path: str) -> None:
 def plot_exercise1(ex: Exercise1, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     batches = ex.curves[0].batches
-    ax.plot(batches, ex.predicted, "k--", label=f"uniform prediction (> {ex.threshold:.0%} at B={ex.predicted_first_over})")
+    ax.plot(batches, ex.predicted, "k--", label=f"uniform prediction ({_crossing(ex, ex.predicted_first_over)})")
     for c in ex.curves:
-        ax.plot(batches, c.simulated, label=f"simulated, skew {c.skew} (> {ex.threshold:.0%} at B={c.first_over})")
-    ax.axhline(ex.threshold, color="grey", linewidth=0.8)
+        ax.plot(batches, c.simulated, label=f"simulated, skew {c.skew} ({_crossing(ex, c.first_over)})")
+    ax.axhline(ex.threshold, color="grey", linewidth=0.8, label=f"threshold {ex.threshold:.0%}")
     ax.set(xscale="log", xlabel="batch size B", ylabel="fraction of experts touched",
            title=f"E={ex.experts}, top-{ex.top_k}: effective sparsity vs batch")
     ax.legend()
     _save(fig, path)
+
+
+def _crossing(ex: Exercise1, first_over: int | None) -> str:
+    """Where a curve first exceeds the threshold, or that it never does within the sweep."""
+    if first_over is None:
+        return f"never > {ex.threshold:.0%} up to B={ex.curves[0].batches[-1]}"
+    return f"> {ex.threshold:.0%} at B={first_over}"
 
 
 def plot_exercise2(ex: Exercise2, path: str) -> None:
@@ -49,7 +56,7 @@ def plot_exercise2(ex: Exercise2, path: str) -> None:
         cfs = [p.capacity_factor for p in c.points]
         ax.plot(cfs, [p.relative_error for p in c.points], "o-", label=f"skew {c.skew}")
         ax2.plot(cfs, [p.drop_rate for p in c.points], "o-", label=f"skew {c.skew}")
-    ax.axhline(ex.tolerance, color="grey", linewidth=0.8)
+    ax.axhline(ex.tolerance, color="grey", linewidth=0.8, label=f"tolerance {ex.tolerance:.0%}")
     ax.set(xscale="log", xlabel="capacity factor", ylabel="relative output error vs dropless",
            title="output quality vs capacity factor")
     ax2.set(xscale="log", xlabel="capacity factor", ylabel="drop rate", title="dropped assignments")

@@ -1,0 +1,245 @@
+"""The ``moekit`` command never answers a user's mistake with a traceback: every subcommand, given a bad
+argument, exits 2 with one line ``moekit <subcommand>: error: ...`` naming the argument (``cli_error``
+in _helpers.py checks the three). A real bug keeps its traceback. Also: list options take both
+``1 8 64`` and ``1,8,64``; ``--help``, ``--version``; the ``wrote PATH`` line.
+
+Runs ``main()`` in-process (fast); two subprocesses check import-time behaviour with a package blocked
+the way a missing one fails (``sys.modules[name] = None``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.cli import build_parser, main
+from moekit.cli import simulate as simulate_cli
+from moekit.cli._args import ListOption, UsageError
+from moekit.presets import hf_config_of_preset
+
+from _helpers import cli_error
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["analyze", "--experts", "8", "--top-k", "2", "--hidden", "64", "--moe-intermediate", "32"]
+NO_DIR = "/nonexistent-moekit-dir/out.png"
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, str]:
+    """Bad input files, by name."""
+    mixtral = hf_config_of_preset("mixtral-8x7b")
+    contents = {
+        "list": [1, 2, 3],
+        "partial": {"model_type": "mixtral"},
+        "llama": {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32},
+        "no_layers": {k: v for k, v in mixtral.items() if k != "num_hidden_layers"},
+        "nan": [float("nan")] + [1.0] * 7,
+        "negative": [-1] + [1] * 7,
+        "short": [1, 2, 3],
+        "object": {"experts": 8},
+        "zeros": [0] * 8,
+    }
+    paths = {name: tmp_path / f"{name}.json" for name in contents}
+    for name, value in contents.items():
+        paths[name].write_text(json.dumps(value))
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "a_file").write_text("")
+    paths |= {"bad": tmp_path / "bad.json", "a_file": tmp_path / "a_file", "dir": tmp_path}
+    return {name: str(path) for name, path in paths.items()}
+
+
+# (argv with {name} for a file of the fixture, text the error line must hold)
+CASES = [
+    (["analyze", "--preset", "nope"], "--preset"),
+    (["analyze", "--config", "/nonexistent/config.json"], "--config: cannot read"),
+    (["analyze", "--config", "{bad}"], "is not JSON"),
+    (["analyze", "--config", "{list}"], "holds a JSON list"),
+    (["analyze", "--config", "{partial}"], "config.json at {partial} has no 'hidden_size'"),
+    (["analyze", "--config", "{llama}"], "model_type must be one of"),
+    (["analyze", "--config", "{no_layers}"], "has no 'num_hidden_layers': give --layers"),
+    ([*TINY, "--expert-load", "{nan}"], "--expert-load"),
+    ([*TINY, "--expert-load", "{negative}"], "expert 0 has -1"),
+    ([*TINY, "--expert-load", "{short}"], "list of 8"),
+    ([*TINY, "--expert-load", "{object}"], "list of 8"),
+    ([*TINY, "--expert-load", "{bad}"], "--expert-load"),
+    ([*TINY, "--expert-load", "{zeros}"], "every count is zero"),
+    ([*TINY, "--plot", NO_DIR], "--plot"),
+    ([*TINY, "--plot", "{dir}"], "--plot"),
+    ([*TINY, "--plot", "{a_file}/out.png"], "--plot"),
+    ([*TINY, "--plot", "out.txt"], "--plot"),
+    ([*TINY, "--batches", "1,x"], "--batches"),
+    ([*TINY, "--batches", "-4"], "--batches"),
+    ([*TINY, "--layers", "-1"], "--layers"),
+    ([*TINY, "--memory-gib", "nan"], "--memory-gib"),
+    ([*TINY, "--tflops", "inf"], "--tflops must be positive and finite"),
+    (["simulate", "--experts", "-3"], "--experts"),
+    (["simulate", "--top-k", "99"], "--top-k"),
+    (["simulate", "--skew", "nan"], "--skew"),
+    (["simulate", "--balance", "magic"], "--balance"),
+    (["simulate", "--plot", NO_DIR], "--plot"),
+    (["simulate", "exercise", "4"], "invalid choice"),
+    (["simulate", "exercise", "1", "--plot", NO_DIR], "--plot"),
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--port", "-1"], "--port"),
+    (["serve", "--port", "http"], "--port"),
+    (["serve", "--host", "192.0.2.1", "--port", "0"], "--host"),  # TEST-NET-1: never this machine's
+    (["demo", "--device", "tpu"], "--device"),
+    (["demo", "--seed", "x"], "--seed"),
+    (["demo", "--seed", str(2**80)], "--seed"),
+    (["bench", "--device", "cuda:x"], "--device"),
+    (["bench", "--device", "cpu", "--shapes", "nope"], "--shapes"),
+    (["bench", "--device", "cpu", "--batches", "0"], "--batches"),
+    (["bench", "--device", "cpu", "--backends", "nope"], "--backends: unknown"),
+    (["bench", "--device", "cpu", "--out", "{a_file}/results"], "--out"),
+    (["tune"], "give --preset"),
+    (["tune", "--preset", "nope"], "--preset"),
+    (["tune", "--shape", "8,16"], "--shape"),
+    (["tune", "--batches", "1,0"], "--batches"),
+    (["tune", "--budget-s", "-5", "--preset", "qwen3-30b-a3b"], "--budget-s"),
+    (["tune", "--out", "{a_file}/configs", "--preset", "qwen3-30b-a3b"], "--out"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CASES])
+def test_bad_argument_is_one_line_naming_it(argv, expected, files, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # a relative path that passed by mistake lands here, not in the tree
+    line = cli_error(capsys, [a.format(**files) for a in argv])
+    assert expected.format(**files) in line
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("argv", [["demo", "--device", "cuda"], ["bench", "--device", "cuda"],
+                                  ["tune", "--preset", "qwen3-30b-a3b"]])
+def test_cuda_on_a_cpu_build(argv, capsys):
+    assert "cuda" in cli_error(capsys, argv).lower()
+
+
+def test_busy_port(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "already in use" in cli_error(capsys, ["serve", "--port", str(port)])
+
+
+def test_unknown_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["nope"])
+    assert exc.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # how a missing package fails to import
+    for argv in ([*TINY, "--plot", "out.png"], ["simulate", "--plot", "out.png"]):
+        assert 'pip install "moekit[plot]"' in cli_error(capsys, argv)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_entry_point_without_matplotlib(tmp_path):
+    out = tmp_path / "out.png"
+    argv = ["moekit", *TINY, "--plot", str(out)]
+    done = _python(f"import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = {argv!r}; "
+                   "runpy.run_module('moekit', run_name='__main__')")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("moekit analyze: error: argument --plot: needs matplotlib")
+    assert not out.exists()
+
+
+def test_import_hf_without_transformers():
+    done = _python("import sys; sys.modules['transformers'] = None\n"
+                   "try:\n    import moekit.hf\n"
+                   "except ImportError as err:\n    print(type(err).__name__, err)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("MissingExtraError ") and 'pip install "moekit[hf]"' in done.stdout
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def broken(params):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(simulate_cli, "simulate", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["simulate"])
+
+
+def test_debug_shows_a_usage_error_with_its_traceback(monkeypatch):
+    monkeypatch.setenv("MOEKIT_DEBUG", "1")
+    with pytest.raises(UsageError, match="--top-k"):
+        main(["simulate", "--top-k", "99"])
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_list_option_is_a_list_option():
+    parser = build_parser()
+    commands = _subparsers(parser)
+    commands |= {f"simulate {k}": v for k, v in _subparsers(commands["simulate"]).items()}
+    lists = [(name, a.dest) for name, p in commands.items() for a in p._actions
+             if a.option_strings and (a.nargs in ("+", "*") or isinstance(a, argparse._AppendAction))
+             and not isinstance(a, ListOption)]
+    assert not lists, f"list options not using moekit.cli._args.ListOption: {lists}"
+
+
+@pytest.mark.parametrize("argv, dest", [
+    (["analyze", "--batches", "1,8", "64"], "batches"),
+    (["bench", "--batches", "1", "8,64"], "batches"),
+    (["tune", "--batches", "1,8,64"], "batches"),
+])
+def test_lists_take_spaces_and_commas(argv, dest):
+    assert getattr(build_parser().parse_args(argv), dest) == [1, 8, 64]
+
+
+def test_repeated_list_option_adds():
+    args = build_parser().parse_args(["tune", "--preset", "qwen3-30b-a3b,deepseek-v3", "--preset", "mixtral-8x7b"])
+    assert args.preset == ["qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("moekit ")
+
+
+def test_simulate_help_has_defaults_and_lists_exercise_once():
+    commands = _subparsers(build_parser())
+    text = commands["simulate"].format_help()
+    listing = text[text.index("positional arguments:"):text.index("options:")]
+    assert sum(line.strip().startswith("exercise") for line in listing.splitlines()) == 1, text
+    assert "(default: 64)" in text and "(default: 0.55)" in text and "(default: None)" not in text
+    undocumented = [a.dest for a in commands["simulate"]._actions if a.help is None]
+    assert not undocumented, undocumented
+
+
+def test_config_without_layer_count_takes_layers(files, capsys):
+    assert main(["analyze", "--config", files["no_layers"], "--layers", "4", "--batches", "8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    row = json.loads(out)["rows"][0]
+    assert row["step_time_floor_s"] == pytest.approx(4 * row["time_floor_s"])
+    assert json.loads(out)["bills"] is None and "no 'num_hidden_layers': no parameter or memory bills" in err
+
+
+def test_wrote_lines(tmp_path, capsys):
+    png = tmp_path / "a.png"
+    assert main([*TINY, "--batches", "1", "--plot", str(png)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {png}")
+    assert main([*TINY, "--batches", "1", "--plot", str(png), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] and err.strip() == f"wrote {png}"  # stdout stays JSON
+    assert main(["simulate", "--tokens", "16", "--plot", str(tmp_path / "s.png")]) == 0
+    assert f"wrote {tmp_path / 's.png'}" in capsys.readouterr().out
