@@ -40,10 +40,12 @@ RouterChoice = Literal["auto", "torch", "fused"]
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 MAX_GROUPS = 64
-# Rows per program grow only once M exceeds this many programs (about 4 per SM on a 132-SM H200), so
-# decode batches get one row per program, i.e. the most parallel latency.
-_TARGET_PROGRAMS = 512
-_TILE_ELEMENTS = 2048  # BM * C per program at most: 16 fp32 values per thread at 4 warps
+# One warp per program, holding BM = max(1, 128 // C) rows of C padded columns: 4 values per lane. A
+# warp's instructions grow with the rows it holds (sm_90 PTX: one Qwen3 row 411, two rows 765), so more
+# rows per warp only pay where a row is narrower than the warp: Mixtral's 8 columns, 4 rows: 199
+# instructions against 174 for one. Two warps on one E=512 row: 889 instructions against 1236, but the
+# cross-warp reductions go through shared memory with a barrier each; one warp is kept.
+_ELEMENTS_PER_PROGRAM = 128
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -82,12 +84,10 @@ class _Plan:
     check_finite: bool  # nonfinite="raise"
     scaling: float  # routed_scaling_factor
 
-    def launch_shape(self, num_tokens: int) -> tuple[int, int, int]:
-        """(BLOCK_M, num_warps, programs) for M tokens: one row per program up to _TARGET_PROGRAMS."""
-        max_rows = max(1, _TILE_ELEMENTS // self.cols)
-        block_m = min(max_rows, _next_pow2(-(-num_tokens // _TARGET_PROGRAMS)))
-        num_warps = min(8, max(1, block_m * self.cols // 256))  # 8 values per thread at least
-        return block_m, num_warps, -(-num_tokens // block_m)
+    def launch_shape(self, num_tokens: int) -> tuple[int, int]:
+        """(BLOCK_M, programs) for M tokens."""
+        block_m = max(1, _ELEMENTS_PER_PROGRAM // self.cols)
+        return block_m, -(-num_tokens // block_m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +131,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
     ok = torch.ones(1 if plan.check_finite else 0, dtype=torch.int32, device=device)  # [1] or [0]
     if num_tokens == 0:
         return ids, weights, ok
-    block_m, num_warps, programs = plan.launch_shape(num_tokens)
+    block_m, programs = plan.launch_shape(num_tokens)
     pdl = _dependent_launch(device)
     kernel = importlib.import_module("moekit.routing._kernels.route_kernel").route_kernel
     kernel[(programs,)](
@@ -142,7 +142,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
         **plan.constexprs, TOP2=plan.top2 and bias is not None,
         HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, BLOCK_M=block_m, PRECISE=not interpreting(),
         PDL=pdl,
-        num_warps=num_warps, launch_pdl=pdl,
+        num_warps=1, launch_pdl=pdl,
     )
     return ids, weights, ok
 
