@@ -112,6 +112,9 @@ def _plan_of(config: MoEConfig, num_shared: int) -> _Plan:
                  config.renormalize, config.routed_scaling_factor, config.nonfinite == "raise", num_shared)
 
 
+# Launch options beside the constexprs. ``enable_reflect_ftz=False``: Triton links libdevice with
+# flush-to-zero by default, torch's kernels keep denormals; with ftz a softmax score below 1.2e-38 is 0
+# here and a denormal in route, and equal zeros tie where route's denormals do not.
 @functools.lru_cache(maxsize=None)
 def _dependent_launch(device: torch.device) -> bool:
     """Programmatic dependent launch on NVIDIA GPUs of compute capability 9.0 and later (the kernel
@@ -142,7 +145,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
         **plan.constexprs, TOP2=plan.top2 and bias is not None,
         HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, BLOCK_M=block_m, PRECISE=not interpreting(),
         PDL=pdl,
-        num_warps=1, launch_pdl=pdl,
+        num_warps=1, launch_pdl=pdl, enable_reflect_ftz=False,
     )
     return ids, weights, ok
 
