@@ -112,16 +112,20 @@ def _plan_of(config: MoEConfig, num_shared: int) -> _Plan:
                  config.renormalize, config.routed_scaling_factor, config.nonfinite == "raise", num_shared)
 
 
-# Launch options beside the constexprs. ``enable_reflect_ftz=False``: Triton links libdevice with
-# flush-to-zero by default, torch's kernels keep denormals; with ftz a softmax score below 1.2e-38 is 0
-# here and a denormal in route, and equal zeros tie where route's denormals do not.
 @functools.lru_cache(maxsize=None)
-def _dependent_launch(device: torch.device) -> bool:
-    """Programmatic dependent launch on NVIDIA GPUs of compute capability 9.0 and later (the kernel
-    waits for the gate matmul before reading its logits); never on ROCm or under the interpreter."""
-    if device.type != "cuda" or torch.version.hip is not None or interpreting():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+def _launch_options(device: torch.device) -> dict:
+    """Launch keywords that depend on the device only (decided once per device):
+    - programmatic dependent launch (``PDL``, ``launch_pdl``) on NVIDIA GPUs of compute capability 9.0
+      and later: the kernel may launch while the gate matmul drains, and waits for it before reading
+      the logits; never on ROCm or under the interpreter;
+    - ``PRECISE``: libdevice's expf / log1p, except under the interpreter, which has no libdevice;
+    - ``enable_reflect_ftz=False``: Triton links libdevice with flush-to-zero by default, torch keeps
+      denormals; with ftz a softmax score below 1.2e-38 is 0 here and a denormal in route, and such
+      zeros tie where route's scores do not."""
+    precise = not interpreting()
+    pdl = (device.type == "cuda" and torch.version.hip is None and precise
+           and torch.cuda.get_device_capability(device)[0] >= 9)
+    return dict(PRECISE=precise, PDL=pdl, launch_pdl=pdl, enable_reflect_ftz=False, num_warps=1)
 
 
 def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
@@ -135,7 +139,6 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
     if num_tokens == 0:
         return ids, weights, ok
     block_m, programs = plan.launch_shape(num_tokens)
-    pdl = _dependent_launch(device)
     kernel = importlib.import_module("moekit.routing._kernels.route_kernel").route_kernel
     kernel[(programs,)](
         logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits, ids, weights,
@@ -143,9 +146,7 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
         num_tokens, logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
         0 if gate_logits is None else gate_logits.stride(0), plan.scaling,
         **plan.constexprs, TOP2=plan.top2 and bias is not None,
-        HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, BLOCK_M=block_m, PRECISE=not interpreting(),
-        PDL=pdl,
-        num_warps=1, launch_pdl=pdl, enable_reflect_ftz=False,
+        HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, BLOCK_M=block_m, **_launch_options(device),
     )
     return ids, weights, ok
 
