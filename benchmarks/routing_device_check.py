@@ -82,8 +82,8 @@ def classify(logits, cfg, bias, ref_ids, got_ids):
     kinds = {"tie": 0, "near": 0, "group": 0, "mismatch": 0}
     if bad.numel() == 0:
         return kinds
-    key = selection_keys(logits[bad], cfg, None if bias is None else bias).double()  # [B, E]
-    ref, got = ref_ids[bad].long(), got_ids[bad].long()
+    key = selection_keys(logits[bad], cfg, bias).double().cpu()  # [B, E]; the row loop runs on the host
+    ref, got = ref_ids[bad].long().cpu(), got_ids[bad].long().cpu()
     key_ref, key_got = key.gather(1, ref), key.gather(1, got)  # [B, k]
     size = cfg.num_experts // cfg.n_group
     gs = group_scores(key, cfg, bias is not None) if cfg.n_group > 1 else None

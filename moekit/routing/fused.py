@@ -35,8 +35,8 @@ from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
 
-# Limits of the kernel as written: a row's E scores sit in registers (E = 512 at BM = 1 is 2 warps of
-# 8 values each), and k and topk_group rounds are unrolled. Larger configs fall back to ``route``.
+# Limits of the kernel as written: a row's E scores sit in one warp's registers (E = 1024: 32 values
+# per lane), and the k and topk_group rounds are unrolled. Larger configs fall back to ``route``.
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 MAX_GROUPS = 64
