@@ -10,11 +10,11 @@ BM = BLOCK_M rows per program. Each program holds its rows as one [BM, G_PAD, P_
 G_PAD = 1, P_PAD = next_pow2(E)); tile column c = g * P_PAD + p holds expert g * P + p. The tile stays
 3-D throughout: the group scores are reductions over axis 2 whose results broadcast straight back. (A
 [BM, C] tile reshaped for the groups made Triton 3.9 keep all 256 DeepSeek-V3 columns in every thread:
-12k instructions per row and a 30 s compile, against ~1.5k and 2 s this way, sm_90 PTX.)
+12k instructions per row and a 30 s compile, against 1.2k and 2 s this way, sm_90 PTX.)
 
-Selection is k rounds of a max over (key, lower column first), packed in one int64. The key is an int32 in the float order of the biased
-score (``_order_key``); columns ascend with expert ids and groups with group ids, so this is route's
-rule: equal scores, lower id wins. Two reserved keys sit below every float: a non-finite expert
+Selection is k rounds of a max over (key, then the lower column), packed in one int64 (``_packed``).
+The key is an int32 in the float order of the biased score (``_order_key``); columns ascend with
+expert ids and groups with group ids, so this is route's rule: equal scores, lower id wins. Two reserved keys sit below every float: a non-finite expert
 (``_MASKED``: chosen only when the allowed groups hold fewer than k finite experts) and a column that is
 never chosen (``_EXCLUDED``: padding, an expert of a group not kept, an expert already taken).
 
