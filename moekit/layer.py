@@ -18,6 +18,7 @@ from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, call_backend, resolve_backend
 from moekit.activations import act_and_mul
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
+from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 
 
 @dataclass
@@ -57,6 +58,10 @@ class MoE(nn.Module):
 
     ``capacity_factor=None`` is dropless (default). A number enables training-style dropping with
     ``drop_policy`` ("position" or "weight"); the dropped count is in the stats.
+
+    ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
+    (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
+    always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class MoE(nn.Module):
         fuse_shared: bool = True,
         capacity_factor: float | None = None,
         drop_policy: DropPolicy = "position",
+        router: RouterChoice = "auto",
         stats_block_size: int = 64,
         num_local_experts: int | None = None,
         dtype: torch.dtype | None = None,
@@ -94,6 +100,7 @@ class MoE(nn.Module):
         self.shared_w13 = nn.Parameter(torch.empty(2 * shared, k_dim, **factory)) if shared else None
         self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
         self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
+        self.router = router  # resolves the router for the weights' device, like the backend
         self.backend = backend  # resolves the backend function for the weights' device
         self.reset_parameters()
 
@@ -109,9 +116,21 @@ class MoE(nn.Module):
         self._backend = name
         self._experts_fn: ExpertsFn = backend_fn(name, self.w13.device)
 
+    @property
+    def router(self) -> str:
+        """The router asked for ("auto", "torch" or "fused"); ``_fused_router`` is the one resolved."""
+        return self._router
+
+    @router.setter
+    def router(self, choice: RouterChoice) -> None:
+        # Resolved here and on every device move, never inside forward (as the backend).
+        self._router = choice
+        self._fused_router: FusedRouter | None = fused_router(self.config, self.w13.device, choice)
+
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         self.backend = self._backend
+        self.router = self._router
         return module
 
     def reset_parameters(self) -> None:
@@ -126,13 +145,18 @@ class MoE(nn.Module):
         """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
         # The router runs in its weight's dtype: DeepSeek-V3 keeps an fp32 router in a bf16 model.
         logits = self.gate(x2d.to(self.gate.weight.dtype))  # [M, E]
-        routing = route(logits, self.config, self.e_score_correction_bias)
+        gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
+        # The fused kernel appends the shared slots itself unless capacity must drop in between.
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
+        if self._fused_router is not None:
+            routing = self._fused_router(logits, self.e_score_correction_bias, gate_logits, append_shared=in_kernel)
+        else:
+            routing = route(logits, self.config, self.e_score_correction_bias)
         dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
-        if self.fuse_shared:
-            gate_logits = self.shared_gate(x2d) if self.shared_gate is not None else None
+        if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
         return RoutedTokens(routing=routing, dropped=dropped)
 
@@ -191,7 +215,7 @@ class MoE(nn.Module):
         return (
             f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
             f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-            f"backend={self.backend}, capacity_factor={self.capacity_factor}"
+            f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}"
         )
 
 

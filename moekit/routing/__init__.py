@@ -5,9 +5,12 @@
 ``route`` scores, selects and weights the k routed experts (``route.py``); ``apply_capacity`` drops
 what exceeds each expert's capacity and counts it (``capacity.py``); ``append_shared_slots`` adds a
 fused shared expert's S slots (``shared.py``). ``MoE.route_tokens`` composes the three in this order.
+``route_fused`` / ``FusedRouter`` (``fused.py``) compute ``route`` (and the shared slots) in one Triton
+kernel; ``MoE`` uses it on CUDA, ``route`` stays the torch twin the kernel is tested against.
 """
 
 from moekit.routing.capacity import CapacityResult, DropPolicy, apply_capacity, expert_capacity
+from moekit.routing.fused import FusedRouter, fused_router, route_fused
 from moekit.routing.route import Routing, route
 from moekit.routing.shared import append_shared_slots
 
@@ -15,4 +18,5 @@ __all__ = [
     "Routing", "route",
     "CapacityResult", "DropPolicy", "apply_capacity", "expert_capacity",
     "append_shared_slots",
+    "FusedRouter", "fused_router", "route_fused",
 ]

@@ -1,0 +1,206 @@
+"""The router after the gate matmul, in one kernel: router logits [M, E] -> topk_ids [M, k(+S)] int32,
+topk_weights [M, k(+S)] fp32.
+
+    [Route: score -> (grouped) top-k -> weights (+ shared slots)] -> Capacity (opt-in) -> Group -> Experts -> Combine
+
+Torch twin: ``moekit.routing.route`` (and ``append_shared_slots`` for the S shared slots).
+
+Shapes: M tokens, E experts = G groups x P experts per group, k = TOP_K, S = NUM_SHARED shared slots,
+BM = BLOCK_M rows per program. Each program holds its rows as one [BM, G_PAD, P_PAD] tile (ungrouped:
+G_PAD = 1, P_PAD = next_pow2(E)); tile column c = g * P_PAD + p holds expert g * P + p. The tile stays
+3-D throughout: the group scores are reductions over axis 2 whose results broadcast straight back. (A
+[BM, C] tile reshaped for the groups made Triton 3.9 keep all 256 DeepSeek-V3 columns in every thread:
+12k instructions per row and a 30 s compile, against 1.2k and 2 s this way, sm_90 PTX.)
+
+Selection is k rounds of a max over (key, then the lower column), packed in one int64 (``_packed``).
+The key is an int32 in the float order of the biased score (``_order_key``); columns ascend with
+expert ids and groups with group ids, so this is route's rule: equal scores, lower id wins. Two reserved keys sit below every float: a non-finite expert
+(``_MASKED``: chosen only when the allowed groups hold fewer than k finite experts) and a column that is
+never chosen (``_EXCLUDED``: padding, an expert of a group not kept, an expert already taken).
+
+Scores are computed as torch computes them on the GPU (``exp`` is libdevice's expf, divisions are
+correctly rounded ``div_rn``; Triton's default ``exp`` and ``/`` are approximations), so the ids match
+route bit for bit where no two candidates tie. Triton's interpreter has no libdevice, so there
+(``PRECISE=False``) ``exp`` and ``log1p`` are numpy's, as close to torch's CPU kernels as the tests need.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+_EXCLUDED = tl.constexpr(-2147483648)  # key of a column that is never chosen
+_MASKED = tl.constexpr(-2147483647)  # key of a non-finite expert: above _EXCLUDED, below every float
+_NEVER = tl.constexpr(-9223372036854775808)  # packed value of a taken column, below every packed key
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log1p(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.log1p(x)
+    else:
+        y = tl.log(1.0 + x)
+    return y
+
+
+@triton.jit
+def _sigmoid(x, PRECISE: tl.constexpr):
+    """torch.sigmoid on the GPU: 1 / (1 + exp(-x)), the division correctly rounded."""
+    return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + _exp(-x, PRECISE))
+
+
+@triton.jit
+def _score(x, row_max, row_sum, SIGMOID: tl.constexpr, PRECISE: tl.constexpr):
+    """torch.sigmoid(x), or torch.softmax's exp(x - max) / sum with the row's max and sum."""
+    if SIGMOID:
+        score = _sigmoid(x, PRECISE)
+    else:
+        numerator, denominator = tl.broadcast(_exp(x - row_max, PRECISE), row_sum)  # div_rn does not broadcast
+        score = tl.math.div_rn(numerator, denominator)
+    return score
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> int32 of the same order: key(a) < key(b) iff a < b, and -inf maps above _MASKED. -0.0 is
+    folded onto +0.0 first: they compare equal as floats, so they must tie as keys."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _packed(key, index, SIZE: tl.constexpr):
+    """int32 key and index in [0, SIZE) -> one int64, the key above (SIZE - 1 - index): its plain max is
+    the largest key and, of equal keys, the lowest index; distinct indices give distinct values, so
+    == finds the winner. Half the instructions of a (key, index) pair reduction (sm_90 PTX, one Qwen3
+    row: 711 -> 411)."""
+    return key.to(tl.int64) * 4294967296 + (SIZE - 1 - index)
+
+
+@triton.jit
+def _allowed_groups(choice, G_PAD: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                    TOP2: tl.constexpr):
+    """choice [BM, G, P] (-inf where masked or padding) -> [BM, G, 1], True for the TOPK_GROUP best
+    groups. A group scores its best finite expert, or with TOP2 its best two summed (its best alone
+    when it has one); a group without a finite expert scores -inf and is kept only to fill up."""
+    best = tl.max(choice, axis=2)  # [BM, G]
+    if TOP2:
+        is_best = choice == best[:, :, None]
+        second = tl.max(tl.where(is_best, float("-inf"), choice), axis=2)  # [BM, G]
+        second = tl.where(tl.sum(is_best.to(tl.int32), axis=2) > 1, best, second)  # best twice: top-2 = 2 best
+        best = tl.where(second == float("-inf"), best, best + second)
+    g = tl.arange(0, G_PAD)[None, :]
+    packed = _packed(tl.where(g < NUM_GROUPS, _order_key(best), _EXCLUDED), g, G_PAD)  # [BM, G]
+    kept = g < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        hit = packed == tl.max(packed, axis=1)[:, None]  # [BM, G] best remaining group, lower id on ties
+        kept = kept | hit
+        packed = tl.where(hit, _NEVER, packed)
+    return kept[:, :, None]
+
+
+@triton.jit
+def _select(key, col, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr, TOP_K: tl.constexpr,
+            COLS: tl.constexpr, P_PAD: tl.constexpr, PER_GROUP: tl.constexpr):
+    """key, col [BM, G, P] -> ids [BM, SLOTS_PAD] int32: the experts of the TOP_K largest keys, best first."""
+    packed = _packed(key, col, COLS)  # [BM, G, P]
+    slot = tl.arange(0, SLOTS_PAD)[None, :]
+    ids = tl.zeros([BLOCK_M, SLOTS_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):
+        # A thread holds all G groups of its P columns: reduce axis 1 first, without shuffles.
+        best = tl.max(tl.max(packed, axis=1), axis=1)  # [BM]
+        win = COLS - 1 - best.to(tl.int32)  # [BM] column of the best remaining expert (the low 32 bits)
+        ids = tl.where(slot == j, (win // P_PAD * PER_GROUP + win % P_PAD)[:, None], ids)
+        packed = tl.where(packed == best[:, None, None], _NEVER, packed)
+    return ids
+
+
+@triton.jit
+def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+             PRECISE: tl.constexpr):
+    """chosen [BM, SLOTS_PAD] logits of the chosen experts; taken: the slot holds a finite chosen expert.
+    Renormalisation is a softmax over the taken slots' log-scores (route's formula, no 0/0)."""
+    if RENORMALIZE:
+        log_score = chosen
+        if SIGMOID:  # torch's logsigmoid: min(x, 0) - log1p(exp(-|x|))
+            log_score = tl.minimum(chosen, 0.0) - _log1p(_exp(-tl.abs(chosen), PRECISE), PRECISE)
+        log_score = tl.where(taken, log_score, float("-inf"))
+        top = tl.max(log_score, axis=1)  # [BM]; -inf on a row with nothing taken (then all weights 0)
+        e = _exp(log_score - top[:, None], PRECISE)
+        numerator, denominator = tl.broadcast(e, tl.sum(e, axis=1)[:, None])
+        w = tl.math.div_rn(numerator, denominator)
+    else:
+        w = _score(chosen, row_max, row_sum, SIGMOID, PRECISE)
+    return tl.where(taken, w * scaling, 0.0)
+
+
+@triton.jit
+def route_kernel(
+    logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr,  # [M, E], [E], [M, 1], [M, k+S] x2, [1]
+    num_tokens, stride_lm, stride_le, stride_b, stride_gm, scaling,
+    NUM_EXPERTS: tl.constexpr, PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
+        gdc_wait()
+        gdc_launch_dependents()
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    row_ok = rows < num_tokens
+    g = tl.arange(0, G_PAD)[None, :, None]
+    p = tl.arange(0, P_PAD)[None, None, :]
+    expert = g * PER_GROUP + p  # [1, G, P]
+    col_ok = (g < NUM_EXPERTS // PER_GROUP) & (p < PER_GROUP)  # [1, G, P] not padding
+    valid = row_ok[:, None, None] & col_ok  # [BM, G, P]
+    row_ptr = logits_ptr + rows.to(tl.int64) * stride_lm  # [BM]
+    x = tl.load(row_ptr[:, None, None] + expert * stride_le, mask=valid, other=0.0).to(tl.float32)  # [BM, G, P]
+    finite = valid & (tl.abs(x) < float("inf"))
+    if CHECK_FINITE:  # nonfinite="raise": clear the flag; every writer writes 0, so the race is benign
+        bad = tl.max(tl.max(tl.max((valid & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
+        tl.store(ok_ptr, bad * 0, mask=bad > 0)
+
+    # Scores over the finite experts only: a masked expert takes no probability mass from the others.
+    x_fin = tl.where(finite, x, float("-inf"))
+    row_max = tl.max(tl.max(x_fin, axis=2), axis=1)  # [BM]
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    e = tl.where(finite, _exp(x_fin - row_max[:, None, None], PRECISE), 0.0)
+    row_sum = tl.sum(tl.sum(e, axis=2), axis=1)  # [BM]
+    choice = _score(x_fin, row_max[:, None, None], row_sum[:, None, None], SIGMOID, PRECISE)  # [BM, G, P]
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + expert * stride_b, mask=col_ok, other=0.0).to(tl.float32)
+    choice = tl.where(finite, choice, float("-inf"))
+    allowed = valid
+    if GROUPED:
+        allowed = valid & _allowed_groups(choice, G_PAD, NUM_EXPERTS // PER_GROUP, TOPK_GROUP, TOP2)
+    key = tl.where(finite & allowed, _order_key(choice), tl.where(allowed, _MASKED, _EXCLUDED))
+    col = tl.broadcast_to(g * P_PAD + p, key.shape)  # [BM, G, P] tile column
+    ids = _select(key, col, BLOCK_M, SLOTS_PAD, TOP_K, G_PAD * P_PAD, P_PAD, PER_GROUP)  # [BM, SLOTS_PAD]
+
+    slot = tl.arange(0, SLOTS_PAD)[None, :]
+    is_routed = slot < TOP_K
+    chosen = tl.load(row_ptr[:, None] + ids * stride_le, mask=row_ok[:, None] & is_routed, other=0.0).to(tl.float32)
+    taken = is_routed & (tl.abs(chosen) < float("inf"))
+    w = _weights(chosen, taken, row_max[:, None], row_sum[:, None], scaling, SIGMOID, RENORMALIZE, PRECISE)
+    if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit)
+        ids = tl.where(is_routed, ids, NUM_EXPERTS + slot - TOP_K)
+        shared_w = tl.full([BLOCK_M, SLOTS_PAD], 1.0, tl.float32)
+        if HAS_GATE:  # Qwen2-MoE's gated shared expert: sigmoid(x @ g), as append_shared_slots
+            gate = tl.load(gate_ptr + rows.to(tl.int64) * stride_gm, mask=row_ok, other=0.0).to(tl.float32)
+            shared_w = shared_w * _sigmoid(gate, PRECISE)[:, None]
+        w = tl.where(is_routed, w, shared_w)
+    out = rows.to(tl.int64)[:, None] * (TOP_K + NUM_SHARED) + slot
+    out_ok = row_ok[:, None] & (slot < TOP_K + NUM_SHARED)
+    tl.store(ids_ptr + out, ids, mask=out_ok)
+    tl.store(weights_ptr + out, w, mask=out_ok)
