@@ -203,7 +203,7 @@ class MoE(nn.Module):
             padded_rows=int(((counts + block - 1) // block * block).sum()),
             dropped=int(routed.dropped),
             num_tokens=routed.routing.num_tokens,
-            masked_tokens=int(routed.routing.masked_tokens),
+            masked_tokens=int(routed.routing.masked_tokens if routed.routing.masked_tokens is not None else 0),
         )
 
     def resolved_backend(self) -> str:

@@ -220,8 +220,7 @@ def test_mask_ungrouped(fused):
 
 
 def test_mask_grouped(fused):
-    """Grouped with a bias: compared with the loop only. Rows 0, 2 and 3 will also agree with route once
-    its mask fix lands; row 1 already does (a group with no finite expert scores -inf in both)."""
+    """Grouped with a bias, against the float64 loop and route (both follow route's docstring)."""
     cfg = SMALL_GROUPED.replace(nonfinite="mask")
     logits = torch.full((4, 16), -3.0)
     logits[0, 0:4] = torch.tensor([NAN, 2.0, NAN, NAN])  # group 0: one finite expert scores it alone
@@ -234,12 +233,29 @@ def test_mask_grouped(fused):
     got = fused.route_fused(logits, cfg, torch.zeros(16))
     ids, weights = loop_route(logits, cfg, torch.zeros(16))
     assert torch.equal(got.topk_ids, ids)
+    assert torch.equal(got.topk_ids, route(logits, cfg, torch.zeros(16)).topk_ids)
     torch.testing.assert_close(got.topk_weights.double(), weights, rtol=2e-6, atol=1e-7)
     assert 1 in got.topk_ids[0].tolist()  # group 0 kept on its one finite expert
     assert got.topk_ids[1].tolist() == [0, 1, 2, 3]
     assert got.topk_ids[2].tolist() == [12, 0, 1, 2]  # group 3 scores its one finite expert alone
     assert got.topk_ids[3].tolist() == [9, 0, 1, 2]  # then the masked experts of the kept groups, lowest id first
     torch.testing.assert_close(got.topk_weights[3], torch.tensor([2.5, 0.0, 0.0, 0.0]))
+
+
+def test_masked_tokens_counted_and_bad_bias_refused(fused):
+    """The fused router counts tokens with no finite logit as route does, and checks the bias as route
+    does: once per bias version, so a NaN written into the same buffer later is still caught."""
+    from moekit.layer import MoE
+
+    cfg = SMALL_GROUPED.replace(hidden_size=12, nonfinite="mask")
+    logits = torch.randn(3, 16)
+    logits[1] = NAN
+    assert int(fused.route_fused(logits, cfg, torch.zeros(16)).masked_tokens) == 1
+    layer = MoE(cfg, router="fused")
+    assert layer(torch.randn(4, 12), return_stats=True).stats.masked_tokens == 0
+    layer.e_score_correction_bias[3] = NAN  # in place: the buffer's version moves
+    with pytest.raises(ValueError, match="correction_bias contains NaN"):
+        layer(torch.randn(4, 12))
 
 
 def test_raise_is_a_value_error_on_the_cpu(fused):

@@ -30,7 +30,7 @@ from typing import Literal, Optional
 import torch
 
 from moekit.config import MoEConfig
-from moekit.routing.route import Routing, route
+from moekit.routing.route import Routing, check_bias, route
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -200,6 +200,7 @@ class FusedRouter:
         self._plans = (_plan_of(config, 0), _plan_of(config, slots) if slots else None)
         self._op_args = (config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
                          config.renormalize, float(config.routed_scaling_factor), config.nonfinite == "raise")
+        self._bias_checked: tuple[int, int] | None = None  # (id, _version) of the last bias that passed
 
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
                  shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False) -> Routing:
@@ -217,7 +218,9 @@ class FusedRouter:
             ids, weights, ok = _launch(plan, logits, correction_bias, gate)
         if plan.check_finite and logits.shape[0]:
             _assert_finite(ok, logits)
-        return Routing(topk_ids=ids, topk_weights=weights)
+        # With nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
+        masked = None if plan.check_finite else (~torch.isfinite(logits).any(dim=1)).sum()
+        return Routing(topk_ids=ids, topk_weights=weights, masked_tokens=masked)
 
     def _twin(self, logits, correction_bias, shared_gate_logits, append_shared) -> Routing:
         routing = route(logits, self.config, correction_bias)
@@ -235,11 +238,16 @@ class FusedRouter:
         if not logits.is_cuda and not is_available(logits.device):
             raise RuntimeError(f"the fused router needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {logits.device}")
         if bias is not None:
-            if bias.shape != (num_experts,):
-                raise ValueError(f"correction_bias must have shape [num_experts={num_experts}], got {tuple(bias.shape)}")
-            if bias.device != logits.device:
-                raise ValueError(f"correction_bias must be on {logits.device} like router_logits, got {bias.device}")
+            self._check_bias(bias, logits.device)
         return logits if logits.dtype in _LOGIT_DTYPES else logits.float()
+
+    def _check_bias(self, bias: torch.Tensor, device: torch.device) -> None:
+        """route's bias checks (shape, device, dtype, finite values), run again only when the bias is a
+        new tensor or was updated in place (its version moved): a buffer between updates costs nothing."""
+        key = (id(bias), getattr(bias, "_version", None))
+        if key != self._bias_checked:
+            check_bias(bias, self.config, device)
+            self._bias_checked = key
 
     def _check_gate(self, logits: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor | None:
         if not self.config.shared_expert_gate:

@@ -24,7 +24,8 @@ class Routing:
     topk_ids: torch.Tensor  # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
     topk_weights: torch.Tensor  # [M, k(+S)] float32; weight of each slot; 0 where the id is -1
     # [] int64; tokens route() found with no finite logit (nonfinite="mask"): all their weights are 0.
-    # route() always sets it (0 with nonfinite="raise"); None on a Routing built by hand.
+    # route() always sets it (0 with nonfinite="raise"); None where none can be masked (the fused router
+    # with nonfinite="raise") and on a Routing built by hand.
     masked_tokens: torch.Tensor | None = None
 
     @property
@@ -75,7 +76,7 @@ def route(
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     logits = _check_logits(router_logits, config)
-    bias = _check_bias(correction_bias, config, logits.device)
+    bias = check_bias(correction_bias, config, logits.device)
     finite = torch.isfinite(logits) if config.nonfinite == "mask" else None  # [M, E] bool
     if finite is not None:
         # The most negative float scores ~0 under softmax and sigmoid, so a masked expert takes no
@@ -139,7 +140,9 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
     return logits
 
 
-def _check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.device) -> torch.Tensor | None:
+def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.device) -> torch.Tensor | None:
+    """The correction bias as float32 [E], or an error naming it: wrong type, shape, device or dtype, or a
+    NaN/inf value (a ValueError on the CPU, a device-side assert elsewhere: no host sync)."""
     if bias is None:
         return None
     if not isinstance(bias, torch.Tensor):
