@@ -18,9 +18,12 @@ import torch
 
 
 def _purge_kernels():
-    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting.
+    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting, and
+    # forget the plans that hold the kernels decorated before.
     for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
         del sys.modules[name]
+    if "moekit.experts.triton" in sys.modules:
+        sys.modules["moekit.experts.triton"].clear_launch_caches()
 
 
 # conftest.py sets TRITON_INTERPRET=1 before anything imports triton (Triton's own tl.zeros, tl.cumsum...
@@ -47,6 +50,7 @@ from moekit.experts.configs import (  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_align import align_block_triton  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options  # noqa: E402
+from moekit.experts.triton_plan import descriptors_allowed  # noqa: E402
 from moekit.layouts.block_aligned import align_block, use_naive  # noqa: E402
 
 POISON = LaunchOptions(poison_workspace=True)  # every test run fills the workspaces with NaN first
@@ -151,12 +155,12 @@ def test_weight_descriptors_with_tails(interpreter, descriptors, dtype):
     options = LaunchOptions(weight_descriptors=descriptors, poison_workspace=True)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
-    assert interpreter._descriptors_allowed(w13, w2, options) == descriptors
+    assert descriptors_allowed(w13, w2, options) == descriptors
     out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg, options=options)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(out, ref) < TOL[dtype]
-    assert not interpreter._descriptors_allowed(w13[:, :, :33].contiguous(), w2, POISON)  # 66-byte rows: pointers
-    assert not interpreter._descriptors_allowed(w13.float(), w2.float(), POISON)  # float32 keeps pointer loads
+    assert not descriptors_allowed(w13[:, :, :33].contiguous(), w2, POISON)  # 66-byte rows: pointers
+    assert not descriptors_allowed(w13.float(), w2.float(), POISON)  # float32 keeps pointer loads
 
 
 def test_dependent_launch_only_on_hopper_gpus(monkeypatch):
@@ -220,10 +224,11 @@ class _LoggedModule:
 class _LoggedKernel:
     def __init__(self, kernel, name: str, launches: list):
         self.kernel, self.name, self.launches = kernel, name, launches
+        self.arg_names, self.fn = kernel.arg_names, kernel.fn
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.name, kwargs))
+        def launch(*args, **kwargs):  # records every argument by name
+            self.launches.append((self.name, {**dict(zip(self.arg_names, args)), **kwargs}))
             return self.kernel[grid](*args, **kwargs)
 
         return launch
@@ -231,12 +236,14 @@ class _LoggedKernel:
 
 @pytest.fixture
 def launch_log(interpreter, monkeypatch):
-    from moekit.experts import triton_align
+    from moekit.experts import triton_align, triton_launch, triton_plan
 
-    log = _LaunchLog(interpreter.kernels)
-    monkeypatch.setattr(interpreter, "kernels", log)
+    log = _LaunchLog(triton_launch.kernels)
+    monkeypatch.setattr(triton_plan, "kernels", log)
     monkeypatch.setattr(triton_align, "kernels", log)
-    return log
+    interpreter.clear_launch_caches()  # plans hold the kernels they were built with
+    yield log
+    interpreter.clear_launch_caches()
 
 
 def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
@@ -324,7 +331,7 @@ def test_availability(interpreter, monkeypatch):
 
 def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
-    options = (True, True, True, 128, 64)  # weight_descriptors .. align_small_max_bins
+    options = LaunchOptions(poison_workspace=True).as_op_args()
     torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu", *options))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 0, 64))
