@@ -11,37 +11,16 @@ bf16 rounding of the intermediates (float32 here), timing, CUDA graphs, int64 of
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-
-
-def _purge_kernels():
-    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting, and
-    # forget the plans that hold the kernels decorated before.
-    for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
-        del sys.modules[name]
-    if "moekit.experts.triton" in sys.modules:
-        sys.modules["moekit.experts.triton"].clear_launch_caches()
 
 
 # conftest.py sets TRITON_INTERPRET=1 before anything imports triton (Triton's own tl.zeros, tl.cumsum...
 # are decorated at `import triton`, so it must come first).
 triton = pytest.importorskip("triton")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        _purge_kernels()
-        import moekit.experts.triton as tri
-
-        yield tri
-    _purge_kernels()
-
-
+from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from _helpers import TOLERANCE as TOL, make_problem as _problem, rel_l2 as _rel_err  # noqa: E402
 from moekit.experts import available_backends  # noqa: E402
 from moekit.experts.configs import (  # noqa: E402
@@ -197,53 +176,6 @@ def test_launch_options_resolve_keeps_other_fields():
     assert resolve_launch_options(asked, torch.device("cpu")) is got  # cached per (options, device)
     with pytest.raises(ValueError, match="align_small_max"):
         LaunchOptions(align_small_max=129)  # the single-program alignment holds one chunk of 128
-
-
-class _LaunchLog:
-    """Stands in for ``triton_launch.kernels``: records (kernel name, keyword arguments) of each launch."""
-
-    def __init__(self, real):
-        self.real, self.launches = real, []
-
-    def __call__(self, module: str):
-        return _LoggedModule(self.real(module), self.launches)
-
-    def take(self) -> list:
-        launches, self.launches[:] = list(self.launches), []
-        return launches
-
-
-class _LoggedModule:
-    def __init__(self, module, launches: list):
-        self.module, self.launches = module, launches
-
-    def __getattr__(self, name: str):
-        return _LoggedKernel(getattr(self.module, name), name, self.launches)
-
-
-class _LoggedKernel:
-    def __init__(self, kernel, name: str, launches: list):
-        self.kernel, self.name, self.launches = kernel, name, launches
-        self.arg_names, self.fn = kernel.arg_names, kernel.fn
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):  # records every argument by name
-            self.launches.append((self.name, {**dict(zip(self.arg_names, args)), **kwargs}))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
-@pytest.fixture
-def launch_log(interpreter, monkeypatch):
-    from moekit.experts import triton_align, triton_launch, triton_plan
-
-    log = _LaunchLog(triton_launch.kernels)
-    monkeypatch.setattr(triton_plan, "kernels", log)
-    monkeypatch.setattr(triton_align, "kernels", log)
-    interpreter.clear_launch_caches()  # plans hold the kernels they were built with
-    yield log
-    interpreter.clear_launch_caches()
 
 
 def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
