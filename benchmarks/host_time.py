@@ -15,8 +15,11 @@ K=4096, k=2) and DeepSeek-V3 (E=256, N=2048, K=7168, k=8) in bf16, at each M, un
 then (e) the same eager / host numbers for the whole layer (``moekit.MoE`` from the preset, eager:
 gate, routing, experts, shared expert); (f) an A/B of the host-path switches of ``LaunchOptions``,
 each one off and all off, with a check that every variant returns the default's output bit for bit;
-(d) ``torch.profiler`` tables of the top self-CPU ops for one cell, default and all off. JSON and the
-tables go to $OUT (default ./host_time_out); a short table is printed last. About 2-3 minutes on an H200.
+(d) ``torch.profiler`` tables of the top self-CPU ops for one cell, default and all off. First, three
+checks of what the CPU tests cannot run: a CUDA graph captured after eager calls (which reuse the
+workspace) replays right while eager calls run between replays; two streams at once each get their
+own workspace; eager equals the path with every switch off. JSON and the tables go to $OUT (default
+./host_time_out); a short table is printed last. About 2-3 minutes on an H200.
 
 ``moekit.bench.timing`` has no host-time measure yet (the bench work adds ``eager_us``/``host_us``
 fields there); the two small loops here measure what the issue's targets name.
@@ -37,7 +40,7 @@ import torch
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.bench.timing import time_calls
 from moekit.config import MoEConfig
-from moekit.experts.triton import clear_launch_caches, experts_triton
+from moekit.experts.triton import clear_launch_caches, experts_triton, held_workspaces
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
 
@@ -177,6 +180,53 @@ def layer_cells(preset: str, batches: list[int], calls: int) -> list:
     return rows
 
 
+def lean_path_checks() -> dict:
+    """Reuse against CUDA graphs and streams, at Qwen3-30B-A3B M=64 (see the module docstring)."""
+    shape, dev = Shape.from_preset("qwen3-30b-a3b", Run.scale), Run.device
+    weights = make_weights(shape, torch.bfloat16, dev)
+    inputs = []
+    for seed in range(3):
+        routing = uniform_routing(64, shape, dev, seed=seed)
+        inputs.append((torch.randn(64, shape.k, device=dev, dtype=torch.bfloat16), weights.w13, weights.w2,
+                       routing.topk_ids, routing.topk_weights))
+    want = [experts_triton(*a, options=VARIANTS["all_off"]) for a in inputs]
+    checks = {"eager_equals_all_off": all(torch.equal(experts_triton(*a), w) for a, w in zip(inputs, want))}
+    if Run.device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            experts_triton(*inputs[0])
+        torch.cuda.current_stream().wait_stream(side)
+        pool = {key: buffer.data_ptr() for key, buffer in held_workspaces().items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = experts_triton(*inputs[0])
+        checks["capture_leaves_the_pool_alone"] = pool == {k: b.data_ptr() for k, b in held_workspaces().items()}
+        ok = True
+        for _ in range(3):
+            experts_triton(*inputs[1])  # an eager call between replays, on the reused workspace
+            graph.replay()
+            ok = ok and torch.equal(captured, want[0])
+        checks["graph_replays_between_eager_calls"] = ok
+        checks["two_streams_at_once"] = _two_streams(inputs, want)
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}", flush=True)
+    return checks
+
+
+def _two_streams(inputs: list, want: list) -> bool:
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(10):
+        for i, st in enumerate(streams):
+            with torch.cuda.stream(st):
+                outs[i].append(experts_triton(*inputs[i + 1]))
+    torch.cuda.synchronize()
+    return all(torch.equal(o, want[i + 1]) for i in range(2) for o in outs[i])
+
+
 def summary(cells: list, layers: list) -> str:
     lines = [f"{'preset':<15}{'M':>5}{'host':>8}{'host_n':>8}{'eager':>9}{'graph':>9}  ok   "
              f"{'layer host':>10}{'layer eager':>12}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
@@ -226,6 +276,9 @@ def main() -> None:
             "commit": _commit(), "calls": a.calls}
     print(meta, flush=True)
     profile_preset, profile_m = a.profile.split(":")
+    with torch.no_grad():
+        meta["checks"] = lean_path_checks()
+    clear_launch_caches()
     cells, layers = [], []
     for preset in a.presets:
         cells += experts_cells(preset, a.batches, a.calls, a.ab, out_dir,

@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton")
 
@@ -59,8 +60,8 @@ def test_bound_launch_names_missing_arguments(interpreter):
 def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
     """An eager call runs the implementation directly, one with ``direct_eager=False`` or a weight that
     needs a gradient goes through the custom op; all three agree."""
-    calls, op = [], torch.ops.moekit.triton_experts
-    monkeypatch.setattr(torch.ops.moekit, "triton_experts", lambda *a: calls.append(1) or op(*a))
+    calls = []
+    monkeypatch.setattr(torch.ops.moekit, "triton_experts", _Counted(torch.ops.moekit.triton_experts, calls))
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.bfloat16)
     with torch.no_grad():
         direct = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
@@ -68,10 +69,33 @@ def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
         via_op = interpreter.experts_triton(x, w13, w2, ids, weights,
                                             options=LaunchOptions(poison_workspace=True, direct_eager=False))
         assert calls == [1]
+    with torch.no_grad(), _PassThrough():  # a dispatch mode (FakeTensor, make_fx) must see the op
+        under_mode = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
+    assert calls == [1, 1]
     w13.requires_grad_()
     with_grad = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
-    assert calls == [1, 1] and with_grad.requires_grad  # the op's autograd error stays the one a user gets
-    assert torch.equal(direct, via_op) and torch.equal(direct, with_grad.detach())
+    assert calls == [1, 1, 1] and with_grad.requires_grad  # the op's autograd error stays the one a user gets
+    for out in (via_op, under_mode, with_grad.detach()):
+        assert torch.equal(direct, out)
+
+
+class _Counted:
+    """An op that counts its calls; anything else (``.default``, which torch looks up) is the op's."""
+
+    def __init__(self, op, calls: list):
+        self.op, self.calls = op, calls
+
+    def __call__(self, *args):
+        self.calls.append(1)
+        return self.op(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self.op, name)
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 def test_compiled_graph_holds_the_custom_op(interpreter):
@@ -102,7 +126,7 @@ def test_outputs_never_alias_the_reused_workspace(interpreter, launch_log):
     assert len(h_ptrs) == 1  # reused
     assert rel_l2(out1, _ref(x1, w13, w2, ids1, weights1)) < TOL[torch.float32]
     assert rel_l2(out2, _ref(x2, w13, w2, ids2, weights2)) < TOL[torch.float32]
-    buffers = [w.buffer for w in interpreter._WORKSPACES._workspaces.values()]
+    buffers = list(interpreter.held_workspaces().values())
     for out in (out1, out2):
         assert all(out.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for b in buffers)
 

@@ -110,6 +110,10 @@ class WorkspacePool:
         workspace = self._workspaces[key] = _Workspace(torch.empty(size, dtype=torch.uint8, device=device))
         return workspace
 
+    def held(self) -> dict[tuple, torch.Tensor]:
+        """(device, stream, thread) -> the byte buffer kept for it."""
+        return {key: workspace.buffer for key, workspace in self._workspaces.items()}
+
     def clear(self) -> None:
         self._workspaces.clear()
 
