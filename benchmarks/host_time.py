@@ -285,7 +285,8 @@ def main() -> None:
                                int(profile_m) if preset == profile_preset else -1)
         if a.layer:
             layers += layer_cells(preset, a.batches, a.calls)
-    (out_dir / "host_time.json").write_text(json.dumps({**meta, "experts": cells, "layer": layers}, indent=1))
+        # after every preset, so a run cut short keeps what it measured
+        (out_dir / "host_time.json").write_text(json.dumps({**meta, "experts": cells, "layer": layers}, indent=1))
     text = summary(cells, layers)
     (out_dir / "host_time.txt").write_text(text + "\n")
     print(text)
