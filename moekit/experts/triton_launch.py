@@ -181,6 +181,7 @@ class BoundLaunch:
         compiled = self.kernel[self.grid](*pointers, *self.tail, **self.options)
         if self.cached:
             self._launcher = _launcher_of(compiled, self.kernel, self.grid, self.options)
+            self.cached = self._launcher is not None  # else kernel[grid] for good, without asking again
 
 
 _NO_DEFAULT = inspect.Parameter.empty
