@@ -11,34 +11,16 @@ bf16 rounding of the intermediates (float32 here), timing, CUDA graphs, int64 of
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-
-
-def _purge_kernels():
-    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting.
-    for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
-        del sys.modules[name]
 
 
 # conftest.py sets TRITON_INTERPRET=1 before anything imports triton (Triton's own tl.zeros, tl.cumsum...
 # are decorated at `import triton`, so it must come first).
 triton = pytest.importorskip("triton")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        _purge_kernels()
-        import moekit.experts.triton as tri
-
-        yield tri
-    _purge_kernels()
-
-
+from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from _helpers import TOLERANCE as TOL, make_problem as _problem, rel_l2 as _rel_err  # noqa: E402
 from moekit.experts import available_backends  # noqa: E402
 from moekit.experts.configs import (  # noqa: E402
@@ -47,6 +29,7 @@ from moekit.experts.configs import (  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_align import align_block_triton  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options  # noqa: E402
+from moekit.experts.triton_plan import descriptors_allowed  # noqa: E402
 from moekit.layouts.block_aligned import align_block, use_naive  # noqa: E402
 
 POISON = LaunchOptions(poison_workspace=True)  # every test run fills the workspaces with NaN first
@@ -151,12 +134,12 @@ def test_weight_descriptors_with_tails(interpreter, descriptors, dtype):
     options = LaunchOptions(weight_descriptors=descriptors, poison_workspace=True)
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, dtype)
     cfg = KernelConfig(16, GemmTile(16, 32, 2, 4, 2), GemmTile(16, 32, 1, 4, 2))
-    assert interpreter._descriptors_allowed(w13, w2, options) == descriptors
+    assert descriptors_allowed(w13, w2, options) == descriptors
     out = interpreter.fused_experts(x, w13, w2, ids, weights, config=cfg, options=options)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert _rel_err(out, ref) < TOL[dtype]
-    assert not interpreter._descriptors_allowed(w13[:, :, :33].contiguous(), w2, POISON)  # 66-byte rows: pointers
-    assert not interpreter._descriptors_allowed(w13.float(), w2.float(), POISON)  # float32 keeps pointer loads
+    assert not descriptors_allowed(w13[:, :, :33].contiguous(), w2, POISON)  # 66-byte rows: pointers
+    assert not descriptors_allowed(w13.float(), w2.float(), POISON)  # float32 keeps pointer loads
 
 
 def test_dependent_launch_only_on_hopper_gpus(monkeypatch):
@@ -193,50 +176,6 @@ def test_launch_options_resolve_keeps_other_fields():
     assert resolve_launch_options(asked, torch.device("cpu")) is got  # cached per (options, device)
     with pytest.raises(ValueError, match="align_small_max"):
         LaunchOptions(align_small_max=129)  # the single-program alignment holds one chunk of 128
-
-
-class _LaunchLog:
-    """Stands in for ``triton_launch.kernels``: records (kernel name, keyword arguments) of each launch."""
-
-    def __init__(self, real):
-        self.real, self.launches = real, []
-
-    def __call__(self, module: str):
-        return _LoggedModule(self.real(module), self.launches)
-
-    def take(self) -> list:
-        launches, self.launches[:] = list(self.launches), []
-        return launches
-
-
-class _LoggedModule:
-    def __init__(self, module, launches: list):
-        self.module, self.launches = module, launches
-
-    def __getattr__(self, name: str):
-        return _LoggedKernel(getattr(self.module, name), name, self.launches)
-
-
-class _LoggedKernel:
-    def __init__(self, kernel, name: str, launches: list):
-        self.kernel, self.name, self.launches = kernel, name, launches
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((self.name, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
-@pytest.fixture
-def launch_log(interpreter, monkeypatch):
-    from moekit.experts import triton_align
-
-    log = _LaunchLog(interpreter.kernels)
-    monkeypatch.setattr(interpreter, "kernels", log)
-    monkeypatch.setattr(triton_align, "kernels", log)
-    return log
 
 
 def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
@@ -324,7 +263,7 @@ def test_availability(interpreter, monkeypatch):
 
 def test_opcheck(interpreter):
     x, w13, w2, ids, weights = _problem(5, 2, 8, 33, 17, torch.float32)
-    options = (True, True, True, 128, 64)  # weight_descriptors .. align_small_max_bins
+    options = LaunchOptions(poison_workspace=True).as_op_args()
     torch.library.opcheck(torch.ops.moekit.triton_experts, (x, w13, w2, ids, weights, None, "silu", *options))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 128, 64))
     torch.library.opcheck(torch.ops.moekit.align_block_triton, (ids, 8, 16, None, False, True, 0, 64))

@@ -10,7 +10,8 @@ covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM
 Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels,
 CUDA). ``backend="auto"`` picks the best available for the device. ``backend_fn(name, device)`` is
 the one resolver that ``MoE``, ``EPMoE`` and ``moekit.hf`` use: resolved once per (name, device
-type), then a dictionary lookup.
+type), then a dictionary lookup. A backend function assumes ``check_experts_args`` has passed (it
+runs once, in ``call_backend``); only a backend's own requirements (dtypes, activations) are its own.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ExpertsFn = Callable[..., torch.Tensor]
 _BACKENDS = {
     "reference": "moekit.experts.reference:experts_reference",
     "grouped_mm": "moekit.experts.grouped_mm:experts_grouped_mm",
-    "triton": "moekit.experts.triton:experts_triton",
+    "triton": "moekit.experts.triton:experts_triton_unchecked",  # experts_triton checks, then calls it
 }
 # Preference order of "auto", best first. Off CUDA, Triton only runs interpreted (TRITON_INTERPRET=1,
 # for tests), so "auto" never picks it there; it stays available by name.
@@ -123,25 +124,32 @@ def call_backend(
     return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
 
 
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
 def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None) -> None:
-    """Raise a clear error naming the argument when shapes, dtypes or devices do not fit together."""
-    if x.dim() != 2:
-        raise ValueError(f"x must have shape [M, K], got {tuple(x.shape)}")
-    if w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
-        raise ValueError(f"w13 must have shape [E, 2N, K={x.shape[1]}], got {tuple(w13.shape)}")
-    num_experts, two_n, hidden = w13.shape
+    """Raise a clear error naming the argument when shapes, dtypes or devices do not fit together.
+    On every eager call: each attribute is read once and the common case costs a few comparisons."""
+    x_shape, w13_shape, ids_shape = x.shape, w13.shape, topk_ids.shape
+    if len(x_shape) != 2:
+        raise ValueError(f"x must have shape [M, K], got {tuple(x_shape)}")
+    if len(w13_shape) != 3 or w13_shape[2] != x_shape[1] or w13_shape[1] % 2:
+        raise ValueError(f"w13 must have shape [E, 2N, K={x_shape[1]}], got {tuple(w13_shape)}")
+    num_experts, two_n, hidden = w13_shape
     if w2.shape != (num_experts, hidden, two_n // 2):
         raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={two_n // 2}], got {tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must have shape [M={x.shape[0]}, k], got {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
+    if len(ids_shape) != 2 or ids_shape[0] != x_shape[0]:
+        raise ValueError(f"topk_ids must have shape [M={x_shape[0]}, k], got {tuple(ids_shape)}")
+    if topk_ids.dtype not in _ID_DTYPES:
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
-    if not (x.dtype == w13.dtype == w2.dtype):
+    if topk_weights.shape != ids_shape:
+        raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got {tuple(topk_weights.shape)}")
+    dtype, device = x.dtype, x.device
+    if w13.dtype != dtype or w2.dtype != dtype:
         raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
-    for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != x.device):
-        raise ValueError(f"expert_map must be 1-D on {x.device}, got {tuple(expert_map.shape)} on {expert_map.device}")
+    if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
+        for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != device:
+                raise ValueError(f"{name} must be on {device} like x, got {t.device}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != device):
+        raise ValueError(f"expert_map must be 1-D on {device}, got {tuple(expert_map.shape)} on {expert_map.device}")

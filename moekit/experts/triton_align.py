@@ -9,94 +9,88 @@ R = rows of sorted_ids, R/B blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from moekit.experts.triton_launch import ALIGN_CHUNK, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options
+from moekit.experts.triton_launch import (
+    ALIGN_CHUNK, BoundLaunch, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
+)
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, use_naive
 from moekit.layouts.grouping import max_padded_rows
 
 
-def align_into(topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: torch.Tensor | None,
-               num_rows: int, options: LaunchOptions) -> BlockAlignedLayout:
-    """The sorted layout of ``topk_ids`` [M, k] (contiguous) with ``num_rows`` rows of sorted_ids
-    (>= R; the rest are padding). ``options``: resolved for the device by the caller."""
-    ids = topk_ids.reshape(-1)  # [A]
-    i32 = dict(dtype=torch.int32, device=ids.device)
-    layout = BlockAlignedLayout(
-        sorted_ids=torch.empty(num_rows, **i32), expert_ids=torch.empty(cdiv(num_rows, block_size), **i32),
-        num_padded=torch.empty(1, **i32), counts=torch.empty(num_experts, **i32),
-        block_size=block_size, top_k=topk_ids.shape[1], num_assignments=ids.numel(), naive=False,
-    )
-    e_pad = next_pow2(num_experts + 1)
-    if 0 < ids.numel() <= options.align_small_max and e_pad <= options.align_small_max_bins:
-        _launch_small(ids, expert_map, num_experts, layout, options)
-    else:
-        _launch_chunked(ids, expert_map, num_experts, layout, options)
-    return layout
+@dataclass(frozen=True)
+class AlignPlan:
+    """The launches that build one block-aligned layout, decided once per (A, E, B, map, options): the
+    single-program one (A <= one chunk, few bins), the naive shortcut's, or histogram, scan and scatter
+    (a launch with an empty grid is None). ``regions`` are the buffers they fill, for a workspace."""
+
+    regions: tuple  # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base [chunks, EP], offsets [EP]
+    small: BoundLaunch | None = None
+    naive: BoundLaunch | None = None
+    hist: BoundLaunch | None = None
+    scan: BoundLaunch | None = None
+    scatter: BoundLaunch | None = None
 
 
-def _launch_small(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-                  layout: BlockAlignedLayout, options: LaunchOptions) -> None:
-    """One program for all of it (A <= one chunk)."""
-    e_pad, num_blocks = next_pow2(num_experts + 1), layout.expert_ids.numel()
-    kernels("align").align_small_kernel[(1,)](
-        ids, expert_map if expert_map is not None else ids, layout.sorted_ids, layout.expert_ids, layout.counts,
-        layout.num_padded, ids.numel(), num_experts, expert_map.numel() if expert_map is not None else 0,
-        layout.block_size, layout.max_padded, num_blocks,
-        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
-        BLOCK_PAD=next_pow2(layout.block_size), HAS_MAP=expert_map is not None, **options.pdl_kwargs(),
-    )
+def plan_align(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, num_rows: int,
+               options: LaunchOptions, naive: bool = False) -> AlignPlan:
+    """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
+    ``num_global``: the expert map's length, None without one. ``options``: resolved for the device."""
+    e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
+    i32 = torch.int32
+    regions = (("sorted_ids", i32, (num_rows,)), ("expert_ids", i32, (num_blocks,)), ("num_padded", i32, (1,)),
+               ("counts", i32, (num_experts,)))
+    launch = dict(cached=options.cached_launcher, **options.pdl_kwargs())
+    common = (num_assignments, num_experts, 0 if num_global is None else num_global, block_size, num_rows, num_blocks)
+    if naive:
+        return AlignPlan(regions, naive=BoundLaunch(
+            kernels("align").align_naive_kernel, (1,), 5, (num_assignments, num_experts, block_size),
+            A_PAD=next_pow2(max(num_assignments, 1)), E_PAD=e_pad, BLOCK_PAD=next_pow2(block_size), **launch))
+    if 0 < num_assignments <= options.align_small_max and e_pad <= options.align_small_max_bins:
+        return AlignPlan(regions, small=BoundLaunch(
+            kernels("align").align_small_kernel, (1,), 6, common,
+            CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
+            BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
+    return _plan_chunked(regions, common, e_pad, num_global is not None, launch)
 
 
-def _launch_chunked(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-                    layout: BlockAlignedLayout, options: LaunchOptions) -> None:
+def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict) -> AlignPlan:
     """Histogram per chunk, one scan, then the scatter (``_kernels/align.py`` explains the three)."""
-    k, launch, has_map = kernels("align"), options.pdl_kwargs(), expert_map is not None
-    map_arg, num_global = (expert_map, expert_map.numel()) if has_map else (ids, 0)
-    num_assignments, e_pad = ids.numel(), next_pow2(num_experts + 1)
-    num_chunks, num_blocks = cdiv(num_assignments, ALIGN_CHUNK), layout.expert_ids.numel()
-    hist = torch.empty(max(num_chunks, 1), e_pad, dtype=torch.int32, device=ids.device)  # [chunks, EP]
-    chunk_base = torch.empty_like(hist)  # [chunks, EP]
-    offsets = torch.empty(e_pad, dtype=torch.int32, device=ids.device)  # [EP]; offsets[E] = rows used
-    if num_chunks:
-        k.align_hist_kernel[(num_chunks,)](
-            ids, map_arg, hist, num_assignments, num_experts, num_global,
-            CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch,
-        )
-    k.align_scan_kernel[(1,)](
-        hist, chunk_base, layout.counts, offsets, layout.num_padded, num_chunks, num_experts, layout.block_size,
-        CHUNK_ROWS=max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad)), E_PAD=e_pad, **launch,
-    )
+    k = kernels("align")
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
+    num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
+    chunk_rows = (max(num_chunks, 1), e_pad)
+    regions += (("hist", torch.int32, chunk_rows), ("chunk_base", torch.int32, chunk_rows),  # [chunks, EP]
+                ("offsets", torch.int32, (e_pad,)))  # [EP]; offsets[E] = rows used
+    hist = BoundLaunch(k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
+                       CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch) if num_chunks else None
+    scan = BoundLaunch(k.align_scan_kernel, (1,), 5, (num_chunks, num_experts, block_size),
+                       CHUNK_ROWS=max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad)), E_PAD=e_pad, **launch)
     blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
     grid = num_chunks + cdiv(num_blocks, blocks_per_program)
-    if grid:
-        k.align_scatter_kernel[(grid,)](
-            ids, map_arg, chunk_base, offsets, layout.counts, layout.num_padded, layout.sorted_ids,
-            layout.expert_ids, num_assignments, num_experts, num_global, layout.block_size, layout.max_padded,
-            num_blocks, num_chunks, CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_PROGRAM=blocks_per_program,
-            BLOCK_PAD=next_pow2(layout.block_size), HAS_MAP=has_map, **launch,
-        )
+    scatter = BoundLaunch(k.align_scatter_kernel, (grid,), 8, (*common, num_chunks), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
+                          BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
+                          **launch) if grid else None
+    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter)
 
 
-def _align_naive(topk_ids: torch.Tensor, num_experts: int, block_size: int,
-                 options: LaunchOptions) -> BlockAlignedLayout:
-    """The tiny-batch shortcut (``use_naive``): block a holds assignment a alone, in its first row."""
-    ids = topk_ids.reshape(-1)  # [A]
-    num_assignments = ids.numel()
-    i32 = dict(dtype=torch.int32, device=ids.device)
-    layout = BlockAlignedLayout(
-        sorted_ids=torch.empty(num_assignments * block_size, **i32), expert_ids=torch.empty(num_assignments, **i32),
-        num_padded=torch.empty(1, **i32), counts=torch.empty(num_experts, **i32),
-        block_size=block_size, top_k=topk_ids.shape[1], num_assignments=num_assignments, naive=True,
-    )
-    kernels("align").align_naive_kernel[(1,)](
-        ids, layout.sorted_ids, layout.expert_ids, layout.counts, layout.num_padded, num_assignments, num_experts,
-        block_size, A_PAD=next_pow2(max(num_assignments, 1)), E_PAD=next_pow2(num_experts + 1),
-        BLOCK_PAD=next_pow2(block_size), **options.pdl_kwargs(),
-    )
-    return layout
+def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
+    """Launch ``plan`` on ids [M, k] (contiguous) into the buffers ``b`` (named as ``plan.regions``)."""
+    map_arg = expert_map if expert_map is not None else ids  # never read without a map
+    if plan.small is not None:
+        plan.small(ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
+    elif plan.naive is not None:
+        plan.naive(ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
+    else:
+        if plan.hist is not None:
+            plan.hist(ids, map_arg, b["hist"])
+        plan.scan(b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"])
+        if plan.scatter is not None:
+            plan.scatter(ids, map_arg, b["chunk_base"], b["offsets"], b["counts"], b["num_padded"],
+                         b["sorted_ids"], b["expert_ids"])
 
 
 # The op takes the alignment's launch options as three primitive arguments (a custom op's schema has no
@@ -108,15 +102,16 @@ def _align_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = resolve_launch_options(
         LaunchOptions(dependent_launch=dependent_launch, align_small_max=align_small_max,
-                      align_small_max_bins=align_small_max_bins), topk_ids.device)
+                      align_small_max_bins=align_small_max_bins, cached_launcher=False), topk_ids.device)
     topk_ids = topk_ids.contiguous()
     num_assignments = topk_ids.numel()
-    if allow_naive and use_naive(num_assignments, num_experts, expert_map):
-        layout = _align_naive(topk_ids, num_experts, block_size, options)
-    else:
-        num_rows = max_padded_rows(num_assignments, num_experts, block_size)
-        layout = align_into(topk_ids, num_experts, block_size, expert_map, num_rows, options)
-    return layout.sorted_ids, layout.expert_ids, layout.num_padded, layout.counts
+    naive = allow_naive and use_naive(num_assignments, num_experts, expert_map)
+    num_rows = num_assignments * block_size if naive else max_padded_rows(num_assignments, num_experts, block_size)
+    num_global = None if expert_map is None else expert_map.numel()
+    plan = plan_align(num_assignments, num_experts, block_size, num_global, num_rows, options, naive)
+    buffers = {name: torch.empty(shape, dtype=dtype, device=topk_ids.device) for name, dtype, shape in plan.regions}
+    run_align(plan, topk_ids, None if expert_map is None else expert_map.contiguous(), buffers)  # A = 0 too: counts, num_padded
+    return buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"], buffers["counts"]
 
 
 @_align_op.register_fake

@@ -1,7 +1,8 @@
-"""How the Triton experts path launches: the options a caller chooses, and the device facts they are
-resolved against.
+"""How the Triton experts path launches: the options a caller chooses, the device facts they are
+resolved against, and the launch itself.
 
     LaunchOptions (asked for) --resolve_launch_options(options, device), cached--> LaunchOptions (what runs)
+    BoundLaunch: one kernel launch whose grid, scalars and constexprs are fixed; called with its pointers
 
 Every switch of the path is a field of one frozen dataclass, passed down to each launch; none is a
 module global. So two callers in one process (a served model, an A/B benchmark, a test that poisons
@@ -14,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -43,10 +45,28 @@ class LaunchOptions:
     # against 6.8 µs, because one program then walks [blocks, bins] tiles that three launches spread.
     align_small_max: int = ALIGN_CHUNK
     align_small_max_bins: int = 64
+    # The host path (``triton.py``'s module docstring has the picture). Each is an eager-mode saving
+    # that leaves the kernels and the result unchanged, switchable so that an A/B names what it toggles
+    # (``benchmarks/host_time.py``).
+    # Eager calls skip the torch.library dispatcher and run the implementation directly (never while
+    # torch.compile traces, under a dispatch mode, or when autograd would need the op).
+    direct_eager: bool = True
+    # The plan of a (shapes, dtypes, M, options) call and the weights' TMA descriptors are built once
+    # and cached (``triton.clear_launch_caches``); off: rebuilt on every call.
+    cache_plans: bool = True
+    # A launch calls the compiled kernel's own launcher (``BoundLaunch``) instead of ``kernel[grid](...)``.
+    cached_launcher: bool = True
+    # The internal buffers (h, y, the alignment's) of eager calls are one reused workspace per (device,
+    # stream, thread) instead of fresh allocations; never while a CUDA graph captures.
+    reuse_workspace: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
             raise ValueError(f"align_small_max must be in [0, {ALIGN_CHUNK}] (one chunk), got {self.align_small_max}")
+
+    def as_op_args(self) -> tuple:
+        """The fields in order: how the options cross a custom op's schema (no dataclasses there)."""
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     def pdl_kwargs(self) -> dict:
         """Keyword arguments of every kernel launch: the kernels' ``PDL`` constexpr and Triton's
@@ -57,6 +77,17 @@ class LaunchOptions:
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_available(device: torch.device | str) -> bool:
+    """True on CUDA with Triton importable; on the CPU only under ``TRITON_INTERPRET=1`` (so ``auto``
+    never picks the interpreter on its own)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
 def _index(device: torch.device) -> int:
@@ -111,3 +142,64 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class BoundLaunch:
+    """One kernel launch of a plan: its grid, scalar arguments and constexprs fixed when the plan is
+    built; a call passes only the leading pointer (tensor, descriptor or None) arguments.
+
+    With ``cached`` the first call goes through ``kernel[grid](...)`` (Triton binds the arguments,
+    specialises, compiles if needed) and keeps what it returns, the compiled kernel; later calls hand the
+    full argument list straight to its launcher (``CompiledKernel[grid]``), skipping the binder, the
+    specialisation key and the cache lookup of every ``kernel[grid]`` call. That is sound because all
+    Triton specialises on is fixed for a plan: the scalars here, and the pointers' dtypes and 16-byte
+    alignment, which are part of the plan's key. Where the returned object is not such a kernel (another
+    Triton, an asynchronous compile) it stays on ``kernel[grid]``. Under the interpreter the "launcher"
+    is ``kernel[grid]`` itself, called with the same full argument list, so tests run the bookkeeping.
+    """
+
+    __slots__ = ("kernel", "grid", "tail", "options", "cached", "_launcher")
+
+    def __init__(self, kernel, grid: tuple, num_pointers: int, scalars: tuple, cached: bool, **constexprs_and_options):
+        defaults = _defaults(kernel.fn)  # {parameter name: its default, or _NO_DEFAULT}, in signature order
+        rest = list(defaults)[num_pointers + len(scalars):]
+        missing = [n for n in rest if n not in constexprs_and_options and defaults[n] is _NO_DEFAULT]
+        if missing:
+            raise TypeError(f"{kernel.fn.__name__}: no value for {missing}")
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled launcher reads grid[0..2]
+        self.tail = (*scalars, *(constexprs_and_options.pop(n, defaults[n]) for n in rest))  # signature order
+        self.options = constexprs_and_options  # what is left: Triton's num_warps, num_stages, launch_pdl
+        self.cached = cached
+        self._launcher = None
+
+    def __call__(self, *pointers) -> None:
+        launcher = self._launcher
+        if launcher is not None:
+            launcher(*pointers, *self.tail)
+            return
+        compiled = self.kernel[self.grid](*pointers, *self.tail, **self.options)
+        if self.cached:
+            self._launcher = _launcher_of(compiled, self.kernel, self.grid, self.options)
+            self.cached = self._launcher is not None  # else kernel[grid] for good, without asking again
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(fn) -> dict:
+    """The parameters of a kernel's Python function, in order, with their defaults (or _NO_DEFAULT)."""
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()}
+
+
+def _launcher_of(compiled, kernel, grid: tuple, options: dict):
+    """The callable that launches ``compiled`` on ``grid`` from the full argument list, or None."""
+    if interpreting():
+        return functools.partial(kernel[grid], **options)
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return None
+    try:
+        return compiled[grid]
+    except (AttributeError, TypeError):
+        return None

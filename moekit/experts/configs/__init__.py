@@ -14,8 +14,10 @@ Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (
 ``heuristic_config`` decides.
 
 Lookups are cached in memory per shape (see ``_TABLES``): the filesystem is searched once per (E, N,
-K, dtype, device). ``write_configs`` (what ``moekit tune`` saves through) clears the cache; after
-editing a file by hand, or writing one from another process, call ``clear_config_cache()``.
+K, dtype, device), and the nearest entry once per M (``_LOOKUPS``). ``write_configs`` (what ``moekit
+tune`` saves through) clears the cache; after editing a file by hand, or writing one from another
+process, call ``clear_config_cache()``. Whoever keeps configs of its own (the Triton path's plans)
+registers with ``on_config_cache_clear`` to be cleared with it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -94,11 +97,26 @@ def default_user_dir() -> Path:
 # file on every call (~50 µs on the host path); a hit is one dictionary lookup. The variables that
 # name the user directories are in the key, so pointing them elsewhere searches again.
 _TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
+# (M, E, N, K, top_k, dtype, device, the two variables) -> what ``get_config`` returned. The log2 search
+# over a file's entries cost ~14 µs a call on the H200's host; a hit is one lookup. Bounded: the oldest
+# entry goes first past _MAX_LOOKUPS.
+_LOOKUPS: dict[tuple, KernelConfig] = {}
+_MAX_LOOKUPS = 4096
+_ON_CLEAR: list[Callable[[], None]] = []
 
 
 def clear_config_cache() -> None:
-    """Forget every cached lookup: the next one searches the directories again."""
+    """Forget every cached lookup (and whatever registered with ``on_config_cache_clear``): the next
+    one searches the directories again."""
     _TABLES.clear()
+    _LOOKUPS.clear()
+    for clear in _ON_CLEAR:
+        clear()
+
+
+def on_config_cache_clear(clear: Callable[[], None]) -> None:
+    """Call ``clear`` whenever ``clear_config_cache`` runs: for caches built from looked-up configs."""
+    _ON_CLEAR.append(clear)
 
 
 def read_configs(path: Path) -> dict[int, KernelConfig]:
@@ -188,11 +206,17 @@ def fit_shared_memory(config: KernelConfig, itemsize: int, limit_bytes: int, des
 def get_config(
     num_tokens: int, num_experts: int, n: int, k: int, top_k: int, dtype: torch.dtype, device: str
 ) -> KernelConfig:
-    """The tuned config of the nearest M for this shape, or the heuristic."""
-    configs = load_configs(num_experts, n, k, dtype, device)
-    if configs:
-        return nearest(configs, num_tokens)
-    return heuristic_config(num_tokens, num_experts, n, k, top_k)
+    """The tuned config of the nearest M for this shape, or the heuristic. Cached (``_LOOKUPS``)."""
+    key = (num_tokens, num_experts, n, k, top_k, dtype, device, os.environ.get("MOEKIT_CONFIG_DIR"),
+           os.environ.get("XDG_CONFIG_HOME"))
+    config = _LOOKUPS.get(key)
+    if config is None:
+        configs = load_configs(num_experts, n, k, dtype, device)
+        config = nearest(configs, num_tokens) if configs else heuristic_config(num_tokens, num_experts, n, k, top_k)
+        if len(_LOOKUPS) >= _MAX_LOOKUPS:
+            _LOOKUPS.pop(next(iter(_LOOKUPS)))
+        _LOOKUPS[key] = config
+    return config
 
 
 def write_configs(path: Path, num_experts: int, n: int, k: int, dtype: torch.dtype, device: str,

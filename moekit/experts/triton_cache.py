@@ -1,0 +1,180 @@
+"""What the Triton experts path keeps between calls besides its plans: the weights' TMA descriptors and
+the reused workspaces. Neither ever holds a tensor a caller sees.
+
+    WeightDescriptors: id(w13) -> fingerprint, {plan's descriptor key: (w13 descriptor, w2 descriptor)}
+    WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions
+
+Shapes: E local experts, K hidden, N intermediate; a region's shape is the plan's (h [A, N], y [A, K], ...).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises pointers on 16-byte alignment)
+# A workspace larger than this is allocated per call, not kept: at that size the GPU time (over 1 ms at
+# DeepSeek-V3 shapes) dwarfs an allocation, and a kept buffer would hold the memory for good. 128 MiB
+# covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
+REUSE_MAX_BYTES = 128 << 20
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, eq=False)
+class WorkspaceSpec:
+    """The internal buffers of one plan, as named regions of one byte buffer. Compared and hashed by
+    identity: a pool keeps its carved views per spec object, which lives in its plan."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]  # byte offset of each region in the buffer, a multiple of REGION_ALIGN
+    nbytes: int  # the buffer size that holds every region
+
+    @classmethod
+    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "WorkspaceSpec":
+        offsets, end = [], 0
+        for _, dtype, shape in regions:
+            offsets.append(end)
+            end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
+        names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
+        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end)
+
+    def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures)."""
+        return {n: torch.empty(s, dtype=d, device=device) for n, d, s in zip(self.names, self.dtypes, self.shapes)}
+
+    def carve(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of ``buffer`` (uint8, >= nbytes), one per region."""
+        views = {}
+        for name, dtype, shape, offset in zip(self.names, self.dtypes, self.shapes, self.offsets):
+            size = math.prod(shape) * dtype.itemsize
+            views[name] = buffer[offset:offset + size].view(dtype).view(shape)
+        return views
+
+
+class _Workspace:
+    __slots__ = ("buffer", "views")
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer  # [bytes] uint8
+        self.views: dict[WorkspaceSpec, dict[str, torch.Tensor]] = {}  # carved once per plan
+
+
+class WorkspacePool:
+    """Reused internal buffers of eager calls: one byte buffer per (device, stream, thread), grown to
+    the largest plan seen (a power of two, at most ``max_bytes``), and each plan's views of it carved
+    once. Safe because a stream runs its kernels in order: the next call's writes to h and y queue
+    behind this call's reads. Keyed by stream, since two streams would race on one buffer, and by
+    thread, since two threads launching on one stream would interleave their kernels. Not used while
+    the current stream captures a CUDA graph (the graph must own its buffers) or above ``max_bytes``;
+    those calls get fresh tensors. Bounded: ``max_entries`` buffers (oldest dropped; a dropped buffer is
+    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each."""
+
+    def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
+        self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
+        self._workspaces: dict[tuple, _Workspace] = {}
+
+    def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
+        """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
+        if spec.nbytes > self.max_bytes:
+            return spec.allocate(device)
+        stream = 0
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return spec.allocate(device)
+            stream = torch._C._cuda_getCurrentRawStream(device.index)
+        key = (device, stream, threading.get_ident())
+        workspace = self._workspaces.get(key)
+        if workspace is None or workspace.buffer.numel() < spec.nbytes:
+            workspace = self._grow(key, spec.nbytes, device)
+        views = workspace.views.get(spec)
+        if views is None:
+            if len(workspace.views) >= self.max_views:
+                workspace.views.pop(next(iter(workspace.views)))
+            views = workspace.views[spec] = spec.carve(workspace.buffer)
+        return views
+
+    def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:
+        self._workspaces.pop(key, None)
+        if len(self._workspaces) >= self.max_entries:
+            self._workspaces.pop(next(iter(self._workspaces)))
+        size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes))
+        workspace = self._workspaces[key] = _Workspace(torch.empty(size, dtype=torch.uint8, device=device))
+        return workspace
+
+    def held(self) -> dict[tuple, torch.Tensor]:
+        """(device, stream, thread) -> the byte buffer kept for it."""
+        return {key: workspace.buffer for key, workspace in self._workspaces.items()}
+
+    def clear(self) -> None:
+        self._workspaces.clear()
+
+    def __len__(self) -> int:
+        return len(self._workspaces)
+
+
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA tensor descriptor over w [E, rows, cols] as [E*rows, cols], blocks of [block_n, block_k].
+    It holds ``w.detach()``, an alias of the storage, never ``w`` itself (see ``WeightDescriptors``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]), [block_n, block_k])
+
+
+class _WeightEntry:
+    __slots__ = ("ref", "fingerprint", "descriptors")
+
+    def __init__(self, ref: weakref.ref, fingerprint: tuple):
+        self.ref, self.fingerprint = ref, fingerprint
+        self.descriptors: dict[tuple, tuple] = {}  # plan's descriptor key -> (w13 descriptor, w2 descriptor)
+
+
+class WeightDescriptors:
+    """TMA descriptors of expert weights, built once per (weights, storage, version, plan's blocks).
+
+    Keyed by ``id(w13)`` and checked on every use against a fingerprint, ``(id(w2), data_ptr and
+    _version of both)``: a new weight tensor, an in-place update (``w.add_`` bumps ``_version``) or a move
+    (new storage) builds them again. Shapes, strides and block shapes are in the plan's descriptor key.
+    An entry goes when w13 is freed (a weak reference), and it never keeps w13 alive: the descriptors
+    hold ``w.detach()``. They do hold the storage, so a weight moved elsewhere keeps its old storage
+    referenced until it is next used here or freed (``clear`` drops everything)."""
+
+    def __init__(self):
+        self._entries: dict[int, _WeightEntry] = {}
+
+    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> tuple:
+        """(w13 descriptor, w2 descriptor) for the plan's ``key``: (..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
+        fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        entry = self._entries.get(id(w13))
+        if entry is None or entry.fingerprint != fingerprint:
+            entry = self._new_entry(w13, fingerprint)
+        descriptors = entry.descriptors.get(key)
+        if descriptors is None:
+            descriptors = entry.descriptors[key] = (weight_descriptor(w13, key[-4], key[-3]),
+                                                    weight_descriptor(w2, key[-2], key[-1]))
+        return descriptors
+
+    def _new_entry(self, w13: torch.Tensor, fingerprint: tuple) -> _WeightEntry:
+        entries, key = self._entries, id(w13)
+
+        def forget(ref: weakref.ref) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry.ref is ref:
+                del entries[key]
+
+        entry = entries[key] = _WeightEntry(weakref.ref(w13, forget), fingerprint)
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,179 @@
+"""The plan of a Triton experts call: everything its launches share that does not depend on the
+call's data, decided on the first call of its kind and cached.
+
+    plan_key(call) --_PLANS, a dict--> Plan: resolved options, config (tuned, nearest M, fitted to shared
+    memory), the naive shortcut or the alignment's launches, the workspace's regions, and the bound
+    launches (grid, scalars, constexprs) of gate-up, down and the k-sum
+
+A call's kind is what the launches depend on apart from the tensors' contents and addresses: M, the
+shapes, strides and dtypes, each pointer's 16-byte alignment (Triton specialises on it), the expert
+map's length, the activation, an explicit config and the options. The config lookup reads files and
+environment variables once per kind: ``configs.clear_config_cache()`` (which ``moekit tune`` calls on
+saving) clears the plans too.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B = BLOCK_M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.activations import ACTIVATIONS, get_activation
+from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
+from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_launch import (
+    BoundLaunch, LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
+)
+from moekit.layouts.block_aligned import use_naive
+from moekit.layouts.grouping import max_padded_rows
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_PLANS = 4096  # kinds of call kept (a few hundred bytes each); the oldest goes first
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """What every call of one kind launches with. Holds no tensor: nothing here outlives its data."""
+
+    options: LaunchOptions  # resolved for the device
+    config: KernelConfig  # the GEMM tiles; on the GPU shrunk to its shared memory
+    align: AlignPlan | None  # the alignment's launches; None in the naive shortcut (block a = assignment a)
+    workspace: WorkspaceSpec  # h [A, N], y [A, K] (work dtype), and the alignment's buffers
+    descriptor_key: tuple | None  # (E, 2N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights; else None
+    gate_up: BoundLaunch  # pointers: x, w13 (or its descriptor), h, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h, w2 (or its descriptor), y, weights, ids, sorted_ids, expert_ids, num_padded
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+
+
+_PLANS: dict[tuple, Plan] = {}
+on_config_cache_clear(_PLANS.clear)
+
+
+def clear_plans() -> None:
+    _PLANS.clear()
+
+
+def plan_key(x, w13, w2, ids, weights, expert_map, activation: str, config, options: LaunchOptions) -> tuple:
+    """The kind of a call (see the module docstring). ``ids``, ``weights``, ``expert_map``: contiguous."""
+    return (
+        x.shape[0], x.dtype, x.device, x.stride(), w13.shape, w13.stride(), w2.stride(), ids.shape[1], ids.dtype,
+        weights.dtype, x.data_ptr() & 15, w13.data_ptr() & 15, w2.data_ptr() & 15, ids.data_ptr() & 15,
+        weights.data_ptr() & 15,
+        None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
+        activation, config, options,
+    )
+
+
+def plan_for(x, w13, w2, ids, weights, expert_map, activation: str, config, options: LaunchOptions) -> Plan:
+    """The cached plan of this call's kind (``options.cache_plans``), else a new one."""
+    if not options.cache_plans:
+        return build_plan(x, w13, w2, ids, expert_map, activation, config, options)
+    key = plan_key(x, w13, w2, ids, weights, expert_map, activation, config, options)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build_plan(x, w13, w2, ids, expert_map, activation, config, options)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
+def check_triton_args(x: torch.Tensor, activation: str) -> None:
+    """What only this backend asks of a call (``check_experts_args`` has run): a clear error for each."""
+    if activation not in ACTIVATIONS:
+        get_activation(activation)  # raises, naming the argument
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x must be one of {DTYPES} for the triton backend, got {x.dtype}")
+
+
+def build_plan(x, w13, w2, ids, expert_map, activation: str, config, options: LaunchOptions) -> Plan:
+    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
+    check_triton_args(x, activation)
+    if not is_available(x.device):
+        raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+    options = resolve_launch_options(options, x.device)
+    (num_experts, two_n, hidden), (num_tokens, top_k) = w13.shape, ids.shape
+    n, num_assignments = two_n // 2, num_tokens * top_k
+    descriptors = descriptors_allowed(w13, w2, options)
+    config = launch_config(config, x, num_experts, n, top_k, descriptors)
+    work_dtype = torch.float32 if interpreting() else x.dtype
+    align = None
+    if use_naive(num_assignments, num_experts, expert_map):
+        block_m, num_pid_m = 16, num_assignments
+    else:
+        block_m = config.BLOCK_M
+        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
+        align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
+                           num_pid_m * block_m, options)
+    regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
+    up, down = config.up, config.down
+    gate_up, down_launch = _gemm_launches(x, w13, w2, top_k, config, block_m, num_pid_m, align is None, descriptors,
+                                          get_activation(activation).kernel_id, options)
+    return Plan(
+        options=options, config=config, align=align,
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        descriptor_key=(num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
+        if descriptors else None,
+        gate_up=gate_up, down=down_launch,
+        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+    )
+
+
+def _gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
+                   descriptors: bool, act: int, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
+    """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions."""
+    (num_experts, two_n, hidden), n = w13.shape, w13.shape[1] // 2
+    num_assignments = x.shape[0] * top_k
+    up, down, gemm = config.up, config.down, kernels("gemm")
+    shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
+                  cached=options.cached_launcher, **options.pdl_kwargs())
+    gate_up = BoundLaunch(
+        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 7,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.stride(), n),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, ACT=act,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+    )
+    down_launch = BoundLaunch(
+        gemm.down_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 8,
+        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(), hidden),
+        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
+        num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+    )
+    return gate_up, down_launch
+
+
+def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options) -> BoundLaunch:
+    """out[t] = sum of y over token t's routed slots (skipped slots are never read); out [M, K] contiguous."""
+    has_map = expert_map is not None
+    topk_pad = next_pow2(top_k)
+    block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
+    return BoundLaunch(
+        kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
+        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, cached=options.cached_launcher,
+        **options.pdl_kwargs(),
+    )
+
+
+def descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor, options: LaunchOptions) -> bool:
+    """Asked for, and 16-bit weights, both contiguous with 16-byte aligned rows (what a TMA copy needs).
+    float32 keeps the pointer loads: it is the precise path, not the fast one, and only those were run
+    on the H200."""
+    return options.weight_descriptors and all(
+        w.element_size() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * 2 % 16 == 0
+        for w in (w13, w2)
+    )
+
+
+def launch_config(config: KernelConfig | None, x: torch.Tensor, num_experts: int, n: int, top_k: int,
+                  descriptors: bool) -> KernelConfig:
+    """``config``, or the tuned / heuristic one for this shape; on the GPU shrunk to its shared memory."""
+    if config is None:
+        config = get_config(x.shape[0], num_experts, n, x.shape[1], top_k, x.dtype, device_key(x.device))
+    if interpreting():
+        return config
+    return fit_shared_memory(config, x.element_size(), max_shared_memory(x.device), descriptors=descriptors)

@@ -1,0 +1,83 @@
+"""Fixtures of the Triton tests, which run under Triton's interpreter (TRITON_INTERPRET=1): the
+interpreted backend module, and a log of the kernel launches. A test module imports the fixtures it
+uses: ``from _triton_helpers import interpreter, launch_log  # noqa: F401``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def purge_kernels() -> None:
+    """Triton decides compiled vs interpreted when a kernel is decorated: drop the kernel modules so the
+    next use re-imports them under the current setting, and the plans that hold the kernels of before."""
+    for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
+        del sys.modules[name]
+    if "moekit.experts.triton" in sys.modules:
+        sys.modules["moekit.experts.triton"].clear_launch_caches()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """``moekit.experts.triton``, its kernels decorated under the interpreter."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        purge_kernels()
+        import moekit.experts.triton as tri
+
+        yield tri
+    purge_kernels()
+
+
+class LaunchLog:
+    """Stands in for ``triton_launch.kernels``: records (kernel name, arguments by name) of each launch;
+    a kernel named in ``skip`` is recorded but not run (a kernel that forgot to write its output)."""
+
+    def __init__(self, real):
+        self.real, self.launches, self.skip = real, [], set()
+
+    def __call__(self, module: str):
+        return _LoggedModule(self.real(module), self)
+
+    def take(self) -> list:
+        launches, self.launches[:] = list(self.launches), []
+        return launches
+
+
+class _LoggedModule:
+    def __init__(self, module, log: LaunchLog):
+        self.module, self.log = module, log
+
+    def __getattr__(self, name: str):
+        return _LoggedKernel(getattr(self.module, name), name, self.log)
+
+
+class _LoggedKernel:
+    def __init__(self, kernel, name: str, log: LaunchLog):
+        self.kernel, self.name, self.log = kernel, name, log
+        self.arg_names, self.fn = kernel.arg_names, kernel.fn  # what BoundLaunch reads of a kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.launches.append((self.name, {**dict(zip(self.arg_names, args)), **kwargs}))
+            if self.name not in self.log.skip:
+                return self.kernel[grid](*args, **kwargs)
+            return None
+
+        return launch
+
+
+@pytest.fixture
+def launch_log(interpreter, monkeypatch):
+    """A ``LaunchLog`` in place of the kernel modules; the plans are cleared before and after, since a
+    plan holds the kernels it was built with."""
+    from moekit.experts import triton_align, triton_launch, triton_plan
+
+    log = LaunchLog(triton_launch.kernels)
+    monkeypatch.setattr(triton_plan, "kernels", log)
+    monkeypatch.setattr(triton_align, "kernels", log)
+    interpreter.clear_launch_caches()
+    yield log
+    interpreter.clear_launch_caches()
