@@ -115,6 +115,18 @@ def test_compiled_graph_holds_the_custom_op(interpreter):
     assert torch.equal(compiled, eager)
 
 
+def test_the_op_never_keeps_a_workspace(interpreter):
+    """Through the custom op (what compiled code runs, inside CUDA-graph trees on the GPU) no workspace
+    is kept: a buffer held from a graph's private pool would break the tree."""
+    x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.float32)
+    interpreter.clear_launch_caches()
+    args = (x, w13, w2, ids, weights, None, "silu", *LaunchOptions().as_op_args())
+    torch.ops.moekit.triton_experts(*args)
+    assert not interpreter.held_workspaces()
+    interpreter.experts_triton(x, w13, w2, ids, weights)  # the direct eager path does keep one
+    assert interpreter.held_workspaces()
+
+
 def test_outputs_never_alias_the_reused_workspace(interpreter, launch_log):
     """Two calls of one kind share the workspace (h at one address), yet the first output is still
     right after the second call: outputs are never carved from it."""
