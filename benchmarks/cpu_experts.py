@@ -9,7 +9,7 @@ token, softmax weights). Rows:
   ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop`` ...);
 - transformers' ``grouped_mm``, ``batched_mm`` and ``eager`` (the model class's own per-expert loop),
   called as a transformers experts module calls them; ``batched_mm`` gathers a [2N, K] + [K, N] weight
-  copy per assignment and is skipped when that would not fit in half the available memory;
+  copy per assignment and is skipped above BATCHED_MM_MAX_BYTES of copies (or half the free memory);
 - ``dense``: the fp32 rate ceiling, [A, K] x [K, 2N] by ``torch.mm`` and by oneDNN's linear; the
   faster one is the ceiling. Every rate counts 6*N*K FLOPs per routed token (2*A*K*2N for dense).
 
@@ -36,6 +36,10 @@ from moekit.bench.timing import Timing
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 
 QWEN3_30B_A3B = (128, 768, 2048, 8)  # E, N, K, k
+# transformers' batched_mm copies [2N, K] + [K, N] weights per assignment: 1.2 GB at M=8 for Qwen3-30B-A3B,
+# 9.7 GB at M=64. Above this it is skipped: a first run at M=64 pushed the machine into memory pressure
+# that slowed every variant interleaved with it 2-5x.
+BATCHED_MM_MAX_BYTES = 2 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 MOEKIT_VARIANTS = {  # row name -> experts_grouped_mm options; "moekit" is the default the layer runs
     "moekit": {},
@@ -102,7 +106,7 @@ def variants(x, w13, w2, ids, weights, impls: set[str]) -> dict:
     calls["hf_grouped_mm"] = lambda: hf_moe.grouped_mm_experts_forward(module, x, ids64, weights)
     calls["hf_eager"] = lambda: eager(module, x, ids64, weights)
     gathered = ids.numel() * (w13[0].numel() + w2[0].numel()) * w13.element_size()
-    if gathered < available_bytes() // 2:
+    if gathered <= min(BATCHED_MM_MAX_BYTES, available_bytes() // 2):
         calls["hf_batched_mm"] = lambda: hf_moe.batched_mm_experts_forward(module, x, ids64, weights)
     a_rows = torch.randn(ids.numel(), x.shape[1])  # [A, K]
     dense_w = w13[0].clone()  # [2N, K]: the same GEMM shape as the gate-up projection over all A rows

@@ -127,9 +127,9 @@ def _expert_mlp(xs, w13, w2, offs, activation, cpu_gemm) -> torch.Tensor:
 
 
 def _expert_mlp_cpu_loop(xs, w13, w2, ends: list[int], activation, cpu_gemm) -> torch.Tensor:
-    """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its rows of
-    [T, 2N] stay in cache for the activation), the activation in place, outputs written once into
-    preallocated [T, 2N] and [T, K]. Rows past ends[-1] are left unwritten."""
+    """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, 2N]
+    stays in cache for the activation), the activation's product in place, the outputs written into one
+    preallocated [T, K]. Rows past ends[-1] are left unwritten."""
     linear = _onednn_linear(xs.dtype) if cpu_gemm in ("auto", "onednn_loop") else None
     act = get_activation(activation).fn
     n_dim = w2.shape[2]
@@ -142,8 +142,8 @@ def _expert_mlp_cpu_loop(xs, w13, w2, ends: list[int], activation, cpu_gemm) -> 
                 h = torch.mm(xs[rows], w13[expert].t())  # [m, 2N]
             else:
                 h = linear(xs[rows], w13[expert], None, "none", [], "")
-            gate, up = h[:, :n_dim], h[:, n_dim:]
-            a = torch.mul(act(gate), up, out=gate)  # [m, N] in h's gate half: no new [m, N] buffer
+            a = act(h[:, :n_dim])  # [m, N], contiguous: oneDNN would copy a strided view of h first
+            a.mul_(h[:, n_dim:])  # in place: one [m, N] buffer, not two as act_and_mul allocates
             if linear is None:
                 torch.mm(a, w2[expert].t(), out=y[rows])
             else:
