@@ -167,14 +167,17 @@ def measure_batch(num_tokens: int, weights_set, impls: set[str], rounds: int, ge
 def print_table(doc: dict) -> None:
     print(f"{doc['cpu']}  threads={doc['threads']}  load avg before/after={doc['loadavg_before']}/{doc['loadavg_after']}")
     print(f"{'M':>5} {'implementation':26} {'ms':>10} {'spread%':>8} {'GFLOP/s':>8} {'% dense':>8} {'err':>9}")
+    starred = False
     for batch in doc["batches"]:
         best_hf = min((r["us"] for n, r in batch["rows"].items() if n.startswith("hf_")), default=None)
         for name, r in batch["rows"].items():
             mark = " *" if name == "moekit" and best_hf is not None and r["us"] > best_hf else ""
+            starred = starred or bool(mark)
             err = "-" if r["rel_err_vs_hf_eager"] is None else f"{r['rel_err_vs_hf_eager']:.1e}"
             print(f"{batch['M']:>5} {name:26} {r['us'] / 1e3:10.2f} {r['spread_pct']:8.0f} {r['gflops']:8.1f} "
                   f"{r['pct_of_dense']:8.0f} {err:>9}{mark}")
-    print("* moekit slower than the best transformers implementation at this M")
+    if starred:
+        print("* moekit slower than the best transformers implementation at this M")
 
 
 def results_file(out_dir: Path, cpu: str, date: str, tag: str) -> Path:
