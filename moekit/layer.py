@@ -1,6 +1,24 @@
 """``MoE``: the whole layer as an ``nn.Module``.
 
-    [Gate] -> [Route] -> [Capacity, opt-in] -> [Experts: group, w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
+    [Gate] -> [Route] -> [Capacity, opt-in] -> [Group] -> [Experts: w13, act-and-mul, w2, weight] -> [Combine] (+ shared)
+
+Where each stage lives (``MoE.forward`` reads top to bottom in this order):
+
+| stage    | where                                                         | in -> out                              |
+| -------- | ------------------------------------------------------------- | -------------------------------------- |
+| Gate     | ``MoE.gate`` (``nn.Linear``), in ``route_tokens``               | x2d [M, K] -> logits [M, E]            |
+| Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
+| Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
+| Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
+| Experts  | the ``moekit.experts`` backend, called by ``run_routed``        | rows -> w2 @ act_and_mul(w13 @ row)    |
+| Combine  | the layout's weighted inverse, in the same backend            | rows, weights -> out [M, K]            |
+| Shared   | S extra routed slots (fused), or ``MoE._shared_mlp``          | x2d -> [M, K], added                   |
+
+Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``permute_contiguous``
+(align 1) or ``masked_layout_measured_cap_syncs``, picked per call by ``choose_layout`` under a memory
+budget, and combines with ``combine_contiguous`` / ``combine_masked``; ``triton`` (the CUDA default)
+groups with ``align_block`` and combines in the down GEMM's epilogue and its k-sum kernel.
+``MoEStats.layout`` says which layout a forward used.
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
 k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
@@ -17,6 +35,7 @@ from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, call_backend, resolve_backend
 from moekit.activations import act_and_mul
+from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 
@@ -39,6 +58,7 @@ class MoEStats:
     dropped: int  # assignments dropped by the capacity factor (0 when dropless)
     num_tokens: int  # M
     masked_tokens: int  # tokens with no finite router logit (nonfinite="mask"): all their weights 0, output 0
+    layout: str = ""  # the grouping the experts backend used: grouped_mm's plan ("contiguous", ...), else its fixed one
 
 
 @dataclass
@@ -169,10 +189,11 @@ class MoE(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         x2d = x.reshape(-1, x.shape[-1])  # [M, K]
-        routed = self.route_tokens(x2d)
+        routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
+        # [Group -> Experts -> Combine] the moekit.experts backend with its moekit.layouts layout
         out = self.run_routed(x2d, routed.routing)  # [M, K]
         if self.shared_w13 is not None:
-            out = out + self._shared_mlp(x2d)
+            out = out + self._shared_mlp(x2d)  # [Shared] when not fused into the routed slots
         out = out.reshape(x.shape)
         if not return_stats:
             return out
@@ -204,7 +225,17 @@ class MoE(nn.Module):
             dropped=int(routed.dropped),
             num_tokens=routed.routing.num_tokens,
             masked_tokens=int(routed.routing.masked_tokens if routed.routing.masked_tokens is not None else 0),
+            layout=self._layout_used(routed.routing),
         )
+
+    def _layout_used(self, routing: Routing) -> str:
+        """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""
+        backend = self.resolved_backend()
+        if backend != "grouped_mm":
+            return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
+        plan = plan_grouped_mm(*routing.topk_ids.shape, self.w13.shape[0], self.w13.shape[2], self.w2.shape[2],
+                               self.w13.dtype, allow_sync=self.w13.device.type == "cpu")
+        return plan.layout if plan.chunk_tokens >= routing.num_tokens else f"{plan.layout} in chunks of {plan.chunk_tokens}"
 
     def resolved_backend(self) -> str:
         """The backend that runs on the weights' device: ``backend`` with "auto" resolved."""

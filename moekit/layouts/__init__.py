@@ -2,20 +2,21 @@
 
 Each layout is a dataclass built by one function, with its exact inverse beside it:
 ``align_block``/``scatter_rows``, ``permute_contiguous``/``unpermute_contiguous``,
-``masked_layout``/``unmask``; ``choose_layout`` picks one by memory budget. ``grouping`` is the core
-they share (and routing's capacity and expert parallelism's replica choice): ``rank_within_groups``.
+``masked_layout``/``unmask``; ``combine_contiguous``/``combine_masked`` are those inverses fused with
+the weighted sum over the k slots (the combine stage); ``choose_layout`` picks a layout by memory
+budget. ``grouping`` is the core they share (and routing's capacity and expert parallelism's replica choice): ``rank_within_groups``.
 """
 
 from moekit.layouts.block_aligned import BlockAlignedLayout, align_block, gather_rows, scatter_rows
 from moekit.layouts.chooser import LayoutChoice, LayoutEstimate, choose_layout
-from moekit.layouts.contiguous import ContiguousLayout, permute_contiguous, unpermute_contiguous
+from moekit.layouts.contiguous import ContiguousLayout, combine_contiguous, permute_contiguous, unpermute_contiguous
 from moekit.layouts.grouping import GroupRanks, max_padded_rows, rank_within_groups, to_local_ids
-from moekit.layouts.masked import MaskedLayout, masked_layout, masked_layout_measured_cap_syncs, unmask
+from moekit.layouts.masked import MaskedLayout, combine_masked, masked_layout, masked_layout_measured_cap_syncs, unmask
 
 __all__ = [
     "BlockAlignedLayout", "align_block", "gather_rows", "scatter_rows",
     "LayoutChoice", "LayoutEstimate", "choose_layout",
-    "ContiguousLayout", "permute_contiguous", "unpermute_contiguous",
+    "ContiguousLayout", "combine_contiguous", "permute_contiguous", "unpermute_contiguous",
     "GroupRanks", "max_padded_rows", "rank_within_groups", "to_local_ids",
-    "MaskedLayout", "masked_layout", "masked_layout_measured_cap_syncs", "unmask",
+    "MaskedLayout", "combine_masked", "masked_layout", "masked_layout_measured_cap_syncs", "unmask",
 ]

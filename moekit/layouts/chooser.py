@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from moekit.layouts.grouping import max_padded_rows
 
+LAYOUT_NAMES = ("block_aligned", "contiguous", "masked", "masked_measured_cap")
+
 
 @dataclass
 class LayoutEstimate:
@@ -41,12 +43,19 @@ def choose_layout(
     block_size: int = 64,
     align: int = 128,
     allow_sync: bool = True,
+    candidates: tuple[str, ...] = LAYOUT_NAMES,
+    cap_round_to: int = 64,
 ) -> LayoutChoice:
-    """Choose among ``block_aligned``, ``contiguous``, ``masked`` and ``masked_measured_cap``.
+    """Choose among ``candidates`` (default all of ``block_aligned``, ``contiguous``, ``masked`` and
+    ``masked_measured_cap``; a backend passes the ones it implements).
 
+    ``cap_round_to``: the measured cap's rounding (``masked_layout_measured_cap_syncs``' ``round_to``).
     ``counts`` are the per-expert assignment counts if known; without them every expert is taken to
     hold its mean A/E (rounded up). ``allow_sync=False`` excludes layouts that read sizes back to the host.
     """
+    unknown = set(candidates) - set(LAYOUT_NAMES)
+    if not candidates or unknown:
+        raise ValueError(f"candidates must be a non-empty subset of {LAYOUT_NAMES}, got {candidates!r}")
     if memory_budget_bytes <= 0:
         raise ValueError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
     if counts is None:
@@ -54,15 +63,15 @@ def choose_layout(
     elif len(counts) != num_experts:
         raise ValueError(f"counts must have num_experts={num_experts} entries, got {len(counts)}")
     estimates = _estimates(num_tokens, top_k, num_experts, hidden_size, intermediate_size, dtype_bytes, counts,
-                           block_size, align)
-    estimates.sort(key=lambda e: (e.rows, e.peak_bytes))
+                           block_size, align, cap_round_to)
+    estimates = sorted((e for e in estimates if e.name in candidates), key=lambda e: (e.rows, e.peak_bytes))
     for est in estimates:
         if est.peak_bytes <= memory_budget_bytes and (allow_sync or not est.syncs):
             others = ", ".join(f"{e.name} {e.rows} rows/{e.peak_bytes / 2**20:.1f} MiB" for e in estimates if e is not est)
             return LayoutChoice(
                 est.name,
                 f"{est.name}: fewest GEMM rows ({est.rows}) among layouts whose peak {est.peak_bytes / 2**20:.1f} MiB "
-                f"fits the {memory_budget_bytes / 2**20:.1f} MiB budget (others: {others})",
+                f"fits the {memory_budget_bytes / 2**20:.1f} MiB budget" + (f" (others: {others})" if others else ""),
                 estimates,
             )
     smallest = min(estimates, key=lambda e: e.peak_bytes)
@@ -74,12 +83,12 @@ def choose_layout(
     )
 
 
-def _estimates(m, k, e, hidden, inter, b, counts, block, align) -> list[LayoutEstimate]:
+def _estimates(m, k, e, hidden, inter, b, counts, block, align, round_to) -> list[LayoutEstimate]:
     a = m * k
     per_row = lambda gate_up: (hidden + (2 * inter if gate_up else 0) + inter + hidden) * b  # noqa: E731
     block_rows = sum(math.ceil(c / block) * block for c in counts)
     contig_rows = sum(math.ceil(c / align) * align for c in counts)
-    cap = max(64, math.ceil(max(counts, default=0) / 64) * 64)
+    cap = max(round_to, math.ceil(max(counts, default=0) / round_to) * round_to)
     # The block-aligned path gathers x in place and fuses the activation: [A, N] and [A, K] only.
     block_bytes = a * (inter + hidden) * b + max_padded_rows(a, e, block) * 4  # + sorted_ids [R] int32
     return [

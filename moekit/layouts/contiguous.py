@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from moekit._checks import check_int
-from moekit.layouts.grouping import aligned_positions, max_padded_rows, scatter_to_rows
+from moekit.layouts.grouping import (
+    aligned_positions, assignments_of_rows, combine_rows, gather_assigned_rows, max_padded_rows,
+)
 
 DEFAULT_ALIGN = 128  # DeepGEMM's block-M for its contiguous grouped GEMM
 
@@ -22,6 +24,7 @@ class ContiguousLayout:
 
     x_perm: torch.Tensor  # [T, K]; row dst holds x[t] for the assignment whose src_to_dst is dst; padding = fill
     segment_ids: torch.Tensor  # [T] int32; local expert of each row; -1 on padding rows (the GEMM skips them)
+    src_of_row: torch.Tensor  # [T] int64; assignment a = t*k + j each row holds; A (= M*k) on padding rows
     src_to_dst: torch.Tensor  # [M, k] int32; row of x_perm holding assignment (t, j); -1 when not routed here
     counts: torch.Tensor  # [E] int32; real rows per local expert
     offsets: torch.Tensor  # [E+1] int64; segment starts (multiples of align); offsets[E] = rows used
@@ -66,12 +69,14 @@ def permute_contiguous(
         if static_rows < bound:
             raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got {static_rows}")
         total = static_rows
-    token = torch.arange(num_tokens * top_k, device=x.device) // top_k  # [A]
-    x_perm = scatter_to_rows(x[token], pos.dst, total, fill)  # [T, K]
-    segment_ids = scatter_to_rows(pos.local_ids.to(torch.int32), pos.dst, total, fill=-1)  # [T]
+    # A gather, not gather + scatter: only the A row indices are scattered, then x's rows are read once.
+    # Measured at Qwen3-30B-A3B shapes (K=2048, k=8), see benchmarks/cpu_experts.py --layouts.
+    src_of_row = assignments_of_rows(pos.dst, total)  # [T]
+    local_ext = torch.cat([pos.local_ids, pos.local_ids.new_full((1,), -1)])  # [A+1]; padding -> -1
     return ContiguousLayout(
-        x_perm=x_perm,
-        segment_ids=segment_ids,
+        x_perm=gather_assigned_rows(x, src_of_row, top_k, fill),  # [T, K]
+        segment_ids=local_ext[src_of_row].to(torch.int32),  # [T]
+        src_of_row=src_of_row,
         src_to_dst=pos.dst.view(num_tokens, top_k).to(torch.int32),
         counts=pos.counts,
         offsets=pos.offsets,
@@ -84,3 +89,11 @@ def unpermute_contiguous(y_perm: torch.Tensor, layout: ContiguousLayout) -> torc
     dst = layout.src_to_dst.long()  # [M, k]
     rows = y_perm[torch.where(dst >= 0, dst, 0)]  # [M, k, D]
     return torch.where((dst >= 0)[..., None], rows, torch.zeros_like(rows))
+
+
+def combine_contiguous(y_perm: torch.Tensor, layout: ContiguousLayout, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The inverse and the weighted sum over the k slots in one: y_perm [T, D], topk_weights [M, k] ->
+    [M, D] (float32 accumulation; float64 for float64), equal to
+    ``(unpermute_contiguous(y_perm, layout) * topk_weights[..., None]).sum(1)`` without materialising
+    [M, k, D]. Padding rows are never added, whatever they hold."""
+    return combine_rows(y_perm, layout.src_of_row, topk_weights)

@@ -102,3 +102,40 @@ def scatter_to_rows(values: torch.Tensor, dst: torch.Tensor, num_rows: int, fill
     index = torch.where(dst >= 0, dst, num_rows)
     rows[index] = values
     return rows[:num_rows]
+
+
+def assignments_of_rows(dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The inverse of ``dst`` [A] (row of each assignment, -1 = none): [num_rows] int64, the assignment
+    a = t*k + j each row holds, and A on rows no assignment lands on (padding). Only A integers are
+    scattered; the activation rows themselves are then gathered once (``gather_assigned_rows``)."""
+    num_assignments = dst.numel()
+    assignment = torch.arange(num_assignments, device=dst.device)
+    return scatter_to_rows(assignment, dst, num_rows, fill=num_assignments)
+
+
+def gather_assigned_rows(x: torch.Tensor, src_of_row: torch.Tensor, top_k: int, fill: float) -> torch.Tensor:
+    """rows[r] = x[src_of_row[r] // k], and ``fill`` where src_of_row[r] = A (= M*k, so A // k = M reads the
+    appended fill row): one gather of [T, K], no scatter of activations. x [M, K] -> [T, K]."""
+    x_ext = torch.cat([x, x.new_full((1, x.shape[1]), fill)])  # [M+1, K]; a copy of M rows, not of T
+    return x_ext[src_of_row // top_k]
+
+
+def combine_rows(rows: torch.Tensor, src_of_row: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weighted inverse of a grouping: rows [T, D] (row r computed for assignment src_of_row[r]) ->
+    out [M, D] with out[t] = sum_j topk_weights[t, j] * rows[row of (t, j)], in float32 (float64 for
+    float64 rows); assignments with no row contribute 0.
+
+    Rows with src_of_row = A (padding, or rows a GEMM left unwritten) land, with weight 0, in a dropped
+    row M, so even a NaN there never reaches the output. On the CPU one ``index_add_`` pass (serial over
+    the rows, hence deterministic); elsewhere the rows go back to slot order and are summed over k,
+    because ``index_add_`` on CUDA adds in a nondeterministic order.
+    """
+    num_tokens, top_k = topk_weights.shape
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    weights = torch.cat([topk_weights.reshape(-1).to(acc), topk_weights.new_zeros(1, dtype=acc)])  # [A+1]
+    scaled = rows.to(acc) * weights[src_of_row, None]  # [T, D]
+    if rows.device.type == "cpu":
+        out = rows.new_zeros((num_tokens + 1, rows.shape[1]), dtype=acc)
+        return out.index_add_(0, src_of_row // top_k, scaled)[:num_tokens]  # [M, D]
+    per_slot = rows.new_zeros((num_tokens * top_k + 1, rows.shape[1]), dtype=acc).index_copy_(0, src_of_row, scaled)
+    return per_slot[:-1].view(num_tokens, top_k, -1).sum(dim=1)  # [M, D]

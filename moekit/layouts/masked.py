@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit._checks import check_int
-from moekit.layouts.grouping import aligned_positions, scatter_to_rows
+from moekit.layouts.grouping import aligned_positions, assignments_of_rows, combine_rows, gather_assigned_rows
 
 
 @dataclass
@@ -21,6 +21,7 @@ class MaskedLayout:
     x_masked: torch.Tensor  # [E, m_max, K]; x_masked[e, i] = x[t] of expert e's i-th assignment; padding = fill
     counts: torch.Tensor  # [E] int32; real rows in each rectangle (DeepGEMM's masked_m); each <= m_max
     src_to_dst: torch.Tensor  # [M, k] int64; flat row e*m_max + i of assignment (t, j); -1 when not routed here
+    src_of_row: torch.Tensor  # [E*m_max] int64; assignment a = t*k + j of each flat row; A (= M*k) on padding
 
     @property
     def m_max(self) -> int:
@@ -86,12 +87,13 @@ def _build(x, topk_ids, num_experts, m_max, expert_map, fill, check: bool) -> Ma
     local = torch.where(routed, pos.local_ids, 0)
     rank = pos.dst - pos.offsets[local]  # [A] row within the expert's rectangle
     flat_dst = torch.where(routed, local * m_max + rank, -1)  # [A]
-    token = torch.arange(num_tokens * top_k, device=x.device) // top_k
-    rows = scatter_to_rows(x[token], flat_dst, num_experts * m_max, fill)  # [E*m_max, K]
+    src_of_row = assignments_of_rows(flat_dst, num_experts * m_max)  # [E*m_max]
+    rows = gather_assigned_rows(x, src_of_row, top_k, fill)  # [E*m_max, K]; one gather, as in contiguous
     return MaskedLayout(
         x_masked=rows.view(num_experts, m_max, x.shape[1]),
         counts=pos.counts,
         src_to_dst=flat_dst.view(num_tokens, top_k),
+        src_of_row=src_of_row,
     )
 
 
@@ -109,3 +111,10 @@ def unmask(y_masked: torch.Tensor, layout: MaskedLayout) -> torch.Tensor:
     dst = layout.src_to_dst
     rows = flat[torch.where(dst >= 0, dst, 0)]  # [M, k, D]
     return torch.where((dst >= 0)[..., None], rows, torch.zeros_like(rows))
+
+
+def combine_masked(y_masked: torch.Tensor, layout: MaskedLayout, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The inverse and the weighted sum over the k slots in one: y_masked [E, m_max, D], topk_weights
+    [M, k] -> [M, D] (float32 accumulation; float64 for float64), equal to
+    ``(unmask(y_masked, layout) * topk_weights[..., None]).sum(1)``. Padding rows are never added."""
+    return combine_rows(y_masked.reshape(-1, y_masked.shape[-1]), layout.src_of_row, topk_weights)
