@@ -129,8 +129,14 @@ def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logit
     return logits, dec
 
 
-def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> tuple[list[Row], hm.Decode | None]:
-    """Eager-mode rows, and the reference's decode (its step logits, for the compiled rows)."""
+@dataclass
+class EagerRows:
+    rows: list[Row]  # one per implementation, in ``impls`` order
+    ref_decode: hm.Decode | None  # the reference's decode: its step logits are the compiled rows' reference
+
+
+def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> EagerRows:
+    """Eager-mode rows, and the reference's decode."""
     rows = {impl: Row(impl, "eager") for impl in impls}
     ref_logits, ref_decode = None, None
     for impl in impls:  # the reference first (select_impls): warm all before timing any
@@ -143,7 +149,7 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> tu
         for impl in impls:
             log(f"eager    repeat {rep + 1}/{opts.repeats} {impl}: "
                 + _timed_pass(model, rows[impl], inputs, opts, compiled=None))
-    return [rows[i] for i in impls], ref_decode
+    return EagerRows(rows=[rows[i] for i in impls], ref_decode=ref_decode)
 
 
 def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> list[Row]:
@@ -215,10 +221,11 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         f"{str(dtype).removeprefix('torch.')}) on {device}; implementations: {', '.join(impls)}")
     model = build_model(config, dtype, device)
     inputs = make_inputs(config.vocab_size, opts, device)
-    rows, ref_decode = measure_eager(model, impls, inputs, opts, log)
+    eager = measure_eager(model, impls, inputs, opts, log)
+    rows = eager.rows
     if opts.compile:  # the reference runs compiled too only when asked for (compiling its loop is slow)
         compiled = [i for i in impls if opts.impls is None or i in opts.impls]
-        rows += measure_compiled(model, compiled, inputs, opts, ref_decode, log)
+        rows += measure_compiled(model, compiled, inputs, opts, eager.ref_decode, log)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -115,7 +115,8 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map) -> torch.Tensor:
     if plan.descriptor_key is None:
         w13_arg, w2_arg = w13, w2
     elif options.cache_plans:
-        w13_arg, w2_arg = _DESCRIPTORS.get(w13, w2, plan.descriptor_key)
+        pair = _DESCRIPTORS.get(w13, w2, plan.descriptor_key)
+        w13_arg, w2_arg = pair.w13, pair.w2
     else:
         key = plan.descriptor_key
         w13_arg, w2_arg = weight_descriptor(w13, key[3], key[4]), weight_descriptor(w2, key[5], key[6])

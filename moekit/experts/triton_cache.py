@@ -137,6 +137,14 @@ class _WeightEntry:
         self.descriptors: dict[tuple, tuple] = {}  # plan's descriptor key -> (w13 descriptor, w2 descriptor)
 
 
+@dataclass(frozen=True)
+class DescriptorPair:
+    """The TMA descriptors of one plan's weight tiles."""
+
+    w13: object  # over w13 [E, 2N, K] as [E*2N, K], blocks of the gate-up tile [BLOCK_N, BLOCK_K]
+    w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]
+
+
 class WeightDescriptors:
     """TMA descriptors of expert weights, built once per (weights, storage, version, plan's blocks).
 
@@ -150,16 +158,16 @@ class WeightDescriptors:
     def __init__(self):
         self._entries: dict[int, _WeightEntry] = {}
 
-    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> tuple:
-        """(w13 descriptor, w2 descriptor) for the plan's ``key``: (..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
+    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
+        """The descriptors for the plan's ``key``: (..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
         fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)
         descriptors = entry.descriptors.get(key)
         if descriptors is None:
-            descriptors = entry.descriptors[key] = (weight_descriptor(w13, key[-4], key[-3]),
-                                                    weight_descriptor(w2, key[-2], key[-1]))
+            descriptors = entry.descriptors[key] = DescriptorPair(weight_descriptor(w13, key[-4], key[-3]),
+                                                                  weight_descriptor(w2, key[-2], key[-1]))
         return descriptors
 
     def _new_entry(self, w13: torch.Tensor, fingerprint: tuple) -> _WeightEntry:
