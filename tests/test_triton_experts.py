@@ -105,6 +105,17 @@ def test_empty_experts_and_all_on_one(interpreter):
     _check(interpreter, x, w13, w2, ids, weights)
 
 
+@pytest.mark.parametrize("options", [POISON, LaunchOptions(reuse_workspace=False, direct_eager=False)])
+def test_no_slots_give_zeros(interpreter, options):
+    """k = 0: every token has no expert, so its output is exactly 0 (issue 12: it was uninitialised
+    memory), through the direct eager path and through the custom op alike."""
+    x, w13, w2, _, _ = _problem(5, 2, 8, 33, 17, torch.float32)
+    ids, weights = torch.zeros(5, 0, dtype=torch.int32), torch.zeros(5, 0)
+    torch.full_like(x, float("nan"))  # recycles NaN bytes into the allocator's free blocks
+    out = interpreter.experts_triton(x, w13, w2, ids, weights, options=options)
+    assert torch.equal(out, torch.zeros_like(x))
+
+
 def test_expert_map_and_skipped_ids(interpreter):
     x, w13, w2, _, weights = _problem(33, 6, 8, 33, 17, torch.bfloat16)
     g = torch.Generator().manual_seed(3)
