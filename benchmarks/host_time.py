@@ -13,7 +13,7 @@ K=4096, k=2) and DeepSeek-V3 (E=256, N=2048, K=7168, k=8) in bf16, at each M, un
   graph_us    per call of a CUDA graph of 16 calls, replayed (``moekit.bench.timing.time_calls``)
   ok          host_us <= 40 and eager_us <= max(1.15 * graph_us, graph_us + 15), the issue's targets
 then (e) the same eager / host numbers for the whole layer (``moekit.MoE`` from the preset, eager:
-gate, routing, experts, shared expert); (f) an A/B of the host-path switches of ``LaunchOptions``,
+gate, routing, experts, shared expert), with the gate's and the fused router's own host time; (f) an A/B of the host-path switches of ``LaunchOptions``,
 each one off and all off, with a check that every variant returns the default's output bit for bit;
 (d) ``torch.profiler`` tables of the top self-CPU ops for one cell, default and all off. First, three
 checks of what the CPU tests cannot run: a CUDA graph captured after eager calls (which reuse the
@@ -165,12 +165,13 @@ def layer_cells(preset: str, batches: list[int], calls: int) -> list:
     if Run.scale > 1:
         config = config.replace(hidden_size=config.hidden_size // Run.scale,
                                 moe_intermediate_size=config.moe_intermediate_size // Run.scale)
-    layer = MoE(config, backend="triton", dtype=torch.bfloat16, device=dev).eval()
+    router = "auto" if dev.type == "cuda" else "fused"  # the smoke test runs the router interpreted too
+    layer = MoE(config, backend="triton", router=router, dtype=torch.bfloat16, device=dev).eval()
     rows = []
     for m in batches:
         x = torch.randn(m, layer.config.hidden_size, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
-            row = {"preset": preset, "M": m, **measure(lambda: layer(x), calls, graph=False)}
+            row = {"preset": preset, "M": m, **measure(lambda: layer(x), calls, graph=False), **router_host(layer, x)}
         rows.append(row)
         print(json.dumps({"layer": True, **row}), flush=True)
     del layer
@@ -227,9 +228,20 @@ def _two_streams(inputs: list, want: list) -> bool:
     return all(torch.equal(o, want[i + 1]) for i in range(2) for o in outs[i])
 
 
+def router_host(layer: MoE, x: torch.Tensor) -> dict:
+    """Host µs of the layer's stages before the experts, each alone from an idle start: the gate and,
+    where the layer routes with it, the fused router's eager call (its bound launch)."""
+    logits, bias = layer.gate(x), layer.e_score_correction_bias
+    row = {"gate_host_us": host_from_idle(lambda: layer.gate(x))}
+    if layer._fused_router is not None:
+        layer._fused_router(logits, bias)  # binds this kind of call
+        row["router_host_us"] = host_from_idle(lambda: layer._fused_router(logits, bias))
+    return row
+
+
 def summary(cells: list, layers: list) -> str:
     lines = [f"{'preset':<15}{'M':>5}{'host':>8}{'host_n':>8}{'eager':>9}{'graph':>9}  ok   "
-             f"{'layer host':>10}{'layer eager':>12}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
+             f"{'layer host':>10}{'router':>7}{'layer eager':>12}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
     by_key = {(r["preset"], r["M"]): r for r in layers}
     for c in cells:
         layer = by_key.get((c["preset"], c["M"]), {})
@@ -237,7 +249,7 @@ def summary(cells: list, layers: list) -> str:
         ab_text = " / ".join(f"{ab[v]['host_us']:.0f}{'' if ab[v]['same_output'] else '!'}" for v in VARIANTS if v in ab)
         lines.append(f"{c['preset']:<15}{c['M']:>5}{c['host_us']:>8.1f}{c['host_n_us']:>8.1f}{c['eager_us']:>9.1f}"
                      f"{c.get('graph_us', float('nan')):>9.1f}  {_yes(c.get('ok')):<4} {layer.get('host_us', float('nan')):>10.1f}"
-                     f"{layer.get('eager_us', float('nan')):>12.1f}   {ab_text}")
+                     f"{layer.get('router_host_us', float('nan')):>7.1f}{layer.get('eager_us', float('nan')):>12.1f}   {ab_text}")
     lines.append("host: idle start, 32 calls; host_n: around N back-to-back calls; ok: host <= 40 µs and "
                  "eager <= max(1.15 graph, graph + 15); '!' after an A/B number: output differs from default")
     return "\n".join(lines)

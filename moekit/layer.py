@@ -45,7 +45,15 @@ class RoutedTokens:
     """What ``MoE.route_tokens`` decided for a batch of M tokens."""
 
     routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
-    dropped: torch.Tensor  # [] int64; assignments the capacity factor dropped; 0 when dropless
+    dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        """[] int64: assignments the capacity factor dropped, 0 when dropless. The dropless zero is made
+        here, on access (a fresh tensor each time, never shared), not by every forward."""
+        if self.dropped_count is None:
+            return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
+        return self.dropped_count
 
 
 @dataclass
@@ -164,7 +172,8 @@ class MoE(nn.Module):
     def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
         # The router runs in its weight's dtype: DeepSeek-V3 keeps an fp32 router in a bf16 model.
-        logits = self.gate(x2d.to(self.gate.weight.dtype))  # [M, E]
+        gate, dtype = self.gate, self.gate.weight.dtype
+        logits = gate(x2d if x2d.dtype == dtype else x2d.to(dtype))  # [M, E]
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         # The fused kernel appends the shared slots itself unless capacity must drop in between.
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
@@ -172,13 +181,13 @@ class MoE(nn.Module):
             routing = self._fused_router(logits, self.e_score_correction_bias, gate_logits, append_shared=in_kernel)
         else:
             routing = route(logits, self.config, self.e_score_correction_bias)
-        dropped = torch.zeros((), dtype=torch.int64, device=x2d.device)
+        dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
         if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
-        return RoutedTokens(routing=routing, dropped=dropped)
+        return RoutedTokens(routing=routing, dropped_count=dropped)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
@@ -188,13 +197,15 @@ class MoE(nn.Module):
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
-        x2d = x.reshape(-1, x.shape[-1])  # [M, K]
+        flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
+        x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
         # [Group -> Experts -> Combine] the moekit.experts backend with its moekit.layouts layout
         out = self.run_routed(x2d, routed.routing)  # [M, K]
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)  # [Shared] when not fused into the routed slots
-        out = out.reshape(x.shape)
+        if not flat:
+            out = out.reshape(x.shape)
         if not return_stats:
             return out
         return MoEOutput(out=out, stats=self._stats(routed))
@@ -222,7 +233,7 @@ class MoE(nn.Module):
             counts=counts,
             experts_touched=int((counts > 0).sum()),
             padded_rows=int(((counts + block - 1) // block * block).sum()),
-            dropped=int(routed.dropped),
+            dropped=0 if routed.dropped_count is None else int(routed.dropped_count),
             num_tokens=routed.routing.num_tokens,
             masked_tokens=int(routed.routing.masked_tokens if routed.routing.masked_tokens is not None else 0),
             layout=self._layout_used(routed.routing),

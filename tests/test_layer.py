@@ -132,3 +132,16 @@ def test_compile_fullgraph_cpu_default_equals_eager(dtype):
     torch.testing.assert_close(compiled, eager, rtol=rtol, atol=atol)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+def test_dropless_routing_allocates_no_drop_count_and_never_shares_one():
+    moe = MoE(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2))
+    with torch.no_grad():
+        routed = moe.route_tokens(torch.randn(3, 8))
+    assert routed.dropped_count is None
+    first = routed.dropped
+    first.add_(5)  # a caller's mutation stays in its own tensor
+    assert int(routed.dropped) == 0 and routed.dropped.dtype == torch.int64
+    capped = MoE(moe.config, capacity_factor=0.5)
+    with torch.no_grad():
+        assert int(capped.route_tokens(torch.randn(8, 8)).dropped) > 0

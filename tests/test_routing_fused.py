@@ -30,6 +30,8 @@ def _purge_kernels():
     # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting.
     for name in [m for m in sys.modules if m.startswith("moekit.routing._kernels")]:
         del sys.modules[name]
+    if "moekit.routing.fused" in sys.modules:
+        sys.modules["moekit.routing.fused"].clear_launch_caches()  # bound launches hold the kernels of before
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,6 +49,9 @@ def fused():
 def wide_blocks(fused, monkeypatch):
     """Many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)."""
     monkeypatch.setattr(fused, "_ELEMENTS_PER_PROGRAM", 8192)
+    fused.clear_launch_caches()  # a bound launch keeps the BLOCK_M it was bound with
+    yield
+    fused.clear_launch_caches()
 
 
 def _cfg(**kw) -> MoEConfig:

@@ -224,3 +224,53 @@ def test_workspace_pool_reuses_per_device_and_grows(interpreter):
     huge = WorkspaceSpec.of([("y", torch.float32, (1 << 15,))])  # 128 KiB > max_bytes: never kept
     a, b = pool.buffers(huge, cpu)["y"], pool.buffers(huge, cpu)["y"]
     assert a.data_ptr() != b.data_ptr() and len(pool) == 2
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_router_bound_launch_equals_kernel_grid_and_route(monkeypatch, shared):
+    """The fused router's eager path (a ``BoundLaunch`` per kind of call) hands the kernel what
+    ``kernel[grid](...)`` gets (the custom op's path) and routes as ``route``; the binding is kept per
+    (M, pointer facts) and its launcher is called from the second call on."""
+    from _triton_helpers import LaunchLog
+    from moekit import MoEConfig, route
+    from moekit.routing import append_shared_slots, fused
+
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=16, top_k=4, scoring="sigmoid", n_group=4,
+                    topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=16 if shared else 0,
+                    shared_expert_gate=shared)
+    log = LaunchLog(fused.kernels)
+    monkeypatch.setattr(fused, "kernels", log)
+    fused.clear_launch_caches()
+    router, plan = fused.FusedRouter(cfg), fused._plan_of(cfg, cfg.num_shared_slots if shared else 0)
+    bias = torch.randn(16) * 0.1
+    for seed, m in ((0, 3), (1, 3), (2, 5)):
+        g = torch.Generator().manual_seed(seed)
+        logits, gate = torch.randn(m, 16, generator=g), (torch.randn(m, 1, generator=g) if shared else None)
+        got = router(logits, bias, gate, append_shared=shared)
+        ids, weights, _ = fused._launch(plan, logits, bias, gate)
+        bound_args, grid_args = log.take()
+        assert {k: v for k, v in bound_args[1].items() if not torch.is_tensor(v)} == \
+            {k: v for k, v in grid_args[1].items() if not torch.is_tensor(v)}
+        assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
+        ref = route(logits, cfg, bias)
+        ref = append_shared_slots(ref, cfg, gate) if shared else ref
+        assert torch.equal(got.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(got.topk_weights, ref.topk_weights, rtol=2e-6, atol=1e-7)
+    bound = list(fused._BOUND.values())
+    assert len(bound) == 2 and all(b.launch._launcher is not None for b in bound)  # M=3 bound once, reused
+    fused.clear_launch_caches()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, running the kernel, on the NaN row
+def test_fused_router_flag_is_reset_after_a_nonfinite_error():
+    """A kept ``ok`` flag that a bad call cleared must not fail the next, finite call."""
+    from moekit import MoEConfig
+    from moekit.routing import fused
+
+    router = fused.FusedRouter(MoEConfig(hidden_size=8, moe_intermediate_size=8, num_experts=8, top_k=2))
+    logits = torch.randn(2, 8)
+    bad = logits.clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        router(bad)
+    assert router(logits).topk_ids.shape == (2, 2)

@@ -30,6 +30,7 @@ from typing import Literal, Optional
 import torch
 
 from moekit.config import MoEConfig
+from moekit.experts.triton_launch import BoundLaunch
 from moekit.routing.route import Routing, check_bias, route
 from moekit.routing.shared import append_shared_slots
 
@@ -47,6 +48,7 @@ MAX_GROUPS = 64
 # cross-warp reductions go through shared memory with a barrier each; one warp is kept.
 _ELEMENTS_PER_PROGRAM = 128
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound (~1 KB each); the oldest goes first
 
 
 def interpreting() -> bool:
@@ -128,9 +130,25 @@ def _launch_options(device: torch.device) -> dict:
     return dict(PRECISE=precise, PDL=pdl, launch_pdl=pdl, enable_reflect_ftz=False, num_warps=1)
 
 
+def kernels(name: str):
+    """The kernel module ``moekit.routing._kernels.<name>``, imported on first use: Triton decides at
+    decoration time whether a kernel is compiled or interpreted."""
+    return importlib.import_module(f"moekit.routing._kernels.{name}")
+
+
+def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits) -> tuple[tuple, tuple, dict]:
+    """(grid, scalar arguments, constexprs and launch options) of one launch: all fixed for a kind of call."""
+    block_m, programs = plan.launch_shape(logits.shape[0])
+    scalars = (logits.shape[0], logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
+               0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
+    constexprs = dict(**plan.constexprs, TOP2=plan.top2 and bias is not None, HAS_BIAS=bias is not None,
+                      HAS_GATE=gate_logits is not None, BLOCK_M=block_m, **_launch_options(logits.device))
+    return (programs,), scalars, constexprs
+
+
 def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
-    """The kernel, launched (arguments already checked) -> (ids [M, k+S], weights [M, k+S], ok).
-    ok: [1] int32, 1 unless a logit is NaN or infinite, when check_finite; else [0]."""
+    """The kernel through ``kernel[grid]`` (the custom op's path; arguments already checked) -> (ids [M, k+S],
+    weights [M, k+S], ok). ok: [1] int32, 1 unless a logit is NaN or infinite, when check_finite; else [0]."""
     num_tokens = logits.shape[0]
     device = logits.device
     ids = torch.empty(num_tokens, plan.num_slots, dtype=torch.int32, device=device)  # [M, k+S]
@@ -138,17 +156,66 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
     ok = torch.ones(1 if plan.check_finite else 0, dtype=torch.int32, device=device)  # [1] or [0]
     if num_tokens == 0:
         return ids, weights, ok
-    block_m, programs = plan.launch_shape(num_tokens)
-    kernel = importlib.import_module("moekit.routing._kernels.route_kernel").route_kernel
-    kernel[(programs,)](
+    grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits)
+    kernels("route_kernel").route_kernel[grid](
         logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits, ids, weights,
-        ids if ok.numel() == 0 else ok,
-        num_tokens, logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
-        0 if gate_logits is None else gate_logits.stride(0), plan.scaling,
-        **plan.constexprs, TOP2=plan.top2 and bias is not None,
-        HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, BLOCK_M=block_m, **_launch_options(device),
+        ids if ok.numel() == 0 else ok, *scalars, **constexprs,
     )
     return ids, weights, ok
+
+
+class _BoundRoute:
+    """One kind of eager call (plan, M, the pointers' dtypes, strides, 16-byte alignment, device), decided
+    on its first call: the bound launch (``BoundLaunch``: after its first call the compiled kernel's own
+    launcher, without Triton's binder), the output sizes, and with check_finite a flag of its own."""
+
+    __slots__ = ("launch", "shape", "device", "ok")
+
+    def __init__(self, plan: _Plan, logits: torch.Tensor, bias, gate_logits) -> None:
+        self.shape, self.device = (logits.shape[0], plan.num_slots), logits.device  # [M, k+S]
+        self.launch = None
+        if logits.shape[0]:
+            grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits)
+            self.launch = BoundLaunch(kernels("route_kernel").route_kernel, grid, 6, scalars, True, **constexprs)
+        # The kernel only ever clears the flag, on a non-finite logit; that is a device-side assert, fatal
+        # to the CUDA context, and on the CPU ``_assert_finite`` sets it back before raising. So one flag
+        # serves every call of this kind, instead of an allocation and a fill per call.
+        self.ok = torch.ones(1, dtype=torch.int32, device=self.device) if plan.check_finite else None  # [1]
+
+    def __call__(self, logits: torch.Tensor, bias, gate_logits):
+        ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
+        weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
+        ok = self.ok
+        if self.launch is not None:
+            self.launch(logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits,
+                        ids, weights, ids if ok is None else ok)
+        return ids, weights, ok
+
+
+# (plan, M, pointer facts, device) -> its bound launch; a plan is cached per config, compared by identity.
+_BOUND: dict[tuple, _BoundRoute] = {}
+
+
+def clear_launch_caches() -> None:
+    """Drop the bound launches of eager calls (they hold the kernel they were bound to)."""
+    _BOUND.clear()
+
+
+def _pointer_key(t: torch.Tensor | None):
+    """What Triton specialises a pointer argument on, beyond the plan: dtype, leading stride, alignment."""
+    return None if t is None else (t.dtype, t.stride(0), t.data_ptr() % 16 == 0)
+
+
+def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
+    """``_launch`` for eager calls: the same kernel and arguments, decided once per kind of call."""
+    key = (plan, logits.shape[0], logits.dtype, logits.stride(), logits.data_ptr() % 16 == 0, logits.device,
+           _pointer_key(bias), _pointer_key(gate_logits))
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.pop(next(iter(_BOUND)))
+        bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits)
+    return bound(logits, bias, gate_logits)
 
 
 @torch.library.custom_op("moekit::route_fused", mutates_args=())
@@ -175,6 +242,7 @@ def _assert_finite(ok: torch.Tensor, logits: torch.Tensor) -> None:
     if logits.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(ok, "router_logits contains NaN or infinite values")
     elif not bool(ok):
+        ok.fill_(1)  # a flag kept for the next call (``_BoundRoute``) starts from "all finite" again
         bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()
         raise ValueError(
             f"router_logits contains NaN or infinite values (first bad token rows: {bad}); "
@@ -214,8 +282,8 @@ class FusedRouter:
         if torch.compiler.is_compiling():
             ids, weights, ok = torch.ops.moekit.route_fused(
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k)
-        else:  # eager: the launch itself, without the custom op's dispatch (host time is the point here)
-            ids, weights, ok = _launch(plan, logits, correction_bias, gate)
+        else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
+            ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate)
         if plan.check_finite and logits.shape[0]:
             _assert_finite(ok, logits)
         # With nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
