@@ -45,13 +45,7 @@ def fused():
     _purge_kernels()
 
 
-@pytest.fixture
-def wide_blocks(fused, monkeypatch):
-    """Many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)."""
-    monkeypatch.setattr(fused, "_ELEMENTS_PER_PROGRAM", 8192)
-    fused.clear_launch_caches()  # a bound launch keeps the BLOCK_M it was bound with
-    yield
-    fused.clear_launch_caches()
+WIDE = 8192  # elements per program for many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)
 
 
 def _cfg(**kw) -> MoEConfig:
@@ -123,8 +117,9 @@ def _problem(cfg, m, seed=0):
     return logits, bias
 
 
-def _check(fused, logits, cfg, bias=None, against_route=True):
-    got = fused.route_fused(logits, cfg, bias)
+def _check(fused, logits, cfg, bias=None, against_route=True, elements_per_program=None):
+    options = {} if elements_per_program is None else dict(elements_per_program=elements_per_program)
+    got = fused.route_fused(logits, cfg, bias, **options)
     assert got.topk_ids.dtype == torch.int32 and got.topk_weights.dtype == torch.float32
     ids, weights = loop_route(logits, cfg, bias)
     assert torch.equal(got.topk_ids, ids)
@@ -149,10 +144,10 @@ def test_matches_route_and_loop(fused, name, m):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_route_and_loop_many_rows_per_program(fused, wide_blocks, name):
+def test_matches_route_and_loop_many_rows_per_program(fused, name):
     cfg = CONFIGS[name]
     logits, bias = _problem(cfg, 64, seed=64)
-    _check(fused, logits, cfg, bias)
+    _check(fused, logits, cfg, bias, elements_per_program=WIDE)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -164,12 +159,12 @@ def test_grouped_sigmoid_variants(fused, renormalize, use_bias):
     _check(fused, torch.randn(9, 16, generator=g) * 2, cfg, bias)
 
 
-def test_low_precision_and_strided_logits(fused, wide_blocks):
+def test_low_precision_and_strided_logits(fused):
     logits, _ = _problem(QWEN3, 5, seed=3)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
-        _check(fused, logits.to(dtype), QWEN3)
+        _check(fused, logits.to(dtype), QWEN3, elements_per_program=WIDE)
     wide = torch.randn(2 * QWEN3.num_experts, 5).t()  # [5, E] with stride (1, 5)
-    _check(fused, wide[:, ::2], QWEN3)
+    _check(fused, wide[:, ::2], QWEN3, elements_per_program=WIDE)
 
 
 def test_sigmoid_underflow_stays_finite(fused):
@@ -333,7 +328,7 @@ def test_router_choice(fused, monkeypatch):
 def test_opcheck(fused):
     logits, bias = _problem(SMALL_GROUPED, 3)
     op = torch.ops.moekit.route_fused
-    torch.library.opcheck(op, (logits[:, :8], None, torch.randn(3, 1), 2, 1, 1, False, False, 1.0, True, 1))
+    torch.library.opcheck(op, (logits[:, :8], None, torch.randn(3, 1), 2, 1, 1, False, False, 1.0, True, 1, 128))
 
 
 def test_compiles_fullgraph(fused):

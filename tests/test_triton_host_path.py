@@ -241,7 +241,7 @@ def test_fused_router_bound_launch_equals_kernel_grid_and_route(monkeypatch, sha
     log = LaunchLog(fused.kernels)
     monkeypatch.setattr(fused, "kernels", log)
     fused.clear_launch_caches()
-    router, plan = fused.FusedRouter(cfg), fused._plan_of(cfg, cfg.num_shared_slots if shared else 0)
+    router, plan = fused.FusedRouter(cfg), fused._plan_of(cfg, cfg.num_shared_slots if shared else 0, fused.ELEMENTS_PER_PROGRAM)
     bias = torch.randn(16) * 0.1
     for seed, m in ((0, 3), (1, 3), (2, 5)):
         g = torch.Generator().manual_seed(seed)

@@ -46,7 +46,7 @@ MAX_GROUPS = 64
 # rows per warp only pay where a row is narrower than the warp: Mixtral's 8 columns, 4 rows: 199
 # instructions against 174 for one. Two warps on one E=512 row: 889 instructions against 1236, but the
 # cross-warp reductions go through shared memory with a barrier each; one warp is kept.
-_ELEMENTS_PER_PROGRAM = 128
+ELEMENTS_PER_PROGRAM = 128  # the default of FusedRouter(elements_per_program=)
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound (~1 KB each); the oldest goes first
 
@@ -85,16 +85,12 @@ class _Plan:
     cols: int  # C = G_PAD * P_PAD: tile columns per row
     check_finite: bool  # nonfinite="raise"
     scaling: float  # routed_scaling_factor
-
-    def launch_shape(self, num_tokens: int) -> tuple[int, int]:
-        """(BLOCK_M, programs) for M tokens."""
-        block_m = max(1, _ELEMENTS_PER_PROGRAM // self.cols)
-        return block_m, -(-num_tokens // block_m)
+    block_m: int  # BM: rows per program, max(1, elements_per_program // C)
 
 
 @functools.lru_cache(maxsize=None)
 def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
-          scaling: float, check_finite: bool, num_shared: int) -> _Plan:
+          scaling: float, check_finite: bool, num_shared: int, elements_per_program: int) -> _Plan:
     # topk_group == n_group keeps every group: plain top-k over one flat row of next_pow2(E) columns.
     grouped = n_group > 1 and topk_group < n_group
     groups = n_group if grouped else 1
@@ -106,12 +102,14 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
         GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite,
     )
     return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared, cols=g_pad * p_pad,
-                 check_finite=check_finite, scaling=float(scaling))
+                 check_finite=check_finite, scaling=float(scaling),
+                 block_m=max(1, elements_per_program // (g_pad * p_pad)))
 
 
-def _plan_of(config: MoEConfig, num_shared: int) -> _Plan:
+def _plan_of(config: MoEConfig, num_shared: int, elements_per_program: int) -> _Plan:
     return _plan(config.num_experts, config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
-                 config.renormalize, config.routed_scaling_factor, config.nonfinite == "raise", num_shared)
+                 config.renormalize, config.routed_scaling_factor, config.nonfinite == "raise", num_shared,
+                 elements_per_program)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +136,7 @@ def kernels(name: str):
 
 def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits) -> tuple[tuple, tuple, dict]:
     """(grid, scalar arguments, constexprs and launch options) of one launch: all fixed for a kind of call."""
-    block_m, programs = plan.launch_shape(logits.shape[0])
+    block_m, programs = plan.block_m, -(-logits.shape[0] // plan.block_m)
     scalars = (logits.shape[0], logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
                0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
     constexprs = dict(**plan.constexprs, TOP2=plan.top2 and bias is not None, HAS_BIAS=bias is not None,
@@ -222,15 +220,16 @@ def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, 
 def _route_op(
     logits: torch.Tensor, bias: Optional[torch.Tensor], gate_logits: Optional[torch.Tensor], top_k: int,
     n_group: int, topk_group: int, sigmoid: bool, renormalize: bool, scaling: float, check_finite: bool,
-    num_shared: int,
+    num_shared: int, elements_per_program: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared)
+    plan = _plan(logits.shape[1], top_k, n_group, topk_group, sigmoid, renormalize, scaling, check_finite, num_shared,
+                 elements_per_program)
     return _launch(plan, logits, bias, gate_logits)
 
 
 @_route_op.register_fake
 def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, renormalize, scaling,
-                check_finite, num_shared):
+                check_finite, num_shared, elements_per_program):
     num_tokens, slots = logits.shape[0], top_k + num_shared
     return (logits.new_empty(num_tokens, slots, dtype=torch.int32), logits.new_empty(num_tokens, slots, dtype=torch.float32),
             logits.new_empty(1 if check_finite else 0, dtype=torch.int32))
@@ -258,14 +257,18 @@ class FusedRouter:
     exactly as ``append_shared_slots`` appends them (``shared_gate_logits`` for a gated shared expert).
     """
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM) -> None:
+        """``elements_per_program``: tile elements one program holds (rows = this // padded row width); the
+        default is what the sm_90 instruction counts above chose, tests raise it to run fewer programs."""
         if not supports(config):
             raise ValueError(f"the fused router supports num_experts <= {MAX_EXPERTS}, top_k + shared slots <= "
                              f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; got {config.num_experts}, "
                              f"{config.top_k} + {config.num_shared_slots}, {config.n_group}")
         self.config = config
         slots = config.num_shared_slots
-        self._plans = (_plan_of(config, 0), _plan_of(config, slots) if slots else None)
+        self._plans = (_plan_of(config, 0, elements_per_program),
+                       _plan_of(config, slots, elements_per_program) if slots else None)
+        self._elements_per_program = elements_per_program
         self._op_args = (config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
                          config.renormalize, float(config.routed_scaling_factor), config.nonfinite == "raise")
         self._bias_checked: tuple[int, int] | None = None  # (id, _version) of the last bias that passed
@@ -281,7 +284,8 @@ class FusedRouter:
         gate = self._check_gate(logits, shared_gate_logits) if append_shared else None
         if torch.compiler.is_compiling():
             ids, weights, ok = torch.ops.moekit.route_fused(
-                logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k)
+                logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
+                self._elements_per_program)
         else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
             ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate)
         if plan.check_finite and logits.shape[0]:
@@ -328,14 +332,15 @@ class FusedRouter:
 
 
 @functools.lru_cache(maxsize=None)
-def _router_of(config: MoEConfig) -> FusedRouter:
-    return FusedRouter(config)
+def _router_of(config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM) -> FusedRouter:
+    return FusedRouter(config, elements_per_program)
 
 
-def route_fused(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch.Tensor | None = None) -> Routing:
+def route_fused(router_logits: torch.Tensor, config: MoEConfig, correction_bias: torch.Tensor | None = None, *,
+                elements_per_program: int = ELEMENTS_PER_PROGRAM) -> Routing:
     """``route`` on the fused kernel: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (tests). Hot paths
     should hold a ``FusedRouter`` (``fused_router``) and skip this function's lookup by config."""
-    return _router_of(config)(router_logits, correction_bias)
+    return _router_of(config, elements_per_program)(router_logits, correction_bias)
 
 
 def fused_router(config: MoEConfig, device: torch.device | str, choice: RouterChoice = "auto") -> FusedRouter | None:
