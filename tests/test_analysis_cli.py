@@ -6,11 +6,14 @@ import time
 import tracemalloc
 
 import pytest
+from rich.console import Console
 
 from moekit.analysis.formats import get_format
-from moekit.analysis.gpus import get_gpu
+from moekit.analysis.gpus import GpuSpec, get_gpu
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
+from moekit.bench.layer_measure import MeasuredRow, Measurement, graph_within_target
 from moekit.cli import main
+from moekit.cli._analyze_tables import print_measurement
 from moekit.config import MoEConfig
 from moekit.presets import hf_config_of_preset
 
@@ -119,6 +122,10 @@ def test_measure_tiny(tmp_path, capsys):
     assert measured["scale"] == 1 and measured["hidden_size"] == 64
     for row in measured["rows"]:
         assert row["time_s"] > 0 and row["predicted_time_s"] > 0
+        assert row["graph_s"] is None and row["eager_s"] > 0 and row["host_s"] > 0  # the CPU: no graph
+        assert row["time_s"] == row["eager_s"] and row["host_s"] == row["eager_s"]  # one wall clock on the CPU
+        assert row["graph_over_floor"] is None and row["graph_within_target"] is None
+        assert row["eager_over_floor"] == pytest.approx(row["eager_s"] / row["predicted_time_s"])
         assert row["spread_pct"] >= 0 and isinstance(row["noisy"], bool)
         assert 1 <= row["experts_touched"] <= 8
         assert row["predicted_experts_touched"] <= 8 and row["skew_experts_touched"] <= 8
@@ -146,3 +153,38 @@ def test_expert_load(capsys, tmp_path):
     assert pinned["half_batch"] is None and pinned["routing"].startswith("measured load")
     path.write_text(json.dumps([1, 2, 3]))
     assert "list of 8" in cli_error(capsys, ["analyze", *TINY, "--expert-load", str(path)])
+
+
+def test_graph_target_is_judged_for_memory_bound_batches_only():
+    assert graph_within_target(256, 1.15e-3, 1e-3) is True
+    assert graph_within_target(8, 1.2e-3, 1e-3) is False
+    assert graph_within_target(512, 1.0e-3, 1e-3) is None  # past B = 256 the GEMMs count: not judged
+    assert graph_within_target(8, "RuntimeError: capture failed", 1e-3) is None
+    assert graph_within_target(8, None, 1e-3) is None  # the CPU
+
+
+def measured_row(batch: int, graph_s, floor_s: float = 1e-4) -> MeasuredRow:
+    number = graph_s if isinstance(graph_s, float) else None
+    return MeasuredRow(batch, 3e-4, 25.0, True, graph_s, 3e-4, 2e-4, floor_s,
+                       None if number is None else number / floor_s, 3e-4 / floor_s,
+                       graph_within_target(batch, graph_s, floor_s), 2, 2.0, 2.0, {16: 16.0, 128: 128.0},
+                       {16: 16.0, 128: 128.0})
+
+
+def test_measured_times_table_shows_graph_eager_host_and_the_verdict():
+    ceilings = GpuSpec("cuda (measured)", 4.0, 140.0, {"bfloat16": 700.0}, "measured in this run")
+    rows = [measured_row(1, 1.1e-4), measured_row(64, 1.9e-4), measured_row(4096, 1.0e-4, 2e-5),
+            measured_row(128, "RuntimeError: operation not permitted when stream is capturing")]
+    m = Measurement("NVIDIA H200", "triton", "bfloat16", 7168, 2048, 1, "routed experts only", ceilings, rows)
+    console = Console(width=300, record=True)
+    print_measurement(m, console)
+    text = console.export_text()
+    lines = text.splitlines()
+    table = lines[:lines.index(next(line for line in lines if line.startswith("graph: CUDA-graph")))]
+    assert max(len(line.rstrip()) for line in table) <= 120
+    by_batch = {line.split()[1]: line for line in table if line.startswith("│")}
+    assert "110 µs" in by_batch["1"] and by_batch["1"].rstrip(" │").endswith("met")
+    assert by_batch["64"].rstrip(" │").endswith("MISSED") and "1.9" in by_batch["64"]
+    assert "MISSED" not in by_batch["4,096"] and "met" not in by_batch["4,096"] and "5 " in by_batch["4,096"]
+    assert "failed" in by_batch["128"]
+    assert "graph capture failed at B=128: RuntimeError: operation not permitted" in text

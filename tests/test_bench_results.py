@@ -43,6 +43,7 @@ def test_timing_reports_median_and_spread():
     assert stats.repeats >= 5 and stats.min_us <= stats.us <= stats.max_us and stats.spread_pct >= 0
     eager = time_eager([lambda: a @ a], torch.device("cpu"), calls=4, repeats=3)
     assert eager.eager_us > 0 and 0 < eager.host_us <= eager.eager_us
+    assert eager.spread_pct >= 0 and isinstance(eager.noisy, bool)
 
 
 def test_results_are_never_overwritten(tmp_path, fixed_ceilings, capsys):

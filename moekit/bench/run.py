@@ -111,7 +111,7 @@ def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, gr
             graph = False
     timing = timing or time_stats(calls, device, graph=False)
     if device.type != "cuda":  # the host does the work: eager, host and the timing are one wall clock
-        return BackendTiming(timing, EagerTiming(timing.us, timing.us), False)
+        return BackendTiming(timing, EagerTiming(timing.us, timing.us, timing.spread_pct), False)
     return BackendTiming(timing, time_eager(calls, device), graph)
 
 

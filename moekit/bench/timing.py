@@ -70,6 +70,12 @@ class EagerTiming:
 
     eager_us: float  # wall time of the loop, final sync included, per call
     host_us: float  # wall time to issue the loop (before the final sync), per call: the host cost
+    spread_pct: float  # interquartile range of the loops' eager times / eager_us * 100; >= 0
+
+    @property
+    def noisy(self) -> bool:
+        """The loops disagree by more than NOISY_SPREAD_PCT: treat ``eager_us`` with care."""
+        return self.spread_pct > NOISY_SPREAD_PCT
 
 
 def time_stats(fns: list[Callable[[], object]], device: torch.device, *, graph: bool = False,
@@ -106,7 +112,8 @@ def time_eager(fns: list[Callable[[], object]], device: torch.device, *, calls: 
         t_done = time.perf_counter()
         host.append((t_issued - t0) / len(sequence) * 1e6)
         eager.append((t_done - t0) / len(sequence) * 1e6)
-    return EagerTiming(statistics.median(eager), statistics.median(host))
+    loops = Timing.from_samples(eager)
+    return EagerTiming(loops.us, statistics.median(host), loops.spread_pct)
 
 
 def _sync(device: torch.device) -> None:

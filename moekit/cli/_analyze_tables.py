@@ -7,7 +7,7 @@ from rich.table import Table
 
 from moekit.analysis.memory import GB
 from moekit.analysis.report import PADDING_BLOCKS, Report
-from moekit.bench.layer_measure import Measurement
+from moekit.bench.layer_measure import GRAPH_FLOOR_TARGET, MEMORY_BOUND_MAX_BATCH, Measurement
 
 
 def print_report(report: Report, console: Console) -> None:
@@ -98,31 +98,45 @@ def _memory_table(report: Report) -> Table:
 
 
 def print_measurement(m: Measurement, console: Console) -> None:
-    times = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
-                        f"K={m.hidden_size}, N={m.moe_intermediate_size}",
-                  caption="time: median of >= 5 passes, ±: their interquartile range over the median "
-                          "(noisy: a busy machine); floor: the byte model on this device's ceilings, measured "
-                          "in the same run")
-    for col in ("batch", "time", "±", "floor", "time / floor"):
-        times.add_column(col, justify="right", no_wrap=True)
+    console.print(_measured_times_table(m))
     routing = Table(title="Measured routing vs predicted",
                     caption="touched: predicted for uniform routing and for this router's measured load; "
                             "pad: padded / real rows at block 16 and 128")
     for col in ("batch", "touched", "uniform", "load", "pad16", "pred", "pad128", "pred"):
         routing.add_column(col, justify="right", no_wrap=True)
     for r in m.rows:
-        spread = f"{r.spread_pct:.0f}%" + (" noisy" if r.noisy else "")
-        times.add_row(f"{r.batch:,}", _seconds(r.time_s), spread, _seconds(r.predicted_time_s),
-                      f"{r.time_s / r.predicted_time_s:.3g}")
         routing.add_row(
             f"{r.batch:,}", f"{r.experts_touched}", f"{r.predicted_experts_touched:.1f}",
             f"{r.skew_experts_touched:.1f}", f"{r.padding[16]:.3g}", f"{r.predicted_padding[16]:.3g}",
             f"{r.padding[128]:.3g}", f"{r.predicted_padding[128]:.3g}",
         )
-    console.print(times)
     console.print(routing)
+    for r in m.rows:
+        if isinstance(r.graph_s, str):
+            console.print(f"[yellow]graph capture failed at B={r.batch:,}: {r.graph_s}[/]")
     console.print(f"[dim]{m.note}. Ceilings {m.ceilings.source}: {m.ceilings.bandwidth_tb_s * 1e3:,.1f} GB/s, "
                   f"{next(iter(m.ceilings.dense_tflops.values())):,.2f} TFLOP/s.[/]")
+
+
+def _measured_times_table(m: Measurement) -> Table:
+    """One row per batch: graph replay, eager and host times beside the floor, and the issue's verdict."""
+    times = Table(title=f"Measured: one layer on {m.device}, {m.backend} backend, {m.dtype}, "
+                        f"K={m.hidden_size}, N={m.moe_intermediate_size}",
+                  caption=f"graph: CUDA-graph replay (-: none on the CPU; failed: see below); eager: back-to-back "
+                          f"forwards, one sync; host: issue time per forward; ±: eager passes' interquartile "
+                          f"range / median; floor: byte model on this device's ceilings, measured in this run; "
+                          f"target: graph <= {GRAPH_FLOOR_TARGET} x floor, judged for B <= {MEMORY_BOUND_MAX_BATCH}",
+                  caption_justify="left")
+    for col in ("batch", "graph", "eager", "host", "±", "floor", "graph/floor", "eager/floor", "target"):
+        times.add_column(col, justify="right", no_wrap=True)
+    for r in m.rows:
+        graph = "-" if r.graph_s is None else "failed" if isinstance(r.graph_s, str) else _seconds(r.graph_s)
+        ratio = "-" if r.graph_over_floor is None else f"{r.graph_over_floor:.3g}"
+        verdict = {None: "", True: "met", False: "MISSED"}[r.graph_within_target]
+        spread = f"{r.spread_pct:.0f}%" + (" noisy" if r.noisy else "")
+        times.add_row(f"{r.batch:,}", graph, _seconds(r.eager_s), _seconds(r.host_s), spread,
+                      _seconds(r.predicted_time_s), ratio, f"{r.eager_over_floor:.3g}", verdict)
+    return times
 
 
 def _seconds(s: float) -> str:
