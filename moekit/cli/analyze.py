@@ -194,6 +194,8 @@ def _print_tables(report, measurement) -> None:
     from moekit.cli._analyze_tables import print_measurement, print_report
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: rich would fall back to 80 columns and cut cells
+        console = Console(width=120)
     print_report(report, console)
     if measurement:
         print_measurement(measurement, console)
