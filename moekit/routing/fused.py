@@ -31,7 +31,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.experts.triton_launch import BoundLaunch
-from moekit.routing.route import Routing, check_bias, route
+from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.shared import append_shared_slots
 
 RouterChoice = Literal["auto", "torch", "fused"]
@@ -236,17 +236,13 @@ def _route_fake(logits, bias, gate_logits, top_k, n_group, topk_group, sigmoid, 
 
 
 def _assert_finite(ok: torch.Tensor, logits: torch.Tensor) -> None:
-    """route's nonfinite="raise" contract: a device-side assert on the GPU (no host sync), a ValueError
-    naming the bad rows on the CPU."""
-    if logits.device.type != "cpu" or torch.compiler.is_compiling():
-        torch._assert_async(ok, "router_logits contains NaN or infinite values")
-    elif not bool(ok):
-        ok.fill_(1)  # a flag kept for the next call (``_BoundRoute``) starts from "all finite" again
-        bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()
-        raise ValueError(
-            f"router_logits contains NaN or infinite values (first bad token rows: {bad}); "
-            "pass MoEConfig(nonfinite='mask') to mask those experts instead"
-        )
+    """route's nonfinite="raise" contract on the kernel's flag ``ok`` [] (cleared where a logit is not
+    finite); a flag kept for the next call (``_BoundRoute``) starts from "all finite" again."""
+    try:
+        assert_logits_finite(ok, logits)
+    except ValueError:
+        ok.fill_(1)
+        raise
 
 
 class FusedRouter:

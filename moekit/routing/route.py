@@ -126,10 +126,15 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
     logits = router_logits.float()  # [M, E]
     if config.nonfinite != "raise" or logits.numel() == 0:
         return logits
-    all_finite = torch.isfinite(logits).all()
+    assert_logits_finite(torch.isfinite(logits).all(), logits)
+    return logits
+
+
+def assert_logits_finite(all_finite: torch.Tensor, logits: torch.Tensor) -> None:
+    """The ``nonfinite="raise"`` contract, given the flag [] bool: a device-side assert on the GPU and
+    while compiling (no host sync, so the path stays CUDA-graph capturable and traces whole), a
+    ``ValueError`` naming the first bad token rows on the CPU."""
     if logits.device.type != "cpu" or torch.compiler.is_compiling():
-        # A device-side assert: no host sync on the GPU path, so it stays CUDA-graph capturable and
-        # torch.compile(fullgraph=True) traces it.
         torch._assert_async(all_finite, "router_logits contains NaN or infinite values")
     elif not bool(all_finite):
         bad = (~torch.isfinite(logits)).any(dim=1).nonzero()[:5, 0].tolist()
@@ -137,7 +142,6 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
             f"router_logits contains NaN or infinite values (first bad token rows: {bad}); "
             "pass MoEConfig(nonfinite='mask') to mask those experts instead"
         )
-    return logits
 
 
 def check_bias(bias: torch.Tensor | None, config: MoEConfig, device: torch.device) -> torch.Tensor | None:
