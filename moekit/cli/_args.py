@@ -64,14 +64,19 @@ class ListOption(argparse.Action):
         setattr(namespace, self.dest, [*current, *items] if given_before else items)
 
 
-def positive_int(text: str) -> int:
+def _int_in(text: str, low: int, high: int, expected: str) -> int:
+    """``text`` as an integer in [low, high], or an ``ArgumentTypeError`` saying what was ``expected``."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+        value = low - 1
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_in(text, 1, sys.maxsize, "a positive integer")
 
 
 def positive_float(text: str) -> float:
@@ -86,13 +91,7 @@ def positive_float(text: str) -> float:
 
 def seed_arg(text: str) -> int:
     """A seed torch accepts: an integer in [0, 2^63)."""
-    try:
-        seed = int(text)
-    except ValueError:
-        seed = -1
-    if not 0 <= seed < 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2^63), got {text!r}")
-    return seed
+    return _int_in(text, 0, 2**63 - 1, "an integer in [0, 2^63)")
 
 
 def device_arg(text: str) -> str:
@@ -114,13 +113,7 @@ def device_arg(text: str) -> str:
 
 
 def port_arg(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number in [0, 65535] (0 picks a free one), got {text!r}")
-    return port
+    return _int_in(text, 0, 65535, "a port number in [0, 65535] (0 picks a free one)")
 
 
 def writable_file(path: Path) -> None:
