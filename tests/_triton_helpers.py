@@ -10,13 +10,15 @@ import sys
 import pytest
 
 
-def purge_kernels() -> None:
-    """Triton decides compiled vs interpreted when a kernel is decorated: drop the kernel modules so the
-    next use re-imports them under the current setting, and the plans that hold the kernels of before."""
-    for name in [m for m in sys.modules if m == "moekit.experts._kernels" or m.startswith("moekit.experts._kernels.")]:
+def purge_kernels(package: str = "moekit.experts", launcher: str = "moekit.experts.triton") -> None:
+    """Triton decides compiled vs interpreted when a kernel is decorated: drop ``package``'s kernel
+    modules so the next use re-imports them under the current setting, and ``launcher``'s kept launches,
+    which hold the kernels of before."""
+    kernels = f"{package}._kernels"
+    for name in [m for m in sys.modules if m == kernels or m.startswith(kernels + ".")]:
         del sys.modules[name]
-    if "moekit.experts.triton" in sys.modules:
-        sys.modules["moekit.experts.triton"].clear_launch_caches()
+    if launcher in sys.modules:
+        sys.modules[launcher].clear_launch_caches()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,11 +12,11 @@ programmatic dependent launch, the device-side assert, CUDA graphs, timing.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
+from _triton_helpers import purge_kernels
 from moekit import MoEConfig, route
 from moekit.routing import append_shared_slots
 
@@ -27,11 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
 def _purge_kernels():
-    # Triton decides compiled vs interpreted when a kernel is decorated: re-import under the setting.
-    for name in [m for m in sys.modules if m.startswith("moekit.routing._kernels")]:
-        del sys.modules[name]
-    if "moekit.routing.fused" in sys.modules:
-        sys.modules["moekit.routing.fused"].clear_launch_caches()  # bound launches hold the kernels of before
+    purge_kernels("moekit.routing", "moekit.routing.fused")
 
 
 @pytest.fixture(scope="module", autouse=True)
