@@ -31,7 +31,7 @@ LEVELS = {
     "offload": 3, "parallel": 3, "hf": 3,
     "<root>": 2, "layer": 2,  # ``import moekit`` runs moekit/__init__.py, which imports the layer
     "experts": 1, "quant": 1, "layouts": 1, "routing": 1, "losses": 1, "balance": 1,
-    "config": 0, "presets": 0, "activations": 0, "_checks": 0,
+    "config": 0, "presets": 0, "activations": 0, "_checks": 0, "triton_bind": 0,
     "analysis": 3,  # imported by bench and sim; itself imports only ANALYSIS_MAY_IMPORT
 }
 SAME_LEVEL_ALLOWED = {0, 1}

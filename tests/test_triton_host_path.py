@@ -20,7 +20,8 @@ from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.experts.configs import GemmTile, KernelConfig, config_file_name, write_configs  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
-from moekit.experts.triton_launch import BoundLaunch, LaunchOptions, kernels  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions, kernels  # noqa: E402
+from moekit.triton_bind import BoundLaunch  # noqa: E402
 
 POISON = LaunchOptions(poison_workspace=True)
 E, K, N = 8, 40, 24  # 16-byte weight rows in bf16: the TMA descriptor path runs

@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 
 from moekit.experts.triton_launch import (
-    ALIGN_CHUNK, BoundLaunch, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
+    ALIGN_CHUNK, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
 )
+from moekit.triton_bind import BoundLaunch
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, use_naive
 from moekit.layouts.grouping import max_padded_rows
 

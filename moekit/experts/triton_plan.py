@@ -25,8 +25,9 @@ from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, 
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
-    BoundLaunch, LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
+    LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
 )
+from moekit.triton_bind import BoundLaunch
 from moekit.layouts.block_aligned import use_naive
 from moekit.layouts.grouping import max_padded_rows
 
@@ -125,7 +126,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str, config, options: La
 def _gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
                    descriptors: bool, act: int, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
     """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions."""
-    (num_experts, two_n, hidden), n = w13.shape, w13.shape[1] // 2
+    (num_experts, _, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments = x.shape[0] * top_k
     up, down, gemm = config.up, config.down, kernels("gemm")
     shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,

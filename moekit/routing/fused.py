@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 
 from moekit.config import MoEConfig
-from moekit.experts.triton_launch import BoundLaunch
+from moekit.triton_bind import BoundLaunch, interpreting
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.shared import append_shared_slots
 
@@ -49,10 +48,6 @@ MAX_GROUPS = 64
 ELEMENTS_PER_PROGRAM = 128  # the default of FusedRouter(elements_per_program=)
 _LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound (~1 KB each); the oldest goes first
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def is_available(device: torch.device | str) -> bool:
