@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import weakref
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -262,7 +263,9 @@ class FusedRouter:
         self._elements_per_program = elements_per_program
         self._op_args = (config.top_k, config.n_group, config.topk_group, config.scoring == "sigmoid",
                          config.renormalize, float(config.routed_scaling_factor), config.nonfinite == "raise")
-        self._bias_checked: tuple[int, int] | None = None  # (id, _version) of the last bias that passed
+        # (a weak reference to the last bias that passed, its _version then): a weak reference, not id(),
+        # since a freed tensor's id is reused by the next one (a test caught an unchecked bias that way)
+        self._bias_checked: tuple[weakref.ref, int] | None = None
 
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
                  shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False) -> Routing:
@@ -307,10 +310,10 @@ class FusedRouter:
     def _check_bias(self, bias: torch.Tensor, device: torch.device) -> None:
         """route's bias checks (shape, device, dtype, finite values), run again only when the bias is a
         new tensor or was updated in place (its version moved): a buffer between updates costs nothing."""
-        key = (id(bias), getattr(bias, "_version", None))
-        if key != self._bias_checked:
-            check_bias(bias, self.config, device)
-            self._bias_checked = key
+        checked = self._bias_checked
+        if checked is None or checked[0]() is not bias or checked[1] != bias._version:
+            check_bias(bias, self.config, device)  # raises for a non-tensor before ._version is read below
+            self._bias_checked = (weakref.ref(bias), bias._version)
 
     def _check_gate(self, logits: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor | None:
         if not self.config.shared_expert_gate:
