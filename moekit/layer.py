@@ -33,7 +33,7 @@ from torch import nn
 
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
-from moekit.experts import ExpertsFn, backend_fn, call_backend, resolve_backend
+from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import act_and_mul
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
@@ -87,6 +87,10 @@ class MoE(nn.Module):
     ``capacity_factor=None`` is dropless (default). A number enables training-style dropping with
     ``drop_policy`` ("position" or "weight"); the dropped count is in the stats.
 
+    ``backend_options``: keyword arguments the chosen backend takes beyond the experts contract, bound
+    once (e.g. ``{"memory_budget_bytes": 2**28}`` for ``grouped_mm``'s layout choice and chunking);
+    a name the backend does not take is refused here.
+
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
@@ -97,6 +101,7 @@ class MoE(nn.Module):
         config: MoEConfig,
         *,
         backend: str = "auto",
+        backend_options: dict | None = None,
         fuse_shared: bool = True,
         capacity_factor: float | None = None,
         drop_policy: DropPolicy = "position",
@@ -129,6 +134,9 @@ class MoE(nn.Module):
         self.shared_w2 = nn.Parameter(torch.empty(k_dim, shared, **factory)) if shared else None
         self.shared_gate = nn.Linear(k_dim, 1, bias=False, **factory) if config.shared_expert_gate else None
         self.router = router  # resolves the router for the weights' device, like the backend
+        if backend_options is not None and not isinstance(backend_options, dict):
+            raise TypeError(f"backend_options must be a dict of keyword arguments, got {type(backend_options).__name__}")
+        self.backend_options = dict(backend_options or {})
         self.backend = backend  # resolves the backend function for the weights' device
         self.reset_parameters()
 
@@ -142,7 +150,7 @@ class MoE(nn.Module):
         # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
         # imports modules, which torch.compile(fullgraph=True) cannot trace.
         self._backend = name
-        self._experts_fn: ExpertsFn = backend_fn(name, self.w13.device)
+        self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device), self.backend_options)
 
     @property
     def router(self) -> str:
@@ -244,8 +252,9 @@ class MoE(nn.Module):
         backend = self.resolved_backend()
         if backend != "grouped_mm":
             return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
+        options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}
         plan = plan_grouped_mm(*routing.topk_ids.shape, self.w13.shape[0], self.w13.shape[2], self.w2.shape[2],
-                               self.w13.dtype, allow_sync=self.w13.device.type == "cpu")
+                               self.w13.dtype, allow_sync=self.w13.device.type == "cpu", **options)
         return plan.layout if plan.chunk_tokens >= routing.num_tokens else f"{plan.layout} in chunks of {plan.chunk_tokens}"
 
     def resolved_backend(self) -> str:

@@ -116,6 +116,24 @@ def test_layer_stats_name_the_layout():
     assert MoE(cfg, backend="reference")(torch.randn(5, K), return_stats=True).stats.layout == "per_expert_loop"
 
 
+def test_layer_backend_options_reach_the_backend():
+    """MoE(backend_options=) binds grouped_mm's memory budget: the layer then runs in chunks (its stats
+    say so) and still equals the float64 token loop; a name the backend does not take is refused."""
+    cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2)
+    torch.manual_seed(0)
+    layer = MoE(cfg, backend="grouped_mm", backend_options={"memory_budget_bytes": 5_000}, dtype=torch.float64)
+    x = torch.randn(40, K, dtype=torch.float64)
+    result = layer(x, return_stats=True)
+    assert "in chunks of" in result.stats.layout
+    routing = layer.route_tokens(x).routing
+    want = token_loop(x, layer.w13, layer.w2, routing.topk_ids, routing.topk_weights)
+    assert rel_err(result.out.detach(), want) < 1e-12
+    with pytest.raises(ValueError, match=r"backend_options \['budget'\].*experts_grouped_mm"):
+        MoE(cfg, backend="grouped_mm", backend_options={"budget": 1})
+    with pytest.raises(TypeError, match="backend_options must be a dict"):
+        MoE(cfg, backend_options=[("memory_budget_bytes", 1)])
+
+
 def test_weighted_inverses_equal_inverse_then_sum_and_skip_padding():
     x, _, _, ids, weights = problem(30, 3, seed=6)
     want = lambda rows: (rows.double() * weights[..., None].double()).sum(1)  # noqa: E731

@@ -16,7 +16,9 @@ runs once, in ``call_backend``); only a backend's own requirements (dtypes, acti
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Callable
 
 import torch
@@ -103,6 +105,19 @@ def run_experts(
     """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
     fn = backend_fn(backend, x.device)
     return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+
+
+def bind_options(fn: ExpertsFn, options: dict) -> ExpertsFn:
+    """``fn`` with backend-specific keyword ``options`` bound once (``functools.partial``, which
+    ``torch.compile`` traces); a name ``fn`` does not take raises here, naming it and what it takes."""
+    if not options:
+        return fn
+    contract = {"x", "w13", "w2", "topk_ids", "topk_weights", "activation", "expert_map"}
+    taken = [p for p in inspect.signature(fn).parameters if p not in contract]
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        raise ValueError(f"backend_options {unknown} are not options of {fn.__name__}; it takes {taken}")
+    return functools.partial(fn, **options)
 
 
 def call_backend(
