@@ -83,3 +83,19 @@ def test_ep_moe_does_not_resolve_per_forward(resolutions):
         assert len(resolutions) == count  # every forward met the resolved function
     finally:
         dist.destroy_process_group()
+
+
+def test_ep_moe_from_moe_keeps_the_router_and_backend_options():
+    """``EPMoE.from_moe`` carries every layer setting over, the router choice and backend options too."""
+    from moekit.parallel import EPMoE
+
+    _init_one_rank_group()
+    try:
+        moe = MoE(CONFIG, backend="grouped_mm", router="torch", backend_options={"memory_budget_bytes": 5_000})
+        ep = EPMoE.from_moe(moe)
+        assert (ep.router, ep.backend, ep.backend_options) == ("torch", "grouped_mm", {"memory_budget_bytes": 5_000})
+        x = torch.randn(20, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(ep(x), moe(x), rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

@@ -160,7 +160,8 @@ class EPMoE(MoE):
         shared expert are copied, the routed experts sliced by ``placement`` (contiguous by default).
         ``kwargs`` override the settings taken from ``moe`` (backend, timeout, track_load...)."""
         settings = dict(
-            backend=moe.backend, fuse_shared=moe.fuse_shared, capacity_factor=moe.capacity_factor,
+            backend=moe.backend, backend_options=moe.backend_options, router=moe.router,
+            fuse_shared=moe.fuse_shared, capacity_factor=moe.capacity_factor,
             drop_policy=moe.drop_policy, stats_block_size=moe.stats_block_size,
             dtype=moe.w13.dtype, device=moe.w13.device,
         )
