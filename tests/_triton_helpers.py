@@ -5,6 +5,8 @@ uses: ``from _triton_helpers import interpreter, launch_log  # noqa: F401``.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import sys
 
 import pytest
@@ -21,16 +23,22 @@ def purge_kernels(package: str = "moekit.experts", launcher: str = "moekit.exper
         sys.modules[launcher].clear_launch_caches()
 
 
+@contextlib.contextmanager
+def interpreted(package: str, launcher: str):
+    """``launcher`` imported with ``package``'s kernels decorated under the interpreter; on the way out
+    the kernels are dropped again, so the next module decorates them under its own setting."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        purge_kernels(package, launcher)
+        yield importlib.import_module(launcher)
+    purge_kernels(package, launcher)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """``moekit.experts.triton``, its kernels decorated under the interpreter."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        purge_kernels()
-        import moekit.experts.triton as tri
-
+    with interpreted("moekit.experts", "moekit.experts.triton") as tri:
         yield tri
-    purge_kernels()
 
 
 class LaunchLog:

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from _triton_helpers import purge_kernels
+from _triton_helpers import interpreted
 from moekit import MoEConfig, route
 from moekit.routing import append_shared_slots
 
@@ -26,19 +26,10 @@ triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _purge_kernels():
-    purge_kernels("moekit.routing", "moekit.routing.fused")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def fused():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        _purge_kernels()
-        import moekit.routing.fused as fused
-
-        yield fused
-    _purge_kernels()
+    with interpreted("moekit.routing", "moekit.routing.fused") as module:
+        yield module
 
 
 WIDE = 8192  # elements per program for many rows per program: the interpreter runs programs one after another (~0.1 s each at E=128)
