@@ -1,0 +1,137 @@
+"""Training losses of the router: load balance (Switch/GShard and DeepSeek-V3's sequence-wise form) and
+the router z-loss (ST-MoE).
+
+    [Gate: logits [M, E]] -> [Route: topk_ids [M, k]] -> these losses -> added to the task loss
+
+Shapes: M tokens, E routed experts, k = top_k, B sequences, T tokens per sequence (M = B*T).
+
+Every loss is a 0-dim float32 tensor (float64 for float64 logits), differentiable through the logits
+only: which experts were selected (``topk_ids``) carries no gradient, as in every reference
+implementation. Ids outside [0, E) (moekit's -1 for a dropped or skipped slot, fused shared slots
+E..E+S-1) are not counted as assignments. No function syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(
+    router_logits: torch.Tensor,  # [M, E]
+    topk_ids: torch.Tensor,  # [M, k]
+    num_experts: int,
+    token_mask: torch.Tensor | None = None,  # [M] bool or 0/1; False/0 = padding, left out
+) -> torch.Tensor:
+    """Switch Transformer / GShard: ``E * sum_e f_e * P_e``.
+
+    f_e = assignments to expert e / tokens (so ``sum_e f_e = k`` when nothing is dropped), P_e = mean
+    over tokens of softmax(router_logits)[:, e]. Equal to transformers' ``load_balancing_loss_func``
+    (Mixtral, Qwen-MoE) for one layer when ``topk_ids`` is the top-k of the softmax, with and without
+    its ``attention_mask`` (``token_mask`` here, flattened to [M]). Uniform routing gives k; all tokens
+    on the same k experts give k * E (softmax concentrated on them) at most."""
+    logits = _check_logits(router_logits, num_experts)
+    mask = _check_mask(token_mask, logits)
+    counts = assignments_per_expert(topk_ids, num_experts, logits, mask)  # [E]
+    probs = torch.softmax(logits, dim=-1)  # [M, E]
+    if mask is None:
+        tokens = float(logits.shape[0])
+        prob_sum = probs.sum(0)  # [E]
+    else:
+        tokens = mask.sum()
+        prob_sum = (probs * mask[:, None]).sum(0)  # [E]
+    return num_experts * torch.sum((counts / tokens) * (prob_sum / tokens))
+
+
+def sequence_balance_loss(
+    router_logits: torch.Tensor,  # [B*T, E] or [B, T, E]
+    topk_ids: torch.Tensor,  # [B*T, k] or [B, T, k]
+    num_experts: int,
+    seq_len: int,  # T: tokens per sequence; rows of the flat forms are sequence-major (row = b*T + t)
+    *,
+    scoring: str = "sigmoid",
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (paper eqs. 17-20), averaged over the B
+    sequences: ``alpha * sum_e f_e * P_e`` per sequence, with
+
+    - f_e = E / (k * T) * (tokens of the sequence that selected expert e): 1 for every expert when the
+      sequence's assignments are spread evenly;
+    - P_e = mean over the sequence's tokens of s'_e = s_e / sum_j s_j, s = sigmoid(logits) (``scoring=
+      "sigmoid"``, DeepSeek-V3) or softmax(logits) (``"softmax"``, where s' = s).
+
+    ``alpha`` is the paper's balance factor (1e-4 in DeepSeek-V3); ``MoEConfig.seq_aux_loss_coef``
+    plays that role in ``MoE`` (which calls this with alpha=1). Uniform routing gives alpha."""
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() not in (2, 3):
+        raise ValueError(f"router_logits must be [B*T, E] or [B, T, E], got {_describe(router_logits)}")
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != router_logits.dim():
+        raise ValueError(f"topk_ids must be [B*T, k] or [B, T, k] like router_logits, got {_describe(topk_ids)}")
+    logits = _check_logits(router_logits.reshape(-1, router_logits.shape[-1]), num_experts)  # [M, E]
+    ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [M, k]
+    if logits.shape[0] % seq_len:
+        raise ValueError(f"router_logits must hold whole sequences of seq_len={seq_len} tokens, got {logits.shape[0]} rows")
+    num_seqs, top_k = logits.shape[0] // seq_len, ids.shape[1]
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)  # [M, E]
+    normed = scores / scores.sum(-1, keepdim=True)  # [M, E]; s'
+    p = normed.view(num_seqs, seq_len, num_experts).mean(1)  # [B, E]
+    selected = one_hot_assignments(ids, num_experts, logits)  # [M, E]; 1 where the token chose e
+    f = selected.view(num_seqs, seq_len, num_experts).sum(1) * (num_experts / (top_k * seq_len))  # [B, E]
+    return alpha * (f * p).sum(-1).mean()
+
+
+def z_loss(router_logits: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss: mean over tokens of logsumexp(logits)^2 (over unmasked tokens when
+    ``token_mask`` [M] is given). Keeps the logits small, which keeps the softmax out of bf16 trouble."""
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a floating-point tensor [M, E], got {_describe(router_logits)}")
+    logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
+    mask = _check_mask(token_mask, logits)
+    sq = torch.logsumexp(logits, dim=-1).square()  # [M]
+    return sq.mean() if mask is None else (sq * mask).sum() / mask.sum()
+
+
+def assignments_per_expert(
+    topk_ids: torch.Tensor, num_experts: int, like: torch.Tensor, token_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[E] float (``like``'s dtype): slots routed to each expert, ids outside [0, E) left out; each
+    token's slots weighted by ``token_mask`` [M] when given. No host sync (no bincount)."""
+    selected = one_hot_assignments(topk_ids, num_experts, like)  # [M, E]
+    return selected.sum(0) if token_mask is None else (selected * token_mask[:, None]).sum(0)
+
+
+def one_hot_assignments(topk_ids: torch.Tensor, num_experts: int, like: torch.Tensor) -> torch.Tensor:
+    """[M, E] float: the number of the token's slots that chose expert e (0 or 1 for distinct ids)."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != like.shape[0]:
+        raise ValueError(f"topk_ids must have shape [M={like.shape[0]}, k], got {_describe(topk_ids)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < num_experts)  # [M, k]
+    out = torch.zeros(ids.shape[0], num_experts + 1, dtype=like.dtype, device=like.device)  # column E: not counted
+    out.scatter_add_(1, torch.where(valid, ids, num_experts), torch.ones_like(ids, dtype=like.dtype))
+    return out[:, :num_experts]
+
+
+def _check_logits(router_logits: torch.Tensor, num_experts: int) -> torch.Tensor:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router_logits must be a floating-point tensor [M, E], got {_describe(router_logits)}")
+    if router_logits.shape[1] != num_experts:
+        raise ValueError(f"router_logits must have shape [M, num_experts={num_experts}], got {tuple(router_logits.shape)}")
+    return router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))  # [M, E]
+
+
+def _check_mask(token_mask: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor | None:
+    if token_mask is None:
+        return None
+    if not isinstance(token_mask, torch.Tensor) or token_mask.numel() != logits.shape[0]:
+        raise ValueError(f"token_mask must have M={logits.shape[0]} entries (one per token), got {_describe(token_mask)}")
+    return token_mask.reshape(-1).to(device=logits.device, dtype=logits.dtype)  # [M]
+
+
+def _describe(t) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__

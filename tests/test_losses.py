@@ -1,0 +1,152 @@
+"""moekit.losses against the formulas written out here as loops, and against transformers' own
+``load_balancing_loss_func`` (Mixtral and Qwen3-MoE modeling code) on the same logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
+
+E, K_TOP = 8, 2
+
+
+def _logits(m=24, e=E, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, e, generator=g, dtype=dtype) * 2
+
+
+def _topk_of_softmax(logits, k):
+    return torch.topk(torch.softmax(logits, -1), k, dim=-1).indices
+
+
+def _switch_loop(logits, ids, e, mask=None):
+    """E * sum_e f_e * P_e, one token and one expert at a time."""
+    m = logits.shape[0]
+    w = [1.0 if mask is None else float(mask[t]) for t in range(m)]
+    tokens = sum(w)
+    total = 0.0
+    for expert in range(e):
+        f = sum(w[t] for t in range(m) for j in range(ids.shape[1]) if int(ids[t, j]) == expert) / tokens
+        p = sum(w[t] * math.exp(logits[t, expert]) / sum(math.exp(v) for v in logits[t].tolist()) for t in range(m)) / tokens
+        total += f * p
+    return e * total
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+def test_load_balancing_loss_matches_the_loop(k):
+    logits = _logits()
+    ids = _topk_of_softmax(logits, k)
+    got = load_balancing_loss(logits, ids, E)
+    assert got.dim() == 0 and got.dtype == torch.float64
+    assert got.item() == pytest.approx(_switch_loop(logits, ids, E), rel=1e-12)
+
+
+@pytest.mark.parametrize("module", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_equals_transformers(module, masked):
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    logits = _logits(seed=3, dtype=torch.float32)
+    ids = _topk_of_softmax(logits, K_TOP)
+    mask = None
+    if masked:  # 2 sequences of 12, the last 5 tokens of the second are padding
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, 7:] = 0
+    want = modeling.load_balancing_loss_func((logits,), E, K_TOP, mask)
+    got = load_balancing_loss(logits, ids, E, token_mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_load_balancing_loss_bounds_and_dropped_ids():
+    uniform = torch.zeros(16, E)  # equal probabilities; ids spread evenly: the minimum, k
+    ids = torch.arange(16 * K_TOP).view(16, K_TOP) % E
+    assert load_balancing_loss(uniform, ids, E).item() == pytest.approx(K_TOP)
+    dropped = ids.clone()
+    dropped[:, 1] = -1  # a dropped slot and a shared slot (id >= E) are not assignments
+    dropped[0, 0] = E
+    want = _switch_loop(uniform.double(), dropped, E)
+    assert load_balancing_loss(uniform, dropped, E).item() == pytest.approx(want)
+
+
+def test_load_balancing_loss_gradient_flows_through_logits_only():
+    logits = _logits().requires_grad_(True)
+    load_balancing_loss(logits, _topk_of_softmax(logits.detach(), 2), E).backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def _sequence_loop(logits, ids, e, seq_len, scoring, alpha):
+    """DeepSeek-V3 eqs. 17-20 per sequence, then the mean over sequences."""
+    k = ids.shape[1]
+    losses = []
+    for start in range(0, logits.shape[0], seq_len):
+        rows = range(start, start + seq_len)
+        total = 0.0
+        for expert in range(e):
+            f = e / (k * seq_len) * sum(1 for t in rows if expert in ids[t].tolist())
+            p = 0.0
+            for t in rows:
+                if scoring == "sigmoid":
+                    s = [1 / (1 + math.exp(-v)) for v in logits[t].tolist()]
+                else:
+                    s = [math.exp(v) for v in logits[t].tolist()]
+                p += s[expert] / sum(s) / seq_len
+            total += f * p
+        losses.append(alpha * total)
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_sequence_balance_loss_matches_the_loop(scoring):
+    logits = _logits(m=30, seed=5)  # 3 sequences of 10
+    ids = torch.topk(logits, 3, dim=-1).indices
+    want = _sequence_loop(logits, ids, E, 10, scoring, alpha=1e-4)
+    got = sequence_balance_loss(logits, ids, E, 10, scoring=scoring, alpha=1e-4)
+    assert got.item() == pytest.approx(want, rel=1e-12)
+    batched = sequence_balance_loss(logits.view(3, 10, E), ids.view(3, 10, 3), E, 10, scoring=scoring, alpha=1e-4)
+    assert batched.item() == pytest.approx(want, rel=1e-12)
+
+
+def test_sequence_balance_loss_is_per_sequence():
+    """Two sequences each on their own experts: balanced over the batch, unbalanced within each sequence."""
+    ids = torch.cat([torch.tensor([[0, 1]]).repeat(4, 1), torch.tensor([[2, 3]]).repeat(4, 1)])  # [8, 2]
+    logits = torch.zeros(8, 4)
+    per_seq = sequence_balance_loss(logits, ids, 4, 4, scoring="softmax")
+    whole = sequence_balance_loss(logits, ids, 4, 8, scoring="softmax")
+    assert per_seq.item() == pytest.approx(1.0) and whole.item() == pytest.approx(1.0)
+    skewed = torch.zeros(8, 4)
+    skewed[:4, :2] = 3.0
+    skewed[4:, 2:] = 3.0
+    assert sequence_balance_loss(skewed, ids, 4, 4, scoring="softmax") > sequence_balance_loss(skewed, ids, 4, 8, scoring="softmax")
+
+
+def test_z_loss_matches_the_formula():
+    logits = _logits(seed=7)
+    want = sum(math.log(sum(math.exp(v) for v in row.tolist())) ** 2 for row in logits) / logits.shape[0]
+    assert z_loss(logits).item() == pytest.approx(want, rel=1e-12)
+    mask = torch.tensor([1, 0] * 12)
+    kept = logits[mask.bool()]
+    want_masked = sum(math.log(sum(math.exp(v) for v in row.tolist())) ** 2 for row in kept) / kept.shape[0]
+    assert z_loss(logits, mask).item() == pytest.approx(want_masked, rel=1e-12)
+
+
+def test_losses_keep_float32_for_bf16_logits():
+    logits = _logits(dtype=torch.bfloat16)
+    ids = _topk_of_softmax(logits.float(), 2)
+    assert load_balancing_loss(logits, ids, E).dtype == torch.float32
+    assert z_loss(logits).dtype == torch.float32
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: load_balancing_loss(torch.zeros(4, 6), torch.zeros(4, 2, dtype=torch.long), E), "num_experts=8"),
+    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(3, 2, dtype=torch.long), E), "topk_ids must have shape"),
+    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(4, 2), E), "topk_ids must be int32 or int64"),
+    (lambda: load_balancing_loss(torch.zeros(4, E), torch.zeros(4, 2, dtype=torch.long), E, torch.ones(3)), "token_mask"),
+    (lambda: sequence_balance_loss(torch.zeros(6, E), torch.zeros(6, 2, dtype=torch.long), E, 4), "seq_len=4"),
+    (lambda: sequence_balance_loss(torch.zeros(6, E), torch.zeros(6, 2, dtype=torch.long), E, 3, scoring="relu"), "scoring"),
+    (lambda: z_loss(torch.zeros(4)), "router_logits must be"),
+])
+def test_bad_arguments_are_named(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call()
