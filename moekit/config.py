@@ -17,6 +17,8 @@ from moekit.presets import hf_config_of_preset
 
 Scoring = Literal["softmax", "sigmoid"]
 NonFinitePolicy = Literal["raise", "mask"]
+RouterDtype = Literal["float32", "float64", "bfloat16", "float16"]
+ROUTER_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,15 @@ class MoEConfig:
     activation: str = "silu"
     nonfinite: NonFinitePolicy = "raise"  # NaN/inf router logits: raise, or mask the expert out
     num_moe_layers: int | None = None  # MoE layers in the whole model, when known
+    # Training (issue #17): MoE.forward(return_stats=True).aux_loss = the sum of coefficient x loss of
+    # moekit.losses (load_balancing_loss, sequence_balance_loss, z_loss); None when all three are 0.
+    aux_loss_coef: float = 0.0  # Switch/GShard load balance (Mixtral, Qwen: router_aux_loss_coef 0.001)
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance factor alpha (0.0001)
+    z_loss_coef: float = 0.0  # ST-MoE router z-loss (0.001)
+    # The gate GEMM and the routing in this dtype ("float32", "float64"), as Megatron's moe_router_dtype:
+    # x and the gate weight are cast for the GEMM, the weight parameter keeps its own dtype. None: the
+    # gate weight's dtype.
+    router_dtype: RouterDtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -71,6 +82,12 @@ class MoEConfig:
         get_activation(self.activation)  # raises, naming the argument, for an unknown one
         if self.nonfinite not in ("raise", "mask"):
             raise ValueError(f"nonfinite must be 'raise' or 'mask', got {self.nonfinite!r}")
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.router_dtype is not None and self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"router_dtype must be None or one of {ROUTER_DTYPES}, got {self.router_dtype!r}")
 
     @property
     def has_shared_expert(self) -> bool:

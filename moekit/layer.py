@@ -36,6 +36,7 @@ from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import act_and_mul
 from moekit.experts.grouped_mm import plan_grouped_mm
+from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 
@@ -46,6 +47,8 @@ class RoutedTokens:
 
     routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
     dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
+    router_logits: torch.Tensor | None = None  # [M, E] the gate's output (router dtype), what the losses read
+    selected_ids: torch.Tensor | None = None  # [M, k] int32; the router's choice before capacity drops and shared slots
 
     @property
     def dropped(self) -> torch.Tensor:
@@ -73,6 +76,11 @@ class MoEStats:
 class MoEOutput:
     out: torch.Tensor  # [..., K]
     stats: MoEStats
+    router_logits: torch.Tensor | None = None  # [M, E] the gate's logits in the router dtype (differentiable)
+    # [] float32: config.aux_loss_coef * load_balancing_loss + seq_aux_loss_coef * sequence_balance_loss +
+    # z_loss_coef * z_loss over this forward's M tokens (add it to the task loss); None when all three
+    # coefficients are 0. The balance losses count the router's choice before capacity drops.
+    aux_loss: torch.Tensor | None = None
 
 
 class MoE(nn.Module):
@@ -179,9 +187,7 @@ class MoE(nn.Module):
 
     def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
-        # The router runs in its weight's dtype: DeepSeek-V3 keeps an fp32 router in a bf16 model.
-        gate, dtype = self.gate, self.gate.weight.dtype
-        logits = gate(x2d if x2d.dtype == dtype else x2d.to(dtype))  # [M, E]
+        logits = self._router_logits(x2d)  # [M, E]
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         # The fused kernel appends the shared slots itself unless capacity must drop in between.
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
@@ -189,13 +195,24 @@ class MoE(nn.Module):
             routing = self._fused_router(logits, self.e_score_correction_bias, gate_logits, append_shared=in_kernel)
         else:
             routing = route(logits, self.config, self.e_score_correction_bias)
+        selected = routing.topk_ids[:, : self.config.top_k]  # [M, k]; the fused kernel may append shared slots
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
         if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
-        return RoutedTokens(routing=routing, dropped_count=dropped)
+        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
+
+    def _router_logits(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate
+        weight cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets
+        its gradient through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in
+        a bf16 model)."""
+        weight = self.gate.weight  # [E, K]
+        dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
+        x_r = x2d if x2d.dtype == dtype else x2d.to(dtype)
+        return torch.nn.functional.linear(x_r, weight if weight.dtype == dtype else weight.to(dtype))
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
@@ -216,7 +233,27 @@ class MoE(nn.Module):
             out = out.reshape(x.shape)
         if not return_stats:
             return out
-        return MoEOutput(out=out, stats=self._stats(routed))
+        seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
+        return MoEOutput(out=out, stats=self._stats(routed), router_logits=routed.router_logits,
+                         aux_loss=self._aux_loss(routed, seq_len))
+
+    def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
+        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
+        x [..., T, K]'s second-to-last dim as the sequence (a 2-D x is one sequence of M tokens)."""
+        c, logits, ids = self.config, routed.router_logits, routed.selected_ids
+        if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
+            return None
+        total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
+        if logits.shape[0] == 0:
+            return total
+        if c.aux_loss_coef:
+            total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
+        if c.seq_aux_loss_coef:
+            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
+                                                                        scoring=c.scoring)
+        if c.z_loss_coef:
+            total = total + c.z_loss_coef * z_loss(logits)
+        return total
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place

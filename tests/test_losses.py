@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from moekit import MoE, MoEConfig
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 
 E, K_TOP = 8, 2
@@ -150,3 +151,56 @@ def test_losses_keep_float32_for_bf16_logits():
 def test_bad_arguments_are_named(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call()
+
+
+# --- the layer: router_logits, aux_loss, router_dtype ------------------------------------------------
+
+
+def _layer(cfg, **kwargs):
+    torch.manual_seed(0)
+    return MoE(cfg, **kwargs)
+
+
+def test_layer_aux_loss_is_the_configured_sum():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, aux_loss_coef=0.01,
+                    seq_aux_loss_coef=0.003, z_loss_coef=0.002)
+    moe = _layer(cfg, capacity_factor=0.5)  # drops: the balance losses still count the router's choice
+    x = torch.randn(3, 5, 8)  # 3 sequences of 5 tokens
+    res = moe(x, return_stats=True)
+    logits = (x.reshape(-1, 8).double() @ moe.gate.weight.detach().double().t())  # [15, E]
+    assert res.router_logits.shape == (15, E)
+    torch.testing.assert_close(res.router_logits.double(), logits)
+    assert res.stats.dropped > 0
+    ids = _topk_of_softmax(logits, 2)
+    z = sum(math.log(sum(math.exp(v) for v in row.tolist())) ** 2 for row in logits) / 15
+    want = 0.01 * _switch_loop(logits, ids, E) + 0.003 * _sequence_loop(logits, ids, E, 5, "softmax", 1.0) + 0.002 * z
+    assert res.aux_loss.dim() == 0 and res.aux_loss.item() == pytest.approx(want, rel=1e-5)
+    res.aux_loss.backward()
+    assert moe.gate.weight.grad.abs().sum() > 0
+
+
+def test_layer_aux_loss_is_none_without_coefficients():
+    res = _layer(MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2))(torch.randn(4, 8), return_stats=True)
+    assert res.aux_loss is None and res.router_logits.shape == (4, E)
+
+
+def test_router_dtype_runs_the_gate_in_float32_and_keeps_the_weight_dtype():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, router_dtype="float32",
+                    z_loss_coef=1.0)
+    moe = _layer(cfg, dtype=torch.bfloat16)
+    x = torch.randn(6, 8).bfloat16()
+    res = moe(x, return_stats=True)
+    assert moe.gate.weight.dtype == torch.bfloat16 and res.router_logits.dtype == torch.float32
+    want = x.float() @ moe.gate.weight.detach().float().t()  # the GEMM in fp32 on the cast operands
+    torch.testing.assert_close(res.router_logits.detach(), want, rtol=1e-6, atol=1e-6)
+    default = _layer(cfg.replace(router_dtype=None), dtype=torch.bfloat16)(x, return_stats=True)
+    assert default.router_logits.dtype == torch.bfloat16
+    (res.out.float().sum() + res.aux_loss).backward()
+    assert moe.gate.weight.grad.dtype == torch.bfloat16 and torch.isfinite(moe.gate.weight.grad.float()).all()
+
+
+@pytest.mark.parametrize("field, value", [("aux_loss_coef", -1.0), ("z_loss_coef", float("nan")),
+                                          ("seq_aux_loss_coef", True), ("router_dtype", "fp32")])
+def test_config_refuses_bad_training_fields(field, value):
+    with pytest.raises(ValueError, match=field):
+        MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, **{field: value})

@@ -22,7 +22,7 @@ class Routing:
     """Which experts each token is sent to, and the weight its output is scaled by."""
 
     topk_ids: torch.Tensor  # [M, k(+S)] int32; expert of each slot, in descending score order; shared slots last; -1 = skipped
-    topk_weights: torch.Tensor  # [M, k(+S)] float32; weight of each slot; 0 where the id is -1
+    topk_weights: torch.Tensor  # [M, k(+S)] float32 (float64 from float64 logits); weight of each slot; 0 where the id is -1
     # [] int64; tokens route() found with no finite logit (nonfinite="mask"): all their weights are 0.
     # route() always sets it (0 with nonfinite="raise"); None where none can be masked (the fused router
     # with nonfinite="raise") and on a Routing built by hand.
@@ -123,7 +123,8 @@ def _check_logits(router_logits: torch.Tensor, config: MoEConfig) -> torch.Tenso
         )
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
-    logits = router_logits.float()  # [M, E]
+    # [M, E] float32, or float64 when given: the weights follow, so float64 gradients check (gradcheck)
+    logits = router_logits.to(torch.promote_types(router_logits.dtype, torch.float32))
     if config.nonfinite != "raise" or logits.numel() == 0:
         return logits
     assert_logits_finite(torch.isfinite(logits).all(), logits)
@@ -227,4 +228,4 @@ def _weights(
         weights = torch.where(chosen_finite, weights, 0.0)
     if config.routed_scaling_factor != 1.0:
         weights = weights * config.routed_scaling_factor
-    return weights.float()
+    return weights.to(logits.dtype)
