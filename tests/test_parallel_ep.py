@@ -250,21 +250,8 @@ def _mismatches(g: Group) -> dict:
     }
 
 
-def _grad(g: Group) -> dict:
-    """Forward-only: no graph through the weights, and an input that requires grad is refused."""
-    ep = EPMoE.from_moe(_moe(SOFTMAX_SHARED))
-    with torch.enable_grad():
-        res = {"grad_mode_output_detached": not ep(g.x_local).requires_grad}  # weights require grad
-        try:
-            ep(g.x_local.clone().requires_grad_(True))
-            res["grad_refused"] = False
-        except RuntimeError as err:
-            res["grad_refused"] = "forward-only" in str(err)
-    return res
-
-
 SCENARIOS = (_splits, _eplb, _all_on_rank0, _layouts_of_experts, _capacity, _empty_and_stats, _skipped_ids, _bf16,
-             _rebalance, _mismatches, _grad)
+             _rebalance, _mismatches)
 
 
 @torch.no_grad()
@@ -338,8 +325,6 @@ CHECKS = [
     _error_says("placement_mismatch", "placement"),
     _error_says("capacity_mismatch", "max_tokens_per_rank"),
     _error_says("weights_mismatch", "replicated weights", "gate"),
-    _case("grad_refused", lambda v, *_: v, "an input that requires grad is refused as forward-only"),
-    _case("grad_mode_output_detached", lambda v, *_: v, "under grad mode the output is still detached"),
 ]
 
 

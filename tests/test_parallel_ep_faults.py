@@ -26,14 +26,13 @@ CONFIG = MoEConfig(
     hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2, scoring="sigmoid", routed_scaling_factor=2.5,
     n_group=4, topk_group=2, use_correction_bias=True, shared_expert_intermediate_size=16,
 )
-BAD_RANK = {"dtype": 1, "hidden_size": 0, "nan_logits": 1, "over_capacity": 1, "rebalance_loads": 1, "requires_grad": 0}
+BAD_RANK = {"dtype": 1, "hidden_size": 0, "nan_logits": 1, "over_capacity": 1, "rebalance_loads": 1}
 OWN_MESSAGE = {  # what the failing rank's own error says (the others quote it)
     "dtype": "x must be float32 like the layer's weights, got float64",
     "hidden_size": "hidden_size=32",
     "nan_logits": "NaN or infinite",
     "over_capacity": "max_tokens_per_rank=4",
     "rebalance_loads": "loads must have num_experts=8 entries, got 7",
-    "requires_grad": "forward-only",
 }
 
 
@@ -72,7 +71,6 @@ def _bad_inputs(rank: int, x: torch.Tensor) -> dict:
         "nan_logits": bad("nan_logits", lambda: ep(x), lambda: ep(torch.where(torch.arange(32) == 3, torch.nan, x))),
         "over_capacity": bad("over_capacity", lambda: padded(x[:3]), lambda: padded(torch.randn(5, 32))),
         "rebalance_loads": bad("rebalance_loads", lambda: ep.rebalance(loads=[1.0] * 8), lambda: ep.rebalance(loads=[1.0] * 7)),
-        "requires_grad": bad("requires_grad", lambda: ep(x), lambda: ep(x.clone().requires_grad_(True))),
     }
     res = {}
     for case, call in calls.items():

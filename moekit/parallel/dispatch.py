@@ -7,8 +7,9 @@ W ranks, Rmax = most replicas of one expert, T = rows this rank sends (a token o
 rank), U = rows it receives, K hidden, B = bytes of one payload row.
 
 A payload row is one token's hidden vector followed by its k local expert ids (int32, -1 where the
-slot is served elsewhere) and k weights (float32, 0 there), packed as bytes so that one collective
-carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
+slot is served elsewhere) and k weights (float32, float64 for float64 routing; 0 there), packed as bytes so that one collective
+carries all three (``moekit.parallel.rows``, whose backward carries the gradients of x and the weights
+back the same way: an all-to-all's transpose is the all-to-all with the splits swapped). The receiving rank runs its local experts over the U rows; the combine sends the
 U weighted partial sums back and the source rank adds them into its tokens.
 
 Two dispatches:
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from moekit.layouts.grouping import rank_within_groups
 from moekit.parallel.placement import Placement
+from moekit.parallel.rows import exchange_rows
 
 
 @dataclass
@@ -129,7 +131,7 @@ class Dispatched:
 
     x: torch.Tensor  # [U, K]; received token rows, grouped by source rank
     local_ids: torch.Tensor  # [U, k] int32; local expert of each slot on this rank, -1 = not here
-    weights: torch.Tensor  # [U, k] float32; routing weight of each slot, 0 where not here
+    weights: torch.Tensor  # [U, k] float32 (float64 for float64 weights); routing weight of each slot, 0 where not here
     send_token: torch.Tensor | None  # [T] int64; local token of each sent row (rank-major); None when padded
     send_splits: list[int]  # [W]; rows sent to each rank (host ints, from the one sync; C each when padded)
     recv_splits: list[int]  # [W]; rows received from each rank
@@ -170,11 +172,9 @@ def dispatch(
 
     here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
     ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
-    weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
-    payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
-    received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
-    dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group)
-    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
+    weights = torch.where(here, topk_weights[send_token].to(weights_dtype(topk_weights)), 0.0)  # [T, k]
+    # [U, K], [U, k], [U, k]: one all-to-all of packed rows; the backward sends the gradients back
+    x_recv, ids_recv, weights_recv = exchange_rows((x2d[send_token], ids, weights), splits.recv, splits.send, group)
     return Dispatched(x_recv, ids_recv, weights_recv, send_token, splits.send, splits.recv, num_tokens)
 
 
@@ -195,23 +195,21 @@ def dispatch_padded(
     here = chosen.dest[None] == ranks[:, None, None]  # [W, M, k]
     ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
     ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
-    weights = torch.zeros(world_size, capacity, top_k, dtype=torch.float32, device=x2d.device)  # [W, C, k]
-    weights[:, :num_tokens] = torch.where(here, topk_weights[None].float(), 0.0)
+    wdtype = weights_dtype(topk_weights)
+    weights = torch.zeros(world_size, capacity, top_k, dtype=wdtype, device=x2d.device)  # [W, C, k]
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None].to(wdtype), 0.0)
     rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
     rows[:, :num_tokens] = x2d
-    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
-    received = torch.empty_like(payload)  # [W*C, B]
-    dist.all_to_all_single(received, payload, group=group)  # equal splits: C rows per rank pair
-    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
-    splits = [capacity] * world_size
+    splits = [capacity] * world_size  # equal splits: C rows per rank pair
+    x_recv, ids_recv, weights_recv = exchange_rows(
+        (rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k)), splits, splits, group)  # [W*C, *]
     return Dispatched(x_recv, ids_recv, weights_recv, None, splits, splits, num_tokens, capacity)
 
 
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
     """y [U, K] (each row the weighted sum of this rank's slots for that token) -> out [M, K]:
     send the rows back to their source ranks and sum each token's partials in float32."""
-    back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K] (T = W*C when padded)
-    dist.all_to_all_single(back, y.contiguous(), sent.send_splits, sent.recv_splits, group=group)
+    (back,) = exchange_rows((y,), sent.send_splits, sent.recv_splits, group)  # [T, K] (T = W*C when padded)
     acc = torch.promote_types(y.dtype, torch.float32)
     if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
         partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
@@ -221,22 +219,6 @@ def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
     return out.to(y.dtype)
 
 
-def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
-    parts = [t.contiguous().view(torch.uint8) for t in (x, ids, weights)]  # [T, bytes of one row each]
-    return torch.cat(parts, dim=1)
-
-
-def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype):
-    x_bytes = hidden * dtype.itemsize
-    x = _view_as(rows[:, :x_bytes], dtype)  # [U, K], a strided view when the row size allows (no copy)
-    ids = _view_as(rows[:, x_bytes : x_bytes + 4 * top_k], torch.int32)  # [U, k]
-    weights = _view_as(rows[:, x_bytes + 4 * top_k :], torch.float32)  # [U, k]
-    return x, ids, weights
-
-
-def _view_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    try:
-        return byte_cols.view(dtype)
-    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first
-        return byte_cols.contiguous().view(dtype)
+def weights_dtype(topk_weights: torch.Tensor) -> torch.dtype:
+    """The routing weights' dtype on the wire: float32, or float64 when they are (a float64 layer)."""
+    return torch.promote_types(topk_weights.dtype, torch.float32)

@@ -34,6 +34,7 @@ from moekit.parallel.dispatch import (
     dispatch,
     dispatch_padded,
     plan_sends,
+    weights_dtype,
 )
 from moekit.parallel.eplb import eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
@@ -88,7 +89,11 @@ class EPMoE(MoE):
     logits) are device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context
     as in a single-device ``MoE`` (the others then wait out the group's timeout). Construction and
     ``rebalance`` also sync; ``rebalance`` keeps the weights' storage when each rank keeps its slot
-    count (``apply_placement``). Forward-only: an input that requires grad is refused.
+    count (``apply_placement``). Trains: gradients flow to x, the gate (through the
+    routing weights), this rank's experts and the shared expert through the all-to-alls' transposes
+    (``moekit.parallel.rows``); every rank must then call ``backward`` as often as ``forward``. Expert
+    gradients sum every rank's tokens; the replicated weights' (gate, shared) hold this rank's tokens'
+    share, to be all-reduced as in data parallelism.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
@@ -263,7 +268,8 @@ class EPMoE(MoE):
                     f"x must have at most max_tokens_per_rank={self.max_tokens_per_rank} tokens on each rank, got {x2d.shape[0]}"
                 )
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
-            row = f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token"
+            row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
+                   f"weights {_dtype_name(weights_dtype(topk_weights))}")
             errors.agree(row, what="the dispatch payload row")
             sent = self.dispatch(x2d, topk_ids, topk_weights)
             return self.combine(self.run_local_experts(sent), sent)
@@ -276,10 +282,7 @@ class EPMoE(MoE):
         with self._errors.on(self.w13.device) as errors:  # checks and routing may raise: agreed in forward_routed
             self.graph_captured |= errors.capturing
             self._check_x(x)
-            if torch.is_grad_enabled() and x.requires_grad:
-                raise RuntimeError("EPMoE is forward-only (its all-to-alls carry no gradients); call it under torch.no_grad()")
-            with torch.no_grad():  # no half-built graphs through the weights: nothing flows back through the all-to-alls
-                return super().forward(x, return_stats)
+            return super().forward(x, return_stats)
 
     def _check_x(self, x: torch.Tensor) -> None:
         """Host-side checks of this rank's tokens (no sync): the payload carries x in the experts' dtype."""
