@@ -80,3 +80,24 @@ def test_command_writes_curves_with_drops(tmp_path, capsys, one_thread):
 def test_bad_settings_are_named(tmp_path, capsys, argv, message):
     assert main(["train", "--steps", "1", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_train_rows_on_cpu(tmp_path, capsys, one_thread):
+    """``moekit bench --train`` at a tiny CPU size: both implementations run, their gradients agree, and
+    TFLOP/s is 3 x the forward's expert FLOPs over the step time."""
+    pytest.importorskip("transformers")
+    argv = ["bench", "--train", "--device", "cpu", "--shapes", "qwen3-30b-a3b", "--batches", "16", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert "x transformers:grouped_mm" in capsys.readouterr().out
+    (path,) = tmp_path.glob("*-train-*.json")
+    doc = json.loads(path.read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert set(rows) == {"moekit:grouped_mm", "transformers:grouped_mm"}
+    n, k, top_k = 768 // 16, 2048 // 16, 8  # Qwen3-30B-A3B's expert shape / CPU_SCALE
+    for row in rows.values():
+        assert row["error"] is None and row["ms"] > 0 and row["shape"] == "qwen3-30b-a3b/16" and row["tokens"] == 16
+        assert row["tflops"] == pytest.approx(3 * 6 * n * k * 16 * top_k / (row["ms"] * 1e-3) / 1e12)
+    assert rows["moekit:grouped_mm"]["rel_err_dx"] < 1e-5 and rows["moekit:grouped_mm"]["rel_err_dgate"] < 1e-5
+    (speedup,) = doc["speedups"]
+    ratio = rows["transformers:grouped_mm"]["ms"] / rows["moekit:grouped_mm"]["ms"]
+    assert speedup["speedup_vs_transformers"] == pytest.approx(ratio)
