@@ -96,6 +96,7 @@ def _progress(console, log_every: int, with_drops: bool):
             parts = []
             for method, (loss, imbalance, dropped) in report.latest.items():
                 parts.append(f"{method} loss {loss:.3f} load {imbalance:.2f}" + (f" drop {100 * dropped:.1f}%" if with_drops else ""))
-            console.print(f"step {report.step:>4}/{report.steps} [{time.perf_counter() - start:6.1f} s]  " + " | ".join(parts))
+            console.print(f"step {report.step:>4}/{report.steps} [{time.perf_counter() - start:6.1f} s]  " + " | ".join(parts),
+                          soft_wrap=True)  # one line per report, also when piped
 
         yield on_step
