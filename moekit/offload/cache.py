@@ -17,6 +17,7 @@ the CPU) copies are plain and synchronous: the same bookkeeping runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -146,6 +147,24 @@ class ExpertCache:
             self._protected.add((layer, e))
         stats.fetched += len(experts)
         self._wait_for_copies()
+
+    def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
+        """Yield the experts of each compute round of a forward: the hits and as many fetched misses as
+        the cache can hold, then the rest in rounds of at most C. Each round's experts are in slots
+        when yielded and released when the consumer asks for the next round (or at the end)."""
+        todo, running = list(misses), list(hits)
+        while True:
+            batch = todo[: self.free_slots()]
+            if not batch and not running and todo:
+                raise RuntimeError("the expert cache has no slot to fetch into")
+            todo = todo[len(batch):]
+            self.ensure(layer, batch, stats)
+            running += batch
+            yield running
+            self.release(layer, running)
+            running = []
+            if not todo:
+                return
 
     def prefetch(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Fetch ``layer``'s predicted experts that are not cached, as far as unprotected slots allow

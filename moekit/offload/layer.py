@@ -162,25 +162,15 @@ class OffloadedMoE(MoE):
         return split.fetch, split.cpu
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
-        """Hits, then fetched misses, in rounds of as many experts as the cache can hold: [M, K] float32."""
+        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K] float32."""
         cache, e = self.cache, self.config.num_experts
         out = torch.zeros(x2d.shape, dtype=torch.float32, device=x2d.device)
-        todo, running = list(fetch), list(hits)
-        while True:
-            batch = todo[: cache.free_slots()]
-            if not batch and not running and todo:
-                raise RuntimeError("the expert cache has no slot to fetch into")
-            todo = todo[len(batch):]
-            cache.ensure(self.layer_id, batch, stats)
-            running += batch
-            if running:
-                expert_map = cache.slot_map(self.layer_id, running, e)
+        for experts in cache.rounds(self.layer_id, hits, fetch, stats):
+            if experts:
+                expert_map = cache.slot_map(self.layer_id, experts, e)
                 out += call_backend(self._experts_fn, x2d, cache.slot_w13, cache.slot_w2, routing.topk_ids,
                                     routing.topk_weights, activation=self.config.activation, expert_map=expert_map)
-            cache.release(self.layer_id, running)
-            running = []
-            if not todo:
-                return out
+        return out
 
     def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
         nxt = self.next_layer
