@@ -104,3 +104,19 @@ def test_simulate_cache_cli(capsys):
     assert all(0.0 <= r["hit_rate"] <= 1.0 for r in rows)
     assert "--top-k must be <= --experts" in cli_error(capsys, ["simulate", "cache", "--experts", "4", "--top-k", "6"])
     assert "expected a cache fraction in (0, 1]" in cli_error(capsys, ["simulate", "cache", "--fractions", "1.5"])
+
+
+def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
+    from moekit.cli import main
+
+    assert main(["bench", "--offload", "--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1,4",
+                 "--cache-fractions", "0.5", "--offload-steps", "2"]) == 0
+    (path,) = tmp_path.glob("*-offload-*.json")
+    doc = json.loads(path.read_text())
+    assert {"device", "date", "commit", "link_GBps", "rows"} <= set(doc)
+    rows = doc["rows"]
+    assert {(r["stream"], r["M"], r["compute_misses_on"]) for r in rows} == {
+        (s, m, p) for s in ("uniform", "skewed") for m in (1, 4) for p in ("gpu", "cpu", "auto")}
+    for r in rows:  # misses fetched: the what-if replays the same cache on the same stream
+        if r["compute_misses_on"] == "gpu":
+            assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])

@@ -9,12 +9,12 @@ cache what-if); ``cost`` decides where a missed expert runs.
 """
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, measure_cpu_flops, measure_link_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, measure_cpu_costs, measure_link_bandwidth, split_misses
 from moekit.offload.layer import OffloadedMoE, link_layers
 from moekit.offload.policy import POLICIES, EvictionPolicy
 from moekit.offload.stats import OffloadStats
 
 __all__ = [
     "ExpertCache", "EvictionPolicy", "MissCosts", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
-    "link_layers", "measure_cpu_flops", "measure_link_bandwidth", "split_misses",
+    "link_layers", "measure_cpu_costs", "measure_link_bandwidth", "split_misses",
 ]

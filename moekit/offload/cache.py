@@ -169,6 +169,15 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Fetch ``layer``'s predicted experts that are not cached, as far as unprotected slots allow
         (the forward in flight keeps its experts); the copies overlap the compute stream's work."""
+        fetched = self._fetch_ahead(layer, experts, stats)
+        self._prefetched.update(fetched)
+        stats.prefetched += len(fetched)
+
+    def admit(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
+        """Copy experts a forward computed elsewhere (the CPU) into the cache for later forwards."""
+        stats.admitted += len(self._fetch_ahead(layer, experts, stats))
+
+    def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats) -> list[Key]:
         fetched: list[Key] = []
         for e in experts:
             key = (layer, e)
@@ -177,11 +186,10 @@ class ExpertCache:
             if self.free_slots() == 0:
                 break
             self._fetch(key, stats)
-            self._protected.add(key)  # until the loop ends: a later prediction must not evict it
+            self._protected.add(key)  # until the loop ends: a later one must not evict it
             fetched.append(key)
         self._protected.difference_update(fetched)
-        self._prefetched.update(fetched)
-        stats.prefetched += len(fetched)
+        return fetched
 
     def release(self, layer: int, experts: list[int]) -> None:
         """The forward has enqueued every read of these experts' slots: unprotect them and record when
@@ -241,6 +249,12 @@ class ExpertCache:
 
 
 def _to_host(w: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A detached CPU copy of ``w`` (pinned when the cache's device is CUDA, so copies are async)."""
-    host = w.detach().to("cpu", copy=True).contiguous()
-    return host.pin_memory() if device.type == "cuda" else host
+    """``w`` detached on the CPU, pinned when the cache's device is CUDA (so copies are async). A CPU
+    tensor already in that form is used as it is (shared, not copied: a model's expert weights may be
+    most of host memory)."""
+    host = w.detach()
+    if host.device.type != "cpu" or not host.is_contiguous():
+        host = host.to("cpu").contiguous()
+    if device.type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()
+    return host

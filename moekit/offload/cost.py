@@ -1,11 +1,12 @@
 """Where a missed expert is cheaper: copied over the host link to the GPU, or computed on the CPU.
 
 A miss fetched costs its weight bytes over the link (``link_bytes_per_s``); a miss computed on the
-CPU costs its tokens' FLOPs (6·N·K per assignment) at the CPU's expert rate (``cpu_flops``). The two
-run side by side (the CPU computes while the GPU fetches and computes), so a batch's misses take
-about max(fetch time, CPU time). ``split_misses`` picks the assignment with the smallest predicted
-max among all-fetch, all-CPU and a greedy mix. Both rates are measured on this machine
-(``measure_link_bandwidth``, ``measure_cpu_flops``) or passed in.
+CPU costs a fixed time per expert (streaming its weights from host memory once) plus a time per
+routed token (its 6·N·K FLOPs): ``cpu_expert_s + tokens · cpu_token_s``, fitted from two timings
+(``measure_cpu_costs``). The two sides run at once (the CPU computes while the GPU fetches and
+computes), so a batch's misses take about max(fetch time, CPU time). ``split_misses`` picks the
+assignment with the smallest predicted max among all-fetch, all-CPU and a greedy mix. The rates are
+measured on this machine or passed in.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ class MissCosts:
     """The two rates the split decides by."""
 
     link_bytes_per_s: float  # host -> GPU copy rate from pinned memory, large copies
-    cpu_flops: float  # FLOP/s of the CPU experts path at decode-sized groups
+    cpu_expert_s: float  # CPU seconds per expert computed, whatever its tokens (its weights read once)
+    cpu_token_s: float  # CPU seconds per routed token of an expert, on top
+
+    def cpu_time(self, tokens: int) -> float:
+        return self.cpu_expert_s + tokens * self.cpu_token_s
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class MissSplit:
     cpu_s: float  # predicted CPU time of ``cpu``
 
 
-def split_misses(tokens: dict[int, int], expert_bytes: int, flops_per_token: float, costs: MissCosts) -> MissSplit:
+def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts) -> MissSplit:
     """Assign each missed expert (``tokens``: expert -> its routed assignments) to the link or the CPU.
 
     Greedy over experts by token count, largest first: each goes where the running max of the two
@@ -42,7 +47,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, flops_per_token: flo
     max(fetch_s, cpu_s) is returned, so the mix is never predicted slower than either pure choice.
     """
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    cpu_time = {e: t * flops_per_token / costs.cpu_flops for e, t in tokens.items()}
+    cpu_time = {e: costs.cpu_time(t) for e, t in tokens.items()}
     fetch, cpu, t_fetch, t_cpu = [], [], 0.0, 0.0
     for e in sorted(tokens, key=lambda e: (-tokens[e], e)):
         if max(t_fetch + fetch_one, t_cpu) <= max(t_fetch, t_cpu + cpu_time[e]):
@@ -74,15 +79,22 @@ def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, re
     return nbytes / best
 
 
-def measure_cpu_flops(n_dim: int, k_dim: int, dtype: torch.dtype, tokens: int = 8, repeats: int = 5) -> float:
-    """FLOP/s of one expert's MLP on the CPU for ``tokens`` rows (gate-up, act, down), best of ``repeats``."""
-    x = torch.randn(tokens, k_dim, dtype=dtype)
+def measure_cpu_costs(n_dim: int, k_dim: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """(seconds per expert, seconds per token) of one expert's MLP on the CPU, fitted from the best of
+    ``repeats`` timings at 1 and 33 tokens (time = per_expert + tokens · per_token)."""
     w13 = torch.randn(2 * n_dim, k_dim, dtype=dtype)
     w2 = torch.randn(k_dim, n_dim, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        h = x @ w13.t()
-        _ = (torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]) @ w2.t()
-        best = min(best, time.perf_counter() - start)
-    return 6 * n_dim * k_dim * tokens / best
+
+    def best(tokens: int) -> float:
+        x = torch.randn(tokens, k_dim, dtype=dtype)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            h = x @ w13.t()
+            _ = (torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]) @ w2.t()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    one, many = best(1), best(33)
+    per_token = max(many - one, 0.0) / 32
+    return max(one - per_token, 0.0), per_token

@@ -28,7 +28,7 @@ import torch
 from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, measure_cpu_flops, measure_link_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -53,16 +53,21 @@ class OffloadedMoE(MoE):
         prefetch: Prediction | None = "router",
         compute_misses_on: MissPlace = "gpu",
         costs: MissCosts | None = None,
+        admit_per_forward: int = 1,
         device: torch.device | str | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
         shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
-        on first use when None."""
+        on first use when None. Misses computed on the CPU are not fetched for this forward; the
+        ``admit_per_forward`` busiest of them are copied into the cache in the background (so the
+        cache still learns the hot set; 0 keeps it as it is)."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in _MISS_PLACES:
             raise ValueError(f"compute_misses_on must be one of {_MISS_PLACES}, got {compute_misses_on!r}")
+        if not isinstance(admit_per_forward, int) or isinstance(admit_per_forward, bool) or admit_per_forward < 0:
+            raise ValueError(f"admit_per_forward must be an int >= 0, got {admit_per_forward!r}")
         if prefetch not in _PREDICTIONS:
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
@@ -77,6 +82,7 @@ class OffloadedMoE(MoE):
         e = moe.config.num_experts
         layer.cache, layer.layer_id = cache, cache.register(moe.w13[:e], moe.w2[:e])
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
+        layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
         layer._cpu_fn = backend_fn("auto", "cpu")
         return layer
@@ -122,6 +128,8 @@ class OffloadedMoE(MoE):
                              activation=self.config.activation, expert_map=cpu_map)  # [M, K] on the CPU
             out = out + y.to(out.device, torch.float32, non_blocking=True)
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self.admit_per_forward]
+            cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
         self.last_stats = stats
@@ -155,10 +163,8 @@ class OffloadedMoE(MoE):
         if self.costs is None:
             c = self.config
             self.costs = MissCosts(measure_link_bandwidth(self.cache.device),
-                                   measure_cpu_flops(c.moe_intermediate_size, c.hidden_size, self.cache.slot_w13.dtype))
-        host = self.cache.host(self.layer_id)
-        split = split_misses(tokens, host.expert_bytes, 6 * self.config.moe_intermediate_size * self.config.hidden_size,
-                             self.costs)
+                                   *measure_cpu_costs(c.moe_intermediate_size, c.hidden_size, self.cache.slot_w13.dtype))
+        split = split_misses(tokens, self.cache.host(self.layer_id).expert_bytes, self.costs)
         return split.fetch, split.cpu
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
