@@ -147,14 +147,44 @@ class SplitSizes:
 
 def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> SplitSizes:
     """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
-    recv_counts = torch.empty_like(send_counts)
-    work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
+    return exchange_chunks(send_counts[None], group, timeout)[0]
+
+
+def exchange_chunks(send_counts: torch.Tensor, group, timeout: timedelta | None) -> list[SplitSizes]:
+    """``send_counts`` [C, W] (rows this rank sends to each rank, per chunk of its tokens) -> the split
+    sizes of every chunk, in one counts all-to-all and one host sync for all C chunks."""
+    chunks, world_size = send_counts.shape
+    send = send_counts.t().contiguous()  # [W, C]: block w goes to rank w
+    recv = torch.empty_like(send)  # [W, C]: recv[w, c] rows rank w sends here in chunk c
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     # A peer that never arrives raises here after the timeout (gloo: the process group's timeout;
     # NCCL: ``timeout`` if given, else the watchdog aborts after the process group's timeout).
     work.wait() if timeout is None else work.wait(timeout)
-    both = torch.cat([send_counts, recv_counts]).tolist()  # host sync
-    world_size = send_counts.numel()
-    return SplitSizes(send=both[:world_size], recv=both[world_size:])
+    both = torch.stack([send, recv]).tolist()  # [2, W, C]; host sync
+    return [SplitSizes(send=[row[c] for row in both[0]], recv=[row[c] for row in both[1]]) for c in range(chunks)]
+
+
+@dataclass
+class PendingDispatch:
+    """A payload all-to-all in flight; ``wait`` makes the current stream wait for it and unpacks."""
+
+    work: object  # the collective's handle (``dist.Work``)
+    received: torch.Tensor  # [U, B] uint8, filled by the collective
+    payload: torch.Tensor  # [T, B] uint8; kept alive until the collective has read it
+    hidden: int
+    top_k: int
+    dtype: torch.dtype
+    send_token: torch.Tensor | None
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    capacity: int | None
+
+    def wait(self) -> Dispatched:
+        self.work.wait()
+        x_recv, ids_recv, weights_recv = _unpack(self.received, self.hidden, self.top_k, self.dtype)
+        return Dispatched(x_recv, ids_recv, weights_recv, self.send_token, self.send_splits, self.recv_splits,
+                          self.num_tokens, self.capacity)
 
 
 def dispatch(
@@ -162,9 +192,16 @@ def dispatch(
 ) -> Dispatched:
     """Send each token once to every rank that serves one of its slots, with that rank's local ids
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
+    splits = exchange(plan.send_counts, group, timeout)
+    return start_dispatch(x2d, topk_weights, plan, splits, group).wait()
+
+
+def start_dispatch(x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan, splits: SplitSizes,
+                   group) -> PendingDispatch:
+    """``dispatch``'s payload all-to-all with the split sizes already exchanged, issued asynchronously
+    (no host sync): the collective runs while the caller queues other work."""
     num_tokens, hidden = x2d.shape
     top_k = plan.chosen.dest.shape[1]
-    splits = exchange(plan.send_counts, group, timeout)
     keys = plan.row_order[: sum(splits.send)]  # [T]
     send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
 
@@ -173,9 +210,9 @@ def dispatch(
     weights = torch.where(here, topk_weights[send_token].float(), 0.0)  # [T, k]
     payload = _pack(x2d[send_token], ids, weights)  # [T, B] uint8
     received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
-    dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group)
-    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
-    return Dispatched(x_recv, ids_recv, weights_recv, send_token, splits.send, splits.recv, num_tokens)
+    work = dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group, async_op=True)
+    return PendingDispatch(work, received, payload, hidden, top_k, x2d.dtype, send_token, splits.send, splits.recv,
+                           num_tokens, None)
 
 
 def dispatch_padded(
@@ -186,6 +223,13 @@ def dispatch_padded(
     are zero padding), so the split sizes are known without exchanging counts. Costs W*C rows on the
     wire whatever the routing; in exchange the forward never waits for the host and can be captured
     in a CUDA graph (DeepEP's low-latency mode makes the same trade). Collective, also with M = 0."""
+    return start_dispatch_padded(x2d, topk_weights, chosen, capacity, group).wait()
+
+
+def start_dispatch_padded(
+    x2d: torch.Tensor, topk_weights: torch.Tensor, chosen: Destinations, capacity: int, group
+) -> PendingDispatch:
+    """``dispatch_padded``'s all-to-all issued asynchronously."""
     num_tokens, hidden = x2d.shape
     if num_tokens > capacity:
         raise ValueError(f"x must have at most max_tokens_per_rank={capacity} tokens on each rank, got {num_tokens}")
@@ -201,24 +245,44 @@ def dispatch_padded(
     rows[:, :num_tokens] = x2d
     payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
     received = torch.empty_like(payload)  # [W*C, B]
-    dist.all_to_all_single(received, payload, group=group)  # equal splits: C rows per rank pair
-    x_recv, ids_recv, weights_recv = _unpack(received, hidden, top_k, x2d.dtype)
+    work = dist.all_to_all_single(received, payload, group=group, async_op=True)  # equal splits: C rows per rank pair
     splits = [capacity] * world_size
-    return Dispatched(x_recv, ids_recv, weights_recv, None, splits, splits, num_tokens, capacity)
+    return PendingDispatch(work, received, payload, hidden, top_k, x2d.dtype, None, splits, splits, num_tokens, capacity)
 
 
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
     """y [U, K] (each row the weighted sum of this rank's slots for that token) -> out [M, K]:
     send the rows back to their source ranks and sum each token's partials in float32."""
+    return start_combine(y, sent, group).wait()
+
+
+@dataclass
+class PendingCombine:
+    """A combine all-to-all in flight; ``wait`` sums each token's partials into out [M, K]."""
+
+    work: object  # the collective's handle (``dist.Work``)
+    back: torch.Tensor  # [T, K]; filled by the collective (T = W*C when padded)
+    y: torch.Tensor  # [U, K]; kept alive until the collective has read it
+    sent: Dispatched
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        back, sent, y = self.back, self.sent, self.y
+        acc = torch.promote_types(y.dtype, torch.float32)
+        if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
+            partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
+            return partials.sum(0, dtype=acc).to(y.dtype)
+        out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
+        out.index_add_(0, sent.send_token, back.to(acc))
+        return out.to(y.dtype)
+
+
+def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
+    """``combine``'s all-to-all issued asynchronously; the sum happens in ``wait``."""
+    y = y.contiguous()
     back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K] (T = W*C when padded)
-    dist.all_to_all_single(back, y.contiguous(), sent.send_splits, sent.recv_splits, group=group)
-    acc = torch.promote_types(y.dtype, torch.float32)
-    if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
-        partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
-        return partials.sum(0, dtype=acc).to(y.dtype)
-    out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
-    out.index_add_(0, sent.send_token, back.to(acc))
-    return out.to(y.dtype)
+    work = dist.all_to_all_single(back, y, sent.send_splits, sent.recv_splits, group=group, async_op=True)
+    return PendingCombine(work, back, y, sent)
 
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
