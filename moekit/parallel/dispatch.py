@@ -43,6 +43,7 @@ class ReplicaTables:
     local_of: torch.Tensor  # [E, Rmax] int64; e's local index on rank_of[e, i]
     num_local_routed: int  # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
     num_shared_slots: int  # S: fused shared slots, run on the token's own rank
+    replicated: bool = True  # some expert has more than one replica (host flag: without, no replica choice runs)
 
     @classmethod
     def build(cls, placement: Placement, rank: int, num_shared_slots: int, device, width: int | None = None) -> "ReplicaTables":
@@ -61,6 +62,7 @@ class ReplicaTables:
             local_of=as_tensor(local_of),
             num_local_routed=placement.num_local_experts(rank),
             num_shared_slots=num_shared_slots,
+            replicated=any(len(r) > 1 for r in replicas),
         )
 
 
@@ -84,11 +86,13 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     ids = topk_ids.reshape(-1).long()  # [M*k]
     routed = (ids >= 0) & (ids < num_experts)
     shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
-    key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
-    position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
-
     safe = torch.where(routed, ids, 0)
-    replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
+    if tables.replicated:
+        key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
+        position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
+        replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
+    else:  # one replica each: no sort, no counting
+        replica = torch.zeros_like(safe)
     dest = torch.where(routed, tables.rank_of[safe, replica], -1)
     local = torch.where(routed, tables.local_of[safe, replica], -1)
     dest = torch.where(shared, rank, dest)  # fused shared slots run where the token lives
@@ -117,10 +121,14 @@ def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_s
     needs.scatter_(1, torch.where(dest >= 0, dest, world_size), True)
     needs = needs[:, :world_size]  # [M, W]
     send_counts = needs.sum(0)  # [W]
-    # Sorting "not needed" flags (stable) lists the needed (rank, token) keys first in rank-major order;
-    # the host learns how many there are only after the counts exchange, so no nonzero() sync here.
-    row_order = torch.sort((~needs.t()).reshape(-1).to(torch.uint8), stable=True).indices  # [W*M]
-    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order)
+    # The needed (rank, token) keys first, in rank-major order: each needed key goes to its position
+    # among the needed ones (a prefix sum), the others to a discarded last entry. The host learns how
+    # many there are only after the counts exchange, so no nonzero() sync here, and no sort.
+    flat = needs.t().reshape(-1)  # [W*M]
+    position = torch.where(flat, torch.cumsum(flat, 0) - 1, flat.numel())  # [W*M]
+    row_order = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=device)
+    row_order.scatter_(0, position, torch.arange(flat.numel(), device=device))
+    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order[:-1])
 
 
 @dataclass

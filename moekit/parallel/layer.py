@@ -385,6 +385,9 @@ class EPMoE(MoE):
                 self.w2.copy_(w2.weight)
             for name in ("num_replicas", "rank_of", "local_of"):
                 getattr(self._tables, name).copy_(getattr(tables, name))
+            # A graph captured before keeps the replica choice it captured (or its absence): either way
+            # every slot goes to a rank holding its expert (replica 0 always exists), only the spread differs.
+            self._tables.replicated = tables.replicated
         else:
             self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
             self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)
