@@ -35,7 +35,7 @@ from moekit.parallel.dispatch import (
     dispatch_padded,
     plan_sends,
 )
-from moekit.parallel.eplb import eplb_placement, load_lower_bound
+from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
 from moekit.parallel.overlap import overlapped_experts
 from moekit.parallel.placement import (
@@ -46,20 +46,6 @@ from moekit.parallel.placement import (
 )
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
-
-
-@dataclass
-class RebalanceReport:
-    """What one EPLB rebalance saw and did (identical on every rank)."""
-
-    loads: list[float]  # [E] routed assignments per logical expert, summed over ranks since the last rebalance
-    balancedness_before: float  # mean / max rank load under the old placement
-    balancedness_after: float  # the same under the placement now in use
-    max_load_before: float
-    max_load_after: float  # <= max_load_before: the old placement is kept unless the new one is better
-    lower_bound: float  # no placement with this many redundant slots can have a lower max rank load
-    slots_received: int  # expert slots whose weights this rank received over the network
-    placement: Placement  # the placement now in use
 
 
 class EPMoE(MoE):
