@@ -280,7 +280,16 @@ class PendingCombine:
         if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
             partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
             return partials.sum(0, dtype=acc).to(y.dtype)
-        out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
+        num_tokens, world_size = sent.num_tokens, len(sent.send_splits)
+        if 2 * back.shape[0] >= world_size * num_tokens:  # most (rank, token) pairs sent: a dense [W, M, K] sum
+            # Each token comes back at most once per rank: copy every row to its (rank, token) place and sum
+            # over ranks in float32, one pass over bf16 rows (index_add_ would need a float32 copy of them).
+            rank = torch.repeat_interleave(torch.arange(world_size, device=y.device),
+                                           torch.tensor(sent.send_splits, device=y.device), output_size=back.shape[0])
+            dense = back.new_zeros((world_size * num_tokens, y.shape[1]))  # [W*M, K]
+            dense.index_copy_(0, rank * num_tokens + sent.send_token, back)
+            return dense.view(world_size, num_tokens, y.shape[1]).sum(0, dtype=acc).to(y.dtype)
+        out = torch.zeros(num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
         out.index_add_(0, sent.send_token, back.to(acc))
         return out.to(y.dtype)
 
