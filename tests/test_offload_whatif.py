@@ -120,3 +120,5 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
     for r in rows:  # misses fetched: the what-if replays the same cache on the same stream
         if r["compute_misses_on"] == "gpu":
             assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
+    assert {(r["M"], r["prefetch"]) for r in doc["prefetch_rows"]} == {
+        (m, p) for m in (1, 4) for p in ("none", "previous", "router")}

@@ -25,7 +25,7 @@ import torch
 from moekit.bench.ceilings import measure_ceilings
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, measure_cpu_costs, measure_link_bandwidth
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers, measure_cpu_costs, measure_link_bandwidth
 from moekit.offload.whatif import RoutingTrace, replay
 from moekit.routing import Routing
 from moekit.sim.router import draw_tokens, make_router
@@ -71,7 +71,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                         rows.append(OffloadRow(stream, fraction, policy, place, m, sim_hit_rate=sim, **row))
                         if on_progress:
                             on_progress(rows[-1])
-    return {"link_GBps": costs.link_bytes_per_s / 1e9, "cpu_expert_us": costs.cpu_expert_s * 1e6,
+    prefetch = _prefetch_rows(shell, config, layers, batches, fractions[0], policies[0], steps, warm_steps, device)
+    return {"prefetch_rows": prefetch, "link_GBps": costs.link_bytes_per_s / 1e9, "cpu_expert_us": costs.cpu_expert_s * 1e6,
             "cpu_token_us": costs.cpu_token_s * 1e6,
             "hbm_read_GBps": copy_bw / 1e9, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
             "layers": layers, "dtype": str(dtype).removeprefix("torch."), "rows": [asdict(r) for r in rows]}
@@ -109,6 +110,46 @@ def _routing(config, layers, steps, m, skew, device) -> list[list[Routing]]:
 def _as_trace(trace: list[list[Routing]], experts: int) -> RoutingTrace:
     touched = [[sorted(set(r.topk_ids.flatten().tolist())) for r in step] for step in trace]
     return RoutingTrace(experts, touched, [[[] for _ in step] for step in trace])
+
+
+def _prefetch_rows(shell, config, layers, batches, fraction, policy, steps, warm_steps, device) -> list[dict]:
+    """Prefetch None / "previous" / "router" through layers that route with their own gates: sigmoid
+    scores with a Zipf popularity bias (a skewed stream), each layer's input its predecessor's plus a
+    little noise (a residual stream), misses fetched. Hit rate and step time per prediction."""
+    skewed = config.replace(scoring="sigmoid", use_correction_bias=True)
+    rows = []
+    for m in batches:
+        for prediction in (None, "previous", "router"):
+            cache = ExpertCache(max(1, round(fraction * config.num_experts * layers)), device=device, policy=policy)
+            stack = []
+            for layer in range(layers):
+                torch.manual_seed(100 + layer)
+                gated = MoE(skewed, num_local_experts=0, dtype=shell.w13.dtype, device="cpu", fuse_shared=False,
+                            router="torch")
+                rank = torch.randperm(config.num_experts) + 1
+                gated.e_score_correction_bias.copy_(-0.05 * torch.log(rank.float()))  # Zipf popularity
+                gated.w13, gated.w2 = shell.w13, shell.w2
+                stack.append(OffloadedMoE.from_moe(gated, cache=cache, prefetch=prediction))
+            link_layers(stack)
+            gen = torch.Generator(device=device).manual_seed(5)
+            times, before = [], None
+            for step in range(warm_steps + steps):
+                if step == warm_steps:
+                    before = dict(cache.stats.as_dict())
+                x = torch.randn(m, config.hidden_size, device=device, dtype=shell.w13.dtype, generator=gen)
+                _sync(device)
+                start = time.perf_counter()
+                for layer in stack:
+                    layer(x)
+                    x = x + 0.3 * torch.randn(x.shape, device=device, dtype=x.dtype, generator=gen)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            after = cache.stats.as_dict()
+            touched, hits = after["touched"] - before["touched"], after["hits"] - before["hits"]
+            rows.append({"M": m, "prefetch": prediction or "none", "hit_rate": hits / max(touched, 1),
+                         "step_ms": statistics.median(times[warm_steps:]) * 1e3,
+                         "prefetch_accuracy": after["prefetch_used"] / max(after["prefetched"], 1)})
+    return rows
 
 
 def _predicted_hit_rate(trace: RoutingTrace, slots: int, policy: str, warm_steps: int) -> float:

@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         n += 1
         path = Path(args.out) / f"{stem}-{n}.json"
     write_json(doc, path)
+    for r in doc["prefetch_rows"]:
+        console.print(f"prefetch {r['prefetch']:>8} M={r['M']:<3} hit {r['hit_rate']:.3f}  step {r['step_ms']:8.2f} ms  "
+                      f"prediction accuracy {r['prefetch_accuracy']:.2f}", markup=False, highlight=False)
     console.print(f"link {doc['link_GBps']:.1f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
                   f"{doc['cpu_token_us']:.0f} µs/token; wrote {path}")
     return 0

@@ -48,6 +48,7 @@ class _Slots:
     owner: list[Key | None]  # [C]; the expert held by each slot, None when free
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
     read_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the last read, or None
+    copy_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the copy into it, or None
 
 
 class ExpertCache:
@@ -82,7 +83,7 @@ class ExpertCache:
             self._slots = _Slots(
                 w13=torch.empty((c, *host.w13.shape[1:]), dtype=host.w13.dtype, device=self.device),
                 w2=torch.empty((c, *host.w2.shape[1:]), dtype=host.w2.dtype, device=self.device),
-                owner=[None] * c, read_done=[None] * c,
+                owner=[None] * c, read_done=[None] * c, copy_done=[None] * c,
             )
         elif host.w13.shape[1:] != self._slots.w13.shape[1:] or host.w13.dtype != self._slots.w13.dtype:
             raise ValueError(
@@ -146,7 +147,6 @@ class ExpertCache:
             self.policy.touch((layer, e), self._tick)
             self._protected.add((layer, e))
         stats.fetched += len(experts)
-        self._wait_for_copies()
 
     def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
         """Yield the experts of each compute round of a forward: the hits and as many fetched misses as
@@ -160,6 +160,7 @@ class ExpertCache:
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
             running += batch
+            self.wait_ready(layer, running)
             yield running
             self.release(layer, running)
             running = []
@@ -239,13 +240,22 @@ class ExpertCache:
                     self._copy_stream.wait_event(slots.read_done[s])
                 slots.w13[s].copy_(host.w13[key[1]], non_blocking=True)
                 slots.w2[s].copy_(host.w2[key[1]], non_blocking=True)
+                slots.copy_done[s] = torch.cuda.Event()
+                slots.copy_done[s].record(self._copy_stream)
         slots.owner[s], slots.where[key] = key, s
         self.policy.insert(key, self._tick)
         stats.bytes_transferred += host.expert_bytes
 
-    def _wait_for_copies(self) -> None:
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+    def wait_ready(self, layer: int, experts: list[int]) -> None:
+        """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or
+        admitted), and for nothing else on the copy stream."""
+        if self._copy_stream is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for e in experts:
+            event = self._slots.copy_done[self._slots.where[(layer, e)]]
+            if event is not None:
+                stream.wait_event(event)
 
 
 def _to_host(w: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -53,21 +53,24 @@ class OffloadedMoE(MoE):
         prefetch: Prediction | None = "router",
         compute_misses_on: MissPlace = "gpu",
         costs: MissCosts | None = None,
-        admit_per_forward: int = 1,
+        admit_per_forward: int | None = None,
         device: torch.device | str | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
         shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
         on first use when None. Misses computed on the CPU are not fetched for this forward; the
-        ``admit_per_forward`` busiest of them are copied into the cache in the background (so the
-        cache still learns the hot set; 0 keeps it as it is)."""
+        busiest of them are copied into the cache in the background (so the cache still learns the hot
+        set): ``admit_per_forward`` of them, or with None as many as the link moves during this
+        forward's CPU work (at least one; one when no ``costs`` are known); 0 keeps the cache as it is."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in _MISS_PLACES:
             raise ValueError(f"compute_misses_on must be one of {_MISS_PLACES}, got {compute_misses_on!r}")
-        if not isinstance(admit_per_forward, int) or isinstance(admit_per_forward, bool) or admit_per_forward < 0:
-            raise ValueError(f"admit_per_forward must be an int >= 0, got {admit_per_forward!r}")
+        if admit_per_forward is not None and (
+            not isinstance(admit_per_forward, int) or isinstance(admit_per_forward, bool) or admit_per_forward < 0
+        ):
+            raise ValueError(f"admit_per_forward must be an int >= 0 or None, got {admit_per_forward!r}")
         if prefetch not in _PREDICTIONS:
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
@@ -128,7 +131,7 @@ class OffloadedMoE(MoE):
                              activation=self.config.activation, expert_map=cpu_map)  # [M, K] on the CPU
             out = out + y.to(out.device, torch.float32, non_blocking=True)
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
-            busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self.admit_per_forward]
+            busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
             cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
@@ -153,6 +156,16 @@ class OffloadedMoE(MoE):
         if self.prefetch == "previous":
             return tokens, list(nxt._last_touched)
         return tokens, [i for i, c in enumerate(host[e:]) if c]
+
+    def _admissions(self, on_cpu: list[int], tokens: dict[int, int]) -> int:
+        """How many CPU-computed experts to copy into the cache after this forward."""
+        if self.admit_per_forward is not None:
+            return self.admit_per_forward
+        if self.costs is None:
+            return 1
+        cpu_s = sum(self.costs.cpu_time(tokens[m]) for m in on_cpu)
+        fetch_s = self.cache.host(self.layer_id).expert_bytes / self.costs.link_bytes_per_s
+        return max(1, int(cpu_s / fetch_s))
 
     def _place_misses(self, tokens: dict[int, int]) -> tuple[list[int], list[int]]:
         """(misses to fetch, misses to compute on the CPU) by ``compute_misses_on``."""
