@@ -329,3 +329,17 @@ def test_grouped_mm_reads_views_with_no_unit_stride(grad):
         got = run_experts(case.x.requires_grad_(grad), case.w13, case.w2, case.ids, case.weights,
                           backend="grouped_mm", **case.kwargs(variant.spec))
     assert rel_l2(got.detach(), _want(case, variant.spec)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "relu2_ungated_bias"])
+def test_compiled_call_traces_whole(name):
+    """call_backend with a spec, biases and transposed views traces under torch.compile(fullgraph=True)."""
+    variant = VARIANTS[name]
+    case = make_case(variant, m=13, transposed=True, seed=13)
+    fn = backend_fn("grouped_mm", "cpu")
+
+    def call(x, w13, w2, b13, b2):
+        return call_backend(fn, x, w13, w2, case.ids, case.weights, activation=variant.spec, b13=b13, b2=b2)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    assert rel_l2(compiled(case.x, case.w13, case.w2, case.b13, case.b2), _want(case, variant.spec)) < 1e-5
