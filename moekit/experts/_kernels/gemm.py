@@ -70,6 +70,14 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
 
 
 @triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b; UPCAST: the operands in float32 first (the interpreter, see above)."""
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _activation(g, ACT: tl.constexpr, ALPHA: tl.constexpr):
     """ACT is ``moekit.activations.ACTIVATIONS[name].kernel_id``; the torch twin is its ``fn``. ALPHA
     scales the sigmoid's argument of silu (gpt-oss: g * sigmoid(1.702 g)); other activations ignore it."""
@@ -133,11 +141,9 @@ def gate_up_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """h = glu(x w13^T + b13) (GATED) or act(x w13^T + b13) per assignment. Gated w13 rows: gate rows
-    then up rows, or (INTERLEAVED) row 2j gate and 2j + 1 up of column j; the gate and up tiles are
-    loaded straight from their rows (a row step of 2 when interleaved), so no shuffle follows the dot.
-    w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr then covers the gate
-    rows), else None. b13_ptr: None without a bias."""
+    """h = glu(x w13^T + b13) per assignment (the variant constexprs: module docstring). Gate and up tiles
+    load straight from their rows (row step 2 when INTERLEAVED): no shuffle after the dot. w13_up_ptr:
+    the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -150,11 +156,9 @@ def gate_up_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    if W_DESC:  # descriptors over [rows, K], block [BN, BK]: see the host's weight_descriptor
-        if INTERLEAVED:
-            gate_row = (expert * N + pid_n * BLOCK_N).to(tl.int32)  # w13_ptr: gate rows only, [E*N, K]
-        else:
-            gate_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)  # up rows follow N later
+    if W_DESC:  # descriptors over [rows, K], block [BN, BK]; rows per expert: 2N, or N (ungated, interleaved)
+        gate_row = (expert * N * (1 if INTERLEAVED else (2 if GATED else 1)) + pid_n * BLOCK_N).to(tl.int32)
+        up_desc, up_row = (w13_up_ptr, gate_row) if INTERLEAVED else (w13_ptr, gate_row + N)  # gated only
     else:
         w_rows = offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1)  # [1, BN] gate (or up-only) rows
         wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
@@ -169,23 +173,16 @@ def gate_up_kernel(
             # are never stored. Past K, and past the last row, the descriptor reads zeros.
             wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
             if GATED:
-                if INTERLEAVED:
-                    wu = w13_up_ptr.load([gate_row, k0]).T
-                else:
-                    wu = w13_ptr.load([gate_row + N, k0]).T
+                wu = up_desc.load([up_row, k0]).T
         else:
             wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wg_ptrs += BLOCK_K * stride_wk
             if GATED:
                 wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wu_ptrs += BLOCK_K * stride_wk
-        if UPCAST:
-            xa, wg = xa.to(tl.float32), wg.to(tl.float32)
-        acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
+        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
         if GATED:
-            if UPCAST:
-                wu = wu.to(tl.float32)
-            acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
