@@ -14,10 +14,10 @@ import transformers.activations as hf_act
 
 from _helpers import TOLERANCE, rel_l2
 from moekit.activations import ActivationSpec, activation_from_hf, apply_glu, as_spec
-from moekit.experts import run_experts
+from moekit.experts import backend_fn, bind_options, call_backend, run_experts
 from moekit.experts.grouped_mm import CPU_GEMMS, GROUPED_MM_LAYOUTS, experts_grouped_mm
 
-BACKENDS = ["reference"]
+BACKENDS = ["reference", "grouped_mm"]
 E, K, N = 5, 16, 12
 
 # The activations, written out from their definitions (not moekit's table).
@@ -102,12 +102,12 @@ class Case:
         return dict(activation=spec, b13=self.b13, b2=self.b2)
 
 
-def make_case(variant: Variant, m=23, k=3, *, transposed=False, dtype=torch.float32, seed=0) -> Case:
+def make_case(variant: Variant, m=23, k=3, *, transposed=False, dtype=torch.float32, seed=0, n=N) -> Case:
     g = torch.Generator().manual_seed(seed)
-    rows = 2 * N if variant.spec.gated else N
+    rows = 2 * n if variant.spec.gated else n
     x = torch.randn(m, K, generator=g) * variant.x_scale
     w13 = torch.randn(E, rows, K, generator=g) / K**0.5
-    w2 = torch.randn(E, K, N, generator=g) / N**0.5
+    w2 = torch.randn(E, K, n, generator=g) / n**0.5
     if transposed:  # transformers' is_transposed storage [E, K, R] / [E, N, K], read as views
         w13, w2 = w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
         assert not w13.is_contiguous() and not w2.is_contiguous()
@@ -250,3 +250,96 @@ def test_as_spec_reads_names_and_keeps_specs():
     assert as_spec("gelu") == ActivationSpec(name="gelu") and as_spec("gelu").plain
     assert as_spec(GPT_OSS) is GPT_OSS and not GPT_OSS.plain
     assert as_spec("relu2").kernel_id != as_spec("relu").kernel_id
+
+
+PATH_CASES = [("gpt_oss", True), ("relu2_ungated_bias", False), ("gelu_gated_b2", True)]
+
+
+@pytest.mark.parametrize("layout", ["auto", *GROUPED_MM_LAYOUTS])
+@pytest.mark.parametrize("cpu_gemm", CPU_GEMMS)
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("name, transposed", PATH_CASES)
+def test_grouped_mm_every_path(layout, cpu_gemm, grad, name, transposed):
+    """Each layout and GEMM strategy (the CPU oneDNN/mm loops without grad, the grouped GEMM with it)."""
+    variant = VARIANTS[name]
+    case = make_case(variant, m=29, transposed=transposed, seed=7)
+    with torch.set_grad_enabled(grad):
+        got = experts_grouped_mm(case.x.requires_grad_(grad), case.w13, case.w2, case.ids, case.weights,
+                                 layout=layout, cpu_gemm=cpu_gemm, **case.kwargs(variant.spec))
+    assert got.dtype == torch.float32 and rel_l2(got.detach(), _want(case, variant.spec)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", GROUPED_MM_LAYOUTS)
+def test_grouped_mm_chunks_keep_biases(layout):
+    variant = VARIANTS["gpt_oss"]
+    case = make_case(variant, m=40, transposed=True, seed=8)
+    got = experts_grouped_mm(case.x, case.w13, case.w2, case.ids, case.weights, layout=layout,
+                             memory_budget_bytes=20_000, **case.kwargs(variant.spec))  # a few tokens a chunk
+    assert rel_l2(got, _want(case, variant.spec)) < 1e-5
+
+
+def _leaves(case: Case, transposed: bool) -> dict:
+    """Fresh leaf tensors for the differentiable arguments; transposed weights stay views of their storage."""
+    store13 = case.w13.transpose(1, 2) if transposed else case.w13
+    store2 = case.w2.transpose(1, 2) if transposed else case.w2
+    leaves = {"x": case.x, "store13": store13, "store2": store2, "b13": case.b13, "b2": case.b2}
+    return {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
+
+
+def _grads(fn, case: Case, leaves: dict, transposed: bool, seed: int) -> dict:
+    w13 = leaves["store13"].transpose(1, 2) if transposed else leaves["store13"]
+    w2 = leaves["store2"].transpose(1, 2) if transposed else leaves["store2"]
+    out = fn(leaves["x"], w13, w2, leaves["b13"], leaves["b2"])
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (out * probe.to(out.dtype)).sum().backward()
+    return {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("backend, layout", [("reference", None), *(("grouped_mm", lay) for lay in GROUPED_MM_LAYOUTS)])
+@pytest.mark.parametrize("name, transposed", [("gpt_oss", True), ("relu2_ungated_bias", False)])
+@pytest.mark.parametrize("n", [N, 13])  # 13: rows not 16-byte aligned, so the grouped GEMM's fallback loop
+def test_gradients_match_float64_autograd(backend, layout, name, transposed, n):
+    variant = VARIANTS[name]
+    case = make_case(variant, m=19, transposed=transposed, seed=11, n=n)
+    layout_option = {} if layout is None else {"backend_options": {"layout": layout}}
+
+    def ours(x, w13, w2, b13, b2):
+        fn = bind_options(backend_fn(backend, "cpu"), layout_option.get("backend_options", {}))
+        return call_backend(fn, x, w13, w2, case.ids, case.weights, activation=variant.spec, b13=b13, b2=b2)
+
+    def theirs(x, w13, w2, b13, b2):
+        return loop64(x, w13, w2, case.ids, case.weights, variant.spec, b13, b2)
+
+    got = _grads(ours, case, _leaves(case, transposed), transposed, seed=1)
+    leaves64 = {k: v.detach().double().requires_grad_(True) for k, v in _leaves(case, transposed).items()}
+    want = _grads(theirs, case, leaves64, transposed, seed=1)
+    for key in want:
+        assert rel_l2(got[key], want[key]) < 1e-5, key
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_grouped_mm_reads_views_with_no_unit_stride(grad):
+    """A weight view strided in both matrix dimensions (no BLAS layout) still runs, through the loop."""
+    variant = VARIANTS["gpt_oss"]
+    case = make_case(variant, m=21, seed=12)
+    case.w13 = torch.stack([case.w13, -case.w13], dim=-1).flatten(2)[:, :, ::2]  # [E, R, K], strides (., 2K, 2)
+    case.w2 = torch.stack([case.w2, case.w2], dim=-1).flatten(2)[:, :, ::2]  # [E, K, N], strides (., 2N, 2)
+    assert case.w13.stride(2) == 2 and case.w2.stride(2) == 2
+    with torch.set_grad_enabled(grad):
+        got = run_experts(case.x.requires_grad_(grad), case.w13, case.w2, case.ids, case.weights,
+                          backend="grouped_mm", **case.kwargs(variant.spec))
+    assert rel_l2(got.detach(), _want(case, variant.spec)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "relu2_ungated_bias"])
+def test_compiled_call_traces_whole(name):
+    """call_backend with a spec, biases and transposed views traces under torch.compile(fullgraph=True)."""
+    variant = VARIANTS[name]
+    case = make_case(variant, m=13, transposed=True, seed=13)
+    fn = backend_fn("grouped_mm", "cpu")
+
+    def call(x, w13, w2, b13, b2):
+        return call_backend(fn, x, w13, w2, case.ids, case.weights, activation=variant.spec, b13=b13, b2=b2)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    assert rel_l2(compiled(case.x, case.w13, case.w2, case.b13, case.b2), _want(case, variant.spec)) < 1e-5
