@@ -1,12 +1,15 @@
 """Fused Triton experts: the default backend on CUDA.
 
-    [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + act-and-mul] -> [down GEMM x routed weight] -> [sum over k]
+    [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight] -> [sum over k]
 
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
 gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
 activation is fused into that GEMM's epilogue); the routed weight is applied in the down GEMM's
 epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no expert map (vLLM's
-tiny-batch shortcut) no alignment runs: block a is assignment a.
+tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts variant runs fused: the
+``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs of the
+gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are
+read through their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
 
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
 capturable and replays correctly with new routing. How it launches is chosen by a ``LaunchOptions``
@@ -22,7 +25,7 @@ in ``LaunchOptions`` for an A/B):
 
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
-      -> plan_for(key) [triton_plan: config, shortcut or alignment, workspace regions, bound launches]
+      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
       -> align launches, gate-up, down, k-sum: each a BoundLaunch (the compiled kernel's own launcher)
 
