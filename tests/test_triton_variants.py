@@ -35,6 +35,7 @@ VARIANTS = {
     "gelu_tanh_interleaved": ActivationSpec("gelu_tanh", interleaved=True),
     "relu2_ungated": ActivationSpec("relu2", gated=False),
     "gelu_ungated": ActivationSpec("gelu", gated=False),
+    "silu_alpha_ungated": ActivationSpec("silu", gated=False, alpha=1.702),
 }
 
 
