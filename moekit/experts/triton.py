@@ -163,10 +163,17 @@ def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, we
     return x.new_empty(x.shape)
 
 
-def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+# The op's gradients (x, w13, w2, topk_weights) come from triton_backward, which imports this module
+# lazily: imported here, at the end of the op's definition, there is no cycle.
+from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
+
+torch.library.register_autograd("moekit::triton_experts", backward_experts_op, setup_context=setup_experts_op)
+
+
+def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor) -> bool:
     """Whether an eager call may skip the custom op. The op matters to torch.compile's and torch.jit's
     tracing, to dispatch modes (FakeTensor, make_fx), tensor subclasses and functorch transforms, and to
-    autograd (through the op, a weight that needs a gradient gets a clear error at backward); else it
+    autograd (the op's backward is ``triton_backward``'s; the routed weights count too); else it
     is only the dispatcher's cost (on the CPU here, stubbed launches: ~100 µs of a ~250 µs call)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_tracing():
         return False
@@ -174,7 +181,8 @@ def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad))
+    return not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad
+                                             or topk_weights.requires_grad))
 
 
 def experts_triton(
@@ -204,7 +212,7 @@ def experts_triton_unchecked(
     directly in eager mode, else through the custom op."""
     if activation not in ACTIVATIONS or x.dtype not in DTYPES:
         check_triton_args(x, activation)  # raises, naming the argument
-    if options.direct_eager and _runs_directly(x, w13, w2):
+    if options.direct_eager and _runs_directly(x, w13, w2, topk_weights):
         return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options)
     return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation,
                                            *options.as_op_args())
