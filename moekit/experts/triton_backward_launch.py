@@ -50,7 +50,7 @@ def backward_tiles(num_assignments: int, num_experts: int, dtype: torch.dtype) -
     blocks from 256 rows per expert on average, else 64 (less padding), two stages for float32 (its
     tiles take twice the shared memory)."""
     if interpreting():
-        return BackwardTiles(16, 16, 32, 32, 16, 32, 16, num_warps=1, num_stages=1)
+        return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1)
     block_m = 128 if num_assignments >= 256 * num_experts else 64
     stages = 2 if dtype == torch.float32 else 3
     return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=stages)
