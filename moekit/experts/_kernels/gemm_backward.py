@@ -106,18 +106,28 @@ def grad_gate_up_kernel(
         d_ptrs += BLOCK_K
         w2_ptrs += BLOCK_K * stride_bk
     mask = row_ok[:, None] & n_ok[None, :]
-    h_ptrs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
+    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
     if not RECOMPUTE:
-        acc_gate = tl.load(hpre_ptr + h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc_up = tl.load(hpre_ptr + h_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-    act, dact = _act_and_grad(acc_gate, ACT)
-    g = act * acc_up  # [BM, BN] the forward's g (0 on masked columns)
+        acc_gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+        acc_up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
+    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT)
+
+
+@triton.jit
+def _store_grads(acc_dg, gate, up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr):
+    """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
+    (fp32), the act-and-mul backward of dg = w acc_dg into dh, w g into gw, and <acc_dg, g> over
+    this N tile into column pid_n of the d-weight partials."""
+    act, dact = _act_and_grad(gate, ACT)
+    g = act * up  # [BM, BN] the forward's g (0 on masked columns)
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
     tl.store(dw_part_ptr + safe * num_pid_n + pid_n, tl.sum(acc_dg * g, axis=1), mask=row_ok)
     dg = acc_dg * weight[:, None]  # [BM, BN] dL/dg_a
     dh_ty = dh_ptr.dtype.element_ty
-    tl.store(dh_ptr + h_ptrs, (dg * acc_up * dact).to(dh_ty), mask=mask)  # d gate
-    tl.store(dh_ptr + h_ptrs + N, (dg * act).to(dh_ty), mask=mask)  # d up
+    tl.store(dh_ptr + h_offs, (dg * up * dact).to(dh_ty), mask=mask)  # d gate
+    tl.store(dh_ptr + h_offs + N, (dg * act).to(dh_ty), mask=mask)  # d up
     tl.store(gw_ptr + safe[:, None] * N + offs_n[None, :], (g * weight[:, None]).to(gw_ptr.dtype.element_ty), mask=mask)
 
 
