@@ -42,18 +42,20 @@ class BackwardTiles:
     weight_r: int  # weight_grad: output tile rows
     weight_c: int  # weight_grad: output tile columns
     num_warps: int
-    num_stages: int
+    num_stages: int  # of grad_gate_up and gather_gemm
+    weight_stages: int  # of weight_grad: its [BR, BM] + [BM, BC] stage is 64 KB at 128 x 128 x 128 in bf16
 
 
 def backward_tiles(num_assignments: int, num_experts: int, dtype: torch.dtype) -> BackwardTiles:
     """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); on the GPU 128-row
-    blocks from 256 rows per expert on average, else 64 (less padding), two stages for float32 (its
-    tiles take twice the shared memory)."""
+    blocks from 256 rows per expert on average, else 64 (less padding), fewer stages for float32 (its
+    tiles take twice the shared memory). Not measured yet: a first guess from the forward's tuned tiles."""
     if interpreting():
-        return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1)
+        return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1, weight_stages=1)
     block_m = 128 if num_assignments >= 256 * num_experts else 64
     stages = 2 if dtype == torch.float32 else 3
-    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=stages)
+    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=stages,
+                         weight_stages=2 if block_m == 128 or dtype == torch.float32 else 3)
 
 
 def _precision(dtype: torch.dtype) -> dict:
@@ -124,7 +126,7 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         rows, cols, num_assignments, num_experts, l_div, r_div, split,
         left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
         BLOCK_M=tiles.block_m, BLOCK_R=tiles.weight_r, BLOCK_C=tiles.weight_c, E_PAD=next_pow2(num_experts),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_precision(left.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.weight_stages, **_precision(left.dtype),
     )
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
 
@@ -185,7 +187,7 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     saved gate-up product or None (recompute). Arguments checked by the caller; A > 0."""
     need_x, need_w13, need_w2, need_weights = needs
     num_experts, top_k = w13.shape[0], ids.shape[1]
-    ids, dout, x = ids.contiguous(), dout.contiguous(), x.contiguous()
+    ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
     expert_map = expert_map.contiguous() if expert_map is not None else None
     tiles = backward_tiles(ids.numel(), num_experts, x.dtype)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
