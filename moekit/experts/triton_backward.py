@@ -15,7 +15,8 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
 ``experts_triton`` takes the defaults):
 - ``recompute=True`` (default): the backward recomputes gate and up in the same K loop as dY @ W2 (x
   and dout rows share the token gather). Memory: nothing saved beyond the inputs. Time: one more
-  gate-up GEMM, 4NK of the step's 18NK FLOPs per assignment (~+28% of the backward's 12NK...14NK).
+  gate-up GEMM: per assignment the backward does 16NK FLOPs instead of 12NK (dY @ W2 2NK, dX 4NK,
+  dW13 4NK, dW2 2NK), the whole step 22NK instead of 18NK (+22%).
 - ``recompute=False``: the forward keeps h_pre [A, 2N] (A = M*k; Qwen3-30B-A3B at M=16384: 403 MB per
   layer in bf16) and the backward reads it. That forward is unfused (it writes h_pre anyway, then a
   torch act-and-mul, then the down GEMM), so it pays in the forward part of what it saves backward.

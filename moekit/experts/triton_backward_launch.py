@@ -43,19 +43,21 @@ class BackwardTiles:
     weight_c: int  # weight_grad: output tile columns
     num_warps: int
     num_stages: int  # of grad_gate_up and gather_gemm
-    weight_stages: int  # of weight_grad: its [BR, BM] + [BM, BC] stage is 64 KB at 128 x 128 x 128 in bf16
+    weight_stages: int  # of weight_grad
 
 
 def backward_tiles(num_assignments: int, num_experts: int, dtype: torch.dtype) -> BackwardTiles:
     """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); on the GPU 128-row
-    blocks from 256 rows per expert on average, else 64 (less padding), fewer stages for float32 (its
-    tiles take twice the shared memory). Not measured yet: a first guess from the forward's tuned tiles."""
+    blocks from 256 rows per expert on average, else 64 (less padding). Shared memory, compiled for sm_90
+    (Triton 3.9, bf16, 3 stages): grad_gate_up 112 KB (128 x 64 x 64, recompute), gather_gemm 64 KB,
+    weight_grad 129 KB (128 x 128, 128-row blocks) of the H200's 227 KB; float32 takes smaller weight
+    tiles and 2 stages to stay under it. Not timed yet: a first guess from the forward's tuned tiles."""
     if interpreting():
         return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1, weight_stages=1)
     block_m = 128 if num_assignments >= 256 * num_experts else 64
-    stages = 2 if dtype == torch.float32 else 3
-    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=stages,
-                         weight_stages=2 if block_m == 128 or dtype == torch.float32 else 3)
+    if dtype == torch.float32:
+        return BackwardTiles(block_m, 64, 64, 128, 64, 64, 64, num_warps=8, num_stages=2, weight_stages=2)
+    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=3, weight_stages=3)
 
 
 def _precision(dtype: torch.dtype) -> dict:
