@@ -6,7 +6,8 @@
 1. correctness, M = 4096, Qwen3-30B-A3B (E=128, K=2048, N=768, top-8) and Mixtral-8x7B (E=8, K=4096,
    N=14336, top-2): grads of x, w13, w2, topk_weights of sum(out * dout), bf16, against moekit's
    grouped_mm backend autograd in float32 (rel-L2 < 2e-2 per grad, for the default backward
-   (recompute) and the saved-h_pre one); grouped_mm's own bf16 error printed beside, for scale.
+   (recompute) and the saved-h_pre one); grouped_mm's own bf16 error printed beside, for scale; and
+   torch.compile(fullgraph=True) (inductor) of forward + backward at Qwen3 M=256 against eager.
 2. timing, M = 4096 and 16384, Qwen3, Mixtral, DeepSeek-V3 (E=256, K=7168, N=2048, top-8): forward +
    backward (out.backward(dout); grads for x, w13, w2, topk_weights), CUDA events around each step,
    median of 10 after 3 warm-up steps; forward alone (no grad) the same way. TFLOP/s = 3 x 6·N·K·M·k
@@ -92,6 +93,25 @@ def correctness(dev, results: list) -> bool:
         del w, ref
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     return ok
+
+
+def compiled(dev, results: list) -> bool:
+    """torch.compile(fullgraph=True) (inductor) of the experts call, forward + backward, against eager."""
+    s = SHAPES[CHECK_SHAPES[0]]
+    m = 256 if not SMOKE else CHECK_M
+    w = make_weights(s, torch.bfloat16, dev)
+    x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+    routing = uniform_routing(m, s, dev, seed=3)
+    dout = torch.randn(m, s.k, device=dev)
+    fn = torch.compile(experts_triton, fullgraph=True, backend="aot_eager" if SMOKE else "inductor")
+    want = grads(experts_triton, leaves(w.w13, w.w2, x, routing.topk_weights, torch.bfloat16), routing.topk_ids, dout)
+    got = grads(fn, leaves(w.w13, w.w2, x, routing.topk_weights, torch.bfloat16), routing.topk_ids, dout)
+    errors = {g: rel_l2(got[g], want[g]) for g in GRADS}
+    passed = all(e < 1e-2 for e in errors.values())
+    results.append(dict(shape=s.name, m=m, backend="triton compiled", rel_l2=errors, passed=passed))
+    print(f"{'PASS' if passed else 'FAIL'}  torch.compile(fullgraph=True) fwd+bwd {s.name} M={m} vs eager: "
+          + "  ".join(f"{g} {e:.1e}" for g, e in errors.items()), flush=True)
+    return passed
 
 
 def clock(dev, fn) -> float:
@@ -194,6 +214,12 @@ def main() -> int:
     started = time.perf_counter()
     checks, rows = [], []
     ok = correctness(dev, checks)
+    try:
+        ok &= compiled(dev, checks)
+    except Exception as exc:  # noqa: BLE001  (reported; the timing still runs)
+        print(f"FAIL  torch.compile fwd+bwd raised {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        checks.append(dict(backend="triton compiled", passed=False, error=repr(exc)[:500]))
+        ok = False
     matmul = matmul_rate(dev)
     timing(dev, rows)
     report = dict(device=name, torch=torch.__version__, triton=triton.__version__, matmul_tflops=matmul,

@@ -66,8 +66,10 @@ def unsupported_variant(args: dict) -> str | None:
     if activation not in BACKWARD_ACTIVATIONS:
         return f"the triton backward has no derivative for activation={activation!r} (it has {BACKWARD_ACTIVATIONS})"
     for name, base in _BASE_VARIANT.items():
-        if name in args and args[name] is not base and args[name] != base:
-            return f"the triton backward does not support the variant {name}={args[name]!r} yet (only {name}={base!r})"
+        value = args.get(name, base)
+        if (value is not None) if base is None else (value != base):
+            shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
+            return f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r})"
     return None
 
 
@@ -158,7 +160,8 @@ def _train_op(
         return saving_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
     from moekit.experts.triton import fused_experts  # triton.py imports this module: lazily, no cycle
 
-    return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation), x.new_empty(0)
+    out = fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map=expert_map, activation=activation)
+    return out, x.new_empty(0)
 
 
 @_train_op.register_fake
