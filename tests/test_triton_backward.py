@@ -193,3 +193,17 @@ def test_variants_without_backward_are_named():
     assert "relu2" in unsupported_variant({"activation": "relu2"})
     with pytest.raises(ValueError, match="split_m"):
         BackwardOptions(split_m=-1)
+
+
+def test_transposed_weight_views(interpreter):
+    """Weights stored transposed (transformers' is_transposed) arrive as views: the kernels read them
+    through strides, and the grads reach the stored parameters."""
+    x, w13, w2, ids, weights = make_problem(5, 2, 8, 33, 17, seed=12)
+    stored13 = w13.transpose(1, 2).contiguous().requires_grad_()  # [E, K, 2N]
+    stored2 = w2.transpose(1, 2).contiguous().requires_grad_()  # [E, N, K]
+    dout = torch.randn(5, 33, generator=torch.Generator().manual_seed(13))
+    out = interpreter.experts_triton(x, stored13.transpose(1, 2), stored2.transpose(1, 2), ids, weights)
+    (out * dout).sum().backward()
+    want = grads_of(loop_experts, make_problem(5, 2, 8, 33, 17, seed=12), dout, torch.float64, torch.float64)
+    assert rel_l2(stored13.grad, want["w13"].transpose(1, 2)) < TOL[torch.float32]
+    assert rel_l2(stored2.grad, want["w2"].transpose(1, 2)) < TOL[torch.float32]
