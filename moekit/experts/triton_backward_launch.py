@@ -146,7 +146,7 @@ def choose_split(num_programs: int, num_assignments: int, num_experts: int, weig
 def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tiles: BackwardTiles, activation: str):
     """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
     recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous."""
-    (num_experts, two_n, hidden), n = w13.shape, w13.shape[1] // 2
+    (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
     dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
     gw = torch.empty(num_assignments, n, dtype=work, device=x.device)
