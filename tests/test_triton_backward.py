@@ -207,3 +207,11 @@ def test_transposed_weight_views(interpreter):
     want = grads_of(loop_experts, make_problem(5, 2, 8, 33, 17, seed=12), dout, torch.float64, torch.float64)
     assert rel_l2(stored13.grad, want["w13"].transpose(1, 2)) < TOL[torch.float32]
     assert rel_l2(stored2.grad, want["w2"].transpose(1, 2)) < TOL[torch.float32]
+
+
+def test_train_refuses_what_it_cannot_differentiate(interpreter):
+    x, w13, w2, ids, weights = make_problem(3, 2, 8, 33, 17, seed=14)
+    with pytest.raises(NotImplementedError, match="activation name"):
+        experts_triton_train(x, w13, w2, ids, weights, activation=object())
+    with pytest.raises(TypeError, match="BackwardOptions"):
+        experts_triton_train(x, w13, w2, ids, weights, backward={"recompute": False})

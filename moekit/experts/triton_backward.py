@@ -202,6 +202,9 @@ def experts_triton_train(
     """The experts contract (``moekit.experts``) on the Triton kernels, differentiable with the
     backward's options chosen (``BackwardOptions``); ``experts_triton`` differentiates with the defaults."""
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    if not isinstance(activation, str):
+        raise NotImplementedError(f"experts_triton_train takes an activation name (one of {BACKWARD_ACTIVATIONS}); "
+                                  f"the variant {activation!r} has no Triton backward yet")
     check_triton_args(x, activation)
     if not isinstance(backward, BackwardOptions):
         raise TypeError(f"backward must be a BackwardOptions, got {type(backward).__name__}")
