@@ -75,7 +75,7 @@ def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
     assert calls == [1, 1]
     w13.requires_grad_()
     with_grad = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
-    assert calls == [1, 1, 1] and with_grad.requires_grad  # the op's autograd error stays the one a user gets
+    assert calls == [1, 1, 1] and with_grad.requires_grad  # through the op, which carries the autograd
     for out in (via_op, under_mode, with_grad.detach()):
         assert torch.equal(direct, out)
 

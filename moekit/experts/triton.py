@@ -171,6 +171,13 @@ def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activ
     return x.new_empty(x.shape)
 
 
+# The op's gradients (x, w13, w2, topk_weights) come from triton_backward, which imports this module
+# lazily: imported here, at the end of the op's definition, there is no cycle.
+from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
+
+torch.library.register_autograd("moekit::triton_experts", backward_experts_op, setup_context=setup_experts_op)
+
+
 def _variant_args(activation: str | ActivationSpec) -> tuple:
     """The op's activation arguments: (name, gated, interleaved, alpha, limit, up_shift)."""
     if activation.__class__ is str:
@@ -188,11 +195,13 @@ def _spec_of(name: str, gated: bool, interleaved: bool, alpha: float, limit: flo
     return name if spec.plain else spec
 
 
-def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, b2) -> bool:
+def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   b13, b2) -> bool:
     """Whether an eager call may skip the custom op. The op matters to torch.compile's and torch.jit's
     tracing, to dispatch modes (FakeTensor, make_fx), tensor subclasses and functorch transforms, and to
-    autograd (through the op, a weight or bias that needs a gradient gets a clear error at backward);
-    else it is only the dispatcher's cost (on the CPU here, stubbed launches: ~100 µs of a ~250 µs call)."""
+    autograd (the op's backward is ``triton_backward``'s; the routed weights count too, and a bias that
+    needs a gradient gets a clear error there); else it is only the dispatcher's cost (on the CPU here,
+    stubbed launches: ~100 µs of a ~250 µs call)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_tracing():
         return False
     if type(x) not in _PLAIN or type(w13) not in _PLAIN or type(w2) not in _PLAIN:
@@ -204,7 +213,8 @@ def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, b13, b2
         for bias in (b13, b2):
             if bias is not None and (type(bias) not in _PLAIN or (grad and bias.requires_grad)):
                 return False
-    return not (grad and (x.requires_grad or w13.requires_grad or w2.requires_grad))
+    return not (grad and (x.requires_grad or w13.requires_grad or w2.requires_grad
+                          or topk_weights.requires_grad))
 
 
 def experts_triton(
@@ -239,7 +249,7 @@ def experts_triton_unchecked(
     kernel constexprs are resolved once per plan, so a variant adds no per-call work here."""
     if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
         check_triton_args(x, activation, b13, b2)  # raises, naming the argument
-    if options.direct_eager and _runs_directly(x, w13, w2, b13, b2):
+    if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
         return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options,
                              b13=b13, b2=b2)
     return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
