@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.activations import act_and_mul, get_activation
+from moekit.quant import QuantizedWeight, run_quantized
 from moekit.layouts import (
     choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
 )
@@ -254,8 +255,13 @@ def experts_grouped_mm(
 
     ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES);
     ``layout`` "auto" or one of GROUPED_MM_LAYOUTS; ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured
-    best). ``plan_grouped_mm`` tells which layout and chunk size a call gets.
+    best). ``plan_grouped_mm`` tells which layout and chunk size a call gets. QuantizedWeights are
+    dequantized to x.dtype per call (correct, not fast); fp8_block runs ``moekit.quant``'s recipe.
     """
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+        return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, weight_dtype=x.dtype, dense_options=dict(
+                                 memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm))
     num_tokens, top_k = topk_ids.shape
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
     plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], x.shape[1], w2.shape[2], x.dtype,

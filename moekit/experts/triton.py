@@ -54,6 +54,7 @@ from moekit.experts.triton_align import run_align
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, weight_descriptor
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for
+from moekit.quant import reject_quantized
 
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
@@ -202,6 +203,7 @@ def experts_triton_unchecked(
     """``experts_triton`` for a caller that has run ``check_experts_args`` (``moekit.experts.call_backend``,
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
     directly in eager mode, else through the custom op."""
+    reject_quantized(w13, w2, "triton")  # quantized kernels: issues #15/#16, wired in by the lead
     if activation not in ACTIVATIONS or x.dtype not in DTYPES:
         check_triton_args(x, activation)  # raises, naming the argument
     if options.direct_eager and _runs_directly(x, w13, w2):
