@@ -7,34 +7,36 @@ from __future__ import annotations
 import torch
 
 
-def e4m3_values() -> torch.Tensor:
-    """Every finite float8_e4m3fn value, sorted, float64, from the bits: sign, 4 exponent bits (bias 7),
-    3 mantissa bits; exponent 0 is subnormal; S.1111.111 is NaN (no infinities)."""
+def e4m3_magnitudes() -> torch.Tensor:
+    """The non-negative finite float8_e4m3fn values in code order (code 0..126), float64, from the bits:
+    4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal; code 127 (S.1111.111) is NaN."""
     values = []
-    for exp in range(16):
-        for man in range(8):
-            if exp == 15 and man == 7:
-                continue
-            mag = man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
-            values += [mag, -mag]
-    return torch.tensor(sorted(set(values)), dtype=torch.float64)
+    for code in range(127):
+        exp, man = code >> 3, code & 7
+        values.append(man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7))
+    return torch.tensor(values, dtype=torch.float64)
 
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-def nearest(a: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Each element of a (float64) replaced by its nearest value in the sorted ``table`` (saturating)."""
-    idx = torch.searchsorted(table, a).clamp(1, len(table) - 1)
-    lo, hi = table[idx - 1], table[idx]
-    return torch.where((a - lo).abs() <= (hi - a).abs(), lo, hi)
+def nearest(a: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
+    """Each element of a (float64) rounded to the nearest signed value of a format whose non-negative
+    values, in code order, are ``magnitudes`` (saturating); an exact tie goes to the even code (the
+    mantissa's last bit 0), IEEE's round-half-to-even."""
+    mag = a.abs()
+    idx = torch.searchsorted(magnitudes, mag).clamp(1, len(magnitudes) - 1)
+    lo, hi = magnitudes[idx - 1], magnitudes[idx]
+    pick_lo = ((mag - lo) < (hi - mag)) | (((mag - lo) == (hi - mag)) & ((idx - 1) % 2 == 0))
+    out = torch.where(pick_lo, lo, hi)
+    return torch.where(a < 0, -out, out)
 
 
 def rtn_fp8_block(w: torch.Tensor, br: int = 128, bc: int = 128) -> torch.Tensor:
     """DeepSeek-style RTN: per (br x bc) block s = amax/448, value = s * nearest_e4m3(w/s)."""
     w = w.double()
     out = torch.empty_like(w)
-    table = e4m3_values()
+    table = e4m3_magnitudes()
     for r0 in range(0, w.shape[1], br):
         for c0 in range(0, w.shape[2], bc):
             blk = w[:, r0:r0 + br, c0:c0 + bc]
@@ -48,7 +50,7 @@ def fake_fp8_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """Per row per ``block`` columns: s = amax/448, x -> s * nearest_e4m3(x/s) (float64)."""
     x = x.double()
     out = torch.empty_like(x)
-    table = e4m3_values()
+    table = e4m3_magnitudes()
     for c0 in range(0, x.shape[1], block):
         blk = x[:, c0:c0 + block]
         s = blk.abs().amax(dim=1, keepdim=True) / 448
@@ -88,7 +90,7 @@ def rtn_mxfp4(w: torch.Tensor, exponent_shift: int = 0) -> torch.Tensor:
     """OCP MX RTN per 32 columns: X = 2**(floor(log2 amax) - 2 + exponent_shift), values nearest e2m1 of
     w/X, saturating at 6 (exponent_shift=1 is the no-clipping variant)."""
     w = w.double()
-    table = torch.tensor(sorted({v for m in E2M1 for v in (m, -m)}), dtype=torch.float64)
+    table = torch.tensor(E2M1, dtype=torch.float64)
     out = torch.empty_like(w)
     for c0 in range(0, w.shape[2], 32):
         blk = w[:, :, c0:c0 + 32]
