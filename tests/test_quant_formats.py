@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _quant_refs import decode_e2m1, pack_nibbles_by_hand
 
 import moekit.quant as Q
-from _quant_refs import decode_e2m1, pack_nibbles_by_hand
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i holds column 8p + order[i]
 

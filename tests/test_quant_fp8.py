@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _quant_refs import e4m3_magnitudes, fake_fp8_rows, nearest, rel_l2
 
 import moekit.quant as Q
 from moekit.experts import run_experts
-from _quant_refs import e4m3_magnitudes, fake_fp8_rows, nearest, rel_l2
 
 E, K, N = 4, 200, 136  # K and N are not multiples of 128: tail blocks on every GEMM
 

@@ -9,13 +9,13 @@ import types
 
 import pytest
 import torch
+from _quant_refs import rel_l2
 
 import moekit.quant as Q
-from _quant_refs import rel_l2
 
 transformers = pytest.importorskip("transformers")
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
-from moekit.quant.hf import fp8_experts_weights  # noqa: E402
+from moekit.quant.hf import fp8_experts_weights, quantized_experts_weights  # noqa: E402
 
 
 def _fp8_qwen3_moe():
@@ -44,6 +44,7 @@ def test_fp8_experts_are_read_as_they_are():
     experts = block.experts
     assert type(experts).__name__ == "FP8Experts"
     w13, w2 = fp8_experts_weights(experts)
+    assert quantized_experts_weights(experts)[1].scale.data_ptr() == experts.down_proj_scale_inv.data_ptr()
     assert w13.scheme == w2.scheme == "fp8_block" and w13.block_shape == (128, 128)
     assert w13.shape == (4, 512, 256) and w2.shape == (4, 256, 256) and w2.scale.shape == (4, 2, 2)
     assert w13.q.data_ptr() == experts.gate_up_proj.data_ptr()  # not requantized, not copied
@@ -74,3 +75,6 @@ def test_fp8_experts_run_moekit_recipe_close_to_the_float_experts():
 def test_non_fp8_experts_are_refused():
     with pytest.raises(TypeError, match="FP8Experts"):
         fp8_experts_weights(torch.nn.Linear(2, 2))
+    float_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(
+        transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=2))
+    assert quantized_experts_weights(float_block) is None

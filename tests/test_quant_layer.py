@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _quant_refs import fake_fp8_rows, rel_l2
 
 import moekit.quant as Q
 from moekit.config import MoEConfig
 from moekit.experts import run_experts
 from moekit.layer import MoE
-from _quant_refs import fake_fp8_rows, rel_l2
 
 CONFIG = MoEConfig(hidden_size=256, moe_intermediate_size=384, num_experts=8, top_k=2,
                    shared_expert_intermediate_size=128)

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import moekit.quant as Q
 from _quant_refs import (
-    decode_e2m1, e4m3_magnitudes, pack_nibbles_by_hand, rms, rtn_fp8_block, rtn_int4, rtn_int8, rtn_mxfp4,
+    decode_e2m1,
+    e4m3_magnitudes,
+    pack_nibbles_by_hand,
+    rms,
+    rtn_fp8_block,
+    rtn_int4,
+    rtn_int8,
+    rtn_mxfp4,
     unpack_nibbles_by_hand,
 )
+
+import moekit.quant as Q
 
 SHAPES = [(2, 256, 384), (3, 130, 301)]  # block-aligned, and tails on both dims (odd C)
 
@@ -33,7 +40,7 @@ def test_fp8_block_is_rtn_and_decodes_by_the_layout(shape):
     assert torch.equal(qw.dequantize(torch.float64), by_hand)
     assert set(qw.q.double().abs().unique().tolist()) <= set(e4m3_magnitudes().tolist())
     assert rms(qw.dequantize(), w) <= rms(rtn_fp8_block(w), w) * (1 + 1e-4)
-    assert qw.nbytes == e * r * c + qw.scale.numel() * 4
+    assert qw.nbytes == e * r * c + qw.scale.numel() * 4 and qw.nbytes_per_expert * e == qw.nbytes
 
 
 def test_fp8_block_shape_option():

@@ -19,7 +19,10 @@ from moekit.quant.base import QuantizedWeight
 from moekit.quant.emulate import check_quantized_pair, experts_fp8_block_reference, reject_quantized, run_quantized
 from moekit.quant.formats import cat_rows, from_awq, from_deepseek_fp8, from_gpt_oss_mxfp4, from_gptq, stack_experts
 from moekit.quant.fp8_block import (
-    Fp8Activations, Fp8BlockWeight, fake_quantize_activations_fp8, quantize_activations_fp8,
+    Fp8Activations,
+    Fp8BlockWeight,
+    fake_quantize_activations_fp8,
+    quantize_activations_fp8,
 )
 from moekit.quant.int4 import Int4Weight
 from moekit.quant.int8 import Int8Weight

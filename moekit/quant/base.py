@@ -75,6 +75,11 @@ class QuantizedWeight:
         """Bytes of the packed tensors, scales and zero points included (what a GEMM streams)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    @property
+    def nbytes_per_expert(self) -> int:
+        """``nbytes`` of one expert: what a GEMM streams per touched expert (the byte model's unit)."""
+        return self.nbytes // max(self.num_experts, 1)
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """The same weight with every tensor on ``device`` (self when already there). Never casts."""
         if torch.device(device) == self.device:

@@ -13,7 +13,7 @@ Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

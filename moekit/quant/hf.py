@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit.quant.fp8_block import FP8_DTYPE, Fp8BlockWeight
 from moekit.quant.formats import from_deepseek_fp8, from_gpt_oss_mxfp4
+from moekit.quant.fp8_block import FP8_DTYPE, Fp8BlockWeight
 from moekit.quant.mxfp4 import Mxfp4Weight
 
 
@@ -48,6 +48,14 @@ def fp8_experts_weights(experts: nn.Module) -> tuple[Fp8BlockWeight, Fp8BlockWei
     w2 = from_deepseek_fp8(experts.down_proj.detach(), experts.down_proj_scale_inv.detach(),
                            block_shape=block, dtype=dtype)
     return w13, w2
+
+
+def quantized_experts_weights(experts: nn.Module) -> tuple[Fp8BlockWeight, Fp8BlockWeight] | None:
+    """(w13, w2) QuantizedWeights of a transformers experts module whose weights are quantized in a form
+    moekit reads (today: ``FP8Experts`` with e4m3 weights), None for float experts. Each call wraps the
+    module's tensors anew (a few checks, no copy): cache the pair per module where host time matters."""
+    quantized = getattr(getattr(experts, "gate_up_proj", None), "dtype", None) == FP8_DTYPE
+    return fp8_experts_weights(experts) if quantized and hasattr(experts, "gate_up_proj_scale_inv") else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,14 @@ from typing import ClassVar
 import torch
 
 from moekit.quant.base import (
-    QuantizedWeight, cdiv, check_3d, check_float_weight, check_tensor, pack_nibbles, pad_cols, unpack_nibbles,
+    QuantizedWeight,
+    cdiv,
+    check_3d,
+    check_float_weight,
+    check_tensor,
+    pack_nibbles,
+    pad_cols,
+    unpack_nibbles,
 )
 
 GROUP_SIZES = (32, 64, 128)
