@@ -4,6 +4,8 @@ on Gaussian data is bounded and recorded, and the router / shared expert stay in
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,3 +144,23 @@ def test_routed_experts_error_figures():
                 print(f"fp8_block weight-only: layer rel L2 {rel_l2(w8, ref):.4%}")
         print(f"{scheme}: routed layer rel L2 vs unquantized {err:.4%}")
         assert low < err < high, scheme
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "int4_w4a16"])
+def test_state_dict_round_trip(scheme):
+    saved = _layer(seed=0).quantize_(scheme, **({"group_size": 64} if scheme == "int4_w4a16" else {}))
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()))
+    assert {"w13.q", "w13.scale", "w2.q", "w2.scale"} <= set(state) and "w13" not in state
+    loaded = _layer(seed=1).quantize_(scheme, **({"group_size": 64} if scheme == "int4_w4a16" else {}))
+    loaded.load_state_dict(state)
+    x = _x(8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), saved(x))
+    mismatched = _layer(seed=1).quantize_(scheme, **({"group_size": 32} if scheme == "int4_w4a16" else
+                                                     {"block_shape": (64, 64)}))
+    with pytest.raises(RuntimeError, match="w13"):
+        mismatched.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        loaded.load_state_dict({k: v for k, v in state.items() if k != "w2.scale"})

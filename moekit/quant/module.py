@@ -3,10 +3,14 @@ module's device. The router and the shared expert stay in the model dtype.
 
 A quantized ``w13``/``w2`` is a plain attribute holding a ``QuantizedWeight`` (not a Parameter: it is
 not trainable); ``MoE._apply`` calls ``move_quantized_`` so ``moe.to(device)`` moves it. Dtype casts
-(``moe.half()``) leave it as it is: its tensors' dtypes are the scheme's.
+(``moe.half()``) leave it as it is: its tensors' dtypes are the scheme's. ``state_dict`` holds its
+tensors as ``w13.q``, ``w13.scale`` (``w13.zero``), ...; ``load_state_dict`` reads them back into a
+module quantized with the same scheme and options (quantize first, then load).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -36,6 +40,34 @@ def quantize_experts_(module: nn.Module, scheme: str, **options) -> None:
     for name, w in quantized.items():
         delattr(module, name)  # the Parameter goes; the quantized weight is a plain attribute
         setattr(module, name, w)
+    module.register_state_dict_post_hook(_save_quantized)
+    module.register_load_state_dict_pre_hook(_load_quantized)
+
+
+def _save_quantized(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for name in EXPERT_WEIGHTS:
+        w = module.__dict__.get(name)
+        if isinstance(w, QuantizedWeight):
+            state_dict.update({f"{prefix}{name}.{field}": t for field, t in w.tensors().items()})
+
+
+def _load_quantized(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Rebuild each quantized weight from its ``{prefix}{name}.{field}`` entries (taken out of the dict, so
+    they are not reported unexpected), keeping the module's scheme and options; absent ones are missing."""
+    for name in EXPERT_WEIGHTS:
+        w = module.__dict__.get(name)
+        if not isinstance(w, QuantizedWeight):
+            continue
+        keys = {field: f"{prefix}{name}.{field}" for field in w.tensor_fields}
+        if not all(k in state_dict for k in keys.values()):
+            missing_keys.extend(k for k in keys.values() if k not in state_dict)
+            continue
+        tensors = {field: state_dict.pop(k).to(w.device) for field, k in keys.items()}
+        meta = {f.name: getattr(w, f.name) for f in dataclasses.fields(w) if f.name not in w.tensor_fields}
+        try:
+            module.__dict__[name] = type(w)(**meta, **tensors)
+        except (TypeError, ValueError) as err:
+            error_msgs.append(f"{prefix}{name}: {err}")
 
 
 def move_quantized_(module: nn.Module, fn) -> None:
