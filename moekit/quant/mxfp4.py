@@ -93,8 +93,8 @@ def quantize_mxfp4(w: torch.Tensor) -> Mxfp4Weight:
     groups = cdiv(c, MX_BLOCK)
     blocks = pad_cols(w.to(acc), MX_BLOCK).reshape(e, r, groups, MX_BLOCK)
     amax = blocks.abs().amax(dim=3)  # [E, R, G]
-    tiny = torch.finfo(acc).tiny
-    low = torch.floor(torch.log2(amax.clamp(min=tiny))) - E2M1_EMAX  # OCP's shared exponent
+    # floor(log2(amax)) exactly (frexp: amax = m * 2**e, m in [0.5, 1)), so every device agrees
+    low = (torch.frexp(amax).exponent - 1 - E2M1_EMAX).to(acc)  # OCP's shared exponent
     low = torch.where(amax > 0, low, torch.zeros_like(low)).clamp(-E8M0_BIAS, E8M0_BIAS)
     best_err, best_exp, best_codes = None, None, None
     for exponent in (low, (low + 1).clamp(max=E8M0_BIAS)):
