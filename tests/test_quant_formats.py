@@ -135,3 +135,11 @@ def test_deepseek_fp8_tensors_are_used_as_they_are():
         Q.cat_rows(Q.from_deepseek_fp8(weight[:100], scale[:1]), Q.from_deepseek_fp8(weight[:100], scale[:1]))
     with pytest.raises(TypeError, match="weight_scale_inv must be one of"):
         Q.from_deepseek_fp8(weight, scale.to(torch.int32))
+
+
+def test_deepseek_fp8_e8m0_scales_widen_exactly():
+    weight = torch.ones(128, 256).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[125, 130]], dtype=torch.uint8).view(torch.float8_e8m0fnu)  # 2**-2, 2**3
+    qw = Q.from_deepseek_fp8(weight, scale)
+    assert torch.equal(qw.scale, torch.tensor([[[0.25, 8.0]]]))
+    assert torch.equal(qw.dequantize()[0, 0, [0, 127, 128, 255]], torch.tensor([0.25, 0.25, 8.0, 8.0]))
