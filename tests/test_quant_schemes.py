@@ -140,6 +140,21 @@ def test_zero_weights_and_extremes_round_trip():
         assert float(d[0, 1, 3]) == pytest.approx(3.0, rel=1e-6), scheme  # the amax is exact in every scheme
 
 
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+def test_quantize_in_expert_chunks_equals_whole(scheme, monkeypatch):
+    import moekit.quant.schemes as schemes
+
+    w = _weight((5, 64, 96))
+    whole = Q.quantize(w, scheme)
+    monkeypatch.setattr(schemes, "CHUNK_ELEMENTS", 2 * 64 * 96)  # chunks of 2, 2, 1 experts
+    chunked = Q.quantize(w, scheme)
+    assert all(torch.equal(_bits(t), _bits(chunked.tensors()[k])) for k, t in whole.tensors().items())
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def test_object_helpers():
     qw = Q.quantize(_weight((4, 64, 96)), "int4_w4a16", group_size=32)
     sub = qw.select_experts(torch.tensor([2, 0]))

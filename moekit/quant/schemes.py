@@ -17,6 +17,7 @@ import inspect
 import torch
 
 from moekit.quant.base import QuantizedWeight
+from moekit.quant.formats import stack_experts
 from moekit.quant.fp8_block import Fp8BlockWeight, quantize_fp8_block
 from moekit.quant.int4 import Int4Weight, quantize_int4
 from moekit.quant.int8 import Int8Weight, quantize_int8
@@ -26,6 +27,7 @@ SCHEME_CLASSES: dict[str, type[QuantizedWeight]] = {
     cls.scheme: cls for cls in (Fp8BlockWeight, Int8Weight, Int4Weight, Mxfp4Weight)
 }
 SCHEMES = tuple(SCHEME_CLASSES)
+CHUNK_ELEMENTS = 1 << 27  # 128M weights per quantizer call: ~0.5 GB per float32 temporary
 _QUANTIZERS = {
     "fp8_block": quantize_fp8_block,
     "int8_w8a16": quantize_int8,
@@ -48,12 +50,18 @@ def scheme_options(scheme: str) -> list[str]:
 def quantize(w: torch.Tensor, scheme: str, **options) -> QuantizedWeight:
     """Quantize a float weight w [E, R, C] (reduction dim last) with ``scheme``, round to nearest.
 
-    Options per scheme: see the module table; an option the scheme does not take raises here."""
+    Options per scheme: see the module table; an option the scheme does not take raises here. Experts
+    are quantized independently, in chunks of at most CHUNK_ELEMENTS weights (whole experts), so the
+    float32 temporaries stay bounded for a DeepSeek-V3 layer (7.5e9 weights) too."""
     taken = scheme_options(scheme)
     unknown = sorted(set(options) - set(taken))
     if unknown:
         raise ValueError(f"{unknown} are not options of scheme {scheme!r}; it takes {taken}")
-    return _QUANTIZERS[scheme](w, **options)
+    fn = _QUANTIZERS[scheme]
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.numel() <= CHUNK_ELEMENTS:
+        return fn(w, **options)  # the quantizer checks w
+    per_chunk = max(1, CHUNK_ELEMENTS // max(w[0].numel(), 1))
+    return stack_experts([fn(w[e:e + per_chunk], **options) for e in range(0, w.shape[0], per_chunk)])
 
 
 def from_tensors(scheme: str, **fields) -> QuantizedWeight:
