@@ -8,6 +8,8 @@ What transformers builds (read from transformers 5.24):
   [E, K, N], ``down_proj_scale_inv`` [E, ceil(K/BR), ceil(N/BC)] (float32, or float8_e8m0fnu with
   ``scale_fmt="ue8m0"``), ``block_size`` (BR, BC). ``fp8_experts_weights`` reads them.
   On a machine without a GPU transformers loads such a checkpoint dequantized (plain bf16 experts).
+  ``FP8Experts`` dispatches through its own ``FP8ExpertsInterface`` (not ``ExpertsInterface``): a
+  "moekit" implementation must be registered there too to reach these weights.
 - gpt-oss MXFP4 (``Mxfp4Config``): transformers swaps in ``Mxfp4GptOssExperts`` whose ``gate_up_proj``
   and ``down_proj`` become triton_kernels tensors in a swizzled layout (scales inside a
   ``PrecisionConfig``), or, without a GPU, dequantizes to bf16. Neither keeps the checkpoint's bytes,
@@ -41,7 +43,8 @@ def fp8_experts_weights(experts: nn.Module) -> tuple[Fp8BlockWeight, Fp8BlockWei
     if experts.block_size is None:
         raise ValueError(f"{name}: per-tensor fp8 (block_size None) is not a block scheme; moekit runs fp8_block")
     block = tuple(int(b) for b in experts.block_size)
-    dtype = getattr(getattr(experts, "config", None), "torch_dtype", None) or torch.bfloat16
+    config = getattr(experts, "config", None)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # the model's (logical) dtype
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
     w13 = from_deepseek_fp8(experts.gate_up_proj.detach(), experts.gate_up_proj_scale_inv.detach(),
                             block_shape=block, dtype=dtype)
