@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from moekit.activations import act_and_mul, get_activation
-from moekit.quant import QuantizedWeight, run_quantized
 from moekit.layouts import (
     choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
 )
+from moekit.quant import QuantizedWeight, run_quantized
 
 # 1 GiB of activations per call. The contiguous layout needs (2K + 3N) * 4 bytes per routed row in fp32
 # (25.6 KB at Qwen3-30B-A3B's K=2048, N=768), so one chunk holds ~5000 tokens at k=8: ~320 rows per
@@ -255,9 +255,9 @@ def experts_grouped_mm(
 
     ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES);
     ``layout`` "auto" or one of GROUPED_MM_LAYOUTS; ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured
-    best). ``plan_grouped_mm`` tells which layout and chunk size a call gets. QuantizedWeights are
-    dequantized to x.dtype per call (correct, not fast); fp8_block runs ``moekit.quant``'s recipe.
+    best). ``plan_grouped_mm`` tells which layout and chunk size a call gets.
     """
+    # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
         return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
                              expert_map=expert_map, weight_dtype=x.dtype, dense_options=dict(

@@ -24,12 +24,11 @@ def experts_reference(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = ids[t, j], accumulated in float32
-    (float64 for float64 inputs); returns x.dtype. QuantizedWeights run ``moekit.quant.run_quantized``'s
-    exact definition (weight-only: dequantized to the accumulation dtype; fp8_block: DeepSeek's recipe)."""
-    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
-        return run_quantized(experts_reference, x, w13, w2, topk_ids, topk_weights, activation=activation,
-                             expert_map=expert_map, weight_dtype=torch.promote_types(x.dtype, torch.float32))
+    (float64 for float64 inputs); returns x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):  # exact: moekit.quant.run_quantized
+        return run_quantized(experts_reference, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, weight_dtype=acc)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
