@@ -36,9 +36,9 @@ from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import act_and_mul
 from moekit.experts.grouped_mm import plan_grouped_mm
-from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
+from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
 @dataclass
