@@ -181,7 +181,11 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, a
     if topk_weights.shape != ids_shape:
         raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got {tuple(topk_weights.shape)}")
     dtype, device = x.dtype, x.device
-    if w13.dtype != dtype or w2.dtype != dtype:
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):  # moekit.quant weights, any x dtype
+        from moekit.quant import check_quantized_pair  # imported on this path only (keeps the top import-free)
+
+        check_quantized_pair(w13, w2)  # both QuantizedWeights of one scheme, or a TypeError naming the other
+    elif w13.dtype != dtype or w2.dtype != dtype:
         raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
         for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):

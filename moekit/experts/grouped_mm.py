@@ -40,6 +40,7 @@ from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activatio
 from moekit.layouts import (
     choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
 )
+from moekit.quant import QuantizedWeight, run_quantized
 
 # 1 GiB of activations per call. The contiguous layout needs (2K + 3N) * 4 bytes per routed row in fp32
 # (25.6 KB at Qwen3-30B-A3B's K=2048, N=768), so one chunk holds ~5000 tokens at k=8: ~320 rows per
@@ -307,6 +308,11 @@ def experts_grouped_mm(
     ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured best). ``plan_grouped_mm`` tells which layout
     and chunk size a call gets.
     """
+    # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+        return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=dict(
+                                 memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm))
     num_tokens, top_k = topk_ids.shape
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()

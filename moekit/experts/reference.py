@@ -10,6 +10,7 @@ import torch
 
 from moekit.activations import ActivationSpec, apply_glu
 from moekit.layouts.grouping import to_local_ids
+from moekit.quant import QuantizedWeight, run_quantized
 
 
 def experts_reference(
@@ -27,6 +28,9 @@ def experts_reference(
     """sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x_t + b13[e]) + b2[e]) for e = ids[t, j], accumulated in
     float32 (float64 for float64 inputs); returns x.dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)
+    if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):  # exact: moekit.quant.run_quantized
+        return run_quantized(experts_reference, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=acc)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
