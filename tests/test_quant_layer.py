@@ -164,3 +164,33 @@ def test_state_dict_round_trip(scheme):
         mismatched.load_state_dict(state)
     with pytest.raises(RuntimeError, match="Missing key"):
         loaded.load_state_dict({k: v for k, v in state.items() if k != "w2.scale"})
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped_mm"])
+@pytest.mark.parametrize("scheme", ["fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4"])
+def test_biases_and_a_clamped_swiglu_reach_the_quantized_experts(scheme, backend):
+    """gpt-oss's experts (interleaved clamped SwiGLU, b13, b2) on quantized weights, against a float64
+    per-token loop over the dequantized weights written here (fp8: activations rounded 1x128 first)."""
+    from moekit.activations import ActivationSpec
+
+    gen = torch.Generator().manual_seed(4)
+    e, k_dim, n_dim, m = 4, 256, 128, 6
+    w13 = Q.quantize(torch.randn(e, 2 * n_dim, k_dim, generator=gen) / 8, scheme)
+    w2 = Q.quantize(torch.randn(e, k_dim, n_dim, generator=gen) / 8, scheme)
+    b13, b2 = torch.randn(e, 2 * n_dim, generator=gen), torch.randn(e, k_dim, generator=gen)
+    x = torch.randn(m, k_dim, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(m)]).int()
+    weights = torch.rand(m, 2, generator=gen)
+    spec = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=1.0, up_shift=1.0)
+    fp8 = scheme == "fp8_block"
+    quant = fake_fp8_rows if fp8 else (lambda t: t.double())
+    ref = torch.zeros(m, k_dim, dtype=torch.float64)
+    for t in range(m):
+        for j in range(2):
+            ex = int(ids[t, j])
+            h = w13.dequantize()[ex].double() @ quant(x[t:t + 1])[0] + b13[ex].double()
+            gate, up = h[0::2].clamp(max=1.0), h[1::2].clamp(-1.0, 1.0)
+            glu = gate * torch.sigmoid(1.702 * gate) * (up + 1.0)
+            ref[t] += weights[t, j].double() * (w2.dequantize()[ex].double() @ quant(glu[None])[0] + b2[ex].double())
+    got = run_experts(x, w13, w2, ids, weights, activation=spec, b13=b13, b2=b2, backend=backend)
+    assert rel_l2(got, ref) < 1e-5
