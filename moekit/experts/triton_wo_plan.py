@@ -1,0 +1,183 @@
+"""The plan of a weight-only quantized Triton experts call (``triton_wo``): the config, the alignment,
+the workspace and the bound launches, decided once per kind of call and cached, as ``triton_plan``
+does for 16-bit weights (and reusing its alignment, workspace and k-sum machinery).
+
+    wo_plan_for(call) --_WO_PLANS--> WoPlan: options, config (tuned file or heuristic), alignment or the
+    naive shortcut, workspace regions h [A, N] and y [A, K], gate-up / down / k-sum launches
+
+Configs: ``E{E}_N{N}_K{K}_{scheme}_{device}.json`` in the config directories (``moekit.experts.configs``'s
+format and search order, the scheme in the dtype's place), nearest M; without a file,
+``wo_heuristic_config``.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moekit.activations import get_activation
+from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_configs, nearest, on_config_cache_clear
+from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
+from moekit.experts.triton_plan import _sum_launch
+from moekit.layouts.block_aligned import use_naive
+from moekit.layouts.grouping import max_padded_rows
+from moekit.triton_bind import BoundLaunch
+
+SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
+MIN_PACKED_SUB = 32  # packed sub-tiles split into even/odd halves of >= 16 columns (tl.dot's least K)
+MAX_PLANS = 1024
+
+
+@dataclass(frozen=True)
+class WeightArgs:
+    """What the kernels read of one quantized weight: its scheme's layout (see ``triton_wo``) as
+    tensors and strides. ``zero`` is ``scale`` where the scheme has none (never read then)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int  # >= 1; int8 (per channel): the whole row, the kernels never divide by it
+    strides: tuple  # q (e, r, c), scale (e, r, g), zero (e, r, g): 9 ints
+
+
+def weight_args(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int) -> WeightArgs:
+    s_strides = scale.stride() if scale.dim() == 3 else (*scale.stride(), 0)  # int8: [E, R], no group dim
+    z = scale if zero is None else zero
+    z_strides = (0, 0, 0) if zero is None else zero.stride()
+    return WeightArgs(q, scale, z, max(group_size, 1), (*q.stride(), *s_strides, *z_strides))
+
+
+@dataclass(frozen=True, eq=False)
+class WoPlan:
+    """What every call of one kind launches with. Holds no tensor."""
+
+    options: LaunchOptions  # resolved for the device
+    config: KernelConfig
+    align: AlignPlan | None  # None in the naive shortcut (block a = assignment a)
+    workspace: WorkspaceSpec  # h [A, N], y [A, K] (work dtype), the alignment's buffers
+    gate_up: BoundLaunch  # pointers: x, q13, s13, z13, h, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h, q2, s2, z2, y, weights, ids, sorted_ids, expert_ids, num_padded
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+
+
+_WO_PLANS: dict[tuple, WoPlan] = {}
+on_config_cache_clear(_WO_PLANS.clear)
+
+
+def clear_wo_plans() -> None:
+    _WO_PLANS.clear()
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
+
+
+def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
+                config, options: LaunchOptions) -> tuple:
+    """The kind of a call: everything the launches depend on but the tensors' contents and addresses."""
+    return (
+        _tensor_key(x), x.device, *(_tensor_key(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)),
+        w13.group_size, w2.group_size, _tensor_key(ids), _tensor_key(weights),
+        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options,
+    )
+
+
+def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
+                config: KernelConfig | None, options: LaunchOptions) -> WoPlan:
+    """The cached plan of this call's kind (``options.cache_plans``), else a new one."""
+    if not options.cache_plans:
+        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options)
+    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options)
+    plan = _WO_PLANS.get(key)
+    if plan is None:
+        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options)
+        if len(_WO_PLANS) >= MAX_PLANS:
+            _WO_PLANS.pop(next(iter(_WO_PLANS)))
+        _WO_PLANS[key] = plan
+    return plan
+
+
+def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> KernelConfig:
+    """The default without a tuned file. Not tuned on a device yet (``benchmarks/wo_device_check.py``
+    times it): the bf16 heuristic's tile heights (the padding tax follows the rows per expert), with
+    longer reduction steps at decode sizes, where a packed step carries half (int8) or a quarter (4-bit)
+    of a bf16 step's bytes, and narrow output tiles so the few touched experts still make programs for
+    every SM."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert < 16:
+        up = GemmTile(64 if n >= 1024 else 32, 256, 1, 4, 4)
+        return KernelConfig(16, up, GemmTile(64, 256, 1, 4, 4))
+    if rows_per_expert < 64:
+        return KernelConfig(32 if rows_per_expert < 32 else 64, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+
+
+def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str) -> KernelConfig:
+    """The tuned entry of the nearest M for (E, N, K, scheme, device), else ``wo_heuristic_config``."""
+    configs = load_configs(num_experts, n, k, scheme, device)  # the file name takes the scheme as its dtype
+    return nearest(configs, num_tokens) if configs else wo_heuristic_config(num_tokens, num_experts, n, k, top_k)
+
+
+def sub_tile(tile: GemmTile, scheme: str, group_size: int) -> int:
+    """SUB, the reduction width of one dequantized sub-tile: inside one scale group, and >= 32 for the
+    packed schemes. A config whose BLOCK_K cannot give that is refused, naming it."""
+    if scheme == "int8_w8a16":
+        return tile.BLOCK_K
+    if tile.BLOCK_K < MIN_PACKED_SUB:
+        raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_SUB} for {scheme}, got {tile.BLOCK_K}")
+    return min(tile.BLOCK_K, group_size)
+
+
+def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
+                  config: KernelConfig | None, options: LaunchOptions) -> WoPlan:
+    """Decide everything for this call's kind (arguments already checked)."""
+    options = resolve_launch_options(options, x.device)
+    (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
+    n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
+    if config is None:
+        config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device))
+    align = None
+    if use_naive(num_assignments, num_experts, expert_map):
+        config, num_pid_m = replace(config, BLOCK_M=16), num_assignments
+    else:
+        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, config.BLOCK_M), config.BLOCK_M)
+        align = plan_align(num_assignments, num_experts, config.BLOCK_M,
+                           None if expert_map is None else expert_map.numel(), num_pid_m * config.BLOCK_M, options)
+    work_dtype = torch.float32 if interpreting() else x.dtype
+    regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
+    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
+                                   get_activation(activation).kernel_id, options)
+    return WoPlan(
+        options=options, config=config, align=align,
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        gate_up=gate_up, down=down,
+        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+    )
+
+
+def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
+                   naive: bool, scheme: str, act: int, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
+    """The gate-up and down launches; h [A, N] and y [A, K] are contiguous workspace regions."""
+    num_experts, two_n = w13.q.shape[:2]
+    n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
+    up, down, gemm = config.up, config.down, kernels("gemm_wo")
+    shared = dict(BLOCK_M=config.BLOCK_M, SCHEME=SCHEME_IDS[scheme], NAIVE=naive, UPCAST=interpreting(),
+                  cached=options.cached_launcher, **options.pdl_kwargs())
+    gate_up = BoundLaunch(
+        gemm.gate_up_wo_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SUB=sub_tile(up, scheme, w13.group_size), GROUP=w13.group_size,
+        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+    )
+    down_launch = BoundLaunch(
+        gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 10,
+        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.strides, hidden),
+        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SUB=sub_tile(down, scheme, w2.group_size), GROUP=w2.group_size,
+        GROUP_M=down.GROUP_M, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+    )
+    return gate_up, down_launch
