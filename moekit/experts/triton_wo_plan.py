@@ -22,7 +22,9 @@ from moekit.activations import get_activation
 from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_configs, nearest, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
+from moekit.experts.triton_launch import (
+    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
+)
 from moekit.experts.triton_plan import _sum_launch
 from moekit.layouts.block_aligned import use_naive
 from moekit.layouts.grouping import max_padded_rows
@@ -31,6 +33,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MIN_PACKED_SUB = 32  # packed sub-tiles split into even/odd halves of >= 16 columns (tl.dot's least K)
 MAX_PLANS = 1024
+MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
 
 
 @dataclass(frozen=True)
@@ -102,25 +105,60 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
     return plan
 
 
-def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> KernelConfig:
+def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
     """The default without a tuned file. Not tuned on a device yet (``benchmarks/wo_device_check.py``
-    times it): the bf16 heuristic's tile heights (the padding tax follows the rows per expert), with
-    longer reduction steps at decode sizes, where a packed step carries half (int8) or a quarter (4-bit)
-    of a bf16 step's bytes, and narrow output tiles so the few touched experts still make programs for
-    every SM."""
+    times it): the bf16 heuristic's tile heights (the padding tax follows the rows per expert); at decode
+    sizes reduction steps of 128 weight bytes per row (BLOCK_K 256 packed, 128 int8), and output tiles
+    as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM
+    streams weights)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert < 16:
-        up = GemmTile(64 if n >= 1024 else 32, 256, 1, 4, 4)
-        return KernelConfig(16, up, GemmTile(64, 256, 1, 4, 4))
+        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+        block_k = 128 if scheme == "int8_w8a16" else 256
+        up = GemmTile(_decode_width(blocks, n, widest=64), block_k, 1, 4, 4)  # gate and up: two weight tiles
+        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=128), block_k, 1, 4, 4))
     if rows_per_expert < 64:
         return KernelConfig(32 if rows_per_expert < 32 else 64, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
 
 
+def _decode_width(blocks: int, cols: int, widest: int) -> int:
+    """The widest BLOCK_N up to ``widest`` (128, 64, 32) that makes blocks x cols / BLOCK_N >= MIN_PROGRAMS,
+    else 32."""
+    return next((bn for bn in (128, 64) if bn <= widest and blocks * cols / bn >= MIN_PROGRAMS), 32)
+
+
 def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str) -> KernelConfig:
     """The tuned entry of the nearest M for (E, N, K, scheme, device), else ``wo_heuristic_config``."""
     configs = load_configs(num_experts, n, k, scheme, device)  # the file name takes the scheme as its dtype
-    return nearest(configs, num_tokens) if configs else wo_heuristic_config(num_tokens, num_experts, n, k, top_k)
+    return nearest(configs, num_tokens) if configs else wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+
+
+def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
+    """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
+    [BM, BK] and the packed weight tiles [BK, BN] (1 byte or half a byte a weight), plus one 16-bit copy
+    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
+    weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
+    packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
+    return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
+
+
+def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit_bytes: int) -> KernelConfig:
+    """``config`` with each GEMM shrunk until the estimate fits ``limit_bytes``: fewer stages (to 2), then
+    a halved BLOCK_K (to 32 packed, 16 int8). A config that fits comes back unchanged."""
+    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_SUB
+
+    def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
+        while wo_shared_memory_bytes(config.BLOCK_M, tile, scheme, itemsize, weight_tiles) > limit_bytes:
+            if tile.num_stages > 2:
+                tile = replace(tile, num_stages=tile.num_stages - 1)
+            elif tile.BLOCK_K > least_k:
+                tile = replace(tile, BLOCK_K=tile.BLOCK_K // 2)
+            else:
+                break  # the smallest tile we make; let Triton report what it needs
+        return tile
+
+    return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
 
 
 def sub_tile(tile: GemmTile, scheme: str, group_size: int) -> int:
@@ -141,6 +179,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device))
+    if not interpreting():
+        config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     align = None
     if use_naive(num_assignments, num_experts, expert_map):
         config, num_pid_m = replace(config, BLOCK_M=16), num_assignments
