@@ -27,6 +27,8 @@ import math
 import os
 import statistics
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -34,7 +36,9 @@ import torch
 from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights, measured_experts_touched
 from moekit.bench.timing import time_stats
 from moekit.experts.triton import experts_triton
-from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch
+from moekit.experts.triton_launch import LaunchOptions
+from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, weight_args
+from moekit.experts.triton_wo_plan import wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}
@@ -71,21 +75,55 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int) -> WoWeight:
+def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None) -> WoWeight:
     """Random bytes in ``scheme``'s layout for a weight [E, R, C] whose product with a unit-variance
-    vector has about unit variance."""
-    g = torch.Generator(device=dev).manual_seed(seed)
+    vector has about unit variance; ``seed`` None: the layout alone, uninitialised (for compiling)."""
     group = GROUP[scheme]
+
+    def ints(low: int, high: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if seed is None:
+            return torch.empty(shape, device=dev, dtype=dtype)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return torch.randint(low, high, shape, generator=g, device=dev, dtype=dtype)
+
     if scheme == "int8_w8a16":
-        q = torch.randint(-128, 128, (e, r, c), generator=g, device=dev, dtype=torch.int8)
+        q = ints(-128, 128, (e, r, c), torch.int8)
         return WoWeight(scheme, q, torch.full((e, r), 1 / (74 * c**0.5), device=dev))  # std(q) ~ 74
     groups, packed = -(-c // group), -(-c // 2)
-    q = torch.randint(0, 256, (e, r, packed), generator=g, device=dev, dtype=torch.uint8)
+    q = ints(0, 256, (e, r, packed), torch.uint8)
     if scheme == "int4_w4a16":
         scale = torch.full((e, r, groups), 1 / (4.6 * c**0.5), device=dev)  # std(q - 8) ~ 4.6
         return WoWeight(scheme, q, scale, torch.full((e, r, groups), 8, device=dev, dtype=torch.uint8), group)
-    exponent = round(127 - math.log2(2.9 * c**0.5))  # std(e2m1) ~ 2.9
+    exponent = round(127 - math.log2(2.9 * c**0.5))  # std(e2m1 value) ~ 2.9
     return WoWeight(scheme, q, torch.full((e, r, groups), exponent, device=dev, dtype=torch.uint8), None, group)
+
+
+def precompile(shapes: list[Shape], schemes, batches, dev) -> None:
+    """Compile the weight-only GEMMs of every cell at once, in a thread pool (Triton's AsyncCompileMode,
+    Triton >= 3.5), instead of one at a time on first use: some 40 kernels, most of the run otherwise.
+    Without AsyncCompileMode the cells compile as they come."""
+    try:
+        from triton import AsyncCompileMode
+    except ImportError:
+        return
+    options = LaunchOptions(reuse_workspace=False)  # what the custom op runs with
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool):
+            for s, scheme in [(s, scheme) for s in shapes for scheme in schemes]:
+                w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=None)
+                w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=None)
+                a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+                for m in batches:
+                    c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
+                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", None, options)
+                    b = plan.workspace.allocate(dev)
+                    rows = (None,) * 3 if plan.align is None else (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+                    for launch, pointers in ((plan.gate_up, (c.x, a13.q, a13.scale, a13.zero, b["h"], c.topk_ids)),
+                                             (plan.down, (b["h"], a2.q, a2.scale, a2.zero, b["y"], c.topk_weights,
+                                                          c.topk_ids))):
+                        launch.kernel.warmup(*pointers, *rows, *launch.tail, grid=launch.grid, **launch.options)
+    except Exception as e:  # noqa: BLE001  (the cells compile, and report, on first use)
+        print(f"precompile: {type(e).__name__}: {e}", flush=True)
 
 
 def packed_bytes(w: WoWeight) -> int:
@@ -197,6 +235,9 @@ def main(argv=None) -> int:
     shapes = [Shape("tiny", 8, 64, 128, 2)] if args.tiny else [Shape.from_preset(p) for p in args.presets]
     batches = (1, 8) if args.tiny else tuple(args.batches)
     if dev.type == "cuda":
+        t0 = time.perf_counter()
+        precompile(shapes, args.schemes, batches, dev)
+        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         graph_replay(dev, args.schemes)
     cells = []
     for s in shapes:
