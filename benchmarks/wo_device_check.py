@@ -22,6 +22,7 @@ any failure. Whole run: under 2 minutes on an H200 (most of it compiling).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -98,10 +99,11 @@ def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None) -> WoW
     return WoWeight(scheme, q, torch.full((e, r, groups), exponent, device=dev, dtype=torch.uint8), None, group)
 
 
-def precompile(shapes: list[Shape], schemes, batches, dev) -> None:
-    """Compile the weight-only GEMMs of every cell at once, in a thread pool (Triton's AsyncCompileMode,
-    Triton >= 3.5), instead of one at a time on first use: some 40 kernels, most of the run otherwise.
-    Without AsyncCompileMode the cells compile as they come."""
+def precompile(jobs: list[tuple], dev) -> None:
+    """Compile the weight-only GEMMs of ``jobs`` ((shape, scheme, M, config or None for the lookup),
+    grouped by shape and scheme) at once in a thread pool (Triton's AsyncCompileMode, Triton >= 3.5)
+    instead of one at a time on first use: the default run has some 40 kernels, most of its time
+    otherwise. Without AsyncCompileMode the cells compile as they come."""
     try:
         from triton import AsyncCompileMode
     except ImportError:
@@ -109,21 +111,25 @@ def precompile(shapes: list[Shape], schemes, batches, dev) -> None:
     options = LaunchOptions(reuse_workspace=False)  # what the custom op runs with
     try:
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool):
-            for s, scheme in [(s, scheme) for s in shapes for scheme in schemes]:
+            for (s, scheme), group in itertools.groupby(jobs, key=lambda job: job[:2]):
                 w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=None)
                 w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=None)
                 a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-                for m in batches:
+                for _, _, m, config in group:
                     c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", None, options)
-                    b = plan.workspace.allocate(dev)
-                    rows = (None,) * 3 if plan.align is None else (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-                    for launch, pointers in ((plan.gate_up, (c.x, a13.q, a13.scale, a13.zero, b["h"], c.topk_ids)),
-                                             (plan.down, (b["h"], a2.q, a2.scale, a2.zero, b["y"], c.topk_weights,
-                                                          c.topk_ids))):
-                        launch.kernel.warmup(*pointers, *rows, *launch.tail, grid=launch.grid, **launch.options)
+                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", config, options)
+                    _warm(plan, c, a13, a2, dev)
     except Exception as e:  # noqa: BLE001  (the cells compile, and report, on first use)
         print(f"precompile: {type(e).__name__}: {e}", flush=True)
+
+
+def _warm(plan, c, a13, a2, dev) -> None:
+    """Submit the compiles of ``plan``'s two GEMMs (``warmup``: nothing runs)."""
+    b = plan.workspace.allocate(dev)
+    rows = (None,) * 3 if plan.align is None else (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+    for launch, pointers in ((plan.gate_up, (c.x, a13.q, a13.scale, a13.zero, b["h"], c.topk_ids)),
+                             (plan.down, (b["h"], a2.q, a2.scale, a2.zero, b["y"], c.topk_weights, c.topk_ids))):
+        launch.kernel.warmup(*pointers, *rows, *launch.tail, grid=launch.grid, **launch.options)
 
 
 def packed_bytes(w: WoWeight) -> int:
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
     batches = (1, 8) if args.tiny else tuple(args.batches)
     if dev.type == "cuda":
         t0 = time.perf_counter()
-        precompile(shapes, args.schemes, batches, dev)
+        precompile([(s, scheme, m, None) for s in shapes for scheme in args.schemes for m in batches], dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         graph_replay(dev, args.schemes)
     cells = []
