@@ -265,3 +265,37 @@ def test_bad_call_arguments_are_refused_by_name(wo):
         wo.fused_experts_wo(x, w13, w2, ids, weights, expert_map=torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="activation must be"):
         wo.fused_experts_wo(x, w13, w2, ids, weights, activation="swishy")
+
+
+# --- split-K (the down GEMM at decode sizes) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme,group", [("int8_w8a16", 0), ("int4_w4a16", 32), ("mxfp4", 32)])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_split_k_down_matches_twin(wo, scheme, group, split_k):
+    # N = 150 over 32-wide steps: 5 steps in 2 or 3 splits (the last one short, ending in a 22-wide group tail)
+    from moekit.experts.triton_wo_plan import build_wo_plan
+
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=64, n=150, seed=20 + split_k)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)  # global 2 is elsewhere
+    ids[0, 0] = 2
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    config = KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
+    plan = build_wo_plan(x, *args, ids, expert_map, scheme, "silu", config, POISON, split_k)
+    assert plan.split_k == split_k and plan.workspace.shapes[1] == (split_k * 6, 64)  # y: partial rows
+    out = wo.run_experts_wo(x, *args, ids, weights, expert_map, scheme, config=config, options=POISON, split_k=split_k)
+    assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+
+
+def test_decode_split_rule():
+    from moekit.experts.triton_wo_plan import MIN_PROGRAMS, decode_split_k, wo_heuristic_config
+
+    for (e, n, hidden, top_k), m in [((256, 2048, 7168, 8), 1), ((8, 14336, 4096, 2), 1), ((128, 768, 2048, 8), 1)]:
+        config = wo_heuristic_config(m, e, n, hidden, top_k, "int4_w4a16")
+        assert decode_split_k(config, m, top_k, e, n, hidden) == 1  # the presets' narrow tiles fill the GPU
+    # one local expert of Mixtral's shape (expert parallelism): 4096 / 32 = 128 programs -> 2 splits
+    config = wo_heuristic_config(1, 1, 14336, 4096, 2, "int4_w4a16")
+    split = decode_split_k(config, 1, 2, 1, 14336, 4096)
+    assert split == 2 and 4096 // config.down.BLOCK_N * split >= MIN_PROGRAMS
+    tall = KernelConfig(64, config.up, config.down)
+    assert decode_split_k(tall, 1024, 2, 1, 14336, 4096) == 1  # never past decode tiles

@@ -175,10 +175,11 @@ def fused_experts_wo_torch(
 def run_experts_wo(
     x: torch.Tensor, w13: WeightArgs, w2: WeightArgs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: torch.Tensor | None, scheme: str, activation: str = "silu", config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = LaunchOptions(), split_k: int | None = None,
 ) -> torch.Tensor:
-    """The kernels, launched (arguments already checked); ``config`` overrides the lookup. Not a custom
-    op: for tools that pick configs per call; models go through ``fused_experts_wo``."""
+    """The kernels, launched (arguments already checked); ``config`` overrides the lookup, ``split_k``
+    the down GEMM's splits (None: ``decode_split_k``). Not a custom op: for tools that pick configs per
+    call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -186,7 +187,7 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options)
+    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
     if options.poison_workspace:
@@ -197,7 +198,7 @@ def run_experts_wo(
     else:
         run_align(plan.align, ids, expert_map, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-    h, y = b["h"], b["y"]  # [A, N], [A, K]
+    h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
     plan.gate_up(x, w13.q, w13.scale, w13.zero, h, ids, *rows)
     plan.down(h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
     plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)

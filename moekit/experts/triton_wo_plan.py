@@ -23,7 +23,7 @@ from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_conf
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
-    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
+    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, next_pow2, resolve_launch_options,
 )
 from moekit.experts.triton_plan import _sum_launch
 from moekit.layouts.block_aligned import use_naive
@@ -33,6 +33,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MIN_PACKED_SUB = 32  # packed sub-tiles split into even/odd halves of >= 16 columns (tl.dot's least K)
 MAX_PLANS = 1024
+MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
 
 
@@ -62,10 +63,11 @@ class WoPlan:
     options: LaunchOptions  # resolved for the device
     config: KernelConfig
     align: AlignPlan | None  # None in the naive shortcut (block a = assignment a)
-    workspace: WorkspaceSpec  # h [A, N], y [A, K] (work dtype), the alignment's buffers
+    split_k: int  # the down GEMM's reduction splits (1: none); y then holds SPLIT partial rows per assignment
+    workspace: WorkspaceSpec  # h [A, N], y [SPLIT*A, K] (work dtype; fp32 partials), the alignment's buffers
     gate_up: BoundLaunch  # pointers: x, q13, s13, z13, h, ids, sorted_ids, expert_ids, num_padded
     down: BoundLaunch  # pointers: h, q2, s2, z2, y, weights, ids, sorted_ids, expert_ids, num_padded
-    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out: the sum over splits and slots
 
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
@@ -81,24 +83,25 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config, options: LaunchOptions) -> tuple:
+                config, options: LaunchOptions, split_k: int | None = None) -> tuple:
     """The kind of a call: everything the launches depend on but the tensors' contents and addresses."""
     return (
         _tensor_key(x), x.device, *(_tensor_key(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)),
         w13.group_size, w2.group_size, _tensor_key(ids), _tensor_key(weights),
-        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options,
+        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options, split_k,
     )
 
 
 def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config: KernelConfig | None, options: LaunchOptions) -> WoPlan:
-    """The cached plan of this call's kind (``options.cache_plans``), else a new one."""
+                config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
+    """The cached plan of this call's kind (``options.cache_plans``), else a new one. ``split_k``: the
+    down GEMM's splits, None for ``decode_split_k``'s choice."""
     if not options.cache_plans:
-        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options)
-    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options)
+        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
+    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
     plan = _WO_PLANS.get(key)
     if plan is None:
-        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options)
+        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
         if len(_WO_PLANS) >= MAX_PLANS:
             _WO_PLANS.pop(next(iter(_WO_PLANS)))
         _WO_PLANS[key] = plan
@@ -172,7 +175,7 @@ def sub_tile(tile: GemmTile, scheme: str, group_size: int) -> int:
 
 
 def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
-                  config: KernelConfig | None, options: LaunchOptions) -> WoPlan:
+                  config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
     """Decide everything for this call's kind (arguments already checked)."""
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
@@ -188,20 +191,53 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, config.BLOCK_M), config.BLOCK_M)
         align = plan_align(num_assignments, num_experts, config.BLOCK_M,
                            None if expert_map is None else expert_map.numel(), num_pid_m * config.BLOCK_M, options)
+    if split_k is None:
+        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden)
+    split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
+    split_k = cdiv(n, split_len)  # no empty split
     work_dtype = torch.float32 if interpreting() else x.dtype
-    regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
+    regions = [("h", work_dtype, (num_assignments, n)),
+               ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
-                                   get_activation(activation).kernel_id, options)
+                                   get_activation(activation).kernel_id, options, split_k, split_len)
     return WoPlan(
-        options=options, config=config, align=align,
+        options=options, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
         gate_up=gate_up, down=down,
-        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options) if split_k == 1
+        else _split_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, split_k, options),
+    )
+
+
+def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int) -> int:
+    """Splits of the down GEMM's reduction at decode sizes (16-row tiles): enough that the touched
+    experts' output tiles x splits reach MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The
+    decode heuristic's narrow tiles already give the three presets >= 256 programs (no split); few local
+    experts (expert parallelism, small hidden sizes) do not."""
+    if config.BLOCK_M != 16:
+        return 1
+    blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+    programs = blocks * cdiv(hidden, config.down.BLOCK_N)
+    return max(1, min(cdiv(MIN_PROGRAMS, programs), MAX_SPLIT, cdiv(n, config.down.BLOCK_K)))
+
+
+def _split_sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, split_k: int,
+                      options: LaunchOptions) -> BoundLaunch:
+    """out[t] = the sum of y's partials over the splits and token t's routed slots (``combine_wo``);
+    the tiles as the plain k-sum's."""
+    has_map, topk_pad = expert_map is not None, next_pow2(top_k)
+    block_k = min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
+    return BoundLaunch(
+        kernels("combine_wo").sum_split_slots_kernel, (cdiv(num_tokens, 4), cdiv(hidden, block_k)), 4,
+        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
+        BLOCK_T=4, BLOCK_K=block_k, TOPK_PAD=topk_pad, SPLIT=split_k, HAS_MAP=has_map,
+        cached=options.cached_launcher, **options.pdl_kwargs(),
     )
 
 
 def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
-                   naive: bool, scheme: str, act: int, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
+                   naive: bool, scheme: str, act: int, options: LaunchOptions, split_k: int,
+                   split_len: int) -> tuple[BoundLaunch, BoundLaunch]:
     """The gate-up and down launches; h [A, N] and y [A, K] are contiguous workspace regions."""
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
@@ -215,9 +251,9 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch = BoundLaunch(
-        gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 10,
-        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.strides, hidden),
+        gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+        (hidden, n, num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SUB=sub_tile(down, scheme, w2.group_size), GROUP=w2.group_size,
-        GROUP_M=down.GROUP_M, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+        GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
     return gate_up, down_launch

@@ -127,17 +127,19 @@ def gate_up_wo_kernel(
 
 @triton.jit
 def down_wo_kernel(
-    h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [A, K] out
+    h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    K, N, num_assignments, num_experts, num_pid_m,
+    K, N, num_assignments, num_experts, num_pid_m, split_len,
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the
-    output columns (K), the reduction runs over N."""
+    output columns (K), the reduction runs over N. Split-K (SPLIT > 1, grid axis 1 = split s): program
+    (.., s) reduces N in [s * split_len, (s + 1) * split_len) (split_len a multiple of BLOCK_K, so no
+    step straddles two splits) into its own partial rows y[s * A + a]; ``combine_wo`` sums them."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -155,7 +157,8 @@ def down_wo_kernel(
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
     offs_red = tl.arange(0, SUB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_K):
+    n_start = tl.program_id(1) * split_len
+    for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
         for sub in tl.static_range(BLOCK_K // SUB):
             nn = n0 + sub * SUB
             red = nn + offs_red
@@ -169,5 +172,6 @@ def down_wo_kernel(
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     acc = acc * weight[:, None]
-    y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
+    y_rows = tl.program_id(1) * num_assignments + safe_rows  # [BM] int64: this split's partial rows
+    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
