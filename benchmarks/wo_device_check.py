@@ -15,6 +15,10 @@ Floor = (touched experts x packed bytes per expert, scales and zero points inclu
 copy bandwidth (measured here, read + write, like ``moekit bench``). Targets (issue #16): DeepSeek and
 Mixtral >= 80% of the floor at M <= 64; Qwen3 int4 at M = 1 <= 0.45 x bf16; M >= 1024 <= bf16 / 0.9.
 
+Also: a CUDA graph of one call replayed with new tokens and routing (equal to eager), and split-K
+cells (one local expert of Mixtral's shape, M = 1 and 4: the down GEMM's reduction split; correct, and
+timed against the unsplit call).
+
 Prints a PASS/FAIL line per check, the table last; JSON to $OUT/wo.json when OUT is set. Exit 1 on
 any failure. Whole run: under 2 minutes on an H200 (most of it compiling).
 """
@@ -38,7 +42,7 @@ from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights, measured
 from moekit.bench.timing import time_stats
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
-from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, weight_args
+from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args
 from moekit.experts.triton_wo_plan import wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
@@ -209,6 +213,27 @@ def graph_replay(dev, schemes) -> None:
         check(f"cuda graph replay, new routing, {scheme}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
 
 
+def split_k_cells(dev, schemes) -> None:
+    """One local expert of Mixtral's shape (expert parallelism over 8 GPUs), M = 1 and 4: few enough
+    down tiles that ``decode_split_k`` splits the reduction. Correct against the twin, and timed against
+    the same call without the split."""
+    s = Shape("mixtral-1-local", 1, 14336, 4096, 1)
+    for scheme in schemes:
+        w13 = quantized(scheme, 1, 2 * s.n, s.k, dev, seed=6)
+        w2 = quantized(scheme, 1, s.k, s.n, dev, seed=7)
+        a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+        for m in (1, 4):
+            c = make_sets(s, m, 1, torch.bfloat16, dev, seed=8)[0]
+            args = (c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme)
+            err = rel_err(run_experts_wo(*args), fused_experts_wo_torch(c.x, w13, w2, c.topk_ids, c.topk_weights))
+            split = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", None,
+                                LaunchOptions()).split_k
+            us = {k: time_stats([lambda k=k: run_experts_wo(*args, split_k=k)], dev, graph=True, **TIMING).us
+                  for k in (None, 1)}
+            check(f"split-K {s.name} {scheme} M={m}: {split} splits vs twin", err < TOL and split > 1,
+                  f"rel_err={err:.2e}  {us[None]:.1f} µs split, {us[1]:.1f} µs unsplit")
+
+
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<16} {'scheme':<11} {'M':>5} {'rel_err':>8} {'wo µs':>9} {'bf16 µs':>9} {'wo/bf16':>7} "
              f"{'floor µs':>9} {'%floor':>6}  target"]
@@ -245,6 +270,7 @@ def main(argv=None) -> int:
         precompile([(s, scheme, m, None) for s in shapes for scheme in args.schemes for m in batches], dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         graph_replay(dev, args.schemes)
+        split_k_cells(dev, args.schemes)
     cells = []
     for s in shapes:
         sets = {m: make_sets(s, m, SETS, torch.bfloat16, dev, seed=m) for m in batches}
