@@ -51,6 +51,8 @@ BATCHES = (1, 8, 64, 1024)
 SETS = 4  # input sets per cell
 TIMING = dict(budget_s=0.05)  # per cell (at least 5 passes); --tiny: one pass
 TOL = 1e-2  # rel-L2 against the twin
+SPLIT_SHAPE = Shape("mixtral-1-local", 1, 14336, 4096, 1)  # split-K cells: one local expert (EP over 8)
+SPLIT_BATCHES = (1, 4)
 FAILED: list[str] = []
 
 
@@ -217,12 +219,12 @@ def split_k_cells(dev, schemes) -> None:
     """One local expert of Mixtral's shape (expert parallelism over 8 GPUs), M = 1 and 4: few enough
     down tiles that ``decode_split_k`` splits the reduction. Correct against the twin, and timed against
     the same call without the split."""
-    s = Shape("mixtral-1-local", 1, 14336, 4096, 1)
+    s = SPLIT_SHAPE
     for scheme in schemes:
         w13 = quantized(scheme, 1, 2 * s.n, s.k, dev, seed=6)
         w2 = quantized(scheme, 1, s.k, s.n, dev, seed=7)
         a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-        for m in (1, 4):
+        for m in SPLIT_BATCHES:
             c = make_sets(s, m, 1, torch.bfloat16, dev, seed=8)[0]
             args = (c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme)
             err = rel_err(run_experts_wo(*args), fused_experts_wo_torch(c.x, w13, w2, c.topk_ids, c.topk_weights))
@@ -267,7 +269,9 @@ def main(argv=None) -> int:
     batches = (1, 8) if args.tiny else tuple(args.batches)
     if dev.type == "cuda":
         t0 = time.perf_counter()
-        precompile([(s, scheme, m, None) for s in shapes for scheme in args.schemes for m in batches], dev)
+        jobs = [(s, scheme, m, None) for s in shapes + [SPLIT_SHAPE] for scheme in args.schemes
+                for m in (SPLIT_BATCHES if s is SPLIT_SHAPE else batches)]
+        precompile(jobs, dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         graph_replay(dev, args.schemes)
         split_k_cells(dev, args.schemes)

@@ -2,7 +2,8 @@
 dequantized in registers inside the grouped GEMMs; activations stay in x's dtype (bf16 or fp16).
 
     [Align (as bf16)] -> [gate-up GEMM, w13 dequantized per tile, act-and-mul] -> [down GEMM, w2
-    dequantized per tile, x routed weight] -> [sum over k]
+    dequantized per tile, x routed weight; split-K at decode where its tiles are few] -> [sum over
+    splits and k]
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
 path (``moekit.experts.triton``); the kernels are ``_kernels/gemm_wo.py``, the plan ``triton_wo_plan``.

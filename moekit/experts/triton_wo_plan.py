@@ -109,8 +109,8 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
 
 
 def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The default without a tuned file. Not tuned on a device yet (``benchmarks/wo_device_check.py``
-    times it): the bf16 heuristic's tile heights (the padding tax follows the rows per expert); at decode
+    """The default without a tuned file; reasoned, not yet measured (``benchmarks/wo_tune.py`` tunes on the
+    device and writes the files, ``benchmarks/wo_device_check.py`` times this): the bf16 heuristic's tile heights (the padding tax follows the rows per expert); at decode
     sizes reduction steps of 128 weight bytes per row (BLOCK_K 256 packed, 128 int8), and output tiles
     as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM
     streams weights)."""

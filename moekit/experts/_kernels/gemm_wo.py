@@ -21,6 +21,10 @@ every sub-tile lies inside one scale group: its scale (and zero) is one [BN] vec
 Past C (an odd C, a group tail, a last partial step) the activations load as 0 and the weights too; a
 high nibble past an odd C multiplies a zero activation, and no scheme decodes to inf or NaN.
 
+Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
+fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
+``combine_wo`` sums them with the k slots (atomic-free, so the result does not depend on timing).
+
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
 
