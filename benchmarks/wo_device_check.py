@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -74,6 +75,16 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
     if not ok:
         FAILED.append(name)
+
+
+def guarded(name: str, step, *args):
+    """``step(*args)``; an exception is printed and counted as a failure, and the run goes on."""
+    try:
+        return step(*args)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        check(name, False, "raised")
+        return None
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -273,14 +284,14 @@ def main(argv=None) -> int:
                 for m in (SPLIT_BATCHES if s is SPLIT_SHAPE else batches)]
         precompile(jobs, dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-        graph_replay(dev, args.schemes)
-        split_k_cells(dev, args.schemes)
+        guarded("graph replay", graph_replay, dev, args.schemes)
+        guarded("split-K cells", split_k_cells, dev, args.schemes)
     cells = []
     for s in shapes:
         sets = {m: make_sets(s, m, SETS, torch.bfloat16, dev, seed=m) for m in batches}
         bf16 = bf16_times(s, sets, dev)
         for scheme in args.schemes:
-            cells += scheme_cells(s, scheme, sets, bf16, bw, dev)
+            cells += guarded(f"{s.name} {scheme}", scheme_cells, s, scheme, sets, bf16, bw, dev) or []
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     if os.environ.get("OUT"):
