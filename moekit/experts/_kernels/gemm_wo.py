@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.gemm import _activation, _block_rows, _grid_position
+from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def gate_up_wo_kernel(
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
-    h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32
+    h = _glu(acc_gate, acc_up, ACT, 1.0, None, 0.0)  # [BM, BN] fp32: act(gate) * up
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
