@@ -30,8 +30,8 @@ import torch
 
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
-from moekit.experts.triton_fp8_plan import Fp8Plan, plan_for
-from moekit.experts.triton_launch import LaunchOptions, cdiv, is_available
+from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.layouts.grouping import to_local_ids
 
 E4M3_MAX = 448.0
@@ -131,6 +131,24 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------
 # The kernels
 # ---------------------------------------------------------------------------------------------------
+
+
+def clear_launch_caches() -> None:
+    """Drop every cached plan (the next call builds it again)."""
+    clear_plans()
+
+
+def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_groups`` by the path's own kernel (v [R, C] -> q [R, C] e4m3, s [R, ceil(C/G)]): for
+    checks of the rounding; the path launches it from its plan."""
+    rows, cols = v.shape
+    q = torch.empty(v.shape, dtype=torch.float32 if interpreting() else torch.float8_e4m3fn, device=v.device)
+    s = torch.empty(rows, cdiv(cols, group), dtype=torch.float32, device=v.device)
+    if v.numel():
+        kernels("quant_fp8").quantize_rows_kernel[(cdiv(rows, QUANT_ROWS), cdiv(cols, group))](
+            v, q, s, rows, cols, *v.stride(), cols, s.shape[1], BLOCK_R=QUANT_ROWS, GROUP=group,
+            EMULATE=interpreting(), PDL=False)
+    return q.to(torch.float8_e4m3fn), s  # under the interpreter q holds e4m3 values in float32: exact
 
 
 def fused_experts_fp8_launch(

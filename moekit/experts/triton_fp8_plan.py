@@ -53,6 +53,11 @@ on_config_cache_clear(_PLANS.clear)
 on_config_cache_clear(_TABLES.clear)
 
 
+def clear_plans() -> None:
+    """Drop the cached plans (they hold the kernels they were built with)."""
+    _PLANS.clear()
+
+
 def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int = 128) -> KernelConfig:
     """The default with no tuned file. Like the bf16 heuristic, the tile height follows the mean rows per
     expert M*k/E (a tile much taller than that is padding). The gate-up tile is one scale group wide
