@@ -193,11 +193,24 @@ def test_expert_map_with_minus_one(fp8, shape, block_shape):
 @pytest.mark.parametrize("config", [
     KernelConfig(64, GemmTile(128, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2)),  # one 64-row block per expert
     KernelConfig(16, GemmTile(256, 128, 2, 4, 2), GemmTile(32, 128, 4, 4, 2)),  # two h groups per gate-up tile
+    KernelConfig(16, GemmTile(64, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2)),  # h in float32, quantized by down
+    KernelConfig(64, GemmTile(32, 128, 1, 4, 2), GemmTile(64, 128, 1, 4, 2)),
 ])
-def test_explicit_configs(fp8, config):
-    x, _, quantized, ids, weights = _problem(21, 2, *SHAPES[0], seed=8)
+@pytest.mark.parametrize("m", [1, 21])
+def test_explicit_configs(fp8, config, m):
+    x, _, quantized, ids, weights = _problem(m, 2, *SHAPES[0], seed=8)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1], config=config)
     assert rel_l2(out, twin) < 1e-5
+
+
+def test_narrow_gate_up_tiles_with_small_groups(fp8):
+    # G = 32 with a 16-wide gate-up tile (h quantized by down) and a 64-wide one (two groups per tile).
+    (shape, block_shape), g = SHAPES[1], 32
+    for up_n in (16, 64):
+        config = KernelConfig(16, GemmTile(up_n, g, 1, 4, 2), GemmTile(32, g, 1, 4, 2))
+        x, _, quantized, ids, weights = _problem(6, 2, shape, block_shape, seed=up_n)
+        out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, config=config)
+        assert rel_l2(out, twin) < 1e-5
 
 
 # --- arguments, configs, the custom op -------------------------------------------------------------
@@ -228,8 +241,11 @@ def test_config_rules_and_heuristic():
     bad_k = KernelConfig(16, GemmTile(128, 64), GemmTile(64, 128))
     with pytest.raises(ValueError, match="BLOCK_K of both GEMMs must be the block shape's 128"):
         check_config(bad_k, 128)
-    with pytest.raises(ValueError, match="gate-up BLOCK_N must be a multiple of 128"):
-        check_config(KernelConfig(16, GemmTile(64, 128), GemmTile(64, 128)), 128)
+    with pytest.raises(ValueError, match="gate-up BLOCK_N must be a multiple of 128 or a power of two"):
+        check_config(KernelConfig(16, GemmTile(96, 128), GemmTile(64, 128)), 128)
+    with pytest.raises(ValueError, match="gate-up BLOCK_N must be a multiple of 32 or a power of two"):
+        check_config(KernelConfig(16, GemmTile(8, 32), GemmTile(64, 32)), 32)
+    check_config(KernelConfig(16, GemmTile(64, 128), GemmTile(64, 128)), 128)  # h to the down GEMM in float32
     for num_experts, n, k, top_k in ((128, 768, 2048, 8), (256, 2048, 7168, 8), (8, 14336, 4096, 2)):
         for m in (1, 8, 64, 512, 4096, 16384):
             for group in (32, 128):
@@ -251,7 +267,7 @@ def test_tuned_file_nearest_m_and_refusal(tmp_path, monkeypatch):
     assert fp8_config(2, 4, 96, 160, 2, 128, "dev") == small
     assert fp8_config(600, 4, 96, 160, 2, 128, "dev") == large
     assert fp8_config(600, 4, 96, 160, 2, 128, "other") == heuristic_fp8_config(600, 4, 96, 160, 2)
-    entries["1"]["up"]["BLOCK_N"] = 64
+    entries["1"]["up"]["BLOCK_N"] = 96
     path.write_text(json.dumps({"E": 4, "N": 96, "K": 160, "configs": entries}))
     clear_config_cache()
     with pytest.raises(ValueError, match="E4_N96_K160_fp8_block_dev.json: the gate-up BLOCK_N"):

@@ -7,7 +7,9 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
-reduction width and the gate-up BLOCK_N be a multiple of it (a file that says otherwise is refused).
+reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
+power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
+is refused.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -37,9 +39,11 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 class Fp8Plan:
     """What every call of one kind launches with. Holds no tensor."""
 
-    config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple of G
+    config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
     align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
-    workspace: WorkspaceSpec  # x_q [M, K], x_s [M, KB], h_q [A, N], h_s [A, NB], y [A, K], + the alignment's
+    # x_q [M, K], x_s [M, KB], h_q [A, N] (float32 h where up.BLOCK_N < G; h_s then [1], unused), h_s [A, NB],
+    # y [A, K], + the alignment's
+    workspace: WorkspaceSpec
     quantize: BoundLaunch  # pointers: x, x_q, x_s
     gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
     down: BoundLaunch  # pointers: h_q, h_s, w2_q, w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
@@ -60,12 +64,15 @@ def clear_plans() -> None:
 
 def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int = 128) -> KernelConfig:
     """The default with no tuned file. Like the bf16 heuristic, the tile height follows the mean rows per
-    expert M*k/E (a tile much taller than that is padding). The gate-up tile is one scale group wide
-    (its epilogue re-quantizes whole groups); the decode down tile is narrower for more programs.
-    Untuned guesses: ``benchmarks/fp8_device_check.py --sweep`` measures the alternatives."""
+    expert M*k/E (a tile much taller than that is padding). From 16 rows per expert the gate-up tile is
+    one scale group wide (its epilogue re-quantizes whole groups); below, tiles are narrower so that
+    the few touched experts still make enough programs to stream their weights on every SM (h then
+    goes to the down GEMM in float32). Untuned guesses: ``benchmarks/fp8_device_check.py --sweep``
+    measures the alternatives."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert < 16:
-        return KernelConfig(16, GemmTile(group, group, 1, 4, 4), GemmTile(64, group, 1, 4, 4))
+        up_n = min(group, 64 if n <= 4096 else 128)
+        return KernelConfig(16, GemmTile(up_n, group, 1, 4, 4), GemmTile(64, group, 1, 4, 4))
     if rows_per_expert < 64:
         return KernelConfig(64, GemmTile(group, group, 1, 4, 3), GemmTile(128, group, 1, 4, 3))
     return KernelConfig(128, GemmTile(group, group, 8, 8, 3), GemmTile(128, group, 8, 8, 3))
@@ -95,12 +102,15 @@ def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, KernelCon
 
 
 def check_config(config: KernelConfig, group: int, where: str = "config") -> None:
-    """BLOCK_K is the scale group (one scale per K-step); the gate-up tile holds whole groups."""
+    """BLOCK_K is the scale group (one scale per K-step); the gate-up tile holds whole groups, or
+    divides one (then the down GEMM quantizes h)."""
     if config.up.BLOCK_K != group or config.down.BLOCK_K != group:
         raise ValueError(f"{where}: BLOCK_K of both GEMMs must be the block shape's {group}, got "
                          f"{config.up.BLOCK_K} and {config.down.BLOCK_K}")
-    if config.up.BLOCK_N % group:
-        raise ValueError(f"{where}: the gate-up BLOCK_N must be a multiple of {group}, got {config.up.BLOCK_N}")
+    up_n = config.up.BLOCK_N
+    if up_n % group and (up_n < 16 or group % up_n):
+        raise ValueError(f"{where}: the gate-up BLOCK_N must be a multiple of {group} or a power of two from 16 "
+                         f"below it, got {up_n}")
 
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
@@ -136,13 +146,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
         align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
                            num_pid_m * block_m, options)
-    emulate = interpreting()
+    emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [("x_q", q_dtype, (num_tokens, hidden)), ("x_s", torch.float32, (num_tokens, cdiv(hidden, group))),
-               ("h_q", q_dtype, (num_assignments, n)), ("h_s", torch.float32, (num_assignments, cdiv(n, group))),
+               ("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
+               ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
-    shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, cached=options.cached_launcher,
-                  **options.pdl_kwargs())
+    shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
+                  cached=options.cached_launcher, **options.pdl_kwargs())
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
@@ -151,7 +162,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                              (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
                              BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher,
                              **options.pdl_kwargs()),
-        gate_up=_gate_up_launch(w13_q, w13_scale, num_tokens, top_k, config, num_pid_m, emulate, shared),
+        gate_up=_gate_up_launch(w13_q, w13_scale, num_tokens, top_k, config, num_pid_m, shared),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
         sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
@@ -159,14 +170,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
 
 
 def _gate_up_launch(w13_q, w13_scale, num_tokens: int, top_k: int, config: KernelConfig, num_pid_m: int,
-                    emulate: bool, shared: dict) -> BoundLaunch:
+                    shared: dict) -> BoundLaunch:
     """x_q [M, K] and h_q [A, N] are contiguous workspace regions; so are their scales."""
     (num_experts, two_n, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
     return BoundLaunch(
         kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
         (n, hidden, num_tokens * top_k, top_k, num_experts, num_pid_m, hidden, cdiv(hidden, up.BLOCK_K),
          *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, EMULATE=emulate,
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
 

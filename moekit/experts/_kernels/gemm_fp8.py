@@ -12,8 +12,11 @@ block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm`
 
 gate-up: x_q rows gathered by token, gate columns c and up columns N + c of one expert in one program
 (each with its own weight scale, gathered per column: a block may straddle the gate/up boundary when
-N is not a multiple of GROUP_N), SiLU-and-mul in the epilogue, and the [BM, BN] result re-quantized
-there per BK columns: BN is a multiple of BK, so every group of h's columns lies in one program.
+N is not a multiple of GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
+of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
+Narrower tiles (H_FP32: BN < BK, for more programs at decode sizes) write h in float32 instead, and
+the down GEMM quantizes each [BM, BK] step of it as it loads it (the same groups, the same rounding;
+each down program redoes it, which costs little only where M is small).
 down: the reduction runs over N in steps of BK, one h scale and one w2 scale per step; the routed
 weight is applied in the epilogue; y is summed over the k slots by ``combine``.
 
@@ -44,7 +47,8 @@ def gate_up_fp8_kernel(
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -83,7 +87,11 @@ def gate_up_fp8_kernel(
         su_ptrs += stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (masked weights)
-    _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE)
+    if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
+        tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
+                         EMULATE)
 
 
 @triton.jit
@@ -103,12 +111,13 @@ def _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, strid
 
 @triton.jit
 def down_fp8_kernel(
-    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N], h_s [A, NB], w2 [E, K, N] + scale, y [A, K] out
+    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
@@ -131,7 +140,11 @@ def down_fp8_kernel(
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
-        hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
+        if H_FP32:  # this step is one group of h's columns: quantize it here (the epilogue's twin)
+            hs = group_scale(tl.max(tl.abs(ha), axis=1))  # [BM]
+            ha = to_e4m3(ha / hs[:, None], EMULATE)
+        else:
+            hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
         sw = tl.load(s_ptrs, mask=out_ok, other=0.0)
         acc += _scaled_dot(ha, wb, UPCAST) * hs[:, None] * sw[None, :]
         h_ptrs += BLOCK_K
