@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness + timings, ~1-2 min
     PYTHONPATH=. python benchmarks/fp8_device_check.py --sweep    # + a small config sweep per cell (minutes)
+    PYTHONPATH=. python benchmarks/fp8_device_check.py --compile  # + torch.compile(fullgraph=True), inductor
 
 Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1, 8, 64, 512, 4096}:
 - correctness on the first input set: the kernels against the torch twin (rel L2 < 2e-2 passes), and
@@ -10,7 +11,8 @@ Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1
 - the fp8 floor: max(touched experts x (3*N*K fp8 bytes + scales) + x and out bf16 bytes) / copy BW,
   FLOPs / fp8 matmul rate), both ceilings measured here (a 4 GiB device copy; ``torch._scaled_mm`` on
   8192^3 e4m3, skipped if this torch lacks it).
-Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--sweep`` times the
+Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
+inductor compiles a caller of the op whole (fullgraph) and agrees with eager. ``--sweep`` times the
 candidate configs of each cell and writes tuned files (``E{E}_N{N}_K{K}_fp8_block_{device}.json``) under
 $OUT/configs. Prints one line per check, the table last; JSON to $OUT/fp8.json if $OUT is set.
 Exit 1 on any failure.
@@ -22,6 +24,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from moekit.experts.triton_fp8_plan import config_file_name, heuristic_fp8_confi
 
 BATCHES = (1, 8, 64, 512, 4096)
 BLOCK = (128, 128)
+BUDGET_S = 0.2  # seconds of timing per backend and cell (the script stays under ~2 min)
 ROTATION_BYTES = 256 << 20  # rotate inputs until one pass touches ~4x the H200's L2 (the bench's rule)
 FAILED: list[str] = []
 
@@ -127,9 +131,10 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
     bf16 = experts_triton(first.x, w.w13, w.w2, first.topk_ids, first.topk_weights)
     err_twin, err_bf16 = rel_l2(out, twin), rel_l2(out, bf16)
     check(f"fp8 kernels vs twin {s.name} M={m}", err_twin < 2e-2, f"rel_l2={err_twin:.2e} (vs bf16 {err_bf16:.3f})")
-    fp8_us = time_calls([lambda t=t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) for t in sets], dev, graph=True)
+    fp8_us = time_calls([lambda t=t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) for t in sets], dev,
+                        graph=True, budget_s=BUDGET_S)
     bf16_us = time_calls([lambda t=t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights) for t in sets], dev,
-                         graph=True)
+                         graph=True, budget_s=BUDGET_S)
     fl = floor_us(s, m, touched, c)
     tflops = 6 * s.n * s.k * m * s.top_k / (fp8_us * 1e-6) / 1e12
     return Row(s.name, m, touched, fp8_us, bf16_us, fl, 100 * fl / fp8_us, tflops,
@@ -150,6 +155,24 @@ def graph_replay(s: Shape, q, dev) -> None:
         graph.replay()
         worst = max(worst, rel_l2(out, fused_experts_fp8(x, *q, ids, weights)))
     check(f"cuda graph replay with new routing {s.name} M=64", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+
+
+def compiled(s: Shape, q, dev) -> None:
+    """torch.compile(fullgraph=True) (inductor) around the op: one graph, the same result as eager."""
+    t = make_sets(s, 16, 1, torch.bfloat16, dev, seed=11)[0]
+    fn = torch.compile(lambda x, ids, w: fused_experts_fp8(x, *q, ids, w) * 2, fullgraph=True)
+    e = rel_l2(fn(t.x, t.topk_ids, t.topk_weights), fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) * 2)
+    check(f"torch.compile(fullgraph=True) {s.name} M=16", e < 1e-6, f"rel diff vs eager {e:.1e}")
+
+
+def guarded(name: str, fn, *args):
+    """fn(*args); an exception is a failed check (with its traceback), and the run goes on."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        check(name, False, "raised")
+        return None
 
 
 def candidates(m: int, s: Shape) -> list[KernelConfig]:
@@ -180,8 +203,8 @@ def sweep(s: Shape, q, dev, out_dir: Path | None) -> dict:
             except Exception as e:  # noqa: BLE001  (a tile too big for shared memory: skip it)
                 print(f"  sweep {s.name} M={m} {config}: {type(e).__name__}", flush=True)
         us, config = min(timed, key=lambda p: p[0])
-        heuristic_us = next(t for t, c in timed if c == candidates(m, s)[0])
-        print(f"sweep {s.name} M={m}: best {us:.1f} us ({config}), heuristic {heuristic_us:.1f} us", flush=True)
+        heuristic_us = next((t for t, c in timed if c == candidates(m, s)[0]), None)
+        print(f"sweep {s.name} M={m}: best {us:.1f} us ({config}), heuristic {heuristic_us} us", flush=True)
         best[m] = {"config": config.to_dict(), "us": us, "heuristic_us": heuristic_us}
     if out_dir is not None:
         name = config_file_name(s.num_experts, s.n, s.k, device_key(dev))
@@ -218,12 +241,13 @@ def main() -> int:
         s = Shape.from_preset(preset)
         w = make_weights(s, torch.bfloat16, dev)
         q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
-        for m in BATCHES:
-            rows.append(run_cell(s, m, w, q, ceilings, dev))
+        rows += [r for m in BATCHES if (r := guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceilings, dev))]
         if preset == PRESETS[0]:
-            graph_replay(s, q, dev)
+            guarded("graph replay", graph_replay, s, q, dev)
+            if "--compile" in sys.argv:
+                guarded("compile", compiled, s, q, dev)
         if "--sweep" in sys.argv:
-            sweeps[preset] = sweep(s, q, dev, out_dir)
+            sweeps[preset] = guarded(f"sweep {preset}", sweep, s, q, dev, out_dir)
         del w, q
         torch.cuda.empty_cache()
     print_table(rows, ceilings)
