@@ -154,11 +154,13 @@ def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Ten
 def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, dependent_launch,
-    cached_launcher and poison_workspace apply."""
+    cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
+    (True) or in a kernel of its own (False); None: the plan's rule (inside only for the tiny-batch
+    shortcut). Either way the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -166,7 +168,8 @@ def fused_experts_fp8_launch(
         raise RuntimeError(f"the fp8 triton path needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options)
+    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
+                    x_in_gate_up)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 
@@ -181,8 +184,12 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
     else:
         run_align(plan.align, ids, expert_map, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-    plan.quantize(x, b["x_q"], b["x_s"])
-    plan.gate_up(b["x_q"], b["x_s"], w13_q, w13_scale, b["h_q"], b["h_s"], ids, *rows)
+    if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
+        x_q, x_s = x, x  # x_s is never read then
+    else:
+        x_q, x_s = b["x_q"], b["x_s"]
+        plan.quantize(x, x_q, x_s)
+    plan.gate_up(x_q, x_s, w13_q, w13_scale, b["h_q"], b["h_s"], ids, *rows)
     plan.down(b["h_q"], b["h_s"], w2_q, w2_scale, b["y"], weights, ids, *rows)
     plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
     return out

@@ -41,10 +41,10 @@ class Fp8Plan:
 
     config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
     align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
-    # x_q [M, K], x_s [M, KB], h_q [A, N] (float32 h where up.BLOCK_N < G; h_s then [1], unused), h_s [A, NB],
+    # x_q [M, K], x_s [M, KB] (not with x_in_gate_up), h_q [A, N] (float32 h where up.BLOCK_N < G; h_s then [1], unused), h_s [A, NB],
     # y [A, K], + the alignment's
     workspace: WorkspaceSpec
-    quantize: BoundLaunch  # pointers: x, x_q, x_s
+    quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
     down: BoundLaunch  # pointers: h_q, h_s, w2_q, w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
@@ -114,22 +114,25 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
-             config: KernelConfig | None, options: LaunchOptions) -> Fp8Plan:
-    """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous."""
+             config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
+    """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
+    ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: only in
+    the tiny-batch shortcut (each program holds one token there, so the work is not repeated much)."""
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype,
-           None if expert_map is None else (expert_map.numel(), expert_map.dtype), block_shape, config, options)
+           None if expert_map is None else (expert_map.numel(), expert_map.dtype), block_shape, config, options,
+           x_in_gate_up)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                                options)
+                                                options, x_in_gate_up)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -147,9 +150,11 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
                            num_pid_m * block_m, options)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
+    x_raw = naive if x_in_gate_up is None else x_in_gate_up
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
-    regions = [("x_q", q_dtype, (num_tokens, hidden)), ("x_s", torch.float32, (num_tokens, cdiv(hidden, group))),
-               ("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
+    regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
+                                ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
+    regions += [("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
@@ -157,26 +162,27 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
-        quantize=BoundLaunch(kernels("quant_fp8").quantize_rows_kernel,
-                             (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
-                             (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
-                             BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher,
-                             **options.pdl_kwargs()),
-        gate_up=_gate_up_launch(w13_q, w13_scale, num_tokens, top_k, config, num_pid_m, shared),
+        quantize=None if x_raw else BoundLaunch(
+            kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
+            (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
+            BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
+        gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
+                                num_pid_m, dict(shared, X_RAW=x_raw)),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
         sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
     )
 
 
-def _gate_up_launch(w13_q, w13_scale, num_tokens: int, top_k: int, config: KernelConfig, num_pid_m: int,
-                    shared: dict) -> BoundLaunch:
-    """x_q [M, K] and h_q [A, N] are contiguous workspace regions; so are their scales."""
+def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,
+                    config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
+    """x_q [M, K] and h_q [A, N] are contiguous workspace regions, and so are their scales; ``x_stride``:
+    x's strides where the kernel reads x itself (X_RAW), else None."""
     (num_experts, two_n, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
     return BoundLaunch(
         kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
-        (n, hidden, num_tokens * top_k, top_k, num_experts, num_pid_m, hidden, cdiv(hidden, up.BLOCK_K),
-         *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
+         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )

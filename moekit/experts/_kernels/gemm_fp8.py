@@ -10,9 +10,11 @@ output height; KB = ceil(K / BK), NB = ceil(N / BK). Scales: w13 [E, ceil(2N/GRO
 [E, ceil(K/GROUP_N), NB], activations [rows, KB or NB]. The row walk (grouped ordering, the
 block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm``).
 
-gate-up: x_q rows gathered by token, gate columns c and up columns N + c of one expert in one program
-(each with its own weight scale, gathered per column: a block may straddle the gate/up boundary when
-N is not a multiple of GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
+gate-up: x_q rows gathered by token (X_RAW: x itself, each [BM, BK] step quantized as it is loaded,
+the twin of ``quant_fp8``'s kernel; the plan picks it for the tiny-batch shortcut, where it saves a
+launch), gate columns c and up columns N + c of one expert in one program (each with its own weight
+scale, gathered per column: a block may straddle the gate/up boundary when N is not a multiple of
+GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
 of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
 Narrower tiles (H_FP32: BN < BK, for more programs at decode sizes) write h in float32 instead, and
 the down GEMM quantizes each [BM, BK] step of it as it loads it (the same groups, the same rounding;
@@ -42,13 +44,13 @@ def _scaled_dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def gate_up_fp8_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K], x_s [M, KB], w13 [E, 2N, K] + scale, h_q [A, N], h_s [A, NB] out
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
-    stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
+    stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    X_RAW: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -61,7 +63,7 @@ def gate_up_fp8_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
     wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
@@ -74,12 +76,17 @@ def gate_up_fp8_kernel(
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)  # [BM]
+        if X_RAW:  # this K-step is one group of x's columns: quantize it here
+            xa = xa.to(tl.float32)
+            xs = group_scale(tl.max(tl.abs(xa), axis=1))  # [BM]
+            xa = to_e4m3(xa / xs[:, None], EMULATE)
+        else:
+            xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)  # [BM]
         sg = tl.load(sg_ptrs, mask=n_ok, other=0.0)  # [BN]
         su = tl.load(su_ptrs, mask=n_ok, other=0.0)
         acc_gate += _scaled_dot(xa, wg, UPCAST) * xs[:, None] * sg[None, :]
         acc_up += _scaled_dot(xa, wu, UPCAST) * xs[:, None] * su[None, :]
-        x_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
