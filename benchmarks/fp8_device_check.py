@@ -110,6 +110,7 @@ class Row:
     err_vs_twin: float
     err_vs_bf16: float
     speedup_vs_bf16: float
+    x_apart_us: float | None  # M=1 A/B: x quantized by its own kernel instead of inside gate-up
 
 
 def floor_us(s: Shape, m: int, touched: float, c: Ceilings) -> float:
@@ -135,10 +136,16 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
                         graph=True, budget_s=BUDGET_S)
     bf16_us = time_calls([lambda t=t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights) for t in sets], dev,
                          graph=True, budget_s=BUDGET_S)
+    x_apart_us = None
+    if m == 1:
+        x_apart_us = time_calls([lambda t=t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights,
+                                                                      x_in_gate_up=False) for t in sets],
+                                dev, graph=True, budget_s=BUDGET_S)
     fl = floor_us(s, m, touched, c)
     tflops = 6 * s.n * s.k * m * s.top_k / (fp8_us * 1e-6) / 1e12
     return Row(s.name, m, touched, fp8_us, bf16_us, fl, 100 * fl / fp8_us, tflops,
-               100 * tflops / c.fp8_mm_TFLOPs if c.fp8_mm_TFLOPs else None, err_twin, err_bf16, bf16_us / fp8_us)
+               100 * tflops / c.fp8_mm_TFLOPs if c.fp8_mm_TFLOPs else None, err_twin, err_bf16, bf16_us / fp8_us,
+               x_apart_us)
 
 
 def graph_replay(s: Shape, q, dev) -> None:
@@ -226,6 +233,9 @@ def print_table(rows: list[Row], c: Ceilings) -> None:
         print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{r.bf16_us:>10.1f}{r.floor_us:>10.1f}"
               f"{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
               f"{r.err_vs_twin:>10.1e}{r.err_vs_bf16:>9.3f}")
+    for r in rows:
+        if r.x_apart_us is not None:
+            print(f"{r.shape} M={r.M}: x quantized inside gate-up {r.fp8_us:.1f} us, by its own kernel {r.x_apart_us:.1f} us")
 
 
 def main() -> int:

@@ -118,10 +118,12 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: only in
     the tiny-batch shortcut (each program holds one token there, so the work is not repeated much)."""
+    # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
+    aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
-           w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype,
-           None if expert_map is None else (expert_map.numel(), expert_map.dtype), block_shape, config, options,
-           x_in_gate_up)
+           w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
+           None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
+           block_shape, config, options, x_in_gate_up)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
