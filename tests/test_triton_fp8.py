@@ -1,7 +1,7 @@
 """The fp8 block-scaled Triton experts path on the CPU, under Triton's interpreter, tiny shapes.
 
 Chain: the kernels vs the torch twin ``fused_experts_fp8_torch`` (float32 inputs: both round the same
-values onto the e4m3 grid, so they agree to float32 accumulation order); the twin vs a float64
+values onto the e4m3 grid, so they agree up to float32 summation order, see FLIP_TOL); the twin vs a float64
 per-token emulation of the recipe written here; that emulation vs the unquantized float64 experts
 (the quantization error, ~6% relative L2, is really there). Workspaces are filled with NaN first.
 
@@ -27,6 +27,11 @@ from moekit.experts.triton_fp8_plan import check_config, fp8_config, heuristic_f
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 POISON = LaunchOptions(poison_workspace=True)
+# Kernel, twin and the float64 emulation round the same values onto the e4m3 grid, but their float32
+# sums differ in order, so now and then a value within ~1e-7 of a rounding midpoint goes the other way:
+# one such flip moves an output by ~1e-4 at these shapes (seen: the twin against float64, seed 13).
+# Without flips they agree to ~1e-7; a wrong scale or a skipped quantization costs >= 1e-2.
+FLIP_TOL = 1e-3
 SHAPES = [((4, 160, 96), (128, 128)), ((5, 150, 70), (64, 32))]  # (E, K, N), block shape: K and N tails
 
 
@@ -141,7 +146,7 @@ def test_quantize_kernel_equals_twin_exactly(fp8):
 def test_kernels_match_twin(fp8, m, k, shape, block_shape):
     x, _, quantized, ids, weights = _problem(m, k, shape, block_shape, seed=m * 10 + k)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape)
-    assert rel_l2(out, twin) < 1e-5
+    assert rel_l2(out, twin) < FLIP_TOL
 
 
 @pytest.mark.parametrize("m,x_in_gate_up", [(1, False), (7, True)])
@@ -150,7 +155,7 @@ def test_x_quantized_inside_gate_up_or_apart(fp8, m, x_in_gate_up):
     # forced the other way round, both must give the twin's result (M=7: aligned blocks, gathered rows).
     x, _, quantized, ids, weights = _problem(m, 1, *SHAPES[0], seed=12)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1], x_in_gate_up=x_in_gate_up)
-    assert rel_l2(out, twin) < 1e-5
+    assert rel_l2(out, twin) < FLIP_TOL
 
 
 @pytest.mark.parametrize("shape,block_shape", SHAPES)
@@ -158,7 +163,7 @@ def test_twin_matches_float64_emulation(fp8, shape, block_shape):
     x, (w13, w2), quantized, ids, weights = _problem(9, 2, shape, block_shape, seed=4)
     twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, block_shape=block_shape)
     emulated = _f64_emulation(x, *quantized, ids, weights, block_shape)
-    assert rel_l2(twin, emulated) < 1e-5
+    assert rel_l2(twin, emulated) < FLIP_TOL
     # The quantization is there: against the unquantized experts the recipe is off by a few percent.
     exact = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     assert 0.02 < rel_l2(emulated, exact) < 0.15
@@ -180,7 +185,8 @@ def test_empty_batch_and_tiny_batch_shortcut(fp8):
     # M=1, k=1, E=4: A*4 <= E, so no alignment runs (block 0 is assignment 0).
     x, _, quantized, ids, weights = _problem(1, 1, *SHAPES[0], seed=7)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1])
-    assert rel_l2(out, twin) < 1e-5 and rel_l2(twin, _f64_emulation(x, *quantized, ids, weights, SHAPES[0][1])) < 1e-5
+    assert rel_l2(out, twin) < FLIP_TOL
+    assert rel_l2(twin, _f64_emulation(x, *quantized, ids, weights, SHAPES[0][1])) < FLIP_TOL
 
 
 @pytest.mark.parametrize("shape,block_shape", SHAPES)
@@ -192,9 +198,9 @@ def test_expert_map_with_minus_one(fp8, shape, block_shape):
         num_experts, dtype=torch.int32)
     x, _, quantized, ids, weights = _problem(11, 2, shape, block_shape, seed=5, num_global=7)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, expert_map)
-    assert rel_l2(out, twin) < 1e-5
+    assert rel_l2(out, twin) < FLIP_TOL
     emulated = _f64_emulation(x, *quantized, ids, weights, block_shape, expert_map)
-    assert rel_l2(twin, emulated) < 1e-5
+    assert rel_l2(twin, emulated) < FLIP_TOL
     not_local = (expert_map[ids.clamp(0).long()] < 0) | (ids < 0)
     assert not_local.any()
 
@@ -209,7 +215,7 @@ def test_expert_map_with_minus_one(fp8, shape, block_shape):
 def test_explicit_configs(fp8, config, m):
     x, _, quantized, ids, weights = _problem(m, 2, *SHAPES[0], seed=8)
     out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, SHAPES[0][1], config=config)
-    assert rel_l2(out, twin) < 1e-5
+    assert rel_l2(out, twin) < FLIP_TOL
 
 
 def test_narrow_gate_up_tiles_with_small_groups(fp8):
@@ -219,7 +225,7 @@ def test_narrow_gate_up_tiles_with_small_groups(fp8):
         config = KernelConfig(16, GemmTile(up_n, g, 1, 4, 2), GemmTile(32, g, 1, 4, 2))
         x, _, quantized, ids, weights = _problem(6, 2, shape, block_shape, seed=up_n)
         out, twin = _kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, config=config)
-        assert rel_l2(out, twin) < 1e-5
+        assert rel_l2(out, twin) < FLIP_TOL
 
 
 # --- arguments, configs, the custom op -------------------------------------------------------------
@@ -293,3 +299,19 @@ def test_opcheck_and_compile(fp8):
     run = lambda x, ids, w: fp8.fused_experts_fp8(x, *quantized, ids, w)  # noqa: E731
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager")(x, ids, weights)
     torch.testing.assert_close(compiled, run(x, ids, weights))
+
+
+@pytest.mark.parametrize("x_in_gate_up", [False, True])
+def test_strided_inputs(fp8, x_in_gate_up):
+    # x a misaligned column slice, w2_q stored transposed ([E, N, K] storage, as transformers' is_transposed
+    # down_proj), w13_scale a column-major view: the kernels read everything through strides.
+    x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = _problem(6, 2, *SHAPES[0], seed=13)
+    wide = torch.randn(6, 162)
+    wide[:, 1:161] = x
+    x_view = wide[:, 1:161]
+    w2_t = w2_q.transpose(1, 2).contiguous().transpose(1, 2)
+    w13_s_t = w13_s.transpose(1, 2).contiguous().transpose(1, 2)
+    quantized = (w13_q, w13_s_t, w2_t, w2_s)
+    out, twin = _kernel_vs_twin(fp8, x_view, quantized, ids, weights, SHAPES[0][1], x_in_gate_up=x_in_gate_up)
+    assert rel_l2(out, twin) < FLIP_TOL
+    assert rel_l2(twin, fp8.fused_experts_fp8_torch(x, w13_q, w13_s, w2_q, w2_s, ids, weights)) < 1e-6  # BLAS order

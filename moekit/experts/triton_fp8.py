@@ -16,7 +16,8 @@ shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture i
 allocated per call (from the graph's pool while one captures).
 
 Torch twin: ``fused_experts_fp8_torch`` (the same quantization steps, float32 GEMMs on dequantized
-operands: equal to the block-scaled sum up to float32 rounding). Under the CPU interpreter the e4m3
+operands: equal to the block-scaled sum up to float32 rounding, except that now and then a value within
+float32 rounding of an e4m3 midpoint rounds the other way in one of the two). Under the CPU interpreter the e4m3
 values are kept in float32 buffers (see ``_kernels/quant_fp8``), as is y.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) block shape.
