@@ -41,8 +41,8 @@ class Fp8Plan:
 
     config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
     align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
-    # x_q [M, K], x_s [M, KB] (not with x_in_gate_up), h_q [A, N] (float32 h where up.BLOCK_N < G; h_s then [1], unused), h_s [A, NB],
-    # y [A, K], + the alignment's
+    # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
+    # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
