@@ -58,7 +58,7 @@ from moekit.experts.triton_align import run_align
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for
-from moekit.quant import reject_quantized
+from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
@@ -248,7 +248,9 @@ def experts_triton_unchecked(
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
     directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
     kernel constexprs are resolved once per plan, so a variant adds no per-call work here."""
-    reject_quantized(w13, w2, "triton")  # quantized kernels: issues #15/#16, wired in by the lead
+    if (w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN) and is_quantized(w13, w2):  # fp8, weight-only
+        return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                    b13=b13, b2=b2, options=options)
     if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
         check_triton_args(x, activation, b13, b2)  # raises, naming the argument
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):

@@ -16,7 +16,7 @@ through ``run_quantized``; ``experts_fp8_block_reference`` is the fp8 recipe's t
 """
 
 from moekit.quant.base import QuantizedWeight
-from moekit.quant.emulate import check_quantized_pair, experts_fp8_block_reference, reject_quantized, run_quantized
+from moekit.quant.emulate import check_quantized_pair, experts_fp8_block_reference, run_quantized
 from moekit.quant.formats import cat_rows, from_awq, from_deepseek_fp8, from_gpt_oss_mxfp4, from_gptq, stack_experts
 from moekit.quant.fp8_block import (
     Fp8Activations,
@@ -34,7 +34,7 @@ __all__ = [
     "SCHEMES", "QuantizedWeight", "Fp8BlockWeight", "Int8Weight", "Int4Weight", "Mxfp4Weight", "Fp8Activations",
     "quantize", "from_tensors", "is_quantized", "scheme_options",
     "quantize_activations_fp8", "fake_quantize_activations_fp8", "e2m1_decode",
-    "experts_fp8_block_reference", "run_quantized", "reject_quantized", "check_quantized_pair",
+    "experts_fp8_block_reference", "run_quantized", "check_quantized_pair",
     "from_deepseek_fp8", "from_gpt_oss_mxfp4", "from_gptq", "from_awq", "cat_rows", "stack_experts",
     "quantize_experts_", "quant_scheme_of", "move_quantized_",
 ]

@@ -33,16 +33,6 @@ def check_quantized_pair(w13, w2) -> str:
     return w13.scheme
 
 
-def reject_quantized(w13, w2, backend: str) -> None:
-    """For a backend without quantized kernels: a TypeError naming the scheme when handed QuantizedWeights."""
-    for w in (w13, w2):
-        if isinstance(w, QuantizedWeight):
-            raise TypeError(
-                f"the {backend!r} experts backend does not run {w.scheme!r} quantized weights yet; "
-                "use backend='reference' (exact) or 'grouped_mm' (dequantizes per call)"
-            )
-
-
 def run_quantized(
     dense_fn: Callable[..., torch.Tensor],
     x: torch.Tensor,  # [M, K]
