@@ -1,12 +1,15 @@
-"""Gated activations: act(gate) * up, over the [.., 2N] output of the gate-up GEMM (gate half first).
+"""Expert activations: the activation spec every experts backend reads, and its torch definition.
 
 The one place activations are named: ``MoEConfig.activation``, every experts backend's
 ``activation=``, transformers' ``hidden_act`` and the Triton kernel's ``ACT`` id all resolve here.
+A variant is data: ``ActivationSpec`` says gated or not, the gate/up row order, and the clamped-SwiGLU
+parameters (gpt-oss); ``apply_glu`` is its torch definition, [.., 2N] (gated) or [.., N] -> [.., N].
 Only torch is imported, so ``moekit.config`` can read the names without pulling in any backend.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +24,10 @@ class Activation:
     kernel_id: int  # the ACT constexpr of the Triton gate-up kernel (``_kernels/gemm.py::_activation``)
 
 
+def _relu_squared(t: torch.Tensor) -> torch.Tensor:
+    return F.relu(t).square()
+
+
 ACTIVATIONS: dict[str, Activation] = {
     a.name: a
     for a in (
@@ -28,11 +35,12 @@ ACTIVATIONS: dict[str, Activation] = {
         Activation("gelu", F.gelu, 1),
         Activation("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"), 2),
         Activation("relu", F.relu, 3),
+        Activation("relu2", _relu_squared, 4),  # relu(x)**2 (Nemotron-H's ungated experts)
     )
 }
 ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
-# transformers' hidden_act names -> moekit's names.
+# transformers' hidden_act names -> moekit's names (every name the MoE families' experts use).
 _HF_NAMES = {
     "silu": "silu",
     "swish": "silu",
@@ -40,7 +48,75 @@ _HF_NAMES = {
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
     "relu": "relu",
+    "relu2": "relu2",
 }
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What the experts compute between their two GEMMs; a plain str ``s`` means ``ActivationSpec(name=s)``.
+
+    gated:  glu = act(gate) * (up + up_shift), gate and up clamped by ``limit`` when set; w13 is [E, 2N, K]
+    ungated: glu = act(h); w13 is [E, N, K] (an up projection only)
+    """
+
+    name: str = "silu"  # one of ACTIVATIONS
+    gated: bool = True  # False: w13 [E, N, K] and h = act(w13 x + b13)
+    interleaved: bool = False  # gated only: row 2i of w13 (and b13) is gate i, row 2i+1 up i (gpt-oss)
+    alpha: float = 1.0  # silu only: act(g) = g * sigmoid(alpha * g) (gpt-oss: 1.702)
+    limit: float | None = None  # gated only: gate.clamp(max=limit), up.clamp(-limit, limit) (gpt-oss: 7.0)
+    up_shift: float = 0.0  # gated only: act(gate) * (up + up_shift) (gpt-oss: 1.0)
+
+    def __post_init__(self) -> None:
+        if self.name not in ACTIVATIONS:
+            raise ValueError(f"activation.name must be one of {ACTIVATION_NAMES}, got {self.name!r}")
+        for field in ("gated", "interleaved"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"activation.{field} must be a bool, got {getattr(self, field)!r}")
+        _check_finite("alpha", self.alpha)
+        _check_finite("up_shift", self.up_shift)
+        if self.alpha != 1.0 and self.name != "silu":
+            raise ValueError(f"activation.alpha applies to silu only, got alpha={self.alpha} with {self.name!r}")
+        if self.limit is not None:
+            _check_finite("limit", self.limit)
+            if self.limit <= 0:
+                raise ValueError(f"activation.limit must be > 0 or None, got {self.limit}")
+        if not self.gated:
+            extras = {"interleaved": self.interleaved, "limit": self.limit is not None, "up_shift": self.up_shift != 0.0}
+            used = [name for name, on in extras.items() if on]
+            if used:
+                raise ValueError(f"activation.{used[0]} needs gated=True (an ungated activation has no gate/up pair)")
+
+    @property
+    def kernel_id(self) -> int:
+        """The Triton kernel's ``ACT`` constexpr for ``name``."""
+        return ACTIVATIONS[self.name].kernel_id
+
+    @property
+    def plain(self) -> bool:
+        """Gated, gate rows first, no alpha/limit/up_shift: act(gate) * up (what ``act_and_mul`` computes)."""
+        return self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None and self.up_shift == 0.0
+
+
+def _check_finite(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"activation.{field} must be a finite float, got {value!r}")
+
+
+# name -> its default spec, built once: ``as_spec`` on a str is a dictionary lookup.
+_NAMED_SPECS = {name: ActivationSpec(name=name) for name in ACTIVATIONS}
+
+
+def as_spec(activation: str | ActivationSpec) -> ActivationSpec:
+    """``activation`` as a spec: a str names a plain gated activation; a clear error for anything else."""
+    if isinstance(activation, ActivationSpec):
+        return activation
+    if isinstance(activation, str):
+        spec = _NAMED_SPECS.get(activation)
+        if spec is None:
+            raise ValueError(f"activation must be one of {ACTIVATION_NAMES} or an ActivationSpec, got {activation!r}")
+        return spec
+    raise TypeError(f"activation must be a str or an ActivationSpec, got {type(activation).__name__}")
 
 
 def get_activation(name: str) -> Activation:
@@ -57,7 +133,29 @@ def activation_from_hf(hidden_act: str) -> str:
     return _HF_NAMES[hidden_act]
 
 
+def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor:
+    """The spec's torch definition: h [.., 2N] (gated) or [.., N] (ungated) -> [.., N], in h's dtype."""
+    spec = as_spec(activation)
+    if not spec.gated:
+        return _act(h, spec)
+    if spec.interleaved:
+        gate, up = h[..., 0::2], h[..., 1::2]  # [.., N] each
+    else:
+        gate, up = h.chunk(2, dim=-1)  # [.., N] each
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    act = _act(gate, spec)
+    return act * (up + spec.up_shift) if spec.up_shift != 0.0 else act * up
+
+
+def _act(t: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """The spec's activation alone: ``ACTIVATIONS[name].fn``, or silu with its ``alpha``."""
+    if spec.alpha != 1.0:
+        return t * torch.sigmoid(spec.alpha * t)
+    return ACTIVATIONS[spec.name].fn(t)
+
+
 def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """[.., 2N] -> [.., N]: act(gate_up[.., :N]) * gate_up[.., N:]."""
+    """[.., 2N] -> [.., N]: act(gate_up[.., :N]) * gate_up[.., N:] (``apply_glu`` of a plain name)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return get_activation(activation).fn(gate) * up

@@ -39,6 +39,7 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
+from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
 @dataclass
@@ -173,9 +174,22 @@ class MoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
+        move_quantized_(self, fn)  # quantized w13/w2 are not Parameters: moved here, never cast
         self.backend = self._backend
         self.router = self._router
         return module
+
+    def quantize_(self, scheme: str, **options) -> MoE:
+        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
+        "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
+        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
+        quantize_experts_(self, scheme, **options)
+        return self
+
+    @property
+    def quant_scheme(self) -> str | None:
+        """The experts' quantization scheme, None when they are unquantized."""
+        return quant_scheme_of(self.w13)
 
     def reset_parameters(self) -> None:
         """Random init: N(0, 1/fan_in) for every matrix, so outputs stay O(1) at any width."""

@@ -14,7 +14,7 @@ def _bench(rank: int, world_size: int) -> dict:
     from moekit.bench import ep
 
     args = argparse.Namespace(tiny=True, check=True, tokens=[0, 8], backend="auto", reps=2, out=None, dispatch="both",
-                              profile=False)
+                              profile=False, overlap=[1, 2])
     return ep.run(torch.device("cpu"), rank, world_size, args)
 
 
@@ -22,7 +22,10 @@ def test_bench_entry_runs_on_two_ranks():
     doc = run_ranks(_bench, 2, timeout_s=120)[0]
     assert doc["world_size"] == 2 and doc["backend"] == "gloo"
     assert max(doc["check_rel_err"].values()) < 1e-5
-    assert [(row["dispatch"], row["M"]) for row in doc["rows"]] == [("exact", 0), ("exact", 8), ("padded", 0), ("padded", 8)]
+    assert [(row["dispatch"], row["M"], row["overlap"]) for row in doc["rows"]] == [
+        (d, m, c) for d in ("exact", "padded") for m in (0, 8) for c in (1, 2)]
     for row in doc["rows"]:
         for key in ("dispatch_us", "experts_us", "combine_us", "layer_us", "raw_dispatch_us", "single_gpu_us"):
             assert row[key] >= 0, key
+        if row["overlap"] > 1:
+            assert row["overlap_goal_us"] == 1.05 * max(row["experts_us"], row["raw_dispatch_us"] + row["raw_combine_us"])

@@ -75,7 +75,7 @@ def test_direct_eager_equals_the_op_and_skips_it(interpreter, monkeypatch):
     assert calls == [1, 1]
     w13.requires_grad_()
     with_grad = interpreter.experts_triton(x, w13, w2, ids, weights, options=POISON)
-    assert calls == [1, 1, 1] and with_grad.requires_grad  # the op's autograd error stays the one a user gets
+    assert calls == [1, 1, 1] and with_grad.requires_grad  # through the op, which carries the autograd
     for out in (via_op, under_mode, with_grad.detach()):
         assert torch.equal(direct, out)
 
@@ -121,7 +121,7 @@ def test_the_op_never_keeps_a_workspace(interpreter):
     is kept: a buffer held from a graph's private pool would break the tree."""
     x, w13, w2, ids, weights = make_problem(5, 2, E, K, N, torch.float32)
     interpreter.clear_launch_caches()
-    args = (x, w13, w2, ids, weights, None, "silu", *LaunchOptions().as_op_args())
+    args = (x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0, *LaunchOptions().as_op_args())
     torch.ops.moekit.triton_experts(*args)
     assert not interpreter.held_workspaces()
     interpreter.experts_triton(x, w13, w2, ids, weights)  # the direct eager path does keep one

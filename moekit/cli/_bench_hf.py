@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time transformers' compiled decode (default: on for CUDA, off on CPU)")
     g.add_argument("--compile-backend", default=None,
                    help="torch.compile backend (default inductor; with --tiny, eager: trace, no code generation)")
-    g.add_argument("--tiny", action="store_true", help="tiny widths (a smoke run; the tests use it)")
+    g.add_argument("--tiny", action="store_true", help="tiny widths, with --hf or --offload (a smoke run; the tests use it)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
 from moekit.analysis.roofline import MAX_BATCH
 from moekit.analysis.touch import inclusion_from_counts
+from moekit.cli._analyze_offload import add_arguments as add_offload_arguments
+from moekit.cli._analyze_offload import offload_rows, offload_table, offload_to_json
 from moekit.cli._args import ListOption, UsageError, plot_path, save_figure
 from moekit.config import MissingConfigField, MoEConfig
 from moekit.presets import hf_config_of_preset, preset_names
@@ -57,6 +59,7 @@ def register(subparsers) -> None:
     out.add_argument("--plot", metavar="OUT_PNG", type=plot_path, help="write the curves to this image")
     out.add_argument("--measure", action="store_true",
                      help="run the MoE layer on the present device over the sweep and compare")
+    add_offload_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -163,22 +166,24 @@ def run(args) -> int:
     inclusion, routing = _inclusion(args.expert_load, cfg)
     report = analyze(cfg, gpu, fmt, tuple(args.batches), hf, name, args.gpus, args.utilization, args.reserve_gib,
                      inclusion, routing)
+    offload = offload_rows(args, cfg, fmt, gpu) if args.offload else None
     measurement = None
     if args.measure:
         from moekit.bench.layer_measure import measure
 
         measurement = measure(cfg, tuple(args.batches))
     if args.json:
-        _print_json(report, measurement)
+        _print_json(report, measurement, offload)
     else:
-        _print_tables(report, measurement)
+        _print_tables(report, measurement, offload)
     if args.plot:
         save_figure(functools.partial(_plot, report, measurement=measurement), args.plot, to_stderr=args.json)
     return 0
 
 
-def _print_json(report, measurement) -> None:
+def _print_json(report, measurement, offload) -> None:
     data = report_to_json(report)
+    data["offload"] = None if offload is None else offload_to_json(offload)
     data["measured"] = None
     if measurement:
         from moekit.bench.layer_measure import measurement_to_json
@@ -188,7 +193,7 @@ def _print_json(report, measurement) -> None:
     sys.stdout.write("\n")
 
 
-def _print_tables(report, measurement) -> None:
+def _print_tables(report, measurement, offload) -> None:
     from rich.console import Console
 
     from moekit.cli._analyze_tables import print_measurement, print_report
@@ -197,6 +202,8 @@ def _print_tables(report, measurement) -> None:
     if not console.is_terminal:  # piped or logged: rich would fall back to 80 columns and cut cells
         console = Console(width=120)
     print_report(report, console)
+    if offload:
+        console.print(offload_table(offload))
     if measurement:
         print_measurement(measurement, console)
 

@@ -1,5 +1,6 @@
 """``moekit bench``: the experts backends side by side against the device's measured ceilings;
 ``moekit bench --hf``: whole transformers MoE models per experts implementation (``_bench_hf``);
+``moekit bench --offload``: decode with host-resident experts behind a GPU cache (``_bench_offload``);
 ``moekit bench --train``: forward + backward of the experts path against transformers' (``_bench_train``)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from moekit.cli import _bench_hf, _bench_train
+from moekit.cli import _bench_hf, _bench_offload, _bench_train
 from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_int
 
 
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
                    "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     _bench_hf.add_arguments(p)
+    _bench_offload.add_arguments(p)
     _bench_train.add_arguments(p)
     p.set_defaults(func=_run)
 
@@ -33,6 +35,8 @@ def register(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.hf:
         return _bench_hf.run(args)
+    if args.offload:
+        return _bench_offload.run(args)
     if args.train:
         try:
             device = _device(args.device)

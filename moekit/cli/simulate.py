@@ -7,6 +7,7 @@ import functools
 import json
 from dataclasses import asdict
 
+from moekit.cli import _simulate_cache
 from moekit.cli._args import DefaultsHelpFormatter, UsageError, plot_path, save_figure
 from moekit.sim import BALANCE_METHODS, SimParams, simulate
 from moekit.sim.exercises import exercise1, exercise2, exercise3
@@ -43,7 +44,7 @@ def register(subparsers) -> None:
     # No help= on the "exercise" parser: argparse would list it a second time under the metavar.
     sub = p.add_subparsers(dest="sim_command", metavar="exercise N",
                            help="instead of one run: exercise 1 (sparsity vs batch), 2 (capacity factor vs "
-                           "output quality) or 3 (expert parallelism)")
+                           "output quality) or 3 (expert parallelism); or `cache`: the expert-cache what-if")
     ex = sub.add_parser("exercise", description="Answer one of the lesson's three exercises.",
                         formatter_class=DefaultsHelpFormatter)
     ex.add_argument("number", type=int, choices=(1, 2, 3),
@@ -51,6 +52,7 @@ def register(subparsers) -> None:
     ex.add_argument("--json", action="store_true", help="print the result as JSON")
     ex.add_argument("--plot", metavar="PNG", type=plot_path, help="save a figure to this image file")
     ex.set_defaults(func=_run_exercise)
+    _simulate_cache.register(sub)
 
 
 def _run(args: argparse.Namespace) -> int:

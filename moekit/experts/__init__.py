@@ -1,9 +1,14 @@
 """Expert computation behind one signature:
 
-    fn(x [M, K], w13 [E, 2N, K], w2 [E, K, N], topk_ids [M, k], topk_weights [M, k],
-       *, activation="silu", expert_map=None) -> out [M, K] (x.dtype)
+    fn(x [M, K], w13, w2 [E, K, N], topk_ids [M, k], topk_weights [M, k],
+       *, activation: str | ActivationSpec = "silu", expert_map=None,
+       b13: [E, 2N] | [E, N] | None = None, b2: [E, K] | None = None) -> out [M, K] (x.dtype)
 
-out[t] = sum_j topk_weights[t, j] * w2[e] @ act_and_mul(w13[e] @ x[t]), e = topk_ids[t, j].
+out[t] = sum_j topk_weights[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]), e = topk_ids[t, j],
+glu = ``moekit.activations.apply_glu`` of the ``ActivationSpec`` (a str names a plain gated one). w13 is
+[E, 2N, K] for a gated spec (gate rows then up rows, or alternating when ``interleaved``), [E, N, K]
+for an ungated one; b13 follows w13's rows. Weights may be strided views (transformers' transposed
+storage passed as ``gate_up_proj.transpose(1, 2)``): backends read them through their strides.
 An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (contributes 0): that
 covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
 
@@ -12,6 +17,7 @@ CUDA). ``backend="auto"`` picks the best available for the device. ``backend_fn(
 the one resolver that ``MoE``, ``EPMoE`` and ``moekit.hf`` use: resolved once per (name, device
 type), then a dictionary lookup. A backend function assumes ``check_experts_args`` has passed (it
 runs once, in ``call_backend``); only a backend's own requirements (dtypes, activations) are its own.
+``call_backend`` passes ``b13``/``b2`` only when one is set, so a backend's defaults must be None.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import inspect
 from typing import Callable
 
 import torch
+
+from moekit.activations import ActivationSpec, as_spec
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -98,13 +106,16 @@ def run_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Check the arguments, then run the chosen backend. See the module docstring for the contract."""
     fn = backend_fn(backend, x.device)
-    return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+    return call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                        b13=b13, b2=b2)
 
 
 def bind_options(fn: ExpertsFn, options: dict) -> ExpertsFn:
@@ -112,7 +123,7 @@ def bind_options(fn: ExpertsFn, options: dict) -> ExpertsFn:
     ``torch.compile`` traces); a name ``fn`` does not take raises here, naming it and what it takes."""
     if not options:
         return fn
-    contract = {"x", "w13", "w2", "topk_ids", "topk_weights", "activation", "expert_map"}
+    contract = {"x", "w13", "w2", "topk_ids", "topk_weights", "activation", "expert_map", "b13", "b2"}
     taken = [p for p in inspect.signature(fn).parameters if p not in contract]
     unknown = sorted(set(options) - set(taken))
     if unknown:
@@ -128,31 +139,41 @@ def call_backend(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Check the arguments and run an already resolved backend function. Unlike ``run_experts`` it
-    imports nothing, so ``torch.compile(fullgraph=True)`` traces through it."""
-    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    imports nothing, so ``torch.compile(fullgraph=True)`` traces through it. ``activation`` reaches
+    the backend as given (a str stays a str)."""
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+    if b13 is None and b2 is None:
+        return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+    return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13, b2=b2)
 
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None) -> None:
+def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None, *, activation="silu", b13=None,
+                       b2=None) -> None:
     """Raise a clear error naming the argument when shapes, dtypes or devices do not fit together.
-    On every eager call: each attribute is read once and the common case costs a few comparisons."""
+    On every eager call: each attribute is read once and the common case costs a few comparisons.
+    Weights are not asked to be contiguous: a strided (transposed) view is a valid weight."""
+    gated = as_spec(activation).gated
     x_shape, w13_shape, ids_shape = x.shape, w13.shape, topk_ids.shape
     if len(x_shape) != 2:
         raise ValueError(f"x must have shape [M, K], got {tuple(x_shape)}")
-    if len(w13_shape) != 3 or w13_shape[2] != x_shape[1] or w13_shape[1] % 2:
-        raise ValueError(f"w13 must have shape [E, 2N, K={x_shape[1]}], got {tuple(w13_shape)}")
-    num_experts, two_n, hidden = w13_shape
-    if w2.shape != (num_experts, hidden, two_n // 2):
-        raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={two_n // 2}], got {tuple(w2.shape)}")
+    if len(w13_shape) != 3 or w13_shape[2] != x_shape[1] or (gated and w13_shape[1] % 2):
+        rows = "2N" if gated else "N (ungated activation)"
+        raise ValueError(f"w13 must have shape [E, {rows}, K={x_shape[1]}], got {tuple(w13_shape)}")
+    num_experts, rows, hidden = w13_shape
+    n = rows // 2 if gated else rows
+    if w2.shape != (num_experts, hidden, n):
+        raise ValueError(f"w2 must have shape [E={num_experts}, K={hidden}, N={n}], got {tuple(w2.shape)}")
     if len(ids_shape) != 2 or ids_shape[0] != x_shape[0]:
         raise ValueError(f"topk_ids must have shape [M={x_shape[0]}, k], got {tuple(ids_shape)}")
     if topk_ids.dtype not in _ID_DTYPES:
@@ -160,7 +181,11 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None) -> N
     if topk_weights.shape != ids_shape:
         raise ValueError(f"topk_weights must have the shape of topk_ids {tuple(ids_shape)}, got {tuple(topk_weights.shape)}")
     dtype, device = x.dtype, x.device
-    if w13.dtype != dtype or w2.dtype != dtype:
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):  # moekit.quant weights, any x dtype
+        from moekit.quant import check_quantized_pair  # imported on this path only (keeps the top import-free)
+
+        check_quantized_pair(w13, w2)  # both QuantizedWeights of one scheme, or a TypeError naming the other
+    elif w13.dtype != dtype or w2.dtype != dtype:
         raise TypeError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if w13.device != device or w2.device != device or topk_ids.device != device or topk_weights.device != device:
         for name, t in (("w13", w13), ("w2", w2), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -168,3 +193,19 @@ def check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map=None) -> N
                 raise ValueError(f"{name} must be on {device} like x, got {t.device}")
     if expert_map is not None and (expert_map.dim() != 1 or expert_map.device != device):
         raise ValueError(f"expert_map must be 1-D on {device}, got {tuple(expert_map.shape)} on {expert_map.device}")
+    if b13 is not None:
+        _check_bias("b13", b13, (num_experts, rows), f"{'2N' if gated else 'N'}={rows}", x)
+    if b2 is not None:
+        _check_bias("b2", b2, (num_experts, hidden), f"K={hidden}", x)
+
+
+def _check_bias(name: str, bias, shape: tuple[int, int], rows: str, x: torch.Tensor) -> None:
+    """A bias must be a tensor of ``shape`` ([E, ``rows`` of its weight]) in x's dtype, on x's device."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(bias).__name__}")
+    if bias.shape != shape:
+        raise ValueError(f"{name} must have shape [E={shape[0]}, {rows}], got {tuple(bias.shape)}")
+    if bias.dtype != x.dtype:
+        raise TypeError(f"{name} must have x's dtype {x.dtype}, got {bias.dtype}")
+    if bias.device != x.device:
+        raise ValueError(f"{name} must be on {x.device} like x, got {bias.device}")

@@ -1,12 +1,15 @@
 """Fused Triton experts: the default backend on CUDA.
 
-    [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + act-and-mul] -> [down GEMM x routed weight] -> [sum over k]
+    [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight] -> [sum over k]
 
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
 gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
 activation is fused into that GEMM's epilogue); the routed weight is applied in the down GEMM's
 epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no expert map (vLLM's
-tiny-batch shortcut) no alignment runs: block a is assignment a.
+tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts variant runs fused: the
+``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs of the
+gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are
+read through their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
 
 No host synchronisation anywhere: every size is derived from shapes, so the path is CUDA-graph
 capturable and replays correctly with new routing. How it launches is chosen by a ``LaunchOptions``
@@ -22,7 +25,7 @@ in ``LaunchOptions`` for an A/B):
 
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
-      -> plan_for(key) [triton_plan: config, shortcut or alignment, workspace regions, bound launches]
+      -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
       -> align launches, gate-up, down, k-sum: each a BoundLaunch (the compiled kernel's own launcher)
 
@@ -43,17 +46,19 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from moekit.experts import check_experts_args
-from moekit.activations import ACTIVATIONS
+from moekit.activations import ACTIVATIONS, ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
-from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, weight_descriptor
+from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for
+from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
@@ -85,9 +90,12 @@ def fused_experts(
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     expert_map: torch.Tensor | None = None,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(),
+    *,
+    b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
+    b2: torch.Tensor | None = None,  # [E, K]
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup;
     ``options`` are resolved for x's device in the plan. Not a custom op: for tools that pick configs
@@ -97,11 +105,11 @@ def fused_experts(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options)
-    return _run(plan, x, w13, w2, ids, weights, expert_map)
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
+    return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2)
 
 
-def _run(plan: Plan, x, w13, w2, ids, weights, expert_map) -> torch.Tensor:
+def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor:
     """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
     options = plan.options
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]; never a workspace
@@ -113,25 +121,23 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map) -> torch.Tensor:
         b["h"].fill_(float("nan"))
         b["y"].fill_(float("nan"))
     if plan.descriptor_key is None:
-        w13_arg, w2_arg = w13, w2
-    elif options.cache_plans:
-        pair = _DESCRIPTORS.get(w13, w2, plan.descriptor_key)
-        w13_arg, w2_arg = pair.w13, pair.w2
+        w13_arg, w13_up_arg, w2_arg = w13, None, w2
     else:
-        key = plan.descriptor_key
-        w13_arg, w2_arg = weight_descriptor(w13, key[3], key[4]), weight_descriptor(w2, key[5], key[6])
+        pair = (_DESCRIPTORS.get(w13, w2, plan.descriptor_key) if options.cache_plans
+                else descriptor_pair(w13, w2, plan.descriptor_key))
+        w13_arg, w13_up_arg, w2_arg = pair.w13, pair.w13_up, pair.w2
     if plan.align is None:
         rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
     else:
         run_align(plan.align, ids, expert_map, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
-    plan.gate_up(x, w13_arg, h, ids, *rows)  # h = act(x w_gate^T) * (x w_up^T), in assignment order
+    plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows)  # h = glu(x w13^T + b13), in assignment order
     # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
     # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
     # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
     # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
-    plan.down(h, w2_arg, y, weights, ids, *rows)  # y = routed weight * (h w2^T) per assignment
+    plan.down(h, w2_arg, b2, y, weights, ids, *rows)  # y = routed weight * (h w2^T + b2) per assignment
     plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
     return out
 
@@ -140,12 +146,15 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map) -> torch.Tensor:
 # has no dataclasses, and plain bools and ints are constants to torch.compile (baked into the graph,
 # no guard on any global) and to a CUDA graph (fixed at capture). They are resolved for the device
 # inside the op, where tracing never looks (resolving asks the CUDA driver for the device's capability).
+# The activation crosses the same way: its spec's fields (``_variant_args``), the biases as optional
+# tensors.
 @torch.library.custom_op("moekit::triton_experts", mutates_args=())
 def _experts_op(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    expert_map: Optional[torch.Tensor], activation: str, weight_descriptors: bool, dependent_launch: bool,
-    poison_workspace: bool, align_small_max: int, align_small_max_bins: int, direct_eager: bool,
-    cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
+    expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+    activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
+    weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
+    align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -153,58 +162,99 @@ def _experts_op(
     # "reduce-overhead" failed, "tensor(s) in the cudagraph pool not tracked as outputs").
     options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
                             align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False)
-    return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options)
+    spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
+    return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 
 
 @_experts_op.register_fake
-def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, weight_descriptors, dependent_launch,
-                  poison_workspace, align_small_max, align_small_max_bins, direct_eager, cache_plans,
-                  cached_launcher, reuse_workspace):
+def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha,
+                  limit, up_shift, *options):
     return x.new_empty(x.shape)
 
 
-def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+# The op's gradients (x, w13, w2, topk_weights) come from triton_backward, which imports this module
+# lazily: imported here, at the end of the op's definition, there is no cycle.
+from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
+
+torch.library.register_autograd("moekit::triton_experts", backward_experts_op, setup_context=setup_experts_op)
+
+
+def _variant_args(activation: str | ActivationSpec) -> tuple:
+    """The op's activation arguments: (name, gated, interleaved, alpha, limit, up_shift)."""
+    if activation.__class__ is str:
+        return activation, True, False, 1.0, None, 0.0
+    spec = as_spec(activation)  # a clear error for a wrong type
+    return spec.name, spec.gated, spec.interleaved, float(spec.alpha), spec.limit, float(spec.up_shift)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(name: str, gated: bool, interleaved: bool, alpha: float, limit: float | None,
+             up_shift: float) -> str | ActivationSpec:
+    """The op's activation arguments as what the plans are keyed by: the name for a plain spec (so
+    the op and the direct eager path of a "silu" call share one plan), else the spec. Built once."""
+    spec = ActivationSpec(name, gated, interleaved, alpha, limit, up_shift)
+    return name if spec.plain else spec
+
+
+def _runs_directly(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   b13, b2) -> bool:
     """Whether an eager call may skip the custom op. The op matters to torch.compile's and torch.jit's
     tracing, to dispatch modes (FakeTensor, make_fx), tensor subclasses and functorch transforms, and to
-    autograd (through the op, a weight that needs a gradient gets a clear error at backward); else it
-    is only the dispatcher's cost (on the CPU here, stubbed launches: ~100 µs of a ~250 µs call)."""
+    autograd (the op's backward is ``triton_backward``'s; the routed weights count too, and a bias that
+    needs a gradient gets a clear error there); else it is only the dispatcher's cost (on the CPU here,
+    stubbed launches: ~100 µs of a ~250 µs call)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._is_tracing():
         return False
     if type(x) not in _PLAIN or type(w13) not in _PLAIN or type(w2) not in _PLAIN:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad))
+    grad = torch.is_grad_enabled()
+    if b13 is not None or b2 is not None:
+        for bias in (b13, b2):
+            if bias is not None and (type(bias) not in _PLAIN or (grad and bias.requires_grad)):
+                return False
+    return not (grad and (x.requires_grad or w13.requires_grad or w2.requires_grad
+                          or topk_weights.requires_grad))
 
 
 def experts_triton(
     x: torch.Tensor,  # [M, K]
-    w13: torch.Tensor,  # [E, 2N, K]
+    w13: torch.Tensor,  # [E, 2N, K] gated, [E, N, K] ungated; any strides (transposed storage is a view)
     w2: torch.Tensor,  # [E, K, N]
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
+    b2: torch.Tensor | None = None,  # [E, K]
     options: LaunchOptions = LaunchOptions(),
 ) -> torch.Tensor:
     """The experts contract (see ``moekit.experts``) on fused Triton kernels; returns [M, K] in x.dtype.
+    Every ``ActivationSpec`` runs fused (biases, interleaved gate/up, ungated, clamped SwiGLU).
     ``options``: how to launch (``LaunchOptions``; the defaults are what the H200 measurements picked)."""
-    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
-                                    expert_map=expert_map, options=options)
+                                    expert_map=expert_map, b13=b13, b2=b2, options=options)
 
 
 def experts_triton_unchecked(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-    *, activation: str = "silu", expert_map: torch.Tensor | None = None, options: LaunchOptions = LaunchOptions(),
+    *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, options: LaunchOptions = LaunchOptions(),
 ) -> torch.Tensor:
     """``experts_triton`` for a caller that has run ``check_experts_args`` (``moekit.experts.call_backend``,
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
-    directly in eager mode, else through the custom op."""
-    if activation not in ACTIVATIONS or x.dtype not in DTYPES:
-        check_triton_args(x, activation)  # raises, naming the argument
-    if options.direct_eager and _runs_directly(x, w13, w2):
-        return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options)
-    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation,
-                                           *options.as_op_args())
+    directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
+    kernel constexprs are resolved once per plan, so a variant adds no per-call work here."""
+    if (w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN) and is_quantized(w13, w2):  # fp8, weight-only
+        return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                    b13=b13, b2=b2, options=options)
+    if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
+        check_triton_args(x, activation, b13, b2)  # raises, naming the argument
+    if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
+        return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options,
+                             b13=b13, b2=b2)
+    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
+                                           *_variant_args(activation), *options.as_op_args())

@@ -1,7 +1,7 @@
 """What the Triton experts path keeps between calls besides its plans: the weights' TMA descriptors and
 the reused workspaces. Neither ever holds a tensor a caller sees.
 
-    WeightDescriptors: id(w13) -> fingerprint, {plan's descriptor key: (w13 descriptor, w2 descriptor)}
+    WeightDescriptors: id(w13) -> fingerprint, {plan's descriptor key: DescriptorPair (w13's, w2's)}
     WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions
 
 Shapes: E local experts, K hidden, N intermediate; a region's shape is the plan's (h [A, N], y [A, K], ...).
@@ -121,12 +121,18 @@ class WorkspacePool:
         return len(self._workspaces)
 
 
-def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """A TMA tensor descriptor over w [E, rows, cols] as [E*rows, cols], blocks of [block_n, block_k].
-    It holds ``w.detach()``, an alias of the storage, never ``w`` itself (see ``WeightDescriptors``)."""
+def weight_descriptor(w: torch.Tensor, block_n: int, block_k: int, pair_row: int | None = None):
+    """A TMA tensor descriptor over w [E, rows, cols] as [E*rows, cols], blocks of [block_n, block_k];
+    with ``pair_row`` (0 or 1), over row ``2i + pair_row`` of each pair only, as [E*rows/2, cols] with a
+    row stride of 2*cols (the gate or the up rows of an interleaved w13). It holds ``w.detach()``'s
+    view, an alias of the storage, never ``w`` itself (see ``WeightDescriptors``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]), [block_n, block_k])
+    cols = w.shape[2]
+    rows = w.detach().view(-1, cols)  # [E*rows, cols]
+    if pair_row is not None:
+        rows = rows.view(-1, 2 * cols)[:, pair_row * cols:(pair_row + 1) * cols]  # [E*rows/2, cols], stride 2*cols
+    return TensorDescriptor.from_tensor(rows, [block_n, block_k])
 
 
 class _WeightEntry:
@@ -134,15 +140,27 @@ class _WeightEntry:
 
     def __init__(self, ref: weakref.ref, fingerprint: tuple):
         self.ref, self.fingerprint = ref, fingerprint
-        self.descriptors: dict[tuple, tuple] = {}  # plan's descriptor key -> (w13 descriptor, w2 descriptor)
+        self.descriptors: dict[tuple, DescriptorPair] = {}  # plan's descriptor key -> its descriptors
 
 
 @dataclass(frozen=True)
 class DescriptorPair:
     """The TMA descriptors of one plan's weight tiles."""
 
-    w13: object  # over w13 [E, 2N, K] as [E*2N, K], blocks of the gate-up tile [BLOCK_N, BLOCK_K]
+    w13: object  # over w13 [E, 2N or N, K] as [E*2N or E*N, K] (interleaved: its gate rows [E*N, K]), [BLOCK_N, BLOCK_K] blocks
+    w13_up: object | None  # interleaved only: over w13's up rows as [E*N, K]; else None
     w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]
+
+
+def descriptor_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
+    """The descriptors of a plan's ``descriptor_key`` (interleaved, E, rows, K, up BLOCK_N, BLOCK_K,
+    down BLOCK_N, BLOCK_K), built now."""
+    interleaved, up_n, up_k = key[0], key[-4], key[-3]
+    if interleaved:
+        gate, up = weight_descriptor(w13, up_n, up_k, 0), weight_descriptor(w13, up_n, up_k, 1)
+    else:
+        gate, up = weight_descriptor(w13, up_n, up_k), None
+    return DescriptorPair(gate, up, weight_descriptor(w2, key[-2], key[-1]))
 
 
 class WeightDescriptors:
@@ -159,15 +177,14 @@ class WeightDescriptors:
         self._entries: dict[int, _WeightEntry] = {}
 
     def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
-        """The descriptors for the plan's ``key``: (..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
+        """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
         fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)
         descriptors = entry.descriptors.get(key)
         if descriptors is None:
-            descriptors = entry.descriptors[key] = DescriptorPair(weight_descriptor(w13, key[-4], key[-3]),
-                                                                  weight_descriptor(w2, key[-2], key[-1]))
+            descriptors = entry.descriptors[key] = descriptor_pair(w13, w2, key)
         return descriptors
 
     def _new_entry(self, w13: torch.Tensor, fingerprint: tuple) -> _WeightEntry:

@@ -7,7 +7,10 @@ call's data, decided on the first call of its kind and cached.
 
 A call's kind is what the launches depend on apart from the tensors' contents and addresses: M, the
 shapes, strides and dtypes, each pointer's 16-byte alignment (Triton specialises on it), the expert
-map's length, the activation, an explicit config and the options. The config lookup reads files and
+map's length, whether each bias is there (its dtype, strides, alignment), the activation (a name, or an
+``ActivationSpec`` whose fields become the gate-up kernel's constexprs: a silu plan is never reused for
+a clamped SwiGLU), an explicit config and the options. A plain ``"silu"`` call's key is what it was
+with two more Nones: the variant costs it nothing per call. The config lookup reads files and
 environment variables once per kind: ``configs.clear_config_cache()`` (which ``moekit tune`` calls on
 saving) clears the plans too.
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import ACTIVATIONS, get_activation
+from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
@@ -43,9 +46,12 @@ class Plan:
     config: KernelConfig  # the GEMM tiles; on the GPU shrunk to its shared memory
     align: AlignPlan | None  # the alignment's launches; None in the naive shortcut (block a = assignment a)
     workspace: WorkspaceSpec  # h [A, N], y [A, K] (work dtype), and the alignment's buffers
-    descriptor_key: tuple | None  # (E, 2N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights; else None
-    gate_up: BoundLaunch  # pointers: x, w13 (or its descriptor), h, ids, sorted_ids, expert_ids, num_padded
-    down: BoundLaunch  # pointers: h, w2 (or its descriptor), y, weights, ids, sorted_ids, expert_ids, num_padded
+    # (interleaved, E, 2N or N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights; else None
+    descriptor_key: tuple | None
+    # pointers: x, w13 (or its gate descriptor), the up rows' descriptor (interleaved TMA only, else None),
+    # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded
+    gate_up: BoundLaunch
+    down: BoundLaunch  # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
 
 
@@ -57,7 +63,8 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def plan_key(x, w13, w2, ids, weights, expert_map, activation: str, config, options: LaunchOptions) -> tuple:
+def plan_key(x, w13, w2, ids, weights, expert_map, activation, config, options: LaunchOptions,
+             b13=None, b2=None) -> tuple:
     """The kind of a call (see the module docstring). ``ids``, ``weights``, ``expert_map``: contiguous."""
     return (
         x.shape[0], x.dtype, x.device, x.stride(), w13.shape, w13.stride(), w2.stride(), ids.shape[1], ids.dtype,
@@ -65,39 +72,55 @@ def plan_key(x, w13, w2, ids, weights, expert_map, activation: str, config, opti
         weights.data_ptr() & 15,
         None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
         activation, config, options,
+        None if b13 is None else (b13.dtype, b13.stride(), b13.data_ptr() & 15),
+        None if b2 is None else (b2.dtype, b2.stride(), b2.data_ptr() & 15),
     )
 
 
-def plan_for(x, w13, w2, ids, weights, expert_map, activation: str, config, options: LaunchOptions) -> Plan:
+def plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options: LaunchOptions,
+             b13=None, b2=None) -> Plan:
     """The cached plan of this call's kind (``options.cache_plans``), else a new one."""
     if not options.cache_plans:
-        return build_plan(x, w13, w2, ids, expert_map, activation, config, options)
-    key = plan_key(x, w13, w2, ids, weights, expert_map, activation, config, options)
+        return build_plan(x, w13, w2, ids, expert_map, activation, config, options, b13, b2)
+    key = plan_key(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build_plan(x, w13, w2, ids, expert_map, activation, config, options)
+        plan = build_plan(x, w13, w2, ids, expert_map, activation, config, options, b13, b2)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     return plan
 
 
-def check_triton_args(x: torch.Tensor, activation: str) -> None:
+def check_triton_args(x: torch.Tensor, activation: str | ActivationSpec, b13=None, b2=None) -> None:
     """What only this backend asks of a call (``check_experts_args`` has run): a clear error for each."""
-    if activation not in ACTIVATIONS:
-        get_activation(activation)  # raises, naming the argument
+    as_spec(activation)  # raises for an unknown name or a wrong type, naming the argument
     if x.dtype not in DTYPES:
         raise TypeError(f"x must be one of {DTYPES} for the triton backend, got {x.dtype}")
+    for arg, bias in (("b13", b13), ("b2", b2)):
+        if bias is not None and bias.dtype not in DTYPES:
+            raise TypeError(f"{arg} must be one of {DTYPES} for the triton backend, got {bias.dtype}")
 
 
-def build_plan(x, w13, w2, ids, expert_map, activation: str, config, options: LaunchOptions) -> Plan:
+def variant_constexprs(activation: str | ActivationSpec) -> dict:
+    """The gate-up kernel's variant constexprs (``_kernels/gemm.py``) of ``activation``, a name (a plain
+    gated activation) or an ``ActivationSpec`` (which has checked its fields: an ungated one has no
+    interleaving, limit or up_shift)."""
+    spec = as_spec(activation)
+    return dict(ACT=spec.kernel_id, GATED=spec.gated, INTERLEAVED=spec.interleaved, ALPHA=float(spec.alpha),
+                LIMIT=None if spec.limit is None else float(spec.limit), UP_SHIFT=float(spec.up_shift))
+
+
+def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, config, options: LaunchOptions,
+               b13=None, b2=None) -> Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
-    check_triton_args(x, activation)
+    check_triton_args(x, activation, b13, b2)
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     options = resolve_launch_options(options, x.device)
-    (num_experts, two_n, hidden), (num_tokens, top_k) = w13.shape, ids.shape
-    n, num_assignments = two_n // 2, num_tokens * top_k
+    variant = variant_constexprs(activation)
+    (num_experts, w13_rows, hidden), (num_tokens, top_k) = w13.shape, ids.shape
+    n, num_assignments = w2.shape[2], num_tokens * top_k  # w13_rows: 2N gated, N ungated
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
@@ -111,36 +134,39 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str, config, options: La
                            num_pid_m * block_m, options)
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
-    gate_up, down_launch = _gemm_launches(x, w13, w2, top_k, config, block_m, num_pid_m, align is None, descriptors,
-                                          get_activation(activation).kernel_id, options)
+    gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, block_m, num_pid_m, align is None,
+                                          descriptors, variant, options)
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
-        descriptor_key=(num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
-        if descriptors else None,
+        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
+                        down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
     )
 
 
-def _gemm_launches(x, w13, w2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
-                   descriptors: bool, act: int, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
-    """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions."""
-    (num_experts, _, hidden), n = w13.shape, w13.shape[1] // 2
+def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
+                   descriptors: bool, variant: dict, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
+    """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions; the
+    weights and biases are read through their own strides (a bias that is None gets strides 0)."""
+    num_experts, hidden, n = w2.shape
     num_assignments = x.shape[0] * top_k
     up, down, gemm = config.up, config.down, kernels("gemm")
     shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
                   cached=options.cached_launcher, **options.pdl_kwargs())
     gate_up = BoundLaunch(
-        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 7,
-        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.stride(), n),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, ACT=act,
+        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.stride(),
+         *(b13.stride() if b13 is not None else (0, 0)), n),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch = BoundLaunch(
-        gemm.down_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 8,
-        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(), hidden),
+        gemm.down_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 9,
+        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
+         *(b2.stride() if b2 is not None else (0, 0)), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
         num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
@@ -161,9 +187,11 @@ def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expe
 
 
 def descriptors_allowed(w13: torch.Tensor, w2: torch.Tensor, options: LaunchOptions) -> bool:
-    """Asked for, and 16-bit weights, both contiguous with 16-byte aligned rows (what a TMA copy needs).
-    float32 keeps the pointer loads: it is the precise path, not the fast one, and only those were run
-    on the H200."""
+    """Asked for, and 16-bit weights, both contiguous with 16-byte aligned rows (what a TMA copy needs;
+    the interleaved up rows' descriptor starts one row in, so it is aligned too). Anything else keeps
+    the pointer loads with the weights' real strides, no copy: transposed storage (a view whose last dim
+    is not K), a sliced or misaligned weight. float32 keeps the pointer loads: it is the precise path,
+    not the fast one, and only those were run on the H200."""
     return options.weight_descriptors and all(
         w.element_size() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * 2 % 16 == 0
         for w in (w13, w2)

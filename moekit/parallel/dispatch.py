@@ -8,8 +8,7 @@ rank), U = rows it receives, K hidden, B = bytes of one payload row.
 
 A payload row is one token's hidden vector followed by its k local expert ids (int32, -1 where the
 slot is served elsewhere) and k weights (float32, float64 for float64 routing; 0 there), packed as bytes so that one collective
-carries all three (``moekit.parallel.rows``, whose backward carries the gradients of x and the weights
-back the same way: an all-to-all's transpose is the all-to-all with the splits swapped). The receiving rank runs its local experts over the U rows; the combine sends the
+carries all three. The receiving rank runs its local experts over the U rows; the combine sends the
 U weighted partial sums back and the source rank adds them into its tokens.
 
 Two dispatches:
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 from moekit.layouts.grouping import rank_within_groups
 from moekit.parallel.placement import Placement
-from moekit.parallel.rows import exchange_rows
+from moekit.parallel.rows import attach_gradients
 
 
 @dataclass
@@ -45,6 +44,7 @@ class ReplicaTables:
     local_of: torch.Tensor  # [E, Rmax] int64; e's local index on rank_of[e, i]
     num_local_routed: int  # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
     num_shared_slots: int  # S: fused shared slots, run on the token's own rank
+    replicated: bool = True  # some expert has more than one replica (host flag: without, no replica choice runs)
 
     @classmethod
     def build(cls, placement: Placement, rank: int, num_shared_slots: int, device, width: int | None = None) -> "ReplicaTables":
@@ -63,6 +63,7 @@ class ReplicaTables:
             local_of=as_tensor(local_of),
             num_local_routed=placement.num_local_experts(rank),
             num_shared_slots=num_shared_slots,
+            replicated=any(len(r) > 1 for r in replicas),
         )
 
 
@@ -86,11 +87,13 @@ def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) ->
     ids = topk_ids.reshape(-1).long()  # [M*k]
     routed = (ids >= 0) & (ids < num_experts)
     shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
-    key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
-    position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
-
     safe = torch.where(routed, ids, 0)
-    replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
+    if tables.replicated:
+        key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
+        position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
+        replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
+    else:  # one replica each: no sort, no counting
+        replica = torch.zeros_like(safe)
     dest = torch.where(routed, tables.rank_of[safe, replica], -1)
     local = torch.where(routed, tables.local_of[safe, replica], -1)
     dest = torch.where(shared, rank, dest)  # fused shared slots run where the token lives
@@ -119,10 +122,14 @@ def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_s
     needs.scatter_(1, torch.where(dest >= 0, dest, world_size), True)
     needs = needs[:, :world_size]  # [M, W]
     send_counts = needs.sum(0)  # [W]
-    # Sorting "not needed" flags (stable) lists the needed (rank, token) keys first in rank-major order;
-    # the host learns how many there are only after the counts exchange, so no nonzero() sync here.
-    row_order = torch.sort((~needs.t()).reshape(-1).to(torch.uint8), stable=True).indices  # [W*M]
-    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order)
+    # The needed (rank, token) keys first, in rank-major order: each needed key goes to its position
+    # among the needed ones (a prefix sum), the others to a discarded last entry. The host learns how
+    # many there are only after the counts exchange, so no nonzero() sync here, and no sort.
+    flat = needs.t().reshape(-1)  # [W*M]
+    position = torch.where(flat, torch.cumsum(flat, 0) - 1, flat.numel())  # [W*M]
+    row_order = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=device)
+    row_order.scatter_(0, position, torch.arange(flat.numel(), device=device))
+    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order[:-1])
 
 
 @dataclass
@@ -149,14 +156,50 @@ class SplitSizes:
 
 def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> SplitSizes:
     """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
-    recv_counts = torch.empty_like(send_counts)
-    work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
+    return exchange_chunks(send_counts[None], group, timeout)[0]
+
+
+def exchange_chunks(send_counts: torch.Tensor, group, timeout: timedelta | None) -> list[SplitSizes]:
+    """``send_counts`` [C, W] (rows this rank sends to each rank, per chunk of its tokens) -> the split
+    sizes of every chunk, in one counts all-to-all and one host sync for all C chunks."""
+    chunks, world_size = send_counts.shape
+    send = send_counts.t().contiguous()  # [W, C]: block w goes to rank w
+    recv = torch.empty_like(send)  # [W, C]: recv[w, c] rows rank w sends here in chunk c
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     # A peer that never arrives raises here after the timeout (gloo: the process group's timeout;
     # NCCL: ``timeout`` if given, else the watchdog aborts after the process group's timeout).
     work.wait() if timeout is None else work.wait(timeout)
-    both = torch.cat([send_counts, recv_counts]).tolist()  # host sync
-    world_size = send_counts.numel()
-    return SplitSizes(send=both[:world_size], recv=both[world_size:])
+    both = torch.stack([send, recv]).tolist()  # [2, W, C]; host sync
+    return [SplitSizes(send=[row[c] for row in both[0]], recv=[row[c] for row in both[1]]) for c in range(chunks)]
+
+
+@dataclass
+class PendingDispatch:
+    """A payload all-to-all in flight; ``wait`` makes the current stream wait for it and unpacks."""
+
+    work: object  # the collective's handle (``dist.Work``)
+    group: object  # the process group (the backward's all-to-all runs on it)
+    received: torch.Tensor  # [U, B] uint8, filled by the collective
+    payload: torch.Tensor  # [T, B] uint8; kept alive until the collective has read it
+    hidden: int
+    top_k: int
+    dtype: torch.dtype
+    send_token: torch.Tensor | None
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+    capacity: int | None
+    sent_x: torch.Tensor  # [T, K]; the rows sent, in the autograd graph (their gradients come back in backward)
+    sent_weights: torch.Tensor  # [T, k]; the weights sent, likewise
+
+    def wait(self) -> Dispatched:
+        self.work.wait()
+        x_recv, ids_recv, weights_recv = _unpack(self.received, self.hidden, self.top_k, self.dtype,
+                                                 self.sent_weights.dtype)
+        x_recv, weights_recv = attach_gradients((self.sent_x, self.sent_weights), (x_recv, weights_recv),
+                                                self.send_splits, self.recv_splits, self.group)
+        return Dispatched(x_recv, ids_recv, weights_recv, self.send_token, self.send_splits, self.recv_splits,
+                          self.num_tokens, self.capacity)
 
 
 def dispatch(
@@ -164,18 +207,28 @@ def dispatch(
 ) -> Dispatched:
     """Send each token once to every rank that serves one of its slots, with that rank's local ids
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
+    splits = exchange(plan.send_counts, group, timeout)
+    return start_dispatch(x2d, topk_weights, plan, splits, group).wait()
+
+
+def start_dispatch(x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan, splits: SplitSizes,
+                   group) -> PendingDispatch:
+    """``dispatch``'s payload all-to-all with the split sizes already exchanged, issued asynchronously
+    (no host sync): the collective runs while the caller queues other work."""
     num_tokens, hidden = x2d.shape
     top_k = plan.chosen.dest.shape[1]
-    splits = exchange(plan.send_counts, group, timeout)
     keys = plan.row_order[: sum(splits.send)]  # [T]
     send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
 
     here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
     ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
     weights = torch.where(here, topk_weights[send_token].to(weights_dtype(topk_weights)), 0.0)  # [T, k]
-    # [U, K], [U, k], [U, k]: one all-to-all of packed rows; the backward sends the gradients back
-    x_recv, ids_recv, weights_recv = exchange_rows((x2d[send_token], ids, weights), splits.recv, splits.send, group)
-    return Dispatched(x_recv, ids_recv, weights_recv, send_token, splits.send, splits.recv, num_tokens)
+    x_sent = x2d[send_token]  # [T, K]
+    payload = _pack(x_sent, ids, weights)  # [T, B] uint8
+    received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
+    work = dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group, async_op=True)
+    return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, send_token, splits.send,
+                           splits.recv, num_tokens, None, x_sent, weights)
 
 
 def dispatch_padded(
@@ -186,6 +239,13 @@ def dispatch_padded(
     are zero padding), so the split sizes are known without exchanging counts. Costs W*C rows on the
     wire whatever the routing; in exchange the forward never waits for the host and can be captured
     in a CUDA graph (DeepEP's low-latency mode makes the same trade). Collective, also with M = 0."""
+    return start_dispatch_padded(x2d, topk_weights, chosen, capacity, group).wait()
+
+
+def start_dispatch_padded(
+    x2d: torch.Tensor, topk_weights: torch.Tensor, chosen: Destinations, capacity: int, group
+) -> PendingDispatch:
+    """``dispatch_padded``'s all-to-all issued asynchronously."""
     num_tokens, hidden = x2d.shape
     if num_tokens > capacity:
         raise ValueError(f"x must have at most max_tokens_per_rank={capacity} tokens on each rank, got {num_tokens}")
@@ -200,23 +260,79 @@ def dispatch_padded(
     weights[:, :num_tokens] = torch.where(here, topk_weights[None].to(wdtype), 0.0)
     rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
     rows[:, :num_tokens] = x2d
-    splits = [capacity] * world_size  # equal splits: C rows per rank pair
-    x_recv, ids_recv, weights_recv = exchange_rows(
-        (rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k)), splits, splits, group)  # [W*C, *]
-    return Dispatched(x_recv, ids_recv, weights_recv, None, splits, splits, num_tokens, capacity)
+    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    received = torch.empty_like(payload)  # [W*C, B]
+    work = dist.all_to_all_single(received, payload, group=group, async_op=True)  # equal splits: C rows per rank pair
+    splits = [capacity] * world_size
+    return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, None, splits, splits, num_tokens,
+                           capacity, rows.view(-1, hidden), weights.view(-1, top_k))
 
 
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
     """y [U, K] (each row the weighted sum of this rank's slots for that token) -> out [M, K]:
     send the rows back to their source ranks and sum each token's partials in float32."""
-    (back,) = exchange_rows((y,), sent.send_splits, sent.recv_splits, group)  # [T, K] (T = W*C when padded)
-    acc = torch.promote_types(y.dtype, torch.float32)
-    if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
-        partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
-        return partials.sum(0, dtype=acc).to(y.dtype)
-    out = torch.zeros(sent.num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
-    out.index_add_(0, sent.send_token, back.to(acc))
-    return out.to(y.dtype)
+    return start_combine(y, sent, group).wait()
+
+
+@dataclass
+class PendingCombine:
+    """A combine all-to-all in flight; ``wait`` sums each token's partials into out [M, K]."""
+
+    work: object  # the collective's handle (``dist.Work``)
+    back: torch.Tensor  # [T, K]; filled by the collective (T = W*C when padded)
+    y: torch.Tensor  # [U, K]; kept alive until the collective has read it (and its gradient's way back)
+    sent: Dispatched
+    group: object  # the process group (the backward's all-to-all runs on it)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        sent, y = self.sent, self.y
+        (back,) = attach_gradients((y,), (self.back,), sent.recv_splits, sent.send_splits, self.group)  # [T, K]
+        acc = torch.promote_types(y.dtype, torch.float32)
+        if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
+            partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
+            return partials.sum(0, dtype=acc).to(y.dtype)
+        num_tokens, world_size = sent.num_tokens, len(sent.send_splits)
+        if 2 * back.shape[0] >= world_size * num_tokens:  # most (rank, token) pairs sent: a dense [W, M, K] sum
+            # Each token comes back at most once per rank: copy every row to its (rank, token) place and sum
+            # over ranks in float32, one pass over bf16 rows (index_add_ would need a float32 copy of them).
+            rank = torch.repeat_interleave(torch.arange(world_size, device=y.device),
+                                           torch.tensor(sent.send_splits, device=y.device), output_size=back.shape[0])
+            dense = back.new_zeros((world_size * num_tokens, y.shape[1]))  # [W*M, K]
+            dense.index_copy_(0, rank * num_tokens + sent.send_token, back)
+            return dense.view(world_size, num_tokens, y.shape[1]).sum(0, dtype=acc).to(y.dtype)
+        out = torch.zeros(num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
+        out.index_add_(0, sent.send_token, back.to(acc))
+        return out.to(y.dtype)
+
+
+def start_combine(y: torch.Tensor, sent: Dispatched, group) -> PendingCombine:
+    """``combine``'s all-to-all issued asynchronously; the sum happens in ``wait``."""
+    y = y.contiguous()
+    back = y.new_empty((sum(sent.send_splits), y.shape[1]))  # [T, K] (T = W*C when padded)
+    work = dist.all_to_all_single(back, y.detach(), sent.send_splits, sent.recv_splits, group=group, async_op=True)
+    return PendingCombine(work, back, y, sent, group)
+
+
+def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, K] x, [T, k] int32 ids, [T, k] float32 weights -> [T, B] uint8 rows, B = K*x.itemsize + 8k."""
+    parts = [t.detach().contiguous().view(torch.uint8) for t in (x, ids, weights)]  # bytes: no graph (rows.py)  # [T, bytes of one row each]
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(rows: torch.Tensor, hidden: int, top_k: int, dtype: torch.dtype, wdtype: torch.dtype):
+    x_bytes = hidden * dtype.itemsize
+    x = _view_as(rows[:, :x_bytes], dtype)  # [U, K], a strided view when the row size allows (no copy)
+    ids = _view_as(rows[:, x_bytes : x_bytes + 4 * top_k], torch.int32)  # [U, k]
+    weights = _view_as(rows[:, x_bytes + 4 * top_k :], wdtype)  # [U, k]
+    return x, ids, weights
+
+
+def _view_as(byte_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        return byte_cols.view(dtype)
+    except RuntimeError:  # misaligned offset or row stride (e.g. an odd K in bf16): copy first
+        return byte_cols.contiguous().view(dtype)
 
 
 def weights_dtype(topk_weights: torch.Tensor) -> torch.dtype:

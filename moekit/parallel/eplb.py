@@ -100,6 +100,20 @@ def load_lower_bound(loads, world_size: int, num_redundant: int = 0) -> float:
 
 
 @dataclass
+class RebalanceReport:
+    """What one EPLB rebalance of an ``EPMoE`` saw and did (identical on every rank)."""
+
+    loads: list[float]  # [E] routed assignments per logical expert, summed over ranks since the last rebalance
+    balancedness_before: float  # mean / max rank load under the old placement
+    balancedness_after: float  # the same under the placement now in use
+    max_load_before: float
+    max_load_after: float  # <= max_load_before: the old placement is kept unless the new one is better
+    lower_bound: float  # no placement with this many redundant slots can have a lower max rank load
+    slots_received: int  # expert slots whose weights this rank received over the network
+    placement: Placement  # the placement now in use
+
+
+@dataclass
 class _Packing:
     """A placement under construction: the expert in every slot and what each rank carries."""
 

@@ -36,8 +36,9 @@ from moekit.parallel.dispatch import (
     plan_sends,
     weights_dtype,
 )
-from moekit.parallel.eplb import eplb_placement, load_lower_bound
+from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
+from moekit.parallel.overlap import overlapped_experts
 from moekit.parallel.placement import (
     Placement,
     balancedness,
@@ -46,20 +47,6 @@ from moekit.parallel.placement import (
 )
 from moekit.parallel.weights import move_experts, shard_experts
 from moekit.routing import Routing
-
-
-@dataclass
-class RebalanceReport:
-    """What one EPLB rebalance saw and did (identical on every rank)."""
-
-    loads: list[float]  # [E] routed assignments per logical expert, summed over ranks since the last rebalance
-    balancedness_before: float  # mean / max rank load under the old placement
-    balancedness_after: float  # the same under the placement now in use
-    max_load_before: float
-    max_load_after: float  # <= max_load_before: the old placement is kept unless the new one is better
-    lower_bound: float  # no placement with this many redundant slots can have a lower max rank load
-    slots_received: int  # expert slots whose weights this rank received over the network
-    placement: Placement  # the placement now in use
 
 
 class EPMoE(MoE):
@@ -112,9 +99,13 @@ class EPMoE(MoE):
         timeout: timedelta | None = None,
         track_load: bool = True,
         max_tokens_per_rank: int | None = None,
+        overlap: int = 1,
         **moe_kwargs,
     ) -> None:
-        """``moe_kwargs`` are ``MoE``'s (backend, fuse_shared, capacity_factor, drop_policy, ...)."""
+        """``moe_kwargs`` are ``MoE``'s (backend, fuse_shared, capacity_factor, drop_policy, ...).
+        ``overlap``: chunks of the micro-batch overlap (``moekit.parallel.overlap``); 1 = none."""
+        if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 1:
+            raise ValueError(f"overlap must be an int >= 1 (chunks; 1 = no overlap), got {overlap!r}")
         if max_tokens_per_rank is not None and (
             not isinstance(max_tokens_per_rank, int) or isinstance(max_tokens_per_rank, bool) or max_tokens_per_rank < 1
         ):
@@ -131,7 +122,7 @@ class EPMoE(MoE):
         super().__init__(config, num_local_experts=placement.num_local_experts(rank), **moe_kwargs)
         self.group, self.rank, self.world_size = group, rank, world_size
         self.placement, self.timeout, self.track_load = placement, timeout, track_load
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank, self.overlap = max_tokens_per_rank, overlap
         # expert_load[e]: routed assignments of this rank's tokens to logical expert e since the last rebalance.
         device = self.w13.device
         self.register_buffer("expert_load", torch.zeros(config.num_experts, dtype=torch.float64, device=device), persistent=False)
@@ -152,6 +143,11 @@ class EPMoE(MoE):
     def num_local_experts(self) -> int:
         """L: physical routed experts on this rank (replicas included, fused shared slots excluded)."""
         return self.placement.num_local_experts(self.rank)
+
+    @property
+    def replica_tables(self) -> ReplicaTables:
+        """The device tables the dispatch turns logical experts into (rank, local slot) with."""
+        return self._tables
 
     @property
     def num_shared_slots(self) -> int:
@@ -220,6 +216,7 @@ class EPMoE(MoE):
             "dtype": str(self.w13.dtype),
             "world_size": self.world_size,
             "max_tokens_per_rank": self.max_tokens_per_rank,
+            "overlap": self.overlap,
         }
 
     # ----- forward --------------------------------------------------------------------------------
@@ -271,6 +268,8 @@ class EPMoE(MoE):
             row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
                    f"weights {_dtype_name(weights_dtype(topk_weights))}")
             errors.agree(row, what="the dispatch payload row")
+            if self.overlap > 1:
+                return overlapped_experts(self, x2d, topk_ids, topk_weights)
             sent = self.dispatch(x2d, topk_ids, topk_weights)
             return self.combine(self.run_local_experts(sent), sent)
 
@@ -375,6 +374,9 @@ class EPMoE(MoE):
                 self.w2.copy_(w2.weight)
             for name in ("num_replicas", "rank_of", "local_of"):
                 getattr(self._tables, name).copy_(getattr(tables, name))
+            # A graph captured before keeps the replica choice it captured (or its absence): either way
+            # every slot goes to a rank holding its expert (replica 0 always exists), only the spread differs.
+            self._tables.replicated = tables.replicated
         else:
             self.w13 = nn.Parameter(w13.weight, requires_grad=self.w13.requires_grad)
             self.w2 = nn.Parameter(w2.weight, requires_grad=self.w2.requires_grad)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-ROUTER, EVAL, AUX_TRAIN, BIAS_BATCHES, TOUCH = range(5)
+ROUTER, EVAL, AUX_TRAIN, BIAS_BATCHES, TOUCH, CACHE = range(6)
 
 
 def generator(seed: int, stream: int) -> torch.Generator:

@@ -19,6 +19,14 @@ NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignm
 expert read straight from topk_ids, so no alignment runs at all (the host passes None for
 sorted_ids, expert_ids and num_padded; the NAIVE branch never touches them).
 
+The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the gate-up kernel, so
+each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
+kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
+up row 2j + 1: gpt-oss), ALPHA (silu's sigmoid scale), LIMIT (gate <= LIMIT, |up| <= LIMIT; None: no
+clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None without one: b13 [E, 2N or
+N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
+routed weight multiplies. Weights are read through their strides (transposed storage is a view).
+
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
 
@@ -62,29 +70,80 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
 
 
 @triton.jit
-def _activation(g, ACT: tl.constexpr):
-    """ACT is ``moekit.activations.ACTIVATIONS[name].kernel_id``; the torch twin is its ``fn``."""
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b; UPCAST: the operands in float32 first (the interpreter, see above)."""
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _activation(g, ACT: tl.constexpr, ALPHA: tl.constexpr):
+    """ACT is ``moekit.activations.ACTIVATIONS[name].kernel_id``; the torch twin is its ``fn``. ALPHA
+    scales the sigmoid's argument of silu (gpt-oss: g * sigmoid(1.702 g)); other activations ignore it."""
     if ACT == 0:  # silu
-        return g * tl.sigmoid(g)
+        if ALPHA == 1.0:
+            return g * tl.sigmoid(g)
+        else:
+            return g * tl.sigmoid(ALPHA * g)
     elif ACT == 1:  # gelu (erf)
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     elif ACT == 2:  # gelu, tanh approximation; tanh(u) = 2*sigmoid(2u) - 1
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return g * tl.sigmoid(2.0 * u)
-    else:  # relu
+    elif ACT == 3:  # relu
         return tl.maximum(g, 0.0)
+    else:  # relu2: relu squared
+        r = tl.maximum(g, 0.0)
+        return r * r
+
+
+@triton.jit
+def _glu(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+    """act(gate) * (up + UP_SHIFT), gate clamped to <= LIMIT and up to [-LIMIT, LIMIT] first unless
+    LIMIT is None (gpt-oss: ALPHA 1.702, LIMIT 7, UP_SHIFT 1). Twin: ``moekit.activations``' spec."""
+    if LIMIT is not None:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    if UP_SHIFT != 0.0:
+        up = up + UP_SHIFT
+    return _activation(gate, ACT, ALPHA) * up
+
+
+@triton.jit
+def _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
+                      ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+    """[BM, BN] fp32 h tile from the accumulators: + b13 (one [BN] row per tile), then glu (gated) or
+    act (ungated: acc_up is unused)."""
+    if b13_ptr is not None:
+        b_rows = offs_n.to(tl.int64) * (2 if INTERLEAVED else 1)  # [BN] the gate (or up-only) rows
+        b_ptrs = b13_ptr + expert * stride_be + b_rows * stride_bn
+        acc_gate += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up_rows = 1 if INTERLEAVED else N  # up of column j: row 2j + 1, or row N + j
+            acc_up += tl.load(b_ptrs + up_rows * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        return _glu(acc_gate, acc_up, ACT, ALPHA, LIMIT, UP_SHIFT)
+    else:
+        return _activation(acc_gate, ACT, ALPHA)
 
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr,  # x [M, K], w13 [E, 2N, K], h [A, N] out: act(x w_gate^T) * (x w_up^T)
+    x_ptr, w13_ptr, w13_up_ptr, b13_ptr, h_ptr,  # x [M, K], w13 [E, 2N or N, K], b13 [E, 2N or N], h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_hm,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """h = glu(x w13^T + b13) per assignment (the variant constexprs: module docstring). Gate and up tiles
+    load straight from their rows (row step 2 when INTERLEAVED): no shuffle after the dot. w13_up_ptr:
+    the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -97,47 +156,52 @@ def gate_up_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
-    if W_DESC:  # w13_ptr is a tensor descriptor over w13 as [E*2N, K], block [BN, BK]
-        gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)  # up rows follow the N gate rows
+    if W_DESC:  # descriptors over [rows, K], block [BN, BK]; rows per expert: 2N, or N (ungated, interleaved)
+        gate_row = (expert * N * (1 if INTERLEAVED else (2 if GATED else 1)) + pid_n * BLOCK_N).to(tl.int32)
+        up_desc, up_row = (w13_up_ptr, gate_row) if INTERLEAVED else (w13_ptr, gate_row + N)  # gated only
     else:
-        wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_rows = offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1)  # [1, BN] gate (or up-only) rows
+        wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+        wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated only: the up rows
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: the one accumulator
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: never touched
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
-            # A last N tile reads past N into the next rows (up, or the next expert's gate): those
-            # columns are never stored. Past K, and past the last row, the descriptor reads zeros.
+            # A last N tile reads past N into the next rows (up, or the next expert's): those columns
+            # are never stored. Past K, and past the last row, the descriptor reads zeros.
             wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
-            wu = w13_ptr.load([gate_row + N, k0]).T
+            if GATED:
+                wu = up_desc.load([up_row, k0]).T
         else:
             wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
-        if UPCAST:
-            xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu_ptrs += BLOCK_K * stride_wk
+        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
+        if GATED:
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    h = _activation(acc_gate, ACT) * acc_up  # [BM, BN] fp32; the [A, 2N] product is never written
+    h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
+                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def down_kernel(
-    h_ptr, w2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], y [A, K] out: weight * (h w2^T)
+    h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     K, N, num_assignments, num_experts, num_pid_m,
-    stride_hm, stride_we, stride_wk, stride_wn, stride_ym,
+    stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """y = routed weight * (h w2^T + b2) per assignment; b2_ptr is None without a bias."""
     wait_for_previous_kernel(PDL)
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
@@ -170,6 +234,9 @@ def down_kernel(
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
+    if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
+        b2 = tl.load(b2_ptr + expert * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=out_ok, other=0.0)
+        acc += b2.to(tl.float32)[None, :]
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])

@@ -1,0 +1,274 @@
+"""GPU check of the fp8 block-scaled Triton experts path (``moekit.experts.triton_fp8``), run on the device.
+
+    PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness + timings, ~1-2 min
+    PYTHONPATH=. python benchmarks/fp8_device_check.py --sweep    # + a small config sweep per cell (minutes)
+    PYTHONPATH=. python benchmarks/fp8_device_check.py --compile  # + torch.compile(fullgraph=True), inductor
+
+Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1, 8, 64, 512, 4096}:
+- correctness on the first input set: the kernels against the torch twin (rel L2 < 2e-2 passes), and
+  against moekit's bf16 Triton path on the unquantized weights (the quantization error, ~6% expected);
+- timings, CUDA-graph replay over rotated inputs (``moekit.bench.timing``): fp8 and moekit bf16 Triton;
+- the fp8 floor: max(touched experts x (3*N*K fp8 bytes + scales) + x and out bf16 bytes) / copy BW,
+  FLOPs / fp8 matmul rate), both ceilings measured here (a 4 GiB device copy; ``torch._scaled_mm`` on
+  8192^3 e4m3, skipped if this torch lacks it).
+Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
+inductor compiles a caller of the op whole (fullgraph) and agrees with eager. ``--sweep`` times the
+candidate configs of each cell and writes tuned files (``E{E}_N{N}_K{K}_fp8_block_{device}.json``) under
+$OUT/configs. Prints one line per check, the table last; JSON to $OUT/fp8.json if $OUT is set.
+Exit 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights, measured_experts_touched
+from moekit.bench.timing import time_calls
+from moekit.experts.configs import GemmTile, KernelConfig, device_key
+from moekit.experts.triton import experts_triton
+from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
+from moekit.experts.triton_fp8_plan import config_file_name, heuristic_fp8_config
+
+BATCHES = (1, 8, 64, 512, 4096)
+BLOCK = (128, 128)
+BUDGET_S = 0.2  # seconds of timing per backend and cell (the script stays under ~2 min)
+ROTATION_BYTES = 256 << 20  # rotate inputs until one pass touches ~4x the H200's L2 (the bench's rule)
+FAILED: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.isnan().any():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def quantize_blocks(w: torch.Tensor, block=BLOCK, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, C] -> (q e4m3, scale [E, R/GN, C/G] fp32), scale = block amax / 448; a few experts at a
+    time (the float32 copy of DeepSeek-V3's w13 whole would be 30 GB). R, C multiples of the block."""
+    (num_experts, rows, cols), (bn, bk) = w.shape, block
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(num_experts, rows // bn, cols // bk, dtype=torch.float32, device=w.device)
+    for e0 in range(0, num_experts, chunk):
+        blocks = w[e0:e0 + chunk].float().view(-1, rows // bn, bn, cols // bk, bk)
+        s = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448  # [e, R/GN, C/G]
+        scale[e0:e0 + chunk] = s
+        q[e0:e0 + chunk] = (blocks / s[:, :, None, :, None]).view(-1, rows, cols).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_TBps: float  # read + write, 1e12 bytes/s
+    fp8_mm_TFLOPs: float | None  # torch._scaled_mm 8192^3 e4m3 (fast accumulation); None where unavailable
+    fp8_mm_precise_TFLOPs: float | None  # the same without fast accumulation
+
+
+def measure_ceilings(dev) -> Ceilings:
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / (time_calls([lambda: dst.copy_(src)], dev, budget_s=0.3) * 1e-6) / 1e12
+    del src, dst
+    n, rates = 8192, []
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm asks
+    one = torch.ones((), device=dev)
+    for fast in (True, False):
+        try:
+            mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)  # noqa: E731
+            rates.append(2 * n**3 / (time_calls([mm], dev, budget_s=0.3) * 1e-6) / 1e12)
+        except (RuntimeError, AttributeError, TypeError) as e:
+            print(f"fp8 mm ceiling skipped: {type(e).__name__}: {e}", flush=True)
+            rates.append(None)
+    return Ceilings(copy, *rates)
+
+
+@dataclass
+class Row:
+    shape: str
+    M: int
+    touched: float  # mean distinct experts per call over the rotated sets
+    fp8_us: float
+    bf16_us: float
+    floor_us: float
+    pct_floor: float
+    fp8_TFLOPs: float
+    pct_fp8_mm: float | None
+    err_vs_twin: float
+    err_vs_bf16: float
+    speedup_vs_bf16: float
+    x_apart_us: float | None  # M=1 A/B: x quantized by its own kernel instead of inside gate-up
+
+
+def floor_us(s: Shape, m: int, touched: float, c: Ceilings) -> float:
+    (bn, bk), n, k = BLOCK, s.n, s.k
+    scale_bytes = 4 * (math.ceil(2 * n / bn) * math.ceil(k / bk) + math.ceil(k / bn) * math.ceil(n / bk))
+    nbytes = touched * (3 * n * k + scale_bytes) + 2 * m * k * 2  # fp8 weights + scales; x and out bf16
+    flops = 6 * n * k * m * s.top_k
+    mm = flops / (c.fp8_mm_TFLOPs * 1e12) if c.fp8_mm_TFLOPs else 0.0
+    return max(nbytes / (c.copy_TBps * 1e12), mm) * 1e6
+
+
+def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
+    touched_once = max(1, min(s.num_experts, m * s.top_k)) * 3 * s.n * s.k
+    sets = make_sets(s, m, max(2, min(8, math.ceil(ROTATION_BYTES / touched_once))), torch.bfloat16, dev)
+    touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
+    first = sets[0]
+    out = fused_experts_fp8(first.x, *q, first.topk_ids, first.topk_weights)
+    twin = fused_experts_fp8_torch(first.x, *q, first.topk_ids, first.topk_weights)
+    bf16 = experts_triton(first.x, w.w13, w.w2, first.topk_ids, first.topk_weights)
+    err_twin, err_bf16 = rel_l2(out, twin), rel_l2(out, bf16)
+    check(f"fp8 kernels vs twin {s.name} M={m}", err_twin < 2e-2, f"rel_l2={err_twin:.2e} (vs bf16 {err_bf16:.3f})")
+    fp8_us = time_calls([lambda t=t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) for t in sets], dev,
+                        graph=True, budget_s=BUDGET_S)
+    bf16_us = time_calls([lambda t=t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights) for t in sets], dev,
+                         graph=True, budget_s=BUDGET_S)
+    x_apart_us = None
+    if m == 1:
+        x_apart_us = time_calls([lambda t=t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights,
+                                                                      x_in_gate_up=False) for t in sets],
+                                dev, graph=True, budget_s=BUDGET_S)
+    fl = floor_us(s, m, touched, c)
+    tflops = 6 * s.n * s.k * m * s.top_k / (fp8_us * 1e-6) / 1e12
+    return Row(s.name, m, touched, fp8_us, bf16_us, fl, 100 * fl / fp8_us, tflops,
+               100 * tflops / c.fp8_mm_TFLOPs if c.fp8_mm_TFLOPs else None, err_twin, err_bf16, bf16_us / fp8_us,
+               x_apart_us)
+
+
+def graph_replay(s: Shape, q, dev) -> None:
+    """Capture once, replay with new tokens and routing: equal to eager (no host sync, no stale sizes)."""
+    sets = make_sets(s, 64, 3, torch.bfloat16, dev, seed=7)
+    x, ids, weights = (t.clone() for t in (sets[0].x, sets[0].topk_ids, sets[0].topk_weights))
+    fused_experts_fp8(x, *q, ids, weights)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_fp8(x, *q, ids, weights)
+    worst = 0.0
+    for t in sets[1:]:
+        x.copy_(t.x), ids.copy_(t.topk_ids), weights.copy_(t.topk_weights)
+        graph.replay()
+        worst = max(worst, rel_l2(out, fused_experts_fp8(x, *q, ids, weights)))
+    check(f"cuda graph replay with new routing {s.name} M=64", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+
+
+def compiled(s: Shape, q, dev) -> None:
+    """torch.compile(fullgraph=True) (inductor) around the op: one graph, the same result as eager."""
+    t = make_sets(s, 16, 1, torch.bfloat16, dev, seed=11)[0]
+    fn = torch.compile(lambda x, ids, w: fused_experts_fp8(x, *q, ids, w) * 2, fullgraph=True)
+    e = rel_l2(fn(t.x, t.topk_ids, t.topk_weights), fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) * 2)
+    check(f"torch.compile(fullgraph=True) {s.name} M=16", e < 1e-6, f"rel diff vs eager {e:.1e}")
+
+
+def guarded(name: str, fn, *args):
+    """fn(*args); an exception is a failed check (with its traceback), and the run goes on."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        check(name, False, "raised")
+        return None
+
+
+def candidates(m: int, s: Shape) -> list[KernelConfig]:
+    """The sweep's configs for one cell: the heuristic and a few tile heights, widths and pipelines."""
+    out = [heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k)]
+    rows_per_expert = m * s.top_k / s.num_experts
+    heights = (16,) if rows_per_expert < 8 else (16, 64) if rows_per_expert < 64 else (64, 128)
+    for bm in heights:
+        for up_n, down_n in ((128, 64), (128, 128), (256, 128), (128, 256)):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                group = 8 if bm >= 64 else 1
+                out.append(KernelConfig(bm, GemmTile(up_n, 128, group, warps, stages),
+                                        GemmTile(down_n, 128, group, warps, stages)))
+    return list(dict.fromkeys(out))
+
+
+def sweep(s: Shape, q, dev, out_dir: Path | None) -> dict:
+    """Time each candidate on each M; the fastest per M goes in a tuned file (under $OUT/configs)."""
+    best = {}
+    for m in BATCHES:
+        sets = make_sets(s, m, 2, torch.bfloat16, dev, seed=3)
+        timed = []
+        for config in candidates(m, s):
+            calls = [lambda t=t, c=config: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, config=c)
+                     for t in sets]
+            try:
+                timed.append((time_calls(calls, dev, graph=True, budget_s=0.05, max_reps=10), config))
+            except Exception as e:  # noqa: BLE001  (a tile too big for shared memory: skip it)
+                print(f"  sweep {s.name} M={m} {config}: {type(e).__name__}", flush=True)
+        us, config = min(timed, key=lambda p: p[0])
+        heuristic_us = next((t for t, c in timed if c == candidates(m, s)[0]), None)
+        print(f"sweep {s.name} M={m}: best {us:.1f} us ({config}), heuristic {heuristic_us} us", flush=True)
+        best[m] = {"config": config.to_dict(), "us": us, "heuristic_us": heuristic_us}
+    if out_dir is not None:
+        name = config_file_name(s.num_experts, s.n, s.k, device_key(dev))
+        data = {"E": s.num_experts, "N": s.n, "K": s.k, "dtype": "fp8_block", "device": device_key(dev),
+                "configs": {str(m): b["config"] for m, b in best.items()},
+                "measured": {str(m): {"us": b["us"], "heuristic_us": b["heuristic_us"]} for m, b in best.items()}}
+        (out_dir / "configs").mkdir(parents=True, exist_ok=True)
+        (out_dir / "configs" / name).write_text(json.dumps(data, indent=1) + "\n")
+    return best
+
+
+def print_table(rows: list[Row], c: Ceilings) -> None:
+    mm = f"{c.fp8_mm_TFLOPs:.0f}" if c.fp8_mm_TFLOPs else "n/a"
+    print(f"\ncopy {c.copy_TBps:.2f} TB/s, fp8 mm {mm} TFLOP/s (precise accumulation: {c.fp8_mm_precise_TFLOPs})")
+    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'bf16 us':>10}{'floor us':>10}{'%floor':>8}"
+          f"{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
+    for r in rows:
+        pct_mm = f"{r.pct_fp8_mm:.0f}" if r.pct_fp8_mm is not None else "-"
+        print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{r.bf16_us:>10.1f}{r.floor_us:>10.1f}"
+              f"{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
+              f"{r.err_vs_twin:>10.1e}{r.err_vs_bf16:>9.3f}")
+    for r in rows:
+        if r.x_apart_us is not None:
+            print(f"{r.shape} M={r.M}: x quantized inside gate-up {r.fp8_us:.1f} us, by its own kernel {r.x_apart_us:.1f} us")
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the twin's float32 GEMMs stay float32
+    import triton
+
+    print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    ceilings = measure_ceilings(dev)
+    rows, sweeps = [], {}
+    for preset in PRESETS:
+        s = Shape.from_preset(preset)
+        w = make_weights(s, torch.bfloat16, dev)
+        q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
+        rows += [r for m in BATCHES if (r := guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceilings, dev))]
+        if preset == PRESETS[0]:
+            guarded("graph replay", graph_replay, s, q, dev)
+            if "--compile" in sys.argv:
+                guarded("compile", compiled, s, q, dev)
+        if "--sweep" in sys.argv:
+            sweeps[preset] = guarded(f"sweep {preset}", sweep, s, q, dev, out_dir)
+        del w, q
+        torch.cuda.empty_cache()
+    print_table(rows, ceilings)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                  "ceilings": asdict(ceilings), "cells": [asdict(r) for r in rows], "sweeps": sweeps, "failed": FAILED}
+        (out_dir / "fp8.json").write_text(json.dumps(result, indent=1) + "\n")
+    print("FAILED:", FAILED if FAILED else "none", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

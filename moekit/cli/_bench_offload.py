@@ -1,0 +1,67 @@
+"""``moekit bench --offload``: the options and the run (the library is ``moekit.bench.offload_measure``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+from pathlib import Path
+
+from moekit.cli._args import ListOption, UsageError, positive_int
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a cache fraction in (0, 1], got {text!r}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("host-resident experts (--offload)")
+    g.add_argument("--offload", action="store_true",
+                   help="decode through offloaded DeepSeek-V3-width layers (E=256, N=2048, K=7168, top-8) whose "
+                   "experts exceed the GPU budget; measures the host link and the CPU expert rate first")
+    g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
+    g.add_argument("--cache-fractions", action=ListOption, item=_fraction, default=[0.25, 0.5, 0.75],
+                   help="GPU cache sizes as fractions of all routed experts")
+    g.add_argument("--offload-steps", type=positive_int, default=8, help="timed decode steps per configuration")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from moekit.bench.offload_measure import measure_offload
+    from moekit.bench.report import write_json
+    from moekit.bench.run import commit_id, device_name
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda is not available on this machine; use --device cpu")
+    shape = {} if device.type == "cuda" and not args.tiny else {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2}
+    console = Console(width=140)
+    doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
+                          fractions=tuple(args.cache_fractions), steps=args.offload_steps,
+                          on_progress=lambda r: console.print(_line(r), markup=False, highlight=False), **shape)
+    doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
+    stem = f"{doc['device'].replace(' ', '_')}-offload-{doc['date']}"
+    path, n = Path(args.out) / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = Path(args.out) / f"{stem}-{n}.json"
+    write_json(doc, path)
+    for r in doc["prefetch_rows"]:
+        console.print(f"prefetch {r['prefetch']:>8} M={r['M']:<3} hit {r['hit_rate']:.3f}  step {r['step_ms']:8.2f} ms  "
+                      f"prediction accuracy {r['prefetch_accuracy']:.2f}", markup=False, highlight=False)
+    console.print(f"link {doc['link_GBps']:.1f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
+                  f"{doc['cpu_token_us']:.0f} µs/token; wrote {path}")
+    return 0
+
+
+def _line(r) -> str:
+    return (f"{r.stream:>7} cache {r.cache_fraction:4.0%} {r.policy} misses->{r.compute_misses_on:<4} M={r.M:<3} "
+            f"step {r.step_ms:9.2f} ms  floor {r.floor_ms:9.2f} ms ({r.floor_ms / r.step_ms:5.0%})  "
+            f"hit {r.hit_rate:.3f} (sim {r.sim_hit_rate:.3f})  {r.tok_s:8.1f} tok/s")

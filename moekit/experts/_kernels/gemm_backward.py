@@ -1,0 +1,210 @@
+"""The backward of the fused experts path, and the saving forward: grouped GEMMs over the block-aligned
+layout that gather their rows by index (never permuted), as ``gemm.py`` does.
+
+Torch twins: the float64 autograd of ``moekit.experts.reference`` (the tests), and
+``moekit.experts.grouped_mm``'s autograd (the device check).
+
+Per assignment a = t*k + j routed to expert e, with weight w_a (the forward:
+h_a = w13[e] x_t [2N], g_a = act(gate_a) * up_a [N], y_a = w2[e] g_a [K], out_t = sum_j w_a y_a):
+
+    grad_gate_up_kernel  dg_a = w2[e]^T dout_t (the dY @ W2 GEMM, dy_a = w_a dout_t never written) and,
+                         in its epilogue, the act-and-mul backward: dh_a [2N], w_a g_a [N] (dW2's right
+                         operand) and the partial <dg_a, g_a> = <dout_t, y_a> of d w_a per N tile.
+                         gate and up are recomputed in the same K loop (RECOMPUTE) or read from h_pre.
+    gather_gemm_kernel   out_a = scale_a * W[e] a_src for any strides of W: dX's "dH @ W13" rows
+                         (summed over k afterwards by ``combine.sum_slots_kernel``), and the saving
+                         forward's gate-up (h_pre = x W13^T) and down (y = w * g W2^T).
+    weight_grad_kernel   dW[e] = sum over e's rows of L_row^T R_row: dW2 = dout^T (w g), dW13 = dh^T x.
+                         A program owns one output tile of one expert and loops over that expert's
+                         M-blocks (every SPLIT-th one; SPLIT > 1 writes fp32 partials that the host sums
+                         in a fixed order). No atomics anywhere: every result is deterministic.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate; BM = the layout's block.
+Every row index is int64 before it meets a stride.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels.gemm import _grid_position
+
+
+@triton.jit
+def _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M: tl.constexpr):
+    """(assignment of each row of M-block pid_m [BM] int64, A on padding rows; its expert, -1 = unused)."""
+    in_use = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    expert = tl.where(in_use, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return rows, expert
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32; ACT as ``gemm._activation`` (``ACTIVATIONS[name].kernel_id``)."""
+    if ACT == 0:  # silu: s + g s (1 - s)
+        s = tl.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:  # gelu (erf): Phi(g) + g phi(g)
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        return g * cdf, cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+    elif ACT == 2:  # gelu, tanh approximation: 0.5 (1 + t) + 0.5 g (1 - t^2) u'
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        du = 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * du
+    else:  # relu
+        return tl.maximum(g, 0.0), tl.where(g > 0.0, 1.0, 0.0)
+
+
+@triton.jit
+def grad_gate_up_kernel(
+    dout_ptr, x_ptr, w13_ptr, w2_ptr, hpre_ptr, weights_ptr,  # dout, x [M, K]; w13, w2; h_pre [A, 2N]; weights [A]
+    dh_ptr, gw_ptr, dw_part_ptr,  # out: dh [A, 2N], gw [A, N] = w g, dw_part [A, num_pid_n] fp32
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_assignments, top_k, num_pid_m,
+    stride_dm, stride_xm, stride_ae, stride_an, stride_ak, stride_be, stride_bk, stride_bn, stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, RECOMPUTE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
+    rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments  # [BM]
+    safe = tl.where(row_ok, rows, 0)
+    token = safe // top_k  # [BM] the dout and x row of each assignment
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    d_ptrs = dout_ptr + token[:, None] * stride_dm + offs_k[None, :]  # [BM, BK]
+    w2_ptrs = w2_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+    wg_ptrs = w13_ptr + expert * stride_ae + offs_n[None, :].to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
+    wu_ptrs = wg_ptrs + N * stride_an  # [BK, BN] up rows follow the N gate rows
+    acc_dg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # w2[e]^T dout_t, unweighted
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wb = tl.load(w2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            d, wb = d.to(tl.float32), wb.to(tl.float32)
+        acc_dg = tl.dot(d, wb, acc_dg, input_precision=PRECISION)
+        if RECOMPUTE:  # the gate-up GEMM again, in the same K loop: x and dout share the token gather
+            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * stride_ak
+            wu_ptrs += BLOCK_K * stride_ak
+        d_ptrs += BLOCK_K
+        w2_ptrs += BLOCK_K * stride_bk
+    mask = row_ok[:, None] & n_ok[None, :]
+    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
+    if not RECOMPUTE:
+        acc_gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+        acc_up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
+    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT)
+
+
+@triton.jit
+def _store_grads(acc_dg, gate, up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr):
+    """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
+    (fp32), the act-and-mul backward of dg = w acc_dg into dh, w g into gw, and <acc_dg, g> over
+    this N tile into column pid_n of the d-weight partials."""
+    act, dact = _act_and_grad(gate, ACT)
+    g = act * up  # [BM, BN] the forward's g (0 on masked columns)
+    weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
+    tl.store(dw_part_ptr + safe * num_pid_n + pid_n, tl.sum(acc_dg * g, axis=1), mask=row_ok)
+    dg = acc_dg * weight[:, None]  # [BM, BN] dL/dg_a
+    dh_ty = dh_ptr.dtype.element_ty
+    tl.store(dh_ptr + h_offs, (dg * up * dact).to(dh_ty), mask=mask)  # d gate
+    tl.store(dh_ptr + h_offs + N, (dg * act).to(dh_ty), mask=mask)  # d up
+    tl.store(gw_ptr + safe[:, None] * N + offs_n[None, :], (g * weight[:, None]).to(gw_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gather_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, scale_ptr,  # a [S, RED] rows a // A_DIV; w [E, ..] by strides; out [A, OUT]; scale [A]
+    sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    OUT, RED, num_assignments, a_div, num_pid_m,
+    stride_am, stride_we, stride_wo, stride_wr, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[a, o] = scale[a] * sum_r a_src[a // a_div, r] * W[e, o, r], W[e, o, r] at w + e*stride_we +
+    o*stride_wo + r*stride_wr. Rows of assignments not routed here are never written."""
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(OUT, BLOCK_N), GROUP_M)
+    rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments
+    safe = tl.where(row_ok, rows, 0)
+    offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_ok = offs_o < OUT
+    offs_r = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (safe // a_div)[:, None] * stride_am + offs_r[None, :]  # [BM, BK]
+    w_ptrs = w_ptr + expert * stride_we + offs_o[None, :].to(tl.int64) * stride_wo + offs_r[:, None] * stride_wr
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, RED, BLOCK_K):
+        r_ok = offs_r < RED - r0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wr
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + safe[:, None] * stride_om + offs_o[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & o_ok[None, :])
+
+
+@triton.jit
+def weight_grad_kernel(
+    l_ptr, r_ptr, out_ptr,  # l [S_l, R] rows a // l_div, r [S_r, C] rows a // r_div; out [SPLIT, E, R, C]
+    sorted_ids_ptr, counts_ptr,
+    R, C, num_assignments, num_experts, l_div, r_div, split,
+    stride_lm, stride_rm, stride_os, stride_oe, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_PAD: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[s, e] = sum over expert e's M-blocks s, s + split, ...: L[rows]^T R[rows] (a zero tile for an
+    expert with no rows). Program (pid, s): pid walks the experts' tiles row-major, so neighbours share
+    their L tile."""
+    tiles_c = tl.cdiv(C, BLOCK_C)
+    per_expert = tl.cdiv(R, BLOCK_R) * tiles_c
+    pid, s = tl.program_id(0), tl.program_id(1)
+    e, tile = (pid // per_expert).to(tl.int64), pid % per_expert  # e * stride_oe passes 2^31 (DeepSeek-V3)
+    ee = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)  # [EP] real rows per expert
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row in sorted_ids
+    count = tl.sum(tl.where(ee == e, counts, 0), axis=0)
+    offs_r = (tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = offs_r < R, offs_c < C
+    lanes = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for b in range(s * BLOCK_M, count, split * BLOCK_M):
+        rows = tl.load(sorted_ids_ptr + start + b + lanes).to(tl.int64)  # [BM]; padding rows hold A
+        row_ok = rows < num_assignments
+        safe = tl.where(row_ok, rows, 0)
+        lt = tl.load(l_ptr + (safe // l_div)[None, :] * stride_lm + offs_r[:, None],
+                     mask=row_ok[None, :] & r_ok[:, None], other=0.0)  # [BR, BM]
+        rt = tl.load(r_ptr + (safe // r_div)[:, None] * stride_rm + offs_c[None, :],
+                     mask=row_ok[:, None] & c_ok[None, :], other=0.0)  # [BM, BC]
+        if UPCAST:
+            lt, rt = lt.to(tl.float32), rt.to(tl.float32)
+        acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])

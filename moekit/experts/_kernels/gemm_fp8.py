@@ -1,0 +1,165 @@
+"""Block-scaled fp8 grouped GEMMs over the block-aligned layout (DeepSeek-V3's recipe): e4m3 weights
+with one float32 scale per [GROUP_N, BLOCK_K] block, e4m3 activations with one scale per row per
+BLOCK_K columns; each K-step is one scale block, so acc += dot(a_q, w_q) * a_scale[row] * w_scale[col].
+
+Torch twin: ``moekit.experts.triton_fp8.fused_experts_fp8_torch``.
+
+Shapes: M tokens, k slots, A = M*k assignments (a = t*k + j), E local experts, K hidden, N
+intermediate; BM/BN/BK the tile, BK = the scale blocks' reduction width (128 by default), GROUP_N their
+output height; KB = ceil(K / BK), NB = ceil(N / BK). Scales: w13 [E, ceil(2N/GROUP_N), KB], w2
+[E, ceil(K/GROUP_N), NB], activations [rows, KB or NB]. The row walk (grouped ordering, the
+block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm``).
+
+gate-up: x_q rows gathered by token (X_RAW: x itself, each [BM, BK] step quantized as it is loaded,
+the twin of ``quant_fp8``'s kernel; the plan picks it for the tiny-batch shortcut, where it saves a
+launch), gate columns c and up columns N + c of one expert in one program (each with its own weight
+scale, gathered per column: a block may straddle the gate/up boundary when N is not a multiple of
+GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
+of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
+Narrower tiles (H_FP32: BN < BK, for more programs at decode sizes) write h in float32 instead, and
+the down GEMM quantizes each [BM, BK] step of it as it loads it (the same groups, the same rounding;
+each down program redoes it, which costs little only where M is small).
+down: the reduction runs over N in steps of BK, one h scale and one w2 scale per step; the routed
+weight is applied in the epilogue; y is summed over the k slots by ``combine``.
+
+UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
+EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.gemm import _block_rows, _grid_position
+from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
+
+
+@triton.jit
+def _scaled_dot(a, b, UPCAST: tl.constexpr):
+    """a [BM, BK] @ b [BK, BN] in float32: fp8 tensor cores on the GPU, exact float32 in the interpreter."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def gate_up_fp8_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] + scale, h_q, h_s out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, num_assignments, top_k, num_experts, num_pid_m,
+    stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
+    GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
+    X_RAW: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
+    row_ok = rows < num_assignments  # [BM]
+    token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the gather, x row of each assignment
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
+    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
+    sg_ptrs = ws_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn  # [BN] gate rows' scale blocks
+    su_ptrs = ws_ptr + expert * stride_wse + ((offs_n + N) // GROUP_N) * stride_wsn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if X_RAW:  # this K-step is one group of x's columns: quantize it here
+            xa = xa.to(tl.float32)
+            xs = group_scale(tl.max(tl.abs(xa), axis=1))  # [BM]
+            xa = to_e4m3(xa / xs[:, None], EMULATE)
+        else:
+            xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)  # [BM]
+        sg = tl.load(sg_ptrs, mask=n_ok, other=0.0)  # [BN]
+        su = tl.load(su_ptrs, mask=n_ok, other=0.0)
+        acc_gate += _scaled_dot(xa, wg, UPCAST) * xs[:, None] * sg[None, :]
+        acc_up += _scaled_dot(xa, wu, UPCAST) * xs[:, None] * su[None, :]
+        x_ptrs += BLOCK_K * stride_xk
+        xs_ptrs += 1
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+        sg_ptrs += stride_wsk
+        su_ptrs += stride_wsk
+    let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (masked weights)
+    if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
+        tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
+                         EMULATE)
+
+
+@triton.jit
+def _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """h [BM, BN] (columns pid_n*BN ..) -> e4m3 per BK columns: h_q rows and their BN/BK scales."""
+    GROUPS: tl.constexpr = BLOCK_N // BLOCK_K
+    h3 = tl.reshape(h, [BLOCK_M, GROUPS, BLOCK_K])
+    s = group_scale(tl.max(tl.abs(h3), axis=2))  # [BM, G]
+    q = tl.reshape(to_e4m3(h3 / s[:, :, None], EMULATE), [BLOCK_M, BLOCK_N])
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], q, mask=row_ok[:, None] & (offs_n < N)[None, :])
+    offs_g = pid_n * GROUPS + tl.arange(0, GROUPS)
+    tl.store(hs_ptr + rows[:, None] * stride_hsm + offs_g[None, :], s,
+             mask=row_ok[:, None] & (offs_g < tl.cdiv(N, BLOCK_K))[None, :])
+
+
+@triton.jit
+def down_fp8_kernel(
+    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] + scale, y [A, K]
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    K, N, num_assignments, num_experts, num_pid_m,
+    stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
+    GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments
+    safe_rows = tl.where(row_ok, rows, 0)
+    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = offs_out < K
+    offs_red = tl.arange(0, BLOCK_K)
+    h_ptrs = hq_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
+    hs_ptrs = hs_ptr + safe_rows * stride_hsm  # [BM] scale of step 0
+    w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
+    s_ptrs = ws_ptr + expert * stride_wse + (offs_out // GROUP_N) * stride_wsk  # [BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_K):
+        red_ok = offs_red < N - n0
+        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+        if H_FP32:  # this step is one group of h's columns: quantize it here (the epilogue's twin)
+            hs = group_scale(tl.max(tl.abs(ha), axis=1))  # [BM]
+            ha = to_e4m3(ha / hs[:, None], EMULATE)
+        else:
+            hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
+        sw = tl.load(s_ptrs, mask=out_ok, other=0.0)
+        acc += _scaled_dot(ha, wb, UPCAST) * hs[:, None] * sw[None, :]
+        h_ptrs += BLOCK_K
+        hs_ptrs += 1
+        w_ptrs += BLOCK_K * stride_wn
+        s_ptrs += stride_wsn
+    let_next_kernel_launch(PDL)
+    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
+    acc = acc * weight[:, None]
+    y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])

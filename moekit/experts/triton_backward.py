@@ -1,0 +1,213 @@
+"""Autograd for the Triton experts path: gradients for x, w13, w2 and topk_weights (so the router trains).
+
+    forward: torch.ops.moekit.triton_experts (triton.py)     or  torch.ops.moekit.triton_experts_train
+    backward: torch.ops.moekit.triton_experts_backward  ->  triton_backward_launch.experts_backward
+
+Per assignment a = (t, j) routed to e with weight w_a: h_a = w13[e] x_t [2N], g_a = act(gate_a) up_a
+[N], y_a = w2[e] g_a [K], out_t = sum_j w_a y_a. With dout_t = dL/dout_t:
+
+    dg_a = w_a w2[e]^T dout_t          dh_a = act-and-mul backward of dg_a      d w_a = <dout_t, y_a> = <w2[e]^T dout_t, g_a>
+    dx_t = sum_j w13[e]^T dh_a         dW2[e] = sum_a dout_t (w_a g_a)^T        dW13[e] = sum_a dh_a x_t^T
+
+d w_a comes out of the dY @ W2 GEMM's epilogue as a dot with g, so y is neither saved nor recomputed.
+
+Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts`` op of ``MoE`` and
+``experts_triton`` takes the defaults):
+- ``recompute=True`` (default): the backward recomputes gate and up in the same K loop as dY @ W2 (x
+  and dout rows share the token gather). Memory: nothing saved beyond the inputs. Time: one more
+  gate-up GEMM: per assignment the backward does 16NK FLOPs instead of 12NK (dY @ W2 2NK, dX 4NK,
+  dW13 4NK, dW2 2NK), the whole step 22NK instead of 18NK (+22%).
+- ``recompute=False``: the forward keeps h_pre [A, 2N] (A = M*k; Qwen3-30B-A3B at M=16384: 403 MB per
+  layer in bf16) and the backward reads it. That forward is unfused (it writes h_pre anyway, then a
+  torch act-and-mul, then the down GEMM), so it pays in the forward part of what it saves backward.
+- ``split_m``: each expert's M-blocks split this many ways in the weight grads (fp32 partials summed
+  in a fixed order); 0 = chosen from the shapes (``triton_backward_launch.choose_split``).
+Every path is deterministic: no atomics, the d-weight and split sums in a fixed order.
+
+The variants (biases, an ``ActivationSpec`` other than the plain gated one) have no backward yet: their
+backward raises NotImplementedError naming the variant (the forward runs; only ``backward()`` refuses).
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moekit.experts import check_experts_args
+from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, experts_backward, saving_forward
+from moekit.experts.triton_launch import interpreting
+from moekit.experts.triton_plan import check_triton_args
+
+# Arguments of a variant the backward does not take yet, with the value of the base variant (the
+# forward's schema may carry any of them; each that differs is named in the NotImplementedError).
+_BASE_VARIANT = {"b13": None, "b2": None, "gated": True, "interleaved": False, "alpha": 1.0, "limit": None,
+                 "up_shift": 0.0}
+
+
+@dataclass(frozen=True)
+class BackwardOptions:
+    """How ``experts_triton_train`` trades memory for time (module docstring)."""
+
+    recompute: bool = True  # recompute the gate-up product in the backward; False: the forward saves it
+    split_m: int = 0  # ways each expert's M-blocks split in the weight grads; 0 = from the shapes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.split_m, int) or self.split_m < 0:
+            raise ValueError(f"split_m must be an int >= 0 (0 = chosen from the shapes), got {self.split_m!r}")
+
+
+def unsupported_variant(args: dict) -> str | None:
+    """Why the backward cannot take a forward called with ``args`` (by schema name), or None."""
+    activation = args.get("activation", "silu")
+    if activation not in BACKWARD_ACTIVATIONS:
+        return f"the triton backward has no derivative for activation={activation!r} (it has {BACKWARD_ACTIVATIONS})"
+    for name, base in _BASE_VARIANT.items():
+        value = args.get(name, base)
+        if (value is not None) if base is None else (value != base):
+            shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
+            return f"the triton backward does not support the variant {name}={shown} yet (only {name}={base!r})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward op: one opaque call, so torch.compile traces the backward through its fake
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::triton_experts_backward", mutates_args=())
+def _backward_op(
+    dout: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], h_pre: Optional[torch.Tensor], activation: str,
+    need_x: bool, need_w13: bool, need_w2: bool, need_weights: bool, split_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [M, K], dw13 [E, 2N, K], dw2 [E, K, N], dweights [M, k]); an empty [0] tensor where not needed."""
+    needs = (need_x, need_w13, need_w2, need_weights)
+    if topk_ids.numel() == 0:
+        grads = (torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2), torch.zeros_like(topk_weights))
+        return tuple(g if need else g.new_empty(0) for g, need in zip(grads, needs))
+    grads = experts_backward(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, activation, needs, split_m)
+    return tuple(g if g is not None else x.new_empty(0) for g in (grads.x, grads.w13, grads.w2, grads.topk_weights))
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, activation, need_x, need_w13,
+                   need_w2, need_weights, split_m):
+    return tuple(t.new_empty(t.shape) if need else x.new_empty(0)
+                 for t, need in ((x, need_x), (w13, need_w13), (w2, need_w2), (topk_weights, need_weights)))
+
+
+def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int) -> tuple:
+    """The backward op on the saved inputs; the grads by the forward's input position (None elsewhere)."""
+    if ctx.unsupported is not None:
+        raise NotImplementedError(ctx.unsupported)
+    x, w13, w2, ids, weights, expert_map = ctx.saved_tensors[:6]
+    positions = ctx.positions  # input positions of x, w13, w2, topk_weights
+    needs = tuple(ctx.needs_input_grad[i] for i in positions)
+    grads = torch.ops.moekit.triton_experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre,
+                                                     ctx.activation, *needs, split_m)
+    result = [None] * ctx.num_inputs
+    for position, need, grad in zip(positions, needs, grads):
+        result[position] = grad if need else None
+    return tuple(result)
+
+
+def _setup(ctx, names: list[str], inputs: tuple) -> dict:
+    args = dict(zip(names, inputs))
+    ctx.unsupported = unsupported_variant(args)
+    ctx.activation = args["activation"]
+    ctx.positions = tuple(names.index(n) for n in ("x", "w13", "w2", "topk_weights"))
+    ctx.num_inputs = len(inputs)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd of torch.ops.moekit.triton_experts (triton.py registers these two)
+# ---------------------------------------------------------------------------------------------------
+
+
+def setup_experts_op(ctx, inputs: tuple, output) -> None:
+    """``setup_context`` of ``moekit::triton_experts``: its inputs read by schema name, so arguments
+    that the forward gains later (biases, activation fields) reach ``unsupported_variant``."""
+    names = [a.name for a in torch.ops.moekit.triton_experts.default._schema.arguments]
+    args = _setup(ctx, names, inputs)
+    ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
+                          args["expert_map"])
+
+
+def backward_experts_op(ctx, dout: torch.Tensor) -> tuple:
+    """The backward of ``moekit::triton_experts``: the default ``BackwardOptions`` (recompute)."""
+    return _grads(ctx, dout, None, 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training entry point with its options: torch.ops.moekit.triton_experts_train
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moekit::triton_experts_train", mutates_args=())
+def _train_op(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    expert_map: Optional[torch.Tensor], activation: str, save_h: bool, split_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [M, K], h_pre [A, 2N] when ``save_h``, else an empty [0])."""
+    if topk_ids.numel() == 0:
+        return x.new_zeros(x.shape), x.new_empty(0)
+    if save_h:
+        return saving_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    from moekit.experts.triton import fused_experts  # triton.py imports this module: lazily, no cycle
+
+    out = fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map=expert_map, activation=activation)
+    return out, x.new_empty(0)
+
+
+@_train_op.register_fake
+def _train_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, save_h, split_m):
+    saved = (topk_ids.numel(), w13.shape[1]) if save_h and topk_ids.numel() else (0,)
+    return x.new_empty(x.shape), x.new_empty(saved, dtype=torch.float32 if interpreting() else x.dtype)
+
+
+_TRAIN_NAMES = ["x", "w13", "w2", "topk_ids", "topk_weights", "expert_map", "activation", "save_h", "split_m"]
+
+
+def _setup_train(ctx, inputs: tuple, output: tuple) -> None:
+    args = _setup(ctx, _TRAIN_NAMES, inputs)
+    ctx.save_h, ctx.split_m = args["save_h"], args["split_m"]
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
+                          args["expert_map"], output[1] if ctx.save_h else None)
+
+
+def _backward_train(ctx, dout: torch.Tensor, _dh_pre) -> tuple:
+    return _grads(ctx, dout, ctx.saved_tensors[6] if ctx.save_h else None, ctx.split_m)
+
+
+_train_op.register_autograd(_backward_train, setup_context=_setup_train)
+
+
+def experts_triton_train(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K]
+    w2: torch.Tensor,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    backward: BackwardOptions = BackwardOptions(),
+) -> torch.Tensor:
+    """The experts contract (``moekit.experts``) on the Triton kernels, differentiable with the
+    backward's options chosen (``BackwardOptions``); ``experts_triton`` differentiates with the defaults."""
+    check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map)
+    if not isinstance(activation, str):
+        raise NotImplementedError(f"experts_triton_train takes an activation name (one of {BACKWARD_ACTIVATIONS}); "
+                                  f"the variant {activation!r} has no Triton backward yet")
+    check_triton_args(x, activation)
+    if not isinstance(backward, BackwardOptions):
+        raise TypeError(f"backward must be a BackwardOptions, got {type(backward).__name__}")
+    out, _ = torch.ops.moekit.triton_experts_train(x, w13, w2, topk_ids, topk_weights, expert_map, activation,
+                                                   not backward.recompute, backward.split_m)
+    return out

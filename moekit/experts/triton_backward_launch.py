@@ -1,0 +1,226 @@
+"""The launches of the Triton experts backward (``_kernels/gemm_backward.py``) and of the forward that
+saves the gate-up product for it. ``triton_backward`` holds the custom ops and the autograd on top.
+
+    align (recomputed, never the naive shortcut) -> grad_gate_up [dh, w*g, d weight partials]
+      -> dX: gather_gemm "dh @ W13" per assignment -> the forward's k-sum kernel
+      -> dW13 = dh^T x, dW2 = dout^T (w g): weight_grad per expert tile (split over M: fp32 partials,
+         summed here in a fixed order)
+
+Nothing here is cached between calls (a training step's GEMMs dwarf the host time) and nothing syncs
+with the host. Under the interpreter the intermediates are float32, as in the forward (``triton.py``).
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B = BLOCK_M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.activations import act_and_mul, get_activation
+from moekit.experts.triton_align import plan_align, run_align
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
+from moekit.experts.triton_plan import _sum_launch
+from moekit.layouts.grouping import max_padded_rows
+
+# The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
+BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+TARGET_PROGRAMS = 528  # a weight-grad grid this small is split over M: 4 programs per SM of a 132-SM H200
+MAX_SPLIT_BYTES = 1 << 30  # the fp32 partials of a split weight grad stay under 1 GiB
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The tiles of one backward call, from its shapes (no tuned table yet)."""
+
+    block_m: int  # the layout's block: the M-block of every kernel and the weight grad's reduction step
+    grad_n: int  # grad_gate_up: N columns per program
+    grad_k: int  # grad_gate_up: K step
+    input_n: int  # gather_gemm: output columns per program
+    input_k: int  # gather_gemm: reduction step
+    weight_r: int  # weight_grad: output tile rows
+    weight_c: int  # weight_grad: output tile columns
+    num_warps: int
+    num_stages: int  # of grad_gate_up and gather_gemm
+    weight_stages: int  # of weight_grad
+
+
+def backward_tiles(num_assignments: int, num_experts: int, dtype: torch.dtype) -> BackwardTiles:
+    """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); on the GPU 128-row
+    blocks from 256 rows per expert on average, else 64 (less padding). Shared memory, compiled for sm_90
+    (Triton 3.9, bf16, 3 stages): grad_gate_up 112 KB (128 x 64 x 64, recompute), gather_gemm 64 KB,
+    weight_grad 129 KB (128 x 128, 128-row blocks) of the H200's 227 KB; float32 takes smaller weight
+    tiles and 2 stages to stay under it. Not timed yet: a first guess from the forward's tuned tiles."""
+    if interpreting():
+        return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1, weight_stages=1)
+    block_m = 128 if num_assignments >= 256 * num_experts else 64
+    if dtype == torch.float32:
+        return BackwardTiles(block_m, 64, 64, 128, 64, 64, 64, num_warps=8, num_stages=2, weight_stages=2)
+    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=3, weight_stages=3)
+
+
+def _precision(dtype: torch.dtype) -> dict:
+    return dict(UPCAST=interpreting(), PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if interpreting() else x.dtype
+
+
+def _options(device: torch.device) -> LaunchOptions:
+    return resolve_launch_options(LaunchOptions(dependent_launch=False, cached_launcher=False), device)
+
+
+@dataclass
+class Layout:
+    """The block-aligned layout the backward kernels walk (``moekit.layouts.block_aligned``'s fields)."""
+
+    sorted_ids: torch.Tensor  # [R] int32, assignment of each row, A on padding rows
+    expert_ids: torch.Tensor  # [R/B] int32, expert of each block, -1 past num_padded
+    num_padded: torch.Tensor  # [1] int32, rows in use
+    counts: torch.Tensor  # [E] int32, real rows per expert
+    num_pid_m: int  # R/B
+    num_assignments: int  # A; also the padding sentinel
+
+
+def align(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int) -> Layout:
+    """The forward's alignment, recomputed (cheap against the GEMMs; never the naive shortcut)."""
+    num_assignments = ids.numel()
+    num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
+    plan = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
+                      num_pid_m * block_m, _options(ids.device))
+    b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
+    run_align(plan, ids, expert_map, b)
+    return Layout(b["sorted_ids"], b["expert_ids"], b["num_padded"], b["counts"], num_pid_m, num_assignments)
+
+
+def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_dim: int, out: torch.Tensor,
+                layout: Layout, tiles: BackwardTiles, scale: torch.Tensor | None = None) -> None:
+    """out[a] = scale[a] * W[e] a_src[a // a_div] over the layout's rows, W[e] read with w's dims
+    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous."""
+    num_out, num_red = w.shape[out_dim], w.shape[red_dim]
+    grid = (layout.num_pid_m * cdiv(num_out, tiles.input_n),)
+    kernels("gemm_backward").gather_gemm_kernel[grid](
+        a, w, out, scale if scale is not None else a, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        num_out, num_red, layout.num_assignments, a_div, layout.num_pid_m,
+        a.stride(0), w.stride(0), w.stride(out_dim), w.stride(red_dim), out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.input_n, BLOCK_K=tiles.input_k, GROUP_M=8, HAS_SCALE=scale is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_precision(a.dtype),
+    )
+
+
+def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int, num_experts: int,
+                out_dtype: torch.dtype, layout: Layout, tiles: BackwardTiles, split_m: int) -> torch.Tensor:
+    """[E, R, C]: out[e] = sum over e's rows a of left[a // l_div]^T right[a // r_div] (left [.., R],
+    right [.., C], both contiguous). ``split_m`` 0 = ``choose_split``."""
+    rows, cols, num_assignments = left.shape[1], right.shape[1], layout.num_assignments
+    tiles_per_expert = cdiv(rows, tiles.weight_r) * cdiv(cols, tiles.weight_c)
+    split = split_m or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts, rows * cols,
+                                    tiles.block_m)
+    device = left.device
+    if split == 1:
+        out = torch.empty(num_experts, rows, cols, dtype=out_dtype, device=device)
+    else:
+        out = torch.empty(split, num_experts, rows, cols, dtype=torch.float32, device=device)
+    kernels("gemm_backward").weight_grad_kernel[(num_experts * tiles_per_expert, split)](
+        left, right, out, layout.sorted_ids, layout.counts,
+        rows, cols, num_assignments, num_experts, l_div, r_div, split,
+        left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
+        BLOCK_M=tiles.block_m, BLOCK_R=tiles.weight_r, BLOCK_C=tiles.weight_c, E_PAD=next_pow2(num_experts),
+        num_warps=tiles.num_warps, num_stages=tiles.weight_stages, **_precision(left.dtype),
+    )
+    return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
+
+
+def choose_split(num_programs: int, num_assignments: int, num_experts: int, weight_elems: int, block_m: int) -> int:
+    """How many ways a weight grad splits each expert's M-blocks: enough programs to fill the GPU
+    (TARGET_PROGRAMS), at most half the blocks an expert has on average (a part should loop over at
+    least two), the fp32 partials under MAX_SPLIT_BYTES. 1 = no split (written in the weight's dtype)."""
+    want = cdiv(TARGET_PROGRAMS, max(num_programs, 1))
+    blocks = num_assignments // max(num_experts * block_m, 1)
+    fits = MAX_SPLIT_BYTES // max(num_experts * weight_elems * 4, 1)
+    return max(1, min(want, blocks // 2, fits))
+
+
+def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tiles: BackwardTiles, activation: str):
+    """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
+    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous."""
+    (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
+    num_assignments, work = layout.num_assignments, _work_dtype(x)
+    dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
+    gw = torch.empty(num_assignments, n, dtype=work, device=x.device)
+    num_pid_n = cdiv(n, tiles.grad_n)
+    parts = torch.zeros(num_assignments, num_pid_n, dtype=torch.float32, device=x.device)  # unrouted rows stay 0
+    kernels("gemm_backward").grad_gate_up_kernel[(layout.num_pid_m * num_pid_n,)](
+        dout, x, w13, w2, h_pre if h_pre is not None else dh, weights, dh, gw, parts,
+        layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
+        dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.grad_n, BLOCK_K=tiles.grad_k, GROUP_M=8,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_precision(x.dtype),
+    )
+    return dh, gw, parts
+
+
+def sum_slots(per_slot: torch.Tensor, ids: torch.Tensor, expert_map, num_experts: int, out_dtype) -> torch.Tensor:
+    """[M, K]: the forward's k-sum kernel over per_slot [A, K] (rows of unrouted slots never read)."""
+    num_tokens, top_k = ids.shape
+    out = torch.empty(num_tokens, per_slot.shape[1], dtype=out_dtype, device=per_slot.device)
+    launch = _sum_launch(num_tokens, per_slot.shape[1], top_k, num_experts, expert_map, _options(ids.device))
+    launch(per_slot, ids, expert_map if expert_map is not None else ids, out)
+    return out
+
+
+@dataclass
+class ExpertsGrads:
+    """The gradients of one backward call; None where not asked for."""
+
+    x: torch.Tensor | None  # [M, K] x.dtype
+    w13: torch.Tensor | None  # [E, 2N, K] w13.dtype, contiguous
+    w2: torch.Tensor | None  # [E, K, N] w2.dtype, contiguous
+    topk_weights: torch.Tensor | None  # [M, k] topk_weights.dtype; 0 on slots not routed here
+
+
+def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activation: str, needs: tuple,
+                     split_m: int = 0) -> ExpertsGrads:
+    """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``h_pre`` [A, 2N] the
+    saved gate-up product or None (recompute). Arguments checked by the caller; A > 0."""
+    need_x, need_w13, need_w2, need_weights = needs
+    num_experts, top_k = w13.shape[0], ids.shape[1]
+    ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
+    expert_map = expert_map.contiguous() if expert_map is not None else None
+    tiles = backward_tiles(ids.numel(), num_experts, x.dtype)
+    layout = align(ids, expert_map, num_experts, tiles.block_m)
+    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles, activation)
+    dx = dw13 = dw2 = dweights = None
+    if need_x:
+        per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
+        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles)  # dh [A, 2N] @ w13[e] [2N, K]
+        dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
+    if need_w13:
+        dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles, split_m)
+    if need_w2:
+        dw2 = weight_grad(dout, top_k, gw, 1, num_experts, w2.dtype, layout, tiles, split_m)
+    if need_weights:
+        dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
+    return ExpertsGrads(dx, dw13, dw2, dweights)
+
+
+def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [M, K], h_pre [A, 2N]): the experts forward that keeps the gate-up product for the backward.
+    Unfused (gate-up GEMM, torch act-and-mul, down GEMM x weight, k-sum): it writes h_pre anyway. Rows
+    of h_pre of assignments not routed here hold garbage that nothing reads. Arguments checked; A > 0."""
+    num_experts, two_n, hidden = w13.shape
+    ids, x = ids.contiguous(), x.contiguous()
+    expert_map = expert_map.contiguous() if expert_map is not None else None
+    tiles = backward_tiles(ids.numel(), num_experts, x.dtype)
+    layout = align(ids, expert_map, num_experts, tiles.block_m)
+    work = _work_dtype(x)
+    h_pre = torch.empty(ids.numel(), two_n, dtype=work, device=x.device)
+    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles)  # x [M, K] @ w13[e]^T -> [A, 2N]
+    g = act_and_mul(h_pre, activation)  # [A, N]
+    per_slot = torch.empty(ids.numel(), hidden, dtype=work, device=x.device)
+    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles, scale=weights.contiguous())  # w * g @ w2[e]^T
+    return sum_slots(per_slot, ids, expert_map, num_experts, x.dtype), h_pre

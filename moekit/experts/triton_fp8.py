@@ -1,0 +1,236 @@
+"""Fused Triton experts on fp8 block-quantized weights (DeepSeek-V3's recipe), and its torch twin.
+
+    [Align (GPU, no sync)] -> [quantize x: e4m3 per token per G columns] -> [gate-up GEMM, block-scaled,
+    SiLU-and-mul, h re-quantized per G columns] -> [down GEMM, block-scaled, x routed weight] -> [sum over k]
+
+Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] float8_e4m3fn, scales
+[E, ceil(2N/GN), ceil(K/G)] and [E, ceil(K/GN), ceil(N/G)] float32, dequantized = q * scale (DeepSeek-V3's
+``weight_scale_inv``), block_shape = (GN, G) = (128, 128) by default. Activations are quantized at run
+time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4m3(v / s).
+
+The alignment, the tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery
+are the bf16 path's (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
+quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``.
+``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
+shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Its buffers are
+allocated per call (from the graph's pool while one captures).
+
+Torch twin: ``fused_experts_fp8_torch`` (the same quantization steps, float32 GEMMs on dequantized
+operands: equal to the block-scaled sum up to float32 rounding, except that now and then a value within
+float32 rounding of an e4m3 midpoint rounds the other way in one of the two). Under the CPU interpreter the e4m3
+values are kept in float32 buffers (see ``_kernels/quant_fp8``), as is y.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) block shape.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moekit.experts.configs import KernelConfig
+from moekit.experts.triton_align import run_align
+from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
+from moekit.layouts.grouping import to_local_ids
+
+E4M3_MAX = 448.0
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_groups(v: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [R, C] -> (q [R, C] float8_e4m3fn, s [R, ceil(C/G)] float32), v ~= q * s per group of G columns.
+    The twin of ``_kernels.quant_fp8``: s = amax / 448 (1 for a group of zeros), q = e4m3(v / s)."""
+    rows, cols = v.shape
+    padded = torch.nn.functional.pad(v.float(), (0, cdiv(cols, group) * group - cols))
+    groups = padded.view(rows, -1, group)  # [R, CB, G]
+    amax = groups.abs().amax(dim=2)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))  # [R, CB]
+    q = (groups / s[:, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(rows, -1)[:, :cols], s
+
+
+def dequantize_groups(q: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """q [R, C] * s [R, ceil(C/G)] expanded over its groups -> float32 [R, C]."""
+    return q.float() * s.repeat_interleave(group, dim=1)[:, :q.shape[1]]
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """One expert's q [R, C] * scale [ceil(R/GN), ceil(C/G)] expanded over its blocks -> float32 [R, C]."""
+    rows, cols = q.shape
+    expanded = scale.repeat_interleave(block_shape[0], dim=0).repeat_interleave(block_shape[1], dim=1)
+    return q.float() * expanded[:rows, :cols]
+
+
+def fused_experts_fp8_torch(
+    x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, *,
+    activation: str = "silu", expert_map: torch.Tensor | None = None, block_shape: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """The torch twin of ``fused_experts_fp8`` (any device; syncs): x quantized per token per G columns,
+    block-scaled gate-up in float32, SiLU-and-mul, h re-quantized per G columns, block-scaled down,
+    routed weight, sum over the k slots. Returns [M, K] in x.dtype."""
+    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
+    group, n = block_shape[1], w13_q.shape[1] // 2
+    x_deq = dequantize_groups(*quantize_groups(x, group), group)  # [M, K] fp32
+    top_k = topk_ids.shape[1]
+    local = to_local_ids(topk_ids, w13_q.shape[0], expert_map)  # [A]; E = not routed here
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in local.unique().tolist():
+        if e >= w13_q.shape[0]:
+            continue
+        assignments = (local == e).nonzero().squeeze(1)  # [n_e]
+        tokens, slots = assignments // top_k, assignments % top_k
+        gate_up = x_deq[tokens] @ dequantize_blocks(w13_q[e], w13_scale[e], block_shape).T  # [n_e, 2N]
+        h = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]  # [n_e, N]
+        y = dequantize_groups(*quantize_groups(h, group), group) @ dequantize_blocks(w2_q[e], w2_scale[e], block_shape).T
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots].float()[:, None])  # [n_e, K]
+    return out.to(x.dtype)
+
+
+def check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map,
+                   block_shape) -> None:
+    """A clear error, naming the argument, for anything the fp8 path cannot take."""
+    if activation != "silu":
+        raise ValueError(f"activation must be 'silu' for the fp8 path, got {activation!r}")
+    if len(block_shape) != 2 or any(not isinstance(b, int) or b < 1 for b in block_shape):
+        raise ValueError(f"block_shape must be two positive ints, got {block_shape!r}")
+    if block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1):
+        raise ValueError(f"block_shape[1] (the reduction block) must be a power of two >= 16, got {block_shape[1]}")
+    if x.dim() != 2 or x.dtype not in X_DTYPES:
+        raise ValueError(f"x must be [M, K] in one of {X_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    (m, hidden), (bn, bk) = x.shape, block_shape
+    for name, w in (("w13_q", w13_q), ("w2_q", w2_q)):
+        if w.dtype != torch.float8_e4m3fn or w.dim() != 3:
+            raise TypeError(f"{name} must be a 3-D float8_e4m3fn tensor, got {tuple(w.shape)} {w.dtype}")
+    num_experts, two_n = w13_q.shape[0], w13_q.shape[1]
+    if w13_q.shape[2] != hidden or two_n % 2:
+        raise ValueError(f"w13_q must have shape [E, 2N, K={hidden}], got {tuple(w13_q.shape)}")
+    n = two_n // 2
+    _check_shape("w2_q", w2_q, (num_experts, hidden, n))
+    _check_shape("w13_scale", w13_scale, (num_experts, cdiv(two_n, bn), cdiv(hidden, bk)), torch.float32)
+    _check_shape("w2_scale", w2_scale, (num_experts, cdiv(hidden, bn), cdiv(n, bk)), torch.float32)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != m or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be [M={m}, k] int32 or int64, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating [M, k] like topk_ids {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weights.shape)} {topk_weights.dtype}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"expert_map must be 1-D int32 or int64, got {tuple(expert_map.shape)} {expert_map.dtype}")
+    for name, t in (("w13_q", w13_q), ("w13_scale", w13_scale), ("w2_q", w2_q), ("w2_scale", w2_scale),
+                    ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_map", expert_map)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+        want = f"{list(shape)}" + (f" {dtype}" if dtype is not None else "")
+        raise ValueError(f"{name} must be {want}, got {list(t.shape)} {t.dtype}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def clear_launch_caches() -> None:
+    """Drop every cached plan (the next call builds it again)."""
+    clear_plans()
+
+
+def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_groups`` by the path's own kernel (v [R, C] -> q [R, C] e4m3, s [R, ceil(C/G)]): for
+    checks of the rounding; the path launches it from its plan."""
+    rows, cols = v.shape
+    q = torch.empty(v.shape, dtype=torch.float32 if interpreting() else torch.float8_e4m3fn, device=v.device)
+    s = torch.empty(rows, cdiv(cols, group), dtype=torch.float32, device=v.device)
+    if v.numel():
+        kernels("quant_fp8").quantize_rows_kernel[(cdiv(rows, QUANT_ROWS), cdiv(cols, group))](
+            v, q, s, rows, cols, *v.stride(), cols, s.shape[1], BLOCK_R=QUANT_ROWS, GROUP=group,
+            EMULATE=interpreting(), PDL=False)
+    return q.to(torch.float8_e4m3fn), s  # under the interpreter q holds e4m3 values in float32: exact
+
+
+def fused_experts_fp8_launch(
+    x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
+    block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
+    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None,
+) -> torch.Tensor:
+    """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
+    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, dependent_launch,
+    cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
+    (True) or in a kernel of its own (False); None: the plan's rule (inside only for the tiny-batch
+    shortcut). Either way the result is the same."""
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
+    if ids.numel() == 0:
+        return x.new_zeros(x.shape)
+    if not is_available(x.device):
+        raise RuntimeError(f"the fp8 triton path needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+    if expert_map is not None:
+        expert_map = expert_map.contiguous()
+    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
+                    x_in_gate_up)
+    return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
+
+
+def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
+    b = plan.workspace.allocate(x.device)
+    if plan.poison:  # a read of a row no kernel wrote shows up as NaN in the output
+        for name in ("h_q", "h_s", "y"):
+            b[name].fill_(float("nan"))
+    if plan.align is None:
+        rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
+    else:
+        run_align(plan.align, ids, expert_map, b)
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+    if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
+        x_q, x_s = x, x  # x_s is never read then
+    else:
+        x_q, x_s = b["x_q"], b["x_s"]
+        plan.quantize(x, x_q, x_s)
+    plan.gate_up(x_q, x_s, w13_q, w13_scale, b["h_q"], b["h_s"], ids, *rows)
+    plan.down(b["h_q"], b["h_s"], w2_q, w2_scale, b["y"], weights, ids, *rows)
+    plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
+    return out
+
+
+@torch.library.custom_op("moekit::triton_experts_fp8", mutates_args=())
+def _fp8_op(
+    x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], block_n: int,
+    block_k: int, dependent_launch: bool, poison_workspace: bool,
+) -> torch.Tensor:
+    options = LaunchOptions(dependent_launch=dependent_launch, poison_workspace=poison_workspace)
+    return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
+                                    (block_n, block_k), options=options)
+
+
+@_fp8_op.register_fake
+def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
+              dependent_launch, poison_workspace):
+    return x.new_empty(x.shape)
+
+
+def fused_experts_fp8(
+    x: torch.Tensor,  # [M, K]
+    w13_q: torch.Tensor,  # [E, 2N, K] float8_e4m3fn
+    w13_scale: torch.Tensor,  # [E, ceil(2N/GN), ceil(K/G)] float32
+    w2_q: torch.Tensor,  # [E, K, N] float8_e4m3fn
+    w2_scale: torch.Tensor,  # [E, ceil(K/GN), ceil(N/G)] float32
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    block_shape: tuple[int, int] = (128, 128),
+    options: LaunchOptions = LaunchOptions(),
+) -> torch.Tensor:
+    """The experts contract on fp8 block-quantized weights, fused Triton kernels; returns [M, K] in
+    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, dependent_launch and
+    poison_workspace cross the op)."""
+    check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
+    return torch.ops.moekit.triton_experts_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
+                                               block_shape[0], block_shape[1], options.dependent_launch,
+                                               options.poison_workspace)

@@ -1,0 +1,214 @@
+"""The plan of an fp8 block-scaled Triton experts call (``triton_fp8``): its config and launches, decided
+on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
+
+    fp8_config(M, E, N, K, k, block_k, device): a tuned file's nearest-M entry, else the heuristic
+    Fp8Plan: config, alignment (or the tiny-batch shortcut), workspace regions, the bound launches of
+    quantize x, gate-up (+ SiLU-and-mul + re-quantize h), down (x routed weight), k-sum
+
+Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
+named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
+reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
+power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
+is refused.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
+shape; KB = ceil(K / G), NB = ceil(N / G).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.configs import (
+    PACKAGED_DIR, GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear, read_configs, user_config_dirs,
+)
+from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
+from moekit.layouts.block_aligned import use_naive
+from moekit.layouts.grouping import max_padded_rows
+from moekit.triton_bind import BoundLaunch
+
+SCHEME = "fp8_block"
+QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one column group each)
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Plan:
+    """What every call of one kind launches with. Holds no tensor."""
+
+    config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
+    align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
+    # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
+    # h float32 and h_s [1], unused), y [A, K], + the alignment's
+    workspace: WorkspaceSpec
+    quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
+    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h_q, h_s, w2_q, w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+    poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
+
+
+_PLANS: dict[tuple, Fp8Plan] = {}
+_TABLES: dict[tuple, dict[int, KernelConfig] | None] = {}
+on_config_cache_clear(_PLANS.clear)
+on_config_cache_clear(_TABLES.clear)
+
+
+def clear_plans() -> None:
+    """Drop the cached plans (they hold the kernels they were built with)."""
+    _PLANS.clear()
+
+
+def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int = 128) -> KernelConfig:
+    """The default with no tuned file. Like the bf16 heuristic, the tile height follows the mean rows per
+    expert M*k/E (a tile much taller than that is padding). From 16 rows per expert the gate-up tile is
+    one scale group wide (its epilogue re-quantizes whole groups); below, tiles are narrower so that
+    the few touched experts still make enough programs to stream their weights on every SM (h then
+    goes to the down GEMM in float32). Untuned guesses: ``benchmarks/fp8_device_check.py --sweep``
+    measures the alternatives."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert < 16:
+        up_n = min(group, 64 if n <= 4096 else 128)
+        return KernelConfig(16, GemmTile(up_n, group, 1, 4, 4), GemmTile(64, group, 1, 4, 4))
+    if rows_per_expert < 64:
+        return KernelConfig(64, GemmTile(group, group, 1, 4, 3), GemmTile(128, group, 1, 4, 3))
+    return KernelConfig(128, GemmTile(group, group, 8, 8, 3), GemmTile(128, group, 8, 8, 3))
+
+
+def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
+    return f"E{num_experts}_N{n}_K{k}_{SCHEME}_{device}.json"
+
+
+def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
+    """The tuned entry of the nearest M for (E, N, K, device), else ``heuristic_fp8_config``."""
+    table = _table(num_experts, n, k, device)
+    if not table:
+        return heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group)
+    config = nearest(table, num_tokens)
+    check_config(config, group, f"the tuned file {config_file_name(num_experts, n, k, device)}")
+    return config
+
+
+def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, KernelConfig] | None:
+    key = (num_experts, n, k, device, tuple(user_config_dirs()))
+    if key not in _TABLES:
+        name = config_file_name(num_experts, n, k, device)
+        found = [d / name for d in [*user_config_dirs(), PACKAGED_DIR] if (d / name).is_file()]
+        _TABLES[key] = read_configs(found[0]) if found else None
+    return _TABLES[key]
+
+
+def check_config(config: KernelConfig, group: int, where: str = "config") -> None:
+    """BLOCK_K is the scale group (one scale per K-step); the gate-up tile holds whole groups, or
+    divides one (then the down GEMM quantizes h)."""
+    if config.up.BLOCK_K != group or config.down.BLOCK_K != group:
+        raise ValueError(f"{where}: BLOCK_K of both GEMMs must be the block shape's {group}, got "
+                         f"{config.up.BLOCK_K} and {config.down.BLOCK_K}")
+    up_n = config.up.BLOCK_N
+    if up_n % group and (up_n < 16 or group % up_n):
+        raise ValueError(f"{where}: the gate-up BLOCK_N must be a multiple of {group} or a power of two from 16 "
+                         f"below it, got {up_n}")
+
+
+def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
+             config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
+    """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
+    ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: only in
+    the tiny-batch shortcut (each program holds one token there, so the work is not repeated much)."""
+    # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
+    aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
+    key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
+           w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
+           None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
+           block_shape, config, options, x_in_gate_up)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 4096:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
+                                                options, x_in_gate_up)
+    return plan
+
+
+def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
+               options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
+    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
+    block_n, group = block_shape
+    options = resolve_launch_options(options, x.device)
+    (num_experts, two_n, hidden), (num_tokens, top_k) = w13_q.shape, ids.shape
+    n, num_assignments = two_n // 2, num_tokens * top_k
+    if config is None:
+        config = fp8_config(num_tokens, num_experts, n, hidden, top_k, group, device_key(x.device))
+    check_config(config, group)
+    align, naive = None, use_naive(num_assignments, num_experts, expert_map)
+    if naive:
+        block_m, num_pid_m = 16, num_assignments
+    else:
+        block_m = config.BLOCK_M
+        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
+        align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
+                           num_pid_m * block_m, options)
+    emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
+    x_raw = naive if x_in_gate_up is None else x_in_gate_up
+    q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
+    regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
+                                ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
+    regions += [("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
+               ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
+               ("y", y_dtype, (num_assignments, hidden))]
+    shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
+                  cached=options.cached_launcher, **options.pdl_kwargs())
+    return Fp8Plan(
+        config=config, align=align,
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        quantize=None if x_raw else BoundLaunch(
+            kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
+            (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
+            BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
+        gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
+                                num_pid_m, dict(shared, X_RAW=x_raw)),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
+        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        poison=options.poison_workspace,
+    )
+
+
+def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,
+                    config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
+    """x_q [M, K] and h_q [A, N] are contiguous workspace regions, and so are their scales; ``x_stride``:
+    x's strides where the kernel reads x itself (X_RAW), else None."""
+    (num_experts, two_n, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
+    return BoundLaunch(
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
+         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+    )
+
+
+def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
+    """h_q [A, N], h_s [A, NB] and y [A, K] are contiguous workspace regions."""
+    (num_experts, hidden, n), down = w2_q.shape, config.down
+    return BoundLaunch(
+        kernels("gemm_fp8").down_fp8_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 10,
+        (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
+         *w2_scale.stride(), hidden),
+        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
+        num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+    )
+
+
+def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options) -> BoundLaunch:
+    """out[t] = sum of y over token t's routed slots (``combine``; the bf16 path launches it the same way)."""
+    has_map, topk_pad = expert_map is not None, next_pow2(top_k)
+    block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
+    return BoundLaunch(
+        kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
+        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, cached=options.cached_launcher,
+        **options.pdl_kwargs(),
+    )

@@ -1,0 +1,78 @@
+"""The Triton backend on quantized weights: ``moekit.quant``'s objects onto the fp8 and weight-only kernels.
+
+    QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path)
+                         -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers)
+
+What the quantized kernels do not run yet (expert biases, an activation spec other than a plain name,
+fp8 with an activation other than SiLU, weight-only with float32 activations) goes to ``grouped_mm``'s quantized path (dequantized per call,
+the same definition) with a warning once per kind, so the answer is never a different function.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from moekit.activations import ActivationSpec, as_spec
+from moekit.quant import QuantizedWeight, check_quantized_pair
+from moekit.experts.triton_launch import LaunchOptions
+
+_GROUP = {"int8_w8a16": None, "int4_w4a16": "group_size", "mxfp4": 32}
+
+
+def is_quantized(w13, w2) -> bool:
+    return isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight)
+
+
+def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, *, activation: str | ActivationSpec, expert_map,
+                         b13, b2, options: LaunchOptions) -> torch.Tensor:
+    """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels."""
+    scheme = check_quantized_pair(w13, w2)
+    reason = _unsupported(scheme, x.dtype, activation, b13, b2)
+    if reason is not None:
+        _warn_once(scheme, reason)
+        from moekit.experts.grouped_mm import experts_grouped_mm
+
+        return experts_grouped_mm(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                  b13=b13, b2=b2)
+    name = as_spec(activation).name
+    if scheme == "fp8_block":
+        from moekit.experts.triton_fp8 import fused_experts_fp8
+
+        return fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
+                                 expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
+    from moekit.experts.triton_wo import fused_experts_wo
+
+    return fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, activation=name, expert_map=expert_map,
+                            options=options)
+
+
+def _unsupported(scheme: str, dtype: torch.dtype, activation, b13, b2) -> str | None:
+    """Why the fused quantized kernels cannot take this call, or None."""
+    if scheme != "fp8_block" and dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')} activations (the weight-only kernels take bf16/fp16)"
+    if b13 is not None or b2 is not None:
+        return "expert biases"
+    spec = as_spec(activation)
+    if not spec.plain:
+        return f"the activation spec {spec}"
+    if scheme == "fp8_block" and spec.name != "silu":
+        return f"activation {spec.name!r} (the fp8 kernels fuse SiLU)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(scheme: str, reason: str) -> None:
+    warnings.warn(f"moekit triton: {scheme} weights with {reason} run through grouped_mm's dequantizing path "
+                  "(same result, not the fused kernels)", stacklevel=4)
+
+
+def _wo(w: QuantizedWeight):
+    from moekit.experts.triton_wo import WoWeight
+
+    group = _GROUP[w.scheme]
+    group_size = 0 if group is None else (w.group_size if group == "group_size" else group)
+    return WoWeight(w.scheme, w.q, w.scale, getattr(w, "zero", None), group_size)

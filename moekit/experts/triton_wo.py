@@ -1,0 +1,249 @@
+"""Weight-only quantized experts on fused Triton kernels: int8_w8a16, int4_w4a16 and mxfp4 weights,
+dequantized in registers inside the grouped GEMMs; activations stay in x's dtype (bf16 or fp16).
+
+    [Align (as bf16)] -> [gate-up GEMM, w13 dequantized per tile, act-and-mul] -> [down GEMM, w2
+    dequantized per tile, x routed weight; split-K at decode where its tiles are few] -> [sum over
+    splits and k]
+
+The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
+path (``moekit.experts.triton``); the kernels are ``_kernels/gemm_wo.py``, the plan ``triton_wo_plan``.
+No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is a custom op
+with a fake, so ``torch.compile(fullgraph=True)`` traces through it.
+
+Weights (``WoWeight``; the session's quantized layouts, a logical weight [E, R, C] quantized along C,
+the reduction dim; w13: R = 2N gate rows then up rows, C = K; w2: R = K, C = N):
+    int8_w8a16  q int8 [E, R, C], scale fp32 [E, R] (symmetric, per output row); w = q * scale
+    int4_w4a16  q uint8 [E, R, ceil(C/2)], element 2i in the low nibble, 2i+1 in the high (0..15);
+                scale fp32 and zero uint8 (0..15; symmetric: 8) [E, R, ceil(C/g)], g in {32, 64, 128};
+                w = (q - zero) * scale
+    mxfp4       q uint8 as int4, e2m1 codes (sign bit 3, magnitudes [0, .5, 1, 1.5, 2, 3, 4, 6]);
+                scale uint8 e8m0 [E, R, ceil(C/32)]; w = value * 2^(scale - 127)
+Every tensor is read through its strides (no copies).
+
+Torch twin: ``fused_experts_wo_torch`` (``dequantize_wo`` per expert, then a float32 per-expert loop).
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moekit.activations import act_and_mul, get_activation
+from moekit.experts.configs import KernelConfig
+from moekit.experts.triton_align import run_align
+from moekit.experts.triton_launch import LaunchOptions, is_available
+from moekit.experts.triton_wo_plan import SCHEME_IDS, WeightArgs, clear_wo_plans, weight_args, wo_plan_for
+from moekit.layouts.grouping import to_local_ids
+
+SCHEMES = tuple(SCHEME_IDS)
+GROUP_SIZES = {"int8_w8a16": (0,), "int4_w4a16": (32, 64, 128), "mxfp4": (32,)}
+X_DTYPES = (torch.bfloat16, torch.float16)
+_ID_DTYPES = (torch.int32, torch.int64)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 codes 0..7; bit 3 is the sign
+
+
+@dataclass(frozen=True, eq=False)
+class WoWeight:
+    """One quantized expert weight [E, R, C] as raw tensors (layouts in the module docstring). The
+    logical C is not stored (a packed row of ceil(C/2) bytes holds C or C+1 values): the call knows it."""
+
+    scheme: str  # one of SCHEMES
+    q: torch.Tensor  # int8 [E, R, C] or uint8 [E, R, ceil(C/2)]
+    scale: torch.Tensor  # fp32 [E, R] (int8), fp32 [E, R, ceil(C/g)] (int4), uint8 [E, R, ceil(C/32)] (mxfp4)
+    zero: torch.Tensor | None = None  # int4 only: uint8 [E, R, ceil(C/g)]
+    group_size: int = 0  # int4: 32, 64 or 128; mxfp4: 32; int8: 0 (per output row)
+
+
+def _expected(scheme: str, rows: tuple, cols: int, group_size: int) -> dict:
+    """name -> (dtype, shape) of each tensor of a weight [*rows, cols] in ``scheme``."""
+    if scheme == "int8_w8a16":
+        return {"q": (torch.int8, (*rows, cols)), "scale": (torch.float32, rows)}
+    groups = (*rows, -(-cols // group_size))
+    if scheme == "int4_w4a16":
+        return {"q": (torch.uint8, (*rows, -(-cols // 2))), "scale": (torch.float32, groups),
+                "zero": (torch.uint8, groups)}
+    return {"q": (torch.uint8, (*rows, -(-cols // 2))), "scale": (torch.uint8, groups)}
+
+
+def check_wo_weight(w, name: str, rows: tuple, cols: int, device: torch.device) -> None:
+    """A clear error naming ``name`` (w13 or w2) unless ``w`` is a WoWeight of shape [*rows, cols]."""
+    if not isinstance(w, WoWeight):
+        raise TypeError(f"{name} must be a WoWeight, got {type(w).__name__}")
+    if w.scheme not in SCHEMES:
+        raise ValueError(f"{name}.scheme must be one of {SCHEMES}, got {w.scheme!r}")
+    if w.group_size not in GROUP_SIZES[w.scheme]:
+        raise ValueError(f"{name}.group_size must be one of {GROUP_SIZES[w.scheme]} for {w.scheme}, got {w.group_size}")
+    expected = _expected(w.scheme, rows, cols, w.group_size)
+    if w.zero is not None and "zero" not in expected:
+        raise ValueError(f"{name}.zero must be None for {w.scheme}")
+    for part, (dtype, shape) in expected.items():
+        t = getattr(w, part)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}.{part} must be a tensor for {w.scheme}, got {type(t).__name__}")
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}.{part} must be {dtype} of shape {tuple(shape)} for {w.scheme}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{name}.{part} must be on {device} like x, got {t.device}")
+
+
+def check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation: str) -> None:
+    """Every argument of a weight-only call, each with a clear error naming it."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in X_DTYPES:
+        raise ValueError(f"x must be a [M, K] tensor of one of {X_DTYPES}, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    get_activation(activation)  # raises, naming the argument
+    if not isinstance(w13, WoWeight) or w13.q.dim() != 3 or w13.q.shape[1] % 2:
+        raise ValueError("w13 must be a WoWeight of logical shape [E, 2N, K]")
+    (num_experts, two_n), hidden = w13.q.shape[:2], x.shape[1]
+    check_wo_weight(w13, "w13", (num_experts, two_n), hidden, x.device)
+    check_wo_weight(w2, "w2", (num_experts, hidden), two_n // 2, x.device)
+    if w2.scheme != w13.scheme:
+        raise ValueError(f"w13 and w2 must share a scheme, got {w13.scheme} and {w2.scheme}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32/int64 of shape [M={x.shape[0]}, k], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating of shape {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    for arg, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("expert_map", expert_map)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{arg} must be on {x.device} like x, got {t.device}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype not in _ID_DTYPES):
+        raise ValueError(f"expert_map must be 1-D int32/int64, got {expert_map.dtype} {tuple(expert_map.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The torch twin
+# ---------------------------------------------------------------------------------------------------
+
+
+def dequantize_wo(w: WoWeight, cols: int, expert: int | None = None) -> torch.Tensor:
+    """The float32 weight [E, R, C] (or expert ``expert``'s [R, C]) that ``w`` stores; ``cols`` = C."""
+    q, scale, zero = w.q, w.scale, w.zero
+    if expert is not None:
+        q, scale, zero = q[expert], scale[expert], None if zero is None else zero[expert]
+    if w.scheme == "int8_w8a16":
+        return q.float() * scale.float()[..., None]
+    codes = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)[..., :cols].long()  # [.., R, C]: 2i low, 2i+1 high
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:  # [.., R, groups] -> [.., R, C]
+        return t.repeat_interleave(w.group_size, dim=-1)[..., :cols].float()
+
+    if w.scheme == "int4_w4a16":
+        return (codes.float() - per_column(zero)) * per_column(scale)
+    table = torch.tensor(_E2M1, device=q.device)
+    values = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
+    return values * torch.exp2(per_column(scale) - 127.0)
+
+
+def fused_experts_wo_torch(
+    x: torch.Tensor,  # [M, K]
+    w13: WoWeight,  # [E, 2N, K]
+    w2: WoWeight,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The twin of ``fused_experts_wo``: each routed expert's weights dequantized (one expert at a time,
+    so real shapes fit), then act-and-mul and the weighted sum in float32; returns x.dtype [M, K]."""
+    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    (num_experts, two_n), hidden = w13.q.shape[:2], x.shape[1]
+    num_tokens, top_k = topk_ids.shape
+    local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [M, K]
+    for expert in range(num_experts):
+        tokens, slots = (local == expert).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h = x[tokens].float() @ dequantize_wo(w13, hidden, expert).t()  # [m, 2N]
+        y = act_and_mul(h, activation) @ dequantize_wo(w2, two_n // 2, expert).t()  # [m, K]
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_experts_wo(
+    x: torch.Tensor, w13: WeightArgs, w2: WeightArgs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    expert_map: torch.Tensor | None, scheme: str, activation: str = "silu", config: KernelConfig | None = None,
+    options: LaunchOptions = LaunchOptions(), split_k: int | None = None,
+) -> torch.Tensor:
+    """The kernels, launched (arguments already checked); ``config`` overrides the lookup, ``split_k``
+    the down GEMM's splits (None: ``decode_split_k``). Not a custom op: for tools that pick configs per
+    call; models go through ``fused_experts_wo``."""
+    if not is_available(x.device):
+        raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
+    if ids.numel() == 0 or x.shape[1] == 0:
+        return x.new_zeros(x.shape)
+    if expert_map is not None:
+        expert_map = expert_map.contiguous()
+    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
+    b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
+    if options.poison_workspace:
+        b["h"].fill_(float("nan"))
+        b["y"].fill_(float("nan"))
+    if plan.align is None:
+        rows = (None, None, None)  # naive: the kernels read each block's expert from topk_ids
+    else:
+        run_align(plan.align, ids, expert_map, b)
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+    h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
+    plan.gate_up(x, w13.q, w13.scale, w13.zero, h, ids, *rows)
+    plan.down(h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
+    plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
+    return out
+
+
+@torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())
+def _experts_wo_op(
+    x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, z13: Optional[torch.Tensor], g13: int,
+    q2: torch.Tensor, s2: torch.Tensor, z2: Optional[torch.Tensor], g2: int,
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
+    scheme: str, activation: str, dependent_launch: bool,
+) -> torch.Tensor:
+    options = LaunchOptions(dependent_launch=dependent_launch, reuse_workspace=False)
+    return run_experts_wo(x, weight_args(q13, s13, z13, g13), weight_args(q2, s2, z2, g2), topk_ids, topk_weights,
+                          expert_map, scheme, activation, options=options)
+
+
+@_experts_wo_op.register_fake
+def _experts_wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
+                     dependent_launch):
+    return x.new_empty(x.shape)
+
+
+def fused_experts_wo(
+    x: torch.Tensor,  # [M, K]
+    w13: WoWeight,  # [E, 2N, K]
+    w2: WoWeight,  # [E, K, N]
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str = "silu",
+    expert_map: torch.Tensor | None = None,
+    options: LaunchOptions = LaunchOptions(),
+) -> torch.Tensor:
+    """The experts contract on quantized weights: out [M, K] (x.dtype) = sum over the routed slots of
+    weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the custom op.
+    ``options``: its ``dependent_launch`` applies."""
+    check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    return torch.ops.moekit.triton_experts_wo(
+        x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
+        topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch)
+
+
+def clear_launch_caches() -> None:
+    """Drop every weight-only plan (the next call builds them again)."""
+    clear_wo_plans()

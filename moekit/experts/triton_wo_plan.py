@@ -1,0 +1,259 @@
+"""The plan of a weight-only quantized Triton experts call (``triton_wo``): the config, the alignment,
+the workspace and the bound launches, decided once per kind of call and cached, as ``triton_plan``
+does for 16-bit weights (and reusing its alignment, workspace and k-sum machinery).
+
+    wo_plan_for(call) --_WO_PLANS--> WoPlan: options, config (tuned file or heuristic), alignment or the
+    naive shortcut, workspace regions h [A, N] and y [A, K], gate-up / down / k-sum launches
+
+Configs: ``E{E}_N{N}_K{K}_{scheme}_{device}.json`` in the config directories (``moekit.experts.configs``'s
+format and search order, the scheme in the dtype's place), nearest M; without a file,
+``wo_heuristic_config``.
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moekit.activations import get_activation
+from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_configs, nearest, on_config_cache_clear
+from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_launch import (
+    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, next_pow2, resolve_launch_options,
+)
+from moekit.experts.triton_plan import _sum_launch
+from moekit.layouts.block_aligned import use_naive
+from moekit.layouts.grouping import max_padded_rows
+from moekit.triton_bind import BoundLaunch
+
+SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
+MIN_PACKED_SUB = 32  # packed sub-tiles split into even/odd halves of >= 16 columns (tl.dot's least K)
+MAX_PLANS = 1024
+MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
+MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
+
+
+@dataclass(frozen=True)
+class WeightArgs:
+    """What the kernels read of one quantized weight: its scheme's layout (see ``triton_wo``) as
+    tensors and strides. ``zero`` is ``scale`` where the scheme has none (never read then)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int  # >= 1; int8 (per channel): the whole row, the kernels never divide by it
+    strides: tuple  # q (e, r, c), scale (e, r, g), zero (e, r, g): 9 ints
+
+
+def weight_args(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int) -> WeightArgs:
+    s_strides = scale.stride() if scale.dim() == 3 else (*scale.stride(), 0)  # int8: [E, R], no group dim
+    z = scale if zero is None else zero
+    z_strides = (0, 0, 0) if zero is None else zero.stride()
+    return WeightArgs(q, scale, z, max(group_size, 1), (*q.stride(), *s_strides, *z_strides))
+
+
+@dataclass(frozen=True, eq=False)
+class WoPlan:
+    """What every call of one kind launches with. Holds no tensor."""
+
+    options: LaunchOptions  # resolved for the device
+    config: KernelConfig
+    align: AlignPlan | None  # None in the naive shortcut (block a = assignment a)
+    split_k: int  # the down GEMM's reduction splits (1: none); y then holds SPLIT partial rows per assignment
+    workspace: WorkspaceSpec  # h [A, N], y [SPLIT*A, K] (work dtype; fp32 partials), the alignment's buffers
+    gate_up: BoundLaunch  # pointers: x, q13, s13, z13, h, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h, q2, s2, z2, y, weights, ids, sorted_ids, expert_ids, num_padded
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out: the sum over splits and slots
+
+
+_WO_PLANS: dict[tuple, WoPlan] = {}
+on_config_cache_clear(_WO_PLANS.clear)
+
+
+def clear_wo_plans() -> None:
+    _WO_PLANS.clear()
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.data_ptr() & 15
+
+
+def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
+                config, options: LaunchOptions, split_k: int | None = None) -> tuple:
+    """The kind of a call: everything the launches depend on but the tensors' contents and addresses."""
+    return (
+        _tensor_key(x), x.device, *(_tensor_key(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)),
+        w13.group_size, w2.group_size, _tensor_key(ids), _tensor_key(weights),
+        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options, split_k,
+    )
+
+
+def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
+                config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
+    """The cached plan of this call's kind (``options.cache_plans``), else a new one. ``split_k``: the
+    down GEMM's splits, None for ``decode_split_k``'s choice."""
+    if not options.cache_plans:
+        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
+    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
+    plan = _WO_PLANS.get(key)
+    if plan is None:
+        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
+        if len(_WO_PLANS) >= MAX_PLANS:
+            _WO_PLANS.pop(next(iter(_WO_PLANS)))
+        _WO_PLANS[key] = plan
+    return plan
+
+
+def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The default without a tuned file; reasoned, not yet measured (``benchmarks/wo_tune.py`` tunes on the
+    device and writes the files, ``benchmarks/wo_device_check.py`` times this): the bf16 heuristic's tile heights (the padding tax follows the rows per expert); at decode
+    sizes reduction steps of 128 weight bytes per row (BLOCK_K 256 packed, 128 int8), and output tiles
+    as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM
+    streams weights)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    if rows_per_expert < 16:
+        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+        block_k = 128 if scheme == "int8_w8a16" else 256
+        up = GemmTile(_decode_width(blocks, n, widest=64), block_k, 1, 4, 4)  # gate and up: two weight tiles
+        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=128), block_k, 1, 4, 4))
+    if rows_per_expert < 64:
+        return KernelConfig(32 if rows_per_expert < 32 else 64, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+
+
+def _decode_width(blocks: int, cols: int, widest: int) -> int:
+    """The widest BLOCK_N up to ``widest`` (128, 64, 32) that makes blocks x cols / BLOCK_N >= MIN_PROGRAMS,
+    else 32."""
+    return next((bn for bn in (128, 64) if bn <= widest and blocks * cols / bn >= MIN_PROGRAMS), 32)
+
+
+def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str) -> KernelConfig:
+    """The tuned entry of the nearest M for (E, N, K, scheme, device), else ``wo_heuristic_config``."""
+    configs = load_configs(num_experts, n, k, scheme, device)  # the file name takes the scheme as its dtype
+    return nearest(configs, num_tokens) if configs else wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+
+
+def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
+    """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
+    [BM, BK] and the packed weight tiles [BK, BN] (1 byte or half a byte a weight), plus one 16-bit copy
+    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
+    weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
+    packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
+    return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
+
+
+def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit_bytes: int) -> KernelConfig:
+    """``config`` with each GEMM shrunk until the estimate fits ``limit_bytes``: fewer stages (to 2), then
+    a halved BLOCK_K (to 32 packed, 16 int8). A config that fits comes back unchanged."""
+    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_SUB
+
+    def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
+        while wo_shared_memory_bytes(config.BLOCK_M, tile, scheme, itemsize, weight_tiles) > limit_bytes:
+            if tile.num_stages > 2:
+                tile = replace(tile, num_stages=tile.num_stages - 1)
+            elif tile.BLOCK_K > least_k:
+                tile = replace(tile, BLOCK_K=tile.BLOCK_K // 2)
+            else:
+                break  # the smallest tile we make; let Triton report what it needs
+        return tile
+
+    return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
+
+
+def sub_tile(tile: GemmTile, scheme: str, group_size: int) -> int:
+    """SUB, the reduction width of one dequantized sub-tile: inside one scale group, and >= 32 for the
+    packed schemes. A config whose BLOCK_K cannot give that is refused, naming it."""
+    if scheme == "int8_w8a16":
+        return tile.BLOCK_K
+    if tile.BLOCK_K < MIN_PACKED_SUB:
+        raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_SUB} for {scheme}, got {tile.BLOCK_K}")
+    return min(tile.BLOCK_K, group_size)
+
+
+def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
+                  config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
+    """Decide everything for this call's kind (arguments already checked)."""
+    options = resolve_launch_options(options, x.device)
+    (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
+    n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
+    if config is None:
+        config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device))
+    if not interpreting():
+        config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
+    align = None
+    if use_naive(num_assignments, num_experts, expert_map):
+        config, num_pid_m = replace(config, BLOCK_M=16), num_assignments
+    else:
+        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, config.BLOCK_M), config.BLOCK_M)
+        align = plan_align(num_assignments, num_experts, config.BLOCK_M,
+                           None if expert_map is None else expert_map.numel(), num_pid_m * config.BLOCK_M, options)
+    if split_k is None:
+        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden)
+    split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
+    split_k = cdiv(n, split_len)  # no empty split
+    work_dtype = torch.float32 if interpreting() else x.dtype
+    regions = [("h", work_dtype, (num_assignments, n)),
+               ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
+    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
+                                   get_activation(activation).kernel_id, options, split_k, split_len)
+    return WoPlan(
+        options=options, config=config, align=align, split_k=split_k,
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        gate_up=gate_up, down=down,
+        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options) if split_k == 1
+        else _split_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, split_k, options),
+    )
+
+
+def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int) -> int:
+    """Splits of the down GEMM's reduction at decode sizes (16-row tiles): enough that the touched
+    experts' output tiles x splits reach MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The
+    decode heuristic's narrow tiles already give the three presets >= 256 programs (no split); few local
+    experts (expert parallelism, small hidden sizes) do not."""
+    if config.BLOCK_M != 16:
+        return 1
+    blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+    programs = blocks * cdiv(hidden, config.down.BLOCK_N)
+    return max(1, min(cdiv(MIN_PROGRAMS, programs), MAX_SPLIT, cdiv(n, config.down.BLOCK_K)))
+
+
+def _split_sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, split_k: int,
+                      options: LaunchOptions) -> BoundLaunch:
+    """out[t] = the sum of y's partials over the splits and token t's routed slots (``combine_wo``);
+    the tiles as the plain k-sum's."""
+    has_map, topk_pad = expert_map is not None, next_pow2(top_k)
+    block_k = min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
+    return BoundLaunch(
+        kernels("combine_wo").sum_split_slots_kernel, (cdiv(num_tokens, 4), cdiv(hidden, block_k)), 4,
+        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
+        BLOCK_T=4, BLOCK_K=block_k, TOPK_PAD=topk_pad, SPLIT=split_k, HAS_MAP=has_map,
+        cached=options.cached_launcher, **options.pdl_kwargs(),
+    )
+
+
+def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
+                   naive: bool, scheme: str, act: int, options: LaunchOptions, split_k: int,
+                   split_len: int) -> tuple[BoundLaunch, BoundLaunch]:
+    """The gate-up and down launches; h [A, N] and y [A, K] are contiguous workspace regions."""
+    num_experts, two_n = w13.q.shape[:2]
+    n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
+    up, down, gemm = config.up, config.down, kernels("gemm_wo")
+    shared = dict(BLOCK_M=config.BLOCK_M, SCHEME=SCHEME_IDS[scheme], NAIVE=naive, UPCAST=interpreting(),
+                  cached=options.cached_launcher, **options.pdl_kwargs())
+    gate_up = BoundLaunch(
+        gemm.gate_up_wo_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SUB=sub_tile(up, scheme, w13.group_size), GROUP=w13.group_size,
+        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+    )
+    down_launch = BoundLaunch(
+        gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+        (hidden, n, num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
+        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SUB=sub_tile(down, scheme, w2.group_size), GROUP=w2.group_size,
+        GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+    )
+    return gate_up, down_launch

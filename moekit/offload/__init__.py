@@ -1,0 +1,20 @@
+"""Experts that do not fit on the GPU: host-resident routed experts behind a GPU expert cache.
+
+    OffloadedMoE.from_moe(moe, cache_experts=C)       one layer, its own cache of C expert slots
+    cache = ExpertCache(C, device="cuda")              a model's budget, shared by its layers:
+    layers = [OffloadedMoE.from_moe(m, cache=cache) for m in moes]; link_layers(layers)   (prefetch)
+
+``whatif`` replays a routing trace through the cache policies without weights (the simulator's
+cache what-if); ``cost`` decides where a missed expert runs.
+"""
+
+from moekit.offload.cache import ExpertCache
+from moekit.offload.cost import MissCosts, MissSplit, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.layer import OffloadedMoE, link_layers
+from moekit.offload.policy import POLICIES, EvictionPolicy
+from moekit.offload.stats import OffloadStats
+
+__all__ = [
+    "ExpertCache", "EvictionPolicy", "MissCosts", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
+    "link_layers", "measure_cpu_costs", "measure_link_bandwidth", "split_misses",
+]

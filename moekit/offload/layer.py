@@ -1,0 +1,218 @@
+"""``OffloadedMoE``: a ``MoE`` whose routed experts live in host memory behind a GPU expert cache.
+
+    [Gate+Route] -> [Touched set: one device->host copy] -> [Hits | misses: fetch or CPU] -> [GPU experts
+    through expert_map onto cache slots] (+ [CPU experts, added]) -> [Prefetch the next layer's predicted set]
+
+The gate, the router's bias and the shared expert stay on the device; only routed experts are offloaded.
+Each forward copies the batch's expert counts to the host once (the one sync; with ``prefetch="router"``
+the next layer's predicted counts ride on the same copy), then:
+
+- hits compute from their slots; misses are fetched into free or evicted slots on a side stream
+  (``compute_misses_on="gpu"``), or computed on the CPU from the host weights while the GPU computes
+  the rest (``"cpu"``), or split between the two by ``cost.split_misses`` (``"auto"``);
+- when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
+- afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
+  the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
+  in its previous forward, ``None`` prefetches nothing.
+
+The result equals the plain ``MoE``'s within the dtype's rounding (partial sums add in float32).
+Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from moekit.experts import backend_fn, call_backend
+from moekit.layer import MoE
+from moekit.offload.cache import ExpertCache
+from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.stats import OffloadStats
+from moekit.routing import Routing, route
+
+MissPlace = Literal["gpu", "cpu", "auto"]
+Prediction = Literal["router", "previous"]
+_MISS_PLACES = ("gpu", "cpu", "auto")
+_PREDICTIONS = ("router", "previous", None)
+
+
+class OffloadedMoE(MoE):
+    """A ``MoE`` with host-resident routed experts; build one with ``from_moe``. ``last_stats`` holds
+    the ``OffloadStats`` of the latest forward, ``cache.stats`` the running total of every layer."""
+
+    @classmethod
+    def from_moe(
+        cls,
+        moe: MoE,
+        *,
+        cache_experts: int | None = None,
+        cache: ExpertCache | None = None,
+        policy: str = "lfu",
+        prefetch: Prediction | None = "router",
+        compute_misses_on: MissPlace = "gpu",
+        costs: MissCosts | None = None,
+        admit_per_forward: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> "OffloadedMoE":
+        """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
+        private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
+        shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
+        on first use when None. Misses computed on the CPU are not fetched for this forward; the
+        busiest of them are copied into the cache in the background (so the cache still learns the hot
+        set): ``admit_per_forward`` of them, or with None as many as the link moves during this
+        forward's CPU work (at least one; one when no ``costs`` are known); 0 keeps the cache as it is."""
+        if (cache is None) == (cache_experts is None):
+            raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
+        if compute_misses_on not in _MISS_PLACES:
+            raise ValueError(f"compute_misses_on must be one of {_MISS_PLACES}, got {compute_misses_on!r}")
+        if admit_per_forward is not None and (
+            not isinstance(admit_per_forward, int) or isinstance(admit_per_forward, bool) or admit_per_forward < 0
+        ):
+            raise ValueError(f"admit_per_forward must be an int >= 0 or None, got {admit_per_forward!r}")
+        if prefetch not in _PREDICTIONS:
+            raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
+        if not isinstance(moe, MoE) or type(moe) is not MoE:
+            raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
+        if cache is None:
+            cache = ExpertCache(cache_experts, device=device or moe.w13.device, policy=policy)
+        layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
+                    capacity_factor=moe.capacity_factor, drop_policy=moe.drop_policy, router=moe.router,
+                    stats_block_size=moe.stats_block_size, num_local_experts=0, dtype=moe.w13.dtype,
+                    device=cache.device)
+        layer._copy_resident(moe)
+        e = moe.config.num_experts
+        layer.cache, layer.layer_id = cache, cache.register(moe.w13[:e], moe.w2[:e])
+        layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
+        layer.admit_per_forward = admit_per_forward
+        layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
+        layer._cpu_fn = backend_fn("auto", "cpu")
+        return layer
+
+    def _copy_resident(self, moe: MoE) -> None:
+        """The gate, correction bias and shared expert (un-fused into a separate MLP) from ``moe``."""
+        with torch.no_grad():
+            self.gate.weight.copy_(moe.gate.weight)
+            if moe.e_score_correction_bias is not None:
+                self.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+            if self.shared_gate is not None:
+                self.shared_gate.weight.copy_(moe.shared_gate.weight)
+            if self.shared_w13 is None:
+                return
+            if moe.fuse_shared:
+                e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
+                gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
+                self.shared_w13.copy_(torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
+                self.shared_w2.copy_(torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
+            else:
+                self.shared_w13.copy_(moe.shared_w13)
+                self.shared_w2.copy_(moe.shared_w2)
+
+    @property
+    def next_layer(self) -> "OffloadedMoE | None":
+        return self._next[0] if self._next else None
+
+    def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x2d [M, K] and its routing -> [M, K], experts from the cache (and the CPU)."""
+        cache, stats, e = self.cache, OffloadStats(), self.config.num_experts
+        cache.begin_forward()
+        tokens, predicted = self._touched(x2d, routing)  # the one device -> host copy
+        stats.touched = len(tokens)
+        hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
+        fetch, on_cpu = self._place_misses({m: tokens[m] for m in misses})
+        cpu_inputs = _to_cpu(x2d, routing) if on_cpu else None  # started before the GPU work is queued
+        out = self._gpu_experts(x2d, routing, hits, fetch, stats)
+        if on_cpu:
+            cpu_map = torch.full((e,), -1, dtype=torch.int32)
+            cpu_map[on_cpu] = torch.tensor(on_cpu, dtype=torch.int32)
+            host = cache.host(self.layer_id)
+            y = call_backend(self._cpu_fn, *cpu_inputs[:1], host.w13, host.w2, *cpu_inputs[1:],
+                             activation=self.config.activation, expert_map=cpu_map)  # [M, K] on the CPU
+            out = out + y.to(out.device, torch.float32, non_blocking=True)
+            stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
+            cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
+        self._last_touched = sorted(tokens)
+        self._prefetch_next(predicted, stats)
+        self.last_stats = stats
+        cache.stats.add(stats)
+        return out.to(x2d.dtype)
+
+    def _touched(self, x2d: torch.Tensor, routing: Routing) -> tuple[dict[int, int], list[int]]:
+        """({expert: routed assignments} of this batch, the next layer's predicted experts)."""
+        e = self.config.num_experts
+        ids = routing.topk_ids.reshape(-1).long()
+        counts = torch.bincount(torch.where((ids >= 0) & (ids < e), ids, e), minlength=e + 1)[:e]  # [E]
+        nxt = self.next_layer
+        if nxt is not None and self.prefetch == "router" and x2d.shape[0]:
+            logits = nxt.gate(x2d if x2d.dtype == nxt.gate.weight.dtype else x2d.to(nxt.gate.weight.dtype))
+            pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1).long()
+            counts = torch.cat([counts, torch.bincount(pred, minlength=nxt.config.num_experts)])
+        host = counts.tolist()
+        tokens = {i: c for i, c in enumerate(host[:e]) if c}
+        if nxt is None or self.prefetch is None:
+            return tokens, []
+        if self.prefetch == "previous":
+            return tokens, list(nxt._last_touched)
+        return tokens, [i for i, c in enumerate(host[e:]) if c]
+
+    def _admissions(self, on_cpu: list[int], tokens: dict[int, int]) -> int:
+        """How many CPU-computed experts to copy into the cache after this forward."""
+        if self.admit_per_forward is not None:
+            return self.admit_per_forward
+        if self.costs is None:
+            return 1
+        cpu_s = sum(self.costs.cpu_time(tokens[m]) for m in on_cpu)
+        fetch_s = self.cache.host(self.layer_id).expert_bytes / self.costs.link_bytes_per_s
+        return max(1, int(cpu_s / fetch_s))
+
+    def _place_misses(self, tokens: dict[int, int]) -> tuple[list[int], list[int]]:
+        """(misses to fetch, misses to compute on the CPU) by ``compute_misses_on``."""
+        if self.compute_misses_on == "gpu" or not tokens:
+            return sorted(tokens), []
+        if self.compute_misses_on == "cpu":
+            return [], sorted(tokens)
+        if self.costs is None:
+            c = self.config
+            self.costs = MissCosts(measure_link_bandwidth(self.cache.device),
+                                   *measure_cpu_costs(c.moe_intermediate_size, c.hidden_size, self.cache.slot_w13.dtype))
+        split = split_misses(tokens, self.cache.host(self.layer_id).expert_bytes, self.costs)
+        return split.fetch, split.cpu
+
+    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
+        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K] float32."""
+        cache, e = self.cache, self.config.num_experts
+        out = torch.zeros(x2d.shape, dtype=torch.float32, device=x2d.device)
+        for experts in cache.rounds(self.layer_id, hits, fetch, stats):
+            if experts:
+                expert_map = cache.slot_map(self.layer_id, experts, e)
+                out += call_backend(self._experts_fn, x2d, cache.slot_w13, cache.slot_w2, routing.topk_ids,
+                                    routing.topk_weights, activation=self.config.activation, expert_map=expert_map)
+        return out
+
+    def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
+        nxt = self.next_layer
+        if nxt is not None and predicted:
+            nxt.cache.prefetch(nxt.layer_id, predicted, stats)
+
+
+    def _layout_used(self, routing: Routing) -> str:
+        return f"expert cache ({self.cache.cache_experts} slots) via expert_map"
+
+
+def link_layers(layers: list[OffloadedMoE]) -> None:
+    """Declare ``layers`` consecutive (each feeds the next), so each prefetches its successor's experts.
+    They must share one ``ExpertCache``: the budget is the model's, not a layer's."""
+    for layer in layers:
+        if not isinstance(layer, OffloadedMoE):
+            raise TypeError(f"layers must be OffloadedMoE, got {type(layer).__name__}")
+        if layer.cache is not layers[0].cache:
+            raise ValueError("layers must share one ExpertCache (pass cache= to from_moe)")
+    for layer, nxt in zip(layers, layers[1:]):
+        layer._next = [nxt]  # a list, not an attribute, so the successor is not registered as a submodule
+
+
+def _to_cpu(x2d: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M, K], ids [M, k], weights [M, k]) copied to the CPU."""
+    return x2d.detach().to("cpu"), routing.topk_ids.to("cpu"), routing.topk_weights.to("cpu")

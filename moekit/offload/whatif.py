@@ -1,0 +1,55 @@
+"""The cache what-if: replay a routing trace through ``ExpertCache`` without weights.
+
+A trace is what a decode run's routers chose: per step, per layer, the set of experts touched, and
+(for ``prefetch="router"``) the set layer l's router would pick from layer l-1's input. The replay
+drives the same ``ExpertCache`` the layers use, with zero-byte experts, so the hit rate it predicts is
+the cache's own behaviour, not a second model of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.offload.cache import ExpertCache
+from moekit.offload.stats import OffloadStats
+
+
+@dataclass
+class RoutingTrace:
+    """touched[step][layer]: experts the layer's batch routed to at that step (sorted, no repeats);
+    predicted[step][layer]: the experts the router prediction names for that layer (layer 0: empty)."""
+
+    num_experts: int
+    touched: list[list[list[int]]]
+    predicted: list[list[list[int]]]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.touched[0]) if self.touched else 0
+
+
+def replay(trace: RoutingTrace, cache_experts: int, policy: str = "lfu", prefetch: str | None = None) -> OffloadStats:
+    """Hits, fetches and prefetches of a cache of ``cache_experts`` slots over ``trace`` (every miss
+    fetched; ``prefetch``: None, "previous" or "router", as ``OffloadedMoE``)."""
+    if prefetch not in (None, "previous", "router"):
+        raise ValueError(f"prefetch must be None, 'previous' or 'router', got {prefetch!r}")
+    cache = ExpertCache(cache_experts, device="cpu", policy=policy)
+    empty = torch.empty(trace.num_experts, 0, 0)
+    layers = [cache.register(empty, empty) for _ in range(trace.num_layers)]
+    last: list[list[int]] = [[] for _ in layers]
+    for step, per_layer in enumerate(trace.touched):
+        for layer, touched in zip(layers, per_layer):
+            stats = OffloadStats(touched=len(touched))
+            cache.begin_forward()
+            hits, misses = cache.lookup(layer, touched, stats)
+            for _ in cache.rounds(layer, hits, misses, stats):
+                pass  # no weights: the rounds only move the cache's bookkeeping
+            last[layer] = touched
+            nxt = layer + 1
+            if prefetch is not None and nxt < len(layers):
+                guess = last[nxt] if prefetch == "previous" else trace.predicted[step][nxt]
+                cache.prefetch(nxt, guess, stats)
+            cache.stats.add(stats)
+    return cache.stats

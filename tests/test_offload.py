@@ -1,0 +1,189 @@
+"""``moekit.offload`` on a CPU-only machine: the "GPU" cache and the host store are both the CPU, so
+every path (hits, fetches, evictions, rounds, CPU compute of misses, prefetch) runs its real
+bookkeeping; the reference is the plain ``MoE`` the offloaded layer was built from, and the cache's
+hit/miss counts are checked against an eviction simulation written here."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moekit import MoE, MoEConfig
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
+
+from _helpers import TOLERANCE, rel_l2
+
+E, K, N = 8, 32, 16
+
+
+def _moe(seed: int = 0, **config) -> MoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2, **config)
+    return MoE(cfg, backend="grouped_mm", router="torch")
+
+
+def _x(m: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("place", ["gpu", "cpu", "auto"])
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_offloaded_layer_equals_the_plain_layer(place, slots):
+    moe = _moe()
+    costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1e-6, cpu_token_s=2e-6)  # "auto" mixes the two
+    off = OffloadedMoE.from_moe(moe, cache_experts=slots, compute_misses_on=place, costs=costs)
+    for seed in range(3):  # later batches meet a warm cache: hits and evictions
+        x = _x(13, seed)
+        assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    stats = off.cache.stats
+    assert stats.touched == stats.hits + stats.fetched + stats.cpu_experts
+    assert stats.bytes_transferred == (stats.fetched + stats.admitted) * 3 * N * K * 4
+    if place == "cpu":  # nothing fetched for a forward; the busiest CPU expert is admitted for the next
+        assert stats.fetched == 0 and stats.cpu_experts > 0 and stats.admitted > 0 and stats.hits > 0
+    if place == "gpu":
+        assert stats.cpu_experts == 0 and stats.admitted == 0
+
+
+@pytest.mark.parametrize("config", [
+    {"shared_expert_intermediate_size": 2 * N, "shared_expert_gate": True},
+    {"scoring": "sigmoid", "use_correction_bias": True, "n_group": 4, "topk_group": 2},
+])
+def test_shared_expert_and_correction_bias_carry_over(config):
+    moe = _moe(**config)
+    if moe.e_score_correction_bias is not None:
+        moe.e_score_correction_bias.copy_(torch.randn(E))
+    off = OffloadedMoE.from_moe(moe, cache_experts=4)
+    x = _x(9)
+    assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+
+
+def test_capacity_drops_are_reported_like_the_plain_layer():
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2), backend="grouped_mm",
+              capacity_factor=0.5)
+    off = OffloadedMoE.from_moe(moe, cache_experts=2)
+    x = _x(20)
+    ref, got = moe(x, return_stats=True), off(x, return_stats=True)
+    assert got.stats.dropped == ref.stats.dropped > 0
+    assert rel_l2(got.out, ref.out) < TOLERANCE[torch.float32]
+
+
+def _simulate(batches: list[list[int]], slots: int, policy: str) -> tuple[int, int]:
+    """(hits, misses) of an eviction cache over ``batches`` of touched experts, written independently:
+    a batch's experts are all needed at once (never evicted for each other); LRU evicts the oldest
+    use, LFU the fewest uses since insertion (ties: oldest use). Batches never exceed ``slots``."""
+    cache: dict[int, list[int]] = {}  # expert -> [uses, last tick]
+    hits = misses = 0
+    for tick, batch in enumerate(batches, start=1):
+        for e in batch:
+            if e in cache:
+                hits += 1
+                cache[e][0] += 1
+                cache[e][1] = tick
+        for e in batch:
+            if e in cache:
+                continue
+            misses += 1
+            if len(cache) == slots:
+                pool = [v for v in cache if v not in batch]
+                rank = (lambda v: cache[v][1]) if policy == "lru" else (lambda v: (cache[v][0], cache[v][1]))
+                del cache[min(pool, key=rank)]
+            cache[e] = [1, tick]
+    return hits, misses
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_hits_and_misses_follow_the_policy(policy):
+    moe = _moe(3)
+    off = OffloadedMoE.from_moe(moe, cache_experts=4, policy=policy, prefetch=None)
+    gen = torch.Generator().manual_seed(5)
+    batches, x = [], []
+    for _ in range(12):  # 1-2 tokens, skewed towards experts 0-2: reuse and evictions both happen
+        m = int(torch.randint(1, 3, (1,), generator=gen))
+        xb = _x(m, int(torch.randint(0, 1000, (1,), generator=gen)))
+        ids = moe.route_tokens(xb).routing.topk_ids
+        batches.append(sorted(set(ids.flatten().tolist())))
+        x.append(xb)
+    for xb in x:
+        off(xb)
+    hits, misses = _simulate(batches, 4, policy)
+    assert (off.cache.stats.hits, off.cache.stats.fetched) == (hits, misses)
+
+
+def test_layers_share_one_budget_and_prefetch_the_next_layer():
+    moes = [_moe(seed) for seed in range(3)]
+    cache = ExpertCache(6, device="cpu", policy="lru")
+    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch="router") for m in moes]
+    link_layers(layers)
+    x = _x(2)
+    y_ref = x
+    for moe in moes:
+        y_ref = moe(y_ref)
+    # Layer 0 predicts layer 1's experts from its own input; check the prefetched set before layer 1 runs.
+    h = layers[0](x)
+    predicted = set(moes[1].route_tokens(x).routing.topk_ids.flatten().tolist())
+    assert predicted <= set(cache.cached(layers[1].layer_id))
+    assert layers[0].last_stats.prefetched == len(predicted)
+    h = layers[2](layers[1](h))
+    assert rel_l2(h, y_ref) < TOLERANCE[torch.float32]
+    used = set(layers[1]._last_touched) & predicted
+    assert layers[1].last_stats.prefetch_used == len(used)
+    assert cache.stats.prefetch_used == sum(layer.last_stats.prefetch_used for layer in layers)
+
+
+def test_previous_step_prediction_prefetches_the_last_touched_set():
+    moes = [_moe(seed) for seed in range(2)]
+    cache = ExpertCache(2, device="cpu")  # one token touches 2 experts: each layer evicts the other's
+    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch="previous") for m in moes]
+    link_layers(layers)
+    layers[1](layers[0](_x(1)))  # step 1: layer 1 records what it touched
+    first = set(layers[1]._last_touched)
+    layers[0](_x(1, seed=7))  # evicts layer 1's experts, then prefetches them back
+    assert first == set(cache.cached(layers[1].layer_id))
+    assert layers[0].last_stats.prefetched == len(first) == 2
+
+
+def test_split_misses_is_never_predicted_slower_than_either_pure_choice():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        tokens = {e: int(t) for e, t in enumerate(torch.randint(1, 40, (6,), generator=gen))}
+        costs = MissCosts(float(torch.empty(1).uniform_(1e8, 1e10, generator=gen)),
+                          float(torch.empty(1).uniform_(0, 1e-5, generator=gen)),
+                          float(torch.empty(1).uniform_(1e-7, 1e-5, generator=gen)))
+        split = split_misses(tokens, 3 * N * K * 2, costs)
+        assert sorted(split.fetch + split.cpu) == sorted(tokens)
+        fetch_all = len(tokens) * 3 * N * K * 2 / costs.link_bytes_per_s
+        cpu_all = len(tokens) * costs.cpu_expert_s + sum(tokens.values()) * costs.cpu_token_s
+        assert max(split.fetch_s, split.cpu_s) <= min(fetch_all, cpu_all) + 1e-15
+
+
+def test_split_misses_matches_brute_force_on_an_easy_case():
+    # One expert with many tokens (cheap to fetch), several with one token (cheap on the CPU).
+    tokens = {0: 100, 1: 1, 2: 1, 3: 1}
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.0, cpu_token_s=1.0)
+    split = split_misses(tokens, 10, costs)
+    best = min(
+        (max(10 * len(f), sum(tokens[e] for e in tokens if e not in f)), f)
+        for r in range(5) for f in itertools.combinations(tokens, r)
+    )
+    assert max(split.fetch_s, split.cpu_s) == best[0]
+
+
+def test_bad_arguments_name_themselves():
+    moe = _moe()
+    with pytest.raises(ValueError, match="cache_experts"):
+        OffloadedMoE.from_moe(moe, cache_experts=0)
+    with pytest.raises(ValueError, match="exactly one of cache_experts"):
+        OffloadedMoE.from_moe(moe)
+    with pytest.raises(ValueError, match="compute_misses_on"):
+        OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="disk")
+    with pytest.raises(ValueError, match="prefetch"):
+        OffloadedMoE.from_moe(moe, cache_experts=2, prefetch="oracle")
+    with pytest.raises(ValueError, match="policy"):
+        OffloadedMoE.from_moe(moe, cache_experts=2, policy="fifo")
+    cache = ExpertCache(2, device="cpu")
+    OffloadedMoE.from_moe(moe, cache=cache)
+    other = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=2 * N, num_experts=E, top_k=2))
+    with pytest.raises(ValueError, match="every layer of one ExpertCache"):
+        OffloadedMoE.from_moe(other, cache=cache)

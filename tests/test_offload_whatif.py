@@ -1,0 +1,124 @@
+"""The cache what-if (``moekit.offload.whatif.replay``, ``moekit simulate cache``) and the offload byte
+model (``moekit analyze --offload``): the replay predicts what the real layers' cache does on the same
+routing, and the byte model's numbers follow from its formulas, written out here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moekit import MoE, MoEConfig
+from moekit.analysis.formats import get_format
+from moekit.analysis.gpus import get_gpu
+from moekit.analysis.offload import offload_cost
+from moekit.analysis.touch import experts_touched
+from moekit.offload import ExpertCache, OffloadedMoE, link_layers
+from moekit.offload.whatif import RoutingTrace, replay
+from moekit.sim.cache import cache_what_if, decode_trace
+
+from _helpers import cli_error
+
+E, K, N = 8, 16, 8
+
+
+@pytest.mark.parametrize("prefetch", [None, "previous", "router"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_replay_of_the_layers_own_routing_predicts_their_cache(policy, prefetch):
+    torch.manual_seed(0)
+    cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2)
+    moes = [MoE(cfg, backend="grouped_mm", router="torch") for _ in range(3)]
+    cache = ExpertCache(5, device="cpu", policy=policy)
+    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch=prefetch) for m in moes]
+    link_layers(layers)
+    touched, predicted = [], []
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(2, K, generator=gen)
+        step_t, step_p = [], [[]]
+        for i, moe in enumerate(moes):
+            step_t.append(sorted(set(moe.route_tokens(x).routing.topk_ids.flatten().tolist())))
+            if i + 1 < len(moes):
+                step_p.append(sorted(set(moes[i + 1].route_tokens(x).routing.topk_ids.flatten().tolist())))
+            x = layers[i](x)
+        touched.append(step_t)
+        predicted.append(step_p)
+    predicted_stats = replay(RoutingTrace(E, touched, predicted), 5, policy, prefetch)
+    assert predicted_stats.as_dict() | {"bytes_transferred": 0} == cache.stats.as_dict() | {"bytes_transferred": 0}
+
+
+def test_skewed_streams_hit_more_and_router_prefetch_helps():
+    uniform = decode_trace(32, 4, 3, 40, 1, skew=0.0, drift=0.3, seed=0)
+    skewed = decode_trace(32, 4, 3, 40, 1, skew=0.7, drift=0.3, seed=0)
+    rate = {(name, r.prefetch): r.hit_rate for name, trace in (("u", uniform), ("s", skewed))
+            for r in cache_what_if(trace, [0.25], ["lfu"])}
+    assert rate["s", "none"] > rate["u", "none"] + 0.1
+    assert rate["s", "router"] > rate["s", "none"]
+    assert rate["u", "router"] > rate["u", "none"]
+
+
+def test_uniform_hit_rate_is_the_cache_fraction_by_monte_carlo():
+    # Uniform routing, no prefetch: every expert is equally likely to be cached, so h -> C / (E * L).
+    trace = decode_trace(16, 2, 2, 400, 1, skew=0.0, drift=1.0, seed=3)
+    row = cache_what_if(trace, [0.5], ["lru"])[0]
+    assert abs(row.hit_rate - 0.5) < 0.06
+
+
+def test_offload_byte_model_follows_its_formulas():
+    cfg = MoEConfig(hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8, num_moe_layers=58)
+    fmt, gpu = get_format("bf16"), get_gpu("h200")
+    c = offload_cost(cfg, 4, fmt, gpu, link_bytes_s=50e9, cache_experts=256 * 58 // 4, cpu_flops=2e12)
+    touched = experts_touched(4, 256, 8)
+    expert_bytes = 3 * 7168 * 2048 * 2
+    assert c.hit_rate == pytest.approx(0.25)
+    assert c.missed_experts == pytest.approx(0.75 * touched)
+    assert c.link_time_s == pytest.approx(0.75 * touched * expert_bytes / 50e9)
+    gpu_s = max(touched * expert_bytes / gpu.bandwidth_bytes_s, 4 * 8 * 6 * 7168 * 2048 / gpu.flops_per_s("bf16"))
+    assert c.step_time_s == pytest.approx(58 * max(gpu_s, c.link_time_s))
+    cpu_s = 0.75 * touched * (4 * 8 / touched) * 6 * 7168 * 2048 / 2e12
+    assert c.step_time_cpu_s == pytest.approx(58 * max(0.25 * gpu_s, cpu_s))
+
+
+def test_analyze_offload_cli(capsys):
+    from moekit.cli import main
+
+    assert main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "h200", "--dtype", "bf16", "--offload",
+                 "--cache-experts", "64", "--hit-rate", "0.6", "--batches", "1,8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["offload"]
+    assert [r["batch"] for r in rows] == [1, 8] and all(r["hit_rate"] == 0.6 for r in rows)
+    assert "--hit-rate must be in [0, 1]" in cli_error(
+        capsys, ["analyze", "--preset", "mixtral-8x7b", "--offload", "--hit-rate", "2"])
+    assert "--cache-experts must be in" in cli_error(
+        capsys, ["analyze", "--preset", "mixtral-8x7b", "--offload", "--cache-experts", "100000"])
+
+
+def test_simulate_cache_cli(capsys):
+    from moekit.cli import main
+
+    assert main(["simulate", "cache", "--experts", "16", "--top-k", "2", "--layers", "2", "--steps", "10",
+                 "--fractions", "0.25,0.5", "--policies", "lru", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["cache_experts"], r["prefetch"]) for r in rows] == [
+        (8, "none"), (8, "previous"), (8, "router"), (16, "none"), (16, "previous"), (16, "router")]
+    assert all(0.0 <= r["hit_rate"] <= 1.0 for r in rows)
+    assert "--top-k must be <= --experts" in cli_error(capsys, ["simulate", "cache", "--experts", "4", "--top-k", "6"])
+    assert "expected a cache fraction in (0, 1]" in cli_error(capsys, ["simulate", "cache", "--fractions", "1.5"])
+
+
+def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
+    from moekit.cli import main
+
+    assert main(["bench", "--offload", "--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1,4",
+                 "--cache-fractions", "0.5", "--offload-steps", "2"]) == 0
+    (path,) = tmp_path.glob("*-offload-*.json")
+    doc = json.loads(path.read_text())
+    assert {"device", "date", "commit", "link_GBps", "rows"} <= set(doc)
+    rows = doc["rows"]
+    assert {(r["stream"], r["M"], r["compute_misses_on"]) for r in rows} == {
+        (s, m, p) for s in ("uniform", "skewed") for m in (1, 4) for p in ("gpu", "cpu", "auto")}
+    for r in rows:  # misses fetched: the what-if replays the same cache on the same stream
+        if r["compute_misses_on"] == "gpu":
+            assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
+    assert {(r["M"], r["prefetch"]) for r in doc["prefetch_rows"]} == {
+        (m, p) for m in (1, 4) for p in ("none", "previous", "router")}

@@ -1,0 +1,217 @@
+"""Gradients of the Triton experts path on the CPU, under Triton's interpreter (TRITON_INTERPRET=1), tiny
+shapes: against the float64 autograd of a per-token loop written here.
+
+Three ways in: ``experts_triton`` (the ``moekit::triton_experts`` op, autograd registered by
+``triton_backward``), ``experts_triton_train`` with the gate-up product recomputed or saved, and a split
+of the weight grads over M. What the interpreter cannot show (bf16 tl.dot, speed, memory) is
+``benchmarks/backward_device_check.py``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from _helpers import make_problem, rel_l2  # noqa: E402
+from moekit.experts.triton_backward import BackwardOptions, experts_triton_train, unsupported_variant  # noqa: E402
+
+ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+NAMES = ("x", "w13", "w2", "topk_weights")
+
+
+def loop_experts(x, w13, w2, ids, weights, expert_map=None, activation="silu"):
+    """out[t] = sum_j w[t, j] * w2[e] @ (act(gate) * up), e = (mapped) ids[t, j]; unrouted slots add 0."""
+    n, act, rows = w2.shape[2], ACT[activation], []
+    for t in range(x.shape[0]):
+        acc = torch.zeros_like(x[t])
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+            if 0 <= e < w13.shape[0]:
+                h = w13[e] @ x[t]  # [2N]
+                acc = acc + weights[t, j] * (w2[e] @ (act(h[:n]) * h[n:]))
+        rows.append(acc)
+    return torch.stack(rows) if rows else x.new_zeros(x.shape)
+
+
+def grads_of(fn, problem, dout, dtype, weight_dtype, requires=NAMES) -> dict:
+    """{name: grad} of sum(fn(...) * dout), the inputs cast to ``dtype`` (weights to ``weight_dtype``)."""
+    x, w13, w2, ids, weights = problem
+    leaves = {"x": x.to(dtype, copy=True), "w13": w13.to(dtype, copy=True), "w2": w2.to(dtype, copy=True),
+              "topk_weights": weights.to(weight_dtype, copy=True)}
+    for name in requires:
+        leaves[name].requires_grad_()
+    out = fn(leaves["x"], leaves["w13"], leaves["w2"], ids, leaves["topk_weights"])
+    (out * dout.to(out.dtype)).sum().backward()
+    return {name: leaves[name].grad for name in NAMES}
+
+
+def check_grads(fn, problem, dtype=torch.float32, expert_map=None, activation="silu", requires=NAMES) -> dict:
+    """fn's grads against the loop's in float64 (inputs rounded to ``dtype`` first); returns fn's."""
+    dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(7))
+    rounded = type(problem)(*(t.to(dtype) if t.is_floating_point() else t for t in problem))
+    got = grads_of(fn, rounded, dout, dtype, torch.float32, requires)
+    want = grads_of(lambda *a: loop_experts(*a, expert_map=expert_map, activation=activation), rounded, dout,
+                    torch.float64, torch.float64, requires)
+    for name in NAMES:
+        if name not in requires:
+            assert got[name] is None, name
+            continue
+        assert got[name].shape == want[name].shape, name
+        assert got[name].dtype == (torch.float32 if name == "topk_weights" else dtype), name
+        if want[name].abs().max() == 0:
+            assert torch.equal(got[name], torch.zeros_like(got[name])), name
+        else:
+            assert rel_l2(got[name], want[name]) < TOL[dtype], name
+    return got
+
+
+def _ways(tri, expert_map=None, activation="silu"):
+    """The three differentiable entry points, as fn(x, w13, w2, ids, weights)."""
+    kw = dict(expert_map=expert_map, activation=activation)
+    return {
+        "op": lambda *a: tri.experts_triton(*a, **kw),
+        "recompute": lambda *a: experts_triton_train(*a, **kw, backward=BackwardOptions(recompute=True)),
+        "saved": lambda *a: experts_triton_train(*a, **kw, backward=BackwardOptions(recompute=False, split_m=3)),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("m", [1, 3, 33])
+def test_grads_odd_shapes(interpreter, m, k):
+    # K = 33, N = 17: every tile tail is masked; E = 8 with k = 6 and skips leaves experts empty.
+    check_grads(_ways(interpreter)["op"], make_problem(m, k, 8, 33, 17, seed=10 * m + k, skips=m > 1))
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (33, 6)])
+def test_recompute_and_saved_equal(interpreter, m, k):
+    """Both ``BackwardOptions`` modes hold to the loop, and to each other (one reads the saved h_pre, the
+    other recomputes it: the same float32 values here, so they agree far below the tolerance)."""
+    problem = make_problem(m, k, 8, 33, 17, seed=m + k, skips=m > 1)
+    ways = _ways(interpreter)
+    recomputed, saved = check_grads(ways["recompute"], problem), check_grads(ways["saved"], problem)
+    for name in NAMES:
+        assert rel_l2(saved[name], recomputed[name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_grads_other_activations(interpreter, activation):
+    check_grads(_ways(interpreter, activation=activation)["op"], make_problem(9, 2, 4, 33, 17, seed=3),
+                activation=activation)
+
+
+def test_grads_bf16(interpreter):
+    # The interpreter upcasts bf16 operands; this checks the casts and the dtypes of the grads.
+    check_grads(_ways(interpreter)["op"], make_problem(17, 2, 8, 33, 17, seed=4), dtype=torch.bfloat16)
+
+
+def test_empty_experts_and_all_on_one(interpreter):
+    problem = make_problem(33, 2, 8, 33, 17, seed=5)
+    on_two = torch.stack([torch.full((33,), 5), torch.full((33,), 2)], 1).int()  # six experts stay empty
+    got = check_grads(_ways(interpreter)["op"], problem._replace(ids=on_two))
+    for name in ("w13", "w2"):  # an expert without rows gets exactly 0 (its tiles are written, not skipped)
+        assert torch.equal(got[name][0], torch.zeros_like(got[name][0])), name
+    all_on_one = torch.full((33, 2), 7, dtype=torch.int32)  # 66 rows: more than one block of 16
+    check_grads(_ways(interpreter)["saved"], problem._replace(ids=all_on_one))
+
+
+def test_expert_map_and_skipped_ids(interpreter):
+    problem = make_problem(13, 6, 8, 33, 17, seed=6)
+    g = torch.Generator().manual_seed(6)
+    expert_map = torch.full((11,), -1, dtype=torch.int32)
+    expert_map[torch.randperm(11, generator=g)[:8]] = torch.arange(8, dtype=torch.int32)  # 3 entries -1
+    ids = torch.randint(-1, 13, (13, 6), generator=g, dtype=torch.int32)  # -1 and >= 11 too: skipped
+    for way in ("op", "saved"):
+        fn = _ways(interpreter, expert_map=expert_map)[way]
+        got = check_grads(fn, problem._replace(ids=ids), expert_map=expert_map)
+        unrouted = (ids < 0) | (ids >= 11) | (expert_map[ids.clamp(0, 10).long()] < 0)
+        assert unrouted.any() and torch.equal(got["topk_weights"][unrouted], torch.zeros(int(unrouted.sum()))), way
+
+
+def test_router_only_and_x_only(interpreter):
+    # Frozen experts: the routed weights alone need a grad (the eager path must not skip the op).
+    problem = make_problem(7, 2, 8, 33, 17, seed=8)
+    check_grads(_ways(interpreter)["op"], problem, requires=("topk_weights",))
+    check_grads(_ways(interpreter)["recompute"], problem, requires=("x",))
+
+
+def test_compile_traces_forward_and_backward(interpreter):
+    """torch.compile(fullgraph=True) through AOTAutograd: the forward and the backward are traced with
+    the ops' fakes (one graph each, no break), then run; the grads equal eager's."""
+    problem = make_problem(6, 2, 8, 33, 17, seed=9)
+    fn = _ways(interpreter)["op"]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager = check_grads(fn, problem)
+    traced = check_grads(compiled, problem)
+    for name in NAMES:
+        assert rel_l2(traced[name], eager[name]) < 1e-6, name
+
+
+def test_opcheck_backward_op(interpreter):
+    """The backward op's schema, fake and dispatch agree with its implementation (torch.library.opcheck)."""
+    x, w13, w2, ids, weights = make_problem(4, 2, 8, 33, 17, seed=11)
+    args = (torch.randn(4, 33), x, w13, w2, ids, weights, None, None, "silu", True, True, False, True, 0)
+    torch.library.opcheck(torch.ops.moekit.triton_experts_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_layer_trains_one_step(interpreter):
+    """``MoE(backend="triton")`` trains: every parameter's grad (the router's gate included) equals the
+    same layer's on the reference backend, and one SGD step lowers the loss."""
+    from moekit import MoE, MoEConfig
+
+    cfg = MoEConfig(hidden_size=33, moe_intermediate_size=17, num_experts=8, top_k=2)
+    torch.manual_seed(0)
+    layer = MoE(cfg, backend="triton")
+    twin = MoE(cfg, backend="reference")
+    twin.load_state_dict(layer.state_dict())
+    x = torch.randn(12, 33, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(12, 33, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for moe in (layer, twin):
+        loss = F.mse_loss(moe(x), target)
+        loss.backward()
+        losses.append(loss.item())
+    for (name, p), q in zip(layer.named_parameters(), twin.parameters()):
+        assert p.grad is not None and rel_l2(p.grad, q.grad) < 1e-5, name
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        after = F.mse_loss(layer(x), target).item()
+    assert after < losses[0]
+
+
+def test_variants_without_backward_are_named():
+    assert unsupported_variant({"activation": "silu", "b13": None, "gated": True}) is None
+    assert "b13" in unsupported_variant({"activation": "silu", "b13": torch.zeros(2, 4)})
+    assert "interleaved" in unsupported_variant({"activation": "silu", "interleaved": True})
+    assert "relu2" in unsupported_variant({"activation": "relu2"})
+    with pytest.raises(ValueError, match="split_m"):
+        BackwardOptions(split_m=-1)
+
+
+def test_transposed_weight_views(interpreter):
+    """Weights stored transposed (transformers' is_transposed) arrive as views: the kernels read them
+    through strides, and the grads reach the stored parameters."""
+    x, w13, w2, ids, weights = make_problem(5, 2, 8, 33, 17, seed=12)
+    stored13 = w13.transpose(1, 2).contiguous().requires_grad_()  # [E, K, 2N]
+    stored2 = w2.transpose(1, 2).contiguous().requires_grad_()  # [E, N, K]
+    dout = torch.randn(5, 33, generator=torch.Generator().manual_seed(13))
+    out = interpreter.experts_triton(x, stored13.transpose(1, 2), stored2.transpose(1, 2), ids, weights)
+    (out * dout).sum().backward()
+    want = grads_of(loop_experts, make_problem(5, 2, 8, 33, 17, seed=12), dout, torch.float64, torch.float64)
+    assert rel_l2(stored13.grad, want["w13"].transpose(1, 2)) < TOL[torch.float32]
+    assert rel_l2(stored2.grad, want["w2"].transpose(1, 2)) < TOL[torch.float32]
+
+
+def test_train_refuses_what_it_cannot_differentiate(interpreter):
+    x, w13, w2, ids, weights = make_problem(3, 2, 8, 33, 17, seed=14)
+    with pytest.raises(NotImplementedError, match="activation name"):
+        experts_triton_train(x, w13, w2, ids, weights, activation=object())
+    with pytest.raises(TypeError, match="BackwardOptions"):
+        experts_triton_train(x, w13, w2, ids, weights, backward={"recompute": False})
