@@ -4,7 +4,8 @@ Each rank passes its own rows of x and takes sum(out * r) over them; the single-
 same loss over all rows. Then: x's gradient is the rank's rows of the single one, a local expert's
 gradient is its logical expert's (every rank's tokens reach it through the all-to-alls' transposes),
 and the replicated weights' gradients (gate, shared expert, fused shared slots) summed over the ranks
-are the single ones, as data parallelism sums them. Exact and padded dispatch; a rank with no tokens.
+are the single ones, as data parallelism sums them. Exact and padded dispatch; a rank with no tokens;
+the micro-batch overlap (each chunk's gradients return synchronously in backward).
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ DEEPSEEK_LIKE = MoEConfig(
 )
 QWEN2_LIKE = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, top_k=3,
                        shared_expert_intermediate_size=16, shared_expert_gate=True)
-CASES = {  # name -> (config, fuse_shared, tokens per rank, max_tokens_per_rank)
-    "fused_shared_exact": (DEEPSEEK_LIKE, True, [5, 9], None),
-    "separate_shared_padded": (QWEN2_LIKE, False, [7, 4], 8),
-    "rank_without_tokens": (DEEPSEEK_LIKE, True, [11, 0], None),
+CASES = {  # name -> (config, fuse_shared, tokens per rank, max_tokens_per_rank, overlap chunks)
+    "fused_shared_exact": (DEEPSEEK_LIKE, True, [5, 9], None, 1),
+    "separate_shared_padded": (QWEN2_LIKE, False, [7, 4], 8, 1),
+    "rank_without_tokens": (DEEPSEEK_LIKE, True, [11, 0], None, 1),
+    "overlap_exact": (QWEN2_LIKE, True, [9, 6], None, 3),
+    "overlap_padded": (DEEPSEEK_LIKE, False, [6, 8], 8, 2),
 }
 
 
 def _errors(rank: int, world_size: int, name: str) -> dict:
-    config, fuse_shared, sizes, cap = CASES[name]
+    config, fuse_shared, sizes, cap, overlap = CASES[name]
     torch.manual_seed(0)  # the same weights and data on every rank
     moe = MoE(config, fuse_shared=fuse_shared, backend="grouped_mm")
     if moe.e_score_correction_bias is not None:
         moe.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
     x_all, r_all = torch.randn(sum(sizes), 16), torch.randn(sum(sizes), 16)
-    ep = EPMoE.from_moe(moe, max_tokens_per_rank=cap)
+    ep = EPMoE.from_moe(moe, max_tokens_per_rank=cap, overlap=overlap)
 
     x_ref = x_all.clone().requires_grad_(True)
     (moe(x_ref) * r_all).sum().backward()
