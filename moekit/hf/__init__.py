@@ -16,7 +16,8 @@ from torch import nn
 
 from moekit.config import MoEConfig
 from moekit.experts import backend_fn, call_backend
-from moekit.activations import activation_from_hf
+from moekit.hf.composed import run_composed
+from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
 from moekit.layer import MoE
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
@@ -72,17 +73,29 @@ def moekit_experts_forward(
 ) -> torch.Tensor:
     """transformers ``ExpertsInterface`` entry: hidden_states [M, K], top_k_index [M, k], top_k_weights [M, k].
 
-    transformers' expert-parallel sentinel (an id >= num_experts with weight 0) is skipped like moekit's -1.
+    Every variant of the interface runs: the module's ``ExpertsPlan`` (built on its first call, then
+    cached on it; ``moekit.hf.variants``) says which weights to read and either the ``ActivationSpec``
+    the backend fuses or that the composed path runs. transformers' expert-parallel sentinel (an id
+    >= num_experts with weight 0) is skipped like moekit's -1.
     """
-    if not getattr(self, "has_gate", True) or getattr(self, "has_bias", False) or getattr(self, "is_transposed", False):
-        raise NotImplementedError(
-            "the moekit experts implementation supports gated, bias-free, non-transposed experts "
-            "(gate_up_proj [E, 2N, K], down_proj [E, K, N])"
-        )
+    plan = getattr(self, PLAN_ATTR, None) or experts_plan(self)
+    w13, w2 = getattr(self, plan.up_name), self.down_proj
+    if plan.transposed:  # stored [E, K, 2N] / [E, N, K]: strided views, no copy
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    b13 = getattr(self, plan.up_name + "_bias") if plan.has_bias else None
+    b2 = self.down_proj_bias if plan.has_bias else None
+    if plan.activation is None:
+        return run_composed(self, plan, hidden_states, w13, w2, top_k_index, top_k_weights, b13, b2)
     return call_backend(
-        backend_fn(HF_BACKEND, hidden_states.device), hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
-        top_k_weights, activation=activation_from_hf(self.config.hidden_act),
+        backend_fn(HF_BACKEND, hidden_states.device), hidden_states, w13, w2, top_k_index, top_k_weights,
+        activation=plan.activation, b13=b13, b2=b2,
     )
+
+
+def prepare(model: nn.Module) -> list[ExpertsPlan]:
+    """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
+    ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
+    return [experts_plan(m) for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
 
 
 class MissingExtraError(ImportError):
