@@ -142,3 +142,27 @@ def test_tiny_model_logits(name, monkeypatch):
         ours = model(ids).logits
     assert calls, "the moekit implementation was not called"
     assert rel_l2(ours, eager) < 1e-5
+
+
+def _moe_block(layer: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in layer.modules() if hasattr(m, "experts") and m is not layer)
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True])
+@pytest.mark.parametrize("name", [n for n in tiny.MODELS if n != "phimoe"])
+def test_moe_from_hf_equals_block(name, fuse_shared):
+    """Router (+ bias, + correction bias) + experts (+ biases, their activation) + shared expert (+ gate)."""
+    model, layer = tiny.build(name)
+    block = _moe_block(model.model.layers[layer])
+    moe = moekit_hf.moe_from_hf(block, fuse_shared=fuse_shared)
+    x = torch.randn(3, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        assert rel_l2(moe(x), want) < 1e-5
+
+
+def test_moe_from_hf_refuses_sparsemixer():
+    model, layer = tiny.build("phimoe")
+    with pytest.raises(ValueError, match="sparsemixer"):
+        moekit_hf.moe_from_hf(_moe_block(model.model.layers[layer]))

@@ -14,58 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.config import MoEConfig
 from moekit.experts import backend_fn, call_backend
+from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
-from moekit.layer import MoE
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"
-
-
-def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto") -> MoE:
-    """A ``MoE`` computing the same function as a transformers ``Qwen3MoeSparseMoeBlock``,
-    ``Qwen2MoeSparseMoeBlock``, ``MixtralSparseMoeBlock`` or ``DeepseekV3MoE``.
-
-    With ``fuse_shared=False`` (default) the routed experts' weights and the router are *shared* with
-    the block (the same ``Parameter`` objects) and the shared expert's are copied into a separate MLP.
-    With ``fuse_shared=True`` the shared expert becomes extra routed slots, so the expert weights are
-    copied into one concatenated tensor.
-    """
-    experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
-    if experts is None or router is None or not hasattr(experts, "gate_up_proj"):
-        raise TypeError(
-            f"block must be a transformers MoE block with .gate and .experts.gate_up_proj, got {type(block).__name__}"
-        )
-    config = MoEConfig.from_hf_config(experts.config)
-    moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=experts.gate_up_proj.dtype,
-              device=experts.gate_up_proj.device)
-    moe.gate.weight = router.weight
-    if moe.e_score_correction_bias is not None:
-        moe.e_score_correction_bias = router.e_score_correction_bias
-    shared_mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
-    shared_w13, shared_w2 = _shared_weights(shared_mlp) if shared_mlp is not None else (None, None)
-    if moe.fuse_shared:
-        slots, n_dim = config.num_shared_slots, config.moe_intermediate_size
-        gate_rows, up_rows = shared_w13.view(2, slots, n_dim, -1).unbind(0)  # [S, N, K] each
-        with torch.no_grad():
-            moe.w13.copy_(torch.cat([experts.gate_up_proj, torch.cat([gate_rows, up_rows], dim=1)]))
-            moe.w2.copy_(torch.cat([experts.down_proj, shared_w2.view(-1, slots, n_dim).transpose(0, 1)]))
-    else:
-        moe.w13, moe.w2 = experts.gate_up_proj, experts.down_proj
-        if shared_w13 is not None:
-            with torch.no_grad():
-                moe.shared_w13.copy_(shared_w13)
-                moe.shared_w2.copy_(shared_w2)
-    if moe.shared_gate is not None:
-        moe.shared_gate.weight = block.shared_expert_gate.weight
-    return moe
-
-
-def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN])."""
-    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()
 
 
 def moekit_experts_forward(
