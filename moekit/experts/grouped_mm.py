@@ -1,6 +1,6 @@
 """Experts on torch's GEMMs, the pipeline's stages in plain sight (the CPU default; CUDA without Triton):
 
-    [Group: a moekit.layouts layout] -> [Experts: w13 GEMM, act-and-mul, w2 GEMM] -> [Combine: the layout's weighted inverse]
+    [Group: a moekit.layouts layout] -> [Experts: w13 GEMM + b13, glu, w2 GEMM + b2] -> [Combine: the layout's weighted inverse]
 
 | layout (``layout=``)    | group                                | experts                          | combine              |
 | ----------------------- | ------------------------------------ | -------------------------------- | -------------------- |
@@ -16,7 +16,16 @@ The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` w
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
 oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``).
 
-Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, T layout rows.
+Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
+``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
+bias: a gather of the row's expert bias; ``torch.baddbmm`` in the masked layout; oneDNN's or
+``torch.addmm``'s fused bias in the CPU loop). Strided weights (transposed storage) are read as views:
+``_grouped_mm`` takes a row- or column-major B, ``bmm``/``mm`` pass strides to BLAS, oneDNN's linear
+takes the view with no torch-side copy (measured at [64, 2048] x [1536, 2048]^T fp32 on 2 shared cores:
+oneDNN 19 ms contiguous, 25 ms on the transposed view, torch.mm 53-56 ms either way).
+
+Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, R = 2N (gated) or N (ungated)
+w13 rows, T layout rows.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moekit.activations import act_and_mul, get_activation
+from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation
 from moekit.layouts import (
     choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
 )
@@ -38,6 +47,20 @@ from moekit.layouts import (
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 GROUPED_MM_LAYOUTS = ("contiguous", "masked_measured_cap")  # what this backend implements, for choose_layout
 MASKED_ROUND_TO = 8  # the measured cap's rounding: bmm computes every padding row, so round finely
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    """One call's expert parameters as the contract passes them (weights may be strided views)."""
+
+    w13: torch.Tensor  # [E, R, K]
+    w2: torch.Tensor  # [E, K, N]
+    b13: torch.Tensor | None  # [E, R]
+    b2: torch.Tensor | None  # [E, K]
+    spec: ActivationSpec
+
+    def need_grad(self) -> bool:
+        return any(t is not None and t.requires_grad for t in (self.w13, self.w2, self.b13, self.b2))
 
 
 @dataclass(frozen=True)
@@ -115,41 +138,64 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 CPU_GEMMS = ("auto", "onednn_loop", "mm_loop", "grouped_mm")
 
 
-def _expert_mlp(xs, w13, w2, offs, activation, cpu_gemm) -> torch.Tensor:
-    """xs [T, K] grouped by expert (rows offs[e-1]:offs[e]) -> w2[e] @ act_and_mul(w13[e] @ xs[r]) [T, K]."""
+def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tensor:
+    """xs [T, K] grouped by expert (rows offs[e-1]:offs[e], ``segment_ids`` [T] the expert of each row, -1
+    past offs[-1]) -> w2[e] @ glu(w13[e] @ xs[r] + b13[e]) + b2[e] [T, K]."""
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
-    inference = not (torch.is_grad_enabled() and (xs.requires_grad or w13.requires_grad or w2.requires_grad))
+    inference = not (torch.is_grad_enabled() and (xs.requires_grad or ex.need_grad()))
     if xs.device.type == "cpu" and inference and cpu_gemm != "grouped_mm" and not torch.compiler.is_compiling():
-        return _expert_mlp_cpu_loop(xs, w13, w2, offs.tolist(), activation, cpu_gemm)  # no sync on the CPU
-    h = _group_gemm(xs, w13, offs)  # [T, 2N]
-    return _group_gemm(act_and_mul(h, activation), w2, offs)  # [T, K]
+        return _expert_mlp_cpu_loop(xs, ex, offs.tolist(), cpu_gemm)  # no sync on the CPU
+    rows_expert = None  # [T]; E on rows of no expert
+    if ex.b13 is not None or ex.b2 is not None:
+        rows_expert = torch.where(segment_ids >= 0, segment_ids, ex.w13.shape[0])
+    h = _group_gemm(xs, ex.w13, offs)  # [T, R]
+    if ex.b13 is not None:
+        h = h + _bias_rows(ex.b13, rows_expert)  # _grouped_mm takes no bias
+    y = _group_gemm(apply_glu(h, ex.spec), ex.w2, offs)  # [T, K]
+    return y if ex.b2 is None else y + _bias_rows(ex.b2, rows_expert)
 
 
-def _expert_mlp_cpu_loop(xs, w13, w2, ends: list[int], activation, cpu_gemm) -> torch.Tensor:
-    """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, 2N]
-    stays in cache for the activation), the activation's product in place, the outputs written into one
-    preallocated [T, K]. Rows past ends[-1] are left unwritten."""
+def _bias_rows(bias: torch.Tensor, rows_expert: torch.Tensor) -> torch.Tensor:
+    """bias [E, D] -> [T, D], each row's expert's bias; 0 on rows of no expert (rows_expert == E): the
+    grouped GEMM's backward leaves those rows' gradients unspecified, and they must reach no bias."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])])[rows_expert]
+
+
+def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> torch.Tensor:
+    """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, R]
+    stays in cache for the activation), a plain gated activation's product in place, the outputs
+    written into one preallocated [T, K]. Rows past ends[-1] are left unwritten."""
     linear = _onednn_linear(xs.dtype) if cpu_gemm in ("auto", "onednn_loop") else None
-    act = get_activation(activation).fn
-    n_dim = w2.shape[2]
-    y = xs.new_empty(xs.shape[0], w2.shape[1])  # [T, K]
+    plain, n_dim = ex.spec.plain, ex.w2.shape[2]
+    act = get_activation(ex.spec.name).fn
+    y = xs.new_empty(xs.shape[0], ex.w2.shape[1])  # [T, K]
     start = 0
     for expert, end in enumerate(ends):
         if end > start:
             rows = slice(start, end)
-            if linear is None:
-                h = torch.mm(xs[rows], w13[expert].t())  # [m, 2N]
+            b13 = None if ex.b13 is None else ex.b13[expert]
+            b2 = None if ex.b2 is None else ex.b2[expert]
+            h = _cpu_linear(xs[rows], ex.w13[expert], b13, linear)  # [m, R]
+            if plain:
+                a = act(h[:, :n_dim])  # [m, N], contiguous: oneDNN would copy a strided view of h first
+                a.mul_(h[:, n_dim:])  # in place: one [m, N] buffer, not two as apply_glu allocates
             else:
-                h = linear(xs[rows], w13[expert], None, "none", [], "")
-            a = act(h[:, :n_dim])  # [m, N], contiguous: oneDNN would copy a strided view of h first
-            a.mul_(h[:, n_dim:])  # in place: one [m, N] buffer, not two as act_and_mul allocates
-            if linear is None:
-                torch.mm(a, w2[expert].t(), out=y[rows])
-            else:
-                y[rows] = linear(a, w2[expert], None, "none", [], "")
+                a = apply_glu(h, ex.spec)  # [m, N]
+            _cpu_linear(a, ex.w2[expert], b2, linear, out=y[rows])
         start = end
     return y
+
+
+def _cpu_linear(a, w, bias, linear, out=None) -> torch.Tensor:
+    """a [m, in] @ w [out, in]^T (+ bias [out], fused) through oneDNN's ``linear`` when given, else BLAS;
+    ``w`` may be strided; written into ``out`` [m, out] when given."""
+    if linear is not None:
+        result = linear(a, w, bias, "none", [], "")
+        return result if out is None else out.copy_(result)
+    if bias is None:
+        return torch.mm(a, w.t(), out=out)
+    return torch.addmm(bias, a, w.t(), out=out)
 
 
 @functools.cache
@@ -180,8 +226,10 @@ def _group_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
 
 
 def _group_gemm_eager(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    # torch's grouped GEMM needs 16-byte aligned row strides on both operands.
+    # torch's grouped GEMM needs 16-byte aligned row strides on both operands, and a B that is row- or
+    # column-major: w's storage [E, out, in] or transformers' transposed [E, in, out], both read as is.
     aligned = (a.shape[1] * a.element_size()) % 16 == 0 and (w.shape[1] * w.element_size()) % 16 == 0
+    aligned = aligned and (w.stride(2) == 1 or w.stride(1) == 1)
     if aligned and grouped_mm_supported(a.device.type, a.dtype):
         return _grouped_mm_fn()(a.contiguous(), w.transpose(1, 2), offs=offs)
     out = a.new_zeros(a.shape[0], w.shape[1])
@@ -239,53 +287,64 @@ group_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 def experts_grouped_mm(
     x: torch.Tensor,  # [M, K]
-    w13: torch.Tensor,  # [E, 2N, K]
-    w2: torch.Tensor,  # [E, K, N]
+    w13: torch.Tensor,  # [E, R, K], any strides
+    w2: torch.Tensor,  # [E, K, N], any strides
     topk_ids: torch.Tensor,  # [M, k]
     topk_weights: torch.Tensor,  # [M, k]
     *,
-    activation: str = "silu",
+    activation: str | ActivationSpec = "silu",
     expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,  # [E, R]
+    b2: torch.Tensor | None = None,  # [E, K]
     memory_budget_bytes: int | None = None,
     layout: str = "auto",
     cpu_gemm: str = "auto",
 ) -> torch.Tensor:
     """The experts contract (``moekit.experts``) through a ``moekit.layouts`` layout: group, GEMMs, combine.
 
-    ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES);
-    ``layout`` "auto" or one of GROUPED_MM_LAYOUTS; ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured
-    best). ``plan_grouped_mm`` tells which layout and chunk size a call gets.
+    ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES;
+    the biases' per-row gathers are not in its count); ``layout`` "auto" or one of GROUPED_MM_LAYOUTS;
+    ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured best). ``plan_grouped_mm`` tells which layout
+    and chunk size a call gets.
     """
     num_tokens, top_k = topk_ids.shape
+    ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
     plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], x.shape[1], w2.shape[2], x.dtype,
                            memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync)
     run = _run_contiguous if plan.layout == "contiguous" else _run_masked
     if plan.chunk_tokens >= num_tokens:
-        return run(x, w13, w2, topk_ids, topk_weights, activation, expert_map, cpu_gemm).to(x.dtype)
+        return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
     chunks = [
-        run(x[s:s + plan.chunk_tokens], w13, w2, topk_ids[s:s + plan.chunk_tokens],
-            topk_weights[s:s + plan.chunk_tokens], activation, expert_map, cpu_gemm)
+        run(x[s:s + plan.chunk_tokens], ex, topk_ids[s:s + plan.chunk_tokens],
+            topk_weights[s:s + plan.chunk_tokens], expert_map, cpu_gemm)
         for s in range(0, num_tokens, plan.chunk_tokens)
     ]
     return torch.cat(chunks).to(x.dtype)  # [M, K]
 
 
-def _run_contiguous(x, w13, w2, topk_ids, topk_weights, activation, expert_map, cpu_gemm) -> torch.Tensor:
+def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:
     """x [M, K] -> [M, K] (accumulation dtype) through the contiguous layout."""
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
-    layout = permute_contiguous(x, topk_ids, w13.shape[0], align=1, expert_map=expert_map,
+    layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())
     offs = layout.offsets[1:].to(torch.int32)  # [E] end row of each expert
     # [Experts] rows past offs[-1] may hold anything: combine never adds them.
-    y = _expert_mlp(layout.x_perm, w13, w2, offs, activation, cpu_gemm)  # [A, K]
+    y = _expert_mlp(layout.x_perm, ex, offs, layout.segment_ids, cpu_gemm)  # [A, K]
     return combine_contiguous(y, layout, topk_weights)  # [Combine] [M, K]
 
 
-def _run_masked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, cpu_gemm) -> torch.Tensor:
+def _run_masked(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:
     """x [M, K] -> [M, K] (accumulation dtype) through the masked layout with the measured cap (syncs)."""
-    layout = masked_layout_measured_cap_syncs(x, topk_ids, w13.shape[0], round_to=MASKED_ROUND_TO,
+    layout = masked_layout_measured_cap_syncs(x, topk_ids, ex.w13.shape[0], round_to=MASKED_ROUND_TO,
                                               expert_map=expert_map)  # [Group] x_masked [E, cap, K]
-    h = torch.bmm(layout.x_masked, w13.transpose(1, 2))  # [Experts] [E, cap, 2N]
-    y = torch.bmm(act_and_mul(h, activation), w2.transpose(1, 2))  # [E, cap, K]
+    h = _batched_linear(layout.x_masked, ex.w13, ex.b13)  # [Experts] [E, cap, R]
+    y = _batched_linear(apply_glu(h, ex.spec), ex.w2, ex.b2)  # [E, cap, K]
     return combine_masked(y, layout, topk_weights)  # [Combine] [M, K]
+
+
+def _batched_linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """a [E, cap, in] @ w[e] [out, in]^T (+ bias[e] [out]) -> [E, cap, out]; w read through its strides."""
+    if bias is None:
+        return torch.bmm(a, w.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), a, w.transpose(1, 2))
