@@ -175,8 +175,20 @@ def coverage_rows() -> list[str]:
         flags = ", ".join(f"{k}={v}" for k, v in fam.flags.items()) or "-"
         path = "fused" if plan.fused else f"composed ({plan.reason.split(' (')[0].split(':')[0]})"
         rows.append(f"| {fam.family} | {fam.cls.__name__} | {flags} | {'own' if fam.apply_gate_overridden else '-'} "
-                    f"| {path} | {plan.activation if plan.fused else '-'} | {err:.1e} |")
+                    f"| {path} | {describe(plan.activation) if plan.fused else '-'} | {err:.1e} |")
     return rows
+
+
+def describe(activation) -> str:
+    """An activation (name or spec) in a few words: "silu, interleaved, alpha 1.702, limit 7, up+1"."""
+    if isinstance(activation, str):
+        return activation
+    words = [activation.name] + ["ungated"] * (not activation.gated) + ["interleaved"] * activation.interleaved
+    words += [f"alpha {activation.alpha:g}"] * (activation.alpha != 1.0)
+    if activation.limit is not None:
+        words.append(f"limit {activation.limit:g}")
+    words += [f"up+{activation.up_shift:g}"] * (activation.up_shift != 0.0)
+    return ", ".join(words)
 
 
 if __name__ == "__main__":
