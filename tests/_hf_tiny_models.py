@@ -68,3 +68,37 @@ def build(name: str, seed: int = 0):
             if buf_name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     return model.eval(), layer
+
+
+# family -> (config class, block class name, block kwargs): MoE blocks built alone, for the routers of
+# the families with no tiny whole model above.
+BLOCKS = {
+    "jamba": ("JambaConfig", "JambaSparseMoeBlock", {}),
+    "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", {}),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", {}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock", {}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1Moe", {"layer_idx": 0}),
+}
+
+
+def build_block(family: str, seed: int = 0) -> torch.nn.Module:
+    """A small MoE block of ``family`` (hidden 32, 8 experts of width 16, top-3) with random weights and a
+    random non-zero correction bias where it has one."""
+    import importlib
+
+    config_name, block_name, kwargs = BLOCKS[family]
+    cfg = getattr(transformers, config_name)()
+    small = dict(hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_experts=8, num_local_experts=8,
+                 moe_num_experts=8, num_experts_per_tok=3, moe_k=3, moe_topk=3, moe_num_shared_experts=1)
+    for name, value in small.items():
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch.manual_seed(seed)
+    block = getattr(module, block_name)(cfg, **kwargs).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(block.named_parameters()) + list(block.named_buffers()):
+            scale = 0.1 if "correction_bias" in name else t.shape[-1] ** -0.5
+            t.copy_(torch.randn(t.shape, generator=g) * scale)
+    return block

@@ -166,3 +166,15 @@ def test_moe_from_hf_refuses_sparsemixer():
     model, layer = tiny.build("phimoe")
     with pytest.raises(ValueError, match="sparsemixer"):
         moekit_hf.moe_from_hf(_moe_block(model.model.layers[layer]))
+
+
+@pytest.mark.parametrize("family", list(tiny.BLOCKS))
+def test_moe_from_hf_equals_block_of_more_routers(family):
+    """Jamba (softmax, not renormalised), MiniMax (renormalised), MiniMax-M2 (sigmoid + correction bias),
+    ERNIE-4.5 (softmax + correction bias, a shared expert), Hunyuan (renormalised, a shared MLP)."""
+    block = tiny.build_block(family)
+    moe = moekit_hf.moe_from_hf(block)
+    x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = block(x)
+        assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
