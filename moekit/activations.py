@@ -137,18 +137,22 @@ def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor
     """The spec's torch definition: h [.., 2N] (gated) or [.., N] (ungated) -> [.., N], in h's dtype."""
     spec = as_spec(activation)
     if not spec.gated:
-        return ACTIVATIONS[spec.name].fn(h)
+        return _act(h, spec)
     if spec.interleaved:
         gate, up = h[..., 0::2], h[..., 1::2]  # [.., N] each
     else:
         gate, up = h.chunk(2, dim=-1)  # [.., N] each
     if spec.limit is not None:
         gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-    if spec.alpha != 1.0:
-        act = gate * torch.sigmoid(spec.alpha * gate)
-    else:
-        act = ACTIVATIONS[spec.name].fn(gate)
+    act = _act(gate, spec)
     return act * (up + spec.up_shift) if spec.up_shift != 0.0 else act * up
+
+
+def _act(t: torch.Tensor, spec: ActivationSpec) -> torch.Tensor:
+    """The spec's activation alone: ``ACTIVATIONS[name].fn``, or silu with its ``alpha``."""
+    if spec.alpha != 1.0:
+        return t * torch.sigmoid(spec.alpha * t)
+    return ACTIVATIONS[spec.name].fn(t)
 
 
 def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

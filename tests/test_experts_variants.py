@@ -52,6 +52,7 @@ VARIANTS = {
     "gelu_tanh_ungated_b13": Variant(ActivationSpec("gelu_tanh", gated=False), b13=True),
     "relu_interleaved": Variant(ActivationSpec("relu", interleaved=True), b13=True),
     "silu_clamped_concat": Variant(ActivationSpec("silu", limit=0.5, up_shift=-0.25), b13=True),
+    "silu_alpha_ungated": Variant(ActivationSpec("silu", gated=False, alpha=1.702), b2=True),
 }
 
 
