@@ -43,7 +43,9 @@ class Family:
 def walk() -> list[Family]:
     """Every class in ``transformers.models.*.modeling_*`` that ``use_experts_implementation`` wrapped:
     its ``forward`` closes over ``experts_interface`` and its ``__init__`` over the flags."""
-    from transformers.integrations.moe import _default_apply_gate
+    from transformers.integrations import moe
+
+    default_gate = getattr(moe, "_default_apply_gate", None)  # None on a transformers before _apply_gate
 
     root = Path(transformers.models.__path__[0])
     found = []
@@ -58,7 +60,7 @@ def walk() -> list[Family]:
             init = cls.__init__
             cells = dict(zip(init.__code__.co_freevars, (c.cell_contents for c in init.__closure__)))
             flags = {k: cells[k] for k in FLAG_NAMES if cells.get(k, FLAG_DEFAULTS[k]) != FLAG_DEFAULTS[k]}
-            found.append(Family(path.parent.name, cls, flags, cls._apply_gate is not _default_apply_gate))
+            found.append(Family(path.parent.name, cls, flags, getattr(cls, "_apply_gate", None) is not default_gate))
     return found
 
 

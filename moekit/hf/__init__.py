@@ -3,7 +3,11 @@ model's experts through moekit.
 
 Importing this module registers moekit as a transformers experts implementation named ``"moekit"``,
 so ``model.set_experts_implementation("moekit")`` sends every experts call through
-``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default). The backend
+``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default), for every variant
+of transformers' experts interface: ``variants`` turns a module's flags and code into an ``ExpertsPlan``
+(an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
+through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``).
+``blocks.moe_from_hf`` turns a MoE block into a ``MoE``. The backend
 comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
 for the CPU and CUDA: resolving imports modules, which ``torch.compile(fullgraph=True)`` cannot trace,
 so a compiled model only ever meets the cache.
@@ -18,6 +22,9 @@ from moekit.experts import backend_fn, call_backend
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
+
+__all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
+           "moekit_experts_forward", "prepare"]
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moekit.experts.grouped_mm import group_gemm_op
-from moekit.hf.variants import ExpertsPlan
+from moekit.hf.variants import ExpertsPlan, apply_module_gate
 from moekit.layouts import combine_contiguous, permute_contiguous
 
 
@@ -39,7 +39,7 @@ def run_composed(
     h = group_gemm_op(layout.x_perm, w13, offs)  # [A, 2N]
     if b13 is not None:
         h = h + b13[expert_of_row]
-    h = module._apply_gate(h) if plan.gated else module.act_fn(h)  # [A, N]
+    h = apply_module_gate(module, h) if plan.gated else module.act_fn(h)  # [A, N]
     y = group_gemm_op(h.to(w2.dtype), w2, offs)  # [A, K]
     if b2 is not None:
         y = y + b2[expert_of_row]

@@ -127,7 +127,7 @@ def _recognise_gate(module: nn.Module, width: int, device: torch.device) -> Acti
     probe = _gate_probe(width, limits, device)
     try:
         with torch.no_grad():
-            target = module._apply_gate(probe.clone()).to(torch.float64)
+            target = apply_module_gate(module, probe.clone()).to(torch.float64)
     except Exception:  # noqa: BLE001 (an _apply_gate that cannot run on the probe: composed)
         return None
     for spec in _candidates(module, alphas, limits, device):
@@ -136,6 +136,16 @@ def _recognise_gate(module: nn.Module, width: int, device: torch.device) -> Acti
         if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
             return spec
     return None
+
+
+def apply_module_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The module's gating, [.., 2N] -> [.., N]: its ``_apply_gate``, or on a transformers that predates
+    ``_apply_gate`` the interface's default then, act_fn(gate) * up."""
+    gate_fn = getattr(module, "_apply_gate", None)
+    if gate_fn is not None:
+        return gate_fn(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
 
 
 def _candidates(module: nn.Module, alphas: list[float], limits: list[float], device: torch.device):
