@@ -344,3 +344,8 @@ def test_compiled_call_traces_whole(name):
 
     compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
     assert rel_l2(compiled(case.x, case.w13, case.w2, case.b13, case.b2), _want(case, variant.spec)) < 1e-5
+
+
+def test_biases_are_contract_arguments_not_backend_options():
+    with pytest.raises(ValueError, match=r"backend_options \['b13'\] are not options of experts_grouped_mm"):
+        bind_options(backend_fn("grouped_mm", "cpu"), {"b13": None})
