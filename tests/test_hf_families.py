@@ -178,3 +178,23 @@ def test_moe_from_hf_equals_block_of_more_routers(family):
     with torch.no_grad():
         want = block(x)
         assert rel_l2(moe(x), want[0] if isinstance(want, tuple) else want) < 1e-5
+
+
+def test_compiled_before_any_eager_call_runs_composed(monkeypatch):
+    """torch.compile(fullgraph=True) meeting a module with no plan yet cannot probe it: it traces the
+    composed path from the flags (still equal to eager) and caches nothing; an eager call then fuses."""
+    model, layer = tiny.build("gpt_oss")
+    block = model.model.layers[layer].mlp
+    x = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(5))
+    composed = []
+    original = moekit_hf.run_composed
+    monkeypatch.setattr(moekit_hf, "run_composed", lambda *a, **k: composed.append(1) or original(*a, **k))
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        want = block(x)[0]
+        model.set_experts_implementation("moekit")
+        torch._dynamo.reset()
+        got = torch.compile(block, fullgraph=True, backend="eager")(x)[0]
+        assert composed and rel_l2(got, want) < 1e-5
+        assert "_moekit_plan" not in block.experts.__dict__
+        assert rel_l2(block(x)[0], want) < 1e-5 and block.experts._moekit_plan.fused

@@ -58,32 +58,38 @@ _WARNED: set[type] = set()
 
 
 def experts_plan(module: nn.Module) -> ExpertsPlan:
-    """The module's plan, built on its first call and cached on it (``PLAN_ATTR``)."""
+    """The module's plan, built on its first eager call and cached on it (``PLAN_ATTR``).
+
+    Probing cannot be traced: a module that ``torch.compile`` meets before any eager call gets the
+    composed plan from its flags alone (correct, not fused, not cached); run one eager forward or
+    ``moekit.hf.prepare(model)`` before compiling to trace the fused path."""
     plan = module.__dict__.get(PLAN_ATTR)
-    if plan is None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"the moekit experts plan of {type(module).__name__} is built by probing the module, which "
-                "torch.compile cannot trace: run one eager forward first, or moekit.hf.prepare(model)"
-            )
-        plan = build_plan(module)
-        module.__dict__[PLAN_ATTR] = plan
-        if not plan.fused and type(module) not in _WARNED:
-            _WARNED.add(type(module))
-            warnings.warn(f"moekit: {type(module).__name__} runs composed (moekit grouped GEMMs with the module's "
-                          f"own functions between them), not fused: {plan.reason}", ComposedPathWarning, stacklevel=3)
+    if plan is not None:
+        return plan
+    if torch.compiler.is_compiling():
+        return ExpertsPlan(activation=None, reason="compiled before its first eager call", **_flag_fields(module))
+    plan = module.__dict__[PLAN_ATTR] = build_plan(module)
+    if not plan.fused and type(module) not in _WARNED:
+        _WARNED.add(type(module))
+        warnings.warn(f"moekit: {type(module).__name__} runs composed (moekit grouped GEMMs with the module's "
+                      f"own functions between them), not fused: {plan.reason}", ComposedPathWarning, stacklevel=3)
     return plan
+
+
+def _flag_fields(module: nn.Module) -> dict:
+    """The plan's fields that transformers' flags decide (``has_gate``, ``is_transposed``, ``has_bias``)."""
+    gated = bool(getattr(module, "has_gate", True))
+    return dict(up_name="gate_up_proj" if gated else "up_proj", transposed=bool(getattr(module, "is_transposed", False)),
+                has_bias=bool(getattr(module, "has_bias", False)), gated=gated)
 
 
 def build_plan(module: nn.Module) -> ExpertsPlan:
     """Read the flags and recognise the module's activation code (see the module docstring)."""
-    gated = bool(getattr(module, "has_gate", True))
-    up_name = "gate_up_proj" if gated else "up_proj"
+    base = _flag_fields(module)
+    gated, up_name, transposed = base["gated"], base["up_name"], base["transposed"]
     weight = getattr(module, up_name, None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
         raise TypeError(f"{type(module).__name__} must hold {up_name} [E, *, *] (transformers' experts interface)")
-    transposed = bool(getattr(module, "is_transposed", False))
-    base = dict(up_name=up_name, transposed=transposed, has_bias=bool(getattr(module, "has_bias", False)), gated=gated)
     if getattr(module, "has_post_expert_norm", False):
         return ExpertsPlan(activation=None, reason="a post-expert norm between the down projection and the "
                            "routed weight", **base)
