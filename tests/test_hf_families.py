@@ -198,3 +198,16 @@ def test_compiled_before_any_eager_call_runs_composed(monkeypatch):
         assert composed and rel_l2(got, want) < 1e-5
         assert "_moekit_plan" not in block.experts.__dict__
         assert rel_l2(block(x)[0], want) < 1e-5 and block.experts._moekit_plan.fused
+
+
+def test_moe_from_hf_granite_shared_block_has_no_shared_expert():
+    """Granite-MoE-Shared keeps its shared MLP on the decoder layer: the block converts without one
+    (its config's shared width is not invented as random weights)."""
+    cfg = transformers.GraniteMoeSharedConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=16, shared_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2)
+    block = transformers.GraniteMoeSharedForCausalLM(cfg).eval().model.layers[0].block_sparse_moe
+    moe = moekit_hf.moe_from_hf(block)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert moe.config.shared_expert_intermediate_size == 0 and rel_l2(moe(x), block(x)) < 1e-5

@@ -28,7 +28,9 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     block (the same ``Parameter`` objects) where the layouts agree; transposed storage (gpt-oss) is
     copied into moekit's ``[E, 2N, K]``. The shared expert's weights are copied into a separate MLP, or,
     with ``fuse_shared=True``, into extra routed slots. Experts moekit cannot fuse (the plan's reason) or
-    ungated ones are refused: the layer has no place for the module's own code.
+    ungated ones are refused: the layer has no place for the module's own code. The shared expert is
+    the block's own (``shared_expert(s)``/``shared_mlp``): where a family keeps it on the decoder layer
+    (Granite-MoE-Shared) the ``MoE`` has none, as the block.
     """
     experts = getattr(block, "experts", None)
     router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
@@ -41,10 +43,14 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         raise ValueError(f"{type(experts).__name__} cannot become a moekit MoE layer: {why}; run the model with "
                          "set_experts_implementation('moekit') instead")
     config = MoEConfig.from_hf_config(experts.config).replace(activation=plan.activation, expert_bias=plan.has_bias)
+    shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    if shared_mlp is None and config.has_shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
+        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+    if shared_mlp is not None and not config.has_shared_expert:
+        raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
     moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=experts.down_proj.dtype,
               device=experts.down_proj.device)
     _copy_router(moe, block, router)
-    shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
     _copy_experts(moe, experts, plan.transposed, shared_mlp)
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
@@ -96,4 +102,6 @@ def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN])."""
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
         raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, got {type(mlp).__name__}")
+    if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        raise TypeError(f"the shared expert {type(mlp).__name__} has biases (ERNIE's use_bias): moekit's shared MLP has none")
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()
