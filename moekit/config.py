@@ -98,7 +98,7 @@ class MoEConfig:
     @classmethod
     def from_hf_config(cls, cfg: Any) -> "MoEConfig":
         """Read a config (transformers object or dict) of a family in ``_HF_READERS``: Mixtral, Qwen2/3-MoE,
-        Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, GLM-4.5, gpt-oss, OLMoE, Granite-MoE, Jamba, MiniMax(-M2),
+        Qwen3-Next, DeepSeek-V2/V3, Kimi-K2, Kimi-Linear, GLM-4.5, gpt-oss, OLMoE, Granite-MoE, Jamba, MiniMax(-M2),
         ERNIE-4.5-MoE, Hunyuan-MoE. Families whose router moekit does not compute (Phi-MoE's sparsemixer,
         Llama-4's input-scaled top-1) are refused, naming why (their experts still run on "moekit").
 
@@ -250,6 +250,21 @@ def _read_ernie(d: dict) -> dict:
                 renormalize=True, use_correction_bias=True, shared_expert_intermediate_size=shared)
 
 
+def _read_kimi_linear(d: dict) -> dict:
+    """Kimi-Linear: DeepSeek-V3's router (grouped sigmoid, correction bias, routed scaling) under its own
+    field names, and shared experts."""
+    n_dim = d["moe_intermediate_size"]
+    return dict(
+        hidden_size=d["hidden_size"], moe_intermediate_size=n_dim,
+        num_experts=_get(d, "num_experts", "num_local_experts"), top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
+        scoring="sigmoid", renormalize=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
+        n_group=_get(d, "num_expert_group", "n_group", default=1), topk_group=_get(d, "topk_group", default=1),
+        use_correction_bias=True, shared_expert_intermediate_size=_get(d, "num_shared_experts", "n_shared_experts",
+                                                                        default=0) * n_dim,
+    )
+
+
 def _read_qwen3_next(d: dict) -> dict:
     """Qwen3-Next: softmax top-k as Qwen3-MoE, and a shared expert scaled by sigmoid(x @ g)."""
     return _read_qwen2_moe(d)
@@ -264,6 +279,7 @@ _HF_READERS = {
     "deepseek_v3": _read_deepseek,
     "kimi_k2": _read_deepseek,
     "glm4_moe": _read_deepseek,
+    "kimi_linear": _read_kimi_linear,
     "gpt_oss": _read_gpt_oss,
     "olmoe": _read_softmax_topk,
     "jamba": _read_softmax_topk,

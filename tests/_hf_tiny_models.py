@@ -78,6 +78,7 @@ BLOCKS = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", {}),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock", {}),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1Moe", {"layer_idx": 0}),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearMoE", {}),
 }
 
 
@@ -89,7 +90,8 @@ def build_block(family: str, seed: int = 0) -> torch.nn.Module:
     config_name, block_name, kwargs = BLOCKS[family]
     cfg = getattr(transformers, config_name)()
     small = dict(hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_experts=8, num_local_experts=8,
-                 moe_num_experts=8, num_experts_per_tok=3, moe_k=3, moe_topk=3, moe_num_shared_experts=1)
+                 moe_num_experts=8, num_experts_per_tok=3, moe_k=3, moe_topk=3, moe_num_shared_experts=1,
+                 n_group=2, num_expert_group=2, topk_group=1)
     for name, value in small.items():
         if hasattr(cfg, name):
             setattr(cfg, name, value)
