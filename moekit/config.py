@@ -256,7 +256,8 @@ def _read_kimi_linear(d: dict) -> dict:
     n_dim = d["moe_intermediate_size"]
     return dict(
         hidden_size=d["hidden_size"], moe_intermediate_size=n_dim,
-        num_experts=_get(d, "num_experts", "num_local_experts"), top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
+        num_experts=_get(d, "num_experts", "num_local_experts"),
+        top_k=_get(d, "num_experts_per_token", "num_experts_per_tok"),
         scoring="sigmoid", renormalize=bool(_get(d, "moe_renormalize", "norm_topk_prob", default=True)),
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", default=1.0)),
         n_group=_get(d, "num_expert_group", "n_group", default=1), topk_group=_get(d, "topk_group", default=1),

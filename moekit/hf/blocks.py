@@ -101,7 +101,9 @@ def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn
 def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN])."""
     if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, got {type(mlp).__name__}")
+        raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, "
+                        f"got {type(mlp).__name__}")
     if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-        raise TypeError(f"the shared expert {type(mlp).__name__} has biases (ERNIE's use_bias): moekit's shared MLP has none")
+        raise TypeError(f"the shared expert {type(mlp).__name__} has biases (ERNIE's use_bias): moekit's shared MLP "
+                        "has none")
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()

@@ -79,8 +79,8 @@ def experts_plan(module: nn.Module) -> ExpertsPlan:
 def _flag_fields(module: nn.Module) -> dict:
     """The plan's fields that transformers' flags decide (``has_gate``, ``is_transposed``, ``has_bias``)."""
     gated = bool(getattr(module, "has_gate", True))
-    return dict(up_name="gate_up_proj" if gated else "up_proj", transposed=bool(getattr(module, "is_transposed", False)),
-                has_bias=bool(getattr(module, "has_bias", False)), gated=gated)
+    transposed, has_bias = bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+    return dict(up_name="gate_up_proj" if gated else "up_proj", gated=gated, transposed=transposed, has_bias=has_bias)
 
 
 def build_plan(module: nn.Module) -> ExpertsPlan:
