@@ -22,9 +22,12 @@ from moekit.experts import backend_fn, call_backend
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
+from moekit.quant.hf import fp8_experts_weights
+
+_FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
 
 __all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
-           "moekit_experts_forward", "prepare"]
+           "moekit_experts_forward", "moekit_fp8_experts_forward", "prepare"]
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"
@@ -54,6 +57,33 @@ def moekit_experts_forward(
     )
 
 
+def moekit_fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers ``FP8ExpertsInterface`` entry (``FineGrainedFP8Config``'s ``FP8Experts``, DeepSeek-V3's
+    fp8 format): the module's e4m3 weights and ``*_scale_inv`` run as moekit ``fp8_block`` weights, as
+    they are (never dequantized or requantized; the Triton backend's fp8 kernels on CUDA). An activation
+    moekit does not fuse runs composed on the dequantized weights (correct, slow, said once)."""
+    plan = getattr(self, PLAN_ATTR, None) or experts_plan(self)
+    w13, w2 = _fp8_weights(self)
+    if plan.activation is None:
+        dtype = hidden_states.dtype
+        return run_composed(self, plan, hidden_states, w13.dequantize(dtype), w2.dequantize(dtype), top_k_index,
+                            top_k_weights, None, None)
+    return call_backend(backend_fn(HF_BACKEND, hidden_states.device), hidden_states, w13, w2, top_k_index,
+                        top_k_weights, activation=plan.activation)
+
+
+def _fp8_weights(module: nn.Module):
+    """The module's (w13, w2) fp8_block weights, wrapped once per set of weight tensors (a load replaces them)."""
+    key = (module.gate_up_proj.data_ptr(), module.down_proj.data_ptr(), module.gate_up_proj_scale_inv.data_ptr(),
+           module.down_proj_scale_inv.data_ptr())
+    cached = module.__dict__.get(_FP8_ATTR)
+    if cached is None or cached[0] != key:
+        cached = module.__dict__[_FP8_ATTR] = (key, fp8_experts_weights(module))
+    return cached[1]
+
+
 def prepare(model: nn.Module) -> list[ExpertsPlan]:
     """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
     ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
@@ -72,6 +102,11 @@ def _register() -> None:
                                 'pip install "moekit[hf]"', name=err.name) from err
 
     ExpertsInterface.register("moekit", moekit_experts_forward)
+    try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return
+    FP8ExpertsInterface.register("moekit", moekit_fp8_experts_forward)
 
 
 _register()

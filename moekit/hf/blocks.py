@@ -16,6 +16,8 @@ from torch import nn
 from moekit.config import MoEConfig
 from moekit.hf.variants import build_plan
 from moekit.layer import MoE
+from moekit.quant import install_quantized_experts_
+from moekit.quant.hf import quantized_experts_weights
 
 _ROUTER_NAMES = ("gate", "router")
 _SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
@@ -28,7 +30,9 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
     block (the same ``Parameter`` objects) where the layouts agree; transposed storage (gpt-oss) is
     copied into moekit's ``[E, 2N, K]``. The shared expert's weights are copied into a separate MLP, or,
     with ``fuse_shared=True``, into extra routed slots. Experts moekit cannot fuse (the plan's reason) or
-    ungated ones are refused: the layer has no place for the module's own code. The shared expert is
+    ungated ones are refused: the layer has no place for the module's own code. fp8 experts
+    (``FineGrainedFP8Config``'s ``FP8Experts``) keep their quantization (``moe.quant_scheme`` "fp8_block",
+    the block's tensors as they are; ``fuse_shared`` must be False). The shared expert is
     the block's own (``shared_expert(s)``/``shared_mlp``): where a family keeps it on the decoder layer
     (Granite-MoE-Shared) the ``MoE`` has none, as the block.
     """
@@ -48,10 +52,12 @@ def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "
         config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
     if shared_mlp is not None and not config.has_shared_expert:
         raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
-    moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=experts.down_proj.dtype,
-              device=experts.down_proj.device)
+    quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
+    dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
+    moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
+              num_local_experts=None if quantized is None else 0)
     _copy_router(moe, block, router)
-    _copy_experts(moe, experts, plan.transposed, shared_mlp)
+    _copy_experts(moe, experts, plan.transposed, shared_mlp, quantized)
     if moe.shared_gate is not None:
         moe.shared_gate.weight = block.shared_expert_gate.weight
     return moe
@@ -68,8 +74,21 @@ def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
         moe.e_score_correction_bias = bias.detach().reshape(-1).float()
 
 
-def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn.Module | None) -> None:
-    """Routed weights shared (or copied when transposed, or when the shared expert is fused in)."""
+def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn.Module | None,
+                  quantized: tuple | None) -> None:
+    """Routed weights shared (or copied when transposed, or when the shared expert is fused in); fp8
+    experts (``FP8Experts``) stay fp8: their tensors become the MoE's fp8_block weights as they are."""
+    if quantized is not None:
+        if moe.fuse_shared:
+            raise ValueError("fp8 experts keep their quantization, which leaves no room for a fused shared "
+                             "expert: use fuse_shared=False")
+        install_quantized_experts_(moe, *quantized)
+        if shared_mlp is not None:
+            shared_w13, shared_w2 = _shared_weights(shared_mlp)
+            with torch.no_grad():
+                moe.shared_w13.copy_(shared_w13)
+                moe.shared_w2.copy_(shared_w2)
+        return
     w13, w2 = experts.gate_up_proj, experts.down_proj
     if transposed:
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, 2N, K], [E, K, N]
