@@ -34,7 +34,7 @@ from torch import nn
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
 from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
-from moekit.activations import act_and_mul
+from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
@@ -133,9 +133,12 @@ class MoE(nn.Module):
         factory = {"dtype": dtype, "device": device}
         slots = config.num_shared_slots if self.fuse_shared else 0
         rows = (e if num_local_experts is None else num_local_experts) + slots
-        self.gate = nn.Linear(k_dim, e, bias=False, **factory)  # weight [E, K]
+        self.gate = nn.Linear(k_dim, e, bias=config.router_bias, **factory)  # weight [E, K] (+ bias [E], gpt-oss)
         self.w13 = nn.Parameter(torch.empty(rows, 2 * n_dim, k_dim, **factory))  # [E(+S), 2N, K]; L(+S) on an EP rank
         self.w2 = nn.Parameter(torch.empty(rows, k_dim, n_dim, **factory))  # [E(+S), K, N]; L(+S) on an EP rank
+        # config.expert_bias (gpt-oss): b13 [E(+S), 2N] in w13's row order, b2 [E(+S), K]; zero on shared slots
+        self.b13 = nn.Parameter(torch.zeros(rows, 2 * n_dim, **factory)) if config.expert_bias else None
+        self.b2 = nn.Parameter(torch.zeros(rows, k_dim, **factory)) if config.expert_bias else None
         bias = torch.zeros(e, dtype=torch.float32, device=device) if config.use_correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         shared = config.shared_expert_intermediate_size if config.has_shared_expert and not self.fuse_shared else 0
@@ -274,11 +277,11 @@ class MoE(nn.Module):
         experts elsewhere (expert parallelism) override this one step."""
         return call_backend(
             self._experts_fn, x2d, self.w13, self.w2, routing.topk_ids, routing.topk_weights,
-            activation=self.config.activation,
+            activation=self.config.activation, b13=self.b13, b2=self.b2,
         )
 
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
-        y = act_and_mul(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
+        y = apply_glu(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
         if self.shared_gate is not None:
             y = torch.sigmoid(self.shared_gate(x2d)) * y
         return y

@@ -11,14 +11,31 @@ from moekit.analysis.memory import GB, fit_on_gpus, weight_memory
 from moekit.presets import hf_config_of_preset, preset_names
 
 # Published (total, active) in billions, from the model cards. DeepSeek-V3's 671B excludes its 14B MTP module.
-PUBLISHED = {"deepseek-v3": (671, 37), "qwen3-30b-a3b": (30.5, 3.3), "mixtral-8x7b": (46.7, 12.9)}
+# gpt-oss: the model card's table (20.91B / 3.61B, 116.83B / 5.13B; active without the embedding).
+# GLM-4.5-Air's 106B excludes its MTP layer, as transformers does; Kimi-K2: the tech report's 1.04T.
+PUBLISHED = {"deepseek-v3": (671, 37), "qwen3-30b-a3b": (30.5, 3.3), "mixtral-8x7b": (46.7, 12.9),
+             "gpt-oss-20b": (20.91, 3.61), "gpt-oss-120b": (116.83, 5.13), "glm-4.5-air": (106, 12),
+             "qwen3-next-80b-a3b": (80, 3), "kimi-k2": (1040, 32), "olmoe-1b-7b": (6.9, 1.3)}
+# Kimi-K2 counts 1026.4B (transformers' DeepseekV3 model, exactly); the report rounds to 1.04T, 1.3% apart.
+TOTAL_REL = {"kimi-k2": 0.015}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_totals_reconcile_with_published(name):
     bill = param_bill(hf_config_of_preset(name))
     total, _ = PUBLISHED[name]
-    assert bill.total / 1e9 == pytest.approx(total, rel=0.01)
+    assert bill.total / 1e9 == pytest.approx(total, rel=TOTAL_REL.get(name, 0.01))
+
+
+def test_active_of_the_new_presets_reconciles():
+    """gpt-oss's card counts the active parameters without the embedding (3.608B -> 3.61B); GLM-4.5-Air's
+    12.80B, Qwen3-Next's 3.56B truncate to the names' 12B and A3B; Kimi-K2's 31.69B -> 32B; OLMoE counts
+    the embedding (1.282B -> 1.3B)."""
+    for name in ("gpt-oss-20b", "gpt-oss-120b", "kimi-k2"):
+        assert param_bill(hf_config_of_preset(name)).active_matmul / 1e9 == pytest.approx(PUBLISHED[name][1], rel=0.01)
+    for name in ("glm-4.5-air", "qwen3-next-80b-a3b"):
+        assert int(param_bill(hf_config_of_preset(name)).active_matmul / 1e9) == PUBLISHED[name][1]
+    assert param_bill(hf_config_of_preset("olmoe-1b-7b")).active / 1e9 == pytest.approx(1.3, rel=0.02)
 
 
 def test_active_reconciles_with_published():
@@ -40,8 +57,11 @@ def test_bill_equals_transformers_model(name):
     """Exact: instantiate the model on the meta device from the same config and count its parameters."""
     transformers = pytest.importorskip("transformers")
     hf = hf_config_of_preset(name)
+    # Kimi-K2's config.json says kimi_k2 and DeepseekV3ForCausalLM: transformers builds it as deepseek_v3
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    kind = {"kimi_k2": "deepseek_v3"}.get(hf["model_type"], hf["model_type"])
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **fields))
     assert param_bill(hf).total == sum(p.numel() for p in model.parameters())
 
 

@@ -141,3 +141,19 @@ def test_moekit_experts_compile_fullgraph_cpu_default(dtype):
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(compiled, eager, rtol=tol, atol=tol)
+
+
+def test_bench_hf_runs_gpt_oss_width_model(tmp_path):
+    """``moekit bench --hf --hf-model gpt-oss-20b`` (tiny widths on the CPU): the fused clamped-SwiGLU path
+    with biases runs eager and compiled, and its logits equal eager's."""
+    import json
+
+    from moekit.cli import main
+
+    argv = ["bench", "--hf", "--tiny", "--device", "cpu", "--hf-model", "gpt-oss-20b", "--hf-impls", "moekit",
+            "--layers", "1", "--decode-tokens", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("cpu-hf-*.json")
+    rows = {(r["impl"], r["mode"]): r for r in json.loads(path.read_text())["rows"]}
+    for mode in ("eager", "compiled"):
+        assert rows[("moekit", mode)]["logits_rel_err_vs_eager"] < 1e-5, rows[("moekit", mode)]["errors"]

@@ -78,3 +78,28 @@ def test_non_fp8_experts_are_refused():
     float_block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(
         transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=2))
     assert quantized_experts_weights(float_block) is None
+
+
+def test_moekit_runs_transformers_fp8_experts_as_they_are():
+    """set_experts_implementation("moekit") on FineGrainedFP8Config's FP8Experts: moekit's fp8 recipe on
+    the module's own e4m3 tensors (not dequantized, not requantized), and moe_from_hf keeps them fp8."""
+    import moekit.hf  # noqa: F401  (registers "moekit" in both experts interfaces)
+    from moekit.hf import moe_from_hf
+
+    block, original = _fp8_qwen3_moe()
+    experts = block.experts
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 256, generator=gen)
+    ids = torch.randint(0, 4, (12, 2), generator=gen)
+    weights = torch.rand(12, 2, generator=gen)
+    experts.config._experts_implementation = "moekit"
+    with torch.no_grad():
+        got = experts(x, ids, weights)
+    w13, w2 = fp8_experts_weights(experts)
+    assert rel_l2(got, Q.experts_fp8_block_reference(x, w13, w2, ids, weights)) < 1e-6
+    moe = moe_from_hf(block, backend="reference")
+    assert moe.quant_scheme == "fp8_block" and moe.w13.q.data_ptr() == experts.gate_up_proj.data_ptr()
+    with torch.no_grad():  # transformers' router, then the fp8 experts through "moekit" (its own fp8 path needs
+        block_out = block(x[None])  # the `kernels` package, absent on a CPU machine)
+        block_out = block_out[0] if isinstance(block_out, tuple) else block_out
+        assert rel_l2(moe(x[None]), block_out) < 1e-5

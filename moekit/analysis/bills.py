@@ -56,39 +56,66 @@ class ParamBill:
 
 
 def param_bill(hf_config: dict) -> ParamBill:
-    """The bill of a Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3 config dict."""
+    """The bill of a config dict of a preset's family: Mixtral, Qwen2/3-MoE, Qwen3-Next, DeepSeek-V2/V3,
+    Kimi-K2, GLM-4.5, gpt-oss, OLMoE."""
     cfg = MoEConfig.from_hf_config(hf_config)
     d, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
     moe_layers = cfg.num_moe_layers or layers
     vocab = hf_config["vocab_size"]
-    expert = 3 * d * cfg.moe_intermediate_size
+    n_dim = cfg.moe_intermediate_size
+    expert = 3 * d * n_dim + ((2 * n_dim + d) if cfg.expert_bias else 0)  # gpt-oss: b13 [2N], b2 [d]
     shared = 3 * d * cfg.shared_expert_intermediate_size + (d if cfg.shared_expert_gate else 0)
     return ParamBill(
         embedding=vocab * d,
         output=0 if hf_config.get("tie_word_embeddings", False) else vocab * d,
-        attention=layers * attention_params(hf_config),
+        attention=sum(_layer_attention_params(hf_config, i) for i in range(layers)),
         dense_mlp=(layers - moe_layers) * 3 * d * hf_config["intermediate_size"],
         routed_experts=moe_layers * cfg.num_experts * expert,
         active_routed_experts=moe_layers * cfg.top_k * expert,
         shared_experts=moe_layers * shared,
-        router=moe_layers * d * cfg.num_experts,
+        router=moe_layers * (d + cfg.router_bias) * cfg.num_experts,
         norms=layers * 2 * d + d,
         num_moe_layers=moe_layers,
         num_dense_layers=layers - moe_layers,
     )
 
 
+def _layer_attention_params(c: dict, layer: int) -> int:
+    """Layer ``layer``'s token mixer: Qwen3-Next's Gated DeltaNet on 3 of every 4 layers, else attention."""
+    interval = c.get("full_attention_interval", 4)
+    if c["model_type"] == "qwen3_next" and (layer + 1) % interval != 0:
+        return _gated_deltanet_params(c)
+    return attention_params(c)
+
+
 def attention_params(c: dict) -> int:
     """One layer's attention: MLA when the config has ``kv_lora_rank``, grouped-query otherwise."""
     if c.get("kv_lora_rank"):
         return _mla_params(c)
-    d, heads = c["hidden_size"], c["num_attention_heads"]
+    d, heads, kind = c["hidden_size"], c["num_attention_heads"], c["model_type"]
     kv_heads = c.get("num_key_value_heads") or heads
     h = c.get("head_dim") or d // heads
-    weights = d * heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
-    qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c["model_type"] == "qwen2_moe") else 0
-    qk_norm = 2 * h if c["model_type"] == "qwen3_moe" else 0  # Qwen3's per-head RMSNorm on q and k
+    q_heads = 2 * heads if kind == "qwen3_next" else heads  # Qwen3-Next's q_proj also makes the output gate
+    weights = d * q_heads * h + 2 * d * kv_heads * h + heads * h * d  # q, k, v, o
+    qkv_bias = (heads + 2 * kv_heads) * h if c.get("qkv_bias", c.get("attention_bias", kind == "qwen2_moe")) else 0
+    if kind == "gpt_oss":  # an o_proj bias, and one attention sink per head
+        qkv_bias += d + heads
+    qk_norm = 2 * h if kind in ("qwen3_moe", "qwen3_next") else 0  # per-head RMSNorm on q and k
+    if kind == "olmoe":  # RMSNorm over all of q and all of k
+        qk_norm = (heads + kv_heads) * h
     return weights + qkv_bias + qk_norm
+
+
+def _gated_deltanet_params(c: dict) -> int:
+    """Qwen3-Next's linear attention: qkvz and beta/alpha projections, a causal conv over q, k, v, the
+    per-head decay (dt_bias, A_log), a gated RMSNorm over the value head, the output projection."""
+    d, kernel = c["hidden_size"], c["linear_conv_kernel_dim"]
+    v_heads = c["linear_num_value_heads"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = v_heads * c["linear_value_head_dim"]
+    in_proj = d * (2 * key_dim + 2 * value_dim) + d * 2 * v_heads
+    conv = (2 * key_dim + value_dim) * kernel
+    return in_proj + conv + 2 * v_heads + c["linear_value_head_dim"] + value_dim * d
 
 
 def _mla_params(c: dict) -> int:

@@ -1,10 +1,12 @@
 """The transformers models behind ``moekit bench --hf``: built offline from a config, random weights.
 
-Two models at their published widths (moekit's presets, which are the models' own ``config.json``
+Models at their published widths (moekit's presets, which are the models' own ``config.json``
 fields), cut to a few layers and a 32000-token vocabulary (Qwen3's own is 151936; Mixtral's is 32000):
 
-    qwen3    Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top-8, 32 query / 4 kv heads of 128
-    mixtral  Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
+    qwen3        Qwen3-30B-A3B: hidden 2048, 128 experts of width 768, top-8, 32 query / 4 kv heads of 128
+    mixtral      Mixtral-8x7B:  hidden 4096, 8 experts of width 14336, top-2, 32 query / 8 kv heads of 128
+    gpt-oss-20b  gpt-oss-20b:   hidden 2880, 32 experts of width 2880, top-4, 64 query / 8 kv heads of 64;
+                 experts with biases, interleaved gate/up, clamped SwiGLU (alpha 1.702, limit 7), transposed
 
 ``tiny=True`` shrinks every width (the CPU tests run the same code path on it). No tokenizer, no
 checkpoint: nothing here reaches the hub.
@@ -46,6 +48,11 @@ MODELS = {
         "mixtral", "mixtral-8x7b", 2,
         dict(hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256),
+    ),
+    "gpt-oss-20b": HFModelSpec(
+        "gpt-oss-20b", "gpt-oss-20b", 4,
+        dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=8),
     ),
 }
 

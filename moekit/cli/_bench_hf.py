@@ -11,7 +11,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transformers end to end (--hf)")
     g.add_argument("--hf", action="store_true",
                    help="time whole transformers MoE models (random weights, no hub) per experts implementation")
-    g.add_argument("--hf-model", default="all", help="qwen3, mixtral or all (default: all)")
+    g.add_argument("--hf-model", default="all", help="qwen3, mixtral, gpt-oss-20b or all (default: all)")
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
                    "always runs in eager mode)")
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     impls = tuple(args.hf_impls.split(",")) if args.hf_impls else None
     try:
         if set(models) - set(model_names()):
-            raise ValueError(f"hf-model must be qwen3, mixtral or all, got {args.hf_model!r}")
+            raise ValueError(f"hf-model must be one of {model_names()} or all, got {args.hf_model!r}")
         select_impls(list(impls) if impls else None)
         options = [_options(args, name, device, impls, default_options) for name in models]
     except ValueError as err:

@@ -160,8 +160,7 @@ def fused_experts_fp8_launch(
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, dependent_launch,
     cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
-    (True) or in a kernel of its own (False); None: the plan's rule (inside only for the tiny-batch
-    shortcut). Either way the result is the same."""
+    (True) or in a kernel of its own (False, and None: measured faster). Either way the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)

@@ -37,11 +37,27 @@ def quantize_experts_(module: nn.Module, scheme: str, **options) -> None:
                          "w13/w2 (fuse_shared=True): build it with fuse_shared=False")
     with torch.no_grad():
         quantized = {name: quantize(getattr(module, name).detach(), scheme, **options) for name in EXPERT_WEIGHTS}
-    for name, w in quantized.items():
-        delattr(module, name)  # the Parameter goes; the quantized weight is a plain attribute
+    install_quantized_experts_(module, quantized["w13"], quantized["w2"])
+
+
+def install_quantized_experts_(module: nn.Module, w13: QuantizedWeight, w2: QuantizedWeight) -> None:
+    """Make QuantizedWeights taken as they are (a checkpoint's, transformers' fp8 experts') the module's
+    ``w13`` [E, 2N, K] / ``w2`` [E, K, N]: never requantized, saved and loaded like ``quantize_experts_``'s."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, QuantizedWeight):
+            raise TypeError(f"{name} must be a moekit.quant QuantizedWeight, got {type(w).__name__}")
+        current = module.__dict__.get(name, getattr(module, name, None))
+        rows_free = current is not None and current.shape[0] == 0  # built with no expert rows to fill
+        if current is not None and tuple(current.shape)[rows_free:] != tuple(w.shape)[rows_free:]:
+            raise ValueError(f"{name} must have the module's shape {tuple(current.shape)}, got {tuple(w.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if name in module._parameters:
+            delattr(module, name)  # the Parameter goes; the quantized weight is a plain attribute
         setattr(module, name, w)
-    module.register_state_dict_post_hook(_save_quantized)
-    module.register_load_state_dict_pre_hook(_load_quantized)
+    if not module.__dict__.get("_quantized_hooks"):  # once per module, however often weights are installed
+        module.register_state_dict_post_hook(_save_quantized)
+        module.register_load_state_dict_pre_hook(_load_quantized)
+        module.__dict__["_quantized_hooks"] = True
 
 
 def _save_quantized(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

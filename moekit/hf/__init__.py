@@ -1,0 +1,115 @@
+"""transformers interop: build a ``MoE`` from a transformers MoE block, and run a whole transformers
+model's experts through moekit.
+
+Importing this module registers moekit as a transformers experts implementation named ``"moekit"``,
+so ``model.set_experts_implementation("moekit")`` sends every experts call through
+``moekit.experts.call_backend`` (backend ``moekit.hf.HF_BACKEND``, "auto" by default), for every variant
+of transformers' experts interface: ``variants`` turns a module's flags and code into an ``ExpertsPlan``
+(an ``ActivationSpec``, biases, transposed views) once per module, and what moekit does not fuse runs
+through ``composed`` with the module's own code, saying so once per class (``ComposedPathWarning``).
+``blocks.moe_from_hf`` turns a MoE block into a ``MoE``. The backend
+comes from ``moekit.experts.backend_fn``, cached per (HF_BACKEND, device type) and resolved at import
+for the CPU and CUDA: resolving imports modules, which ``torch.compile(fullgraph=True)`` cannot trace,
+so a compiled model only ever meets the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.experts import backend_fn, call_backend
+from moekit.hf.blocks import moe_from_hf
+from moekit.hf.composed import run_composed
+from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
+from moekit.quant.hf import fp8_experts_weights
+
+_FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
+
+__all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
+           "moekit_experts_forward", "moekit_fp8_experts_forward", "prepare"]
+
+# The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
+HF_BACKEND = "auto"
+
+
+def moekit_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers ``ExpertsInterface`` entry: hidden_states [M, K], top_k_index [M, k], top_k_weights [M, k].
+
+    Every variant of the interface runs: the module's ``ExpertsPlan`` (built on its first call, then
+    cached on it; ``moekit.hf.variants``) says which weights to read and either the ``ActivationSpec``
+    the backend fuses or that the composed path runs. transformers' expert-parallel sentinel (an id
+    >= num_experts with weight 0) is skipped like moekit's -1.
+    """
+    plan = getattr(self, PLAN_ATTR, None) or experts_plan(self)
+    w13, w2 = getattr(self, plan.up_name), self.down_proj
+    if plan.transposed:  # stored [E, K, 2N] / [E, N, K]: strided views, no copy
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    b13 = getattr(self, plan.up_name + "_bias") if plan.has_bias else None
+    b2 = self.down_proj_bias if plan.has_bias else None
+    if plan.activation is None:
+        return run_composed(self, plan, hidden_states, w13, w2, top_k_index, top_k_weights, b13, b2)
+    return call_backend(
+        backend_fn(HF_BACKEND, hidden_states.device), hidden_states, w13, w2, top_k_index, top_k_weights,
+        activation=plan.activation, b13=b13, b2=b2,
+    )
+
+
+def moekit_fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers ``FP8ExpertsInterface`` entry (``FineGrainedFP8Config``'s ``FP8Experts``, DeepSeek-V3's
+    fp8 format): the module's e4m3 weights and ``*_scale_inv`` run as moekit ``fp8_block`` weights, as
+    they are (never dequantized or requantized; the Triton backend's fp8 kernels on CUDA). An activation
+    moekit does not fuse runs composed on the dequantized weights (correct, slow, said once)."""
+    plan = getattr(self, PLAN_ATTR, None) or experts_plan(self)
+    w13, w2 = _fp8_weights(self)
+    if plan.activation is None:
+        dtype = hidden_states.dtype
+        return run_composed(self, plan, hidden_states, w13.dequantize(dtype), w2.dequantize(dtype), top_k_index,
+                            top_k_weights, None, None)
+    return call_backend(backend_fn(HF_BACKEND, hidden_states.device), hidden_states, w13, w2, top_k_index,
+                        top_k_weights, activation=plan.activation)
+
+
+def _fp8_weights(module: nn.Module):
+    """The module's (w13, w2) fp8_block weights, wrapped once per set of weight tensors (a load replaces them)."""
+    key = (module.gate_up_proj.data_ptr(), module.down_proj.data_ptr(), module.gate_up_proj_scale_inv.data_ptr(),
+           module.down_proj_scale_inv.data_ptr())
+    cached = module.__dict__.get(_FP8_ATTR)
+    if cached is None or cached[0] != key:
+        cached = module.__dict__[_FP8_ATTR] = (key, fp8_experts_weights(module))
+    return cached[1]
+
+
+def prepare(model: nn.Module) -> list[ExpertsPlan]:
+    """Build the plan of every experts module in ``model`` now (eagerly), e.g. before
+    ``torch.compile(fullgraph=True)``, which cannot trace the probing; returns the plans."""
+    return [experts_plan(m) for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "down_proj")]
+
+
+class MissingExtraError(ImportError):
+    """``moekit.hf`` imported without transformers >= 5 (the ``hf`` extra); the message says what to install."""
+
+
+def _register() -> None:
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as err:  # no transformers, or one older than v5 (no experts interface)
+        raise MissingExtraError('moekit.hf needs transformers >= 5.0, which is not installed: '
+                                'pip install "moekit[hf]"', name=err.name) from err
+
+    ExpertsInterface.register("moekit", moekit_experts_forward)
+    try:  # fine-grained fp8 experts dispatch through their own interface (transformers >= 5.x)
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        return
+    FP8ExpertsInterface.register("moekit", moekit_fp8_experts_forward)
+
+
+_register()
+backend_fn(HF_BACKEND, "cpu")
+if torch.cuda.is_available():
+    backend_fn(HF_BACKEND, "cuda")

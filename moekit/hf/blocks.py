@@ -1,0 +1,128 @@
+"""``moe_from_hf``: a ``MoE`` computing the same function as a transformers MoE block (router + experts
+[+ shared expert]), for the families whose router ``MoEConfig.from_hf_config`` reads.
+
+    block.gate / block.router ─▶ MoE.gate (+ bias, + correction bias)
+    block.experts             ─▶ MoE.w13 / w2 (+ b13 / b2), the activation its ExpertsPlan recognised
+    block.shared_expert(s)    ─▶ MoE.shared_w13 / shared_w2 (+ shared_gate), or S fused slots
+
+Shapes: E experts, K hidden, N intermediate, S shared slots, SN shared width.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.config import MoEConfig
+from moekit.hf.variants import build_plan
+from moekit.layer import MoE
+from moekit.quant import install_quantized_experts_
+from moekit.quant.hf import quantized_experts_weights
+
+_ROUTER_NAMES = ("gate", "router")
+_SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+
+
+def moe_from_hf(block: nn.Module, *, fuse_shared: bool = False, backend: str = "auto") -> MoE:
+    """A ``MoE`` computing the same function as ``block`` (its first output where it returns a tuple).
+
+    With ``fuse_shared=False`` (default) the routed experts' weights and the router are *shared* with the
+    block (the same ``Parameter`` objects) where the layouts agree; transposed storage (gpt-oss) is
+    copied into moekit's ``[E, 2N, K]``. The shared expert's weights are copied into a separate MLP, or,
+    with ``fuse_shared=True``, into extra routed slots. Experts moekit cannot fuse (the plan's reason) or
+    ungated ones are refused: the layer has no place for the module's own code. fp8 experts
+    (``FineGrainedFP8Config``'s ``FP8Experts``) keep their quantization (``moe.quant_scheme`` "fp8_block",
+    the block's tensors as they are; ``fuse_shared`` must be False). The shared expert is
+    the block's own (``shared_expert(s)``/``shared_mlp``): where a family keeps it on the decoder layer
+    (Granite-MoE-Shared) the ``MoE`` has none, as the block.
+    """
+    experts = getattr(block, "experts", None)
+    router = next((getattr(block, n) for n in _ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
+    if experts is None or router is None or not hasattr(experts, "down_proj"):
+        raise TypeError(f"block must be a transformers MoE block with .gate or .router and .experts (the experts "
+                        f"interface), got {type(block).__name__}")
+    plan = build_plan(experts)
+    if not plan.fused or not plan.gated:
+        why = plan.reason or "its experts are ungated (up_proj only)"
+        raise ValueError(f"{type(experts).__name__} cannot become a moekit MoE layer: {why}; run the model with "
+                         "set_experts_implementation('moekit') instead")
+    config = MoEConfig.from_hf_config(experts.config).replace(activation=plan.activation, expert_bias=plan.has_bias)
+    shared_mlp = next((getattr(block, n) for n in _SHARED_NAMES if getattr(block, n, None) is not None), None)
+    if shared_mlp is None and config.has_shared_expert:  # Granite-MoE-Shared keeps it on the decoder layer
+        config = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+    if shared_mlp is not None and not config.has_shared_expert:
+        raise ValueError(f"{type(block).__name__} holds a shared expert its config does not describe")
+    quantized = quantized_experts_weights(experts)  # fp8 experts: kept fp8, never materialised in bf16
+    dtype = experts.down_proj.dtype if quantized is None else quantized[0].dtype
+    moe = MoE(config, backend=backend, fuse_shared=fuse_shared, dtype=dtype, device=experts.down_proj.device,
+              num_local_experts=None if quantized is None else 0)
+    _copy_router(moe, block, router)
+    _copy_experts(moe, experts, plan.transposed, shared_mlp, quantized)
+    if moe.shared_gate is not None:
+        moe.shared_gate.weight = block.shared_expert_gate.weight
+    return moe
+
+
+def _copy_router(moe: MoE, block: nn.Module, router: nn.Module) -> None:
+    linear = getattr(router, "wg", router)  # Hunyuan's gate holds its Linear as .wg
+    moe.gate.weight = linear.weight
+    if moe.gate.bias is not None:
+        moe.gate.bias = router.bias
+    if moe.e_score_correction_bias is not None:
+        holders = (router, getattr(router, "moe_statics", None), block)  # DeepSeek/GLM, ERNIE, MiniMax-M2
+        bias = next(h.e_score_correction_bias for h in holders if hasattr(h, "e_score_correction_bias"))
+        moe.e_score_correction_bias = bias.detach().reshape(-1).float()
+
+
+def _copy_experts(moe: MoE, experts: nn.Module, transposed: bool, shared_mlp: nn.Module | None,
+                  quantized: tuple | None) -> None:
+    """Routed weights shared (or copied when transposed, or when the shared expert is fused in); fp8
+    experts (``FP8Experts``) stay fp8: their tensors become the MoE's fp8_block weights as they are."""
+    if quantized is not None:
+        if moe.fuse_shared:
+            raise ValueError("fp8 experts keep their quantization, which leaves no room for a fused shared "
+                             "expert: use fuse_shared=False")
+        install_quantized_experts_(moe, *quantized)
+        if shared_mlp is not None:
+            shared_w13, shared_w2 = _shared_weights(shared_mlp)
+            with torch.no_grad():
+                moe.shared_w13.copy_(shared_w13)
+                moe.shared_w2.copy_(shared_w2)
+        return
+    w13, w2 = experts.gate_up_proj, experts.down_proj
+    if transposed:
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)  # [E, 2N, K], [E, K, N]
+    shared_w13, shared_w2 = _shared_weights(shared_mlp) if shared_mlp is not None else (None, None)
+    if moe.fuse_shared:
+        slots, n_dim = moe.config.num_shared_slots, moe.config.moe_intermediate_size
+        gate_rows, up_rows = shared_w13.view(2, slots, n_dim, -1).unbind(0)  # [S, N, K] each
+        with torch.no_grad():
+            moe.w13.copy_(torch.cat([w13, torch.cat([gate_rows, up_rows], dim=1)]))
+            moe.w2.copy_(torch.cat([w2, shared_w2.view(-1, slots, n_dim).transpose(0, 1)]))
+            if moe.b13 is not None:
+                moe.b13[: w13.shape[0]].copy_(experts.gate_up_proj_bias)
+                moe.b2[: w13.shape[0]].copy_(experts.down_proj_bias)
+        return
+    if transposed:
+        with torch.no_grad():
+            moe.w13.copy_(w13)
+            moe.w2.copy_(w2)
+    else:
+        moe.w13, moe.w2 = experts.gate_up_proj, experts.down_proj
+    if moe.b13 is not None:
+        moe.b13, moe.b2 = experts.gate_up_proj_bias, experts.down_proj_bias
+    if shared_w13 is not None:
+        with torch.no_grad():
+            moe.shared_w13.copy_(shared_w13)
+            moe.shared_w2.copy_(shared_w2)
+
+
+def _shared_weights(mlp: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers gated MLP -> (w13 [2SN, K] gate rows then up rows, w2 [K, SN])."""
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        raise TypeError(f"the shared expert must be a gated MLP with gate_proj/up_proj/down_proj, "
+                        f"got {type(mlp).__name__}")
+    if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        raise TypeError(f"the shared expert {type(mlp).__name__} has biases (ERNIE's use_bias): moekit's shared MLP "
+                        "has none")
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()

@@ -1,0 +1,185 @@
+"""Which variant of transformers' experts interface a module is, decided once per module by behaviour.
+
+    [transformers experts module] -> [ExpertsPlan: weights to read, ActivationSpec or composed] -> moekit.hf forward
+
+transformers describes an experts class by flags (``has_gate``, ``has_bias``, ``is_transposed``,
+``is_concatenated``, ``has_post_expert_norm``) plus code: its ``act_fn`` and an optional ``_apply_gate``
+override. Flags are read as data; code is recognised by what it computes. ``act_fn`` is compared with
+every activation moekit has on a probe tensor, and ``_apply_gate`` (the default one or an override, e.g.
+gpt-oss's clamped SwiGLU) with the ``ActivationSpec`` candidates its flags and attributes suggest
+(``alpha``/``swiglu_alpha``, ``limit``/``swiglu_limit``). A module whose code matches no spec, or that
+has a post-expert norm, runs composed: moekit's grouped GEMMs with the module's own functions between
+them (``moekit.hf.composed``), and one ``ComposedPathWarning`` per class says so.
+
+Shapes: E experts, K hidden, N intermediate; w13 is [E, 2N, K] gated, [E, N, K] ungated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moekit.activations import ACTIVATIONS, ActivationSpec, apply_glu
+
+PLAN_ATTR = "_moekit_plan"  # where the plan is cached on the module (an instance attribute)
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+_LIMIT_ATTRS = ("limit", "swiglu_limit")
+# Probe tolerance: an _apply_gate/act_fn that computes in float32 (Beam's upcast on a float64 probe is a
+# downcast) differs from the float64 definition by ~1e-7; distinct activations differ by >= 1e-4
+# (gelu vs gelu_tanh at x = -2), clamps and alphas by O(1).
+_RTOL, _ATOL = 1e-6, 1e-6
+
+
+class ComposedPathWarning(UserWarning):
+    """An experts class runs through moekit's composed path (correct, not fused); said once per class."""
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """How the "moekit" implementation runs one transformers experts module (no tensors held)."""
+
+    up_name: str  # "gate_up_proj" (gated) or "up_proj" (has_gate=False)
+    transposed: bool  # weights stored [E, K, 2N] / [E, N, K]: read through transpose(1, 2) views
+    has_bias: bool  # b13 = f"{up_name}_bias" [E, 2N] or [E, N], b2 = down_proj_bias [E, K]
+    gated: bool
+    activation: ActivationSpec | str | None  # fused: what the backend gets (a str for a plain spec); None: composed
+    reason: str = ""  # composed only: what moekit does not fuse
+
+    @property
+    def fused(self) -> bool:
+        return self.activation is not None
+
+
+_WARNED: set[type] = set()
+
+
+def experts_plan(module: nn.Module) -> ExpertsPlan:
+    """The module's plan, built on its first eager call and cached on it (``PLAN_ATTR``).
+
+    Probing cannot be traced: a module that ``torch.compile`` meets before any eager call gets the
+    composed plan from its flags alone (correct, not fused, not cached); run one eager forward or
+    ``moekit.hf.prepare(model)`` before compiling to trace the fused path."""
+    plan = module.__dict__.get(PLAN_ATTR)
+    if plan is not None:
+        return plan
+    if torch.compiler.is_compiling():
+        return ExpertsPlan(activation=None, reason="compiled before its first eager call", **_flag_fields(module))
+    plan = module.__dict__[PLAN_ATTR] = build_plan(module)
+    if not plan.fused and type(module) not in _WARNED:
+        _WARNED.add(type(module))
+        warnings.warn(f"moekit: {type(module).__name__} runs composed (moekit grouped GEMMs with the module's "
+                      f"own functions between them), not fused: {plan.reason}", ComposedPathWarning, stacklevel=3)
+    return plan
+
+
+def _flag_fields(module: nn.Module) -> dict:
+    """The plan's fields that transformers' flags decide (``has_gate``, ``is_transposed``, ``has_bias``)."""
+    gated = bool(getattr(module, "has_gate", True))
+    transposed, has_bias = bool(getattr(module, "is_transposed", False)), bool(getattr(module, "has_bias", False))
+    return dict(up_name="gate_up_proj" if gated else "up_proj", gated=gated, transposed=transposed, has_bias=has_bias)
+
+
+def build_plan(module: nn.Module) -> ExpertsPlan:
+    """Read the flags and recognise the module's activation code (see the module docstring)."""
+    base = _flag_fields(module)
+    gated, up_name, transposed = base["gated"], base["up_name"], base["transposed"]
+    weight = getattr(module, up_name, None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise TypeError(f"{type(module).__name__} must hold {up_name} [E, *, *] (transformers' experts interface)")
+    if getattr(module, "has_post_expert_norm", False):
+        return ExpertsPlan(activation=None, reason="a post-expert norm between the down projection and the "
+                           "routed weight", **base)
+    width = weight.shape[2] if transposed else weight.shape[1]  # 2N gated, N ungated
+    spec = _recognise_gate(module, width, weight.device) if gated else _recognise_act(module, weight.device)
+    if spec is None:
+        code = "_apply_gate" if gated else "act_fn"
+        return ExpertsPlan(activation=None, reason=f"its {code} computes no activation moekit implements "
+                           f"({sorted(ACTIVATIONS)}, with alpha/limit/up_shift for a gated one)", **base)
+    return ExpertsPlan(activation=spec.name if spec.plain else spec, **base)
+
+
+def identify_activation(act_fn, device: torch.device) -> str | None:
+    """The name of the moekit activation ``act_fn`` computes (probed in float64), or None."""
+    if act_fn is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.cat([torch.linspace(-12, 12, 241, dtype=torch.float64), torch.randn(64, generator=gen,
+                                                                                        dtype=torch.float64)])
+    probe = probe.to(device)
+    try:
+        with torch.no_grad():
+            got = act_fn(probe.clone()).to(torch.float64)
+    except Exception:  # noqa: BLE001 (any failure means: not recognised, run composed)
+        return None
+    for name, activation in ACTIVATIONS.items():
+        if got.shape == probe.shape and torch.allclose(got, activation.fn(probe), rtol=_RTOL, atol=_ATOL):
+            return name
+    return None
+
+
+def _recognise_act(module: nn.Module, device: torch.device) -> ActivationSpec | None:
+    name = identify_activation(getattr(module, "act_fn", None), device)
+    return None if name is None else ActivationSpec(name=name, gated=False)
+
+
+def _recognise_gate(module: nn.Module, width: int, device: torch.device) -> ActivationSpec | None:
+    """The first candidate spec whose ``apply_glu`` equals ``module._apply_gate`` on a probe [R, 2N]."""
+    alphas = _attr_values(module, _ALPHA_ATTRS)
+    limits = _attr_values(module, _LIMIT_ATTRS)
+    probe = _gate_probe(width, limits, device)
+    try:
+        with torch.no_grad():
+            target = apply_module_gate(module, probe.clone()).to(torch.float64)
+    except Exception:  # noqa: BLE001 (an _apply_gate that cannot run on the probe: composed)
+        return None
+    for spec in _candidates(module, alphas, limits, device):
+        with torch.no_grad():
+            got = apply_glu(probe, spec)
+        if got.shape == target.shape and torch.allclose(got, target, rtol=_RTOL, atol=_ATOL):
+            return spec
+    return None
+
+
+def apply_module_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The module's gating, [.., 2N] -> [.., N]: its ``_apply_gate``, or on a transformers that predates
+    ``_apply_gate`` the interface's default then, act_fn(gate) * up."""
+    gate_fn = getattr(module, "_apply_gate", None)
+    if gate_fn is not None:
+        return gate_fn(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _candidates(module: nn.Module, alphas: list[float], limits: list[float], device: torch.device):
+    """ActivationSpecs to try, the flags' and attributes' suggestion first."""
+    known = identify_activation(getattr(module, "act_fn", None), device)
+    names = [known] * (known is not None) + [n for n in ACTIVATIONS if n != known]
+    interleaved = not getattr(module, "is_concatenated", True)
+    for name, inter, alpha, limit, shift in itertools.product(
+        names, (interleaved, not interleaved), alphas + [1.0], limits + [None], (0.0, 1.0)
+    ):
+        if alpha == 1.0 or name == "silu":
+            yield ActivationSpec(name=name, interleaved=inter, alpha=alpha, limit=limit, up_shift=shift)
+
+
+def _attr_values(module: nn.Module, names: tuple[str, ...]) -> list[float]:
+    values = []
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and value not in values:
+            values.append(float(value))
+    return values
+
+
+def _gate_probe(width: int, limits: list[float], device: torch.device) -> torch.Tensor:
+    """[R, width] float64: normal values, plus rows sweeping +-2x each candidate limit so clamps show."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(8, width, generator=gen, dtype=torch.float64) * 3]
+    for limit in limits:
+        sweep = torch.linspace(-2 * limit, 2 * limit, width, dtype=torch.float64)
+        rows.append(torch.stack([sweep, sweep.flip(0), sweep[torch.randperm(width, generator=gen)]]))
+    return torch.cat(rows).to(device)
