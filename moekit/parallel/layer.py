@@ -76,11 +76,9 @@ class EPMoE(MoE):
     logits) are device asserts on a GPU, eager or captured, that abort the failing rank's CUDA context
     as in a single-device ``MoE`` (the others then wait out the group's timeout). Construction and
     ``rebalance`` also sync; ``rebalance`` keeps the weights' storage when each rank keeps its slot
-    count (``apply_placement``). Trains: gradients flow to x, the gate (through the
-    routing weights), this rank's experts and the shared expert through the all-to-alls' transposes
-    (``moekit.parallel.rows``); every rank must then call ``backward`` as often as ``forward``. Expert
-    gradients sum every rank's tokens; the replicated weights' (gate, shared) hold this rank's tokens'
-    share, to be all-reduced as in data parallelism.
+    count (``apply_placement``). Trains (``moekit.parallel.rows``): every rank calls ``backward`` as often as
+    ``forward``; expert gradients sum every rank's tokens, the replicated weights' (gate, shared) hold this
+    rank's share, to be all-reduced as in data parallelism.
 
     Load for EPLB: with ``track_load`` (default) every forward adds its routed assignments per logical
     expert to ``expert_load`` (device op, no sync); ``rebalance`` sums them over ranks, computes an EPLB
