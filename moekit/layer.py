@@ -226,10 +226,11 @@ class MoE(nn.Module):
         weight cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets
         its gradient through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in
         a bf16 model)."""
-        weight = self.gate.weight  # [E, K]
+        weight, bias = self.gate.weight, self.gate.bias  # [E, K], [E] (gpt-oss) or None
         dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
-        x_r = x2d if x2d.dtype == dtype else x2d.to(dtype)
-        return torch.nn.functional.linear(x_r, weight if weight.dtype == dtype else weight.to(dtype))
+        if weight.dtype != dtype:
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return torch.nn.functional.linear(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, bias)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
