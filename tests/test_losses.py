@@ -199,6 +199,17 @@ def test_router_dtype_runs_the_gate_in_float32_and_keeps_the_weight_dtype():
     assert moe.gate.weight.grad.dtype == torch.bfloat16 and torch.isfinite(moe.gate.weight.grad.float()).all()
 
 
+def test_router_dtype_keeps_the_gate_bias():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=E, top_k=2, router_dtype="float32",
+                    router_bias=True)
+    moe = _layer(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.bias.copy_(torch.randn(E))
+    x = torch.randn(6, 8).bfloat16()
+    want = x.float() @ moe.gate.weight.detach().float().t() + moe.gate.bias.detach().float()
+    torch.testing.assert_close(moe(x, return_stats=True).router_logits.detach(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("field, value", [("aux_loss_coef", -1.0), ("z_loss_coef", float("nan")),
                                           ("seq_aux_loss_coef", True), ("router_dtype", "fp32")])
 def test_config_refuses_bad_training_fields(field, value):
