@@ -36,8 +36,9 @@ LEVELS = {
 }
 SAME_LEVEL_ALLOWED = {0, 1}
 # Single sideways edges at other levels, one direction only: the benchmarks replay the simulator's
-# routing streams (``bench.offload_measure``); the simulator never imports the benchmarks.
-SIDEWAYS_ALLOWED = {("bench", "sim")}
+# routing streams (``bench.offload_measure``), and transformers interop wraps a model's blocks into
+# offloaded layers (``hf.offload``); neither target imports its source back.
+SIDEWAYS_ALLOWED = {("bench", "sim"), ("hf", "offload")}
 ANALYSIS_MAY_IMPORT = {"analysis", "config", "presets"}
 ABOVE_THE_LIBRARY = {"bench", "cli", "sim", "demo", "train"}
 CLI_ENTRY_POINTS = {"moekit.__main__"}  # the one module outside cli that runs it

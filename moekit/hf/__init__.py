@@ -21,13 +21,14 @@ from torch import nn
 from moekit.experts import backend_fn, call_backend
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
+from moekit.hf.offload import OffloadedBlock, offload_experts
 from moekit.hf.variants import PLAN_ATTR, ComposedPathWarning, ExpertsPlan, experts_plan
 from moekit.quant.hf import fp8_experts_weights
 
 _FP8_ATTR = "_moekit_fp8_weights"  # on an FP8Experts module: (its tensors' addresses, (w13, w2))
 
 __all__ = ["HF_BACKEND", "ComposedPathWarning", "ExpertsPlan", "MissingExtraError", "moe_from_hf",
-           "moekit_experts_forward", "moekit_fp8_experts_forward", "prepare"]
+           "moekit_experts_forward", "moekit_fp8_experts_forward", "OffloadedBlock", "offload_experts", "prepare"]
 
 # The experts backend the "moekit" transformers implementation uses; "auto" picks the best available.
 HF_BACKEND = "auto"

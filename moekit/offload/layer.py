@@ -75,6 +75,9 @@ class OffloadedMoE(MoE):
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
+        if moe.quant_scheme is not None:
+            raise NotImplementedError(f"offloading quantized experts ({moe.quant_scheme}) is not built yet: offload the "
+                                      "float MoE, or keep the quantized one on the GPU")
         if cache is None:
             cache = ExpertCache(cache_experts, device=device or moe.w13.device, policy=policy)
         layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,

@@ -1,0 +1,62 @@
+"""``offload_experts``: a transformers MoE model whose routed experts live in host memory behind one GPU
+expert cache, so a model larger than the GPU decodes.
+
+    every MoE block (router + experts [+ shared]) ──moe_from_hf──▶ MoE ──OffloadedMoE.from_moe──▶ block
+    one ExpertCache of gpu_budget_bytes // bytes-per-expert slots, shared by the blocks in model order
+
+Load the model on the CPU, call ``offload_experts(model, gpu_budget_bytes=..., device="cuda")``, then
+move the rest of the model to the GPU (``model.to("cuda")``: the host-resident experts are not module
+tensors, so they stay where they are). Each block keeps its own router, correction bias and shared
+expert on the device; ``link_layers`` lets each block prefetch the next one's predicted experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.hf.blocks import moe_from_hf
+from moekit.offload import ExpertCache, OffloadedMoE, link_layers
+
+
+class OffloadedBlock(nn.Module):
+    """A transformers MoE block's replacement: hidden_states [B, S, K] (or [M, K]) -> the same shape."""
+
+    def __init__(self, moe: OffloadedMoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.moe(hidden_states)
+
+
+def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.device | str = "cuda",
+                    policy: str = "lfu", prefetch: str | None = "router", compute_misses_on: str = "gpu",
+                    backend: str = "auto") -> ExpertCache:
+    """Replace every MoE block of ``model`` (a module with ``.experts`` of transformers' experts interface
+    and a ``.gate``/``.router``) by an ``OffloadedBlock``; returns the shared ``ExpertCache``, whose
+    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert."""
+    blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if _is_moe_block(child)]
+    if not blocks:
+        raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
+    first = blocks[0][2].experts
+    expert_bytes = first.down_proj[0].numel() * 3 * first.down_proj.element_size()  # w13 + w2 of one expert
+    if not isinstance(gpu_budget_bytes, int) or gpu_budget_bytes < expert_bytes:
+        raise ValueError(f"gpu_budget_bytes must be an int of at least one expert's {expert_bytes} bytes, "
+                         f"got {gpu_budget_bytes!r}")
+    cache = ExpertCache(gpu_budget_bytes // expert_bytes, device=device, policy=policy)
+    layers = []
+    for parent, name, block in blocks:
+        moe = moe_from_hf(block, backend=backend)
+        layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=prefetch, compute_misses_on=compute_misses_on)
+        setattr(parent, name, OffloadedBlock(layer))
+        layers.append(layer)
+    link_layers(layers)
+    return cache
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    experts = getattr(module, "experts", None)
+    router = getattr(module, "gate", None) or getattr(module, "router", None)
+    return isinstance(experts, nn.Module) and hasattr(experts, "down_proj") and isinstance(router, nn.Module)
