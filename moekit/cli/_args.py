@@ -89,6 +89,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def fraction_arg(text: str) -> float:
+    """A fraction in (0, 1] (a cache size as a share of all experts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a cache fraction in (0, 1], got {text!r}")
+    return value
+
+
 def seed_arg(text: str) -> int:
     """A seed torch accepts: an integer in [0, 2^63)."""
     return _int_in(text, 0, 2**63 - 1, "an integer in [0, 2^63)")

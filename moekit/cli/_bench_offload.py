@@ -6,17 +6,7 @@ import argparse
 import datetime
 from pathlib import Path
 
-from moekit.cli._args import ListOption, UsageError, positive_int
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a cache fraction in (0, 1], got {text!r}")
-    return value
+from moekit.cli._args import ListOption, UsageError, fraction_arg, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode through offloaded DeepSeek-V3-width layers (E=256, N=2048, K=7168, top-8) whose "
                    "experts exceed the GPU budget; measures the host link and the CPU expert rate first")
     g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
-    g.add_argument("--cache-fractions", action=ListOption, item=_fraction, default=[0.25, 0.5, 0.75],
+    g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
     g.add_argument("--offload-steps", type=positive_int, default=8, help="timed decode steps per configuration")
 

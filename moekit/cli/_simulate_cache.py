@@ -6,19 +6,9 @@ import argparse
 import json
 from dataclasses import asdict
 
-from moekit.cli._args import DefaultsHelpFormatter, ListOption, UsageError, positive_int
+from moekit.cli._args import DefaultsHelpFormatter, ListOption, UsageError, fraction_arg, positive_int
 from moekit.offload import POLICIES
 from moekit.sim.cache import cache_what_if, decode_trace
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a cache fraction in (0, 1], got {text!r}")
-    return value
 
 
 def _policy(text: str) -> str:
@@ -39,7 +29,7 @@ def register(sub) -> None:
     p.add_argument("--skew", type=float, default=0.6, help="router skew in [0, 1] (as `moekit simulate`)")
     p.add_argument("--drift", type=float, default=0.5,
                    help="how far a token's input moves per layer (0: the router prediction is exact)")
-    p.add_argument("--fractions", action=ListOption, item=_fraction, default=[0.25, 0.5, 0.75],
+    p.add_argument("--fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="cache sizes as fractions of E x layers")
     p.add_argument("--policies", action=ListOption, item=_policy, default=list(POLICIES), help="eviction policies")
     p.add_argument("--seed", type=int, default=0)
