@@ -130,20 +130,29 @@ def _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride
 
 
 @triton.jit
+def _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr):
+    """The w13 rows a gate-up program's pointer loads read, and their mask: with PAIRS [1, 2BN] consecutive
+    rows (gate, up, gate, up...: one contiguous load), else [1, BN] gate (or up-only) rows."""
+    if PAIRS:
+        rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)[None, :].to(tl.int64)
+        return rows, rows < 2 * N
+    return offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1), n_ok[None, :]
+
+
+@triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w13_up_ptr, b13_ptr, h_ptr,  # x [M, K], w13 [E, 2N or N, K], b13 [E, 2N or N], h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr,
     ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """h = glu(x w13^T + b13) per assignment (the variant constexprs: module docstring). Gate and up tiles
-    load straight from their rows (row step 2 when INTERLEAVED): no shuffle after the dot. w13_up_ptr:
-    the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
+    """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
+    w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -160,9 +169,9 @@ def gate_up_kernel(
         gate_row = (expert * N * (1 if INTERLEAVED else (2 if GATED else 1)) + pid_n * BLOCK_N).to(tl.int32)
         up_desc, up_row = (w13_up_ptr, gate_row) if INTERLEAVED else (w13_ptr, gate_row + N)  # gated only
     else:
-        w_rows = offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1)  # [1, BN] gate (or up-only) rows
-        wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
-        wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated only: the up rows
+        w_rows, w_ok = _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N, INTERLEAVED, PAIRS)  # [1, BN or 2BN]
+        wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN or 2BN]
+        wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated, not PAIRS: the up rows
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: the one accumulator
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: never touched
     for k0 in range(0, K, BLOCK_K):
@@ -175,10 +184,12 @@ def gate_up_kernel(
             if GATED:
                 wu = up_desc.load([up_row, k0]).T
         else:
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & w_ok, other=0.0)
             wg_ptrs += BLOCK_K * stride_wk
-            if GATED:
-                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if PAIRS:
+                wg, wu = tl.split(tl.reshape(wg, [BLOCK_K, BLOCK_N, 2]))  # [BK, BN] each
+            elif GATED:
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & w_ok, other=0.0)
                 wu_ptrs += BLOCK_K * stride_wk
         acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
         if GATED:
