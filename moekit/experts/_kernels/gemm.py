@@ -133,10 +133,13 @@ def _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride
 def _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr):
     """The w13 rows a gate-up program's pointer loads read, and their mask: with PAIRS [1, 2BN] consecutive
     rows (gate, up, gate, up...: one contiguous load), else [1, BN] gate (or up-only) rows."""
-    if PAIRS:
+    if PAIRS:  # one return below: Triton 3.6 compares the types of every return statement
         rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)[None, :].to(tl.int64)
-        return rows, rows < 2 * N
-    return offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1), n_ok[None, :]
+        ok = rows < 2 * N
+    else:
+        rows = offs_n[None, :].to(tl.int64) * (2 if INTERLEAVED else 1)
+        ok = n_ok[None, :]
+    return rows, ok
 
 
 @triton.jit
