@@ -144,6 +144,7 @@ class Dispatched:
     recv_splits: list[int]  # [W]; rows received from each rank
     num_tokens: int  # M
     capacity: int | None = None  # C: rows per rank pair of the padded dispatch (row t = token t); None = exact
+    send_key: torch.Tensor | None = None  # [T] int64; destination rank * M + send_token of each sent row (exact)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class PendingDispatch:
     capacity: int | None
     sent_x: torch.Tensor  # [T, K]; the rows sent, in the autograd graph (their gradients come back in backward)
     sent_weights: torch.Tensor  # [T, k]; the weights sent, likewise
+    send_key: torch.Tensor | None = None  # [T]; rank * M + token of each sent row (exact dispatch)
 
     def wait(self) -> Dispatched:
         self.work.wait()
@@ -199,7 +201,7 @@ class PendingDispatch:
         x_recv, weights_recv = attach_gradients((self.sent_x, self.sent_weights), (x_recv, weights_recv),
                                                 self.send_splits, self.recv_splits, self.group)
         return Dispatched(x_recv, ids_recv, weights_recv, self.send_token, self.send_splits, self.recv_splits,
-                          self.num_tokens, self.capacity)
+                          self.num_tokens, self.capacity, self.send_key)
 
 
 def dispatch(
@@ -228,7 +230,7 @@ def start_dispatch(x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan
     received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
     work = dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group, async_op=True)
     return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, send_token, splits.send,
-                           splits.recv, num_tokens, None, x_sent, weights)
+                           splits.recv, num_tokens, None, x_sent, weights, send_key=keys)
 
 
 def dispatch_padded(
@@ -293,13 +295,12 @@ class PendingCombine:
             partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
             return partials.sum(0, dtype=acc).to(y.dtype)
         num_tokens, world_size = sent.num_tokens, len(sent.send_splits)
-        if 2 * back.shape[0] >= world_size * num_tokens:  # most (rank, token) pairs sent: a dense [W, M, K] sum
+        if sent.send_key is not None and 2 * back.shape[0] >= world_size * num_tokens:  # a dense [W, M, K] sum
             # Each token comes back at most once per rank: copy every row to its (rank, token) place and sum
             # over ranks in float32, one pass over bf16 rows (index_add_ would need a float32 copy of them).
-            rank = torch.repeat_interleave(torch.arange(world_size, device=y.device),
-                                           torch.tensor(sent.send_splits, device=y.device), output_size=back.shape[0])
+            # The places are the dispatch's own keys: no host-to-device copy (which would wait for the GPU).
             dense = back.new_zeros((world_size * num_tokens, y.shape[1]))  # [W*M, K]
-            dense.index_copy_(0, rank * num_tokens + sent.send_token, back)
+            dense.index_copy_(0, sent.send_key, back)
             return dense.view(world_size, num_tokens, y.shape[1]).sum(0, dtype=acc).to(y.dtype)
         out = torch.zeros(num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
         out.index_add_(0, sent.send_token, back.to(acc))

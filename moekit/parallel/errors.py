@@ -89,7 +89,10 @@ def _stream_capturing() -> bool:
 
 def _agree(ctx: CollectiveErrors, error: Exception | None, signature: str, what: str) -> None:
     code = zlib.crc32(signature.encode()) & 0x7FFFFFFF
-    flags = torch.tensor([int(error is not None), code, -code], dtype=torch.int32, device=ctx.device)
+    # Filled on the device (three fills): torch.tensor([...], device=cuda) would copy from pageable host
+    # memory, which waits for the work queued on the stream (measured: 4 host syncs per EP forward, not 2).
+    flags = torch.empty(3, dtype=torch.int32, device=ctx.device)
+    flags[0], flags[1], flags[2] = int(error is not None), code, -code
     work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
     work.wait() if ctx.timeout is None else work.wait(ctx.timeout)
     any_failed, top, neg_bottom = flags.tolist()  # host sync
