@@ -21,7 +21,7 @@ import torch
 from moekit.activations import act_and_mul, get_activation
 from moekit.experts.triton_align import plan_align, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
-from moekit.experts.triton_plan import _sum_launch
+from moekit.experts.triton_plan import sum_launch
 from moekit.layouts.grouping import max_padded_rows
 
 # The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
@@ -168,7 +168,7 @@ def sum_slots(per_slot: torch.Tensor, ids: torch.Tensor, expert_map, num_experts
     """[M, K]: the forward's k-sum kernel over per_slot [A, K] (rows of unrouted slots never read)."""
     num_tokens, top_k = ids.shape
     out = torch.empty(num_tokens, per_slot.shape[1], dtype=out_dtype, device=per_slot.device)
-    launch = _sum_launch(num_tokens, per_slot.shape[1], top_k, num_experts, expert_map, _options(ids.device))
+    launch = sum_launch(num_tokens, per_slot.shape[1], top_k, num_experts, expert_map, _options(ids.device))
     launch(per_slot, ids, expert_map if expert_map is not None else ids, out)
     return out
 

@@ -26,7 +26,8 @@ from moekit.experts.configs import (
 )
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
+from moekit.experts.triton_plan import sum_launch
 from moekit.layouts.block_aligned import use_naive
 from moekit.layouts.grouping import max_padded_rows
 from moekit.triton_bind import BoundLaunch
@@ -172,7 +173,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                                 num_pid_m, dict(shared, X_RAW=x_raw)),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
-        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
     )
 
@@ -200,16 +201,4 @@ def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
         num_warps=down.num_warps, num_stages=down.num_stages, **shared,
-    )
-
-
-def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options) -> BoundLaunch:
-    """out[t] = sum of y over token t's routed slots (``combine``; the bf16 path launches it the same way)."""
-    has_map, topk_pad = expert_map is not None, next_pow2(top_k)
-    block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
-    return BoundLaunch(
-        kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
-        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
-        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, cached=options.cached_launcher,
-        **options.pdl_kwargs(),
     )

@@ -142,7 +142,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
         descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
-        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
     )
 
 
@@ -176,16 +176,18 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     return gate_up, down_launch
 
 
-def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options) -> BoundLaunch:
-    """out[t] = sum of y over token t's routed slots (skipped slots are never read); out [M, K] contiguous."""
+def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options,
+               split: int = 1) -> BoundLaunch:
+    """out[t] = sum of y over token t's routed slots (and over ``split`` split-K partials, the weight-only
+    down GEMM's); skipped slots are never read; out [M, K] contiguous. Every Triton experts path uses it."""
     has_map = expert_map is not None
     topk_pad = next_pow2(top_k)
     block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
     return BoundLaunch(
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
-        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, cached=options.cached_launcher,
-        **options.pdl_kwargs(),
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
+        cached=options.cached_launcher, **options.pdl_kwargs(),
     )
 
 

@@ -23,9 +23,9 @@ from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_conf
 from moekit.experts.triton_align import AlignPlan, plan_align
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
-    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, next_pow2, resolve_launch_options,
+    LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
-from moekit.experts.triton_plan import _sum_launch
+from moekit.experts.triton_plan import sum_launch
 from moekit.layouts.block_aligned import use_naive
 from moekit.layouts.grouping import max_padded_rows
 from moekit.triton_bind import BoundLaunch
@@ -204,8 +204,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         options=options, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
         gate_up=gate_up, down=down,
-        sum_slots=_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options) if split_k == 1
-        else _split_sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, split_k, options),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k),
     )
 
 
@@ -219,20 +218,6 @@ def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_expert
     blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
     programs = blocks * cdiv(hidden, config.down.BLOCK_N)
     return max(1, min(cdiv(MIN_PROGRAMS, programs), MAX_SPLIT, cdiv(n, config.down.BLOCK_K)))
-
-
-def _split_sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, split_k: int,
-                      options: LaunchOptions) -> BoundLaunch:
-    """out[t] = the sum of y's partials over the splits and token t's routed slots (``combine_wo``);
-    the tiles as the plain k-sum's."""
-    has_map, topk_pad = expert_map is not None, next_pow2(top_k)
-    block_k = min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
-    return BoundLaunch(
-        kernels("combine_wo").sum_split_slots_kernel, (cdiv(num_tokens, 4), cdiv(hidden, block_k)), 4,
-        (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
-        BLOCK_T=4, BLOCK_K=block_k, TOPK_PAD=topk_pad, SPLIT=split_k, HAS_MAP=has_map,
-        cached=options.cached_launcher, **options.pdl_kwargs(),
-    )
 
 
 def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,

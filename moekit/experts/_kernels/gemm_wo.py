@@ -23,7 +23,7 @@ high nibble past an odd C multiplies a zero activation, and no scheme decodes to
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
-``combine_wo`` sums them with the k slots (atomic-free, so the result does not depend on timing).
+``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on timing).
 
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
@@ -143,7 +143,7 @@ def down_wo_kernel(
     """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the
     output columns (K), the reduction runs over N. Split-K (SPLIT > 1, grid axis 1 = split s): program
     (.., s) reduces N in [s * split_len, (s + 1) * split_len) (split_len a multiple of BLOCK_K, so no
-    step straddles two splits) into its own partial rows y[s * A + a]; ``combine_wo`` sums them."""
+    step straddles two splits) into its own partial rows y[s * A + a]; ``combine.sum_slots_kernel`` sums them."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
