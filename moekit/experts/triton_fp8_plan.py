@@ -182,7 +182,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
                     config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
     """x_q [M, K] and h_q [A, N] are contiguous workspace regions, and so are their scales; ``x_stride``:
     x's strides where the kernel reads x itself (X_RAW), else None."""
-    (num_experts, two_n, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
+    (num_experts, _, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
     return BoundLaunch(
         kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
