@@ -44,7 +44,7 @@ from moekit.experts.triton import clear_launch_caches, experts_triton, held_work
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
 
-SWITCHES = ("direct_eager", "cache_plans", "cached_launcher", "reuse_workspace")
+SWITCHES = ("direct_eager", "cache_plans", "cached_launcher", "reuse_workspace", "raw_launcher")
 VARIANTS = {"default": LaunchOptions(), **{f"no_{s}": LaunchOptions(**{s: False}) for s in SWITCHES},
             "all_off": LaunchOptions(**dict.fromkeys(SWITCHES, False))}
 HOST_BUDGET_US = 40.0

@@ -8,6 +8,10 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
+import types
+
+import torch
 
 
 def interpreting() -> bool:
@@ -29,9 +33,10 @@ class BoundLaunch:
     is ``kernel[grid]`` itself, called with the same full argument list, so tests run the bookkeeping.
     """
 
-    __slots__ = ("kernel", "grid", "tail", "options", "cached", "_launcher")
+    __slots__ = ("kernel", "grid", "tail", "options", "cached", "raw", "_launcher", "_raw")
 
-    def __init__(self, kernel, grid: tuple, num_pointers: int, scalars: tuple, cached: bool, **constexprs_and_options):
+    def __init__(self, kernel, grid: tuple, num_pointers: int, scalars: tuple, cached: bool, raw: bool = True,
+                 **constexprs_and_options):
         defaults = _defaults(kernel.fn)  # {parameter name: its default, or _NO_DEFAULT}, in signature order
         rest = list(defaults)[num_pointers + len(scalars):]
         missing = [n for n in rest if n not in constexprs_and_options and defaults[n] is _NO_DEFAULT]
@@ -42,9 +47,15 @@ class BoundLaunch:
         self.tail = (*scalars, *(constexprs_and_options.pop(n, defaults[n]) for n in rest))  # signature order
         self.options = constexprs_and_options  # what is left: Triton's num_warps, num_stages, launch_pdl
         self.cached = cached
+        self.raw = raw and cached  # the C launch past Triton's Python wrappers (``RawLaunch``), where it exists
         self._launcher = None
+        self._raw = None
 
     def __call__(self, *pointers) -> None:
+        raw = self._raw
+        if raw is not None and raw.hooks.idle():
+            raw(pointers, self.tail)
+            return
         launcher = self._launcher
         if launcher is not None:
             launcher(*pointers, *self.tail)
@@ -53,6 +64,8 @@ class BoundLaunch:
         if self.cached:
             self._launcher = _launcher_of(compiled, self.kernel, self.grid, self.options)
             self.cached = self._launcher is not None  # else kernel[grid] for good, without asking again
+            if self.raw and self.cached and not interpreting():
+                self._raw = RawLaunch.of(compiled, self.grid)
 
 
 _NO_DEFAULT = inspect.Parameter.empty
@@ -74,3 +87,111 @@ def _launcher_of(compiled, kernel, grid: tuple, options: dict):
         return compiled[grid]
     except (AttributeError, TypeError):
         return None
+
+
+class LaunchHooks:
+    """Triton's launch hooks (profilers such as proton add theirs). The raw launch skips them, so it
+    is only taken while no hook is installed; ``idle`` is read on every call."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self, runtime):
+        self.runtime = runtime  # triton.knobs.runtime
+
+    def idle(self) -> bool:
+        enter, leave = self.runtime.launch_enter_hook, self.runtime.launch_exit_hook
+        return (enter is None or not getattr(enter, "calls", True)) and (leave is None or not getattr(leave, "calls", True))
+
+
+class RawLaunch:
+    """A compiled kernel launched through the C entry of its launcher module, skipping the Python layers
+    a ``CompiledKernel[grid]`` call goes through each time: the runner (current device and stream
+    objects, launch metadata), the launcher object (scratch allocation) and, for kernels with TMA
+    tensor descriptors, the per-launch loop that expands every descriptor into its encoded CUtensorMap,
+    shape and strides. Measured on the H200 (Triton 3.6): those layers cost 8 µs of a plain launch and
+    18 µs of a launch with descriptors (``benchmarks/host_breakdown.py``).
+
+    The expansion is computed once per descriptor object and kept on it (a descriptor is built once
+    per weight tensor and version by the experts' descriptor cache, and encodes only its base pointer,
+    shape and strides). Built only for the launcher layout of Triton 3.6 (``CudaLauncher.launch`` the
+    C function ``launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)``, possibly
+    wrapped by the descriptor expansion), for kernels without global or profile scratch; ``of``
+    returns None for anything else, and the runner is used."""
+
+    __slots__ = ("c_launch", "grid", "function", "cooperative", "pdl", "metadata", "desc_positions", "desc_args",
+                 "desc_keys", "hooks", "stream")
+
+    @classmethod
+    def of(cls, compiled, grid: tuple) -> "RawLaunch | None":
+        launcher = getattr(compiled, "_run", None)
+        module = sys.modules.get(type(launcher).__module__)
+        if (type(launcher).__name__ != "CudaLauncher" or getattr(module, "_BASE_ARGS_FORMAT", None) != _BASE_FORMAT
+                or hasattr(launcher, "arg_annotations") or getattr(launcher, "num_ctas", 1) != 1
+                or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)):
+            return None
+        c_launch = _unwrapped(launcher.launch)
+        signature = list(getattr(getattr(compiled, "src", None), "signature", {}).values())
+        positions = tuple(i for i, t in enumerate(signature) if isinstance(t, str) and t.startswith("tensordesc"))
+        metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(positions)
+        desc_args = getattr(module, "make_tensordesc_arg", None)
+        if c_launch is None or len(metas) != len(positions) or (positions and desc_args is None):
+            return None
+        import triton
+
+        raw = cls()
+        raw.c_launch, raw.grid, raw.function = c_launch, grid, compiled.function
+        raw.cooperative, raw.pdl, raw.metadata = launcher.launch_cooperative_grid, launcher.launch_pdl, compiled.packed_metadata
+        raw.desc_positions, raw.desc_args = positions, desc_args
+        raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in zip(positions, metas))
+        raw.hooks, raw.stream = LaunchHooks(triton.knobs.runtime), current_stream
+        return raw
+
+    def __call__(self, pointers: tuple, tail: tuple) -> None:
+        args = self._expanded(pointers) if self.desc_positions else pointers
+        grid = self.grid
+        self.c_launch(grid[0], grid[1], grid[2], self.stream(), self.function, self.cooperative, self.pdl, None, None,
+                      self.metadata, None, None, None, *args, *tail)
+
+    def _expanded(self, pointers: tuple) -> list:
+        """``pointers`` with each descriptor replaced by its expansion (computed once per descriptor)."""
+        args, start = [], 0
+        for i, key, meta in self.desc_keys:
+            args.extend(pointers[start:i])
+            desc = pointers[i]
+            kept = desc.__dict__.setdefault("_moekit_launch_args", {})
+            expansion = kept.get(key)
+            if expansion is None:
+                expansion = kept[key] = tuple(self.desc_args(desc, meta))
+            args.extend(expansion)
+            start = i + 1
+        args.extend(pointers[start:])
+        return args
+
+
+_BASE_FORMAT = "iiiKKppOOOOOO"  # Triton 3.6's C launch: grid x3, stream, function, cooperative, pdl, 6 objects
+
+
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as the handle a launch takes (what Triton's runner
+    asks torch for, without building a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+def _unwrapped(launch):
+    """The C launch function under Triton 3.6's descriptor-expanding wrapper (its ``launcher``), or
+    ``launch`` itself where it is not a Python function; None for anything else."""
+    if not isinstance(launch, types.FunctionType):
+        return launch if callable(launch) else None
+    code, cells = launch.__code__, launch.__closure__
+    if not cells or "launcher" not in code.co_freevars:
+        return None
+    inner = cells[code.co_freevars.index("launcher")].cell_contents
+    return inner if callable(inner) and not isinstance(inner, types.FunctionType) else None
+
+
+def _meta_key(meta) -> tuple | None:
+    """What a descriptor's expansion depends on besides the descriptor: the kernel's TMA metadata."""
+    if meta is None:
+        return None
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(meta.items()))

@@ -44,7 +44,7 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     i32 = torch.int32
     regions = (("sorted_ids", i32, (num_rows,)), ("expert_ids", i32, (num_blocks,)), ("num_padded", i32, (1,)),
                ("counts", i32, (num_experts,)))
-    launch = dict(cached=options.cached_launcher, **options.pdl_kwargs())
+    launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     common = (num_assignments, num_experts, 0 if num_global is None else num_global, block_size, num_rows, num_blocks)
     if naive:
         return AlignPlan(regions, naive=BoundLaunch(

@@ -59,6 +59,11 @@ class LaunchOptions:
     # The internal buffers (h, y, the alignment's) of eager calls are one reused workspace per (device,
     # stream, thread) instead of fresh allocations; never while a CUDA graph captures.
     reuse_workspace: bool = True
+    # A bound launch calls the C launch function under Triton's launcher directly (``triton_bind.RawLaunch``:
+    # no runner, no per-launch descriptor encoding), where the installed Triton's launcher has the layout
+    # it was written for and no launch hook is installed. H200, Triton 3.6: a gate-up launch with TMA
+    # weights 18.5 -> see benchmarks/results (host_breakdown).
+    raw_launcher: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:

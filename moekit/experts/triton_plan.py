@@ -155,7 +155,7 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     up, down, gemm = config.up, config.down, kernels("gemm")
     shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
-                  cached=options.cached_launcher, **options.pdl_kwargs())
+                  cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     gate_up = BoundLaunch(
         gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.stride(),
@@ -187,7 +187,7 @@ def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, exper
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
         BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
-        cached=options.cached_launcher, **options.pdl_kwargs(),
+        cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
     )
 
 
