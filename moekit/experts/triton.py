@@ -27,7 +27,8 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum: each a BoundLaunch (the compiled kernel's own launcher)
+      -> align launches, gate-up, down, k-sum: each a BoundLaunch (``triton_bind``: the C launch under the
+         compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
 
 ``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``
 clears the plans too). What is returned never aliases a workspace: ``out`` is allocated per call.
