@@ -167,14 +167,19 @@ def layer_cells(preset: str, batches: list[int], calls: int) -> list:
                                 moe_intermediate_size=config.moe_intermediate_size // Run.scale)
     router = "auto" if dev.type == "cuda" else "fused"  # the smoke test runs the router interpreted too
     layer = MoE(config, backend="triton", router=router, dtype=torch.bfloat16, device=dev).eval()
+    graphed = MoE(config, backend="triton", router=router, dtype=torch.bfloat16, device=dev,
+                  eager_graph_rows=max(batches)).eval()
+    graphed.load_state_dict(layer.state_dict())
     rows = []
     for m in batches:
         x = torch.randn(m, layer.config.hidden_size, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             row = {"preset": preset, "M": m, **measure(lambda: layer(x), calls, graph=False), **router_host(layer, x)}
+            if dev.type == "cuda":
+                row["graphed"] = {**measure(lambda: graphed(x), calls, graph=False), **graphed_agrees(layer, graphed, x)}
         rows.append(row)
         print(json.dumps({"layer": True, **row}), flush=True)
-    del layer
+    del layer, graphed
     clear_launch_caches()
     if Run.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -228,6 +233,21 @@ def _two_streams(inputs: list, want: list) -> bool:
     return all(torch.equal(o, want[i + 1]) for i in range(2) for o in outs[i])
 
 
+def graphed_agrees(layer: MoE, graphed: MoE, x: torch.Tensor) -> dict:
+    """Whether the layer replayed from CUDA graphs (``eager_graph_rows``) returns the eager layer's output
+    bit for bit: on new inputs, and after an in-place update of both layers' w2 (undone after)."""
+    same = torch.equal(graphed(x), layer(x))
+    x2 = torch.randn_like(x)
+    same_new_x = torch.equal(graphed(x2), layer(x2))
+    for moe in (layer, graphed):
+        moe.w2.mul_(2.0)
+    same_updated = torch.equal(graphed(x2), layer(x2))
+    for moe in (layer, graphed):
+        moe.w2.div_(2.0)
+    return {"same_output": same and same_new_x, "same_after_inplace_update": same_updated,
+            "captures": graphed.eager_graphs.captures}
+
+
 def router_host(layer: MoE, x: torch.Tensor) -> dict:
     """Host µs of the layer's stages before the experts, each alone from an idle start: the gate and,
     where the layer routes with it, the fused router's eager call (its bound launch)."""
@@ -239,9 +259,16 @@ def router_host(layer: MoE, x: torch.Tensor) -> dict:
     return row
 
 
+def _graphed_text(g: dict | None) -> str:
+    if not g:
+        return "-"
+    flag = "" if g["same_output"] and g["same_after_inplace_update"] else "!"
+    return f"{g['host_us']:.0f}/{g['eager_us']:.0f}{flag}"
+
+
 def summary(cells: list, layers: list) -> str:
     lines = [f"{'preset':<15}{'M':>5}{'host':>8}{'host_n':>8}{'eager':>9}{'graph':>9}  ok   "
-             f"{'layer host':>10}{'router':>7}{'layer eager':>12}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
+             f"{'layer host':>10}{'router':>7}{'layer eager':>12}{'graphed host/eager':>19}   A/B host µs (default / off: " + ", ".join(SWITCHES) + " / all)"]
     by_key = {(r["preset"], r["M"]): r for r in layers}
     for c in cells:
         layer = by_key.get((c["preset"], c["M"]), {})
@@ -249,9 +276,11 @@ def summary(cells: list, layers: list) -> str:
         ab_text = " / ".join(f"{ab[v]['host_us']:.0f}{'' if ab[v]['same_output'] else '!'}" for v in VARIANTS if v in ab)
         lines.append(f"{c['preset']:<15}{c['M']:>5}{c['host_us']:>8.1f}{c['host_n_us']:>8.1f}{c['eager_us']:>9.1f}"
                      f"{c.get('graph_us', float('nan')):>9.1f}  {_yes(c.get('ok')):<4} {layer.get('host_us', float('nan')):>10.1f}"
-                     f"{layer.get('router_host_us', float('nan')):>7.1f}{layer.get('eager_us', float('nan')):>12.1f}   {ab_text}")
+                     f"{layer.get('router_host_us', float('nan')):>7.1f}{layer.get('eager_us', float('nan')):>12.1f}"
+                     f"{_graphed_text(layer.get('graphed')):>19}   {ab_text}")
     lines.append("host: idle start, 32 calls; host_n: around N back-to-back calls; ok: host <= 40 µs and "
-                 "eager <= max(1.15 graph, graph + 15); '!' after an A/B number: output differs from default")
+                 "eager <= max(1.15 graph, graph + 15); '!' after an A/B number: output differs from default; "
+                 "graphed: the layer with eager_graph_rows ('!': not bit-equal to the eager layer)")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``pe
 (align 1) or ``masked_layout_measured_cap_syncs``, picked per call by ``choose_layout`` under a memory
 budget, and combines with ``combine_contiguous`` / ``combine_masked``; ``triton`` (the CUDA default)
 groups with ``align_block`` and combines in the down GEMM's epilogue and its k-sum kernel.
-``MoEStats.layout`` says which layout a forward used.
+``MoEStats.layout`` says which layout a forward used. With ``eager_graph_rows`` set, small eager CUDA
+calls without autograd replay the whole pipeline from a CUDA graph per kind of call (``moekit.eager_graphs``).
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
 k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
@@ -33,6 +34,7 @@ from torch import nn
 
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
+from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
@@ -119,11 +121,17 @@ class MoE(nn.Module):
         num_local_experts: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        eager_graph_rows: int | None = None,
     ) -> None:
         """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
-        rank (``moekit.parallel.EPMoE``) holds only its own."""
+        rank (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without
+        autograd of at most this many tokens replay a CUDA graph captured per kind of call
+        (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
         super().__init__()
         _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
+        if eager_graph_rows is not None:
+            check_int("eager_graph_rows", eager_graph_rows, minimum=1)
+        self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -178,6 +186,8 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
         move_quantized_(self, fn)  # quantized w13/w2 are not Parameters: moved here, never cast
+        if self.eager_graphs is not None:
+            self.eager_graphs.clear()  # they read the old tensors' memory
         self.backend = self._backend
         self.router = self._router
         return module
@@ -187,6 +197,8 @@ class MoE(nn.Module):
         "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
         non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
         quantize_experts_(self, scheme, **options)
+        if self.eager_graphs is not None:
+            self.eager_graphs.clear()  # they keep the unquantized weights alive
         return self
 
     @property
@@ -243,11 +255,10 @@ class MoE(nn.Module):
             raise ValueError(f"x must have last dim hidden_size={self.config.hidden_size}, got shape {tuple(x.shape)}")
         flat = x.dim() == 2  # the common case: no reshape either way (each one ~1-2 µs of host time)
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
-        routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
-        # [Group -> Experts -> Combine] the moekit.experts backend with its moekit.layouts layout
-        out = self.run_routed(x2d, routed.routing)  # [M, K]
-        if self.shared_w13 is not None:
-            out = out + self._shared_mlp(x2d)  # [Shared] when not fused into the routed slots
+        out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
+        if out is None:
+            routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
+            out = self._experts_and_shared(x2d, routed)  # [M, K]
         if not flat:
             out = out.reshape(x.shape)
         if not return_stats:
@@ -255,6 +266,33 @@ class MoE(nn.Module):
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
         return MoEOutput(out=out, stats=self._stats(routed), router_logits=routed.router_logits,
                          aux_loss=self._aux_loss(routed, seq_len))
+
+    def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
+        """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
+        out = self.run_routed(x2d, routed.routing)  # [M, K]
+        if self.shared_w13 is not None:
+            out = out + self._shared_mlp(x2d)
+        return out
+
+    def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it must run eagerly:
+        autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
+        if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
+                or (torch.is_grad_enabled() and (x2d.requires_grad or self.gate.weight.requires_grad
+                                                 or getattr(self.w13, "requires_grad", False)))):
+            return None
+        tensors = tuple(self._graph_tensors())
+        key = (self._experts_fn, self._fused_router, *(t.data_ptr() for t in tensors))
+        return self.eager_graphs.run(lambda x: self._experts_and_shared(x, self.route_tokens(x)), x2d, key, tensors)
+
+    def _graph_tensors(self):
+        """Every tensor the forward reads besides x: a new one (not an in-place update) needs a new graph."""
+        for t in (self.gate.weight, self.gate.bias, self.b13, self.b2, self.e_score_correction_bias,
+                  self.shared_w13, self.shared_w2, None if self.shared_gate is None else self.shared_gate.weight):
+            if t is not None:
+                yield t
+        for w in (self.w13, self.w2):
+            yield from (w.tensors().values() if hasattr(w, "tensors") else (w,))
 
     def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
         """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
