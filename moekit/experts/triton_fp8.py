@@ -31,6 +31,7 @@ import torch
 
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
+from moekit.experts.triton_cache import WeightDescriptors
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.layouts.grouping import to_local_ids
@@ -134,9 +135,13 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------
 
 
+_DESCRIPTORS = WeightDescriptors()  # the e4m3 weights' TMA descriptors, per weight tensor (weakly)
+
+
 def clear_launch_caches() -> None:
-    """Drop every cached plan (the next call builds it again)."""
+    """Drop every cached plan and weight descriptor (the next call builds them again)."""
     clear_plans()
+    _DESCRIPTORS.clear()
 
 
 def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +163,8 @@ def fused_experts_fp8_launch(
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
-    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, dependent_launch,
-    cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
+    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
+    dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). Either way the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
@@ -189,8 +194,12 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         plan.quantize(x, x_q, x_s)
-    plan.gate_up(x_q, x_s, w13_q, w13_scale, b["h_q"], b["h_s"], ids, *rows)
-    plan.down(b["h_q"], b["h_s"], w2_q, w2_scale, b["y"], weights, ids, *rows)
+    w13_arg, w2_arg = w13_q, w2_q
+    if plan.descriptor_key is not None:
+        pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
+        w13_arg, w2_arg = pair.w13, pair.w2
+    plan.gate_up(x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows)
+    plan.down(b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
     return out
 
@@ -199,16 +208,17 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
 def _fp8_op(
     x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], block_n: int,
-    block_k: int, dependent_launch: bool, poison_workspace: bool,
+    block_k: int, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
 ) -> torch.Tensor:
-    options = LaunchOptions(dependent_launch=dependent_launch, poison_workspace=poison_workspace)
+    options = LaunchOptions(weight_descriptors=weight_descriptors, dependent_launch=dependent_launch,
+                            poison_workspace=poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                     (block_n, block_k), options=options)
 
 
 @_fp8_op.register_fake
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
-              dependent_launch, poison_workspace):
+              weight_descriptors, dependent_launch, poison_workspace):
     return x.new_empty(x.shape)
 
 
@@ -227,9 +237,9 @@ def fused_experts_fp8(
     options: LaunchOptions = LaunchOptions(),
 ) -> torch.Tensor:
     """The experts contract on fp8 block-quantized weights, fused Triton kernels; returns [M, K] in
-    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, dependent_launch and
-    poison_workspace cross the op)."""
+    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors,
+    dependent_launch and poison_workspace cross the op)."""
     check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
     return torch.ops.moekit.triton_experts_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
-                                               block_shape[0], block_shape[1], options.dependent_launch,
-                                               options.poison_workspace)
+                                               block_shape[0], block_shape[1], options.weight_descriptors,
+                                               options.dependent_launch, options.poison_workspace)

@@ -45,9 +45,12 @@ class Fp8Plan:
     # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
     # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
+    # (False, E, 2N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights (``triton_cache``'s
+    # descriptor key, never interleaved here); None: pointer loads
+    descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
-    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
-    down: BoundLaunch  # pointers: h_q, h_s, w2_q, w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
+    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
 
@@ -154,7 +157,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
                            num_pid_m * block_m, options)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
-    x_raw = bool(x_in_gate_up)
+    x_raw, descriptors = bool(x_in_gate_up), fp8_descriptors_allowed(w13_q, w2_q, options)
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
                                 ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
@@ -162,20 +165,33 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
-                  cached=options.cached_launcher, **options.pdl_kwargs())
+                  W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
+    up, down = config.up, config.down
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
+        if descriptors else None,
         quantize=None if x_raw else BoundLaunch(
             kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
             (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
             BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw)),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=block_n % up.BLOCK_N == 0
+                                                and n % up.BLOCK_N == 0)),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
+                          dict(shared, ONE_BLOCK=block_n % down.BLOCK_N == 0)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
     )
+
+
+def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:
+    """Asked for (``options.weight_descriptors``), and both weights contiguous, 16-byte aligned, with
+    rows of a multiple of 16 bytes (K and N multiples of 16: what a TMA copy of e4m3 tiles needs).
+    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy."""
+    return options.weight_descriptors and all(
+        w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 
 def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,
