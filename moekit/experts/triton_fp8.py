@@ -10,7 +10,10 @@ time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4
 
 The alignment, the tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery
 are the bf16 path's (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
-quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``.
+quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
+e4m3 weights go to the GEMMs as TMA descriptors where they are contiguous with 16-byte rows (built once
+per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's), else as
+pointers read through their strides; ``LaunchOptions.weight_descriptors=False`` forces the pointers.
 ``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
 shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Its buffers are
 allocated per call (from the graph's pool while one captures).

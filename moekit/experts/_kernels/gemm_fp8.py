@@ -105,17 +105,16 @@ def gate_up_fp8_kernel(
     else:
         wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
         wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
-    sg_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)
-    su_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N,
-                                 ONE_BLOCK)
+    ws_ptr += expert * stride_wse
+    sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
+    su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:  # past K the descriptor reads zeros
-            wg = w_ptr.load([gate_row, k0]).T  # [BK, BN]
-            wu = w_ptr.load([gate_row + N, k0]).T
+            wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
         else:
             wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -131,8 +130,7 @@ def gate_up_fp8_kernel(
         acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
-        sg_ptrs += stride_wsk
-        su_ptrs += stride_wsk
+        sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
     if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
