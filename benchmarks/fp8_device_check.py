@@ -197,8 +197,9 @@ def compiled_gemms() -> dict[int, dict]:
 def ab_configs(m: int, s: Shape) -> list[KernelConfig]:
     """The heuristic first, then alternatives. Decode (under 16 rows per expert): narrower and wider tiles
     (more programs streaming the few experts' weights, or fewer longer ones), a deeper pipeline. Prefill:
-    4 stages; 64-row tiles on one warpgroup (room for two programs per SM, so one's scale folds overlap
-    the other's tensor-core steps); 64 rows on 8 warps; a 256-wide down tile."""
+    4 stages; 64-row tiles on one warpgroup, 3 stages, and 2 (80 KiB of TMA buffers in gate-up: two programs
+    fit an SM, so one's scale folds can overlap the other's tensor-core steps); 64 rows on 8 warps; a
+    256-wide down tile."""
     heuristic = heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k)
     if m * s.top_k / s.num_experts < 16:
         tile = lambda n, stages: GemmTile(n, 128, 1, 4, stages)  # noqa: E731
@@ -206,8 +207,9 @@ def ab_configs(m: int, s: Shape) -> list[KernelConfig]:
                   KernelConfig(16, tile(128, 4), tile(128, 4)), KernelConfig(16, tile(64, 6), tile(64, 6))]
     else:
         tile = lambda n, warps, stages: GemmTile(n, 128, 8, warps, stages)  # noqa: E731
-        others = [KernelConfig(128, tile(128, 8, 4), tile(128, 8, 4)), KernelConfig(64, tile(128, 4, 3), tile(128, 4, 3)),
-                  KernelConfig(64, tile(128, 8, 4), tile(128, 8, 4)), KernelConfig(128, tile(128, 8, 3), tile(256, 8, 3))]
+        others = [KernelConfig(bm, tile(128, warps, stages), tile(down_n, warps, stages))
+                  for bm, down_n, warps, stages in ((128, 128, 8, 4), (64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 4),
+                                                    (128, 256, 8, 3))]
     return list(dict.fromkeys([heuristic, *others]))
 
 
