@@ -217,7 +217,7 @@ def test_config_rules_and_heuristic():
             for group in (32, 128):
                 check_config(heuristic_fp8_config(m, num_experts, n, k, top_k, group), group)
     assert heuristic_fp8_config(1, 128, 768, 2048, 8).BLOCK_M == 16
-    assert heuristic_fp8_config(4096, 128, 768, 2048, 8).BLOCK_M == 128
+    assert heuristic_fp8_config(4096, 128, 768, 2048, 8).BLOCK_M == 64
 
 
 def test_tuned_file_nearest_m_and_refusal(tmp_path, monkeypatch):

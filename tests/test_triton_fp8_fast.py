@@ -1,5 +1,7 @@
 """The fp8 path's fast-path choices under Triton's interpreter, tiny shapes: weights through TMA
-descriptors or pointer loads, and a K-step's weight scale as one scalar (ONE_BLOCK) or one per column.
+descriptors or pointer loads (``weight_tma``; the plan's default by tile height, and
+``LaunchOptions.weight_descriptors`` forbidding them), and a K-step's weight scale as one scalar
+(ONE_BLOCK) or one per column.
 Each choice must give the torch twin's result (``test_triton_fp8`` holds the twin to a float64 emulation),
 with K and N tails, M = 0 and 1, and an expert map with -1."""
 
@@ -47,27 +49,30 @@ def _flags(launch) -> tuple:
     return tuple(launch.tail[names.index(n) - first] for n in ("W_DESC", "ONE_BLOCK"))
 
 
-def _plan(fp8, m, config, options):
+def _plan(fp8, m, config, options, weight_tma=None):
     x, _, (w13_q, w13_s, w2_q, w2_s), ids, _ = problem(m, 2, SHAPE, BLOCK)
-    return build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, config, options)
+    return build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, config, options, None, weight_tma)
 
 
-@pytest.mark.parametrize("options", [TMA, POINTERS], ids=["tma", "pointers"])
+@pytest.mark.parametrize("weight_tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["n128", "n32", "n256"])
 @pytest.mark.parametrize("m", [1, 9])
-def test_descriptors_and_scale_forms_match_twin(fp8, options, config, m):
+def test_descriptors_and_scale_forms_match_twin(fp8, weight_tma, config, m):
     x, _, quantized, ids, weights = problem(m, 2, SHAPE, BLOCK, seed=20 + m)
-    out, twin = kernel_vs_twin(fp8, x, quantized, ids, weights, BLOCK, config=config, options=options)
+    out, twin = kernel_vs_twin(fp8, x, quantized, ids, weights, BLOCK, config=config, weight_tma=weight_tma)
     assert rel_l2(out, twin) < FLIP_TOL
 
 
 def test_plan_picks_descriptors_and_scale_form(fp8):
-    tma = _plan(fp8, 9, CONFIGS[1], TMA)
+    tma = _plan(fp8, 9, CONFIGS[1], TMA)  # 16-row tiles: TMA by default (TMA_MAX_BLOCK_M)
     assert tma.descriptor_key == (False, 4, 192, 160, 32, 128, 32, 128)
     assert _flags(tma.gate_up) == (True, True) and _flags(tma.down) == (True, True)
-    assert _plan(fp8, 9, CONFIGS[1], POINTERS).descriptor_key is None
-    wide = _plan(fp8, 9, CONFIGS[2], TMA)
-    assert _flags(wide.gate_up) == (True, False) and _flags(wide.down) == (True, False)
+    assert _plan(fp8, 9, CONFIGS[1], POINTERS).descriptor_key is None  # the option forbids them
+    assert _plan(fp8, 9, CONFIGS[1], TMA, weight_tma=False).descriptor_key is None
+    tall = _plan(fp8, 9, CONFIGS[2], TMA)  # 64-row tiles: pointer loads by default
+    assert _flags(tall.gate_up) == (False, False) and _flags(tall.down) == (False, False)
+    assert _flags(_plan(fp8, 9, CONFIGS[2], TMA, weight_tma=True).gate_up) == (True, False)
+    assert _plan(fp8, 9, CONFIGS[2], POINTERS, weight_tma=True).descriptor_key is None
     # 64 wide over N = 96: the second tile would straddle the gate/up boundary's block -> a scale per column
     narrow = _plan(fp8, 9, KernelConfig(16, GemmTile(64, 128), GemmTile(64, 128)), TMA)
     assert _flags(narrow.gate_up) == (True, False) and _flags(narrow.down) == (True, True)

@@ -11,9 +11,10 @@ time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4
 The alignment, the tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery
 are the bf16 path's (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
 quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
-e4m3 weights go to the GEMMs as TMA descriptors where they are contiguous with 16-byte rows (built once
-per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's), else as
-pointers read through their strides; ``LaunchOptions.weight_descriptors=False`` forces the pointers.
+e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows
+(built once per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's),
+else as pointers read through their strides (``triton_fp8_plan.TMA_MAX_BLOCK_M`` has the measurements);
+``LaunchOptions.weight_descriptors=False`` forces the pointers.
 ``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
 shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Its buffers are
 allocated per call (from the graph's pool while one captures).
@@ -163,12 +164,14 @@ def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Ten
 def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None,
+    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
-    (True) or in a kernel of its own (False, and None: measured faster). Either way the result is the same."""
+    (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
+    TMA descriptors (True) or pointers (False); None: the plan's rule (``triton_fp8_plan.TMA_MAX_BLOCK_M``).
+    Either way the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -177,7 +180,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up)
+                    x_in_gate_up, weight_tma)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 
