@@ -63,6 +63,15 @@ def test_descriptors_and_scale_forms_match_twin(fp8, weight_tma, config, m):
     assert rel_l2(out, twin) < FLIP_TOL
 
 
+@pytest.mark.parametrize("x_in_gate_up", [False, True])
+def test_fold_barrier_same_result(fp8, x_in_gate_up):
+    # The barrier between the gate fold and the up dot orders work, nothing else (with x loaded or quantized).
+    x, _, quantized, ids, weights = problem(9, 2, SHAPE, BLOCK, seed=31)
+    out, twin = kernel_vs_twin(fp8, x, quantized, ids, weights, BLOCK, config=CONFIGS[0], x_in_gate_up=x_in_gate_up,
+                               fold_barrier=True)
+    assert rel_l2(out, twin) < FLIP_TOL
+
+
 def test_plan_picks_descriptors_and_scale_form(fp8):
     tma = _plan(fp8, 9, CONFIGS[1], TMA)  # 16-row tiles: TMA by default (TMA_MAX_BLOCK_M)
     assert tma.descriptor_key == (False, 4, 192, 160, 32, 128, 32, 128)

@@ -34,6 +34,10 @@ weight scale of a K-step is one scalar, and the step's partial product is folded
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
+FOLD_BARRIER (gate-up): a barrier between the gate product's fold and the up dot, so that the two
+K-step products are never live together: [BM, BN] fp32 each, next to the two accumulators, they took
+128-row tiles on 8 warps to 255 registers with 24 spilled on the H200. An A/B choice of the plan.
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -78,6 +82,18 @@ def _step_scale(xs, s_ptrs, col_ok, ONE_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
+    """(x_q [BM, BK], x_s [BM]) of one K-step: loaded (xa is x_q), or (X_RAW: xa is x) quantized here,
+    this step being one group of x's columns (the twin of ``quant_fp8``'s kernel)."""
+    if X_RAW:
+        xs = group_scale(tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+        xa = to_e4m3(xa.to(tl.float32) / xs[:, None], EMULATE)
+    else:
+        xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+    return xa, xs
+
+
+@triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -85,7 +101,7 @@ def gate_up_fp8_kernel(
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, FOLD_BARRIER: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -120,13 +136,10 @@ def gate_up_fp8_kernel(
             wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
-        if X_RAW:  # this K-step is one group of x's columns: quantize it here
-            xa = xa.to(tl.float32)
-            xs = group_scale(tl.max(tl.abs(xa), axis=1))  # [BM]
-            xa = to_e4m3(xa / xs[:, None], EMULATE)
-        else:
-            xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)  # [BM]
+        xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
         acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK)
+        if FOLD_BARRIER:  # the gate product is folded before the up dot starts: one product live, not two
+            tl.debug_barrier()
         acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
