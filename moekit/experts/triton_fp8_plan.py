@@ -2,8 +2,12 @@
 on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
 
     fp8_config(M, E, N, K, k, block_k, device): a tuned file's nearest-M entry, else the heuristic
-    Fp8Plan: config, alignment (or the tiny-batch shortcut), workspace regions, the bound launches of
-    quantize x, gate-up (+ SiLU-and-mul + re-quantize h), down (x routed weight), k-sum
+    Fp8Plan: config, alignment (or the tiny-batch shortcut), workspace regions, the weights' TMA
+    descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
+    re-quantize h), down (x routed weight), k-sum
+
+Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``), are arguments
+of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers, the gate-up fold barrier.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
