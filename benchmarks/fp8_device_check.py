@@ -1,20 +1,26 @@
 """GPU check of the fp8 block-scaled Triton experts path (``moekit.experts.triton_fp8``), run on the device.
 
-    PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness + timings, ~1-2 min
+    PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness, timings, A/Bs: < 3 min
     PYTHONPATH=. python benchmarks/fp8_device_check.py --sweep    # + a small config sweep per cell (minutes)
     PYTHONPATH=. python benchmarks/fp8_device_check.py --compile  # + torch.compile(fullgraph=True), inductor
 
 Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1, 8, 64, 512, 4096}:
-- correctness on the first input set: the kernels against the torch twin (rel L2 < 2e-2 passes), and
-  against moekit's bf16 Triton path on the unquantized weights (the quantization error, ~6% expected);
-- timings, CUDA-graph replay over rotated inputs (``moekit.bench.timing``): fp8 and moekit bf16 Triton;
+- correctness on the first input set: the kernels against the torch twin (rel L2 < 2e-2 passes), with
+  TMA weight descriptors and with pointer loads (``weight_tma``); against moekit's bf16 Triton path on
+  the unquantized weights (the quantization error, ~6% expected);
+- timings, CUDA-graph replay over rotated inputs (``moekit.bench.timing``): fp8 with TMA weights and
+  with pointer loads (the default is the one ``triton_fp8_plan.TMA_MAX_BLOCK_M`` picks, marked *),
+  moekit bf16 Triton; at M = 1 also x quantized inside gate-up;
 - the fp8 floor: max(touched experts x (3*N*K fp8 bytes + scales) + x and out bf16 bytes) / copy BW,
   FLOPs / fp8 matmul rate), both ceilings measured here (a 4 GiB device copy; ``torch._scaled_mm`` on
-  8192^3 e4m3, skipped if this torch lacks it).
+  8192^3 e4m3, skipped if this torch lacks it);
+- at M in CONFIG_AB_BATCHES, a few alternative configs (tile widths, warps, stages) against the
+  heuristic, each with TMA and with pointer weights, and the registers, spills and shared memory of the
+  GEMMs it compiled.
 Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
 inductor compiles a caller of the op whole (fullgraph) and agrees with eager. ``--sweep`` times the
 candidate configs of each cell and writes tuned files (``E{E}_N{N}_K{K}_fp8_block_{device}.json``) under
-$OUT/configs. Prints one line per check, the table last; JSON to $OUT/fp8.json if $OUT is set.
+$OUT/configs. Prints one line per check, the tables last; JSON to $OUT/fp8.json if $OUT is set.
 Exit 1 on any failure.
 """
 
@@ -35,11 +41,13 @@ from moekit.bench.timing import time_calls
 from moekit.experts.configs import GemmTile, KernelConfig, device_key
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
-from moekit.experts.triton_fp8_plan import config_file_name, heuristic_fp8_config
+from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, config_file_name, heuristic_fp8_config
+from moekit.experts.triton_launch import kernels
 
 BATCHES = (1, 8, 64, 512, 4096)
 BLOCK = (128, 128)
-BUDGET_S = 0.2  # seconds of timing per backend and cell (the script stays under ~2 min)
+CONFIG_AB_BATCHES = (1, 64, 4096)
+BUDGET_S = 0.15  # seconds of timing per backend and cell (the script stays under ~3 min)
 ROTATION_BYTES = 256 << 20  # rotate inputs until one pass touches ~4x the H200's L2 (the bench's rule)
 FAILED: list[str] = []
 
@@ -101,16 +109,31 @@ class Row:
     shape: str
     M: int
     touched: float  # mean distinct experts per call over the rotated sets
-    fp8_us: float
+    fp8_us: float  # the default: heuristic (or tuned) config, TMA or pointer weights by the plan's rule
+    tma_us: float  # weight_tma=True
+    ptr_us: float  # weight_tma=False
+    default_tma: bool  # which of the two the default is
     bf16_us: float
     floor_us: float
     pct_floor: float
     fp8_TFLOPs: float
     pct_fp8_mm: float | None
     err_vs_twin: float
+    err_other_vs_twin: float  # the weight loads the default does not use
     err_vs_bf16: float
     speedup_vs_bf16: float
-    x_apart_us: float | None  # M=1 A/B: x quantized by its own kernel instead of inside gate-up
+    x_inside_us: float | None  # M=1 A/B: x quantized inside gate-up instead of by its own kernel
+
+
+@dataclass
+class ConfigAB:
+    shape: str
+    M: int
+    config: dict  # KernelConfig.to_dict(); the first of a cell's entries is the heuristic
+    fold_barrier: bool  # the gate-up kernel's FOLD_BARRIER
+    tma: bool  # weights through TMA descriptors (else pointer loads)
+    us: float | None  # None: it did not compile or run (shared memory)
+    kernels: list  # [{name, num_warps, n_regs, n_spills, shared}] of the GEMMs this config compiled
 
 
 def floor_us(s: Shape, m: int, touched: float, c: Ceilings) -> float:
@@ -127,25 +150,101 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
     sets = make_sets(s, m, max(2, min(8, math.ceil(ROTATION_BYTES / touched_once))), torch.bfloat16, dev)
     touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
     first = sets[0]
+    default_tma = heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k).BLOCK_M <= TMA_MAX_BLOCK_M
     out = fused_experts_fp8(first.x, *q, first.topk_ids, first.topk_weights)
+    other = fused_experts_fp8_launch(first.x, *q, first.topk_ids, first.topk_weights, weight_tma=not default_tma)
     twin = fused_experts_fp8_torch(first.x, *q, first.topk_ids, first.topk_weights)
     bf16 = experts_triton(first.x, w.w13, w.w2, first.topk_ids, first.topk_weights)
-    err_twin, err_bf16 = rel_l2(out, twin), rel_l2(out, bf16)
+    err_twin, err_other, err_bf16 = rel_l2(out, twin), rel_l2(other, twin), rel_l2(out, bf16)
     check(f"fp8 kernels vs twin {s.name} M={m}", err_twin < 2e-2, f"rel_l2={err_twin:.2e} (vs bf16 {err_bf16:.3f})")
-    fp8_us = time_calls([lambda t=t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights) for t in sets], dev,
-                        graph=True, budget_s=BUDGET_S)
-    bf16_us = time_calls([lambda t=t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights) for t in sets], dev,
-                         graph=True, budget_s=BUDGET_S)
-    x_apart_us = None
+    check(f"fp8 kernels, {'pointer' if default_tma else 'TMA'} weights, vs twin {s.name} M={m}", err_other < 2e-2,
+          f"rel_l2={err_other:.2e}")
+
+    def timed(fn) -> float:
+        return time_calls([lambda t=t: fn(t) for t in sets], dev, graph=True, budget_s=BUDGET_S)
+
+    fp8_us = timed(lambda t: fused_experts_fp8(t.x, *q, t.topk_ids, t.topk_weights))
+    other_us = timed(lambda t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, weight_tma=not default_tma))
+    bf16_us = timed(lambda t: experts_triton(t.x, w.w13, w.w2, t.topk_ids, t.topk_weights))
+    x_inside_us = None
     if m == 1:
-        x_apart_us = time_calls([lambda t=t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights,
-                                                                      x_in_gate_up=False) for t in sets],
-                                dev, graph=True, budget_s=BUDGET_S)
+        x_inside_us = timed(lambda t: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, x_in_gate_up=True))
     fl = floor_us(s, m, touched, c)
     tflops = 6 * s.n * s.k * m * s.top_k / (fp8_us * 1e-6) / 1e12
-    return Row(s.name, m, touched, fp8_us, bf16_us, fl, 100 * fl / fp8_us, tflops,
-               100 * tflops / c.fp8_mm_TFLOPs if c.fp8_mm_TFLOPs else None, err_twin, err_bf16, bf16_us / fp8_us,
-               x_apart_us)
+    tma_us, ptr_us = (fp8_us, other_us) if default_tma else (other_us, fp8_us)
+    return Row(s.name, m, touched, fp8_us, tma_us, ptr_us, default_tma, bf16_us, fl, 100 * fl / fp8_us, tflops,
+               100 * tflops / c.fp8_mm_TFLOPs if c.fp8_mm_TFLOPs else None, err_twin, err_other, err_bf16,
+               bf16_us / fp8_us, x_inside_us)
+
+
+def forget_compiled_gemms() -> None:
+    """Drop the fp8 GEMMs' in-memory kernel caches, so the next config's kernels are compiled (from
+    Triton's disk cache where it has them) and show up in ``compiled_gemms`` as new."""
+    for name in ("gate_up_fp8_kernel", "down_fp8_kernel"):
+        caches = getattr(getattr(kernels("gemm_fp8"), name), "device_caches", None)
+        if caches is not None:
+            caches.clear()
+
+
+def compiled_gemms() -> dict[int, dict]:
+    """id -> {name, num_warps, n_regs, n_spills, shared} of every compiled fp8 GEMM so far ({} where this
+    Triton keeps its cache elsewhere)."""
+    found = {}
+    for name in ("gate_up_fp8_kernel", "down_fp8_kernel"):
+        try:
+            for per_device in getattr(kernels("gemm_fp8"), name).device_caches.values():
+                for k in per_device[0].values():
+                    found[id(k)] = dict(name=name, num_warps=getattr(k.metadata, "num_warps", None),
+                                        n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
+                                        shared=getattr(k.metadata, "shared", None))
+        except (AttributeError, IndexError, TypeError, KeyError):
+            pass
+    return found
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: KernelConfig
+    fold_barrier: bool = False  # the gate-up kernel's FOLD_BARRIER
+
+
+def ab_candidates(m: int, s: Shape) -> list[Candidate]:
+    """The heuristic first, then alternatives around it (the last run's winners and near misses). Decode
+    (under 16 rows per expert): 64-wide tiles on 6 stages (Qwen3's best at M=1), 5 stages. Prefill: a
+    256-wide down tile, the down GEMM on 4 warps, and the fold barrier on the heuristic and on 128-row
+    tiles (which spilled without it)."""
+    heuristic = heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k)
+    if heuristic.BLOCK_M == 16:
+        tile = lambda n, stages: GemmTile(n, 128, 1, 4, stages)  # noqa: E731
+        others = [Candidate(KernelConfig(16, tile(64, 6), tile(64, 6))),
+                  Candidate(KernelConfig(16, tile(128, 5), tile(128, 5)))]
+    else:
+        tile = lambda n, warps, stages: GemmTile(n, 128, 8, warps, stages)  # noqa: E731
+        others = [Candidate(KernelConfig(64, tile(128, 8, 4), tile(256, 8, 3))),
+                  Candidate(KernelConfig(64, tile(128, 8, 4), tile(128, 4, 4))),
+                  Candidate(heuristic, fold_barrier=True),
+                  Candidate(KernelConfig(128, tile(128, 8, 3), tile(128, 8, 3)), fold_barrier=True)]
+    return [Candidate(heuristic), *others]
+
+
+def config_ab(s: Shape, m: int, q, dev) -> list[ConfigAB]:
+    """Each of ``ab_candidates`` on the cell's inputs, TMA and pointer weights, with what its GEMMs compiled to."""
+    sets = make_sets(s, m, 2, torch.bfloat16, dev, seed=5)
+    rows = []
+    for cand in ab_candidates(m, s):
+        for tma in (True, False):
+            forget_compiled_gemms()
+            calls = [lambda t=t, tma=tma: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, config=cand.config,
+                                                                    weight_tma=tma, fold_barrier=cand.fold_barrier)
+                     for t in sets]
+            try:
+                us = time_calls(calls, dev, graph=True, budget_s=0.05, max_reps=10)
+            except Exception as e:  # noqa: BLE001  (a tile too big for shared memory: reported, not fatal)
+                print(f"  config A/B {s.name} M={m} {cand} tma={tma}: {type(e).__name__}: {e}"[:300], flush=True)
+                us = None
+            rows.append(ConfigAB(s.name, m, cand.config.to_dict(), cand.fold_barrier, tma, us,
+                                 list(compiled_gemms().values())))
+    return rows
 
 
 def graph_replay(s: Shape, q, dev) -> None:
@@ -223,19 +322,29 @@ def sweep(s: Shape, q, dev, out_dir: Path | None) -> dict:
     return best
 
 
-def print_table(rows: list[Row], c: Ceilings) -> None:
+def print_table(rows: list[Row], abs_: list[ConfigAB], c: Ceilings) -> None:
     mm = f"{c.fp8_mm_TFLOPs:.0f}" if c.fp8_mm_TFLOPs else "n/a"
+    print("\nconfig A/B (the first two lines of a cell: the heuristic, TMA and pointer weights; kernels: regs/spills/shared KiB)")
+    for r in abs_:
+        us = f"{r.us:10.1f}" if r.us is not None else f"{'failed':>10}"
+        res = " ".join(f"{k['name'][:4]}:{k['n_regs']}/{k['n_spills']}/{(k['shared'] or 0) >> 10}" for k in r.kernels)
+        up, down = r.config["up"], r.config["down"]
+        print(f"{r.shape:<14}{r.M:>6}{us} {'tma' if r.tma else 'ptr'}  BM={r.config['BLOCK_M']} up {up['BLOCK_N']}/"
+              f"{up['num_warps']}w/{up['num_stages']}s down {down['BLOCK_N']}/{down['num_warps']}w/{down['num_stages']}s"
+              f"{' barrier' if r.fold_barrier else ''}  {res}")
+    for r in rows:
+        if r.x_inside_us is not None:
+            print(f"{r.shape} M={r.M}: x quantized by its own kernel {r.fp8_us:.1f} us, inside gate-up {r.x_inside_us:.1f} us")
     print(f"\ncopy {c.copy_TBps:.2f} TB/s, fp8 mm {mm} TFLOP/s (precise accumulation: {c.fp8_mm_precise_TFLOPs})")
-    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'bf16 us':>10}{'floor us':>10}{'%floor':>8}"
-          f"{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
+    print("fp8 us: the default, which is the starred one of tma us / ptr us")
+    print(f"{'shape':<14}{'M':>6}{'touched':>8}{'fp8 us':>10}{'tma us':>10}{'ptr us':>10}{'bf16 us':>10}{'floor us':>10}"
+          f"{'%floor':>8}{'TFLOP/s':>9}{'%fp8mm':>8}{'fp8/bf16':>9}{'err twin':>10}{'err bf16':>9}")
     for r in rows:
         pct_mm = f"{r.pct_fp8_mm:.0f}" if r.pct_fp8_mm is not None else "-"
-        print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{r.bf16_us:>10.1f}{r.floor_us:>10.1f}"
-              f"{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
+        tma, ptr = (f"{r.tma_us:.1f}*", f"{r.ptr_us:.1f} ") if r.default_tma else (f"{r.tma_us:.1f} ", f"{r.ptr_us:.1f}*")
+        print(f"{r.shape:<14}{r.M:>6}{r.touched:>8.1f}{r.fp8_us:>10.1f}{tma:>10}{ptr:>10}{r.bf16_us:>10.1f}"
+              f"{r.floor_us:>10.1f}{r.pct_floor:>8.0f}{r.fp8_TFLOPs:>9.0f}{pct_mm:>8}{r.speedup_vs_bf16:>8.2f}x"
               f"{r.err_vs_twin:>10.1e}{r.err_vs_bf16:>9.3f}")
-    for r in rows:
-        if r.x_apart_us is not None:
-            print(f"{r.shape} M={r.M}: x quantized inside gate-up {r.fp8_us:.1f} us, by its own kernel {r.x_apart_us:.1f} us")
 
 
 def main() -> int:
@@ -246,12 +355,14 @@ def main() -> int:
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     ceilings = measure_ceilings(dev)
-    rows, sweeps = [], {}
+    rows, abs_, sweeps = [], [], {}
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         w = make_weights(s, torch.bfloat16, dev)
         q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
         rows += [r for m in BATCHES if (r := guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceilings, dev))]
+        for m in CONFIG_AB_BATCHES:
+            abs_ += guarded(f"config A/B {preset} M={m}", config_ab, s, m, q, dev) or []
         if preset == PRESETS[0]:
             guarded("graph replay", graph_replay, s, q, dev)
             if "--compile" in sys.argv:
@@ -260,11 +371,12 @@ def main() -> int:
             sweeps[preset] = guarded(f"sweep {preset}", sweep, s, q, dev, out_dir)
         del w, q
         torch.cuda.empty_cache()
-    print_table(rows, ceilings)
+    print_table(rows, abs_, ceilings)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                  "ceilings": asdict(ceilings), "cells": [asdict(r) for r in rows], "sweeps": sweeps, "failed": FAILED}
+                  "ceilings": asdict(ceilings), "cells": [asdict(r) for r in rows],
+                  "config_ab": [asdict(r) for r in abs_], "sweeps": sweeps, "failed": FAILED}
         (out_dir / "fp8.json").write_text(json.dumps(result, indent=1) + "\n")
     print("FAILED:", FAILED if FAILED else "none", flush=True)
     return 1 if FAILED else 0

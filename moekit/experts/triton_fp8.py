@@ -10,7 +10,11 @@ time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4
 
 The alignment, the tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery
 are the bf16 path's (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
-quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``.
+quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
+e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows
+(built once per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's),
+else as pointers read through their strides (``triton_fp8_plan.TMA_MAX_BLOCK_M`` has the measurements);
+``LaunchOptions.weight_descriptors=False`` forces the pointers.
 ``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
 shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Its buffers are
 allocated per call (from the graph's pool while one captures).
@@ -31,6 +35,7 @@ import torch
 
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
+from moekit.experts.triton_cache import WeightDescriptors
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.layouts.grouping import to_local_ids
@@ -134,9 +139,13 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | 
 # ---------------------------------------------------------------------------------------------------
 
 
+_DESCRIPTORS = WeightDescriptors()  # the e4m3 weights' TMA descriptors, per weight tensor (weakly)
+
+
 def clear_launch_caches() -> None:
-    """Drop every cached plan (the next call builds it again)."""
+    """Drop every cached plan and weight descriptor (the next call builds them again)."""
     clear_plans()
+    _DESCRIPTORS.clear()
 
 
 def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,12 +164,15 @@ def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Ten
 def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None,
+    options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
+    fold_barrier: bool = False,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
-    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, dependent_launch,
-    cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
-    (True) or in a kernel of its own (False, and None: measured faster). Either way the result is the same."""
+    tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
+    dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
+    (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
+    TMA descriptors (True) or pointers (False); None: the plan's rule (``triton_fp8_plan.TMA_MAX_BLOCK_M``).
+    ``fold_barrier``: see ``triton_fp8_plan.plan_for``. Whatever the choices, the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -169,7 +181,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up)
+                    x_in_gate_up, weight_tma, fold_barrier)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 
@@ -189,8 +201,12 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         plan.quantize(x, x_q, x_s)
-    plan.gate_up(x_q, x_s, w13_q, w13_scale, b["h_q"], b["h_s"], ids, *rows)
-    plan.down(b["h_q"], b["h_s"], w2_q, w2_scale, b["y"], weights, ids, *rows)
+    w13_arg, w2_arg = w13_q, w2_q
+    if plan.descriptor_key is not None:
+        pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
+        w13_arg, w2_arg = pair.w13, pair.w2
+    plan.gate_up(x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows)
+    plan.down(b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
     return out
 
@@ -199,16 +215,17 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
 def _fp8_op(
     x: torch.Tensor, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], block_n: int,
-    block_k: int, dependent_launch: bool, poison_workspace: bool,
+    block_k: int, weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool,
 ) -> torch.Tensor:
-    options = LaunchOptions(dependent_launch=dependent_launch, poison_workspace=poison_workspace)
+    options = LaunchOptions(weight_descriptors=weight_descriptors, dependent_launch=dependent_launch,
+                            poison_workspace=poison_workspace)
     return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                     (block_n, block_k), options=options)
 
 
 @_fp8_op.register_fake
 def _fp8_fake(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, block_n, block_k,
-              dependent_launch, poison_workspace):
+              weight_descriptors, dependent_launch, poison_workspace):
     return x.new_empty(x.shape)
 
 
@@ -227,9 +244,9 @@ def fused_experts_fp8(
     options: LaunchOptions = LaunchOptions(),
 ) -> torch.Tensor:
     """The experts contract on fp8 block-quantized weights, fused Triton kernels; returns [M, K] in
-    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, dependent_launch and
-    poison_workspace cross the op)."""
+    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors,
+    dependent_launch and poison_workspace cross the op)."""
     check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
     return torch.ops.moekit.triton_experts_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
-                                               block_shape[0], block_shape[1], options.dependent_launch,
-                                               options.poison_workspace)
+                                               block_shape[0], block_shape[1], options.weight_descriptors,
+                                               options.dependent_launch, options.poison_workspace)

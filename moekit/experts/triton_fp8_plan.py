@@ -2,8 +2,12 @@
 on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
 
     fp8_config(M, E, N, K, k, block_k, device): a tuned file's nearest-M entry, else the heuristic
-    Fp8Plan: config, alignment (or the tiny-batch shortcut), workspace regions, the bound launches of
-    quantize x, gate-up (+ SiLU-and-mul + re-quantize h), down (x routed weight), k-sum
+    Fp8Plan: config, alignment (or the tiny-batch shortcut), workspace regions, the weights' TMA
+    descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
+    re-quantize h), down (x routed weight), k-sum
+
+Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``), are arguments
+of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers, the gate-up fold barrier.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
@@ -34,6 +38,11 @@ from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
 QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one column group each)
+# The weights go through TMA descriptors in GEMMs of at most this many rows per tile (the tiny-batch
+# tiles), through pointer loads in taller ones. H200, the configs of before (fp8_device_check): TMA
+# against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
+# Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
+TMA_MAX_BLOCK_M = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +54,12 @@ class Fp8Plan:
     # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
     # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
+    # (False, E, 2N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights (``triton_cache``'s
+    # descriptor key, never interleaved here); None: pointer loads
+    descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
-    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q, w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
-    down: BoundLaunch  # pointers: h_q, h_s, w2_q, w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
+    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
+    down: BoundLaunch  # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
 
@@ -64,19 +76,20 @@ def clear_plans() -> None:
 
 
 def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int = 128) -> KernelConfig:
-    """The default with no tuned file. Like the bf16 heuristic, the tile height follows the mean rows per
-    expert M*k/E (a tile much taller than that is padding). From 16 rows per expert the gate-up tile is
-    one scale group wide (its epilogue re-quantizes whole groups); below, tiles are narrower so that
-    the few touched experts still make enough programs to stream their weights on every SM (h then
-    goes to the down GEMM in float32). Untuned guesses: ``benchmarks/fp8_device_check.py --sweep``
-    measures the alternatives."""
-    rows_per_expert = num_tokens * top_k / num_experts
-    if rows_per_expert < 16:
-        up_n = min(group, 64 if n <= 4096 else 128)
-        return KernelConfig(16, GemmTile(up_n, group, 1, 4, 4), GemmTile(64, group, 1, 4, 4))
-    if rows_per_expert < 64:
-        return KernelConfig(64, GemmTile(group, group, 1, 4, 3), GemmTile(128, group, 1, 4, 3))
-    return KernelConfig(128, GemmTile(group, group, 8, 8, 3), GemmTile(128, group, 8, 8, 3))
+    """The default with no tuned file, from the H200 config A/B of ``benchmarks/fp8_device_check.py``
+    (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B; TMA weights). Below 16 rows per expert (M*k/E) the
+    tiny-batch tiles are 16 rows by one scale group (h re-quantized in the gate-up epilogue): at M = 1,
+    128-wide gate-up and down tiles took DeepSeek-V3 from 140.5 to 100.8 µs and Mixtral from 124.7 to
+    119.4, Qwen3 within noise (26.7 -> 26.0). From 16 rows per expert, 64-row tiles on 8 warps (two
+    warpgroups splitting the columns): the gate-up GEMM holds gate and up accumulators and each K-step's
+    product before its scale fold, and at 64 accumulator registers per thread (128 rows on 8 warps, or
+    64 on 4) it used 255 registers with 24 spilled; here 173, none. The fastest of six in every prefill
+    cell: M=4096 Qwen3 910 -> 702 µs, DeepSeek-V3 8103 -> 6018, Mixtral 5261 -> 4369; M=512 Mixtral
+    1017 -> 718."""
+    width = max(128, group)  # a multiple of the group: h is re-quantized in the gate-up epilogue
+    if num_tokens * top_k / num_experts < 16:
+        return KernelConfig(16, GemmTile(width, group, 1, 4, 4), GemmTile(128, group, 1, 4, 4))
+    return KernelConfig(64, GemmTile(width, group, 8, 8, 4), GemmTile(128, group, 8, 8, 4))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
@@ -115,28 +128,33 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
-             config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
+             config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
+             weight_tma: bool | None = None, fold_barrier: bool = False) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
-    against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral)."""
+    against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
+    ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
+    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides.
+    ``fold_barrier``: the gate-up kernel's FOLD_BARRIER (``_kernels/gemm_fp8``), an A/B choice."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up)
+           block_shape, config, options, x_in_gate_up, weight_tma, fold_barrier)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                                options, x_in_gate_up)
+                                        options, x_in_gate_up, weight_tma, fold_barrier)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
+               fold_barrier: bool = False) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -154,7 +172,9 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
                            num_pid_m * block_m, options)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
-    x_raw = bool(x_in_gate_up)
+    if weight_tma is None:
+        weight_tma = block_m <= TMA_MAX_BLOCK_M
+    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
                                 ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
@@ -162,20 +182,33 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
-                  cached=options.cached_launcher, **options.pdl_kwargs())
+                  W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
+    up, down = config.up, config.down
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
+        if descriptors else None,
         quantize=None if x_raw else BoundLaunch(
             kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
             (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
             BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw)),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, shared),
+                                num_pid_m, dict(shared, X_RAW=x_raw, FOLD_BARRIER=fold_barrier,
+                                                ONE_BLOCK=block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0)),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
+                          dict(shared, ONE_BLOCK=block_n % down.BLOCK_N == 0)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
     )
+
+
+def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:
+    """Asked for (``options.weight_descriptors``), and both weights contiguous, 16-byte aligned, with
+    rows of a multiple of 16 bytes (K and N multiples of 16: what a TMA copy of e4m3 tiles needs).
+    Anything else (transposed storage, a slice) keeps the pointer loads through its strides, no copy."""
+    return options.weight_descriptors and all(
+        w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 
 def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,

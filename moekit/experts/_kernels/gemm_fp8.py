@@ -22,6 +22,22 @@ each down program redoes it, which costs little only where M is small).
 down: the reduction runs over N in steps of BK, one h scale and one w2 scale per step; the routed
 weight is applied in the epilogue; y is summed over the k slots by ``combine``.
 
+W_DESC: the weights come as TMA tensor descriptors (``gemm``'s W_DESC: e4m3 [BN, BK] tiles, one bulk copy
+each, no address arithmetic in the loop); the host picks them where the strides allow (``triton_fp8_plan``).
+A last gate tile past N reads up rows (and the last up tile the next expert's): those columns get weight
+scale 0 (only a tile with a scale per column can pass N, see ONE_BLOCK), so h is 0 there, as with the
+masked pointer loads, and no group's amax sees them; they are never stored.
+
+ONE_BLOCK: every output column of a program lies in one weight scale block (GROUP_N a multiple of
+BLOCK_N, and in gate-up N a multiple of BLOCK_N, so the up tile N + c.. does not straddle either): the
+weight scale of a K-step is one scalar, and the step's partial product is folded in by one FMA per
+element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
+multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
+
+FOLD_BARRIER (gate-up): a barrier between the gate product's fold and the up dot, so that the two
+K-step products are never live together: [BM, BN] fp32 each, next to the two accumulators, they took
+128-row tiles on 8 warps to 255 registers with 24 spilled on the H200. An A/B choice of the plan.
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -43,14 +59,49 @@ def _scaled_dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _weight_scale_ptrs(ws_ptr, first_col, stride_wsn, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
+                       ONE_BLOCK: tl.constexpr):
+    """K-step 0's weight scale pointers of output columns first_col ..: one scalar pointer (ONE_BLOCK),
+    else [BN], each column's row block's; ws_ptr points at the expert's scales."""
+    if ONE_BLOCK:
+        ptrs = ws_ptr + (first_col // GROUP_N) * stride_wsn
+    else:
+        ptrs = ws_ptr + ((first_col + tl.arange(0, BLOCK_N)) // GROUP_N) * stride_wsn
+    return ptrs
+
+
+@triton.jit
+def _step_scale(xs, s_ptrs, col_ok, ONE_BLOCK: tl.constexpr):
+    """The factor of one K-step's partial product: [BM, 1] x_s * w_s (ONE_BLOCK), else [BM, BN] x_s (rows)
+    * w_s (columns; 0 past the last column)."""
+    if ONE_BLOCK:
+        scale = (xs * tl.load(s_ptrs))[:, None]
+    else:
+        scale = xs[:, None] * tl.load(s_ptrs, mask=col_ok, other=0.0)[None, :]
+    return scale
+
+
+@triton.jit
+def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
+    """(x_q [BM, BK], x_s [BM]) of one K-step: loaded (xa is x_q), or (X_RAW: xa is x) quantized here,
+    this step being one group of x's columns (the twin of ``quant_fp8``'s kernel)."""
+    if X_RAW:
+        xs = group_scale(tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+        xa = to_e4m3(xa.to(tl.float32) / xs[:, None], EMULATE)
+    else:
+        xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)
+    return xa, xs
+
+
+@triton.jit
 def gate_up_fp8_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] + scale, h_q, h_s out
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, FOLD_BARRIER: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -65,35 +116,36 @@ def gate_up_fp8_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
-    wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
-    sg_ptrs = ws_ptr + expert * stride_wse + (offs_n // GROUP_N) * stride_wsn  # [BN] gate rows' scale blocks
-    su_ptrs = ws_ptr + expert * stride_wse + ((offs_n + N) // GROUP_N) * stride_wsn
+    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK]
+        gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + N * stride_wn  # [BK, BN] up rows follow the N gate rows
+    ws_ptr += expert * stride_wse
+    sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
+    su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if X_RAW:  # this K-step is one group of x's columns: quantize it here
-            xa = xa.to(tl.float32)
-            xs = group_scale(tl.max(tl.abs(xa), axis=1))  # [BM]
-            xa = to_e4m3(xa / xs[:, None], EMULATE)
+        if W_DESC:  # past K the descriptor reads zeros
+            wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
         else:
-            xs = tl.load(xs_ptrs, mask=row_ok, other=0.0)  # [BM]
-        sg = tl.load(sg_ptrs, mask=n_ok, other=0.0)  # [BN]
-        su = tl.load(su_ptrs, mask=n_ok, other=0.0)
-        acc_gate += _scaled_dot(xa, wg, UPCAST) * xs[:, None] * sg[None, :]
-        acc_up += _scaled_dot(xa, wu, UPCAST) * xs[:, None] * su[None, :]
+            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
+        acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK)
+        if FOLD_BARRIER:  # the gate product is folded before the up dot starts: one product live, not two
+            tl.debug_barrier()
+        acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-        sg_ptrs += stride_wsk
-        su_ptrs += stride_wsk
+        sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (masked weights)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
     if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
         tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
     else:
@@ -118,13 +170,13 @@ def _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, strid
 
 @triton.jit
 def down_fp8_kernel(
-    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] + scale, y [A, K]
+    hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    PDL: tl.constexpr,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
@@ -140,23 +192,28 @@ def down_fp8_kernel(
     offs_red = tl.arange(0, BLOCK_K)
     h_ptrs = hq_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     hs_ptrs = hs_ptr + safe_rows * stride_hsm  # [BM] scale of step 0
-    w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    s_ptrs = ws_ptr + expert * stride_wse + (offs_out // GROUP_N) * stride_wsk  # [BN]
+    if W_DESC:  # a descriptor over w2 as [E*K, N], blocks [BN, BK]
+        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
+    s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
-        wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+        if W_DESC:  # rows past K are never stored, columns past N read 0
+            wb = w_ptr.load([w_row, n0]).T  # [BK, BN]
+        else:
+            wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wn
         if H_FP32:  # this step is one group of h's columns: quantize it here (the epilogue's twin)
             hs = group_scale(tl.max(tl.abs(ha), axis=1))  # [BM]
             ha = to_e4m3(ha / hs[:, None], EMULATE)
         else:
             hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
-        sw = tl.load(s_ptrs, mask=out_ok, other=0.0)
-        acc += _scaled_dot(ha, wb, UPCAST) * hs[:, None] * sw[None, :]
+        acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK)
         h_ptrs += BLOCK_K
         hs_ptrs += 1
-        w_ptrs += BLOCK_K * stride_wn
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight

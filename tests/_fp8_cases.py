@@ -1,0 +1,60 @@
+"""The fp8 Triton path's test problems, shared by ``test_triton_fp8*.py``: quantized weights, routing,
+and the kernels-against-twin call (workspaces poisoned with NaN)."""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts.triton_launch import LaunchOptions
+
+POISON = LaunchOptions(poison_workspace=True)
+# Kernel, twin and the float64 emulation round the same values onto the e4m3 grid, but their float32
+# sums differ in order, so now and then a value within ~1e-7 of a rounding midpoint goes the other way:
+# one such flip moves an output by ~1e-4 at these shapes (seen: the twin against float64, seed 13).
+# Without flips they agree to ~1e-7; a wrong scale or a skipped quantization costs >= 1e-2.
+FLIP_TOL = 1e-3
+SHAPES = [((4, 160, 96), (128, 128)), ((5, 150, 70), (64, 32))]  # (E, K, N), block shape: K and N tails
+
+
+def quantize_weight(w: torch.Tensor, block_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, C] -> (q e4m3, scale [E, ceil(R/GN), ceil(C/G)]): scale = block amax / 448."""
+    (num_experts, rows, cols), (bn, bk) = w.shape, block_shape
+    scale = torch.empty(num_experts, -(-rows // bn), -(-cols // bk))
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[1]):
+        for j in range(scale.shape[2]):
+            block = w[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s = block.abs().amax(dim=(1, 2)) / 448
+            scale[:, i, j] = s
+            q[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (block / s[:, None, None]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def problem(m, k, shape, block_shape, dtype=torch.float32, seed=0, num_global=None):
+    """x, (w13, w2) unquantized, quantized weights, ids (into num_global experts if given), weights."""
+    (num_experts, hidden, inter), g = shape, torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(dtype)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    pool = num_global or num_experts
+    ids = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(m)]).int() if m else torch.zeros(0, k).int()
+    if num_global:
+        ids[torch.rand(m, k, generator=g) < 0.2] = -1  # skipped slots
+    weights = torch.rand(m, k, generator=g)
+    quantized = (*quantize_weight(w13, block_shape), *quantize_weight(w2, block_shape))
+    return x, (w13, w2), quantized, ids, weights
+
+
+def kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, expert_map=None, config=None, x_in_gate_up=None,
+                   options=POISON, weight_tma=None, fold_barrier=False):
+    """(the kernels' output, the twin's); through the custom op unless a config, x_in_gate_up or
+    weight_tma or fold_barrier is given."""
+    args = (x, *quantized, ids, weights)
+    if config is None and x_in_gate_up is None and weight_tma is None and not fold_barrier:
+        out = fp8.fused_experts_fp8(*args, expert_map=expert_map, block_shape=block_shape, options=options)
+    else:
+        out = fp8.fused_experts_fp8_launch(*args, expert_map, block_shape, config, options, x_in_gate_up, weight_tma,
+                                           fold_barrier)
+    twin = fp8.fused_experts_fp8_torch(*args, expert_map=expert_map, block_shape=block_shape)
+    assert out.shape == x.shape and out.dtype == x.dtype and twin.dtype == x.dtype
+    return out, twin
