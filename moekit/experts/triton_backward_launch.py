@@ -35,11 +35,12 @@ class KernelTiles:
     """One backward GEMM's tile: a program computes ``rows x cols`` of its output, ``red`` at a time."""
 
     cols: int  # output columns per program: grad_gate_up N, gather_gemm its OUT, weight_grad C
-    red: int  # reduction step: grad_gate_up K, gather_gemm its RED, weight_grad layout rows (any multiple of 16)
+    red: int  # reduction step: grad_gate_up K, gather_gemm its RED, weight_grad layout rows (a power of 2, any)
     num_warps: int
     num_stages: int
     rows: int = 0  # weight_grad: output rows per program (R); 0 for the row-gathering kernels (the layout's block)
     split: int = 0  # weight_grad: ways an expert's rows split (``choose_split`` when 0, 1 = none); 0 elsewhere
+    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,6 @@ class BackwardTiles:
     dx: KernelTiles  # gather_gemm: dX's dh @ W13 (and the saving forward's two GEMMs)
     dw13: KernelTiles  # weight_grad: dh^T x, [2N, K] per expert
     dw2: KernelTiles  # weight_grad: dout^T (w g), [K, N] per expert
-    weight_desc: bool = False  # grad_gate_up and gather_gemm read the weights through TMA descriptors where allowed
 
 
 def shape_class(num_assignments: int, num_experts: int, n: int) -> str:
@@ -140,14 +140,14 @@ def descriptor(w: torch.Tensor, block: list[int], red_rows: int = 0):
 
 
 def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_dim: int, out: torch.Tensor,
-                layout: Layout, tile: KernelTiles, scale: torch.Tensor | None = None, desc: bool = False) -> None:
+                layout: Layout, tile: KernelTiles, scale: torch.Tensor | None = None) -> None:
     """out[a] = scale[a] * W[e] a_src[a // a_div] over the layout's rows, W[e] read with w's dims
-    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous. ``desc``:
+    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous. ``tile.desc``:
     the weight through a TMA descriptor where ``descriptor`` allows it."""
     num_out, num_red = w.shape[out_dim], w.shape[red_dim]
     red_rows = red_dim == 1
     w_desc = None
-    if desc:
+    if tile.desc:
         w_desc = descriptor(w, [tile.red, tile.cols] if red_rows else [tile.cols, tile.red],
                             tile.red if red_rows else 0)
     grid = (layout.num_pid_m * cdiv(num_out, tile.cols),)
@@ -195,11 +195,10 @@ def choose_split(num_programs: int, num_assignments: int, num_experts: int, weig
     return max(1, min(want, steps // 2, fits))
 
 
-def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str,
-                 desc: bool = False):
+def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str):
     """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
-    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``desc``: both
-    weights through TMA descriptors where ``descriptor`` allows it for both."""
+    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``tile.desc``:
+    both weights through TMA descriptors where ``descriptor`` allows it for both."""
     (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
     dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
@@ -207,7 +206,7 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
     num_pid_n = cdiv(n, tile.cols)
     parts = torch.zeros(num_assignments, num_pid_n, dtype=torch.float32, device=x.device)  # unrouted rows stay 0
     w13_arg, w2_arg = w13, w2
-    if desc:
+    if tile.desc:
         pair = (descriptor(w13, [tile.cols, tile.red]), descriptor(w2, [tile.red, tile.cols], tile.red))
         if None not in pair:
             w13_arg, w2_arg = pair
@@ -253,12 +252,11 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     expert_map = expert_map.contiguous() if expert_map is not None else None
     tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
-    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
-                                 tiles.weight_desc)
+    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation)
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles.dx, desc=tiles.weight_desc)  # dh [A, 2N] @ w13[e] [2N, K]
+        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
         dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
@@ -281,9 +279,8 @@ def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str,
     layout = align(ids, expert_map, num_experts, tiles.block_m)
     work = _work_dtype(x)
     h_pre = torch.empty(ids.numel(), two_n, dtype=work, device=x.device)
-    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles.dx, desc=tiles.weight_desc)  # x @ w13[e]^T [A, 2N]
+    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles.dx)  # x [M, K] @ w13[e]^T -> [A, 2N]
     g = act_and_mul(h_pre, activation)  # [A, N]
     per_slot = torch.empty(ids.numel(), hidden, dtype=work, device=x.device)
-    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles.dx, scale=weights.contiguous(),
-                desc=tiles.weight_desc)  # w * g @ w2[e]^T
+    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles.dx, scale=weights.contiguous())  # w * g @ w2[e]^T
     return sum_slots(per_slot, ids, expert_map, num_experts, x.dtype), h_pre
