@@ -177,9 +177,9 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         out = torch.empty(split, num_experts, rows, cols, dtype=torch.float32, device=device)
     kernels("gemm_backward").weight_grad_kernel[(num_experts * tiles_per_expert, split)](
         left, right, out, layout.sorted_ids, layout.counts,
-        rows, cols, num_assignments, num_experts, l_div, r_div, split,
+        rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
         left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
-        BLOCK_M=layout.block_m, BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red,
+        BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red,
         E_PAD=next_pow2(num_experts), num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype),
     )
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic

@@ -33,7 +33,7 @@ Every row index is int64 before it meets a stride.
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels.gemm import _grid_position
+from moekit.experts._kernels.gemm import _dot, _grid_position
 
 
 @triton.jit
@@ -101,17 +101,15 @@ def grad_gate_up_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        d = tl.load(d_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
             wb = w2_ptr.load([w2_row + k0, pid_n * BLOCK_N])  # [BK, BN]; columns past N read 0
         else:
             wb = tl.load(w2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             w2_ptrs += BLOCK_K * stride_bk
-        if UPCAST:
-            d, wb = d.to(tl.float32), wb.to(tl.float32)
-        acc_dg = tl.dot(d, wb, acc_dg, input_precision=PRECISION)
+        acc_dg = _dot(d, wb, acc_dg, UPCAST, PRECISION)
         if RECOMPUTE:  # the gate-up GEMM again, in the same K loop: x and dout share the token gather
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if W_DESC:  # past K the descriptor reads 0; a last N tile's extra rows are never stored
                 wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
                 wu = w13_ptr.load([gate_row + N, k0]).T
@@ -120,27 +118,23 @@ def grad_gate_up_kernel(
                 wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 wg_ptrs += BLOCK_K * stride_ak
                 wu_ptrs += BLOCK_K * stride_ak
-            if UPCAST:
-                xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
-            x_ptrs += BLOCK_K
-        d_ptrs += BLOCK_K
-    mask = row_ok[:, None] & n_ok[None, :]
-    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
-    if not RECOMPUTE:
-        acc_gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
-        acc_up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
-    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT)
+            acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
+    _store_grads(acc_dg, acc_gate, acc_up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT, RECOMPUTE)
 
 
 @triton.jit
-def _store_grads(acc_dg, gate, up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr):
+def _store_grads(acc_dg, gate, up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr, RECOMPUTE: tl.constexpr):
     """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
-    (fp32), the act-and-mul backward of dg = w acc_dg into dh, w g into gw, and <acc_dg, g> over
-    this N tile into column pid_n of the d-weight partials."""
+    (fp32; read from h_pre unless RECOMPUTE), the act-and-mul backward of dg = w acc_dg into dh, w g
+    into gw, and <acc_dg, g> over this N tile into column pid_n of the d-weight partials."""
+    mask = row_ok[:, None] & n_ok[None, :]
+    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
+    if not RECOMPUTE:
+        gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(gate, ACT)
     g = tl.where(mask, act * up, 0.0)  # [BM, BN] the forward's g; 0 on masked rows and columns
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
@@ -205,13 +199,14 @@ def gather_gemm_kernel(
 def weight_grad_kernel(
     l_ptr, r_ptr, out_ptr,  # l [S_l, R] rows a // l_div, r [S_r, C] rows a // r_div; out [SPLIT, E, R, C]
     sorted_ids_ptr, counts_ptr,
-    R, C, num_assignments, num_experts, l_div, r_div, split,
+    R, C, num_assignments, num_experts, l_div, r_div, split, block_m,
     stride_lm, stride_rm, stride_os, stride_oe, stride_or,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     E_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[s, e] = sum over expert e's row steps s, s + split, ... (BLOCK_K rows of the layout each; the
-    layout pads experts to BLOCK_M): L[rows]^T R[rows] (a zero tile for an expert with no rows).
+    layout pads experts to block_m, a runtime value: one compile serves every layout): L[rows]^T R[rows]
+    (a zero tile for an expert with no rows).
     Program (pid, s): pid walks the experts' tiles row-major, so neighbours share their L tile."""
     tiles_c = tl.cdiv(C, BLOCK_C)
     per_expert = tl.cdiv(R, BLOCK_R) * tiles_c
@@ -219,7 +214,7 @@ def weight_grad_kernel(
     e, tile = (pid // per_expert).to(tl.int64), pid % per_expert  # e * stride_oe passes 2^31 (DeepSeek-V3)
     ee = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)  # [EP] real rows per expert
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row in sorted_ids
     count = tl.sum(tl.where(ee == e, counts, 0), axis=0)
     offs_r = (tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
