@@ -12,7 +12,8 @@ is skipped, one that fails to launch is recorded):
 - grad_gate_up (dY @ W2 with the gate-up recompute, 6·A·N·K FLOPs), TMA weight descriptors on/off;
 - gather_gemm, dX's dh @ W13 (4·A·N·K), descriptors on/off;
 - weight_grad dW13 = dh^T x (4·A·N·K) and dW2 = dout^T (w g) (2·A·N·K), tiles 128x128 / 128x256 /
-  256x128, split over M chosen (``choose_split``) or off.
+  256x128, split over M as ``choose_split`` says (1 at these shapes: the fp32 partials would pass
+  its 1 GiB and every grid has > 10k programs) or forced 2 ways where the partials stay under 4 GiB.
 Each against a dense ``torch.mm`` of the same FLOPs (its dense twin) timed in the same run. CUDA events,
 median of REPEATS after one warm-up; a candidate whose warm-up run takes 3x the best so far is not
 repeated. Every candidate compiles up front in a thread pool (Triton's AsyncCompileMode).
@@ -27,6 +28,7 @@ transformers' cannot run). Printed last: a table, and the ``TUNED`` entries to p
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -43,6 +45,8 @@ from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, sh
 
 SMOKE = "--smoke" in sys.argv
 KERNELS = ("grad", "dx", "dw13", "dw2")
+FLOPS_PER_ANK = {"grad": 6, "dx": 4, "dw13": 4, "dw2": 2}  # a kernel's FLOPs / (A N K)
+SPLIT_BYTES = 4 << 30  # a forced split's fp32 partials stay under this
 if SMOKE:  # tiny shapes and tiles, one repeat: only checks that this script runs
     SHAPES, BATCHES, BLOCKS, REPEATS = [Shape("tiny", 4, 24, 48, 2)], (12,), (16,), 1
 else:
@@ -60,10 +64,10 @@ def candidates(kernel: str) -> list[KernelTiles]:
         pairs = ((64, 64), (128, 64), (64, 128))
     elif kernel == "dx":
         pairs = ((128, 64), (256, 64), (128, 128))
-    else:  # weight_grad: (rows, cols) output tiles, row steps of 64 or 128, split chosen or off
+    else:  # weight_grad: (rows, cols) output tiles, row steps of 64 or 128, split chosen or 2 ways
         return [KernelTiles(c, red, w, st, rows=r, split=sp)
                 for r, c in ((128, 128), (128, 256), (256, 128)) for red in (64, 128)
-                for w in ((4, 8) if r * c <= 128 * 128 else (8,)) for st in (3, 4) for sp in (0, 1)]
+                for w in ((4, 8) if r * c <= 128 * 128 else (8,)) for st in (3, 4) for sp in (0, 2)]
     return [KernelTiles(c, red, w, st, desc=d) for c, red in pairs for w in (4, 8) for st in (3, 4) for d in (False, True)]
 
 
@@ -78,10 +82,6 @@ def shared_bytes(kernel: str, block_m: int, t: KernelTiles) -> int:
     return 2 * per_stage * max(t.num_stages - 1, 1)
 
 
-def flops(kernel: str, s: Shape, a: int) -> int:
-    return {"grad": 6, "dx": 4, "dw13": 4, "dw2": 2}[kernel] * a * s.n * s.k
-
-
 class Cell:
     """One (shape, M): its inputs, and per layout block its layout and the kernels' operands."""
 
@@ -93,10 +93,8 @@ class Cell:
         self.x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16, generator=g)
         self.dout = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16, generator=g)
         self.layouts = {bm: bl.align(self.ids, None, s.num_experts, bm) for bm in BLOCKS}
-        layout = self.layouts[BLOCKS[0]]
-        self.dh, self.gw, _ = bl.grad_gate_up(self.dout, self.x, w.w13, w.w2, None, self.weights.reshape(-1), layout,
-                                              bl.backward_tiles(self.a, s.num_experts, s.n, torch.bfloat16, dev).grad,
-                                              "silu")
+        heuristic = bl.backward_tiles(self.a, s.num_experts, s.n, torch.bfloat16, dev).grad
+        self.dh, self.gw, _ = self.call("grad", BLOCKS[0], heuristic)()  # dX's and the weight grads' operands
         self.per_slot = torch.empty(self.a, s.k, device=dev, dtype=self.dh.dtype)
 
     def call(self, kernel: str, block_m: int, t: KernelTiles):
@@ -107,6 +105,10 @@ class Cell:
                                            "silu")
         if kernel == "dx":
             return lambda: bl.gather_gemm(self.dh, 1, w.w13, 2, 1, self.per_slot, layout, t)
+        if kernel in ("dw13", "dw2") and t.split > 1:  # the split's fp32 partials [split, E, R, C]
+            partials = t.split * s.num_experts * s.n * s.k * (2 if kernel == "dw13" else 1) * 4
+            if partials > SPLIT_BYTES:
+                raise ValueError(f"skipped: split {t.split} partials {partials / 2**30:.1f} GiB")
         if kernel == "dw13":
             return lambda: bl.weight_grad(self.dh, 1, self.x, k, s.num_experts, torch.bfloat16, layout, t)
         return lambda: bl.weight_grad(self.dout, k, self.gw, 1, s.num_experts, torch.bfloat16, layout, t)
@@ -148,9 +150,12 @@ def precompile(cells: list[Cell], plan: dict) -> None:
             for cell in cells:
                 for (kernel, block_m), tiles in plan.items():
                     for t in tiles:
-                        cell.call(kernel, block_m, t)()
+                        try:
+                            cell.call(kernel, block_m, t)()
+                        except ValueError:  # a skipped candidate
+                            pass
     except Exception as e:  # noqa: BLE001  (the candidates compile, and report, on first use)
-        print(f"precompile: {type(e).__name__}: {e}", flush=True)
+        print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
     finally:
         bl.kernels = real
 
@@ -182,7 +187,7 @@ def time_kernels(cell: Cell, plan: dict, dev) -> dict:
     """{kernel: {"dense_tflops", "rows": [{block_m, tile, ms, tflops, pct_dense} or error]}} of one cell."""
     out = {}
     for kernel in KERNELS:
-        work = flops(kernel, cell.s, cell.a)
+        work = FLOPS_PER_ANK[kernel] * cell.a * cell.s.n * cell.s.k
         dense_ms = clock(cell.dense(kernel, dev), dev)
         rows, best = [], float("inf")
         for block_m in layout_blocks(kernel):
@@ -298,9 +303,9 @@ def layout_blocks(kernel: str) -> tuple[int, ...]:
     return BLOCKS[:1] if kernel in ("dw13", "dw2") else BLOCKS
 
 
-def tune_shape(s: Shape, plan: dict, dev) -> list[dict]:
+def tune_shape(s: Shape, batches: tuple[int, ...], plan: dict, dev) -> list[dict]:
     w = make_weights(s, torch.bfloat16, dev)
-    cells = [Cell(s, m, w, dev) for m in BATCHES]
+    cells = [Cell(s, m, w, dev) for m in batches]
     started = time.perf_counter()
     precompile(cells, plan)
     print(f"{s.name}: compiled in {time.perf_counter() - started:.0f} s", flush=True)
@@ -361,19 +366,15 @@ def table(rows: list, matmul: float) -> None:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     import triton
 
-    global SHAPES, BATCHES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", choices=PRESETS, help="a subset of the shapes (default: all three)")
     p.add_argument("--batches", nargs="+", type=int, help="token counts (default: 4096 16384)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes under the interpreter: checks the script runs")
     args = p.parse_args(argv)
-    if args.presets and not SMOKE:
-        SHAPES = [Shape.from_preset(name) for name in args.presets]
-    BATCHES = tuple(args.batches or BATCHES)
+    shapes = [Shape.from_preset(name) for name in args.presets] if args.presets and not SMOKE else SHAPES
+    batches = tuple(args.batches or BATCHES)
     dev = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(torch.__version__, "triton", triton.__version__, name, flush=True)
@@ -382,8 +383,8 @@ def main(argv=None) -> int:
     plan = plan_of(dev)
     print("candidates per block: " + ", ".join(f"{k} {len(plan[(k, BLOCKS[0])])}" for k in KERNELS), flush=True)
     rows = []
-    for s in SHAPES:
-        rows += tune_shape(s, plan, dev)
+    for s in shapes:
+        rows += tune_shape(s, batches, plan, dev)
         print(f"{s.name} done at {time.perf_counter() - started:.0f} s", flush=True)
     report = dict(device=name, torch=torch.__version__, triton=triton.__version__, matmul_tflops=matmul, cells=rows,
                   tuned={r["shape_class"]: r["best_repr"] for r in rows}, wall_s=time.perf_counter() - started)
