@@ -14,15 +14,13 @@ is skipped, one that fails to launch is recorded):
 - weight_grad dW13 = dh^T x (4·A·N·K) and dW2 = dout^T (w g) (2·A·N·K), tiles 128x128 / 128x256 /
   256x128, split over M as ``choose_split`` says (1 at these shapes: the fp32 partials would pass
   its 1 GiB and every grid has > 10k programs) or forced 2 ways where the partials stay under 4 GiB.
-Each against a dense ``torch.mm`` of the same FLOPs (its dense twin) timed in the same run. CUDA events,
-median of REPEATS after one warm-up; a candidate whose warm-up run takes 3x the best so far is not
-repeated. Every candidate compiles up front in a thread pool (Triton's AsyncCompileMode).
+Each against a dense ``torch.mm`` of the same FLOPs timed in the same run. CUDA events, median of
+REPEATS after a warm-up (not repeated when 3x the best so far). Candidates compile up front in a thread pool.
 
-The best BackwardTiles per cell (the block whose best kernels sum lowest), then forward + backward
-(the forward's ``fused_experts`` + ``experts_backward``) with those tiles vs the heuristic
-(``backward_tiles``), vs moekit's autograd path (``experts_triton``), vs transformers'
-``grouped_mm_experts_forward`` autograd (moekit's ``experts_grouped_mm``, torch._grouped_mm, where
-transformers' cannot run). Printed last: a table, and the ``TUNED`` entries to paste into
+The best BackwardTiles per cell (the block whose best kernels sum lowest; its grads checked against
+the heuristic's), then forward + backward (``fused_experts`` + ``experts_backward``) with them vs the
+heuristic (``backward_tiles``) vs moekit's autograd path vs transformers' ``grouped_mm_experts_forward``
+autograd (else moekit's torch._grouped_mm). Last: a table, and the ``TUNED`` entries to paste into
 ``moekit/experts/triton_backward_launch.py``.
 """
 
@@ -35,16 +33,17 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
 import moekit.experts.triton_backward_launch as bl
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, shape_class
+from backward_device_check import rel_l2
+from backward_tune_report import KERNELS, WEIGHT_KERNELS, heuristic_rows, table
 
 SMOKE = "--smoke" in sys.argv
-KERNELS = ("grad", "dx", "dw13", "dw2")
 FLOPS_PER_ANK = {"grad": 6, "dx": 4, "dw13": 4, "dw2": 2}  # a kernel's FLOPs / (A N K)
 SPLIT_BYTES = 4 << 30  # a forced split's fp32 partials stay under this
 if SMOKE:  # tiny shapes and tiles, one repeat: only checks that this script runs
@@ -105,7 +104,7 @@ class Cell:
                                            "silu")
         if kernel == "dx":
             return lambda: bl.gather_gemm(self.dh, 1, w.w13, 2, 1, self.per_slot, layout, t)
-        if kernel in ("dw13", "dw2") and t.split > 1:  # the split's fp32 partials [split, E, R, C]
+        if kernel in WEIGHT_KERNELS and t.split > 1:  # the split's fp32 partials [split, E, R, C]
             partials = t.split * s.num_experts * s.n * s.k * (2 if kernel == "dw13" else 1) * 4
             if partials > SPLIT_BYTES:
                 raise ValueError(f"skipped: split {t.split} partials {partials / 2**30:.1f} GiB")
@@ -143,7 +142,7 @@ def precompile(cells: list[Cell], plan: dict) -> None:
         from triton import AsyncCompileMode
     except ImportError:
         return
-    real = bl.kernels
+    real, failed = bl.kernels, []
     bl.kernels = lambda name: _Warm(real(name))
     try:
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool):
@@ -152,12 +151,15 @@ def precompile(cells: list[Cell], plan: dict) -> None:
                     for t in tiles:
                         try:
                             cell.call(kernel, block_m, t)()
-                        except ValueError:  # a skipped candidate
-                            pass
-    except Exception as e:  # noqa: BLE001  (the candidates compile, and report, on first use)
-        print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        except Exception as e:  # noqa: BLE001  (skipped, or compiles and reports on first use)
+                            failed.append(f"{kernel} {t}: {type(e).__name__}: {str(e)[:200]}")
+    except Exception as e:  # noqa: BLE001  (the rest compile, and report, on first use)
+        failed.append(f"{type(e).__name__}: {str(e)[:300]}")
     finally:
         bl.kernels = real
+    skipped = sum("skipped" in f for f in failed)
+    print(f"precompile: {skipped} skipped, {len(failed) - skipped} failed" + "".join(
+        f"\n  {f}" for f in failed if "skipped" not in f)[:2000], flush=True)
 
 
 def clock(fn, dev, best_ms: float = float("inf")) -> float:
@@ -256,7 +258,8 @@ def end_to_end(cell: Cell, tiles: BackwardTiles, dev) -> dict:
             bl.experts_backward(cell.dout, cell.x, w.w13, w.w2, ids, weights, None, None, "silu", (True,) * 4, tiles=t)
         return step
 
-    result = dict(tuned_ms=clock(launch_step(tiles), dev), heuristic_ms=clock(launch_step(None), dev))
+    result = dict(tuned_ms=clock(launch_step(tiles), dev), heuristic_ms=clock(launch_step(None), dev),
+                  rel_l2_vs_heuristic=agreement(cell, tiles))
     w13, w2 = torch.nn.Parameter(w.w13), torch.nn.Parameter(w.w2)  # the same storage, trainable
     leaves = [cell.x.detach().clone().requires_grad_(), w13, w2, weights.clone().requires_grad_()]
 
@@ -282,6 +285,19 @@ def end_to_end(cell: Cell, tiles: BackwardTiles, dev) -> dict:
     return result
 
 
+def agreement(cell: Cell, tiles: BackwardTiles) -> dict:
+    """{grad: rel-L2 of the grads with ``tiles`` against the heuristic's}; over 1e-2 is printed as a FAIL."""
+    w, grads = cell.w, []
+    for t in (tiles, None):
+        g = bl.experts_backward(cell.dout, cell.x, w.w13, w.w2, cell.ids, cell.weights, None, None, "silu", (True,) * 4,
+                                tiles=t)
+        grads.append(dict(x=g.x, w13=g.w13, w2=g.w2, topk_weights=g.topk_weights))
+    errors = {name: rel_l2(got, grads[1][name]) for name, got in grads[0].items()}
+    if max(errors.values()) > 1e-2:
+        print(f"FAIL  {cell.s.name} M={cell.m}: the tuned tiles' grads differ from the heuristic's: {errors}", flush=True)
+    return errors
+
+
 def matmul_rate(dev) -> float:
     if dev.type != "cuda":
         return 0.0
@@ -300,7 +316,7 @@ def plan_of(dev) -> dict:
 def layout_blocks(kernel: str) -> tuple[int, ...]:
     """The layout blocks a kernel is timed at: the weight grads' steps skip each expert's padding (their
     time does not depend on the block), so one."""
-    return BLOCKS[:1] if kernel in ("dw13", "dw2") else BLOCKS
+    return BLOCKS[:1] if kernel in WEIGHT_KERNELS else BLOCKS
 
 
 def tune_shape(s: Shape, batches: tuple[int, ...], plan: dict, dev) -> list[dict]:
@@ -322,47 +338,6 @@ def tune_shape(s: Shape, batches: tuple[int, ...], plan: dict, dev) -> list[dict
     del cells, w
     torch.cuda.empty_cache() if dev.type == "cuda" else None
     return rows
-
-
-def heuristic_rows(timed: dict, heuristic: BackwardTiles) -> dict:
-    """{kernel: the timed row of the heuristic's tile, or None where it was not a candidate}."""
-    found = {}
-    for kernel in KERNELS:
-        want, blocks = asdict(getattr(heuristic, kernel)), layout_blocks(kernel)
-        block_m = heuristic.block_m if len(blocks) > 1 else blocks[0]
-        found[kernel] = next((r for r in timed[kernel]["rows"]
-                              if r["block_m"] == block_m and r["tile"] == want and "ms" in r), None)
-    return found
-
-
-def tile_text(block_m: int, t: dict) -> str:
-    rows = f"{t['rows']}x" if t["rows"] else f"{block_m}x"
-    extra = (" desc" if t["desc"] else "") + (f" split{t['split'] or '*'}" if t["rows"] else "")
-    return f"{rows}{t['cols']} k{t['red']} w{t['num_warps']} s{t['num_stages']}{extra}"
-
-
-def table(rows: list, matmul: float) -> None:
-    print(f"\nbf16 matmul 8192^3: {matmul:.0f} TFLOP/s")
-    print(f"{'shape':<14}{'M':>6} {'kernel':<6}{'best tile':<34}{'ms':>8}{'TFLOP/s':>9}{'dense':>7}{'%dense':>7}"
-          f"{'%mm':>5}{'heur ms':>9}")
-    for r in rows:
-        for kernel in KERNELS:
-            b, h = r["best_rows"][kernel], r["heuristic_rows"][kernel]
-            pct_mm = 100 * b["tflops"] / matmul if matmul else 0.0
-            print(f"{r['shape']:<14}{r['m']:>6} {kernel:<6}{tile_text(b['block_m'], b['tile']):<34}{b['ms']:>8.3f}"
-                  f"{b['tflops']:>9.0f}{r['kernels'][kernel]['dense_tflops']:>7.0f}{b['pct_dense']:>7.0f}{pct_mm:>5.0f}"
-                  f"{h['ms'] if h else float('nan'):>9.3f}")
-    print(f"\n{'shape':<14}{'M':>6}  fwd+bwd ms: {'tuned':>8}{'heuristic':>10}{'autograd':>9}{'baseline':>9}"
-          f"{'tuned/base':>11}{'heur/base':>10}{'TFLOP/s':>8}")
-    for r in rows:
-        e = r["e2e"]
-        print(f"{r['shape']:<14}{r['m']:>6}  {'':<12}{e['tuned_ms']:>8.2f}{e['heuristic_ms']:>10.2f}{e['autograd_ms']:>9.2f}"
-              f"{e['baseline_ms']:>9.2f}{e['baseline_ms'] / e['tuned_ms']:>10.2f}x{e['baseline_ms'] / e['heuristic_ms']:>9.2f}x"
-              f"{e['fwd_bwd_tflops_tuned']:>8.0f}")
-    print(f"baseline: {rows[0]['e2e']['baseline'] if rows else '-'}")
-    print("\nTUNED entries for moekit/experts/triton_backward_launch.py (one per shape class):")
-    for r in rows:
-        print(f"    {r['shape_class']!r}: {r['best_repr']},  # {r['shape']} M={r['m']}")
 
 
 def main(argv=None) -> int:
