@@ -276,14 +276,25 @@ def test_descriptor_refusals():
     assert descriptor(w, [32, 16], 32) is None
 
 
-def test_shape_classes_and_defaults():
-    """``shape_class`` buckets the presets' cells apart; ``backward_tiles`` takes the heuristic where
-    ``TUNED`` has no entry (and on the CPU)."""
-    from moekit.experts.triton_backward_launch import shape_class
+def test_shape_classes_and_the_tuned_table(monkeypatch):
+    """``shape_class`` buckets the presets' six cells apart; ``backward_tiles`` takes ``TUNED``'s entry for
+    bf16 on an sm_90 device only (float32, another GPU, a class without an entry: the heuristic)."""
+    import moekit.experts.triton_backward_launch as bl
 
     cells = {("qwen3", 4096): (4096 * 8, 128, 768), ("qwen3", 16384): (16384 * 8, 128, 768),
              ("dsv3", 4096): (4096 * 8, 256, 2048), ("dsv3", 16384): (16384 * 8, 256, 2048),
              ("mixtral", 4096): (4096 * 2, 8, 14336), ("mixtral", 16384): (16384 * 2, 8, 14336)}
-    classes = {cell: shape_class(*args) for cell, args in cells.items()}
+    classes = {cell: bl.shape_class(*args) for cell, args in cells.items()}
     assert len(set(classes.values())) == 6
     assert classes[("qwen3", 4096)] == "narrow/few" and classes[("mixtral", 16384)] == "wide/many"
+    tuned = bl.BackwardTiles(64, *(bl.KernelTiles(128, 32, 4, 4, rows=64 * (i > 1)) for i in range(4)))
+    monkeypatch.setattr(bl, "interpreting", lambda: False)
+    monkeypatch.setitem(bl.TUNED, "wide/many", tuned)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    cuda = torch.device("cuda")
+    assert bl.backward_tiles(32768, 8, 14336, torch.bfloat16, cuda) == tuned
+    assert bl.backward_tiles(32768, 8, 14336, torch.float32, cuda).block_m == 128  # the heuristic
+    assert bl.backward_tiles(8192, 8, 14336, torch.bfloat16, cuda).grad.cols == 64  # wide/some: no entry
+    capability[0] = (10, 0)
+    assert bl.backward_tiles(32768, 8, 14336, torch.bfloat16, cuda) != tuned

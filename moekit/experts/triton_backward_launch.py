@@ -6,6 +6,10 @@ saves the gate-up product for it. ``triton_backward`` holds the custom ops and t
       -> dW13 = dh^T x, dW2 = dout^T (w g): weight_grad per expert tile (split over M: fp32 partials,
          summed here in a fixed order)
 
+Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
+(``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
+(``experts_backward(tiles=...)``; ``benchmarks/backward_tune.py`` times them).
+
 Nothing here is cached between calls (a training step's GEMMs dwarf the host time) and nothing syncs
 with the host. Under the interpreter the intermediates are float32, as in the forward (``triton.py``).
 
