@@ -71,14 +71,18 @@ def candidates(kernel: str) -> list[KernelTiles]:
 
 
 def shared_bytes(kernel: str, block_m: int, t: KernelTiles) -> int:
-    """The pipeline's bf16 operand buffers (num_stages - 1 in flight, Triton's software pipeliner)."""
+    """The pipeline's bf16 operand buffers: num_stages with TMA descriptors, at most num_stages - 1 with
+    pointer loads (compiled for sm_90 by Triton 3.9, 16-divisible strides: grad_gate_up 128x64x64 3
+    stages 112 KB, with descriptors 168 KB; gather_gemm 128x128x64 4 stages 80 KB, descriptors 128 KB).
+    A candidate over the device's shared memory is not compiled; one this misjudges fails to launch
+    and is recorded."""
     if kernel == "grad":  # dout and x [BM, BK], w2, gate and up [BK, BN]
         per_stage = 2 * block_m * t.red + 3 * t.red * t.cols
     elif kernel == "dx":
         per_stage = block_m * t.red + t.red * t.cols
     else:
         per_stage = t.red * (t.rows + t.cols)
-    return 2 * per_stage * max(t.num_stages - 1, 1)
+    return 2 * per_stage * (t.num_stages if t.desc else max(t.num_stages - 1, 1))
 
 
 class Cell:
