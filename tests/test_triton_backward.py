@@ -215,3 +215,86 @@ def test_train_refuses_what_it_cannot_differentiate(interpreter):
         experts_triton_train(x, w13, w2, ids, weights, activation=object())
     with pytest.raises(TypeError, match="BackwardOptions"):
         experts_triton_train(x, w13, w2, ids, weights, backward={"recompute": False})
+
+
+def _launch_grads(problem, dout, tiles, saved: bool, split_m: int = 0) -> dict:
+    """The launch layer's grads with explicit ``tiles`` (``saved``: h_pre from ``saving_forward``)."""
+    from moekit.experts.triton_backward_launch import experts_backward, saving_forward
+
+    x, w13, w2, ids, weights = problem
+    h_pre = saving_forward(x, w13, w2, ids, weights, None, "silu", tiles=tiles)[1] if saved else None
+    g = experts_backward(dout, x, w13, w2, ids, weights, None, h_pre, "silu", (True,) * 4, split_m, tiles=tiles)
+    return {"x": g.x, "w13": g.w13, "w2": g.w2, "topk_weights": g.topk_weights}
+
+
+def _check_against_loop(problem, tiles, dtype, saved=False, split_m=0) -> None:
+    dout = torch.randn(problem.x.shape, generator=torch.Generator().manual_seed(7))
+    want = grads_of(loop_experts, problem, dout, torch.float64, torch.float64)
+    got = _launch_grads(problem, dout.to(dtype), tiles, saved, split_m)
+    for name in NAMES:
+        assert got[name].dtype == (torch.float32 if name == "topk_weights" else dtype), name
+        assert rel_l2(got[name], want[name]) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_explicit_tiles_with_tails(interpreter, saved):
+    """Non-default tiles, every tail masked (K=33, N=17): 32-row blocks; weight grads whose row step
+    (64, 16) is not the layout's block, so a step reaches past an expert's rows into the next one's
+    (masked); one split three ways, one not split."""
+    from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles
+
+    tiles = BackwardTiles(32, grad=KernelTiles(32, 16, 1, 1), dx=KernelTiles(16, 32, 1, 1),
+                          dw13=KernelTiles(16, 64, 1, 1, rows=64, split=1), dw2=KernelTiles(64, 16, 1, 1, rows=16, split=3))
+    problem = make_problem(45, 3, 8, 33, 17, seed=21, skips=True)
+    _check_against_loop(problem, tiles, torch.float32, saved=saved)
+
+
+@pytest.mark.parametrize("split_m,saved", [(0, False), (2, True)])
+def test_weight_descriptors(interpreter, split_m, saved):
+    """bf16 weights with 16-byte rows (K=48, N=24) take the TMA descriptor path in grad_gate_up and
+    gather_gemm, dX's and the saving forward's (the last N tile of 16 reads past N into the up rows,
+    never stored); the grads hold."""
+    from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, descriptor
+
+    tiles = BackwardTiles(16, grad=KernelTiles(16, 16, 1, 1, desc=True), dx=KernelTiles(32, 16, 1, 1, desc=True),
+                          dw13=KernelTiles(32, 16, 1, 1, rows=32), dw2=KernelTiles(32, 32, 1, 1, rows=16))
+    problem = make_problem(21, 2, 4, 48, 24, dtype=torch.bfloat16, seed=22, skips=True)
+    assert descriptor(problem.w13, [16, 16], 16) is not None and descriptor(problem.w2, [16, 16], 16) is not None
+    _check_against_loop(problem, tiles, torch.bfloat16, saved=saved, split_m=split_m)
+
+
+def test_descriptor_refusals():
+    """The pointer loads stay where a TMA copy cannot serve: float32, a transposed view, rows of 66 bytes,
+    and a reduction over rows whose step would cross into the next expert (48 rows, steps of 32)."""
+    from moekit.experts.triton_backward_launch import descriptor
+
+    w = torch.zeros(2, 48, 64, dtype=torch.bfloat16)
+    assert descriptor(w, [16, 16], 16) is not None
+    assert descriptor(w.float(), [16, 16]) is None
+    assert descriptor(w.transpose(1, 2), [16, 16]) is None
+    assert descriptor(torch.zeros(2, 48, 33, dtype=torch.bfloat16), [16, 16]) is None
+    assert descriptor(w, [32, 16], 32) is None
+
+
+def test_shape_classes_and_the_tuned_table(monkeypatch):
+    """``shape_class`` buckets the presets' six cells apart; ``backward_tiles`` takes ``TUNED``'s entry for
+    bf16 on an sm_90 device only (float32, another GPU, a class without an entry: the heuristic)."""
+    import moekit.experts.triton_backward_launch as bl
+
+    cells = {("qwen3", 4096): (4096 * 8, 128, 768), ("qwen3", 16384): (16384 * 8, 128, 768),
+             ("dsv3", 4096): (4096 * 8, 256, 2048), ("dsv3", 16384): (16384 * 8, 256, 2048),
+             ("mixtral", 4096): (4096 * 2, 8, 14336), ("mixtral", 16384): (16384 * 2, 8, 14336)}
+    classes = {cell: bl.shape_class(*args) for cell, args in cells.items()}
+    assert len(set(classes.values())) == 6
+    assert classes[("qwen3", 4096)] == "narrow/few" and classes[("mixtral", 16384)] == "wide/many"
+    tuned = bl.BackwardTiles(64, *(bl.KernelTiles(128, 32, 4, 4, rows=64 * (i > 1)) for i in range(4)))
+    monkeypatch.setattr(bl, "interpreting", lambda: False)
+    monkeypatch.setitem(bl.TUNED, "wide/many", tuned)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    cuda = torch.device("cuda")
+    assert bl.backward_tiles(32768, 8, 14336, torch.bfloat16, cuda) == tuned
+    assert bl.backward_tiles(32768, 8, 14336, torch.float32, cuda).block_m == 128  # the heuristic
+    assert bl.backward_tiles(8192, 8, 14336, torch.bfloat16, cuda).grad.cols == 64  # wide/some: no entry
+    capability[0] = (10, 0)
+    assert bl.backward_tiles(32768, 8, 14336, torch.bfloat16, cuda) != tuned

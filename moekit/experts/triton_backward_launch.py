@@ -6,6 +6,10 @@ saves the gate-up product for it. ``triton_backward`` holds the custom ops and t
       -> dW13 = dh^T x, dW2 = dout^T (w g): weight_grad per expert tile (split over M: fp32 partials,
          summed here in a fixed order)
 
+Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
+(``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
+(``experts_backward(tiles=...)``; ``benchmarks/backward_tune.py`` times them).
+
 Nothing here is cached between calls (a training step's GEMMs dwarf the host time) and nothing syncs
 with the host. Under the interpreter the intermediates are float32, as in the forward (``triton.py``).
 
@@ -31,33 +35,63 @@ MAX_SPLIT_BYTES = 1 << 30  # the fp32 partials of a split weight grad stay under
 
 
 @dataclass(frozen=True)
-class BackwardTiles:
-    """The tiles of one backward call, from its shapes (no tuned table yet)."""
+class KernelTiles:
+    """One backward GEMM's tile: a program computes ``rows x cols`` of its output, ``red`` at a time."""
 
-    block_m: int  # the layout's block: the M-block of every kernel and the weight grad's reduction step
-    grad_n: int  # grad_gate_up: N columns per program
-    grad_k: int  # grad_gate_up: K step
-    input_n: int  # gather_gemm: output columns per program
-    input_k: int  # gather_gemm: reduction step
-    weight_r: int  # weight_grad: output tile rows
-    weight_c: int  # weight_grad: output tile columns
+    cols: int  # output columns per program: grad_gate_up N, gather_gemm its OUT, weight_grad C
+    red: int  # reduction step: grad_gate_up K, gather_gemm its RED, weight_grad layout rows (a power of 2, any)
     num_warps: int
-    num_stages: int  # of grad_gate_up and gather_gemm
-    weight_stages: int  # of weight_grad
+    num_stages: int
+    rows: int = 0  # weight_grad: output rows per program (R); 0 for the row-gathering kernels (the layout's block)
+    split: int = 0  # weight_grad: ways an expert's rows split (``choose_split`` when 0, 1 = none); 0 elsewhere
+    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows
 
 
-def backward_tiles(num_assignments: int, num_experts: int, dtype: torch.dtype) -> BackwardTiles:
-    """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); on the GPU 128-row
-    blocks from 256 rows per expert on average, else 64 (less padding). Shared memory, compiled for sm_90
-    (Triton 3.9, bf16, 3 stages): grad_gate_up 112 KB (128 x 64 x 64, recompute), gather_gemm 64 KB,
-    weight_grad 129 KB (128 x 128, 128-row blocks) of the H200's 227 KB; float32 takes smaller weight
-    tiles and 2 stages to stay under it. Not timed yet: a first guess from the forward's tuned tiles."""
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The tiles of one backward call: the layout's block and each GEMM's tile."""
+
+    block_m: int  # the layout's block: the M-block of grad_gate_up and gather_gemm
+    grad: KernelTiles  # grad_gate_up: dY @ W2 (+ the gate-up recompute) and the act-and-mul backward
+    dx: KernelTiles  # gather_gemm: dX's dh @ W13 (and the saving forward's two GEMMs)
+    dw13: KernelTiles  # weight_grad: dh^T x, [2N, K] per expert
+    dw2: KernelTiles  # weight_grad: dout^T (w g), [K, N] per expert
+
+
+def shape_class(num_assignments: int, num_experts: int, n: int) -> str:
+    """The key of ``TUNED``: the intermediate width (narrow N <= 1024, mid <= 4096, wide) and the rows
+    per expert on average (few <= 256, some <= 1024, many)."""
+    width = "narrow" if n <= 1024 else "mid" if n <= 4096 else "wide"
+    rows = num_assignments // max(num_experts, 1)
+    return f"{width}/{'few' if rows <= 256 else 'some' if rows <= 1024 else 'many'}"
+
+
+# Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py`` prints
+# the entries to paste here. Empty: every class takes the heuristic below.
+TUNED: dict[str, BackwardTiles] = {}
+
+
+def backward_tiles(num_assignments: int, num_experts: int, n: int, dtype: torch.dtype,
+                   device: torch.device | None = None) -> BackwardTiles:
+    """Small tiles under the interpreter (every tail masked at the tests' K=33, N=17); ``TUNED[shape_class]``
+    for bf16 on an sm_90 device; else the first guess from the forward's tuned tiles: 128-row blocks from
+    256 rows per expert on average, else 64 (less padding). Shared memory, compiled for sm_90 (Triton 3.9,
+    bf16, 3 stages): grad_gate_up 112 KB (128 x 64 x 64, recompute), gather_gemm 64 KB, weight_grad
+    129 KB (128 x 128, 128-row steps) of the H200's 227 KB; float32 takes smaller weight tiles and 2
+    stages to stay under it."""
     if interpreting():
-        return BackwardTiles(16, 16, 32, 32, 16, 32, 32, num_warps=1, num_stages=1, weight_stages=1)
+        small = KernelTiles(32, 16, 1, 1, rows=32)
+        return BackwardTiles(16, KernelTiles(16, 32, 1, 1), KernelTiles(32, 16, 1, 1), small, small)
+    tuned = TUNED.get(shape_class(num_assignments, num_experts, n))
+    if (tuned is not None and dtype == torch.bfloat16 and device is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0)):
+        return tuned
     block_m = 128 if num_assignments >= 256 * num_experts else 64
     if dtype == torch.float32:
-        return BackwardTiles(block_m, 64, 64, 128, 64, 64, 64, num_warps=8, num_stages=2, weight_stages=2)
-    return BackwardTiles(block_m, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=3, weight_stages=3)
+        weight = KernelTiles(64, block_m, 8, 2, rows=64)
+        return BackwardTiles(block_m, KernelTiles(64, 64, 8, 2), KernelTiles(128, 64, 8, 2), weight, weight)
+    weight = KernelTiles(128, block_m, 8, 3, rows=128)
+    return BackwardTiles(block_m, KernelTiles(64, 64, 8, 3), KernelTiles(128, 64, 8, 3), weight, weight)
 
 
 def _precision(dtype: torch.dtype) -> dict:
@@ -82,6 +116,7 @@ class Layout:
     counts: torch.Tensor  # [E] int32, real rows per expert
     num_pid_m: int  # R/B
     num_assignments: int  # A; also the padding sentinel
+    block_m: int  # B: each expert's rows padded to a multiple of it
 
 
 def align(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int) -> Layout:
@@ -92,32 +127,53 @@ def align(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, 
                       num_pid_m * block_m, _options(ids.device))
     b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
     run_align(plan, ids, expert_map, b)
-    return Layout(b["sorted_ids"], b["expert_ids"], b["num_padded"], b["counts"], num_pid_m, num_assignments)
+    return Layout(b["sorted_ids"], b["expert_ids"], b["num_padded"], b["counts"], num_pid_m, num_assignments,
+                  block_m)
+
+
+def descriptor(w: torch.Tensor, block: list[int], red_rows: int = 0):
+    """A TMA descriptor over w [E, rows, cols] as [E*rows, cols] with ``block``, or None where the pointer
+    loads must stay: not 16-bit, not contiguous, rows not 16-byte aligned, or (``red_rows``, the
+    reduction step of a reduction over rows) a step that would cross into the next expert's rows."""
+    if (w.element_size() != 2 or not w.is_contiguous() or w.data_ptr() % 16 or w.shape[2] * 2 % 16
+            or (red_rows and w.shape[1] % red_rows)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]), block)
 
 
 def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_dim: int, out: torch.Tensor,
-                layout: Layout, tiles: BackwardTiles, scale: torch.Tensor | None = None) -> None:
+                layout: Layout, tile: KernelTiles, scale: torch.Tensor | None = None) -> None:
     """out[a] = scale[a] * W[e] a_src[a // a_div] over the layout's rows, W[e] read with w's dims
-    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous."""
+    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous. ``tile.desc``:
+    the weight through a TMA descriptor where ``descriptor`` allows it."""
     num_out, num_red = w.shape[out_dim], w.shape[red_dim]
-    grid = (layout.num_pid_m * cdiv(num_out, tiles.input_n),)
+    red_rows = red_dim == 1
+    w_desc = None
+    if tile.desc:
+        w_desc = descriptor(w, [tile.red, tile.cols] if red_rows else [tile.cols, tile.red],
+                            tile.red if red_rows else 0)
+    grid = (layout.num_pid_m * cdiv(num_out, tile.cols),)
     kernels("gemm_backward").gather_gemm_kernel[grid](
-        a, w, out, scale if scale is not None else a, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        a, w if w_desc is None else w_desc, out, scale if scale is not None else a,
+        layout.sorted_ids, layout.expert_ids, layout.num_padded,
         num_out, num_red, layout.num_assignments, a_div, layout.num_pid_m,
         a.stride(0), w.stride(0), w.stride(out_dim), w.stride(red_dim), out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.input_n, BLOCK_K=tiles.input_k, GROUP_M=8, HAS_SCALE=scale is not None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_precision(a.dtype),
+        BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8, HAS_SCALE=scale is not None,
+        W_DESC=w_desc is not None, RED_ROWS=red_rows,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(a.dtype),
     )
 
 
 def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int, num_experts: int,
-                out_dtype: torch.dtype, layout: Layout, tiles: BackwardTiles, split_m: int) -> torch.Tensor:
+                out_dtype: torch.dtype, layout: Layout, tile: KernelTiles, split_m: int = 0) -> torch.Tensor:
     """[E, R, C]: out[e] = sum over e's rows a of left[a // l_div]^T right[a // r_div] (left [.., R],
-    right [.., C], both contiguous). ``split_m`` 0 = ``choose_split``."""
+    right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``."""
     rows, cols, num_assignments = left.shape[1], right.shape[1], layout.num_assignments
-    tiles_per_expert = cdiv(rows, tiles.weight_r) * cdiv(cols, tiles.weight_c)
-    split = split_m or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts, rows * cols,
-                                    tiles.block_m)
+    tiles_per_expert = cdiv(rows, tile.rows) * cdiv(cols, tile.cols)
+    split = split_m or tile.split or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts,
+                                                  rows * cols, tile.red)
     device = left.device
     if split == 1:
         out = torch.empty(num_experts, rows, cols, dtype=out_dtype, device=device)
@@ -125,41 +181,47 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         out = torch.empty(split, num_experts, rows, cols, dtype=torch.float32, device=device)
     kernels("gemm_backward").weight_grad_kernel[(num_experts * tiles_per_expert, split)](
         left, right, out, layout.sorted_ids, layout.counts,
-        rows, cols, num_assignments, num_experts, l_div, r_div, split,
+        rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
         left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
-        BLOCK_M=tiles.block_m, BLOCK_R=tiles.weight_r, BLOCK_C=tiles.weight_c, E_PAD=next_pow2(num_experts),
-        num_warps=tiles.num_warps, num_stages=tiles.weight_stages, **_precision(left.dtype),
+        BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red,
+        E_PAD=next_pow2(num_experts), num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype),
     )
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
 
 
-def choose_split(num_programs: int, num_assignments: int, num_experts: int, weight_elems: int, block_m: int) -> int:
-    """How many ways a weight grad splits each expert's M-blocks: enough programs to fill the GPU
-    (TARGET_PROGRAMS), at most half the blocks an expert has on average (a part should loop over at
-    least two), the fp32 partials under MAX_SPLIT_BYTES. 1 = no split (written in the weight's dtype)."""
+def choose_split(num_programs: int, num_assignments: int, num_experts: int, weight_elems: int, step: int) -> int:
+    """How many ways a weight grad splits each expert's rows: enough programs to fill the GPU
+    (TARGET_PROGRAMS), at most half the ``step``-row steps an expert has on average (a part should loop
+    over at least two), the fp32 partials under MAX_SPLIT_BYTES. 1 = no split (written in the weight's dtype)."""
     want = cdiv(TARGET_PROGRAMS, max(num_programs, 1))
-    blocks = num_assignments // max(num_experts * block_m, 1)
+    steps = num_assignments // max(num_experts * step, 1)
     fits = MAX_SPLIT_BYTES // max(num_experts * weight_elems * 4, 1)
-    return max(1, min(want, blocks // 2, fits))
+    return max(1, min(want, steps // 2, fits))
 
 
-def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tiles: BackwardTiles, activation: str):
+def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str):
     """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
-    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous."""
+    recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``tile.desc``:
+    both weights through TMA descriptors where ``descriptor`` allows it for both."""
     (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
     dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
     gw = torch.empty(num_assignments, n, dtype=work, device=x.device)
-    num_pid_n = cdiv(n, tiles.grad_n)
+    num_pid_n = cdiv(n, tile.cols)
     parts = torch.zeros(num_assignments, num_pid_n, dtype=torch.float32, device=x.device)  # unrouted rows stay 0
+    w13_arg, w2_arg = w13, w2
+    if tile.desc:
+        pair = (descriptor(w13, [tile.cols, tile.red]), descriptor(w2, [tile.red, tile.cols], tile.red))
+        if None not in pair:
+            w13_arg, w2_arg = pair
     kernels("gemm_backward").grad_gate_up_kernel[(layout.num_pid_m * num_pid_n,)](
-        dout, x, w13, w2, h_pre if h_pre is not None else dh, weights, dh, gw, parts,
+        dout, x, w13_arg, w2_arg, h_pre if h_pre is not None else dh, weights, dh, gw, parts,
         layout.sorted_ids, layout.expert_ids, layout.num_padded,
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.grad_n, BLOCK_K=tiles.grad_k, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_precision(x.dtype),
+        BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
     )
     return dh, gw, parts
 
@@ -184,43 +246,45 @@ class ExpertsGrads:
 
 
 def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activation: str, needs: tuple,
-                     split_m: int = 0) -> ExpertsGrads:
+                     split_m: int = 0, tiles: BackwardTiles | None = None) -> ExpertsGrads:
     """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``h_pre`` [A, 2N] the
-    saved gate-up product or None (recompute). Arguments checked by the caller; A > 0."""
+    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``. Arguments checked by
+    the caller; A > 0."""
     need_x, need_w13, need_w2, need_weights = needs
     num_experts, top_k = w13.shape[0], ids.shape[1]
     ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
     expert_map = expert_map.contiguous() if expert_map is not None else None
-    tiles = backward_tiles(ids.numel(), num_experts, x.dtype)
+    tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
-    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles, activation)
+    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation)
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles)  # dh [A, 2N] @ w13[e] [2N, K]
+        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
-        dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles, split_m)
+        dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
     if need_w2:
-        dw2 = weight_grad(dout, top_k, gw, 1, num_experts, w2.dtype, layout, tiles, split_m)
+        dw2 = weight_grad(dout, top_k, gw, 1, num_experts, w2.dtype, layout, tiles.dw2, split_m)
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)
 
 
-def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str,
+                   tiles: BackwardTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [M, K], h_pre [A, 2N]): the experts forward that keeps the gate-up product for the backward.
     Unfused (gate-up GEMM, torch act-and-mul, down GEMM x weight, k-sum): it writes h_pre anyway. Rows
     of h_pre of assignments not routed here hold garbage that nothing reads. Arguments checked; A > 0."""
     num_experts, two_n, hidden = w13.shape
     ids, x = ids.contiguous(), x.contiguous()
     expert_map = expert_map.contiguous() if expert_map is not None else None
-    tiles = backward_tiles(ids.numel(), num_experts, x.dtype)
+    tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
     work = _work_dtype(x)
     h_pre = torch.empty(ids.numel(), two_n, dtype=work, device=x.device)
-    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles)  # x [M, K] @ w13[e]^T -> [A, 2N]
+    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles.dx)  # x [M, K] @ w13[e]^T -> [A, 2N]
     g = act_and_mul(h_pre, activation)  # [A, N]
     per_slot = torch.empty(ids.numel(), hidden, dtype=work, device=x.device)
-    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles, scale=weights.contiguous())  # w * g @ w2[e]^T
+    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles.dx, scale=weights.contiguous())  # w * g @ w2[e]^T
     return sum_slots(per_slot, ids, expert_map, num_experts, x.dtype), h_pre

@@ -19,6 +19,13 @@ h_a = w13[e] x_t [2N], g_a = act(gate_a) * up_a [N], y_a = w2[e] g_a [K], out_t 
                          M-blocks (every SPLIT-th one; SPLIT > 1 writes fp32 partials that the host sums
                          in a fixed order). No atomics anywhere: every result is deterministic.
 
+W_DESC (grad_gate_up, gather_gemm): the weights come as TMA tensor descriptors over [E*rows, cols]
+(``gemm.py``'s convention) instead of pointer tiles; the host passes them only for contiguous 16-bit
+weights whose reduction tiles never cross an expert's last row (a reduction over rows needs rows % BK
+== 0; a reduction over columns reads zeros past the last one). An output tile past the expert's last
+row reads the next expert's rows: those columns are never stored (and meet zeros in every dot product
+whose result is kept).
+
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate; BM = the layout's block.
 Every row index is int64 before it meets a stride.
 """
@@ -26,7 +33,7 @@ Every row index is int64 before it meets a stride.
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels.gemm import _grid_position
+from moekit.experts._kernels.gemm import _dot, _grid_position
 
 
 @triton.jit
@@ -65,7 +72,10 @@ def grad_gate_up_kernel(
     stride_dm, stride_xm, stride_ae, stride_an, stride_ak, stride_be, stride_bk, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, RECOMPUTE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    W_DESC: tl.constexpr,
 ):
+    """W_DESC: w13_ptr a descriptor over w13 as [E*2N, K], block [BN, BK]; w2_ptr over w2 as [E*K, N],
+    block [BK, BN] (K % BK == 0, so a K step never reads the next expert's rows)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
@@ -78,50 +88,55 @@ def grad_gate_up_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     d_ptrs = dout_ptr + token[:, None] * stride_dm + offs_k[None, :]  # [BM, BK]
-    w2_ptrs = w2_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
-    wg_ptrs = w13_ptr + expert * stride_ae + offs_n[None, :].to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
-    wu_ptrs = wg_ptrs + N * stride_an  # [BK, BN] up rows follow the N gate rows
+    if W_DESC:
+        gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)  # w13 row of the tile's first gate row
+        w2_row = (expert * K).to(tl.int32)
+    else:
+        w2_ptrs = w2_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+        wg_ptrs = w13_ptr + expert * stride_ae + offs_n[None, :].to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
+        wu_ptrs = wg_ptrs + N * stride_an  # [BK, BN] up rows follow the N gate rows
     acc_dg = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # w2[e]^T dout_t, unweighted
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        d = tl.load(d_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wb = tl.load(w2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            d, wb = d.to(tl.float32), wb.to(tl.float32)
-        acc_dg = tl.dot(d, wb, acc_dg, input_precision=PRECISION)
+        d = tl.load(d_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_DESC:
+            wb = w2_ptr.load([w2_row + k0, pid_n * BLOCK_N])  # [BK, BN]; columns past N read 0
+        else:
+            wb = tl.load(w2_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w2_ptrs += BLOCK_K * stride_bk
+        acc_dg = _dot(d, wb, acc_dg, UPCAST, PRECISION)
         if RECOMPUTE:  # the gate-up GEMM again, in the same K loop: x and dout share the token gather
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if UPCAST:
-                xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
-            x_ptrs += BLOCK_K
-            wg_ptrs += BLOCK_K * stride_ak
-            wu_ptrs += BLOCK_K * stride_ak
-        d_ptrs += BLOCK_K
-        w2_ptrs += BLOCK_K * stride_bk
-    mask = row_ok[:, None] & n_ok[None, :]
-    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
-    if not RECOMPUTE:
-        acc_gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
-        acc_up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
-    _store_grads(acc_dg, acc_gate, acc_up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT)
+            xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_DESC:  # past K the descriptor reads 0; a last N tile's extra rows are never stored
+                wg = w13_ptr.load([gate_row, k0]).T  # [BK, BN]
+                wu = w13_ptr.load([gate_row + N, k0]).T
+            else:
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wg_ptrs += BLOCK_K * stride_ak
+                wu_ptrs += BLOCK_K * stride_ak
+            acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
+    _store_grads(acc_dg, acc_gate, acc_up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT, RECOMPUTE)
 
 
 @triton.jit
-def _store_grads(acc_dg, gate, up, safe, row_ok, mask, offs_n, pid_n, num_pid_n, N, h_offs,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr):
+def _store_grads(acc_dg, gate, up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr, RECOMPUTE: tl.constexpr):
     """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
-    (fp32), the act-and-mul backward of dg = w acc_dg into dh, w g into gw, and <acc_dg, g> over
-    this N tile into column pid_n of the d-weight partials."""
+    (fp32; read from h_pre unless RECOMPUTE), the act-and-mul backward of dg = w acc_dg into dh, w g
+    into gw, and <acc_dg, g> over this N tile into column pid_n of the d-weight partials."""
+    mask = row_ok[:, None] & n_ok[None, :]
+    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
+    if not RECOMPUTE:
+        gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
     act, dact = _act_and_grad(gate, ACT)
-    g = act * up  # [BM, BN] the forward's g (0 on masked columns)
+    g = tl.where(mask, act * up, 0.0)  # [BM, BN] the forward's g; 0 on masked rows and columns
     weight = tl.load(weights_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)  # [BM]
     tl.store(dw_part_ptr + safe * num_pid_n + pid_n, tl.sum(acc_dg * g, axis=1), mask=row_ok)
     dg = acc_dg * weight[:, None]  # [BM, BN] dL/dg_a
@@ -138,10 +153,13 @@ def gather_gemm_kernel(
     OUT, RED, num_assignments, a_div, num_pid_m,
     stride_am, stride_we, stride_wo, stride_wr, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
+    RED_ROWS: tl.constexpr,
 ):
     """out[a, o] = scale[a] * sum_r a_src[a // a_div, r] * W[e, o, r], W[e, o, r] at w + e*stride_we +
-    o*stride_wo + r*stride_wr. Rows of assignments not routed here are never written."""
+    o*stride_wo + r*stride_wr. Rows of assignments not routed here are never written. W_DESC: w_ptr a
+    descriptor over the weight as [E*rows, cols]: RED_ROWS (the reduction runs over its rows, dX's
+    w13 [E, 2N, K]) block [BK, BN], else block [BN, BK] (the saving forward's w13 and w2)."""
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(OUT, BLOCK_N), GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
     if expert < 0:
@@ -152,17 +170,25 @@ def gather_gemm_kernel(
     o_ok = offs_o < OUT
     offs_r = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (safe // a_div)[:, None] * stride_am + offs_r[None, :]  # [BM, BK]
-    w_ptrs = w_ptr + expert * stride_we + offs_o[None, :].to(tl.int64) * stride_wo + offs_r[:, None] * stride_wr
+    if W_DESC:
+        w_row = (expert * (RED if RED_ROWS else OUT)).to(tl.int32)  # the expert's first row
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_o[None, :].to(tl.int64) * stride_wo + offs_r[:, None] * stride_wr
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, RED, BLOCK_K):
         r_ok = offs_r < RED - r0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0.0)
+        if W_DESC and RED_ROWS:
+            w = w_ptr.load([w_row + r0, pid_n * BLOCK_N])  # [BK, BN]
+        elif W_DESC:
+            w = w_ptr.load([w_row + pid_n * BLOCK_N, r0]).T  # [BK, BN]
+        else:
+            w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wr
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wr
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + safe, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + safe[:, None] * stride_om + offs_o[None, :]
@@ -173,36 +199,38 @@ def gather_gemm_kernel(
 def weight_grad_kernel(
     l_ptr, r_ptr, out_ptr,  # l [S_l, R] rows a // l_div, r [S_r, C] rows a // r_div; out [SPLIT, E, R, C]
     sorted_ids_ptr, counts_ptr,
-    R, C, num_assignments, num_experts, l_div, r_div, split,
+    R, C, num_assignments, num_experts, l_div, r_div, split, block_m,
     stride_lm, stride_rm, stride_os, stride_oe, stride_or,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, E_PAD: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    E_PAD: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out[s, e] = sum over expert e's M-blocks s, s + split, ...: L[rows]^T R[rows] (a zero tile for an
-    expert with no rows). Program (pid, s): pid walks the experts' tiles row-major, so neighbours share
-    their L tile."""
+    """out[s, e] = sum over expert e's row steps s, s + split, ... (BLOCK_K rows of the layout each; the
+    layout pads experts to block_m, a runtime value: one compile serves every layout): L[rows]^T R[rows]
+    (a zero tile for an expert with no rows).
+    Program (pid, s): pid walks the experts' tiles row-major, so neighbours share their L tile."""
     tiles_c = tl.cdiv(C, BLOCK_C)
     per_expert = tl.cdiv(R, BLOCK_R) * tiles_c
     pid, s = tl.program_id(0), tl.program_id(1)
     e, tile = (pid // per_expert).to(tl.int64), pid % per_expert  # e * stride_oe passes 2^31 (DeepSeek-V3)
     ee = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)  # [EP] real rows per expert
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row in sorted_ids
     count = tl.sum(tl.where(ee == e, counts, 0), axis=0)
     offs_r = (tile // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = (tile % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = offs_r < R, offs_c < C
-    lanes = tl.arange(0, BLOCK_M)
+    lanes = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for b in range(s * BLOCK_M, count, split * BLOCK_M):
-        rows = tl.load(sorted_ids_ptr + start + b + lanes).to(tl.int64)  # [BM]; padding rows hold A
+    for b in range(s * BLOCK_K, count, split * BLOCK_K):
+        in_expert = b + lanes < count  # a step longer than the padding would reach the next expert's rows
+        rows = tl.load(sorted_ids_ptr + start + b + lanes, mask=in_expert, other=num_assignments).to(tl.int64)  # [BK]
         row_ok = rows < num_assignments
         safe = tl.where(row_ok, rows, 0)
         lt = tl.load(l_ptr + (safe // l_div)[None, :] * stride_lm + offs_r[:, None],
-                     mask=row_ok[None, :] & r_ok[:, None], other=0.0)  # [BR, BM]
+                     mask=row_ok[None, :] & r_ok[:, None], other=0.0)  # [BR, BK]
         rt = tl.load(r_ptr + (safe // r_div)[:, None] * stride_rm + offs_c[None, :],
-                     mask=row_ok[:, None] & c_ok[None, :], other=0.0)  # [BM, BC]
+                     mask=row_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BC]
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
