@@ -1,13 +1,14 @@
 """The float64 truth of ``moekit bench --hf``: the benchmark's model, its very weights, run in float64
 with transformers' ``eager`` experts, so every implementation's logits (``eager``'s included) are measured
-against one reference that rounds nowhere the bf16 implementations do.
+against one reference far more precise than any of them (a bf16 ``eager`` reference rewards an
+implementation that rounds where ``eager`` rounds).
 
 The float64 weights are a copy made for a pass and dropped right after it (Qwen3-30B-A3B widths, 8 layers:
-~5.0e9 parameters, 40 GB in float64 against 10 GB in bf16; Mixtral-8x7B widths, 2 layers: 23 GB), applied
+5.1e9 parameters, 41 GB in float64 against 10 GB in bf16; Mixtral-8x7B widths, 2 layers: 25 GB), applied
 with ``torch.func.functional_call`` so the benchmark's module itself is never converted. The pass is
 float64 except where transformers' modeling code casts to float32 on purpose (RMSNorm's statistics, the
-router's softmax, the rotary cos/sin): their rounding (~1e-7 relative) is this reference's floor, far
-below the ~1e-2 of bf16 logits.
+router's softmax, the rotary cos/sin): their rounding (~1e-7 relative; RMSNorm's alone 9e-8 on the tiny
+Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits.
 
 Shapes: B x L = the prefill batch, P = prompt tokens, T = generated tokens, V = vocabulary.
 """
