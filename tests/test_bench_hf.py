@@ -3,19 +3,28 @@ tiny widths), the pieces it is made of, and its argument checks."""
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="transformers is part of the test extras")
 
-from moekit.bench import hf_measure  # noqa: E402
-from moekit.bench.hf_models import experts_implementations, gathered_weight_bytes, hf_config, select_impls  # noqa: E402
+from moekit.bench import hf_fp64, hf_measure  # noqa: E402
+from moekit.bench.hf_models import (  # noqa: E402
+    build_model, experts_implementations, gathered_weight_bytes, hf_config, select_impls,
+)
 from moekit.bench.hf_report import hf_results_path, hf_table  # noqa: E402
+from moekit.bench.hf_run import (  # noqa: E402
+    CompiledRows, Row, default_options, float64_decode_errors, make_inputs, run_hf_bench,
+)
 from moekit.cli import main  # noqa: E402
 
-ROW_FIELDS = {"impl", "mode", "decode_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "errors"}
+ROW_FIELDS = {"impl", "mode", "decode_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64",
+              "errors"}
+FP32_TOL = 1e-5  # design.md: an fp32 backend within 1e-5 relative L2 of a float64 reference
 
 
 def _number_or_error(row: dict, metric: str) -> bool:
@@ -38,15 +47,73 @@ def test_bench_hf_tiny_cli(tmp_path, capsys):
     for row in doc["rows"]:
         assert row.keys() == ROW_FIELDS
         assert _number_or_error(row, "decode_tok_s") and _number_or_error(row, "logits_rel_err_vs_eager")
+        assert isinstance(row["logits_rel_err_vs_fp64"], float) and "logits_rel_err_vs_fp64" not in row["errors"]
     eager_moekit = rows[("moekit", "eager")]
     assert eager_moekit["decode_tok_s"] > 0 and eager_moekit["prefill_ms"] > 0
     assert eager_moekit["logits_rel_err_vs_eager"] < 1e-5 and rows[("eager", "eager")]["logits_rel_err_vs_eager"] == 0
+    # float32 against float64: small but not zero (eager is measured too); the compiled row's decode steps
+    # are teacher-forced: a step compared with the wrong position would be off by ~1, not 1e-7
+    assert 0 < rows[("eager", "eager")]["logits_rel_err_vs_fp64"] < FP32_TOL
+    assert eager_moekit["logits_rel_err_vs_fp64"] < FP32_TOL
+    assert 0 < rows[("moekit", "compiled")]["logits_rel_err_vs_fp64"] < FP32_TOL
     assert rows[("moekit", "compiled")]["prefill_ms"] is None  # generate compiles the decode steps only
     out = capsys.readouterr().out
     assert "eager    warm moekit" in out and "compiled warm moekit" in out and str(path) in out.replace("\n", "")
     assert main(argv + ["--no-compile", "--repeats", "1", "--prefill-len", "4"]) == 0  # the same day: a new file
     assert path.exists() and (tmp_path / path.name.replace(".json", "-2.json")).exists()
     assert (tmp_path / "cpu-hf-2000-01-01.json").read_text() == "{}"
+
+
+def _tiny_prefill_only(**overrides):
+    cpu = torch.device("cpu")
+    base = {"layers": 1, "impls": ("moekit",), "compile": False, "repeats": 1, "decode_tokens": 2, "prefill_len": 8}
+    return default_options("qwen3", cpu, tiny=True, **(base | overrides))
+
+
+def _rel_err_f64(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def test_fp64_errors_match_a_float64_forward_run_here():
+    opts = _tiny_prefill_only()
+    rows = {r["impl"]: r for r in run_hf_bench(torch.device("cpu"), opts)["rows"]}
+    # the same model and batch, and its float64 twin made here by converting a copy of the module
+    model = build_model(hf_config("qwen3", 1, tiny=True), torch.float32, torch.device("cpu"))
+    batch = make_inputs(model.config.vocab_size, opts, torch.device("cpu")).batch
+    twin = copy.deepcopy(model).double()
+    twin.set_experts_implementation("eager")
+    with torch.no_grad():
+        truth = twin(batch, use_cache=False).logits  # [B, L, V]
+        assert truth.dtype == torch.float64
+        for impl in ("eager", "moekit"):
+            model.set_experts_implementation(impl)
+            expected = _rel_err_f64(model(batch, use_cache=False).logits, truth)
+            assert math.isclose(rows[impl]["logits_rel_err_vs_fp64"], expected, rel_tol=1e-6), impl
+            assert 0 < expected < FP32_TOL
+
+
+def _fail_conversion(model):
+    raise TypeError("Cannot convert a MPS Tensor to float64 dtype")
+
+
+@pytest.mark.parametrize("target,patch,text", [
+    ("_float64_tensors", _fail_conversion, "TypeError: Cannot convert a MPS Tensor to float64 dtype"),
+    ("free_memory_bytes", lambda device: 1 << 10, "Skipped: the float64 pass needs"),
+], ids=["no-float64-on-device", "no-room"])
+def test_failing_float64_pass_is_recorded_not_raised(monkeypatch, target, patch, text):
+    monkeypatch.setattr(hf_fp64, target, patch)
+    doc = run_hf_bench(torch.device("cpu"), _tiny_prefill_only())
+    for row in doc["rows"]:
+        assert row["logits_rel_err_vs_fp64"] is None and row["errors"]["logits_rel_err_vs_fp64"].startswith(text)
+        assert isinstance(row["logits_rel_err_vs_eager"], float)  # the other metrics stand
+    model = build_model(hf_config("qwen3", 1, tiny=True), torch.float32, torch.device("cpu"))
+    decode = hf_measure.Decode(torch.tensor([3, 4]), torch.zeros(2, model.config.vocab_size), 1.0)
+    compiled = CompiledRows([Row("moekit", "compiled"), Row("grouped_mm", "compiled", errors={"decode_tok_s": "E: x"})],
+                            decodes={"moekit": decode})
+    float64_decode_errors(model, compiled, torch.tensor([[1, 2]]))  # the compiled rows' float64 pass
+    for row in compiled.rows:
+        assert row.logits_rel_err_vs_fp64 is None and row.errors["logits_rel_err_vs_fp64"].startswith(text)
 
 
 def test_results_path_never_overwrites(tmp_path):
@@ -99,11 +166,14 @@ def test_error_text_is_type_and_first_line():
 def test_table_marks_errors_and_skips():
     doc = {"device": "cpu", "layers": 1, "model": {"name": "qwen3", "widths": "tiny", "dtype": "float32"}, "rows": [
         {"impl": "batched_mm", "mode": "eager", "decode_tok_s": 5.0, "prefill_ms": None, "logits_rel_err_vs_eager": None,
-         "errors": {"prefill_ms": "Skipped: too big", "logits_rel_err_vs_eager": "Skipped: too big"}},
+         "logits_rel_err_vs_fp64": None,
+         "errors": {"prefill_ms": "Skipped: too big", "logits_rel_err_vs_eager": "Skipped: too big",
+                    "logits_rel_err_vs_fp64": "Skipped: too big"}},
         {"impl": "moekit", "mode": "compiled", "decode_tok_s": None, "prefill_ms": None, "logits_rel_err_vs_eager": None,
-         "errors": {"decode_tok_s": "TorchRuntimeError: x"}}]}
+         "logits_rel_err_vs_fp64": 0.0125, "errors": {"decode_tok_s": "TorchRuntimeError: x"}}]}
     cells = [list(col.cells) for col in hf_table(doc).columns]
     assert cells[3] == ["skipped", "-"] and cells[2][1] == "[red]error[/red]"
+    assert cells[5] == ["skipped", "1.25e-02"]
 
 
 @pytest.mark.parametrize("argv,flag", [

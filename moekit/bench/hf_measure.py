@@ -71,8 +71,9 @@ def prefill(model, ids: torch.Tensor, *, all_logits: bool = False) -> Prefill:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float32."""
-    out, ref = out.float(), ref.float()
+    """||out - ref|| / ||ref|| in float32, or in float64 where either is float64 (a float64 reference)."""
+    dtype = torch.promote_types(torch.promote_types(out.dtype, ref.dtype), torch.float32)
+    out, ref = out.to(dtype), ref.to(dtype)
     return ((out - ref).norm() / ref.norm()).item()
 
 

@@ -30,13 +30,14 @@ def hf_table(doc: dict) -> Table:
     model = doc["model"]
     t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
                     f"{model['dtype']}) on {doc['device']}")
-    for col in ("impl", "mode", "decode tok/s", "prefill ms", "logits err vs eager"):
+    for col in ("impl", "mode", "decode tok/s", "prefill ms", "logits err vs eager", "logits err vs fp64"):
         t.add_column(col, justify="left" if col in ("impl", "mode") else "right")
     for r in doc["rows"]:
         errors = r["errors"]
         t.add_row(r["impl"], r["mode"], _number(r["decode_tok_s"], ".1f", errors.get("decode_tok_s")),
                   _number(r["prefill_ms"], ".1f", errors.get("prefill_ms")),
-                  _number(r["logits_rel_err_vs_eager"], ".2e", errors.get("logits_rel_err_vs_eager")))
+                  _number(r["logits_rel_err_vs_eager"], ".2e", errors.get("logits_rel_err_vs_eager")),
+                  _number(r["logits_rel_err_vs_fp64"], ".2e", errors.get("logits_rel_err_vs_fp64")))
     return t
 
 

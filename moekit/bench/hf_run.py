@@ -1,9 +1,10 @@
 """``moekit bench --hf``: a transformers MoE model end to end, once per experts implementation.
 
 For each implementation: decode tok/s of a greedy ``generate`` (batch 1, a fixed random prompt), the
-prefill time of a B x L batch, and the relative error of the prefill logits against ``eager``. Then,
-unless told not to, transformers' compiled decode (static cache + ``torch.compile`` through generate's
-``CompileConfig``) with the error of its step logits against eager's decode. Every implementation is
+prefill time of a B x L batch, and the relative error of the prefill logits against ``eager`` and against
+the same model run once in float64 (``hf_fp64``). Then, unless told not to, transformers' compiled decode
+(static cache + ``torch.compile`` through generate's ``CompileConfig``) with the error of its step logits
+against eager's decode and against the float64 model's logits for the same steps. Every implementation is
 warmed (and compiled) before any is timed; the timed repeats go round-robin over the implementations and
 each number is the median. A measurement that fails records ``"Type: first line"`` instead of a number.
 """
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 
 from moekit.bench import hf_measure as hm
+from moekit.bench.hf_fp64 import Float64Model, Float64Prefill, float64_prefill
 from moekit.bench.hf_models import (
     MODELS, REFERENCE_IMPL, build_model, free_memory_bytes, gathered_weight_bytes, hf_config, select_impls,
 )
@@ -25,6 +27,7 @@ from moekit.bench.run import commit_id, device_name
 
 RECOMPILE_LIMIT = 64  # each implementation is its own compiled graph (dynamo guards on the config's choice)
 NO_REFERENCE = "NoReference: the eager implementation failed, nothing to compare with"
+ERR_EAGER, ERR_FP64 = "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64"  # a Row's two error metrics
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Row:
     decode_tok_s: float | None = None  # decode_tokens / median seconds of the whole generate call
     prefill_ms: float | None = None  # median ms of the B x L forward (eager mode only: generate compiles decode)
     logits_rel_err_vs_eager: float | None = None  # eager mode: prefill logits; compiled: decode step logits
+    logits_rel_err_vs_fp64: float | None = None  # the same logits against the float64 model's (hf_fp64)
     errors: dict[str, str] = field(default_factory=dict)  # metric -> "Type: first line" where it failed or was skipped
     _samples: dict[str, list[float]] = field(default_factory=dict, repr=False)  # metric -> seconds per repeat
 
@@ -112,18 +116,27 @@ def _prefill_all_logits(model, impl: str, batch: torch.Tensor) -> torch.Tensor:
     return hm.prefill(model, batch, all_logits=True).logits
 
 
-def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits):
-    """One prefill with all logits (the error check) and one decode: (logits or None, Decode or None)."""
+def _compare(row: Row, metric: str, logits: torch.Tensor, ref: torch.Tensor | None, missing: str | None) -> None:
+    """``row.<metric>`` = the relative error of ``logits`` against ``ref``; where there is no ``ref``,
+    ``missing`` (why) goes to the row's errors."""
+    if ref is None:
+        row.errors[metric] = missing
+    else:
+        setattr(row, metric, hm.rel_err(logits, ref))
+
+
+def _warm_eager(model, row: Row, inputs: Inputs, opts: HFBenchOptions, ref_logits, fp64: Float64Prefill):
+    """One prefill with all logits (the error checks) and one decode: (logits or None, Decode or None)."""
     model.set_experts_implementation(row.impl)
     logits = row.attempt("prefill_ms", lambda: _prefill_all_logits(model, row.impl, inputs.batch))
     if logits is None:
-        row.errors["logits_rel_err_vs_eager"] = row.errors["prefill_ms"]
-    elif row.impl == REFERENCE_IMPL:
-        row.logits_rel_err_vs_eager = 0.0  # by definition
-    elif ref_logits is not None:
-        row.logits_rel_err_vs_eager = hm.rel_err(logits, ref_logits)
+        row.errors[ERR_EAGER] = row.errors[ERR_FP64] = row.errors["prefill_ms"]
     else:
-        row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
+        if row.impl == REFERENCE_IMPL:
+            row.logits_rel_err_vs_eager = 0.0  # by definition
+        else:
+            _compare(row, ERR_EAGER, logits, ref_logits, NO_REFERENCE)
+        _compare(row, ERR_FP64, logits, fp64.logits, fp64.error)
     keep = row.impl == REFERENCE_IMPL  # eager's step logits are the compiled rows' reference
     dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens, keep_logits=keep))
     return logits, dec
@@ -135,12 +148,12 @@ class EagerRows:
     ref_decode: hm.Decode | None  # the reference's decode: its step logits are the compiled rows' reference
 
 
-def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> EagerRows:
-    """Eager-mode rows, and the reference's decode."""
+def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log, fp64: Float64Prefill) -> EagerRows:
+    """Eager-mode rows, and the reference's decode; ``fp64`` holds the float64 prefill logits (or why not)."""
     rows = {impl: Row(impl, "eager") for impl in impls}
     ref_logits, ref_decode = None, None
     for impl in impls:  # the reference first (select_impls): warm all before timing any
-        logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits)
+        logits, dec = _warm_eager(model, rows[impl], inputs, opts, ref_logits, fp64)
         if impl == REFERENCE_IMPL:
             ref_logits, ref_decode = logits, dec
         log(f"eager    warm {impl}: " + _summary(rows[impl], dec))
@@ -152,9 +165,16 @@ def measure_eager(model, impls, inputs: Inputs, opts: HFBenchOptions, log) -> Ea
     return EagerRows(rows=[rows[i] for i in impls], ref_decode=ref_decode)
 
 
-def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> list[Row]:
+@dataclass
+class CompiledRows:
+    rows: list[Row]  # one per implementation, in ``impls`` order
+    decodes: dict[str, hm.Decode]  # impl -> its warm-up decode (tokens, step logits), where that ran
+
+
+def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm.Decode | None, log) -> CompiledRows:
     """Compiled-decode rows: warm (compile) every implementation, then round-robin repeats."""
     rows = {impl: Row(impl, "compiled") for impl in impls}
+    decodes = {}
     config = hm.compile_config(inputs.prompt.device, opts.compile_backend)
     with _recompile_limit(RECOMPILE_LIMIT):
         for impl in impls:
@@ -163,18 +183,46 @@ def measure_compiled(model, impls, inputs: Inputs, opts: HFBenchOptions, ref: hm
             dec = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, opts.decode_tokens,
                                                                compiled=config, keep_logits=True))
             if dec is None:
-                row.errors["logits_rel_err_vs_eager"] = row.errors["decode_tok_s"]
+                row.errors[ERR_EAGER] = row.errors["decode_tok_s"]
             elif ref is None:
-                row.errors["logits_rel_err_vs_eager"] = NO_REFERENCE
+                row.errors[ERR_EAGER] = NO_REFERENCE
             else:
                 row.logits_rel_err_vs_eager = hm.decode_rel_err(dec, ref)
+            if dec is not None:
+                decodes[impl] = dec
             log(f"compiled warm {impl}: " + _summary(row, dec))
         for rep in range(opts.repeats):
             for impl in impls:
                 log(f"compiled repeat {rep + 1}/{opts.repeats} {impl}: "
                     + _timed_pass(model, rows[impl], inputs, opts, compiled=config))
     torch._dynamo.reset()
-    return [rows[i] for i in impls]
+    return CompiledRows(rows=[rows[i] for i in impls], decodes=decodes)
+
+
+def float64_decode_errors(model, compiled: CompiledRows, prompt: torch.Tensor) -> None:
+    """Each compiled row's ``logits_rel_err_vs_fp64``: its warm-up decode's step logits against the float64
+    model's logits for the very inputs each step saw (teacher-forced on the row's own tokens, so every step
+    counts, not only those before the tokens diverge from another run's). Failures go to the row's errors."""
+    try:
+        fp64 = Float64Model(model)
+    except Exception as err:  # noqa: BLE001  (no float64 on this device, or no room: recorded per row)
+        for row in compiled.rows:
+            row.errors[ERR_FP64] = hm.error_text(err)
+        return
+    for row in compiled.rows:
+        _step_logits_error(fp64, row, compiled.decodes.get(row.impl), prompt)
+    del fp64
+    if prompt.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _step_logits_error(fp64: Float64Model, row: Row, dec: hm.Decode | None, prompt: torch.Tensor) -> None:
+    if dec is None:
+        row.errors[ERR_FP64] = row.errors["decode_tok_s"]
+        return
+    ref = row.attempt(ERR_FP64, lambda: fp64.step_logits(prompt, dec.tokens))
+    if ref is not None:
+        row.logits_rel_err_vs_fp64 = hm.rel_err(dec.logits, ref)
 
 
 def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled) -> str:
@@ -197,9 +245,15 @@ def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled)
 
 def _summary(row: Row, dec: hm.Decode | None) -> str:
     parts = [f"generate {dec.seconds:.2f} s" if dec is not None else None,
-             f"err {row.logits_rel_err_vs_eager:.2e}" if row.logits_rel_err_vs_eager is not None else None]
-    parts += [f"{k}: {v}" for k, v in row.errors.items() if k != "logits_rel_err_vs_eager"]
+             f"err {row.logits_rel_err_vs_eager:.2e}" if row.logits_rel_err_vs_eager is not None else None,
+             f"vs fp64 {row.logits_rel_err_vs_fp64:.2e}" if row.logits_rel_err_vs_fp64 is not None else None]
+    parts += [f"{k}: {v}" for k, v in row.errors.items() if k not in (ERR_EAGER, ERR_FP64)]
     return ", ".join(p for p in parts if p) or "ok"
+
+
+def _fp64_text(row: Row) -> str:
+    value = row.logits_rel_err_vs_fp64
+    return f"{value:.2e}" if value is not None else row.errors.get(ERR_FP64, "-")
 
 
 def _recompile_limit(limit: int):
@@ -221,11 +275,17 @@ def run_hf_bench(device: torch.device, opts: HFBenchOptions, log: Callable[[str]
         f"{str(dtype).removeprefix('torch.')}) on {device}; implementations: {', '.join(impls)}")
     model = build_model(config, dtype, device)
     inputs = make_inputs(config.vocab_size, opts, device)
-    eager = measure_eager(model, impls, inputs, opts, log)
+    fp64 = float64_prefill(model, inputs.batch)
+    log(f"float64 prefill (eager experts): {fp64.error or 'done'}")
+    eager = measure_eager(model, impls, inputs, opts, log, fp64)
+    del fp64
     rows = eager.rows
     if opts.compile:  # the reference runs compiled too only when asked for (compiling its loop is slow)
-        compiled = [i for i in impls if opts.impls is None or i in opts.impls]
-        rows += measure_compiled(model, compiled, inputs, opts, eager.ref_decode, log)
+        compiled = measure_compiled(model, [i for i in impls if opts.impls is None or i in opts.impls],
+                                    inputs, opts, eager.ref_decode, log)
+        float64_decode_errors(model, compiled, inputs.prompt)
+        log("float64 decode steps: " + ", ".join(f"{r.impl} {_fp64_text(r)}" for r in compiled.rows))
+        rows += compiled.rows
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -247,9 +307,12 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
         "method": (
             "random weights and ids; decode: greedy generate, batch 1, decode_tokens new tokens after a "
             "prompt_len prompt (tok/s over the whole call); prefill: one forward of prefill_batch x prefill_len "
-            "ids, no cache, last logits only; error: relative L2 of the prefill logits (eager mode) or of the "
-            "decode steps' logits while the tokens agree (compiled) against the eager implementation in eager "
-            "mode; compiled: generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
+            "ids, no cache, last logits only; error vs eager: relative L2 of the prefill logits (eager mode) or "
+            "of the decode steps' logits while the tokens agree (compiled) against the eager implementation in "
+            "eager mode; error vs fp64: the same logits (every decode step: teacher-forced on the row's own "
+            "tokens) against the same weights run in float64 with the eager experts (float32 only where the "
+            "modeling code casts on purpose: RMSNorm statistics, router softmax, rotary cos/sin); compiled: "
+            "generate(cache_implementation='static', compile_config=CompileConfig(backend)); "
             "all implementations warmed first, repeats round-robin, medians"
         ),
         "rows": rows,

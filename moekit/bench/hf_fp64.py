@@ -1,0 +1,96 @@
+"""The float64 truth of ``moekit bench --hf``: the benchmark's model, its very weights, run in float64
+with transformers' ``eager`` experts, so every implementation's logits (``eager``'s included) are measured
+against one reference far more precise than any of them (a bf16 ``eager`` reference rewards an
+implementation that rounds where ``eager`` rounds).
+
+The float64 weights are a copy made for a pass and dropped right after it (Qwen3-30B-A3B widths, 8 layers:
+5.1e9 parameters, 41 GB in float64 against 10 GB in bf16; Mixtral-8x7B widths, 2 layers: 25 GB), applied
+with ``torch.func.functional_call`` so the benchmark's module itself is never converted. The pass is
+float64 except where transformers' modeling code casts to float32 on purpose (RMSNorm's statistics, the
+router's softmax, the rotary cos/sin): their rounding (~1e-7 relative; RMSNorm's alone 9e-8 on the tiny
+Qwen3) is this reference's floor, far below the ~1e-2 of bf16 logits.
+
+Shapes: B x L = the prefill batch, P = prompt tokens, T = generated tokens, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from moekit.bench import hf_measure as hm
+from moekit.bench.hf_models import REFERENCE_IMPL, free_memory_bytes
+
+FIT_FRACTION = 0.8  # of the free memory: room for the activations (fp64 attention scores, 1 GB a layer at 4 x 1024)
+
+
+def _float64_tensors(model) -> dict[str, torch.Tensor]:
+    """Every floating parameter and buffer of ``model`` as a float64 copy on its device, by name (tied
+    weights once: ``functional_call`` ties them back)."""
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    return {name: t.detach().to(torch.float64) for name, t in named if t.is_floating_point()}
+
+
+def float64_bytes(model) -> int:
+    """Bytes of the float64 copy of ``model``'s floating parameters and buffers."""
+    named = itertools.chain(model.named_parameters(), model.named_buffers())
+    return sum(8 * t.numel() for _, t in named if t.is_floating_point())
+
+
+class Float64Model:
+    """``model`` run with float64 copies of its weights and the ``eager`` experts; the copies live as long
+    as this object. Raises ``hm.Skipped`` where the copy and ``extra_bytes`` would not fit in the free
+    memory of the model's device, and whatever the device raises where float64 is not supported there."""
+
+    def __init__(self, model, extra_bytes: int = 0):
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks cached by earlier passes count as free
+        need, free = float64_bytes(model) + extra_bytes, free_memory_bytes(device)
+        if need > FIT_FRACTION * free:
+            raise hm.Skipped(f"the float64 pass needs {need / 2**30:.1f} GiB "
+                             f"({free / 2**30:.1f} GiB free on {device})")
+        self.model = model
+        self.tensors = _float64_tensors(model)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, L, V] float64 logits of every position of ``ids`` [B, L] (no cache)."""
+        saved = self.model.get_experts_implementation()
+        self.model.set_experts_implementation(REFERENCE_IMPL)
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(self.model, self.tensors, (ids,),
+                                                 {"use_cache": False, "logits_to_keep": 0})
+        finally:
+            self.model.set_experts_implementation(saved)
+        if out.logits.dtype != torch.float64:
+            raise TypeError(f"the float64 pass returned {out.logits.dtype} logits, expected torch.float64")
+        return out.logits
+
+    def step_logits(self, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[T, V] float64: the logits a greedy decode from ``prompt`` [1, P] saw at each step while it
+        generated ``tokens`` [T] (step t saw the prompt and tokens[:t]), from one teacher-forced forward."""
+        ids = torch.cat([prompt[0], tokens[:-1]])[None]  # [1, P + T - 1]
+        return self.logits(ids)[0, prompt.shape[1] - 1:]  # [T, V]
+
+
+@dataclass
+class Float64Prefill:
+    logits: torch.Tensor | None  # [B, L, V] float64 logits of the prefill batch; None where the pass failed
+    error: str | None  # "Type: first line" where it failed or was skipped, else None
+
+
+def float64_prefill(model, batch: torch.Tensor) -> Float64Prefill:
+    """The float64 logits of ``batch`` [B, L]; a failure (no float64 on the device, no room) is returned
+    as its text, never raised. The float64 weights are freed before this returns."""
+    logits_bytes = 8 * batch.numel() * model.config.vocab_size
+    try:
+        logits = Float64Model(model, extra_bytes=3 * logits_bytes).logits(batch)  # logits, error's cast, difference
+    except Exception as err:  # noqa: BLE001  (a reference that cannot be computed is a result, not a crash)
+        return Float64Prefill(None, hm.error_text(err))
+    finally:
+        if batch.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return Float64Prefill(logits, None)
