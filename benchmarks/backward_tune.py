@@ -40,6 +40,7 @@ import torch
 import moekit.experts.triton_backward_launch as bl
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, shape_class
+from moekit.experts.triton_launch import max_shared_memory
 from backward_device_check import rel_l2
 from backward_tune_report import KERNELS, WEIGHT_KERNELS, heuristic_rows, table
 
@@ -312,7 +313,7 @@ def matmul_rate(dev) -> float:
 
 def plan_of(dev) -> dict:
     """{(kernel, block_m): the candidate tiles that fit the device's shared memory}."""
-    limit = bl.max_shared_memory(dev) if dev.type == "cuda" else 1 << 30
+    limit = max_shared_memory(dev) if dev.type == "cuda" else 1 << 30
     return {(kernel, bm): [t for t in candidates(kernel) if shared_bytes(kernel, bm, t) <= limit]
             for kernel in KERNELS for bm in layout_blocks(kernel)}
 
