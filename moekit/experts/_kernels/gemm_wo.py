@@ -126,10 +126,8 @@ def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
-def _dot_t(w, a, acc, UPCAST: tl.constexpr):
-    """acc [BN, BM] + w [BN, BK] @ a^T (a [BM, BK]); UPCAST: in float32 (the interpreter, see gemm.py)."""
-    if UPCAST:
-        w, a = w.to(tl.float32), a.to(tl.float32)
+def _dot_t(w, a, acc):
+    """acc [BN, BM] + w [BN, BK] @ a^T (a [BM, BK])."""
     return tl.dot(w, tl.trans(a), acc)
 
 
@@ -173,12 +171,14 @@ def gate_up_wo_kernel(
                                          BLOCK_N, BLOCK_K, SCHEME)
         k = k0 + offs_k
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+            a = a.to(tl.float32)
         w = _decode(_load_weights(qg, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_g, add_g, a.dtype,
                     BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_gate = _dot_t(w, a, acc_gate, UPCAST)
+        acc_gate = _dot_t(w, a, acc_gate)
         w = _decode(_load_weights(qu, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_u, add_u, a.dtype,
                     BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_up = _dot_t(w, a, acc_up, UPCAST)
+        acc_up = _dot_t(w, a, acc_up)
         mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
@@ -229,9 +229,11 @@ def down_wo_kernel(
                                      BLOCK_N, BLOCK_K, SCHEME)
         red = n0 + offs_red
         a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:
+            a = a.to(tl.float32)
         w = _decode(_load_weights(q_rows, n0, N_STORED, out_ok, stride_qc, BLOCK_K, SCHEME), mul, add, a.dtype,
                     BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc = _dot_t(w, a, acc, UPCAST)
+        acc = _dot_t(w, a, acc)
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
