@@ -116,9 +116,8 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     times). Decode sizes: reduction steps of 128 weights (64 packed bytes a row), 4 stages in flight,
     and output tiles as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts
     (so every SM streams weights); packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile
-    (float32 on its way to bf16) fits in registers next to the gate and up accumulators. ptxas for
-    sm_90 (Triton 3.6), no spills: decode gate-up 157-172 registers, 64-row tiles with BLOCK_K 64 132
-    (BLOCK_K 128 there: 255), prefill 8 warps 220-255."""
+    (float32 on its way to bf16) fits in registers next to the gate and up accumulators (ptxas for
+    sm_90, Triton 3.6: decode gate-up 128-168 registers, no spills)."""
     rows_per_expert = num_tokens * top_k / num_experts
     widest = 128 if scheme == "int8_w8a16" else 64
     if rows_per_expert < 16:
@@ -129,7 +128,7 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
         return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert < 64:
         return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
-    return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
@@ -146,9 +145,8 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
 
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
     """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
-    [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight). The dequantized
-    tiles are the dot's register operand (swap-AB, see ``gemm_wo``); one 16-bit copy of them is counted
-    anyway, for the layout change Triton may stage through shared memory."""
+    [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
+    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
     weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
     packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
     return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize

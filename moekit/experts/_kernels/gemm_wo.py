@@ -27,11 +27,9 @@ The group scales multiply the weights in float32 (the tile viewed as [BN, BK/SPA
 min(BK, g), one scale per span), then the tile is rounded once to the activations' dtype: the same
 one rounding of the exact dequantized weight as ``dequantize_wo(...).to(bf16)``.
 
-Operand order (swap-AB): every GEMM computes the transposed tile acc [BN, BM] = W [BN, BK] @ a^T [BK, BM],
-so the dequantized weights are the left operand, fed to the tensor cores from registers (Hopper's
-wgmma takes its A operand from registers; the activations, loaded as they are, are the one operand
-in shared memory), and at decode the 16 token rows are the MMA's narrow N instead of a padded M.
-The epilogues work in this [BN, BM] orientation and store through transposed pointers.
+Operand order: acc [BM, BN] = a [BM, BK] @ W^T, the decoded tile [BN, BK] transposed as the right
+operand. (Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on
+the H200, Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal.)
 
 Past C (an odd C, a group tail, a last partial step) the activations load as 0; the weights there
 decode to finite values (0 where no scale group remains), so nothing leaks in.
@@ -127,8 +125,8 @@ def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 @triton.jit
 def _dot_t(w, a, acc):
-    """acc [BN, BM] + w [BN, BK] @ a^T (a [BM, BK])."""
-    return tl.dot(w, tl.trans(a), acc)
+    """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
+    return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
@@ -142,8 +140,7 @@ def gate_up_wo_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers; computed
-    transposed, [BN, BM] (swap-AB, see the module docstring)."""
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -160,8 +157,8 @@ def gate_up_wo_kernel(
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
     x_rows = x_ptr + token[:, None] * stride_xm  # [BM, 1]
     offs_k = tl.arange(0, BLOCK_K)
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for k0 in range(0, K, BLOCK_K):
@@ -182,11 +179,11 @@ def gate_up_wo_kernel(
         mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
-        acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[:, None]
-        acc_up *= tl.load(su, mask=n_ok, other=0.0)[:, None]
-    h = _glu(acc_gate, acc_up, ACT, 1.0, None, 0.0)  # [BN, BM] fp32: act(gate) * up
-    h_ptrs = h_ptr + rows[None, :] * stride_hm + offs_n[:, None]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & row_ok[None, :])
+        acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
+        acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
+    h = _glu(acc_gate, acc_up, ACT, 1.0, None, 0.0)  # [BM, BN] fp32: act(gate) * up
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -200,8 +197,7 @@ def down_wo_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers, computed transposed
-    ([BN, BM]). BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
+    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
     grid axis 1 = split s): program (.., s) reduces N in [s * split_len, (s + 1) * split_len)
     (split_len a multiple of BLOCK_K, so no step straddles two splits) into its own partial rows
     y[s * A + a]; ``combine.sum_slots_kernel`` sums them."""
@@ -221,7 +217,7 @@ def down_wo_kernel(
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
     offs_red = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_start = tl.program_id(1) * split_len
     mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
@@ -237,9 +233,9 @@ def down_wo_kernel(
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
-        acc *= tl.load(s_rows, mask=out_ok, other=0.0)[:, None]
+        acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    acc = acc * weight[None, :]
+    acc = acc * weight[:, None]
     y_rows = tl.program_id(1) * num_assignments + safe_rows  # [BM] int64: this split's partial rows
-    y_ptrs = y_ptr + y_rows[None, :] * stride_ym + offs_out[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_ok[:, None] & row_ok[None, :])
+    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_out[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
