@@ -35,11 +35,17 @@ OPTIONS = LaunchOptions(reuse_workspace=False)
 
 
 def tiles(decode: bool) -> list[GemmTile]:
-    """The tiles a GEMM is tried with: decode (<16 rows per expert) narrow and long, else the tall ones."""
+    """The tiles a GEMM is tried with: decode (<16 rows per expert) narrow, else the tall ones. The
+    kernels dequantize a whole [BN, BK] tile per step (float32 on its way to bf16), so BN x BK stays
+    <= 16384 (with 4 warps: no spills in ptxas for sm_90, Triton 3.6; 128 x 128 and 64 x 256 are the
+    edge); BLOCK_N 64 and 128 are wgmma's M, 32 falls back to mma.sync."""
     if decode:
-        return [GemmTile(bn, bk, 1, 4, st) for bn in (32, 64, 128) for bk, st in ((128, 4), (256, 3), (256, 4))]
+        return [GemmTile(bn, bk, 1, w, st) for bn, bk, w, st in
+                ((32, 128, 4, 4), (64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4), (128, 64, 4, 4), (32, 256, 8, 3),
+                 (64, 256, 8, 3), (128, 128, 8, 3))]
     return [GemmTile(bn, bk, gm, w, st) for bn, bk, gm, w, st in
-            ((64, 128, 1, 4, 3), (128, 64, 8, 4, 3), (128, 64, 8, 8, 3), (128, 128, 8, 8, 3), (64, 64, 8, 4, 4))]
+            ((128, 64, 8, 8, 3), (128, 64, 8, 8, 4), (64, 64, 8, 4, 4), (64, 128, 8, 4, 3), (128, 128, 8, 8, 3),
+             (128, 32, 8, 8, 4))]
 
 
 def candidates(base: KernelConfig, decode: bool, stage: str, best_up: GemmTile | None = None) -> list[KernelConfig]:

@@ -161,7 +161,7 @@ def test_odd_reduction_tails_and_bf16(wo, scheme, group):
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-2
 
 
-@pytest.mark.parametrize("block_k,group", [(32, 64), (64, 64), (128, 32), (128, 64)])
+@pytest.mark.parametrize("block_k,group", [(32, 64), (64, 64), (128, 32), (128, 64), (64, 128), (256, 32)])
 def test_block_k_smaller_and_larger_than_group(wo, block_k, group):
     # BLOCK_K < g: several steps share one group's scale; BLOCK_K > g: one step spans several groups
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=9, k=2, hidden=160, seed=block_k)
@@ -170,8 +170,23 @@ def test_block_k_smaller_and_larger_than_group(wo, block_k, group):
     assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mxfp4_scales_far_from_one(wo, dtype):
+    # e8m0 exponents 116..130 (factors 2^-11 .. 2^3), so the kernels' 2^(s - 113) factor is checked on
+    # both sides of 2^0; every byte value (all 16 codes in both nibbles) occurs in the weights
+    x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=4, k=2, hidden=128, n=64, dtype=dtype, seed=31)
+    g = torch.Generator().manual_seed(32)
+    w13 = wo.WoWeight("mxfp4", w13.q, torch.randint(120, 131, w13.scale.shape, generator=g, dtype=torch.uint8), None, 32)
+    w2 = wo.WoWeight("mxfp4", w2.q, torch.randint(116, 129, w2.scale.shape, generator=g, dtype=torch.uint8), None, 32)
+    x = x * 2.0**-6  # keep the gate-up outputs near unit size
+    assert torch.unique(w13.q).numel() == 256
+    out = run_kernels(wo, x, w13, w2, ids, weights)
+    want = loop64(x, w13, w2, ids, weights)
+    assert 0.01 < want.abs().max() < 2e4 and rel(out, want) < (2e-3 if dtype == torch.float16 else 1e-2)
+
+
 @pytest.mark.parametrize("m", [0, 1])
-@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32)])
+@pytest.mark.parametrize("scheme,group", [("int8_w8a16", 0), ("int4_w4a16", 32), ("mxfp4", 32)])
 def test_empty_and_single_token(wo, m, scheme, group):
     # M = 1, k = 1 takes the naive shortcut (A*4 <= E): no alignment runs
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=1, seed=m)
@@ -271,7 +286,7 @@ def test_bad_call_arguments_are_refused_by_name(wo):
 
 
 @pytest.mark.parametrize("scheme,group", [("int8_w8a16", 0), ("int4_w4a16", 32), ("mxfp4", 32)])
-@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_split_k_down_matches_twin(wo, scheme, group, split_k):
     # N = 150 over 32-wide steps: 5 steps in 2 or 3 splits (the last one short, ending in a 22-wide group tail)
     from moekit.experts.triton_wo_plan import build_wo_plan
@@ -282,7 +297,7 @@ def test_split_k_down_matches_twin(wo, scheme, group, split_k):
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
     config = KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
     plan = build_wo_plan(x, *args, ids, expert_map, scheme, "silu", config, POISON, split_k)
-    assert plan.split_k == split_k and plan.workspace.shapes[1] == (split_k * 6, 64)  # y: partial rows
+    assert plan.split_k == split_k and plan.workspace.shapes[1] == (split_k * 6, 64)  # y: partial rows (1: none)
     out = wo.run_experts_wo(x, *args, ids, weights, expert_map, scheme, config=config, options=POISON, split_k=split_k)
     assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
 

@@ -31,7 +31,7 @@ from moekit.layouts.grouping import max_padded_rows
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
-MIN_PACKED_SUB = 32  # packed sub-tiles split into even/odd halves of >= 16 columns (tl.dot's least K)
+MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
@@ -109,20 +109,26 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
 
 
 def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The default without a tuned file; reasoned, not yet measured (``benchmarks/wo_tune.py`` tunes on the
-    device and writes the files, ``benchmarks/wo_device_check.py`` times this): the bf16 heuristic's tile heights (the padding tax follows the rows per expert); at decode
-    sizes reduction steps of 128 weight bytes per row (BLOCK_K 256 packed, 128 int8), and output tiles
-    as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM
-    streams weights)."""
+    """The default without a tuned file (``benchmarks/wo_tune.py`` tunes on the device and writes the
+    files, ``benchmarks/wo_device_check.py`` times this). The tile height follows the rows per expert
+    as in the bf16 heuristic (``configs.heuristic_config``: 16, 32, 64, then 128 from 64 rows per
+    expert, where the GEMMs are compute-bound and tall tiles reuse each dequantized weight tile 128
+    times). Decode sizes: reduction steps of 128 weights (64 packed bytes a row), 4 stages in flight,
+    and output tiles as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts
+    (so every SM streams weights); packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile
+    (float32 on its way to bf16) fits in registers next to the gate and up accumulators (ptxas for
+    sm_90, Triton 3.6: decode gate-up 128-168 registers, no spills)."""
     rows_per_expert = num_tokens * top_k / num_experts
+    widest = 128 if scheme == "int8_w8a16" else 64
     if rows_per_expert < 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
-        block_k = 128 if scheme == "int8_w8a16" else 256
-        up = GemmTile(_decode_width(blocks, n, widest=64), block_k, 1, 4, 4)  # gate and up: two weight tiles
-        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=128), block_k, 1, 4, 4))
+        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
+        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
+    if rows_per_expert < 32:
+        return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert < 64:
-        return KernelConfig(32 if rows_per_expert < 32 else 64, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
-    return KernelConfig(128, GemmTile(128, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))
+        return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
@@ -139,7 +145,7 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
 
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
     """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
-    [BM, BK] and the packed weight tiles [BK, BN] (1 byte or half a byte a weight), plus one 16-bit copy
+    [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
     of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
     weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
     packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
@@ -149,7 +155,7 @@ def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: 
 def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit_bytes: int) -> KernelConfig:
     """``config`` with each GEMM shrunk until the estimate fits ``limit_bytes``: fewer stages (to 2), then
     a halved BLOCK_K (to 32 packed, 16 int8). A config that fits comes back unchanged."""
-    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_SUB
+    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_K
 
     def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
         while wo_shared_memory_bytes(config.BLOCK_M, tile, scheme, itemsize, weight_tiles) > limit_bytes:
@@ -164,13 +170,13 @@ def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit
     return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
 
 
-def sub_tile(tile: GemmTile, scheme: str, group_size: int) -> int:
-    """SUB, the reduction width of one dequantized sub-tile: inside one scale group, and >= 32 for the
-    packed schemes. A config whose BLOCK_K cannot give that is refused, naming it."""
+def span(tile: GemmTile, scheme: str, group_size: int) -> int:
+    """SPAN, the reduction width one scale covers inside a step: min(BLOCK_K, g) (int8: BLOCK_K; its
+    scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it."""
     if scheme == "int8_w8a16":
         return tile.BLOCK_K
-    if tile.BLOCK_K < MIN_PACKED_SUB:
-        raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_SUB} for {scheme}, got {tile.BLOCK_K}")
+    if tile.BLOCK_K < MIN_PACKED_K:
+        raise ValueError(f"config BLOCK_K must be >= {MIN_PACKED_K} for {scheme}, got {tile.BLOCK_K}")
     return min(tile.BLOCK_K, group_size)
 
 
@@ -231,14 +237,14 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
                   cached=options.cached_launcher, **options.pdl_kwargs())
     gate_up = BoundLaunch(
         gemm.gate_up_wo_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SUB=sub_tile(up, scheme, w13.group_size), GROUP=w13.group_size,
+        (n, hidden, w13.q.shape[2], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch = BoundLaunch(
         gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
-        (hidden, n, num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
-        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SUB=sub_tile(down, scheme, w2.group_size), GROUP=w2.group_size,
+        (hidden, n, w2.q.shape[2], num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
+        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
     return gate_up, down_launch

@@ -1,5 +1,6 @@
 """Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are dequantized
-in registers, tile by tile, right before ``tl.dot``; activations stay bf16 (or fp16), accumulation fp32.
+in registers, one whole [BLOCK_N, BLOCK_K] tile per reduction step, right before a single ``tl.dot``;
+activations stay bf16 (or fp16), accumulation fp32.
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch`` (dequantize, then the float32 loop).
 
@@ -11,15 +12,27 @@ along C, the reduction dim (gate-up: R = 2N, C = K; down: R = K, C = N):
                   [E, R, ceil(C/g)]: w = (nibble - zero) * scale.
     2 mxfp4       q as int4 (e2m1 codes), scale uint8 e8m0 [E, R, ceil(C/32)]: w = e2m1(nibble) * 2^(s-127).
 
-Packed schemes never interleave the two nibbles back along K: one packed tile [SUB/2, BN] gives the
-even-K weights (low nibbles) and the odd-K weights (high nibbles), and the activation tile [BM, SUB] is
-split into its even and odd columns instead (a register-local split of a contiguous load), so
-    acc += dot(a_even, w_even) + dot(a_odd, w_odd).
-Each reduction step of BLOCK_K runs BLOCK_K / SUB sub-tiles (a static loop), SUB = min(BLOCK_K, g), so
-every sub-tile lies inside one scale group: its scale (and zero) is one [BN] vector load.
+Decoding a packed tile (``_decode``): the packed bytes [BN, BK/2] (contiguous along C) are split into
+low and high nibbles, which ``tl.join`` + ``tl.reshape`` interleave back into the natural K order
+[BN, BK] (element 2i, 2i+1 side by side in one thread: no data moves). Each nibble is decoded by placing
+its bits, never by per-element branches or tables:
+    int4   (code << 16) | 0x43000000 read as float32 is 128 + code exactly; w = (128 + code) * s - (128 + z) * s,
+           one fma per weight with the group's (s, -(128 + z) * s) in float32 (error ~2^-24 of 143 s: far
+           below the bf16 rounding that follows).
+    mxfp4  (code & 7) << 9 | (code & 8) << 12 read as float16 is e2m1(code) * 2^-14 exactly (e = 0, the
+           code 0.5, lands on an fp16 subnormal, which fp16 -> fp32 converts exactly; no flush-to-zero
+           applies to 16-bit sources); w = that * 2^(s - 113), the factor built as the float32 bits
+           (s + 14) << 23 (exact; e8m0 scales above 2^113 are out of range and overflow).
+The group scales multiply the weights in float32 (the tile viewed as [BN, BK/SPAN, SPAN], SPAN =
+min(BK, g), one scale per span), then the tile is rounded once to the activations' dtype: the same
+one rounding of the exact dequantized weight as ``dequantize_wo(...).to(bf16)``.
 
-Past C (an odd C, a group tail, a last partial step) the activations load as 0 and the weights too; a
-high nibble past an odd C multiplies a zero activation, and no scheme decodes to inf or NaN.
+Operand order: acc [BM, BN] = a [BM, BK] @ W^T, the decoded tile [BN, BK] transposed as the right
+operand. (Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on
+the H200, Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal.)
+
+Past C (an odd C, a group tail, a last partial step) the activations load as 0; the weights there
+decode to finite values (0 where no scale group remains), so nothing leaks in.
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
@@ -28,8 +41,8 @@ fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial 
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
 
-Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN/BK the tile, SUB the
-sub-tile width along the reduction.
+Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN/BK the tile, SPAN the
+reduction width one scale covers inside a step.
 """
 
 import triton
@@ -38,55 +51,92 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 
-
 @triton.jit
-def _e2m1(code):
-    """e2m1 code (0..15, int) -> float32: sign bit 3; magnitude [0, 0.5, 1, 1.5, 2, 3, 4, 6] by bits 0-2
-    (exponent e = bits 1-2, mantissa m = bit 0: e = 0 -> m/2, else 2^(e-1) * (1 + m/2))."""
-    mag = (code & 7).to(tl.int32)
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    value = tl.where(e == 0, 0.5 * m, (1 << e).to(tl.float32) * (0.5 + 0.25 * m))
-    return tl.where((code & 8) != 0, -value, value)
+def _interleave(low, high, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """low, high [BN, BK/2] (what the low and high nibbles of each byte decode to) -> [BN, BK] in K
+    order: element 2i from the low nibble, 2i+1 from the high (a register-local join)."""
+    return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
-def _dequant_dot(acc, a, q_rows, s_rows, z_rows, kk, C, n_ok, stride_qc, stride_sg, stride_zg,
-                 BLOCK_M: tl.constexpr, SUB: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """acc [BM, BN] += a [BM, SUB] @ W[rows, kk : kk + SUB]^T, W dequantized here. q_rows, s_rows, z_rows
-    [BN]: pointers to each weight row's start in q, scale and zero."""
-    if SCHEME == 0:
-        k = kk + tl.arange(0, SUB)
-        w = tl.load(q_rows[None, :] + k[:, None] * stride_qc, mask=(k < C)[:, None] & n_ok[None, :], other=0)
-        return tl.dot(a, w.to(a.dtype), acc)  # [SUB, BN]; the scale waits for the epilogue
-    kb = kk // 2 + tl.arange(0, SUB // 2)  # packed columns of this sub-tile
-    packed = tl.load(q_rows[None, :] + kb[:, None] * stride_qc,
-                     mask=(kb < (C + 1) // 2)[:, None] & n_ok[None, :], other=0)  # [SUB/2, BN] uint8
-    lo, hi = packed & 15, packed >> 4  # elements kk + 2i, kk + 2i + 1
-    group_ok = tl.where(kk < C, n_ok, False)  # past C no scale is read (its weights are 0 already)
+def _group_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """(mul, add) [BN, BK/SPAN] float32 for the spans of step k0: w = decoded * mul + add. Past the
+    last group both are 0. The kernels load these one step ahead (a load of bytes that Triton cannot
+    pipeline would otherwise stall every step for a memory latency)."""
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // SPAN)  # [BK/SPAN] group of each span (SPAN = GROUP when > 1)
+    ok = n_ok[:, None] & (g * GROUP < C)[None, :]
     if SCHEME == 1:
-        scale = tl.load(s_rows + (kk // GROUP) * stride_sg, mask=group_ok, other=0.0)[None, :]  # [1, BN]
-        zero = tl.load(z_rows + (kk // GROUP) * stride_zg, mask=group_ok, other=0).to(tl.float32)[None, :]
-        w_even = (lo.to(tl.float32) - zero) * scale
-        w_odd = (hi.to(tl.float32) - zero) * scale
+        scale = tl.load(s_rows[:, None] + g[None, :] * stride_sg, mask=ok, other=0.0)
+        zero = tl.load(z_rows[:, None] + g[None, :] * stride_zg, mask=ok, other=0).to(tl.float32)
+        add = -(128.0 + zero) * scale
     else:
-        exponent = tl.load(s_rows + (kk // GROUP) * stride_sg, mask=group_ok, other=127).to(tl.float32)
-        factor = tl.exp2(exponent - 127.0)[None, :]  # e8m0
-        w_even = _e2m1(lo) * factor
-        w_odd = _e2m1(hi) * factor
-    a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, SUB // 2, 2]))  # [BM, SUB/2] each
-    acc = tl.dot(a_even, w_even.to(a.dtype), acc)
-    return tl.dot(a_odd, w_odd.to(a.dtype), acc)
+        exponent = tl.load(s_rows[:, None] + g[None, :] * stride_sg, mask=ok, other=0).to(tl.int32)
+        scale = tl.where(ok, ((exponent + 14) << 23).to(tl.float32, bitcast=True), 0.0)
+        add = tl.zeros_like(scale)
+    return scale, add
+
+
+@triton.jit
+def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN: tl.constexpr, GROUP: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """``_group_scales`` of step k0 for the packed schemes; int8 (scaled in the epilogue): zeros [BN, 1]."""
+    if SCHEME == 0:
+        mul = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+        add = mul
+    else:
+        mul, add = _group_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_K, SCHEME)
+    return mul, add
+
+
+@triton.jit
+def _load_weights(q_rows, k0, stored_cols, n_ok, stride_qc, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """The stored bytes of W[rows, k0 : k0 + BK]: int8 [BN, BK], packed [BN, BK/2]. ``stored_cols``: a
+    row's bytes (C, or ceil(C/2) packed), passed in rather than computed from C so that the compiler
+    sees its divisibility: the masked load then stays a 16-byte vector load (and a pipelined one)."""
+    if SCHEME == 0:
+        k = k0 + tl.arange(0, BLOCK_K)
+    else:
+        k = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed columns of this step
+    return tl.load(q_rows[:, None] + k[None, :] * stride_qc, mask=n_ok[:, None] & (k < stored_cols)[None, :], other=0)
+
+
+@triton.jit
+def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+            SCHEME: tl.constexpr):
+    """``_load_weights``' bytes of a step -> W[rows, k0 : k0 + BK] [BN, BK] in DTYPE, dequantized with that
+    step's ``_group_scales`` (int8: not yet scaled, mul and add unused)."""
+    if SCHEME == 0:
+        w = raw.to(tl.float32).to(DTYPE)  # exact; via float32 (the interpreter's int8 -> bf16 gives NaN)
+    else:
+        packed = raw.to(tl.int32)  # [BN, BK/2] bytes
+        if SCHEME == 1:  # the nibble to bits 16-19 of float32 128.0
+            bits = _interleave((packed & 0x0F) << 16, (packed & 0xF0) << 12, BLOCK_N, BLOCK_K) | 0x43000000
+            decoded = bits.to(tl.float32, bitcast=True)  # 128 + code
+        else:  # exponent and mantissa bits to fp16 bits 9-11, the sign to bit 15
+            low = ((packed & 0x07) << 9) | ((packed & 0x08) << 12)
+            high = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
+            bits = _interleave(low, high, BLOCK_N, BLOCK_K).to(tl.int16)
+            decoded = bits.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 value * 2^-14
+        spans = tl.reshape(decoded, [BLOCK_N, BLOCK_K // SPAN, SPAN])
+        w = tl.reshape(spans * mul[:, :, None] + add[:, :, None], [BLOCK_N, BLOCK_K]).to(DTYPE)
+    return w
+
+
+@triton.jit
+def _dot_t(w, a, acc):
+    """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
+    return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
 def gate_up_wo_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_assignments, top_k, num_experts, num_pid_m,
+    N, K, K_STORED, num_assignments, top_k, num_experts, num_pid_m,  # K_STORED: bytes of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_hm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -106,20 +156,27 @@ def gate_up_wo_kernel(
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
     x_rows = x_ptr + token[:, None] * stride_xm  # [BM, 1]
-    offs_k = tl.arange(0, SUB)
+    offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for k0 in range(0, K, BLOCK_K):
-        for sub in tl.static_range(BLOCK_K // SUB):
-            kk = k0 + sub * SUB
-            k = kk + offs_k
-            a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-            acc_gate = _dequant_dot(acc_gate, a, qg, sg, zg, kk, K, n_ok, stride_qc, stride_sg, stride_zg,
-                                    BLOCK_M, SUB, GROUP, SCHEME)
-            acc_up = _dequant_dot(acc_up, a, qu, su, zu, kk, K, n_ok, stride_qc, stride_sg, stride_zg,
-                                  BLOCK_M, SUB, GROUP, SCHEME)
+        next_mul_g, next_add_g = _scales(sg, zg, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                         BLOCK_N, BLOCK_K, SCHEME)
+        next_mul_u, next_add_u = _scales(su, zu, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                         BLOCK_N, BLOCK_K, SCHEME)
+        k = k0 + offs_k
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+            a = a.to(tl.float32)
+        w = _decode(_load_weights(qg, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_g, add_g, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc_gate = _dot_t(w, a, acc_gate)
+        w = _decode(_load_weights(qu, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_u, add_u, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc_up = _dot_t(w, a, acc_up)
+        mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
@@ -133,17 +190,17 @@ def gate_up_wo_kernel(
 def down_wo_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    K, N, num_assignments, num_experts, num_pid_m, split_len,
+    K, N, N_STORED, num_assignments, num_experts, num_pid_m, split_len,  # N_STORED: bytes of a w2 row
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the
-    output columns (K), the reduction runs over N. Split-K (SPLIT > 1, grid axis 1 = split s): program
-    (.., s) reduces N in [s * split_len, (s + 1) * split_len) (split_len a multiple of BLOCK_K, so no
-    step straddles two splits) into its own partial rows y[s * A + a]; ``combine.sum_slots_kernel`` sums them."""
+    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
+    grid axis 1 = split s): program (.., s) reduces N in [s * split_len, (s + 1) * split_len)
+    (split_len a multiple of BLOCK_K, so no step straddles two splits) into its own partial rows
+    y[s * A + a]; ``combine.sum_slots_kernel`` sums them."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -159,18 +216,21 @@ def down_wo_kernel(
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
-    offs_red = tl.arange(0, SUB)
+    offs_red = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_start = tl.program_id(1) * split_len
+    mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
-        for sub in tl.static_range(BLOCK_K // SUB):
-            nn = n0 + sub * SUB
-            red = nn + offs_red
-            a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-            acc = _dequant_dot(acc, a, q_rows, s_rows, z_rows, nn, N, out_ok, stride_qc, stride_sg, stride_zg,
-                               BLOCK_M, SUB, GROUP, SCHEME)
+        next_mul, next_add = _scales(s_rows, z_rows, n0 + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                     BLOCK_N, BLOCK_K, SCHEME)
+        red = n0 + offs_red
+        a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = _decode(_load_weights(q_rows, n0, N_STORED, out_ok, stride_qc, BLOCK_K, SCHEME), mul, add, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc = _dot_t(w, a, acc)
+        mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
