@@ -269,3 +269,34 @@ def test_compile_only_warms_the_same_arguments_and_restores_the_launch():
         raise RuntimeError("a failed pass")
     launch("c", "d")
     assert kernel.log[-1][0] == "launch"  # restored after an exception too
+
+
+def test_precompile_warms_every_call_inside_async_compile(monkeypatch):
+    """The orchestration (Triton's AsyncCompileMode itself is exercised on the GPU): every call's
+    launches become warmups inside one async-compile scope, and a call that raises skips only itself."""
+    scopes = []
+
+    class FakeAsyncCompileMode:
+        def __init__(self, pool, ignore_errors=False):
+            scopes.append(("enter", ignore_errors))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            scopes.append(("exit", None))
+
+    monkeypatch.setattr(triton, "AsyncCompileMode", FakeAsyncCompileMode, raising=False)
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    kernel = _Kernel()
+    launch = BoundLaunch(kernel, (2,), 2, (5,), False, BLOCK=16)
+
+    def broken():
+        raise RuntimeError("a config whose plan cannot be built")
+
+    tuning.precompile([lambda: launch("a", "b"), broken, lambda: launch("c", "d")], torch.device("cuda"))
+    assert scopes == [("enter", True), ("exit", None)]
+    assert [(kind, args) for kind, args, _, _ in kernel.log] == [("warmup", ("a", "b", 5, 16)),
+                                                                 ("warmup", ("c", "d", 5, 16))]
+    tuning.precompile([lambda: launch("e", "f")], CPU)  # nothing to compile off the GPU
+    assert len(kernel.log) == 2 and len(scopes) == 2

@@ -38,8 +38,8 @@ from moekit.bench.cells import GPU_BATCHES, CellInputs, Shape, make_sets, make_w
 from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
 from moekit.experts.configs import (
-    PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, heuristic_config,
-    read_configs, write_configs,
+    PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, dtype_key,
+    heuristic_config, read_configs, write_configs,
 )
 from moekit.triton_bind import BoundLaunch, interpreting
 
@@ -99,7 +99,7 @@ def float_scheme(dtype: torch.dtype) -> TuneScheme:
         return fused_experts(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, config=config)
 
     return TuneScheme(
-        name=str(dtype).removeprefix("torch."), x_dtype=dtype,
+        name=dtype_key(dtype), x_dtype=dtype,
         make_weights=lambda shape, device: make_weights(shape, dtype, device), call=call,
         heuristic=lambda m, s: heuristic_config(m, s.num_experts, s.n, s.k, s.top_k),
         block_ms=block_m_candidates, tiles=tile_candidates,
@@ -113,7 +113,7 @@ def scheme_for(dtype: torch.dtype | str) -> TuneScheme:
 
     if isinstance(dtype, str) and dtype in FLOAT_DTYPES:
         dtype = getattr(torch, dtype)
-    if isinstance(dtype, torch.dtype) and str(dtype).removeprefix("torch.") in FLOAT_DTYPES:
+    if isinstance(dtype, torch.dtype) and dtype_key(dtype) in FLOAT_DTYPES:
         return float_scheme(dtype)
     if dtype in QUANT_SCHEMES:
         return quant_scheme(dtype)
