@@ -105,10 +105,10 @@ def test_bench_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
 def test_tuner_search_and_resume(tmp_path, monkeypatch):
     timed = []
 
-    def fake_timer(shape, num_tokens, dtype, device):
-        def measure(cfg: KernelConfig) -> float:  # cheapest: up BLOCK_N 64, down BLOCK_K 256
-            timed.append(cfg)
-            return 10 + abs(cfg.up.BLOCK_N - 64) + abs(cfg.down.BLOCK_K - 256) / 64
+    def fake_timer(shape, num_tokens, scheme, device, weights):
+        def measure(configs: list[KernelConfig]) -> list[float]:  # cheapest: up BLOCK_N 64, down BLOCK_K 256
+            timed.extend(configs)
+            return [10 + abs(cfg.up.BLOCK_N - 64) + abs(cfg.down.BLOCK_K - 256) / 64 for cfg in configs]
         return measure
 
     monkeypatch.setattr(tuning, "_timer", fake_timer)

@@ -7,7 +7,8 @@ the tuner, the expert-parallel layer, and one real layer against the byte model.
     cells.py          the shapes, the routing, and each cell's compulsory bytes, FLOPs and floor
     run.py            the sweep: ceilings, then every (shape, M, backend) cell
     report.py         results JSON, the PNG, the compact table
-    tuning.py         the kernel-config tuner behind ``moekit tune``
+    tuning.py         the kernel-config tuner behind ``moekit tune``: the search, its files, ``--install``
+    tuning_quant.py   the tuner's quantized formats: fp8_block and the weight-only int8 / int4 / mxfp4
     ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)
     layer_measure.py  one ``MoE`` layer over a batch sweep beside the byte model (``analyze --measure``)
     hf_models.py, hf_measure.py, hf_run.py, hf_report.py, hf_fp64.py

@@ -1,32 +1,68 @@
-"""The kernel-config tuner behind ``moekit tune``: times candidate launch configs of the Triton experts
-path on this GPU and writes a config file that ``moekit.experts.configs`` picks up with no code change.
+"""The kernel-config tuner behind ``moekit tune``: times candidate launch configs of a Triton experts
+path on this GPU and writes a config file that the path's lookup picks up with no code change.
+
+    tune(shape, batches, dtype) -> scheme_for(dtype): TuneScheme (what differs per weight format)
+        per M: tune_one -> coordinate descent, each stage's candidates compiled together, then timed
+        -> E{E}_N{N}_K{K}_{dtype or scheme}_{device}.json (``moekit.experts.configs``' format)
+
+Weight formats (``TuneScheme``): the 16-bit/float32 path (``bfloat16``, ``float16``, ``float32``; here)
+and the quantized ones (``fp8_block``, ``int8_w8a16``, ``int4_w4a16``, ``mxfp4``; ``tuning_quant``).
 
 Search, per batch size M (coordinate descent, so the cost is a sum, not a product, of the choices):
 for each candidate BLOCK_M near the mean rows per expert, try the gate-up tiles with the down tile
 fixed, keep the best, then the down tiles; keep the best BLOCK_M. The heuristic default is timed too,
 and both times are stored beside the entry (``measured``), so the default's shortfall is on record.
+Each stage hands its candidates to the timer at once: on a GPU their kernels compile together in a
+thread pool (``precompile``) before any is timed.
 
 Resumable: each finished M is written to ``<file>.partial.json`` at once; a rerun skips those M.
 An existing file keeps its entries for the M not tuned in this run (``--batches`` retunes a few).
+``install`` copies a finished file into the packaged config directory (for committing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from moekit.bench.cells import GPU_BATCHES, Shape, make_sets, make_weights
+from moekit.bench.cells import GPU_BATCHES, CellInputs, Shape, make_sets, make_weights
 from moekit.bench.run import GRAPH_MAX_M
 from moekit.bench.timing import time_calls
 from moekit.experts.configs import (
-    GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, heuristic_config, write_configs,
+    PACKAGED_DIR, GemmTile, KernelConfig, config_file_name, default_user_dir, device_key, dtype_key,
+    heuristic_config, read_configs, write_configs,
 )
+from moekit.triton_bind import BoundLaunch, interpreting
 
 TUNE_BATCHES = GPU_BATCHES  # tuned at the M values the bench times
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class TuneScheme:
+    """What the search needs of one weight format: its weights, the call it times, the plan's default
+    and file name, and the candidate tiles (each one the plan's own config checks accept)."""
+
+    name: str  # the file name's dtype part and its "dtype" field: "bfloat16", "fp8_block", "int4_w4a16", ...
+    x_dtype: torch.dtype  # the activations of the timed calls
+    make_weights: Callable[[Shape, torch.device], object]  # made once per shape, passed to ``call``
+    call: Callable[[object, CellInputs, KernelConfig], torch.Tensor]  # one experts call on an explicit config
+    heuristic: Callable[[int, Shape], KernelConfig]  # (M, shape) -> the plan's default without a file
+    block_ms: Callable[[int, Shape], list[int]]  # (M, shape) -> the tile heights worth timing
+    tiles: Callable[[int, str], list[GemmTile]]  # (BLOCK_M, "up" or "down") -> the tiles tried there
+    file_name: Callable[[int, int, int, str], str]  # (E, N, K, device key) -> the name the lookup reads
+    validate: Callable[[KernelConfig], None] = lambda config: None  # the plan's own check; raises ValueError
+    # (shape, device) -> None, or a ValueError/TypeError for a shape the path cannot take (a quick check on device)
+    check_shape: Callable[[Shape, torch.device], None] = lambda shape, device: None
 
 
 def block_m_candidates(num_tokens: int, shape: Shape) -> list[int]:
@@ -55,20 +91,88 @@ def tile_candidates(block_m: int, which: str) -> list[GemmTile]:
         (128, 64, 8, 8, 5), (256, 64, 8, 8, 4), (128, 64, 4, 8, 4), (64, 128, 8, 4, 4))]
 
 
-def _timer(shape: Shape, num_tokens: int, dtype, device):
+def float_scheme(dtype: torch.dtype) -> TuneScheme:
+    """The 16-bit (or float32) path, ``moekit.experts.triton.fused_experts``, on random weights."""
     from moekit.experts.triton import fused_experts
 
-    weights = make_weights(shape, dtype, device)
-    w13, w2 = weights.w13, weights.w2
-    sets = make_sets(shape, num_tokens, 2 if num_tokens > 64 else 4, dtype, device, seed=7)
+    def call(w, s: CellInputs, config: KernelConfig) -> torch.Tensor:
+        return fused_experts(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, config=config)
 
-    def measure(cfg: KernelConfig) -> float:
-        calls = [lambda s=s: fused_experts(s.x, w13, w2, s.topk_ids, s.topk_weights, config=cfg) for s in sets]
+    return TuneScheme(
+        name=dtype_key(dtype), x_dtype=dtype,
+        make_weights=lambda shape, device: make_weights(shape, dtype, device), call=call,
+        heuristic=lambda m, s: heuristic_config(m, s.num_experts, s.n, s.k, s.top_k),
+        block_ms=block_m_candidates, tiles=tile_candidates,
+        file_name=lambda e, n, k, device: config_file_name(e, n, k, dtype, device),
+    )
+
+
+def scheme_for(dtype: torch.dtype | str) -> TuneScheme:
+    """The scheme of a float dtype (a ``torch.dtype`` or its name) or of a quantization scheme name."""
+    from moekit.bench.tuning_quant import QUANT_SCHEMES, quant_scheme
+
+    if isinstance(dtype, str) and dtype in FLOAT_DTYPES:
+        dtype = getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype) and dtype_key(dtype) in FLOAT_DTYPES:
+        return float_scheme(dtype)
+    if dtype in QUANT_SCHEMES:
+        return quant_scheme(dtype)
+    raise ValueError(f"dtype must be one of {[*FLOAT_DTYPES, *QUANT_SCHEMES]}, got {dtype!r}")
+
+
+@contextlib.contextmanager
+def _compile_only():
+    """Inside, every ``BoundLaunch`` call asks Triton to compile its kernel for those arguments
+    (``warmup``) and launches nothing. So one pass through a path's real call submits the compiles of
+    exactly the kernels, constexprs and pointer specialisations its timed calls will use, without this
+    module restating any path's launch arguments. Single-threaded use only (it swaps a class method)."""
+    launch = BoundLaunch.__call__
+
+    def warm(self, *pointers) -> None:
+        self.kernel.warmup(*pointers, *self.tail, grid=self.grid, **self.options)
+
+    BoundLaunch.__call__ = warm
+    try:
+        yield
+    finally:
+        BoundLaunch.__call__ = launch
+
+
+def precompile(calls: list[Callable[[], object]], device: torch.device) -> None:
+    """Compile the kernels of ``calls`` (one call per config) together in a thread pool (Triton's
+    AsyncCompileMode, Triton >= 3.5) instead of one at a time on first use. A kernel that fails to
+    compile, or a Triton without AsyncCompileMode, is left to compile (and fail) when it is timed."""
+    if device.type != "cuda" or interpreting():
+        return
+    try:
+        from triton import AsyncCompileMode
+    except ImportError:
+        return
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True), _compile_only():
+        for call in calls:
+            with contextlib.suppress(Exception):  # its config is then timed (as inf) like any that fails
+                call()
+
+
+def _timer(shape: Shape, num_tokens: int, scheme: TuneScheme, device: torch.device, weights):
+    """``measure(configs) -> µs of each`` for one M: the configs' kernels compiled together, then each
+    timed over rotated input sets (CUDA-graph replay up to GRAPH_MAX_M); inf for one that fails."""
+    sets = make_sets(shape, num_tokens, 2 if num_tokens > 64 else 4, scheme.x_dtype, device, seed=7)
+
+    def calls(config: KernelConfig) -> list[Callable[[], torch.Tensor]]:
+        return [lambda s=s: scheme.call(weights, s, config) for s in sets]
+
+    def one(config: KernelConfig) -> float:
         try:
-            return time_calls(calls, device, graph=num_tokens <= GRAPH_MAX_M, budget_s=0.08, min_reps=3, max_reps=20)
+            return time_calls(calls(config), device, graph=num_tokens <= GRAPH_MAX_M, budget_s=0.08, min_reps=3,
+                              max_reps=20)
         except Exception:  # noqa: BLE001  (a config that does not compile or fit: out of the running)
             torch.cuda.synchronize()
             return float("inf")
+
+    def measure(configs: list[KernelConfig]) -> list[float]:
+        precompile([calls(c)[0] for c in configs], device)
+        return [one(c) for c in configs]
 
     return measure
 
@@ -82,62 +186,105 @@ class TuneResult:
     heuristic_us: float  # the heuristic default's median µs per call, timed in the same search
 
 
-def tune_one(shape: Shape, num_tokens: int, dtype, device) -> TuneResult:
-    """Search the configs for one M (coordinate descent, see the module docstring)."""
-    measure = _timer(shape, num_tokens, dtype, device)
-    default = heuristic_config(num_tokens, shape.num_experts, shape.n, shape.k, shape.top_k)
-    default_us = measure(default)
-    best, best_us = default, default_us
-    for block_m in block_m_candidates(num_tokens, shape):
+def tune_one(shape: Shape, num_tokens: int, scheme: TuneScheme, device, weights) -> TuneResult:
+    """Search the configs for one M (coordinate descent, see the module docstring). A config is timed
+    once; ties keep the one met first (the default, then the stage's starting point)."""
+    measure = _timer(shape, num_tokens, scheme, device, weights)
+    timed: dict[KernelConfig, float] = {}
+
+    def best_of(configs: list[KernelConfig]) -> tuple[KernelConfig, float]:
+        new = [c for c in dict.fromkeys(configs) if c not in timed]
+        timed.update(zip(new, measure(new)) if new else ())
+        return min(((c, timed[c]) for c in configs), key=lambda p: p[1])  # min keeps the first of equals
+
+    default = scheme.heuristic(num_tokens, shape)
+    heights = scheme.block_ms(num_tokens, shape)
+    best_of([default] + [replace(default, BLOCK_M=b) for b in heights])
+    best, best_us = default, timed[default]
+    for block_m in heights:
         cfg = replace(default, BLOCK_M=block_m)
-        cfg_us = measure(cfg)
         for which in ("up", "down"):
-            for tile in tile_candidates(block_m, which):
-                cand = replace(cfg, **{which: tile})
-                if cand == cfg:
-                    continue
-                us = measure(cand)
-                if us < cfg_us:
-                    cfg, cfg_us = cand, us
+            cfg, cfg_us = best_of([cfg] + [replace(cfg, **{which: t}) for t in scheme.tiles(block_m, which)])
         if cfg_us < best_us:
             best, best_us = cfg, cfg_us
-    return TuneResult(best, best_us, default_us)
+    return TuneResult(best, best_us, timed[default])
 
 
-def tune(shape: Shape, batches, dtype=torch.bfloat16, device=None, out_dir: Path | None = None,
+def tune(shape: Shape, batches, dtype: torch.dtype | str = torch.bfloat16, device=None, out_dir: Path | None = None,
          budget_s: float | None = None, progress=None) -> Path:
     """Tune every M of ``batches`` (resuming a partial run), write the config file, return its path.
-    With ``budget_s``, no new M is started once that many seconds have passed (at least one M is
-    tuned per run); the rest waits for a rerun."""
-    device = torch.device(device or "cuda")
+    ``dtype``: a float dtype (or its name) or a quantization scheme (``scheme_for``). With
+    ``budget_s``, no new M is started once that many seconds have passed (at least one M is tuned per
+    run); the rest waits for a rerun. The weights are made once, when the first M is tuned."""
+    scheme, device = scheme_for(dtype), torch.device(device or "cuda")
     out_dir = Path(out_dir) if out_dir else default_user_dir()
     dev = device_key(device)
-    path = out_dir / config_file_name(shape.num_experts, shape.n, shape.k, dtype, dev)
+    path = out_dir / scheme.file_name(shape.num_experts, shape.n, shape.k, dev)
     partial = path.with_suffix(".partial.json")
     done = json.loads(partial.read_text()) if partial.exists() else {"configs": {}, "measured": {}}
     todo = [m for m in batches if str(m) not in done["configs"]]
-    task = progress.add_task(f"tune {shape.name}", total=len(batches), completed=len(batches) - len(todo)) if progress else None
-    start = time.monotonic()
+    label = f"tune {shape.name} {scheme.name}"
+    task = progress.add_task(label, total=len(batches), completed=len(batches) - len(todo)) if progress else None
+    start, weights = time.monotonic(), None
     for m in todo:
-        result = tune_one(shape, m, dtype, device)
+        weights = scheme.make_weights(shape, device) if weights is None else weights
+        result = tune_one(shape, m, scheme, device, weights)
         done["configs"][str(m)] = result.config.to_dict()
         done["measured"][str(m)] = {"us": round(result.us, 2), "heuristic_us": round(result.heuristic_us, 2)}
         out_dir.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps(done, indent=1))
         if progress:
             progress.update(task, advance=1,
-                            description=f"tune {shape.name} M={m}: {result.us:.1f} µs (default {result.heuristic_us:.1f})")
+                            description=f"{label} M={m}: {result.us:.1f} µs (default {result.heuristic_us:.1f})")
         if budget_s is not None and time.monotonic() - start > budget_s:
             break  # checked after each M, so every run makes progress
+    _save(path, shape, scheme.name, dev, done)
+    if all(str(m) in done["configs"] for m in batches):
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _save(path: Path, shape: Shape, name: str, dev: str, done: dict) -> None:
+    """Write the tuned entries of ``done`` into ``path``, keeping the file's entries of other M."""
     configs = {int(m): KernelConfig.from_dict(c) for m, c in done["configs"].items()}
     if not configs:
-        return path
+        return
     measured = {int(m): v for m, v in done["measured"].items()}
     if path.exists():  # entries of M not tuned in this run stay as they were
         old = json.loads(path.read_text())
         configs = {**{int(m): KernelConfig.from_dict(c) for m, c in old["configs"].items()}, **configs}
         measured = {**{int(m): v for m, v in old.get("measured", {}).items()}, **measured}
-    write_configs(path, shape.num_experts, shape.n, shape.k, dtype, dev, configs, measured=measured)
-    if all(str(m) in done["configs"] for m in batches):
-        partial.unlink()
-    return path
+    write_configs(path, shape.num_experts, shape.n, shape.k, name, dev, configs, measured=measured)
+
+
+def check_tuned_file(path: Path) -> str:
+    """The name ``path`` gets in the config directories, after checking it: a ValueError unless it is a
+    config file whose name is the one its scheme's lookup reads for its own E, N, K, dtype and device,
+    and whose entries the scheme's plan accepts."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        e, n, k, dtype, device = (int(data["E"]), int(data["N"]), int(data["K"]), str(data["dtype"]),
+                                  str(data["device"]))
+        configs = read_configs(path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not a tuned config file ({type(err).__name__}: {err})") from None
+    scheme = scheme_for(dtype)
+    expected = scheme.file_name(e, n, k, device)
+    if path.name != expected:
+        raise ValueError(f"{path.name}: its fields say it must be named {expected}")
+    for m, config in configs.items():
+        try:
+            scheme.validate(config)
+        except ValueError as err:
+            raise ValueError(f"{path.name}, M={m}: {err}") from None
+    return expected
+
+
+def install(path: Path, packaged_dir: Path | None = None) -> Path:
+    """Copy a finished tuned file (as ``tune`` writes it, e.g. fetched from the GPU machine) into
+    ``packaged_dir`` (default: the packaged config directory, where every lookup finds it after the
+    user directories); refused (``check_tuned_file``) before anything is written. Returns the copy's path."""
+    target = Path(packaged_dir or PACKAGED_DIR) / check_tuned_file(path)
+    shutil.copyfile(path, target)
+    return target

@@ -1,27 +1,44 @@
-"""``moekit tune``: tune the Triton experts kernels for a shape on this GPU; the file it writes (in the
-user config directory, searched before the packaged configs) is picked up with no code change."""
+"""``moekit tune``: tune the Triton experts kernels for a shape and weight format on this GPU; the file it
+writes (in the user config directory, searched before the packaged configs) is picked up with no code
+change. ``--install FILE ...`` copies tuned files into the packaged configs (``moekit/experts/configs/``),
+for committing: tune on the GPU machine with ``--out DIR``, fetch DIR, install from it."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from moekit.cli._args import ListOption, UsageError, output_dir, positive_float, positive_int
+from moekit.quant import SCHEMES
+
+DTYPES = ("bfloat16", "float16", "float32", *SCHEMES)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("tune", help="tune the Triton experts kernels for a shape on this GPU",
-                              description="Sweep launch configs of the Triton experts path per batch size M, "
-                              "resumably, and write a config file that lookups pick up.")
+                              description="Sweep launch configs of the Triton experts path of a weight format "
+                              "per batch size M, resumably, and write a config file that lookups pick up.")
     p.add_argument("--preset", action=ListOption, item=str, default=None,
                    help="model presets, space- or comma-separated (repeatable), e.g. qwen3-30b-a3b")
     p.add_argument("--shape", default=None, help="explicit E,N,K,top_k instead of a preset, e.g. 64,1408,2048,6")
     p.add_argument("--batches", action=ListOption, item=positive_int, default=None,
                    help="M values, space- or comma-separated (default: 1..16384)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="weights: a float dtype, or a quantization scheme (weights quantized, bf16 activations)")
     p.add_argument("--out", type=output_dir, default=None, help="directory to write to (default: the user config dir)")
     p.add_argument("--budget-s", type=positive_float, default=None,
                    help="stop starting new M after this many seconds per shape")
+    p.add_argument("--install", action=ListOption, item=_tuned_file, default=None, metavar="FILE",
+                   help="instead of tuning: copy these tuned files (written by moekit tune --out) into the "
+                   "packaged configs, moekit/experts/configs/")
     p.set_defaults(func=_run)
+
+
+def _tuned_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return path
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -30,8 +47,10 @@ def _run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from moekit.bench.cells import Shape
-    from moekit.bench.tuning import TUNE_BATCHES, tune
+    from moekit.bench.tuning import TUNE_BATCHES, scheme_for, tune
 
+    if args.install:
+        return _install(args)
     try:
         shapes = [Shape.from_preset(p) for p in (args.preset or [])]
     except ValueError as err:
@@ -42,13 +61,43 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("give --preset NAME or --shape E,N,K,top_k")
     if not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (the Triton kernels are tuned where they run); none is visible")
+    scheme = scheme_for(args.dtype)
+    for shape in shapes:  # before any shape's weights are made
+        try:
+            scheme.check_shape(shape, torch.device("cuda"))
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"--dtype {args.dtype} cannot take {shape.name} (E={shape.num_experts}, N={shape.n}, "
+                             f"K={shape.k}): {err}") from None
     console = Console()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         for shape in shapes:
-            path = tune(shape, args.batches or TUNE_BATCHES, getattr(torch, args.dtype), out_dir=args.out,
+            path = tune(shape, args.batches or TUNE_BATCHES, args.dtype, out_dir=args.out,
                         budget_s=args.budget_s, progress=progress)
             console.print(f"wrote {path}")
+    return 0
+
+
+def _install(args: argparse.Namespace) -> int:
+    """``--install FILE ...``: the finished files into the packaged configs, all checked before any is
+    copied; a partial run's progress file is skipped, saying so (its finished M are in the file beside it)."""
+    from moekit.bench.tuning import check_tuned_file, install
+
+    if args.preset or args.shape or args.batches or args.out or args.budget_s:
+        raise UsageError("--install copies files tuned before; give it alone, without --preset, --shape, "
+                         "--batches, --out or --budget-s")
+    finished = []
+    for path in args.install:
+        if path.name.endswith(".partial.json"):
+            print(f"skipped {path}: the progress of an unfinished run (its finished M are in the file beside it)")
+            continue
+        try:
+            check_tuned_file(path)
+        except ValueError as err:
+            raise UsageError(f"--install: {err}") from None
+        finished.append(path)
+    for path in finished:  # every file checked before any is copied
+        print(f"installed {install(path)}")
     return 0
 
 
