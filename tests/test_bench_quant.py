@@ -56,8 +56,9 @@ def layout_bytes(scheme: str, rows: int, cols: int) -> int:
 
 
 def test_quantized_cells_floor_is_the_packed_bytes(fixed_ceilings):
-    doc = run.run_bench(torch.device("cpu"), shapes=[ODD], batches=[1, 64], dtypes=["fp8", "int8_w8a16", "int4", "mxfp4"], budget_s=0.01)
-    e, n, k, top_k = ODD.num_experts, ODD.n, ODD.k, ODD.top_k
+    doc = run.run_bench(torch.device("cpu"), shapes=[ODD], batches=[1, 64], dtypes=["fp8", "int8_w8a16", "int4", "mxfp4"],
+                        budget_s=0.01)
+    n, k, top_k = ODD.n, ODD.k, ODD.top_k
     assert [c["dtype"] for c in doc["cells"] if c["M"] == 1] == ["float32", "float32", *SCHEMES]
     # the unquantized cells run every CPU backend; the quantized ones grouped_mm's dequantizing path only
     assert {(c["dtype"], c["backend"]) for c in doc["cells"] if c["M"] == 64} == {

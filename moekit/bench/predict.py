@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moekit.analysis.formats import FORMATS, WeightFormat, get_format
+from moekit.analysis.formats import WeightFormat, get_format
 from moekit.analysis.gpus import GpuSpec
 from moekit.analysis.roofline import batch_cost
 from moekit.config import MoEConfig
@@ -33,13 +33,12 @@ def run_gpu(ceilings: dict) -> GpuSpec:
 
 
 def format_of(dtype: str) -> WeightFormat | None:
-    """The analysis format of a quantized bench dtype; None for the unquantized cells (their floor is
-    the measured one) and for a dtype the byte model has no format for."""
+    """The analysis format of a quantized bench dtype (``fp8_block`` -> ``fp8``); None for a dtype the
+    byte model has no format for."""
     try:
-        fmt = get_format(dtype)
+        return get_format(dtype)
     except KeyError:
         return None
-    return None if fmt is FORMATS["bf16"] else fmt
 
 
 def predicted_floor_us(shape: dict, fmt: WeightFormat, ceilings: dict, batches) -> np.ndarray | None:
@@ -74,19 +73,20 @@ def prediction_note(doc: dict) -> str | None:
             "exact packed bytes, scales and x/out.")
 
 
-def draw_predictions(ax, doc: dict, shape_name: str, colors: dict[str, str]) -> None:
+def draw_predictions(ax, doc: dict, shape_name: str, colors: dict[str, str], legend: bool = True) -> None:
     """Measured µs of the quantized cells of one shape (markers), the unquantized cells of the same
-    backends (grey), and each quantized dtype's predicted floor (dashed, the dtype's colour)."""
+    backends (a line), and each quantized dtype's predicted floor (dashed, the dtype's colour).
+    ``legend``: draw the legend (every shape's panel has the same entries: one legend is enough)."""
     cells = [c for c in doc["cells"] if c["shape"] == shape_name]
     quant = [c for c in cells if is_quantized(doc, c)]
-    backends = {c["backend"] for c in quant}
-    base = sorted((c["M"], c["us"]) for c in cells if not is_quantized(doc, c) and c["backend"] in backends)
-    if base:
-        ax.plot(*zip(*base), marker="o", ls="-", color=colors.get(doc["dtype"], "gray"),
-                label=f"{doc['dtype']} (unquantized), measured")
+    for backend in dict.fromkeys(c["backend"] for c in quant):  # the unquantized cells they are compared with
+        base = sorted((c["M"], c["us"]) for c in cells if not is_quantized(doc, c) and c["backend"] == backend)
+        if base:
+            ax.plot(*zip(*base), marker="o", ls="-", color=colors.get(doc["dtype"], "gray"),
+                    label=f"{backend} {doc['dtype']} (unquantized), measured")
     shape = next(s for s in doc["shapes"] if s["name"] == shape_name)
     top = max(c["M"] for c in cells)
-    grid = np.unique(np.geomspace(1, max(top, 2), GRID_POINTS).astype(int))  # [G] batches
+    grid = np.unique(np.rint(np.geomspace(1, max(top, 2), GRID_POINTS)).astype(int))  # [G] batches, 1 .. top
     for dtype in dict.fromkeys(c["dtype"] for c in quant):
         pts = sorted((c["M"], c["us"]) for c in quant if c["dtype"] == dtype)
         ax.plot(*zip(*pts), marker="o", ls="none", color=colors[dtype], label=f"{dtype}, measured")
@@ -95,4 +95,5 @@ def draw_predictions(ax, doc: dict, shape_name: str, colors: dict[str, str]) -> 
         if floor is not None:
             ax.plot(grid, floor, ls="--", color=colors[dtype], label=f"{dtype} predicted floor (analyze --dtype {fmt.name})")
     ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="µs per call", title=f"{shape_name}: quantized")
-    ax.legend(fontsize=6)
+    if legend:
+        ax.legend(fontsize=6)

@@ -105,7 +105,7 @@ def figure(doc: dict):
         ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="time / floor", title=shape)
         ax.legend(fontsize=8)
         if quantized:
-            draw_predictions(axes[1][col], doc, shape, colors)
+            draw_predictions(axes[1][col], doc, shape, colors, legend=col == 0)
     _title_and_notes(fig, doc)
     return fig
 
