@@ -13,7 +13,7 @@ from moekit.analysis.formats import FORMATS, get_format
 from moekit.bench import ceilings, run, sweep
 from moekit.bench.ceilings import Ceilings, Fp8MmRate, measure_fp8_mm, with_fp8_mm
 from moekit.bench.cells import Shape, make_sets, make_weights
-from moekit.bench.quant_cells import check_dtypes
+from moekit.bench.quant_cells import check_dtypes, quantized_backends
 from moekit.bench.report import figure, footnotes, table
 from moekit.cli import main
 from moekit.quant import quantize
@@ -150,6 +150,12 @@ def test_dtype_names_and_aliases():
     assert check_dtypes(["mxfp4", "bf16"]) == ["bfloat16", "mxfp4"]
     with pytest.raises(ValueError, match=r"^dtype: unknown 'fp4'; must be among \['bfloat16', 'fp8_block'"):
         check_dtypes(["fp4"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device types only: nothing runs
+    assert quantized_backends(["triton", "grouped_mm", "reference"], cuda, explicit=False) == ["triton"]
+    assert quantized_backends(["grouped_mm", "triton"], cuda, explicit=True) == ["triton"]  # never a per-call dequantize
+    assert quantized_backends(["grouped_mm", "reference"], cuda, explicit=True) == []  # check_args refuses this
+    assert quantized_backends(["grouped_mm", "reference"], cpu, explicit=False) == ["grouped_mm"]
+    assert quantized_backends(["grouped_mm", "reference"], cpu, explicit=True) == ["grouped_mm", "reference"]
     assert FORMATS["mxfp4"].bytes_per_weight == 0.5 + 1 / 32 and FORMATS["int8"].bytes_per_weight == 1.0
     assert get_format("int4_w4a16") is FORMATS["int4"] and get_format("bfloat16") is FORMATS["bf16"]
 

@@ -8,9 +8,10 @@ matmul rate of its GEMMs (the fp8 rate for fp8_block, the dense rate for the wei
 whose GEMMs run in the activation dtype).
 
 Quantized cells run moekit's own quantized path: ``triton`` on the GPU (the fused fp8 and
-weight-only kernels); on the CPU ``grouped_mm``, which dequantizes per call (the only CPU path). No
-other backend in this bench has a quantized GEMM (``grouped_mm`` on the GPU would dequantize every
-expert on every call), so quantized cells are compared with moekit's unquantized cells (``vs_bf16``).
+weight-only kernels); on the CPU ``grouped_mm``, which dequantizes per call (the only CPU path; the
+backends named with ``--backends`` there). No other backend in this bench has a quantized GEMM
+(``grouped_mm`` on the GPU would dequantize every expert on every call), so quantized cells are
+compared with moekit's unquantized cells (``vs_bf16``).
 """
 
 from __future__ import annotations
@@ -78,10 +79,9 @@ def weight_variants(weights: ExpertWeights, dtypes: list[str], ceilings: Ceiling
 
 
 def quantized_backends(backends: list[str], device: torch.device, explicit: bool) -> list[str]:
-    """The backends quantized cells run: every one of ``backends`` when the user named them
-    (``explicit``), else moekit's quantized path of the device (``triton`` on CUDA, ``grouped_mm``
-    elsewhere) when it is among them."""
-    if explicit:
-        return list(backends)
-    own = "triton" if device.type == "cuda" else "grouped_mm"
-    return [b for b in backends if b == own]
+    """The backends quantized cells run. On CUDA: ``triton`` when among ``backends`` (grouped_mm and the
+    reference dequantize every expert on every call: tens of GB and seconds at DeepSeek-V3's size). Off
+    CUDA: every one of ``backends`` when the user named them (``explicit``), else ``grouped_mm``."""
+    if device.type == "cuda":
+        return [b for b in backends if b == "triton"]
+    return list(backends) if explicit else [b for b in backends if b == "grouped_mm"]

@@ -101,7 +101,12 @@ def check_args(backends=None, batches=None, device: torch.device | None = None, 
                              f"available on this device: {runnable}")
     if batches and min(batches) < 1:
         raise ValueError(f"batches: must be >= 1 token, got {list(batches)}")
-    check_dtypes(dtypes)
+    quantized = len(check_dtypes(dtypes)) > 1
+    if device is not None and quantized:
+        chosen = backends or available_backends(device)
+        if not quantized_backends(chosen, device, bool(backends)):
+            raise ValueError(f"backends: quantized dtypes run on triton on {device.type} (grouped_mm and the reference "
+                             f"would dequantize every expert on every call); {list(chosen)} has no triton")
     if not 0 < budget_s < math.inf:
         raise ValueError(f"budget-s: must be a positive number of seconds per cell, got {budget_s}")
 
