@@ -113,12 +113,14 @@ def figure(doc: dict):
 def plot(doc: dict, path: Path) -> Path | None:
     """``figure(doc)`` written to ``path``. None without matplotlib."""
     try:
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401  (figure() picks the Agg backend before pyplot loads)
     except ImportError:
         return None
     fig = figure(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
