@@ -63,13 +63,15 @@ def test_run_bench_document(tmp_path):
 
 
 def test_geomean_speedup():
-    def cell(m, backend, us):
-        return Cell("s", m, backend, us, min_us=us, max_us=us, spread_pct=0.0, noisy=False, repeats=5, eager_us=us,
-                    host_us=us, experts_touched=1, bytes=1, flops=1, floor_us=1, pct_floor=1, pct_copy_bw=1,
-                    tflops=1, pct_mm=1, graph=False)
+    def cell(m, backend, us, dtype="bfloat16"):
+        return Cell("s", m, backend, dtype, us, min_us=us, max_us=us, spread_pct=0.0, noisy=False, repeats=5,
+                    eager_us=us, host_us=us, experts_touched=1, bytes=1, flops=1, floor_us=1, pct_floor=1,
+                    pct_copy_bw=1, tflops=1, pct_mm=1, graph=False, mm_dtype="bfloat16")
 
     cells = [cell(1, "triton", 1.0), cell(1, "grouped_mm", 2.0), cell(2, "triton", 1.0), cell(2, "grouped_mm", 8.0)]
     assert geomean_speedup(cells) == pytest.approx(4.0)
+    # a quantized cell pairs only with its own dtype: triton int8 at M=1 has no grouped_mm partner
+    assert geomean_speedup([*cells, cell(1, "triton", 100.0, "int8_w8a16")]) == pytest.approx(4.0)
     assert geomean_speedup([cell(1, "grouped_mm", 1.0)]) is None
 
 

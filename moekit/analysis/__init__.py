@@ -4,7 +4,7 @@
 - ``roofline``: FLOPs, compulsory weight bytes, arithmetic intensity, ridge batch, time floors.
 - ``padding``: the expected padding factor of block-aligned / contiguous layouts, and measured ones.
 - ``bills``: total and active parameters of a whole model; ``memory``: weight GB/GiB and GPU fit.
-- ``gpus``: accelerator specs with sources; ``formats``: bytes per weight of bf16 / fp8 / int4.
+- ``gpus``: accelerator specs with sources; ``formats``: bytes per weight of bf16 / fp8 / int8 / int4 / mxfp4.
 - ``report``: all of the above for one model, GPU and format over a batch sweep (``moekit analyze``).
 - ``plots``: the report's figure (matplotlib, imported only when drawing; not imported here).
 """

@@ -3,10 +3,13 @@ the tuner, the expert-parallel layer, and one real layer against the byte model.
 
     timing.py         the one timing helper: median and spread of >= 5 passes (CUDA-graph replay or
                       events on the GPU, wall clock on CPU); plain eager calls and their host time
-    ceilings.py       copy bandwidth and dense matmul rate, measured in the same run
+    ceilings.py       copy bandwidth, dense and fp8 matmul rates, measured in the same run
     cells.py          the shapes, the routing, and each cell's compulsory bytes, FLOPs and floor
-    run.py            the sweep: ceilings, then every (shape, M, backend) cell
+    quant_cells.py    --dtype: the weights quantized once per shape, their packed bytes and matmul rate
+    sweep.py          one shape's cells: per M, every weight dtype x backend
+    run.py            the run: ceilings, then every shape's cells; the results document
     report.py         results JSON, the PNG, the compact table
+    predict.py        the byte model's predicted floor beside the measured quantized cells (the PNG)
     tuning.py         the kernel-config tuner behind ``moekit tune``: the search, its files, ``--install``
     tuning_quant.py   the tuner's quantized formats: fp8_block and the weight-only int8 / int4 / mxfp4
     ep.py             the expert-parallel benchmark (``torchrun ... -m moekit.bench.ep``)

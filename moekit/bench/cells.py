@@ -1,11 +1,13 @@
-"""What one benchmark cell is: a shape, a batch M, a backend; its inputs, and the byte model it is held to.
+"""What one benchmark cell is: a shape, a batch M, a weight dtype, a backend; its inputs, the byte model it
+is held to, and what it measured (``Cell``).
 
 Shapes: M tokens, k slots, E experts, K hidden, N intermediate.
 
-Compulsory bytes = touched experts x 3*N*K*bytes (each weight of each touched expert read once) +
-activations (x read, out written). FLOPs = 6*N*K per routed assignment. Both formulas are the byte
-model's (``moekit.analysis.roofline``). The floor is max(bytes / copy bandwidth, FLOPs / matmul rate):
-no implementation runs much faster.
+Compulsory bytes = touched experts x the bytes of one expert (3*N*K weights, each read once; quantized:
+the packed values plus their scales and zero points) + activations (x read, out written). FLOPs =
+6*N*K per routed assignment. Both formulas are the byte model's (``moekit.analysis.roofline``). The
+floor is max(bytes / copy bandwidth, FLOPs / matmul rate of the GEMMs' compute dtype): no
+implementation runs much faster.
 """
 
 from __future__ import annotations
@@ -101,16 +103,51 @@ def measured_experts_touched(ids: torch.Tensor, num_experts: int) -> int:
 class CellModel:
     """The byte model of one call of one cell."""
 
-    bytes: float  # compulsory: touched·3·N·K·element_size + 2·M·K·element_size
+    bytes: float  # compulsory: touched·expert_bytes + 2·M·K·element_size
     flops: float  # 6·N·K·M·k
     floor_us: float  # max(bytes / copy bandwidth, flops / matmul rate)
 
 
 def cell_model(shape: Shape, num_tokens: int, touched: float, element_size: int, copy_TBps: float,
-               mm_TFLOPs: float) -> CellModel:
-    """Bytes, FLOPs and floor of one call with ``touched`` experts read, on the measured ceilings."""
-    nbytes = (expert_weight_bytes(touched, shape.k, shape.n, element_size)
-              + activation_bytes(num_tokens, shape.k, element_size))
+               mm_TFLOPs: float, expert_bytes: float | None = None) -> CellModel:
+    """Bytes, FLOPs and floor of one call with ``touched`` experts read, on the measured ceilings.
+    ``element_size``: bytes of one activation element (x read, out written); ``expert_bytes``: what one
+    touched expert's w13 + w2 stream, scales and zero points included (default: 3·N·K unquantized
+    weights of ``element_size`` bytes); ``mm_TFLOPs``: the matmul rate of the GEMMs' compute dtype."""
+    if expert_bytes is None:
+        expert_bytes = shape.expert_bytes(element_size)
+    nbytes = touched * expert_bytes + activation_bytes(num_tokens, shape.k, element_size)
     flops = expert_flops(num_tokens, shape.top_k, shape.k, shape.n)
     floor_us = max(nbytes / (copy_TBps * 1e12), flops / (mm_TFLOPs * 1e12)) * 1e6
     return CellModel(nbytes, flops, floor_us)
+
+
+@dataclass
+class Cell:
+    """One measured cell: a shape, a batch M, a weight dtype, a backend; its times and its floor."""
+
+    shape: str
+    M: int
+    backend: str
+    dtype: str  # the expert weights: the activation dtype when unquantized (bfloat16; float32 on the CPU), else the moekit.quant scheme
+    us: float  # median µs per call (graph replay where ``graph``, else events / wall clock)
+    min_us: float  # fastest of the timed passes, µs per call
+    max_us: float  # slowest of the timed passes, µs per call
+    spread_pct: float  # interquartile range of the passes / us * 100
+    noisy: bool  # spread_pct > timing.NOISY_SPREAD_PCT: the median is not to be trusted to 10%
+    repeats: int  # passes timed (>= 5)
+    eager_us: float  # back-to-back eager calls, one sync at the end, per call (on the CPU: = us)
+    host_us: float  # the host's time to issue those calls, before the sync, per call (on the CPU: = us)
+    experts_touched: float  # mean over the rotated routings
+    bytes: float  # compulsory bytes of one call: touched experts' packed weights + scales/zeros, x and out
+    flops: float  # 6*N*K*M*k
+    floor_us: float  # max(bytes / copy BW, flops / matmul rate of mm_dtype)
+    pct_floor: float  # floor_us / us * 100
+    pct_copy_bw: float  # achieved bytes/s over the measured copy bandwidth * 100
+    tflops: float  # achieved 1e12 FLOP/s
+    pct_mm: float  # achieved FLOP/s over the measured matmul rate of mm_dtype * 100
+    graph: bool  # timed as CUDA-graph replay
+    mm_dtype: str  # the measured matmul rate the floor and pct_mm use: fp8 for fp8_block, else the dense one
+    rel_err_vs_grouped_mm: float | None = None  # sanity check on the first input set (triton only)
+    vs_bf16: float | None = None  # quantized cells: us / the unquantized cell's us (same shape, M, backend)
+    rel_err_vs_bf16: float | None = None  # quantized cells: relative L2 of the output vs the unquantized one, first set

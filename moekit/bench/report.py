@@ -9,6 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.bench.predict import draw_predictions, is_quantized, prediction_note
+
 
 def results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``), or ``<device>-<date>-2.json``,
@@ -48,8 +50,9 @@ def format_bandwidth(bytes_per_s: float) -> str:
 
 def ceilings_line(doc: dict) -> str:
     c = doc["ceilings"]
+    fp8 = f", fp8 matmul {format_flops(c['fp8_mm_TFLOPs'] * 1e12)}" if c.get("fp8_mm_TFLOPs") else ""
     return (f"copy {format_bandwidth(c['copy_TBps'] * 1e12)}, matmul {format_flops(c['mm_TFLOPs'] * 1e12)} "
-            f"({c['mm_dtype']})")
+            f"({c['mm_dtype']}){fp8}")
 
 
 def plot_title(doc: dict) -> str:
@@ -68,29 +71,56 @@ def _title_and_notes(fig, doc: dict) -> None:
         fig.text(0.01, 0.01, text, fontsize=7, va="bottom")
 
 
-def plot(doc: dict, path: Path) -> Path | None:
-    """time / floor vs M (log-log), one panel per shape, one line per backend. None without matplotlib."""
-    try:
-        import matplotlib
+LINE_STYLES = ("-", "--", ":", "-.")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+
+def figure(doc: dict):
+    """The results figure: time / floor vs M (log-log), one panel per shape, one line per backend and
+    weight dtype; with quantized cells, a second row of µs vs M where each quantized dtype's measured
+    points stand beside the byte model's predicted floor (``predict.draw_predictions``). Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     shapes = list(dict.fromkeys(c["shape"] for c in doc["cells"]))
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
+    quantized = any(is_quantized(doc, c) for c in doc["cells"])
+    rows = 2 if quantized else 1
+    fig, axes = plt.subplots(rows, len(shapes), figsize=(5 * len(shapes), 4 * rows), squeeze=False)
+    dtypes = list(dict.fromkeys(c.get("dtype", doc["dtype"]) for c in doc["cells"]))
+    colors = {d: f"C{i}" for i, d in enumerate(dtypes)}
+    styles: dict[str, str] = {}  # backend -> line style
+    for col, shape in enumerate(shapes):
+        ax = axes[0][col]
         cells = [c for c in doc["cells"] if c["shape"] == shape]
-        for backend in dict.fromkeys(c["backend"] for c in cells):
-            pts = sorted((c["M"], c["us"] / c["floor_us"]) for c in cells if c["backend"] == backend)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+        for backend, dtype in dict.fromkeys((c["backend"], c.get("dtype", doc["dtype"])) for c in cells):
+            pts = sorted((c["M"], c["us"] / c["floor_us"]) for c in cells
+                         if c["backend"] == backend and c.get("dtype", doc["dtype"]) == dtype)
+            # quantized runs: a colour per dtype (as in the second row), a line style per backend
+            style = dict(color=colors[dtype], ls=styles.setdefault(backend, LINE_STYLES[len(styles) % 4])) if quantized else {}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{backend} {dtype}" if quantized
+                    else backend, **style)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.axhline(1 / 0.9, color="gray", ls="--", lw=0.8, label="90% of floor")
         ax.set(xscale="log", yscale="log", xlabel="M (tokens)", ylabel="time / floor", title=shape)
         ax.legend(fontsize=8)
+        if quantized:
+            draw_predictions(axes[1][col], doc, shape, colors, legend=col == 0)
     _title_and_notes(fig, doc)
+    return fig
+
+
+def plot(doc: dict, path: Path) -> Path | None:
+    """``figure(doc)`` written to ``path``. None without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401  (figure() picks the Agg backend before pyplot loads)
+    except ImportError:
+        return None
+    fig = figure(doc)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
@@ -125,7 +155,33 @@ def footnotes(doc: dict) -> list[str]:
         notes.append(f"{noisy} cell(s) marked noisy: their timed passes spread (interquartile range) more than "
                      f"{doc['noisy_spread_pct']:.0f}% of the median; the machine was busy, run again to confirm."
                      + (NOISY_CPU.format(threads=threads) if doc["device"] == "cpu" and threads > 1 else ""))
-    return notes
+    return notes + _quant_notes(doc)
+
+
+QUANT_BACKENDS = {
+    "triton": "moekit's fused kernels (fp8_block: activations quantized in the path; weight-only: dequantized "
+              "in registers)",
+    "grouped_mm": "grouped_mm's dequantizing path (every expert dequantized on every call: correct, not fast)",
+    "reference": "the reference (the exact definition, a per-expert loop)",
+}
+
+
+def _quant_notes(doc: dict) -> list[str]:
+    """Which path the quantized cells ran, and that no peer is beside them; the fp8 rate the fp8 cells
+    could not be held to; what the plot's dashed curves are."""
+    quant = [c for c in doc["cells"] if is_quantized(doc, c)]
+    if not quant:
+        return []
+    ran = "; ".join(QUANT_BACKENDS.get(b, b) for b in dict.fromkeys(c["backend"] for c in quant))
+    notes = [f"Quantized cells ({', '.join(dict.fromkeys(c['dtype'] for c in quant))}) ran {ran}. No peer in "
+             f"this bench takes quantized weights, so each is compared with moekit's own unquantized cell "
+             f"({doc['dtype']}, same backend): xbf16 = its time over that cell's."]
+    fp8_cells = any(c["dtype"] == "fp8_block" for c in quant)
+    if fp8_cells and not doc["ceilings"].get("fp8_mm_TFLOPs"):
+        notes.append(f"No fp8 matmul rate ({doc['ceilings'].get('fp8_mm_error')}): the fp8_block cells' floors "
+                     f"and %mm use the dense {doc['ceilings']['mm_dtype']} rate (mm_dtype in the JSON).")
+    predicted = prediction_note(doc)
+    return notes + ([predicted] if predicted else [])
 
 
 def format_us(us: float) -> str:
@@ -141,21 +197,29 @@ def table(doc: dict) -> Table:
     t = Table(title=f"moekit bench: {doc['device']} ({doc['dtype']})", box=None, padding=(0, 1), pad_edge=False,
               caption="time: median of repeated passes (CUDA graph on the GPU up to M=1024); ±%: their spread "
                       "(interquartile range); eager: back-to-back eager calls, one sync; host: the issue time "
-                      "of those calls (on the CPU both equal time); achieved TFLOP/s: in the JSON")
-    columns = ("shape", "M", "backend", "time", "±%", "eager", "host", "floor", "%floor", "%copy", "%mm", "touched")
+                      "of those calls (on the CPU both equal time); xbf16: a quantized cell's time over the "
+                      "unquantized cell's; achieved TFLOP/s: in the JSON")
+    columns = ("shape", "M", "backend", "dtype", "time", "±%", "eager", "host", "floor", "%floor", "xbf16", "%copy",
+               "%mm", "touched")
     for col in columns:
-        t.add_column(col, justify="left" if col in ("shape", "backend") else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col in ("shape", "backend", "dtype") else "right", no_wrap=True)
     for c in doc["cells"]:
         spread = "-" if "spread_pct" not in c else f"{c['spread_pct']:.0f}" + (" noisy" if c["noisy"] else "")
         eager, host = (format_us(c[k]) if k in c else "-" for k in ("eager_us", "host_us"))  # older files lack them
-        t.add_row(c["shape"], str(c["M"]), c["backend"], format_us(c["us"]), spread, eager,
-                  host, format_us(c["floor_us"]), f"{c['pct_floor']:.0f}",
+        vs_bf16 = f"{c['vs_bf16']:.2f}" if c.get("vs_bf16") is not None else "-"
+        t.add_row(c["shape"], str(c["M"]), c["backend"], c.get("dtype", doc["dtype"]), format_us(c["us"]), spread,
+                  eager, host, format_us(c["floor_us"]), f"{c['pct_floor']:.0f}", vs_bf16,
                   f"{c['pct_copy_bw']:.0f}", f"{c['pct_mm']:.0f}", f"{c['experts_touched']:.0f}")
     return t
 
 
+def report_width(doc: dict, least: int = 120) -> int:
+    """Columns the table needs unwrapped (quantized runs add the dtype and xbf16 columns), at least ``least``."""
+    return max(least, Console(width=1000).measure(table(doc)).maximum)
+
+
 def print_report(doc: dict, console: Console | None = None) -> None:
-    console = console or Console(width=120)
+    console = console or Console(width=report_width(doc))
     console.print(table(doc))
     for note in footnotes(doc):
         console.print(note)
@@ -163,3 +227,6 @@ def print_report(doc: dict, console: Console | None = None) -> None:
     speedup = doc["summary"].get("geomean_speedup_triton_vs_grouped_mm")
     if speedup:
         console.print(f"triton vs grouped_mm, geometric mean speed-up: {speedup:.2f}x")
+    for dtype, ratio in doc["summary"].get("geomean_time_vs_bf16", {}).items():
+        if ratio:
+            console.print(f"{dtype}: geometric mean time over the unquantized cells' {ratio:.2f}x")

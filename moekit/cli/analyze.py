@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from moekit.analysis.bills import param_bill
-from moekit.analysis.formats import FORMATS, get_format
+from moekit.analysis.formats import FORMATS, SCHEME_ALIASES, get_format
 from moekit.analysis.gpus import get_gpu, gpu_names
 from moekit.analysis.memory import DEFAULT_RESERVE_GIB, DEFAULT_UTILIZATION
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
@@ -44,7 +44,9 @@ def register(subparsers) -> None:
                          help="a JSON list of per-expert token counts (e.g. EPLB's load): model that skew instead")
     hw = p.add_argument_group("hardware and format")
     hw.add_argument("--gpu", default="h100", help=f"one of {gpu_names()} (default h100)")
-    hw.add_argument("--dtype", default="fp8", choices=sorted(FORMATS), help="weight format (default fp8)")
+    hw.add_argument("--dtype", default="fp8", type=_dtype, metavar="{" + ",".join(sorted(FORMATS)) + "}",
+                    help="weight format (default fp8); moekit bench's scheme names are aliases: "
+                    + ", ".join(f"{s} = {n}" for s, n in sorted(SCHEME_ALIASES.items())))
     hw.add_argument("--bandwidth", type=float, metavar="TB_S", help="override the GPU's memory bandwidth")
     hw.add_argument("--tflops", type=float, help="override the GPU's dense TFLOP/s in the format's compute dtype")
     hw.add_argument("--memory-gib", type=float, help="override the GPU's capacity")
@@ -72,6 +74,14 @@ def _batch(text: str) -> int:
     if not 1 <= batch <= MAX_BATCH:
         raise argparse.ArgumentTypeError(f"each batch must be an integer in [1, 2^53 = {MAX_BATCH}], got {text!r}")
     return batch
+
+
+def _dtype(text: str) -> str:
+    """A --dtype value: a format name, or a scheme name standing for one (``fp8_block`` -> ``fp8``)."""
+    try:
+        return get_format(text).name
+    except KeyError as err:
+        raise argparse.ArgumentTypeError(err.args[0]) from None
 
 
 def _model(args) -> tuple[MoEConfig, dict | None, str]:

@@ -10,7 +10,7 @@ import contextlib
 from pathlib import Path
 
 from moekit.cli import _bench_hf, _bench_offload, _bench_train
-from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_int
+from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_float, positive_int
 
 
 def register(subparsers) -> None:
@@ -23,6 +23,13 @@ def register(subparsers) -> None:
     p.add_argument("--shapes", action=ListOption, default=None, help="presets, space- or comma-separated (default: all three)")
     p.add_argument("--batches", action=ListOption, item=positive_int, default=None, help="M values, space- or comma-separated")
     p.add_argument("--backends", action=ListOption, default=None, help="backends, space- or comma-separated (default: all available)")
+    p.add_argument("--dtype", action=ListOption, default=None,
+                   help="expert weight dtypes, space- or comma-separated: bfloat16 (unquantized; float32 on the CPU), "
+                   "fp8_block, int8_w8a16, int4_w4a16, mxfp4 (default: bfloat16). Quantized cells run moekit's "
+                   "quantized path (triton on the GPU) on weights quantized once per shape, beside the unquantized "
+                   "cells, which always run with them")
+    p.add_argument("--budget-s", type=positive_float, default=None,
+                   help="seconds of timed passes per cell (default 0.3; at least 5 passes whatever the budget)")
     p.add_argument("--out", type=output_dir, default=Path("benchmarks/results"), help="directory for <device>-<date>.json/.png; "
                    "an existing result is never overwritten: the run takes <device>-<date>-2, -3, ...")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -33,6 +40,9 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    modes = [f"--{m}" for m in ("hf", "offload", "train") if getattr(args, m)]
+    if modes and (args.dtype or args.budget_s):
+        raise UsageError(f"--dtype and --budget-s apply to the kernel cells, not to {modes[0]}")
     if args.hf:
         return _bench_hf.run(args)
     if args.offload:
@@ -45,20 +55,21 @@ def _run(args: argparse.Namespace) -> int:
         return _bench_train.run(args, device)
     from rich.console import Console
 
-    from moekit.bench.report import plot, print_report, results_path, write_json
-    from moekit.bench.run import check_args, run_bench
+    from moekit.bench.report import plot, print_report, report_width, results_path, write_json
+    from moekit.bench.run import BUDGET_S, check_args, run_bench
 
+    budget_s = args.budget_s or BUDGET_S
     try:
         device = _device(args.device)
         shapes = _shapes(args.shapes, device)
         backends = args.backends or None
-        check_args(backends, args.batches, device)
+        check_args(backends, args.batches, device, args.dtype, budget_s)
     except ValueError as err:
         raise UsageError(f"--{err}") from None  # each message begins with the argument's name
     with _progress() as on_progress:
-        doc = run_bench(device, shapes, args.batches, backends, on_progress)
+        doc = run_bench(device, shapes, args.batches, backends, on_progress, args.dtype, budget_s)
     path = write_json(doc, results_path(args.out, doc))
-    console = Console(width=120)
+    console = Console(width=report_width(doc))
     print_report(doc, console)
     suffixed = not path.stem.endswith(doc["date"])
     console.print(f"wrote {path}" + (" (an earlier result of the day exists; results are never overwritten, "
