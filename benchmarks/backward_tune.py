@@ -150,7 +150,9 @@ def precompile(cells: list[Cell], plan: dict) -> None:
     real, failed = bl.kernels, []
     bl.kernels = lambda name: _Warm(real(name))
     try:
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool):
+        # ignore_errors: a failing compile must not leave the mode active (its __exit__ raises before
+        # resetting it, and every later compile then goes to the shut-down pool); it fails again on use
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for cell in cells:
                 for (kernel, block_m), tiles in plan.items():
                     for t in tiles:
