@@ -136,6 +136,15 @@ def test_new_tensor_replaced_data_and_other_dtype_repack():
     assert rel_err(got, loop64(x.bfloat16(), p13, p2, ids, weights.bfloat16())) < 2e-2
 
 
+def test_inference_tensors_are_never_packed():
+    x, w13, w2, ids, weights = problem(seed=11)
+    with torch.inference_mode():
+        i13, i2 = w13.clone(), w2.clone()  # no version counter: an in-place update would go unseen
+        cache = PackedWeightCache(budget_bytes=1 << 30)
+        got = run(cache, x, i13, i2, ids, weights)
+    assert cache.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+
+
 def test_another_batch_hint_repacks_and_clear_drops_everything():
     x, w13, w2, ids, weights = problem(seed=7)
     cache = PackedWeightCache(budget_bytes=1 << 30)

@@ -16,7 +16,8 @@ as long as the cache holds at most its ``budget_bytes`` (a copy costs as much as
 past the budget the plain weight is used). An entry is keyed by the weight tensor (its storage base
 for a view) and rebuilt when the tensor's ``_version`` (an in-place update), data pointer, strides,
 dtype or device change; it dies with the tensor (``torch.utils.weak.WeakIdKeyDictionary``). Writes
-through ``.data`` bypass the version counter: call ``clear_packed_weights()`` after them.
+through ``.data`` bypass the version counter: call ``clear_packed_weights()`` after them. Inference
+tensors have no version counter and are never packed.
 
 Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, R = 2N (gated) or N rows of w13.
 """
@@ -103,7 +104,10 @@ class PackedWeightCache:
         self._entries.clear()
 
     def weight(self, w: torch.Tensor, expert: int) -> torch.Tensor:
-        """w[expert] [out, in] packed (made now if new or stale, and the budget allows), else the plain view."""
+        """w[expert] [out, in] packed (made now if new or stale, and the budget allows), else the plain view.
+        An inference tensor (made under ``torch.inference_mode``) has no version counter to watch: never packed."""
+        if w.is_inference():
+            return w[expert]
         base = w if w._base is None else w._base
         views = self._entries.get(base)
         if views is None:

@@ -14,7 +14,9 @@ chunks of the largest size that does (``plan_grouped_mm`` says which, and why).
 
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
-oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``).
+oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``): by default
+``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
+at a time in place of the contiguous layout's [A, K] copies.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
