@@ -33,7 +33,8 @@ def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
                 continue
             h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
             gate, up = h.chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double()))
+            y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
+            out[t] += float(weights[t, j]) * y
     return out
 
 
