@@ -5,8 +5,10 @@
 
 Same weights and the same uniform random routing for every implementation (k distinct experts per
 token, softmax weights). Rows:
-- ``moekit`` (what ``backend="auto"`` runs on the CPU) and each explicit layout / GEMM strategy of
-  ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop`` ...);
+- ``moekit`` (what ``backend="auto"`` runs on the CPU: ``moekit.experts.cpu_packed``'s per-expert loop on
+  prepacked weights, within the cache's budget, recorded as ``pack_budget_bytes`` / ``packed_bytes``), the
+  same loop on plain weights (``onednn_fused``) and each explicit layout / GEMM strategy of
+  ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``: the CPU default until session 6 ...);
 - transformers' ``grouped_mm``, ``batched_mm`` and ``eager`` (the model class's own per-expert loop),
   called as a transformers experts module calls them; ``batched_mm`` gathers a [2N, K] + [K, N] weight
   copy per assignment and is skipped above BATCHED_MM_MAX_BYTES of copies (or half the free memory);
@@ -33,6 +35,7 @@ import torch
 from moekit.bench.report import write_json
 from moekit.bench.run import commit_id
 from moekit.bench.timing import Timing
+from moekit.experts.cpu_packed import packed_weight_cache
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
 
 QWEN3_30B_A3B = (128, 768, 2048, 8)  # E, N, K, k
@@ -43,6 +46,7 @@ BATCHED_MM_MAX_BYTES = 2 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 MOEKIT_VARIANTS = {  # row name -> experts_grouped_mm options; "moekit" is the default the layer runs
     "moekit": {},
+    "onednn_fused": {"cpu_gemm": "onednn_fused"},  # moekit's per-expert loop on the plain (unpacked) weights
     "contiguous+onednn_loop": {"layout": "contiguous", "cpu_gemm": "onednn_loop"},
     "contiguous+mm_loop": {"layout": "contiguous", "cpu_gemm": "mm_loop"},
     "contiguous+grouped_mm": {"layout": "contiguous", "cpu_gemm": "grouped_mm"},
@@ -161,7 +165,7 @@ def measure_batch(num_tokens: int, weights_set, impls: set[str], rounds: int, ge
         r["pct_of_dense"] = 100 * r["gflops"] / ceiling
     plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], hidden, n_dim, w13.dtype)
     return {"M": num_tokens, "dense_gflops": ceiling, "moekit_plan": plan.layout, "moekit_chunk_tokens": plan.chunk_tokens,
-            "rows": rows}
+            "packed_bytes": packed_weight_cache().used_bytes(), "rows": rows}
 
 
 def print_table(doc: dict) -> None:
@@ -208,6 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
     doc = {"cpu": cpu_name(), "date": datetime.date.today().isoformat(), "commit": commit_id(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "shape": {"E": num_experts, "N": n_dim,
            "K": hidden, "k": top_k}, "dtype": "float32", "repeats": args.repeats,
+           "pack_budget_bytes": packed_weight_cache().budget_bytes,
            "loadavg_before": [round(v, 2) for v in os.getloadavg()], "batches": []}
     batches = [int(m) for m in args.batches.split(",")]
     if min(batches) < 1:

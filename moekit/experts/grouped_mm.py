@@ -14,7 +14,9 @@ chunks of the largest size that does (``plan_grouped_mm`` says which, and why).
 
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
-oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``).
+oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``): by default
+``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
+at a time in place of the contiguous layout's [A, K] copies.
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -37,6 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation
+from moekit.experts.cpu_packed import (
+    ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
+)
 from moekit.layouts import (
     choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
 )
@@ -48,20 +53,6 @@ from moekit.quant import QuantizedWeight, run_quantized
 DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
 GROUPED_MM_LAYOUTS = ("contiguous", "masked_measured_cap")  # what this backend implements, for choose_layout
 MASKED_ROUND_TO = 8  # the measured cap's rounding: bmm computes every padding row, so round finely
-
-
-@dataclass(frozen=True)
-class ExpertParams:
-    """One call's expert parameters as the contract passes them (weights may be strided views)."""
-
-    w13: torch.Tensor  # [E, R, K]
-    w2: torch.Tensor  # [E, K, N]
-    b13: torch.Tensor | None  # [E, R]
-    b2: torch.Tensor | None  # [E, K]
-    spec: ActivationSpec
-
-    def need_grad(self) -> bool:
-        return any(t is not None and t.requires_grad for t in (self.w13, self.w2, self.b13, self.b2))
 
 
 @dataclass(frozen=True)
@@ -136,14 +127,15 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-CPU_GEMMS = ("auto", "onednn_loop", "mm_loop", "grouped_mm")
+# "auto" = "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights;
+# "onednn_fused": the same loop on the plain weights; the others run inside the contiguous layout.
+CPU_GEMMS = ("auto", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
+_FUSED_GEMMS = ("auto", "onednn_packed", "onednn_fused")
 
 
 def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tensor:
     """xs [T, K] grouped by expert (rows offs[e-1]:offs[e], ``segment_ids`` [T] the expert of each row, -1
     past offs[-1]) -> w2[e] @ glu(w13[e] @ xs[r] + b13[e]) + b2[e] [T, K]."""
-    if cpu_gemm not in CPU_GEMMS:
-        raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
     inference = not (torch.is_grad_enabled() and (xs.requires_grad or ex.need_grad()))
     if xs.device.type == "cpu" and inference and cpu_gemm != "grouped_mm" and not torch.compiler.is_compiling():
         return _expert_mlp_cpu_loop(xs, ex, offs.tolist(), cpu_gemm)  # no sync on the CPU
@@ -167,7 +159,7 @@ def _expert_mlp_cpu_loop(xs, ex: ExpertParams, ends: list[int], cpu_gemm) -> tor
     """The inference loop over the non-empty experts: both GEMMs of an expert back to back (its [m, R]
     stays in cache for the activation), a plain gated activation's product in place, the outputs
     written into one preallocated [T, K]. Rows past ends[-1] are left unwritten."""
-    linear = _onednn_linear(xs.dtype) if cpu_gemm in ("auto", "onednn_loop") else None
+    linear = onednn_linear(xs.dtype) if cpu_gemm in (*_FUSED_GEMMS, "onednn_loop") else None
     plain, n_dim = ex.spec.plain, ex.w2.shape[2]
     act = get_activation(ex.spec.name).fn
     y = xs.new_empty(xs.shape[0], ex.w2.shape[1])  # [T, K]
@@ -197,20 +189,6 @@ def _cpu_linear(a, w, bias, linear, out=None) -> torch.Tensor:
     if bias is None:
         return torch.mm(a, w.t(), out=out)
     return torch.addmm(bias, a, w.t(), out=out)
-
-
-@functools.cache
-def _onednn_linear(dtype: torch.dtype):
-    """oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what inductor calls for CPU linears) if
-    this torch has it and it runs ``dtype``; None otherwise (then the loop uses ``torch.mm``)."""
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-    if op is None or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        a, w = torch.ones(3, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
-        return op if torch.equal(op(a, w, None, "none", [], ""), a @ w.t()) else None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
 
 
 def _group_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -308,6 +286,8 @@ def experts_grouped_mm(
     ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured best). ``plan_grouped_mm`` tells which layout
     and chunk size a call gets.
     """
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
     # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
         return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
@@ -330,7 +310,13 @@ def experts_grouped_mm(
 
 
 def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:
-    """x [M, K] -> [M, K] (accumulation dtype) through the contiguous layout."""
+    """x [M, K] -> [M, K] (accumulation dtype) through the contiguous layout (on the CPU without
+    autograd, the fused per-expert loop of ``moekit.experts.cpu_packed`` for its GEMM strategies)."""
+    inference = not (torch.is_grad_enabled() and (x.requires_grad or ex.need_grad()))
+    if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
+            and fused_loop_supported(x.dtype)):
+        cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()
+        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())

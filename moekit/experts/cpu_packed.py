@@ -1,0 +1,204 @@
+"""The CPU inference loop of ``experts_grouped_mm``, one expert at a time, on oneDNN weights packed once.
+
+    for each expert e with m_e > 0 rows: xs = x[tokens of e] -> h = xs @ w13[e]^T (+ b13[e]) -> glu
+        -> y = h' @ w2[e]^T (+ b2[e]) -> out[tokens of e] += weight * y
+
+Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy and no [A, K] output is
+written and read back; the weighted sum over the k slots is one ``index_add_`` per expert, serial
+over the rows, hence deterministic.
+
+oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
+Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
+the GEMM time, and every call streams all 2.4 GB of weights (``benchmarks/cpu_experts.py``). The
+``PackedWeightCache`` keeps the blocked copy (``torch.ops.mkldnn._reorder_linear_weight``) per
+expert, made the first time that expert gets ``PACKED_MIN_ROWS`` rows (decode batches never pack),
+as long as the cache holds at most its ``budget_bytes`` (a copy costs as much as the weight itself;
+past the budget the plain weight is used). Packing is paid once, in the first call that routes >= 4
+rows to an expert: ~3.4 s for both matrices of all 128 Qwen3 experts on the 2-core EPYC (6.7 s for two
+layouts in the hint A/B). An entry is keyed by the weight tensor (its storage base
+for a view) and rebuilt when the tensor's ``_version`` (an in-place update), data pointer, strides,
+dtype or device change; it dies with the tensor (``torch.utils.weak.WeakIdKeyDictionary``). Writes
+through ``.data`` bypass the version counter: call ``clear_packed_weights()`` after them. Inference
+tensors have no version counter and are never packed.
+
+Shapes: M tokens, k slots, A = M*k, E experts, K hidden, N intermediate, R = 2N (gated) or N rows of w13.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moekit.activations import ActivationSpec, apply_glu, get_activation
+from moekit.layouts.grouping import aligned_positions, assignments_of_rows
+
+PACK_BATCH_HINT = 32  # the blocked format oneDNN picks for this many rows (4 to 64 measured alike)
+# Below this many rows an expert reads its plain weight: packed copies measured 25% slower at 1 row,
+# equal at 2, 32% faster at 4 and 20% at 32 (``benchmarks/results/raw/AMD_EPYC-2026-11-30-cpu-packed-hint-ab.log``).
+PACKED_MIN_ROWS = 4
+
+
+def default_budget_bytes() -> int:
+    """1/8 of the machine's physical memory (0 where unknown): room for one Qwen3-30B-A3B layer's
+    2.4 GB of fp32 experts on a 24 GB machine, never the weights of a whole large model."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+@functools.cache
+def onednn_linear(dtype: torch.dtype):
+    """oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what inductor calls for CPU linears) if
+    this torch has it and it runs ``dtype``; None otherwise."""
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    if op is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        a, w = torch.ones(3, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
+        return op if torch.equal(op(a, w, None, "none", [], ""), a @ w.t()) else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+@functools.cache
+def packing_supported(dtype: torch.dtype) -> bool:
+    """Whether ``_reorder_linear_weight`` exists here and oneDNN's linear takes its result for ``dtype``."""
+    reorder = getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None)
+    linear = onednn_linear(dtype)
+    if reorder is None or linear is None:
+        return False
+    try:
+        a, w = torch.ones(3, 16, dtype=dtype), torch.ones(8, 16, dtype=dtype)
+        return torch.equal(linear(a, reorder(w, PACK_BATCH_HINT), None, "none", [], ""), a @ w.t())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _signature(w: torch.Tensor, batch_hint: int) -> tuple:
+    """What the packed copies were made from; any difference means they are stale."""
+    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, batch_hint)
+
+
+@dataclass
+class _Entry:
+    signature: tuple
+    experts: dict[int, torch.Tensor] = field(default_factory=dict)  # expert -> its packed [out, in]
+    nbytes: int = 0
+
+
+class PackedWeightCache:
+    """oneDNN-packed copies of expert weights, per weight tensor and expert, within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int | None = None, batch_hint: int = PACK_BATCH_HINT):
+        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
+        self.batch_hint = batch_hint
+        self._entries = WeakIdKeyDictionary()  # storage base tensor -> {view geometry: _Entry}
+
+    def used_bytes(self) -> int:
+        return sum(e.nbytes for views in self._entries.values() for e in views.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def weight(self, w: torch.Tensor, expert: int) -> torch.Tensor:
+        """w[expert] [out, in] packed (made now if new or stale, and the budget allows), else the plain view.
+        An inference tensor (made under ``torch.inference_mode``) has no version counter to watch: never packed."""
+        if w.is_inference():
+            return w[expert]
+        base = w if w._base is None else w._base
+        views = self._entries.get(base)
+        if views is None:
+            views = self._entries[base] = {}
+        geometry = (w.storage_offset(), tuple(w.shape), w.stride())
+        signature = _signature(w, self.batch_hint)
+        entry = views.get(geometry)
+        if entry is None or entry.signature != signature:
+            entry = views[geometry] = _Entry(signature)  # a stale entry's copies are released here
+        packed = entry.experts.get(expert)
+        if packed is not None:
+            return packed
+        plain = w[expert]  # [out, in]
+        nbytes = plain.numel() * plain.element_size()
+        if not packing_supported(w.dtype) or self.used_bytes() + nbytes > self.budget_bytes:
+            return plain
+        packed = entry.experts[expert] = torch.ops.mkldnn._reorder_linear_weight(plain, self.batch_hint)
+        entry.nbytes += nbytes
+        return packed
+
+
+_CACHE = PackedWeightCache()
+
+
+def packed_weight_cache() -> PackedWeightCache:
+    """The process-wide cache that ``cpu_gemm="auto"`` / ``"onednn_packed"`` use; set its ``budget_bytes``
+    to bound it (0 turns packing off)."""
+    return _CACHE
+
+
+def clear_packed_weights() -> None:
+    """Drop every packed copy (needed only after writes that bypass ``_version``, such as ``w.data.copy_``)."""
+    _CACHE.clear()
+
+
+@dataclass(frozen=True)
+class ExpertParams:
+    """One call's expert parameters as the contract passes them (weights may be strided views)."""
+
+    w13: torch.Tensor  # [E, R, K]
+    w2: torch.Tensor  # [E, K, N]
+    b13: torch.Tensor | None  # [E, R]
+    b2: torch.Tensor | None  # [E, K]
+    spec: ActivationSpec
+
+    def need_grad(self) -> bool:
+        return any(t is not None and t.requires_grad for t in (self.w13, self.w2, self.b13, self.b2))
+
+
+def fused_loop_supported(dtype: torch.dtype) -> bool:
+    return onednn_linear(dtype) is not None
+
+
+def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      expert_map: torch.Tensor | None, cache: PackedWeightCache | None) -> torch.Tensor:
+    """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
+    plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``."""
+    num_tokens, top_k = topk_ids.shape
+    num_assignments = topk_ids.numel()
+    pos = aligned_positions(topk_ids, ex.w13.shape[0], 1, expert_map)
+    src = assignments_of_rows(pos.dst, num_assignments)  # [A] assignment of each sorted row; A past the routed
+    acc = torch.promote_types(x.dtype, torch.float32)
+    slot_weights = torch.cat([topk_weights.reshape(-1).to(acc), topk_weights.new_zeros(1, dtype=acc)])[src]  # [A]
+    tokens = src // top_k  # [A]
+    out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)  # [M, K]
+    linear = onednn_linear(x.dtype)
+    start = 0
+    for expert, count in enumerate(pos.counts.tolist()):  # no sync on the CPU
+        if count:
+            rows = slice(start, start + count)
+            packed = cache if count >= PACKED_MIN_ROWS else None
+            y = _expert(x.index_select(0, tokens[rows]), ex, expert, linear, packed)  # [m, K]
+            out.index_add_(0, tokens[rows], y.to(acc).mul_(slot_weights[rows, None]))
+        start += count
+    return out
+
+
+def _expert(xs: torch.Tensor, ex: ExpertParams, expert: int, linear, cache: PackedWeightCache | None) -> torch.Tensor:
+    """xs [m, K] -> w2[e] @ glu(w13[e] @ xs^T + b13[e]) + b2[e] as [m, K]; a plain gated activation's
+    product in place (one [m, N] buffer)."""
+    w13 = ex.w13[expert] if cache is None else cache.weight(ex.w13, expert)  # [R, K]
+    w2 = ex.w2[expert] if cache is None else cache.weight(ex.w2, expert)  # [K, N]
+    b13 = None if ex.b13 is None else ex.b13[expert]
+    b2 = None if ex.b2 is None else ex.b2[expert]
+    h = linear(xs, w13, b13, "none", [], "")  # [m, R]
+    if ex.spec.plain:
+        n_dim = ex.w2.shape[2]
+        a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
+        a.mul_(h[:, n_dim:])
+    else:
+        a = apply_glu(h, ex.spec)  # [m, N]
+    return linear(a, w2, b2, "none", [], "")  # [m, K]

@@ -1,0 +1,182 @@
+"""moekit.experts.cpu_packed: the fused per-expert CPU loop on packed oneDNN weights against the plain
+path and a float64 loop written here; the packed-weight cache's invalidation (new tensor, in-place
+update, replaced data, other dtype, another batch hint), its budget, and its release with the weights."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.activations import ActivationSpec
+from moekit.experts import cpu_packed
+from moekit.experts.cpu_packed import PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, experts_cpu_fused
+from moekit.experts.grouped_mm import experts_grouped_mm
+
+E, N, K = 4, 16, 32
+SILU = ActivationSpec("silu")
+
+pytestmark = pytest.mark.skipif(not cpu_packed.packing_supported(torch.float32),
+                                reason="this torch build has no oneDNN weight packing")
+
+
+def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
+    """float64, one (token, slot) at a time, silu-gated; an id outside [0, E) or mapped to -1 adds nothing."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+            gate, up = h.chunk(2)
+            y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
+            out[t] += float(weights[t, j]) * y
+    return out
+
+
+def rel_err(got, want):
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def problem(m=40, k=2, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).to(dtype)
+    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(m)]).int()
+    ids[1::7, 0] = -1  # skipped slots
+    ids[2::9, -1] = E + 1
+    return x, w13, w2, ids, torch.rand(m, k, generator=g).to(dtype)
+
+
+def run(cache, x, w13, w2, ids, weights, **kw):
+    ex = ExpertParams(w13, w2, kw.get("b13"), kw.get("b2"), SILU)
+    return experts_cpu_fused(x, ex, ids, weights, kw.get("expert_map"), cache)
+
+
+def test_packed_equals_plain_path_and_float64_loop():
+    x, w13, w2, ids, weights = problem()
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    got = run(cache, x, w13, w2, ids, weights)
+    assert cache.used_bytes() == (w13.numel() + w2.numel()) * 4  # every expert has >= PACKED_MIN_ROWS rows
+    assert cache.weight(w13, 0).is_mkldnn
+    plain = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_loop")
+    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(got, plain.double()) < 1e-5
+
+
+def test_packed_with_biases_transposed_views_and_expert_map():
+    x, w13, w2, ids, weights = problem(seed=1)
+    g = torch.Generator().manual_seed(9)
+    b13, b2 = torch.randn(E, 2 * N, generator=g), torch.randn(E, K, generator=g)
+    store13, store2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()  # transformers' storage
+    expert_map = torch.tensor([2, -1, 0, 3, 1, -1])  # 6 global ids onto 4 local experts
+    ids = torch.randint(0, 6, ids.shape, generator=g).int()
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    got = run(cache, x, store13.transpose(1, 2), store2.transpose(1, 2), ids, weights, b13=b13, b2=b2,
+              expert_map=expert_map)
+    assert cache.used_bytes() > 0
+    assert rel_err(got, loop64(x, w13, w2, ids, weights, b13, b2, expert_map)) < 1e-5
+
+
+def test_view_per_call_hits_the_entry_of_its_storage():
+    x, w13, w2, ids, weights = problem(seed=2)
+    store13 = w13.transpose(1, 2).contiguous()
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    first = cache.weight(store13.transpose(1, 2), 1)
+    assert cache.weight(store13.transpose(1, 2), 1) is first  # a new view object, the same storage: a hit
+    got = cpu_packed.onednn_linear(torch.float32)(x, first, None, "none", [], "")  # [m, 2N]
+    assert rel_err(got, x.double() @ w13[1].double().t()) < 1e-6
+
+
+def test_rows_below_the_threshold_and_budget_keep_plain_weights():
+    x, w13, w2, ids, weights = problem(m=1, k=2, seed=3)
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    run(cache, x, w13, w2, ids, weights)
+    assert PACKED_MIN_ROWS > 1 and cache.used_bytes() == 0  # one row per expert: nothing packed
+    one_expert = w13[0].numel() * 4
+    small = PackedWeightCache(budget_bytes=one_expert + 10)
+    x, w13, w2, ids, weights = problem(seed=3)
+    got = run(small, x, w13, w2, ids, weights)
+    assert small.used_bytes() == one_expert  # the first w13 expert fits, nothing else does
+    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+
+
+def test_in_place_update_repacks():
+    x, w13, w2, ids, weights = problem(seed=4)
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    before = cache.weight(w13, 0)
+    run(cache, x, w13, w2, ids, weights)
+    with torch.no_grad():
+        w13.mul_(-0.5)  # bumps _version
+        w2[1].add_(0.25)
+    got = run(cache, x, w13, w2, ids, weights)
+    assert cache.weight(w13, 0) is not before
+    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    assert cache.used_bytes() == (w13.numel() + w2.numel()) * 4  # stale copies released, not kept beside
+
+
+def test_new_tensor_replaced_data_and_other_dtype_repack():
+    x, w13, w2, ids, weights = problem(seed=5)
+    p13, p2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    run(cache, x, p13, p2, ids, weights)
+    _, n13, n2, _, _ = problem(seed=6)
+    assert rel_err(run(cache, x, n13, n2, ids, weights), loop64(x, n13, n2, ids, weights)) < 1e-5  # new tensors
+    p13.data, p2.data = n13.clone(), n2.clone()  # same Parameter objects, new storage (no _version bump)
+    assert rel_err(run(cache, x, p13, p2, ids, weights), loop64(x, n13, n2, ids, weights)) < 1e-5
+    if not cpu_packed.packing_supported(torch.bfloat16):
+        return
+    p13.data, p2.data = w13.bfloat16(), w2.bfloat16()  # other dtype
+    got = run(cache, x.bfloat16(), p13, p2, ids, weights.bfloat16())
+    assert cache.weight(p13, 0).dtype == torch.bfloat16
+    assert rel_err(got, loop64(x.bfloat16(), p13, p2, ids, weights.bfloat16())) < 2e-2
+
+
+def test_inference_tensors_are_never_packed():
+    x, w13, w2, ids, weights = problem(seed=11)
+    with torch.inference_mode():
+        i13, i2 = w13.clone(), w2.clone()  # no version counter: an in-place update would go unseen
+        cache = PackedWeightCache(budget_bytes=1 << 30)
+        got = run(cache, x, i13, i2, ids, weights)
+    assert cache.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+
+
+def test_another_batch_hint_repacks_and_clear_drops_everything():
+    x, w13, w2, ids, weights = problem(seed=7)
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    first = cache.weight(w13, 2)
+    cache.batch_hint = 16  # a retune of the packing
+    assert cache.weight(w13, 2) is not first
+    assert rel_err(run(cache, x, w13, w2, ids, weights), loop64(x, w13, w2, ids, weights)) < 1e-5
+    cache.clear()
+    assert cache.used_bytes() == 0
+
+
+def test_packed_copies_die_with_the_weights():
+    cache = PackedWeightCache(budget_bytes=1 << 30)
+    x, w13, w2, ids, weights = problem(seed=8)
+    store13 = w13.transpose(1, 2).contiguous()
+    run(cache, x, store13.transpose(1, 2), w2, ids, weights)
+    packed = weakref.ref(cache.weight(store13.transpose(1, 2), 0))
+    assert packed() is not None and cache.used_bytes() > 0
+    del store13, w2
+    gc.collect()
+    assert packed() is None and cache.used_bytes() == 0
+
+
+def test_auto_uses_the_shared_cache_and_falls_back_without_packing(monkeypatch):
+    x, w13, w2, ids, weights = problem(seed=10)
+    cpu_packed.clear_packed_weights()
+    got = experts_grouped_mm(x, w13, w2, ids, weights)  # cpu_gemm="auto"
+    shared = cpu_packed.packed_weight_cache()
+    assert shared.budget_bytes == 0 or shared.used_bytes() > 0
+    assert rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
+    cpu_packed.clear_packed_weights()
+    monkeypatch.setattr(cpu_packed, "packing_supported", lambda dtype: False)
+    got = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed")
+    assert shared.used_bytes() == 0 and rel_err(got, loop64(x, w13, w2, ids, weights)) < 1e-5
