@@ -1,7 +1,6 @@
 """GPU check of the fp8 block-scaled Triton experts path (``moekit.experts.triton_fp8``), run on the device.
 
     PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness, timings, A/Bs: < 3 min
-    PYTHONPATH=. python benchmarks/fp8_device_check.py --sweep    # + a small config sweep per cell (minutes)
     PYTHONPATH=. python benchmarks/fp8_device_check.py --compile  # + torch.compile(fullgraph=True), inductor
 
 Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1, 8, 64, 512, 4096}:
@@ -18,9 +17,8 @@ Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1
   heuristic, each with TMA and with pointer weights, and the registers, spills and shared memory of the
   GEMMs it compiled.
 Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
-inductor compiles a caller of the op whole (fullgraph) and agrees with eager. ``--sweep`` times the
-candidate configs of each cell and writes tuned files (``E{E}_N{N}_K{K}_fp8_block_{device}.json``) under
-$OUT/configs. Prints one line per check, the tables last; JSON to $OUT/fp8.json if $OUT is set.
+inductor compiles a caller of the op whole (fullgraph) and agrees with eager. Tuned configs come
+from ``moekit tune --dtype fp8_block``. Prints one line per check, the tables last; JSON to $OUT/fp8.json if $OUT is set.
 Exit 1 on any failure.
 """
 
@@ -36,12 +34,13 @@ from pathlib import Path
 
 import torch
 
+from moekit.bench.ceilings import measure_fp8_mm
 from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights, measured_experts_touched
 from moekit.bench.timing import time_calls
-from moekit.experts.configs import GemmTile, KernelConfig, device_key
+from moekit.experts.configs import GemmTile, KernelConfig
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
-from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, config_file_name, heuristic_fp8_config
+from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, heuristic_fp8_config
 from moekit.experts.triton_launch import kernels
 
 BATCHES = (1, 8, 64, 512, 4096)
@@ -90,18 +89,11 @@ def measure_ceilings(dev) -> Ceilings:
     dst = torch.empty_like(src)
     copy = 2 * src.numel() / (time_calls([lambda: dst.copy_(src)], dev, budget_s=0.3) * 1e-6) / 1e12
     del src, dst
-    n, rates = 8192, []
-    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm asks
-    one = torch.ones((), device=dev)
-    for fast in (True, False):
-        try:
-            mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)  # noqa: E731
-            rates.append(2 * n**3 / (time_calls([mm], dev, budget_s=0.3) * 1e-6) / 1e12)
-        except (RuntimeError, AttributeError, TypeError) as e:
-            print(f"fp8 mm ceiling skipped: {type(e).__name__}: {e}", flush=True)
-            rates.append(None)
-    return Ceilings(copy, *rates)
+    rates = [measure_fp8_mm(dev, 8192, fast_accum=fast) for fast in (True, False)]  # Fp8MmRate(TFLOPs, error)
+    for rate in rates:
+        if rate.TFLOPs is None:
+            print(f"fp8 mm ceiling skipped: {rate.error}", flush=True)
+    return Ceilings(copy, *(rate.TFLOPs for rate in rates))
 
 
 @dataclass
@@ -281,47 +273,6 @@ def guarded(name: str, fn, *args):
         return None
 
 
-def candidates(m: int, s: Shape) -> list[KernelConfig]:
-    """The sweep's configs for one cell: the heuristic and a few tile heights, widths and pipelines."""
-    out = [heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k)]
-    rows_per_expert = m * s.top_k / s.num_experts
-    heights = (16,) if rows_per_expert < 8 else (16, 64) if rows_per_expert < 64 else (64, 128)
-    for bm in heights:
-        for up_n, down_n in ((128, 64), (128, 128), (256, 128), (128, 256)):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                group = 8 if bm >= 64 else 1
-                out.append(KernelConfig(bm, GemmTile(up_n, 128, group, warps, stages),
-                                        GemmTile(down_n, 128, group, warps, stages)))
-    return list(dict.fromkeys(out))
-
-
-def sweep(s: Shape, q, dev, out_dir: Path | None) -> dict:
-    """Time each candidate on each M; the fastest per M goes in a tuned file (under $OUT/configs)."""
-    best = {}
-    for m in BATCHES:
-        sets = make_sets(s, m, 2, torch.bfloat16, dev, seed=3)
-        timed = []
-        for config in candidates(m, s):
-            calls = [lambda t=t, c=config: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, config=c)
-                     for t in sets]
-            try:
-                timed.append((time_calls(calls, dev, graph=True, budget_s=0.05, max_reps=10), config))
-            except Exception as e:  # noqa: BLE001  (a tile too big for shared memory: skip it)
-                print(f"  sweep {s.name} M={m} {config}: {type(e).__name__}", flush=True)
-        us, config = min(timed, key=lambda p: p[0])
-        heuristic_us = next((t for t, c in timed if c == candidates(m, s)[0]), None)
-        print(f"sweep {s.name} M={m}: best {us:.1f} us ({config}), heuristic {heuristic_us} us", flush=True)
-        best[m] = {"config": config.to_dict(), "us": us, "heuristic_us": heuristic_us}
-    if out_dir is not None:
-        name = config_file_name(s.num_experts, s.n, s.k, device_key(dev))
-        data = {"E": s.num_experts, "N": s.n, "K": s.k, "dtype": "fp8_block", "device": device_key(dev),
-                "configs": {str(m): b["config"] for m, b in best.items()},
-                "measured": {str(m): {"us": b["us"], "heuristic_us": b["heuristic_us"]} for m, b in best.items()}}
-        (out_dir / "configs").mkdir(parents=True, exist_ok=True)
-        (out_dir / "configs" / name).write_text(json.dumps(data, indent=1) + "\n")
-    return best
-
-
 def print_table(rows: list[Row], abs_: list[ConfigAB], c: Ceilings) -> None:
     mm = f"{c.fp8_mm_TFLOPs:.0f}" if c.fp8_mm_TFLOPs else "n/a"
     print("\nconfig A/B (the first two lines of a cell: the heuristic, TMA and pointer weights; kernels: regs/spills/shared KiB)")
@@ -355,7 +306,7 @@ def main() -> int:
     print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     ceilings = measure_ceilings(dev)
-    rows, abs_, sweeps = [], [], {}
+    rows, abs_ = [], []
     for preset in PRESETS:
         s = Shape.from_preset(preset)
         w = make_weights(s, torch.bfloat16, dev)
@@ -367,8 +318,6 @@ def main() -> int:
             guarded("graph replay", graph_replay, s, q, dev)
             if "--compile" in sys.argv:
                 guarded("compile", compiled, s, q, dev)
-        if "--sweep" in sys.argv:
-            sweeps[preset] = guarded(f"sweep {preset}", sweep, s, q, dev, out_dir)
         del w, q
         torch.cuda.empty_cache()
     print_table(rows, abs_, ceilings)
@@ -376,7 +325,7 @@ def main() -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                   "ceilings": asdict(ceilings), "cells": [asdict(r) for r in rows],
-                  "config_ab": [asdict(r) for r in abs_], "sweeps": sweeps, "failed": FAILED}
+                  "config_ab": [asdict(r) for r in abs_], "failed": FAILED}
         (out_dir / "fp8.json").write_text(json.dumps(result, indent=1) + "\n")
     print("FAILED:", FAILED if FAILED else "none", flush=True)
     return 1 if FAILED else 0

@@ -37,7 +37,7 @@ from moekit.experts.triton_fp8_plan import config_file_name as fp8_file_name
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import SCHEMES as WO_SCHEMES
 from moekit.experts.triton_wo import WoWeight, check_wo_args, run_experts_wo
-from moekit.experts.triton_wo_plan import WeightArgs, sub_tile, weight_args, wo_heuristic_config
+from moekit.experts.triton_wo_plan import WeightArgs, span, weight_args, wo_heuristic_config
 from moekit.quant import Int4Weight, Mxfp4Weight, QuantizedWeight, quantize
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE
 from moekit.quant.mxfp4 import MX_BLOCK
@@ -158,8 +158,8 @@ def wo_scheme(scheme: str) -> TuneScheme:
                               options=WO_OPTIONS)
 
     def validate(config: KernelConfig) -> None:
-        sub_tile(config.up, scheme, group)
-        sub_tile(config.down, scheme, group)
+        span(config.up, scheme, group)
+        span(config.down, scheme, group)
 
     return TuneScheme(
         name=scheme, x_dtype=torch.bfloat16,

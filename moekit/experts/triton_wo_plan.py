@@ -109,7 +109,7 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
 
 
 def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The default without a tuned file (``benchmarks/wo_tune.py`` tunes on the device and writes the
+    """The default without a tuned file (``moekit tune --dtype SCHEME`` tunes on the device and writes the
     files, ``benchmarks/wo_device_check.py`` times this). The tile height follows the rows per expert
     as in the bf16 heuristic (``configs.heuristic_config``: 16, 32, 64, then 128 from 64 rows per
     expert, where the GEMMs are compute-bound and tall tiles reuse each dequantized weight tile 128
