@@ -59,6 +59,18 @@ def test_shared_expert_and_correction_bias_carry_over(config):
     assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("place", ["gpu", "cpu"])
+def test_expert_biases_travel_with_their_experts(place):
+    moe = _moe(expert_bias=True)
+    with torch.no_grad():
+        moe.b13.normal_()
+        moe.b2.normal_()
+    off = OffloadedMoE.from_moe(moe, cache_experts=3, compute_misses_on=place)
+    x = _x(9)
+    assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert off.cache.expert_bytes == (3 * N * K + 2 * N + K) * 4
+
+
 def test_capacity_drops_are_reported_like_the_plain_layer():
     moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2), backend="grouped_mm",
               capacity_factor=0.5)

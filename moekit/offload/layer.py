@@ -15,6 +15,11 @@ the next layer's predicted counts ride on the same copy), then:
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
   in its previous forward, ``None`` prefetches nothing.
 
+Quantized experts (``moe.quant_scheme``) stay packed: the cache's slots read as a QuantizedWeight of C
+experts, which the backend runs as it runs the plain quantized ``MoE`` (Triton's fp8 / weight-only
+kernels through ``expert_map``); CPU misses dequantize only the missed experts (the CPU backend's
+quantized path). Expert biases (gpt-oss) travel with their experts.
+
 The result equals the plain ``MoE``'s within the dtype's rounding (partial sums add in float32).
 Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 """
@@ -29,6 +34,7 @@ from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.parts import ExpertWeights
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -227,6 +233,14 @@ def link_layers(layers: list[OffloadedMoE]) -> None:
             raise ValueError("layers must share one ExpertCache (pass cache= to from_moe)")
     for layer, nxt in zip(layers, layers[1:]):
         layer._next = [nxt]  # a list, not an attribute, so the successor is not registered as a submodule
+
+
+def expert_nbytes(moe: MoE) -> int:
+    """Bytes of one of ``moe``'s routed experts as an ``ExpertCache`` slot holds it (w13 + w2, + biases):
+    packed bytes, scales and zero points included, for a quantized ``moe``. A byte budget // this is
+    the cache size in experts."""
+    e = moe.config.num_experts
+    return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
 
 
 def _routed_rows(w, num_experts: int):
