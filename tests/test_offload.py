@@ -49,6 +49,7 @@ def test_offloaded_layer_equals_the_plain_layer(place, slots):
 @pytest.mark.parametrize("config", [
     {"shared_expert_intermediate_size": 2 * N, "shared_expert_gate": True},
     {"scoring": "sigmoid", "use_correction_bias": True, "n_group": 4, "topk_group": 2},
+    {"router_bias": True},  # gpt-oss: the gate's bias (nn.Linear's random init) must carry over
 ])
 def test_shared_expert_and_correction_bias_carry_over(config):
     moe = _moe(**config)

@@ -98,23 +98,27 @@ class OffloadedMoE(MoE):
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
-        """The gate, correction bias and shared expert (un-fused into a separate MLP) from ``moe``."""
+        """The gate (and its bias), correction bias and shared expert (un-fused into a separate MLP) from
+        ``moe``, each in its own dtype (a float32 router in a bf16 model, or in a quantized one whose
+        logical dtype is bf16, stays float32: rounding it would change the routing)."""
         with torch.no_grad():
-            self.gate.weight.copy_(moe.gate.weight)
+            _take(self.gate.weight, moe.gate.weight)
+            if moe.gate.bias is not None:
+                _take(self.gate.bias, moe.gate.bias)
             if moe.e_score_correction_bias is not None:
-                self.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+                _take(self.e_score_correction_bias, moe.e_score_correction_bias)
             if self.shared_gate is not None:
-                self.shared_gate.weight.copy_(moe.shared_gate.weight)
+                _take(self.shared_gate.weight, moe.shared_gate.weight)
             if self.shared_w13 is None:
                 return
             if moe.fuse_shared:
                 e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
                 gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
-                self.shared_w13.copy_(torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
-                self.shared_w2.copy_(torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
+                _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
+                _take(self.shared_w2, torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
             else:
-                self.shared_w13.copy_(moe.shared_w13)
-                self.shared_w2.copy_(moe.shared_w2)
+                _take(self.shared_w13, moe.shared_w13)
+                _take(self.shared_w2, moe.shared_w2)
 
     @property
     def next_layer(self) -> "OffloadedMoE | None":
@@ -241,6 +245,12 @@ def expert_nbytes(moe: MoE) -> int:
     the cache size in experts."""
     e = moe.config.num_experts
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
+
+
+def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` (a parameter or buffer, kept as the same object) holds a copy of ``src`` on ``dst``'s device,
+    in ``src``'s dtype."""
+    dst.data = src.detach().to(dst.device, copy=True)
 
 
 def _routed_rows(w, num_experts: int):
