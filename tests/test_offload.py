@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
+from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
 
 from _helpers import TOLERANCE, rel_l2
 
@@ -200,3 +200,27 @@ def test_bad_arguments_name_themselves():
     other = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=2 * N, num_experts=E, top_k=2))
     with pytest.raises(ValueError, match="every layer of one ExpertCache"):
         OffloadedMoE.from_moe(other, cache=cache)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_policy_victims_match_a_full_scan(policy):
+    """The lazy heap names the victims a scan of every key names: lowest (last use) or (uses, last use),
+    then the key cached first; several uses in one tick, protected keys and re-insertions included."""
+    gen = torch.Generator().manual_seed(3)
+    p, state, inserted = EvictionPolicy(policy), {}, 0  # key -> [uses, last use, insertion order]
+    for tick in range(300):
+        for key in torch.randint(0, 40, (3,), generator=gen).tolist():
+            if key in state:
+                p.touch(key, tick)
+                state[key][:2] = [state[key][0] + 1, tick]
+            else:
+                p.insert(key, tick)
+                state[key], inserted = [0, tick, inserted], inserted + 1
+        if tick % 3 == 0:
+            protected = set(torch.randint(0, 40, (8,), generator=gen).tolist())
+            rank = (lambda k: (state[k][1], state[k][2])) if policy == "lru" else (lambda k: tuple(state[k]))
+            expected = sorted((k for k in state if k not in protected), key=rank)[:2]
+            assert p.victims(2, protected) == expected
+            for key in expected:
+                p.remove(key)
+                del state[key]

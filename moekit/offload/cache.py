@@ -212,18 +212,21 @@ class ExpertCache:
 
     # -- slots ---------------------------------------------------------------------------------------
 
-    def _take_slot(self) -> int:
+    def _free_up(self, count: int) -> None:
+        """Evict unprotected experts until ``count`` slots are free (the policy's victims, in one pass)."""
         slots = self._slots
-        if slots.free:
-            return slots.free.pop()
-        victim = self.policy.victim(self._protected)
-        if victim is None:
+        need = count - len(slots.free)
+        if need <= 0:
+            return
+        victims = self.policy.victims(need, self._protected)
+        if len(victims) < need:
             raise RuntimeError("every cache slot is in use by the forward in flight")
-        s = slots.where.pop(victim)
-        self.policy.remove(victim)
-        self._prefetched.discard(victim)
-        slots.owner[s] = None
-        return s
+        for victim in victims:
+            s = slots.where.pop(victim)
+            self.policy.remove(victim)
+            self._prefetched.discard(victim)
+            slots.owner[s] = None
+            slots.free.append(s)
 
     def _fetch(self, keys: list[Key], stats: OffloadStats) -> None:
         """Copy ``keys``' parts into slots (free or evicted), in order, and protect them; on CUDA on the
@@ -231,11 +234,12 @@ class ExpertCache:
         if not keys:
             return
         slots, taken = self._slots, []
+        self._free_up(len(keys))
         stream = contextlib.nullcontext() if self._copy_stream is None else torch.cuda.stream(self._copy_stream)
         waited: set[int] = set()
         with stream:
             for key in keys:
-                s = self._take_slot()
+                s = slots.free.pop()
                 event = slots.read_done[s]
                 if event is not None and id(event) not in waited:  # slots released together share one event
                     self._copy_stream.wait_event(event)
