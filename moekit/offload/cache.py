@@ -62,6 +62,7 @@ class ExpertCache:
         self._layers: list[ExpertWeights] = []
         self._slots: _Slots | None = None
         self._slot_weights: tuple = ()
+        self._expert_bytes = 0
         self._protected: set[Key] = set()
         self._prefetched: set[Key] = set()  # fetched by a prediction, not yet used
         self._tick = 0
@@ -83,7 +84,7 @@ class ExpertCache:
             parts = {k: torch.empty((c, *t.shape[1:]), dtype=t.dtype, device=self.device) for k, t in host.parts.items()}
             self._slots = _Slots(parts=parts, owner=[None] * c, free=list(range(c - 1, -1, -1)),
                                  read_done=[None] * c, copy_done=[None] * c)
-            self._slot_weights = host.rebuild(parts)
+            self._slot_weights, self._expert_bytes = host.rebuild(parts), host.expert_bytes
         elif host.signature() != self._layers[0].signature():
             raise ValueError(f"every layer of one ExpertCache needs the same experts: the cache holds "
                              f"{self._layers[0].describe()}, this layer has {host.describe()}")
@@ -97,7 +98,7 @@ class ExpertCache:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one cached expert (packed bytes for a quantized scheme): one slot, one fetch."""
-        return self._layers[0].expert_bytes if self._layers else 0
+        return self._expert_bytes
 
     @property
     def slot_weights(self) -> tuple[Weight, Weight, torch.Tensor | None, torch.Tensor | None]:
@@ -255,7 +256,7 @@ class ExpertCache:
                 done.record(self._copy_stream)
                 for s in taken:
                     slots.copy_done[s] = done
-        stats.bytes_transferred += sum(self._layers[key[0]].expert_bytes for key in keys)
+        stats.bytes_transferred += len(keys) * self._expert_bytes  # every layer's experts have the same parts
 
     def wait_ready(self, layer: int, experts: list[int]) -> None:
         """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or
