@@ -1,15 +1,18 @@
 """``moekit.hf.offload_experts`` on a tiny transformers model built offline (CPU: the cache's "GPU" is
 the CPU too): the offloaded model's logits equal the original's, the budget sets the cache, and the
-blocks share it."""
+blocks share it; an fp8 model (transformers' FP8Experts) offloads its packed experts."""
 
 from __future__ import annotations
+
+import copy
+import types
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moekit.hf import OffloadedBlock, offload_experts  # noqa: E402
+from moekit.hf import OffloadedBlock, moe_from_hf, offload_experts  # noqa: E402
 
 from _helpers import rel_l2  # noqa: E402
 
@@ -41,3 +44,45 @@ def test_offloaded_model_gives_the_same_logits():
 def test_a_budget_below_one_expert_is_refused():
     with pytest.raises(ValueError, match="gpu_budget_bytes must be an int of at least one expert"):
         offload_experts(_tiny_qwen3_moe(), gpu_budget_bytes=100, device="cpu")
+
+
+def _tiny_fp8_qwen3_moe():
+    """A 2-layer Qwen3-MoE whose experts transformers swapped for its FP8Experts, filled by transformers'
+    own fp8 quantizer (it quantizes block-divisible shapes only: K, N multiples of 128); attention stays
+    float (transformers' fp8 linear needs its GPU kernels)."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    originals = [{n: p.detach().clone() for n, p in layer.mlp.experts.named_parameters()} for layer in model.model.layers]
+    qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
+    fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", "q_proj", "k_proj", "v_proj", "o_proj"],
+                                quantization_config=qc)
+    quantizer = fp8.Fp8Quantize(types.SimpleNamespace(quantization_config=qc))
+    for layer, original in zip(model.model.layers, originals):
+        experts = layer.mlp.experts.to_empty(device="cpu")
+        for name in ("gate_up_proj", "down_proj"):
+            for key, value in quantizer.convert({name: original[name]}).items():
+                getattr(experts, key).data.copy_(value)
+    return model
+
+
+def test_fp8_model_offloads_packed_and_gives_the_plain_fp8_logits():
+    model = _tiny_fp8_qwen3_moe()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model)
+    for layer in reference.model.layers:  # the plain (resident) fp8 MoE of each block
+        layer.mlp = moe_from_hf(layer.mlp, backend="grouped_mm")
+        assert layer.mlp.quant_scheme == "fp8_block"
+    with torch.no_grad():
+        ref = reference(ids).logits
+    packed = (2 * 128 * 128 + 2 * 4) + (128 * 128 + 4)  # e4m3 w13 [256, 128] + w2 [128, 128], fp32 scale per 128x128
+    cache = offload_experts(model, gpu_budget_bytes=3 * packed, device="cpu", backend="grouped_mm")
+    assert cache.cache_experts == 3 and cache.expert_bytes == packed  # the same bytes hold 1 bf16 expert
+    with torch.no_grad():
+        got = model(ids).logits
+    assert rel_l2(got, ref) < 1e-5  # the float32 router stays float32 (bf16, the fp8 logical dtype, gave 1.7e-4)
+    stats = cache.stats
+    assert stats.fetched > 0 and stats.bytes_transferred == (stats.fetched + stats.prefetched) * packed

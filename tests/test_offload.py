@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
+from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
 
 from _helpers import TOLERANCE, rel_l2
 
@@ -49,6 +49,7 @@ def test_offloaded_layer_equals_the_plain_layer(place, slots):
 @pytest.mark.parametrize("config", [
     {"shared_expert_intermediate_size": 2 * N, "shared_expert_gate": True},
     {"scoring": "sigmoid", "use_correction_bias": True, "n_group": 4, "topk_group": 2},
+    {"router_bias": True},  # gpt-oss: the gate's bias (nn.Linear's random init) must carry over
 ])
 def test_shared_expert_and_correction_bias_carry_over(config):
     moe = _moe(**config)
@@ -57,6 +58,18 @@ def test_shared_expert_and_correction_bias_carry_over(config):
     off = OffloadedMoE.from_moe(moe, cache_experts=4)
     x = _x(9)
     assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("place", ["gpu", "cpu"])
+def test_expert_biases_travel_with_their_experts(place):
+    moe = _moe(expert_bias=True)
+    with torch.no_grad():
+        moe.b13.normal_()
+        moe.b2.normal_()
+    off = OffloadedMoE.from_moe(moe, cache_experts=3, compute_misses_on=place)
+    x = _x(9)
+    assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert off.cache.expert_bytes == (3 * N * K + 2 * N + K) * 4
 
 
 def test_capacity_drops_are_reported_like_the_plain_layer():
@@ -187,3 +200,27 @@ def test_bad_arguments_name_themselves():
     other = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=2 * N, num_experts=E, top_k=2))
     with pytest.raises(ValueError, match="every layer of one ExpertCache"):
         OffloadedMoE.from_moe(other, cache=cache)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_policy_victims_match_a_full_scan(policy):
+    """The lazy heap names the victims a scan of every key names: lowest (last use) or (uses, last use),
+    then the key cached first; several uses in one tick, protected keys and re-insertions included."""
+    gen = torch.Generator().manual_seed(3)
+    p, state, inserted = EvictionPolicy(policy), {}, 0  # key -> [uses, last use, insertion order]
+    for tick in range(300):
+        for key in torch.randint(0, 40, (3,), generator=gen).tolist():
+            if key in state:
+                p.touch(key, tick)
+                state[key][:2] = [state[key][0] + 1, tick]
+            else:
+                p.insert(key, tick)
+                state[key], inserted = [0, tick, inserted], inserted + 1
+        if tick % 3 == 0:
+            protected = set(torch.randint(0, 40, (8,), generator=gen).tolist())
+            rank = (lambda k: (state[k][1], state[k][2])) if policy == "lru" else (lambda k: tuple(state[k]))
+            expected = sorted((k for k in state if k not in protected), key=rank)[:2]
+            assert p.victims(2, protected) == expected
+            for key in expected:
+                p.remove(key)
+                del state[key]

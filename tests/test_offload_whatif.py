@@ -122,3 +122,20 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
             assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
     assert {(r["M"], r["prefetch"]) for r in doc["prefetch_rows"]} == {
         (m, p) for m in (1, 4) for p in ("none", "previous", "router")}
+
+
+def test_bench_offload_tiny_quantized_counts_packed_bytes(tmp_path, capsys):
+    from moekit.cli import main
+
+    assert main(["bench", "--offload", "--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "2",
+                 "--cache-fractions", "0.5", "--offload-steps", "2", "--offload-dtype", "int8_w8a16"]) == 0
+    (path,) = tmp_path.glob("*-offload-int8_w8a16-*.json")
+    doc = json.loads(path.read_text())
+    k, n = doc["hidden"], doc["inter"]
+    assert doc["dtype"] == "int8_w8a16"
+    assert doc["expert_bytes"] == (2 * n * k + 2 * n * 4) + (k * n + k * 4)  # int8 q + fp32 row scales, w13 + w2
+    for r in doc["rows"]:
+        if r["compute_misses_on"] == "gpu":
+            assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
+    assert "--offload-dtype must be float or one of" in cli_error(
+        capsys, ["bench", "--offload", "--tiny", "--device", "cpu", "--offload-dtype", "int3"])

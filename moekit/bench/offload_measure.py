@@ -9,13 +9,14 @@ configuration replays the same stream. The layers share one host weight set (the
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 The floor per step, from the measured touched and missed experts: misses fetched: sum over layers of
 max(touched bytes / copy BW, missed bytes / link); misses on the CPU: max(hit bytes / copy BW, CPU
-tokens x 6NK / CPU rate); "auto" is held to the better of the two pure configurations measured.
+tokens x 6NK / CPU rate), bytes per expert the packed ones for a quantized scheme; "auto" is held to the better of the two pure configurations measured.
 
 Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layers, C cache slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -25,8 +26,11 @@ import torch
 from moekit.bench.ceilings import measure_ceilings
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers, measure_cpu_costs, measure_link_bandwidth
+from moekit.offload import (
+    ExpertCache, MissCosts, OffloadedMoE, expert_nbytes, link_layers, measure_cpu_costs, measure_link_bandwidth,
+)
 from moekit.offload.whatif import RoutingTrace, replay
+from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
 from moekit.sim.router import draw_tokens, make_router
 
@@ -51,13 +55,15 @@ class OffloadRow:
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu",), places=("gpu", "cpu", "auto"),
-                    steps=8, warm_steps=4, on_progress=None) -> dict:
-    """Every (stream, fraction, policy, place, M); returns the document ``moekit bench --offload`` writes."""
+                    steps=8, warm_steps=4, scheme: str | None = None, on_progress=None) -> dict:
+    """Every (stream, fraction, policy, place, M); returns the document ``moekit bench --offload`` writes.
+    ``scheme``: a ``moekit.quant`` scheme for the experts (kept packed on the host, in the slots and over
+    the link); None: float experts (bf16 on CUDA, float32 on the CPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    costs = MissCosts(measure_link_bandwidth(device), *measure_cpu_costs(inter, hidden, dtype))
+    costs = MissCosts(measure_link_bandwidth(device), *measure_cpu_costs(inter, hidden, dtype, scheme=scheme))
     copy_bw = measure_ceilings(device).copy_TBps * 1e12 / 2 if device.type == "cuda" else costs.link_bytes_per_s
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
-    shell = _host_shell(config, dtype, device)
+    shell = _host_shell(config, dtype, device, scheme)
     rows = []
     for stream, skew in STREAMS.items():
         for m in batches:
@@ -75,21 +81,45 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"prefetch_rows": prefetch, "link_GBps": costs.link_bytes_per_s / 1e9, "cpu_expert_us": costs.cpu_expert_s * 1e6,
             "cpu_token_us": costs.cpu_token_s * 1e6,
             "hbm_read_GBps": copy_bw / 1e9, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
-            "layers": layers, "dtype": str(dtype).removeprefix("torch."), "rows": [asdict(r) for r in rows]}
+            "layers": layers, "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
+            "rows": [asdict(r) for r in rows]}
 
 
-def _host_shell(config: MoEConfig, dtype, device) -> MoE:
-    """A CPU ``MoE`` whose expert weights are one host set (pinned on CUDA), filled in chunks on ``device``."""
+def _host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
+    """A CPU ``MoE`` whose expert weights are one host set (pinned on CUDA), filled in chunks on ``device``;
+    with a ``scheme``, quantized chunk by chunk on ``device`` and kept packed (never a float copy of the layer)."""
     shell = MoE(config, num_local_experts=0, dtype=dtype, device="cpu", fuse_shared=False, router="torch")
-    pin = device.type == "cuda"
     e, n, k = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    w13 = torch.empty(e, 2 * n, k, dtype=dtype, pin_memory=pin)
-    w2 = torch.empty(e, k, n, dtype=dtype, pin_memory=pin)
-    for w in (w13, w2):
-        for i in range(e):
-            w[i].copy_(torch.randn(w.shape[1:], device=device, dtype=dtype) * w.shape[-1] ** -0.5)
-    shell.w13, shell.w2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+    weights = [_host_weight((e, 2 * n, k), dtype, device, scheme), _host_weight((e, k, n), dtype, device, scheme)]
+    if scheme is None:
+        shell.w13, shell.w2 = (torch.nn.Parameter(w, requires_grad=False) for w in weights)
+    else:
+        install_quantized_experts_(shell, *weights)
     return shell
+
+
+def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None, chunk: int = 16):
+    """Random [E, R, C] weights (std 1/sqrt(C)) in host memory (pinned on CUDA), float or packed."""
+    pin, e = device.type == "cuda", shape[0]
+    out, parts = None, {}
+    for i in range(0, e, chunk):
+        w = torch.randn((min(chunk, e - i), *shape[1:]), device=device, dtype=dtype) * shape[-1] ** -0.5
+        q = w if scheme is None else quantize(w, scheme)
+        tensors = {"w": q} if scheme is None else q.tensors()
+        if out is None:
+            parts = {name: torch.empty((e, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for name, t in tensors.items()}
+            out = q
+        for name, t in tensors.items():
+            parts[name][i:i + t.shape[0]].copy_(t)
+    return parts["w"] if scheme is None else dataclasses.replace(out, **parts)
+
+
+def _share_experts(dst: MoE, shell: MoE) -> None:
+    """``dst`` computes with ``shell``'s host expert weights (no copy)."""
+    if shell.quant_scheme is None:
+        dst.w13, dst.w2 = shell.w13, shell.w2
+    else:
+        install_quantized_experts_(dst, shell.w13, shell.w2)
 
 
 def _routing(config, layers, steps, m, skew, device) -> list[list[Routing]]:
@@ -128,7 +158,7 @@ def _prefetch_rows(shell, config, layers, batches, fraction, policy, steps, warm
                             router="torch")
                 rank = torch.randperm(config.num_experts) + 1
                 gated.e_score_correction_bias.copy_(-0.05 * torch.log(rank.float()))  # Zipf popularity
-                gated.w13, gated.w2 = shell.w13, shell.w2
+                _share_experts(gated, shell)
                 stack.append(OffloadedMoE.from_moe(gated, cache=cache, prefetch=prediction))
             link_layers(stack)
             gen = torch.Generator(device=device).manual_seed(5)
@@ -178,7 +208,7 @@ def _one(shell, config, trace, slots, policy, place, m, warm_steps, costs, copy_
             times.append(time.perf_counter() - start)
     timed = {key: cache.stats.as_dict()[key] - totals[key] for key in ("touched", "hits", "fetched", "cpu_experts", "cpu_tokens")}
     steps = len(times)
-    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * shell.w13.element_size()
+    expert_bytes = expert_nbytes(shell)  # packed bytes for a quantized scheme
     gpu_s = (timed["hits"] + timed["fetched"]) * expert_bytes / copy_bw
     cpu_s = timed["cpu_experts"] * costs.cpu_expert_s + timed["cpu_tokens"] * costs.cpu_token_s
     floor = max(gpu_s, timed["fetched"] * expert_bytes / costs.link_bytes_per_s, cpu_s) / steps

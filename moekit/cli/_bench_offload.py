@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
     g.add_argument("--offload-steps", type=positive_int, default=8, help="timed decode steps per configuration")
+    g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
+                   help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
+                   "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,16 +31,21 @@ def run(args: argparse.Namespace) -> int:
     from moekit.bench.report import write_json
     from moekit.bench.run import commit_id, device_name
 
+    from moekit.quant import SCHEMES
+
+    if args.offload_dtype != "float" and args.offload_dtype not in SCHEMES:
+        raise UsageError(f"--offload-dtype must be float or one of {', '.join(SCHEMES)}, got {args.offload_dtype!r}")
+    scheme = None if args.offload_dtype == "float" else args.offload_dtype
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda is not available on this machine; use --device cpu")
     shape = {} if device.type == "cuda" and not args.tiny else {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2}
     console = Console(width=140)
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
-                          fractions=tuple(args.cache_fractions), steps=args.offload_steps,
+                          fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
                           on_progress=lambda r: console.print(_line(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
-    stem = f"{doc['device'].replace(' ', '_')}-offload-{doc['date']}"
+    stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
     path, n = Path(args.out) / f"{stem}.json", 1
     while path.exists():
         n += 1
@@ -46,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     for r in doc["prefetch_rows"]:
         console.print(f"prefetch {r['prefetch']:>8} M={r['M']:<3} hit {r['hit_rate']:.3f}  step {r['step_ms']:8.2f} ms  "
                       f"prediction accuracy {r['prefetch_accuracy']:.2f}", markup=False, highlight=False)
-    console.print(f"link {doc['link_GBps']:.1f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
+    console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
                   f"{doc['cpu_token_us']:.0f} µs/token; wrote {path}")
     return 0
 

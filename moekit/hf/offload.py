@@ -3,6 +3,7 @@ expert cache, so a model larger than the GPU decodes.
 
     every MoE block (router + experts [+ shared]) ──moe_from_hf──▶ MoE ──OffloadedMoE.from_moe──▶ block
     one ExpertCache of gpu_budget_bytes // bytes-per-expert slots, shared by the blocks in model order
+    (bytes per expert: w13 + w2 (+ biases) of one expert; packed bytes, scales included, for fp8 experts)
 
 Load the model on the CPU, call ``offload_experts(model, gpu_budget_bytes=..., device="cuda")``, then
 move the rest of the model to the GPU (``model.to("cuda")``: the host-resident experts are not module
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from moekit.hf.blocks import moe_from_hf
-from moekit.offload import ExpertCache, OffloadedMoE, link_layers
+from moekit.offload import ExpertCache, OffloadedMoE, expert_nbytes, link_layers
 
 
 class OffloadedBlock(nn.Module):
@@ -40,15 +41,15 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
               if _is_moe_block(child)]
     if not blocks:
         raise ValueError(f"model has no MoE block (a module with .experts and .gate/.router): {type(model).__name__}")
-    first = blocks[0][2].experts
-    expert_bytes = first.down_proj[0].numel() * 3 * first.down_proj.element_size()  # w13 + w2 of one expert
+    first = moe_from_hf(blocks[0][2], backend=backend)
+    expert_bytes = expert_nbytes(first)  # packed bytes for quantized (fp8) experts: the budget holds more
     if not isinstance(gpu_budget_bytes, int) or gpu_budget_bytes < expert_bytes:
         raise ValueError(f"gpu_budget_bytes must be an int of at least one expert's {expert_bytes} bytes, "
                          f"got {gpu_budget_bytes!r}")
     cache = ExpertCache(gpu_budget_bytes // expert_bytes, device=device, policy=policy)
     layers = []
-    for parent, name, block in blocks:
-        moe = moe_from_hf(block, backend=backend)
+    for i, (parent, name, block) in enumerate(blocks):
+        moe = first if i == 0 else moe_from_hf(block, backend=backend)
         layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=prefetch, compute_misses_on=compute_misses_on)
         setattr(parent, name, OffloadedBlock(layer))
         layers.append(layer)

@@ -4,17 +4,20 @@
     cache = ExpertCache(C, device="cuda")              a model's budget, shared by its layers:
     layers = [OffloadedMoE.from_moe(m, cache=cache) for m in moes]; link_layers(layers)   (prefetch)
 
+Quantized experts (``MoE.quantize_``, fp8 checkpoints) are offloaded packed: host copy, slots and
+fetches hold their q / scale (/ zero) tensors, and ``expert_nbytes(moe)`` is the packed size of one.
+
 ``whatif`` replays a routing trace through the cache policies without weights (the simulator's
 cache what-if); ``cost`` decides where a missed expert runs.
 """
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, measure_cpu_costs, measure_link_bandwidth, split_misses
-from moekit.offload.layer import OffloadedMoE, link_layers
+from moekit.offload.layer import OffloadedMoE, expert_nbytes, link_layers
 from moekit.offload.policy import POLICIES, EvictionPolicy
 from moekit.offload.stats import OffloadStats
 
 __all__ = [
     "ExpertCache", "EvictionPolicy", "MissCosts", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
-    "link_layers", "measure_cpu_costs", "measure_link_bandwidth", "split_misses",
+    "expert_nbytes", "link_layers", "measure_cpu_costs", "measure_link_bandwidth", "split_misses",
 ]

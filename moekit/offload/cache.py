@@ -2,6 +2,11 @@
 
     host (pinned) w13 [E, 2N, K], w2 [E, K, N] per layer ──copy stream──▶ slots w13 [C, 2N, K], w2 [C, K, N]
 
+Quantized experts stay packed on both sides: each of their tensors (``moekit.quant``'s layouts: q,
+scale, zero) is a part with E leading on the host and C leading in the slots (``parts.ExpertWeights``),
+so a slot costs one expert's packed bytes and a fetch copies them; the slots read as a QuantizedWeight
+of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too.
+
 A layer registers its host weights and gets a layer id; ``(layer, expert)`` keys name cached experts,
 so every layer of a model draws on one GPU budget (a model owns one cache, not one per layer). A
 layer's forward asks ``ensure`` for the experts its batch touches (fetching misses into free or
@@ -16,11 +21,13 @@ the CPU) copies are plain and synchronous: the same bookkeeping runs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from moekit.offload.parts import ExpertWeights, Weight
 from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
 
@@ -28,24 +35,12 @@ Key = tuple[int, int]  # (layer id, expert id)
 
 
 @dataclass
-class _HostExperts:
-    """One registered layer's home weights."""
-
-    w13: torch.Tensor  # [E, 2N, K] on the CPU (pinned when CUDA is in use)
-    w2: torch.Tensor  # [E, K, N] on the CPU
-
-    @property
-    def expert_bytes(self) -> int:
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
-
-
-@dataclass
 class _Slots:
     """The GPU side: slot tensors, who is in which slot, and when each slot was last read."""
 
-    w13: torch.Tensor  # [C, 2N, K]
-    w2: torch.Tensor  # [C, K, N]
+    parts: dict[str, torch.Tensor]  # part name -> [C, ...] (``ExpertWeights.parts`` with C for E)
     owner: list[Key | None]  # [C]; the expert held by each slot, None when free
+    free: list[int]  # slots holding nothing, popped from the end (slot 0 first)
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
     read_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the last read, or None
     copy_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the copy into it, or None
@@ -64,8 +59,10 @@ class ExpertCache:
         self.device = torch.device(device)
         self.policy = EvictionPolicy(policy)
         self.stats = OffloadStats()
-        self._layers: list[_HostExperts] = []
+        self._layers: list[ExpertWeights] = []
         self._slots: _Slots | None = None
+        self._slot_weights: tuple = ()
+        self._expert_bytes = 0
         self._protected: set[Key] = set()
         self._prefetched: set[Key] = set()  # fetched by a prediction, not yet used
         self._tick = 0
@@ -74,37 +71,40 @@ class ExpertCache:
 
     # -- registration --------------------------------------------------------------------------------
 
-    def register(self, w13: torch.Tensor, w2: torch.Tensor) -> int:
-        """Take a layer's host weights (w13 [E, 2N, K], w2 [E, K, N]); returns its layer id. Every layer
-        of one cache has the same expert shape and dtype (the slots are one tensor)."""
-        host = _HostExperts(w13=_to_host(w13, self.device), w2=_to_host(w2, self.device))
+    def register(self, w13: Weight, w2: Weight, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> int:
+        """Take a layer's host weights (w13 [E, 2N, K], w2 [E, K, N]: float tensors or ``moekit.quant``
+        QuantizedWeights, kept packed; b13 [E, 2N] / b2 [E, K] when the experts have biases); returns its
+        layer id. Every layer of one cache has the same expert parts (shapes, dtypes, scheme and options:
+        the slots are one tensor per part)."""
+        weights = ExpertWeights.of(w13, w2, b13, b2)
+        # rebuilt from the host parts, so nothing keeps the caller's (device) tensors alive
+        host = ExpertWeights.of(*weights.rebuild({k: _to_host(t, self.device) for k, t in weights.parts.items()}))
         if self._slots is None:
             c = self.cache_experts
-            self._slots = _Slots(
-                w13=torch.empty((c, *host.w13.shape[1:]), dtype=host.w13.dtype, device=self.device),
-                w2=torch.empty((c, *host.w2.shape[1:]), dtype=host.w2.dtype, device=self.device),
-                owner=[None] * c, read_done=[None] * c, copy_done=[None] * c,
-            )
-        elif host.w13.shape[1:] != self._slots.w13.shape[1:] or host.w13.dtype != self._slots.w13.dtype:
-            raise ValueError(
-                f"every layer of one ExpertCache needs experts of shape {tuple(self._slots.w13.shape[1:])} "
-                f"{self._slots.w13.dtype}, got w13 {tuple(host.w13.shape[1:])} {host.w13.dtype}"
-            )
+            parts = {k: torch.empty((c, *t.shape[1:]), dtype=t.dtype, device=self.device) for k, t in host.parts.items()}
+            self._slots = _Slots(parts=parts, owner=[None] * c, free=list(range(c - 1, -1, -1)),
+                                 read_done=[None] * c, copy_done=[None] * c)
+            self._slot_weights, self._expert_bytes = host.rebuild(parts), host.expert_bytes
+        elif host.signature() != self._layers[0].signature():
+            raise ValueError(f"every layer of one ExpertCache needs the same experts: the cache holds "
+                             f"{self._layers[0].describe()}, this layer has {host.describe()}")
         self._layers.append(host)
         return len(self._layers) - 1
 
-    def host(self, layer: int) -> _HostExperts:
+    def host(self, layer: int) -> ExpertWeights:
+        """The layer's home weights (pinned host parts when the cache is on CUDA)."""
         return self._layers[layer]
 
     @property
-    def slot_w13(self) -> torch.Tensor:
-        """[C, 2N, K] the slot weights (index them through ``expert_map``)."""
-        return self._slots.w13
+    def expert_bytes(self) -> int:
+        """Bytes of one cached expert (packed bytes for a quantized scheme): one slot, one fetch."""
+        return self._expert_bytes
 
     @property
-    def slot_w2(self) -> torch.Tensor:
-        """[C, K, N]"""
-        return self._slots.w2
+    def slot_weights(self) -> tuple[Weight, Weight, torch.Tensor | None, torch.Tensor | None]:
+        """(w13 [C, 2N, K], w2 [C, K, N], b13 [C, 2N] | None, b2 [C, K] | None) over the slots (index them
+        through ``expert_map``); quantized weights when the layers' experts are quantized."""
+        return self._slot_weights
 
     def cached(self, layer: int) -> dict[int, int]:
         """expert -> slot for the layer's experts in the cache now."""
@@ -134,18 +134,19 @@ class ExpertCache:
         return hits, misses
 
     def free_slots(self) -> int:
-        """Slots a fetch can take now: free ones plus unprotected occupied ones."""
-        return sum(1 for key in self._slots.owner if key is None or key not in self._protected)
+        """Slots a fetch can take now: free ones plus unprotected occupied ones (every protected key is
+        cached: keys are protected when hit or fetched and released before they can be evicted)."""
+        return len(self._slots.free) + len(self._slots.where) - len(self._protected)
 
     def ensure(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Fetch ``experts`` (misses of ``layer``) into slots, evicting unprotected ones; they stay
         protected until ``release``. Raises if more are asked than ``free_slots()``."""
         if len(experts) > self.free_slots():
             raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
-        for e in experts:
-            self._fetch((layer, e), stats)
-            self.policy.touch((layer, e), self._tick)
-            self._protected.add((layer, e))
+        keys = [(layer, e) for e in experts]
+        self._fetch(keys, stats)  # protects them
+        for key in keys:
+            self.policy.touch(key, self._tick)
         stats.fetched += len(experts)
 
     def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
@@ -179,18 +180,12 @@ class ExpertCache:
         stats.admitted += len(self._fetch_ahead(layer, experts, stats))
 
     def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats) -> list[Key]:
-        fetched: list[Key] = []
-        for e in experts:
-            key = (layer, e)
-            if key in self._slots.where:
-                continue
-            if self.free_slots() == 0:
-                break
-            self._fetch(key, stats)
-            self._protected.add(key)  # until the loop ends: a later one must not evict it
-            fetched.append(key)
-        self._protected.difference_update(fetched)
-        return fetched
+        """Fetch the first of ``experts`` not cached, as many as slots can be freed; unprotected after."""
+        where = self._slots.where
+        keys = [(layer, e) for e in experts if (layer, e) not in where][: self.free_slots()]
+        self._fetch(keys, stats)
+        self._protected.difference_update(keys)
+        return keys
 
     def release(self, layer: int, experts: list[int]) -> None:
         """The forward has enqueued every read of these experts' slots: unprotect them and record when
@@ -210,52 +205,70 @@ class ExpertCache:
         table = [-1] * num_experts
         for e in experts:
             table[e] = self._slots.where[(layer, e)]
-        return torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+        # Pinned source: a pageable one makes the "non-blocking" copy wait for the compute stream to drain
+        # (the host cannot queue the next layer ahead); pinned, torch's host allocator keeps the buffer
+        # alive until the copy is done.
+        pinned = self._copy_stream is not None
+        return torch.tensor(table, dtype=torch.int32, pin_memory=pinned).to(self.device, non_blocking=True)
 
     # -- slots ---------------------------------------------------------------------------------------
 
-    def _take_slot(self) -> int:
+    def _free_up(self, count: int) -> None:
+        """Evict unprotected experts until ``count`` slots are free (the policy's victims, in one pass)."""
         slots = self._slots
-        for s, key in enumerate(slots.owner):
-            if key is None:
-                return s
-        victim = self.policy.victim(self._protected)
-        if victim is None:
+        need = count - len(slots.free)
+        if need <= 0:
+            return
+        victims = self.policy.victims(need, self._protected)
+        if len(victims) < need:
             raise RuntimeError("every cache slot is in use by the forward in flight")
-        s = slots.where.pop(victim)
-        self.policy.remove(victim)
-        self._prefetched.discard(victim)
-        slots.owner[s] = None
-        return s
+        for victim in victims:
+            s = slots.where.pop(victim)
+            self.policy.remove(victim)
+            self._prefetched.discard(victim)
+            slots.owner[s] = None
+            slots.free.append(s)
 
-    def _fetch(self, key: Key, stats: OffloadStats) -> None:
-        s = self._take_slot()
-        slots, host = self._slots, self._layers[key[0]]
-        if self._copy_stream is None:
-            slots.w13[s].copy_(host.w13[key[1]])
-            slots.w2[s].copy_(host.w2[key[1]])
-        else:
-            with torch.cuda.stream(self._copy_stream):
-                if slots.read_done[s] is not None:
-                    self._copy_stream.wait_event(slots.read_done[s])
-                slots.w13[s].copy_(host.w13[key[1]], non_blocking=True)
-                slots.w2[s].copy_(host.w2[key[1]], non_blocking=True)
-                slots.copy_done[s] = torch.cuda.Event()
-                slots.copy_done[s].record(self._copy_stream)
-        slots.owner[s], slots.where[key] = key, s
-        self.policy.insert(key, self._tick)
-        stats.bytes_transferred += host.expert_bytes
+    def _fetch(self, keys: list[Key], stats: OffloadStats) -> None:
+        """Copy ``keys``' parts into slots (free or evicted), in order, and protect them; on CUDA on the
+        copy stream, after the reads of each slot's previous expert, one event recorded after the batch."""
+        if not keys:
+            return
+        slots, taken = self._slots, []
+        self._free_up(len(keys))
+        stream = contextlib.nullcontext() if self._copy_stream is None else torch.cuda.stream(self._copy_stream)
+        waited: set[int] = set()
+        with stream:
+            for key in keys:
+                s = slots.free.pop()
+                event = slots.read_done[s]
+                if event is not None and id(event) not in waited:  # slots released together share one event
+                    self._copy_stream.wait_event(event)
+                    waited.add(id(event))
+                for name, part in self._layers[key[0]].parts.items():
+                    slots.parts[name][s].copy_(part[key[1]], non_blocking=self._copy_stream is not None)
+                slots.owner[s], slots.where[key] = key, s
+                self.policy.insert(key, self._tick)
+                self._protected.add(key)  # a later key of the batch must not evict it
+                taken.append(s)
+            if self._copy_stream is not None:
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+                for s in taken:
+                    slots.copy_done[s] = done
+        stats.bytes_transferred += len(keys) * self._expert_bytes  # every layer's experts have the same parts
 
     def wait_ready(self, layer: int, experts: list[int]) -> None:
         """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or
         admitted), and for nothing else on the copy stream."""
         if self._copy_stream is None:
             return
-        stream = torch.cuda.current_stream(self.device)
+        stream, waited = torch.cuda.current_stream(self.device), set()
         for e in experts:
             event = self._slots.copy_done[self._slots.where[(layer, e)]]
-            if event is not None:
+            if event is not None and id(event) not in waited:  # one event per fetched batch
                 stream.wait_event(event)
+                waited.add(id(event))
 
 
 def _to_host(w: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,8 @@
 A miss fetched costs its weight bytes over the link (``link_bytes_per_s``); a miss computed on the
 CPU costs a fixed time per expert (streaming its weights from host memory once) plus a time per
 routed token (its 6·N·K FLOPs): ``cpu_expert_s + tokens · cpu_token_s``, fitted from two timings
-(``measure_cpu_costs``). The two sides run at once (the CPU computes while the GPU fetches and
+(``measure_cpu_costs``; for quantized experts the bytes are the packed ones and the CPU time includes
+dequantizing them). The two sides run at once (the CPU computes while the GPU fetches and
 computes), so a batch's misses take about max(fetch time, CPU time). ``split_misses`` picks the
 assignment with the smallest predicted max among all-fetch, all-CPU and a greedy mix. The rates are
 measured on this machine or passed in.
@@ -15,6 +16,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from moekit.quant import quantize
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,24 @@ def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, re
     return nbytes / best
 
 
-def measure_cpu_costs(n_dim: int, k_dim: int, dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+def measure_cpu_costs(n_dim: int, k_dim: int, dtype: torch.dtype, repeats: int = 5,
+                      scheme: str | None = None) -> tuple[float, float]:
     """(seconds per expert, seconds per token) of one expert's MLP on the CPU, fitted from the best of
-    ``repeats`` timings at 1 and 33 tokens (time = per_expert + tokens · per_token)."""
-    w13 = torch.randn(2 * n_dim, k_dim, dtype=dtype)
-    w2 = torch.randn(k_dim, n_dim, dtype=dtype)
+    ``repeats`` timings at 1 and 33 tokens (time = per_expert + tokens · per_token). With a
+    ``moekit.quant`` ``scheme`` the timing includes dequantizing the expert's packed weights to ``dtype``
+    first, as the CPU path does for a quantized miss."""
+    w13 = torch.randn(1, 2 * n_dim, k_dim, dtype=dtype)
+    w2 = torch.randn(1, k_dim, n_dim, dtype=dtype)
+    packed = None if scheme is None else (quantize(w13, scheme), quantize(w2, scheme))
 
     def best(tokens: int) -> float:
         x = torch.randn(tokens, k_dim, dtype=dtype)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            h = x @ w13.t()
-            _ = (torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]) @ w2.t()
+            a, b = (w13, w2) if packed is None else (packed[0].dequantize(dtype), packed[1].dequantize(dtype))
+            h = x @ a[0].t()
+            _ = (torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]) @ b[0].t()
             times.append(time.perf_counter() - start)
         return min(times)
 

@@ -15,6 +15,11 @@ the next layer's predicted counts ride on the same copy), then:
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
   in its previous forward, ``None`` prefetches nothing.
 
+Quantized experts (``moe.quant_scheme``) stay packed: the cache's slots read as a QuantizedWeight of C
+experts, which the backend runs as it runs the plain quantized ``MoE`` (Triton's fp8 / weight-only
+kernels through ``expert_map``); CPU misses dequantize only the missed experts (the CPU backend's
+quantized path). Expert biases (gpt-oss) travel with their experts.
+
 The result equals the plain ``MoE``'s within the dtype's rounding (partial sums add in float32).
 Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 """
@@ -29,6 +34,7 @@ from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.parts import ExpertWeights
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -75,9 +81,6 @@ class OffloadedMoE(MoE):
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
-        if moe.quant_scheme is not None:
-            raise NotImplementedError(f"offloading quantized experts ({moe.quant_scheme}) is not built yet: offload the "
-                                      "float MoE, or keep the quantized one on the GPU")
         if cache is None:
             cache = ExpertCache(cache_experts, device=device or moe.w13.device, policy=policy)
         layer = cls(moe.config, backend=moe.backend, backend_options=moe.backend_options, fuse_shared=False,
@@ -86,7 +89,8 @@ class OffloadedMoE(MoE):
                     device=cache.device)
         layer._copy_resident(moe)
         e = moe.config.num_experts
-        layer.cache, layer.layer_id = cache, cache.register(moe.w13[:e], moe.w2[:e])
+        routed = [_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]  # packed when quantized
+        layer.cache, layer.layer_id = cache, cache.register(*routed)
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
@@ -94,23 +98,27 @@ class OffloadedMoE(MoE):
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
-        """The gate, correction bias and shared expert (un-fused into a separate MLP) from ``moe``."""
+        """The gate (and its bias), correction bias and shared expert (un-fused into a separate MLP) from
+        ``moe``, each in its own dtype (a float32 router in a bf16 model, or in a quantized one whose
+        logical dtype is bf16, stays float32: rounding it would change the routing)."""
         with torch.no_grad():
-            self.gate.weight.copy_(moe.gate.weight)
+            _take(self.gate.weight, moe.gate.weight)
+            if moe.gate.bias is not None:
+                _take(self.gate.bias, moe.gate.bias)
             if moe.e_score_correction_bias is not None:
-                self.e_score_correction_bias.copy_(moe.e_score_correction_bias)
+                _take(self.e_score_correction_bias, moe.e_score_correction_bias)
             if self.shared_gate is not None:
-                self.shared_gate.weight.copy_(moe.shared_gate.weight)
+                _take(self.shared_gate.weight, moe.shared_gate.weight)
             if self.shared_w13 is None:
                 return
             if moe.fuse_shared:
                 e, n_dim = moe.config.num_experts, moe.config.moe_intermediate_size
                 gate_rows, up_rows = moe.w13[e:].split(n_dim, dim=1)  # [S, N, K] each
-                self.shared_w13.copy_(torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
-                self.shared_w2.copy_(torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
+                _take(self.shared_w13, torch.cat([gate_rows.flatten(0, 1), up_rows.flatten(0, 1)]))
+                _take(self.shared_w2, torch.cat(list(moe.w2[e:]), dim=1))  # [K, S*N]
             else:
-                self.shared_w13.copy_(moe.shared_w13)
-                self.shared_w2.copy_(moe.shared_w2)
+                _take(self.shared_w13, moe.shared_w13)
+                _take(self.shared_w2, moe.shared_w2)
 
     @property
     def next_layer(self) -> "OffloadedMoE | None":
@@ -127,12 +135,8 @@ class OffloadedMoE(MoE):
         cpu_inputs = _to_cpu(x2d, routing) if on_cpu else None  # started before the GPU work is queued
         out = self._gpu_experts(x2d, routing, hits, fetch, stats)
         if on_cpu:
-            cpu_map = torch.full((e,), -1, dtype=torch.int32)
-            cpu_map[on_cpu] = torch.tensor(on_cpu, dtype=torch.int32)
-            host = cache.host(self.layer_id)
-            y = call_backend(self._cpu_fn, *cpu_inputs[:1], host.w13, host.w2, *cpu_inputs[1:],
-                             activation=self.config.activation, expert_map=cpu_map)  # [M, K] on the CPU
-            out = out + y.to(out.device, torch.float32, non_blocking=True)
+            y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU
+            out = out.float() + y.to(out.device, torch.float32, non_blocking=True)
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
             busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
             cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
@@ -160,6 +164,22 @@ class OffloadedMoE(MoE):
             return tokens, list(nxt._last_touched)
         return tokens, [i for i, c in enumerate(host[e:]) if c]
 
+    def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int]) -> torch.Tensor:
+        """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights:
+        float ones read in place through ``expert_map``; quantized ones selected first (their packed
+        bytes copied) so the CPU backend dequantizes only those experts, not the whole layer."""
+        host, e = self.cache.host(self.layer_id), self.config.num_experts
+        cpu_map = torch.full((e,), -1, dtype=torch.int32)
+        if host.scheme is None:
+            cpu_map[on_cpu] = torch.tensor(on_cpu, dtype=torch.int32)
+            w13, w2, b13, b2 = host.rebuild(host.parts)
+        else:
+            cpu_map[on_cpu] = torch.arange(len(on_cpu), dtype=torch.int32)
+            w13, w2, b13, b2 = host.select(on_cpu)
+        x, ids, weights = inputs
+        return call_backend(self._cpu_fn, x, w13, w2, ids, weights, activation=self.config.activation,
+                            expert_map=cpu_map, b13=b13, b2=b2)
+
     def _admissions(self, on_cpu: list[int], tokens: dict[int, int]) -> int:
         """How many CPU-computed experts to copy into the cache after this forward."""
         if self.admit_per_forward is not None:
@@ -167,7 +187,7 @@ class OffloadedMoE(MoE):
         if self.costs is None:
             return 1
         cpu_s = sum(self.costs.cpu_time(tokens[m]) for m in on_cpu)
-        fetch_s = self.cache.host(self.layer_id).expert_bytes / self.costs.link_bytes_per_s
+        fetch_s = self.cache.expert_bytes / self.costs.link_bytes_per_s
         return max(1, int(cpu_s / fetch_s))
 
     def _place_misses(self, tokens: dict[int, int]) -> tuple[list[int], list[int]]:
@@ -177,22 +197,25 @@ class OffloadedMoE(MoE):
         if self.compute_misses_on == "cpu":
             return [], sorted(tokens)
         if self.costs is None:
-            c = self.config
-            self.costs = MissCosts(measure_link_bandwidth(self.cache.device),
-                                   *measure_cpu_costs(c.moe_intermediate_size, c.hidden_size, self.cache.slot_w13.dtype))
-        split = split_misses(tokens, self.cache.host(self.layer_id).expert_bytes, self.costs)
+            c, host = self.config, self.cache.host(self.layer_id)
+            self.costs = MissCosts(measure_link_bandwidth(self.cache.device), *measure_cpu_costs(
+                c.moe_intermediate_size, c.hidden_size, host.w13_template.dtype, scheme=host.scheme))
+        split = split_misses(tokens, self.cache.expert_bytes, self.costs)
         return split.fetch, split.cpu
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
-        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K] float32."""
+        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K], x2d's dtype
+        when one round ran (the decode case: no zeros, accumulate or cast launched), else float32."""
         cache, e = self.cache, self.config.num_experts
-        out = torch.zeros(x2d.shape, dtype=torch.float32, device=x2d.device)
+        w13, w2, b13, b2 = cache.slot_weights
+        out = None
         for experts in cache.rounds(self.layer_id, hits, fetch, stats):
             if experts:
                 expert_map = cache.slot_map(self.layer_id, experts, e)
-                out += call_backend(self._experts_fn, x2d, cache.slot_w13, cache.slot_w2, routing.topk_ids,
-                                    routing.topk_weights, activation=self.config.activation, expert_map=expert_map)
-        return out
+                y = call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
+                                 activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2)
+                out = y if out is None else out.float() + y
+        return torch.zeros_like(x2d) if out is None else out
 
     def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
         nxt = self.next_layer
@@ -214,6 +237,28 @@ def link_layers(layers: list[OffloadedMoE]) -> None:
             raise ValueError("layers must share one ExpertCache (pass cache= to from_moe)")
     for layer, nxt in zip(layers, layers[1:]):
         layer._next = [nxt]  # a list, not an attribute, so the successor is not registered as a submodule
+
+
+def expert_nbytes(moe: MoE) -> int:
+    """Bytes of one of ``moe``'s routed experts as an ``ExpertCache`` slot holds it (w13 + w2, + biases):
+    packed bytes, scales and zero points included, for a quantized ``moe``. A byte budget // this is
+    the cache size in experts."""
+    e = moe.config.num_experts
+    return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
+
+
+def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` (a parameter or buffer, kept as the same object) holds a copy of ``src`` on ``dst``'s device,
+    in ``src``'s dtype."""
+    dst.data = src.detach().to(dst.device, copy=True)
+
+
+def _routed_rows(w, num_experts: int):
+    """The routed experts' rows [E, ...] of a weight, QuantizedWeight or bias (fused shared slots follow
+    them); None stays None."""
+    if w is None:
+        return None
+    return w[:num_experts] if isinstance(w, torch.Tensor) else w.select_experts(slice(0, num_experts))
 
 
 def _to_cpu(x2d: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
