@@ -122,7 +122,6 @@ class ConfigAB:
     shape: str
     M: int
     config: dict  # KernelConfig.to_dict(); the first of a cell's entries is the heuristic
-    fold_barrier: bool  # the gate-up kernel's FOLD_BARRIER
     tma: bool  # weights through TMA descriptors (else pointer loads)
     us: float | None  # None: it did not compile or run (shared memory)
     kernels: list  # [{name, num_warps, n_regs, n_spills, shared}] of the GEMMs this config compiled
@@ -194,47 +193,38 @@ def compiled_gemms() -> dict[int, dict]:
     return found
 
 
-@dataclass(frozen=True)
-class Candidate:
-    config: KernelConfig
-    fold_barrier: bool = False  # the gate-up kernel's FOLD_BARRIER
-
-
-def ab_candidates(m: int, s: Shape) -> list[Candidate]:
+def ab_candidates(m: int, s: Shape) -> list[KernelConfig]:
     """The heuristic first, then alternatives around it (the last run's winners and near misses). Decode
     (under 16 rows per expert): 64-wide tiles on 6 stages (Qwen3's best at M=1), 5 stages. Prefill: a
-    256-wide down tile, the down GEMM on 4 warps, and the fold barrier on the heuristic and on 128-row
-    tiles (which spilled without it)."""
+    256-wide down tile, the down GEMM on 4 warps. (A barrier between the gate fold and the up dot, to
+    let 128-row tiles run without spills, measured slower in every cell and was removed:
+    ``benchmarks/results/raw/NVIDIA_H200-2026-12-01-1b5da85-fp8_device_check.log``.)"""
     heuristic = heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k)
     if heuristic.BLOCK_M == 16:
         tile = lambda n, stages: GemmTile(n, 128, 1, 4, stages)  # noqa: E731
-        others = [Candidate(KernelConfig(16, tile(64, 6), tile(64, 6))),
-                  Candidate(KernelConfig(16, tile(128, 5), tile(128, 5)))]
+        others = [KernelConfig(16, tile(64, 6), tile(64, 6)), KernelConfig(16, tile(128, 5), tile(128, 5))]
     else:
         tile = lambda n, warps, stages: GemmTile(n, 128, 8, warps, stages)  # noqa: E731
-        others = [Candidate(KernelConfig(64, tile(128, 8, 4), tile(256, 8, 3))),
-                  Candidate(KernelConfig(64, tile(128, 8, 4), tile(128, 4, 4))),
-                  Candidate(heuristic, fold_barrier=True),
-                  Candidate(KernelConfig(128, tile(128, 8, 3), tile(128, 8, 3)), fold_barrier=True)]
-    return [Candidate(heuristic), *others]
+        others = [KernelConfig(64, tile(128, 8, 4), tile(256, 8, 3)), KernelConfig(64, tile(128, 8, 4), tile(128, 4, 4))]
+    return [heuristic, *others]
 
 
 def config_ab(s: Shape, m: int, q, dev) -> list[ConfigAB]:
     """Each of ``ab_candidates`` on the cell's inputs, TMA and pointer weights, with what its GEMMs compiled to."""
     sets = make_sets(s, m, 2, torch.bfloat16, dev, seed=5)
     rows = []
-    for cand in ab_candidates(m, s):
+    for config in ab_candidates(m, s):
         for tma in (True, False):
             forget_compiled_gemms()
-            calls = [lambda t=t, tma=tma: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, config=cand.config,
-                                                                    weight_tma=tma, fold_barrier=cand.fold_barrier)
+            calls = [lambda t=t, tma=tma: fused_experts_fp8_launch(t.x, *q, t.topk_ids, t.topk_weights, config=config,
+                                                                    weight_tma=tma)
                      for t in sets]
             try:
                 us = time_calls(calls, dev, graph=True, budget_s=0.05, max_reps=10)
             except Exception as e:  # noqa: BLE001  (a tile too big for shared memory: reported, not fatal)
-                print(f"  config A/B {s.name} M={m} {cand} tma={tma}: {type(e).__name__}: {e}"[:300], flush=True)
+                print(f"  config A/B {s.name} M={m} {config} tma={tma}: {type(e).__name__}: {e}"[:300], flush=True)
                 us = None
-            rows.append(ConfigAB(s.name, m, cand.config.to_dict(), cand.fold_barrier, tma, us,
+            rows.append(ConfigAB(s.name, m, config.to_dict(), tma, us,
                                  list(compiled_gemms().values())))
     return rows
 
@@ -282,7 +272,7 @@ def print_table(rows: list[Row], abs_: list[ConfigAB], c: Ceilings) -> None:
         up, down = r.config["up"], r.config["down"]
         print(f"{r.shape:<14}{r.M:>6}{us} {'tma' if r.tma else 'ptr'}  BM={r.config['BLOCK_M']} up {up['BLOCK_N']}/"
               f"{up['num_warps']}w/{up['num_stages']}s down {down['BLOCK_N']}/{down['num_warps']}w/{down['num_stages']}s"
-              f"{' barrier' if r.fold_barrier else ''}  {res}")
+              f"  {res}")
     for r in rows:
         if r.x_inside_us is not None:
             print(f"{r.shape} M={r.M}: x quantized by its own kernel {r.fp8_us:.1f} us, inside gate-up {r.x_inside_us:.1f} us")

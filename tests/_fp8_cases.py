@@ -46,15 +46,14 @@ def problem(m, k, shape, block_shape, dtype=torch.float32, seed=0, num_global=No
 
 
 def kernel_vs_twin(fp8, x, quantized, ids, weights, block_shape, expert_map=None, config=None, x_in_gate_up=None,
-                   options=POISON, weight_tma=None, fold_barrier=False):
+                   options=POISON, weight_tma=None):
     """(the kernels' output, the twin's); through the custom op unless a config, x_in_gate_up or
-    weight_tma or fold_barrier is given."""
+    weight_tma is given."""
     args = (x, *quantized, ids, weights)
-    if config is None and x_in_gate_up is None and weight_tma is None and not fold_barrier:
+    if config is None and x_in_gate_up is None and weight_tma is None:
         out = fp8.fused_experts_fp8(*args, expert_map=expert_map, block_shape=block_shape, options=options)
     else:
-        out = fp8.fused_experts_fp8_launch(*args, expert_map, block_shape, config, options, x_in_gate_up, weight_tma,
-                                           fold_barrier)
+        out = fp8.fused_experts_fp8_launch(*args, expert_map, block_shape, config, options, x_in_gate_up, weight_tma)
     twin = fp8.fused_experts_fp8_torch(*args, expert_map=expert_map, block_shape=block_shape)
     assert out.shape == x.shape and out.dtype == x.dtype and twin.dtype == x.dtype
     return out, twin

@@ -64,11 +64,10 @@ def test_descriptors_and_scale_forms_match_twin(fp8, weight_tma, config, m):
 
 
 @pytest.mark.parametrize("x_in_gate_up", [False, True])
-def test_fold_barrier_same_result(fp8, x_in_gate_up):
-    # The barrier between the gate fold and the up dot orders work, nothing else (with x loaded or quantized).
+def test_one_block_fold_with_x_loaded_or_quantized(fp8, x_in_gate_up):
+    # The one-FMA scale fold (ONE_BLOCK, a 128-wide tile) with x quantized in gate-up or by its own kernel.
     x, _, quantized, ids, weights = problem(9, 2, SHAPE, BLOCK, seed=31)
-    out, twin = kernel_vs_twin(fp8, x, quantized, ids, weights, BLOCK, config=CONFIGS[0], x_in_gate_up=x_in_gate_up,
-                               fold_barrier=True)
+    out, twin = kernel_vs_twin(fp8, x, quantized, ids, weights, BLOCK, config=CONFIGS[0], x_in_gate_up=x_in_gate_up)
     assert rel_l2(out, twin) < FLIP_TOL
 
 

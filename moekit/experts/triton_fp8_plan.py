@@ -7,7 +7,7 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
     re-quantize h), down (x routed weight), k-sum
 
 Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``), are arguments
-of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers, the gate-up fold barrier.
+of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
@@ -129,32 +129,30 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, fold_barrier: bool = False) -> Fp8Plan:
+             weight_tma: bool | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
     against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
-    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides.
-    ``fold_barrier``: the gate-up kernel's FOLD_BARRIER (``_kernels/gemm_fp8``), an A/B choice."""
+    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, fold_barrier)
+           block_shape, config, options, x_in_gate_up, weight_tma)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, fold_barrier)
+                                        options, x_in_gate_up, weight_tma)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               fold_barrier: bool = False) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -194,7 +192,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
             (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
             BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, FOLD_BARRIER=fold_barrier,
+                                num_pid_m, dict(shared, X_RAW=x_raw,
                                                 ONE_BLOCK=block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0)),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
                           dict(shared, ONE_BLOCK=block_n % down.BLOCK_N == 0)),

@@ -34,10 +34,6 @@ weight scale of a K-step is one scalar, and the step's partial product is folded
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
-FOLD_BARRIER (gate-up): a barrier between the gate product's fold and the up dot, so that the two
-K-step products are never live together: [BM, BN] fp32 each, next to the two accumulators, they took
-128-row tiles on 8 warps to 255 registers with 24 spilled on the H200. An A/B choice of the plan.
-
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -101,7 +97,7 @@ def gate_up_fp8_kernel(
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, FOLD_BARRIER: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -138,8 +134,6 @@ def gate_up_fp8_kernel(
             wu_ptrs += BLOCK_K * stride_wk
         xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
         acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK)
-        if FOLD_BARRIER:  # the gate product is folded before the up dot starts: one product live, not two
-            tl.debug_barrier()
         acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
