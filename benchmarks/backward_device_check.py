@@ -127,24 +127,25 @@ def compiled(dev, results: list) -> bool:
     return passed
 
 
+def one_call_ms(dev, fn) -> float:
+    """ms of one call of fn: CUDA events on the GPU, the wall clock elsewhere."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def clock(dev, fn) -> float:
-    """Median ms of fn over REPEATS calls after WARMUP: CUDA events on the GPU, the wall clock elsewhere."""
+    """Median ms of fn over REPEATS calls after WARMUP."""
     for _ in range(WARMUP):
         fn()
-    samples = []
-    for _ in range(REPEATS):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(one_call_ms(dev, fn) for _ in range(REPEATS))
 
 
 def time_cell(dev, name: str, s: Shape, m: int, backend: str, w) -> dict:

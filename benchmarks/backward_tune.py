@@ -41,7 +41,7 @@ import moekit.experts.triton_backward_launch as bl
 from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles, shape_class
 from moekit.experts.triton_launch import max_shared_memory
-from backward_device_check import rel_l2
+from backward_device_check import one_call_ms, rel_l2
 from backward_tune_report import KERNELS, WEIGHT_KERNELS, heuristic_rows, table
 
 SMOKE = "--smoke" in sys.argv
@@ -175,17 +175,7 @@ def clock(fn, dev, best_ms: float = float("inf")) -> float:
     fn()
     samples = []
     for i in range(REPEATS):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = one_call_ms(dev, fn)
         if i == 0 and ms > 3 * best_ms:
             return ms
         samples.append(ms)

@@ -86,17 +86,22 @@ def steps(shape: Shape, m: int, out_dir: Path) -> dict:
                             if k not in ("whole call", "plan_key", "contiguous x2", "x.new_empty", "torch.empty_like"))
     t["raw launches"] = str([launch._raw is not None for launch in (plan.gate_up, plan.down, plan.sum_slots)])
     t.update(launch_pieces(plan, pair, dev))
+    profile(lambda: experts_triton(*args), REPS, out_dir / f"cprofile_{shape.name}_M{m}.txt")
+    return t
+
+
+def profile(fn, reps: int, path: Path) -> None:
+    """A cProfile of ``reps`` calls of fn, sorted by own time: written to ``path`` and printed."""
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(REPS):
-        experts_triton(*args)
+    for _ in range(reps):
+        fn()
     prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    (out_dir / f"cprofile_{shape.name}_M{m}.txt").write_text(text.getvalue())
+    path.write_text(text.getvalue())
     print(text.getvalue()[:6000], flush=True)
-    return t
 
 
 def launch_pieces(plan, pair, dev) -> dict:
@@ -139,16 +144,7 @@ def layer_profile(preset: str, m: int, out_dir: Path) -> dict:
     t = {"layer whole call": per_call_us(lambda: layer(x), reps=200)}
     if isinstance(gate, torch.nn.Module):
         t["layer.gate(x)"] = per_call_us(lambda: gate(x), reps=200)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        layer(x)
-    prof.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-    (out_dir / f"cprofile_layer_{preset}_M{m}.txt").write_text(text.getvalue())
-    print(text.getvalue()[:6000], flush=True)
+    profile(lambda: layer(x), 200, out_dir / f"cprofile_layer_{preset}_M{m}.txt")
     return t
 
 
