@@ -8,8 +8,9 @@ Each forward copies the batch's expert counts to the host once (the one sync; wi
 the next layer's predicted counts ride on the same copy), then:
 
 - hits compute from their slots; misses are fetched into free or evicted slots on a side stream
-  (``compute_misses_on="gpu"``), or computed on the CPU from the host weights while the GPU computes
-  the rest (``"cpu"``), or split between the two by ``cost.split_misses`` (``"auto"``);
+  while the hits compute, then computed in a second experts call (``compute_misses_on="gpu"``), or
+  computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
+  between the two by ``cost.split_misses`` (``"auto"``); the partial outputs add in float32;
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
 - afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
@@ -136,21 +137,21 @@ class OffloadedMoE(MoE):
         pin = cache.device.type == "cuda"
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
             cpu_inputs, staged = staging.to_host([x2d, routing.topk_ids, routing.topk_weights], pin=pin)
-        out = self._gpu_experts(x2d, routing, hits, fetch, stats)
+        partials = self._gpu_experts(x2d, routing, hits, fetch, stats)
         if on_cpu:
             if staged is not None:
                 staged.synchronize()
             y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU, x2d's dtype
-            # one add: same dtypes add in float32 and round once (the sum the float32 partials give)
-            out = out + staging.to_device(y, out.device, pin=pin)
+            partials.append(staging.to_device(y, x2d.device, pin=pin))
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
             busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
             cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
+        out = _sum(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
         self.last_stats = stats
         cache.stats.add(stats)
-        return out.to(x2d.dtype)
+        return out
 
     def _touched(self, x2d: torch.Tensor, routing: Routing) -> tuple[dict[int, int], list[int]]:
         """({expert: routed assignments} of this batch, the next layer's predicted experts)."""
@@ -209,19 +210,19 @@ class OffloadedMoE(MoE):
         split = split_misses(tokens, self.cache.expert_bytes, self.costs)
         return split.fetch, split.cpu
 
-    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
-        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K], x2d's dtype
-        when one round ran (the decode case: no zeros, accumulate or cast launched), else float32."""
+    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
+        """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
+        (computed while the misses' copies travel), the fetched misses, and further rounds when the
+        touched experts exceed the cache."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        out = None
+        partials = []
         for experts in cache.rounds(self.layer_id, hits, fetch, stats):
             if experts:
                 expert_map = cache.slot_map(self.layer_id, experts, e)
-                y = call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
-                                 activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2)
-                out = y if out is None else out.float() + y
-        return torch.zeros_like(x2d) if out is None else out
+                partials.append(call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
+                                             activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2))
+        return partials
 
     def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
         nxt = self.next_layer
@@ -257,6 +258,22 @@ def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` (a parameter or buffer, kept as the same object) holds a copy of ``src`` on ``dst``'s device,
     in ``src``'s dtype."""
     dst.data = src.detach().to(dst.device, copy=True)
+
+
+def _sum(partials: list[torch.Tensor], x2d: torch.Tensor) -> torch.Tensor:
+    """The sum of the partial outputs in x2d's dtype, added in float32 and rounded once. Two partials
+    take one add in their own dtype (its arithmetic is float32, rounded once: the same result); more
+    accumulate in a float32 tensor."""
+    if not partials:
+        return torch.zeros_like(x2d)
+    if len(partials) == 1:
+        return partials[0]
+    if len(partials) == 2:
+        return partials[0] + partials[1]
+    total = partials[0].float()
+    for p in partials[1:]:
+        total.add_(p)
+    return total.to(x2d.dtype)
 
 
 def _expert_counts(ids: torch.Tensor, bins: int) -> torch.Tensor:
