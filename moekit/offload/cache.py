@@ -5,7 +5,9 @@
 Quantized experts stay packed on both sides: each of their tensors (``moekit.quant``'s layouts: q,
 scale, zero) is a part with E leading on the host and C leading in the slots (``parts.ExpertWeights``),
 so a slot costs one expert's packed bytes and a fetch copies them; the slots read as a QuantizedWeight
-of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too.
+of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too. The parts live in byte blocks
+(``blocks.BlockLayout``: w13 and w2 one block each, every small part together in a third), so a fetch
+is one ``copy_`` per block, and consecutive experts fetched into consecutive slots share one copy.
 
 A layer registers its host weights and gets a layer id; ``(layer, expert)`` keys name cached experts,
 so every layer of a model draws on one GPU budget (a model owns one cache, not one per layer). A
