@@ -194,3 +194,21 @@ def test_routing_counts_call_no_op_that_syncs_on_cuda(prefetch):
 
 def _route(layer: OffloadedMoE, x: torch.Tensor):
     return route(layer.gate(x), layer.config, layer.e_score_correction_bias)
+
+
+def test_routing_counts_under_deterministic_algorithms():
+    cache = ExpertCache(4, device="cpu")
+    layers = [OffloadedMoE.from_moe(_moe("float", seed), cache=cache) for seed in (0, 1)]
+    link_layers(layers)
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        routing, nxt = _route(layers[0], x), _route(layers[1], x)
+        fast = layers[0]._touched(x, routing)
+        torch.use_deterministic_algorithms(True)
+        try:
+            exact = layers[0]._touched(x, routing)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    reference = routing.topk_ids.reshape(-1).tolist()
+    assert fast == exact == ({e: reference.count(e) for e in set(reference) if e >= 0},
+                             sorted(set(nxt.topk_ids.reshape(-1).tolist())))

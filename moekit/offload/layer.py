@@ -280,7 +280,10 @@ def _expert_counts(ids: torch.Tensor, bins: int) -> torch.Tensor:
     """[bins] float32: bin b counts the ids equal to b - 1 (ids in [-1, bins - 2]; -1, a dropped
     assignment, lands in bin 0). A histogram with fixed edges, each id mid-bin (exact in float32 for
     any id below 2**23): ``torch.bincount`` on CUDA reads the ids' min and max back to the host first,
-    two more syncs per layer than the one the caller needs."""
+    two more syncs per layer than the one the caller needs. Under ``torch.use_deterministic_algorithms``
+    (where CUDA's histc raises, its float atomics being flagged) the counts come from bincount."""
+    if torch.are_deterministic_algorithms_enabled():
+        return torch.bincount(ids.long() + 1, minlength=bins)[:bins].float()
     return torch.histc(ids.float(), bins=bins, min=-1.5, max=bins - 1.5)
 
 
