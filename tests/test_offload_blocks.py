@@ -121,7 +121,11 @@ def test_a_miss_is_one_copy_per_group(case, monkeypatch):
     cache.ensure(off.layer_id, [5], stats)
     assert len(recorder.calls) == groups
     copied = sum(d for d, _ in recorder.calls)
+    assert copied == cache.slot_bytes and all(d == s for d, s in recorder.calls)
     assert cache.expert_bytes <= copied < cache.expert_bytes + 256 * len(_reference_parts(moe))
+    small = [t[0].numel() * t.element_size() for name, t in _reference_parts(moe).items()
+             if name not in ("w13", "w2", "w13.q", "w2.q")]
+    assert copied == cache.expert_bytes + sum(-b % 256 for b in small)  # each small part rounded up to 256
     assert stats.bytes_transferred == cache.expert_bytes
 
 

@@ -112,6 +112,12 @@ class ExpertCache:
         return self._expert_bytes
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds and one fetch copies: ``expert_bytes`` plus the alignment padding of the
+        small parts' block (under 256 per small part; 0 for float experts without biases)."""
+        return self._layout.padded_bytes if self._layout is not None else 0
+
+    @property
     def slot_weights(self) -> tuple[Weight, Weight, torch.Tensor | None, torch.Tensor | None]:
         """(w13 [C, 2N, K], w2 [C, K, N], b13 [C, 2N] | None, b2 [C, K] | None) over the slots (index them
         through ``expert_map``); quantized weights when the layers' experts are quantized."""
