@@ -33,9 +33,9 @@ import torch
 
 from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
+from moekit.offload import staging
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
-from moekit.offload import staging
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
