@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, link_layers, split_misses
+from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers, split_misses
+from moekit.routing import route
 
 from _helpers import TOLERANCE, rel_l2
 
@@ -224,3 +225,31 @@ def test_policy_victims_match_a_full_scan(policy):
             for key in expected:
                 p.remove(key)
                 del state[key]
+
+
+def test_hits_compute_while_the_misses_are_fetched():
+    """A forward with hits and misses makes two experts calls: the hits first, issued after the misses'
+    copies were started (so on CUDA the copies overlap it), then the fetched misses; the sum is the
+    plain layer's output."""
+    moe = _moe()
+    off = OffloadedMoE.from_moe(moe, cache_experts=6)
+    x = _x(5)
+    touched = sorted(set(_routing_ids(moe, x)))
+    warm = touched[: len(touched) // 2]
+    off.cache.ensure(off.layer_id, warm, OffloadStats())
+    off.cache.release(off.layer_id, warm)
+    calls, real = [], off._experts_fn
+
+    def record(x2d, w13, w2, topk_ids, topk_weights, *, expert_map, **kwargs):
+        slots = {s: e for e, s in off.cache.cached(off.layer_id).items()}
+        calls.append((sorted(slots[s] for s in expert_map.tolist() if s >= 0), sorted(off.cache.cached(off.layer_id))))
+        return real(x2d, w13, w2, topk_ids, topk_weights, expert_map=expert_map, **kwargs)
+
+    off._experts_fn = record
+    assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert [c[0] for c in calls] == [warm, touched[len(warm):]]
+    assert set(touched) <= set(calls[0][1])  # the misses were in their slots (copies issued) before the hits ran
+
+
+def _routing_ids(moe: MoE, x: torch.Tensor) -> list[int]:
+    return [e for e in route(moe.gate(x), moe.config, moe.e_score_correction_bias).topk_ids.reshape(-1).tolist() if e >= 0]

@@ -139,3 +139,17 @@ def test_bench_offload_tiny_quantized_counts_packed_bytes(tmp_path, capsys):
             assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
     assert "--offload-dtype must be float or one of" in cli_error(
         capsys, ["bench", "--offload", "--tiny", "--device", "cpu", "--offload-dtype", "int3"])
+
+
+def test_bench_offload_places_and_streams_select_rows(tmp_path, capsys):
+    from moekit.cli import main
+
+    assert main(["bench", "--offload", "--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "2",
+                 "--cache-fractions", "0.5", "--offload-steps", "2", "--offload-places", "gpu",
+                 "--offload-streams", "skewed"]) == 0
+    (path,) = tmp_path.glob("*-offload-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["stream"], r["compute_misses_on"]) for r in rows] == [("skewed", "gpu")]
+    with pytest.raises(SystemExit):
+        main(["bench", "--offload", "--tiny", "--device", "cpu", "--offload-places", "disk"])
+    assert "expected gpu, cpu or auto, got 'disk'" in capsys.readouterr().err

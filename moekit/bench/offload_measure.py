@@ -55,17 +55,17 @@ class OffloadRow:
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu",), places=("gpu", "cpu", "auto"),
-                    steps=8, warm_steps=4, scheme: str | None = None, on_progress=None) -> dict:
+                    streams=tuple(STREAMS), steps=8, warm_steps=4, scheme: str | None = None, on_progress=None) -> dict:
     """Every (stream, fraction, policy, place, M); returns the document ``moekit bench --offload`` writes.
-    ``scheme``: a ``moekit.quant`` scheme for the experts (kept packed on the host, in the slots and over
-    the link); None: float experts (bf16 on CUDA, float32 on the CPU)."""
+    ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the experts (kept packed
+    on the host, in the slots and over the link); None: float experts (bf16 on CUDA, float32 on the CPU)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     costs = MissCosts(measure_link_bandwidth(device), *measure_cpu_costs(inter, hidden, dtype, scheme=scheme))
     copy_bw = measure_ceilings(device).copy_TBps * 1e12 / 2 if device.type == "cuda" else costs.link_bytes_per_s
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     shell = _host_shell(config, dtype, device, scheme)
     rows = []
-    for stream, skew in STREAMS.items():
+    for stream, skew in ((name, STREAMS[name]) for name in streams):
         for m in batches:
             trace = _routing(config, layers, warm_steps + steps, m, skew, device)
             for fraction in fractions:

@@ -18,6 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
     g.add_argument("--offload-steps", type=positive_int, default=8, help="timed decode steps per configuration")
+    g.add_argument("--offload-places", action=ListOption, item=_place, default=["gpu", "cpu", "auto"],
+                   help="where misses run (compute_misses_on): gpu, cpu, auto")
+    g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
+                   help="simulated routing streams: uniform, skewed")
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
                    "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
@@ -43,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=140)
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
                           fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
+                          places=tuple(args.offload_places), streams=tuple(args.offload_streams),
                           on_progress=lambda r: console.print(_line(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
     stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
@@ -63,3 +68,15 @@ def _line(r) -> str:
     return (f"{r.stream:>7} cache {r.cache_fraction:4.0%} {r.policy} misses->{r.compute_misses_on:<4} M={r.M:<3} "
             f"step {r.step_ms:9.2f} ms  floor {r.floor_ms:9.2f} ms ({r.floor_ms / r.step_ms:5.0%})  "
             f"hit {r.hit_rate:.3f} (sim {r.sim_hit_rate:.3f})  {r.tok_s:8.1f} tok/s")
+
+
+def _place(text: str) -> str:
+    if text not in ("gpu", "cpu", "auto"):
+        raise argparse.ArgumentTypeError(f"expected gpu, cpu or auto, got {text!r}")
+    return text
+
+
+def _stream(text: str) -> str:
+    if text not in ("uniform", "skewed"):
+        raise argparse.ArgumentTypeError(f"expected uniform or skewed, got {text!r}")
+    return text

@@ -5,7 +5,9 @@
 Quantized experts stay packed on both sides: each of their tensors (``moekit.quant``'s layouts: q,
 scale, zero) is a part with E leading on the host and C leading in the slots (``parts.ExpertWeights``),
 so a slot costs one expert's packed bytes and a fetch copies them; the slots read as a QuantizedWeight
-of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too.
+of C experts (``slot_weights``). Expert biases (gpt-oss) are parts too. The parts live in byte blocks
+(``blocks.BlockLayout``: w13 and w2 one block each, every small part together in a third), so a fetch
+is one ``copy_`` per block, and consecutive experts fetched into consecutive slots share one copy.
 
 A layer registers its host weights and gets a layer id; ``(layer, expert)`` keys name cached experts,
 so every layer of a model draws on one GPU budget (a model owns one cache, not one per layer). A
@@ -27,6 +29,7 @@ from typing import Iterator
 
 import torch
 
+from moekit.offload.blocks import BlockLayout
 from moekit.offload.parts import ExpertWeights, Weight
 from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
@@ -38,7 +41,7 @@ Key = tuple[int, int]  # (layer id, expert id)
 class _Slots:
     """The GPU side: slot tensors, who is in which slot, and when each slot was last read."""
 
-    parts: dict[str, torch.Tensor]  # part name -> [C, ...] (``ExpertWeights.parts`` with C for E)
+    blocks: list[torch.Tensor]  # [G] of [C, B_g] uint8: the layout's groups (``blocks.BlockLayout``)
     owner: list[Key | None]  # [C]; the expert held by each slot, None when free
     free: list[int]  # slots holding nothing, popped from the end (slot 0 first)
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
@@ -61,6 +64,8 @@ class ExpertCache:
         self.stats = OffloadStats()
         self._layers: list[ExpertWeights] = []
         self._slots: _Slots | None = None
+        self._layout: BlockLayout | None = None
+        self._host_blocks: list[list[torch.Tensor]] = []  # per layer: its [E, B_g] host blocks
         self._slot_weights: tuple = ()
         self._expert_bytes = 0
         self._protected: set[Key] = set()
@@ -77,18 +82,24 @@ class ExpertCache:
         layer id. Every layer of one cache has the same expert parts (shapes, dtypes, scheme and options:
         the slots are one tensor per part)."""
         weights = ExpertWeights.of(w13, w2, b13, b2)
-        # rebuilt from the host parts, so nothing keeps the caller's (device) tensors alive
-        host = ExpertWeights.of(*weights.rebuild({k: _to_host(t, self.device) for k, t in weights.parts.items()}))
+        pin = self.device.type == "cuda"
+        parts = {k: _to_host(t, self.device) for k, t in weights.parts.items()}
+        layout = BlockLayout.of(parts)
+        blocks = layout.pack(parts, pin=pin)
+        # rebuilt from the host blocks' views, so nothing keeps the caller's (device) tensors alive
+        host = ExpertWeights.of(*weights.rebuild(layout.typed(blocks)))
         if self._slots is None:
             c = self.cache_experts
-            parts = {k: torch.empty((c, *t.shape[1:]), dtype=t.dtype, device=self.device) for k, t in host.parts.items()}
-            self._slots = _Slots(parts=parts, owner=[None] * c, free=list(range(c - 1, -1, -1)),
+            slot_blocks = layout.allocate(c, self.device)
+            self._slots = _Slots(blocks=slot_blocks, owner=[None] * c, free=list(range(c - 1, -1, -1)),
                                  read_done=[None] * c, copy_done=[None] * c)
-            self._slot_weights, self._expert_bytes = host.rebuild(parts), host.expert_bytes
+            self._slot_weights, self._expert_bytes = host.rebuild(layout.typed(slot_blocks)), host.expert_bytes
+            self._layout = layout
         elif host.signature() != self._layers[0].signature():
             raise ValueError(f"every layer of one ExpertCache needs the same experts: the cache holds "
                              f"{self._layers[0].describe()}, this layer has {host.describe()}")
         self._layers.append(host)
+        self._host_blocks.append(blocks)
         return len(self._layers) - 1
 
     def host(self, layer: int) -> ExpertWeights:
@@ -99,6 +110,12 @@ class ExpertCache:
     def expert_bytes(self) -> int:
         """Bytes of one cached expert (packed bytes for a quantized scheme): one slot, one fetch."""
         return self._expert_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds and one fetch copies: ``expert_bytes`` plus the alignment padding of the
+        small parts' block (under 256 per small part; 0 for float experts without biases)."""
+        return self._layout.padded_bytes if self._layout is not None else 0
 
     @property
     def slot_weights(self) -> tuple[Weight, Weight, torch.Tensor | None, torch.Tensor | None]:
@@ -150,9 +167,13 @@ class ExpertCache:
         stats.fetched += len(experts)
 
     def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
-        """Yield the experts of each compute round of a forward: the hits and as many fetched misses as
-        the cache can hold, then the rest in rounds of at most C. Each round's experts are in slots
-        when yielded and released when the consumer asks for the next round (or at the end)."""
+        """Yield the experts of each compute group of a forward: the first round is the hits and as many
+        fetched misses as the cache can hold, then the rest in rounds of at most C. A round that has
+        both experts already cached and experts being fetched yields them as two groups, the cached
+        ones first: their compute is queued while the copies travel (it waits only for copies into
+        its own slots), and the fetched group waits for its copies. Each group's experts are in slots
+        when yielded; a round's experts are released when the consumer asks for the next round's first
+        group (or at the end)."""
         todo, running = list(misses), list(hits)
         while True:
             batch = todo[: self.free_slots()]
@@ -160,10 +181,10 @@ class ExpertCache:
                 raise RuntimeError("the expert cache has no slot to fetch into")
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
-            running += batch
-            self.wait_ready(layer, running)
-            yield running
-            self.release(layer, running)
+            for group in [running, batch] if running and batch else [running + batch]:
+                self.wait_ready(layer, group)
+                yield group
+            self.release(layer, running + batch)
             running = []
             if not todo:
                 return
@@ -230,27 +251,32 @@ class ExpertCache:
             slots.free.append(s)
 
     def _fetch(self, keys: list[Key], stats: OffloadStats) -> None:
-        """Copy ``keys``' parts into slots (free or evicted), in order, and protect them; on CUDA on the
-        copy stream, after the reads of each slot's previous expert, one event recorded after the batch."""
+        """Copy ``keys``' blocks into slots (free or evicted) and protect them. The batch's slots, in
+        ascending order, take its keys in (layer, expert) order, so consecutive experts landing in
+        consecutive slots form runs, each one ``copy_`` per block group. On CUDA on the copy stream,
+        after the reads of each slot's previous expert, one event recorded after the batch."""
         if not keys:
             return
-        slots, taken = self._slots, []
+        slots = self._slots
         self._free_up(len(keys))
+        taken = sorted(slots.free.pop() for _ in keys)
+        placed = list(zip(sorted(keys), taken))
+        for key in keys:  # the policy sees the batch in the caller's order
+            self.policy.insert(key, self._tick)
+        for key, s in placed:
+            slots.owner[s], slots.where[key] = key, s
+            self._protected.add(key)  # a later key of the batch must not evict it
         stream = contextlib.nullcontext() if self._copy_stream is None else torch.cuda.stream(self._copy_stream)
-        waited: set[int] = set()
         with stream:
-            for key in keys:
-                s = slots.free.pop()
-                event = slots.read_done[s]
-                if event is not None and id(event) not in waited:  # slots released together share one event
-                    self._copy_stream.wait_event(event)
-                    waited.add(id(event))
-                for name, part in self._layers[key[0]].parts.items():
-                    slots.parts[name][s].copy_(part[key[1]], non_blocking=self._copy_stream is not None)
-                slots.owner[s], slots.where[key] = key, s
-                self.policy.insert(key, self._tick)
-                self._protected.add(key)  # a later key of the batch must not evict it
-                taken.append(s)
+            if self._copy_stream is not None:
+                for event in {id(slots.read_done[s]): slots.read_done[s] for s in taken}.values():
+                    if event is not None:  # slots released together share one event
+                        self._copy_stream.wait_event(event)
+            for layer, expert, slot, count in _runs(placed):
+                host = self._host_blocks[layer]
+                for g, block in enumerate(slots.blocks):
+                    block[slot: slot + count].copy_(host[g][expert: expert + count],
+                                                    non_blocking=self._copy_stream is not None)
             if self._copy_stream is not None:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
@@ -269,6 +295,19 @@ class ExpertCache:
             if event is not None and id(event) not in waited:  # one event per fetched batch
                 stream.wait_event(event)
                 waited.add(id(event))
+
+
+def _runs(placed: list[tuple[Key, int]]) -> list[tuple[int, int, int, int]]:
+    """(layer, first expert, first slot, count) of each maximal run of ``placed`` ((layer, expert), slot)
+    pairs, sorted by key with ascending slots, whose experts and slots both go up by one."""
+    runs: list[list[int]] = []
+    for (layer, expert), slot in placed:
+        last = runs[-1] if runs else None
+        if last and last[0] == layer and last[1] + last[3] == expert and last[2] + last[3] == slot:
+            last[3] += 1
+        else:
+            runs.append([layer, expert, slot, 1])
+    return [tuple(r) for r in runs]
 
 
 def _to_host(w: torch.Tensor, device: torch.device) -> torch.Tensor:

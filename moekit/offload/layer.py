@@ -8,8 +8,9 @@ Each forward copies the batch's expert counts to the host once (the one sync; wi
 the next layer's predicted counts ride on the same copy), then:
 
 - hits compute from their slots; misses are fetched into free or evicted slots on a side stream
-  (``compute_misses_on="gpu"``), or computed on the CPU from the host weights while the GPU computes
-  the rest (``"cpu"``), or split between the two by ``cost.split_misses`` (``"auto"``);
+  while the hits compute, then computed in a second experts call (``compute_misses_on="gpu"``), or
+  computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
+  between the two by ``cost.split_misses`` (``"auto"``); the partial outputs add in float32;
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
 - afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
@@ -32,6 +33,7 @@ import torch
 
 from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
+from moekit.offload import staging
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
 from moekit.offload.parts import ExpertWeights
@@ -132,37 +134,42 @@ class OffloadedMoE(MoE):
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
         fetch, on_cpu = self._place_misses({m: tokens[m] for m in misses})
-        cpu_inputs = _to_cpu(x2d, routing) if on_cpu else None  # started before the GPU work is queued
-        out = self._gpu_experts(x2d, routing, hits, fetch, stats)
+        pin = cache.device.type == "cuda"
+        if on_cpu:  # one device -> host copy, started before the GPU work is queued
+            cpu_inputs, staged = staging.to_host([x2d, routing.topk_ids, routing.topk_weights], pin=pin)
+        partials = self._gpu_experts(x2d, routing, hits, fetch, stats)
         if on_cpu:
-            y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU
-            out = out.float() + y.to(out.device, torch.float32, non_blocking=True)
+            if staged is not None:
+                staged.synchronize()
+            y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU, x2d's dtype
+            partials.append(staging.to_device(y, x2d.device, pin=pin))
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
             busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
             cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
+        out = _sum(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
         self.last_stats = stats
         cache.stats.add(stats)
-        return out.to(x2d.dtype)
+        return out
 
     def _touched(self, x2d: torch.Tensor, routing: Routing) -> tuple[dict[int, int], list[int]]:
         """({expert: routed assignments} of this batch, the next layer's predicted experts)."""
         e = self.config.num_experts
-        ids = routing.topk_ids.reshape(-1).long()
-        counts = torch.bincount(torch.where((ids >= 0) & (ids < e), ids, e), minlength=e + 1)[:e]  # [E]
         nxt = self.next_layer
+        ids, bins = routing.topk_ids.reshape(-1), e + 2  # bins 1..E: this layer's experts (0: dropped)
         if nxt is not None and self.prefetch == "router" and x2d.shape[0]:
             logits = nxt.gate(x2d if x2d.dtype == nxt.gate.weight.dtype else x2d.to(nxt.gate.weight.dtype))
-            pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1).long()
-            counts = torch.cat([counts, torch.bincount(pred, minlength=nxt.config.num_experts)])
-        host = counts.tolist()
-        tokens = {i: c for i, c in enumerate(host[:e]) if c}
+            pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1)
+            ids = torch.cat([ids, pred.to(ids.dtype) + (e + 2)])  # bins E+3..: the next layer's experts
+            bins += nxt.config.num_experts + 1
+        host = [int(c) for c in _expert_counts(ids, bins).tolist()]  # the one device -> host copy
+        tokens = {i: c for i, c in enumerate(host[1: e + 1]) if c}
         if nxt is None or self.prefetch is None:
             return tokens, []
         if self.prefetch == "previous":
             return tokens, list(nxt._last_touched)
-        return tokens, [i for i, c in enumerate(host[e:]) if c]
+        return tokens, [i for i, c in enumerate(host[e + 3: e + 3 + nxt.config.num_experts]) if c]
 
     def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int]) -> torch.Tensor:
         """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights:
@@ -203,19 +210,19 @@ class OffloadedMoE(MoE):
         split = split_misses(tokens, self.cache.expert_bytes, self.costs)
         return split.fetch, split.cpu
 
-    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> torch.Tensor:
-        """Hits, then fetched misses, in rounds of as many experts as the cache holds: [M, K], x2d's dtype
-        when one round ran (the decode case: no zeros, accumulate or cast launched), else float32."""
+    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
+        """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
+        (computed while the misses' copies travel), the fetched misses, and further rounds when the
+        touched experts exceed the cache."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        out = None
+        partials = []
         for experts in cache.rounds(self.layer_id, hits, fetch, stats):
             if experts:
                 expert_map = cache.slot_map(self.layer_id, experts, e)
-                y = call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
-                                 activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2)
-                out = y if out is None else out.float() + y
-        return torch.zeros_like(x2d) if out is None else out
+                partials.append(call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
+                                             activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2))
+        return partials
 
     def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
         nxt = self.next_layer
@@ -253,14 +260,36 @@ def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.data = src.detach().to(dst.device, copy=True)
 
 
+def _sum(partials: list[torch.Tensor], x2d: torch.Tensor) -> torch.Tensor:
+    """The sum of the partial outputs in x2d's dtype, added in float32 and rounded once. Two partials
+    take one add in their own dtype (its arithmetic is float32, rounded once: the same result); more
+    accumulate in a float32 tensor."""
+    if not partials:
+        return torch.zeros_like(x2d)
+    if len(partials) == 1:
+        return partials[0]
+    if len(partials) == 2:
+        return partials[0] + partials[1]
+    total = partials[0].float()
+    for p in partials[1:]:
+        total.add_(p)
+    return total.to(x2d.dtype)
+
+
+def _expert_counts(ids: torch.Tensor, bins: int) -> torch.Tensor:
+    """[bins] float32: bin b counts the ids equal to b - 1 (ids in [-1, bins - 2]; -1, a dropped
+    assignment, lands in bin 0). A histogram with fixed edges, each id mid-bin (exact in float32 for
+    any id below 2**23): ``torch.bincount`` on CUDA reads the ids' min and max back to the host first,
+    two more syncs per layer than the one the caller needs. Under ``torch.use_deterministic_algorithms``
+    (where CUDA's histc raises, its float atomics being flagged) the counts come from bincount."""
+    if torch.are_deterministic_algorithms_enabled():
+        return torch.bincount(ids.long() + 1, minlength=bins)[:bins].float()
+    return torch.histc(ids.float(), bins=bins, min=-1.5, max=bins - 1.5)
+
+
 def _routed_rows(w, num_experts: int):
     """The routed experts' rows [E, ...] of a weight, QuantizedWeight or bias (fused shared slots follow
     them); None stays None."""
     if w is None:
         return None
     return w[:num_experts] if isinstance(w, torch.Tensor) else w.select_experts(slice(0, num_experts))
-
-
-def _to_cpu(x2d: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [M, K], ids [M, k], weights [M, k]) copied to the CPU."""
-    return x2d.detach().to("cpu"), routing.topk_ids.to("cpu"), routing.topk_weights.to("cpu")

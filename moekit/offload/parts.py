@@ -5,7 +5,8 @@
     biases:     b13 [E, 2N], b2 [E, K] (gpt-oss)                  -> parts "b13", "b2"
 
 Every part has E leading, so expert e of a part is ``part[e]`` and a slot is ``slot_part[s]``; the
-cache copies parts one by one and rebuilds the weights the experts signature takes from the slot parts
+cache keeps the parts as views over byte blocks (``blocks.BlockLayout``) and rebuilds the weights the
+experts signature takes from the slot parts
 (``ExpertWeights.rebuild``: a quantized weight of C experts whose tensors are the slot tensors, no copy).
 An expert's bytes are the sum over its parts: the packed tensors, scales and zero points of a quantized
 scheme (what a fetch moves), not the logical float size.

@@ -14,7 +14,7 @@ class OffloadStats:
     fetched: int = 0  # touched experts copied host -> GPU on demand (misses served on the GPU)
     cpu_experts: int = 0  # touched experts computed on the CPU where their weights live (misses)
     cpu_tokens: int = 0  # assignments (token, slot) computed on the CPU
-    bytes_transferred: int = 0  # host -> GPU weight bytes: fetches, prefetches and admissions together
+    bytes_transferred: int = 0  # host -> GPU expert bytes (expert_bytes each): fetches, prefetches, admissions
     prefetched: int = 0  # experts copied ahead of their layer's forward by a prediction
     prefetch_used: int = 0  # prefetched experts that their layer's next forward did touch
     admitted: int = 0  # misses computed on the CPU and then copied into the cache for later forwards
