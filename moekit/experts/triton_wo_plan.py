@@ -113,17 +113,20 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     files, ``benchmarks/wo_device_check.py`` times this). The tile height follows the rows per expert
     as in the bf16 heuristic (``configs.heuristic_config``: 16, 32, 64, then 128 from 64 rows per
     expert, where the GEMMs are compute-bound and tall tiles reuse each dequantized weight tile 128
-    times). Decode sizes: reduction steps of 128 weights (64 packed bytes a row), 4 stages in flight,
-    and output tiles as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts
-    (so every SM streams weights); packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile
-    (float32 on its way to bf16) fits in registers next to the gate and up accumulators (ptxas for
-    sm_90, Triton 3.6: decode gate-up 128-168 registers, no spills)."""
+    times). Decode sizes: reduction steps of 128 weights, 4 stages in flight. The gate-up tiles are as
+    wide (64, else 32) as still give >= MIN_PROGRAMS programs over the touched experts, so that every
+    SM streams weights; int8's down tiles too (up to 128). The packed schemes' down tiles are 128 wide
+    always (their per-step work beside the decode, the group scale on each chunk's partial product,
+    is per output column and per row: narrow tiles pay it on fewer weights; sm_90 SASS: 3.4 instructions
+    a weight at 128 wide, 11 at 32 with mxfp4) and ``decode_split_k`` splits the reduction for the
+    programs instead. Registers (ptxas sm_90, Triton 3.9, no spills): int4 gate-up 240, down 157;
+    mxfp4 114 and 92; int8 166 and 108."""
     rows_per_expert = num_tokens * top_k / num_experts
-    widest = 128 if scheme == "int8_w8a16" else 64
     if rows_per_expert < 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
         up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
-        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
+        down_width = _decode_width(blocks, k, widest=128) if scheme == "int8_w8a16" else 128
+        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
     if rows_per_expert < 32:
         return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert < 64:

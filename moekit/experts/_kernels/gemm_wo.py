@@ -173,11 +173,11 @@ def _decode(raw, DTYPE: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
     inline PTX above, two weights per instruction; else ``_nibble_values`` (the interpreter, fp16)."""
     if ASM and DTYPE == tl.bfloat16:
         if SCHEME == 1:
-            asm: tl.constexpr = _INT4_ASM
+            low, high = tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
+                                                  is_pure=True, pack=4)
         else:
-            asm: tl.constexpr = _MXFP4_ASM
-        low, high = tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
-                                              is_pure=True, pack=4)
+            low, high = tl.inline_asm_elementwise(_MXFP4_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
+                                                  is_pure=True, pack=4)
     else:
         low = _nibble_values(raw & 0x0F, DTYPE, SCHEME)
         high = _nibble_values(raw >> 4, DTYPE, SCHEME)
@@ -234,7 +234,9 @@ def gate_up_wo_kernel(
     offs_k = tl.arange(0, SPAN)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty  # UPCAST: the interpreter truncates float32 -> bf16
+    dtype = x_ptr.dtype.element_ty
+    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+        dtype = tl.float32
     mul_g, add_g = _chunk_scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
     mul_u, add_u = _chunk_scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
     for k0 in range(0, K, BLOCK_K):
@@ -289,7 +291,9 @@ def down_wo_kernel(
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
     offs_red = tl.arange(0, SPAN)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype = tl.float32 if UPCAST else h_ptr.dtype.element_ty
+    dtype = h_ptr.dtype.element_ty
+    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+        dtype = tl.float32
     n_start = tl.program_id(1) * split_len
     mul, add = _chunk_scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
