@@ -149,7 +149,8 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
     """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
     [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
-    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
+    of the weight tiles: a margin (the kernels decode in registers, after reading the stored bytes from
+    shared memory) for the layout conversions and the epilogue."""
     weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
     packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
     return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
@@ -174,8 +175,9 @@ def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit
 
 
 def span(tile: GemmTile, scheme: str, group_size: int) -> int:
-    """SPAN, the reduction width one scale covers inside a step: min(BLOCK_K, g) (int8: BLOCK_K; its
-    scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it."""
+    """SPAN, the reduction width of one chunk of a step, one scale group: min(BLOCK_K, g) (int8: BLOCK_K;
+    its scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it
+    (a chunk's even and odd halves are the K of a dot: >= 16)."""
     if scheme == "int8_w8a16":
         return tile.BLOCK_K
     if tile.BLOCK_K < MIN_PACKED_K:

@@ -1,6 +1,6 @@
-"""Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are dequantized
-in registers, one whole [BLOCK_N, BLOCK_K] tile per reduction step, right before a single ``tl.dot``;
-activations stay bf16 (or fp16), accumulation fp32.
+"""Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are decoded in
+the MMA operand's registers, right after the stored bytes are read from shared memory; activations
+stay bf16 (or fp16), accumulation fp32.
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch`` (dequantize, then the float32 loop).
 
@@ -12,27 +12,37 @@ along C, the reduction dim (gate-up: R = 2N, C = K; down: R = K, C = N):
                   [E, R, ceil(C/g)]: w = (nibble - zero) * scale.
     2 mxfp4       q as int4 (e2m1 codes), scale uint8 e8m0 [E, R, ceil(C/32)]: w = e2m1(nibble) * 2^(s-127).
 
-Decoding a packed tile (``_decode``): the packed bytes [BN, BK/2] (contiguous along C) are split into
-low and high nibbles, which ``tl.join`` + ``tl.reshape`` interleave back into the natural K order
-[BN, BK] (element 2i, 2i+1 side by side in one thread: no data moves). Each nibble is decoded by placing
-its bits, never by per-element branches or tables:
-    int4   (code << 16) | 0x43000000 read as float32 is 128 + code exactly; w = (128 + code) * s - (128 + z) * s,
-           one fma per weight with the group's (s, -(128 + z) * s) in float32 (error ~2^-24 of 143 s: far
-           below the bf16 rounding that follows).
-    mxfp4  (code & 7) << 9 | (code & 8) << 12 read as float16 is e2m1(code) * 2^-14 exactly (e = 0, the
-           code 0.5, lands on an fp16 subnormal, which fp16 -> fp32 converts exactly; no flush-to-zero
-           applies to 16-bit sources); w = that * 2^(s - 113), the factor built as the float32 bits
-           (s + 14) << 23 (exact; e8m0 scales above 2^113 are out of range and overflow).
-The group scales multiply the weights in float32 (the tile viewed as [BN, BK/SPAN, SPAN], SPAN =
-min(BK, g), one scale per span), then the tile is rounded once to the activations' dtype: the same
-one rounding of the exact dequantized weight as ``dequantize_wo(...).to(bf16)``.
+Packed schemes: each reduction step of BLOCK_K runs in chunks of SPAN = min(BLOCK_K, g) columns, one
+scale group each (``_dot_chunk``). A chunk's bytes [BN, SPAN/2] decode to exact values per nibble and
+two dots take the even K (low nibbles) and the odd K (high nibbles) against the matching activation
+columns (``tl.split`` of the activation tile): every operation from the loaded bytes to the dot is
+elementwise, so Triton moves the layout change onto the bytes (ldmatrix from shared memory into the
+MMA operand layout) and decodes in those registers: no decoded tile through shared memory, no
+interleaving. The scale then applies to the chunk's fp32 partial product p [BM, BN], once per output
+element rather than once per weight:
+    int4   decoded = base + code (``_base``: 128 in bf16 and float32, 1024 in fp16; the code in the low
+           mantissa bits, exact); acc += p * s + rowsum(a) * (-(base + z) * s). The cancellation costs
+           ~2^-24 * base * sum|a| * s: far below the bf16 rounding of the output.
+    mxfp4  decoded = the e2m1 value itself (exact in bf16 and fp16); acc += p * 2^(s - 127), the factor
+           built as the float32 bits s << 23 (exact; e8m0 0, 2^-127, gives 0).
+Decoding (``_decode``): on the GPU with bf16 activations, inline PTX on 32-bit words, two weights per
+instruction: prmt spreads 4 bytes into 16-bit halves, then for int4 one lop3 ((t & 0x000F000F) |
+0x43004300: 128 + code in bf16) per pair and a shift for the high nibbles; for mxfp4 the magnitude
+bits to bf16 bits 6-8 and the sign to bit 15 (the value * 2^-126; the code 0.5 a bf16 subnormal, which
+bf16x2 arithmetic keeps) and one mul.rn.bf16x2 by 2^126. Elsewhere (the interpreter, fp16) the same bit
+placement in Triton (``_nibble_values``; mxfp4 via fp16 bits 9-11, value * 2^-14, then * 2^14).
+sm_90 SASS of the decode loops (Triton 3.9, compiled on the CPU): int4 gate-up 64 x 128 steps 454
+instructions (960 with the previous whole-tile fp32 decode), down 128 x 128 440; mxfp4 (g = 32)
+gate-up 918, down 718.
 
-Operand order: acc [BM, BN] = a [BM, BK] @ W^T, the decoded tile [BN, BK] transposed as the right
-operand. (Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on
-the H200, Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal.)
+Operand order: acc [BM, BN] = a [BM, K] @ W^T for all schemes (the decoded weights the right operand).
+(Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on the H200,
+Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal. Not taken
+for the packed schemes either: with their decode elementwise, this order too decodes the weights in
+the MMA operand's registers, which was swap-AB's point.)
 
-Past C (an odd C, a group tail, a last partial step) the activations load as 0; the weights there
-decode to finite values (0 where no scale group remains), so nothing leaks in.
+Past C (an odd C, a group tail, a last partial step or chunk) the activations load as 0 and the
+bytes as 0, which decode to finite values; a chunk past the last group has scales 0. Nothing leaks in.
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
@@ -42,7 +52,7 @@ Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows
 kernels share).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN/BK the tile, SPAN the
-reduction width one scale covers inside a step.
+reduction width of a chunk (one scale group; int8: BK).
 """
 
 import triton
