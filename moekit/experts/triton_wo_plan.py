@@ -120,18 +120,22 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     is per output column and per row: narrow tiles pay it on fewer weights; sm_90 SASS: 3.4 instructions
     a weight at 128 wide, 11 at 32 with mxfp4) and ``decode_split_k`` splits the reduction for the
     programs instead. Registers (ptxas sm_90, Triton 3.9, no spills): int4 gate-up 240, down 157;
-    mxfp4 114 and 92; int8 166 and 108."""
+    mxfp4 114 and 92; int8 166 and 108. Taller tiles (wgmma): the packed gate-up 32 wide and the
+    packed down <= 64 (64 wide, int4 spills 900 bytes a thread at 64 rows; 32 wide 56 bytes at int4,
+    none at mxfp4; down 64 wide none), int8's tiles as before (175 and 191 registers at 128 rows)."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert < 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
         up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
         down_width = _decode_width(blocks, k, widest=128) if scheme == "int8_w8a16" else 128
         return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
+    up_width = 64 if scheme == "int8_w8a16" else 32  # packed: the chunks' partial products take registers
     if rows_per_expert < 32:
-        return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+        return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert < 64:
-        return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
-    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
+        return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    down_width = 128 if scheme == "int8_w8a16" else 64
+    return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(down_width, 64, 8, 8, 3))  # gate-up 128 wide: spills
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
