@@ -148,6 +148,26 @@ def call_backend(
     imports nothing, so ``torch.compile(fullgraph=True)`` traces through it. ``activation`` reaches
     the backend as given (a str stays a str)."""
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
+    return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                b13=b13, b2=b2)
+
+
+def call_checked_backend(
+    fn: ExpertsFn,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str | ActivationSpec = "silu",
+    expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``call_backend`` without ``check_experts_args``, for a caller that knows its arguments pass it
+    (``MoE``'s own forward: weights it checked before, the routing its router made); public entry points
+    call ``call_backend``."""
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     if b13 is None and b2 is None:
