@@ -27,7 +27,6 @@ k = top_k, S shared slots (the shared MLP split into routed-width experts), SN =
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
 from moekit.eager_graphs import EagerGraphs
-from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, call_checked_backend, resolve_backend
+from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
@@ -133,7 +132,7 @@ class MoE(nn.Module):
         if eager_graph_rows is not None:
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
-        self._checked_experts: _CheckedExperts | None = None  # what the last checked forward passed (_run_own_routing)
+        self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -192,7 +191,7 @@ class MoE(nn.Module):
             self.eager_graphs.clear()  # they read the old tensors' memory
         self.backend = self._backend
         self.router = self._router
-        self._checked_experts = None  # a move or cast may keep the Parameter objects but change their data
+        self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
@@ -274,10 +273,13 @@ class MoE(nn.Module):
 
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
-        if type(self).run_routed is MoE.run_routed:
-            out = self._run_own_routing(x2d, routed.routing)  # [M, K]
+        routing = routed.routing
+        if type(self).run_routed is MoE.run_routed:  # run_routed with the argument check once per weight set
+            out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
+                                     routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
+                                     b2=_param(self, "b2"))  # [M, K]
         else:
-            out = self.run_routed(x2d, routed.routing)  # [M, K]; a subclass places the experts
+            out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)
         return out
@@ -328,20 +330,6 @@ class MoE(nn.Module):
             activation=self.config.activation, b13=self.b13, b2=self.b2,
         )
 
-    def _run_own_routing(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``run_routed`` for the routing this layer's router made from x2d (ids [M, k(+S)] int32 and fp32
-        weights on the logits' device, checked by the router): ``check_experts_args`` runs in full (raising
-        for bad input) unless the same weight tensors, shapes, dtype and device passed it on an earlier call."""
-        params = self._parameters
-        w13, w2, b13, b2 = params.get("w13"), params.get("w2"), params.get("b13"), params.get("b2")
-        checked = self._checked_experts
-        if checked is None or not checked.matches(x2d, w13, w2, b13, b2):
-            out = self.run_routed(x2d, routing)
-            self._checked_experts = _CheckedExperts.of(x2d, w13, w2, b13, b2)
-            return out
-        return call_checked_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
-                                    activation=self.config.activation, b13=b13, b2=b2)
-
     def _shared_mlp(self, x2d: torch.Tensor) -> torch.Tensor:
         y = apply_glu(x2d @ self.shared_w13.t(), self.config.activation) @ self.shared_w2.t()  # [M, K]
         if self.shared_gate is not None:
@@ -386,39 +374,11 @@ class MoE(nn.Module):
         )
 
 
-_ABSENT = object()
-
-
 def _param(module: nn.Module, name: str):
-    """``module.<name>`` for a parameter, read from ``_parameters`` without ``nn.Module.__getattr__``'s
-    lookups (~0.5 µs each); where it is not a plain parameter (a parametrization) through getattr."""
-    value = module._parameters.get(name, _ABSENT)
-    return getattr(module, name) if value is _ABSENT else value
-
-
-@dataclass(frozen=True)
-class _CheckedExperts:
-    """The expert tensors (weak references), their shapes and x's dtype and device of a ``MoE`` call that
-    passed ``check_experts_args``: a later call that matches them all passes it too (the routing is the
-    router's). Plain tensors only: quantized weights are checked on every call."""
-
-    refs: tuple  # weakref.ref of w13, w2, b13, b2 (None where absent)
-    shapes: tuple  # (w13.shape, w2.shape)
-    dtype: torch.dtype
-    device: torch.device
-
-    @staticmethod
-    def of(x2d, w13, w2, b13, b2) -> "_CheckedExperts | None":
-        if not (isinstance(w13, nn.Parameter) and isinstance(w2, nn.Parameter)):
-            return None
-        refs = tuple(None if t is None else weakref.ref(t) for t in (w13, w2, b13, b2))
-        return _CheckedExperts(refs, (w13.shape, w2.shape), x2d.dtype, x2d.device)
-
-    def matches(self, x2d, w13, w2, b13, b2) -> bool:
-        r13, r2, rb13, rb2 = self.refs
-        return (w13 is not None and w2 is not None and r13() is w13 and r2() is w2 and (b13 is None if rb13 is None else rb13() is b13)
-                and (b2 is None if rb2 is None else rb2() is b2) and x2d.dtype == self.dtype == w13.dtype == w2.dtype
-                and x2d.device == self.device and (w13.shape, w2.shape) == self.shapes)
+    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs a lookup) where it is a
+    registered parameter; anything else (a plain attribute, a parametrization) through getattr."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
 
 
 def _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype) -> None:

@@ -177,3 +177,17 @@ def _recheck_steps(moe, x, calls):
     good.data = torch.randn(4, 8, 3)  # same Parameter object, another shape
     with pytest.raises(ValueError, match="w2 must have shape"):
         moe(x)
+
+
+def test_forward_rechecks_a_replaced_expert_bias():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2, expert_bias=True)
+    moe = MoE(cfg, backend="grouped_mm")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        moe(x)
+        moe.b2 = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.float64))
+        with pytest.raises(TypeError, match="b2 must have x's dtype"):
+            moe(x)
+        moe.b2 = torch.nn.Parameter(torch.zeros(4, 7))
+        with pytest.raises(ValueError, match="b2 must have shape"):
+            moe(x)
