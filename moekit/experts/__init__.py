@@ -194,10 +194,10 @@ class ExpertsCallCache:
         self._refs: tuple | None = None  # weakref.ref of w13, w2, b13, b2 (None where absent)
 
     def __call__(self, fn: ExpertsFn, x, w13, w2, topk_ids, topk_weights, *, activation, b13=None, b2=None):
-        if self._passed(x, (w13, w2, b13, b2)):
+        if not torch.compiler.is_compiling() and self._passed(x, (w13, w2, b13, b2)):  # traced: the check as before
             return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
         out = call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
-        if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
+        if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and not torch.compiler.is_compiling():
             tensors = (w13, w2, b13, b2)
             self._refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
             self._shapes = tuple(None if t is None else t.shape for t in tensors)
