@@ -180,11 +180,11 @@ class ExpertsCallCache:
     """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
     a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising
     for bad input) on the first call and whenever a weight or bias tensor, its shape or dtype, or x's dtype
-    or device differs from the last call that passed it; otherwise the backend runs directly
-    (``call_checked_backend``). The routing is not checked again: the caller vouches for it. Quantized
-    weights are checked on every call."""
+    or device or hidden size differs from the last call that passed it; otherwise the backend runs directly
+    (``call_checked_backend``). The routing is not checked again: the caller vouches for it (ids and weights
+    [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call."""
 
-    __slots__ = ("_refs", "_shapes", "_dtype", "_device")
+    __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden")
 
     def __init__(self) -> None:
         self.clear()
@@ -201,12 +201,12 @@ class ExpertsCallCache:
             tensors = (w13, w2, b13, b2)
             self._refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
             self._shapes = tuple(None if t is None else t.shape for t in tensors)
-            self._dtype, self._device = x.dtype, x.device
+            self._dtype, self._device, self._hidden = x.dtype, x.device, x.shape[-1]
         return out
 
     def _passed(self, x, tensors: tuple) -> bool:
         refs, dtype = self._refs, x.dtype
-        if refs is None or dtype != self._dtype or x.device != self._device:
+        if refs is None or dtype != self._dtype or x.device != self._device or x.shape[-1] != self._hidden:
             return False
         for ref, shape, t in zip(refs, self._shapes, tensors):
             if t is None:
