@@ -6,8 +6,12 @@ Every Triton kernel (experts and fused router) is replaced by a stand-in that ke
 signature (what ``BoundLaunch`` reads) and launches nothing, so what is timed is the Python and torch
 host work around the launches: argument checks, plans, allocations, dispatch. Tiny shapes (Qwen3-30B-A3B's
 E=128, k=8 with K=64, N=32; Mixtral's E=8, k=2), M=1, bf16, ``backend="triton"``, ``router="fused"``.
-Rows: the fused router alone, the experts call alone (``call_backend``), the gate, the whole layer;
-µs per call, median over repeats (the machine is shared: medians, not means).
+Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs: the gate GEMM on the
+CPU is real work, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]; ``--dtype float32`` makes it ~2 µs),
+``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
+(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue), the whole
+``layer``, and ``glue`` = layer - route_tokens - experts. µs per call, median over repeats (the machine is
+shared: medians, not means); ``uptime`` before and after says how loaded it was.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from moekit import MoEConfig  # noqa: E402
-from moekit.experts import call_backend  # noqa: E402
+from moekit.experts import call_backend, check_experts_args  # noqa: E402
 from moekit.layer import MoE  # noqa: E402
 
 KERNEL_MODULES = ("moekit.experts._kernels.align", "moekit.experts._kernels.combine", "moekit.experts._kernels.gemm",
@@ -68,36 +72,41 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def rows(name: str, config: MoEConfig, calls: int, repeats: int, capacity_factor=None) -> dict:
-    layer = MoE(config, backend="triton", router="fused", dtype=torch.bfloat16, capacity_factor=capacity_factor).eval()
-    x = torch.randn(1, config.hidden_size, dtype=torch.bfloat16)
+def rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dtype, capacity_factor=None) -> dict:
+    layer = MoE(config, backend="triton", router="fused", dtype=dtype, capacity_factor=capacity_factor).eval()
+    x = torch.randn(1, config.hidden_size, dtype=dtype)
     with torch.no_grad():
-        logits = layer.gate(x)
-        routing = layer._fused_router(logits, layer.e_score_correction_bias)
+        logits = layer._router_logits(x)
+        bias, w13, w2 = layer.e_score_correction_bias, layer.w13, layer.w2
+        routing = layer._fused_router(logits, bias)
+        ids, weights, act = routing.topk_ids, routing.topk_weights, config.activation
         fns = {
-            "router": lambda: layer._fused_router(logits, layer.e_score_correction_bias),
-            "gate": lambda: layer.gate(x),
-            "experts": lambda: call_backend(layer._experts_fn, x, layer.w13, layer.w2, routing.topk_ids,
-                                            routing.topk_weights, activation=config.activation),
+            "gate": lambda: layer._router_logits(x),
+            "router": lambda: layer._fused_router(logits, bias),
+            "check": lambda: check_experts_args(x, w13, w2, ids, weights, activation=act),
+            "experts": lambda: call_backend(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
             "route_tokens": lambda: layer.route_tokens(x),
             "layer": lambda: layer(x),
         }
-        return {"preset": name, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}
+        row = {"preset": name, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}
+    row["glue"] = round(row["layer"] - row["route_tokens"] - row["experts"], 1)
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     a = p.parse_args()
     torch.set_num_threads(1)
     stub_kernels()
     qwen3 = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=128, top_k=8)
     mixtral = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2)
+    print(f"uptime: {os.getloadavg()}", flush=True)
     for name, config, cf in (("qwen3", qwen3, None), ("mixtral", mixtral, None), ("qwen3 cf=1.25", qwen3, 1.25)):
-        r = rows(name, config, a.calls, a.repeats, cf)
-        r["layer - experts"] = round(r["layer"] - r["experts"], 1)
-        print(r, flush=True)
+        print(rows(name, config, a.calls, a.repeats, getattr(torch, a.dtype), cf), flush=True)
+    print(f"uptime: {os.getloadavg()}", flush=True)
 
 
 if __name__ == "__main__":

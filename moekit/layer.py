@@ -35,7 +35,7 @@ from torch import nn
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.config import MoEConfig
 from moekit.eager_graphs import EagerGraphs
-from moekit.experts import ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
+from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
@@ -132,6 +132,7 @@ class MoE(nn.Module):
         if eager_graph_rows is not None:
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
+        self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -190,6 +191,7 @@ class MoE(nn.Module):
             self.eager_graphs.clear()  # they read the old tensors' memory
         self.backend = self._backend
         self.router = self._router
+        self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
@@ -220,10 +222,11 @@ class MoE(nn.Module):
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         # The fused kernel appends the shared slots itself unless capacity must drop in between.
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
+        bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
         if self._fused_router is not None:
-            routing = self._fused_router(logits, self.e_score_correction_bias, gate_logits, append_shared=in_kernel)
+            routing = self._fused_router(logits, bias, gate_logits, append_shared=in_kernel)
         else:
-            routing = route(logits, self.config, self.e_score_correction_bias)
+            routing = route(logits, self.config, bias)
         ids, top_k = routing.topk_ids, self.config.top_k
         selected = ids if ids.shape[1] == top_k else ids[:, :top_k]  # [M, k]; the fused kernel may append shared slots
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
@@ -239,7 +242,8 @@ class MoE(nn.Module):
         weight cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets
         its gradient through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in
         a bf16 model)."""
-        weight, bias = self.gate.weight, self.gate.bias  # [E, K], [E] (gpt-oss) or None
+        gate = self._modules["gate"]
+        weight, bias = _param(gate, "weight"), _param(gate, "bias")  # [E, K], [E] (gpt-oss) or None
         dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
         if weight.dtype != dtype:
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
@@ -269,7 +273,13 @@ class MoE(nn.Module):
 
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
-        out = self.run_routed(x2d, routed.routing)  # [M, K]
+        routing = routed.routing
+        if type(self).run_routed is MoE.run_routed:  # run_routed with the argument check once per weight set
+            out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
+                                     routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
+                                     b2=_param(self, "b2"))  # [M, K]
+        else:
+            out = self.run_routed(x2d, routing)  # [M, K]; a subclass places the experts
         if self.shared_w13 is not None:
             out = out + self._shared_mlp(x2d)
         return out
@@ -362,6 +372,13 @@ class MoE(nn.Module):
             f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
             f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}"
         )
+
+
+def _param(module: nn.Module, name: str):
+    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs a lookup) where it is a
+    registered parameter; anything else (a plain attribute, a parametrization) through getattr."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
 
 
 def _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype) -> None:

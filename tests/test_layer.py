@@ -145,3 +145,49 @@ def test_dropless_routing_allocates_no_drop_count_and_never_shares_one():
     capped = MoE(moe.config, capacity_factor=0.5)
     with torch.no_grad():
         assert int(capped.route_tokens(torch.randn(8, 8)).dropped) > 0
+
+
+def test_forward_rechecks_expert_args_when_weights_or_x_change(monkeypatch):
+    """Later forwards skip check_experts_args only while the weights, their shapes and x's dtype and device
+    are those of a call that passed it: each change below must still raise, naming the argument."""
+    import moekit.experts as experts
+
+    calls = []
+    real_check = experts.check_experts_args
+    monkeypatch.setattr(experts, "check_experts_args", lambda *a, **kw: calls.append(1) or real_check(*a, **kw))
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2)
+    moe = MoE(cfg, backend="grouped_mm")
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # bit-equal outputs: the same (autograd-free) path on every call
+        _recheck_steps(moe, x, calls)
+
+
+def _recheck_steps(moe, x, calls):
+    first = moe(x)
+    assert torch.equal(moe(x), first) and len(calls) == 1  # the second call skips the check: same output
+    torch.testing.assert_close(first, moe_per_token(moe, x).float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="share a dtype"):
+        moe(x.double())  # the gate casts x to its dtype; the experts get float64 x against float32 weights
+    good = moe.w2
+    moe.w2 = torch.nn.Parameter(torch.randn(4, 8, 5))  # N=5 against w13's 2N=8
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        moe(x)
+    moe.w2 = good
+    assert torch.equal(moe(x), first)
+    good.data = torch.randn(4, 8, 3)  # same Parameter object, another shape
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        moe(x)
+
+
+def test_forward_rechecks_a_replaced_expert_bias():
+    cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2, expert_bias=True)
+    moe = MoE(cfg, backend="grouped_mm")
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        moe(x)
+        moe.b2 = torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.float64))
+        with pytest.raises(TypeError, match="b2 must have x's dtype"):
+            moe(x)
+        moe.b2 = torch.nn.Parameter(torch.zeros(4, 7))
+        with pytest.raises(ValueError, match="b2 must have shape"):
+            moe(x)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import weakref
 from typing import Callable
 
 import torch
@@ -148,11 +149,72 @@ def call_backend(
     imports nothing, so ``torch.compile(fullgraph=True)`` traces through it. ``activation`` reaches
     the backend as given (a str stays a str)."""
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
+    return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
+                                b13=b13, b2=b2)
+
+
+def call_checked_backend(
+    fn: ExpertsFn,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str | ActivationSpec = "silu",
+    expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``call_backend`` without ``check_experts_args``, for a caller that knows its arguments pass it
+    (``MoE``'s own forward: weights it checked before, the routing its router made); public entry points
+    call ``call_backend``."""
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     if b13 is None and b2 is None:
         return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
     return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13, b2=b2)
+
+
+class ExpertsCallCache:
+    """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
+    a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising
+    for bad input) on the first call and whenever a weight or bias tensor, its shape or dtype, or x's dtype
+    or device or hidden size differs from the last call that passed it; otherwise the backend runs directly
+    (``call_checked_backend``). The routing is not checked again: the caller vouches for it (ids and weights
+    [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call."""
+
+    __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden")
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the last call that passed (``MoE._apply``: a move or cast keeps the Parameter objects)."""
+        self._refs: tuple | None = None  # weakref.ref of w13, w2, b13, b2 (None where absent)
+
+    def __call__(self, fn: ExpertsFn, x, w13, w2, topk_ids, topk_weights, *, activation, b13=None, b2=None):
+        if not torch.compiler.is_compiling() and self._passed(x, (w13, w2, b13, b2)):  # traced: the check as before
+            return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
+        out = call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
+        if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and not torch.compiler.is_compiling():
+            tensors = (w13, w2, b13, b2)
+            self._refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+            self._shapes = tuple(None if t is None else t.shape for t in tensors)
+            self._dtype, self._device, self._hidden = x.dtype, x.device, x.shape[-1]
+        return out
+
+    def _passed(self, x, tensors: tuple) -> bool:
+        refs, dtype = self._refs, x.dtype
+        if refs is None or dtype != self._dtype or x.device != self._device or x.shape[-1] != self._hidden:
+            return False
+        for ref, shape, t in zip(refs, self._shapes, tensors):
+            if t is None:
+                if ref is not None:
+                    return False
+            elif ref is None or ref() is not t or t.dtype != dtype or t.shape != shape:
+                return False
+        return True
 
 
 _ID_DTYPES = (torch.int32, torch.int64)
