@@ -15,11 +15,9 @@ Floor = (touched experts x packed bytes per expert, scales and zero points inclu
 copy bandwidth (measured here, read + write, like ``moekit bench``). Targets (issue #16): DeepSeek and
 Mixtral >= 80% of the floor at M <= 64; Qwen3 int4 at M = 1 <= 0.45 x bf16; M >= 1024 <= bf16 / 0.9.
 
-Also: a CUDA graph of one call replayed with new tokens and routing (equal to eager), split-K
+Also: a CUDA graph of one call replayed with new tokens and routing (equal to eager), and split-K
 cells (one local expert of Mixtral's shape, M = 1 and 4: the down GEMM's reduction split; correct, and
-timed against the unsplit call), and the packed schemes' two decodings (``decode_path_cells``: bf16
-activations through the inline PTX, fp16 through the pure-Triton bit placement; correct at int4 group 32
-as well, and timed against each other at Mixtral M = 8).
+timed against the unsplit call).
 
 Prints a PASS/FAIL line per check, the table last; JSON to $OUT/wo.json when OUT is set. Exit 1 on
 any failure. Whole run: under 2 minutes on an H200 (most of it compiling).
@@ -99,11 +97,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group: int | None = None) -> WoWeight:
+def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None) -> WoWeight:
     """Random bytes in ``scheme``'s layout for a weight [E, R, C] whose product with a unit-variance
-    vector has about unit variance; ``seed`` None: the layout alone, uninitialised (for compiling);
-    ``group`` None: GROUP's."""
-    group = GROUP[scheme] if group is None else group
+    vector has about unit variance; ``seed`` None: the layout alone, uninitialised (for compiling)."""
+    group = GROUP[scheme]
 
     def ints(low: int, high: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         if seed is None:
@@ -254,36 +251,6 @@ def split_k_cells(dev, schemes) -> None:
                   f"rel_err={err:.2e}  {us[None]:.1f} µs split, {us[1]:.1f} µs unsplit")
 
 
-def decode_path_cells(dev, schemes, s: Shape = Shape.from_preset("mixtral-8x7b"),
-                      small: Shape = Shape("groups", 16, 1024, 2048, 4)) -> None:
-    """The packed schemes' two decodings on the GPU: bf16 activations take the inline PTX, fp16 the
-    pure-Triton bit placement (what the interpreter tests). Each correct against the twin, int4 at
-    group 32 too (four scale chunks a step), and timed at Mixtral's shape, M = 8 (the same
-    routing): the fp16 time is the pure-Triton decoding's (the MMAs cost the same in fp16)."""
-    for scheme in [x for x in schemes if x != "int8_w8a16"]:
-        w13 = quantized(scheme, small.num_experts, 2 * small.n, small.k, dev, seed=9, group=32)
-        w2 = quantized(scheme, small.num_experts, small.k, small.n, dev, seed=10, group=32)
-        for dtype, m in ((torch.bfloat16, 8), (torch.float16, 8), (torch.float16, 64)):
-            c = make_sets(small, m, 1, dtype, dev, seed=11)[0]
-            err = rel_err(fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights),
-                          fused_experts_wo_torch(c.x, w13, w2, c.topk_ids, c.topk_weights))
-            check(f"decode {scheme} g=32 {dtype} M={m} vs twin", err < TOL, f"rel_err={err:.2e}")
-        w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-        w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-        us = {}
-        for dtype in (torch.bfloat16, torch.float16):
-            inputs = make_sets(s, 8, SETS, dtype, dev, seed=8)
-            c0 = inputs[0]
-            err = rel_err(fused_experts_wo(c0.x, w13, w2, c0.topk_ids, c0.topk_weights),
-                          fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights))
-            check(f"decode {s.name} {scheme} {dtype} M=8 vs twin", err < TOL, f"rel_err={err:.2e}")
-            fns = [lambda c=c: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights) for c in inputs]
-            us[dtype] = time_stats(fns, dev, graph=True, **TIMING).us
-        print(f"decode paths {s.name} {scheme} M=8: inline PTX (bf16) {us[torch.bfloat16]:.1f} µs, "
-              f"pure Triton (fp16) {us[torch.float16]:.1f} µs", flush=True)
-        del w13, w2
-
-
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<16} {'scheme':<11} {'M':>5} {'rel_err':>8} {'wo µs':>9} {'bf16 µs':>9} {'wo/bf16':>7} "
              f"{'floor µs':>9} {'%floor':>6}  target"]
@@ -323,7 +290,6 @@ def main(argv=None) -> int:
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         guarded("graph replay", graph_replay, dev, args.schemes)
         guarded("split-K cells", split_k_cells, dev, args.schemes)
-        guarded("decode paths", decode_path_cells, dev, args.schemes)
     cells = []
     for s in shapes:
         sets = {m: make_sets(s, m, SETS, torch.bfloat16, dev, seed=m) for m in batches}

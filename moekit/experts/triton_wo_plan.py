@@ -113,29 +113,22 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     files, ``benchmarks/wo_device_check.py`` times this). The tile height follows the rows per expert
     as in the bf16 heuristic (``configs.heuristic_config``: 16, 32, 64, then 128 from 64 rows per
     expert, where the GEMMs are compute-bound and tall tiles reuse each dequantized weight tile 128
-    times). Decode sizes: reduction steps of 128 weights, 4 stages in flight. The gate-up tiles are as
-    wide (64, else 32) as still give >= MIN_PROGRAMS programs over the touched experts, so that every
-    SM streams weights; int8's down tiles too (up to 128). The packed schemes' down tiles are 128 wide
-    always (their per-step work beside the decode, the group scale on each chunk's partial product,
-    is per output column and per row: narrow tiles pay it on fewer weights; sm_90 SASS: 3.4 instructions
-    a weight at 128 wide, 11 at 32 with mxfp4) and ``decode_split_k`` splits the reduction for the
-    programs instead. Registers (ptxas sm_90, Triton 3.9, no spills): int4 gate-up 240, down 157;
-    mxfp4 114 and 92; int8 166 and 108. Taller tiles (wgmma): the packed gate-up 32 wide and the
-    packed down <= 64 (64 wide, int4 spills 900 bytes a thread at 64 rows; 32 wide 56 bytes at int4,
-    none at mxfp4; down 64 wide none), int8's tiles as before (175 and 191 registers at 128 rows)."""
+    times). Decode sizes: reduction steps of 128 weights (64 packed bytes a row), 4 stages in flight,
+    and output tiles as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts
+    (so every SM streams weights); packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile
+    (float32 on its way to bf16) fits in registers next to the gate and up accumulators (ptxas for
+    sm_90, Triton 3.6: decode gate-up 128-168 registers, no spills)."""
     rows_per_expert = num_tokens * top_k / num_experts
+    widest = 128 if scheme == "int8_w8a16" else 64
     if rows_per_expert < 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
         up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
-        down_width = _decode_width(blocks, k, widest=128) if scheme == "int8_w8a16" else 128
-        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
-    up_width = 64 if scheme == "int8_w8a16" else 32  # packed: the chunks' partial products take registers
+        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
     if rows_per_expert < 32:
-        return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+        return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
     if rows_per_expert < 64:
-        return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
-    down_width = 128 if scheme == "int8_w8a16" else 64
-    return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(down_width, 64, 8, 8, 3))  # gate-up 128 wide: spills
+        return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
@@ -153,8 +146,7 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
     """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
     [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
-    of the weight tiles: a margin (the kernels decode in registers, after reading the stored bytes from
-    shared memory) for the layout conversions and the epilogue."""
+    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
     weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
     packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
     return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
@@ -179,9 +171,8 @@ def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit
 
 
 def span(tile: GemmTile, scheme: str, group_size: int) -> int:
-    """SPAN, the reduction width of one chunk of a step, one scale group: min(BLOCK_K, g) (int8: BLOCK_K;
-    its scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it
-    (a chunk's even and odd halves are the K of a dot: >= 16)."""
+    """SPAN, the reduction width one scale covers inside a step: min(BLOCK_K, g) (int8: BLOCK_K; its
+    scale is per row). A packed config whose BLOCK_K is below MIN_PACKED_K is refused, naming it."""
     if scheme == "int8_w8a16":
         return tile.BLOCK_K
     if tile.BLOCK_K < MIN_PACKED_K:

@@ -1,6 +1,6 @@
-"""Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are decoded in
-the MMA operand's registers, right after the stored bytes are read from shared memory; activations
-stay bf16 (or fp16), accumulation fp32.
+"""Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are dequantized
+in registers, one whole [BLOCK_N, BLOCK_K] tile per reduction step, right before a single ``tl.dot``;
+activations stay bf16 (or fp16), accumulation fp32.
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch`` (dequantize, then the float32 loop).
 
@@ -12,37 +12,27 @@ along C, the reduction dim (gate-up: R = 2N, C = K; down: R = K, C = N):
                   [E, R, ceil(C/g)]: w = (nibble - zero) * scale.
     2 mxfp4       q as int4 (e2m1 codes), scale uint8 e8m0 [E, R, ceil(C/32)]: w = e2m1(nibble) * 2^(s-127).
 
-Packed schemes: each reduction step of BLOCK_K runs in chunks of SPAN = min(BLOCK_K, g) columns, one
-scale group each (``_dot_chunk``). A chunk's bytes [BN, SPAN/2] decode to exact values per nibble and
-two dots take the even K (low nibbles) and the odd K (high nibbles) against the matching activation
-columns (``tl.split`` of the activation tile): every operation from the loaded bytes to the dot is
-elementwise, so Triton moves the layout change onto the bytes (ldmatrix from shared memory into the
-MMA operand layout) and decodes in those registers: no decoded tile through shared memory, no
-interleaving. The scale then applies to the chunk's fp32 partial product p [BM, BN], once per output
-element rather than once per weight:
-    int4   decoded = base + code (``_base``: 128 in bf16 and float32, 1024 in fp16; the code in the low
-           mantissa bits, exact); acc += p * s + rowsum(a) * (-(base + z) * s). The cancellation costs
-           ~2^-24 * base * sum|a| * s: far below the bf16 rounding of the output.
-    mxfp4  decoded = the e2m1 value itself (exact in bf16 and fp16); acc += p * 2^(s - 127), the factor
-           built as the float32 bits s << 23 (exact; e8m0 0, 2^-127, gives 0).
-Decoding (``_decode``): on the GPU with bf16 activations, inline PTX on 32-bit words, two weights per
-instruction: prmt spreads 4 bytes into 16-bit halves, then for int4 one lop3 ((t & 0x000F000F) |
-0x43004300: 128 + code in bf16) per pair and a shift for the high nibbles; for mxfp4 the magnitude
-bits to bf16 bits 6-8 and the sign to bit 15 (the value * 2^-126; the code 0.5 a bf16 subnormal, which
-bf16x2 arithmetic keeps) and one mul.rn.bf16x2 by 2^126. Elsewhere (the interpreter, fp16) the same bit
-placement in Triton (``_nibble_values``; mxfp4 via fp16 bits 9-11, value * 2^-14, then * 2^14).
-sm_90 SASS of the decode loops (Triton 3.9, compiled on the CPU): int4 gate-up 64 x 128 steps 454
-instructions (960 with the previous whole-tile fp32 decode), down 128 x 128 440; mxfp4 (g = 32)
-gate-up 918, down 718.
+Decoding a packed tile (``_decode``): the packed bytes [BN, BK/2] (contiguous along C) are split into
+low and high nibbles, which ``tl.join`` + ``tl.reshape`` interleave back into the natural K order
+[BN, BK] (element 2i, 2i+1 side by side in one thread: no data moves). Each nibble is decoded by placing
+its bits, never by per-element branches or tables:
+    int4   (code << 16) | 0x43000000 read as float32 is 128 + code exactly; w = (128 + code) * s - (128 + z) * s,
+           one fma per weight with the group's (s, -(128 + z) * s) in float32 (error ~2^-24 of 143 s: far
+           below the bf16 rounding that follows).
+    mxfp4  (code & 7) << 9 | (code & 8) << 12 read as float16 is e2m1(code) * 2^-14 exactly (e = 0, the
+           code 0.5, lands on an fp16 subnormal, which fp16 -> fp32 converts exactly; no flush-to-zero
+           applies to 16-bit sources); w = that * 2^(s - 113), the factor built as the float32 bits
+           (s + 14) << 23 (exact; e8m0 scales above 2^113 are out of range and overflow).
+The group scales multiply the weights in float32 (the tile viewed as [BN, BK/SPAN, SPAN], SPAN =
+min(BK, g), one scale per span), then the tile is rounded once to the activations' dtype: the same
+one rounding of the exact dequantized weight as ``dequantize_wo(...).to(bf16)``.
 
-Operand order: acc [BM, BN] = a [BM, K] @ W^T for all schemes (the decoded weights the right operand).
-(Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on the H200,
-Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal. Not taken
-for the packed schemes either: with their decode elementwise, this order too decodes the weights in
-the MMA operand's registers, which was swap-AB's point.)
+Operand order: acc [BM, BN] = a [BM, BK] @ W^T, the decoded tile [BN, BK] transposed as the right
+operand. (Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on
+the H200, Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal.)
 
-Past C (an odd C, a group tail, a last partial step or chunk) the activations load as 0 and the
-bytes as 0, which decode to finite values; a chunk past the last group has scales 0. Nothing leaks in.
+Past C (an odd C, a group tail, a last partial step) the activations load as 0; the weights there
+decode to finite values (0 where no scale group remains), so nothing leaks in.
 
 Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output tiles are too few to
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
@@ -52,7 +42,7 @@ Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows
 kernels share).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN/BK the tile, SPAN the
-reduction width of a chunk (one scale group; int8: BK).
+reduction width one scale covers inside a step.
 """
 
 import triton
@@ -62,156 +52,81 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 
 @triton.jit
-def _base(DTYPE: tl.constexpr):
-    """The offset that int4 codes decode with in DTYPE (``_exact_codes``): 1024 in fp16, else 128."""
-    if DTYPE == tl.float16:
-        base = 1024.0
-    else:
-        base = 128.0
-    return base
+def _interleave(low, high, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """low, high [BN, BK/2] (what the low and high nibbles of each byte decode to) -> [BN, BK] in K
+    order: element 2i from the low nibble, 2i+1 from the high (a register-local join)."""
+    return tl.reshape(tl.join(low, high), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
-def _chunk_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, GROUP: tl.constexpr, SCHEME: tl.constexpr,
-                  DTYPE: tl.constexpr):
-    """(mul, add) [BN] float32 of the group holding the chunk at k0 (a chunk never straddles two groups):
-    the chunk's partial product p = a @ decoded^T adds p * mul + rowsum(a) * add to the accumulator
-    (int4: decoded = base + code, so add = -(base + zero) * scale; mxfp4: decoded = the e2m1 value,
-    mul = 2^(s - 127), add = 0). Past the last group both are 0; int8 (scaled in the epilogue): zeros.
-    The kernels load these one chunk ahead (a load of bytes that Triton cannot pipeline would
-    otherwise stall every chunk for a memory latency)."""
-    g = k0 // GROUP
-    ok = n_ok & (tl.zeros(n_ok.shape, dtype=tl.int32) + k0 < C)  # [BN]
-    if SCHEME == 0:
-        mul = tl.zeros(n_ok.shape, dtype=tl.float32)
-        add = mul
-    elif SCHEME == 1:
-        mul = tl.load(s_rows + g * stride_sg, mask=ok, other=0.0)
-        zero = tl.load(z_rows + g * stride_zg, mask=ok, other=0).to(tl.float32)
-        add = -(_base(DTYPE) + zero) * mul
+def _group_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """(mul, add) [BN, BK/SPAN] float32 for the spans of step k0: w = decoded * mul + add. Past the
+    last group both are 0. The kernels load these one step ahead (a load of bytes that Triton cannot
+    pipeline would otherwise stall every step for a memory latency)."""
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // SPAN)  # [BK/SPAN] group of each span (SPAN = GROUP when > 1)
+    ok = n_ok[:, None] & (g * GROUP < C)[None, :]
+    if SCHEME == 1:
+        scale = tl.load(s_rows[:, None] + g[None, :] * stride_sg, mask=ok, other=0.0)
+        zero = tl.load(z_rows[:, None] + g[None, :] * stride_zg, mask=ok, other=0).to(tl.float32)
+        add = -(128.0 + zero) * scale
     else:
-        exponent = tl.load(s_rows + g * stride_sg, mask=ok, other=0).to(tl.int32)
-        mul = tl.where(ok, (exponent << 23).to(tl.float32, bitcast=True), 0.0)  # exact; e8m0 0 and 255 excluded
-        add = tl.zeros_like(mul)
+        exponent = tl.load(s_rows[:, None] + g[None, :] * stride_sg, mask=ok, other=0).to(tl.int32)
+        scale = tl.where(ok, ((exponent + 14) << 23).to(tl.float32, bitcast=True), 0.0)
+        add = tl.zeros_like(scale)
+    return scale, add
+
+
+@triton.jit
+def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN: tl.constexpr, GROUP: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """``_group_scales`` of step k0 for the packed schemes; int8 (scaled in the epilogue): zeros [BN, 1]."""
+    if SCHEME == 0:
+        mul = tl.zeros([BLOCK_N, 1], dtype=tl.float32)
+        add = mul
+    else:
+        mul, add = _group_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_K, SCHEME)
     return mul, add
 
 
 @triton.jit
-def _load_weights(q_rows, k0, stored_cols, n_ok, stride_qc, SPAN: tl.constexpr, SCHEME: tl.constexpr):
-    """The stored bytes of W[rows, k0 : k0 + SPAN]: int8 [BN, SPAN], packed [BN, SPAN/2]. ``stored_cols``:
-    a row's bytes (C, or ceil(C/2) packed), passed in rather than computed from C so that the compiler
+def _load_weights(q_rows, k0, stored_cols, n_ok, stride_qc, BLOCK_K: tl.constexpr, SCHEME: tl.constexpr):
+    """The stored bytes of W[rows, k0 : k0 + BK]: int8 [BN, BK], packed [BN, BK/2]. ``stored_cols``: a
+    row's bytes (C, or ceil(C/2) packed), passed in rather than computed from C so that the compiler
     sees its divisibility: the masked load then stays a 16-byte vector load (and a pipelined one)."""
     if SCHEME == 0:
-        k = k0 + tl.arange(0, SPAN)
+        k = k0 + tl.arange(0, BLOCK_K)
     else:
-        k = k0 // 2 + tl.arange(0, SPAN // 2)  # packed columns of this chunk
+        k = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed columns of this step
     return tl.load(q_rows[:, None] + k[None, :] * stride_qc, mask=n_ok[:, None] & (k < stored_cols)[None, :], other=0)
 
 
-# Inline PTX (sm_90; bf16 only): 4 packed bytes (one 32-bit register, byte i = element i) -> the
-# values of their low nibbles ($0: elements 0, 1; $1: 2, 3) and high nibbles ($2, $3) as bf16 pairs.
-# prmt spreads bytes 0, 1 (2, 3) into the two 16-bit halves of t0 (t1); the nibbles then land in place
-# by a shift and one lop3 each, two weights per instruction.
-_SPREAD = """
-.reg .b32 t0, t1, s0, s1, z;
-mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-"""
-# int4: lop3 (a & b) | c puts the nibble in the low mantissa bits of 128.0 (0x4300): 128 + code.
-_INT4_ASM = tl.constexpr("{" + _SPREAD + """
-lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 s0, t0, 4;
-shr.b32 s1, t1, 4;
-lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA;
-}""")
-# mxfp4: the magnitude bits to bf16 bits 6-8 (value * 2^-126; the code 0.5 a subnormal, which bf16x2
-# arithmetic keeps), the sign to bit 15, then * 2^126 (0x7E80) in bf16x2: the e2m1 value, exactly.
-_MXFP4_ASM = tl.constexpr("{" + _SPREAD + """
-.reg .b32 m, g, k;
-mov.b32 k, 0x7E807E80;
-shl.b32 m, t0, 6;
-shl.b32 g, t0, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-mul.rn.bf16x2 $0, m, k;
-shl.b32 m, t1, 6;
-shl.b32 g, t1, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-mul.rn.bf16x2 $1, m, k;
-shl.b32 m, t0, 2;
-shl.b32 g, t0, 8;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-mul.rn.bf16x2 $2, m, k;
-shl.b32 m, t1, 2;
-shl.b32 g, t1, 8;
-and.b32 g, g, 0x80008000;
-lop3.b32 m, m, 0x01C001C0, g, 0xEA;
-mul.rn.bf16x2 $3, m, k;
-}""")
-
-
 @triton.jit
-def _nibble_values(codes, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
-    """codes [BN, SPAN/2] (0..15, one per weight) -> exact values in DTYPE by placing bits: int4 base +
-    code (``_base``: the code in the low mantissa bits of 128.0 bf16, 1024.0 fp16, 128.0 float32);
-    mxfp4 the e2m1 value, its magnitude bits to fp16 bits 9-11 (value * 2^-14, the code 0.5 an fp16
-    subnormal), the sign to bit 15, then * 2^14 (exact in fp16, bf16 and float32)."""
-    if SCHEME == 1:
-        if DTYPE == tl.bfloat16:
-            value = (codes.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-        elif DTYPE == tl.float16:
-            value = (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-        else:
-            value = ((codes.to(tl.int32) << 16) | 0x43000000).to(tl.float32, bitcast=True)
-    else:
-        codes = codes.to(tl.int16)
-        bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-        value = (bits.to(tl.float16, bitcast=True) * 16384.0).to(DTYPE)
-    return value
-
-
-@triton.jit
-def _decode(raw, DTYPE: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """Packed bytes [BN, SPAN/2] -> (low nibbles' values, high nibbles' values) [BN, SPAN/2] in DTYPE,
-    exact (int4: base + code; mxfp4: the e2m1 value). Elementwise, so the compiler decodes in the MMA
-    operand's registers right after reading the bytes from shared memory. ASM (on the GPU, bf16): the
-    inline PTX above, two weights per instruction; else ``_nibble_values`` (the interpreter, fp16)."""
-    if ASM and DTYPE == tl.bfloat16:
-        if SCHEME == 1:
-            low, high = tl.inline_asm_elementwise(_INT4_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
-                                                  is_pure=True, pack=4)
-        else:
-            low, high = tl.inline_asm_elementwise(_MXFP4_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.bfloat16, tl.bfloat16),
-                                                  is_pure=True, pack=4)
-    else:
-        low = _nibble_values(raw & 0x0F, DTYPE, SCHEME)
-        high = _nibble_values(raw >> 4, DTYPE, SCHEME)
-    return low, high
-
-
-@triton.jit
-def _dot_chunk(raw, a, mul, add, acc, BLOCK_M: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr,
-               ASM: tl.constexpr):
-    """acc [BM, BN] + a [BM, SPAN] @ W^T for one chunk's stored bytes ``raw`` (``_load_weights``) and
-    scales (``_chunk_scales``). int8: the bytes converted (exact in bf16: |q| <= 128; scaled in the
-    epilogue). Packed: the codes decoded exactly and the group's scale applied to the fp32 partial
-    product, not per weight; two dots over the even and odd K (a byte's low and high nibble), so each
-    weight decodes from its own byte, elementwise, with no shuffle of decoded values."""
+def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+            SCHEME: tl.constexpr):
+    """``_load_weights``' bytes of a step -> W[rows, k0 : k0 + BK] [BN, BK] in DTYPE, dequantized with that
+    step's ``_group_scales`` (int8: not yet scaled, mul and add unused)."""
     if SCHEME == 0:
-        acc = tl.dot(a, tl.trans(raw.to(tl.float32).to(a.dtype)), acc)  # via float32: the interpreter's int8 -> bf16 gives NaN
+        w = raw.to(tl.float32).to(DTYPE)  # exact; via float32 (the interpreter's int8 -> bf16 gives NaN)
     else:
-        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, SPAN // 2, 2]))  # [BM, SPAN/2] each: K = 2i, 2i + 1
-        low, high = _decode(raw, a.dtype, SCHEME, ASM)
-        part = tl.dot(a_odd, tl.trans(high), tl.dot(a_even, tl.trans(low)))
-        acc += part * mul[None, :]
-        if SCHEME == 1:  # the base and the zero point, once per row of the chunk
-            acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * add[None, :]
-    return acc
+        packed = raw.to(tl.int32)  # [BN, BK/2] bytes
+        if SCHEME == 1:  # the nibble to bits 16-19 of float32 128.0
+            bits = _interleave((packed & 0x0F) << 16, (packed & 0xF0) << 12, BLOCK_N, BLOCK_K) | 0x43000000
+            decoded = bits.to(tl.float32, bitcast=True)  # 128 + code
+        else:  # exponent and mantissa bits to fp16 bits 9-11, the sign to bit 15
+            low = ((packed & 0x07) << 9) | ((packed & 0x08) << 12)
+            high = ((packed & 0x70) << 5) | ((packed & 0x80) << 8)
+            bits = _interleave(low, high, BLOCK_N, BLOCK_K).to(tl.int16)
+            decoded = bits.to(tl.float16, bitcast=True).to(tl.float32)  # e2m1 value * 2^-14
+        spans = tl.reshape(decoded, [BLOCK_N, BLOCK_K // SPAN, SPAN])
+        w = tl.reshape(spans * mul[:, :, None] + add[:, :, None], [BLOCK_N, BLOCK_K]).to(DTYPE)
+    return w
+
+
+@triton.jit
+def _dot_t(w, a, acc):
+    """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
+    return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
@@ -241,25 +156,27 @@ def gate_up_wo_kernel(
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
     x_rows = x_ptr + token[:, None] * stride_xm  # [BM, 1]
-    offs_k = tl.arange(0, SPAN)
+    offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
-        dtype = tl.float32
-    mul_g, add_g = _chunk_scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
-    mul_u, add_u = _chunk_scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
+    mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for k0 in range(0, K, BLOCK_K):
-        for c in tl.static_range(0, BLOCK_K, SPAN):  # chunks of one scale group each
-            next_mul_g, next_add_g = _chunk_scales(sg, zg, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
-            next_mul_u, next_add_u = _chunk_scales(su, zu, k0 + c + SPAN, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
-            k = k0 + c + offs_k
-            a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(dtype)
-            acc_gate = _dot_chunk(_load_weights(qg, k0 + c, K_STORED, n_ok, stride_qc, SPAN, SCHEME), a, mul_g, add_g,
-                                  acc_gate, BLOCK_M, SPAN, SCHEME, not UPCAST)
-            acc_up = _dot_chunk(_load_weights(qu, k0 + c, K_STORED, n_ok, stride_qc, SPAN, SCHEME), a, mul_u, add_u,
-                                acc_up, BLOCK_M, SPAN, SCHEME, not UPCAST)
-            mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
+        next_mul_g, next_add_g = _scales(sg, zg, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                         BLOCK_N, BLOCK_K, SCHEME)
+        next_mul_u, next_add_u = _scales(su, zu, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                         BLOCK_N, BLOCK_K, SCHEME)
+        k = k0 + offs_k
+        a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+            a = a.to(tl.float32)
+        w = _decode(_load_weights(qg, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_g, add_g, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc_gate = _dot_t(w, a, acc_gate)
+        w = _decode(_load_weights(qu, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_u, add_u, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc_up = _dot_t(w, a, acc_up)
+        mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
@@ -299,22 +216,21 @@ def down_wo_kernel(
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
-    offs_red = tl.arange(0, SPAN)
+    offs_red = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    dtype = h_ptr.dtype.element_ty
-    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
-        dtype = tl.float32
     n_start = tl.program_id(1) * split_len
-    mul, add = _chunk_scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, GROUP, SCHEME, dtype)
+    mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
-        for c in tl.static_range(0, BLOCK_K, SPAN):  # chunks of one scale group each
-            next_mul, next_add = _chunk_scales(s_rows, z_rows, n0 + c + SPAN, N, out_ok, stride_sg, stride_zg, GROUP,
-                                               SCHEME, dtype)
-            red = n0 + c + offs_red
-            a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0).to(dtype)
-            acc = _dot_chunk(_load_weights(q_rows, n0 + c, N_STORED, out_ok, stride_qc, SPAN, SCHEME), a, mul, add,
-                             acc, BLOCK_M, SPAN, SCHEME, not UPCAST)
-            mul, add = next_mul, next_add
+        next_mul, next_add = _scales(s_rows, z_rows, n0 + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
+                                     BLOCK_N, BLOCK_K, SCHEME)
+        red = n0 + offs_red
+        a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
+        if UPCAST:
+            a = a.to(tl.float32)
+        w = _decode(_load_weights(q_rows, n0, N_STORED, out_ok, stride_qc, BLOCK_K, SCHEME), mul, add, a.dtype,
+                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
+        acc = _dot_t(w, a, acc)
+        mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
         acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
