@@ -38,12 +38,13 @@ from moekit.experts.triton_align import run_align
 from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_plan import SCHEME_IDS, WeightArgs, clear_wo_plans, weight_args, wo_plan_for
 from moekit.layouts.grouping import to_local_ids
+from moekit.quant import e2m1_decode
+from moekit.quant.base import unpack_nibbles
 
 SCHEMES = tuple(SCHEME_IDS)
 GROUP_SIZES = {"int8_w8a16": (0,), "int4_w4a16": (32, 64, 128), "mxfp4": (32,)}
 X_DTYPES = (torch.bfloat16, torch.float16)
 _ID_DTYPES = (torch.int32, torch.int64)
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of e2m1 codes 0..7; bit 3 is the sign
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,22 +124,21 @@ def check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation: st
 
 
 def dequantize_wo(w: WoWeight, cols: int, expert: int | None = None) -> torch.Tensor:
-    """The float32 weight [E, R, C] (or expert ``expert``'s [R, C]) that ``w`` stores; ``cols`` = C."""
+    """The float32 weight [E, R, C] (or expert ``expert``'s [R, C]) that ``w`` stores; ``cols`` = C. The
+    codes decode as ``moekit.quant`` defines them (``unpack_nibbles``, ``e2m1_decode``)."""
     q, scale, zero = w.q, w.scale, w.zero
     if expert is not None:
         q, scale, zero = q[expert], scale[expert], None if zero is None else zero[expert]
     if w.scheme == "int8_w8a16":
         return q.float() * scale.float()[..., None]
-    codes = torch.stack((q & 15, q >> 4), dim=-1).flatten(-2)[..., :cols].long()  # [.., R, C]: 2i low, 2i+1 high
+    codes = unpack_nibbles(q, cols)  # [.., R, C]: element 2i the low nibble, 2i+1 the high
 
     def per_column(t: torch.Tensor) -> torch.Tensor:  # [.., R, groups] -> [.., R, C]
         return t.repeat_interleave(w.group_size, dim=-1)[..., :cols].float()
 
     if w.scheme == "int4_w4a16":
         return (codes.float() - per_column(zero)) * per_column(scale)
-    table = torch.tensor(_E2M1, device=q.device)
-    values = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])
-    return values * torch.exp2(per_column(scale) - 127.0)
+    return e2m1_decode(codes) * torch.exp2(per_column(scale) - 127.0)
 
 
 def fused_experts_wo_torch(
