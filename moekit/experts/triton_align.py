@@ -36,6 +36,28 @@ class AlignPlan:
     scatter: BoundLaunch | None = None
 
 
+@dataclass(frozen=True)
+class BlockRows:
+    """How the GEMMs of one call walk their rows: the tiny-batch shortcut (block a = assignment a, one
+    16-row block each, no alignment) or the block-aligned layout of ``align``."""
+
+    block_m: int  # the GEMMs' BLOCK_M: 16 in the shortcut
+    num_pid_m: int  # M-blocks of the GEMM grids: A in the shortcut, else ceil(R / B)
+    align: AlignPlan | None  # None in the shortcut
+
+
+def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
+                    options: LaunchOptions, shortcut: bool = True) -> BlockRows:
+    """The shortcut where ``use_naive`` allows it (and ``shortcut``), else the alignment into blocks of
+    ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``)."""
+    if shortcut and use_naive(num_assignments, num_experts, expert_map):
+        return BlockRows(16, num_assignments, None)
+    num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
+    num_global = None if expert_map is None else expert_map.numel()
+    return BlockRows(block_m, num_pid_m, plan_align(num_assignments, num_experts, block_m, num_global,
+                                                    num_pid_m * block_m, options))
+
+
 def plan_align(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, num_rows: int,
                options: LaunchOptions, naive: bool = False) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).

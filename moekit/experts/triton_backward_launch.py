@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from moekit.activations import act_and_mul, get_activation
-from moekit.experts.triton_align import plan_align, run_align
+from moekit.experts.triton_align import plan_block_rows, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
-from moekit.layouts.grouping import max_padded_rows
 
 # The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
 BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -147,9 +146,8 @@ class Layout:
 def align(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int, block_m: int) -> Layout:
     """The forward's alignment, recomputed (cheap against the GEMMs; never the naive shortcut)."""
     num_assignments = ids.numel()
-    num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
-    plan = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
-                      num_pid_m * block_m, _options(ids.device))
+    rows = plan_block_rows(num_assignments, num_experts, block_m, expert_map, _options(ids.device), shortcut=False)
+    plan, num_pid_m = rows.align, rows.num_pid_m
     b = {name: torch.empty(shape, dtype=dtype, device=ids.device) for name, dtype, shape in plan.regions}
     run_align(plan, ids, expert_map, b)
     return Layout(b["sorted_ids"], b["expert_ids"], b["num_padded"], b["counts"], num_pid_m, num_assignments,

@@ -28,12 +28,10 @@ import torch
 from moekit.experts.configs import (
     PACKAGED_DIR, GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear, read_configs, user_config_dirs,
 )
-from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
-from moekit.layouts.block_aligned import use_naive
-from moekit.layouts.grouping import max_padded_rows
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -161,14 +159,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     if config is None:
         config = fp8_config(num_tokens, num_experts, n, hidden, top_k, group, device_key(x.device))
     check_config(config, group)
-    align, naive = None, use_naive(num_assignments, num_experts, expert_map)
-    if naive:
-        block_m, num_pid_m = 16, num_assignments
-    else:
-        block_m = config.BLOCK_M
-        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
-        align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
-                           num_pid_m * block_m, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M

@@ -25,14 +25,12 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
 )
 from moekit.triton_bind import BoundLaunch
-from moekit.layouts.block_aligned import use_naive
-from moekit.layouts.grouping import max_padded_rows
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_PLANS = 4096  # kinds of call kept (a few hundred bytes each); the oldest goes first
@@ -124,18 +122,12 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    align = None
-    if use_naive(num_assignments, num_experts, expert_map):
-        block_m, num_pid_m = 16, num_assignments
-    else:
-        block_m = config.BLOCK_M
-        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
-        align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
-                           num_pid_m * block_m, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
-    gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, block_m, num_pid_m, align is None,
-                                          descriptors, variant, options)
+    gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
+                                          align is None, descriptors, variant, options)
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),

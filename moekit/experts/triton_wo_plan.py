@@ -20,14 +20,12 @@ import torch
 
 from moekit.activations import get_activation
 from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_configs, nearest, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, plan_align
+from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
 from moekit.experts.triton_plan import sum_launch
-from moekit.layouts.block_aligned import use_naive
-from moekit.layouts.grouping import max_padded_rows
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
@@ -190,13 +188,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device))
     if not interpreting():
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
-    align = None
-    if use_naive(num_assignments, num_experts, expert_map):
-        config, num_pid_m = replace(config, BLOCK_M=16), num_assignments
-    else:
-        num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, config.BLOCK_M), config.BLOCK_M)
-        align = plan_align(num_assignments, num_experts, config.BLOCK_M,
-                           None if expert_map is None else expert_map.numel(), num_pid_m * config.BLOCK_M, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=rows.block_m)
     if split_k is None:
         split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden)
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
