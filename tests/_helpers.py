@@ -37,6 +37,18 @@ def make_problem(m, k, e, hidden, inter, dtype=torch.float32, seed=0, *, skips=F
     return Problem(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
+def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None):
+    """(t, j, e) for every (token, slot) of ids [M, k] that routes to local expert e: an id outside the
+    map or mapped to -1, or a local id outside [0, E), adds nothing (the experts contract)."""
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+            if 0 <= e < num_experts:
+                yield t, j, e
+
+
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; a NaN in ``got`` (an unwritten row was read) fails at once."""
     assert not got.isnan().any(), "NaN in the output: an unwritten row was read"

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _helpers import routed_slots
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import PACKED_MIN_ROWS, ExpertParams, PackedWeightCache, experts_cpu_fused
@@ -24,17 +25,11 @@ pytestmark = pytest.mark.skipif(not cpu_packed.packing_supported(torch.float32),
 def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
     """float64, one (token, slot) at a time, silu-gated; an id outside [0, E) or mapped to -1 adds nothing."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t in range(ids.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if not 0 <= e < w13.shape[0]:
-                continue
-            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-            gate, up = h.chunk(2)
-            y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
-            out[t] += float(weights[t, j]) * y
+    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
+        h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+        gate, up = h.chunk(2)
+        y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
+        out[t] += float(weights[t, j]) * y
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from _fp8_cases import FLIP_TOL, SHAPES, kernel_vs_twin as _kernel_vs_twin, problem as _problem  # noqa: E402
-from _helpers import rel_l2  # noqa: E402
+from _helpers import rel_l2, routed_slots  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
@@ -52,17 +52,11 @@ def _f64_emulation(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape, exper
         return q[e].double() * s[e].double()[r, c]
 
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
+    for t, j, e in routed_slots(ids, num_experts, expert_map):
         xq = _f64_fake_quant(x[t].double(), bk)
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if not 0 <= e < num_experts:
-                continue
-            gate_up = deq(w13_q, w13_s, e) @ xq
-            h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
-            out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ _f64_fake_quant(h, bk))
+        gate_up = deq(w13_q, w13_s, e) @ xq
+        h = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+        out[t] += float(weights[t, j]) * (deq(w2_q, w2_s, e) @ _f64_fake_quant(h, bk))
     return out
 
 

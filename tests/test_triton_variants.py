@@ -16,7 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, make_problem, rel_l2, routed_slots  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.activations import ActivationSpec  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
@@ -56,23 +56,17 @@ def _loop(x, w13, w2, ids, weights, spec, b13=None, b2=None, expert_map=None) ->
     """out[t] = sum_j w[t, j] * (w2[e] @ glu(w13[e] @ x[t] + b13[e]) + b2[e]) in float64, one slot at a time."""
     num_experts, n = w13.shape[0], w2.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if not 0 <= e < num_experts:
-                continue
-            h = w13[e].double() @ x[t].double() + (0.0 if b13 is None else b13[e].double())
-            if spec.gated:
-                gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
-                if spec.limit is not None:
-                    gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
-                glu = _act(gate, spec.name, spec.alpha) * (up + spec.up_shift)
-            else:
-                glu = _act(h, spec.name, spec.alpha)
-            y = w2[e].double() @ glu + (0.0 if b2 is None else b2[e].double())
-            out[t] += float(weights[t, j]) * y
+    for t, j, e in routed_slots(ids, num_experts, expert_map):
+        h = w13[e].double() @ x[t].double() + (0.0 if b13 is None else b13[e].double())
+        if spec.gated:
+            gate, up = (h[0::2], h[1::2]) if spec.interleaved else (h[:n], h[n:])
+            if spec.limit is not None:
+                gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+            glu = _act(gate, spec.name, spec.alpha) * (up + spec.up_shift)
+        else:
+            glu = _act(h, spec.name, spec.alpha)
+        y = w2[e].double() @ glu + (0.0 if b2 is None else b2[e].double())
+        out[t] += float(weights[t, j]) * y
     return out
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
+from _helpers import routed_slots  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -81,15 +82,9 @@ def loop64(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
     big13, big2 = dequant64(w13, x.shape[1]), dequant64(w2, w13.q.shape[1] // 2)
     n, num_experts = big2.shape[2], big13.shape[0]
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if expert_map is not None:
-                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
-            if not 0 <= e < num_experts:
-                continue
-            gate_up = big13[e] @ x[t].double()
-            out[t] += float(weights[t, j]) * (big2[e] @ (F.silu(gate_up[:n]) * gate_up[n:]))
+    for t, j, e in routed_slots(ids, num_experts, expert_map):
+        gate_up = big13[e] @ x[t].double()
+        out[t] += float(weights[t, j]) * (big2[e] @ (F.silu(gate_up[:n]) * gate_up[n:]))
     return out
 
 
