@@ -135,6 +135,23 @@ def test_registry_discovery_and_selection():
         select_impls(["grouped-mm"])
 
 
+def test_no_experts_ceiling_runs_only_when_named_and_equals_zeroed_experts():
+    assert "no_experts" not in select_impls(None)
+    assert select_impls(["no_experts"]) == ["eager", "no_experts"]
+    assert "no_experts" not in select_impls(None)  # registered now, still never a default
+    config = hf_config("qwen3", 2, tiny=True)
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.set_experts_implementation("no_experts")
+        ceiling = model(ids).logits
+        for layer in model.model.layers:  # the reference: the eager loop over experts whose output is zero
+            layer.mlp.experts.down_proj.zero_()
+        model.set_experts_implementation("eager")
+        zeroed = model(ids).logits
+    torch.testing.assert_close(ceiling, zeroed, rtol=0, atol=0)
+
+
 def test_real_widths_and_batched_mm_gather():
     qwen3, mixtral = hf_config("qwen3", 8), hf_config("mixtral", 2)
     q, m = qwen3, mixtral

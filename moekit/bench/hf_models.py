@@ -27,6 +27,11 @@ from moekit.presets import hf_config_of_preset
 
 VOCAB_SIZE = 32000  # both models' embeddings and LM head at this size: random ids need no real vocabulary
 REFERENCE_IMPL = "eager"  # transformers' per-expert loop: every other implementation is compared with it
+# The ceiling: experts that return zeros at no cost. Its decode tok/s is what any experts implementation
+# could reach at best in that model (the rest of the step: attention, router, norms, generate's loop), so
+# a speed-up target over another implementation can be checked against it. Never in the default set;
+# registered when asked for by name.
+NO_EXPERTS_IMPL = "no_experts"
 _IMPL_ORDER = ("eager", "moekit", "grouped_mm", "batched_mm")  # the rest follow in name order
 
 
@@ -101,13 +106,28 @@ def experts_implementations() -> list[str]:
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
+def _no_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    return hidden_states.new_zeros(hidden_states.shape)  # [T, H]: the experts' sum, skipped
+
+
+def register_no_experts() -> None:
+    """Register ``NO_EXPERTS_IMPL`` with transformers' experts interface (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NO_EXPERTS_IMPL, _no_experts_forward)
+
+
 def select_impls(requested: list[str] | None) -> list[str]:
-    """``requested`` (default: all) in the registry's order, the reference always included first."""
+    """``requested`` (default: every registered one but ``NO_EXPERTS_IMPL``, which runs only when named) in
+    the registry's order, the reference always included first."""
+    if requested and NO_EXPERTS_IMPL in requested:
+        register_no_experts()
     known = experts_implementations()
-    unknown = sorted(set(requested or ()) - set(known))
+    unknown = sorted(set(requested or ()) - set(known) - {NO_EXPERTS_IMPL})
     if unknown:
-        raise ValueError(f"hf-impls must be among {known}, got unknown {unknown}")
-    wanted = set(requested or known) | {REFERENCE_IMPL}
+        raise ValueError(f"hf-impls must be among {known + [NO_EXPERTS_IMPL]}, got unknown {unknown}")
+    wanted = set(requested or set(known) - {NO_EXPERTS_IMPL}) | {REFERENCE_IMPL}
     return [n for n in known if n in wanted]
 
 

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-model", default="all", help="qwen3, mixtral, gpt-oss-20b or all (default: all)")
     g.add_argument("--hf-impls", default=None,
                    help="comma-separated experts implementations (default: every registered one; eager, the reference, "
-                   "always runs in eager mode)")
+                   "always runs in eager mode); no_experts adds the ceiling: experts that return zeros, i.e. the best "
+                   "decode any implementation could reach in that model")
     g.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: 8 qwen3 / 2 mixtral on GPU, 1 on CPU)")
     g.add_argument("--decode-tokens", type=int, default=None, help="new tokens per generate (default 64 GPU, 8 CPU)")
