@@ -98,3 +98,19 @@ def test_fit_cpu_costs_recovers_a_line():
     assert per_expert == pytest.approx(3e-3) and per_token == pytest.approx(2e-5)
     with pytest.raises(ValueError, match="tokens"):
         fit_cpu_costs(1.0, 2.0, experts=8, tokens=1)
+
+
+def test_measure_costs_times_the_layers_own_cpu_path():
+    from moekit import MoE, MoEConfig
+    from moekit.offload import OffloadedMoE
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16, top_k=2), backend="grouped_mm",
+              router="torch")
+    off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="auto")
+    costs = off.measure_costs(tokens=4)
+    assert all(math.isfinite(v) and v >= 0 for v in (costs.cpu_expert_s, costs.cpu_token_s, costs.cpu_step_s))
+    assert costs.cpu_expert_s + costs.cpu_token_s > 0 and costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(off(x), moe(x))  # "auto" without costs measures them on first use
+    assert off.costs is not None

@@ -111,13 +111,13 @@ def _runs(stream: str, total: int, fractions, policies, places) -> list[_Run]:
 
 
 def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
-    """One step per (M, place) through a small cache: compiles the experts kernels for every M and
-    runs the CPU path once, so no cell pays a first call."""
+    """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
+    for every M and runs the CPU path, so no cell pays a first call."""
     for m in batches:
-        data = decode_stream(config.num_experts, config.top_k, layers, 2, m, 0.0, DRIFT, seed=99)
+        data = decode_stream(config.num_experts, config.top_k, layers, 2, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings]
         for place in places:
-            _cell(shell, config, routings, data.trace, _Run(0.0, config.top_k, "lfu", False, place), 1, costs, device)
+            _cell(shell, config, routings, data.trace, _Run(0.0, 4 * config.top_k, "lfu", False, place), 1, costs, device)
 
 
 def _host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:

@@ -21,9 +21,11 @@ there the j with the fewest tokens, and the search is over j = 0..n (exact, not 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -115,6 +117,27 @@ def measure_read_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, re
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
+
+
+@contextlib.contextmanager
+def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8) -> Iterator[None]:
+    """Keep the host -> ``device`` link busy while the body runs: ``copies`` copies of ``nbytes`` from
+    pinned memory queued on a side stream (about 40 ms at 55 GB/s), waited for on exit. CPU misses run
+    while fetches stream from host memory, so the CPU path is timed that way too. Nothing on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        for _ in range(copies):
+            dst.copy_(src, non_blocking=True)
+    try:
+        yield
+    finally:
+        stream.synchronize()
 
 
 def fit_cpu_costs(one: float, many: float, experts: int, tokens: int) -> tuple[float, float]:

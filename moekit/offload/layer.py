@@ -38,7 +38,7 @@ from moekit.experts import backend_fn, call_backend
 from moekit.layer import MoE
 from moekit.offload import staging
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, fit_cpu_costs, measure_link_bandwidth, measure_read_bandwidth
+from moekit.offload.cost import MissCosts, fit_cpu_costs, link_busy, measure_link_bandwidth, measure_read_bandwidth
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, plan_misses
 from moekit.offload.stats import OffloadStats
@@ -201,8 +201,9 @@ class OffloadedMoE(MoE):
     def measure_costs(self, tokens: int = 16) -> MissCosts:
         """This layer's miss costs, measured on its own paths: the link and the GPU's read rate (large
         copies), the CPU path (``_cpu_experts``) on cold experts (top_k distinct ones per timing, none
-        reused, at 1 and ``tokens`` tokens each; the best of two timings each), and one forward's staging
-        round trip (inputs to the host and a result back) at ``tokens`` tokens."""
+        reused, at 1 and ``tokens`` tokens each; the best of two timings each; with the link busy, as
+        when fetches run beside it), and one forward's staging round trip (inputs to the host and a
+        result back) at ``tokens`` tokens."""
         c, dev, host = self.config, self.cache.device, self.cache.host(self.layer_id)
         e, k, dtype = c.num_experts, c.top_k, host.w13_template.dtype
         groups = iter([[(g * k + j) % e for j in range(k)] for g in range(5)])  # disjoint when E >= 5k
@@ -211,26 +212,32 @@ class OffloadedMoE(MoE):
             group = next(groups)
             inputs = (torch.randn(m, c.hidden_size, dtype=dtype), torch.tensor([group] * m, dtype=torch.int32),
                       torch.full((m, k), 1.0 / k, dtype=torch.float32))
-            start = time.perf_counter()
-            self._cpu_experts(inputs, sorted(set(group)))
-            return time.perf_counter() - start
+            with link_busy(dev):
+                start = time.perf_counter()
+                self._cpu_experts(inputs, sorted(set(group)))
+                return time.perf_counter() - start
 
         cpu_time(1)  # the first call pays one-off setup
         one, many = min(cpu_time(1), cpu_time(1)), min(cpu_time(tokens), cpu_time(tokens))
-        return MissCosts(measure_link_bandwidth(dev), *fit_cpu_costs(one, many, len(set(range(k))), tokens),
+        return MissCosts(measure_link_bandwidth(dev), *fit_cpu_costs(one, many, k, tokens),
                          cpu_step_s=staging.round_trip_s(tokens, c.hidden_size, k, dtype, dev),
                          gpu_bytes_per_s=measure_read_bandwidth(dev))
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
         (computed while the misses' copies travel), the fetched misses, and further rounds when the
-        touched experts exceed the cache."""
+        touched experts exceed the cache. The hits' expert_map is copied to the device before the
+        misses' copies are queued: host-to-device copies share the copy engine in issue order, so a map
+        copied after them would hold the hits' compute until the fetches land."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        partials = []
+        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if hits and fetch else None
         for experts in cache.rounds(self.layer_id, hits, fetch, stats):
             if experts:
-                expert_map = cache.slot_map(self.layer_id, experts, e)
+                if hits_map is not None and experts == hits:
+                    expert_map, hits_map = hits_map, None
+                else:
+                    expert_map = cache.slot_map(self.layer_id, experts, e)
                 partials.append(call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
                                              activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2))
         return partials
