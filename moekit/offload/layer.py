@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from moekit.experts import backend_fn, call_backend
+from moekit.experts import backend_available, backend_fn, bind_options, call_backend
 from moekit.layer import MoE
 from moekit.offload import staging
 from moekit.offload.cache import ExpertCache
@@ -100,7 +100,7 @@ class OffloadedMoE(MoE):
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
-        layer._cpu_fn = backend_fn("auto", "cpu")
+        layer._cpu_fn = _cpu_experts_fn()
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
@@ -270,6 +270,16 @@ def expert_nbytes(moe: MoE) -> int:
     the cache size in experts."""
     e = moe.config.num_experts
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
+
+
+def _cpu_experts_fn():
+    """The CPU experts function for misses: grouped_mm's per-expert oneDNN loop on the plain weights
+    (``cpu_gemm="onednn_fused"``). Its default also keeps oneDNN-packed copies of experts that get 4+
+    rows: a copy of the expert (host memory the offload exists to save) made in that first call, for
+    experts that are cold by definition here."""
+    if backend_available("grouped_mm", "cpu"):
+        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": "onednn_fused"})
+    return backend_fn("auto", "cpu")
 
 
 def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
