@@ -14,7 +14,7 @@ from moekit.analysis.formats import get_format
 from moekit.analysis.gpus import get_gpu
 from moekit.analysis.offload import offload_cost
 from moekit.analysis.touch import experts_touched
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, link_layers
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers
 from moekit.offload.whatif import RoutingTrace, replay
 from moekit.sim.cache import cache_what_if, decode_trace
 
@@ -166,3 +166,31 @@ def test_bench_offload_places_and_streams_select_rows(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--offload", "--tiny", "--device", "cpu", "--offload-places", "disk"])
     assert "expected gpu, cpu or auto, got 'disk'" in capsys.readouterr().err
+
+
+def test_replay_measured_from_a_step_counts_only_the_steps_after_it():
+    trace = decode_trace(16, 2, 2, 12, 3, skew=0.3, drift=0.3, seed=0)
+    first = RoutingTrace(16, trace.touched[:5], trace.predicted[:5], trace.tokens[:5])
+    for prefetch in (None, "previous", "router"):
+        whole, warm = replay(trace, 6, "lru", prefetch), replay(first, 6, "lru", prefetch)
+        later = replay(trace, 6, "lru", prefetch, measure_from=5)
+        assert (later.touched, later.hits, later.fetched, later.prefetched) == (
+            whole.touched - warm.touched, whole.hits - warm.hits, whole.fetched - warm.fetched,
+            whole.prefetched - warm.prefetched)
+
+
+def test_bookkeeping_only_moves_experts_in_without_copying_them():
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2), backend="grouped_mm",
+              router="torch")
+    cache = ExpertCache(3, device="cpu", policy="lru")
+    layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=None)
+    stats = OffloadStats()
+    with cache.bookkeeping_only():
+        cache.ensure(layer.layer_id, [4, 6], stats)
+    w13 = cache.slot_weights[0]  # [C, 2N, K]
+    slots = cache.cached(layer.layer_id)
+    assert set(slots) == {4, 6} and stats.fetched == 2 and stats.bytes_transferred == 2 * 3 * N * K * 4
+    assert not any(torch.equal(w13[s], moe.w13[e]) for e, s in slots.items())  # stale: nothing was copied
+    cache.release(layer.layer_id, [4, 6])
+    cache.ensure(layer.layer_id, [1], stats)  # outside: a real copy
+    assert torch.equal(w13[cache.cached(layer.layer_id)[1]], moe.w13[1])

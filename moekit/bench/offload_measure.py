@@ -2,8 +2,9 @@
 
     [measure, once: host->GPU link, GPU read rate, the CPU path on cold experts, staging] -> [warm-up
     once per M] -> per (stream, M): one simulated decode stream -> per (cache %, policy, prefetch,
-    compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots, ``warm_steps``
-    untimed steps, ``steps`` timed ones -> step time vs the floor; hit rate vs the what-if's replay
+    compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
+    through the cache's bookkeeping only, one real untimed step, ``steps`` timed ones -> step time vs
+    the floor; hit rate vs the what-if's replay
 
 Routing comes from the simulator (``moekit.sim.cache.decode_stream``: uniform and skewed routers, a
 residual drift between layers), so every cell of a stream replays the same routing, and prefetch
@@ -32,13 +33,14 @@ import torch
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
-from moekit.offload.whatif import RoutingTrace, replay
+from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
 from moekit.sim.cache import DecodeStream, decode_stream
 
-STREAMS = {"uniform": 0.0, "skewed": 0.6}
+STREAMS = {"uniform": 0.0, "skewed": 0.3}
 DRIFT = 0.3  # the residual stream's change per layer (relative to a token's content)
+NOISE = 0.03  # step-time differences below this fraction are reported as within noise
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,12 @@ class _Run:
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
-                    places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=4, warm_steps=2,
+                    places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=4, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
-    CUDA, float32 on the CPU)."""
+    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     shell = _host_shell(config, dtype, device, scheme)
@@ -87,10 +89,11 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     rows = []
     for stream in streams:
         for m in batches:
-            data = decode_stream(experts, top_k, layers, warm_steps + steps, m, STREAMS[stream], DRIFT, seed=3)
-            routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings]
+            warm = default_warm_steps(m) if warm_steps is None else warm_steps
+            data = decode_stream(experts, top_k, layers, warm + 1 + steps, m, STREAMS[stream], DRIFT, seed=3)
+            routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
             for run in _runs(stream, experts * layers, fractions, policies, places):
-                row = _cell(shell, config, routings, data.trace, run, warm_steps, costs, device)
+                row = _cell(shell, config, routings, data.trace, run, warm, costs, device)
                 rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                        run.place, m, **row))
                 if on_progress:
@@ -98,9 +101,16 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "steps": steps, "warm_steps": warm_steps, "drift": DRIFT,
+            "top_k": top_k, "layers": layers, "steps": steps, "drift": DRIFT, "skews": STREAMS,
+            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
-            "rows": [asdict(r) for r in rows]}
+            "rows": [asdict(r) for r in rows], "summary": summary([asdict(r) for r in rows])}
+
+
+def default_warm_steps(m: int) -> int:
+    """Bookkeeping-only warm steps at M tokens per step: 48 at M = 1, 17 at 8, 8 at 32 (each step
+    touches more experts, so fewer fill the cache)."""
+    return max(8, round(48 / m ** 0.5))
 
 
 def _runs(stream: str, total: int, fractions, policies, places) -> list[_Run]:
@@ -114,8 +124,8 @@ def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
     """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
     for every M and runs the CPU path, so no cell pays a first call."""
     for m in batches:
-        data = decode_stream(config.num_experts, config.top_k, layers, 2, m, STREAMS["skewed"], DRIFT, seed=99)
-        routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings]
+        data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
+        routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
         for place in places:
             _cell(shell, config, routings, data.trace, _Run(0.0, 4 * config.top_k, "lfu", False, place), 1, costs, device)
 
@@ -149,25 +159,32 @@ def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None,
     return parts["w"] if scheme is None else dataclasses.replace(out, **parts)
 
 
-def _cell(shell, config, routings: list[list[Routing]], trace: RoutingTrace, run: _Run, warm_steps: int,
+def _cell(shell, config, routings: list[list[Routing]], trace: RoutingTrace, run: _Run, warm: int,
           costs: MissCosts, device) -> dict:
-    """Decode ``routings`` through L layers sharing a fresh cache; the row's measured fields."""
+    """Decode ``trace``'s stream through L layers sharing a fresh cache: its first ``warm`` steps through
+    the cache's bookkeeping only, then ``routings`` (the later steps, on the device; the first untimed);
+    the row's measured fields."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs)
               for _ in routings[0]]
+    options = dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs,
+                   expert_bytes=cache.expert_bytes)
+    with cache.bookkeeping_only():
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **options)
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
     times, floors, timed = [], [], OffloadStats()
     for step, per_layer in enumerate(routings):
         _sync(device)
         start = time.perf_counter()
-        done = [_forward(layers, i, x, routing, trace.predicted[step], run.prefetch) for i, routing in enumerate(per_layer)]
+        done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
+                for i, routing in enumerate(per_layer)]
         _sync(device)
-        if step >= warm_steps:
+        if step:
             times.append(time.perf_counter() - start)
             floors.append(_floor(done, cache.expert_bytes, costs))
             for stats in done:
                 timed.add(stats)
-    sim = _replayed_hit_rate(trace, run, warm_steps, costs, cache.expert_bytes)
+    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **options).hit_rate
     steps, step_s, floor_s = len(times), statistics.fmean(times), statistics.fmean(floors)
     return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
@@ -201,19 +218,6 @@ def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -
     return max(layers, moved * link)
 
 
-def _replayed_hit_rate(trace: RoutingTrace, run: _Run, warm_steps: int, costs: MissCosts, expert_bytes: int) -> float:
-    """The what-if's hit rate over the timed steps (the replay of the warm steps subtracted), for the
-    cell's policy, size, prefetch and ``compute_misses_on`` with the same costs."""
-    def stats(t: RoutingTrace) -> OffloadStats:
-        return replay(t, run.slots, run.policy, "router" if run.prefetch else None, place=run.place, costs=costs,
-                      expert_bytes=expert_bytes)
-
-    warm = RoutingTrace(trace.num_experts, trace.touched[:warm_steps], trace.predicted[:warm_steps],
-                        trace.tokens[:warm_steps] if trace.tokens is not None else None)
-    full, before = stats(trace), stats(warm)
-    return (full.hits - before.hits) / max(full.touched - before.touched, 1)
-
-
 def format_row(r: OffloadRow) -> str:
     """One table line: stream, cache %, policy, prefetch, mode, M, step ms, floor ms, x floor, hit, sim hit, tok/s."""
     return (f"{r.stream:>7} {r.cache_fraction:5.0%} {r.policy:>4} {r.prefetch:>6} {r.compute_misses_on:>4} "
@@ -223,6 +227,19 @@ def format_row(r: OffloadRow) -> str:
 
 HEADER = (f"{'stream':>7} {'cache':>5} {'pol':>4} {'prefet':>6} {'mode':>4} {'M':>3} {'step ms':>9} {'floor ms':>9} "
           f"{'xfloor':>6} {'hit':>6} {'sim':>6} {'tok/s':>9}")
+
+
+def compact_table(rows: list[dict]) -> list[str]:
+    """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
+    out = []
+    for (stream, fraction, policy, prefetch, m), modes in cells.items():
+        parts = [f"{mode} {r['step_ms']:8.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
+                 for mode, r in modes.items()]
+        out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts))
+    return out
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -240,9 +257,12 @@ def summary(rows: list[dict]) -> list[str]:
     ratios = [(modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"]), key)
               for key, modes in cells.items() if {"gpu", "cpu", "auto"} <= set(modes)]
     if ratios:
-        bad = [k for q, k in ratios if q > 1.0]
-        out.append(f"auto / better pure mode: worst {max(ratios)[0]:.2f}, mean {statistics.fmean(q for q, _ in ratios):.2f}, "
-                   f"{len(bad)} of {len(ratios)} cells slower")
+        worst_q, worst_key = max(ratios)
+        slower = sum(q > 1.0 for q, _ in ratios)
+        beyond = sum(q > 1.0 + NOISE for q, _ in ratios)
+        out.append(f"auto / better pure mode: worst {worst_q:.2f} ({' '.join(map(str, worst_key))}), mean "
+                   f"{statistics.fmean(q for q, _ in ratios):.2f}; {slower} of {len(ratios)} cells slower, "
+                   f"{beyond} by more than {NOISE:.0%}")
     gains = [(on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"])
              for k, modes in cells.items() if k[3] == "router" for mode, on in modes.items()]
     if gains:

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from moekit.bench.offload_measure import HEADER, format_row, measure_offload, summary
+    from moekit.bench.offload_measure import HEADER, compact_table, format_row, measure_offload
     from moekit.bench.report import write_json
     from moekit.bench.run import commit_id, device_name
 
@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         n += 1
         path = Path(args.out) / f"{stem}-{n}.json"
     write_json(doc, path)
-    for line in summary(doc["rows"]):
+    console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit", markup=False, highlight=False)
+    for line in compact_table(doc["rows"]) + doc["summary"]:
         console.print(line, markup=False, highlight=False)
     console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
                   f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "

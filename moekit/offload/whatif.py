@@ -38,34 +38,46 @@ class RoutingTrace:
 
 def replay(trace: RoutingTrace, cache_experts: int, policy: str = "lfu", prefetch: str | None = None, *,
            place: str = "gpu", costs: MissCosts | None = None, expert_bytes: int = 0,
-           admit_per_forward: int | None = None) -> OffloadStats:
+           admit_per_forward: int | None = None, measure_from: int = 0) -> OffloadStats:
     """Hits, fetches, CPU misses, admissions and prefetches of a cache of ``cache_experts`` slots over
     ``trace``, as ``OffloadedMoE`` layers with ``compute_misses_on=place`` (and its ``costs``,
     ``admit_per_forward``, experts of ``expert_bytes``) and ``prefetch`` (None, "previous" or "router")
-    would run it."""
+    would run it; counted from step ``measure_from`` on (the steps before only warm the cache)."""
     if prefetch not in (None, "previous", "router"):
         raise ValueError(f"prefetch must be None, 'previous' or 'router', got {prefetch!r}")
     cache = ExpertCache(cache_experts, device="cpu", policy=policy)
     empty = torch.empty(trace.num_experts, 0, 0)
     layers = [cache.register(empty, empty) for _ in range(trace.num_layers)]
-    last: list[list[int]] = [[] for _ in layers]
-    for step, per_layer in enumerate(trace.touched):
-        for layer, touched in zip(layers, per_layer):
-            counts = trace.tokens[step][layer] if trace.tokens is not None else dict.fromkeys(touched, 1)
+    options = dict(prefetch=prefetch, place=place, costs=costs, expert_bytes=expert_bytes,
+                   admit_per_forward=admit_per_forward)
+    drive(cache, layers, trace, range(measure_from), **options)
+    cache.stats = OffloadStats()
+    drive(cache, layers, trace, range(measure_from, len(trace.touched)), **options)
+    return cache.stats
+
+
+def drive(cache: ExpertCache, layers: list[int], trace: RoutingTrace, steps: range, *, prefetch: str | None = None,
+          place: str = "gpu", costs: MissCosts | None = None, expert_bytes: int = 0,
+          admit_per_forward: int | None = None) -> None:
+    """What the forwards of ``trace``'s ``steps`` do to ``cache`` (its layer ids ``layers``, one per
+    trace layer): lookups, the miss plan's fetches and admissions, prefetches; no compute. Copies are
+    made as the cache makes them (none for weightless experts or within ``cache.bookkeeping_only()``)."""
+    last = [list(t) for t in trace.touched[steps.start - 1]] if steps.start > 0 else [[] for _ in layers]
+    for step in steps:
+        for i, (layer, touched) in enumerate(zip(layers, trace.touched[step])):
+            counts = trace.tokens[step][i] if trace.tokens is not None else dict.fromkeys(touched, 1)
             stats = OffloadStats(touched=len(touched))
             cache.begin_forward()
             hits, misses = cache.lookup(layer, touched, stats)
             plan = plan_misses(place, {m: counts[m] for m in misses}, len(hits), expert_bytes, costs,
                                admit_per_forward)
             for _ in cache.rounds(layer, hits, plan.fetch, stats):
-                pass  # no weights: the rounds only move the cache's bookkeeping
+                pass  # no compute: the rounds only move the cache's bookkeeping
             if plan.cpu:
                 stats.cpu_experts, stats.cpu_tokens = len(plan.cpu), sum(counts[m] for m in plan.cpu)
                 cache.admit(layer, plan.admit, stats)
-            last[layer] = touched
-            nxt = layer + 1
-            if prefetch is not None and nxt < len(layers):
-                guess = last[nxt] if prefetch == "previous" else trace.predicted[step][nxt]
-                cache.prefetch(nxt, guess, stats)
+            last[i] = touched
+            if prefetch is not None and i + 1 < len(layers):
+                guess = last[i + 1] if prefetch == "previous" else trace.predicted[step][i + 1]
+                cache.prefetch(layers[i + 1], guess, stats)
             cache.stats.add(stats)
-    return cache.stats
