@@ -83,9 +83,13 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
+    clock = [time.perf_counter()]
     shell = _host_shell(config, dtype, device, scheme)
+    clock.append(time.perf_counter())
     costs = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device).measure_costs()
+    clock.append(time.perf_counter())
     _warm_up(shell, config, layers, batches, places, costs, device)
+    clock.append(time.perf_counter())
     rows = []
     for stream in streams:
         for m in batches:
@@ -104,6 +108,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "top_k": top_k, "layers": layers, "steps": steps, "drift": DRIFT, "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
+            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
+            "table_s": time.perf_counter() - clock[3],
             "rows": [asdict(r) for r in rows], "summary": summary([asdict(r) for r in rows])}
 
 
