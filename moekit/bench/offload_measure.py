@@ -75,7 +75,7 @@ class _Run:
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
-                    places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=4, warm_steps: int | None = None,
+                    places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
-    g.add_argument("--offload-steps", type=positive_int, default=4, help="timed decode steps per configuration")
+    g.add_argument("--offload-steps", type=positive_int, default=3, help="timed decode steps per configuration")
     g.add_argument("--offload-places", action=ListOption, item=_place, default=["gpu", "cpu", "auto"],
                    help="where misses run (compute_misses_on): gpu, cpu, auto")
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
