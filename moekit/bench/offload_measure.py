@@ -24,6 +24,7 @@ Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layer
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -94,18 +95,20 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
-            data = decode_stream(experts, top_k, layers, warm + 1 + steps, m, STREAMS[stream], DRIFT, seed=3)
+            data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
+                                 seed=3)
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
-            for run in _runs(stream, experts * layers, fractions, policies, places):
-                row = _cell(shell, config, routings, data.trace, run, warm, costs, device)
-                rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
-                                       run.place, m, **row))
-                if on_progress:
-                    on_progress(rows[-1])
+            for group in _groups(stream, experts * layers, fractions, policies, places):
+                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device)):
+                    rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
+                                           run.place, m, **row))
+                    if on_progress:
+                        on_progress(rows[-1])
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "steps": steps, "drift": DRIFT, "skews": STREAMS,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
+            "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
@@ -119,11 +122,18 @@ def default_warm_steps(m: int) -> int:
     return max(8, round(48 / m ** 0.5))
 
 
-def _runs(stream: str, total: int, fractions, policies, places) -> list[_Run]:
-    """The cells of one (stream, M): prefetch on and off on skewed streams, off on uniform ones."""
+def timed_steps(steps: int, m: int) -> int:
+    """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
+    to run jitter is a larger share; they cost little)."""
+    return steps * max(1, 4 // m)
+
+
+def _groups(stream: str, total: int, fractions, policies, places) -> list[list[_Run]]:
+    """The cells of one (stream, M), grouped by (fraction, policy, prefetch): one cell per place in a
+    group. Prefetch on and off on skewed streams, off on uniform ones."""
     prefetches = (False, True) if stream == "skewed" else (False,)
-    return [_Run(f, max(1, round(f * total)), policy, prefetch, place)
-            for f in fractions for policy in policies for prefetch in prefetches for place in places]
+    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place) for place in places]
+            for f in fractions for policy in policies for prefetch in prefetches]
 
 
 def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
@@ -132,8 +142,8 @@ def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
     for m in batches:
         data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
-        for place in places:
-            _cell(shell, config, routings, data.trace, _Run(0.0, 4 * config.top_k, "lfu", False, place), 1, costs, device)
+        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place) for place in places]
+        _cells(shell, config, routings, data.trace, runs, 1, costs, device)
 
 
 def _host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
@@ -165,38 +175,63 @@ def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None,
     return parts["w"] if scheme is None else dataclasses.replace(out, **parts)
 
 
-def _cell(shell, config, routings: list[list[Routing]], trace: RoutingTrace, run: _Run, warm: int,
-          costs: MissCosts, device) -> dict:
-    """Decode ``trace``'s stream through L layers sharing a fresh cache: its first ``warm`` steps through
-    the cache's bookkeeping only, then ``routings`` (the later steps, on the device; the first untimed);
-    the row's measured fields."""
+def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
+           costs: MissCosts, device) -> list[dict]:
+    """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
+    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
+    device; the first untimed). The runs take turns step by step (with Python's garbage collector off),
+    so slow drifts of the machine fall on every mode alike. The rows' measured fields, per run."""
+    stacks = [_stack(shell, trace, run, warm, costs, device) for run in runs]
+    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
+    times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
+    gc.collect()
+    gc.disable()
+    try:
+        for step, per_layer in enumerate(routings):
+            for j, (run, layers) in enumerate(zip(runs, stacks)):
+                _sync(device)
+                start = time.perf_counter()
+                done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
+                        for i, routing in enumerate(per_layer)]
+                _sync(device)
+                if step:
+                    times[j].append(time.perf_counter() - start)
+                    floors[j].append(_floor(done, layers[0].cache.expert_bytes, costs))
+                    for stats in done:
+                        timed[j].add(stats)
+    finally:
+        gc.enable()
+    expert_bytes = stacks[0][0].cache.expert_bytes
+    del stacks  # the caches' slots, before the next group allocates its own
+    return [_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0])
+            for j, run in enumerate(runs)]
+
+
+def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device) -> list[OffloadedMoE]:
+    """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
+    steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs)
-              for _ in routings[0]]
-    options = dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs,
-                   expert_bytes=cache.expert_bytes)
+              for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
-        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **options)
-    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
-    times, floors, timed = [], [], OffloadStats()
-    for step, per_layer in enumerate(routings):
-        _sync(device)
-        start = time.perf_counter()
-        done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
-                for i, routing in enumerate(per_layer)]
-        _sync(device)
-        if step:
-            times.append(time.perf_counter() - start)
-            floors.append(_floor(done, cache.expert_bytes, costs))
-            for stats in done:
-                timed.add(stats)
-    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **options).hit_rate
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
+    return layers
+
+
+def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
+    """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes)
+
+
+def _row(run: _Run, times: list[float], floors: list[float], timed: OffloadStats, trace: RoutingTrace, warm: int,
+         costs: MissCosts, expert_bytes: int, m: int) -> dict:
+    """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
+    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s, floor_s = len(times), statistics.fmean(times), statistics.fmean(floors)
     return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
-            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
-            "tok_s": routings[0][0].topk_ids.shape[0] / step_s}
+            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps, "tok_s": m / step_s}
 
 
 def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted: list[list[int]],
