@@ -3,8 +3,9 @@
     [measure, once: host->GPU link, GPU read rate, the CPU path on cold experts, staging] -> [warm-up
     once per M] -> per (stream, M): one simulated decode stream -> per (cache %, policy, prefetch,
     compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
-    through the cache's bookkeeping only, one real untimed step, ``steps`` timed ones -> step time vs
-    the floor; hit rate vs the what-if's replay
+    through the cache's bookkeeping only, one real untimed step, ``timed_steps`` timed ones (the modes
+    of one cache %, policy and prefetch take turns step by step) -> step time vs the floor; hit rate vs
+    the what-if's replay
 
 Routing comes from the simulator (``moekit.sim.cache.decode_stream``: uniform and skewed routers, a
 residual drift between layers), so every cell of a stream replays the same routing, and prefetch
