@@ -41,6 +41,21 @@ def test_offloaded_model_gives_the_same_logits():
     assert stats.touched == stats.hits + stats.fetched and stats.fetched > 0 and stats.prefetched > 0
 
 
+def test_auto_blocks_share_one_measurement_and_keep_the_logits():
+    model = _tiny_qwen3_moe()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    cache = offload_experts(model, gpu_budget_bytes=5 * 3 * 32 * 16 * 4, device="cpu", backend="grouped_mm",
+                            compute_misses_on="auto")
+    layers = [m.moe for m in model.modules() if isinstance(m, OffloadedBlock)]
+    assert layers[0].costs is not None and all(layer.costs is layers[0].costs for layer in layers)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert rel_l2(got, ref) < 1e-5
+    assert cache.stats.touched == cache.stats.hits + cache.stats.fetched + cache.stats.cpu_experts
+
+
 def test_a_budget_below_one_expert_is_refused():
     with pytest.raises(ValueError, match="gpu_budget_bytes must be an int of at least one expert"):
         offload_experts(_tiny_qwen3_moe(), gpu_budget_bytes=100, device="cpu")

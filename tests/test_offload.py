@@ -5,13 +5,12 @@ hit/miss counts are checked against an eviction simulation written here."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers, split_misses
+from moekit.offload import EvictionPolicy, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers
 from moekit.routing import route
 
 from _helpers import TOLERANCE, rel_l2
@@ -156,32 +155,6 @@ def test_previous_step_prediction_prefetches_the_last_touched_set():
     layers[0](_x(1, seed=7))  # evicts layer 1's experts, then prefetches them back
     assert first == set(cache.cached(layers[1].layer_id))
     assert layers[0].last_stats.prefetched == len(first) == 2
-
-
-def test_split_misses_is_never_predicted_slower_than_either_pure_choice():
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        tokens = {e: int(t) for e, t in enumerate(torch.randint(1, 40, (6,), generator=gen))}
-        costs = MissCosts(float(torch.empty(1).uniform_(1e8, 1e10, generator=gen)),
-                          float(torch.empty(1).uniform_(0, 1e-5, generator=gen)),
-                          float(torch.empty(1).uniform_(1e-7, 1e-5, generator=gen)))
-        split = split_misses(tokens, 3 * N * K * 2, costs)
-        assert sorted(split.fetch + split.cpu) == sorted(tokens)
-        fetch_all = len(tokens) * 3 * N * K * 2 / costs.link_bytes_per_s
-        cpu_all = len(tokens) * costs.cpu_expert_s + sum(tokens.values()) * costs.cpu_token_s
-        assert max(split.fetch_s, split.cpu_s) <= min(fetch_all, cpu_all) + 1e-15
-
-
-def test_split_misses_matches_brute_force_on_an_easy_case():
-    # One expert with many tokens (cheap to fetch), several with one token (cheap on the CPU).
-    tokens = {0: 100, 1: 1, 2: 1, 3: 1}
-    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.0, cpu_token_s=1.0)
-    split = split_misses(tokens, 10, costs)
-    best = min(
-        (max(10 * len(f), sum(tokens[e] for e in tokens if e not in f)), f)
-        for r in range(5) for f in itertools.combinations(tokens, r)
-    )
-    assert max(split.fetch_s, split.cpu_s) == best[0]
 
 
 def test_bad_arguments_name_themselves():

@@ -14,7 +14,7 @@ from moekit.analysis.formats import get_format
 from moekit.analysis.gpus import get_gpu
 from moekit.analysis.offload import offload_cost
 from moekit.analysis.touch import experts_touched
-from moekit.offload import ExpertCache, OffloadedMoE, link_layers
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats, link_layers
 from moekit.offload.whatif import RoutingTrace, replay
 from moekit.sim.cache import cache_what_if, decode_trace
 
@@ -23,29 +23,41 @@ from _helpers import cli_error
 E, K, N = 8, 16, 8
 
 
+@pytest.mark.parametrize("place", ["gpu", "cpu", "auto"])
 @pytest.mark.parametrize("prefetch", [None, "previous", "router"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_replay_of_the_layers_own_routing_predicts_their_cache(policy, prefetch):
+def test_replay_of_the_layers_own_routing_predicts_their_cache(policy, prefetch, place):
     torch.manual_seed(0)
     cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2)
     moes = [MoE(cfg, backend="grouped_mm", router="torch") for _ in range(3)]
-    cache = ExpertCache(5, device="cpu", policy=policy)
-    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch=prefetch) for m in moes]
+    cache = ExpertCache(12, device="cpu", policy=policy)
+    # a CPU expert costs about one fetch (3NK floats over 1 GB/s): "auto" splits, "cpu" admits 1-2
+    costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1e-6, cpu_token_s=2e-7, cpu_step_s=3e-7)
+    layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch=prefetch, compute_misses_on=place, costs=costs)
+              for m in moes]
     link_layers(layers)
-    touched, predicted = [], []
+    touched, predicted, tokens = [], [], []
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
-        x = torch.randn(2, K, generator=gen)
-        step_t, step_p = [], [[]]
+        x = torch.randn(3, K, generator=gen)
+        step_t, step_p, step_n = [], [[]], []
         for i, moe in enumerate(moes):
-            step_t.append(sorted(set(moe.route_tokens(x).routing.topk_ids.flatten().tolist())))
+            ids = moe.route_tokens(x).routing.topk_ids.flatten().tolist()
+            step_t.append(sorted(set(ids)))
+            step_n.append({e: ids.count(e) for e in set(ids)})
             if i + 1 < len(moes):
                 step_p.append(sorted(set(moes[i + 1].route_tokens(x).routing.topk_ids.flatten().tolist())))
             x = layers[i](x)
         touched.append(step_t)
         predicted.append(step_p)
-    predicted_stats = replay(RoutingTrace(E, touched, predicted), 5, policy, prefetch)
+        tokens.append(step_n)
+    bytes_one = 3 * N * K * 4
+    predicted_stats = replay(RoutingTrace(E, touched, predicted, tokens), 12, policy, prefetch, place=place,
+                             costs=costs, expert_bytes=bytes_one)
     assert predicted_stats.as_dict() | {"bytes_transferred": 0} == cache.stats.as_dict() | {"bytes_transferred": 0}
+    if place != "gpu":  # the mode's own behaviour, not an all-fetch cache's
+        assert cache.stats.cpu_experts > 0
+    assert cache.stats.hits > 0 and (cache.stats.admitted > 0 or place != "cpu")
 
 
 def test_skewed_streams_hit_more_and_router_prefetch_helps():
@@ -115,13 +127,14 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert {"device", "date", "commit", "link_GBps", "rows"} <= set(doc)
     rows = doc["rows"]
-    assert {(r["stream"], r["M"], r["compute_misses_on"]) for r in rows} == {
-        (s, m, p) for s in ("uniform", "skewed") for m in (1, 4) for p in ("gpu", "cpu", "auto")}
-    for r in rows:  # misses fetched: the what-if replays the same cache on the same stream
-        if r["compute_misses_on"] == "gpu":
-            assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
-    assert {(r["M"], r["prefetch"]) for r in doc["prefetch_rows"]} == {
-        (m, p) for m in (1, 4) for p in ("none", "previous", "router")}
+    assert sorted((r["stream"], r["M"], r["policy"], r["prefetch"], r["compute_misses_on"]) for r in rows) == sorted(
+        (s, m, pol, pre, p) for s in ("uniform", "skewed") for m in (1, 4) for pol in ("lfu", "lru")
+        for pre in (("none", "router") if s == "skewed" else ("none",)) for p in ("gpu", "cpu", "auto"))
+    for r in rows:  # every mode: the what-if replays the same cache, decisions and stream
+        assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
+        assert r["x_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+    out = capsys.readouterr().out
+    assert "auto / better pure mode" in out and "prefetch (router) on skewed streams" in out
 
 
 def test_bench_offload_tiny_quantized_counts_packed_bytes(tmp_path, capsys):
@@ -135,8 +148,7 @@ def test_bench_offload_tiny_quantized_counts_packed_bytes(tmp_path, capsys):
     assert doc["dtype"] == "int8_w8a16"
     assert doc["expert_bytes"] == (2 * n * k + 2 * n * 4) + (k * n + k * 4)  # int8 q + fp32 row scales, w13 + w2
     for r in doc["rows"]:
-        if r["compute_misses_on"] == "gpu":
-            assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
+        assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
     assert "--offload-dtype must be float or one of" in cli_error(
         capsys, ["bench", "--offload", "--tiny", "--device", "cpu", "--offload-dtype", "int3"])
 
@@ -149,7 +161,36 @@ def test_bench_offload_places_and_streams_select_rows(tmp_path, capsys):
                  "--offload-streams", "skewed"]) == 0
     (path,) = tmp_path.glob("*-offload-*.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [(r["stream"], r["compute_misses_on"]) for r in rows] == [("skewed", "gpu")]
+    assert [(r["stream"], r["prefetch"], r["compute_misses_on"]) for r in rows] == [
+        ("skewed", p, "gpu") for _ in ("lfu", "lru") for p in ("none", "router")]
     with pytest.raises(SystemExit):
         main(["bench", "--offload", "--tiny", "--device", "cpu", "--offload-places", "disk"])
     assert "expected gpu, cpu or auto, got 'disk'" in capsys.readouterr().err
+
+
+def test_replay_measured_from_a_step_counts_only_the_steps_after_it():
+    trace = decode_trace(16, 2, 2, 12, 3, skew=0.3, drift=0.3, seed=0)
+    first = RoutingTrace(16, trace.touched[:5], trace.predicted[:5], trace.tokens[:5])
+    for prefetch in (None, "previous", "router"):
+        whole, warm = replay(trace, 6, "lru", prefetch), replay(first, 6, "lru", prefetch)
+        later = replay(trace, 6, "lru", prefetch, measure_from=5)
+        assert (later.touched, later.hits, later.fetched, later.prefetched) == (
+            whole.touched - warm.touched, whole.hits - warm.hits, whole.fetched - warm.fetched,
+            whole.prefetched - warm.prefetched)
+
+
+def test_bookkeeping_only_moves_experts_in_without_copying_them():
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=2), backend="grouped_mm",
+              router="torch")
+    cache = ExpertCache(3, device="cpu", policy="lru")
+    layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=None)
+    stats = OffloadStats()
+    with cache.bookkeeping_only():
+        cache.ensure(layer.layer_id, [4, 6], stats)
+    w13 = cache.slot_weights[0]  # [C, 2N, K]
+    slots = cache.cached(layer.layer_id)
+    assert set(slots) == {4, 6} and stats.fetched == 2 and stats.bytes_transferred == 2 * 3 * N * K * 4
+    assert not any(torch.equal(w13[s], moe.w13[e]) for e, s in slots.items())  # stale: nothing was copied
+    cache.release(layer.layer_id, [4, 6])
+    cache.ensure(layer.layer_id, [1], stats)  # outside: a real copy
+    assert torch.equal(w13[cache.cached(layer.layer_id)[1]], moe.w13[1])

@@ -1,15 +1,23 @@
 """``moekit bench --offload``: decode through a stack of offloaded layers whose experts exceed the GPU budget.
 
-    [measure: host->GPU link, CPU expert rate] -> [L layers, one pinned host weight set, a shared
-    ExpertCache of C = fraction x E x L slots] -> [per step: every layer's run_routed on the
-    simulator's routing] -> step time vs the byte model's floor at the measured hit rate
+    [measure, once: host->GPU link, GPU read rate, the CPU path on cold experts, staging] -> [warm-up
+    once per M] -> per (stream, M): one simulated decode stream -> per (cache %, policy, prefetch,
+    compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
+    through the cache's bookkeeping only, one real untimed step, ``timed_steps`` timed ones (the modes
+    of one cache %, policy and prefetch take turns step by step) -> step time vs the floor; hit rate vs
+    the what-if's replay
 
-Routing comes from the simulator's synthetic routers (uniform and skewed), one per layer, so every
-configuration replays the same stream. The layers share one host weight set (their experts would
+Routing comes from the simulator (``moekit.sim.cache.decode_stream``: uniform and skewed routers, a
+residual drift between layers), so every cell of a stream replays the same routing, and prefetch
+"router" prefetches layer l+1's experts as its router picks them from layer l's input (on skewed
+streams the table has prefetch off and on). The layers share one host weight set (their experts would
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
-The floor per step, from the measured touched and missed experts: misses fetched: sum over layers of
-max(touched bytes / copy BW, missed bytes / link); misses on the CPU: max(hit bytes / copy BW, CPU
-tokens x 6NK / CPU rate), bytes per expert the packed ones for a quantized scheme; "auto" is held to the better of the two pure configurations measured.
+
+The floor of a step, from the rates measured first and the counts measured in it: the sum over layers
+of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, CPU misses' experts x
+cpu_expert_s + their tokens x cpu_token_s), and at least every byte the link moved (prefetches and
+admissions too) / link. The simulated hit rate replays the same stream, policy, cache size, prefetch
+and ``compute_misses_on`` (with the same measured costs) through ``moekit.offload.whatif.replay``.
 
 Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layers, C cache slots.
 """
@@ -17,24 +25,24 @@ Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layer
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from moekit.bench.ceilings import measure_ceilings
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import (
-    ExpertCache, MissCosts, OffloadedMoE, expert_nbytes, link_layers, measure_cpu_costs, measure_link_bandwidth,
-)
-from moekit.offload.whatif import RoutingTrace, replay
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
-from moekit.sim.router import draw_tokens, make_router
+from moekit.sim.cache import DecodeStream, decode_stream
 
-STREAMS = {"uniform": 0.0, "skewed": 0.6}
+STREAMS = {"uniform": 0.0, "skewed": 0.3}
+DRIFT = 0.3  # the residual stream's change per layer (relative to a token's content)
+NOISE = 0.03  # step-time differences below this fraction are reported as within noise
 
 
 @dataclass(frozen=True)
@@ -42,47 +50,101 @@ class OffloadRow:
     stream: str  # "uniform" or "skewed" (the simulator's router skew)
     cache_fraction: float  # C / (E x L)
     policy: str
+    prefetch: str  # "none" or "router"
     compute_misses_on: str
     M: int
-    step_ms: float  # median wall time of one decode step through all L layers
-    floor_ms: float  # the byte model's floor at the measured touched / hit counts
+    step_ms: float  # mean wall time of one timed decode step through all L layers
+    floor_ms: float  # mean floor of the same steps (module docstring)
+    x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
-    sim_hit_rate: float  # the cache what-if's prediction for the same stream, policy and size (misses fetched)
+    sim_hit_rate: float  # the what-if's replay of the same steps, same mode and costs
     fetched_per_step: float
     cpu_tokens_per_step: float
+    link_experts_per_step: float  # fetched + prefetched + admitted
     tok_s: float
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One cell's setting."""
+
+    fraction: float
+    slots: int
+    policy: str
+    prefetch: bool
+    place: str
+
+
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
-                    batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu",), places=("gpu", "cpu", "auto"),
-                    streams=tuple(STREAMS), steps=8, warm_steps=4, scheme: str | None = None, on_progress=None) -> dict:
-    """Every (stream, fraction, policy, place, M); returns the document ``moekit bench --offload`` writes.
-    ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the experts (kept packed
-    on the host, in the slots and over the link); None: float experts (bf16 on CUDA, float32 on the CPU)."""
+                    batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
+                    places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
+                    scheme: str | None = None, on_progress=None) -> dict:
+    """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
+    --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
+    experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
+    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    costs = MissCosts(measure_link_bandwidth(device), *measure_cpu_costs(inter, hidden, dtype, scheme=scheme))
-    copy_bw = measure_ceilings(device).copy_TBps * 1e12 / 2 if device.type == "cuda" else costs.link_bytes_per_s
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
+    clock = [time.perf_counter()]
     shell = _host_shell(config, dtype, device, scheme)
+    clock.append(time.perf_counter())
+    costs = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device).measure_costs()
+    clock.append(time.perf_counter())
+    _warm_up(shell, config, layers, batches, places, costs, device)
+    clock.append(time.perf_counter())
     rows = []
-    for stream, skew in ((name, STREAMS[name]) for name in streams):
+    for stream in streams:
         for m in batches:
-            trace = _routing(config, layers, warm_steps + steps, m, skew, device)
-            for fraction in fractions:
-                slots = max(1, round(fraction * experts * layers))
-                for policy in policies:
-                    sim = _predicted_hit_rate(_as_trace(trace, experts), slots, policy, warm_steps)
-                    for place in places:
-                        row = _one(shell, config, trace, slots, policy, place, m, warm_steps, costs, copy_bw, device)
-                        rows.append(OffloadRow(stream, fraction, policy, place, m, sim_hit_rate=sim, **row))
-                        if on_progress:
-                            on_progress(rows[-1])
-    prefetch = _prefetch_rows(shell, config, layers, batches, fractions[0], policies[0], steps, warm_steps, device)
-    return {"prefetch_rows": prefetch, "link_GBps": costs.link_bytes_per_s / 1e9, "cpu_expert_us": costs.cpu_expert_s * 1e6,
-            "cpu_token_us": costs.cpu_token_s * 1e6,
-            "hbm_read_GBps": copy_bw / 1e9, "experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
-            "layers": layers, "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
-            "rows": [asdict(r) for r in rows]}
+            warm = default_warm_steps(m) if warm_steps is None else warm_steps
+            data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
+                                 seed=3)
+            routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
+            for group in _groups(stream, experts * layers, fractions, policies, places):
+                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device)):
+                    rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
+                                           run.place, m, **row))
+                    if on_progress:
+                        on_progress(rows[-1])
+    return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
+            "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
+            "cpu_step_us": costs.cpu_step_s * 1e6, "experts": experts, "hidden": hidden, "inter": inter,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
+            "skews": STREAMS,
+            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
+            "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
+            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
+            "table_s": time.perf_counter() - clock[3],
+            "rows": [asdict(r) for r in rows], "summary": summary([asdict(r) for r in rows])}
+
+
+def default_warm_steps(m: int) -> int:
+    """Bookkeeping-only warm steps at M tokens per step: 48 at M = 1, 17 at 8, 8 at 32 (each step
+    touches more experts, so fewer fill the cache)."""
+    return max(8, round(48 / m ** 0.5))
+
+
+def timed_steps(steps: int, m: int) -> int:
+    """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
+    to run jitter is a larger share; they cost little)."""
+    return steps * max(1, 4 // m)
+
+
+def _groups(stream: str, total: int, fractions, policies, places) -> list[list[_Run]]:
+    """The cells of one (stream, M), grouped by (fraction, policy, prefetch): one cell per place in a
+    group. Prefetch on and off on skewed streams, off on uniform ones."""
+    prefetches = (False, True) if stream == "skewed" else (False,)
+    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place) for place in places]
+            for f in fractions for policy in policies for prefetch in prefetches]
+
+
+def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
+    """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
+    for every M and runs the CPU path, so no cell pays a first call."""
+    for m in batches:
+        data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
+        routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
+        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place) for place in places]
+        _cells(shell, config, routings, data.trace, runs, 1, costs, device)
 
 
 def _host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
@@ -114,108 +176,146 @@ def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None,
     return parts["w"] if scheme is None else dataclasses.replace(out, **parts)
 
 
-def _share_experts(dst: MoE, shell: MoE) -> None:
-    """``dst`` computes with ``shell``'s host expert weights (no copy)."""
-    if shell.quant_scheme is None:
-        dst.w13, dst.w2 = shell.w13, shell.w2
-    else:
-        install_quantized_experts_(dst, shell.w13, shell.w2)
+def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
+           costs: MissCosts, device) -> list[dict]:
+    """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
+    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
+    device; the first untimed). The runs take turns step by step (with Python's garbage collector off),
+    so slow drifts of the machine fall on every mode alike. The rows' measured fields, per run."""
+    stacks = [_stack(shell, trace, run, warm, costs, device) for run in runs]
+    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
+    times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
+    gc.collect()
+    gc.disable()
+    try:
+        for step, per_layer in enumerate(routings):
+            for j, (run, layers) in enumerate(zip(runs, stacks)):
+                _sync(device)
+                start = time.perf_counter()
+                done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
+                        for i, routing in enumerate(per_layer)]
+                _sync(device)
+                if step:
+                    times[j].append(time.perf_counter() - start)
+                    floors[j].append(_floor(done, layers[0].cache.expert_bytes, costs))
+                    for stats in done:
+                        timed[j].add(stats)
+    finally:
+        gc.enable()
+    expert_bytes = stacks[0][0].cache.expert_bytes
+    del stacks  # the caches' slots, before the next group allocates its own
+    return [_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0])
+            for j, run in enumerate(runs)]
 
 
-def _routing(config, layers, steps, m, skew, device) -> list[list[Routing]]:
-    """[step][layer] routings of ``m`` tokens from one synthetic router per layer (seeded)."""
-    routers = [make_router(config.num_experts, config.top_k, skew, seed=11 + layer) for layer in range(layers)]
-    gen = torch.Generator().manual_seed(7)
+def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device) -> list[OffloadedMoE]:
+    """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
+    steps by bookkeeping only."""
+    cache = ExpertCache(run.slots, device=device, policy=run.policy)
+    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs)
+              for _ in range(trace.num_layers)]
+    with cache.bookkeeping_only():
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
+    return layers
+
+
+def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
+    """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes)
+
+
+def _row(run: _Run, times: list[float], floors: list[float], timed: OffloadStats, trace: RoutingTrace, warm: int,
+         costs: MissCosts, expert_bytes: int, m: int) -> dict:
+    """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
+    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
+    steps, step_s, floor_s = len(times), statistics.fmean(times), statistics.fmean(floors)
+    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "x_floor": step_s / floor_s if floor_s else float("inf"),
+            "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
+            "cpu_tokens_per_step": timed.cpu_tokens / steps,
+            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps, "tok_s": m / step_s}
+
+
+def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted: list[list[int]],
+             prefetch: bool) -> OffloadStats:
+    """Layer ``i``'s forward on ``routing``, then (``prefetch``) the next layer's predicted experts
+    fetched ahead, as ``prefetch="router"`` does; the forward's stats with the prefetch's."""
+    layer = layers[i]
+    layer.run_routed(x, routing)
+    stats = layer.last_stats
+    if prefetch and i + 1 < len(layers):
+        ahead = OffloadStats()
+        layer.cache.prefetch(layers[i + 1].layer_id, predicted[i + 1], ahead)
+        layer.cache.stats.add(ahead)
+        stats = dataclasses.replace(stats)
+        stats.add(ahead)
+    return stats
+
+
+def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -> float:
+    """A step's floor in seconds (module docstring) from each layer's counts."""
+    read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
+    layers = sum(max((s.hits + s.fetched) * read, s.fetched * link,
+                     s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s) for s in per_layer)
+    moved = sum(s.fetched + s.prefetched + s.admitted for s in per_layer)
+    return max(layers, moved * link)
+
+
+def format_row(r: OffloadRow) -> str:
+    """One table line: stream, cache %, policy, prefetch, mode, M, step ms, floor ms, x floor, hit, sim hit, tok/s."""
+    return (f"{r.stream:>7} {r.cache_fraction:5.0%} {r.policy:>4} {r.prefetch:>6} {r.compute_misses_on:>4} "
+            f"{r.M:>3} {r.step_ms:9.2f} {r.floor_ms:9.2f} {r.x_floor:6.2f} {r.hit_rate:6.3f} {r.sim_hit_rate:6.3f} "
+            f"{r.tok_s:9.1f}")
+
+
+HEADER = (f"{'stream':>7} {'cache':>5} {'pol':>4} {'prefet':>6} {'mode':>4} {'M':>3} {'step ms':>9} {'floor ms':>9} "
+          f"{'xfloor':>6} {'hit':>6} {'sim':>6} {'tok/s':>9}")
+
+
+def compact_table(rows: list[dict]) -> list[str]:
+    """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
     out = []
-    for _ in range(steps):
-        x = draw_tokens(m, config.num_experts, gen)
-        per_layer = []
-        for router in routers:
-            r = router.route(x)
-            per_layer.append(Routing(r.topk_ids.to(device), r.topk_weights.to(device)))
-        out.append(per_layer)
+    for (stream, fraction, policy, prefetch, m), modes in cells.items():
+        parts = [f"{mode} {r['step_ms']:8.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
+                 for mode, r in modes.items()]
+        out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts))
     return out
 
 
-def _as_trace(trace: list[list[Routing]], experts: int) -> RoutingTrace:
-    touched = [[sorted(set(r.topk_ids.flatten().tolist())) for r in step] for step in trace]
-    return RoutingTrace(experts, touched, [[[] for _ in step] for step in trace])
+def summary(rows: list[dict]) -> list[str]:
+    """The targets over the table: worst x floor, largest hit-rate gap to the what-if, "auto" against
+    the better pure mode, prefetch's hit-rate gain on skewed streams."""
+    out = []
+    if rows:
+        worst = max(rows, key=lambda r: r["x_floor"])
+        gap = max(rows, key=lambda r: abs(r["hit_rate"] - r["sim_hit_rate"]))
+        out.append(f"worst x floor {worst['x_floor']:.2f} ({_key(worst)}); largest |hit - sim| "
+                   f"{abs(gap['hit_rate'] - gap['sim_hit_rate']):.3f} ({_key(gap)})")
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
+    ratios = [(modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"]), key)
+              for key, modes in cells.items() if {"gpu", "cpu", "auto"} <= set(modes)]
+    if ratios:
+        worst_q, worst_key = max(ratios)
+        slower = sum(q > 1.0 for q, _ in ratios)
+        beyond = sum(q > 1.0 + NOISE for q, _ in ratios)
+        out.append(f"auto / better pure mode: worst {worst_q:.2f} ({' '.join(map(str, worst_key))}), mean "
+                   f"{statistics.fmean(q for q, _ in ratios):.2f}; {slower} of {len(ratios)} cells slower, "
+                   f"{beyond} by more than {NOISE:.0%}")
+    gains = [(on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"])
+             for k, modes in cells.items() if k[3] == "router" for mode, on in modes.items()]
+    if gains:
+        out.append(f"prefetch (router) on skewed streams: hit rate +{statistics.fmean(gains):.3f} mean, "
+                   f"{min(gains):+.3f} worst over {len(gains)} cells")
+    return out
 
 
-def _prefetch_rows(shell, config, layers, batches, fraction, policy, steps, warm_steps, device) -> list[dict]:
-    """Prefetch None / "previous" / "router" through layers that route with their own gates: sigmoid
-    scores with a Zipf popularity bias (a skewed stream), each layer's input its predecessor's plus a
-    little noise (a residual stream), misses fetched. Hit rate and step time per prediction."""
-    skewed = config.replace(scoring="sigmoid", use_correction_bias=True)
-    rows = []
-    for m in batches:
-        for prediction in (None, "previous", "router"):
-            cache = ExpertCache(max(1, round(fraction * config.num_experts * layers)), device=device, policy=policy)
-            stack = []
-            for layer in range(layers):
-                torch.manual_seed(100 + layer)
-                gated = MoE(skewed, num_local_experts=0, dtype=shell.w13.dtype, device="cpu", fuse_shared=False,
-                            router="torch")
-                rank = torch.randperm(config.num_experts) + 1
-                gated.e_score_correction_bias.copy_(-0.05 * torch.log(rank.float()))  # Zipf popularity
-                _share_experts(gated, shell)
-                stack.append(OffloadedMoE.from_moe(gated, cache=cache, prefetch=prediction))
-            link_layers(stack)
-            gen = torch.Generator(device=device).manual_seed(5)
-            times, before = [], None
-            for step in range(warm_steps + steps):
-                if step == warm_steps:
-                    before = dict(cache.stats.as_dict())
-                x = torch.randn(m, config.hidden_size, device=device, dtype=shell.w13.dtype, generator=gen)
-                _sync(device)
-                start = time.perf_counter()
-                for layer in stack:
-                    layer(x)
-                    x = x + 0.3 * torch.randn(x.shape, device=device, dtype=x.dtype, generator=gen)
-                _sync(device)
-                times.append(time.perf_counter() - start)
-            after = cache.stats.as_dict()
-            touched, hits = after["touched"] - before["touched"], after["hits"] - before["hits"]
-            rows.append({"M": m, "prefetch": prediction or "none", "hit_rate": hits / max(touched, 1),
-                         "step_ms": statistics.median(times[warm_steps:]) * 1e3,
-                         "prefetch_accuracy": after["prefetch_used"] / max(after["prefetched"], 1)})
-    return rows
-
-
-def _predicted_hit_rate(trace: RoutingTrace, slots: int, policy: str, warm_steps: int) -> float:
-    """The what-if's hit rate over the timed steps (the replay of the warm steps subtracted): every
-    miss fetched, as ``compute_misses_on="gpu"`` runs."""
-    warm = RoutingTrace(trace.num_experts, trace.touched[:warm_steps], trace.predicted[:warm_steps])
-    full, before = replay(trace, slots, policy), replay(warm, slots, policy)
-    return (full.hits - before.hits) / max(full.touched - before.touched, 1)
-
-
-def _one(shell, config, trace, slots, policy, place, m, warm_steps, costs, copy_bw, device) -> dict:
-    cache = ExpertCache(slots, device=device, policy=policy)
-    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=place, costs=costs)
-              for _ in trace[0]]
-    x = torch.randn(m, config.hidden_size, device=device, dtype=shell.w13.dtype)
-    times, totals = [], None
-    for step, routings in enumerate(trace):
-        if step == warm_steps:
-            totals = dict(cache.stats.as_dict())
-        _sync(device)
-        start = time.perf_counter()
-        for layer, routing in zip(layers, routings):
-            layer.run_routed(x, routing)
-        _sync(device)
-        if step >= warm_steps:
-            times.append(time.perf_counter() - start)
-    timed = {key: cache.stats.as_dict()[key] - totals[key] for key in ("touched", "hits", "fetched", "cpu_experts", "cpu_tokens")}
-    steps = len(times)
-    expert_bytes = expert_nbytes(shell)  # packed bytes for a quantized scheme
-    gpu_s = (timed["hits"] + timed["fetched"]) * expert_bytes / copy_bw
-    cpu_s = timed["cpu_experts"] * costs.cpu_expert_s + timed["cpu_tokens"] * costs.cpu_token_s
-    floor = max(gpu_s, timed["fetched"] * expert_bytes / costs.link_bytes_per_s, cpu_s) / steps
-    step_s = statistics.median(times)
-    return {"step_ms": step_s * 1e3, "floor_ms": floor * 1e3,
-            "hit_rate": timed["hits"] / max(timed["touched"], 1), "fetched_per_step": timed["fetched"] / steps,
-            "cpu_tokens_per_step": timed["cpu_tokens"] / steps, "tok_s": m / step_s}
+def _key(r: dict) -> str:
+    return (f"{r['stream']} {r['cache_fraction']:.0%} {r['policy']} prefetch {r['prefetch']} {r['compute_misses_on']} "
+            f"M={r['M']}")
 
 
 def _sync(device: torch.device) -> None:

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-layers", type=positive_int, default=2, help="MoE layers sharing the cache")
     g.add_argument("--cache-fractions", action=ListOption, item=fraction_arg, default=[0.25, 0.5, 0.75],
                    help="GPU cache sizes as fractions of all routed experts")
-    g.add_argument("--offload-steps", type=positive_int, default=8, help="timed decode steps per configuration")
+    g.add_argument("--offload-steps", type=positive_int, default=3, help="timed decode steps per configuration")
     g.add_argument("--offload-places", action=ListOption, item=_place, default=["gpu", "cpu", "auto"],
                    help="where misses run (compute_misses_on): gpu, cpu, auto")
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from moekit.bench.offload_measure import measure_offload
+    from moekit.bench.offload_measure import HEADER, compact_table, format_row, measure_offload
     from moekit.bench.report import write_json
     from moekit.bench.run import commit_id, device_name
 
@@ -45,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda is not available on this machine; use --device cpu")
     shape = {} if device.type == "cuda" and not args.tiny else {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2}
     console = Console(width=140)
+    console.print(HEADER, markup=False, highlight=False)
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
                           fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
                           places=tuple(args.offload_places), streams=tuple(args.offload_streams),
-                          on_progress=lambda r: console.print(_line(r), markup=False, highlight=False), **shape)
+                          on_progress=lambda r: console.print(format_row(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
     stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
     path, n = Path(args.out) / f"{stem}.json", 1
@@ -56,18 +57,14 @@ def run(args: argparse.Namespace) -> int:
         n += 1
         path = Path(args.out) / f"{stem}-{n}.json"
     write_json(doc, path)
-    for r in doc["prefetch_rows"]:
-        console.print(f"prefetch {r['prefetch']:>8} M={r['M']:<3} hit {r['hit_rate']:.3f}  step {r['step_ms']:8.2f} ms  "
-                      f"prediction accuracy {r['prefetch_accuracy']:.2f}", markup=False, highlight=False)
-    console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
-                  f"{doc['cpu_token_us']:.0f} µs/token; wrote {path}")
+    console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit", markup=False, highlight=False)
+    for line in compact_table(doc["rows"]) + doc["summary"]:
+        console.print(line, markup=False, highlight=False)
+    console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
+                  f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
+                  f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward; setup "
+                  f"{sum(doc['setup_s'].values()):.0f} s, table {doc['table_s']:.0f} s; wrote {path}")
     return 0
-
-
-def _line(r) -> str:
-    return (f"{r.stream:>7} cache {r.cache_fraction:4.0%} {r.policy} misses->{r.compute_misses_on:<4} M={r.M:<3} "
-            f"step {r.step_ms:9.2f} ms  floor {r.floor_ms:9.2f} ms ({r.floor_ms / r.step_ms:5.0%})  "
-            f"hit {r.hit_rate:.3f} (sim {r.sim_hit_rate:.3f})  {r.tok_s:8.1f} tok/s")
 
 
 def _place(text: str) -> str:

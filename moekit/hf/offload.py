@@ -36,7 +36,9 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
                     backend: str = "auto") -> ExpertCache:
     """Replace every MoE block of ``model`` (a module with ``.experts`` of transformers' experts interface
     and a ``.gate``/``.router``) by an ``OffloadedBlock``; returns the shared ``ExpertCache``, whose
-    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert."""
+    ``stats`` count hits, misses and bytes over every block. Raises when the budget holds no expert.
+    With ``compute_misses_on="auto"`` the miss costs are measured once (on the first block's experts)
+    and shared by every block."""
     blocks = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if _is_moe_block(child)]
     if not blocks:
@@ -53,6 +55,10 @@ def offload_experts(model: nn.Module, gpu_budget_bytes: int, *, device: torch.de
         layer = OffloadedMoE.from_moe(moe, cache=cache, prefetch=prefetch, compute_misses_on=compute_misses_on)
         setattr(parent, name, OffloadedBlock(layer))
         layers.append(layer)
+    if compute_misses_on == "auto":
+        costs = layers[0].measure_costs()
+        for layer in layers:
+            layer.costs = costs
     link_layers(layers)
     return cache
 

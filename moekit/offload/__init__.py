@@ -8,16 +8,18 @@ Quantized experts (``MoE.quantize_``, fp8 checkpoints) are offloaded packed: hos
 fetches hold their q / scale (/ zero) tensors, and ``expert_nbytes(moe)`` is the packed size of one.
 
 ``whatif`` replays a routing trace through the cache policies without weights (the simulator's
-cache what-if); ``cost`` decides where a missed expert runs.
+cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where they run.
 """
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, measure_link_bandwidth, measure_read_bandwidth, split_misses
 from moekit.offload.layer import OffloadedMoE, expert_nbytes, link_layers
+from moekit.offload.plan import MissPlan, plan_misses
 from moekit.offload.policy import POLICIES, EvictionPolicy
 from moekit.offload.stats import OffloadStats
 
 __all__ = [
-    "ExpertCache", "EvictionPolicy", "MissCosts", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
-    "expert_nbytes", "link_layers", "measure_cpu_costs", "measure_link_bandwidth", "split_misses",
+    "ExpertCache", "EvictionPolicy", "MissCosts", "MissPlan", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
+    "expert_nbytes", "link_layers", "measure_link_bandwidth", "measure_read_bandwidth", "plan_misses",
+    "split_misses",
 ]

@@ -71,6 +71,7 @@ class ExpertCache:
         self._protected: set[Key] = set()
         self._prefetched: set[Key] = set()  # fetched by a prediction, not yet used
         self._tick = 0
+        self._dry = False  # within bookkeeping_only(): fetches copy no bytes
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -126,6 +127,18 @@ class ExpertCache:
     def cached(self, layer: int) -> dict[int, int]:
         """expert -> slot for the layer's experts in the cache now."""
         return {e: s for (l, e), s in self._slots.where.items() if l == layer} if self._slots else {}
+
+    @contextlib.contextmanager
+    def bookkeeping_only(self) -> Iterator[None]:
+        """Within: fetches, prefetches and admissions update which expert is in which slot, the policy
+        and the stats as usual, but copy no bytes; the slots keep stale contents. For bringing a cache
+        to the state a stream's past leaves it in when nothing reads those slots' values (a benchmark's
+        warm-up, timed afterwards for speed and hit rate only; the what-if's weightless replay)."""
+        self._dry = True
+        try:
+            yield
+        finally:
+            self._dry = False
 
     # -- a forward's use -----------------------------------------------------------------------------
 
@@ -266,6 +279,9 @@ class ExpertCache:
         for key, s in placed:
             slots.owner[s], slots.where[key] = key, s
             self._protected.add(key)  # a later key of the batch must not evict it
+        stats.bytes_transferred += len(keys) * self._expert_bytes  # every layer's experts have the same parts
+        if self._dry:
+            return
         stream = contextlib.nullcontext() if self._copy_stream is None else torch.cuda.stream(self._copy_stream)
         with stream:
             if self._copy_stream is not None:
@@ -282,7 +298,6 @@ class ExpertCache:
                 done.record(self._copy_stream)
                 for s in taken:
                     slots.copy_done[s] = done
-        stats.bytes_transferred += len(keys) * self._expert_bytes  # every layer's experts have the same parts
 
     def wait_ready(self, layer: int, experts: list[int]) -> None:
         """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or

@@ -1,34 +1,47 @@
-"""Where a missed expert is cheaper: copied over the host link to the GPU, or computed on the CPU.
+"""Where a forward's missed experts are cheapest: copied over the host link to the GPU, computed on the
+CPU, or split between the two.
 
-A miss fetched costs its weight bytes over the link (``link_bytes_per_s``); a miss computed on the
-CPU costs a fixed time per expert (streaming its weights from host memory once) plus a time per
-routed token (its 6·N·K FLOPs): ``cpu_expert_s + tokens · cpu_token_s``, fitted from two timings
-(``measure_cpu_costs``; for quantized experts the bytes are the packed ones and the CPU time includes
-dequantizing them). The two sides run at once (the CPU computes while the GPU fetches and
-computes), so a batch's misses take about max(fetch time, CPU time). ``split_misses`` picks the
-assignment with the smallest predicted max among all-fetch, all-CPU and a greedy mix. The rates are
-measured on this machine or passed in.
+    GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
+                                                                       fetched misses travel; those
+                                                                       compute once they land)
+    CPU side:  cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s)
+               (0 when no miss runs on the CPU: no staging either)
+    forward:   max(GPU side, CPU side)                                 (the two run at once)
+
+``fetch_one`` = expert bytes / link rate, ``read_one`` = expert bytes / the GPU's read rate (infinite
+by default: the GPU's share is then the link alone). The CPU computes its experts one after another,
+each streaming its weights from host memory once (``cpu_expert_s``, measured on cold experts: a
+warm expert repeated in a timing loop sits in the CPU's caches and looks 2-3x faster than a miss
+really is) plus its tokens' FLOPs (``cpu_token_s``); ``cpu_step_s`` is the fixed price of any CPU
+work in a forward: the inputs copied to the host, the host waiting for them, the result copied
+back. ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
+same to fetch and more tokens cost more on the CPU, so the best split with j experts on the CPU puts
+there the j with the fewest tokens, and the search is over j = 0..n (exact, not greedy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
-
-from moekit.quant import quantize
 
 
 @dataclass(frozen=True)
 class MissCosts:
-    """The two rates the split decides by."""
+    """The rates the split decides by (seconds, bytes per second)."""
 
     link_bytes_per_s: float  # host -> GPU copy rate from pinned memory, large copies
-    cpu_expert_s: float  # CPU seconds per expert computed, whatever its tokens (its weights read once)
+    cpu_expert_s: float  # CPU seconds per cold expert computed, whatever its tokens (its weights read once)
     cpu_token_s: float  # CPU seconds per routed token of an expert, on top
+    cpu_step_s: float = 0.0  # CPU seconds per forward that computes any miss on the CPU (staging, sync)
+    gpu_bytes_per_s: float = math.inf  # the GPU's expert read rate (hits and fetched misses computed)
 
     def cpu_time(self, tokens: int) -> float:
+        """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
         return self.cpu_expert_s + tokens * self.cpu_token_s
 
 
@@ -38,33 +51,39 @@ class MissSplit:
 
     fetch: list[int]  # experts copied to the GPU
     cpu: list[int]  # experts computed on the CPU
-    fetch_s: float  # predicted link time of ``fetch``
-    cpu_s: float  # predicted CPU time of ``cpu``
+    gpu_s: float  # predicted GPU side: the hits and ``fetch`` (their copies, then their compute)
+    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu`` (0 when ``cpu`` is empty)
+    link_s: float  # the link's busy time for ``fetch`` alone
+
+    @property
+    def step_s(self) -> float:
+        """The forward's predicted time: both sides run at once."""
+        return max(self.gpu_s, self.cpu_s)
 
 
-def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts) -> MissSplit:
-    """Assign each missed expert (``tokens``: expert -> its routed assignments) to the link or the CPU.
+def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts) -> float:
+    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring)."""
+    read_one = expert_bytes / costs.gpu_bytes_per_s
+    return max(hits * read_one, fetched * expert_bytes / costs.link_bytes_per_s) + fetched * read_one
 
-    Greedy over experts by token count, largest first: each goes where the running max of the two
-    sides grows least. The result is compared with all-fetch and all-CPU and the smallest predicted
-    max(fetch_s, cpu_s) is returned, so the mix is never predicted slower than either pure choice.
-    """
-    fetch_one = expert_bytes / costs.link_bytes_per_s
-    cpu_time = {e: costs.cpu_time(t) for e, t in tokens.items()}
-    fetch, cpu, t_fetch, t_cpu = [], [], 0.0, 0.0
-    for e in sorted(tokens, key=lambda e: (-tokens[e], e)):
-        if max(t_fetch + fetch_one, t_cpu) <= max(t_fetch, t_cpu + cpu_time[e]):
-            fetch.append(e)
-            t_fetch += fetch_one
-        else:
-            cpu.append(e)
-            t_cpu += cpu_time[e]
-    options = [
-        MissSplit(sorted(fetch), sorted(cpu), t_fetch, t_cpu),
-        MissSplit(sorted(tokens), [], fetch_one * len(tokens), 0.0),
-        MissSplit([], sorted(tokens), 0.0, sum(cpu_time.values())),
-    ]
-    return min(options, key=lambda s: max(s.fetch_s, s.cpu_s))
+
+def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0) -> MissSplit:
+    """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
+    ``hits``: cached experts the GPU computes meanwhile) with the smallest predicted forward time.
+    Exact: with j experts on the CPU the best choice is the j with the fewest tokens (a fetch costs
+    the same for every expert), so every j in 0..n is tried. Ties go to fewer CPU experts (a fetched
+    expert also lands in the cache)."""
+    by_tokens = sorted(tokens, key=lambda e: (tokens[e], e))  # cheapest on the CPU first
+    best, cpu_s = None, costs.cpu_step_s
+    for j in range(len(by_tokens) + 1):
+        if j:
+            cpu_s += costs.cpu_time(tokens[by_tokens[j - 1]])
+        fetched = len(by_tokens) - j
+        split = MissSplit(sorted(by_tokens[j:]), sorted(by_tokens[:j]), gpu_side_s(hits, fetched, expert_bytes, costs),
+                          cpu_s if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s)
+        if best is None or split.step_s < best.step_s:
+            best = split
+    return best
 
 
 def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -82,27 +101,50 @@ def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, re
     return nbytes / best
 
 
-def measure_cpu_costs(n_dim: int, k_dim: int, dtype: torch.dtype, repeats: int = 5,
-                      scheme: str | None = None) -> tuple[float, float]:
-    """(seconds per expert, seconds per token) of one expert's MLP on the CPU, fitted from the best of
-    ``repeats`` timings at 1 and 33 tokens (time = per_expert + tokens · per_token). With a
-    ``moekit.quant`` ``scheme`` the timing includes dequantizing the expert's packed weights to ``dtype``
-    first, as the CPU path does for a quantized miss."""
-    w13 = torch.randn(1, 2 * n_dim, k_dim, dtype=dtype)
-    w2 = torch.randn(1, k_dim, n_dim, dtype=dtype)
-    packed = None if scheme is None else (quantize(w13, scheme), quantize(w2, scheme))
+def measure_read_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 3) -> float:
+    """Bytes/s ``device`` reads in a large device-to-device copy (each copied byte read once and written
+    once: 2 x ``nbytes`` over the best time), the rate an experts call streams cached weights at."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
 
-    def best(tokens: int) -> float:
-        x = torch.randn(tokens, k_dim, dtype=dtype)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a, b = (w13, w2) if packed is None else (packed[0].dequantize(dtype), packed[1].dequantize(dtype))
-            h = x @ a[0].t()
-            _ = (torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]) @ b[0].t()
-            times.append(time.perf_counter() - start)
-        return min(times)
 
-    one, many = best(1), best(33)
-    per_token = max(many - one, 0.0) / 32
-    return max(one - per_token, 0.0), per_token
+@contextlib.contextmanager
+def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8) -> Iterator[None]:
+    """Keep the host -> ``device`` link busy while the body runs: ``copies`` copies of ``nbytes`` from
+    pinned memory queued on a side stream (about 40 ms at 55 GB/s), waited for on exit. CPU misses run
+    while fetches stream from host memory, so the CPU path is timed that way too. Nothing on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        for _ in range(copies):
+            dst.copy_(src, non_blocking=True)
+    try:
+        yield
+    finally:
+        stream.synchronize()
+
+
+def fit_cpu_costs(one: float, many: float, experts: int, tokens: int) -> tuple[float, float]:
+    """(seconds per expert, seconds per token) from two timings of ``experts`` experts each: ``one``
+    with 1 token per expert, ``many`` with ``tokens`` per expert (time = experts x (per_expert +
+    tokens x per_token)); both clamped at 0 against timing noise."""
+    if experts < 1 or tokens < 2:
+        raise ValueError(f"need experts >= 1 and tokens >= 2, got experts={experts}, tokens={tokens}")
+    per_token = max(many - one, 0.0) / (experts * (tokens - 1))
+    return max(one / experts - per_token, 0.0), per_token

@@ -10,7 +10,9 @@ the next layer's predicted counts ride on the same copy), then:
 - hits compute from their slots; misses are fetched into free or evicted slots on a side stream
   while the hits compute, then computed in a second experts call (``compute_misses_on="gpu"``), or
   computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
-  between the two by ``cost.split_misses`` (``"auto"``); the partial outputs add in float32;
+  between the two by ``cost.split_misses`` (``"auto"``: the cheapest split of the forward's whole miss
+  set, priced by ``measure_costs``); the partial outputs add in float32 (``plan`` decides, and the
+  cache what-if replays the same decision);
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
 - afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
@@ -27,22 +29,23 @@ Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import torch
 
-from moekit.experts import backend_fn, call_backend
+from moekit.experts import backend_available, backend_fn, bind_options, call_backend
 from moekit.layer import MoE
 from moekit.offload import staging
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, measure_cpu_costs, measure_link_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, fit_cpu_costs, link_busy, measure_link_bandwidth, measure_read_bandwidth
 from moekit.offload.parts import ExpertWeights
+from moekit.offload.plan import PLACES, MissPlan, plan_misses
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
 MissPlace = Literal["gpu", "cpu", "auto"]
 Prediction = Literal["router", "previous"]
-_MISS_PLACES = ("gpu", "cpu", "auto")
 _PREDICTIONS = ("router", "previous", None)
 
 
@@ -69,12 +72,13 @@ class OffloadedMoE(MoE):
         shared ``cache`` (then ``policy``/``device`` come from it). ``costs`` feeds ``"auto"``; measured
         on first use when None. Misses computed on the CPU are not fetched for this forward; the
         busiest of them are copied into the cache in the background (so the cache still learns the hot
-        set): ``admit_per_forward`` of them, or with None as many as the link moves during this
-        forward's CPU work (at least one; one when no ``costs`` are known); 0 keeps the cache as it is."""
+        set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
+        this forward's CPU work (at least one when nothing was fetched; one when no ``costs`` are
+        known; ``plan.plan_misses``); 0 keeps the cache as it is."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
-        if compute_misses_on not in _MISS_PLACES:
-            raise ValueError(f"compute_misses_on must be one of {_MISS_PLACES}, got {compute_misses_on!r}")
+        if compute_misses_on not in PLACES:
+            raise ValueError(f"compute_misses_on must be one of {PLACES}, got {compute_misses_on!r}")
         if admit_per_forward is not None and (
             not isinstance(admit_per_forward, int) or isinstance(admit_per_forward, bool) or admit_per_forward < 0
         ):
@@ -96,7 +100,7 @@ class OffloadedMoE(MoE):
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
-        layer._cpu_fn = backend_fn("auto", "cpu")
+        layer._cpu_fn = _cpu_experts_fn()
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
@@ -133,19 +137,18 @@ class OffloadedMoE(MoE):
         tokens, predicted = self._touched(x2d, routing)  # the one device -> host copy
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
-        fetch, on_cpu = self._place_misses({m: tokens[m] for m in misses})
-        pin = cache.device.type == "cuda"
+        plan = self._plan({m: tokens[m] for m in misses}, len(hits))
+        on_cpu, pin = plan.cpu, cache.device.type == "cuda"
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
             cpu_inputs, staged = staging.to_host([x2d, routing.topk_ids, routing.topk_weights], pin=pin)
-        partials = self._gpu_experts(x2d, routing, hits, fetch, stats)
+        partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
             if staged is not None:
                 staged.synchronize()
             y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU, x2d's dtype
             partials.append(staging.to_device(y, x2d.device, pin=pin))
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
-            busiest = sorted(on_cpu, key=lambda m: -tokens[m])[: self._admissions(on_cpu, tokens)]
-            cache.admit(self.layer_id, busiest, stats)  # the cache still learns the hot set, off the critical path
+            cache.admit(self.layer_id, plan.admit, stats)  # the cache still learns the hot set, off the critical path
         out = _sum(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
@@ -187,39 +190,54 @@ class OffloadedMoE(MoE):
         return call_backend(self._cpu_fn, x, w13, w2, ids, weights, activation=self.config.activation,
                             expert_map=cpu_map, b13=b13, b2=b2)
 
-    def _admissions(self, on_cpu: list[int], tokens: dict[int, int]) -> int:
-        """How many CPU-computed experts to copy into the cache after this forward."""
-        if self.admit_per_forward is not None:
-            return self.admit_per_forward
-        if self.costs is None:
-            return 1
-        cpu_s = sum(self.costs.cpu_time(tokens[m]) for m in on_cpu)
-        fetch_s = self.cache.expert_bytes / self.costs.link_bytes_per_s
-        return max(1, int(cpu_s / fetch_s))
+    def _plan(self, tokens: dict[int, int], hits: int) -> MissPlan:
+        """Where this forward's misses (``tokens``: expert -> assignments) go (``plan.plan_misses``); the
+        costs are measured on first use when "auto" has none."""
+        if self.compute_misses_on == "auto" and self.costs is None and tokens:
+            self.costs = self.measure_costs()
+        return plan_misses(self.compute_misses_on, tokens, hits, self.cache.expert_bytes, self.costs,
+                           self.admit_per_forward)
 
-    def _place_misses(self, tokens: dict[int, int]) -> tuple[list[int], list[int]]:
-        """(misses to fetch, misses to compute on the CPU) by ``compute_misses_on``."""
-        if self.compute_misses_on == "gpu" or not tokens:
-            return sorted(tokens), []
-        if self.compute_misses_on == "cpu":
-            return [], sorted(tokens)
-        if self.costs is None:
-            c, host = self.config, self.cache.host(self.layer_id)
-            self.costs = MissCosts(measure_link_bandwidth(self.cache.device), *measure_cpu_costs(
-                c.moe_intermediate_size, c.hidden_size, host.w13_template.dtype, scheme=host.scheme))
-        split = split_misses(tokens, self.cache.expert_bytes, self.costs)
-        return split.fetch, split.cpu
+    def measure_costs(self, tokens: int = 16) -> MissCosts:
+        """This layer's miss costs, measured on its own paths: the link and the GPU's read rate (large
+        copies), the CPU path (``_cpu_experts``) on cold experts (top_k distinct ones per timing, none
+        reused, at 1 and ``tokens`` tokens each; the best of two timings each; with the link busy, as
+        when fetches run beside it), and one forward's staging round trip (inputs to the host and a
+        result back) at ``tokens`` tokens."""
+        c, dev, host = self.config, self.cache.device, self.cache.host(self.layer_id)
+        e, k, dtype = c.num_experts, c.top_k, host.w13_template.dtype
+        groups = iter([[(g * k + j) % e for j in range(k)] for g in range(5)])  # disjoint when E >= 5k
+
+        def cpu_time(m: int) -> float:
+            group = next(groups)
+            inputs = (torch.randn(m, c.hidden_size, dtype=dtype), torch.tensor([group] * m, dtype=torch.int32),
+                      torch.full((m, k), 1.0 / k, dtype=torch.float32))
+            with link_busy(dev):
+                start = time.perf_counter()
+                self._cpu_experts(inputs, sorted(set(group)))
+                return time.perf_counter() - start
+
+        cpu_time(1)  # the first call pays one-off setup
+        one, many = min(cpu_time(1), cpu_time(1)), min(cpu_time(tokens), cpu_time(tokens))
+        return MissCosts(measure_link_bandwidth(dev), *fit_cpu_costs(one, many, k, tokens),
+                         cpu_step_s=staging.round_trip_s(tokens, c.hidden_size, k, dtype, dev),
+                         gpu_bytes_per_s=measure_read_bandwidth(dev))
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
         (computed while the misses' copies travel), the fetched misses, and further rounds when the
-        touched experts exceed the cache."""
+        touched experts exceed the cache. The hits' expert_map is copied to the device before the
+        misses' copies are queued: host-to-device copies share the copy engine in issue order, so a map
+        copied after them would hold the hits' compute until the fetches land."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        partials = []
+        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if hits and fetch else None
         for experts in cache.rounds(self.layer_id, hits, fetch, stats):
             if experts:
-                expert_map = cache.slot_map(self.layer_id, experts, e)
+                if hits_map is not None and experts == hits:
+                    expert_map, hits_map = hits_map, None
+                else:
+                    expert_map = cache.slot_map(self.layer_id, experts, e)
                 partials.append(call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
                                              activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2))
         return partials
@@ -252,6 +270,16 @@ def expert_nbytes(moe: MoE) -> int:
     the cache size in experts."""
     e = moe.config.num_experts
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
+
+
+def _cpu_experts_fn():
+    """The CPU experts function for misses: grouped_mm's per-expert oneDNN loop on the plain weights
+    (``cpu_gemm="onednn_fused"``). Its default also keeps oneDNN-packed copies of experts that get 4+
+    rows: a copy of the expert (host memory the offload exists to save) made in that first call, for
+    experts that are cold by definition here."""
+    if backend_available("grouped_mm", "cpu"):
+        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": "onednn_fused"})
+    return backend_fn("auto", "cpu")
 
 
 def _take(dst: torch.Tensor, src: torch.Tensor) -> None:

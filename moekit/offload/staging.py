@@ -11,6 +11,8 @@ return before the copy lands (a pageable one makes the host wait for it).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -45,3 +47,28 @@ def to_device(y: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tens
         source = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
         source.copy_(y)
     return source.to(device, non_blocking=pin)
+
+
+def round_trip_s(tokens: int, hidden: int, top_k: int, dtype: torch.dtype, device: torch.device | str,
+                 repeats: int = 3) -> float:
+    """Seconds of one forward's staging on ``device``: ``to_host`` of x [tokens, hidden], ids and weights
+    [tokens, top_k], the host's wait for them, and ``to_device`` of a [tokens, hidden] result, landed
+    (the best of ``repeats``; ~0 when ``device`` is the CPU)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int32, device=device)
+    weights = torch.ones(tokens, top_k, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        (y, _, _), event = to_host([x, ids, weights], pin=cuda)
+        if event is not None:
+            event.synchronize()
+        to_device(y, device, pin=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

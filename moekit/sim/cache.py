@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.offload.whatif import RoutingTrace, replay
+from moekit.routing import Routing
 from moekit.sim import streams
 from moekit.sim.router import draw_tokens, make_router
 
@@ -32,25 +33,43 @@ class CacheRow:
     prefetch_accuracy: float  # used / prefetched (0 without prefetch)
 
 
-def decode_trace(experts: int, top_k: int, layers: int, steps: int, tokens: int, skew: float, drift: float,
-                 seed: int) -> RoutingTrace:
-    """``steps`` decode steps of ``tokens`` tokens through ``layers`` routers of one ``skew``."""
+@dataclass(frozen=True)
+class DecodeStream:
+    """A simulated decode stream: what the routers chose (to drive real layers) and its trace (to replay)."""
+
+    routings: list[list[Routing]]  # [step][layer]: topk_ids / topk_weights [M, k] on the CPU
+    trace: RoutingTrace  # touched and per-expert token counts of ``routings``; the router predictions
+
+
+def decode_stream(experts: int, top_k: int, layers: int, steps: int, tokens: int, skew: float, drift: float,
+                  seed: int) -> DecodeStream:
+    """``steps`` decode steps of ``tokens`` tokens through ``layers`` routers of one ``skew``; layer l+1's
+    prediction is its router applied to layer l's input."""
     routers = [make_router(experts, top_k, skew, seed * 1009 + layer) for layer in range(layers)]
     gen = streams.generator(seed, streams.CACHE)
-    touched, predicted = [], []
+    routings, touched, predicted, counts = [], [], [], []
     for _ in range(steps):
         x = draw_tokens(tokens, experts, gen)  # [M, F]
-        step_touched, step_predicted, prev = [], [[]], None
+        step_routings, step_predicted, prev = [], [[]], None
         for layer, router in enumerate(routers):
             if prev is not None:
                 step_predicted.append(_experts(router.route(prev).topk_ids))
-            step_touched.append(_experts(router.route(x).topk_ids))
+            step_routings.append(router.route(x))
             prev = x
             x = x.clone()
             x[:, :-1] += drift * torch.randn(tokens, experts, generator=gen)
-        touched.append(step_touched)
+        routings.append(step_routings)
+        touched.append([_experts(r.topk_ids) for r in step_routings])
+        counts.append([_counts(r.topk_ids) for r in step_routings])
         predicted.append(step_predicted)
-    return RoutingTrace(num_experts=experts, touched=touched, predicted=predicted)
+    return DecodeStream(routings, RoutingTrace(experts, touched, predicted, counts))
+
+
+def decode_trace(experts: int, top_k: int, layers: int, steps: int, tokens: int, skew: float, drift: float,
+                 seed: int) -> RoutingTrace:
+    """``steps`` decode steps of ``tokens`` tokens through ``layers`` routers of one ``skew`` (the trace
+    of ``decode_stream``)."""
+    return decode_stream(experts, top_k, layers, steps, tokens, skew, drift, seed).trace
 
 
 def cache_what_if(trace: RoutingTrace, fractions: list[float], policies: list[str]) -> list[CacheRow]:
@@ -69,3 +88,9 @@ def cache_what_if(trace: RoutingTrace, fractions: list[float], policies: list[st
 
 def _experts(ids: torch.Tensor) -> list[int]:
     return sorted(set(ids.flatten().tolist()))
+
+
+def _counts(ids: torch.Tensor) -> dict[int, int]:
+    """expert -> routed assignments in ``ids`` [M, k]."""
+    experts, counts = torch.unique(ids.flatten(), return_counts=True)
+    return dict(zip(experts.tolist(), counts.tolist()))

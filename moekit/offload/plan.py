@@ -1,0 +1,67 @@
+"""What a forward does with its missed experts, by ``compute_misses_on``: the one decision that both
+``OffloadedMoE`` runs and the cache what-if (``whatif.replay``) replays, so the replay predicts the hit
+rate of the mode that ran, not that of an all-fetch cache.
+
+    "gpu":  every miss fetched into the cache
+    "cpu":  every miss computed on the CPU; the busiest copied into the cache afterwards ("admitted")
+    "auto": ``cost.split_misses``'s cheapest split; the busiest CPU misses admitted afterwards
+
+Admissions keep the cache learning the hot set while misses run on the CPU; they ride the link in
+the background, so by default only as many as fit in the link's idle time during this forward
+(predicted CPU side minus the link time of this forward's fetches, in whole fetches), and at least
+one when nothing was fetched (so an all-CPU forward still teaches the cache). A later forward's
+fetches queue behind admissions, which is why "auto" does not admit into a busy link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moekit.offload.cost import MissCosts, MissSplit, gpu_side_s, split_misses
+
+PLACES = ("gpu", "cpu", "auto")
+
+
+@dataclass(frozen=True)
+class MissPlan:
+    """One forward's misses by destination (each list sorted by expert id, ``admit`` busiest first)."""
+
+    fetch: list[int]  # copied into the cache, computed on the GPU
+    cpu: list[int]  # computed on the CPU from their host weights
+    admit: list[int]  # of ``cpu``: copied into the cache after the forward, for later forwards
+
+
+def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts | None,
+                admit_per_forward: int | None = None) -> MissPlan:
+    """The plan for the misses ``tokens`` (expert -> routed assignments) of a forward with ``hits``
+    cached experts. ``costs`` is required for "auto"; for "cpu" it only sizes the admissions (one per
+    forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none)."""
+    if place not in PLACES:
+        raise ValueError(f"compute_misses_on must be one of {PLACES}, got {place!r}")
+    if place == "gpu" or not tokens:
+        return MissPlan(sorted(tokens), [], [])
+    if place == "auto":
+        if costs is None:
+            raise ValueError("compute_misses_on='auto' needs costs (MissCosts)")
+        split = split_misses(tokens, expert_bytes, costs, hits)
+    elif costs is None:
+        split = MissSplit([], sorted(tokens), 0.0, 0.0, 0.0)
+    else:
+        cpu_s = costs.cpu_step_s + sum(costs.cpu_time(t) for t in tokens.values())
+        split = MissSplit([], sorted(tokens), gpu_side_s(hits, 0, expert_bytes, costs), cpu_s, 0.0)
+    busiest = sorted(split.cpu, key=lambda e: (-tokens[e], e))
+    return MissPlan(split.fetch, split.cpu, busiest[: _admissions(split, expert_bytes, costs, admit_per_forward)])
+
+
+def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, admit_per_forward: int | None) -> int:
+    """How many of the split's CPU misses to admit (module docstring)."""
+    if not split.cpu:
+        return 0
+    if admit_per_forward is not None:
+        return admit_per_forward
+    if costs is None:
+        return 1
+    fetch_one = expert_bytes / costs.link_bytes_per_s
+    idle = max(split.cpu_s - split.link_s, 0.0)
+    count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
+    return count if split.fetch else max(count, 1)

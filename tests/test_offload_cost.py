@@ -1,0 +1,116 @@
+"""``compute_misses_on="auto"``'s decision (``cost.split_misses``, ``plan.plan_misses``) against a
+brute-force search over every split of the misses, with the step-time model written out here."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from moekit.offload import MissCosts, plan_misses, split_misses
+from moekit.offload.cost import fit_cpu_costs
+
+BYTES = 1000
+
+
+def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -> float:
+    """The forward's time with ``on_cpu`` computed on the CPU and the other misses fetched: the GPU
+    computes its hits while the fetches travel, then the fetched experts; the CPU pays its fixed
+    staging price and each of its experts one after another; the two sides run at once."""
+    fetched = len(tokens) - len(on_cpu)
+    read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
+    gpu = max(hits * read, fetched * link) + fetched * read
+    cpu = 0.0
+    if on_cpu:
+        cpu = c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu)
+    return max(gpu, cpu)
+
+
+def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts) -> float:
+    experts = list(tokens)
+    return min(_step_s(set(s), tokens, hits, c)
+               for r in range(len(experts) + 1) for s in itertools.combinations(experts, r))
+
+
+def _random_case(gen: torch.Generator) -> tuple[dict[int, int], int, MissCosts]:
+    def u(lo: float, hi: float) -> float:
+        return float(torch.empty(1).uniform_(lo, hi, generator=gen))
+
+    n = int(torch.randint(1, 8, (1,), generator=gen))
+    experts = torch.randperm(40, generator=gen)[:n].tolist()
+    tokens = {e: int(torch.randint(1, 30, (1,), generator=gen)) for e in experts}
+    hits = int(torch.randint(0, 20, (1,), generator=gen))
+    costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 3.0), cpu_token_s=u(0.0, 0.2),
+                      cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf)
+    return tokens, hits, costs
+
+
+def test_split_misses_finds_the_brute_force_optimum():
+    gen = torch.Generator().manual_seed(0)
+    mixed = 0
+    for _ in range(300):
+        tokens, hits, costs = _random_case(gen)
+        split = split_misses(tokens, BYTES, costs, hits)
+        assert sorted(split.fetch + split.cpu) == sorted(tokens)
+        best = _brute_force(tokens, hits, costs)
+        assert _step_s(set(split.cpu), tokens, hits, costs) == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert split.step_s == pytest.approx(best, rel=1e-12, abs=1e-15)  # its own prediction is the model's
+        assert best <= min(_step_s(set(), tokens, hits, costs), _step_s(set(tokens), tokens, hits, costs))
+        mixed += bool(split.fetch) and bool(split.cpu)
+    assert mixed > 30  # the cases exercise real splits, not only the pure choices
+
+
+def test_split_prefers_fetching_on_a_tie():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=BYTES, cpu_token_s=0.0)  # a CPU expert = one fetch
+    split = split_misses({3: 1}, BYTES, costs)
+    assert (split.fetch, split.cpu) == ([3], [])
+
+
+def test_a_slow_cpu_path_sends_every_miss_over_the_link():
+    # last session's H200 case: a cold CPU expert (3.5 ms with staging) against a 1.6 ms fetch at M=1
+    costs = MissCosts(link_bytes_per_s=BYTES / 1.6e-3, cpu_expert_s=3.0e-3, cpu_token_s=30e-6, cpu_step_s=0.5e-3)
+    split = split_misses({e: 1 for e in range(2)}, BYTES, costs, hits=6)
+    assert split.cpu == [] and split.step_s == pytest.approx(2 * 1.6e-3)
+
+
+def test_plan_admits_only_into_the_links_idle_time():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=2.5 * BYTES, cpu_token_s=0.0)  # CPU expert = 2.5 fetches
+    tokens = {1: 5, 2: 1, 3: 9}
+    cpu = plan_misses("cpu", tokens, 0, BYTES, costs)
+    assert cpu.fetch == [] and cpu.cpu == [1, 2, 3]
+    assert cpu.admit == [3, 1, 2][: int(3 * 2.5)]  # 7.5 fetches of idle link: all three, busiest first
+    assert plan_misses("cpu", tokens, 0, BYTES, None).admit == [3]  # no costs: one per forward
+    assert plan_misses("cpu", tokens, 0, BYTES, costs, admit_per_forward=0).admit == []
+    auto = plan_misses("auto", tokens, 0, BYTES, costs)
+    idle = 2.5 * BYTES * len(auto.cpu) - BYTES * len(auto.fetch)
+    assert auto.cpu and auto.fetch and len(auto.admit) == max(int(idle / BYTES), 0)
+    assert plan_misses("gpu", tokens, 0, BYTES, costs) == plan_misses("gpu", tokens, 0, BYTES, None)
+    with pytest.raises(ValueError, match="compute_misses_on"):
+        plan_misses("disk", tokens, 0, BYTES, costs)
+    with pytest.raises(ValueError, match="costs"):
+        plan_misses("auto", tokens, 0, BYTES, None)
+
+
+def test_fit_cpu_costs_recovers_a_line():
+    per_expert, per_token = fit_cpu_costs(one=8 * (3e-3 + 1 * 2e-5), many=8 * (3e-3 + 16 * 2e-5), experts=8, tokens=16)
+    assert per_expert == pytest.approx(3e-3) and per_token == pytest.approx(2e-5)
+    with pytest.raises(ValueError, match="tokens"):
+        fit_cpu_costs(1.0, 2.0, experts=8, tokens=1)
+
+
+def test_measure_costs_times_the_layers_own_cpu_path():
+    from moekit import MoE, MoEConfig
+    from moekit.offload import OffloadedMoE
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16, top_k=2), backend="grouped_mm",
+              router="torch")
+    off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="auto")
+    costs = off.measure_costs(tokens=4)
+    assert all(math.isfinite(v) and v >= 0 for v in (costs.cpu_expert_s, costs.cpu_token_s, costs.cpu_step_s))
+    assert costs.cpu_expert_s + costs.cpu_token_s > 0 and costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(off(x), moe(x))  # "auto" without costs measures them on first use
+    assert off.costs is not None
