@@ -43,7 +43,10 @@ class KernelTiles:
     num_stages: int
     rows: int = 0  # weight_grad: output rows per program (R); 0 for the row-gathering kernels (the layout's block)
     split: int = 0  # weight_grad: ways an expert's rows split (``choose_split`` when 0, 1 = none); 0 elsewhere
-    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows
+    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows;
+    # weight_grad with ``contiguous``: both permuted operands through TMA descriptors where ``descriptor`` allows
+    contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block)
+    group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,9 @@ def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_
 def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int, num_experts: int,
                 out_dtype: torch.dtype, layout: Layout, tile: KernelTiles, split_m: int = 0) -> torch.Tensor:
     """[E, R, C]: out[e] = sum over e's rows a of left[a // l_div]^T right[a // r_div] (left [.., R],
-    right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``."""
+    right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``.
+    ``tile.contiguous``: both operands permuted into the layout's rows first (``permute_rows``), so each
+    expert's rows are one range (TMA loads with ``tile.desc``); else the kernel gathers rows by index."""
     rows, cols, num_assignments = left.shape[1], right.shape[1], layout.num_assignments
     tiles_per_expert = cdiv(rows, tile.rows) * cdiv(cols, tile.cols)
     split = split_m or tile.split or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts,
@@ -202,14 +207,42 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         out = torch.empty(num_experts, rows, cols, dtype=out_dtype, device=device)
     else:
         out = torch.empty(split, num_experts, rows, cols, dtype=torch.float32, device=device)
-    kernels("gemm_backward").weight_grad_kernel[(num_experts * tiles_per_expert, split)](
-        left, right, out, layout.sorted_ids, layout.counts,
-        rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
-        left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
-        BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red,
-        E_PAD=next_pow2(num_experts), num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype),
-    )
+    grid = (num_experts * tiles_per_expert, split)
+    common = dict(BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red, E_PAD=next_pow2(num_experts),
+                  num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype))
+    strides = (out.stride(0) if split > 1 else 0, rows * cols, cols)
+    if tile.contiguous:
+        if layout.block_m % tile.red:
+            raise ValueError(f"a contiguous weight grad's step (red={tile.red}) must divide the layout's block "
+                             f"({layout.block_m}): a step would cross into the next expert's rows")
+        left, right = permute_rows(left, l_div, layout), permute_rows(right, r_div, layout)
+        pair = (None, None)
+        if tile.desc:
+            pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+        use_desc = None not in pair
+        kernels("gemm_backward").weight_grad_contiguous_kernel[grid](
+            *(pair if use_desc else (left, right)), out, layout.counts,
+            rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
+            GROUP_R=tile.group, DESC=use_desc, **common)
+    else:
+        kernels("gemm_backward").weight_grad_kernel[grid](
+            left, right, out, layout.sorted_ids, layout.counts,
+            rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
+            left.stride(0), right.stride(0), *strides, **common)
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
+
+
+def permute_rows(src: torch.Tensor, div: int, layout: Layout) -> torch.Tensor:
+    """[P, C], P the layout's rows: row p = src[sorted_ids[p] // div] (src [S, C] contiguous), zeros on
+    padding rows; rows past the ones in use are left unwritten (nothing reads them)."""
+    cols = src.shape[1]
+    num_rows = layout.sorted_ids.numel()
+    out = torch.empty(num_rows, cols, dtype=src.dtype, device=src.device)
+    block_c = min(256, next_pow2(cols))
+    kernels("gemm_backward").permute_rows_kernel[(cdiv(num_rows, layout.block_m), cdiv(cols, block_c))](
+        src, out, layout.sorted_ids, layout.num_padded, num_rows, cols, layout.num_assignments, div, src.stride(0),
+        out.stride(0), BLOCK_M=layout.block_m, BLOCK_C=block_c, num_warps=4)
+    return out
 
 
 def choose_split(num_programs: int, num_assignments: int, num_experts: int, weight_elems: int, step: int) -> int:

@@ -236,3 +236,69 @@ def weight_grad_kernel(
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def permute_rows_kernel(
+    src_ptr, out_ptr, sorted_ids_ptr, num_padded_ptr,  # src [S, C] rows a // div; out [P, C] in layout order
+    num_rows, C, num_assignments, div, stride_sm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[p] = src[sorted_ids[p] // div] for the layout's rows in use, zeros on its padding rows (the
+    contiguous weight grads read them); rows past num_padded are never written (nothing reads them)."""
+    offs_p = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    p_ok = offs_p < num_rows
+    rows = tl.load(sorted_ids_ptr + offs_p, mask=p_ok, other=num_assignments).to(tl.int64)  # [BM]
+    row_ok = rows < num_assignments
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    src = tl.where(row_ok, rows // div, 0)
+    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals, mask=p_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def weight_grad_contiguous_kernel(
+    l_ptr, r_ptr, out_ptr,  # l [P, R], r [P, C] in layout order (padding rows 0), or TMA descriptors over them
+    counts_ptr,
+    R, C, num_experts, split, block_m,
+    stride_lm, stride_rm, stride_os, stride_oe, stride_or,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr,
+    E_PAD: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``weight_grad_kernel`` on operands already permuted into the layout's rows: expert e's rows are the
+    contiguous range [start, start + padded) (block_m % BLOCK_K == 0, so no step crosses an expert).
+    DESC: l_ptr / r_ptr are descriptors with blocks [BK, BR] / [BK, BC] (TMA loads); else pointer tiles.
+    Program (pid, s): within an expert, GROUP_R row tiles sweep the column tiles together (their R
+    tiles and the shared L tiles stay in L2)."""
+    tiles_r, tiles_c = tl.cdiv(R, BLOCK_R), tl.cdiv(C, BLOCK_C)
+    pid, s = tl.program_id(0), tl.program_id(1)
+    e, tile = (pid // (tiles_r * tiles_c)).to(tl.int64), pid % (tiles_r * tiles_c)
+    per_group = GROUP_R * tiles_c
+    first_r = (tile // per_group) * GROUP_R
+    group_r = tl.minimum(tiles_r - first_r, GROUP_R)
+    tile_r, tile_c = first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
+    ee = tl.arange(0, E_PAD)
+    padded = (tl.load(counts_ptr + ee, mask=ee < num_experts, other=0) + block_m - 1) // block_m * block_m
+    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row
+    end = start + tl.sum(tl.where(ee == e, padded, 0), axis=0)
+    offs_r = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = offs_r < R, offs_c < C
+    lanes = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for b in range(start + s * BLOCK_K, end, split * BLOCK_K):
+        if DESC:  # columns past R / C read 0
+            lt = l_ptr.load([b, tile_r * BLOCK_R]).T  # [BR, BK]; int32 coordinates
+            rt = r_ptr.load([b, tile_c * BLOCK_C])  # [BK, BC]
+        else:
+            rows = (b + lanes).to(tl.int64)  # [BK]
+            lt = tl.load(l_ptr + rows[None, :] * stride_lm + offs_r[:, None], mask=r_ok[:, None], other=0.0)
+            rt = tl.load(r_ptr + rows[:, None] * stride_rm + offs_c[None, :], mask=c_ok[None, :], other=0.0)
+        if UPCAST:
+            lt, rt = lt.to(tl.float32), rt.to(tl.float32)
+        acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
