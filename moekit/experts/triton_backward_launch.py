@@ -172,8 +172,9 @@ def descriptor(w: torch.Tensor, block: list[int], red_rows: int = 0):
 def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_dim: int, out: torch.Tensor,
                 layout: Layout, tile: KernelTiles, scale: torch.Tensor | None = None) -> None:
     """out[a] = scale[a] * W[e] a_src[a // a_div] over the layout's rows, W[e] read with w's dims
-    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous. ``tile.desc``:
-    the weight through a TMA descriptor where ``descriptor`` allows it."""
+    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous (``a_div`` 0: a's rows are the
+    layout's rows, ``grad_gate_up(sorted_out=True)``), out [A, OUT] contiguous. ``tile.desc``: the weight
+    through a TMA descriptor where ``descriptor`` allows it."""
     num_out, num_red = w.shape[out_dim], w.shape[red_dim]
     red_rows = red_dim == 1
     w_desc = None
@@ -187,7 +188,7 @@ def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_
         num_out, num_red, layout.num_assignments, a_div, layout.num_pid_m,
         a.stride(0), w.stride(0), w.stride(out_dim), w.stride(red_dim), out.stride(0),
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8, HAS_SCALE=scale is not None,
-        W_DESC=w_desc is not None, RED_ROWS=red_rows,
+        W_DESC=w_desc is not None, RED_ROWS=red_rows, A_SORTED=a_div == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(a.dtype),
     )
 
@@ -196,8 +197,9 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
                 out_dtype: torch.dtype, layout: Layout, tile: KernelTiles, split_m: int = 0) -> torch.Tensor:
     """[E, R, C]: out[e] = sum over e's rows a of left[a // l_div]^T right[a // r_div] (left [.., R],
     right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``.
-    ``tile.contiguous``: both operands permuted into the layout's rows first (``permute_rows``), so each
-    expert's rows are one range (TMA loads with ``tile.desc``); else the kernel gathers rows by index."""
+    ``tile.contiguous``: both operands in the layout's rows (a div of 0: already so, padding rows 0; else
+    ``permute_rows`` first), so each expert's rows are one range (TMA loads with ``tile.desc``); else the
+    kernel gathers rows by index."""
     rows, cols, num_assignments = left.shape[1], right.shape[1], layout.num_assignments
     tiles_per_expert = cdiv(rows, tile.rows) * cdiv(cols, tile.cols)
     split = split_m or tile.split or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts,
@@ -215,7 +217,8 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         if layout.block_m % tile.red:
             raise ValueError(f"a contiguous weight grad's step (red={tile.red}) must divide the layout's block "
                              f"({layout.block_m}): a step would cross into the next expert's rows")
-        left, right = permute_rows(left, l_div, layout), permute_rows(right, r_div, layout)
+        left = permute_rows(left, l_div, layout) if l_div else left
+        right = permute_rows(right, r_div, layout) if r_div else right
         pair = (None, None)
         if tile.desc:
             pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
@@ -225,6 +228,9 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
             rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
             GROUP_R=tile.group, DESC=use_desc, **common)
     else:
+        if not l_div or not r_div:
+            raise ValueError("the gathering weight grad takes operands by assignment (div >= 1); operands in the "
+                             "layout's rows (div 0) need tile.contiguous")
         kernels("gemm_backward").weight_grad_kernel[grid](
             left, right, out, layout.sorted_ids, layout.counts,
             rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
@@ -236,12 +242,12 @@ def permute_rows(src: torch.Tensor, div: int, layout: Layout) -> torch.Tensor:
     """[P, C], P the layout's rows: row p = src[sorted_ids[p] // div] (src [S, C] contiguous), zeros on
     padding rows; rows past the ones in use are left unwritten (nothing reads them)."""
     cols = src.shape[1]
-    num_rows = layout.sorted_ids.numel()
+    num_rows, block_m = layout.sorted_ids.numel(), 32
     out = torch.empty(num_rows, cols, dtype=src.dtype, device=src.device)
     block_c = min(256, next_pow2(cols))
-    kernels("gemm_backward").permute_rows_kernel[(cdiv(num_rows, layout.block_m), cdiv(cols, block_c))](
-        src, out, layout.sorted_ids, layout.num_padded, num_rows, cols, layout.num_assignments, div, src.stride(0),
-        out.stride(0), BLOCK_M=layout.block_m, BLOCK_C=block_c, num_warps=4)
+    kernels("gemm_backward").permute_rows_kernel[(cdiv(num_rows, block_m), cdiv(cols, block_c))](
+        src, out, layout.sorted_ids, layout.num_padded, cols, layout.num_assignments, div, src.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
     return out
 
 
@@ -255,14 +261,17 @@ def choose_split(num_programs: int, num_assignments: int, num_experts: int, weig
     return max(1, min(want, steps // 2, fits))
 
 
-def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str):
+def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str,
+                 sorted_out: bool = False):
     """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
     recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``tile.desc``:
-    both weights through TMA descriptors where ``descriptor`` allows it for both."""
+    both weights through TMA descriptors where ``descriptor`` allows it for both. ``sorted_out``: dh and
+    w*g rows are the layout's rows instead ([P, ..], padding rows 0, rows past the ones in use unwritten)."""
     (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
-    dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
-    gw = torch.empty(num_assignments, n, dtype=work, device=x.device)
+    out_rows = layout.sorted_ids.numel() if sorted_out else num_assignments
+    dh = torch.empty(out_rows, two_n, dtype=work, device=x.device)
+    gw = torch.empty(out_rows, n, dtype=work, device=x.device)
     num_pid_n = cdiv(n, tile.cols)
     parts = torch.zeros(num_assignments, num_pid_n, dtype=torch.float32, device=x.device)  # unrouted rows stay 0
     w13_arg, w2_arg = w13, w2
@@ -276,7 +285,7 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13, OUT_SORTED=sorted_out,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
     )
     return dh, gw, parts
@@ -312,16 +321,20 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     expert_map = expert_map.contiguous() if expert_map is not None else None
     tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
-    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation)
+    sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous  # dh, w*g [P, ..] in the layout's rows (div 0)
+    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
+                                 sorted_out)
+    div = 0 if sorted_out else 1
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
+        gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
-        dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
+        dw13 = weight_grad(dh, div, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
+    del dh  # not read again: the weight grads of w2 run without it
     if need_w2:
-        dw2 = weight_grad(dout, top_k, gw, 1, num_experts, w2.dtype, layout, tiles.dw2, split_m)
+        dw2 = weight_grad(dout, top_k, gw, div, num_experts, w2.dtype, layout, tiles.dw2, split_m)
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)
