@@ -6,6 +6,12 @@ saves the gate-up product for it. ``triton_backward`` holds the custom ops and t
       -> dW13 = dh^T x, dW2 = dout^T (w g): weight_grad per expert tile (split over M: fp32 partials,
          summed here in a fixed order)
 
+Weight grads two ways (``KernelTiles.contiguous``): the gathering kernel reads each expert's rows by
+index (pointer loads); the contiguous one reads operands laid out in the layout's rows, each expert's
+rows one range, through TMA descriptors. With both weight grads contiguous, grad_gate_up writes dh and
+w*g in the layout's rows ([P, ..], P = rows of sorted_ids, padding rows 0; dX reads dh there) and only
+x and dout are permuted (``permute_rows``: [P, K] each, transient).
+
 Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
 (``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
 (``experts_backward(tiles=...)``; ``benchmarks/backward_tune.py`` times them).
