@@ -13,7 +13,8 @@ timed in the same run, the compiled kernel's registers and spills, and its rel-L
 tile's output and against a float32 torch twin on three experts (FAIL over 1e-2). The permutation
 alone is timed too. Then at M = 16384 forward + backward with the fastest correct variant of each weight
 grad (``backward_tune.end_to_end``: against the current defaults and transformers' ``grouped_mm``
-autograd). A table last; exit 1 if a check fails.
+autograd), and that step stage by stage (``breakdown``: which GEMM limits it, at what % of the mm).
+A table last; exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if SMOKE:
     SHAPES, BATCHES, BLOCK = bt.SHAPES, (12,), 16
 else:
     VARIANTS = {
+        "gather 128x128 s4": _t(128, 128, 4, contiguous=False, desc=False),  # the default before 2026-12-01
         "gather 128x256 s3": _t(128, 256, 3, contiguous=False, desc=False),
         "contig-ptr 128x128 s4 g8": _t(128, 128, 4, desc=False),
         "contig-tma 128x128 s3 g1": _t(128, 128, 3, group=1),
@@ -149,6 +151,36 @@ def winner(timed: dict, kernel: str) -> dict:
     return min(ok, key=lambda r: r["ms"])
 
 
+def breakdown(cell: bt.Cell, tiles, dev) -> dict:
+    """{stage: {ms, tflops}} of one forward + backward with ``tiles``, stage by stage as
+    ``experts_backward`` runs them (the weight grads with the layout-order dh and w*g when both are
+    contiguous, their x / dout permutations included)."""
+    from moekit.experts.triton import fused_experts
+
+    s, w, k, ank = cell.s, cell.w, cell.s.top_k, cell.a * cell.s.n * cell.s.k
+    weights = cell.weights.reshape(-1).contiguous()
+    layout = bl.align(cell.ids, None, s.num_experts, tiles.block_m)
+    sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous
+    div = 0 if sorted_out else 1
+    dh, gw, _ = bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, None, weights, layout, tiles.grad, "silu", sorted_out)
+    per_slot = torch.empty(cell.a, s.k, device=dev, dtype=dh.dtype)
+    stages = {
+        "forward": (6, lambda: fused_experts(cell.x, w.w13, w.w2, cell.ids, cell.weights)),
+        "align": (0, lambda: bl.align(cell.ids, None, s.num_experts, tiles.block_m)),
+        "grad_gate_up": (6, lambda: bl.grad_gate_up(cell.dout, cell.x, w.w13, w.w2, None, weights, layout, tiles.grad,
+                                                    "silu", sorted_out)),
+        "dx": (4, lambda: bl.gather_gemm(dh, div, w.w13, 2, 1, per_slot, layout, tiles.dx)),
+        "dx k-sum": (0, lambda: bl.sum_slots(per_slot, cell.ids, None, s.num_experts, cell.x.dtype)),
+        "dw13": (4, lambda: bl.weight_grad(dh, div, cell.x, k, s.num_experts, torch.bfloat16, layout, tiles.dw13)),
+        "dw2": (2, lambda: bl.weight_grad(cell.dout, k, gw, div, s.num_experts, torch.bfloat16, layout, tiles.dw2)),
+    }
+    out = {}
+    for name, (flops, fn) in stages.items():
+        ms = bt.clock(fn, dev)
+        out[name] = dict(ms=ms, tflops=flops * ank / ms / 1e9)
+    return out
+
+
 def check_cell(s: Shape, m: int, w, dev, e2e: bool) -> dict:
     """One (shape, M): the variants, the permutation, and (``e2e``) forward + backward with the winners."""
     cell = bt.Cell(s, m, w, dev)
@@ -163,6 +195,7 @@ def check_cell(s: Shape, m: int, w, dev, e2e: bool) -> dict:
     if e2e:
         try:
             row["e2e"] = bt.end_to_end(cell, tiles, dev)
+            row["stages"] = breakdown(cell, tiles, dev)
         except Exception as exc:  # noqa: BLE001  (recorded as a failure; the other cells still run)
             row["e2e_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     print(f"{s.name} M={m}: winners {row['winners']}  e2e {row['e2e']}", flush=True)
@@ -210,6 +243,12 @@ def table(rows: list, matmul: float) -> None:
         names = " / ".join(row["winners"].values())
         print(f"{row['shape']:14} {names:58} {e['tuned_ms']:10.2f} {e['heuristic_ms']:8.2f} {e['baseline_ms']:10.2f} "
               f"{e['baseline_ms'] / e['tuned_ms']:6.2f}x")
+    print(f"{'shape':14} {'stage (winners)':14} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5}")
+    for row in filter(lambda r: r.get("stages"), rows):
+        for name, st in row["stages"].items():
+            pct = 100 * st["tflops"] / matmul if matmul else 0.0
+            print(f"{row['shape']:14} {name:14} {st['ms']:8.2f} {st['tflops']:8.0f} {pct:5.0f}")
+        print(f"{row['shape']:14} {'sum':14} {sum(st['ms'] for st in row['stages'].values()):8.2f}")
     print("winning tiles per class:\n" + "\n".join(f"  {r['shape_class']!r}: {r['tiles']},  # {r['shape']} M={r['m']}"
                                                  for r in rows))
 

@@ -78,29 +78,36 @@ def _tiles(cols: int, red: int, num_warps: int, num_stages: int, rows: int = 0) 
     return KernelTiles(cols, red, num_warps, num_stages, rows=rows)
 
 
+def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
+    """A contiguous weight-grad tile: 128 x ``cols`` outputs, 64-row steps, 8 warps, TMA loads."""
+    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group)
+
+
 # Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one
-# cell per class (the preset and M in each comment), 2026-12-01; every winner's gradients equal the
-# heuristic's (rel-L2 <= 1.2e-7). Forward + backward against the heuristic: Qwen3 M=16384 15.3 -> 11.5 ms,
-# DeepSeek-V3 157.6 -> 123.1, Mixtral 126.4 -> 100.6. Classes not here take the heuristic below.
+# cell per class (the preset and M in each comment), 2026-12-01, for grad_gate_up and dX; the weight
+# grads from ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel
+# won every cell, 17-85% of the bf16 mm against the gathering kernel's 17-36%; every variant's grads
+# equal the gathering kernel's). Forward + backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3
+# 119.5 -> 97.7, Mixtral 98.5 -> 74.6. Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 1)),
     "narrow/some": BackwardTiles(  # qwen3-30b-a3b M=16384
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "mid/few": BackwardTiles(  # deepseek-v3 M=4096
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 8)),
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_tiles(128, 64, 8, 3, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(256, 4, 8), dw2=_contiguous(256, 3, 8)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 4, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "wide/many": BackwardTiles(  # mixtral-8x7b M=16384
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(256, 128, 8, 3, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 4, 8)),
 }
 
 
