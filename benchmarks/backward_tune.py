@@ -13,7 +13,9 @@ is skipped, one that fails to launch is recorded):
 - gather_gemm, dX's dh @ W13 (4·A·N·K), descriptors on/off;
 - weight_grad dW13 = dh^T x (4·A·N·K) and dW2 = dout^T (w g) (2·A·N·K), tiles 128x128 / 128x256 /
   256x128, split over M as ``choose_split`` says (1 at these shapes: the fp32 partials would pass
-  its 1 GiB and every grid has > 10k programs) or forced 2 ways where the partials stay under 4 GiB.
+  its 1 GiB and every grid has > 10k programs) or forced 2 ways where the partials stay under 4 GiB;
+  and the contiguous kernel (operands permuted into the layout's rows, TMA loads; the permutations
+  timed with it, though in ``experts_backward`` grad_gate_up writes dh and w*g that way already).
 Each against a dense ``torch.mm`` of the same FLOPs timed in the same run. CUDA events, median of
 REPEATS after a warm-up (not repeated when 3x the best so far). Candidates compile up front in a thread pool.
 
@@ -59,15 +61,20 @@ def candidates(kernel: str) -> list[KernelTiles]:
     if SMOKE:
         if kernel in ("grad", "dx"):
             return [KernelTiles(16, 16, 1, 1, desc=d) for d in (False, True)]
-        return [KernelTiles(16, 16, 1, 1, rows=16, split=s) for s in (0, 1)]
+        return [KernelTiles(16, 16, 1, 1, rows=16, split=s) for s in (0, 1)] + [
+            KernelTiles(16, 16, 1, 1, rows=16, split=1, desc=True, contiguous=True, group=2)]
     if kernel == "grad":
         pairs = ((64, 64), (128, 64), (64, 128))
     elif kernel == "dx":
         pairs = ((128, 64), (256, 64), (128, 128))
-    else:  # weight_grad: (rows, cols) output tiles, row steps of 64 or 128, split chosen or 2 ways
+    else:  # weight_grad: (rows, cols) output tiles; gathering: row steps of 64 or 128, split chosen or 2 ways;
+        # contiguous (TMA, 8 row tiles grouped): steps of 64, 3-5 stages
+        tiles = ((128, 128), (128, 256), (256, 128))
         return [KernelTiles(c, red, w, st, rows=r, split=sp)
-                for r, c in ((128, 128), (128, 256), (256, 128)) for red in (64, 128)
-                for w in ((4, 8) if r * c <= 128 * 128 else (8,)) for st in (3, 4) for sp in (0, 2)]
+                for r, c in tiles for red in (64, 128)
+                for w in ((4, 8) if r * c <= 128 * 128 else (8,)) for st in (3, 4) for sp in (0, 2)] + [
+            KernelTiles(c, 64, 8, st, rows=r, split=1, desc=True, contiguous=True, group=8)
+            for r, c in tiles for st in ((3, 4, 5) if r * c <= 128 * 128 else (3, 4))]
     return [KernelTiles(c, red, w, st, desc=d) for c, red in pairs for w in (4, 8) for st in (3, 4) for d in (False, True)]
 
 

@@ -26,6 +26,7 @@ def heuristic_rows(timed: dict, heuristic: BackwardTiles) -> dict:
 def tile_text(block_m: int, t: dict) -> str:
     rows = f"{t['rows']}x" if t["rows"] else f"{block_m}x"
     extra = (" desc" if t["desc"] else "") + (f" split{t['split'] or '*'}" if t["rows"] else "")
+    extra += f" contiguous g{t['group']}" if t.get("contiguous") else ""
     return f"{rows}{t['cols']} k{t['red']} w{t['num_warps']} s{t['num_stages']}{extra}"
 
 

@@ -263,6 +263,20 @@ def test_weight_descriptors(interpreter, split_m, saved):
     _check_against_loop(problem, tiles, torch.bfloat16, saved=saved, split_m=split_m)
 
 
+@pytest.mark.parametrize("saved,both", [(False, True), (True, True), (False, False)])
+def test_contiguous_weight_grads(interpreter, saved, both):
+    """Contiguous weight grads (``KernelTiles.contiguous``): with both, grad_gate_up writes dh and w*g in
+    the layout's rows (padding rows 0) and dX reads dh there; with one, its operands are permuted. Steps
+    of 16 in 32-row blocks, K=33 / N=17 tails, empty experts; the grads hold."""
+    from moekit.experts.triton_backward_launch import BackwardTiles, KernelTiles
+
+    contiguous = KernelTiles(16, 16, 1, 1, rows=32, contiguous=True, group=2)
+    tiles = BackwardTiles(32, grad=KernelTiles(16, 16, 1, 1), dx=KernelTiles(16, 16, 1, 1), dw13=contiguous,
+                          dw2=contiguous if both else KernelTiles(32, 16, 1, 1, rows=16, split=2))
+    problem = make_problem(45, 3, 8, 33, 17, seed=23, skips=True)
+    _check_against_loop(problem, tiles, torch.float32, saved=saved)
+
+
 def test_descriptor_refusals():
     """The pointer loads stay where a TMA copy cannot serve: float32, a transposed view, rows of 66 bytes,
     and a reduction over rows whose step would cross into the next expert (48 rows, steps of 32)."""

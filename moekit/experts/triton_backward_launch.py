@@ -6,6 +6,12 @@ saves the gate-up product for it. ``triton_backward`` holds the custom ops and t
       -> dW13 = dh^T x, dW2 = dout^T (w g): weight_grad per expert tile (split over M: fp32 partials,
          summed here in a fixed order)
 
+Weight grads two ways (``KernelTiles.contiguous``): the gathering kernel reads each expert's rows by
+index (pointer loads); the contiguous one reads operands laid out in the layout's rows, each expert's
+rows one range, through TMA descriptors. With both weight grads contiguous, grad_gate_up writes dh and
+w*g in the layout's rows ([P, ..], P = rows of sorted_ids, padding rows 0; dX reads dh there) and only
+x and dout are permuted (``permute_rows``: [P, K] each, transient).
+
 Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
 (``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
 (``experts_backward(tiles=...)``; ``benchmarks/backward_tune.py`` times them).
@@ -43,7 +49,10 @@ class KernelTiles:
     num_stages: int
     rows: int = 0  # weight_grad: output rows per program (R); 0 for the row-gathering kernels (the layout's block)
     split: int = 0  # weight_grad: ways an expert's rows split (``choose_split`` when 0, 1 = none); 0 elsewhere
-    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows
+    desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows;
+    # weight_grad with ``contiguous``: both permuted operands through TMA descriptors where ``descriptor`` allows
+    contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block)
+    group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together
 
 
 @dataclass(frozen=True)
@@ -69,29 +78,36 @@ def _tiles(cols: int, red: int, num_warps: int, num_stages: int, rows: int = 0) 
     return KernelTiles(cols, red, num_warps, num_stages, rows=rows)
 
 
+def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
+    """A contiguous weight-grad tile: 128 x ``cols`` outputs, 64-row steps, 8 warps, TMA loads."""
+    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group)
+
+
 # Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one
-# cell per class (the preset and M in each comment), 2026-12-01; every winner's gradients equal the
-# heuristic's (rel-L2 <= 1.2e-7). Forward + backward against the heuristic: Qwen3 M=16384 15.3 -> 11.5 ms,
-# DeepSeek-V3 157.6 -> 123.1, Mixtral 126.4 -> 100.6. Classes not here take the heuristic below.
+# cell per class (the preset and M in each comment), 2026-12-01, for grad_gate_up and dX; the weight
+# grads from ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel
+# won every cell, 17-85% of the bf16 mm against the gathering kernel's 17-36%; every variant's grads
+# equal the gathering kernel's). Forward + backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3
+# 119.5 -> 97.7, Mixtral 98.5 -> 74.6. Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 1)),
     "narrow/some": BackwardTiles(  # qwen3-30b-a3b M=16384
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "mid/few": BackwardTiles(  # deepseek-v3 M=4096
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 8)),
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_tiles(128, 64, 8, 3, rows=128), dw2=_tiles(128, 64, 8, 3, rows=128)),
+        dw13=_contiguous(256, 4, 8), dw2=_contiguous(256, 3, 8)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(128, 64, 8, 4, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "wide/many": BackwardTiles(  # mixtral-8x7b M=16384
         block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_tiles(128, 64, 8, 4, rows=128), dw2=_tiles(256, 128, 8, 3, rows=128)),
+        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 4, 8)),
 }
 
 
@@ -169,8 +185,9 @@ def descriptor(w: torch.Tensor, block: list[int], red_rows: int = 0):
 def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_dim: int, out: torch.Tensor,
                 layout: Layout, tile: KernelTiles, scale: torch.Tensor | None = None) -> None:
     """out[a] = scale[a] * W[e] a_src[a // a_div] over the layout's rows, W[e] read with w's dims
-    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous, out [A, OUT] contiguous. ``tile.desc``:
-    the weight through a TMA descriptor where ``descriptor`` allows it."""
+    (``out_dim``, ``red_dim``) as [OUT, RED]; a [S, RED] contiguous (``a_div`` 0: a's rows are the
+    layout's rows, ``grad_gate_up(sorted_out=True)``), out [A, OUT] contiguous. ``tile.desc``: the weight
+    through a TMA descriptor where ``descriptor`` allows it."""
     num_out, num_red = w.shape[out_dim], w.shape[red_dim]
     red_rows = red_dim == 1
     w_desc = None
@@ -184,7 +201,7 @@ def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_
         num_out, num_red, layout.num_assignments, a_div, layout.num_pid_m,
         a.stride(0), w.stride(0), w.stride(out_dim), w.stride(red_dim), out.stride(0),
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8, HAS_SCALE=scale is not None,
-        W_DESC=w_desc is not None, RED_ROWS=red_rows,
+        W_DESC=w_desc is not None, RED_ROWS=red_rows, A_SORTED=a_div == 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(a.dtype),
     )
 
@@ -192,7 +209,10 @@ def gather_gemm(a: torch.Tensor, a_div: int, w: torch.Tensor, out_dim: int, red_
 def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int, num_experts: int,
                 out_dtype: torch.dtype, layout: Layout, tile: KernelTiles, split_m: int = 0) -> torch.Tensor:
     """[E, R, C]: out[e] = sum over e's rows a of left[a // l_div]^T right[a // r_div] (left [.., R],
-    right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``."""
+    right [.., C], both contiguous). Split ``split_m`` ways, else ``tile.split``; 0 = ``choose_split``.
+    ``tile.contiguous``: both operands in the layout's rows (a div of 0: already so, padding rows 0; else
+    ``permute_rows`` first), so each expert's rows are one range (TMA loads with ``tile.desc``); else the
+    kernel gathers rows by index."""
     rows, cols, num_assignments = left.shape[1], right.shape[1], layout.num_assignments
     tiles_per_expert = cdiv(rows, tile.rows) * cdiv(cols, tile.cols)
     split = split_m or tile.split or choose_split(num_experts * tiles_per_expert, num_assignments, num_experts,
@@ -202,14 +222,46 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         out = torch.empty(num_experts, rows, cols, dtype=out_dtype, device=device)
     else:
         out = torch.empty(split, num_experts, rows, cols, dtype=torch.float32, device=device)
-    kernels("gemm_backward").weight_grad_kernel[(num_experts * tiles_per_expert, split)](
-        left, right, out, layout.sorted_ids, layout.counts,
-        rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
-        left.stride(0), right.stride(0), out.stride(0) if split > 1 else 0, rows * cols, cols,
-        BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red,
-        E_PAD=next_pow2(num_experts), num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype),
-    )
+    grid = (num_experts * tiles_per_expert, split)
+    common = dict(BLOCK_R=tile.rows, BLOCK_C=tile.cols, BLOCK_K=tile.red, E_PAD=next_pow2(num_experts),
+                  num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(left.dtype))
+    strides = (out.stride(0) if split > 1 else 0, rows * cols, cols)
+    if tile.contiguous:
+        if layout.block_m % tile.red:
+            raise ValueError(f"a contiguous weight grad's step (red={tile.red}) must divide the layout's block "
+                             f"({layout.block_m}): a step would cross into the next expert's rows")
+        left = permute_rows(left, l_div, layout) if l_div else left
+        right = permute_rows(right, r_div, layout) if r_div else right
+        pair = (None, None)
+        if tile.desc:
+            pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
+        use_desc = None not in pair
+        kernels("gemm_backward").weight_grad_contiguous_kernel[grid](
+            *(pair if use_desc else (left, right)), out, layout.counts,
+            rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
+            GROUP_R=tile.group, DESC=use_desc, **common)
+    else:
+        if not l_div or not r_div:
+            raise ValueError("the gathering weight grad takes operands by assignment (div >= 1); operands in the "
+                             "layout's rows (div 0) need tile.contiguous")
+        kernels("gemm_backward").weight_grad_kernel[grid](
+            left, right, out, layout.sorted_ids, layout.counts,
+            rows, cols, num_assignments, num_experts, l_div, r_div, split, layout.block_m,
+            left.stride(0), right.stride(0), *strides, **common)
     return out if split == 1 else out.sum(0).to(out_dtype)  # a fixed-order sum: deterministic
+
+
+def permute_rows(src: torch.Tensor, div: int, layout: Layout) -> torch.Tensor:
+    """[P, C], P the layout's rows: row p = src[sorted_ids[p] // div] (src [S, C] contiguous), zeros on
+    padding rows; rows past the ones in use are left unwritten (nothing reads them)."""
+    cols = src.shape[1]
+    num_rows, block_m = layout.sorted_ids.numel(), 32
+    out = torch.empty(num_rows, cols, dtype=src.dtype, device=src.device)
+    block_c = min(256, next_pow2(cols))
+    kernels("gemm_backward").permute_rows_kernel[(cdiv(num_rows, block_m), cdiv(cols, block_c))](
+        src, out, layout.sorted_ids, layout.num_padded, cols, layout.num_assignments, div, src.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    return out
 
 
 def choose_split(num_programs: int, num_assignments: int, num_experts: int, weight_elems: int, step: int) -> int:
@@ -222,14 +274,17 @@ def choose_split(num_programs: int, num_assignments: int, num_experts: int, weig
     return max(1, min(want, steps // 2, fits))
 
 
-def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str):
+def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelTiles, activation: str,
+                 sorted_out: bool = False):
     """(dh [A, 2N], w*g [A, N], d weight partials [A, N tiles] fp32) over the layout's rows; gate and up
     recomputed when ``h_pre`` is None. dout, x [M, K] contiguous; weights [A] contiguous. ``tile.desc``:
-    both weights through TMA descriptors where ``descriptor`` allows it for both."""
+    both weights through TMA descriptors where ``descriptor`` allows it for both. ``sorted_out``: dh and
+    w*g rows are the layout's rows instead ([P, ..], padding rows 0, rows past the ones in use unwritten)."""
     (_, two_n, hidden), n = w13.shape, w13.shape[1] // 2
     num_assignments, work = layout.num_assignments, _work_dtype(x)
-    dh = torch.empty(num_assignments, two_n, dtype=work, device=x.device)
-    gw = torch.empty(num_assignments, n, dtype=work, device=x.device)
+    out_rows = layout.sorted_ids.numel() if sorted_out else num_assignments
+    dh = torch.empty(out_rows, two_n, dtype=work, device=x.device)
+    gw = torch.empty(out_rows, n, dtype=work, device=x.device)
     num_pid_n = cdiv(n, tile.cols)
     parts = torch.zeros(num_assignments, num_pid_n, dtype=torch.float32, device=x.device)  # unrouted rows stay 0
     w13_arg, w2_arg = w13, w2
@@ -243,7 +298,7 @@ def grad_gate_up(dout, x, w13, w2, h_pre, weights, layout: Layout, tile: KernelT
         n, hidden, num_assignments, num_assignments // dout.shape[0], layout.num_pid_m,
         dout.stride(0), x.stride(0), *w13.stride(), *w2.stride(), two_n,
         BLOCK_M=layout.block_m, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=8,
-        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13,
+        ACT=get_activation(activation).kernel_id, RECOMPUTE=h_pre is None, W_DESC=w13_arg is not w13, OUT_SORTED=sorted_out,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(x.dtype),
     )
     return dh, gw, parts
@@ -279,16 +334,20 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     expert_map = expert_map.contiguous() if expert_map is not None else None
     tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
-    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation)
+    sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous  # dh, w*g [P, ..] in the layout's rows (div 0)
+    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
+                                 sorted_out)
+    div = 0 if sorted_out else 1
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, 1, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
+        gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
-        dw13 = weight_grad(dh, 1, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
+        dw13 = weight_grad(dh, div, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
+    del dh  # not read again: the weight grads of w2 run without it
     if need_w2:
-        dw2 = weight_grad(dout, top_k, gw, 1, num_experts, w2.dtype, layout, tiles.dw2, split_m)
+        dw2 = weight_grad(dout, top_k, gw, div, num_experts, w2.dtype, layout, tiles.dw2, split_m)
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)

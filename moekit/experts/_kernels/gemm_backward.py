@@ -72,10 +72,11 @@ def grad_gate_up_kernel(
     stride_dm, stride_xm, stride_ae, stride_an, stride_ak, stride_be, stride_bk, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, RECOMPUTE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr,
+    W_DESC: tl.constexpr, OUT_SORTED: tl.constexpr,
 ):
     """W_DESC: w13_ptr a descriptor over w13 as [E*2N, K], block [BN, BK]; w2_ptr over w2 as [E*K, N],
-    block [BK, BN] (K % BK == 0, so a K step never reads the next expert's rows)."""
+    block [BK, BN] (K % BK == 0, so a K step never reads the next expert's rows). OUT_SORTED: dh and gw
+    rows are the layout's rows (padding rows 0), for the contiguous weight grads; else assignments."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
@@ -120,18 +121,21 @@ def grad_gate_up_kernel(
                 wu_ptrs += BLOCK_K * stride_ak
             acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
             acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
+    out_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M) if OUT_SORTED else safe  # [BM] dh, gw rows
     _store_grads(acc_dg, acc_gate, acc_up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT, RECOMPUTE)
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT, RECOMPUTE, OUT_SORTED)
 
 
 @triton.jit
 def _store_grads(acc_dg, gate, up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, num_pid_n, N, stride_hm,
-                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, ACT: tl.constexpr, RECOMPUTE: tl.constexpr):
+                 weights_ptr, dh_ptr, gw_ptr, dw_part_ptr, out_rows, ACT: tl.constexpr, RECOMPUTE: tl.constexpr,
+                 OUT_SORTED: tl.constexpr):
     """grad_gate_up's epilogue: from acc_dg = w2[e]^T dout_t and the forward's gate and up [BM, BN]
     (fp32; read from h_pre unless RECOMPUTE), the act-and-mul backward of dg = w acc_dg into dh, w g
-    into gw, and <acc_dg, g> over this N tile into column pid_n of the d-weight partials."""
+    into gw (rows ``out_rows``; OUT_SORTED: every row of the block, padding rows 0), and <acc_dg, g> over
+    this N tile into column pid_n of the d-weight partials."""
     mask = row_ok[:, None] & n_ok[None, :]
-    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre and dh (same rows)
+    h_offs = safe[:, None] * stride_hm + offs_n[None, :]  # [BM, BN] offsets into h_pre (dh's too unless OUT_SORTED)
     if not RECOMPUTE:
         gate = tl.load(hpre_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(hpre_ptr + h_offs + N, mask=mask, other=0.0).to(tl.float32)
@@ -141,9 +145,12 @@ def _store_grads(acc_dg, gate, up, hpre_ptr, safe, row_ok, n_ok, offs_n, pid_n, 
     tl.store(dw_part_ptr + safe * num_pid_n + pid_n, tl.sum(acc_dg * g, axis=1), mask=row_ok)
     dg = acc_dg * weight[:, None]  # [BM, BN] dL/dg_a
     dh_ty = dh_ptr.dtype.element_ty
-    tl.store(dh_ptr + h_offs, (dg * up * dact).to(dh_ty), mask=mask)  # d gate
-    tl.store(dh_ptr + h_offs + N, (dg * act).to(dh_ty), mask=mask)  # d up
-    tl.store(gw_ptr + safe[:, None] * N + offs_n[None, :], (g * weight[:, None]).to(gw_ptr.dtype.element_ty), mask=mask)
+    out_mask = n_ok[None, :] if OUT_SORTED else mask  # OUT_SORTED: padding rows hold zeros
+    dh_offs = out_rows[:, None] * stride_hm + offs_n[None, :]
+    tl.store(dh_ptr + dh_offs, (dg * up * dact).to(dh_ty), mask=out_mask)  # d gate
+    tl.store(dh_ptr + dh_offs + N, (dg * act).to(dh_ty), mask=out_mask)  # d up
+    tl.store(gw_ptr + out_rows[:, None] * N + offs_n[None, :], (g * weight[:, None]).to(gw_ptr.dtype.element_ty),
+             mask=out_mask)
 
 
 @triton.jit
@@ -154,12 +161,13 @@ def gather_gemm_kernel(
     stride_am, stride_we, stride_wo, stride_wr, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    RED_ROWS: tl.constexpr,
+    RED_ROWS: tl.constexpr, A_SORTED: tl.constexpr,
 ):
     """out[a, o] = scale[a] * sum_r a_src[a // a_div, r] * W[e, o, r], W[e, o, r] at w + e*stride_we +
     o*stride_wo + r*stride_wr. Rows of assignments not routed here are never written. W_DESC: w_ptr a
     descriptor over the weight as [E*rows, cols]: RED_ROWS (the reduction runs over its rows, dX's
-    w13 [E, 2N, K]) block [BK, BN], else block [BN, BK] (the saving forward's w13 and w2)."""
+    w13 [E, 2N, K]) block [BK, BN], else block [BN, BK] (the saving forward's w13 and w2). A_SORTED:
+    a_src's rows are the layout's rows (grad_gate_up's OUT_SORTED dh, padding rows 0), a_div unused."""
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(OUT, BLOCK_N), GROUP_M)
     rows, expert = _layout_block(pid_m, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, BLOCK_M)
     if expert < 0:
@@ -169,7 +177,8 @@ def gather_gemm_kernel(
     offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_ok = offs_o < OUT
     offs_r = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (safe // a_div)[:, None] * stride_am + offs_r[None, :]  # [BM, BK]
+    a_rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M) if A_SORTED else safe // a_div  # [BM]
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_r[None, :]  # [BM, BK]
     if W_DESC:
         w_row = (expert * (RED if RED_ROWS else OUT)).to(tl.int32)  # the expert's first row
     else:
@@ -231,6 +240,73 @@ def weight_grad_kernel(
                      mask=row_ok[None, :] & r_ok[:, None], other=0.0)  # [BR, BK]
         rt = tl.load(r_ptr + (safe // r_div)[:, None] * stride_rm + offs_c[None, :],
                      mask=row_ok[:, None] & c_ok[None, :], other=0.0)  # [BK, BC]
+        if UPCAST:
+            lt, rt = lt.to(tl.float32), rt.to(tl.float32)
+        acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + s.to(tl.int64) * stride_os + e * stride_oe + offs_r[:, None].to(tl.int64) * stride_or + offs_c[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def permute_rows_kernel(
+    src_ptr, out_ptr, sorted_ids_ptr, num_padded_ptr,  # src [S, C] rows a // div; out [P, C] in layout order
+    C, num_assignments, div, stride_sm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[p] = src[sorted_ids[p] // div] for the layout's rows in use (p < num_padded), zeros on its
+    padding rows (the contiguous weight grads read them); rows past num_padded are never written."""
+    num_padded = tl.load(num_padded_ptr)
+    if tl.program_id(0) * BLOCK_M >= num_padded:
+        return
+    offs_p = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    p_ok = offs_p < num_padded  # sorted_ids past num_padded are not the layout's (never read)
+    rows = tl.load(sorted_ids_ptr + offs_p, mask=p_ok, other=num_assignments).to(tl.int64)  # [BM]
+    row_ok = rows < num_assignments
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    src = tl.where(row_ok, rows // div, 0)
+    vals = tl.load(src_ptr + src[:, None] * stride_sm + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    tl.store(out_ptr + offs_p[:, None].to(tl.int64) * stride_om + offs_c[None, :], vals, mask=p_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def weight_grad_contiguous_kernel(
+    l_ptr, r_ptr, out_ptr,  # l [P, R], r [P, C] in layout order (padding rows 0), or TMA descriptors over them
+    counts_ptr,
+    R, C, num_experts, split, block_m,
+    stride_lm, stride_rm, stride_os, stride_oe, stride_or,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr,
+    E_PAD: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """``weight_grad_kernel`` on operands already permuted into the layout's rows: expert e's rows are the
+    contiguous range [start, start + padded) (block_m % BLOCK_K == 0, so no step crosses an expert).
+    DESC: l_ptr / r_ptr are descriptors with blocks [BK, BR] / [BK, BC] (TMA loads); else pointer tiles.
+    Program (pid, s): within an expert, GROUP_R row tiles sweep the column tiles together (their R
+    tiles and the shared L tiles stay in L2)."""
+    tiles_r, tiles_c = tl.cdiv(R, BLOCK_R), tl.cdiv(C, BLOCK_C)
+    pid, s = tl.program_id(0), tl.program_id(1)
+    e, tile = (pid // (tiles_r * tiles_c)).to(tl.int64), pid % (tiles_r * tiles_c)
+    per_group = GROUP_R * tiles_c
+    first_r = (tile // per_group) * GROUP_R
+    group_r = tl.minimum(tiles_r - first_r, GROUP_R)
+    tile_r, tile_c = first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
+    ee = tl.arange(0, E_PAD)
+    padded = (tl.load(counts_ptr + ee, mask=ee < num_experts, other=0) + block_m - 1) // block_m * block_m
+    start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row
+    end = start + tl.sum(tl.where(ee == e, padded, 0), axis=0)
+    offs_r = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok, c_ok = offs_r < R, offs_c < C
+    lanes = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for b in range(start + s * BLOCK_K, end, split * BLOCK_K):
+        if DESC:  # columns past R / C read 0
+            lt = l_ptr.load([b, tile_r * BLOCK_R]).T  # [BR, BK]; int32 coordinates
+            rt = r_ptr.load([b, tile_c * BLOCK_C])  # [BK, BC]
+        else:
+            rows = (b + lanes).to(tl.int64)  # [BK]
+            lt = tl.load(l_ptr + rows[None, :] * stride_lm + offs_r[:, None], mask=r_ok[:, None], other=0.0)
+            rt = tl.load(r_ptr + rows[:, None] * stride_rm + offs_c[None, :], mask=c_ok[None, :], other=0.0)
         if UPCAST:
             lt, rt = lt.to(tl.float32), rt.to(tl.float32)
         acc = tl.dot(lt, rt, acc, input_precision=PRECISION)
