@@ -27,9 +27,8 @@ the faster one, the pick's % of the floor and x bf16, each decode's error agains
 $OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: under 2 minutes on an H200 (most of it
 compiling).
 
-Session 5 measured the kernels before the whole-tile decoding (``gemm_wo``'s docstring): int4 11-14%
-of the floor, mxfp4 5-7%, int8 60-88% at decode (raw logs in benchmarks/results/raw, ``s5-wo``). The
-table's ``%floor`` and ``wo/bf16`` columns are the numbers to compare.
+Sweep (``sweep_cells``): the register decode at Qwen3 M = 1 (few programs: the issue's 0.45 x bf16 target)
+under a few gate-up tiles and down tiles / splits, each against the twin, one line each.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -53,7 +52,8 @@ from moekit.bench.timing import time_stats
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args
-from moekit.experts.triton_wo_plan import DECODES, choose_decode, wo_plan_for
+from moekit.experts.configs import GemmTile
+from moekit.experts.triton_wo_plan import DECODES, choose_decode, wo_heuristic_config, wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}
@@ -63,6 +63,9 @@ TIMING = dict(budget_s=0.05)  # per cell (at least 5 passes); --tiny: one pass
 TOL = 1e-2  # rel-L2 against the twin
 SPLIT_SHAPE = Shape("mixtral-1-local", 1, 14336, 4096, 1)  # split-K cells: one local expert (EP over 8)
 SPLIT_BATCHES = (1, 4)
+SWEEP = (("qwen3-30b-a3b", "int4_w4a16", 1), ("qwen3-30b-a3b", "mxfp4", 1))  # (preset, scheme, M), register decode
+SWEEP_UP = ((16, 128, 4), (32, 256, 3), (64, 128, 4), (16, 256, 3))  # gate-up (BLOCK_N, BLOCK_K, stages)
+SWEEP_DOWN = ((64, 128, 4, None), (128, 128, 4, 1), (128, 128, 4, 4), (128, 256, 3, None))  # down (.., split-K)
 FAILED: list[str] = []
 
 
@@ -129,10 +132,10 @@ def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group:
 
 
 def precompile(jobs: list[tuple], dev) -> None:
-    """Compile the weight-only GEMMs of ``jobs`` ((shape, scheme, M, decode or None for the chooser's),
-    grouped by shape and scheme) at once in a thread pool (Triton's AsyncCompileMode, Triton >= 3.5)
-    instead of one at a time on first use: the default run has some 40 kernels, most of its time
-    otherwise. Without AsyncCompileMode the cells compile as they come."""
+    """Compile the weight-only GEMMs of ``jobs`` ((shape, scheme, M, decode or None for the chooser's,
+    config or None, split-K or None), grouped by shape and scheme) at once in a thread pool (Triton's
+    AsyncCompileMode, Triton >= 3.5) instead of one at a time on first use: the default run has some
+    150 kernels, most of its time otherwise. Without AsyncCompileMode the cells compile as they come."""
     try:
         from triton import AsyncCompileMode
     except ImportError:
@@ -144,10 +147,10 @@ def precompile(jobs: list[tuple], dev) -> None:
                 w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=None)
                 w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=None)
                 a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-                for _, _, m, decode in group:
+                for _, _, m, decode, config, split in group:
                     c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", None, options,
-                                       decode=decode)
+                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", config, options,
+                                       split, decode)
                     _warm(plan, c, a13, a2, dev)
     except Exception as e:  # noqa: BLE001  (the cells compile, and report, on first use)
         print(f"precompile: {type(e).__name__}: {e}", flush=True)
@@ -210,7 +213,8 @@ def scheme_cells(s: Shape, scheme: str, sets: dict, bf16: dict, bw: float, dev) 
         for decode in DECODES:
             errs[decode] = rel_err(fused_experts_wo(c0.x, w13, w2, c0.topk_ids, c0.topk_weights, decode=decode), want)
             check(f"{s.name} {scheme} M={m} {decode} vs twin", errs[decode] < TOL, f"rel_err={errs[decode]:.2e}")
-            fns = [lambda c=c: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights, decode=decode) for c in inputs]
+            fns = [lambda c=c, d=decode: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights, decode=d)
+                   for c in inputs]
             t = time_stats(fns, dev, graph=dev.type == "cuda", **TIMING)
             times[decode], spreads[decode] = t.us, t.spread_pct
         pick = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
@@ -225,23 +229,23 @@ def scheme_cells(s: Shape, scheme: str, sets: dict, bf16: dict, bw: float, dev) 
 def graph_replay(dev, schemes) -> None:
     """One captured call replayed on new tokens and new routing equals the eager call."""
     s = Shape("graph", 64, 256, 512, 4)
-    for scheme in schemes:
+    for scheme, decode in itertools.product(schemes, DECODES):
         w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=3)
         w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=4)
         first, *others = make_sets(s, 33, 4, torch.bfloat16, dev, seed=5)
         x, ids, w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-        fused_experts_wo(x, w13, w2, ids, w)  # compile outside the capture
+        fused_experts_wo(x, w13, w2, ids, w, decode=decode)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_experts_wo(x, w13, w2, ids, w)
+            out = fused_experts_wo(x, w13, w2, ids, w, decode=decode)
         worst = 0.0
         for c in others:
             x.copy_(c.x)
             ids.copy_(c.topk_ids)
             w.copy_(c.topk_weights)
             graph.replay()
-            worst = max(worst, rel_err(out, fused_experts_wo(x, w13, w2, ids, w)))
-        check(f"cuda graph replay, new routing, {scheme}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+            worst = max(worst, rel_err(out, fused_experts_wo(x, w13, w2, ids, w, decode=decode)))
+        check(f"cuda graph replay, new routing, {scheme} {decode}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
 
 
 def split_k_cells(dev, schemes) -> None:
@@ -277,6 +281,35 @@ def register_decode_cells(dev, schemes, small: Shape = Shape("groups", 16, 1024,
             err = rel_err(fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights, decode="register"),
                           fused_experts_wo_torch(c.x, w13, w2, c.topk_ids, c.topk_weights))
             check(f"register decode {scheme} g=32 {dtype} M={m} vs twin", err < TOL, f"rel_err={err:.2e}")
+
+
+def sweep_configs(s: Shape, scheme: str, m: int) -> list[tuple]:
+    """(config, split-K or None) of the register decode: its heuristic, then SWEEP_UP's gate-up tiles and
+    SWEEP_DOWN's down tiles each beside the heuristic's other GEMM."""
+    base = wo_heuristic_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, "register")
+    return ([(base, None)] + [(replace(base, up=GemmTile(bn, bk, 1, 4, st)), None) for bn, bk, st in SWEEP_UP]
+            + [(replace(base, down=GemmTile(bn, bk, 1, 4, st)), split) for bn, bk, st, split in SWEEP_DOWN])
+
+
+def sweep_cells(dev, presets, schemes) -> None:
+    """SWEEP's cells under ``sweep_configs``: each against the twin and timed (CUDA graph), one line each."""
+    for preset, scheme, m in [c for c in SWEEP if c[0] in presets and c[1] in schemes]:
+        s = Shape.from_preset(preset)
+        w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
+        w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
+        a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+        inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+        want = fused_experts_wo_torch(inputs[0].x, w13, w2, inputs[0].topk_ids, inputs[0].topk_weights)
+        for config, split in sweep_configs(s, scheme, m):
+            def call(c, config=config, split=split):
+                return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=config,
+                                      split_k=split, decode="register")
+            err = rel_err(call(inputs[0]), want)
+            us = time_stats([lambda c=c: call(c) for c in inputs], dev, graph=True, **TIMING).us
+            up, down = config.up, config.down
+            check(f"sweep {preset} {scheme} M={m} register up {up.BLOCK_N}x{up.BLOCK_K}/{up.num_stages} down "
+                  f"{down.BLOCK_N}x{down.BLOCK_K}/{down.num_stages} split {split or 'auto'}", err < TOL,
+                  f"rel_err={err:.2e}  {us:.1f} µs")
 
 
 def table(cells: list[Cell]) -> str:
@@ -315,14 +348,18 @@ def main(argv=None) -> int:
     batches = (1, 8) if args.tiny else tuple(args.batches)
     if dev.type == "cuda":
         t0 = time.perf_counter()
-        jobs = [(s, scheme, m, decode) for s in shapes + [SPLIT_SHAPE] for scheme in args.schemes
+        jobs = [(s, scheme, m, decode, None, None) for s in shapes + [SPLIT_SHAPE] for scheme in args.schemes
                 for m in (SPLIT_BATCHES if s is SPLIT_SHAPE else batches)
                 for decode in ((None,) if s is SPLIT_SHAPE else DECODES)]
+        jobs += [(Shape.from_preset(p), scheme, m, "register", *c) for p, scheme, m in SWEEP
+                 if p in args.presets and scheme in args.schemes
+                 for c in sweep_configs(Shape.from_preset(p), scheme, m)]
         precompile(jobs, dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         guarded("graph replay", graph_replay, dev, args.schemes)
         guarded("split-K cells", split_k_cells, dev, args.schemes)
         guarded("register decode cells", register_decode_cells, dev, args.schemes)
+        guarded("sweep", sweep_cells, dev, args.presets, args.schemes)
     cells = []
     for s in shapes:
         sets = {m: make_sets(s, m, SETS, torch.bfloat16, dev, seed=m) for m in batches}

@@ -184,9 +184,9 @@ def run_experts_wo(
     options: LaunchOptions = LaunchOptions(), split_k: int | None = None, decode: str | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
-    configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode (one
-    of ``triton_wo_plan.DECODES``; None: ``choose_decode``). Not a custom op: for tools that pick configs per call; models
-    go through ``fused_experts_wo``."""
+    configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile"
+    or "register"; None: ``choose_decode``). Not a custom op: for tools that pick configs per call;
+    models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
