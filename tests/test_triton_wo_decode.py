@@ -83,6 +83,19 @@ def test_chooser_picks_what_the_h200_measured_faster():
     assert {choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (1, 8, 64, 1024)} == {"tile"}
 
 
+def test_a_measured_shape_takes_its_nearest_m_in_the_same_tile_height(monkeypatch):
+    from moekit.experts import triton_wo_plan as plans
+
+    # a made-up table for DeepSeek's shape (E=256, top_k=8: 16-row tiles below M=512, 64 rows at M=1024)
+    monkeypatch.setattr(plans, "DECODE_MEASURED", {("mxfp4", 256, 2048, 7168): {1: "register", 64: "tile",
+                                                                                1024: "register"}})
+    picks = {m: plans.choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 4, 16, 256, 384, 512, 1024, 4096)}
+    assert picks == {1: "register", 4: "register", 16: "tile", 256: "tile", 384: "tile",
+                     512: "tile",  # 32-row tiles: no measured M there, DECODE_RULE (mxfp4: tile)
+                     1024: "register", 4096: "tile"}  # 4096: 128-row tiles, DECODE_RULE again
+    assert plans.choose_decode("int4_w4a16", 1, 256, 2048, 7168, 8) == "register"  # other schemes: the rule
+
+
 @pytest.mark.parametrize("decode,gate_up,down", [("tile", "gate_up_wo_kernel", "down_wo_kernel"),
                                                  ("register", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")])
 def test_decode_override_picks_the_kernels(wo, decode, gate_up, down):

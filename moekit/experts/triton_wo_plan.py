@@ -10,8 +10,9 @@ Two decodes of the packed weights (DECODES), each its own kernels and its own co
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
-``choose_decode`` picks per (scheme, shape, tile-height bucket) what the H200 measured faster
-(``DECODE_RULE``, ``DECODE_MEASURED``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
+``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
+same tile-height bucket) for the measured shapes (``DECODE_MEASURED``), else per (scheme, tile-height
+bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
 overrides it, so benchmarks and ``moekit tune`` can time either.
 
 Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
@@ -53,8 +54,10 @@ _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
 # mxfp4 at 16 rows within +-6% either way (Mixtral M=8 tile 584 against 619): tile. int8: the same
 # whole-tile dot either way: tile.
 DECODE_RULE = {("int4_w4a16", 16): "register"}
-# (scheme, E, N, K, bucket) -> decode, where one shape measured otherwise than DECODE_RULE.
-DECODE_MEASURED: dict[tuple, str] = {}
+# (scheme, E, N, K) -> {M: the decode measured faster at M} for measured shapes; a call takes the entry
+# of the nearest M in log2 distance (as tuned configs do) among those of its tile-height bucket (the
+# decodes' configs change with it); none there: DECODE_RULE.
+DECODE_MEASURED: dict[tuple, dict[int, str]] = {}
 
 
 @dataclass(frozen=True)
@@ -139,11 +142,15 @@ def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
 
 
 def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> str:
-    """The decode (one of DECODES) the H200 measured faster for this scheme, shape and tile-height
-    bucket: the shape's own row in DECODE_MEASURED, else DECODE_RULE, else "tile"."""
+    """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
+    of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
+    bucket, else "tile"."""
     bucket = height_bucket(num_tokens, num_experts, top_k)
-    measured = DECODE_MEASURED.get((scheme, num_experts, n, k, bucket))
-    return measured or DECODE_RULE.get((scheme, bucket), "tile")
+    measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
+                if height_bucket(m, num_experts, top_k) == bucket}
+    if measured:
+        return nearest(measured, num_tokens)
+    return DECODE_RULE.get((scheme, bucket), "tile")
 
 
 def check_decode(decode: str | None) -> None:
