@@ -47,17 +47,24 @@ DECODES = ("tile", "register")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
-# bf16 activations (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile, ``87bfd3a-...-wo-fast-2-
-# reverted`` register): int4 at decode heights (16 rows) register everywhere, DeepSeek M=1/8/64 145 / 956 /
-# 3408 µs against 255 / 1508 / 5103, Qwen3 33 / 120 / 249 against 38 / 154 / 343, Mixtral M=1/8 153 /
-# 488 against 247 / 725; taller tiles tile (Mixtral M=64, 32 rows: 1037 against 1705; M=1024: 4-10x).
-# mxfp4 at 16 rows within +-6% either way (Mixtral M=8 tile 584 against 619): tile. int8: the same
-# whole-tile dot either way: tile.
+# bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
+# ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
+# the second run's µs here). int4 at decode heights (16 rows) register everywhere: DeepSeek M=1/8/64 146 /
+# 958 / 3391 against 256 / 1523 / 5120, Qwen3 32 / 120 / 249 against 39 / 155 / 346, Mixtral M=1/8 151 /
+# 484 against 248 / 724. Taller tiles tile: Mixtral M=64 (32 rows) 1023 against 1695; M=1024 4-5x.
+# mxfp4: per shape (below). int8: both decodes run the same whole-tile dot (the two within noise): tile.
 DECODE_RULE = {("int4_w4a16", 16): "register"}
 # (scheme, E, N, K) -> {M: the decode measured faster at M} for measured shapes; a call takes the entry
 # of the nearest M in log2 distance (as tuned configs do) among those of its tile-height bucket (the
-# decodes' configs change with it); none there: DECODE_RULE.
-DECODE_MEASURED: dict[tuple, dict[int, str]] = {}
+# decodes' configs change with it); none there: DECODE_RULE. Entries: the decode faster in both H200
+# runs (each cell's winner agreed between the runs; the margins are small, 1-6%). mxfp4 µs (tile /
+# register, second run): Qwen3 M=1 37.3 / 36.9, M=8 134.5 / 141.0, M=64 290.4 / 280.9; DeepSeek M=1
+# 210.2 / 214.5, M=8 1202 / 1188, M=64 4024 / 3925; Mixtral M=1 200.3 / 193.9, M=8 586.5 / 621.9.
+DECODE_MEASURED: dict[tuple, dict[int, str]] = {
+    ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
+    ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
+    ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
+}
 
 
 @dataclass(frozen=True)
