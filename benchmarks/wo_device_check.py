@@ -1,6 +1,8 @@
 """GPU check of the weight-only quantized Triton experts (issue #16): correctness at real shapes against
-the torch twin, CUDA-graph replay with new routing, and CUDA-graph timings against moekit's bf16 Triton
-path and the packed-byte floor.
+the torch twin, CUDA-graph replay with new routing, and CUDA-graph timings of both decodes (``tile``:
+the whole dequantized tile per step; ``register``: decoded in the MMA operand's registers) against each
+other, moekit's bf16 Triton path and the packed-byte floor; which decode the plan's chooser
+(``triton_wo_plan.choose_decode``) picks per cell, and whether that is the faster one here.
 
     PYTHONPATH=. python benchmarks/wo_device_check.py [--presets P ...] [--schemes S ...] [--batches M ...]
     PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/wo_device_check.py --tiny   # the script's own smoke test, CPU
@@ -15,16 +17,18 @@ Floor = (touched experts x packed bytes per expert, scales and zero points inclu
 copy bandwidth (measured here, read + write, like ``moekit bench``). Targets (issue #16): DeepSeek and
 Mixtral >= 80% of the floor at M <= 64; Qwen3 int4 at M = 1 <= 0.45 x bf16; M >= 1024 <= bf16 / 0.9.
 
-Also: a CUDA graph of one call replayed with new tokens and routing (equal to eager), and split-K
+Also: a CUDA graph of one call replayed with new tokens and routing (equal to eager), split-K
 cells (one local expert of Mixtral's shape, M = 1 and 4: the down GEMM's reduction split; correct, and
-timed against the unsplit call).
+timed against the unsplit call), and the register decode at int4 group 32 (four scale chunks a step)
+with bf16 (inline PTX) and fp16 (the pure-Triton bit placement) activations, against the twin.
 
-Prints a PASS/FAIL line per check, the table last; JSON to $OUT/wo.json when OUT is set. Exit 1 on
-any failure. Whole run: under 2 minutes on an H200 (most of it compiling).
+Prints a PASS/FAIL line per check, the table last (per cell: µs of each decode, the chooser's pick and
+the faster one, the pick's % of the floor and x bf16, each decode's error against the twin); JSON to
+$OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: under 2 minutes on an H200 (most of it
+compiling).
 
-Session 5 measured the kernels before the whole-tile decoding (``gemm_wo``'s docstring): int4 11-14%
-of the floor, mxfp4 5-7%, int8 60-88% at decode (raw logs in benchmarks/results/raw, ``s5-wo``). The
-table's ``%floor`` and ``wo/bf16`` columns are the numbers to compare.
+Sweep (``sweep_cells``): the register decode at Qwen3 M = 1 (few programs: the issue's 0.45 x bf16 target)
+under a few gate-up tiles and down tiles / splits, each against the twin, one line each.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -48,7 +52,8 @@ from moekit.bench.timing import time_stats
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args
-from moekit.experts.triton_wo_plan import wo_plan_for
+from moekit.experts.configs import GemmTile
+from moekit.experts.triton_wo_plan import DECODES, choose_decode, wo_heuristic_config, wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}
@@ -58,6 +63,9 @@ TIMING = dict(budget_s=0.05)  # per cell (at least 5 passes); --tiny: one pass
 TOL = 1e-2  # rel-L2 against the twin
 SPLIT_SHAPE = Shape("mixtral-1-local", 1, 14336, 4096, 1)  # split-K cells: one local expert (EP over 8)
 SPLIT_BATCHES = (1, 4)
+SWEEP = (("qwen3-30b-a3b", "int4_w4a16", 1), ("qwen3-30b-a3b", "mxfp4", 1))  # (preset, scheme, M), register decode
+SWEEP_UP = ((16, 128, 4), (32, 256, 3), (64, 128, 4), (16, 256, 3))  # gate-up (BLOCK_N, BLOCK_K, stages)
+SWEEP_DOWN = ((64, 128, 4, None), (128, 128, 4, 1), (128, 128, 4, 4), (128, 256, 3, None))  # down (.., split-K)
 FAILED: list[str] = []
 
 
@@ -66,9 +74,11 @@ class Cell:
     preset: str
     scheme: str
     m: int
-    rel_err: float
-    us: float  # median µs per call, CUDA graph
-    spread_pct: float
+    rel_err: dict  # decode -> rel-L2 against the twin
+    times: dict  # decode -> median µs per call, CUDA graph
+    spread_pct: dict  # decode -> spread of the timed passes
+    pick: str  # the chooser's decode for this cell
+    us: float  # the pick's µs
     bf16_us: float  # moekit's bf16 Triton path, same inputs
     touched: float  # mean distinct experts per call
     floor_us: float  # packed bytes / copy bandwidth
@@ -97,10 +107,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None) -> WoWeight:
+def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None, group: int | None = None) -> WoWeight:
     """Random bytes in ``scheme``'s layout for a weight [E, R, C] whose product with a unit-variance
-    vector has about unit variance; ``seed`` None: the layout alone, uninitialised (for compiling)."""
-    group = GROUP[scheme]
+    vector has about unit variance; ``seed`` None: the layout alone, uninitialised (for compiling);
+    ``group`` None: GROUP's."""
+    group = GROUP[scheme] if group is None else group
 
     def ints(low: int, high: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         if seed is None:
@@ -121,10 +132,10 @@ def quantized(scheme: str, e: int, r: int, c: int, dev, seed: int | None) -> WoW
 
 
 def precompile(jobs: list[tuple], dev) -> None:
-    """Compile the weight-only GEMMs of ``jobs`` ((shape, scheme, M, config or None for the lookup),
-    grouped by shape and scheme) at once in a thread pool (Triton's AsyncCompileMode, Triton >= 3.5)
-    instead of one at a time on first use: the default run has some 40 kernels, most of its time
-    otherwise. Without AsyncCompileMode the cells compile as they come."""
+    """Compile the weight-only GEMMs of ``jobs`` ((shape, scheme, M, decode or None for the chooser's,
+    config or None, split-K or None), grouped by shape and scheme) at once in a thread pool (Triton's
+    AsyncCompileMode, Triton >= 3.5) instead of one at a time on first use: the default run has some
+    150 kernels, most of its time otherwise. Without AsyncCompileMode the cells compile as they come."""
     try:
         from triton import AsyncCompileMode
     except ImportError:
@@ -136,9 +147,10 @@ def precompile(jobs: list[tuple], dev) -> None:
                 w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=None)
                 w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=None)
                 a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-                for _, _, m, config in group:
+                for _, _, m, decode, config, split in group:
                     c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
-                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", config, options)
+                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", config, options,
+                                       split, decode)
                     _warm(plan, c, a13, a2, dev)
     except Exception as e:  # noqa: BLE001  (the cells compile, and report, on first use)
         print(f"precompile: {type(e).__name__}: {e}", flush=True)
@@ -189,21 +201,27 @@ def bf16_times(s: Shape, sets: dict, dev) -> dict[int, float]:
 
 
 def scheme_cells(s: Shape, scheme: str, sets: dict, bf16: dict, bw: float, dev) -> list[Cell]:
+    """Every M of one shape and scheme: each decode against the twin and timed on the same inputs."""
     w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
     w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
     per_expert = packed_bytes(w13) + packed_bytes(w2)
     cells = []
     for m, inputs in sets.items():
         c0 = inputs[0]
-        err = rel_err(fused_experts_wo(c0.x, w13, w2, c0.topk_ids, c0.topk_weights),
-                      fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights))
-        check(f"{s.name} {scheme} M={m} vs twin", err < TOL, f"rel_err={err:.2e}")
-        fns = [lambda c=c: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights) for c in inputs]
-        t = time_stats(fns, dev, graph=dev.type == "cuda", **TIMING)
+        want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
+        errs, times, spreads = {}, {}, {}
+        for decode in DECODES:
+            errs[decode] = rel_err(fused_experts_wo(c0.x, w13, w2, c0.topk_ids, c0.topk_weights, decode=decode), want)
+            check(f"{s.name} {scheme} M={m} {decode} vs twin", errs[decode] < TOL, f"rel_err={errs[decode]:.2e}")
+            fns = [lambda c=c, d=decode: fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights, decode=d)
+                   for c in inputs]
+            t = time_stats(fns, dev, graph=dev.type == "cuda", **TIMING)
+            times[decode], spreads[decode] = t.us, t.spread_pct
+        pick = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
         touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
         floor_us = (touched * per_expert + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-        cells.append(Cell(s.name, scheme, m, err, t.us, t.spread_pct, bf16[m], touched, floor_us,
-                          target(s.name, scheme, m, t.us, bf16[m], floor_us)))
+        cells.append(Cell(s.name, scheme, m, errs, times, spreads, pick, times[pick], bf16[m], touched, floor_us,
+                          target(s.name, scheme, m, times[pick], bf16[m], floor_us)))
     del w13, w2
     return cells
 
@@ -211,23 +229,23 @@ def scheme_cells(s: Shape, scheme: str, sets: dict, bf16: dict, bw: float, dev) 
 def graph_replay(dev, schemes) -> None:
     """One captured call replayed on new tokens and new routing equals the eager call."""
     s = Shape("graph", 64, 256, 512, 4)
-    for scheme in schemes:
+    for scheme, decode in itertools.product(schemes, DECODES):
         w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=3)
         w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=4)
         first, *others = make_sets(s, 33, 4, torch.bfloat16, dev, seed=5)
         x, ids, w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-        fused_experts_wo(x, w13, w2, ids, w)  # compile outside the capture
+        fused_experts_wo(x, w13, w2, ids, w, decode=decode)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_experts_wo(x, w13, w2, ids, w)
+            out = fused_experts_wo(x, w13, w2, ids, w, decode=decode)
         worst = 0.0
         for c in others:
             x.copy_(c.x)
             ids.copy_(c.topk_ids)
             w.copy_(c.topk_weights)
             graph.replay()
-            worst = max(worst, rel_err(out, fused_experts_wo(x, w13, w2, ids, w)))
-        check(f"cuda graph replay, new routing, {scheme}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+            worst = max(worst, rel_err(out, fused_experts_wo(x, w13, w2, ids, w, decode=decode)))
+        check(f"cuda graph replay, new routing, {scheme} {decode}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
 
 
 def split_k_cells(dev, schemes) -> None:
@@ -251,12 +269,58 @@ def split_k_cells(dev, schemes) -> None:
                   f"rel_err={err:.2e}  {us[None]:.1f} µs split, {us[1]:.1f} µs unsplit")
 
 
+def register_decode_cells(dev, schemes, small: Shape = Shape("groups", 16, 1024, 2048, 4)) -> None:
+    """The register decode of the packed schemes at group 32 (four scale chunks a 128-wide step): bf16
+    activations through the inline PTX, fp16 through the pure-Triton bit placement (what the
+    interpreter tests run), each against the twin."""
+    for scheme in [x for x in schemes if x != "int8_w8a16"]:
+        w13 = quantized(scheme, small.num_experts, 2 * small.n, small.k, dev, seed=9, group=32)
+        w2 = quantized(scheme, small.num_experts, small.k, small.n, dev, seed=10, group=32)
+        for dtype, m in ((torch.bfloat16, 8), (torch.bfloat16, 64), (torch.float16, 8)):
+            c = make_sets(small, m, 1, dtype, dev, seed=11)[0]
+            err = rel_err(fused_experts_wo(c.x, w13, w2, c.topk_ids, c.topk_weights, decode="register"),
+                          fused_experts_wo_torch(c.x, w13, w2, c.topk_ids, c.topk_weights))
+            check(f"register decode {scheme} g=32 {dtype} M={m} vs twin", err < TOL, f"rel_err={err:.2e}")
+
+
+def sweep_configs(s: Shape, scheme: str, m: int) -> list[tuple]:
+    """(config, split-K or None) of the register decode: its heuristic, then SWEEP_UP's gate-up tiles and
+    SWEEP_DOWN's down tiles each beside the heuristic's other GEMM."""
+    base = wo_heuristic_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, "register")
+    return ([(base, None)] + [(replace(base, up=GemmTile(bn, bk, 1, 4, st)), None) for bn, bk, st in SWEEP_UP]
+            + [(replace(base, down=GemmTile(bn, bk, 1, 4, st)), split) for bn, bk, st, split in SWEEP_DOWN])
+
+
+def sweep_cells(dev, presets, schemes) -> None:
+    """SWEEP's cells under ``sweep_configs``: each against the twin and timed (CUDA graph), one line each."""
+    for preset, scheme, m in [c for c in SWEEP if c[0] in presets and c[1] in schemes]:
+        s = Shape.from_preset(preset)
+        w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
+        w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
+        a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+        inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+        want = fused_experts_wo_torch(inputs[0].x, w13, w2, inputs[0].topk_ids, inputs[0].topk_weights)
+        for config, split in sweep_configs(s, scheme, m):
+            def call(c, config=config, split=split):
+                return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=config,
+                                      split_k=split, decode="register")
+            err = rel_err(call(inputs[0]), want)
+            us = time_stats([lambda c=c: call(c) for c in inputs], dev, graph=True, **TIMING).us
+            up, down = config.up, config.down
+            check(f"sweep {preset} {scheme} M={m} register up {up.BLOCK_N}x{up.BLOCK_K}/{up.num_stages} down "
+                  f"{down.BLOCK_N}x{down.BLOCK_K}/{down.num_stages} split {split or 'auto'}", err < TOL,
+                  f"rel_err={err:.2e}  {us:.1f} µs")
+
+
 def table(cells: list[Cell]) -> str:
-    lines = [f"{'shape':<16} {'scheme':<11} {'M':>5} {'rel_err':>8} {'wo µs':>9} {'bf16 µs':>9} {'wo/bf16':>7} "
-             f"{'floor µs':>9} {'%floor':>6}  target"]
+    lines = [f"{'shape':<14} {'scheme':<10} {'M':>5} {'tile µs':>8} {'reg µs':>8} {'pick':>8} {'faster':>8} "
+             f"{'bf16 µs':>8} {'x bf16':>6} {'floor µs':>8} {'%floor':>6} {'err tile':>8} {'err reg':>8}  target"]
     for c in cells:
-        lines.append(f"{c.preset:<16} {c.scheme:<11} {c.m:>5} {c.rel_err:>8.1e} {c.us:>9.1f} {c.bf16_us:>9.1f} "
-                     f"{c.us / c.bf16_us:>7.2f} {c.floor_us:>9.1f} {100 * c.floor_us / c.us:>5.0f}%  {c.target}")
+        faster = min(c.times, key=c.times.get)
+        lines.append(f"{c.preset:<14} {c.scheme:<10} {c.m:>5} {c.times['tile']:>8.1f} {c.times['register']:>8.1f} "
+                     f"{c.pick:>8} {faster:>8} {c.bf16_us:>8.1f} {c.us / c.bf16_us:>6.2f} {c.floor_us:>8.1f} "
+                     f"{100 * c.floor_us / c.us:>5.0f}% {c.rel_err['tile']:>8.1e} {c.rel_err['register']:>8.1e}  "
+                     f"{c.target}")
     return "\n".join(lines)
 
 
@@ -284,12 +348,18 @@ def main(argv=None) -> int:
     batches = (1, 8) if args.tiny else tuple(args.batches)
     if dev.type == "cuda":
         t0 = time.perf_counter()
-        jobs = [(s, scheme, m, None) for s in shapes + [SPLIT_SHAPE] for scheme in args.schemes
-                for m in (SPLIT_BATCHES if s is SPLIT_SHAPE else batches)]
+        jobs = [(s, scheme, m, decode, None, None) for s in shapes + [SPLIT_SHAPE] for scheme in args.schemes
+                for m in (SPLIT_BATCHES if s is SPLIT_SHAPE else batches)
+                for decode in ((None,) if s is SPLIT_SHAPE else DECODES)]
+        jobs += [(Shape.from_preset(p), scheme, m, "register", *c) for p, scheme, m in SWEEP
+                 if p in args.presets and scheme in args.schemes
+                 for c in sweep_configs(Shape.from_preset(p), scheme, m)]
         precompile(jobs, dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
         guarded("graph replay", graph_replay, dev, args.schemes)
         guarded("split-K cells", split_k_cells, dev, args.schemes)
+        guarded("register decode cells", register_decode_cells, dev, args.schemes)
+        guarded("sweep", sweep_cells, dev, args.presets, args.schemes)
     cells = []
     for s in shapes:
         sets = {m: make_sets(s, m, SETS, torch.bfloat16, dev, seed=m) for m in batches}
@@ -303,6 +373,10 @@ def main(argv=None) -> int:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
                        "cells": [asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
     print("FAILED:", FAILED if FAILED else "none")
+    wrong = [f"{c.preset} {c.scheme} M={c.m} ({c.pick}: {c.us:.1f} µs, other: {min(c.times.values()):.1f})"
+             for c in cells if c.times[c.pick] > min(c.times.values())]
+    print(f"chooser picked the faster decode in {len(cells) - len(wrong)} of {len(cells)} cells; slower:",
+          "; ".join(wrong) or "none")
     print(table(cells), flush=True)
     return 1 if FAILED else 0
 

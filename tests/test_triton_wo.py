@@ -5,9 +5,11 @@ Chain: the kernels vs the torch twin (``fused_experts_wo_torch``), the twin vs a
 over weights decoded by a dequantizer written here (element by element from the bit layout, e2m1 by its
 exponent/mantissa rule rather than a table). The inputs are random bytes, so a packed row's padding
 nibble (odd C) is garbage that must never count. Workspaces are poisoned with NaN before kernel runs.
+Every kernel test runs both decodes of the packed weights ("tile" and "register", ``triton_wo_plan``).
 
 What the interpreter cannot run and ``benchmarks/wo_device_check.py`` covers: bf16 ``tl.dot`` (upcast
-here), bf16 intermediates (float32 here), real shapes, CUDA graphs, timing.
+here), bf16 intermediates (float32 here), the register decode's inline PTX (NVIDIA GPUs only; here its
+pure-Triton twin, ``test_triton_wo_decode.py``), real shapes, CUDA graphs, timing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  #
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
+DECODES = ["tile", "register"]  # triton_wo_plan.DECODES: every kernel test runs both
 POISON = LaunchOptions(poison_workspace=True)
 
 
@@ -102,10 +105,11 @@ def problem(wo, scheme, group, m=5, k=2, e=4, hidden=100, n=64, dtype=torch.floa
     return x, w13, w2, ids, weights
 
 
-def run_kernels(wo, x, w13, w2, ids, weights, expert_map=None, config=None):
-    """The kernels with poisoned workspaces (the custom op cannot poison)."""
+def run_kernels(wo, x, w13, w2, ids, weights, expert_map=None, config=None, decode=None):
+    """The kernels (``decode``'s; None: the chooser's) with poisoned workspaces (the custom op cannot poison)."""
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, config=config, options=POISON)
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, config=config, options=POISON,
+                             decode=decode)
 
 
 # --- the twin against the float64 loop ---------------------------------------------------------------
@@ -140,33 +144,38 @@ def test_e2m1_table_spot_values():
 @pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("hidden", [96, 100])
-def test_kernels_match_twin(wo, scheme, group, k, hidden):
+@pytest.mark.parametrize("decode", DECODES)
+def test_kernels_match_twin(wo, scheme, group, k, hidden, decode):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=k, hidden=hidden, seed=k + hidden)
-    out = run_kernels(wo, x, w13, w2, ids, weights)
+    out = run_kernels(wo, x, w13, w2, ids, weights, decode=decode)
     want = wo.fused_experts_wo_torch(x, w13, w2, ids, weights)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel(out, want) < 1e-3  # fp16 in and out: only rounding differs (interpreter dots are fp32)
 
 
 @pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
-def test_odd_reduction_tails_and_bf16(wo, scheme, group):
+@pytest.mark.parametrize("decode", DECODES)
+def test_odd_reduction_tails_and_bf16(wo, scheme, group, decode):
     # K = 99 (a packed row's last high nibble is padding), N = 40 (down's last group holds 8 of 32)
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=4, k=2, hidden=99, n=40, dtype=torch.bfloat16, seed=7)
-    out = run_kernels(wo, x, w13, w2, ids, weights)
+    out = run_kernels(wo, x, w13, w2, ids, weights, decode=decode)
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-2
 
 
 @pytest.mark.parametrize("block_k,group", [(32, 64), (64, 64), (128, 32), (128, 64), (64, 128), (256, 32)])
-def test_block_k_smaller_and_larger_than_group(wo, block_k, group):
+@pytest.mark.parametrize("decode", DECODES)
+def test_block_k_smaller_and_larger_than_group(wo, block_k, group, decode):
     # BLOCK_K < g: several steps share one group's scale; BLOCK_K > g: one step spans several groups
+    # (the register decode: several chunks a step, each scaled on its own partial product)
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=9, k=2, hidden=160, seed=block_k)
     tile = GemmTile(32, block_k, 1, 4, 2)
-    out = run_kernels(wo, x, w13, w2, ids, weights, config=KernelConfig(16, tile, tile))
+    out = run_kernels(wo, x, w13, w2, ids, weights, config=KernelConfig(16, tile, tile), decode=decode)
     assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mxfp4_scales_far_from_one(wo, dtype):
+@pytest.mark.parametrize("decode", DECODES)
+def test_mxfp4_scales_far_from_one(wo, dtype, decode):
     # e8m0 exponents 116..130 (factors 2^-11 .. 2^3), so the kernels' 2^(s - 113) factor is checked on
     # both sides of 2^0; every byte value (all 16 codes in both nibbles) occurs in the weights
     x, w13, w2, ids, weights = problem(wo, "mxfp4", 32, m=4, k=2, hidden=128, n=64, dtype=dtype, seed=31)
@@ -175,7 +184,7 @@ def test_mxfp4_scales_far_from_one(wo, dtype):
     w2 = wo.WoWeight("mxfp4", w2.q, torch.randint(116, 129, w2.scale.shape, generator=g, dtype=torch.uint8), None, 32)
     x = x * 2.0**-6  # keep the gate-up outputs near unit size
     assert torch.unique(w13.q).numel() == 256
-    out = run_kernels(wo, x, w13, w2, ids, weights)
+    out = run_kernels(wo, x, w13, w2, ids, weights, decode=decode)
     want = loop64(x, w13, w2, ids, weights)
     assert 0.01 < want.abs().max() < 2e4 and rel(out, want) < (2e-3 if dtype == torch.float16 else 1e-2)
 
@@ -192,12 +201,13 @@ def test_empty_and_single_token(wo, m, scheme, group):
 
 
 @pytest.mark.parametrize("scheme,group", [("int8_w8a16", 0), ("int4_w4a16", 64), ("mxfp4", 32)])
-def test_expert_map_and_skipped_ids(wo, scheme, group):
+@pytest.mark.parametrize("decode", DECODES)
+def test_expert_map_and_skipped_ids(wo, scheme, group, decode):
     # 6 global experts, this rank holds 4 (global 1, 2, 4, 5 -> local 0..3); global 0 and 3 are elsewhere
     x, w13, w2, _, weights = problem(wo, scheme, group, m=6, k=2, seed=3)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5], [-1, 2], [3, 0], [5, 7]], dtype=torch.int32)
     expert_map = torch.tensor([-1, 0, 1, -1, 2, 3], dtype=torch.int32)
-    out = run_kernels(wo, x, w13, w2, ids, weights, expert_map=expert_map)
+    out = run_kernels(wo, x, w13, w2, ids, weights, expert_map=expert_map, decode=decode)
     want = loop64(x, w13, w2, ids, weights, expert_map)
     assert torch.all(out[4] == 0)  # token 4 routes nowhere here
     assert rel(out, want) < 2e-3
@@ -216,7 +226,7 @@ def test_op_traces_fullgraph_and_passes_opcheck(wo):
     out = torch.compile(layer, backend="eager", fullgraph=True)(x, ids, weights)
     assert rel(out, 2 * wo.fused_experts_wo_torch(x, w13, w2, ids, weights)) < 1e-3
     args = (x, w13.q, w13.scale, w13.zero, 32, w2.q, w2.scale, w2.zero, 32, ids, weights, None, "int4_w4a16",
-            "silu", False)
+            "silu", False, "register")
     torch.library.opcheck(torch.ops.moekit.triton_experts_wo.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -282,7 +292,8 @@ def test_bad_call_arguments_are_refused_by_name(wo):
 
 @pytest.mark.parametrize("scheme,group", [("int8_w8a16", 0), ("int4_w4a16", 32), ("mxfp4", 32)])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_split_k_down_matches_twin(wo, scheme, group, split_k):
+@pytest.mark.parametrize("decode", DECODES)
+def test_split_k_down_matches_twin(wo, scheme, group, split_k, decode):
     # N = 150 over 32-wide steps: 5 steps in 2 or 3 splits (the last one short, ending in a 22-wide group tail)
     from moekit.experts.triton_wo_plan import build_wo_plan
 
@@ -291,9 +302,10 @@ def test_split_k_down_matches_twin(wo, scheme, group, split_k):
     ids[0, 0] = 2
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
     config = KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
-    plan = build_wo_plan(x, *args, ids, expert_map, scheme, "silu", config, POISON, split_k)
+    plan = build_wo_plan(x, *args, ids, expert_map, scheme, "silu", config, POISON, split_k, decode)
     assert plan.split_k == split_k and plan.workspace.shapes[1] == (split_k * 6, 64)  # y: partial rows (1: none)
-    out = wo.run_experts_wo(x, *args, ids, weights, expert_map, scheme, config=config, options=POISON, split_k=split_k)
+    out = wo.run_experts_wo(x, *args, ids, weights, expert_map, scheme, config=config, options=POISON, split_k=split_k,
+                            decode=decode)
     assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
 
 

@@ -74,8 +74,8 @@ def fp8_plan_builder(fp8):
     return lambda config: build_plan(x, w13, s13, w2, s2, ids, None, (128, 128), config, LaunchOptions())
 
 
-def wo_plan_builder(wo, scheme: str):
-    """Builds the weight-only plan of a small call with an explicit config (no kernel runs)."""
+def wo_plan_builder(wo, scheme: str, decode: str):
+    """Builds the weight-only plan of a small call with an explicit config and decode (no kernel runs)."""
     from moekit.experts.triton_wo_plan import build_wo_plan
 
     e, n, hidden, group = 4, 96, 160, {"int4_w4a16": 128, "mxfp4": 32}.get(scheme, 0)
@@ -90,14 +90,14 @@ def wo_plan_builder(wo, scheme: str):
 
     x, ids = torch.randn(8, hidden, dtype=torch.bfloat16), torch.randint(0, e, (8, 2), dtype=torch.int32)
     a13, a2 = args(2 * n, hidden), args(hidden, n)
-    return lambda config: build_wo_plan(x, a13, a2, ids, None, scheme, "silu", config, LaunchOptions())
+    return lambda config: build_wo_plan(x, a13, a2, ids, None, scheme, "silu", config, LaunchOptions(), decode=decode)
 
 
 @pytest.mark.parametrize("name", tuning_quant.QUANT_SCHEMES)
 def test_every_candidate_is_built_by_the_schemes_plan(paths, name):
     fp8, wo = paths
     scheme = tuning.scheme_for(name)
-    build = fp8_plan_builder(fp8) if name == "fp8_block" else wo_plan_builder(wo, name)
+    build = fp8_plan_builder(fp8) if name == "fp8_block" else wo_plan_builder(wo, *tuning_quant.WO_TUNE_NAMES[name])
     for preset in PRESETS:
         shape = Shape.from_preset(preset)
         for m in BATCHES:
@@ -137,7 +137,13 @@ def _lookup(name: str, m: int, shape: Shape) -> KernelConfig:
 
     if name == "fp8_block":
         return fp8_config(m, shape.num_experts, shape.n, shape.k, shape.top_k, 128, "cpu")
-    return wo_config(m, shape.num_experts, shape.n, shape.k, shape.top_k, name, "cpu")
+    return wo_config(m, shape.num_experts, shape.n, shape.k, shape.top_k, *_wo_scheme_decode(name, "cpu"))
+
+
+def _wo_scheme_decode(name: str, device: str) -> tuple[str, str, str]:
+    """(scheme, device, decode) of a weight-only tune name: wo_config's last three arguments."""
+    scheme, decode = tuning_quant.WO_TUNE_NAMES[name]
+    return scheme, device, decode
 
 
 @pytest.mark.parametrize("name", tuning_quant.QUANT_SCHEMES)
@@ -163,7 +169,8 @@ def test_timed_call_computes_the_experts(paths, name):
     """The call the tuner times, on the weights it makes, against the reference on the same quantized
     weights (fp8: the recipe's activation quantization included; bf16 output)."""
     scheme = tuning.scheme_for(name)
-    q13, q2 = tuning_quant._quantized(name, TINY, CPU)  # what ``make_weights`` quantizes, seed for seed
+    scheme_name = tuning_quant.WO_TUNE_NAMES.get(name, (name,))[0]  # the weight-only names' quantization scheme
+    q13, q2 = tuning_quant._quantized(scheme_name, TINY, CPU)  # what ``make_weights`` quantizes, seed for seed
     weights = scheme.make_weights(TINY, CPU)
     for m in (1, 9):  # the naive shortcut and the aligned path
         s = make_sets(TINY, m, 1, scheme.x_dtype, CPU, seed=m)[0]
@@ -210,6 +217,13 @@ def test_install_cli(config_dir, monkeypatch, tmp_path_factory, capsys):
     assert f"skipped {partial}" in out and "installed" in out
     assert [p.name for p in tuning.PACKAGED_DIR.iterdir()] == [good.name]
     assert "--install" in cli_error(capsys, ["tune", "--install", str(good), "--preset", "qwen3-30b-a3b"])
+
+
+def test_cli_takes_every_tune_name():
+    # ``moekit tune --dtype`` offers each format the tuner has, the register decode's names included
+    from moekit.cli.tune import DTYPES
+
+    assert set(DTYPES) == {*tuning.FLOAT_DTYPES, *tuning_quant.QUANT_SCHEMES}
 
 
 @pytest.mark.parametrize("argv, flag", [

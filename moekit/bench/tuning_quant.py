@@ -1,12 +1,15 @@
 """The quantized weight formats of ``moekit tune --dtype``: ``fp8_block`` (DeepSeek-V3's block-scaled
 recipe, ``moekit.experts.triton_fp8``) and the weight-only ``int8_w8a16``, ``int4_w4a16``, ``mxfp4``
-(``moekit.experts.triton_wo``), each as a ``tuning.TuneScheme``:
+(``moekit.experts.triton_wo``), each as a ``tuning.TuneScheme``. The weight-only names tune the
+whole-tile decode; ``int4_w4a16_register`` and ``mxfp4_register`` the register decode (the plan's
+``config_name``: each decode reads its own file; which decode runs is ``choose_decode``'s, from
+measurements, or the call's ``decode=``):
 
 - weights: the bench's random bf16 weights (unit-variance GEMMs) quantized once per shape with
   ``moekit.quant.quantize`` and the scheme's default options (fp8 blocks 128 x 128; int4 groups of 128
   with zero points), what ``MoE.quantize_(scheme)`` makes;
 - the timed call: the path's launch function with an explicit config (``fused_experts_fp8_launch``;
-  ``run_experts_wo`` with the launch options its custom op uses), bf16 activations;
+  ``run_experts_wo`` with the launch options its custom op uses and the name's decode), bf16 activations;
 - the default: the plan's heuristic (``heuristic_fp8_config``, ``wo_heuristic_config``);
 - the file: the name the plan's lookup reads (``triton_fp8_plan.config_file_name``:
   ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; the weight-only plan reads ``moekit.experts.configs``'
@@ -37,12 +40,15 @@ from moekit.experts.triton_fp8_plan import config_file_name as fp8_file_name
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import SCHEMES as WO_SCHEMES
 from moekit.experts.triton_wo import WoWeight, check_wo_args, run_experts_wo
-from moekit.experts.triton_wo_plan import WeightArgs, span, weight_args, wo_heuristic_config
+from moekit.experts.triton_wo_plan import WeightArgs, config_name, span, weight_args, wo_heuristic_config
 from moekit.quant import Int4Weight, Mxfp4Weight, QuantizedWeight, quantize
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE
 from moekit.quant.mxfp4 import MX_BLOCK
 
-QUANT_SCHEMES = ("fp8_block", *WO_SCHEMES)
+# tune name -> (weight-only scheme, decode); int8's two decodes run the same whole-tile dot: one name
+WO_TUNE_NAMES = {**{s: (s, "tile") for s in WO_SCHEMES},
+                 **{config_name(s, "register"): (s, "register") for s in ("int4_w4a16", "mxfp4")}}
+QUANT_SCHEMES = ("fp8_block", *WO_TUNE_NAMES)
 FP8_GROUP = DEFAULT_BLOCK_SHAPE[1]  # the scale block's reduction width: every fp8 BLOCK_K
 INT4_GROUP = 128  # ``quantize``'s default int4 group: the weights tuned on
 WO_OPTIONS = LaunchOptions(reuse_workspace=False)  # what ``torch.ops.moekit.triton_experts_wo`` runs with
@@ -150,23 +156,25 @@ def fp8_scheme() -> TuneScheme:
     )
 
 
-def wo_scheme(scheme: str) -> TuneScheme:
+def wo_scheme(name: str) -> TuneScheme:
+    """The weight-only tune name ``name`` (a key of WO_TUNE_NAMES): its scheme with its decode."""
+    scheme, decode = WO_TUNE_NAMES[name]
     group = {"int4_w4a16": INT4_GROUP, "mxfp4": MX_BLOCK}.get(scheme, 0)
 
     def call(w: WoWeights, s: CellInputs, config: KernelConfig) -> torch.Tensor:
         return run_experts_wo(s.x, w.w13, w.w2, s.topk_ids, s.topk_weights, None, scheme, config=config,
-                              options=WO_OPTIONS)
+                              options=WO_OPTIONS, decode=decode)
 
     def validate(config: KernelConfig) -> None:
         span(config.up, scheme, group)
         span(config.down, scheme, group)
 
     return TuneScheme(
-        name=scheme, x_dtype=torch.bfloat16,
+        name=name, x_dtype=torch.bfloat16,
         make_weights=lambda shape, device: _wo_weights(scheme, shape, device), call=call,
-        heuristic=lambda m, s: wo_heuristic_config(m, s.num_experts, s.n, s.k, s.top_k, scheme),
+        heuristic=lambda m, s: wo_heuristic_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, decode),
         block_ms=quant_block_ms, tiles=wo_tiles,
-        file_name=lambda e, n, k, device: config_file_name(e, n, k, scheme, device), validate=validate,
+        file_name=lambda e, n, k, device: config_file_name(e, n, k, name, device), validate=validate,
         check_shape=lambda shape, device: _check_shape(scheme, shape, device),
     )
 
@@ -175,6 +183,6 @@ def quant_scheme(name: str) -> TuneScheme:
     """The ``TuneScheme`` of quantization scheme ``name`` (one of QUANT_SCHEMES)."""
     if name == "fp8_block":
         return fp8_scheme()
-    if name in WO_SCHEMES:
+    if name in WO_TUNE_NAMES:
         return wo_scheme(name)
     raise ValueError(f"scheme must be one of {QUANT_SCHEMES}, got {name!r}")

@@ -11,7 +11,10 @@ from pathlib import Path
 from moekit.cli._args import ListOption, UsageError, output_dir, positive_float, positive_int
 from moekit.quant import SCHEMES
 
-DTYPES = ("bfloat16", "float16", "float32", *SCHEMES)
+# the weight-only register decode's own tunes (``bench.tuning_quant.WO_TUNE_NAMES``; the plain scheme names
+# tune the whole-tile decode)
+REGISTER_DECODE_TUNES = ("int4_w4a16_register", "mxfp4_register")
+DTYPES = ("bfloat16", "float16", "float32", *SCHEMES, *REGISTER_DECODE_TUNES)
 
 
 def register(subparsers) -> None:

@@ -6,7 +6,10 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     splits and k]
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
-path (``moekit.experts.triton``); the kernels are ``_kernels/gemm_wo.py``, the plan ``triton_wo_plan``.
+path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Two decodes of the packed weights,
+chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
+"tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes) and
+"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers, fast at decode sizes).
 No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is a custom op
 with a fake, so ``torch.compile(fullgraph=True)`` traces through it.
 
@@ -36,7 +39,9 @@ from moekit.activations import act_and_mul, get_activation
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
 from moekit.experts.triton_launch import LaunchOptions, is_available
-from moekit.experts.triton_wo_plan import SCHEME_IDS, WeightArgs, clear_wo_plans, weight_args, wo_plan_for
+from moekit.experts.triton_wo_plan import (
+    SCHEME_IDS, WeightArgs, check_decode, clear_wo_plans, weight_args, wo_plan_for,
+)
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
@@ -176,11 +181,12 @@ def fused_experts_wo_torch(
 def run_experts_wo(
     x: torch.Tensor, w13: WeightArgs, w2: WeightArgs, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: torch.Tensor | None, scheme: str, activation: str = "silu", config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(), split_k: int | None = None,
+    options: LaunchOptions = LaunchOptions(), split_k: int | None = None, decode: str | None = None,
 ) -> torch.Tensor:
-    """The kernels, launched (arguments already checked); ``config`` overrides the lookup, ``split_k``
-    the down GEMM's splits (None: ``decode_split_k``). Not a custom op: for tools that pick configs per
-    call; models go through ``fused_experts_wo``."""
+    """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
+    configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile"
+    or "register"; None: ``choose_decode``). Not a custom op: for tools that pick configs per call;
+    models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -188,7 +194,7 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
+    plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
     if options.poison_workspace:
@@ -211,16 +217,16 @@ def _experts_wo_op(
     x: torch.Tensor, q13: torch.Tensor, s13: torch.Tensor, z13: Optional[torch.Tensor], g13: int,
     q2: torch.Tensor, s2: torch.Tensor, z2: Optional[torch.Tensor], g2: int,
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor],
-    scheme: str, activation: str, dependent_launch: bool,
+    scheme: str, activation: str, dependent_launch: bool, decode: str = "",
 ) -> torch.Tensor:
     options = LaunchOptions(dependent_launch=dependent_launch, reuse_workspace=False)
     return run_experts_wo(x, weight_args(q13, s13, z13, g13), weight_args(q2, s2, z2, g2), topk_ids, topk_weights,
-                          expert_map, scheme, activation, options=options)
+                          expert_map, scheme, activation, options=options, decode=decode or None)
 
 
 @_experts_wo_op.register_fake
 def _experts_wo_fake(x, q13, s13, z13, g13, q2, s2, z2, g2, topk_ids, topk_weights, expert_map, scheme, activation,
-                     dependent_launch):
+                     dependent_launch, decode=""):
     return x.new_empty(x.shape)
 
 
@@ -234,14 +240,17 @@ def fused_experts_wo(
     activation: str = "silu",
     expert_map: torch.Tensor | None = None,
     options: LaunchOptions = LaunchOptions(),
+    decode: str | None = None,
 ) -> torch.Tensor:
     """The experts contract on quantized weights: out [M, K] (x.dtype) = sum over the routed slots of
     weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the custom op.
-    ``options``: its ``dependent_launch`` applies."""
+    ``options``: its ``dependent_launch`` applies. ``decode``: "tile" or "register" (``triton_wo_plan.DECODES``), or
+    None for the decode the H200 measured faster at this scheme, shape and batch size."""
     check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    check_decode(decode)
     return torch.ops.moekit.triton_experts_wo(
         x, w13.q, w13.scale, w13.zero, w13.group_size, w2.q, w2.scale, w2.zero, w2.group_size,
-        topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch)
+        topk_ids, topk_weights, expert_map, w13.scheme, activation, options.dependent_launch, decode or "")
 
 
 def clear_launch_caches() -> None:

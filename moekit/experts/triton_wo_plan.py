@@ -2,12 +2,22 @@
 the workspace and the bound launches, decided once per kind of call and cached, as ``triton_plan``
 does for 16-bit weights (and reusing its alignment, workspace and k-sum machinery).
 
-    wo_plan_for(call) --_WO_PLANS--> WoPlan: options, config (tuned file or heuristic), alignment or the
-    naive shortcut, workspace regions h [A, N] and y [A, K], gate-up / down / k-sum launches
+    wo_plan_for(call) --_WO_PLANS--> WoPlan: options, the decode (``choose_decode`` or the caller's),
+    config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
+    h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Configs: ``E{E}_N{N}_K{K}_{scheme}_{device}.json`` in the config directories (``moekit.experts.configs``'s
-format and search order, the scheme in the dtype's place), nearest M; without a file,
-``wo_heuristic_config``.
+Two decodes of the packed weights (DECODES), each its own kernels and its own configs:
+    tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
+    register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
+              sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
+``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
+same tile-height bucket) for the measured shapes (``DECODE_MEASURED``), else per (scheme, tile-height
+bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
+overrides it, so benchmarks and ``moekit tune`` can time either.
+
+Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
+format and search order, ``config_name(scheme, decode)`` in the dtype's place: the scheme for the tile
+decode, ``{scheme}_register`` for the register decode), nearest M; without a file, ``wo_heuristic_config``.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
 """
@@ -33,6 +43,28 @@ MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
+DECODES = ("tile", "register")
+_KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
+            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
+# The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
+# bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
+# ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
+# the second run's µs here). int4 at decode heights (16 rows) register everywhere: DeepSeek M=1/8/64 146 /
+# 958 / 3391 against 256 / 1523 / 5120, Qwen3 32 / 120 / 249 against 39 / 155 / 346, Mixtral M=1/8 151 /
+# 484 against 248 / 724. Taller tiles tile: Mixtral M=64 (32 rows) 1023 against 1695; M=1024 4-5x.
+# mxfp4: per shape (below). int8: both decodes run the same whole-tile dot (the two within noise): tile.
+DECODE_RULE = {("int4_w4a16", 16): "register"}
+# (scheme, E, N, K) -> {M: the decode measured faster at M} for measured shapes; a call takes the entry
+# of the nearest M in log2 distance (as tuned configs do) among those of its tile-height bucket (the
+# decodes' configs change with it); none there: DECODE_RULE. Entries: the decode faster in both H200
+# runs (each cell's winner agreed between the runs; the margins are small, 1-6%). mxfp4 µs (tile /
+# register, second run): Qwen3 M=1 37.3 / 36.9, M=8 134.5 / 141.0, M=64 290.4 / 280.9; DeepSeek M=1
+# 210.2 / 214.5, M=8 1202 / 1188, M=64 4024 / 3925; Mixtral M=1 200.3 / 193.9, M=8 586.5 / 621.9.
+DECODE_MEASURED: dict[tuple, dict[int, str]] = {
+    ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
+    ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
+    ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +91,7 @@ class WoPlan:
     """What every call of one kind launches with. Holds no tensor."""
 
     options: LaunchOptions  # resolved for the device
+    decode: str  # one of DECODES
     config: KernelConfig
     align: AlignPlan | None  # None in the naive shortcut (block a = assignment a)
     split_k: int  # the down GEMM's reduction splits (1: none); y then holds SPLIT partial rows per assignment
@@ -81,52 +114,116 @@ def _tensor_key(t: torch.Tensor) -> tuple:
 
 
 def wo_plan_key(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config, options: LaunchOptions, split_k: int | None = None) -> tuple:
+                config, options: LaunchOptions, split_k: int | None = None, decode: str | None = None) -> tuple:
     """The kind of a call: everything the launches depend on but the tensors' contents and addresses."""
     return (
         _tensor_key(x), x.device, *(_tensor_key(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)),
         w13.group_size, w2.group_size, _tensor_key(ids), _tensor_key(weights),
-        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options, split_k,
+        None if expert_map is None else _tensor_key(expert_map), scheme, activation, config, options, split_k, decode,
     )
 
 
 def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, scheme: str, activation: str,
-                config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
+                config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
+                decode: str | None = None) -> WoPlan:
     """The cached plan of this call's kind (``options.cache_plans``), else a new one. ``split_k``: the
-    down GEMM's splits, None for ``decode_split_k``'s choice."""
+    down GEMM's splits, None for ``decode_split_k``'s choice; ``decode``: one of DECODES, None for
+    ``choose_decode``'s."""
     if not options.cache_plans:
-        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
-    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k)
+        return build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k, decode)
+    key = wo_plan_key(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
     plan = _WO_PLANS.get(key)
     if plan is None:
-        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k)
+        plan = build_wo_plan(x, w13, w2, ids, expert_map, scheme, activation, config, options, split_k, decode)
         if len(_WO_PLANS) >= MAX_PLANS:
             _WO_PLANS.pop(next(iter(_WO_PLANS)))
         _WO_PLANS[key] = plan
     return plan
 
 
-def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The default without a tuned file (``moekit tune --dtype SCHEME`` tunes on the device and writes the
-    files, ``benchmarks/wo_device_check.py`` times this). The tile height follows the rows per expert
-    as in the bf16 heuristic (``configs.heuristic_config``: 16, 32, 64, then 128 from 64 rows per
-    expert, where the GEMMs are compute-bound and tall tiles reuse each dequantized weight tile 128
-    times). Decode sizes: reduction steps of 128 weights (64 packed bytes a row), 4 stages in flight,
-    and output tiles as wide as still give each GEMM >= MIN_PROGRAMS programs over the touched experts
-    (so every SM streams weights); packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile
-    (float32 on its way to bf16) fits in registers next to the gate and up accumulators (ptxas for
-    sm_90, Triton 3.6: decode gate-up 128-168 registers, no spills)."""
+def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The heuristics' tile height: 16, 32, 64, then 128 from 64 mean rows per expert (M*k/E), as the
+    bf16 heuristic (``configs.heuristic_config``)."""
     rows_per_expert = num_tokens * top_k / num_experts
+    return next((b for b in (16, 32, 64) if rows_per_expert < b), 128)
+
+
+def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> str:
+    """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
+    of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
+    bucket, else "tile"."""
+    bucket = height_bucket(num_tokens, num_experts, top_k)
+    measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
+                if height_bucket(m, num_experts, top_k) == bucket}
+    if measured:
+        return nearest(measured, num_tokens)
+    return DECODE_RULE.get((scheme, bucket), "tile")
+
+
+def check_decode(decode: str | None) -> None:
+    if decode is not None and decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES} or None (the measured choice), got {decode!r}")
+
+
+def config_name(scheme: str, decode: str) -> str:
+    """The dtype part of the config file names of ``scheme``'s kernels with ``decode``."""
+    return scheme if decode == "tile" else f"{scheme}_{decode}"
+
+
+def inline_asm_ok(device: torch.device) -> bool:
+    """Whether the register decode may use its inline PTX: an NVIDIA GPU of compute capability 8.0+
+    (prmt, lop3, fma.rn.bf16x2), compiled (never under the interpreter, never on ROCm)."""
+    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
+                        decode: str = "tile") -> KernelConfig:
+    """The default without a tuned file (``moekit tune --dtype SCHEME`` tunes on the device and writes the
+    files, ``benchmarks/wo_device_check.py`` times this); ``decode`` "register": ``_register_heuristic``.
+    The tile height is ``height_bucket`` (128 from 64 rows per expert, where the GEMMs are
+    compute-bound and tall tiles reuse each dequantized weight tile 128 times). Decode sizes: reduction
+    steps of 128 weights (64 packed bytes a row), 4 stages in flight, and output tiles as wide as still
+    give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM streams weights);
+    packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile (float32 on its way to bf16)
+    fits in registers next to the gate and up accumulators (ptxas for sm_90, Triton 3.6: decode gate-up
+    128-168 registers, no spills)."""
+    if decode == "register":
+        return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
-    if rows_per_expert < 16:
+    bucket = height_bucket(num_tokens, num_experts, top_k)
+    if bucket == 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
         up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
         return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
-    if rows_per_expert < 32:
+    if bucket == 32:
         return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
-    if rows_per_expert < 64:
+    if bucket == 64:
         return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
     return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
+
+
+def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The register decode's default (branch wo-fast-2 as measured). Decode sizes: the gate-up tiles as
+    wide (64, else 32) as still give >= MIN_PROGRAMS programs; the packed down tiles 128 wide always
+    (the group scale on each chunk's partial product is per output column: narrow tiles pay it on fewer
+    weights; sm_90 SASS 3.4 instructions a weight at 128 wide, 11 at 32 with mxfp4) and
+    ``decode_split_k`` splits the reduction for the programs instead. Taller tiles: the packed gate-up
+    32 wide and down <= 64 (ptxas sm_90: int4 spills 900 bytes a thread at 64 x 64); int8 as the tile
+    decode's."""
+    packed, bucket = scheme != "int8_w8a16", height_bucket(num_tokens, num_experts, top_k)
+    if bucket == 16:
+        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)
+        down_width = 128 if packed else _decode_width(blocks, k, widest=128)
+        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
+    up_width = 32 if packed else 64  # packed: the chunks' partial products take registers
+    if bucket == 32:
+        return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    if bucket == 64:
+        return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(64 if packed else 128, 64, 8, 8, 3))
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
@@ -135,10 +232,14 @@ def _decode_width(blocks: int, cols: int, widest: int) -> int:
     return next((bn for bn in (128, 64) if bn <= widest and blocks * cols / bn >= MIN_PROGRAMS), 32)
 
 
-def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str) -> KernelConfig:
-    """The tuned entry of the nearest M for (E, N, K, scheme, device), else ``wo_heuristic_config``."""
-    configs = load_configs(num_experts, n, k, scheme, device)  # the file name takes the scheme as its dtype
-    return nearest(configs, num_tokens) if configs else wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
+              decode: str = "tile") -> KernelConfig:
+    """The tuned entry of the nearest M for (E, N, K, ``config_name(scheme, decode)``, device), else
+    ``wo_heuristic_config``."""
+    configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
+    if configs:
+        return nearest(configs, num_tokens)
+    return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
 
 
 def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
@@ -179,13 +280,16 @@ def span(tile: GemmTile, scheme: str, group_size: int) -> int:
 
 
 def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
-                  config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None) -> WoPlan:
+                  config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
+                  decode: str | None = None) -> WoPlan:
     """Decide everything for this call's kind (arguments already checked)."""
+    check_decode(decode)
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
+    decode = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k)
     if config is None:
-        config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device))
+        config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     if not interpreting():
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
@@ -197,10 +301,10 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
-    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
+    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                    get_activation(activation).kernel_id, options, split_k, split_len)
     return WoPlan(
-        options=options, config=config, align=align, split_k=split_k,
+        options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
         gate_up=gate_up, down=down,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k),
@@ -220,22 +324,26 @@ def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_expert
 
 
 def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
-                   naive: bool, scheme: str, act: int, options: LaunchOptions, split_k: int,
+                   naive: bool, scheme: str, decode: str, act: int, options: LaunchOptions, split_k: int,
                    split_len: int) -> tuple[BoundLaunch, BoundLaunch]:
-    """The gate-up and down launches; h [A, N] and y [A, K] are contiguous workspace regions."""
+    """The gate-up and down launches of ``decode``'s kernels; h [A, N] and y [A, K] are contiguous
+    workspace regions."""
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
-    up, down, gemm = config.up, config.down, kernels("gemm_wo")
+    module, gate_up_name, down_name = _KERNELS[decode]
+    up, down, gemm = config.up, config.down, kernels(module)
     shared = dict(BLOCK_M=config.BLOCK_M, SCHEME=SCHEME_IDS[scheme], NAIVE=naive, UPCAST=interpreting(),
                   cached=options.cached_launcher, **options.pdl_kwargs())
+    if decode == "register":
+        shared["ASM"] = inline_asm_ok(x.device)
     gate_up = BoundLaunch(
-        gemm.gate_up_wo_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, w13.q.shape[2], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch = BoundLaunch(
-        gemm.down_wo_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+        getattr(gemm, down_name), (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
         (hidden, n, w2.q.shape[2], num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,

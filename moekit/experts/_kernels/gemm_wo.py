@@ -1,6 +1,8 @@
 """Grouped GEMMs with weight-only quantized experts: the weights stay packed in HBM and are dequantized
 in registers, one whole [BLOCK_N, BLOCK_K] tile per reduction step, right before a single ``tl.dot``;
-activations stay bf16 (or fp16), accumulation fp32.
+activations stay bf16 (or fp16), accumulation fp32. The plan's "tile" decode: faster at prefill sizes
+(tall tiles reuse each decoded tile); the "register" decode is ``gemm_wo_reg`` (``triton_wo_plan``
+chooses per call kind).
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch`` (dequantize, then the float32 loop).
 
