@@ -5,7 +5,8 @@
 
 For each (preset, M), bf16, under no_grad, on one GPU:
   whole call   host µs of ``experts_triton``: 32 calls started on an idle GPU (below the launch queue's
-               depth, so no back-pressure), median of 9 rounds; the same measure as host_time.py's host_us
+               depth, so no back-pressure), median of 9 rounds; the same measure as host_time.py's host_us;
+               "busy": the same behind a ~17 ms kernel (does a launch cost more while the GPU is busy?)
   steps        each step of the host path timed alone (400 calls; launches 32 from idle): the argument
                check, the direct-path test, the plan lookup, the output allocation, the workspace and
                descriptor lookups, the alignment's launches (how many, and µs for all), gate-up, down, k-sum
@@ -13,7 +14,7 @@ For each (preset, M), bf16, under no_grad, on one GPU:
                place, hist + scan + scatter): launches, host µs, GPU µs (a CUDA graph of 20) and whether
                its layout equals the torch twin ``align_block`` element for element at this routing
 and once per run a probe of what a launch costs the host when the GPU is busy: one k-sum launch, from an
-idle GPU and behind a 20 ms kernel with 32 or 600 launches queued, with and without programmatic
+idle GPU and behind a ~17 ms kernel with 32 or 600 launches queued, with and without programmatic
 dependent launch. A cProfile of the whole call (sorted by own time) goes to $OUT; ``--layer`` adds the
 MoE layer's at M=1. The tables are printed last; JSON to $OUT/host_breakdown.json. ~1 minute on an H200.
 """
@@ -43,6 +44,7 @@ from moekit.layouts.block_aligned import align_block
 REPS = 400  # calls per round of a step that launches nothing
 SMOKE_SCALE = 64  # --smoke: N and K divided by this, on the CPU under TRITON_INTERPRET=1
 IDLE_CALLS = 32  # calls per round of anything that launches: each round starts on an idle GPU
+BUSY_CYCLES = 30_000_000  # torch.cuda._sleep: ~17 ms at the H200's 1.755 GHz
 ALIGN_VARIANTS = {  # every alignment plan, forced by the options (where the size allows it)
     "single": LaunchOptions(align_small_max_bins=1 << 20),
     "one": LaunchOptions(align_small_max=0, align_one_launch_max=8192, align_two_launch_max=0),
@@ -64,12 +66,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def per_call_us(fn, reps: int | None = None, rounds: int = 5) -> float:
-    """Median over ``rounds`` of host µs per call, each round of ``reps`` calls started on an idle GPU."""
+def per_call_us(fn, reps: int | None = None, rounds: int = 5, busy: bool = False) -> float:
+    """Median over ``rounds`` of host µs per call, each round of ``reps`` calls started on an idle GPU
+    (``busy``: behind a ~17 ms kernel, so every launch of the round queues)."""
     reps = min(reps or Run.reps, Run.reps)
     times = []
     for _ in range(rounds):
         _sync()
+        if busy and Run.device.type == "cuda":
+            torch.cuda._sleep(BUSY_CYCLES)
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -78,8 +83,8 @@ def per_call_us(fn, reps: int | None = None, rounds: int = 5) -> float:
     return sorted(times)[rounds // 2]
 
 
-def launch_us(fn) -> float:
-    return per_call_us(fn, IDLE_CALLS, rounds=9 if Run.device.type == "cuda" else 3)
+def launch_us(fn, busy: bool = False) -> float:
+    return per_call_us(fn, IDLE_CALLS, rounds=9 if Run.device.type == "cuda" else 3, busy=busy)
 
 
 def steps(shape: Shape, m: int, out_dir: Path) -> dict:
@@ -100,6 +105,7 @@ def steps(shape: Shape, m: int, out_dir: Path) -> dict:
     out = torch.empty_like(x)
     t = {
         "whole call": launch_us(lambda: experts_triton(*args)),
+        "whole call busy": launch_us(lambda: experts_triton(*args), busy=True),
         "check_experts_args": per_call_us(lambda: check_experts_args(*args)),
         "_runs_directly": per_call_us(lambda: _runs_directly(x, w.w13, w.w2, weights, None, None)),
         "contiguous x2": per_call_us(lambda: (ids.contiguous(), weights.contiguous())),
@@ -116,7 +122,8 @@ def steps(shape: Shape, m: int, out_dir: Path) -> dict:
     t["down launch"] = launch_us(lambda: plan.down(b["h"], w2_arg, None, b["y"], weights, ids, *rows))
     t["sum launch"] = launch_us(lambda: plan.sum_slots(b["y"], ids, ids, out))
     t["sum of steps"] = sum(v for k, v in t.items()
-                            if k not in ("whole call", "plan_key", "contiguous x2", "align launch count"))
+                            if k not in ("whole call", "whole call busy", "plan_key", "contiguous x2",
+                                         "align launch count"))
     launches = [plan.gate_up, plan.down, plan.sum_slots]
     if plan.align is not None:
         launches += [getattr(plan.align, n) for n in ("small", "naive", "hist", "scan", "scatter", "place")]
@@ -163,13 +170,12 @@ def gpu_us(fn) -> float:
 
 
 def busy_probe(dev: torch.device) -> dict:
-    """Host µs of one k-sum launch (Qwen3-30B-A3B M=64 shapes) from an idle GPU and behind a 20 ms
+    """Host µs of one k-sum launch (Qwen3-30B-A3B M=64 shapes) from an idle GPU and behind a ~17 ms
     kernel with 32 or 600 launches queued, programmatic dependent launch on and off."""
     m, hidden, top_k, num_experts = 64, 2048, 8, 128
     y = torch.zeros(m * top_k, hidden, device=dev, dtype=torch.bfloat16)
     ids = torch.zeros(m, top_k, device=dev, dtype=torch.int64)
     out = torch.empty(m, hidden, device=dev, dtype=torch.bfloat16)
-    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3 * 0.02)  # ~20 ms
     result = {}
     for pdl in (True, False):
         launch = sum_launch(m, hidden, top_k, num_experts, None,
@@ -180,7 +186,7 @@ def busy_probe(dev: torch.device) -> dict:
             for _ in range(5):
                 torch.cuda.synchronize()
                 if busy == "busy":
-                    torch.cuda._sleep(cycles)
+                    torch.cuda._sleep(BUSY_CYCLES)
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     launch(y, ids, ids, out)
@@ -221,7 +227,7 @@ def layer_profile(preset: str, m: int, out_dir: Path) -> dict:
     return t
 
 
-STEP_COLUMNS = ("whole call", "sum of steps", "check_experts_args", "plan_for", "torch.empty_like out",
+STEP_COLUMNS = ("whole call", "whole call busy", "sum of steps", "check_experts_args", "plan_for", "torch.empty_like out",
                 "workspace buffers", "align launches", "align launch count", "gate_up launch", "down launch",
                 "sum launch")
 
@@ -229,8 +235,10 @@ STEP_COLUMNS = ("whole call", "sum of steps", "check_experts_args", "plan_for", 
 def tables(results: dict, probe: dict) -> str:
     short = {"check_experts_args": "check", "torch.empty_like out": "out", "workspace buffers": "wksp",
              "align launches": "align", "align launch count": "#al", "gate_up launch": "gate_up",
-             "down launch": "down", "sum launch": "ksum", "sum of steps": "steps", "whole call": "whole"}
-    lines = ["host µs per step (whole: 32 calls from idle; align: all its launches, #al of them)",
+             "down launch": "down", "sum launch": "ksum", "sum of steps": "steps", "whole call": "whole",
+             "whole call busy": "busy"}
+    lines = ["host µs per step (whole: 32 calls from idle; busy: the same behind a ~17 ms kernel; align: all its "
+             "launches, #al of them)",
              f"{'cell':<24}" + "".join(f"{short.get(c, c):>9}" for c in STEP_COLUMNS) + "  raw"]
     for cell, t in results.items():
         if "whole call" in t:
