@@ -166,7 +166,7 @@ def gpu_us(fn) -> float:
     """GPU µs per call of ``fn``, from a CUDA graph of 20 calls (on the smoke test: one eager round)."""
     if Run.device.type != "cuda":
         return time_calls([fn], Run.device, min_reps=1, max_reps=1)
-    return time_calls([fn] * 20, Run.device, graph=True) / 20
+    return time_calls([fn] * 20, Run.device, graph=True)  # µs per call of fn
 
 
 def busy_probe(dev: torch.device) -> dict:
@@ -262,6 +262,8 @@ def main() -> None:
     a = p.parse_args()
     if a.smoke:
         Run.device, Run.scale, Run.reps = torch.device("cpu"), SMOKE_SCALE, 2
+    else:
+        Run.device = torch.device("cuda", torch.cuda.current_device())  # what x.device says: one workspace
     out_dir = Path(os.environ.get("OUT", "host_breakdown_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
