@@ -55,7 +55,8 @@ def _check(tri, x, w13, w2, ids, weights, expert_map=None, activation="silu"):
 def test_align_equals_twin(m, k, e, block, with_map, launch):
     # "three" forces the chunked three-launch path even for small batches, "single" the single launch
     # for any expert count.
-    options = LaunchOptions(align_small_max=0) if launch == "three" else LaunchOptions(align_small_max_bins=1 << 20)
+    three = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0)
+    options = three if launch == "three" else LaunchOptions(align_small_max_bins=1 << 20)
     g = torch.Generator().manual_seed(m * 100 + k * 10 + e)
     ids = torch.randint(-1, e + 2, (m, k), generator=g, dtype=torch.int32)  # includes skipped ids (-1, >= E)
     expert_map = None
@@ -194,7 +195,8 @@ def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
     the op (``experts_triton``) and around it (``fused_experts``, ``align_block_triton``)."""
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, torch.bfloat16)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
-    a = LaunchOptions(weight_descriptors=False, align_small_max=0, poison_workspace=True)
+    a = LaunchOptions(weight_descriptors=False, align_small_max=0, poison_workspace=True, align_one_launch_max=0,
+                      align_two_launch_max=0)
     b = LaunchOptions(weight_descriptors=True, align_small_max_bins=1 << 20, poison_workspace=True)
     for _ in range(2):
         for options, kernels_wanted, w_desc in ((a, {"align_hist_kernel", "align_scan_kernel"}, False),

@@ -158,7 +158,7 @@ def _experts_op(
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
-    raw_launcher: bool,
+    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -166,7 +166,8 @@ def _experts_op(
     # "reduce-overhead" failed, "tensor(s) in the cudagraph pool not tracked as outputs").
     options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
                             align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False,
-                            raw_launcher=raw_launcher)
+                            raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
+                            align_two_launch_max=align_two_launch_max)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

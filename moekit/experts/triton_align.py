@@ -25,15 +25,22 @@ from moekit.layouts.grouping import max_padded_rows
 @dataclass(frozen=True)
 class AlignPlan:
     """The launches that build one block-aligned layout, decided once per (A, E, B, map, options): the
-    single-program one (A <= one chunk, few bins), the naive shortcut's, or histogram, scan and scatter
-    (a launch with an empty grid is None). ``regions`` are the buffers they fill, for a workspace."""
+    single-program one (A <= one chunk, few bins), the naive shortcut's, the one-launch ``place`` (its
+    programs histogram all ids themselves), hist then ``place``, or hist, scan and scatter (a launch
+    with an empty grid is None). ``regions`` are the buffers they fill, for a workspace. ``launches``
+    is how many run per call."""
 
-    regions: tuple  # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base [chunks, EP], offsets [EP]
+    regions: tuple  # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base or chunk_start [chunks, EP], offsets [EP]
     small: BoundLaunch | None = None
     naive: BoundLaunch | None = None
     hist: BoundLaunch | None = None
     scan: BoundLaunch | None = None
     scatter: BoundLaunch | None = None
+    place: BoundLaunch | None = None  # scan + scatter (after hist), or all three alone (no hist)
+
+    @property
+    def launches(self) -> int:
+        return sum(x is not None for x in (self.small, self.naive, self.hist, self.scan, self.scatter, self.place))
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,30 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
             kernels("align").align_small_kernel, (1,), 6, common,
             CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
             BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
+    if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
+        return _plan_place(regions, common, e_pad, num_global is not None, launch,
+                           own_hist=num_assignments <= options.align_one_launch_max)
     return _plan_chunked(regions, common, e_pad, num_global is not None, launch)
+
+
+def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict, own_hist: bool) -> AlignPlan:
+    """``align_place_kernel`` alone (``own_hist``: its programs histogram all A ids themselves) or after
+    the histogram launch (its programs sum the [chunks, EP] histogram themselves)."""
+    k = kernels("align")
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
+    num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
+    regions += (("hist", torch.int32, (num_chunks, e_pad)),  # [chunks, EP]; unused with own_hist
+                ("chunk_start", torch.int32, (num_chunks, e_pad)))  # [chunks, EP] each chunk's first row per expert
+    hist = None if own_hist else BoundLaunch(
+        k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
+        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch)
+    blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    place = BoundLaunch(
+        k.align_place_kernel, (num_chunks + cdiv(num_blocks, blocks_per_program),), 8, (*common, num_chunks),
+        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, A_PAD=next_pow2(num_assignments) if own_hist else 1,
+        CHUNK_ROWS=max(1, min(next_pow2(num_chunks), 4096 // e_pad)), BLOCKS_PER_PROGRAM=blocks_per_program,
+        BLOCK_PAD=next_pow2(block_size), OWN_HIST=own_hist, HAS_MAP=has_map, **launch)
+    return AlignPlan(regions, hist=hist, place=place)
 
 
 def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict) -> AlignPlan:
@@ -107,6 +137,11 @@ def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | Non
         plan.small(ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
     elif plan.naive is not None:
         plan.naive(ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
+    elif plan.place is not None:
+        if plan.hist is not None:
+            plan.hist(ids, map_arg, b["hist"])
+        plan.place(ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"], b["counts"],
+                   b["num_padded"])
     else:
         if plan.hist is not None:
             plan.hist(ids, map_arg, b["hist"])
@@ -122,10 +157,14 @@ def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | Non
 def _align_op(
     topk_ids: torch.Tensor, num_experts: int, block_size: int, expert_map: Optional[torch.Tensor], allow_naive: bool,
     dependent_launch: bool, align_small_max: int, align_small_max_bins: int,
+    align_one_launch_max: int = LaunchOptions.align_one_launch_max,
+    align_two_launch_max: int = LaunchOptions.align_two_launch_max,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = resolve_launch_options(
         LaunchOptions(dependent_launch=dependent_launch, align_small_max=align_small_max,
-                      align_small_max_bins=align_small_max_bins, cached_launcher=False), topk_ids.device)
+                      align_small_max_bins=align_small_max_bins, cached_launcher=False,
+                      align_one_launch_max=align_one_launch_max, align_two_launch_max=align_two_launch_max),
+        topk_ids.device)
     topk_ids = topk_ids.contiguous()
     num_assignments = topk_ids.numel()
     naive = allow_naive and use_naive(num_assignments, num_experts, expert_map)
@@ -138,8 +177,7 @@ def _align_op(
 
 
 @_align_op.register_fake
-def _align_fake(topk_ids, num_experts, block_size, expert_map, allow_naive,
-                dependent_launch, align_small_max, align_small_max_bins):
+def _align_fake(topk_ids, num_experts, block_size, expert_map, allow_naive, *options):
     num_assignments = topk_ids.numel()
     if allow_naive and use_naive(num_assignments, num_experts, expert_map):
         rows, blocks = num_assignments * block_size, num_assignments
@@ -161,11 +199,12 @@ def align_block_triton(
     options: LaunchOptions = LaunchOptions(),
 ) -> BlockAlignedLayout:
     """``align_block`` on the device (Triton kernels, no host sync); equal to it element for element.
-    ``options``: its dependent_launch and align_small_* fields apply."""
+    ``options``: its dependent_launch and align_* fields apply."""
     check_align_args(topk_ids, num_experts, block_size, expert_map)
     sorted_ids, expert_ids, num_padded, counts = torch.ops.moekit.align_block_triton(
         topk_ids, num_experts, block_size, expert_map, allow_naive,
         options.dependent_launch, options.align_small_max, options.align_small_max_bins,
+        options.align_one_launch_max, options.align_two_launch_max,
     )
     num_assignments = topk_ids.numel()
     return BlockAlignedLayout(

@@ -90,6 +90,8 @@ class WorkspacePool:
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 return spec.allocate(device)
+            if device.index is None:  # a tensor's device has its index; a caller's "cuda" may not
+                device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
         workspace = self._workspaces.get(key)

@@ -22,6 +22,7 @@ import torch
 from moekit.triton_bind import interpreting
 
 ALIGN_CHUNK = 128  # assignments per alignment chunk program; the in-chunk rank is a [C, C] compare (16k lanes)
+ALIGN_ONE_LAUNCH_LIMIT = 8192  # ids one program of the one-launch alignment holds in registers, at most
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,27 @@ class LaunchOptions:
     # it was written for and no launch hook is installed. H200, Triton 3.6: a gate-up launch with TMA
     # weights 18.5 -> see benchmarks/results (host_breakdown).
     raw_launcher: bool = True
+    # Past the single-program case, up to align_one_launch_max assignments the alignment is one launch of
+    # many programs that each histogram all the ids themselves, and up to align_two_launch_max two (the
+    # histogram, then the scan and the scatter together); above, three (hist, scan, scatter). 0 turns one
+    # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call).
+    align_one_launch_max: int = 512
+    align_two_launch_max: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
             raise ValueError(f"align_small_max must be in [0, {ALIGN_CHUNK}] (one chunk), got {self.align_small_max}")
+        if not 0 <= self.align_one_launch_max <= ALIGN_ONE_LAUNCH_LIMIT:
+            raise ValueError(f"align_one_launch_max must be in [0, {ALIGN_ONE_LAUNCH_LIMIT}] (the ids one program "
+                             f"holds), got {self.align_one_launch_max}")
+        if self.align_two_launch_max < 0:
+            raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
+        object.__setattr__(self, "_hash", hash(self.as_op_args()))
+
+    def __hash__(self) -> int:
+        # Every eager call hashes its options in the plan key: computed once (the fields are frozen),
+        # not by the generated __hash__ on each call (~1 µs on a slow CPU).
+        return self._hash
 
     def as_op_args(self) -> tuple:
         """The fields in order: how the options cross a custom op's schema (no dataclasses there)."""

@@ -15,6 +15,12 @@ Three launches, each parallel over chunks except the short scan:
               (the twin's stable sort); block programs write expert_ids and the padding sentinel A.
 Unlike vLLM's atomicAdd scatter this order is deterministic, which is what lets the tests demand
 exact equality with the twin.
+
+Each launch costs the host 5.5-7 µs (H200), so smaller batches fold them (``triton_align`` picks):
+  small: all three in one program (one chunk, few bins: [C, EP] one-hot tiles stay small)
+  place: the scan and the scatter in one launch after hist, each program summing the [chunks, EP]
+         histogram itself; or all three in one launch (OWN_HIST), each program histogramming all A ids.
+         No program waits for another, so nothing depends on which programs are resident.
 """
 
 import triton
@@ -114,6 +120,79 @@ def align_scatter_kernel(
 
 
 @triton.jit
+def align_place_kernel(
+    ids_ptr, map_ptr, hist_ptr, chunk_start_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, A_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_PAD: tl.constexpr, OWN_HIST: tl.constexpr, HAS_MAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The scan and the scatter in one launch (after hist), or with ``OWN_HIST`` all three: no program
+    waits for another, each computes the per-expert totals itself. OWN_HIST: from all A ids (A <= A_PAD,
+    one ``tl.histogram``); else from hist [num_chunks, EP], summed in [CHUNK_ROWS, EP] tiles. Chunk
+    program c also sums the chunks before it, writes its start rows chunk_start[c, e] = offsets[e] +
+    (assignments of chunks < c on e) and gathers them back (a barrier between: the gather crosses
+    threads); block programs as in the scatter. Program 0 writes counts and num_padded."""
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
+    pid = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    is_expert = e < num_experts
+    if OWN_HIST:
+        a = tl.arange(0, A_PAD)
+        every = _local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP)  # [A_PAD]
+        counts = tl.histogram(every, E_PAD)  # [EP]
+    else:
+        counts = _hist_rows(hist_ptr, num_chunks, num_chunks, E_PAD, CHUNK_ROWS)
+    padded = tl.where(is_expert, (counts + block_size - 1) // block_size * block_size, 0)  # [EP]
+    offsets = tl.cumsum(padded, axis=0) - padded  # [EP] exclusive start row of each expert
+    num_padded = tl.sum(padded, axis=0)
+    if pid == 0:
+        tl.store(counts_ptr + e, counts, mask=is_expert)
+        tl.store(num_padded_ptr, num_padded)
+    if pid < num_chunks:
+        if OWN_HIST:
+            before = tl.histogram(tl.where(a < pid * CHUNK, every, num_experts), E_PAD)  # [EP]
+        else:
+            before = _hist_rows(hist_ptr, pid, num_chunks, E_PAD, CHUNK_ROWS)
+        tl.store(chunk_start_ptr + pid * E_PAD + e, offsets + before)
+        tl.debug_barrier()
+        lane = tl.arange(0, CHUNK)
+        offs = pid * CHUNK + lane
+        local = _local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP)  # [C]
+        earlier_same = (local[:, None] == local[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
+        rank = tl.sum(earlier_same.to(tl.int32), axis=1)  # [C] rank among this chunk's rows of the expert
+        routed = local < num_experts
+        base = tl.load(chunk_start_ptr + pid * E_PAD + local, mask=routed, other=0)  # [C]
+        tl.store(sorted_ids_ptr + base + rank, offs, mask=routed)
+    else:
+        blocks = (pid - num_chunks) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+        _write_blocks(blocks, sorted_ids_ptr, expert_ids_ptr, offsets, padded, counts, num_padded,
+                      num_assignments, num_experts, block_size, num_rows, num_blocks, E_PAD, BLOCK_PAD)
+
+
+@triton.jit
+def _local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP: tl.constexpr):
+    """Local expert ids (int32) of the assignments ``offs``; E for a lane past A or not routed here."""
+    valid = offs < num_assignments
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
+    local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+    return tl.where(valid, local, num_experts).to(tl.int32)
+
+
+@triton.jit
+def _hist_rows(hist_ptr, upto, num_chunks, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """The column sums of hist [num_chunks, EP]'s rows before ``upto``: [EP]."""
+    e = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, upto, CHUNK_ROWS):
+        rows = start + tl.arange(0, CHUNK_ROWS)
+        keep = (rows[:, None] < upto) & (rows[:, None] < num_chunks)
+        total += tl.sum(tl.load(hist_ptr + rows[:, None] * E_PAD + e[None, :], mask=keep, other=0), axis=0)
+    return total
+
+
+@triton.jit
 def align_naive_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, counts_ptr, num_padded_ptr,
     num_assignments, num_experts, block_size,
@@ -171,18 +250,29 @@ def align_small_kernel(
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     tl.store(sorted_ids_ptr + base + rank, lane, mask=local < num_experts)
 
-    ends = tl.where(is_expert, offsets + padded, 2147483647)  # [EP] end row of each expert
-    real_ends = offsets + counts  # [EP] end of each expert's real rows
-    j = tl.arange(0, BLOCK_PAD)
     for b0 in range(0, num_blocks, BLOCKS_PER_ITER):
-        blocks = b0 + tl.arange(0, BLOCKS_PER_ITER)
-        starts = blocks * block_size
-        expert = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), axis=1)  # [BI] the twin's searchsorted
-        used = starts < num_padded
-        tl.store(expert_ids_ptr + blocks, tl.where(used, expert, -1), mask=blocks < num_blocks)
-        real_end = tl.sum(tl.where(expert[:, None] == e[None, :], real_ends[None, :], 0), axis=1)  # [BI]
-        rows = starts[:, None] + j[None, :]  # [BI, B]
-        pad = (~used[:, None]) | (rows >= real_end[:, None])
-        in_range = (j[None, :] < block_size) & (rows < num_rows)
-        sentinel = tl.full([BLOCKS_PER_ITER, BLOCK_PAD], 0, tl.int32) + num_assignments
-        tl.store(sorted_ids_ptr + rows, sentinel, mask=pad & in_range)
+        _write_blocks(b0 + tl.arange(0, BLOCKS_PER_ITER), sorted_ids_ptr, expert_ids_ptr, offsets, padded, counts,
+                      num_padded, num_assignments, num_experts, block_size, num_rows, num_blocks, E_PAD, BLOCK_PAD)
+
+
+@triton.jit
+def _write_blocks(blocks, sorted_ids_ptr, expert_ids_ptr, offsets, padded, counts, num_padded,
+                  num_assignments, num_experts, block_size, num_rows, num_blocks,
+                  E_PAD: tl.constexpr, BLOCK_PAD: tl.constexpr):
+    """expert_ids of ``blocks`` [BI] and the sentinel in their padding rows, from the per-expert register
+    vectors offsets, padded, counts [EP]. A register vector cannot be indexed, so the expert's real end
+    is a one-hot dot over [BI, EP] (a plan keeps BI * EP <= 4096)."""
+    e = tl.arange(0, E_PAD)
+    is_expert = e < num_experts
+    ends = tl.where(is_expert, offsets + padded, 2147483647)  # [EP] end row of each expert
+    starts = blocks * block_size  # [BI] first row of each block
+    expert = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), axis=1)  # [BI] the twin's searchsorted
+    used = starts < num_padded
+    tl.store(expert_ids_ptr + blocks, tl.where(used, expert, -1), mask=blocks < num_blocks)
+    real_end = tl.sum(tl.where(expert[:, None] == e[None, :], (offsets + counts)[None, :], 0), axis=1)  # [BI]
+    j = tl.arange(0, BLOCK_PAD)
+    rows = starts[:, None] + j[None, :]  # [BI, B]
+    pad = (~used[:, None]) | (rows >= real_end[:, None])
+    in_range = (j[None, :] < block_size) & (rows < num_rows)
+    sentinel = tl.zeros_like(rows).to(tl.int32) + num_assignments
+    tl.store(sorted_ids_ptr + rows, sentinel, mask=pad & in_range)
