@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate`` (``nn.Linear``), in ``route_tokens``               | x2d [M, K] -> logits [M, E]            |
+| Gate     | ``MoE.gate``'s weights; on its Triton kernel where the fused router runs (``moekit.routing.gate``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -41,6 +41,7 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
+from moekit.routing.gate import gate_available, gate_logits
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
@@ -55,8 +56,7 @@ class RoutedTokens:
 
     @property
     def dropped(self) -> torch.Tensor:
-        """[] int64: assignments the capacity factor dropped, 0 when dropless. The dropless zero is made
-        here, on access (a fresh tensor each time, never shared), not by every forward."""
+        """[] int64: assignments the capacity factor dropped; dropless: a fresh zero made on access, not per forward."""
         if self.dropped_count is None:
             return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
         return self.dropped_count
@@ -105,6 +105,8 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
+    With the fused router the gate GEMM runs on a Triton kernel too (``moekit.routing.gate``; ``F.linear``
+    under autograd and ``torch.compile``). The layer reads ``MoE.gate``'s weights: its hooks never run.
     """
 
     def __init__(
@@ -123,10 +125,9 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         eager_graph_rows: int | None = None,
     ) -> None:
-        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
-        rank (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without
-        autograd of at most this many tokens replay a CUDA graph captured per kind of call
-        (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
+        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel rank
+        (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without autograd of at most
+        this many tokens replay a CUDA graph per kind of call (``moekit.eager_graphs``; off by default: each costs memory)."""
         super().__init__()
         _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
         if eager_graph_rows is not None:
@@ -168,8 +169,7 @@ class MoE(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
-        # imports modules, which torch.compile(fullgraph=True) cannot trace.
+        # Resolved here and on every device move (``_apply``), never in forward: torch.compile cannot trace imports
         self._backend = name
         self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device), self.backend_options)
 
@@ -183,6 +183,7 @@ class MoE(nn.Module):
         # Resolved here and on every device move, never inside forward (as the backend).
         self._router = choice
         self._fused_router: FusedRouter | None = fused_router(self.config, self.w13.device, choice)
+        self._gate_fn = gate_logits if self._fused_router is not None and gate_available(self.w13.device) else None
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -238,16 +239,17 @@ class MoE(nn.Module):
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
 
     def _router_logits(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate
-        weight cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets
-        its gradient through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in
-        a bf16 model)."""
+        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate weight
+        cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets its gradient
+        through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
         gate = self._modules["gate"]
         weight, bias = _param(gate, "weight"), _param(gate, "bias")  # [E, K], [E] (gpt-oss) or None
         dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
         if weight.dtype != dtype:
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        return torch.nn.functional.linear(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, bias)
+        x2d = x2d if x2d.dtype == dtype else x2d.to(dtype)
+        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias)  # None where the kernel does not apply
+        return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
@@ -263,8 +265,7 @@ class MoE(nn.Module):
         if out is None:
             routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
             out = self._experts_and_shared(x2d, routed)  # [M, K]
-        if not flat:
-            out = out.reshape(x.shape)
+        out = out if flat else out.reshape(x.shape)
         if not return_stats:
             return out
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
@@ -285,8 +286,8 @@ class MoE(nn.Module):
         return out
 
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it must run eagerly:
-        autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
+        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it runs eagerly: autograd,
+        capacity dropping (its count is read back), a subclass that places experts elsewhere."""
         if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
                 or (torch.is_grad_enabled() and (x2d.requires_grad or self.gate.weight.requires_grad
                                                  or getattr(self.w13, "requires_grad", False)))):
@@ -305,8 +306,7 @@ class MoE(nn.Module):
             yield from (w.tensors().values() if hasattr(w, "tensors") else (w,))
 
     def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
-        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
-        x [..., T, K]'s second-to-last dim as the sequence (a 2-D x is one sequence of M tokens)."""
+        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); sequence-wise: over x's dim -2 (2-D: one sequence)."""
         c, logits, ids = self.config, routed.router_logits, routed.selected_ids
         if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
             return None
@@ -375,8 +375,8 @@ class MoE(nn.Module):
 
 
 def _param(module: nn.Module, name: str):
-    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs a lookup) where it is a
-    registered parameter; anything else (a plain attribute, a parametrization) through getattr."""
+    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs) where it is a registered
+    parameter; anything else (a plain attribute, a parametrization) through getattr."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
 

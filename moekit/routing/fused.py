@@ -30,6 +30,7 @@ from typing import Literal, Optional
 import torch
 
 from moekit.config import MoEConfig
+from moekit.routing import gate
 from moekit.triton_bind import BoundLaunch, interpreting
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.shared import append_shared_slots
@@ -191,8 +192,9 @@ _BOUND: dict[tuple, _BoundRoute] = {}
 
 
 def clear_launch_caches() -> None:
-    """Drop the bound launches of eager calls (they hold the kernel they were bound to)."""
+    """Drop the bound launches of eager calls, the gate's too (they hold the kernel they were bound to)."""
     _BOUND.clear()
+    gate.clear_launch_caches()
 
 
 def _pointer_key(t: torch.Tensor | None):
