@@ -5,9 +5,10 @@
 For each preset (bf16, ``backend="triton"``, ``router="auto"``) and M, under ``torch.no_grad()``, the host µs
 per call of 32 calls started on an idle GPU (median of 5 rounds) of:
   layer       the whole forward, default path (gate on its Triton kernel, ``moekit.routing.gate``)
-  prev        the whole forward with the gate on ``F.linear`` (the previous implementation)
+  prev        the whole forward as before this branch: the gate on ``F.linear``, the flag and ``_assert_async``
   gate        ``MoE._router_logits`` (the Triton gate);  gate_torch: the same on ``F.linear``
-  route       the fused router on the gate's logits, as the layer calls it (shared slots appended in-kernel)
+  route       the fused router on the gate's logits, as the layer calls it (shared slots appended in-kernel;
+              nonfinite="raise" asserted in the kernel);  route_flag: the same with the flag and _assert_async
   experts     the layer's experts step on a fixed routing (``MoE._experts_and_shared``)
   glue        layer - gate - route - experts
 then ``eager`` (wall µs per call of 200 back-to-back default calls and one sync), the GPU µs of one gate call
@@ -28,6 +29,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 import traceback
 import warnings
@@ -42,7 +45,25 @@ from moekit.routing import fused, gate
 
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BUDGET_S = 95.0
-COLS = ("layer", "prev", "gate", "gate_torch", "route", "experts", "glue", "eager", "gate_gpu", "gate_torch_gpu")
+COLS = ("layer", "prev", "gate", "gate_torch", "route", "route_flag", "experts", "glue", "eager", "gate_gpu",
+        "gate_torch_gpu")
+ASSERT_CHECK = """
+import torch
+from moekit import MoEConfig
+from moekit.routing.fused import FusedRouter
+router = FusedRouter(MoEConfig.preset("qwen3-30b-a3b"))
+logits = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+router(logits), router(logits)
+torch.cuda.synchronize()
+print("finite logits: no assert", flush=True)
+logits[2, 7] = float("nan")
+try:
+    router(logits)
+    torch.cuda.synchronize()
+    print("NaN logit: NO ASSERT")
+except Exception as err:
+    print("NaN logit raised", type(err).__name__, str(err)[:300])
+"""
 STACKS: dict[str, str] = {}  # the Python stack of each distinct host sync, printed once
 
 
@@ -119,22 +140,25 @@ def stage_fns(layer: MoE, x: torch.Tensor) -> dict:
     logits, bias = routed.router_logits, layer.e_score_correction_bias
     router, in_kernel = layer._fused_router, layer.fuse_shared and layer.capacity_factor is None
     gate_fn = layer._gate_fn
+    flag_router = fused.FusedRouter(layer.config, assert_in_kernel=False)
 
-    def torch_gate(fn):
+    def previous(fn):
+        """fn with the gate on F.linear and nonfinite="raise" on the flag and _assert_async (before this branch)."""
         def run():
-            layer._gate_fn = None
+            layer._gate_fn, layer._fused_router = None, flag_router
             try:
                 return fn()
             finally:
-                layer._gate_fn = gate_fn
+                layer._gate_fn, layer._fused_router = gate_fn, router
         return run
 
     return {
         "layer": lambda: layer(x),
-        "prev": torch_gate(lambda: layer(x)),
+        "prev": previous(lambda: layer(x)),
         "gate": lambda: layer._router_logits(x),
-        "gate_torch": torch_gate(lambda: layer._router_logits(x)),
+        "gate_torch": previous(lambda: layer._router_logits(x)),
         "route": None if router is None else (lambda: router(logits, bias, None, append_shared=in_kernel)),
+        "route_flag": lambda: flag_router(logits, bias, None, append_shared=in_kernel),
         "experts": lambda: layer._experts_and_shared(x, routed),
     }
 
@@ -222,6 +246,9 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "layer_host_out"))
     out.mkdir(parents=True, exist_ok=True)
     start, rows, skipped = time.perf_counter(), [], []
+    # The NaN case kills its CUDA context: a process of its own, run alongside.
+    check = subprocess.Popen([sys.executable, "-c", ASSERT_CHECK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     layers = {}
     with torch.no_grad():
         for m in a.batches:
@@ -232,18 +259,28 @@ def main() -> None:
                 if preset not in layers:  # all three kept: 27 GB of bf16 weights
                     layers[preset] = MoE(MoEConfig.preset(preset), backend="triton", router="auto",
                                          dtype=torch.bfloat16, device="cuda").eval()
-                rows.append(cell(layers[preset], preset, m))
+                try:
+                    rows.append(cell(layers[preset], preset, m))
+                except Exception:  # noqa: BLE001 - reported, and the other cells still run
+                    rows.append({"preset": preset, "M": m, "error": traceback.format_exc()})
                 print(json.dumps(rows[-1]), flush=True)
-                if m == 1 and preset == a.presets[0]:
+                if m == 1 and preset == a.presets[0] and "error" not in rows[-1]:
                     fns = stage_fns(layers[preset], torch.randn(1, layers[preset].config.hidden_size, device="cuda",
                                                                 dtype=torch.bfloat16))
                     profile_table(fns["layer"], out / "profile_layer_M1.txt")
                     profile_table(fns["prev"], out / "profile_prev_M1.txt")
         facts = launch_facts()
+    try:
+        facts["assert_check"] = check.communicate(timeout=60)[0][-1500:]
+    except subprocess.TimeoutExpired:
+        check.kill()
+        facts["assert_check"] = "timed out"
     summary = {"torch": torch.__version__, "rows": rows, "facts": facts, "skipped": skipped, "sync_stacks": STACKS,
                "seconds": time.perf_counter() - start}
     (out / "layer_host.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps({"facts": facts, "skipped": skipped, "seconds": summary["seconds"]}))
+    print(json.dumps({"facts": {k: v for k, v in facts.items() if k != "assert_check"}, "skipped": skipped,
+                      "seconds": summary["seconds"]}))
+    print("in-kernel assert check (subprocess):\n" + facts["assert_check"])
     print_table(rows)
 
 
@@ -251,6 +288,9 @@ def print_table(rows: list) -> None:
     print(f"{'preset':<14}{'M':>4}" + "".join(f"{c:>11}" for c in COLS) + "  syncs(layer)  id_rows_vs_route  "
           "out_rel_f64  rows_differ_prev   (host µs per call; eager: wall; *_gpu: GPU µs)")
     for r in rows:
+        if "error" in r:
+            print(f"{r['preset']:<14}{r['M']:>4}  FAILED: {r['error'].splitlines()[-1]}")
+            continue
         text = "".join(f"{'-' if r.get(c) is None else f'{r[c]:.1f}':>11}" for c in COLS)
         print(f"{r['preset']:<14}{r['M']:>4}{text}{r['syncs']['layer']:>14}{r['route_id_rows_differ']:>18}"
               f"{r['out_rel_err_f64']:>13.2e}{r['rows_experts_differ_prev']:>18}")

@@ -152,7 +152,7 @@ def route_kernel(
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISE: tl.constexpr, PDL: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr = False,
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -170,6 +170,8 @@ def route_kernel(
     if CHECK_FINITE:  # nonfinite="raise": clear the flag; every writer writes 0, so the race is benign
         bad = tl.max(tl.max(tl.max((valid & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
         tl.store(ok_ptr, bad * 0, mask=bad > 0)
+    if ASSERT_FINITE:  # nonfinite="raise" as this kernel's own device-side assert (compiled with debug=True)
+        tl.device_assert(finite | ~valid, "router_logits contains NaN or infinite values")
 
     # Scores over the finite experts only: a masked expert takes no probability mass from the others.
     x_fin = tl.where(finite, x, float("-inf"))
