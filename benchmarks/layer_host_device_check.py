@@ -218,7 +218,8 @@ def cell(layer: MoE, preset: str, m: int) -> dict:
 
 def launch_facts() -> dict:
     """Whether the bound launches took the raw C launch, and what an allocation and an assert cost."""
-    facts = {"gate_raw": [b.launch._raw is not None for b in gate._BOUND.values() if b.launch is not None],
+    facts = {"gate_raw": [b.launch._raw is not None for b in gate._BOUND.values()
+                          if isinstance(b, gate._BoundGate) and b.launch is not None],
              "route_raw": [b.launch._raw is not None for b in fused._BOUND.values() if b.launch is not None]}
     flag = torch.ones(1, dtype=torch.int32, device="cuda")
     facts["empty_us"] = host_from_idle(lambda: torch.empty(1, 8, dtype=torch.int32, device="cuda"), calls=200)

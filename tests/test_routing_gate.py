@@ -54,6 +54,16 @@ def test_matches_float64(gate, num_tokens, dtype, with_bias):
     assert_close(gate.gate_logits(x, w, b), reference(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("num_tokens,hidden,experts", [(3, 2100, 5), (20, 200, 40), (70, 136, 24)])
+def test_many_programs_and_k_steps(gate, num_tokens, hidden, experts):
+    """Ragged expert tiles over several programs and ragged K steps: M = 3 (2 experts x 2048 columns a
+    tile: 3 programs, 2 steps), M = 20 and 70 (tl.dot, 16 experts x 128 columns, 16- and 64-row blocks)."""
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+    w = torch.randn(experts, hidden, generator=g).to(torch.bfloat16)
+    assert_close(gate.gate_logits(x, w), reference(x, w), torch.bfloat16)
+
+
 def test_strided_rows(gate):
     """x and W as row slices of wider tensors (leading stride != K), x not 16-byte aligned."""
     x_wide, w_wide = torch.randn(3, 50), torch.randn(12, 48)

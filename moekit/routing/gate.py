@@ -44,13 +44,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tiles(num_tokens: int, num_experts: int, dot: bool) -> _Tiles:
-    if dot:  # [64, 64] tiles of K = 64: a 16-bit GEMM of M >= 16 rows
-        return _Tiles(16 if num_tokens < 64 else 64, max(16, min(64, _next_pow2(num_experts))), 64, True, 4)
-    # A decode step reads W once: 8 experts per program spreads DeepSeek-V3's 3.7 MB gate over 32 programs
-    # (Qwen3: 16); the [BM, 8, BK] fp32 product is 4096 values, 32 registers a thread at 4 warps.
-    block_m, block_e = _next_pow2(num_tokens), min(8, _next_pow2(num_experts))
-    return _Tiles(block_m, block_e, max(16, min(512, 4096 // (block_m * block_e))), False, 4)
+def _tiles(num_tokens: int, num_experts: int, hidden: int, dot: bool) -> _Tiles:
+    if dot:  # 16 experts a program for parallelism: DeepSeek-V3 at M = 64 runs 4 x 16 programs of 56 K steps
+        return _Tiles(16 if num_tokens <= 64 else 64, 16, 128, True, 4)
+    # A decode step reads W once: tiles of 2 experts x 2048 columns (16 values a thread at 4 warps) give
+    # DeepSeek-V3's 3.7 MB gate 128 programs of 4 steps, Qwen3's 64 programs of one step.
+    block_k = min(2048, _next_pow2(hidden))
+    block_e = min(_next_pow2(num_experts), max(2, 4096 // block_k))
+    return _Tiles(_next_pow2(num_tokens), block_e, block_k, False, 4)
 
 
 def kernels():
@@ -61,12 +62,12 @@ def kernels():
 class _BoundGate:
     """One kind of call (M, K, E, dtypes, strides, alignment, bias or not, device), decided once."""
 
-    __slots__ = ("launch", "shape", "dtype", "device")
+    __slots__ = ("launch", "shape")
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         num_tokens, num_experts = x.shape[0], weight.shape[0]
-        self.shape, self.dtype, self.device = (num_tokens, num_experts), x.dtype, x.device  # [M, E]
-        t = _tiles(num_tokens, num_experts, num_tokens >= DOT_MIN_TOKENS)
+        self.shape = (num_tokens, num_experts)  # [M, E]
+        t = _tiles(num_tokens, num_experts, weight.shape[1], num_tokens >= DOT_MIN_TOKENS)
         grid = (-(-num_tokens // t.block_m), -(-num_experts // t.block_e))
         scalars = (num_tokens, weight.shape[1], x.stride(0), weight.stride(0), num_experts)  # out: [M, E] contiguous
         self.launch = None if num_tokens == 0 else BoundLaunch(
@@ -75,14 +76,14 @@ class _BoundGate:
             num_warps=t.num_warps)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)  # [M, E]
+        out = x.new_empty(self.shape)  # [M, E] in x's dtype, on its device
         if self.launch is not None:
             self.launch(x, weight, weight if bias is None else bias, out)
         return out
 
 
-# (M, K, E, dtype, strides, 16-byte alignment of x / W / b, device) -> its bound launch
-_BOUND: dict[tuple, _BoundGate] = {}
+# (shapes, strides, dtypes, devices, 16-byte alignment of x / W / b) -> its bound launch, or _LINEAR
+_BOUND: dict[tuple, object] = {}
 
 
 def clear_launch_caches() -> None:
@@ -92,25 +93,34 @@ def clear_launch_caches() -> None:
 
 def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x [M, K], weight [E, K], bias [E] | None)`` -> [M, E] in x's dtype on the kernel, or None
-    where the kernel does not apply (see the module docstring) and the caller runs ``F.linear``. The
-    caller has checked x's hidden size; shapes, dtypes and layouts are checked here."""
-    dtype = x.dtype
-    if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
-            or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
-            or (dtype not in _DOT_DTYPES and x.shape[0] >= DOT_MIN_TOKENS)
-            or (bias is not None and (bias.dtype != dtype or bias.shape != weight.shape[:1] or bias.stride(0) != 1
-                                  or bias.device != x.device))
-            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-                x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)))):
+    where the kernel does not apply (see the module docstring) and the caller runs ``F.linear``. Shapes,
+    dtypes, devices and layouts are checked once per kind of call (everything they read is in its key)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         return None
-    key = (x.shape[0], weight.shape, dtype, x.stride(0), weight.stride(0), x.data_ptr() % 16 == 0,
-           weight.data_ptr() % 16 == 0, None if bias is None else bias.data_ptr() % 16 == 0, x.device)
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
+           weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _BoundGate(x, weight, bias)
-    return bound(x, weight, bias)
+        bound = _BOUND[key] = _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR
+    return None if bound is _LINEAR else bound(x, weight, bias)
+
+
+_LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call."""
+    dtype = x.dtype
+    if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
+            or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
+            or (dtype not in _DOT_DTYPES and x.shape[0] >= DOT_MIN_TOKENS)):
+        return False
+    return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
+                            and bias.device == x.device)
 
 
 def gate_available(device: torch.device | str) -> bool:
