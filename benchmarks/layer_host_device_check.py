@@ -12,8 +12,8 @@ per call of 32 calls started on an idle GPU (median of 5 rounds) of:
   experts     the layer's experts step on a fixed routing (``MoE._experts_and_shared``)
   glue        layer - gate - route - experts
 then ``eager`` (wall µs per call of 200 back-to-back default calls and one sync), the GPU µs of one gate call
-(Triton vs F.linear, from a CUDA graph of 20 calls), host syncs per call (``set_sync_debug_mode("warn")``) of
-the layer and of each stage, with the Python stack of the first sync of each kind (``"error"`` mode), and
+(Triton vs F.linear) and of one route call (in-kernel assert vs flag) from a CUDA graph of 20 calls, host
+syncs per call (``set_sync_debug_mode("warn")``) of the layer and of each stage, with the Python stack of the first sync of each kind (``"error"`` mode), and
 accuracy: gate logits vs a float64 matmul (max |err| / max |logit|, Triton and F.linear), the fused router's
 ids vs ``moekit.route`` on the same logits (mismatching rows), the layer output vs a float64 experts loop on
 the layer's own routing (relative Frobenius error), and vs the previous implementation (max |diff|, rows
@@ -46,7 +46,7 @@ from moekit.routing import fused, gate
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BUDGET_S = 95.0
 COLS = ("layer", "prev", "gate", "gate_torch", "route", "route_flag", "experts", "glue", "eager", "gate_gpu",
-        "gate_torch_gpu")
+        "gate_torch_gpu", "route_gpu", "route_flag_gpu")
 ASSERT_CHECK = """
 import torch
 from moekit import MoEConfig
@@ -211,6 +211,8 @@ def cell(layer: MoE, preset: str, m: int) -> dict:
     row["eager"] = eager_us(fns["layer"])
     row["gate_gpu"] = graph_gpu_us(fns["gate"])
     row["gate_torch_gpu"] = graph_gpu_us(fns["gate_torch"])
+    row["route_gpu"] = graph_gpu_us(fns["route"]) if "route" in fns else None  # the debug=True build
+    row["route_flag_gpu"] = graph_gpu_us(fns["route_flag"])
     row["syncs"] = {k: count_syncs(f, f"{k} ({preset})") for k, f in fns.items()}
     row.update(accuracy(layer, x, fns["prev"]))
     return row
