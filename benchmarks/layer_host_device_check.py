@@ -13,8 +13,8 @@ per call of 32 calls started on an idle GPU (median of 5 rounds) of:
   glue        layer - gate - route - experts
 then ``eager`` (wall µs per call of 200 back-to-back default calls and one sync), the GPU µs of one gate call
 (Triton vs F.linear) and of one route call (in-kernel assert vs flag) from a CUDA graph of 20 calls, host
-syncs per call (``set_sync_debug_mode("warn")``) of the layer and of each stage, with the Python stack of the first sync of each kind (``"error"`` mode), and
-accuracy: gate logits vs a float64 matmul (max |err| / max |logit|, Triton and F.linear), the fused router's
+syncs per call (``set_sync_debug_mode("warn")``) of the layer and of each stage, with the Python stack of
+the first sync of each kind (``"error"`` mode), and accuracy: gate logits vs a float64 matmul (max |err| / max |logit|, Triton and F.linear), the fused router's
 ids vs ``moekit.route`` on the same logits (mismatching rows), the layer output vs a float64 experts loop on
 the layer's own routing (relative Frobenius error), and vs the previous implementation (max |diff|, rows
 whose experts differ). Once: raw C launches taken (``RawLaunch``) by the gate and route bound launches, and
