@@ -71,6 +71,11 @@ def test_strided_rows(gate):
     assert_close(gate.gate_logits(x, w), reference(x, w), torch.float32)
 
 
+def test_empty_batch(gate):
+    out = gate.gate_logits(torch.empty(0, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16))
+    assert out.shape == (0, 4) and out.dtype == torch.bfloat16
+
+
 def test_hands_back_to_linear(gate):
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     assert gate.gate_logits(x, w.double()) is None  # mixed dtypes
