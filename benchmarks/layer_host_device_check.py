@@ -218,6 +218,25 @@ def cell(layer: MoE, preset: str, m: int) -> dict:
     return row
 
 
+def cell_or_fallback(layer: MoE, preset: str, m: int) -> dict:
+    """``cell``; where it fails, again with the route kernel on the flag, then also the gate on F.linear
+    (each error kept in the row), so one failing piece still leaves the others measured."""
+    errors = []
+    for fallback in ("", "flag router", "flag router, F.linear gate"):
+        if "flag" in fallback:
+            layer._fused_router = fused.FusedRouter(layer.config, assert_in_kernel=False)
+        if "F.linear" in fallback:
+            layer._gate_fn = None
+        try:
+            row = cell(layer, preset, m)
+            state = [] if layer._fused_router.assert_in_kernel else ["flag router"]
+            return {**row, "fallback": ", ".join(state + ([] if layer._gate_fn else ["F.linear gate"])), "errors": errors}
+        except Exception:  # noqa: BLE001 - reported, and the next way is tried
+            errors.append(traceback.format_exc())
+            print(f"{preset} M={m} failed ({fallback or 'default'}):\n{errors[-1]}", flush=True)
+    return {"preset": preset, "M": m, "error": errors[-1], "errors": errors}
+
+
 def launch_facts() -> dict:
     """Whether the bound launches took the raw C launch, and what an allocation and an assert cost."""
     facts = {"gate_raw": [b.launch._raw is not None for b in gate._BOUND.values()
@@ -262,10 +281,7 @@ def main() -> None:
                 if preset not in layers:  # all three kept: 27 GB of bf16 weights
                     layers[preset] = MoE(MoEConfig.preset(preset), backend="triton", router="auto",
                                          dtype=torch.bfloat16, device="cuda").eval()
-                try:
-                    rows.append(cell(layers[preset], preset, m))
-                except Exception:  # noqa: BLE001 - reported, and the other cells still run
-                    rows.append({"preset": preset, "M": m, "error": traceback.format_exc()})
+                rows.append(cell_or_fallback(layers[preset], preset, m))
                 print(json.dumps(rows[-1]), flush=True)
                 if m == 1 and preset == a.presets[0] and "error" not in rows[-1]:
                     fns = stage_fns(layers[preset], torch.randn(1, layers[preset].config.hidden_size, device="cuda",
@@ -288,15 +304,15 @@ def main() -> None:
 
 
 def print_table(rows: list) -> None:
-    print(f"{'preset':<14}{'M':>4}" + "".join(f"{c:>11}" for c in COLS) + "  syncs(layer)  id_rows_vs_route  "
+    print(f"{'preset':<14}{'M':>4}" + "".join(f"{c:>15}" for c in COLS) + "  syncs(layer)  id_rows_vs_route  "
           "out_rel_f64  rows_differ_prev   (host µs per call; eager: wall; *_gpu: GPU µs)")
     for r in rows:
         if "error" in r:
             print(f"{r['preset']:<14}{r['M']:>4}  FAILED: {r['error'].splitlines()[-1]}")
             continue
-        text = "".join(f"{'-' if r.get(c) is None else f'{r[c]:.1f}':>11}" for c in COLS)
+        text = "".join(f"{'-' if r.get(c) is None else f'{r[c]:.1f}':>15}" for c in COLS)
         print(f"{r['preset']:<14}{r['M']:>4}{text}{r['syncs']['layer']:>14}{r['route_id_rows_differ']:>18}"
-              f"{r['out_rel_err_f64']:>13.2e}{r['rows_experts_differ_prev']:>18}")
+              f"{r['out_rel_err_f64']:>13.2e}{r['rows_experts_differ_prev']:>18}  {r['fallback'] or 'default'}")
 
 
 if __name__ == "__main__":
