@@ -98,7 +98,7 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
     constexprs = dict(
         NUM_EXPERTS=num_experts, PER_GROUP=per_group, G_PAD=g_pad, P_PAD=p_pad, TOP_K=top_k,
         TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=_next_pow2(top_k + num_shared),
-        GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite,
+        GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite, ASSERT_FINITE=False,
     )
     return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared, cols=g_pad * p_pad,
                  check_finite=check_finite, scaling=float(scaling),

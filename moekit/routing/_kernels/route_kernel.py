@@ -163,7 +163,7 @@ def route_kernel(
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr = False,
+    PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr,
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
