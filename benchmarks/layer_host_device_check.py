@@ -44,7 +44,7 @@ from moekit.layer import MoE
 from moekit.routing import fused, gate
 
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
-BUDGET_S = 95.0
+BUDGET_S = 85.0  # cells that start later are skipped: the whole run stays under 2 min
 COLS = ("layer", "prev", "gate", "gate_torch", "route", "route_flag", "experts", "glue", "eager", "gate_gpu",
         "gate_torch_gpu", "route_gpu", "route_flag_gpu")
 ASSERT_CHECK = """
