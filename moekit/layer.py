@@ -42,6 +42,7 @@ from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import gate_available, gate_logits
+from moekit.routing.workspace import RouteWorkspace
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
@@ -57,9 +58,8 @@ class RoutedTokens:
     @property
     def dropped(self) -> torch.Tensor:
         """[] int64: assignments the capacity factor dropped; dropless: a fresh zero made on access, not per forward."""
-        if self.dropped_count is None:
-            return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
-        return self.dropped_count
+        dropped = self.dropped_count
+        return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device) if dropped is None else dropped
 
 
 @dataclass
@@ -134,6 +134,7 @@ class MoE(nn.Module):
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
+        self._route_ws = RouteWorkspace()  # forward's logits, ids, weights, kept per kind of call
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -193,12 +194,12 @@ class MoE(nn.Module):
         self.backend = self._backend
         self.router = self._router
         self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
+        self._route_ws.clear()  # buffers on the old device or in the old dtype
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
-        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
-        "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
-        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
+        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16", "int4_w4a16",
+        "mxfp4"; options as ``moekit.quant.quantize``): non-trainable QuantizedWeights; router and shared expert unchanged."""
         quantize_experts_(self, scheme, **options)
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they keep the unquantized weights alive
@@ -217,15 +218,17 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
-    def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
-        logits = self._router_logits(x2d)  # [M, E]
+    def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
+        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. ``workspace``
+        (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers."""
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # else appended below
+        c = self.config
+        ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x2d.dtype)
+        logits = self._router_logits(x2d, None if ws is None else ws.logits)  # [M, E]
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
-        # The fused kernel appends the shared slots itself unless capacity must drop in between.
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
         if self._fused_router is not None:
-            routing = self._fused_router(logits, bias, gate_logits, append_shared=in_kernel)
+            routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
         else:
             routing = route(logits, self.config, bias)
         ids, top_k = routing.topk_ids, self.config.top_k
@@ -238,7 +241,7 @@ class MoE(nn.Module):
             routing = append_shared_slots(routing, self.config, gate_logits)
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
 
-    def _router_logits(self, x2d: torch.Tensor) -> torch.Tensor:
+    def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate weight
         cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets its gradient
         through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
@@ -248,7 +251,8 @@ class MoE(nn.Module):
         if weight.dtype != dtype:
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         x2d = x2d if x2d.dtype == dtype else x2d.to(dtype)
-        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias)  # None where the kernel does not apply
+        out = out if out is None or out.dtype == dtype else None  # out: a workspace's logits [M, E] (x's dtype)
+        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias, out)  # None: not for the kernel
         return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
@@ -263,7 +267,8 @@ class MoE(nn.Module):
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
-            routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
+            own = not return_stats and self._fused_router is not None and type(self).route_tokens is MoE.route_tokens
+            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]
         out = out if flat else out.reshape(x.shape)
         if not return_stats:
@@ -286,8 +291,7 @@ class MoE(nn.Module):
         return out
 
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it runs eagerly: autograd,
-        capacity dropping (its count is read back), a subclass that places experts elsewhere."""
+        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None: autograd, capacity, a subclass's run_routed."""
         if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
                 or (torch.is_grad_enabled() and (x2d.requires_grad or self.gate.weight.requires_grad
                                                  or getattr(self.w13, "requires_grad", False)))):
@@ -316,8 +320,7 @@ class MoE(nn.Module):
         if c.aux_loss_coef:
             total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
         if c.seq_aux_loss_coef:
-            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
-                                                                        scoring=c.scoring)
+            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len, scoring=c.scoring)
         if c.z_loss_coef:
             total = total + c.z_loss_coef * z_loss(logits)
         return total
@@ -367,16 +370,13 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (
-            f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
-            f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-            f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}"
-        )
+        return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
+                f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
+                f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}")
 
 
 def _param(module: nn.Module, name: str):
-    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs) where it is a registered
-    parameter; anything else (a plain attribute, a parametrization) through getattr."""
+    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs), else through getattr."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
 

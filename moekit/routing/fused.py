@@ -186,9 +186,12 @@ class _BoundRoute:
         flag = plan.check_finite and not in_kernel
         self.ok = torch.ones(1, dtype=torch.int32, device=self.device) if flag else None  # [1]
 
-    def __call__(self, logits: torch.Tensor, bias, gate_logits):
-        ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
-        weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
+    def __call__(self, logits: torch.Tensor, bias, gate_logits, out=None):
+        if out is None:
+            ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
+            weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
+        else:
+            ids, weights = out
         ok = self.ok
         if self.launch is not None:
             self.launch(logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits,
@@ -212,7 +215,7 @@ def _pointer_key(t: torch.Tensor | None):
 
 
 def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None,
-                  assert_in_kernel: bool):
+                  assert_in_kernel: bool, out=None):
     """``_launch`` for eager calls: the same kernel and arguments, decided once per kind of call; ok is None
     where the kernel asserts itself."""
     key = (plan, logits.shape[0], logits.dtype, logits.stride(), logits.data_ptr() % 16 == 0, logits.device,
@@ -222,7 +225,7 @@ def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, 
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
         bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits, assert_in_kernel)
-    return bound(logits, bias, gate_logits)
+    return bound(logits, bias, gate_logits, out)
 
 
 @torch.library.custom_op("moekit::route_fused", mutates_args=())
@@ -284,7 +287,9 @@ class FusedRouter:
         self._bias_checked: tuple[weakref.ref, int] | None = None
 
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
-                 shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False) -> Routing:
+                 shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False, out=None) -> Routing:
+        """``out``: (ids, weights) [M, k(+S)] int32 / float32 contiguous on the logits' device, written by
+        eager calls instead of fresh tensors (``moekit.routing.workspace``; the caller vouches for them)."""
         if isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled():
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)  # weights need a gradient
         plan = self._plans[1 if append_shared else 0]
@@ -297,7 +302,7 @@ class FusedRouter:
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
                 self._elements_per_program)
         else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
-            ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel)
+            ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel, out)
         if plan.check_finite and ok is not None and logits.shape[0]:
             _assert_finite(ok, logits)
         # With nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.

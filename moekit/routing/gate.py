@@ -75,8 +75,8 @@ class _BoundGate:
             BLOCK_E=t.block_e, BLOCK_K=t.block_k, DOT=t.dot, HAS_BIAS=bias is not None, UPCAST=interpreting(),
             num_warps=t.num_warps)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = x.new_empty(self.shape)  # [M, E] in x's dtype, on its device
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
+        out = x.new_empty(self.shape) if out is None else out  # [M, E] in x's dtype, on its device
         if self.launch is not None:
             self.launch(x, weight, weight if bias is None else bias, out)
         return out
@@ -91,10 +91,13 @@ def clear_launch_caches() -> None:
     _BOUND.clear()
 
 
-def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``F.linear(x [M, K], weight [E, K], bias [E] | None)`` -> [M, E] in x's dtype on the kernel, or None
     where the kernel does not apply (see the module docstring) and the caller runs ``F.linear``. Shapes,
-    dtypes, devices and layouts are checked once per kind of call (everything they read is in its key)."""
+    dtypes, devices and layouts are checked once per kind of call (everything they read is in its key).
+    ``out``: written instead of a fresh tensor; the caller vouches that it is [M, E] contiguous in x's
+    dtype on x's device (``moekit.routing.workspace``)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         return None
@@ -106,7 +109,7 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
         bound = _BOUND[key] = _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR
-    return None if bound is _LINEAR else bound(x, weight, bias)
+    return None if bound is _LINEAR else bound(x, weight, bias, out)
 
 
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
