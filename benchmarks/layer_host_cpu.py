@@ -9,7 +9,7 @@ E=128, k=8 with K=64, N=32; Mixtral's E=8, k=2), M=1, bf16, ``backend="triton"``
 Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs: the Triton gate, stubbed),
 ``gate_torch`` (``F.linear``, the gate before: real work on the CPU, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]),
 ``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
-(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue), the whole
+(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward runs it), the whole
 ``layer``, and ``glue`` = layer - route_tokens - experts. µs per call, median over repeats (the machine is
 shared: medians, not means); ``uptime`` before and after says how loaded it was.
 """
@@ -86,7 +86,7 @@ def rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dt
             "router": lambda: layer._fused_router(logits, bias),
             "check": lambda: check_experts_args(x, w13, w2, ids, weights, activation=act),
             "experts": lambda: call_backend(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
-            "route_tokens": lambda: layer.route_tokens(x),
+            "route_tokens": lambda: layer.route_tokens(x, layer._route_ws),  # as forward calls it
             "layer": lambda: layer(x),
         }
         row = {"preset": name, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}

@@ -4,9 +4,11 @@
 
 For each preset (bf16, ``backend="triton"``, ``router="auto"``) and M, under ``torch.no_grad()``, the host µs
 per call of 32 calls started on an idle GPU (median of 5 rounds) of:
-  layer       the whole forward, default path (gate on its Triton kernel, ``moekit.routing.gate``)
-  prev        the whole forward as before this branch: the gate on ``F.linear``, the flag and ``_assert_async``
-  gate        ``MoE._router_logits`` (the Triton gate);  gate_torch: the same on ``F.linear``
+  layer       the whole forward, default path (gate on its Triton kernel, ``moekit.routing.gate``; the routing
+              written into kept buffers, ``moekit.routing.workspace``)
+  prev        the whole forward as before this branch: the gate on ``F.linear``, the flag and ``_assert_async``,
+              fresh buffers
+  gate        ``MoE._router_logits`` into the kept logits (the Triton gate);  gate_torch: ``F.linear``
   route       the fused router on the gate's logits, as the layer calls it (shared slots appended in-kernel;
               nonfinite="raise" asserted in the kernel);  route_flag: the same with the flag and _assert_async
   experts     the layer's experts step on a fixed routing (``MoE._experts_and_shared``)
@@ -135,29 +137,41 @@ def count_syncs(fn, label: str) -> int:
     return count
 
 
+class _NoWorkspace:
+    """Stands in for ``MoE._route_ws`` where the previous implementation (fresh buffers) is timed."""
+
+    def get(self, *args):
+        return None
+
+    def clear(self) -> None:
+        pass
+
+
 def stage_fns(layer: MoE, x: torch.Tensor) -> dict:
     routed = layer.route_tokens(x)
     logits, bias = routed.router_logits, layer.e_score_correction_bias
     router, in_kernel = layer._fused_router, layer.fuse_shared and layer.capacity_factor is None
-    gate_fn = layer._gate_fn
+    gate_fn, ws = layer._gate_fn, layer._route_ws
     flag_router = fused.FusedRouter(layer.config, assert_in_kernel=False)
+    c = layer.config
+    bufs = ws.get(x, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x.dtype)  # what forward writes
 
     def previous(fn):
-        """fn with the gate on F.linear and nonfinite="raise" on the flag and _assert_async (before this branch)."""
+        """fn as before this branch: the gate on F.linear, the flag and _assert_async, fresh buffers."""
         def run():
-            layer._gate_fn, layer._fused_router = None, flag_router
+            layer._gate_fn, layer._fused_router, layer._route_ws = None, flag_router, _NoWorkspace()
             try:
                 return fn()
             finally:
-                layer._gate_fn, layer._fused_router = gate_fn, router
+                layer._gate_fn, layer._fused_router, layer._route_ws = gate_fn, router, ws
         return run
 
     return {
         "layer": lambda: layer(x),
         "prev": previous(lambda: layer(x)),
-        "gate": lambda: layer._router_logits(x),
+        "gate": lambda: layer._router_logits(x, bufs.logits),
         "gate_torch": previous(lambda: layer._router_logits(x)),
-        "route": None if router is None else (lambda: router(logits, bias, None, append_shared=in_kernel)),
+        "route": None if router is None else (lambda: router(logits, bias, None, in_kernel, (bufs.ids, bufs.weights))),
         "route_flag": lambda: flag_router(logits, bias, None, append_shared=in_kernel),
         "experts": lambda: layer._experts_and_shared(x, routed),
     }
