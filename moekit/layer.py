@@ -58,8 +58,7 @@ class RoutedTokens:
     @property
     def dropped(self) -> torch.Tensor:
         """[] int64: assignments the capacity factor dropped; dropless: a fresh zero made on access, not per forward."""
-        dropped = self.dropped_count
-        return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device) if dropped is None else dropped
+        return self.dropped_count if self.dropped_count is not None else torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
 
 
 @dataclass
@@ -134,7 +133,8 @@ class MoE(nn.Module):
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
-        self._route_ws = RouteWorkspace()  # forward's logits, ids, weights, kept per kind of call
+        self._route_ws = RouteWorkspace()  # forward's routing buffers; not with a subclass's route_tokens/run_routed
+        self._plain_routing = type(self).route_tokens is MoE.route_tokens and type(self).run_routed is MoE.run_routed
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -267,7 +267,7 @@ class MoE(nn.Module):
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
-            own = not return_stats and self._fused_router is not None and type(self).route_tokens is MoE.route_tokens
+            own = not return_stats and self._fused_router is not None and self._plain_routing
             routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]
         out = out if flat else out.reshape(x.shape)

@@ -79,3 +79,18 @@ def test_kinds_of_call_threads_and_the_cap(monkeypatch):
     assert len(layer._route_ws) == 2  # the oldest went
     layer.to(torch.float64)  # a cast drops them all
     assert len(layer._route_ws) == 0
+
+
+def test_a_subclass_that_places_experts_gets_fresh_buffers():
+    """A subclass's run_routed may keep the routing past the call: no kept buffers for it."""
+    kept = []
+
+    class Keeping(MoE):
+        def run_routed(self, x2d, routing):
+            kept.append(routing.topk_ids)
+            return super().run_routed(x2d, routing)
+
+    layer = Keeping(CFG, backend="reference", router="fused")
+    with torch.no_grad():
+        layer(torch.randn(3, 16)), layer(torch.randn(3, 16))
+    assert len(layer._route_ws) == 0 and kept[0].data_ptr() != kept[1].data_ptr()
