@@ -6,10 +6,10 @@ Every Triton kernel (experts and fused router) is replaced by a stand-in that ke
 signature (what ``BoundLaunch`` reads) and launches nothing, so what is timed is the Python and torch
 host work around the launches: argument checks, plans, allocations, dispatch. Tiny shapes (Qwen3-30B-A3B's
 E=128, k=8 with K=64, N=32; Mixtral's E=8, k=2), M=1, bf16, ``backend="triton"``, ``router="fused"``.
-Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs: the gate GEMM on the
-CPU is real work, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]; ``--dtype float32`` makes it ~2 µs),
+Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs: the Triton gate, stubbed),
+``gate_torch`` (``F.linear``, the gate before: real work on the CPU, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]),
 ``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
-(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue), the whole
+(``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward runs it), the whole
 ``layer``, and ``glue`` = layer - route_tokens - experts. µs per call, median over repeats (the machine is
 shared: medians, not means); ``uptime`` before and after says how loaded it was.
 """
@@ -33,7 +33,7 @@ from moekit.experts import call_backend, check_experts_args  # noqa: E402
 from moekit.layer import MoE  # noqa: E402
 
 KERNEL_MODULES = ("moekit.experts._kernels.align", "moekit.experts._kernels.combine", "moekit.experts._kernels.gemm",
-                  "moekit.routing._kernels.route_kernel")
+                  "moekit.routing._kernels.route_kernel", "moekit.routing._kernels.gate_kernel")
 
 
 class _StubKernel:
@@ -82,10 +82,11 @@ def rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dt
         ids, weights, act = routing.topk_ids, routing.topk_weights, config.activation
         fns = {
             "gate": lambda: layer._router_logits(x),
+            "gate_torch": lambda: torch.nn.functional.linear(x, layer.gate.weight),
             "router": lambda: layer._fused_router(logits, bias),
             "check": lambda: check_experts_args(x, w13, w2, ids, weights, activation=act),
             "experts": lambda: call_backend(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
-            "route_tokens": lambda: layer.route_tokens(x),
+            "route_tokens": lambda: layer.route_tokens(x, layer._route_ws),  # as forward calls it
             "layer": lambda: layer(x),
         }
         row = {"preset": name, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}

@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate`` (``nn.Linear``), in ``route_tokens``               | x2d [M, K] -> logits [M, E]            |
+| Gate     | ``MoE.gate``'s weights; on its Triton kernel where the fused router runs (``moekit.routing.gate``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -41,6 +41,8 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
+from moekit.routing.gate import gate_available, gate_logits
+from moekit.routing.workspace import RouteWorkspace
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
@@ -55,11 +57,8 @@ class RoutedTokens:
 
     @property
     def dropped(self) -> torch.Tensor:
-        """[] int64: assignments the capacity factor dropped, 0 when dropless. The dropless zero is made
-        here, on access (a fresh tensor each time, never shared), not by every forward."""
-        if self.dropped_count is None:
-            return torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
-        return self.dropped_count
+        """[] int64: assignments the capacity factor dropped; dropless: a fresh zero made on access, not per forward."""
+        return self.dropped_count if self.dropped_count is not None else torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
 
 
 @dataclass
@@ -105,6 +104,8 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
+    With the fused router the gate GEMM runs on a Triton kernel too (``moekit.routing.gate``; ``F.linear``
+    under autograd and ``torch.compile``). The layer reads ``MoE.gate``'s weights: its hooks never run.
     """
 
     def __init__(
@@ -123,16 +124,17 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         eager_graph_rows: int | None = None,
     ) -> None:
-        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
-        rank (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without
-        autograd of at most this many tokens replay a CUDA graph captured per kind of call
-        (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
+        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel rank
+        (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without autograd of at most
+        this many tokens replay a CUDA graph per kind of call (``moekit.eager_graphs``; off by default: each costs memory)."""
         super().__init__()
         _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
         if eager_graph_rows is not None:
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
+        self._route_ws = RouteWorkspace()  # forward's routing buffers; not with a subclass's route_tokens/run_routed
+        self._plain_routing = type(self).route_tokens is MoE.route_tokens and type(self).run_routed is MoE.run_routed
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -168,8 +170,7 @@ class MoE(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
-        # imports modules, which torch.compile(fullgraph=True) cannot trace.
+        # Resolved here and on every device move (``_apply``), never in forward: torch.compile cannot trace imports
         self._backend = name
         self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device), self.backend_options)
 
@@ -183,6 +184,7 @@ class MoE(nn.Module):
         # Resolved here and on every device move, never inside forward (as the backend).
         self._router = choice
         self._fused_router: FusedRouter | None = fused_router(self.config, self.w13.device, choice)
+        self._gate_fn = gate_logits if self._fused_router is not None and gate_available(self.w13.device) else None
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -192,12 +194,12 @@ class MoE(nn.Module):
         self.backend = self._backend
         self.router = self._router
         self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
+        self._route_ws.clear()  # buffers on the old device or in the old dtype
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
-        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
-        "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
-        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
+        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16", "int4_w4a16",
+        "mxfp4"; options as ``moekit.quant.quantize``): non-trainable QuantizedWeights; router and shared expert unchanged."""
         quantize_experts_(self, scheme, **options)
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they keep the unquantized weights alive
@@ -216,15 +218,17 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
-    def route_tokens(self, x2d: torch.Tensor) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots."""
-        logits = self._router_logits(x2d)  # [M, E]
+    def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
+        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. ``workspace``
+        (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers."""
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # else appended below
+        c = self.config
+        ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x2d.dtype)
+        logits = self._router_logits(x2d, None if ws is None else ws.logits)  # [M, E]
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
-        # The fused kernel appends the shared slots itself unless capacity must drop in between.
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
         if self._fused_router is not None:
-            routing = self._fused_router(logits, bias, gate_logits, append_shared=in_kernel)
+            routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
         else:
             routing = route(logits, self.config, bias)
         ids, top_k = routing.topk_ids, self.config.top_k
@@ -237,17 +241,19 @@ class MoE(nn.Module):
             routing = append_shared_slots(routing, self.config, gate_logits)
         return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
 
-    def _router_logits(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate
-        weight cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets
-        its gradient through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in
-        a bf16 model)."""
+    def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate weight
+        cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets its gradient
+        through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
         gate = self._modules["gate"]
         weight, bias = _param(gate, "weight"), _param(gate, "bias")  # [E, K], [E] (gpt-oss) or None
         dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
         if weight.dtype != dtype:
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        return torch.nn.functional.linear(x2d if x2d.dtype == dtype else x2d.to(dtype), weight, bias)
+        x2d = x2d if x2d.dtype == dtype else x2d.to(dtype)
+        out = out if out is None or out.dtype == dtype else None  # out: a workspace's logits [M, E] (x's dtype)
+        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias, out)  # None: not for the kernel
+        return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
@@ -261,10 +267,10 @@ class MoE(nn.Module):
         x2d = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
-            routed = self.route_tokens(x2d)  # [Gate -> Route -> Capacity] moekit.routing: ids, weights [M, k(+S)]
+            own = not return_stats and self._fused_router is not None and self._plain_routing
+            routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]
-        if not flat:
-            out = out.reshape(x.shape)
+        out = out if flat else out.reshape(x.shape)
         if not return_stats:
             return out
         seq_len = x.shape[-2] if x.dim() >= 3 else x2d.shape[0]
@@ -285,8 +291,7 @@ class MoE(nn.Module):
         return out
 
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it must run eagerly:
-        autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
+        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None: autograd, capacity, a subclass's run_routed."""
         if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
                 or (torch.is_grad_enabled() and (x2d.requires_grad or self.gate.weight.requires_grad
                                                  or getattr(self.w13, "requires_grad", False)))):
@@ -305,8 +310,7 @@ class MoE(nn.Module):
             yield from (w.tensors().values() if hasattr(w, "tensors") else (w,))
 
     def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
-        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
-        x [..., T, K]'s second-to-last dim as the sequence (a 2-D x is one sequence of M tokens)."""
+        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); sequence-wise: over x's dim -2 (2-D: one sequence)."""
         c, logits, ids = self.config, routed.router_logits, routed.selected_ids
         if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
             return None
@@ -316,8 +320,7 @@ class MoE(nn.Module):
         if c.aux_loss_coef:
             total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
         if c.seq_aux_loss_coef:
-            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
-                                                                        scoring=c.scoring)
+            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len, scoring=c.scoring)
         if c.z_loss_coef:
             total = total + c.z_loss_coef * z_loss(logits)
         return total
@@ -367,16 +370,13 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (
-            f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
-            f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
-            f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}"
-        )
+        return (f"E={c.num_experts}, k={c.top_k}, K={c.hidden_size}, N={c.moe_intermediate_size}, scoring={c.scoring}, "
+                f"shared={c.shared_expert_intermediate_size} ({'fused' if self.fuse_shared else 'separate'}), "
+                f"backend={self.backend}, router={self.router}, capacity_factor={self.capacity_factor}")
 
 
 def _param(module: nn.Module, name: str):
-    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs a lookup) where it is a
-    registered parameter; anything else (a plain attribute, a parametrization) through getattr."""
+    """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs), else through getattr."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
 

@@ -253,6 +253,43 @@ def test_raise_is_a_value_error_on_the_cpu(fused):
         fused.route_fused(logits, QWEN3.replace(num_experts=12, top_k=3))
 
 
+def test_raise_asserted_in_the_kernel(fused, monkeypatch):
+    """assert_in_kernel: the launch the GPU's eager calls get (no flag, debug=True), run by the interpreter
+    with its device asserts switched on: finite logits route as route does; a NaN or inf row asserts."""
+    from triton.runtime import interpreter
+    from triton.runtime.errors import InterpreterError  # the interpreter's wrapping of the assert
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions(debug=True))
+    cfg = QWEN3.replace(num_experts=12, top_k=3)
+    plan = fused._plan_of(cfg, 0, WIDE)
+
+    def launch(logits):
+        grid, scalars, constexprs = fused._scalars_and_constexprs(plan, logits, None, None, True)
+        assert constexprs["ASSERT_FINITE"] and not constexprs["CHECK_FINITE"] and constexprs["debug"]
+        ids, weights = torch.empty(4, 3, dtype=torch.int32), torch.empty(4, 3)
+        fused.kernels("route_kernel").route_kernel[grid](logits, logits, logits, ids, weights, ids, *scalars,
+                                                         **constexprs)
+        return ids, weights
+
+    logits = torch.randn(4, 12)
+    ids, weights = launch(logits)
+    twin = route(logits, cfg)
+    assert torch.equal(ids, twin.topk_ids) and torch.allclose(weights, twin.topk_weights, atol=1e-6)
+    for bad in (NAN, INF, -INF):
+        logits[2, 5] = bad
+        with pytest.raises(InterpreterError, match="router_logits contains NaN or infinite values"):
+            launch(logits)
+
+
+def test_assert_in_kernel_only_where_compiled(fused):
+    """Interpreted (here), a router with assert_in_kernel keeps the flag, so the CPU still raises ValueError."""
+    router = fused.FusedRouter(QWEN3.replace(num_experts=12, top_k=3), assert_in_kernel=True)
+    logits = torch.randn(4, 12)
+    logits[1, 0] = NAN
+    with pytest.raises(ValueError, match="NaN or infinite.*\\[1\\]"):
+        router(logits)
+
+
 # --- shared slots, contract, custom op, the layer ------------------------------------------------------
 
 

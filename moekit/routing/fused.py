@@ -6,8 +6,10 @@ Same contract and semantics as ``moekit.routing.route``, its torch twin: int32 i
 score order, fp32 weights [M, k]; ids equal to route's bit for bit where no two candidates tie, weights
 within fp32 rounding; equal scores: the lower expert id (and group id) wins. ``nonfinite="mask"``
 masks an expert with a non-finite logit (see ``route_kernel``); ``nonfinite="raise"`` is a device-side
-assert on the GPU (the kernel clears a one-element flag, ``torch._assert_async`` checks it: no host
-sync) and a ``ValueError`` naming the bad rows on the CPU.
+assert on the GPU, no host sync: in eager calls the kernel's own ``tl.device_assert`` (compiled with
+``debug=True``; ``FusedRouter(assert_in_kernel=False)`` gives the other way), under ``torch.compile``
+a one-element flag the kernel clears and ``torch._assert_async`` checks (one more launch, ~5 µs of
+host); on the CPU (interpreted) the flag, and a ``ValueError`` naming the bad rows.
 
 Why: eagerly, route is ~15 small torch ops, each a few µs of host time (Qwen3 M=1 measured 1237 µs for
 the whole MoE layer against an 18 µs floor). Here the host path is the argument checks, two or three
@@ -30,6 +32,7 @@ from typing import Literal, Optional
 import torch
 
 from moekit.config import MoEConfig
+from moekit.routing import gate
 from moekit.triton_bind import BoundLaunch, interpreting
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.shared import append_shared_slots
@@ -95,7 +98,7 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
     constexprs = dict(
         NUM_EXPERTS=num_experts, PER_GROUP=per_group, G_PAD=g_pad, P_PAD=p_pad, TOP_K=top_k,
         TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=_next_pow2(top_k + num_shared),
-        GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite,
+        GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite, ASSERT_FINITE=False,
     )
     return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared, cols=g_pad * p_pad,
                  check_finite=check_finite, scaling=float(scaling),
@@ -130,13 +133,17 @@ def kernels(name: str):
     return importlib.import_module(f"moekit.routing._kernels.{name}")
 
 
-def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits) -> tuple[tuple, tuple, dict]:
-    """(grid, scalar arguments, constexprs and launch options) of one launch: all fixed for a kind of call."""
+def _scalars_and_constexprs(plan: _Plan, logits, bias, gate_logits, assert_in_kernel: bool = False):
+    """(grid, scalar arguments, constexprs and launch options) of one launch: all fixed for a kind of call.
+    ``assert_in_kernel``: nonfinite="raise" as a ``tl.device_assert`` (which Triton compiles only with
+    ``debug=True``; its integer-overflow checks stay off) instead of the flag."""
     block_m, programs = plan.block_m, -(-logits.shape[0] // plan.block_m)
     scalars = (logits.shape[0], logits.stride(0), logits.stride(1), 0 if bias is None else bias.stride(0),
                0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
     constexprs = dict(**plan.constexprs, TOP2=plan.top2 and bias is not None, HAS_BIAS=bias is not None,
                       HAS_GATE=gate_logits is not None, BLOCK_M=block_m, **_launch_options(logits.device))
+    if assert_in_kernel and plan.check_finite:
+        constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
     return (programs,), scalars, constexprs
 
 
@@ -161,24 +168,30 @@ def _launch(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_l
 class _BoundRoute:
     """One kind of eager call (plan, M, the pointers' dtypes, strides, 16-byte alignment, device), decided
     on its first call: the bound launch (``BoundLaunch``: after its first call the compiled kernel's own
-    launcher, without Triton's binder), the output sizes, and with check_finite a flag of its own."""
+    launcher, without Triton's binder), the output sizes, and with check_finite either the kernel's own
+    assert (``assert_in_kernel``, compiled kernels only) or a flag of its own."""
 
     __slots__ = ("launch", "shape", "device", "ok")
 
-    def __init__(self, plan: _Plan, logits: torch.Tensor, bias, gate_logits) -> None:
+    def __init__(self, plan: _Plan, logits: torch.Tensor, bias, gate_logits, assert_in_kernel: bool) -> None:
         self.shape, self.device = (logits.shape[0], plan.num_slots), logits.device  # [M, k+S]
         self.launch = None
+        in_kernel = assert_in_kernel and _launch_options(logits.device)["PRECISE"]  # the interpreter: the flag
         if logits.shape[0]:
-            grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits)
+            grid, scalars, constexprs = _scalars_and_constexprs(plan, logits, bias, gate_logits, in_kernel)
             self.launch = BoundLaunch(kernels("route_kernel").route_kernel, grid, 6, scalars, True, **constexprs)
         # The kernel only ever clears the flag, on a non-finite logit; that is a device-side assert, fatal
         # to the CUDA context, and on the CPU ``_assert_finite`` sets it back before raising. So one flag
         # serves every call of this kind, instead of an allocation and a fill per call.
-        self.ok = torch.ones(1, dtype=torch.int32, device=self.device) if plan.check_finite else None  # [1]
+        flag = plan.check_finite and not in_kernel
+        self.ok = torch.ones(1, dtype=torch.int32, device=self.device) if flag else None  # [1]
 
-    def __call__(self, logits: torch.Tensor, bias, gate_logits):
-        ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
-        weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
+    def __call__(self, logits: torch.Tensor, bias, gate_logits, out=None):
+        if out is None:
+            ids = torch.empty(self.shape, dtype=torch.int32, device=self.device)  # [M, k+S]
+            weights = torch.empty(self.shape, dtype=torch.float32, device=self.device)  # [M, k+S]
+        else:
+            ids, weights = out
         ok = self.ok
         if self.launch is not None:
             self.launch(logits, logits if bias is None else bias, logits if gate_logits is None else gate_logits,
@@ -191,8 +204,9 @@ _BOUND: dict[tuple, _BoundRoute] = {}
 
 
 def clear_launch_caches() -> None:
-    """Drop the bound launches of eager calls (they hold the kernel they were bound to)."""
+    """Drop the bound launches of eager calls, the gate's too (they hold the kernel they were bound to)."""
     _BOUND.clear()
+    gate.clear_launch_caches()
 
 
 def _pointer_key(t: torch.Tensor | None):
@@ -200,16 +214,18 @@ def _pointer_key(t: torch.Tensor | None):
     return None if t is None else (t.dtype, t.stride(0), t.data_ptr() % 16 == 0)
 
 
-def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None):
-    """``_launch`` for eager calls: the same kernel and arguments, decided once per kind of call."""
+def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None,
+                  assert_in_kernel: bool, out=None):
+    """``_launch`` for eager calls: the same kernel and arguments, decided once per kind of call; ok is None
+    where the kernel asserts itself."""
     key = (plan, logits.shape[0], logits.dtype, logits.stride(), logits.data_ptr() % 16 == 0, logits.device,
-           _pointer_key(bias), _pointer_key(gate_logits))
+           _pointer_key(bias), _pointer_key(gate_logits), assert_in_kernel)
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits)
-    return bound(logits, bias, gate_logits)
+        bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits, assert_in_kernel)
+    return bound(logits, bias, gate_logits, out)
 
 
 @torch.library.custom_op("moekit::route_fused", mutates_args=())
@@ -249,14 +265,17 @@ class FusedRouter:
     exactly as ``append_shared_slots`` appends them (``shared_gate_logits`` for a gated shared expert).
     """
 
-    def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM) -> None:
+    def __init__(self, config: MoEConfig, elements_per_program: int = ELEMENTS_PER_PROGRAM,
+                 assert_in_kernel: bool = True) -> None:
         """``elements_per_program``: tile elements one program holds (rows = this // padded row width); the
-        default is what the sm_90 instruction counts above chose, tests raise it to run fewer programs."""
+        default is what the sm_90 instruction counts above chose, tests raise it to run fewer programs.
+        ``assert_in_kernel``: eager GPU calls assert nonfinite="raise" in the kernel (one launch), else
+        with the flag and ``torch._assert_async`` (two)."""
         if not supports(config):
             raise ValueError(f"the fused router supports num_experts <= {MAX_EXPERTS}, top_k + shared slots <= "
                              f"{MAX_TOP_K}, n_group <= {MAX_GROUPS}; got {config.num_experts}, "
                              f"{config.top_k} + {config.num_shared_slots}, {config.n_group}")
-        self.config = config
+        self.config, self.assert_in_kernel = config, bool(assert_in_kernel)
         slots = config.num_shared_slots
         self._plans = (_plan_of(config, 0, elements_per_program),
                        _plan_of(config, slots, elements_per_program) if slots else None)
@@ -268,7 +287,9 @@ class FusedRouter:
         self._bias_checked: tuple[weakref.ref, int] | None = None
 
     def __call__(self, logits: torch.Tensor, correction_bias: torch.Tensor | None = None,
-                 shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False) -> Routing:
+                 shared_gate_logits: torch.Tensor | None = None, append_shared: bool = False, out=None) -> Routing:
+        """``out``: (ids, weights) [M, k(+S)] int32 / float32 contiguous on the logits' device, written by
+        eager calls instead of fresh tensors (``moekit.routing.workspace``; the caller vouches for them)."""
         if isinstance(logits, torch.Tensor) and logits.requires_grad and torch.is_grad_enabled():
             return self._twin(logits, correction_bias, shared_gate_logits, append_shared)  # weights need a gradient
         plan = self._plans[1 if append_shared else 0]
@@ -281,8 +302,8 @@ class FusedRouter:
                 logits, correction_bias, gate, *self._op_args, plan.num_slots - self.config.top_k,
                 self._elements_per_program)
         else:  # eager: the bound launch, without the custom op's dispatch (host time is the point here)
-            ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate)
-        if plan.check_finite and logits.shape[0]:
+            ids, weights, ok = _launch_eager(plan, logits, correction_bias, gate, self.assert_in_kernel, out)
+        if plan.check_finite and ok is not None and logits.shape[0]:
             _assert_finite(ok, logits)
         # With nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
         masked = None if plan.check_finite else (~torch.isfinite(logits).any(dim=1)).sum()

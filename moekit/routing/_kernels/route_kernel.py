@@ -145,6 +145,17 @@ def _weights(chosen, taken, row_max, row_sum, scaling, SIGMOID: tl.constexpr, RE
 
 
 @triton.jit
+def _check_finite(valid, finite, ok_ptr, CHECK_FINITE: tl.constexpr, ASSERT_FINITE: tl.constexpr):
+    """nonfinite="raise": CHECK_FINITE clears the flag at ok_ptr (every writer writes 0, so the race is
+    benign); ASSERT_FINITE is this kernel's own device-side assert (compiled only with debug=True)."""
+    if CHECK_FINITE:
+        bad = tl.max(tl.max(tl.max((valid & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
+        tl.store(ok_ptr, bad * 0, mask=bad > 0)
+    if ASSERT_FINITE:
+        tl.device_assert(finite | ~valid, "router_logits contains NaN or infinite values")
+
+
+@triton.jit
 def route_kernel(
     logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr,  # [M, E], [E], [M, 1], [M, k+S] x2, [1]
     num_tokens, stride_lm, stride_le, stride_b, stride_gm, scaling,
@@ -152,7 +163,7 @@ def route_kernel(
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISE: tl.constexpr, PDL: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr, ASSERT_FINITE: tl.constexpr,
 ):
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
@@ -167,9 +178,7 @@ def route_kernel(
     row_ptr = logits_ptr + rows.to(tl.int64) * stride_lm  # [BM]
     x = tl.load(row_ptr[:, None, None] + expert * stride_le, mask=valid, other=0.0).to(tl.float32)  # [BM, G, P]
     finite = valid & (tl.abs(x) < float("inf"))
-    if CHECK_FINITE:  # nonfinite="raise": clear the flag; every writer writes 0, so the race is benign
-        bad = tl.max(tl.max(tl.max((valid & ~finite).to(tl.int32), axis=2), axis=1), axis=0)
-        tl.store(ok_ptr, bad * 0, mask=bad > 0)
+    _check_finite(valid, finite, ok_ptr, CHECK_FINITE, ASSERT_FINITE)
 
     # Scores over the finite experts only: a masked expert takes no probability mass from the others.
     x_fin = tl.where(finite, x, float("-inf"))

@@ -1,0 +1,136 @@
+"""The gate GEMM on one bound Triton launch: x [M, K] -> router logits [M, E], what ``F.linear(x, W, b)``
+computes (fp32 accumulation, the output in x's dtype), at a fraction of its eager host time.
+
+    [Gate] -> Route -> Capacity (opt-in) -> Group -> Experts -> Combine
+
+Why: eagerly, ``F.linear`` goes through aten::linear, aten::t and cuBLAS(Lt)'s per-call setup; the H200
+measured 13-36 µs of host time for Qwen3's and DeepSeek-V3's gates, against ~6 µs for a raw launch
+(``moekit.triton_bind.RawLaunch``). Everything but the pointers is fixed per kind of call (M, dtypes,
+strides, alignment) in a ``BoundLaunch``; the weight and bias are passed on every call, so replacing
+them or updating them in place needs no invalidation. Torch twin: ``F.linear``, which the layer uses
+wherever this does not apply (``gate_logits`` returns None): autograd, torch.compile, mixed dtypes, a
+last dim that is not contiguous, fp32 at >= DOT_MIN_TOKENS rows (tl.dot would round to tf32).
+
+Shapes: M tokens, K hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from moekit.triton_bind import BoundLaunch, interpreting
+
+DOT_MIN_TOKENS = 16  # from here the tile product runs on tensor cores (tl.dot needs 16 rows)
+MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
+_DOT_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """A launch's tile sizes: a program computes logits [block_m, block_e], stepping K by block_k."""
+
+    block_m: int
+    block_e: int
+    block_k: int
+    dot: bool  # tl.dot (tensor cores), else a broadcast multiply-and-sum in fp32
+    num_warps: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _tiles(num_tokens: int, num_experts: int, hidden: int, dot: bool) -> _Tiles:
+    if dot:  # 16 experts a program for parallelism: DeepSeek-V3 at M = 64 runs 4 x 16 programs of 56 K steps
+        return _Tiles(16 if num_tokens <= 64 else 64, 16, 128, True, 4)
+    # A decode step reads W once: tiles of 2 experts x 2048 columns (16 values a thread at 4 warps) give
+    # DeepSeek-V3's 3.7 MB gate 128 programs of 4 steps, Qwen3's 64 programs of one step.
+    block_k = min(2048, _next_pow2(hidden))
+    block_e = min(_next_pow2(num_experts), max(2, 4096 // block_k))
+    return _Tiles(_next_pow2(num_tokens), block_e, block_k, False, 4)
+
+
+def kernels():
+    """The kernel module, imported on first use (Triton decides at decoration whether it is interpreted)."""
+    return importlib.import_module("moekit.routing._kernels.gate_kernel")
+
+
+class _BoundGate:
+    """One kind of call (M, K, E, dtypes, strides, alignment, bias or not, device), decided once."""
+
+    __slots__ = ("launch", "shape")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        num_tokens, num_experts = x.shape[0], weight.shape[0]
+        self.shape = (num_tokens, num_experts)  # [M, E]
+        t = _tiles(num_tokens, num_experts, weight.shape[1], num_tokens >= DOT_MIN_TOKENS)
+        grid = (-(-num_tokens // t.block_m), -(-num_experts // t.block_e))
+        scalars = (num_tokens, weight.shape[1], x.stride(0), weight.stride(0), num_experts)  # out: [M, E] contiguous
+        self.launch = None if num_tokens == 0 else BoundLaunch(
+            kernels().gate_kernel, grid, 4, scalars, True, NUM_EXPERTS=num_experts, BLOCK_M=t.block_m,
+            BLOCK_E=t.block_e, BLOCK_K=t.block_k, DOT=t.dot, HAS_BIAS=bias is not None, UPCAST=interpreting(),
+            num_warps=t.num_warps)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
+        out = x.new_empty(self.shape) if out is None else out  # [M, E] in x's dtype, on its device
+        if self.launch is not None:
+            self.launch(x, weight, weight if bias is None else bias, out)
+        return out
+
+
+# (shapes, strides, dtypes, devices, 16-byte alignment of x / W / b) -> its bound launch, or _LINEAR
+_BOUND: dict[tuple, object] = {}
+
+
+def clear_launch_caches() -> None:
+    """Drop the bound launches (they hold the kernel they were bound to)."""
+    _BOUND.clear()
+
+
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``F.linear(x [M, K], weight [E, K], bias [E] | None)`` -> [M, E] in x's dtype on the kernel, or None
+    where the kernel does not apply (see the module docstring) and the caller runs ``F.linear``. Shapes,
+    dtypes, devices and layouts are checked once per kind of call (everything they read is in its key).
+    ``out``: written instead of a fresh tensor; the caller vouches that it is [M, E] contiguous in x's
+    dtype on x's device (``moekit.routing.workspace``)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        return None
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
+           weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device(), bias.data_ptr() % 16 == 0))
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.pop(next(iter(_BOUND)))
+        bound = _BOUND[key] = _BoundGate(x, weight, bias) if _applies(x, weight, bias) else _LINEAR
+    return None if bound is _LINEAR else bound(x, weight, bias, out)
+
+
+_LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call."""
+    dtype = x.dtype
+    if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
+            or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
+            or (dtype not in _DOT_DTYPES and x.shape[0] >= DOT_MIN_TOKENS)):
+        return False
+    return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
+                            and bias.device == x.device)
+
+
+def gate_available(device: torch.device | str) -> bool:
+    """Whether the kernel can run on ``device``: CUDA with Triton importable, the CPU only interpreted."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
