@@ -119,6 +119,8 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
 
     cases = {name: (lambda p=placement: EPMoE.from_moe(moe, p)(x_local)) for name, placement in placements.items()}
     cases["after_rebalance"] = after_rebalance
+    cases["overlap2_exact"] = lambda: EPMoE.from_moe(moe, overlap=2)(x_local)
+    cases["overlap2_padded"] = lambda: EPMoE.from_moe(moe, overlap=2, max_tokens_per_rank=max(sizes))(x_local)
     errors = {}
     for name, run_case in cases.items():
         _progress(f"check {name} ...")

@@ -50,7 +50,37 @@ def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def run_chunks(ep, starters: list[Callable[[], PendingDispatch]]) -> torch.Tensor:
-    """Dispatch -> experts -> combine over the chunks whose dispatches ``starters`` issue: [M, K]."""
+    """Dispatch -> experts -> combine over the chunks whose dispatches ``starters`` issue: [M, K].
+
+    With several chunks on CUDA (eager, no autograd) the bookkeeping of the communication runs on a
+    side stream: chunk i+1's dispatch (the padded payload's packing, the collective) and every chunk's
+    combine sum, so the compute stream runs only the experts and waits only for their rows."""
+    side = _side_stream(ep.w13.device) if len(starters) > 1 else None
+    if side is None:
+        return _run_chunks_one_stream(ep, starters)
+    compute = torch.cuda.current_stream()
+    side.wait_stream(compute)  # the tokens and the routing are ready before the side stream reads them
+    # Every buffer a collective reads or writes stays referenced here until both streams are ordered
+    # after the last combine (which follows every collective of this forward on the group's stream).
+    pending: list[PendingDispatch] = [starters[0]()]
+    combines, outs = [], []
+    for i in range(len(starters)):
+        if i + 1 < len(starters):
+            with torch.cuda.stream(side):
+                pending.append(starters[i + 1]())  # packed and on the wire while chunk i computes
+            pending[i + 1].received.record_stream(compute)  # allocated on the side stream, read here
+        sent = pending[i].wait()  # the compute stream waits for this chunk's rows only
+        combines.append(start_combine(ep.run_local_experts(sent), sent, ep.group))  # waits for the experts
+        combines[-1].back.record_stream(side)
+        with torch.cuda.stream(side):
+            outs.append(combines[-1].wait())  # the side stream waits for the rows back and sums them
+    compute.wait_stream(side)
+    for out in outs:
+        out.record_stream(compute)
+    return torch.cat(outs)
+
+
+def _run_chunks_one_stream(ep, starters) -> torch.Tensor:
     pending: list[PendingDispatch | None] = [starters[0]()] + [None] * (len(starters) - 1)
     combines = []
     for i in range(len(starters)):
@@ -61,6 +91,21 @@ def run_chunks(ep, starters: list[Callable[[], PendingDispatch]]) -> torch.Tenso
         combines.append(start_combine(ep.run_local_experts(sent), sent, ep.group))
     outs = [c.wait() for c in combines]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device):
+    """The communication bookkeeping's stream on ``device`` (one per device, made once), or None where
+    one stream is used: off CUDA, under CUDA-graph capture (the padded graph keeps one stream), and
+    when autograd records the forward (its backward runs the chunks' collectives on one stream)."""
+    if device.type != "cuda" or torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def dispatch_starters(ep, x2d, topk_ids, topk_weights, agree: Callable[..., list[SplitSizes] | None]):
