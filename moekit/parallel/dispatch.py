@@ -262,21 +262,60 @@ def start_dispatch_padded(
         raise ValueError(f"x must have at most max_tokens_per_rank={capacity} tokens on each rank, got {num_tokens}")
     top_k = chosen.dest.shape[1]
     world_size = dist.get_world_size(group)
-    ranks = torch.arange(world_size, device=x2d.device)
-    here = chosen.dest[None] == ranks[:, None, None]  # [W, M, k]
-    ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
-    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
     wdtype = weights_dtype(topk_weights)
-    weights = torch.zeros(world_size, capacity, top_k, dtype=wdtype, device=x2d.device)  # [W, C, k]
-    weights[:, :num_tokens] = torch.where(here, topk_weights[None].to(wdtype), 0.0)
-    rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
-    rows[:, :num_tokens] = x2d
-    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    if (torch.is_grad_enabled() and (x2d.requires_grad or topk_weights.requires_grad)) or not _writable_views(
+            hidden, top_k, x2d.dtype, wdtype):
+        payload, sent_x, sent_weights = _pack_padded_copies(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
+    else:  # written in place: one pass over the W*C rows instead of three (zero, copy, pack)
+        payload, sent_x, sent_weights = _pack_padded_in_place(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
     received = torch.empty_like(payload)  # [W*C, B]
     work = dist.all_to_all_single(received, payload, group=group, async_op=True)  # equal splits: C rows per rank pair
     splits = [capacity] * world_size
     return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, None, splits, splits, num_tokens,
-                           capacity, rows.view(-1, hidden), weights.view(-1, top_k))
+                           capacity, sent_x, sent_weights)
+
+
+def _pack_padded_copies(x2d, topk_weights, chosen, capacity, world_size):
+    """The padded payload [W*C, B] from [W, C, *] copies that autograd sees: (payload, rows [W*C, K],
+    weights [W*C, k]), row t of each rank's block token t, rows M..C-1 zero with ids -1."""
+    num_tokens, hidden = x2d.shape
+    top_k = chosen.dest.shape[1]
+    here = chosen.dest[None] == torch.arange(world_size, device=x2d.device)[:, None, None]  # [W, M, k]
+    ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
+    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
+    weights = topk_weights.new_zeros(world_size, capacity, top_k)  # [W, C, k]
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None], 0.0)
+    rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
+    rows[:, :num_tokens] = x2d
+    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    return payload, rows.view(-1, hidden), weights.view(-1, top_k)
+
+
+def _pack_padded_in_place(x2d, topk_weights, chosen, capacity, world_size):
+    """``_pack_padded_copies``' payload written through typed views of its bytes (no autograd): (payload,
+    x2d, weights [W*C, k] view); the second and third only carry shapes and dtypes on from here."""
+    num_tokens, hidden = x2d.shape
+    top_k = chosen.dest.shape[1]
+    row_bytes = hidden * x2d.dtype.itemsize + top_k * (4 + topk_weights.dtype.itemsize)
+    payload = torch.empty(world_size * capacity, row_bytes, dtype=torch.uint8, device=x2d.device)  # [W*C, B]
+    flat = _unpack(payload, hidden, top_k, x2d.dtype, topk_weights.dtype)  # [W*C, K], [W*C, k] x2: views of the bytes
+    x_rows, ids, weights = (t.view(world_size, capacity, -1) for t in flat)  # [W, C, *]
+    here = chosen.dest[None] == torch.arange(world_size, device=x2d.device)[:, None, None]  # [W, M, k]
+    x_rows[:, :num_tokens] = x2d
+    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)  # [W, M, k] (small)
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None], 0.0)
+    if num_tokens < capacity:  # padding rows: zeros, ids -1 (never read by an expert)
+        payload.view(world_size, capacity, row_bytes)[:, num_tokens:] = 0
+        ids[:, num_tokens:] = -1
+    return payload, x2d, flat[2]
+
+
+def _writable_views(hidden: int, top_k: int, dtype: torch.dtype, wdtype: torch.dtype) -> bool:
+    """The payload's x, ids and weights columns can be viewed in their dtypes (aligned offsets and row size)."""
+    x_bytes = hidden * dtype.itemsize
+    row_bytes = x_bytes + top_k * (4 + wdtype.itemsize)
+    return all(offset % size == 0 and row_bytes % size == 0
+               for offset, size in ((0, dtype.itemsize), (x_bytes, 4), (x_bytes + 4 * top_k, wdtype.itemsize)))
 
 
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
