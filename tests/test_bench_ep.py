@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from _parallel_harness import run_ranks
@@ -14,12 +15,16 @@ def _bench(rank: int, world_size: int) -> dict:
     from moekit.bench import ep
 
     args = argparse.Namespace(tiny=True, check=True, tokens=[0, 8], backend="auto", reps=2, out=None, dispatch="both",
-                              profile=False, overlap=[1, 2])
+                              profile=True, overlap=[1, 2])
     return ep.run(torch.device("cpu"), rank, world_size, args)
 
 
-def test_bench_entry_runs_on_two_ranks():
-    doc = run_ranks(_bench, 2, timeout_s=120)[0]
+@pytest.fixture(scope="module")
+def doc():
+    return run_ranks(_bench, 2, timeout_s=120)[0]
+
+
+def test_bench_entry_runs_on_two_ranks(doc):
     assert doc["world_size"] == 2 and doc["backend"] == "gloo"
     assert max(doc["check_rel_err"].values()) < 1e-5
     assert [(row["dispatch"], row["M"], row["overlap"]) for row in doc["rows"]] == [
@@ -29,3 +34,15 @@ def test_bench_entry_runs_on_two_ranks():
             assert row[key] >= 0, key
         if row["overlap"] > 1:
             assert row["overlap_goal_us"] == 1.05 * max(row["experts_us"], row["raw_dispatch_us"] + row["raw_combine_us"])
+
+
+def test_profile_counts_the_exact_dispatchs_one_host_read_and_the_padded_none(doc):
+    for row in (r for r in doc["rows"] if r["overlap"] == 1 and r["M"] == 8):
+        profile = row["profile"]
+        assert set(profile) == {"route", "dispatch", "experts", "experts_half", "combine", "layer", "layer_c2"}
+        # The dispatch phase alone: the counts read (exact) or nothing (padded). The layer: that read,
+        # or the padded path's eager error agreement, and nothing else beyond routing's own.
+        assert profile["dispatch"]["host_syncs"] == (1 if row["dispatch"] == "exact" else 0), row["dispatch"]
+        assert profile["layer"]["host_syncs"] == profile["route"]["host_syncs"] + 1, row["dispatch"]
+        assert profile["combine"]["host_syncs"] == 0 and profile["combine"]["launches"] >= 1
+        assert profile["layer"]["launches"] > profile["experts"]["launches"] + profile["route"]["launches"]

@@ -52,12 +52,25 @@ def _scenarios(rank: int, world_size: int) -> dict:
     counts = moe(x_all, return_stats=True).stats.counts
     placement = eplb_placement(counts, world_size, num_redundant=world_size)
     res["eplb_replicas"] = _errors(rank, world_size, moe, x_all, SPLITS[world_size][0], overlap=2, placement=placement)
+    res.update(_one_rank_fails(rank, world_size, x_all[:4]))
     try:
         EPMoE(CONFIG, overlap=2 + (rank == world_size - 1))
         res["overlap_mismatch"] = "no error"
     except ValueError as err:
         res["overlap_mismatch"] = str(err)
     return res
+
+
+def _one_rank_fails(rank: int, world_size: int, x: torch.Tensor) -> dict:
+    """The last rank passes float64 to a 3-chunk exact layer (its agreement carries 3 chunks of counts):
+    its own error there, PeerRankError elsewhere, and the next forward works."""
+    ep = EPMoE.from_moe(_moe(), overlap=3)
+    try:
+        ep(x.double() if rank == world_size - 1 else x)
+        fault = "no error"
+    except Exception as err:  # noqa: BLE001 - the test inspects what each rank raised
+        fault = f"{type(err).__name__}: {err}"
+    return {"fault": fault, "after_fault": rel_max_err(ep(x), _moe()(x))}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
@@ -68,7 +81,7 @@ def results(request):
 def test_overlap_matches_the_single_process_layer(results):
     world_size, per_rank = results
     for rank, res in enumerate(per_rank):
-        errors = {k: v for k, v in res.items() if k != "overlap_mismatch"}
+        errors = {k: v for k, v in res.items() if k not in ("overlap_mismatch", "fault", "after_fault")}
         assert len(errors) == 13 and max(errors.values()) < FP32_TOL, f"W={world_size} rank {rank}: {errors}"
 
 
@@ -91,3 +104,13 @@ def test_chunk_bounds_cover_the_tokens_in_order(tokens, chunks):
 def test_bad_overlap_is_named(bad):
     with pytest.raises(ValueError, match="overlap must be an int >= 1"):
         EPMoE(CONFIG, overlap=bad)
+
+
+def test_one_rank_failing_under_overlap_raises_on_every_rank_and_the_group_recovers(results):
+    world_size, per_rank = results
+    for rank, res in enumerate(per_rank):
+        if rank == world_size - 1:
+            assert res["fault"].startswith("ValueError: x must be float32"), res["fault"]
+        else:
+            assert res["fault"].startswith(f"PeerRankError: rank {world_size - 1} failed"), res["fault"]
+        assert res["after_fault"] < FP32_TOL

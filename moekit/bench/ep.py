@@ -8,7 +8,8 @@ rows to every rank, no sync) and M (tokens per rank) it reports, as the maximum 
 rank's median:
 - ``route_us``: gate + routing of the local tokens;
 - ``dispatch_us``: replica choice, (exact: counts all-to-all, the host sync,) payload all-to-all;
-- ``experts_us``: the local experts over the received rows;
+- ``experts_us``: the local experts over the received rows; ``experts_half_us``: over the rows of the
+  first M/2 tokens (2 x it / experts_us: what splitting the tokens in two chunks costs the experts);
 - ``combine_us``: the all-to-all back and the per-token sum;
 - ``layer_us``: the whole ``EPMoE.forward``; ``layer_graph_us`` (padded, CUDA): the same replayed as
   one CUDA graph, NCCL all-to-alls included;
@@ -41,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moekit.bench.ep_profile import as_json, print_profiles, profile_phases
 from moekit.bench.run import commit_id, device_name
 from moekit.bench.timing import time_calls
 from moekit.config import MoEConfig
@@ -117,6 +119,8 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
 
     cases = {name: (lambda p=placement: EPMoE.from_moe(moe, p)(x_local)) for name, placement in placements.items()}
     cases["after_rebalance"] = after_rebalance
+    cases["overlap2_exact"] = lambda: EPMoE.from_moe(moe, overlap=2)(x_local)
+    cases["overlap2_padded"] = lambda: EPMoE.from_moe(moe, overlap=2, max_tokens_per_rank=max(sizes))(x_local)
     errors = {}
     for name, run_case in cases.items():
         _progress(f"check {name} ...")
@@ -132,8 +136,10 @@ def check(device: torch.device, world_size: int, backend: str) -> dict[str, floa
     return errors
 
 
-def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
-    """One row of the table: every phase at M = num_tokens tokens per rank."""
+def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtype: torch.dtype, reps: int,
+             profile_overlaps: list[int] | None = None) -> dict:
+    """One row of the table: every phase at M = num_tokens tokens per rank; first, when
+    ``profile_overlaps`` is given, profiled (the layer also with those chunk counts)."""
     x = torch.randn(num_tokens, ep.config.hidden_size, device=device, dtype=dtype)
     routing = ep.route_tokens(x).routing
     ids, weights = routing.topk_ids, routing.topk_weights
@@ -148,17 +154,22 @@ def _bench_m(ep: EPMoE, single: MoE, num_tokens: int, device: torch.device, dtyp
     raw_dispatch = lambda: dist.all_to_all_single(received, payload, sent.recv_splits, sent.send_splits, group=group)  # noqa: E731
     raw_combine = lambda: dist.all_to_all_single(back, y, sent.send_splits, sent.recv_splits, group=group)  # noqa: E731
     x_single = torch.randn(num_tokens, single.config.hidden_size, device=device, dtype=dtype)
+    half = num_tokens // 2  # the experts over half the tokens: what a 2-chunk overlap pays per chunk
+    sent_half = ep.dispatch(x[:half], ids[:half], weights[:half])
 
     phases = {
         "route_us": lambda: ep.route_tokens(x),
         "dispatch_us": lambda: ep.dispatch(x, ids, weights),
         "experts_us": lambda: ep.run_local_experts(sent),
+        "experts_half_us": lambda: ep.run_local_experts(sent_half),
         "combine_us": lambda: ep.combine(y, sent),
         "layer_us": lambda: ep(x),
         "raw_dispatch_us": raw_dispatch,
         "raw_combine_us": raw_combine,
     }
     row = {"dispatch": "exact" if ep.max_tokens_per_rank is None else "padded", "M": num_tokens, "overlap": 1}
+    if profile_overlaps is not None:
+        row["profile"] = _profile(ep, phases, device, f"{row['dispatch']} M={num_tokens}", profile_overlaps)
     for name, fn in phases.items():
         dist.barrier()
         # A fixed repetition count: time_calls' budget-based count differs per rank, and ranks that
@@ -210,27 +221,24 @@ def _overlap_row(ep: EPMoE, base: dict, chunks: int, device: torch.device, dtype
     return row
 
 
-def _profile_layer(ep: EPMoE, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Three forwards under torch.profiler on every rank (the collectives pair up); rank 0 prints where
-    the host and the device spend their time, the top ops by host time."""
-    x = torch.randn(num_tokens, ep.config.hidden_size, device=device, dtype=dtype)
-    ep(x)
-    dist.barrier()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(3):
-            ep(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+def _profile(ep: EPMoE, phases: dict, device: torch.device, title: str, overlaps: list[int]) -> dict:
+    """Launches, host syncs, host and device µs per call of each phase (``moekit.bench.ep_profile``),
+    and of the layer with every overlap chunk count the run times."""
+    wanted = {k.removesuffix("_us"): fn for k, fn in phases.items() if not k.startswith("raw_")}
+    profiles = profile_phases(wanted, device)
+    for chunks in overlaps:
+        ep.overlap = chunks
+        try:
+            profiles |= profile_phases({f"layer_c{chunks}": phases["layer_us"]}, device)
+        finally:
+            ep.overlap = 1
     if dist.get_rank() == 0:
-        print(f"profile of 3 layer forwards at M={num_tokens} (rank 0):")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        print_profiles(title, profiles)
+    return as_json(profiles)
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "combine_us", "layer_us", "layer_graph_us",
+    cols = ["dispatch", "M", "overlap", "route_us", "dispatch_us", "experts_us", "experts_half_us", "combine_us", "layer_us", "layer_graph_us",
             "raw_dispatch_us", "raw_combine_us", "single_gpu_us", "target_us", "target_met", "overlap_goal_us",
             "overlap_goal_met"]
     print(" ".join(f"{c.removesuffix('_us'):>11}" for c in cols))
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-timeout", type=float, default=120.0,
                         help="process group timeout in seconds: a collective that waits longer fails instead of hanging")
     parser.add_argument("--profile", action="store_true",
-                        help="after timing, profile three layer forwards at the first M and print rank 0's op table")
+                        help="profile every phase at every M first: launches, host syncs, host and device us per call")
     args = parser.parse_args(argv)
 
     device, rank, world_size = _setup(args.pg_timeout)
@@ -298,15 +306,14 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
             for m in tokens:
                 if mode == "padded":
                     ep.max_tokens_per_rank = max(m, 1)  # every rank passes m tokens: pad to exactly that (same on all ranks)
-                rows.append(_bench_m(ep, single, m, device, dtype, args.reps))
+                overlaps = sorted(set(args.overlap) - {1}) if args.profile else None
+                rows.append(_bench_m(ep, single, m, device, dtype, args.reps, overlaps))
                 _progress(f"{mode} M={m}: layer {rows[-1]['best_layer_us']:.1f} us, target {rows[-1]['target_us']:.1f} us")
                 base = rows[-1]
                 for chunks in sorted(set(args.overlap) - {1}):
                     rows.append(_overlap_row(ep, base, chunks, device, dtype, args.reps))
                     _progress(f"{mode} M={m} overlap {chunks}: layer {rows[-1]['best_layer_us']:.1f} us, "
                               f"goal {rows[-1]['overlap_goal_us']:.1f} us")
-            if args.profile:
-                _profile_layer(ep, tokens[0], device, dtype)
             del ep
     doc["rows"] = rows
     if rank == 0:
@@ -314,6 +321,8 @@ def run(device: torch.device, rank: int, world_size: int, args) -> dict:
         ratios = [r["best_layer_us"] / (r["target_us"] / 1.2) for r in rows if r["overlap"] == 1]
         print("layer / (experts + raw a2a both ways), no overlap:", ", ".join(f"{v:.2f}" for v in ratios),
               f"(median {statistics.median(ratios):.2f}; target <= 1.2)")
+        halves = [2 * r["experts_half_us"] / r["experts_us"] for r in rows if r["overlap"] == 1 and r["experts_us"] > 0]
+        print("2 x experts(M/2) / experts(M), what token chunks cost the experts:", ", ".join(f"{v:.2f}" for v in halves))
         hidden = [r["best_layer_us"] / (r["overlap_goal_us"] / 1.05) for r in rows if r["overlap"] > 1]
         if hidden:
             print("layer / max(experts, raw a2a both ways), overlap:", ", ".join(f"{v:.2f}" for v in hidden),

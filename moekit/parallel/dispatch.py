@@ -12,12 +12,16 @@ carries all three. The receiving rank runs its local experts over the U rows; th
 U weighted partial sums back and the source rank adds them into its tokens.
 
 Two dispatches:
-- exact (``dispatch``): T rows, each token once per rank that serves one of its slots. Host
-  synchronisation: exactly one per forward, in ``exchange``. ``all_to_all_single`` takes its split
-  sizes as Python ints (NCCL posts one send and one receive per peer with host-side sizes), so after the
-  small counts all-to-all the counts are copied to the host. Everything before it (planning, replica
-  choice) and after it (packing, payload and combine collectives, the sum) is device work with no
-  further sync; because of that one sync this path is not CUDA-graph capturable.
+- exact (``plan_sends`` -> ``pack_sends`` -> counts -> ``start_dispatch``): T rows, each token once per
+  rank that serves one of its slots. Host synchronisation: exactly one per forward, the read of the
+  counts after their all-to-all: ``all_to_all_single`` takes its split sizes as Python ints (NCCL posts
+  one send and one receive per peer with host-side sizes). In ``EPMoE`` that all-to-all is also the
+  error agreement (``CollectiveErrors.agree``), so the forward has one sync in all. Everything else
+  is device work queued before the sync (replica choice, send order, the payload rows, about 20
+  kernels: they run behind the previous work while the host waits) or after it (the payload and
+  combine all-to-alls, the sum: no host read). The payload is built for R = M * min(W, k) rows, the
+  most T can be, and only its first T rows are sent. Because of the sync this path is not CUDA-graph
+  capturable.
 - padded (``dispatch_padded``): C rows to every rank whatever the routing (C = the most tokens a rank
   may pass), so no counts and no host sync: W*C rows on the wire, CUDA-graph capturable.
 """
@@ -31,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.layouts.grouping import rank_within_groups
+from moekit.parallel.errors import SplitSizes, exchange_columns
 from moekit.parallel.placement import Placement
 from moekit.parallel.rows import attach_gradients
 
@@ -42,6 +47,9 @@ class ReplicaTables:
     num_replicas: torch.Tensor  # [E] int64; ranks holding expert e (>= 1)
     rank_of: torch.Tensor  # [E, Rmax] int64; rank of replica i of e (ascending); padding repeats replica 0
     local_of: torch.Tensor  # [E, Rmax] int64; e's local index on rank_of[e, i]
+    # [E + S + 1, 2] int64: (rank, local index) of replica 0 of each routed expert, then of each fused
+    # shared slot (this rank, num_local_routed + s), then (-1, -1): where a skipped slot goes.
+    lookup: torch.Tensor
     num_local_routed: int  # physical routed experts on this rank; fused shared slot s is local index num_local_routed + s
     num_shared_slots: int  # S: fused shared slots, run on the token's own rank
     replicated: bool = True  # some expert has more than one replica (host flag: without, no replica choice runs)
@@ -56,12 +64,16 @@ class ReplicaTables:
         local_index = [{e: i for i, e in enumerate(s)} for s in placement.slots]
         rank_of = [[r[i % len(r)] for i in range(width)] for r in replicas]
         local_of = [[local_index[r][e] for r in row] for e, row in enumerate(rank_of)]
+        num_local_routed = placement.num_local_experts(rank)
+        lookup = ([[row[0], loc[0]] for row, loc in zip(rank_of, local_of)]
+                  + [[rank, num_local_routed + s] for s in range(num_shared_slots)] + [[-1, -1]])
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         return cls(
             num_replicas=as_tensor([len(r) for r in replicas]),
             rank_of=as_tensor(rank_of),
             local_of=as_tensor(local_of),
-            num_local_routed=placement.num_local_experts(rank),
+            lookup=as_tensor(lookup),
+            num_local_routed=num_local_routed,
             num_shared_slots=num_shared_slots,
             replicated=any(len(r) > 1 for r in replicas),
         )
@@ -72,33 +84,32 @@ class Destinations:
     """The rank and local expert serving each of this rank's token slots (device tensors, no host sync)."""
 
     dest: torch.Tensor  # [M, k] int64; rank serving each slot, -1 for a skipped slot
-    local: torch.Tensor  # [M, k] int64; local expert index on that rank
+    local: torch.Tensor  # [M, k] int64; local expert index on that rank (-1 for a skipped slot)
 
 
 def choose_replicas(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int) -> Destinations:
     """Choose a replica for every slot: the rank that serves it and the expert's index there.
 
-    Replica choice is deterministic and even: the j-th slot (in token order) on this rank that routes
-    to expert e goes to replica ``(j + rank) % replicas(e)``, so each source splits e's traffic within
-    one row of even, and the ``+ rank`` offset spreads the remainders over the replicas.
+    Without replicas this is one table lookup (three kernels). With replicas the choice is
+    deterministic and even: the j-th slot (in token order) on this rank that routes to expert e goes
+    to replica ``(j + rank) % replicas(e)``, so each source splits e's traffic within one row of even,
+    and the ``+ rank`` offset spreads the remainders over the replicas.
     """
     num_tokens, top_k = topk_ids.shape
+    slots = tables.lookup.shape[0] - 1  # E + S; row E + S is the skip row
+    index = topk_ids.clamp(-1, slots).remainder(slots + 1)  # [M, k]; -1 and ids >= E + S -> E + S
+    pair = tables.lookup[index]  # [M, k, 2]
+    if not tables.replicated:  # one replica each: no sort, no counting
+        return Destinations(pair[..., 0], pair[..., 1])
     num_experts = tables.num_replicas.numel()
-    ids = topk_ids.reshape(-1).long()  # [M*k]
-    routed = (ids >= 0) & (ids < num_experts)
-    shared = (ids >= num_experts) & (ids < num_experts + tables.num_shared_slots)
-    safe = torch.where(routed, ids, 0)
-    if tables.replicated:
-        key = torch.where(routed, ids, num_experts)  # [M*k]; E = not a routed slot
-        position = rank_within_groups(key, num_experts).rank  # [M*k]; j: earlier slots here on the same expert
-        replica = (position + rank) % tables.num_replicas[safe]  # [M*k]
-    else:  # one replica each: no sort, no counting
-        replica = torch.zeros_like(safe)
-    dest = torch.where(routed, tables.rank_of[safe, replica], -1)
-    local = torch.where(routed, tables.local_of[safe, replica], -1)
-    dest = torch.where(shared, rank, dest)  # fused shared slots run where the token lives
-    local = torch.where(shared, tables.num_local_routed + ids - num_experts, local)
-    return Destinations(dest.view(num_tokens, top_k), local.view(num_tokens, top_k))
+    routed = index < num_experts  # [M, k]
+    key = torch.where(routed, index, num_experts).reshape(-1)  # [M*k]; E = not a routed slot
+    position = rank_within_groups(key, num_experts).rank.view(num_tokens, top_k)  # j: earlier slots here on the same expert
+    safe = torch.where(routed, index, 0)  # [M, k]
+    replica = (position + rank) % tables.num_replicas[safe]  # [M, k]
+    dest = torch.where(routed, tables.rank_of[safe, replica], pair[..., 0])
+    local = torch.where(routed, tables.local_of[safe, replica], pair[..., 1])
+    return Destinations(dest, local)
 
 
 @dataclass
@@ -107,29 +118,54 @@ class SendPlan:
 
     chosen: Destinations  # the serving rank and local expert of each slot
     send_counts: torch.Tensor  # [W] int64; rows sent to each rank (a token once per rank it needs)
-    row_order: torch.Tensor  # [W*M] int64; flat (rank, token) keys, the T sent rows first, by rank then token
+    # [R] int64, R = M * min(W, k) >= T: flat (rank * M + token) keys of the T rows to send, by rank then
+    # token; entries T..R-1 are filler (never sent). Its length bounds T without a host sync.
+    send_key: torch.Tensor
 
 
 def plan_sends(topk_ids: torch.Tensor, tables: ReplicaTables, rank: int, world_size: int) -> SendPlan:
     """Choose the replicas (``choose_replicas``) and group the rows to send by destination rank."""
-    num_tokens = topk_ids.shape[0]
+    num_tokens, top_k = topk_ids.shape
     device = topk_ids.device
     chosen = choose_replicas(topk_ids, tables, rank)
-    dest = chosen.dest  # [M, k]
+    # needs[w, t]: token t has a slot served by rank w. Row W collects skipped slots (dest -1).
+    needs = torch.zeros(world_size + 1, num_tokens, dtype=torch.bool, device=device)
+    needs.scatter_(0, chosen.dest.remainder(world_size + 1).t(), True)
+    flat = needs[:world_size].reshape(-1)  # [W*M] (a view): the (rank, token) keys, rank-major
+    send_counts = needs[:world_size].sum(1)  # [W]
+    # Each needed key goes to 1 + its position among the needed ones (a prefix sum), the others to the
+    # discarded entry 0: the host learns how many there are only from the counts exchange, so no
+    # nonzero() sync here, and no sort.
+    bound = num_tokens * min(world_size, top_k)
+    target = torch.where(flat, torch.cumsum(flat, 0), 0)  # [W*M]
+    order = torch.zeros(bound + 1, dtype=torch.int64, device=device)
+    order.scatter_(0, target, torch.arange(flat.numel(), device=device))
+    return SendPlan(chosen=chosen, send_counts=send_counts, send_key=order[1:])
 
-    # needs[t, w]: token t has a slot served by rank w. Column W collects skipped slots.
-    needs = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
-    needs.scatter_(1, torch.where(dest >= 0, dest, world_size), True)
-    needs = needs[:, :world_size]  # [M, W]
-    send_counts = needs.sum(0)  # [W]
-    # The needed (rank, token) keys first, in rank-major order: each needed key goes to its position
-    # among the needed ones (a prefix sum), the others to a discarded last entry. The host learns how
-    # many there are only after the counts exchange, so no nonzero() sync here, and no sort.
-    flat = needs.t().reshape(-1)  # [W*M]
-    position = torch.where(flat, torch.cumsum(flat, 0) - 1, flat.numel())  # [W*M]
-    row_order = torch.zeros(flat.numel() + 1, dtype=torch.int64, device=device)
-    row_order.scatter_(0, position, torch.arange(flat.numel(), device=device))
-    return SendPlan(chosen=chosen, send_counts=send_counts, row_order=row_order[:-1])
+
+@dataclass
+class PackedSends:
+    """A send plan's payload, built before the counts exchange so that its kernels queue behind the
+    previous work while the host waits; after the exchange only the all-to-all is left to issue."""
+
+    plan: SendPlan
+    payload: torch.Tensor  # [R, B] uint8; row i carries send_key[i]'s token (rows T..R-1: filler)
+    send_token: torch.Tensor  # [R] int64; local token of each row
+    sent_x: torch.Tensor  # [R, K]; the rows' hidden vectors, in the autograd graph
+    sent_weights: torch.Tensor  # [R, k]; the rows' weights (0 for slots served elsewhere), likewise
+    num_tokens: int  # M
+
+
+def pack_sends(x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan) -> PackedSends:
+    """One payload row per planned key: the token's hidden vector, its local ids on that rank (-1 where
+    another rank serves the slot) and its weights (0 there)."""
+    num_tokens = max(x2d.shape[0], 1)
+    send_rank, send_token = plan.send_key // num_tokens, plan.send_key % num_tokens  # [R], [R]
+    here = plan.chosen.dest[send_token] == send_rank[:, None]  # [R, k]
+    ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [R, k]
+    weights = torch.where(here, topk_weights[send_token].to(weights_dtype(topk_weights)), 0.0)  # [R, k]
+    x_sent = x2d[send_token]  # [R, K]
+    return PackedSends(plan, _pack(x_sent, ids, weights), send_token, x_sent, weights, x2d.shape[0])
 
 
 @dataclass
@@ -147,31 +183,11 @@ class Dispatched:
     send_key: torch.Tensor | None = None  # [T] int64; destination rank * M + send_token of each sent row (exact)
 
 
-@dataclass
-class SplitSizes:
-    """Rows this rank exchanges with every rank, as host ints (what ``all_to_all_single`` takes)."""
-
-    send: list[int]  # [W]; rows this rank sends to each rank
-    recv: list[int]  # [W]; rows this rank receives from each rank
-
-
 def exchange(send_counts: torch.Tensor, group, timeout: timedelta | None) -> SplitSizes:
-    """The counts all-to-all, then the forward's one host sync: the split sizes as Python ints."""
-    return exchange_chunks(send_counts[None], group, timeout)[0]
-
-
-def exchange_chunks(send_counts: torch.Tensor, group, timeout: timedelta | None) -> list[SplitSizes]:
-    """``send_counts`` [C, W] (rows this rank sends to each rank, per chunk of its tokens) -> the split
-    sizes of every chunk, in one counts all-to-all and one host sync for all C chunks."""
-    chunks, world_size = send_counts.shape
-    send = send_counts.t().contiguous()  # [W, C]: block w goes to rank w
-    recv = torch.empty_like(send)  # [W, C]: recv[w, c] rows rank w sends here in chunk c
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    # A peer that never arrives raises here after the timeout (gloo: the process group's timeout;
-    # NCCL: ``timeout`` if given, else the watchdog aborts after the process group's timeout).
-    work.wait() if timeout is None else work.wait(timeout)
-    both = torch.stack([send, recv]).tolist()  # [2, W, C]; host sync
-    return [SplitSizes(send=[row[c] for row in both[0]], recv=[row[c] for row in both[1]]) for c in range(chunks)]
+    """The counts all-to-all, then a host sync: the split sizes as Python ints (``EPMoE``'s forward
+    exchanges them inside its error agreement instead, ``CollectiveErrors.agree``)."""
+    sent, received = exchange_columns(send_counts[:, None], group, timeout)  # [W][1] each
+    return SplitSizes(send=[row[0] for row in sent], recv=[row[0] for row in received])
 
 
 @dataclass
@@ -209,28 +225,21 @@ def dispatch(
 ) -> Dispatched:
     """Send each token once to every rank that serves one of its slots, with that rank's local ids
     and weights. Collective: every rank of ``group`` must call it, also with M = 0."""
-    splits = exchange(plan.send_counts, group, timeout)
-    return start_dispatch(x2d, topk_weights, plan, splits, group).wait()
+    packed = pack_sends(x2d, topk_weights, plan)
+    return start_dispatch(packed, exchange(plan.send_counts, group, timeout), group).wait()
 
 
-def start_dispatch(x2d: torch.Tensor, topk_weights: torch.Tensor, plan: SendPlan, splits: SplitSizes,
-                   group) -> PendingDispatch:
+def start_dispatch(packed: PackedSends, splits: SplitSizes, group) -> PendingDispatch:
     """``dispatch``'s payload all-to-all with the split sizes already exchanged, issued asynchronously
     (no host sync): the collective runs while the caller queues other work."""
-    num_tokens, hidden = x2d.shape
-    top_k = plan.chosen.dest.shape[1]
-    keys = plan.row_order[: sum(splits.send)]  # [T]
-    send_rank, send_token = keys // max(num_tokens, 1), keys % max(num_tokens, 1)  # [T], [T]
-
-    here = plan.chosen.dest[send_token] == send_rank[:, None]  # [T, k]
-    ids = torch.where(here, plan.chosen.local[send_token], -1).to(torch.int32)  # [T, k]
-    weights = torch.where(here, topk_weights[send_token].to(weights_dtype(topk_weights)), 0.0)  # [T, k]
-    x_sent = x2d[send_token]  # [T, K]
-    payload = _pack(x_sent, ids, weights)  # [T, B] uint8
+    rows = sum(splits.send)  # T
+    payload = packed.payload[:rows]  # [T, B]
     received = payload.new_empty((sum(splits.recv), payload.shape[1]))  # [U, B]
     work = dist.all_to_all_single(received, payload, splits.recv, splits.send, group=group, async_op=True)
-    return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, send_token, splits.send,
-                           splits.recv, num_tokens, None, x_sent, weights, send_key=keys)
+    hidden, top_k = packed.sent_x.shape[1], packed.sent_weights.shape[1]
+    return PendingDispatch(work, group, received, payload, hidden, top_k, packed.sent_x.dtype,
+                           packed.send_token[:rows], splits.send, splits.recv, packed.num_tokens, None,
+                           packed.sent_x[:rows], packed.sent_weights[:rows], send_key=packed.plan.send_key[:rows])
 
 
 def dispatch_padded(
@@ -253,21 +262,60 @@ def start_dispatch_padded(
         raise ValueError(f"x must have at most max_tokens_per_rank={capacity} tokens on each rank, got {num_tokens}")
     top_k = chosen.dest.shape[1]
     world_size = dist.get_world_size(group)
-    ranks = torch.arange(world_size, device=x2d.device)
-    here = chosen.dest[None] == ranks[:, None, None]  # [W, M, k]
-    ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
-    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
     wdtype = weights_dtype(topk_weights)
-    weights = torch.zeros(world_size, capacity, top_k, dtype=wdtype, device=x2d.device)  # [W, C, k]
-    weights[:, :num_tokens] = torch.where(here, topk_weights[None].to(wdtype), 0.0)
-    rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
-    rows[:, :num_tokens] = x2d
-    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    if (torch.is_grad_enabled() and (x2d.requires_grad or topk_weights.requires_grad)) or not _writable_views(
+            hidden, top_k, x2d.dtype, wdtype):
+        payload, sent_x, sent_weights = _pack_padded_copies(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
+    else:  # written in place: one pass over the W*C rows instead of three (zero, copy, pack)
+        payload, sent_x, sent_weights = _pack_padded_in_place(x2d, topk_weights.to(wdtype), chosen, capacity, world_size)
     received = torch.empty_like(payload)  # [W*C, B]
     work = dist.all_to_all_single(received, payload, group=group, async_op=True)  # equal splits: C rows per rank pair
     splits = [capacity] * world_size
     return PendingDispatch(work, group, received, payload, hidden, top_k, x2d.dtype, None, splits, splits, num_tokens,
-                           capacity, rows.view(-1, hidden), weights.view(-1, top_k))
+                           capacity, sent_x, sent_weights)
+
+
+def _pack_padded_copies(x2d, topk_weights, chosen, capacity, world_size):
+    """The padded payload [W*C, B] from [W, C, *] copies that autograd sees: (payload, rows [W*C, K],
+    weights [W*C, k]), row t of each rank's block token t, rows M..C-1 zero with ids -1."""
+    num_tokens, hidden = x2d.shape
+    top_k = chosen.dest.shape[1]
+    here = chosen.dest[None] == torch.arange(world_size, device=x2d.device)[:, None, None]  # [W, M, k]
+    ids = torch.full((world_size, capacity, top_k), -1, dtype=torch.int32, device=x2d.device)  # [W, C, k]
+    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)
+    weights = topk_weights.new_zeros(world_size, capacity, top_k)  # [W, C, k]
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None], 0.0)
+    rows = x2d.new_zeros((world_size, capacity, hidden))  # [W, C, K]
+    rows[:, :num_tokens] = x2d
+    payload = _pack(rows.view(-1, hidden), ids.view(-1, top_k), weights.view(-1, top_k))  # [W*C, B]
+    return payload, rows.view(-1, hidden), weights.view(-1, top_k)
+
+
+def _pack_padded_in_place(x2d, topk_weights, chosen, capacity, world_size):
+    """``_pack_padded_copies``' payload written through typed views of its bytes (no autograd): (payload,
+    x2d, weights [W*C, k] view); the second and third only carry shapes and dtypes on from here."""
+    num_tokens, hidden = x2d.shape
+    top_k = chosen.dest.shape[1]
+    row_bytes = hidden * x2d.dtype.itemsize + top_k * (4 + topk_weights.dtype.itemsize)
+    payload = torch.empty(world_size * capacity, row_bytes, dtype=torch.uint8, device=x2d.device)  # [W*C, B]
+    flat = _unpack(payload, hidden, top_k, x2d.dtype, topk_weights.dtype)  # [W*C, K], [W*C, k] x2: views of the bytes
+    x_rows, ids, weights = (t.view(world_size, capacity, -1) for t in flat)  # [W, C, *]
+    here = chosen.dest[None] == torch.arange(world_size, device=x2d.device)[:, None, None]  # [W, M, k]
+    x_rows[:, :num_tokens] = x2d
+    ids[:, :num_tokens] = torch.where(here, chosen.local[None], -1)  # [W, M, k] (small)
+    weights[:, :num_tokens] = torch.where(here, topk_weights[None], 0.0)
+    if num_tokens < capacity:  # padding rows: zeros, ids -1 (never read by an expert)
+        payload.view(world_size, capacity, row_bytes)[:, num_tokens:] = 0
+        ids[:, num_tokens:] = -1
+    return payload, x2d, flat[2]
+
+
+def _writable_views(hidden: int, top_k: int, dtype: torch.dtype, wdtype: torch.dtype) -> bool:
+    """The payload's x, ids and weights columns can be viewed in their dtypes (aligned offsets and row size)."""
+    x_bytes = hidden * dtype.itemsize
+    row_bytes = x_bytes + top_k * (4 + wdtype.itemsize)
+    return all(offset % size == 0 and row_bytes % size == 0
+               for offset, size in ((0, dtype.itemsize), (x_bytes, 4), (x_bytes + 4 * top_k, wdtype.itemsize)))
 
 
 def combine(y: torch.Tensor, sent: Dispatched, group) -> torch.Tensor:
@@ -290,18 +338,19 @@ class PendingCombine:
         self.work.wait()
         sent, y = self.sent, self.y
         (back,) = attach_gradients((y,), (self.back,), sent.recv_splits, sent.send_splits, self.group)  # [T, K]
-        acc = torch.promote_types(y.dtype, torch.float32)
+        # Sums over ranks accumulate in float32 (torch's reductions of half types do), rounded once.
         if sent.capacity is not None:  # row t of each rank's block is token t: a sum over the ranks
             partials = back.view(len(sent.send_splits), sent.capacity, y.shape[1])[:, : sent.num_tokens]  # [W, M, K]
-            return partials.sum(0, dtype=acc).to(y.dtype)
+            return partials.sum(0)
         num_tokens, world_size = sent.num_tokens, len(sent.send_splits)
         if sent.send_key is not None and 2 * back.shape[0] >= world_size * num_tokens:  # a dense [W, M, K] sum
             # Each token comes back at most once per rank: copy every row to its (rank, token) place and sum
-            # over ranks in float32, one pass over bf16 rows (index_add_ would need a float32 copy of them).
+            # over ranks, one pass over the rows (index_add_ would need a float32 copy of bf16 rows).
             # The places are the dispatch's own keys: no host-to-device copy (which would wait for the GPU).
             dense = back.new_zeros((world_size * num_tokens, y.shape[1]))  # [W*M, K]
             dense.index_copy_(0, sent.send_key, back)
-            return dense.view(world_size, num_tokens, y.shape[1]).sum(0, dtype=acc).to(y.dtype)
+            return dense.view(world_size, num_tokens, y.shape[1]).sum(0)
+        acc = torch.promote_types(y.dtype, torch.float32)
         out = torch.zeros(num_tokens, y.shape[1], dtype=acc, device=y.device)  # [M, K]
         out.index_add_(0, sent.send_token, back.to(acc))
         return out.to(y.dtype)

@@ -1,12 +1,15 @@
 """Collective errors: one rank's failure becomes an error on every rank, before the next collective.
 
-    [local checks and work, may raise] -> [agree: all_reduce(MAX) of int32 [3]] -> [the payload collectives]
+    [local checks and work, may raise] -> [agree: all_to_all of int64 [W, 2 + C]] -> [the payload collectives]
 
 A collective call (``EPMoE.forward``, ``rebalance``) first does everything that can fail on one rank
-alone (argument checks, routing), then every rank agrees: one ``all_reduce(MAX)`` of three int32s,
-``[failed, signature, -signature]``: after it, the second is the largest signature and minus the third
-the smallest. When nobody failed and the two are equal, the call goes on; that is the whole cost of
-the common path (one tiny collective and its read on the host). Otherwise the ranks exchange their
+alone (argument checks, routing, the exact dispatch's send plan), then every rank agrees: one
+``all_to_all_single`` in which every rank sends every rank ``[a, -a]``, a = its signature (or FAILED,
+above any signature, when it failed): the largest first column is the largest signature, minus the
+largest second column the smallest. The same collective carries the exact dispatch's row counts (C
+more columns: the rows this rank sends that rank in each of C chunks), so the dispatch's one host sync
+is also the agreement's: one tiny collective and one read on the host per forward, the whole cost of
+the common path. When nobody failed and all signatures are equal, the call goes on. Otherwise the ranks exchange their
 messages (``all_gather_object``, only then) and every rank raises before any payload collective, so
 the group stays in step and the next call works:
 
@@ -21,12 +24,35 @@ The signature travels as a CRC-32 of its text: two different texts collide with 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 _MAX_MESSAGE = 500  # characters of a rank's message quoted to the others
+_FAILED = 1 << 31  # a failed rank's entry: above every signature (CRC-32 masked to 31 bits)
+
+
+@dataclass
+class SplitSizes:
+    """Rows this rank exchanges with every rank, as host ints (what ``all_to_all_single`` takes)."""
+
+    send: list[int]  # [W]; rows this rank sends to each rank
+    recv: list[int]  # [W]; rows this rank receives from each rank
+
+
+def exchange_columns(send: torch.Tensor, group, timeout: timedelta | None) -> tuple[list, list]:
+    """``send`` [W, X] int64 (row w goes to rank w) -> (send, received) as host lists [W][X]: one
+    ``all_to_all_single`` and one host sync (the read of both; it waits for the work queued before)."""
+    recv = torch.empty_like(send)  # [W, X]: row w is what rank w sent here
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    # A peer that never arrives raises here after the timeout (gloo: the process group's timeout;
+    # NCCL: ``timeout`` if given, else the watchdog aborts after the process group's timeout).
+    work.wait() if timeout is None else work.wait(timeout)
+    with torch.profiler.record_function("moekit::host_sync"):  # counted by the EP benchmark's --profile
+        both = torch.stack([send, recv]).tolist()  # [2, W, X]; host sync
+    return both[0], both[1]
 
 
 class PeerRankError(RuntimeError):
@@ -44,7 +70,8 @@ class CollectiveErrors:
     ``with errors.on(device):`` opens one call (a call nested in another, like ``forward`` ->
     ``forward_routed``, joins the outer one's agreement). Every rank that gets through its local work
     calls ``agree(signature)``; an ``Exception`` raised inside the call before that point takes this
-    rank into the same agreement as a failure, then propagates. After ``agree`` the context does
+    rank into the same agreement as a failure (sending zero counts when the call carries counts: its
+    ``counts_chunks``, the same on every rank), then propagates. After ``agree`` the context does
     nothing more (an error in the collectives themselves is the same on every rank, or a peer is gone
     and the timeout applies). While the current CUDA stream is being captured into a graph
     (``capturing``) both are no-ops and errors stay local: a capture may not sync with the host.
@@ -53,21 +80,29 @@ class CollectiveErrors:
     def __init__(self, group, *, timeout: timedelta | None = None) -> None:
         self.group, self.timeout = group, timeout
         self.device, self.depth, self.agreed, self.capturing = None, 0, False, False
+        self.counts_chunks = 0
 
-    def on(self, device) -> "CollectiveErrors":
-        """Self, ready to enter for one call whose flag lives on ``device`` (the weights' device)."""
+    def on(self, device, counts_chunks: int = 0) -> "CollectiveErrors":
+        """Self, ready to enter for one call whose flag lives on ``device`` (the weights' device) and
+        whose agreement carries ``counts_chunks`` chunks of row counts (0: none)."""
         if self.depth == 0:
-            self.device, self.agreed = device, False
+            self.device, self.agreed, self.counts_chunks = device, False, counts_chunks
             self.capturing = _stream_capturing()
         return self
 
-    def agree(self, signature: str = "", what: str = "") -> None:
+    def agree(self, signature: str = "", what: str = "", counts: torch.Tensor | None = None) -> list[SplitSizes] | None:
         """Collective: return when every rank succeeded with the same ``signature``; raise otherwise.
-        ``what`` names the signature in the disagreement error."""
-        if not self.agreed:
+        ``what`` names the signature in the disagreement error. ``counts`` [C, W] int64 (C =
+        ``counts_chunks``): rows this rank sends each rank per chunk, exchanged in the same collective
+        (also under capture, where it fails as any host sync does); returns each chunk's split sizes
+        (None without counts, and for a second ``agree`` in the same call, which does nothing)."""
+        if self.agreed or (counts is None and self.capturing):
             self.agreed = True
-            if not self.capturing:
-                _agree(self, None, signature, what)
+            return None
+        self.agreed = True
+        if counts is not None and tuple(counts.shape) != (self.counts_chunks, dist.get_world_size(self.group)):
+            raise ValueError(f"counts must have shape [counts_chunks={self.counts_chunks}, W], got {tuple(counts.shape)}")
+        return _agree(self, None, signature, what, counts)
 
     def __enter__(self) -> "CollectiveErrors":
         self.depth += 1
@@ -78,7 +113,7 @@ class CollectiveErrors:
         if self.depth == 0 and isinstance(exc, Exception) and not self.agreed:
             self.agreed = True
             if not self.capturing:
-                _agree(self, exc, "", "")
+                _agree(self, exc, "", "", None)
         return False  # this rank's own error propagates unchanged
 
 
@@ -87,17 +122,24 @@ def _stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _agree(ctx: CollectiveErrors, error: Exception | None, signature: str, what: str) -> None:
-    code = zlib.crc32(signature.encode()) & 0x7FFFFFFF
-    # Filled on the device (three fills): torch.tensor([...], device=cuda) would copy from pageable host
-    # memory, which waits for the work queued on the stream (measured: 4 host syncs per EP forward, not 2).
-    flags = torch.empty(3, dtype=torch.int32, device=ctx.device)
-    flags[0], flags[1], flags[2] = int(error is not None), code, -code
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=ctx.group, async_op=True)
-    work.wait() if ctx.timeout is None else work.wait(ctx.timeout)
-    any_failed, top, neg_bottom = flags.tolist()  # host sync
-    if not any_failed and top == -neg_bottom:
-        return
+def _agree(ctx: CollectiveErrors, error: Exception | None, signature: str, what: str,
+           counts: torch.Tensor | None) -> list[SplitSizes] | None:
+    """The agreement's collective (every rank sends [a, -a, its counts for that rank]) and its checks."""
+    world_size, chunks = dist.get_world_size(ctx.group), ctx.counts_chunks
+    mark = _FAILED if error is not None else zlib.crc32(signature.encode()) & 0x7FFFFFFF
+    # Filled on the device: torch.tensor([...], device=cuda) would copy from pageable host memory,
+    # which waits for the work queued on the stream (measured: 4 host syncs per EP forward, not 2).
+    send = torch.full((world_size, 2 + chunks), mark, dtype=torch.int64, device=ctx.device)  # [W, 2 + C]
+    send[:, 1] = -mark
+    if chunks:  # a failed rank sends no rows
+        send[:, 2:] = 0 if counts is None else counts.t()
+    sent, received = exchange_columns(send, ctx.group, ctx.timeout)  # [W][2 + C] each
+    top, bottom = max(r[0] for r in received), -max(r[1] for r in received)
+    if top != _FAILED and top == bottom:
+        if counts is None:
+            return None
+        return [SplitSizes(send=[row[2 + c] for row in sent], recv=[row[2 + c] for row in received])
+                for c in range(chunks)]
     mine = None if error is None else f"{type(error).__name__}: {str(error)[:_MAX_MESSAGE]}"
     gathered: list = [None] * dist.get_world_size(ctx.group)
     dist.all_gather_object(gathered, (mine, signature), group=ctx.group)

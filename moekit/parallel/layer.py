@@ -37,7 +37,7 @@ from moekit.parallel.dispatch import (
 )
 from moekit.parallel.eplb import RebalanceReport, eplb_placement, load_lower_bound
 from moekit.parallel.errors import CollectiveErrors, check_same_on_all_ranks
-from moekit.parallel.overlap import overlapped_experts
+from moekit.parallel.overlap import dispatch_starters, run_chunks
 from moekit.parallel.placement import (
     Placement,
     balancedness,
@@ -59,12 +59,13 @@ class EPMoE(MoE):
     Errors are collective: a rank that fails before the dispatch (x of another dtype, device or hidden
     size than the weights, NaN logits on the CPU, more than C tokens, bad ``rebalance`` loads, ...)
     raises its own error and every other rank raises ``PeerRankError`` naming it, at once, with the
-    group still in step. Cost: each forward checks and routes locally, then does one ``all_reduce`` of
-    three int32s (error flag; the payload row's dtype, K and k, which must match) and reads it on the
+    group still in step. Cost: each forward checks, routes and (exact dispatch) plans and packs its sends
+    locally, then does one small ``all_to_all_single`` (error flag and a signature of the payload row's
+    dtype, K and k, which must match; the exact dispatch's row counts ride along) and reads it on the
     host; messages are exchanged only after an error (``moekit.parallel.errors``).
 
-    Host synchronisation per forward: that flag, the counts after their all-to-all (``all_to_all_single``
-    takes split sizes as Python ints) and the stats when ``return_stats=True``. With ``max_tokens_per_rank``
+    Host synchronisation per forward: that one read (the agreement and, exact, the split sizes that
+    ``all_to_all_single`` takes as Python ints) and the stats when ``return_stats=True``. With ``max_tokens_per_rank``
     set (every rank the same C; each forward passes at most C tokens) the dispatch is padded instead:
     C rows go to every rank whatever the routing and no counts are exchanged, so captured in a CUDA
     graph the forward makes no host sync; it pays W*C rows on the wire against the exact T (about the
@@ -147,6 +148,11 @@ class EPMoE(MoE):
     def replica_tables(self) -> ReplicaTables:
         """The device tables the dispatch turns logical experts into (rank, local slot) with."""
         return self._tables
+
+    @property
+    def _counts_chunks(self) -> int:
+        """Chunks of row counts the forward's error agreement carries: the exact dispatch's (0 when padded)."""
+        return self.overlap if self.max_tokens_per_rank is None else 0
 
     @property
     def num_shared_slots(self) -> int:
@@ -233,15 +239,13 @@ class EPMoE(MoE):
         if self.max_tokens_per_rank is not None:
             chosen = choose_replicas(topk_ids, self._tables, self.rank)
             return dispatch_padded(x2d, topk_weights, chosen, self.max_tokens_per_rank, self.group)
-        plan = plan_sends(topk_ids, self._tables, self.rank, self.world_size)
-        return dispatch(x2d, topk_weights, plan, self.group, self.timeout)
+        return dispatch(x2d, topk_weights, plan_sends(topk_ids, self._tables, self.rank, self.world_size), self.group,
+                        self.timeout)
 
     def run_local_experts(self, sent: Dispatched) -> torch.Tensor:
         """The received rows through this rank's experts: [U, K], each row its slots' weighted sum."""
-        return call_backend(
-            self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
-            activation=self.config.activation,
-        )
+        return call_backend(self._experts_fn, sent.x, self.w13, self.w2, sent.local_ids, sent.weights,
+                            activation=self.config.activation)
 
     def combine(self, y: torch.Tensor, sent: Dispatched) -> torch.Tensor:
         return combine(y, sent, self.group)
@@ -250,7 +254,7 @@ class EPMoE(MoE):
         """Experts only, for a routing computed elsewhere: x2d [M, K], topk_ids [M, k] (logical ids; -1 or
         >= E + S means skip), topk_weights [M, k] -> [M, K]. Collective; a per-rank error raises on
         every rank (the agreement is here, after every local check and before the dispatch)."""
-        with self._errors.on(self.w13.device) as errors:
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:
             self._check_x(x2d)
             if x2d.dim() != 2 or x2d.shape[1] != self.config.hidden_size:
                 raise ValueError(f"x2d must have shape [M, hidden_size={self.config.hidden_size}], got {tuple(x2d.shape)}")
@@ -266,18 +270,15 @@ class EPMoE(MoE):
             # The payload row (K values of x's dtype, k ids, k weights) must be the same on every rank.
             row = (f"x {_dtype_name(x2d.dtype)}, hidden {x2d.shape[1]}, {topk_ids.shape[1]} slots per token, "
                    f"weights {_dtype_name(weights_dtype(topk_weights))}")
-            errors.agree(row, what="the dispatch payload row")
-            if self.overlap > 1:
-                return overlapped_experts(self, x2d, topk_ids, topk_weights)
-            sent = self.dispatch(x2d, topk_ids, topk_weights)
-            return self.combine(self.run_local_experts(sent), sent)
+            agree = lambda counts=None: errors.agree(row, what="the dispatch payload row", counts=counts)  # noqa: E731
+            return run_chunks(self, dispatch_starters(self, x2d, topk_ids, topk_weights, agree))
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.forward_routed(x2d, routing.topk_ids, routing.topk_weights)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] (this rank's tokens) -> [..., K]; collective, see the class docstring."""
-        with self._errors.on(self.w13.device) as errors:  # checks and routing may raise: agreed in forward_routed
+        with self._errors.on(self.w13.device, self._counts_chunks) as errors:  # checks and routing may raise: agreed in forward_routed
             self.graph_captured |= errors.capturing
             self._check_x(x)
             return super().forward(x, return_stats)
@@ -371,7 +372,7 @@ class EPMoE(MoE):
             with torch.no_grad():
                 self.w13.copy_(w13.weight)
                 self.w2.copy_(w2.weight)
-            for name in ("num_replicas", "rank_of", "local_of"):
+            for name in ("num_replicas", "rank_of", "local_of", "lookup"):
                 getattr(self._tables, name).copy_(getattr(tables, name))
             # A graph captured before keeps the replica choice it captured (or its absence): either way
             # every slot goes to a rank holding its expert (replica 0 always exists), only the spread differs.
