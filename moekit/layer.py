@@ -42,23 +42,9 @@ from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import gate_available, gate_logits
+from moekit.routing.routed import RoutedTokens
 from moekit.routing.workspace import RouteWorkspace
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
-
-
-@dataclass
-class RoutedTokens:
-    """What ``MoE.route_tokens`` decided for a batch of M tokens."""
-
-    routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
-    dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
-    router_logits: torch.Tensor | None = None  # [M, E] the gate's output (router dtype), what the losses read
-    selected_ids: torch.Tensor | None = None  # [M, k] int32; the router's choice before capacity drops and shared slots
-
-    @property
-    def dropped(self) -> torch.Tensor:
-        """[] int64: assignments the capacity factor dropped; dropless: a fresh zero made on access, not per forward."""
-        return self.dropped_count if self.dropped_count is not None else torch.zeros((), dtype=torch.int64, device=self.routing.topk_ids.device)
 
 
 @dataclass
@@ -124,9 +110,10 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         eager_graph_rows: int | None = None,
     ) -> None:
-        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel rank
-        (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without autograd of at most
-        this many tokens replay a CUDA graph per kind of call (``moekit.eager_graphs``; off by default: each costs memory)."""
+        """``num_local_experts``: routed expert rows this module holds, default all E; an expert-parallel
+        rank (``moekit.parallel.EPMoE``) holds only its own. ``eager_graph_rows``: eager CUDA calls without
+        autograd of at most this many tokens replay a CUDA graph captured per kind of call
+        (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
         super().__init__()
         _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
         if eager_graph_rows is not None:
@@ -170,7 +157,8 @@ class MoE(nn.Module):
 
     @backend.setter
     def backend(self, name: str) -> None:
-        # Resolved here and on every device move (``_apply``), never in forward: torch.compile cannot trace imports
+        # Resolved here and on every device move (``_apply``), never inside forward: a first resolution
+        # imports modules, which torch.compile(fullgraph=True) cannot trace.
         self._backend = name
         self._experts_fn: ExpertsFn = bind_options(backend_fn(name, self.w13.device), self.backend_options)
 
@@ -198,8 +186,9 @@ class MoE(nn.Module):
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
-        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block", "int8_w8a16", "int4_w4a16",
-        "mxfp4"; options as ``moekit.quant.quantize``): non-trainable QuantizedWeights; router and shared expert unchanged."""
+        """Quantize the routed experts' w13/w2 in place with a ``moekit.quant`` scheme ("fp8_block",
+        "int8_w8a16", "int4_w4a16", "mxfp4"; options as ``moekit.quant.quantize``); they become
+        non-trainable QuantizedWeights. The router and the shared expert stay in the model dtype."""
         quantize_experts_(self, scheme, **options)
         if self.eager_graphs is not None:
             self.eager_graphs.clear()  # they keep the unquantized weights alive
@@ -221,7 +210,8 @@ class MoE(nn.Module):
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. ``workspace``
         (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers."""
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # else appended below
+        # The fused kernel appends the shared slots itself unless capacity must drop in between.
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
         c = self.config
         ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x2d.dtype)
         logits = self._router_logits(x2d, None if ws is None else ws.logits)  # [M, E]
@@ -291,7 +281,8 @@ class MoE(nn.Module):
         return out
 
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
-        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None: autograd, capacity, a subclass's run_routed."""
+        """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it must run eagerly:
+        autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
         if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
                 or (torch.is_grad_enabled() and (x2d.requires_grad or self.gate.weight.requires_grad
                                                  or getattr(self.w13, "requires_grad", False)))):
@@ -310,7 +301,8 @@ class MoE(nn.Module):
             yield from (w.tensors().values() if hasattr(w, "tensors") else (w,))
 
     def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
-        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); sequence-wise: over x's dim -2 (2-D: one sequence)."""
+        """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
+        x [..., T, K]'s second-to-last dim as the sequence (a 2-D x is one sequence of M tokens)."""
         c, logits, ids = self.config, routed.router_logits, routed.selected_ids
         if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
             return None
@@ -320,7 +312,8 @@ class MoE(nn.Module):
         if c.aux_loss_coef:
             total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
         if c.seq_aux_loss_coef:
-            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len, scoring=c.scoring)
+            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
+                                                                        scoring=c.scoring)
         if c.z_loss_coef:
             total = total + c.z_loss_coef * z_loss(logits)
         return total
