@@ -9,7 +9,15 @@ measured 13-36 µs of host time for Qwen3's and DeepSeek-V3's gates, against ~6 
 strides, alignment) in a ``BoundLaunch``; the weight and bias are passed on every call, so replacing
 them or updating them in place needs no invalidation. Torch twin: ``F.linear``, which the layer uses
 wherever this does not apply (``gate_logits`` returns None): autograd, torch.compile, mixed dtypes, a
-last dim that is not contiguous, fp32 at >= DOT_MIN_TOKENS rows (tl.dot would round to tf32).
+last dim that is not contiguous, and more than MAX_TOKENS rows.
+
+Only for decode-sized batches: each program loads a W tile once per K step and multiplies each row
+into it, which reads W at the copy rate but sums every row across the tile's threads. H200, bf16
+(``benchmarks/gate_device_check.py``), GPU µs against cuBLAS at M = 1 / 2 / 4 / 8: Qwen3 1.9 / 2.3 /
+3.4 / 5.4 against 5.0-5.2; Mixtral 2.4 / 3.1 / 5.0 / 9.0 against 5.8; DeepSeek-V3 3.7 / 4.9 / 9.0 /
+16.7 against 6.3-6.5. A tensor-core tile (rows masked up to 16) measured 5.4-15.6 µs at every M, never
+faster than cuBLAS. So up to MAX_TOKENS rows the kernel is as fast as cuBLAS or within 2.7 µs of it
+on the GPU and 15-45 µs cheaper on the host (decode steps are host-bound); above, ``F.linear``.
 
 Shapes: M tokens, K hidden, E experts.
 """
@@ -23,9 +31,8 @@ import torch
 
 from moekit.triton_bind import BoundLaunch, interpreting
 
-DOT_MIN_TOKENS = 16  # from here the tile product runs on tensor cores (tl.dot needs 16 rows)
+MAX_TOKENS = 4  # rows up to which the kernel runs (module docstring: measured against cuBLAS)
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
-_DOT_DTYPES = (torch.bfloat16, torch.float16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -36,22 +43,18 @@ class _Tiles:
     block_m: int
     block_e: int
     block_k: int
-    dot: bool  # tl.dot (tensor cores), else a broadcast multiply-and-sum in fp32
-    num_warps: int
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tiles(num_tokens: int, num_experts: int, hidden: int, dot: bool) -> _Tiles:
-    if dot:  # 16 experts a program for parallelism: DeepSeek-V3 at M = 64 runs 4 x 16 programs of 56 K steps
-        return _Tiles(16 if num_tokens <= 64 else 64, 16, 128, True, 4)
+def _tiles(num_tokens: int, num_experts: int, hidden: int) -> _Tiles:
     # A decode step reads W once: tiles of 2 experts x 2048 columns (16 values a thread at 4 warps) give
     # DeepSeek-V3's 3.7 MB gate 128 programs of 4 steps, Qwen3's 64 programs of one step.
     block_k = min(2048, _next_pow2(hidden))
     block_e = min(_next_pow2(num_experts), max(2, 4096 // block_k))
-    return _Tiles(_next_pow2(num_tokens), block_e, block_k, False, 4)
+    return _Tiles(_next_pow2(num_tokens), block_e, block_k)
 
 
 def kernels():
@@ -67,13 +70,12 @@ class _BoundGate:
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         num_tokens, num_experts = x.shape[0], weight.shape[0]
         self.shape = (num_tokens, num_experts)  # [M, E]
-        t = _tiles(num_tokens, num_experts, weight.shape[1], num_tokens >= DOT_MIN_TOKENS)
+        t = _tiles(num_tokens, num_experts, weight.shape[1])
         grid = (-(-num_tokens // t.block_m), -(-num_experts // t.block_e))
         scalars = (num_tokens, weight.shape[1], x.stride(0), weight.stride(0), num_experts)  # out: [M, E] contiguous
         self.launch = None if num_tokens == 0 else BoundLaunch(
             kernels().gate_kernel, grid, 4, scalars, True, NUM_EXPERTS=num_experts, BLOCK_M=t.block_m,
-            BLOCK_E=t.block_e, BLOCK_K=t.block_k, DOT=t.dot, HAS_BIAS=bias is not None, UPCAST=interpreting(),
-            num_warps=t.num_warps)
+            BLOCK_E=t.block_e, BLOCK_K=t.block_k, HAS_BIAS=bias is not None, num_warps=4)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out=None) -> torch.Tensor:
         out = x.new_empty(self.shape) if out is None else out  # [M, E] in x's dtype, on its device
@@ -120,7 +122,7 @@ def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     dtype = x.dtype
     if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
             or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
-            or (dtype not in _DOT_DTYPES and x.shape[0] >= DOT_MIN_TOKENS)):
+            or x.shape[0] > MAX_TOKENS):
         return False
     return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
                             and bias.device == x.device)

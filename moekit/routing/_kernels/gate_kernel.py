@@ -6,12 +6,10 @@ stored in the output's dtype.
 Torch twin: ``torch.nn.functional.linear(x, W, b)`` (what ``MoE`` runs without it).
 
 Shapes: M tokens, K hidden, E experts; a program computes a [BLOCK_M, BLOCK_E] tile of the logits,
-stepping through K by BLOCK_K. ``DOT``: the tile product on tensor cores (``tl.dot``, 16-bit inputs,
-BLOCK_M, BLOCK_E, BLOCK_K >= 16); otherwise, for the few rows of a decode step (a matrix-vector product
-bound by reading W), a W tile of a few experts and up to 2048 columns is loaded once per step and each
-row of x multiplied into it in fp32: few steps per program, many programs. ``UPCAST``: the
-``tl.dot`` operands in fp32 first, for the CPU interpreter only (its bf16 ``tl.dot`` returns garbage,
-Triton 3.9, as ``moekit.experts._kernels.gemm`` notes).
+stepping through K by BLOCK_K. For the few rows of a decode step (a matrix-vector product bound by
+reading W), a W tile of a few experts and up to 2048 columns is loaded once per step and each row of x
+multiplied into it in fp32: few steps per program, many programs. (A tensor-core tile measured slower
+than cuBLAS at every M on the H200; ``moekit.routing.gate`` says where each runs.)
 """
 
 import triton
@@ -23,38 +21,23 @@ def gate_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,  # [M, K], [E, K], [E], [M, E]; the last dim of each contiguous
     num_tokens, hidden, stride_xm, stride_we, stride_om,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE] experts
     row_ok, col_ok = rows < num_tokens, cols < NUM_EXPERTS
-    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
     w_row = w_ptr + cols.to(tl.int64)[:, None] * stride_we  # [BE, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     for start in range(0, hidden, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
         k_ok = ks < hidden
         wt = tl.load(w_row + ks, mask=col_ok[:, None] & k_ok, other=0.0)  # [BE, BK]
-        if DOT:
-            xt = tl.load(x_row + ks, mask=row_ok[:, None] & k_ok, other=0.0)  # [BM, BK]
-            acc = _dot(xt, tl.trans(wt), acc, UPCAST)
-        else:  # one row at a time: a [BM, BK] tile of x would not fit in registers at BK = 2048
-            for r in tl.static_range(BLOCK_M):
-                row = tl.minimum(tl.program_id(0) * BLOCK_M + r, num_tokens - 1)  # rows past M: not stored
-                xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0)  # [1, BK]
-                part = tl.sum(wt.to(tl.float32) * xr.to(tl.float32), axis=1)  # [BE]
-                acc = tl.where(tl.arange(0, BLOCK_M)[:, None] == r, acc + part[None, :], acc)
+        for r in tl.static_range(BLOCK_M):  # one row at a time: a [BM, BK] tile of x would not fit at BK = 2048
+            row = tl.minimum(tl.program_id(0) * BLOCK_M + r, num_tokens - 1)  # rows past M: not stored
+            xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0)  # [1, BK]
+            part = tl.sum(wt.to(tl.float32) * xr.to(tl.float32), axis=1)  # [BE]
+            acc = tl.where(tl.arange(0, BLOCK_M)[:, None] == r, acc + part[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b on tensor cores; UPCAST: in fp32 (ieee) first, for the interpreter (see above)."""
-    if UPCAST:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
