@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from moekit.triton_bind import interpreting
+from moekit.triton_bind import interpreting, next_pow2  # noqa: F401  (next_pow2: re-exported for the plans)
 
 ALIGN_CHUNK = 128  # assignments per alignment chunk program; the in-chunk rank is a [C, C] compare (16k lanes)
 ALIGN_ONE_LAUNCH_LIMIT = 8192  # ids one program of the one-launch alignment holds in registers, at most
@@ -152,10 +152,6 @@ def kernels(name: str):
     """The kernel module ``moekit.experts._kernels.<name>``, imported on first use: Triton decides at
     decoration time whether a kernel is compiled or interpreted."""
     return importlib.import_module(f"moekit.experts._kernels.{name}")
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def cdiv(a: int, b: int) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.routing import gate
-from moekit.triton_bind import BoundLaunch, interpreting
+from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 from moekit.routing.route import Routing, assert_logits_finite, check_bias, route
 from moekit.routing.shared import append_shared_slots
 
@@ -70,10 +70,6 @@ def supports(config: MoEConfig) -> bool:
             and config.n_group <= MAX_GROUPS)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclass(frozen=True, eq=False)
 class _Plan:
     """What a launch needs that depends only on the config (and whether shared slots are appended)."""
@@ -94,10 +90,10 @@ def _plan(num_experts: int, top_k: int, n_group: int, topk_group: int, sigmoid: 
     grouped = n_group > 1 and topk_group < n_group
     groups = n_group if grouped else 1
     per_group = num_experts // groups
-    g_pad, p_pad = _next_pow2(groups), _next_pow2(per_group)
+    g_pad, p_pad = next_pow2(groups), next_pow2(per_group)
     constexprs = dict(
         NUM_EXPERTS=num_experts, PER_GROUP=per_group, G_PAD=g_pad, P_PAD=p_pad, TOP_K=top_k,
-        TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=_next_pow2(top_k + num_shared),
+        TOPK_GROUP=topk_group, NUM_SHARED=num_shared, SLOTS_PAD=next_pow2(top_k + num_shared),
         GROUPED=grouped, SIGMOID=sigmoid, RENORMALIZE=renormalize, CHECK_FINITE=check_finite, ASSERT_FINITE=False,
     )
     return _Plan(constexprs=constexprs, top2=grouped and per_group >= 2, num_slots=top_k + num_shared, cols=g_pad * p_pad,

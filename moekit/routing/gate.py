@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.triton_bind import BoundLaunch, interpreting
+from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
 MAX_TOKENS = 4  # rows up to which the kernel runs (module docstring: measured against cuBLAS)
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
@@ -45,16 +45,12 @@ class _Tiles:
     block_k: int
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _tiles(num_tokens: int, num_experts: int, hidden: int) -> _Tiles:
     # A decode step reads W once: tiles of 2 experts x 2048 columns (16 values a thread at 4 warps) give
     # DeepSeek-V3's 3.7 MB gate 128 programs of 4 steps, Qwen3's 64 programs of one step.
-    block_k = min(2048, _next_pow2(hidden))
-    block_e = min(_next_pow2(num_experts), max(2, 4096 // block_k))
-    return _Tiles(_next_pow2(num_tokens), block_e, block_k)
+    block_k = min(2048, next_pow2(hidden))
+    block_e = min(next_pow2(num_experts), max(2, 4096 // block_k))
+    return _Tiles(next_pow2(num_tokens), block_e, block_k)
 
 
 def kernels():
