@@ -140,6 +140,9 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Ten
     # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
     # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
     # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
+    if plan.down_sum is not None:  # naive plans: out = sum over slots of routed weight * (h w2^T + b2), y unused
+        plan.down_sum(h, w2_arg, b2, weights, ids, expert_map if expert_map is not None else ids, out)
+        return out
     plan.down(h, w2_arg, b2, y, weights, ids, *rows)  # y = routed weight * (h w2^T + b2) per assignment
     plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
     return out

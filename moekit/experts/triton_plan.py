@@ -33,6 +33,8 @@ from moekit.experts.triton_launch import (
 from moekit.triton_bind import BoundLaunch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Naive plans: the down_sum kernel's step is a tl.dot (True) or a CUDA-core product (False); see _kernels/down_sum.py.
+DOWN_SUM_DOT = True
 MAX_PLANS = 4096  # kinds of call kept (a few hundred bytes each); the oldest goes first
 
 
@@ -51,6 +53,9 @@ class Plan:
     gate_up: BoundLaunch
     down: BoundLaunch  # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+    # naive plans: the down GEMM and the k-sum in one launch (replacing ``down`` and ``sum_slots``), else None;
+    # pointers: h, w2 (or its descriptor), b2 (or None), weights, ids, expert_map (ids without one), out
+    down_sum: BoundLaunch | None = None
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -135,6 +140,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        down_sum=down_sum_launch(x, w2, b2, top_k, down, descriptors, expert_map, options) if align is None else None,
     )
 
 
@@ -179,6 +185,23 @@ def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, exper
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
         BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
+        cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
+    )
+
+
+def down_sum_launch(x, w2, b2, top_k: int, tile, descriptors: bool, expert_map, options: LaunchOptions,
+                    dot: bool = DOWN_SUM_DOT) -> BoundLaunch:
+    """The down GEMM with the k-sum folded in (``_kernels/down_sum.py``): one program per (token, ``tile``'s
+    BLOCK_N output columns), h [A, N] contiguous, out [M, K] contiguous; ``tile`` is the config's down tile
+    (with TMA weights, the block of the plan's w2 descriptor)."""
+    num_experts, hidden, n = w2.shape
+    return BoundLaunch(
+        kernels("down_sum").down_sum_kernel, (x.shape[0], cdiv(hidden, tile.BLOCK_N)), 7,
+        (hidden, n, top_k, num_experts, expert_map.numel() if expert_map is not None else 0, n, *w2.stride(),
+         *(b2.stride() if b2 is not None else (0, 0)), hidden),
+        BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, DOT=dot, HAS_MAP=expert_map is not None, UPCAST=interpreting(),
+        W_DESC=descriptors, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
         cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
     )
 
