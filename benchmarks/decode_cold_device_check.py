@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -30,7 +32,7 @@ import torch
 
 T0 = time.time()
 LIMIT_S = 110.0
-PART_A_S = 65.0  # part A stops starting new variants after this
+PART_A_S = 100.0  # part A starts no new variant after this (set per pass)
 RESULTS: dict = {"cells": [], "kernels": {}, "errors": []}
 DEV = torch.device("cuda")
 SHAPES = {  # E, N, K, k, weight sets
@@ -40,9 +42,11 @@ SHAPES = {  # E, N, K, k, weight sets
 }
 MS = (1, 2, 4, 8)
 ROT = 8
-UP_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (128, 128, 4, 4)]  # BN, BK, warps, stages
-DS_TILES = [(True, 16, 128, 4, 4), (True, 16, 256, 4, 3), (True, 32, 128, 4, 4), (True, 64, 128, 4, 4),
-            (False, 16, 256, 4, 3)]  # DOT, BN, BK, warps, stages
+# M = 1 tiles (BN, BK, warps, stages): a cold L2 wants more bytes in flight per SM (deeper or wider tiles)
+UP_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 128, 4, 6)]
+# down_sum tiles (DOT, BN, BK, warps, stages); the first two also run at M = 2..8
+DS_TILES = [(True, 16, 256, 4, 6), (True, 32, 256, 4, 5), (True, 16, 128, 4, 4), (True, 16, 512, 4, 4),
+            (True, 64, 128, 4, 4), (False, 16, 256, 4, 4)]
 
 
 def elapsed() -> float:
@@ -180,53 +184,58 @@ def record(cell: dict) -> None:
     print(json.dumps(cell), flush=True)
 
 
-def part_a() -> None:
-    from moekit.experts.triton import experts_triton
-
-    for name, ms in [(n, (1,)) for n in SHAPES] + [(n, MS[1:]) for n in SHAPES]:  # M = 1 first everywhere
+def part_a(passes, stop_s: float) -> None:
+    """Cells of (shape, Ms) in ``passes``, each shape's weights made afresh; none starts after ``stop_s``."""
+    global PART_A_S
+    PART_A_S = stop_s
+    for name, ms in passes:
         if elapsed() > PART_A_S:
             break
         b = Bench(name)
-        flush = b.flush_buf.zero_
         for m in ms:
             if elapsed() > PART_A_S:
                 break
-            naive = m * b.top_k * 4 <= b.e
-            x, rots = b.inputs(m)
-            fl = floor_us(b, m, rots)
-            if not naive:  # the aligned path: the whole call, as a model runs it
-                calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
-                record(dict(shape=name, M=m, variant="call(aligned)", floor_us=round(fl, 2), **three_states(calls, flush)))
-                continue
-            tiles = DS_TILES if m == 1 else DS_TILES[:1] + DS_TILES[2:3]
-            plan, ls = launchers(b, m)
-            record(dict(shape=name, M=m, variant="base3", floor_us=round(fl, 2),
-                        **three_states([l[1] for l in ls], flush)))
-            record(dict(shape=name, M=m, variant="gate_up(plan)", **three_states([l[0] for l in ls], flush)))
-            ls[0][1]()  # the base output of rotation 0, the fused variants' reference
-            ref = ls[0][3]
-            for ds in tiles:
-                if elapsed() > PART_A_S:
-                    break
-                try:
-                    _, lf = launchers(b, m, ds=ds)
-                    cell = dict(shape=name, M=m, variant=f"fused{ds}", floor_us=round(fl, 2),
-                                **three_states([l[2] for l in lf], flush))
-                    cell["rel_err_vs_base"] = round(rel(lf[0][4], ref), 5)
-                    record(cell)
-                except Exception as err:  # a tile that does not compile or fit: recorded, not fatal
-                    RESULTS["errors"].append(f"{name} M={m} {ds}: {type(err).__name__}: {str(err)[:160]}")
-            if m == 1:
-                for up in UP_TILES:
-                    if elapsed() > PART_A_S:
-                        break
-                    try:
-                        _, lu = launchers(b, m, up=up)
-                        record(dict(shape=name, M=m, variant=f"gate_up{up}", **three_states([l[0] for l in lu], flush)))
-                    except Exception as err:
-                        RESULTS["errors"].append(f"{name} up {up}: {type(err).__name__}: {str(err)[:160]}")
+            try:
+                measure_m(b, m)
+            except Exception as err:
+                RESULTS["errors"].append(f"{name} M={m}: {type(err).__name__}: {str(err)[:200]}")
         del b
         torch.cuda.empty_cache()
+
+
+def measure_m(b: Bench, m: int) -> None:
+    from moekit.experts.triton import experts_triton
+
+    name, flush = b.name, b.flush_buf.zero_
+    x, rots = b.inputs(m)
+    fl = round(floor_us(b, m, rots), 2)
+    if m * b.top_k * 4 > b.e:  # the aligned path: the whole call, as a model runs it
+        calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
+        record(dict(shape=name, M=m, variant="call(aligned)", floor_us=fl, **three_states(calls, flush)))
+        return
+    plan, ls = launchers(b, m)
+    record(dict(shape=name, M=m, variant="base3", floor_us=fl, **three_states([l[1] for l in ls], flush)))
+    record(dict(shape=name, M=m, variant="gate_up(plan)", **three_states([l[0] for l in ls], flush)))
+    ls[0][1]()  # the base output of rotation 0, the fused variants' reference
+    ref = ls[0][3]
+    for ds in DS_TILES if m == 1 else DS_TILES[:2]:
+        if elapsed() > PART_A_S:
+            return
+        try:
+            _, lf = launchers(b, m, ds=ds)
+            cell = dict(shape=name, M=m, variant=f"fused{ds}", floor_us=fl, **three_states([l[2] for l in lf], flush))
+            cell["rel_err_vs_base"] = round(rel(lf[0][4], ref), 5)
+            record(cell)
+        except Exception as err:  # a tile that does not compile or fit: recorded, not fatal
+            RESULTS["errors"].append(f"{name} M={m} {ds}: {type(err).__name__}: {str(err)[:160]}")
+    for up in UP_TILES if m == 1 else ():
+        if elapsed() > PART_A_S:
+            return
+        try:
+            _, lu = launchers(b, m, up=up)
+            record(dict(shape=name, M=m, variant=f"gate_up{up}", **three_states([l[0] for l in lu], flush)))
+        except Exception as err:
+            RESULTS["errors"].append(f"{name} up {up}: {type(err).__name__}: {str(err)[:160]}")
 
 
 def kernel_times(fn) -> dict:
@@ -246,27 +255,54 @@ def kernel_times(fn) -> dict:
     return acc
 
 
-def part_b() -> None:
+def profile_impl(model, impl: str, prompt, config, steps: int = 8) -> dict:
+    """generate's wall ms for 1 + steps tokens, and GPU µs and launches per kernel name per decode step."""
+    from moekit.bench.hf_measure import decode
+
+    model.set_experts_implementation(impl)
+    timed = decode(model, prompt, steps + 1, compiled=config)
+    short, long = (kernel_times(lambda n=n: decode(model, prompt, n, compiled=config)) for n in (1, steps + 1))
+    per_step = {k: [round((v[0] - short.get(k, [0, 0])[0]) / steps, 2), (v[1] - short.get(k, [0, 0])[1]) / steps]
+                for k, v in long.items()}
+    return dict(generate_ms=round(timed.seconds * 1e3, 2), per_step={k: v for k, v in per_step.items() if v[1] > 0})
+
+
+def part_b_child(flags: str) -> None:
+    """Part B, in its own process: compile while part A measures, profile while part A waits."""
     from moekit.bench.hf_measure import compile_config, decode
     from moekit.bench.hf_models import build_model, hf_config
     import moekit.hf  # noqa: F401
+    from moekit.experts import triton, triton_plan
 
     model = build_model(hf_config("qwen3", 1), torch.bfloat16, DEV)
     prompt = torch.randint(1, 32000, (1, 8), device=DEV)
     config = compile_config(DEV)
-    steps = 8
-    for impl in ("moekit", "grouped_mm"):
-        if elapsed() > LIMIT_S - 35:
-            RESULTS["errors"].append(f"part B {impl}: skipped (time)")
-            break
+    impls = ("moekit", "grouped_mm")
+    for impl in impls:  # compile and record the graphs
         model.set_experts_implementation(impl)
-        decode(model, prompt, steps + 1, compiled=config)
-        timed = decode(model, prompt, steps + 1, compiled=config)
-        short, long = (kernel_times(lambda n=n: decode(model, prompt, n, compiled=config)) for n in (1, steps + 1))
-        per_step = {k: [round((v[0] - short.get(k, [0, 0])[0]) / steps, 2), (v[1] - short.get(k, [0, 0])[1]) / steps]
-                    for k, v in long.items()}
-        per_step = {k: v for k, v in per_step.items() if v[1] > 0}
-        RESULTS["kernels"][impl] = dict(generate_ms=round(timed.seconds * 1e3, 2), per_step=per_step)
+        for _ in range(2):
+            decode(model, prompt, 9, compiled=config)
+    while not os.path.exists(os.path.join(flags, "a_paused")) and elapsed() < LIMIT_S - 20:
+        time.sleep(0.2)
+    for impl in impls + ("moekit(3 launches)",):
+        if os.path.exists(os.path.join(flags, "a_resumed")):
+            RESULTS["errors"].append(f"part B {impl}: skipped (time)")
+            continue
+        try:
+            if impl == "moekit(3 launches)":  # naive plans without down_sum: gate-up, down, k-sum
+                from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+                triton_plan.down_sum_launch = lambda *args, **kwargs: None
+                triton.clear_launch_caches()
+                reset_cudagraph_trees()
+                model.set_experts_implementation("moekit")
+                for _ in range(2):
+                    decode(model, prompt, 9, compiled=config)
+            RESULTS["kernels"][impl] = profile_impl(model, impl.split("(")[0], prompt, config)
+        except Exception as err:
+            RESULTS["errors"].append(f"part B {impl}: {type(err).__name__}: {str(err)[:200]}")
+    with open(os.path.join(flags, "b.json"), "w") as f:
+        json.dump(RESULTS, f)
 
 
 def table() -> str:
@@ -283,7 +319,32 @@ def table() -> str:
     return "\n".join(lines)
 
 
+CHILD: dict = {}
+
+
+def merge_child() -> None:
+    """Part B's results (its process's JSON) into RESULTS; its log's tail when it wrote none."""
+    flags, child = CHILD.get("flags"), CHILD.get("proc")
+    if flags is None:
+        return
+    path = os.path.join(flags, "b.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            got = json.load(f)
+        RESULTS["kernels"].update(got["kernels"])
+        RESULTS["errors"] += got["errors"]
+    else:
+        with open(os.path.join(flags, "b.log")) as f:
+            RESULTS["errors"].append("part B wrote nothing; log tail: " + f.read()[-600:])
+    if child.poll() is None:
+        child.kill()
+
+
 def finish(code: int = 0) -> None:
+    try:
+        merge_child()
+    except Exception as err:
+        RESULTS["errors"].append(f"merge: {type(err).__name__}: {err}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "decode_cold_device_check.json"), "w") as f:
@@ -293,15 +354,24 @@ def finish(code: int = 0) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--part-b"]:
+        global T0
+        T0 = float(sys.argv[3])
+        threading.Timer(LIMIT_S - 3 - elapsed(), lambda: os._exit(3)).start()
+        part_b_child(sys.argv[2])
+        os._exit(0)
     threading.Timer(LIMIT_S, lambda: (RESULTS["errors"].append("hard time limit"), finish(2))).start()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    for part in (part_a, part_b):
-        try:
-            part()
-        except Exception as err:
-            import traceback
-            traceback.print_exc()
-            RESULTS["errors"].append(f"{part.__name__}: {type(err).__name__}: {str(err)[:200]}")
+    flags = tempfile.mkdtemp(prefix="decode_cold_")
+    with open(os.path.join(flags, "b.log"), "w") as log:
+        CHILD.update(flags=flags, proc=subprocess.Popen([sys.executable, __file__, "--part-b", flags, str(T0)],
+                                                        stdout=log, stderr=subprocess.STDOUT))
+    part_a([(n, (1,)) for n in SHAPES], 72.0)  # M = 1 everywhere first
+    open(os.path.join(flags, "a_paused"), "w").close()
+    while CHILD["proc"].poll() is None and elapsed() < 88:  # part B profiles on an idle GPU
+        time.sleep(0.2)
+    open(os.path.join(flags, "a_resumed"), "w").close()
+    part_a([(n, MS[1:]) for n in SHAPES], 100.0)
     finish(0)
 
 
