@@ -141,6 +141,8 @@ def launchers(b: Bench, m: int, up=None, ds=None):
         o3, of = torch.empty_like(x), torch.empty_like(x)
         pair = descriptor_pair(b.w13[s], b.w2[s], plan.descriptor_key) if plan.descriptor_key else None
         w13a, w13u, w2a = (pair.w13, pair.w13_up, pair.w2) if pair else (b.w13[s], None, b.w2[s])
+        if pair:  # the plan's w2 descriptor has down_sum's block (naive plans); the down GEMM needs its own
+            w2a = weight_descriptor(b.w2[s], plan.config.down.BLOCK_N, plan.config.down.BLOCK_K)
         gu = (lambda p=plan, w=w13a, u=w13u, h=h, ids=ids: p.gate_up(x, w, u, None, h, ids, None, None, None))
 
         def base(gu=gu, w2a=w2a, h=h, y=y, weights=weights, ids=ids, o=o3):
@@ -214,10 +216,14 @@ def measure_m(b: Bench, m: int) -> None:
         record(dict(shape=name, M=m, variant="call(aligned)", floor_us=fl, **three_states(calls, flush)))
         return
     plan, ls = launchers(b, m)
+    ls[0][1]()  # the base output of rotation 0, the other variants' reference
+    ref = ls[0][3].clone()
     record(dict(shape=name, M=m, variant="base3", floor_us=fl, **three_states([l[1] for l in ls], flush)))
+    calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
+    record(dict(shape=name, M=m, variant="call(plan)", floor_us=fl, **three_states(calls, flush),
+                rel_err_vs_base=round(rel(calls[0](), ref), 5),
+                w2_block=list(plan.descriptor_key[-2:]) if plan.descriptor_key else None))
     record(dict(shape=name, M=m, variant="gate_up(plan)", **three_states([l[0] for l in ls], flush)))
-    ls[0][1]()  # the base output of rotation 0, the fused variants' reference
-    ref = ls[0][3]
     for ds in DS_TILES if m == 1 else DS_TILES[:2]:
         if elapsed() > PART_A_S:
             return
@@ -293,6 +299,7 @@ def part_b_child(flags: str) -> None:
                 from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
                 triton_plan.down_sum_launch = lambda *args, **kwargs: None
+                triton_plan.down_sum_tile = lambda down, *args: down  # the w2 descriptor's block: the down GEMM's
                 triton.clear_launch_caches()
                 reset_cudagraph_trees()
                 model.set_experts_implementation("moekit")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.activations import ActivationSpec, as_spec
-from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
+from moekit.experts.configs import GemmTile, KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
@@ -133,14 +133,15 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     up, down = config.up, config.down
     gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
                                           align is None, descriptors, variant, options)
+    w2_tile = down_sum_tile(down, x, hidden, n) if align is None else down  # naive: w2 is read by down_sum only
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
-        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
-                        down.BLOCK_K) if descriptors else None,
+        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, w2_tile.BLOCK_N,
+                        w2_tile.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
-        down_sum=down_sum_launch(x, w2, b2, top_k, down, descriptors, expert_map, options) if align is None else None,
+        down_sum=down_sum_launch(x, w2, b2, top_k, w2_tile, descriptors, expert_map, options) if align is None else None,
     )
 
 
@@ -187,6 +188,23 @@ def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, exper
         BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
         cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
     )
+
+
+DOWN_SUM_PROGRAMS = 128  # down_sum: the fewest (token, column tile) programs its BLOCK_N aims for (H200: 132 SMs)
+
+
+def down_sum_tile(down: GemmTile, x: torch.Tensor, hidden: int, n: int) -> GemmTile:
+    """The naive plans' down_sum tile: BLOCK_N the widest of 64, 32, 16 that still gives M * K / BLOCK_N >=
+    DOWN_SUM_PROGRAMS programs (one token's slots fill few SMs otherwise), BLOCK_K 256 (N permitting) and
+    stages deep enough to keep ~48 KB of weights in flight per program (a cold L2 at decode: every byte
+    comes from HBM), fitted to the shared memory; ``down``'s warps."""
+    block_n = next((b for b in (64, 32) if x.shape[0] * hidden // b >= DOWN_SUM_PROGRAMS), 16)
+    block_k = min(256, max(16, next_pow2(n)))
+    per_stage = (block_n + 16) * block_k * x.element_size()  # the w2 tile and the [16, BK] h tile (DOT)
+    stages = max(2, min(6, 48 * 1024 // (block_n * block_k * x.element_size())))
+    if not interpreting():
+        stages = max(1, min(stages, max_shared_memory(x.device) // per_stage - 1))
+    return GemmTile(block_n, block_k, 1, down.num_warps, stages)
 
 
 def down_sum_launch(x, w2, b2, top_k: int, tile, descriptors: bool, expert_map, options: LaunchOptions,
