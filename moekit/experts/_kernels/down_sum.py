@@ -27,13 +27,27 @@ from moekit.experts._kernels._common import let_next_kernel_launch, local_expert
 
 
 @triton.jit
-def _slot(t, j, ids_ptr, map_ptr, weights_ptr, top_k, num_experts, num_global, HAS_MAP: tl.constexpr):
-    """(assignment a int64, local expert (0 when unrouted), routed, routed weight fp32 (0 when unrouted))."""
-    a = t.to(tl.int64) * top_k + j
-    e = local_expert_ids(tl.load(ids_ptr + a).to(tl.int64), map_ptr, num_experts, num_global, HAS_MAP)
+def _slots(t, ids_ptr, map_ptr, weights_ptr, top_k, num_experts, num_global, TOPK_PAD: tl.constexpr,
+           HAS_MAP: tl.constexpr):
+    """Token t's slots, loaded once before the loop: (local expert [TOPK_PAD] int64, num_experts when
+    unrouted or past k; routed weight [TOPK_PAD] fp32, 0 there)."""
+    slots = tl.arange(0, TOPK_PAD)
+    slot_ok = slots < top_k
+    a = t.to(tl.int64) * top_k + slots
+    ids = tl.load(ids_ptr + a, mask=slot_ok, other=-1).to(tl.int64)
+    e = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+    weight = tl.load(weights_ptr + a, mask=slot_ok & (e < num_experts), other=0.0).to(tl.float32)
+    return e, weight
+
+
+@triton.jit
+def _pick(e_all, weight_all, j, num_experts, TOPK_PAD: tl.constexpr):
+    """Slot j's (local expert, 0 when unrouted; routed; routed weight), from registers: no load in the
+    loop, so the weight tiles' addresses are known ahead and the loads pipeline across slots."""
+    sel = tl.arange(0, TOPK_PAD) == j
+    e = tl.sum(tl.where(sel, e_all, 0))
     routed = e < num_experts
-    weight = tl.where(routed, tl.load(weights_ptr + a).to(tl.float32), 0.0)
-    return a, tl.where(routed, e, 0), routed, weight
+    return tl.where(routed, e, 0), routed, tl.sum(tl.where(sel, weight_all, 0.0))
 
 
 @triton.jit
@@ -41,7 +55,7 @@ def down_sum_kernel(
     h_ptr, w2_ptr, b2_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr,  # h [A, N], w2 [E, K, N], b2 [E, K], out [M, K]
     K, N, top_k, num_experts, num_global,
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, HAS_MAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_PAD: tl.constexpr, DOT: tl.constexpr, HAS_MAP: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum over token t's slots of routed weight * (h w2^T + b2); b2_ptr is None without a bias.
@@ -54,6 +68,7 @@ def down_sum_kernel(
     offs_red = tl.arange(0, BLOCK_K)
     lanes = tl.arange(0, 16)  # DOT: row 0 is the token, rows 1.. zeros
     n_steps = tl.cdiv(N, BLOCK_K)
+    e_all, weight_all = _slots(t, ids_ptr, map_ptr, weights_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     if DOT:
         acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     else:
@@ -61,7 +76,8 @@ def down_sum_kernel(
     for i in range(0, top_k * n_steps):
         j = i // n_steps
         n0 = (i - j * n_steps) * BLOCK_K
-        a, e, routed, weight = _slot(t, j, ids_ptr, map_ptr, weights_ptr, top_k, num_experts, num_global, HAS_MAP)
+        a = t.to(tl.int64) * top_k + j
+        e, routed, weight = _pick(e_all, weight_all, j, num_experts, TOPK_PAD)
         red_ok = offs_red < tl.where(routed, N - n0, 0)  # nothing of an unrouted slot is read
         if W_DESC:
             wb = w2_ptr.load([(e * K + pid_n * BLOCK_N).to(tl.int32), n0]).T  # [BK, BN]; columns past N read 0
@@ -82,8 +98,7 @@ def down_sum_kernel(
     let_next_kernel_launch(PDL)
     if b2_ptr is not None:  # each slot's bias, times its routed weight (added before it in the twin)
         for j in range(0, top_k):
-            a, e, routed, weight = _slot(t, j, ids_ptr, map_ptr, weights_ptr, top_k, num_experts, num_global,
-                                         HAS_MAP)
+            e, routed, weight = _pick(e_all, weight_all, j, num_experts, TOPK_PAD)
             b2 = tl.load(b2_ptr + e * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=offs_out < tl.where(routed, K, 0),
                          other=0.0)
             if DOT:
