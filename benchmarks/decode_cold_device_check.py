@@ -323,6 +323,15 @@ def table() -> str:
         for name, (us, cnt) in sorted(k["per_step"].items(), key=lambda kv: -kv[1][0])[:14]:
             lines.append(f"  {us:8.2f} µs  x{cnt:<4g} {name[:90]}")
     lines += [f"error: {e}" for e in RESULTS["errors"]]
+    lines += ["", "summary (cold µs; % of floor): shape M  base3  call(plan)  best fused (variant)"]
+    for key in dict.fromkeys((c["shape"], c["M"]) for c in RESULTS["cells"]):
+        cells = {c["variant"]: c for c in RESULTS["cells"] if (c["shape"], c["M"]) == key}
+        fused = [c for v, c in cells.items() if v.startswith("fused")]
+        best = min(fused, key=lambda c: c["cold"]) if fused else None
+        pct = lambda c: f"{c['cold']} ({100 * c['floor_us'] / c['cold']:.0f}%)" if c else "-"
+        plan = cells.get("call(plan)") or cells.get("call(aligned)")
+        lines.append(f"  {key[0]:9} {key[1]:<2} {pct(cells.get('base3'))}  {pct(plan)}  "
+                     f"{pct(best)} {best['variant'] if best else ''}")
     return "\n".join(lines)
 
 
