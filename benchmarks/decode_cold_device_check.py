@@ -1,38 +1,42 @@
 """Decode-size experts calls from a cold L2, and one compiled transformers decode step by kernel (issues 13, 19).
 
-    PYTHONPATH=$PWD python benchmarks/decode_cold_device_check.py
+    PYTHONPATH=$PWD python benchmarks/decode_cold_device_check.py            # parts A and B (< 2 min)
+    PYTHONPATH=$PWD python benchmarks/decode_cold_device_check.py --part-b   # part B alone (< 90 s)
 
 Part A (per shape: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B; M = 1, 2, 4, 8; bf16; CUDA graphs):
 - L2 states: ``warm`` replays one routing (what ``moekit bench`` does), ``cold`` rotates over 8 (weight
   set, routing) pairs whose experts do not overlap (as a model's layers would: Qwen3 gets 8 weight sets, the
   others touch >= 700 MB per call anyway), ``flush`` writes 256 MB before each call (the flush's own graph
   time subtracted);
-- what runs: ``base`` = the plan's gate-up, down GEMM and k-sum (three launches, the naive shortcut) or the
-  whole call (aligned M); ``fused`` = gate-up then ``down_sum`` (the k-sum folded into the down GEMM) over
-  tiles (DOT: tensor-core step; CUDA-core step otherwise) and, at M = 1, gate-up tiles, each alone, cold.
-- every fused output is checked against the base output (relative error, bf16).
-Part B: torch.profiler over transformers' compiled decode (static cache, torch.compile "reduce-overhead")
-of a 1-layer Qwen3-MoE at Qwen3-30B-A3B widths, for moekit and grouped_mm: GPU time per kernel name per
-decode step (a 9-token generate minus a 1-token generate, / 8).
-A hard limit (110 s) prints what has been measured and exits. Table last; JSON under $OUT if set.
+- what runs: ``base3`` = the plan's gate-up, down GEMM and k-sum launched one by one (the naive shortcut),
+  ``call`` = the whole experts call as a model makes it, ``gate_up`` = the gate-up launch alone, at M = 1
+  also over other tiles.
+Part B: torch.profiler over transformers' compiled decode (static cache, torch.compile "reduce-overhead") of a
+1-layer Qwen3-MoE at Qwen3-30B-A3B widths, for moekit, grouped_mm and no_experts (experts that cost nothing),
+each in a process of its own (they compile at once; one profiles at a time, under a file lock): GPU µs per
+kernel name per decode step (a 9-token generate minus a 1-token generate, / 8), the wall ms per step, and
+every kernel of moekit's / grouped_mm's step that no_experts' step lacks (or has less of).
+Hard time limits inside; the table is printed last; JSON under $OUT if set.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 
 import torch
 
 T0 = time.time()
-LIMIT_S = 110.0
-PART_A_S = 100.0  # part A starts no new variant after this (set per pass)
+LIMIT_S = 110.0  # both parts; part B alone: PART_B_LIMIT_S
+PART_B_LIMIT_S = 85.0
+PART_A_S = 100.0  # part A starts no new cell after this (set per pass)
 RESULTS: dict = {"cells": [], "kernels": {}, "errors": []}
 DEV = torch.device("cuda")
 SHAPES = {  # E, N, K, k, weight sets
@@ -42,11 +46,8 @@ SHAPES = {  # E, N, K, k, weight sets
 }
 MS = (1, 2, 4, 8)
 ROT = 8
-# M = 1 tiles (BN, BK, warps, stages): a cold L2 wants more bytes in flight per SM (deeper or wider tiles)
-UP_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (32, 128, 4, 6)]
-# down_sum tiles (DOT, BN, BK, warps, stages); the first two also run at M = 2..8
-DS_TILES = [(True, 16, 256, 4, 6), (True, 32, 256, 4, 5), (True, 32, 256, 4, 3), (True, 16, 128, 4, 4),
-            (True, 16, 512, 4, 4), (True, 64, 128, 4, 4), (False, 16, 256, 4, 4)]
+UP_TILES = [(64, 256, 4, 3), (128, 128, 4, 4)]  # M = 1 gate-up tiles (BN, BK, warps, stages) next to the plan's
+IMPLS = ("moekit", "grouped_mm", "no_experts")  # part B; no_experts is the ceiling every other is compared with
 
 
 def elapsed() -> float:
@@ -114,53 +115,36 @@ class Bench:
         return x, [(r % len(self.w13),) + self.routing(m, r) for r in range(ROT)]
 
 
-def plan_of(b: Bench, x, ids, weights, up=None, down=None):
+def plan_of(b: Bench, x, ids, weights, up=None):
     from moekit.experts.configs import GemmTile, KernelConfig, get_config, device_key
     from moekit.experts.triton_plan import plan_for
 
     cfg = get_config(x.shape[0], b.e, b.n, b.k, b.top_k, x.dtype, device_key(DEV))
-    if up is not None or down is not None:
-        cfg = KernelConfig(cfg.BLOCK_M, GemmTile(*up[:2], 1, *up[2:]) if up else cfg.up,
-                           GemmTile(*down[:2], 1, *down[2:]) if down else cfg.down)
+    if up is not None:
+        cfg = KernelConfig(cfg.BLOCK_M, GemmTile(*up[:2], 1, *up[2:]), cfg.down)
     return plan_for(x, b.w13[0], b.w2[0], ids, weights, None, "silu", cfg, b.options)
 
 
-def launchers(b: Bench, m: int, up=None, ds=None):
-    """Per rotation: (gate_up_only, base3, fused) closures over fresh buffers, and the outputs."""
-    from moekit.experts.triton_cache import descriptor_pair, weight_descriptor
-    from moekit.experts.triton_plan import down_sum_launch
-    from moekit.experts.configs import GemmTile
+def launchers(b: Bench, m: int, up=None):
+    """Per rotation: (gate_up alone, base3) closures over fresh buffers, and base3's output."""
+    from moekit.experts.triton_cache import descriptor_pair
 
     x, rots = b.inputs(m)
     plan = plan_of(b, x, rots[0][1], rots[0][2], up=up)
     out = []
     for s, ids, weights in rots:
-        a = ids.numel()
-        h = torch.empty(a, b.n, device=DEV, dtype=torch.bfloat16)
-        y = torch.empty(a, b.k, device=DEV, dtype=torch.bfloat16)
-        o3, of = torch.empty_like(x), torch.empty_like(x)
+        h = torch.empty(ids.numel(), b.n, device=DEV, dtype=torch.bfloat16)
+        y = torch.empty(ids.numel(), b.k, device=DEV, dtype=torch.bfloat16)
+        o3 = torch.empty_like(x)
         pair = descriptor_pair(b.w13[s], b.w2[s], plan.descriptor_key) if plan.descriptor_key else None
         w13a, w13u, w2a = (pair.w13, pair.w13_up, pair.w2) if pair else (b.w13[s], None, b.w2[s])
-        if pair:  # the plan's w2 descriptor has down_sum's block (naive plans); the down GEMM needs its own
-            w2a = weight_descriptor(b.w2[s], plan.config.down.BLOCK_N, plan.config.down.BLOCK_K)
-        gu = (lambda p=plan, w=w13a, u=w13u, h=h, ids=ids: p.gate_up(x, w, u, None, h, ids, None, None, None))
+        gu = (lambda w=w13a, u=w13u, h=h, ids=ids: plan.gate_up(x, w, u, None, h, ids, None, None, None))
 
         def base(gu=gu, w2a=w2a, h=h, y=y, weights=weights, ids=ids, o=o3):
             gu()
             plan.down(h, w2a, None, y, weights, ids, None, None, None)
             plan.sum_slots(y, ids, ids, o)
-        fused = None
-        if ds is not None:
-            dot, bn, bk, nw, ns = ds
-            tile = GemmTile(bn, bk, 1, nw, ns)
-            desc = plan.descriptor_key is not None
-            launch = down_sum_launch(x, b.w2[s], None, b.top_k, tile, desc, None, b.options, dot=dot)
-            w2d = weight_descriptor(b.w2[s], bn, bk) if desc else b.w2[s]
-
-            def fused(gu=gu, launch=launch, w2d=w2d, h=h, weights=weights, ids=ids, o=of):
-                gu()
-                launch(h, w2d, None, weights, ids, ids, o)
-        out.append((gu, base, fused, o3, of))
+        out.append((gu, base, o3))
     return plan, out
 
 
@@ -211,29 +195,18 @@ def measure_m(b: Bench, m: int) -> None:
     name, flush = b.name, b.flush_buf.zero_
     x, rots = b.inputs(m)
     fl = round(floor_us(b, m, rots), 2)
-    if m * b.top_k * 4 > b.e:  # the aligned path: the whole call, as a model runs it
-        calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
+    calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
+    if m * b.top_k * 4 > b.e:  # the aligned path: the whole call only
         record(dict(shape=name, M=m, variant="call(aligned)", floor_us=fl, **three_states(calls, flush)))
         return
     plan, ls = launchers(b, m)
-    ls[0][1]()  # the base output of rotation 0, the other variants' reference
-    ref = ls[0][3].clone()
+    ls[0][1]()
+    ref = ls[0][2].clone()
     record(dict(shape=name, M=m, variant="base3", floor_us=fl, **three_states([l[1] for l in ls], flush)))
-    calls = [(lambda s=s, i=i, w=w: experts_triton(x, b.w13[s], b.w2[s], i, w)) for s, i, w in rots]
-    record(dict(shape=name, M=m, variant="call(plan)", floor_us=fl, **three_states(calls, flush),
-                rel_err_vs_base=round(rel(calls[0](), ref), 5),
-                w2_block=list(plan.descriptor_key[-2:]) if plan.descriptor_key else None))
-    record(dict(shape=name, M=m, variant="gate_up(plan)", **three_states([l[0] for l in ls], flush)))
-    for ds in DS_TILES if m == 1 else DS_TILES[:2]:
-        if elapsed() > PART_A_S:
-            return
-        try:
-            _, lf = launchers(b, m, ds=ds)
-            cell = dict(shape=name, M=m, variant=f"fused{ds}", floor_us=fl, **three_states([l[2] for l in lf], flush))
-            cell["rel_err_vs_base"] = round(rel(lf[0][4], ref), 5)
-            record(cell)
-        except Exception as err:  # a tile that does not compile or fit: recorded, not fatal
-            RESULTS["errors"].append(f"{name} M={m} {ds}: {type(err).__name__}: {str(err)[:160]}")
+    record(dict(shape=name, M=m, variant="call", floor_us=fl, **three_states(calls, flush),
+                rel_err_vs_base=round(rel(calls[0](), ref), 5)))
+    record(dict(shape=name, M=m, variant="gate_up(plan)", floor_us=round(fl * 2 / 3, 2),
+                **three_states([l[0] for l in ls], flush)))
     for up in UP_TILES if m == 1 else ():
         if elapsed() > PART_A_S:
             return
@@ -245,7 +218,7 @@ def measure_m(b: Bench, m: int) -> None:
 
 
 def kernel_times(fn) -> dict:
-    """{kernel name: [total µs, count]} of the CUDA kernels ``fn`` ran."""
+    """{kernel name: [total µs, count]} of the CUDA kernels (and copies) ``fn`` ran."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -261,104 +234,109 @@ def kernel_times(fn) -> dict:
     return acc
 
 
-def profile_impl(model, impl: str, prompt, config, steps: int = 8) -> dict:
-    """generate's wall ms for 1 + steps tokens, and GPU µs and launches per kernel name per decode step."""
+def profile_impl(model, prompt, config, steps: int = 8) -> dict:
+    """Wall ms per decode step ((9-token generate - 1-token generate) / 8, medians of 3), and GPU µs and
+    launches per kernel name per decode step."""
     from moekit.bench.hf_measure import decode
 
-    model.set_experts_implementation(impl)
-    timed = decode(model, prompt, steps + 1, compiled=config)
+    wall = {n: statistics.median(decode(model, prompt, n, compiled=config).seconds for _ in range(3))
+            for n in (1, steps + 1)}
     short, long = (kernel_times(lambda n=n: decode(model, prompt, n, compiled=config)) for n in (1, steps + 1))
     per_step = {k: [round((v[0] - short.get(k, [0, 0])[0]) / steps, 2), (v[1] - short.get(k, [0, 0])[1]) / steps]
                 for k, v in long.items()}
-    return dict(generate_ms=round(timed.seconds * 1e3, 2), per_step={k: v for k, v in per_step.items() if v[1] > 0})
+    return dict(step_ms=round((wall[steps + 1] - wall[1]) * 1e3 / steps, 4),
+                per_step={k: v for k, v in per_step.items() if v[1] > 0})
 
 
-def part_b_child(flags: str) -> None:
-    """Part B, in its own process: compile while part A measures, profile while part A waits."""
+def part_b_child(impl: str, flags: str) -> None:
+    """One implementation of part B in this process: compile (at once with the others), then profile
+    holding the GPU lock (no other measurement runs meanwhile)."""
     from moekit.bench.hf_measure import compile_config, decode
-    from moekit.bench.hf_models import build_model, hf_config
-    import moekit.hf  # noqa: F401
-    from moekit.experts import triton, triton_plan
+    from moekit.bench.hf_models import build_model, hf_config, register_no_experts
+    import moekit.hf  # noqa: F401  (registers "moekit")
 
+    register_no_experts()
     model = build_model(hf_config("qwen3", 1), torch.bfloat16, DEV)
+    model.set_experts_implementation(impl)
     prompt = torch.randint(1, 32000, (1, 8), device=DEV)
     config = compile_config(DEV)
-    impls = ("moekit", "grouped_mm")
-    for impl in impls:  # compile and record the graphs
-        model.set_experts_implementation(impl)
-        for _ in range(2):
-            decode(model, prompt, 9, compiled=config)
-    while not os.path.exists(os.path.join(flags, "a_paused")) and elapsed() < LIMIT_S - 20:
-        time.sleep(0.2)
-    for impl in impls + ("moekit(3 launches)",):
-        if os.path.exists(os.path.join(flags, "a_resumed")):
-            RESULTS["errors"].append(f"part B {impl}: skipped (time)")
-            continue
+    for _ in range(2):  # compile, record the graphs
+        decode(model, prompt, 9, compiled=config)
+    out: dict = {"kernels": {}, "errors": []}
+    with open(os.path.join(flags, "gpu.lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if impl == "moekit(3 launches)":  # naive plans without down_sum: gate-up, down, k-sum
-                from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-                triton_plan.down_sum_launch = lambda *args, **kwargs: None
-                triton_plan.down_sum_tile = lambda down, *args: down  # the w2 descriptor's block: the down GEMM's
-                triton.clear_launch_caches()
-                reset_cudagraph_trees()
-                model.set_experts_implementation("moekit")
-                for _ in range(2):
-                    decode(model, prompt, 9, compiled=config)
-            RESULTS["kernels"][impl] = profile_impl(model, impl.split("(")[0], prompt, config)
+            out["kernels"][impl] = profile_impl(model, prompt, config)
         except Exception as err:
-            RESULTS["errors"].append(f"part B {impl}: {type(err).__name__}: {str(err)[:200]}")
-    with open(os.path.join(flags, "b.json"), "w") as f:
-        json.dump(RESULTS, f)
+            out["errors"].append(f"part B {impl}: {type(err).__name__}: {str(err)[:200]}")
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    with open(os.path.join(flags, f"{impl}.json"), "w") as f:
+        json.dump(out, f)
+
+
+CHILDREN: dict = {}
+
+
+def start_part_b(flags: str) -> None:
+    for impl in IMPLS:
+        log = open(os.path.join(flags, f"{impl}.log"), "w")
+        CHILDREN[impl] = subprocess.Popen([sys.executable, __file__, "--child", impl, flags, str(T0)],
+                                          stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_part_b(until_s: float) -> None:
+    while any(c.poll() is None for c in CHILDREN.values()) and elapsed() < until_s:
+        time.sleep(0.2)
+
+
+def merge_children(flags: str) -> None:
+    """Each child's results into RESULTS (its log's tail where it wrote none); children still running are ended."""
+    for impl, child in CHILDREN.items():
+        path = os.path.join(flags, f"{impl}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                got = json.load(f)
+            RESULTS["kernels"].update(got["kernels"])
+            RESULTS["errors"] += got["errors"]
+        else:
+            with open(os.path.join(flags, f"{impl}.log")) as f:
+                RESULTS["errors"].append(f"part B {impl} wrote nothing; log tail: " + f.read()[-400:])
+        if child.poll() is None:
+            child.kill()
+
+
+def extra_kernels(impl: str, base: str = "no_experts") -> list:
+    """(µs, launches, name) per step of each kernel ``impl``'s step has more of than ``base``'s."""
+    have, ref = RESULTS["kernels"][impl]["per_step"], RESULTS["kernels"][base]["per_step"]
+    rows = [(round(us - ref.get(k, [0, 0])[0], 2), round(cnt - ref.get(k, [0, 0])[1], 3), k)
+            for k, (us, cnt) in have.items()]
+    return sorted([r for r in rows if r[0] > 0.3 or r[1] > 0], reverse=True)
 
 
 def table() -> str:
-    lines = ["", "shape     M  variant                          floor   warm    cold    flush  err"]
+    lines = ["", "shape     M  variant                   floor   warm    cold   flush  err"]
     for c in RESULTS["cells"]:
-        lines.append(f"{c['shape']:9} {c['M']:<2} {c['variant']:32} {c.get('floor_us', ''):>6} {c['warm']:>7} "
+        lines.append(f"{c['shape']:9} {c['M']:<2} {c['variant']:24} {c.get('floor_us', ''):>6} {c['warm']:>7} "
                      f"{c['cold']:>7} {c['flush']:>7} {c.get('rel_err_vs_base', '')}")
-    for impl, k in RESULTS["kernels"].items():
+    kernels = RESULTS["kernels"]
+    for impl, k in kernels.items():
         total = sum(v[0] for v in k["per_step"].values())
-        lines.append(f"\n{impl}: generate 9 tokens {k['generate_ms']} ms; GPU kernel µs per decode step (1 layer) {total:.1f}")
-        for name, (us, cnt) in sorted(k["per_step"].items(), key=lambda kv: -kv[1][0])[:14]:
-            lines.append(f"  {us:8.2f} µs  x{cnt:<4g} {name[:90]}")
+        lines.append(f"\n{impl}: {k['step_ms']} ms per decode step (wall); GPU kernel µs per step (1 layer) {total:.1f}")
+        for name, (us, cnt) in sorted(k["per_step"].items(), key=lambda kv: -kv[1][0])[:12]:
+            lines.append(f"  {us:8.2f} µs  x{cnt:<6g} {name[:100]}")
+    for impl in ("moekit", "grouped_mm"):
+        if impl in kernels and "no_experts" in kernels:
+            extra = extra_kernels(impl)
+            lines.append(f"\n{impl} minus no_experts: wall {1e3 * (kernels[impl]['step_ms'] - kernels['no_experts']['step_ms']):.1f}"
+                         f" µs per step, kernels {sum(r[0] for r in extra):.1f} µs:")
+            lines += [f"  {us:8.2f} µs  x{cnt:<6g} {name[:100]}" for us, cnt, name in extra[:16]]
     lines += [f"error: {e}" for e in RESULTS["errors"]]
-    lines += ["", "summary (cold µs; % of floor): shape M  base3  call(plan)  best fused (variant)"]
-    for key in dict.fromkeys((c["shape"], c["M"]) for c in RESULTS["cells"]):
-        cells = {c["variant"]: c for c in RESULTS["cells"] if (c["shape"], c["M"]) == key}
-        fused = [c for v, c in cells.items() if v.startswith("fused")]
-        best = min(fused, key=lambda c: c["cold"]) if fused else None
-        pct = lambda c: f"{c['cold']} ({100 * c['floor_us'] / c['cold']:.0f}%)" if c else "-"
-        plan = cells.get("call(plan)") or cells.get("call(aligned)")
-        lines.append(f"  {key[0]:9} {key[1]:<2} {pct(cells.get('base3'))}  {pct(plan)}  "
-                     f"{pct(best)} {best['variant'] if best else ''}")
     return "\n".join(lines)
 
 
-CHILD: dict = {}
-
-
-def merge_child() -> None:
-    """Part B's results (its process's JSON) into RESULTS; its log's tail when it wrote none."""
-    flags, child = CHILD.get("flags"), CHILD.get("proc")
-    if flags is None:
-        return
-    path = os.path.join(flags, "b.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            got = json.load(f)
-        RESULTS["kernels"].update(got["kernels"])
-        RESULTS["errors"] += got["errors"]
-    else:
-        with open(os.path.join(flags, "b.log")) as f:
-            RESULTS["errors"].append("part B wrote nothing; log tail: " + f.read()[-600:])
-    if child.poll() is None:
-        child.kill()
-
-
-def finish(code: int = 0) -> None:
+def finish(flags: str, code: int = 0) -> None:
     try:
-        merge_child()
+        merge_children(flags)
     except Exception as err:
         RESULTS["errors"].append(f"merge: {type(err).__name__}: {err}")
     out = os.environ.get("OUT")
@@ -370,25 +348,29 @@ def finish(code: int = 0) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--part-b"]:
-        global T0
-        T0 = float(sys.argv[3])
-        threading.Timer(LIMIT_S - 3 - elapsed(), lambda: os._exit(3)).start()
-        part_b_child(sys.argv[2])
+    global T0
+    if sys.argv[1:2] == ["--child"]:
+        T0 = float(sys.argv[4])
+        threading.Timer(max(1.0, LIMIT_S - 3 - elapsed()), lambda: os._exit(3)).start()
+        part_b_child(sys.argv[2], sys.argv[3])
         os._exit(0)
-    threading.Timer(LIMIT_S, lambda: (RESULTS["errors"].append("hard time limit"), finish(2))).start()
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    only_b = sys.argv[1:2] == ["--part-b"]
+    limit = PART_B_LIMIT_S if only_b else LIMIT_S
     flags = tempfile.mkdtemp(prefix="decode_cold_")
-    with open(os.path.join(flags, "b.log"), "w") as log:
-        CHILD.update(flags=flags, proc=subprocess.Popen([sys.executable, __file__, "--part-b", flags, str(T0)],
-                                                        stdout=log, stderr=subprocess.STDOUT))
-    part_a([(n, (1,)) for n in SHAPES], 72.0)  # M = 1 everywhere first
-    open(os.path.join(flags, "a_paused"), "w").close()
-    while CHILD["proc"].poll() is None and elapsed() < 88:  # part B profiles on an idle GPU
-        time.sleep(0.2)
-    open(os.path.join(flags, "a_resumed"), "w").close()
+    threading.Timer(limit, lambda: (RESULTS["errors"].append("hard time limit"), finish(flags, 2))).start()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    lock = open(os.path.join(flags, "gpu.lock"), "a+")
+    if not only_b:  # part B profiles only while part A waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    start_part_b(flags)
+    if only_b:
+        wait_part_b(limit - 2)
+        finish(flags)
+    part_a([(n, (1,)) for n in SHAPES], 65.0)
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    wait_part_b(90.0)
     part_a([(n, MS[1:]) for n in SHAPES], 100.0)
-    finish(0)
+    finish(flags)
 
 
 if __name__ == "__main__":

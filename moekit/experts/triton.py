@@ -1,14 +1,12 @@
 """Fused Triton experts: the default backend on CUDA.
 
     [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight] -> [sum over k]
-    naive shortcut (A*4 <= E, no map): [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight, sum over k]
 
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
 gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
 activation is fused into that GEMM's epilogue); the routed weight is applied in the down GEMM's
 epilogue; the k-sum reads the [A, K] per-slot rows once. At A*4 <= E with no expert map (vLLM's
-tiny-batch shortcut) no alignment runs: block a is assignment a, and the down GEMM sums each token's
-slots itself (two launches in all). Every experts variant runs fused: the
+tiny-batch shortcut) no alignment runs: block a is assignment a. Every experts variant runs fused: the
 ``ActivationSpec`` (gated or not, interleaved gate/up, alpha/limit/up_shift) becomes constexprs of the
 gate-up kernel, resolved once per plan; the biases are pointers (``_kernels/gemm.py``); weights are
 read through their strides (transposed storage: pointer loads, no copy; TMA where contiguous).
@@ -29,7 +27,7 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum (naive: gate-up, down_sum): each a BoundLaunch (``triton_bind``: the C launch under the
+      -> align launches, gate-up, down, k-sum: each a BoundLaunch (``triton_bind``: the C launch under the
          compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
 
 ``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``
@@ -138,12 +136,10 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Ten
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
     plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows)  # h = glu(x w13^T + b13), in assignment order
-    # Naive plans fold the k-sum into the down GEMM (``_kernels/down_sum.py``: one program per token and
-    # output tile over the token's slots), so y is never written; aligned plans keep the k-sum a pass
-    # of its own (their down GEMM's programs own an expert's rows, not a token's slots).
-    if plan.down_sum is not None:  # out = sum over slots of routed weight * (h w2^T + b2)
-        plan.down_sum(h, w2_arg, b2, weights, ids, expert_map if expert_map is not None else ids, out)
-        return out
+    # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
+    # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
+    # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
+    # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
     plan.down(h, w2_arg, b2, y, weights, ids, *rows)  # y = routed weight * (h w2^T + b2) per assignment
     plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
     return out

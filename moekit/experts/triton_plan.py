@@ -3,7 +3,7 @@ call's data, decided on the first call of its kind and cached.
 
     plan_key(call) --_PLANS, a dict--> Plan: resolved options, config (tuned, nearest M, fitted to shared
     memory), the naive shortcut or the alignment's launches, the workspace's regions, and the bound
-    launches (grid, scalars, constexprs) of gate-up, down and the k-sum (naive: gate-up and down_sum)
+    launches (grid, scalars, constexprs) of gate-up, down and the k-sum
 
 A call's kind is what the launches depend on apart from the tensors' contents and addresses: M, the
 shapes, strides and dtypes, each pointer's 16-byte alignment (Triton specialises on it), the expert
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.activations import ActivationSpec, as_spec
-from moekit.experts.configs import GemmTile, KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
+from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
@@ -33,8 +33,6 @@ from moekit.experts.triton_launch import (
 from moekit.triton_bind import BoundLaunch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Naive plans: the down_sum kernel's step is a tl.dot (True) or a CUDA-core product (False); see _kernels/down_sum.py.
-DOWN_SUM_DOT = True
 MAX_PLANS = 4096  # kinds of call kept (a few hundred bytes each); the oldest goes first
 
 
@@ -53,9 +51,6 @@ class Plan:
     gate_up: BoundLaunch
     down: BoundLaunch  # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
-    # naive plans: the down GEMM and the k-sum in one launch (replacing ``down`` and ``sum_slots``), else None;
-    # pointers: h, w2 (or its descriptor), b2 (or None), weights, ids, expert_map (ids without one), out
-    down_sum: BoundLaunch | None = None
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -133,15 +128,13 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     up, down = config.up, config.down
     gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
                                           align is None, descriptors, variant, options)
-    w2_tile = down_sum_tile(down, x, hidden, n) if align is None else down  # naive: w2 is read by down_sum only
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
-        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, w2_tile.BLOCK_N,
-                        w2_tile.BLOCK_K) if descriptors else None,
+        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
+                        down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
-        down_sum=down_sum_launch(x, w2, b2, top_k, w2_tile, descriptors, expert_map, options) if align is None else None,
     )
 
 
@@ -186,40 +179,6 @@ def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, exper
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
         BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
-        cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
-    )
-
-
-DOWN_SUM_PROGRAMS = 128  # down_sum: the fewest (token, column tile) programs its BLOCK_N aims for (H200: 132 SMs)
-
-
-def down_sum_tile(down: GemmTile, x: torch.Tensor, hidden: int, n: int) -> GemmTile:
-    """The naive plans' down_sum tile: BLOCK_N the widest of 64, 32, 16 that still gives M * K / BLOCK_N >=
-    DOWN_SUM_PROGRAMS programs (one token's slots fill few SMs otherwise), BLOCK_K 256 (N permitting) and
-    stages deep enough to keep ~48 KB of weights in flight per program (a cold L2 at decode: every byte
-    comes from HBM), fitted to the shared memory; ``down``'s warps."""
-    block_n = next((b for b in (64, 32) if x.shape[0] * hidden // b >= DOWN_SUM_PROGRAMS), 16)
-    block_k = min(256, max(16, next_pow2(n)))
-    per_stage = (block_n + 16) * block_k * x.element_size()  # the w2 tile and the [16, BK] h tile (DOT)
-    stages = max(2, min(6, 48 * 1024 // (block_n * block_k * x.element_size())))
-    if not interpreting():
-        stages = max(1, min(stages, max_shared_memory(x.device) // per_stage - 1))
-    return GemmTile(block_n, block_k, 1, down.num_warps, stages)
-
-
-def down_sum_launch(x, w2, b2, top_k: int, tile, descriptors: bool, expert_map, options: LaunchOptions,
-                    dot: bool = DOWN_SUM_DOT) -> BoundLaunch:
-    """The down GEMM with the k-sum folded in (``_kernels/down_sum.py``): one program per (token, ``tile``'s
-    BLOCK_N output columns), h [A, N] contiguous, out [M, K] contiguous; ``tile`` is the config's down tile
-    (with TMA weights, the block of the plan's w2 descriptor)."""
-    num_experts, hidden, n = w2.shape
-    return BoundLaunch(
-        kernels("down_sum").down_sum_kernel, (x.shape[0], cdiv(hidden, tile.BLOCK_N)), 7,
-        (hidden, n, top_k, num_experts, expert_map.numel() if expert_map is not None else 0, n, *w2.stride(),
-         *(b2.stride() if b2 is not None else (0, 0)), hidden),
-        BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, TOPK_PAD=next_pow2(top_k), DOT=dot, HAS_MAP=expert_map is not None, UPCAST=interpreting(),
-        W_DESC=descriptors, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
         cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
     )
 
