@@ -9,8 +9,8 @@ Part A (per shape: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B; M = 1, 2, 4, 8; bf1
   others touch >= 700 MB per call anyway), ``flush`` writes 256 MB before each call (the flush's own graph
   time subtracted);
 - what runs: ``base3`` = the plan's gate-up, down GEMM and k-sum launched one by one (the naive shortcut),
-  ``call`` = the whole experts call as a model makes it, ``gate_up`` = the gate-up launch alone, at M = 1
-  also over other tiles.
+  ``call`` = the whole experts call as a model makes it, ``gate_up`` = the gate-up launch alone; at M = 1
+  also other gate-up tiles (alone) and other down GEMM tiles (base3 with each).
 Part B: torch.profiler over transformers' compiled decode (static cache, torch.compile "reduce-overhead") of a
 1-layer Qwen3-MoE at Qwen3-30B-A3B widths, for moekit, grouped_mm and no_experts (experts that cost nothing),
 each in a process of its own (they compile at once; one profiles at a time, under a file lock): GPU µs per
@@ -47,6 +47,7 @@ SHAPES = {  # E, N, K, k, weight sets
 MS = (1, 2, 4, 8)
 ROT = 8
 UP_TILES = [(64, 256, 4, 3), (128, 128, 4, 4)]  # M = 1 gate-up tiles (BN, BK, warps, stages) next to the plan's
+DOWN_TILES = [(32, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4)]  # M = 1 down GEMM tiles, base3 with each
 IMPLS = ("moekit", "grouped_mm", "no_experts")  # part B; no_experts is the ceiling every other is compared with
 
 
@@ -115,22 +116,23 @@ class Bench:
         return x, [(r % len(self.w13),) + self.routing(m, r) for r in range(ROT)]
 
 
-def plan_of(b: Bench, x, ids, weights, up=None):
+def plan_of(b: Bench, x, ids, weights, up=None, down=None):
     from moekit.experts.configs import GemmTile, KernelConfig, get_config, device_key
     from moekit.experts.triton_plan import plan_for
 
     cfg = get_config(x.shape[0], b.e, b.n, b.k, b.top_k, x.dtype, device_key(DEV))
-    if up is not None:
-        cfg = KernelConfig(cfg.BLOCK_M, GemmTile(*up[:2], 1, *up[2:]), cfg.down)
+    if up is not None or down is not None:
+        cfg = KernelConfig(cfg.BLOCK_M, GemmTile(*up[:2], 1, *up[2:]) if up else cfg.up,
+                           GemmTile(*down[:2], 1, *down[2:]) if down else cfg.down)
     return plan_for(x, b.w13[0], b.w2[0], ids, weights, None, "silu", cfg, b.options)
 
 
-def launchers(b: Bench, m: int, up=None):
+def launchers(b: Bench, m: int, up=None, down=None):
     """Per rotation: (gate_up alone, base3) closures over fresh buffers, and base3's output."""
     from moekit.experts.triton_cache import descriptor_pair
 
     x, rots = b.inputs(m)
-    plan = plan_of(b, x, rots[0][1], rots[0][2], up=up)
+    plan = plan_of(b, x, rots[0][1], rots[0][2], up=up, down=down)
     out = []
     for s, ids, weights in rots:
         h = torch.empty(ids.numel(), b.n, device=DEV, dtype=torch.bfloat16)
@@ -215,6 +217,15 @@ def measure_m(b: Bench, m: int) -> None:
             record(dict(shape=name, M=m, variant=f"gate_up{up}", **three_states([l[0] for l in lu], flush)))
         except Exception as err:
             RESULTS["errors"].append(f"{name} up {up}: {type(err).__name__}: {str(err)[:160]}")
+    for down in DOWN_TILES if m == 1 else ():
+        if elapsed() > PART_A_S:
+            return
+        try:
+            _, ld = launchers(b, m, down=down)
+            record(dict(shape=name, M=m, variant=f"base3 down{down}", floor_us=fl,
+                        **three_states([l[1] for l in ld], flush)))
+        except Exception as err:
+            RESULTS["errors"].append(f"{name} down {down}: {type(err).__name__}: {str(err)[:160]}")
 
 
 def kernel_times(fn) -> dict:
@@ -314,9 +325,9 @@ def extra_kernels(impl: str, base: str = "no_experts") -> list:
 
 
 def table() -> str:
-    lines = ["", "shape     M  variant                   floor   warm    cold   flush  err"]
+    lines = ["", "shape     M  variant                             floor   warm    cold   flush  err"]
     for c in RESULTS["cells"]:
-        lines.append(f"{c['shape']:9} {c['M']:<2} {c['variant']:24} {c.get('floor_us', ''):>6} {c['warm']:>7} "
+        lines.append(f"{c['shape']:9} {c['M']:<2} {c['variant']:34} {c.get('floor_us', ''):>6} {c['warm']:>7} "
                      f"{c['cold']:>7} {c['flush']:>7} {c.get('rel_err_vs_base', '')}")
     kernels = RESULTS["kernels"]
     for impl, k in kernels.items():
