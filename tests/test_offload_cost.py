@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.offload import MissCosts, plan_misses, split_misses
-from moekit.offload.cost import fit_cpu_costs
+from moekit.offload.cost import fit_cpu_branch, margin_of
 
 BYTES = 1000
 
@@ -18,13 +18,14 @@ BYTES = 1000
 def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -> float:
     """The forward's time with ``on_cpu`` computed on the CPU and the other misses fetched: the GPU
     computes its hits while the fetches travel, then the fetched experts; the CPU pays its fixed
-    staging price and each of its experts one after another; the two sides run at once."""
+    staging price and each of its experts one after another, all priced at the margin; the two sides
+    run at once."""
     fetched = len(tokens) - len(on_cpu)
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     gpu = max(hits * read, fetched * link) + fetched * read
     cpu = 0.0
     if on_cpu:
-        cpu = c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu)
+        cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu))
     return max(gpu, cpu)
 
 
@@ -43,7 +44,8 @@ def _random_case(gen: torch.Generator) -> tuple[dict[int, int], int, MissCosts]:
     tokens = {e: int(torch.randint(1, 30, (1,), generator=gen)) for e in experts}
     hits = int(torch.randint(0, 20, (1,), generator=gen))
     costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 3.0), cpu_token_s=u(0.0, 0.2),
-                      cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf)
+                      cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf,
+                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0))
     return tokens, hits, costs
 
 
@@ -93,11 +95,34 @@ def test_plan_admits_only_into_the_links_idle_time():
         plan_misses("auto", tokens, 0, BYTES, None)
 
 
-def test_fit_cpu_costs_recovers_a_line():
-    per_expert, per_token = fit_cpu_costs(one=8 * (3e-3 + 1 * 2e-5), many=8 * (3e-3 + 16 * 2e-5), experts=8, tokens=16)
-    assert per_expert == pytest.approx(3e-3) and per_token == pytest.approx(2e-5)
+def test_fit_cpu_branch_recovers_step_expert_and_token_costs():
+    step, expert, token = 4e-4, 3e-3, 2e-5
+
+    def t(experts, tokens):
+        return step + experts * (expert + tokens * token)
+
+    got = fit_cpu_branch(one=t(1, 1), spread=t(8, 1), many=t(8, 16), experts=8, tokens=16)
+    assert got == pytest.approx((step, expert, token))
     with pytest.raises(ValueError, match="tokens"):
-        fit_cpu_costs(1.0, 2.0, experts=8, tokens=1)
+        fit_cpu_branch(1.0, 2.0, 3.0, experts=8, tokens=1)
+
+
+def test_margin_is_the_worst_repeat_over_its_median():
+    assert margin_of([[1.0, 1.2, 1.1], [2.0, 2.0, 3.0]]) == pytest.approx(1.5)
+    assert margin_of([[1.0, 1.0]]) == 1.0
+    with pytest.raises(ValueError, match="cpu_margin"):
+        MissCosts(1.0, 1.0, 0.0, cpu_margin=0.5)
+
+
+def test_margin_sends_a_small_predicted_win_over_the_link():
+    # one miss of 1 token: the CPU (1.5 ms) beats a 2 ms fetch by the model, not with 1.4x its price
+    costs = MissCosts(link_bytes_per_s=BYTES / 2e-3, cpu_expert_s=1.2e-3, cpu_token_s=0.0, cpu_step_s=0.3e-3)
+    assert split_misses({5: 1}, BYTES, costs).cpu == [5]
+    pessimistic = costs.observed(measured_s=2.1e-3, predicted_s=1.5e-3)
+    assert pessimistic.cpu_margin == pytest.approx(1.4)
+    assert costs.observed(1.0e-3, 1.5e-3).cpu_margin == 1.0  # never below 1
+    split = split_misses({5: 1}, BYTES, pessimistic)
+    assert split.cpu == [] and split.step_s == pytest.approx(2e-3)
 
 
 def test_measure_costs_times_the_layers_own_cpu_path():

@@ -4,7 +4,7 @@ CPU, or split between the two.
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
                                                                        fetched misses travel; those
                                                                        compute once they land)
-    CPU side:  cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s)
+    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
 
@@ -13,8 +13,15 @@ by default: the GPU's share is then the link alone). The CPU computes its expert
 each streaming its weights from host memory once (``cpu_expert_s``, measured on cold experts: a
 warm expert repeated in a timing loop sits in the CPU's caches and looks 2-3x faster than a miss
 really is) plus its tokens' FLOPs (``cpu_token_s``); ``cpu_step_s`` is the fixed price of any CPU
-work in a forward: the inputs copied to the host, the host waiting for them, the result copied
-back. ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
+work in a forward: the inputs copied to the host, the host waiting for them, the CPU call's own
+overhead, the result copied back. All three are fitted (``fit_cpu_branch``) to timings of the layer's
+whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens each.
+
+``cpu_margin`` (>= 1) prices the CPU side pessimistically: "auto" sends a miss to the CPU only where
+the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
+measurement: the worst repeat over the median of the calibration's own timings (``margin_of``), raised
+by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
+(``MissCosts.observed``). ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
 same to fetch and more tokens cost more on the CPU, so the best split with j experts on the CPU puts
 there the j with the fewest tokens, and the search is over j = 0..n (exact, not greedy).
 """
@@ -22,7 +29,9 @@ there the j with the fewest tokens, and the search is over j = 0..n (exact, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -39,10 +48,27 @@ class MissCosts:
     cpu_token_s: float  # CPU seconds per routed token of an expert, on top
     cpu_step_s: float = 0.0  # CPU seconds per forward that computes any miss on the CPU (staging, sync)
     gpu_bytes_per_s: float = math.inf  # the GPU's expert read rate (hits and fetched misses computed)
+    cpu_margin: float = 1.0  # the CPU side is priced at this multiple of its model (module docstring)
+    cpu_threads: int | None = None  # torch threads the CPU costs were measured at (and layers run at)
+
+    def __post_init__(self) -> None:
+        if not self.cpu_margin >= 1.0:
+            raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
 
     def cpu_time(self, tokens: int) -> float:
         """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
         return self.cpu_expert_s + tokens * self.cpu_token_s
+
+    def cpu_side_s(self, tokens: list[int]) -> float:
+        """Predicted CPU seconds of a forward computing experts with these token counts on the CPU (0 for
+        none), without the margin."""
+        return self.cpu_step_s + sum(self.cpu_time(t) for t in tokens) if tokens else 0.0
+
+    def observed(self, measured_s: float, predicted_s: float) -> "MissCosts":
+        """These costs with ``cpu_margin`` raised to ``measured_s / predicted_s`` (the CPU branch's real
+        time on steps against ``cpu_side_s`` of the same steps) if that is larger."""
+        ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
+        return dataclasses.replace(self, cpu_margin=max(self.cpu_margin, ratio))
 
 
 @dataclass(frozen=True)
@@ -52,7 +78,7 @@ class MissSplit:
     fetch: list[int]  # experts copied to the GPU
     cpu: list[int]  # experts computed on the CPU
     gpu_s: float  # predicted GPU side: the hits and ``fetch`` (their copies, then their compute)
-    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu`` (0 when ``cpu`` is empty)
+    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin`` (0: ``cpu`` empty)
     link_s: float  # the link's busy time for ``fetch`` alone
 
     @property
@@ -80,7 +106,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
             cpu_s += costs.cpu_time(tokens[by_tokens[j - 1]])
         fetched = len(by_tokens) - j
         split = MissSplit(sorted(by_tokens[j:]), sorted(by_tokens[:j]), gpu_side_s(hits, fetched, expert_bytes, costs),
-                          cpu_s if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s)
+                          cpu_s * costs.cpu_margin if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s)
         if best is None or split.step_s < best.step_s:
             best = split
     return best
@@ -140,11 +166,18 @@ def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8
         stream.synchronize()
 
 
-def fit_cpu_costs(one: float, many: float, experts: int, tokens: int) -> tuple[float, float]:
-    """(seconds per expert, seconds per token) from two timings of ``experts`` experts each: ``one``
-    with 1 token per expert, ``many`` with ``tokens`` per expert (time = experts x (per_expert +
-    tokens x per_token)); both clamped at 0 against timing noise."""
-    if experts < 1 or tokens < 2:
-        raise ValueError(f"need experts >= 1 and tokens >= 2, got experts={experts}, tokens={tokens}")
-    per_token = max(many - one, 0.0) / (experts * (tokens - 1))
-    return max(one / experts - per_token, 0.0), per_token
+def fit_cpu_branch(one: float, spread: float, many: float, experts: int, tokens: int) -> tuple[float, float, float]:
+    """(seconds per forward, per expert, per token) from three timings of the whole CPU branch: ``one``
+    with 1 expert and 1 token, ``spread`` with ``experts`` experts and 1 token each, ``many`` with
+    ``experts`` experts and ``tokens`` tokens each (time = step + experts x (per_expert + tokens x
+    per_token)); each clamped at 0 against timing noise."""
+    if experts < 2 or tokens < 2:
+        raise ValueError(f"need experts >= 2 and tokens >= 2, got experts={experts}, tokens={tokens}")
+    per_token = max(many - spread, 0.0) / (experts * (tokens - 1))
+    per_expert_and_token = max(spread - one, 0.0) / (experts - 1)
+    return max(one - per_expert_and_token, 0.0), max(per_expert_and_token - per_token, 0.0), per_token
+
+
+def margin_of(timings: list[list[float]]) -> float:
+    """The worst repeat over its median, over groups of repeated timings of one call (at least 1)."""
+    return max([1.0] + [max(t) / statistics.median(t) for t in timings if t and statistics.median(t) > 0])

@@ -29,16 +29,16 @@ Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 
 from __future__ import annotations
 
-import time
 from typing import Literal
 
 import torch
 
 from moekit.experts import backend_available, backend_fn, bind_options, call_backend
 from moekit.layer import MoE
-from moekit.offload import staging
+from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, fit_cpu_costs, link_busy, measure_link_bandwidth, measure_read_bandwidth
+from moekit.offload.cost import MissCosts
+from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, plan_misses
 from moekit.offload.stats import OffloadStats
@@ -66,6 +66,7 @@ class OffloadedMoE(MoE):
         costs: MissCosts | None = None,
         admit_per_forward: int | None = None,
         device: torch.device | str | None = None,
+        cpu_options: CpuOptions | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
@@ -74,7 +75,8 @@ class OffloadedMoE(MoE):
         busiest of them are copied into the cache in the background (so the cache still learns the hot
         set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
         this forward's CPU work (at least one when nothing was fetched; one when no ``costs`` are
-        known; ``plan.plan_misses``); 0 keeps the cache as it is."""
+        known; ``plan.plan_misses``); 0 keeps the cache as it is. ``cpu_options`` (``cpu_path.CpuOptions``)
+        sets how the CPU branch runs (threads, GEMM, staging buffers, when admissions are queued)."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in PLACES:
@@ -85,6 +87,8 @@ class OffloadedMoE(MoE):
             raise ValueError(f"admit_per_forward must be an int >= 0 or None, got {admit_per_forward!r}")
         if prefetch not in _PREDICTIONS:
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
+        if cpu_options is not None and not isinstance(cpu_options, CpuOptions):
+            raise TypeError(f"cpu_options must be a moekit.offload.CpuOptions, got {type(cpu_options).__name__}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
         if cache is None:
@@ -100,7 +104,8 @@ class OffloadedMoE(MoE):
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
-        layer._cpu_fn = _cpu_experts_fn()
+        layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
+        layer._cpu_fn = _cpu_experts_fn(layer._cpu.options.gemm)
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
@@ -138,17 +143,21 @@ class OffloadedMoE(MoE):
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
         plan = self._plan({m: tokens[m] for m in misses}, len(hits))
-        on_cpu, pin = plan.cpu, cache.device.type == "cuda"
+        on_cpu, early = plan.cpu, self._cpu.options.admit_early
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
-            cpu_inputs, staged = staging.to_host([x2d, routing.topk_ids, routing.topk_weights], pin=pin)
+            staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
-            if staged is not None:
-                staged.synchronize()
-            y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU, x2d's dtype
-            partials.append(staging.to_device(y, x2d.device, pin=pin))
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
-            cache.admit(self.layer_id, plan.admit, stats)  # the cache still learns the hot set, off the critical path
+            if early:  # queued behind the fetches, the admissions travel while the CPU computes
+                cache.admit(self.layer_id, plan.admit, stats)
+            threads = self._cpu.options.threads or (self.costs.cpu_threads if self.costs is not None else None)
+            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu), x2d.device,
+                                             len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
+            if not early:
+                cache.admit(self.layer_id, plan.admit, stats)
+        else:
+            self._cpu.last = None
         out = _sum(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
@@ -198,30 +207,19 @@ class OffloadedMoE(MoE):
         return plan_misses(self.compute_misses_on, tokens, hits, self.cache.expert_bytes, self.costs,
                            self.admit_per_forward)
 
-    def measure_costs(self, tokens: int = 16) -> MissCosts:
-        """This layer's miss costs, measured on its own paths: the link and the GPU's read rate (large
-        copies), the CPU path (``_cpu_experts``) on cold experts (top_k distinct ones per timing, none
-        reused, at 1 and ``tokens`` tokens each; the best of two timings each; with the link busy, as
-        when fetches run beside it), and one forward's staging round trip (inputs to the host and a
-        result back) at ``tokens`` tokens."""
-        c, dev, host = self.config, self.cache.device, self.cache.host(self.layer_id)
-        e, k, dtype = c.num_experts, c.top_k, host.w13_template.dtype
-        groups = iter([[(g * k + j) % e for j in range(k)] for g in range(5)])  # disjoint when E >= 5k
+    def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
+        """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the
+        GPU's read rate, and the whole CPU branch on cold experts with the link busy."""
+        return calibrate.measure_costs(self, tokens, repeats)
 
-        def cpu_time(m: int) -> float:
-            group = next(groups)
-            inputs = (torch.randn(m, c.hidden_size, dtype=dtype), torch.tensor([group] * m, dtype=torch.int32),
-                      torch.full((m, k), 1.0 / k, dtype=torch.float32))
-            with link_busy(dev):
-                start = time.perf_counter()
-                self._cpu_experts(inputs, sorted(set(group)))
-                return time.perf_counter() - start
+    @property
+    def cpu_options(self) -> CpuOptions:
+        return self._cpu.options
 
-        cpu_time(1)  # the first call pays one-off setup
-        one, many = min(cpu_time(1), cpu_time(1)), min(cpu_time(tokens), cpu_time(tokens))
-        return MissCosts(measure_link_bandwidth(dev), *fit_cpu_costs(one, many, k, tokens),
-                         cpu_step_s=staging.round_trip_s(tokens, c.hidden_size, k, dtype, dev),
-                         gpu_bytes_per_s=measure_read_bandwidth(dev))
+    @property
+    def last_cpu(self) -> CpuPhases | None:
+        """The latest forward's CPU branch in phases (``cpu_path.CpuPhases``); None when it ran none."""
+        return self._cpu.last
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
@@ -272,13 +270,13 @@ def expert_nbytes(moe: MoE) -> int:
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
 
 
-def _cpu_experts_fn():
-    """The CPU experts function for misses: grouped_mm's per-expert oneDNN loop on the plain weights
-    (``cpu_gemm="onednn_fused"``). Its default also keeps oneDNN-packed copies of experts that get 4+
-    rows: a copy of the expert (host memory the offload exists to save) made in that first call, for
-    experts that are cold by definition here."""
+def _cpu_experts_fn(gemm: str):
+    """The CPU experts function for misses: grouped_mm with ``cpu_gemm=gemm``: "onednn_fused", its
+    per-expert oneDNN loop on the plain weights, or "mm_loop", torch's mm per expert. Its default also
+    keeps oneDNN-packed copies of experts that get 4+ rows: a copy of the expert (host memory the
+    offload exists to save) made in that first call, for experts that are cold by definition here."""
     if backend_available("grouped_mm", "cpu"):
-        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": "onednn_fused"})
+        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": gemm})
     return backend_fn("auto", "cpu")
 
 

@@ -47,7 +47,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     elif costs is None:
         split = MissSplit([], sorted(tokens), 0.0, 0.0, 0.0)
     else:
-        cpu_s = costs.cpu_step_s + sum(costs.cpu_time(t) for t in tokens.values())
+        cpu_s = costs.cpu_side_s(list(tokens.values())) * costs.cpu_margin
         split = MissSplit([], sorted(tokens), gpu_side_s(hits, 0, expert_bytes, costs), cpu_s, 0.0)
     busiest = sorted(split.cpu, key=lambda e: (-tokens[e], e))
     return MissPlan(split.fetch, split.cpu, busiest[: _admissions(split, expert_bytes, costs, admit_per_forward)])

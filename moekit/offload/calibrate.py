@@ -1,0 +1,84 @@
+"""``OffloadedMoE.measure_costs``: a layer's miss costs (``cost.MissCosts``), measured on its own paths.
+
+    link:      host -> GPU from pinned memory, large copies (``cost.measure_link_bandwidth``)
+    GPU read:  a large device copy (``cost.measure_read_bandwidth``)
+    CPU:       the layer's whole CPU branch (``cpu_path.CpuPath``: staging in, the wait, the experts,
+               the result's copy queued), host seconds, with the link busy as when fetches run beside it,
+               on cold experts (no expert timed twice while E allows), the median of ``repeats``:
+               1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
+
+The thread count is chosen here too when the layer's ``CpuOptions.threads`` is None: torch's count,
+3/4 and 1/2 of it, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
+FLOPs, set the time, and fewer threads may stream them as fast with less contention); the fastest
+is kept in ``MissCosts.cpu_threads``. ``cpu_margin`` is ``cost.margin_of`` those timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterator
+
+import torch
+
+from moekit.offload.cost import (
+    MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
+)
+
+
+def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
+    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring)."""
+    if tokens < 2 or repeats < 1:
+        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+    c = layer.config
+    k = max(c.top_k, 2)
+    groups = _cold_groups(c.num_experts, k)
+    branch(layer, next(groups), 1, 1, None)  # the first call pays one-off setup
+
+    def timings(experts: int, m: int, threads: int | None) -> list[float]:
+        return [branch(layer, next(groups), experts, m, threads) for _ in range(repeats)]
+
+    candidates = thread_candidates(layer.cpu_options.threads)
+    spread = {t: timings(k, 1, t) for t in candidates}
+    threads = min(candidates, key=lambda t: statistics.median(spread[t]))
+    one, many = timings(1, 1, threads), timings(k, tokens, threads)
+    step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[threads], many)),
+                                                 experts=k, tokens=tokens)
+    dev = layer.cache.device
+    return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
+                     gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[threads], many]),
+                     cpu_threads=threads)
+
+
+def thread_candidates(fixed: int | None) -> list[int]:
+    """The thread counts to try: ``fixed`` alone, else torch's count, 3/4 and 1/2 of it (distinct)."""
+    if fixed is not None:
+        return [fixed]
+    n = torch.get_num_threads()
+    return sorted({n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+
+
+def branch(layer, group: list[int], experts: int, m: int, threads: int | None) -> float:
+    """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
+    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU; link busy."""
+    c, dev = layer.config, layer.cache.device
+    dtype = layer.cache.host(layer.layer_id).w13_template.dtype
+    k = len(group)
+    x = torch.randn(m, c.hidden_size, dtype=dtype, device=dev)
+    ids = torch.tensor([group] * m, dtype=torch.int32, device=dev)
+    weights = torch.full((m, k), 1.0 / k, dtype=torch.float32, device=dev)
+    on_cpu = sorted(set(group[:experts]))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    with link_busy(dev):
+        staged = layer._cpu.stage([x, ids, weights])
+        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu), dev, len(on_cpu),
+                          m * len(on_cpu), threads)
+    return layer._cpu.last.total_s
+
+
+def _cold_groups(num_experts: int, k: int) -> Iterator[list[int]]:
+    """Groups of k distinct experts, disjoint until the experts run out (then starting over)."""
+    g = 0
+    while True:
+        yield [(g * k + j) % num_experts for j in range(k)]
+        g += 1
