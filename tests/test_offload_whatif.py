@@ -133,6 +133,15 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
     for r in rows:  # every mode: the what-if replays the same cache, decisions and stream
         assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
         assert r["x_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        phases = r["cpu_stage_ms"] + r["cpu_wait_ms"] + r["cpu_compute_ms"] + r["cpu_back_ms"]
+        assert r["cpu_ms"] == pytest.approx(phases) and (r["cpu_ms"] > 0) == (r["cpu_tokens_per_step"] > 0)
+    assert doc["cpu_margin"] >= 1.0 and doc["cpu_threads"] >= 1
+    for cell in doc["cells"]:  # per cell: each mode's x floor and auto against the faster pure mode
+        same = [r for r in rows if all(r[f] == cell[f] for f in ("stream", "cache_fraction", "policy", "prefetch", "M"))]
+        assert cell["x_floor"] == {r["compute_misses_on"]: r["x_floor"] for r in same}
+        step = {r["compute_misses_on"]: r["step_ms"] for r in same}
+        assert cell["auto_vs_best"] == pytest.approx(step["auto"] / min(step["gpu"], step["cpu"]))
+    assert len(doc["cells"]) == len(rows) // 3
     out = capsys.readouterr().out
     assert "auto / better pure mode" in out and "prefetch (router) on skewed streams" in out
 
