@@ -9,8 +9,8 @@
 3. The M = 1 table of ``moekit bench --offload`` (both streams, every fraction / policy / prefetch;
    gpu, cpu, auto) per variant: "s7" (session 7's path: per-call staging, admissions after the CPU
    compute, no margin), "new" (reused staging, admissions overlapping the compute, the measured
-   margin), "new-m1" (the new path with margin 1, to see the margin's share); and "new" at M = 8 if
-   time is left. Per variant: each mode's x floor range, auto / best pure mode, the CPU branch's
+   margin), "new-m2" (margin at least 2), "new-m1" (margin 1), to see the margin's share; and "new"
+   at M = 8 if time is left. Per variant: each mode's x floor range, auto / best pure mode, the CPU branch's
    measured / modelled time and its phases per step.
 
 The short table is printed last; JSON goes to $OUT/offload_device_check.json when $OUT is set. Without
@@ -101,6 +101,9 @@ def digest(v: dict) -> dict:
     for mode in ("gpu", "cpu", "auto"):
         xs = [r["x_floor"] for r in v["rows"] if r["compute_misses_on"] == mode]
         out[mode] = (min(xs), max(xs), sum(x > 1.2 for x in xs), len(xs)) if xs else None
+    hits = {mode: statistics.fmean(r["hit_rate"] for r in v["rows"] if r["compute_misses_on"] == mode)
+            for mode in ("gpu", "auto") if any(r["compute_misses_on"] == mode for r in v["rows"])}
+    out["auto_minus_gpu_hit"] = hits["auto"] - hits["gpu"] if len(hits) == 2 else None
     out["auto_best"] = (max(ratios), sum(q > 1.0 for q in ratios), sum(q > 1.03 for q in ratios), len(ratios)) if ratios else None
     cpu_rows = [r for r in v["rows"] if r["compute_misses_on"] == "cpu"]
     if cpu_rows:
@@ -130,8 +133,10 @@ def main() -> int:
     result["costs"] = dataclasses.asdict(costs)
     result["costs_s"] = time.perf_counter() - clock
     plain = dataclasses.replace(costs, cpu_margin=1.0)
+    wide = dataclasses.replace(costs, cpu_margin=max(costs.cpu_margin, 2.0))
     variants = [("new", CpuOptions(), costs, True, (1,)), ("s7", CpuOptions.session7(), plain, False, (1,)),
-                ("new-m1", CpuOptions(), plain, False, (1,)), ("new", CpuOptions(), costs, True, (8,))]
+                ("new-m2", CpuOptions(), wide, True, (1,)), ("new-m1", CpuOptions(), plain, False, (1,)),
+                ("new", CpuOptions(), costs, True, (8,))]
     result["variants"] = []
     for name, options, c, margin, batches in variants:
         if _left() < (25 if batches == (1,) else 20):
@@ -162,7 +167,7 @@ def _print(result: dict) -> None:
           f"{c['cpu_token_s'] * 1e6:.1f} us/token at {c['cpu_threads']} threads, margin {c['cpu_margin']:.2f}; link "
           f"{c['link_bytes_per_s'] / 1e9:.1f} GB/s (measured in {result['costs_s']:.1f} s)")
     print("variant  M  cells margin | x floor min-max (>1.2 of n) gpu | cpu | auto | auto/best worst (>1, >1.03 of n) "
-          "| cpu mode per step: step, branch meas/model ms, stage/wait/compute/back ms")
+          "| auto-gpu hit | cpu mode per step: step, branch meas/model ms, stage/wait/compute/back ms")
     for d in result["digest"]:
         modes = " | ".join("-" if d[m] is None else f"{d[m][0]:.2f}-{d[m][1]:.2f} ({d[m][2]}/{d[m][3]})"
                            for m in ("gpu", "cpu", "auto"))
@@ -172,7 +177,8 @@ def _print(result: dict) -> None:
         cpu = "-" if cm is None else (f"{cm['step_ms']:.1f}, {cm['cpu_ms']:.1f}/{cm['cpu_model_ms']:.1f}, "
                                       f"{cm['cpu_stage_ms']:.2f}/{cm['cpu_wait_ms']:.2f}/{cm['cpu_compute_ms']:.1f}/"
                                       f"{cm['cpu_back_ms']:.2f}")
-        print(f"{d['name']:>7} {d['M']} {d['cells']:>3} {d['margin']:.2f} | {modes} | {ab} | {cpu}")
+        dh = "-" if d["auto_minus_gpu_hit"] is None else f"{d['auto_minus_gpu_hit']:+.3f}"
+        print(f"{d['name']:>7} {d['M']} {d['cells']:>3} {d['margin']:.2f} | {modes} | {ab} | {dh} | {cpu}")
     for s in result.get("skipped", []):
         print(f"skipped (time limit): {s}")
 

@@ -95,6 +95,12 @@ def test_plan_admits_only_into_the_links_idle_time():
         plan_misses("auto", tokens, 0, BYTES, None)
 
 
+def test_admissions_fit_the_modelled_cpu_time_not_the_margined_price():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.5 * BYTES, cpu_token_s=0.0, cpu_margin=2.0)
+    plan = plan_misses("cpu", {1: 5, 2: 1, 3: 9}, 0, BYTES, costs)
+    assert plan.cpu == [1, 2, 3] and plan.admit == [3]  # 1.5 fetches of CPU time: one admission, not three
+
+
 def test_fit_cpu_branch_recovers_step_expert_and_token_costs():
     step, expert, token = 4e-4, 3e-3, 2e-5
 
