@@ -56,11 +56,11 @@ def phase_rows(shell, device, threads: list[int], repeats: int) -> list[dict]:
             break
         options = CpuOptions(threads=t, gemm=gemm, reuse_staging=reuse)
         layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
-        branch(layer, [next(group) % e for _ in range(k)], 1, 1, t)  # first call
+        branch(layer, [next(group) % e for _ in range(k)], 1, 1, t, gemm)  # first call
         for experts in (1, 8):
             phases = []
             for _ in range(repeats):
-                branch(layer, [next(group) % e for _ in range(k)], experts, 1, t)
+                branch(layer, [next(group) % e for _ in range(k)], experts, 1, t, gemm)
                 phases.append(layer.last_cpu)
             med = {f: statistics.median(getattr(p, f) for p in phases) * 1e3
                    for f in ("stage_s", "wait_s", "compute_s", "back_s", "total_s")}
@@ -164,7 +164,7 @@ def _print(result: dict) -> None:
               f"{r['wait_ms']:6.3f} {r['compute_ms']:8.3f} {r['back_ms']:6.3f} {r['total_ms']:7.3f} "
               f"{r['compute_per_expert_ms']:7.3f}")
     print(f"costs: step {c['cpu_step_s'] * 1e3:.3f} ms + {c['cpu_expert_s'] * 1e3:.3f} ms/expert + "
-          f"{c['cpu_token_s'] * 1e6:.1f} us/token at {c['cpu_threads']} threads, margin {c['cpu_margin']:.2f}; link "
+          f"{c['cpu_token_s'] * 1e6:.1f} us/token at {c['cpu_threads']} threads, {c['cpu_gemm']}, margin {c['cpu_margin']:.2f}; link "
           f"{c['link_bytes_per_s'] / 1e9:.1f} GB/s (measured in {result['costs_s']:.1f} s)")
     print("variant  M  cells margin | x floor min-max (>1.2 of n) gpu | cpu | auto | auto/best worst (>1, >1.03 of n) "
           "| auto-gpu hit | cpu mode per step: step, branch meas/model ms, stage/wait/compute/back ms")

@@ -141,7 +141,9 @@ def test_measure_costs_times_the_layers_own_cpu_path():
     off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="auto")
     costs = off.measure_costs(tokens=4)
     assert all(math.isfinite(v) and v >= 0 for v in (costs.cpu_expert_s, costs.cpu_token_s, costs.cpu_step_s))
-    assert costs.cpu_expert_s + costs.cpu_token_s > 0 and costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
+    # at these tiny shapes timing noise may clamp the per-expert or per-token share to 0, never the whole branch
+    assert costs.cpu_step_s + costs.cpu_expert_s + costs.cpu_token_s > 0
+    assert costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
     x = torch.randn(5, 64)
     torch.testing.assert_close(off(x), moe(x))  # "auto" without costs measures them on first use
     assert off.costs is not None

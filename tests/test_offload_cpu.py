@@ -11,7 +11,7 @@ from moekit import MoE, MoEConfig
 from moekit.offload import CpuOptions, CpuPhases, MissCosts, OffloadedMoE
 from moekit.offload import staging
 from moekit.offload.calibrate import thread_candidates
-from moekit.offload.cpu_path import torch_threads
+from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 
 from _helpers import TOLERANCE, rel_l2
 
@@ -40,7 +40,8 @@ def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options):
     assert off.last_stats.hits == 0 and off.last_stats.cpu_experts == off.last_stats.touched
 
 
-@pytest.mark.parametrize("options", [CpuOptions(threads=1), CpuOptions(gemm="mm_loop"), CpuOptions.session7(),
+@pytest.mark.parametrize("options", [CpuOptions(threads=1), CpuOptions(gemm="mm_loop"), CpuOptions(gemm="onednn_fused"),
+                                     CpuOptions.session7(),
                                      CpuOptions(admit_early=False)])
 @pytest.mark.parametrize("place", ["cpu", "auto"])
 def test_cpu_options_keep_the_plain_layers_output(options, place):
@@ -111,7 +112,7 @@ def test_options_and_thread_candidates():
 def test_measured_costs_carry_their_thread_count_and_a_margin():
     off = OffloadedMoE.from_moe(_moe(), cache_experts=2, compute_misses_on="auto")
     costs = off.measure_costs(tokens=4, repeats=2)
-    assert costs.cpu_threads in thread_candidates(None) and costs.cpu_margin >= 1.0
+    assert costs.cpu_threads in thread_candidates(None) and costs.cpu_gemm in CPU_GEMMS and costs.cpu_margin >= 1.0
     assert costs.cpu_step_s >= 0 and costs.cpu_expert_s >= 0 and costs.cpu_token_s >= 0
     with pytest.raises(ValueError, match="tokens"):
         off.measure_costs(tokens=1)

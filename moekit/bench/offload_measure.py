@@ -122,6 +122,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
+            "cpu_gemm": costs.cpu_gemm,
             "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
             "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
             "skews": STREAMS,

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
                   f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
                   f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward at {doc['cpu_threads']} "
-                  f"threads, margin {doc['cpu_margin']:.2f}; setup "
+                  f"threads ({doc['cpu_gemm']}), margin {doc['cpu_margin']:.2f}; setup "
                   f"{sum(doc['setup_s'].values()):.0f} s, table {doc['table_s']:.0f} s; wrote {path}")
     return 0
 

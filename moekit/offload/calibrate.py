@@ -7,10 +7,11 @@
                on cold experts (no expert timed twice while E allows), the median of ``repeats``:
                1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
 
-The thread count is chosen here too when the layer's ``CpuOptions.threads`` is None: torch's count,
-3/4 and 1/2 of it, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
-FLOPs, set the time, and fewer threads may stream them as fast with less contention); the fastest
-is kept in ``MissCosts.cpu_threads``. ``cpu_margin`` is ``cost.margin_of`` those timings.
+The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
+None: torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
+x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
+stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
+``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from moekit.offload.cpu_path import CPU_GEMMS
 from moekit.offload.cost import (
     MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
@@ -32,21 +34,23 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
     c = layer.config
     k = max(c.top_k, 2)
     groups = _cold_groups(c.num_experts, k)
-    branch(layer, next(groups), 1, 1, None)  # the first call pays one-off setup
+    gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else list(CPU_GEMMS)
+    for gemm in gemms:
+        branch(layer, next(groups), 1, 1, None, gemm)  # the first call pays one-off setup
 
-    def timings(experts: int, m: int, threads: int | None) -> list[float]:
-        return [branch(layer, next(groups), experts, m, threads) for _ in range(repeats)]
+    def timings(experts: int, m: int, setting: tuple[int, str]) -> list[float]:
+        return [branch(layer, next(groups), experts, m, *setting) for _ in range(repeats)]
 
-    candidates = thread_candidates(layer.cpu_options.threads)
-    spread = {t: timings(k, 1, t) for t in candidates}
-    threads = min(candidates, key=lambda t: statistics.median(spread[t]))
-    one, many = timings(1, 1, threads), timings(k, tokens, threads)
-    step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[threads], many)),
+    candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
+    spread = {s: timings(k, 1, s) for s in candidates}
+    best = min(candidates, key=lambda s: statistics.median(spread[s]))
+    one, many = timings(1, 1, best), timings(k, tokens, best)
+    step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[best], many)),
                                                  experts=k, tokens=tokens)
     dev = layer.cache.device
     return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
-                     gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[threads], many]),
-                     cpu_threads=threads)
+                     gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
+                     cpu_threads=best[0], cpu_gemm=best[1])
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
@@ -57,9 +61,9 @@ def thread_candidates(fixed: int | None) -> list[int]:
     return sorted({n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
 
 
-def branch(layer, group: list[int], experts: int, m: int, threads: int | None) -> float:
+def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
     """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
-    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU; link busy."""
+    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``); link busy."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)
@@ -71,7 +75,7 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None) -
         torch.cuda.synchronize(dev)
     with link_busy(dev):
         staged = layer._cpu.stage([x, ids, weights])
-        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu), dev, len(on_cpu),
+        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
                           m * len(on_cpu), threads)
     return layer._cpu.last.total_s
 

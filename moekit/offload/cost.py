@@ -50,6 +50,7 @@ class MissCosts:
     gpu_bytes_per_s: float = math.inf  # the GPU's expert read rate (hits and fetched misses computed)
     cpu_margin: float = 1.0  # the CPU side is priced at this multiple of its model (module docstring)
     cpu_threads: int | None = None  # torch threads the CPU costs were measured at (and layers run at)
+    cpu_gemm: str | None = None  # the CPU GEMM they were measured with (``cpu_path.CPU_GEMMS``; likewise)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:

@@ -29,20 +29,21 @@ class CpuOptions:
     """How the CPU branch runs. The defaults are this session's path; ``CpuOptions.session7()`` the last one."""
 
     threads: int | None = None  # torch intra-op threads for the CPU experts; None: MissCosts.cpu_threads, else torch's
-    gemm: str = "onednn_fused"  # grouped_mm's cpu_gemm for the misses, one of CPU_GEMMS
+    gemm: str | None = None  # grouped_mm's cpu_gemm for the misses (CPU_GEMMS); None: MissCosts.cpu_gemm, else the first
     reuse_staging: bool = True  # keep the pinned staging buffers (False: one pinned allocation per copy)
     admit_early: bool = True  # queue the forward's admissions before the CPU compute, so they overlap it
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"CpuOptions.threads must be an int >= 1 or None, got {self.threads!r}")
-        if self.gemm not in CPU_GEMMS:
+        if self.gemm is not None and self.gemm not in CPU_GEMMS:
             raise ValueError(f"CpuOptions.gemm must be one of {CPU_GEMMS}, got {self.gemm!r}")
 
     @classmethod
     def session7(cls) -> "CpuOptions":
-        """The previous path: buffers allocated per forward, admissions queued after the CPU compute."""
-        return cls(reuse_staging=False, admit_early=False)
+        """The previous path: buffers allocated per forward, admissions queued after the CPU compute, the
+        oneDNN loop at torch's thread count (now)."""
+        return cls(threads=torch.get_num_threads(), gemm="onednn_fused", reuse_staging=False, admit_early=False)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class CpuPath:
         self.pin = device.type == "cuda"
         self.buffers = staging.Buffers(pin=self.pin) if options.reuse_staging else None
         self.last: CpuPhases | None = None
+
+    def setting(self, costs) -> tuple[int | None, str]:
+        """(threads, gemm) of a forward: the options', else those ``costs`` (a MissCosts or None) were
+        measured at, else torch's thread count and the first of CPU_GEMMS."""
+        threads = self.options.threads or (costs.cpu_threads if costs is not None else None)
+        gemm = self.options.gemm or (costs.cpu_gemm if costs is not None else None) or CPU_GEMMS[0]
+        return threads, gemm
 
     def stage(self, tensors: list[torch.Tensor]) -> Staged:
         start = time.perf_counter()

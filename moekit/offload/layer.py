@@ -29,6 +29,7 @@ Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -105,7 +106,6 @@ class OffloadedMoE(MoE):
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
-        layer._cpu_fn = _cpu_experts_fn(layer._cpu.options.gemm)
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
@@ -151,9 +151,9 @@ class OffloadedMoE(MoE):
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
-            threads = self._cpu.options.threads or (self.costs.cpu_threads if self.costs is not None else None)
-            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu), x2d.device,
-                                             len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
+            threads, gemm = self._cpu.setting(self.costs)
+            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
+                                             x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
             if not early:
                 cache.admit(self.layer_id, plan.admit, stats)
         else:
@@ -183,7 +183,8 @@ class OffloadedMoE(MoE):
             return tokens, list(nxt._last_touched)
         return tokens, [i for i, c in enumerate(host[e + 3: e + 3 + nxt.config.num_experts]) if c]
 
-    def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int]) -> torch.Tensor:
+    def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int],
+                     gemm: str) -> torch.Tensor:
         """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights:
         float ones read in place through ``expert_map``; quantized ones selected first (their packed
         bytes copied) so the CPU backend dequantizes only those experts, not the whole layer."""
@@ -196,7 +197,7 @@ class OffloadedMoE(MoE):
             cpu_map[on_cpu] = torch.arange(len(on_cpu), dtype=torch.int32)
             w13, w2, b13, b2 = host.select(on_cpu)
         x, ids, weights = inputs
-        return call_backend(self._cpu_fn, x, w13, w2, ids, weights, activation=self.config.activation,
+        return call_backend(_cpu_experts_fn(gemm), x, w13, w2, ids, weights, activation=self.config.activation,
                             expert_map=cpu_map, b13=b13, b2=b2)
 
     def _plan(self, tokens: dict[int, int], hits: int) -> MissPlan:
@@ -270,6 +271,7 @@ def expert_nbytes(moe: MoE) -> int:
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
 
 
+@functools.cache
 def _cpu_experts_fn(gemm: str):
     """The CPU experts function for misses: grouped_mm with ``cpu_gemm=gemm``: "onednn_fused", its
     per-expert oneDNN loop on the plain weights, or "mm_loop", torch's mm per expert. Its default also
