@@ -19,7 +19,7 @@ whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens 
 
 ``cpu_margin`` (>= 1) prices the CPU side pessimistically: "auto" sends a miss to the CPU only where
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
-measurement: the worst repeat over the median of the calibration's own timings (``margin_of``), raised
+measurement: the worst repeats over the medians of the calibration's own timings (``margin_of``), raised
 by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
 (``MissCosts.observed``). ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
 same to fetch and more tokens cost more on the CPU, so the best split with j experts on the CPU puts
@@ -180,5 +180,9 @@ def fit_cpu_branch(one: float, spread: float, many: float, experts: int, tokens:
 
 
 def margin_of(timings: list[list[float]]) -> float:
-    """The worst repeat over its median, over groups of repeated timings of one call (at least 1)."""
-    return max([1.0] + [max(t) / statistics.median(t) for t in timings if t and statistics.median(t) > 0])
+    """Groups of repeated timings (one call each) -> the sum of each group's worst repeat over the sum of
+    its medians (at least 1): how much slower than the fitted medians the branch ran, weighted by time,
+    so one outlier in a short timing does not set it alone."""
+    groups = [t for t in timings if t]
+    medians = sum(statistics.median(t) for t in groups)
+    return max(1.0, sum(max(t) for t in groups) / medians) if medians > 0 else 1.0

@@ -12,7 +12,9 @@ the next layer's predicted counts ride on the same copy), then:
   computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
   between the two by ``cost.split_misses`` (``"auto"``: the cheapest split of the forward's whole miss
   set, priced by ``measure_costs``); the partial outputs add in float32 (``plan`` decides, and the
-  cache what-if replays the same decision);
+  cache what-if replays the same decision); the CPU branch (``cpu_path``) stages its inputs through
+  reused pinned buffers, queues this forward's admissions before it computes (they travel meanwhile),
+  runs at the thread count and GEMM the costs were measured at, and records its phases (``last_cpu``);
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
 - afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
