@@ -79,13 +79,15 @@ class _Run:
     policy: str
     prefetch: bool
     place: str
+    admit: int | None = None  # admit_per_forward (None: the plan's default)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
-                    observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None) -> dict:
+                    observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
+                    admit_per_forward: int | None = None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -93,7 +95,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     ``cpu_options``: the layers' CPU branch (``CpuOptions``; None: the defaults). ``observed_margin``: raise
     the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
     (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shell`` / ``costs``: a host
-    layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt."""
+    layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
@@ -102,7 +105,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     clock.append(time.perf_counter())
     costs = costs if costs is not None else measure_costs(shell, device, options)
     clock.append(time.perf_counter())
-    warm = _warm_up(shell, config, layers, batches, places, costs, device, options)
+    warm = _warm_up(shell, config, layers, batches, places, costs, device, options, admit_per_forward)
     if observed_margin and sum(r["cpu_model_ms"] for r in warm) > 0:
         costs = costs.observed(sum(r["cpu_ms"] for r in warm), sum(r["cpu_model_ms"] for r in warm))
     clock.append(time.perf_counter())
@@ -113,7 +116,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
                                  seed=3)
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
-            for group in _groups(stream, experts * layers, fractions, policies, places):
+            for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward):
                 for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device, options)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.place, m, **row))
@@ -152,22 +155,22 @@ def timed_steps(steps: int, m: int) -> int:
     return steps * max(1, 4 // m)
 
 
-def _groups(stream: str, total: int, fractions, policies, places) -> list[list[_Run]]:
+def _groups(stream: str, total: int, fractions, policies, places, admit: int | None = None) -> list[list[_Run]]:
     """The cells of one (stream, M), grouped by (fraction, policy, prefetch): one cell per place in a
     group. Prefetch on and off on skewed streams, off on uniform ones."""
     prefetches = (False, True) if stream == "skewed" else (False,)
-    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place) for place in places]
+    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place, admit) for place in places]
             for f in fractions for policy in policies for prefetch in prefetches]
 
 
-def _warm_up(shell, config, layers, batches, places, costs, device, options) -> list[dict]:
+def _warm_up(shell, config, layers, batches, places, costs, device, options, admit) -> list[dict]:
     """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
     for every M and runs the CPU path, so no cell pays a first call. The rows of the second steps."""
     rows = []
     for m in batches:
         data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
-        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place) for place in places]
+        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place, admit) for place in places]
         rows += _cells(shell, config, routings, data.trace, runs, 1, costs, device, options)
     return rows
 
@@ -251,7 +254,7 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
     steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs,
-                                    cpu_options=options) for _ in range(trace.num_layers)]
+                                    admit_per_forward=run.admit, cpu_options=options) for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers
@@ -259,7 +262,8 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
 
 def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
     """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
-    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes)
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes,
+                admit_per_forward=run.admit)
 
 
 def _row(run: _Run, times: list[float], floors: list[float], timed: OffloadStats, trace: RoutingTrace, warm: int,
