@@ -14,9 +14,13 @@ streams the table has prefetch off and on). The layers share one host weight set
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 
 The floor of a step, from the rates measured first and the counts measured in it: the sum over layers
-of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, CPU misses' experts x
-cpu_expert_s + their tokens x cpu_token_s), and at least every byte the link moved (prefetches and
-admissions too) / link. The simulated hit rate replays the same stream, policy, cache size, prefetch
+of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses'
+experts x cpu_expert_s + their tokens x cpu_token_s (0 without CPU misses)), and at least every byte
+the link moved (prefetches and admissions too) / link; no margin. Each row also carries the CPU
+branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
+prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
+over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
+measured / modelled time when larger (``MissCosts.observed``). The simulated hit rate replays the same stream, policy, cache size, prefetch
 and ``compute_misses_on`` (with the same measured costs) through ``moekit.offload.whatif.replay``.
 
 Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layers, C cache slots.
@@ -105,9 +109,9 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     clock.append(time.perf_counter())
     costs = costs if costs is not None else measure_costs(shell, device, options)
     clock.append(time.perf_counter())
-    warm = _warm_up(shell, config, layers, batches, places, costs, device, options, admit_per_forward)
-    if observed_margin and sum(r["cpu_model_ms"] for r in warm) > 0:
-        costs = costs.observed(sum(r["cpu_ms"] for r in warm), sum(r["cpu_model_ms"] for r in warm))
+    warm_rows = _warm_up(shell, config, layers, batches, places, costs, device, options, admit_per_forward)
+    if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
+        costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
     rows = []
     for stream in streams:
