@@ -128,7 +128,8 @@ def main() -> int:
     shell = host_shell(config, torch.bfloat16 if cuda else torch.float32, device)
     result["setup_s"] = time.perf_counter() - START
     n = torch.get_num_threads()
-    threads = sorted({t for t in (n, 12, 8, 4) if t <= max(n, 1)}, reverse=True)
+    top = max(n, os.cpu_count() or 1)
+    threads = sorted({t for t in (top, n, 12, 8, 4) if t <= top}, reverse=True)
     result["phases"] = phase_rows(shell, device, threads, repeats=3)
     clock = time.perf_counter()
     costs = measure_costs(shell, device, CpuOptions())

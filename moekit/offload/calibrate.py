@@ -8,7 +8,7 @@
                1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
-None: torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
+None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
 x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
 stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
 ``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings.
@@ -16,6 +16,7 @@ stream them as fast with less contention); the fastest pair is kept in ``MissCos
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Iterator
 
@@ -54,11 +55,12 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
-    """The thread counts to try: ``fixed`` alone, else torch's count, 3/4 and 1/2 of it (distinct)."""
+    """The thread counts to try: ``fixed`` alone, else the machine's logical CPUs (torch may default to
+    the physical cores), torch's count, 3/4 and 1/2 of it (distinct, largest first)."""
     if fixed is not None:
         return [fixed]
     n = torch.get_num_threads()
-    return sorted({n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+    return sorted({max(n, os.cpu_count() or 1), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
 
 
 def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
