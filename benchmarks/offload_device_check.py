@@ -31,7 +31,7 @@ import torch
 from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE
-from moekit.offload.calibrate import branch
+from moekit.offload.calibrate import branch, most_threads
 
 LIMIT_S = 110.0  # hard limit: later parts are skipped past it
 START = time.perf_counter()
@@ -128,7 +128,7 @@ def main() -> int:
     shell = host_shell(config, torch.bfloat16 if cuda else torch.float32, device)
     result["setup_s"] = time.perf_counter() - START
     n = torch.get_num_threads()
-    top = max(n, os.cpu_count() or 1)
+    top = most_threads()
     threads = sorted({t for t in (top, n, 12, 8, 4) if t <= top}, reverse=True)
     result["phases"] = phase_rows(shell, device, threads, repeats=3)
     clock = time.perf_counter()

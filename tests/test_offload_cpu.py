@@ -12,7 +12,7 @@ import torch
 from moekit import MoE, MoEConfig
 from moekit.offload import CpuOptions, CpuPhases, MissCosts, OffloadedMoE
 from moekit.offload import staging
-from moekit.offload.calibrate import thread_candidates
+from moekit.offload.calibrate import most_threads, thread_candidates
 from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 
 from _helpers import TOLERANCE, rel_l2
@@ -105,8 +105,8 @@ def test_options_and_thread_candidates():
         OffloadedMoE.from_moe(_moe(), cache_experts=2, cpu_options={"threads": 2})
     assert thread_candidates(3) == [3]
     n = torch.get_num_threads()
-    top = max(n, os.cpu_count() or 1)
-    assert thread_candidates(None)[0] == top and n in thread_candidates(None)
+    top = min(max(n, len(os.sched_getaffinity(0))), 2 * n)
+    assert most_threads() == top and thread_candidates(None)[0] == top and n in thread_candidates(None)
     assert all(1 <= t <= top for t in thread_candidates(None))
     with torch_threads(1) as used:
         assert used == 1 and torch.get_num_threads() == 1

@@ -55,12 +55,20 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
-    """The thread counts to try: ``fixed`` alone, else the machine's logical CPUs (torch may default to
-    the physical cores), torch's count, 3/4 and 1/2 of it (distinct, largest first)."""
+    """The thread counts to try: ``fixed`` alone, else ``most_threads()``, torch's count, 3/4 and 1/2 of
+    it (distinct, largest first)."""
     if fixed is not None:
         return [fixed]
     n = torch.get_num_threads()
-    return sorted({max(n, os.cpu_count() or 1), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+    return sorted({most_threads(), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+
+
+def most_threads() -> int:
+    """The CPUs this process may run on (torch may default to the physical cores), at most twice torch's
+    count (a container's affinity can list far more CPUs than its share)."""
+    n = torch.get_num_threads()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(max(n, usable), 2 * n)
 
 
 def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
