@@ -9,8 +9,9 @@
 3. The M = 1 table of ``moekit bench --offload`` (both streams, every fraction / policy / prefetch;
    gpu, cpu, auto) per variant: "s7" (session 7's path: per-call staging, admissions after the CPU
    compute, no margin), "new" (reused staging, admissions overlapping the compute, the measured
-   margin), "new-m2" (margin at least 2: the margin's share), "new-a1" (one admission per forward with
-   CPU misses, so auto's CPU experts still enter the cache); and "new" at M = 8 if time is left. Per variant: each mode's x floor range, auto / best pure mode, the CPU branch's
+   margin); then, lru only: "late" (the new path with admissions after the CPU compute), "new-m2"
+   (margin at least 2: the margin's share), "new-a1" (one admission per forward with CPU misses, so
+   auto's CPU experts still enter the cache), and "new" at M = 8, as time allows. Per variant: each mode's x floor range, auto / best pure mode, the CPU branch's
    measured / modelled time and its phases per step.
 
 The short table is printed last; JSON goes to $OUT/offload_device_check.json when $OUT is set. Without
@@ -71,7 +72,7 @@ def phase_rows(shell, device, threads: list[int], repeats: int) -> list[dict]:
 
 
 def variant(name: str, shell, device, costs, options: CpuOptions, margin: bool, batches, shape,
-            admit: int | None) -> dict:
+            admit: int | None, policies: tuple[str, ...]) -> dict:
     rows = []
 
     def progress(r):
@@ -82,12 +83,12 @@ def variant(name: str, shell, device, costs, options: CpuOptions, margin: bool, 
     start = time.perf_counter()
     complete = True
     try:
-        doc = measure_offload(device, batches=batches, shell=shell, costs=costs, cpu_options=options,
+        doc = measure_offload(device, batches=batches, shell=shell, costs=costs, cpu_options=options, policies=policies,
                               observed_margin=margin, on_progress=progress, admit_per_forward=admit, **shape)
         margin_used = doc["cpu_margin"]
     except OutOfTime:
         complete, margin_used = False, float("nan")
-    return {"name": name, "options": dataclasses.asdict(options), "admit_per_forward": admit,
+    return {"name": name, "options": dataclasses.asdict(options), "admit_per_forward": admit, "policies": policies,
             "batches": list(batches), "complete": complete,
             "cpu_margin": margin_used, "seconds": time.perf_counter() - start, "rows": rows}
 
@@ -137,15 +138,19 @@ def main() -> int:
     result["costs_s"] = time.perf_counter() - clock
     plain = dataclasses.replace(costs, cpu_margin=1.0)
     wide = dataclasses.replace(costs, cpu_margin=max(costs.cpu_margin, 2.0))
-    variants = [("new", CpuOptions(), costs, True, (1,), None), ("s7", CpuOptions.session7(), plain, False, (1,), None),
-                ("new-m2", CpuOptions(), wide, True, (1,), None), ("new-a1", CpuOptions(), costs, True, (1,), 1),
-                ("new", CpuOptions(), costs, True, (8,), None)]
+    both, lru = ("lfu", "lru"), ("lru",)
+    variants = [("new", CpuOptions(), costs, True, (1,), None, both),
+                ("s7", CpuOptions.session7(), plain, False, (1,), None, both),
+                ("late", CpuOptions(admit_early=False), costs, True, (1,), None, lru),
+                ("new-m2", CpuOptions(), wide, True, (1,), None, lru),
+                ("new-a1", CpuOptions(), costs, True, (1,), 1, lru),
+                ("new", CpuOptions(), costs, True, (8,), None, lru)]
     result["variants"] = []
-    for name, options, c, margin, batches, admit in variants:
-        if _left() < (25 if batches == (1,) else 20):
+    for name, options, c, margin, batches, admit, policies in variants:
+        if _left() < (12 if policies == lru else 22):
             result.setdefault("skipped", []).append(f"{name} M={batches}")
             continue
-        result["variants"].append(variant(name, shell, device, c, options, margin, batches, shape, admit))
+        result["variants"].append(variant(name, shell, device, c, options, margin, batches, shape, admit, policies))
     result["digest"] = [digest(v) for v in result["variants"]]
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):
