@@ -29,9 +29,16 @@ def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -
     return max(gpu, cpu)
 
 
+def _cost_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -> float:
+    """The forward's time plus, per CPU expert (left uncached), one fetch times the chance it is needed
+    again while a fetched copy would still be cached: this forward's hit rate."""
+    h = hits / (hits + len(tokens))
+    return _step_s(on_cpu, tokens, hits, c) + len(on_cpu) * h * BYTES / c.link_bytes_per_s
+
+
 def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts) -> float:
     experts = list(tokens)
-    return min(_step_s(set(s), tokens, hits, c)
+    return min(_cost_s(set(s), tokens, hits, c)
                for r in range(len(experts) + 1) for s in itertools.combinations(experts, r))
 
 
@@ -57,11 +64,22 @@ def test_split_misses_finds_the_brute_force_optimum():
         split = split_misses(tokens, BYTES, costs, hits)
         assert sorted(split.fetch + split.cpu) == sorted(tokens)
         best = _brute_force(tokens, hits, costs)
-        assert _step_s(set(split.cpu), tokens, hits, costs) == pytest.approx(best, rel=1e-12, abs=1e-15)
-        assert split.step_s == pytest.approx(best, rel=1e-12, abs=1e-15)  # its own prediction is the model's
-        assert best <= min(_step_s(set(), tokens, hits, costs), _step_s(set(tokens), tokens, hits, costs))
+        assert _cost_s(set(split.cpu), tokens, hits, costs) == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert split.cost_s == pytest.approx(best, rel=1e-12, abs=1e-15)  # its own prediction is the model's
+        assert split.step_s == pytest.approx(_step_s(set(split.cpu), tokens, hits, costs), rel=1e-12, abs=1e-15)
+        assert best <= min(_cost_s(set(), tokens, hits, costs), _cost_s(set(tokens), tokens, hits, costs))
         mixed += bool(split.fetch) and bool(split.cpu)
     assert mixed > 30  # the cases exercise real splits, not only the pure choices
+
+
+def test_a_warm_cache_charges_cpu_experts_their_refetch():
+    # 4 misses at 1.6 ms a fetch, one CPU expert 5.0 ms: on the CPU it saves 1.4 ms of this forward ...
+    costs = MissCosts(link_bytes_per_s=BYTES / 1.6e-3, cpu_expert_s=2.0e-3, cpu_token_s=0.0, cpu_step_s=3.0e-3)
+    misses = {e: 1 for e in range(4)}
+    assert split_misses(misses, BYTES, costs, hits=0).cpu == [0]
+    # ... but with 36 hits (h = 0.9) it would cost 0.9 x 1.6 = 1.44 ms later: fetching wins
+    split = split_misses(misses, BYTES, costs, hits=36)
+    assert split.cpu == [] and split.refetch_s == 0.0 and split.cost_s == pytest.approx(4 * 1.6e-3)
 
 
 def test_split_prefers_fetching_on_a_tie():

@@ -129,8 +129,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
-            "cpu_gemm": costs.cpu_gemm,
-            "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
+            "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
             "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
             "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
@@ -212,8 +211,9 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
            costs: MissCosts, device, options: CpuOptions) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
-    device; the first untimed). The runs take turns step by step (with Python's garbage collector off),
-    so slow drifts of the machine fall on every mode alike. The rows' measured fields, per run."""
+    device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
+    fall on every mode alike, in an order rotated each step, so each follows every other equally often
+    (a CPU-heavy step leaves the host's threads busy for the next). The rows' measured fields, per run."""
     stacks = [_stack(shell, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
     times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
@@ -222,7 +222,8 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
     gc.disable()
     try:
         for step, per_layer in enumerate(routings):
-            for j, (run, layers) in enumerate(zip(runs, stacks)):
+            for j in [(step + i) % len(runs) for i in range(len(runs))]:
+                run, layers = runs[j], stacks[j]
                 _sync(device)
                 start = time.perf_counter()
                 done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
