@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.offload import MissCosts, plan_misses, split_misses
-from moekit.offload.cost import fit_cpu_costs
+from moekit.offload.cost import fit_cpu_branch, margin_of
 
 BYTES = 1000
 
@@ -18,19 +18,27 @@ BYTES = 1000
 def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -> float:
     """The forward's time with ``on_cpu`` computed on the CPU and the other misses fetched: the GPU
     computes its hits while the fetches travel, then the fetched experts; the CPU pays its fixed
-    staging price and each of its experts one after another; the two sides run at once."""
+    staging price and each of its experts one after another, all priced at the margin; the two sides
+    run at once."""
     fetched = len(tokens) - len(on_cpu)
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     gpu = max(hits * read, fetched * link) + fetched * read
     cpu = 0.0
     if on_cpu:
-        cpu = c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu)
+        cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu))
     return max(gpu, cpu)
+
+
+def _cost_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -> float:
+    """The forward's time plus, per CPU expert (left uncached), one fetch times the chance it is needed
+    again while a fetched copy would still be cached: this forward's hit rate."""
+    h = hits / (hits + len(tokens))
+    return _step_s(on_cpu, tokens, hits, c) + len(on_cpu) * h * BYTES / c.link_bytes_per_s
 
 
 def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts) -> float:
     experts = list(tokens)
-    return min(_step_s(set(s), tokens, hits, c)
+    return min(_cost_s(set(s), tokens, hits, c)
                for r in range(len(experts) + 1) for s in itertools.combinations(experts, r))
 
 
@@ -43,7 +51,8 @@ def _random_case(gen: torch.Generator) -> tuple[dict[int, int], int, MissCosts]:
     tokens = {e: int(torch.randint(1, 30, (1,), generator=gen)) for e in experts}
     hits = int(torch.randint(0, 20, (1,), generator=gen))
     costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 3.0), cpu_token_s=u(0.0, 0.2),
-                      cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf)
+                      cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf,
+                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0))
     return tokens, hits, costs
 
 
@@ -55,11 +64,22 @@ def test_split_misses_finds_the_brute_force_optimum():
         split = split_misses(tokens, BYTES, costs, hits)
         assert sorted(split.fetch + split.cpu) == sorted(tokens)
         best = _brute_force(tokens, hits, costs)
-        assert _step_s(set(split.cpu), tokens, hits, costs) == pytest.approx(best, rel=1e-12, abs=1e-15)
-        assert split.step_s == pytest.approx(best, rel=1e-12, abs=1e-15)  # its own prediction is the model's
-        assert best <= min(_step_s(set(), tokens, hits, costs), _step_s(set(tokens), tokens, hits, costs))
+        assert _cost_s(set(split.cpu), tokens, hits, costs) == pytest.approx(best, rel=1e-12, abs=1e-15)
+        assert split.cost_s == pytest.approx(best, rel=1e-12, abs=1e-15)  # its own prediction is the model's
+        assert split.step_s == pytest.approx(_step_s(set(split.cpu), tokens, hits, costs), rel=1e-12, abs=1e-15)
+        assert best <= min(_cost_s(set(), tokens, hits, costs), _cost_s(set(tokens), tokens, hits, costs))
         mixed += bool(split.fetch) and bool(split.cpu)
     assert mixed > 30  # the cases exercise real splits, not only the pure choices
+
+
+def test_a_warm_cache_charges_cpu_experts_their_refetch():
+    # 4 misses at 1.6 ms a fetch, one CPU expert 5.0 ms: on the CPU it saves 1.4 ms of this forward ...
+    costs = MissCosts(link_bytes_per_s=BYTES / 1.6e-3, cpu_expert_s=2.0e-3, cpu_token_s=0.0, cpu_step_s=3.0e-3)
+    misses = {e: 1 for e in range(4)}
+    assert split_misses(misses, BYTES, costs, hits=0).cpu == [0]
+    # ... but with 36 hits (h = 0.9) it would cost 0.9 x 1.6 = 1.44 ms later: fetching wins
+    split = split_misses(misses, BYTES, costs, hits=36)
+    assert split.cpu == [] and split.refetch_s == 0.0 and split.cost_s == pytest.approx(4 * 1.6e-3)
 
 
 def test_split_prefers_fetching_on_a_tie():
@@ -93,11 +113,40 @@ def test_plan_admits_only_into_the_links_idle_time():
         plan_misses("auto", tokens, 0, BYTES, None)
 
 
-def test_fit_cpu_costs_recovers_a_line():
-    per_expert, per_token = fit_cpu_costs(one=8 * (3e-3 + 1 * 2e-5), many=8 * (3e-3 + 16 * 2e-5), experts=8, tokens=16)
-    assert per_expert == pytest.approx(3e-3) and per_token == pytest.approx(2e-5)
+def test_admissions_fit_the_modelled_cpu_time_not_the_margined_price():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.5 * BYTES, cpu_token_s=0.0, cpu_margin=2.0)
+    plan = plan_misses("cpu", {1: 5, 2: 1, 3: 9}, 0, BYTES, costs)
+    assert plan.cpu == [1, 2, 3] and plan.admit == [3]  # 1.5 fetches of CPU time: one admission, not three
+
+
+def test_fit_cpu_branch_recovers_step_expert_and_token_costs():
+    step, expert, token = 4e-4, 3e-3, 2e-5
+
+    def t(experts, tokens):
+        return step + experts * (expert + tokens * token)
+
+    got = fit_cpu_branch(one=t(1, 1), spread=t(8, 1), many=t(8, 16), experts=8, tokens=16)
+    assert got == pytest.approx((step, expert, token))
     with pytest.raises(ValueError, match="tokens"):
-        fit_cpu_costs(1.0, 2.0, experts=8, tokens=1)
+        fit_cpu_branch(1.0, 2.0, 3.0, experts=8, tokens=1)
+
+
+def test_margin_is_the_worst_repeats_over_the_medians():
+    assert margin_of([[1.0, 1.2, 1.1], [2.0, 2.0, 3.0]]) == pytest.approx((1.2 + 3.0) / (1.1 + 2.0))
+    assert margin_of([[1.0, 1.0]]) == 1.0 and margin_of([]) == 1.0
+    with pytest.raises(ValueError, match="cpu_margin"):
+        MissCosts(1.0, 1.0, 0.0, cpu_margin=0.5)
+
+
+def test_margin_sends_a_small_predicted_win_over_the_link():
+    # one miss of 1 token: the CPU (1.5 ms) beats a 2 ms fetch by the model, not with 1.4x its price
+    costs = MissCosts(link_bytes_per_s=BYTES / 2e-3, cpu_expert_s=1.2e-3, cpu_token_s=0.0, cpu_step_s=0.3e-3)
+    assert split_misses({5: 1}, BYTES, costs).cpu == [5]
+    pessimistic = costs.observed(measured_s=2.1e-3, predicted_s=1.5e-3)
+    assert pessimistic.cpu_margin == pytest.approx(1.4)
+    assert costs.observed(1.0e-3, 1.5e-3).cpu_margin == 1.0  # never below 1
+    split = split_misses({5: 1}, BYTES, pessimistic)
+    assert split.cpu == [] and split.step_s == pytest.approx(2e-3)
 
 
 def test_measure_costs_times_the_layers_own_cpu_path():
@@ -110,7 +159,9 @@ def test_measure_costs_times_the_layers_own_cpu_path():
     off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="auto")
     costs = off.measure_costs(tokens=4)
     assert all(math.isfinite(v) and v >= 0 for v in (costs.cpu_expert_s, costs.cpu_token_s, costs.cpu_step_s))
-    assert costs.cpu_expert_s + costs.cpu_token_s > 0 and costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
+    # at these tiny shapes timing noise may clamp the per-expert or per-token share to 0, never the whole branch
+    assert costs.cpu_step_s + costs.cpu_expert_s + costs.cpu_token_s > 0
+    assert costs.link_bytes_per_s > 0 and costs.gpu_bytes_per_s > 0
     x = torch.randn(5, 64)
     torch.testing.assert_close(off(x), moe(x))  # "auto" without costs measures them on first use
     assert off.costs is not None

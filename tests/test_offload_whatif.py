@@ -92,6 +92,20 @@ def test_offload_byte_model_follows_its_formulas():
     assert c.step_time_cpu_s == pytest.approx(58 * max(0.25 * gpu_s, cpu_s))
 
 
+def test_offload_cpu_column_streams_each_missed_experts_bytes():
+    # decode on the CPU is bound by the weights' bytes: misses x expert bytes / read rate + a step price
+    cfg = MoEConfig(hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8, num_moe_layers=2)
+    fmt, gpu = get_format("bf16"), get_gpu("h200")
+    c = offload_cost(cfg, 1, fmt, gpu, link_bytes_s=55e9, cache_experts=128, cpu_read_bytes_s=49e9, cpu_step_s=3e-4)
+    expert_bytes = 3 * 7168 * 2048 * 2
+    misses = 8 * 0.75  # one token touches 8 experts; a quarter of all experts cached
+    assert c.missed_experts == pytest.approx(misses)
+    assert c.cpu_time_s == pytest.approx(3e-4 + misses * expert_bytes / 49e9)
+    both = offload_cost(cfg, 1, fmt, gpu, link_bytes_s=55e9, cache_experts=128, cpu_read_bytes_s=49e9,
+                        cpu_step_s=3e-4, cpu_flops=1e12)
+    assert both.cpu_time_s == pytest.approx(c.cpu_time_s + misses * 6 * 7168 * 2048 / 1e12)
+
+
 def test_analyze_offload_cli(capsys):
     from moekit.cli import main
 
@@ -99,6 +113,14 @@ def test_analyze_offload_cli(capsys):
                  "--cache-experts", "64", "--hit-rate", "0.6", "--batches", "1,8", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["offload"]
     assert [r["batch"] for r in rows] == [1, 8] and all(r["hit_rate"] == 0.6 for r in rows)
+    assert all(r["step_time_cpu_s"] is None for r in rows)
+    assert main(["analyze", "--preset", "mixtral-8x7b", "--gpu", "h200", "--dtype", "bf16", "--offload",
+                 "--cache-experts", "64", "--hit-rate", "0.6", "--batches", "1", "--cpu-gbps", "49",
+                 "--cpu-step-us", "300", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["offload"]
+    assert row["cpu_time_s"] == pytest.approx(3e-4 + row["link_time_s"] * 25e9 / 49e9)  # link at the default 25 GB/s
+    assert "--cpu-gbps must be positive" in cli_error(
+        capsys, ["analyze", "--preset", "mixtral-8x7b", "--offload", "--cpu-gbps", "0"])
     assert "--hit-rate must be in [0, 1]" in cli_error(
         capsys, ["analyze", "--preset", "mixtral-8x7b", "--offload", "--hit-rate", "2"])
     assert "--cache-experts must be in" in cli_error(
@@ -133,6 +155,15 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
     for r in rows:  # every mode: the what-if replays the same cache, decisions and stream
         assert r["hit_rate"] == pytest.approx(r["sim_hit_rate"])
         assert r["x_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
+        phases = r["cpu_stage_ms"] + r["cpu_wait_ms"] + r["cpu_compute_ms"] + r["cpu_back_ms"]
+        assert r["cpu_ms"] == pytest.approx(phases) and (r["cpu_ms"] > 0) == (r["cpu_tokens_per_step"] > 0)
+    assert doc["cpu_margin"] >= 1.0 and doc["cpu_threads"] >= 1
+    for cell in doc["cells"]:  # per cell: each mode's x floor and auto against the faster pure mode
+        same = [r for r in rows if all(r[f] == cell[f] for f in ("stream", "cache_fraction", "policy", "prefetch", "M"))]
+        assert cell["x_floor"] == {r["compute_misses_on"]: r["x_floor"] for r in same}
+        step = {r["compute_misses_on"]: r["step_ms"] for r in same}
+        assert cell["auto_vs_best"] == pytest.approx(step["auto"] / min(step["gpu"], step["cpu"]))
+    assert len(doc["cells"]) == len(rows) // 3
     out = capsys.readouterr().out
     assert "auto / better pure mode" in out and "prefetch (router) on skewed streams" in out
 

@@ -14,9 +14,13 @@ streams the table has prefetch off and on). The layers share one host weight set
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 
 The floor of a step, from the rates measured first and the counts measured in it: the sum over layers
-of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, CPU misses' experts x
-cpu_expert_s + their tokens x cpu_token_s), and at least every byte the link moved (prefetches and
-admissions too) / link. The simulated hit rate replays the same stream, policy, cache size, prefetch
+of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses'
+experts x cpu_expert_s + their tokens x cpu_token_s (0 without CPU misses)), and at least every byte
+the link moved (prefetches and admissions too) / link; no margin. Each row also carries the CPU
+branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
+prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
+over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
+measured / modelled time when larger (``MissCosts.observed``). The simulated hit rate replays the same stream, policy, cache size, prefetch
 and ``compute_misses_on`` (with the same measured costs) through ``moekit.offload.whatif.replay``.
 
 Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layers, C cache slots.
@@ -34,7 +38,7 @@ import torch
 
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload import CpuOptions, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
@@ -62,6 +66,12 @@ class OffloadRow:
     cpu_tokens_per_step: float
     link_experts_per_step: float  # fetched + prefetched + admitted
     tok_s: float
+    cpu_ms: float  # per step: host ms of the layers' CPU branches (``OffloadedMoE.last_cpu``), all phases
+    cpu_model_ms: float  # per step: what MissCosts predicts for the same CPU work (no margin)
+    cpu_stage_ms: float  # per step, by phase: queueing the inputs' copy to the host,
+    cpu_wait_ms: float  # the host waiting for it,
+    cpu_compute_ms: float  # the CPU experts,
+    cpu_back_ms: float  # the result into pinned memory and its copy queued
 
 
 @dataclass(frozen=True)
@@ -73,24 +83,35 @@ class _Run:
     policy: str
     prefetch: bool
     place: str
+    admit: int | None = None  # admit_per_forward (None: the plan's default)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
-                    scheme: str | None = None, on_progress=None) -> dict:
+                    scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
+                    observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
+                    admit_per_forward: int | None = None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
-    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``)."""
+    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
+    ``cpu_options``: the layers' CPU branch (``CpuOptions``; None: the defaults). ``observed_margin``: raise
+    the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
+    (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shell`` / ``costs``: a host
+    layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
+    options = cpu_options or CpuOptions()
     clock = [time.perf_counter()]
-    shell = _host_shell(config, dtype, device, scheme)
+    shell = shell if shell is not None else host_shell(config, dtype, device, scheme)
     clock.append(time.perf_counter())
-    costs = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device).measure_costs()
+    costs = costs if costs is not None else measure_costs(shell, device, options)
     clock.append(time.perf_counter())
-    _warm_up(shell, config, layers, batches, places, costs, device)
+    warm_rows = _warm_up(shell, config, layers, batches, places, costs, device, options, admit_per_forward)
+    if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
+        costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
     rows = []
     for stream in streams:
@@ -99,22 +120,30 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
                                  seed=3)
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
-            for group in _groups(stream, experts * layers, fractions, policies, places):
-                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device)):
+            for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward):
+                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device, options)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
-            "cpu_step_us": costs.cpu_step_s * 1e6, "experts": experts, "hidden": hidden, "inter": inter,
+            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
+            "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
             "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
             "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
             "table_s": time.perf_counter() - clock[3],
-            "rows": [asdict(r) for r in rows], "summary": summary([asdict(r) for r in rows])}
+            "rows": [asdict(r) for r in rows], "cells": by_cell([asdict(r) for r in rows]),
+            "summary": summary([asdict(r) for r in rows])}
+
+
+def measure_costs(shell: MoE, device, options: CpuOptions) -> MissCosts:
+    """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``."""
+    layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
+    return layer.measure_costs()
 
 
 def default_warm_steps(m: int) -> int:
@@ -129,25 +158,27 @@ def timed_steps(steps: int, m: int) -> int:
     return steps * max(1, 4 // m)
 
 
-def _groups(stream: str, total: int, fractions, policies, places) -> list[list[_Run]]:
+def _groups(stream: str, total: int, fractions, policies, places, admit: int | None = None) -> list[list[_Run]]:
     """The cells of one (stream, M), grouped by (fraction, policy, prefetch): one cell per place in a
     group. Prefetch on and off on skewed streams, off on uniform ones."""
     prefetches = (False, True) if stream == "skewed" else (False,)
-    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place) for place in places]
+    return [[_Run(f, max(1, round(f * total)), policy, prefetch, place, admit) for place in places]
             for f in fractions for policy in policies for prefetch in prefetches]
 
 
-def _warm_up(shell, config, layers, batches, places, costs, device) -> None:
+def _warm_up(shell, config, layers, batches, places, costs, device, options, admit) -> list[dict]:
     """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
-    for every M and runs the CPU path, so no cell pays a first call."""
+    for every M and runs the CPU path, so no cell pays a first call. The rows of the second steps."""
+    rows = []
     for m in batches:
         data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
-        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place) for place in places]
-        _cells(shell, config, routings, data.trace, runs, 1, costs, device)
+        runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place, admit) for place in places]
+        rows += _cells(shell, config, routings, data.trace, runs, 1, costs, device, options)
+    return rows
 
 
-def _host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
+def host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
     """A CPU ``MoE`` whose expert weights are one host set (pinned on CUDA), filled in chunks on ``device``;
     with a ``scheme``, quantized chunk by chunk on ``device`` and kept packed (never a float copy of the layer)."""
     shell = MoE(config, num_local_experts=0, dtype=dtype, device="cpu", fuse_shared=False, router="torch")
@@ -177,19 +208,22 @@ def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None,
 
 
 def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
-           costs: MissCosts, device) -> list[dict]:
+           costs: MissCosts, device, options: CpuOptions) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
-    device; the first untimed). The runs take turns step by step (with Python's garbage collector off),
-    so slow drifts of the machine fall on every mode alike. The rows' measured fields, per run."""
-    stacks = [_stack(shell, trace, run, warm, costs, device) for run in runs]
+    device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
+    fall on every mode alike, in an order rotated each step, so each follows every other equally often
+    (a CPU-heavy step leaves the host's threads busy for the next). The rows' measured fields, per run."""
+    stacks = [_stack(shell, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
     times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
+    phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
     gc.disable()
     try:
         for step, per_layer in enumerate(routings):
-            for j, (run, layers) in enumerate(zip(runs, stacks)):
+            for j in [(step + i) % len(runs) for i in range(len(runs))]:
+                run, layers = runs[j], stacks[j]
                 _sync(device)
                 start = time.perf_counter()
                 done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
@@ -200,20 +234,32 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                     floors[j].append(_floor(done, layers[0].cache.expert_bytes, costs))
                     for stats in done:
                         timed[j].add(stats)
+                    _add_phases(phases[j], layers, costs)
     finally:
         gc.enable()
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks  # the caches' slots, before the next group allocates its own
-    return [_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0])
+    return [_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j])
             for j, run in enumerate(runs)]
 
 
-def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device) -> list[OffloadedMoE]:
+def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
+    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``."""
+    for layer in layers:
+        p = layer.last_cpu
+        if p is not None:
+            model = costs.cpu_step_s + p.experts * costs.cpu_expert_s + p.tokens * costs.cpu_token_s
+            for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
+                total[i] += v
+
+
+def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device,
+           options: CpuOptions) -> list[OffloadedMoE]:
     """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
     steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
-    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs)
-              for _ in range(trace.num_layers)]
+    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs,
+                                    admit_per_forward=run.admit, cpu_options=options) for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers
@@ -221,18 +267,23 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
 
 def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
     """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
-    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes)
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes,
+                admit_per_forward=run.admit)
 
 
 def _row(run: _Run, times: list[float], floors: list[float], timed: OffloadStats, trace: RoutingTrace, warm: int,
-         costs: MissCosts, expert_bytes: int, m: int) -> dict:
+         costs: MissCosts, expert_bytes: int, m: int, phases: list[float]) -> dict:
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s, floor_s = len(times), statistics.fmean(times), statistics.fmean(floors)
     return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
-            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps, "tok_s": m / step_s}
+            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps, "tok_s": m / step_s,
+            **{name: v * 1e3 / steps for name, v in zip(_PHASES, phases)}}
+
+
+_PHASES = ("cpu_ms", "cpu_model_ms", "cpu_stage_ms", "cpu_wait_ms", "cpu_compute_ms", "cpu_back_ms")
 
 
 def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted: list[list[int]],
@@ -255,7 +306,8 @@ def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -
     """A step's floor in seconds (module docstring) from each layer's counts."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     layers = sum(max((s.hits + s.fetched) * read, s.fetched * link,
-                     s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s) for s in per_layer)
+                     (costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s)
+                     if s.cpu_experts else 0.0) for s in per_layer)
     moved = sum(s.fetched + s.prefetched + s.admitted for s in per_layer)
     return max(layers, moved * link)
 
@@ -271,33 +323,58 @@ HEADER = (f"{'stream':>7} {'cache':>5} {'pol':>4} {'prefet':>6} {'mode':>4} {'M'
           f"{'xfloor':>6} {'hit':>6} {'sim':>6} {'tok/s':>9}")
 
 
-def compact_table(rows: list[dict]) -> list[str]:
-    """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit."""
+def _modes(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """(stream, cache %, policy, prefetch, M) -> {mode: row}."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
+    return cells
+
+
+def _auto_vs_best(modes: dict[str, dict]) -> float | None:
+    """auto's step over the faster pure mode's (None unless the cell ran all three)."""
+    if not {"gpu", "cpu", "auto"} <= set(modes):
+        return None
+    return modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"])
+
+
+def by_cell(rows: list[dict]) -> list[dict]:
+    """Per (stream, cache %, policy, prefetch, M): each mode's step ms and step / floor, and auto / best pure."""
+    return [{"stream": k[0], "cache_fraction": k[1], "policy": k[2], "prefetch": k[3], "M": k[4],
+             "step_ms": {mode: r["step_ms"] for mode, r in modes.items()},
+             "x_floor": {mode: r["x_floor"] for mode, r in modes.items()}, "auto_vs_best": _auto_vs_best(modes)}
+            for k, modes in _modes(rows).items()]
+
+
+def compact_table(rows: list[dict]) -> list[str]:
+    """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit;
+    auto / the better pure mode last."""
     out = []
-    for (stream, fraction, policy, prefetch, m), modes in cells.items():
+    for (stream, fraction, policy, prefetch, m), modes in _modes(rows).items():
         parts = [f"{mode} {r['step_ms']:8.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
                  for mode, r in modes.items()]
-        out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts))
+        q = _auto_vs_best(modes)
+        out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts)
+                   + ("" if q is None else f" | auto/best {q:4.2f}"))
     return out
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The targets over the table: worst x floor, largest hit-rate gap to the what-if, "auto" against
-    the better pure mode, prefetch's hit-rate gain on skewed streams."""
+    """The targets over the table: worst x floor (overall and per mode), largest hit-rate gap to the
+    what-if, "auto" against the better pure mode, prefetch's hit-rate gain on skewed streams."""
     out = []
     if rows:
         worst = max(rows, key=lambda r: r["x_floor"])
         gap = max(rows, key=lambda r: abs(r["hit_rate"] - r["sim_hit_rate"]))
         out.append(f"worst x floor {worst['x_floor']:.2f} ({_key(worst)}); largest |hit - sim| "
                    f"{abs(gap['hit_rate'] - gap['sim_hit_rate']):.3f} ({_key(gap)})")
-    cells: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
-    ratios = [(modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"]), key)
-              for key, modes in cells.items() if {"gpu", "cpu", "auto"} <= set(modes)]
+        per_mode = {}
+        for r in rows:
+            per_mode.setdefault(r["compute_misses_on"], []).append(r["x_floor"])
+        out.append("x floor by mode: " + ", ".join(f"{mode} {min(v):.2f}-{max(v):.2f} ({sum(x > 1.2 for x in v)} of "
+                                                    f"{len(v)} > 1.2)" for mode, v in per_mode.items()))
+    cells = _modes(rows)
+    ratios = [(q, key) for key, modes in cells.items() if (q := _auto_vs_best(modes)) is not None]
     if ratios:
         worst_q, worst_key = max(ratios)
         slower = sum(q > 1.0 for q, _ in ratios)

@@ -19,6 +19,10 @@ def add_arguments(p) -> None:
     g.add_argument("--hit-rate", type=float,
                    help="measured cache hit rate in [0, 1] (e.g. from `moekit simulate cache`); default C / (E x layers)")
     g.add_argument("--cpu-tflops", type=float, help="the CPU's expert rate, TFLOP/s: adds the misses-on-CPU column")
+    g.add_argument("--cpu-gbps", type=float, help="the CPU path's weight streaming rate, GB/s (bench --offload: expert "
+                   "bytes / cpu_expert_us): adds the misses-on-CPU column")
+    g.add_argument("--cpu-step-us", type=float, default=0.0,
+                   help="the CPU path's fixed price per layer forward with CPU misses, µs (bench --offload's cpu_step_us)")
 
 
 def offload_rows(args, cfg, fmt, gpu) -> list[OffloadCost]:
@@ -29,13 +33,19 @@ def offload_rows(args, cfg, fmt, gpu) -> list[OffloadCost]:
         raise UsageError(f"--hit-rate must be in [0, 1], got {args.hit_rate}")
     if args.cpu_tflops is not None and not 0 < args.cpu_tflops < float("inf"):
         raise UsageError(f"--cpu-tflops must be positive and finite, got {args.cpu_tflops}")
+    if args.cpu_gbps is not None and not 0 < args.cpu_gbps < float("inf"):
+        raise UsageError(f"--cpu-gbps must be positive and finite, got {args.cpu_gbps}")
+    if not 0 <= args.cpu_step_us < float("inf"):
+        raise UsageError(f"--cpu-step-us must be >= 0 and finite, got {args.cpu_step_us}")
     total = cfg.num_experts * (cfg.num_moe_layers or 1)
     cache = total // 2 if args.cache_experts is None else args.cache_experts
     if not 0 <= cache <= total:
         raise UsageError(f"--cache-experts must be in [0, {total}] (E x MoE layers), got {cache}")
     cpu = None if args.cpu_tflops is None else args.cpu_tflops * 1e12
     return [offload_cost(cfg, b, fmt, gpu, link_bytes_s=args.link_gbps * 1e9, cache_experts=cache,
-                         hit_rate=args.hit_rate, cpu_flops=cpu) for b in args.batches]
+                         hit_rate=args.hit_rate, cpu_flops=cpu,
+                         cpu_read_bytes_s=None if args.cpu_gbps is None else args.cpu_gbps * 1e9,
+                         cpu_step_s=args.cpu_step_us * 1e-6) for b in args.batches]
 
 
 def offload_to_json(rows: list[OffloadCost]) -> list[dict]:

@@ -57,12 +57,14 @@ def run(args: argparse.Namespace) -> int:
         n += 1
         path = Path(args.out) / f"{stem}-{n}.json"
     write_json(doc, path)
-    console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit", markup=False, highlight=False)
+    console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit | auto / better pure mode",
+                  markup=False, highlight=False)
     for line in compact_table(doc["rows"]) + doc["summary"]:
         console.print(line, markup=False, highlight=False)
     console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
                   f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
-                  f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward; setup "
+                  f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward at {doc['cpu_threads']} "
+                  f"threads ({doc['cpu_gemm']}), margin {doc['cpu_margin']:.2f}; setup "
                   f"{sum(doc['setup_s'].values()):.0f} s, table {doc['table_s']:.0f} s; wrote {path}")
     return 0
 

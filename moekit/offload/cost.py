@@ -4,17 +4,25 @@ CPU, or split between the two.
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
                                                                        fetched misses travel; those
                                                                        compute once they land)
-    CPU side:  cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s)
+    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
+    chosen by: forward + CPU experts x h x fetch_one                   (they stay uncached: refetches)
 
 ``fetch_one`` = expert bytes / link rate, ``read_one`` = expert bytes / the GPU's read rate (infinite
 by default: the GPU's share is then the link alone). The CPU computes its experts one after another,
 each streaming its weights from host memory once (``cpu_expert_s``, measured on cold experts: a
 warm expert repeated in a timing loop sits in the CPU's caches and looks 2-3x faster than a miss
 really is) plus its tokens' FLOPs (``cpu_token_s``); ``cpu_step_s`` is the fixed price of any CPU
-work in a forward: the inputs copied to the host, the host waiting for them, the result copied
-back. ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
+work in a forward: the inputs copied to the host, the host waiting for them, the CPU call's own
+overhead, the result copied back. All three are fitted (``fit_cpu_branch``) to timings of the layer's
+whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens each.
+
+``cpu_margin`` (>= 1) prices the CPU side pessimistically: "auto" sends a miss to the CPU only where
+the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
+measurement: the worst repeats over the medians of the calibration's own timings (``margin_of``), raised
+by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
+(``MissCosts.observed``). ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
 same to fetch and more tokens cost more on the CPU, so the best split with j experts on the CPU puts
 there the j with the fewest tokens, and the search is over j = 0..n (exact, not greedy).
 """
@@ -22,7 +30,9 @@ there the j with the fewest tokens, and the search is over j = 0..n (exact, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -39,10 +49,28 @@ class MissCosts:
     cpu_token_s: float  # CPU seconds per routed token of an expert, on top
     cpu_step_s: float = 0.0  # CPU seconds per forward that computes any miss on the CPU (staging, sync)
     gpu_bytes_per_s: float = math.inf  # the GPU's expert read rate (hits and fetched misses computed)
+    cpu_margin: float = 1.0  # the CPU side is priced at this multiple of its model (module docstring)
+    cpu_threads: int | None = None  # torch threads the CPU costs were measured at (and layers run at)
+    cpu_gemm: str | None = None  # the CPU GEMM they were measured with (``cpu_path.CPU_GEMMS``; likewise)
+
+    def __post_init__(self) -> None:
+        if not self.cpu_margin >= 1.0:
+            raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
 
     def cpu_time(self, tokens: int) -> float:
         """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
         return self.cpu_expert_s + tokens * self.cpu_token_s
+
+    def cpu_side_s(self, tokens: list[int]) -> float:
+        """Predicted CPU seconds of a forward computing experts with these token counts on the CPU (0 for
+        none), without the margin."""
+        return self.cpu_step_s + sum(self.cpu_time(t) for t in tokens) if tokens else 0.0
+
+    def observed(self, measured_s: float, predicted_s: float) -> "MissCosts":
+        """These costs with ``cpu_margin`` raised to ``measured_s / predicted_s`` (the CPU branch's real
+        time on steps against ``cpu_side_s`` of the same steps) if that is larger."""
+        ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
+        return dataclasses.replace(self, cpu_margin=max(self.cpu_margin, ratio))
 
 
 @dataclass(frozen=True)
@@ -52,13 +80,19 @@ class MissSplit:
     fetch: list[int]  # experts copied to the GPU
     cpu: list[int]  # experts computed on the CPU
     gpu_s: float  # predicted GPU side: the hits and ``fetch`` (their copies, then their compute)
-    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu`` (0 when ``cpu`` is empty)
+    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin`` (0: ``cpu`` empty)
     link_s: float  # the link's busy time for ``fetch`` alone
+    refetch_s: float = 0.0  # the expected later cost of leaving ``cpu`` uncached (``split_misses``)
 
     @property
     def step_s(self) -> float:
         """The forward's predicted time: both sides run at once."""
         return max(self.gpu_s, self.cpu_s)
+
+    @property
+    def cost_s(self) -> float:
+        """What the split is chosen by: the forward's time and the refetches it leaves to later forwards."""
+        return self.step_s + self.refetch_s
 
 
 def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts) -> float:
@@ -69,19 +103,26 @@ def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts) -> 
 
 def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0) -> MissSplit:
     """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
-    ``hits``: cached experts the GPU computes meanwhile) with the smallest predicted forward time.
-    Exact: with j experts on the CPU the best choice is the j with the fewest tokens (a fetch costs
-    the same for every expert), so every j in 0..n is tried. Ties go to fewer CPU experts (a fetched
-    expert also lands in the cache)."""
+    ``hits``: cached experts the GPU computes meanwhile) with the smallest ``cost_s``: the predicted
+    forward time, plus, for each expert left on the CPU, h x one fetch, h = hits / touched this forward.
+    A CPU expert is not cached, and h is the chance that a touched expert is one the cache keeps: with
+    it, that expert misses again where a fetched one would have hit (on the H200 at M = 1, skewed, 75%
+    cache, auto without this term fetched 9% more and ran 1.2x the pure fetch; ``offload_device_check``).
+    Exact: with j experts on the CPU the best choice is the j with the fewest tokens (a fetch and the
+    refetch term cost the same for every expert), so every j in 0..n is tried. Ties go to fewer CPU
+    experts."""
     by_tokens = sorted(tokens, key=lambda e: (tokens[e], e))  # cheapest on the CPU first
+    touched = hits + len(by_tokens)
+    refetch_one = (hits / touched if touched else 0.0) * expert_bytes / costs.link_bytes_per_s
     best, cpu_s = None, costs.cpu_step_s
     for j in range(len(by_tokens) + 1):
         if j:
             cpu_s += costs.cpu_time(tokens[by_tokens[j - 1]])
         fetched = len(by_tokens) - j
         split = MissSplit(sorted(by_tokens[j:]), sorted(by_tokens[:j]), gpu_side_s(hits, fetched, expert_bytes, costs),
-                          cpu_s if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s)
-        if best is None or split.step_s < best.step_s:
+                          cpu_s * costs.cpu_margin if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s,
+                          j * refetch_one)
+        if best is None or split.cost_s < best.cost_s:
             best = split
     return best
 
@@ -140,11 +181,22 @@ def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8
         stream.synchronize()
 
 
-def fit_cpu_costs(one: float, many: float, experts: int, tokens: int) -> tuple[float, float]:
-    """(seconds per expert, seconds per token) from two timings of ``experts`` experts each: ``one``
-    with 1 token per expert, ``many`` with ``tokens`` per expert (time = experts x (per_expert +
-    tokens x per_token)); both clamped at 0 against timing noise."""
-    if experts < 1 or tokens < 2:
-        raise ValueError(f"need experts >= 1 and tokens >= 2, got experts={experts}, tokens={tokens}")
-    per_token = max(many - one, 0.0) / (experts * (tokens - 1))
-    return max(one / experts - per_token, 0.0), per_token
+def fit_cpu_branch(one: float, spread: float, many: float, experts: int, tokens: int) -> tuple[float, float, float]:
+    """(seconds per forward, per expert, per token) from three timings of the whole CPU branch: ``one``
+    with 1 expert and 1 token, ``spread`` with ``experts`` experts and 1 token each, ``many`` with
+    ``experts`` experts and ``tokens`` tokens each (time = step + experts x (per_expert + tokens x
+    per_token)); each clamped at 0 against timing noise."""
+    if experts < 2 or tokens < 2:
+        raise ValueError(f"need experts >= 2 and tokens >= 2, got experts={experts}, tokens={tokens}")
+    per_token = max(many - spread, 0.0) / (experts * (tokens - 1))
+    per_expert_and_token = max(spread - one, 0.0) / (experts - 1)
+    return max(one - per_expert_and_token, 0.0), max(per_expert_and_token - per_token, 0.0), per_token
+
+
+def margin_of(timings: list[list[float]]) -> float:
+    """Groups of repeated timings (one call each) -> the sum of each group's worst repeat over the sum of
+    its medians (at least 1): how much slower than the fitted medians the branch ran, weighted by time,
+    so one outlier in a short timing does not set it alone."""
+    groups = [t for t in timings if t]
+    medians = sum(statistics.median(t) for t in groups)
+    return max(1.0, sum(max(t) for t in groups) / medians) if medians > 0 else 1.0

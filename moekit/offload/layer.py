@@ -12,7 +12,9 @@ the next layer's predicted counts ride on the same copy), then:
   computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
   between the two by ``cost.split_misses`` (``"auto"``: the cheapest split of the forward's whole miss
   set, priced by ``measure_costs``); the partial outputs add in float32 (``plan`` decides, and the
-  cache what-if replays the same decision);
+  cache what-if replays the same decision); the CPU branch (``cpu_path``) stages its inputs through
+  reused pinned buffers, queues this forward's admissions before it computes (they travel meanwhile),
+  runs at the thread count and GEMM the costs were measured at, and records its phases (``last_cpu``);
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
 - afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
   the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
@@ -29,16 +31,17 @@ Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import Literal
 
 import torch
 
 from moekit.experts import backend_available, backend_fn, bind_options, call_backend
 from moekit.layer import MoE
-from moekit.offload import staging
+from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, fit_cpu_costs, link_busy, measure_link_bandwidth, measure_read_bandwidth
+from moekit.offload.cost import MissCosts
+from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, plan_misses
 from moekit.offload.stats import OffloadStats
@@ -66,6 +69,7 @@ class OffloadedMoE(MoE):
         costs: MissCosts | None = None,
         admit_per_forward: int | None = None,
         device: torch.device | str | None = None,
+        cpu_options: CpuOptions | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
@@ -74,7 +78,8 @@ class OffloadedMoE(MoE):
         busiest of them are copied into the cache in the background (so the cache still learns the hot
         set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
         this forward's CPU work (at least one when nothing was fetched; one when no ``costs`` are
-        known; ``plan.plan_misses``); 0 keeps the cache as it is."""
+        known; ``plan.plan_misses``); 0 keeps the cache as it is. ``cpu_options`` (``cpu_path.CpuOptions``)
+        sets how the CPU branch runs (threads, GEMM, staging buffers, when admissions are queued)."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in PLACES:
@@ -85,6 +90,8 @@ class OffloadedMoE(MoE):
             raise ValueError(f"admit_per_forward must be an int >= 0 or None, got {admit_per_forward!r}")
         if prefetch not in _PREDICTIONS:
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
+        if cpu_options is not None and not isinstance(cpu_options, CpuOptions):
+            raise TypeError(f"cpu_options must be a moekit.offload.CpuOptions, got {type(cpu_options).__name__}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
         if cache is None:
@@ -100,7 +107,7 @@ class OffloadedMoE(MoE):
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward = admit_per_forward
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
-        layer._cpu_fn = _cpu_experts_fn()
+        layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer
 
     def _copy_resident(self, moe: MoE) -> None:
@@ -138,17 +145,21 @@ class OffloadedMoE(MoE):
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
         plan = self._plan({m: tokens[m] for m in misses}, len(hits))
-        on_cpu, pin = plan.cpu, cache.device.type == "cuda"
+        on_cpu, early = plan.cpu, self._cpu.options.admit_early
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
-            cpu_inputs, staged = staging.to_host([x2d, routing.topk_ids, routing.topk_weights], pin=pin)
+            staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
-            if staged is not None:
-                staged.synchronize()
-            y = self._cpu_experts(cpu_inputs, on_cpu)  # [M, K] on the CPU, x2d's dtype
-            partials.append(staging.to_device(y, x2d.device, pin=pin))
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
-            cache.admit(self.layer_id, plan.admit, stats)  # the cache still learns the hot set, off the critical path
+            if early:  # queued behind the fetches, the admissions travel while the CPU computes
+                cache.admit(self.layer_id, plan.admit, stats)
+            threads, gemm = self._cpu.setting(self.costs)
+            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
+                                             x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
+            if not early:
+                cache.admit(self.layer_id, plan.admit, stats)
+        else:
+            self._cpu.last = None
         out = _sum(partials, x2d)
         self._last_touched = sorted(tokens)
         self._prefetch_next(predicted, stats)
@@ -174,7 +185,8 @@ class OffloadedMoE(MoE):
             return tokens, list(nxt._last_touched)
         return tokens, [i for i, c in enumerate(host[e + 3: e + 3 + nxt.config.num_experts]) if c]
 
-    def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int]) -> torch.Tensor:
+    def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int],
+                     gemm: str) -> torch.Tensor:
         """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights:
         float ones read in place through ``expert_map``; quantized ones selected first (their packed
         bytes copied) so the CPU backend dequantizes only those experts, not the whole layer."""
@@ -187,7 +199,7 @@ class OffloadedMoE(MoE):
             cpu_map[on_cpu] = torch.arange(len(on_cpu), dtype=torch.int32)
             w13, w2, b13, b2 = host.select(on_cpu)
         x, ids, weights = inputs
-        return call_backend(self._cpu_fn, x, w13, w2, ids, weights, activation=self.config.activation,
+        return call_backend(_cpu_experts_fn(gemm), x, w13, w2, ids, weights, activation=self.config.activation,
                             expert_map=cpu_map, b13=b13, b2=b2)
 
     def _plan(self, tokens: dict[int, int], hits: int) -> MissPlan:
@@ -198,30 +210,19 @@ class OffloadedMoE(MoE):
         return plan_misses(self.compute_misses_on, tokens, hits, self.cache.expert_bytes, self.costs,
                            self.admit_per_forward)
 
-    def measure_costs(self, tokens: int = 16) -> MissCosts:
-        """This layer's miss costs, measured on its own paths: the link and the GPU's read rate (large
-        copies), the CPU path (``_cpu_experts``) on cold experts (top_k distinct ones per timing, none
-        reused, at 1 and ``tokens`` tokens each; the best of two timings each; with the link busy, as
-        when fetches run beside it), and one forward's staging round trip (inputs to the host and a
-        result back) at ``tokens`` tokens."""
-        c, dev, host = self.config, self.cache.device, self.cache.host(self.layer_id)
-        e, k, dtype = c.num_experts, c.top_k, host.w13_template.dtype
-        groups = iter([[(g * k + j) % e for j in range(k)] for g in range(5)])  # disjoint when E >= 5k
+    def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
+        """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the
+        GPU's read rate, and the whole CPU branch on cold experts with the link busy."""
+        return calibrate.measure_costs(self, tokens, repeats)
 
-        def cpu_time(m: int) -> float:
-            group = next(groups)
-            inputs = (torch.randn(m, c.hidden_size, dtype=dtype), torch.tensor([group] * m, dtype=torch.int32),
-                      torch.full((m, k), 1.0 / k, dtype=torch.float32))
-            with link_busy(dev):
-                start = time.perf_counter()
-                self._cpu_experts(inputs, sorted(set(group)))
-                return time.perf_counter() - start
+    @property
+    def cpu_options(self) -> CpuOptions:
+        return self._cpu.options
 
-        cpu_time(1)  # the first call pays one-off setup
-        one, many = min(cpu_time(1), cpu_time(1)), min(cpu_time(tokens), cpu_time(tokens))
-        return MissCosts(measure_link_bandwidth(dev), *fit_cpu_costs(one, many, k, tokens),
-                         cpu_step_s=staging.round_trip_s(tokens, c.hidden_size, k, dtype, dev),
-                         gpu_bytes_per_s=measure_read_bandwidth(dev))
+    @property
+    def last_cpu(self) -> CpuPhases | None:
+        """The latest forward's CPU branch in phases (``cpu_path.CpuPhases``); None when it ran none."""
+        return self._cpu.last
 
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
@@ -272,13 +273,14 @@ def expert_nbytes(moe: MoE) -> int:
     return ExpertWeights.of(*[_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]).expert_bytes
 
 
-def _cpu_experts_fn():
-    """The CPU experts function for misses: grouped_mm's per-expert oneDNN loop on the plain weights
-    (``cpu_gemm="onednn_fused"``). Its default also keeps oneDNN-packed copies of experts that get 4+
-    rows: a copy of the expert (host memory the offload exists to save) made in that first call, for
-    experts that are cold by definition here."""
+@functools.cache
+def _cpu_experts_fn(gemm: str):
+    """The CPU experts function for misses: grouped_mm with ``cpu_gemm=gemm``: "onednn_fused", its
+    per-expert oneDNN loop on the plain weights, or "mm_loop", torch's mm per expert. Its default also
+    keeps oneDNN-packed copies of experts that get 4+ rows: a copy of the expert (host memory the
+    offload exists to save) made in that first call, for experts that are cold by definition here."""
     if backend_available("grouped_mm", "cpu"):
-        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": "onednn_fused"})
+        return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": gemm})
     return backend_fn("auto", "cpu")
 
 

@@ -8,7 +8,8 @@ rate of the mode that ran, not that of an all-fetch cache.
 
 Admissions keep the cache learning the hot set while misses run on the CPU; they ride the link in
 the background, so by default only as many as fit in the link's idle time during this forward
-(predicted CPU side minus the link time of this forward's fetches, in whole fetches), and at least
+(predicted CPU side, without ``cpu_margin``, minus the link time of this forward's fetches, in whole
+fetches; ``OffloadedMoE`` queues them before its CPU compute, so they travel during it), and at least
 one when nothing was fetched (so an all-CPU forward still teaches the cache). A later forward's
 fetches queue behind admissions, which is why "auto" does not admit into a busy link.
 """
@@ -47,7 +48,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     elif costs is None:
         split = MissSplit([], sorted(tokens), 0.0, 0.0, 0.0)
     else:
-        cpu_s = costs.cpu_step_s + sum(costs.cpu_time(t) for t in tokens.values())
+        cpu_s = costs.cpu_side_s(list(tokens.values())) * costs.cpu_margin
         split = MissSplit([], sorted(tokens), gpu_side_s(hits, 0, expert_bytes, costs), cpu_s, 0.0)
     busiest = sorted(split.cpu, key=lambda e: (-tokens[e], e))
     return MissPlan(split.fetch, split.cpu, busiest[: _admissions(split, expert_bytes, costs, admit_per_forward)])
@@ -62,6 +63,6 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
     if costs is None:
         return 1
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    idle = max(split.cpu_s - split.link_s, 0.0)
+    idle = max(split.cpu_s / costs.cpu_margin - split.link_s, 0.0)  # the model's CPU time, not the priced one
     count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
     return count if split.fetch else max(count, 1)

@@ -1,0 +1,98 @@
+"""``OffloadedMoE.measure_costs``: a layer's miss costs (``cost.MissCosts``), measured on its own paths.
+
+    link:      host -> GPU from pinned memory, large copies (``cost.measure_link_bandwidth``)
+    GPU read:  a large device copy (``cost.measure_read_bandwidth``)
+    CPU:       the layer's whole CPU branch (``cpu_path.CpuPath``: staging in, the wait, the experts,
+               the result's copy queued), host seconds, with the link busy as when fetches run beside it,
+               on cold experts (no expert timed twice while E allows), the median of ``repeats``:
+               1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
+
+The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
+None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
+x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
+stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
+``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Iterator
+
+import torch
+
+from moekit.offload.cpu_path import CPU_GEMMS
+from moekit.offload.cost import (
+    MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
+)
+
+
+def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
+    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring)."""
+    if tokens < 2 or repeats < 1:
+        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+    c = layer.config
+    k = max(c.top_k, 2)
+    groups = _cold_groups(c.num_experts, k)
+    gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else list(CPU_GEMMS)
+    for gemm in gemms:
+        branch(layer, next(groups), 1, 1, None, gemm)  # the first call pays one-off setup
+
+    def timings(experts: int, m: int, setting: tuple[int, str]) -> list[float]:
+        return [branch(layer, next(groups), experts, m, *setting) for _ in range(repeats)]
+
+    candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
+    spread = {s: timings(k, 1, s) for s in candidates}
+    best = min(candidates, key=lambda s: statistics.median(spread[s]))
+    one, many = timings(1, 1, best), timings(k, tokens, best)
+    step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[best], many)),
+                                                 experts=k, tokens=tokens)
+    dev = layer.cache.device
+    return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
+                     gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
+                     cpu_threads=best[0], cpu_gemm=best[1])
+
+
+def thread_candidates(fixed: int | None) -> list[int]:
+    """The thread counts to try: ``fixed`` alone, else ``most_threads()``, torch's count, 3/4 and 1/2 of
+    it (distinct, largest first)."""
+    if fixed is not None:
+        return [fixed]
+    n = torch.get_num_threads()
+    return sorted({most_threads(), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+
+
+def most_threads() -> int:
+    """The CPUs this process may run on (torch may default to the physical cores), at most twice torch's
+    count (a container's affinity can list far more CPUs than its share)."""
+    n = torch.get_num_threads()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(max(n, usable), 2 * n)
+
+
+def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
+    """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
+    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``); link busy."""
+    c, dev = layer.config, layer.cache.device
+    dtype = layer.cache.host(layer.layer_id).w13_template.dtype
+    k = len(group)
+    x = torch.randn(m, c.hidden_size, dtype=dtype, device=dev)
+    ids = torch.tensor([group] * m, dtype=torch.int32, device=dev)
+    weights = torch.full((m, k), 1.0 / k, dtype=torch.float32, device=dev)
+    on_cpu = sorted(set(group[:experts]))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    with link_busy(dev):
+        staged = layer._cpu.stage([x, ids, weights])
+        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
+                          m * len(on_cpu), threads)
+    return layer._cpu.last.total_s
+
+
+def _cold_groups(num_experts: int, k: int) -> Iterator[list[int]]:
+    """Groups of k distinct experts, disjoint until the experts run out (then starting over)."""
+    g = 0
+    while True:
+        yield [(g * k + j) % num_experts for j in range(k)]
+        g += 1
