@@ -1,0 +1,319 @@
+"""grad_gate_up of the Triton experts backward on the H200 (bf16): the gathering kernel against the sorted
+ones (dout and x permuted into the layout's rows, TMA loads; ``triton_backward_sorted``), every variant in
+one run, then forward + backward with the fastest correct one.
+
+    PYTHONPATH=$PWD python benchmarks/train_ggu_device_check.py          # the H200 run (< 2 min), $OUT/train_ggu.json
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/train_ggu_device_check.py --smoke   # CPU dry run
+
+Cells: DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B expert shapes at M = 16384 tokens (uniform routing, the
+128-row layout). Per variant of ``VARIANTS`` (grad tiles): median ms, TFLOP/s (6·A·N·K: dY·W2 and the
+gate-up recompute), % of a bf16 ``torch.mm`` 8192³ timed in the same run, registers and spills of the
+kernels it launches, and rel-L2 of dh, w·g and the d-weight sums against the gathering kernel's
+(TUNED) and of dh against a float32 torch twin on two experts (FAIL over 1e-2). The sorted variants are
+timed without the permutation of x and dout (the weight grads need it anyway; timed alone as
+``permute x, dout``). Then forward + backward with the winner against the current defaults and
+transformers' ``grouped_mm`` autograd (``backward_tune.end_to_end``; its grads against the defaults'),
+and that step stage by stage with % of the mm. A hard time limit (HARD_LIMIT_S) stops at the next
+cell boundary or, past it by far, prints what it has. A table last; exit 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import backward_tune as bt
+import moekit.experts.triton_backward_launch as bl
+from backward_device_check import rel_l2
+from moekit.bench.cells import Shape, make_weights
+from moekit.experts.triton_backward_launch import KernelTiles
+from moekit.experts.triton_backward_sorted import grad_gate_up_sorted
+
+SMOKE = bt.SMOKE
+SOFT_LIMIT_S, HARD_LIMIT_S = 85, 110
+
+
+def _s(cols, stages, dg_cols=0, rows=128, warps=8) -> KernelTiles:
+    return KernelTiles(cols, 64 if not SMOKE else 16, warps, stages, rows=rows, desc=True, contiguous=True,
+                       group=8 if not SMOKE else 2, dg_cols=dg_cols)
+
+
+if SMOKE:
+    VARIANTS = {"sorted fused": _s(16, 1, rows=16, warps=1), "sorted split": _s(16, 1, 32, rows=16, warps=1)}
+    SHAPES, BATCH, BLOCK = [Shape("tiny", 4, 24, 48, 2)], 12, 16
+else:
+    VARIANTS = {
+        "sorted fused 128x64 s3": _s(64, 3),
+        "sorted fused 128x64 s4": _s(64, 4),
+        "sorted fused 64x64 w4 s4": _s(64, 4, rows=64, warps=4),
+        "sorted fused 128x128 s2": _s(128, 2),
+        "sorted split dg256 gu128 s3": _s(128, 3, 256),
+        "sorted split dg256 gu128 s4": _s(128, 4, 256),
+        "sorted split dg128 gu128 s4": _s(128, 4, 128),
+        "sorted split dg256 gu64 s4": _s(64, 4, 256),
+        "sorted split dg256 gu64 s5": _s(64, 5, 256),
+    }
+    SHAPES = [Shape.from_preset(p) for p in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")]
+    BATCH, BLOCK = 16384, 128
+
+
+class Cell:
+    """One shape at BATCH tokens: inputs, the layout, x and dout permuted, the gathering kernel's output."""
+
+    def __init__(self, s: Shape, w, dev):
+        self.base = bt.Cell(s, BATCH, w, dev)  # routing, x, dout (and its layouts, dh, gw for nothing else)
+        c, k = self.base, s.top_k
+        self.s, self.w, self.a = s, w, c.a
+        self.layout = bl.align(c.ids, None, s.num_experts, BLOCK)
+        self.weights = c.weights.reshape(-1).contiguous()
+        self.x_p, self.dout_p = bl.permute_rows(c.x, k, self.layout), bl.permute_rows(c.dout, k, self.layout)
+        self.used = int(self.layout.num_padded)
+        self.current = bl.backward_tiles(c.a, s.num_experts, s.n, torch.bfloat16, dev)
+        if SMOKE:  # the H200's TUNED weight grads are contiguous (the sorted grad needs them); the CPU's not
+            wg = KernelTiles(16, 16, 1, 1, rows=16, split=1, desc=True, contiguous=True)
+            self.current = dataclasses.replace(self.current, dw13=wg, dw2=wg)
+        self.ref = self.gather(self.current.grad)()
+
+    def gather(self, t: KernelTiles):
+        c = self.base
+        return lambda: bl.grad_gate_up(c.dout, c.x, self.w.w13, self.w.w2, None, self.weights, self.layout, t, "silu",
+                                       True)
+
+    def sorted_call(self, t: KernelTiles):
+        return lambda: grad_gate_up_sorted(self.dout_p, self.x_p, self.w.w13, self.w.w2, self.weights, self.layout, t,
+                                           "silu")
+
+    def errors(self, got) -> dict:
+        """rel-L2 of (dh, w g, d weights) against the gathering kernel's, and of dh against the twin."""
+        u = self.used
+        out = dict(dh=rel_l2(got[0][:u], self.ref[0][:u]), gw=rel_l2(got[1][:u], self.ref[1][:u]),
+                   dweights=rel_l2(got[2].sum(1, keepdim=True), self.ref[2].sum(1, keepdim=True)))
+        out["twin"] = self.twin(got[0])
+        return out
+
+    def twin(self, dh: torch.Tensor) -> float:
+        """Largest rel-L2 over two experts of dh's rows against float32 torch on those rows."""
+        n, worst = self.s.n, 0.0
+        counts = self.layout.counts.tolist()
+        padded = [-(-c // BLOCK) * BLOCK for c in counts]
+        for e in (0, self.s.num_experts - 1):
+            start = sum(padded[:e])
+            rows = self.layout.sorted_ids[start:start + counts[e]].long()
+            tok = rows // self.s.top_k
+            dg = (self.base.dout[tok].float() @ self.w.w2[e].float()) * self.weights[rows].float()[:, None]
+            h = self.base.x[tok].float() @ self.w.w13[e].float().T
+            gate, up = h[:, :n], h[:, n:]
+            sig = torch.sigmoid(gate)
+            want = torch.cat([dg * up * sig * (1 + gate * (1 - sig)), dg * gate * sig], 1)
+            worst = max(worst, rel_l2(dh[start:start + counts[e]], want))
+        return worst
+
+
+def precompile(cell: Cell) -> None:
+    """Every variant's kernels compiled at once (``backward_tune``'s warm-up stand-in under
+    AsyncCompileMode: nothing runs); without AsyncCompileMode they compile as they come."""
+    try:
+        from triton import AsyncCompileMode
+    except ImportError:
+        return
+    import moekit.experts.triton_backward_sorted as bs
+
+    real = bs.kernels
+    bs.kernels = lambda name: bt._Warm(real(name))
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for t in VARIANTS.values():
+                try:
+                    cell.sorted_call(t)()
+                except Exception as e:  # noqa: BLE001  (it fails again, and is reported, when timed)
+                    print(f"precompile {t}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    except Exception as e:  # noqa: BLE001  (the rest compile as they come)
+        print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    finally:
+        bs.kernels = real
+
+
+def compiled(fn) -> list:
+    """(kernel name, registers, spills) of every Triton launch fn makes (the launch's return value)."""
+    if SMOKE:
+        return []
+    import moekit.experts.triton_backward_sorted as bs
+
+    seen, real = [], (bl.kernels, bs.kernels)
+
+    class Spy:
+        def __init__(self, module):
+            self.module = module
+
+        def __getattr__(self, name):
+            target = getattr(self.module, name)
+            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: seen.append(
+                (name, target[grid](*a, **kw)))})()
+
+    bl.kernels = bs.kernels = lambda name: Spy(real[0](name))
+    try:
+        fn()
+    finally:
+        bl.kernels, bs.kernels = real
+    return [(name[:-7], getattr(k, "n_regs", None), getattr(k, "n_spills", None)) for name, k in seen
+            if name.endswith("_kernel") and "permute" not in name]
+
+
+def time_variants(cell: Cell, dev, started: float) -> dict:
+    work = 6 * cell.a * cell.s.n * cell.s.k
+    rows, best = [], float("inf")
+    plan = {"gather (TUNED)": (cell.current.grad, cell.gather)}
+    plan.update({name: (t, cell.sorted_call) for name, t in VARIANTS.items()})
+    for name, (t, make) in plan.items():
+        row = dict(name=name, tile=dataclasses.asdict(t))
+        if time.perf_counter() - started > SOFT_LIMIT_S:
+            row["error"] = "skipped: time limit"
+            rows.append(row)
+            continue
+        try:
+            fn = make(t)
+            ms = bt.clock(fn, dev, best)
+            row.update(ms=ms, tflops=work / ms / 1e9, **cell.errors(fn()), kernels=compiled(fn))
+            best = min(best, ms)
+        except Exception as e:  # noqa: BLE001  (out of resources, a tile this Triton refuses)
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+        rows.append(row)
+    permute = bt.clock(lambda: (bl.permute_rows(cell.base.x, cell.s.top_k, cell.layout),
+                                bl.permute_rows(cell.base.dout, cell.s.top_k, cell.layout)), dev)
+    return dict(rows=rows, permute_ms=permute)
+
+
+def ok_row(r: dict) -> bool:
+    return "ms" in r and max(r["dh"], r["gw"], r["dweights"], r["twin"]) < 1e-2
+
+
+def breakdown(cell: Cell, tiles, dev) -> dict:
+    """{stage: {ms, tflops}} of one forward + backward with ``tiles`` (sorted grad: permutation separate)."""
+    from moekit.experts.triton import fused_experts
+
+    c, s, w, k, ank = cell.base, cell.s, cell.w, cell.s.top_k, cell.a * cell.s.n * cell.s.k
+    sorted_grad = tiles.grad.contiguous
+    grad = cell.sorted_call(tiles.grad) if sorted_grad else cell.gather(tiles.grad)
+    dh, gw, _ = grad()
+    x, dout, x_div = (cell.x_p, cell.dout_p, 0) if sorted_grad else (c.x, c.dout, k)
+    per_slot = torch.empty(cell.a, s.k, device=dev, dtype=dh.dtype)
+    stages = {
+        "forward": (6, lambda: fused_experts(c.x, w.w13, w.w2, c.ids, c.weights)),
+        "align": (0, lambda: bl.align(c.ids, None, s.num_experts, tiles.block_m)),
+        "permute x, dout": (0, lambda: (bl.permute_rows(c.x, k, cell.layout), bl.permute_rows(c.dout, k, cell.layout))),
+        "grad_gate_up": (6, grad),
+        "dx": (4, lambda: bl.gather_gemm(dh, 0, w.w13, 2, 1, per_slot, cell.layout, tiles.dx)),
+        "dx k-sum": (0, lambda: bl.sum_slots(per_slot, c.ids, None, s.num_experts, c.x.dtype)),
+        "dw13": (4, lambda: bl.weight_grad(dh, 0, x, x_div, s.num_experts, torch.bfloat16, cell.layout, tiles.dw13)),
+        "dw2": (2, lambda: bl.weight_grad(dout, x_div, gw, 0, s.num_experts, torch.bfloat16, cell.layout, tiles.dw2)),
+    }
+    if not sorted_grad:
+        del stages["permute x, dout"]  # inside the weight grads' own times
+    return {name: dict(ms=(ms := bt.clock(fn, dev)), tflops=flops * ank / ms / 1e9) for name, (flops, fn) in stages.items()}
+
+
+def check_cell(s: Shape, w, dev, started: float) -> dict:
+    cell = Cell(s, w, dev)
+    precompile(cell)
+    timed = time_variants(cell, dev, started)
+    ok = [r for r in timed["rows"] if ok_row(r)]
+    win = min(ok, key=lambda r: r["ms"]) if ok else None
+    row = dict(shape=s.name, m=BATCH, shape_class=bl.shape_class(cell.a, s.num_experts, s.n), **timed,
+               winner=win["name"] if win else None, e2e=None)
+    if win and time.perf_counter() - started < SOFT_LIMIT_S:
+        tiles = dataclasses.replace(cell.current, grad=KernelTiles(**win["tile"]))
+        row["tiles"] = repr(tiles)
+        try:
+            row["e2e"] = bt.end_to_end(cell.base, tiles, dev)
+            row["stages"] = breakdown(cell, tiles, dev)
+        except Exception as exc:  # noqa: BLE001  (recorded as a failure; the other cells still run)
+            row["e2e_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(f"{s.name}: winner {row['winner']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
+    return row
+
+
+def passed(rows: list) -> bool:
+    good = True
+    for row in rows:
+        for r in row["rows"]:
+            if "ms" in r and not ok_row(r):
+                print(f"FAIL  {row['shape']} {r['name']}: dh {r['dh']:.1e} gw {r['gw']:.1e} "
+                      f"dweights {r['dweights']:.1e} twin {r['twin']:.1e}")
+                good = False
+        if "e2e_error" in row or (row["e2e"] and max(row["e2e"]["rel_l2_vs_heuristic"].values()) >= 1e-2):
+            print(f"FAIL  {row['shape']}: forward + backward with the winner: {row.get('e2e_error', row['e2e'])}")
+            good = False
+    return good
+
+
+def table(rows: list, matmul: float) -> None:
+    pct = (lambda tf: 100 * tf / matmul) if matmul else (lambda tf: 0.0)
+    print(f"bf16 mm 8192^3: {matmul:.0f} TFLOP/s")
+    print(f"{'shape':14} {'grad_gate_up variant':30} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'dh':>8} {'twin':>8}  regs/spills")
+    for row in rows:
+        for r in row["rows"]:
+            if "error" in r:
+                print(f"{row['shape']:14} {r['name']:30} {r['error'][:80]}")
+                continue
+            regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
+            print(f"{row['shape']:14} {r['name']:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
+                  f"{r['dh']:8.1e} {r['twin']:8.1e}  {regs}")
+        print(f"{row['shape']:14} {'(permute x, dout)':30} {row['permute_ms']:8.2f}")
+    print(f"{'shape':14} {'winner':30} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7} {'%mm':>5}")
+    for row in filter(lambda r: r["e2e"], rows):
+        e = row["e2e"]
+        print(f"{row['shape']:14} {row['winner']:30} {e['tuned_ms']:10.2f} {e['heuristic_ms']:8.2f} "
+              f"{e['baseline_ms']:10.2f} {e['baseline_ms'] / e['tuned_ms']:6.2f}x {pct(e['fwd_bwd_tflops_tuned']):5.0f}")
+    print(f"{'shape':14} {'stage (winner)':16} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5}")
+    for row in filter(lambda r: r.get("stages"), rows):
+        for name, st in row["stages"].items():
+            print(f"{row['shape']:14} {name:16} {st['ms']:8.2f} {st['tflops']:8.0f} {pct(st['tflops']):5.0f}")
+        print(f"{row['shape']:14} {'sum':16} {sum(st['ms'] for st in row['stages'].values()):8.2f}")
+
+
+def finish(rows: list, matmul: float, started: float, note: str = "") -> int:
+    ok = passed(rows)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "train_ggu.json"), "w") as f:
+            json.dump(dict(matmul_tflops=matmul, cells=rows, passed=ok, note=note,
+                           wall_s=time.perf_counter() - started), f, indent=1, default=str)
+    table(rows, matmul)
+    print(f"{'PASS' if ok else 'FAIL'}{note} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return 0 if ok else 1
+
+
+def main() -> int:
+    import triton
+
+    dev = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
+    print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+          flush=True)
+    started, rows = time.perf_counter(), []
+    matmul = bt.matmul_rate(dev)
+
+    def out_of_time(*_):  # past the hard limit: the table of what ran, then exit
+        sys.exit(finish(rows, matmul, started, " (hard time limit: later cells not run)"))
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(HARD_LIMIT_S)
+    for s in SHAPES:
+        if time.perf_counter() - started > SOFT_LIMIT_S:
+            print(f"{s.name}: skipped (time limit)", flush=True)
+            continue
+        w = make_weights(s, torch.bfloat16, dev)
+        rows.append(check_cell(s, w, dev, started))
+        del w
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    signal.alarm(0)
+    return finish(rows, matmul, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
