@@ -45,7 +45,13 @@ def _s(cols, stages, dg_cols=0, rows=128, warps=8) -> KernelTiles:
                        group=8 if not SMOKE else 2, dg_cols=dg_cols)
 
 
+def _w(rows, cols, stages, warps=8, red=64) -> KernelTiles:
+    return KernelTiles(cols, red if not SMOKE else 16, warps, stages, rows=rows, split=1, desc=True, contiguous=True,
+                       group=8 if not SMOKE else 2)
+
+
 if SMOKE:
+    WEIGHT_VARIANTS = {"contig 16x16": _w(16, 16, 1, warps=1)}
     VARIANTS = {"sorted fused": _s(16, 1, rows=16, warps=1), "sorted split": _s(16, 1, 32, rows=16, warps=1)}
     SHAPES, BATCH, BLOCK = [Shape("tiny", 4, 24, 48, 2)], 12, 16
 else:
@@ -54,11 +60,19 @@ else:
         "sorted fused 128x64 s4": _s(64, 4),
         "sorted fused 64x64 w4 s4": _s(64, 4, rows=64, warps=4),
         "sorted fused 128x128 s2": _s(128, 2),
+        "sorted fused 128x128 w16 s2": _s(128, 2, warps=16),
         "sorted split dg256 gu128 s3": _s(128, 3, 256),
         "sorted split dg256 gu128 s4": _s(128, 4, 256),
         "sorted split dg128 gu128 s4": _s(128, 4, 128),
+        "sorted split dg256 gu128 w16 s4": _s(128, 4, 256, warps=16),
         "sorted split dg256 gu64 s4": _s(64, 4, 256),
         "sorted split dg256 gu64 s5": _s(64, 5, 256),
+    }
+    WEIGHT_VARIANTS = {  # the weight grads on the layout-order operands (what the sorted grad leaves them)
+        "contig 256x256 w16 s3": _w(256, 256, 3, warps=16),
+        "contig 256x256 w16 s2": _w(256, 256, 2, warps=16),
+        "contig 128x256 red128 s2": _w(128, 256, 2, red=128),
+        "contig 256x128 s4": _w(256, 128, 4),
     }
     SHAPES = [Shape.from_preset(p) for p in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")]
     BATCH, BLOCK = 16384, 128
@@ -190,6 +204,44 @@ def time_variants(cell: Cell, dev, started: float) -> dict:
     return dict(rows=rows, permute_ms=permute)
 
 
+def time_weight_grads(cell: Cell, dev, started: float) -> dict:
+    """{dw13, dw2: rows}: TUNED's tile and each of WEIGHT_VARIANTS on the layout-order operands (dh, w g
+    from the gathering grad; x, dout permuted), ms, TFLOP/s, rel-L2 against TUNED's output and, on expert
+    0, against float32 torch."""
+    s, layout = cell.s, cell.layout
+    dh, gw = cell.ref[0], cell.ref[1]
+    operands = {"dw13": (dh, cell.x_p, 4), "dw2": (cell.dout_p, gw, 2)}
+    count = int(layout.counts[0])
+    out = {}
+    for kernel, (left, right, flops) in operands.items():
+        work, rows = flops * cell.a * s.n * s.k, []
+        call = (lambda t: lambda: bl.weight_grad(left, 0, right, 0, s.num_experts, torch.bfloat16, layout, t))
+        reference = call(getattr(cell.current, kernel))()
+        twin = left[:count].float().T @ right[:count].float()  # expert 0's rows come first
+        for name, t in {"current (TUNED)": getattr(cell.current, kernel), **WEIGHT_VARIANTS}.items():
+            row = dict(name=name, tile=dataclasses.asdict(t))
+            if time.perf_counter() - started > SOFT_LIMIT_S:
+                rows.append(dict(row, error="skipped: time limit"))
+                continue
+            try:
+                fn = call(t)
+                ms = bt.clock(fn, dev)
+                got = fn()
+                row.update(ms=ms, tflops=work / ms / 1e9, rel_current=rel_l2(got, reference), twin=rel_l2(got[0], twin),
+                           kernels=compiled(fn))
+                del got
+            except Exception as e:  # noqa: BLE001  (out of resources, a tile this Triton refuses)
+                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            rows.append(row)
+        del reference
+        out[kernel] = rows
+    return out
+
+
+def weight_ok(r: dict) -> bool:
+    return "ms" in r and max(r["rel_current"], r["twin"]) < 1e-2
+
+
 def ok_row(r: dict) -> bool:
     return "ms" in r and max(r["dh"], r["gw"], r["dweights"], r["twin"]) < 1e-2
 
@@ -225,17 +277,21 @@ def check_cell(s: Shape, w, dev, started: float) -> dict:
     timed = time_variants(cell, dev, started)
     ok = [r for r in timed["rows"] if ok_row(r)]
     win = min(ok, key=lambda r: r["ms"]) if ok else None
+    weights = time_weight_grads(cell, dev, started)
+    wins = {k: min(filter(weight_ok, rows), key=lambda r: r["ms"], default=None) for k, rows in weights.items()}
     row = dict(shape=s.name, m=BATCH, shape_class=bl.shape_class(cell.a, s.num_experts, s.n), **timed,
-               winner=win["name"] if win else None, e2e=None)
-    if win and time.perf_counter() - started < SOFT_LIMIT_S:
-        tiles = dataclasses.replace(cell.current, grad=KernelTiles(**win["tile"]))
+               weight_grads=weights, winner=win["name"] if win else None,
+               weight_winners={k: r["name"] if r else None for k, r in wins.items()}, e2e=None)
+    if win and None not in wins.values() and time.perf_counter() - started < SOFT_LIMIT_S:
+        tiles = dataclasses.replace(cell.current, grad=KernelTiles(**win["tile"]),
+                                    **{k: KernelTiles(**r["tile"]) for k, r in wins.items()})
         row["tiles"] = repr(tiles)
         try:
             row["e2e"] = bt.end_to_end(cell.base, tiles, dev)
             row["stages"] = breakdown(cell, tiles, dev)
         except Exception as exc:  # noqa: BLE001  (recorded as a failure; the other cells still run)
             row["e2e_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(f"{s.name}: winner {row['winner']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"{s.name}: winners {row['winner']} {row['weight_winners']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
     return row
 
 
@@ -247,6 +303,12 @@ def passed(rows: list) -> bool:
                 print(f"FAIL  {row['shape']} {r['name']}: dh {r['dh']:.1e} gw {r['gw']:.1e} "
                       f"dweights {r['dweights']:.1e} twin {r['twin']:.1e}")
                 good = False
+        for kernel, rs in row["weight_grads"].items():
+            for r in rs:
+                if "ms" in r and not weight_ok(r):
+                    print(f"FAIL  {row['shape']} {kernel} {r['name']}: rel_current {r['rel_current']:.1e} "
+                          f"twin {r['twin']:.1e}")
+                    good = False
         if "e2e_error" in row or (row["e2e"] and max(row["e2e"]["rel_l2_vs_heuristic"].values()) >= 1e-2):
             print(f"FAIL  {row['shape']}: forward + backward with the winner: {row.get('e2e_error', row['e2e'])}")
             good = False
@@ -266,7 +328,16 @@ def table(rows: list, matmul: float) -> None:
             print(f"{row['shape']:14} {r['name']:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
                   f"{r['dh']:8.1e} {r['twin']:8.1e}  {regs}")
         print(f"{row['shape']:14} {'(permute x, dout)':30} {row['permute_ms']:8.2f}")
-    print(f"{'shape':14} {'winner':30} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7} {'%mm':>5}")
+        for kernel, rs in row["weight_grads"].items():
+            for r in rs:
+                name = f"{kernel} {r['name']}"
+                if "error" in r:
+                    print(f"{row['shape']:14} {name:30} {r['error'][:80]}")
+                    continue
+                regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
+                print(f"{row['shape']:14} {name:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
+                      f"{r['rel_current']:8.1e} {r['twin']:8.1e}  {regs}")
+    print(f"{'shape':14} {'winner (grad_gate_up)':30} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7} {'%mm':>5}")
     for row in filter(lambda r: r["e2e"], rows):
         e = row["e2e"]
         print(f"{row['shape']:14} {row['winner']:30} {e['tuned_ms']:10.2f} {e['heuristic_ms']:8.2f} "

@@ -10,7 +10,8 @@ Weight grads two ways (``KernelTiles.contiguous``): the gathering kernel reads e
 index (pointer loads); the contiguous one reads operands laid out in the layout's rows, each expert's
 rows one range, through TMA descriptors. With both weight grads contiguous, grad_gate_up writes dh and
 w*g in the layout's rows ([P, ..], P = rows of sorted_ids, padding rows 0; dX reads dh there) and only
-x and dout are permuted (``permute_rows``: [P, K] each, transient).
+x and dout are permuted (``permute_rows``: [P, K] each, transient). A ``contiguous`` grad tile as well:
+they are permuted first and grad_gate_up reads them through TMA too (``triton_backward_sorted``).
 
 Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
 (``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
