@@ -271,6 +271,14 @@ def breakdown(cell: Cell, tiles, dev) -> dict:
     return {name: dict(ms=(ms := bt.clock(fn, dev)), tflops=flops * ank / ms / 1e9) for name, (flops, fn) in stages.items()}
 
 
+def deterministic(cell: Cell, tiles) -> bool:
+    """Two backward calls with ``tiles`` give bit-identical grads (no atomics on the sorted path either)."""
+    c, w = cell.base, cell.w
+    runs = [bl.experts_backward(c.dout, c.x, w.w13, w.w2, c.ids, c.weights, None, None, "silu", (True,) * 4,
+                                tiles=tiles) for _ in range(2)]
+    return all(torch.equal(getattr(runs[0], f), getattr(runs[1], f)) for f in ("x", "w13", "w2", "topk_weights"))
+
+
 def check_cell(s: Shape, w, dev, started: float) -> dict:
     cell = Cell(s, w, dev)
     precompile(cell)
@@ -289,6 +297,7 @@ def check_cell(s: Shape, w, dev, started: float) -> dict:
         try:
             row["e2e"] = bt.end_to_end(cell.base, tiles, dev)
             row["stages"] = breakdown(cell, tiles, dev)
+            row["deterministic"] = deterministic(cell, tiles)
         except Exception as exc:  # noqa: BLE001  (recorded as a failure; the other cells still run)
             row["e2e_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     print(f"{s.name}: winners {row['winner']} {row['weight_winners']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -309,6 +318,9 @@ def passed(rows: list) -> bool:
                     print(f"FAIL  {row['shape']} {kernel} {r['name']}: rel_current {r['rel_current']:.1e} "
                           f"twin {r['twin']:.1e}")
                     good = False
+        if row.get("deterministic") is False:
+            print(f"FAIL  {row['shape']}: two backward calls with the winners differ")
+            good = False
         if "e2e_error" in row or (row["e2e"] and max(row["e2e"]["rel_l2_vs_heuristic"].values()) >= 1e-2):
             print(f"FAIL  {row['shape']}: forward + backward with the winner: {row.get('e2e_error', row['e2e'])}")
             good = False
@@ -346,7 +358,8 @@ def table(rows: list, matmul: float) -> None:
     for row in filter(lambda r: r.get("stages"), rows):
         for name, st in row["stages"].items():
             print(f"{row['shape']:14} {name:16} {st['ms']:8.2f} {st['tflops']:8.0f} {pct(st['tflops']):5.0f}")
-        print(f"{row['shape']:14} {'sum':16} {sum(st['ms'] for st in row['stages'].values()):8.2f}")
+        print(f"{row['shape']:14} {'sum':16} {sum(st['ms'] for st in row['stages'].values()):8.2f}  "
+              f"deterministic: {row.get('deterministic')}  tiles: {row.get('tiles')}")
 
 
 def finish(rows: list, matmul: float, started: float, note: str = "") -> int:
