@@ -66,7 +66,7 @@ else:
         "sorted split dg128 gu128 s4": _s(128, 4, 128),
         "sorted split dg256 gu128 w16 s4": _s(128, 4, 256, warps=16),
         "sorted split dg256 gu64 s4": _s(64, 4, 256),
-        "sorted split dg256 gu64 s5": _s(64, 5, 256),
+        "sorted split dg128 gu64 s5": _s(64, 5, 128),
     }
     WEIGHT_VARIANTS = {  # the weight grads on the layout-order operands (what the sorted grad leaves them)
         "contig 256x256 w16 s3": _w(256, 256, 3, warps=16),
@@ -139,19 +139,24 @@ def precompile(cell: Cell) -> None:
         return
     import moekit.experts.triton_backward_sorted as bs
 
-    real = bs.kernels
-    bs.kernels = lambda name: bt._Warm(real(name))
+    real = (bl.kernels, bs.kernels)
+    bl.kernels = bs.kernels = lambda name: bt._Warm(real[0](name))
+    s, layout, (dh, gw) = cell.s, cell.layout, cell.ref[:2]
+    calls = [cell.sorted_call(t) for t in VARIANTS.values()]
+    for t in (cell.current.dw13, cell.current.dw2, *WEIGHT_VARIANTS.values()):
+        calls.append(lambda t=t: bl.weight_grad(dh, 0, cell.x_p, 0, s.num_experts, torch.bfloat16, layout, t))
+        calls.append(lambda t=t: bl.weight_grad(cell.dout_p, 0, gw, 0, s.num_experts, torch.bfloat16, layout, t))
     try:
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            for t in VARIANTS.values():
+            for call in calls:
                 try:
-                    cell.sorted_call(t)()
+                    call()
                 except Exception as e:  # noqa: BLE001  (it fails again, and is reported, when timed)
-                    print(f"precompile {t}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    print(f"precompile: {type(e).__name__}: {str(e)[:160]}", flush=True)
     except Exception as e:  # noqa: BLE001  (the rest compile as they come)
         print(f"precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
     finally:
-        bs.kernels = real
+        bl.kernels, bs.kernels = real
 
 
 def compiled(fn) -> list:
