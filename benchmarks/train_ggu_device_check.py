@@ -5,16 +5,18 @@ one run, then forward + backward with the fastest correct one.
     PYTHONPATH=$PWD python benchmarks/train_ggu_device_check.py          # the H200 run (< 2 min), $OUT/train_ggu.json
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/train_ggu_device_check.py --smoke   # CPU dry run
 
-Cells: DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B expert shapes at M = 16384 tokens (uniform routing, the
-128-row layout). Per variant of ``VARIANTS`` (grad tiles): median ms, TFLOP/s (6·A·N·K: dY·W2 and the
-gate-up recompute), % of a bf16 ``torch.mm`` 8192³ timed in the same run, registers and spills of the
-kernels it launches, and rel-L2 of dh, w·g and the d-weight sums against the gathering kernel's
-(TUNED) and of dh against a float32 torch twin on two experts (FAIL over 1e-2). The sorted variants are
-timed without the permutation of x and dout (the weight grads need it anyway; timed alone as
-``permute x, dout``). Then forward + backward with the winner against the current defaults and
-transformers' ``grouped_mm`` autograd (``backward_tune.end_to_end``; its grads against the defaults'),
-and that step stage by stage with % of the mm. A hard time limit (HARD_LIMIT_S) stops at the next
-cell boundary or, past it by far, prints what it has. A table last; exit 1 if a check fails.
+Cells: DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B expert shapes at M = 16384 tokens, then at 4096 while
+time is left (uniform routing, the 128-row layout). Per variant of ``VARIANTS`` (grad tiles): median ms,
+TFLOP/s (6·A·N·K: dY·W2 and the gate-up recompute), % of a bf16 ``torch.mm`` 8192³ timed in the same
+run, registers and spills of the kernels it launches, and rel-L2 of dh, w·g and the d-weight sums
+against the gathering kernel's (TUNED) and of dh against a float32 torch twin on two experts (FAIL over
+1e-2). The sorted variants are timed without the permutation of x and dout (the weight grads need it
+anyway; timed alone as ``permute x, dout``). The weight grads (TUNED's tile and ``WEIGHT_VARIANTS``) on
+the layout-order operands, against TUNED's output and float32 torch on expert 0. Then, at 16384,
+forward + backward with the winners against the current defaults and transformers' ``grouped_mm``
+autograd (``backward_tune.end_to_end``; its grads against the defaults'), that step stage by stage
+with % of the mm, and the winners' backward twice (bit-identical). A soft time limit skips what is
+left; a hard one (HARD_LIMIT_S) prints what it has. A table last; exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import torch
 import backward_tune as bt
 import moekit.experts.triton_backward_launch as bl
 from backward_device_check import rel_l2
+from train_ggu_report import ok_row, passed, table, weight_ok
 from moekit.bench.cells import Shape, make_weights
 from moekit.experts.triton_backward_launch import KernelTiles
 from moekit.experts.triton_backward_sorted import grad_gate_up_sorted
 
 SMOKE = bt.SMOKE
-SOFT_LIMIT_S, HARD_LIMIT_S = 85, 110
+SOFT_LIMIT_S, SMALL_START_S, HARD_LIMIT_S = 85, 60, 110
 
 
 def _s(cols, stages, dg_cols=0, rows=128, warps=8) -> KernelTiles:
@@ -53,7 +56,7 @@ def _w(rows, cols, stages, warps=8, red=64) -> KernelTiles:
 if SMOKE:
     WEIGHT_VARIANTS = {"contig 16x16": _w(16, 16, 1, warps=1)}
     VARIANTS = {"sorted fused": _s(16, 1, rows=16, warps=1), "sorted split": _s(16, 1, 32, rows=16, warps=1)}
-    SHAPES, BATCH, BLOCK = [Shape("tiny", 4, 24, 48, 2)], 12, 16
+    SHAPES, BATCHES, BLOCK = [Shape("tiny", 4, 24, 48, 2)], (12, 8), 16
 else:
     VARIANTS = {
         "sorted fused 128x64 s3": _s(64, 3),
@@ -75,14 +78,14 @@ else:
         "contig 256x128 s4": _w(256, 128, 4),
     }
     SHAPES = [Shape.from_preset(p) for p in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")]
-    BATCH, BLOCK = 16384, 128
+    BATCHES, BLOCK = (16384, 4096), 128  # 4096: variants only (no end to end), while time is left
 
 
 class Cell:
-    """One shape at BATCH tokens: inputs, the layout, x and dout permuted, the gathering kernel's output."""
+    """One shape at m tokens: inputs, the layout, x and dout permuted, the gathering kernel's output."""
 
-    def __init__(self, s: Shape, w, dev):
-        self.base = bt.Cell(s, BATCH, w, dev)  # routing, x, dout (and its layouts, dh, gw for nothing else)
+    def __init__(self, s: Shape, m: int, w, dev):
+        self.base = bt.Cell(s, m, w, dev)  # routing, x, dout (and its layouts, dh, gw for nothing else)
         c, k = self.base, s.top_k
         self.s, self.w, self.a = s, w, c.a
         self.layout = bl.align(c.ids, None, s.num_experts, BLOCK)
@@ -243,14 +246,6 @@ def time_weight_grads(cell: Cell, dev, started: float) -> dict:
     return out
 
 
-def weight_ok(r: dict) -> bool:
-    return "ms" in r and max(r["rel_current"], r["twin"]) < 1e-2
-
-
-def ok_row(r: dict) -> bool:
-    return "ms" in r and max(r["dh"], r["gw"], r["dweights"], r["twin"]) < 1e-2
-
-
 def breakdown(cell: Cell, tiles, dev) -> dict:
     """{stage: {ms, tflops}} of one forward + backward with ``tiles`` (sorted grad: permutation separate)."""
     from moekit.experts.triton import fused_experts
@@ -284,18 +279,18 @@ def deterministic(cell: Cell, tiles) -> bool:
     return all(torch.equal(getattr(runs[0], f), getattr(runs[1], f)) for f in ("x", "w13", "w2", "topk_weights"))
 
 
-def check_cell(s: Shape, w, dev, started: float) -> dict:
-    cell = Cell(s, w, dev)
+def check_cell(s: Shape, m: int, w, dev, started: float, e2e: bool) -> dict:
+    cell = Cell(s, m, w, dev)
     precompile(cell)
     timed = time_variants(cell, dev, started)
     ok = [r for r in timed["rows"] if ok_row(r)]
     win = min(ok, key=lambda r: r["ms"]) if ok else None
     weights = time_weight_grads(cell, dev, started)
     wins = {k: min(filter(weight_ok, rows), key=lambda r: r["ms"], default=None) for k, rows in weights.items()}
-    row = dict(shape=s.name, m=BATCH, shape_class=bl.shape_class(cell.a, s.num_experts, s.n), **timed,
+    row = dict(shape=s.name, m=m, shape_class=bl.shape_class(cell.a, s.num_experts, s.n), **timed,
                weight_grads=weights, winner=win["name"] if win else None,
                weight_winners={k: r["name"] if r else None for k, r in wins.items()}, e2e=None)
-    if win and None not in wins.values() and time.perf_counter() - started < SOFT_LIMIT_S:
+    if e2e and win and None not in wins.values() and time.perf_counter() - started < SOFT_LIMIT_S:
         tiles = dataclasses.replace(cell.current, grad=KernelTiles(**win["tile"]),
                                     **{k: KernelTiles(**r["tile"]) for k, r in wins.items()})
         row["tiles"] = repr(tiles)
@@ -305,66 +300,8 @@ def check_cell(s: Shape, w, dev, started: float) -> dict:
             row["deterministic"] = deterministic(cell, tiles)
         except Exception as exc:  # noqa: BLE001  (recorded as a failure; the other cells still run)
             row["e2e_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(f"{s.name}: winners {row['winner']} {row['weight_winners']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"{s.name} M={m}: winners {row['winner']} {row['weight_winners']}  e2e {row['e2e']}  ({time.perf_counter() - started:.0f} s)", flush=True)
     return row
-
-
-def passed(rows: list) -> bool:
-    good = True
-    for row in rows:
-        for r in row["rows"]:
-            if "ms" in r and not ok_row(r):
-                print(f"FAIL  {row['shape']} {r['name']}: dh {r['dh']:.1e} gw {r['gw']:.1e} "
-                      f"dweights {r['dweights']:.1e} twin {r['twin']:.1e}")
-                good = False
-        for kernel, rs in row["weight_grads"].items():
-            for r in rs:
-                if "ms" in r and not weight_ok(r):
-                    print(f"FAIL  {row['shape']} {kernel} {r['name']}: rel_current {r['rel_current']:.1e} "
-                          f"twin {r['twin']:.1e}")
-                    good = False
-        if row.get("deterministic") is False:
-            print(f"FAIL  {row['shape']}: two backward calls with the winners differ")
-            good = False
-        if "e2e_error" in row or (row["e2e"] and max(row["e2e"]["rel_l2_vs_heuristic"].values()) >= 1e-2):
-            print(f"FAIL  {row['shape']}: forward + backward with the winner: {row.get('e2e_error', row['e2e'])}")
-            good = False
-    return good
-
-
-def table(rows: list, matmul: float) -> None:
-    pct = (lambda tf: 100 * tf / matmul) if matmul else (lambda tf: 0.0)
-    print(f"bf16 mm 8192^3: {matmul:.0f} TFLOP/s")
-    print(f"{'shape':14} {'grad_gate_up variant':30} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'dh':>8} {'twin':>8}  regs/spills")
-    for row in rows:
-        for r in row["rows"]:
-            if "error" in r:
-                print(f"{row['shape']:14} {r['name']:30} {r['error'][:80]}")
-                continue
-            regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
-            print(f"{row['shape']:14} {r['name']:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
-                  f"{r['dh']:8.1e} {r['twin']:8.1e}  {regs}")
-        print(f"{row['shape']:14} {'(permute x, dout)':30} {row['permute_ms']:8.2f}")
-        for kernel, rs in row["weight_grads"].items():
-            for r in rs:
-                name = f"{kernel} {r['name']}"
-                if "error" in r:
-                    print(f"{row['shape']:14} {name:30} {r['error'][:80]}")
-                    continue
-                regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
-                print(f"{row['shape']:14} {name:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
-                      f"{r['rel_current']:8.1e} {r['twin']:8.1e}  {regs}")
-    print(f"{'shape':14} {'winner (grad_gate_up)':30} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7} {'%mm':>5}")
-    for row in filter(lambda r: r["e2e"], rows):
-        e = row["e2e"]
-        print(f"{row['shape']:14} {row['winner']:30} {e['tuned_ms']:10.2f} {e['heuristic_ms']:8.2f} "
-              f"{e['baseline_ms']:10.2f} {e['baseline_ms'] / e['tuned_ms']:6.2f}x {pct(e['fwd_bwd_tflops_tuned']):5.0f}")
-    print(f"{'shape':14} {'stage (winner)':16} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5}")
-    for row in filter(lambda r: r.get("stages"), rows):
-        for name, st in row["stages"].items():
-            print(f"{row['shape']:14} {name:16} {st['ms']:8.2f} {st['tflops']:8.0f} {pct(st['tflops']):5.0f}")
-        print(f"{row['shape']:14} {'sum':16} {sum(st['ms'] for st in row['stages'].values()):8.2f}  "
-              f"deterministic: {row.get('deterministic')}  tiles: {row.get('tiles')}")
 
 
 def finish(rows: list, matmul: float, started: float, note: str = "") -> int:
@@ -392,13 +329,14 @@ def main() -> int:
 
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(HARD_LIMIT_S)
-    for s in SHAPES:
-        if time.perf_counter() - started > SOFT_LIMIT_S:
-            print(f"{s.name}: skipped (time limit)", flush=True)
-            continue
-        w = make_weights(s, torch.bfloat16, dev)
-        rows.append(check_cell(s, w, dev, started))
-        del w
+    for m in BATCHES:  # every shape at the first batch (end to end), then the others while time is left
+        for s in SHAPES:
+            if time.perf_counter() - started > (SOFT_LIMIT_S if m == BATCHES[0] else SMALL_START_S):
+                print(f"{s.name} M={m}: skipped (time limit)", flush=True)
+                continue
+            w = make_weights(s, torch.bfloat16, dev)
+            rows.append(check_cell(s, m, w, dev, started, e2e=m == BATCHES[0]))
+            del w
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     signal.alarm(0)
     return finish(rows, matmul, started)
