@@ -72,8 +72,6 @@ else:
         "sorted split dg128 gu64 s5": _s(64, 5, 128),
     }
     WEIGHT_VARIANTS = {  # the weight grads on the layout-order operands (what the sorted grad leaves them)
-        "contig 256x256 w16 s3": _w(256, 256, 3, warps=16),
-        "contig 256x256 w16 s2": _w(256, 256, 2, warps=16),
         "contig 128x256 red128 s2": _w(128, 256, 2, red=128),
         "contig 256x128 s4": _w(256, 128, 4),
     }
@@ -188,6 +186,13 @@ def compiled(fn) -> list:
             if name.endswith("_kernel") and "permute" not in name]
 
 
+def failure(e: Exception, what: str) -> dict:
+    """The row fields of a variant that failed (its last lines for the table, the whole message in the JSON),
+    the message printed in full to the log."""
+    print(f"{what} failed: {type(e).__name__}:\n{str(e)[-3000:]}", flush=True)
+    return dict(error=f"{type(e).__name__}: {' | '.join(str(e).splitlines()[-3:])[:300]}", error_full=str(e)[-3000:])
+
+
 def time_variants(cell: Cell, dev, started: float) -> dict:
     work = 6 * cell.a * cell.s.n * cell.s.k
     rows, best = [], float("inf")
@@ -205,7 +210,7 @@ def time_variants(cell: Cell, dev, started: float) -> dict:
             row.update(ms=ms, tflops=work / ms / 1e9, **cell.errors(fn()), kernels=compiled(fn))
             best = min(best, ms)
         except Exception as e:  # noqa: BLE001  (out of resources, a tile this Triton refuses)
-            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            row.update(failure(e, f"{cell.s.name} grad {name}"))
         rows.append(row)
     permute = bt.clock(lambda: (bl.permute_rows(cell.base.x, cell.s.top_k, cell.layout),
                                 bl.permute_rows(cell.base.dout, cell.s.top_k, cell.layout)), dev)
@@ -239,7 +244,7 @@ def time_weight_grads(cell: Cell, dev, started: float) -> dict:
                            kernels=compiled(fn))
                 del got
             except Exception as e:  # noqa: BLE001  (out of resources, a tile this Triton refuses)
-                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+                row.update(failure(e, f"{s.name} {kernel} {name}"))
             rows.append(row)
         del reference
         out[kernel] = rows

@@ -45,7 +45,7 @@ def table(rows: list, matmul: float) -> None:
     for row in rows:
         for r in row["rows"]:
             if "error" in r:
-                print(f"{label(row):20} {r['name']:30} {r['error'][:80]}")
+                print(f"{label(row):20} {r['name']:30} {r['error'][:110]}")
                 continue
             regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
             print(f"{label(row):20} {r['name']:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
@@ -55,7 +55,7 @@ def table(rows: list, matmul: float) -> None:
             for r in rs:
                 name = f"{kernel} {r['name']}"
                 if "error" in r:
-                    print(f"{label(row):20} {name:30} {r['error'][:80]}")
+                    print(f"{label(row):20} {name:30} {r['error'][:110]}")
                     continue
                 regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
                 print(f"{label(row):20} {name:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "

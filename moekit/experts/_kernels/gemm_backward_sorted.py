@@ -38,11 +38,13 @@ def _block_expert(pid_m, expert_ids_ptr, num_padded_ptr, block_m, BLOCK_M: tl.co
 @triton.jit
 def _rows_tile(p_ptr, first, k0, K, stride_pm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DESC: tl.constexpr):
     """[BM, BK] of a [P, K] operand in the layout's rows: rows first.., columns k0.. (zeros past K)."""
-    if DESC:
-        return p_ptr.load([first.to(tl.int32), k0])
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    rows = first + tl.arange(0, BLOCK_M)
-    return tl.load(p_ptr + rows[:, None] * stride_pm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+    if DESC:  # (an if / else: Triton 3.6 compiles the statements after a constexpr branch's return too)
+        tile = p_ptr.load([first.to(tl.int32), k0])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        rows = first + tl.arange(0, BLOCK_M)
+        tile = tl.load(p_ptr + rows[:, None] * stride_pm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -50,11 +52,13 @@ def _w_red_rows(w_ptr, expert, k0, col0, RED, OUT, stride_we, stride_wr, stride_
                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DESC: tl.constexpr):
     """[BK, BN] of W[e] [RED, OUT] (reduction over its rows): rows k0.., columns col0.. (zeros past either)."""
     if DESC:
-        return w_ptr.load([(expert * RED + k0).to(tl.int32), col0])
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wr + offs_n[None, :].to(tl.int64) * stride_wo
-    return tl.load(ptrs, mask=(offs_k[:, None] < RED) & (offs_n[None, :] < OUT), other=0.0)
+        tile = w_ptr.load([(expert * RED + k0).to(tl.int32), col0])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wr + offs_n[None, :].to(tl.int64) * stride_wo
+        tile = tl.load(ptrs, mask=(offs_k[:, None] < RED) & (offs_n[None, :] < OUT), other=0.0)
+    return tile
 
 
 @triton.jit
@@ -63,11 +67,13 @@ def _w13_tile(w13_ptr, expert, k0, col0, row0, N, K, stride_ae, stride_an, strid
     """[BK, BN] of w13[e]^T: rows row0 + col0.. of w13[e] (row0 0 gate, N up), columns k0.. (zeros past K;
     a last N tile's extra rows, read past the gate rows under DESC, are never stored)."""
     if DESC:
-        return w13_ptr.load([(expert * 2 * N + row0 + col0).to(tl.int32), k0]).T
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    ptrs = w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
-    return tl.load(ptrs, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        tile = w13_ptr.load([(expert * 2 * N + row0 + col0).to(tl.int32), k0]).T
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        ptrs = w13_ptr + expert * stride_ae + (row0 + offs_n[None, :]).to(tl.int64) * stride_an + offs_k[:, None] * stride_ak
+        tile = tl.load(ptrs, mask=(offs_k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+    return tile
 
 
 @triton.jit
