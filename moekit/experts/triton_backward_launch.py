@@ -10,7 +10,8 @@ Weight grads two ways (``KernelTiles.contiguous``): the gathering kernel reads e
 index (pointer loads); the contiguous one reads operands laid out in the layout's rows, each expert's
 rows one range, through TMA descriptors. With both weight grads contiguous, grad_gate_up writes dh and
 w*g in the layout's rows ([P, ..], P = rows of sorted_ids, padding rows 0; dX reads dh there) and only
-x and dout are permuted (``permute_rows``: [P, K] each, transient).
+x and dout are permuted (``permute_rows``: [P, K] each, transient). A ``contiguous`` grad tile as well:
+they are permuted first and grad_gate_up reads them through TMA too (``triton_backward_sorted``).
 
 Tiles: ``BackwardTiles`` (the layout's block and one ``KernelTiles`` per GEMM), from ``backward_tiles``
 (``TUNED`` by ``shape_class`` on the H200, else a heuristic) unless the caller passes its own
@@ -51,8 +52,11 @@ class KernelTiles:
     split: int = 0  # weight_grad: ways an expert's rows split (``choose_split`` when 0, 1 = none); 0 elsewhere
     desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows;
     # weight_grad with ``contiguous``: both permuted operands through TMA descriptors where ``descriptor`` allows
-    contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block)
-    group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together
+    contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block);
+    # grad_gate_up: dout and x so (``triton_backward_sorted``; ``rows`` its M-block, 0 = the layout's)
+    group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together;
+    # grad_gate_up with ``contiguous``: M-blocks that sweep the N tiles together
+    dg_cols: int = 0  # grad_gate_up with ``contiguous``: 0 = dY @ W2 in the same K loop; else its own GEMM, this wide
 
 
 @dataclass(frozen=True)
@@ -335,8 +339,15 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
     layout = align(ids, expert_map, num_experts, tiles.block_m)
     sorted_out = tiles.dw13.contiguous and tiles.dw2.contiguous  # dh, w*g [P, ..] in the layout's rows (div 0)
-    dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
-                                 sorted_out)
+    x_div = top_k  # x and dout: by token, or (0) permuted into the layout's rows for grad_gate_up and the dW
+    if sorted_out and tiles.grad.contiguous and h_pre is None:
+        from moekit.experts.triton_backward_sorted import grad_gate_up_sorted  # it imports this module
+
+        x, dout, x_div = permute_rows(x, top_k, layout), permute_rows(dout, top_k, layout), 0
+        dh, gw, parts = grad_gate_up_sorted(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation)
+    else:
+        dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
+                                     sorted_out)
     div = 0 if sorted_out else 1
     dx = dw13 = dw2 = dweights = None
     if need_x:
@@ -344,10 +355,10 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
         gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
-        dw13 = weight_grad(dh, div, x, top_k, num_experts, w13.dtype, layout, tiles.dw13, split_m)
-    del dh  # not read again: the weight grads of w2 run without it
+        dw13 = weight_grad(dh, div, x, x_div, num_experts, w13.dtype, layout, tiles.dw13, split_m)
+    del dh, x  # not read again: the weight grads of w2 run without them
     if need_w2:
-        dw2 = weight_grad(dout, top_k, gw, div, num_experts, w2.dtype, layout, tiles.dw2, split_m)
+        dw2 = weight_grad(dout, x_div, gw, div, num_experts, w2.dtype, layout, tiles.dw2, split_m)
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)

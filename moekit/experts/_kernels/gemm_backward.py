@@ -279,7 +279,8 @@ def weight_grad_contiguous_kernel(
     E_PAD: tl.constexpr, DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``weight_grad_kernel`` on operands already permuted into the layout's rows: expert e's rows are the
-    contiguous range [start, start + padded) (block_m % BLOCK_K == 0, so no step crosses an expert).
+    contiguous range [start, start + padded) (block_m % BLOCK_K == 0, so no step crosses an expert); the
+    loop stops at the first step past its real rows.
     DESC: l_ptr / r_ptr are descriptors with blocks [BK, BR] / [BK, BC] (TMA loads); else pointer tiles.
     Program (pid, s): within an expert, GROUP_R row tiles sweep the column tiles together (their R
     tiles and the shared L tiles stay in L2)."""
@@ -291,9 +292,11 @@ def weight_grad_contiguous_kernel(
     group_r = tl.minimum(tiles_r - first_r, GROUP_R)
     tile_r, tile_c = first_r + (tile % per_group) % group_r, (tile % per_group) // group_r
     ee = tl.arange(0, E_PAD)
-    padded = (tl.load(counts_ptr + ee, mask=ee < num_experts, other=0) + block_m - 1) // block_m * block_m
+    counts = tl.load(counts_ptr + ee, mask=ee < num_experts, other=0)
+    padded = (counts + block_m - 1) // block_m * block_m
     start = tl.sum(tl.where(ee < e, padded, 0), axis=0)  # expert e's first row
-    end = start + tl.sum(tl.where(ee == e, padded, 0), axis=0)
+    # the steps that hold a real row: the rest of the padding (zeros) adds nothing
+    end = start + (tl.sum(tl.where(ee == e, counts, 0), axis=0) + BLOCK_K - 1) // BLOCK_K * BLOCK_K
     offs_r = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
     r_ok, c_ok = offs_r < R, offs_c < C
