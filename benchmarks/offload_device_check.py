@@ -140,7 +140,7 @@ def main() -> int:
     wide = dataclasses.replace(costs, cpu_margin=max(costs.cpu_margin, 2.0))
     both, lru = ("lfu", "lru"), ("lru",)
     variants = [("new", CpuOptions(), costs, True, (1,), None, both),
-                ("s7", CpuOptions.session7(), plain, False, (1,), None, both),
+                ("s7", CpuOptions.baseline(), plain, False, (1,), None, both),
                 ("late", CpuOptions(admit_early=False), costs, True, (1,), None, lru),
                 ("new-m2", CpuOptions(), wide, True, (1,), None, lru),
                 ("new-a1", CpuOptions(), costs, True, (1,), 1, lru),

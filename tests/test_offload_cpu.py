@@ -30,7 +30,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
     return torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("options", [CpuOptions(), CpuOptions.session7()])
+@pytest.mark.parametrize("options", [CpuOptions(), CpuOptions.baseline()])
 def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options):
     # a cold cache: every expert runs in the CPU branch, one partial, the plain layer's own CPU loop
     # (grouped_mm's per-expert oneDNN loop; <= 3 rows per expert, so neither packs its weights)
@@ -43,7 +43,7 @@ def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options):
 
 
 @pytest.mark.parametrize("options", [CpuOptions(threads=1), CpuOptions(gemm="mm_loop"), CpuOptions(gemm="onednn_fused"),
-                                     CpuOptions.session7(),
+                                     CpuOptions.baseline(),
                                      CpuOptions(admit_early=False)])
 @pytest.mark.parametrize("place", ["cpu", "auto"])
 def test_cpu_options_keep_the_plain_layers_output(options, place):

@@ -26,7 +26,7 @@ CPU_GEMMS = ("onednn_fused", "mm_loop")  # grouped_mm's CPU strategies for the m
 
 @dataclass(frozen=True)
 class CpuOptions:
-    """How the CPU branch runs. The defaults are this session's path; ``CpuOptions.session7()`` the last one."""
+    """How the CPU branch runs. The defaults are the tuned path; ``CpuOptions.baseline()`` the simple one it is measured against."""
 
     threads: int | None = None  # torch intra-op threads for the CPU experts; None: MissCosts.cpu_threads, else torch's
     gemm: str | None = None  # grouped_mm's cpu_gemm for the misses (CPU_GEMMS); None: MissCosts.cpu_gemm, else the first
@@ -40,8 +40,8 @@ class CpuOptions:
             raise ValueError(f"CpuOptions.gemm must be one of {CPU_GEMMS}, got {self.gemm!r}")
 
     @classmethod
-    def session7(cls) -> "CpuOptions":
-        """The previous path: buffers allocated per forward, admissions queued after the CPU compute, the
+    def baseline(cls) -> "CpuOptions":
+        """The simple path: buffers allocated per forward, admissions queued after the CPU compute, the
         oneDNN loop at torch's thread count (now)."""
         return cls(threads=torch.get_num_threads(), gemm="onednn_fused", reuse_staging=False, admit_early=False)
 
