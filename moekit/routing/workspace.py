@@ -30,6 +30,7 @@ class RouteBuffers:
     logits: torch.Tensor  # [M, E] the gate's output dtype
     ids: torch.Tensor  # [M, k(+S)] int32
     weights: torch.Tensor  # [M, k(+S)] float32
+    count: torch.Tensor  # [1] int32, 0 between launches: the one-launch gate and router's programs done (gate_route)
 
 
 class RouteWorkspace:
@@ -62,5 +63,6 @@ class RouteWorkspace:
             buffers = self._buffers[key] = RouteBuffers(
                 logits=torch.empty(m, num_experts, dtype=dtype, device=x2d.device),
                 ids=torch.empty(m, num_slots, dtype=torch.int32, device=x2d.device),
-                weights=torch.empty(m, num_slots, dtype=torch.float32, device=x2d.device))
+                weights=torch.empty(m, num_slots, dtype=torch.float32, device=x2d.device),
+                count=torch.zeros(1, dtype=torch.int32, device=x2d.device))
         return buffers
