@@ -150,6 +150,17 @@ def step_fns(layer: MoE, x: torch.Tensor, paths: Paths) -> dict:
     return fns, (gx, w, gb, ws, bias, router, in_kernel)
 
 
+def gr_warps(layer: MoE, x: torch.Tensor, num_warps: int):
+    """One gate_route launch bound with ``num_warps`` warps (the committed one: gate_route.NUM_WARPS)."""
+    c, in_kernel = layer.config, layer.fuse_shared and layer.capacity_factor is None
+    gx, w, gb = layer._gate_inputs(x)
+    ws = layer._route_ws.get(x, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, gx.dtype)
+    router, bias = layer._fused_router, layer.e_score_correction_bias
+    plan = router._plans[1 if in_kernel and c.num_shared_slots else 0]
+    bound = gate_route._BoundGateRoute(plan, gx, w, gb, bias, None, router.assert_in_kernel, num_warps)
+    return lambda: bound(gx, w, gb, bias, None, ws)
+
+
 def checks(layer: MoE, m: int, paths: Paths) -> dict:
     """Bit-equality of the one launch against the two (M <= 4), of the mm gate against F.linear, of the layer."""
     x = torch.randn(m, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -187,6 +198,8 @@ def cell(layer: MoE, preset: str, m: int, paths: Paths) -> dict:
     row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k]) for k in ("layer", "layer_two", "layer_lin"))
     gpu = ("gr", "gate", "route") if "gr" in fns else ("mm", "linear")
     row.update({f"{k}_gpu": graph_gpu_us(fns[k]) for k in gpu})
+    if "gr" in fns:  # the one launch at other warp counts (the routing tail runs on all of them)
+        row.update({f"gr_w{w}_gpu": graph_gpu_us(gr_warps(layer, x, w)) for w in (1, 2, 8)})
     row.update(checks(layer, m, paths))
     if m == 1:
         row.update({f"check_M{mm}": checks(layer, mm, paths) for mm in (2, 4)})
@@ -244,7 +257,8 @@ def main() -> None:
 
 
 COLS = ("layer", "layer_min", "layer_two", "layer_lin", "gr", "gate", "route", "experts", "glue", "mm", "addmm",
-        "linear", "matmul", "eager", "eager_two", "eager_lin", "gr_gpu", "gate_gpu", "route_gpu", "mm_gpu", "linear_gpu")
+        "linear", "matmul", "eager", "eager_two", "eager_lin", "gr_gpu", "gr_w1_gpu", "gr_w2_gpu", "gr_w8_gpu",
+        "gate_gpu", "route_gpu", "mm_gpu", "linear_gpu")
 
 
 def print_table(rows: list) -> None:

@@ -233,15 +233,15 @@ class MoE(nn.Module):
                 routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
             else:
                 routing = route(logits, self.config, bias)
-        ids, top_k = routing.topk_ids, self.config.top_k
-        selected = ids if ids.shape[1] == top_k else ids[:, :top_k]  # [M, k]; the fused kernel may append shared slots
+        ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
         if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
-        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
+        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,
+                            top_k=self.config.top_k)
 
     def _gate_inputs(self, x2d: torch.Tensor):
         """(x2d, gate weight, gate bias) in the router dtype (``moekit.routing.gate.router_inputs``)."""

@@ -30,6 +30,7 @@ from moekit.triton_bind import BoundLaunch
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
+NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
 
 def kernels():
@@ -43,7 +44,8 @@ class _BoundGateRoute:
 
     __slots__ = ("launch", "ok")
 
-    def __init__(self, plan, x, weight, linear_bias, bias, gate_logits, assert_in_kernel: bool) -> None:
+    def __init__(self, plan, x, weight, linear_bias, bias, gate_logits, assert_in_kernel: bool,
+                 num_warps: int = NUM_WARPS) -> None:
         num_tokens, num_experts, hidden = x.shape[0], weight.shape[0], weight.shape[1]
         tiles = gate._tiles(num_tokens, num_experts, hidden)
         options = fused._launch_options(x.device)
@@ -53,7 +55,7 @@ class _BoundGateRoute:
         constexprs = dict(**plan.constexprs, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
                           HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2 and bias is not None,
                           HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, PRECISE=options["PRECISE"],
-                          enable_reflect_ftz=False, num_warps=4)
+                          enable_reflect_ftz=False, num_warps=num_warps)
         if in_kernel and plan.check_finite:
             constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
         grid = (-(-num_experts // tiles.block_e),)
