@@ -10,10 +10,12 @@ checks), under ``torch.no_grad()``. Host µs per call: 32 calls from an idle GPU
   layer_lin    the same with ``F.linear`` for the gate above 4 rows (``_gate_mm = None``; main's path)
   gr           ``gate_route`` alone (M <= 4);  gate: the layer's gate step;  route: the fused router alone
   experts      the layer's experts step on a fixed routing;  glue = layer - (gr, or gate + route) - experts
+  route_tokens ``MoE.route_tokens`` as forward calls it;  rt_glue = route_tokens - (gr, or gate + route);
+               fwd_glue = layer - route_tokens - experts (the module call, forward's checks, the experts step's call)
   mm / addmm / linear / matmul   the gate GEMM alone (M >= 8): ``torch.mm(x, W.t(), out=)``, ``torch.addmm``
                with out=, ``F.linear``, ``torch.matmul(out=)``
 GPU µs (CUDA graph of 20 calls): gr against gate + route; mm against linear. eager: wall µs per call of 200
-default layer calls and one sync (layer and layer_two / layer_lin). Checks: the one launch's logits, ids and
+(50 at M >= 64) default layer calls and one sync (layer and layer_two / layer_lin). Checks: the one launch's logits, ids and
 weights bit-equal to the two launches' and ids equal to ``moekit.route`` on its logits at M = 1, 2, 4;
 the mm gate bit-equal to ``F.linear``; the layer output bit-equal across the three paths; the in-kernel
 assert on a NaN input (a subprocess: it kills its CUDA context). cProfile of one Qwen3 M = 1 call: the
@@ -137,6 +139,7 @@ def step_fns(layer: MoE, x: torch.Tensor, paths: Paths) -> dict:
     logits = routed.router_logits
     fns = {"layer": lambda: layer(x), "layer_two": paths.run("two", lambda: layer(x)),
            "layer_lin": paths.run("lin", lambda: layer(x)),
+           "route_tokens": lambda: layer.route_tokens(x, layer._route_ws),  # as forward calls it
            "gate": lambda: layer._gate(gx, w, gb, ws.logits),
            "route": lambda: router(logits, bias, None, in_kernel, (ws.ids, ws.weights)),
            "experts": lambda: layer._experts_and_shared(x, routed)}
@@ -195,7 +198,10 @@ def cell(layer: MoE, preset: str, m: int, paths: Paths) -> dict:
         row[name], row[name + "_min"] = host(fn)
     routing = row["gr"] if "gr" in row else row["gate"] + row["route"]
     row["glue"] = row["layer"] - routing - row["experts"]
-    row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k]) for k in ("layer", "layer_two", "layer_lin"))
+    row["rt_glue"] = row["route_tokens"] - routing  # route_tokens' own Python
+    row["fwd_glue"] = row["layer"] - row["route_tokens"] - row["experts"]  # module call, forward, _experts_and_shared
+    calls = 200 if m <= 8 else 50  # DeepSeek-V3 at M = 512: ~5.5 ms of GPU a call
+    row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k], calls) for k in ("layer", "layer_two", "layer_lin"))
     gpu = ("gr", "gate", "route") if "gr" in fns else ("mm", "linear")
     row.update({f"{k}_gpu": graph_gpu_us(fns[k]) for k in gpu})
     if "gr" in fns:  # the one launch at other warp counts (the routing tail runs on all of them)
@@ -256,7 +262,8 @@ def main() -> None:
     print_table(rows)
 
 
-COLS = ("layer", "layer_min", "layer_two", "layer_lin", "gr", "gate", "route", "experts", "glue", "mm", "addmm",
+COLS = ("layer", "layer_min", "layer_two", "layer_lin", "gr", "gate", "route", "experts", "glue", "rt_glue", "fwd_glue",
+        "mm", "addmm",
         "linear", "matmul", "eager", "eager_two", "eager_lin", "gr_gpu", "gr_w1_gpu", "gr_w2_gpu", "gr_w8_gpu",
         "gate_gpu", "route_gpu", "mm_gpu", "linear_gpu")
 
