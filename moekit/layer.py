@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; a Triton kernel at <= 4 tokens with the fused router (``moekit.routing.gate``) | x2d [M, K] -> logits [M, E] |
+| Gate     | ``MoE.gate``'s weights; at <= 4 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -91,9 +91,10 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
-    With the fused router a decode-sized gate GEMM (up to 4 tokens) runs on a Triton kernel too
-    (``moekit.routing.gate``; ``F.linear`` above that, under autograd and under ``torch.compile``). The layer
-    reads ``MoE.gate``'s weights: its hooks never run.
+    With the fused router a decode-sized gate GEMM (up to 4 tokens) runs on a Triton kernel too, in the same
+    launch as the router where ``forward`` keeps the buffers (``moekit.routing.gate_route``; else two launches,
+    ``moekit.routing.gate``); above that ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd,
+    ``torch.compile``). The layer reads ``MoE.gate``'s weights: its hooks never run.
     """
 
     def __init__(

@@ -187,3 +187,15 @@ def test_layer_runs_one_launch_and_matches_two(mods, preset_like, monkeypatch):
         layer._gate_route = None
         two = layer(x)
     assert torch.equal(one, two)
+
+
+def test_selected_ids_leave_out_the_shared_slots(mods):
+    """With the shared slots appended in the kernel, RoutedTokens.selected_ids (what the losses read) is the
+    router's k routed columns, sliced on access."""
+    cfg = CONFIGS["grouped_sigmoid"].replace(shared_expert_intermediate_size=16, aux_loss_coef=0.01)
+    layer = MoE(cfg, backend="reference", router="fused")
+    with torch.no_grad():
+        routed = layer.route_tokens(torch.randn(3, cfg.hidden_size))
+        assert routed.routing.topk_ids.shape == (3, 6) and routed.selected_ids.shape == (3, 4)
+        assert torch.equal(routed.selected_ids, routed.routing.topk_ids[:, :4])
+        assert layer(torch.randn(3, cfg.hidden_size), return_stats=True).aux_loss is not None

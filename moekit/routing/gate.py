@@ -19,6 +19,10 @@ into it, which reads W at the copy rate but sums every row across the tile's thr
 faster than cuBLAS. So up to MAX_TOKENS rows the kernel is as fast as cuBLAS or within 2.7 µs of it
 on the GPU and 15-45 µs cheaper on the host (decode steps are host-bound); above, ``F.linear``.
 
+Also here: ``linear_into``, the gate above MAX_TOKENS rows as ``torch.mm`` / ``torch.addmm`` into a kept buffer
+(the ops ``F.linear`` runs, without its dispatch and allocation), and ``router_inputs``, the router-dtype casts.
+``moekit.routing.gate_route`` runs this kernel's tiles and the fused router in one launch.
+
 Shapes: M tokens, K hidden, E experts.
 """
 
