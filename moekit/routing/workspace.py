@@ -9,6 +9,8 @@ launch ~5 µs; ``benchmarks/layer_host_device_check.py``), and a layer call made
 routing alone. Buffers are kept per kind of call: (M, device, stream, thread, logits dtype, slots), so
 two streams or two threads never share one; none while compiling or capturing a CUDA graph. At most
 MAX_ENTRIES kinds are kept (the oldest goes first): a server that sees many batch sizes keeps the last ones.
+Each kind also keeps the one-element counter of ``moekit.routing.gate_route`` (gate and router in one launch),
+which must not be shared by two launches in flight at once: hence its place here.
 
 Shapes: M tokens, E experts, k + S slots.
 """
