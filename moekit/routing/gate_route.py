@@ -55,7 +55,7 @@ class _BoundGateRoute:
         constexprs = dict(**plan.constexprs, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
                           HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2 and bias is not None,
                           HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, PRECISE=options["PRECISE"],
-                          enable_reflect_ftz=False, num_warps=num_warps)
+                          PDL=options["PDL"], enable_reflect_ftz=False, num_warps=num_warps)  # not launched with PDL
         if in_kernel and plan.check_finite:
             constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
         grid = (-(-num_experts // tiles.block_e),)

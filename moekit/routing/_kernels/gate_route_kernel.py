@@ -17,6 +17,8 @@ the next launch on the stream.
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents
+
 from moekit.routing._kernels.gate_kernel import gate_tile
 from moekit.routing._kernels.route_kernel import route_rows
 
@@ -32,8 +34,10 @@ def gate_route_kernel(
     TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
     GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr,
-    PRECISE: tl.constexpr, ASSERT_FINITE: tl.constexpr,
+    PRECISE: tl.constexpr, ASSERT_FINITE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the experts' first kernel may launch now; it waits (gdc_wait) for this grid to finish before reading
+        gdc_launch_dependents()
     gate_tile(x_ptr, w_ptr, b_ptr, logits_ptr, 0, tl.program_id(0) * BLOCK_E, num_tokens, hidden, stride_xm, stride_we,
               NUM_EXPERTS, NUM_EXPERTS, BLOCK_M, BLOCK_E, BLOCK_K, HAS_LINEAR_BIAS)
     tl.debug_barrier()  # every thread's logits stored before the count releases them
