@@ -110,6 +110,26 @@ def test_equals_two_launches_route_and_loop(mods, name, m, dtype):
         torch.testing.assert_close(got.topk_weights.double(), weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["softmax", "grouped_sigmoid"])
+def test_many_programs_last_one_routes(mods, name):
+    """K = 2100: tiles of 2 experts x 2048 columns, so 6 (E = 12) or 8 (E = 16) programs of 2 K steps each; the
+    last to finish routes every row and sets the counter back to 0, so a second call routes again."""
+    cfg = CONFIGS[name].replace(hidden_size=2100)
+    fused, _, gate_route, workspace = mods
+    router, ws = fused.FusedRouter(cfg), workspace()
+    for seed in (1, 2):
+        x, w, bias = problem(cfg, 3, seed=seed)
+        buffers = ws.get(x, cfg.num_experts, cfg.top_k, x.dtype)
+        got = gate_route.gate_route(router, x, w, None, bias, None, False, buffers)
+        key = next(k for k, b in gate_route._BOUND.items() if k[1][0] == x.shape and k[2][0] == w.shape)
+        assert gate_route._BOUND[key].launch.grid[0] == cfg.num_experts // 2 and int(buffers.count) == 0
+        logits, twin = two_launches(mods, cfg, x, w, bias)
+        assert torch.equal(buffers.logits, logits) and torch.equal(got.topk_ids, twin.topk_ids)
+        ids, weights = loop(x, w, cfg, bias)
+        assert torch.equal(got.topk_ids, ids)
+        torch.testing.assert_close(got.topk_weights.double(), weights, rtol=1e-5, atol=1e-6)
+
+
 def test_ties_lower_id_wins(mods):
     """Equal rows of W give equal logits: the lower expert id wins, as route and the loop say."""
     cfg = CONFIGS["softmax"]
