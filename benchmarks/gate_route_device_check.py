@@ -10,6 +10,9 @@ checks), under ``torch.no_grad()``. Host µs per call: 32 calls from an idle GPU
   layer_lin    the same with ``F.linear`` for the gate above 4 rows (``_gate_mm = None``; main's path)
   gr           ``gate_route`` alone (M <= 4);  gate: the layer's gate step;  route: the fused router alone
   experts      the layer's experts step on a fixed routing;  glue = layer - (gr, or gate + route) - experts
+  forward      ``layer.forward(x)`` (no nn.Module call);  body: route_tokens then the experts step, back to back
+  module_call = layer_min - forward_min;  fwd_checks = forward_min - body_min;  together = body_min -
+               route_tokens_min - experts_min (the two steps back to back against each timed alone)
   route_tokens ``MoE.route_tokens`` as forward calls it;  rt_glue = route_tokens - (gr, or gate + route);
                fwd_glue = layer - route_tokens - experts (the module call, forward's checks, the experts step's call)
   mm / addmm / linear / matmul   the gate GEMM alone (M >= 8): ``torch.mm(x, W.t(), out=)``, ``torch.addmm``
@@ -46,8 +49,8 @@ from moekit.layer import MoE
 from moekit.routing import gate_route
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
-BUDGET_S = 75.0  # cells starting later are skipped
-EXTRA_S = 95.0  # the warp-count variants, after the cells, only before this
+BUDGET_S = 85.0  # cells starting later are skipped
+EXTRA_S = 100.0  # the warp-count variants, after the cells, only before this
 ASSERT_CHECK = """
 import torch
 from moekit import MoE, MoEConfig
@@ -139,7 +142,9 @@ def step_fns(layer: MoE, x: torch.Tensor, paths: Paths) -> dict:
     bias, router = layer.e_score_correction_bias, layer._fused_router
     routed = layer.route_tokens(x)
     logits = routed.router_logits
-    fns = {"layer": lambda: layer(x), "layer_two": paths.run("two", lambda: layer(x)),
+    fns = {"layer": lambda: layer(x), "forward": lambda: layer.forward(x),
+           "body": lambda: layer._experts_and_shared(x, layer.route_tokens(x, layer._route_ws)),
+           "layer_two": paths.run("two", lambda: layer(x)),
            "layer_lin": paths.run("lin", lambda: layer(x)),
            "route_tokens": lambda: layer.route_tokens(x, layer._route_ws),  # as forward calls it
            "gate": lambda: layer._gate(gx, w, gb, ws.logits),
@@ -202,6 +207,11 @@ def cell(layer: MoE, preset: str, m: int, paths: Paths) -> dict:
     row["glue"] = row["layer"] - routing - row["experts"]
     row["rt_glue"] = row["route_tokens"] - routing  # route_tokens' own Python
     row["fwd_glue"] = row["layer"] - row["route_tokens"] - row["experts"]  # module call, forward, _experts_and_shared
+    # fwd_glue split, on the mins (the medians of a noisy host spread by tens of µs): the nn.Module call, forward's
+    # own checks, and what the two steps cost back to back beyond each timed alone (caches, the GPU queue)
+    row["module_call"] = row["layer_min"] - row["forward_min"]
+    row["fwd_checks"] = row["forward_min"] - row["body_min"]
+    row["together"] = row["body_min"] - row["route_tokens_min"] - row["experts_min"]
     calls = 200 if m <= 8 else 50  # DeepSeek-V3 at M = 512: ~5.5 ms of GPU a call
     row["eager"], row["eager_two"], row["eager_lin"] = (eager_us(fns[k], calls) for k in ("layer", "layer_two", "layer_lin"))
     gpu = ("gr", "gate", "route") if "gr" in fns else ("mm", "linear")
@@ -267,6 +277,7 @@ def main() -> None:
 
 
 COLS = ("layer", "layer_min", "layer_two", "layer_lin", "gr", "gate", "route", "experts", "glue", "rt_glue", "fwd_glue",
+        "module_call", "fwd_checks", "together",
         "mm", "addmm",
         "linear", "matmul", "eager", "eager_two", "eager_lin", "gr_gpu", "gr_w1_gpu", "gr_w2_gpu",
         "gate_gpu", "route_gpu", "mm_gpu", "linear_gpu")

@@ -257,7 +257,8 @@ class MoE(nn.Module):
         """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
         kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
         out = out if out is None or out.dtype == x2d.dtype else None
-        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias, out)  # None: not for the kernel
+        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the kernel takes at all
+        logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)
         return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
