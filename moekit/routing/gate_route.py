@@ -95,7 +95,11 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
             x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))):
         return None
     plan = router._plans[1 if append_shared else 0]
-    key = (plan, _tensor_key(x), _tensor_key(weight), _tensor_key(linear_bias), fused._pointer_key(correction_bias),
+    # x and weight inline (the common call has no other tensor): each function call is host time here
+    key = (plan, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
+           weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
+           None if linear_bias is None else _tensor_key(linear_bias),
+           None if correction_bias is None else fused._pointer_key(correction_bias),
            None if shared_gate_logits is None else fused._pointer_key(shared_gate_logits), router.assert_in_kernel,
            buffers.logits.dtype)
     bound = _BOUND.get(key)
