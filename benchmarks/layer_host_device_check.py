@@ -151,7 +151,7 @@ def stage_fns(layer: MoE, x: torch.Tensor) -> dict:
     routed = layer.route_tokens(x)
     logits, bias = routed.router_logits, layer.e_score_correction_bias
     router, in_kernel = layer._fused_router, layer.fuse_shared and layer.capacity_factor is None
-    gate_fn, ws = layer._gate_fn, layer._route_ws
+    gate_fn, ws, gate_route, gate_mm = layer._gate_fn, layer._route_ws, layer._gate_route, layer._gate_mm
     flag_router = fused.FusedRouter(layer.config, assert_in_kernel=False)
     c = layer.config
     bufs = ws.get(x, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x.dtype)  # what forward writes
@@ -160,10 +160,12 @@ def stage_fns(layer: MoE, x: torch.Tensor) -> dict:
         """fn as before this branch: the gate on F.linear, the flag and _assert_async, fresh buffers."""
         def run():
             layer._gate_fn, layer._fused_router, layer._route_ws = None, flag_router, _NoWorkspace()
+            layer._gate_route, layer._gate_mm = None, None  # gate_route_device_check.py times these two
             try:
                 return fn()
             finally:
                 layer._gate_fn, layer._fused_router, layer._route_ws = gate_fn, router, ws
+                layer._gate_route, layer._gate_mm = gate_route, gate_mm
         return run
 
     return {

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from moekit._checks import check_bool, check_int, check_positive_finite
 from moekit.activations import ActivationSpec, activation_from_hf, as_spec
 from moekit.presets import hf_config_of_preset
@@ -317,3 +319,24 @@ _REFUSED = {
     "llama4_text": "Llama-4 scales the expert's input by sigmoid(top-1 logit), not its output; moekit's layer "
                    "weights outputs",
 }
+
+
+def check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts,
+                     dtype) -> None:
+    """``moekit.MoE.__init__``'s arguments besides the config's own fields: a clear error naming the one that
+    cannot be honoured."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_bool("fuse_shared", fuse_shared)
+    if capacity_factor is not None:
+        try:
+            check_positive_finite("capacity_factor", capacity_factor)
+        except ValueError as err:
+            raise ValueError(f"{err} (None = dropless)") from None
+    if drop_policy not in ("position", "weight"):
+        raise ValueError(f"drop_policy must be 'position' or 'weight', got {drop_policy!r}")
+    check_int("stats_block_size", stats_block_size)
+    if num_local_experts is not None:
+        check_int("num_local_experts", num_local_experts, minimum=0)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; a Triton kernel at <= 4 tokens with the fused router (``moekit.routing.gate``) | x2d [M, K] -> logits [M, E] |
+| Gate     | ``MoE.gate``'s weights; at <= 4 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moekit._checks import check_bool, check_int, check_positive_finite
-from moekit.config import MoEConfig
+from moekit._checks import check_int
+from moekit.config import MoEConfig, check_layer_args
 from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import apply_glu
@@ -41,7 +41,8 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import gate_available, gate_logits
+from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
+from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route
 from moekit.routing.routed import RoutedTokens
 from moekit.routing.workspace import RouteWorkspace
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
@@ -90,9 +91,10 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
-    With the fused router a decode-sized gate GEMM (up to 4 tokens) runs on a Triton kernel too
-    (``moekit.routing.gate``; ``F.linear`` above that, under autograd and under ``torch.compile``). The layer
-    reads ``MoE.gate``'s weights: its hooks never run.
+    With the fused router a decode-sized gate GEMM (up to 4 tokens) runs on a Triton kernel too, in the same
+    launch as the router where ``forward`` keeps the buffers (``moekit.routing.gate_route``; else two launches,
+    ``moekit.routing.gate``); above that ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd,
+    ``torch.compile``). The layer reads ``MoE.gate``'s weights: its hooks never run.
     """
 
     def __init__(
@@ -116,7 +118,7 @@ class MoE(nn.Module):
         autograd of at most this many tokens replay a CUDA graph captured per kind of call
         (``moekit.eager_graphs``; off by default: each token count seen costs a capture and its memory)."""
         super().__init__()
-        _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
+        check_layer_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype)
         if eager_graph_rows is not None:
             check_int("eager_graph_rows", eager_graph_rows, minimum=1)
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
@@ -174,6 +176,8 @@ class MoE(nn.Module):
         self._router = choice
         self._fused_router: FusedRouter | None = fused_router(self.config, self.w13.device, choice)
         self._gate_fn = gate_logits if self._fused_router is not None and gate_available(self.w13.device) else None
+        self._gate_route = gate_route if self._gate_fn is not None else None  # gate and router in one launch
+        self._gate_mm = linear_into if self._fused_router is not None else None  # above the kernel's rows
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)
@@ -210,40 +214,53 @@ class MoE(nn.Module):
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
         """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. ``workspace``
-        (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers."""
+        (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers,
+        at most MAX_TOKENS rows in one launch (``moekit.routing.gate_route``)."""
         # The fused kernel appends the shared slots itself unless capacity must drop in between.
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
         c = self.config
-        ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, x2d.dtype)
-        logits = self._router_logits(x2d, None if ws is None else ws.logits)  # [M, E]
+        gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
+        ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, gx.dtype)
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
-        if self._fused_router is not None:
-            routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
+        routing = None
+        if ws is not None and self._gate_route is not None and x2d.shape[0] <= GATE_ROUTE_ROWS:
+            routing = self._gate_route(self._fused_router, gx, weight, gbias, bias, gate_logits, in_kernel, ws)
+        if routing is not None:  # the gate and the router in one launch
+            logits = ws.logits  # [M, E]
         else:
-            routing = route(logits, self.config, bias)
-        ids, top_k = routing.topk_ids, self.config.top_k
-        selected = ids if ids.shape[1] == top_k else ids[:, :top_k]  # [M, k]; the fused kernel may append shared slots
+            logits = self._gate(gx, weight, gbias, None if ws is None else ws.logits)  # [M, E]
+            if self._fused_router is not None:
+                routing = self._fused_router(logits, bias, gate_logits, in_kernel, None if ws is None else (ws.ids, ws.weights))
+            else:
+                routing = route(logits, self.config, bias)
+        ids = routing.topk_ids  # [M, k(+S)]: the fused kernel may append the shared slots
         dropped = None  # dropless: RoutedTokens.dropped makes its zero only when asked (stats)
         if self.capacity_factor is not None:
             capped = apply_capacity(routing, self.config.num_experts, self.capacity_factor, self.drop_policy)
             routing, dropped = capped.routing, capped.dropped
         if self.fuse_shared and not in_kernel:
             routing = append_shared_slots(routing, self.config, gate_logits)
-        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, selected_ids=selected)
+        return RoutedTokens(routing=routing, dropped_count=dropped, router_logits=logits, router_ids=ids,
+                            top_k=self.config.top_k)
+
+    def _gate_inputs(self, x2d: torch.Tensor):
+        """(x2d, gate weight, gate bias) in the router dtype (``moekit.routing.gate.router_inputs``)."""
+        gate = self._modules["gate"]
+        return router_inputs(x2d, _param(gate, "weight"), _param(gate, "bias"), self.config.router_dtype)
 
     def _router_logits(self, x2d: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x2d [M, K] -> logits [M, E] in the router dtype: ``config.router_dtype`` when set (x and the gate weight
-        cast for the GEMM, as Megatron's moe_router_dtype; the parameter keeps its dtype and gets its gradient
-        through the cast), else the gate weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
-        gate = self._modules["gate"]
-        weight, bias = _param(gate, "weight"), _param(gate, "bias")  # [E, K], [E] (gpt-oss) or None
-        dtype = weight.dtype if self.config.router_dtype is None else getattr(torch, self.config.router_dtype)
-        if weight.dtype != dtype:
-            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        x2d = x2d if x2d.dtype == dtype else x2d.to(dtype)
-        out = out if out is None or out.dtype == dtype else None  # out: a workspace's logits [M, E] (x's dtype)
-        logits = None if self._gate_fn is None else self._gate_fn(x2d, weight, bias, out)  # None: not for the kernel
+        """x2d [M, K] -> logits [M, E] in the router dtype (``_gate_inputs``), into ``out`` where it is given."""
+        return self._gate(*self._gate_inputs(x2d), out)
+
+    def _gate(self, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None):
+        """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
+        kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
+        out = out if out is None or out.dtype == x2d.dtype else None
+        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the kernel takes at all
+        logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
+        if logits is None and out is not None and self._gate_mm is not None:
+            logits = self._gate_mm(x2d, weight, bias, out)
         return torch.nn.functional.linear(x2d, weight, bias) if logits is None else logits
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
@@ -373,22 +390,3 @@ def _param(module: nn.Module, name: str):
     """``module.<name>`` from ``_parameters`` without ``nn.Module.__getattr__`` (~0.5 µs), else through getattr."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
-
-
-def _check_init_args(config, fuse_shared, capacity_factor, drop_policy, stats_block_size, num_local_experts, dtype) -> None:
-    """``MoE.__init__``'s arguments: a clear error naming the one that cannot be honoured."""
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    check_bool("fuse_shared", fuse_shared)
-    if capacity_factor is not None:
-        try:
-            check_positive_finite("capacity_factor", capacity_factor)
-        except ValueError as err:
-            raise ValueError(f"{err} (None = dropless)") from None
-    if drop_policy not in ("position", "weight"):
-        raise ValueError(f"drop_policy must be 'position' or 'weight', got {drop_policy!r}")
-    check_int("stats_block_size", stats_block_size)
-    if num_local_experts is not None:
-        check_int("num_local_experts", num_local_experts, minimum=0)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -122,3 +122,33 @@ def test_layer_gate_on_the_kernel(gate, monkeypatch):
     with torch.no_grad():
         assert_close(layer._router_logits(x.float()), reference(x, layer.gate.weight), torch.float32)
     assert MoE(cfg, backend="reference", router="torch")._gate_fn is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_into_is_f_linear(gate, dtype, with_bias):
+    """Above MAX_TOKENS rows: torch.mm / addmm into the kept buffer, bit-equal to F.linear (the ops it runs) and
+    close to the float64 loop; None (F.linear) under autograd and for mixed dtypes."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(9, 40, generator=g).to(dtype), torch.randn(12, 40, generator=g).to(dtype)
+    b = torch.randn(12, generator=g).to(dtype) if with_bias else None
+    out = torch.full((9, 12), float("nan"), dtype=dtype)
+    got = gate.linear_into(x, w, b, out)
+    assert got is out and torch.equal(out, torch.nn.functional.linear(x, w, b))
+    assert_close(out, reference(x, w, b), dtype)
+    assert gate.linear_into(x, w.double(), b, out) is None
+    assert gate.linear_into(x, w.requires_grad_(), b, out) is None
+
+
+def test_layer_gate_above_the_kernel_writes_the_kept_logits(gate):
+    """MoE.forward at M > MAX_TOKENS: the gate writes the workspace's logits through linear_into, and the output
+    equals the layer's with F.linear there."""
+    cfg = MoEConfig(hidden_size=16, moe_intermediate_size=8, num_experts=8, top_k=2)
+    layer = MoE(cfg, backend="reference", router="fused")
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        out = layer(x)
+        kept = next(iter(layer._route_ws._buffers.values())).logits
+        torch.testing.assert_close(kept.double(), reference(x, layer.gate.weight), rtol=1e-5, atol=1e-5)
+        layer._gate_mm = None
+        assert torch.equal(layer(x), out)

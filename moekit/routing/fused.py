@@ -200,9 +200,11 @@ _BOUND: dict[tuple, _BoundRoute] = {}
 
 
 def clear_launch_caches() -> None:
-    """Drop the bound launches of eager calls, the gate's too (they hold the kernel they were bound to)."""
+    """Drop the bound launches of eager calls, the gate's and the one-launch gate and router's too (they hold
+    the kernel they were bound to)."""
     _BOUND.clear()
     gate.clear_launch_caches()
+    importlib.import_module("moekit.routing.gate_route").clear_launch_caches()  # it imports this module
 
 
 def _pointer_key(t: torch.Tensor | None):

@@ -19,6 +19,10 @@ into it, which reads W at the copy rate but sums every row across the tile's thr
 faster than cuBLAS. So up to MAX_TOKENS rows the kernel is as fast as cuBLAS or within 2.7 µs of it
 on the GPU and 15-45 µs cheaper on the host (decode steps are host-bound); above, ``F.linear``.
 
+Also here: ``linear_into``, the gate above MAX_TOKENS rows as ``torch.mm`` / ``torch.addmm`` into a kept buffer
+(the ops ``F.linear`` runs, without its dispatch and allocation), and ``router_inputs``, the router-dtype casts.
+``moekit.routing.gate_route`` runs this kernel's tiles and the fused router in one launch.
+
 Shapes: M tokens, K hidden, E experts.
 """
 
@@ -132,3 +136,26 @@ def gate_available(device: torch.device | str) -> bool:
         return False
     device = torch.device(device)
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x [M, K], weight [E, K], bias)`` written into ``out`` [M, E] (a kept buffer in x's dtype) through
+    ``torch.mm`` / ``torch.addmm`` with ``out=``: the ops aten::linear calls for a 2-D input, so the same cuBLAS
+    call and the same result, without aten::linear's dispatch or a fresh output. None where it does not apply
+    (autograd, torch.compile, mixed dtypes); the caller runs ``F.linear``."""
+    if (x.dtype != weight.dtype or x.dim() != 2 or out.dtype != x.dtype or torch.compiler.is_compiling()
+            or (bias is not None and bias.dtype != x.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))):
+        return None
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
+
+
+def router_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, router_dtype: str | None):
+    """(x [M, K], weight [E, K], bias [E] | None) in the router dtype: ``router_dtype`` when set (x and the weights
+    cast for the GEMM, as Megatron's moe_router_dtype; a parameter keeps its dtype and gets its gradient through
+    the cast), else the weight's dtype (DeepSeek-V3 keeps an fp32 gate in a bf16 model)."""
+    dtype = weight.dtype if router_dtype is None else getattr(torch, router_dtype)
+    if weight.dtype != dtype:
+        weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    return (x if x.dtype == dtype else x.to(dtype)), weight, bias

@@ -18,7 +18,16 @@ class RoutedTokens:
     routing: Routing  # [M, k(+S)]; capacity drops are id -1 / weight 0; fused shared slots (ids E..E+S-1) last
     dropped_count: torch.Tensor | None = None  # [] int64; assignments the capacity factor dropped; None when dropless
     router_logits: torch.Tensor | None = None  # [M, E] the gate's output (router dtype), what the losses read
-    selected_ids: torch.Tensor | None = None  # [M, k] int32; the router's choice before capacity drops and shared slots
+    # [M, k(+S)] int32; the router's output before capacity drops: its first top_k columns are the routed choice
+    router_ids: torch.Tensor | None = None
+    top_k: int = 0  # routed slots of router_ids
+
+    @property
+    def selected_ids(self) -> torch.Tensor | None:
+        """[M, k] int32: the router's choice before capacity drops and shared slots. Sliced here, on access (the
+        losses read it), not by every forward (a slice is an op of a few µs of host time)."""
+        ids = self.router_ids
+        return ids if ids is None or ids.shape[1] == self.top_k else ids[:, : self.top_k]
 
     @property
     def dropped(self) -> torch.Tensor:

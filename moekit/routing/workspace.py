@@ -9,6 +9,8 @@ launch ~5 µs; ``benchmarks/layer_host_device_check.py``), and a layer call made
 routing alone. Buffers are kept per kind of call: (M, device, stream, thread, logits dtype, slots), so
 two streams or two threads never share one; none while compiling or capturing a CUDA graph. At most
 MAX_ENTRIES kinds are kept (the oldest goes first): a server that sees many batch sizes keeps the last ones.
+Each kind also keeps the one-element counter of ``moekit.routing.gate_route`` (gate and router in one launch),
+which must not be shared by two launches in flight at once: hence its place here.
 
 Shapes: M tokens, E experts, k + S slots.
 """
@@ -30,6 +32,7 @@ class RouteBuffers:
     logits: torch.Tensor  # [M, E] the gate's output dtype
     ids: torch.Tensor  # [M, k(+S)] int32
     weights: torch.Tensor  # [M, k(+S)] float32
+    count: torch.Tensor  # [1] int32, 0 between launches: the one-launch gate and router's programs done (gate_route)
 
 
 class RouteWorkspace:
@@ -62,5 +65,6 @@ class RouteWorkspace:
             buffers = self._buffers[key] = RouteBuffers(
                 logits=torch.empty(m, num_experts, dtype=dtype, device=x2d.device),
                 ids=torch.empty(m, num_slots, dtype=torch.int32, device=x2d.device),
-                weights=torch.empty(m, num_slots, dtype=torch.float32, device=x2d.device))
+                weights=torch.empty(m, num_slots, dtype=torch.float32, device=x2d.device),
+                count=torch.zeros(1, dtype=torch.int32, device=x2d.device))
         return buffers

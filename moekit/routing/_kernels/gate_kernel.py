@@ -23,8 +23,20 @@ def gate_kernel(
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE] experts
+    gate_tile(x_ptr, w_ptr, b_ptr, out_ptr, tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_E, num_tokens, hidden,
+              stride_xm, stride_we, stride_om, NUM_EXPERTS, BLOCK_M, BLOCK_E, BLOCK_K, HAS_BIAS)
+
+
+@triton.jit
+def gate_tile(
+    x_ptr, w_ptr, b_ptr, out_ptr, row0, col0, num_tokens, hidden, stride_xm, stride_we, stride_om,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """logits[row0:row0+BM, col0:col0+BE] (rows and experts past the ends not stored); also the gate part
+    of ``gate_route_kernel``."""
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
+    cols = col0 + tl.arange(0, BLOCK_E)  # [BE] experts
     row_ok, col_ok = rows < num_tokens, cols < NUM_EXPERTS
     w_row = w_ptr + cols.to(tl.int64)[:, None] * stride_we  # [BE, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
@@ -33,7 +45,7 @@ def gate_kernel(
         k_ok = ks < hidden
         wt = tl.load(w_row + ks, mask=col_ok[:, None] & k_ok, other=0.0)  # [BE, BK]
         for r in tl.static_range(BLOCK_M):  # one row at a time: a [BM, BK] tile of x would not fit at BK = 2048
-            row = tl.minimum(tl.program_id(0) * BLOCK_M + r, num_tokens - 1)  # rows past M: not stored
+            row = tl.minimum(row0 + r, num_tokens - 1)  # rows past M: not stored
             xr = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_ok, other=0.0)  # [1, BK]
             part = tl.sum(wt.to(tl.float32) * xr.to(tl.float32), axis=1)  # [BE]
             acc = tl.where(tl.arange(0, BLOCK_M)[:, None] == r, acc + part[None, :], acc)

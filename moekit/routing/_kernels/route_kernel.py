@@ -168,7 +168,25 @@ def route_kernel(
     if PDL:  # the logits come from the kernel before (the gate matmul): wait for it to finish
         gdc_wait()
         gdc_launch_dependents()
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    route_rows(logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, tl.program_id(0) * BLOCK_M, num_tokens,
+               stride_lm, stride_le, stride_b, stride_gm, scaling, NUM_EXPERTS, PER_GROUP, G_PAD, P_PAD, TOP_K,
+               TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS, HAS_GATE, CHECK_FINITE,
+               BLOCK_M, PRECISE, ASSERT_FINITE, False)
+
+
+@triton.jit
+def route_rows(
+    logits_ptr, bias_ptr, gate_ptr, ids_ptr, weights_ptr, ok_ptr, row0,
+    num_tokens, stride_lm, stride_le, stride_b, stride_gm, scaling,
+    NUM_EXPERTS: tl.constexpr, PER_GROUP: tl.constexpr, G_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    TOP_K: tl.constexpr, TOPK_GROUP: tl.constexpr, NUM_SHARED: tl.constexpr, SLOTS_PAD: tl.constexpr,
+    GROUPED: tl.constexpr, TOP2: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr, CHECK_FINITE: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISE: tl.constexpr, ASSERT_FINITE: tl.constexpr, VOLATILE: tl.constexpr,
+):
+    """Rows row0 .. row0 + BM - 1 (those below num_tokens) routed; also the route part of ``gate_route_kernel``,
+    where the logits were written by other programs of the same launch (``VOLATILE``: loaded past the L1)."""
+    rows = row0 + tl.arange(0, BLOCK_M)  # [BM]
     row_ok = rows < num_tokens
     g = tl.arange(0, G_PAD)[None, :, None]
     p = tl.arange(0, P_PAD)[None, None, :]
@@ -176,7 +194,8 @@ def route_kernel(
     col_ok = (g < NUM_EXPERTS // PER_GROUP) & (p < PER_GROUP)  # [1, G, P] not padding
     valid = row_ok[:, None, None] & col_ok  # [BM, G, P]
     row_ptr = logits_ptr + rows.to(tl.int64) * stride_lm  # [BM]
-    x = tl.load(row_ptr[:, None, None] + expert * stride_le, mask=valid, other=0.0).to(tl.float32)  # [BM, G, P]
+    x = tl.load(row_ptr[:, None, None] + expert * stride_le, mask=valid, other=0.0,
+                volatile=VOLATILE).to(tl.float32)  # [BM, G, P]
     finite = valid & (tl.abs(x) < float("inf"))
     _check_finite(valid, finite, ok_ptr, CHECK_FINITE, ASSERT_FINITE)
 
@@ -199,7 +218,8 @@ def route_kernel(
 
     slot = tl.arange(0, SLOTS_PAD)[None, :]
     is_routed = slot < TOP_K
-    chosen = tl.load(row_ptr[:, None] + ids * stride_le, mask=row_ok[:, None] & is_routed, other=0.0).to(tl.float32)
+    chosen = tl.load(row_ptr[:, None] + ids * stride_le, mask=row_ok[:, None] & is_routed, other=0.0,
+                     volatile=VOLATILE).to(tl.float32)
     taken = is_routed & (tl.abs(chosen) < float("inf"))
     w = _weights(chosen, taken, row_max[:, None], row_sum[:, None], scaling, SIGMOID, RENORMALIZE, PRECISE)
     if NUM_SHARED > 0:  # shared slots last: ids E..E+S-1, weight 1 or sigmoid(gate logit)

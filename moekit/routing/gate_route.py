@@ -1,0 +1,124 @@
+"""The gate GEMM and the fused router in one launch for decode-sized batches: x [M, K] (M <= MAX_TOKENS) ->
+router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers.
+
+    [Gate -> Route (+ shared slots), one launch] -> Capacity (opt-in) -> Group -> Experts -> Combine
+
+Why: a decode step's gate and router are two launches of a few µs of GPU work each, and on the H200's
+host a raw launch costs ~6 µs plus the Python around it (``benchmarks/gate_route_device_check.py``).
+Here the gate kernel's programs each store a tile of the logits, count themselves done on a one-element
+counter kept with the buffers, and the last one routes every row (``_kernels/gate_route_kernel.py``):
+the same code as ``gate_kernel`` and ``route_kernel``, so the results are those of the two launches.
+Torch twin: ``F.linear`` then ``moekit.routing.route`` (the tests check both).
+
+Only where the two launches would run on the kernels anyway (``moekit.routing.gate``'s conditions, the
+fused router's plan) and with kept buffers (``moekit.routing.workspace``), whose counter no other launch
+shares: a kind of call is keyed by its stream and thread there. ``gate_route`` returns None elsewhere.
+
+Shapes: M tokens, K hidden, E experts, k + S slots.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from moekit.routing import fused, gate
+from moekit.routing.route import Routing
+from moekit.routing.workspace import RouteBuffers
+from moekit.triton_bind import BoundLaunch
+
+MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
+MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
+NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
+
+
+def kernels():
+    """The kernel module, imported on first use (Triton decides at decoration whether it is interpreted)."""
+    return importlib.import_module("moekit.routing._kernels.gate_route_kernel")
+
+
+class _BoundGateRoute:
+    """One kind of call (plan, shapes, strides, dtypes, alignment, device, assert mode), decided once: the
+    bound launch and, with nonfinite="raise" where the kernel cannot assert itself, a flag (``_BoundRoute``)."""
+
+    __slots__ = ("launch", "ok")
+
+    def __init__(self, plan, x, weight, linear_bias, bias, gate_logits, assert_in_kernel: bool,
+                 num_warps: int = NUM_WARPS) -> None:
+        num_tokens, num_experts, hidden = x.shape[0], weight.shape[0], weight.shape[1]
+        tiles = gate._tiles(num_tokens, num_experts, hidden)
+        options = fused._launch_options(x.device)
+        in_kernel = assert_in_kernel and options["PRECISE"]  # the interpreter: the flag
+        scalars = (num_tokens, hidden, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
+                   0 if gate_logits is None else gate_logits.stride(0), plan.scaling)
+        constexprs = dict(**plan.constexprs, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
+                          HAS_LINEAR_BIAS=linear_bias is not None, TOP2=plan.top2 and bias is not None,
+                          HAS_BIAS=bias is not None, HAS_GATE=gate_logits is not None, PRECISE=options["PRECISE"],
+                          PDL=options["PDL"], enable_reflect_ftz=False, num_warps=num_warps)  # not launched with PDL
+        if in_kernel and plan.check_finite:
+            constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
+        grid = (-(-num_experts // tiles.block_e),)
+        self.launch = BoundLaunch(kernels().gate_route_kernel, grid, 10, scalars, True, **constexprs)
+        flag = plan.check_finite and not in_kernel
+        self.ok = torch.ones(1, dtype=torch.int32, device=x.device) if flag else None  # [1], as _BoundRoute's
+
+    def __call__(self, x, weight, linear_bias, bias, gate_logits, buffers: RouteBuffers) -> None:
+        ids, ok = buffers.ids, self.ok
+        self.launch(x, weight, weight if linear_bias is None else linear_bias, buffers.logits,
+                    x if bias is None else bias, x if gate_logits is None else gate_logits, ids, buffers.weights,
+                    ids if ok is None else ok, buffers.count)
+
+
+# kind of call -> its bound launch, or _SEPARATE where the one launch does not apply
+_BOUND: dict[tuple, object] = {}
+_SEPARATE = object()
+
+
+def clear_launch_caches() -> None:
+    """Drop the bound launches (they hold the kernel they were bound to)."""
+    _BOUND.clear()
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+
+
+def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
+               correction_bias: torch.Tensor | None, shared_gate_logits: torch.Tensor | None, append_shared: bool,
+               buffers: RouteBuffers) -> Routing | None:
+    """``router(gate_logits(x, weight, linear_bias), correction_bias, shared_gate_logits, append_shared)`` in one
+    launch, the logits in ``buffers.logits`` and the routing in ``buffers.ids`` / ``buffers.weights``; None
+    where it does not apply (the caller runs the two steps). The caller vouches that ``buffers`` are this
+    kind of call's own (``RouteWorkspace.get`` for x's rows, the router dtype and k(+S) slots)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))):
+        return None
+    plan = router._plans[1 if append_shared else 0]
+    # x and weight inline (the common call has no other tensor): each function call is host time here
+    key = (plan, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
+           weight.dtype, weight.get_device(), weight.data_ptr() % 16 == 0,
+           None if linear_bias is None else _tensor_key(linear_bias),
+           None if correction_bias is None else fused._pointer_key(correction_bias),
+           None if shared_gate_logits is None else fused._pointer_key(shared_gate_logits), router.assert_in_kernel,
+           buffers.logits.dtype)
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= MAX_BOUND:
+            _BOUND.pop(next(iter(_BOUND)))
+        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
+                   and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
+        bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
+            plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
+            else None, router.assert_in_kernel)
+    if bound is _SEPARATE:
+        return None
+    if correction_bias is not None:
+        router._check_bias(correction_bias, x.device)
+    gate_in = router._check_gate(x, shared_gate_logits) if append_shared else None
+    bound(x, weight, linear_bias, correction_bias, gate_in, buffers)
+    if bound.ok is not None:
+        fused._assert_finite(bound.ok, buffers.logits)
+    # As FusedRouter: with nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
+    masked = None if plan.check_finite else (~torch.isfinite(buffers.logits).any(dim=1)).sum()
+    return Routing(topk_ids=buffers.ids, topk_weights=buffers.weights, masked_tokens=masked)
