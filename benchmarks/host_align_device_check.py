@@ -217,7 +217,7 @@ def cell(preset: str, m: int, out_dir: Path) -> dict:
 def table(results: dict) -> str:
     lines = ["host µs (median/min of 7 x 32 calls from idle), eager µs per call (median/min), GPU µs (graph),"
              " launches; eq: equal to old bit for bit; tw: folded layout equal to the twin",
-             f"{'cell':<22}{'var':>9}{'A':>6}{'L':>3}{'host':>7}{'min':>6}{'eager':>9}{'min':>8}{'gpu':>9}  ok  eq  tw"]
+             f"{'cell':<22}{'var':>9}{'A':>6}{'L':>3}{'host':>8}{'min':>7}{'eager':>9}{'min':>9}{'gpu':>9}  ok  eq  tw"]
     for key, res in results.items():
         if "skipped" in res or "error" in res:
             lines.append(f"{key:<22} {res.get('skipped') or res.get('error')}")
@@ -226,8 +226,8 @@ def table(results: dict) -> str:
             v = res.get(name)
             if v is None:
                 continue
-            lines.append(f"{key:<22}{name:>9}{res['A']:>6}{v['launches']:>3}{v['host_us']['median']:>7.1f}"
-                         f"{v['host_us']['min']:>6.1f}{v['eager_us']['median']:>9.1f}{v['eager_us']['min']:>8.1f}"
+            lines.append(f"{key:<22}{name:>9}{res['A']:>6}{v['launches']:>3}{v['host_us']['median']:>8.1f}"
+                         f"{v['host_us']['min']:>7.1f}{v['eager_us']['median']:>9.1f} {v['eager_us']['min']:>8.1f}"
                          f"{v['gpu_us']:>9.1f}  {_yn(v['ok'])} {_yn(v['same_as_old'])} {_yn(v.get('layout_equals_twin'))}")
     lines.append("launch probe, host µs median (32 from idle / one at a time): gate_up, down, ksum; control empty_like")
     for key, res in results.items():
