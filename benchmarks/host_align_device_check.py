@@ -203,14 +203,21 @@ def cell(preset: str, m: int, out_dir: Path) -> dict:
     for name, options in VARIANTS.items():
         if name == "fold_all" and m * shape.top_k <= LaunchOptions().align_fold_max:
             continue  # the same plan as "new"
-        row = variant_row(args, options, want)
+        try:
+            row = variant_row(args, options, want)
+        except Exception as exc:  # a variant that fails must not lose the others' numbers
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
         if name == "old":
             want = row["out"]
         row.pop("out")
         result[name] = row
     if m in (64, 512):
-        result["probe"] = launch_probe(args, with_no_pdl=m == 64)
-        result["profile"] = profile(args, out_dir / f"cprofile_{preset}_M{m}.txt")
+        try:
+            result["probe"] = launch_probe(args, with_no_pdl=m == 64)
+            result["profile"] = profile(args, out_dir / f"cprofile_{preset}_M{m}.txt")
+        except Exception as exc:
+            result["probe_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return result
 
 
@@ -224,7 +231,9 @@ def table(results: dict) -> str:
             continue
         for name in VARIANTS:
             v = res.get(name)
-            if v is None:
+            if v is not None and "error" in v:
+                lines.append(f"{key:<22}{name:>9}  {v['error']}")
+            if v is None or "error" in v:
                 continue
             lines.append(f"{key:<22}{name:>9}{res['A']:>6}{v['launches']:>3}{v['host_us']['median']:>8.1f}"
                          f"{v['host_us']['min']:>7.1f}{v['eager_us']['median']:>9.1f} {v['eager_us']['min']:>8.1f}"
