@@ -16,7 +16,8 @@ replayed), launches per call, ``ok`` (host <= 40 and eager <= max(1.15 graph, gr
 its output equals old's bit for bit (and, folded, whether the layout the gate-up programs left for the down
 GEMM equals the torch twin ``align_block``). At M = 64 and 512 a launch probe: the host µs of each GEMM
 launch and the k-sum, 32 from idle and one at a time (sync before each), with PDL on (and off at M = 64), next to a
-control that launches nothing (``torch.empty_like``: is the host slow right now?), each launch's raw path,
+control that launches nothing (``torch.empty_like``: is the host slow right now?), the whole call with
+Python's garbage collector on and off, each launch's raw path,
 descriptor count and tiles; and a cProfile of 200 whole calls ($OUT/cprofile_*.txt, top rows in the JSON).
 Cells run in priority order until --budget-s has passed (compiles included); the rest are listed as
 skipped. JSON to $OUT/host_align.json; the short table is printed last.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -172,6 +174,13 @@ def launch_probe(args: tuple, with_no_pdl: bool) -> dict:
                 "scalars_and_constexprs": len(bound.tail), "grid": bound.grid}
         result[f"{name} config"] = repr(plan.config)
     result["control_empty_like_after"] = host_us(lambda: torch.empty_like(x), calls=Run.control_calls)
+    result["whole_call"] = host_us(lambda: experts_triton(*args))
+    gc.disable()  # is Python's collector (its cost grows with the objects alive) part of the host time?
+    try:
+        result["whole_call_gc_off"] = host_us(lambda: experts_triton(*args))
+    finally:
+        gc.enable()
+    result["python_objects"] = len(gc.get_objects())
     return result
 
 
@@ -247,7 +256,8 @@ def table(results: dict) -> str:
                          f"{'' if p[f'{pdl} {n}']['raw'] else ' NOT RAW'}" for n in ("gate_up", "down", "ksum")]
                 lines.append(f"{key:<22}{pdl:>7}  " + ", ".join(parts))
             lines.append(f"{key:<22}{'ctl':>7}  {p['control_empty_like']['median']:.2f} -> "
-                         f"{p['control_empty_like_after']['median']:.2f}")
+                         f"{p['control_empty_like_after']['median']:.2f}; whole call {p['whole_call']['median']:.1f}, "
+                         f"gc off {p['whole_call_gc_off']['median']:.1f}; {p['python_objects']} objects")
     return "\n".join(lines)
 
 
