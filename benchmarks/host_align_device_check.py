@@ -1,7 +1,7 @@
 """The alignment folded into the gate-up GEMM (issue 13 item 1), on the GPU: host time, GPU time and eager
 wall time per experts call, old path against new, and where the GEMM launches' host time goes.
 
-    PYTHONPATH=$PWD OUT=/tmp/ha python benchmarks/host_align_device_check.py [--budget-s 105]
+    PYTHONPATH=$PWD OUT=/tmp/ha python benchmarks/host_align_device_check.py [--budget-s 95]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/host_align_device_check.py --smoke \
         --presets mixtral-8x7b --batches 64   (CPU, tiny shapes: checks the script)
 
@@ -15,12 +15,12 @@ per call (40 back-to-back calls, one sync; 5 samples: median and min), GPU µs (
 replayed), launches per call, ``ok`` (host <= 40 and eager <= max(1.15 graph, graph + 15)), and whether
 its output equals old's bit for bit (and, folded, whether the layout the gate-up programs left for the down
 GEMM equals the torch twin ``align_block``). At M = 64 and 512 a launch probe: the host µs of each GEMM
-launch and the k-sum, 32 from idle and one at a time (sync before each), with PDL on (and off at M = 64), next to a
-control that launches nothing (``torch.empty_like``: is the host slow right now?), the whole call with
-Python's garbage collector on and off, each launch's raw path,
-descriptor count and tiles; and a cProfile of 200 whole calls ($OUT/cprofile_*.txt, top rows in the JSON).
+launch and the k-sum, 32 from idle and one at a time (sync before each), with PDL on (and off for
+Mixtral at M = 64), each launch's raw path, descriptor count and tiles, next to a control that launches
+nothing (``torch.empty_like``: is the host slow right now?); the whole call with Python's garbage
+collector on and off; and a cProfile of 200 whole calls ($OUT/cprofile_*.txt, top rows in the JSON).
 Cells run in priority order until --budget-s has passed (compiles included); the rest are listed as
-skipped. JSON to $OUT/host_align.json; the short table is printed last.
+skipped, and --hard-limit-s stops a cell midway. JSON to $OUT/host_align.json; the short table is printed last.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import io
 import json
 import os
 import pstats
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -223,7 +224,7 @@ def cell(preset: str, m: int, out_dir: Path) -> dict:
         result[name] = row
     if m in (64, 512):
         try:
-            result["probe"] = launch_probe(args, with_no_pdl=m == 64)
+            result["probe"] = launch_probe(args, with_no_pdl=m == 64 and preset == "mixtral-8x7b")  # compiles cost
             result["profile"] = profile(args, out_dir / f"cprofile_{preset}_M{m}.txt")
         except Exception as exc:
             result["probe_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -265,9 +266,18 @@ def _yn(v) -> str:
     return " - " if v is None else ("yes" if v else " NO")
 
 
+class OutOfTime(BaseException):
+    """Raised by the hard time limit's alarm; not an ``Exception``, so no per-cell handler swallows it."""
+
+
+def _out_of_time(signum, frame):
+    raise OutOfTime()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--budget-s", type=float, default=95.0, help="stop starting cells after this many seconds")
+    p.add_argument("--hard-limit-s", type=int, default=112, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
@@ -281,6 +291,19 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "host_align_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.alarm(0 if a.smoke else a.hard_limit_s)  # the interpreter's smoke run takes minutes
+    try:
+        measure_cells(a, start, out_dir, results)
+    except OutOfTime:
+        results["hard_limit"] = {"skipped": f"stopped at the hard limit ({a.hard_limit_s} s)"}
+    signal.alarm(0)
+    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
+    (out_dir / "host_align.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+
+
+def measure_cells(a, start: float, out_dir: Path, results: dict) -> None:
     with torch.no_grad():
         for m in a.batches:
             for preset in a.presets:
@@ -295,9 +318,6 @@ def main() -> None:
                 print(json.dumps({key: results[key]}, default=str), flush=True)
                 if Run.device.type == "cuda":
                     torch.cuda.empty_cache()
-    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
-    (out_dir / "host_align.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
 
 
 if __name__ == "__main__":
