@@ -306,7 +306,7 @@ def fold_block_rows(pid_m, ids_ptr, map_ptr, num_assignments, num_experts, num_g
     rows = tl.zeros([BLOCK_M], dtype=tl.int32)
     hit = tl.zeros([BLOCK_M], dtype=tl.int32)
     before = first * 0  # assignments of the expert in the tiles already walked
-    for a0 in range(0, num_assignments, CHUNK):
+    for a0 in range(0, tl.where(expert >= 0, num_assignments, 0), CHUNK):  # a block past the rows in use: none
         a = a0 + tl.arange(0, CHUNK)
         mine = (_local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP) == expert).to(tl.int32)
         rank = before + tl.cumsum(mine, axis=0) - mine  # [C]
