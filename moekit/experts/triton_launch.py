@@ -74,9 +74,13 @@ class LaunchOptions:
     # Up to align_fold_max assignments (and past the naive shortcut) the experts GEMMs run with no
     # alignment launch at all: each gate-up program derives its own block from all the ids in its
     # prologue, and those of the first N tile write the layout for the down GEMM (``_kernels/gemm.py``,
-    # FOLD). One launch fewer per call (6-9 µs of host time on the H200) against a longer gate-up
-    # prologue. 0 turns it off. Only the bf16/fp16/fp32 path folds; fp8 and weight-only keep the launch.
-    align_fold_max: int = 512
+    # FOLD). One launch fewer per call against a longer prologue in every gate-up program. 0 turns it
+    # off. Only the bf16/fp16/fp32 path folds; fp8 and weight-only keep the launch. H200 (bf16, graph
+    # replay, folded minus unfolded GPU µs): A=16 (Mixtral M=8) -2.5, A=64 (Qwen3 M=8) -2.0; A=128
+    # (Mixtral M=64) +2.6, A=512 +3.0 (DeepSeek-V3 M=64) and +9.6 (Qwen3 M=64, +3.5%, eager GPU-bound),
+    # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
+    # it costs no GPU time (benchmarks/host_align_device_check.py).
+    align_fold_max: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
