@@ -148,7 +148,8 @@ class RawLaunch:
         raw.c_launch, raw.grid, raw.function = c_launch, grid, compiled.function
         raw.cooperative, raw.pdl, raw.metadata = launcher.launch_cooperative_grid, launcher.launch_pdl, compiled.packed_metadata
         raw.desc_positions, raw.desc_args = positions, desc_args
-        raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in zip(positions, metas))
+        # last position first: replacing a descriptor by its expansion leaves the earlier positions in place
+        raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in reversed(list(zip(positions, metas))))
         raw.hooks, raw.stream = LaunchHooks(triton.knobs.runtime), current_stream
         return raw
 
@@ -159,18 +160,19 @@ class RawLaunch:
                       self.metadata, None, None, None, *args, *tail)
 
     def _expanded(self, pointers: tuple) -> list:
-        """``pointers`` with each descriptor replaced by its expansion (computed once per descriptor)."""
-        args, start = [], 0
+        """``pointers`` with each descriptor replaced by its expansion (computed once per descriptor). One
+        list per call and nothing else allocated: every object a launch allocates counts towards Python's
+        next garbage collection."""
+        args = list(pointers)
         for i, key, meta in self.desc_keys:
-            args.extend(pointers[start:i])
-            desc = pointers[i]
-            kept = desc.__dict__.setdefault("_moekit_launch_args", {})
+            desc = args[i]
+            kept = desc.__dict__.get("_moekit_launch_args")
+            if kept is None:
+                kept = desc.__dict__["_moekit_launch_args"] = {}
             expansion = kept.get(key)
             if expansion is None:
                 expansion = kept[key] = tuple(self.desc_args(desc, meta))
-            args.extend(expansion)
-            start = i + 1
-        args.extend(pointers[start:])
+            args[i:i + 1] = expansion
         return args
 
 

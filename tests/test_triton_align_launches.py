@@ -16,9 +16,9 @@ from moekit.experts.triton_launch import ALIGN_CHUNK, LaunchOptions, resolve_lau
 from moekit.layouts.block_aligned import align_block  # noqa: E402
 from moekit.layouts.grouping import max_padded_rows  # noqa: E402
 
-ONE = LaunchOptions(align_small_max=0, align_one_launch_max=8192, align_two_launch_max=0)
-TWO = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=1 << 30)
-THREE = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0)
+ONE = LaunchOptions(align_small_max=0, align_one_launch_max=8192, align_two_launch_max=0, align_fold_max=0)
+TWO = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=1 << 30, align_fold_max=0)
+THREE = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)
 PATHS = {"one": (ONE, {"align_place_kernel"}), "two": (TWO, {"align_hist_kernel", "align_place_kernel"}),
          "three": (THREE, {"align_hist_kernel", "align_scan_kernel", "align_scatter_kernel"})}
 
@@ -99,7 +99,8 @@ def test_bad_options_are_named():
 
 
 def test_fused_experts_on_each_path(interpreter, launch_log):
-    """The whole experts call agrees across the three alignment plans (same GEMMs, same layout)."""
+    """The whole experts call agrees across the three alignment plans and the folded one (same GEMMs,
+    same layout)."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(70, 40, generator=g)
     w13, w2 = torch.randn(6, 48, 40, generator=g) / 7, torch.randn(6, 40, 24, generator=g) / 5
@@ -110,6 +111,9 @@ def test_fused_experts_on_each_path(interpreter, launch_log):
         outs[path] = interpreter.experts_triton(x, w13, w2, ids, weights, options=options)
         assert kernels_wanted <= {name for name, _ in launch_log.take()}
     assert torch.equal(outs["one"], outs["three"]) and torch.equal(outs["two"], outs["three"])
+    folded = interpreter.experts_triton(x, w13, w2, ids, weights, options=LaunchOptions(align_fold_max=140))
+    assert not any(name.startswith("align_") for name, _ in launch_log.take())
+    assert torch.equal(folded, outs["three"])
 
 
 def test_opcheck_align_op_with_each_path():

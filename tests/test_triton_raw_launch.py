@@ -102,6 +102,19 @@ def test_each_descriptor_is_expanded_once():
     assert [c[14] for c in c_launch.calls] == ["map(w,128)", "map(w,128)", "map(other,128)", "map(w,128)"]
 
 
+def test_two_descriptors_each_expanded_in_place():
+    """The interleaved gate-up kernel's two descriptors (gate rows, up rows): each replaced by its own
+    expansion at its own position, the pointers between and after them kept in order."""
+    module = _fake_module()
+    signature = {"x": "*bf16", "w": "tensordesc<bf16[64, 64]>", "u": "tensordesc<bf16[64, 64]>", "h": "*bf16",
+                 "n": "i32", "BLOCK": "constexpr"}
+    compiled, c_launch = _compiled(module, signature, METAS * 2)
+    raw = RawLaunch.of(compiled, (1, 1, 1))
+    raw.stream = lambda: 0
+    raw(("x", Desc("g", (4, 64), (64, 1)), Desc("u", (2, 64), (128, 1)), "h"), (3, 32))
+    assert c_launch.calls[0][13:] == ("x", "map(g,128)", 4, 64, 64, 1, "map(u,128)", 2, 64, 128, 1, "h", 3, 32)
+
+
 def test_plain_kernel_passes_pointers_through():
     module = _fake_module()
     signature = {"x": "*fp32", "y": "*fp32", "n": "i32"}

@@ -132,10 +132,12 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Ten
     if plan.align is None:
         rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
     else:
-        run_align(plan.align, ids, expert_map, b)
+        if not plan.align.folded:  # folded: the gate-up GEMM's programs write the layout
+            run_align(plan.align, ids, expert_map, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
-    plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows)  # h = glu(x w13^T + b13), in assignment order
+    # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
+    plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows, expert_map)
     # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
     # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
     # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
@@ -158,7 +160,7 @@ def _experts_op(
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
-    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int,
+    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -167,7 +169,7 @@ def _experts_op(
     options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
                             align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False,
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
-                            align_two_launch_max=align_two_launch_max)
+                            align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

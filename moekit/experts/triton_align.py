@@ -27,8 +27,9 @@ class AlignPlan:
     """The launches that build one block-aligned layout, decided once per (A, E, B, map, options): the
     single-program one (A <= one chunk, few bins), the naive shortcut's, the one-launch ``place`` (its
     programs histogram all ids themselves), hist then ``place``, or hist, scan and scatter (a launch
-    with an empty grid is None). ``regions`` are the buffers they fill, for a workspace. ``launches``
-    is how many run per call."""
+    with an empty grid is None); or none at all when ``folded`` into the gate-up GEMM (its programs
+    write sorted_ids, expert_ids and num_padded). ``regions`` are the buffers they fill, for a
+    workspace. ``launches`` is how many run per call."""
 
     regions: tuple  # (name, dtype, shape): sorted_ids [R], expert_ids [R/B], num_padded [1], counts [E], + hist, chunk_base or chunk_start [chunks, EP], offsets [EP]
     small: BoundLaunch | None = None
@@ -37,6 +38,7 @@ class AlignPlan:
     scan: BoundLaunch | None = None
     scatter: BoundLaunch | None = None
     place: BoundLaunch | None = None  # scan + scatter (after hist), or all three alone (no hist)
+    folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
     @property
     def launches(self) -> int:
@@ -54,12 +56,15 @@ class BlockRows:
 
 
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
-                    options: LaunchOptions, shortcut: bool = True) -> BlockRows:
+                    options: LaunchOptions, shortcut: bool = True, fold: bool = False) -> BlockRows:
     """The shortcut where ``use_naive`` allows it (and ``shortcut``), else the alignment into blocks of
-    ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``)."""
+    ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``): folded into the
+    caller's gate-up GEMM where it can take it (``fold``) and A <= ``options.align_fold_max``."""
     if shortcut and use_naive(num_assignments, num_experts, expert_map):
         return BlockRows(16, num_assignments, None)
     num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
+    if fold and 0 < num_assignments <= options.align_fold_max:
+        return BlockRows(block_m, num_pid_m, AlignPlan(_layout_regions(num_pid_m * block_m, num_pid_m), folded=True))
     num_global = None if expert_map is None else expert_map.numel()
     return BlockRows(block_m, num_pid_m, plan_align(num_assignments, num_experts, block_m, num_global,
                                                     num_pid_m * block_m, options))
@@ -70,9 +75,7 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
     ``num_global``: the expert map's length, None without one. ``options``: resolved for the device."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
-    i32 = torch.int32
-    regions = (("sorted_ids", i32, (num_rows,)), ("expert_ids", i32, (num_blocks,)), ("num_padded", i32, (1,)),
-               ("counts", i32, (num_experts,)))
+    regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     common = (num_assignments, num_experts, 0 if num_global is None else num_global, block_size, num_rows, num_blocks)
     if naive:
@@ -88,6 +91,12 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
         return _plan_place(regions, common, e_pad, num_global is not None, launch,
                            own_hist=num_assignments <= options.align_one_launch_max)
     return _plan_chunked(regions, common, e_pad, num_global is not None, launch)
+
+
+def _layout_regions(num_rows: int, num_blocks: int) -> tuple:
+    """The layout the GEMMs read: sorted_ids [R], expert_ids [R/B], num_padded [1] (int32)."""
+    i32 = torch.int32
+    return (("sorted_ids", i32, (num_rows,)), ("expert_ids", i32, (num_blocks,)), ("num_padded", i32, (1,)))
 
 
 def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict, own_hist: bool) -> AlignPlan:
@@ -131,7 +140,10 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
 
 
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
-    """Launch ``plan`` on ids [M, k] (contiguous) into the buffers ``b`` (named as ``plan.regions``)."""
+    """Launch ``plan`` on ids [M, k] (contiguous) into the buffers ``b`` (named as ``plan.regions``); a
+    folded plan launches nothing (the gate-up GEMM fills them)."""
+    if plan.folded:
+        return
     map_arg = expert_map if expert_map is not None else ids  # never read without a map
     if plan.small is not None:
         plan.small(ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])

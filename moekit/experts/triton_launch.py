@@ -71,6 +71,16 @@ class LaunchOptions:
     # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call).
     align_one_launch_max: int = 512
     align_two_launch_max: int = 4096
+    # Up to align_fold_max assignments (and past the naive shortcut) the experts GEMMs run with no
+    # alignment launch at all: each gate-up program derives its own block from all the ids in its
+    # prologue, and those of the first N tile write the layout for the down GEMM (``_kernels/gemm.py``,
+    # FOLD). One launch fewer per call against a longer prologue in every gate-up program. 0 turns it
+    # off. Only the bf16/fp16/fp32 path folds; fp8 and weight-only keep the launch. H200 (bf16, graph
+    # replay, folded minus unfolded GPU µs): A=16 (Mixtral M=8) -2.5, A=64 (Qwen3 M=8) -2.0; A=128
+    # (Mixtral M=64) +2.6, A=512 +3.0 (DeepSeek-V3 M=64) and +9.6 (Qwen3 M=64, +3.5%, eager GPU-bound),
+    # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
+    # it costs no GPU time (benchmarks/host_align_device_check.py).
+    align_fold_max: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -78,14 +88,26 @@ class LaunchOptions:
         if not 0 <= self.align_one_launch_max <= ALIGN_ONE_LAUNCH_LIMIT:
             raise ValueError(f"align_one_launch_max must be in [0, {ALIGN_ONE_LAUNCH_LIMIT}] (the ids one program "
                              f"holds), got {self.align_one_launch_max}")
+        if not 0 <= self.align_fold_max <= ALIGN_ONE_LAUNCH_LIMIT:
+            raise ValueError(f"align_fold_max must be in [0, {ALIGN_ONE_LAUNCH_LIMIT}] (the ids one program "
+                             f"holds), got {self.align_fold_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
-        object.__setattr__(self, "_hash", hash(self.as_op_args()))
+        object.__setattr__(self, "_args", self.as_op_args())
+        object.__setattr__(self, "_hash", hash(self._args))
 
     def __hash__(self) -> int:
         # Every eager call hashes its options in the plan key: computed once (the fields are frozen),
         # not by the generated __hash__ on each call (~1 µs on a slow CPU).
         return self._hash
+
+    def __eq__(self, other) -> bool:
+        # A plan lookup compares the options whenever the call's object is not the one the plan was keyed
+        # with (each function's default LaunchOptions() is its own object; the custom op builds one per
+        # call): one tuple comparison of the kept fields, not the generated __eq__'s two new tuples.
+        if self is other:
+            return True
+        return other.__class__ is self.__class__ and self._hash == other._hash and self._args == other._args
 
     def as_op_args(self) -> tuple:
         """The fields in order: how the options cross a custom op's schema (no dataclasses there)."""

@@ -47,7 +47,7 @@ class Plan:
     # (interleaved, E, 2N or N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights; else None
     descriptor_key: tuple | None
     # pointers: x, w13 (or its gate descriptor), the up rows' descriptor (interleaved TMA only, else None),
-    # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded
+    # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded, expert_map (or None)
     gate_up: BoundLaunch
     down: BoundLaunch  # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
@@ -122,12 +122,14 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
     gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
-                                          align is None, descriptors, variant, options)
+                                          align is None, descriptors, variant, options,
+                                          _fold_constexprs(align, num_assignments, num_experts, rows.block_m,
+                                                           expert_map))
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
@@ -138,21 +140,36 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     )
 
 
+def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts: int, block_m: int,
+                     expert_map: torch.Tensor | None) -> dict:
+    """The gate-up kernel's FOLD constexprs (``_kernels/gemm.py``), on only for a folded alignment, and
+    its ``num_global`` scalar (the expert map's length; 0 without one or unfolded)."""
+    if align is None or not align.folded:
+        return dict(num_global=0, FOLD=False)
+    a_pad = next_pow2(num_assignments)
+    return dict(num_global=0 if expert_map is None else expert_map.numel(), FOLD=True, A_PAD=a_pad,
+                E_PAD=next_pow2(num_experts + 1), FOLD_CHUNK=min(a_pad, 4096 // block_m), HAS_MAP=expert_map is not None)
+
+
 def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
-                   descriptors: bool, variant: dict, options: LaunchOptions) -> tuple[BoundLaunch, BoundLaunch]:
+                   descriptors: bool, variant: dict, options: LaunchOptions,
+                   fold: dict) -> tuple[BoundLaunch, BoundLaunch]:
     """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions; the
-    weights and biases are read through their own strides (a bias that is None gets strides 0)."""
+    weights and biases are read through their own strides (a bias that is None gets strides 0). ``fold``:
+    the gate-up kernel's FOLD constexprs (``_fold_constexprs``)."""
     num_experts, hidden, n = w2.shape
     num_assignments = x.shape[0] * top_k
     up, down, gemm = config.up, config.down, kernels("gemm")
     shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
                   cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
+    fold = dict(fold)
+    num_global = fold.pop("num_global")
     gate_up = BoundLaunch(
-        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.stride(),
+        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_global, *x.stride(), *w13.stride(),
          *(b13.stride() if b13 is not None else (0, 0)), n),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant,
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold,
         # Interleaved rows contiguous (transposed storage): one [BK, 2BN] load split in two, not two
         # stride-2 loads (measured on the H200: gpt-oss-20b at M = 64, 2693 µs strided against 385 µs TMA).
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,

@@ -21,6 +21,9 @@ Each launch costs the host 5.5-7 µs (H200), so smaller batches fold them (``tri
   place: the scan and the scatter in one launch after hist, each program summing the [chunks, EP]
          histogram itself; or all three in one launch (OWN_HIST), each program histogramming all A ids.
          No program waits for another, so nothing depends on which programs are resident.
+  folded: no launch of its own (A <= ``LaunchOptions.align_fold_max``): each gate-up GEMM program derives
+         its own block from all A ids (``fold_block_rows``, the one-launch ``place``'s histogram), and
+         the programs of the first N tile write the layout for the down GEMM.
 """
 
 import triton
@@ -276,3 +279,39 @@ def _write_blocks(blocks, sorted_ids_ptr, expert_ids_ptr, offsets, padded, count
     in_range = (j[None, :] < block_size) & (rows < num_rows)
     sentinel = tl.zeros_like(rows).to(tl.int32) + num_assignments
     tl.store(sorted_ids_ptr + rows, sentinel, mask=pad & in_range)
+
+
+@triton.jit
+def fold_block_rows(pid_m, ids_ptr, map_ptr, num_assignments, num_experts, num_global,
+                    BLOCK_M: tl.constexpr, A_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                    HAS_MAP: tl.constexpr):
+    """Block pid_m of the layout, from all A ids (A <= A_PAD) with no layout in memory: (its rows' assignments
+    [BM] int32, A on padding rows; its expert, int32, -1 past the rows in use; num_padded). The rows of
+    expert e are its assignments in a-order (the twin's stable sort) at ranks first .. first + BM - 1, where
+    first = pid_m * BM - offsets[e]; each assignment's rank among e's comes from an exclusive cumsum over
+    [CHUNK] tiles of the ids, and each lane finds its row by a [BM, CHUNK] compare."""
+    e = tl.arange(0, E_PAD)
+    is_expert = e < num_experts
+    every = _local_of(ids_ptr, map_ptr, tl.arange(0, A_PAD), num_assignments, num_experts, num_global, HAS_MAP)
+    counts = tl.histogram(every, E_PAD)  # [EP]
+    padded = tl.where(is_expert, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)  # [EP]
+    offsets = tl.cumsum(padded, axis=0) - padded  # [EP] exclusive start row of each expert
+    num_padded = tl.sum(padded, axis=0)
+    start = pid_m * BLOCK_M
+    ends = tl.where(is_expert, offsets + padded, 2147483647)  # [EP]
+    expert = tl.sum((ends <= start).to(tl.int32), axis=0)  # the twin's searchsorted
+    expert = tl.where(start < num_padded, expert, -1)
+    first = start - tl.sum(tl.where(e == expert, offsets, 0), axis=0)  # rank of the block's first row
+    want = first + tl.arange(0, BLOCK_M)  # [BM] the rank each lane holds
+    rows = tl.zeros([BLOCK_M], dtype=tl.int32)
+    hit = tl.zeros([BLOCK_M], dtype=tl.int32)
+    before = first * 0  # assignments of the expert in the tiles already walked
+    for a0 in range(0, tl.where(expert >= 0, num_assignments, 0), CHUNK):  # a block past the rows in use: none
+        a = a0 + tl.arange(0, CHUNK)
+        mine = (_local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP) == expert).to(tl.int32)
+        rank = before + tl.cumsum(mine, axis=0) - mine  # [C]
+        match = (mine[None, :] != 0) & (rank[None, :] == want[:, None])  # [BM, C]
+        rows += tl.sum(tl.where(match, a[None, :], 0), axis=1)
+        hit += tl.sum(match.to(tl.int32), axis=1)
+        before += tl.sum(mine, axis=0)
+    return tl.where(hit > 0, rows, num_assignments), expert, num_padded

@@ -19,6 +19,12 @@ NAIVE (the tiny-batch shortcut, A*4 <= E, no expert map): block pid_m is assignm
 expert read straight from topk_ids, so no alignment runs at all (the host passes None for
 sorted_ids, expert_ids and num_padded; the NAIVE branch never touches them).
 
+FOLD (the folded alignment, A <= ``LaunchOptions.align_fold_max``, gate-up only): no alignment launch
+runs; each gate-up program derives its block from all A ids itself (``align.fold_block_rows``), and the
+programs with pid_n == 0 write that block's sorted_ids rows and expert_ids entry (program (0, 0) also
+num_padded): every element written by exactly one program. The down GEMM reads them as usual: its
+``wait_for_previous_kernel`` returns only once every gate-up program has finished (PDL included).
+
 The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the gate-up kernel, so
 each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
 kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
@@ -38,6 +44,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.align import fold_block_rows
 
 
 @triton.jit
@@ -67,6 +74,28 @@ def _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
         expert = tl.where(in_use, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
         rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + lanes).to(tl.int64)  # the buffer holds whole blocks
     return rows, expert
+
+
+@triton.jit
+def _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                  num_assignments, num_experts, num_global, BLOCK_M: tl.constexpr, NAIVE: tl.constexpr,
+                  FOLD: tl.constexpr, A_PAD: tl.constexpr, E_PAD: tl.constexpr, FOLD_CHUNK: tl.constexpr,
+                  HAS_MAP: tl.constexpr):
+    """``_block_rows`` of a gate-up program; with FOLD its block from the ids, and the programs of N tile 0
+    write it for the down GEMM (module docstring)."""
+    if FOLD:
+        rows, expert, num_padded = fold_block_rows(pid_m, ids_ptr, map_ptr, num_assignments, num_experts,
+                                                   num_global, BLOCK_M, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
+        if pid_n == 0:
+            tl.store(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M), rows)
+            tl.store(expert_ids_ptr + pid_m, expert)
+            if pid_m == 0:
+                tl.store(num_padded_ptr, num_padded)
+        rows, expert = rows.to(tl.int64), expert.to(tl.int64)
+    else:
+        rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+                                   num_experts, BLOCK_M, NAIVE)
+    return rows, expert  # one return: Triton 3.6 compares the types of every return statement
 
 
 @triton.jit
@@ -145,21 +174,21 @@ def _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N: tl.constexpr, INTERLEAVED: tl.con
 @triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w13_up_ptr, b13_ptr, h_ptr,  # x [M, K], w13 [E, 2N or N, K], b13 [E, 2N or N], h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    N, K, num_assignments, top_k, num_experts, num_pid_m,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
+    N, K, num_assignments, top_k, num_experts, num_pid_m, num_global,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr,
+    ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+                                 num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
     if expert < 0:
         return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
     row_ok = rows < num_assignments  # [BM]
