@@ -82,6 +82,12 @@ def _tiles(cols: int, red: int, num_warps: int, num_stages: int, rows: int = 0) 
     return KernelTiles(cols, red, num_warps, num_stages, rows=rows)
 
 
+def _sorted(cols: int, num_stages: int, dg_cols: int = 0) -> KernelTiles:
+    """A grad_gate_up tile on dout and x permuted into the layout's rows (``triton_backward_sorted``):
+    128 x ``cols``, 64-wide K steps, 8 warps, TMA loads, 8 M-blocks per sweep; ``dg_cols`` as the field."""
+    return KernelTiles(cols, 64, 8, num_stages, rows=128, desc=True, contiguous=True, group=8, dg_cols=dg_cols)
+
+
 def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
     """A contiguous weight-grad tile: 128 x ``cols`` outputs, 64-row steps, 8 warps, TMA loads."""
     return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group)
@@ -92,25 +98,29 @@ def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
 # grads from ``benchmarks/wgrad_device_check.py`` (2026-12-01, commit 1caf1a8: the contiguous TMA kernel
 # won every cell, 17-85% of the bf16 mm against the gathering kernel's 17-36%; every variant's grads
 # equal the gathering kernel's). Forward + backward at M=16384: Qwen3 11.6 -> 9.2 ms, DeepSeek-V3
-# 119.5 -> 97.7, Mixtral 98.5 -> 74.6. Classes not here take the heuristic below.
+# 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the permuted operands (``_sorted``) from
+# ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it beat the gathering kernel:
+# DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and 6.26 -> 5.54,
+# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). Classes not here take
+# the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 1)),
     "narrow/some": BackwardTiles(  # qwen3-30b-a3b M=16384
-        block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
+        block_m=128, grad=_sorted(64, 4), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "mid/few": BackwardTiles(  # deepseek-v3 M=4096
-        block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
+        block_m=128, grad=_sorted(64, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 8)),
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
-        block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
+        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 3),
         dw13=_contiguous(256, 4, 8), dw2=_contiguous(256, 3, 8)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
-        block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 4),
+        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "wide/many": BackwardTiles(  # mixtral-8x7b M=16384
-        block_m=128, grad=_tiles(64, 64, 8, 3), dx=_tiles(256, 64, 8, 3),
+        block_m=128, grad=_sorted(64, 3), dx=_tiles(256, 64, 8, 3),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 4, 8)),
 }
 
