@@ -1,0 +1,97 @@
+"""Why compiled transformers decode costs more per step than its kernels (issue 13): for each experts
+implementation, a Qwen3-MoE model at Qwen3-30B-A3B widths (1 and 8 layers, random weights, bf16) decodes
+through ``generate`` with the static cache and transformers' compile config ("reduce-overhead": CUDA
+graphs), and this prints the wall ms per decode step, what torch.compile counted (graph breaks, CUDA
+graph skips and re-recordings) and the CPU ops that take the host time of one step.
+
+    PYTHONPATH=$PWD python benchmarks/hf_compiled_check.py [--layers 1 8] [--impls moekit grouped_mm no_experts]
+
+Each implementation runs in its own process (a fresh torch.compile state); JSON to $OUT if set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+DEV = torch.device("cuda")
+
+
+def _step_ms(model, prompt, config, steps: int = 8) -> float:
+    from moekit.bench.hf_measure import decode
+
+    wall = {n: statistics.median(decode(model, prompt, n, compiled=config).seconds for _ in range(3))
+            for n in (1, steps + 1)}
+    return (wall[steps + 1] - wall[1]) * 1e3 / steps
+
+
+def _host_ops(model, prompt, config, top: int = 12) -> list:
+    """The CPU-side ops of a 9-token generate, by self CPU time, per decode step."""
+    from moekit.bench.hf_measure import decode
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        decode(model, prompt, 9, compiled=config)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [(e.key[:90], round(e.self_cpu_time_total / 8, 1), round(e.count / 8, 2)) for e in rows]
+
+
+def child(impl: str, layers: int) -> dict:
+    from torch._dynamo.utils import counters
+
+    import moekit.hf  # noqa: F401  (registers "moekit")
+    from moekit.bench.hf_measure import compile_config, decode
+    from moekit.bench.hf_models import build_model, hf_config, register_no_experts
+
+    register_no_experts()
+    model = build_model(hf_config("qwen3", layers), torch.bfloat16, DEV)
+    model.set_experts_implementation(impl)
+    prompt = torch.randint(1, 32000, (1, 8), device=DEV)
+    config = compile_config(DEV)
+    for _ in range(2):
+        decode(model, prompt, 9, compiled=config)
+    counters.clear()
+    step = _step_ms(model, prompt, config)
+    seen = {group: dict(values) for group, values in counters.items() if values}
+    return dict(impl=impl, layers=layers, step_ms=round(step, 4), counters=seen,
+                host_ops=_host_ops(model, prompt, config))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--impls", nargs="+", default=["moekit", "grouped_mm", "no_experts"])
+    parser.add_argument("--child", nargs=2, metavar=("IMPL", "LAYERS"))
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child[0], int(args.child[1]))), flush=True)
+        return
+    results = []
+    for layers in args.layers:
+        for impl in args.impls:
+            env = dict(os.environ, TORCH_LOGS="perf_hints,graph_breaks,recompiles")
+            run = subprocess.run([sys.executable, __file__, "--child", impl, str(layers)], env=env,
+                                 capture_output=True, text=True, timeout=150)
+            lines = run.stdout.splitlines()
+            found = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+            logs = [line for line in run.stderr.splitlines() if "cudagraph" in line.lower()
+                    or "graph break" in line.lower() or "recompil" in line.lower()]
+            res = found[0] if found else dict(impl=impl, layers=layers, error=run.stderr[-1500:])
+            res["logs"] = logs[:20]
+            results.append(res)
+            print(json.dumps(res, indent=1)[:3000], flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "hf_compiled_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print("\nimpl         layers  step ms")
+    for res in results:
+        print(f"{res['impl']:12s} {res['layers']:6d}  {res.get('step_ms', 'error')}")
+
+
+if __name__ == "__main__":
+    main()
