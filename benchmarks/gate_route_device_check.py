@@ -48,6 +48,8 @@ from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.routing import gate_route
 
+from layer_host_device_check import eager_us, graph_gpu_us  # run as a script: benchmarks/ is on sys.path
+
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BUDGET_S = 85.0  # cells starting later are skipped
 EXTRA_S = 100.0  # the warp-count variants, after the cells, only before this
@@ -81,39 +83,6 @@ def host(fn, calls: int = 32, rounds: int = 7) -> tuple[float, float]:
         times.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times), min(times)
-
-
-def eager_us(fn, calls: int = 200) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
-def graph_gpu_us(fn, calls: int = 20) -> float | None:
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1e3 / (5 * calls)
-    except Exception as err:  # noqa: BLE001 - a measurement that cannot be taken is reported
-        print(f"graph timing failed: {type(err).__name__}: {err}", flush=True)
-        return None
 
 
 class Paths:
