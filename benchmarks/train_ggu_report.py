@@ -38,28 +38,28 @@ def label(row: dict) -> str:
     return f"{row['shape']}@{row['m']}"
 
 
+def _variant(where: str, name: str, r: dict, rel: str, pct) -> None:
+    """One variant's line: its error, or ms, TFLOP/s, % of mm, ``r[rel]`` (against the current kernel), the
+    error against the twin and the registers/spills of its kernels."""
+    if "error" in r:
+        print(f"{where:20} {name:30} {r['error'][:110]}")
+        return
+    regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
+    print(f"{where:20} {name:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
+          f"{r[rel]:8.1e} {r['twin']:8.1e}  {regs}")
+
+
 def table(rows: list, matmul: float) -> None:
     pct = (lambda tf: 100 * tf / matmul) if matmul else (lambda tf: 0.0)
     print(f"bf16 mm 8192^3: {matmul:.0f} TFLOP/s")
     print(f"{'shape@M':20} {'grad_gate_up variant':30} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} {'dh':>8} {'twin':>8}  regs/spills")
     for row in rows:
         for r in row["rows"]:
-            if "error" in r:
-                print(f"{label(row):20} {r['name']:30} {r['error'][:110]}")
-                continue
-            regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
-            print(f"{label(row):20} {r['name']:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
-                  f"{r['dh']:8.1e} {r['twin']:8.1e}  {regs}")
+            _variant(label(row), r["name"], r, "dh", pct)
         print(f"{label(row):20} {'(permute x, dout)':30} {row['permute_ms']:8.2f}")
         for kernel, rs in row["weight_grads"].items():
             for r in rs:
-                name = f"{kernel} {r['name']}"
-                if "error" in r:
-                    print(f"{label(row):20} {name:30} {r['error'][:110]}")
-                    continue
-                regs = " ".join(f"{n}:{g}/{sp}" for n, g, sp in r["kernels"])
-                print(f"{label(row):20} {name:30} {r['ms']:8.2f} {r['tflops']:8.0f} {pct(r['tflops']):5.0f} "
-                      f"{r['rel_current']:8.1e} {r['twin']:8.1e}  {regs}")
+                _variant(label(row), f"{kernel} {r['name']}", r, "rel_current", pct)
     print(f"{'shape@M':20} {'winner (grad_gate_up)':30} {'fwd+bwd ms':>10} {'current':>8} {'grouped_mm':>10} {'speedup':>7} {'%mm':>5}")
     for row in filter(lambda r: r["e2e"], rows):
         e = row["e2e"]

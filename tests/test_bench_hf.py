@@ -152,6 +152,19 @@ def test_no_experts_ceiling_runs_only_when_named_and_equals_zeroed_experts():
     torch.testing.assert_close(ceiling, zeroed, rtol=0, atol=0)
 
 
+def test_no_experts_ceiling_keeps_the_router_in_its_graph():
+    """Its output must depend on the routing weights (times 0), so that torch.compile cannot drop the router
+    from the ceiling: autograd raises for an input the output does not use."""
+    from moekit.bench.hf_models import _no_experts_forward
+
+    hidden = torch.randn(5, 8)
+    weights = torch.rand(5, 2, requires_grad=True)
+    out = _no_experts_forward(None, hidden, torch.zeros(5, 2, dtype=torch.long), weights)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype and not out.any()
+    (grad,) = torch.autograd.grad(out.sum(), weights)
+    assert torch.equal(grad, torch.zeros_like(weights))
+
+
 def test_real_widths_and_batched_mm_gather():
     qwen3, mixtral = hf_config("qwen3", 8), hf_config("mixtral", 2)
     q, m = qwen3, mixtral
