@@ -368,6 +368,8 @@ class MoE(nn.Module):
     def _layout_used(self, routing: Routing) -> str:
         """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""
         backend = self.resolved_backend()
+        if backend != "triton" and self.quant_scheme == "fp8_block":
+            return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
         if backend != "grouped_mm":
             return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
         options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}

@@ -116,6 +116,15 @@ def test_layer_stats_name_the_layout():
     assert MoE(cfg, backend="reference")(torch.randn(5, K), return_stats=True).stats.layout == "per_expert_loop"
 
 
+def test_layer_stats_name_the_quantized_layout():
+    """fp8_block off the Triton path runs moekit.quant's per-expert recipe loop, whatever the backend's
+    own plan; weight-only schemes run the backend's dense plan on the dequantized weights."""
+    cfg = MoEConfig(hidden_size=128, moe_intermediate_size=128, num_experts=E, top_k=2)
+    fp8 = MoE(cfg).quantize_("fp8_block")
+    assert fp8(torch.randn(5, 128), return_stats=True).stats.layout == "per_expert_loop"
+    assert MoE(cfg).quantize_("int8_w8a16")(torch.randn(5, 128), return_stats=True).stats.layout == "contiguous"
+
+
 def test_layer_backend_options_reach_the_backend():
     """MoE(backend_options=) binds grouped_mm's memory budget: the layer then runs in chunks (its stats
     say so) and still equals the float64 token loop; a name the backend does not take is refused."""
