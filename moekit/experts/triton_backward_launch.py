@@ -33,6 +33,7 @@ from moekit.activations import act_and_mul, get_activation
 from moekit.experts.triton_align import plan_block_rows, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_wgrad import weight_grad_persistent
 
 # The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
 BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -57,6 +58,9 @@ class KernelTiles:
     group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together;
     # grad_gate_up with ``contiguous``: M-blocks that sweep the N tiles together
     dg_cols: int = 0  # grad_gate_up with ``contiguous``: 0 = dY @ W2 in the same K loop; else its own GEMM, this wide
+    persistent: int = 0  # weight_grad with ``contiguous``, ``desc``, split 1: this many programs per SM walk the
+    # tiles in one flat loop (``triton_wgrad``); 0 = a program per tile
+    store_desc: bool = False  # weight_grad with ``persistent``: the output stored through a TMA descriptor
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,8 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         if tile.desc:
             pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
         use_desc = None not in pair
+        if use_desc and tile.persistent and split == 1:
+            return weight_grad_persistent(*pair, rows, cols, layout.counts, layout.block_m, out, tile)
         kernels("gemm_backward").weight_grad_contiguous_kernel[grid](
             *(pair if use_desc else (left, right)), out, layout.counts,
             rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
