@@ -30,14 +30,16 @@ def _want(left, right, r_div, ids, num_experts) -> torch.Tensor:
     return out
 
 
-def _tile(bl, store_desc: bool, group: int = 2):
+def _tile(bl, store_desc: bool, group: int = 2, flat: bool = True):
     return bl.KernelTiles(16, 16, 1, 1, rows=16, split=1, desc=True, contiguous=True, group=group, persistent=1,
-                          store_desc=store_desc)
+                          store_desc=store_desc, flat=flat)
 
 
-@pytest.mark.parametrize("top_k,store_desc,empty", [(1, False, 0), (2, True, 2), (6, False, 6), (6, True, 3)])
-def test_persistent_weight_grad(interpreter, top_k, store_desc, empty):
-    """R=24, C=40 (last tiles cut short), 7 experts, 3 programs; bf16 operands (16-byte rows: TMA)."""
+@pytest.mark.parametrize("top_k,store_desc,empty,flat", [(1, False, 0, True), (2, True, 2, True), (6, False, 6, True),
+                                                         (6, True, 3, True), (2, True, 1, False), (6, False, 4, False)])
+def test_persistent_weight_grad(interpreter, top_k, store_desc, empty, flat):
+    """R=24, C=40 (last tiles cut short), 7 experts, 3 programs; bf16 operands (16-byte rows: TMA); the
+    flat loop (tiles x steps) and the nested one."""
     import moekit.experts.triton_backward_launch as bl
 
     num_tokens, num_experts = 29, 7
@@ -46,7 +48,7 @@ def test_persistent_weight_grad(interpreter, top_k, store_desc, empty):
     left = torch.randn(num_tokens * top_k, 24, generator=g).to(torch.bfloat16)  # like dh, per assignment
     right = torch.randn(num_tokens, 40, generator=g).to(torch.bfloat16)  # like x, per token
     layout = bl.align(ids, None, num_experts, 16)
-    got = bl.weight_grad(left, 1, right, top_k, num_experts, torch.float32, layout, _tile(bl, store_desc))
+    got = bl.weight_grad(left, 1, right, top_k, num_experts, torch.float32, layout, _tile(bl, store_desc, flat=flat))
     want = _want(left, right, top_k, ids, num_experts)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.equal(got[empty], torch.zeros_like(got[empty]))

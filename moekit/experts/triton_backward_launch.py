@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import act_and_mul, get_activation
+from moekit.activations import get_activation
 from moekit.experts.triton_align import plan_block_rows, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
@@ -61,6 +61,7 @@ class KernelTiles:
     persistent: int = 0  # weight_grad with ``contiguous``, ``desc``, split 1: this many programs per SM walk the
     # tiles in one flat loop (``triton_wgrad``); 0 = a program per tile
     store_desc: bool = False  # weight_grad with ``persistent``: the output stored through a TMA descriptor
+    flat: bool = True  # weight_grad with ``persistent``: one loop over tiles x steps per expert (else nested)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class BackwardTiles:
     dx: KernelTiles  # gather_gemm: dX's dh @ W13 (and the saving forward's two GEMMs)
     dw13: KernelTiles  # weight_grad: dh^T x, [2N, K] per expert
     dw2: KernelTiles  # weight_grad: dout^T (w g), [K, N] per expert
+    fwd13: KernelTiles | None = None  # ``experts_triton_train``'s forward on x permuted (``triton_train_forward``):
+    fwd2: KernelTiles | None = None  # its gate-up and down GEMMs (None: the inference forward, ``fused_experts``)
 
 
 def shape_class(num_assignments: int, num_experts: int, n: int) -> str:
@@ -344,10 +347,11 @@ class ExpertsGrads:
 
 
 def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activation: str, needs: tuple,
-                     split_m: int = 0, tiles: BackwardTiles | None = None) -> ExpertsGrads:
+                     split_m: int = 0, tiles: BackwardTiles | None = None, x_p=None) -> ExpertsGrads:
     """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``h_pre`` [A, 2N] the
-    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``. Arguments checked by
-    the caller; A > 0."""
+    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``; ``x_p`` x already
+    permuted into the layout's rows (``triton_train_forward.sorted_forward``) or None. Arguments checked
+    by the caller; A > 0."""
     need_x, need_w13, need_w2, need_weights = needs
     num_experts, top_k = w13.shape[0], ids.shape[1]
     ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
@@ -359,7 +363,8 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     if sorted_out and tiles.grad.contiguous and h_pre is None:
         from moekit.experts.triton_backward_sorted import grad_gate_up_sorted  # it imports this module
 
-        x, dout, x_div = permute_rows(x, top_k, layout), permute_rows(dout, top_k, layout), 0
+        x = x_p if x_p is not None else permute_rows(x, top_k, layout)
+        dout, x_div = permute_rows(dout, top_k, layout), 0
         dh, gw, parts = grad_gate_up_sorted(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation)
     else:
         dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
@@ -378,22 +383,3 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)
-
-
-def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str,
-                   tiles: BackwardTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, K], h_pre [A, 2N]): the experts forward that keeps the gate-up product for the backward.
-    Unfused (gate-up GEMM, torch act-and-mul, down GEMM x weight, k-sum): it writes h_pre anyway. Rows
-    of h_pre of assignments not routed here hold garbage that nothing reads. Arguments checked; A > 0."""
-    num_experts, two_n, hidden = w13.shape
-    ids, x = ids.contiguous(), x.contiguous()
-    expert_map = expert_map.contiguous() if expert_map is not None else None
-    tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
-    layout = align(ids, expert_map, num_experts, tiles.block_m)
-    work = _work_dtype(x)
-    h_pre = torch.empty(ids.numel(), two_n, dtype=work, device=x.device)
-    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles.dx)  # x [M, K] @ w13[e]^T -> [A, 2N]
-    g = act_and_mul(h_pre, activation)  # [A, N]
-    per_slot = torch.empty(ids.numel(), hidden, dtype=work, device=x.device)
-    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles.dx, scale=weights.contiguous())  # w * g @ w2[e]^T
-    return sum_slots(per_slot, ids, expert_map, num_experts, x.dtype), h_pre
