@@ -11,6 +11,8 @@ sorted grad_gate_up):
 - dW13 (dh^T x_p, 4·A·N·K FLOPs) and dW2 (dout_p^T gw, 2·A·N·K): TUNED's tile and each of WEIGHT_VARIANTS,
   median ms, % of a bf16 ``torch.mm`` 8192³ timed in the same run, rel-L2 against TUNED's output and, on
   expert 0, against float32 torch (FAIL over 1e-2);
+- dX before its k-sum (4·A·N·K): TUNED's gathering tile against DX_VARIANTS (dh in the layout's rows
+  through TMA, ``triton_backward_sorted.dx_sorted``), rel-L2 against TUNED's;
 - the forward: ``fused_experts`` (the inference forward, today's training forward) against the permuted
   one, gate-up (4·A·N·K) and down (2·A·N·K) GEMMs each alone over FWD13 / FWD2, and the whole of it with
   the best pair (its output against ``fused_experts``'s);
@@ -38,10 +40,10 @@ import backward_tune as bt
 import moekit.experts.triton_backward_launch as bl
 import moekit.experts.triton_train_forward as tf
 from backward_device_check import rel_l2
-from train_ds_report import FLOPS, stage_rows, table, verdict
+from train_ds_report import FLOPS, forward_pair, snapshot, stage_rows, table, verdict, winners_of
 from moekit.bench.cells import Shape, make_weights, uniform_routing
 from moekit.experts.triton_backward_launch import KernelTiles
-from moekit.experts.triton_backward_sorted import grad_gate_up_sorted
+from moekit.experts.triton_backward_sorted import dx_sorted, grad_gate_up_sorted
 
 SMOKE = bt.SMOKE
 SOFT_LIMIT_S, MIXTRAL_START_S, HARD_LIMIT_S = 80, 45, 97
@@ -71,12 +73,15 @@ WEIGHT_VARIANTS = {
     "persist nested 128x256 k64 s3": _p(128, 256, 64, 3, flat=False),
     "persist nested 256x128 k64 s3": _p(256, 128, 64, 3, flat=False),
 }
+DX_VARIANTS = {"dx sorted 128x128 s4": _f(128, 4), "dx sorted 128x256 w16 s3": _f(256, 3, warps=16),
+               "dx sorted 128x256 w16 s4": _f(256, 4, warps=16), "dx sorted 128x256 s3": _f(256, 3)}
 FWD13 = {"gu 128x128 s3": _f(128, 3), "gu 128x128 s4": _f(128, 4), "gu 128x64 s4": _f(64, 4),
          "gu 128x128 w16 s3": _f(128, 3, warps=16)}
 FWD2 = {"down 128x128 s4": _f(128, 4), "down 128x256 w16 s3": _f(256, 3, warps=16),
         "down 128x256 w16 s4": _f(256, 4, warps=16), "down 128x128 s3": _f(128, 3)}
-if SMOKE:
+if SMOKE:  # the interpreter on a shared CPU: only the limits that stop a hung run
     SHAPES, M = [Shape("tiny", 4, 24, 48, 2)], 12
+    SOFT_LIMIT_S, MIXTRAL_START_S, HARD_LIMIT_S = 1500, 1500, 1700
 else:
     SHAPES, M = [Shape.from_preset("deepseek-v3"), Shape.from_preset("mixtral-8x7b")], 16384
 
@@ -120,6 +125,8 @@ def _calls(cell: Cell) -> list:
     per_slot = torch.empty(cell.a, s.k, dtype=cell.x.dtype, device=cell.dev)
     calls = [lambda t=t, lr=lr: bl.weight_grad(*lr, s.num_experts, torch.bfloat16, layout, t)
              for t in WEIGHT_VARIANTS.values() for lr in ((cell.dh, 0, cell.x_p, 0), (cell.dout_p, 0, cell.gw, 0))]
+    dx_out = torch.empty(cell.a, s.k, dtype=cell.dh.dtype, device=cell.dev)
+    calls += [lambda t=t: dx_sorted(cell.dh, w.w13, dx_out, layout, t) for t in DX_VARIANTS.values()]
     calls += [lambda t=t: tf._gate_up(cell.x_p, w.w13, g_p, layout, t, "silu") for t in FWD13.values()]
     return calls + [lambda t=t: tf._down(g_p, w.w2, cell.flat_w, per_slot, layout, t) for t in FWD2.values()]
 
@@ -183,6 +190,29 @@ def time_weight_grads(cell: Cell, mm: float, started: float) -> dict:
     return out
 
 
+def time_dx(cell: Cell, mm: float, started: float) -> list:
+    """dX before its k-sum (dh_p @ W13, 4·A·N·K): TUNED's gathering tile against DX_VARIANTS (dh through TMA)."""
+    s, w, layout = cell.s, cell.w, cell.layout
+    per_slot = torch.empty(cell.a, s.k, device=cell.dev, dtype=cell.dh.dtype)
+    bl.gather_gemm(cell.dh, 0, w.w13, 2, 1, per_slot, layout, cell.tiles.dx)
+    reference, rows, work = per_slot.clone(), [], FLOPS["dx"] * cell.a * s.n * s.k
+    plan = {"current (TUNED)": (cell.tiles.dx, lambda t: bl.gather_gemm(cell.dh, 0, w.w13, 2, 1, per_slot, layout, t))}
+    plan.update({name: (t, lambda t: dx_sorted(cell.dh, w.w13, per_slot, layout, t)) for name, t in DX_VARIANTS.items()})
+    for name, (t, call) in plan.items():
+        row = dict(name=name, tile=dataclasses.asdict(t))
+        if time.perf_counter() - started > SOFT_LIMIT_S:
+            rows.append(dict(row, error="skipped: time limit"))
+            continue
+        try:
+            per_slot.zero_()
+            ms = cell.ms(lambda: call(t), min([r["ms"] for r in rows if "ms" in r], default=float("inf")))
+            row.update(ms=ms, pct_mm=100 * work / ms / 1e9 / mm if mm else 0.0, rel_current=rel_l2(per_slot, reference))
+        except Exception as e:  # noqa: BLE001
+            row.update(failure(e, f"{s.name} dx {name}"))
+        rows.append(row)
+    return rows
+
+
 def time_forward(cell: Cell, mm: float, started: float) -> dict:
     """The inference forward against the permuted one: each GEMM alone per tile, then the best pair whole."""
     from moekit.experts.triton import fused_experts
@@ -236,14 +266,6 @@ def _peak_gib(step, dev) -> float:
     return (torch.cuda.max_memory_allocated(dev) - before) / 2**30
 
 
-def _snapshot(grad):
-    """A copy of a grad to compare: the first 8 experts' of a weight grad (DeepSeek-V3's are 22 GB in all:
-    a whole copy next to transformers' 58 GB step would not fit), all of the others."""
-    if grad is None:
-        return None
-    return (grad[:8] if grad.dim() == 3 else grad).clone()
-
-
 def end_to_end(cell: Cell, winners: dict, forward: dict) -> dict:
     """fwd + bwd ms, peak GiB and grads vs the default of: the default, the train op with the weight-grad
     winners, with the permuted forward's best pair too (``forward``, when it ran), and transformers' grouped_mm."""
@@ -256,7 +278,7 @@ def end_to_end(cell: Cell, winners: dict, forward: dict) -> dict:
     key = bl.shape_class(cell.a, s.num_experts, s.n)
     train = (lambda x, wt: experts_triton_train(x, w13, w2, cell.ids, wt))
     impls = {"default (experts_triton)": (None, lambda x, wt: experts_triton(x, w13, w2, cell.ids, wt)),
-             "train: weight winners": (dataclasses.replace(cell.tiles, **winners), train)}
+             "train: backward winners": (dataclasses.replace(cell.tiles, **winners), train)}
     if forward:
         impls["train: + permuted forward"] = (dataclasses.replace(cell.tiles, **winners, **forward), train)
     hf = bt.hf_grouped_mm(s, w13, w2)
@@ -268,13 +290,13 @@ def end_to_end(cell: Cell, winners: dict, forward: dict) -> dict:
             bl.TUNED[key] = tiles if tiles is not None else cell.tiles
             step = _step(fn, leaves, cell.dout)
             row = dict(ms=cell.ms(step), peak_gib=_peak_gib(step, cell.dev))
-            grads = [_snapshot(leaf.grad) for leaf in leaves]
+            grads = [snapshot(leaf.grad) for leaf in leaves]
             if ref is None:
                 ref = grads
             row["rel_vs_default"] = max(rel_l2(g, r) for g, r in zip(grads, ref) if g is not None)
             if name.startswith("train"):
                 step()
-                row["deterministic"] = all(torch.equal(g, _snapshot(leaf.grad)) for g, leaf in zip(grads, leaves)
+                row["deterministic"] = all(torch.equal(g, snapshot(leaf.grad)) for g, leaf in zip(grads, leaves)
                                            if g is not None)
             del grads
         except Exception as e:  # noqa: BLE001
@@ -301,7 +323,8 @@ def stages(cell: Cell, winners: dict) -> dict:
             cell.dout, cell.x))],
         "grad_gate_up": lambda: grad_gate_up_sorted(cell.dout_p, cell.x_p, w.w13, w.w2, cell.flat_w, layout, t.grad,
                                                     "silu"),
-        "dx": lambda: bl.gather_gemm(cell.dh, 0, w.w13, 2, 1, per_slot, layout, t.dx),
+        "dx": (lambda: dx_sorted(cell.dh, w.w13, per_slot, layout, t.dx)) if t.dx.contiguous else (
+            lambda: bl.gather_gemm(cell.dh, 0, w.w13, 2, 1, per_slot, layout, t.dx)),
         "dx k-sum": lambda: bl.sum_slots(per_slot, cell.ids, None, s.num_experts, cell.x.dtype),
         "dw13": lambda: bl.weight_grad(cell.dh, 0, cell.x_p, 0, s.num_experts, torch.bfloat16, layout, t.dw13),
         "dw2": lambda: bl.weight_grad(cell.dout_p, 0, cell.gw, 0, s.num_experts, torch.bfloat16, layout, t.dw2),
@@ -309,36 +332,19 @@ def stages(cell: Cell, winners: dict) -> dict:
     return {name: cell.ms(fn) for name, fn in plan.items()}
 
 
-def winners_of(weights: dict) -> dict:
-    """{dw13, dw2: KernelTiles} of the fastest correct weight-grad variant (TUNED's included)."""
-    out = {}
-    for kernel, rows in weights.items():
-        ok = [r for r in rows if "ms" in r and max(r["rel_current"], r["twin"]) < 1e-2]
-        if ok:
-            out[kernel] = KernelTiles(**min(ok, key=lambda r: r["ms"])["tile"])
-    return out
-
-
-def forward_pair(forward: dict) -> dict:
-    """{fwd13, fwd2: KernelTiles} of the permuted forward's best pair, when it ran and agreed; else {}."""
-    if forward.get("sorted_rel", 1.0) >= 1e-2:
-        return {}
-    return {k: KernelTiles(**next(r for r in forward[k] if r["name"] == forward["winners"][k])["tile"])
-            for k in ("fwd13", "fwd2")}
-
-
 def check_cell(s: Shape, dev, mm: float, started: float) -> dict:
     cell = Cell(s, M, dev)
     row = dict(shape=s.name, m=M, shape_class=bl.shape_class(cell.a, s.num_experts, s.n), ank=cell.a * s.n * s.k)
     precompile(cell)
     row["weight_grads"] = time_weight_grads(cell, mm, started)
+    row["dx"] = time_dx(cell, mm, started)
     row["forward"] = time_forward(cell, mm, started)
-    winners, pair = winners_of(row["weight_grads"]), forward_pair(row["forward"])
+    winners, pair = winners_of(row["weight_grads"], row["dx"]), forward_pair(row["forward"])
     row["winners"] = {k: repr(v) for k, v in {**winners, **pair}.items()}
     if time.perf_counter() - started < SOFT_LIMIT_S:
         row["e2e"] = e2e = end_to_end(cell, winners, pair)
         ms = {name: r.get("ms", float("inf")) for name, r in e2e.items()}
-        use = pair if ms.get("train: + permuted forward", float("inf")) < ms.get("train: weight winners") else {}
+        use = pair if ms.get("train: + permuted forward", float("inf")) < ms.get("train: backward winners") else {}
         row["stages"] = stage_rows(stages(cell, {**winners, **use}), cell.a * s.n * s.k, mm)
     print(f"{s.name}: winners {row['winners']} ({time.perf_counter() - started:.0f} s)", flush=True)
     return row

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-FLOPS = {"dw13": 4, "dw2": 2, "fwd13": 4, "fwd2": 2}  # a GEMM's FLOPs / (A N K)
+from moekit.experts.triton_backward_launch import KernelTiles
+
+FLOPS = {"dw13": 4, "dw2": 2, "dx": 4, "fwd13": 4, "fwd2": 2}  # a GEMM's FLOPs / (A N K)
 STAGE_FLOPS = {"forward": 6, "grad_gate_up": 6, "dx": 4, "dw13": 4, "dw2": 2}  # the rest: 0 (memory-bound)
 TOL = 1e-2
 TRANSFORMERS = "transformers grouped_mm"
@@ -22,6 +24,8 @@ def verdict(rows: list) -> bool:
         for kernel, rs in row.get("weight_grads", {}).items():
             bad += [f"{row['shape']} {kernel} {r['name']}: rel {r['rel_current']:.1e} twin {r['twin']:.1e}"
                     for r in rs if "ms" in r and max(r["rel_current"], r["twin"]) >= TOL]
+        bad += [f"{row['shape']} dx {r['name']}: rel {r['rel_current']:.1e}" for r in row.get("dx", [])
+                if "ms" in r and r["rel_current"] >= TOL]
         if row.get("forward", {}).get("sorted_rel", 0.0) >= TOL:
             bad.append(f"{row['shape']} permuted forward: rel {row['forward']['sorted_rel']:.1e}")
         for name, r in (row.get("e2e") or {}).items():
@@ -37,7 +41,7 @@ def verdict(rows: list) -> bool:
 
 def _variant_lines(row: dict) -> list[str]:
     lines = []
-    groups = [(k, rs) for k, rs in row.get("weight_grads", {}).items()]
+    groups = [(k, rs) for k, rs in row.get("weight_grads", {}).items()] + [("dx", row.get("dx", []))]
     groups += [(k, row["forward"][k]) for k in ("fwd13", "fwd2") if k in row.get("forward", {})]
     for kernel, rs in groups:
         for r in rs:
@@ -72,3 +76,30 @@ def table(rows: list, mm: float) -> None:
             det = "" if "deterministic" not in r else f"  deterministic {r['deterministic']}"
             print(f"  {name:28s} {r['ms']:8.2f} {speed} {pct:4.0f}% {r['peak_gib']:7.2f} {r['rel_vs_default']:.1e}{det}")
         print(f"  winners: {row.get('winners')}")
+
+
+def snapshot(grad):
+    """A copy of a grad to compare: the first 8 experts' of a weight grad (DeepSeek-V3's are 22 GB in all:
+    a whole copy next to transformers' 58 GB step would not fit), all of the others."""
+    if grad is None:
+        return None
+    return (grad[:8] if grad.dim() == 3 else grad).clone()
+
+
+def winners_of(weights: dict, dx: list) -> dict:
+    """{dw13, dw2, dx: KernelTiles} of the fastest correct variant of each (TUNED's included)."""
+    ok = [r for r in dx if "ms" in r and r["rel_current"] < 1e-2]
+    out = {"dx": KernelTiles(**min(ok, key=lambda r: r["ms"])["tile"])} if ok else {}
+    for kernel, rows in weights.items():
+        ok = [r for r in rows if "ms" in r and max(r["rel_current"], r["twin"]) < 1e-2]
+        if ok:
+            out[kernel] = KernelTiles(**min(ok, key=lambda r: r["ms"])["tile"])
+    return out
+
+
+def forward_pair(forward: dict) -> dict:
+    """{fwd13, fwd2: KernelTiles} of the permuted forward's best pair, when it ran and agreed; else {}."""
+    if forward.get("sorted_rel", 1.0) >= 1e-2:
+        return {}
+    return {k: KernelTiles(**next(r for r in forward[k] if r["name"] == forward["winners"][k])["tile"])
+            for k in ("fwd13", "fwd2")}

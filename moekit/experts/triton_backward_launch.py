@@ -54,9 +54,10 @@ class KernelTiles:
     desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows;
     # weight_grad with ``contiguous``: both permuted operands through TMA descriptors where ``descriptor`` allows
     contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block);
-    # grad_gate_up: dout and x so (``triton_backward_sorted``; ``rows`` its M-block, 0 = the layout's)
+    # grad_gate_up: dout and x so (``triton_backward_sorted``; ``rows`` its M-block, 0 = the layout's); dX: dh
+    # read in the layout's rows (``dx_sorted``, with both weight grads contiguous)
     group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together;
-    # grad_gate_up with ``contiguous``: M-blocks that sweep the N tiles together
+    # grad_gate_up, dX with ``contiguous``: M-blocks that sweep the N tiles together
     dg_cols: int = 0  # grad_gate_up with ``contiguous``: 0 = dY @ W2 in the same K loop; else its own GEMM, this wide
     persistent: int = 0  # weight_grad with ``contiguous``, ``desc``, split 1: this many programs per SM walk the
     # tiles in one flat loop (``triton_wgrad``); 0 = a program per tile
@@ -373,7 +374,12 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
+        if sorted_out and tiles.dx.contiguous:  # dh [P, 2N] @ w13[e] [2N, K], dh through TMA
+            from moekit.experts.triton_backward_sorted import dx_sorted
+
+            dx_sorted(dh, w13, per_slot, layout, tiles.dx)
+        else:
+            gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
         dw13 = weight_grad(dh, div, x, x_div, num_experts, w13.dtype, layout, tiles.dw13, split_m)
