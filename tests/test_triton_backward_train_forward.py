@@ -115,3 +115,24 @@ def test_opcheck_train_op_keeps_x_p(interpreter, monkeypatch):
     torch.library.opcheck(torch.ops.moekit.triton_experts_train.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     assert torch.ops.moekit.triton_experts_train(*args)[1].shape == (tb.layout_rows(12, 8, 32), 33)
+
+
+def test_bench_train_step_runs_the_train_op(interpreter, monkeypatch):
+    """``moekit bench --train``'s ``moekit:triton_train`` step runs ``experts_triton_train`` (spied) and its
+    grads (x, the gate, w13, w2) equal the reference backend's step on the same problem."""
+    import moekit.bench.train_measure as tm
+    import moekit.experts.triton_backward as tb
+    from moekit.bench.cells import Shape
+
+    calls, real = [], tb.experts_triton_train
+    monkeypatch.setattr(tb, "experts_triton_train", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    problem = tm._problem(Shape("tiny", 4, 17, 33, 2), 9, torch.float32, torch.device("cpu"))
+    grads = {}
+    for impl in (tm.TRAIN_IMPL, "moekit:reference"):
+        tm._clear_grads(problem)
+        tm._moekit_step(problem, impl.split(":", 1)[1])()
+        grads[impl] = [t.grad.clone() for t in problem.leaves]
+    assert calls == [1]
+    for got, want in zip(grads[tm.TRAIN_IMPL], grads["moekit:reference"]):
+        assert rel_l2(got, want) < TOL[torch.float32]
+    assert tm.TRAIN_IMPL not in tm.default_impls(torch.device("cpu"))
