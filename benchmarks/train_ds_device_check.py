@@ -17,9 +17,12 @@ sorted grad_gate_up):
   one, gate-up (4·A·N·K) and down (2·A·N·K) GEMMs each alone over FWD13 / FWD2, and the whole of it with
   the best pair (its output against ``fused_experts``'s);
 - forward + backward (autograd, loss = sum(out * dout)): ``experts_triton`` (the default now),
-  ``experts_triton_train`` with the winners put into TUNED (weight grads only, and with the forward too),
+  ``experts_triton_train`` with the winners put into TUNED (the backward's, then with the forward too, then
+  with ``BackwardOptions(recompute=False)``: the gate-up product kept from the forward, no recompute),
   transformers' grouped_mm; their grads against the default's (x, the routing weights, the first 8
-  experts' weight grads), peak memory of a step, two train steps bit-identical; then the winners' step stage by stage with % of mm.
+  experts' weight grads), the peak memory of a step above the memory before it (the last step's grads
+  included: it frees them first), two train steps bit-identical; then the winners' step stage by stage
+  with % of mm.
 Every variant in try/except (a tile Triton 3.6 refuses is recorded and skipped). A soft time limit skips
 what is left; a hard one (HARD_LIMIT_S) prints what it has. A table last; exit 1 if a check fails.
 """
@@ -270,7 +273,7 @@ def end_to_end(cell: Cell, winners: dict, forward: dict) -> dict:
     """fwd + bwd ms, peak GiB and grads vs the default of: the default, the train op with the weight-grad
     winners, with the permuted forward's best pair too (``forward``, when it ran), and transformers' grouped_mm."""
     from moekit.experts.triton import experts_triton
-    from moekit.experts.triton_backward import experts_triton_train
+    from moekit.experts.triton_backward import BackwardOptions, experts_triton_train
 
     s, w = cell.s, cell.w
     w13, w2 = torch.nn.Parameter(w.w13), torch.nn.Parameter(w.w2)
@@ -281,6 +284,8 @@ def end_to_end(cell: Cell, winners: dict, forward: dict) -> dict:
              "train: backward winners": (dataclasses.replace(cell.tiles, **winners), train)}
     if forward:
         impls["train: + permuted forward"] = (dataclasses.replace(cell.tiles, **winners, **forward), train)
+    impls["train: h kept, no recompute"] = (dataclasses.replace(cell.tiles, **winners), lambda x, wt: experts_triton_train(
+        x, w13, w2, cell.ids, wt, backward=BackwardOptions(recompute=False)))
     hf = bt.hf_grouped_mm(s, w13, w2)
     if hf is not None:
         impls["transformers grouped_mm"] = (None, lambda x, wt: hf(x, cell.ids, wt))

@@ -96,9 +96,15 @@ def _sorted(cols: int, num_stages: int, dg_cols: int = 0) -> KernelTiles:
     return KernelTiles(cols, 64, 8, num_stages, rows=128, desc=True, contiguous=True, group=8, dg_cols=dg_cols)
 
 
-def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
-    """A contiguous weight-grad tile: 128 x ``cols`` outputs, 64-row steps, 8 warps, TMA loads."""
-    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group)
+def _contiguous(cols: int, num_stages: int, group: int, persistent: int = 0, flat: bool = True) -> KernelTiles:
+    """A contiguous weight-grad tile: 128 x ``cols``, 64-row steps, 8 warps, TMA (``persistent``: stores too)."""
+    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group,
+                       persistent=persistent, store_desc=persistent > 0, flat=flat)
+
+
+def _rows_tile(cols: int, num_stages: int, num_warps: int = 8) -> KernelTiles:
+    """dX or the training forward on the layout's rows: 128 x ``cols``, 64-wide steps, TMA, 8 M-blocks per sweep."""
+    return KernelTiles(cols, 64, num_warps, num_stages, rows=128, desc=True, contiguous=True, group=8)
 
 
 # Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one
@@ -109,8 +115,11 @@ def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
 # 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the permuted operands (``_sorted``) from
 # ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it beat the gathering kernel:
 # DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and 6.26 -> 5.54,
-# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). Classes not here take
-# the heuristic below.
+# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). From
+# ``benchmarks/train_ds_device_check.py`` (2026-12-01, commit 5a3df12) at 16384: the persistent weight grad
+# (DeepSeek-V3 dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, Mixtral dW13 10.60 -> 10.34), dX from dh in the
+# layout's rows (13.20 -> 12.48, 11.75 -> 10.56), Mixtral's forward on permuted rows (forward + backward
+# 73.87 -> 72.99 ms; DeepSeek-V3's: no faster, 4.4 GiB more at peak). Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
@@ -122,14 +131,14 @@ TUNED: dict[str, BackwardTiles] = {
         block_m=128, grad=_sorted(64, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 8)),
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
-        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 3),
-        dw13=_contiguous(256, 4, 8), dw2=_contiguous(256, 3, 8)),
+        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_rows_tile(256, 4, 16),
+        dw13=_contiguous(256, 3, 8, 1), dw2=_contiguous(256, 3, 8, 1, flat=False)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
         block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "wide/many": BackwardTiles(  # mixtral-8x7b M=16384
-        block_m=128, grad=_sorted(64, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 4, 8)),
+        block_m=128, grad=_sorted(64, 3), dx=_rows_tile(256, 3), dw13=_contiguous(256, 3, 8, 1, flat=False),
+        dw2=_contiguous(256, 4, 8), fwd13=_rows_tile(128, 4), fwd2=_rows_tile(128, 3)),
 }
 
 
