@@ -156,7 +156,7 @@ def test_compile_traces_forward_and_backward(interpreter):
 def test_opcheck_backward_op(interpreter):
     """The backward op's schema, fake and dispatch agree with its implementation (torch.library.opcheck)."""
     x, w13, w2, ids, weights = make_problem(4, 2, 8, 33, 17, seed=11)
-    args = (torch.randn(4, 33), x, w13, w2, ids, weights, None, None, "silu", True, True, False, True, 0)
+    args = (torch.randn(4, 33), x, w13, w2, ids, weights, None, None, "silu", True, True, False, True, 0, None)
     torch.library.opcheck(torch.ops.moekit.triton_experts_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -219,7 +219,8 @@ def test_train_refuses_what_it_cannot_differentiate(interpreter):
 
 def _launch_grads(problem, dout, tiles, saved: bool, split_m: int = 0) -> dict:
     """The launch layer's grads with explicit ``tiles`` (``saved``: h_pre from ``saving_forward``)."""
-    from moekit.experts.triton_backward_launch import experts_backward, saving_forward
+    from moekit.experts.triton_backward_launch import experts_backward
+    from moekit.experts.triton_train_forward import saving_forward
 
     x, w13, w2, ids, weights = problem
     h_pre = saving_forward(x, w13, w2, ids, weights, None, "silu", tiles=tiles)[1] if saved else None

@@ -109,3 +109,22 @@ def test_sorted_grad_gate_up_block_must_divide_the_layout(interpreter):
     problem = make_problem(9, 2, 4, 33, 17, seed=3)
     with pytest.raises(ValueError, match="rows=24"):
         _grads(problem, _tiles(32, KernelTiles(16, 16, 1, 1, rows=24, contiguous=True)), torch.float32)
+
+
+@pytest.mark.parametrize("k,desc", [(1, False), (2, True), (6, False)])
+def test_sorted_dx(interpreter, k, desc):
+    """dX from dh in the layout's rows (``dx_sorted``: ``contiguous`` dx tile), 16-row M-blocks in a 32-row
+    layout, skipped slots; float32 pointer tiles (K=33, N=17) or bf16 through TMA (K=48, N=24); every grad
+    against the loop."""
+    import dataclasses
+
+    from moekit.experts.triton_backward_launch import KernelTiles
+
+    grad = KernelTiles(16, 16, 1, 1, rows=16, desc=desc, contiguous=True, group=2)
+    tiles = dataclasses.replace(_tiles(32, grad), dx=KernelTiles(16, 16, 1, 1, rows=16, desc=desc, contiguous=True,
+                                                                 group=2))
+    dtype = torch.bfloat16 if desc else torch.float32
+    problem = make_problem(37, k, 8, 48 if desc else 33, 24 if desc else 17, dtype=dtype, seed=80 + k, skips=True)
+    got, want = _grads(problem, tiles, dtype)
+    for name in NAMES:
+        assert rel_l2(got[name], want[name]) < TOL[dtype], name

@@ -8,6 +8,8 @@ Shapes: M tokens, K hidden, N expert intermediate, E experts, k experts per toke
 Implementations, on the same weights and tokens:
 - ``moekit:<backend>``: ``moekit.routing.route`` and the moekit experts backend (``triton`` on CUDA once
   its backward is registered, ``grouped_mm``);
+- ``moekit:triton_train`` (where ``triton`` is available): the same with ``experts_triton_train``, the
+  training entry point (its forward runs on x permuted into the layout's rows where TUNED says so);
 - ``transformers:grouped_mm``: transformers' own experts module (``Qwen3MoeExperts``; the SiLU gated
   experts of Mixtral and DeepSeek-V3 compute the same function) with ``experts_implementation=
   "grouped_mm"`` (``torch._grouped_mm`` autograd, what transformers trains with), behind its router's
@@ -42,6 +44,7 @@ from moekit.routing import route
 GPU_TOKENS = (4096, 16384)
 CPU_TOKENS = (64, 256)
 TRANSFORMERS_IMPL = "transformers:grouped_mm"
+TRAIN_IMPL = "moekit:triton_train"  # ``experts_triton_train``: its forward on permuted rows where TUNED has one
 
 
 @dataclass
@@ -78,7 +81,7 @@ class _Problem:
 
 def default_impls(device: torch.device) -> list[str]:
     names = [f"moekit:{b}" for b in available_backends(device) if b != "reference"]
-    return names + [TRANSFORMERS_IMPL]
+    return names + ([TRAIN_IMPL] if "moekit:triton" in names else []) + [TRANSFORMERS_IMPL]
 
 
 def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device) -> _Problem:
@@ -94,7 +97,10 @@ def _problem(shape: Shape, tokens: int, dtype: torch.dtype, device: torch.device
 
 
 def _moekit_step(p: _Problem, backend: str) -> Callable[[], None]:
-    fn = backend_fn(backend, p.x.device)
+    if backend == TRAIN_IMPL.split(":", 1)[1]:
+        from moekit.experts.triton_backward import experts_triton_train as fn  # imports Triton: only when asked
+    else:
+        fn = backend_fn(backend, p.x.device)
 
     def step() -> None:
         logits = F.linear(p.x, p.gate)  # [M, E]

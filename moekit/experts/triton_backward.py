@@ -22,6 +22,9 @@ Options (``BackwardOptions``, for ``experts_triton_train``; the ``triton_experts
   torch act-and-mul, then the down GEMM), so it pays in the forward part of what it saves backward.
 - ``split_m``: each expert's M-blocks split this many ways in the weight grads (fp32 partials summed
   in a fixed order); 0 = chosen from the shapes (``triton_backward_launch.choose_split``).
+``experts_triton_train``'s forward (recompute) runs on x permuted into the layout's rows when the tiles
+of the shape carry forward tiles (``BackwardTiles.fwd13``/``fwd2``, ``triton_train_forward``) and keeps
+x_p for the backward, which then does not permute x again; else it is the inference forward.
 Every path is deterministic: no atomics, the d-weight and split sums in a fixed order.
 
 The variants (biases, an ``ActivationSpec`` other than the plain gated one) have no backward yet: their
@@ -38,8 +41,9 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args
-from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, experts_backward, saving_forward
+from moekit.experts.triton_backward_launch import BACKWARD_ACTIVATIONS, BackwardTiles, backward_tiles, experts_backward
 from moekit.experts.triton_launch import interpreting
+from moekit.experts.triton_train_forward import layout_rows, saving_forward, sorted_forward
 from moekit.experts.triton_plan import check_triton_args
 
 # Arguments of a variant the backward does not take yet, with the value of the base variant (the
@@ -82,25 +86,26 @@ def unsupported_variant(args: dict) -> str | None:
 def _backward_op(
     dout: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, expert_map: Optional[torch.Tensor], h_pre: Optional[torch.Tensor], activation: str,
-    need_x: bool, need_w13: bool, need_w2: bool, need_weights: bool, split_m: int,
+    need_x: bool, need_w13: bool, need_w2: bool, need_weights: bool, split_m: int, x_p: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [M, K], dw13 [E, 2N, K], dw2 [E, K, N], dweights [M, k]); an empty [0] tensor where not needed."""
     needs = (need_x, need_w13, need_w2, need_weights)
     if topk_ids.numel() == 0:
         grads = (torch.zeros_like(x), torch.zeros_like(w13), torch.zeros_like(w2), torch.zeros_like(topk_weights))
         return tuple(g if need else g.new_empty(0) for g, need in zip(grads, needs))
-    grads = experts_backward(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, activation, needs, split_m)
+    grads = experts_backward(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, activation, needs, split_m,
+                             x_p=x_p)
     return tuple(g if g is not None else x.new_empty(0) for g in (grads.x, grads.w13, grads.w2, grads.topk_weights))
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, x, w13, w2, topk_ids, topk_weights, expert_map, h_pre, activation, need_x, need_w13,
-                   need_w2, need_weights, split_m):
+                   need_w2, need_weights, split_m, x_p):
     return tuple(t.new_empty(t.shape) if need else x.new_empty(0)
                  for t, need in ((x, need_x), (w13, need_w13), (w2, need_w2), (topk_weights, need_weights)))
 
 
-def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int) -> tuple:
+def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int, x_p: torch.Tensor | None = None) -> tuple:
     """The backward op on the saved inputs; the grads by the forward's input position (None elsewhere)."""
     if ctx.unsupported is not None:
         raise NotImplementedError(ctx.unsupported)
@@ -108,7 +113,7 @@ def _grads(ctx, dout: torch.Tensor, h_pre: torch.Tensor | None, split_m: int) ->
     positions = ctx.positions  # input positions of x, w13, w2, topk_weights
     needs = tuple(ctx.needs_input_grad[i] for i in positions)
     grads = torch.ops.moekit.triton_experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre,
-                                                     ctx.activation, *needs, split_m)
+                                                     ctx.activation, *needs, split_m, x_p)
     result = [None] * ctx.num_inputs
     for position, need, grad in zip(positions, needs, grads):
         result[position] = grad if need else None
@@ -148,16 +153,31 @@ def backward_experts_op(ctx, dout: torch.Tensor) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 
 
+def sorted_forward_tiles(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         save_h: bool) -> BackwardTiles | None:
+    """The tiles when ``experts_triton_train``'s forward runs on x permuted (``triton_train_forward``):
+    the tiles carry forward tiles and the backward takes the permuted path that reads x_p; else None."""
+    if save_h or topk_ids.numel() == 0:
+        return None
+    t = backward_tiles(topk_ids.numel(), w13.shape[0], w2.shape[2], x.dtype, x.device)
+    permuted = t.grad.contiguous and t.dw13.contiguous and t.dw2.contiguous
+    return t if permuted and t.fwd13 is not None and t.fwd2 is not None else None
+
+
 @torch.library.custom_op("moekit::triton_experts_train", mutates_args=())
 def _train_op(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], activation: str, save_h: bool, split_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, K], h_pre [A, 2N] when ``save_h``, else an empty [0])."""
+    """(out [M, K], kept): kept = h_pre [A, 2N] when ``save_h``, x permuted [P, K] when the forward runs
+    on it (``sorted_forward_tiles``), else an empty [0]."""
     if topk_ids.numel() == 0:
         return x.new_zeros(x.shape), x.new_empty(0)
     if save_h:
         return saving_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
+    tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h)
+    if tiles is not None:
+        return sorted_forward(x, w13, w2, topk_ids, topk_weights, expert_map, activation, tiles)
     from moekit.experts.triton import fused_experts  # triton.py imports this module: lazily, no cycle
 
     out = fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map=expert_map, activation=activation)
@@ -166,8 +186,14 @@ def _train_op(
 
 @_train_op.register_fake
 def _train_fake(x, w13, w2, topk_ids, topk_weights, expert_map, activation, save_h, split_m):
-    saved = (topk_ids.numel(), w13.shape[1]) if save_h and topk_ids.numel() else (0,)
-    return x.new_empty(x.shape), x.new_empty(saved, dtype=torch.float32 if interpreting() else x.dtype)
+    work = torch.float32 if interpreting() else x.dtype
+    if save_h and topk_ids.numel():
+        return x.new_empty(x.shape), x.new_empty((topk_ids.numel(), w13.shape[1]), dtype=work)
+    tiles = sorted_forward_tiles(x, w13, w2, topk_ids, save_h)
+    if tiles is not None:
+        return x.new_empty(x.shape), x.new_empty((layout_rows(topk_ids.numel(), w13.shape[0], tiles.block_m),
+                                                  x.shape[1]))
+    return x.new_empty(x.shape), x.new_empty(0, dtype=work)
 
 
 _TRAIN_NAMES = ["x", "w13", "w2", "topk_ids", "topk_weights", "expert_map", "activation", "save_h", "split_m"]
@@ -178,11 +204,12 @@ def _setup_train(ctx, inputs: tuple, output: tuple) -> None:
     ctx.save_h, ctx.split_m = args["save_h"], args["split_m"]
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(args["x"], args["w13"], args["w2"], args["topk_ids"], args["topk_weights"],
-                          args["expert_map"], output[1] if ctx.save_h else None)
+                          args["expert_map"], output[1] if output[1].numel() else None)
 
 
-def _backward_train(ctx, dout: torch.Tensor, _dh_pre) -> tuple:
-    return _grads(ctx, dout, ctx.saved_tensors[6] if ctx.save_h else None, ctx.split_m)
+def _backward_train(ctx, dout: torch.Tensor, _kept) -> tuple:
+    kept = ctx.saved_tensors[6]
+    return _grads(ctx, dout, kept if ctx.save_h else None, ctx.split_m, None if ctx.save_h else kept)
 
 
 _train_op.register_autograd(_backward_train, setup_context=_setup_train)

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.activations import act_and_mul, get_activation
+from moekit.activations import get_activation
 from moekit.experts.triton_align import plan_block_rows, run_align
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options
 from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_wgrad import weight_grad_persistent
 
 # The activations whose derivative ``_kernels/gemm_backward._act_and_grad`` knows.
 BACKWARD_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -53,10 +54,15 @@ class KernelTiles:
     desc: bool = False  # grad_gate_up, gather_gemm: the weights through TMA descriptors where ``descriptor`` allows;
     # weight_grad with ``contiguous``: both permuted operands through TMA descriptors where ``descriptor`` allows
     contiguous: bool = False  # weight_grad: operands permuted once into the layout's rows (``red`` divides the block);
-    # grad_gate_up: dout and x so (``triton_backward_sorted``; ``rows`` its M-block, 0 = the layout's)
+    # grad_gate_up: dout and x so (``triton_backward_sorted``; ``rows`` its M-block, 0 = the layout's); dX: dh
+    # read in the layout's rows (``dx_sorted``, with both weight grads contiguous)
     group: int = 1  # weight_grad with ``contiguous``: row tiles of an expert that sweep its column tiles together;
-    # grad_gate_up with ``contiguous``: M-blocks that sweep the N tiles together
+    # grad_gate_up, dX with ``contiguous``: M-blocks that sweep the N tiles together
     dg_cols: int = 0  # grad_gate_up with ``contiguous``: 0 = dY @ W2 in the same K loop; else its own GEMM, this wide
+    persistent: int = 0  # weight_grad with ``contiguous``, ``desc``, split 1: this many programs per SM walk the
+    # tiles in one flat loop (``triton_wgrad``); 0 = a program per tile
+    store_desc: bool = False  # weight_grad with ``persistent``: the output stored through a TMA descriptor
+    flat: bool = True  # weight_grad with ``persistent``: one loop over tiles x steps per expert (else nested)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class BackwardTiles:
     dx: KernelTiles  # gather_gemm: dX's dh @ W13 (and the saving forward's two GEMMs)
     dw13: KernelTiles  # weight_grad: dh^T x, [2N, K] per expert
     dw2: KernelTiles  # weight_grad: dout^T (w g), [K, N] per expert
+    fwd13: KernelTiles | None = None  # ``experts_triton_train``'s forward on x permuted (``triton_train_forward``):
+    fwd2: KernelTiles | None = None  # its gate-up and down GEMMs (None: the inference forward, ``fused_experts``)
 
 
 def shape_class(num_assignments: int, num_experts: int, n: int) -> str:
@@ -88,9 +96,15 @@ def _sorted(cols: int, num_stages: int, dg_cols: int = 0) -> KernelTiles:
     return KernelTiles(cols, 64, 8, num_stages, rows=128, desc=True, contiguous=True, group=8, dg_cols=dg_cols)
 
 
-def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
-    """A contiguous weight-grad tile: 128 x ``cols`` outputs, 64-row steps, 8 warps, TMA loads."""
-    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group)
+def _contiguous(cols: int, num_stages: int, group: int, persistent: int = 0, flat: bool = True) -> KernelTiles:
+    """A contiguous weight-grad tile: 128 x ``cols``, 64-row steps, 8 warps, TMA (``persistent``: stores too)."""
+    return KernelTiles(cols, 64, 8, num_stages, rows=128, split=1, desc=True, contiguous=True, group=group,
+                       persistent=persistent, store_desc=persistent > 0, flat=flat)
+
+
+def _rows_tile(cols: int, num_stages: int, num_warps: int = 8) -> KernelTiles:
+    """dX or the training forward on the layout's rows: 128 x ``cols``, 64-wide steps, TMA, 8 M-blocks per sweep."""
+    return KernelTiles(cols, 64, num_warps, num_stages, rows=128, desc=True, contiguous=True, group=8)
 
 
 # Measured winners on the H200 (sm_90, bf16), by ``shape_class``: ``benchmarks/backward_tune.py``, one
@@ -101,8 +115,11 @@ def _contiguous(cols: int, num_stages: int, group: int) -> KernelTiles:
 # 119.5 -> 97.7, Mixtral 98.5 -> 74.6. grad_gate_up on the permuted operands (``_sorted``) from
 # ``benchmarks/train_ggu_device_check.py`` (2026-12-01, commit d075047), where it beat the gathering kernel:
 # DeepSeek-V3 29.2 -> 22.9 ms at 16384 and 9.15 -> 8.68 at 4096, Mixtral 24.4 -> 22.1 and 6.26 -> 5.54,
-# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). Classes not here take
-# the heuristic below.
+# Qwen3 2.87 -> 2.72 at 16384 (at 4096 the gathering kernel stays: 0.93 against 0.94). From
+# ``benchmarks/train_ds_device_check.py`` (2026-12-01, commit 5a3df12) at 16384: the persistent weight grad
+# (DeepSeek-V3 dW13 15.57 -> 14.74 ms, dW2 7.62 -> 7.18, Mixtral dW13 10.60 -> 10.34), dX from dh in the
+# layout's rows (13.20 -> 12.48, 11.75 -> 10.56), Mixtral's forward on permuted rows (forward + backward
+# 73.87 -> 72.99 ms; DeepSeek-V3's: no faster, 4.4 GiB more at peak). Classes not here take the heuristic below.
 TUNED: dict[str, BackwardTiles] = {
     "narrow/few": BackwardTiles(  # qwen3-30b-a3b M=4096
         block_m=128, grad=_tiles(64, 64, 8, 4), dx=_tiles(256, 64, 8, 4),
@@ -114,14 +131,14 @@ TUNED: dict[str, BackwardTiles] = {
         block_m=128, grad=_sorted(64, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(128, 3, 1), dw2=_contiguous(128, 3, 8)),
     "mid/some": BackwardTiles(  # deepseek-v3 M=16384
-        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 3),
-        dw13=_contiguous(256, 4, 8), dw2=_contiguous(256, 3, 8)),
+        block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_rows_tile(256, 4, 16),
+        dw13=_contiguous(256, 3, 8, 1), dw2=_contiguous(256, 3, 8, 1, flat=False)),
     "wide/some": BackwardTiles(  # mixtral-8x7b M=4096
         block_m=128, grad=_sorted(128, 4, dg_cols=256), dx=_tiles(256, 64, 8, 4),
         dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 3, 8)),
     "wide/many": BackwardTiles(  # mixtral-8x7b M=16384
-        block_m=128, grad=_sorted(64, 3), dx=_tiles(256, 64, 8, 3),
-        dw13=_contiguous(256, 3, 8), dw2=_contiguous(256, 4, 8)),
+        block_m=128, grad=_sorted(64, 3), dx=_rows_tile(256, 3), dw13=_contiguous(256, 3, 8, 1, flat=False),
+        dw2=_contiguous(256, 4, 8), fwd13=_rows_tile(128, 4), fwd2=_rows_tile(128, 3)),
 }
 
 
@@ -250,6 +267,8 @@ def weight_grad(left: torch.Tensor, l_div: int, right: torch.Tensor, r_div: int,
         if tile.desc:
             pair = (descriptor(left[None], [tile.red, tile.rows]), descriptor(right[None], [tile.red, tile.cols]))
         use_desc = None not in pair
+        if use_desc and tile.persistent and split == 1:
+            return weight_grad_persistent(*pair, rows, cols, layout.counts, layout.block_m, out, tile)
         kernels("gemm_backward").weight_grad_contiguous_kernel[grid](
             *(pair if use_desc else (left, right)), out, layout.counts,
             rows, cols, num_experts, split, layout.block_m, left.stride(0), right.stride(0), *strides,
@@ -338,10 +357,11 @@ class ExpertsGrads:
 
 
 def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activation: str, needs: tuple,
-                     split_m: int = 0, tiles: BackwardTiles | None = None) -> ExpertsGrads:
+                     split_m: int = 0, tiles: BackwardTiles | None = None, x_p=None) -> ExpertsGrads:
     """The grads (``needs``: x, w13, w2, topk_weights) of ``sum(out * dout)``; ``h_pre`` [A, 2N] the
-    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``. Arguments checked by
-    the caller; A > 0."""
+    saved gate-up product or None (recompute); ``tiles`` None = ``backward_tiles``; ``x_p`` x already
+    permuted into the layout's rows (``triton_train_forward.sorted_forward``) or None. Arguments checked
+    by the caller; A > 0."""
     need_x, need_w13, need_w2, need_weights = needs
     num_experts, top_k = w13.shape[0], ids.shape[1]
     ids, dout, x = ids.contiguous(), dout.to(x.dtype).contiguous(), x.contiguous()  # the GEMMs' operands share a dtype
@@ -353,7 +373,8 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     if sorted_out and tiles.grad.contiguous and h_pre is None:
         from moekit.experts.triton_backward_sorted import grad_gate_up_sorted  # it imports this module
 
-        x, dout, x_div = permute_rows(x, top_k, layout), permute_rows(dout, top_k, layout), 0
+        x = x_p if x_p is not None else permute_rows(x, top_k, layout)
+        dout, x_div = permute_rows(dout, top_k, layout), 0
         dh, gw, parts = grad_gate_up_sorted(dout, x, w13, w2, weights.contiguous(), layout, tiles.grad, activation)
     else:
         dh, gw, parts = grad_gate_up(dout, x, w13, w2, h_pre, weights.contiguous(), layout, tiles.grad, activation,
@@ -362,7 +383,12 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     dx = dw13 = dw2 = dweights = None
     if need_x:
         per_slot = torch.empty(ids.numel(), x.shape[1], dtype=dh.dtype, device=x.device)  # [A, K]
-        gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
+        if sorted_out and tiles.dx.contiguous:  # dh [P, 2N] @ w13[e] [2N, K], dh through TMA
+            from moekit.experts.triton_backward_sorted import dx_sorted
+
+            dx_sorted(dh, w13, per_slot, layout, tiles.dx)
+        else:
+            gather_gemm(dh, div, w13, 2, 1, per_slot, layout, tiles.dx)  # dh [A, 2N] @ w13[e] [2N, K]
         dx = sum_slots(per_slot, ids, expert_map, num_experts, x.dtype)
     if need_w13:
         dw13 = weight_grad(dh, div, x, x_div, num_experts, w13.dtype, layout, tiles.dw13, split_m)
@@ -372,22 +398,3 @@ def experts_backward(dout, x, w13, w2, ids, weights, expert_map, h_pre, activati
     if need_weights:
         dweights = parts.sum(1).view(ids.shape).to(weights.dtype)
     return ExpertsGrads(dx, dw13, dw2, dweights)
-
-
-def saving_forward(x, w13, w2, ids, weights, expert_map, activation: str,
-                   tiles: BackwardTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, K], h_pre [A, 2N]): the experts forward that keeps the gate-up product for the backward.
-    Unfused (gate-up GEMM, torch act-and-mul, down GEMM x weight, k-sum): it writes h_pre anyway. Rows
-    of h_pre of assignments not routed here hold garbage that nothing reads. Arguments checked; A > 0."""
-    num_experts, two_n, hidden = w13.shape
-    ids, x = ids.contiguous(), x.contiguous()
-    expert_map = expert_map.contiguous() if expert_map is not None else None
-    tiles = tiles or backward_tiles(ids.numel(), num_experts, w2.shape[2], x.dtype, x.device)
-    layout = align(ids, expert_map, num_experts, tiles.block_m)
-    work = _work_dtype(x)
-    h_pre = torch.empty(ids.numel(), two_n, dtype=work, device=x.device)
-    gather_gemm(x, ids.shape[1], w13, 1, 2, h_pre, layout, tiles.dx)  # x [M, K] @ w13[e]^T -> [A, 2N]
-    g = act_and_mul(h_pre, activation)  # [A, N]
-    per_slot = torch.empty(ids.numel(), hidden, dtype=work, device=x.device)
-    gather_gemm(g, 1, w2, 1, 2, per_slot, layout, tiles.dx, scale=weights.contiguous())  # w * g @ w2[e]^T
-    return sum_slots(per_slot, ids, expert_map, num_experts, x.dtype), h_pre

@@ -47,9 +47,9 @@ def grad_gate_up_sorted(dout_p: torch.Tensor, x_p: torch.Tensor, w13: torch.Tens
     if tile.dg_cols:
         dg = torch.empty(num_rows, n, dtype=torch.float32, device=x_p.device)
         kernels("gemm_backward_sorted").sorted_gemm_kernel[(num_pid_m * cdiv(n, tile.dg_cols),)](
-            ops[2], ops[3], dg, layout.expert_ids, layout.num_padded,
-            n, hidden, num_pid_m, layout.block_m, dout_p.stride(0), *w2.stride(), dg.stride(0),
-            BLOCK_N=tile.dg_cols, **common)
+            ops[2], ops[3], dg, layout.expert_ids, layout.num_padded, layout.sorted_ids,
+            n, hidden, num_pid_m, layout.block_m, layout.num_assignments, dout_p.stride(0), *w2.stride(), dg.stride(0),
+            BLOCK_N=tile.dg_cols, SCATTER=False, **common)
     kernels("gemm_backward_sorted").grad_gate_up_sorted_kernel[(num_pid_m * num_pid_n,)](
         ops[2], ops[0], ops[1], ops[3], dg, weights, dh, gw, parts,
         layout.sorted_ids, layout.expert_ids, layout.num_padded,
@@ -57,3 +57,22 @@ def grad_gate_up_sorted(dout_p: torch.Tensor, x_p: torch.Tensor, w13: torch.Tens
         x_p.stride(0), *w13.stride(), *w2.stride(),
         BLOCK_N=tile.cols, ACT=get_activation(activation).kernel_id, DG_IN=tile.dg_cols > 0, **common)
     return dh, gw, parts
+
+
+def dx_sorted(dh: torch.Tensor, w13: torch.Tensor, per_slot: torch.Tensor, layout: Layout, tile: KernelTiles) -> None:
+    """per_slot[a] = dh_p[p] w13[e] for the layout's rows p of assignments a (per_slot [A, K], rows of
+    assignments not routed here unwritten): dX before its k-sum, dh [P, 2N] in the layout's rows read
+    through TMA (``tile.desc``, where ``descriptor`` allows dh and w13 with 2N % red == 0)."""
+    (_, two_n, hidden), block = w13.shape, tile.rows or layout.block_m
+    if layout.block_m % block:
+        raise ValueError(f"dX's M-block (rows={block}) must divide the layout's block ({layout.block_m})")
+    num_pid_m = dh.shape[0] // block
+    ops = (dh, w13)
+    if tile.desc:
+        pair = (descriptor(dh[None], [block, tile.red]), descriptor(w13, [tile.red, tile.cols], tile.red))
+        ops = pair if None not in pair else ops
+    kernels("gemm_backward_sorted").sorted_gemm_kernel[(num_pid_m * cdiv(hidden, tile.cols),)](
+        *ops, per_slot, layout.expert_ids, layout.num_padded, layout.sorted_ids,
+        hidden, two_n, num_pid_m, layout.block_m, layout.num_assignments, dh.stride(0), *w13.stride(),
+        per_slot.stride(0), BLOCK_M=block, BLOCK_N=tile.cols, BLOCK_K=tile.red, GROUP_M=tile.group,
+        DESC=ops[0] is not dh, SCATTER=True, num_warps=tile.num_warps, num_stages=tile.num_stages, **_precision(dh.dtype))

@@ -6,7 +6,8 @@ Torch twin: ``grad_gate_up_kernel`` (``gemm_backward.py``, the gathering kernel 
 the tests, the float64 autograd of a per-token loop.
 
     sorted_gemm_kernel          dg = dout_p W2[e] over the layout's rows ([P, N] float32, unweighted): the
-                                dY @ W2 GEMM on its own, so it takes a wide tile (one accumulator).
+                                dY @ W2 GEMM on its own, so it takes a wide tile (one accumulator); and
+                                (SCATTER) dX's dh_p W13[e] into per-assignment rows [A, K].
     grad_gate_up_sorted_kernel  gate and up recomputed from x_p (two accumulators), and either dg read from
                                 ``sorted_gemm_kernel``'s output (DG_IN) or computed in the same K loop from
                                 dout_p (three accumulators: narrower tiles); the epilogue is
@@ -78,13 +79,14 @@ def _w13_tile(w13_ptr, expert, k0, col0, row0, N, K, stride_ae, stride_an, strid
 
 @triton.jit
 def sorted_gemm_kernel(
-    a_ptr, w_ptr, out_ptr,  # a [P, RED] in the layout's rows (or a descriptor); w [E, RED, OUT]; out [P, OUT]
-    expert_ids_ptr, num_padded_ptr,
-    OUT, RED, num_pid_m, block_m, stride_am, stride_we, stride_wr, stride_wo, stride_om,
+    a_ptr, w_ptr, out_ptr,  # a [P, RED] in the layout's rows (or a descriptor); w [E, RED, OUT]; out [P or A, OUT]
+    expert_ids_ptr, num_padded_ptr, sorted_ids_ptr,
+    OUT, RED, num_pid_m, block_m, num_assignments, stride_am, stride_we, stride_wr, stride_wo, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DESC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SCATTER: tl.constexpr,
 ):
-    """out[p] = a[p] W[e(p)] for the layout's rows in use (padding rows: zeros in, zeros out)."""
+    """out[p] = a[p] W[e(p)] for the layout's rows in use (padding rows: zeros in, zeros out); SCATTER: row
+    p goes to out row sorted_ids[p] (dX's per-assignment rows, [A, OUT]; padding rows not stored)."""
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(OUT, BLOCK_N), GROUP_M)
     first, expert = _block_expert(pid_m, expert_ids_ptr, num_padded_ptr, block_m, BLOCK_M)
     if expert < 0:
@@ -96,8 +98,13 @@ def sorted_gemm_kernel(
         w = _w_red_rows(w_ptr, expert, k0, pid_n * BLOCK_N, RED, OUT, stride_we, stride_wr, stride_wo, BLOCK_K, BLOCK_N, DESC)
         acc = _dot(a, w, acc, UPCAST, PRECISION)
     rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows >= 0  # [BM] every layout row of the block
+    if SCATTER:
+        rows = tl.load(sorted_ids_ptr + rows).to(tl.int64)  # [BM] assignments, A on padding rows
+        row_ok = rows < num_assignments
+        rows = tl.where(row_ok, rows, 0)
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=offs_n[None, :] < OUT)
+             mask=row_ok[:, None] & (offs_n[None, :] < OUT))
 
 
 @triton.jit
