@@ -15,8 +15,9 @@ over its floor.
    holds its own cache, 33.8 GB at 75%.
 
 Printed last, per cell: each mode's step ms / floor ms, step / floor, step / the floor with each layer's
-admissions on its link term, step / that floor with the link at its rate during CPU work in layers with
-CPU misses, hit / simulated hit; auto / best pure and auto-old / best pure.
+admissions on its link term, step / the timeline floor (``offload_measure._timeline``: one host-to-device
+queue in issue order), step / that timeline with the link at its rate during CPU work, hit / simulated
+hit; auto / best pure and auto-old / best pure.
 JSON goes to $OUT/offload_auto_device_check.json when $OUT is set. Without CUDA it runs tiny shapes on
 the CPU (a smoke test of the script, no numbers to read).
 """
@@ -152,10 +153,12 @@ def _summary(cells: dict[tuple, dict[str, dict]]) -> list[str]:
         if rs:
             x = [r["x_floor"] for r in rs]
             xa = [r["step_ms"] / r["floor_adm_ms"] for r in rs if r["floor_adm_ms"]]
-            xb = [r["step_ms"] / r["floor_busy_ms"] for r in rs if r["floor_busy_ms"]]
+            xl = [r["step_ms"] / r["floor_line_ms"] for r in rs if r["floor_line_ms"]]
+            xb = [r["step_ms"] / r["floor_line_busy_ms"] for r in rs if r["floor_line_busy_ms"]]
             gap = max(abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rs)
             out.append(f"{mode:>8}: x floor {min(x):.2f}-{max(x):.2f} ({sum(v > 1.2 for v in x)} of {len(x)} > 1.2); "
                        f"with admissions {min(xa):.2f}-{max(xa):.2f} ({sum(v > 1.2 for v in xa)} > 1.2), "
+                       f"timeline {min(xl):.2f}-{max(xl):.2f} ({sum(v > 1.2 for v in xl)} > 1.2), "
                        f"at the busy link {min(xb):.2f}-{max(xb):.2f} ({sum(v > 1.2 for v in xb)} > 1.2); "
                        f"mean hit {statistics.fmean(r['hit_rate'] for r in rs):.3f}; |hit - sim| <= {gap:.3f}")
     return out
@@ -173,13 +176,14 @@ def _print(result: dict) -> None:
         state = "skipped" if q.get("skipped") else (f"{'complete' if q['complete'] else 'cut'}, margin "
                                                     f"{q['cpu_margin'] or 0:.2f}, {q['seconds'] or 0:.0f} s")
         print(f"part M={q['M']} {'/'.join(q['modes'])}: {state}")
-    print("cell | mode step/floor ms, x floor, x floor with admissions, x that at the busy link, hit/sim | auto/best, "
-          "auto-old/best")
+    print("cell | mode step/floor ms, x floor, x floor with admissions, x timeline floor, x that at the busy link, "
+          "hit/sim | auto/best, auto-old/best")
     cells = _by_cell(result["rows"])
     for (stream, fraction, policy, prefetch, m), modes in cells.items():
         parts = [f"{mode} {r['step_ms']:.2f}/{r['floor_ms']:.2f} {r['x_floor']:.2f} "
                  f"{r['step_ms'] / r['floor_adm_ms'] if r['floor_adm_ms'] else 0:.2f} "
-                 f"{r['step_ms'] / r['floor_busy_ms'] if r['floor_busy_ms'] else 0:.2f} "
+                 f"{r['step_ms'] / r['floor_line_ms'] if r['floor_line_ms'] else 0:.2f} "
+                 f"{r['step_ms'] / r['floor_line_busy_ms'] if r['floor_line_busy_ms'] else 0:.2f} "
                  f"{r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}" for mode, r in modes.items()]
         q = [_vs_best(modes, mode) for mode in ("auto", "auto-old")]
         print(f"{stream[:4]} {fraction:.0%} {policy} {prefetch[:4]} M={m} | " + " | ".join(parts) + " | "

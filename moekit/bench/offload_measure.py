@@ -62,7 +62,8 @@ class OffloadRow:
     step_ms: float  # mean wall time of one timed decode step through all L layers
     floor_ms: float  # mean floor of the same steps (module docstring)
     floor_adm_ms: float  # the same with each layer's admissions on its link term (they precede its result's copy)
-    floor_busy_ms: float  # and that term at the link's rate during CPU work in layers with CPU misses
+    floor_line_ms: float  # a timeline of the step with one host-to-device queue (``_timeline``)
+    floor_line_busy_ms: float  # the same with the link at its rate during CPU work while a layer computes on the CPU
     x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
     sim_hit_rate: float  # the what-if's replay of the same steps, same mode and costs
@@ -245,7 +246,9 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                 _sync(device)
                 if step:
                     times[j].append(time.perf_counter() - start)
-                    floors[j].append([_floor(done, layers[0].cache.expert_bytes, costs, *v) for v in _FLOORS])
+                    bytes_one = layers[0].cache.expert_bytes
+                    floors[j].append([_floor(done, bytes_one, costs), _floor(done, bytes_one, costs, True),
+                                      _timeline(done, bytes_one, costs), _timeline(done, bytes_one, costs, True)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -296,9 +299,9 @@ def _row(run: _Run, times: list[float], floors: list[list[float]], timed: Offloa
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, floor_adm_s, floor_busy_s = (statistics.fmean(f[i] for f in floors) for i in range(len(_FLOORS)))
-    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_adm_ms": floor_adm_s * 1e3,
-            "floor_busy_ms": floor_busy_s * 1e3,
+    floor_s, adm_s, line_s, line_busy_s = (statistics.fmean(f[i] for f in floors) for i in range(4))
+    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_adm_ms": adm_s * 1e3, "floor_line_ms": line_s * 1e3,
+            "floor_line_busy_ms": line_busy_s * 1e3,
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
@@ -326,21 +329,39 @@ def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted:
     return stats
 
 
-_FLOORS = ((False, False), (True, False), (True, True))  # (admissions, busy) of floor_ms, floor_adm_ms, floor_busy_ms
-
-
-def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, admissions: bool = False,
-           busy: bool = False) -> float:
+def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, admissions: bool = False) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts; ``admissions``: each layer's
-    link term counts its admissions too; ``busy``: at ``link_cpu_bytes_per_s`` (when measured) in layers
-    that computed misses on the CPU."""
+    link term counts its admissions too."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
-    slow = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if busy else link
-    layers = sum(max((s.hits + s.fetched) * read, (s.fetched + admissions * s.admitted) * (slow if s.cpu_experts else link),
+    layers = sum(max((s.hits + s.fetched) * read, (s.fetched + admissions * s.admitted) * link,
                      (costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s)
                      if s.cpu_experts else 0.0) for s in per_layer)
     moved = sum(s.fetched + s.prefetched + s.admitted for s in per_layer)
     return max(layers, moved * link)
+
+
+def _timeline(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, busy: bool = False) -> float:
+    """A step's floor in seconds as a timeline with one host-to-device queue, in issue order: a layer
+    queues its fetches, then its admissions, at its start (behind whatever is still on the link); its
+    GPU side ends when its hits are read and its fetched experts have landed and been read; with CPU
+    misses it also waits for the CPU side and for its admissions (its result's copy back queues behind
+    them); the next layer's prefetch is queued when the host is free again (after the CPU side); the
+    step ends when the link is idle too. ``busy``: the layer's copies at ``link_cpu_bytes_per_s`` while
+    it computes on the CPU. Same rates as ``_floor``, no margin."""
+    read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
+    slow = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if busy else link
+    t = free = 0.0  # the layer's start, the link's next idle moment
+    for s in per_layer:
+        cpu = costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s if s.cpu_experts else 0.0
+        rate = slow if s.cpu_experts else link
+        fetched_at = max(free, t) + s.fetched * rate
+        free = fetched_at + s.admitted * rate
+        end = max(t + s.hits * read, fetched_at) + s.fetched * read
+        if s.cpu_experts:
+            end = max(end, t + cpu, free)
+        free = max(free, t + cpu) + s.prefetched * link
+        t = end
+    return max(t, free)
 
 
 def _sync(device: torch.device) -> None:
