@@ -9,15 +9,16 @@ over its floor.
 2. ``moekit bench --offload`` cells (DeepSeek-V3 width, bf16, 2 layers), M = 1: uniform and skewed x
    50% / 75% cache x lfu / lru x (skewed) prefetch none / router; then M = 8 at 75%, lru, as time
    allows. Per cell, in one rotation: gpu, auto (new: refetch priced by each miss's reuse class,
-   admissions sized at the link's rate during CPU work) and "auto-old" (session 8's decision: refetch =
+   fetches beside CPU work and admissions at the link's rate during CPU work) and "auto-old" (session 8's decision: refetch =
    this forward's hit rate, admissions at the idle link rate); in a second: cpu (admissions at the link's
-   rate during CPU work) and "cpu-old" (at the idle link rate). Three runs at most per rotation: each
-   holds its own cache, 33.8 GB at 75%.
+   rate during CPU work), "cpu-old" (at the idle link rate) and "auto-idle" (the new pricing with the
+   link at its idle rate throughout: fetches beside CPU work and admissions). Three runs at most per
+   rotation: each holds its own cache, 33.8 GB at 75%.
 
 Printed last, per cell: each mode's step ms / floor ms, step / floor, step / the floor with each layer's
 admissions on its link term, step / the timeline floor (``offload_measure._timeline``: one host-to-device
 queue in issue order), step / that timeline with the link at its rate during CPU work, hit / simulated
-hit; auto / best pure and auto-old / best pure.
+hit; auto, auto-idle and auto-old over the best pure mode.
 JSON goes to $OUT/offload_auto_device_check.json when $OUT is set. Without CUDA it runs tiny shapes on
 the CPU (a smoke test of the script, no numbers to read).
 """
@@ -41,14 +42,15 @@ from moekit.offload.calibrate import branch, link_during_cpu
 LIMIT_S = 88.0  # hard limit: the cells stop past it (the rows so far are kept)
 START = time.perf_counter()
 OLD_AUTO = {"auto-old": ("auto", {"refetch": "hit_rate", "link_cpu_bytes_per_s": None})}
-OLD_CPU = {"cpu-old": ("cpu", {"link_cpu_bytes_per_s": None})}
+OLD_CPU = {"cpu-old": ("cpu", {"link_cpu_bytes_per_s": None}),
+           "auto-idle": ("auto", {"link_cpu_bytes_per_s": None})}
 # (M, cache fractions, policies, places, variants): at most 3 runs per group (each run holds its own
 # cache: 3 x 33.8 GB at 75%), so gpu / auto / auto-old rotate together, and cpu / cpu-old
 PARTS = (((1,), (0.5, 0.75), ("lfu", "lru"), ("gpu", "auto"), OLD_AUTO),
          ((1,), (0.5, 0.75), ("lfu", "lru"), ("cpu",), OLD_CPU),
          ((8,), (0.75,), ("lru",), ("gpu", "auto"), OLD_AUTO),
          ((8,), (0.75,), ("lru",), ("cpu",), OLD_CPU))
-MODES = ("gpu", "cpu", "cpu-old", "auto", "auto-old")
+MODES = ("gpu", "cpu", "cpu-old", "auto", "auto-idle", "auto-old")
 
 
 class OutOfTime(Exception):
@@ -143,7 +145,7 @@ def _vs_best(modes: dict[str, dict], mode: str) -> float | None:
 
 def _summary(cells: dict[tuple, dict[str, dict]]) -> list[str]:
     out = []
-    for mode in ("auto", "auto-old"):
+    for mode in ("auto", "auto-idle", "auto-old"):
         q = [v for m in cells.values() if (v := _vs_best(m, mode)) is not None]
         if q:
             out.append(f"{mode:>8} / best pure: worst {max(q):.2f}, mean {statistics.fmean(q):.2f}, "
@@ -177,7 +179,7 @@ def _print(result: dict) -> None:
                                                     f"{q['cpu_margin'] or 0:.2f}, {q['seconds'] or 0:.0f} s")
         print(f"part M={q['M']} {'/'.join(q['modes'])}: {state}")
     print("cell | mode step/floor ms, x floor, x floor with admissions, x timeline floor, x that at the busy link, "
-          "hit/sim | auto/best, auto-old/best")
+          "hit/sim | auto/best, auto-idle/best, auto-old/best")
     cells = _by_cell(result["rows"])
     for (stream, fraction, policy, prefetch, m), modes in cells.items():
         parts = [f"{mode} {r['step_ms']:.2f}/{r['floor_ms']:.2f} {r['x_floor']:.2f} "
@@ -185,7 +187,7 @@ def _print(result: dict) -> None:
                  f"{r['step_ms'] / r['floor_line_ms'] if r['floor_line_ms'] else 0:.2f} "
                  f"{r['step_ms'] / r['floor_line_busy_ms'] if r['floor_line_busy_ms'] else 0:.2f} "
                  f"{r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}" for mode, r in modes.items()]
-        q = [_vs_best(modes, mode) for mode in ("auto", "auto-old")]
+        q = [_vs_best(modes, mode) for mode in ("auto", "auto-idle", "auto-old")]
         print(f"{stream[:4]} {fraction:.0%} {policy} {prefetch[:4]} M={m} | " + " | ".join(parts) + " | "
               + " ".join("-" if v is None else f"{v:.2f}" for v in q))
     for line in _summary(cells):

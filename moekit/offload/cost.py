@@ -3,7 +3,9 @@ CPU, or split between the two.
 
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
                                                                        fetched misses travel; those
-                                                                       compute once they land)
+                                                                       compute once they land; at the
+                                                                       link's rate during CPU work when
+                                                                       the CPU side runs, ``fetch_rate``)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
@@ -101,10 +103,17 @@ class MissSplit:
         return self.step_s + self.refetch_s
 
 
-def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts) -> float:
-    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring)."""
+def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
+    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring);
+    ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
     read_one = expert_bytes / costs.gpu_bytes_per_s
-    return max(hits * read_one, fetched * expert_bytes / costs.link_bytes_per_s) + fetched * read_one
+    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one
+
+
+def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
+    """Bytes/s a fetch travels at: ``link_cpu_bytes_per_s`` while the CPU computes misses (host memory
+    serves both; when measured), else ``link_bytes_per_s``."""
+    return (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if cpu_busy else costs.link_bytes_per_s
 
 
 def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
@@ -139,7 +148,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
         on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
         cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b]) if on_cpu else 0.0
         return MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu),
-                         gpu_side_s(hits, fetched, expert_bytes, costs), cpu_s, fetched * fetch_one,
+                         gpu_side_s(hits, fetched, expert_bytes, costs, bool(on_cpu)), cpu_s,
+                         fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
     best, rank = split(0, 0), (0, 0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, gpu_side_s, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s, split_misses
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -66,8 +66,7 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
         return admit_per_forward
     if costs is None:
         return 1
-    link = costs.link_cpu_bytes_per_s or costs.link_bytes_per_s  # admissions travel while the CPU computes
-    fetch_one = expert_bytes / link
+    fetch_one = expert_bytes / fetch_rate(costs, cpu_busy=True)  # admissions travel while the CPU computes
     idle = max(split.cpu_s / costs.cpu_margin - split.link_s, 0.0)  # the model's CPU time, not the priced one
     count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
     return count if split.fetch else max(count, 1)
