@@ -8,17 +8,17 @@ over its floor.
    the CPU branch computes 8 cold experts (with that branch's compute ms), 3 times each.
 2. ``moekit bench --offload`` cells (DeepSeek-V3 width, bf16, 2 layers), M = 1: uniform and skewed x
    50% / 75% cache x lfu / lru x (skewed) prefetch none / router; then M = 8 at 75%, lru, as time
-   allows. Per cell, in one rotation: gpu, auto (new: refetch priced by each miss's reuse class,
-   fetches beside CPU work and admissions at the link's rate during CPU work) and "auto-old" (session 8's decision: refetch =
-   this forward's hit rate, admissions at the idle link rate); in a second: cpu (admissions at the link's
-   rate during CPU work), "cpu-old" (at the idle link rate) and "auto-idle" (the new pricing with the
-   link at its idle rate throughout: fetches beside CPU work and admissions). Three runs at most per
-   rotation: each holds its own cache, 33.8 GB at 75%.
+   allows. Per cell, in one rotation: gpu, auto (refetch priced by each miss's reuse class, fetches
+   beside CPU work and admissions at the link's rate during CPU work) and "auto-old" (session 8's
+   decision: refetch = this forward's hit rate, the idle link rate throughout); in a second: cpu
+   (admissions at the link's rate during CPU work) and "cpu-old" (at the idle link rate). Three runs
+   at most per rotation: each holds its own cache, 33.8 GB at 75%.
 
-Printed last, per cell: each mode's step ms / floor ms, step / floor, step / the floor with each layer's
-admissions on its link term, step / the timeline floor (``offload_measure._timeline``: one host-to-device
-queue in issue order), step / that timeline with the link at its rate during CPU work, hit / simulated
-hit; auto, auto-idle and auto-old over the best pure mode.
+Printed last, per cell: each mode's step ms / floor ms, step / floor (the bench's timeline floor,
+``offload_measure._timeline``), step / session 8's floor, hit / simulated hit; auto and auto-old over
+the best pure mode. At the session 9 checkpoint (bc1b940, with "auto-idle" and three diagnostic
+floors): link 55.0 GB/s alone, 53.0 during CPU work; auto / best pure worst 1.01 (none by > 3%),
+auto-old 1.17; cpu 0.89-1.18x session 8's floor, 0.89-1.05x the timeline.
 JSON goes to $OUT/offload_auto_device_check.json when $OUT is set. Without CUDA it runs tiny shapes on
 the CPU (a smoke test of the script, no numbers to read).
 """
@@ -42,15 +42,14 @@ from moekit.offload.calibrate import branch, link_during_cpu
 LIMIT_S = 88.0  # hard limit: the cells stop past it (the rows so far are kept)
 START = time.perf_counter()
 OLD_AUTO = {"auto-old": ("auto", {"refetch": "hit_rate", "link_cpu_bytes_per_s": None})}
-OLD_CPU = {"cpu-old": ("cpu", {"link_cpu_bytes_per_s": None}),
-           "auto-idle": ("auto", {"link_cpu_bytes_per_s": None})}
+OLD_CPU = {"cpu-old": ("cpu", {"link_cpu_bytes_per_s": None})}
 # (M, cache fractions, policies, places, variants): at most 3 runs per group (each run holds its own
 # cache: 3 x 33.8 GB at 75%), so gpu / auto / auto-old rotate together, and cpu / cpu-old
 PARTS = (((1,), (0.5, 0.75), ("lfu", "lru"), ("gpu", "auto"), OLD_AUTO),
          ((1,), (0.5, 0.75), ("lfu", "lru"), ("cpu",), OLD_CPU),
          ((8,), (0.75,), ("lru",), ("gpu", "auto"), OLD_AUTO),
          ((8,), (0.75,), ("lru",), ("cpu",), OLD_CPU))
-MODES = ("gpu", "cpu", "cpu-old", "auto", "auto-idle", "auto-old")
+MODES = ("gpu", "cpu", "cpu-old", "auto", "auto-old")
 
 
 class OutOfTime(Exception):
@@ -145,7 +144,7 @@ def _vs_best(modes: dict[str, dict], mode: str) -> float | None:
 
 def _summary(cells: dict[tuple, dict[str, dict]]) -> list[str]:
     out = []
-    for mode in ("auto", "auto-idle", "auto-old"):
+    for mode in ("auto", "auto-old"):
         q = [v for m in cells.values() if (v := _vs_best(m, mode)) is not None]
         if q:
             out.append(f"{mode:>8} / best pure: worst {max(q):.2f}, mean {statistics.fmean(q):.2f}, "
@@ -154,14 +153,10 @@ def _summary(cells: dict[tuple, dict[str, dict]]) -> list[str]:
         rs = [m[mode] for m in cells.values() if mode in m]
         if rs:
             x = [r["x_floor"] for r in rs]
-            xa = [r["step_ms"] / r["floor_adm_ms"] for r in rs if r["floor_adm_ms"]]
-            xl = [r["step_ms"] / r["floor_line_ms"] for r in rs if r["floor_line_ms"]]
-            xb = [r["step_ms"] / r["floor_line_busy_ms"] for r in rs if r["floor_line_busy_ms"]]
+            xs = [r["step_ms"] / r["floor_sum_ms"] for r in rs if r["floor_sum_ms"]]
             gap = max(abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rs)
             out.append(f"{mode:>8}: x floor {min(x):.2f}-{max(x):.2f} ({sum(v > 1.2 for v in x)} of {len(x)} > 1.2); "
-                       f"with admissions {min(xa):.2f}-{max(xa):.2f} ({sum(v > 1.2 for v in xa)} > 1.2), "
-                       f"timeline {min(xl):.2f}-{max(xl):.2f} ({sum(v > 1.2 for v in xl)} > 1.2), "
-                       f"at the busy link {min(xb):.2f}-{max(xb):.2f} ({sum(v > 1.2 for v in xb)} > 1.2); "
+                       f"x session 8's floor {min(xs):.2f}-{max(xs):.2f} ({sum(v > 1.2 for v in xs)} > 1.2); "
                        f"mean hit {statistics.fmean(r['hit_rate'] for r in rs):.3f}; |hit - sim| <= {gap:.3f}")
     return out
 
@@ -178,16 +173,13 @@ def _print(result: dict) -> None:
         state = "skipped" if q.get("skipped") else (f"{'complete' if q['complete'] else 'cut'}, margin "
                                                     f"{q['cpu_margin'] or 0:.2f}, {q['seconds'] or 0:.0f} s")
         print(f"part M={q['M']} {'/'.join(q['modes'])}: {state}")
-    print("cell | mode step/floor ms, x floor, x floor with admissions, x timeline floor, x that at the busy link, "
-          "hit/sim | auto/best, auto-idle/best, auto-old/best")
+    print("cell | mode step/floor ms, x floor (the timeline), x session 8's floor, hit/sim | auto/best, auto-old/best")
     cells = _by_cell(result["rows"])
     for (stream, fraction, policy, prefetch, m), modes in cells.items():
         parts = [f"{mode} {r['step_ms']:.2f}/{r['floor_ms']:.2f} {r['x_floor']:.2f} "
-                 f"{r['step_ms'] / r['floor_adm_ms'] if r['floor_adm_ms'] else 0:.2f} "
-                 f"{r['step_ms'] / r['floor_line_ms'] if r['floor_line_ms'] else 0:.2f} "
-                 f"{r['step_ms'] / r['floor_line_busy_ms'] if r['floor_line_busy_ms'] else 0:.2f} "
+                 f"{r['step_ms'] / r['floor_sum_ms'] if r['floor_sum_ms'] else 0:.2f} "
                  f"{r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}" for mode, r in modes.items()]
-        q = [_vs_best(modes, mode) for mode in ("auto", "auto-idle", "auto-old")]
+        q = [_vs_best(modes, mode) for mode in ("auto", "auto-old")]
         print(f"{stream[:4]} {fraction:.0%} {policy} {prefetch[:4]} M={m} | " + " | ".join(parts) + " | "
               + " ".join("-" if v is None else f"{v:.2f}" for v in q))
     for line in _summary(cells):

@@ -13,12 +13,15 @@ residual drift between layers), so every cell of a stream replays the same routi
 streams the table has prefetch off and on). The layers share one host weight set (their experts would
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 
-The floor of a step, from the rates measured first and the counts measured in it: the sum over layers
-of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses'
-experts x cpu_expert_s + their tokens x cpu_token_s (0 without CPU misses)), and at least every byte
-the link moved (prefetches and admissions too) / link; no margin. Two diagnostic floors ride along:
-each layer's link term with its admissions (its result's copy back queues behind them), and that term
-at the link's rate during CPU work (``MissCosts.link_cpu_bytes_per_s``) in layers with CPU misses. Each row also carries the CPU
+The floor of a step, from the rates measured first and the counts measured in it, no margin: a
+timeline of the layers with one host-to-device queue in issue order (``_timeline``: a layer's fetches
+and admissions queue behind what is still on the link, its result's copy back behind them, the next
+layer's prefetch behind its CPU side; copies beside CPU work at ``MissCosts.link_cpu_bytes_per_s``).
+``floor_sum_ms`` keeps session 8's floor next to it: the sum over layers of max((hits + fetched) x
+bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses' experts x cpu_expert_s + their
+tokens x cpu_token_s (0 without CPU misses)), and at least every byte the link moved / link; on the
+H200 the prefetching cpu cells ran 1.12-1.18x it and 0.95-0.98x the timeline (their CPU branch waits
+behind the prefetch on the link, which that floor does not order). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
 over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
@@ -60,10 +63,8 @@ class OffloadRow:
     compute_misses_on: str
     M: int
     step_ms: float  # mean wall time of one timed decode step through all L layers
-    floor_ms: float  # mean floor of the same steps (module docstring)
-    floor_adm_ms: float  # the same with each layer's admissions on its link term (they precede its result's copy)
-    floor_line_ms: float  # a timeline of the step with one host-to-device queue (``_timeline``)
-    floor_line_busy_ms: float  # the same with the link at its rate during CPU work while a layer computes on the CPU
+    floor_ms: float  # mean floor of the same steps: the timeline (module docstring)
+    floor_sum_ms: float  # mean of session 8's floor of the same steps (the layers' maxima summed)
     x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
     sim_hit_rate: float  # the what-if's replay of the same steps, same mode and costs
@@ -247,8 +248,7 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                 if step:
                     times[j].append(time.perf_counter() - start)
                     bytes_one = layers[0].cache.expert_bytes
-                    floors[j].append([_floor(done, bytes_one, costs), _floor(done, bytes_one, costs, True),
-                                      _timeline(done, bytes_one, costs), _timeline(done, bytes_one, costs, True)])
+                    floors[j].append([_timeline(done, bytes_one, costs), _sum_floor(done, bytes_one, costs)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -299,9 +299,8 @@ def _row(run: _Run, times: list[float], floors: list[list[float]], timed: Offloa
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, adm_s, line_s, line_busy_s = (statistics.fmean(f[i] for f in floors) for i in range(4))
-    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_adm_ms": adm_s * 1e3, "floor_line_ms": line_s * 1e3,
-            "floor_line_busy_ms": line_busy_s * 1e3,
+    floor_s, sum_s = (statistics.fmean(f[i] for f in floors) for i in range(2))
+    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
@@ -329,25 +328,24 @@ def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted:
     return stats
 
 
-def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, admissions: bool = False) -> float:
-    """A step's floor in seconds (module docstring) from each layer's counts; ``admissions``: each layer's
-    link term counts its admissions too."""
+def _sum_floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -> float:
+    """Session 8's floor of a step in seconds (module docstring) from each layer's counts."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
-    layers = sum(max((s.hits + s.fetched) * read, (s.fetched + admissions * s.admitted) * link,
+    layers = sum(max((s.hits + s.fetched) * read, s.fetched * link,
                      (costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s)
                      if s.cpu_experts else 0.0) for s in per_layer)
     moved = sum(s.fetched + s.prefetched + s.admitted for s in per_layer)
     return max(layers, moved * link)
 
 
-def _timeline(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, busy: bool = False) -> float:
+def _timeline(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, busy: bool = True) -> float:
     """A step's floor in seconds as a timeline with one host-to-device queue, in issue order: a layer
     queues its fetches, then its admissions, at its start (behind whatever is still on the link); its
     GPU side ends when its hits are read and its fetched experts have landed and been read; with CPU
     misses it also waits for the CPU side and for its admissions (its result's copy back queues behind
     them); the next layer's prefetch is queued when the host is free again (after the CPU side); the
-    step ends when the link is idle too. ``busy``: the layer's copies at ``link_cpu_bytes_per_s`` while
-    it computes on the CPU. Same rates as ``_floor``, no margin."""
+    step ends when the link is idle too. ``busy``: the layer's copies at ``link_cpu_bytes_per_s`` (when
+    measured) while it computes on the CPU. No margin."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     slow = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if busy else link
     t = free = 0.0  # the layer's start, the link's next idle moment
