@@ -225,3 +225,20 @@ def test_bookkeeping_only_moves_experts_in_without_copying_them():
     cache.release(layer.layer_id, [4, 6])
     cache.ensure(layer.layer_id, [1], stats)  # outside: a real copy
     assert torch.equal(w13[cache.cached(layer.layer_id)[1]], moe.w13[1])
+
+
+def test_bench_timeline_floor_queues_copies_in_issue_order():
+    from moekit.bench.offload_measure import _sum_floor, _timeline
+
+    # units: one expert's bytes; the link moves one per second (one per 2 s beside CPU work), the GPU
+    # reads ten per second, the CPU pays 0.5 s per forward and 2 s per expert
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=2.0, cpu_token_s=0.0, cpu_step_s=0.5, gpu_bytes_per_s=10.0,
+                      link_cpu_bytes_per_s=0.5)
+    first = OffloadStats(hits=2, fetched=1, prefetched=2)  # fetch lands at 1.0, read by 1.1; prefetch queued at 0 -> 3.0
+    second = OffloadStats(hits=1, cpu_experts=2, cpu_tokens=2, admitted=2)  # admissions behind the prefetch: 3.0 -> 5.0
+    # the second layer starts at 1.1; its CPU side ends at 1.1 + 4.5 = 5.6, after its admissions: 5.6
+    assert _timeline([first, second], 1, costs, busy=False) == pytest.approx(5.6)
+    # beside CPU work its admissions take 2 s each: 3.0 -> 7.0, and its result waits for them
+    assert _timeline([first, second], 1, costs) == pytest.approx(7.0)
+    # session 8's floor: max(0.3 read, 1 fetched) + max(0.1 read, 4.5 CPU) = 5.5, above 5 moved experts
+    assert _sum_floor([first, second], 1, costs) == pytest.approx(5.5)

@@ -13,10 +13,15 @@ residual drift between layers), so every cell of a stream replays the same routi
 streams the table has prefetch off and on). The layers share one host weight set (their experts would
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 
-The floor of a step, from the rates measured first and the counts measured in it: the sum over layers
-of max((hits + fetched) x bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses'
-experts x cpu_expert_s + their tokens x cpu_token_s (0 without CPU misses)), and at least every byte
-the link moved (prefetches and admissions too) / link; no margin. Each row also carries the CPU
+The floor of a step, from the rates measured first and the counts measured in it, no margin: a
+timeline of the layers with one host-to-device queue in issue order (``_timeline``: a layer's fetches
+and admissions queue behind what is still on the link, its result's copy back behind them, the next
+layer's prefetch behind its CPU side; copies beside CPU work at ``MissCosts.link_cpu_bytes_per_s``).
+``floor_sum_ms`` keeps session 8's floor next to it: the sum over layers of max((hits + fetched) x
+bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses' experts x cpu_expert_s + their
+tokens x cpu_token_s (0 without CPU misses)), and at least every byte the link moved / link; on the
+H200 the prefetching cpu cells ran 1.12-1.18x it and 0.95-0.98x the timeline (their CPU branch waits
+behind the prefetch on the link, which that floor does not order). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
 over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
@@ -36,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.offload import CpuOptions, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
@@ -46,7 +52,6 @@ from moekit.sim.cache import DecodeStream, decode_stream
 
 STREAMS = {"uniform": 0.0, "skewed": 0.3}
 DRIFT = 0.3  # the residual stream's change per layer (relative to a token's content)
-NOISE = 0.03  # step-time differences below this fraction are reported as within noise
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,15 @@ class OffloadRow:
     compute_misses_on: str
     M: int
     step_ms: float  # mean wall time of one timed decode step through all L layers
-    floor_ms: float  # mean floor of the same steps (module docstring)
+    floor_ms: float  # mean floor of the same steps: the timeline (module docstring)
+    floor_sum_ms: float  # mean of session 8's floor of the same steps (the layers' maxima summed)
     x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
     sim_hit_rate: float  # the what-if's replay of the same steps, same mode and costs
     fetched_per_step: float
     cpu_tokens_per_step: float
     link_experts_per_step: float  # fetched + prefetched + admitted
+    admitted_per_step: float  # of which admitted (CPU misses copied into the cache after their forward)
     tok_s: float
     cpu_ms: float  # per step: host ms of the layers' CPU branches (``OffloadedMoE.last_cpu``), all phases
     cpu_model_ms: float  # per step: what MissCosts predicts for the same CPU work (no margin)
@@ -84,6 +91,8 @@ class _Run:
     prefetch: bool
     place: str
     admit: int | None = None  # admit_per_forward (None: the plan's default)
+    label: str = ""  # the row's mode ("": ``place``)
+    overrides: tuple = ()  # (MissCosts field, value) pairs for this run's layers and replay
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
@@ -91,7 +100,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
-                    admit_per_forward: int | None = None) -> dict:
+                    admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -100,7 +109,9 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
     (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shell`` / ``costs``: a host
     layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
-    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay."""
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
+    further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
+    "hit_rate"}), rows labelled so in ``compute_misses_on``."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
@@ -120,13 +131,14 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
                                  seed=3)
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
-            for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward):
+            for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device, options)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
-                                           run.place, m, **row))
+                                           run.label or run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
+            "link_cpu_GBps": (costs.link_cpu_bytes_per_s or 0.0) / 1e9, "refetch": costs.refetch,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
             "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
@@ -158,11 +170,15 @@ def timed_steps(steps: int, m: int) -> int:
     return steps * max(1, 4 // m)
 
 
-def _groups(stream: str, total: int, fractions, policies, places, admit: int | None = None) -> list[list[_Run]]:
+def _groups(stream: str, total: int, fractions, policies, places, admit: int | None = None,
+            variants: dict[str, tuple[str, dict]] | None = None) -> list[list[_Run]]:
     """The cells of one (stream, M), grouped by (fraction, policy, prefetch): one cell per place in a
-    group. Prefetch on and off on skewed streams, off on uniform ones."""
+    group, then one per variant. Prefetch on and off on skewed streams, off on uniform ones."""
     prefetches = (False, True) if stream == "skewed" else (False,)
+    extra = [(place, label, tuple(fields.items())) for label, (place, fields) in (variants or {}).items()]
     return [[_Run(f, max(1, round(f * total)), policy, prefetch, place, admit) for place in places]
+            + [_Run(f, max(1, round(f * total)), policy, prefetch, place, admit, label, fields)
+               for place, label, fields in extra]
             for f in fractions for policy in policies for prefetch in prefetches]
 
 
@@ -231,7 +247,8 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                 _sync(device)
                 if step:
                     times[j].append(time.perf_counter() - start)
-                    floors[j].append(_floor(done, layers[0].cache.expert_bytes, costs))
+                    bytes_one = layers[0].cache.expert_bytes
+                    floors[j].append([_timeline(done, bytes_one, costs), _sum_floor(done, bytes_one, costs)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -258,28 +275,37 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
     """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
     steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
-    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place, costs=costs,
-                                    admit_per_forward=run.admit, cpu_options=options) for _ in range(trace.num_layers)]
+    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place,
+                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options)
+              for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers
 
 
+def _run_costs(run: _Run, costs: MissCosts) -> MissCosts:
+    """The costs ``run``'s layers decide by: ``costs`` with the run's overrides."""
+    return dataclasses.replace(costs, **dict(run.overrides)) if run.overrides else costs
+
+
 def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
     """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
-    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=costs, expert_bytes=expert_bytes,
-                admit_per_forward=run.admit)
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=_run_costs(run, costs),
+                expert_bytes=expert_bytes, admit_per_forward=run.admit)
 
 
-def _row(run: _Run, times: list[float], floors: list[float], timed: OffloadStats, trace: RoutingTrace, warm: int,
+def _row(run: _Run, times: list[float], floors: list[list[float]], timed: OffloadStats, trace: RoutingTrace, warm: int,
          costs: MissCosts, expert_bytes: int, m: int, phases: list[float]) -> dict:
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
-    steps, step_s, floor_s = len(times), statistics.fmean(times), statistics.fmean(floors)
-    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "x_floor": step_s / floor_s if floor_s else float("inf"),
+    steps, step_s = len(times), statistics.fmean(times)
+    floor_s, sum_s = (statistics.fmean(f[i] for f in floors) for i in range(2))
+    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+            "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
-            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps, "tok_s": m / step_s,
+            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
+            "admitted_per_step": timed.admitted / steps, "tok_s": m / step_s,
             **{name: v * 1e3 / steps for name, v in zip(_PHASES, phases)}}
 
 
@@ -302,8 +328,8 @@ def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted:
     return stats
 
 
-def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -> float:
-    """A step's floor in seconds (module docstring) from each layer's counts."""
+def _sum_floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -> float:
+    """Session 8's floor of a step in seconds (module docstring) from each layer's counts."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     layers = sum(max((s.hits + s.fetched) * read, s.fetched * link,
                      (costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s)
@@ -312,87 +338,28 @@ def _floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -
     return max(layers, moved * link)
 
 
-def format_row(r: OffloadRow) -> str:
-    """One table line: stream, cache %, policy, prefetch, mode, M, step ms, floor ms, x floor, hit, sim hit, tok/s."""
-    return (f"{r.stream:>7} {r.cache_fraction:5.0%} {r.policy:>4} {r.prefetch:>6} {r.compute_misses_on:>4} "
-            f"{r.M:>3} {r.step_ms:9.2f} {r.floor_ms:9.2f} {r.x_floor:6.2f} {r.hit_rate:6.3f} {r.sim_hit_rate:6.3f} "
-            f"{r.tok_s:9.1f}")
-
-
-HEADER = (f"{'stream':>7} {'cache':>5} {'pol':>4} {'prefet':>6} {'mode':>4} {'M':>3} {'step ms':>9} {'floor ms':>9} "
-          f"{'xfloor':>6} {'hit':>6} {'sim':>6} {'tok/s':>9}")
-
-
-def _modes(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """(stream, cache %, policy, prefetch, M) -> {mode: row}."""
-    cells: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
-    return cells
-
-
-def _auto_vs_best(modes: dict[str, dict]) -> float | None:
-    """auto's step over the faster pure mode's (None unless the cell ran all three)."""
-    if not {"gpu", "cpu", "auto"} <= set(modes):
-        return None
-    return modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"])
-
-
-def by_cell(rows: list[dict]) -> list[dict]:
-    """Per (stream, cache %, policy, prefetch, M): each mode's step ms and step / floor, and auto / best pure."""
-    return [{"stream": k[0], "cache_fraction": k[1], "policy": k[2], "prefetch": k[3], "M": k[4],
-             "step_ms": {mode: r["step_ms"] for mode, r in modes.items()},
-             "x_floor": {mode: r["x_floor"] for mode, r in modes.items()}, "auto_vs_best": _auto_vs_best(modes)}
-            for k, modes in _modes(rows).items()]
-
-
-def compact_table(rows: list[dict]) -> list[str]:
-    """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit;
-    auto / the better pure mode last."""
-    out = []
-    for (stream, fraction, policy, prefetch, m), modes in _modes(rows).items():
-        parts = [f"{mode} {r['step_ms']:8.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
-                 for mode, r in modes.items()]
-        q = _auto_vs_best(modes)
-        out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts)
-                   + ("" if q is None else f" | auto/best {q:4.2f}"))
-    return out
-
-
-def summary(rows: list[dict]) -> list[str]:
-    """The targets over the table: worst x floor (overall and per mode), largest hit-rate gap to the
-    what-if, "auto" against the better pure mode, prefetch's hit-rate gain on skewed streams."""
-    out = []
-    if rows:
-        worst = max(rows, key=lambda r: r["x_floor"])
-        gap = max(rows, key=lambda r: abs(r["hit_rate"] - r["sim_hit_rate"]))
-        out.append(f"worst x floor {worst['x_floor']:.2f} ({_key(worst)}); largest |hit - sim| "
-                   f"{abs(gap['hit_rate'] - gap['sim_hit_rate']):.3f} ({_key(gap)})")
-        per_mode = {}
-        for r in rows:
-            per_mode.setdefault(r["compute_misses_on"], []).append(r["x_floor"])
-        out.append("x floor by mode: " + ", ".join(f"{mode} {min(v):.2f}-{max(v):.2f} ({sum(x > 1.2 for x in v)} of "
-                                                    f"{len(v)} > 1.2)" for mode, v in per_mode.items()))
-    cells = _modes(rows)
-    ratios = [(q, key) for key, modes in cells.items() if (q := _auto_vs_best(modes)) is not None]
-    if ratios:
-        worst_q, worst_key = max(ratios)
-        slower = sum(q > 1.0 for q, _ in ratios)
-        beyond = sum(q > 1.0 + NOISE for q, _ in ratios)
-        out.append(f"auto / better pure mode: worst {worst_q:.2f} ({' '.join(map(str, worst_key))}), mean "
-                   f"{statistics.fmean(q for q, _ in ratios):.2f}; {slower} of {len(ratios)} cells slower, "
-                   f"{beyond} by more than {NOISE:.0%}")
-    gains = [(on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"])
-             for k, modes in cells.items() if k[3] == "router" for mode, on in modes.items()]
-    if gains:
-        out.append(f"prefetch (router) on skewed streams: hit rate +{statistics.fmean(gains):.3f} mean, "
-                   f"{min(gains):+.3f} worst over {len(gains)} cells")
-    return out
-
-
-def _key(r: dict) -> str:
-    return (f"{r['stream']} {r['cache_fraction']:.0%} {r['policy']} prefetch {r['prefetch']} {r['compute_misses_on']} "
-            f"M={r['M']}")
+def _timeline(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, busy: bool = True) -> float:
+    """A step's floor in seconds as a timeline with one host-to-device queue, in issue order: a layer
+    queues its fetches, then its admissions, at its start (behind whatever is still on the link); its
+    GPU side ends when its hits are read and its fetched experts have landed and been read; with CPU
+    misses it also waits for the CPU side and for its admissions (its result's copy back queues behind
+    them); the next layer's prefetch is queued when the host is free again (after the CPU side); the
+    step ends when the link is idle too. ``busy``: the layer's copies at ``link_cpu_bytes_per_s`` (when
+    measured) while it computes on the CPU. No margin."""
+    read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
+    slow = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if busy else link
+    t = free = 0.0  # the layer's start, the link's next idle moment
+    for s in per_layer:
+        cpu = costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s if s.cpu_experts else 0.0
+        rate = slow if s.cpu_experts else link
+        fetched_at = max(free, t) + s.fetched * rate
+        free = fetched_at + s.admitted * rate
+        end = max(t + s.hits * read, fetched_at) + s.fetched * read
+        if s.cpu_experts:
+            end = max(end, t + cpu, free)
+        free = max(free, t + cpu) + s.prefetched * link
+        t = end
+    return max(t, free)
 
 
 def _sync(device: torch.device) -> None:

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from moekit.bench.offload_measure import HEADER, compact_table, format_row, measure_offload
+    from moekit.bench.offload_measure import measure_offload
+    from moekit.bench.offload_report import HEADER, compact_table, format_row
     from moekit.bench.report import write_json
     from moekit.bench.run import commit_id, device_name
 

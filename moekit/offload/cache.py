@@ -24,6 +24,7 @@ the CPU) copies are plain and synchronous: the same bookkeeping runs.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -35,6 +36,7 @@ from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
 
 Key = tuple[int, int]  # (layer id, expert id)
+HORIZON_WEIGHT = 1 / 16  # the newest victim's share in the running mean of idle ticks at eviction (``reuse``)
 
 
 @dataclass
@@ -71,6 +73,9 @@ class ExpertCache:
         self._protected: set[Key] = set()
         self._prefetched: set[Key] = set()  # fetched by a prediction, not yet used
         self._tick = 0
+        self._touches: dict[Key, int] = {}  # every lookup of a key since its layer's first, hit or miss
+        self._first_tick: dict[int, int] = {}  # layer -> the tick of its first lookup
+        self._horizon = math.inf  # ticks an unused expert stays cached: running mean of the victims' idle ticks
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -149,8 +154,10 @@ class ExpertCache:
     def lookup(self, layer: int, experts: list[int], stats: OffloadStats) -> tuple[list[int], list[int]]:
         """Split ``experts`` into (hits, misses); hits are touched in the policy and protected."""
         hits, misses = [], []
+        self._first_tick.setdefault(layer, self._tick)
         for e in experts:
             key = (layer, e)
+            self._touches[key] = self._touches.get(key, 0) + 1
             if key in self._slots.where:
                 hits.append(e)
                 self.policy.touch(key, self._tick)
@@ -162,6 +169,18 @@ class ExpertCache:
                 misses.append(e)
         stats.hits += len(hits)
         return hits, misses
+
+    def reuse(self, layer: int, experts: list[int]) -> dict[int, float]:
+        """expert -> the chance it is touched again before the policy would evict it, were it cached now:
+        1 - exp(-H x rate), the rate being its lookups per tick since the layer's first (Poisson) and H
+        the ticks an unused expert stays cached (the running mean of the victims' idle ticks at eviction,
+        weight ``HORIZON_WEIGHT``). Infinite before the first eviction: H is unknown and a fetched expert
+        stays cached through the fill, while one left out misses at every later touch (``cost.split_misses``
+        then fetches every miss). Call after ``lookup``, which counts this forward's touches."""
+        if math.isinf(self._horizon):
+            return dict.fromkeys(experts, math.inf)
+        elapsed = self._tick - self._first_tick.get(layer, self._tick) + 1
+        return {e: -math.expm1(-self._horizon * self._touches.get((layer, e), 0) / elapsed) for e in experts}
 
     def free_slots(self) -> int:
         """Slots a fetch can take now: free ones plus unprotected occupied ones (every protected key is
@@ -257,6 +276,8 @@ class ExpertCache:
         if len(victims) < need:
             raise RuntimeError("every cache slot is in use by the forward in flight")
         for victim in victims:
+            idle = self._tick - self.policy.last_use(victim)
+            self._horizon = idle if math.isinf(self._horizon) else self._horizon + HORIZON_WEIGHT * (idle - self._horizon)
             s = slots.where.pop(victim)
             self.policy.remove(victim)
             self._prefetched.discard(victim)

@@ -6,6 +6,8 @@
                the result's copy queued), host seconds, with the link busy as when fetches run beside it,
                on cold experts (no expert timed twice while E allows), the median of ``repeats``:
                1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
+    link, CPU busy: one large copy while the CPU branch computes (``link_during_cpu``): admissions
+               travel then (``plan``)
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
 None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
@@ -49,9 +51,38 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
     step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[best], many)),
                                                  experts=k, tokens=tokens)
     dev = layer.cache.device
+    during = [link_during_cpu(layer, next(groups), *best) for _ in range(repeats)]
     return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
                      gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
-                     cpu_threads=best[0], cpu_gemm=best[1])
+                     cpu_threads=best[0], cpu_gemm=best[1],
+                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None)
+
+
+def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nbytes: int = 1 << 28) -> float | None:
+    """Host -> GPU bytes/s of one ``nbytes`` pinned copy queued on a side stream just before ``layer``'s
+    CPU branch computes ``group``'s experts (1 token each): host memory serves both, so the link may run
+    slower than alone. Timed by CUDA events; None off CUDA. Sized to land within the CPU work (256 MiB:
+    ~5 ms at 55 GB/s against ~10 ms for 8 DeepSeek-width experts); a copy outlasting it reads fast."""
+    dev = layer.cache.device
+    if dev.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    x = torch.randn(1, layer.config.hidden_size, dtype=layer.cache.host(layer.layer_id).w13_template.dtype, device=dev)
+    ids = torch.tensor([group], dtype=torch.int32, device=dev)
+    weights = torch.full((1, len(group)), 1.0 / len(group), dtype=torch.float32, device=dev)
+    stream, start, end = torch.cuda.Stream(dev), torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        end.record(stream)
+    staged = layer._cpu.stage([x, ids, weights])
+    on_cpu = sorted(set(group))
+    layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu), len(on_cpu),
+                      threads)
+    end.synchronize()
+    return nbytes / (start.elapsed_time(end) * 1e-3)
 
 
 def thread_candidates(fixed: int | None) -> list[int]:

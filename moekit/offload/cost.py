@@ -3,11 +3,15 @@ CPU, or split between the two.
 
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
                                                                        fetched misses travel; those
-                                                                       compute once they land)
+                                                                       compute once they land; at the
+                                                                       link's rate during CPU work when
+                                                                       the CPU side runs, ``fetch_rate``)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
-    chosen by: forward + CPU experts x h x fetch_one                   (they stay uncached: refetches)
+    chosen by: forward + sum over the CPU experts of p x fetch_one     (they stay uncached: refetches;
+                                                                       p: the chance one is touched again
+                                                                       while cached, ``split_misses``)
 
 ``fetch_one`` = expert bytes / link rate, ``read_one`` = expert bytes / the GPU's read rate (infinite
 by default: the GPU's share is then the link alone). The CPU computes its experts one after another,
@@ -22,9 +26,7 @@ whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens 
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
 measurement: the worst repeats over the medians of the calibration's own timings (``margin_of``), raised
 by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
-(``MissCosts.observed``). ``split_misses`` finds the split with the smallest predicted forward: every expert costs the
-same to fetch and more tokens cost more on the CPU, so the best split with j experts on the CPU puts
-there the j with the fewest tokens, and the search is over j = 0..n (exact, not greedy).
+(``MissCosts.observed``). ``split_misses`` finds the split with the smallest cost exactly (not greedily).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Iterator
 
 import torch
 
+REFETCH = ("reuse", "hit_rate")  # per expert, by its reuse in the cache's history; session 8's: this forward's hit rate
+
 
 @dataclass(frozen=True)
 class MissCosts:
@@ -52,10 +56,14 @@ class MissCosts:
     cpu_margin: float = 1.0  # the CPU side is priced at this multiple of its model (module docstring)
     cpu_threads: int | None = None  # torch threads the CPU costs were measured at (and layers run at)
     cpu_gemm: str | None = None  # the CPU GEMM they were measured with (``cpu_path.CPU_GEMMS``; likewise)
+    refetch: str = "reuse"  # how a CPU expert's later refetch is priced (``REFETCH``; ``split_misses``)
+    link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
             raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
+        if self.refetch not in REFETCH:
+            raise ValueError(f"refetch must be one of {REFETCH}, got {self.refetch!r}")
 
     def cpu_time(self, tokens: int) -> float:
         """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
@@ -95,36 +103,78 @@ class MissSplit:
         return self.step_s + self.refetch_s
 
 
-def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts) -> float:
-    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring)."""
+def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
+    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring);
+    ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
     read_one = expert_bytes / costs.gpu_bytes_per_s
-    return max(hits * read_one, fetched * expert_bytes / costs.link_bytes_per_s) + fetched * read_one
+    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one
 
 
-def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0) -> MissSplit:
+def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
+    """Bytes/s a fetch travels at: ``link_cpu_bytes_per_s`` while the CPU computes misses (host memory
+    serves both; when measured), else ``link_bytes_per_s``."""
+    return (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if cpu_busy else costs.link_bytes_per_s
+
+
+def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
+                 reuse: dict[int, float] | None = None) -> MissSplit:
     """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
     ``hits``: cached experts the GPU computes meanwhile) with the smallest ``cost_s``: the predicted
-    forward time, plus, for each expert left on the CPU, h x one fetch, h = hits / touched this forward.
-    A CPU expert is not cached, and h is the chance that a touched expert is one the cache keeps: with
-    it, that expert misses again where a fetched one would have hit (on the H200 at M = 1, skewed, 75%
-    cache, auto without this term fetched 9% more and ran 1.2x the pure fetch; ``offload_device_check``).
-    Exact: with j experts on the CPU the best choice is the j with the fewest tokens (a fetch and the
-    refetch term cost the same for every expert), so every j in 0..n is tried. Ties go to fewer CPU
-    experts."""
-    by_tokens = sorted(tokens, key=lambda e: (tokens[e], e))  # cheapest on the CPU first
-    touched = hits + len(by_tokens)
-    refetch_one = (hits / touched if touched else 0.0) * expert_bytes / costs.link_bytes_per_s
-    best, cpu_s = None, costs.cpu_step_s
-    for j in range(len(by_tokens) + 1):
-        if j:
-            cpu_s += costs.cpu_time(tokens[by_tokens[j - 1]])
-        fetched = len(by_tokens) - j
-        split = MissSplit(sorted(by_tokens[j:]), sorted(by_tokens[:j]), gpu_side_s(hits, fetched, expert_bytes, costs),
-                          cpu_s * costs.cpu_margin if j else 0.0, fetched * expert_bytes / costs.link_bytes_per_s,
-                          j * refetch_one)
-        if best is None or split.cost_s < best.cost_s:
-            best = split
+    forward time plus, for each expert left on the CPU (not cached), one fetch times p, its chance of
+    being touched again while a fetched copy would still be cached (a refetch, deferred to later).
+
+    p: with ``costs.refetch == "reuse"`` and ``reuse`` (expert -> its chance, ``ExpertCache.reuse``),
+    the mean over the expert's class among these misses, the classes being "likely reused" (p >= 1/2,
+    and an infinite p: a cache that has not yet evicted, where a CPU-kept expert misses at every later
+    touch, so no miss goes to the CPU) and "likely evicted first" (below); otherwise (``"hit_rate"``,
+    session 8's, or no ``reuse``) h = hits / touched this forward for every miss. With h, a 75% cache
+    at M = 1 on the H200 (still filling after the bench's 61 steps) kept a few hot experts on the CPU
+    step after step: 0.03 less hit rate and 1.09-1.15x the pure fetch's step.
+
+    Exact: within a class every expert costs the same to fetch and to leave uncached, so the best split
+    with a of one class and b of the other on the CPU takes the a and b with the fewest tokens; for a
+    fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
+    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b.
+    Ties go to fewer CPU experts, then fewer likely-reused ones."""
+    fetch_one = expert_bytes / costs.link_bytes_per_s
+    touched = hits + len(tokens)
+    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
+    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (tokens[e], e))
+               for hot in (False, True)]
+    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
+    cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
+
+    def split(a: int, b: int) -> MissSplit:
+        on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
+        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b]) if on_cpu else 0.0
+        return MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu),
+                         gpu_side_s(hits, fetched, expert_bytes, costs, bool(on_cpu)), cpu_s,
+                         fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
+                         (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
+
+    best, rank = split(0, 0), (0, 0)
+    for b in range(len(classes[1]) + 1):
+        lo, hi = (1 if b == 0 else 0), len(classes[0])  # a = b = 0 (no CPU side at all) is not on the convex run
+        if lo > hi:
+            continue
+        while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
+            mid = (lo + hi) // 2
+            if split(mid + 1, b).cost_s < split(mid, b).cost_s:
+                lo = mid + 1
+            else:
+                hi = mid
+        candidate = split(lo, b)
+        if (candidate.cost_s, lo + b, b) < (best.cost_s, *rank):
+            best, rank = candidate, (lo + b, b)
     return best
+
+
+def _cumulative(values: list[float]) -> list[float]:
+    """[0, v0, v0 + v1, ...]."""
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
 
 
 def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 5) -> float:

@@ -43,7 +43,7 @@ from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.parts import ExpertWeights
-from moekit.offload.plan import PLACES, MissPlan, plan_misses
+from moekit.offload.plan import PLACES, MissPlan, plan_forward
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -203,12 +203,12 @@ class OffloadedMoE(MoE):
                             expert_map=cpu_map, b13=b13, b2=b2)
 
     def _plan(self, tokens: dict[int, int], hits: int) -> MissPlan:
-        """Where this forward's misses (``tokens``: expert -> assignments) go (``plan.plan_misses``); the
+        """Where this forward's misses (``tokens``: expert -> assignments) go (``plan.plan_forward``); the
         costs are measured on first use when "auto" has none."""
         if self.compute_misses_on == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
-        return plan_misses(self.compute_misses_on, tokens, hits, self.cache.expert_bytes, self.costs,
-                           self.admit_per_forward)
+        return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
+                            self.costs, self.admit_per_forward)
 
     def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
         """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the

@@ -1,16 +1,18 @@
-"""What a forward does with its missed experts, by ``compute_misses_on``: the one decision that both
-``OffloadedMoE`` runs and the cache what-if (``whatif.replay``) replays, so the replay predicts the hit
-rate of the mode that ran, not that of an all-fetch cache.
+"""What a forward does with its missed experts, by ``compute_misses_on``: the one decision
+(``plan_forward``) that both ``OffloadedMoE`` runs and the cache what-if (``whatif.replay``) replays,
+so the replay predicts the hit rate of the mode that ran, not that of an all-fetch cache.
 
     "gpu":  every miss fetched into the cache
     "cpu":  every miss computed on the CPU; the busiest copied into the cache afterwards ("admitted")
-    "auto": ``cost.split_misses``'s cheapest split; the busiest CPU misses admitted afterwards
+    "auto": ``cost.split_misses``'s cheapest split (each miss's reuse from the cache's history,
+            ``ExpertCache.reuse``); the busiest CPU misses admitted afterwards
 
 Admissions keep the cache learning the hot set while misses run on the CPU; they ride the link in
 the background, so by default only as many as fit in the link's idle time during this forward
 (predicted CPU side, without ``cpu_margin``, minus the link time of this forward's fetches, in whole
-fetches; ``OffloadedMoE`` queues them before its CPU compute, so they travel during it), and at least
-one when nothing was fetched (so an all-CPU forward still teaches the cache). A later forward's
+fetches at the link's rate while the CPU computes, ``MissCosts.link_cpu_bytes_per_s``, when measured:
+the result's copy back queues behind them on the host-to-device copy engine; ``OffloadedMoE`` queues
+them before its CPU compute, so they travel during it), and at least one when nothing was fetched (so an all-CPU forward still teaches the cache). A later forward's
 fetches queue behind admissions, which is why "auto" does not admit into a busy link.
 """
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moekit.offload.cost import MissCosts, MissSplit, gpu_side_s, split_misses
+from moekit.offload.cache import ExpertCache
+from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s, split_misses
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -33,10 +36,11 @@ class MissPlan:
 
 
 def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts | None,
-                admit_per_forward: int | None = None) -> MissPlan:
+                admit_per_forward: int | None = None, reuse: dict[int, float] | None = None) -> MissPlan:
     """The plan for the misses ``tokens`` (expert -> routed assignments) of a forward with ``hits``
     cached experts. ``costs`` is required for "auto"; for "cpu" it only sizes the admissions (one per
-    forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none)."""
+    forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none). ``reuse``:
+    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``cost.split_misses``)."""
     if place not in PLACES:
         raise ValueError(f"compute_misses_on must be one of {PLACES}, got {place!r}")
     if place == "gpu" or not tokens:
@@ -44,7 +48,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     if place == "auto":
         if costs is None:
             raise ValueError("compute_misses_on='auto' needs costs (MissCosts)")
-        split = split_misses(tokens, expert_bytes, costs, hits)
+        split = split_misses(tokens, expert_bytes, costs, hits, reuse)
     elif costs is None:
         split = MissSplit([], sorted(tokens), 0.0, 0.0, 0.0)
     else:
@@ -62,7 +66,18 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
         return admit_per_forward
     if costs is None:
         return 1
-    fetch_one = expert_bytes / costs.link_bytes_per_s
+    fetch_one = expert_bytes / fetch_rate(costs, cpu_busy=True)  # admissions travel while the CPU computes
     idle = max(split.cpu_s / costs.cpu_margin - split.link_s, 0.0)  # the model's CPU time, not the priced one
     count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
     return count if split.fetch else max(count, 1)
+
+
+def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, int], hits: int, expert_bytes: int,
+                 costs: MissCosts | None, admit_per_forward: int | None = None) -> MissPlan:
+    """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
+    ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
+    with the misses' reuse chances from the cache's history when "auto" prices refetches by them."""
+    reuse = None
+    if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
+        reuse = cache.reuse(layer, list(tokens))
+    return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse)

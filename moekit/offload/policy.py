@@ -61,6 +61,10 @@ class EvictionPolicy:
         self._uses[key] += 1
         self._push(key)
 
+    def last_use(self, key: Hashable) -> int:
+        """The tick of ``key``'s latest use (or its insertion)."""
+        return self._last_use[key]
+
     def remove(self, key: Hashable) -> None:
         del self._last_use[key], self._uses[key], self._order[key]
 

@@ -16,7 +16,7 @@ import torch
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts
-from moekit.offload.plan import plan_misses
+from moekit.offload.plan import plan_forward
 from moekit.offload.stats import OffloadStats
 
 
@@ -69,8 +69,8 @@ def drive(cache: ExpertCache, layers: list[int], trace: RoutingTrace, steps: ran
             stats = OffloadStats(touched=len(touched))
             cache.begin_forward()
             hits, misses = cache.lookup(layer, touched, stats)
-            plan = plan_misses(place, {m: counts[m] for m in misses}, len(hits), expert_bytes, costs,
-                               admit_per_forward)
+            plan = plan_forward(cache, layer, place, {m: counts[m] for m in misses}, len(hits), expert_bytes, costs,
+                                admit_per_forward)
             for _ in cache.rounds(layer, hits, plan.fetch, stats):
                 pass  # no compute: the rounds only move the cache's bookkeeping
             if plan.cpu:
