@@ -2,7 +2,8 @@
 the reused workspaces. Neither ever holds a tensor a caller sees.
 
     WeightDescriptors: id(w13) -> fingerprint, {plan's descriptor key: DescriptorPair (w13's, w2's)}
-    WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions
+    WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions, and
+                       int32 counters kept at zero between calls (the folded k-sum's)
 
 Shapes: E local experts, K hidden, N intermediate; a region's shape is the plan's (h [A, N], y [A, K], ...).
 """
@@ -37,18 +38,21 @@ class WorkspaceSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]  # byte offset of each region in the buffer, a multiple of REGION_ALIGN
     nbytes: int  # the buffer size that holds every region
+    # int32 counters the plan needs at 0 on entry and leaves at 0 (the folded k-sum's, [M * K tiles]): only a
+    # pool keeps them (its "counters" view); a fresh workspace has none, and the plan then runs unfolded
+    counters: int = 0
 
     @classmethod
-    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "WorkspaceSpec":
+    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]], counters: int = 0) -> "WorkspaceSpec":
         offsets, end = [], 0
         for _, dtype, shape in regions:
             offsets.append(end)
             end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
-        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end)
+        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
 
     def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures)."""
+        """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures); no counters."""
         return {n: torch.empty(s, dtype=d, device=device) for n, d, s in zip(self.names, self.dtypes, self.shapes)}
 
     def carve(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -61,11 +65,22 @@ class WorkspaceSpec:
 
 
 class _Workspace:
-    __slots__ = ("buffer", "views")
+    __slots__ = ("buffer", "views", "counters")
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer  # [bytes] uint8
         self.views: dict[WorkspaceSpec, dict[str, torch.Tensor]] = {}  # carved once per plan
+        self.counters: torch.Tensor | None = None  # int32, all 0 between calls; zeroed once when (re)allocated
+
+    def carve(self, spec: WorkspaceSpec) -> dict[str, torch.Tensor]:
+        views = spec.carve(self.buffer)
+        if spec.counters:
+            if self.counters is None or self.counters.numel() < spec.counters:
+                size = 1 << max(0, spec.counters - 1).bit_length()
+                self.counters = torch.zeros(size, dtype=torch.int32, device=self.buffer.device)
+                self.views.clear()  # views of the old counters are carved again
+            views["counters"] = self.counters[:spec.counters]
+        return views
 
 
 class WorkspacePool:
@@ -76,7 +91,11 @@ class WorkspacePool:
     thread, since two threads launching on one stream would interleave their kernels. Not used while
     the current stream captures a CUDA graph (the graph must own its buffers) or above ``max_bytes``;
     those calls get fresh tensors. Bounded: ``max_entries`` buffers (oldest dropped; a dropped buffer is
-    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each."""
+    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each.
+
+    A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
+    which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
+    Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
@@ -101,7 +120,7 @@ class WorkspacePool:
         if views is None:
             if len(workspace.views) >= self.max_views:
                 workspace.views.pop(next(iter(workspace.views)))
-            views = workspace.views[spec] = spec.carve(workspace.buffer)
+            views = workspace.views[spec] = workspace.carve(spec)
         return views
 
     def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:

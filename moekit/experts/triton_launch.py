@@ -81,6 +81,12 @@ class LaunchOptions:
     # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
     # it costs no GPU time (benchmarks/host_align_device_check.py).
     align_fold_max: int = 64
+    # Up to sum_fold_max tokens the k-sum runs in the down GEMM's epilogue (``_kernels/gemm.py``, KSUM):
+    # each down program counts its rows' arrivals per (token, K tile) and the last of a token's slots sums
+    # them, in the separate k-sum's order (equal bit for bit), so a call is one launch fewer. Eager calls
+    # with a reused workspace only: the counters are kept zeroed in it (a CUDA graph capture and the custom
+    # op run the separate k-sum). 0 turns it off.
+    sum_fold_max: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -91,6 +97,8 @@ class LaunchOptions:
         if not 0 <= self.align_fold_max <= ALIGN_ONE_LAUNCH_LIMIT:
             raise ValueError(f"align_fold_max must be in [0, {ALIGN_ONE_LAUNCH_LIMIT}] (the ids one program "
                              f"holds), got {self.align_fold_max}")
+        if self.sum_fold_max < 0:
+            raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         object.__setattr__(self, "_args", self.as_op_args())
