@@ -1,6 +1,7 @@
 """Fused Triton experts: the default backend on CUDA.
 
     [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight] -> [sum over k]
+    (eager, M <= LaunchOptions.sum_fold_max: the sum over k in the down GEMM's epilogue, one launch fewer)
 
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
 gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
@@ -27,7 +28,7 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum: each a BoundLaunch (``triton_bind``: the C launch under the
+      -> align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch (``triton_bind``: the C launch under the
          compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
 
 ``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``

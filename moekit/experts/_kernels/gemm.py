@@ -25,6 +25,12 @@ programs with pid_n == 0 write that block's sorted_ids rows and expert_ids entry
 num_padded): every element written by exactly one program. The down GEMM reads them as usual: its
 ``wait_for_previous_kernel`` returns only once every gate-up program has finished (PDL included).
 
+KSUM (the k-sum folded into the down GEMM, M <= ``LaunchOptions.sum_fold_max``, eager calls whose workspace
+keeps the counters): the down programs count arrivals per (token, K tile) after storing y, and the last of
+a token's routed slots sums them (``combine.ksum_epilogue``, bit for bit the separate ``combine.sum_slots_kernel``
+with ORDERED); ZERO_T-token programs after the GEMM's write 0 for tokens no slot routes here. The GEMM's
+programs, tiles and schedule are the same with and without it.
+
 The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the gate-up kernel, so
 each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
 kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
@@ -45,7 +51,7 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
-from moekit.experts._kernels.combine import slot_routed, sum_token_slots
+from moekit.experts._kernels.combine import ksum_epilogue, zero_unrouted_tokens
 
 
 @triton.jit
@@ -249,7 +255,7 @@ def down_kernel(
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
     """y = routed weight * (h w2^T + b2) per assignment; b2_ptr is None without a bias. KSUM: also
-    out = the sum over each token's slots (``ksum_epilogue``)."""
+    out = the sum over each token's slots (``combine.ksum_epilogue``; module docstring)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -296,65 +302,4 @@ def down_kernel(
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, pid_n, offs_out, out_ok, K,
                       top_k, num_experts, num_global, stride_ym, BLOCK_M, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The k-sum folded into the down GEMM (KSUM; ``LaunchOptions.sum_fold_max``). The GEMM's schedule is
-# unchanged: each program stores its y tile as without KSUM, then counts its rows' arrivals.
-# ---------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, rows, row_ok, pid_n, offs_out, out_ok, K,
-                  top_k, num_experts, num_global, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
-    """After a down program stored its [BM, BN] y tile: for each of its rows, one arrival on the counter of
-    (the row's token, this K tile), counters [M, K tiles] int32. The program whose arrival is the token's
-    last (its routed slots, all written: the count before it is routed - 1) sums that token's slot rows of
-    this tile in slot order (``combine.sum_token_slots``, the separate k-sum's order: bit for bit the same
-    out), writes out[token, tile] and sets the counter back to 0, so the kept counters are all 0 again
-    when the kernel ends (the next call, a graph replay). Tokens with no routed slot get no arrival:
-    ``zero_unrouted_tokens`` writes them. Orders: every thread's y stores, a CTA barrier, then the
-    atomics (acq_rel, GPU scope: the release publishes this tile, the acquire of the last sees every
-    other program's); a barrier again before the last's loads."""
-    num_tiles = tl.cdiv(K, BLOCK_N)
-    token = rows // top_k  # [BM] int64 (rows in range)
-    arrivals = tl.zeros([BLOCK_M], dtype=tl.int32)  # [BM] routed slots of each row's token
-    for j in tl.static_range(TOPK_PAD):
-        arrivals += slot_routed(token, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS_MAP).to(tl.int32)
-    tl.debug_barrier()
-    before = tl.atomic_add(counters_ptr + token * num_tiles + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
-    last = row_ok & (before == arrivals - 1)  # [BM]
-    tl.debug_barrier()
-    num_last = tl.sum(last.to(tl.int32), axis=0)
-    rank = tl.cumsum(last.to(tl.int32), axis=0) - 1  # [BM] each last row's place among them
-    picks = tl.arange(0, SUM_ROWS)
-    for first in range(0, num_last, SUM_ROWS):  # SUM_ROWS last rows at a time, gathered by a [S, BM] compare
-        pick = last[None, :] & (rank[None, :] == (first + picks)[:, None])
-        tokens = tl.sum(tl.where(pick, token[None, :], 0), axis=1)  # [S] int64
-        t_ok = first + picks < num_last
-        acc = sum_token_slots(y_ptr, tokens, t_ok, offs_out, out_ok, ids_ptr, map_ptr, top_k, num_experts, num_global,
-                              stride_ym, TOPK_PAD, HAS_MAP)  # [S, BN] fp32
-        tl.store(out_ptr + tokens[:, None] * K + offs_out[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=t_ok[:, None] & out_ok[None, :])
-        tl.store(counters_ptr + tokens * num_tiles + pid_n, 0, mask=t_ok)
-
-
-@triton.jit
-def zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, first_pid, K, num_assignments, top_k, num_experts, num_global,
-                         BLOCK_N: tl.constexpr, TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, ZERO_T: tl.constexpr):
-    """out[t] = 0 for the ZERO_T tokens of this program (after the GEMM's programs) that no slot routes here:
-    no down program arrives for them (``ksum_epilogue``); the separate k-sum writes them 0 too."""
-    tokens = (tl.program_id(0) - first_pid) * ZERO_T + tl.arange(0, ZERO_T)
-    t_ok = tokens < num_assignments // top_k
-    safe = tl.where(t_ok, tokens, 0).to(tl.int64)
-    routed = tl.zeros([ZERO_T], dtype=tl.int32)
-    for j in tl.static_range(TOPK_PAD):
-        routed += slot_routed(safe, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS_MAP).to(tl.int32)
-    none = t_ok & (routed == 0)
-    if tl.sum(none.to(tl.int32), axis=0) > 0:
-        cols = tl.arange(0, BLOCK_N)
-        zeros = tl.zeros([ZERO_T, BLOCK_N], dtype=out_ptr.dtype.element_ty)
-        for c0 in range(0, K, BLOCK_N):
-            tl.store(out_ptr + safe[:, None] * K + (c0 + cols)[None, :], zeros, mask=none[:, None] & (c0 + cols < K)[None, :])
 
