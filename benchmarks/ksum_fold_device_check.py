@@ -2,7 +2,7 @@
 separate k-sum launch, and host / eager / GPU time per experts call, folded against the 4-launch path;
 then where one launch's host time goes.
 
-    PYTHONPATH=$PWD OUT=/tmp/kf python benchmarks/ksum_fold_device_check.py [--budget-s 80]
+    PYTHONPATH=$PWD OUT=/tmp/kf python benchmarks/ksum_fold_device_check.py [--budget-s 70]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/ksum_fold_device_check.py --smoke \
         --presets mixtral-8x7b --batches 8   (CPU, tiny shapes: checks the script)
 
@@ -10,16 +10,18 @@ For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 1, 8, 64,
 order, after a throwaway warm cell; no_grad, uniform routing), two ``LaunchOptions``:
   sep   sum_fold_max=0: gate-up, down, then the k-sum's own launch (in slot order: ``ORDERED``)
   fold  sum_fold_max=2**20: the k-sum in the down GEMM's epilogue (KSUM), one launch fewer
-per variant: launches per call, host µs per call (7 x 32 calls started on an idle GPU: median, min), eager
-wall µs per call (5 x 40 back-to-back calls, one sync: median, min), GPU µs (a CUDA graph of 16 calls,
-replayed; fold with counters allocated before the capture, ``fused_experts(counters=...)``), ``ok`` (host <=
+per variant (``experts_triton``, the user's eager path): launches per call, host µs per call (7 x 32 calls
+started on an idle GPU: median, min), eager wall µs per call (5 x 40 back-to-back calls, one sync: median,
+min), GPU µs (a CUDA graph of 16 calls, replayed; fold with counters allocated before the capture, ``fused_experts(counters=...)``), ``ok`` (host <=
 40 and eager <= max(1.15 graph, graph + 15)); fold's ``eq``: every one of 24 eager outputs (counters reused
 call after call) and of a graph replay equals sep's bit for bit, and the counters are all 0 afterwards. Also
 per cell the separate k-sum kernel alone (graph of 16): slot order (``ORDERED``, the new default) against
 ``tl.sum`` (session 8's). At two cells a per-launch host probe of the fold's down launch (and the 4-launch
 path's down and k-sum): the ``BoundLaunch`` call, its C launch called directly with the same arguments,
 with every tensor replaced by its ``data_ptr()`` int (the C launcher then skips its ``data_ptr`` call and
-``cuPointerGetAttribute``), with PDL off, and an empty kernel with no argument; a control (empty_like).
+``cuPointerGetAttribute``), with PDL off, and an empty kernel with no argument; a control (empty_like). Per
+cell also sep_int / fold_int: host µs with every raw launch passing its tensors as ints
+(``RawLaunch.int_pointers``), and whether the output is unchanged.
 A hard alarm stops the run at --hard-limit-s. JSON to $OUT/ksum_fold.json; the short table is printed last.
 """
 
@@ -37,7 +39,7 @@ import triton
 
 from host_align_device_check import Run, eager_us, gpu_us, host_us, one_at_a_time_us  # benchmarks/ is on sys.path
 from moekit.bench.cells import Shape, make_weights, uniform_routing
-from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, fused_experts
+from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, experts_triton, fused_experts
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_plan import plan_for, sum_launch
 from moekit.triton_bind import BoundLaunch
@@ -60,10 +62,11 @@ def _inputs(preset: str, m: int) -> tuple:
     return x, w.w13, w.w2, r.topk_ids.contiguous(), r.topk_weights.contiguous()
 
 
-def _timings(row: dict, call) -> dict:
+def _timings(row: dict, call, graph_call=None) -> dict:
+    """Host and eager µs of ``call`` (the user's path, ``experts_triton``), GPU µs of ``graph_call`` (or ``call``)."""
     for _ in range(3):
         call()
-    row["host_us"], row["eager_us"], row["gpu_us"] = host_us(call), eager_us(call), gpu_us(call)
+    row["host_us"], row["eager_us"], row["gpu_us"] = host_us(call), eager_us(call), gpu_us(graph_call or call)
     g, e = row["gpu_us"], row["eager_us"]["median"]
     row["ok"] = row["host_us"]["median"] <= 40.0 and e <= max(1.15 * g, g + 15.0)
     return row
@@ -75,7 +78,7 @@ def fold_row(args: tuple, want: torch.Tensor) -> dict:
     if plan.down_sum is None:
         return {"error": "the plan has no folded down launch"}
     row = {"launches": 2 + (0 if plan.align is None else plan.align.launches), "counters": plan.workspace.counters}
-    outs = [fused_experts(*args, options=FOLD) for _ in range(EQ_CALLS)]
+    outs = [experts_triton(*args, options=FOLD) for _ in range(EQ_CALLS)]
     row["eq_eager"] = all(torch.equal(o, want) for o in outs)
     kept = _WORKSPACES.buffers(plan.workspace, args[0].device)["counters"]
     row["counters_zero_after"] = bool((kept == 0).all()) if Run.device.type == "cuda" else None
@@ -93,7 +96,8 @@ def fold_row(args: tuple, want: torch.Tensor) -> dict:
         g.replay()
         torch.cuda.synchronize()
         row["eq_graph"] = torch.equal(graph_out, want) and bool((counters == 0).all())
-    return _timings(row, lambda: fused_experts(*args, options=FOLD, counters=counters))
+    return _timings(row, lambda: experts_triton(*args, options=FOLD),
+                    lambda: fused_experts(*args, options=FOLD, counters=counters))
 
 
 def sum_kernels_gpu(args: tuple) -> dict:
@@ -125,7 +129,7 @@ def int_pointer_rows(args: tuple, want: torch.Tensor) -> dict:
     rows = {}
     for name, options in (("sep_int", SEP), ("fold_int", FOLD)):
         plan = plan_for(*args, None, "silu", None, options)
-        call = lambda: fused_experts(*args, options=options)  # noqa: E731
+        call = lambda: experts_triton(*args, options=options)  # noqa: E731
         call()
         rows[name] = {"raw_launches": _set_int_pointers(plan, True)}
         try:
@@ -141,7 +145,7 @@ def cell(preset: str, m: int) -> dict:
     plan = plan_for(*args, None, "silu", None, SEP)
     sep = {"launches": 3 + (0 if plan.align is None else plan.align.launches)}
     want = fused_experts(*args, options=SEP)
-    result = {"A": m * args[3].shape[1], "sep": _timings(sep, lambda: fused_experts(*args, options=SEP))}
+    result = {"A": m * args[3].shape[1], "sep": _timings(sep, lambda: experts_triton(*args, options=SEP))}
     try:
         result["fold"] = fold_row(args, want)
     except Exception as exc:  # a failing variant must not lose the others' numbers
@@ -300,8 +304,8 @@ def measure(a, start: float, results: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--budget-s", type=float, default=78.0, help="stop starting cells after this many seconds")
-    p.add_argument("--hard-limit-s", type=int, default=94, help="stop measuring at once after this many seconds")
+    p.add_argument("--budget-s", type=float, default=70.0, help="stop starting cells after this many seconds")
+    p.add_argument("--hard-limit-s", type=int, default=86, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
