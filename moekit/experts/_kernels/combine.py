@@ -29,6 +29,16 @@ def slot_routed(tokens, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS
 
 
 @triton.jit
+def routed_slot_count(tokens, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD: tl.constexpr,
+                      HAS_MAP: tl.constexpr):
+    """[R] int32: how many of each token's slots are routed here. tokens: int64 [R], in range."""
+    count = tl.zeros([tokens.shape[0]], dtype=tl.int32)
+    for j in tl.static_range(TOPK_PAD):
+        count += slot_routed(tokens, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS_MAP).to(tl.int32)
+    return count
+
+
+@triton.jit
 def sum_token_slots(y_ptr, tokens, t_ok, cols, c_ok, ids_ptr, map_ptr, top_k, num_experts, num_global, stride_ym,
                     TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
     """[R, C] float32: sum over j = 0, 1, .. of y[token * k + j, cols], one slot at a time from 0 (the order
@@ -93,23 +103,21 @@ def _sum_slots_at_once(y_ptr, ids_ptr, map_ptr, tokens, t_ok, cols, c_ok, num_to
 
 
 @triton.jit
-def ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, rows, row_ok, pid_n, offs_out, out_ok, K,
-                  top_k, num_experts, num_global, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TOPK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
+def ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, rows, row_ok, arrivals, pid_n, offs_out, out_ok, K,
+                  top_k, num_experts, num_global, stride_ym, BLOCK_N: tl.constexpr, TOPK_PAD: tl.constexpr,
+                  HAS_MAP: tl.constexpr, SUM_ROWS: tl.constexpr):
     """After a down program stored its [BM, BN] y tile: for each of its rows, one arrival on the counter of
     (the row's token, this K tile), counters [M, K tiles] int32. The program whose arrival is the token's
     last (its routed slots, all written: the count before it is routed - 1) sums that token's slot rows of
     this tile in slot order (``combine.sum_token_slots``, the separate k-sum's order: bit for bit the same
     out), writes out[token, tile] and sets the counter back to 0, so the kept counters are all 0 again
-    when the kernel ends (the next call, a graph replay). Tokens with no routed slot get no arrival:
+    when the kernel ends (the next call, a graph replay). ``arrivals`` [BM]: ``routed_slot_count`` of each
+    row's token (the down kernel loads them before its main loop). Tokens with no routed slot get no arrival:
     ``zero_unrouted_tokens`` writes them. Orders: every thread's y stores, a CTA barrier, then the
     atomics (acq_rel, GPU scope: the release publishes this tile, the acquire of the last sees every
     other program's); a barrier again before the last's loads."""
     num_tiles = tl.cdiv(K, BLOCK_N)
     token = rows // top_k  # [BM] int64 (rows in range)
-    arrivals = tl.zeros([BLOCK_M], dtype=tl.int32)  # [BM] routed slots of each row's token
-    for j in tl.static_range(TOPK_PAD):
-        arrivals += slot_routed(token, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS_MAP).to(tl.int32)
     tl.debug_barrier()
     before = tl.atomic_add(counters_ptr + token * num_tiles + pid_n, 1, mask=row_ok, sem="acq_rel", scope="gpu")
     last = row_ok & (before == arrivals - 1)  # [BM]
@@ -136,10 +144,7 @@ def zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, first_pid, K, num_assignment
     tokens = (tl.program_id(0) - first_pid) * ZERO_T + tl.arange(0, ZERO_T)
     t_ok = tokens < num_assignments // top_k
     safe = tl.where(t_ok, tokens, 0).to(tl.int64)
-    routed = tl.zeros([ZERO_T], dtype=tl.int32)
-    for j in tl.static_range(TOPK_PAD):
-        routed += slot_routed(safe, j, ids_ptr, map_ptr, top_k, num_experts, num_global, HAS_MAP).to(tl.int32)
-    none = t_ok & (routed == 0)
+    none = t_ok & (routed_slot_count(safe, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP) == 0)
     if tl.sum(none.to(tl.int32), axis=0) > 0:
         cols = tl.arange(0, BLOCK_N)
         zeros = tl.zeros([ZERO_T, BLOCK_N], dtype=out_ptr.dtype.element_ty)
