@@ -156,3 +156,21 @@ def test_no_tokens(interpreter, launch_log):
     args = _problem(0, 2, 4, False, seed=0)
     out = _run(interpreter, args, FOLD)
     assert out.shape == (0, HIDDEN) and launch_log.take() == []
+
+
+def test_pool_keeps_counters_above_its_byte_limit_and_regrows_them():
+    """Counters are kept even where the regions are fresh (above ``max_bytes``); a plan needing more grows
+    them (zeroed) and the views carved before see the new ones."""
+    from moekit.experts.triton_cache import WorkspacePool, WorkspaceSpec
+
+    pool = WorkspacePool(max_bytes=1024)
+    small = WorkspaceSpec.of([("h", torch.float32, (4, 4))], counters=6)
+    large = WorkspaceSpec.of([("h", torch.float32, (64, 64))], counters=20)  # 16 KiB: fresh regions
+    a = pool.buffers(small, torch.device("cpu"))
+    assert a["counters"].shape == (6,) and bool((a["counters"] == 0).all())
+    b1, b2 = pool.buffers(large, torch.device("cpu")), pool.buffers(large, torch.device("cpu"))
+    assert b1["h"].data_ptr() != b2["h"].data_ptr()  # fresh regions each call
+    assert b1["counters"].data_ptr() == b2["counters"].data_ptr() and b2["counters"].numel() == 20
+    again = pool.buffers(small, torch.device("cpu"))
+    assert again["counters"].data_ptr() == b2["counters"].data_ptr()  # carved again from the grown counters
+    assert "counters" not in small.allocate(torch.device("cpu"))

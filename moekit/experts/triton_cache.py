@@ -65,22 +65,11 @@ class WorkspaceSpec:
 
 
 class _Workspace:
-    __slots__ = ("buffer", "views", "counters")
+    __slots__ = ("buffer", "views")
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer  # [bytes] uint8
         self.views: dict[WorkspaceSpec, dict[str, torch.Tensor]] = {}  # carved once per plan
-        self.counters: torch.Tensor | None = None  # int32, all 0 between calls; zeroed once when (re)allocated
-
-    def carve(self, spec: WorkspaceSpec) -> dict[str, torch.Tensor]:
-        views = spec.carve(self.buffer)
-        if spec.counters:
-            if self.counters is None or self.counters.numel() < spec.counters:
-                size = 1 << max(0, spec.counters - 1).bit_length()
-                self.counters = torch.zeros(size, dtype=torch.int32, device=self.buffer.device)
-                self.views.clear()  # views of the old counters are carved again
-            views["counters"] = self.counters[:spec.counters]
-        return views
 
 
 class WorkspacePool:
@@ -95,16 +84,17 @@ class WorkspacePool:
 
     A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
     which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
-    Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts."""
+    Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts.
+    A few bytes per token, so they are kept above ``max_bytes`` too (beside fresh regions), never while
+    a graph captures."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
         self._workspaces: dict[tuple, _Workspace] = {}
+        self._counters: dict[tuple, torch.Tensor] = {}  # int32, all 0 between calls; zeroed once when allocated
 
     def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
-        if spec.nbytes > self.max_bytes:
-            return spec.allocate(device)
         stream = 0
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
@@ -113,6 +103,11 @@ class WorkspacePool:
                 device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
+        if spec.nbytes > self.max_bytes:
+            views = spec.allocate(device)
+            if spec.counters:
+                views["counters"] = self._kept_counters(key, spec.counters, device)
+            return views
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.buffer.numel() < spec.nbytes:
             workspace = self._grow(key, spec.nbytes, device)
@@ -120,8 +115,25 @@ class WorkspacePool:
         if views is None:
             if len(workspace.views) >= self.max_views:
                 workspace.views.pop(next(iter(workspace.views)))
-            views = workspace.views[spec] = workspace.carve(spec)
+            views = workspace.views[spec] = spec.carve(workspace.buffer)
+            if spec.counters:
+                views["counters"] = self._kept_counters(key, spec.counters, device)
         return views
+
+    def _kept_counters(self, key: tuple, count: int, device: torch.device) -> torch.Tensor:
+        """The first ``count`` of the key's kept counters (grown to a power of two, zeroed when allocated;
+        growing re-carves the key's views, which held the old ones)."""
+        counters = self._counters.get(key)
+        if counters is None or counters.numel() < count:
+            self._counters.pop(key, None)
+            if len(self._counters) >= self.max_entries:
+                self._counters.pop(next(iter(self._counters)))
+            counters = self._counters[key] = torch.zeros(1 << max(0, count - 1).bit_length(), dtype=torch.int32,
+                                                         device=device)
+            workspace = self._workspaces.get(key)
+            if workspace is not None:
+                workspace.views.clear()
+        return counters[:count]
 
     def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:
         self._workspaces.pop(key, None)
@@ -137,6 +149,7 @@ class WorkspacePool:
 
     def clear(self) -> None:
         self._workspaces.clear()
+        self._counters.clear()
 
     def __len__(self) -> int:
         return len(self._workspaces)
