@@ -19,9 +19,9 @@ per cell the separate k-sum kernel alone (graph of 16): slot order (``ORDERED``,
 ``tl.sum`` (session 8's). At two cells a per-launch host probe of the fold's down launch (and the 4-launch
 path's down and k-sum): the ``BoundLaunch`` call, its C launch called directly with the same arguments,
 with every tensor replaced by its ``data_ptr()`` int (the C launcher then skips its ``data_ptr`` call and
-``cuPointerGetAttribute``), with PDL off, and an empty kernel with no argument; a control (empty_like). Per
-cell also sep_int / fold_int: host µs with every raw launch passing its tensors as ints
-(``RawLaunch.int_pointers``), and whether the output is unchanged.
+``cuPointerGetAttribute``), with PDL off, and an empty kernel with no argument; a control (empty_like).
+Checkpoint (H200, ff3d2f0): converting every tensor to an int per call in Python cost more host time than the C
+launcher's own lookups (whole call +2 to +5 µs at M <= 8), so the launches pass tensors.
 A hard alarm stops the run at --hard-limit-s. JSON to $OUT/ksum_fold.json; the short table is printed last.
 """
 
@@ -112,34 +112,6 @@ def sum_kernels_gpu(args: tuple) -> dict:
     return result
 
 
-def _set_int_pointers(plan, on: bool) -> int:
-    """Every raw launch of ``plan`` passes its tensors as ``data_ptr()`` ints (on) or as tensors; how many."""
-    align = plan.align
-    launches = [plan.gate_up, plan.down, plan.sum_slots, plan.down_sum]
-    if align is not None:
-        launches += [align.small, align.naive, align.hist, align.scan, align.scatter, align.place]
-    raws = [b._raw for b in launches if b is not None and b._raw is not None]
-    for raw in raws:
-        raw.int_pointers = on
-    return len(raws)
-
-
-def int_pointer_rows(args: tuple, want: torch.Tensor) -> dict:
-    """Host µs of sep and fold with every tensor passed as an int (``RawLaunch.int_pointers``), and their outputs."""
-    rows = {}
-    for name, options in (("sep_int", SEP), ("fold_int", FOLD)):
-        plan = plan_for(*args, None, "silu", None, options)
-        call = lambda: experts_triton(*args, options=options)  # noqa: E731
-        call()
-        rows[name] = {"raw_launches": _set_int_pointers(plan, True)}
-        try:
-            rows[name]["eq"] = all(torch.equal(call(), want) for _ in range(4))
-            rows[name]["host_us"] = host_us(call)
-        finally:
-            _set_int_pointers(plan, False)
-    return rows
-
-
 def cell(preset: str, m: int) -> dict:
     args = _inputs(preset, m)
     plan = plan_for(*args, None, "silu", None, SEP)
@@ -150,10 +122,6 @@ def cell(preset: str, m: int) -> dict:
         result["fold"] = fold_row(args, want)
     except Exception as exc:  # a failing variant must not lose the others' numbers
         result["fold"] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
-    try:
-        result.update(int_pointer_rows(args, want))
-    except Exception as exc:
-        result["sep_int"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     try:
         result["sum_kernel_gpu_us"] = sum_kernels_gpu(args)
     except Exception as exc:
@@ -231,9 +199,9 @@ def empty_kernel_probe() -> dict:
 def table(results: dict) -> str:
     lines = ["host µs (median/min of 7 x 32 calls from idle), eager µs per call (median), GPU µs (graph of 16), L launches;"
              " eq: fold equals sep bit for bit (24 eager calls / graph replay; counters back at 0); sum: k-sum kernel alone,"
-             " GPU µs, slot order / tl.sum; int host: host µs with every tensor passed as data_ptr() (! = output differs)",
+             " GPU µs, slot order / tl.sum",
              f"{'cell':<22}{'A':>6} {'sep L   host   min   eager     gpu':<35}{'fold L  host   min   eager     gpu':<35}"
-             f" eq  sum        int host sep fold"]
+             f" eq  sum"]
     for key, res in results.items():
         if "skipped" in res or "error" in res:
             lines.append(f"{key:<22} {res.get('skipped') or res.get('error')}")
@@ -248,11 +216,9 @@ def table(results: dict) -> str:
                          f"{v['eager_us']['median']:>8.1f}{v['gpu_us']:>8.1f}{'' if v['ok'] else '*':<2}")
         f = res.get("fold", {})
         eq = "yes" if f.get("eq_eager") and f.get("eq_graph", True) and f.get("counters_zero_after") is not False else " NO"
-        ints = [res.get(n, {}) for n in ("sep_int", "fold_int")]
-        ints = " ".join(f"{v['host_us']['median']:.1f}{'' if v.get('eq') else '!'}" if "host_us" in v else "-" for v in ints)
         sk = res.get("sum_kernel_gpu_us", {})
         sums = f"{sk['ordered']:.1f}/{sk['tl_sum']:.1f}" if "ordered" in sk else "-"
-        lines.append(f"{key:<22}{res['A']:>6} {parts[0]:<35}{parts[1]:<35} {eq:>3} {sums:<10} {ints}")
+        lines.append(f"{key:<22}{res['A']:>6} {parts[0]:<35}{parts[1]:<35} {eq:>3} {sums}")
     lines.append("(* = not ok: host > 40 or eager above max(1.15 gpu, gpu + 15))")
     lines.append("launch probe, host µs median: bound call / C launch / C launch with int pointers / C launch PDL off;"
                  " tensors; data_ptr() calls")

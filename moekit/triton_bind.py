@@ -125,7 +125,7 @@ class RawLaunch:
     returns None for anything else, and the runner is used."""
 
     __slots__ = ("c_launch", "grid", "function", "cooperative", "pdl", "metadata", "desc_positions", "desc_args",
-                 "desc_keys", "hooks", "stream", "int_pointers")
+                 "desc_keys", "hooks", "stream")
 
     @classmethod
     def of(cls, compiled, grid: tuple) -> "RawLaunch | None":
@@ -151,13 +151,10 @@ class RawLaunch:
         # last position first: replacing a descriptor by its expansion leaves the earlier positions in place
         raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in reversed(list(zip(positions, metas))))
         raw.hooks, raw.stream = LaunchHooks(triton.knobs.runtime), current_stream
-        raw.int_pointers = False
         return raw
 
     def __call__(self, pointers: tuple, tail: tuple) -> None:
         args = self._expanded(pointers) if self.desc_positions else pointers
-        if self.int_pointers:  # the C launcher takes an int as is: no data_ptr lookup, no cuPointerGetAttribute
-            args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
         grid = self.grid
         self.c_launch(grid[0], grid[1], grid[2], self.stream(), self.function, self.cooperative, self.pdl, None, None,
                       self.metadata, None, None, None, *args, *tail)

@@ -160,21 +160,3 @@ def test_installed_hooks_send_launches_through_the_runner():
     runtime.launch_enter_hook.calls.append(print)
     bound("b")
     assert seen == [("raw", ("a", 1)), ("runner", ("b", 1))]
-
-
-def test_int_pointers_hand_the_c_launch_each_tensors_address():
-    """With ``int_pointers`` every tensor goes to the C launch as its ``data_ptr()`` (the launcher takes an
-    int as the address, skipping its own data_ptr call and pointer check); descriptors and None as before."""
-    import torch
-
-    module = _fake_module()
-    compiled, c_launch = _compiled(module, SIGNATURE, METAS)
-    raw = RawLaunch.of(compiled, (1, 1, 1))
-    raw.stream = lambda: 0
-    x, h = torch.zeros(4), torch.ones(8)
-    raw((x, Desc("w", (4, 64), (64, 1)), None, h), (3, 32))
-    raw.int_pointers = True
-    raw((x, Desc("w", (4, 64), (64, 1)), None, h), (3, 32))
-    before, after = c_launch.calls
-    assert before[13] is x and before[20] is h
-    assert after[13:] == (x.data_ptr(), "map(w,128)", 4, 64, 64, 1, None, h.data_ptr(), 3, 32)

@@ -250,12 +250,10 @@ def down_kernel(
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr,
-    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``ksum_epilogue``)
+    PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T + b2) per assignment; b2_ptr is None without a bias. KSUM: also
-    out = the sum over each token's slots (``combine.ksum_epilogue``; module docstring)."""
+    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -270,9 +268,8 @@ def down_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
-    if KSUM:  # loaded before the main loop, so that the epilogue does not wait on them
-        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
-                                     HAS_MAP)  # [BM] routed slots of each row's token
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
