@@ -6,7 +6,7 @@ wall time per experts call, old path against new, and where the GEMM launches' h
         --presets mixtral-8x7b --batches 64   (CPU, tiny shapes: checks the script)
 
 For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 8, 16, 32, 64, 512, 1 (in that
-order; under no_grad, uniform routing), each variant of ``LaunchOptions``:
+order, after a throwaway cell: the first preset at M = 1; under no_grad, uniform routing), each variant of ``LaunchOptions``:
   old       align_fold_max=0: the alignment's own launch(es) (session 7's path)
   new       the defaults: folded into gate-up up to align_fold_max assignments
   fold_512  align_fold_max=512 (only where the default < A <= 512): the fold where the default stops it
@@ -306,6 +306,7 @@ def main() -> None:
 
 def measure_cells(a, start: float, out_dir: Path, results: dict) -> None:
     with torch.no_grad():
+        cell(a.presets[0], 1, out_dir)  # throwaway: a process's first cell runs slow (session 8: 54.9 against 31 µs)
         for m in a.batches:
             for preset in a.presets:
                 key = f"{preset} M={m}"

@@ -5,7 +5,8 @@ against the GPU time of the same call replayed from a CUDA graph.
         [--calls 200] [--no-ab] [--no-layer]
 
 For the routed experts of Qwen3-30B-A3B (E=128, N=768, K=2048, k=8), Mixtral-8x7B (E=8, N=14336,
-K=4096, k=2) and DeepSeek-V3 (E=256, N=2048, K=7168, k=8) in bf16, at each M, under torch.no_grad():
+K=4096, k=2) and DeepSeek-V3 (E=256, N=2048, K=7168, k=8) in bf16, at each M (after a throwaway cell: the
+first preset at M = 1, since a process's first cell runs slow), under torch.no_grad():
   eager_us    wall per call of N back-to-back ``experts_triton`` calls, one sync at the end (median of 3)
   host_n_us   perf_counter around those N calls, before the sync; once the GPU is the slower side the
               launch queue fills and this becomes the GPU time (back-pressure), so also:
@@ -320,6 +321,8 @@ def main() -> None:
     with torch.no_grad():
         meta["checks"] = lean_path_checks()
     clear_launch_caches()
+    # throwaway: a process's first cell runs slow (session 8: Qwen3 M=1 54.9 µs there against 31 in a later cell)
+    experts_cells(a.presets[0], [1], a.calls, False, out_dir, -1)
     cells, layers = [], []
     for preset in a.presets:
         cells += experts_cells(preset, a.batches, a.calls, a.ab, out_dir,

@@ -1,6 +1,7 @@
 """Fused Triton experts: the default backend on CUDA.
 
     [Route] -> [Align (GPU, no sync)] -> [gate-up GEMM + b13, glu] -> [down GEMM + b2, x routed weight] -> [sum over k]
+    (eager, M <= LaunchOptions.sum_fold_max: the sum over k in the down GEMM's epilogue, one launch fewer)
 
 Activations are never permuted: each M-block of the block-aligned layout belongs to one expert and
 gathers its rows through ``sorted_ids // k``. The [A, 2N] gate-up product is never written (the
@@ -27,7 +28,7 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum: each a BoundLaunch (``triton_bind``: the C launch under the
+      -> align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch (``triton_bind``: the C launch under the
          compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
 
 ``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``
@@ -97,20 +98,28 @@ def fused_experts(
     *,
     b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
     b2: torch.Tensor | None = None,  # [E, K]
+    counters: torch.Tensor | None = None,  # int32, all 0, >= M * K tiles: the folded k-sum's, kept by the caller
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup;
     ``options`` are resolved for x's device in the plan. Not a custom op: for tools that pick configs
-    or options per call (tuning, A/B benchmarks); models go through ``experts_triton``."""
+    or options per call (tuning, A/B benchmarks); models go through ``experts_triton``. ``counters``:
+    where the plan folds the k-sum (``LaunchOptions.sum_fold_max``), it runs with these instead of the
+    workspace's, e.g. inside a CUDA graph capture (which otherwise runs the separate k-sum); every call
+    leaves them at 0."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
-    return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2)
+    if counters is not None and (counters.dtype != torch.int32 or counters.device != x.device
+                                 or counters.numel() < plan.workspace.counters):
+        raise ValueError(f"counters must be int32 on {x.device} with >= {plan.workspace.counters} elements, got "
+                         f"{counters.dtype} on {counters.device} with {counters.numel()}")
+    return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters)
 
 
-def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor:
+def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=None) -> torch.Tensor:
     """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
     options = plan.options
     # [M, K], row-major, never a workspace; empty_like is the cheapest allocation (H200: 1.9 µs against 4.6
@@ -138,12 +147,16 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Ten
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
     # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
     plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows, expert_map)
-    # The k-sum stays a pass of its own even for tiny batches. Three ways to fuse it into the down GEMM
-    # measured slower on the H200 (Qwen3-30B-A3B M=1: 8.7 + 2.6 µs for down then sum): one program
-    # per token looping over its slots (27.9 µs), one flat (slot, step) loop with CUDA-core sums (39.6
-    # µs), and the GEMM's own grid with the last of a token's k programs summing (+1 to +3 µs).
-    plan.down(h, w2_arg, b2, y, weights, ids, *rows)  # y = routed weight * (h w2^T + b2) per assignment
-    plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
+    # y = routed weight * (h w2^T + b2) per assignment, then out = the sum over each token's slots: folded
+    # into the down GEMM (its epilogue, one launch fewer) where the plan has it and the workspace keeps the
+    # counters, else a launch of its own; either way the same sums in the same order, bit for bit.
+    if counters is None:
+        counters = b.get("counters")  # only a pool's workspace has them (never while a graph captures)
+    if counters is not None and plan.down_sum is not None:
+        plan.down_sum(h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)
+    else:
+        plan.down(h, w2_arg, b2, y, weights, ids, *rows, None, None, None)
+        plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
     return out
 
 
@@ -160,7 +173,7 @@ def _experts_op(
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
-    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int,
+    raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -169,7 +182,8 @@ def _experts_op(
     options = LaunchOptions(weight_descriptors, dependent_launch, poison_workspace, align_small_max,
                             align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False,
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
-                            align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max)
+                            align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
+                            sum_fold_max=sum_fold_max)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

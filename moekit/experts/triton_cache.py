@@ -2,7 +2,8 @@
 the reused workspaces. Neither ever holds a tensor a caller sees.
 
     WeightDescriptors: id(w13) -> fingerprint, {plan's descriptor key: DescriptorPair (w13's, w2's)}
-    WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions
+    WorkspacePool:     (device, stream, thread) -> one byte buffer, carved into a plan's regions, and
+                       int32 counters kept at zero between calls (the folded k-sum's)
 
 Shapes: E local experts, K hidden, N intermediate; a region's shape is the plan's (h [A, N], y [A, K], ...).
 """
@@ -37,18 +38,21 @@ class WorkspaceSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]  # byte offset of each region in the buffer, a multiple of REGION_ALIGN
     nbytes: int  # the buffer size that holds every region
+    # int32 counters the plan needs at 0 on entry and leaves at 0 (the folded k-sum's, [M * K tiles]): only a
+    # pool keeps them (its "counters" view); a fresh workspace has none, and the plan then runs unfolded
+    counters: int = 0
 
     @classmethod
-    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> "WorkspaceSpec":
+    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]], counters: int = 0) -> "WorkspaceSpec":
         offsets, end = [], 0
         for _, dtype, shape in regions:
             offsets.append(end)
             end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
-        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end)
+        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
 
     def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures)."""
+        """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures); no counters."""
         return {n: torch.empty(s, dtype=d, device=device) for n, d, s in zip(self.names, self.dtypes, self.shapes)}
 
     def carve(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -76,16 +80,21 @@ class WorkspacePool:
     thread, since two threads launching on one stream would interleave their kernels. Not used while
     the current stream captures a CUDA graph (the graph must own its buffers) or above ``max_bytes``;
     those calls get fresh tensors. Bounded: ``max_entries`` buffers (oldest dropped; a dropped buffer is
-    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each."""
+    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each.
+
+    A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
+    which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
+    Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts.
+    A few bytes per token, so they are kept above ``max_bytes`` too (beside fresh regions), never while
+    a graph captures."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
         self._workspaces: dict[tuple, _Workspace] = {}
+        self._counters: dict[tuple, torch.Tensor] = {}  # int32, all 0 between calls; zeroed once when allocated
 
     def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
-        if spec.nbytes > self.max_bytes:
-            return spec.allocate(device)
         stream = 0
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
@@ -94,6 +103,11 @@ class WorkspacePool:
                 device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
+        if spec.nbytes > self.max_bytes:
+            views = spec.allocate(device)
+            if spec.counters:
+                views["counters"] = self._kept_counters(key, spec.counters, device)
+            return views
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.buffer.numel() < spec.nbytes:
             workspace = self._grow(key, spec.nbytes, device)
@@ -102,7 +116,24 @@ class WorkspacePool:
             if len(workspace.views) >= self.max_views:
                 workspace.views.pop(next(iter(workspace.views)))
             views = workspace.views[spec] = spec.carve(workspace.buffer)
+            if spec.counters:
+                views["counters"] = self._kept_counters(key, spec.counters, device)
         return views
+
+    def _kept_counters(self, key: tuple, count: int, device: torch.device) -> torch.Tensor:
+        """The first ``count`` of the key's kept counters (grown to a power of two, zeroed when allocated;
+        growing re-carves the key's views, which held the old ones)."""
+        counters = self._counters.get(key)
+        if counters is None or counters.numel() < count:
+            self._counters.pop(key, None)
+            if len(self._counters) >= self.max_entries:
+                self._counters.pop(next(iter(self._counters)))
+            counters = self._counters[key] = torch.zeros(1 << max(0, count - 1).bit_length(), dtype=torch.int32,
+                                                         device=device)
+            workspace = self._workspaces.get(key)
+            if workspace is not None:
+                workspace.views.clear()
+        return counters[:count]
 
     def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:
         self._workspaces.pop(key, None)
@@ -118,6 +149,7 @@ class WorkspacePool:
 
     def clear(self) -> None:
         self._workspaces.clear()
+        self._counters.clear()
 
     def __len__(self) -> int:
         return len(self._workspaces)

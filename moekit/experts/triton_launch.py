@@ -81,6 +81,16 @@ class LaunchOptions:
     # A=1024 +167, A=4096 +513. Host: -37 µs at Qwen3 M=8, -22 to -42 at M=64. So the fold stays where
     # it costs no GPU time (benchmarks/host_align_device_check.py).
     align_fold_max: int = 64
+    # Up to sum_fold_max tokens the k-sum runs in the down GEMM's epilogue (``_kernels/gemm.py``, KSUM):
+    # each down program counts its rows' arrivals per (token, K tile) and the last of a token's slots sums
+    # them, in the separate k-sum's order (equal bit for bit), so a call is one launch fewer. Eager calls
+    # with a reused workspace only: the counters are kept zeroed in it (a CUDA graph capture and the custom
+    # op run the separate k-sum). 0 turns it off. H200 (benchmarks/ksum_fold_device_check.py, fold against
+    # the separate launch): host -3 to -35 µs per call, GPU (graph) +2.6 to +15 µs at M = 1..64 on Qwen3-30B-A3B
+    # and DeepSeek-V3 (+21 and +215 at M = 512), -2 to +1 on Mixtral-8x7B. Eager wall = max(host, GPU) drops
+    # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
+    # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
+    sum_fold_max: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -91,6 +101,8 @@ class LaunchOptions:
         if not 0 <= self.align_fold_max <= ALIGN_ONE_LAUNCH_LIMIT:
             raise ValueError(f"align_fold_max must be in [0, {ALIGN_ONE_LAUNCH_LIMIT}] (the ids one program "
                              f"holds), got {self.align_fold_max}")
+        if self.sum_fold_max < 0:
+            raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         object.__setattr__(self, "_args", self.as_op_args())

@@ -49,8 +49,13 @@ class Plan:
     # pointers: x, w13 (or its gate descriptor), the up rows' descriptor (interleaved TMA only, else None),
     # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded, expert_map (or None)
     gate_up: BoundLaunch
-    down: BoundLaunch  # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded
+    # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded,
+    # then None, None, None (down_sum's out, counters, expert_map)
+    down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+    # down with the k-sum folded in (M <= options.sum_fold_max; else None); pointers: down's nine, then out,
+    # counters (int32 [M * K tiles], all 0: the workspace's "counters"), expert_map (ids without one)
+    down_sum: BoundLaunch | None
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -126,17 +131,19 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
-    gate_up, down_launch = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
-                                          align is None, descriptors, variant, options,
-                                          _fold_constexprs(align, num_assignments, num_experts, rows.block_m,
-                                                           expert_map))
+    gate_up, down_launch, down_sum = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
+                                                    align is None, descriptors, variant, options,
+                                                    _fold_constexprs(align, num_assignments, num_experts, rows.block_m,
+                                                                     expert_map), expert_map)
     return Plan(
         options=options, config=config, align=align,
-        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
+                                   counters=0 if down_sum is None else num_tokens * cdiv(hidden, down.BLOCK_N)),
         descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
-        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
+        down_sum=down_sum,
     )
 
 
@@ -153,8 +160,9 @@ def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts:
 
 def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
                    descriptors: bool, variant: dict, options: LaunchOptions,
-                   fold: dict) -> tuple[BoundLaunch, BoundLaunch]:
-    """The gate-up and down GEMM launches. h [A, N] and y [A, K] are contiguous workspace regions; the
+                   fold: dict, expert_map=None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
+    """The gate-up and down GEMM launches, and the down GEMM with the k-sum folded in where
+    ``options.sum_fold_max`` allows (else None). h [A, N] and y [A, K] are contiguous workspace regions; the
     weights and biases are read through their own strides (a bias that is None gets strides 0). ``fold``:
     the gate-up kernel's FOLD constexprs (``_fold_constexprs``)."""
     num_experts, hidden, n = w2.shape
@@ -175,27 +183,45 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
-    down_launch = BoundLaunch(
-        gemm.down_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 9,
-        (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
-         *(b2.stride() if b2 is not None else (0, 0)), hidden),
-        BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-        num_warps=down.num_warps, num_stages=down.num_stages, **shared,
-    )
-    return gate_up, down_launch
+    down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
+                    *(b2.stride() if b2 is not None else (0, 0)), hidden)
+    down_tiles = dict(BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
+                      num_warps=down.num_warps, num_stages=down.num_stages, **shared)
+    gemm_programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
+    down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 12, down_scalars, **down_tiles)
+    down_sum = None
+    if 0 < x.shape[0] <= options.sum_fold_max:
+        down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 12, down_scalars,
+                               **down_tiles, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
+    return gate_up, down_launch, down_sum
+
+
+ZERO_TOKENS = 16  # tokens per program of the folded k-sum's zero-fill programs (after the GEMM's; ``_kernels/gemm.py``)
+
+
+def ksum_constexprs(top_k: int, block_n: int, expert_map) -> dict:
+    """The down kernel's KSUM arguments (``_kernels/gemm.py``, ``ksum_epilogue``): SUM_ROWS last rows
+    summed at a time, their k [S, BN] slot tiles in flight together (<= 4096 elements)."""
+    topk_pad = next_pow2(top_k)
+    return dict(KSUM=True, top_k=top_k, num_global=0 if expert_map is None else expert_map.numel(), TOPK_PAD=topk_pad,
+                HAS_MAP=expert_map is not None, SUM_ROWS=max(1, min(16, 4096 // (block_n * topk_pad))),
+                ZERO_T=ZERO_TOKENS)
 
 
 def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options,
-               split: int = 1) -> BoundLaunch:
+               split: int = 1, ordered: bool = False) -> BoundLaunch:
     """out[t] = sum of y over token t's routed slots (and over ``split`` split-K partials, the weight-only
-    down GEMM's); skipped slots are never read; out [M, K] contiguous. Every Triton experts path uses it."""
+    down GEMM's); skipped slots are never read; out [M, K] contiguous. Every Triton experts path uses it.
+    ``ordered`` (split 1 only): slot by slot in slot order, bit for bit the down GEMM's folded k-sum."""
+    if ordered and split != 1:
+        raise ValueError(f"an ordered k-sum sums one split, got split={split}")
     has_map = expert_map is not None
     topk_pad = next_pow2(top_k)
     block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
     return BoundLaunch(
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),
-        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split,
+        BLOCK_T=block_t, BLOCK_K=block_k, TOPK_PAD=topk_pad, HAS_MAP=has_map, SPLIT=split, ORDERED=ordered,
         cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
     )
 

@@ -25,6 +25,12 @@ programs with pid_n == 0 write that block's sorted_ids rows and expert_ids entry
 num_padded): every element written by exactly one program. The down GEMM reads them as usual: its
 ``wait_for_previous_kernel`` returns only once every gate-up program has finished (PDL included).
 
+KSUM (the k-sum folded into the down GEMM, M <= ``LaunchOptions.sum_fold_max``, eager calls whose workspace
+keeps the counters): the down programs count arrivals per (token, K tile) after storing y, and the last of
+a token's routed slots sums them (``combine.ksum_epilogue``, bit for bit the separate ``combine.sum_slots_kernel``
+with ORDERED); ZERO_T-token programs after the GEMM's write 0 for tokens no slot routes here. The GEMM's
+programs, tiles and schedule are the same with and without it.
+
 The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the gate-up kernel, so
 each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
 kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
@@ -45,6 +51,7 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 
 
 @triton.jit
@@ -238,14 +245,21 @@ def gate_up_kernel(
 def down_kernel(
     h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T + b2) per assignment; b2_ptr is None without a bias."""
+    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
     wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -254,6 +268,8 @@ def down_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
@@ -283,4 +299,7 @@ def down_kernel(
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
 
