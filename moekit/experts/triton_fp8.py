@@ -165,13 +165,16 @@ def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
+    rescale: bool | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
     TMA descriptors (True) or pointers (False); None: the plan's rule (``triton_fp8_plan.TMA_MAX_BLOCK_M``).
-    Whatever the choices, the result is the same."""
+    ``rescale``: the accumulators kept in units of the latest K-step's scale (``gemm_fp8``'s RESCALE) or
+    each step folded in; None: ``triton_fp8_plan.RESCALE_MIN_BLOCK_M``. Whatever the choices, the result
+    is the same up to float32 rounding."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -180,7 +183,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up, weight_tma)
+                    x_in_gate_up, weight_tma, rescale)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 

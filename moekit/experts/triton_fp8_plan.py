@@ -6,8 +6,9 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
     descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
     re-quantize h), down (x routed weight), k-sum
 
-Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``), are arguments
-of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers.
+Choices that leave the result unchanged (up to float32 rounding), for A/Bs (``benchmarks/fp8_device_check.py``,
+``benchmarks/fp8_speed_device_check.py``), are arguments of ``plan_for``: x quantized inside gate-up,
+weights through TMA or pointers, the accumulator rescaled instead of each step folded.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
@@ -41,6 +42,10 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 # against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
 # Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
 TMA_MAX_BLOCK_M = 16
+# The GEMMs keep their accumulators in units of the latest K-step's scale (``gemm_fp8``'s RESCALE) in
+# tiles of at least this many rows, where the per-step fold's second float32 tile would spill; a GEMM
+# whose tile straddles weight scale blocks (not ONE_BLOCK) always folds.
+RESCALE_MIN_BLOCK_M = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,30 +132,33 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None, rescale: bool | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
     against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
-    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides."""
+    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides.
+    ``rescale``: RESCALE in each GEMM whose tile lies in one weight scale block (True), never (False);
+    None: ``RESCALE_MIN_BLOCK_M`` decides."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma)
+           block_shape, config, options, x_in_gate_up, weight_tma, rescale)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma)
+                                        options, x_in_gate_up, weight_tma, rescale)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
+               rescale: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -164,6 +172,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
+    if rescale is None:
+        rescale = block_m >= RESCALE_MIN_BLOCK_M
     x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
@@ -174,6 +184,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
     up, down = config.up, config.down
+    up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
@@ -184,10 +195,9 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
             (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
             BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw,
-                                                ONE_BLOCK=block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, RESCALE=rescale and up_one)),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=block_n % down.BLOCK_N == 0)),
+                          dict(shared, ONE_BLOCK=down_one, RESCALE=rescale and down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace,
     )
