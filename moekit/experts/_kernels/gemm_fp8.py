@@ -158,8 +158,7 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    unit_gate = _unit_zeros(BLOCK_M, RESCALE)
-    unit_up = _unit_zeros(BLOCK_M, RESCALE)
+    unit_gate, unit_up = _unit_zeros(BLOCK_M, RESCALE), _unit_zeros(BLOCK_M, RESCALE)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -179,9 +178,9 @@ def gate_up_fp8_kernel(
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
-    if RESCALE:
+    if RESCALE:  # [BM, BN] fp32; columns past N are 0 (their scales are)
         acc_gate, acc_up = acc_gate * unit_gate, acc_up * unit_up
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
         tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
     else:
