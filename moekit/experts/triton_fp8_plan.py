@@ -32,7 +32,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_plan import _fold_constexprs, sum_launch
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -53,7 +53,7 @@ class Fp8Plan:
     """What every call of one kind launches with. Holds no tensor."""
 
     config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
-    align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
+    align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a); folded: gate-up writes it
     # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
     # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
@@ -61,10 +61,13 @@ class Fp8Plan:
     # descriptor key, never interleaved here); None: pointer loads
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
-    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
+    # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
+    # expert_map (read by a folded alignment only)
+    gate_up: BoundLaunch
     down: BoundLaunch  # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
+    reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -167,8 +170,9 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     if config is None:
         config = fp8_config(num_tokens, num_experts, n, hidden, top_k, group, device_key(x.device))
     check_config(config, group)
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
+    fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
@@ -190,16 +194,13 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
-        quantize=None if x_raw else BoundLaunch(
-            kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
-            (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
-            BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
+        quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, RESCALE=rescale and up_one)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, RESCALE=rescale and up_one), fold),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
                           dict(shared, ONE_BLOCK=down_one, RESCALE=rescale and down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
-        poison=options.poison_workspace,
+        poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
 
@@ -211,17 +212,28 @@ def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: La
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 
+def _quantize_launch(x: torch.Tensor, group: int, options: LaunchOptions) -> BoundLaunch:
+    """x [M, K] -> x_q [M, K], x_s [M, KB] (contiguous workspace regions)."""
+    (num_tokens, hidden), groups = x.shape, cdiv(x.shape[1], group)
+    return BoundLaunch(kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), groups), 3,
+                       (num_tokens, hidden, *x.stride(), hidden, groups), BLOCK_R=QUANT_ROWS, GROUP=group,
+                       EMULATE=interpreting(), cached=options.cached_launcher, **options.pdl_kwargs())
+
+
 def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,
-                    config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
+                    config: KernelConfig, num_pid_m: int, shared: dict, fold: dict) -> BoundLaunch:
     """x_q [M, K] and h_q [A, N] are contiguous workspace regions, and so are their scales; ``x_stride``:
-    x's strides where the kernel reads x itself (X_RAW), else None."""
+    x's strides where the kernel reads x itself (X_RAW), else None. ``fold``: the bf16 plan's FOLD
+    constexprs and ``num_global`` (``triton_plan._fold_constexprs``)."""
     (num_experts, _, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
+    fold = dict(fold)
+    num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
-         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
+         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared, **fold,
     )
 
 
