@@ -6,6 +6,7 @@ and weight blocks of scale 0 (leading and inside the reduction). Also which GEMM
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -91,3 +92,39 @@ def test_plan_rescales_one_block_gemms_only(fp8):
     assert flags(NARROW, None) == (False, False)  # 16-row tiles: below RESCALE_MIN_BLOCK_M
     tall = KernelConfig(128, GemmTile(32, 128, 1, 4, 2), GemmTile(32, 128, 1, 4, 2))
     assert flags(tall, None) == (True, True)
+
+
+def _entry(config: KernelConfig, **switches) -> dict:
+    return {**config.to_dict(), **switches}
+
+
+def test_tuned_entry_switches_reach_the_plan(fp8, tmp_path, monkeypatch):
+    # A tuned file's entry may name weight_tma and rescale; the plan follows them where the caller does
+    # not, and an entry without them leaves the rules (16-row tiles: TMA, no rescale).
+    from moekit.experts.configs import clear_config_cache
+
+    x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(9, 2, SHAPE, BLOCK, seed=70)
+    name = "E4_N96_K160_fp8_block_cpu.json"
+    body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu",
+            "configs": {"1": _entry(NARROW), "9": _entry(NARROW, weight_tma=False, rescale=True)}}
+    (tmp_path / name).write_text(json.dumps(body))
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+    clear_config_cache()
+    try:
+        plan = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
+        assert plan.descriptor_key is None and (_rescale_flag(plan.gate_up), _rescale_flag(plan.down)) == (True, True)
+        forced = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON, None, True, False)
+        assert forced.descriptor_key is not None and not _rescale_flag(forced.gate_up)  # the caller's choice wins
+        x1, ids1 = x[:1], ids[:1]
+        plain = build_plan(x1, w13_q, w13_s, w2_q, w2_s, ids1, None, BLOCK, None, POISON)
+        assert plain.descriptor_key is not None and not _rescale_flag(plain.down)
+        out = fp8.fused_experts_fp8(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=BLOCK, options=POISON)
+        twin = fp8.fused_experts_fp8_torch(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=BLOCK)
+        assert rel_l2(out, twin) < FLIP_TOL
+        body["configs"]["9"]["rescale"] = "yes"
+        (tmp_path / name).write_text(json.dumps(body))
+        clear_config_cache()
+        with pytest.raises(ValueError, match="rescale"):
+            build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
+    finally:
+        clear_config_cache()

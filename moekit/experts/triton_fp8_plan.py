@@ -14,7 +14,8 @@ Tuned configs are JSON files in the bf16 path's format and directories (``moekit
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
-is refused.
+is refused. An fp8 entry may also name the plan switches it was measured with, "weight_tma" and
+"rescale" (true or false; absent: the plan's rules, ``TMA_MAX_BLOCK_M`` and ``RESCALE_MIN_BLOCK_M``).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -22,7 +23,9 @@ shape; KB = ceil(K / G), NB = ceil(N / G).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,23 +105,51 @@ def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
     return f"E{num_experts}_N{n}_K{k}_{SCHEME}_{device}.json"
 
 
+@dataclass(frozen=True)
+class Fp8Entry:
+    """One entry of a tuned file: the config, and the plan switches it was measured with, where the file
+    names them (the entry's optional "weight_tma" and "rescale" keys; None: the plan's rules decide)."""
+
+    config: KernelConfig
+    weight_tma: bool | None = None
+    rescale: bool | None = None
+
+
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
-    """The tuned entry of the nearest M for (E, N, K, device), else ``heuristic_fp8_config``."""
+    """The tuned entry's config of the nearest M for (E, N, K, device), else ``heuristic_fp8_config``."""
+    return fp8_entry(num_tokens, num_experts, n, k, top_k, group, device).config
+
+
+def fp8_entry(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> Fp8Entry:
+    """The tuned entry of the nearest M (``configs.nearest``), else the heuristic config with no switches."""
     table = _table(num_experts, n, k, device)
     if not table:
-        return heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group)
-    config = nearest(table, num_tokens)
-    check_config(config, group, f"the tuned file {config_file_name(num_experts, n, k, device)}")
-    return config
+        return Fp8Entry(heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group))
+    entry = table[nearest({m: m for m in table}, num_tokens)]
+    check_config(entry.config, group, f"the tuned file {config_file_name(num_experts, n, k, device)}")
+    return entry
 
 
-def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, KernelConfig] | None:
+def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry] | None:
     key = (num_experts, n, k, device, tuple(user_config_dirs()))
     if key not in _TABLES:
         name = config_file_name(num_experts, n, k, device)
         found = [d / name for d in [*user_config_dirs(), PACKAGED_DIR] if (d / name).is_file()]
-        _TABLES[key] = read_configs(found[0]) if found else None
+        _TABLES[key] = read_entries(found[0]) if found else None
     return _TABLES[key]
+
+
+def read_entries(path: Path) -> dict[int, Fp8Entry]:
+    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with the switches)."""
+    raw = json.loads(Path(path).read_text())["configs"]
+    entries = {}
+    for m, config in read_configs(path).items():
+        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "rescale")}
+        for name, value in switches.items():
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
+        entries[m] = Fp8Entry(config, **switches)
+    return entries
 
 
 def check_config(config: KernelConfig, group: int, where: str = "config") -> None:
@@ -143,7 +174,7 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides.
     ``rescale``: RESCALE in each GEMM whose tile lies in one weight scale block (True), never (False);
-    None: ``RESCALE_MIN_BLOCK_M`` decides."""
+    None: the tuned entry's switch, else ``RESCALE_MIN_BLOCK_M`` (and the same for ``weight_tma``)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
@@ -167,8 +198,10 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n, hidden), (num_tokens, top_k) = w13_q.shape, ids.shape
     n, num_assignments = two_n // 2, num_tokens * top_k
-    if config is None:
-        config = fp8_config(num_tokens, num_experts, n, hidden, top_k, group, device_key(x.device))
+    entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
+                                                                   device_key(x.device))
+    config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
+    rescale = entry.rescale if rescale is None else rescale
     check_config(config, group)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
