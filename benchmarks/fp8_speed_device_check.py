@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
-DEADLINE_S = 88.0  # stop timing here (the lead's limit is 100 s)
+DEADLINE_S = 85.0  # stop timing here (the lead's limit is 100 s)
 WORKER_DEADLINE_S = 52.0  # compile workers still running then are stopped (their rest is skipped)
 WORKERS = 12  # of the device host's 16 cores
 BIG_PRESET_WORKERS = 4  # DeepSeek-V3's e4m3 weights are 11 GB per worker
@@ -165,13 +165,17 @@ def collect_workers(procs) -> dict[tuple, str]:
             p.wait()
     status = {}
     for p, log in procs:
-        for line in log.read_text().splitlines():
+        shown = 0
+        for line in log.read_text(errors="replace").splitlines():
             parts = line.split(" ", 4)
             if parts[0] in ("START", "OK", "ERR") and len(parts) >= 4:
                 key = (parts[1], int(parts[2]), int(parts[3]))
                 status[key] = {"START": "crashed", "OK": "ok"}.get(parts[0], "error: " + " ".join(parts[4:]))
-            elif "Error" in line or "Segmentation" in line:
+            elif ("Error" in line or "Segmentation" in line or "Abort" in line) and shown < 3:
+                shown += 1
                 print(f"  worker {p.pid}: {line[:200]}", flush=True)
+        if p.returncode not in (0, None):
+            print(f"  worker {p.pid} exited with {p.returncode}", flush=True)
     return status
 
 
@@ -188,7 +192,6 @@ class CellInputsAll:
     sets: list  # rotated CellInputs
     touched: float  # mean distinct experts per call over the sets
     twin: torch.Tensor  # the torch twin's output on sets[0]
-    bf16_out: torch.Tensor  # moekit bf16 Triton on the unquantized weights, sets[0]
 
 
 @dataclass
@@ -220,7 +223,8 @@ class Baseline:
 
 
 def prepare(presets, dev):
-    """Per preset: bf16 weights, e4m3 weights, and per M the rotated inputs, twin and bf16 outputs."""
+    """Per preset: bf16 weights, e4m3 weights, and per M the rotated inputs and the twin's output; one bf16
+    call per cell compiles its kernels meanwhile (the workers compile the fp8 ones)."""
     from fp8_device_check import quantize_blocks
     from moekit.bench.cells import Shape, make_sets, make_weights, measured_experts_touched
     from moekit.experts.triton import experts_triton
@@ -238,8 +242,8 @@ def prepare(presets, dev):
             touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
             first = sets[0]
             twin = fused_experts_fp8_torch(first.x, *q, first.topk_ids, first.topk_weights)
-            bf16 = experts_triton(first.x, w.w13, w.w2, first.topk_ids, first.topk_weights)
-            cells.append(CellInputsAll(preset, m, s, sets, touched, twin, bf16))
+            experts_triton(first.x, w.w13, w.w2, first.topk_ids, first.topk_weights)
+            cells.append(CellInputsAll(preset, m, s, sets, touched, twin))
         print(f"[{elapsed():5.1f}s] prepared {preset}", flush=True)
     return weights, cells
 
