@@ -72,6 +72,7 @@ def candidates(m: int) -> list[Candidate]:
         return [default,
                 Candidate("d128/5+128/5", (16, (128, 4, 5), (128, 4, 5)), tma=True),
                 Candidate("d128/5+64/5", (16, (128, 4, 5), (64, 4, 5)), tma=True),
+                Candidate("d128/5+32/5", (16, (128, 4, 5), (32, 4, 5)), tma=True),
                 Candidate("d64/6+64/6", (16, (64, 4, 6), (64, 4, 6)), tma=True),
                 Candidate("d32/6+128/5", (16, (32, 4, 6), (128, 4, 5)), tma=True),
                 Candidate("d64/4+128/4", (16, (64, 4, 4), (128, 4, 4)), tma=True),
