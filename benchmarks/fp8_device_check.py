@@ -41,7 +41,7 @@ from moekit.bench.timing import time_calls
 from moekit.experts.configs import GemmTile, KernelConfig, device_key
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
-from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, fp8_config, heuristic_fp8_config
+from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, fp8_entry, heuristic_fp8_config
 from moekit.experts.triton_launch import kernels
 
 BATCHES = (1, 8, 64, 512, 4096)
@@ -142,8 +142,8 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
     sets = make_sets(s, m, max(2, min(8, math.ceil(ROTATION_BYTES / touched_once))), torch.bfloat16, dev)
     touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
     first = sets[0]
-    config = fp8_config(m, s.num_experts, s.n, s.k, s.top_k, BLOCK[1], device_key(dev))  # tuned file or heuristic
-    default_tma = config.BLOCK_M <= TMA_MAX_BLOCK_M
+    entry = fp8_entry(m, s.num_experts, s.n, s.k, s.top_k, BLOCK[1], device_key(dev))  # tuned file or heuristic
+    default_tma = entry.config.BLOCK_M <= TMA_MAX_BLOCK_M if entry.weight_tma is None else entry.weight_tma
     out = fused_experts_fp8(first.x, *q, first.topk_ids, first.topk_weights)
     other = fused_experts_fp8_launch(first.x, *q, first.topk_ids, first.topk_weights, weight_tma=not default_tma)
     twin = fused_experts_fp8_torch(first.x, *q, first.topk_ids, first.topk_weights)

@@ -6,16 +6,16 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
     descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
     re-quantize h), down (x routed weight), k-sum
 
-Choices that leave the result unchanged (up to float32 rounding), for A/Bs (``benchmarks/fp8_device_check.py``,
+Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``,
 ``benchmarks/fp8_speed_device_check.py``), are arguments of ``plan_for``: x quantized inside gate-up,
-weights through TMA or pointers, the accumulator rescaled instead of each step folded.
+weights through TMA or pointers.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
-is refused. An fp8 entry may also name the plan switches it was measured with, "weight_tma" and
-"rescale" (true or false; absent: the plan's rules, ``TMA_MAX_BLOCK_M`` and ``RESCALE_MIN_BLOCK_M``).
+is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
+false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -45,10 +45,6 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 # against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
 # Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
 TMA_MAX_BLOCK_M = 16
-# The GEMMs keep their accumulators in units of the latest K-step's scale (``gemm_fp8``'s RESCALE) in
-# tiles of at least this many rows, where the per-step fold's second float32 tile would spill; a GEMM
-# whose tile straddles weight scale blocks (not ONE_BLOCK) always folds.
-RESCALE_MIN_BLOCK_M = 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,11 +90,13 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_
     product before its scale fold, and at 64 accumulator registers per thread (128 rows on 8 warps, or
     64 on 4) it used 255 registers with 24 spilled; here 173, none. The fastest of six in every prefill
     cell: M=4096 Qwen3 910 -> 702 µs, DeepSeek-V3 8103 -> 6018, Mixtral 5261 -> 4369; M=512 Mixtral
-    1017 -> 718."""
+    1017 -> 718. The down GEMM of those on 4 warps (session 9, ``fp8_speed_device_check``, pointer
+    weights): Qwen3 M=1024 / 4096 / 16384 253 -> 251, 683 -> 671, 2569 -> 2391 µs; Mixtral M=1024 / 4096
+    1392 -> 1237, 4715 -> 4471."""
     width = max(128, group)  # a multiple of the group: h is re-quantized in the gate-up epilogue
     if num_tokens * top_k / num_experts < 16:
         return KernelConfig(16, GemmTile(width, group, 1, 4, 4), GemmTile(128, group, 1, 4, 4))
-    return KernelConfig(64, GemmTile(width, group, 8, 8, 4), GemmTile(128, group, 8, 8, 4))
+    return KernelConfig(64, GemmTile(width, group, 8, 8, 4), GemmTile(128, group, 8, 4, 4))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
@@ -107,12 +105,11 @@ def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
 
 @dataclass(frozen=True)
 class Fp8Entry:
-    """One entry of a tuned file: the config, and the plan switches it was measured with, where the file
-    names them (the entry's optional "weight_tma" and "rescale" keys; None: the plan's rules decide)."""
+    """One entry of a tuned file: the config, and the weight loads it was measured with where the file
+    names them (the entry's optional "weight_tma" key; None: ``TMA_MAX_BLOCK_M`` decides)."""
 
     config: KernelConfig
     weight_tma: bool | None = None
-    rescale: bool | None = None
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -121,7 +118,7 @@ def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, gr
 
 
 def fp8_entry(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> Fp8Entry:
-    """The tuned entry of the nearest M (``configs.nearest``), else the heuristic config with no switches."""
+    """The tuned entry of the nearest M (``configs.nearest``), else the heuristic config, no switch."""
     table = _table(num_experts, n, k, device)
     if not table:
         return Fp8Entry(heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group))
@@ -140,15 +137,14 @@ def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry]
 
 
 def read_entries(path: Path) -> dict[int, Fp8Entry]:
-    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with the switches)."""
+    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with their switch)."""
     raw = json.loads(Path(path).read_text())["configs"]
     entries = {}
     for m, config in read_configs(path).items():
-        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "rescale")}
-        for name, value in switches.items():
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
-        entries[m] = Fp8Entry(config, **switches)
+        weight_tma = raw[str(m)].get("weight_tma")
+        if weight_tma is not None and not isinstance(weight_tma, bool):
+            raise ValueError(f"{path}: entry {m}'s 'weight_tma' must be true or false, got {weight_tma!r}")
+        entries[m] = Fp8Entry(config, weight_tma)
     return entries
 
 
@@ -166,33 +162,31 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, rescale: bool | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
     against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
-    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides.
-    ``rescale``: RESCALE in each GEMM whose tile lies in one weight scale block (True), never (False);
-    None: the tuned entry's switch, else ``RESCALE_MIN_BLOCK_M`` (and the same for ``weight_tma``)."""
+    ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
+    ``TMA_MAX_BLOCK_M`` decides."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, rescale)
+           block_shape, config, options, x_in_gate_up, weight_tma)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, rescale)
+                                        options, x_in_gate_up, weight_tma)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               rescale: bool | None = None) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -201,7 +195,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
-    rescale = entry.rescale if rescale is None else rescale
     check_config(config, group)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
@@ -209,8 +202,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
-    if rescale is None:
-        rescale = block_m >= RESCALE_MIN_BLOCK_M
     x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
@@ -229,9 +220,9 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, RESCALE=rescale and up_one), fold),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=down_one, RESCALE=rescale and down_one)),
+                          dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )

@@ -38,15 +38,6 @@ weight scale of a K-step is one scalar, and the step's partial product is folded
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
-RESCALE (ONE_BLOCK only): instead of folding each K-step's partial product into the accumulator (a
-second [BM, BN] float32 tile live beside it), the accumulator is kept in units of the latest step's
-factor f = x_s * w_s ([BM, 1]) and handed to the dot as its accumulator: acc = dot(a, w, acc * unit / f),
-unit = f, and acc * unit at the end (the online rescale of flash attention). One [BM, BN] float32 tile
-per output instead of two: taller tiles fit in the registers. A step whose factor is 0 (a weight block
-of scale 0) keeps the unit; its products are then added at the current unit, which is exact where that
-block's q is all zeros (what a quantizer writes with scale 0); before the first nonzero factor the unit
-is 0, so such leading steps are erased. Equal to the fold up to float32 rounding.
-
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -65,33 +56,6 @@ def _scaled_dot(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, out_dtype=tl.float32)
-
-
-@triton.jit
-def _accumulate(acc, unit, a, b, factor, UPCAST: tl.constexpr, RESCALE: tl.constexpr):
-    """(acc, unit) after one K-step: acc + dot(a, b) * factor (the fold), or under RESCALE the dot
-    accumulating into acc kept in units of the latest nonzero factor (see RESCALE above)."""
-    if RESCALE:
-        ok = factor > 0
-        start = acc * tl.where(ok, unit / tl.where(ok, factor, 1.0), 1.0)
-        if UPCAST:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), start, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, start, out_dtype=tl.float32)
-        unit = tl.where(ok, factor, unit)
-    else:
-        acc += _scaled_dot(a, b, UPCAST) * factor
-    return acc, unit
-
-
-@triton.jit
-def _unit_zeros(BLOCK_M: tl.constexpr, RESCALE: tl.constexpr):
-    """The RESCALE unit of each row before the first step ([BM, 1] zeros; [1, 1] unused without it)."""
-    if RESCALE:
-        unit = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
-    else:
-        unit = tl.zeros([1, 1], dtype=tl.float32)
-    return unit
 
 
 @triton.jit
@@ -137,7 +101,7 @@ def gate_up_fp8_kernel(
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, RESCALE: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
 ):
@@ -165,7 +129,6 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    unit_gate, unit_up = _unit_zeros(BLOCK_M, RESCALE), _unit_zeros(BLOCK_M, RESCALE)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -177,17 +140,13 @@ def gate_up_fp8_kernel(
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
         xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
-        acc_gate, unit_gate = _accumulate(acc_gate, unit_gate, xa, wg, _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK),
-                                          UPCAST, RESCALE)
-        acc_up, unit_up = _accumulate(acc_up, unit_up, xa, wu, _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK),
-                                      UPCAST, RESCALE)
+        acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK)
+        acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
-    if RESCALE:  # [BM, BN] fp32; columns past N are 0 (their scales are)
-        acc_gate, acc_up = acc_gate * unit_gate, acc_up * unit_up
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 
@@ -219,7 +178,7 @@ def down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, RESCALE: tl.constexpr, PDL: tl.constexpr,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
@@ -241,7 +200,6 @@ def down_fp8_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    unit = _unit_zeros(BLOCK_M, RESCALE)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
@@ -255,14 +213,12 @@ def down_fp8_kernel(
             ha = to_e4m3(ha / hs[:, None], EMULATE)
         else:
             hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
-        acc, unit = _accumulate(acc, unit, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, RESCALE)
+        acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK)
         h_ptrs += BLOCK_K
         hs_ptrs += 1
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    if RESCALE:
-        acc = acc * unit
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
