@@ -1,6 +1,7 @@
 """GPU check of the fp8 block-scaled Triton experts path (``moekit.experts.triton_fp8``), run on the device.
 
-    PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness, timings, A/Bs: < 3 min
+    PYTHONPATH=. python benchmarks/fp8_device_check.py            # correctness, timings: < 100 s
+    PYTHONPATH=. python benchmarks/fp8_device_check.py --configs  # + the config A/B below (~+60 s)
     PYTHONPATH=. python benchmarks/fp8_device_check.py --compile  # + torch.compile(fullgraph=True), inductor
 
 Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1, 8, 64, 512, 4096}:
@@ -13,7 +14,7 @@ Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B routed experts) and M in {1
 - the fp8 floor: max(touched experts x (3*N*K fp8 bytes + scales) + x and out bf16 bytes) / copy BW,
   FLOPs / fp8 matmul rate), both ceilings measured here (a 4 GiB device copy; ``torch._scaled_mm`` on
   8192^3 e4m3, skipped if this torch lacks it);
-- at M in CONFIG_AB_BATCHES, a few alternative configs (tile widths, warps, stages) against the
+- with ``--configs``, at M in CONFIG_AB_BATCHES, a few alternative configs (tile widths, warps, stages) against the
   heuristic, each with TMA and with pointer weights, and the registers, spills and shared memory of the
   GEMMs it compiled.
 Also: a CUDA graph of the fp8 path replayed with new routing equals eager. ``--compile`` checks that
@@ -37,10 +38,10 @@ import torch
 from moekit.bench.ceilings import measure_fp8_mm
 from moekit.bench.cells import PRESETS, Shape, make_sets, make_weights, measured_experts_touched
 from moekit.bench.timing import time_calls
-from moekit.experts.configs import GemmTile, KernelConfig
+from moekit.experts.configs import GemmTile, KernelConfig, device_key
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8 import fused_experts_fp8, fused_experts_fp8_launch, fused_experts_fp8_torch
-from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, heuristic_fp8_config
+from moekit.experts.triton_fp8_plan import TMA_MAX_BLOCK_M, fp8_entry, heuristic_fp8_config
 from moekit.experts.triton_launch import kernels
 
 BATCHES = (1, 8, 64, 512, 4096)
@@ -141,7 +142,8 @@ def run_cell(s: Shape, m: int, w, q, c: Ceilings, dev) -> Row:
     sets = make_sets(s, m, max(2, min(8, math.ceil(ROTATION_BYTES / touched_once))), torch.bfloat16, dev)
     touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
     first = sets[0]
-    default_tma = heuristic_fp8_config(m, s.num_experts, s.n, s.k, s.top_k).BLOCK_M <= TMA_MAX_BLOCK_M
+    entry = fp8_entry(m, s.num_experts, s.n, s.k, s.top_k, BLOCK[1], device_key(dev))  # tuned file or heuristic
+    default_tma = entry.config.BLOCK_M <= TMA_MAX_BLOCK_M if entry.weight_tma is None else entry.weight_tma
     out = fused_experts_fp8(first.x, *q, first.topk_ids, first.topk_weights)
     other = fused_experts_fp8_launch(first.x, *q, first.topk_ids, first.topk_weights, weight_tma=not default_tma)
     twin = fused_experts_fp8_torch(first.x, *q, first.topk_ids, first.topk_weights)
@@ -302,7 +304,7 @@ def main() -> int:
         w = make_weights(s, torch.bfloat16, dev)
         q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
         rows += [r for m in BATCHES if (r := guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceilings, dev))]
-        for m in CONFIG_AB_BATCHES:
+        for m in CONFIG_AB_BATCHES if "--configs" in sys.argv else ():
             abs_ += guarded(f"config A/B {preset} M={m}", config_ab, s, m, q, dev) or []
         if preset == PRESETS[0]:
             guarded("graph replay", graph_replay, s, q, dev)

@@ -8,16 +8,18 @@ Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] floa
 ``weight_scale_inv``), block_shape = (GN, G) = (128, 128) by default. Activations are quantized at run
 time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4m3(v / s).
 
-The alignment, the tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery
-are the bf16 path's (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
+The alignment (folded into the gate-up GEMM up to ``LaunchOptions.align_fold_max`` assignments), the
+tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery are the bf16 path's
+(``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
 quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
 e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows
 (built once per weight tensor and plan blocks, ``triton_cache.WeightDescriptors``, as the bf16 path's),
 else as pointers read through their strides (``triton_fp8_plan.TMA_MAX_BLOCK_M`` has the measurements);
 ``LaunchOptions.weight_descriptors=False`` forces the pointers.
 ``torch.ops.moekit.triton_experts_fp8`` is a custom op with a fake: no host sync, every size from
-shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Its buffers are
-allocated per call (from the graph's pool while one captures).
+shapes, so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it. Eager calls take their
+buffers from a reused pool (``triton_cache.WorkspacePool``), a call under capture fresh ones from the
+graph's pool.
 
 Torch twin: ``fused_experts_fp8_torch`` (the same quantization steps, float32 GEMMs on dequantized
 operands: equal to the block-scaled sum up to float32 rounding, except that now and then a value within
@@ -34,8 +36,9 @@ from typing import Optional
 import torch
 
 from moekit.experts.configs import KernelConfig
+from moekit.experts.triton import _runs_directly
 from moekit.experts.triton_align import run_align
-from moekit.experts.triton_cache import WeightDescriptors
+from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
 from moekit.layouts.grouping import to_local_ids
@@ -140,12 +143,14 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype | 
 
 
 _DESCRIPTORS = WeightDescriptors()  # the e4m3 weights' TMA descriptors, per weight tensor (weakly)
+_WORKSPACES = WorkspacePool()  # reused x_q, h, y and alignment buffers of eager calls (``triton_cache``)
 
 
 def clear_launch_caches() -> None:
-    """Drop every cached plan and weight descriptor (the next call builds them again)."""
+    """Drop every cached plan, weight descriptor and reused workspace (the next call builds them again)."""
     clear_plans()
     _DESCRIPTORS.clear()
+    _WORKSPACES.clear()
 
 
 def quantize_groups_triton(v: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +175,8 @@ def fused_experts_fp8_launch(
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
-    TMA descriptors (True) or pointers (False); None: the plan's rule (``triton_fp8_plan.TMA_MAX_BLOCK_M``).
-    Whatever the choices, the result is the same."""
+    TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
+    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). Whatever the choices, the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -185,15 +190,16 @@ def fused_experts_fp8_launch(
 
 
 def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
-    b = plan.workspace.allocate(x.device)
+    out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
+    b = _WORKSPACES.buffers(plan.workspace, x.device) if plan.reuse_workspace else plan.workspace.allocate(x.device)
     if plan.poison:  # a read of a row no kernel wrote shows up as NaN in the output
         for name in ("h_q", "h_s", "y"):
             b[name].fill_(float("nan"))
     if plan.align is None:
         rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
     else:
-        run_align(plan.align, ids, expert_map, b)
+        if not plan.align.folded:  # folded: the gate-up GEMM's programs write the layout
+            run_align(plan.align, ids, expert_map, b)
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
         x_q, x_s = x, x  # x_s is never read then
@@ -204,7 +210,7 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
     if plan.descriptor_key is not None:
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
-    plan.gate_up(x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows)
+    plan.gate_up(x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)
     plan.down(b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
     return out
@@ -243,9 +249,14 @@ def fused_experts_fp8(
     options: LaunchOptions = LaunchOptions(),
 ) -> torch.Tensor:
     """The experts contract on fp8 block-quantized weights, fused Triton kernels; returns [M, K] in
-    x.dtype. Through ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors,
-    dependent_launch and poison_workspace cross the op)."""
+    x.dtype. In eager mode where nothing traces or needs the op (``triton``'s direct-eager rule,
+    ``options.direct_eager``), the kernels are launched directly; else through
+    ``torch.ops.moekit.triton_experts_fp8`` (of ``options``, weight_descriptors, dependent_launch and
+    poison_workspace cross the op)."""
     check_fp8_args(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, activation, expert_map, block_shape)
+    if options.direct_eager and _runs_directly(x, w13_q, w2_q, topk_weights, None, None):
+        return fused_experts_fp8_launch(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
+                                        tuple(block_shape), options=options)
     return torch.ops.moekit.triton_experts_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map,
                                                block_shape[0], block_shape[1], options.weight_descriptors,
                                                options.dependent_launch, options.poison_workspace)

@@ -6,14 +6,16 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
     descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
     re-quantize h), down (x routed weight), k-sum
 
-Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``), are arguments
-of ``plan_for``: x quantized inside gate-up, weights through TMA or pointers.
+Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``,
+``benchmarks/fp8_speed_device_check.py``), are arguments of ``plan_for``: x quantized inside gate-up,
+weights through TMA or pointers.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
 named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equal the scale blocks'
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
-is refused.
+is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
+false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -21,7 +23,9 @@ shape; KB = ceil(K / G), NB = ceil(N / G).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,7 +35,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_plan import _fold_constexprs, sum_launch
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -48,7 +52,7 @@ class Fp8Plan:
     """What every call of one kind launches with. Holds no tensor."""
 
     config: KernelConfig  # the GEMM tiles; up.BLOCK_K == down.BLOCK_K == G, up.BLOCK_N a multiple or divisor of G
-    align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a)
+    align: AlignPlan | None  # None in the tiny-batch shortcut (block a = assignment a); folded: gate-up writes it
     # x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB] (where up.BLOCK_N < G:
     # h float32 and h_s [1], unused), y [A, K], + the alignment's
     workspace: WorkspaceSpec
@@ -56,10 +60,13 @@ class Fp8Plan:
     # descriptor key, never interleaved here); None: pointer loads
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
-    gate_up: BoundLaunch  # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded
+    # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
+    # expert_map (read by a folded alignment only)
+    gate_up: BoundLaunch
     down: BoundLaunch  # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
+    reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -83,34 +90,62 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_
     product before its scale fold, and at 64 accumulator registers per thread (128 rows on 8 warps, or
     64 on 4) it used 255 registers with 24 spilled; here 173, none. The fastest of six in every prefill
     cell: M=4096 Qwen3 910 -> 702 µs, DeepSeek-V3 8103 -> 6018, Mixtral 5261 -> 4369; M=512 Mixtral
-    1017 -> 718."""
+    1017 -> 718. The down GEMM of those on 4 warps (session 9, ``fp8_speed_device_check``, pointer
+    weights): Qwen3 M=1024 / 4096 / 16384 253 -> 251, 683 -> 671, 2569 -> 2391 µs; Mixtral M=1024 / 4096
+    1392 -> 1237, 4715 -> 4471."""
     width = max(128, group)  # a multiple of the group: h is re-quantized in the gate-up epilogue
     if num_tokens * top_k / num_experts < 16:
         return KernelConfig(16, GemmTile(width, group, 1, 4, 4), GemmTile(128, group, 1, 4, 4))
-    return KernelConfig(64, GemmTile(width, group, 8, 8, 4), GemmTile(128, group, 8, 8, 4))
+    return KernelConfig(64, GemmTile(width, group, 8, 8, 4), GemmTile(128, group, 8, 4, 4))
 
 
 def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
     return f"E{num_experts}_N{n}_K{k}_{SCHEME}_{device}.json"
 
 
+@dataclass(frozen=True)
+class Fp8Entry:
+    """One entry of a tuned file: the config, and the weight loads it was measured with where the file
+    names them (the entry's optional "weight_tma" key; None: ``TMA_MAX_BLOCK_M`` decides)."""
+
+    config: KernelConfig
+    weight_tma: bool | None = None
+
+
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
-    """The tuned entry of the nearest M for (E, N, K, device), else ``heuristic_fp8_config``."""
+    """The tuned entry's config of the nearest M for (E, N, K, device), else ``heuristic_fp8_config``."""
+    return fp8_entry(num_tokens, num_experts, n, k, top_k, group, device).config
+
+
+def fp8_entry(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> Fp8Entry:
+    """The tuned entry of the nearest M (``configs.nearest``), else the heuristic config, no switch."""
     table = _table(num_experts, n, k, device)
     if not table:
-        return heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group)
-    config = nearest(table, num_tokens)
-    check_config(config, group, f"the tuned file {config_file_name(num_experts, n, k, device)}")
-    return config
+        return Fp8Entry(heuristic_fp8_config(num_tokens, num_experts, n, k, top_k, group))
+    entry = table[nearest({m: m for m in table}, num_tokens)]
+    check_config(entry.config, group, f"the tuned file {config_file_name(num_experts, n, k, device)}")
+    return entry
 
 
-def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, KernelConfig] | None:
+def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry] | None:
     key = (num_experts, n, k, device, tuple(user_config_dirs()))
     if key not in _TABLES:
         name = config_file_name(num_experts, n, k, device)
         found = [d / name for d in [*user_config_dirs(), PACKAGED_DIR] if (d / name).is_file()]
-        _TABLES[key] = read_configs(found[0]) if found else None
+        _TABLES[key] = read_entries(found[0]) if found else None
     return _TABLES[key]
+
+
+def read_entries(path: Path) -> dict[int, Fp8Entry]:
+    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with their switch)."""
+    raw = json.loads(Path(path).read_text())["configs"]
+    entries = {}
+    for m, config in read_configs(path).items():
+        weight_tma = raw[str(m)].get("weight_tma")
+        if weight_tma is not None and not isinstance(weight_tma, bool):
+            raise ValueError(f"{path}: entry {m}'s 'weight_tma' must be true or false, got {weight_tma!r}")
+        entries[m] = Fp8Entry(config, weight_tma)
+    return entries
 
 
 def check_config(config: KernelConfig, group: int, where: str = "config") -> None:
@@ -133,7 +168,8 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
     against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
-    ``options.weight_descriptors`` and the strides allow descriptors; None: ``TMA_MAX_BLOCK_M`` decides."""
+    ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
+    ``TMA_MAX_BLOCK_M`` decides."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
@@ -156,11 +192,13 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n, hidden), (num_tokens, top_k) = w13_q.shape, ids.shape
     n, num_assignments = two_n // 2, num_tokens * top_k
-    if config is None:
-        config = fp8_config(num_tokens, num_experts, n, hidden, top_k, group, device_key(x.device))
+    entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
+                                                                   device_key(x.device))
+    config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
     check_config(config, group)
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
+    fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
@@ -174,22 +212,19 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
     up, down = config.up, config.down
+    up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
-        quantize=None if x_raw else BoundLaunch(
-            kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), cdiv(hidden, group)), 3,
-            (num_tokens, hidden, *x.stride(), hidden, cdiv(hidden, group)),
-            BLOCK_R=QUANT_ROWS, GROUP=group, EMULATE=emulate, cached=options.cached_launcher, **options.pdl_kwargs()),
+        quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw,
-                                                ONE_BLOCK=block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=block_n % down.BLOCK_N == 0)),
+                          dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
-        poison=options.poison_workspace,
+        poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
 
@@ -201,17 +236,28 @@ def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: La
         w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] % 16 == 0 for w in (w13_q, w2_q))
 
 
+def _quantize_launch(x: torch.Tensor, group: int, options: LaunchOptions) -> BoundLaunch:
+    """x [M, K] -> x_q [M, K], x_s [M, KB] (contiguous workspace regions)."""
+    (num_tokens, hidden), groups = x.shape, cdiv(x.shape[1], group)
+    return BoundLaunch(kernels("quant_fp8").quantize_rows_kernel, (cdiv(num_tokens, QUANT_ROWS), groups), 3,
+                       (num_tokens, hidden, *x.stride(), hidden, groups), BLOCK_R=QUANT_ROWS, GROUP=group,
+                       EMULATE=interpreting(), cached=options.cached_launcher, **options.pdl_kwargs())
+
+
 def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: int, top_k: int,
-                    config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
+                    config: KernelConfig, num_pid_m: int, shared: dict, fold: dict) -> BoundLaunch:
     """x_q [M, K] and h_q [A, N] are contiguous workspace regions, and so are their scales; ``x_stride``:
-    x's strides where the kernel reads x itself (X_RAW), else None."""
+    x's strides where the kernel reads x itself (X_RAW), else None. ``fold``: the bf16 plan's FOLD
+    constexprs and ``num_global`` (``triton_plan._fold_constexprs``)."""
     (num_experts, _, hidden), n, up = w13_q.shape, w13_q.shape[1] // 2, config.up
+    fold = dict(fold)
+    num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
-         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K)),
+         cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
-        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared, **fold,
     )
 
 

@@ -22,6 +22,10 @@ each down program redoes it, which costs little only where M is small).
 down: the reduction runs over N in steps of BK, one h scale and one w2 scale per step; the routed
 weight is applied in the epilogue; y is summed over the k slots by ``combine``.
 
+FOLD (gate-up only, A <= ``LaunchOptions.align_fold_max``): the bf16 gate-up's folded alignment
+(``gemm._gate_up_rows``): no alignment launch; each program derives its block from the ids, and the
+programs of N tile 0 write the layout the down GEMM reads.
+
 W_DESC: the weights come as TMA tensor descriptors (``gemm``'s W_DESC: e4m3 [BN, BK] tiles, one bulk copy
 each, no address arithmetic in the loop); the host picks them where the strides allow (``triton_fp8_plan``).
 A last gate tile past N reads up rows (and the last up tile the next expert's): those columns get weight
@@ -42,7 +46,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.gemm import _block_rows, _grid_position
+from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -92,17 +96,20 @@ def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
-    GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
+    HAS_MAP: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                                 num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
+                                 FOLD_CHUNK, HAS_MAP)
     if expert < 0:
         return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
     row_ok = rows < num_assignments  # [BM]
@@ -140,26 +147,27 @@ def gate_up_fp8_kernel(
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
-    if H_FP32:  # h_q is float32 [A, N]: the down GEMM quantizes it
-        tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=row_ok[:, None] & n_ok[None, :])
-    else:
-        _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
-                         EMULATE)
+    _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
+             H_FP32)
 
 
 @triton.jit
-def _store_quantized(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
-    """h [BM, BN] (columns pid_n*BN ..) -> e4m3 per BK columns: h_q rows and their BN/BK scales."""
-    GROUPS: tl.constexpr = BLOCK_N // BLOCK_K
-    h3 = tl.reshape(h, [BLOCK_M, GROUPS, BLOCK_K])
-    s = group_scale(tl.max(tl.abs(h3), axis=2))  # [BM, G]
-    q = tl.reshape(to_e4m3(h3 / s[:, :, None], EMULATE), [BLOCK_M, BLOCK_N])
+def _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr):
+    """h [BM, BN] (columns pid_n*BN ..) -> e4m3 per BK columns: h_q rows and their BN/BK scales; H_FP32:
+    h itself into the float32 h_q (the down GEMM quantizes it)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], q, mask=row_ok[:, None] & (offs_n < N)[None, :])
-    offs_g = pid_n * GROUPS + tl.arange(0, GROUPS)
-    tl.store(hs_ptr + rows[:, None] * stride_hsm + offs_g[None, :], s,
-             mask=row_ok[:, None] & (offs_g < tl.cdiv(N, BLOCK_K))[None, :])
+    h_ptrs, h_mask = hq_ptr + rows[:, None] * stride_hm + offs_n[None, :], row_ok[:, None] & (offs_n < N)[None, :]
+    if H_FP32:
+        tl.store(h_ptrs, h, mask=h_mask)
+    else:
+        GROUPS: tl.constexpr = BLOCK_N // BLOCK_K
+        h3 = tl.reshape(h, [BLOCK_M, GROUPS, BLOCK_K])
+        s = group_scale(tl.max(tl.abs(h3), axis=2))  # [BM, G]
+        tl.store(h_ptrs, tl.reshape(to_e4m3(h3 / s[:, :, None], EMULATE), [BLOCK_M, BLOCK_N]), mask=h_mask)
+        offs_g = pid_n * GROUPS + tl.arange(0, GROUPS)
+        tl.store(hs_ptr + rows[:, None] * stride_hsm + offs_g[None, :], s,
+                 mask=row_ok[:, None] & (offs_g < tl.cdiv(N, BLOCK_K))[None, :])
 
 
 @triton.jit

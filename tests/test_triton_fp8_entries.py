@@ -1,0 +1,65 @@
+"""The fp8 tuned files' optional per-entry switch (``triton_fp8_plan.read_entries``): "weight_tma" names
+the weight loads an entry was measured with; the plan follows it where the caller does not choose, an
+entry without it keeps the rule (``TMA_MAX_BLOCK_M``), and a value that is not a bool is refused. The
+result stays the torch twin's (Triton's interpreter, tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from _fp8_cases import FLIP_TOL, POISON, SHAPES, problem  # noqa: E402
+from _helpers import rel_l2  # noqa: E402
+from _triton_helpers import interpreted  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  # noqa: E402
+from moekit.experts.triton_fp8_plan import build_plan  # noqa: E402
+
+SHAPE, BLOCK = SHAPES[0]  # E=4, K=160 (a K tail), N=96 (an N tail)
+NARROW = KernelConfig(16, GemmTile(32, 128, 1, 4, 2), GemmTile(32, 128, 1, 4, 2))
+TALL = KernelConfig(64, GemmTile(32, 128, 2, 4, 2), GemmTile(32, 128, 2, 4, 2))
+NAME = "E4_N96_K160_fp8_block_cpu.json"
+
+
+@pytest.fixture(scope="module")
+def fp8():
+    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as module:
+        yield module
+
+
+@pytest.fixture
+def config_file(tmp_path, monkeypatch):
+    """Writes a tuned file into an empty user config directory searched first (caches cleared around)."""
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
+
+    def write(entries: dict) -> None:
+        body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu", "configs": entries}
+        (tmp_path / NAME).write_text(json.dumps(body))
+        clear_config_cache()
+
+    yield write
+    clear_config_cache()
+
+
+def test_entry_switch_reaches_the_plan(fp8, config_file):
+    x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(9, 2, SHAPE, BLOCK, seed=70)
+    # M=1: a 16-row entry without the switch (the rule: TMA); M=9: 64-row tiles asked to load by TMA
+    config_file({"1": NARROW.to_dict(), "9": {**TALL.to_dict(), "weight_tma": True}})
+    tall = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
+    assert tall.config == TALL and tall.descriptor_key is not None  # the rule alone would pick pointers
+    forced = build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON, None, False)
+    assert forced.descriptor_key is None  # the caller's choice wins
+    plain = build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON)
+    assert plain.config == NARROW and plain.descriptor_key is not None
+    out = fp8.fused_experts_fp8(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=BLOCK, options=POISON)
+    twin = fp8.fused_experts_fp8_torch(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=BLOCK)
+    assert rel_l2(out, twin) < FLIP_TOL
+
+
+def test_entry_switch_must_be_a_bool(config_file):
+    x, _, (w13_q, w13_s, w2_q, w2_s), ids, _ = problem(9, 2, SHAPE, BLOCK)
+    config_file({"9": {**TALL.to_dict(), "weight_tma": "yes"}})
+    with pytest.raises(ValueError, match="weight_tma"):
+        build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
