@@ -36,6 +36,7 @@ from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
 from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config, gemv_launches, words_ok
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
@@ -43,7 +44,7 @@ MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
-DECODES = ("tile", "register")
+DECODES = ("tile", "register", "gemv")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -191,6 +192,8 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     128-168 registers, no spills)."""
     if decode == "register":
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
+    if decode == "gemv":
+        return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
     bucket = height_bucket(num_tokens, num_experts, top_k)
     if bucket == 16:
@@ -287,22 +290,24 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
-    decode = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k)
+    decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    if not interpreting():
+    if not interpreting() and decode != "gemv":
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
-    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=rows.block_m)
+    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
+    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     if split_k is None:
-        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden)
+        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden, decode == "gemv")
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
     split_k = cdiv(n, split_len)  # no empty split
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
-    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
-                                   get_activation(activation).kernel_id, options, split_k, split_len)
+    launches, kind = (gemv_launches, SCHEME_IDS[scheme]) if decode == "gemv" else (_gemm_launches, decode)
+    gate_up, down = launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, kind,
+                             get_activation(activation).kernel_id, options, split_k, split_len)
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
@@ -311,12 +316,27 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     )
 
 
-def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int) -> int:
-    """Splits of the down GEMM's reduction at decode sizes (16-row tiles): enough that the touched
-    experts' output tiles x splits reach MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The
-    decode heuristic's narrow tiles already give the three presets >= 256 programs (no split); few local
-    experts (expert parallelism, small hidden sizes) do not."""
-    if config.BLOCK_M != 16:
+def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
+                   num_experts: int, n: int, hidden: int, top_k: int) -> str:
+    """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
+    weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
+    chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k)
+    if chosen == "gemv" and not (words_ok(w13.q) and words_ok(w2.q)):
+        if decode is not None:
+            raise ValueError("decode='gemv' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
+                             "with strides and addresses of multiples of 4 bytes")
+        return "register"
+    return chosen
+
+
+def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int,
+                   any_height: bool = False) -> int:
+    """Splits of the down GEMM's reduction at decode sizes (16-row tiles, or any height with
+    ``any_height``: the gemv decode): enough that the touched experts' output tiles x splits reach
+    MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The decode heuristic's narrow tiles
+    already give the three presets >= 256 programs (no split); few local experts (expert parallelism,
+    small hidden sizes) do not."""
+    if config.BLOCK_M != 16 and not any_height:
         return 1
     blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
     programs = blocks * cdiv(hidden, config.down.BLOCK_N)
