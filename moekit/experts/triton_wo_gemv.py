@@ -43,17 +43,17 @@ def gemv_group_m(num_tokens: int, num_experts: int, top_k: int) -> int:
 
 
 def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The default: BLOCK_M ``gemv_rows``; 32 words a step; weight rows a program 16 or 32 (gate-up) and
-    32 or 64 (down), the widest that still gives >= _MIN_PROGRAMS programs over the touched experts
-    (the down GEMM splits its reduction beyond that, ``triton_wo_plan.decode_split_k``)."""
+    """The default: BLOCK_M ``gemv_rows``, one warp a program (each thread then holds several weight
+    rows of the same words, so each activation value it loads serves them all), 16 words a step (int4
+    at g = 128: one group a step, scales per row); gate-up tiles 32 rows where the touched experts
+    still give >= _MIN_PROGRAMS x 2 programs with 1-row blocks, else 16 (2 rows: 32 spill, ptxas sm_90); down tiles 32 rows (the down GEMM splits its
+    reduction for programs beyond that, ``triton_wo_plan.decode_split_k``)."""
     blocks = max(1, min(num_experts, num_tokens * top_k))
-    step, group_m = 32 * PER[scheme], gemv_group_m(num_tokens, num_experts, top_k)
-
-    def width(cols: int, narrow: int) -> int:
-        return 2 * narrow if blocks * cols / (2 * narrow) >= _MIN_PROGRAMS else narrow
-
-    return KernelConfig(gemv_rows(num_tokens, num_experts, top_k), GemmTile(width(n, 16), step, group_m, 4, 1),
-                        GemmTile(width(k, 32), step, group_m, 4, 1))
+    step, group_m = 16 * PER[scheme], gemv_group_m(num_tokens, num_experts, top_k)
+    block_m = gemv_rows(num_tokens, num_experts, top_k)
+    up_rows = 32 if block_m == 1 and blocks * n / 32 >= 2 * _MIN_PROGRAMS else 16
+    return KernelConfig(block_m, GemmTile(up_rows, step, group_m, 1, 1),
+                        GemmTile(32, step, group_m, 1, 1))
 
 
 def check_gemv_config(config: KernelConfig, scheme: str) -> None:
@@ -68,16 +68,16 @@ def check_gemv_config(config: KernelConfig, scheme: str) -> None:
 
 
 def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
-                  scheme_id: int, act: int, options: LaunchOptions, split_k: int,
-                  split_len: int) -> tuple[BoundLaunch, BoundLaunch]:
+                  scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
+                  asm: bool = False) -> tuple[BoundLaunch, BoundLaunch]:
     """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
     passed to the kernels in words); ``split_len`` the down GEMM's reduction elements per split (a
-    multiple of its BLOCK_K)."""
+    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``)."""
     check_gemv_config(config, scheme)
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
     module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
-    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, cached=options.cached_launcher,
+    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm, cached=options.cached_launcher,
                   **options.pdl_kwargs())
 
     def strides(w) -> tuple:  # q (e, r) in words, scale (e, r, g), zero (e, r, g)

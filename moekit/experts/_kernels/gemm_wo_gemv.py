@@ -42,96 +42,224 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 
 
+# Inline PTX (NVIDIA, ASM): one word -> its values' float32 bits ($0 .. $7), the placements of ``_value``.
+# int4: four shifts and one lop3 ((a & mask) | 1.0f) a value: 12 instructions for 8 weights.
+_INT4_ASM = tl.constexpr("""{
+.reg .b32 a, b, c, d;
+shl.b32 c, $8, 16;
+shl.b32 a, $8, 8;
+shr.u32 b, $8, 8;
+shr.u32 d, $8, 16;
+lop3.b32 $0, c, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $1, a, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $2, a, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $3, $8, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $4, $8, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $5, b, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $6, b, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $7, d, 0x0000F000, 0x3F800000, 0xEA;
+}""")
+# mxfp4: per value a shift of the magnitude to bits 22..24, of the sign to bit 31, a mask, one lop3.
+_MXFP4_ASM = tl.constexpr("""{
+.reg .b32 m, g;
+shl.b32 m, $8, 22;
+shl.b32 g, $8, 28;
+and.b32 g, g, 0x80000000;
+lop3.b32 $0, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 18;
+shl.b32 g, $8, 24;
+and.b32 g, g, 0x80000000;
+lop3.b32 $1, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 14;
+shl.b32 g, $8, 20;
+and.b32 g, g, 0x80000000;
+lop3.b32 $2, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 10;
+shl.b32 g, $8, 16;
+and.b32 g, g, 0x80000000;
+lop3.b32 $3, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 6;
+shl.b32 g, $8, 12;
+and.b32 g, g, 0x80000000;
+lop3.b32 $4, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 2;
+shl.b32 g, $8, 8;
+and.b32 g, g, 0x80000000;
+lop3.b32 $5, m, 0x01C00000, g, 0xEA;
+shr.u32 m, $8, 2;
+shl.b32 g, $8, 4;
+and.b32 g, g, 0x80000000;
+lop3.b32 $6, m, 0x01C00000, g, 0xEA;
+shr.u32 m, $8, 6;
+and.b32 g, $8, 0x80000000;
+lop3.b32 $7, m, 0x01C00000, g, 0xEA;
+}""")
+# int8: the sign bits flipped once (byte + 128), then one prmt a value: byte t between 0x00 and 0x3F80.
+_INT8_ASM = tl.constexpr("""{
+.reg .b32 u, k;
+xor.b32 u, $4, 0x80808080;
+mov.b32 k, 0x3F800000;
+prmt.b32 $0, u, k, 0x7604;
+prmt.b32 $1, u, k, 0x7614;
+prmt.b32 $2, u, k, 0x7624;
+prmt.b32 $3, u, k, 0x7634;
+}""")
+
+
+@triton.jit
+def _shifted(w, SHIFT: tl.constexpr):
+    """w << SHIFT, or w >> -SHIFT for a negative SHIFT (arithmetic: callers mask the bits they keep)."""
+    if SHIFT >= 0:
+        out = w << SHIFT
+    else:
+        out = w >> -SHIFT
+    return out
+
+
 @triton.jit
 def _value(w, T: tl.constexpr, SCHEME: tl.constexpr):
-    """Value T of each word of w [BN, BKW] int32 as float32 (module docstring: int4 1 + q/128, int8
-    1 + (q + 128)/256 with w's sign bits already flipped, mxfp4 e2m1 * 2^-126)."""
+    """Value T of each word of w [BN, BKW] int32 as float32 bits placed so (the twin of the PTX above):
+    int4 even T the nibble in bits 16..19 of 1.0f (1 + q/128), odd T in bits 12..15 (1 + q/2048);
+    int8 the byte + 128 in bits 8..15 of 1.0f (1 + (q + 128)/2^15); mxfp4 the magnitude in bits
+    22..24 and the sign in bit 31 (e2m1 * 2^-126)."""
     if SCHEME == 1:
-        if T < 4:
-            s = w << (16 - 4 * T)
-        elif T > 4:
-            s = w >> (4 * T - 16)
+        if T % 2 == 0:
+            bits = (_shifted(w, 16 - 4 * T) & 0x000F0000) | 0x3F800000
         else:
-            s = w
-        bits = (s & 0x000F0000) | 0x3F800000
+            bits = (_shifted(w, 12 - 4 * T) & 0x0000F000) | 0x3F800000
     elif SCHEME == 0:
-        if T < 2:
-            s = w << (15 - 8 * T)
-        else:
-            s = w >> (8 * T - 15)
-        bits = (s & 0x007F8000) | 0x3F800000
+        bits = (_shifted(w ^ -2139062144, 8 - 8 * T) & 0x0000FF00) | 0x3F800000  # 0x80808080: byte + 128
     else:
-        if T < 6:
-            magnitude = w << (22 - 4 * T)
-        else:
-            magnitude = w >> (4 * T - 22)
-        if T < 7:
-            sign = w << (28 - 4 * T)
-        else:
-            sign = w
-        bits = (magnitude & 0x01C00000) | (sign & -2147483648)
+        bits = (_shifted(w, 22 - 4 * T) & 0x01C00000) | (_shifted(w, 28 - 4 * T) & -2147483648)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """Every value of each word of w [BN, BKW] int32: eight float32 tensors (int8: four, then the same
+    four again, never read). ASM (NVIDIA): the inline PTX above; else ``_value``."""
+    f32 = tl.float32
+    if ASM and SCHEME != 0:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8,
+            is_pure=True, pack=1)
+        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
+        v4, v5, v6, v7 = v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True), v7.to(f32, bitcast=True)
+    elif ASM and SCHEME == 0:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
+        v4, v5, v6, v7 = v0, v1, v2, v3
+    else:
+        v0, v1, v2, v3 = _value(w, 0, SCHEME), _value(w, 1, SCHEME), _value(w, 2, SCHEME), _value(w, 3, SCHEME)
+        if SCHEME == 0:
+            v4, v5, v6, v7 = v0, v1, v2, v3
+        else:
+            v4, v5, v6, v7 = _value(w, 4, SCHEME), _value(w, 5, SCHEME), _value(w, 6, SCHEME), _value(w, 7, SCHEME)
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
 def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
                  GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """(mul, add) [BN, BKW] float32 of the words of the step at k0: acc += part * mul - X * add
-    (module docstring). Past C both 0; int8: the constants (its per-row scale comes at the end)."""
-    first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
-    ok = n_ok[:, None] & (first < C)[None, :]
-    g = (first // GROUP)[None, :]
-    if SCHEME == 1:
-        s = tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0.0)
-        z = tl.load(z_rows[:, None] + g * stride_zg, mask=ok, other=0).to(tl.float32)
-        mul = s * 128.0
-        add = s * (128.0 + z)
-    elif SCHEME == 2:
-        e = tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0).to(tl.int32)
-        mul = tl.where(ok, (e << 23).to(tl.float32, bitcast=True), 0.0) * 4.611686018427388e18  # * 2^62
-        add = tl.zeros_like(mul)
+    """(mul, add_even, add_odd) float32 of the step at k0 (``_accumulate``): [BN] where the step lies in
+    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 constants (its per-row
+    scale comes at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0 scales change nothing."""
+    if SCHEME == 0:
+        mul = 32768.0
+        add_even = 32896.0
+        add_odd = add_even
     else:
-        mul = tl.where(ok, 256.0, 0.0)
-        add = tl.where(ok, 384.0, 0.0)
-    return mul, add
+        if BKW * PER <= GROUP:
+            ok = tl.where(k0 < C, n_ok, False)
+            s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
+        else:
+            first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
+            ok = n_ok[:, None] & (first < C)[None, :]
+            s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
+            z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
+        if SCHEME == 1:
+            sc = tl.load(s_ptrs, mask=ok, other=0.0)
+            z = tl.load(z_ptrs, mask=ok, other=0).to(tl.float32)
+            mul = sc * 128.0
+            add_even = sc * (128.0 + z)
+            add_odd = sc * (128.0 + z * 0.0625)  # X_odd sums x * 16
+        else:
+            e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
+            mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
+            add_even = 0.0
+            add_odd = 0.0
+    return mul, add_even, add_odd
 
 
 @triton.jit
-def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr, SCHEME: tl.constexpr):
+def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
     """Words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words) -> [BN, BKW] int32, 0
-    past the row's KW words; int8: sign bits flipped (byte + 128)."""
+    past the row's KW words."""
     j = w0 + tl.arange(0, BKW)
-    w = tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
-    if SCHEME == 0:
-        w = w ^ -2139062144  # 0x80808080
-    return w
+    return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
 
 
 @triton.jit
 def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, SCHEME: tl.constexpr):
     """x [BKW] float32 of one activation row (``x_row`` its first element, ``ok`` whether it exists):
-    element T of each word of the step at k0 (0 past C); mxfp4 times 2^64."""
+    element T of each word of the step at k0 (0 past C), scaled as ``_value``'s placement needs: int4
+    odd T times 16, mxfp4 times 2^64."""
     k = k0 + tl.arange(0, BKW) * PER + T
     x = tl.load(x_row + k * stride_xc, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
     if SCHEME == 2:
         x = x * 1.8446744073709552e19
+    elif SCHEME == 1 and T % 2 == 1:
+        x = x * 16.0
     return x
 
 
 @triton.jit
-def _row_fma2(pa, pb, xs, va, vb, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr,
-              PER: tl.constexpr, SCHEME: tl.constexpr):
-    """One row's partial sums pa, pb [BN, BKW] and x sum xs [BKW] plus value T of the two tiles (va, vb)."""
+def _fma(p, xs, v, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
+         SCHEME: tl.constexpr):
+    """p [BN, BKW] + v * x and xs [BKW] + x for value T of one row."""
     x = _x_part(x_row, ok, k0, C, stride_xc, T, BKW, PER, SCHEME)
-    return pa + va * x[None, :], pb + vb * x[None, :], xs + x
+    return p + v * x[None, :], xs + x
 
 
 @triton.jit
-def _row_fma1(pa, xs, va, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
+def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
               SCHEME: tl.constexpr):
-    """``_row_fma2`` of one tile."""
-    x = _x_part(x_row, ok, k0, C, stride_xc, T, BKW, PER, SCHEME)
-    return pa + va * x[None, :], xs + x
+    """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = w_values
+    p, xe = _fma(p, xe, v0, x_row, ok, k0, C, stride_xc, 0, BKW, PER, SCHEME)
+    p, xo = _fma(p, xo, v1, x_row, ok, k0, C, stride_xc, 1, BKW, PER, SCHEME)
+    p, xe = _fma(p, xe, v2, x_row, ok, k0, C, stride_xc, 2, BKW, PER, SCHEME)
+    p, xo = _fma(p, xo, v3, x_row, ok, k0, C, stride_xc, 3, BKW, PER, SCHEME)
+    if PER == 8:
+        p, xe = _fma(p, xe, v4, x_row, ok, k0, C, stride_xc, 4, BKW, PER, SCHEME)
+        p, xo = _fma(p, xo, v5, x_row, ok, k0, C, stride_xc, 5, BKW, PER, SCHEME)
+        p, xe = _fma(p, xe, v6, x_row, ok, k0, C, stride_xc, 6, BKW, PER, SCHEME)
+        p, xo = _fma(p, xo, v7, x_row, ok, k0, C, stride_xc, 7, BKW, PER, SCHEME)
+    return p, xe, xo
+
+
+@triton.jit
+def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
+                GROUP: tl.constexpr, SCHEME: tl.constexpr):
+    """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
+    (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word."""
+    mul, add_even, add_odd = scales
+    p = tl.zeros_like(acc)
+    xe = tl.zeros([BKW], dtype=tl.float32)
+    p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME)
+    if SCHEME == 0 or BKW * PER <= GROUP:
+        if SCHEME == 0:
+            acc += p * mul
+        else:
+            acc += p * mul[:, None]
+        if SCHEME != 2:
+            xterm += add_even * tl.sum(xe, axis=0) + add_odd * tl.sum(xo, axis=0)
+    else:
+        acc += p * mul
+        if SCHEME == 1:
+            acc -= xe[None, :] * add_even + xo[None, :] * add_odd
+    return acc, xterm
 
 
 @triton.jit
@@ -145,10 +273,11 @@ def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_out(acc_g, acc_u, sg, su, n_ok, h_ptr, row, ok, offs_n, stride_hm, SCHEME: tl.constexpr,
+def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, stride_hm, SCHEME: tl.constexpr,
                  ACT: tl.constexpr):
-    """Row ``row`` of h [BN] from its accumulators [BN, BKW] (int8: times the per-row scales)."""
-    gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    """Row ``row`` of h [BN] from its accumulators [BN, BKW] and x terms [BN] (int8: times the per-row
+    scales)."""
+    gate, up = tl.sum(acc_g, axis=1) - xt_g, tl.sum(acc_u, axis=1) - xt_u
     if SCHEME == 0:
         gate *= tl.load(sg, mask=n_ok, other=0.0)
         up *= tl.load(su, mask=n_ok, other=0.0)
@@ -157,27 +286,20 @@ def _gate_up_out(acc_g, acc_u, sg, su, n_ok, h_ptr, row, ok, offs_n, stride_hm, 
 
 
 @triton.jit
-def _gate_up_step(acc_g0, acc_u0, acc_g1, acc_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1, k0, K, n_ok, stride_xk,
-                  stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
-                  GROUP: tl.constexpr, SCHEME: tl.constexpr):
+def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1,
+                  ok1, k0, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr,
+                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
     """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
     decoded once and used by every row."""
-    mul_g, add_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    mul_u, add_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    pg0, pu0, pg1, pu1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
-    xs0 = tl.zeros([BKW], dtype=tl.float32)
-    xs1 = tl.zeros([BKW], dtype=tl.float32)
-    for t in tl.static_range(PER):
-        vg, vu = _value(wg, t, SCHEME), _value(wu, t, SCHEME)
-        pg0, pu0, xs0 = _row_fma2(pg0, pu0, xs0, vg, vu, x0, ok0, k0, K, stride_xk, t, BKW, PER, SCHEME)
-        if BLOCK_M > 1:
-            pg1, pu1, xs1 = _row_fma2(pg1, pu1, xs1, vg, vu, x1, ok1, k0, K, stride_xk, t, BKW, PER, SCHEME)
-    acc_g0 += pg0 * mul_g - xs0[None, :] * add_g
-    acc_u0 += pu0 * mul_u - xs0[None, :] * add_u
+    scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    vg, vu = _values(wg, SCHEME, ASM), _values(wu, SCHEME, ASM)
+    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
     if BLOCK_M > 1:
-        acc_g1 += pg1 * mul_g - xs1[None, :] * add_g
-        acc_u1 += pu1 * mul_u - xs1[None, :] * add_u
-    return acc_g0, acc_u0, acc_g1, acc_u1
+        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    return acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1
 
 
 @triton.jit
@@ -189,6 +311,7 @@ def gate_up_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
     word by word."""
@@ -211,45 +334,40 @@ def gate_up_wo_gemv_kernel(
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
-    wg, wu = _load_words(qg, 0, KW, n_ok, BKW, SCHEME), _load_words(qu, 0, KW, n_ok, BKW, SCHEME)
+    xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
+    xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
+    wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
     for w0 in range(0, KW, BKW):
-        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW, SCHEME)
-        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW, SCHEME)
-        acc_g0, acc_u0, acc_g1, acc_u1 = _gate_up_step(
-            acc_g0, acc_u0, acc_g1, acc_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1, w0 * PER, K, n_ok, stride_xk,
-            stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME)
+        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
+        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+        acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
+            acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
+            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
-    _gate_up_out(acc_g0, acc_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, stride_hm, SCHEME, ACT)
+    _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, stride_hm, SCHEME, ACT)
     if BLOCK_M > 1:
-        _gate_up_out(acc_g1, acc_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, stride_hm, SCHEME, ACT)
+        _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, stride_hm, SCHEME, ACT)
 
 
 @triton.jit
-def _down_step(acc0, acc1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg,
+def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg,
                BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
-               SCHEME: tl.constexpr):
+               SCHEME: tl.constexpr, ASM: tl.constexpr):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2)."""
-    mul, add = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    p0, p1 = tl.zeros_like(acc0), tl.zeros_like(acc0)
-    xs0 = tl.zeros([BKW], dtype=tl.float32)
-    xs1 = tl.zeros([BKW], dtype=tl.float32)
-    for t in tl.static_range(PER):
-        v = _value(w, t, SCHEME)
-        p0, xs0 = _row_fma1(p0, xs0, v, h0, ok0, n0, N, 1, t, BKW, PER, SCHEME)
-        if BLOCK_M > 1:
-            p1, xs1 = _row_fma1(p1, xs1, v, h1, ok1, n0, N, 1, t, BKW, PER, SCHEME)
-    acc0 += p0 * mul - xs0[None, :] * add
+    scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    values = _values(w, SCHEME, ASM)
+    acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME)
     if BLOCK_M > 1:
-        acc1 += p1 * mul - xs1[None, :] * add
-    return acc0, acc1
+        acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME)
+    return acc0, xt0, acc1, xt1
 
 
 @triton.jit
-def _down_out(acc, s_rows, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym,
+def _down_out(acc, xt, s_rows, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym,
               SCHEME: tl.constexpr):
     """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(acc, axis=1) - xt
     if SCHEME == 0:
         y *= tl.load(s_rows, mask=out_ok, other=0.0)
     y *= tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
@@ -266,6 +384,7 @@ def down_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -287,14 +406,17 @@ def down_wo_gemv_kernel(
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
     acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc1 = tl.zeros_like(acc0)
+    xt0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
+    xt1 = tl.zeros_like(xt0)
     w_start = tl.program_id(1) * split_words
-    w = _load_words(q_rows, w_start, NW, out_ok, BKW, SCHEME)
+    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
-        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW, SCHEME)
-        acc0, acc1 = _down_step(acc0, acc1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0, h_ptr + a1 * stride_hm,
-                                ok1, w0 * PER, N, out_ok, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME)
+        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
+        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
+                                          h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
+                                          BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
         w = next_w
     let_next_kernel_launch(PDL)
-    _down_out(acc0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
+    _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:
-        _down_out(acc1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym, SCHEME)
+        _down_out(acc1, xt1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym, SCHEME)
