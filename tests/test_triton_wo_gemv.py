@@ -37,14 +37,14 @@ def run(wo, x, w13, w2, ids, weights, cfg=None, expert_map=None, split_k=None):
                              split_k=split_k, decode="gemv")
 
 
-_KERNELS = {}  # the interpreted gemm_wo_gemv module, for value_kernel (a Triton kernel reads module globals only)
+_KERNELS = {}  # the interpreted wo_words module, for value_kernel (a Triton kernel reads module globals only)
 
 
 @triton.jit
 def value_kernel(w_ptr, out_ptr, SCHEME: triton.language.constexpr, PER: triton.language.constexpr):
     tl = triton.language
     i = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16]: word i
-    values = _KERNELS["gemm_wo_gemv"]._values(tl.load(w_ptr + i), SCHEME, False)
+    values = _KERNELS["wo_words"].word_values(tl.load(w_ptr + i), SCHEME, False)
     for t in tl.static_range(PER):
         tl.store(out_ptr + i * PER + t, values[t])
 
@@ -64,7 +64,7 @@ def expected_value(byte_values: list[int], t: int, scheme: str) -> float:
 def test_word_values_every_byte(wo, scheme):
     import importlib
 
-    _KERNELS["gemm_wo_gemv"] = importlib.import_module("moekit.experts._kernels.gemm_wo_gemv")  # interpreted (fixture)
+    _KERNELS["wo_words"] = importlib.import_module("moekit.experts._kernels.wo_words")  # interpreted (fixture)
     g = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (256, 4), generator=g, dtype=torch.uint8)
     raw[:, 0] = torch.arange(256, dtype=torch.uint8)  # every byte value in every position of some word

@@ -1,31 +1,32 @@
 """Grouped GEMMs with weight-only quantized experts, the word decode for decode-sized batches: no tensor
 cores, the packed weights read as 32-bit words straight into registers (no shared memory), each word's
 values decoded by placing bits into a float32 and multiplied on the CUDA cores (one FMA per weight and
-row); group scales and zero points applied per word column of partial sums, not per weight. Built for
-M-blocks of a few rows (the tiny-batch shortcut's one row, or alignment blocks of 2-8 rows), where a
-16-row tensor-core tile wastes most of its rows and the decode's latency sets the time.
+row); group scales and zero points applied to partial sums, not per weight. Built for M-blocks of one
+or two rows (the tiny-batch shortcut's one row, or alignment blocks of 2), where a 16-row tensor-core
+tile wastes most of its rows and the decode's instructions and latency set the time.
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. The other decodes: ``gemm_wo`` (tile),
 ``gemm_wo_reg`` (register); the plan (``triton_wo_plan.choose_decode``) picks per call kind.
 
 Words: the stored bytes of a weight row (``triton_wo``'s layouts) read as int32 (little-endian), so the
 host requires the row's bytes contiguous and a multiple of 4, and the strides multiples of 4 bytes
-(``triton_wo_gemv.words_ok``). A 4-bit word holds elements 8j .. 8j+7, element t in bits 4t .. 4t+3
-(the layout's low-nibble-first order); an int8 word elements 4j .. 4j+3, element t in bits 8t .. 8t+7.
-Value t of every word of a tile [BN, BKW] is one shift and one masked OR (``_value``):
-    int4   the nibble into bits 16..19 of 1.0f: v = 1 + q/128, so sum v*x = X + sum(q*x)/128, X = sum x;
-           the group (scale s, zero z) adds s*128*part - s*(128 + z)*X per word column.
-    int8   the byte + 128 (sign bit flipped once per word) into bits 15..22 of 1.0f: v = 1 + (q+128)/256:
-           sum q*x = 256*part - 384*X; the per-row scale multiplies once at the end.
-    mxfp4  magnitude bits into float32 bits 22..24, sign into bit 31: v = e2m1 * 2^-126 exactly (the
-           code 0.5 a float32 subnormal, kept: no flush to zero in these FMAs); x enters scaled by 2^64
-           (exact, so |x| must stay below 2^64), part * 2^62 * 2^(s - 127) per word column.
-The 1.0f base costs a cancellation of about 2^-24 * 128 * sum|x| per word column (int8: 2^-24 * 384):
-far below the bf16 rounding of the output. ``part`` and X are per (row, weight row, word column)
-[BM, BN, BKW]: no reduction inside the loop; one sum over the word columns at the end.
+(``triton_wo_gemv.words_ok``). Value T of every word of a tile [BN, BKW] becomes a float32 v by bit
+operations (``wo_words``); one row's step sums part = sum v * x' over the tile's words, per word column:
+    int4   even T v = 1 + q/128, odd T v = 1 + q/2048 with x' = 16 x: part = X_even + X_odd + sum(q x)/128
+           (X_even, X_odd: the sums of x' at even and odd T); the group (scale s, zero z) adds
+           128 s part - s (128 + z) X_even - s (128 + z/16) X_odd.
+    int8   v = 1 + (q + 128)/2^15: sum q x = 2^15 part - 32896 X; the per-row scale at the end.
+    mxfp4  v = e2m1 * 2^-126 exactly (the code 0.5 a float32 subnormal, kept: these FMAs do not flush to
+           zero); x' = 2^64 x (exact; |x| must stay below 2^64): part * 2^62 * 2^(s - 127).
+Where a step lies in one group (BKW * PER <= g) the scales are per weight row and the X terms are summed
+once a step into a per-row term; else per word column. The 1.0f base costs a cancellation of about
+2^-24 * 128 * sum|x| a group (int8: 2^-24 * 256): far below the bf16 rounding of the output. ``part``
+accumulates per (weight row, word column) [BN, BKW]; one sum over the word columns at the end. One warp
+a program by default: each thread then holds several weight rows of the same words, so each activation
+value it loads (and converts, and scales) serves them all.
 
-Pipelining: each program loads step k+1's words and scales before it computes step k (two steps in
-flight, in registers).
+Pipelining: each program loads step k+1's words before it computes step k (two steps in flight, in
+registers).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
 in. Split-K (down, SPLIT > 1) as in ``gemm_wo_reg``. Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M
@@ -40,135 +41,20 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-
-
-# Inline PTX (NVIDIA, ASM): one word -> its values' float32 bits ($0 .. $7), the placements of ``_value``.
-# int4: four shifts and one lop3 ((a & mask) | 1.0f) a value: 12 instructions for 8 weights.
-_INT4_ASM = tl.constexpr("""{
-.reg .b32 a, b, c, d;
-shl.b32 c, $8, 16;
-shl.b32 a, $8, 8;
-shr.u32 b, $8, 8;
-shr.u32 d, $8, 16;
-lop3.b32 $0, c, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $1, a, 0x0000F000, 0x3F800000, 0xEA;
-lop3.b32 $2, a, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $3, $8, 0x0000F000, 0x3F800000, 0xEA;
-lop3.b32 $4, $8, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $5, b, 0x0000F000, 0x3F800000, 0xEA;
-lop3.b32 $6, b, 0x000F0000, 0x3F800000, 0xEA;
-lop3.b32 $7, d, 0x0000F000, 0x3F800000, 0xEA;
-}""")
-# mxfp4: per value a shift of the magnitude to bits 22..24, of the sign to bit 31, a mask, one lop3.
-_MXFP4_ASM = tl.constexpr("""{
-.reg .b32 m, g;
-shl.b32 m, $8, 22;
-shl.b32 g, $8, 28;
-and.b32 g, g, 0x80000000;
-lop3.b32 $0, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 18;
-shl.b32 g, $8, 24;
-and.b32 g, g, 0x80000000;
-lop3.b32 $1, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 14;
-shl.b32 g, $8, 20;
-and.b32 g, g, 0x80000000;
-lop3.b32 $2, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 10;
-shl.b32 g, $8, 16;
-and.b32 g, g, 0x80000000;
-lop3.b32 $3, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 6;
-shl.b32 g, $8, 12;
-and.b32 g, g, 0x80000000;
-lop3.b32 $4, m, 0x01C00000, g, 0xEA;
-shl.b32 m, $8, 2;
-shl.b32 g, $8, 8;
-and.b32 g, g, 0x80000000;
-lop3.b32 $5, m, 0x01C00000, g, 0xEA;
-shr.u32 m, $8, 2;
-shl.b32 g, $8, 4;
-and.b32 g, g, 0x80000000;
-lop3.b32 $6, m, 0x01C00000, g, 0xEA;
-shr.u32 m, $8, 6;
-and.b32 g, $8, 0x80000000;
-lop3.b32 $7, m, 0x01C00000, g, 0xEA;
-}""")
-# int8: the sign bits flipped once (byte + 128), then one prmt a value: byte t between 0x00 and 0x3F80.
-_INT8_ASM = tl.constexpr("""{
-.reg .b32 u, k;
-xor.b32 u, $4, 0x80808080;
-mov.b32 k, 0x3F800000;
-prmt.b32 $0, u, k, 0x7604;
-prmt.b32 $1, u, k, 0x7614;
-prmt.b32 $2, u, k, 0x7624;
-prmt.b32 $3, u, k, 0x7634;
-}""")
-
-
-@triton.jit
-def _shifted(w, SHIFT: tl.constexpr):
-    """w << SHIFT, or w >> -SHIFT for a negative SHIFT (arithmetic: callers mask the bits they keep)."""
-    if SHIFT >= 0:
-        out = w << SHIFT
-    else:
-        out = w >> -SHIFT
-    return out
-
-
-@triton.jit
-def _value(w, T: tl.constexpr, SCHEME: tl.constexpr):
-    """Value T of each word of w [BN, BKW] int32 as float32 bits placed so (the twin of the PTX above):
-    int4 even T the nibble in bits 16..19 of 1.0f (1 + q/128), odd T in bits 12..15 (1 + q/2048);
-    int8 the byte + 128 in bits 8..15 of 1.0f (1 + (q + 128)/2^15); mxfp4 the magnitude in bits
-    22..24 and the sign in bit 31 (e2m1 * 2^-126)."""
-    if SCHEME == 1:
-        if T % 2 == 0:
-            bits = (_shifted(w, 16 - 4 * T) & 0x000F0000) | 0x3F800000
-        else:
-            bits = (_shifted(w, 12 - 4 * T) & 0x0000F000) | 0x3F800000
-    elif SCHEME == 0:
-        bits = (_shifted(w ^ -2139062144, 8 - 8 * T) & 0x0000FF00) | 0x3F800000  # 0x80808080: byte + 128
-    else:
-        bits = (_shifted(w, 22 - 4 * T) & 0x01C00000) | (_shifted(w, 28 - 4 * T) & -2147483648)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """Every value of each word of w [BN, BKW] int32: eight float32 tensors (int8: four, then the same
-    four again, never read). ASM (NVIDIA): the inline PTX above; else ``_value``."""
-    f32 = tl.float32
-    if ASM and SCHEME != 0:
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8,
-            is_pure=True, pack=1)
-        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
-        v4, v5, v6, v7 = v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True), v7.to(f32, bitcast=True)
-    elif ASM and SCHEME == 0:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
-                                                   is_pure=True, pack=1)
-        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
-        v4, v5, v6, v7 = v0, v1, v2, v3
-    else:
-        v0, v1, v2, v3 = _value(w, 0, SCHEME), _value(w, 1, SCHEME), _value(w, 2, SCHEME), _value(w, 3, SCHEME)
-        if SCHEME == 0:
-            v4, v5, v6, v7 = v0, v1, v2, v3
-        else:
-            v4, v5, v6, v7 = _value(w, 4, SCHEME), _value(w, 5, SCHEME), _value(w, 6, SCHEME), _value(w, 7, SCHEME)
-    return v0, v1, v2, v3, v4, v5, v6, v7
+from moekit.experts._kernels.wo_words import word_values
 
 
 @triton.jit
 def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
                  GROUP: tl.constexpr, SCHEME: tl.constexpr):
     """(mul, add_even, add_odd) float32 of the step at k0 (``_accumulate``): [BN] where the step lies in
-    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 constants (its per-row
-    scale comes at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0 scales change nothing."""
-    if SCHEME == 0:
-        mul = 32768.0
-        add_even = 32896.0
-        add_odd = add_even
+    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
+    ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0
+    scales change nothing."""
+    if SCHEME == 0:  # constants, in ``_accumulate``
+        mul = tl.zeros([1], dtype=tl.float32)
+        add_even = mul
+        add_odd = mul
     else:
         if BKW * PER <= GROUP:
             ok = tl.where(k0 < C, n_ok, False)
@@ -187,8 +73,8 @@ def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.cons
         else:
             e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
             mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
-            add_even = 0.0
-            add_odd = 0.0
+            add_even = tl.zeros_like(mul)
+            add_odd = add_even
     return mul, add_even, add_odd
 
 
@@ -203,7 +89,7 @@ def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
 @triton.jit
 def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, SCHEME: tl.constexpr):
     """x [BKW] float32 of one activation row (``x_row`` its first element, ``ok`` whether it exists):
-    element T of each word of the step at k0 (0 past C), scaled as ``_value``'s placement needs: int4
+    element T of each word of the step at k0 (0 past C), scaled as ``wo_words``' placement needs: int4
     odd T times 16, mxfp4 times 2^64."""
     k = k0 + tl.arange(0, BKW) * PER + T
     x = tl.load(x_row + k * stride_xc, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
@@ -248,12 +134,12 @@ def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: 
     p = tl.zeros_like(acc)
     xe = tl.zeros([BKW], dtype=tl.float32)
     p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME)
-    if SCHEME == 0 or BKW * PER <= GROUP:
-        if SCHEME == 0:
-            acc += p * mul
-        else:
-            acc += p * mul[:, None]
-        if SCHEME != 2:
+    if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
+        acc += p * 32768.0
+        xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
+    elif BKW * PER <= GROUP:
+        acc += p * mul[:, None]
+        if SCHEME == 1:
             xterm += add_even * tl.sum(xe, axis=0) + add_odd * tl.sum(xo, axis=0)
     else:
         acc += p * mul
@@ -293,7 +179,7 @@ def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg
     decoded once and used by every row."""
     scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    vg, vu = _values(wg, SCHEME, ASM), _values(wu, SCHEME, ASM)
+    vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
     acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
     acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
     if BLOCK_M > 1:
@@ -356,7 +242,7 @@ def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N,
                SCHEME: tl.constexpr, ASM: tl.constexpr):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2)."""
     scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    values = _values(w, SCHEME, ASM)
+    values = word_values(w, SCHEME, ASM)
     acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME)
     if BLOCK_M > 1:
         acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME)
