@@ -46,8 +46,9 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
     """The default: BLOCK_M ``gemv_rows``, one warp a program (each thread then holds several weight
     rows of the same words, so each activation value it loads serves them all), 16 words a step (int4
     at g = 128: one group a step, scales per row); gate-up tiles 32 rows where the touched experts
-    still give >= _MIN_PROGRAMS x 2 programs with 1-row blocks, else 16 (2 rows: 32 spill, ptxas sm_90); down tiles 32 rows (the down GEMM splits its
-    reduction for programs beyond that, ``triton_wo_plan.decode_split_k``)."""
+    still give >= _MIN_PROGRAMS x 2 programs with 1-row blocks, else 16 (2-row blocks at 32 spill,
+    ptxas sm_90); down tiles 32 rows (the down GEMM splits its reduction for programs beyond that,
+    ``triton_wo_plan.decode_split_k``). Not yet tuned on a GPU."""
     blocks = max(1, min(num_experts, num_tokens * top_k))
     step, group_m = 16 * PER[scheme], gemv_group_m(num_tokens, num_experts, top_k)
     block_m = gemv_rows(num_tokens, num_experts, top_k)

@@ -6,10 +6,13 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Two decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Three decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
+    gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
+              bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
+              packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
 ``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
 same tile-height bucket) for the measured shapes (``DECODE_MEASURED``), else per (scheme, tile-height
 bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
@@ -305,9 +308,13 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
-    launches, kind = (gemv_launches, SCHEME_IDS[scheme]) if decode == "gemv" else (_gemm_launches, decode)
-    gate_up, down = launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, kind,
-                             get_activation(activation).kernel_id, options, split_k, split_len)
+    act = get_activation(activation).kernel_id
+    if decode == "gemv":
+        gate_up, down = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, SCHEME_IDS[scheme],
+                                      act, options, split_k, split_len, inline_asm_ok(x.device))
+    else:
+        gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode, act,
+                                       options, split_k, split_len)
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
