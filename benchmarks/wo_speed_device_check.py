@@ -11,7 +11,8 @@ M in {1, 8, 64, 1024}. Variants (each guarded: an error is printed, the run goes
     M <= 64   tile, register (the chooser's configs), gemv (its heuristic) and GEMV_VARIANTS' tiles
               (MXFP4_VARIANTS' too for mxfp4)
     M = 1024  tile, and TALL_VARIANTS' tile-decode configs (BLOCK_M 128 / 256, BLOCK_K 64 / 128)
-A hard time limit (LIMIT_S) skips the cells left, naming them. Prints a PASS/FAIL line per variant
+All shapes' M <= 64 cells run before any M = 1024 cell; a hard time limit (LIMIT_S) skips the cells
+left, naming them. Prints a PASS/FAIL line per variant
 (rel-L2 against the twin < TOL), then the table last: per cell bf16 µs, tile, register, gemv and the best
 variant's µs and name, its % of the floor and x bf16, the issue's target. JSON to $OUT/wo_speed.json.
 
@@ -209,15 +210,16 @@ def main(argv=None) -> int:
         compile_all(shapes, args.schemes, batches, dev)
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
     cells = []
-    for s in shapes:
-        if left_s() < 0:
-            SKIPPED.append(s.name)
-            continue
-        try:
-            cells += shape_cells(s, args.schemes, batches, bw, dev)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            check(f"{s.name}", False, "raised")
+    for group in ([m for m in batches if m <= 64], [m for m in batches if m > 64]):  # decode sizes first
+        for s in [s for s in shapes if group]:
+            if left_s() < 0:
+                SKIPPED.append(f"{s.name} M={group}")
+                continue
+            try:
+                cells += shape_cells(s, args.schemes, group, bw, dev)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                check(f"{s.name}", False, "raised")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "wo_speed.json"), "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
