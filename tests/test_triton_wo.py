@@ -5,7 +5,8 @@ Chain: the kernels vs the torch twin (``fused_experts_wo_torch``), the twin vs a
 over weights decoded by a dequantizer written here (element by element from the bit layout, e2m1 by its
 exponent/mantissa rule rather than a table). The inputs are random bytes, so a packed row's padding
 nibble (odd C) is garbage that must never count. Workspaces are poisoned with NaN before kernel runs.
-Every kernel test runs both decodes of the packed weights ("tile" and "register", ``triton_wo_plan``).
+Every kernel test runs both MMA decodes of the packed weights ("tile" and "register", ``triton_wo_plan``);
+the word decode ("gemv", whole-word rows only) has its own file, ``test_triton_wo_gemv.py``.
 
 What the interpreter cannot run and ``benchmarks/wo_device_check.py`` covers: bf16 ``tl.dot`` (upcast
 here), bf16 intermediates (float32 here), the register decode's inline PTX (NVIDIA GPUs only; here its
@@ -28,7 +29,7 @@ from moekit.experts.configs import GemmTile, KernelConfig, clear_config_cache  #
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
 SCHEMES = [("int8_w8a16", 0), ("int4_w4a16", 32), ("int4_w4a16", 64), ("mxfp4", 32)]
-DECODES = ["tile", "register"]  # triton_wo_plan.DECODES: every kernel test runs both
+DECODES = ["tile", "register"]  # triton_wo_plan.DECODES but gemv (test_triton_wo_gemv.py): every kernel test runs both
 POISON = LaunchOptions(poison_workspace=True)
 
 

@@ -6,10 +6,12 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     splits and k]
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
-path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Two decodes of the packed weights,
+path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Three decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
-"tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes) and
-"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers, fast at decode sizes).
+"tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
+"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers) and "gemv"
+(``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
+rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``).
 No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is a custom op
 with a fake, so ``torch.compile(fullgraph=True)`` traces through it.
 
@@ -184,8 +186,8 @@ def run_experts_wo(
     options: LaunchOptions = LaunchOptions(), split_k: int | None = None, decode: str | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
-    configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile"
-    or "register"; None: ``choose_decode``). Not a custom op: for tools that pick configs per call;
+    configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
+    "register" or "gemv"; None: ``choose_decode``). Not a custom op: for tools that pick configs per call;
     models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
@@ -244,7 +246,7 @@ def fused_experts_wo(
 ) -> torch.Tensor:
     """The experts contract on quantized weights: out [M, K] (x.dtype) = sum over the routed slots of
     weight * w2 @ act_and_mul(w13 @ x), the weights dequantized in the kernels. Through the custom op.
-    ``options``: its ``dependent_launch`` applies. ``decode``: "tile" or "register" (``triton_wo_plan.DECODES``), or
+    ``options``: its ``dependent_launch`` applies. ``decode``: one of ``triton_wo_plan.DECODES``, or
     None for the decode the H200 measured faster at this scheme, shape and batch size."""
     check_wo_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation)
     check_decode(decode)

@@ -6,13 +6,16 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Two decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Three decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
+    gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
+              bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
+              packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
 ``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
-same tile-height bucket) for the measured shapes (``DECODE_MEASURED``), else per (scheme, tile-height
-bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
+same tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch
+shortcut), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
 overrides it, so benchmarks and ``moekit tune`` can time either.
 
 Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
@@ -36,6 +39,8 @@ from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
 from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config, gemv_launches, words_ok
+from moekit.layouts.block_aligned import use_naive
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
@@ -43,7 +48,7 @@ MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
-DECODES = ("tile", "register")
+DECODES = ("tile", "register", "gemv")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -60,7 +65,13 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # runs (each cell's winner agreed between the runs; the margins are small, 1-6%). mxfp4 µs (tile /
 # register, second run): Qwen3 M=1 37.3 / 36.9, M=8 134.5 / 141.0, M=64 290.4 / 280.9; DeepSeek M=1
 # 210.2 / 214.5, M=8 1202 / 1188, M=64 4024 / 3925; Mixtral M=1 200.3 / 193.9, M=8 586.5 / 621.9.
+# int4 (session 9 checkpoint, benchmarks/wo_speed_device_check.py at 19af4d7, µs tile / register / gemv, the
+# gemv at its 2-warp 64-row 16-word tiles, the heuristic since): DeepSeek M=1 254 / 143 / 114, M=8 1504 /
+# 949 / 658, M=64 5126 / 3413 / 5032 (2-row blocks); Mixtral M=1 244 / 149 / 130, M=8 720 / 480 / 802
+# (2-row blocks). mxfp4 and int8: the gemv lost every cell (1.1-7x), so no entry picks it there.
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
+    ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
+    ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
@@ -148,16 +159,20 @@ def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
     return next((b for b in (16, 32, 64) if rows_per_expert < b), 128)
 
 
-def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int) -> str:
+def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
+                  shortcut: bool | None = None) -> str:
     """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
     of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
-    bucket, else "tile"."""
+    bucket, else "tile". "gemv" only where the call takes the tiny-batch shortcut (``shortcut``; None:
+    ``use_naive`` without an expert map), the only kind of call it was measured faster on."""
     bucket = height_bucket(num_tokens, num_experts, top_k)
+    rule = DECODE_RULE.get((scheme, bucket), "tile")
     measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
                 if height_bucket(m, num_experts, top_k) == bucket}
-    if measured:
-        return nearest(measured, num_tokens)
-    return DECODE_RULE.get((scheme, bucket), "tile")
+    pick = nearest(measured, num_tokens) if measured else rule
+    if shortcut is None:
+        shortcut = use_naive(num_tokens * top_k, num_experts, None)
+    return rule if pick == "gemv" and not shortcut else pick
 
 
 def check_decode(decode: str | None) -> None:
@@ -191,6 +206,8 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     128-168 registers, no spills)."""
     if decode == "register":
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
+    if decode == "gemv":
+        return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
     bucket = height_bucket(num_tokens, num_experts, top_k)
     if bucket == 16:
@@ -287,22 +304,29 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n), (num_tokens, top_k) = w13.q.shape[:2], ids.shape
     n, hidden, num_assignments = two_n // 2, x.shape[1], num_tokens * top_k
-    decode = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k)
+    shortcut = use_naive(num_assignments, num_experts, expert_map)
+    decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    if not interpreting():
+    if not interpreting() and decode != "gemv":
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
-    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=rows.block_m)
+    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
+    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     if split_k is None:
-        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden)
+        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden, decode == "gemv")
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
     split_k = cdiv(n, split_len)  # no empty split
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
-    gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
-                                   get_activation(activation).kernel_id, options, split_k, split_len)
+    act = get_activation(activation).kernel_id
+    if decode == "gemv":
+        gate_up, down = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, SCHEME_IDS[scheme],
+                                      act, options, split_k, split_len, inline_asm_ok(x.device))
+    else:
+        gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode, act,
+                                       options, split_k, split_len)
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
@@ -311,12 +335,27 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     )
 
 
-def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int) -> int:
-    """Splits of the down GEMM's reduction at decode sizes (16-row tiles): enough that the touched
-    experts' output tiles x splits reach MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The
-    decode heuristic's narrow tiles already give the three presets >= 256 programs (no split); few local
-    experts (expert parallelism, small hidden sizes) do not."""
-    if config.BLOCK_M != 16:
+def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
+                   num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
+    """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
+    weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
+    chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
+    if chosen == "gemv" and not (words_ok(w13.q) and words_ok(w2.q)):
+        if decode is not None:
+            raise ValueError("decode='gemv' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
+                             "with strides and addresses of multiples of 4 bytes")
+        return "register"
+    return chosen
+
+
+def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_experts: int, n: int, hidden: int,
+                   any_height: bool = False) -> int:
+    """Splits of the down GEMM's reduction at decode sizes (16-row tiles, or any height with
+    ``any_height``: the gemv decode): enough that the touched experts' output tiles x splits reach
+    MIN_PROGRAMS, at most MAX_SPLIT and one per BLOCK_K step. The decode heuristic's narrow tiles
+    already give the three presets >= 256 programs (no split); few local experts (expert parallelism,
+    small hidden sizes) do not."""
+    if config.BLOCK_M != 16 and not any_height:
         return 1
     blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
     programs = blocks * cdiv(hidden, config.down.BLOCK_N)

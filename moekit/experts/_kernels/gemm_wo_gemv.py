@@ -1,0 +1,308 @@
+"""Grouped GEMMs with weight-only quantized experts, the word decode for decode-sized batches: no tensor
+cores, the packed weights read as 32-bit words straight into registers (no shared memory), each word's
+values decoded by placing bits into a float32 and multiplied on the CUDA cores (one FMA per weight and
+row); group scales and zero points applied to partial sums, not per weight. Built for M-blocks of one
+or two rows (the tiny-batch shortcut's one row, or alignment blocks of 2), where a 16-row tensor-core
+tile wastes most of its rows and the decode's instructions and latency set the time.
+
+Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. The other decodes: ``gemm_wo`` (tile),
+``gemm_wo_reg`` (register); the plan (``triton_wo_plan.choose_decode``) picks per call kind.
+
+Words: the stored bytes of a weight row (``triton_wo``'s layouts) read as int32 (little-endian), so the
+host requires the row's bytes contiguous and a multiple of 4, and the strides multiples of 4 bytes
+(``triton_wo_gemv.words_ok``). Value T of every word of a tile [BN, BKW] becomes a float32 v by bit
+operations (``wo_words``); one row's step sums part = sum v * x' over the tile's words, per word column:
+    int4   even T v = 1 + q/128, odd T v = 1 + q/2048 with x' = 16 x: part = X_even + X_odd + sum(q x)/128
+           (X_even, X_odd: the sums of x' at even and odd T); the group (scale s, zero z) adds
+           128 s part - s (128 + z) X_even - s (128 + z/16) X_odd.
+    int8   v = 1 + (q + 128)/2^15: sum q x = 2^15 part - 32896 X; the per-row scale at the end.
+    mxfp4  v = e2m1 * 2^-126 exactly (the code 0.5 a float32 subnormal, kept: these FMAs do not flush to
+           zero); x' = 2^64 x (exact; |x| must stay below 2^64): part * 2^62 * 2^(s - 127).
+Where a step lies in one group (BKW * PER <= g) the scales are per weight row and the X terms are summed
+once a step into a per-row term; else per word column. The 1.0f base costs a cancellation of about
+2^-24 * 128 * sum|x| a group (int8: 2^-24 * 256): far below the bf16 rounding of the output. ``part``
+accumulates per (weight row, word column) [BN, BKW]; one sum over the word columns at the end. One warp
+a program by default: each thread then holds several weight rows of the same words, so each activation
+value it loads (and converts, and scales) serves them all.
+
+Pipelining: each program loads step k+1's words before it computes step k (two steps in flight, in
+registers).
+
+Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
+in. Split-K (down, SPLIT > 1) as in ``gemm_wo_reg``. Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M
+is the M-block's rows (1 for the tiny-batch shortcut).
+
+Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a
+step (PER = 8 values a word for the 4-bit schemes, 4 for int8).
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.wo_words import word_values
+
+
+@triton.jit
+def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
+                 GROUP: tl.constexpr, SCHEME: tl.constexpr):
+    """(mul, add_even, add_odd) float32 of the step at k0 (``_accumulate``): [BN] where the step lies in
+    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
+    ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0
+    scales change nothing."""
+    if SCHEME == 0:  # constants, in ``_accumulate``
+        mul = tl.zeros([1], dtype=tl.float32)
+        add_even = mul
+        add_odd = mul
+    else:
+        if BKW * PER <= GROUP:
+            ok = tl.where(k0 < C, n_ok, False)
+            s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
+        else:
+            first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
+            ok = n_ok[:, None] & (first < C)[None, :]
+            s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
+            z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
+        if SCHEME == 1:
+            sc = tl.load(s_ptrs, mask=ok, other=0.0)
+            z = tl.load(z_ptrs, mask=ok, other=0).to(tl.float32)
+            mul = sc * 128.0
+            add_even = sc * (128.0 + z)
+            add_odd = sc * (128.0 + z * 0.0625)  # X_odd sums x * 16
+        else:
+            e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
+            mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
+            add_even = tl.zeros_like(mul)
+            add_odd = add_even
+    return mul, add_even, add_odd
+
+
+@triton.jit
+def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
+    """Words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words) -> [BN, BKW] int32, 0
+    past the row's KW words."""
+    j = w0 + tl.arange(0, BKW)
+    return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+
+
+@triton.jit
+def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, SCHEME: tl.constexpr):
+    """x [BKW] float32 of one activation row (``x_row`` its first element, ``ok`` whether it exists):
+    element T of each word of the step at k0 (0 past C), scaled as ``wo_words``' placement needs: int4
+    odd T times 16, mxfp4 times 2^64."""
+    k = k0 + tl.arange(0, BKW) * PER + T
+    x = tl.load(x_row + k * stride_xc, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
+    if SCHEME == 2:
+        x = x * 1.8446744073709552e19
+    elif SCHEME == 1 and T % 2 == 1:
+        x = x * 16.0
+    return x
+
+
+@triton.jit
+def _fma(p, xs, v, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
+         SCHEME: tl.constexpr):
+    """p [BN, BKW] + v * x and xs [BKW] + x for value T of one row."""
+    x = _x_part(x_row, ok, k0, C, stride_xc, T, BKW, PER, SCHEME)
+    return p + v * x[None, :], xs + x
+
+
+@triton.jit
+def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
+              SCHEME: tl.constexpr):
+    """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = w_values
+    p, xe = _fma(p, xe, v0, x_row, ok, k0, C, stride_xc, 0, BKW, PER, SCHEME)
+    p, xo = _fma(p, xo, v1, x_row, ok, k0, C, stride_xc, 1, BKW, PER, SCHEME)
+    p, xe = _fma(p, xe, v2, x_row, ok, k0, C, stride_xc, 2, BKW, PER, SCHEME)
+    p, xo = _fma(p, xo, v3, x_row, ok, k0, C, stride_xc, 3, BKW, PER, SCHEME)
+    if PER == 8:
+        p, xe = _fma(p, xe, v4, x_row, ok, k0, C, stride_xc, 4, BKW, PER, SCHEME)
+        p, xo = _fma(p, xo, v5, x_row, ok, k0, C, stride_xc, 5, BKW, PER, SCHEME)
+        p, xe = _fma(p, xe, v6, x_row, ok, k0, C, stride_xc, 6, BKW, PER, SCHEME)
+        p, xo = _fma(p, xo, v7, x_row, ok, k0, C, stride_xc, 7, BKW, PER, SCHEME)
+    return p, xe, xo
+
+
+@triton.jit
+def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
+                GROUP: tl.constexpr, SCHEME: tl.constexpr):
+    """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
+    (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word."""
+    mul, add_even, add_odd = scales
+    p = tl.zeros_like(acc)
+    xe = tl.zeros([BKW], dtype=tl.float32)
+    p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME)
+    if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
+        acc += p * 32768.0
+        xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
+    elif BKW * PER <= GROUP:
+        acc += p * mul[:, None]
+        if SCHEME == 1:
+            xterm += add_even * tl.sum(xe, axis=0) + add_odd * tl.sum(xo, axis=0)
+    else:
+        acc += p * mul
+        if SCHEME == 1:
+            acc -= xe[None, :] * add_even + xo[None, :] * add_odd
+    return acc, xterm
+
+
+@triton.jit
+def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(assignment, exists) of row r of the M-block (``_block_rows``' rows [BM])."""
+    a = tl.sum(tl.where(tl.arange(0, BLOCK_M) == r, rows, 0))
+    exists = a < num_assignments
+    if r >= BLOCK_M:
+        exists = a < 0  # no such row
+    return a, exists
+
+
+@triton.jit
+def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, stride_hm, SCHEME: tl.constexpr,
+                 ACT: tl.constexpr):
+    """Row ``row`` of h [BN] from its accumulators [BN, BKW] and x terms [BN] (int8: times the per-row
+    scales)."""
+    gate, up = tl.sum(acc_g, axis=1) - xt_g, tl.sum(acc_u, axis=1) - xt_u
+    if SCHEME == 0:
+        gate *= tl.load(sg, mask=n_ok, other=0.0)
+        up *= tl.load(su, mask=n_ok, other=0.0)
+    h = _glu(gate, up, ACT, 1.0, None, 0.0)
+    tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
+
+
+@triton.jit
+def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1,
+                  ok1, k0, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr,
+                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
+    decoded once and used by every row."""
+    scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
+    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    if BLOCK_M > 1:
+        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    return acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1
+
+
+@triton.jit
+def gate_up_wo_gemv_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
+    stride_xm, stride_xk, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
+    word by word."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
+    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
+    x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
+    x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
+    qg, qu = words + gate * stride_qr, words + up * stride_qr
+    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
+    zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
+    acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
+    acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
+    xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
+    xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
+    wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
+    for w0 in range(0, KW, BKW):
+        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
+        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+        acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
+            acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
+            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
+        wg, wu = next_g, next_u
+    let_next_kernel_launch(PDL)
+    _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, stride_hm, SCHEME, ACT)
+    if BLOCK_M > 1:
+        _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, stride_hm, SCHEME, ACT)
+
+
+@triton.jit
+def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg,
+               BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+               SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2)."""
+    scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    values = word_values(w, SCHEME, ASM)
+    acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME)
+    if BLOCK_M > 1:
+        acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME)
+    return acc0, xt0, acc1, xt1
+
+
+@triton.jit
+def _down_out(acc, xt, s_rows, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym,
+              SCHEME: tl.constexpr):
+    """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
+    y = tl.sum(acc, axis=1) - xt
+    if SCHEME == 0:
+        y *= tl.load(s_rows, mask=out_ok, other=0.0)
+    y *= tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    y_row = tl.program_id(1) * num_assignments + row
+    tl.store(y_ptr + y_row * stride_ym + offs_out, y.to(y_ptr.dtype.element_ty), mask=tl.where(ok, out_ok, False))
+
+
+@triton.jit
+def down_wo_gemv_kernel(
+    h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    K, N, NW, num_assignments, num_experts, num_pid_m, split_words,  # NW: words of a w2 row
+    stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
+    columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
+    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
+    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
+    a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
+    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = offs_out < K
+    out = offs_out.to(tl.int64)
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
+    s_rows = s_ptr + expert * stride_se + out * stride_sr
+    z_rows = z_ptr + expert * stride_ze + out * stride_zr
+    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    xt0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
+    xt1 = tl.zeros_like(xt0)
+    w_start = tl.program_id(1) * split_words
+    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
+        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
+        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
+                                          h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
+                                          BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
+        w = next_w
+    let_next_kernel_launch(PDL)
+    _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
+    if BLOCK_M > 1:
+        _down_out(acc1, xt1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym, SCHEME)

@@ -1,0 +1,127 @@
+"""Values of 32-bit words of packed weights as float32, by placing bits (the word decode of
+``gemm_wo_gemv``; layouts in ``moekit.experts.triton_wo``): inline PTX on NVIDIA GPUs (ASM), else the
+same placements in Triton (``_value``, what the interpreter runs). Exact: each float32 is a fixed affine
+function of the stored code, undone by ``gemm_wo_gemv``'s scales.
+
+A 4-bit word holds elements 8j .. 8j+7 of a row, element t in bits 4t .. 4t+3; an int8 word elements
+4j .. 4j+3, element t in bits 8t .. 8t+7.
+"""
+
+import triton
+import triton.language as tl
+
+# Inline PTX (NVIDIA, ASM): one word -> its values' float32 bits ($0 .. $7), the placements of ``_value``.
+# int4: four shifts and one lop3 ((a & mask) | 1.0f) a value: 12 instructions for 8 weights.
+_INT4_ASM = tl.constexpr("""{
+.reg .b32 a, b, c, d;
+shl.b32 c, $8, 16;
+shl.b32 a, $8, 8;
+shr.u32 b, $8, 8;
+shr.u32 d, $8, 16;
+lop3.b32 $0, c, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $1, a, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $2, a, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $3, $8, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $4, $8, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $5, b, 0x0000F000, 0x3F800000, 0xEA;
+lop3.b32 $6, b, 0x000F0000, 0x3F800000, 0xEA;
+lop3.b32 $7, d, 0x0000F000, 0x3F800000, 0xEA;
+}""")
+# mxfp4: per value a shift of the magnitude to bits 22..24, of the sign to bit 31, a mask, one lop3.
+_MXFP4_ASM = tl.constexpr("""{
+.reg .b32 m, g;
+shl.b32 m, $8, 22;
+shl.b32 g, $8, 28;
+and.b32 g, g, 0x80000000;
+lop3.b32 $0, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 18;
+shl.b32 g, $8, 24;
+and.b32 g, g, 0x80000000;
+lop3.b32 $1, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 14;
+shl.b32 g, $8, 20;
+and.b32 g, g, 0x80000000;
+lop3.b32 $2, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 10;
+shl.b32 g, $8, 16;
+and.b32 g, g, 0x80000000;
+lop3.b32 $3, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 6;
+shl.b32 g, $8, 12;
+and.b32 g, g, 0x80000000;
+lop3.b32 $4, m, 0x01C00000, g, 0xEA;
+shl.b32 m, $8, 2;
+shl.b32 g, $8, 8;
+and.b32 g, g, 0x80000000;
+lop3.b32 $5, m, 0x01C00000, g, 0xEA;
+shr.u32 m, $8, 2;
+shl.b32 g, $8, 4;
+and.b32 g, g, 0x80000000;
+lop3.b32 $6, m, 0x01C00000, g, 0xEA;
+shr.u32 m, $8, 6;
+and.b32 g, $8, 0x80000000;
+lop3.b32 $7, m, 0x01C00000, g, 0xEA;
+}""")
+# int8: the sign bits flipped once (byte + 128), then one prmt a value: byte t between 0x00 and 0x3F80.
+_INT8_ASM = tl.constexpr("""{
+.reg .b32 u, k;
+xor.b32 u, $4, 0x80808080;
+mov.b32 k, 0x3F800000;
+prmt.b32 $0, u, k, 0x7604;
+prmt.b32 $1, u, k, 0x7614;
+prmt.b32 $2, u, k, 0x7624;
+prmt.b32 $3, u, k, 0x7634;
+}""")
+
+
+@triton.jit
+def _shifted(w, SHIFT: tl.constexpr):
+    """w << SHIFT, or w >> -SHIFT for a negative SHIFT (arithmetic: callers mask the bits they keep)."""
+    if SHIFT >= 0:
+        out = w << SHIFT
+    else:
+        out = w >> -SHIFT
+    return out
+
+
+@triton.jit
+def _value(w, T: tl.constexpr, SCHEME: tl.constexpr):
+    """Value T of each word of w [BN, BKW] int32 as float32 bits placed so (the twin of the PTX above):
+    int4 even T the nibble in bits 16..19 of 1.0f (1 + q/128), odd T in bits 12..15 (1 + q/2048);
+    int8 the byte + 128 in bits 8..15 of 1.0f (1 + (q + 128)/2^15); mxfp4 the magnitude in bits
+    22..24 and the sign in bit 31 (e2m1 * 2^-126)."""
+    if SCHEME == 1:
+        if T % 2 == 0:
+            bits = (_shifted(w, 16 - 4 * T) & 0x000F0000) | 0x3F800000
+        else:
+            bits = (_shifted(w, 12 - 4 * T) & 0x0000F000) | 0x3F800000
+    elif SCHEME == 0:
+        bits = (_shifted(w ^ -2139062144, 8 - 8 * T) & 0x0000FF00) | 0x3F800000  # 0x80808080: byte + 128
+    else:
+        bits = (_shifted(w, 22 - 4 * T) & 0x01C00000) | (_shifted(w, 28 - 4 * T) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def word_values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """Every value of each word of w [BN, BKW] int32: eight float32 tensors (int8: four, then the same
+    four again, never read). ASM (NVIDIA): the inline PTX above; else ``_value``."""
+    f32 = tl.float32
+    if ASM and SCHEME != 0:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 8,
+            is_pure=True, pack=1)
+        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
+        v4, v5, v6, v7 = v4.to(f32, bitcast=True), v5.to(f32, bitcast=True), v6.to(f32, bitcast=True), v7.to(f32, bitcast=True)
+    elif ASM and SCHEME == 0:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(_INT8_ASM, "=r,=r,=r,=r,r", [w], dtype=(tl.int32,) * 4,
+                                                   is_pure=True, pack=1)
+        v0, v1, v2, v3 = v0.to(f32, bitcast=True), v1.to(f32, bitcast=True), v2.to(f32, bitcast=True), v3.to(f32, bitcast=True)
+        v4, v5, v6, v7 = v0, v1, v2, v3
+    else:
+        v0, v1, v2, v3 = _value(w, 0, SCHEME), _value(w, 1, SCHEME), _value(w, 2, SCHEME), _value(w, 3, SCHEME)
+        if SCHEME == 0:
+            v4, v5, v6, v7 = v0, v1, v2, v3
+        else:
+            v4, v5, v6, v7 = _value(w, 4, SCHEME), _value(w, 5, SCHEME), _value(w, 6, SCHEME), _value(w, 7, SCHEME)
+    return v0, v1, v2, v3, v4, v5, v6, v7

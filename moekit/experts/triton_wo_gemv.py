@@ -1,0 +1,100 @@
+"""The word decode of weight-only experts (``_kernels/gemm_wo_gemv.py``: packed weights read as 32-bit
+words into registers and multiplied on the CUDA cores, no tensor cores): where it applies, its default
+config and its two bound launches. The plan (``triton_wo_plan``) calls these for decode "gemv".
+
+Config: a ``KernelConfig`` as the other decodes', read so: BLOCK_M the M-block's rows (the tiny-batch
+shortcut always runs 1 row a block), each GemmTile's BLOCK_N the weight rows of a program and BLOCK_K
+the reduction elements of a step (a multiple of the values a word holds: 8 for the 4-bit schemes, 4
+for int8; BLOCK_K / PER words a step, a power of two).
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.experts.configs import GemmTile, KernelConfig
+from moekit.experts.triton_launch import LaunchOptions, cdiv, kernels
+from moekit.triton_bind import BoundLaunch
+
+PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
+MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
+
+
+def words_ok(q: torch.Tensor) -> bool:
+    """Whether a packed weight ``q`` [E, R, bytes] reads as int32 words: a row's bytes contiguous and a
+    multiple of 4, every stride and the address a multiple of 4 bytes."""
+    return (q.element_size() == 1 and q.stride(2) == 1 and q.shape[2] % 4 == 0 and q.stride(0) % 4 == 0
+            and q.stride(1) % 4 == 0 and q.data_ptr() % 4 == 0)
+
+
+def gemv_rows(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The word decode's BLOCK_M: 1 up to one row per expert on average (M*k/E), else MAX_ROWS."""
+    return 1 if num_tokens * top_k <= num_experts else MAX_ROWS
+
+
+def gemv_group_m(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """GROUP_M: the M-blocks of about one expert (M*k/E / BLOCK_M, 1 to 8) sweep the weight tiles
+    together, so the other blocks of an expert read its tiles from L2."""
+    rows = num_tokens * top_k / max(num_experts, 1)
+    return max(1, min(8, round(rows / gemv_rows(num_tokens, num_experts, top_k))))
+
+
+def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The default: BLOCK_M ``gemv_rows``; 16 words a step (int4 at g = 128: one group a step, scales
+    per row). 1-row blocks: 64 weight rows a program in 2 warps, both GEMMs (each thread then holds
+    several weight rows of the same words, so each activation value it loads serves them all): the
+    H200's fastest at int4 M = 1 (DeepSeek-V3 114 µs, Mixtral 130 µs; 1-warp 16/32-row tiles 121-279,
+    4-warp 249-297). 2-row blocks (never the chooser's pick: they lost every measured cell): 16 rows
+    (gate-up; 32 spill, ptxas sm_90) and 32 (down) in 1 warp. The down GEMM splits its reduction
+    where programs are few (``triton_wo_plan.decode_split_k``)."""
+    step, group_m = 16 * PER[scheme], gemv_group_m(num_tokens, num_experts, top_k)
+    block_m = gemv_rows(num_tokens, num_experts, top_k)
+    if block_m == 1:
+        return KernelConfig(1, GemmTile(64, step, group_m, 2, 1), GemmTile(64, step, group_m, 2, 1))
+    return KernelConfig(block_m, GemmTile(16, step, group_m, 1, 1), GemmTile(32, step, group_m, 1, 1))
+
+
+def check_gemv_config(config: KernelConfig, scheme: str) -> None:
+    """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words."""
+    if not 1 <= config.BLOCK_M <= MAX_ROWS:
+        raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
+    for name, tile in (("up", config.up), ("down", config.down)):
+        words = tile.BLOCK_K // PER[scheme]
+        if tile.BLOCK_K % PER[scheme] or words & (words - 1):
+            raise ValueError(f"config.{name}.BLOCK_K must be {PER[scheme]} x a power of two for the gemv decode "
+                             f"of {scheme}, got {tile.BLOCK_K}")
+
+
+def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
+                  scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
+                  asm: bool = False) -> tuple[BoundLaunch, BoundLaunch]:
+    """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
+    passed to the kernels in words); ``split_len`` the down GEMM's reduction elements per split (a
+    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``)."""
+    check_gemv_config(config, scheme)
+    num_experts, two_n = w13.q.shape[:2]
+    n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
+    module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
+    shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm, cached=options.cached_launcher,
+                  **options.pdl_kwargs())
+
+    def strides(w) -> tuple:  # q (e, r) in words, scale (e, r, g), zero (e, r, g)
+        qe, qr, _, *rest = w.strides
+        return (qe // 4, qr // 4, *rest)
+
+    gate_up = BoundLaunch(
+        module.gate_up_wo_gemv_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13), n),
+        BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+    )
+    down_launch = BoundLaunch(
+        module.down_wo_gemv_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+        (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per, n,
+         *strides(w2), hidden),
+        BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
+        num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+    )
+    return gate_up, down_launch
