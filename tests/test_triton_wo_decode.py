@@ -41,8 +41,11 @@ MEASURED = {
 # The gemv decode's µs where it beat both (session 9 checkpoint, benchmarks/wo_speed_device_check.py at
 # 19af4d7; the same run's tile / register: DeepSeek M=1 253.7 / 143.1, M=8 1504.2 / 949.1, Mixtral M=1
 # 243.8 / 148.8). It lost every other measured cell (mxfp4, int8, 2-row blocks).
+# Qwen3 int4 (final run at 226019a, wo_speed_device_check; the same run's tile / register: M=1 39.2 / 32.9,
+# M=8 153.1 / 118.3, the aligned layout there: 4A > E).
 GEMV_MEASURED = {(256, 2048, 7168, 8): {("int4_w4a16", 1): 113.7, ("int4_w4a16", 8): 669.7},
-                 (8, 14336, 4096, 2): {("int4_w4a16", 1): 129.8}}
+                 (8, 14336, 4096, 2): {("int4_w4a16", 1): 129.8},
+                 (128, 768, 2048, 8): {("int4_w4a16", 1): 31.6, ("int4_w4a16", 8): 88.1}}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +120,16 @@ def test_gemv_only_on_the_tiny_batch_shortcut():
     assert choose_decode("int4_w4a16", 8, *deepseek, shortcut=False) == "register"  # an expert map: aligned
     assert choose_decode("int4_w4a16", 16, *deepseek) == "register"  # nearest measured M = 8, but 4A > E
     assert choose_decode("mxfp4", 1, *deepseek) == "tile"  # the gemv lost every mxfp4 cell
+
+
+def test_gemv_on_the_aligned_layout_only_at_or_below_where_measured():
+    from moekit.experts.triton_wo_plan import choose_decode
+
+    qwen3 = (128, 768, 2048, 8)
+    assert choose_decode("int4_w4a16", 8, *qwen3) == "gemv"  # A = 64, 4A > E: aligned, measured faster
+    assert choose_decode("int4_w4a16", 6, *qwen3, shortcut=False) == "gemv"  # below the measured M
+    assert choose_decode("int4_w4a16", 16, *qwen3) == "register"  # nearest measured M = 8, but above it
+    assert choose_decode("int4_w4a16", 64, *qwen3) == "register"
 
 
 @pytest.mark.parametrize("decode,gate_up,down", [("tile", "gate_up_wo_kernel", "down_wo_kernel"),

@@ -15,7 +15,8 @@ Three decodes of the packed weights (DECODES), each its own kernels and its own 
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
 ``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
 same tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch
-shortcut), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
+shortcut, or on the aligned layout at or below an M where it was measured faster there,
+``GEMV_ALIGNED_MEASURED``), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
 overrides it, so benchmarks and ``moekit tune`` can time either.
 
 Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
@@ -69,13 +70,19 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # gemv at its 2-warp 64-row 16-word tiles, the heuristic since): DeepSeek M=1 254 / 143 / 114, M=8 1504 /
 # 949 / 658, M=64 5126 / 3413 / 5032 (2-row blocks); Mixtral M=1 244 / 149 / 130, M=8 720 / 480 / 802
 # (2-row blocks). mxfp4 and int8: the gemv lost every cell (1.1-7x), so no entry picks it there.
+# Qwen3 int4 (session 9 final run at 226019a, wo_speed / wo_device_check): M=1 39.2 / 32.9 / 31.6, M=8
+# (aligned: 4A > E) 153.1 / 118.3 / 88.1, M=64 339.2 / 245.5 / 521.9.
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
+    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
+# (scheme, E, N, K, M): where the gemv decode was measured faster off the tiny-batch shortcut (on the
+# block-aligned layout, its 1-2 row blocks); a call takes it there only at or below that M.
+GEMV_ALIGNED_MEASURED = {("int4_w4a16", 128, 768, 2048, 8)}
 
 
 @dataclass(frozen=True)
@@ -164,15 +171,18 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
     of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
     bucket, else "tile". "gemv" only where the call takes the tiny-batch shortcut (``shortcut``; None:
-    ``use_naive`` without an expert map), the only kind of call it was measured faster on."""
+    ``use_naive`` without an expert map), or at or below an M of ``GEMV_ALIGNED_MEASURED`` (where it was
+    measured faster on the aligned layout)."""
     bucket = height_bucket(num_tokens, num_experts, top_k)
     rule = DECODE_RULE.get((scheme, bucket), "tile")
     measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
                 if height_bucket(m, num_experts, top_k) == bucket}
-    pick = nearest(measured, num_tokens) if measured else rule
+    at = nearest({m: m for m in measured}, num_tokens) if measured else None  # the measured M taken
+    pick = rule if at is None else measured[at]
     if shortcut is None:
         shortcut = use_naive(num_tokens * top_k, num_experts, None)
-    return rule if pick == "gemv" and not shortcut else pick
+    aligned_ok = num_tokens <= (at or 0) and (scheme, num_experts, n, k, at) in GEMV_ALIGNED_MEASURED
+    return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
 
 
 def check_decode(decode: str | None) -> None:
