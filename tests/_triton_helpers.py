@@ -91,3 +91,21 @@ def launch_log(interpreter, monkeypatch):
     interpreter.clear_launch_caches()
     yield log
     interpreter.clear_launch_caches()
+
+
+def spy_desc(monkeypatch, module) -> list:
+    """Record (kernel name, its DESC constexpr) for every launch through ``module.kernels`` (a module's
+    lazy kernel loader; None for a kernel without DESC); returns the list the launches append to. The kernels still run."""
+    seen, real = [], module.kernels
+
+    class Spy:
+        def __init__(self, kernels):
+            self.kernels = kernels
+
+        def __getattr__(self, name):
+            kernel = getattr(self.kernels, name)
+            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append((name, kw.get("DESC"))),
+                                                                                     kernel[grid](*a, **kw))})()
+
+    monkeypatch.setattr(module, "kernels", lambda name: Spy(real(name)))
+    return seen

@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from _triton_helpers import interpreter, spy_desc  # noqa: E402, F401  (interpreter: fixture)
 from _helpers import make_problem, rel_l2  # noqa: E402
 from test_triton_backward import NAMES, TOL, grads_of, loop_experts  # noqa: E402
 
@@ -70,18 +70,7 @@ def test_sorted_grad_gate_up_descriptors(interpreter, monkeypatch, dg_cols):
     import moekit.experts.triton_backward_sorted as bs
     from moekit.experts.triton_backward_launch import KernelTiles
 
-    seen, real = [], bs.kernels
-
-    class Spy:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            kernel = getattr(self.module, name)
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append((name, kw["DESC"])),
-                                                                                     kernel[grid](*a, **kw))})()
-
-    monkeypatch.setattr(bs, "kernels", lambda name: Spy(real(name)))
+    seen = spy_desc(monkeypatch, bs)
     grad = KernelTiles(16, 16, 1, 1, rows=16, desc=True, contiguous=True, group=2, dg_cols=dg_cols)
     problem = make_problem(21, 2, 4, 48, 24, dtype=torch.bfloat16, seed=22, skips=True)
     got, want = _grads(problem, _tiles(32, grad), torch.bfloat16)

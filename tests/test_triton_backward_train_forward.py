@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from _triton_helpers import interpreter, spy_desc  # noqa: E402, F401  (interpreter: fixture)
 from _helpers import make_problem, rel_l2  # noqa: E402
 from test_triton_backward import NAMES, TOL, grads_of, loop_experts  # noqa: E402
 
@@ -51,18 +51,7 @@ def test_sorted_forward_descriptors(interpreter, monkeypatch):
     """bf16 with 16-byte rows (K=48, N=24): x_p, g_p and both weights through TMA (DESC seen by both launches)."""
     import moekit.experts.triton_train_forward as tf
 
-    seen, real = [], tf.kernels
-
-    class Spy:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            kernel = getattr(self.module, name)
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append((name, kw["DESC"])),
-                                                                                     kernel[grid](*a, **kw))})()
-
-    monkeypatch.setattr(tf, "kernels", lambda name: Spy(real(name)))
+    seen = spy_desc(monkeypatch, tf)
     problem = make_problem(21, 2, 4, 48, 24, dtype=torch.bfloat16, seed=22, skips=True)
     x, w13, w2, ids, weights = problem
     out, _ = tf.sorted_forward(x, w13, w2, ids, weights, None, "silu", _tiles(32, desc=True))

@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from _triton_helpers import interpreter, spy_desc  # noqa: E402, F401  (interpreter: fixture)
 
 
 def _routing(num_tokens: int, top_k: int, num_experts: int, seed: int, empty: int | None = None) -> torch.Tensor:
@@ -59,25 +59,11 @@ def test_weight_grad_variants(interpreter, contiguous, desc, split, group):
 def test_weight_grad_contiguous_takes_the_descriptor(interpreter, monkeypatch):
     """With bf16 operands and ``desc`` the contiguous kernel gets TMA descriptors (DESC), float32 ones not."""
     bl, ids, left, right, layout = _case(16, dtype=torch.bfloat16, seed=3)
-    seen = []
-    real = bl.kernels
-
-    class Spy:
-        def __init__(self, module):
-            self.module = module
-
-        def __getattr__(self, name):
-            kernel = getattr(self.module, name)
-            if name != "weight_grad_contiguous_kernel":
-                return kernel
-            return type("K", (), {"__getitem__": lambda _, grid: lambda *a, **kw: (seen.append(kw["DESC"]),
-                                                                                     kernel[grid](*a, **kw))})()
-
-    monkeypatch.setattr(bl, "kernels", lambda name: Spy(real(name)))
+    seen = spy_desc(monkeypatch, bl)
     tile = bl.KernelTiles(16, 16, 1, 1, rows=16, split=1, desc=True, contiguous=True)
     bl.weight_grad(left, 1, right, 3, 5, torch.float32, layout, tile)
     bl.weight_grad(left.float(), 1, right.float(), 3, 5, torch.float32, layout, tile)
-    assert seen == [True, False]
+    assert [desc for name, desc in seen if name == "weight_grad_contiguous_kernel"] == [True, False]
 
 
 def test_contiguous_step_must_divide_the_block(interpreter):
