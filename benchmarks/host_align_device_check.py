@@ -271,7 +271,7 @@ class OutOfTime(BaseException):
     """Raised by the hard time limit's alarm; not an ``Exception``, so no per-cell handler swallows it."""
 
 
-def _out_of_time(signum, frame):
+def raise_out_of_time(signum, frame):
     raise OutOfTime()
 
 
@@ -292,7 +292,7 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "host_align_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.signal(signal.SIGALRM, raise_out_of_time)
     signal.alarm(0 if a.smoke else a.hard_limit_s)  # the interpreter's smoke run takes minutes
     try:
         measure_cells(a, start, out_dir, results)

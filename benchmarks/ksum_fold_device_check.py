@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 import triton
 
-from host_align_device_check import Run, eager_us, gpu_us, host_us, one_at_a_time_us  # benchmarks/ is on sys.path
+from host_align_device_check import (  # benchmarks/ is on sys.path
+    OutOfTime, Run, raise_out_of_time, eager_us, gpu_us, host_us, one_at_a_time_us,
+)
 from moekit.bench.cells import Shape, make_weights, uniform_routing
 from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, experts_triton, fused_experts
 from moekit.experts.triton_launch import LaunchOptions
@@ -244,14 +246,6 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-class OutOfTime(BaseException):
-    """Raised by the hard time limit's alarm; not an ``Exception``, so no per-cell handler swallows it."""
-
-
-def _out_of_time(signum, frame):
-    raise OutOfTime()
-
-
 def measure(a, start: float, results: dict) -> None:
     with torch.no_grad():
         cell(a.presets[0], 1)  # throwaway: the first cell of a process runs slow (session 8: 54.9 against 31 µs)
@@ -284,7 +278,7 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "ksum_fold_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.signal(signal.SIGALRM, raise_out_of_time)
     signal.alarm(0 if a.smoke else a.hard_limit_s)
     try:
         measure(a, start, results)
