@@ -30,7 +30,6 @@ what is left; a hard one (HARD_LIMIT_S) prints what it has. A table last; exit 1
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -43,6 +42,7 @@ import backward_tune as bt
 import moekit.experts.triton_backward_launch as bl
 import moekit.experts.triton_train_forward as tf
 from backward_device_check import rel_l2
+from train_ggu_device_check import failure, report
 from train_ds_report import FLOPS, forward_pair, snapshot, stage_rows, table, verdict, winners_of
 from moekit.bench.cells import Shape, make_weights, uniform_routing
 from moekit.experts.triton_backward_launch import KernelTiles
@@ -87,11 +87,6 @@ if SMOKE:  # the interpreter on a shared CPU: only the limits that stop a hung r
     SOFT_LIMIT_S, MIXTRAL_START_S, HARD_LIMIT_S = 1500, 1500, 1700
 else:
     SHAPES, M = [Shape.from_preset("deepseek-v3"), Shape.from_preset("mixtral-8x7b")], 16384
-
-
-def failure(e: Exception, what: str) -> dict:
-    print(f"{what} failed: {type(e).__name__}:\n{str(e)[-2000:]}", flush=True)
-    return dict(error=f"{type(e).__name__}: {' | '.join(str(e).splitlines()[-3:])[:240]}")
 
 
 class Cell:
@@ -356,14 +351,7 @@ def check_cell(s: Shape, dev, mm: float, started: float) -> dict:
 
 
 def finish(rows: list, mm: float, started: float, note: str = "") -> int:
-    ok = verdict(rows)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "train_ds.json"), "w") as f:
-            json.dump(dict(matmul_tflops=mm, cells=rows, passed=ok, note=note, wall_s=time.perf_counter() - started),
-                      f, indent=1, default=str)
-    table(rows, mm)
-    print(f"{'PASS' if ok else 'FAIL'}{note} ({time.perf_counter() - started:.0f} s)", flush=True)
-    return 0 if ok else 1
+    return report("train_ds", rows, mm, started, verdict(rows), table, note)
 
 
 def main() -> int:

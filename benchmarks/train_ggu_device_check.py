@@ -309,15 +309,19 @@ def check_cell(s: Shape, m: int, w, dev, started: float, e2e: bool) -> dict:
     return row
 
 
-def finish(rows: list, matmul: float, started: float, note: str = "") -> int:
-    ok = passed(rows)
+def report(name: str, rows: list, matmul: float, started: float, ok: bool, show, note: str = "") -> int:
+    """$OUT/<name>.json, the table (``show(rows, matmul)``) and the verdict line; the exit code."""
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "train_ggu.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(dict(matmul_tflops=matmul, cells=rows, passed=ok, note=note,
                            wall_s=time.perf_counter() - started), f, indent=1, default=str)
-    table(rows, matmul)
+    show(rows, matmul)
     print(f"{'PASS' if ok else 'FAIL'}{note} ({time.perf_counter() - started:.0f} s)", flush=True)
     return 0 if ok else 1
+
+
+def finish(rows: list, matmul: float, started: float, note: str = "") -> int:
+    return report("train_ggu", rows, matmul, started, passed(rows), table, note)
 
 
 def main() -> int:
