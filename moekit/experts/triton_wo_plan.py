@@ -15,8 +15,7 @@ Three decodes of the packed weights (DECODES), each its own kernels and its own 
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
 ``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
 same tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch
-shortcut, or on the aligned layout at or below an M where it was measured faster there,
-``GEMV_ALIGNED_MEASURED``), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
+shortcut, or on the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
 overrides it, so benchmarks and ``moekit tune`` can time either.
 
 Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
@@ -80,9 +79,6 @@ DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
-# (scheme, E, N, K, M): where the gemv decode was measured faster off the tiny-batch shortcut (on the
-# block-aligned layout, its 1-2 row blocks); a call takes it there only at or below that M.
-GEMV_ALIGNED_MEASURED = {("int4_w4a16", 128, 768, 2048, 8)}
 
 
 @dataclass(frozen=True)
@@ -171,8 +167,8 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
     of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
     bucket, else "tile". "gemv" only where the call takes the tiny-batch shortcut (``shortcut``; None:
-    ``use_naive`` without an expert map), or at or below an M of ``GEMV_ALIGNED_MEASURED`` (where it was
-    measured faster on the aligned layout)."""
+    ``use_naive`` without an expert map), or at or below the measured M when that M's own calls run on the
+    aligned layout (so the gemv was measured faster there)."""
     bucket = height_bucket(num_tokens, num_experts, top_k)
     rule = DECODE_RULE.get((scheme, bucket), "tile")
     measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
@@ -181,7 +177,7 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     pick = rule if at is None else measured[at]
     if shortcut is None:
         shortcut = use_naive(num_tokens * top_k, num_experts, None)
-    aligned_ok = num_tokens <= (at or 0) and (scheme, num_experts, n, k, at) in GEMV_ALIGNED_MEASURED
+    aligned_ok = at is not None and num_tokens <= at and not use_naive(at * top_k, num_experts, None)
     return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
 
 
