@@ -18,6 +18,7 @@ stream them as fast with less contention); the fastest pair is kept in ``MissCos
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from typing import Iterator
@@ -56,6 +57,28 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
                      gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
                      cpu_threads=best[0], cpu_gemm=best[1],
                      link_cpu_bytes_per_s=statistics.median(during) if None not in during else None)
+
+
+def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, tokens: int = 8, repeats: int = 3) -> MissCosts:
+    """``costs`` with the CPU rates (``cpu_step_s``, ``cpu_expert_s``, ``cpu_token_s``) fitted again on
+    ``layer``'s CPU branch now, at the thread count and GEMM ``costs`` chose: the median of ``repeats``
+    timings each of 1 expert x 1 token, k x 1 and k x ``tokens`` (k = max(top_k, 2); cold experts, the
+    groups starting at group ``start``; link busy), as ``measure_costs`` fits them. A benchmark calls it
+    before each group of rows: the host's rate drifts over a run (the same call took 0.9-1.3x the first
+    calibration's model at different times on the H200), and the floor and "auto" should price the CPU
+    as it runs for those rows. The link, GPU and margin stay as measured."""
+    if tokens < 2 or repeats < 1:
+        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+    k = max(layer.config.top_k, 2)
+    groups = _cold_groups(layer.config.num_experts, k, start)
+    setting = (costs.cpu_threads, costs.cpu_gemm or CPU_GEMMS[0])
+    branch(layer, next(groups), 1, 1, *setting)  # brings the threads up after whatever ran before
+
+    def median(experts: int, m: int) -> float:
+        return statistics.median(branch(layer, next(groups), experts, m, *setting) for _ in range(repeats))
+
+    step, per_expert, per_token = fit_cpu_branch(median(1, 1), median(k, 1), median(k, tokens), experts=k, tokens=tokens)
+    return dataclasses.replace(costs, cpu_step_s=step, cpu_expert_s=per_expert, cpu_token_s=per_token)
 
 
 def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nbytes: int = 1 << 28) -> float | None:
@@ -121,9 +144,10 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     return layer._cpu.last.total_s
 
 
-def _cold_groups(num_experts: int, k: int) -> Iterator[list[int]]:
-    """Groups of k distinct experts, disjoint until the experts run out (then starting over)."""
-    g = 0
+def _cold_groups(num_experts: int, k: int, start: int = 0) -> Iterator[list[int]]:
+    """Groups of k distinct experts from group ``start`` on, disjoint until the experts run out (then
+    starting over)."""
+    g = start
     while True:
         yield [(g * k + j) % num_experts for j in range(k)]
         g += 1
