@@ -5,7 +5,9 @@
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
 sharing one cache): cache 25 / 50 / 75% of the experts x M = 1 / 8 / 32 x gpu / cpu / auto, lfu, on the
-uniform stream (no prefetch) and the skewed one (prefetch none and router); lru after, as time allows.
+uniform stream (no prefetch) and the skewed one (prefetch none and router), "auto" with the online CPU
+rate (``moekit.offload.CpuRate``); then the same table with auto on the calibrated rate alone, as time
+allows (rows marked online on / off).
 The floor is ``moekit.bench.offload_floor``'s timeline: rates measured in the same run (link, GPU read,
 the CPU branch recalibrated before each group of rows), a fixed per-layer cost measured on all-hit steps
 of the same stream and M, no margin.
@@ -36,7 +38,7 @@ START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 MODES = ("gpu", "cpu", "auto")
-PARTS = (("lfu",), ("lru",))  # policies per part; the second runs as time allows
+PARTS = ((("lfu",), True), (("lfu",), False))  # (policies, online CPU rate for auto); the second as time allows
 
 
 class OutOfTime(Exception):
@@ -47,18 +49,19 @@ def _left() -> float:
     return LIMIT_S - (time.perf_counter() - START)
 
 
-def run_part(shell, device, costs, shape: dict, policies: tuple[str, ...], batches) -> tuple[list[dict], dict | None]:
-    """One part's rows (so far) and its document (None when cut by the time limit)."""
+def run_part(shell, device, costs, shape: dict, policies: tuple[str, ...], online: bool,
+             batches) -> tuple[list[dict], dict | None]:
+    """One part's rows (so far, each marked with ``online``) and its document (None when cut by the time limit)."""
     rows = []
 
     def progress(r):
-        rows.append(dataclasses.asdict(r))
+        rows.append({**dataclasses.asdict(r), "online": online})
         if _left() < 0:
             raise OutOfTime
 
     try:
         doc = measure_offload(device, batches=batches, policies=policies, places=MODES, shell=shell, costs=costs,
-                              on_progress=progress, **shape)
+                              on_progress=progress, online_cpu_rate=online, **shape)
     except OutOfTime:
         doc = None
     return rows, doc
@@ -78,16 +81,17 @@ def main(smoke: bool) -> int:
     result["costs"] = dataclasses.asdict(costs)
     result["setup_s"] = time.perf_counter() - START
     batches = (1, 8, 32) if cuda else (1, 8)
-    for policies in PARTS:
+    for policies, online in PARTS:
+        name = f"{'/'.join(policies)} online={online}"
         if _left() < 60 and result["parts"]:
-            result["parts"].append({"policies": policies, "state": "skipped"})
+            result["parts"].append({"name": name, "state": "skipped"})
             continue
         clock = time.perf_counter()
-        rows, doc = run_part(shell, device, costs, shape, policies, batches)
+        rows, doc = run_part(shell, device, costs, shape, policies, online, batches)
         result["rows"] += rows
         if doc is not None:
-            result["fixed_ms"].update({f"{policies[0]} {k}": v for k, v in doc["fixed_ms"].items()})
-        result["parts"].append({"policies": policies, "state": "complete" if doc else "cut",
+            result["fixed_ms"].update({f"{name} {k}": v for k, v in doc["fixed_ms"].items()})
+        result["parts"].append({"name": name, "state": "complete" if doc else "cut",
                                 "seconds": time.perf_counter() - clock,
                                 "cpu_margin": None if doc is None else doc["cpu_margin"]})
     result["total_s"] = time.perf_counter() - START
@@ -99,10 +103,11 @@ def main(smoke: bool) -> int:
 
 
 def by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """(stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
+    """(online, stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
     out: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        out.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
+        key = (r.get("online", False), r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"])
+        out.setdefault(key, {})[r["compute_misses_on"]] = r
     return out
 
 
@@ -148,15 +153,19 @@ def _print(result: dict) -> None:
               f"{c['cpu_threads']} threads ({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}")
     for p in result["parts"]:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
-        print(f"part {'/'.join(p['policies'])}: {p['state']}{extra}")
+        print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("cell | mode step ms, x floor, hit/sim | auto/best")
-    for (stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
+    print("online cell | mode step ms, x floor, hit/sim | auto/best")
+    for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
-        print(f"{stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "
+        print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "
               + " | ".join(_mode_text(modes, mode) for mode in MODES) + " | " + ("-" if q is None else f"{q:.3f}"))
-    for line in summary(result["rows"]):
-        print(line)
+    for online in (True, False):
+        rows = [r for r in result["rows"] if r.get("online", False) == online]
+        if rows:
+            print(f"online CPU rate {'on' if online else 'off'}:")
+            for line in summary(rows):
+                print("  " + line)
 
 
 if __name__ == "__main__":

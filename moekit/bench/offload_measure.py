@@ -43,7 +43,7 @@ from moekit.bench.offload_floor import measure_fixed_s, sum_floor_s, timeline_s
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import CpuOptions, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
 from moekit.offload.calibrate import recalibrate_cpu
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
@@ -95,6 +95,7 @@ class _Run:
     admit: int | None = None  # admit_per_forward (None: the plan's default)
     label: str = ""  # the row's mode ("": ``place``)
     overrides: tuple = ()  # (MissCosts field, value) pairs for this run's layers and replay
+    online: bool = False  # the stack's layers share an ``online.CpuRate`` ("auto" prices the CPU by it)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
@@ -102,7 +103,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
-                    admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None) -> dict:
+                    admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
+                    online_cpu_rate: bool = False) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -113,7 +115,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
     ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
     further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
-    "hit_rate"}), rows labelled so in ``compute_misses_on``."""
+    "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
+    share a ``CpuRate`` (the what-if replays the calibrated costs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
@@ -140,6 +143,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                 if any(run.place != "gpu" for run in group):  # the CPU's rate as it runs now (``recalibrate_cpu``)
                     group_costs = recalibrate_cpu(probe, costs, start=10 * groups_done)
                 groups_done += 1
+                group = [dataclasses.replace(run, online=online_cpu_rate and run.place == "auto") for run in group]
                 for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, group_costs, device,
                                                   options, fixed_s)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -149,7 +153,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "link_cpu_GBps": (costs.link_cpu_bytes_per_s or 0.0) / 1e9, "refetch": costs.refetch,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
-            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
+            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis,
+            "online_cpu_rate": online_cpu_rate, "cpu_threads": costs.cpu_threads,
             "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
             "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
             "skews": STREAMS,
@@ -307,9 +312,10 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
     """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
     steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
+    rate = CpuRate() if run.online else None
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place,
-                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options)
-              for _ in range(trace.num_layers)]
+                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
+                                    cpu_rate=rate) for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers

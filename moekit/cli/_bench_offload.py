@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where misses run (compute_misses_on): gpu, cpu, auto")
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
                    help="simulated routing streams: uniform, skewed")
+    g.add_argument("--offload-online-cpu-rate", action="store_true",
+                   help='"auto" layers price CPU experts by an online estimate of the CPU rate (moekit.offload.CpuRate)')
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
                    "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
                           fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
                           places=tuple(args.offload_places), streams=tuple(args.offload_streams),
+                          online_cpu_rate=args.offload_online_cpu_rate,
                           on_progress=lambda r: console.print(format_row(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
     stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"

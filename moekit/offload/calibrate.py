@@ -13,7 +13,7 @@ The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOpt
 None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
 x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
 stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
-``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings.
+``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings; ``hysteresis`` is ``HYSTERESIS``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from moekit.offload.cpu_path import CPU_GEMMS
 from moekit.offload.cost import (
     MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
+
+HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
 
 
 def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
@@ -56,7 +58,8 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
     return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
                      gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
                      cpu_threads=best[0], cpu_gemm=best[1],
-                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None)
+                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
+                     hysteresis=HYSTERESIS)
 
 
 def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, tokens: int = 8, repeats: int = 3) -> MissCosts:
