@@ -130,7 +130,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
         costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
     probe = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
-    rows, fixed, groups_done = [], {}, 0
+    rows, fixed = [], {}
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
@@ -139,11 +139,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
             fixed[f"{stream}/{m}"] = fixed_s = fixed_layer_s(shell, routings[:4], costs, device, options)
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
-                group_costs = costs
-                if any(run.place != "gpu" for run in group):  # the CPU's rate as it runs now (``recalibrate_cpu``)
-                    group_costs = recalibrate_cpu(probe, costs, start=10 * groups_done)
-                groups_done += 1
-                group = [dataclasses.replace(run, online=online_cpu_rate and run.place == "auto") for run in group]
+                group, group_costs = _prepare(group, costs, probe, 10 * len(rows), online_cpu_rate)
                 for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, group_costs, device,
                                                   options, fixed_s)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -156,14 +152,27 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis,
             "online_cpu_rate": online_cpu_rate, "cpu_threads": costs.cpu_threads,
             "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
-            "skews": STREAMS,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
-            "table_s": time.perf_counter() - clock[3],
-            "fixed_ms": {key: v * 1e3 for key, v in fixed.items()}, "rows": [asdict(r) for r in rows], "cells": by_cell([asdict(r) for r in rows]),
-            "summary": summary([asdict(r) for r in rows])}
+            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v * 1e3 for key, v in fixed.items()},
+            **_tables([asdict(r) for r in rows])}
+
+
+def _tables(rows: list[dict]) -> dict:
+    """The document's rows, cells and summary."""
+    return {"rows": rows, "cells": by_cell(rows), "summary": summary(rows)}
+
+
+def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: int,
+             online: bool) -> tuple[list[_Run], MissCosts]:
+    """A group's runs (auto's marked ``online`` when asked) and the costs its layers and floor price by:
+    with any run computing on the CPU, the CPU rates fitted again now on ``probe`` from cold-expert group
+    ``start`` (``calibrate.recalibrate_cpu``)."""
+    if any(run.place != "gpu" for run in group):
+        costs = recalibrate_cpu(probe, costs, start=start)
+    return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs
 
 
 def measure_costs(shell: MoE, device, options: CpuOptions) -> MissCosts:
