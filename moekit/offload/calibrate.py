@@ -67,9 +67,9 @@ def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, tokens: int = 8, re
     ``layer``'s CPU branch now, at the thread count and GEMM ``costs`` chose: the median of ``repeats``
     timings each of 1 expert x 1 token, k x 1 and k x ``tokens`` (k = max(top_k, 2); cold experts, the
     groups starting at group ``start``; link busy), as ``measure_costs`` fits them. A benchmark calls it
-    before each group of rows: the host's rate drifts over a run (the same call took 0.9-1.3x the first
-    calibration's model at different times on the H200), and the floor and "auto" should price the CPU
-    as it runs for those rows. The link, GPU and margin stay as measured."""
+    before each group of rows: the host's rate drifts over a run (the cpu mode's branches ran 0.85-1.53x
+    the first calibration's model across the groups of one H200 run, NVIDIA_H200-offload-2026-12-01-4),
+    and the floor and "auto" should price the CPU as it runs for those rows. The link, GPU and margin stay as measured."""
     if tokens < 2 or repeats < 1:
         raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
     k = max(layer.config.top_k, 2)

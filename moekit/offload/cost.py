@@ -150,7 +150,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
-    a few percent are within its error (the CPU rate drifts 10-30% over a run), and a decision flipping
+    a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
     on them sends a hot expert to the CPU one step and over the link the next."""
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)

@@ -4,7 +4,8 @@
     estimate:                     the first sample, then estimate + weight x (sample - estimate)
 
 The calibration measures the rate once, on cold experts; the host's rate then drifts (other work on
-the machine, memory traffic from the link's copies, frequency), by 10-30% over a benchmark on the H200.
+the machine, memory traffic from the link's copies, frequency): the cpu mode's branches ran 0.85-1.53x
+the first calibration's model across one H200 benchmark run.
 An ``OffloadedMoE`` given a ``CpuRate`` updates it after each CPU branch (``CpuPhases``) and "auto"
 splits its next forward's misses with ``cpu_expert_s`` replaced by the estimate (``apply``); layers that
 share one ``CpuRate`` share the estimate. The fixed step and per-token costs stay as calibrated: a
