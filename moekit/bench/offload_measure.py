@@ -1,8 +1,9 @@
 """``moekit bench --offload``: decode through a stack of offloaded layers whose experts exceed the GPU budget.
 
     [measure, once: host->GPU link, GPU read rate, the CPU path on cold experts, staging] -> [warm-up
-    once per M] -> per (stream, M): one simulated decode stream -> per (cache %, policy, prefetch,
-    compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
+    once per M] -> per (stream, M): one simulated decode stream, the floor's fixed per-layer cost on
+    all-hit steps -> per (cache %, policy, prefetch): the CPU rates fitted again -> per
+    compute_misses_on: L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
     through the cache's bookkeeping only, one real untimed step, ``timed_steps`` timed ones (the modes
     of one cache %, policy and prefetch take turns step by step) -> step time vs the floor; hit rate vs
     the what-if's replay
