@@ -304,7 +304,11 @@ def fixed_layer_s(shell, steps: list[list[Routing]], costs: MissCosts, device, o
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, costs=costs, cpu_options=options)
               for _ in touched]
     x = torch.randn(steps[0][0].topk_ids.shape[0], shell.config.hidden_size, device=device, dtype=shell.w13.dtype)
-    return measure_fixed_s(layers, x, steps, costs)
+    fixed = measure_fixed_s(layers, x, steps, costs)
+    del layers, cache
+    if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
+        torch.cuda.empty_cache()
+    return fixed
 
 
 def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
