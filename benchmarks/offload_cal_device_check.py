@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -64,6 +65,9 @@ def run_part(shell, device, costs, shape: dict, policies: tuple[str, ...], onlin
                               on_progress=progress, online_cpu_rate=online, **shape)
     except OutOfTime:
         doc = None
+    except Exception as e:  # noqa: BLE001 - a failing part keeps its rows, and the table still prints
+        traceback.print_exc()
+        doc = {"error": f"{type(e).__name__}: {e}"}
     return rows, doc
 
 
@@ -89,11 +93,11 @@ def main(smoke: bool) -> int:
         clock = time.perf_counter()
         rows, doc = run_part(shell, device, costs, shape, policies, online, batches)
         result["rows"] += rows
-        if doc is not None:
+        state = "cut" if doc is None else doc.get("error", "complete")
+        if doc is not None and "fixed_ms" in doc:
             result["fixed_ms"].update({f"{name} {k}": v for k, v in doc["fixed_ms"].items()})
-        result["parts"].append({"name": name, "state": "complete" if doc else "cut",
-                                "seconds": time.perf_counter() - clock,
-                                "cpu_margin": None if doc is None else doc["cpu_margin"]})
+        result["parts"].append({"name": name, "state": state, "seconds": time.perf_counter() - clock,
+                                "cpu_margin": None if doc is None else doc.get("cpu_margin")})
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "offload_cal_device_check.json"), "w") as f:
@@ -160,6 +164,8 @@ def _print(result: dict) -> None:
         q = auto_vs_best(modes)
         print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "
               + " | ".join(_mode_text(modes, mode) for mode in MODES) + " | " + ("-" if q is None else f"{q:.3f}"))
+    if not result["rows"]:
+        print("no rows")
     for online in (True, False):
         rows = [r for r in result["rows"] if r.get("online", False) == online]
         if rows:
