@@ -207,3 +207,18 @@ def test_balanced_orders_put_each_run_first_and_after_each_other_equally_often(n
         for a, b in zip(o, o[1:]):
             follows[(a, b)] += 1
     assert len(set(firsts)) == 1 and len(set(follows.values())) <= 1
+
+
+def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch):
+    from moekit.bench import offload_measure
+
+    calls = []
+    monkeypatch.setattr(offload_measure, "recalibrate_cpu",
+                        lambda probe, costs, start: calls.append(start) or dataclasses.replace(costs, cpu_expert_s=9.0))
+    runs = [offload_measure._Run(0.5, 4, "lfu", False, place) for place in ("gpu", "cpu", "auto")]
+    group, costs = offload_measure._prepare(runs[:1], COSTS, None, 7, online=True)
+    assert costs is COSTS and calls == [] and not group[0].online
+    group, costs = offload_measure._prepare(runs, COSTS, None, 7, online=True)
+    assert costs.cpu_expert_s == 9.0 and calls == [7] and [r.online for r in group] == [False, False, True]
+    group, _ = offload_measure._prepare(runs, COSTS, None, 8, online=False)
+    assert not any(r.online for r in group)
