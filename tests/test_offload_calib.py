@@ -198,7 +198,7 @@ def test_hysteresis_keeps_every_miss_on_the_link_unless_the_cpu_wins_by_that_muc
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_balanced_orders_put_each_run_first_and_after_each_other_equally_often(n):
+def test_balanced_orders_put_each_run_first_and_after_each_other_equally_often_and_first_once_per_block(n):
     orders = balanced_orders(n)
     assert len(orders) == math.factorial(n) and all(sorted(o) == list(range(n)) for o in orders)
     firsts = [sum(o[0] == j for o in orders) for j in range(n)]
@@ -207,6 +207,8 @@ def test_balanced_orders_put_each_run_first_and_after_each_other_equally_often(n
         for a, b in zip(o, o[1:]):
             follows[(a, b)] += 1
     assert len(set(firsts)) == 1 and len(set(follows.values())) <= 1
+    for block in range(0, len(orders), n):  # every n in a row from the start: each run first once
+        assert sorted(o[0] for o in orders[block:block + n]) == list(range(n))
 
 
 def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch):

@@ -264,7 +264,7 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
     try:
         orders = balanced_orders(len(runs))
         for step, per_layer in enumerate(routings):
-            for j in orders[step % len(orders)]:
+            for j in orders[(step - 1) % len(orders)]:  # the timed steps (from 1) start at the first order
                 run, layers = runs[j], stacks[j]
                 _sync(device)
                 start = time.perf_counter()
@@ -288,9 +288,16 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
 
 
 def balanced_orders(n: int) -> list[list[int]]:
-    """Every order of ``n`` runs (n! of them, lexicographic): taken in turn, each run goes first equally
-    often and follows each other run equally often."""
-    return [list(p) for p in itertools.permutations(range(n))]
+    """Every order of ``n`` runs (n! of them), each order's n rotations in a row: all of them taken in
+    turn, each run goes first equally often and follows each other run equally often; and each block
+    of n from the start (n timed steps: 3 at M >= 8 with 3 modes) puts every run first once."""
+    orders, seen = [], set()
+    for p in itertools.permutations(range(n)):
+        if p not in seen:
+            for r in range(n):
+                seen.add(p[r:] + p[:r])
+                orders.append(list(p[r:] + p[:r]))
+    return orders
 
 
 def fixed_layer_s(shell, steps: list[list[Routing]], costs: MissCosts, device, options: CpuOptions) -> float:
