@@ -26,7 +26,8 @@ whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens 
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
 measurement: the worst repeats over the medians of the calibration's own timings (``margin_of``), raised
 by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
-(``MissCosts.observed``). ``split_misses`` finds the split with the smallest cost exactly (not greedily).
+(``MissCosts.observed``). ``split_misses`` finds the split with the smallest cost exactly (not greedily),
+and keeps it only where it beats fetching every miss (``gpu_only``) by ``hysteresis``.
 """
 
 from __future__ import annotations
