@@ -228,7 +228,9 @@ def test_bookkeeping_only_moves_experts_in_without_copying_them():
 
 
 def test_bench_timeline_floor_queues_copies_in_issue_order():
-    from moekit.bench.offload_measure import _sum_floor, _timeline
+    import dataclasses
+
+    from moekit.bench.offload_floor import sum_floor_s, timeline_s
 
     # units: one expert's bytes; the link moves one per second (one per 2 s beside CPU work), the GPU
     # reads ten per second, the CPU pays 0.5 s per forward and 2 s per expert
@@ -237,8 +239,9 @@ def test_bench_timeline_floor_queues_copies_in_issue_order():
     first = OffloadStats(hits=2, fetched=1, prefetched=2)  # fetch lands at 1.0, read by 1.1; prefetch queued at 0 -> 3.0
     second = OffloadStats(hits=1, cpu_experts=2, cpu_tokens=2, admitted=2)  # admissions behind the prefetch: 3.0 -> 5.0
     # the second layer starts at 1.1; its CPU side ends at 1.1 + 4.5 = 5.6, after its admissions: 5.6
-    assert _timeline([first, second], 1, costs, busy=False) == pytest.approx(5.6)
+    idle = dataclasses.replace(costs, link_cpu_bytes_per_s=None)  # the link at its idle rate throughout
+    assert timeline_s([first, second], 1, idle) == pytest.approx(5.6)
     # beside CPU work its admissions take 2 s each: 3.0 -> 7.0, and its result waits for them
-    assert _timeline([first, second], 1, costs) == pytest.approx(7.0)
+    assert timeline_s([first, second], 1, costs) == pytest.approx(7.0)
     # session 8's floor: max(0.3 read, 1 fetched) + max(0.1 read, 4.5 CPU) = 5.5, above 5 moved experts
-    assert _sum_floor([first, second], 1, costs) == pytest.approx(5.5)
+    assert sum_floor_s([first, second], 1, costs) == pytest.approx(5.5)

@@ -1,8 +1,9 @@
 """``moekit bench --offload``: decode through a stack of offloaded layers whose experts exceed the GPU budget.
 
     [measure, once: host->GPU link, GPU read rate, the CPU path on cold experts, staging] -> [warm-up
-    once per M] -> per (stream, M): one simulated decode stream -> per (cache %, policy, prefetch,
-    compute_misses_on): L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
+    once per M] -> per (stream, M): one simulated decode stream, the floor's fixed per-layer cost on
+    all-hit steps -> per (cache %, policy, prefetch): the CPU rates fitted again -> per
+    compute_misses_on: L layers sharing an ExpertCache of C = fraction x E x L slots; W warm steps
     through the cache's bookkeeping only, one real untimed step, ``timed_steps`` timed ones (the modes
     of one cache %, policy and prefetch take turns step by step) -> step time vs the floor; hit rate vs
     the what-if's replay
@@ -13,15 +14,12 @@ residual drift between layers), so every cell of a stream replays the same routi
 streams the table has prefetch off and on). The layers share one host weight set (their experts would
 differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
 
-The floor of a step, from the rates measured first and the counts measured in it, no margin: a
-timeline of the layers with one host-to-device queue in issue order (``_timeline``: a layer's fetches
-and admissions queue behind what is still on the link, its result's copy back behind them, the next
-layer's prefetch behind its CPU side; copies beside CPU work at ``MissCosts.link_cpu_bytes_per_s``).
-``floor_sum_ms`` keeps session 8's floor next to it: the sum over layers of max((hits + fetched) x
-bytes / GPU read rate, fetched x bytes / link, cpu_step_s + CPU misses' experts x cpu_expert_s + their
-tokens x cpu_token_s (0 without CPU misses)), and at least every byte the link moved / link; on the
-H200 the prefetching cpu cells ran 1.12-1.18x it and 0.95-0.98x the timeline (their CPU branch waits
-behind the prefetch on the link, which that floor does not order). Each row also carries the CPU
+The floor of a step (``offload_floor``, whose docstring lists what it includes and leaves out), from
+rates measured in the same run and the counts measured in the step, no margin: a timeline of the
+layers with one host-to-device queue in issue order, each layer paying a fixed per-layer cost measured
+on all-hit steps of the same (stream, M) (``fixed_layer_s``), its CPU side at the CPU rates fitted again
+just before its group of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
+``floor_sum_ms`` keeps the simpler floor next to it (the layers' maxima summed). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
 over the faster pure mode. Before the table, the warm-up's CPU branches set ``cpu_margin`` to their
@@ -35,16 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from moekit.bench.offload_floor import measure_fixed_s, sum_floor_s, timeline_s
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import CpuOptions, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload.calibrate import recalibrate_cpu
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
@@ -79,6 +80,8 @@ class OffloadRow:
     cpu_wait_ms: float  # the host waiting for it,
     cpu_compute_ms: float  # the CPU experts,
     cpu_back_ms: float  # the result into pinned memory and its copy queued
+    fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M) (``offload_floor.measure_fixed_s``)
+    cpu_expert_us: float = 0.0  # the CPU rate per expert this group's floor and layers priced (``recalibrate_cpu``)
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class _Run:
     admit: int | None = None  # admit_per_forward (None: the plan's default)
     label: str = ""  # the row's mode ("": ``place``)
     overrides: tuple = ()  # (MissCosts field, value) pairs for this run's layers and replay
+    online: bool = False  # the stack's layers share an ``online.CpuRate`` ("auto" prices the CPU by it)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
@@ -100,7 +104,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
-                    admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None) -> dict:
+                    admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
+                    online_cpu_rate: bool = False) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -111,7 +116,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
     ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
     further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
-    "hit_rate"}), rows labelled so in ``compute_misses_on``."""
+    "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
+    share a ``CpuRate`` (the what-if replays the calibrated costs)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
@@ -124,15 +130,19 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
         costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
-    rows = []
+    probe = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
+    rows, fixed = [], {}
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
             data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
                                  seed=3)
             routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
+            fixed[f"{stream}/{m}"] = fixed_s = fixed_layer_s(shell, routings[:4], costs, device, options)
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
-                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, costs, device, options)):
+                group, group_costs = _prepare(group, costs, probe, 10 * len(rows), online_cpu_rate)
+                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, group_costs, device,
+                                                  options, fixed_s)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
@@ -140,16 +150,30 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "link_cpu_GBps": (costs.link_cpu_bytes_per_s or 0.0) / 1e9, "refetch": costs.refetch,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
-            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "cpu_threads": costs.cpu_threads,
+            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis,
+            "online_cpu_rate": online_cpu_rate, "cpu_threads": costs.cpu_threads,
             "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT,
-            "skews": STREAMS,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
-            "table_s": time.perf_counter() - clock[3],
-            "rows": [asdict(r) for r in rows], "cells": by_cell([asdict(r) for r in rows]),
-            "summary": summary([asdict(r) for r in rows])}
+            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v * 1e3 for key, v in fixed.items()},
+            **_tables([asdict(r) for r in rows])}
+
+
+def _tables(rows: list[dict]) -> dict:
+    """The document's rows, cells and summary."""
+    return {"rows": rows, "cells": by_cell(rows), "summary": summary(rows)}
+
+
+def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: int,
+             online: bool) -> tuple[list[_Run], MissCosts]:
+    """A group's runs (auto's marked ``online`` when asked) and the costs its layers and floor price by:
+    with any run computing on the CPU, the CPU rates fitted again now on ``probe`` from cold-expert group
+    ``start`` (``calibrate.recalibrate_cpu``)."""
+    if any(run.place != "gpu" for run in group):
+        costs = recalibrate_cpu(probe, costs, start=start)
+    return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs
 
 
 def measure_costs(shell: MoE, device, options: CpuOptions) -> MissCosts:
@@ -224,12 +248,13 @@ def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None,
 
 
 def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
-           costs: MissCosts, device, options: CpuOptions) -> list[dict]:
+           costs: MissCosts, device, options: CpuOptions, fixed_s: float = 0.0) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
-    fall on every mode alike, in an order rotated each step, so each follows every other equally often
-    (a CPU-heavy step leaves the host's threads busy for the next). The rows' measured fields, per run."""
+    fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
+    equally often; a CPU-heavy step leaves the host's threads busy for the next). Each step's floor
+    (``offload_floor``) with ``fixed_s`` per layer. The rows' measured fields, per run."""
     stacks = [_stack(shell, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
     times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
@@ -237,8 +262,9 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
     gc.collect()
     gc.disable()
     try:
+        orders = balanced_orders(len(runs))
         for step, per_layer in enumerate(routings):
-            for j in [(step + i) % len(runs) for i in range(len(runs))]:
+            for j in orders[(step - 1) % len(orders)]:  # the timed steps (from 1) start at the first order
                 run, layers = runs[j], stacks[j]
                 _sync(device)
                 start = time.perf_counter()
@@ -248,7 +274,8 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                 if step:
                     times[j].append(time.perf_counter() - start)
                     bytes_one = layers[0].cache.expert_bytes
-                    floors[j].append([_timeline(done, bytes_one, costs), _sum_floor(done, bytes_one, costs)])
+                    floors[j].append([timeline_s(done, bytes_one, costs, fixed_s),
+                                      sum_floor_s(done, bytes_one, costs, fixed_s)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -256,8 +283,39 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
         gc.enable()
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks  # the caches' slots, before the next group allocates its own
-    return [_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j])
-            for j, run in enumerate(runs)]
+    return [{**_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
+             "fixed_ms": fixed_s * 1e3, "cpu_expert_us": costs.cpu_expert_s * 1e6} for j, run in enumerate(runs)]
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Every order of ``n`` runs (n! of them), each order's n rotations in a row: all of them taken in
+    turn, each run goes first equally often and follows each other run equally often; and each block
+    of n from the start (n timed steps: 3 at M >= 8 with 3 modes) puts every run first once."""
+    orders, seen = [], set()
+    for p in itertools.permutations(range(n)):
+        if p not in seen:
+            for r in range(n):
+                seen.add(p[r:] + p[:r])
+                orders.append(list(p[r:] + p[:r]))
+    return orders
+
+
+def fixed_layer_s(shell, steps: list[list[Routing]], costs: MissCosts, device, options: CpuOptions) -> float:
+    """The floor's fixed per-layer seconds at these steps' M (``offload_floor.measure_fixed_s``), on gpu
+    layers whose cache holds every expert the steps touch (each layer's union, no eviction)."""
+    touched = [set() for _ in steps[0]]
+    for per_layer in steps:
+        for seen, routing in zip(touched, per_layer):
+            seen.update(e for e in routing.topk_ids.reshape(-1).tolist() if e >= 0)
+    cache = ExpertCache(sum(len(seen) for seen in touched), device=device, policy="lfu")
+    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, costs=costs, cpu_options=options)
+              for _ in touched]
+    x = torch.randn(steps[0][0].topk_ids.shape[0], shell.config.hidden_size, device=device, dtype=shell.w13.dtype)
+    fixed = measure_fixed_s(layers, x, steps, costs)
+    del layers, cache
+    if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
+        torch.cuda.empty_cache()
+    return fixed
 
 
 def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
@@ -275,9 +333,10 @@ def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, d
     """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
     steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
+    rate = CpuRate() if run.online else None
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place,
-                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options)
-              for _ in range(trace.num_layers)]
+                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
+                                    cpu_rate=rate) for _ in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers
@@ -326,40 +385,6 @@ def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted:
         stats = dataclasses.replace(stats)
         stats.add(ahead)
     return stats
-
-
-def _sum_floor(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts) -> float:
-    """Session 8's floor of a step in seconds (module docstring) from each layer's counts."""
-    read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
-    layers = sum(max((s.hits + s.fetched) * read, s.fetched * link,
-                     (costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s)
-                     if s.cpu_experts else 0.0) for s in per_layer)
-    moved = sum(s.fetched + s.prefetched + s.admitted for s in per_layer)
-    return max(layers, moved * link)
-
-
-def _timeline(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, busy: bool = True) -> float:
-    """A step's floor in seconds as a timeline with one host-to-device queue, in issue order: a layer
-    queues its fetches, then its admissions, at its start (behind whatever is still on the link); its
-    GPU side ends when its hits are read and its fetched experts have landed and been read; with CPU
-    misses it also waits for the CPU side and for its admissions (its result's copy back queues behind
-    them); the next layer's prefetch is queued when the host is free again (after the CPU side); the
-    step ends when the link is idle too. ``busy``: the layer's copies at ``link_cpu_bytes_per_s`` (when
-    measured) while it computes on the CPU. No margin."""
-    read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
-    slow = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if busy else link
-    t = free = 0.0  # the layer's start, the link's next idle moment
-    for s in per_layer:
-        cpu = costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s if s.cpu_experts else 0.0
-        rate = slow if s.cpu_experts else link
-        fetched_at = max(free, t) + s.fetched * rate
-        free = fetched_at + s.admitted * rate
-        end = max(t + s.hits * read, fetched_at) + s.fetched * read
-        if s.cpu_experts:
-            end = max(end, t + cpu, free)
-        free = max(free, t + cpu) + s.prefetched * link
-        t = end
-    return max(t, free)
 
 
 def _sync(device: torch.device) -> None:

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where misses run (compute_misses_on): gpu, cpu, auto")
     g.add_argument("--offload-streams", action=ListOption, item=_stream, default=["uniform", "skewed"],
                    help="simulated routing streams: uniform, skewed")
+    g.add_argument("--offload-online-cpu-rate", action="store_true",
+                   help='"auto" layers price CPU experts by an online estimate of the CPU rate (moekit.offload.CpuRate)')
     g.add_argument("--offload-dtype", default="float", metavar="DTYPE",
                    help="the experts' format: float (bf16 on CUDA, float32 on the CPU) or a moekit.quant scheme "
                    "(fp8_block, int8_w8a16, int4_w4a16, mxfp4), kept packed on the host, in the cache and over the link")
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     doc = measure_offload(device, layers=args.offload_layers, batches=tuple(args.batches or (1, 8, 32)),
                           fractions=tuple(args.cache_fractions), steps=args.offload_steps, scheme=scheme,
                           places=tuple(args.offload_places), streams=tuple(args.offload_streams),
+                          online_cpu_rate=args.offload_online_cpu_rate,
                           on_progress=lambda r: console.print(format_row(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
     stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
                   markup=False, highlight=False)
     for line in compact_table(doc["rows"]) + doc["summary"]:
         console.print(line, markup=False, highlight=False)
+    console.print("floor's fixed per-layer ms (all-hit steps): " + ", ".join(f"{k} {v:.3f}" for k, v in doc["fixed_ms"].items()),
+                  markup=False, highlight=False)
     console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
                   f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "
                   f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward at {doc['cpu_threads']} "

@@ -13,14 +13,15 @@ cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where th
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cpu_path import CpuOptions, CpuPhases
-from moekit.offload.cost import MissCosts, MissSplit, measure_link_bandwidth, measure_read_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, gpu_only, measure_link_bandwidth, measure_read_bandwidth, split_misses
 from moekit.offload.layer import OffloadedMoE, expert_nbytes, link_layers
+from moekit.offload.online import CpuRate
 from moekit.offload.plan import MissPlan, plan_misses
 from moekit.offload.policy import POLICIES, EvictionPolicy
 from moekit.offload.stats import OffloadStats
 
 __all__ = [
-    "CpuOptions", "CpuPhases", "ExpertCache", "EvictionPolicy", "MissCosts", "MissPlan", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
-    "expert_nbytes", "link_layers", "measure_link_bandwidth", "measure_read_bandwidth", "plan_misses",
+    "CpuOptions", "CpuPhases", "CpuRate", "ExpertCache", "EvictionPolicy", "MissCosts", "MissPlan", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
+    "expert_nbytes", "gpu_only", "link_layers", "measure_link_bandwidth", "measure_read_bandwidth", "plan_misses",
     "split_misses",
 ]

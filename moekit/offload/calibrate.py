@@ -13,11 +13,12 @@ The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOpt
 None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
 x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
 stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
-``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings.
+``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings; ``hysteresis`` is ``HYSTERESIS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from typing import Iterator
@@ -28,6 +29,8 @@ from moekit.offload.cpu_path import CPU_GEMMS
 from moekit.offload.cost import (
     MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
+
+HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
 
 
 def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
@@ -55,7 +58,30 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
     return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
                      gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
                      cpu_threads=best[0], cpu_gemm=best[1],
-                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None)
+                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
+                     hysteresis=HYSTERESIS)
+
+
+def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, tokens: int = 8, repeats: int = 3) -> MissCosts:
+    """``costs`` with the CPU rates (``cpu_step_s``, ``cpu_expert_s``, ``cpu_token_s``) fitted again on
+    ``layer``'s CPU branch now, at the thread count and GEMM ``costs`` chose: the median of ``repeats``
+    timings each of 1 expert x 1 token, k x 1 and k x ``tokens`` (k = max(top_k, 2); cold experts, the
+    groups starting at group ``start``; link busy), as ``measure_costs`` fits them. A benchmark calls it
+    before each group of rows: the host's rate drifts over a run (the cpu mode's branches ran 0.85-1.53x
+    the first calibration's model across the groups of one H200 run, NVIDIA_H200-offload-2026-12-01-4),
+    and the floor and "auto" should price the CPU as it runs for those rows. The link, GPU and margin stay as measured."""
+    if tokens < 2 or repeats < 1:
+        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+    k = max(layer.config.top_k, 2)
+    groups = _cold_groups(layer.config.num_experts, k, start)
+    setting = (costs.cpu_threads, costs.cpu_gemm or CPU_GEMMS[0])
+    branch(layer, next(groups), 1, 1, *setting)  # brings the threads up after whatever ran before
+
+    def median(experts: int, m: int) -> float:
+        return statistics.median(branch(layer, next(groups), experts, m, *setting) for _ in range(repeats))
+
+    step, per_expert, per_token = fit_cpu_branch(median(1, 1), median(k, 1), median(k, tokens), experts=k, tokens=tokens)
+    return dataclasses.replace(costs, cpu_step_s=step, cpu_expert_s=per_expert, cpu_token_s=per_token)
 
 
 def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nbytes: int = 1 << 28) -> float | None:
@@ -121,9 +147,10 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     return layer._cpu.last.total_s
 
 
-def _cold_groups(num_experts: int, k: int) -> Iterator[list[int]]:
-    """Groups of k distinct experts, disjoint until the experts run out (then starting over)."""
-    g = 0
+def _cold_groups(num_experts: int, k: int, start: int = 0) -> Iterator[list[int]]:
+    """Groups of k distinct experts from group ``start`` on, disjoint until the experts run out (then
+    starting over)."""
+    g = start
     while True:
         yield [(g * k + j) % num_experts for j in range(k)]
         g += 1

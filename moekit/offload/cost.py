@@ -26,7 +26,8 @@ whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens 
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
 measurement: the worst repeats over the medians of the calibration's own timings (``margin_of``), raised
 by a benchmark to the ratio of the CPU branch's measured to predicted time on real steps
-(``MissCosts.observed``). ``split_misses`` finds the split with the smallest cost exactly (not greedily).
+(``MissCosts.observed``). ``split_misses`` finds the split with the smallest cost exactly (not greedily),
+and keeps it only where it beats fetching every miss (``gpu_only``) by ``hysteresis``.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class MissCosts:
     cpu_gemm: str | None = None  # the CPU GEMM they were measured with (``cpu_path.CPU_GEMMS``; likewise)
     refetch: str = "reuse"  # how a CPU expert's later refetch is priced (``REFETCH``; ``split_misses``)
     link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
+    hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
             raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
             raise ValueError(f"refetch must be one of {REFETCH}, got {self.refetch!r}")
 
@@ -116,6 +120,14 @@ def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
     return (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s) if cpu_busy else costs.link_bytes_per_s
 
 
+def gpu_only(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0) -> MissSplit:
+    """Every miss of ``tokens`` fetched (what "gpu" does), priced as ``split_misses`` prices a split: no
+    CPU side, so the link at its idle rate and nothing left uncached."""
+    fetched = len(tokens)
+    return MissSplit(sorted(tokens), [], gpu_side_s(hits, fetched, expert_bytes, costs), 0.0,
+                     fetched * expert_bytes / costs.link_bytes_per_s)
+
+
 def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
                  reuse: dict[int, float] | None = None) -> MissSplit:
     """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
@@ -135,7 +147,12 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     with a of one class and b of the other on the CPU takes the a and b with the fewest tokens; for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
     CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b.
-    Ties go to fewer CPU experts, then fewer likely-reused ones."""
+    Ties go to fewer CPU experts, then fewer likely-reused ones.
+
+    Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
+    ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
+    a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
+    on them sends a hot expert to the CPU one step and over the link the next."""
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
@@ -152,7 +169,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                          fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
-    best, rank = split(0, 0), (0, 0)
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    best, rank = fetch_all, (0, 0)
     for b in range(len(classes[1]) + 1):
         lo, hi = (1 if b == 0 else 0), len(classes[0])  # a = b = 0 (no CPU side at all) is not on the convex run
         if lo > hi:
@@ -166,7 +184,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
         candidate = split(lo, b)
         if (candidate.cost_s, lo + b, b) < (best.cost_s, *rank):
             best, rank = candidate, (lo + b, b)
-    return best
+    return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
 
 
 def _cumulative(values: list[float]) -> list[float]:

@@ -42,6 +42,7 @@ from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
+from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
 from moekit.offload.plan import PLACES, MissPlan, plan_forward
 from moekit.offload.stats import OffloadStats
@@ -70,6 +71,7 @@ class OffloadedMoE(MoE):
         admit_per_forward: int | None = None,
         device: torch.device | str | None = None,
         cpu_options: CpuOptions | None = None,
+        cpu_rate: CpuRate | None = None,
     ) -> "OffloadedMoE":
         """``moe``'s function with its routed experts moved to host memory. Give ``cache_experts`` (a
         private cache of that many slots on ``device``, default ``moe``'s device, with ``policy``) or a
@@ -79,7 +81,9 @@ class OffloadedMoE(MoE):
         set): ``admit_per_forward`` of them, or with None as many as fit in the link's idle time during
         this forward's CPU work (at least one when nothing was fetched; one when no ``costs`` are
         known; ``plan.plan_misses``); 0 keeps the cache as it is. ``cpu_options`` (``cpu_path.CpuOptions``)
-        sets how the CPU branch runs (threads, GEMM, staging buffers, when admissions are queued)."""
+        sets how the CPU branch runs (threads, GEMM, staging buffers, when admissions are queued).
+        ``cpu_rate`` (``online.CpuRate``, may be shared by layers): updated after each CPU branch, and
+        "auto" prices CPU experts at its estimate instead of the calibrated ``cpu_expert_s``."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in PLACES:
@@ -92,6 +96,8 @@ class OffloadedMoE(MoE):
             raise ValueError(f"prefetch must be one of {_PREDICTIONS}, got {prefetch!r}")
         if cpu_options is not None and not isinstance(cpu_options, CpuOptions):
             raise TypeError(f"cpu_options must be a moekit.offload.CpuOptions, got {type(cpu_options).__name__}")
+        if cpu_rate is not None and not isinstance(cpu_rate, CpuRate):
+            raise TypeError(f"cpu_rate must be a moekit.offload.CpuRate, got {type(cpu_rate).__name__}")
         if not isinstance(moe, MoE) or type(moe) is not MoE:
             raise TypeError(f"moe must be a plain moekit.MoE, got {type(moe).__name__}")
         if cache is None:
@@ -105,7 +111,7 @@ class OffloadedMoE(MoE):
         routed = [_routed_rows(w, e) for w in (moe.w13, moe.w2, moe.b13, moe.b2)]  # packed when quantized
         layer.cache, layer.layer_id = cache, cache.register(*routed)
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
-        layer.admit_per_forward = admit_per_forward
+        layer.admit_per_forward, layer.cpu_rate = admit_per_forward, cpu_rate
         layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer
@@ -158,6 +164,8 @@ class OffloadedMoE(MoE):
                                              x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
             if not early:
                 cache.admit(self.layer_id, plan.admit, stats)
+            if self.cpu_rate is not None and self.costs is not None:
+                self.cpu_rate.update(self._cpu.last, self.costs)
         else:
             self._cpu.last = None
         out = _sum(partials, x2d)
@@ -207,8 +215,9 @@ class OffloadedMoE(MoE):
         costs are measured on first use when "auto" has none."""
         if self.compute_misses_on == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
+        costs = self.costs if self.cpu_rate is None or self.costs is None else self.cpu_rate.apply(self.costs)
         return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
-                            self.costs, self.admit_per_forward)
+                            costs, self.admit_per_forward)
 
     def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
         """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the

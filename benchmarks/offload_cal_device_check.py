@@ -1,0 +1,178 @@
+"""Device check for issue #18's floor target: every cell's measured step <= 1.2x its predicted floor.
+
+    PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py            (H200; < 240 s, hard limit inside)
+    PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke    (CPU, tiny shapes: runs, no numbers)
+
+``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
+sharing one cache): cache 25 / 50 / 75% of the experts x M = 1 / 8 / 32 x gpu / cpu / auto, lfu, on the
+uniform stream (no prefetch) and the skewed one (prefetch none and router), "auto" with the online CPU
+rate (``moekit.offload.CpuRate``); then the same table with auto on the calibrated rate alone, as time
+allows (rows marked online on / off).
+The floor is ``moekit.bench.offload_floor``'s timeline: rates measured in the same run (link, GPU read,
+the CPU branch recalibrated before each group of rows), a fixed per-layer cost measured on all-hit steps
+of the same stream and M, no margin.
+
+Printed last, per cell: each mode's step ms, step / floor, hit / simulated hit, and auto over the faster
+pure mode; then per mode the x-floor range and how many cells exceed 1.2, the fixed per-layer ms per
+(stream, M), and the CPU rate per expert the groups were priced at. A mode or cell that did not run
+prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
+from moekit.config import MoEConfig
+from moekit.offload import CpuOptions
+
+LIMIT_S = 210.0  # hard limit: the cells stop past it (the rows so far are kept and printed)
+START = time.perf_counter()
+QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
+SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
+MODES = ("gpu", "cpu", "auto")
+PARTS = ((("lfu",), True), (("lfu",), False))  # (policies, online CPU rate for auto); the second as time allows
+
+
+class OutOfTime(Exception):
+    pass
+
+
+def _left() -> float:
+    return LIMIT_S - (time.perf_counter() - START)
+
+
+def run_part(shell, device, costs, shape: dict, policies: tuple[str, ...], online: bool,
+             batches) -> tuple[list[dict], dict | None]:
+    """One part's rows (so far, each marked with ``online``) and its document (None when cut by the time limit)."""
+    rows = []
+
+    def progress(r):
+        rows.append({**dataclasses.asdict(r), "online": online})
+        if _left() < 0 and r.compute_misses_on == MODES[-1]:  # a group's rows all come back before it stops
+            raise OutOfTime
+
+    try:
+        doc = measure_offload(device, batches=batches, policies=policies, places=MODES, shell=shell, costs=costs,
+                              on_progress=progress, online_cpu_rate=online, **shape)
+    except OutOfTime:
+        doc = None
+    except Exception as e:  # noqa: BLE001 - a failing part keeps its rows, and the table still prints
+        traceback.print_exc()
+        doc = {"error": f"{type(e).__name__}: {e}"}
+    return rows, doc
+
+
+def main(smoke: bool) -> int:
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = dict(QWEN3_30B if cuda else SMOKE)
+    config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
+                       top_k=shape["top_k"])
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape, "rows": [],
+              "parts": [], "fixed_ms": {}}
+    shell = host_shell(config, torch.bfloat16 if cuda else torch.float32, device)
+    costs = measure_costs(shell, device, CpuOptions())
+    result["costs"] = dataclasses.asdict(costs)
+    result["setup_s"] = time.perf_counter() - START
+    batches = (1, 8, 32) if cuda else (1, 8)
+    for policies, online in PARTS:
+        name = f"{'/'.join(policies)} online={online}"
+        if _left() < 60 and result["parts"]:
+            result["parts"].append({"name": name, "state": "skipped"})
+            continue
+        clock = time.perf_counter()
+        rows, doc = run_part(shell, device, costs, shape, policies, online, batches)
+        result["rows"] += rows
+        state = "cut" if doc is None else doc.get("error", "complete")
+        if doc is not None and "fixed_ms" in doc:
+            result["fixed_ms"].update({f"{name} {k}": v for k, v in doc["fixed_ms"].items()})
+        result["parts"].append({"name": name, "state": state, "seconds": time.perf_counter() - clock,
+                                "cpu_margin": None if doc is None else doc.get("cpu_margin")})
+    result["total_s"] = time.perf_counter() - START
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "offload_cal_device_check.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    _print(result)
+    return 0
+
+
+def by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """(online, stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r.get("online", False), r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"])
+        out.setdefault(key, {})[r["compute_misses_on"]] = r
+    return out
+
+
+def auto_vs_best(modes: dict[str, dict]) -> float | None:
+    """auto's step over the faster pure mode's; None unless all three ran."""
+    if not all(m in modes for m in MODES):
+        return None
+    return modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"])
+
+
+def _mode_text(modes: dict[str, dict], mode: str) -> str:
+    r = modes.get(mode)
+    if r is None:
+        return f"{mode} -"
+    return f"{mode} {r['step_ms']:7.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per mode: the x-floor range, cells > 1.2; auto / best pure; the CPU rate range the groups used."""
+    out = []
+    for mode in MODES:
+        xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
+        out.append(f"{mode:>4}: " + ("-" if not xs else f"x floor {min(xs):.2f}-{max(xs):.2f}, "
+                                    f"{sum(x > 1.2 for x in xs)} of {len(xs)} cells > 1.2"))
+    q = [v for modes in by_cell(rows).values() if (v := auto_vs_best(modes)) is not None]
+    out.append("auto / best pure: " + ("-" if not q else f"worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, "
+                                       f"{sum(v > 1.03 for v in q)} of {len(q)} cells > 1.03"))
+    rates = [r.get("cpu_expert_us", 0.0) for r in rows if r["compute_misses_on"] != "gpu"]
+    if rates:
+        out.append(f"CPU rate per expert over the groups: {min(rates):.1f}-{max(rates):.1f} us")
+    return out
+
+
+def _print(result: dict) -> None:
+    c = result.get("costs", {})
+    print(f"\n{result['device']}, torch {result['torch']}, {result['cpu_count']} cpus, torch threads "
+          f"{result['torch_threads']}, shape {result['shape']}; setup {result['setup_s']:.0f} s, "
+          f"total {result['total_s']:.0f} s")
+    if c:
+        print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, during CPU {(c['link_cpu_bytes_per_s'] or 0) / 1e9:.1f}"
+              f" GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; CPU {c['cpu_step_s'] * 1e3:.3f} ms + "
+              f"{c['cpu_expert_s'] * 1e6:.1f} us/expert + {c['cpu_token_s'] * 1e6:.2f} us/token at "
+              f"{c['cpu_threads']} threads ({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}")
+    for p in result["parts"]:
+        extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
+        print(f"part {p['name']}: {p['state']}{extra}")
+    print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
+    print("online cell | mode step ms, x floor, hit/sim | auto/best")
+    for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
+        q = auto_vs_best(modes)
+        print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "
+              + " | ".join(_mode_text(modes, mode) for mode in MODES) + " | " + ("-" if q is None else f"{q:.3f}"))
+    if not result["rows"]:
+        print("no rows")
+    for online in (True, False):
+        rows = [r for r in result["rows"] if r.get("online", False) == online]
+        if rows:
+            print(f"online CPU rate {'on' if online else 'off'}:")
+            for line in summary(rows):
+                print("  " + line)
+
+
+if __name__ == "__main__":
+    sys.exit(main("--smoke" in sys.argv[1:]))
