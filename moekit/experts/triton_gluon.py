@@ -1,0 +1,148 @@
+"""Experts on the contiguous layout with warp-specialized Gluon GEMMs (Hopper), for prefill.
+
+    [permute x into 128-aligned expert segments (torch, no sync)] -> [gate-up GEMM, silu(gate)*up]
+      -> [down GEMM] -> [weighted sum over the k slots, back in token order]
+
+``experts_gluon`` runs that path (and raises where it cannot: see ``gluon_unfit``);
+``experts_gluon_twin`` computes the same layout and products in torch (the oracle of the tests and of
+``benchmarks/gluon_device_check.py``). The backend ``triton_gluon`` (``experts_triton_gluon``) is the
+``triton`` backend that hands a call to the Gluon path where that measured faster on the H200
+(``GluonChoice``) and the call fits it, and to the fused Triton kernels everywhere else: other GPUs, a
+Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.activations import ActivationSpec, as_spec
+from moekit.experts.triton_gluon_launch import (
+    BLOCK_M, gluon_supported, launch_contiguous_sum, launch_gemm, plan_gluon,
+)
+from moekit.layouts.contiguous import ContiguousLayout, combine_contiguous, permute_contiguous
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GluonChoice:
+    """Where the Gluon path measured faster than the fused Triton kernels for the whole call (H200,
+    Triton 3.6, permute and combine counted): from ``min_tokens`` tokens for every shape, from
+    ``min_tokens_wide`` for experts at least ``wide_inter`` wide (DeepSeek-V3 N=2048, Mixtral
+    N=14336; Qwen3's N=768 lost at M=4096, its permute and combine weigh more against narrow GEMMs)."""
+
+    min_tokens: int = 16384
+    min_tokens_wide: int = 4096
+    wide_inter: int = 2048
+
+    def wants(self, num_tokens: int, inter: int) -> bool:
+        return num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter)
+
+
+DEFAULT_CHOICE = GluonChoice()
+
+
+def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "silu", b13=None, b2=None) -> str | None:
+    """Why the Gluon path cannot take this call (None when it can): bf16/fp16 tensors, plain gated silu
+    (gate rows then up rows), no biases, contiguous weights (TMA reads them as 2-D), N and K multiples of
+    the 128-wide output tiles."""
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return "quantized weights"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (bf16/fp16 only)"
+    if as_spec(activation) != ActivationSpec("silu"):
+        return f"activation {activation!r} (plain gated silu only)"
+    if b13 is not None or b2 is not None:
+        return "biases"
+    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1):
+        return "strided weights or x"
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if inter % 128 or hidden % 128:
+        return f"N={inter} and K={hidden} must be multiples of 128"
+    return None
+
+
+def _permute(x, topk_ids, num_experts, expert_map, rows) -> ContiguousLayout:
+    return permute_contiguous(x, topk_ids, num_experts, align=BLOCK_M, expert_map=expert_map, static_rows=rows)
+
+
+def experts_gluon(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K] contiguous
+    w2: torch.Tensor,  # [E, K, N] contiguous
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str | ActivationSpec = "silu",
+    expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts contract on the Gluon path; the caller has run ``check_experts_args``. Raises where
+    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync."""
+    if not gluon_supported(x.device):
+        raise RuntimeError(f"the Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
+    reason = gluon_unfit(x, w13, w2, activation, b13, b2)
+    if reason is not None:
+        raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    num_experts, hidden, inter = w2.shape
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    layout = _permute(x, topk_ids, num_experts, expert_map, plan.rows)
+    rows_used = layout.offsets[num_experts:]  # [1] int64, read by the kernels on the device
+    h = x.new_empty(plan.rows, inter)  # [T, N]; rows past offsets[E] are never written nor read
+    launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.segment_ids, rows_used,
+                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
+    y = x.new_empty(plan.rows, hidden)  # [T, K]
+    launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.segment_ids, rows_used, plan.down,
+                gated=False, w_rows=hidden)
+    out = torch.empty_like(x)
+    launch_contiguous_sum(y, layout.src_to_dst.contiguous(), topk_weights.contiguous(), out)
+    return out
+
+
+def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None,
+                       b13=None, b2=None) -> torch.Tensor:
+    """The Gluon path's arithmetic in torch, on the same layout: float32 products per expert segment,
+    h rounded to x's dtype between the GEMMs like the kernels, y rounded too, float32 combine. Syncs."""
+    reason = gluon_unfit(x, w13, w2, activation, b13, b2)
+    if reason is not None:
+        raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    num_experts, hidden, inter = w2.shape
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    layout = _permute(x, topk_ids, num_experts, expert_map, plan.rows)
+    y = x.new_zeros(plan.rows, hidden)  # [T, K]
+    starts = layout.offsets.tolist()
+    for e in range(num_experts):
+        lo, hi = starts[e], starts[e + 1]
+        if hi == lo:
+            continue
+        gate_up = layout.x_perm[lo:hi].float() @ w13[e].float().t()  # [rows, 2N]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y[lo:hi] = (h.float() @ w2[e].float().t()).to(x.dtype)
+    return combine_contiguous(y, layout, topk_weights).to(x.dtype)
+
+
+def experts_triton_gluon(
+    x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
+) -> torch.Tensor:
+    """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
+    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise."""
+    from moekit.experts.triton import experts_triton_unchecked
+
+    if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+            and gluon_unfit(x, w13, w2, activation, b13, b2) is None):
+        return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+    return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
+                                    expert_map=expert_map, b13=b13, b2=b2)
+
+
+def is_available(device: torch.device) -> bool:
+    """The backend hook: available wherever the ``triton`` backend is (it falls back to it)."""
+    from moekit.experts.triton import is_available as triton_available
+
+    return triton_available(device)
