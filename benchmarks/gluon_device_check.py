@@ -89,7 +89,7 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     from moekit.bench.cells import uniform_routing
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon import (
-        DEFAULT_CHOICE, _permute, experts_gluon, experts_gluon_twin, experts_triton_gluon,
+        DEFAULT_CHOICE, experts_gluon, gluon_layout, experts_gluon_twin, experts_triton_gluon,
     )
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum, launch_gemm, plan_gluon
 
@@ -106,11 +106,12 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     auto = lambda: experts_triton_gluon(x, w13, w2, ids, rw)  # noqa: E731
     if smoke:  # no Gluon on the CPU: the backend must fall back to the triton kernels, bit for bit
         fallback_ok = torch.equal(auto(), triton_out)
-        layout = _permute(x, ids, E, None, plan_gluon(tokens, k, E, K, N).rows)
+        from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
+
+        layout = permute_contiguous(x, ids, E, 128, static_rows=plan_gluon(tokens, k, E, K, N).rows)
         y = torch.randn(layout.total_rows, K, device=dev, dtype=x.dtype)
         combined = torch.empty_like(x)
         launch_contiguous_sum(y, layout.src_to_dst.contiguous(), rw.contiguous(), combined)
-        from moekit.layouts.contiguous import combine_contiguous
         err_sum = rel_l2(combined, combine_contiguous(y, layout, rw))
         print(f"  smoke {preset} M={tokens}: triton vs twin {err_triton:.2e}; triton_gluon falls back: {fallback_ok}; "
               f"combine kernel vs torch {err_sum:.2e}")
@@ -120,15 +121,15 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     err = rel_l2(out, twin)
     del twin, triton_out
     plan = plan_gluon(tokens, k, E, K, N)
-    layout = _permute(x, ids, E, None, plan.rows)
-    used = layout.offsets[E:]
-    h = x.new_empty(plan.rows, N)
-    y = x.new_empty(plan.rows, K)
+    layout = gluon_layout(x, ids, E)
+    used, blocks, rows = layout.rows_used, layout.block_experts, layout.x_perm.shape[0]
+    h = x.new_empty(rows, N)
+    y = x.new_empty(rows, K)
     w13_2d, w2_2d = w13.view(E * 2 * N, K), w2.view(E * K, N)
-    dst, rwc, combined = layout.src_to_dst.contiguous(), rw.contiguous(), torch.empty_like(x)
-    up_us = time_us(lambda: launch_gemm(layout.x_perm, w13_2d, h, layout.segment_ids, used, plan.up, True, 2 * N, N), dev)
-    down_us = time_us(lambda: launch_gemm(h, w2_2d, y, layout.segment_ids, used, plan.down, False, K), dev)
-    permute_us = time_us(lambda: _permute(x, ids, E, None, plan.rows), dev)
+    dst, rwc, combined = layout.src_to_dst, rw.contiguous(), torch.empty_like(x)
+    up_us = time_us(lambda: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, plan.up, True, 2 * N, N), dev)
+    down_us = time_us(lambda: launch_gemm(h, w2_2d, y, blocks, used, plan.down, False, K), dev)
+    permute_us = time_us(lambda: gluon_layout(x, ids, E), dev)
     combine_us = time_us(lambda: launch_contiguous_sum(y, dst, rwc, combined), dev)
     assignments = tokens * k
     up_tf = 2 * assignments * 2 * N * K / up_us / 1e6

@@ -1,6 +1,6 @@
 """Experts on the contiguous layout with warp-specialized Gluon GEMMs (Hopper), for prefill.
 
-    [permute x into 128-aligned expert segments (torch, no sync)] -> [gate-up GEMM, silu(gate)*up]
+    [align (Triton, no sync), gather x into 128-aligned expert segments] -> [gate-up GEMM, silu(gate)*up]
       -> [down GEMM] -> [weighted sum over the k slots, back in token order]
 
 ``experts_gluon`` runs that path (and raises where it cannot: see ``gluon_unfit``);
@@ -21,7 +21,7 @@ from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, gluon_supported, launch_contiguous_sum, launch_gemm, plan_gluon,
 )
-from moekit.layouts.contiguous import ContiguousLayout, combine_contiguous, permute_contiguous
+from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -64,8 +64,32 @@ def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "si
     return None
 
 
-def _permute(x, topk_ids, num_experts, expert_map, rows) -> ContiguousLayout:
-    return permute_contiguous(x, topk_ids, num_experts, align=BLOCK_M, expert_map=expert_map, static_rows=rows)
+@dataclass(frozen=True)
+class GluonLayout:
+    """The contiguous layout as the kernels read it, built from the block-aligned one (its Triton
+    alignment kernels: no sort in torch, no host sync). R rows; padding rows of x_perm are zeros."""
+
+    x_perm: torch.Tensor  # [R, K]; row r = x[sorted_ids[r] // k], zeros on padding rows
+    block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
+    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
+    src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
+
+
+def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                 expert_map: torch.Tensor | None = None, align=None) -> GluonLayout:
+    """Group x's rows by expert into BLOCK_M-aligned segments. ``align``: the alignment function
+    (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests)."""
+    if align is None:
+        from moekit.experts.triton_align import align_block_triton as align
+    blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
+    num_tokens, top_k = topk_ids.shape
+    assignments = num_tokens * top_k
+    rows = blocks.sorted_ids.numel()
+    x_ext = torch.cat([x, x.new_zeros(1, x.shape[1])])  # [M+1, K]: padding (sentinel A) reads row M
+    x_perm = x_ext[blocks.sorted_ids.long() // top_k]  # [R, K]
+    dst = torch.full((assignments + 1,), -1, dtype=torch.int32, device=x.device)  # slot A absorbs padding rows
+    dst[blocks.sorted_ids.long()] = torch.arange(rows, dtype=torch.int32, device=x.device)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst[:assignments].view(num_tokens, top_k))
 
 
 def experts_gluon(
@@ -89,16 +113,16 @@ def experts_gluon(
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
-    layout = _permute(x, topk_ids, num_experts, expert_map, plan.rows)
-    rows_used = layout.offsets[num_experts:]  # [1] int64, read by the kernels on the device
-    h = x.new_empty(plan.rows, inter)  # [T, N]; rows past offsets[E] are never written nor read
-    launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.segment_ids, rows_used,
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
+    rows = layout.x_perm.shape[0]
+    h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
+    launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
                 plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
-    y = x.new_empty(plan.rows, hidden)  # [T, K]
-    launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.segment_ids, rows_used, plan.down,
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
                 gated=False, w_rows=hidden)
     out = torch.empty_like(x)
-    launch_contiguous_sum(y, layout.src_to_dst.contiguous(), topk_weights.contiguous(), out)
+    launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
 
 
@@ -111,7 +135,7 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
-    layout = _permute(x, topk_ids, num_experts, expert_map, plan.rows)
+    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [T, K]
     starts = layout.offsets.tolist()
     for e in range(num_experts):

@@ -107,10 +107,11 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, segment_ids: torch.Tensor,
+def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                 rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
-    segment_ids [T] int32; rows_used: a 1-element int64 tensor, offsets[E] (rows in use)."""
+    block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
+    of BLOCK_M, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = _descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = _descriptor(w, [tile.block_n, tile.block_k])
@@ -118,7 +119,7 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, segment_ids
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
-    kernel[grid](a_desc, w_desc, c_desc, segment_ids, rows_used, a.shape[1], num_col_blocks,
+    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 

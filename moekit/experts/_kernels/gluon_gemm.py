@@ -2,14 +2,14 @@
 
     out[r, c] = act(A[r, :] @ W[e(r), c, :]^T)      r: a row of the permuted buffer, e(r) its expert
 
-A [T, R] is the permuted activation buffer (``moekit.layouts.contiguous``: every expert's rows form
-one segment starting on a BLOCK_M boundary, so each [BLOCK_M, ...] row block belongs to one expert,
-``segment_ids[first row]``). W is a 2-D view [E * W_ROWS, R] of the weights (w13 [E, 2N, K] with
+A [T, R] is the permuted activation buffer (the block-aligned layout's rows, gathered: every expert's
+rows form one segment starting on a BLOCK_M boundary, so each [BLOCK_M, ...] row block belongs to one
+expert, ``block_experts[row block]``). W is a 2-D view [E * W_ROWS, R] of the weights (w13 [E, 2N, K] with
 W_ROWS = 2N, or w2 [E, K, N] with W_ROWS = K), read in [BLOCK_N, BLOCK_K] tiles by TMA.
 GATED (the gate-up GEMM): two weight tiles per step, gate rows c and up rows N + c, two accumulators,
 out = silu(gate) * up. Otherwise (down GEMM) one tile and out = the product.
 
-One program per SM walks the tiles (row block, column block) of the rows in use (offsets[E] rows,
+One program per SM walks the tiles (row block, column block) of the rows in use (``rows_used``,
 read on the device: no host sync) in a GROUP_M-swizzled order, so CTAs running at once share weight
 tiles in L2. Two partitions per program:
   - loader (1 warp, few registers): TMA loads of A and W tiles into a STAGES-deep SMEM ring; each
@@ -47,7 +47,7 @@ def _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, seg_ptr, used_ptr, reduce_dim, num_col_blocks,
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
             W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -61,7 +61,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, seg_ptr, used_ptr, red
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        expert = gl.load(seg_ptr + rb * BLOCK_M)
+        expert = gl.load(experts_ptr + rb)
         w_row = expert * W_ROWS + cb * BLOCK_N
         for kk in range(k_steps):
             s = it % STAGES
@@ -119,11 +119,11 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_
 
 
 @gluon.jit
-def grouped_gemm_kernel(a_desc, w_desc, c_desc, seg_ptr, used_ptr, reduce_dim, num_col_blocks,
+def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                         W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
                         STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, R] blocks [BM, BK]; w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
-    seg_ptr [T] int32 expert of each row; used_ptr -> offsets[E] (rows in use); reduce_dim = R;
+    experts_ptr [T / BM] int32 expert of each row block; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
     num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -137,6 +137,6 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, seg_ptr, used_ptr, reduce_dim, n
     gl.warp_specialize([
         (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
                          GATED, GROUP_M, num_warps)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, seg_ptr, used_ptr, reduce_dim, num_col_blocks,
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
     ], [1], [24])
