@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +31,13 @@ DEADLINE_S = 215.0  # cells not started by then are skipped
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BATCHES = (4096, 16384)
 TOLERANCE = 2e-3  # rel L2 against the twin (the kernels and the twin round h and y alike)
+# Per-GEMM tile variants timed beside the plan's tiles (name, GluonTile fields); a variant that fails to
+# compile or run is reported and skipped.
+UP_VARIANTS = (("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}), ("stages=3", {"stages": 3}),
+               ("bk=128 stages=2", {"block_k": 128, "stages": 2}))
+DOWN_VARIANTS = (("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}), ("stages=4", {"stages": 4}),
+                 ("bk=128 stages=3", {"block_k": 128, "stages": 3}))
+VARIANTS: list[str] = []  # printed before the table
 
 
 @dataclass
@@ -130,6 +137,17 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     up_us = time_us(lambda: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, plan.up, True, 2 * N, N), dev)
     down_us = time_us(lambda: launch_gemm(h, w2_2d, y, blocks, used, plan.down, False, K), dev)
     permute_us = time_us(lambda: gluon_layout(x, ids, E), dev)
+    for gemm, base, variants, run in (
+            ("gate-up", plan.up, UP_VARIANTS, lambda t: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, t, True, 2 * N, N)),
+            ("down", plan.down, DOWN_VARIANTS, lambda t: launch_gemm(h, w2_2d, y, blocks, used, t, False, K))):
+        timed = []
+        for name, fields in variants:
+            try:
+                timed.append(f"{name} {time_us(lambda: run(replace(base, **fields)), dev):.0f}")
+            except Exception as exc:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
+                timed.append(f"{name} failed ({type(exc).__name__})")
+        VARIANTS.append(f"{shape.name} M={tokens} {gemm}: plan {up_us if gemm == 'gate-up' else down_us:.0f} us; "
+                        + "; ".join(timed))
     combine_us = time_us(lambda: launch_contiguous_sum(y, dst, rwc, combined), dev)
     assignments = tokens * k
     up_tf = 2 * assignments * 2 * N * K / up_us / 1e6
@@ -194,6 +212,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gluon.json").write_text(json.dumps(
             {"mm_tflops": mm, "rows": [asdict(r) | {"speedup": r.speedup} for r in rows], "failed": failed}, indent=1))
+    print("\nPer-GEMM tile variants (us):", *VARIANTS, sep="\n")
     print_table(rows, mm)
     print(f"\n{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'} ({elapsed():.0f} s)")
     return 1 if failed else 0
