@@ -35,7 +35,7 @@ TOLERANCE = 2e-3  # rel L2 against the twin (the kernels and the twin round h an
 # compile or run is reported and skipped.
 UP_VARIANTS = (("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}), ("stages=3", {"stages": 3}),
                ("bk=128 stages=2", {"block_k": 128, "stages": 2}))
-DOWN_VARIANTS = (("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}), ("stages=4", {"stages": 4}),
+DOWN_VARIANTS = (("group_m=1", {"group_m": 1}), ("group_m=8", {"group_m": 8}), ("stages=4", {"stages": 4}),
                  ("bk=128 stages=3", {"block_k": 128, "stages": 3}))
 VARIANTS: list[str] = []  # printed before the table
 
@@ -137,17 +137,10 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     up_us = time_us(lambda: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, plan.up, True, 2 * N, N), dev)
     down_us = time_us(lambda: launch_gemm(h, w2_2d, y, blocks, used, plan.down, False, K), dev)
     permute_us = time_us(lambda: gluon_layout(x, ids, E), dev)
-    for gemm, base, variants, run in (
-            ("gate-up", plan.up, UP_VARIANTS, lambda t: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, t, True, 2 * N, N)),
-            ("down", plan.down, DOWN_VARIANTS, lambda t: launch_gemm(h, w2_2d, y, blocks, used, t, False, K))):
-        timed = []
-        for name, fields in variants:
-            try:
-                timed.append(f"{name} {time_us(lambda: run(replace(base, **fields)), dev):.0f}")
-            except Exception as exc:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
-                timed.append(f"{name} failed ({type(exc).__name__})")
-        VARIANTS.append(f"{shape.name} M={tokens} {gemm}: plan {up_us if gemm == 'gate-up' else down_us:.0f} us; "
-                        + "; ".join(timed))
+    time_variants(f"{shape.name} M={tokens}", dev, (
+        ("gate-up", plan.up, up_us, UP_VARIANTS,
+         lambda t: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, t, True, 2 * N, N)),
+        ("down", plan.down, down_us, DOWN_VARIANTS, lambda t: launch_gemm(h, w2_2d, y, blocks, used, t, False, K))))
     combine_us = time_us(lambda: launch_contiguous_sum(y, dst, rwc, combined), dev)
     assignments = tokens * k
     up_tf = 2 * assignments * 2 * N * K / up_us / 1e6
@@ -157,6 +150,18 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     auto_us = time_us(auto, dev)
     return Row(shape.name, tokens, err, err_triton, up_us, up_tf, 100 * up_tf / mm, down_us, down_tf,
                100 * down_tf / mm, permute_us, combine_us, gluon_us, triton_us, auto_us, pick)
+
+
+def time_variants(cell: str, dev: torch.device, gemms) -> None:
+    """Each GEMM with each tile variant (fields replaced in the plan's tile); one line per GEMM."""
+    for gemm, base, base_us, variants, run in gemms:
+        timed = []
+        for name, fields in variants:
+            try:
+                timed.append(f"{name} {time_us(lambda: run(replace(base, **fields)), dev):.0f}")
+            except Exception as exc:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
+                timed.append(f"{name} failed ({type(exc).__name__})")
+        VARIANTS.append(f"{cell} {gemm}: plan {base_us:.0f} us; " + "; ".join(timed))
 
 
 def print_table(rows: list[Row], mm: float) -> None:

@@ -15,7 +15,8 @@ from moekit.experts.triton_gluon import (
     GluonChoice, experts_gluon, experts_gluon_twin, experts_triton_gluon, gluon_layout, gluon_unfit,
 )
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, DOWN_TILE, SMEM_LIMIT, UP_TILE, gluon_importable, gluon_supported, launch_contiguous_sum,
+    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, SMEM_LIMIT, UP_TILE, gluon_importable, gluon_supported,
+    launch_contiguous_sum, plan_gluon,
 )
 from moekit.layouts.block_aligned import align_block
 
@@ -69,6 +70,7 @@ def test_combine_kernel_matches_a_float64_loop():
 
 
 def test_layout_groups_rows_by_expert_in_aligned_blocks():
+    """gluon_layout with the torch alignment; its gather kernel interpreted."""
     m, k = 37, 2
     ids, _ = _routing(m, k)
     ids[3, 1] = -1  # dropped: no row
@@ -87,8 +89,7 @@ def test_layout_groups_rows_by_expert_in_aligned_blocks():
             seen.add(r)
             assert torch.equal(lay.x_perm[r], x[t])
             assert int(lay.block_experts[r // BLOCK_M]) == int(ids[t, j])
-    padding = [r for r in range(used) if r not in seen]
-    assert all(not lay.x_perm[r].any() for r in padding)  # zero rows: the GEMMs' padding products are 0
+    assert len(seen) == m * k - 1  # every routed assignment has its row
 
 
 def test_twin_matches_a_float64_loop():
@@ -141,6 +142,14 @@ def test_choice_follows_the_measured_cells():
 def test_tiles_fit_shared_memory():
     assert UP_TILE.smem_bytes(weight_tiles=2) <= SMEM_LIMIT
     assert DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+    assert NARROW_DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+
+
+def test_plan_rows_hold_any_routing_and_narrow_experts_get_their_down_tile():
+    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, hidden=2048, inter=768)
+    assert plan.rows == 800 + 128 * (BLOCK_M - 1)  # every expert may leave a partial block
+    assert plan.down == NARROW_DOWN_TILE and plan.up == UP_TILE
+    assert plan_gluon(100, 2, 8, 4096, 14336).down == DOWN_TILE
 
 
 def test_cpu_falls_back_to_the_triton_kernels():

@@ -53,6 +53,11 @@ class GluonPlan:
 
 UP_TILE = GluonTile(block_n=128, block_k=64, stages=4)  # 4 x 48 KB ring + 32 KB out = 224 KB
 DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 KB out = 224 KB
+# Narrow experts (Qwen3-30B-A3B, N = 768: a 12-step reduction): the down GEMM's row blocks in plain order,
+# not GROUP_M-swizzled: 317 / 763 us against 379 / 919 at M = 4096 / 16384; the wider shapes lose 5-20%
+# with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
+NARROW_INTER = 1024
+NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory per block on sm_90
 
 
@@ -61,8 +66,9 @@ def plan_gluon(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
+    down = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
     return GluonPlan(rows=rows, hidden=hidden, inter=inter, top_k=top_k, num_experts=num_experts,
-                     up=UP_TILE, down=DOWN_TILE)
+                     up=UP_TILE, down=down)
 
 
 @functools.cache
@@ -124,10 +130,21 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
+def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
+                       dst: torch.Tensor, block_r: int = 16, block_k: int = 512) -> None:
+    """x_perm[r] = x[sorted_ids[r] // k] and dst[sorted_ids[r]] = r for the real rows (sorted_ids[r] <
+    dst.numel() = A); padding rows of x_perm are left as they are. dst [A] int32, filled with -1 by the caller."""
+    kernel = importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel
+    rows, hidden = x_perm.shape
+    grid = (-(-rows // block_r), -(-hidden // block_k))
+    kernel[grid](x, sorted_ids, x_perm, dst, rows, dst.numel(), hidden, x.stride(0), x_perm.stride(0),
+                 TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+
+
 def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
                           block_t: int = 16, block_k: int = 256) -> None:
     """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here)."""
-    kernel = importlib.import_module(f"{_KERNELS}.contiguous_sum").contiguous_sum_kernel
+    kernel = importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
     grid = (-(-num_tokens // block_t), -(-hidden // block_k))
