@@ -29,13 +29,14 @@ _DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class GluonChoice:
     """Where the Gluon path measured faster than the fused Triton kernels for the whole call (H200,
-    Triton 3.6, permute and combine counted): from ``min_tokens`` tokens for every shape, from
-    ``min_tokens_wide`` for experts at least ``wide_inter`` wide (DeepSeek-V3 N=2048, Mixtral
-    N=14336; Qwen3's N=768 lost at M=4096, its permute and combine weigh more against narrow GEMMs)."""
+    Triton 3.6, layout and combine counted; benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run3.json):
+    from ``min_tokens`` tokens for every shape (M=16384: Qwen3 1.03x, Mixtral 1.00x, DeepSeek-V3 1.15x),
+    from ``min_tokens_wide`` for experts at least ``wide_inter`` wide (Mixtral N=14336 at M=4096: 1.12x).
+    Not below: Qwen3 M=4096 0.79x, DeepSeek-V3 (N=2048) M=4096 1.00x (0.97x in the run before)."""
 
     min_tokens: int = 16384
     min_tokens_wide: int = 4096
-    wide_inter: int = 2048
+    wide_inter: int = 8192
 
     def wants(self, num_tokens: int, inter: int) -> bool:
         return num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter)
@@ -156,10 +157,11 @@ def experts_triton_gluon(
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
 ) -> torch.Tensor:
     """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
-    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise."""
+    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always while
+    ``torch.compile`` traces (the Gluon launches are not custom ops; the Triton path's are)."""
     from moekit.experts.triton import experts_triton_unchecked
 
-    if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+    if (not torch.compiler.is_compiling() and isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None):
         return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
