@@ -10,7 +10,8 @@ E=256 N=2048 K=7168 k=8) and M in 4096, 16384, bf16, uniform routing:
      reference of the default ``triton`` backend's output, for scale;
   2. per GEMM (gate-up, down) µs, TFLOP/s on the real rows (2*A*2N*K, 2*A*N*K) and % of a dense bf16
      8192^3 torch.mm measured in this run; permute and combine µs;
-  3. whole call: the Gluon path, the default ``triton`` backend (``moekit.experts.run_experts``) and the
+  3. a CUDA graph of the Gluon call, replayed with new routing and x, equal to eager (Mixtral M=4096);
+  4. whole call: the Gluon path, the default ``triton`` backend (``moekit.experts.run_experts``) and the
      ``triton_gluon`` backend (what its chooser picks), timed in the same run (CUDA events, median).
 The table is printed last. Exit 1 when a correctness check fails.
 """
@@ -152,6 +153,34 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
                100 * down_tf / mm, permute_us, combine_us, gluon_us, triton_us, auto_us, pick)
 
 
+def graph_check(dev: torch.device) -> bool:
+    """The Gluon path captured in a CUDA graph (no host sync inside) and replayed with new routing and
+    new x: equal to eager, bit for bit, at Mixtral M=4096."""
+    from moekit.bench.cells import make_weights, uniform_routing
+    from moekit.experts.triton_gluon import experts_gluon
+
+    shape = cell_shape("mixtral-8x7b", False)
+    weights = make_weights(shape, torch.bfloat16, dev)
+    first, second = uniform_routing(4096, shape, dev, seed=1), uniform_routing(4096, shape, dev, seed=2)
+    x = torch.randn(4096, shape.k, device=dev, dtype=torch.bfloat16)
+    ids, rw = first.topk_ids.clone(), first.topk_weights.clone()
+    run = lambda: experts_gluon(x, weights.w13, weights.w2, ids, rw)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    ids.copy_(second.topk_ids)
+    rw.copy_(second.topk_weights)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(out, run())
+
+
 def time_variants(cell: str, dev: torch.device, gemms) -> None:
     """Each GEMM with each tile variant (fields replaced in the plan's tile); one line per GEMM."""
     for gemm, base, base_us, variants, run in gemms:
@@ -212,6 +241,15 @@ def main() -> int:
         del weights
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if not smoke:
+        try:
+            ok = graph_check(dev)
+        except Exception as exc:  # noqa: BLE001 (reported as a failure, the table still prints)
+            ok = False
+            print(f"graph check raised {type(exc).__name__}: {exc}")
+        print(f"{'PASS' if ok else 'FAIL'} CUDA graph: captured Gluon call replayed with new routing == eager")
+        if not ok:
+            failed.append("cuda graph")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
         out.mkdir(parents=True, exist_ok=True)
