@@ -1,0 +1,175 @@
+"""Experts on the contiguous layout with warp-specialized Gluon GEMMs (Hopper), for prefill.
+
+    [align (Triton, no sync), gather x into 128-aligned expert segments] -> [gate-up GEMM, silu(gate)*up]
+      -> [down GEMM] -> [weighted sum over the k slots, back in token order]
+
+``experts_gluon`` runs that path (and raises where it cannot: see ``gluon_unfit``);
+``experts_gluon_twin`` computes the same layout and products in torch (the oracle of the tests and of
+``benchmarks/gluon_device_check.py``). The backend ``triton_gluon`` (``experts_triton_gluon``) is the
+``triton`` backend that hands a call to the Gluon path where that measured faster on the H200
+(``GluonChoice``) and the call fits it, and to the fused Triton kernels everywhere else: other GPUs, a
+Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.activations import ActivationSpec, as_spec
+from moekit.experts.triton_gluon_launch import (
+    BLOCK_M, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+)
+from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GluonChoice:
+    """Where the Gluon path measured faster than the fused Triton kernels for the whole call (H200,
+    Triton 3.6, layout and combine counted; benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run3.json):
+    from ``min_tokens`` tokens for every shape (M=16384: Qwen3 1.03x, Mixtral 1.00x, DeepSeek-V3 1.15x),
+    from ``min_tokens_wide`` for experts at least ``wide_inter`` wide (Mixtral N=14336 at M=4096: 1.12x).
+    Not below: Qwen3 M=4096 0.79x, DeepSeek-V3 (N=2048) M=4096 1.00x (0.97x in the run before)."""
+
+    min_tokens: int = 16384
+    min_tokens_wide: int = 4096
+    wide_inter: int = 8192
+
+    def wants(self, num_tokens: int, inter: int) -> bool:
+        return num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter)
+
+
+DEFAULT_CHOICE = GluonChoice()
+
+
+def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "silu", b13=None, b2=None) -> str | None:
+    """Why the Gluon path cannot take this call (None when it can): bf16/fp16 tensors, plain gated silu
+    (gate rows then up rows), no biases, contiguous weights (TMA reads them as 2-D), N and K multiples of
+    the 128-wide output tiles."""
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return "quantized weights"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (bf16/fp16 only)"
+    if as_spec(activation) != ActivationSpec("silu"):
+        return f"activation {activation!r} (plain gated silu only)"
+    if b13 is not None or b2 is not None:
+        return "biases"
+    if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1):
+        return "strided weights or x"
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if inter % 128 or hidden % 128:
+        return f"N={inter} and K={hidden} must be multiples of 128"
+    return None
+
+
+@dataclass(frozen=True)
+class GluonLayout:
+    """The contiguous layout as the kernels read it, built from the block-aligned one (its Triton
+    alignment kernels: no sort in torch, no host sync). R rows. Padding rows of x_perm are never
+    written: the GEMMs compute their rows from whatever they hold (each output row depends on its own
+    input row only) and the combine never reads them."""
+
+    x_perm: torch.Tensor  # [R, K]; row r = x[sorted_ids[r] // k]; padding rows uninitialised
+    block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
+    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
+    src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
+
+
+def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                 expert_map: torch.Tensor | None = None, align=None) -> GluonLayout:
+    """Group x's rows by expert into BLOCK_M-aligned segments. ``align``: the alignment function
+    (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
+    kernel then copies the real rows and writes their inverse (the torch indexing it replaced cost 0.4-1.6
+    ms at prefill on the H200: a copy of x, all R rows gathered, a scatter)."""
+    if align is None:
+        from moekit.experts.triton_align import align_block_triton as align
+    blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
+    num_tokens, top_k = topk_ids.shape
+    x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
+    dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
+    launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
+
+
+def experts_gluon(
+    x: torch.Tensor,  # [M, K]
+    w13: torch.Tensor,  # [E, 2N, K] contiguous
+    w2: torch.Tensor,  # [E, K, N] contiguous
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    activation: str | ActivationSpec = "silu",
+    expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The experts contract on the Gluon path; the caller has run ``check_experts_args``. Raises where
+    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync."""
+    if not gluon_supported(x.device):
+        raise RuntimeError(f"the Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
+    reason = gluon_unfit(x, w13, w2, activation, b13, b2)
+    if reason is not None:
+        raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    num_experts, hidden, inter = w2.shape
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
+    rows = layout.x_perm.shape[0]
+    h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
+    launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
+                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
+                gated=False, w_rows=hidden)
+    out = torch.empty_like(x)
+    launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
+    return out
+
+
+def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu", expert_map=None,
+                       b13=None, b2=None) -> torch.Tensor:
+    """The Gluon path's arithmetic in torch, on the same layout: float32 products per expert segment,
+    h rounded to x's dtype between the GEMMs like the kernels, y rounded too, float32 combine. Syncs."""
+    reason = gluon_unfit(x, w13, w2, activation, b13, b2)
+    if reason is not None:
+        raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    num_experts, hidden, inter = w2.shape
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
+    y = x.new_zeros(plan.rows, hidden)  # [T, K]
+    starts = layout.offsets.tolist()
+    for e in range(num_experts):
+        lo, hi = starts[e], starts[e + 1]
+        if hi == lo:
+            continue
+        gate_up = layout.x_perm[lo:hi].float() @ w13[e].float().t()  # [rows, 2N]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+        y[lo:hi] = (h.float() @ w2[e].float().t()).to(x.dtype)
+    return combine_contiguous(y, layout, topk_weights).to(x.dtype)
+
+
+def experts_triton_gluon(
+    x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
+) -> torch.Tensor:
+    """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
+    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always while
+    ``torch.compile`` traces (the Gluon launches are not custom ops; the Triton path's are)."""
+    from moekit.experts.triton import experts_triton_unchecked
+
+    if (not torch.compiler.is_compiling() and isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+            and gluon_unfit(x, w13, w2, activation, b13, b2) is None):
+        return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+    return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
+                                    expert_map=expert_map, b13=b13, b2=b2)
+
+
+def is_available(device: torch.device) -> bool:
+    """The backend hook: available wherever the ``triton`` backend is (it falls back to it)."""
+    from moekit.experts.triton import is_available as triton_available
+
+    return triton_available(device)

@@ -1,0 +1,152 @@
+"""Plan and launches of the Gluon path (``triton_gluon``): tiles, whether this Triton and device can run
+it at all, and the three launches (gate-up GEMM, down GEMM, k-slot combine).
+
+The GEMMs (``_kernels/gluon_gemm.py``) need Hopper (compute capability 9.x), CUDA, and a Triton whose
+``triton.experimental.gluon`` has the Hopper pieces (3.6 and 3.9 do; their spelling differences are
+handled in the kernel module). The combine is a plain Triton kernel, so it also runs in the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_M = 128  # rows per tile = the contiguous layout's segment alignment (one expert per row block)
+NUM_WARPS = 8  # the MMA partition: two warpgroups per [BLOCK_M, BLOCK_N] tile; the loader adds one warp
+MAX_REGISTERS = 168  # per thread at launch: 12 warps x 32 x 168 fit the SM's 64K; the loader gives its share back
+_KERNELS = "moekit.experts._kernels"
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """One GEMM's tile and pipeline: [BLOCK_M, block_n] outputs, block_k reduction steps, ``stages``
+    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk."""
+
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    group_m: int = 8
+
+    def smem_bytes(self, weight_tiles: int, elem_bytes: int = 2) -> int:
+        """The ring (A tile + weight tiles per stage) plus the epilogue's output tile."""
+        stage = (BLOCK_M + weight_tiles * self.block_n) * self.block_k * elem_bytes
+        return self.stages * stage + BLOCK_M * self.block_n * elem_bytes
+
+
+@dataclass(frozen=True)
+class GluonPlan:
+    """Shapes and tiles of one call: rows T of the permuted buffer (static, no host sync), hidden K,
+    intermediate N, top_k, local experts E."""
+
+    rows: int
+    hidden: int
+    inter: int
+    top_k: int
+    num_experts: int
+    up: GluonTile
+    down: GluonTile
+
+
+UP_TILE = GluonTile(block_n=128, block_k=64, stages=4)  # 4 x 48 KB ring + 32 KB out = 224 KB
+DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 KB out = 224 KB
+# Narrow experts (Qwen3-30B-A3B, N = 768: a 12-step reduction): the down GEMM's row blocks in plain order,
+# not GROUP_M-swizzled: 317 / 763 us against 379 / 919 at M = 4096 / 16384; the wider shapes lose 5-20%
+# with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
+NARROW_INTER = 1024
+NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory per block on sm_90
+
+
+def plan_gluon(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> GluonPlan:
+    """The plan of a call; its rows hold any routing of the M*k assignments (``max_padded_rows``)."""
+    from moekit.layouts.grouping import max_padded_rows
+
+    rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
+    down = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
+    return GluonPlan(rows=rows, hidden=hidden, inter=inter, top_k=top_k, num_experts=num_experts,
+                     up=UP_TILE, down=down)
+
+
+@functools.cache
+def gluon_importable() -> bool:
+    """Whether this Triton ships the Gluon Hopper pieces the kernels use (warp specialization, wgmma,
+    mbarriers, TMA under either of its names, host tensor descriptors)."""
+    try:
+        gl = importlib.import_module("triton.experimental.gluon.language")
+        hopper = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper")
+        importlib.import_module("triton.experimental.gluon.nvidia.hopper").TensorDescriptor  # noqa: B018
+    except (ImportError, AttributeError):
+        return False
+    tma = hopper.tma
+    has_load = hasattr(tma, "async_load") or hasattr(tma, "async_copy_global_to_shared")
+    has_store = hasattr(tma, "async_store") or hasattr(tma, "async_copy_shared_to_global")
+    return has_load and has_store and all(
+        hasattr(m, n) for m, n in ((gl, "warp_specialize"), (hopper, "warpgroup_mma"), (hopper, "mbarrier")))
+
+
+def gluon_supported(device: torch.device | str) -> bool:
+    """Whether the Gluon GEMMs can run on ``device``: CUDA, compute capability 9.x (Hopper: wgmma + TMA;
+    Blackwell has neither wgmma nor this schedule), a Gluon-capable Triton, and not the interpreter."""
+    device = torch.device(device)
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return gluon_importable()
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
+    """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
+    block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
+    of BLOCK_M, <= T)."""
+    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
+    a_desc = _descriptor(a, [BLOCK_M, tile.block_k])
+    w_desc = _descriptor(w, [tile.block_n, tile.block_k])
+    c_desc = _descriptor(out, [BLOCK_M, tile.block_n])
+    num_col_blocks = out.shape[1] // tile.block_n
+    max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
+    grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
+    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
+                 W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+
+
+def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
+                       dst: torch.Tensor, block_r: int = 16, block_k: int = 512) -> None:
+    """x_perm[r] = x[sorted_ids[r] // k] and dst[sorted_ids[r]] = r for the real rows (sorted_ids[r] <
+    dst.numel() = A); padding rows of x_perm are left as they are. dst [A] int32, filled with -1 by the caller."""
+    kernel = importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel
+    rows, hidden = x_perm.shape
+    grid = (-(-rows // block_r), -(-hidden // block_k))
+    kernel[grid](x, sorted_ids, x_perm, dst, rows, dst.numel(), hidden, x.stride(0), x_perm.stride(0),
+                 TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+
+
+def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                          block_t: int = 16, block_k: int = 256) -> None:
+    """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here)."""
+    kernel = importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel
+    num_tokens, top_k = dst.shape
+    hidden = out.shape[1]
+    grid = (-(-num_tokens // block_t), -(-hidden // block_k))
+    kernel[grid](y, dst, weights, out, num_tokens, hidden, y.stride(0), out.stride(0),
+                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)

@@ -1,0 +1,186 @@
+"""The Gluon contiguous-layout path on the CPU: its plan, layout, combine kernel (interpreted), torch twin,
+chooser and fallback. The Gluon GEMMs themselves need a Hopper GPU (they cannot run in the interpreter):
+``benchmarks/gluon_device_check.py`` checks them against the twin at the real shapes."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from _triton_helpers import interpreter  # noqa: F401  (module fixture: kernels under the interpreter)
+from moekit.experts import backend_names, get_backend
+from moekit.experts.triton_gluon import (
+    GluonChoice, experts_gluon, experts_gluon_twin, experts_triton_gluon, gluon_layout, gluon_unfit,
+)
+from moekit.experts.triton_gluon_launch import (
+    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, SMEM_LIMIT, UP_TILE, gluon_importable, gluon_supported,
+    launch_contiguous_sum, plan_gluon,
+)
+from moekit.layouts.block_aligned import align_block
+
+E, N, K = 4, 128, 128  # the smallest N and K the Gluon path takes
+
+
+def _weights(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).to(dtype)
+    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).to(dtype)
+    return w13, w2
+
+
+def _routing(m, k, seed=1, num_experts=E):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(m, num_experts, generator=g).topk(k, dim=1).indices.int()
+    weights = torch.softmax(torch.rand(m, k, generator=g), dim=1)
+    return ids, weights
+
+
+def _experts_f64(x, w13, w2, ids, weights):
+    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), e = ids[t, j], in float64, one slot at a time."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < w13.shape[0]:
+                continue
+            gate_up = w13[e].double() @ x[t].double()
+            h = torch.nn.functional.silu(gate_up[:N]) * gate_up[N:]
+            out[t] += float(weights[t, j]) * (w2[e].double() @ h)
+    return out
+
+
+def test_combine_kernel_matches_a_float64_loop():
+    g = torch.Generator().manual_seed(3)
+    m, k, rows = 5, 3, 40
+    y = torch.randn(rows, 96, generator=g)
+    dst = torch.randperm(rows, generator=g)[: m * k].view(m, k).int()
+    dst[1, 2] = -1  # not routed here: never read
+    dst[4, 0] = -1
+    weights = torch.rand(m, k, generator=g)
+    out = torch.empty(m, 96)
+    launch_contiguous_sum(y, dst, weights, out, block_t=4, block_k=64)
+    ref = torch.zeros(m, 96, dtype=torch.float64)
+    for t in range(m):
+        for j in range(k):
+            if dst[t, j] >= 0:
+                ref[t] += float(weights[t, j]) * y[int(dst[t, j])].double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_layout_groups_rows_by_expert_in_aligned_blocks():
+    """gluon_layout with the torch alignment; its gather kernel interpreted."""
+    m, k = 37, 2
+    ids, _ = _routing(m, k)
+    ids[3, 1] = -1  # dropped: no row
+    x = torch.randn(m, K).bfloat16()
+    lay = gluon_layout(x, ids, E, align=align_block)
+    used = int(lay.rows_used)
+    assert used % BLOCK_M == 0
+    seen = set()
+    for t in range(m):
+        for j in range(k):
+            r = int(lay.src_to_dst[t, j])
+            if int(ids[t, j]) < 0:
+                assert r == -1
+                continue
+            assert 0 <= r < used and r not in seen
+            seen.add(r)
+            assert torch.equal(lay.x_perm[r], x[t])
+            assert int(lay.block_experts[r // BLOCK_M]) == int(ids[t, j])
+    assert len(seen) == m * k - 1  # every routed assignment has its row
+
+
+def test_twin_matches_a_float64_loop():
+    w13, w2 = _weights()
+    ids, weights = _routing(24, 2)
+    ids[0, 0] = 9  # >= E: skipped
+    x = torch.randn(24, K).bfloat16()
+    out = experts_gluon_twin(x, w13, w2, ids, weights)
+    ref = _experts_f64(x, w13, w2, ids, weights)
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_expert_map_reaches_the_layout():
+    w13, w2 = _weights()
+    ids, weights = _routing(16, 2, num_experts=2 * E)
+    emap = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)  # odd global experts live elsewhere
+    x = torch.randn(16, K).bfloat16()
+    out = experts_gluon_twin(x, w13, w2, ids, weights, expert_map=emap)
+    local = torch.where(emap[ids.long()] >= 0, emap[ids.long()], -1)
+    ref = _experts_f64(x, w13, w2, local, weights)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype"), ("gelu", "activation"), ("bias", "biases"), ("strided", "strided"), ("narrow", "multiples of 128"),
+])
+def test_unfit_calls_name_their_reason(case, reason):
+    w13, w2 = _weights(torch.float32 if case == "fp32" else torch.bfloat16)
+    x = torch.randn(4, K, dtype=w13.dtype)
+    kwargs = {"activation": "gelu" if case == "gelu" else "silu"}
+    if case == "bias":
+        kwargs["b2"] = torch.zeros(E, K, dtype=x.dtype)
+    if case == "strided":
+        w13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    if case == "narrow":
+        w13, w2 = w13[:, :192].contiguous(), w2[:, :, :96].contiguous()  # N = 96
+    assert reason in gluon_unfit(x, w13, w2, **kwargs)
+    assert gluon_unfit(x.bfloat16(), *_weights()) is None
+
+
+def test_choice_follows_the_measured_cells():
+    choice = GluonChoice()
+    assert not choice.wants(4096, 768)  # Qwen3 M=4096: lost
+    assert choice.wants(16384, 768)
+    assert choice.wants(4096, 14336)  # Mixtral: 1.12x
+    assert not choice.wants(4096, 2048)  # DeepSeek-V3: 1.00x, 0.97x
+    assert not choice.wants(1024, 14336)  # decode and the ridge stay on the fused kernels
+
+
+def test_tiles_fit_shared_memory():
+    assert UP_TILE.smem_bytes(weight_tiles=2) <= SMEM_LIMIT
+    assert DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+    assert NARROW_DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+
+
+def test_plan_rows_hold_any_routing_and_narrow_experts_get_their_down_tile():
+    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, hidden=2048, inter=768)
+    assert plan.rows == 800 + 128 * (BLOCK_M - 1)  # every expert may leave a partial block
+    assert plan.down == NARROW_DOWN_TILE and plan.up == UP_TILE
+    assert plan_gluon(100, 2, 8, 4096, 14336).down == DOWN_TILE
+
+
+def test_cpu_falls_back_to_the_triton_kernels():
+    assert not gluon_supported("cpu")
+    w13, w2 = _weights()
+    ids, weights = _routing(20, 2)
+    x = torch.randn(20, K).bfloat16()
+    everywhere = GluonChoice(min_tokens=1, min_tokens_wide=1)
+    out = experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
+    triton = get_backend("triton")(x, w13, w2, ids, weights)
+    assert torch.equal(out, triton)
+    with pytest.raises(RuntimeError, match="Hopper"):
+        experts_gluon(x, w13, w2, ids, weights)
+
+
+def test_backend_is_registered():
+    assert "triton_gluon" in backend_names()
+    assert get_backend("triton_gluon") is experts_triton_gluon
+
+
+def test_importable_needs_a_tma_copy_under_either_name(monkeypatch):
+    tma = importlib.import_module("triton.experimental.gluon.language.nvidia.hopper").tma
+    gluon_importable.cache_clear()
+    assert gluon_importable()  # this Triton has the pieces (3.9 here; the device's 3.6 spells TMA differently)
+    for name in ("async_load", "async_copy_global_to_shared"):
+        if hasattr(tma, name):
+            monkeypatch.delattr(tma, name)
+    gluon_importable.cache_clear()
+    try:
+        assert not gluon_importable()
+    finally:
+        monkeypatch.undo()
+        gluon_importable.cache_clear()
