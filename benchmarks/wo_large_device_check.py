@@ -14,7 +14,9 @@ Correctness: each decode's bf16 output on the device against the ``reference`` b
 quantized weights (exact dequantization, float32 loop), rel L2 < TOL. Timing: ``triton.testing.do_bench``
 (median, eager calls); the fused decode is the chooser's below the scratch (``choose_decode(...,
 fused=True)``); "deq" is the scratch path's two dequant launches alone (w13 and w2 of every expert).
-Prints one line per cell, the table last (x bf16 = µs / bf16 µs; the pick's ratio decides the target);
+Also the dequant kernel alone under a few tiles (SWEEP_TILES, Mixtral int4: µs and GB/s of packed read +
+bf16 write), to pick ``DEQUANT_TILE``; and the scratch path in chunks of experts (CHUNK_EXPERTS) on
+that cell at the largest M, against the reference and timed. Prints one line per cell, the table last (x bf16 = µs / bf16 µs; the pick's ratio decides the target);
 under 240 s on an H200 (timing stops at DEADLINE_S, the remaining cells print as skipped).
 """
 
@@ -38,7 +40,9 @@ from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton import experts_triton  # noqa: E402
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_plan import SCHEME_IDS, choose_decode, weight_args  # noqa: E402
-from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, dequantize_experts  # noqa: E402
+from moekit.experts.triton_wo_scratch import (  # noqa: E402
+    DEQUANT_TILE, SCRATCH_MIN_TOKENS, dequantize_experts, run_experts_wo_scratch, scratch_bytes_per_expert,
+)
 from moekit.quant import quantize  # noqa: E402
 
 T0 = time.perf_counter()
@@ -49,6 +53,9 @@ BATCHES = (1024, 4096, 16384)
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b")
 TOL = 1e-2  # rel L2 against the reference
 WARMUP_MS, REP_MS = 10, 60
+SWEEP_TILES = ((32, 128), (16, 256), (64, 128), (64, 256))  # dequant (BLOCK_R, BLOCK_C), on SWEEP_CELL's weights
+SWEEP_CELL = ("mixtral-8x7b", "int4_w4a16")  # also the chunked-scratch check, at the largest M
+CHUNK_EXPERTS = 3  # Mixtral's 8 experts in chunks of 3, 3, 2
 FAILED: list[str] = []
 
 
@@ -103,14 +110,27 @@ def wo_weight(w) -> WoWeight:
     return WoWeight(w.scheme, w.q, w.scale, getattr(w, "zero", None), GROUP[w.scheme])
 
 
-def dequant_both(w13: WoWeight, w2: WoWeight, s: Shape, scratch: torch.Tensor) -> None:
+def dequant_both(w13: WoWeight, w2: WoWeight, s: Shape, scratch: torch.Tensor, tile=DEQUANT_TILE) -> None:
     """What the scratch path dequantizes per call: every expert's w13, then w2, into one scratch."""
     scheme_id = SCHEME_IDS[w13.scheme]
     e = s.num_experts
     dequantize_experts(weight_args(w13.q, w13.scale, w13.zero, w13.group_size), scheme_id, s.k,
-                       scratch[:e * 2 * s.n * s.k].view(e, 2 * s.n, s.k), 0)
+                       scratch[:e * 2 * s.n * s.k].view(e, 2 * s.n, s.k), 0, tile)
     dequantize_experts(weight_args(w2.q, w2.scale, w2.zero, w2.group_size), scheme_id, s.n,
-                       scratch[:e * s.k * s.n].view(e, s.k, s.n), 0)
+                       scratch[:e * s.k * s.n].view(e, s.k, s.n), 0, tile)
+
+
+def tile_sweep(s: Shape, scheme: str, w13: WoWeight, w2: WoWeight, scratch: torch.Tensor) -> None:
+    """The dequant kernel's µs and HBM GB/s (packed read + dense write) under a few (BLOCK_R, BLOCK_C)."""
+    dense = 3 * s.num_experts * s.n * s.k * scratch.element_size()
+    packed = sum(t.numel() * t.element_size() for w in (w13, w2) for t in (w.q, w.scale, w.zero) if t is not None)
+    for tile in SWEEP_TILES:
+        if elapsed() > DEADLINE_S:
+            print(f"SKIPPED dequant tile {tile}: past {DEADLINE_S:.0f} s", flush=True)
+            continue
+        us = bench_us(lambda: dequant_both(w13, w2, s, scratch, tile))
+        print(f"dequant tile {s.name} {scheme} {tile}{' (default)' if tile == DEQUANT_TILE else ''}: "
+              f"{us:.0f} µs, {(dense + packed) / us / 1e3:.0f} GB/s", flush=True)
 
 
 def scheme_cells(s: Shape, scheme: str, w13f, w2f, sets: dict, bf16: dict, dev) -> list[Cell]:
@@ -140,7 +160,31 @@ def scheme_cells(s: Shape, scheme: str, w13f, w2f, sets: dict, bf16: dict, dev) 
         print(f"{s.name} {scheme} M={m}: bf16 {cell.bf16_us:.0f} µs, {fused} {cell.fused_us:.0f}, scratch "
               f"{cell.scratch_us:.0f} (dequant {cell.dequant_us:.0f}), pick {pick}  [{elapsed():.0f} s]", flush=True)
         cells.append(cell)
+    if (s.name, scheme) == SWEEP_CELL or (SMOKE and scheme == SWEEP_CELL[1]):
+        tile_sweep(s, scheme, w13, w2, scratch)
+        chunked(s, q13, q2, w13, w2, sets[max(sets)], cells[-1] if cells else None)
     return cells
+
+
+def chunked(s: Shape, q13, q2, w13: WoWeight, w2: WoWeight, c, cell: Cell | None) -> None:
+    """The scratch path in chunks of CHUNK_EXPERTS experts (what a scratch above SCRATCH_MAX_BYTES runs):
+    against the reference, and timed beside the one-chunk run of the same cell."""
+    if elapsed() > DEADLINE_S:
+        print(f"SKIPPED chunked scratch: past {DEADLINE_S:.0f} s", flush=True)
+        return
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    itemsize = 4 if os.environ.get("TRITON_INTERPRET") == "1" else 2
+    cap = CHUNK_EXPERTS * scratch_bytes_per_expert(s.n, s.k, itemsize)
+
+    def call():
+        return run_experts_wo_scratch(c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME_IDS[w13.scheme],
+                                      "silu", max_scratch_bytes=cap)
+
+    err = rel_err(call(), experts_reference(c.x, q13, q2, c.topk_ids, c.topk_weights))
+    us = bench_us(call)
+    one = f", one chunk {cell.scratch_us:.0f} µs" if cell is not None else ""
+    check(f"{s.name} {w13.scheme} M={c.x.shape[0]} scratch in chunks of {CHUNK_EXPERTS} experts vs reference",
+          err < TOL, f"rel_err={err:.2e}  {us:.0f} µs{one}")
 
 
 def shape_cells(s: Shape, batches: tuple, dev) -> list[Cell]:

@@ -67,11 +67,13 @@ def experts_per_chunk(num_experts: int, n: int, hidden: int, itemsize: int, max_
     return min(num_experts, max_bytes // per_expert)
 
 
-def dequantize_experts(w, scheme_id: int, cols: int, out: torch.Tensor, expert0: int) -> None:
-    """out [c, R, C] (contiguous) = experts [expert0, expert0 + c) of the packed weight ``w`` (a
-    ``triton_wo_plan.WeightArgs``) dequantized, rounded once to out's dtype; ``cols`` = C."""
+def dequantize_experts(w, scheme_id: int, cols: int, out: torch.Tensor, expert0: int,
+                       tile: tuple[int, int] = DEQUANT_TILE) -> None:
+    """out [c, R, C] (rows contiguous) = experts [expert0, expert0 + c) of the packed weight ``w`` (a
+    ``triton_wo_plan.WeightArgs``) dequantized, rounded once to out's dtype; ``cols`` = C; ``tile``:
+    (BLOCK_R, BLOCK_C), powers of 2, BLOCK_C >= 32."""
     chunk, rows = out.shape[:2]
-    block_r, block_c = DEQUANT_TILE
+    block_r, block_c = tile
     stored = cols if scheme_id == 0 else w.q.shape[2]  # int8: one byte a weight, else two weights a byte
     span = block_c if scheme_id == 0 else min(block_c, w.group_size)
     kernels("dequant_wo").dequant_wo_kernel[(cdiv(rows, block_r), cdiv(cols, block_c), chunk)](
