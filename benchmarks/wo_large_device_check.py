@@ -14,10 +14,12 @@ Correctness: each decode's bf16 output on the device against the ``reference`` b
 quantized weights (exact dequantization, float32 loop), rel L2 < TOL. Timing: ``triton.testing.do_bench``
 (median, eager calls); the fused decode is the chooser's below the scratch (``choose_decode(...,
 fused=True)``); "deq" is the scratch path's two dequant launches alone (w13 and w2 of every expert).
-Also the dequant kernel alone under a few tiles (SWEEP_TILES, Mixtral int4: µs and GB/s of packed read +
-bf16 write), to pick ``DEQUANT_TILE``; and the scratch path in chunks of experts (CHUNK_EXPERTS) on
-that cell at the largest M, against the reference and timed. Prints one line per cell, the table last (x bf16 = µs / bf16 µs; the pick's ratio decides the target);
-under 240 s on an H200 (timing stops at DEADLINE_S, the remaining cells print as skipped).
+Also: a CUDA graph of the scratch decode replayed on new routing (equal to eager); the dequant kernel
+alone under a few tiles (SWEEP_TILES, Mixtral int4: µs and GB/s of packed read + bf16 write), to pick
+``DEQUANT_TILE``; the scratch path in chunks of CHUNK_EXPERTS experts on that cell at the largest M,
+against the reference and timed. Prints one line per cell, the table last (x bf16 = µs / bf16 µs; the
+pick's ratio decides the target); under 240 s on an H200 (no cell starts after DEADLINE_S; the rest
+print as skipped).
 """
 
 from __future__ import annotations
@@ -205,6 +207,35 @@ def shape_cells(s: Shape, batches: tuple, dev) -> list[Cell]:
     return cells
 
 
+def graph_replay(dev) -> None:
+    """The scratch decode captured in a CUDA graph (one call, all experts in one chunk and in chunks of 3)
+    and replayed on new tokens and routing equals the eager call."""
+    s = Shape("graph", 8, 256, 512, 2)
+    q13 = quantize(torch.randn(s.num_experts, 2 * s.n, s.k, device=dev) / s.k**0.5, "int4_w4a16", group_size=128)
+    q2 = quantize(torch.randn(s.num_experts, s.k, s.n, device=dev) / s.n**0.5, "int4_w4a16", group_size=128)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (wo_weight(q13), wo_weight(q2)))
+    first, *others = make_sets(s, 300, 3, torch.bfloat16, dev, seed=7)
+    x, ids, w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
+    for cap in (1 << 30, 3 * scratch_bytes_per_expert(s.n, s.k, 2)):
+        def call(cap=cap):
+            return run_experts_wo_scratch(x, a13, a2, ids, w, None, SCHEME_IDS["int4_w4a16"], "silu",
+                                          max_scratch_bytes=cap)
+
+        call()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        worst = 0.0
+        for c in others:
+            x.copy_(c.x)
+            ids.copy_(c.topk_ids)
+            w.copy_(c.topk_weights)
+            graph.replay()
+            worst = max(worst, rel_err(out, call()))
+        check(f"cuda graph replay of the scratch decode, scratch cap {cap} bytes", worst < 1e-6,
+              f"max rel diff vs eager {worst:.1e}")
+
+
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<14} {'scheme':<10} {'M':>5} {'bf16 µs':>8} {'fused':>8} {'µs':>8} {'scratch':>8} "
              f"{'deq µs':>7} {'pick':>8} {'fused/bf16':>10} {'scr/bf16':>8} {'pick/bf16':>9} {'err f':>7} "
@@ -229,6 +260,11 @@ def main() -> int:
         shapes, batches = [Shape("tiny", 8, 64, 128, 2)], (16, 32)
     else:
         shapes, batches = [Shape.from_preset(p) for p in PRESETS], BATCHES
+    if dev.type == "cuda":
+        try:
+            graph_replay(dev)
+        except Exception as e:  # noqa: BLE001  (reported, the run goes on)
+            check("cuda graph replay", False, f"raised {type(e).__name__}: {e}")
     cells = []
     for s in shapes:
         cells += shape_cells(s, batches, dev)
