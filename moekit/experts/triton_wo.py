@@ -6,7 +6,7 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     splits and k]
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
-path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Three decodes of the packed weights,
+path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Four decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
 "register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "gemv"
@@ -46,7 +46,6 @@ from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, choose_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch
-from moekit.layouts.block_aligned import use_naive
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
@@ -200,7 +199,7 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if _runs_scratch(x, w13, ids, expert_map, scheme, config, split_k, decode):
+    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
@@ -220,14 +219,13 @@ def run_experts_wo(
     return out
 
 
-def _runs_scratch(x, w13: WeightArgs, ids, expert_map, scheme: str, config, split_k, decode: str | None) -> bool:
+def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
     """The caller's "scratch", or the chooser's for a call that fixes no fused config or split (cheap
     first test: batches below SCRATCH_MIN_TOKENS never run it)."""
     if decode is not None or config is not None or split_k is not None or x.shape[0] < SCRATCH_MIN_TOKENS:
         return decode == "scratch"
-    num_experts, two_n = w13.q.shape[:2]
-    shortcut = use_naive(ids.numel(), num_experts, expert_map)
-    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], shortcut) == "scratch"
+    num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
+    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False) == "scratch"
 
 
 @torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())
