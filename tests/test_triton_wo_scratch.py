@@ -5,7 +5,8 @@ Chain: the dequant kernel vs a float64 dequantizer written here (bit by bit from
 e2m1 by its exponent/mantissa rule), on random bytes (an odd C's padding nibble is garbage that must
 never show), for int8, int4 at each group size with zero points, and mxfp4; then the whole path
 (dequantize, bf16 GEMMs, k-sum; all experts at once and in chunks, with an expert map) against the
-``reference`` backend on weights quantized by ``moekit.quant``. What the interpreter cannot run
+``reference`` backend on weights quantized by ``moekit.quant``; the overlapped pipeline's stream order
+(fake streams: which launch happens before which). What the interpreter cannot run
 (bf16 rounding of the scratch on the device, real shapes, timing): ``benchmarks/wo_large_device_check.py``.
 """
 
@@ -194,3 +195,71 @@ def test_large_batch_runs_scratch_through_the_public_entry(wo, monkeypatch):
 
     out = wo.fused_experts_wo(x, _wo(w13), _wo(w2), ids, weights)
     assert calls == [1] and rel(out, experts_reference(x, w13, w2, ids, weights)) < 1e-2
+
+
+class _FakeStream:
+    """Records the ops launched on it and what each must wait for (the previous op on this stream and
+    the ops behind the events waited on), to check the happens-before order of ``_pipelined``."""
+
+    def __init__(self, preds: dict):
+        self.preds, self.last, self.waits = preds, None, []
+
+    def record_event(self):
+        return self.last
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            self.waits.append(event)
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.wait_event(other.last)
+
+    def launch(self, op) -> None:
+        self.preds[op] = [p for p in [self.last, *self.waits] if p is not None]
+        self.last, self.waits = op, []
+
+
+def test_overlap_pipeline_orders_each_buffer_and_overlaps_neighbours(monkeypatch):
+    """Step j's GEMM after its dequant; step j + 1's dequant after step j - 1's GEMM (same buffer) but
+    concurrent with step j's GEMM; everything before the join."""
+    import contextlib
+
+    import moekit.experts.triton_wo_scratch as scratch
+
+    preds: dict = {}
+    main, side = _FakeStream(preds), _FakeStream(preds)
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(scratch, "_SIDE_STREAMS", {})
+    steps = [(j, None) for j in range(6)]  # 3 chunks x (gate-up, down)
+    scratch._pipelined(steps, lambda j, _: current[-1].launch(("dequant", j)),
+                       lambda j, _: current[-1].launch(("gemm", j)), torch.device("cuda", 0))
+    main.launch("after")
+
+    def before(a, b) -> bool:  # a happens before b
+        todo, seen = list(preds[b]), set()
+        while todo:
+            p = todo.pop()
+            if p == a:
+                return True
+            if p not in seen:
+                seen.add(p)
+                todo.extend(preds[p])
+        return False
+
+    for j in range(6):
+        assert before(("dequant", j), ("gemm", j))
+        assert all(before(op, "after") for op in (("dequant", j), ("gemm", j)))
+        if j + 1 < 6:
+            assert not before(("dequant", j + 1), ("gemm", j)) and not before(("gemm", j), ("dequant", j + 1))
+        if j >= 1 and j + 1 < 6:
+            assert before(("gemm", j - 1), ("dequant", j + 1))

@@ -17,6 +17,10 @@ matrix above the cap: the chooser (``scratch_fits``) keeps the fused decodes, an
 ``decode="scratch"`` is an error naming the cap. Every expert is dequantized, routed or not: at the
 batch sizes where this decode is chosen (``SCRATCH_MIN_TOKENS``) every expert receives tokens.
 
+With ``overlap`` (SCRATCH_OVERLAP; CUDA only) each dequant runs on a side stream while the GEMM before
+it runs (``_pipelined``): at least two chunks, w2 in a buffer of its own, so only the first chunk's w13
+dequant is not hidden behind a compute-bound GEMM.
+
 No host synchronisation (the chunk maps are built on the device from shapes): CUDA-graph capturable.
 Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
 
