@@ -6,6 +6,8 @@ against moekit's bf16 Triton path, and which one the chooser (``triton_wo_plan.c
 
     PYTHONPATH=$PWD python benchmarks/wo_large_device_check.py        # JSON to $OUT/wo_large.json if OUT is set
     PYTHONPATH=$PWD python benchmarks/wo_large_device_check.py --smoke  # CPU: Triton's interpreter, tiny shapes
+    PYTHONPATH=$PWD python benchmarks/wo_large_device_check.py --presets deepseek-v3  # the chooser's scratch
+        there is unmeasured (8 chunks of 36 experts at SCRATCH_MAX_BYTES); its own run, not in the 240 s
 
 Cells: Qwen3-30B-A3B (E=128 N=768 K=2048 k=8) and Mixtral-8x7B (E=8 N=14336 K=4096 k=2) x int4_w4a16
 (group 128, zero points), int8_w8a16, mxfp4 x M in {1024, 4096, 16384}. The weights are random bf16
@@ -269,7 +271,9 @@ def main() -> int:
     if SMOKE:
         shapes, batches = [Shape("tiny", 8, 64, 128, 2)], (16, 32)
     else:
-        shapes, batches = [Shape.from_preset(p) for p in PRESETS], BATCHES
+        args = [a for a in sys.argv[1:] if a != "--smoke"]
+        presets = args[args.index("--presets") + 1:] if "--presets" in args else PRESETS
+        shapes, batches = [Shape.from_preset(p) for p in presets], BATCHES
     if dev.type == "cuda":
         try:
             graph_replay(dev)
