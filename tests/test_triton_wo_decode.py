@@ -105,7 +105,8 @@ def test_a_measured_shape_takes_its_nearest_m_in_the_same_tile_height(monkeypatc
     # a made-up table for DeepSeek's shape (E=256, top_k=8: 16-row tiles below M=512, 64 rows at M=1024)
     monkeypatch.setattr(plans, "DECODE_MEASURED", {("mxfp4", 256, 2048, 7168): {1: "register", 64: "tile",
                                                                                 1024: "register"}})
-    picks = {m: plans.choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 4, 16, 256, 384, 512, 1024, 4096)}
+    picks = {m: plans.choose_decode("mxfp4", m, 256, 2048, 7168, 8, fused=True)  # the fused decodes' table
+             for m in (1, 4, 16, 256, 384, 512, 1024, 4096)}
     assert picks == {1: "register", 4: "register", 16: "tile", 256: "tile", 384: "tile",
                      512: "tile",  # 32-row tiles: no measured M there, DECODE_RULE (mxfp4: tile)
                      1024: "register", 4096: "tile"}  # 4096: 128-row tiles, DECODE_RULE again

@@ -6,12 +6,13 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     splits and k]
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
-path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Three decodes of the packed weights,
+path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Four decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
-"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers) and "gemv"
+"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "gemv"
 (``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
-rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``).
+rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``), and at large batches
+"scratch" (``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs).
 No host synchronisation: CUDA-graph capturable; ``torch.ops.moekit.triton_experts_wo`` is a custom op
 with a fake, so ``torch.compile(fullgraph=True)`` traces through it.
 
@@ -42,8 +43,9 @@ from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_align import run_align
 from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_plan import (
-    SCHEME_IDS, WeightArgs, check_decode, clear_wo_plans, weight_args, wo_plan_for,
+    SCHEME_IDS, WeightArgs, check_decode, choose_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
+from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
@@ -187,7 +189,8 @@ def run_experts_wo(
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
-    "register" or "gemv"; None: ``choose_decode``). Not a custom op: for tools that pick configs per call;
+    "register", "gemv" or "scratch", ``triton_wo_scratch``; None: ``choose_decode``, the fused ones when
+    ``config`` or ``split_k`` is given). Not a custom op: for tools that pick configs per call;
     models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
@@ -196,6 +199,8 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
+    if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
+        return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
@@ -212,6 +217,15 @@ def run_experts_wo(
     plan.down(h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
     plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
     return out
+
+
+def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
+    """The caller's "scratch", or the chooser's for a call that fixes no fused config or split (cheap
+    first test: batches below SCRATCH_MIN_TOKENS never run it)."""
+    if decode is not None or config is not None or split_k is not None or x.shape[0] < SCRATCH_MIN_TOKENS:
+        return decode == "scratch"
+    num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
+    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False) == "scratch"
 
 
 @torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())

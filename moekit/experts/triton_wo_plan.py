@@ -6,17 +6,19 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Three decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
-``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the
-same tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch
-shortcut, or on the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket) (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``)
-overrides it, so benchmarks and ``moekit tune`` can time either.
+    scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
+              plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
+``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the same
+tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on
+the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket)
+(``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``) overrides it.
 
 Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
 format and search order, ``config_name(scheme, decode)`` in the dtype's place: the scheme for the tile
@@ -40,6 +42,7 @@ from moekit.experts.triton_launch import (
 )
 from moekit.experts.triton_plan import sum_launch
 from moekit.experts.triton_wo_gemv import gemv_heuristic_config, gemv_launches, words_ok
+from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.layouts.block_aligned import use_naive
 from moekit.triton_bind import BoundLaunch
 
@@ -48,7 +51,7 @@ MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
-DECODES = ("tile", "register", "gemv")
+DECODES = ("tile", "register", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -117,10 +120,7 @@ class WoPlan:
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
 on_config_cache_clear(_WO_PLANS.clear)
-
-
-def clear_wo_plans() -> None:
-    _WO_PLANS.clear()
+clear_wo_plans = _WO_PLANS.clear
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -163,12 +163,14 @@ def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
 
 
 def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
-                  shortcut: bool | None = None) -> str:
-    """The decode (one of DECODES) the H200 measured faster: for a shape in DECODE_MEASURED its entry
-    of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's for the scheme and
-    bucket, else "tile". "gemv" only where the call takes the tiny-batch shortcut (``shortcut``; None:
-    ``use_naive`` without an expert map), or at or below the measured M when that M's own calls run on the
-    aligned layout (so the gemv was measured faster there)."""
+                  shortcut: bool | None = None, fused: bool = False) -> str:
+    """The decode (one of DECODES) the H200 measured faster: "scratch" from SCRATCH_MIN_TOKENS where an
+    expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in DECODE_MEASURED the
+    entry of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's, else "tile".
+    "gemv" only on the tiny-batch shortcut (``shortcut``; None: ``use_naive`` without an expert map), or
+    at or below the measured M when that M's own calls run aligned (the gemv measured faster there)."""
+    if num_tokens >= SCRATCH_MIN_TOKENS and not fused and scratch_fits(n, k, 2):
+        return "scratch"
     bucket = height_bucket(num_tokens, num_experts, top_k)
     rule = DECODE_RULE.get((scheme, bucket), "tile")
     measured = {m: decode for m, decode in DECODE_MEASURED.get((scheme, num_experts, n, k), {}).items()
@@ -345,7 +347,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
                    num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
     weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
-    chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
+    if decode == "scratch":
+        raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
+    chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
     if chosen == "gemv" and not (words_ok(w13.q) and words_ok(w2.q)):
         if decode is not None:
             raise ValueError("decode='gemv' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "

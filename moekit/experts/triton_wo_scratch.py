@@ -1,0 +1,222 @@
+"""The "scratch" decode of the weight-only Triton experts (``triton_wo``): dequantize each packed weight
+once into a dense scratch buffer, then run moekit's 16-bit grouped GEMMs (``triton_plan``: the bf16
+kernels, tuned bf16 configs, TMA weight descriptors) on it. At large batches the fused decodes pay
+their dequantization in every tile's inner loop, on tensor-core time; here it is paid once per weight.
+
+    per chunk of experts [e0, e0 + c):
+        [dequant w13 -> scratch [c, 2N, K]] -> [align (chunk map)] -> [bf16 gate-up GEMM, act-and-mul -> h]
+        -> [dequant w2 -> the same scratch, as [c, K, N]] -> [bf16 down GEMM, x routed weight -> y]
+    then [sum over the k slots of y -> out]
+
+Memory: the scratch holds one matrix of one chunk of experts, c x max(2N*K, K*N) elements of x's dtype
+(w2 overwrites w13 once the gate-up GEMM has read it). All experts are one chunk while that is at
+most ``SCRATCH_MAX_BYTES``; beyond it the experts run in chunks of as many as fit, each chunk through
+the bf16 path with an expert map that routes only its experts here (the others' assignments are skipped
+by that chunk's GEMMs and written by their own chunk's), and one k-sum at the end. A single expert's
+matrix above the cap: the chooser (``scratch_fits``) keeps the fused decodes, and an explicit
+``decode="scratch"`` is an error naming the cap. Every expert is dequantized, routed or not: at the
+batch sizes where this decode is chosen (``SCRATCH_MIN_TOKENS``) every expert receives tokens.
+
+With ``overlap`` (SCRATCH_OVERLAP; CUDA only) each dequant runs on a side stream while the GEMM before
+it runs (``_pipelined``): at least two chunks, w2 in a buffer of its own, so only the first chunk's w13
+dequant is not hidden behind a compute-bound GEMM.
+
+No host synchronisation (the chunk maps are built on the device from shapes): CUDA-graph capturable.
+Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
+
+Torch twin: ``triton_wo.fused_experts_wo_torch`` (the same dequantization, a float32 per-expert loop).
+
+Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, c experts per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_align import run_align
+from moekit.experts.triton_cache import WorkspaceSpec, descriptor_pair
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels
+from moekit.experts.triton_plan import Plan, plan_for, sum_launch
+
+# Batches of at least this many tokens take the scratch decode (where the scratch fits). H200, Triton
+# 3.6, bf16 activations, scratch vs the fused tile decode (the lost first build of this path):
+# Qwen3-30B-A3B int4 M=4096 1.51x faster, M=16384 1.05x; Mixtral-8x7B int4 M=4096 1.08x, M=16384 1.00x,
+# mxfp4 M=16384 0.97x; at M=1024 the dequantization (every weight written once in bf16 and read back)
+# is not yet paid back. ``benchmarks/wo_large_device_check.py`` re-measures all three M.
+SCRATCH_MIN_TOKENS = 4096
+# The largest scratch buffer (bytes) the path allocates: all experts at once up to this, else chunks.
+# 2 GiB holds Mixtral-8x7B's w13 (8 x 28672 x 4096 bf16 = 1.88 GB: one chunk) and Qwen3-30B-A3B's
+# (128 x 1536 x 2048 bf16 = 0.81 GB); DeepSeek-V3's (256 x 4096 x 7168 = 15 GB) runs in 8 chunks of 36.
+SCRATCH_MAX_BYTES = 2 << 30
+# Dequantize the next matrix on a side stream while the current GEMM runs (at least two chunks, w2 its own
+# buffer: 1.5x the scratch of a chunk). Off until the device check (``wo_large_device_check``, its
+# "overlap" column) measures it faster.
+SCRATCH_OVERLAP = False
+DEQUANT_TILE = (32, 128)  # BLOCK_R, BLOCK_C of the dequant kernel (one 4-warp program: 4096 weights)
+
+
+def scratch_bytes_per_expert(n: int, hidden: int, itemsize: int) -> int:
+    """The scratch one expert takes: its larger matrix, w13 [2N, K] (w2 [K, N] is half of it)."""
+    return 2 * n * hidden * itemsize
+
+
+def scratch_fits(n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> bool:
+    """Whether one expert's dequantized matrix fits ``max_bytes`` (else the scratch decode cannot run)."""
+    return scratch_bytes_per_expert(n, hidden, itemsize) <= max_bytes
+
+
+def experts_per_chunk(num_experts: int, n: int, hidden: int, itemsize: int, max_bytes: int = SCRATCH_MAX_BYTES) -> int:
+    """As many experts as fit ``max_bytes`` of scratch (all of them where they do); an error naming the
+    cap where not even one does."""
+    per_expert = scratch_bytes_per_expert(n, hidden, itemsize)
+    if per_expert > max_bytes:
+        raise ValueError(f"decode='scratch' needs {per_expert} bytes of scratch for one expert's w13 [2N={2 * n}, "
+                         f"K={hidden}], above max_scratch_bytes={max_bytes} (use another decode)")
+    return min(num_experts, max_bytes // per_expert)
+
+
+def dequantize_experts(w, scheme_id: int, cols: int, out: torch.Tensor, expert0: int,
+                       tile: tuple[int, int] = DEQUANT_TILE) -> None:
+    """out [c, R, C] (rows contiguous) = experts [expert0, expert0 + c) of the packed weight ``w`` (a
+    ``triton_wo_plan.WeightArgs``) dequantized, rounded once to out's dtype; ``cols`` = C; ``tile``:
+    (BLOCK_R, BLOCK_C), powers of 2, BLOCK_C >= 32."""
+    chunk, rows = out.shape[:2]
+    block_r, block_c = tile
+    stored = cols if scheme_id == 0 else w.q.shape[2]  # int8: one byte a weight, else two weights a byte
+    span = block_c if scheme_id == 0 else min(block_c, w.group_size)
+    kernels("dequant_wo").dequant_wo_kernel[(cdiv(rows, block_r), cdiv(cols, block_c), chunk)](
+        w.q, w.scale, w.zero, out, rows, cols, stored, expert0, *w.strides, out.stride(0), out.stride(1),
+        SCHEME=scheme_id, GROUP=w.group_size, SPAN=span, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
+    )
+
+
+def chunk_map(expert_map: torch.Tensor | None, num_experts: int, expert0: int, chunk: int,
+              device: torch.device) -> torch.Tensor:
+    """The expert map of one chunk: global id -> its index in [expert0, expert0 + chunk), -1 for every
+    other expert (through ``expert_map`` where there is one; without one, global ids are local ids)."""
+    local = torch.arange(num_experts, dtype=torch.int32, device=device) if expert_map is None else expert_map
+    inside = (local >= expert0) & (local < expert0 + chunk)
+    return torch.where(inside, local - expert0, torch.full_like(local, -1))
+
+
+@dataclass(frozen=True, eq=False)
+class _Chunk:
+    """What one chunk of experts launches with (built on the host before anything launches)."""
+
+    expert0: int
+    count: int  # c
+    expert_map: torch.Tensor | None  # the chunk's (``chunk_map``), or the caller's for a single chunk
+    plan: Plan  # the bf16 plan over the scratch views
+    weights: tuple  # w13 (or its gate descriptor), the up descriptor or None, w2 (or its descriptor)
+    align_buffers: dict | None  # the alignment's regions (None in the naive shortcut)
+    rows: tuple  # sorted_ids, expert_ids, num_padded of align_buffers (None x 3 in the naive shortcut)
+    w13_view: torch.Tensor  # [c, 2N, K] scratch
+    w2_view: torch.Tensor  # [c, K, N] scratch
+
+
+def run_experts_wo_scratch(
+    x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map: torch.Tensor | None,
+    scheme_id: int, activation: str, options: LaunchOptions = LaunchOptions(),
+    max_scratch_bytes: int = SCRATCH_MAX_BYTES, overlap: bool = SCRATCH_OVERLAP,
+) -> torch.Tensor:
+    """out [M, K] (x.dtype) through the scratch decode; ``w13`` / ``w2``: ``WeightArgs``; ``ids`` /
+    ``weights`` [M, k] contiguous, at least one assignment; arguments already checked. ``overlap`` (CUDA
+    only): see SCRATCH_OVERLAP."""
+    (num_experts, two_n), (num_tokens, top_k), hidden = w13.q.shape[:2], ids.shape, x.shape[1]
+    n, num_assignments = two_n // 2, num_tokens * top_k
+    work = torch.float32 if interpreting() else x.dtype  # the interpreter's bf16 rounding truncates
+    per = experts_per_chunk(num_experts, n, hidden, work.itemsize, max_scratch_bytes)
+    overlap = overlap and x.device.type == "cuda" and num_experts > 1
+    if overlap:  # two chunks at least, and w2 its own buffer: each dequant has a GEMM to hide behind
+        per = min(per, cdiv(num_experts, 2))
+    up_buffer = torch.empty(per * two_n * hidden, dtype=work, device=x.device)  # [c, 2N, K]
+    down_buffer = torch.empty(per * hidden * n, dtype=work, device=x.device) if overlap else up_buffer  # [c, K, N]
+    h = torch.empty(num_assignments, n, dtype=work, device=x.device)  # [A, N]
+    y = torch.empty(num_assignments, hidden, dtype=work, device=x.device)  # [A, K]
+    if options.poison_workspace:
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+    chunks = [_chunk(x, ids, weights, expert_map, activation, options, up_buffer, down_buffer, n, expert0,
+                     min(per, num_experts - expert0), num_experts)
+              for expert0 in range(0, num_experts, per)]
+    steps = [(chunk, up) for chunk in chunks for up in (True, False)]  # gate-up then down, chunk by chunk
+
+    def dequant(chunk: _Chunk, up: bool) -> None:
+        if up:
+            dequantize_experts(w13, scheme_id, hidden, chunk.w13_view, chunk.expert0)
+        else:
+            dequantize_experts(w2, scheme_id, n, chunk.w2_view, chunk.expert0)
+
+    def gemm(chunk: _Chunk, up: bool) -> None:
+        w13_arg, w13_up_arg, w2_arg = chunk.weights
+        if up:
+            if chunk.plan.align is not None:  # a folded alignment launches nothing: the gate-up GEMM fills rows
+                run_align(chunk.plan.align, ids, chunk.expert_map, chunk.align_buffers)
+            chunk.plan.gate_up(x, w13_arg, w13_up_arg, None, h, ids, *chunk.rows, chunk.expert_map)
+        else:
+            chunk.plan.down(h, w2_arg, None, y, weights, ids, *chunk.rows, None, None, None)
+
+    if overlap:
+        _pipelined(steps, dequant, gemm, x.device)
+    else:
+        for step in steps:
+            dequant(*step)
+            gemm(*step)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
+    ksum = sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, chunks[-1].plan.options, ordered=True)
+    ksum(y, ids, expert_map if expert_map is not None else ids, out)
+    return out
+
+
+
+def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions, up_buffer: torch.Tensor,
+           down_buffer: torch.Tensor, n: int, expert0: int, count: int, num_experts: int) -> _Chunk:
+    """The bf16 plan, scratch views, weight descriptors and alignment buffers of experts [expert0,
+    expert0 + count)."""
+    hidden = x.shape[1]
+    w13_view = up_buffer[:count * 2 * n * hidden].view(count, 2 * n, hidden)
+    w2_view = down_buffer[:count * hidden * n].view(count, hidden, n)
+    cmap = expert_map if count == num_experts else chunk_map(expert_map, num_experts, expert0, count, x.device)
+    plan = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options)
+    if plan.descriptor_key is None:
+        args = (w13_view, None, w2_view)
+    else:  # the scratch is fresh per call: its descriptors are too (never the per-weight cache)
+        pair = descriptor_pair(w13_view, w2_view, plan.descriptor_key)
+        args = (pair.w13, pair.w13_up, pair.w2)
+    buffers, rows = None, (None, None, None)
+    if plan.align is not None:
+        buffers = WorkspaceSpec.of(list(plan.align.regions)).allocate(x.device)
+        rows = (buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"])
+    return _Chunk(expert0, count, cmap, plan, args, buffers, rows, w13_view, w2_view)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the stream the overlapped dequants run on
+
+
+def _pipelined(steps: list, dequant, gemm, device: torch.device) -> None:
+    """Each step's dequant on a side stream, its GEMM on the current one: step j + 1's dequant runs while
+    step j's GEMM does. The gate-up steps write one buffer and the down steps the other, so step j + 1's
+    dequant waits only for step j - 1's GEMM (the last reader of its buffer). Forked from and joined back
+    into the current stream (CUDA-graph capturable: the events become the graph's edges)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(device))
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)  # x, ids and the weights are ready; the fork of a capture
+    dequantized, read = [], []  # per step: its dequant's event (side), its GEMM's event (main)
+    for j, step in enumerate(steps):
+        if j == 0:
+            with torch.cuda.stream(side):
+                dequant(*step)
+                dequantized.append(side.record_event())
+        main.wait_event(dequantized[j])
+        gemm(*step)
+        read.append(main.record_event())
+        if j + 1 < len(steps):
+            if j >= 1:
+                side.wait_event(read[j - 1])  # step j - 1's GEMM read the buffer step j + 1 writes
+            with torch.cuda.stream(side):
+                dequant(*steps[j + 1])
+                dequantized.append(side.record_event())
+    main.wait_stream(side)  # the join
