@@ -41,10 +41,11 @@ from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kern
 from moekit.experts.triton_plan import Plan, plan_for, sum_launch
 
 # Batches of at least this many tokens take the scratch decode (where the scratch fits). H200, Triton
-# 3.6, bf16 activations, scratch vs the fused tile decode (the lost first build of this path):
-# Qwen3-30B-A3B int4 M=4096 1.51x faster, M=16384 1.05x; Mixtral-8x7B int4 M=4096 1.08x, M=16384 1.00x,
-# mxfp4 M=16384 0.97x; at M=1024 the dequantization (every weight written once in bf16 and read back)
-# is not yet paid back. ``benchmarks/wo_large_device_check.py`` re-measures all three M.
+# 3.6, bf16 activations, fused tile decode -> scratch, time over moekit's bf16 (results/raw/
+# NVIDIA_H200-2026-12-01-87d0e52-wo_large.log): M=4096 Qwen3-30B-A3B int4 1.79 -> 1.55, mxfp4 2.05 ->
+# 1.52, int8 1.48 -> 1.66 (the one cell where the fused decode stays faster), Mixtral-8x7B 2.18-2.42 ->
+# 1.21-1.28; M=16384 every scheme 1.40-2.33 -> 0.96-1.10. At M=1024 the dequantization (every weight
+# written once in bf16 and read back: 0.4-1.1 ms) is not paid back: scratch 1.56-2.20 against tile 1.19-2.47.
 SCRATCH_MIN_TOKENS = 4096
 # The largest scratch buffer (bytes) the path allocates: all experts at once up to this, else chunks.
 # 2 GiB holds Mixtral-8x7B's w13 (8 x 28672 x 4096 bf16 = 1.88 GB: one chunk) and Qwen3-30B-A3B's
