@@ -142,25 +142,30 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
     """Launch ``plan`` on ids [M, k] (contiguous) into the buffers ``b`` (named as ``plan.regions``); a
     folded plan launches nothing (the gate-up GEMM fills them)."""
+    for launch, pointers in align_launches(plan, ids, expert_map if expert_map is not None else ids, b):
+        launch(*pointers)
+
+
+def align_launches(plan: AlignPlan, ids, map_arg, b: dict) -> list:
+    """``plan``'s launches in order, each (BoundLaunch, its pointers): on ids (contiguous [M, k]) and
+    ``map_arg`` (the expert map, or ids without one: never read then), into the buffers ``b``. The
+    arguments may be stand-ins (``triton_lean`` records where each goes)."""
     if plan.folded:
-        return
-    map_arg = expert_map if expert_map is not None else ids  # never read without a map
+        return []
     if plan.small is not None:
-        plan.small(ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
-    elif plan.naive is not None:
-        plan.naive(ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
-    elif plan.place is not None:
-        if plan.hist is not None:
-            plan.hist(ids, map_arg, b["hist"])
-        plan.place(ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"], b["counts"],
-                   b["num_padded"])
-    else:
-        if plan.hist is not None:
-            plan.hist(ids, map_arg, b["hist"])
-        plan.scan(b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"])
-        if plan.scatter is not None:
-            plan.scatter(ids, map_arg, b["chunk_base"], b["offsets"], b["counts"], b["num_padded"],
-                         b["sorted_ids"], b["expert_ids"])
+        return [(plan.small, (ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    if plan.naive is not None:
+        return [(plan.naive, (ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    launches = [] if plan.hist is None else [(plan.hist, (ids, map_arg, b["hist"]))]
+    if plan.place is not None:
+        launches.append((plan.place, (ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"],
+                                      b["counts"], b["num_padded"])))
+        return launches
+    launches.append((plan.scan, (b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"])))
+    if plan.scatter is not None:
+        launches.append((plan.scatter, (ids, map_arg, b["chunk_base"], b["offsets"], b["counts"], b["num_padded"],
+                                        b["sorted_ids"], b["expert_ids"])))
+    return launches
 
 
 # The op takes the alignment's launch options as three primitive arguments (a custom op's schema has no

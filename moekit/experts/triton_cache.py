@@ -22,6 +22,10 @@ REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises point
 # DeepSeek-V3 shapes) dwarfs an allocation, and a kept buffer would hold the memory for good. 128 MiB
 # covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
 REUSE_MAX_BYTES = 128 << 20
+# The regions that grow with A*K and A*N; above REUSE_MAX_BYTES only these are allocated per call (one byte
+# buffer for both), the alignment's small ones stay in the pool. H200 (benchmarks/host_breakdown.py,
+# "workspace buffers"): a fresh tensor per region cost 34 µs (DeepSeek-V3 M=4096) and 56 µs (Qwen3 M=4096).
+LARGE_REGIONS = ("h", "y")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,6 +54,17 @@ class WorkspaceSpec:
             end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
         return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
+
+    def parts(self) -> tuple["WorkspaceSpec", "WorkspaceSpec"]:
+        """(small, large): the regions other than h and y, with the counters (kept by a pool however large
+        the plan), and h, y alone (allocated per call above a pool's ``max_bytes``). Built once per spec."""
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            regions = list(zip(self.names, self.dtypes, self.shapes))
+            small = WorkspaceSpec.of([r for r in regions if r[0] not in LARGE_REGIONS], self.counters)
+            parts = (small, WorkspaceSpec.of([r for r in regions if r[0] in LARGE_REGIONS]))
+            object.__setattr__(self, "_parts", parts)
+        return parts
 
     def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
         """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures); no counters."""
@@ -103,10 +118,10 @@ class WorkspacePool:
                 device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
-        if spec.nbytes > self.max_bytes:
-            views = spec.allocate(device)
-            if spec.counters:
-                views["counters"] = self._kept_counters(key, spec.counters, device)
+        if spec.nbytes > self.max_bytes:  # the small regions kept, h and y carved from one fresh buffer
+            small, large = spec.parts()
+            views = dict(self.buffers(small, device))
+            views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))
             return views
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.buffer.numel() < spec.nbytes:
