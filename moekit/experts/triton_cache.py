@@ -110,6 +110,17 @@ class WorkspacePool:
 
     def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
+        if spec.nbytes <= self.max_bytes:
+            return self.pooled(spec, device)
+        # the small regions kept, h and y carved from one fresh buffer
+        small, large = spec.parts()
+        views = dict(self.pooled(small, device))
+        views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))
+        return views
+
+    def pooled(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
+        """The regions of ``spec`` as views of the reused buffer, whatever its size (fresh tensors only
+        while a CUDA graph captures). The same dict on every call until the buffer or counters change."""
         stream = 0
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
@@ -118,11 +129,6 @@ class WorkspacePool:
                 device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
-        if spec.nbytes > self.max_bytes:  # the small regions kept, h and y carved from one fresh buffer
-            small, large = spec.parts()
-            views = dict(self.buffers(small, device))
-            views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))
-            return views
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.buffer.numel() < spec.nbytes:
             workspace = self._grow(key, spec.nbytes, device)

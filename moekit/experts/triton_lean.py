@@ -96,7 +96,7 @@ def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map
         return None
     spec = plan.workspace
     large = spec.nbytes > pool.max_bytes
-    views = pool.buffers(spec.parts()[0] if large else spec, device)
+    views = pool.pooled(spec.parts()[0] if large else spec, device)
     pair = None if plan.descriptor_key is None else descriptors.get(w13, w2, plan.descriptor_key)
     key = (plan, threading.get_ident())
     sequence = _SEQUENCES.get(key)
