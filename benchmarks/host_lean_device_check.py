@@ -15,8 +15,9 @@ per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 409
 Per cell: ``same`` (lean's output equals current's bit for bit, on two routings), ``lean_used`` (a sequence
 was recorded for the plan), host µs per call (N calls started on an idle GPU, one sync; the two variants'
 samples interleaved; median), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
-calls, replayed: the GPU time, equal for both up to noise), and at M = 1 and 512 torch.profiler's self-CPU
-µs per call. Cells run preset by preset until --budget-s; the rest are listed as skipped. JSON to
+calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the sequence calls the C launch
+entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
+preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until --budget-s; the rest are listed as skipped. JSON to
 $OUT/host_lean.json; the table is printed last (look for: same = yes everywhere, lean host <= current host).
 """
 
@@ -49,7 +50,7 @@ LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of
 class Run:
     device = torch.device("cuda")
     scale = 1
-    host_samples, host_calls, eager_samples, eager_calls, graph_calls = 7, 32, 3, 40, 16
+    host_samples, host_calls, eager_samples, eager_calls, graph_calls = 9, 32, 3, 40, 16
 
 
 def counts(m: int) -> tuple[int, int, int, int, int]:
@@ -104,7 +105,7 @@ def profiler_self_cpu_us(fn, calls: int = 20) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages()) / calls
 
 
-def cell(preset: str, m: int, weights, shape: Shape) -> dict:
+def cell(preset: str, m: int, weights, shape: Shape, profile: bool = False) -> dict:
     dev = Run.device
     fns, outs = {}, {}
     row = {"same": True}
@@ -123,14 +124,16 @@ def cell(preset: str, m: int, weights, shape: Shape) -> dict:
     row["host_us"] = host_us(fns, m)
     row["eager_us"] = {name: eager_us(fn, m) for name, fn in fns.items()}
     row["graph_us"] = {name: graph_us(fn, m) for name, fn in fns.items()}
-    if m in (1, 512):
+    sequence = next((s for key, s in triton_lean._SEQUENCES.items() if key[0] is plan), None)
+    row["lean_raw"] = sequence is not None and sequence.raw and sequence.hooks.idle()  # the C launch entry, taken
+    if profile and m in (1, 512):  # last: a profiler session may leave hooks behind that slow later calls
         row["profiler_self_cpu_us"] = {name: profiler_self_cpu_us(fn) for name, fn in fns.items()}
     return row
 
 
 def table(results: dict) -> str:
     lines = ["host / eager / graph µs per experts call, current -> lean (same: lean's output equals current's "
-             "bit for bit; lean: a recorded sequence ran)",
+             "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
              f"{'eager lean':>11}{'graph':>9}{'prof cur':>9}{'prof lean':>10}"]
     for key, r in results.items():
@@ -138,7 +141,7 @@ def table(results: dict) -> str:
             lines.append(f"{key:26}{next(iter(r.values()))}")
             continue
         prof = r.get("profiler_self_cpu_us", {})
-        lines.append(f"{key:26}{ha._yn(r['same']):>5}{ha._yn(r['lean_used']):>5}{r['launches']:>4}"
+        lines.append(f"{key:26}{ha._yn(r['same']):>5}{ha._yn(r['lean_used'] and r['lean_raw']):>5}{r['launches']:>4}"
                      f"{r['host_us']['current']:>10.1f}{r['host_us']['lean']:>10.1f}{r['eager_us']['current']:>10.1f}"
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}")
@@ -151,6 +154,7 @@ def main() -> None:
     p.add_argument("--hard-limit-s", type=int, default=230, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiler cells")
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     a = p.parse_args()
     start = time.perf_counter()
@@ -192,6 +196,9 @@ def measure(a, start: float, results: dict) -> None:
                 except Exception as exc:  # one failing cell must not lose the others' numbers
                     results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 print(json.dumps({key: results[key]}), flush=True)
+            if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
+                for m in (1, 512):
+                    results[f"{preset} M={m} profiled"] = cell(preset, m, weights, shape, profile=True)
             del weights
             clear_launch_caches()
             if Run.device.type == "cuda":
