@@ -14,7 +14,7 @@ buffers pooled), so ``current`` here is already faster than main at M >= 4096 (m
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
 Per cell: ``same`` (lean's output equals current's bit for bit, on two routings), ``lean_used`` (a sequence
 was recorded for the plan), host µs per call (N calls started on an idle GPU, one sync; the two variants'
-samples interleaved; median), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
+samples interleaved, ABBA; median and min), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
 calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the sequence calls the C launch
 entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
 preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until --budget-s; the rest are listed as skipped. JSON to
@@ -50,7 +50,7 @@ LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of
 class Run:
     device = torch.device("cuda")
     scale = 1
-    host_samples, host_calls, eager_samples, eager_calls, graph_calls = 9, 32, 3, 40, 16
+    host_samples, host_calls, eager_samples, eager_calls, graph_calls = 15, 32, 3, 40, 16
 
 
 def counts(m: int) -> tuple[int, int, int, int, int]:
@@ -64,15 +64,16 @@ def host_us(fns: dict, m: int) -> dict:
     """Host µs per call of each variant: calls started on an idle GPU, samples interleaved; median."""
     samples, calls = counts(m)[:2]
     times = {name: [] for name in fns}
-    for _ in range(samples):
-        for name, fn in fns.items():
+    for sample in range(samples):
+        for name in (list(fns) if sample % 2 == 0 else list(fns)[::-1]):  # ABBA: neither always goes first
+            fn = fns[name]
             ha._sync()
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             times[name].append((time.perf_counter() - t0) / calls * 1e6)
     ha._sync()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, {name: min(t) for name, t in times.items()}
 
 
 def eager_us(fn, m: int) -> float:
@@ -121,7 +122,7 @@ def cell(preset: str, m: int, weights, shape: Shape, profile: bool = False) -> d
     plan = plan_for(*args, None, "silu", None, VARIANTS["lean"])
     row["lean_used"] = any(key[0] is plan for key in triton_lean._SEQUENCES)
     row["launches"] = 3 + (0 if plan.align is None else plan.align.launches) - (plan.down_sum is not None)
-    row["host_us"] = host_us(fns, m)
+    row["host_us"], row["host_min_us"] = host_us(fns, m)
     row["eager_us"] = {name: eager_us(fn, m) for name, fn in fns.items()}
     row["graph_us"] = {name: graph_us(fn, m) for name, fn in fns.items()}
     sequence = next((s for key, s in triton_lean._SEQUENCES.items() if key[0] is plan), None)
@@ -135,7 +136,7 @@ def table(results: dict) -> str:
     lines = ["host / eager / graph µs per experts call, current -> lean (same: lean's output equals current's "
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
-             f"{'eager lean':>11}{'graph':>9}{'prof cur':>9}{'prof lean':>10}"]
+             f"{'eager lean':>11}{'graph':>9}{'min cur':>8}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"]
     for key, r in results.items():
         if "host_us" not in r:
             lines.append(f"{key:26}{next(iter(r.values()))}")
@@ -144,6 +145,7 @@ def table(results: dict) -> str:
         lines.append(f"{key:26}{ha._yn(r['same']):>5}{ha._yn(r['lean_used'] and r['lean_raw']):>5}{r['launches']:>4}"
                      f"{r['host_us']['current']:>10.1f}{r['host_us']['lean']:>10.1f}{r['eager_us']['current']:>10.1f}"
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
+                     f"{r['host_min_us']['current']:>8.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}")
     return "\n".join(lines)
 
@@ -197,7 +199,7 @@ def measure(a, start: float, results: dict) -> None:
                     results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 print(json.dumps({key: results[key]}), flush=True)
             if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
-                for m in (1, 512):
+                for m in [m for m in (1, 512) if m in a.batches]:
                     results[f"{preset} M={m} profiled"] = cell(preset, m, weights, shape, profile=True)
             del weights
             clear_launch_caches()
