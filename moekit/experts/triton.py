@@ -28,10 +28,14 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch (``triton_bind``: the C launch under the
-         compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
+      -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): the plan's recorded LaunchSequence, the call's tensors
+         filled into argument lists built once, each launched through the C entry; or, the first call of a
+         plan and wherever lean does not apply (graph capture, poisoned workspaces, a launch hook):
+      -> plan_launches: align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch
+         (``triton_bind``: the C launch under the compiled kernel's launcher, weight descriptors encoded once;
+         else the compiled kernel's runner)
 
-``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``
+``clear_launch_caches()`` drops the plans, launch sequences, descriptors and workspaces (``configs.clear_config_cache``
 clears the plans too). What is returned never aliases a workspace: ``out`` is allocated per call.
 
 Torch twins: ``moekit.layouts.block_aligned.align_block`` (alignment, equal element for element) and

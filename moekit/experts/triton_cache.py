@@ -100,8 +100,8 @@ class WorkspacePool:
     A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
     which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
     Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts.
-    A few bytes per token, so they are kept above ``max_bytes`` too (beside fresh regions), never while
-    a graph captures."""
+    Above ``max_bytes`` only h and y are fresh (one byte buffer, ``WorkspaceSpec.parts``); the alignment's
+    regions and the counters stay pooled. Nothing is pooled while a graph captures."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
