@@ -157,3 +157,23 @@ def test_lean_off_where_it_cannot_run(interpreter, launched):
         for _ in range(2):
             interpreter.experts_triton(*problem, options=LaunchOptions(**off))
     assert launched[0] == 0 and _sequence_count() == 0
+
+
+def test_workspace_parts_pool_only_the_alignment():
+    """Above the pool's size only the alignment's regions (and the counters) are kept; every other region
+    (bf16's h and y, fp8's x_q and h_q, ...) is carved per call from one fresh buffer."""
+    from moekit.experts.triton_cache import WorkspacePool, WorkspaceSpec
+
+    i32 = torch.int32
+    spec = WorkspaceSpec.of([("x_q", torch.uint8, (64, 256)), ("h_q", torch.uint8, (512, 128)),
+                             ("y", torch.bfloat16, (512, 64)), ("sorted_ids", i32, (640,)), ("hist", i32, (4, 16))],
+                            counters=8)
+    small, large = spec.parts()
+    assert small.names == ("sorted_ids", "hist") and small.counters == 8
+    assert large.names == ("x_q", "h_q", "y") and large.counters == 0
+    pool = WorkspacePool(max_bytes=4096)
+    for _ in range(2):
+        views = pool.buffers(spec, torch.device("cpu"))
+        assert set(views) == {"x_q", "h_q", "y", "sorted_ids", "hist", "counters"}
+        assert views["y"].shape == (512, 64) and views["counters"].eq(0).all()
+    assert [b.numel() for b in pool.held().values()] == [small.nbytes]  # the large regions never kept

@@ -22,10 +22,11 @@ REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises point
 # DeepSeek-V3 shapes) dwarfs an allocation, and a kept buffer would hold the memory for good. 128 MiB
 # covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
 REUSE_MAX_BYTES = 128 << 20
-# The regions that grow with A*K and A*N; above REUSE_MAX_BYTES only these are allocated per call (one byte
-# buffer for both), the alignment's small ones stay in the pool. H200 (benchmarks/host_breakdown.py,
-# "workspace buffers"): a fresh tensor per region cost 34 µs (DeepSeek-V3 M=4096) and 56 µs (Qwen3 M=4096).
-LARGE_REGIONS = ("h", "y")
+# The alignment's regions (a few int32 per assignment and per expert): above REUSE_MAX_BYTES these stay in
+# the pool and every other region (h, y; fp8's x_q, h_q, ...: the ones that grow with A*N and A*K) is carved
+# from one fresh byte buffer per call. H200 (benchmarks/host_breakdown.py, "workspace buffers"): a fresh
+# tensor per region cost 34 µs (DeepSeek-V3 M=4096) and 56 µs (Qwen3 M=4096).
+POOLED_REGIONS = ("sorted_ids", "expert_ids", "num_padded", "counts", "hist", "chunk_start", "chunk_base", "offsets")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -56,13 +57,13 @@ class WorkspaceSpec:
         return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
 
     def parts(self) -> tuple["WorkspaceSpec", "WorkspaceSpec"]:
-        """(small, large): the regions other than h and y, with the counters (kept by a pool however large
-        the plan), and h, y alone (allocated per call above a pool's ``max_bytes``). Built once per spec."""
+        """(small, large): the alignment's regions with the counters (kept by a pool however large the
+        plan), and the rest (allocated per call above a pool's ``max_bytes``). Built once per spec."""
         parts = self.__dict__.get("_parts")
         if parts is None:
             regions = list(zip(self.names, self.dtypes, self.shapes))
-            small = WorkspaceSpec.of([r for r in regions if r[0] not in LARGE_REGIONS], self.counters)
-            parts = (small, WorkspaceSpec.of([r for r in regions if r[0] in LARGE_REGIONS]))
+            small = WorkspaceSpec.of([r for r in regions if r[0] in POOLED_REGIONS], self.counters)
+            parts = (small, WorkspaceSpec.of([r for r in regions if r[0] not in POOLED_REGIONS]))
             object.__setattr__(self, "_parts", parts)
         return parts
 
@@ -112,7 +113,7 @@ class WorkspacePool:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
         if spec.nbytes <= self.max_bytes:
             return self.pooled(spec, device)
-        # the small regions kept, h and y carved from one fresh buffer
+        # the alignment's regions kept, the rest carved from one fresh buffer
         small, large = spec.parts()
         views = dict(self.pooled(small, device))
         views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))

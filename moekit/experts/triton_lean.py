@@ -112,19 +112,20 @@ def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map
     if sequence.raw and not sequence.hooks.idle():
         return None
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
-    h = y = None
-    if sequence.large is not None:
-        h, y = _large_regions(sequence.large, device, sequence.raw)
+    buffer = h = y = None
+    if sequence.large is not None:  # one fresh byte buffer, held until the launches are queued
+        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=device)
+        h, y = _large_regions(sequence.large, buffer, sequence.raw)
     sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y))
+    del buffer  # freed in stream order: the caching allocator hands it to later work on this stream only
     return out
 
 
-def _large_regions(large, device: torch.device, raw: bool) -> tuple:
-    """h and y of one call, one fresh byte buffer: addresses for the C launch, else views."""
-    buffer = torch.empty(large.nbytes, dtype=torch.uint8, device=device)
+def _large_regions(large, buffer: torch.Tensor, raw: bool) -> tuple:
+    """h and y of one call in ``buffer``: addresses for the C launch, else views."""
     if raw:
-        base = buffer.data_ptr()  # the caching allocator keeps the block until the stream's launches ran
-        return base + large.offsets[0], base + large.offsets[1]
+        base = buffer.data_ptr()
+        return base + large.offsets[large.names.index("h")], base + large.offsets[large.names.index("y")]
     views = large.carve(buffer)
     return views["h"], views["y"]
 
