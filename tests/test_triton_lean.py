@@ -176,4 +176,5 @@ def test_workspace_parts_pool_only_the_alignment():
         views = pool.buffers(spec, torch.device("cpu"))
         assert set(views) == {"x_q", "h_q", "y", "sorted_ids", "hist", "counters"}
         assert views["y"].shape == (512, 64) and views["counters"].eq(0).all()
-    assert [b.numel() for b in pool.held().values()] == [small.nbytes]  # the large regions never kept
+    held = [b.numel() for b in pool.held().values()]
+    assert len(held) == 1 and small.nbytes <= held[0] <= pool.max_bytes < large.nbytes  # the large regions never kept
