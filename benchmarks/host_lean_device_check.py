@@ -9,6 +9,8 @@ For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 1, 8, 64,
 no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), two variants:
   current   lean_launch=False: each launch a ``BoundLaunch`` call (``triton_bind.RawLaunch``)
   lean      the defaults: the plan's recorded ``LaunchSequence``
+  lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
+            M = 4096 and 16384 here; elsewhere the same launches as lean)
 Both share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
 buffers pooled), so ``current`` here is already faster than main at M >= 4096 (main allocated every region
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
@@ -43,7 +45,8 @@ from moekit.experts.triton_plan import plan_for
 
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BATCHES = (1, 8, 64, 512, 4096, 16384)
-VARIANTS = {"current": LaunchOptions(lean_launch=False), "lean": LaunchOptions()}
+VARIANTS = {"current": LaunchOptions(lean_launch=False), "lean": LaunchOptions(),
+            "lean_scan": LaunchOptions(align_scan_fold=True)}  # + hist and scan in one launch (A > 4096)
 LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of GPU time)
 
 
@@ -119,6 +122,7 @@ def cell(preset: str, m: int, weights, shape: Shape, profile: bool = False) -> d
             for _ in range(2):
                 outs[name] = fns[name]()
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["current"])
+        row["scan_same"] = row.get("scan_same", True) and torch.equal(outs["lean_scan"], outs["current"])
     plan = plan_for(*args, None, "silu", None, VARIANTS["lean"])
     row["lean_used"] = any(key[0] is plan for key in triton_lean._SEQUENCES)
     row["launches"] = 3 + (0 if plan.align is None else plan.align.launches) - (plan.down_sum is not None)
@@ -136,7 +140,8 @@ def table(results: dict) -> str:
     lines = ["host / eager / graph µs per experts call, current -> lean (same: lean's output equals current's "
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
-             f"{'eager lean':>11}{'graph':>9}{'min cur':>8}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"]
+             f"{'eager lean':>11}{'graph':>9}{'min cur':>8}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
+             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}"]
     for key, r in results.items():
         if "host_us" not in r:
             lines.append(f"{key:26}{next(iter(r.values()))}")
@@ -146,7 +151,8 @@ def table(results: dict) -> str:
                      f"{r['host_us']['current']:>10.1f}{r['host_us']['lean']:>10.1f}{r['eager_us']['current']:>10.1f}"
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{r['host_min_us']['current']:>8.1f}{r['host_min_us']['lean']:>9.1f}"
-                     f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}")
+                     f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
+                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}")
     return "\n".join(lines)
 
 

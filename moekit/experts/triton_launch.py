@@ -95,6 +95,11 @@ class LaunchOptions:
     # filled into argument lists built once, the C launch called directly. Needs cache_plans,
     # cached_launcher and reuse_workspace (else off).
     lean_launch: bool = True
+    # Past align_two_launch_max the alignment's histogram and scan are one launch (``align_hist_scan_kernel``:
+    # the last chunk program to arrive scans), two launches in all instead of three, in eager calls whose
+    # workspace keeps the counters (its arrival slot). Off: not yet measured on the H200
+    # (benchmarks/host_lean_device_check.py has the variant).
+    align_scan_fold: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:

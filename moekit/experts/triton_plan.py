@@ -105,8 +105,8 @@ def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids,
     if plan.align is None:
         rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
     else:  # folded: the gate-up GEMM's programs write the layout
-        rows, launches = (b["sorted_ids"], b["expert_ids"], b["num_padded"]), align_launches(plan.align, ids,
-                                                                                              map_or_ids, b)
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+        launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
     # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
     launches.append((plan.gate_up, (x, w13_arg, up_arg, b13, h, ids, *rows, expert_map)))
@@ -153,7 +153,10 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
+    # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot
+    ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if 0 < num_tokens <= options.sum_fold_max else 0
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
+                           arrival_slot=ksum_counters)
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
@@ -164,7 +167,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
-                                   counters=0 if down_sum is None else num_tokens * cdiv(hidden, down.BLOCK_N)),
+                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
         descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,

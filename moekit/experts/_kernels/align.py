@@ -66,11 +66,11 @@ def align_scan_kernel(
 @triton.jit
 def align_hist_scan_kernel(
     ids_ptr, map_ptr, hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, arrivals_ptr,
-    num_assignments, num_experts, num_global, num_chunks, block_size,
+    num_assignments, num_experts, num_global, num_chunks, block_size, arrival_slot,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """hist and scan in one launch: each chunk program writes its histogram row, then counts its arrival
-    (arrivals [1] int32, 0 on entry); the last to arrive (every row written: acq_rel atomics at GPU scope,
+    (arrivals[arrival_slot] int32, 0 on entry: a slot of the pool's kept counters); the last to arrive (every row written: acq_rel atomics at GPU scope,
     the release publishes the row, the last's acquire sees them all) runs the scan and sets arrivals back
     to 0 for the next call. The same rows and the same scan as the two launches, so the same layout."""
     wait_for_previous_kernel(PDL)
@@ -83,12 +83,12 @@ def align_hist_scan_kernel(
     local = tl.where(valid, local, num_experts).to(tl.int32)
     tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(local, E_PAD))
     tl.debug_barrier()
-    before = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    before = tl.atomic_add(arrivals_ptr + arrival_slot, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
     if before == num_chunks - 1:
         scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, num_chunks, num_experts,
                   block_size, CHUNK_ROWS, E_PAD)
-        tl.store(arrivals_ptr, 0)
+        tl.store(arrivals_ptr + arrival_slot, 0)
 
 
 @triton.jit
