@@ -140,7 +140,7 @@ def table(results: dict) -> str:
     lines = ["host / eager / graph µs per experts call, current -> lean (same: lean's output equals current's "
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
-             f"{'eager lean':>11}{'graph':>9}{'min cur':>8}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
+             f"{'eager lean':>11}{'graph':>9}{'min cur':>9}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
              f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}"]
     for key, r in results.items():
         if "host_us" not in r:
@@ -150,7 +150,7 @@ def table(results: dict) -> str:
         lines.append(f"{key:26}{ha._yn(r['same']):>5}{ha._yn(r['lean_used'] and r['lean_raw']):>5}{r['launches']:>4}"
                      f"{r['host_us']['current']:>10.1f}{r['host_us']['lean']:>10.1f}{r['eager_us']['current']:>10.1f}"
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
-                     f"{r['host_min_us']['current']:>8.1f}{r['host_min_us']['lean']:>9.1f}"
+                     f"{r['host_min_us']['current']:>9.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
                      f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}")
     return "\n".join(lines)
