@@ -119,7 +119,8 @@ def steps(shape: Shape, m: int, out_dir: Path) -> dict:
     t["align launches"] = 0.0 if plan.align is None else launch_us(lambda: run_align(plan.align, ids, None, b))
     t["align launch count"] = 0 if plan.align is None else plan.align.launches
     t["gate_up launch"] = launch_us(lambda: plan.gate_up(x, w13_arg, up_arg, None, b["h"], ids, *rows, None))
-    t["down launch"] = launch_us(lambda: plan.down(b["h"], w2_arg, None, b["y"], weights, ids, *rows))
+    t["down launch"] = launch_us(lambda: plan.down(b["h"], w2_arg, None, b["y"], weights, ids, *rows,
+                                                           None, None, None))
     t["sum launch"] = launch_us(lambda: plan.sum_slots(b["y"], ids, ids, out))
     t["sum of steps"] = sum(v for k, v in t.items()
                             if k not in ("whole call", "whole call busy", "plan_key", "contiguous x2",

@@ -28,10 +28,14 @@ in ``LaunchOptions`` for an A/B):
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch (``triton_bind``: the C launch under the
-         compiled kernel's launcher, weight descriptors encoded once; else the compiled kernel's runner)
+      -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): the plan's recorded LaunchSequence, the call's tensors
+         filled into argument lists built once, each launched through the C entry; or, the first call of a
+         plan and wherever lean does not apply (graph capture, poisoned workspaces, a launch hook):
+      -> plan_launches: align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch
+         (``triton_bind``: the C launch under the compiled kernel's launcher, weight descriptors encoded once;
+         else the compiled kernel's runner)
 
-``clear_launch_caches()`` drops the plans, descriptors and workspaces (``configs.clear_config_cache``
+``clear_launch_caches()`` drops the plans, launch sequences, descriptors and workspaces (``configs.clear_config_cache``
 clears the plans too). What is returned never aliases a workspace: ``out`` is allocated per call.
 
 Torch twins: ``moekit.layouts.block_aligned.align_block`` (alignment, equal element for element) and
@@ -56,10 +60,10 @@ import torch
 from moekit.experts import check_experts_args
 from moekit.activations import ACTIVATIONS, ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_align import run_align
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
+from moekit.experts.triton_lean import clear_sequences, run_lean
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
-from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for
+from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for, plan_launches
 from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
@@ -70,6 +74,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the direct eager pat
 def clear_launch_caches() -> None:
     """Drop every plan, weight descriptor and reused workspace (the next call builds them again)."""
     clear_plans()
+    clear_sequences()
     _DESCRIPTORS.clear()
     _WORKSPACES.clear()
 
@@ -122,6 +127,10 @@ def fused_experts(
 def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=None) -> torch.Tensor:
     """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
     options = plan.options
+    if options.lean_launch and counters is None and options.lean_ready:
+        out = run_lean(plan, _WORKSPACES, _DESCRIPTORS, x, w13, w2, ids, weights, expert_map, b13, b2)
+        if out is not None:
+            return out
     # [M, K], row-major, never a workspace; empty_like is the cheapest allocation (H200: 1.9 µs against 4.6
     # for torch.empty(shape, dtype, device)) and keeps a contiguous x's layout
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)
@@ -138,25 +147,11 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=Non
         pair = (_DESCRIPTORS.get(w13, w2, plan.descriptor_key) if options.cache_plans
                 else descriptor_pair(w13, w2, plan.descriptor_key))
         w13_arg, w13_up_arg, w2_arg = pair.w13, pair.w13_up, pair.w2
-    if plan.align is None:
-        rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
-    else:
-        if not plan.align.folded:  # folded: the gate-up GEMM's programs write the layout
-            run_align(plan.align, ids, expert_map, b)
-        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-    h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
-    # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
-    plan.gate_up(x, w13_arg, w13_up_arg, b13, h, ids, *rows, expert_map)
-    # y = routed weight * (h w2^T + b2) per assignment, then out = the sum over each token's slots: folded
-    # into the down GEMM (its epilogue, one launch fewer) where the plan has it and the workspace keeps the
-    # counters, else a launch of its own; either way the same sums in the same order, bit for bit.
     if counters is None:
         counters = b.get("counters")  # only a pool's workspace has them (never while a graph captures)
-    if counters is not None and plan.down_sum is not None:
-        plan.down_sum(h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)
-    else:
-        plan.down(h, w2_arg, b2, y, weights, ids, *rows, None, None, None)
-        plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
+    for launch, pointers in plan_launches(plan, b, x, w13_arg, w13_up_arg, w2_arg, b13, b2, ids, weights, expert_map,
+                                          out, counters):
+        launch(*pointers)
     return out
 
 
@@ -174,6 +169,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
+    lean_launch: bool, align_scan_fold: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -183,7 +179,8 @@ def _experts_op(
                             align_small_max_bins, direct_eager, cache_plans, cached_launcher, reuse_workspace=False,
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
-                            sum_fold_max=sum_fold_max)
+                            sum_fold_max=sum_fold_max, lean_launch=lean_launch,
+                            align_scan_fold=align_scan_fold)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

@@ -38,11 +38,16 @@ class AlignPlan:
     scan: BoundLaunch | None = None
     scatter: BoundLaunch | None = None
     place: BoundLaunch | None = None  # scan + scatter (after hist), or all three alone (no hist)
+    # hist + scan in one launch (``LaunchOptions.align_scan_fold``), taken instead of hist and scan where the
+    # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
+    hist_scan: BoundLaunch | None = None
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
     @property
     def launches(self) -> int:
-        return sum(x is not None for x in (self.small, self.naive, self.hist, self.scan, self.scatter, self.place))
+        """Launches per call (with the kept counters: hist and scan as one where folded)."""
+        launches = (self.small, self.naive, self.hist, self.scan, self.scatter, self.place)
+        return sum(x is not None for x in launches) - (self.hist_scan is not None)
 
 
 @dataclass(frozen=True)
@@ -56,10 +61,12 @@ class BlockRows:
 
 
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
-                    options: LaunchOptions, shortcut: bool = True, fold: bool = False) -> BlockRows:
+                    options: LaunchOptions, shortcut: bool = True, fold: bool = False,
+                    arrival_slot: int | None = None) -> BlockRows:
     """The shortcut where ``use_naive`` allows it (and ``shortcut``), else the alignment into blocks of
     ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``): folded into the
-    caller's gate-up GEMM where it can take it (``fold``) and A <= ``options.align_fold_max``."""
+    caller's gate-up GEMM where it can take it (``fold``) and A <= ``options.align_fold_max``.
+    ``arrival_slot``: where the caller keeps counters, the slot a fused hist + scan may count in."""
     if shortcut and use_naive(num_assignments, num_experts, expert_map):
         return BlockRows(16, num_assignments, None)
     num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
@@ -67,11 +74,11 @@ def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert
         return BlockRows(block_m, num_pid_m, AlignPlan(_layout_regions(num_pid_m * block_m, num_pid_m), folded=True))
     num_global = None if expert_map is None else expert_map.numel()
     return BlockRows(block_m, num_pid_m, plan_align(num_assignments, num_experts, block_m, num_global,
-                                                    num_pid_m * block_m, options))
+                                                    num_pid_m * block_m, options, arrival_slot=arrival_slot))
 
 
 def plan_align(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, num_rows: int,
-               options: LaunchOptions, naive: bool = False) -> AlignPlan:
+               options: LaunchOptions, naive: bool = False, arrival_slot: int | None = None) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
     ``num_global``: the expert map's length, None without one. ``options``: resolved for the device."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
@@ -90,7 +97,8 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
         return _plan_place(regions, common, e_pad, num_global is not None, launch,
                            own_hist=num_assignments <= options.align_one_launch_max)
-    return _plan_chunked(regions, common, e_pad, num_global is not None, launch)
+    fused = arrival_slot if options.align_scan_fold else None
+    return _plan_chunked(regions, common, e_pad, num_global is not None, launch, fused)
 
 
 def _layout_regions(num_rows: int, num_blocks: int) -> tuple:
@@ -119,8 +127,10 @@ def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch
     return AlignPlan(regions, hist=hist, place=place)
 
 
-def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict) -> AlignPlan:
-    """Histogram per chunk, one scan, then the scatter (``_kernels/align.py`` explains the three)."""
+def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict,
+                  arrival_slot: int | None = None) -> AlignPlan:
+    """Histogram per chunk, one scan, then the scatter (``_kernels/align.py`` explains the three); with an
+    ``arrival_slot`` also the fused hist + scan (taken where the caller passes its kept counters)."""
     k = kernels("align")
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
@@ -129,38 +139,54 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
                 ("offsets", torch.int32, (e_pad,)))  # [EP]; offsets[E] = rows used
     hist = BoundLaunch(k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
                        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch) if num_chunks else None
+    chunk_rows = max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad))
     scan = BoundLaunch(k.align_scan_kernel, (1,), 5, (num_chunks, num_experts, block_size),
-                       CHUNK_ROWS=max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad)), E_PAD=e_pad, **launch)
+                       CHUNK_ROWS=chunk_rows, E_PAD=e_pad, **launch)
+    hist_scan = None
+    if arrival_slot is not None and num_chunks:
+        hist_scan = BoundLaunch(k.align_hist_scan_kernel, (num_chunks,), 8,
+                                (num_assignments, num_experts, num_global, num_chunks, block_size, arrival_slot),
+                                CHUNK=ALIGN_CHUNK, E_PAD=e_pad, CHUNK_ROWS=chunk_rows, HAS_MAP=has_map, **launch)
     blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
     grid = num_chunks + cdiv(num_blocks, blocks_per_program)
     scatter = BoundLaunch(k.align_scatter_kernel, (grid,), 8, (*common, num_chunks), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
                           BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
                           **launch) if grid else None
-    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter)
+    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan)
 
 
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
     """Launch ``plan`` on ids [M, k] (contiguous) into the buffers ``b`` (named as ``plan.regions``); a
     folded plan launches nothing (the gate-up GEMM fills them)."""
+    for launch, pointers in align_launches(plan, ids, expert_map if expert_map is not None else ids, b):
+        launch(*pointers)
+
+
+def align_launches(plan: AlignPlan, ids, map_arg, b: dict, counters=None) -> list:
+    """``plan``'s launches in order, each (BoundLaunch, its pointers): on ids (contiguous [M, k]) and
+    ``map_arg`` (the expert map, or ids without one: never read then), into the buffers ``b``; with the
+    caller's kept ``counters`` (int32, 0) hist and scan as one launch where the plan has it. The
+    arguments may be stand-ins (``triton_lean`` records where each goes)."""
     if plan.folded:
-        return
-    map_arg = expert_map if expert_map is not None else ids  # never read without a map
+        return []
     if plan.small is not None:
-        plan.small(ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
-    elif plan.naive is not None:
-        plan.naive(ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"])
-    elif plan.place is not None:
-        if plan.hist is not None:
-            plan.hist(ids, map_arg, b["hist"])
-        plan.place(ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"], b["counts"],
-                   b["num_padded"])
+        return [(plan.small, (ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    if plan.naive is not None:
+        return [(plan.naive, (ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    launches = [] if plan.hist is None else [(plan.hist, (ids, map_arg, b["hist"]))]
+    if plan.place is not None:
+        launches.append((plan.place, (ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"],
+                                      b["counts"], b["num_padded"])))
+        return launches
+    if plan.hist_scan is not None and counters is not None:
+        launches = [(plan.hist_scan, (ids, map_arg, b["hist"], b["chunk_base"], b["counts"], b["offsets"],
+                                      b["num_padded"], counters))]
     else:
-        if plan.hist is not None:
-            plan.hist(ids, map_arg, b["hist"])
-        plan.scan(b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"])
-        if plan.scatter is not None:
-            plan.scatter(ids, map_arg, b["chunk_base"], b["offsets"], b["counts"], b["num_padded"],
-                         b["sorted_ids"], b["expert_ids"])
+        launches.append((plan.scan, (b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"])))
+    if plan.scatter is not None:
+        launches.append((plan.scatter, (ids, map_arg, b["chunk_base"], b["offsets"], b["counts"], b["num_padded"],
+                                        b["sorted_ids"], b["expert_ids"])))
+    return launches
 
 
 # The op takes the alignment's launch options as three primitive arguments (a custom op's schema has no

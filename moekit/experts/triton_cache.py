@@ -22,6 +22,11 @@ REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises point
 # DeepSeek-V3 shapes) dwarfs an allocation, and a kept buffer would hold the memory for good. 128 MiB
 # covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
 REUSE_MAX_BYTES = 128 << 20
+# The alignment's regions (a few int32 per assignment and per expert): above REUSE_MAX_BYTES these stay in
+# the pool and every other region (h, y; fp8's x_q, h_q, ...: the ones that grow with A*N and A*K) is carved
+# from one fresh byte buffer per call. H200 (benchmarks/host_breakdown.py, "workspace buffers"): a fresh
+# tensor per region cost 34 µs (DeepSeek-V3 M=4096) and 56 µs (Qwen3 M=4096).
+POOLED_REGIONS = ("sorted_ids", "expert_ids", "num_padded", "counts", "hist", "chunk_start", "chunk_base", "offsets")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -50,6 +55,17 @@ class WorkspaceSpec:
             end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
         return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
+
+    def parts(self) -> tuple["WorkspaceSpec", "WorkspaceSpec"]:
+        """(small, large): the alignment's regions with the counters (kept by a pool however large the
+        plan), and the rest (allocated per call above a pool's ``max_bytes``). Built once per spec."""
+        parts = self.__dict__.get("_parts")
+        if parts is None:
+            regions = list(zip(self.names, self.dtypes, self.shapes))
+            small = WorkspaceSpec.of([r for r in regions if r[0] in POOLED_REGIONS], self.counters)
+            parts = (small, WorkspaceSpec.of([r for r in regions if r[0] not in POOLED_REGIONS]))
+            object.__setattr__(self, "_parts", parts)
+        return parts
 
     def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
         """A fresh tensor per region: the path without reuse (and the one a CUDA graph captures); no counters."""
@@ -85,8 +101,8 @@ class WorkspacePool:
     A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
     which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
     Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts.
-    A few bytes per token, so they are kept above ``max_bytes`` too (beside fresh regions), never while
-    a graph captures."""
+    Above ``max_bytes`` only h and y are fresh (one byte buffer, ``WorkspaceSpec.parts``); the alignment's
+    regions and the counters stay pooled. Nothing is pooled while a graph captures."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
@@ -95,6 +111,17 @@ class WorkspacePool:
 
     def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
+        if spec.nbytes <= self.max_bytes:
+            return self.pooled(spec, device)
+        # the alignment's regions kept, the rest carved from one fresh buffer
+        small, large = spec.parts()
+        views = dict(self.pooled(small, device))
+        views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))
+        return views
+
+    def pooled(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
+        """The regions of ``spec`` as views of the reused buffer, whatever its size (fresh tensors only
+        while a CUDA graph captures). The same dict on every call until the buffer or counters change."""
         stream = 0
         if device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
@@ -103,11 +130,6 @@ class WorkspacePool:
                 device = torch.device("cuda", torch.cuda.current_device())
             stream = torch._C._cuda_getCurrentRawStream(device.index)
         key = (device, stream, threading.get_ident())
-        if spec.nbytes > self.max_bytes:
-            views = spec.allocate(device)
-            if spec.counters:
-                views["counters"] = self._kept_counters(key, spec.counters, device)
-            return views
         workspace = self._workspaces.get(key)
         if workspace is None or workspace.buffer.numel() < spec.nbytes:
             workspace = self._grow(key, spec.nbytes, device)

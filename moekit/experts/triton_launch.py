@@ -91,6 +91,15 @@ class LaunchOptions:
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
     # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
     sum_fold_max: int = 1
+    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): the call's tensors
+    # filled into argument lists built once, the C launch called directly. Needs cache_plans,
+    # cached_launcher and reuse_workspace (else off).
+    lean_launch: bool = True
+    # Past align_two_launch_max the alignment's histogram and scan are one launch (``align_hist_scan_kernel``:
+    # the last chunk program to arrive scans), two launches in all instead of three, in eager calls whose
+    # workspace keeps the counters (its arrival slot). Off: not yet measured on the H200
+    # (benchmarks/host_lean_device_check.py has the variant).
+    align_scan_fold: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -105,6 +114,9 @@ class LaunchOptions:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
+        # what the lean launch needs besides itself (read on every eager call: computed once)
+        object.__setattr__(self, "lean_ready", self.lean_launch and self.cache_plans and self.cached_launcher
+                           and self.reuse_workspace and not self.poison_workspace)
         object.__setattr__(self, "_args", self.as_op_args())
         object.__setattr__(self, "_hash", hash(self._args))
 

@@ -25,7 +25,7 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, align_launches, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
@@ -95,6 +95,32 @@ def plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options: 
     return plan
 
 
+def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids, weights, expert_map, out,
+                  counters) -> list:
+    """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
+    naive shortcut), gate-up, then down with the k-sum folded in (where the plan has it and ``counters``
+    is given) or down and the k-sum. ``b``: the workspace's regions; the weight arguments are tensors or
+    the plan's descriptors. Any argument may be a stand-in (``triton_lean`` records where each goes)."""
+    map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    if plan.align is None:
+        rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
+    else:  # folded: the gate-up GEMM's programs write the layout
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+        launches = align_launches(plan.align, ids, map_or_ids, b, counters)
+    h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
+    # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
+    launches.append((plan.gate_up, (x, w13_arg, up_arg, b13, h, ids, *rows, expert_map)))
+    # y = routed weight * (h w2^T + b2) per assignment, then out = the sum over each token's slots: folded
+    # into the down GEMM (its epilogue, one launch fewer) where the plan has it and counters are kept, else
+    # a launch of its own; either way the same sums in the same order, bit for bit.
+    if counters is not None and plan.down_sum is not None:
+        launches.append((plan.down_sum, (h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)))
+    else:
+        launches.append((plan.down, (h, w2_arg, b2, y, weights, ids, *rows, None, None, None)))
+        launches.append((plan.sum_slots, (y, ids, map_or_ids, out)))
+    return launches
+
+
 def check_triton_args(x: torch.Tensor, activation: str | ActivationSpec, b13=None, b2=None) -> None:
     """What only this backend asks of a call (``check_experts_args`` has run): a clear error for each."""
     as_spec(activation)  # raises for an unknown name or a wrong type, naming the argument
@@ -127,7 +153,10 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
+    # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot
+    ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if 0 < num_tokens <= options.sum_fold_max else 0
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
+                           arrival_slot=ksum_counters)
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
@@ -138,7 +167,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
-                                   counters=0 if down_sum is None else num_tokens * cdiv(hidden, down.BLOCK_N)),
+                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
         descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,

@@ -59,6 +59,43 @@ def align_scan_kernel(
     """One program: column-wise exclusive scan of hist, then the padded expert offsets."""
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
+    scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, num_chunks, num_experts, block_size,
+              CHUNK_ROWS, E_PAD)
+
+
+@triton.jit
+def align_hist_scan_kernel(
+    ids_ptr, map_ptr, hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, arrivals_ptr,
+    num_assignments, num_experts, num_global, num_chunks, block_size, arrival_slot,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+):
+    """hist and scan in one launch: each chunk program writes its histogram row, then counts its arrival
+    (arrivals[arrival_slot] int32, 0 on entry: a slot of the pool's kept counters); the last to arrive (every row written: acq_rel atomics at GPU scope,
+    the release publishes the row, the last's acquire sees them all) runs the scan and sets arrivals back
+    to 0 for the next call. The same rows and the same scan as the two launches, so the same layout."""
+    wait_for_previous_kernel(PDL)
+    let_next_kernel_launch(PDL)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_assignments
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
+    local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
+    local = tl.where(valid, local, num_experts).to(tl.int32)
+    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(local, E_PAD))
+    tl.debug_barrier()
+    before = tl.atomic_add(arrivals_ptr + arrival_slot, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if before == num_chunks - 1:
+        scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, num_chunks, num_experts,
+                  block_size, CHUNK_ROWS, E_PAD)
+        tl.store(arrivals_ptr + arrival_slot, 0)
+
+
+@triton.jit
+def scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, num_chunks, num_experts, block_size,
+              CHUNK_ROWS: tl.constexpr, E_PAD: tl.constexpr):
+    """chunk_base = column-wise exclusive scan of hist [num_chunks, EP]; counts, offsets (padded to
+    block_size; offsets[E] = rows used) and num_padded."""
     e = tl.arange(0, E_PAD)
     running = tl.zeros([E_PAD], dtype=tl.int32)  # [EP] assignments per expert in chunks scanned so far
     for start in range(0, num_chunks, CHUNK_ROWS):

@@ -1,0 +1,165 @@
+"""The lean launch of an eager Triton experts call (``LaunchOptions.lean_launch``): a plan's launches
+recorded once as a ``LaunchSequence``, so that a call only fills in its own tensors and launches.
+
+    per (plan, thread): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
+    is called through and its full argument list, with the positions of the call's tensors (x, ids,
+    weights, out, map, biases, weights without descriptors; h and y above the pool's size)
+    per call: pooled workspace and descriptors still the recorded ones? -> fill the positions, launch
+
+What a recorded argument list holds besides the call's tensors: grids, scalars and constexprs (the
+plan's), the workspace's regions and the folded k-sum's counters (the pool's, kept by it: a sequence
+records them weakly and is rebuilt when the pool hands out other ones), the TMA descriptors' expansions
+(a weight's, rebuilt when ``WeightDescriptors`` builds new ones: a new tensor, an in-place update, a
+move). Where a launch goes through the C launch under Triton 3.6's launcher (``triton_bind.RawLaunch``)
+the sequence calls that C function itself: the stream asked once per call instead of once per launch,
+the fixed regions passed as addresses (no ``data_ptr`` call per launch), no per-launch Python layer.
+Elsewhere (another Triton, the interpreter) it calls the launch's compiled launcher with the full list,
+the same arguments a ``BoundLaunch`` passes. Above the pool's ``max_bytes`` h and y are one fresh byte
+buffer per call (``WorkspaceSpec.parts``), passed as two addresses in it (views under the interpreter).
+
+Nothing changes in what runs: the same kernels, grids and arguments as the plan's ``BoundLaunch`` calls
+(the tests compare outputs bit for bit). Not used while a CUDA graph captures, with a caller's counters,
+with ``poison_workspace``, while a Triton launch hook is installed, or before each launch has been
+compiled once (the first call of a plan goes through the ``BoundLaunch`` calls, which compile).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.triton_plan import Plan, plan_launches
+from moekit.triton_bind import current_stream
+
+X, IDS, WEIGHTS, OUT, MAP, B13, B2, W13, W2, H, Y = range(11)  # what a call fills in: its values' order
+MAX_SEQUENCES = 4096  # (plan, thread) kept; the oldest goes first
+
+
+class _Slot:
+    """A stand-in for one of the call's values while a sequence is recorded."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class LaunchSequence:
+    """The recorded launches of one plan with one workspace and one descriptor pair."""
+
+    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large")
+
+    def __init__(self, steps: list, hooks, anchor, pair, large):
+        self.steps = steps  # [(entry, template list, ((position, value index), ...), raw)]
+        self.raw = any(step[3] for step in steps)  # some launch takes the stream: asked once per call
+        self.hooks = hooks  # Triton's launch hooks (a raw launch is taken only while none is installed)
+        self.anchor = anchor  # weakref to the first pooled region recorded (None: no pooled region)
+        self.pair = pair  # weakref to the descriptor pair recorded (None: pointer loads)
+        self.large = large  # WorkspaceSpec of h and y, allocated per call; None when pooled
+
+    def current(self, views: dict, pair) -> bool:
+        """Whether the pool's ``views`` and the descriptor ``pair`` are the ones recorded."""
+        if self.anchor is not None and self.anchor() is not next(iter(views.values())):
+            return False
+        return (pair is None) if self.pair is None else self.pair() is pair
+
+    def launch(self, values: tuple) -> None:
+        """Every launch, with the call's ``values`` (X, IDS, ... Y) in their positions."""
+        stream = current_stream() if self.raw else 0
+        for entry, template, slots, raw in self.steps:
+            args = template.copy()  # per call: a sequence is shared by whoever runs its plan on this thread
+            for position, index in slots:
+                args[position] = values[index]
+            if raw:
+                args[3] = stream
+            entry(*args)
+
+
+_SEQUENCES: dict[tuple, LaunchSequence] = {}
+_lock = threading.Lock()
+on_config_cache_clear(_SEQUENCES.clear)  # a retune drops the plans, so their sequences too
+
+
+def clear_sequences() -> None:
+    _SEQUENCES.clear()
+
+
+def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor | None:
+    """The call's output, launched from its plan's sequence; None where the lean launch does not apply
+    (the caller then runs the ``BoundLaunch`` calls). ``pool``: the workspaces (``WorkspacePool``),
+    ``descriptors``: the weights' (``WeightDescriptors``)."""
+    device = x.device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    spec = plan.workspace
+    large = spec.nbytes > pool.max_bytes
+    views = pool.pooled(spec.parts()[0] if large else spec, device)
+    pair = None if plan.descriptor_key is None else descriptors.get(w13, w2, plan.descriptor_key)
+    key = (plan, threading.get_ident())
+    sequence = _SEQUENCES.get(key)
+    if sequence is None or not sequence.current(views, pair):
+        sequence = _record(plan, views, pair, spec.parts()[1] if large else None, expert_map, b13, b2)
+        if sequence is None:
+            return None
+        with _lock:
+            _SEQUENCES.pop(key, None)
+            if len(_SEQUENCES) >= MAX_SEQUENCES:
+                _SEQUENCES.pop(next(iter(_SEQUENCES)))
+            _SEQUENCES[key] = sequence
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
+    buffer = h = y = None
+    if sequence.large is not None:  # one fresh byte buffer, held until the launches are queued
+        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=device)
+        h, y = _large_regions(sequence.large, buffer, sequence.raw)
+    sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y))
+    del buffer  # freed in stream order: the caching allocator hands it to later work on this stream only
+    return out
+
+
+def _large_regions(large, buffer: torch.Tensor, raw: bool) -> tuple:
+    """h and y of one call in ``buffer``: addresses for the C launch, else views."""
+    if raw:
+        base = buffer.data_ptr()
+        return base + large.offsets[large.names.index("h")], base + large.offsets[large.names.index("y")]
+    views = large.carve(buffer)
+    return views["h"], views["y"]
+
+
+def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> LaunchSequence | None:
+    """The plan's launches as a sequence, or None while one of them has not been compiled yet (or never
+    keeps a compiled launcher: ``cached_launcher`` off, an asynchronous compile)."""
+    b = dict(views)
+    if large is not None:
+        b["h"], b["y"] = _Slot(H), _Slot(Y)
+    if pair is None:
+        w13_arg, up_arg, w2_arg = _Slot(W13), None, _Slot(W2)
+    else:
+        w13_arg, up_arg, w2_arg = pair.w13, pair.w13_up, pair.w2
+    ids = _Slot(IDS)
+    launches = plan_launches(plan, b, _Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else _Slot(B13),
+                             None if b2 is None else _Slot(B2), ids, _Slot(WEIGHTS),
+                             None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"))
+    steps, hooks = [], None
+    for launch, pointers in launches:
+        raw_launch = launch._raw
+        if raw_launch is not None:
+            hooks = raw_launch.hooks
+            grid = raw_launch.grid
+            expanded = raw_launch._expanded(pointers) if raw_launch.desc_positions else list(pointers)
+            template = [grid[0], grid[1], grid[2], 0, raw_launch.function, raw_launch.cooperative, raw_launch.pdl,
+                        None, None, raw_launch.metadata, None, None, None,
+                        *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in expanded), *launch.tail]
+            entry, raw = raw_launch.c_launch, True
+        elif launch._launcher is not None:
+            template, entry, raw = [*pointers, *launch.tail], launch._launcher, False
+        else:
+            return None
+        slots = tuple((i, a.index) for i, a in enumerate(template) if a.__class__ is _Slot)
+        steps.append((entry, template, slots, raw))
+    anchor = weakref.ref(next(iter(views.values()))) if views else None
+    return LaunchSequence(steps, hooks, anchor, None if pair is None else weakref.ref(pair), large)

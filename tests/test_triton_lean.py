@@ -1,0 +1,180 @@
+"""The lean launch (``triton_lean``) under Triton's interpreter: a plan's recorded launch sequence hands
+the kernels what the ``BoundLaunch`` calls hand them (outputs equal bit for bit, call after call with
+new tensors), at every alignment plan, with an expert map, biases, and above the pool's size (h and y
+per call); and a sequence is rebuilt when what it recorded changes: a new weight tensor, an in-place
+weight update, new workspaces, a retune, another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from moekit.experts.configs import clear_config_cache  # noqa: E402
+from moekit.experts.reference import experts_reference  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
+
+E, K, N = 8, 40, 24  # 16-byte weight rows in bf16: the TMA descriptor path runs
+ALIGN_PLANS = {  # forced by the options where A allows it (M = 33, k = 2: A = 66)
+    "single": {},
+    "place": dict(align_small_max=0),
+    "hist_place": dict(align_small_max=0, align_one_launch_max=0),
+    "three": dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0),
+}
+
+
+def _lean():
+    from moekit.experts import triton_lean
+
+    return triton_lean
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Counts the calls that went through a recorded sequence."""
+    count = [0]
+    real = _lean().LaunchSequence.launch
+
+    def launch(self, values):
+        count[0] += 1
+        return real(self, values)
+
+    monkeypatch.setattr(_lean().LaunchSequence, "launch", launch)
+    return count
+
+
+def _both(tri, problem, extra: dict | None = None, **kwargs):
+    """(lean, BoundLaunch calls) outputs of one problem."""
+    extra = extra or {}
+    return [tri.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **extra), **kwargs)
+            for lean in (True, False)]
+
+
+def _ref(problem, **kwargs):
+    x, w13, w2, ids, weights = problem
+    return experts_reference(x.double(), w13.double(), w2.double(), ids, weights, **kwargs)
+
+
+@pytest.mark.parametrize("m, plan", [(1, "naive"), (8, "folded"), *((33, p) for p in ALIGN_PLANS)])
+def test_lean_equals_bound_launches(interpreter, launched, m, plan):
+    interpreter.clear_launch_caches()
+    for seed in range(3):  # the first call compiles (no sequence yet), the next two launch from it
+        problem = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed, skips=True)
+        lean, bound = _both(interpreter, problem, ALIGN_PLANS.get(plan))
+        assert torch.equal(lean, bound)
+        assert rel_l2(lean, _ref(problem)) < TOL[torch.bfloat16]
+    assert launched[0] == 2
+
+
+def test_lean_with_map_and_biases(interpreter, launched):
+    interpreter.clear_launch_caches()
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, -1, 6, 7, -1], dtype=torch.int32)  # [12] global -> local
+    g = torch.Generator().manual_seed(5)
+    b13, b2 = torch.randn(E, 2 * N, generator=g).bfloat16(), torch.randn(E, K, generator=g).bfloat16()
+    for seed in range(3):
+        x, w13, w2, _, weights = make_problem(33, 2, E, K, N, torch.bfloat16, seed=seed)
+        ids = torch.randint(-1, 12, (33, 2), generator=g, dtype=torch.int32)
+        problem = (x, w13, w2, ids, weights)
+        lean, bound = _both(interpreter, problem, expert_map=expert_map, b13=b13, b2=b2)
+        assert torch.equal(lean, bound)
+        want = _ref(problem, expert_map=expert_map, b13=b13.double(), b2=b2.double())
+        assert rel_l2(lean, want) < TOL[torch.bfloat16]
+    assert launched[0] == 2
+
+
+def test_lean_above_pool_size(interpreter, launched, monkeypatch):
+    """Above the pool's max_bytes h and y come from one fresh buffer per call, the rest stays pooled."""
+    from moekit.experts.triton import _WORKSPACES
+
+    interpreter.clear_launch_caches()
+    three = ALIGN_PLANS["three"]
+    problems = [make_problem(33, 2, E, K, N, torch.bfloat16, seed=s) for s in range(3)]
+    pooled = [_both(interpreter, p, three)[1] for p in problems]
+    interpreter.clear_launch_caches()
+    launched[0] = 0
+    monkeypatch.setattr(_WORKSPACES, "max_bytes", 1024)  # below h + y of A = 66
+    for problem, want in zip(problems, pooled):
+        lean, bound = _both(interpreter, problem, three)
+        assert torch.equal(lean, want) and torch.equal(bound, want)
+    assert launched[0] == 2
+    h_and_y = 66 * (N + K) * 4  # float32 workspaces under the interpreter
+    assert all(b.numel() < h_and_y for b in interpreter.held_workspaces().values())  # only the small regions kept
+
+
+def _sequence_count() -> int:
+    return len(_lean()._SEQUENCES)
+
+
+def test_sequence_rebuilt_when_its_inputs_change(interpreter, launched):
+    """A new weight tensor, an in-place update (its descriptors rebuilt), new workspaces, a retune and
+    another thread each get a sequence of their own; every output equals the BoundLaunch calls'."""
+    from moekit.experts.triton import _WORKSPACES
+
+    interpreter.clear_launch_caches()
+    x, w13, w2, ids, weights = make_problem(33, 2, E, K, N, torch.bfloat16, seed=0)
+    problem = (x, w13, w2, ids, weights)
+    _both(interpreter, problem)  # compiles
+    lean, bound = _both(interpreter, problem)
+    assert torch.equal(lean, bound) and _sequence_count() == 1
+    recorded = next(iter(_lean()._SEQUENCES.values()))
+
+    def check(problem):
+        lean, bound = _both(interpreter, problem)
+        assert torch.equal(lean, bound)
+        assert rel_l2(lean, _ref(problem)) < TOL[torch.bfloat16]
+        return next(iter(_lean()._SEQUENCES.values()))
+
+    w13.mul_(-0.5)  # in place: _version moves, the descriptors are rebuilt, so is the sequence
+    assert check(problem) is not recorded
+    recorded = next(iter(_lean()._SEQUENCES.values()))
+    new_w2 = w2.clone() * 2  # a new tensor of the same kind: same plan, new descriptors
+    assert check((x, w13, new_w2, ids, weights)) is not recorded
+    recorded = next(iter(_lean()._SEQUENCES.values()))
+    _WORKSPACES.clear()  # the pool hands out other buffers: the recorded addresses are stale
+    assert check((x, w13, new_w2, ids, weights)) is not recorded
+    clear_config_cache()  # a retune: new plans, no sequence of the old ones left
+    assert _sequence_count() == 0
+    _both(interpreter, (x, w13, new_w2, ids, weights))  # the new plan's launches compile: no sequence yet
+    check((x, w13, new_w2, ids, weights))
+    outs = []
+    thread = threading.Thread(target=lambda: outs.append(_both(interpreter, (x, w13, new_w2, ids, weights))))
+    thread.start()
+    thread.join()
+    assert torch.equal(outs[0][0], outs[0][1]) and _sequence_count() == 2  # per (plan, thread)
+
+
+def test_lean_off_where_it_cannot_run(interpreter, launched):
+    """Poisoned workspaces, no reuse, no cached launchers: the BoundLaunch calls, never a sequence."""
+    interpreter.clear_launch_caches()
+    problem = make_problem(8, 2, E, K, N, torch.bfloat16, seed=1)
+    for off in (dict(poison_workspace=True), dict(reuse_workspace=False), dict(cached_launcher=False)):
+        for _ in range(2):
+            interpreter.experts_triton(*problem, options=LaunchOptions(**off))
+    assert launched[0] == 0 and _sequence_count() == 0
+
+
+def test_workspace_parts_pool_only_the_alignment():
+    """Above the pool's size only the alignment's regions (and the counters) are kept; every other region
+    (bf16's h and y, fp8's x_q and h_q, ...) is carved per call from one fresh buffer."""
+    from moekit.experts.triton_cache import WorkspacePool, WorkspaceSpec
+
+    i32 = torch.int32
+    spec = WorkspaceSpec.of([("x_q", torch.uint8, (64, 256)), ("h_q", torch.uint8, (512, 128)),
+                             ("y", torch.bfloat16, (512, 64)), ("sorted_ids", i32, (640,)), ("hist", i32, (4, 16))],
+                            counters=8)
+    small, large = spec.parts()
+    assert small.names == ("sorted_ids", "hist") and small.counters == 8
+    assert large.names == ("x_q", "h_q", "y") and large.counters == 0
+    pool = WorkspacePool(max_bytes=4096)
+    for _ in range(2):
+        views = pool.buffers(spec, torch.device("cpu"))
+        assert set(views) == {"x_q", "h_q", "y", "sorted_ids", "hist", "counters"}
+        assert views["y"].shape == (512, 64) and views["counters"].eq(0).all()
+    held = [b.numel() for b in pool.held().values()]
+    assert len(held) == 1 and small.nbytes <= held[0] <= pool.max_bytes < large.nbytes  # the large regions never kept
