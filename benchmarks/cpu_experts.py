@@ -46,6 +46,7 @@ BATCHED_MM_MAX_BYTES = 2 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 MOEKIT_VARIANTS = {  # row name -> experts_grouped_mm options; "moekit" is the default the layer runs
     "moekit": {},
+    "onednn_packed": {"cpu_gemm": "onednn_packed"},  # the packed loop with multi-threaded GEMMs, not split by experts
     "onednn_fused": {"cpu_gemm": "onednn_fused"},  # moekit's per-expert loop on the plain (unpacked) weights
     "contiguous+onednn_loop": {"layout": "contiguous", "cpu_gemm": "onednn_loop"},
     "contiguous+mm_loop": {"layout": "contiguous", "cpu_gemm": "mm_loop"},

@@ -127,10 +127,13 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-# "auto" = "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights;
-# "onednn_fused": the same loop on the plain weights; the others run inside the contiguous layout.
-CPU_GEMMS = ("auto", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
-_FUSED_GEMMS = ("auto", "onednn_packed", "onednn_fused")
+# "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights, each GEMM on
+# torch's intra-op threads; "onednn_packed_split": the same loop with whole experts split across
+# torch.get_num_threads() workers of one thread each (moekit.experts.cpu_workers); "onednn_fused": the
+# loop on the plain weights; "auto" = "onednn_packed_split"; the others run inside the contiguous layout.
+CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
+_FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
+_SPLIT_GEMMS = ("auto", "onednn_packed_split")
 
 
 def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tensor:
@@ -316,7 +319,8 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
     if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()
-        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache)
+        workers = torch.get_num_threads() if cpu_gemm in _SPLIT_GEMMS else 1
+        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())
