@@ -5,7 +5,11 @@
 
 Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy and no [A, K] output is
 written and read back; the weighted sum over the k slots is one ``index_add_`` per expert, serial
-over the rows, hence deterministic.
+over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``, what
+``auto`` runs) the experts are dealt to that many threads of one intra-op thread each
+(``moekit.experts.cpu_workers``): each accumulates its experts into its own [M, K] and the shares are
+summed in a fixed order, still deterministic. ~32 rows per expert (M = 512 at k=8, E=128) are too few
+for oneDNN to split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of

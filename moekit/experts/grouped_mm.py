@@ -16,7 +16,9 @@ The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` w
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
 oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``): by default
 ``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
-at a time in place of the contiguous layout's [A, K] copies.
+at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
+``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs
+the same loop serially with multi-threaded GEMMs).
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
