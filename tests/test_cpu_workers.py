@@ -14,7 +14,7 @@ from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts.cpu_workers import balance_by_rows, run_shares
-from moekit.experts.grouped_mm import SPLIT_MIN_ASSIGNMENTS, experts_grouped_mm
+from moekit.experts.grouped_mm import experts_grouped_mm
 
 E, N, K = 6, 16, 32
 SILU = ActivationSpec("silu")
@@ -171,8 +171,7 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
     want = loop64(x, w13, w2, ids, weights)
     for out in (got, auto, unsplit):
         assert rel_err(out, want) < 1e-5
-    x, w13, w2, ids, weights = problem(m=1, k=2, seed=8)  # 2 routed rows: below SPLIT_MIN_ASSIGNMENTS
-    assert ids.numel() < SPLIT_MIN_ASSIGNMENTS
+    x, w13, w2, ids, weights = problem(m=1, k=2, seed=8)  # decode: 2 experts of 1 row
     calls.clear()
     torch.set_num_threads(3)
     try:
@@ -180,6 +179,6 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
         forced = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed_split")
     finally:
         torch.set_num_threads(before)
-    assert calls == [1, 2]  # auto keeps the unsplit loop; forced: one share per busy expert
+    assert calls == [2, 2]  # auto splits at decode too: one share per busy expert
     want = loop64(x, w13, w2, ids, weights)
     assert rel_err(decode, want) < 1e-5 and rel_err(forced, want) < 1e-5
