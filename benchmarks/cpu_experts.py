@@ -6,8 +6,10 @@
 Same weights and the same uniform random routing for every implementation (k distinct experts per
 token, softmax weights). Rows:
 - ``moekit`` (what ``backend="auto"`` runs on the CPU: ``moekit.experts.cpu_packed``'s per-expert loop on
-  prepacked weights, within the cache's budget, recorded as ``pack_budget_bytes`` / ``packed_bytes``), the
-  same loop on plain weights (``onednn_fused``) and each explicit layout / GEMM strategy of
+  prepacked weights, within the cache's budget, recorded as ``pack_budget_bytes`` / ``packed_bytes``, with
+  whole experts split across one single-threaded worker per torch thread: ``cpu_gemm="onednn_packed_split"``),
+  the same loop unsplit on multi-threaded GEMMs (``onednn_packed``) and on plain weights (``onednn_fused``),
+  and each explicit layout / GEMM strategy of
   ``moekit.experts.grouped_mm`` (``contiguous+onednn_loop``: the CPU default until session 6 ...);
 - transformers' ``grouped_mm``, ``batched_mm`` and ``eager`` (the model class's own per-expert loop),
   called as a transformers experts module calls them; ``batched_mm`` gathers a [2N, K] + [K, N] weight
@@ -46,6 +48,7 @@ BATCHED_MM_MAX_BYTES = 2 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
 MOEKIT_VARIANTS = {  # row name -> experts_grouped_mm options; "moekit" is the default the layer runs
     "moekit": {},
+    "onednn_packed": {"cpu_gemm": "onednn_packed"},  # the packed loop with multi-threaded GEMMs, not split by experts
     "onednn_fused": {"cpu_gemm": "onednn_fused"},  # moekit's per-expert loop on the plain (unpacked) weights
     "contiguous+onednn_loop": {"layout": "contiguous", "cpu_gemm": "onednn_loop"},
     "contiguous+mm_loop": {"layout": "contiguous", "cpu_gemm": "mm_loop"},

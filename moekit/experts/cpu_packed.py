@@ -5,7 +5,11 @@
 
 Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy and no [A, K] output is
 written and read back; the weighted sum over the k slots is one ``index_add_`` per expert, serial
-over the rows, hence deterministic.
+over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``, what
+``auto`` runs) the experts are dealt to that many threads of one intra-op thread each
+(``moekit.experts.cpu_workers``): each accumulates its experts into its own [M, K] and the shares are
+summed in a fixed order, still deterministic. ~32 rows per expert (M = 512 at k=8, E=128) are too few
+for oneDNN to split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
@@ -34,6 +38,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moekit.activations import ActivationSpec, apply_glu, get_activation
+from moekit.experts.cpu_workers import balance_by_rows, run_shares
 from moekit.layouts.grouping import aligned_positions, assignments_of_rows
 
 PACK_BATCH_HINT = 32  # the blocked format oneDNN picks for this many rows (4 to 64 measured alike)
@@ -164,41 +169,84 @@ def fused_loop_supported(dtype: torch.dtype) -> bool:
 
 
 def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                      expert_map: torch.Tensor | None, cache: PackedWeightCache | None) -> torch.Tensor:
+                      expert_map: torch.Tensor | None, cache: PackedWeightCache | None, workers: int = 1) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
-    plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``."""
+    plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
+
+    ``workers`` > 1 splits the experts across that many threads of one intra-op thread each
+    (``moekit.experts.cpu_workers``): each share accumulates its experts into its own [M, K], and the
+    shares are summed in share order, so the result is the same on every run (not bitwise that of
+    ``workers=1``: the sum over a token's slots is grouped differently)."""
     num_tokens, top_k = topk_ids.shape
     num_assignments = topk_ids.numel()
     pos = aligned_positions(topk_ids, ex.w13.shape[0], 1, expert_map)
     src = assignments_of_rows(pos.dst, num_assignments)  # [A] assignment of each sorted row; A past the routed
     acc = torch.promote_types(x.dtype, torch.float32)
     slot_weights = torch.cat([topk_weights.reshape(-1).to(acc), topk_weights.new_zeros(1, dtype=acc)])[src]  # [A]
-    tokens = src // top_k  # [A]
-    out = x.new_zeros(num_tokens, x.shape[1], dtype=acc)  # [M, K]
-    linear = onednn_linear(x.dtype)
-    start = 0
-    for expert, count in enumerate(pos.counts.tolist()):  # no sync on the CPU
-        if count:
-            rows = slice(start, start + count)
-            packed = cache if count >= PACKED_MIN_ROWS else None
-            y = _expert(x.index_select(0, tokens[rows]), ex, expert, linear, packed)  # [m, K]
-            out.index_add_(0, tokens[rows], y.to(acc).mul_(slot_weights[rows, None]))
-        start += count
-    return out
+    counts = pos.counts.tolist()  # no sync on the CPU
+    starts = [0] * len(counts)
+    for expert in range(1, len(counts)):
+        starts[expert] = starts[expert - 1] + counts[expert - 1]
+    # the weights each expert reads, resolved here in expert order: the cache is not thread-safe, and its
+    # budget fills in the same order whatever the worker count
+    weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None) for e, c in enumerate(counts) if c}
+    loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, onednn_linear(x.dtype), acc)
+    outs = run_shares(balance_by_rows(counts, workers), loop.run)
+    if not outs:
+        return x.new_zeros(num_tokens, x.shape[1], dtype=acc)
+    for other in outs[1:]:
+        outs[0].add_(other)
+    return outs[0]
 
 
-def _expert(xs: torch.Tensor, ex: ExpertParams, expert: int, linear, cache: PackedWeightCache | None) -> torch.Tensor:
-    """xs [m, K] -> w2[e] @ glu(w13[e] @ xs^T + b13[e]) + b2[e] as [m, K]; a plain gated activation's
-    product in place (one [m, N] buffer)."""
-    w13 = ex.w13[expert] if cache is None else cache.weight(ex.w13, expert)  # [R, K]
-    w2 = ex.w2[expert] if cache is None else cache.weight(ex.w2, expert)  # [K, N]
-    b13 = None if ex.b13 is None else ex.b13[expert]
-    b2 = None if ex.b2 is None else ex.b2[expert]
-    h = linear(xs, w13, b13, "none", [], "")  # [m, R]
+@dataclass(frozen=True)
+class _ExpertWeights:
+    w13: torch.Tensor  # [R, K], plain view or packed
+    w2: torch.Tensor  # [K, N], plain view or packed
+    b13: torch.Tensor | None  # [R]
+    b2: torch.Tensor | None  # [K]
+
+
+def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None) -> _ExpertWeights:
+    return _ExpertWeights(
+        ex.w13[expert] if cache is None else cache.weight(ex.w13, expert),
+        ex.w2[expert] if cache is None else cache.weight(ex.w2, expert),
+        None if ex.b13 is None else ex.b13[expert], None if ex.b2 is None else ex.b2[expert])
+
+
+@dataclass(frozen=True)
+class _ExpertLoop:
+    """One call's per-expert loop over a share of the experts (read-only: shares run on several threads)."""
+
+    x: torch.Tensor  # [M, K]
+    ex: ExpertParams
+    weights: dict[int, _ExpertWeights]  # expert -> what it reads, for every expert with rows
+    counts: list[int]  # [E] rows per expert
+    starts: list[int]  # [E] its first sorted row
+    tokens: torch.Tensor  # [A] token of each sorted row
+    slot_weights: torch.Tensor  # [A] combine weight of each sorted row (acc)
+    linear: object  # oneDNN's linear
+    acc: torch.dtype
+
+    def run(self, experts: list[int]) -> torch.Tensor:
+        """The weighted outputs of ``experts`` (ascending), summed per token in that order -> [M, K] (acc)."""
+        out = self.x.new_zeros(self.x.shape[0], self.x.shape[1], dtype=self.acc)  # [M, K]
+        for expert in experts:
+            rows = slice(self.starts[expert], self.starts[expert] + self.counts[expert])
+            tokens = self.tokens[rows]  # [m]
+            y = _expert(self.x.index_select(0, tokens), self.ex, self.weights[expert], self.linear)  # [m, K]
+            out.index_add_(0, tokens, y.to(self.acc).mul_(self.slot_weights[rows, None]))
+        return out
+
+
+def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear) -> torch.Tensor:
+    """xs [m, K] -> w2 @ glu(w13 @ xs^T + b13) + b2 as [m, K] for one expert's weights ``w``; a plain gated
+    activation's product in place (one [m, N] buffer)."""
+    h = linear(xs, w.w13, w.b13, "none", [], "")  # [m, R]
     if ex.spec.plain:
         n_dim = ex.w2.shape[2]
         a = get_activation(ex.spec.name).fn(h[:, :n_dim])  # [m, N], contiguous for oneDNN
         a.mul_(h[:, n_dim:])
     else:
         a = apply_glu(h, ex.spec)  # [m, N]
-    return linear(a, w2, b2, "none", [], "")  # [m, K]
+    return linear(a, w.w2, w.b2, "none", [], "")  # [m, K]

@@ -16,7 +16,9 @@ The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` w
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
 oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``): by default
 ``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
-at a time in place of the contiguous layout's [A, K] copies.
+at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
+``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs
+the same loop serially with multi-threaded GEMMs).
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -127,10 +129,17 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-# "auto" = "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights;
-# "onednn_fused": the same loop on the plain weights; the others run inside the contiguous layout.
-CPU_GEMMS = ("auto", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
-_FUSED_GEMMS = ("auto", "onednn_packed", "onednn_fused")
+# "onednn_packed": moekit.experts.cpu_packed's per-expert loop on cached packed weights, each GEMM on
+# torch's intra-op threads; "onednn_packed_split": the same loop with whole experts split across
+# torch.get_num_threads() workers of one thread each (moekit.experts.cpu_workers); "onednn_fused": the
+# loop on the plain weights; "auto" = "onednn_packed_split"; the others run inside the contiguous layout.
+CPU_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused", "onednn_loop", "mm_loop", "grouped_mm")
+_FUSED_GEMMS = ("auto", "onednn_packed_split", "onednn_packed", "onednn_fused")
+# "auto" splits at every M: at M = 1 (8 experts of 1 row) the unsplit loop's 2-thread GEMMs measured ~20%
+# faster on a quiet 2-core EPYC (9.1 against 11.2 ms at Qwen3-30B-A3B shapes) but 8-16x slower when other
+# processes share the cores (704 / 352 against 43 ms), where the split stayed ahead of transformers' best
+# (``benchmarks/results/AMD_EPYC-cpu-experts-2026-12-01-split*.json``, runs 1-3).
+_SPLIT_GEMMS = ("auto", "onednn_packed_split")
 
 
 def _expert_mlp(xs, ex: ExpertParams, offs, segment_ids, cpu_gemm) -> torch.Tensor:
@@ -316,7 +325,8 @@ def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu
     if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()
-        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache)
+        workers = torch.get_num_threads() if cpu_gemm in _SPLIT_GEMMS else 1
+        return experts_cpu_fused(x, ex, topk_ids, topk_weights, expert_map, cache, workers=workers)
     # [Group] static_rows = A: the exact size for align 1, so no host sync; unrouted rows trail, src A.
     layout = permute_contiguous(x, topk_ids, ex.w13.shape[0], align=1, expert_map=expert_map,
                                 static_rows=topk_ids.numel())
