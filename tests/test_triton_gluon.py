@@ -15,7 +15,7 @@ from moekit.experts.triton_gluon import (
     GluonChoice, experts_gluon, experts_gluon_twin, experts_triton_gluon, gluon_layout, gluon_unfit,
 )
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, SMEM_LIMIT, UP_TILE, gluon_importable, gluon_supported,
+    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, UP_TILE, gluon_importable, gluon_supported,
     launch_contiguous_sum, plan_gluon,
 )
 from moekit.layouts.block_aligned import align_block
@@ -141,16 +141,22 @@ def test_choice_follows_the_measured_cells():
 
 
 def test_tiles_fit_shared_memory():
-    assert UP_TILE.smem_bytes(weight_tiles=2) <= SMEM_LIMIT
-    assert DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
-    assert NARROW_DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+    """Each stage holds a [128, BK] bf16 activation tile and the weight tiles ([BN, BK]: gate and up for
+    the gate-up GEMM, one for the down GEMM); the epilogue stages a [128, BN] output tile. sm_90 gives one
+    program at most 227 KB (232448 bytes) of dynamic shared memory."""
+    def smem(tile, weight_tiles):
+        return tile.stages * (128 + weight_tiles * tile.block_n) * tile.block_k * 2 + 128 * tile.block_n * 2
+
+    assert smem(UP_TILE, 2) <= 232448
+    assert smem(DOWN_TILE, 1) <= 232448
+    assert smem(NARROW_DOWN_TILE, 1) <= 232448
 
 
 def test_plan_rows_hold_any_routing_and_narrow_experts_get_their_down_tile():
-    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, hidden=2048, inter=768)
+    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, inter=768)
     assert plan.rows == 800 + 128 * (BLOCK_M - 1)  # every expert may leave a partial block
     assert plan.down == NARROW_DOWN_TILE and plan.up == UP_TILE
-    assert plan_gluon(100, 2, 8, 4096, 14336).down == DOWN_TILE
+    assert plan_gluon(100, 2, 8, 14336).down == DOWN_TILE
 
 
 def test_cpu_falls_back_to_the_triton_kernels():

@@ -114,7 +114,7 @@ def experts_gluon(
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
@@ -136,7 +136,7 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [T, K]
     starts = layout.offsets.tolist()
