@@ -6,12 +6,12 @@ item 1): is its output the current path's bit for bit, and what host, eager and 
         --presets mixtral-8x7b --batches 1 64   (CPU, tiny shapes: checks the script)
 
 For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 1, 8, 64, 512, 4096, 16384 (under
-no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), two variants:
+no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), three variants:
   current   lean_launch=False: each launch a ``BoundLaunch`` call (``triton_bind.RawLaunch``)
   lean      the defaults: the plan's recorded ``LaunchSequence``
   lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
             M = 4096 and 16384 here; elsewhere the same launches as lean)
-Both share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
+All three share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
 buffers pooled), so ``current`` here is already faster than main at M >= 4096 (main allocated every region
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
 Per cell: ``same`` (lean's output equals current's bit for bit, on two routings), ``lean_used`` (a sequence
@@ -63,8 +63,9 @@ def counts(m: int) -> tuple[int, int, int, int, int]:
     return Run.host_samples, Run.host_calls, Run.eager_samples, Run.eager_calls, Run.graph_calls
 
 
-def host_us(fns: dict, m: int) -> dict:
-    """Host µs per call of each variant: calls started on an idle GPU, samples interleaved; median."""
+def host_us(fns: dict, m: int) -> tuple[dict, dict]:
+    """Host µs per call of each variant (name -> µs): calls started on an idle GPU, samples interleaved;
+    the medians, then the minima."""
     samples, calls = counts(m)[:2]
     times = {name: [] for name in fns}
     for sample in range(samples):
