@@ -110,7 +110,7 @@ def profiler_self_cpu_us(fn, calls: int = 20) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages()) / calls
 
 
-def cell(preset: str, m: int, weights, shape: Shape, profile: bool = False) -> dict:
+def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
     dev = Run.device
     fns, outs = {}, {}
     row = {"same": True}
@@ -194,20 +194,20 @@ def measure(a, start: float, results: dict) -> None:
             shape = Shape.from_preset(preset, Run.scale)
             weights = make_weights(shape, torch.bfloat16, Run.device)
             if i == 0:
-                cell(preset, 1, weights, shape)  # throwaway: a process's first cell runs slow
+                cell(1, weights, shape)  # throwaway: a process's first cell runs slow
             for m in a.batches:
                 key = f"{preset} M={m}"
                 if time.perf_counter() - start > a.budget_s:
                     results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
                     continue
                 try:
-                    results[key] = cell(preset, m, weights, shape)
+                    results[key] = cell(m, weights, shape)
                 except Exception as exc:  # one failing cell must not lose the others' numbers
                     results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 print(json.dumps({key: results[key]}), flush=True)
             if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
                 for m in [m for m in (1, 512) if m in a.batches]:
-                    results[f"{preset} M={m} profiled"] = cell(preset, m, weights, shape, profile=True)
+                    results[f"{preset} M={m} profiled"] = cell(m, weights, shape, profile=True)
             del weights
             clear_launch_caches()
             if Run.device.type == "cuda":
