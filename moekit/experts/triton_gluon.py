@@ -50,18 +50,18 @@ def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "si
     (gate rows then up rows), no biases, contiguous weights (TMA reads them as 2-D), N and K multiples of
     the 128-wide output tiles."""
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
-        return "quantized weights"
+        return f"w13/w2 quantized ({type(w13).__name__}, {type(w2).__name__}; plain tensors only)"
     if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} (bf16/fp16 only)"
+        return f"x dtype {x.dtype} (bf16/fp16 only)"
     if as_spec(activation) != ActivationSpec("silu"):
-        return f"activation {activation!r} (plain gated silu only)"
+        return f"activation={activation!r} (plain gated silu only)"
     if b13 is not None or b2 is not None:
-        return "biases"
+        return "biases b13/b2 given (none allowed)"
     if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1):
-        return "strided weights or x"
+        return "strided weights or x (w13 and w2 contiguous, x rows unit-stride)"
     hidden, inter = w2.shape[1], w2.shape[2]
     if inter % 128 or hidden % 128:
-        return f"N={inter} and K={hidden} must be multiples of 128"
+        return f"w2 [E, K={hidden}, N={inter}]: N and K must be multiples of 128"
     return None
 
 
