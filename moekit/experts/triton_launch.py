@@ -95,7 +95,8 @@ class LaunchOptions:
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
     # weights, out, map, biases, weights without descriptors; h and y above the pool's max_bytes) and calls
-    # the C launch entry, the stream asked once per call. Rebuilt when the pool hands out other buffers or
+    # the C launch entry, the stream asked once per call (Triton 3.6's launcher layout; elsewhere the
+    # compiled launcher with the same list). Rebuilt when the pool hands out other buffers or
     # the weights' descriptors are rebuilt, dropped on a retune; skipped (the BoundLaunch calls run) on a
     # plan's first call, while a CUDA graph captures, with a caller's counters or while a Triton launch hook
     # is installed. Outputs bit-equal. Needs cache_plans, cached_launcher and reuse_workspace and no
