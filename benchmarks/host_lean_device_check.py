@@ -19,8 +19,9 @@ was recorded for the plan), host µs per call (N calls started on an idle GPU, o
 samples interleaved, ABBA; median and min), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
 calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the sequence calls the C launch
 entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
-preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until --budget-s; the rest are listed as skipped. JSON to
-$OUT/host_lean.json; the table is printed last (look for: same = yes everywhere, lean host <= current host).
+preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until
+--budget-s; the rest are listed as skipped. JSON to $OUT/host_lean.json (./host_lean_out/ without OUT);
+the table is printed last (look for: same = yes everywhere, lean host <= current host).
 """
 
 from __future__ import annotations
