@@ -172,6 +172,31 @@ def test_cpu_falls_back_to_the_triton_kernels():
         experts_gluon(x, w13, w2, ids, weights)
 
 
+def test_calls_that_need_autograd_take_the_triton_kernels(monkeypatch):
+    """Where the Gluon path could run, a call whose output needs a backward still goes to the Triton
+    kernels (their custom op has one; the Gluon launches do not)."""
+    import moekit.experts.triton_gluon as tg
+
+    taken = []
+    monkeypatch.setattr(tg, "gluon_supported", lambda device: True)
+    monkeypatch.setattr(tg, "experts_gluon",
+                        lambda x, *args, **kwargs: taken.append(x.shape[0]) or torch.zeros_like(x))
+    w13, w2 = _weights()
+    ids, weights = _routing(20, 2)
+    x = torch.randn(20, K).bfloat16()
+    everywhere = GluonChoice(min_tokens=1, min_tokens_wide=1)
+    tg.experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
+    assert taken == [20]  # no autograd: the (stubbed) Gluon path
+    for grad in ("x", "w13", "routed weights"):
+        args = [t.detach().clone() for t in (x, w13, w2, ids, weights)]
+        args[{"x": 0, "w13": 1, "routed weights": 4}[grad]].requires_grad_(True)
+        out = tg.experts_triton_gluon(*args, choice=everywhere)
+        assert out.requires_grad and taken == [20], grad
+    with torch.no_grad():
+        tg.experts_triton_gluon(x, w13.requires_grad_(True), w2, ids, weights, choice=everywhere)
+    assert taken == [20, 20]  # no grad mode: nothing to differentiate
+
+
 def test_backend_is_registered():
     assert "triton_gluon" in backend_names()
     assert get_backend("triton_gluon") is experts_triton_gluon

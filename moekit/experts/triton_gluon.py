@@ -8,7 +8,8 @@
 ``benchmarks/gluon_device_check.py``). The backend ``triton_gluon`` (``experts_triton_gluon``) is the
 ``triton`` backend that hands a call to the Gluon path where that measured faster on the H200
 (``GluonChoice``) and the call fits it, and to the fused Triton kernels everywhere else: other GPUs, a
-Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights.
+Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights,
+``torch.compile``, and calls that need a backward (the Gluon launches have none).
 """
 
 from __future__ import annotations
@@ -157,12 +158,14 @@ def experts_triton_gluon(
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
 ) -> torch.Tensor:
     """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
-    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always while
-    ``torch.compile`` traces (the Gluon launches are not custom ops; the Triton path's are)."""
-    from moekit.experts.triton import experts_triton_unchecked
+    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always where
+    the Triton path would go through its custom op: while ``torch.compile`` or a dispatch mode traces,
+    and when autograd needs a backward (the Gluon launches are neither a custom op nor differentiable)."""
+    from moekit.experts.triton import _runs_directly, experts_triton_unchecked
 
-    if (not torch.compiler.is_compiling() and isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
-            and gluon_unfit(x, w13, w2, activation, b13, b2) is None):
+    if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+            and gluon_unfit(x, w13, w2, activation, b13, b2) is None
+            and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
         return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                     expert_map=expert_map, b13=b13, b2=b2)
