@@ -197,15 +197,7 @@ def measure(a, start: float, results: dict) -> None:
             if i == 0:
                 cell(1, weights, shape)  # throwaway: a process's first cell runs slow
             for m in a.batches:
-                key = f"{preset} M={m}"
-                if time.perf_counter() - start > a.budget_s:
-                    results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
-                    continue
-                try:
-                    results[key] = cell(m, weights, shape)
-                except Exception as exc:  # one failing cell must not lose the others' numbers
-                    results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(json.dumps({key: results[key]}), flush=True)
+                ha.budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(m, weights, shape))
             if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
                 for m in [m for m in (1, 512) if m in a.batches]:
                     results[f"{preset} M={m} profiled"] = cell(m, weights, shape, profile=True)
