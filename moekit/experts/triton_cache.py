@@ -106,8 +106,9 @@ class WorkspacePool:
     behind this call's reads. Keyed by stream, since two streams would race on one buffer, and by
     thread, since two threads launching on one stream would interleave their kernels. Not used while
     the current stream captures a CUDA graph (the graph must own its buffers: fresh tensors); above
-    ``max_bytes`` only the spec's ``parts().pooled`` is. Bounded: ``max_entries`` buffers (oldest dropped; a dropped buffer is
-    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each.
+    ``max_bytes`` only the spec's ``parts().pooled`` is. Bounded: ``max_entries`` buffers (oldest
+    dropped; a dropped buffer is freed in stream order by the caching allocator, like any temporary),
+    ``max_views`` plans each.
 
     A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
     which every kernel that uses them leaves at zero (the last arrival resets its counter: the folded
