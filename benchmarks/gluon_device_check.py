@@ -116,7 +116,7 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
         fallback_ok = torch.equal(auto(), triton_out)
         from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
-        layout = permute_contiguous(x, ids, E, 128, static_rows=plan_gluon(tokens, k, E, K, N).rows)
+        layout = permute_contiguous(x, ids, E, 128, static_rows=plan_gluon(tokens, k, E, N).rows)
         y = torch.randn(layout.total_rows, K, device=dev, dtype=x.dtype)
         combined = torch.empty_like(x)
         launch_contiguous_sum(y, layout.src_to_dst.contiguous(), rw.contiguous(), combined)
@@ -128,7 +128,7 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     out = experts_gluon(x, w13, w2, ids, rw)
     err = rel_l2(out, twin)
     del twin, triton_out
-    plan = plan_gluon(tokens, k, E, K, N)
+    plan = plan_gluon(tokens, k, E, N)
     layout = gluon_layout(x, ids, E)
     used, blocks, rows = layout.rows_used, layout.block_experts, layout.x_perm.shape[0]
     h = x.new_empty(rows, N)

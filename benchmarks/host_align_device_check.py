@@ -304,20 +304,26 @@ def main() -> None:
     print(table(results))
 
 
+def budgeted_cell(results: dict, key: str, start: float, budget_s: float, measure) -> None:
+    """results[key] = measure(), printed as one JSON line; a skip note once ``budget_s`` seconds have passed
+    since ``start`` (nothing printed), the error's text where it raises (one failing cell must not lose the
+    others' numbers). Shared by the host device checks."""
+    if time.perf_counter() - start > budget_s:
+        results[key] = {"skipped": f"time budget ({budget_s:.0f} s) spent"}
+        return
+    try:
+        results[key] = measure()
+    except Exception as exc:  # noqa: BLE001
+        results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    print(json.dumps({key: results[key]}, default=str), flush=True)
+
+
 def measure_cells(a, start: float, out_dir: Path, results: dict) -> None:
     with torch.no_grad():
         cell(a.presets[0], 1, out_dir)  # throwaway: a process's first cell runs slow (session 8: 54.9 against 31 µs)
         for m in a.batches:
             for preset in a.presets:
-                key = f"{preset} M={m}"
-                if time.perf_counter() - start > a.budget_s:
-                    results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
-                    continue
-                try:
-                    results[key] = cell(preset, m, out_dir)
-                except Exception as exc:  # one failing cell must not lose the others' numbers
-                    results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(json.dumps({key: results[key]}, default=str), flush=True)
+                budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(preset, m, out_dir))
                 if Run.device.type == "cuda":
                     torch.cuda.empty_cache()
 

@@ -6,12 +6,12 @@ item 1): is its output the current path's bit for bit, and what host, eager and 
         --presets mixtral-8x7b --batches 1 64   (CPU, tiny shapes: checks the script)
 
 For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 1, 8, 64, 512, 4096, 16384 (under
-no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), two variants:
+no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), three variants:
   current   lean_launch=False: each launch a ``BoundLaunch`` call (``triton_bind.RawLaunch``)
   lean      the defaults: the plan's recorded ``LaunchSequence``
   lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
             M = 4096 and 16384 here; elsewhere the same launches as lean)
-Both share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
+All three share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
 buffers pooled), so ``current`` here is already faster than main at M >= 4096 (main allocated every region
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
 Per cell: ``same`` (lean's output equals current's bit for bit, on two routings), ``lean_used`` (a sequence
@@ -19,8 +19,9 @@ was recorded for the plan), host µs per call (N calls started on an idle GPU, o
 samples interleaved, ABBA; median and min), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
 calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the sequence calls the C launch
 entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
-preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until --budget-s; the rest are listed as skipped. JSON to
-$OUT/host_lean.json; the table is printed last (look for: same = yes everywhere, lean host <= current host).
+preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until
+--budget-s; the rest are listed as skipped. JSON to $OUT/host_lean.json (./host_lean_out/ without OUT);
+the table is printed last (look for: same = yes everywhere, lean host <= current host).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def counts(m: int) -> tuple[int, int, int, int, int]:
     return Run.host_samples, Run.host_calls, Run.eager_samples, Run.eager_calls, Run.graph_calls
 
 
-def host_us(fns: dict, m: int) -> dict:
-    """Host µs per call of each variant: calls started on an idle GPU, samples interleaved; median."""
+def host_us(fns: dict, m: int) -> tuple[dict, dict]:
+    """Host µs per call of each variant (name -> µs): calls started on an idle GPU, samples interleaved;
+    the medians, then the minima."""
     samples, calls = counts(m)[:2]
     times = {name: [] for name in fns}
     for sample in range(samples):
@@ -109,7 +111,7 @@ def profiler_self_cpu_us(fn, calls: int = 20) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages()) / calls
 
 
-def cell(preset: str, m: int, weights, shape: Shape, profile: bool = False) -> dict:
+def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
     dev = Run.device
     fns, outs = {}, {}
     row = {"same": True}
@@ -193,20 +195,12 @@ def measure(a, start: float, results: dict) -> None:
             shape = Shape.from_preset(preset, Run.scale)
             weights = make_weights(shape, torch.bfloat16, Run.device)
             if i == 0:
-                cell(preset, 1, weights, shape)  # throwaway: a process's first cell runs slow
+                cell(1, weights, shape)  # throwaway: a process's first cell runs slow
             for m in a.batches:
-                key = f"{preset} M={m}"
-                if time.perf_counter() - start > a.budget_s:
-                    results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
-                    continue
-                try:
-                    results[key] = cell(preset, m, weights, shape)
-                except Exception as exc:  # one failing cell must not lose the others' numbers
-                    results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(json.dumps({key: results[key]}), flush=True)
+                ha.budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(m, weights, shape))
             if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
                 for m in [m for m in (1, 512) if m in a.batches]:
-                    results[f"{preset} M={m} profiled"] = cell(preset, m, weights, shape, profile=True)
+                    results[f"{preset} M={m} profiled"] = cell(m, weights, shape, profile=True)
             del weights
             clear_launch_caches()
             if Run.device.type == "cuda":

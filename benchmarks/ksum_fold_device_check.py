@@ -38,7 +38,7 @@ import torch
 import triton
 
 from host_align_device_check import (  # benchmarks/ is on sys.path
-    OutOfTime, Run, raise_out_of_time, eager_us, gpu_us, host_us, one_at_a_time_us,
+    OutOfTime, Run, budgeted_cell, raise_out_of_time, eager_us, gpu_us, host_us, one_at_a_time_us,
 )
 from moekit.bench.cells import Shape, make_weights, uniform_routing
 from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, experts_triton, fused_experts
@@ -251,15 +251,7 @@ def measure(a, start: float, results: dict) -> None:
         cell(a.presets[0], 1)  # throwaway: the first cell of a process runs slow (session 8: 54.9 against 31 µs)
         for m in a.batches:
             for preset in a.presets:
-                key = f"{preset} M={m}"
-                if time.perf_counter() - start > a.budget_s:
-                    results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
-                    continue
-                try:
-                    results[key] = cell(preset, m)
-                except Exception as exc:  # one failing cell must not lose the others' numbers
-                    results[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(json.dumps({key: results[key]}, default=str), flush=True)
+                budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(preset, m))
 
 
 def main() -> None:

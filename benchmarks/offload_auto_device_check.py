@@ -15,7 +15,7 @@ over its floor.
    at most per rotation: each holds its own cache, 33.8 GB at 75%.
 
 Printed last, per cell: each mode's step ms / floor ms, step / floor (the bench's timeline floor,
-``offload_measure._timeline``), step / session 8's floor, hit / simulated hit; auto and auto-old over
+``offload_floor.timeline_s``), step / session 8's floor, hit / simulated hit; auto and auto-old over
 the best pure mode. At the session 9 checkpoint (bc1b940, with "auto-idle" and three diagnostic
 floors): link 55.0 GB/s alone, 53.0 during CPU work; auto / best pure worst 1.01 (none by > 3%),
 auto-old 1.17; cpu 0.89-1.18x session 8's floor, 0.89-1.05x the timeline.
@@ -35,6 +35,7 @@ import time
 import torch
 
 from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
+from moekit.bench.offload_report import modes_by_cell
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE, measure_link_bandwidth
 from moekit.offload.calibrate import branch, link_during_cpu
@@ -129,13 +130,6 @@ def main() -> int:
     return 0
 
 
-def _by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    out: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        out.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
-    return out
-
-
 def _vs_best(modes: dict[str, dict], mode: str) -> float | None:
     if not {"gpu", "cpu", mode} <= set(modes):
         return None
@@ -174,7 +168,7 @@ def _print(result: dict) -> None:
                                                     f"{q['cpu_margin'] or 0:.2f}, {q['seconds'] or 0:.0f} s")
         print(f"part M={q['M']} {'/'.join(q['modes'])}: {state}")
     print("cell | mode step/floor ms, x floor (the timeline), x session 8's floor, hit/sim | auto/best, auto-old/best")
-    cells = _by_cell(result["rows"])
+    cells = modes_by_cell(result["rows"])
     for (stream, fraction, policy, prefetch, m), modes in cells.items():
         parts = [f"{mode} {r['step_ms']:.2f}/{r['floor_ms']:.2f} {r['x_floor']:.2f} "
                  f"{r['step_ms'] / r['floor_sum_ms'] if r['floor_sum_ms'] else 0:.2f} "

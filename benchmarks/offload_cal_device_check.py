@@ -31,6 +31,7 @@ import traceback
 import torch
 
 from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
+from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions
 
@@ -107,19 +108,10 @@ def main(smoke: bool) -> int:
 
 
 def by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """(online, stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
-    out: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r.get("online", False), r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"])
-        out.setdefault(key, {})[r["compute_misses_on"]] = r
-    return out
-
-
-def auto_vs_best(modes: dict[str, dict]) -> float | None:
-    """auto's step over the faster pure mode's; None unless all three ran."""
-    if not all(m in modes for m in MODES):
-        return None
-    return modes["auto"]["step_ms"] / min(modes["gpu"]["step_ms"], modes["cpu"]["step_ms"])
+    """(online, stream, cache %, policy, prefetch, M) -> {mode: row}: ``offload_report``'s cells, online
+    rate on first."""
+    return {(online, *key): modes for online in (True, False)
+            for key, modes in modes_by_cell([r for r in rows if r.get("online", False) == online]).items()}
 
 
 def _mode_text(modes: dict[str, dict], mode: str) -> str:

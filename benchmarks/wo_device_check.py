@@ -241,18 +241,26 @@ def graph_replay(dev, schemes) -> None:
         w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=4)
         first, *others = make_sets(s, 33, 4, torch.bfloat16, dev, seed=5)
         x, ids, w = first.x.clone(), first.topk_ids.clone(), first.topk_weights.clone()
-        fused_experts_wo(x, w13, w2, ids, w, decode=decode)  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_experts_wo(x, w13, w2, ids, w, decode=decode)
-        worst = 0.0
-        for c in others:
-            x.copy_(c.x)
-            ids.copy_(c.topk_ids)
-            w.copy_(c.topk_weights)
-            graph.replay()
-            worst = max(worst, rel_err(out, fused_experts_wo(x, w13, w2, ids, w, decode=decode)))
+        worst = replay_worst(lambda: fused_experts_wo(x, w13, w2, ids, w, decode=decode), x, ids, w, others)
         check(f"cuda graph replay, new routing, {scheme} {decode}", worst < 1e-6, f"max rel diff vs eager {worst:.1e}")
+
+
+def replay_worst(call, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, others: list) -> float:
+    """``call()`` (which reads x, ids and w) run once eagerly (it compiles outside the capture), captured in
+    a CUDA graph, then for each of ``others`` (``make_sets``' sets) its tokens and routing copied in and the
+    graph replayed: the largest ``rel_err`` of a replay's output against the eager call's."""
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    worst = 0.0
+    for c in others:
+        x.copy_(c.x)
+        ids.copy_(c.topk_ids)
+        w.copy_(c.topk_weights)
+        graph.replay()
+        worst = max(worst, rel_err(out, call()))
+    return worst
 
 
 def split_k_cells(dev, schemes) -> None:

@@ -50,6 +50,7 @@ from moekit.experts.triton_wo_scratch import (  # noqa: E402
     DEQUANT_TILE, SCRATCH_MIN_TOKENS, dequantize_experts, run_experts_wo_scratch, scratch_bytes_per_expert,
 )
 from moekit.quant import quantize  # noqa: E402
+from wo_device_check import rel_err, replay_worst  # noqa: E402  (benchmarks/ is on sys.path)
 
 T0 = time.perf_counter()
 DEADLINE_S = 200.0  # no new cell is timed after this
@@ -105,12 +106,6 @@ def bench_us(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") * 1e3
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
 def wo_weight(w) -> WoWeight:
@@ -232,17 +227,7 @@ def graph_replay(dev) -> None:
             return run_experts_wo_scratch(x, a13, a2, ids, w, None, SCHEME_IDS["int4_w4a16"], "silu",
                                           max_scratch_bytes=cap, overlap=overlap)
 
-        call()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
-        worst = 0.0
-        for c in others:
-            x.copy_(c.x)
-            ids.copy_(c.topk_ids)
-            w.copy_(c.topk_weights)
-            graph.replay()
-            worst = max(worst, rel_err(out, call()))
+        worst = replay_worst(call, x, ids, w, others)
         check(f"cuda graph replay of the scratch decode, scratch cap {cap} bytes, overlap {overlap}", worst < 1e-6,
               f"max rel diff vs eager {worst:.1e}")
 

@@ -109,14 +109,28 @@ def _routing(ids: list[list[int]]) -> Routing:
     return Routing(t, torch.full(t.shape, 0.5))
 
 
-def test_measure_fixed_s_times_all_hit_steps_and_refuses_a_small_cache():
+def test_measure_fixed_s_times_all_hit_steps_and_refuses_a_small_cache(monkeypatch):
+    """On a fake clock where each layer's forward takes 0.7 ms plus its distinct experts at the GPU read
+    rate, the fixed per-layer cost comes out as 0.7 ms."""
+    from moekit.bench import offload_floor
+
     moe = _moe()
     steps = [[_routing([[0, 1], [2, 3]]), _routing([[1, 4], [4, 5]])], [_routing([[0, 2], [3, 1]]), _routing([[5, 1], [4, 1]])]]
     x = torch.randn(2, 32)
     cache = ExpertCache(4 + 3, device="cpu")  # layer 0 touches {0, 1, 2, 3}, layer 1 {1, 4, 5}
     layers = [OffloadedMoE.from_moe(moe, cache=cache, prefetch=None) for _ in range(2)]
-    fixed = measure_fixed_s(layers, x, steps, COSTS, repeats=2)
-    assert math.isfinite(fixed) and fixed >= 0
+    clock = [0.0]
+    read = cache.expert_bytes / COSTS.gpu_bytes_per_s
+    for layer in layers:
+        def timed(x, routing, _run=layer.run_routed):
+            out = _run(x, routing)
+            clock[0] += 0.0007 + len(set(routing.topk_ids.flatten().tolist())) * read  # every expert a hit
+            return out
+
+        layer.run_routed = timed
+    monkeypatch.setattr(offload_floor.time, "perf_counter", lambda: clock[0])
+    assert measure_fixed_s(layers, x, steps, COSTS, repeats=2) == pytest.approx(0.0007, rel=1e-9)
+    monkeypatch.undo()
     small = ExpertCache(3, device="cpu")
     layers = [OffloadedMoE.from_moe(moe, cache=small, prefetch=None) for _ in range(2)]
     with pytest.raises(ValueError, match="must hold every expert"):

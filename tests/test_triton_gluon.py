@@ -15,7 +15,7 @@ from moekit.experts.triton_gluon import (
     GluonChoice, experts_gluon, experts_gluon_twin, experts_triton_gluon, gluon_layout, gluon_unfit,
 )
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, SMEM_LIMIT, UP_TILE, gluon_importable, gluon_supported,
+    BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, UP_TILE, gluon_importable, gluon_supported,
     launch_contiguous_sum, plan_gluon,
 )
 from moekit.layouts.block_aligned import align_block
@@ -141,16 +141,22 @@ def test_choice_follows_the_measured_cells():
 
 
 def test_tiles_fit_shared_memory():
-    assert UP_TILE.smem_bytes(weight_tiles=2) <= SMEM_LIMIT
-    assert DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
-    assert NARROW_DOWN_TILE.smem_bytes(weight_tiles=1) <= SMEM_LIMIT
+    """Each stage holds a [128, BK] bf16 activation tile and the weight tiles ([BN, BK]: gate and up for
+    the gate-up GEMM, one for the down GEMM); the epilogue stages a [128, BN] output tile. sm_90 gives one
+    program at most 227 KB (232448 bytes) of dynamic shared memory."""
+    def smem(tile, weight_tiles):
+        return tile.stages * (128 + weight_tiles * tile.block_n) * tile.block_k * 2 + 128 * tile.block_n * 2
+
+    assert smem(UP_TILE, 2) <= 232448
+    assert smem(DOWN_TILE, 1) <= 232448
+    assert smem(NARROW_DOWN_TILE, 1) <= 232448
 
 
 def test_plan_rows_hold_any_routing_and_narrow_experts_get_their_down_tile():
-    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, hidden=2048, inter=768)
+    plan = plan_gluon(num_tokens=100, top_k=8, num_experts=128, inter=768)
     assert plan.rows == 800 + 128 * (BLOCK_M - 1)  # every expert may leave a partial block
     assert plan.down == NARROW_DOWN_TILE and plan.up == UP_TILE
-    assert plan_gluon(100, 2, 8, 4096, 14336).down == DOWN_TILE
+    assert plan_gluon(100, 2, 8, 14336).down == DOWN_TILE
 
 
 def test_cpu_falls_back_to_the_triton_kernels():
@@ -164,6 +170,31 @@ def test_cpu_falls_back_to_the_triton_kernels():
     assert torch.equal(out, triton)
     with pytest.raises(RuntimeError, match="Hopper"):
         experts_gluon(x, w13, w2, ids, weights)
+
+
+def test_calls_that_need_autograd_take_the_triton_kernels(monkeypatch):
+    """Where the Gluon path could run, a call whose output needs a backward still goes to the Triton
+    kernels (their custom op has one; the Gluon launches do not)."""
+    import moekit.experts.triton_gluon as tg
+
+    taken = []
+    monkeypatch.setattr(tg, "gluon_supported", lambda device: True)
+    monkeypatch.setattr(tg, "experts_gluon",
+                        lambda x, *args, **kwargs: taken.append(x.shape[0]) or torch.zeros_like(x))
+    w13, w2 = _weights()
+    ids, weights = _routing(20, 2)
+    x = torch.randn(20, K).bfloat16()
+    everywhere = GluonChoice(min_tokens=1, min_tokens_wide=1)
+    tg.experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
+    assert taken == [20]  # no autograd: the (stubbed) Gluon path
+    for grad in ("x", "w13", "routed weights"):
+        args = [t.detach().clone() for t in (x, w13, w2, ids, weights)]
+        args[{"x": 0, "w13": 1, "routed weights": 4}[grad]].requires_grad_(True)
+        out = tg.experts_triton_gluon(*args, choice=everywhere)
+        assert out.requires_grad and taken == [20], grad
+    with torch.no_grad():
+        tg.experts_triton_gluon(x, w13.requires_grad_(True), w2, ids, weights, choice=everywhere)
+    assert taken == [20, 20]  # no grad mode: nothing to differentiate
 
 
 def test_backend_is_registered():

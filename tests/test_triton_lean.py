@@ -168,7 +168,8 @@ def test_workspace_parts_pool_only_the_alignment():
     spec = WorkspaceSpec.of([("x_q", torch.uint8, (64, 256)), ("h_q", torch.uint8, (512, 128)),
                              ("y", torch.bfloat16, (512, 64)), ("sorted_ids", i32, (640,)), ("hist", i32, (4, 16))],
                             counters=8)
-    small, large = spec.parts()
+    parts = spec.parts()
+    small, large = parts.pooled, parts.fresh
     assert small.names == ("sorted_ids", "hist") and small.counters == 8
     assert large.names == ("x_q", "h_q", "y") and large.counters == 0
     pool = WorkspacePool(max_bytes=4096)

@@ -1,8 +1,8 @@
 """The scratch decode of the weight-only Triton experts (``triton_wo_scratch``, ``_kernels/dequant_wo.py``)
 on the CPU, under Triton's interpreter, tiny shapes.
 
-Chain: the dequant kernel vs a float64 dequantizer written here (bit by bit from each scheme's layout,
-e2m1 by its exponent/mantissa rule), on random bytes (an odd C's padding nibble is garbage that must
+Chain: the dequant kernel vs the float64 dequantizer of ``test_triton_wo.py`` (bit by bit from each
+scheme's layout, e2m1 by its exponent/mantissa rule), on random bytes (an odd C's padding nibble is garbage that must
 never show), for int8, int4 at each group size with zero points, and mxfp4; then the whole path
 (dequantize, bf16 GEMMs, k-sum; all experts at once and in chunks, with an expert map) against the
 ``reference`` backend on weights quantized by ``moekit.quant``; the overlapped pipeline's stream order
@@ -18,6 +18,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreted  # noqa: E402
+from test_triton_wo import dequant64  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.quant import quantize  # noqa: E402
@@ -44,32 +45,6 @@ def random_weight(wo, scheme: str, group: int, e: int, r: int, c: int, seed: int
         zero = torch.randint(0, 16, (e, r, groups), generator=g, dtype=torch.uint8)
         return wo.WoWeight(scheme, q, torch.rand(e, r, groups, generator=g) + 0.25, zero, group)
     return wo.WoWeight(scheme, q, torch.randint(118, 136, (e, r, groups), generator=g, dtype=torch.uint8), None, group)
-
-
-def e2m1(code: int) -> float:
-    """OCP MX e2m1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is subnormal."""
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    magnitude = mantissa * 0.5 if exponent == 0 else 2.0 ** (exponent - 1) * (1 + mantissa * 0.5)
-    return -magnitude if code & 8 else magnitude
-
-
-def dequant64(w, cols: int) -> torch.Tensor:
-    """float64 [E, R, C] from the bytes: element c of a packed row is byte c // 2's low nibble for even
-    c, high for odd; group c // g; int8 per row."""
-    if w.scheme == "int8_w8a16":
-        return w.q.double() * w.scale.double()[:, :, None]
-    e, r = w.q.shape[:2]
-    out = torch.empty(e, r, cols, dtype=torch.float64)
-    table = torch.tensor([e2m1(code) for code in range(16)], dtype=torch.float64)
-    for c in range(cols):
-        byte = w.q[:, :, c // 2].long()
-        code = (byte >> 4) & 15 if c % 2 else byte & 15
-        group = c // w.group_size
-        if w.scheme == "int4_w4a16":
-            out[:, :, c] = (code.double() - w.zero[:, :, group].double()) * w.scale[:, :, group].double()
-        else:
-            out[:, :, c] = table[code] * torch.exp2(w.scale[:, :, group].double() - 127)
-    return out
 
 
 @pytest.mark.parametrize("scheme,group", SCHEMES)

@@ -49,7 +49,7 @@ from moekit.offload.calibrate import recalibrate_cpu
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
-from moekit.sim.cache import DecodeStream, decode_stream
+from moekit.sim.cache import decode_stream
 
 STREAMS = {"uniform": 0.0, "skewed": 0.3}
 DRIFT = 0.3  # the residual stream's change per layer (relative to a token's content)

@@ -23,15 +23,15 @@ HEADER = (f"{'stream':>7} {'cache':>5} {'pol':>4} {'prefet':>6} {'mode':>4} {'M'
           f"{'xfloor':>6} {'hit':>6} {'sim':>6} {'tok/s':>9}")
 
 
-def _modes(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """(stream, cache %, policy, prefetch, M) -> {mode: row}."""
+def modes_by_cell(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """(stream, cache %, policy, prefetch, M) -> {mode: row}, in the rows' order."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         cells.setdefault((r["stream"], r["cache_fraction"], r["policy"], r["prefetch"], r["M"]), {})[r["compute_misses_on"]] = r
     return cells
 
 
-def _auto_vs_best(modes: dict[str, dict]) -> float | None:
+def auto_vs_best(modes: dict[str, dict]) -> float | None:
     """auto's step over the faster pure mode's (None unless the cell ran all three)."""
     if not {"gpu", "cpu", "auto"} <= set(modes):
         return None
@@ -42,18 +42,18 @@ def by_cell(rows: list[dict]) -> list[dict]:
     """Per (stream, cache %, policy, prefetch, M): each mode's step ms and step / floor, and auto / best pure."""
     return [{"stream": k[0], "cache_fraction": k[1], "policy": k[2], "prefetch": k[3], "M": k[4],
              "step_ms": {mode: r["step_ms"] for mode, r in modes.items()},
-             "x_floor": {mode: r["x_floor"] for mode, r in modes.items()}, "auto_vs_best": _auto_vs_best(modes)}
-            for k, modes in _modes(rows).items()]
+             "x_floor": {mode: r["x_floor"] for mode, r in modes.items()}, "auto_vs_best": auto_vs_best(modes)}
+            for k, modes in modes_by_cell(rows).items()]
 
 
 def compact_table(rows: list[dict]) -> list[str]:
     """One line per (stream, cache %, policy, prefetch, M): each mode's step ms, x floor, hit / sim hit;
     auto / the better pure mode last."""
     out = []
-    for (stream, fraction, policy, prefetch, m), modes in _modes(rows).items():
+    for (stream, fraction, policy, prefetch, m), modes in modes_by_cell(rows).items():
         parts = [f"{mode} {r['step_ms']:8.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
                  for mode, r in modes.items()]
-        q = _auto_vs_best(modes)
+        q = auto_vs_best(modes)
         out.append(f"{stream:>7} {fraction:4.0%} {policy} {prefetch:>6} M={m:<2} | " + " | ".join(parts)
                    + ("" if q is None else f" | auto/best {q:4.2f}"))
     return out
@@ -73,8 +73,8 @@ def summary(rows: list[dict]) -> list[str]:
             per_mode.setdefault(r["compute_misses_on"], []).append(r["x_floor"])
         out.append("x floor by mode: " + ", ".join(f"{mode} {min(v):.2f}-{max(v):.2f} ({sum(x > 1.2 for x in v)} of "
                                                     f"{len(v)} > 1.2)" for mode, v in per_mode.items()))
-    cells = _modes(rows)
-    ratios = [(q, key) for key, modes in cells.items() if (q := _auto_vs_best(modes)) is not None]
+    cells = modes_by_cell(rows)
+    ratios = [(q, key) for key, modes in cells.items() if (q := auto_vs_best(modes)) is not None]
     if ratios:
         worst_q, worst_key = max(ratios)
         slower = sum(q > 1.0 for q, _ in ratios)

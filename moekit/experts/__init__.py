@@ -12,13 +12,14 @@ storage passed as ``gate_up_proj.transpose(1, 2)``): backends read them through 
 An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (contributes 0): that
 covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
 
-Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels,
-CUDA), ``triton_gluon`` (opt-in: ``triton``, with warp-specialized Gluon GEMMs on the contiguous layout
-where they measured faster: Hopper, prefill). ``backend="auto"`` picks the best available for the device. ``backend_fn(name, device)`` is
-the one resolver that ``MoE``, ``EPMoE`` and ``moekit.hf`` use: resolved once per (name, device
-type), then a dictionary lookup. A backend function assumes ``check_experts_args`` has passed (it
-runs once, in ``call_backend``); only a backend's own requirements (dtypes, activations) are its own.
-``call_backend`` passes ``b13``/``b2`` only when one is set, so a backend's defaults must be None.
+Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA),
+``triton_gluon`` (opt-in: ``triton``, with warp-specialized Gluon GEMMs on the contiguous layout where
+they measured faster: Hopper, prefill; never picked by ``auto``). ``backend="auto"`` picks the best
+available for the device. ``backend_fn(name, device)`` is the one resolver that ``MoE``, ``EPMoE`` and
+``moekit.hf`` use: resolved once per (name, device type), then a dictionary lookup. A backend function
+assumes ``check_experts_args`` has passed (it runs once, in ``call_backend``); only a backend's own
+requirements (dtypes, activations) are its own. ``call_backend`` passes ``b13``/``b2`` only when one is
+set, so a backend's defaults must be None.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ in ``LaunchOptions`` for an A/B):
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
-      -> out (fresh), workspace (reused views; fresh while a graph captures), TMA descriptors (per weight)
-      -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): the plan's recorded LaunchSequence, the call's tensors
-         filled into argument lists built once, each launched through the C entry; or, the first call of a
-         plan and wherever lean does not apply (graph capture, poisoned workspaces, a launch hook):
+      -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): out (fresh), the plan's recorded LaunchSequence
+         (rebuilt if the pooled workspace or the weights' descriptors changed), the call's tensors filled into
+         argument lists built once, each launched through the C entry; or, on the first call of a plan and
+         wherever lean does not apply (graph capture, poisoned workspaces, a caller's counters, a launch hook):
+      -> out (fresh), workspace (reused views; above the pool's max_bytes all but the alignment's regions
+         fresh per call; all fresh while a graph captures), TMA descriptors (per weight)
       -> plan_launches: align launches, gate-up, down, k-sum (or down with the k-sum folded in): each a BoundLaunch
          (``triton_bind``: the C launch under the compiled kernel's launcher, weight descriptors encoded once;
          else the compiled kernel's runner)
@@ -127,7 +129,7 @@ def fused_experts(
 def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=None) -> torch.Tensor:
     """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
     options = plan.options
-    if options.lean_launch and counters is None and options.lean_ready:
+    if counters is None and options.lean_ready:
         out = run_lean(plan, _WORKSPACES, _DESCRIPTORS, x, w13, w2, ids, weights, expert_map, b13, b2)
         if out is not None:
             return out

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises pointers on 16-byte alignment)
-# A workspace larger than this is allocated per call, not kept: at that size the GPU time (over 1 ms at
-# DeepSeek-V3 shapes) dwarfs an allocation, and a kept buffer would hold the memory for good. 128 MiB
+# A workspace larger than this is not kept whole: its regions outside POOLED_REGIONS are allocated per call
+# (at that size the GPU time, over 1 ms at DeepSeek-V3 shapes, dwarfs an allocation, and a kept buffer
+# would hold the memory for good). 128 MiB
 # covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
 REUSE_MAX_BYTES = 128 << 20
 # The alignment's regions (a few int32 per assignment and per expert): above REUSE_MAX_BYTES these stay in
@@ -43,8 +44,9 @@ class WorkspaceSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]  # byte offset of each region in the buffer, a multiple of REGION_ALIGN
     nbytes: int  # the buffer size that holds every region
-    # int32 counters the plan needs at 0 on entry and leaves at 0 (the folded k-sum's, [M * K tiles]): only a
-    # pool keeps them (its "counters" view); a fresh workspace has none, and the plan then runs unfolded
+    # int32 counters the plan needs at 0 on entry and leaves at 0 (the folded k-sum's, [M * K tiles], then the
+    # fused hist + scan's arrival slot): only a pool keeps them (its "counters" view); a fresh workspace has
+    # none, and the plan then runs unfolded
     counters: int = 0
 
     @classmethod
@@ -56,14 +58,15 @@ class WorkspaceSpec:
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
         return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
 
-    def parts(self) -> tuple["WorkspaceSpec", "WorkspaceSpec"]:
-        """(small, large): the alignment's regions with the counters (kept by a pool however large the
-        plan), and the rest (allocated per call above a pool's ``max_bytes``). Built once per spec."""
+    def parts(self) -> "WorkspaceParts":
+        """The spec split for a pool's ``max_bytes``: ``pooled``, the alignment's regions (POOLED_REGIONS)
+        with the counters, kept by a pool however large the plan; ``fresh``, the rest, allocated per call
+        above it. Built once per spec."""
         parts = self.__dict__.get("_parts")
         if parts is None:
             regions = list(zip(self.names, self.dtypes, self.shapes))
-            small = WorkspaceSpec.of([r for r in regions if r[0] in POOLED_REGIONS], self.counters)
-            parts = (small, WorkspaceSpec.of([r for r in regions if r[0] not in POOLED_REGIONS]))
+            parts = WorkspaceParts(WorkspaceSpec.of([r for r in regions if r[0] in POOLED_REGIONS], self.counters),
+                                   WorkspaceSpec.of([r for r in regions if r[0] not in POOLED_REGIONS]))
             object.__setattr__(self, "_parts", parts)
         return parts
 
@@ -80,6 +83,14 @@ class WorkspaceSpec:
         return views
 
 
+@dataclass(frozen=True)
+class WorkspaceParts:
+    """A spec split in two (``WorkspaceSpec.parts``)."""
+
+    pooled: WorkspaceSpec  # the alignment's regions and the counters: kept by a pool at any size
+    fresh: WorkspaceSpec  # every other region (h, y; fp8's x_q, h_q, ...): per call above a pool's max_bytes
+
+
 class _Workspace:
     __slots__ = ("buffer", "views")
 
@@ -94,15 +105,17 @@ class WorkspacePool:
     once. Safe because a stream runs its kernels in order: the next call's writes to h and y queue
     behind this call's reads. Keyed by stream, since two streams would race on one buffer, and by
     thread, since two threads launching on one stream would interleave their kernels. Not used while
-    the current stream captures a CUDA graph (the graph must own its buffers) or above ``max_bytes``;
-    those calls get fresh tensors. Bounded: ``max_entries`` buffers (oldest dropped; a dropped buffer is
-    freed in stream order by the caching allocator, like any temporary), ``max_views`` plans each.
+    the current stream captures a CUDA graph (the graph must own its buffers: fresh tensors); above
+    ``max_bytes`` only the spec's ``parts().pooled`` is. Bounded: ``max_entries`` buffers (oldest
+    dropped; a dropped buffer is freed in stream order by the caching allocator, like any temporary),
+    ``max_views`` plans each.
 
     A spec with ``counters`` also gets the "counters" view: int32 counters, zeroed once when allocated,
-    which every kernel that uses them leaves at zero (the folded k-sum's last arrival resets its counter).
-    Kept per (device, stream, thread) for the same reason as the buffer: two streams would share counts.
-    Above ``max_bytes`` only h and y are fresh (one byte buffer, ``WorkspaceSpec.parts``); the alignment's
-    regions and the counters stay pooled. Nothing is pooled while a graph captures."""
+    which every kernel that uses them leaves at zero (the last arrival resets its counter: the folded
+    k-sum's, the fused hist + scan's). Kept per (device, stream, thread) for the same reason as the
+    buffer: two streams would share counts. Above ``max_bytes`` every region outside POOLED_REGIONS (h
+    and y; fp8's x_q, h_q, ...) is carved per call from one fresh byte buffer (``WorkspaceSpec.parts``);
+    the alignment's regions and the counters stay pooled."""
 
     def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
@@ -114,9 +127,9 @@ class WorkspacePool:
         if spec.nbytes <= self.max_bytes:
             return self.pooled(spec, device)
         # the alignment's regions kept, the rest carved from one fresh buffer
-        small, large = spec.parts()
-        views = dict(self.pooled(small, device))
-        views.update(large.carve(torch.empty(large.nbytes, dtype=torch.uint8, device=device)))
+        parts = spec.parts()
+        views = dict(self.pooled(parts.pooled, device))
+        views.update(parts.fresh.carve(torch.empty(parts.fresh.nbytes, dtype=torch.uint8, device=device)))
         return views
 
     def pooled(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@
 ``benchmarks/gluon_device_check.py``). The backend ``triton_gluon`` (``experts_triton_gluon``) is the
 ``triton`` backend that hands a call to the Gluon path where that measured faster on the H200
 (``GluonChoice``) and the call fits it, and to the fused Triton kernels everywhere else: other GPUs, a
-Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights.
+Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights,
+``torch.compile``, and calls that need a backward (the Gluon launches have none).
 """
 
 from __future__ import annotations
@@ -50,18 +51,18 @@ def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "si
     (gate rows then up rows), no biases, contiguous weights (TMA reads them as 2-D), N and K multiples of
     the 128-wide output tiles."""
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
-        return "quantized weights"
+        return f"w13/w2 quantized ({type(w13).__name__}, {type(w2).__name__}; plain tensors only)"
     if x.dtype not in _DTYPES:
-        return f"dtype {x.dtype} (bf16/fp16 only)"
+        return f"x dtype {x.dtype} (bf16/fp16 only)"
     if as_spec(activation) != ActivationSpec("silu"):
-        return f"activation {activation!r} (plain gated silu only)"
+        return f"activation={activation!r} (plain gated silu only)"
     if b13 is not None or b2 is not None:
-        return "biases"
+        return "biases b13/b2 given (none allowed)"
     if not (w13.is_contiguous() and w2.is_contiguous() and x.stride(-1) == 1):
-        return "strided weights or x"
+        return "strided weights or x (w13 and w2 contiguous, x rows unit-stride)"
     hidden, inter = w2.shape[1], w2.shape[2]
     if inter % 128 or hidden % 128:
-        return f"N={inter} and K={hidden} must be multiples of 128"
+        return f"w2 [E, K={hidden}, N={inter}]: N and K must be multiples of 128"
     return None
 
 
@@ -114,7 +115,7 @@ def experts_gluon(
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
@@ -136,7 +137,7 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, hidden, inter)
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [T, K]
     starts = layout.offsets.tolist()
@@ -157,12 +158,14 @@ def experts_triton_gluon(
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
 ) -> torch.Tensor:
     """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
-    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always while
-    ``torch.compile`` traces (the Gluon launches are not custom ops; the Triton path's are)."""
-    from moekit.experts.triton import experts_triton_unchecked
+    device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always where
+    the Triton path would go through its custom op: while ``torch.compile`` or a dispatch mode traces,
+    and when autograd needs a backward (the Gluon launches are neither a custom op nor differentiable)."""
+    from moekit.experts.triton import _runs_directly, experts_triton_unchecked
 
-    if (not torch.compiler.is_compiling() and isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
-            and gluon_unfit(x, w13, w2, activation, b13, b2) is None):
+    if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+            and gluon_unfit(x, w13, w2, activation, b13, b2) is None
+            and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
         return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                     expert_map=expert_map, b13=b13, b2=b2)

@@ -31,26 +31,18 @@ class GluonTile:
     stages: int = 4
     group_m: int = 8
 
-    def smem_bytes(self, weight_tiles: int, elem_bytes: int = 2) -> int:
-        """The ring (A tile + weight tiles per stage) plus the epilogue's output tile."""
-        stage = (BLOCK_M + weight_tiles * self.block_n) * self.block_k * elem_bytes
-        return self.stages * stage + BLOCK_M * self.block_n * elem_bytes
-
 
 @dataclass(frozen=True)
 class GluonPlan:
-    """Shapes and tiles of one call: rows T of the permuted buffer (static, no host sync), hidden K,
-    intermediate N, top_k, local experts E."""
+    """Rows and tiles of one call: rows T of the permuted buffer (static, no host sync), the gate-up
+    GEMM's tile and the down GEMM's."""
 
     rows: int
-    hidden: int
-    inter: int
-    top_k: int
-    num_experts: int
     up: GluonTile
     down: GluonTile
 
 
+# Shared memory per program (bf16): stages x (A tile + weight tiles) + the output tile, within sm_90's 227 KB
 UP_TILE = GluonTile(block_n=128, block_k=64, stages=4)  # 4 x 48 KB ring + 32 KB out = 224 KB
 DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 KB out = 224 KB
 # Narrow experts (Qwen3-30B-A3B, N = 768: a 12-step reduction): the down GEMM's row blocks in plain order,
@@ -58,17 +50,16 @@ DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6)  # 6 x 32 KB ring + 32 
 # with it (H200, benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run2.json's tile variants).
 NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
-SMEM_LIMIT = 232448  # bytes of dynamic shared memory per block on sm_90
 
 
-def plan_gluon(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> GluonPlan:
-    """The plan of a call; its rows hold any routing of the M*k assignments (``max_padded_rows``)."""
+def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
+    """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
+    (``max_padded_rows``)."""
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
     down = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
-    return GluonPlan(rows=rows, hidden=hidden, inter=inter, top_k=top_k, num_experts=num_experts,
-                     up=UP_TILE, down=down)
+    return GluonPlan(rows=rows, up=UP_TILE, down=down)
 
 
 @functools.cache

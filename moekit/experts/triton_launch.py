@@ -91,9 +91,17 @@ class LaunchOptions:
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
     # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
     sum_fold_max: int = 1
-    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): the call's tensors
-    # filled into argument lists built once, the C launch called directly. Needs cache_plans,
-    # cached_launcher and reuse_workspace (else off).
+    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread)
+    # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
+    # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
+    # weights, out, map, biases, weights without descriptors; h and y above the pool's max_bytes) and calls
+    # the C launch entry, the stream asked once per call (Triton 3.6's launcher layout; elsewhere the
+    # compiled launcher with the same list). Rebuilt when the pool hands out other buffers or
+    # the weights' descriptors are rebuilt, dropped on a retune; skipped (the BoundLaunch calls run) on a
+    # plan's first call, while a CUDA graph captures, with a caller's counters or while a Triton launch hook
+    # is installed. Outputs bit-equal. Needs cache_plans, cached_launcher and reuse_workspace and no
+    # poison_workspace (``lean_ready``; else off). H200 host µs per call (benchmarks/triton-notes.md):
+    # Qwen3-30B-A3B 51 -> 45 at M = 1, 204 -> 112 at M = 4096.
     lean_launch: bool = True
     # Past align_two_launch_max the alignment's histogram and scan are one launch (``align_hist_scan_kernel``:
     # the last chunk program to arrive scans), two launches in all instead of three, in eager calls whose
@@ -114,7 +122,7 @@ class LaunchOptions:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
-        # what the lean launch needs besides itself (read on every eager call: computed once)
+        # lean_launch and what it needs (read on every eager call: computed once)
         object.__setattr__(self, "lean_ready", self.lean_launch and self.cache_plans and self.cached_launcher
                            and self.reuse_workspace and not self.poison_workspace)
         object.__setattr__(self, "_args", self.as_op_args())

@@ -96,12 +96,12 @@ def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map
         return None
     spec = plan.workspace
     large = spec.nbytes > pool.max_bytes
-    views = pool.pooled(spec.parts()[0] if large else spec, device)
+    views = pool.pooled(spec.parts().pooled if large else spec, device)
     pair = None if plan.descriptor_key is None else descriptors.get(w13, w2, plan.descriptor_key)
     key = (plan, threading.get_ident())
     sequence = _SEQUENCES.get(key)
     if sequence is None or not sequence.current(views, pair):
-        sequence = _record(plan, views, pair, spec.parts()[1] if large else None, expert_map, b13, b2)
+        sequence = _record(plan, views, pair, spec.parts().fresh if large else None, expert_map, b13, b2)
         if sequence is None:
             return None
         with _lock:

@@ -4,6 +4,8 @@ call's data, decided on the first call of its kind and cached.
     plan_key(call) --_PLANS, a dict--> Plan: resolved options, config (tuned, nearest M, fitted to shared
     memory), the naive shortcut or the alignment's launches, the workspace's regions, and the bound
     launches (grid, scalars, constexprs) of gate-up, down and the k-sum
+    plan_launches(plan, call's tensors) -> [(BoundLaunch, its arguments)] in launch order: run by
+    ``triton._run``, recorded once with stand-ins by ``triton_lean``
 
 A call's kind is what the launches depend on apart from the tensors' contents and addresses: M, the
 shapes, strides and dtypes, each pointer's 16-byte alignment (Triton specialises on it), the expert

@@ -106,8 +106,7 @@ def chunk_map(expert_map: torch.Tensor | None, num_experts: int, expert0: int, c
 class _Chunk:
     """What one chunk of experts launches with (built on the host before anything launches)."""
 
-    expert0: int
-    count: int  # c
+    expert0: int  # the chunk is experts [expert0, expert0 + c)
     expert_map: torch.Tensor | None  # the chunk's (``chunk_map``), or the caller's for a single chunk
     plan: Plan  # the bf16 plan over the scratch views
     weights: tuple  # w13 (or its gate descriptor), the up descriptor or None, w2 (or its descriptor)
@@ -171,7 +170,6 @@ def run_experts_wo_scratch(
     return out
 
 
-
 def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions, up_buffer: torch.Tensor,
            down_buffer: torch.Tensor, n: int, expert0: int, count: int, num_experts: int) -> _Chunk:
     """The bf16 plan, scratch views, weight descriptors and alignment buffers of experts [expert0,
@@ -190,7 +188,7 @@ def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions,
     if plan.align is not None:
         buffers = WorkspaceSpec.of(list(plan.align.regions)).allocate(x.device)
         rows = (buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"])
-    return _Chunk(expert0, count, cmap, plan, args, buffers, rows, w13_view, w2_view)
+    return _Chunk(expert0, cmap, plan, args, buffers, rows, w13_view, w2_view)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the stream the overlapped dequants run on

@@ -8,7 +8,8 @@ Quantized experts (``MoE.quantize_``, fp8 checkpoints) are offloaded packed: hos
 fetches hold their q / scale (/ zero) tensors, and ``expert_nbytes(moe)`` is the packed size of one.
 
 ``whatif`` replays a routing trace through the cache policies without weights (the simulator's
-cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where they run.
+cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where they run; ``online``
+(``CpuRate``) keeps the CPU's rate per expert from the branches that ran, for "auto" to price by.
 """
 
 from moekit.offload.cache import ExpertCache
