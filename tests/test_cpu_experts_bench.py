@@ -114,14 +114,16 @@ def test_moekits_recorded_error_agrees_with_a_float64_loop():
     assert all(len(set(row.tolist())) == shape.top_k for row in p.ids)  # k distinct experts per token
     batch = cpu_measure.measure_batch(p, {"moekit", "hf_eager"}, rounds=1)
     truth = _float64_loop(p)
+    module, eager = cpu_measure.hf_experts(p.w13, p.w2, shape.top_k)
     with torch.inference_mode():
         moekit = experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)  # what the moekit row runs
-    e_moekit = _rel(moekit, truth)
-    assert e_moekit < 1e-6
+        hf = eager(module, p.x, p.ids.long(), p.weights)  # transformers' own per-expert loop
+    e_moekit, e_hf = _rel(moekit, truth), _rel(hf, truth)
+    assert e_moekit < 1e-6 and e_hf < 1e-6  # both fp32 roundings of the float64 truth
     recorded = batch["rows"]["moekit"]["rel_err_vs_hf_eager"]
-    # moekit and transformers' eager are both fp32 roundings of the same truth: their distance is at most
-    # the sum of their distances to it, and the eager loop is no further from the truth than 1e-6.
-    assert 0 <= recorded <= e_moekit + 1e-6
+    assert recorded == pytest.approx(_rel(moekit, hf), rel=1e-6, abs=1e-12)
+    # their distance is at most the sum of their distances to the truth (norms equal to ~1e-7)
+    assert 0 < recorded <= (e_moekit + e_hf) * (1 + 1e-6)
     assert batch["rows"]["hf_eager"]["rel_err_vs_hf_eager"] == 0.0
 
 
