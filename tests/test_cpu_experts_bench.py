@@ -29,7 +29,14 @@ def _run(argv: list[str], capsys) -> tuple[Path, str, str]:
     return Path(out.strip().splitlines()[-1].removeprefix("wrote ")), out, err
 
 
-def test_tiny_cli_run_writes_json_prints_the_tables_and_never_overwrites(tmp_path, capsys):
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # --threads sets the process's count
+
+
+def test_tiny_cli_run_writes_json_prints_the_tables_and_never_overwrites(tmp_path, capsys, keep_threads):
     pytest.importorskip("transformers")
     first, out, err = _run([*TINY, "--out", str(tmp_path), "--threads", "1"], capsys)
     second, _, _ = _run([*TINY, "--out", str(tmp_path)], capsys)
@@ -73,6 +80,12 @@ def test_bad_option_names_the_flag(argv, flag, capsys, tmp_path):
     line = cli_error(capsys, ["bench", "--cpu-experts", "--out", str(tmp_path), *argv])
     assert flag in line
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["--shape", "4,8,16,2"], ["--threads", "1"]], ids=["shape", "threads"])
+def test_cpu_options_without_cpu_experts_are_refused(argv, capsys, tmp_path):
+    line = cli_error(capsys, ["bench", "--device", "cpu", "--out", str(tmp_path), *argv])
+    assert argv[0] in line and "--cpu-experts" in line
 
 
 def test_without_transformers_the_hf_rows_are_skipped_with_a_note(tmp_path, capsys, monkeypatch):
@@ -123,7 +136,7 @@ def test_moekits_recorded_error_agrees_with_a_float64_loop():
     recorded = batch["rows"]["moekit"]["rel_err_vs_hf_eager"]
     assert recorded == pytest.approx(_rel(moekit, hf), rel=1e-6, abs=1e-12)
     # their distance is at most the sum of their distances to the truth (norms equal to ~1e-7)
-    assert 0 < recorded <= (e_moekit + e_hf) * (1 + 1e-6)
+    assert 0 <= recorded <= (e_moekit + e_hf) * (1 + 1e-6)
     assert batch["rows"]["hf_eager"]["rel_err_vs_hf_eager"] == 0.0
 
 

@@ -14,6 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-experts", action="store_true",
                    help="time moekit's CPU experts path (backend auto) and its variants against transformers' grouped_mm, "
                    "batched_mm and eager experts, fp32, rounds interleaved, beside the dense matmul rate of the same run; "
+                   "--backends picks rows (moekit, onednn_packed, ..., hf_eager); "
                    "M = 1,8,64,512 unless --batches; --repeats rounds (default 7); JSON <cpu>-cpu-experts-<date>.json "
                    "under --out")
     g.add_argument("--shape", default=None,

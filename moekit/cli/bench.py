@@ -45,6 +45,8 @@ def _run(args: argparse.Namespace) -> int:
     modes = [f"--{m.replace('_', '-')}" for m in ("hf", "offload", "train", "cpu_experts") if getattr(args, m)]
     if modes and (args.dtype or args.budget_s):
         raise UsageError(f"--dtype and --budget-s apply to the kernel cells, not to {modes[0]}")
+    if not args.cpu_experts and (args.shape or args.threads):
+        raise UsageError(f"--{'shape' if args.shape else 'threads'} applies to --cpu-experts (the kernel cells take --shapes)")
     if args.cpu_experts:
         if len(modes) > 1:
             raise UsageError(f"{modes[0]} and --cpu-experts are separate runs; give one")
