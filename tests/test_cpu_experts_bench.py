@@ -1,32 +1,151 @@
-"""benchmarks/cpu_experts.py on a tiny shape: every row runs, errors are small, files never overwrite."""
+"""``moekit bench --cpu-experts`` on tiny shapes: the CLI end to end (JSON, tables, progress, never
+overwriting), its usage errors, the run without transformers, the recorded error of moekit's row
+against a float64 loop written here, and the earlier results in benchmarks/results still read."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
-pytest.importorskip("transformers")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_experts.py"
+from moekit.bench import cpu_measure
+from moekit.bench.cpu_report import report_lines, summary_lines
+from moekit.cli import main
+from moekit.experts.grouped_mm import experts_grouped_mm
+
+from _helpers import cli_error
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+TINY = ["bench", "--cpu-experts", "--shape", "4,8,16,2", "--batches", "1,3", "--repeats", "2"]
+ROW_KEYS = {"us", "min_us", "max_us", "spread_pct", "noisy", "repeats", "gflops", "rel_err_vs_hf_eager", "pct_of_dense"}
+BATCH_KEYS = {"M", "dense_gflops", "moekit_plan", "moekit_chunk_tokens", "packed_bytes", "rows"}
+DOC_KEYS = {"cpu", "date", "commit", "torch", "threads", "shape", "dtype", "repeats", "pack_budget_bytes",
+            "loadavg_before", "loadavg_after", "batches"}
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("cpu_experts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _run(argv: list[str], capsys) -> tuple[Path, str, str]:
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    return Path(out.strip().splitlines()[-1].removeprefix("wrote ")), out, err
 
 
-def test_tiny_run_writes_json_and_never_overwrites(tmp_path, capsys):
-    bench = load_script()
-    args = ["--shape", "4,8,16,2", "--batches", "1,3", "--repeats", "2", "--out-dir", str(tmp_path)]
-    first, second = bench.main(args), bench.main(args)
-    assert first != second and first.exists() and second.name.endswith("-2.json")
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # --threads sets the process's count
+
+
+def test_tiny_cli_run_writes_json_prints_the_tables_and_never_overwrites(tmp_path, capsys, keep_threads):
+    pytest.importorskip("transformers")
+    first, out, err = _run([*TINY, "--out", str(tmp_path), "--threads", "1"], capsys)
+    second, _, _ = _run([*TINY, "--out", str(tmp_path)], capsys)
+    assert first.name.endswith(f"-cpu-experts-{json.loads(first.read_text())['date']}.json")
+    assert second.name == first.name.replace(".json", "-2.json") and first.exists()
     doc = json.loads(first.read_text())
-    assert doc["threads"] >= 1 and len(doc["loadavg_before"]) == 3 and [b["M"] for b in doc["batches"]] == [1, 3]
-    rows = doc["batches"][1]["rows"]
-    expected = {*bench.MOEKIT_VARIANTS, "hf_grouped_mm", "hf_batched_mm", "hf_eager", "dense_mm"}
-    assert expected <= set(rows)
-    assert all(r["rel_err_vs_hf_eager"] < 1e-5 for r in rows.values() if r["rel_err_vs_hf_eager"] is not None)
-    assert doc["batches"][0]["moekit_plan"] == "contiguous"
-    assert "implementation" in capsys.readouterr().out
+    assert DOC_KEYS <= set(doc) and doc["threads"] == 1 and doc["shape"] == {"E": 4, "N": 8, "K": 16, "k": 2}
+    assert len(doc["loadavg_before"]) == 3 and doc["repeats"] == 2 and [b["M"] for b in doc["batches"]] == [1, 3]
+    for batch in doc["batches"]:
+        assert BATCH_KEYS <= set(batch)
+        assert {*cpu_measure.ROWS, "dense_mm"} <= set(batch["rows"])
+        assert all(ROW_KEYS <= set(r) and r["repeats"] == 2 for r in batch["rows"].values())
+        errs = [r["rel_err_vs_hf_eager"] for n, r in batch["rows"].items() if not n.startswith("dense")]
+        assert all(e is not None and e < 1e-5 for e in errs)
+        dense = max(r["gflops"] for n, r in batch["rows"].items() if n.startswith("dense"))
+        moekit = batch["rows"]["moekit"]
+        assert moekit["pct_of_dense"] == pytest.approx(100 * moekit["gflops"] / dense)
+    assert "moekit ms" in out and "transformers best" in out and "best/moekit" in out and "moekit % dense" in out
+    for batch in doc["batches"]:  # the summary line per M: moekit ms, the fastest hf row, the ratio
+        hf = {n.removeprefix("hf_"): r["us"] / 1e3 for n, r in batch["rows"].items() if n.startswith("hf_")}
+        best = min(hf, key=hf.get)
+        moekit_ms = batch["rows"]["moekit"]["us"] / 1e3
+        line = next(s for s in out.splitlines() if s.split()[:2] == [str(batch["M"]), f"{moekit_ms:.2f}"])
+        assert line.split()[2:5] == [best, f"{hf[best]:.2f}", f"{hf[best] / moekit_ms:.2f}x"]
+    assert "[1/2] M=1 done" in err and "[2/2] M=3 done" in err and "threads=1" in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--shape", "4,8,16"], "--shape"),
+    (["--shape", "4,8,x,2"], "--shape"),
+    (["--shape", "2,8,16,4"], "--shape"),  # k > E
+    (["--batches", "0"], "--batches"),
+    (["--batches", "1,x"], "--batches"),
+    (["--repeats", "0"], "--repeats"),
+    (["--threads", "0"], "--threads"),
+    (["--backends", "nope"], "--backends"),
+    (["--device", "cuda"], "--device"),
+    (["--hf"], "--cpu-experts"),
+])
+def test_bad_option_names_the_flag(argv, flag, capsys, tmp_path):
+    line = cli_error(capsys, ["bench", "--cpu-experts", "--out", str(tmp_path), *argv])
+    assert flag in line
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv", [["--shape", "4,8,16,2"], ["--threads", "1"]], ids=["shape", "threads"])
+def test_cpu_options_without_cpu_experts_are_refused(argv, capsys, tmp_path):
+    line = cli_error(capsys, ["bench", "--device", "cpu", "--out", str(tmp_path), *argv])
+    assert argv[0] in line and "--cpu-experts" in line
+
+
+def test_without_transformers_the_hf_rows_are_skipped_with_a_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cpu_measure, "transformers_version", lambda: None)
+    path, out, err = _run([*TINY, "--out", str(tmp_path)], capsys)
+    doc = json.loads(path.read_text())
+    assert doc["notes"] == [cpu_measure.NO_TRANSFORMERS] and doc["transformers"] is None
+    for batch in doc["batches"]:
+        assert set(cpu_measure.MOEKIT_VARIANTS) | {"dense_mm"} <= set(batch["rows"])
+        assert not [n for n in batch["rows"] if n.startswith("hf_")]
+        assert all(r["rel_err_vs_hf_eager"] is None for r in batch["rows"].values())
+    assert "transformers is not installed" in out and "transformers is not installed" in err
+    assert [s.split()[2] for s in summary_lines(doc)[1:]] == ["-", "-"]  # no best transformers row
+
+
+def _float64_loop(p: cpu_measure.ExpertsProblem) -> torch.Tensor:
+    """Σ_j w_j · W2[e_j] (silu(gate) * up) with gate, up = W13[e_j] x; token by token in float64."""
+    n = p.w2.shape[2]
+    out = torch.zeros(p.x.shape, dtype=torch.float64)
+    for t in range(p.x.shape[0]):
+        for j in range(p.ids.shape[1]):
+            e = int(p.ids[t, j])
+            h = p.w13[e].double() @ p.x[t].double()  # [2N]
+            act = torch.nn.functional.silu(h[:n]) * h[n:]
+            out[t] += float(p.weights[t, j]) * (p.w2[e].double() @ act)
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_moekits_recorded_error_agrees_with_a_float64_loop():
+    pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(3)
+    shape = cpu_measure.ExpertsShape(experts=6, intermediate=12, hidden=24, top_k=3)
+    w13, w2 = cpu_measure.expert_weights(shape, gen)
+    p = cpu_measure.problem(20, w13, w2, shape.top_k, gen)  # ~10 rows per expert: the packed path runs
+    assert all(len(set(row.tolist())) == shape.top_k for row in p.ids)  # k distinct experts per token
+    batch = cpu_measure.measure_batch(p, {"moekit", "hf_eager"}, rounds=1)
+    truth = _float64_loop(p)
+    module, eager = cpu_measure.hf_experts(p.w13, p.w2, shape.top_k)
+    with torch.inference_mode():
+        moekit = experts_grouped_mm(p.x, p.w13, p.w2, p.ids, p.weights)  # what the moekit row runs
+        hf = eager(module, p.x, p.ids.long(), p.weights)  # transformers' own per-expert loop
+    e_moekit, e_hf = _rel(moekit, truth), _rel(hf, truth)
+    assert e_moekit < 1e-6 and e_hf < 1e-6  # both fp32 roundings of the float64 truth
+    recorded = batch["rows"]["moekit"]["rel_err_vs_hf_eager"]
+    assert recorded == pytest.approx(_rel(moekit, hf), rel=1e-6, abs=1e-12)
+    # their distance is at most the sum of their distances to the truth (norms equal to ~1e-7)
+    assert 0 <= recorded <= (e_moekit + e_hf) * (1 + 1e-6)
+    assert batch["rows"]["hf_eager"]["rel_err_vs_hf_eager"] == 0.0
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*-cpu-experts-*.json")), ids=lambda p: p.name)
+def test_earlier_results_still_read(path):
+    doc = json.loads(path.read_text())
+    lines = report_lines(doc)
+    summary = summary_lines(doc)[1:]
+    assert len(summary) == len(doc["batches"]) and all(s in lines for s in summary)
+    for batch, line in zip(doc["batches"], summary):
+        hf = min(r["us"] for n, r in batch["rows"].items() if n.startswith("hf_"))
+        assert line.split()[4] == f"{hf / batch['rows']['moekit']['us']:.2f}x"

@@ -1,7 +1,8 @@
 """``moekit bench``: the experts backends side by side against the device's measured ceilings;
 ``moekit bench --hf``: whole transformers MoE models per experts implementation (``_bench_hf``);
 ``moekit bench --offload``: decode with host-resident experts behind a GPU cache (``_bench_offload``);
-``moekit bench --train``: forward + backward of the experts path against transformers' (``_bench_train``)."""
+``moekit bench --train``: forward + backward of the experts path against transformers' (``_bench_train``);
+``moekit bench --cpu-experts``: the CPU experts path against transformers' and the dense rate (``_bench_cpu``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import contextlib
 from pathlib import Path
 
-from moekit.cli import _bench_hf, _bench_offload, _bench_train
+from moekit.cli import _bench_cpu, _bench_hf, _bench_offload, _bench_train
 from moekit.cli._args import ListOption, UsageError, device_arg, output_dir, positive_float, positive_int
 
 
@@ -36,13 +37,20 @@ def register(subparsers) -> None:
     _bench_hf.add_arguments(p)
     _bench_offload.add_arguments(p)
     _bench_train.add_arguments(p)
+    _bench_cpu.add_arguments(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    modes = [f"--{m}" for m in ("hf", "offload", "train") if getattr(args, m)]
+    modes = [f"--{m.replace('_', '-')}" for m in ("hf", "offload", "train", "cpu_experts") if getattr(args, m)]
     if modes and (args.dtype or args.budget_s):
         raise UsageError(f"--dtype and --budget-s apply to the kernel cells, not to {modes[0]}")
+    if not args.cpu_experts and (args.shape or args.threads):
+        raise UsageError(f"--{'shape' if args.shape else 'threads'} applies to --cpu-experts (the kernel cells take --shapes)")
+    if args.cpu_experts:
+        if len(modes) > 1:
+            raise UsageError(f"{modes[0]} and --cpu-experts are separate runs; give one")
+        return _bench_cpu.run(args)
     if args.hf:
         return _bench_hf.run(args)
     if args.offload:

@@ -13,7 +13,7 @@ for oneDNN to split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
-the GEMM time, and every call streams all 2.4 GB of weights (``benchmarks/cpu_experts.py``). The
+the GEMM time, and every call streams all 2.4 GB of weights (``moekit bench --cpu-experts``). The
 ``PackedWeightCache`` keeps the blocked copy (``torch.ops.mkldnn._reorder_linear_weight``) per
 expert, made the first time that expert gets ``PACKED_MIN_ROWS`` rows (decode batches never pack),
 as long as the cache holds at most its ``budget_bytes`` (a copy costs as much as the weight itself;

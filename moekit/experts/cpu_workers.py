@@ -2,7 +2,7 @@
 
 At Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8) a batch of M = 512 tokens gives each expert
 ~32 rows: GEMMs too small for oneDNN to split well over the cores, so the per-expert loop on 2 threads
-ran at ~50-70% of the dense fp32 rate (``benchmarks/cpu_experts.py``). Here the loop is split by whole
+ran at ~50-70% of the dense fp32 rate (``moekit bench --cpu-experts``). Here the loop is split by whole
 experts instead: ``balance_by_rows`` deals the experts to ``workers`` shares (greedy by rows), and
 ``run_shares`` runs share 0 on the calling thread and the others on a small thread pool, every one of them
 with ``torch.set_num_threads(1)`` (a thread-local OpenMP setting; oneDNN's GEMMs then run single-threaded

@@ -14,7 +14,7 @@ chunks of the largest size that does (``plan_grouped_mm`` says which, and why).
 
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
-oneDNN GEMMs (``cpu_gemm``; measured faster, see ``benchmarks/cpu_experts.py``): by default
+oneDNN GEMMs (``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``): by default
 ``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
 at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
 ``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs

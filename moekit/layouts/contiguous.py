@@ -70,7 +70,7 @@ def permute_contiguous(
             raise ValueError(f"static_rows must be >= {bound} (A + min(E, A)*(align-1)) to hold any routing, got {static_rows}")
         total = static_rows
     # A gather, not gather + scatter: only the A row indices are scattered, then x's rows are read once.
-    # Measured at Qwen3-30B-A3B shapes (K=2048, k=8), see benchmarks/cpu_experts.py --layouts.
+    # Measured at Qwen3-30B-A3B shapes (K=2048, k=8), see `moekit bench --cpu-experts`.
     src_of_row = assignments_of_rows(pos.dst, total)  # [T]
     local_ext = torch.cat([pos.local_ids, pos.local_ids.new_full((1,), -1)])  # [A+1]; padding -> -1
     return ContiguousLayout(
