@@ -34,6 +34,7 @@ def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
 
 
 def rel_err(got, want):
+    assert not got.isnan().any()
     return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 

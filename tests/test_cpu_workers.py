@@ -1,42 +1,25 @@
 """moekit.experts.cpu_workers and the split per-expert CPU loop (``cpu_gemm="onednn_packed_split"``, what
 ``auto`` runs): the greedy balance, the worker threads' thread counts, and the split loop against a
-float64 loop written here: biases, an expert map with -1, skipped slots, experts with no rows, M = 0,
+float64 loop of test_cpu_packed: biases, an expert map with -1, skipped slots, experts with no rows, M = 0,
 more workers than experts, and the same bits on every run."""
 
 import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _helpers import routed_slots
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
 from moekit.experts.cpu_workers import balance_by_rows, run_shares
 from moekit.experts.grouped_mm import experts_grouped_mm
+from test_cpu_packed import loop64, rel_err  # the float64 per-(token, slot) loop both files check against
 
 E, N, K = 6, 16, 32
 SILU = ActivationSpec("silu")
 
 needs_onednn = pytest.mark.skipif(not cpu_packed.fused_loop_supported(torch.float32),
                                   reason="this torch build has no oneDNN linear")
-
-
-def loop64(x, w13, w2, ids, weights, b13=None, b2=None, expert_map=None):
-    """float64, one (token, slot) at a time, silu-gated; a slot of no local expert adds nothing."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
-        gate, up = h.chunk(2)
-        y = w2[e].double() @ (F.silu(gate) * up) + (0 if b2 is None else b2[e].double())
-        out[t] += float(weights[t, j]) * y
-    return out
-
-
-def rel_err(got, want):
-    assert not got.isnan().any()
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 def problem(m=48, k=2, seed=0, experts_used=E):
