@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from moekit.bench.report import free_results_path
+
 
 @dataclass(frozen=True)
 class Headline:
@@ -74,9 +76,4 @@ def report_lines(doc: dict) -> list[str]:
 def results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<cpu>-cpu-experts-<date>.json`` (spaces and slashes as ``_``), or ``-2``, ``-3`` ... when taken:
     a run never overwrites an earlier result."""
-    stem = f"{doc['cpu'].replace(' ', '_').replace('/', '_')}-cpu-experts-{doc['date']}"
-    path, n = Path(out_dir) / f"{stem}.json", 1
-    while path.exists():
-        n += 1
-        path = Path(out_dir) / f"{stem}-{n}.json"
-    return path
+    return free_results_path(out_dir, f"{doc['cpu'].replace(' ', '_').replace('/', '_')}-cpu-experts-{doc['date']}")

@@ -7,15 +7,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from moekit.bench.report import free_results_path
+
 
 def hf_results_path(out_dir: Path, doc: dict) -> Path:
     """``<out_dir>/<device>-hf-<date>.json``, or ``...-<date>-2.json``, ``-3`` ... when that file exists."""
-    stem = f"{doc['device'].replace(' ', '_')}-hf-{doc['date']}"
-    path, n = Path(out_dir) / f"{stem}.json", 1
-    while path.exists():
-        n += 1
-        path = Path(out_dir) / f"{stem}-{n}.json"
-    return path
+    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-hf-{doc['date']}")
 
 
 def _number(value: float | None, fmt: str, error: str | None) -> str:

@@ -12,15 +12,20 @@ from rich.table import Table
 from moekit.bench.predict import draw_predictions, is_quantized, prediction_note
 
 
-def results_path(out_dir: Path, doc: dict) -> Path:
-    """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``), or ``<device>-<date>-2.json``,
-    ``-3`` ... when that name is taken: a run never overwrites an earlier result."""
-    stem = f"{doc['device'].replace(' ', '_')}-{doc['date']}"
+def free_results_path(out_dir: Path, stem: str, also: tuple[str, ...] = ()) -> Path:
+    """``<out_dir>/<stem>.json``, or ``<stem>-2.json``, ``-3`` ... when that name (or its twin with a suffix in
+    ``also``, e.g. the plot's ``.png``) is taken: a run never overwrites an earlier result."""
     path, n = Path(out_dir) / f"{stem}.json", 1
-    while path.exists() or path.with_suffix(".png").exists():
+    while path.exists() or any(path.with_suffix(suffix).exists() for suffix in also):
         n += 1
         path = Path(out_dir) / f"{stem}-{n}.json"
     return path
+
+
+def results_path(out_dir: Path, doc: dict) -> Path:
+    """``<out_dir>/<device>-<date>.json`` (device with spaces as ``_``), or ``-2``, ``-3`` ... when the
+    JSON or its PNG is taken."""
+    return free_results_path(out_dir, f"{doc['device'].replace(' ', '_')}-{doc['date']}", also=(".png",))
 
 
 def write_json(doc: dict, path: Path) -> Path:

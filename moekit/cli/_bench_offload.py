@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from pathlib import Path
 
 from moekit.cli._args import ListOption, UsageError, fraction_arg, positive_int
 
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moekit.bench.offload_measure import measure_offload
     from moekit.bench.offload_report import HEADER, compact_table, format_row
-    from moekit.bench.report import write_json
+    from moekit.bench.report import free_results_path, write_json
     from moekit.bench.run import commit_id, device_name
 
     from moekit.quant import SCHEMES
@@ -56,11 +55,7 @@ def run(args: argparse.Namespace) -> int:
                           on_progress=lambda r: console.print(format_row(r), markup=False, highlight=False), **shape)
     doc = {"device": device_name(device), "date": datetime.date.today().isoformat(), "commit": commit_id(), **doc}
     stem = f"{doc['device'].replace(' ', '_')}-offload{'' if scheme is None else '-' + scheme}-{doc['date']}"
-    path, n = Path(args.out) / f"{stem}.json", 1
-    while path.exists():
-        n += 1
-        path = Path(args.out) / f"{stem}-{n}.json"
-    write_json(doc, path)
+    path = write_json(doc, free_results_path(args.out, stem))
     console.print("stream cache policy prefetch M | per mode: step ms, x floor, hit/sim hit | auto / better pure mode",
                   markup=False, highlight=False)
     for line in compact_table(doc["rows"]) + doc["summary"]:
