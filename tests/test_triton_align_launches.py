@@ -18,7 +18,8 @@ from moekit.layouts.grouping import max_padded_rows  # noqa: E402
 
 ONE = LaunchOptions(align_small_max=0, align_one_launch_max=8192, align_two_launch_max=0, align_fold_max=0)
 TWO = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=1 << 30, align_fold_max=0)
-THREE = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)
+THREE = LaunchOptions(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0,
+                      align_scan_fold=False)  # hist and scan as two launches (the fold: test_triton_align_scan_fold.py)
 PATHS = {"one": (ONE, {"align_place_kernel"}), "two": (TWO, {"align_hist_kernel", "align_place_kernel"}),
          "three": (THREE, {"align_hist_kernel", "align_scan_kernel", "align_scatter_kernel"})}
 

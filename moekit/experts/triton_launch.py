@@ -105,9 +105,10 @@ class LaunchOptions:
     lean_launch: bool = True
     # Past align_two_launch_max the alignment's histogram and scan are one launch (``align_hist_scan_kernel``:
     # the last chunk program to arrive scans), two launches in all instead of three, in eager calls whose
-    # workspace keeps the counters (its arrival slot). Off: not yet measured on the H200
-    # (benchmarks/host_lean_device_check.py has the variant).
-    align_scan_fold: bool = False
+    # workspace keeps the counters (its arrival slot). H200 (benchmarks/host_lean_device_check.py, raw
+    # NVIDIA_H200-2026-12-02-8f1dcd1-host_lean.json): bit-equal, host µs 60 -> 51 (Qwen3-30B-A3B M = 4096),
+    # 114 -> 110 (Mixtral), graph µs within 1% either way.
+    align_scan_fold: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
