@@ -6,6 +6,9 @@ graph skips and re-recordings) and the CPU ops that take the host time of one st
 
     PYTHONPATH=$PWD python benchmarks/hf_compiled_check.py [--layers 1 8] [--impls moekit grouped_mm no_experts]
 
+``gpu_kernels`` in each result: the GPU kernels of one compiled decode step (CUDA activity of a 9-token
+generate, per step), by total µs: what the step's CUDA-graph replay spends, experts included.
+
 Each implementation runs in its own process (a fresh torch.compile state); JSON to $OUT if set.
 """
 
@@ -41,6 +44,20 @@ def _host_ops(model, prompt, config, top: int = 12) -> list:
     return [(e.key[:90], round(e.self_cpu_time_total / 8, 1), round(e.count / 8, 2)) for e in rows]
 
 
+def _gpu_kernels(model, prompt, config, top: int = 14) -> dict:
+    """GPU µs per decode step: all kernels, and the ``top`` kernels by total time (name, µs, count)."""
+    from moekit.bench.hf_measure import decode
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        decode(model, prompt, 9, compiled=config)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    rows = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / 8
+    return dict(total_us=round(total, 1), top=[(e.key[:80], round(e.self_device_time_total / 8, 1),
+                                                  round(e.count / 8, 2)) for e in rows[:top]])
+
+
 def child(impl: str, layers: int) -> dict:
     from torch._dynamo.utils import counters
 
@@ -59,7 +76,7 @@ def child(impl: str, layers: int) -> dict:
     step = _step_ms(model, prompt, config)
     seen = {group: dict(values) for group, values in counters.items() if values}
     return dict(impl=impl, layers=layers, step_ms=round(step, 4), counters=seen,
-                host_ops=_host_ops(model, prompt, config))
+                host_ops=_host_ops(model, prompt, config), gpu_kernels=_gpu_kernels(model, prompt, config))
 
 
 def main() -> None:
@@ -84,13 +101,16 @@ def main() -> None:
             res = found[0] if found else dict(impl=impl, layers=layers, error=run.stderr[-1500:])
             res["logs"] = logs[:20]
             results.append(res)
-            print(json.dumps(res, indent=1)[:3000], flush=True)
+            print(json.dumps({k: v for k, v in res.items() if k != 'gpu_kernels'}, indent=1)[:3000], flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hf_compiled_check.json"), "w") as f:
             json.dump(results, f, indent=1)
-    print("\nimpl         layers  step ms")
+    print("\nimpl         layers  step ms  GPU µs/step")
     for res in results:
-        print(f"{res['impl']:12s} {res['layers']:6d}  {res.get('step_ms', 'error')}")
+        gpu = res.get("gpu_kernels", {}).get("total_us", "-")
+        print(f"{res['impl']:12s} {res['layers']:6d}  {res.get('step_ms', 'error')}  {gpu}")
+        for name, us, count in res.get("gpu_kernels", {}).get("top", [])[:8]:
+            print(f"    {us:8.1f} µs  x{count:<6} {name}")
 
 
 if __name__ == "__main__":
