@@ -22,7 +22,7 @@ from moekit.bench.hf_run import (  # noqa: E402
 )
 from moekit.cli import main  # noqa: E402
 
-ROW_FIELDS = {"impl", "mode", "decode_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64",
+ROW_FIELDS = {"impl", "mode", "decode_tok_s", "step_tok_s", "prefill_ms", "logits_rel_err_vs_eager", "logits_rel_err_vs_fp64",
               "errors"}
 FP32_TOL = 1e-5  # design.md: an fp32 backend within 1e-5 relative L2 of a float64 reference
 
@@ -116,6 +116,21 @@ def test_failing_float64_pass_is_recorded_not_raised(monkeypatch, target, patch,
         assert row.logits_rel_err_vs_fp64 is None and row.errors["logits_rel_err_vs_fp64"].startswith(text)
 
 
+def test_step_rate_is_the_extra_tokens_over_the_extra_time():
+    """step_tok_s: (T - 1) tokens over median(generate T) - median(generate 1), worked by hand."""
+    row = Row("moekit", "compiled")
+    for full, one in ((2.0, 0.5), (2.2, 0.6), (2.1, 0.4)):
+        row.record("decode", full)
+        row.record("decode1", one)
+    out = row.finish(decode_tokens=11)
+    assert out["decode_tok_s"] == pytest.approx(11 / 2.1)
+    assert out["step_tok_s"] == pytest.approx(10 / (2.1 - 0.5))
+    noisy = Row("moekit", "eager")
+    noisy.record("decode", 1.0)
+    noisy.record("decode1", 1.2)  # a 1-token call slower than the whole one: no rate rather than a negative one
+    assert noisy.finish(decode_tokens=4)["step_tok_s"] is None
+
+
 def test_results_path_never_overwrites(tmp_path):
     doc = {"device": "NVIDIA H200", "date": "2030-01-02"}
     first = hf_results_path(tmp_path, doc)
@@ -202,8 +217,9 @@ def test_table_marks_errors_and_skips():
         {"impl": "moekit", "mode": "compiled", "decode_tok_s": None, "prefill_ms": None, "logits_rel_err_vs_eager": None,
          "logits_rel_err_vs_fp64": 0.0125, "errors": {"decode_tok_s": "TorchRuntimeError: x"}}]}
     cells = [list(col.cells) for col in hf_table(doc).columns]
-    assert cells[3] == ["skipped", "-"] and cells[2][1] == "[red]error[/red]"
-    assert cells[5] == ["skipped", "1.25e-02"]
+    assert cells[4] == ["skipped", "-"] and cells[2][1] == "[red]error[/red]"
+    assert cells[3] == ["-", "[red]error[/red]"]  # no step rate recorded; the compiled decode failed
+    assert cells[6] == ["skipped", "1.25e-02"]
 
 
 @pytest.mark.parametrize("argv,flag", [

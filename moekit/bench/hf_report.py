@@ -27,11 +27,13 @@ def hf_table(doc: dict) -> Table:
     model = doc["model"]
     t = Table(title=f"moekit bench --hf: {model['name']} ({model['widths']} widths, {doc['layers']} layers, "
                     f"{model['dtype']}) on {doc['device']}")
-    for col in ("impl", "mode", "decode tok/s", "prefill ms", "logits err vs eager", "logits err vs fp64"):
+    for col in ("impl", "mode", "decode tok/s", "step tok/s", "prefill ms", "logits err vs eager",
+                "logits err vs fp64"):
         t.add_column(col, justify="left" if col in ("impl", "mode") else "right")
     for r in doc["rows"]:
         errors = r["errors"]
         t.add_row(r["impl"], r["mode"], _number(r["decode_tok_s"], ".1f", errors.get("decode_tok_s")),
+                  _number(r.get("step_tok_s"), ".1f", errors.get("decode_tok_s")),
                   _number(r["prefill_ms"], ".1f", errors.get("prefill_ms")),
                   _number(r["logits_rel_err_vs_eager"], ".2e", errors.get("logits_rel_err_vs_eager")),
                   _number(r["logits_rel_err_vs_fp64"], ".2e", errors.get("logits_rel_err_vs_fp64")))
@@ -42,7 +44,8 @@ def print_hf_report(doc: dict, console: Console | None = None) -> None:
     console = console or Console(width=120)
     console.print(hf_table(doc))
     s = doc["settings"]
-    console.print(f"decode: {s['decode_tokens']} new tokens after {s['prompt_len']}, batch 1; prefill "
+    console.print(f"decode: {s['decode_tokens']} new tokens after {s['prompt_len']}, batch 1 (step tok/s: less a "
+                  f"1-token generate, per extra token); prefill "
                   f"{s['prefill_batch']} x {s['prefill_len']}; median of {s['repeats']}")
     if any(r["impl"] == "no_experts" for r in doc["rows"]):
         console.print("no_experts: the experts return zeros (the ceiling of any implementation; its errors mean nothing)")

@@ -62,6 +62,9 @@ class Row:
     impl: str
     mode: str  # "eager" (no torch.compile) or "compiled" (static cache + torch.compile of the decode step)
     decode_tok_s: float | None = None  # decode_tokens / median seconds of the whole generate call
+    # steady-state decode: (decode_tokens - 1) / (median generate(decode_tokens) - median generate(1)); the
+    # prompt's prefill and generate's per-call setup (a static cache, compile guards) cancel out
+    step_tok_s: float | None = None
     prefill_ms: float | None = None  # median ms of the B x L forward (eager mode only: generate compiles decode)
     logits_rel_err_vs_eager: float | None = None  # eager mode: prefill logits; compiled: decode step logits
     logits_rel_err_vs_fp64: float | None = None  # the same logits against the float64 model's (hf_fp64)
@@ -84,6 +87,9 @@ class Row:
     def finish(self, decode_tokens: int) -> dict:
         if "decode" in self._samples and "decode_tok_s" not in self.errors:
             self.decode_tok_s = decode_tokens / statistics.median(self._samples["decode"])
+            if "decode1" in self._samples and decode_tokens > 1:
+                steps = statistics.median(self._samples["decode"]) - statistics.median(self._samples["decode1"])
+                self.step_tok_s = (decode_tokens - 1) / steps if steps > 0 else None
         if "prefill" in self._samples and "prefill_ms" not in self.errors:
             self.prefill_ms = 1e3 * statistics.median(self._samples["prefill"])
         return {k: v for k, v in asdict(self).items() if k != "_samples"}
@@ -235,6 +241,9 @@ def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled)
         if dec is not None:
             row.record("decode", dec.seconds)
             done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")
+            one = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, 1, compiled=compiled))
+            if one is not None:
+                row.record("decode1", one.seconds)
     if compiled is None and "prefill_ms" not in row.errors:
         seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch).seconds)
         if seconds is not None:
@@ -306,7 +315,9 @@ def _document(device, opts: HFBenchOptions, config, dtype, rows: list[dict]) -> 
         "settings": asdict(opts),
         "method": (
             "random weights and ids; decode: greedy generate, batch 1, decode_tokens new tokens after a "
-            "prompt_len prompt (tok/s over the whole call); prefill: one forward of prefill_batch x prefill_len "
+            "prompt_len prompt (decode_tok_s: tok/s over the whole call; step_tok_s: the same call less a 1-token "
+            "generate, per extra token: prefill and per-call setup excluded); prefill: one forward of prefill_batch x "
+            "prefill_len "
             "ids, no cache, last logits only; error vs eager: relative L2 of the prefill logits (eager mode) or "
             "of the decode steps' logits while the tokens agree (compiled) against the eager implementation in "
             "eager mode; error vs fp64: the same logits (every decode step: teacher-forced on the row's own "
