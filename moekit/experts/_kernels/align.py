@@ -40,14 +40,21 @@ def align_hist_kernel(
 ):
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
-    chunk = tl.program_id(0)
+    chunk_hist_row(ids_ptr, map_ptr, hist_ptr, tl.program_id(0), num_assignments, num_experts, num_global,
+                   CHUNK, E_PAD, HAS_MAP)
+
+
+@triton.jit
+def chunk_hist_row(ids_ptr, map_ptr, hist_ptr, chunk, num_assignments, num_experts, num_global,
+                   CHUNK: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr):
+    """hist[chunk, :] = how many of the chunk's CHUNK assignments each local expert has (column
+    num_experts: skipped ones and the tail past num_assignments)."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < num_assignments
     ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
     local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
     local = tl.where(valid, local, num_experts).to(tl.int32)
-    hist = tl.histogram(local, E_PAD)  # [EP]
-    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), hist)
+    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(local, E_PAD))  # [EP]
 
 
 @triton.jit
@@ -75,13 +82,8 @@ def align_hist_scan_kernel(
     to 0 for the next call. The same rows and the same scan as the two launches, so the same layout."""
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
-    chunk = tl.program_id(0)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    valid = offs < num_assignments
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
-    local = local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP)
-    local = tl.where(valid, local, num_experts).to(tl.int32)
-    tl.store(hist_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(local, E_PAD))
+    chunk_hist_row(ids_ptr, map_ptr, hist_ptr, tl.program_id(0), num_assignments, num_experts, num_global,
+                   CHUNK, E_PAD, HAS_MAP)
     tl.debug_barrier()
     before = tl.atomic_add(arrivals_ptr + arrival_slot, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
