@@ -54,7 +54,8 @@ from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args
 from moekit.experts.configs import GemmTile
-from moekit.experts.triton_wo_plan import choose_decode, wo_heuristic_config, wo_plan_for
+from moekit.experts.triton_wo_configs import wo_heuristic_config
+from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}

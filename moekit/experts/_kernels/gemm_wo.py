@@ -40,6 +40,12 @@ Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output ti
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
 ``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on timing).
 
+AHEAD (software pipelining of the dequant): each step's weight tiles are loaded and decoded one step
+early and carried in registers, the step's ``tl.dot`` issued on them first and the next step's decode
+after it, so the decode's ALU work runs while the (asynchronous, Hopper wgmma) dot does; the group
+scales then load two steps ahead. Costs the registers of one decoded tile per weight operand; the last
+step decodes a tile past the reduction (masked loads: zeros, never read).
+
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
 
@@ -126,6 +132,19 @@ def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def _decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr, UPCAST: tl.constexpr):
+    """W[rows, k0 : k0 + BK] [BN, BK] loaded and decoded with step k0's (mul, add), in the dtype the dot
+    takes: x's, float32 with UPCAST."""
+    raw = _load_weights(q_rows, k0, stored_cols, n_ok, stride_qc, BLOCK_K, SCHEME)
+    if UPCAST:
+        w = _decode(raw, mul, add, tl.float32, BLOCK_N, BLOCK_K, SPAN, SCHEME)
+    else:
+        w = _decode(raw, mul, add, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, SPAN, SCHEME)
+    return w
+
+
+@triton.jit
 def _dot_t(w, a, acc):
     """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
     return tl.dot(a, tl.trans(w), acc)
@@ -140,7 +159,7 @@ def gate_up_wo_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
@@ -163,21 +182,37 @@ def gate_up_wo_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    if AHEAD:  # step 0's tiles decoded here; (mul, add) then run one step ahead of the loop
+        w_g = _decode_step(qg, 0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME, UPCAST)
+        w_u = _decode_step(qu, 0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME, UPCAST)
+        mul_g, add_g = _scales(sg, zg, BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+        mul_u, add_u = _scales(su, zu, BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
     for k0 in range(0, K, BLOCK_K):
-        next_mul_g, next_add_g = _scales(sg, zg, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+        k_scales = k0 + BLOCK_K  # the step whose scales load now: the next, with AHEAD the one after
+        if AHEAD:
+            k_scales += BLOCK_K
+        next_mul_g, next_add_g = _scales(sg, zg, k_scales, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
                                          BLOCK_N, BLOCK_K, SCHEME)
-        next_mul_u, next_add_u = _scales(su, zu, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+        next_mul_u, next_add_u = _scales(su, zu, k_scales, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
                                          BLOCK_N, BLOCK_K, SCHEME)
         k = k0 + offs_k
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
             a = a.to(tl.float32)
-        w = _decode(_load_weights(qg, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_g, add_g, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_gate = _dot_t(w, a, acc_gate)
-        w = _decode(_load_weights(qu, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_u, add_u, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_up = _dot_t(w, a, acc_up)
+        if AHEAD:  # this step's dots on the tiles decoded last step, then the next step's tiles
+            acc_gate = _dot_t(w_g, a, acc_gate)
+            acc_up = _dot_t(w_u, a, acc_up)
+            w_g = _decode_step(qg, k0 + BLOCK_K, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K,
+                               SPAN, SCHEME, UPCAST)
+            w_u = _decode_step(qu, k0 + BLOCK_K, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K,
+                               SPAN, SCHEME, UPCAST)
+        else:
+            w = _decode_step(qg, k0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
+                             UPCAST)
+            acc_gate = _dot_t(w, a, acc_gate)
+            w = _decode_step(qu, k0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
+                             UPCAST)
+            acc_up = _dot_t(w, a, acc_up)
         mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
@@ -197,7 +232,7 @@ def down_wo_kernel(
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
     grid axis 1 = split s): program (.., s) reduces N in [s * split_len, (s + 1) * split_len)
@@ -222,16 +257,28 @@ def down_wo_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_start = tl.program_id(1) * split_len
     mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    if AHEAD:  # as in the gate-up kernel
+        w = _decode_step(q_rows, n_start, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K, SPAN,
+                         SCHEME, UPCAST)
+        mul, add = _scales(s_rows, z_rows, n_start + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N,
+                           BLOCK_K, SCHEME)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
-        next_mul, next_add = _scales(s_rows, z_rows, n0 + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
+        n_scales = n0 + BLOCK_K
+        if AHEAD:
+            n_scales += BLOCK_K
+        next_mul, next_add = _scales(s_rows, z_rows, n_scales, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
                                      BLOCK_N, BLOCK_K, SCHEME)
         red = n0 + offs_red
         a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:
             a = a.to(tl.float32)
-        w = _decode(_load_weights(q_rows, n0, N_STORED, out_ok, stride_qc, BLOCK_K, SCHEME), mul, add, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc = _dot_t(w, a, acc)
+        if AHEAD:
+            acc = _dot_t(w, a, acc)
+            w = _decode_step(q_rows, n0 + BLOCK_K, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K,
+                             SPAN, SCHEME, UPCAST)
+        else:
+            acc = _dot_t(_decode_step(q_rows, n0, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K,
+                                      SPAN, SCHEME, UPCAST), a, acc)
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
