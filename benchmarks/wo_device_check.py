@@ -25,8 +25,7 @@ with bf16 (inline PTX) and fp16 (the pure-Triton bit placement) activations, aga
 
 Prints a PASS/FAIL line per check, the table last (per cell: µs of each decode, the chooser's pick and
 the faster one, the pick's % of the floor and x bf16, each decode's error against the twin); JSON to
-$OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: under 2 minutes on an H200 (most of it
-compiling).
+$OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: < 2 min on an H200 (mostly compiling).
 
 Sweep (``sweep_cells``): the register decode at Qwen3 M = 1 (few programs: the issue's 0.45 x bf16 target)
 under a few gate-up tiles and down tiles / splits, each against the twin, one line each.

@@ -145,6 +145,40 @@ def _decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOC
 
 
 @triton.jit
+def _first(q_rows, s_rows, z_rows, k0, C, stored_cols, n_ok, stride_qc, stride_sg, stride_zg, x_ptr,
+           SPAN: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           SCHEME: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr):
+    """(w, mul, add) before the loop's first step k0: with AHEAD w is step k0's decoded tile and (mul,
+    add) step k0 + BK's scales; else w a placeholder (never read) and (mul, add) step k0's."""
+    mul, add = _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    if AHEAD:
+        w = _decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
+                         UPCAST)
+        mul, add = _scales(s_rows, z_rows, k0 + BLOCK_K, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K,
+                           SCHEME)
+    else:
+        w = tl.zeros([1, 1], dtype=tl.float32)
+    return w, mul, add
+
+
+@triton.jit
+def _step(w, a, acc, q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr, UPCAST: tl.constexpr,
+          AHEAD: tl.constexpr):
+    """One reduction step, (acc + a @ W[rows, k0 : k0 + BK]^T, w). AHEAD: w is that tile (decoded a step
+    earlier), the dot goes first and the tile of step k0 + BK (decoded with (mul, add), its scales)
+    comes back; else the tile is decoded here with (mul, add) and w passes through."""
+    if AHEAD:
+        acc = _dot_t(w, a, acc)
+        w = _decode_step(q_rows, k0 + BLOCK_K, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN,
+                         SCHEME, UPCAST)
+    else:
+        acc = _dot_t(_decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN,
+                                  SCHEME, UPCAST), a, acc)
+    return acc, w
+
+
+@triton.jit
 def _dot_t(w, a, acc):
     """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
     return tl.dot(a, tl.trans(w), acc)
@@ -180,13 +214,10 @@ def gate_up_wo_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
-    mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
-    if AHEAD:  # step 0's tiles decoded here; (mul, add) then run one step ahead of the loop
-        w_g = _decode_step(qg, 0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME, UPCAST)
-        w_u = _decode_step(qu, 0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME, UPCAST)
-        mul_g, add_g = _scales(sg, zg, BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
-        mul_u, add_u = _scales(su, zu, BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    w_g, mul_g, add_g = _first(qg, sg, zg, 0, K, K_STORED, n_ok, stride_qc, stride_sg, stride_zg, x_ptr, SPAN,
+                               GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
+    w_u, mul_u, add_u = _first(qu, su, zu, 0, K, K_STORED, n_ok, stride_qc, stride_sg, stride_zg, x_ptr, SPAN,
+                               GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_scales = k0 + BLOCK_K  # the step whose scales load now: the next, with AHEAD the one after
         if AHEAD:
@@ -199,20 +230,10 @@ def gate_up_wo_kernel(
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
             a = a.to(tl.float32)
-        if AHEAD:  # this step's dots on the tiles decoded last step, then the next step's tiles
-            acc_gate = _dot_t(w_g, a, acc_gate)
-            acc_up = _dot_t(w_u, a, acc_up)
-            w_g = _decode_step(qg, k0 + BLOCK_K, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K,
-                               SPAN, SCHEME, UPCAST)
-            w_u = _decode_step(qu, k0 + BLOCK_K, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K,
-                               SPAN, SCHEME, UPCAST)
-        else:
-            w = _decode_step(qg, k0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
-                             UPCAST)
-            acc_gate = _dot_t(w, a, acc_gate)
-            w = _decode_step(qu, k0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
-                             UPCAST)
-            acc_up = _dot_t(w, a, acc_up)
+        acc_gate, w_g = _step(w_g, a, acc_gate, qg, k0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N,
+                              BLOCK_K, SPAN, SCHEME, UPCAST, AHEAD)
+        acc_up, w_u = _step(w_u, a, acc_up, qu, k0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N,
+                            BLOCK_K, SPAN, SCHEME, UPCAST, AHEAD)
         mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
@@ -256,12 +277,8 @@ def down_wo_kernel(
     offs_red = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_start = tl.program_id(1) * split_len
-    mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
-    if AHEAD:  # as in the gate-up kernel
-        w = _decode_step(q_rows, n_start, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K, SPAN,
-                         SCHEME, UPCAST)
-        mul, add = _scales(s_rows, z_rows, n_start + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N,
-                           BLOCK_K, SCHEME)
+    w, mul, add = _first(q_rows, s_rows, z_rows, n_start, N, N_STORED, out_ok, stride_qc, stride_sg, stride_zg, h_ptr,
+                         SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
         n_scales = n0 + BLOCK_K
         if AHEAD:
@@ -272,13 +289,8 @@ def down_wo_kernel(
         a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:
             a = a.to(tl.float32)
-        if AHEAD:
-            acc = _dot_t(w, a, acc)
-            w = _decode_step(q_rows, n0 + BLOCK_K, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K,
-                             SPAN, SCHEME, UPCAST)
-        else:
-            acc = _dot_t(_decode_step(q_rows, n0, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K,
-                                      SPAN, SCHEME, UPCAST), a, acc)
+        acc, w = _step(w, a, acc, q_rows, n0, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K, SPAN,
+                       SCHEME, UPCAST, AHEAD)
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:
