@@ -4,7 +4,7 @@ prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode`` t
 ``triton_wo_configs.wo_config`` the tile decode's config from here.
 
     winner(scheme, E, N, K, M) -> the row of the measured M nearest to M (log2 distance, ties: the
-    smaller) among those within a factor 2 (m/2 <= M < 2m); None where no row covers M
+    smaller) among those within a factor 2 (m/2 <= M < 2m) and m >= MIN_M; None where no row covers M
 
 A row: ``WoWinner(decode, tile)``; decode "tile" or "scratch" (or "register"), tile the fastest tile
 decode config measured at that cell (a ``WoTileConfig``), or None for the usual
@@ -43,6 +43,8 @@ def tile(block_m: int, up: tuple, down: tuple, ahead: bool = False) -> WoTileCon
     return WoTileConfig(block_m, GemmTile(*up), GemmTile(*down), ahead)
 
 
+MIN_M = 1024  # the table's scope: rows of M >= MIN_M only (smaller ones are ignored), so calls below MIN_M / 2
+# never take a row (``triton_wo.run_experts_wo`` skips the chooser's scratch test there)
 # (scheme, E, N, K, M) -> WoWinner. H200, Triton 3.6, bf16 activations, µs (results/raw).
 # Qwen3-30B-A3B int8 M=4096 (87d0e52-wo_large): fused tile 1084 µs (heuristic config), scratch 1215,
 # bf16 733.
@@ -57,7 +59,7 @@ def winner(scheme: str, num_experts: int, n: int, k: int, num_tokens: int,
     rows = WO_WINNERS if table is None else table
     target = math.log2(max(num_tokens, 1))
     covering = [m for (s, e, nn, kk, m) in rows
-                if (s, e, nn, kk) == (scheme, num_experts, n, k) and m / 2 <= num_tokens < 2 * m]
+                if (s, e, nn, kk) == (scheme, num_experts, n, k) and m >= MIN_M and m / 2 <= num_tokens < 2 * m]
     if not covering:
         return None
     m = min(covering, key=lambda m: (abs(math.log2(m) - target), m))
