@@ -56,15 +56,18 @@ BATCHES = (1024, 4096)
 TOL = 1e-2  # rel L2 against the reference
 WARMUP_MS, REP_MS = 5, 25
 # name -> a tile-decode config: tile(BLOCK_M, gate-up (BLOCK_N, BLOCK_K, GROUP_M, warps, stages), down (..), AHEAD).
-# "m128" is the heuristic's at 64+ rows per expert; the others taller, wider, deeper or with AHEAD.
+# "m128" and "m64" are the heuristic's; the others taller, wider, deeper or with AHEAD.
 CANDIDATES = {
     "m128": tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3)),
     "m128a": tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), True),
+    "m128s4": tile(128, (64, 64, 8, 8, 4), (128, 64, 8, 8, 4)),
     "m128s4a": tile(128, (64, 64, 8, 8, 4), (128, 64, 8, 8, 4), True),
     "m128k128a": tile(128, (64, 128, 8, 8, 3), (128, 128, 8, 8, 3), True),
     "m128n256a": tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True),
+    "m256": tile(256, (32, 64, 8, 8, 3), (128, 64, 8, 8, 3)),
     "m256a": tile(256, (32, 64, 8, 8, 3), (128, 64, 8, 8, 3), True),
     "m256n64a": tile(256, (64, 64, 8, 8, 3), (64, 64, 8, 8, 4), True),
+    "m64": tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4)),  # the heuristic's at 32-64 rows per expert
     "m64a": tile(64, (64, 64, 8, 4, 4), (64, 64, 8, 4, 4), True),
     "m64n128a": tile(64, (128, 64, 8, 4, 3), (128, 64, 8, 4, 3), True),
 }
