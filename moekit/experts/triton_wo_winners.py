@@ -8,7 +8,8 @@ prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode`` t
 
 A row: ``WoWinner(decode, tile)``; decode "tile" or "scratch" (or "register"), tile the fastest tile
 decode config measured at that cell (a ``WoTileConfig``), or None for the usual
-lookup. Shapes: E local experts, N intermediate, K hidden, M tokens.
+lookup. After a device run, the printed rows replace WO_WINNERS' (a data change; keep the run's name in
+the comment above them). Shapes: E local experts, N intermediate, K hidden, M tokens.
 """
 
 from __future__ import annotations
