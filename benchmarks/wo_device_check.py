@@ -25,8 +25,7 @@ with bf16 (inline PTX) and fp16 (the pure-Triton bit placement) activations, aga
 
 Prints a PASS/FAIL line per check, the table last (per cell: µs of each decode, the chooser's pick and
 the faster one, the pick's % of the floor and x bf16, each decode's error against the twin); JSON to
-$OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: under 2 minutes on an H200 (most of it
-compiling).
+$OUT/wo.json when OUT is set. Exit 1 on any failure. Whole run: < 2 min on an H200 (mostly compiling).
 
 Sweep (``sweep_cells``): the register decode at Qwen3 M = 1 (few programs: the issue's 0.45 x bf16 target)
 under a few gate-up tiles and down tiles / splits, each against the twin, one line each.
@@ -54,7 +53,8 @@ from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo, fused_experts_wo_torch, run_experts_wo, weight_args
 from moekit.experts.configs import GemmTile
-from moekit.experts.triton_wo_plan import choose_decode, wo_heuristic_config, wo_plan_for
+from moekit.experts.triton_wo_configs import wo_heuristic_config
+from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
 GROUP = {"int8_w8a16": 0, "int4_w4a16": 128, "mxfp4": 32}

@@ -233,7 +233,7 @@ def test_op_traces_fullgraph_and_passes_opcheck(wo):
 
 
 def test_tuned_file_is_found_and_heuristic_otherwise(wo, tmp_path, monkeypatch):
-    from moekit.experts import triton_wo_plan as plans
+    from moekit.experts import triton_wo_configs as plans
 
     tile = {"BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
     entry = {"BLOCK_M": 32, "up": tile, "down": tile}
@@ -311,7 +311,8 @@ def test_split_k_down_matches_twin(wo, scheme, group, split_k, decode):
 
 
 def test_decode_split_rule():
-    from moekit.experts.triton_wo_plan import MIN_PROGRAMS, decode_split_k, wo_heuristic_config
+    from moekit.experts.triton_wo_configs import MIN_PROGRAMS, wo_heuristic_config
+    from moekit.experts.triton_wo_plan import decode_split_k
 
     for (e, n, hidden, top_k), m in [((256, 2048, 7168, 8), 1), ((8, 14336, 4096, 2), 1), ((128, 768, 2048, 8), 1)]:
         config = wo_heuristic_config(m, e, n, hidden, top_k, "int4_w4a16")

@@ -136,7 +136,8 @@ def test_gemv_on_the_aligned_layout_only_at_or_below_where_measured():
 @pytest.mark.parametrize("decode,gate_up,down", [("tile", "gate_up_wo_kernel", "down_wo_kernel"),
                                                  ("register", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")])
 def test_decode_override_picks_the_kernels(wo, decode, gate_up, down):
-    from moekit.experts.triton_wo_plan import build_wo_plan, wo_heuristic_config
+    from moekit.experts.triton_wo_configs import wo_heuristic_config
+    from moekit.experts.triton_wo_plan import build_wo_plan
 
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=5, k=2, seed=40)
     args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
@@ -174,7 +175,8 @@ def test_inline_asm_only_on_compiled_nvidia_sm80(monkeypatch):
 
 
 def test_register_heuristic_splits_the_wide_down_tiles():
-    from moekit.experts.triton_wo_plan import MIN_PROGRAMS, decode_split_k, wo_heuristic_config
+    from moekit.experts.triton_wo_configs import MIN_PROGRAMS, wo_heuristic_config
+    from moekit.experts.triton_wo_plan import decode_split_k
 
     # the packed down tiles are 128 wide at decode and split where the touched experts' tiles are few
     for (e, n, hidden, top_k), splits in [((256, 2048, 7168, 8), 1), ((8, 14336, 4096, 2), 4),
@@ -190,7 +192,7 @@ def test_register_heuristic_splits_the_wide_down_tiles():
 
 
 def test_each_decode_reads_its_own_tuned_file(wo, tmp_path, monkeypatch):
-    from moekit.experts import triton_wo_plan as plans
+    from moekit.experts import triton_wo_configs as plans
 
     tile = {"BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
     entry = {"BLOCK_M": 32, "up": tile, "down": tile}

@@ -133,7 +133,7 @@ def _fake_timer(shape, num_tokens, scheme, device, weights):
 def _lookup(name: str, m: int, shape: Shape) -> KernelConfig:
     """What the scheme's plan picks for M with no explicit config (tuned file, else heuristic)."""
     from moekit.experts.triton_fp8_plan import fp8_config
-    from moekit.experts.triton_wo_plan import wo_config
+    from moekit.experts.triton_wo_configs import wo_config
 
     if name == "fp8_block":
         return fp8_config(m, shape.num_experts, shape.n, shape.k, shape.top_k, 128, "cpu")

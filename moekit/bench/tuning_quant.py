@@ -40,7 +40,8 @@ from moekit.experts.triton_fp8_plan import config_file_name as fp8_file_name
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.experts.triton_wo import SCHEMES as WO_SCHEMES
 from moekit.experts.triton_wo import WoWeight, check_wo_args, run_experts_wo
-from moekit.experts.triton_wo_plan import WeightArgs, config_name, span, weight_args, wo_heuristic_config
+from moekit.experts.triton_wo_configs import config_name, wo_heuristic_config
+from moekit.experts.triton_wo_plan import WeightArgs, span, weight_args
 from moekit.quant import Int4Weight, Mxfp4Weight, QuantizedWeight, quantize
 from moekit.quant.fp8_block import DEFAULT_BLOCK_SHAPE
 from moekit.quant.mxfp4 import MX_BLOCK

@@ -46,6 +46,7 @@ from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, choose_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch
+from moekit.experts.triton_wo_winners import MIN_M
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
 from moekit.quant.base import unpack_nibbles
@@ -221,8 +222,9 @@ def run_experts_wo(
 
 def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
     """The caller's "scratch", or the chooser's for a call that fixes no fused config or split (cheap
-    first test: batches below SCRATCH_MIN_TOKENS never run it)."""
-    if decode is not None or config is not None or split_k is not None or x.shape[0] < SCRATCH_MIN_TOKENS:
+    first test: batches below SCRATCH_MIN_TOKENS and below the winners table's scope never run it)."""
+    small = x.shape[0] < min(SCRATCH_MIN_TOKENS, MIN_M // 2)
+    if decode is not None or config is not None or split_k is not None or small:
         return decode == "scratch"
     num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
     return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False) == "scratch"

@@ -15,12 +15,14 @@ Four decodes of the packed weights (DECODES), each its own kernels and its own c
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
-``choose_decode`` picks what the H200 measured faster: per (scheme, shape, nearest measured M of the same
+``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
+call (``triton_wo_winners``, mid and large batches), else per (scheme, shape, nearest measured M of the same
 tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on
 the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket)
 (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``) overrides it.
 
-Configs: ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
+Configs (``triton_wo_configs.wo_config``): for the tile decode the winners table's tile where a row covers
+the call, else ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
 format and search order, ``config_name(scheme, decode)`` in the dtype's place: the scheme for the tile
 decode, ``{scheme}_register`` for the register decode), nearest M; without a file, ``wo_heuristic_config``.
 
@@ -34,23 +36,25 @@ from dataclasses import dataclass, replace
 import torch
 
 from moekit.activations import get_activation
-from moekit.experts.configs import GemmTile, KernelConfig, device_key, load_configs, nearest, on_config_cache_clear
+from moekit.experts.configs import GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
 from moekit.experts.triton_plan import sum_launch
-from moekit.experts.triton_wo_gemv import gemv_heuristic_config, gemv_launches, words_ok
+from moekit.experts.triton_wo_configs import (
+    MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
+)
+from moekit.experts.triton_wo_gemv import gemv_launches, words_ok
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
+from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
 from moekit.triton_bind import BoundLaunch
 
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
-MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
 DECODES = ("tile", "register", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
@@ -155,20 +159,17 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
     return plan
 
 
-def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
-    """The heuristics' tile height: 16, 32, 64, then 128 from 64 mean rows per expert (M*k/E), as the
-    bf16 heuristic (``configs.heuristic_config``)."""
-    rows_per_expert = num_tokens * top_k / num_experts
-    return next((b for b in (16, 32, 64) if rows_per_expert < b), 128)
-
-
 def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
                   shortcut: bool | None = None, fused: bool = False) -> str:
-    """The decode (one of DECODES) the H200 measured faster: "scratch" from SCRATCH_MIN_TOKENS where an
-    expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in DECODE_MEASURED the
+    """The decode (one of DECODES) the H200 measured faster: the winners table's where it covers the call
+    (``triton_wo_winners``; its "scratch" only where that fits and not ``fused``); "scratch" from
+    SCRATCH_MIN_TOKENS where an expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in DECODE_MEASURED the
     entry of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's, else "tile".
     "gemv" only on the tiny-batch shortcut (``shortcut``; None: ``use_naive`` without an expert map), or
     at or below the measured M when that M's own calls run aligned (the gemv measured faster there)."""
+    won = winner(scheme, num_experts, n, k, num_tokens)
+    if won is not None and (won.decode != "scratch" or (not fused and scratch_fits(n, k, 2))):
+        return won.decode
     if num_tokens >= SCRATCH_MIN_TOKENS and not fused and scratch_fits(n, k, 2):
         return "scratch"
     bucket = height_bucket(num_tokens, num_experts, top_k)
@@ -188,110 +189,12 @@ def check_decode(decode: str | None) -> None:
         raise ValueError(f"decode must be one of {DECODES} or None (the measured choice), got {decode!r}")
 
 
-def config_name(scheme: str, decode: str) -> str:
-    """The dtype part of the config file names of ``scheme``'s kernels with ``decode``."""
-    return scheme if decode == "tile" else f"{scheme}_{decode}"
-
-
 def inline_asm_ok(device: torch.device) -> bool:
     """Whether the register decode may use its inline PTX: an NVIDIA GPU of compute capability 8.0+
     (prmt, lop3, fma.rn.bf16x2), compiled (never under the interpreter, never on ROCm)."""
     if interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
-                        decode: str = "tile") -> KernelConfig:
-    """The default without a tuned file (``moekit tune --dtype SCHEME`` tunes on the device and writes the
-    files, ``benchmarks/wo_device_check.py`` times this); ``decode`` "register": ``_register_heuristic``.
-    The tile height is ``height_bucket`` (128 from 64 rows per expert, where the GEMMs are
-    compute-bound and tall tiles reuse each dequantized weight tile 128 times). Decode sizes: reduction
-    steps of 128 weights (64 packed bytes a row), 4 stages in flight, and output tiles as wide as still
-    give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM streams weights);
-    packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile (float32 on its way to bf16)
-    fits in registers next to the gate and up accumulators (ptxas for sm_90, Triton 3.6: decode gate-up
-    128-168 registers, no spills)."""
-    if decode == "register":
-        return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
-    if decode == "gemv":
-        return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
-    widest = 128 if scheme == "int8_w8a16" else 64
-    bucket = height_bucket(num_tokens, num_experts, top_k)
-    if bucket == 16:
-        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
-        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
-        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
-    if bucket == 32:
-        return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
-    if bucket == 64:
-        return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
-    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
-
-
-def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The register decode's default (branch wo-fast-2 as measured). Decode sizes: the gate-up tiles as
-    wide (64, else 32) as still give >= MIN_PROGRAMS programs; the packed down tiles 128 wide always
-    (the group scale on each chunk's partial product is per output column: narrow tiles pay it on fewer
-    weights; sm_90 SASS 3.4 instructions a weight at 128 wide, 11 at 32 with mxfp4) and
-    ``decode_split_k`` splits the reduction for the programs instead. Taller tiles: the packed gate-up
-    32 wide and down <= 64 (ptxas sm_90: int4 spills 900 bytes a thread at 64 x 64); int8 as the tile
-    decode's."""
-    packed, bucket = scheme != "int8_w8a16", height_bucket(num_tokens, num_experts, top_k)
-    if bucket == 16:
-        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
-        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)
-        down_width = 128 if packed else _decode_width(blocks, k, widest=128)
-        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
-    up_width = 32 if packed else 64  # packed: the chunks' partial products take registers
-    if bucket == 32:
-        return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
-    if bucket == 64:
-        return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
-    return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(64 if packed else 128, 64, 8, 8, 3))
-
-
-def _decode_width(blocks: int, cols: int, widest: int) -> int:
-    """The widest BLOCK_N up to ``widest`` (128, 64, 32) that makes blocks x cols / BLOCK_N >= MIN_PROGRAMS,
-    else 32."""
-    return next((bn for bn in (128, 64) if bn <= widest and blocks * cols / bn >= MIN_PROGRAMS), 32)
-
-
-def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
-              decode: str = "tile") -> KernelConfig:
-    """The tuned entry of the nearest M for (E, N, K, ``config_name(scheme, decode)``, device), else
-    ``wo_heuristic_config``."""
-    configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
-    if configs:
-        return nearest(configs, num_tokens)
-    return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
-
-
-def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
-    """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
-    [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
-    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
-    weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
-    packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
-    return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
-
-
-def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit_bytes: int) -> KernelConfig:
-    """``config`` with each GEMM shrunk until the estimate fits ``limit_bytes``: fewer stages (to 2), then
-    a halved BLOCK_K (to 32 packed, 16 int8). A config that fits comes back unchanged."""
-    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_K
-
-    def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
-        while wo_shared_memory_bytes(config.BLOCK_M, tile, scheme, itemsize, weight_tiles) > limit_bytes:
-            if tile.num_stages > 2:
-                tile = replace(tile, num_stages=tile.num_stages - 1)
-            elif tile.BLOCK_K > least_k:
-                tile = replace(tile, BLOCK_K=tile.BLOCK_K // 2)
-            else:
-                break  # the smallest tile we make; let Triton report what it needs
-        return tile
-
-    return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
 
 
 def span(tile: GemmTile, scheme: str, group_size: int) -> int:
@@ -385,6 +288,8 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
                   cached=options.cached_launcher, **options.pdl_kwargs())
     if decode == "register":
         shared["ASM"] = inline_asm_ok(x.device)
+    else:
+        shared["AHEAD"] = ahead_of(config)
     gate_up = BoundLaunch(
         getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, w13.q.shape[2], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),

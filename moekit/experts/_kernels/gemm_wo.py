@@ -40,6 +40,12 @@ Split-K (down only, SPLIT > 1, decode sizes where the touched experts' output ti
 fill the GPU): grid axis 1 splits the reduction, each split writes fp32 partial rows, and
 ``combine.sum_slots_kernel`` (SPLIT > 1) sums them with the k slots (atomic-free, so the result does not depend on timing).
 
+AHEAD (software pipelining of the dequant): each step's weight tiles are loaded and decoded one step
+early and carried in registers, the step's ``tl.dot`` issued on them first and the next step's decode
+after it, so the decode's ALU work runs while the (asynchronous, Hopper wgmma) dot does; the group
+scales then load two steps ahead. Costs the registers of one decoded tile per weight operand; the last
+step decodes a tile past the reduction (masked loads: zeros, never read).
+
 Alignment, NAIVE, PDL and UPCAST as in ``gemm.py`` (whose grid order, block rows and activations these
 kernels share).
 
@@ -126,6 +132,53 @@ def _decode(raw, mul, add, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def _decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr, UPCAST: tl.constexpr):
+    """W[rows, k0 : k0 + BK] [BN, BK] loaded and decoded with step k0's (mul, add), in the dtype the dot
+    takes: x's, float32 with UPCAST."""
+    raw = _load_weights(q_rows, k0, stored_cols, n_ok, stride_qc, BLOCK_K, SCHEME)
+    if UPCAST:
+        w = _decode(raw, mul, add, tl.float32, BLOCK_N, BLOCK_K, SPAN, SCHEME)
+    else:
+        w = _decode(raw, mul, add, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, SPAN, SCHEME)
+    return w
+
+
+@triton.jit
+def _first(q_rows, s_rows, z_rows, k0, C, stored_cols, n_ok, stride_qc, stride_sg, stride_zg, x_ptr,
+           SPAN: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           SCHEME: tl.constexpr, UPCAST: tl.constexpr, AHEAD: tl.constexpr):
+    """(w, mul, add) before the loop's first step k0: with AHEAD w is step k0's decoded tile and (mul,
+    add) step k0 + BK's scales; else w a placeholder (never read) and (mul, add) step k0's."""
+    mul, add = _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    if AHEAD:
+        w = _decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN, SCHEME,
+                         UPCAST)
+        mul, add = _scales(s_rows, z_rows, k0 + BLOCK_K, C, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K,
+                           SCHEME)
+    else:
+        w = tl.zeros([1, 1], dtype=tl.float32)
+    return w, mul, add
+
+
+@triton.jit
+def _step(w, a, acc, q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr, UPCAST: tl.constexpr,
+          AHEAD: tl.constexpr):
+    """One reduction step, (acc + a @ W[rows, k0 : k0 + BK]^T, w). AHEAD: w is that tile (decoded a step
+    earlier), the dot goes first and the tile of step k0 + BK (decoded with (mul, add), its scales)
+    comes back; else the tile is decoded here with (mul, add) and w passes through."""
+    if AHEAD:
+        acc = _dot_t(w, a, acc)
+        w = _decode_step(q_rows, k0 + BLOCK_K, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN,
+                         SCHEME, UPCAST)
+    else:
+        acc = _dot_t(_decode_step(q_rows, k0, stored_cols, n_ok, stride_qc, mul, add, x_ptr, BLOCK_N, BLOCK_K, SPAN,
+                                  SCHEME, UPCAST), a, acc)
+    return acc, w
+
+
+@triton.jit
 def _dot_t(w, a, acc):
     """acc [BM, BN] + a [BM, BK] @ w^T (w [BN, BK])."""
     return tl.dot(a, tl.trans(w), acc)
@@ -140,7 +193,7 @@ def gate_up_wo_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
@@ -161,23 +214,26 @@ def gate_up_wo_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    mul_g, add_g = _scales(sg, zg, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
-    mul_u, add_u = _scales(su, zu, 0, K, n_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    w_g, mul_g, add_g = _first(qg, sg, zg, 0, K, K_STORED, n_ok, stride_qc, stride_sg, stride_zg, x_ptr, SPAN,
+                               GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
+    w_u, mul_u, add_u = _first(qu, su, zu, 0, K, K_STORED, n_ok, stride_qc, stride_sg, stride_zg, x_ptr, SPAN,
+                               GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
     for k0 in range(0, K, BLOCK_K):
-        next_mul_g, next_add_g = _scales(sg, zg, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+        k_scales = k0 + BLOCK_K  # the step whose scales load now: the next, with AHEAD the one after
+        if AHEAD:
+            k_scales += BLOCK_K
+        next_mul_g, next_add_g = _scales(sg, zg, k_scales, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
                                          BLOCK_N, BLOCK_K, SCHEME)
-        next_mul_u, next_add_u = _scales(su, zu, k0 + BLOCK_K, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
+        next_mul_u, next_add_u = _scales(su, zu, k_scales, K, n_ok, stride_sg, stride_zg, SPAN, GROUP,
                                          BLOCK_N, BLOCK_K, SCHEME)
         k = k0 + offs_k
         a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
             a = a.to(tl.float32)
-        w = _decode(_load_weights(qg, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_g, add_g, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_gate = _dot_t(w, a, acc_gate)
-        w = _decode(_load_weights(qu, k0, K_STORED, n_ok, stride_qc, BLOCK_K, SCHEME), mul_u, add_u, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc_up = _dot_t(w, a, acc_up)
+        acc_gate, w_g = _step(w_g, a, acc_gate, qg, k0, K_STORED, n_ok, stride_qc, mul_g, add_g, x_ptr, BLOCK_N,
+                              BLOCK_K, SPAN, SCHEME, UPCAST, AHEAD)
+        acc_up, w_u = _step(w_u, a, acc_up, qu, k0, K_STORED, n_ok, stride_qc, mul_u, add_u, x_ptr, BLOCK_N,
+                            BLOCK_K, SPAN, SCHEME, UPCAST, AHEAD)
         mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
     if SCHEME == 0:  # int8: the per-row scale, once
@@ -197,7 +253,7 @@ def down_wo_kernel(
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
     grid axis 1 = split s): program (.., s) reduces N in [s * split_len, (s + 1) * split_len)
@@ -221,17 +277,20 @@ def down_wo_kernel(
     offs_red = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_start = tl.program_id(1) * split_len
-    mul, add = _scales(s_rows, z_rows, n_start, N, out_ok, stride_sg, stride_zg, SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME)
+    w, mul, add = _first(q_rows, s_rows, z_rows, n_start, N, N_STORED, out_ok, stride_qc, stride_sg, stride_zg, h_ptr,
+                         SPAN, GROUP, BLOCK_N, BLOCK_K, SCHEME, UPCAST, AHEAD)
     for n0 in range(n_start, tl.minimum(n_start + split_len, N), BLOCK_K):
-        next_mul, next_add = _scales(s_rows, z_rows, n0 + BLOCK_K, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
+        n_scales = n0 + BLOCK_K
+        if AHEAD:
+            n_scales += BLOCK_K
+        next_mul, next_add = _scales(s_rows, z_rows, n_scales, N, out_ok, stride_sg, stride_zg, SPAN, GROUP,
                                      BLOCK_N, BLOCK_K, SCHEME)
         red = n0 + offs_red
         a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0)  # [BM, BK]
         if UPCAST:
             a = a.to(tl.float32)
-        w = _decode(_load_weights(q_rows, n0, N_STORED, out_ok, stride_qc, BLOCK_K, SCHEME), mul, add, a.dtype,
-                    BLOCK_N, BLOCK_K, SPAN, SCHEME)
-        acc = _dot_t(w, a, acc)
+        acc, w = _step(w, a, acc, q_rows, n0, N_STORED, out_ok, stride_qc, mul, add, h_ptr, BLOCK_N, BLOCK_K, SPAN,
+                       SCHEME, UPCAST, AHEAD)
         mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
     if SCHEME == 0:

@@ -1,0 +1,137 @@
+"""Launch configurations of the weight-only fused decodes (``triton_wo_plan``): the heuristic defaults,
+the tuned-file lookup, the measured winners (``triton_wo_winners``) and the shared-memory fit.
+
+    wo_config(call) -> the winners table's tile config (tile decode, measured M >= 1024 cells), else the
+    tuned file's entry of the nearest M, else ``wo_heuristic_config``
+
+``triton_wo_winners.WoTileConfig``: a ``KernelConfig`` of the tile decode with ``ahead`` (``ahead_of``).
+
+Shapes: M tokens, k slots, E local experts, K hidden, N intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config
+from moekit.experts.triton_wo_winners import WoTileConfig, winner
+
+MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
+MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
+
+
+def ahead_of(config: KernelConfig) -> bool:
+    """The AHEAD switch ``config`` launches the tile decode with (off for a plain ``KernelConfig``)."""
+    return isinstance(config, WoTileConfig) and config.ahead
+
+
+def height_bucket(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The heuristics' tile height: 16, 32, 64, then 128 from 64 mean rows per expert (M*k/E), as the
+    bf16 heuristic (``configs.heuristic_config``)."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    return next((b for b in (16, 32, 64) if rows_per_expert < b), 128)
+
+
+def config_name(scheme: str, decode: str) -> str:
+    """The dtype part of the config file names of ``scheme``'s kernels with ``decode``."""
+    return scheme if decode == "tile" else f"{scheme}_{decode}"
+
+
+def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
+                        decode: str = "tile") -> KernelConfig:
+    """The default without a tuned file (``moekit tune --dtype SCHEME`` tunes on the device and writes the
+    files, ``benchmarks/wo_device_check.py`` times this); ``decode`` "register": ``_register_heuristic``.
+    The tile height is ``height_bucket`` (128 from 64 rows per expert, where the GEMMs are
+    compute-bound and tall tiles reuse each dequantized weight tile 128 times). Decode sizes: reduction
+    steps of 128 weights (64 packed bytes a row), 4 stages in flight, and output tiles as wide as still
+    give each GEMM >= MIN_PROGRAMS programs over the touched experts (so every SM streams weights);
+    packed tiles stay <= 64 wide so that the dequantized [BN, 128] tile (float32 on its way to bf16)
+    fits in registers next to the gate and up accumulators (ptxas for sm_90, Triton 3.6: decode gate-up
+    128-168 registers, no spills)."""
+    if decode == "register":
+        return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
+    if decode == "gemv":
+        return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+    widest = 128 if scheme == "int8_w8a16" else 64
+    bucket = height_bucket(num_tokens, num_experts, top_k)
+    if bucket == 16:
+        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)  # gate and up: two weight tiles
+        return KernelConfig(16, up, GemmTile(_decode_width(blocks, k, widest=widest), 128, 1, 4, 4))
+    if bucket == 32:
+        return KernelConfig(32, GemmTile(64, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    if bucket == 64:
+        return KernelConfig(64, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return KernelConfig(128, GemmTile(64, 64, 8, 8, 3), GemmTile(128, 64, 8, 8, 3))  # gate-up 128 wide: spills
+
+
+def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The register decode's default (branch wo-fast-2 as measured). Decode sizes: the gate-up tiles as
+    wide (64, else 32) as still give >= MIN_PROGRAMS programs; the packed down tiles 128 wide always
+    (the group scale on each chunk's partial product is per output column: narrow tiles pay it on fewer
+    weights; sm_90 SASS 3.4 instructions a weight at 128 wide, 11 at 32 with mxfp4) and
+    ``decode_split_k`` splits the reduction for the programs instead. Taller tiles: the packed gate-up
+    32 wide and down <= 64 (ptxas sm_90: int4 spills 900 bytes a thread at 64 x 64); int8 as the tile
+    decode's."""
+    packed, bucket = scheme != "int8_w8a16", height_bucket(num_tokens, num_experts, top_k)
+    if bucket == 16:
+        blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
+        up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)
+        down_width = 128 if packed else _decode_width(blocks, k, widest=128)
+        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
+    up_width = 32 if packed else 64  # packed: the chunks' partial products take registers
+    if bucket == 32:
+        return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
+    if bucket == 64:
+        return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(64 if packed else 128, 64, 8, 8, 3))
+
+
+def _decode_width(blocks: int, cols: int, widest: int) -> int:
+    """The widest BLOCK_N up to ``widest`` (128, 64, 32) that makes blocks x cols / BLOCK_N >= MIN_PROGRAMS,
+    else 32."""
+    return next((bn for bn in (128, 64) if bn <= widest and blocks * cols / bn >= MIN_PROGRAMS), 32)
+
+
+def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
+              decode: str = "tile") -> KernelConfig:
+    """For the tile decode the winners table's config where it covers the call (``triton_wo_winners``);
+    else the tuned entry of the nearest M for (E, N, K, ``config_name(scheme,
+    decode)``, device), else ``wo_heuristic_config``."""
+    won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
+    if won is not None and won.tile is not None:
+        return won.tile
+    configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
+    if configs:
+        return nearest(configs, num_tokens)
+    return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
+
+
+def wo_shared_memory_bytes(block_m: int, tile: GemmTile, scheme: str, itemsize: int, weight_tiles: int) -> int:
+    """An estimate of one GEMM's shared memory: ``num_stages - 1`` buffered steps of the activation tile
+    [BM, BK] and the packed weight tiles [BN, BK] (1 byte or half a byte a weight), plus one 16-bit copy
+    of the dequantized tiles, which ``tl.dot`` reads from shared memory on Hopper."""
+    weight_bytes = tile.BLOCK_K * tile.BLOCK_N * weight_tiles
+    packed = weight_bytes if scheme == "int8_w8a16" else weight_bytes // 2
+    return max(tile.num_stages - 1, 1) * (block_m * tile.BLOCK_K * itemsize + packed) + weight_bytes * itemsize
+
+
+def fit_wo_shared_memory(config: KernelConfig, scheme: str, itemsize: int, limit_bytes: int) -> KernelConfig:
+    """``config`` with each GEMM shrunk until the estimate fits ``limit_bytes``: fewer stages (to 2), then
+    a halved BLOCK_K (to 32 packed, 16 int8). A config that fits comes back unchanged."""
+    least_k = 16 if scheme == "int8_w8a16" else MIN_PACKED_K
+
+    def fit(tile: GemmTile, weight_tiles: int) -> GemmTile:
+        while wo_shared_memory_bytes(config.BLOCK_M, tile, scheme, itemsize, weight_tiles) > limit_bytes:
+            if tile.num_stages > 2:
+                tile = replace(tile, num_stages=tile.num_stages - 1)
+            elif tile.BLOCK_K > least_k:
+                tile = replace(tile, BLOCK_K=tile.BLOCK_K // 2)
+            else:
+                break  # the smallest tile we make; let Triton report what it needs
+        return tile
+
+    return replace(config, up=fit(config.up, 2), down=fit(config.down, 1))
+
+
