@@ -87,6 +87,7 @@ def test_register_decode_every_byte(wo, scheme, dtype):
 
 def test_chooser_picks_what_the_h200_measured_faster():
     from moekit.experts.triton_wo_plan import choose_decode
+    from moekit.experts.triton_wo_winners import winner
 
     assert sum(len(cells) for cells in MEASURED.values()) == 24  # every 4-bit cell of the run
     for (e, n, k, top_k), cells in MEASURED.items():
@@ -94,6 +95,8 @@ def test_chooser_picks_what_the_h200_measured_faster():
             times = {"tile": tile_us, "register": register_us}
             if (scheme, m) in GEMV_MEASURED.get((e, n, k, top_k), {}):
                 times["gemv"] = GEMV_MEASURED[(e, n, k, top_k)][(scheme, m)]
+            if winner(scheme, e, n, k, m) is not None:  # a later run's row decides there (test_triton_wo_mid.py)
+                continue
             assert choose_decode(scheme, m, e, n, k, top_k) == min(times, key=times.get), (e, n, k, scheme, m)
     # int8: both decodes run the same whole-tile dot; the tile decode everywhere
     assert {choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (1, 8, 64, 1024)} == {"tile"}
@@ -102,6 +105,9 @@ def test_chooser_picks_what_the_h200_measured_faster():
 def test_a_measured_shape_takes_its_nearest_m_in_the_same_tile_height(monkeypatch):
     from moekit.experts import triton_wo_plan as plans
 
+    from moekit.experts import triton_wo_winners
+
+    monkeypatch.setattr(triton_wo_winners, "WO_WINNERS", {})  # the fused decodes' own table alone
     # a made-up table for DeepSeek's shape (E=256, top_k=8: 16-row tiles below M=512, 64 rows at M=1024)
     monkeypatch.setattr(plans, "DECODE_MEASURED", {("mxfp4", 256, 2048, 7168): {1: "register", 64: "tile",
                                                                                 1024: "register"}})

@@ -46,11 +46,46 @@ def tile(block_m: int, up: tuple, down: tuple, ahead: bool = False) -> WoTileCon
 
 MIN_M = 1024  # the table's scope: rows of M >= MIN_M only (smaller ones are ignored), so calls below MIN_M / 2
 # never take a row (``triton_wo.run_experts_wo`` skips the chooser's scratch test there)
-# (scheme, E, N, K, M) -> WoWinner. H200, Triton 3.6, bf16 activations, µs (results/raw).
-# Qwen3-30B-A3B int8 M=4096 (87d0e52-wo_large): fused tile 1084 µs (heuristic config), scratch 1215,
-# bf16 733.
+# (scheme, E, N, K, M) -> WoWinner. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_mid_device_check.py
+# on main at 384c0da (results/raw/NVIDIA_H200-2026-12-02-384c0da-wo_mid.log): the comment of a row gives the
+# winner's, scratch's, the previous default's and bf16's time.
 WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
-    ("int8_w8a16", 128, 768, 2048, 4096): WoWinner("tile"),
+    # qwen3-30b-a3b µs: m64 501, scratch 770, default 579, bf16 371; 1.35x bf16
+    ("int4_w4a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # qwen3-30b-a3b µs: m128 1324, scratch 1130, default 1130, bf16 738; 1.53x bf16
+    ("int4_w4a16", 128, 768, 2048, 4096): WoWinner("scratch", tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), False)),
+    # qwen3-30b-a3b µs: m64 439, scratch 827, default 451, bf16 371; 1.19x bf16
+    ("int8_w8a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # qwen3-30b-a3b µs: m128 1083, scratch 1188, default 1084, bf16 738; 1.47x bf16
+    ("int8_w8a16", 128, 768, 2048, 4096): WoWinner("tile", tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), False)),
+    # qwen3-30b-a3b µs: m64 543, scratch 764, default 647, bf16 371; 1.46x bf16
+    ("mxfp4", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # qwen3-30b-a3b µs: m128n256a 1508, scratch 1115, default 1115, bf16 738; 1.51x bf16
+    ("mxfp4", 128, 768, 2048, 4096): WoWinner("scratch", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
+    # mixtral-8x7b µs: m128n256a 3376, scratch 2548, default 3591, bf16 1477; 1.73x bf16
+    ("int4_w4a16", 8, 14336, 4096, 1024): WoWinner("scratch", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
+    # mixtral-8x7b µs: m256n64a 9868, scratch 5756, default 5756, bf16 5177; 1.11x bf16
+    ("int4_w4a16", 8, 14336, 4096, 4096): WoWinner("scratch", tile(256, (64, 64, 8, 8, 3), (64, 64, 8, 8, 4), True)),
+    # mixtral-8x7b µs: m128 2423, scratch 2614, default 2438, bf16 1477; 1.64x bf16
+    ("int8_w8a16", 8, 14336, 4096, 1024): WoWinner("tile", tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), False)),
+    # mixtral-8x7b µs: m128 7762, scratch 6178, default 6178, bf16 5177; 1.19x bf16
+    ("int8_w8a16", 8, 14336, 4096, 4096): WoWinner("scratch", tile(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3), False)),
+    # mixtral-8x7b µs: m128n256a 3432, scratch 2461, default 4008, bf16 1477; 1.67x bf16
+    ("mxfp4", 8, 14336, 4096, 1024): WoWinner("scratch", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
+    # mixtral-8x7b µs: m256n64a 9689, scratch 5853, default 5853, bf16 5177; 1.13x bf16
+    ("mxfp4", 8, 14336, 4096, 4096): WoWinner("scratch", tile(256, (64, 64, 8, 8, 3), (64, 64, 8, 8, 4), True)),
+    # deepseek-v3 µs: m64 6139, scratch 14064, default 6135, bf16 5219; 1.18x bf16
+    ("int4_w4a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # deepseek-v3 µs: m128n256a 13895, scratch 15864, default 15864, bf16 7733; 1.80x bf16
+    ("int4_w4a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
+    # deepseek-v3 µs: m64 5011, scratch 14931, default 4828, bf16 5219; 0.96x bf16
+    ("int8_w8a16", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # deepseek-v3 µs: m128s4 10967, scratch 16757, default 16757, bf16 7733; 1.42x bf16
+    ("int8_w8a16", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (64, 64, 8, 8, 4), (128, 64, 8, 8, 4), False)),
+    # deepseek-v3 µs: m64 6257, scratch 13938, default 6256, bf16 5219; 1.20x bf16
+    ("mxfp4", 256, 2048, 7168, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
+    # deepseek-v3 µs: m128n256a 14594, scratch 15586, default 15586, bf16 7733; 1.89x bf16
+    ("mxfp4", 256, 2048, 7168, 4096): WoWinner("tile", tile(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3), True)),
 }
 
 
