@@ -60,6 +60,7 @@ class MissCosts:
     refetch: str = "reuse"  # how a CPU expert's later refetch is priced (``REFETCH``; ``split_misses``)
     link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
     hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
+    cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
@@ -68,10 +69,38 @@ class MissCosts:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
             raise ValueError(f"refetch must be one of {REFETCH}, got {self.refetch!r}")
+        rows = [r for r, _ in self.cpu_rows_s]
+        if any(not isinstance(r, int) or r < 1 for r in rows) or rows != sorted(set(rows)) or any(
+                not s >= 0.0 for _, s in self.cpu_rows_s):
+            raise ValueError(f"cpu_rows_s must be (rows >= 1, seconds >= 0) pairs, rows strictly ascending, "
+                             f"got {self.cpu_rows_s!r}")
 
     def cpu_time(self, tokens: int) -> float:
-        """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
-        return self.cpu_expert_s + tokens * self.cpu_token_s
+        """CPU seconds of one expert with ``tokens`` routed assignments (rows; without ``cpu_step_s``):
+        with ``cpu_rows_s``, linear between its points, its first point's time below them, its last
+        segment extended above (never below the last point's time); else ``cpu_expert_s + tokens x
+        cpu_token_s``."""
+        table = self.cpu_rows_s
+        if not table:
+            return self.cpu_expert_s + tokens * self.cpu_token_s
+        r0, s0 = table[0]
+        if tokens <= r0:
+            return s0
+        if len(table) == 1:
+            return s0 + (tokens - r0) * self.cpu_token_s
+        for (r0, s0), (r1, s1) in zip(table, table[1:]):
+            if tokens <= r1:
+                return s0 + (s1 - s0) * (tokens - r0) / (r1 - r0)
+        return max(s1, s1 + (s1 - s0) * (tokens - r1) / (r1 - r0))
+
+    def scaled(self, factor: float) -> "MissCosts":
+        """These costs with the whole CPU side (``cpu_step_s``, per expert, per token, ``cpu_rows_s``)
+        ``factor`` times as long: the host's drift (``calibrate.recalibrate_cpu``, ``online.CpuRate``)."""
+        if not factor > 0.0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        return dataclasses.replace(self, cpu_step_s=self.cpu_step_s * factor, cpu_expert_s=self.cpu_expert_s * factor,
+                                   cpu_token_s=self.cpu_token_s * factor,
+                                   cpu_rows_s=tuple((r, s * factor) for r, s in self.cpu_rows_s))
 
     def cpu_side_s(self, tokens: list[int]) -> float:
         """Predicted CPU seconds of a forward computing experts with these token counts on the CPU (0 for
@@ -153,6 +182,9 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
     on them sends a hot expert to the CPU one step and over the link the next."""
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    if cpu_cannot_win(tokens, fetch_all, costs):
+        return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
@@ -169,7 +201,6 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                          fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
-    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
     best, rank = fetch_all, (0, 0)
     for b in range(len(classes[1]) + 1):
         lo, hi = (1 if b == 0 else 0), len(classes[0])  # a = b = 0 (no CPU side at all) is not on the convex run
@@ -185,6 +216,39 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
         if (candidate.cost_s, lo + b, b) < (best.cost_s, *rank):
             best, rank = candidate, (lo + b, b)
     return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
+
+
+def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCosts) -> bool:
+    """True when no split with a CPU expert can be taken over ``fetch_all`` (``gpu_only`` of these
+    misses): any such split costs at least its CPU side, ``cpu_margin`` x (``cpu_step_s`` + the
+    cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows. The search (and
+    the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is a few
+    hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
+    if not tokens:
+        return True
+    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in tokens.values()))
+    return floor > (1.0 - costs.hysteresis) * fetch_all.cost_s
+
+
+def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
+    """(seconds per CPU call, {rows: seconds per expert at that many rows}) fitted by least squares to
+    branch timings {(experts, rows each): seconds}, the model being time = call + experts x per_expert[rows]
+    (one call cost shared by every row count, each row count its own per-expert slope); each row count
+    needs two expert counts. The call cost is clamped at 0 (then the slopes refitted through the
+    origin), a slope at 0."""
+    rows = sorted({r for _, r in timings})
+    for r in rows:
+        if len({n for n, rr in timings if rr == r}) < 2:
+            raise ValueError(f"fit_cpu_grid needs two expert counts at every row count, rows={r} has "
+                             f"{sorted(n for n, rr in timings if rr == r)}")
+    points = sorted(timings.items())
+    design = torch.tensor([[1.0] + [float(n) if r == rr else 0.0 for rr in rows] for (n, r), _ in points],
+                          dtype=torch.float64)
+    target = torch.tensor([[t] for _, t in points], dtype=torch.float64)
+    fit = torch.linalg.lstsq(design, target).solution.reshape(-1).tolist()
+    if fit[0] < 0.0:
+        fit = [0.0] + torch.linalg.lstsq(design[:, 1:], target).solution.reshape(-1).tolist()
+    return fit[0], {r: max(s, 0.0) for r, s in zip(rows, fit[1:])}
 
 
 def _cumulative(values: list[float]) -> list[float]:

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 
 from moekit.experts import backend_available, backend_fn, bind_options, call_backend
+from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
@@ -157,6 +158,7 @@ class OffloadedMoE(MoE):
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
             threads, gemm = self._cpu.setting(self.costs)
@@ -165,7 +167,7 @@ class OffloadedMoE(MoE):
             if not early:
                 cache.admit(self.layer_id, plan.admit, stats)
             if self.cpu_rate is not None and self.costs is not None:
-                self.cpu_rate.update(self._cpu.last, self.costs)
+                self.cpu_rate.update(self._cpu.last, self.costs, list(stats.cpu_rows))
         else:
             self._cpu.last = None
         out = _sum(partials, x2d)
@@ -257,9 +259,21 @@ class OffloadedMoE(MoE):
         if nxt is not None and predicted:
             nxt.cache.prefetch(nxt.layer_id, predicted, stats)
 
-
     def _layout_used(self, routing: Routing) -> str:
-        return f"expert cache ({self.cache.cache_experts} slots) via expert_map"
+        """The layout of the latest forward (``routing``'s): the backend's own rule over the cache's C
+        slots (the weights its GPU calls read, through ``expert_map``), and, when that forward computed
+        misses on the CPU, the CPU call's grouping over the host weights."""
+        w13, w2, _, _ = self.cache.slot_weights
+        text = f"{self._layout_for(routing, w13, w2)} over the expert cache ({self.cache.cache_experts} slots) via expert_map"
+        if not self.last_stats.cpu_experts:
+            return text
+        host = self.cache.host(self.layer_id)
+        if host.scheme is not None or not backend_available("grouped_mm", "cpu"):
+            return f"{text}; CPU misses: per_expert_loop"
+        w13h, w2h, _, _ = host.rebuild(host.parts)
+        e, k = routing.topk_ids.shape
+        plan = plan_grouped_mm(e, k, w13h.shape[0], w13h.shape[2], w2h.shape[2], w13h.dtype, allow_sync=True)
+        return f"{text}; CPU misses: {plan.layout}"
 
 
 def link_layers(layers: list[OffloadedMoE]) -> None:
