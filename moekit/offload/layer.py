@@ -221,10 +221,11 @@ class OffloadedMoE(MoE):
         return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
                             costs, self.admit_per_forward)
 
-    def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
+    def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None) -> MissCosts:
         """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the
-        GPU's read rate, and the whole CPU branch on cold experts with the link busy."""
-        return calibrate.measure_costs(self, tokens, repeats)
+        GPU's read rate, and the whole CPU branch on cold experts with the link busy, at ``rows`` rows an
+        expert (the row counts the caller will see; None: 1, 2, 4 and ``tokens``)."""
+        return calibrate.measure_costs(self, tokens, repeats, rows)
 
     @property
     def cpu_options(self) -> CpuOptions:
