@@ -19,8 +19,10 @@ each streaming its weights from host memory once (``cpu_expert_s``, measured on 
 warm expert repeated in a timing loop sits in the CPU's caches and looks 2-3x faster than a miss
 really is) plus its tokens' FLOPs (``cpu_token_s``); ``cpu_step_s`` is the fixed price of any CPU
 work in a forward: the inputs copied to the host, the host waiting for them, the CPU call's own
-overhead, the result copied back. All three are fitted (``fit_cpu_branch``) to timings of the layer's
-whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens each.
+overhead, the result copied back. With ``cpu_rows_s`` (what ``calibrate`` measures) an expert's time is
+read from a table by its row count instead of the line ``cpu_expert_s + tokens x cpu_token_s``; both are
+fitted (``fit_cpu_grid``) to timings of the layer's whole CPU branch (``cpu_path.CpuPath``) on cold
+experts over a grid of expert counts per call and rows per expert.
 
 ``cpu_margin`` (>= 1) prices the CPU side pessimistically: "auto" sends a miss to the CPU only where
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
@@ -311,18 +313,6 @@ def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8
         yield
     finally:
         stream.synchronize()
-
-
-def fit_cpu_branch(one: float, spread: float, many: float, experts: int, tokens: int) -> tuple[float, float, float]:
-    """(seconds per forward, per expert, per token) from three timings of the whole CPU branch: ``one``
-    with 1 expert and 1 token, ``spread`` with ``experts`` experts and 1 token each, ``many`` with
-    ``experts`` experts and ``tokens`` tokens each (time = step + experts x (per_expert + tokens x
-    per_token)); each clamped at 0 against timing noise."""
-    if experts < 2 or tokens < 2:
-        raise ValueError(f"need experts >= 2 and tokens >= 2, got experts={experts}, tokens={tokens}")
-    per_token = max(many - spread, 0.0) / (experts * (tokens - 1))
-    per_expert_and_token = max(spread - one, 0.0) / (experts - 1)
-    return max(one - per_expert_and_token, 0.0), max(per_expert_and_token - per_token, 0.0), per_token
 
 
 def margin_of(timings: list[list[float]]) -> float:
