@@ -126,48 +126,62 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
     clock = [time.perf_counter()]
-    shells = shells if shells is not None else host_shells(config, dtype, device, scheme, layers)
-    if len(shells) != layers:
-        raise ValueError(f"shells must hold one host layer per layer ({layers}), got {len(shells)}")
-    shell = shells[0]
+    shells = _checked(shells, layers) if shells is not None else host_shells(config, dtype, device, scheme, layers)
     clock.append(time.perf_counter())
-    costs = costs if costs is not None else measure_costs(shell, device, options, cpu_rows(batches))
+    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches))
     clock.append(time.perf_counter())
     warm_rows = _warm_up(shells, config, layers, batches, places, costs, device, options, admit_per_forward)
     if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
         costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
-    probe = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
+    probe = OffloadedMoE.from_moe(shells[0], cache_experts=1, prefetch=None, device=device, cpu_options=options)
     rows, fixed = [], {}
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
-            data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
-                                 seed=3)
-            routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
+            data, routings = _stream(config, layers, warm + 1 + timed_steps(steps, m), m, stream, warm, device)
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
-                fixed_s = fixed_costs(shells, routings[:4], costs, device, options, group[0].slots)
-                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s.layer_s
+                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
+                                                                                         device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, costs, probe, 10 * len(rows), online_cpu_rate,
-                                                     max(1, round(m * top_k / min(experts, m * top_k))))
+                                                     max(1, round(m * top_k / min(experts, m * top_k))))  # rows an expert
                 for run, row in zip(group, _cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                   device, options, fixed_s, scale)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
+    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate,
+            "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
+            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
+            "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
+            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
+            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
+            "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
+            **_tables([asdict(r) for r in rows])}
+
+
+def _costs_doc(costs: MissCosts) -> dict:
+    """The document's fields for the costs the table started from (after the warm-up's margin)."""
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "link_cpu_GBps": (costs.link_cpu_bytes_per_s or 0.0) / 1e9, "refetch": costs.refetch,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
-            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis,
-            "online_cpu_rate": online_cpu_rate, "cpu_threads": costs.cpu_threads,
-            "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
-            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
-            "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
-            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
-            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v * 1e3 for key, v in fixed.items()},
-            **_tables([asdict(r) for r in rows])}
+            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_rows_us": {r: t * 1e6 for r, t in costs.cpu_rows_s},
+            "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis, "cpu_threads": costs.cpu_threads,
+            "cpu_gemm": costs.cpu_gemm}
+
+
+def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
+    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on ``device``."""
+    data = decode_stream(config.num_experts, config.top_k, layers, count, m, STREAMS[stream], DRIFT, seed=3)
+    return data, [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
+
+
+def _checked(shells: list[MoE], layers: int) -> list[MoE]:
+    if len(shells) != layers:
+        raise ValueError(f"shells must hold one host layer per layer ({layers}), got {len(shells)}")
+    return shells
 
 
 def _tables(rows: list[dict]) -> dict:
