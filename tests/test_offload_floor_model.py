@@ -50,9 +50,13 @@ def test_fit_cpu_grid_recovers_a_call_cost_and_a_per_expert_time_at_each_row_cou
     assert got_call == pytest.approx(call, rel=1e-9) and got == pytest.approx(per, rel=1e-9)
     # an intercept the data put below 0 is clamped, the slopes refitted through the origin
     got_call, got = fit_cpu_grid({(1, 1): 0.001, (3, 1): 0.0045})
-    assert got_call == 0.0 and got[1] == pytest.approx((0.001 * 1 + 0.0045 * 3) / (1 + 9))
+    # through the origin, relative residuals: minimise (1 - s / 0.001)^2 + (1 - 3 s / 0.0045)^2
+    a, b = 1 / 0.001, 3 / 0.0045
+    assert got_call == 0.0 and got[1] == pytest.approx((a + b) / (a * a + b * b))
     with pytest.raises(ValueError, match="two expert counts"):
         fit_cpu_grid({(1, 1): 0.001, (4, 1): 0.002, (4, 2): 0.003})
+    with pytest.raises(ValueError, match="> 0"):
+        fit_cpu_grid({(1, 1): 0.0, (4, 1): 0.002})
 
 
 def _moe(e=16, top_k=2) -> MoE:

@@ -233,20 +233,23 @@ def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCost
 
 
 def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
-    """(seconds per CPU call, {rows: seconds per expert at that many rows}) fitted by least squares to
-    branch timings {(experts, rows each): seconds}, the model being time = call + experts x per_expert[rows]
-    (one call cost shared by every row count, each row count its own per-expert slope); each row count
-    needs two expert counts. The call cost is clamped at 0 (then the slopes refitted through the
-    origin), a slope at 0."""
+    """(seconds per CPU call, {rows: seconds per expert at that many rows}) fitted by least squares of the
+    relative error to branch timings {(experts, rows each): seconds} (> 0), the model being time = call +
+    experts x per_expert[rows] (one call cost shared by every row count, each row count its own
+    per-expert slope): relative, so a one-expert call (a decode step's usual CPU call) weighs as much as
+    a 32-expert one. Each row count needs two expert counts. The call cost is clamped at 0 (then the
+    slopes refitted through the origin), a slope at 0."""
     rows = sorted({r for _, r in timings})
     for r in rows:
         if len({n for n, rr in timings if rr == r}) < 2:
             raise ValueError(f"fit_cpu_grid needs two expert counts at every row count, rows={r} has "
                              f"{sorted(n for n, rr in timings if rr == r)}")
     points = sorted(timings.items())
-    design = torch.tensor([[1.0] + [float(n) if r == rr else 0.0 for rr in rows] for (n, r), _ in points],
-                          dtype=torch.float64)
-    target = torch.tensor([[t] for _, t in points], dtype=torch.float64)
+    if any(not t > 0.0 for _, t in points):
+        raise ValueError(f"fit_cpu_grid needs timings > 0, got {dict(points)}")
+    design = torch.tensor([[1.0 / t] + [n / t if r == rr else 0.0 for rr in rows] for (n, r), t in points],
+                          dtype=torch.float64)  # each row divided by its timing: relative residuals
+    target = torch.ones((len(points), 1), dtype=torch.float64)
     fit = torch.linalg.lstsq(design, target).solution.reshape(-1).tolist()
     if fit[0] < 0.0:
         fit = [0.0] + torch.linalg.lstsq(design[:, 1:], target).solution.reshape(-1).tolist()
