@@ -97,27 +97,37 @@ def _stats(hits=0, fetched=0, cpu_rows=(), admitted=0) -> OffloadStats:
 def test_timeline_adds_the_second_call_after_the_fetches_and_prices_cpu_experts_by_their_rows():
     # link 10 ms an expert, GPU read 1 ms; fixed 3 ms a layer, a second experts call 0.5 ms
     costs = MissCosts(link_bytes_per_s=1e5, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.002,
-                      gpu_bytes_per_s=1e6, cpu_rows_s=TABLE)
+                      gpu_bytes_per_s=1e6, cpu_rows_s=TABLE, gpu_call_s=0.0005)
     both = _stats(hits=5, fetched=2)  # 3 + max(5 x 1, 2 x 10) + 2 x 1 + 0.5 ms
-    assert timeline_s([both], 1000, costs, 0.003, 0.0005) == pytest.approx(0.0255)
-    assert timeline_s([_stats(hits=5)], 1000, costs, 0.003, 0.0005) == pytest.approx(0.008)  # one call: no extra
-    assert timeline_s([_stats(fetched=2)], 1000, costs, 0.003, 0.0005) == pytest.approx(0.025)
+    assert timeline_s([both], 1000, costs, 0.003) == pytest.approx(0.0255)
+    assert timeline_s([_stats(hits=5)], 1000, costs, 0.003) == pytest.approx(0.008)  # one call: no extra
+    assert timeline_s([_stats(fetched=2)], 1000, costs, 0.003) == pytest.approx(0.025)
     cpu = _stats(hits=1, cpu_rows=(1, 3, 6))  # 3 + CPU 2 + 4 + 7 + 13 ms, the hit's 1 ms inside it
     want = 0.003 + 0.002 + sum(_table_time(r) for r in (1, 3, 6))
-    assert timeline_s([cpu], 1000, costs, 0.003, 0.0005) == pytest.approx(want)
-    assert timeline_s([both, cpu], 1000, costs, 0.003, 0.0005) == pytest.approx(0.0255 + want)
+    assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(want)
+    assert timeline_s([both, cpu], 1000, costs, 0.003) == pytest.approx(0.0255 + want)
+
+
+BUMPY = ((1, 0.006), (2, 0.004), (4, 0.008))  # a measured table need not rise with rows
+
+
+def _bumpy_time(rows: int) -> float:
+    """BUMPY read by hand (rows 1..6)."""
+    return {1: 0.006, 2: 0.004, 3: 0.006, 4: 0.008, 5: 0.010, 6: 0.012}[rows]
 
 
 def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, link: float) -> tuple[float, set]:
     """The cheapest split over every subset on the CPU (ties: fewer CPU experts), each expert at its
-    rows' time from ``_table_time``, refetch at this forward's hit rate, and the hysteresis rule: a
-    split with CPU experts only where it costs at most (1 - h) x fetching every miss."""
+    rows' time from the table read by hand, a second GPU call where hits and fetches meet, refetch at
+    this forward's hit rate, and the hysteresis rule: a split with CPU experts only where it costs at
+    most (1 - h) x fetching every miss."""
     h = hits / (hits + len(tokens))
+    per = _table_time if c.cpu_rows_s == TABLE else _bumpy_time
 
     def cost(on_cpu: set) -> float:
         fetched = len(tokens) - len(on_cpu)
-        gpu = max(hits * read, fetched * link) + fetched * read
-        cpu = c.cpu_margin * (c.cpu_step_s + sum(_table_time(tokens[e]) for e in on_cpu)) if on_cpu else 0.0
+        gpu = max(hits * read, fetched * link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
+        cpu = c.cpu_margin * (c.cpu_step_s + sum(per(tokens[e]) for e in on_cpu)) if on_cpu else 0.0
         return max(gpu, cpu) + len(on_cpu) * h * link
 
     fetch_all = cost(set())
@@ -126,7 +136,7 @@ def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, l
     return (cost(best), best) if cost(best) <= (1 - c.hysteresis) * fetch_all else (fetch_all, set())
 
 
-def test_auto_splits_by_the_rows_table_as_brute_force_does_with_and_without_hysteresis():
+def test_auto_splits_by_the_rows_table_and_second_call_as_brute_force_does_with_and_without_hysteresis():
     gen = torch.Generator().manual_seed(1)
     chosen = 0
     for case in range(300):
@@ -136,8 +146,8 @@ def test_auto_splits_by_the_rows_table_as_brute_force_does_with_and_without_hyst
         link = float(torch.empty(1).uniform_(0.002, 0.02, generator=gen))
         costs = MissCosts(link_bytes_per_s=1000 / link, cpu_expert_s=0.0, cpu_token_s=0.0,
                           cpu_step_s=float(torch.empty(1).uniform_(0.0, 0.02, generator=gen)), gpu_bytes_per_s=1e6,
-                          cpu_margin=1.0 + case % 3 * 0.25, refetch="hit_rate", cpu_rows_s=TABLE,
-                          hysteresis=0.0 if case % 2 else 0.1)
+                          cpu_margin=1.0 + case % 3 * 0.25, refetch="hit_rate", cpu_rows_s=(TABLE, BUMPY)[case % 4 // 2],
+                          hysteresis=0.0 if case % 2 else 0.1, gpu_call_s=(0.0, 0.004, 0.02)[case % 5 % 3])
         split = split_misses(tokens, 1000, costs, hits)
         want_cost, want_cpu = _brute_force(tokens, hits, costs, 0.001, link)
         assert split.cost_s == pytest.approx(want_cost, rel=1e-12, abs=1e-15)

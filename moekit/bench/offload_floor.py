@@ -12,8 +12,8 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
     GPU side:  the hits read at the GPU's read rate while the fetches travel at the link's rate
                (``MissCosts.link_cpu_bytes_per_s`` while the layer computes on the CPU), then the
                fetched experts read once they land; a layer with both hits and fetches makes a second
-               experts call, which runs once the fetches land: ``FixedCosts.call_s`` (measured as an
-               extra call on all-hit forwards)
+               experts call, which runs once the fetches land: ``MissCosts.gpu_call_s`` (the bench
+               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards)
     CPU side:  ``MissCosts.cpu_side_s`` of the layer's CPU experts' rows (``OffloadStats.cpu_rows``): the
                call cost plus each expert's time at its row count (``calibrate``'s grid, scaled to the
                host's rate before each group of rows, ``calibrate.recalibrate_cpu``); the layer's
@@ -62,10 +62,10 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
     return costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s
 
 
-def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
-               call_s: float = 0.0) -> float:
+def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
-    ``fixed_s`` per layer, ``call_s`` more for a layer with both hits and fetches."""
+    ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
+    second call "auto" prices too, ``cost.gpu_side_s``)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     t = free = 0.0  # the layer's start, the link's next idle moment
@@ -75,7 +75,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start) + s.fetched * rate
         free = fetched_at + s.admitted * rate
-        end = max(start + s.hits * read, fetched_at) + s.fetched * read + (call_s if s.hits and s.fetched else 0.0)
+        end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link

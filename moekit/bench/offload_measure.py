@@ -143,8 +143,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                group, group_costs, scale = _prepare(group, costs, probe, 10 * len(rows), online_cpu_rate,
-                                                     max(1, round(m * top_k / min(experts, m * top_k))))  # rows an expert
+                group, group_costs, scale = _prepare(group, dataclasses.replace(costs, gpu_call_s=fixed_s.call_s), probe,
+                                                     10 * len(rows), online_cpu_rate, _rows(m, top_k, experts))
                 for run, row in zip(group, _cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                   device, options, fixed_s, scale)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -160,6 +160,11 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
             "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
             **_tables([asdict(r) for r in rows])}
+
+
+def _rows(m: int, top_k: int, experts: int) -> int:
+    """Rows an expert at M tokens if the k x M assignments spread over as many experts as they can."""
+    return max(1, round(m * top_k / min(experts, m * top_k)))
 
 
 def _costs_doc(costs: MissCosts) -> dict:
@@ -278,7 +283,7 @@ def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, r
                 if step:
                     times[j].append(time.perf_counter() - start)
                     bytes_one = layers[0].cache.expert_bytes
-                    floors[j].append([timeline_s(done, bytes_one, costs, fixed.layer_s, fixed.call_s),
+                    floors[j].append([timeline_s(done, bytes_one, costs, fixed.layer_s),
                                       sum_floor_s(done, bytes_one, costs, fixed.layer_s)])
                     for stats in done:
                         timed[j].add(stats)

@@ -63,10 +63,13 @@ class MissCosts:
     link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
     hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
     cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
+    gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
             raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
+        if not self.gpu_call_s >= 0.0:
+            raise ValueError(f"gpu_call_s must be >= 0, got {self.gpu_call_s!r}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
@@ -139,10 +142,12 @@ class MissSplit:
 
 
 def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
-    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring);
+    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring),
+    plus ``gpu_call_s`` when there are both (the fetched experts' own call, once they land);
     ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
     read_one = expert_bytes / costs.gpu_bytes_per_s
-    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one
+    second = costs.gpu_call_s if hits and fetched else 0.0
+    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one + second
 
 
 def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
@@ -175,10 +180,13 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     step after step: 0.03 less hit rate and 1.09-1.15x the pure fetch's step.
 
     Exact: within a class every expert costs the same to fetch and to leave uncached, so the best split
-    with a of one class and b of the other on the CPU takes the a and b with the fewest tokens; for a
+    with a of one class and b of the other on the CPU takes the a and b with the least CPU time
+    (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b.
-    Ties go to fewer CPU experts, then fewer likely-reused ones.
+    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b. The
+    one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
+    last point of the last run: it is priced on its own. Ties go to fewer CPU experts, then fewer
+    likely-reused ones.
 
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
@@ -190,8 +198,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
-    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (tokens[e], e))
-               for hot in (False, True)]
+    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
+                      key=lambda e: (costs.cpu_time(tokens[e]), tokens[e], e)) for hot in (False, True)]
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
     cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
 
@@ -203,9 +211,19 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                          fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
+    best = _cheapest(split, len(classes[0]), len(classes[1]), hits > 0 and costs.gpu_call_s > 0, fetch_all)
+    return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
+
+
+def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> MissSplit:
+    """``split_misses``' search: the cheapest of ``fetch_all`` and ``split(a, b)`` over a <= n0, b <= n1 (a + b
+    >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call,
+    so that one point (a, b) = (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts,
+    then fewer of the second class."""
     best, rank = fetch_all, (0, 0)
-    for b in range(len(classes[1]) + 1):
-        lo, hi = (1 if b == 0 else 0), len(classes[0])  # a = b = 0 (no CPU side at all) is not on the convex run
+    candidates = [(n0, n1)] if drop else []
+    for b in range(n1 + 1):
+        lo, hi = (1 if b == 0 else 0), n0 - (1 if drop and b == n1 else 0)  # a = b = 0: no CPU side at all
         if lo > hi:
             continue
         while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
@@ -214,10 +232,12 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                 lo = mid + 1
             else:
                 hi = mid
-        candidate = split(lo, b)
-        if (candidate.cost_s, lo + b, b) < (best.cost_s, *rank):
-            best, rank = candidate, (lo + b, b)
-    return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
+        candidates.append((lo, b))
+    for a, b in candidates:
+        candidate = split(a, b)
+        if (candidate.cost_s, a + b, b) < (best.cost_s, *rank):
+            best, rank = candidate, (a + b, b)
+    return best
 
 
 def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCosts) -> bool:
