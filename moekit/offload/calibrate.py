@@ -109,7 +109,7 @@ def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, rows: int = 1, repe
     if rows < 1 or repeats < 1:
         raise ValueError(f"need rows >= 1 and repeats >= 1, got rows={rows}, repeats={repeats}")
     k = max(layer.config.top_k, 2)
-    ns = experts or (k, 4 * k)
+    ns = [min(n, layer.config.num_experts) for n in (experts or (k, 4 * k))]  # distinct experts per call: at most E
     groups = _cold_groups(layer.config.num_experts, max(ns), start)
     setting = (costs.cpu_threads, costs.cpu_gemm or CPU_GEMMS[0])
     branch(layer, next(groups)[:k], 1, 1, *setting)  # brings the threads up after whatever ran before

@@ -2,11 +2,12 @@
 CPU, or split between the two.
 
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
-                                                                       fetched misses travel; those
-                                                                       compute once they land; at the
-                                                                       link's rate during CPU work when
-                                                                       the CPU side runs, ``fetch_rate``)
-    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
+               (+ gpu_call_s with hits and F > 0)                      fetched misses travel; those
+                                                                       compute once they land, in a call
+                                                                       of their own; at the link's rate
+                                                                       during CPU work when the CPU side
+                                                                       runs, ``fetch_rate``)
+    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
     chosen by: forward + sum over the CPU experts of p x fetch_one     (they stay uncached: refetches;
