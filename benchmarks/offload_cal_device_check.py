@@ -1,12 +1,12 @@
 """Device check for issue #18's floor targets: every cell's measured step within [0.85, 1.2]x its predicted
 floor (a floor the step beats by more is a wrong model, not a fast step), and "auto" <= the better pure mode.
 
-    PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py            (H200; < 240 s, hard limit inside)
+    PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py            (H200; < 200 s: LIMIT_S inside)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke    (CPU, tiny shapes: runs, no numbers)
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
-sharing one cache, each layer its own host weights): cache 25 / 50 / 75% of the experts x M = 1 / 8 / 32 x gpu / cpu / auto, lfu, on the
-uniform stream (no prefetch) and the skewed one (prefetch none and router), "auto" with the online CPU
+sharing one cache, each layer its own host weights: 4.8 GB pinned): cache 25 / 50 / 75% of the experts x
+M = 1 / 8 / 32 x gpu / cpu / auto, lfu, on the uniform stream (no prefetch) and the skewed one (prefetch none and router), "auto" with the online CPU
 rate (``moekit.offload.CpuRate``); then the same table with auto on the calibrated rate alone, as time
 allows (rows marked online on / off).
 The floor is ``moekit.bench.offload_floor``'s timeline: rates measured in the same run (link, GPU read,
