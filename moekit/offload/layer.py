@@ -269,9 +269,9 @@ class OffloadedMoE(MoE):
         if not self.last_stats.cpu_experts:
             return text
         host = self.cache.host(self.layer_id)
-        if host.scheme is not None or not backend_available("grouped_mm", "cpu"):
-            return f"{text}; CPU misses: per_expert_loop"
-        w13h, w2h, _, _ = host.rebuild(host.parts)
+        if host.scheme == "fp8_block" or not backend_available("grouped_mm", "cpu"):
+            return f"{text}; CPU misses: per_expert_loop"  # moekit.quant's recipe loop / the reference backend
+        w13h, w2h, _, _ = host.rebuild(host.parts)  # logical shapes and dtype, packed or not
         e, k = routing.topk_ids.shape
         plan = plan_grouped_mm(e, k, w13h.shape[0], w13h.shape[2], w2h.shape[2], w13h.dtype, allow_sync=True)
         return f"{text}; CPU misses: {plan.layout}"
