@@ -34,7 +34,8 @@ import time
 
 import torch
 
-from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
+from moekit.bench.offload_hosts import host_shells
+from moekit.bench.offload_measure import measure_costs, measure_offload
 from moekit.bench.offload_report import modes_by_cell
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE, measure_link_bandwidth
@@ -79,7 +80,7 @@ def link_probe(shell, device, costs, repeats: int = 3) -> dict:
              ("cpu8_branch_busy_link_ms", busy))}
 
 
-def cells(shell, device, costs, shape: dict, batches, fractions, policies, places,
+def cells(shells, device, costs, shape: dict, batches, fractions, policies, places,
           variants) -> tuple[list[dict], dict | None, bool]:
     """Part 2 for one set of cells: the rows (so far), the document (None when cut), complete or not."""
     rows = []
@@ -91,7 +92,7 @@ def cells(shell, device, costs, shape: dict, batches, fractions, policies, place
 
     try:
         doc = measure_offload(device, batches=batches, fractions=fractions, policies=policies, places=places,
-                              shell=shell, costs=costs, variants=variants, on_progress=progress, **shape)
+                              shells=shells, costs=costs, variants=variants, on_progress=progress, **shape)
         return rows, doc, True
     except OutOfTime:
         return rows, None, False
@@ -106,7 +107,8 @@ def main() -> int:
                        num_experts=shape.get("experts", 256), top_k=shape.get("top_k", 8))
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "rows": [], "parts": []}
-    shell = host_shell(config, dtype, device)
+    shells = host_shells(config, dtype, device, layers=shape.get("layers", 2))  # measure_offload's default L
+    shell = shells[0]
     t = time.perf_counter()
     costs = measure_costs(shell, device, CpuOptions())
     result["costs"] = dataclasses.asdict(costs)
@@ -118,7 +120,7 @@ def main() -> int:
         if _left() < 10:
             result["parts"].append({**part, "skipped": True})
             continue
-        rows, doc, complete = cells(shell, device, costs, shape, batches, fractions, policies, places, variants)
+        rows, doc, complete = cells(shells, device, costs, shape, batches, fractions, policies, places, variants)
         result["rows"] += rows
         result["parts"].append({**part, "complete": complete, "cpu_margin": None if doc is None else doc["cpu_margin"],
                                 "seconds": None if doc is None else doc["table_s"] + sum(doc["setup_s"].values())})

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from moekit.bench.offload_measure import host_shell, measure_costs, measure_offload
+from moekit.bench.offload_hosts import host_shells
+from moekit.bench.offload_measure import measure_costs, measure_offload
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, most_threads
@@ -71,7 +72,7 @@ def phase_rows(shell, device, threads: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def variant(name: str, shell, device, costs, options: CpuOptions, margin: bool, batches, shape,
+def variant(name: str, shells, device, costs, options: CpuOptions, margin: bool, batches, shape,
             admit: int | None, policies: tuple[str, ...]) -> dict:
     rows = []
 
@@ -83,7 +84,7 @@ def variant(name: str, shell, device, costs, options: CpuOptions, margin: bool, 
     start = time.perf_counter()
     complete = True
     try:
-        doc = measure_offload(device, batches=batches, shell=shell, costs=costs, cpu_options=options, policies=policies,
+        doc = measure_offload(device, batches=batches, shells=shells, costs=costs, cpu_options=options, policies=policies,
                               observed_margin=margin, on_progress=progress, admit_per_forward=admit, **shape)
         margin_used = doc["cpu_margin"]
     except OutOfTime:
@@ -126,7 +127,8 @@ def main() -> int:
                        top_k=full["top_k"])
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    shell = host_shell(config, torch.bfloat16 if cuda else torch.float32, device)
+    shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape.get("layers", 2))  # measure_offload's default L
+    shell = shells[0]
     result["setup_s"] = time.perf_counter() - START
     n = torch.get_num_threads()
     top = most_threads()
@@ -150,7 +152,7 @@ def main() -> int:
         if _left() < (12 if policies == lru else 22):
             result.setdefault("skipped", []).append(f"{name} M={batches}")
             continue
-        result["variants"].append(variant(name, shell, device, c, options, margin, batches, shape, admit, policies))
+        result["variants"].append(variant(name, shells, device, c, options, margin, batches, shape, admit, policies))
     result["digest"] = [digest(v) for v in result["variants"]]
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):

@@ -367,14 +367,20 @@ class MoE(nn.Module):
 
     def _layout_used(self, routing: Routing) -> str:
         """The layout ``run_routed`` grouped this routing with (the backend's own rule, from shapes alone)."""
+        return self._layout_for(routing, self.w13, self.w2)
+
+    def _layout_for(self, routing: Routing, w13, w2) -> str:
+        """The layout this layer's backend groups ``routing`` with over experts ``w13`` [E, 2N, K] and
+        ``w2`` [E, K, N] (tensors or QuantizedWeights): the weights a subclass computes from may not be
+        ``self.w13`` (an offloaded layer's cache slots)."""
         backend = self.resolved_backend()
-        if backend != "triton" and self.quant_scheme == "fp8_block":
+        if backend != "triton" and quant_scheme_of(w13) == "fp8_block":
             return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
         if backend != "grouped_mm":
             return {"triton": "block_aligned", "reference": "per_expert_loop"}.get(backend, backend)
         options = {k: v for k, v in self.backend_options.items() if k in ("memory_budget_bytes", "layout")}
-        plan = plan_grouped_mm(*routing.topk_ids.shape, self.w13.shape[0], self.w13.shape[2], self.w2.shape[2],
-                               self.w13.dtype, allow_sync=self.w13.device.type == "cpu", **options)
+        plan = plan_grouped_mm(*routing.topk_ids.shape, w13.shape[0], w13.shape[2], w2.shape[2],
+                               w13.dtype, allow_sync=w13.device.type == "cpu", **options)
         return plan.layout if plan.chunk_tokens >= routing.num_tokens else f"{plan.layout} in chunks of {plan.chunk_tokens}"
 
     def resolved_backend(self) -> str:

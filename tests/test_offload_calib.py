@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.bench.offload_floor import fixed_from, measure_fixed_s, sum_floor_s, timeline_s
+from moekit.bench.offload_floor import FixedCosts, fixed_from, measure_fixed, sum_floor_s, timeline_s
 from moekit.bench.offload_measure import balanced_orders
 from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
 from moekit.offload import calibrate
@@ -109,9 +109,9 @@ def _routing(ids: list[list[int]]) -> Routing:
     return Routing(t, torch.full(t.shape, 0.5))
 
 
-def test_measure_fixed_s_times_all_hit_steps_and_refuses_a_small_cache(monkeypatch):
+def test_measure_fixed_times_all_hit_steps_and_a_second_call_and_refuses_a_small_cache(monkeypatch):
     """On a fake clock where each layer's forward takes 0.7 ms plus its distinct experts at the GPU read
-    rate, the fixed per-layer cost comes out as 0.7 ms."""
+    rate and one more experts call 0.3 ms, the fixed costs come out as 0.7 and 0.3 ms."""
     from moekit.bench import offload_floor
 
     moe = _moe()
@@ -128,50 +128,69 @@ def test_measure_fixed_s_times_all_hit_steps_and_refuses_a_small_cache(monkeypat
             return out
 
         layer.run_routed = timed
+    calls = []
+
+    def second_call(fn, x, w13, w2, ids, weights, **kw):
+        calls.append(kw["expert_map"])
+        clock[0] += 0.0003
+
     monkeypatch.setattr(offload_floor.time, "perf_counter", lambda: clock[0])
-    assert measure_fixed_s(layers, x, steps, COSTS, repeats=2) == pytest.approx(0.0007, rel=1e-9)
+    monkeypatch.setattr(offload_floor, "call_backend", second_call)
+    got = measure_fixed(layers, x, steps, COSTS, repeats=2)
+    assert (got.layer_s, got.call_s) == pytest.approx((0.0007, 0.0003), rel=1e-9)
+    assert len(calls) == 2 * 2 * 2  # repeats x steps x layers
+    assert all((m >= 0).sum() == len(set(r.topk_ids.flatten().tolist())) for m, r in
+               zip(calls, [r for _ in range(2) for step in steps for r in step]))  # each over its layer's touched set
     monkeypatch.undo()
     small = ExpertCache(3, device="cpu")
     layers = [OffloadedMoE.from_moe(moe, cache=small, prefetch=None) for _ in range(2)]
     with pytest.raises(ValueError, match="must hold every expert"):
-        measure_fixed_s(layers, x, steps, COSTS, repeats=1)
+        measure_fixed(layers, x, steps, COSTS, repeats=1)
 
 
-def test_recalibrate_cpu_refits_the_cpu_rates_and_keeps_the_rest(monkeypatch):
-    step, expert, token = 0.0015, 0.0032, 0.00021  # the branch's true model, seconds
+def test_recalibrate_cpu_scales_the_cpu_model_by_the_median_round_and_keeps_the_rest(monkeypatch):
+    base = MissCosts(link_bytes_per_s=5e10, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.001, cpu_margin=1.7,
+                     cpu_threads=3, cpu_gemm="mm_loop", hysteresis=0.05, cpu_rows_s=((1, 0.002), (4, 0.003)))
+    factors = iter([1.0, 1.3, 1.3, 0.9, 0.9, 1.6, 1.6])  # the warm-up call, then two calls a round
     calls = []
 
     def fake_branch(layer, group, experts, m, threads, gemm):
         calls.append((tuple(group), experts, m, threads, gemm))
-        return step + experts * (expert + m * token)
+        return next(factors) * (0.001 + experts * (0.002 + (m - 1) * 0.001 / 3))  # the model, scaled
 
     monkeypatch.setattr(calibrate, "branch", fake_branch)
     layer = OffloadedMoE.from_moe(_moe(e=64), cache_experts=1, prefetch=None)
-    base = MissCosts(link_bytes_per_s=5e10, cpu_expert_s=1.0, cpu_token_s=1.0, cpu_step_s=1.0, cpu_margin=1.7,
-                     cpu_threads=3, cpu_gemm="mm_loop", hysteresis=0.05)
-    new = calibrate.recalibrate_cpu(layer, base, start=2, tokens=6, repeats=2)
-    assert (new.cpu_step_s, new.cpu_expert_s, new.cpu_token_s) == pytest.approx((step, expert, token), rel=1e-9)
+    new, factor = calibrate.recalibrate_cpu(layer, base, start=2, rows=2, repeats=3)
+    assert factor == pytest.approx(1.3, rel=1e-12)  # rounds 1.3, 0.9, 1.6: the median
+    assert new.cpu_step_s == pytest.approx(0.0013) and [r for r, _ in new.cpu_rows_s] == [1, 4]
+    assert [t for _, t in new.cpu_rows_s] == pytest.approx([0.0026, 0.0039])
+    assert new.cpu_time(2) == pytest.approx(1.3 * (0.002 + 0.001 / 3))
     assert (new.link_bytes_per_s, new.cpu_margin, new.cpu_threads, new.cpu_gemm, new.hysteresis) == (5e10, 1.7, 3, "mm_loop", 0.05)
-    assert all(c[3:] == (3, "mm_loop") for c in calls)
+    assert all(c[3:] == (3, "mm_loop") for c in calls) and [c[1:3] for c in calls[1:3]] == [(2, 2), (8, 2)]
     groups = [c[0] for c in calls]
-    assert groups[0] == (4, 5) and len(set(groups)) == len(groups)  # cold: from group 2 on, none timed twice
+    assert groups[0] == (16, 17) and len({g[0] for g in groups}) == len(groups)  # cold: from group 2 (of 8) on
 
 
-def test_cpu_rate_is_an_exponential_average_of_the_per_expert_samples():
-    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.9, cpu_token_s=0.001, cpu_step_s=0.01)
+def test_cpu_rate_is_an_exponential_average_of_measured_over_modelled_branches():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.0, cpu_token_s=0.001, cpu_step_s=0.01,
+                      cpu_rows_s=((1, 0.9e-3), (2, 1.1e-3)))
     rate = CpuRate(weight=0.3)
     assert rate.apply(costs) is costs  # no sample yet
-    branches = [(0.05, 4, 6), (0.08, 5, 9), (0.02, 2, 2), (0.002, 1, 1)]  # (total s, experts, tokens)
+    branches = [(0.05, [1, 2, 2]), (0.08, [1] * 5), (0.02, [3, 1]), (0.002, [1])]  # (total s, rows per CPU expert)
+    table = {1: 0.9e-3, 2: 1.1e-3, 3: 1.3e-3}  # the table, extended past its last point by its last slope
     want = None
-    for total, experts, tokens in branches:
-        rate.update(CpuPhases(0.0, 0.0, total, 0.0, experts, tokens, 1), costs)
-        sample = max(0.0, (total - 0.01 - tokens * 0.001) / experts)
+    for total, rows in branches:
+        rate.update(CpuPhases(0.0, 0.0, total, 0.0, len(rows), sum(rows), 1), costs, rows)
+        sample = total / (0.01 + sum(table[r] for r in rows))
         want = sample if want is None else 0.7 * want + 0.3 * sample
-        assert rate.expert_s == pytest.approx(want, rel=1e-12)
-    assert rate.samples == 4 and rate.apply(costs).cpu_expert_s == pytest.approx(want)
-    assert rate.apply(costs).cpu_step_s == costs.cpu_step_s
+        assert rate.scale == pytest.approx(want, rel=1e-12)
+    scaled = rate.apply(costs)
+    assert rate.samples == 4 and scaled.cpu_step_s == pytest.approx(0.01 * want)
+    assert scaled.cpu_time(2) == pytest.approx(1.1e-3 * want) and scaled.link_bytes_per_s == 1.0
     with pytest.raises(ValueError, match="weight"):
         CpuRate(weight=0.0)
+    with pytest.raises(ValueError, match="rows"):
+        rate.update(CpuPhases(0.0, 0.0, 1.0, 0.0, 1, 1, 1), costs, [])
 
 
 def test_a_layer_with_a_cpu_rate_updates_it_from_its_cpu_branch():
@@ -181,7 +200,9 @@ def test_a_layer_with_a_cpu_rate_updates_it_from_its_cpu_branch():
     with torch.no_grad():
         torch.testing.assert_close(off(x), moe(x))
     assert off.last_stats.cpu_experts == off.last_stats.touched > 0
-    assert rate.samples >= 1 and rate.expert_s is not None and rate.expert_s >= 0
+    assert rate.samples >= 1 and rate.scale is not None and rate.scale >= 0
+    counts = moe(x, return_stats=True).stats.counts  # [E]: the plain layer's tokens per expert
+    assert sorted(off.last_stats.cpu_rows) == sorted(counts[counts > 0].tolist())
     with pytest.raises(TypeError, match="cpu_rate"):
         OffloadedMoE.from_moe(moe, cache_experts=2, cpu_rate=0.5)
 
@@ -230,11 +251,13 @@ def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch
 
     calls = []
     monkeypatch.setattr(offload_measure, "recalibrate_cpu",
-                        lambda probe, costs, start: calls.append(start) or dataclasses.replace(costs, cpu_expert_s=9.0))
+                        lambda probe, costs, start, rows: calls.append((start, rows))
+                        or (dataclasses.replace(costs, cpu_expert_s=9.0), 1.5))
     runs = [offload_measure._Run(0.5, 4, "lfu", False, place) for place in ("gpu", "cpu", "auto")]
-    group, costs = offload_measure._prepare(runs[:1], COSTS, None, 7, online=True)
-    assert costs is COSTS and calls == [] and not group[0].online
-    group, costs = offload_measure._prepare(runs, COSTS, None, 7, online=True)
-    assert costs.cpu_expert_s == 9.0 and calls == [7] and [r.online for r in group] == [False, False, True]
-    group, _ = offload_measure._prepare(runs, COSTS, None, 8, online=False)
+    group, costs, scale = offload_measure._prepare(runs[:1], COSTS, None, 7, online=True)
+    assert costs is COSTS and scale == 1.0 and calls == [] and not group[0].online
+    group, costs, scale = offload_measure._prepare(runs, COSTS, None, 7, online=True, rows=2)
+    assert costs.cpu_expert_s == 9.0 and scale == 1.5 and calls == [(7, 2)]
+    assert [r.online for r in group] == [False, False, True]
+    group, _, _ = offload_measure._prepare(runs, COSTS, None, 8, online=False)
     assert not any(r.online for r in group)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.offload import MissCosts, plan_misses, split_misses
-from moekit.offload.cost import fit_cpu_branch, margin_of
+from moekit.offload.cost import margin_of
 
 BYTES = 1000
 
@@ -117,18 +117,6 @@ def test_admissions_fit_the_modelled_cpu_time_not_the_margined_price():
     costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.5 * BYTES, cpu_token_s=0.0, cpu_margin=2.0)
     plan = plan_misses("cpu", {1: 5, 2: 1, 3: 9}, 0, BYTES, costs)
     assert plan.cpu == [1, 2, 3] and plan.admit == [3]  # 1.5 fetches of CPU time: one admission, not three
-
-
-def test_fit_cpu_branch_recovers_step_expert_and_token_costs():
-    step, expert, token = 4e-4, 3e-3, 2e-5
-
-    def t(experts, tokens):
-        return step + experts * (expert + tokens * token)
-
-    got = fit_cpu_branch(one=t(1, 1), spread=t(8, 1), many=t(8, 16), experts=8, tokens=16)
-    assert got == pytest.approx((step, expert, token))
-    with pytest.raises(ValueError, match="tokens"):
-        fit_cpu_branch(1.0, 2.0, 3.0, experts=8, tokens=1)
 
 
 def test_margin_is_the_worst_repeats_over_the_medians():

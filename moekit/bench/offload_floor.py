@@ -4,24 +4,28 @@ it is derived from the cells' step times, and it has no margin.
 
 What it includes, per layer, in issue order on one host-to-device queue (``timeline_s``):
 
-    fixed:     ``fixed_s``, the layer's cost that does not scale with expert bytes (the touched set's
-               device -> host copy and its sync, the host's cache bookkeeping, the experts call's
-               launches, the partial sum), measured on all-hit forwards of the same M in the same run
-               (``measure_fixed_s``: a step's time over L, less its hits' bytes at the GPU read rate)
+    fixed:     ``FixedCosts.layer_s``, the layer's cost that does not scale with expert bytes (the touched
+               set's device -> host copy and its sync, the host's cache bookkeeping, one experts call's
+               launches, the partial sum), measured on all-hit forwards of the same M in the same run, on
+               a cache of the cell's size (``measure_fixed``: a step's time over L, less its hits' bytes at
+               the GPU read rate)
     GPU side:  the hits read at the GPU's read rate while the fetches travel at the link's rate
                (``MissCosts.link_cpu_bytes_per_s`` while the layer computes on the CPU), then the
-               fetched experts read once they land
-    CPU side:  ``cpu_step_s`` + CPU experts x ``cpu_expert_s`` + CPU tokens x ``cpu_token_s`` (the
-               rates recalibrated per group of rows, ``calibrate.recalibrate_cpu``); the layer's
+               fetched experts read once they land; a layer with both hits and fetches makes a second
+               experts call, which runs once the fetches land: ``MissCosts.gpu_call_s`` (the bench
+               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards)
+    CPU side:  ``MissCosts.cpu_side_s`` of the layer's CPU experts' rows (``OffloadStats.cpu_rows``): the
+               call cost plus each expert's time at its row count (``calibrate``'s grid, scaled to the
+               host's rate before each group of rows, ``calibrate.recalibrate_cpu``); the layer's
                admissions queue behind its fetches, its result's copy back behind them
     link:      the next layer's prefetch queues when the host is free again (after the CPU side); the
                step ends when the link is idle too
 
-What it leaves out (so a step may run above it): a second experts call when a layer has both hits and
-fetches, the CPU side's variance (the floor prices the median rate), host-memory contention between
-the CPU experts and the link beyond what ``link_cpu_bytes_per_s`` measured, and the CPU caches (the
-bench's layers share one host weight set, so an expert the previous layer read may still sit in the
-CPU's cache: the only way a step runs below the floor).
+What it leaves out (so a step may run above it): the CPU side's variance within a group (the floor
+prices the probe's median rate), host-memory contention between the CPU experts and the link beyond
+what ``link_cpu_bytes_per_s`` measured, and the host's time to issue fetches and evict (inside the
+layer, not measured apart). The bench gives every layer its own host weights, so no CPU cache holds
+an expert the previous layer read (with one shared weight set, CPU steps ran at 0.17-0.9x the floor).
 
 ``sum_floor_s`` keeps the older, simpler floor next to it: per layer fixed_s + max(GPU reads, fetch
 link time, CPU side), summed, and at least every byte the link moved over its rate.
@@ -31,22 +35,37 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
-from moekit.offload import MissCosts, OffloadStats
+from moekit.experts import call_backend
+from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats
 from moekit.routing import Routing
 
 
+@dataclass(frozen=True)
+class FixedCosts:
+    """The floor's per-layer costs that do not scale with expert bytes (seconds)."""
+
+    layer_s: float  # one layer's forward on all-hit steps, one experts call, its hits' reads taken out
+    call_s: float = 0.0  # one more experts call in a layer (its hits and its fetched misses are two calls)
+
+
 def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
-    """The modelled CPU side of one layer's forward (0 without CPU misses), no margin."""
+    """The modelled CPU side of one layer's forward (0 without CPU misses), no margin: by its CPU
+    experts' rows where the stats carry them, else one row count per expert from the totals."""
     if not s.cpu_experts:
         return 0.0
+    if len(s.cpu_rows) == s.cpu_experts:
+        return costs.cpu_side_s(list(s.cpu_rows))
     return costs.cpu_step_s + s.cpu_experts * costs.cpu_expert_s + s.cpu_tokens * costs.cpu_token_s
 
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0) -> float:
-    """A step's floor in seconds (module docstring) from each layer's counts, in layer order."""
+    """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
+    ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
+    second call "auto" prices too, ``cost.gpu_side_s``)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     t = free = 0.0  # the layer's start, the link's next idle moment
@@ -56,7 +75,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start) + s.fetched * rate
         free = fetched_at + s.admitted * rate
-        end = max(start + s.hits * read, fetched_at) + s.fetched * read
+        end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link
@@ -84,27 +103,65 @@ def fixed_from(step_s: list[float], hits_per_step: list[int], layers: int, exper
     return max(0.0, statistics.median((t - h * read) / layers for t, h in zip(step_s, hits_per_step)))
 
 
-def measure_fixed_s(layers, x: torch.Tensor, steps: list[list[Routing]], costs: MissCosts, repeats: int = 3) -> float:
-    """``fixed_from`` timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch, sharing a cache that
+def measure_fixed(layers, x: torch.Tensor, steps: list[list[Routing]], costs: MissCosts,
+                  repeats: int = 3) -> FixedCosts:
+    """``FixedCosts`` timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch, sharing a cache that
     holds every expert ``steps`` touch): each step run once untimed (its misses fetched), then
-    ``repeats`` times timed, every expert a hit."""
-    device = x.device
+    ``repeats`` times timed each way, every expert a hit: plainly (``layer_s``, by ``fixed_from``) and
+    with one more experts call per layer over the same experts, as a forward's fetched group makes
+    (``call_s``: the median over steps of the paired difference per layer, at least 0)."""
     for per_layer in steps:
         for layer, routing in zip(layers, per_layer):
             layer.run_routed(x, routing)
-    times, hits = [], []
+    times, hits, extra = [], [], []
     for _ in range(repeats):
         for per_layer in steps:
-            _sync(device)
-            start = time.perf_counter()
-            for layer, routing in zip(layers, per_layer):
-                layer.run_routed(x, routing)
-            _sync(device)
-            times.append(time.perf_counter() - start)
+            plain = _timed_step(layers, x, per_layer, False)
+            times.append(plain)
             hits.append(sum(layer.last_stats.hits for layer in layers))
             if any(layer.last_stats.misses for layer in layers):
-                raise ValueError("measure_fixed_s: the cache must hold every expert the steps touch")
-    return fixed_from(times, hits, len(layers), layers[0].cache.expert_bytes, costs)
+                raise ValueError("measure_fixed: the cache must hold every expert the steps touch")
+            extra.append((_timed_step(layers, x, per_layer, True) - plain) / len(layers))
+    return FixedCosts(fixed_from(times, hits, len(layers), layers[0].cache.expert_bytes, costs),
+                      max(0.0, statistics.median(extra)))
+
+
+def _timed_step(layers, x: torch.Tensor, per_layer: list[Routing], second_call: bool) -> float:
+    """Seconds of one step through ``layers`` (all hits); ``second_call``: each layer's forward followed
+    by one more experts call over its touched experts' slots (its own slot map copied, as a forward's
+    fetched group does)."""
+    _sync(x.device)
+    start = time.perf_counter()
+    for layer, routing in zip(layers, per_layer):
+        layer.run_routed(x, routing)
+        if second_call:
+            w13, w2, b13, b2 = layer.cache.slot_weights
+            expert_map = layer.cache.slot_map(layer.layer_id, layer._last_touched, layer.config.num_experts)
+            call_backend(layer._experts_fn, x, w13, w2, routing.topk_ids, routing.topk_weights,
+                         activation=layer.config.activation, expert_map=expert_map, b13=b13, b2=b2)
+    _sync(x.device)
+    return time.perf_counter() - start
+
+
+def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, options, slots: int = 0) -> FixedCosts:
+    """The floor's ``FixedCosts`` at these steps' M (``measure_fixed``) on gpu layers (layer i on
+    ``shells[i]``'s host weights, ``options`` their ``CpuOptions``) sharing a cache of ``slots`` slots,
+    or more where the steps touch more (each layer's union: no eviction); ``slots``: the cell's cache
+    size, so the slot tensors the experts calls read are the cell's."""
+    touched = [set() for _ in steps[0]]
+    for per_layer in steps:
+        for seen, routing in zip(touched, per_layer):
+            seen.update(e for e in routing.topk_ids.reshape(-1).tolist() if e >= 0)
+    cache = ExpertCache(max(slots, sum(len(seen) for seen in touched)), device=device, policy="lfu")
+    layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, costs=costs,
+                                    cpu_options=options) for i in range(len(touched))]
+    x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
+                    dtype=shells[0].w13.dtype)
+    fixed = measure_fixed(layers, x, steps, costs, repeats=5)  # one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    del layers, cache
+    if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
+        torch.cuda.empty_cache()
+    return fixed
 
 
 def _sync(device: torch.device) -> None:

@@ -11,14 +11,16 @@
 Routing comes from the simulator (``moekit.sim.cache.decode_stream``: uniform and skewed routers, a
 residual drift between layers), so every cell of a stream replays the same routing, and prefetch
 "router" prefetches layer l+1's experts as its router picks them from layer l's input (on skewed
-streams the table has prefetch off and on). The layers share one host weight set (their experts would
-differ in a real model; here it keeps host memory at one layer's worth); the cache keys them apart.
+streams the table has prefetch off and on). Each layer has its own host weights, as in a real model
+(L x E experts of host memory): with one shared set, an expert the previous layer computed on the CPU
+still sat in the CPU's caches, and CPU steps ran up to 6x faster than the cold-expert model.
 
 The floor of a step (``offload_floor``, whose docstring lists what it includes and leaves out), from
 rates measured in the same run and the counts measured in the step, no margin: a timeline of the
-layers with one host-to-device queue in issue order, each layer paying a fixed per-layer cost measured
-on all-hit steps of the same (stream, M) (``fixed_layer_s``), its CPU side at the CPU rates fitted again
-just before its group of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
+layers with one host-to-device queue in issue order, each layer paying fixed costs measured on all-hit
+steps of the same (stream, M) on a cache of the group's size (``offload_floor.fixed_costs``: the layer,
+and a second experts call), its CPU side by the calibrated grid scaled to the host's rate just before
+its group of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
 ``floor_sum_ms`` keeps the simpler floor next to it (the layers' maxima summed). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
@@ -40,14 +42,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moekit.bench.offload_floor import measure_fixed_s, sum_floor_s, timeline_s
+from moekit.bench.offload_floor import FixedCosts, fixed_costs, sum_floor_s, timeline_s
+from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
 from moekit.offload.calibrate import recalibrate_cpu
 from moekit.offload.whatif import RoutingTrace, drive, replay
-from moekit.quant import install_quantized_experts_, quantize
 from moekit.routing import Routing
 from moekit.sim.cache import decode_stream
 
@@ -80,8 +82,10 @@ class OffloadRow:
     cpu_wait_ms: float  # the host waiting for it,
     cpu_compute_ms: float  # the CPU experts,
     cpu_back_ms: float  # the result into pinned memory and its copy queued
-    fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M) (``offload_floor.measure_fixed_s``)
-    cpu_expert_us: float = 0.0  # the CPU rate per expert this group's floor and layers priced (``recalibrate_cpu``)
+    fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M, cache) (``offload_floor.fixed_costs``)
+    call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
+    cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
+    cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     batches=(1, 8, 32), fractions=(0.25, 0.5, 0.75), policies=("lfu", "lru"),
                     places=("gpu", "cpu", "auto"), streams=tuple(STREAMS), steps=3, warm_steps: int | None = None,
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
-                    observed_margin: bool = True, shell: MoE | None = None, costs: MissCosts | None = None,
+                    observed_margin: bool = True, shells: list[MoE] | None = None, costs: MissCosts | None = None,
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
                     online_cpu_rate: bool = False) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
@@ -112,8 +116,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
     ``cpu_options``: the layers' CPU branch (``CpuOptions``; None: the defaults). ``observed_margin``: raise
     the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
-    (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shell`` / ``costs``: a host
-    layer and costs from an earlier call (``host_shell``; ``measure_costs``), not rebuilt.
+    (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shells`` / ``costs``: the host
+    layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
     ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
     further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
     "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
@@ -122,43 +126,67 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
     clock = [time.perf_counter()]
-    shell = shell if shell is not None else host_shell(config, dtype, device, scheme)
+    shells = _checked(shells, layers) if shells is not None else host_shells(config, dtype, device, scheme, layers)
     clock.append(time.perf_counter())
-    costs = costs if costs is not None else measure_costs(shell, device, options)
+    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches))
     clock.append(time.perf_counter())
-    warm_rows = _warm_up(shell, config, layers, batches, places, costs, device, options, admit_per_forward)
+    warm_rows = _warm_up(shells, config, layers, batches, places, costs, device, options, admit_per_forward)
     if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
         costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
-    probe = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
+    probe = OffloadedMoE.from_moe(shells[0], cache_experts=1, prefetch=None, device=device, cpu_options=options)
     rows, fixed = [], {}
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
-            data = decode_stream(experts, top_k, layers, warm + 1 + timed_steps(steps, m), m, STREAMS[stream], DRIFT,
-                                 seed=3)
-            routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
-            fixed[f"{stream}/{m}"] = fixed_s = fixed_layer_s(shell, routings[:4], costs, device, options)
+            data, routings = _stream(config, layers, warm + 1 + timed_steps(steps, m), m, stream, warm, device)
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
-                group, group_costs = _prepare(group, costs, probe, 10 * len(rows), online_cpu_rate)
-                for run, row in zip(group, _cells(shell, config, routings, data.trace, group, warm, group_costs, device,
-                                                  options, fixed_s)):
+                fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
+                                                                                         device, options, group[0].slots)
+                group, group_costs, scale = _prepare(group, dataclasses.replace(costs, gpu_call_s=fixed_s.call_s), probe,
+                                                     10 * len(rows), online_cpu_rate, _rows(m, top_k, experts))
+                for run, row in zip(group, _cells(shells, config, routings, data.trace, group, warm, group_costs,
+                                                  device, options, fixed_s, scale)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
+    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate,
+            "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
+            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
+            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
+            "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
+            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
+            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
+            "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
+            **_tables([asdict(r) for r in rows])}
+
+
+def _rows(m: int, top_k: int, experts: int) -> int:
+    """Rows an expert at M tokens if the k x M assignments spread over as many experts as they can."""
+    return max(1, round(m * top_k / min(experts, m * top_k)))
+
+
+def _costs_doc(costs: MissCosts) -> dict:
+    """The document's fields for the costs the table started from (after the warm-up's margin)."""
     return {"link_GBps": costs.link_bytes_per_s / 1e9, "gpu_read_GBps": costs.gpu_bytes_per_s / 1e9,
             "link_cpu_GBps": (costs.link_cpu_bytes_per_s or 0.0) / 1e9, "refetch": costs.refetch,
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
-            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis,
-            "online_cpu_rate": online_cpu_rate, "cpu_threads": costs.cpu_threads,
-            "cpu_gemm": costs.cpu_gemm, "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
-            "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
-            "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shell),
-            "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
-            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v * 1e3 for key, v in fixed.items()},
-            **_tables([asdict(r) for r in rows])}
+            "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_rows_us": {r: t * 1e6 for r, t in costs.cpu_rows_s},
+            "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis, "cpu_threads": costs.cpu_threads,
+            "cpu_gemm": costs.cpu_gemm}
+
+
+def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
+    """The simulator's decode stream of ``count`` steps (seed 3) and its routings from step ``warm`` on, on ``device``."""
+    data = decode_stream(config.num_experts, config.top_k, layers, count, m, STREAMS[stream], DRIFT, seed=3)
+    return data, [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[warm:]]
+
+
+def _checked(shells: list[MoE], layers: int) -> list[MoE]:
+    if len(shells) != layers:
+        raise ValueError(f"shells must hold one host layer per layer ({layers}), got {len(shells)}")
+    return shells
 
 
 def _tables(rows: list[dict]) -> dict:
@@ -166,20 +194,29 @@ def _tables(rows: list[dict]) -> dict:
     return {"rows": rows, "cells": by_cell(rows), "summary": summary(rows)}
 
 
-def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: int,
-             online: bool) -> tuple[list[_Run], MissCosts]:
-    """A group's runs (auto's marked ``online`` when asked) and the costs its layers and floor price by:
-    with any run computing on the CPU, the CPU rates fitted again now on ``probe`` from cold-expert group
-    ``start`` (``calibrate.recalibrate_cpu``)."""
+def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: int, online: bool,
+             rows: int = 1) -> tuple[list[_Run], MissCosts, float]:
+    """A group's runs (auto's marked ``online`` when asked), the costs its layers and floor price by and
+    their CPU scale: with any run computing on the CPU, the CPU model scaled to the host's rate now on
+    ``probe`` from cold-expert group ``start``, timed at ``rows`` rows an expert (``calibrate.recalibrate_cpu``)."""
+    scale = 1.0
     if any(run.place != "gpu" for run in group):
-        costs = recalibrate_cpu(probe, costs, start=start)
-    return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs
+        costs, scale = recalibrate_cpu(probe, costs, start=start, rows=rows)
+    return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
 
 
-def measure_costs(shell: MoE, device, options: CpuOptions) -> MissCosts:
-    """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``."""
+def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None) -> MissCosts:
+    """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``, the CPU
+    branch timed at ``rows`` rows an expert (``calibrate.measure_costs``; None: its default)."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
-    return layer.measure_costs()
+    return layer.measure_costs(rows=rows)
+
+
+def cpu_rows(batches) -> tuple[int, ...]:
+    """The row counts a run at these M sees per CPU expert, for the calibration's grid: 1, 2, 4, ... up
+    to the largest M (at most 16: an expert with more rows is rare at decode sizes; the model extends)."""
+    top = min(max(batches), 16)
+    return tuple(r for r in (1, 2, 4, 8, 16) if r <= top) or (1,)
 
 
 def default_warm_steps(m: int) -> int:
@@ -206,7 +243,7 @@ def _groups(stream: str, total: int, fractions, policies, places, admit: int | N
             for f in fractions for policy in policies for prefetch in prefetches]
 
 
-def _warm_up(shell, config, layers, batches, places, costs, device, options, admit) -> list[dict]:
+def _warm_up(shells, config, layers, batches, places, costs, device, options, admit) -> list[dict]:
     """Two steps per (M, place) of a skewed stream through a small cache: compiles the experts kernels
     for every M and runs the CPU path, so no cell pays a first call. The rows of the second steps."""
     rows = []
@@ -214,49 +251,21 @@ def _warm_up(shell, config, layers, batches, places, costs, device, options, adm
         data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
         runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place, admit) for place in places]
-        rows += _cells(shell, config, routings, data.trace, runs, 1, costs, device, options)
+        rows += _cells(shells, config, routings, data.trace, runs, 1, costs, device, options)
     return rows
 
 
-def host_shell(config: MoEConfig, dtype, device, scheme: str | None = None) -> MoE:
-    """A CPU ``MoE`` whose expert weights are one host set (pinned on CUDA), filled in chunks on ``device``;
-    with a ``scheme``, quantized chunk by chunk on ``device`` and kept packed (never a float copy of the layer)."""
-    shell = MoE(config, num_local_experts=0, dtype=dtype, device="cpu", fuse_shared=False, router="torch")
-    e, n, k = config.num_experts, config.moe_intermediate_size, config.hidden_size
-    weights = [_host_weight((e, 2 * n, k), dtype, device, scheme), _host_weight((e, k, n), dtype, device, scheme)]
-    if scheme is None:
-        shell.w13, shell.w2 = (torch.nn.Parameter(w, requires_grad=False) for w in weights)
-    else:
-        install_quantized_experts_(shell, *weights)
-    return shell
-
-
-def _host_weight(shape: tuple[int, int, int], dtype, device, scheme: str | None, chunk: int = 16):
-    """Random [E, R, C] weights (std 1/sqrt(C)) in host memory (pinned on CUDA), float or packed."""
-    pin, e = device.type == "cuda", shape[0]
-    out, parts = None, {}
-    for i in range(0, e, chunk):
-        w = torch.randn((min(chunk, e - i), *shape[1:]), device=device, dtype=dtype) * shape[-1] ** -0.5
-        q = w if scheme is None else quantize(w, scheme)
-        tensors = {"w": q} if scheme is None else q.tensors()
-        if out is None:
-            parts = {name: torch.empty((e, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for name, t in tensors.items()}
-            out = q
-        for name, t in tensors.items():
-            parts[name][i:i + t.shape[0]].copy_(t)
-    return parts["w"] if scheme is None else dataclasses.replace(out, **parts)
-
-
-def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
-           costs: MissCosts, device, options: CpuOptions, fixed_s: float = 0.0) -> list[dict]:
+def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
+           costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
+           scale: float = 1.0) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
     fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
     equally often; a CPU-heavy step leaves the host's threads busy for the next). Each step's floor
-    (``offload_floor``) with ``fixed_s`` per layer. The rows' measured fields, per run."""
-    stacks = [_stack(shell, trace, run, warm, costs, device, options) for run in runs]
-    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shell.w13.dtype)
+    (``offload_floor``) with ``fixed``'s per-layer costs. The rows' measured fields, per run."""
+    stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
+    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
@@ -274,8 +283,8 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
                 if step:
                     times[j].append(time.perf_counter() - start)
                     bytes_one = layers[0].cache.expert_bytes
-                    floors[j].append([timeline_s(done, bytes_one, costs, fixed_s),
-                                      sum_floor_s(done, bytes_one, costs, fixed_s)])
+                    floors[j].append([timeline_s(done, bytes_one, costs, fixed.layer_s),
+                                      sum_floor_s(done, bytes_one, costs, fixed.layer_s)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -284,7 +293,8 @@ def _cells(shell, config, routings: list[list[Routing]], trace: RoutingTrace, ru
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks  # the caches' slots, before the next group allocates its own
     return [{**_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             "fixed_ms": fixed_s * 1e3, "cpu_expert_us": costs.cpu_expert_s * 1e6} for j, run in enumerate(runs)]
+             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
+             "cpu_scale": scale} for j, run in enumerate(runs)]
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -300,43 +310,25 @@ def balanced_orders(n: int) -> list[list[int]]:
     return orders
 
 
-def fixed_layer_s(shell, steps: list[list[Routing]], costs: MissCosts, device, options: CpuOptions) -> float:
-    """The floor's fixed per-layer seconds at these steps' M (``offload_floor.measure_fixed_s``), on gpu
-    layers whose cache holds every expert the steps touch (each layer's union, no eviction)."""
-    touched = [set() for _ in steps[0]]
-    for per_layer in steps:
-        for seen, routing in zip(touched, per_layer):
-            seen.update(e for e in routing.topk_ids.reshape(-1).tolist() if e >= 0)
-    cache = ExpertCache(sum(len(seen) for seen in touched), device=device, policy="lfu")
-    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, costs=costs, cpu_options=options)
-              for _ in touched]
-    x = torch.randn(steps[0][0].topk_ids.shape[0], shell.config.hidden_size, device=device, dtype=shell.w13.dtype)
-    fixed = measure_fixed_s(layers, x, steps, costs)
-    del layers, cache
-    if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
-        torch.cuda.empty_cache()
-    return fixed
-
-
 def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
     """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``."""
     for layer in layers:
         p = layer.last_cpu
         if p is not None:
-            model = costs.cpu_step_s + p.experts * costs.cpu_expert_s + p.tokens * costs.cpu_token_s
+            model = costs.cpu_side_s(list(layer.last_stats.cpu_rows))
             for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
                 total[i] += v
 
 
-def _stack(shell, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device,
+def _stack(shells, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device,
            options: CpuOptions) -> list[OffloadedMoE]:
-    """L layers on a fresh cache of ``run``'s size and policy, brought through ``trace``'s first ``warm``
-    steps by bookkeeping only."""
+    """L layers (layer i on ``shells[i]``'s host weights) on a fresh cache of ``run``'s size and policy,
+    brought through ``trace``'s first ``warm`` steps by bookkeeping only."""
     cache = ExpertCache(run.slots, device=device, policy=run.policy)
     rate = CpuRate() if run.online else None
-    layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, compute_misses_on=run.place,
+    layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, compute_misses_on=run.place,
                                     costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
-                                    cpu_rate=rate) for _ in range(trace.num_layers)]
+                                    cpu_rate=rate) for i in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
     return layers

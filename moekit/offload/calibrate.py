@@ -4,16 +4,23 @@
     GPU read:  a large device copy (``cost.measure_read_bandwidth``)
     CPU:       the layer's whole CPU branch (``cpu_path.CpuPath``: staging in, the wait, the experts,
                the result's copy queued), host seconds, with the link busy as when fetches run beside it,
-               on cold experts (no expert timed twice while E allows), the median of ``repeats``:
-               1 expert x 1 token, k experts x 1 token, k experts x T tokens -> ``cost.fit_cpu_branch``
+               on cold experts (no expert timed twice while E allows), the median of ``repeats``, over a
+               grid: n experts per call (``experts``: 1, k and 4k by default) x r rows each (``rows``: the
+               row counts a run will see; 1, 2, 4 and ``tokens`` by default) -> ``cost.fit_cpu_grid``:
+               one call cost (``cpu_step_s``) and a per-expert time at each row count (``cpu_rows_s``)
     link, CPU busy: one large copy while the CPU branch computes (``link_during_cpu``): admissions
                travel then (``plan``)
+
+Why a grid: one H200 run's CPU branches took 0.42-0.70 ms per expert in calls of ~100 experts (M = 32)
+and 0.56-1.4 ms in calls of 1-6 (M = 1), against a model fitted at 1 and k experts of one row; the call's
+fixed cost and the per-expert time at the row counts of the run are what the floor and "auto" price.
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
 None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
 x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
 stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
-``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` those timings; ``hysteresis`` is ``HYSTERESIS``.
+``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
+``recalibrate_cpu`` rescales the fitted CPU model to the host's rate now (a drift factor).
 """
 
 from __future__ import annotations
@@ -27,61 +34,92 @@ import torch
 
 from moekit.offload.cpu_path import CPU_GEMMS
 from moekit.offload.cost import (
-    MissCosts, fit_cpu_branch, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
+    MissCosts, fit_cpu_grid, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
 
 HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
 
 
-def measure_costs(layer, tokens: int = 16, repeats: int = 3) -> MissCosts:
+def default_grid(top_k: int, num_experts: int, tokens: int, rows: tuple[int, ...] | None = None,
+                 experts: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(expert counts, row counts) the CPU branch is timed at: ``experts`` or 1, k and 4k (k = max(top_k,
+    2)), at most E; ``rows`` or 1, 2, 4 and ``tokens``. Distinct and ascending; two expert counts at least."""
+    k = max(top_k, 2)
+    ns = sorted({min(n, num_experts) for n in (experts or (1, k, 4 * k)) if n >= 1})
+    rs = sorted({r for r in (rows or (1, 2, 4, tokens)) if r >= 1})
+    if len(ns) < 2 or not rs:
+        raise ValueError(f"need two expert counts and one row count >= 1, got experts={ns}, rows={rs}")
+    return tuple(ns), tuple(rs)
+
+
+def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
+                  experts: tuple[int, ...] | None = None) -> MissCosts:
     """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring)."""
     if tokens < 2 or repeats < 1:
         raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
     c = layer.config
     k = max(c.top_k, 2)
-    groups = _cold_groups(c.num_experts, k)
+    ns, rs = default_grid(c.top_k, c.num_experts, tokens, rows, experts)
+    groups = _cold_groups(c.num_experts, max(ns))
     gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else list(CPU_GEMMS)
     for gemm in gemms:
-        branch(layer, next(groups), 1, 1, None, gemm)  # the first call pays one-off setup
+        branch(layer, next(groups)[:k], 1, 1, None, gemm)  # the first call pays one-off setup
 
-    def timings(experts: int, m: int, setting: tuple[int, str]) -> list[float]:
-        return [branch(layer, next(groups), experts, m, *setting) for _ in range(repeats)]
+    def timings(n: int, m: int, setting: tuple[int, str]) -> list[float]:
+        return [branch(layer, next(groups)[:max(n, k)], n, m, *setting) for _ in range(repeats)]
 
     candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
     spread = {s: timings(k, 1, s) for s in candidates}
     best = min(candidates, key=lambda s: statistics.median(spread[s]))
-    one, many = timings(1, 1, best), timings(k, tokens, best)
-    step, per_expert, per_token = fit_cpu_branch(*(statistics.median(t) for t in (one, spread[best], many)),
-                                                 experts=k, tokens=tokens)
+    grid = {(n, r): timings(n, r, best) for r in rs for n in ns}
+    costs = from_grid(MissCosts(link_bytes_per_s=measure_link_bandwidth(layer.cache.device), cpu_expert_s=0.0,
+                                cpu_token_s=0.0), {key: statistics.median(t) for key, t in grid.items()})
     dev = layer.cache.device
-    during = [link_during_cpu(layer, next(groups), *best) for _ in range(repeats)]
-    return MissCosts(measure_link_bandwidth(dev), per_expert, per_token, cpu_step_s=step,
-                     gpu_bytes_per_s=measure_read_bandwidth(dev), cpu_margin=margin_of([one, spread[best], many]),
-                     cpu_threads=best[0], cpu_gemm=best[1],
-                     link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
-                     hysteresis=HYSTERESIS)
+    during = [link_during_cpu(layer, next(groups)[:k], *best) for _ in range(repeats)]
+    return dataclasses.replace(costs, gpu_bytes_per_s=measure_read_bandwidth(dev),
+                               cpu_margin=margin_of(list(grid.values())), cpu_threads=best[0], cpu_gemm=best[1],
+                               link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
+                               hysteresis=HYSTERESIS)
 
 
-def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, tokens: int = 8, repeats: int = 3) -> MissCosts:
-    """``costs`` with the CPU rates (``cpu_step_s``, ``cpu_expert_s``, ``cpu_token_s``) fitted again on
-    ``layer``'s CPU branch now, at the thread count and GEMM ``costs`` chose: the median of ``repeats``
-    timings each of 1 expert x 1 token, k x 1 and k x ``tokens`` (k = max(top_k, 2); cold experts, the
-    groups starting at group ``start``; link busy), as ``measure_costs`` fits them. A benchmark calls it
-    before each group of rows: the host's rate drifts over a run (the cpu mode's branches ran 0.85-1.53x
-    the first calibration's model across the groups of one H200 run, NVIDIA_H200-offload-2026-12-01-4),
-    and the floor and "auto" should price the CPU as it runs for those rows. The link, GPU and margin stay as measured."""
-    if tokens < 2 or repeats < 1:
-        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+def from_grid(costs: MissCosts, medians: dict[tuple[int, int], float]) -> MissCosts:
+    """``costs`` with the CPU model fitted to branch times {(experts, rows): seconds} (``cost.fit_cpu_grid``):
+    ``cpu_step_s`` the call cost, ``cpu_rows_s`` the per-expert times, and ``cpu_expert_s`` /
+    ``cpu_token_s`` the line through the first and last row counts (what a linear reader of the costs,
+    ``moekit analyze``, takes)."""
+    call, per_expert = fit_cpu_grid(medians)
+    table = tuple(sorted(per_expert.items()))
+    (r0, s0), (r1, s1) = table[0], table[-1]
+    token = max(s1 - s0, 0.0) / (r1 - r0) if r1 > r0 else 0.0
+    return dataclasses.replace(costs, cpu_step_s=call, cpu_rows_s=table, cpu_token_s=token,
+                               cpu_expert_s=max(s0 - r0 * token, 0.0))
+
+
+def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, rows: int = 1, repeats: int = 3,
+                    experts: tuple[int, ...] | None = None) -> tuple[MissCosts, float]:
+    """(``costs`` with its CPU model scaled to ``layer``'s CPU branch now, the factor): ``repeats`` rounds,
+    each timing the branch once at every count of ``experts`` (default k and 4k, k = max(top_k, 2)) with
+    ``rows`` rows each (cold experts from group ``start`` on; link busy; the thread count and GEMM
+    ``costs`` chose); a round's sample is its summed time over the model's for the same calls; the
+    factor is the median sample. A benchmark calls it before each group of rows: the host's rate drifts
+    over a run (the cpu mode's branches ran 0.85-1.53x the first calibration's model across the groups
+    of one H200 run), and the floor and "auto" should price the CPU as it runs for those rows. A ratio of
+    sums, not a refit: refitting three rates from differences of a few short timings before each group
+    gave 0-4.5 ms per expert on one H200 run. The link, GPU and margin stay as measured."""
+    if rows < 1 or repeats < 1:
+        raise ValueError(f"need rows >= 1 and repeats >= 1, got rows={rows}, repeats={repeats}")
     k = max(layer.config.top_k, 2)
-    groups = _cold_groups(layer.config.num_experts, k, start)
+    ns = [min(n, layer.config.num_experts) for n in (experts or (k, 4 * k))]  # distinct experts per call: at most E
+    groups = _cold_groups(layer.config.num_experts, max(ns), start)
     setting = (costs.cpu_threads, costs.cpu_gemm or CPU_GEMMS[0])
-    branch(layer, next(groups), 1, 1, *setting)  # brings the threads up after whatever ran before
-
-    def median(experts: int, m: int) -> float:
-        return statistics.median(branch(layer, next(groups), experts, m, *setting) for _ in range(repeats))
-
-    step, per_expert, per_token = fit_cpu_branch(median(1, 1), median(k, 1), median(k, tokens), experts=k, tokens=tokens)
-    return dataclasses.replace(costs, cpu_step_s=step, cpu_expert_s=per_expert, cpu_token_s=per_token)
+    branch(layer, next(groups)[:k], 1, 1, *setting)  # brings the threads up after whatever ran before
+    model = sum(costs.cpu_side_s([rows] * n) for n in ns)
+    if model <= 0.0:
+        return costs, 1.0
+    samples = [sum(branch(layer, next(groups)[:max(n, k)], n, rows, *setting) for n in ns) / model
+               for _ in range(repeats)]
+    factor = statistics.median(samples)
+    return (costs.scaled(factor), factor) if factor > 0.0 else (costs, 1.0)
 
 
 def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nbytes: int = 1 << 28) -> float | None:
@@ -130,7 +168,8 @@ def most_threads() -> int:
 
 def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
     """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
-    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``); link busy."""
+    every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``);
+    the link busy throughout (``link_busy``, sized to the call)."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)
@@ -140,17 +179,17 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     on_cpu = sorted(set(group[:experts]))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    with link_busy(dev):
+    with link_busy(dev, copies=2 + len(on_cpu) // 4):  # ~5 ms a copy at 55 GB/s: outlasts ~1 ms per expert
         staged = layer._cpu.stage([x, ids, weights])
         layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
                           m * len(on_cpu), threads)
     return layer._cpu.last.total_s
 
 
-def _cold_groups(num_experts: int, k: int, start: int = 0) -> Iterator[list[int]]:
-    """Groups of k distinct experts from group ``start`` on, disjoint until the experts run out (then
-    starting over)."""
-    g = start
+def _cold_groups(num_experts: int, size: int, start: int = 0) -> Iterator[list[int]]:
+    """Groups of ``size`` (at most E) distinct experts from group ``start`` on, disjoint until the
+    experts run out (then starting over)."""
+    size, g = min(size, num_experts), start
     while True:
-        yield [(g * k + j) % num_experts for j in range(k)]
+        yield [(g * size + j) % num_experts for j in range(size)]
         g += 1

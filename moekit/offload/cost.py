@@ -2,11 +2,12 @@
 CPU, or split between the two.
 
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
-                                                                       fetched misses travel; those
-                                                                       compute once they land; at the
-                                                                       link's rate during CPU work when
-                                                                       the CPU side runs, ``fetch_rate``)
-    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of (cpu_expert_s + tokens_e x cpu_token_s))
+               (+ gpu_call_s with hits and F > 0)                      fetched misses travel; those
+                                                                       compute once they land, in a call
+                                                                       of their own; at the link's rate
+                                                                       during CPU work when the CPU side
+                                                                       runs, ``fetch_rate``)
+    CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
     chosen by: forward + sum over the CPU experts of p x fetch_one     (they stay uncached: refetches;
@@ -19,8 +20,10 @@ each streaming its weights from host memory once (``cpu_expert_s``, measured on 
 warm expert repeated in a timing loop sits in the CPU's caches and looks 2-3x faster than a miss
 really is) plus its tokens' FLOPs (``cpu_token_s``); ``cpu_step_s`` is the fixed price of any CPU
 work in a forward: the inputs copied to the host, the host waiting for them, the CPU call's own
-overhead, the result copied back. All three are fitted (``fit_cpu_branch``) to timings of the layer's
-whole CPU branch (``cpu_path.CpuPath``) at 1 and k cold experts, 1 and T tokens each.
+overhead, the result copied back. With ``cpu_rows_s`` (what ``calibrate`` measures) an expert's time is
+read from a table by its row count instead of the line ``cpu_expert_s + tokens x cpu_token_s``; both are
+fitted (``fit_cpu_grid``) to timings of the layer's whole CPU branch (``cpu_path.CpuPath``) on cold
+experts over a grid of expert counts per call and rows per expert.
 
 ``cpu_margin`` (>= 1) prices the CPU side pessimistically: "auto" sends a miss to the CPU only where
 the model promises a win even with the CPU side that much slower, and otherwise fetches. It comes from
@@ -60,18 +63,50 @@ class MissCosts:
     refetch: str = "reuse"  # how a CPU expert's later refetch is priced (``REFETCH``; ``split_misses``)
     link_cpu_bytes_per_s: float | None = None  # the link's rate while the CPU branch computes (None: unknown)
     hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
+    cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
+    gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
             raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
+        if not self.gpu_call_s >= 0.0:
+            raise ValueError(f"gpu_call_s must be >= 0, got {self.gpu_call_s!r}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
             raise ValueError(f"refetch must be one of {REFETCH}, got {self.refetch!r}")
+        rows = [r for r, _ in self.cpu_rows_s]
+        if any(not isinstance(r, int) or r < 1 for r in rows) or rows != sorted(set(rows)) or any(
+                not s >= 0.0 for _, s in self.cpu_rows_s):
+            raise ValueError(f"cpu_rows_s must be (rows >= 1, seconds >= 0) pairs, rows strictly ascending, "
+                             f"got {self.cpu_rows_s!r}")
 
     def cpu_time(self, tokens: int) -> float:
-        """CPU seconds of one expert with ``tokens`` routed assignments (without ``cpu_step_s``)."""
-        return self.cpu_expert_s + tokens * self.cpu_token_s
+        """CPU seconds of one expert with ``tokens`` routed assignments (rows; without ``cpu_step_s``):
+        with ``cpu_rows_s``, linear between its points, its first point's time below them, its last
+        segment extended above (never below the last point's time); else ``cpu_expert_s + tokens x
+        cpu_token_s``."""
+        table = self.cpu_rows_s
+        if not table:
+            return self.cpu_expert_s + tokens * self.cpu_token_s
+        r0, s0 = table[0]
+        if tokens <= r0:
+            return s0
+        if len(table) == 1:
+            return s0 + (tokens - r0) * self.cpu_token_s
+        for (r0, s0), (r1, s1) in zip(table, table[1:]):
+            if tokens <= r1:
+                return s0 + (s1 - s0) * (tokens - r0) / (r1 - r0)
+        return max(s1, s1 + (s1 - s0) * (tokens - r1) / (r1 - r0))
+
+    def scaled(self, factor: float) -> "MissCosts":
+        """These costs with the whole CPU side (``cpu_step_s``, per expert, per token, ``cpu_rows_s``)
+        ``factor`` times as long: the host's drift (``calibrate.recalibrate_cpu``, ``online.CpuRate``)."""
+        if not factor > 0.0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        return dataclasses.replace(self, cpu_step_s=self.cpu_step_s * factor, cpu_expert_s=self.cpu_expert_s * factor,
+                                   cpu_token_s=self.cpu_token_s * factor,
+                                   cpu_rows_s=tuple((r, s * factor) for r, s in self.cpu_rows_s))
 
     def cpu_side_s(self, tokens: list[int]) -> float:
         """Predicted CPU seconds of a forward computing experts with these token counts on the CPU (0 for
@@ -108,10 +143,12 @@ class MissSplit:
 
 
 def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
-    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring);
+    """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring),
+    plus ``gpu_call_s`` when there are both (the fetched experts' own call, once they land);
     ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
     read_one = expert_bytes / costs.gpu_bytes_per_s
-    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one
+    second = costs.gpu_call_s if hits and fetched else 0.0
+    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one + second
 
 
 def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
@@ -144,20 +181,26 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     step after step: 0.03 less hit rate and 1.09-1.15x the pure fetch's step.
 
     Exact: within a class every expert costs the same to fetch and to leave uncached, so the best split
-    with a of one class and b of the other on the CPU takes the a and b with the fewest tokens; for a
+    with a of one class and b of the other on the CPU takes the a and b with the least CPU time
+    (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b.
-    Ties go to fewer CPU experts, then fewer likely-reused ones.
+    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b. The
+    one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
+    last point of the last run: it is priced on its own. Ties go to fewer CPU experts, then fewer
+    likely-reused ones.
 
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
     on them sends a hot expert to the CPU one step and over the link the next."""
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    if cpu_cannot_win(tokens, fetch_all, costs):
+        return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
-    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (tokens[e], e))
-               for hot in (False, True)]
+    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
+                      key=lambda e: (costs.cpu_time(tokens[e]), tokens[e], e)) for hot in (False, True)]
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
     cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
 
@@ -169,10 +212,19 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                          fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
-    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    best = _cheapest(split, len(classes[0]), len(classes[1]), hits > 0 and costs.gpu_call_s > 0, fetch_all)
+    return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
+
+
+def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> MissSplit:
+    """``split_misses``' search: the cheapest of ``fetch_all`` and ``split(a, b)`` over a <= n0, b <= n1 (a + b
+    >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call,
+    so that one point (a, b) = (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts,
+    then fewer of the second class."""
     best, rank = fetch_all, (0, 0)
-    for b in range(len(classes[1]) + 1):
-        lo, hi = (1 if b == 0 else 0), len(classes[0])  # a = b = 0 (no CPU side at all) is not on the convex run
+    candidates = [(n0, n1)] if drop else []
+    for b in range(n1 + 1):
+        lo, hi = (1 if b == 0 else 0), n0 - (1 if drop and b == n1 else 0)  # a = b = 0: no CPU side at all
         if lo > hi:
             continue
         while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
@@ -181,10 +233,48 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                 lo = mid + 1
             else:
                 hi = mid
-        candidate = split(lo, b)
-        if (candidate.cost_s, lo + b, b) < (best.cost_s, *rank):
-            best, rank = candidate, (lo + b, b)
-    return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
+        candidates.append((lo, b))
+    for a, b in candidates:
+        candidate = split(a, b)
+        if (candidate.cost_s, a + b, b) < (best.cost_s, *rank):
+            best, rank = candidate, (a + b, b)
+    return best
+
+
+def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCosts) -> bool:
+    """True when no split with a CPU expert can be taken over ``fetch_all`` (``gpu_only`` of these
+    misses): any such split costs at least its CPU side, ``cpu_margin`` x (``cpu_step_s`` + the
+    cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows. The search (and
+    the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is a few
+    hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
+    if not tokens:
+        return True
+    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in tokens.values()))
+    return floor > (1.0 - costs.hysteresis) * fetch_all.cost_s
+
+
+def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
+    """(seconds per CPU call, {rows: seconds per expert at that many rows}) fitted by least squares of the
+    relative error to branch timings {(experts, rows each): seconds} (> 0), the model being time = call +
+    experts x per_expert[rows] (one call cost shared by every row count, each row count its own
+    per-expert slope): relative, so a one-expert call (a decode step's usual CPU call) weighs as much as
+    a 32-expert one. Each row count needs two expert counts. The call cost is clamped at 0 (then the
+    slopes refitted through the origin), a slope at 0."""
+    rows = sorted({r for _, r in timings})
+    for r in rows:
+        if len({n for n, rr in timings if rr == r}) < 2:
+            raise ValueError(f"fit_cpu_grid needs two expert counts at every row count, rows={r} has "
+                             f"{sorted(n for n, rr in timings if rr == r)}")
+    points = sorted(timings.items())
+    if any(not t > 0.0 for _, t in points):
+        raise ValueError(f"fit_cpu_grid needs timings > 0, got {dict(points)}")
+    design = torch.tensor([[1.0 / t] + [n / t if r == rr else 0.0 for rr in rows] for (n, r), t in points],
+                          dtype=torch.float64)  # each row divided by its timing: relative residuals
+    target = torch.ones((len(points), 1), dtype=torch.float64)
+    fit = torch.linalg.lstsq(design, target).solution.reshape(-1).tolist()
+    if fit[0] < 0.0:
+        fit = [0.0] + torch.linalg.lstsq(design[:, 1:], target).solution.reshape(-1).tolist()
+    return fit[0], {r: max(s, 0.0) for r, s in zip(rows, fit[1:])}
 
 
 def _cumulative(values: list[float]) -> list[float]:
@@ -247,18 +337,6 @@ def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8
         yield
     finally:
         stream.synchronize()
-
-
-def fit_cpu_branch(one: float, spread: float, many: float, experts: int, tokens: int) -> tuple[float, float, float]:
-    """(seconds per forward, per expert, per token) from three timings of the whole CPU branch: ``one``
-    with 1 expert and 1 token, ``spread`` with ``experts`` experts and 1 token each, ``many`` with
-    ``experts`` experts and ``tokens`` tokens each (time = step + experts x (per_expert + tokens x
-    per_token)); each clamped at 0 against timing noise."""
-    if experts < 2 or tokens < 2:
-        raise ValueError(f"need experts >= 2 and tokens >= 2, got experts={experts}, tokens={tokens}")
-    per_token = max(many - spread, 0.0) / (experts * (tokens - 1))
-    per_expert_and_token = max(spread - one, 0.0) / (experts - 1)
-    return max(one - per_expert_and_token, 0.0), max(per_expert_and_token - per_token, 0.0), per_token
 
 
 def margin_of(timings: list[list[float]]) -> float:

@@ -37,6 +37,7 @@ from typing import Literal
 import torch
 
 from moekit.experts import backend_available, backend_fn, bind_options, call_backend
+from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
@@ -157,6 +158,7 @@ class OffloadedMoE(MoE):
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
             stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
             threads, gemm = self._cpu.setting(self.costs)
@@ -165,7 +167,7 @@ class OffloadedMoE(MoE):
             if not early:
                 cache.admit(self.layer_id, plan.admit, stats)
             if self.cpu_rate is not None and self.costs is not None:
-                self.cpu_rate.update(self._cpu.last, self.costs)
+                self.cpu_rate.update(self._cpu.last, self.costs, list(stats.cpu_rows))
         else:
             self._cpu.last = None
         out = _sum(partials, x2d)
@@ -219,10 +221,11 @@ class OffloadedMoE(MoE):
         return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
                             costs, self.admit_per_forward)
 
-    def measure_costs(self, tokens: int = 16, repeats: int = 3) -> MissCosts:
+    def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None) -> MissCosts:
         """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the
-        GPU's read rate, and the whole CPU branch on cold experts with the link busy."""
-        return calibrate.measure_costs(self, tokens, repeats)
+        GPU's read rate, and the whole CPU branch on cold experts with the link busy, at ``rows`` rows an
+        expert (the row counts the caller will see; None: 1, 2, 4 and ``tokens``)."""
+        return calibrate.measure_costs(self, tokens, repeats, rows)
 
     @property
     def cpu_options(self) -> CpuOptions:
@@ -257,9 +260,21 @@ class OffloadedMoE(MoE):
         if nxt is not None and predicted:
             nxt.cache.prefetch(nxt.layer_id, predicted, stats)
 
-
     def _layout_used(self, routing: Routing) -> str:
-        return f"expert cache ({self.cache.cache_experts} slots) via expert_map"
+        """The layout of the latest forward (``routing``'s): the backend's own rule over the cache's C
+        slots (the weights its GPU calls read, through ``expert_map``), and, when that forward computed
+        misses on the CPU, the CPU call's grouping over the host weights."""
+        w13, w2, _, _ = self.cache.slot_weights
+        text = f"{self._layout_for(routing, w13, w2)} over the expert cache ({self.cache.cache_experts} slots) via expert_map"
+        if not self.last_stats.cpu_experts:
+            return text
+        host = self.cache.host(self.layer_id)
+        if host.scheme == "fp8_block" or not backend_available("grouped_mm", "cpu"):
+            return f"{text}; CPU misses: per_expert_loop"  # moekit.quant's recipe loop / the reference backend
+        w13h, w2h, _, _ = host.rebuild(host.parts)  # logical shapes and dtype, packed or not
+        e, k = routing.topk_ids.shape
+        plan = plan_grouped_mm(e, k, w13h.shape[0], w13h.shape[2], w2h.shape[2], w13h.dtype, allow_sync=True)
+        return f"{text}; CPU misses: {plan.layout}"
 
 
 def link_layers(layers: list[OffloadedMoE]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, cpu_cannot_win, fetch_rate, gpu_only, gpu_side_s, split_misses
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -76,8 +76,12 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
                  costs: MissCosts | None, admit_per_forward: int | None = None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
-    with the misses' reuse chances from the cache's history when "auto" prices refetches by them."""
+    with the misses' reuse chances from the cache's history when "auto" prices refetches by them (not
+    asked where no CPU split can win: ``cost.cpu_cannot_win``, the same answer without the search)."""
     reuse = None
+    if place == "auto" and costs is not None and tokens and cpu_cannot_win(
+            tokens, gpu_only(tokens, expert_bytes, costs, hits), costs):
+        return MissPlan(sorted(tokens), [], [])
     if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
         reuse = cache.reuse(layer, list(tokens))
     return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 @dataclass
 class OffloadStats:
-    """Counts of routed experts (not tokens, except ``cpu_tokens``) over one or more forwards."""
+    """Counts of routed experts (not tokens, except ``cpu_tokens`` and ``cpu_rows``) over one or more forwards."""
 
     touched: int = 0  # experts the batches routed at least one token to; = hits + fetched + cpu_experts
     hits: int = 0  # touched experts already in a GPU slot when their forward ran
@@ -18,6 +18,7 @@ class OffloadStats:
     prefetched: int = 0  # experts copied ahead of their layer's forward by a prediction
     prefetch_used: int = 0  # prefetched experts that their layer's next forward did touch
     admitted: int = 0  # misses computed on the CPU and then copied into the cache for later forwards
+    cpu_rows: tuple[int, ...] = ()  # one forward's CPU experts' routed assignments each (a cost model's input; ``add`` keeps its own)
 
     @property
     def misses(self) -> int:
@@ -34,8 +35,10 @@ class OffloadStats:
         return self.prefetch_used / self.prefetched if self.prefetched else 0.0
 
     def add(self, other: "OffloadStats") -> None:
+        """Add ``other``'s counts; ``cpu_rows`` stays this one's (a running list would grow without bound)."""
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            if f.name != "cpu_rows":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict:
         row = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -75,6 +75,7 @@ def drive(cache: ExpertCache, layers: list[int], trace: RoutingTrace, steps: ran
                 pass  # no compute: the rounds only move the cache's bookkeeping
             if plan.cpu:
                 stats.cpu_experts, stats.cpu_tokens = len(plan.cpu), sum(counts[m] for m in plan.cpu)
+                stats.cpu_rows = tuple(counts[m] for m in plan.cpu)
                 cache.admit(layer, plan.admit, stats)
             last[i] = touched
             if prefetch is not None and i + 1 < len(layers):
