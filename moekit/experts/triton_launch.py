@@ -91,7 +91,7 @@ class LaunchOptions:
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
     # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
     sum_fold_max: int = 1
-    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread)
+    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
     # weights, out, map, biases, weights without descriptors; h and y above the pool's max_bytes) and calls
