@@ -87,11 +87,11 @@ def clear_sequences() -> None:
     _SEQUENCES.clear()
 
 
-def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor | None:
-    """The call's output, launched from its plan's sequence; None where the lean launch does not apply
-    (the caller then runs the ``BoundLaunch`` calls). ``pool``: the workspaces (``WorkspacePool``),
+def lean_sequence(plan: Plan, pool, descriptors, device, w13, w2, expert_map, b13, b2) -> LaunchSequence | None:
+    """The plan's sequence for these weights on this thread, recorded now if the kept one is stale; None
+    where the lean launch does not apply (a graph capture, a launch not compiled yet, a launch hook; the
+    caller then runs the ``BoundLaunch`` calls). ``pool``: the workspaces (``WorkspacePool``),
     ``descriptors``: the weights' (``WeightDescriptors``)."""
-    device = x.device
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     spec = plan.workspace
@@ -113,10 +113,15 @@ def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map
             _SEQUENCES[key] = sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
+    return sequence
+
+
+def launch_lean(sequence: LaunchSequence, x, ids, weights, expert_map, b13, b2, w13, w2) -> torch.Tensor:
+    """out [M, K] (fresh), launched from ``sequence`` (``lean_sequence``'s, still current)."""
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     buffer = h = y = None
     if sequence.large is not None:  # one fresh byte buffer, held until the launches are queued
-        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=x.device)
         h, y = _large_regions(sequence.large, buffer, sequence.raw)
     sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y))
     del buffer  # freed in stream order: the caching allocator hands it to later work on this stream only

@@ -1,0 +1,127 @@
+"""The per-call fast path of an eager Triton experts call: what a repeated call of one kind with one
+weight set needs is kept once, found by a key of cheap attributes, so that the call skips the argument
+check, the plan lookup, the workspace, descriptor and sequence lookups and goes straight to its launches.
+
+    key:   id(w13), id(w2); x, ids, weights: shape, dtype, device; activation, options (as asked), thread
+    entry: w13 and w2 (weakly) with their _version, data_ptr, shape and strides when kept; the plan; its
+           recorded LaunchSequence (``triton_lean``); the pool's generation; the CUDA stream; the epoch;
+           whether ``check_experts_args`` passed on a call of this key
+    a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
+           weights contiguous and 16-byte aligned; the entry's weights are these ones, unchanged (a new
+           tensor, an in-place update, ``.data`` swapped, a move: each misses); no graph capture, the same
+           stream, the pool's buffers not replaced, no retune or cache clear since; no Triton launch hook
+      -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
+         path (outputs equal bit for bit)
+
+Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
+call launched lean. Only calls without an expert map or biases are kept; the others take the full path.
+A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
+``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
+retune) drops every entry; an entry goes when its w13 is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.triton_lean import LaunchSequence, launch_lean
+from moekit.experts.triton_plan import Plan
+
+MAX_ENTRIES = 4096  # (weights, kind of call, thread) kept; the oldest goes first
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_MEMO: dict[tuple, "FastEntry"] = {}
+_epoch = [0]  # moves on every clear: an entry from before is never used
+_lock = threading.Lock()
+
+
+def clear_fast() -> None:
+    _epoch[0] += 1
+    _MEMO.clear()
+
+
+on_config_cache_clear(clear_fast)  # a retune drops the plans: the entries hold them
+
+
+class FastEntry:
+    """One kept call: its weights as they were, its plan and sequence, and what they were recorded under."""
+
+    __slots__ = ("w13", "w2", "version", "address", "shape", "stride", "plan", "sequence", "generation",
+                 "stream", "epoch", "checked")
+
+    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, generation: int, stream, checked: bool):
+        w13 = w13_ref()
+        self.w13, self.w2 = w13_ref, weakref.ref(w2)
+        self.version, self.address = (w13._version, w2._version), (w13.data_ptr(), w2.data_ptr())
+        self.shape, self.stride = (w13.shape, w2.shape), (w13.stride(), w2.stride())
+        self.plan, self.sequence, self.generation, self.stream = plan, sequence, generation, stream
+        self.epoch, self.checked = _epoch[0], checked
+
+
+def _key(x, w13, w2, ids, weights, activation, options) -> tuple:
+    return (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+            ids.device, weights.device, activation, options, threading.get_ident())
+
+
+def _call_fits(x, w13, w2, ids, weights) -> bool:
+    """What a call must be for the fast path whatever is kept: eager, no autograd graph, plain tensors,
+    x, ids and weights contiguous and 16-byte aligned (what their plan was built for)."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_tracing() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
+        return False
+    return (x.__class__ in _PLAIN and x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+            and not (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15)
+
+
+def _stream(device: torch.device):
+    """The current stream of ``device`` (CUDA), else None."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+
+
+def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
+    """out [M, K] launched from the kept entry of this call, or None (a miss: run the full path).
+    ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves."""
+    if torch.compiler.is_compiling() or not (options.lean_ready and options.direct_eager):
+        return None
+    if not _call_fits(x, w13, w2, ids, weights):
+        return None
+    entry = _MEMO.get(_key(x, w13, w2, ids, weights, activation, options))
+    if entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0]:
+        return None
+    if (entry.w13() is not w13 or entry.w2() is not w2 or entry.generation != pool.generation
+            or entry.version != (w13._version, w2._version) or entry.address != (w13.data_ptr(), w2.data_ptr())
+            or entry.shape != (w13.shape, w2.shape) or entry.stride != (w13.stride(), w2.stride())):
+        return None
+    if entry.stream is not None and (torch._C._cuda_isCurrentStreamCapturing()
+                                     or _stream(x.device) != entry.stream):
+        return None
+    sequence = entry.sequence
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+
+
+def remember(pool, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
+             checked: bool) -> None:
+    """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the
+    fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases)."""
+    if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
+        return
+    key = _key(x, w13, w2, ids, weights, activation, options)
+
+    def forget(ref: weakref.ref) -> None:  # w13 freed: its entry goes with it
+        entry = _MEMO.get(key)
+        if entry is not None and entry.w13 is ref:
+            _MEMO.pop(key, None)
+
+    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, pool.generation, _stream(x.device), checked)
+    with _lock:
+        _MEMO.pop(key, None)
+        if len(_MEMO) >= MAX_ENTRIES:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = entry
