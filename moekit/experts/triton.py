@@ -72,6 +72,8 @@ from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the direct eager path takes (no subclass)
+# every entry point's default: one object, so a fast-path key (``triton_fast``) matches by identity, no __eq__
+_DEFAULT_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
@@ -103,7 +105,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     activation: str | ActivationSpec = "silu",
     config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = _DEFAULT_OPTIONS,
     *,
     b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
     b2: torch.Tensor | None = None,  # [E, K]
@@ -263,7 +265,7 @@ def experts_triton(
     expert_map: torch.Tensor | None = None,
     b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
     b2: torch.Tensor | None = None,  # [E, K]
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = _DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """The experts contract (see ``moekit.experts``) on fused Triton kernels; returns [M, K] in x.dtype.
     Every ``ActivationSpec`` runs fused (biases, interleaved gate/up, ungated, clamped SwiGLU).
@@ -279,7 +281,7 @@ def experts_triton(
 def experts_triton_unchecked(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
-    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, options: LaunchOptions = LaunchOptions(),
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, options: LaunchOptions = _DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """``experts_triton`` for a caller that has run ``check_experts_args`` (``moekit.experts.call_backend``,
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
@@ -307,8 +309,6 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
     return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
                                            *_variant_args(activation), *options.as_op_args())
 
-
-_DEFAULT_OPTIONS = LaunchOptions()  # experts_triton_unchecked's default
 
 
 def _fast_unchecked(x, w13, w2, topk_ids, topk_weights, activation) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from threading import get_ident
 
 import torch
 
@@ -50,29 +51,39 @@ on_config_cache_clear(clear_fast)  # a retune drops the plans: the entries hold 
 class FastEntry:
     """One kept call: its weights as they were, its plan and sequence, and what they were recorded under."""
 
-    __slots__ = ("w13", "w2", "version", "address", "shape", "stride", "plan", "sequence", "generation",
-                 "stream", "epoch", "checked")
+    __slots__ = ("w13", "w2", "state", "plan", "sequence", "generation", "stream", "epoch", "checked")
 
     def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, generation: int, stream, checked: bool):
-        w13 = w13_ref()
-        self.w13, self.w2 = w13_ref, weakref.ref(w2)
-        self.version, self.address = (w13._version, w2._version), (w13.data_ptr(), w2.data_ptr())
-        self.shape, self.stride = (w13.shape, w2.shape), (w13.stride(), w2.stride())
+        self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), _weight_state(w13_ref(), w2)
         self.plan, self.sequence, self.generation, self.stream = plan, sequence, generation, stream
         self.epoch, self.checked = _epoch[0], checked
 
 
+def _weight_state(w13, w2) -> tuple:
+    """What a kept call's plan and sequence assumed of the weights besides their identity: a version (an
+    in-place update), an address (a move, ``.data`` swapped), shapes and strides (``.data`` swapped for
+    another view of the same memory)."""
+    return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride())
+
+
 def _key(x, w13, w2, ids, weights, activation, options) -> tuple:
     return (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
-            ids.device, weights.device, activation, options, threading.get_ident())
+            ids.device, weights.device, activation, options, get_ident())
+
+
+_dispatching = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._is_tracing
+_transforming = torch._C._are_functorch_transforms_active
+_grad = torch.is_grad_enabled
 
 
 def _call_fits(x, w13, w2, ids, weights) -> bool:
     """What a call must be for the fast path whatever is kept: eager, no autograd graph, plain tensors,
-    x, ids and weights contiguous and 16-byte aligned (what their plan was built for)."""
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_tracing() or torch._C._are_functorch_transforms_active():
+    x, ids and weights contiguous and 16-byte aligned (what their plan was built for). ``run_fast`` has it
+    inline (a function call is host time)."""
+    if _dispatching() or _tracing() or _transforming():
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
+    if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return False
     return (x.__class__ in _PLAIN and x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
             and not (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15)
@@ -88,17 +99,20 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves."""
     if torch.compiler.is_compiling() or not (options.lean_ready and options.direct_eager):
         return None
-    if not _call_fits(x, w13, w2, ids, weights):
+    # _call_fits, inline
+    if _dispatching() or _tracing() or _transforming():
         return None
-    entry = _MEMO.get(_key(x, w13, w2, ids, weights, activation, options))
-    if entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0]:
+    if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return None
-    if (entry.w13() is not w13 or entry.w2() is not w2 or entry.generation != pool.generation
-            or entry.version != (w13._version, w2._version) or entry.address != (w13.data_ptr(), w2.data_ptr())
-            or entry.shape != (w13.shape, w2.shape) or entry.stride != (w13.stride(), w2.stride())):
+    if (x.__class__ not in _PLAIN or not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
+            or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
         return None
-    if entry.stream is not None and (torch._C._cuda_isCurrentStreamCapturing()
-                                     or _stream(x.device) != entry.stream):
+    entry = _MEMO.get((id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+                       ids.device, weights.device, activation, options, get_ident()))  # _key, inline
+    if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
+            or entry.w2() is not w2 or entry.generation != pool.generation or entry.state != _weight_state(w13, w2)):
+        return None
+    if entry.stream is not None and (torch._C._cuda_isCurrentStreamCapturing() or _stream(x.device) != entry.stream):
         return None
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
