@@ -11,6 +11,8 @@ no_grad, uniform routing; a throwaway cell first: a process's first cell runs sl
   lean      the defaults: the plan's recorded ``LaunchSequence``
   lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
             M = 4096 and 16384 here; elsewhere the same launches as lean)
+  lean_nofast lean without ``fast_path`` (``triton_fast``: a repeated call skips the check and every lookup),
+            so that "lean" against it is the fast path's saving
 All three share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
 buffers pooled), so ``current`` here is already faster than main at M >= 4096 (main allocated every region
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
@@ -21,7 +23,7 @@ calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the se
 entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
 preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until
 --budget-s; the rest are listed as skipped. JSON to $OUT/host_lean.json (./host_lean_out/ without OUT);
-the table is printed last (look for: same = yes everywhere, lean host <= current host).
+the table is printed last (look for: same = yes everywhere, lean host <= nofast host <= current host).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from moekit.experts.triton_plan import plan_for
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BATCHES = (1, 8, 64, 512, 4096, 16384)
 VARIANTS = {"current": LaunchOptions(lean_launch=False), "lean": LaunchOptions(),
-            "lean_scan": LaunchOptions(align_scan_fold=True)}  # + hist and scan in one launch (A > 4096)
+            "lean_scan": LaunchOptions(align_scan_fold=True),  # + hist and scan in one launch (A > 4096)
+            "lean_nofast": LaunchOptions(fast_path=False)}  # lean without the repeated call's fast path
 LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of GPU time)
 
 
@@ -125,6 +128,7 @@ def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
                 outs[name] = fns[name]()
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["current"])
         row["scan_same"] = row.get("scan_same", True) and torch.equal(outs["lean_scan"], outs["current"])
+        row["nofast_same"] = row.get("nofast_same", True) and torch.equal(outs["lean_nofast"], outs["current"])
     plan = plan_for(*args, None, "silu", None, VARIANTS["lean"])
     row["lean_used"] = any(key[0] is plan for key in triton_lean._SEQUENCES)
     row["launches"] = 3 + (0 if plan.align is None else plan.align.launches) - (plan.down_sum is not None)
@@ -143,7 +147,7 @@ def table(results: dict) -> str:
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
              f"{'eager lean':>11}{'graph':>9}{'min cur':>9}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
-             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}"]
+             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}{'nofast same':>12}{'host nofast':>12}"]
     for key, r in results.items():
         if "host_us" not in r:
             lines.append(f"{key:26}{next(iter(r.values()))}")
@@ -154,7 +158,8 @@ def table(results: dict) -> str:
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{r['host_min_us']['current']:>9.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
-                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}")
+                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}"
+                     f"{ha._yn(r['nofast_same']):>12}{r['host_us']['lean_nofast']:>12.1f}")
     return "\n".join(lines)
 
 

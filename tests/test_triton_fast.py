@@ -157,3 +157,11 @@ def test_layer_served_equal_to_full_path(interpreter, counts):
         full.load_state_dict(layer.state_dict())
         x = torch.randn(5, K).bfloat16()
         assert torch.equal(layer(x), full(x)) and counts["hits"] == 2
+
+
+def test_fast_path_off_never_serves(interpreter, counts):
+    problem = make_problem(8, 2, E, K, N, torch.bfloat16, seed=6)
+    off = LaunchOptions(fast_path=False)
+    outs = [interpreter.experts_triton(*problem, options=off) for _ in range(3)]
+    assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
+    assert all(torch.equal(out, interpreter.experts_triton(*problem, options=BOUND)) for out in outs)

@@ -24,6 +24,8 @@ The host path of a call (eager; budgeted like GPU time, see ``benchmarks/host_ti
 that does not depend on the call's data is decided once per kind of call and cached (each switchable
 in ``LaunchOptions`` for an A/B):
 
+    a repeated call (``LaunchOptions.fast_path``, ``triton_fast``): the same weight tensors unchanged, the same
+      shapes, dtypes and devices, no map or biases -> out (fresh), its kept sequence launched; nothing below
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
@@ -137,8 +139,8 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
     if counters is None and plan.options.lean_ready:
         sequence = lean_sequence(plan, _WORKSPACES, _DESCRIPTORS, x.device, w13, w2, expert_map, b13, b2)
         if sequence is not None:
-            if (checked is not None and config is None and expert_map is None and b13 is None and b2 is None
-                    and ids is topk_ids and weights is topk_weights):
+            if (checked is not None and options.fast_ready and config is None and expert_map is None and b13 is None
+                    and b2 is None and ids is topk_ids and weights is topk_weights):
                 remember(_WORKSPACES, x, w13, w2, ids, weights, activation, options, plan, sequence, checked)
             return launch_lean(sequence, x, ids, weights, expert_map, b13, b2, w13, w2)
     return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters)
@@ -186,7 +188,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    lean_launch: bool, align_scan_fold: bool,
+    lean_launch: bool, align_scan_fold: bool, fast_path: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -197,7 +199,7 @@ def _experts_op(
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
                             sum_fold_max=sum_fold_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold)
+                            align_scan_fold=align_scan_fold, fast_path=fast_path)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

@@ -97,7 +97,7 @@ def _stream(device: torch.device):
 def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: run the full path).
     ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves."""
-    if torch.compiler.is_compiling() or not (options.lean_ready and options.direct_eager):
+    if torch.compiler.is_compiling() or not options.fast_ready:
         return None
     # _call_fits, inline
     if _dispatching() or _tracing() or _transforming():

@@ -108,6 +108,10 @@ class LaunchOptions:
     # workspace keeps the counters (its arrival slot). Off: not yet measured on the H200
     # (benchmarks/host_lean_device_check.py has the variant).
     align_scan_fold: bool = False
+    # A repeated eager call (same weight tensors unchanged, same shapes and dtypes, no expert map or biases)
+    # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
+    # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
+    fast_path: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -125,6 +129,7 @@ class LaunchOptions:
         # lean_launch and what it needs (read on every eager call: computed once)
         object.__setattr__(self, "lean_ready", self.lean_launch and self.cache_plans and self.cached_launcher
                            and self.reuse_workspace and not self.poison_workspace)
+        object.__setattr__(self, "fast_ready", self.lean_ready and self.fast_path and self.direct_eager)
         object.__setattr__(self, "_args", self.as_op_args())
         object.__setattr__(self, "_hash", hash(self._args))
 

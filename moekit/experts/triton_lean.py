@@ -1,7 +1,7 @@
 """The lean launch of an eager Triton experts call (``LaunchOptions.lean_launch``): a plan's launches
 recorded once as a ``LaunchSequence``, so that a call only fills in its own tensors and launches.
 
-    per (plan, thread, weights where TMA descriptors are recorded): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
+    per (plan, thread, weights with TMA descriptors): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
     is called through and its full argument list, with the positions of the call's tensors (x, ids,
     weights, out, map, biases, weights without descriptors; h and y above the pool's size)
     per call: pooled workspace and descriptors still the recorded ones? -> fill the positions, launch
