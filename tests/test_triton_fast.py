@@ -165,3 +165,14 @@ def test_fast_path_off_never_serves(interpreter, counts):
     outs = [interpreter.experts_triton(*problem, options=off) for _ in range(3)]
     assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
     assert all(torch.equal(out, interpreter.experts_triton(*problem, options=BOUND)) for out in outs)
+
+
+def test_inference_mode_weights_never_kept(interpreter, counts):
+    with torch.inference_mode():  # weights without a version counter: an in-place update could not be seen
+        problem = make_problem(8, 2, E, K, N, torch.bfloat16, seed=7)
+        outs = [interpreter.experts_triton(*problem) for _ in range(3)]
+        problem.w13.mul_(2)
+        after = interpreter.experts_triton(*problem)
+        assert torch.equal(after, interpreter.experts_triton(*problem, options=BOUND))
+    assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
+    assert not torch.equal(after, outs[0])

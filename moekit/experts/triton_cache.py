@@ -253,7 +253,10 @@ class WeightDescriptors:
 
     def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
         """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
-        fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        try:
+            fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
+            fingerprint = (id(w2), w13.data_ptr(), None, w2.data_ptr(), None)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)

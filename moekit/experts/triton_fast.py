@@ -14,7 +14,8 @@ check, the plan lookup, the workspace, descriptor and sequence lookups and goes 
          path (outputs equal bit for bit)
 
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
-call launched lean. Only calls without an expert map or biases are kept; the others take the full path.
+call launched lean. Only calls without an expert map or biases are kept, and never inference-mode weights
+(no version counter to see an in-place update by); the others take the full path.
 A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
 ``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
 retune) drops every entry; an entry goes when its w13 is freed.
@@ -125,6 +126,8 @@ def remember(pool, x, w13, w2, ids, weights, activation, options, plan: Plan, se
     """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the
     fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases)."""
     if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
+        return
+    if w13.is_inference() or w2.is_inference():  # no version counter: an in-place update would go unseen
         return
     key = _key(x, w13, w2, ids, weights, activation, options)
 
