@@ -312,10 +312,7 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
                                            *_variant_args(activation), *options.as_op_args())
 
 
-
-def _fast_unchecked(x, w13, w2, topk_ids, topk_weights, activation) -> torch.Tensor | None:
-    """``experts_triton_unchecked``'s fast path with its default options (``ExpertsCallCache`` tries it first)."""
-    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, _DEFAULT_OPTIONS, checked=False)
-
-
-register_fast_path(experts_triton_unchecked, _fast_unchecked)
+# experts_triton_unchecked's fast path with its default options (``ExpertsCallCache`` tries it first): a partial,
+# no Python frame of its own
+register_fast_path(experts_triton_unchecked,
+                   functools.partial(run_fast, _WORKSPACES, options=_DEFAULT_OPTIONS, checked=False))
