@@ -13,7 +13,8 @@ Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs:
 ``layer``, and ``glue`` = layer - route_tokens - experts. Then the experts call alone at M = 1, 8, 512, 4096
 (Qwen3's E and k; ids int32 and weights fp32 as the fused router makes them): ``experts_triton`` (the public
 call: the check, then the lean launch), ``layer_call`` (what forward runs: ``MoE._experts_call``, the check
-once per weight set) and ``plans`` (how many plans were built: 1 per M, nothing rebuilt per call); at M = 4096
+once per weight set), ``two_layers`` (``experts_triton`` on two weight sets of one shape in turn, per call:
+a model's layers) and ``plans`` (how many plans were built: 1 per M, nothing rebuilt per call); at M = 4096
 the workspace pool's ``max_bytes`` is set below the plan's workspace, as at real shapes (Qwen3-30B-A3B's h and
 y are ~180 MiB there), so h and y are one fresh buffer per call. µs per call, median over repeats (the
 machine is shared: medians, not means); ``uptime`` before and after says how loaded it was. ``--profile M``
@@ -110,7 +111,9 @@ LARGE_FROM = 4096  # from this M the pool keeps only the alignment's regions (as
 def experts_rows(config: MoEConfig, calls: int, repeats: int, dtype: torch.dtype) -> list[dict]:
     """The experts call alone per M: the public ``experts_triton`` and the layer's cached call."""
     layer = MoE(config, backend="triton", router="fused", dtype=dtype).eval()
+    other = MoE(config, backend="triton", router="fused", dtype=dtype).eval()  # a second layer of the same shape
     w13, w2, act, pool = layer.w13, layer.w2, config.activation, experts_triton_module._WORKSPACES
+    run = experts_triton_module.experts_triton
     out = []
     for m in EXPERTS_BATCHES:
         x = torch.randn(m, config.hidden_size, dtype=dtype)
@@ -122,11 +125,14 @@ def experts_rows(config: MoEConfig, calls: int, repeats: int, dtype: torch.dtype
         plans = len(_PLANS)
         with torch.no_grad():
             fns = {
-                "experts_triton": lambda: experts_triton_module.experts_triton(x, w13, w2, ids, weights, activation=act),
+                "experts_triton": lambda: run(x, w13, w2, ids, weights, activation=act),
                 "layer_call": lambda: layer._experts_call(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
+                "two_layers": lambda: (run(x, w13, w2, ids, weights, activation=act),
+                                       run(x, other.w13, other.w2, ids, weights, activation=act)),
             }
             row = {"M": m, **{k: round(per_call_us(f, max(50, calls // (1 + m // 64)), repeats), 1)
                               for k, f in fns.items()}}
+            row["two_layers"] = round(row["two_layers"] / 2, 1)  # per call
         row["plans"] = len(_PLANS) - plans
         pool.max_bytes = kept
         out.append(row)
