@@ -65,7 +65,7 @@ from moekit.experts import check_experts_args, register_fast_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
-from moekit.experts.triton_fast import clear_fast, remember, run_fast
+from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
 from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for, plan_launches
@@ -137,11 +137,12 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
         raise ValueError(f"counters must be int32 on {x.device} with >= {plan.workspace.counters} elements, got "
                          f"{counters.dtype} on {counters.device} with {counters.numel()}")
     if counters is None and plan.options.lean_ready:
+        stamp = fast_stamp(_WORKSPACES)  # before: a clear or a new buffer from here on makes the entry stale
         sequence = lean_sequence(plan, _WORKSPACES, _DESCRIPTORS, x.device, w13, w2, expert_map, b13, b2)
         if sequence is not None:
             if (checked is not None and options.fast_ready and config is None and expert_map is None and b13 is None
                     and b2 is None and ids is topk_ids and weights is topk_weights):
-                remember(_WORKSPACES, x, w13, w2, ids, weights, activation, options, plan, sequence, checked)
+                remember(stamp, x, w13, w2, ids, weights, activation, options, plan, sequence, checked)
             return launch_lean(sequence, x, ids, weights, expert_map, b13, b2, w13, w2)
     return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters)
 

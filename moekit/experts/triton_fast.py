@@ -54,10 +54,16 @@ class FastEntry:
 
     __slots__ = ("w13", "w2", "state", "plan", "sequence", "generation", "stream", "epoch", "checked")
 
-    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, generation: int, stream, checked: bool):
+    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, stamp: tuple, stream, checked: bool):
         self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), _weight_state(w13_ref(), w2)
-        self.plan, self.sequence, self.generation, self.stream = plan, sequence, generation, stream
-        self.epoch, self.checked = _epoch[0], checked
+        self.plan, self.sequence, self.stream, self.checked = plan, sequence, stream, checked
+        self.generation, self.epoch = stamp
+
+
+def fast_stamp(pool) -> tuple:
+    """(the pool's generation, the epoch), read before a sequence is looked up: an entry built from it is
+    stale if either moved in between (a clear, a new buffer), and the next call then keeps it again."""
+    return pool.generation, _epoch[0]
 
 
 def _weight_state(w13, w2) -> tuple:
@@ -121,10 +127,11 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
 
 
-def remember(pool, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
+def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
              checked: bool) -> None:
     """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the
-    fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases)."""
+    fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases).
+    ``stamp``: ``fast_stamp`` of the pool, read before the sequence was looked up."""
     if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
         return
     if w13.is_inference() or w2.is_inference():  # no version counter: an in-place update would go unseen
@@ -136,7 +143,7 @@ def remember(pool, x, w13, w2, ids, weights, activation, options, plan: Plan, se
         if entry is not None and entry.w13 is ref:
             _MEMO.pop(key, None)
 
-    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, pool.generation, _stream(x.device), checked)
+    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, stamp, _stream(x.device), checked)
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:
