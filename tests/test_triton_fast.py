@@ -176,3 +176,16 @@ def test_inference_mode_weights_never_kept(interpreter, counts):
         assert torch.equal(after, interpreter.experts_triton(*problem, options=BOUND))
     assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
     assert not torch.equal(after, outs[0])
+
+
+def test_quantized_weights_take_the_full_path(interpreter, counts):
+    """Weight-only quantized weights (not tensors) never reach the fast path, with or without autograd on."""
+    config = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=E, top_k=2)
+    torch.manual_seed(1)
+    layer = MoE(config, backend="triton", dtype=torch.bfloat16).eval().quantize_("int8_w8a16")
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        want = layer(x)
+    with torch.enable_grad():
+        outs = [layer(x) for _ in range(2)]
+    assert all(torch.equal(out, want) for out in outs) and counts["hits"] == 0

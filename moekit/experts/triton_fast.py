@@ -90,9 +90,11 @@ def _call_fits(x, w13, w2, ids, weights) -> bool:
     inline (a function call is host time)."""
     if _dispatching() or _tracing() or _transforming():
         return False
+    if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
+        return False
     if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return False
-    return (x.__class__ in _PLAIN and x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+    return (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
             and not (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15)
 
 
@@ -109,9 +111,11 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     # _call_fits, inline
     if _dispatching() or _tracing() or _transforming():
         return None
+    if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
+        return None
     if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return None
-    if (x.__class__ not in _PLAIN or not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
+    if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
             or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
         return None
     entry = _MEMO.get((id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
