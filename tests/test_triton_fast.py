@@ -98,6 +98,12 @@ def test_misses_when_the_weights_change(interpreter, counts):
     w2_param.data = w2_param.data[:, :, : N - 8]  # the same memory, another shape: no longer fits w13
     with pytest.raises(ValueError, match="w2 must have shape"):
         interpreter.experts_triton(x, w13, w2_param, ids, weights)
+    w2_param.data = new_w2  # back: served again once kept
+    for _ in range(2):
+        _same_as_full_path(interpreter, (x, w13, w2_param, ids, weights))
+    w2_param.data = new_w2.view(torch.float16)  # the same memory, shape and strides, another dtype
+    with pytest.raises(TypeError, match="w2"):
+        interpreter.experts_triton(x, w13, w2_param, ids, weights)
 
 
 def test_misses_after_new_workspaces_a_retune_or_with_autograd(interpreter, counts):

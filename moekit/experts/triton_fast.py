@@ -68,9 +68,10 @@ def fast_stamp(pool) -> tuple:
 
 def _weight_state(w13, w2) -> tuple:
     """What a kept call's plan and sequence assumed of the weights besides their identity: a version (an
-    in-place update), an address (a move, ``.data`` swapped), shapes and strides (``.data`` swapped for
-    another view of the same memory)."""
-    return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride())
+    in-place update), an address (a move, ``.data`` swapped), shapes, strides and dtypes (``.data`` swapped
+    for another view of the same memory)."""
+    return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride(),
+            w13.dtype, w2.dtype)
 
 
 def _key(x, w13, w2, ids, weights, activation, options) -> tuple:
