@@ -195,3 +195,12 @@ def test_quantized_weights_take_the_full_path(interpreter, counts):
     with torch.enable_grad():
         outs = [layer(x) for _ in range(2)]
     assert all(torch.equal(out, want) for out in outs) and counts["hits"] == 0
+
+
+def test_weight_views_made_per_call_never_kept(interpreter, counts):
+    """transformers' transposed storage: a new view of the weights per call is never the same object."""
+    x, w13, w2, ids, weights = make_problem(8, 2, E, K, N, torch.bfloat16, seed=8)
+    w13_t, w2_t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()  # stored [E, K, 2N], [E, N, K]
+    for _ in range(3):
+        _same_as_full_path(interpreter, (x, w13_t.transpose(1, 2), w2_t.transpose(1, 2), ids, weights))
+    assert counts["hits"] == 0 and len(_fast()._MEMO) == 0

@@ -15,7 +15,8 @@ check, the plan lookup, the workspace, descriptor and sequence lookups and goes 
 
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
 call launched lean. Only calls without an expert map or biases are kept, and never inference-mode weights
-(no version counter to see an in-place update by); the others take the full path.
+(no version counter to see an in-place update by) or weights that are views (transformers' transposed
+storage, a new view per call: never the same object twice); the others take the full path.
 A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
 ``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
 retune) drops every entry; an entry goes when its w13 is freed.
@@ -141,6 +142,8 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
         return
     if w13.is_inference() or w2.is_inference():  # no version counter: an in-place update would go unseen
         return
+    if w13._base is not None or w2._base is not None:  # a view (transformers' transposed storage) is made anew
+        return  # per call: an entry would never serve, only churn
     key = _key(x, w13, w2, ids, weights, activation, options)
 
     def forget(ref: weakref.ref) -> None:  # w13 freed: its entry goes with it
