@@ -11,6 +11,10 @@ no_grad, uniform routing; a throwaway cell first: a process's first cell runs sl
   lean      the defaults: the plan's recorded ``LaunchSequence``
   lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
             M = 4096 and 16384 here; elsewhere the same launches as lean)
+  lean_nofast lean without ``fast_path`` (``triton_fast``: a repeated call skips the check and every lookup),
+            so that "lean" against it is the fast path's saving
+and, up to M = 512, ``two`` (``two_sets``): lean on two weight sets of the same shape in turn, as a model's
+layers run (host µs per call; ``two same``: both outputs equal the current path's bit for bit)
 All three share the workspace split above the pool's size (h and y one fresh buffer per call, the alignment's
 buffers pooled), so ``current`` here is already faster than main at M >= 4096 (main allocated every region
 per call: benchmarks/host_breakdown.py "workspace buffers", 34-56 µs at M = 4096).
@@ -21,7 +25,7 @@ calls, replayed: the GPU time, equal for both up to noise), ``lean_raw`` (the se
 entry and no launch hook is installed). Last of all (a profiler session may slow what follows), the last
 preset's M = 1 and 512 again with torch.profiler's self-CPU µs per call. Cells run preset by preset until
 --budget-s; the rest are listed as skipped. JSON to $OUT/host_lean.json (./host_lean_out/ without OUT);
-the table is printed last (look for: same = yes everywhere, lean host <= current host).
+the table is printed last (look for: same = yes everywhere, lean host <= nofast host <= current host).
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ from moekit.experts.triton_plan import plan_for
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BATCHES = (1, 8, 64, 512, 4096, 16384)
 VARIANTS = {"current": LaunchOptions(lean_launch=False), "lean": LaunchOptions(),
-            "lean_scan": LaunchOptions(align_scan_fold=True)}  # + hist and scan in one launch (A > 4096)
+            "lean_scan": LaunchOptions(align_scan_fold=True),  # + hist and scan in one launch (A > 4096)
+            "lean_nofast": LaunchOptions(fast_path=False)}  # lean without the repeated call's fast path
 LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of GPU time)
+TWO_SETS_MAX_M = 512  # the two-weight-set cell up to here (host-bound sizes)
 
 
 class Run:
@@ -111,7 +117,22 @@ def profiler_self_cpu_us(fn, calls: int = 20) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages()) / calls
 
 
-def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
+def two_sets(args: tuple, other, m: int) -> dict:
+    """Two weight sets of one shape in turn (a model's layers), lean: host µs per call, and each output equal
+    to the current path's bit for bit (before this branch one sequence per plan was re-recorded every call)."""
+    lean, current = VARIANTS["lean"], VARIANTS["current"]
+    x, w13, w2, ids, weights = args
+    calls = [lambda: experts_triton(*args, options=lean), lambda: experts_triton(x, other.w13, other.w2, ids, weights,
+                                                                                  options=lean)]
+    for call in calls * 2:  # compiled, recorded
+        call()
+    same = (torch.equal(calls[0](), experts_triton(*args, options=current))
+            and torch.equal(calls[1](), experts_triton(x, other.w13, other.w2, ids, weights, options=current)))
+    median, _ = host_us({"two": lambda: (calls[0](), calls[1]())}, m)
+    return {"two_same": same, "host_two_us": median["two"] / 2}
+
+
+def cell(m: int, weights, shape: Shape, profile: bool = False, other=None) -> dict:
     dev = Run.device
     fns, outs = {}, {}
     row = {"same": True}
@@ -125,6 +146,7 @@ def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
                 outs[name] = fns[name]()
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["current"])
         row["scan_same"] = row.get("scan_same", True) and torch.equal(outs["lean_scan"], outs["current"])
+        row["nofast_same"] = row.get("nofast_same", True) and torch.equal(outs["lean_nofast"], outs["current"])
     plan = plan_for(*args, None, "silu", None, VARIANTS["lean"])
     row["lean_used"] = any(key[0] is plan for key in triton_lean._SEQUENCES)
     row["launches"] = 3 + (0 if plan.align is None else plan.align.launches) - (plan.down_sum is not None)
@@ -133,6 +155,8 @@ def cell(m: int, weights, shape: Shape, profile: bool = False) -> dict:
     row["graph_us"] = {name: graph_us(fn, m) for name, fn in fns.items()}
     sequence = next((s for key, s in triton_lean._SEQUENCES.items() if key[0] is plan), None)
     row["lean_raw"] = sequence is not None and sequence.raw and sequence.hooks.idle()  # the C launch entry, taken
+    if other is not None:
+        row.update(two_sets(args, other, m))
     if profile and m in (1, 512):  # last: a profiler session may leave hooks behind that slow later calls
         row["profiler_self_cpu_us"] = {name: profiler_self_cpu_us(fn) for name, fn in fns.items()}
     return row
@@ -143,7 +167,8 @@ def table(results: dict) -> str:
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
              f"{'eager lean':>11}{'graph':>9}{'min cur':>9}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
-             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}"]
+             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}{'nofast same':>12}{'host nofast':>12}"
+             f"{'two same':>9}{'host two':>9}"]
     for key, r in results.items():
         if "host_us" not in r:
             lines.append(f"{key:26}{next(iter(r.values()))}")
@@ -154,7 +179,9 @@ def table(results: dict) -> str:
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{r['host_min_us']['current']:>9.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
-                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}")
+                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}"
+                     f"{ha._yn(r['nofast_same']):>12}{r['host_us']['lean_nofast']:>12.1f}"
+                     f"{ha._yn(r.get('two_same', False)):>9}{r.get('host_two_us', float('nan')):>9.1f}")
     return "\n".join(lines)
 
 
@@ -194,14 +221,16 @@ def measure(a, start: float, results: dict) -> None:
         for i, preset in enumerate(a.presets):
             shape = Shape.from_preset(preset, Run.scale)
             weights = make_weights(shape, torch.bfloat16, Run.device)
+            other = make_weights(shape, torch.bfloat16, Run.device, seed=1)  # a second layer of the same shape
             if i == 0:
                 cell(1, weights, shape)  # throwaway: a process's first cell runs slow
             for m in a.batches:
-                ha.budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(m, weights, shape))
+                ha.budgeted_cell(results, f"{preset} M={m}", start, a.budget_s,
+                                 lambda: cell(m, weights, shape, other=other if m <= TWO_SETS_MAX_M else None))
             if a.profile and preset == a.presets[-1]:  # the profiler last of all (see cell)
                 for m in [m for m in (1, 512) if m in a.batches]:
                     results[f"{preset} M={m} profiled"] = cell(m, weights, shape, profile=True)
-            del weights
+            del weights, other
             clear_launch_caches()
             if Run.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -10,8 +10,15 @@ Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs:
 ``gate_torch`` (``F.linear``, the gate before: real work on the CPU, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]),
 ``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
 (``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward runs it), the whole
-``layer``, and ``glue`` = layer - route_tokens - experts. µs per call, median over repeats (the machine is
-shared: medians, not means); ``uptime`` before and after says how loaded it was.
+``layer``, and ``glue`` = layer - route_tokens - experts. Then the experts call alone at M = 1, 8, 512, 4096
+(Qwen3's E and k; ids int32 and weights fp32 as the fused router makes them): ``experts_triton`` (the public
+call: the check, then the lean launch), ``layer_call`` (what forward runs: ``MoE._experts_call``, the check
+once per weight set), ``two_layers`` (``experts_triton`` on two weight sets of one shape in turn, per call:
+a model's layers) and ``plans`` (how many plans were built: 1 per M, nothing rebuilt per call); at M = 4096
+the workspace pool's ``max_bytes`` is set below the plan's workspace, as at real shapes (Qwen3-30B-A3B's h and
+y are ~180 MiB there), so h and y are one fresh buffer per call. µs per call, median over repeats (the
+machine is shared: medians, not means); ``uptime`` before and after says how loaded it was. ``--profile M``
+prints a cProfile of the layer call at that M (own time) instead.
 """
 
 from __future__ import annotations
@@ -30,10 +37,13 @@ import torch  # noqa: E402
 
 from moekit import MoEConfig  # noqa: E402
 from moekit.experts import call_backend, check_experts_args  # noqa: E402
+from moekit.experts import triton as experts_triton_module  # noqa: E402
+from moekit.experts.triton_plan import _PLANS  # noqa: E402
 from moekit.layer import MoE  # noqa: E402
 
 KERNEL_MODULES = ("moekit.experts._kernels.align", "moekit.experts._kernels.combine", "moekit.experts._kernels.gemm",
-                  "moekit.routing._kernels.route_kernel", "moekit.routing._kernels.gate_kernel")
+                  "moekit.routing._kernels.route_kernel", "moekit.routing._kernels.gate_kernel",
+                  "moekit.routing._kernels.gate_route_kernel")
 
 
 class _StubKernel:
@@ -52,8 +62,8 @@ def _no_launch(*args, **kwargs):
 
 def stub_kernels() -> None:
     """Put launch-free stand-ins of every kernel module into ``sys.modules`` (where the lazy imports look)."""
-    for name in KERNEL_MODULES:
-        real = importlib.import_module(name)
+    reals = [importlib.import_module(name) for name in KERNEL_MODULES]  # all before any stub: they import each other
+    for name, real in zip(KERNEL_MODULES, reals):
         stub = types.ModuleType(name)
         for attr, value in vars(real).items():
             setattr(stub, attr, _StubKernel(value) if hasattr(value, "fn") and hasattr(value, "arg_names") else value)
@@ -94,19 +104,82 @@ def rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dt
     return row
 
 
+EXPERTS_BATCHES = (1, 8, 512, 4096)
+LARGE_FROM = 4096  # from this M the pool keeps only the alignment's regions (as at real shapes)
+
+
+def experts_rows(config: MoEConfig, calls: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+    """The experts call alone per M: the public ``experts_triton`` and the layer's cached call."""
+    layer = MoE(config, backend="triton", router="fused", dtype=dtype).eval()
+    other = MoE(config, backend="triton", router="fused", dtype=dtype).eval()  # a second layer of the same shape
+    w13, w2, act, pool = layer.w13, layer.w2, config.activation, experts_triton_module._WORKSPACES
+    run = experts_triton_module.experts_triton
+    out = []
+    for m in EXPERTS_BATCHES:
+        x = torch.randn(m, config.hidden_size, dtype=dtype)
+        scores = torch.rand(m, config.num_experts)
+        weights, ids = scores.topk(config.top_k, dim=-1)  # [M, k] fp32, int64
+        ids = ids.to(torch.int32)
+        kept = pool.max_bytes
+        pool.max_bytes = 1 << 20 if m >= LARGE_FROM else kept
+        plans = len(_PLANS)
+        with torch.no_grad():
+            fns = {
+                "experts_triton": lambda: run(x, w13, w2, ids, weights, activation=act),
+                "layer_call": lambda: layer._experts_call(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
+                "two_layers": lambda: (run(x, w13, w2, ids, weights, activation=act),
+                                       run(x, other.w13, other.w2, ids, weights, activation=act)),
+            }
+            row = {"M": m, **{k: round(per_call_us(f, max(50, calls // (1 + m // 64)), repeats), 1)
+                              for k, f in fns.items()}}
+            row["two_layers"] = round(row["two_layers"] / 2, 1)  # per call
+        row["plans"] = len(_PLANS) - plans
+        pool.max_bytes = kept
+        out.append(row)
+    return out
+
+
+def profile(config: MoEConfig, m: int, calls: int, dtype: torch.dtype) -> None:
+    """cProfile of the layer's experts call at M = ``m``, by own time."""
+    import cProfile
+    import pstats
+
+    layer = MoE(config, backend="triton", router="fused", dtype=dtype).eval()
+    x = torch.randn(m, config.hidden_size, dtype=dtype)
+    weights, ids = torch.rand(m, config.num_experts).topk(config.top_k, dim=-1)
+    ids, act = ids.to(torch.int32), config.activation
+    with torch.no_grad():
+        fn = lambda: layer._experts_call(layer._experts_fn, x, layer.w13, layer.w2, ids, weights, activation=act)  # noqa: E731
+        for _ in range(50):
+            fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--profile", type=int, metavar="M", help="only a cProfile of the layer's experts call at M")
     a = p.parse_args()
     torch.set_num_threads(1)
     stub_kernels()
     qwen3 = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=128, top_k=8)
     mixtral = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2)
+    dtype = getattr(torch, a.dtype)
+    if a.profile is not None:
+        profile(qwen3, a.profile, a.calls, dtype)
+        return
     print(f"uptime: {os.getloadavg()}", flush=True)
     for name, config, cf in (("qwen3", qwen3, None), ("mixtral", mixtral, None), ("qwen3 cf=1.25", qwen3, 1.25)):
-        print(rows(name, config, a.calls, a.repeats, getattr(torch, a.dtype), cf), flush=True)
+        print(rows(name, config, a.calls, a.repeats, dtype, cf), flush=True)
+    for row in experts_rows(qwen3, a.calls, a.repeats, dtype):
+        print(row, flush=True)
     print(f"uptime: {os.getloadavg()}", flush=True)
 
 

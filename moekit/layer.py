@@ -124,7 +124,8 @@ class MoE(nn.Module):
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
         self._route_ws = RouteWorkspace()  # forward's routing buffers; not with a subclass's route_tokens/run_routed
-        self._plain_routing = type(self).route_tokens is MoE.route_tokens and type(self).run_routed is MoE.run_routed
+        self._plain_run = type(self).run_routed is MoE.run_routed  # no subclass places the experts: decided once
+        self._plain_routing = type(self).route_tokens is MoE.route_tokens and self._plain_run
         self.config = config
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
@@ -288,7 +289,7 @@ class MoE(nn.Module):
     def _experts_and_shared(self, x2d: torch.Tensor, routed: RoutedTokens) -> torch.Tensor:
         """[Group -> Experts -> Combine] with the moekit.experts backend, then [Shared] when not fused."""
         routing = routed.routing
-        if type(self).run_routed is MoE.run_routed:  # run_routed with the argument check once per weight set
+        if self._plain_run:  # run_routed with the argument check once per weight set
             out = self._experts_call(self._experts_fn, x2d, _param(self, "w13"), _param(self, "w2"), routing.topk_ids,
                                      routing.topk_weights, activation=self.config.activation, b13=_param(self, "b13"),
                                      b2=_param(self, "b2"))  # [M, K]

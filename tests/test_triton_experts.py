@@ -196,7 +196,7 @@ def test_two_callers_launch_with_their_own_options(interpreter, launch_log):
     x, w13, w2, ids, weights = _problem(33, 2, 8, 40, 24, torch.bfloat16)
     ref = experts_reference(x.double(), w13.double(), w2.double(), ids, weights)
     a = LaunchOptions(weight_descriptors=False, align_small_max=0, poison_workspace=True, align_one_launch_max=0,
-                      align_two_launch_max=0, align_fold_max=0)
+                      align_two_launch_max=0, align_fold_max=0, align_scan_fold=False)
     b = LaunchOptions(weight_descriptors=True, align_small_max_bins=1 << 20, poison_workspace=True, align_fold_max=0)
     for _ in range(2):
         for options, kernels_wanted, w_desc in ((a, {"align_hist_kernel", "align_scan_kernel"}, False),

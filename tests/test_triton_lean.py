@@ -149,6 +149,29 @@ def test_sequence_rebuilt_when_its_inputs_change(interpreter, launched):
     assert torch.equal(outs[0][0], outs[0][1]) and _sequence_count() == 2  # per (plan, thread)
 
 
+def test_layers_of_one_shape_keep_their_sequences(interpreter, launched, monkeypatch):
+    """Two weight sets of one shape (two layers of a model) share a plan but not their descriptors: each
+    keeps its own sequence, recorded once, however the calls alternate; outputs equal the BoundLaunch calls'."""
+    lean = _lean()
+    records = [0]
+    real = lean._record
+
+    def record(*args):
+        sequence = real(*args)
+        records[0] += sequence is not None  # None: a launch not compiled yet (the first call)
+        return sequence
+
+    monkeypatch.setattr(lean, "_record", record)
+    interpreter.clear_launch_caches()
+    layers = [make_problem(8, 2, E, K, N, torch.bfloat16, seed=s) for s in range(2)]
+    for _ in range(3):
+        for problem in layers:
+            got, bound = _both(interpreter, problem)
+            assert torch.equal(got, bound)
+            assert rel_l2(got, _ref(problem)) < TOL[torch.bfloat16]
+    assert records[0] == 2 and _sequence_count() == 2
+
+
 def test_lean_off_where_it_cannot_run(interpreter, launched):
     """Poisoned workspaces, no reuse, no cached launchers: the BoundLaunch calls, never a sequence."""
     interpreter.clear_launch_caches()

@@ -179,6 +179,17 @@ def call_checked_backend(
     return fn(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13, b2=b2)
 
 
+# backend function -> its fast path for a repeated call without biases or an expert map: (x, w13, w2, topk_ids,
+# topk_weights, activation) -> out, or None where it does not apply (then the backend runs as usual).
+# ``ExpertsCallCache`` tries it first: the triton backend's (``triton_fast``) skips the argument check, the
+# plan and workspace lookups of a call it has seen.
+_FAST_PATHS: dict[ExpertsFn, Callable] = {}
+
+
+def register_fast_path(fn: ExpertsFn, fast: Callable) -> None:
+    _FAST_PATHS[fn] = fast
+
+
 class ExpertsCallCache:
     """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
     a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising
@@ -197,8 +208,15 @@ class ExpertsCallCache:
         self._refs: tuple | None = None  # weakref.ref of w13, w2, b13, b2 (None where absent)
 
     def __call__(self, fn: ExpertsFn, x, w13, w2, topk_ids, topk_weights, *, activation, b13=None, b2=None):
-        if not torch.compiler.is_compiling() and self._passed(x, (w13, w2, b13, b2)):  # traced: the check as before
-            return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
+        if not torch.compiler.is_compiling():  # traced: the check as before
+            fast = _FAST_PATHS.get(fn) if b13 is None and b2 is None else None
+            if fast is not None:  # the backend's own record of this call (it checks the weights are the same)
+                out = fast(x, w13, w2, topk_ids, topk_weights, activation)
+                if out is not None:
+                    return out
+            if self._passed(x, (w13, w2, b13, b2)):
+                return call_checked_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13,
+                                            b2=b2)
         out = call_backend(fn, x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
         if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and not torch.compiler.is_compiling():
             tensors = (w13, w2, b13, b2)

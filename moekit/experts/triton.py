@@ -24,6 +24,8 @@ The host path of a call (eager; budgeted like GPU time, see ``benchmarks/host_ti
 that does not depend on the call's data is decided once per kind of call and cached (each switchable
 in ``LaunchOptions`` for an A/B):
 
+    a repeated call (``LaunchOptions.fast_path``, ``triton_fast``): the same weight tensors unchanged, the same
+      shapes, dtypes and devices, no map or biases -> out (fresh), its kept sequence launched; nothing below
     call_backend: check_experts_args (the one check) -> experts_triton_unchecked
       -> eager and nothing tracing? fused_experts directly : torch.ops.moekit.triton_experts -> fused_experts
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
@@ -59,11 +61,12 @@ from typing import Optional
 
 import torch
 
-from moekit.experts import check_experts_args
+from moekit.experts import check_experts_args, register_fast_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
-from moekit.experts.triton_lean import clear_sequences, run_lean
+from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
+from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for, plan_launches
 from moekit.experts.triton_quant import is_quantized, run_quantized_triton
@@ -71,12 +74,15 @@ from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the direct eager path takes (no subclass)
+# every entry point's default: one object, so a fast-path key (``triton_fast``) matches by identity, no __eq__
+_DEFAULT_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
     """Drop every plan, weight descriptor and reused workspace (the next call builds them again)."""
     clear_plans()
     clear_sequences()
+    clear_fast()
     _DESCRIPTORS.clear()
     _WORKSPACES.clear()
 
@@ -101,7 +107,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     activation: str | ActivationSpec = "silu",
     config: KernelConfig | None = None,
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = _DEFAULT_OPTIONS,
     *,
     b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
     b2: torch.Tensor | None = None,  # [E, K]
@@ -113,6 +119,13 @@ def fused_experts(
     where the plan folds the k-sum (``LaunchOptions.sum_fold_max``), it runs with these instead of the
     workspace's, e.g. inside a CUDA graph capture (which otherwise runs the separate k-sum); every call
     leaves them at 0."""
+    return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, options, b13, b2, counters)
+
+
+def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, options, b13, b2, counters=None,
+           checked: bool | None = None) -> torch.Tensor:
+    """``fused_experts``; with ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a
+    call that launches lean keeps its entry for the fast path (``triton_fast``)."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -123,16 +136,21 @@ def fused_experts(
                                  or counters.numel() < plan.workspace.counters):
         raise ValueError(f"counters must be int32 on {x.device} with >= {plan.workspace.counters} elements, got "
                          f"{counters.dtype} on {counters.device} with {counters.numel()}")
+    if counters is None and plan.options.lean_ready:
+        stamp = fast_stamp(_WORKSPACES)  # before: a clear or a new buffer from here on makes the entry stale
+        sequence = lean_sequence(plan, _WORKSPACES, _DESCRIPTORS, x.device, w13, w2, expert_map, b13, b2)
+        if sequence is not None:
+            if (checked is not None and options.fast_ready and config is None and expert_map is None and b13 is None
+                    and b2 is None and ids is topk_ids and weights is topk_weights):
+                remember(stamp, x, w13, w2, ids, weights, activation, options, plan, sequence, checked)
+            return launch_lean(sequence, x, ids, weights, expert_map, b13, b2, w13, w2)
     return _run(plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters)
 
 
 def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=None) -> torch.Tensor:
-    """Launch ``plan``: the alignment (unless the naive shortcut skips it), gate-up, down, the k-sum."""
+    """Launch ``plan`` through its ``BoundLaunch`` calls: the alignment (unless the naive shortcut skips it),
+    gate-up, down, the k-sum."""
     options = plan.options
-    if counters is None and options.lean_ready:
-        out = run_lean(plan, _WORKSPACES, _DESCRIPTORS, x, w13, w2, ids, weights, expert_map, b13, b2)
-        if out is not None:
-            return out
     # [M, K], row-major, never a workspace; empty_like is the cheapest allocation (H200: 1.9 µs against 4.6
     # for torch.empty(shape, dtype, device)) and keeps a contiguous x's layout
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)
@@ -171,7 +189,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    lean_launch: bool, align_scan_fold: bool,
+    lean_launch: bool, align_scan_fold: bool, fast_path: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -182,7 +200,7 @@ def _experts_op(
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
                             sum_fold_max=sum_fold_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold)
+                            align_scan_fold=align_scan_fold, fast_path=fast_path)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 
@@ -250,32 +268,52 @@ def experts_triton(
     expert_map: torch.Tensor | None = None,
     b13: torch.Tensor | None = None,  # [E, 2N] gated (w13's row order), [E, N] ungated
     b2: torch.Tensor | None = None,  # [E, K]
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = _DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """The experts contract (see ``moekit.experts``) on fused Triton kernels; returns [M, K] in x.dtype.
     Every ``ActivationSpec`` runs fused (biases, interleaved gate/up, ungated, clamped SwiGLU).
     ``options``: how to launch (``LaunchOptions``; the defaults are what the H200 measurements picked)."""
+    if expert_map is None and b13 is None and b2 is None:  # a repeated call: kept, checked before (triton_fast)
+        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=True)
+        if out is not None:
+            return out
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
-    return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
-                                    expert_map=expert_map, b13=b13, b2=b2, options=options)
+    return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=True)
 
 
 def experts_triton_unchecked(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
-    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, options: LaunchOptions = LaunchOptions(),
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, options: LaunchOptions = _DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """``experts_triton`` for a caller that has run ``check_experts_args`` (``moekit.experts.call_backend``,
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
     directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
-    kernel constexprs are resolved once per plan, so a variant adds no per-call work here."""
+    kernel constexprs are resolved once per plan, so a variant adds no per-call work here. A repeated call
+    (same weights, same kind) launches from what its first lean call kept (``triton_fast``)."""
+    if expert_map is None and b13 is None and b2 is None:
+        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+        if out is not None:
+            return out
+    return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
+
+
+def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options: LaunchOptions,
+               checked: bool) -> torch.Tensor:
+    """``experts_triton_unchecked`` past the fast path; ``checked``: whether ``check_experts_args`` passed."""
     if (w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN) and is_quantized(w13, w2):  # fp8, weight-only
         return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
                                     b13=b13, b2=b2, options=options)
     if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
         check_triton_args(x, activation, b13, b2)  # raises, naming the argument
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
-        return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, activation, options=options,
-                             b13=b13, b2=b2)
+        return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, None, options, b13, b2,
+                      checked=checked)
     return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
                                            *_variant_args(activation), *options.as_op_args())
+
+
+# experts_triton_unchecked's fast path with its default options (``ExpertsCallCache`` tries it first): a partial,
+# no Python frame of its own
+register_fast_path(experts_triton_unchecked,
+                   functools.partial(run_fast, _WORKSPACES, options=_DEFAULT_OPTIONS, checked=False))

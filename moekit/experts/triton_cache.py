@@ -121,6 +121,9 @@ class WorkspacePool:
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
         self._workspaces: dict[tuple, _Workspace] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # int32, all 0 between calls; zeroed once when allocated
+        # moves whenever a buffer or counters tensor is replaced or dropped: what was recorded of the pool's
+        # addresses before (``triton_fast``) is stale once it moved
+        self.generation = 0
 
     def buffers(self, spec: WorkspaceSpec, device: torch.device) -> dict[str, torch.Tensor]:
         """The regions of ``spec`` on ``device``: views of the reused buffer, or fresh tensors."""
@@ -163,6 +166,7 @@ class WorkspacePool:
             self._counters.pop(key, None)
             if len(self._counters) >= self.max_entries:
                 self._counters.pop(next(iter(self._counters)))
+            self.generation += 1
             counters = self._counters[key] = torch.zeros(1 << max(0, count - 1).bit_length(), dtype=torch.int32,
                                                          device=device)
             workspace = self._workspaces.get(key)
@@ -171,6 +175,7 @@ class WorkspacePool:
         return counters[:count]
 
     def _grow(self, key: tuple, nbytes: int, device: torch.device) -> _Workspace:
+        self.generation += 1
         self._workspaces.pop(key, None)
         if len(self._workspaces) >= self.max_entries:
             self._workspaces.pop(next(iter(self._workspaces)))
@@ -183,6 +188,7 @@ class WorkspacePool:
         return {key: workspace.buffer for key, workspace in self._workspaces.items()}
 
     def clear(self) -> None:
+        self.generation += 1
         self._workspaces.clear()
         self._counters.clear()
 
@@ -247,7 +253,10 @@ class WeightDescriptors:
 
     def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
         """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
-        fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        try:
+            fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+        except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
+            fingerprint = (id(w2), w13.data_ptr(), None, w2.data_ptr(), None)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)

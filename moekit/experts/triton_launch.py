@@ -91,7 +91,7 @@ class LaunchOptions:
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
     # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
     sum_fold_max: int = 1
-    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread)
+    # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
     # weights, out, map, biases, weights without descriptors; h and y above the pool's max_bytes) and calls
@@ -109,6 +109,10 @@ class LaunchOptions:
     # NVIDIA_H200-2026-12-02-8f1dcd1-host_lean.json): bit-equal, host µs 60 -> 51 (Qwen3-30B-A3B M = 4096),
     # 114 -> 110 (Mixtral), graph µs within 1% either way.
     align_scan_fold: bool = True
+    # A repeated eager call (same weight tensors unchanged, same shapes and dtypes, no expert map or biases)
+    # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
+    # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
+    fast_path: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -126,6 +130,7 @@ class LaunchOptions:
         # lean_launch and what it needs (read on every eager call: computed once)
         object.__setattr__(self, "lean_ready", self.lean_launch and self.cache_plans and self.cached_launcher
                            and self.reuse_workspace and not self.poison_workspace)
+        object.__setattr__(self, "fast_ready", self.lean_ready and self.fast_path and self.direct_eager)
         object.__setattr__(self, "_args", self.as_op_args())
         object.__setattr__(self, "_hash", hash(self._args))
 

@@ -1,7 +1,7 @@
 """The lean launch of an eager Triton experts call (``LaunchOptions.lean_launch``): a plan's launches
 recorded once as a ``LaunchSequence``, so that a call only fills in its own tensors and launches.
 
-    per (plan, thread): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
+    per (plan, thread, weights with TMA descriptors): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
     is called through and its full argument list, with the positions of the call's tensors (x, ids,
     weights, out, map, biases, weights without descriptors; h and y above the pool's size)
     per call: pooled workspace and descriptors still the recorded ones? -> fill the positions, launch
@@ -35,7 +35,7 @@ from moekit.experts.triton_plan import Plan, plan_launches
 from moekit.triton_bind import current_stream
 
 X, IDS, WEIGHTS, OUT, MAP, B13, B2, W13, W2, H, Y = range(11)  # what a call fills in: its values' order
-MAX_SEQUENCES = 4096  # (plan, thread) kept; the oldest goes first
+MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 
 
 class _Slot:
@@ -87,18 +87,20 @@ def clear_sequences() -> None:
     _SEQUENCES.clear()
 
 
-def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map, b13, b2) -> torch.Tensor | None:
-    """The call's output, launched from its plan's sequence; None where the lean launch does not apply
-    (the caller then runs the ``BoundLaunch`` calls). ``pool``: the workspaces (``WorkspacePool``),
+def lean_sequence(plan: Plan, pool, descriptors, device, w13, w2, expert_map, b13, b2) -> LaunchSequence | None:
+    """The plan's sequence for these weights on this thread, recorded now if the kept one is stale; None
+    where the lean launch does not apply (a graph capture, a launch not compiled yet, a launch hook; the
+    caller then runs the ``BoundLaunch`` calls). ``pool``: the workspaces (``WorkspacePool``),
     ``descriptors``: the weights' (``WeightDescriptors``)."""
-    device = x.device
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     spec = plan.workspace
     large = spec.nbytes > pool.max_bytes
     views = pool.pooled(spec.parts().pooled if large else spec, device)
     pair = None if plan.descriptor_key is None else descriptors.get(w13, w2, plan.descriptor_key)
-    key = (plan, threading.get_ident())
+    # per weight set where the sequence holds the weights' descriptors: the layers of a model share a plan
+    # (same shapes) but not their descriptors, and one sequence per plan was re-recorded on every call
+    key = (plan, threading.get_ident(), None if pair is None else id(w13))
     sequence = _SEQUENCES.get(key)
     if sequence is None or not sequence.current(views, pair):
         sequence = _record(plan, views, pair, spec.parts().fresh if large else None, expert_map, b13, b2)
@@ -111,10 +113,15 @@ def run_lean(plan: Plan, pool, descriptors, x, w13, w2, ids, weights, expert_map
             _SEQUENCES[key] = sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
+    return sequence
+
+
+def launch_lean(sequence: LaunchSequence, x, ids, weights, expert_map, b13, b2, w13, w2) -> torch.Tensor:
+    """out [M, K] (fresh), launched from ``sequence`` (``lean_sequence``'s, still current)."""
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     buffer = h = y = None
     if sequence.large is not None:  # one fresh byte buffer, held until the launches are queued
-        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=x.device)
         h, y = _large_regions(sequence.large, buffer, sequence.raw)
     sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y))
     del buffer  # freed in stream order: the caching allocator hands it to later work on this stream only

@@ -1,0 +1,159 @@
+"""The per-call fast path of an eager Triton experts call: what a repeated call of one kind with one
+weight set needs is kept once, found by a key of cheap attributes, so that the call skips the argument
+check, the plan lookup, the workspace, descriptor and sequence lookups and goes straight to its launches.
+
+    key:   id(w13), id(w2); x, ids, weights: shape, dtype, device; activation, options (as asked), thread
+    entry: w13 and w2 (weakly) with their _version, data_ptr, shape and strides when kept; the plan; its
+           recorded LaunchSequence (``triton_lean``); the pool's generation; the CUDA stream; the epoch;
+           whether ``check_experts_args`` passed on a call of this key
+    a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
+           weights contiguous and 16-byte aligned; the entry's weights are these ones, unchanged (a new
+           tensor, an in-place update, ``.data`` swapped, a move: each misses); no graph capture, the same
+           stream, the pool's buffers not replaced, no retune or cache clear since; no Triton launch hook
+      -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
+         path (outputs equal bit for bit)
+
+Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
+call launched lean. Only calls without an expert map or biases are kept, and never inference-mode weights
+(no version counter to see an in-place update by) or weights that are views (transformers' transposed
+storage, a new view per call: never the same object twice); the others take the full path.
+A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
+``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
+retune) drops every entry; an entry goes when its w13 is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from threading import get_ident
+
+import torch
+
+from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.triton_lean import LaunchSequence, launch_lean
+from moekit.experts.triton_plan import Plan
+
+MAX_ENTRIES = 4096  # (weights, kind of call, thread) kept; the oldest goes first
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_MEMO: dict[tuple, "FastEntry"] = {}
+_epoch = [0]  # moves on every clear: an entry from before is never used
+_lock = threading.Lock()
+
+
+def clear_fast() -> None:
+    _epoch[0] += 1
+    _MEMO.clear()
+
+
+on_config_cache_clear(clear_fast)  # a retune drops the plans: the entries hold them
+
+
+class FastEntry:
+    """One kept call: its weights as they were, its plan and sequence, and what they were recorded under."""
+
+    __slots__ = ("w13", "w2", "state", "plan", "sequence", "generation", "stream", "epoch", "checked")
+
+    def __init__(self, w13_ref, w2, plan: Plan, sequence: LaunchSequence, stamp: tuple, stream, checked: bool):
+        self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), _weight_state(w13_ref(), w2)
+        self.plan, self.sequence, self.stream, self.checked = plan, sequence, stream, checked
+        self.generation, self.epoch = stamp
+
+
+def fast_stamp(pool) -> tuple:
+    """(the pool's generation, the epoch), read before a sequence is looked up: an entry built from it is
+    stale if either moved in between (a clear, a new buffer), and the next call then keeps it again."""
+    return pool.generation, _epoch[0]
+
+
+def _weight_state(w13, w2) -> tuple:
+    """What a kept call's plan and sequence assumed of the weights besides their identity: a version (an
+    in-place update), an address (a move, ``.data`` swapped), shapes, strides and dtypes (``.data`` swapped
+    for another view of the same memory)."""
+    return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride(),
+            w13.dtype, w2.dtype)
+
+
+def _key(x, w13, w2, ids, weights, activation, options) -> tuple:
+    return (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+            ids.device, weights.device, activation, options, get_ident())
+
+
+_dispatching = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._is_tracing
+_transforming = torch._C._are_functorch_transforms_active
+_grad = torch.is_grad_enabled
+
+
+def _call_fits(x, w13, w2, ids, weights) -> bool:
+    """What a call must be for the fast path whatever is kept: eager, no autograd graph, plain tensors,
+    x, ids and weights contiguous and 16-byte aligned (what their plan was built for). ``run_fast`` has it
+    inline (a function call is host time)."""
+    if _dispatching() or _tracing() or _transforming():
+        return False
+    if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
+        return False
+    if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
+        return False
+    return (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+            and not (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15)
+
+
+def _stream(device: torch.device):
+    """The current stream of ``device`` (CUDA), else None."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+
+
+def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
+    """out [M, K] launched from the kept entry of this call, or None (a miss: run the full path).
+    ``checked``: the caller skips ``check_experts_args`` on a hit, so only an entry that passed it serves."""
+    if torch.compiler.is_compiling() or not options.fast_ready:
+        return None
+    # _call_fits, inline
+    if _dispatching() or _tracing() or _transforming():
+        return None
+    if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
+        return None
+    if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
+        return None
+    if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
+            or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
+        return None
+    entry = _MEMO.get((id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+                       ids.device, weights.device, activation, options, get_ident()))  # _key, inline
+    if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
+            or entry.w2() is not w2 or entry.generation != pool.generation or entry.state != _weight_state(w13, w2)):
+        return None
+    if entry.stream is not None and (torch._C._cuda_isCurrentStreamCapturing() or _stream(x.device) != entry.stream):
+        return None
+    sequence = entry.sequence
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+
+
+def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
+             checked: bool) -> None:
+    """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the
+    fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases).
+    ``stamp``: ``fast_stamp`` of the pool, read before the sequence was looked up."""
+    if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
+        return
+    if w13.is_inference() or w2.is_inference():  # no version counter: an in-place update would go unseen
+        return
+    if w13._base is not None or w2._base is not None:  # a view (transformers' transposed storage) is made anew
+        return  # per call: an entry would never serve, only churn
+    key = _key(x, w13, w2, ids, weights, activation, options)
+
+    def forget(ref: weakref.ref) -> None:  # w13 freed: its entry goes with it
+        entry = _MEMO.get(key)
+        if entry is not None and entry.w13 is ref:
+            _MEMO.pop(key, None)
+
+    entry = FastEntry(weakref.ref(w13, forget), w2, plan, sequence, stamp, _stream(x.device), checked)
+    with _lock:
+        _MEMO.pop(key, None)
+        if len(_MEMO) >= MAX_ENTRIES:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = entry
