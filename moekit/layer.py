@@ -371,9 +371,8 @@ class MoE(nn.Module):
         return self._layout_for(routing, self.w13, self.w2)
 
     def _layout_for(self, routing: Routing, w13, w2) -> str:
-        """The layout this layer's backend groups ``routing`` with over experts ``w13`` [E, 2N, K] and
-        ``w2`` [E, K, N] (tensors or QuantizedWeights): the weights a subclass computes from may not be
-        ``self.w13`` (an offloaded layer's cache slots)."""
+        """The layout this layer's backend groups ``routing`` with over experts ``w13`` [E, 2N, K], ``w2`` [E, K, N]
+        (tensors or QuantizedWeights; a subclass's may not be ``self.w13``: an offloaded layer's cache slots)."""
         backend = self.resolved_backend()
         if backend != "triton" and quant_scheme_of(w13) == "fp8_block":
             return "per_expert_loop"  # reference and grouped_mm run fp8_block through moekit.quant's recipe loop
