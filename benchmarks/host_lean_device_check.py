@@ -181,7 +181,7 @@ def table(results: dict) -> str:
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
                      f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}"
                      f"{ha._yn(r['nofast_same']):>12}{r['host_us']['lean_nofast']:>12.1f}"
-                     f"{ha._yn(r.get('two_same', False)):>9}{r.get('host_two_us', float('nan')):>9.1f}")
+                     f"{ha._yn(r['two_same']) if 'two_same' in r else '-':>9}{r.get('host_two_us', float('nan')):>9.1f}")
     return "\n".join(lines)
 
 
