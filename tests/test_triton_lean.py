@@ -202,3 +202,18 @@ def test_workspace_parts_pool_only_the_alignment():
         assert views["y"].shape == (512, 64) and views["counters"].eq(0).all()
     held = [b.numel() for b in pool.held().values()]
     assert len(held) == 1 and small.nbytes <= held[0] <= pool.max_bytes < large.nbytes  # the large regions never kept
+
+
+def test_sequence_goes_with_its_weights(interpreter, launched):
+    """A weight set's sequence (it holds the weights' descriptors, so their storage) goes when its w13 is
+    freed: a model's dropped layers neither pile up in the sequences nor keep their weights' memory."""
+    import gc
+
+    interpreter.clear_launch_caches()
+    x, w13, w2, ids, weights = make_problem(8, 2, E, K, N, torch.bfloat16, seed=3)
+    for _ in range(2):  # the first call compiles, the second records
+        interpreter.experts_triton(x, w13, w2, ids, weights)
+    assert _sequence_count() == 1
+    del w13, w2
+    gc.collect()
+    assert _sequence_count() == 0
