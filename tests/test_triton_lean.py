@@ -217,3 +217,18 @@ def test_sequence_goes_with_its_weights(interpreter, launched):
     del w13, w2
     gc.collect()
     assert _sequence_count() == 0
+
+
+def test_descriptors_follow_a_dtype_swap(interpreter, launched):
+    """``.data`` swapped for a same-address view of another dtype (same shape, same version): the weights'
+    descriptors are built again for the new dtype, so the call equals one on fresh tensors."""
+    interpreter.clear_launch_caches()
+    x, w13, w2, ids, weights = make_problem(8, 2, E, K, N, torch.bfloat16, seed=4)
+    w13, w2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+    for _ in range(2):
+        interpreter.experts_triton(x, w13, w2, ids, weights)
+    x16 = x.view(torch.float16)
+    w13.data, w2.data = w13.data.view(torch.float16), w2.data.view(torch.float16)
+    got = interpreter.experts_triton(x16, w13, w2, ids, weights.half())
+    fresh = interpreter.experts_triton(x16.clone(), w13.detach().clone(), w2.detach().clone(), ids, weights.half())
+    assert torch.equal(got.isnan(), fresh.isnan()) and torch.equal(got.nan_to_num(), fresh.nan_to_num())
