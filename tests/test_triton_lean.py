@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, RacingDict, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import clear_config_cache  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
@@ -232,3 +232,22 @@ def test_descriptors_follow_a_dtype_swap(interpreter, launched):
     got = interpreter.experts_triton(x16, w13, w2, ids, weights.half())
     fresh = interpreter.experts_triton(x16.clone(), w13.detach().clone(), w2.detach().clone(), ids, weights.half())
     assert torch.equal(got.isnan(), fresh.isnan()) and torch.equal(got.nan_to_num(), fresh.nan_to_num())
+
+
+def test_eviction_survives_the_oldest_sequence_going_meanwhile(monkeypatch):
+    """A sequence can go at any moment (its w13 freed: a weakref callback, no lock); evicting the oldest
+    must not fail when it is already gone."""
+    from types import SimpleNamespace
+
+    lean = _lean()
+
+    class Plan:  # hashable by identity, as a real plan
+        workspace, descriptor_key = SimpleNamespace(nbytes=0), None
+
+    monkeypatch.setattr(lean, "_SEQUENCES", RacingDict())
+    monkeypatch.setattr(lean, "MAX_SEQUENCES", 1)
+    monkeypatch.setattr(lean, "_record", lambda *args: lean.LaunchSequence([], None, None, None, None))
+    pool = SimpleNamespace(max_bytes=1, pooled=lambda spec, device: {})
+    for plan in (Plan(), Plan()):
+        assert lean.lean_sequence(plan, pool, None, torch.device("cpu"), None, None, None, None, None) is not None
+    assert len(lean._SEQUENCES) == 1

@@ -155,5 +155,5 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:
-            _MEMO.pop(next(iter(_MEMO)))
+            _MEMO.pop(next(iter(_MEMO), None), None)  # the oldest may have gone meanwhile (forget, clear_fast)
         _MEMO[key] = entry

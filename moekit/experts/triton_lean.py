@@ -113,7 +113,7 @@ def lean_sequence(plan: Plan, pool, descriptors, device, w13, w2, expert_map, b1
         with _lock:
             _SEQUENCES.pop(key, None)
             if len(_SEQUENCES) >= MAX_SEQUENCES:
-                _SEQUENCES.pop(next(iter(_SEQUENCES)))
+                _SEQUENCES.pop(next(iter(_SEQUENCES), None), None)  # the oldest may have gone meanwhile (_forget)
             _SEQUENCES[key] = sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
