@@ -79,3 +79,14 @@ def cli_error(capsys, argv: list[str]) -> str:
     assert lines and lines[-1].startswith(f"moekit {argv[0]}") and ": error: " in lines[-1], err
     assert len(lines) == 1 or lines[0].startswith("usage: "), err
     return lines[-1]
+
+
+class RacingDict(dict):
+    """A dict whose oldest entry goes the moment it is iterated: what a weakref callback (a weight freed) or
+    a clear on another thread does between an eviction's look at the oldest key and its pop."""
+
+    def __iter__(self):
+        keys = list(dict.__iter__(self))
+        if keys:
+            dict.pop(self, keys[0])
+        return iter(keys)

@@ -131,6 +131,29 @@ def test_step_rate_is_the_extra_tokens_over_the_extra_time():
     assert noisy.finish(decode_tokens=4)["step_tok_s"] is None
 
 
+def test_a_failed_one_token_generate_keeps_the_decode_rate(monkeypatch):
+    """The 1-token generate behind step_tok_s failing costs that number only: the whole-call decode
+    rate measured before it stays, and the failure is reported under step_tok_s."""
+    from types import SimpleNamespace
+
+    from moekit.bench import hf_run
+
+    def decode(model, prompt, tokens, compiled=None):
+        if tokens == 1:
+            raise RuntimeError("one-token generate failed")
+        return hf_measure.Decode(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, 4), 2.0)
+
+    monkeypatch.setattr(hf_measure, "decode", decode)
+    model = SimpleNamespace(set_experts_implementation=lambda impl: None)
+    opts = default_options("qwen3", torch.device("cpu"), tiny=True, decode_tokens=4, compile=False)
+    row = Row("moekit", "compiled")
+    for _ in range(2):
+        hf_run._timed_pass(model, row, make_inputs(16, opts, torch.device("cpu")), opts, compiled=object())
+    out = row.finish(decode_tokens=4)
+    assert out["decode_tok_s"] == pytest.approx(4 / 2.0) and out["step_tok_s"] is None
+    assert "one-token generate failed" in out["errors"]["step_tok_s"] and "decode_tok_s" not in out["errors"]
+
+
 def test_results_path_never_overwrites(tmp_path):
     doc = {"device": "NVIDIA H200", "date": "2030-01-02"}
     first = hf_results_path(tmp_path, doc)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.bench.offload_floor import FixedCosts, fixed_from, measure_fixed, sum_floor_s, timeline_s
+from moekit.bench.offload_floor import fixed_from, measure_fixed, sum_floor_s, timeline_s
 from moekit.bench.offload_measure import balanced_orders
 from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
 from moekit.offload import calibrate

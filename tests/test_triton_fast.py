@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, RacingDict, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit import MoE, MoEConfig  # noqa: E402
 from moekit.experts.configs import clear_config_cache  # noqa: E402
@@ -204,3 +204,16 @@ def test_weight_views_made_per_call_never_kept(interpreter, counts):
     for _ in range(3):
         _same_as_full_path(interpreter, (x, w13_t.transpose(1, 2), w2_t.transpose(1, 2), ids, weights))
     assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
+
+
+def test_eviction_survives_the_oldest_entry_going_meanwhile(monkeypatch):
+    """An entry can go at any moment (its w13 freed: a weakref callback; ``clear_fast``; neither locks):
+    evicting the oldest must not fail when it is already gone."""
+    fast = _fast()
+    monkeypatch.setattr(fast, "_MEMO", RacingDict())
+    monkeypatch.setattr(fast, "MAX_ENTRIES", 1)
+    x, ids, weights = torch.zeros(2, 8), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+    sets = [(torch.zeros(4, 16, 8), torch.zeros(4, 8, 8)) for _ in range(2)]
+    for w13, w2 in sets:  # the second evicts the first, which is already gone
+        fast.remember((0, fast._epoch[0]), x, w13, w2, ids, weights, "silu", LaunchOptions(), None, None, True)
+    assert len(fast._MEMO) == 1

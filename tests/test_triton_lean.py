@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, RacingDict, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit.experts.configs import clear_config_cache  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
@@ -202,3 +202,52 @@ def test_workspace_parts_pool_only_the_alignment():
         assert views["y"].shape == (512, 64) and views["counters"].eq(0).all()
     held = [b.numel() for b in pool.held().values()]
     assert len(held) == 1 and small.nbytes <= held[0] <= pool.max_bytes < large.nbytes  # the large regions never kept
+
+
+def test_sequence_goes_with_its_weights(interpreter, launched):
+    """A weight set's sequence (it holds the weights' descriptors, so their storage) goes when its w13 is
+    freed: a model's dropped layers neither pile up in the sequences nor keep their weights' memory."""
+    import gc
+
+    interpreter.clear_launch_caches()
+    x, w13, w2, ids, weights = make_problem(8, 2, E, K, N, torch.bfloat16, seed=3)
+    for _ in range(2):  # the first call compiles, the second records
+        interpreter.experts_triton(x, w13, w2, ids, weights)
+    assert _sequence_count() == 1
+    del w13, w2
+    gc.collect()
+    assert _sequence_count() == 0
+
+
+def test_descriptors_follow_a_dtype_swap(interpreter, launched):
+    """``.data`` swapped for a same-address view of another dtype (same shape, same version): the weights'
+    descriptors are built again for the new dtype, so the call equals one on fresh tensors."""
+    interpreter.clear_launch_caches()
+    x, w13, w2, ids, weights = make_problem(8, 2, E, K, N, torch.bfloat16, seed=4)
+    w13, w2 = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+    for _ in range(2):
+        interpreter.experts_triton(x, w13, w2, ids, weights)
+    x16 = x.view(torch.float16)
+    w13.data, w2.data = w13.data.view(torch.float16), w2.data.view(torch.float16)
+    got = interpreter.experts_triton(x16, w13, w2, ids, weights.half())
+    fresh = interpreter.experts_triton(x16.clone(), w13.detach().clone(), w2.detach().clone(), ids, weights.half())
+    assert torch.equal(got.isnan(), fresh.isnan()) and torch.equal(got.nan_to_num(), fresh.nan_to_num())
+
+
+def test_eviction_survives_the_oldest_sequence_going_meanwhile(monkeypatch):
+    """A sequence can go at any moment (its w13 freed: a weakref callback, no lock); evicting the oldest
+    must not fail when it is already gone."""
+    from types import SimpleNamespace
+
+    lean = _lean()
+
+    class Plan:  # hashable by identity, as a real plan
+        workspace, descriptor_key = SimpleNamespace(nbytes=0), None
+
+    monkeypatch.setattr(lean, "_SEQUENCES", RacingDict())
+    monkeypatch.setattr(lean, "MAX_SEQUENCES", 1)
+    monkeypatch.setattr(lean, "_record", lambda *args: lean.LaunchSequence([], None, None, None, None))
+    pool = SimpleNamespace(max_bytes=1, pooled=lambda spec, device: {})
+    for plan in (Plan(), Plan()):
+        assert lean.lean_sequence(plan, pool, None, torch.device("cpu"), None, None, None, None, None) is not None
+    assert len(lean._SEQUENCES) == 1

@@ -139,15 +139,16 @@ def test_expert_above_the_cap_is_refused_by_name(wo):
         run_scratch(wo, x, w13, w2, ids, weights, max_bytes=100)
 
 
-def test_chooser_takes_scratch_from_the_threshold_where_it_fits():
+def test_chooser_takes_scratch_from_the_threshold_where_it_fits(monkeypatch):
+    from moekit.experts import triton_wo_winners
     from moekit.experts.triton_wo_plan import choose_decode
     from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS
-    from moekit.experts.triton_wo_winners import winner
 
+    # the threshold rule alone: the measured winners table (test_triton_wo_mid.py) has a row at every
+    # one of these cells, and skipping them left nothing here to fail
+    monkeypatch.setattr(triton_wo_winners, "WO_WINNERS", {})
     for scheme in ("int8_w8a16", "int4_w4a16", "mxfp4"):
         for shape in ((128, 768, 2048, 8), (8, 14336, 4096, 2)):  # Qwen3-30B-A3B, Mixtral-8x7B
-            if winner(scheme, *shape[:3], SCRATCH_MIN_TOKENS) is not None:  # a measured row decides there
-                continue
             assert choose_decode(scheme, SCRATCH_MIN_TOKENS, *shape) == "scratch"
             assert choose_decode(scheme, SCRATCH_MIN_TOKENS * 4, *shape) == "scratch"
             assert choose_decode(scheme, SCRATCH_MIN_TOKENS - 1, *shape) != "scratch"

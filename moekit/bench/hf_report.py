@@ -33,7 +33,7 @@ def hf_table(doc: dict) -> Table:
     for r in doc["rows"]:
         errors = r["errors"]
         t.add_row(r["impl"], r["mode"], _number(r["decode_tok_s"], ".1f", errors.get("decode_tok_s")),
-                  _number(r.get("step_tok_s"), ".1f", errors.get("decode_tok_s")),
+                  _number(r.get("step_tok_s"), ".1f", errors.get("decode_tok_s", errors.get("step_tok_s"))),
                   _number(r["prefill_ms"], ".1f", errors.get("prefill_ms")),
                   _number(r["logits_rel_err_vs_eager"], ".2e", errors.get("logits_rel_err_vs_eager")),
                   _number(r["logits_rel_err_vs_fp64"], ".2e", errors.get("logits_rel_err_vs_fp64")))

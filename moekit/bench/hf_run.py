@@ -87,7 +87,7 @@ class Row:
     def finish(self, decode_tokens: int) -> dict:
         if "decode" in self._samples and "decode_tok_s" not in self.errors:
             self.decode_tok_s = decode_tokens / statistics.median(self._samples["decode"])
-            if "decode1" in self._samples and decode_tokens > 1:
+            if "decode1" in self._samples and "step_tok_s" not in self.errors and decode_tokens > 1:
                 steps = statistics.median(self._samples["decode"]) - statistics.median(self._samples["decode1"])
                 self.step_tok_s = (decode_tokens - 1) / steps if steps > 0 else None
         if "prefill" in self._samples and "prefill_ms" not in self.errors:
@@ -241,9 +241,10 @@ def _timed_pass(model, row: Row, inputs: Inputs, opts: HFBenchOptions, compiled)
         if dec is not None:
             row.record("decode", dec.seconds)
             done.append(f"decode {opts.decode_tokens / dec.seconds:.1f} tok/s")
-            one = row.attempt("decode_tok_s", lambda: hm.decode(model, inputs.prompt, 1, compiled=compiled))
-            if one is not None:
-                row.record("decode1", one.seconds)
+            if "step_tok_s" not in row.errors:  # its own metric: a failure here leaves decode_tok_s as measured
+                one = row.attempt("step_tok_s", lambda: hm.decode(model, inputs.prompt, 1, compiled=compiled))
+                if one is not None:
+                    row.record("decode1", one.seconds)
     if compiled is None and "prefill_ms" not in row.errors:
         seconds = row.attempt("prefill_ms", lambda: hm.prefill(model, inputs.batch).seconds)
         if seconds is not None:

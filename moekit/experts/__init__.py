@@ -196,7 +196,10 @@ class ExpertsCallCache:
     for bad input) on the first call and whenever a weight or bias tensor, its shape or dtype, or x's dtype
     or device or hidden size differs from the last call that passed it; otherwise the backend runs directly
     (``call_checked_backend``). The routing is not checked again: the caller vouches for it (ids and weights
-    [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call."""
+    [M, k] of this x, on its device, ids int32/int64). Quantized weights are checked on every call. Before
+    all that, a call without biases goes to the backend's fast path where it registered one
+    (``register_fast_path``; triton's ``triton_fast``), which serves only calls it has kept, with these
+    weight tensors unchanged."""
 
     __slots__ = ("_refs", "_shapes", "_dtype", "_device", "_hidden")
 

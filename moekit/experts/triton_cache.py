@@ -241,9 +241,10 @@ def descriptor_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> Descript
 class WeightDescriptors:
     """TMA descriptors of expert weights, built once per (weights, storage, version, plan's blocks).
 
-    Keyed by ``id(w13)`` and checked on every use against a fingerprint, ``(id(w2), data_ptr and
-    _version of both)``: a new weight tensor, an in-place update (``w.add_`` bumps ``_version``) or a move
-    (new storage) builds them again. Shapes, strides and block shapes are in the plan's descriptor key.
+    Keyed by ``id(w13)`` and checked on every use against a fingerprint, ``(id(w2), data_ptr, _version
+    and dtype of both)``: a new weight tensor, an in-place update (``w.add_`` bumps ``_version``), a move
+    (new storage) or ``.data`` swapped for a same-address view of another dtype (the descriptor key has
+    no dtype) builds them again. Shapes, strides and block shapes are in the plan's descriptor key.
     An entry goes when w13 is freed (a weak reference), and it never keeps w13 alive: the descriptors
     hold ``w.detach()``. They do hold the storage, so a weight moved elsewhere keeps its old storage
     referenced until it is next used here or freed (``clear`` drops everything)."""
@@ -254,9 +255,9 @@ class WeightDescriptors:
     def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
         """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
         try:
-            fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version)
+            fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, w13.dtype, w2.dtype)
         except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
-            fingerprint = (id(w2), w13.data_ptr(), None, w2.data_ptr(), None)
+            fingerprint = (id(w2), w13.data_ptr(), None, w2.data_ptr(), None, w13.dtype, w2.dtype)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)

@@ -3,7 +3,7 @@ weight set needs is kept once, found by a key of cheap attributes, so that the c
 check, the plan lookup, the workspace, descriptor and sequence lookups and goes straight to its launches.
 
     key:   id(w13), id(w2); x, ids, weights: shape, dtype, device; activation, options (as asked), thread
-    entry: w13 and w2 (weakly) with their _version, data_ptr, shape and strides when kept; the plan; its
+    entry: w13 and w2 (weakly) with their _version, data_ptr, shape, strides and dtype when kept; the plan; its
            recorded LaunchSequence (``triton_lean``); the pool's generation; the CUDA stream; the epoch;
            whether ``check_experts_args`` passed on a call of this key
     a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
@@ -155,5 +155,5 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:
-            _MEMO.pop(next(iter(_MEMO)))
+            _MEMO.pop(next(iter(_MEMO), None), None)  # the oldest may have gone meanwhile (forget, clear_fast)
         _MEMO[key] = entry

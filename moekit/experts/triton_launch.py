@@ -107,7 +107,7 @@ class LaunchOptions:
     # the last chunk program to arrive scans), two launches in all instead of three, in eager calls whose
     # workspace keeps the counters (its arrival slot). H200 (benchmarks/host_lean_device_check.py, raw
     # NVIDIA_H200-2026-12-02-8f1dcd1-host_lean.json): bit-equal, host µs 60 -> 51 (Qwen3-30B-A3B M = 4096),
-    # 114 -> 110 (Mixtral), graph µs within 1% either way.
+    # 114 -> 110 (Mixtral), graph µs within 1% either way but Qwen3 M = 4096 (767 against 806: 5% faster).
     align_scan_fold: bool = True
     # A repeated eager call (same weight tensors unchanged, same shapes and dtypes, no expert map or biases)
     # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,

@@ -1,9 +1,10 @@
 """The lean launch of an eager Triton experts call (``LaunchOptions.lean_launch``): a plan's launches
 recorded once as a ``LaunchSequence``, so that a call only fills in its own tensors and launches.
 
-    per (plan, thread, weights with TMA descriptors): plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it
-    is called through and its full argument list, with the positions of the call's tensors (x, ids,
-    weights, out, map, biases, weights without descriptors; h and y above the pool's size)
+    per (plan, thread, weights with TMA descriptors; dropped when that w13 is freed):
+    plan_launches(stand-ins) --record--> LaunchSequence: for each launch the entry it is called through
+    and its full argument list, with the positions of the call's tensors (x, ids, weights, out, map,
+    biases, weights without descriptors; h and y above the pool's size)
     per call: pooled workspace and descriptors still the recorded ones? -> fill the positions, launch
 
 What a recorded argument list holds besides the call's tensors: grids, scalars and constexprs (the
@@ -50,7 +51,7 @@ class _Slot:
 class LaunchSequence:
     """The recorded launches of one plan with one workspace and one descriptor pair."""
 
-    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large")
+    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large", "owner")
 
     def __init__(self, steps: list, hooks, anchor, pair, large):
         self.steps = steps  # [(entry, template list, ((position, value index), ...), raw)]
@@ -59,6 +60,7 @@ class LaunchSequence:
         self.anchor = anchor  # weakref to the first pooled region recorded (None: no pooled region)
         self.pair = pair  # weakref to the descriptor pair recorded (None: pointer loads)
         self.large = large  # WorkspaceSpec of h and y, allocated per call; None when pooled
+        self.owner = None  # with a pair: weakref to the w13 it was recorded for (its entry goes when w13 does)
 
     def current(self, views: dict, pair) -> bool:
         """Whether the pool's ``views`` and the descriptor ``pair`` are the ones recorded."""
@@ -106,14 +108,27 @@ def lean_sequence(plan: Plan, pool, descriptors, device, w13, w2, expert_map, b1
         sequence = _record(plan, views, pair, spec.parts().fresh if large else None, expert_map, b13, b2)
         if sequence is None:
             return None
+        if pair is not None:  # the sequence holds the descriptors (so w13's storage): it goes when w13 is freed
+            sequence.owner = weakref.ref(w13, _forget(key))
         with _lock:
             _SEQUENCES.pop(key, None)
             if len(_SEQUENCES) >= MAX_SEQUENCES:
-                _SEQUENCES.pop(next(iter(_SEQUENCES)))
+                _SEQUENCES.pop(next(iter(_SEQUENCES), None), None)  # the oldest may have gone meanwhile (_forget)
             _SEQUENCES[key] = sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
     return sequence
+
+
+def _forget(key: tuple):
+    """The callback of a sequence's ``owner``: its entry goes (unless a newer sequence holds the key)."""
+
+    def forget(ref: weakref.ref) -> None:
+        sequence = _SEQUENCES.get(key)
+        if sequence is not None and sequence.owner is ref:
+            _SEQUENCES.pop(key, None)
+
+    return forget
 
 
 def launch_lean(sequence: LaunchSequence, x, ids, weights, expert_map, b13, b2, w13, w2) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Launch configurations of the weight-only fused decodes (``triton_wo_plan``): the heuristic defaults,
 the tuned-file lookup, the measured winners (``triton_wo_winners``) and the shared-memory fit.
 
-    wo_config(call) -> the winners table's tile config (tile decode, measured M >= 1024 cells), else the
-    tuned file's entry of the nearest M, else ``wo_heuristic_config``
+    wo_config(call) -> the device's tuned file's entry of the nearest M, else the winners table's tile
+    config (tile decode, measured M >= 1024 cells), else ``wo_heuristic_config``
 
 ``triton_wo_winners.WoTileConfig``: a ``KernelConfig`` of the tile decode with ``ahead`` (``ahead_of``).
 
@@ -96,15 +96,15 @@ def _decode_width(blocks: int, cols: int, widest: int) -> int:
 
 def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str, device: str,
               decode: str = "tile") -> KernelConfig:
-    """For the tile decode the winners table's config where it covers the call (``triton_wo_winners``);
-    else the tuned entry of the nearest M for (E, N, K, ``config_name(scheme,
-    decode)``, device), else ``wo_heuristic_config``."""
-    won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
-    if won is not None and won.tile is not None:
-        return won.tile
+    """The tuned entry of the nearest M for (E, N, K, ``config_name(scheme, decode)``, device) where this
+    device has a file (``moekit tune`` measured it there); else, for the tile decode, the winners table's
+    config where it covers the call (``triton_wo_winners``: one H200 run's); else ``wo_heuristic_config``."""
     configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
     if configs:
         return nearest(configs, num_tokens)
+    won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
+    if won is not None and won.tile is not None:
+        return won.tile
     return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
 
 

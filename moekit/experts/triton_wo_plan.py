@@ -21,10 +21,10 @@ tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on t
 the aligned layout at or below a measured M whose calls run aligned), else per (scheme, tile-height bucket)
 (``DECODE_RULE``); ``decode=`` on the call (``run_experts_wo``, ``fused_experts_wo``) overrides it.
 
-Configs (``triton_wo_configs.wo_config``): for the tile decode the winners table's tile where a row covers
-the call, else ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories (``moekit.experts.configs``'s
-format and search order, ``config_name(scheme, decode)`` in the dtype's place: the scheme for the tile
-decode, ``{scheme}_register`` for the register decode), nearest M; without a file, ``wo_heuristic_config``.
+Configs (``triton_wo_configs.wo_config``): ``E{E}_N{N}_K{K}_{name}_{device}.json`` in the config directories
+(``moekit.experts.configs``'s format and search order, ``config_name(scheme, decode)`` in the dtype's place:
+the scheme for the tile decode, ``{scheme}_register`` for the register decode), nearest M; without a file,
+for the tile decode the winners table's tile where a row covers the call, else ``wo_heuristic_config``.
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g the group size.
 """

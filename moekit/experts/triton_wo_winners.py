@@ -1,7 +1,7 @@
 """The weight-only decode and tile config measured fastest per (scheme, E, N, K, M) at mid and large
 batches on the H200 (issue #16's M >= 1024 target), as data: ``benchmarks/wo_mid_device_check.py``
 prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode`` takes the decode and
-``triton_wo_configs.wo_config`` the tile decode's config from here.
+``triton_wo_configs.wo_config`` the tile decode's config from here where the device has no tuned file.
 
     winner(scheme, E, N, K, M) -> the row of the measured M nearest to M (log2 distance, ties: the
     smaller) among those within a factor 2 (m/2 <= M < 2m) and m >= MIN_M; None where no row covers M

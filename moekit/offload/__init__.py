@@ -9,7 +9,8 @@ fetches hold their q / scale (/ zero) tensors, and ``expert_nbytes(moe)`` is the
 
 ``whatif`` replays a routing trace through the cache policies without weights (the simulator's
 cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where they run; ``online``
-(``CpuRate``) keeps the CPU's rate per expert from the branches that ran, for "auto" to price by.
+(``CpuRate``) keeps how much slower or faster than calibrated the CPU branches ran (a scale of the whole
+CPU model), for "auto" to price by.
 """
 
 from moekit.offload.cache import ExpertCache

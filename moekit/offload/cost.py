@@ -84,8 +84,8 @@ class MissCosts:
     def cpu_time(self, tokens: int) -> float:
         """CPU seconds of one expert with ``tokens`` routed assignments (rows; without ``cpu_step_s``):
         with ``cpu_rows_s``, linear between its points, its first point's time below them, its last
-        segment extended above (never below the last point's time); else ``cpu_expert_s + tokens x
-        cpu_token_s``."""
+        segment extended above (never below the last point's time; a one-point table adds ``cpu_token_s``
+        a row above its point); else ``cpu_expert_s + tokens x cpu_token_s``."""
         table = self.cpu_rows_s
         if not table:
             return self.cpu_expert_s + tokens * self.cpu_token_s

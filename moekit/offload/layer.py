@@ -84,7 +84,7 @@ class OffloadedMoE(MoE):
         known; ``plan.plan_misses``); 0 keeps the cache as it is. ``cpu_options`` (``cpu_path.CpuOptions``)
         sets how the CPU branch runs (threads, GEMM, staging buffers, when admissions are queued).
         ``cpu_rate`` (``online.CpuRate``, may be shared by layers): updated after each CPU branch, and
-        "auto" prices CPU experts at its estimate instead of the calibrated ``cpu_expert_s``."""
+        "auto" prices the CPU side by the calibrated model scaled by its estimate (``MissCosts.scaled``)."""
         if (cache is None) == (cache_experts is None):
             raise ValueError("give exactly one of cache_experts (a private cache) and cache (a shared ExpertCache)")
         if compute_misses_on not in PLACES:
