@@ -9,8 +9,8 @@ For Qwen3-30B-A3B, DeepSeek-V3 and Mixtral-8x7B experts in bf16 at M = 1, 8, 64,
 no_grad, uniform routing; a throwaway cell first: a process's first cell runs slow), three variants:
   current   lean_launch=False: each launch a ``BoundLaunch`` call (``triton_bind.RawLaunch``)
   lean      the defaults: the plan's recorded ``LaunchSequence``
-  lean_scan lean with ``align_scan_fold`` (hist and scan in one launch past align_two_launch_max: at
-            M = 4096 and 16384 here; elsewhere the same launches as lean)
+  lean_noscan lean without ``align_scan_fold`` (on by default: hist and scan in one launch past
+            align_two_launch_max, at M = 4096 and 16384 here; elsewhere the same launches as lean)
   lean_nofast lean without ``fast_path`` (``triton_fast``: a repeated call skips the check and every lookup),
             so that "lean" against it is the fast path's saving
 and, up to M = 512, ``two`` (``two_sets``): lean on two weight sets of the same shape in turn, as a model's
@@ -51,7 +51,7 @@ from moekit.experts.triton_plan import plan_for
 PRESETS = ("qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3")
 BATCHES = (1, 8, 64, 512, 4096, 16384)
 VARIANTS = {"current": LaunchOptions(lean_launch=False), "lean": LaunchOptions(),
-            "lean_scan": LaunchOptions(align_scan_fold=True),  # + hist and scan in one launch (A > 4096)
+            "lean_noscan": LaunchOptions(align_scan_fold=False),  # hist and scan as two launches (A > 4096)
             "lean_nofast": LaunchOptions(fast_path=False)}  # lean without the repeated call's fast path
 LARGE_M = 4096  # from here on fewer calls per sample (a call is milliseconds of GPU time)
 TWO_SETS_MAX_M = 512  # the two-weight-set cell up to here (host-bound sizes)
@@ -145,7 +145,7 @@ def cell(m: int, weights, shape: Shape, profile: bool = False, other=None) -> di
             for _ in range(2):
                 outs[name] = fns[name]()
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["current"])
-        row["scan_same"] = row.get("scan_same", True) and torch.equal(outs["lean_scan"], outs["current"])
+        row["noscan_same"] = row.get("noscan_same", True) and torch.equal(outs["lean_noscan"], outs["current"])
         row["nofast_same"] = row.get("nofast_same", True) and torch.equal(outs["lean_nofast"], outs["current"])
     plan = plan_for(*args, None, "silu", None, VARIANTS["lean"])
     row["lean_used"] = any(key[0] is plan for key in triton_lean._SEQUENCES)
@@ -167,7 +167,7 @@ def table(results: dict) -> str:
              "bit for bit; lean: a recorded sequence ran through the C launch)",
              f"{'cell':26}{'same':>5}{'lean':>5}{'#l':>4}{'host cur':>10}{'host lean':>10}{'eager cur':>10}"
              f"{'eager lean':>11}{'graph':>9}{'min cur':>9}{'min lean':>9}{'prof cur':>9}{'prof lean':>10}"
-             f"{'scan same':>10}{'host scan':>10}{'graph scan':>11}{'nofast same':>12}{'host nofast':>12}"
+             f"{'noscan same':>12}{'host noscan':>12}{'graph noscan':>13}{'nofast same':>12}{'host nofast':>12}"
              f"{'two same':>9}{'host two':>9}"]
     for key, r in results.items():
         if "host_us" not in r:
@@ -179,7 +179,7 @@ def table(results: dict) -> str:
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{r['host_min_us']['current']:>9.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
-                     f"{ha._yn(r['scan_same']):>10}{r['host_us']['lean_scan']:>10.1f}{r['graph_us']['lean_scan']:>11.1f}"
+                     f"{ha._yn(r['noscan_same']):>12}{r['host_us']['lean_noscan']:>12.1f}{r['graph_us']['lean_noscan']:>13.1f}"
                      f"{ha._yn(r['nofast_same']):>12}{r['host_us']['lean_nofast']:>12.1f}"
                      f"{ha._yn(r['two_same']) if 'two_same' in r else '-':>9}{r.get('host_two_us', float('nan')):>9.1f}")
     return "\n".join(lines)
