@@ -179,9 +179,11 @@ def table(results: dict) -> str:
                      f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['lean']:>9.1f}"
                      f"{r['host_min_us']['current']:>9.1f}{r['host_min_us']['lean']:>9.1f}"
                      f"{prof.get('current', float('nan')):>9.1f}{prof.get('lean', float('nan')):>10.1f}"
-                     f"{ha._yn(r['noscan_same']):>12}{r['host_us']['lean_noscan']:>12.1f}{r['graph_us']['lean_noscan']:>13.1f}"
+                     f"{ha._yn(r['noscan_same']):>12}{r['host_us']['lean_noscan']:>12.1f}"
+                     f"{r['graph_us']['lean_noscan']:>13.1f}"
                      f"{ha._yn(r['nofast_same']):>12}{r['host_us']['lean_nofast']:>12.1f}"
-                     f"{ha._yn(r['two_same']) if 'two_same' in r else '-':>9}{r.get('host_two_us', float('nan')):>9.1f}")
+                     f"{ha._yn(r['two_same']) if 'two_same' in r else '-':>9}"
+                     f"{r.get('host_two_us', float('nan')):>9.1f}")
     return "\n".join(lines)
 
 
