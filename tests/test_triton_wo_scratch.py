@@ -155,6 +155,9 @@ def test_chooser_takes_scratch_from_the_threshold_where_it_fits(monkeypatch):
             assert choose_decode(scheme, SCRATCH_MIN_TOKENS, *shape, fused=True) != "scratch"
     # one expert's bf16 w13 of 2 x 2^15 x 2^16 x 2 bytes = 8 GiB: above the cap, a fused decode
     assert choose_decode("int4_w4a16", SCRATCH_MIN_TOKENS, 4, 1 << 15, 1 << 16, 2) == "tile"
+    # 2 x 2^14 x 3 * 2^13 weights: 1.5 GiB in bf16 fits the 2 GiB cap, 3 GiB in fp32 (an fp32 x's scratch) not
+    assert choose_decode("int8_w8a16", SCRATCH_MIN_TOKENS, 4, 1 << 14, 3 << 13, 2, itemsize=2) == "scratch"
+    assert choose_decode("int8_w8a16", SCRATCH_MIN_TOKENS, 4, 1 << 14, 3 << 13, 2, itemsize=4) != "scratch"
 
 
 def test_large_batch_runs_scratch_through_the_public_entry(wo, monkeypatch):

@@ -227,7 +227,8 @@ def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode:
     if decode is not None or config is not None or split_k is not None or small:
         return decode == "scratch"
     num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
-    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False) == "scratch"
+    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False,
+                         itemsize=x.element_size()) == "scratch"
 
 
 @torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())

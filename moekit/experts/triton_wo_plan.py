@@ -160,17 +160,17 @@ def wo_plan_for(x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, sc
 
 
 def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int,
-                  shortcut: bool | None = None, fused: bool = False) -> str:
+                  shortcut: bool | None = None, fused: bool = False, itemsize: int = 2) -> str:
     """The decode (one of DECODES) the H200 measured faster: the winners table's where it covers the call
     (``triton_wo_winners``; its "scratch" only where that fits and not ``fused``); "scratch" from
     SCRATCH_MIN_TOKENS where an expert's bf16 w13 fits (``scratch_fits``; never if ``fused``); else for a shape in DECODE_MEASURED the
     entry of the nearest measured M in the call's tile-height bucket, else DECODE_RULE's, else "tile".
-    "gemv" only on the tiny-batch shortcut (``shortcut``; None: ``use_naive`` without an expert map), or
+    ``itemsize``: x's (the scratch's dtype). "gemv" only on the tiny-batch shortcut (``shortcut``; None: ``use_naive`` without an expert map), or
     at or below the measured M when that M's own calls run aligned (the gemv measured faster there)."""
     won = winner(scheme, num_experts, n, k, num_tokens)
-    if won is not None and (won.decode != "scratch" or (not fused and scratch_fits(n, k, 2))):
+    if won is not None and (won.decode != "scratch" or (not fused and scratch_fits(n, k, itemsize))):
         return won.decode
-    if num_tokens >= SCRATCH_MIN_TOKENS and not fused and scratch_fits(n, k, 2):
+    if num_tokens >= SCRATCH_MIN_TOKENS and not fused and scratch_fits(n, k, itemsize):
         return "scratch"
     bucket = height_bucket(num_tokens, num_experts, top_k)
     rule = DECODE_RULE.get((scheme, bucket), "tile")
