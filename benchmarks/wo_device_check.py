@@ -98,6 +98,17 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
+def do_bench_us(fn, warmup_ms: float, rep_ms: float) -> float:
+    """Median µs per call (do_bench on the GPU; one timed call under the interpreter)."""
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
 def guarded(name: str, step, *args):
     """``step(*args)``; an exception is printed and counted as a failure, and the run goes on."""
     try:

@@ -50,7 +50,7 @@ from moekit.experts.triton_wo_scratch import (  # noqa: E402
     DEQUANT_TILE, SCRATCH_MIN_TOKENS, dequantize_experts, run_experts_wo_scratch, scratch_bytes_per_expert,
 )
 from moekit.quant import quantize  # noqa: E402
-from wo_device_check import rel_err, replay_worst  # noqa: E402  (benchmarks/ is on sys.path)
+from wo_device_check import FAILED, check, do_bench_us, rel_err, replay_worst  # noqa: E402  (benchmarks/ on sys.path)
 
 T0 = time.perf_counter()
 DEADLINE_S = 200.0  # no new cell is timed after this
@@ -63,7 +63,6 @@ WARMUP_MS, REP_MS = 10, 60
 SWEEP_TILES = ((32, 128), (16, 256), (64, 128), (64, 256))  # dequant (BLOCK_R, BLOCK_C), on SWEEP_CELL's weights
 SWEEP_CELL = ("mixtral-8x7b", "int4_w4a16")  # also the chunked-scratch check, at the largest M
 CHUNK_EXPERTS = 3  # Mixtral's 8 experts in chunks of 3, 3, 2
-FAILED: list[str] = []
 
 
 @dataclass
@@ -91,21 +90,8 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
 def bench_us(fn) -> float:
-    """Median µs per call (do_bench on the GPU; one timed call under the interpreter)."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") * 1e3
+    return do_bench_us(fn, WARMUP_MS, REP_MS)
 
 
 def wo_weight(w) -> WoWeight:

@@ -44,7 +44,7 @@ from moekit.experts.triton_wo import WoWeight, fused_experts_wo, run_experts_wo 
 from moekit.experts.triton_wo_plan import choose_decode, weight_args  # noqa: E402
 from moekit.experts.triton_wo_winners import WoTileConfig, tile  # noqa: E402
 from moekit.quant import quantize  # noqa: E402
-from wo_device_check import precompile, rel_err  # noqa: E402
+from wo_device_check import FAILED, check, do_bench_us, precompile, rel_err  # noqa: E402
 
 T0 = time.perf_counter()
 DEADLINE_S = 205.0  # no timing starts after this (one DeepSeek-V3 timing: < 2 s)
@@ -72,7 +72,6 @@ CANDIDATES = {
     "m64a": tile(64, (64, 64, 8, 4, 4), (64, 64, 8, 4, 4), True),
     "m64n128a": tile(64, (128, 64, 8, 4, 3), (128, 64, 8, 4, 3), True),
 }
-FAILED: list[str] = []
 SKIPPED: list[str] = []
 
 
@@ -103,21 +102,8 @@ def elapsed() -> float:
     return time.perf_counter() - T0
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
 def bench_us(fn) -> float:
-    """Median µs per call (do_bench on the GPU; one timed call under the interpreter)."""
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") * 1e3
+    return do_bench_us(fn, WARMUP_MS, REP_MS)
 
 
 def suits(config: WoTileConfig, rows_per_expert: float) -> bool:
