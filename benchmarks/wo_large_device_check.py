@@ -43,14 +43,15 @@ import torch  # noqa: E402
 
 from moekit.bench.cells import Shape, make_sets  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
-from moekit.experts.triton import experts_triton  # noqa: E402
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_plan import SCHEME_IDS, choose_decode, weight_args  # noqa: E402
 from moekit.experts.triton_wo_scratch import (  # noqa: E402
     DEQUANT_TILE, SCRATCH_MIN_TOKENS, dequantize_experts, run_experts_wo_scratch, scratch_bytes_per_expert,
 )
 from moekit.quant import quantize  # noqa: E402
-from wo_device_check import FAILED, check, do_bench_us, rel_err, replay_worst  # noqa: E402  (benchmarks/ on sys.path)
+from wo_device_check import (  # noqa: E402  (benchmarks/ on sys.path)
+    FAILED, bf16_baseline, check, do_bench_us, rel_err, replay_worst,
+)
 
 T0 = time.perf_counter()
 DEADLINE_S = 200.0  # no new cell is timed after this
@@ -182,12 +183,8 @@ def chunked(s: Shape, q13, q2, w13: WoWeight, w2: WoWeight, c, cell: Cell | None
 
 
 def shape_cells(s: Shape, batches: tuple, dev) -> list[Cell]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    w13f = torch.randn(s.num_experts, 2 * s.n, s.k, device=dev, generator=g, dtype=torch.bfloat16) / s.k**0.5
-    w2f = torch.randn(s.num_experts, s.k, s.n, device=dev, generator=g, dtype=torch.bfloat16) / s.n**0.5
-    sets = {m: make_sets(s, m, 1, torch.bfloat16, dev, seed=m)[0] for m in batches}
-    bf16 = {m: bench_us(lambda c=c: experts_triton(c.x, w13f, w2f, c.topk_ids, c.topk_weights))
-            for m, c in sets.items()}
+    base = bf16_baseline(s, batches, dev, bench_us)
+    w13f, w2f, sets, bf16 = base.w13, base.w2, base.sets, base.us
     cells = []
     for scheme in SCHEMES:
         try:

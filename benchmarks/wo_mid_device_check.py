@@ -37,14 +37,13 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.reference import experts_reference  # noqa: E402
-from moekit.experts.triton import experts_triton  # noqa: E402
 from moekit.experts.triton_wo import WoWeight, fused_experts_wo, run_experts_wo  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, weight_args  # noqa: E402
 from moekit.experts.triton_wo_winners import WoTileConfig, tile  # noqa: E402
 from moekit.quant import quantize  # noqa: E402
-from wo_device_check import FAILED, check, do_bench_us, precompile, rel_err  # noqa: E402
+from wo_device_check import FAILED, bf16_baseline, check, do_bench_us, precompile, rel_err  # noqa: E402
 
 T0 = time.perf_counter()
 DEADLINE_S = 205.0  # no timing starts after this (one DeepSeek-V3 timing: < 2 s)
@@ -197,12 +196,8 @@ def line(c: Cell) -> str:
 
 
 def shape_cells(s: Shape, batches: tuple, dev) -> list[Cell]:
-    g = torch.Generator(device=dev).manual_seed(0)
-    w13f = torch.randn(s.num_experts, 2 * s.n, s.k, device=dev, generator=g, dtype=torch.bfloat16) / s.k**0.5
-    w2f = torch.randn(s.num_experts, s.k, s.n, device=dev, generator=g, dtype=torch.bfloat16) / s.n**0.5
-    sets = {m: make_sets(s, m, 1, torch.bfloat16, dev, seed=m)[0] for m in batches}
-    bf16 = {m: bench_us(lambda c=c: experts_triton(c.x, w13f, w2f, c.topk_ids, c.topk_weights))
-            for m, c in sets.items()}
+    base = bf16_baseline(s, batches, dev, bench_us)
+    w13f, w2f, sets, bf16 = base.w13, base.w2, base.sets, base.us
     print(f"{s.name}: bf16 " + ", ".join(f"M={m} {us:.0f} µs" for m, us in bf16.items()) + f"  [{elapsed():.0f} s]",
           flush=True)
     cells = []
@@ -216,7 +211,7 @@ def shape_cells(s: Shape, batches: tuple, dev) -> list[Cell]:
             check(f"{s.name} {scheme}", False, f"raised {type(e).__name__}: {e}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    del w13f, w2f
+    del w13f, w2f, base
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return cells
