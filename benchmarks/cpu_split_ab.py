@@ -5,7 +5,7 @@ another checkout's, interleaved in one process.
 
 Variants: ``this`` (this checkout's ``moekit.experts.cpu_packed``), ``baseline`` (the same two files,
 ``cpu_packed.py`` and ``cpu_workers.py``, of the ``--baseline`` checkout, loaded under other module names)
-and ``this_w1`` (this checkout with one worker on every thread). Every round calls each once, the order rotated; prints the median ms, GFLOP/s and % of the dense oneDNN rate measured in
+and ``this_wW`` (this checkout with W workers; W = 1: one worker on every thread). Every round calls each once, the order rotated; prints the median ms, GFLOP/s and % of the dense oneDNN rate measured in
 the same rounds, and the process CPU time (all threads: what the call costs whatever the neighbours take) and the max abs
 difference from the first variant.
 """
@@ -69,7 +69,7 @@ def main() -> None:
 
         def call(name):
             module = base if name == "baseline" else cpu_packed
-            count = 1 if name == "this_w1" else workers
+            count = int(name[len("this_w"):]) if name.startswith("this_w") else workers
             return module.experts_cpu_fused(p.x, ex, p.ids, p.weights, None, cache, workers=count)
 
         calls = {n: (lambda n=n: call(n)) for n in names}
