@@ -1,7 +1,8 @@
 """moekit.experts.cpu_workers and the split per-expert CPU loop (``cpu_gemm="onednn_packed_split"``, what
-``auto`` runs): the greedy balance, the worker threads' thread counts, and the split loop against a
-float64 loop of test_cpu_packed: biases, an expert map with -1, skipped slots, experts with no rows, M = 0,
-more workers than experts, and the same bits on every run."""
+``auto`` runs): the largest-first order, the dynamic hand-out, the worker threads' thread counts, and the
+split loop against a float64 loop of test_cpu_packed: biases, an expert map with -1, skipped slots,
+experts with no rows, one row, M = 0, more workers than experts, and the same bits on every run and for
+every worker count."""
 
 import threading
 
@@ -11,7 +12,7 @@ import torch
 from moekit.activations import ActivationSpec
 from moekit.experts import cpu_packed
 from moekit.experts.cpu_packed import ExpertParams, PackedWeightCache, experts_cpu_fused
-from moekit.experts.cpu_workers import balance_by_rows, run_shares
+from moekit.experts.cpu_workers import largest_first, run_dynamic, run_shares
 from moekit.experts.grouped_mm import experts_grouped_mm
 from test_cpu_packed import loop64, rel_err  # the float64 per-(token, slot) loop both files check against
 
@@ -41,20 +42,46 @@ def split(x, w13, w2, ids, weights, workers, cache=None, **kw):
     return experts_cpu_fused(x, ex, ids, weights, kw.get("expert_map"), cache, workers=workers)
 
 
-def test_balance_is_greedy_by_rows_and_covers_each_busy_expert_once():
-    # by hand: 0 (5 rows) -> share 0; 4 (4) -> share 1; 2 (3) -> share 1 (4 < 5); 1 (1) -> share 0 (5 < 7)
-    assert balance_by_rows([5, 1, 3, 0, 4], 2) == [[0, 1], [2, 4]]
-    assert balance_by_rows([2, 2, 2], 2) == [[0, 2], [1]]  # ties: lower id first, onto the lower share
-    assert balance_by_rows([0, 3, 0, 1], 8) == [[1], [3]]  # no empty shares
-    assert balance_by_rows([0, 0], 4) == [] and balance_by_rows([], 2) == []
-    counts = [int(c) for c in torch.randint(0, 40, (128,), generator=torch.Generator().manual_seed(1))]
-    shares = balance_by_rows(counts, 3)
-    assert sorted(e for s in shares for e in s) == [e for e, c in enumerate(counts) if c]
-    assert all(s == sorted(s) for s in shares)
-    loads = [sum(counts[e] for e in s) for s in shares]
-    assert max(loads) - min(loads) <= max(counts)  # greedy onto the least loaded share
+def test_largest_first_orders_the_busy_experts_by_rows_then_id():
+    assert largest_first([5, 1, 3, 0, 4]) == [0, 4, 2, 1]
+    assert largest_first([2, 2, 0, 2]) == [0, 1, 3]  # ties: lower id first
+    assert largest_first([0, 0]) == [] and largest_first([]) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 8])
+def test_run_dynamic_runs_every_item_once_single_threaded(workers):
+    before = torch.get_num_threads()
+    seen, lock = [], threading.Lock()
+
+    def fn(item):
+        with lock:
+            seen.append((item, torch.get_num_threads(), threading.get_ident()))
+
+    items = [7, 3, 5, 1, 0]
+    run_dynamic(items, workers, fn)
+    assert sorted(i for i, _, _ in seen) == sorted(items)
+    if workers > 1:
+        assert {threads for _, threads, _ in seen} == {1}
+    else:  # one worker: the calling thread as it is (the GEMMs keep their intra-op threads)
+        assert {(threads, ident) for _, threads, ident in seen} == {(before, threading.get_ident())}
+    assert torch.get_num_threads() == before
+    run_dynamic([], workers, fn)
     with pytest.raises(ValueError, match="workers"):
-        balance_by_rows([1], 0)
+        run_dynamic(items, 0, fn)
+
+
+def test_run_dynamic_reraises_and_the_other_workers_drain_the_rest():
+    done, lock = [], threading.Lock()
+
+    def fn(item):
+        if item == 2:
+            raise RuntimeError("item 2 failed")
+        with lock:
+            done.append(item)
+
+    with pytest.raises(RuntimeError, match="item 2 failed"):
+        run_dynamic(list(range(20)), 2, fn)
+    assert len(done) >= 18 and 2 not in done and len(set(done)) == len(done)
 
 
 def test_run_shares_single_thread_each_order_kept_and_caller_threads_restored():
@@ -128,20 +155,33 @@ def test_split_handles_no_tokens_and_one_busy_expert():
 
 
 @needs_onednn
-def test_split_gives_the_same_bits_on_every_run():
+def test_split_gives_the_same_bits_on_every_run_and_for_every_worker_count():
     x, w13, w2, ids, weights = problem(m=96, k=3, seed=6)
     cache = PackedWeightCache(budget_bytes=1 << 30)
-    first = split(x, w13, w2, ids, weights, 3, cache)
-    for _ in range(5):
-        assert torch.equal(split(x, w13, w2, ids, weights, 3, cache), first)
+    first = split(x, w13, w2, ids, weights, 1, cache)
+    assert rel_err(first, loop64(x, w13, w2, ids, weights)) < 1e-5
+    for workers in (2, 3, 2, 3, 5):
+        assert torch.equal(split(x, w13, w2, ids, weights, workers, cache), first)
+
+
+@needs_onednn
+def test_split_with_one_row_and_b2_scales_the_output_not_the_activation():
+    x, w13, w2, ids, weights = problem(m=1, k=3, seed=9)  # three experts of one row each
+    b2 = torch.randn(E, K, generator=torch.Generator().manual_seed(10))
+    got = split(x, w13, w2, ids, weights, 2, b2=b2)
+    assert rel_err(got, loop64(x, w13, w2, ids, weights, b2=b2)) < 1e-5
+    ids[0, 1] = -1  # a skipped slot: its weight and its bias add nothing
+    got = split(x, w13, w2, ids, weights, 2, b2=b2)
+    assert rel_err(got, loop64(x, w13, w2, ids, weights, b2=b2)) < 1e-5
 
 
 @needs_onednn
 def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
     x, w13, w2, ids, weights = problem(seed=7)
     calls = []
-    real = cpu_packed.run_shares
-    monkeypatch.setattr(cpu_packed, "run_shares", lambda shares, fn: calls.append(len(shares)) or real(shares, fn))
+    real = cpu_packed.run_dynamic
+    monkeypatch.setattr(cpu_packed, "run_dynamic",
+                        lambda items, workers, fn: calls.append(min(workers, len(items))) or real(items, workers, fn))
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -162,6 +202,6 @@ def test_grouped_mm_split_runs_one_worker_per_torch_thread(monkeypatch):
         forced = experts_grouped_mm(x, w13, w2, ids, weights, cpu_gemm="onednn_packed_split")
     finally:
         torch.set_num_threads(before)
-    assert calls == [2, 2]  # auto splits at decode too: one share per busy expert
+    assert calls == [2, 2]  # auto splits at decode too: one worker per busy expert
     want = loop64(x, w13, w2, ids, weights)
     assert rel_err(decode, want) < 1e-5 and rel_err(forced, want) < 1e-5

@@ -3,13 +3,14 @@
     for each expert e with m_e > 0 rows: xs = x[tokens of e] -> h = xs @ w13[e]^T (+ b13[e]) -> glu
         -> y = h' @ w2[e]^T (+ b2[e]) -> out[tokens of e] += weight * y
 
-Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy and no [A, K] output is
-written and read back; the weighted sum over the k slots is one ``index_add_`` per expert, serial
-over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``, what
-``auto`` runs) the experts are dealt to that many threads of one intra-op thread each
-(``moekit.experts.cpu_workers``): each accumulates its experts into its own [M, K] and the shares are
-summed in a fixed order, still deterministic. ~32 rows per expert (M = 512 at k=8, E=128) are too few
-for oneDNN to split one GEMM over 2 cores well; whole experts per core are not.
+Every buffer is [m_e, .] (a few hundred KB), so no [A, K] permuted copy of x is written; the
+combine weight multiplies the [m_e, N] activation (the [m_e, K] output where there is a b2), and the
+weighted sum over the k slots is one ``index_add_`` per expert after all of them ran, in expert order and
+serial over the rows, hence deterministic. With ``workers`` > 1 (``cpu_gemm="onednn_packed_split"``,
+what ``auto`` runs) the experts, largest first, go to whichever of that many threads of one intra-op
+thread each is free (``moekit.experts.cpu_workers``); the combine order stays the expert order, so the
+bits are those of ``workers=1``. ~32 rows per expert (M = 512 at k=8, E=128) are too few for oneDNN to
+split one GEMM over 2 cores well; whole experts per core are not.
 
 oneDNN's linear re-lays a plain [out, in] weight into its blocked format inside every call. At
 Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, fp32) and ~32 rows per expert that is ~20% of
@@ -38,7 +39,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moekit.activations import ActivationSpec, apply_glu, get_activation
-from moekit.experts.cpu_workers import balance_by_rows, run_shares
+from moekit.experts.cpu_workers import largest_first, run_dynamic
 from moekit.layouts.grouping import aligned_positions, assignments_of_rows
 
 PACK_BATCH_HINT = 32  # the blocked format oneDNN picks for this many rows (4 to 64 measured alike)
@@ -173,11 +174,10 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the
     plain weights. Inference only (no autograd through oneDNN's op); dtypes ``fused_loop_supported``.
 
-    ``workers`` > 1 splits the experts across that many threads of one intra-op thread each
-    (``moekit.experts.cpu_workers``): each share accumulates its experts into its own [M, K], and the
-    shares are summed in share order, so the result is the same on every run (not bitwise that of
-    ``workers=1``: the sum over a token's slots is grouped differently)."""
-    num_tokens, top_k = topk_ids.shape
+    ``workers`` > 1 hands the experts to that many threads of one intra-op thread each as they free up
+    (``moekit.experts.cpu_workers``); each expert's weighted rows are kept apart and added per token in
+    expert order at the end, so the result has the same bits on every run and for every ``workers``."""
+    top_k = topk_ids.shape[1]
     num_assignments = topk_ids.numel()
     pos = aligned_positions(topk_ids, ex.w13.shape[0], 1, expert_map)
     src = assignments_of_rows(pos.dst, num_assignments)  # [A] assignment of each sorted row; A past the routed
@@ -190,13 +190,11 @@ def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor,
     # the weights each expert reads, resolved here in expert order: the cache is not thread-safe, and its
     # budget fills in the same order whatever the worker count
     weights = {e: _weights(ex, e, cache if c >= PACKED_MIN_ROWS else None) for e, c in enumerate(counts) if c}
-    loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, onednn_linear(x.dtype), acc)
-    outs = run_shares(balance_by_rows(counts, workers), loop.run)
-    if not outs:
-        return x.new_zeros(num_tokens, x.shape[1], dtype=acc)
-    for other in outs[1:]:
-        outs[0].add_(other)
-    return outs[0]
+    loop = _ExpertLoop(x, ex, weights, counts, starts, src // top_k, slot_weights, onednn_linear(x.dtype), acc,
+                       [None] * len(counts))
+    order = largest_first(counts)
+    run_dynamic(order, workers, loop.run)
+    return loop.combine(sorted(order))
 
 
 @dataclass(frozen=True)
@@ -216,7 +214,8 @@ def _weights(ex: ExpertParams, expert: int, cache: PackedWeightCache | None) -> 
 
 @dataclass(frozen=True)
 class _ExpertLoop:
-    """One call's per-expert loop over a share of the experts (read-only: shares run on several threads)."""
+    """One call's per-expert loop: ``run`` computes one expert's weighted rows (on any worker thread: it
+    writes only that expert's slot of ``ys``), ``combine`` sums them per token in expert order."""
 
     x: torch.Tensor  # [M, K]
     ex: ExpertParams
@@ -227,21 +226,34 @@ class _ExpertLoop:
     slot_weights: torch.Tensor  # [A] combine weight of each sorted row (acc)
     linear: object  # oneDNN's linear
     acc: torch.dtype
+    ys: list[torch.Tensor | None]  # [E] each expert's weighted output [m_e, K] (acc), once ``run`` made it
 
-    def run(self, experts: list[int]) -> torch.Tensor:
-        """The weighted outputs of ``experts`` (ascending), summed per token in that order -> [M, K] (acc)."""
-        out = self.x.new_zeros(self.x.shape[0], self.x.shape[1], dtype=self.acc)  # [M, K]
-        for expert in experts:
-            rows = slice(self.starts[expert], self.starts[expert] + self.counts[expert])
-            tokens = self.tokens[rows]  # [m]
-            y = _expert(self.x.index_select(0, tokens), self.ex, self.weights[expert], self.linear)  # [m, K]
-            out.index_add_(0, tokens, y.to(self.acc).mul_(self.slot_weights[rows, None]))
+    def run(self, expert: int) -> None:
+        rows = slice(self.starts[expert], self.starts[expert] + self.counts[expert])
+        xs = self.x.index_select(0, self.tokens[rows])  # [m, K]
+        self.ys[expert] = _expert(xs, self.ex, self.weights[expert], self.linear, self.slot_weights[rows, None], self.acc)
+
+    def combine(self, experts: list[int]) -> torch.Tensor:
+        """out [M, K] (acc): every expert's rows added in ``experts`` order (ascending), one serial
+        ``index_add_`` each on one thread (on 2 threads OpenMP's barriers cost far more than the adds
+        when a neighbour holds a core), so the same bits whichever worker ran what, and for any count."""
+        out = self.x.new_zeros(self.x.shape[0], self.x.shape[1], dtype=self.acc)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for expert in experts:
+                start = self.starts[expert]
+                out.index_add_(0, self.tokens[start:start + self.counts[expert]], self.ys[expert])
+        finally:
+            torch.set_num_threads(threads)
         return out
 
 
-def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear) -> torch.Tensor:
-    """xs [m, K] -> w2 @ glu(w13 @ xs^T + b13) + b2 as [m, K] for one expert's weights ``w``; a plain gated
-    activation's product in place (one [m, N] buffer)."""
+def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear, scale: torch.Tensor,
+            acc: torch.dtype) -> torch.Tensor:
+    """xs [m, K] -> scale * (w2 @ glu(w13 @ xs^T + b13) + b2) as [m, K] (acc) for one expert's weights ``w``,
+    ``scale`` [m, 1] (acc); a plain gated activation's product in place (one [m, N] buffer). With no b2 and
+    xs already in acc, ``scale`` multiplies the [m, N] activation instead of the [m, K] output."""
     h = linear(xs, w.w13, w.b13, "none", [], "")  # [m, R]
     if ex.spec.plain:
         n_dim = ex.w2.shape[2]
@@ -249,4 +261,6 @@ def _expert(xs: torch.Tensor, ex: ExpertParams, w: _ExpertWeights, linear) -> to
         a.mul_(h[:, n_dim:])
     else:
         a = apply_glu(h, ex.spec)  # [m, N]
-    return linear(a, w.w2, w.b2, "none", [], "")  # [m, K]
+    if w.b2 is None and a.dtype == acc:
+        return linear(a.mul_(scale), w.w2, None, "none", [], "")
+    return linear(a, w.w2, w.b2, "none", [], "").to(acc).mul_(scale)

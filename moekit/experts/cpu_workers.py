@@ -1,16 +1,17 @@
-"""Whole experts split across worker threads, each running its share with one OpenMP thread.
+"""Whole experts spread over worker threads, each running with one OpenMP thread.
 
 At Qwen3-30B-A3B expert shapes (E=128, N=768, K=2048, k=8) a batch of M = 512 tokens gives each expert
 ~32 rows: GEMMs too small for oneDNN to split well over the cores, so the per-expert loop on 2 threads
-ran at ~50-70% of the dense fp32 rate (``moekit bench --cpu-experts``). Here the loop is split by whole
-experts instead: ``balance_by_rows`` deals the experts to ``workers`` shares (greedy by rows), and
-``run_shares`` runs share 0 on the calling thread and the others on a small thread pool, every one of them
-with ``torch.set_num_threads(1)`` (a thread-local OpenMP setting; oneDNN's GEMMs then run single-threaded
-on that thread). Torch kernels release the GIL, so the shares run in parallel.
+ran at ~50-70% of the dense fp32 rate (``moekit bench --cpu-experts``). Here whole experts go to the
+workers instead: ``run_dynamic`` hands the experts (``largest_first``) to whichever of ``workers`` threads
+is free next, share 0's drain on the calling thread and the others on a small thread pool
+(``run_shares``), every one of them with ``torch.set_num_threads(1)`` (a thread-local OpenMP setting;
+oneDNN's GEMMs then run single-threaded on that thread). Torch kernels release the GIL, so the workers
+run in parallel; handing out experts as workers free up (not a fixed deal) keeps both cores busy when a
+neighbour on a shared machine slows one of them.
 
-Determinism: the shares are a function of the per-expert row counts and the worker count alone, each
-share's function writes only its own buffers, and ``run_shares`` returns the results in share order, so a
-caller that combines them in that order gets the same bits on every run, whatever the threads' timing.
+Determinism: which thread runs an expert varies from run to run, so the caller makes each expert's result
+depend on that expert alone and combines them in expert order afterwards (``moekit.experts.cpu_packed``).
 
 The calling thread's intra-op thread count is restored after every share (and the process-wide default
 that torch hands new threads with it), so nothing outside a call sees a change.
@@ -31,23 +32,31 @@ _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads) -> pool
 _POOLS_LOCK = threading.Lock()
 
 
-def balance_by_rows(counts: list[int], workers: int) -> list[list[int]]:
-    """counts [E] rows per expert -> at most ``workers`` shares of the experts with rows, each ascending.
+def largest_first(counts: list[int]) -> list[int]:
+    """counts [E] rows per expert -> the experts with rows, most rows first (ties: lower id first): the order
+    ``run_dynamic`` hands them out in, so the last ones handed out are the shortest."""
+    return sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
 
-    Greedy: the experts by rows, largest first (ties: lower id first), each to the share with the fewest
-    rows so far (ties: the lower share). Shares that would get no expert are left out, so the result
-    has min(workers, experts with rows) shares, never an empty one.
-    """
+
+def run_dynamic(items: list[int], workers: int, fn: Callable[[int], None]) -> None:
+    """fn(item) for every item, by min(workers, len(items)) single-threaded workers (``run_shares``), each
+    taking the next item in list order when it is free. Re-raises the first worker's error (by worker)
+    after every worker has stopped; a worker stops at its first error, the others drain the rest."""
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an int >= 1, got {workers!r}")
-    busy = sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e))
-    shares: list[list[int]] = [[] for _ in range(min(workers, len(busy)))]
-    loads = [0] * len(shares)
-    for expert in busy:
-        least = loads.index(min(loads))
-        shares[least].append(expert)
-        loads[least] += counts[expert]
-    return [sorted(share) for share in shares]
+    lock = threading.Lock()
+    taken = [0]  # the next item's index, under the lock
+
+    def drain(_share: list[int]) -> None:
+        while True:
+            with lock:
+                i = taken[0]
+                taken[0] += 1
+            if i >= len(items):
+                return
+            fn(items[i])
+
+    run_shares([[w] for w in range(min(workers, len(items)))], drain)
 
 
 def run_shares(shares: list[list[int]], fn: Callable[[list[int]], R]) -> list[R]:
