@@ -50,8 +50,9 @@ from moekit.experts.triton_wo_scratch import (  # noqa: E402
 )
 from moekit.quant import quantize  # noqa: E402
 from wo_device_check import (  # noqa: E402  (benchmarks/ on sys.path)
-    FAILED, bf16_baseline, check, do_bench_us, rel_err, replay_worst,
+    FAILED, check, rel_err, replay_worst,
 )
+from wo_bench_common import bf16_baseline, do_bench_us  # noqa: E402
 
 T0 = time.perf_counter()
 DEADLINE_S = 200.0  # no new cell is timed after this

@@ -43,7 +43,8 @@ from moekit.experts.triton_wo import WoWeight, fused_experts_wo, run_experts_wo 
 from moekit.experts.triton_wo_plan import choose_decode, weight_args  # noqa: E402
 from moekit.experts.triton_wo_winners import WoTileConfig, tile  # noqa: E402
 from moekit.quant import quantize  # noqa: E402
-from wo_device_check import FAILED, bf16_baseline, check, do_bench_us, precompile, rel_err  # noqa: E402
+from wo_bench_common import bf16_baseline, do_bench_us  # noqa: E402
+from wo_device_check import FAILED, check, precompile, rel_err  # noqa: E402
 
 T0 = time.perf_counter()
 DEADLINE_S = 205.0  # no timing starts after this (one DeepSeek-V3 timing: < 2 s)
