@@ -166,6 +166,9 @@ def test_bench_offload_tiny_writes_rows(tmp_path, capsys):
     assert len(doc["cells"]) == len(rows) // 3
     out = capsys.readouterr().out
     assert "auto / better pure mode" in out and "prefetch (router) on skewed streams" in out
+    # the CPU price the floor and auto use, as the document records it: every rows point printed
+    line = next(x for x in out.splitlines() if x.startswith("CPU µs per expert by its rows: "))
+    assert doc["cpu_rows_us"] and all(f"{r}: {us:.0f}" in line for r, us in doc["cpu_rows_us"].items())
 
 
 def test_bench_offload_tiny_quantized_counts_packed_bytes(tmp_path, capsys):

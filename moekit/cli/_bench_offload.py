@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{doc['cpu_token_us']:.0f} µs/token + {doc['cpu_step_us']:.0f} µs/forward at {doc['cpu_threads']} "
                   f"threads ({doc['cpu_gemm']}), margin {doc['cpu_margin']:.2f}; setup "
                   f"{sum(doc['setup_s'].values()):.0f} s, table {doc['table_s']:.0f} s; wrote {path}")
+    rows = doc.get("cpu_rows_us") or {}
+    if rows:  # what the floor and auto price a CPU expert by (the line above: its ends' linear fit)
+        console.print("CPU µs per expert by its rows: " + ", ".join(f"{r}: {us:.0f}" for r, us in rows.items())
+                      + f"; + {doc['cpu_step_us']:.0f} µs per forward with CPU misses", markup=False, highlight=False)
     return 0
 
 
