@@ -7,7 +7,7 @@ graph skips and re-recordings) and the CPU ops that take the host time of one st
     PYTHONPATH=$PWD python benchmarks/hf_compiled_check.py [--layers 1 8] [--impls moekit grouped_mm no_experts]
 
 ``gpu_kernels`` in each result: the GPU kernels of one compiled decode step (CUDA activity of a 9-token
-generate, per step), by total µs: what the step's CUDA-graph replay spends, experts included.
+generate less a 1-token one, per step), by total µs: what the step's CUDA-graph replay spends, experts included.
 
 Each implementation runs in its own process (a fresh torch.compile state); JSON to $OUT if set.
 """
@@ -44,18 +44,26 @@ def _host_ops(model, prompt, config, top: int = 12) -> list:
     return [(e.key[:90], round(e.self_cpu_time_total / 8, 1), round(e.count / 8, 2)) for e in rows]
 
 
-def _gpu_kernels(model, prompt, config, top: int = 14) -> dict:
-    """GPU µs per decode step: all kernels, and the ``top`` kernels by total time (name, µs, count)."""
+def _kernel_us(model, prompt, config, tokens: int) -> dict[str, tuple[float, int]]:
+    """GPU kernels of a ``tokens``-token generate (CUDA activity): name -> (total µs, count)."""
     from moekit.bench.hf_measure import decode
 
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        decode(model, prompt, 9, compiled=config)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    rows = sorted(kernels, key=lambda e: -e.self_device_time_total)
-    total = sum(e.self_device_time_total for e in kernels) / 8
-    return dict(total_us=round(total, 1), top=[(e.key[:80], round(e.self_device_time_total / 8, 1),
-                                                  round(e.count / 8, 2)) for e in rows[:top]])
+        decode(model, prompt, tokens, compiled=config)
+    return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _gpu_kernels(model, prompt, config, top: int = 14) -> dict:
+    """GPU µs per decode step: a 9-token generate's kernels less a 1-token one's (the prompt's prefill and
+    the first step cancel), over the 8 steps between; all kernels, and the ``top`` by time (name, µs, count)."""
+    nine, one = _kernel_us(model, prompt, config, 9), _kernel_us(model, prompt, config, 1)
+    steps = {name: ((us - one.get(name, (0.0, 0))[0]) / 8, (n - one.get(name, (0.0, 0))[1]) / 8)
+             for name, (us, n) in nine.items()}
+    rows = sorted(steps.items(), key=lambda kv: -kv[1][0])
+    return dict(total_us=round(sum(us for us, _ in steps.values()), 1),
+                top=[(name[:80], round(us, 1), round(n, 2)) for name, (us, n) in rows[:top]])
 
 
 def child(impl: str, layers: int) -> dict:
