@@ -5,9 +5,10 @@ another checkout's, interleaved in one process.
 
 Variants: ``this`` (this checkout's ``moekit.experts.cpu_packed``), ``baseline`` (the same two files,
 ``cpu_packed.py`` and ``cpu_workers.py``, of the ``--baseline`` checkout, loaded under other module names)
-and ``this_wW`` (this checkout with W workers; W = 1: one worker on every thread). Every round calls each once, the order rotated; prints the median ms, GFLOP/s and % of the dense oneDNN rate measured in
-the same rounds, and the process CPU time (all threads: what the call costs whatever the neighbours take) and the max abs
-difference from the first variant.
+and ``this_wW`` (this checkout with W workers; W = 1: one worker on every thread). Every round calls each
+once, the order rotated; prints the median ms, GFLOP/s and % of the dense oneDNN rate measured in the same
+rounds, the process CPU time (all threads: what the call costs whatever the neighbours take) and the max
+abs difference from the first variant.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 from moekit.activations import ActivationSpec
 from moekit.bench.cpu_measure import ExpertsShape, expert_weights, problem
 from moekit.experts import cpu_packed
-
 
 
 def load_baseline(root: str):
