@@ -91,9 +91,10 @@ def main() -> None:
         for n in names:
             med = statistics.median(samples[n])
             again = calls[n]()
-            print(f"  {n:24s} {med * 1e3:8.2f} ms {flops / med / 1e9:7.1f} GFLOP/s {100 * flops / med / 1e9 / dense:5.1f}% "
-                  f"min {min(samples[n]) * 1e3:.2f} cpu {statistics.median(cpu[n]) * 1e3:.0f} ms maxdiff {float((outs[n] - ref).abs().max()):.2e} "
-                  f"rerun_equal {torch.equal(again, outs[n])}")
+            rate = flops / med / 1e9
+            print(f"  {n:24s} {med * 1e3:8.2f} ms {rate:7.1f} GFLOP/s {100 * rate / dense:5.1f}% "
+                  f"min {min(samples[n]) * 1e3:.2f} cpu {statistics.median(cpu[n]) * 1e3:.0f} ms "
+                  f"maxdiff {float((outs[n] - ref).abs().max()):.2e} rerun_equal {torch.equal(again, outs[n])}")
     print(f"loadavg {os.getloadavg()}")
 
 
