@@ -2,15 +2,18 @@
 
     PYTHONPATH=$PWD python benchmarks/gluon_device_check.py           # JSON to $OUT/gluon.json if $OUT is set
     PYTHONPATH=$PWD python benchmarks/gluon_device_check.py --smoke   # CPU plumbing: twin, combine, fallback
+    PYTHONPATH=$PWD python benchmarks/gluon_device_check.py --presets mixtral-8x7b --batches 512 1024 \
+        --no-variants --no-graph --deadline-s 100                    # a subset (e.g. below the chooser's M)
 
 Per preset (Qwen3-30B-A3B E=128 N=768 K=2048 k=8, Mixtral-8x7B E=8 N=14336 K=4096 k=2, DeepSeek-V3
-E=256 N=2048 K=7168 k=8) and M in 4096, 16384, bf16, uniform routing:
+E=256 N=2048 K=7168 k=8; ``--presets``) and M in 4096, 16384 (``--batches``), bf16, uniform routing:
   1. correctness: the Gluon path's output against its torch twin (``experts_gluon_twin``: same layout,
      float32 products, h and y rounded like the kernels), rel L2 < 2e-3; and against the float32
      reference of the default ``triton`` backend's output, for scale;
-  2. per GEMM (gate-up, down) µs, TFLOP/s on the real rows (2*A*2N*K, 2*A*N*K) and % of a dense bf16
+  2. per GEMM (gate-up, down) µs (and tile variants beside the plan's, unless ``--no-variants``), TFLOP/s on the real rows (2*A*2N*K, 2*A*N*K) and % of a dense bf16
      8192^3 torch.mm measured in this run; permute and combine µs;
-  3. a CUDA graph of the Gluon call, replayed with new routing and x, equal to eager (Mixtral M=4096);
+  3. a CUDA graph of the Gluon call, replayed with new routing and x, equal to eager (Mixtral M=4096;
+     ``--no-graph`` skips it);
   4. whole call: the Gluon path, the default ``triton`` backend (``moekit.experts.run_experts``) and the
      ``triton_gluon`` backend (what its chooser picks), timed in the same run (CUDA events, median).
 The table is printed last. Exit 1 when a correctness check fails.
@@ -93,7 +96,7 @@ def cell_shape(preset: str, smoke: bool):
     return Shape(f"{preset}/smoke", real.num_experts, 128, 128, real.top_k) if smoke else real
 
 
-def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, smoke: bool) -> Row:
+def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, smoke: bool, variants: bool = True) -> Row:
     from moekit.bench.cells import uniform_routing
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon import (
@@ -138,7 +141,7 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     up_us = time_us(lambda: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, plan.up, True, 2 * N, N), dev)
     down_us = time_us(lambda: launch_gemm(h, w2_2d, y, blocks, used, plan.down, False, K), dev)
     permute_us = time_us(lambda: gluon_layout(x, ids, E), dev)
-    time_variants(f"{shape.name} M={tokens}", dev, (
+    time_variants(f"{shape.name} M={tokens}", dev, () if not variants else (
         ("gate-up", plan.up, up_us, UP_VARIANTS,
          lambda t: launch_gemm(layout.x_perm, w13_2d, h, blocks, used, t, True, 2 * N, N)),
         ("down", plan.down, down_us, DOWN_VARIANTS, lambda t: launch_gemm(h, w2_2d, y, blocks, used, t, False, K))))
@@ -204,8 +207,22 @@ def print_table(rows: list[Row], mm: float) -> None:
               f"| {r.gluon_us:.0f} | {r.triton_us:.0f} | {r.speedup:.2f}x | {r.auto_us:.0f} ({r.chooser_picks_gluon}) |")
 
 
+def parse_args():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing at N = K = 128 (interpreter)")
+    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--no-variants", dest="variants", action="store_false", help="skip the per-GEMM tile variants")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph check")
+    p.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="cells not started by then are skipped")
+    return p.parse_args()
+
+
 def main() -> int:
-    smoke = "--smoke" in sys.argv
+    args = parse_args()
+    smoke = args.smoke
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     from moekit.bench.cells import make_weights
@@ -216,17 +233,17 @@ def main() -> int:
           f"{gluon_importable()}, supported on {dev}: {gluon_supported(dev)}", flush=True)
     mm = mm_tflops(dev)
     rows, failed = [], []
-    for preset in PRESETS:
-        if elapsed() > DEADLINE_S:
-            print(f"skip {preset}: past {DEADLINE_S} s")
+    for preset in args.presets:
+        if elapsed() > args.deadline_s:
+            print(f"skip {preset}: past {args.deadline_s} s")
             continue
         weights = make_weights(cell_shape(preset, smoke), torch.bfloat16, dev)
-        for tokens in ((48,) if smoke else BATCHES):
-            if elapsed() > DEADLINE_S:
-                print(f"skip {preset} M={tokens}: past {DEADLINE_S} s")
+        for tokens in ((48,) if smoke else args.batches):
+            if elapsed() > args.deadline_s:
+                print(f"skip {preset} M={tokens}: past {args.deadline_s} s")
                 continue
             try:
-                row = run_cell(preset, tokens, weights, dev, mm, smoke)
+                row = run_cell(preset, tokens, weights, dev, mm, smoke, args.variants)
             except Exception as exc:  # noqa: BLE001 (report the cell, go on with the rest)
                 print(f"FAIL {preset} M={tokens}: {type(exc).__name__}: {exc}", flush=True)
                 failed.append(f"{preset} M={tokens}")
@@ -241,7 +258,7 @@ def main() -> int:
         del weights
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    if not smoke:
+    if not smoke and args.graph:
         try:
             ok = graph_check(dev)
         except Exception as exc:  # noqa: BLE001 (reported as a failure, the table still prints)
