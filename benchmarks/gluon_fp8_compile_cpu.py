@@ -1,0 +1,84 @@
+"""Compile the fp8 Gluon GEMM (``moekit/experts/_kernels/gluon_gemm_fp8.py``) for sm_90 on a machine without a
+GPU, to catch typos and layout errors before a device run, and to read its registers, spills and SMEM.
+
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # gate-up and down, the plan's tiles
+
+Needs a Triton whose Gluon has ``GluonASTSource`` (3.9 here; ``triton.compile`` with an explicit
+``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with the bundled ptxas, no driver).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Compiled:
+    name: str
+    seconds: float
+    shared: int  # bytes of SMEM
+    n_regs: int | None  # None: not reported by this Triton without a driver
+    n_spills: int | None
+    setmaxnreg: list  # the per-partition register counts in the PTX
+
+
+def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.empty(shape, dtype=dtype)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int = 232,
+                     max_registers: int = 168) -> Compiled:
+    """One GEMM at a small shape (E=2, N=256, K=512: shapes only reach the kernel as i32 arguments)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
+
+    e, n, k, t = 2, 256, 512, 1024
+    fp8 = torch.float8_e4m3fn
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    args = dict(a_desc=_descriptor([t, r], [64, 128], fp8), w_desc=_descriptor([e * w_rows, r], [128, 128], fp8),
+                c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
+                as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
+                reduce_dim=r, num_col_blocks=c // 128, stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
+                stride_wsr=r // 128, stride_cs=c // 128)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=group_m,
+                 CONSUMER_REGS=consumer_regs, num_warps=4)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=max_registers))
+    ptx = out.asm["ptx"]
+    regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
+                   for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
+    name = f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} consumer_regs={consumer_regs}"
+    return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
+                    getattr(out, "n_spills", None), regs)
+
+
+def main() -> int:
+    failed = 0
+    for gated, stages in ((True, 4), (False, 6)):
+        try:
+            c = compile_fp8_gemm(gated, stages)
+            print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}")
+        except Exception as exc:  # noqa: BLE001 (report each GEMM)
+            failed += 1
+            print(f"FAIL {'gate-up' if gated else 'down'}: {type(exc).__name__}: {str(exc)[-2000:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Block-scaled fp8 grouped GEMM for Hopper in Gluon, on the contiguous layout: the fp8 twin of ``gluon_gemm``.
+
+    out[r, c] = act(sum_kb (A_q[r, kb] @ W_q[e(r), c, kb]^T) * a_s[r, kb] * w_s[e(r), c // 128, kb])
+
+A_q [T, R] e4m3 (rows of the permuted buffer, each expert's segment starting on a BLOCK_M = 128 boundary),
+a_s [T, R/128] float32 (one scale per row per 128 columns); W a 2-D e4m3 view [E * W_ROWS, R] (w13 [E, 2N, K]
+with W_ROWS = 2N, or w2 [E, K, N] with W_ROWS = K) read in [BLOCK_N = 128, BLOCK_K = 128] tiles by TMA;
+w_s [E, W_ROWS/128, R/128] float32 (``weight_scale_inv``: dequantized = q * scale). Each K-step is one scale
+block and each tile's columns lie in one weight block, so a step's weight scale is one scalar.
+
+Every K-step's wgmma goes into a fresh accumulator (``use_acc=False``: the fp8 tensor cores' own
+accumulation is short of float32 and is never carried across steps), then acc += part * (a_s * w_s)[:, None]
+in float32: DeepSeek-V3's promotion. The promotion must not idle the tensor cores, so the tile's two
+64-row halves belong to two consumer warpgroups (partitions) that run independently: while one does its
+FMAs the other's wgmma runs. Three partitions per program:
+  - consumer 0 (the default partition, 4 warps) and consumer 1 (a worker, 4 warps): rows 0-63 and 64-127
+    of the [128, 128] tile, each with its own float32 accumulator(s) and epilogue;
+  - loader (1 warp): TMA loads of the two A halves and the weight tile(s) into a STAGES-deep SMEM ring;
+    ``ready`` (bytes landed) and ``empty`` (count 2: both consumers' MMAs that read it retired).
+GATED (gate-up): gate tile rows c.., up tile rows GATE_OFFSET + c.., out = silu(gate) * up, quantized per
+row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128].
+Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
+
+Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
+GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
+Torch twin: ``moekit.experts.triton_gluon_fp8.experts_gluon_fp8_twin``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _tile_of
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+GROUP = 128  # the scale blocks' width: BLOCK_K, BLOCK_N and the weight blocks' height
+FIRST_HALF = gl.constexpr(0)  # the consumers' HALF (a partition's arguments must be values or constexprs)
+SECOND_HALF = gl.constexpr(1)
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+            W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+    HALF_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // (2 if GATED else 1)
+    WTILES: gl.constexpr = 2 if GATED else 1
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        w_row = gl.load(experts_ptr + rb) * W_ROWS + cb * BLOCK_N
+        for kk in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(ready.index(s), nbytes)
+            _tma_load(a_desc, [rb * 2 * HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s))
+            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
+            _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
+            if GATED:
+                _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
+            it += 1
+
+
+@gluon.jit
+def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+              reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
+              HALF: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    up_block: gl.constexpr = GATE_OFFSET // BLOCK_N  # the up rows' first weight block
+    c_buf = c_bufs.index(HALF)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        row0 = rb * 2 * HALF_M + HALF * HALF_M
+        rows = row0 + gl.arange(0, HALF_M, layout=row_layout)  # [64]
+        as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
+        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
+        ws_up = ws_gate + up_block * stride_wsr
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        for kk in range(k_steps):
+            s = it % STAGES
+            a_scale = gl.load(as_ptrs + kk)  # [64]; loaded before the wait, so its latency hides under it
+            scale_gate = a_scale * gl.load(ws_gate + kk)
+            if GATED:
+                scale_up = a_scale * gl.load(ws_up + kk)
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(2 * s + HALF)
+            part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            if GATED:
+                acc += part * scale_gate[:, None]
+                part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
+                                     is_async=True)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
+                up += part * scale_up[:, None]
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc += part * scale_gate[:, None]
+            it += 1
+        tma.store_wait(0)  # the last tile's store has read c_buf
+        if GATED:
+            h = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up, [64, 128] fp32: one h group per row
+            amax = gl.max(gl.abs(h), axis=1)
+            h_scale = gl.where(amax > 0, amax / 448.0, 1.0)  # quant_fp8.group_scale
+            q = gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0)
+            c_buf.store(q.to(c_desc.dtype))
+            gl.store(cs_ptr + rows * stride_cs + cb, h_scale)
+        else:
+            c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                            num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
+                            W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
+    """a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
+    [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
+    R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
+    stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
+    num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATE_OFFSET, GATED, GROUP_M)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+                     reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATE_OFFSET, GATED, GROUP_M)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])
