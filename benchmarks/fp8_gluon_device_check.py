@@ -1,0 +1,268 @@
+"""The fp8 block-scaled Gluon path (``moekit.experts.triton_gluon_fp8``) against the Triton fp8 kernels, on the device.
+
+    PYTHONPATH=$PWD python benchmarks/fp8_gluon_device_check.py --budget 150   # JSON to $OUT/fp8_gluon.json
+    PYTHONPATH=$PWD python benchmarks/fp8_gluon_device_check.py --smoke        # CPU: interpreter + sm_90 compile
+
+Per preset (Qwen3-30B-A3B E=128 N=768 K=2048 k=8, DeepSeek-V3 E=256 N=2048 K=7168 k=8, Mixtral-8x7B E=8
+N=14336 K=4096 k=2) and M in 1024, 4096, 16384, bf16 x, uniform routing, e4m3 weights with 128 x 128 block
+scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
+  1. correctness of every variant against the torch twin (``experts_gluon_fp8_twin``: ``fused_experts_fp8_torch``
+     with y rounded to bf16 like the kernels), rel L2 < 2e-2 (the fp8 checks' tolerance);
+  2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, and two other
+     configs), the Gluon fp8 path, moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the
+     fp8 floor (max(bytes / copy BW, FLOPs / fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm``
+     8192^3 e4m3, measured in this run);
+  3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
+     GROUP_M, consumer registers), at M = 4096 only.
+Every variant runs in try/except (a failure prints its last lines and the run goes on). Cells not started
+by --budget seconds are skipped. Tables last. Exit 1 when a correctness check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+T0 = time.perf_counter()
+PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
+BATCHES = (1024, 4096, 16384)
+TOLERANCE = 2e-2
+TRITON_CONFIGS = {  # name: (BLOCK_M, up (BN, warps, stages), down (BN, warps, stages)), BLOCK_K 128, GROUP_M 8
+    "triton_fp8 p128 8w/3+8w/4": (128, (128, 8, 3), (128, 8, 4)),
+    "triton_fp8 p64 8w/4+4w/4": (64, (128, 8, 4), (128, 4, 4)),
+}
+GEMM_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}),
+                 ("regs=216", {"consumer_regs": 216}))
+FAILED: list[str] = []
+NOTES: list[str] = []
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+@dataclass
+class Cell:
+    shape: str
+    M: int
+    floor_us: float
+    flops: float
+    us: dict = field(default_factory=dict)  # variant -> µs (None: failed)
+    err: dict = field(default_factory=dict)  # variant -> rel L2 vs the twin
+    gemm_us: dict = field(default_factory=dict)  # "gate-up" / "down" (+ variants) -> µs
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(out.isfinite().all()):
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def time_us(fn, dev, budget_s: float = 0.15) -> float:
+    from moekit.bench.timing import time_calls
+
+    return time_calls([fn], dev, budget_s=budget_s, max_reps=20)
+
+
+def guarded(name: str, fn, *args):
+    """fn(*args), or None with the error's last lines printed (the run goes on)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 (one variant's failure must not end the run)
+        lines = traceback.format_exc().strip().splitlines()
+        print(f"ERROR {name} [{elapsed():.0f} s]:\n    " + "\n    ".join(lines[-6:]), flush=True)
+        NOTES.append(f"{name}: {lines[-1][:200]}")
+        return None
+
+
+def triton_config(spec):
+    from moekit.experts.configs import GemmTile, KernelConfig
+
+    block_m, up, down = spec
+    return KernelConfig(block_m, GemmTile(up[0], 128, 8, up[1], up[2]), GemmTile(down[0], 128, 8, down[1], down[2]))
+
+
+def variants(x, w, q, ids, rw, dev, smoke: bool) -> dict:
+    """name -> zero-argument call returning [M, K] (the bf16 ones on the unquantized weights)."""
+    from moekit.experts import run_experts
+    from moekit.experts.triton_fp8 import fused_experts_fp8_launch
+    from moekit.experts.triton_gluon import experts_gluon
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+
+    calls = {"triton_fp8": lambda: fused_experts_fp8_launch(x, *q, ids, rw)}
+    for name, spec in TRITON_CONFIGS.items():
+        calls[name] = lambda spec=spec: fused_experts_fp8_launch(x, *q, ids, rw, config=triton_config(spec))
+    if not smoke:
+        calls["gluon_fp8"] = lambda: experts_gluon_fp8(x, *q, ids, rw)
+        calls["bf16 triton"] = lambda: run_experts(x, w.w13, w.w2, ids, rw, backend="triton")
+        calls["bf16 gluon"] = lambda: experts_gluon(x, w.w13, w.w2, ids, rw)
+    return calls
+
+
+def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
+    """The Gluon fp8 GEMMs alone, the plan's pipelines and (with_variants) GEMM_VARIANTS of each."""
+    from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
+    from moekit.experts.triton_gluon_fp8_launch import launch_gemm_fp8, plan_gluon_fp8
+
+    w13_q, w13_s, w2_q, w2_s = q
+    plan = plan_gluon_fp8(x.shape[0], s.top_k, s.num_experts)
+    lay = gluon_fp8_layout(x, ids, s.num_experts)
+    rows = lay.x_q.shape[0]
+    h_q = torch.empty(rows, s.n, device=dev, dtype=torch.float8_e4m3fn)
+    h_s = torch.empty(rows, s.n // 128, device=dev, dtype=torch.float32)
+    y = torch.empty(rows, s.k, device=dev, dtype=x.dtype)
+    up = lambda t: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts,  # noqa: E731
+                                   lay.rows_used, t, True, s.n)
+    down = lambda t: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, t, False)  # noqa: E731
+    cell.gemm_us["layout"] = guarded("layout", time_us, lambda: gluon_fp8_layout(x, ids, s.num_experts), dev)
+    for gemm, run, base in (("gate-up", up, plan.up), ("down", down, plan.down)):
+        cell.gemm_us[gemm] = guarded(f"{s.name} M={cell.M} {gemm}", time_us, lambda: run(base), dev)
+        for name, fields in GEMM_VARIANTS if with_variants else ():
+            tile = replace(base, stages=base.stages - 1) if fields is None else replace(base, **fields)
+            cell.gemm_us[f"{gemm} {name}"] = guarded(f"{s.name} M={cell.M} {gemm} {name}", time_us,
+                                                     lambda: run(tile), dev)
+
+
+def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
+    from fp8_device_check import floor_us
+    from moekit.bench.cells import measured_experts_touched, uniform_routing
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8_twin
+
+    routing = uniform_routing(m, s, dev, seed=m)
+    ids, rw = routing.topk_ids, routing.topk_weights
+    x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+    flops = 6.0 * m * s.top_k * s.n * s.k
+    floor = floor_us(s, m, measured_experts_touched(ids, s.num_experts), ceil) if ceil is not None else 0.0
+    cell = Cell(s.name, m, floor, flops)
+    twin = experts_gluon_fp8_twin(x, *q, ids, rw)
+    for name, call in variants(x, w, q, ids, rw, dev, smoke).items():
+        if elapsed() > BUDGET_S:
+            NOTES.append(f"{s.name} M={m} {name}: skipped (past the budget)")
+            continue
+        out = guarded(f"{s.name} M={m} {name}", call)
+        if out is None:
+            cell.us[name] = None
+            if not name.startswith("bf16"):
+                FAILED.append(f"{s.name} M={m} {name} (raised)")
+            continue
+        err = rel_l2(out, twin)
+        cell.err[name] = err
+        if not name.startswith("bf16") and not err < TOLERANCE:
+            FAILED.append(f"{s.name} M={m} {name} err {err:.2e}")
+        cell.us[name] = None if smoke else guarded(f"time {name}", time_us, call, dev)
+        print(f"{'PASS' if err < TOLERANCE else ('info' if name.startswith('bf16') else 'FAIL')} {s.name} M={m} "
+              f"{name}: err vs twin {err:.2e}, {cell.us[name] or 0:.0f} us [{elapsed():.0f} s]", flush=True)
+    if not smoke and elapsed() < BUDGET_S:
+        gemm_times(cell, x, q, ids, s, dev, with_variants=m == 4096 and elapsed() < 0.75 * BUDGET_S)
+    return cell
+
+
+def smoke_checks() -> None:
+    """CPU: the gather-quantize kernel (interpreted) against torch; the Gluon fp8 GEMM compiled for sm_90."""
+    from gluon_fp8_compile_cpu import compile_fp8_gemm
+    from moekit.layouts.block_aligned import align_block
+    from moekit.experts.triton_fp8 import quantize_groups
+    from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
+
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (40, 2))
+    lay = gluon_fp8_layout(x, ids, 4, align=align_block)
+    dst = lay.src_to_dst.reshape(-1).long()
+    q, scale = quantize_groups(x[torch.arange(80) // 2], 128)
+    ok = torch.equal(lay.x_q[dst], q.float()) and torch.equal(lay.x_s[dst], scale)
+    print(f"{'PASS' if ok else 'FAIL'} gather-quantize kernel == quantize_groups of the gathered rows")
+    if not ok:
+        FAILED.append("gather-quantize")
+    for gated, stages in ((True, 4), (False, 6)):
+        c = guarded(f"sm_90 compile gated={gated}", compile_fp8_gemm, gated, stages)
+        if c is None:
+            FAILED.append(f"sm_90 compile gated={gated}")
+        else:
+            print(f"PASS sm_90 compile {c.name}: shared {c.shared} B, setmaxnreg {c.setmaxnreg}")
+
+
+def print_table(cells: list[Cell], ceil) -> None:
+    mm = ceil.fp8_mm_TFLOPs if ceil is not None else None
+    print("\nNotes:", *NOTES, sep="\n  ")
+    print(f"\nfp8 mm 8192^3: {mm or 0:.0f} TFLOP/s; copy {ceil.copy_TBps if ceil else 0:.2f} TB/s. "
+          "us = median per call; '% mm' = FLOPs/us of the fp8 mm rate; '% floor' = floor/us.")
+    names = sorted({n for c in cells for n in c.us}, key=lambda n: (not n.startswith("triton_fp8"), n))
+    print("| shape | M | floor us | " + " | ".join(names) + " | gluon gate-up / down us |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    for c in cells:
+        parts = []
+        for n in names:
+            us = c.us.get(n)
+            if us is None:
+                parts.append("-" if n not in c.us else "fail")
+                continue
+            pct_mm = 100 * c.flops / us / 1e6 / mm if mm else 0.0
+            parts.append(f"{us:.0f} ({pct_mm:.0f}% mm, {100 * c.floor_us / us:.0f}% fl)")
+        g = " / ".join(f"{c.gemm_us.get(k) or 0:.0f}" for k in ("gate-up", "down"))
+        print(f"| {c.shape} | {c.M} | {c.floor_us:.0f} | " + " | ".join(parts) + f" | {g} |")
+    print("\nGluon fp8 GEMM variants (us):")
+    for c in cells:
+        if len(c.gemm_us) > 3:
+            print(f"  {c.shape} M={c.M}: " + "; ".join(f"{k} {v or 0:.0f}" for k, v in c.gemm_us.items()))
+
+
+def main() -> int:
+    global BUDGET_S
+    smoke = "--smoke" in sys.argv
+    BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 150.0
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import triton
+
+    from fp8_device_check import measure_ceilings, quantize_blocks
+    from moekit.bench.cells import Shape, make_weights
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the twin's float32 GEMMs stay float32
+    print(f"torch {torch.__version__}, triton {triton.__version__}, budget {BUDGET_S:.0f} s", flush=True)
+    ceil = None if smoke else measure_ceilings(dev)
+    cells = []
+    if smoke:
+        smoke_checks()
+    for preset in PRESETS:
+        if elapsed() > BUDGET_S:
+            NOTES.append(f"{preset}: skipped (past the budget)")
+            continue
+        real = Shape.from_preset(preset)
+        s = Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, real.top_k) if smoke else real
+        w = make_weights(s, torch.bfloat16, dev)
+        q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
+        for m in ((24,) if smoke else BATCHES):
+            if elapsed() > BUDGET_S:
+                NOTES.append(f"{preset} M={m}: skipped (past the budget)")
+                continue
+            cell = guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceil, dev, smoke)
+            if cell is None:
+                FAILED.append(f"{preset} M={m} (cell raised)")
+            else:
+                cells.append(cell)
+        del w, q
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fp8_gluon.json").write_text(json.dumps(
+            {"ceilings": asdict(ceil) if ceil else None, "cells": [asdict(c) for c in cells], "failed": FAILED,
+             "notes": NOTES}, indent=1))
+    print_table(cells, ceil)
+    print(f"\n{'FAILED: ' + '; '.join(FAILED) if FAILED else 'all checks passed'} ({elapsed():.0f} s)")
+    return 1 if FAILED else 0
+
+
+BUDGET_S = 150.0
+
+if __name__ == "__main__":
+    sys.exit(main())
