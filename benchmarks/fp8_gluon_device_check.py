@@ -8,8 +8,8 @@ N=14336 K=4096 k=2) and M in 1024, 4096, 16384, bf16 x, uniform routing, e4m3 we
 scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
   1. correctness of every variant against the torch twin (``experts_gluon_fp8_twin``: ``fused_experts_fp8_torch``
      with y rounded to bf16 like the kernels), rel L2 < 2e-2 (the fp8 checks' tolerance);
-  2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, and two other
-     configs), the Gluon fp8 path, moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the
+  2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, two other configs,
+     and its K loops under Triton's warp specialization: ``loop_ws``), the Gluon fp8 path, moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the
      fp8 floor (max(bytes / copy BW, FLOPs / fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm``
      8192^3 e4m3, measured in this run);
   3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
@@ -77,7 +77,7 @@ def guarded(name: str, fn, *args):
         return fn(*args)
     except Exception:  # noqa: BLE001 (one variant's failure must not end the run)
         lines = traceback.format_exc().strip().splitlines()
-        print(f"ERROR {name} [{elapsed():.0f} s]:\n    " + "\n    ".join(lines[-6:]), flush=True)
+        print(f"ERROR {name} [{elapsed():.0f} s]:\n    " + "\n    ".join(lines[-12:]), flush=True)
         NOTES.append(f"{name}: {lines[-1][:200]}")
         return None
 
@@ -99,6 +99,10 @@ def variants(x, w, q, ids, rw, dev, smoke: bool) -> dict:
     calls = {"triton_fp8": lambda: fused_experts_fp8_launch(x, *q, ids, rw)}
     for name, spec in TRITON_CONFIGS.items():
         calls[name] = lambda spec=spec: fused_experts_fp8_launch(x, *q, ids, rw, config=triton_config(spec))
+    calls["triton_fp8 loop-ws"] = lambda: fused_experts_fp8_launch(x, *q, ids, rw, loop_ws=True)
+    calls["triton_fp8 loop-ws p128 tma"] = lambda: fused_experts_fp8_launch(
+        x, *q, ids, rw, config=triton_config(TRITON_CONFIGS["triton_fp8 p128 8w/3+8w/4"]), weight_tma=True,
+        loop_ws=True)
     if not smoke:
         calls["gluon_fp8"] = lambda: experts_gluon_fp8(x, *q, ids, rw)
         calls["bf16 triton"] = lambda: run_experts(x, w.w13, w.w2, ids, rw, backend="triton")

@@ -70,6 +70,26 @@ def gluon_fp8_supported(device: torch.device | str) -> bool:
     return gluon_supported(device)
 
 
+def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activation, b13, b2,
+                    choice: Fp8GluonChoice) -> bool:
+    """Whether the ``triton_gluon`` backend runs this call on the fp8 Gluon path: fp8_block weights, no
+    biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
+    (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
+    from moekit.activations import ActivationSpec, as_spec
+    from moekit.experts.triton import _runs_directly
+    from moekit.quant import QuantizedWeight
+
+    if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
+            and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
+        return False
+    if as_spec(activation) != ActivationSpec("silu") or not choice.wants(x.shape[0]):
+        return False
+    if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
+        return False
+    return (gluon_fp8_unfit(x, w13.q, w13.scale, w2.q, w2.scale, "silu", tuple(w13.block_shape)) is None
+            and _runs_directly(x, w13.q, w2.q, topk_weights, None, None))
+
+
 @dataclass(frozen=True)
 class Fp8GluonLayout:
     """The contiguous layout of x, quantized: ``GluonLayout``'s rows with x_q and x_s for x_perm."""

@@ -122,19 +122,26 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
                 mbarrier.arrive(empty.index(s), count=1)
                 acc += part * scale_gate[:, None]
             it += 1
-        tma.store_wait(0)  # the last tile's store has read c_buf
-        if GATED:
-            h = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up, [64, 128] fp32: one h group per row
-            amax = gl.max(gl.abs(h), axis=1)
-            h_scale = gl.where(amax > 0, amax / 448.0, 1.0)  # quant_fp8.group_scale
-            q = gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0)
-            c_buf.store(q.to(c_desc.dtype))
-            gl.store(cs_ptr + rows * stride_cs + cb, h_scale)
-        else:
-            c_buf.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+        _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
+    """One half tile out by TMA: GATED, h = silu(acc) * up quantized per row over its 128 columns (one h
+    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype."""
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    if GATED:
+        h = acc / (1.0 + gl.exp(-acc)) * up  # [64, 128] fp32
+        amax = gl.max(gl.abs(h), axis=1)
+        h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+        c_buf.store(gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype))
+        gl.store(cs_ptrs, h_scale)
+    else:
+        c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
 
 
 @gluon.jit
