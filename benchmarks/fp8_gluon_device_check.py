@@ -1,6 +1,6 @@
 """The fp8 block-scaled Gluon path (``moekit.experts.triton_gluon_fp8``) against the Triton fp8 kernels, on the device.
 
-    PYTHONPATH=$PWD python benchmarks/fp8_gluon_device_check.py --budget 150   # JSON to $OUT/fp8_gluon.json
+    PYTHONPATH=$PWD python benchmarks/fp8_gluon_device_check.py --budget 140   # JSON to $OUT/fp8_gluon.json
     PYTHONPATH=$PWD python benchmarks/fp8_gluon_device_check.py --smoke        # CPU: interpreter + sm_90 compile
 
 Per preset (Qwen3-30B-A3B E=128 N=768 K=2048 k=8, DeepSeek-V3 E=256 N=2048 K=7168 k=8, Mixtral-8x7B E=8
@@ -14,8 +14,11 @@ scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
      8192^3 e4m3, measured in this run);
   3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
      GROUP_M, consumer registers), at M = 4096 only.
-Every variant runs in try/except (a failure prints its last lines and the run goes on). Cells not started
-by --budget seconds are skipped. Tables last. Exit 1 when a correctness check fails.
+Every variant runs in try/except (a failure prints its last lines and the run goes on). Canary subprocesses
+(``fp8_gluon_canary``) run the Gluon fp8 path and the loop-ws Triton candidates once first, while the
+weights are built: a kind whose canary hangs past CANARY_TIMEOUT_S, crashes or fails is skipped here.
+M is the outer loop (4096, 1024, 16384); cells not started by --budget seconds are skipped; the JSON is
+rewritten after each cell. Tables last. Exit 1 when a correctness check of the Gluon or Triton fp8 paths fails.
 """
 
 from __future__ import annotations
@@ -99,12 +102,14 @@ def variants(x, w, q, ids, rw, dev, smoke: bool) -> dict:
     calls = {"triton_fp8": lambda: fused_experts_fp8_launch(x, *q, ids, rw)}
     for name, spec in TRITON_CONFIGS.items():
         calls[name] = lambda spec=spec: fused_experts_fp8_launch(x, *q, ids, rw, config=triton_config(spec))
-    calls["triton_fp8 loop-ws"] = lambda: fused_experts_fp8_launch(x, *q, ids, rw, loop_ws=True)
-    calls["triton_fp8 loop-ws p128 tma"] = lambda: fused_experts_fp8_launch(
-        x, *q, ids, rw, config=triton_config(TRITON_CONFIGS["triton_fp8 p128 8w/3+8w/4"]), weight_tma=True,
-        loop_ws=True)
+    if CANARY_OK["loop-ws"]:
+        calls["triton_fp8 loop-ws"] = lambda: fused_experts_fp8_launch(x, *q, ids, rw, loop_ws=True)
+        calls["triton_fp8 loop-ws p128 tma"] = lambda: fused_experts_fp8_launch(
+            x, *q, ids, rw, config=triton_config(TRITON_CONFIGS["triton_fp8 p128 8w/3+8w/4"]), weight_tma=True,
+            loop_ws=True)
     if not smoke:
-        calls["gluon_fp8"] = lambda: experts_gluon_fp8(x, *q, ids, rw)
+        if CANARY_OK["gluon"]:
+            calls["gluon_fp8"] = lambda: experts_gluon_fp8(x, *q, ids, rw)
         calls["bf16 triton"] = lambda: run_experts(x, w.w13, w.w2, ids, rw, backend="triton")
         calls["bf16 gluon"] = lambda: experts_gluon(x, w.w13, w.w2, ids, rw)
     return calls
@@ -160,10 +165,11 @@ def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
         cell.err[name] = err
         if not name.startswith("bf16") and not err < TOLERANCE:
             FAILED.append(f"{s.name} M={m} {name} err {err:.2e}")
-        cell.us[name] = None if smoke else guarded(f"time {name}", time_us, call, dev)
+        if not smoke:
+            cell.us[name] = guarded(f"time {name}", time_us, call, dev)
         print(f"{'PASS' if err < TOLERANCE else ('info' if name.startswith('bf16') else 'FAIL')} {s.name} M={m} "
-              f"{name}: err vs twin {err:.2e}, {cell.us[name] or 0:.0f} us [{elapsed():.0f} s]", flush=True)
-    if not smoke and elapsed() < BUDGET_S:
+              f"{name}: err vs twin {err:.2e}, {cell.us.get(name) or 0:.0f} us [{elapsed():.0f} s]", flush=True)
+    if not smoke and CANARY_OK["gluon"] and elapsed() < BUDGET_S:
         gemm_times(cell, x, q, ids, s, dev, with_variants=m == 4096 and elapsed() < 0.75 * BUDGET_S)
     return cell
 
@@ -197,7 +203,7 @@ def print_table(cells: list[Cell], ceil) -> None:
     print("\nNotes:", *NOTES, sep="\n  ")
     print(f"\nfp8 mm 8192^3: {mm or 0:.0f} TFLOP/s; copy {ceil.copy_TBps if ceil else 0:.2f} TB/s. "
           "us = median per call; '% mm' = FLOPs/us of the fp8 mm rate; '% floor' = floor/us.")
-    names = sorted({n for c in cells for n in c.us}, key=lambda n: (not n.startswith("triton_fp8"), n))
+    names = sorted({n for c in cells for n in (*c.us, *c.err)}, key=lambda n: (not n.startswith("triton_fp8"), n))
     print("| shape | M | floor us | " + " | ".join(names) + " | gluon gate-up / down us |")
     print("|---|---|---|" + "---|" * len(names) + "---|")
     for c in cells:
@@ -205,7 +211,7 @@ def print_table(cells: list[Cell], ceil) -> None:
         for n in names:
             us = c.us.get(n)
             if us is None:
-                parts.append("-" if n not in c.us else "fail")
+                parts.append(f"err {c.err[n]:.1e}" if n in c.err else ("fail" if n in c.us else "-"))
                 continue
             pct_mm = 100 * c.flops / us / 1e6 / mm if mm else 0.0
             parts.append(f"{us:.0f} ({pct_mm:.0f}% mm, {100 * c.floor_us / us:.0f}% fl)")
@@ -217,12 +223,27 @@ def print_table(cells: list[Cell], ceil) -> None:
             print(f"  {c.shape} M={c.M}: " + "; ".join(f"{k} {v or 0:.0f}" for k, v in c.gemm_us.items()))
 
 
+CANARY_TIMEOUT_S = 80.0  # from the start: a canary still running then is killed, its variants skipped
+
+
+def save(cells: list[Cell], ceil) -> None:
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fp8_gluon.json").write_text(json.dumps(
+            {"ceilings": asdict(ceil) if ceil else None, "cells": [asdict(c) for c in cells], "failed": FAILED,
+             "notes": NOTES}, indent=1))
+
+
 def main() -> int:
     global BUDGET_S
     smoke = "--smoke" in sys.argv
-    BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 150.0
+    BUDGET_S = float(sys.argv[sys.argv.index("--budget") + 1]) if "--budget" in sys.argv else 140.0
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+    import fp8_gluon_canary
+
+    procs = {kind: fp8_gluon_canary.start(kind) for kind in fp8_gluon_canary.KINDS}  # run meanwhile
     import triton
 
     from fp8_device_check import measure_ceilings, quantize_blocks
@@ -231,42 +252,42 @@ def main() -> int:
     dev = torch.device("cpu" if smoke else "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False  # the twin's float32 GEMMs stay float32
     print(f"torch {torch.__version__}, triton {triton.__version__}, budget {BUDGET_S:.0f} s", flush=True)
-    ceil = None if smoke else measure_ceilings(dev)
-    cells = []
     if smoke:
         smoke_checks()
+    held = {}  # every preset's weights stay (~40 GB bf16 + e4m3): M is the outer loop, the M=4096 cells first
     for preset in PRESETS:
-        if elapsed() > BUDGET_S:
-            NOTES.append(f"{preset}: skipped (past the budget)")
-            continue
         real = Shape.from_preset(preset)
         s = Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, real.top_k) if smoke else real
         w = make_weights(s, torch.bfloat16, dev)
-        q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
-        for m in ((24,) if smoke else BATCHES):
+        held[preset] = (s, w, (*quantize_blocks(w.w13), *quantize_blocks(w.w2)))
+    for kind, proc in procs.items():
+        CANARY_OK[kind], line = fp8_gluon_canary.verdict(kind, proc, T0 + CANARY_TIMEOUT_S)
+        print(f"canary: {line} [{elapsed():.0f} s]", flush=True)
+        if not CANARY_OK[kind]:
+            NOTES.append(line)
+            if kind == "gluon":
+                FAILED.append("gluon canary")
+    ceil = None if smoke else measure_ceilings(dev)  # after the canary: nothing else on the GPU while timing
+    cells = []
+    for m in ((24,) if smoke else (4096, 1024, 16384)):
+        for preset in PRESETS:
             if elapsed() > BUDGET_S:
                 NOTES.append(f"{preset} M={m}: skipped (past the budget)")
                 continue
+            s, w, q = held[preset]
             cell = guarded(f"cell {preset} M={m}", run_cell, s, m, w, q, ceil, dev, smoke)
             if cell is None:
                 FAILED.append(f"{preset} M={m} (cell raised)")
             else:
                 cells.append(cell)
-        del w, q
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fp8_gluon.json").write_text(json.dumps(
-            {"ceilings": asdict(ceil) if ceil else None, "cells": [asdict(c) for c in cells], "failed": FAILED,
-             "notes": NOTES}, indent=1))
+            save(cells, ceil)
     print_table(cells, ceil)
     print(f"\n{'FAILED: ' + '; '.join(FAILED) if FAILED else 'all checks passed'} ({elapsed():.0f} s)")
     return 1 if FAILED else 0
 
 
-BUDGET_S = 150.0
+BUDGET_S = 140.0
+CANARY_OK = {"gluon": False, "loop-ws": False}  # the canaries' verdicts: their variants run only where they passed
 
 if __name__ == "__main__":
     sys.exit(main())
