@@ -9,9 +9,9 @@ scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
   1. correctness of every variant against the torch twin (``experts_gluon_fp8_twin``: ``fused_experts_fp8_torch``
      with y rounded to bf16 like the kernels), rel L2 < 2e-2 (the fp8 checks' tolerance);
   2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, two other configs,
-     and its K loops under Triton's warp specialization: ``loop_ws``), the Gluon fp8 path, moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the
-     fp8 floor (max(bytes / copy BW, FLOPs / fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm``
-     8192^3 e4m3, measured in this run);
+     and its K loops under Triton's warp specialization: ``loop_ws``), the Gluon fp8 path, moekit's bf16
+     Triton and bf16 Gluon paths on the unquantized weights; the fp8 floor (max(bytes / copy BW, FLOPs /
+     fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm`` 8192^3 e4m3, measured in this run);
   3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
      GROUP_M, consumer registers), at M = 4096 only.
 Every variant runs in try/except (a failure prints its last lines and the run goes on). Canary subprocesses
@@ -129,7 +129,8 @@ def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
     y = torch.empty(rows, s.k, device=dev, dtype=x.dtype)
     up = lambda t: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts,  # noqa: E731
                                    lay.rows_used, t, True, s.n)
-    down = lambda t: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, t, False)  # noqa: E731
+    down = lambda t: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts,  # noqa: E731
+                                     lay.rows_used, t, False)
     cell.gemm_us["layout"] = guarded("layout", time_us, lambda: gluon_fp8_layout(x, ids, s.num_experts), dev)
     for gemm, run, base in (("gate-up", up, plan.up), ("down", down, plan.down)):
         cell.gemm_us[gemm] = guarded(f"{s.name} M={cell.M} {gemm}", time_us, lambda: run(base), dev)
