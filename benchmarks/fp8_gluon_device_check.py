@@ -45,6 +45,7 @@ GEMM_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32
                  ("regs=216", {"consumer_regs": 216}))
 FAILED: list[str] = []
 NOTES: list[str] = []
+KERNEL_INFO: dict = {}  # GEMM -> kernel_info of its first compile (printed, in the JSON)
 
 
 def elapsed() -> float:
@@ -131,6 +132,9 @@ def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
                                    lay.rows_used, t, True, s.n)
     down = lambda t: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts,  # noqa: E731
                                      lay.rows_used, t, False)
+    for gemm, run, base in (("gate-up", up, plan.up), ("down", down, plan.down)):
+        if gemm not in KERNEL_INFO:
+            KERNEL_INFO[gemm] = guarded(f"{gemm} kernel info", lambda: kernel_info(run(base)))
     cell.gemm_us["layout"] = guarded("layout", time_us, lambda: gluon_fp8_layout(x, ids, s.num_experts), dev)
     for gemm, run, base in (("gate-up", up, plan.up), ("down", down, plan.down)):
         cell.gemm_us[gemm] = guarded(f"{s.name} M={cell.M} {gemm}", time_us, lambda: run(base), dev)
@@ -138,6 +142,15 @@ def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
             tile = replace(base, stages=base.stages - 1) if fields is None else replace(base, **fields)
             cell.gemm_us[f"{gemm} {name}"] = guarded(f"{s.name} M={cell.M} {gemm} {name}", time_us,
                                                      lambda: run(tile), dev)
+
+
+def kernel_info(compiled) -> dict:
+    """Registers, spills, SMEM and the partitions' setmaxnreg of a compiled Gluon kernel."""
+    ptx = compiled.asm.get("ptx", "")
+    regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
+    return dict(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None),
+                shared=compiled.metadata.shared, setmaxnreg=regs, local_ld=ptx.count("ld.local"),
+                local_st=ptx.count("st.local"))
 
 
 def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
@@ -205,7 +218,7 @@ def print_table(cells: list[Cell], ceil) -> None:
     print(f"\nfp8 mm 8192^3: {mm or 0:.0f} TFLOP/s; copy {ceil.copy_TBps if ceil else 0:.2f} TB/s. "
           "us = median per call; '% mm' = FLOPs/us of the fp8 mm rate; '% floor' = floor/us.")
     names = sorted({n for c in cells for n in (*c.us, *c.err)}, key=lambda n: (not n.startswith("triton_fp8"), n))
-    print("| shape | M | floor us | " + " | ".join(names) + " | gluon gate-up / down us |")
+    print("| shape | M | floor us | " + " | ".join(names) + " | gluon gate-up / down us (% mm) |")
     print("|---|---|---|" + "---|" * len(names) + "---|")
     for c in cells:
         parts = []
@@ -216,8 +229,10 @@ def print_table(cells: list[Cell], ceil) -> None:
                 continue
             pct_mm = 100 * c.flops / us / 1e6 / mm if mm else 0.0
             parts.append(f"{us:.0f} ({pct_mm:.0f}% mm, {100 * c.floor_us / us:.0f}% fl)")
-        g = " / ".join(f"{c.gemm_us.get(k) or 0:.0f}" for k in ("gate-up", "down"))
+        g = " / ".join(f"{c.gemm_us.get(k) or 0:.0f} ({100 * share * c.flops / c.gemm_us[k] / 1e6 / mm:.0f}%)"
+                       if c.gemm_us.get(k) and mm else "-" for k, share in (("gate-up", 2 / 3), ("down", 1 / 3)))
         print(f"| {c.shape} | {c.M} | {c.floor_us:.0f} | " + " | ".join(parts) + f" | {g} |")
+    print("\nGluon fp8 kernels:", *(f"{k}: {v}" for k, v in KERNEL_INFO.items()), sep="\n  ")
     print("\nGluon fp8 GEMM variants (us):")
     for c in cells:
         if len(c.gemm_us) > 3:
@@ -233,7 +248,7 @@ def save(cells: list[Cell], ceil) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "fp8_gluon.json").write_text(json.dumps(
             {"ceilings": asdict(ceil) if ceil else None, "cells": [asdict(c) for c in cells], "failed": FAILED,
-             "notes": NOTES}, indent=1))
+             "notes": NOTES, "kernels": KERNEL_INFO}, indent=1))
 
 
 def main() -> int:

@@ -52,9 +52,10 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
                 c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
                 as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                reduce_dim=r, num_col_blocks=c // 128, stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
+                reduce_dim=r, num_col_blocks=c // 128, w_rows=w_rows, gate_offset=n if gated else 0,
+                stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
                 stride_wsr=r // 128, stride_cs=c // 128)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=group_m,
+    const = dict(GATED=gated, STAGES=stages, GROUP_M=group_m,
                  CONSUMER_REGS=consumer_regs, num_warps=4)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})

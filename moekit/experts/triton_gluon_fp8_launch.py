@@ -77,12 +77,13 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0) -> None:
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
     """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
     (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
     gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
-    tensor (a multiple of 128, <= T)."""
+    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
+    registers, spills and PTX for the device check)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = _descriptor(a, [HALF_M, GROUP])
@@ -92,7 +93,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
-    kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim, num_col_blocks,
-                 a_s.stride(0), w_s.stride(0), w_s.stride(1), out_s.stride(0),
-                 W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
+                        num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
+                        out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)

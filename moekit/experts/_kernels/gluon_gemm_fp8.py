@@ -17,7 +17,7 @@ FMAs the other's wgmma runs. Three partitions per program:
     of the [128, 128] tile, each with its own float32 accumulator(s) and epilogue;
   - loader (1 warp): TMA loads of the two A halves and the weight tile(s) into a STAGES-deep SMEM ring;
     ``ready`` (bytes landed) and ``empty`` (count 2: both consumers' MMAs that read it retired).
-GATED (gate-up): gate tile rows c.., up tile rows GATE_OFFSET + c.., out = silu(gate) * up, quantized per
+GATED (gate-up): gate tile rows c.., up tile rows gate_offset + c.., out = silu(gate) * up, quantized per
 row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128].
 Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
 
@@ -46,7 +46,7 @@ SECOND_HALF = gl.constexpr(1)
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-            W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -59,7 +59,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        w_row = gl.load(experts_ptr + rb) * W_ROWS + cb * BLOCK_N
+        w_row = gl.load(experts_ptr + rb) * w_rows + cb * BLOCK_N
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -68,14 +68,14 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
             _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
             _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
             if GATED:
-                _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
+                _tma_load(w_desc, [w_row + gate_offset, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
             it += 1
 
 
 @gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-              reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+              reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -88,7 +88,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    up_block: gl.constexpr = GATE_OFFSET // BLOCK_N  # the up rows' first weight block
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block
     c_buf = c_bufs.index(HALF)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -146,11 +146,11 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 
 @gluon.jit
 def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
-                            num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
-                            W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
-    """a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
+                            num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                            GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
+    a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
     R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
@@ -166,11 +166,11 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATE_OFFSET, GATED, GROUP_M)),
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
-                     reduce_dim, num_col_blocks, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATE_OFFSET, GATED, GROUP_M)),
+                     reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
+                   w_rows, gate_offset, GATED, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
