@@ -190,7 +190,6 @@ def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
 
 def smoke_checks() -> None:
     """CPU: the gather-quantize kernel (interpreted) against torch; the Gluon fp8 GEMM compiled for sm_90."""
-    from gluon_fp8_compile_cpu import compile_fp8_gemm
     from moekit.layouts.block_aligned import align_block
     from moekit.experts.triton_fp8 import quantize_groups
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
@@ -204,12 +203,22 @@ def smoke_checks() -> None:
     print(f"{'PASS' if ok else 'FAIL'} gather-quantize kernel == quantize_groups of the gathered rows")
     if not ok:
         FAILED.append("gather-quantize")
-    for gated, stages in ((True, 4), (False, 6)):
-        c = guarded(f"sm_90 compile gated={gated}", compile_fp8_gemm, gated, stages)
-        if c is None:
-            FAILED.append(f"sm_90 compile gated={gated}")
-        else:
-            print(f"PASS sm_90 compile {c.name}: shared {c.shared} B, setmaxnreg {c.setmaxnreg}")
+    ok, text = compile_check_subprocess()
+    print(("PASS" if ok else "FAIL") + " sm_90 compile of the Gluon fp8 GEMMs:\n    " + text.replace("\n", "\n    "))
+    if not ok:
+        FAILED.append("sm_90 compile")
+
+
+def compile_check_subprocess() -> tuple[bool, str]:
+    """``gluon_fp8_compile_cpu`` in a process without the interpreter (an interpreted kernel leaves Triton's
+    frontend patched for this process: a compile here would fail whenever it is not in the disk cache)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("gluon_fp8_compile_cpu.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.startswith(("OK", "FAIL"))]
+    return done.returncode == 0 and bool(lines), "\n".join(lines) or (done.stdout + done.stderr)[-2000:]
 
 
 def print_table(cells: list[Cell], ceil) -> None:
