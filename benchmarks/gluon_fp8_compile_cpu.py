@@ -1,5 +1,6 @@
 """Compile the fp8 Gluon GEMM (``moekit/experts/_kernels/gluon_gemm_fp8.py``) for sm_90 on a machine without a
-GPU, to catch typos and layout errors before a device run, and to read its registers, spills and SMEM.
+GPU, to catch typos and layout errors before a device run, and to read its SMEM, the partitions' register
+counts (setmaxnreg) and ptxas's spills (``ptxas -v`` on the PTX, with the ptxas Triton bundles that takes it).
 
     PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # gate-up and down, the plan's tiles
 
@@ -24,6 +25,7 @@ class Compiled:
     n_regs: int | None  # None: not reported by this Triton without a driver
     n_spills: int | None
     setmaxnreg: list  # the per-partition register counts in the PTX
+    spill_bytes: int | None  # ptxas -v "bytes spill stores"; None where no bundled ptxas took the PTX
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -35,8 +37,35 @@ def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
     return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
 
 
-def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int = 232,
-                     max_registers: int = 168) -> Compiled:
+def ptxas_spills(ptx: str) -> int | None:
+    """Bytes of spill stores ptxas reports for this sm_90a PTX (the bundled ptxas, or the newer one
+    beside it where the PTX's version is too new for the first)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            exe = os.path.join(bin_dir, name)
+            if not os.path.exists(exe):
+                continue
+            done = subprocess.run([exe, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True)
+            found = re.findall(r"(\d+) bytes spill stores", done.stderr)
+            if done.returncode == 0 and found:
+                return int(found[0])
+    return None
+
+
+def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int | None = None,
+                     max_registers: int | None = None) -> Compiled:
     """One GEMM at a small shape (E=2, N=256, K=512: shapes only reach the kernel as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -44,6 +73,10 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
+    from moekit.experts.triton_gluon_fp8_launch import Fp8GluonTile
+
+    consumer_regs = Fp8GluonTile.consumer_regs if consumer_regs is None else consumer_regs
+    max_registers = Fp8GluonTile.max_registers if max_registers is None else max_registers
 
     e, n, k, t = 2, 256, 512, 1024
     fp8 = torch.float8_e4m3fn
@@ -64,9 +97,10 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
     ptx = out.asm["ptx"]
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
-    name = f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} consumer_regs={consumer_regs}"
+    name = (f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} regs={max_registers}/"
+            f"{consumer_regs}")
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
-                    getattr(out, "n_spills", None), regs)
+                    getattr(out, "n_spills", None), regs, ptxas_spills(ptx))
 
 
 def main() -> int:
@@ -74,7 +108,8 @@ def main() -> int:
     for gated, stages in ((True, 4), (False, 6)):
         try:
             c = compile_fp8_gemm(gated, stages)
-            print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}")
+            print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
+                  f"ptxas spill stores {c.spill_bytes} B")
         except Exception as exc:  # noqa: BLE001 (report each GEMM)
             failed += 1
             print(f"FAIL {'gate-up' if gated else 'down'}: {type(exc).__name__}: {str(exc)[-2000:]}")

@@ -16,7 +16,6 @@ from moekit.experts.triton_launch import cdiv, interpreting
 GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the GEMM's BLOCK_N and BLOCK_K
 HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
 CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) and the loader (1 warp) added
-MAX_REGISTERS = 168  # at launch: 12 warps (the loader's padded to a warpgroup) x 32 x 168 fit the SM's 64K
 GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
 _KERNELS = "moekit.experts._kernels"
 
@@ -25,12 +24,16 @@ _KERNELS = "moekit.experts._kernels"
 class Fp8GluonTile:
     """One fp8 GEMM's pipeline (the tile is [128, 128] outputs by 128-wide K-steps, fixed by the scale
     blocks): ``stages`` SMEM slots, ``group_m`` row blocks sharing each column block in the persistent
-    walk, ``consumer_regs`` registers per thread of consumer 1 (consumer 0 gets what is left, the
-    loader 24)."""
+    walk; registers: ``max_registers`` per thread at launch (12 warps: the loader's one is padded to a
+    warpgroup; 12 x 32 x 160 of the SM's 64K), then ``consumer_regs`` for consumer 1, 24 for the loader and
+    the rest (3 x max_registers - 24 - consumer_regs, at most 256) for consumer 0. 160 / 224 (consumer 0:
+    232) is a split ptxas compiles without spills; 168 / 232 (consumer 0: 248) spilled ~11 registers in the
+    gate-up K loop (ptxas -v on the sm_90a PTX: ``benchmarks/gluon_fp8_compile_cpu.py``)."""
 
     stages: int = 4
     group_m: int = 8
-    consumer_regs: int = 232
+    consumer_regs: int = 224
+    max_registers: int = 160
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB
@@ -96,4 +99,4 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)

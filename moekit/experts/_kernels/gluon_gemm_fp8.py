@@ -101,26 +101,28 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
         acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
         up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
         part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+        a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
         for kk in range(k_steps):
             s = it % STAGES
-            a_scale = gl.load(as_ptrs + kk)  # [64]; loaded before the wait, so its latency hides under it
-            scale_gate = a_scale * gl.load(ws_gate + kk)
+            w_gate = gl.load(ws_gate + kk)
             if GATED:
-                scale_up = a_scale * gl.load(ws_up + kk)
+                w_up = gl.load(ws_up + kk)
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             a = a_bufs.index(2 * s + HALF)
             part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
+            next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if GATED:
-                acc += part * scale_gate[:, None]
+                acc += part * (a_scale * w_gate)[:, None]
                 part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
                                      is_async=True)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
-                up += part * scale_up[:, None]
+                up += part * (a_scale * w_up)[:, None]
             else:
                 mbarrier.arrive(empty.index(s), count=1)
-                acc += part * scale_gate[:, None]
+                acc += part * (a_scale * w_gate)[:, None]
+            a_scale = next_scale
             it += 1
         _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
