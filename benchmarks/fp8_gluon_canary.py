@@ -1,12 +1,15 @@
-"""Canaries of ``fp8_gluon_device_check.py``: a variant that could hang the GPU (a Gluon barrier that never
-arrives) or crash the compiler (Triton's warp specialization of the fp8 K loop) runs once first, in a
-subprocess of its own, while the check builds its weights; the check runs that variant only if its canary
-finished in time and agreed with the torch twin.
+"""Canaries of ``fp8_gluon_device_check.py``: subprocesses that run, once, what could hang the GPU (a Gluon
+barrier that never arrives) or crash the compiler (Triton's warp specialization of the fp8 K loop), and
+compile everything else the check will time, while the check builds its weights. The check runs a risky
+variant only if its canary line says ok; the kernels the canaries compiled are in Triton's disk cache, so the
+check's own first calls do not compile (that took most of the check's time otherwise).
 
-    python benchmarks/fp8_gluon_canary.py gluon|loop-ws [--smoke]    # prints one CANARY line
+    python benchmarks/fp8_gluon_canary.py gluon|triton|bf16 [--smoke]    # prints CANARY lines
 
-Both run at Qwen3-30B-A3B, M = 1024 (~1100 tiles per GEMM: several per program, the SMEM rings wrapping);
-their kernels land in Triton's disk cache, so the check's first calls of the same kernels do not compile.
+gluon: the Gluon fp8 path at Qwen3-30B-A3B M=1024 (~1100 tiles per GEMM: several per program, the SMEM rings
+wrapping) against the twin, then the GEMM variants' compiles; triton: the loop-ws candidates first (against
+the twin), then the Triton fp8 plans of M=1024/4096/16384 and the other config; bf16: moekit's bf16 Triton and
+Gluon paths at those M.
 """
 
 from __future__ import annotations
@@ -14,42 +17,69 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-KINDS = ("gluon", "loop-ws")
+KINDS = ("gluon", "triton", "bf16")
 TOLERANCE = 2e-2
+BATCHES = (1024, 4096, 16384)
+
+
+def say(ok: bool, name: str, detail: str = "") -> None:
+    print(f"CANARY {'ok' if ok else 'wrong'} {name} {detail}", flush=True)
+
+
+def rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def run(kind: str, smoke: bool) -> None:
     from fp8_device_check import quantize_blocks
+    from fp8_gluon_device_check import GEMM_VARIANTS, TRITON_CONFIGS, triton_config
     from moekit.bench.cells import Shape, make_weights, uniform_routing
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8, experts_gluon_fp8_twin, gluon_fp8_supported
 
     dev = torch.device("cpu" if smoke else "cuda")
-    if dev.type != "cuda" or (kind == "gluon" and not gluon_fp8_supported(dev)):
-        print(f"CANARY skip: {kind} not run on {dev}", flush=True)
+    if smoke or (kind == "gluon" and not gluon_fp8_supported(dev)):
+        print(f"CANARY skip {kind}: not run on {dev}", flush=True)
         return
     s = Shape.from_preset("qwen3-30b-a3b")
     w = make_weights(s, torch.bfloat16, dev)
     q = (*quantize_blocks(w.w13), *quantize_blocks(w.w2))
-    r = uniform_routing(1024, s, dev, seed=7)
-    x = torch.randn(1024, s.k, device=dev, dtype=torch.bfloat16)
+    calls = {}
+    for m in BATCHES:
+        r = uniform_routing(m, s, dev, seed=7)
+        calls[m] = (torch.randn(m, s.k, device=dev, dtype=torch.bfloat16), r.topk_ids, r.topk_weights)
+    x, ids, rw = calls[1024]
+    twin = experts_gluon_fp8_twin(x, *q, ids, rw)
     if kind == "gluon":
-        outs = [experts_gluon_fp8(x, *q, r.topk_ids, r.topk_weights)]
-    else:
-        from fp8_gluon_device_check import TRITON_CONFIGS, triton_config
+        say(rel(experts_gluon_fp8(x, *q, ids, rw), twin) < TOLERANCE, "gluon")
+        from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
+        for _, fields in GEMM_VARIANTS:  # compiles only: each variant's tiles through the whole path
+            up, down = [replace(t, stages=t.stages - 1) if fields is None else replace(t, **fields)
+                        for t in (UP_TILE, DOWN_TILE)]
+            experts_gluon_fp8(x, *q, ids, rw, up=up, down=down)
+    elif kind == "triton":
         p128 = triton_config(TRITON_CONFIGS["triton_fp8 p128 8w/3+8w/4"])
-        outs = [fused_experts_fp8_launch(x, *q, r.topk_ids, r.topk_weights, loop_ws=True),
-                fused_experts_fp8_launch(x, *q, r.topk_ids, r.topk_weights, config=p128, weight_tma=True,
-                                         loop_ws=True)]
+        errs = [rel(fused_experts_fp8_launch(x, *q, ids, rw, loop_ws=True), twin),
+                rel(fused_experts_fp8_launch(x, *q, ids, rw, config=p128, weight_tma=True, loop_ws=True), twin)]
+        say(all(e < TOLERANCE for e in errs), "loop-ws", " ".join(f"{e:.2e}" for e in errs))
+        for m, (xm, idm, rwm) in calls.items():
+            fused_experts_fp8_launch(xm, *q, idm, rwm)
+            for spec in TRITON_CONFIGS.values():
+                fused_experts_fp8_launch(xm, *q, idm, rwm, config=triton_config(spec))
+    else:
+        from moekit.experts import run_experts
+        from moekit.experts.triton_gluon import experts_gluon
+
+        for xm, idm, rwm in calls.values():
+            run_experts(xm, w.w13, w.w2, idm, rwm, backend="triton")
+            experts_gluon(xm, w.w13, w.w2, idm, rwm)
     torch.cuda.synchronize()
-    twin = experts_gluon_fp8_twin(x, *q, r.topk_ids, r.topk_weights)
-    errs = [((o.float() - twin.float()).norm() / twin.float().norm()).item() for o in outs]
-    ok = all(e < TOLERANCE for e in errs)  # NaN fails too
-    print(f"CANARY {'ok' if ok else 'wrong'} {kind} err {', '.join(f'{e:.2e}' for e in errs)}", flush=True)
+    print(f"CANARY done {kind}", flush=True)
 
 
 def start(kind: str) -> subprocess.Popen:
@@ -57,20 +87,26 @@ def start(kind: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def verdict(kind: str, proc: subprocess.Popen, deadline: float) -> tuple[bool, str]:
-    """(may the check run this kind's variants, a line for the log): a canary still running at
-    ``deadline`` (time.perf_counter()) is killed and its variants skipped."""
+def finish(proc: subprocess.Popen, deadline: float) -> tuple[list[str], str]:
+    """(the canary's output lines, how it ended): waits until ``deadline`` (time.perf_counter()), then kills."""
     try:
         text, _ = proc.communicate(timeout=max(5.0, deadline - time.perf_counter()))
+        ended = f"rc {proc.returncode}"
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
-        return False, f"{kind} canary still running at its deadline (a hang?): its variants skipped"
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    line = next((ln for ln in lines if ln.startswith("CANARY")), None)
-    if line is None:
-        return False, f"{kind} canary died (rc {proc.returncode}): " + " | ".join(lines[-8:])
-    return line.startswith(("CANARY ok", "CANARY skip")), line
+        text, _ = proc.communicate()
+        ended = "killed at its deadline (a hang, or compiles too slow)"
+    return [ln for ln in (text or "").splitlines() if ln.strip()], ended
+
+
+def verdict(name: str, lines: list[str], ended: str) -> tuple[bool, str]:
+    """(may the check run ``name``'s variants, a line for the log)."""
+    for line in lines:
+        if line.startswith(f"CANARY ok {name}") or line.startswith("CANARY skip"):
+            return True, line
+        if line.startswith(f"CANARY wrong {name}"):
+            return False, line
+    return False, f"{name} canary gave no verdict ({ended}): " + " | ".join(lines[-8:])
 
 
 if __name__ == "__main__":

@@ -8,15 +8,16 @@ N=14336 K=4096 k=2) and M in 1024, 4096, 16384, bf16 x, uniform routing, e4m3 we
 scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
   1. correctness of every variant against the torch twin (``experts_gluon_fp8_twin``: ``fused_experts_fp8_torch``
      with y rounded to bf16 like the kernels), rel L2 < 2e-2 (the fp8 checks' tolerance);
-  2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, two other configs,
+  2. whole-call µs (median, ``moekit.bench.timing``) of: the Triton fp8 path (its plan, another config,
      and its K loops under Triton's warp specialization: ``loop_ws``), the Gluon fp8 path, moekit's bf16
      Triton and bf16 Gluon paths on the unquantized weights; the fp8 floor (max(bytes / copy BW, FLOPs /
      fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm`` 8192^3 e4m3, measured in this run);
   3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
      GROUP_M, consumer registers), at M = 4096 only.
 Every variant runs in try/except (a failure prints its last lines and the run goes on). Canary subprocesses
-(``fp8_gluon_canary``) run the Gluon fp8 path and the loop-ws Triton candidates once first, while the
-weights are built: a kind whose canary hangs past CANARY_TIMEOUT_S, crashes or fails is skipped here.
+(``fp8_gluon_canary``) run the Gluon fp8 path and the loop-ws Triton candidates once first and compile the
+rest, while the weights are built: a risky kind whose canary hangs past CANARY_TIMEOUT_S, crashes or fails
+is skipped here.
 M is the outer loop (4096, 1024, 16384); cells not started by --budget seconds are skipped; the JSON is
 rewritten after each cell. Tables last. Exit 1 when a correctness check of the Gluon or Triton fp8 paths fails.
 """
@@ -35,11 +36,11 @@ import torch
 
 T0 = time.perf_counter()
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
-BATCHES = (1024, 4096, 16384)
+BATCHES = (4096, 1024, 16384)  # in this order (M=4096 matters most)
+VARIANT_BATCH = 4096  # the GEMM variants are timed at this M only
 TOLERANCE = 2e-2
 TRITON_CONFIGS = {  # name: (BLOCK_M, up (BN, warps, stages), down (BN, warps, stages)), BLOCK_K 128, GROUP_M 8
     "triton_fp8 p128 8w/3+8w/4": (128, (128, 8, 3), (128, 8, 4)),
-    "triton_fp8 p64 8w/4+4w/4": (64, (128, 8, 4), (128, 4, 4)),
 }
 GEMM_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}),
                  ("regs 168/232", {"max_registers": 168, "consumer_regs": 232}))
@@ -184,7 +185,7 @@ def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
         print(f"{'PASS' if err < TOLERANCE else ('info' if name.startswith('bf16') else 'FAIL')} {s.name} M={m} "
               f"{name}: err vs twin {err:.2e}, {cell.us.get(name) or 0:.0f} us [{elapsed():.0f} s]", flush=True)
     if not smoke and CANARY_OK["gluon"] and elapsed() < BUDGET_S:
-        gemm_times(cell, x, q, ids, s, dev, with_variants=m == 4096 and elapsed() < 0.75 * BUDGET_S)
+        gemm_times(cell, x, q, ids, s, dev, with_variants=m == VARIANT_BATCH and elapsed() < 0.75 * BUDGET_S)
     return cell
 
 
@@ -226,9 +227,11 @@ def print_table(cells: list[Cell], ceil) -> None:
     print("\nNotes:", *NOTES, sep="\n  ")
     print(f"\nfp8 mm 8192^3: {mm or 0:.0f} TFLOP/s; copy {ceil.copy_TBps if ceil else 0:.2f} TB/s. "
           "us = median per call; '% mm' = FLOPs/us of the fp8 mm rate; '% floor' = floor/us.")
-    names = sorted({n for c in cells for n in (*c.us, *c.err)}, key=lambda n: (not n.startswith("triton_fp8"), n))
-    print("| shape | M | floor us | " + " | ".join(names) + " | gluon gate-up / down us (% mm) |")
-    print("|---|---|---|" + "---|" * len(names) + "---|")
+    order = ("triton_fp8", "gluon_fp8", "bf16")
+    names = sorted({n for c in cells for n in (*c.us, *c.err)},
+                   key=lambda n: (next((i for i, p in enumerate(order) if n.startswith(p)), 3), n))
+    print("| shape | M | floor us | " + " | ".join(names) + " | gluon vs triton_fp8 | gluon gate-up / down us (% mm) |")
+    print("|---|---|---|" + "---|" * len(names) + "---|---|")
     for c in cells:
         parts = []
         for n in names:
@@ -240,7 +243,9 @@ def print_table(cells: list[Cell], ceil) -> None:
             parts.append(f"{us:.0f} ({pct_mm:.0f}% mm, {100 * c.floor_us / us:.0f}% fl)")
         g = " / ".join(f"{c.gemm_us.get(k) or 0:.0f} ({100 * share * c.flops / c.gemm_us[k] / 1e6 / mm:.0f}%)"
                        if c.gemm_us.get(k) and mm else "-" for k, share in (("gate-up", 2 / 3), ("down", 1 / 3)))
-        print(f"| {c.shape} | {c.M} | {c.floor_us:.0f} | " + " | ".join(parts) + f" | {g} |")
+        tri, glu = c.us.get("triton_fp8"), c.us.get("gluon_fp8")
+        speed = f"{tri / glu:.2f}x" if tri and glu else "-"
+        print(f"| {c.shape} | {c.M} | {c.floor_us:.0f} | " + " | ".join(parts) + f" | {speed} | {g} |")
     print("\nGluon fp8 kernels:", *(f"{k}: {v}" for k, v in KERNEL_INFO.items()), sep="\n  ")
     print("\nGluon fp8 GEMM variants (us):")
     for c in cells:
@@ -248,7 +253,7 @@ def print_table(cells: list[Cell], ceil) -> None:
             print(f"  {c.shape} M={c.M}: " + "; ".join(f"{k} {v or 0:.0f}" for k, v in c.gemm_us.items()))
 
 
-CANARY_TIMEOUT_S = 80.0  # from the start: a canary still running then is killed, its variants skipped
+CANARY_TIMEOUT_S = 75.0  # from the start: a canary still running then is killed (its verdicts so far count)
 
 
 def save(cells: list[Cell], ceil) -> None:
@@ -285,16 +290,20 @@ def main() -> int:
         s = Shape(f"{preset}/smoke", min(real.num_experts, 8), 128, 256, real.top_k) if smoke else real
         w = make_weights(s, torch.bfloat16, dev)
         held[preset] = (s, w, (*quantize_blocks(w.w13), *quantize_blocks(w.w2)))
-    for kind, proc in procs.items():
-        CANARY_OK[kind], line = fp8_gluon_canary.verdict(kind, proc, T0 + CANARY_TIMEOUT_S)
-        print(f"canary: {line} [{elapsed():.0f} s]", flush=True)
-        if not CANARY_OK[kind]:
-            NOTES.append(line)
-            if kind == "gluon":
-                FAILED.append("gluon canary")
+    for kind, proc in procs.items():  # all finished (or killed) before anything is timed
+        lines, ended = fp8_gluon_canary.finish(proc, T0 + CANARY_TIMEOUT_S)
+        print(f"canary {kind}: {ended} [{elapsed():.0f} s]", flush=True)
+        for name in {"gluon": ("gluon",), "triton": ("loop-ws",)}.get(kind, ()):
+            CANARY_OK[name], line = fp8_gluon_canary.verdict(name, lines, ended)
+            print(f"  {line}", flush=True)
+            if not CANARY_OK[name]:
+                NOTES.append(line)
+                if name == "gluon":
+                    FAILED.append("gluon canary")
+                    print("    " + "\n    ".join(lines[-12:]), flush=True)
     ceil = None if smoke else measure_ceilings(dev)  # after the canary: nothing else on the GPU while timing
     cells = []
-    for m in ((24,) if smoke else (4096, 1024, 16384)):
+    for m in ((24,) if smoke else BATCHES):
         for preset in PRESETS:
             if elapsed() > BUDGET_S:
                 NOTES.append(f"{preset} M={m}: skipped (past the budget)")
