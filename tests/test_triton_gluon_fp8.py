@@ -189,3 +189,19 @@ def test_gemm_compiles_for_sm90():
         assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
         spills = line.split("spill stores ")[1].split(" B")[0]
         assert spills in ("0", "None"), line  # None: no bundled ptxas took the PTX
+
+
+def test_unfit_calls_raise_naming_the_reason(monkeypatch):
+    import moekit.experts.triton_gluon_fp8 as tgf
+
+    x, q, ids, weights = _problem()
+    with pytest.raises(ValueError, match="x dtype"):
+        tgf.experts_gluon_fp8_twin(x.float(), *q, ids, weights)
+    monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)  # past the device check
+    with pytest.raises(ValueError, match="x dtype"):
+        tgf.experts_gluon_fp8(x.float(), *q, ids, weights)
+
+
+def test_choice_wants_from_min_tokens():
+    assert not Fp8GluonChoice().wants(1 << 20)  # the default: not measured yet, never
+    assert Fp8GluonChoice(4096).wants(4096) and not Fp8GluonChoice(4096).wants(4095)
