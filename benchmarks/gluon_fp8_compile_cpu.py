@@ -26,6 +26,7 @@ class Compiled:
     n_spills: int | None
     setmaxnreg: list  # the per-partition register counts in the PTX
     spill_bytes: int | None  # ptxas -v "bytes spill stores"; None where no bundled ptxas took the PTX
+    serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage)
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -37,9 +38,9 @@ def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
     return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
 
 
-def ptxas_spills(ptx: str) -> int | None:
-    """Bytes of spill stores ptxas reports for this sm_90a PTX (the bundled ptxas, or the newer one
-    beside it where the PTX's version is too new for the first)."""
+def ptxas_report(ptx: str) -> tuple[int | None, bool]:
+    """(bytes of spill stores, whether the wgmmas were serialized) as ptxas reports them for this sm_90a PTX
+    (the bundled ptxas, or the newer one beside it where the PTX's version is too new for the first)."""
     import os
     import re
     import subprocess
@@ -60,8 +61,8 @@ def ptxas_spills(ptx: str) -> int | None:
                                   capture_output=True, text=True)
             found = re.findall(r"(\d+) bytes spill stores", done.stderr)
             if done.returncode == 0 and found:
-                return int(found[0])
-    return None
+                return int(found[0]), "C7514" in done.stderr
+    return None, False
 
 
 def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int | None = None,
@@ -100,7 +101,7 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
     name = (f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} regs={max_registers}/"
             f"{consumer_regs}")
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
-                    getattr(out, "n_spills", None), regs, ptxas_spills(ptx))
+                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx))
 
 
 def main() -> int:
@@ -109,7 +110,7 @@ def main() -> int:
         try:
             c = compile_fp8_gemm(gated, stages)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
-                  f"ptxas spill stores {c.spill_bytes} B")
+                  f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}")
         except Exception as exc:  # noqa: BLE001 (report each GEMM)
             failed += 1
             print(f"FAIL {'gate-up' if gated else 'down'}: {type(exc).__name__}: {str(exc)[-2000:]}")

@@ -174,7 +174,8 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
 
 def test_gemm_compiles_for_sm90():
     """Both GEMMs through Triton's whole pipeline to a cubin for sm_90 (a typo or a layout error fails here,
-    not on the device), within the SM's shared memory, and without register spills (ptxas -v). In a process of its own: this module's interpreted
+    not on the device), within the SM's shared memory, without register spills and with the wgmmas not
+    serialized (ptxas -v). In a process of its own: this module's interpreted
     kernels leave Triton's frontend patched in this one."""
     pytest.importorskip("triton.experimental.gluon._runtime", reason="no GluonASTSource in this Triton")
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -189,6 +190,7 @@ def test_gemm_compiles_for_sm90():
         assert int(line.split("shared ")[1].split(" B")[0]) <= 227 * 1024, line
         spills = line.split("spill stores ")[1].split(" B")[0]
         assert spills in ("0", "None"), line  # None: no bundled ptxas took the PTX
+        assert "wgmma serialized False" in line, line
 
 
 def test_unfit_calls_raise_naming_the_reason(monkeypatch):

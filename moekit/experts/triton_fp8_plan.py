@@ -162,32 +162,31 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, loop_ws: bool = False) -> Fp8Plan:
+             weight_tma: bool | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
     (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
     against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
-    ``TMA_MAX_BLOCK_M`` decides. ``loop_ws``: the GEMMs' K loops warp-specialized by Triton (``gemm_fp8``'s LOOP_WS)."""
+    ``TMA_MAX_BLOCK_M`` decides."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, loop_ws)
+           block_shape, config, options, x_in_gate_up, weight_tma)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, loop_ws)
+                                        options, x_in_gate_up, weight_tma)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               loop_ws: bool = False) -> Fp8Plan:
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -211,7 +210,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
-                  W_DESC=descriptors, LOOP_WS=loop_ws, cached=options.cached_launcher, **options.pdl_kwargs())
+                  W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
     up, down = config.up, config.down
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(

@@ -99,4 +99,5 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers)
+                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS,
+                        maxnreg=tile.max_registers)

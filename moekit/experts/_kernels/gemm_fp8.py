@@ -38,9 +38,6 @@ weight scale of a K-step is one scalar, and the step's partial product is folded
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
-LOOP_WS: the K loop under Triton's automatic warp specialization (``tl.range(..., warp_specialize=True)``),
-a candidate the device check measures (``benchmarks/fp8_gluon_device_check.py``); off by default.
-
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -106,7 +103,7 @@ def gate_up_fp8_kernel(
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, LOOP_WS: tl.constexpr = False,
+    HAS_MAP: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -132,7 +129,7 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=LOOP_WS):
+    for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:  # past K the descriptor reads zeros
@@ -181,7 +178,7 @@ def down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, LOOP_WS: tl.constexpr = False,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
@@ -203,7 +200,7 @@ def down_fp8_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for n0 in tl.range(0, N, BLOCK_K, warp_specialize=LOOP_WS):
+    for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         if W_DESC:  # rows past K are never stored, columns past N read 0

@@ -80,11 +80,8 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    WTILES: gl.constexpr = 2 if GATED else 1
-    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
@@ -94,38 +91,53 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, cs_p
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         row0 = rb * 2 * HALF_M + HALF * HALF_M
-        rows = row0 + gl.arange(0, HALF_M, layout=row_layout)  # [64]
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
-        ws_up = ws_gate + up_block * stride_wsr
-        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
-        up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
-        part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
-        a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
-        for kk in range(k_steps):
-            s = it % STAGES
-            w_gate = gl.load(ws_gate + kk)
-            if GATED:
-                w_up = gl.load(ws_up + kk)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            a = a_bufs.index(2 * s + HALF)
-            part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
-            next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
-            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            if GATED:
-                acc += part * (a_scale * w_gate)[:, None]
-                part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
-                                     is_async=True)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
-                up += part * (a_scale * w_up)[:, None]
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                acc += part * (a_scale * w_gate)[:, None]
-            a_scale = next_scale
-            it += 1
+        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_gate + up_block * stride_wsr,
+                              k_steps, it, HALF, GATED, layout)
         _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _k_loop(a_bufs, w_bufs, ready, empty, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
+            GATED: gl.constexpr, layout: gl.constexpr):
+    """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
+    (acc [64, 128] float32, up (GATED; else unused), the ring position after it). Keeping the next step's
+    wgmma in flight while folding in the last one (two parts, the down GEMM has the registers) makes ptxas
+    serialize the wgmmas (C7514: accumulator registers read inside the pipeline stage), so it is not done."""
+    HALF_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
+    for kk in range(k_steps):
+        s = it % STAGES
+        w_gate = gl.load(ws_gate + kk)
+        if GATED:
+            w_up = gl.load(ws_up + kk)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(2 * s + HALF)
+        part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
+        next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        if GATED:
+            acc += part * (a_scale * w_gate)[:, None]
+            part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
+            up += part * (a_scale * w_up)[:, None]
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += part * (a_scale * w_gate)[:, None]
+        a_scale = next_scale
+        it += 1
+    return acc, up, it
 
 
 @gluon.jit
