@@ -6,7 +6,8 @@ check's own first calls do not compile (that took most of the check's time other
     python benchmarks/fp8_gluon_canary.py gluon|triton|bf16 [--smoke]    # prints CANARY lines
 
 gluon: the Gluon fp8 path at Qwen3-30B-A3B M=1024 (~1100 tiles per GEMM: several per program, the SMEM rings
-wrapping) against the twin, then the GEMM variants' compiles; triton: the Triton fp8 plans of
+wrapping) against the twin, then each GEMM variant once (a variant that hangs leaves no "gluon-variants"
+line: the check then times none); triton: the Triton fp8 plans of
 M=1024/4096/16384 and the other config; bf16: moekit's bf16 Triton and Gluon paths at those M.
 """
 
@@ -56,10 +57,14 @@ def run(kind: str, smoke: bool) -> None:
         say(rel(experts_gluon_fp8(x, *q, ids, rw), twin) < TOLERANCE, "gluon")
         from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
-        for _, fields in GEMM_VARIANTS:  # compiles only: each variant's tiles through the whole path
-            up, down = [replace(t, stages=t.stages - 1) if fields is None else replace(t, **fields)
-                        for t in (UP_TILE, DOWN_TILE)]
-            experts_gluon_fp8(x, *q, ids, rw, up=up, down=down)
+        for gemm, variants in GEMM_VARIANTS.items():  # each variant once through the whole path
+            for _, fields in variants:
+                base = UP_TILE if gemm == "gate-up" else DOWN_TILE
+                tile = replace(base, stages=base.stages - 1) if fields is None else replace(base, **fields)
+                out = experts_gluon_fp8(x, *q, ids, rw, **{"up" if gemm == "gate-up" else "down": tile})
+                say(rel(out, twin) < TOLERANCE, f"gluon-variant {gemm} {tile}")
+        torch.cuda.synchronize()
+        say(True, "gluon-variants")
     elif kind == "triton":
         for m, (xm, idm, rwm) in calls.items():
             fused_experts_fp8_launch(xm, *q, idm, rwm)

@@ -43,8 +43,9 @@ TOLERANCE = 2e-2
 TRITON_CONFIGS = {  # name: (BLOCK_M, up (BN, warps, stages), down (BN, warps, stages)), BLOCK_K 128, GROUP_M 8
     "triton_fp8 p128 8w/3+8w/4": (128, (128, 8, 3), (128, 8, 4)),
 }
-GEMM_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}),
-                 ("regs 168/232", {"max_registers": 168, "consumer_regs": 232}))
+_SHARED_VARIANTS = (("stages-1", None), ("group_m=1", {"group_m": 1}), ("group_m=32", {"group_m": 32}),
+                    ("regs 168/232", {"max_registers": 168, "consumer_regs": 232}))
+GEMM_VARIANTS = {"gate-up": _SHARED_VARIANTS, "down": _SHARED_VARIANTS + (("pingpong", {"pingpong": True}),)}
 FAILED: list[str] = []
 NOTES: list[str] = []
 KERNEL_INFO: dict = {}  # GEMM -> kernel_info of its first compile (printed, in the JSON)
@@ -141,7 +142,7 @@ def gemm_times(cell: Cell, x, q, ids, s, dev, with_variants: bool) -> None:
     cell.gemm_us["layout"] = guarded("layout", time_us, lambda: gluon_fp8_layout(x, ids, s.num_experts), dev)
     for gemm, run, base in (("gate-up", up, plan.up), ("down", down, plan.down)):
         cell.gemm_us[gemm] = guarded(f"{s.name} M={cell.M} {gemm}", time_us, lambda: run(base), dev)
-        for name, fields in GEMM_VARIANTS if with_variants else ():
+        for name, fields in GEMM_VARIANTS[gemm] if with_variants else ():
             tile = replace(base, stages=base.stages - 1) if fields is None else replace(base, **fields)
             cell.gemm_us[f"{gemm} {name}"] = guarded(f"{s.name} M={cell.M} {gemm} {name}", time_us,
                                                      lambda: run(tile), dev)
@@ -189,7 +190,8 @@ def run_cell(s, m: int, w, q, ceil, dev, smoke: bool) -> Cell:
         print(f"{'PASS' if err < TOLERANCE else ('info' if name.startswith('bf16') else 'FAIL')} {s.name} M={m} "
               f"{name}: err vs twin {err:.2e}, {cell.us.get(name) or 0:.0f} us [{elapsed():.0f} s]", flush=True)
     if not smoke and CANARY_OK["gluon"] and elapsed() < BUDGET_S:
-        gemm_times(cell, x, q, ids, s, dev, with_variants=m == VARIANT_BATCH and elapsed() < 0.75 * BUDGET_S)
+        gemm_times(cell, x, q, ids, s, dev, with_variants=m == VARIANT_BATCH and CANARY_OK["gluon-variants"]
+                   and elapsed() < 0.75 * BUDGET_S)
     return cell
 
 
@@ -297,12 +299,15 @@ def main() -> int:
     for kind, proc in procs.items():  # all finished (or killed) before anything is timed
         lines, ended = fp8_gluon_canary.finish(proc, T0 + CANARY_TIMEOUT_S)
         print(f"canary {kind}: {ended} [{elapsed():.0f} s]", flush=True)
-        for name in {"gluon": ("gluon",)}.get(kind, ()):
+        for line in (ln for ln in lines if ln.startswith("CANARY wrong")):  # e.g. a GEMM variant off the twin
+            print(f"  {line}", flush=True)
+            NOTES.append(line)
+        for name in {"gluon": ("gluon", "gluon-variants")}.get(kind, ()):
             CANARY_OK[name], line = fp8_gluon_canary.verdict(name, lines, ended)
             print(f"  {line}", flush=True)
             if not CANARY_OK[name]:
                 NOTES.append(line)
-                if name == "gluon":
+                if name == "gluon":  # the variants' own line is a note only
                     FAILED.append("gluon canary")
                     print("    " + "\n    ".join(lines[-12:]), flush=True)
     ceil = None if smoke else measure_ceilings(dev)  # after the canary: nothing else on the GPU while timing
@@ -325,7 +330,7 @@ def main() -> int:
 
 
 BUDGET_S = 140.0
-CANARY_OK = {"gluon": False}  # the canary's verdict: the Gluon variants run only where it passed
+CANARY_OK = {"gluon": False, "gluon-variants": False}  # the canary's verdicts: what runs here
 
 if __name__ == "__main__":
     sys.exit(main())

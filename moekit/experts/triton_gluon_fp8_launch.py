@@ -34,6 +34,7 @@ class Fp8GluonTile:
     group_m: int = 8
     consumer_regs: int = 224
     max_registers: int = 160
+    pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB
@@ -87,6 +88,8 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
     tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
+    if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
+        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = _descriptor(a, [HALF_M, GROUP])
@@ -99,5 +102,5 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS,
+                        CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)
