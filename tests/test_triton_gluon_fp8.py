@@ -207,3 +207,12 @@ def test_unfit_calls_raise_naming_the_reason(monkeypatch):
 def test_choice_wants_from_min_tokens():
     assert not Fp8GluonChoice().wants(1 << 20)  # the default: not measured yet, never
     assert Fp8GluonChoice(4096).wants(4096) and not Fp8GluonChoice(4096).wants(4095)
+
+
+def test_pingpong_is_refused_for_the_gate_up_gemm():
+    """The gate-up consumers have no registers for the turn-taking (ptxas spills ~1.1 KB): a clear error."""
+    from moekit.experts.triton_gluon_fp8_launch import Fp8GluonTile, launch_gemm_fp8
+
+    t = torch.zeros(1)
+    with pytest.raises(ValueError, match="pingpong is for the down GEMM only"):
+        launch_gemm_fp8(t, t, t, t, t, t, t, t, Fp8GluonTile(pingpong=True), gated=True, gate_offset=128)
