@@ -39,7 +39,6 @@ from moekit.experts._kernels.gluon_gemm import _tile_of
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-GROUP = 128  # the scale blocks' width: BLOCK_K, BLOCK_N and the weight blocks' height
 FIRST_HALF = gl.constexpr(0)  # the consumers' HALF (a partition's arguments must be values or constexprs)
 SECOND_HALF = gl.constexpr(1)
 
