@@ -35,6 +35,7 @@ class Fp8GluonTile:
     consumer_regs: int = 224
     max_registers: int = 160
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
+    stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB
@@ -102,5 +103,6 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                        CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, num_warps=CONSUMER_WARPS,
+                        CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
+                        num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)

@@ -74,7 +74,8 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 @gluon.jit
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr):
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
+              STAGGER: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -86,6 +87,9 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     up_block = gate_offset // BLOCK_N  # the up rows' first weight block
     c_buf = c_bufs.index(HALF)
+    if STAGGER and HALF == 1:
+        if gl.program_id(0) < num_tiles:  # consumer 0 arrives at its first MMA: start one MMA behind it
+            mbarrier.wait(turns.index(1), 0)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
@@ -94,14 +98,14 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
         acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
-                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, layout)
+                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
         _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
-            GATED: gl.constexpr, PINGPONG: gl.constexpr, layout: gl.constexpr):
+            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, layout: gl.constexpr):
     """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
     (acc [64, 128] float32, up (GATED; else unused), the ring position after it). Keeping the next step's
     wgmma in flight while folding in the last one (two parts, the down GEMM has the registers) makes ptxas
@@ -124,6 +128,8 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
         _take_turn(turns, it * WTILES, HALF, PINGPONG)
         part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
         _pass_turn(turns, HALF, PINGPONG)
+        if STAGGER and HALF == 0:
+            mbarrier.arrive(turns.index(1), count=1, pred=it == 0)  # consumer 1 starts now
         next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
         if GATED:
@@ -180,14 +186,16 @@ def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
 def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False):
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
+                            STAGGER: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
     R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
-    PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA."""
+    PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
+    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset)."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
@@ -203,10 +211,10 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, PINGPONG)),
+                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, PINGPONG)),
+                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
