@@ -10,7 +10,8 @@ scales (``fp8_device_check.quantize_blocks`` of random bf16 weights):
      with y rounded to bf16 like the kernels), rel L2 < 2e-2 (the fp8 checks' tolerance);
   2. whole-call µs (median of CUDA-graph replays, ``moekit.bench.timing``; eager too for the two fp8 paths:
      their host cost shows as the difference) of: the Triton fp8 path (its plan, another config), the Gluon
-     fp8 path, moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the fp8 floor (max(bytes / copy BW, FLOPs /
+     fp8 path, the ``triton_gluon`` backend on fp8_block weights (its ``Fp8GluonChoice`` picks one of the two),
+     moekit's bf16 Triton and bf16 Gluon paths on the unquantized weights; the fp8 floor (max(bytes / copy BW, FLOPs /
      fp8 mm rate)) and % of the fp8 mm rate (``torch._scaled_mm`` 8192^3 e4m3, measured in this run);
   3. the Gluon fp8 GEMMs alone (gate-up, down: µs, % of fp8 mm) and pipeline variants of each (stages,
      GROUP_M, consumer registers), at M = 4096 only.
@@ -102,11 +103,19 @@ def triton_config(spec):
     return KernelConfig(block_m, GemmTile(up[0], 128, 8, up[1], up[2]), GemmTile(down[0], 128, 8, down[1], down[2]))
 
 
+def fp8_weights(q):
+    """(w13, w2) as ``fp8_block`` QuantizedWeights (what a model hands the ``triton_gluon`` backend)."""
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    return (Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128)),
+            Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128)))
+
+
 def variants(x, w, q, ids, rw, dev, smoke: bool) -> dict:
     """name -> zero-argument call returning [M, K] (the bf16 ones on the unquantized weights)."""
     from moekit.experts import run_experts
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
-    from moekit.experts.triton_gluon import experts_gluon
+    from moekit.experts.triton_gluon import experts_gluon, experts_triton_gluon
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
     calls = {"triton_fp8": lambda: fused_experts_fp8_launch(x, *q, ids, rw)}
@@ -115,6 +124,7 @@ def variants(x, w, q, ids, rw, dev, smoke: bool) -> dict:
     if not smoke:
         if CANARY_OK["gluon"]:
             calls["gluon_fp8"] = lambda: experts_gluon_fp8(x, *q, ids, rw)
+            calls["triton_gluon backend"] = lambda: experts_triton_gluon(x, *fp8_weights(q), ids, rw)
         calls["bf16 triton"] = lambda: run_experts(x, w.w13, w.w2, ids, rw, backend="triton")
         calls["bf16 gluon"] = lambda: experts_gluon(x, w.w13, w.w2, ids, rw)
     return calls

@@ -106,8 +106,12 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
 
 def main() -> int:
     failed = 0
-    for gated, stages, pingpong, stagger in ((True, 4, False, False), (False, 6, False, False),
-                                             (False, 6, True, False), (True, 4, False, True), (False, 6, False, True)):
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+
+    up, down = UP_TILE.stages, DOWN_TILE.stages  # the plan's pipelines, then the device check's variants
+    for gated, stages, pingpong, stagger in ((True, up, False, False), (False, down, False, False),
+                                             (False, down, True, False), (True, up, False, True),
+                                             (False, down, False, True)):
         try:
             c = compile_fp8_gemm(gated, stages, pingpong=pingpong, stagger=stagger)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "

@@ -145,7 +145,7 @@ def test_cpu_falls_back_to_the_triton_fp8_kernels():
     assert not gluon_fp8_supported("cpu")
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
-    out = experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_tokens=1))
+    out = experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1))
     from moekit.experts import get_backend
 
     assert torch.equal(out, get_backend("triton")(x, w13, w2, ids, weights))
@@ -155,7 +155,7 @@ def test_cpu_falls_back_to_the_triton_fp8_kernels():
 
 def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
     """With the device stubbed as Hopper: the fp8 Gluon path for no-grad calls the choice wants; the Triton
-    fp8 kernels for calls below it, the default choice (not measured yet: never), and calls needing a backward."""
+    fp8 kernels for calls below it (this tiny call is far below the default's), and calls needing a backward."""
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton_gluon import experts_triton_gluon
 
@@ -164,11 +164,12 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
     monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
-    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_tokens=16))
+    flops = 6.0 * 24 * 2 * N * K  # this call: M=24, k=2
+    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops))
     assert taken == [24]
-    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_tokens=32))
+    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops * 1.01))
     experts_triton_gluon(x, w13, w2, ids, weights)  # the default choice
-    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(1))
+    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1))
     assert taken == [24]
 
 
@@ -205,9 +206,14 @@ def test_unfit_calls_raise_naming_the_reason(monkeypatch):
         tgf.experts_gluon_fp8(x.float(), *q, ids, weights)
 
 
-def test_choice_wants_from_min_tokens():
-    assert not Fp8GluonChoice().wants(1 << 20)  # the default: not measured yet, never
-    assert Fp8GluonChoice(4096).wants(4096) and not Fp8GluonChoice(4096).wants(4095)
+def test_default_choice_takes_the_cells_measured_faster_both_ways():
+    """The H200's cells (graph replay and eager both faster on the Gluon path, or not): 6*M*k*N*K >= 1e12."""
+    choice = Fp8GluonChoice()
+    qwen3, deepseek, mixtral = (8, 768, 2048), (8, 2048, 7168), (2, 14336, 4096)  # (k, N, K)
+    assert choice.wants(16384, *qwen3) and not choice.wants(4096, *qwen3)  # 4096: 1.35x graph, 0.73x eager
+    assert choice.wants(4096, *deepseek) and not choice.wants(1024, *deepseek)
+    assert choice.wants(4096, *mixtral) and not choice.wants(1024, *mixtral)  # 1024: 1.29x graph, 0.71x eager
+    assert not Fp8GluonChoice(min_flops=None).wants(1 << 20, *mixtral)
 
 
 def test_pingpong_is_refused_for_the_gate_up_gemm():

@@ -32,13 +32,19 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class Fp8GluonChoice:
-    """Where the ``triton_gluon`` backend runs fp8_block weights on the Gluon path: from ``min_tokens`` tokens
-    (None: never, the fused Triton fp8 kernels always). Not measured on the H200 yet: None by default."""
+    """Where the ``triton_gluon`` backend runs fp8_block weights on the Gluon path: calls of at least
+    ``min_flops`` (6 * M * k * N * K; None: never). Measured on the H200 (Triton 3.6, layout and combine
+    counted; benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*), against the Triton fp8 kernels,
+    CUDA-graph replay / eager: M=4096 Qwen3 1.35x / 0.73x, DeepSeek-V3 1.21x / 1.08x, Mixtral 1.36x / 1.13x;
+    M=16384 1.35x / 1.15x, 1.10x / 1.25x, 1.18x / 1.14x; M=1024 Qwen3 0.96x / 0.41x, DeepSeek-V3 0.83x / 0.77x,
+    Mixtral 1.29x / 0.71x. Eager calls pay ~0.3-0.6 ms more host time on this path (the alignment, six TMA
+    descriptors, the launches), so it is taken where both ways win: from 1e12 FLOPs (Qwen3 M=16384: 1.2e12,
+    DeepSeek-V3 and Mixtral M=4096: 2.9e12; the cells below it: <= 7.2e11)."""
 
-    min_tokens: int | None = None
+    min_flops: float | None = 1e12
 
-    def wants(self, num_tokens: int) -> bool:
-        return self.min_tokens is not None and num_tokens >= self.min_tokens
+    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int) -> bool:
+        return self.min_flops is not None and 6.0 * num_tokens * top_k * inter * hidden >= self.min_flops
 
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
@@ -82,7 +88,8 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
     if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
             and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
         return False
-    if as_spec(activation) != ActivationSpec("silu") or not choice.wants(x.shape[0]):
+    if as_spec(activation) != ActivationSpec("silu") or not choice.wants(x.shape[0], topk_weights.shape[1],
+                                                                          w2.shape[2], x.shape[1]):
         return False
     if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
         return False

@@ -38,9 +38,12 @@ class Fp8GluonTile:
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
 
 
-# SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB
-UP_TILE = Fp8GluonTile(stages=4)  # 4 x 48 KB + 2 x 8 KB e4m3 h = 208 KB
-DOWN_TILE = Fp8GluonTile(stages=6)  # 6 x 32 KB + 2 x 16 KB bf16 y = 224 KB
+# SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB.
+# Stages from the H200's variants at M=4096 (benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*):
+# gate-up 3 against 4: Mixtral 1725 / 1918 us, DeepSeek-V3 2741 / 2713, Qwen3 250 / 250; down 5 against 6:
+# DeepSeek-V3 1480 / 1644, Mixtral 968 / 973, Qwen3 150 / 149.
+UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
+DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 
 
 @dataclass(frozen=True)
