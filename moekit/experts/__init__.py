@@ -14,7 +14,7 @@ covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM
 
 Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA),
 ``triton_gluon`` (opt-in: ``triton``, with warp-specialized Gluon GEMMs on the contiguous layout where
-they measured faster: Hopper, prefill; never picked by ``auto``). ``backend="auto"`` picks the best
+they measured faster: Hopper, prefill, bf16/fp16 and block-scaled fp8 weights; never picked by ``auto``). ``backend="auto"`` picks the best
 available for the device. ``backend_fn(name, device)`` is the one resolver that ``MoE``, ``EPMoE`` and
 ``moekit.hf`` use: resolved once per (name, device type), then a dictionary lookup. A backend function
 assumes ``check_experts_args`` has passed (it runs once, in ``call_backend``); only a backend's own

@@ -156,13 +156,26 @@ def experts_triton_gluon(
     x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     *, activation: str | ActivationSpec = "silu", expert_map: torch.Tensor | None = None,
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, choice: GluonChoice = DEFAULT_CHOICE,
+    fp8_choice=None,
 ) -> torch.Tensor:
     """The ``triton_gluon`` backend: the Gluon path where ``choice`` wants it, the call fits it and the
     device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always where
     the Triton path would go through its custom op: while ``torch.compile`` or a dispatch mode traces,
-    and when autograd needs a backward (the Gluon launches are neither a custom op nor differentiable)."""
+    and when autograd needs a backward (the Gluon launches are neither a custom op nor differentiable).
+    ``fp8_block`` weights go to the fp8 Gluon path where ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``;
+    None: its default) wants the call and it fits (``triton_gluon_fp8.gluon_fp8_takes``), else to the Triton
+    fp8 kernels."""
     from moekit.experts.triton import _runs_directly, experts_triton_unchecked
 
+    if not isinstance(w13, torch.Tensor):  # quantized weights: fp8_block may take the fp8 Gluon path
+        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, gluon_fp8_takes
+
+        fp8_choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
+        if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, fp8_choice):
+            from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+
+            return experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights,
+                                     expert_map=expert_map)
     if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None
             and _runs_directly(x, w13, w2, topk_weights, b13, b2)):

@@ -1,0 +1,126 @@
+"""Compile the fp8 Gluon GEMM (``moekit/experts/_kernels/gluon_gemm_fp8.py``) for sm_90 on a machine without a
+GPU, to catch typos and layout errors before a device run, and to read its SMEM, the partitions' register
+counts (setmaxnreg) and ptxas's spills (``ptxas -v`` on the PTX, with the ptxas Triton bundles that takes it).
+
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # gate-up and down, the plan's tiles
+
+Needs a Triton whose Gluon has ``GluonASTSource`` (3.9 here; ``triton.compile`` with an explicit
+``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with the bundled ptxas, no driver).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Compiled:
+    name: str
+    seconds: float
+    shared: int  # bytes of SMEM
+    n_regs: int | None  # None: not reported by this Triton without a driver
+    n_spills: int | None
+    setmaxnreg: list  # the per-partition register counts in the PTX
+    spill_bytes: int | None  # ptxas -v "bytes spill stores"; None where no bundled ptxas took the PTX
+    serialized: bool  # ptxas serialized the wgmmas (C7514: accumulators read inside a wgmma pipeline stage)
+
+
+def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.empty(shape, dtype=dtype)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+    return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def ptxas_report(ptx: str) -> tuple[int | None, bool]:
+    """(bytes of spill stores, whether the wgmmas were serialized) as ptxas reports them for this sm_90a PTX
+    (the bundled ptxas, or the newer one beside it where the PTX's version is too new for the first)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            exe = os.path.join(bin_dir, name)
+            if not os.path.exists(exe):
+                continue
+            done = subprocess.run([exe, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True)
+            found = re.findall(r"(\d+) bytes spill stores", done.stderr)
+            if done.returncode == 0 and found:
+                return int(found[0]), "C7514" in done.stderr
+    return None, False
+
+
+def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int | None = None,
+                     max_registers: int | None = None, pingpong: bool = False, stagger: bool = False) -> Compiled:
+    """One GEMM at a small shape (E=2, N=256, K=512: shapes only reach the kernel as i32 arguments)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
+    from moekit.experts.triton_gluon_fp8_launch import Fp8GluonTile
+
+    consumer_regs = Fp8GluonTile.consumer_regs if consumer_regs is None else consumer_regs
+    max_registers = Fp8GluonTile.max_registers if max_registers is None else max_registers
+
+    e, n, k, t = 2, 256, 512, 1024
+    fp8 = torch.float8_e4m3fn
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    args = dict(a_desc=_descriptor([t, r], [64, 128], fp8), w_desc=_descriptor([e * w_rows, r], [128, 128], fp8),
+                c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
+                as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
+                reduce_dim=r, num_col_blocks=c // 128, w_rows=w_rows, gate_offset=n if gated else 0,
+                stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
+                stride_wsr=r // 128, stride_cs=c // 128)
+    const = dict(GATED=gated, STAGES=stages, GROUP_M=group_m,
+                 CONSUMER_REGS=consumer_regs, num_warps=4, PINGPONG=pingpong, STAGGER=stagger)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=max_registers))
+    ptx = out.asm["ptx"]
+    regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
+                   for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
+    name = (f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} regs={max_registers}/"
+            f"{consumer_regs}" + (" pingpong" if pingpong else "") + (" stagger" if stagger else ""))
+    return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
+                    getattr(out, "n_spills", None), regs, *ptxas_report(ptx))
+
+
+def main() -> int:
+    failed = 0
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+
+    up, down = UP_TILE.stages, DOWN_TILE.stages  # the plan's pipelines, then the device check's variants
+    for gated, stages, pingpong, stagger in ((True, up, False, False), (False, down, False, False),
+                                             (False, down, True, False), (True, up, False, True),
+                                             (False, down, False, True)):
+        try:
+            c = compile_fp8_gemm(gated, stages, pingpong=pingpong, stagger=stagger)
+            print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
+                  f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}")
+        except Exception as exc:  # noqa: BLE001 (report each GEMM)
+            failed += 1
+            print(f"FAIL {'gate-up' if gated else 'down'}: {type(exc).__name__}: {str(exc)[-2000:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

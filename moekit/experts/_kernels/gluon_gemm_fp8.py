@@ -1,0 +1,220 @@
+"""Block-scaled fp8 grouped GEMM for Hopper in Gluon, on the contiguous layout: the fp8 twin of ``gluon_gemm``.
+
+    out[r, c] = act(sum_kb (A_q[r, kb] @ W_q[e(r), c, kb]^T) * a_s[r, kb] * w_s[e(r), c // 128, kb])
+
+A_q [T, R] e4m3 (rows of the permuted buffer, each expert's segment starting on a BLOCK_M = 128 boundary),
+a_s [T, R/128] float32 (one scale per row per 128 columns); W a 2-D e4m3 view [E * W_ROWS, R] (w13 [E, 2N, K]
+with W_ROWS = 2N, or w2 [E, K, N] with W_ROWS = K) read in [BLOCK_N = 128, BLOCK_K = 128] tiles by TMA;
+w_s [E, W_ROWS/128, R/128] float32 (``weight_scale_inv``: dequantized = q * scale). Each K-step is one scale
+block and each tile's columns lie in one weight block, so a step's weight scale is one scalar.
+
+Every K-step's wgmma goes into a fresh accumulator (``use_acc=False``: the fp8 tensor cores' own
+accumulation is short of float32 and is never carried across steps), then acc += part * (a_s * w_s)[:, None]
+in float32: DeepSeek-V3's promotion. The promotion must not idle the tensor cores, so the tile's two
+64-row halves belong to two consumer warpgroups (partitions) that run independently: while one does its
+FMAs the other's wgmma runs. Three partitions per program:
+  - consumer 0 (the default partition, 4 warps) and consumer 1 (a worker, 4 warps): rows 0-63 and 64-127
+    of the [128, 128] tile, each with its own float32 accumulator(s) and epilogue;
+  - loader (1 warp): TMA loads of the two A halves and the weight tile(s) into a STAGES-deep SMEM ring;
+    ``ready`` (bytes landed) and ``empty`` (count 2: both consumers' MMAs that read it retired).
+GATED (gate-up): gate tile rows c.., up tile rows gate_offset + c.., out = silu(gate) * up, quantized per
+row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128].
+Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
+
+Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
+GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
+Torch twin: ``moekit.experts.triton_gluon_fp8.experts_gluon_fp8_twin``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _tile_of
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
+FIRST_HALF = gl.constexpr(0)  # the consumers' HALF (a partition's arguments must be values or constexprs)
+SECOND_HALF = gl.constexpr(1)
+
+
+@gluon.jit
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+    HALF_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // (2 if GATED else 1)
+    WTILES: gl.constexpr = 2 if GATED else 1
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        w_row = gl.load(experts_ptr + rb) * w_rows + cb * BLOCK_N
+        for kk in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+            mbarrier.expect(ready.index(s), nbytes)
+            _tma_load(a_desc, [rb * 2 * HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s))
+            _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
+            _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
+            if GATED:
+                _tma_load(w_desc, [w_row + gate_offset, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
+            it += 1
+
+
+@gluon.jit
+def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
+              reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+              HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
+              STAGGER: gl.constexpr):
+    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 32])
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block
+    c_buf = c_bufs.index(HALF)
+    if STAGGER and HALF == 1:
+        if gl.program_id(0) < num_tiles:  # consumer 0 arrives at its first MMA: start one MMA behind it
+            mbarrier.wait(turns.index(1), 0)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        row0 = rb * 2 * HALF_M + HALF * HALF_M
+        rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
+        as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
+        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
+        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
+                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
+        _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
+            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, layout: gl.constexpr):
+    """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
+    (acc [64, 128] float32, up (GATED; else unused), the ring position after it). Keeping the next step's
+    wgmma in flight while folding in the last one (two parts, the down GEMM has the registers) makes ptxas
+    serialize the wgmmas (C7514: accumulator registers read inside the pipeline stage), so it is not done."""
+    HALF_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.type.shape[1]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    part = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    a_scale = gl.load(as_ptrs)  # [64] K-step 0's; each step loads the next one's while its MMAs run
+    for kk in range(k_steps):
+        s = it % STAGES
+        w_gate = gl.load(ws_gate + kk)
+        if GATED:
+            w_up = gl.load(ws_up + kk)
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(2 * s + HALF)
+        _take_turn(turns, it * WTILES, HALF, PINGPONG)
+        part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
+        _pass_turn(turns, HALF, PINGPONG)
+        if STAGGER and HALF == 0:
+            mbarrier.arrive(turns.index(1), count=1, pred=it == 0)  # consumer 1 starts now
+        next_scale = gl.load(as_ptrs + gl.minimum(kk + 1, k_steps - 1))  # the last step reloads its own
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+        if GATED:
+            acc += part * (a_scale * w_gate)[:, None]
+            _take_turn(turns, it * WTILES + 1, HALF, PINGPONG)
+            part = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)
+            _pass_turn(turns, HALF, PINGPONG)
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(s), count=1)  # this half's MMAs on stage s retired
+            up += part * (a_scale * w_up)[:, None]
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += part * (a_scale * w_gate)[:, None]
+        a_scale = next_scale
+        it += 1
+    return acc, up, it
+
+
+@gluon.jit
+def _take_turn(turns, n, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait for this consumer's n-th turn to issue an MMA (the consumers alternate, consumer 0
+    first: a fresh barrier passes a wait on phase 1), so their MMAs and their FMAs interleave."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(HALF), (n & 1) ^ (1 - HALF))
+
+
+@gluon.jit
+def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: this consumer's MMA is issued: the other one's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - HALF), count=1)
+
+
+@gluon.jit
+def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
+    """One half tile out by TMA: GATED, h = silu(acc) * up quantized per row over its 128 columns (one h
+    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype."""
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    if GATED:
+        h = acc / (1.0 + gl.exp(-acc)) * up  # [64, 128] fp32
+        amax = gl.max(gl.abs(h), axis=1)
+        h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+        c_buf.store(gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype))
+        gl.store(cs_ptrs, h_scale)
+    else:
+        c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+
+
+@gluon.jit
+def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, reduce_dim,
+                            num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                            GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
+                            STAGGER: gl.constexpr = False):
+    """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
+    a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
+    [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
+    R/128] fp32 (strides stride_wse, stride_wsr, 1); cs_ptr [T, C/128] fp32 h scales (GATED only; row stride
+    stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
+    num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
+    PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
+    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset)."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
+                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
+        (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
+                     used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
+                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   w_rows, gate_offset, GATED, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, 24])

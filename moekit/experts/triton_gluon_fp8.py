@@ -1,0 +1,186 @@
+"""fp8 block-scaled experts on the contiguous layout with warp-specialized Gluon GEMMs (Hopper), for prefill.
+
+    [align (Triton, no sync), gather x into 128-aligned expert segments, quantized: e4m3 per row per 128
+    columns] -> [gate-up GEMM, block-scaled, silu(gate)*up, h quantized per 128 columns in the epilogue]
+      -> [down GEMM, block-scaled, y bf16] -> [weighted sum over the k slots, back in token order]
+
+The weights are ``fp8_block``'s (``triton_fp8``'s convention: e4m3 w13_q [E, 2N, K], w2_q [E, K, N], float32
+scales per 128 x 128 block, dequantized = q * scale). ``experts_gluon_fp8`` runs the path (and raises where it
+cannot: ``gluon_fp8_supported``, ``gluon_fp8_unfit``); ``experts_gluon_fp8_twin`` is its arithmetic in torch
+(the oracle of the tests and of ``benchmarks/fp8_gluon_device_check.py``): ``fused_experts_fp8_torch``'s
+quantization steps, with y rounded to x's dtype before the weighted sum as the kernels do.
+The ``triton_gluon`` backend hands fp8_block weights here where ``Fp8GluonChoice`` wants the call (and it fits,
+and nothing traces or needs a backward), and to the fused Triton fp8 kernels everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_fp8 import dequantize_blocks, dequantize_groups, quantize_groups
+from moekit.experts.triton_gluon_fp8_launch import (
+    GROUP, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
+)
+from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_supported, launch_contiguous_sum
+from moekit.experts.triton_launch import cdiv, interpreting
+from moekit.layouts.grouping import to_local_ids
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Fp8GluonChoice:
+    """Where the ``triton_gluon`` backend runs fp8_block weights on the Gluon path: calls of at least
+    ``min_flops`` (6 * M * k * N * K; None: never). Measured on the H200 (Triton 3.6, layout and combine
+    counted; benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*), against the Triton fp8 kernels,
+    CUDA-graph replay / eager: M=4096 Qwen3 1.35x / 0.73x, DeepSeek-V3 1.21x / 1.08x, Mixtral 1.36x / 1.13x;
+    M=16384 1.35x / 1.15x, 1.10x / 1.25x, 1.18x / 1.14x; M=1024 Qwen3 0.96x / 0.41x, DeepSeek-V3 0.83x / 0.77x,
+    Mixtral 1.29x / 0.71x. Eager calls pay ~0.3-0.6 ms more host time on this path (the alignment, six TMA
+    descriptors, the launches), so it is taken where both ways win: from 1e12 FLOPs (Qwen3 M=16384: 1.2e12,
+    DeepSeek-V3 and Mixtral M=4096: 2.9e12; the cells below it: <= 7.2e11)."""
+
+    min_flops: float | None = 1e12
+
+    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int) -> bool:
+        return self.min_flops is not None and 6.0 * num_tokens * top_k * inter * hidden >= self.min_flops
+
+
+DEFAULT_FP8_CHOICE = Fp8GluonChoice()
+
+
+def gluon_fp8_unfit(x: torch.Tensor, w13_q, w13_scale, w2_q, w2_scale, activation="silu",
+                    block_shape: tuple[int, int] = (128, 128)) -> str | None:
+    """Why the fp8 Gluon path cannot take this call (None when it can): bf16/fp16 x with unit-stride rows,
+    plain silu, 128 x 128 weight blocks, contiguous e4m3 weights and float32 scales, N and K multiples of 128
+    (the tiles hold whole scale blocks; the gate-up tile's 128 columns are one h group)."""
+    if x.dtype not in _DTYPES:
+        return f"x dtype {x.dtype} (bf16/fp16 only)"
+    if activation != "silu":
+        return f"activation={activation!r} (plain silu only)"
+    if tuple(block_shape) != (GROUP, GROUP):
+        return f"block_shape={tuple(block_shape)} ((128, 128) only)"
+    if w13_q.dtype != torch.float8_e4m3fn or w2_q.dtype != torch.float8_e4m3fn:
+        return f"weights {w13_q.dtype}/{w2_q.dtype} (float8_e4m3fn only)"
+    if not all(t.is_contiguous() for t in (w13_q, w13_scale, w2_q, w2_scale)) or x.stride(-1) != 1:
+        return "strided weights, scales or x (weights and scales contiguous, x rows unit-stride)"
+    hidden, inter = w2_q.shape[1], w2_q.shape[2]
+    if inter % GROUP or hidden % GROUP:
+        return f"w2_q [E, K={hidden}, N={inter}]: N and K must be multiples of 128"
+    return None
+
+
+def gluon_fp8_supported(device: torch.device | str) -> bool:
+    """The device runs the Gluon GEMMs (``triton_gluon_launch.gluon_supported``: Hopper, a Gluon Triton)."""
+    return gluon_supported(device)
+
+
+def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activation, b13, b2,
+                    choice: Fp8GluonChoice) -> bool:
+    """Whether the ``triton_gluon`` backend runs this call on the fp8 Gluon path: fp8_block weights, no
+    biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
+    (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
+    from moekit.activations import ActivationSpec, as_spec
+    from moekit.experts.triton import _runs_directly
+    from moekit.quant import QuantizedWeight
+
+    if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
+            and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
+        return False
+    if as_spec(activation) != ActivationSpec("silu") or not choice.wants(x.shape[0], topk_weights.shape[1],
+                                                                          w2.shape[2], x.shape[1]):
+        return False
+    if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
+        return False
+    return (gluon_fp8_unfit(x, w13.q, w13.scale, w2.q, w2.scale, "silu", tuple(w13.block_shape)) is None
+            and _runs_directly(x, w13.q, w2.q, topk_weights, None, None))
+
+
+@dataclass(frozen=True)
+class Fp8GluonLayout:
+    """The contiguous layout of x, quantized: ``GluonLayout``'s rows with x_q and x_s for x_perm."""
+
+    x_q: torch.Tensor  # [R, K] e4m3 (float32 holding e4m3 values under the interpreter); padding rows unwritten
+    x_s: torch.Tensor  # [R, K/128] float32
+    block_experts: torch.Tensor  # [R // 128] int32; -1 past rows_used
+    rows_used: torch.Tensor  # [1] int32; a multiple of 128
+    src_to_dst: torch.Tensor  # [M, k] int32; row of assignment (t, j), -1 when not routed here
+
+
+def gluon_fp8_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                     expert_map: torch.Tensor | None = None, align=None) -> Fp8GluonLayout:
+    """``triton_gluon.gluon_layout`` with x quantized in the same pass (one Triton kernel, no host sync).
+    ``align``: ``align_block_triton`` by default (its torch twin ``align_block`` in the CPU tests)."""
+    if align is None:
+        from moekit.experts.triton_align import align_block_triton as align
+    blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
+    num_tokens, top_k = topk_ids.shape
+    rows, hidden = blocks.sorted_ids.numel(), x.shape[1]
+    x_q = torch.empty(rows, hidden, device=x.device, dtype=torch.float32 if interpreting() else torch.float8_e4m3fn)
+    x_s = torch.empty(rows, cdiv(hidden, GROUP), device=x.device, dtype=torch.float32)
+    dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
+    launch_gather_quant(x, blocks.sorted_ids, top_k, x_q, x_s, dst)
+    return Fp8GluonLayout(x_q, x_s, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
+
+
+def experts_gluon_fp8(
+    x: torch.Tensor,  # [M, K] bf16/fp16
+    w13_q: torch.Tensor,  # [E, 2N, K] e4m3
+    w13_scale: torch.Tensor,  # [E, 2N/128, K/128] float32
+    w2_q: torch.Tensor,  # [E, K, N] e4m3
+    w2_scale: torch.Tensor,  # [E, K/128, N/128] float32
+    topk_ids: torch.Tensor,  # [M, k]
+    topk_weights: torch.Tensor,  # [M, k]
+    *,
+    expert_map: torch.Tensor | None = None,
+    up: Fp8GluonTile | None = None,
+    down: Fp8GluonTile | None = None,
+) -> torch.Tensor:
+    """The fp8 experts contract on the Gluon path (arguments checked by the caller: ``check_fp8_args``).
+    ``up`` / ``down``: the GEMMs' pipelines (the plan's by default). Raises where the device or the call does
+    not fit. No host sync."""
+    if not gluon_fp8_supported(x.device):
+        raise RuntimeError(f"the fp8 Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
+    reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
+    if reason is not None:
+        raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
+    num_experts, hidden, inter = w2_q.shape
+    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
+    layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
+    rows = layout.x_q.shape[0]
+    h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]; rows past rows_used unwritten
+    h_s = torch.empty(rows, inter // GROUP, device=x.device, dtype=torch.float32)
+    launch_gemm_fp8(layout.x_q, layout.x_s, w13_q, w13_scale, h_q, h_s, layout.block_experts, layout.rows_used,
+                    plan.up, gated=True, gate_offset=inter)
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm_fp8(h_q, h_s, w2_q, w2_scale, y, None, layout.block_experts, layout.rows_used, plan.down,
+                    gated=False)
+    out = torch.empty_like(x)
+    launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
+    return out
+
+
+def experts_gluon_fp8_twin(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, *,
+                           expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp8 Gluon path's arithmetic in torch (any device; syncs): x quantized per row per 128 columns,
+    float32 products of the dequantized operands per expert, silu(gate) * up, h quantized per 128 columns,
+    y rounded to x's dtype (the down GEMM's bf16 output), then the float32 weighted sum over the k slots."""
+    reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
+    if reason is not None:
+        raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
+    num_experts, inter, top_k = w13_q.shape[0], w13_q.shape[1] // 2, topk_ids.shape[1]
+    x_deq = dequantize_groups(*quantize_groups(x, GROUP), GROUP)  # [M, K] float32
+    local = to_local_ids(topk_ids, num_experts, expert_map)  # [A]; E = not routed here
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in local.unique().tolist():
+        if e >= num_experts:
+            continue
+        assignments = (local == e).nonzero().squeeze(1)  # [n_e]
+        tokens, slots = assignments // top_k, assignments % top_k
+        gate_up = x_deq[tokens] @ dequantize_blocks(w13_q[e], w13_scale[e], (GROUP, GROUP)).T  # [n_e, 2N]
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n_e, N]
+        h_deq = dequantize_groups(*quantize_groups(h, GROUP), GROUP)
+        y = (h_deq @ dequantize_blocks(w2_q[e], w2_scale[e], (GROUP, GROUP)).T).to(x.dtype)  # [n_e, K]
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots].float()[:, None])
+    return out.to(x.dtype)

@@ -1,0 +1,111 @@
+"""Tiles and launches of the fp8 Gluon path (``triton_gluon_fp8``): the gather that quantizes x into the
+contiguous layout (a plain Triton kernel: it also runs in the interpreter) and the block-scaled Gluon GEMM
+(``_kernels/gluon_gemm_fp8.py``: Hopper only). The combine is the bf16 path's (``triton_gluon_launch``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_gluon_launch import BLOCK_M, _num_sms
+from moekit.experts.triton_launch import cdiv, interpreting
+
+GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the GEMM's BLOCK_N and BLOCK_K
+HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
+CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) and the loader (1 warp) added
+GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
+_KERNELS = "moekit.experts._kernels"
+
+
+@dataclass(frozen=True)
+class Fp8GluonTile:
+    """One fp8 GEMM's pipeline (the tile is [128, 128] outputs by 128-wide K-steps, fixed by the scale
+    blocks): ``stages`` SMEM slots, ``group_m`` row blocks sharing each column block in the persistent
+    walk; registers: ``max_registers`` per thread at launch (12 warps: the loader's one is padded to a
+    warpgroup; 12 x 32 x 160 of the SM's 64K), then ``consumer_regs`` for consumer 1, 24 for the loader and
+    the rest (3 x max_registers - 24 - consumer_regs, at most 256) for consumer 0. 160 / 224 (consumer 0:
+    232) is a split ptxas compiles without spills; 168 / 232 (consumer 0: 248) spilled ~11 registers in the
+    gate-up K loop (ptxas -v on the sm_90a PTX: ``benchmarks/gluon_fp8_compile_cpu.py``)."""
+
+    stages: int = 4
+    group_m: int = 8
+    consumer_regs: int = 224
+    max_registers: int = 160
+    pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
+    stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
+
+
+# SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB.
+# Stages from the H200's variants at M=4096 (benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*):
+# gate-up 3 against 4: Mixtral 1725 / 1918 us, DeepSeek-V3 2741 / 2713, Qwen3 250 / 250; down 5 against 6:
+# DeepSeek-V3 1480 / 1644, Mixtral 968 / 973, Qwen3 150 / 149.
+UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
+DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
+
+
+@dataclass(frozen=True)
+class Fp8GluonPlan:
+    """Rows T of the permuted buffer (any routing fits: no host sync) and the two GEMMs' pipelines."""
+
+    rows: int
+    up: Fp8GluonTile
+    down: Fp8GluonTile
+
+
+def plan_gluon_fp8(num_tokens: int, top_k: int, num_experts: int, up: Fp8GluonTile | None = None,
+                   down: Fp8GluonTile | None = None) -> Fp8GluonPlan:
+    from moekit.layouts.grouping import max_padded_rows
+
+    return Fp8GluonPlan(max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M), up or UP_TILE, down or DOWN_TILE)
+
+
+def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_q: torch.Tensor, x_s: torch.Tensor,
+                        dst: torch.Tensor) -> None:
+    """x_q[r], x_s[r] = the e4m3 groups of x[sorted_ids[r] // k] and dst[sorted_ids[r]] = r for the real rows.
+    x [M, K] unit-stride rows; x_q [R, K] (float32 under the interpreter), x_s [R, ceil(K/128)] float32,
+    dst [A] int32 filled with -1 by the caller."""
+    kernel = importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel
+    rows, hidden = x_q.shape
+    kernel[(cdiv(rows, GATHER_ROWS), cdiv(hidden, GROUP))](
+        x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0),
+        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
+                    out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
+    """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
+    (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
+    gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
+    (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
+    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
+    registers, spills and PTX for the device check)."""
+    if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
+        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
+    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
+    num_experts, w_rows, reduce_dim = w.shape
+    a_desc = _descriptor(a, [HALF_M, GROUP])
+    w_desc = _descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
+    c_desc = _descriptor(out, [HALF_M, GROUP])
+    num_col_blocks = out.shape[1] // GROUP
+    max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
+    grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
+    out_s = a_s if out_s is None else out_s  # never written by the down GEMM
+    return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
+                        num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
+                        out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                        CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
+                        num_warps=CONSUMER_WARPS,
+                        maxnreg=tile.max_registers)
