@@ -173,6 +173,26 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
     assert taken == [24]
 
 
+def test_triton_backend_takes_the_fp8_path_by_its_default_choice(monkeypatch):
+    """The default ``triton`` backend sends fp8_block calls the default choice wants to the fp8 Gluon path
+    (device stubbed as Hopper, the default lowered to this tiny call), the rest to the Triton fp8 kernels."""
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts import get_backend
+
+    taken = []
+    monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
+    monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
+    x, q, ids, weights = _problem()
+    w13, w2 = _fp8_weights(q)
+    flops = 6.0 * 24 * 2 * N * K
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops * 1.01))
+    below = get_backend("triton")(x, w13, w2, ids, weights)
+    assert taken == [] and below.abs().sum() > 0  # the Triton fp8 kernels ran
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops))
+    get_backend("triton")(x, w13, w2, ids, weights)
+    assert taken == [24]
+
+
 def test_gemm_compiles_for_sm90():
     """Both GEMMs through Triton's whole pipeline to a cubin for sm_90 (a typo or a layout error fails here,
     not on the device), within the SM's shared memory, without register spills and with the wgmmas not

@@ -162,20 +162,18 @@ def experts_triton_gluon(
     device runs it; the fused Triton kernels (``experts_triton_unchecked``) otherwise, and always where
     the Triton path would go through its custom op: while ``torch.compile`` or a dispatch mode traces,
     and when autograd needs a backward (the Gluon launches are neither a custom op nor differentiable).
-    ``fp8_block`` weights go to the fp8 Gluon path where ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``;
-    None: its default) wants the call and it fits (``triton_gluon_fp8.gluon_fp8_takes``), else to the Triton
-    fp8 kernels."""
-    from moekit.experts.triton import _runs_directly, experts_triton_unchecked
+    Quantized weights go where the ``triton`` backend sends them (``triton_quant.run_quantized_triton``):
+    ``fp8_block`` to the fp8 Gluon path where ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its
+    default, the ``triton`` backend's too) wants the call and it fits, else to the Triton fp8 kernels."""
+    from moekit.experts.triton import _DEFAULT_OPTIONS, _runs_directly, experts_triton_unchecked
 
     if not isinstance(w13, torch.Tensor):  # quantized weights: fp8_block may take the fp8 Gluon path
-        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, gluon_fp8_takes
+        from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
-        fp8_choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
-        if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, fp8_choice):
-            from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
-
-            return experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights,
-                                     expert_map=expert_map)
+        if is_quantized(w13, w2):
+            return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation,
+                                        expert_map=expert_map, b13=b13, b2=b2, options=_DEFAULT_OPTIONS,
+                                        fp8_choice=fp8_choice)
     if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None
             and _runs_directly(x, w13, w2, topk_weights, b13, b2)):

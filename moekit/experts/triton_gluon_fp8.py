@@ -9,8 +9,9 @@ scales per 128 x 128 block, dequantized = q * scale). ``experts_gluon_fp8`` runs
 cannot: ``gluon_fp8_supported``, ``gluon_fp8_unfit``); ``experts_gluon_fp8_twin`` is its arithmetic in torch
 (the oracle of the tests and of ``benchmarks/fp8_gluon_device_check.py``): ``fused_experts_fp8_torch``'s
 quantization steps, with y rounded to x's dtype before the weighted sum as the kernels do.
-The ``triton_gluon`` backend hands fp8_block weights here where ``Fp8GluonChoice`` wants the call (and it fits,
-and nothing traces or needs a backward), and to the fused Triton fp8 kernels everywhere else.
+The ``triton`` backend (and ``triton_gluon``, which sends quantized weights the same way) hands fp8_block
+weights here where ``Fp8GluonChoice`` wants the call (and it fits, and nothing traces or needs a backward),
+and to the fused Triton fp8 kernels everywhere else (``triton_quant.run_quantized_triton``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class Fp8GluonChoice:
-    """Where the ``triton_gluon`` backend runs fp8_block weights on the Gluon path: calls of at least
+    """Where the ``triton`` backend runs fp8_block weights on the Gluon path: calls of at least
     ``min_flops`` (6 * M * k * N * K; None: never). Measured on the H200 (Triton 3.6, layout and combine
     counted; benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*), against the Triton fp8 kernels,
     CUDA-graph replay / eager: M=4096 Qwen3 1.35x / 0.73x, DeepSeek-V3 1.21x / 1.08x, Mixtral 1.36x / 1.13x;
@@ -78,18 +79,19 @@ def gluon_fp8_supported(device: torch.device | str) -> bool:
 
 def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activation, b13, b2,
                     choice: Fp8GluonChoice) -> bool:
-    """Whether the ``triton_gluon`` backend runs this call on the fp8 Gluon path: fp8_block weights, no
+    """Whether the ``triton`` and ``triton_gluon`` backends run this call on the fp8 Gluon path: fp8_block weights, no
     biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
     (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
     from moekit.activations import ActivationSpec, as_spec
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 
+    if not choice.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1]):  # first: decode calls stop here
+        return False
     if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
             and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
         return False
-    if as_spec(activation) != ActivationSpec("silu") or not choice.wants(x.shape[0], topk_weights.shape[1],
-                                                                          w2.shape[2], x.shape[1]):
+    if as_spec(activation) != ActivationSpec("silu"):
         return False
     if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
         return False

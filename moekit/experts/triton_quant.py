@@ -1,6 +1,7 @@
 """The Triton backend on quantized weights: ``moekit.quant``'s objects onto the fp8 and weight-only kernels.
 
-    QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path)
+    QuantizedWeight pair -> fp8_block: triton_fp8.fused_experts_fp8 (activations quantized 1 x BC in the path),
+                            or the fp8 Gluon path (triton_gluon_fp8) for the large calls its choice wants on Hopper
                          -> int8_w8a16 / int4_w4a16 / mxfp4: triton_wo.fused_experts_wo (dequantized in registers)
 
 What the quantized kernels do not run yet (expert biases, an activation spec other than a plain name,
@@ -28,8 +29,10 @@ def is_quantized(w13, w2) -> bool:
 
 def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, *, activation: str | ActivationSpec, expert_map,
-                         b13, b2, options: LaunchOptions) -> torch.Tensor:
-    """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels."""
+                         b13, b2, options: LaunchOptions, fp8_choice=None) -> torch.Tensor:
+    """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
+    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 1e12 FLOPs) wants
+    and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward)."""
     scheme = check_quantized_pair(w13, w2)
     reason = _unsupported(scheme, x.dtype, activation, b13, b2)
     if reason is not None:
@@ -41,6 +44,11 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     name = as_spec(activation).name
     if scheme == "fp8_block":
         from moekit.experts.triton_fp8 import fused_experts_fp8
+        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, experts_gluon_fp8, gluon_fp8_takes
+
+        choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
+        if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):
+            return experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map=expert_map)
 
         return fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
                                  expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
