@@ -77,6 +77,7 @@ class ExpertCache:
         self._first_tick: dict[int, int] = {}  # layer -> the tick of its first lookup
         self._horizon = math.inf  # ticks an unused expert stays cached: running mean of the victims' idle ticks
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
+        self.trace = None  # a ``trace.StepTrace`` to record the step's marks in (``mark``), or None
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -145,6 +146,11 @@ class ExpertCache:
         finally:
             self._dry = False
 
+    def mark(self, name: str, layer: int, copy: bool = False) -> None:
+        """A point of the step for ``trace`` (nothing when it is None), on the copy stream with ``copy``."""
+        if self.trace is not None:
+            self.trace.mark(name, layer, self._copy_stream if copy else None)
+
     # -- a forward's use -----------------------------------------------------------------------------
 
     def begin_forward(self) -> None:
@@ -193,7 +199,7 @@ class ExpertCache:
         if len(experts) > self.free_slots():
             raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
         keys = [(layer, e) for e in experts]
-        self._fetch(keys, stats)  # protects them
+        self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
             self.policy.touch(key, self._tick)
         stats.fetched += len(experts)
@@ -224,19 +230,19 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Fetch ``layer``'s predicted experts that are not cached, as far as unprotected slots allow
         (the forward in flight keeps its experts); the copies overlap the compute stream's work."""
-        fetched = self._fetch_ahead(layer, experts, stats)
+        fetched = self._fetch_ahead(layer, experts, stats, "prefetch")
         self._prefetched.update(fetched)
         stats.prefetched += len(fetched)
 
     def admit(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Copy experts a forward computed elsewhere (the CPU) into the cache for later forwards."""
-        stats.admitted += len(self._fetch_ahead(layer, experts, stats))
+        stats.admitted += len(self._fetch_ahead(layer, experts, stats, "admit"))
 
-    def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats) -> list[Key]:
+    def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats, kind: str) -> list[Key]:
         """Fetch the first of ``experts`` not cached, as many as slots can be freed; unprotected after."""
         where = self._slots.where
         keys = [(layer, e) for e in experts if (layer, e) not in where][: self.free_slots()]
-        self._fetch(keys, stats)
+        self._fetch(keys, stats, kind)
         self._protected.difference_update(keys)
         return keys
 
@@ -252,6 +258,14 @@ class ExpertCache:
             self._protected.discard(key)
             if key in self._slots.where:
                 self._slots.read_done[self._slots.where[key]] = event
+
+    def evict(self, layer: int, experts: list[int]) -> list[int]:
+        """Drop ``layer``'s ``experts`` from the cache where cached and not in use by a forward (a later
+        touch misses); returns those dropped. For controlled fetch counts (``offload_floor.measure_fetch``)."""
+        keys = [(layer, e) for e in experts if (layer, e) in self._slots.where and (layer, e) not in self._protected]
+        for key in keys:
+            self._drop(key)
+        return [e for _, e in keys]
 
     def slot_map(self, layer: int, experts: list[int], num_experts: int) -> torch.Tensor:
         """[E] int32 on the device: the slot of each of ``experts`` (cached), -1 for every other expert."""
@@ -278,17 +292,22 @@ class ExpertCache:
         for victim in victims:
             idle = self._tick - self.policy.last_use(victim)
             self._horizon = idle if math.isinf(self._horizon) else self._horizon + HORIZON_WEIGHT * (idle - self._horizon)
-            s = slots.where.pop(victim)
-            self.policy.remove(victim)
-            self._prefetched.discard(victim)
-            slots.owner[s] = None
-            slots.free.append(s)
+            self._drop(victim)
 
-    def _fetch(self, keys: list[Key], stats: OffloadStats) -> None:
+    def _drop(self, key: Key) -> None:
+        """``key`` leaves the cache: its slot is free, the policy forgets it."""
+        s = self._slots.where.pop(key)
+        self.policy.remove(key)
+        self._prefetched.discard(key)
+        self._slots.owner[s] = None
+        self._slots.free.append(s)
+
+    def _fetch(self, keys: list[Key], stats: OffloadStats, kind: str) -> None:
         """Copy ``keys``' blocks into slots (free or evicted) and protect them. The batch's slots, in
         ascending order, take its keys in (layer, expert) order, so consecutive experts landing in
         consecutive slots form runs, each one ``copy_`` per block group. On CUDA on the copy stream,
-        after the reads of each slot's previous expert, one event recorded after the batch."""
+        after the reads of each slot's previous expert, one event recorded after the batch. ``kind``
+        ("fetch", "prefetch", "admit") names the batch's marks (``mark``)."""
         if not keys:
             return
         slots = self._slots
@@ -309,11 +328,13 @@ class ExpertCache:
                 for event in {id(slots.read_done[s]): slots.read_done[s] for s in taken}.values():
                     if event is not None:  # slots released together share one event
                         self._copy_stream.wait_event(event)
+            self.mark(f"copy_start:{kind}", keys[0][0], copy=True)
             for layer, expert, slot, count in _runs(placed):
                 host = self._host_blocks[layer]
                 for g, block in enumerate(slots.blocks):
                     block[slot: slot + count].copy_(host[g][expert: expert + count],
                                                     non_blocking=self._copy_stream is not None)
+            self.mark(f"copy_end:{kind}", keys[0][0], copy=True)
             if self._copy_stream is not None:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
