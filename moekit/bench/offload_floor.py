@@ -126,6 +126,26 @@ def measure_fixed(layers, x: torch.Tensor, steps: list[list[Routing]], costs: Mi
                       max(0.0, statistics.median(extra)))
 
 
+def measure_forced(layers, x: torch.Tensor, steps: list[list[Routing]], counts=(0, 1, 2, 4),
+                   repeats: int = 3) -> dict[int, list[float]]:
+    """Step seconds with exactly k fetches in every layer, for each k of ``counts``: ``layers`` (gpu
+    mode, no prefetch) on a cache holding every expert ``steps`` touch, each step run once untimed,
+    then ``repeats`` times per k, timed, after ``ExpertCache.evict`` of k of each layer's touched
+    experts (the lowest ids; fewer where a layer touches fewer). {k: [seconds, one per timed step]}."""
+    for per_layer in steps:
+        for layer, routing in zip(layers, per_layer):
+            layer.run_routed(x, routing)
+    touched = [[sorted({e for e in r.topk_ids.reshape(-1).tolist() if e >= 0}) for r in per_layer] for per_layer in steps]
+    out: dict[int, list[float]] = {k: [] for k in counts}
+    for _ in range(repeats):
+        for per_layer, sets in zip(steps, touched):
+            for k in counts:
+                for layer, experts in zip(layers, sets):
+                    layer.cache.evict(layer.layer_id, experts[:k])
+                out[k].append(_timed_step(layers, x, per_layer, False))
+    return out
+
+
 def _timed_step(layers, x: torch.Tensor, per_layer: list[Routing], second_call: bool) -> float:
     """Seconds of one step through ``layers`` (all hits); ``second_call``: each layer's forward followed
     by one more experts call over its touched experts' slots (its own slot map copied, as a forward's
