@@ -58,7 +58,7 @@ CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.75, True, 1), ("uniform", 0.75
          ("skewed", 0.75, False, 8), ("uniform", 0.5, False, 8))
 MODES = ("gpu", "auto", "cpu")
 FORCED = (0, 1, 2, 4)  # fetches forced into every layer (part 1)
-PHASES = ("period_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s", "copy_s", "land_to_call_s",
+PHASES = ("period_s", "host_busy_s", "wait_after_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s", "copy_s", "land_to_call_s",
           "hits_call_s", "fetched_call_s", "host_tail_s")
 
 
@@ -76,13 +76,30 @@ def _stream(config: MoEConfig, layers: int, m: int, stream: str, count: int, dev
     return data.trace, [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings]
 
 
+class EveryWaitCache(ExpertCache):
+    """The cache before this branch: the compute stream waits for every hit's copy event again, each forward
+    (one stream wait per batch its hits came in), where the new one skips copies it has waited for."""
+
+    def wait_ready(self, layer: int, experts: list[int]) -> None:
+        if self._copy_stream is None:
+            return
+        stream, waited = torch.cuda.current_stream(self.device), set()
+        for e in experts:
+            event = self._slots.copy_done[self._slots.where[(layer, e)]]
+            if event is not None and id(event) not in waited:
+                stream.wait_event(event)
+                waited.add(id(event))
+
+
 def _stack(shells, trace, slots: int, mode: str, prefetch: bool, warm: int, costs, device) -> list[OffloadedMoE]:
-    cache = ExpertCache(slots, device=device, policy="lfu")
-    layers = [OffloadedMoE.from_moe(shells[i], cache=cache, prefetch=None, compute_misses_on=mode, costs=costs)
+    """``mode``: a compute_misses_on, or "gpu-everywait" (gpu on ``EveryWaitCache``)."""
+    place = mode.split("-")[0]
+    cache = (EveryWaitCache if mode.endswith("everywait") else ExpertCache)(slots, device=device, policy="lfu")
+    layers = [OffloadedMoE.from_moe(shells[i], cache=cache, prefetch=None, compute_misses_on=place, costs=costs)
               for i in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), prefetch="router" if prefetch else None,
-              place=mode, costs=costs, expert_bytes=cache.expert_bytes)
+              place=place, costs=costs, expert_bytes=cache.expert_bytes)
     return layers
 
 
@@ -120,20 +137,21 @@ def _record(mode: str, traced: bool, seconds: float, done: list, costs, fixed, e
             "cpu_model_s": sum(costs.cpu_side_s(list(s.cpu_rows)) for s in done if s.cpu_experts), "layers": len(done)}
 
 
-def run_cell(shells, config, cell, costs, device, steps: int, profile: bool) -> dict:
+def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, modes=MODES) -> dict:
+    """One cell (module docstring, part 2): ``modes`` take turns step by step, then gpu alone."""
     stream, fraction, prefetch, m = cell
     warm, total = default_warm_steps(m), len(shells) * config.num_experts
     slots = max(1, round(fraction * total))
     trace, routings = _stream(config, len(shells), m, stream, warm + 1 + steps, device)
     fixed = fixed_costs(shells, routings[warm:warm + 4], costs, device, CpuOptions(), slots)
     costs = dataclasses.replace(costs, gpu_call_s=fixed.call_s)
-    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in MODES}
+    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in modes}
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
-    rows, times = [], {mode: [] for mode in MODES}
+    rows, times = [], {mode: [] for mode in modes}
     bytes_one = stacks["gpu"][0].cache.expert_bytes
     for step in range(steps + 1):
-        for j in range(len(MODES)):
-            mode = MODES[(step + j) % len(MODES)]
+        for j in range(len(modes)):
+            mode = modes[(step + j) % len(modes)]
             traced = step % 2 == 0 and step > 0
             seconds, done, marks = _step(stacks[mode], x, routings[warm + step], trace.predicted[warm + step],
                                          prefetch, traced, device)
@@ -249,11 +267,12 @@ def _print(result: dict) -> None:
                   + " ".join(f"{f['phases'][k][p] * 1e3:6.3f}" for p in PHASES))
     print("cell | mode step ms (traced) x floor, fetches/fetch layers a step | fixed+call ms")
     for cell in result["cells"]:
-        print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone"))
+        print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", "gpu-everywait")
+                                                   if any(r["mode"] == m for r in cell["rows"]))
               + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}")
     print("phases ms per layer (fetch / none): " + ", ".join(p.removesuffix("_s") for p in PHASES))
     for cell in result["cells"]:
-        for mode in ("gpu", "auto"):
+        for mode in ("gpu", "auto", "gpu-everywait"):
             ph = cell["phases"].get(mode, {})
             for kind in ("fetch", "none"):
                 t = ph.get(kind, {})
@@ -286,8 +305,9 @@ def main() -> int:
             print(f"budget: cell {cell} skipped")
             continue
         clock = time.perf_counter()
+        modes = (*MODES, "gpu-everywait") if i < 3 else MODES  # the A/B of the stream waits in the first cells
         result["cells"].append(run_cell(shells, config, cell, costs, device, steps if cell[3] == 1 else steps // 2,
-                                        profile=i == 0))
+                                        profile=i == 0, modes=modes))
         print(f"cell {result['cells'][-1]['cell']}: {time.perf_counter() - clock:.1f} s", flush=True)
         if cuda:
             torch.cuda.empty_cache()

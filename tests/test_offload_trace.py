@@ -96,6 +96,8 @@ def test_layer_times_reads_phases_from_marks_on_aligned_clocks():
     assert (first.fetched, second.fetched) == (2, 0)
     assert first.period_s == 16.0 and second.period_s == 5.0
     assert first.d2h_wait_s == 11.0 and second.d2h_wait_s == 2.5
+    assert first.host_busy_s == 5.0 and second.host_busy_s == 2.5
+    assert first.wait_after_s == 2.5 and second.wait_after_s == 1.0  # the next layer's wait; the final sync
     assert first.host_before_copy_s == 1.0 and first.copy_issue_s == 0.5
     assert first.copy_lag_s == 3.5 + 10.0 - 13.0  # the median offset of (10, 10)
     assert first.copy_s == 3.5 and first.land_to_call_s == 0.25

@@ -2,8 +2,9 @@
 step times over their fetch counts (``benchmarks/offload_fetch_device_check.py``).
 
 Per layer (``layer_times``), host clock: the period from the layer's "start" to the next one's (the
-step's "step_end" for the last), the host's wait for the touched set ("counted" -> "touched"), its
-bookkeeping before the fetch ("touched" -> "copy_start:fetch"), its tail after the last call; GPU
+step's "step_end" for the last), the host's wait for the touched set ("counted" -> "touched"), the
+period less that wait (the host's own work) and the next layer's wait (where this layer's GPU work
+shows), its bookkeeping before the fetch ("touched" -> "copy_start:fetch"), its tail after the last call; GPU
 clock: the fetch batch's copy, the lag from its issue to its start (the two clocks aligned at the
 "touched" marks, where the device is idle: the host has just synchronised with it), the lag from its
 last byte to the fetched call's start, each call's kernels. NaN where a layer had no such phase.
@@ -29,6 +30,9 @@ class LayerTimes:
     fetched: int  # experts this forward fetched (its stats)
     period_s: float  # host: "start" to the next layer's "start" (the last layer: to "step_end")
     d2h_wait_s: float  # host: "counted" -> "touched" (the touched set's copy and the sync)
+    host_busy_s: float  # host: the period less its own wait for the touched set (issuing, bookkeeping)
+    wait_after_s: float  # host: the next layer's wait for its touched set (the last: "end" -> "step_end"),
+    #                      where this layer's GPU work (its fetched call, the copy it waits for) shows
     host_before_copy_s: float  # host: "touched" -> "copy_start:fetch"
     copy_issue_s: float  # host: "copy_start:fetch" -> "copy_end:fetch" (queueing the copies)
     copy_lag_s: float  # the copy's GPU start after the host reached "copy_start:fetch"
@@ -63,9 +67,14 @@ def layer_times(marks: list[Mark], fetched: dict[int, int]) -> list[LayerTimes]:
         host = {m.name: m.host_s for m in reversed(ms)}  # the first of each name wins
         gpu = {m.name: (NAN if m.gpu_s is None else m.gpu_s) for m in reversed(ms)}
         last_call = max((m.host_s for m in ms if m.name.startswith("call_end")), default=NAN)
+        wait = host.get("touched", NAN) - host.get("counted", NAN)
+        if i + 1 < len(order):
+            after = _at(by_layer[order[i + 1]], "touched", False) - _at(by_layer[order[i + 1]], "counted", False)
+        else:
+            after = end - host.get("end", NAN)
         out.append(LayerTimes(
-            fetched=fetched.get(layer, 0), period_s=nxt - host["start"],
-            d2h_wait_s=host.get("touched", NAN) - host.get("counted", NAN),
+            fetched=fetched.get(layer, 0), period_s=nxt - host["start"], d2h_wait_s=wait,
+            host_busy_s=nxt - host["start"] - wait, wait_after_s=after,
             host_before_copy_s=host.get("copy_start:fetch", NAN) - host.get("touched", NAN),
             copy_issue_s=host.get("copy_end:fetch", NAN) - host.get("copy_start:fetch", NAN),
             copy_lag_s=gpu.get("copy_start:fetch", NAN) + offset - host.get("copy_start:fetch", NAN),

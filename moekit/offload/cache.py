@@ -49,6 +49,7 @@ class _Slots:
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
     read_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the last read, or None
     copy_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the copy into it, or None
+    waited: list[int | None] = field(default_factory=list)  # [C]; the stream (handle) that waited for copy_done
 
 
 class ExpertCache:
@@ -99,7 +100,7 @@ class ExpertCache:
             c = self.cache_experts
             slot_blocks = layout.allocate(c, self.device)
             self._slots = _Slots(blocks=slot_blocks, owner=[None] * c, free=list(range(c - 1, -1, -1)),
-                                 read_done=[None] * c, copy_done=[None] * c)
+                                 read_done=[None] * c, copy_done=[None] * c, waited=[None] * c)
             self._slot_weights, self._expert_bytes = host.rebuild(layout.typed(slot_blocks)), host.expert_bytes
             self._layout = layout
         elif host.signature() != self._layers[0].signature():
@@ -339,19 +340,26 @@ class ExpertCache:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
                 for s in taken:
-                    slots.copy_done[s] = done
+                    slots.copy_done[s], slots.waited[s] = done, None
 
     def wait_ready(self, layer: int, experts: list[int]) -> None:
         """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or
-        admitted), and for nothing else on the copy stream."""
+        admitted), and for nothing else on the copy stream. A copy this stream has waited for once is
+        not waited for again (its later work is ordered after it): a cached expert's hits make no
+        stream wait at all, where they made one per batch their experts came in (up to one per hit)."""
         if self._copy_stream is None:
             return
-        stream, waited = torch.cuda.current_stream(self.device), set()
+        slots, stream, waited = self._slots, torch.cuda.current_stream(self.device), set()
+        handle = stream.cuda_stream
         for e in experts:
-            event = self._slots.copy_done[self._slots.where[(layer, e)]]
-            if event is not None and id(event) not in waited:  # one event per fetched batch
+            s = slots.where[(layer, e)]
+            event = slots.copy_done[s]
+            if event is None or slots.waited[s] == handle:
+                continue
+            if id(event) not in waited:  # one event per fetched batch
                 stream.wait_event(event)
                 waited.add(id(event))
+            slots.waited[s] = handle
 
 
 def _runs(placed: list[tuple[Key, int]]) -> list[tuple[int, int, int, int]]:
