@@ -300,6 +300,9 @@ def main() -> int:
               "costs": dataclasses.asdict(costs), "cells": []}
     steps = 32 if cuda else 4
     result["forced"] = run_forced(shells, config, costs, device, 8 if cuda else 2)
+    print(f"forced: {time.perf_counter() - START:.1f} s", flush=True)
+    if cuda:
+        torch.cuda.empty_cache()
     for i, cell in enumerate(CELLS if cuda else CELLS[:2]):
         if _left(args.budget) < (25 if cell[3] > 1 else 12):
             print(f"budget: cell {cell} skipped")
