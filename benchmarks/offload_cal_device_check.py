@@ -12,10 +12,11 @@ allows (rows marked online on / off).
 The floor is ``moekit.bench.offload_floor``'s timeline: rates measured in the same run (link, GPU read,
 the CPU branch's call cost and per-expert time at 1-16 rows, scaled to the host's rate before each group
 of rows), fixed costs (a layer, a second experts call) measured on all-hit steps of the same stream and M
-on a cache of the group's size, no margin.
+on a cache of the group's size, and the least a forward with a fetch takes (one fetch forced into every
+layer of the same steps, over all hits: ``FixedCosts.fetch_layer_s``, which "auto" prices too), no margin.
 
 Printed last, per cell: each mode's step ms, step / floor, hit / simulated hit, auto over the faster
-pure mode, the group's fixed ms (layer + second call) and CPU scale; then per mode the x-floor range and
+pure mode, the group's fixed ms (layer + second call, / the least a forward with a fetch takes) and CPU scale; then per mode the x-floor range and
 how many cells fall outside [0.85, 1.2], and the CPU time per one-row expert the groups were priced at. A mode or cell that did not run
 prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
 """
@@ -125,9 +126,11 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
 
 
 def _group_text(modes: dict[str, dict]) -> str:
-    """The group's fixed costs (ms per layer, per second call) and CPU scale, from any of its rows."""
+    """The group's fixed costs (ms per layer, per second call, / per forward with a fetch) and CPU scale, from any
+    of its rows."""
     r = next(iter(modes.values()))
-    return f"fix {r.get('fixed_ms', 0.0):.2f}+{r.get('call_ms', 0.0):.2f} cpu x{r.get('cpu_scale', 1.0):.2f}"
+    return (f"fix {r.get('fixed_ms', 0.0):.2f}+{r.get('call_ms', 0.0):.2f}/{r.get('fetch_layer_ms', 0.0):.2f} "
+            f"cpu x{r.get('cpu_scale', 1.0):.2f}")
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -162,7 +165,7 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("online cell | mode step ms, x floor, hit/sim | auto/best | group: fixed ms layer+call, CPU scale")
+    print("online cell | mode step ms, x floor, hit/sim | auto/best | group: fixed ms layer+call/fetch layer, CPU scale")
     for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
         print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "

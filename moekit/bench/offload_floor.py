@@ -13,7 +13,13 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                (``MissCosts.link_cpu_bytes_per_s`` while the layer computes on the CPU), then the
                fetched experts read once they land; a layer with both hits and fetches makes a second
                experts call, which runs once the fetches land: ``MissCosts.gpu_call_s`` (the bench
-               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards)
+               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards); and a
+               layer with any fetch takes at least its hits' reads plus ``MissCosts.fetch_layer_s`` (the
+               bench sets it to ``FixedCosts.fetch_layer_s``: the median per layer of steps with one fetch
+               forced into every layer less the same steps all hits, ``measure_forced``): what a forward
+               with one fetch costs over an all-hit one whatever the link's rate (the copy's issue and
+               latency, the wait for it, the fetched group's map and call), a term on the layer's own
+               path that a longer copy overlaps (a max, not a sum)
     CPU side:  ``MissCosts.cpu_side_s`` of the layer's CPU experts' rows (``OffloadStats.cpu_rows``): the
                call cost plus each expert's time at its row count (``calibrate``'s grid, scaled to the
                host's rate before each group of rows, ``calibrate.recalibrate_cpu``); the layer's
@@ -24,7 +30,7 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
 What it leaves out (so a step may run above it): the CPU side's variance within a group (the floor
 prices the probe's median rate), host-memory contention between the CPU experts and the link beyond
 what ``link_cpu_bytes_per_s`` measured, and the host's time to issue fetches and evict (inside the
-layer, not measured apart). The bench gives every layer its own host weights, so no CPU cache holds
+layer, not measured apart, beyond a one-fetch forward's ``fetch_layer_s``). The bench gives every layer its own host weights, so no CPU cache holds
 an expert the previous layer read (with one shared weight set, CPU steps ran at 0.17-0.9x the floor).
 
 ``sum_floor_s`` keeps the older, simpler floor next to it: per layer fixed_s + max(GPU reads, fetch
@@ -33,6 +39,7 @@ link time, CPU side), summed, and at least every byte the link moved over its ra
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -50,6 +57,7 @@ class FixedCosts:
 
     layer_s: float  # one layer's forward on all-hit steps, one experts call, its hits' reads taken out
     call_s: float = 0.0  # one more experts call in a layer (its hits and its fetched misses are two calls)
+    fetch_layer_s: float = 0.0  # a forward with one fetch over an all-hit one, per layer (``fetch_layer_from``)
 
 
 def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
@@ -65,7 +73,8 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
-    second call "auto" prices too, ``cost.gpu_side_s``)."""
+    second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
+    and ``costs.fetch_layer_s`` past its start (likewise)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     t = free = 0.0  # the layer's start, the link's next idle moment
@@ -76,6 +85,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         fetched_at = max(free, start) + s.fetched * rate
         free = fetched_at + s.admitted * rate
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
+        if s.fetched:
+            end = max(end, start + s.hits * read + costs.fetch_layer_s)
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link
@@ -146,6 +157,15 @@ def measure_forced(layers, x: torch.Tensor, steps: list[list[Routing]], counts=(
     return out
 
 
+def fetch_layer_from(forced: dict[int, list[float]], layers: int) -> float:
+    """``FixedCosts.fetch_layer_s`` from ``measure_forced``'s timings at k = 0 and 1 (the same steps in the
+    same order): the median over the pairs of (one fetch in every layer - none) / ``layers``, at least 0."""
+    if layers < 1 or not forced.get(0) or len(forced.get(1, ())) != len(forced[0]):
+        raise ValueError(f"need layers >= 1 and paired timings at k = 0 and 1, got layers={layers}, "
+                         f"{ {k: len(v) for k, v in forced.items()} }")
+    return max(0.0, statistics.median((one - none) / layers for one, none in zip(forced[1], forced[0])))
+
+
 def _timed_step(layers, x: torch.Tensor, per_layer: list[Routing], second_call: bool) -> float:
     """Seconds of one step through ``layers`` (all hits); ``second_call``: each layer's forward followed
     by one more experts call over its touched experts' slots (its own slot map copied, as a forward's
@@ -164,7 +184,8 @@ def _timed_step(layers, x: torch.Tensor, per_layer: list[Routing], second_call: 
 
 
 def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, options, slots: int = 0) -> FixedCosts:
-    """The floor's ``FixedCosts`` at these steps' M (``measure_fixed``) on gpu layers (layer i on
+    """The floor's ``FixedCosts`` at these steps' M (``measure_fixed``; ``fetch_layer_s`` by
+    ``measure_forced`` and ``fetch_layer_from`` on the same layers) on gpu layers (layer i on
     ``shells[i]``'s host weights, ``options`` their ``CpuOptions``) sharing a cache of ``slots`` slots,
     or more where the steps touch more (each layer's union: no eviction); ``slots``: the cell's cache
     size, so the slot tensors the experts calls read are the cell's."""
@@ -178,6 +199,8 @@ def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, op
     x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
                     dtype=shells[0].w13.dtype)
     fixed = measure_fixed(layers, x, steps, costs, repeats=5)  # one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    forced = measure_forced(layers, x, steps, counts=(0, 1), repeats=3)
+    fixed = dataclasses.replace(fixed, fetch_layer_s=fetch_layer_from(forced, len(layers)))
     del layers, cache
     if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
         torch.cuda.empty_cache()

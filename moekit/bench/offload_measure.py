@@ -19,7 +19,8 @@ The floor of a step (``offload_floor``, whose docstring lists what it includes a
 rates measured in the same run and the counts measured in the step, no margin: a timeline of the
 layers with one host-to-device queue in issue order, each layer paying fixed costs measured on all-hit
 steps of the same (stream, M) on a cache of the group's size (``offload_floor.fixed_costs``: the layer,
-and a second experts call), its CPU side by the calibrated grid scaled to the host's rate just before
+a second experts call, and the least a forward with a fetch takes, timed with one fetch forced into
+every layer; "auto" prices the last two too, ``MissCosts.gpu_call_s`` / ``fetch_layer_s``), its CPU side by the calibrated grid scaled to the host's rate just before
 its group of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
 ``floor_sum_ms`` keeps the simpler floor next to it (the layers' maxima summed). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
@@ -84,6 +85,7 @@ class OffloadRow:
     cpu_back_ms: float  # the result into pinned memory and its copy queued
     fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M, cache) (``offload_floor.fixed_costs``)
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
+    fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
 
@@ -143,8 +145,9 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                group, group_costs, scale = _prepare(group, dataclasses.replace(costs, gpu_call_s=fixed_s.call_s), probe,
-                                                     10 * len(rows), online_cpu_rate, _rows(m, top_k, experts))
+                measured = dataclasses.replace(costs, gpu_call_s=fixed_s.call_s, fetch_layer_s=fixed_s.fetch_layer_s)
+                group, group_costs, scale = _prepare(group, measured, probe, 10 * len(rows), online_cpu_rate,
+                                                     _rows(m, top_k, experts))
                 for run, row in zip(group, _cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                   device, options, fixed_s, scale)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -159,6 +162,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
             "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
             "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
+            "fetch_layer_ms": {key: v.fetch_layer_s * 1e3 for key, v in fixed.items()},
             **_tables([asdict(r) for r in rows])}
 
 
@@ -293,7 +297,8 @@ def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, r
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks  # the caches' slots, before the next group allocates its own
     return [{**_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
+             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "fetch_layer_ms": fixed.fetch_layer_s * 1e3,
+             "cpu_expert_us": costs.cpu_time(1) * 1e6,
              "cpu_scale": scale} for j, run in enumerate(runs)]
 
 
