@@ -131,7 +131,9 @@ def _step(layers, x, per_layer, predicted, prefetch: bool, traced: bool, device)
 def _record(mode: str, traced: bool, seconds: float, done: list, costs, fixed, expert_bytes: int) -> dict:
     fetched = sum(s.fetched for s in done)
     moved = sum(s.fetched + s.prefetched + s.admitted for s in done)
+    old = dataclasses.replace(costs, fetch_layer_s=0.0)  # the floor before fetch_layer_s
     return {"mode": mode, "traced": traced, "step_s": seconds, "floor_s": timeline_s(done, expert_bytes, costs, fixed),
+            "floor_old_s": timeline_s(done, expert_bytes, old, fixed),
             "fetched": fetched, "fetch_layers": sum(s.fetched > 0 for s in done), "hits": sum(s.hits for s in done),
             "cpu_experts": sum(s.cpu_experts for s in done), "link_s": moved * expert_bytes / costs.link_bytes_per_s,
             "cpu_model_s": sum(costs.cpu_side_s(list(s.cpu_rows)) for s in done if s.cpu_experts), "layers": len(done)}
@@ -144,7 +146,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
     slots = max(1, round(fraction * total))
     trace, routings = _stream(config, len(shells), m, stream, warm + 1 + steps, device)
     fixed = fixed_costs(shells, routings[warm:warm + 4], costs, device, CpuOptions(), slots)
-    costs = dataclasses.replace(costs, gpu_call_s=fixed.call_s)
+    costs = dataclasses.replace(costs, gpu_call_s=fixed.call_s, fetch_layer_s=fixed.fetch_layer_s)
     stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in modes}
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     rows, times = [], {mode: [] for mode in modes}
@@ -169,7 +171,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
     phases = {mode: {"fetch": mean_times([t for t in ts if t.fetched]), "none": mean_times([t for t in ts if not t.fetched])}
               for mode, ts in times.items()}
     return {"cell": f"{stream[:4]} {fraction:.0%} {'rout' if prefetch else 'none'} M={m}", "slots": slots,
-            "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "rows": rows, "phases": phases, **prof}
+            "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "fetch_layer_ms": fixed.fetch_layer_s * 1e3,
+            "rows": rows, "phases": phases, **prof}
 
 
 def _profile(layers, x, routings, predicted, prefetch: bool, device) -> dict:
@@ -238,10 +241,10 @@ def _mode_line(rows: list[dict], mode: str) -> str:
     traced = [r for r in rows if r["mode"] == mode and r["traced"]]
     if not untimed:
         return f"{mode} -"
-    step, floor = (statistics.fmean(r[k] for r in untimed) * 1e3 for k in ("step_s", "floor_s"))
+    step, floor, old = (statistics.fmean(r[k] for r in untimed) * 1e3 for k in ("step_s", "floor_s", "floor_old_s"))
     tr = statistics.fmean(r["step_s"] for r in traced) * 1e3 if traced else float("nan")
     fetched, layers = (statistics.fmean(r[k] for r in untimed) for k in ("fetched", "fetch_layers"))
-    return f"{mode} {step:6.2f} ({tr:6.2f}) {step / floor:4.2f}x f{fetched:4.1f}/{layers:3.1f}"
+    return f"{mode} {step:6.2f} ({tr:6.2f}) {step / floor:4.2f}x/{step / old:4.2f}x f{fetched:4.1f}/{layers:3.1f}"
 
 
 def _print(result: dict) -> None:
@@ -265,11 +268,12 @@ def _print(result: dict) -> None:
             extra = per - (k * (link + read) + (f["call_ms"] if k else 0.0))
             print(f"  k={k}: step {ms:6.3f} ms, per layer over k=0 {per:6.3f} ms, unexplained {extra:6.3f} ms; phases "
                   + " ".join(f"{f['phases'][k][p] * 1e3:6.3f}" for p in PHASES))
-    print("cell | mode step ms (traced) x floor, fetches/fetch layers a step | fixed+call ms")
+    print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s), fetches/fetch layers a step | "
+          "fixed+call/fetch layer ms")
     for cell in result["cells"]:
         print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", "gpu-everywait")
                                                    if any(r["mode"] == m for r in cell["rows"]))
-              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}")
+              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f}")
     print("phases ms per layer (fetch / none): " + ", ".join(p.removesuffix("_s") for p in PHASES))
     for cell in result["cells"]:
         for mode in ("gpu", "auto", "gpu-everywait"):
