@@ -10,11 +10,15 @@ simulator's streams with the bench's seed (``offload_cal_device_check.py``'s cel
 1. forced: one cache holding every expert; before each step k = 0 / 1 / 2 / 4 of each layer's touched
    experts are evicted (``ExpertCache.evict``), so every layer fetches exactly k (M = 1, skewed): per layer,
    the step's time over k = 0's, and that less what the floor prices for k fetches (bytes at the link's and
-   the GPU's read rate, the second call): the unexplained cost of a layer with k fetches.
-2. cells (M = 1; M = 8 as the budget allows): gpu / auto / cpu take turns step by step as in the bench,
-   every other step traced (``moekit.offload.StepTrace``), then gpu alone for as many steps (no CPU step
-   between: does a CPU step slow the next gpu step's host?). Per cell and mode: step ms untraced / traced,
-   the bench's floor, fetches and layers with a fetch a step; per layer with and without a fetch, the
+   the GPU's read rate, the second call): the unexplained cost of a layer with k fetches; the layers
+   deciding one call or two by ``cost.one_call`` (new), and with two calls always (as before), step ms.
+2. cells (M = 1; M = 8 as the budget allows): gpu / auto / cpu take turns step by step as in the bench
+   (in the first three cells with two variants, this branch's changes undone one at a time: gpu-everywait,
+   the stream waits for hits as before; gpu-twocalls, two experts calls as before), every other step
+   traced (``moekit.offload.StepTrace``), then gpu alone for as many steps (no CPU step between: does a CPU
+   step slow the next gpu step's host?). Per cell and mode: step ms untraced / traced, x the floor
+   (``offload_floor.timeline_s`` with ``fetch_layer_s``) and x the floor without it, fetches and layers
+   with a fetch a step; per layer with and without a fetch, the
    trace's phases (``offload_timeline.LayerTimes``: host period, the touched set's wait, bookkeeping before
    the copy, queueing it, the copy's lag and time on the GPU, last byte -> fetched call, each call, tail).
 3. fits over the untraced gpu / auto / gpu-alone steps: step - link bytes / BW = layers x fixed + fetches
@@ -58,6 +62,7 @@ CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.75, True, 1), ("uniform", 0.75
          ("skewed", 0.75, False, 8), ("uniform", 0.5, False, 8))
 MODES = ("gpu", "auto", "cpu")
 FORCED = (0, 1, 2, 4)  # fetches forced into every layer (part 1)
+VARIANTS = ("gpu-everywait", "gpu-twocalls")  # this branch's changes undone one at a time (``_stack``)
 PHASES = ("period_s", "host_busy_s", "wait_after_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s", "copy_s", "land_to_call_s",
           "hits_call_s", "fetched_call_s", "host_tail_s")
 
@@ -92,10 +97,13 @@ class EveryWaitCache(ExpertCache):
 
 
 def _stack(shells, trace, slots: int, mode: str, prefetch: bool, warm: int, costs, device) -> list[OffloadedMoE]:
-    """``mode``: a compute_misses_on, or "gpu-everywait" (gpu on ``EveryWaitCache``)."""
+    """``mode``: a compute_misses_on, or "gpu-everywait" (gpu on ``EveryWaitCache``), or "gpu-twocalls" (gpu
+    whose layers price no second call, so they always make one for the hits and one for the fetched:
+    ``cost.one_call`` off, as before this branch)."""
     place = mode.split("-")[0]
     cache = (EveryWaitCache if mode.endswith("everywait") else ExpertCache)(slots, device=device, policy="lfu")
-    layers = [OffloadedMoE.from_moe(shells[i], cache=cache, prefetch=None, compute_misses_on=place, costs=costs)
+    own = dataclasses.replace(costs, gpu_call_s=0.0) if mode.endswith("twocalls") else costs
+    layers = [OffloadedMoE.from_moe(shells[i], cache=cache, prefetch=None, compute_misses_on=place, costs=own)
               for i in range(trace.num_layers)]
     with cache.bookkeeping_only():
         drive(cache, [layer.layer_id for layer in layers], trace, range(warm), prefetch="router" if prefetch else None,
@@ -209,6 +217,9 @@ def run_forced(shells, config, costs, device, steps: int) -> dict:
     layers = [OffloadedMoE.from_moe(shell, cache=cache, prefetch=None, costs=costs) for shell in shells]
     x = torch.randn(1, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     fixed = fixed_costs(shells, chosen[:4], costs, device, CpuOptions())
+    two = measure_forced(layers, x, chosen, counts=FORCED, repeats=3)  # costs without a second call's price
+    for layer in layers:
+        layer.costs = dataclasses.replace(costs, gpu_call_s=fixed.call_s)  # one call where cost.one_call says so
     times = measure_forced(layers, x, chosen, counts=FORCED, repeats=3)
     phases = {}
     for k in FORCED:  # one traced pass per k: the same steps, k evicted from each layer before each
@@ -220,7 +231,9 @@ def run_forced(shells, config, costs, device, steps: int) -> dict:
             marked += layer_times(marks, {layer.layer_id: s.fetched for layer, s in zip(layers, done)})
         phases[k] = mean_times(marked)
     return {"fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "expert_bytes": cache.expert_bytes,
-            "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()}, "layers": len(shells), "phases": phases}
+            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+            "ms_twocalls": {k: statistics.median(v) * 1e3 for k, v in two.items()}, "layers": len(shells),
+            "phases": phases}
 
 
 def fits(cells: list[dict]) -> dict:
@@ -262,7 +275,8 @@ def _print(result: dict) -> None:
         link = f["expert_bytes"] / c["link_bytes_per_s"] * 1e3
         read = f["expert_bytes"] / c["gpu_bytes_per_s"] * 1e3
         print(f"forced fetches (skewed M=1, {f['layers']} layers; fixed {f['fixed_ms']:.3f} ms/layer, second call "
-              f"{f['call_ms']:.3f}, one fetch {link:.3f} ms at the link):")
+              f"{f['call_ms']:.3f}, fetch_layer {f['fetch_layer_ms']:.3f}, one fetch {link:.3f} ms at the link; "
+              f"step ms with two calls a layer: " + ", ".join(f"k={k} {v:.3f}" for k, v in f["ms_twocalls"].items()) + "):")
         for k, ms in f["ms"].items():
             per = (ms - f["ms"][0]) / f["layers"]
             extra = per - (k * (link + read) + (f["call_ms"] if k else 0.0))
@@ -271,12 +285,12 @@ def _print(result: dict) -> None:
     print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s), fetches/fetch layers a step | "
           "fixed+call/fetch layer ms")
     for cell in result["cells"]:
-        print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", "gpu-everywait")
+        print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", *VARIANTS)
                                                    if any(r["mode"] == m for r in cell["rows"]))
               + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f}")
     print("phases ms per layer (fetch / none): " + ", ".join(p.removesuffix("_s") for p in PHASES))
     for cell in result["cells"]:
-        for mode in ("gpu", "auto", "gpu-everywait"):
+        for mode in ("gpu", "auto", *VARIANTS):
             ph = cell["phases"].get(mode, {})
             for kind in ("fetch", "none"):
                 t = ph.get(kind, {})
@@ -312,7 +326,7 @@ def main() -> int:
             print(f"budget: cell {cell} skipped")
             continue
         clock = time.perf_counter()
-        modes = (*MODES, "gpu-everywait") if i < 3 else MODES  # the A/B of the stream waits in the first cells
+        modes = (*MODES, *VARIANTS) if i < 3 else MODES  # the A/Bs in the first cells
         result["cells"].append(run_cell(shells, config, cell, costs, device, steps if cell[3] == 1 else steps // 2,
                                         profile=i == 0, modes=modes))
         print(f"cell {result['cells'][-1]['cell']}: {time.perf_counter() - clock:.1f} s", flush=True)

@@ -1,13 +1,21 @@
 """The least a forward with a fetch takes (``MissCosts.fetch_layer_s`` / ``FixedCosts.fetch_layer_s``): in the
-floor's timeline, in "auto"'s GPU side, and measured from forced-fetch timings. Hand-worked numbers; CPU only."""
+floor's timeline, in "auto"'s GPU side, and measured from forced-fetch timings; one experts call for hits and
+fetches where a second call costs more than the hits' reads (``cost.one_call``), in the layer, the price and
+the floor. Hand-worked numbers; CPU only."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
+import torch
+
+from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import fetch_layer_from, timeline_s
-from moekit.offload import MissCosts, OffloadStats, gpu_only
-from moekit.offload.cost import gpu_side_s
+from moekit.offload import MissCosts, OffloadedMoE, OffloadStats, gpu_only
+from moekit.offload.cost import gpu_side_s, one_call
+
+from _helpers import TOLERANCE, rel_l2
 
 # link 10 ms an expert, GPU read 1 ms (1000-byte experts); second call 0.5 ms; a forward with a fetch >= 14 ms
 COSTS = MissCosts(link_bytes_per_s=1e5, cpu_expert_s=0.0, cpu_token_s=0.0, gpu_bytes_per_s=1e6, gpu_call_s=0.0005,
@@ -51,3 +59,40 @@ def test_fetch_layer_from_is_the_median_paired_difference_per_layer():
     assert fetch_layer_from({0: [0.02], 1: [0.01]}, 2) == 0.0  # never below 0
     with pytest.raises(ValueError, match="paired"):
         fetch_layer_from({0: [0.01, 0.02], 1: [0.01]}, 2)
+
+
+def test_one_call_where_the_hits_reads_cannot_win_back_a_second_call():
+    # read 1 ms an expert, second call 3.5 ms: up to 3 hits make one call with the fetched experts
+    costs = dataclasses.replace(COSTS, gpu_call_s=0.0035, fetch_layer_s=0.0)
+    assert [one_call(h, 1000, costs) for h in (0, 3, 4)] == [True, True, False]
+    assert not one_call(3, 1000, dataclasses.replace(costs, gpu_call_s=0.0))  # unmeasured: two calls, as before
+    # 3 hits, 2 fetches: one call, 20 + 5 x 1 = 25 ms against two, max(3, 20) + 2 + 3.5 = 25.5
+    assert gpu_side_s(3, 2, 1000, costs) == pytest.approx(0.025)
+    assert gpu_side_s(4, 2, 1000, costs) == pytest.approx(0.020 + 0.002 + 0.0035)  # two calls
+    # the floor takes whichever ends first, whatever the rule: 4 hits, 2 fetches: 3 + min(25.5, 26) ms
+    assert timeline_s([_stats(hits=4, fetched=2)], 1000, costs, 0.003) == pytest.approx(0.0285)
+    assert timeline_s([_stats(hits=3, fetched=2)], 1000, costs, 0.003) == pytest.approx(0.028)
+
+
+def test_a_layer_computes_hits_and_fetches_in_one_call_where_one_call_says_so():
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2), backend="grouped_mm",
+              router="torch")
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    for call_s, want_calls in ((1.0, 1), (0.0, 2)):  # a second call dearer than any read / unmeasured
+        costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=0.0, cpu_token_s=0.0, gpu_bytes_per_s=1e9,
+                          gpu_call_s=call_s)
+        off = OffloadedMoE.from_moe(moe, cache_experts=8, costs=costs)
+        off(x)
+        touched = sorted(off.cache.cached(off.layer_id))
+        off.cache.evict(off.layer_id, touched[:2])
+        calls, real = [], off._experts_fn
+
+        def record(*args, expert_map, **kwargs):
+            calls.append(sorted(i for i, s in enumerate(expert_map.tolist()) if s >= 0))
+            return real(*args, expert_map=expert_map, **kwargs)
+
+        off._experts_fn = record
+        assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+        assert len(calls) == want_calls and sorted(sum(calls, [])) == touched
+        assert off.last_stats.fetched == 2 and off.last_stats.hits == len(touched) - 2

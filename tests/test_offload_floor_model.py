@@ -118,7 +118,8 @@ def _bumpy_time(rows: int) -> float:
 
 def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, link: float) -> tuple[float, set]:
     """The cheapest split over every subset on the CPU (ties: fewer CPU experts), each expert at its
-    rows' time from the table read by hand, a second GPU call where hits and fetches meet, a forward
+    rows' time from the table read by hand, a second GPU call where hits and fetches meet (or one call
+    after the fetches where the hits' reads take less than that call), a forward
     with a fetch at least its hits' reads plus ``fetch_layer_s``, refetch at
     this forward's hit rate, and the hysteresis rule: a split with CPU experts only where it costs at
     most (1 - h) x fetching every miss."""
@@ -127,7 +128,10 @@ def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, l
 
     def cost(on_cpu: set) -> float:
         fetched = len(tokens) - len(on_cpu)
-        gpu = max(hits * read, fetched * link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
+        if hits * read < c.gpu_call_s:  # the hits' reads cannot win back a second call: one call after the fetches
+            gpu = fetched * link + (hits + fetched) * read
+        else:
+            gpu = max(hits * read, fetched * link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
         if fetched:  # a forward with any fetch takes at least its hits' reads and fetch_layer_s
             gpu = max(gpu, hits * read + c.fetch_layer_s)
         cpu = c.cpu_margin * (c.cpu_step_s + sum(per(tokens[e]) for e in on_cpu)) if on_cpu else 0.0

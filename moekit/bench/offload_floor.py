@@ -13,7 +13,8 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                (``MissCosts.link_cpu_bytes_per_s`` while the layer computes on the CPU), then the
                fetched experts read once they land; a layer with both hits and fetches makes a second
                experts call, which runs once the fetches land: ``MissCosts.gpu_call_s`` (the bench
-               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards); and a
+               sets it to ``FixedCosts.call_s``, measured as an extra call on all-hit forwards), or one
+               call for both once the fetches land, whichever ends first (``cost.one_call``); and a
                layer with any fetch takes at least its hits' reads plus ``MissCosts.fetch_layer_s`` (the
                bench sets it to ``FixedCosts.fetch_layer_s``: the median per layer of steps with one fetch
                forced into every layer less the same steps all hits, ``measure_forced``): what a forward
@@ -85,6 +86,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         fetched_at = max(free, start) + s.fetched * rate
         free = fetched_at + s.admitted * rate
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
+        end = min(end, fetched_at + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:
             end = max(end, start + s.hits * read + costs.fetch_layer_s)
         if s.cpu_experts:
@@ -199,6 +201,8 @@ def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, op
     x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
                     dtype=shells[0].w13.dtype)
     fixed = measure_fixed(layers, x, steps, costs, repeats=5)  # one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    for layer in layers:  # a forward with a fetch calls as the cells' layers will (``cost.one_call``)
+        layer.costs = dataclasses.replace(costs, gpu_call_s=fixed.call_s)
     forced = measure_forced(layers, x, steps, counts=(0, 1), repeats=3)
     fixed = dataclasses.replace(fixed, fetch_layer_s=fetch_layer_from(forced, len(layers)))
     del layers, cache

@@ -39,7 +39,7 @@ class LayerTimes:
     copy_s: float  # GPU: the fetch batch's bytes
     land_to_call_s: float  # GPU: the last byte landed -> the fetched call's first kernel
     hits_call_s: float  # GPU: the hits' call
-    fetched_call_s: float  # GPU: the fetched experts' call
+    fetched_call_s: float  # GPU: the fetched experts' call (or the one call of hits and fetched, "mixed")
     host_tail_s: float  # host: the last "call_end" -> "end"
 
 
@@ -67,6 +67,7 @@ def layer_times(marks: list[Mark], fetched: dict[int, int]) -> list[LayerTimes]:
         host = {m.name: m.host_s for m in reversed(ms)}  # the first of each name wins
         gpu = {m.name: (NAN if m.gpu_s is None else m.gpu_s) for m in reversed(ms)}
         last_call = max((m.host_s for m in ms if m.name.startswith("call_end")), default=NAN)
+        group = "fetched" if "call_start:fetched" in gpu else "mixed"  # its own call, or one with the hits
         wait = host.get("touched", NAN) - host.get("counted", NAN)
         if i + 1 < len(order):
             after = _at(by_layer[order[i + 1]], "touched", False) - _at(by_layer[order[i + 1]], "counted", False)
@@ -79,9 +80,9 @@ def layer_times(marks: list[Mark], fetched: dict[int, int]) -> list[LayerTimes]:
             copy_issue_s=host.get("copy_end:fetch", NAN) - host.get("copy_start:fetch", NAN),
             copy_lag_s=gpu.get("copy_start:fetch", NAN) + offset - host.get("copy_start:fetch", NAN),
             copy_s=gpu.get("copy_end:fetch", NAN) - gpu.get("copy_start:fetch", NAN),
-            land_to_call_s=gpu.get("call_start:fetched", NAN) - gpu.get("copy_end:fetch", NAN),
+            land_to_call_s=gpu.get(f"call_start:{group}", NAN) - gpu.get("copy_end:fetch", NAN),
             hits_call_s=gpu.get("call_end:hits", NAN) - gpu.get("call_start:hits", NAN),
-            fetched_call_s=gpu.get("call_end:fetched", NAN) - gpu.get("call_start:fetched", NAN),
+            fetched_call_s=gpu.get(f"call_end:{group}", NAN) - gpu.get(f"call_start:{group}", NAN),
             host_tail_s=host.get("end", NAN) - last_call))
     return out
 

@@ -205,12 +205,13 @@ class ExpertCache:
             self.policy.touch(key, self._tick)
         stats.fetched += len(experts)
 
-    def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
+    def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats,
+               split: bool = True) -> Iterator[list[int]]:
         """Yield the experts of each compute group of a forward: the first round is the hits and as many
-        fetched misses as the cache can hold, then the rest in rounds of at most C. A round that has
-        both experts already cached and experts being fetched yields them as two groups, the cached
-        ones first: their compute is queued while the copies travel (it waits only for copies into
-        its own slots), and the fetched group waits for its copies. Each group's experts are in slots
+        fetched misses as the cache can hold, then the rest in rounds of at most C. With ``split``, a round
+        that has both experts already cached and experts being fetched yields them as two groups, the
+        cached ones first: their compute is queued while the copies travel (it waits only for copies into
+        its own slots), and the fetched group waits for its copies; without, one group once they land. Each group's experts are in slots
         when yielded; a round's experts are released when the consumer asks for the next round's first
         group (or at the end)."""
         todo, running = list(misses), list(hits)
@@ -220,7 +221,7 @@ class ExpertCache:
                 raise RuntimeError("the expert cache has no slot to fetch into")
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
-            for group in [running, batch] if running and batch else [running + batch]:
+            for group in [running, batch] if split and running and batch else [running + batch]:
                 self.wait_ready(layer, group)
                 yield group
             self.release(layer, running + batch)

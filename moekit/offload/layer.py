@@ -41,7 +41,7 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts
+from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -246,13 +246,16 @@ class OffloadedMoE(MoE):
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
         (computed while the misses' copies travel), the fetched misses, and further rounds when the
-        touched experts exceed the cache. The hits' expert_map is copied to the device before the
-        misses' copies are queued: host-to-device copies share the copy engine in issue order, so a map
-        copied after them would hold the hits' compute until the fetches land."""
+        touched experts exceed the cache; or hits and fetched misses in one call once the copies land,
+        where the costs say the hits' reads cannot win back a second call (``cost.one_call``). The hits'
+        expert_map is copied to the device before the misses' copies are queued: host-to-device copies
+        share the copy engine in issue order, so a map copied after them would hold the hits' compute
+        until the fetches land."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if hits and fetch else None
-        for experts in cache.rounds(self.layer_id, hits, fetch, stats):
+        split = self.costs is None or not one_call(len(hits), cache.expert_bytes, self.costs)
+        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if split and hits and fetch else None
+        for experts in cache.rounds(self.layer_id, hits, fetch, stats, split):
             if experts:
                 if hits_map is not None and experts == hits:
                     expert_map, hits_map = hits_map, None
@@ -320,10 +323,11 @@ def _cpu_experts_fn(gemm: str):
 
 def _group(experts: list[int], hits: list[int], fetch: list[int]) -> str:
     """A compute group's name in a trace: "hits" (cached experts only), "fetched" (this forward's
-    fetches only) or "round" (a later round of a forward whose experts exceed the cache)."""
+    fetches only) or "mixed" (both in one call, ``cost.one_call``, or a later round of a forward whose
+    experts exceed the cache)."""
     if set(experts) <= set(hits):
         return "hits"
-    return "fetched" if set(experts) <= set(fetch) else "round"
+    return "fetched" if set(experts) <= set(fetch) else "mixed"
 
 
 def _take(dst: torch.Tensor, src: torch.Tensor) -> None:
