@@ -14,7 +14,8 @@ simulator's streams with the bench's seed (``offload_cal_device_check.py``'s cel
    deciding one call or two by ``cost.one_call`` (new), and with two calls always (as before), step ms.
 2. cells (M = 1; M = 8 as the budget allows): gpu / auto / cpu take turns step by step as in the bench
    (in the first three cells with two variants, this branch's changes undone one at a time: gpu-everywait,
-   the stream waits for hits as before; gpu-twocalls, two experts calls as before), every other step
+   the stream waits for hits as before; gpu-twocalls, two experts calls as before; gpu-dry, the fetches'
+   bookkeeping without their copies: what the copy and the waits for it cost), every other step
    traced (``moekit.offload.StepTrace``), then gpu alone for as many steps (no CPU step between: does a CPU
    step slow the next gpu step's host?). Per cell and mode: step ms untraced / traced, x the floor
    (``offload_floor.timeline_s`` with ``fetch_layer_s``) and x the floor without it, fetches and layers
@@ -31,6 +32,7 @@ Printed last: the forced table, the cells, the phases, the fits. JSON to $OUT/of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
@@ -62,7 +64,7 @@ CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.75, True, 1), ("uniform", 0.75
          ("skewed", 0.75, False, 8), ("uniform", 0.5, False, 8))
 MODES = ("gpu", "auto", "cpu")
 FORCED = (0, 1, 2, 4)  # fetches forced into every layer (part 1)
-VARIANTS = ("gpu-everywait", "gpu-twocalls")  # this branch's changes undone one at a time (``_stack``)
+VARIANTS = ("gpu-everywait", "gpu-twocalls", "gpu-dry")  # A/Bs (``_stack``, ``_step``)
 PHASES = ("period_s", "host_busy_s", "wait_after_s", "d2h_wait_s", "host_before_copy_s", "copy_issue_s", "copy_lag_s", "copy_s", "land_to_call_s",
           "hits_call_s", "fetched_call_s", "host_tail_s")
 
@@ -111,21 +113,24 @@ def _stack(shells, trace, slots: int, mode: str, prefetch: bool, warm: int, cost
     return layers
 
 
-def _step(layers, x, per_layer, predicted, prefetch: bool, traced: bool, device) -> tuple[float, list, list]:
-    """(seconds, per-layer stats with their prefetches, marks) of one step through ``layers``."""
+def _step(layers, x, per_layer, predicted, prefetch: bool, traced: bool, device,
+          dry: bool = False) -> tuple[float, list, list]:
+    """(seconds, per-layer stats with their prefetches, marks) of one step through ``layers``; ``dry``: the
+    cache's bookkeeping only (fetches copy nothing, nothing waits for a copy; the outputs are garbage)."""
     cache = layers[0].cache
     cache.trace = StepTrace(device) if traced else None
     _sync(device)
     start = time.perf_counter()
     done = []
-    for i, routing in enumerate(per_layer):
-        layers[i].run_routed(x, routing)
-        stats = dataclasses.replace(layers[i].last_stats)
-        if prefetch and i + 1 < len(layers):
-            ahead = OffloadStats()
-            cache.prefetch(layers[i + 1].layer_id, predicted[i + 1], ahead)
-            stats.add(ahead)
-        done.append(stats)
+    with cache.bookkeeping_only() if dry else contextlib.nullcontext():
+        for i, routing in enumerate(per_layer):
+            layers[i].run_routed(x, routing)
+            stats = dataclasses.replace(layers[i].last_stats)
+            if prefetch and i + 1 < len(layers):
+                ahead = OffloadStats()
+                cache.prefetch(layers[i + 1].layer_id, predicted[i + 1], ahead)
+                stats.add(ahead)
+            done.append(stats)
     _sync(device)
     seconds = time.perf_counter() - start
     marks = []
@@ -164,7 +169,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
             mode = modes[(step + j) % len(modes)]
             traced = step % 2 == 0 and step > 0
             seconds, done, marks = _step(stacks[mode], x, routings[warm + step], trace.predicted[warm + step],
-                                         prefetch, traced, device)
+                                         prefetch, traced, device, dry=mode.endswith("dry"))
             if step:
                 rows.append(_record(mode, traced, seconds, done, costs, fixed.layer_s, bytes_one))
                 if traced:
