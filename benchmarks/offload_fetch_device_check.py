@@ -265,6 +265,12 @@ def _mode_line(rows: list[dict], mode: str) -> str:
     return f"{mode} {step:6.2f} ({tr:6.2f}) {step / floor:4.2f}x/{step / old:4.2f}x f{fetched:4.1f}/{layers:3.1f}"
 
 
+def _auto_vs_best(rows: list[dict]) -> str:
+    """auto's mean untraced step over the faster of gpu's and cpu's (as the cal check's cells)."""
+    mean = {m: statistics.fmean(r["step_s"] for r in rows if r["mode"] == m and not r["traced"]) for m in MODES}
+    return f"{mean['auto'] / min(mean['gpu'], mean['cpu']):.3f}"
+
+
 def _print(result: dict) -> None:
     c = result["costs"]
     print(f"\n{result['device']}, torch {result['torch']}, shape {result['shape']}, total {result['total_s']:.0f} s; "
@@ -292,7 +298,8 @@ def _print(result: dict) -> None:
     for cell in result["cells"]:
         print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", *VARIANTS)
                                                    if any(r["mode"] == m for r in cell["rows"]))
-              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f}")
+              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f} | auto/best "
+              + _auto_vs_best(cell["rows"]))
     print("phases ms per layer (fetch / none): " + ", ".join(p.removesuffix("_s") for p in PHASES))
     for cell in result["cells"]:
         for mode in ("gpu", "auto", *VARIANTS):
