@@ -211,9 +211,9 @@ class ExpertCache:
         fetched misses as the cache can hold, then the rest in rounds of at most C. With ``split``, a round
         that has both experts already cached and experts being fetched yields them as two groups, the
         cached ones first: their compute is queued while the copies travel (it waits only for copies into
-        its own slots), and the fetched group waits for its copies; without, one group once they land. Each group's experts are in slots
-        when yielded; a round's experts are released when the consumer asks for the next round's first
-        group (or at the end)."""
+        its own slots), and the fetched group waits for its copies; without, one group once they land.
+        Each group's experts are in slots when yielded; a round's experts are released when the consumer
+        asks for the next round's first group (or at the end)."""
         todo, running = list(misses), list(hits)
         while True:
             batch = todo[: self.free_slots()]
@@ -263,7 +263,7 @@ class ExpertCache:
 
     def evict(self, layer: int, experts: list[int]) -> list[int]:
         """Drop ``layer``'s ``experts`` from the cache where cached and not in use by a forward (a later
-        touch misses); returns those dropped. For controlled fetch counts (``offload_floor.measure_fetch``)."""
+        touch misses); returns those dropped. For controlled fetch counts (``offload_floor.measure_forced``)."""
         keys = [(layer, e) for e in experts if (layer, e) in self._slots.where and (layer, e) not in self._protected]
         for key in keys:
             self._drop(key)

@@ -7,7 +7,7 @@ CPU, or split between the two.
                                                                        of their own; at the link's rate
                                                                        during CPU work when the CPU side
                                                                        runs, ``fetch_rate``)
-               or, where the hits' reads are no dearer than a second call (``one_call``): F x fetch_one +
+               or, where the hits' reads cost less than a second call (``one_call``): F x fetch_one +
                (hits + F) x read_one, one call for both once the fetches land (then never dearer)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
                (0 when no miss runs on the CPU: no staging either)
@@ -151,19 +151,18 @@ def one_call(hits: int, expert_bytes: int, costs: MissCosts) -> bool:
     """Whether a forward with ``hits`` cached experts and fetches computes them all in one experts call
     once the fetches land, rather than the hits first (while the copies travel) and the fetched ones in a
     second call: where the hits' reads take less than that second call (``gpu_call_s``, measured; never
-    with its default 0),
-    overlapping them cannot win back the call (a decode step's few rows: the call's launches, not the
-    reads, cost; with no hits there is one call anyway). Then the one call costs min(F x fetch_one,
-    hits x read_one) - gpu_call_s <= 0 against two."""
+    with its default 0), overlapping them cannot win back the call (a decode step's few rows: the call's
+    launches, not the reads, cost; with no hits there is one call anyway). Then the one call costs
+    min(F x fetch_one, hits x read_one) - gpu_call_s < 0 more than two, whatever F."""
     return hits * expert_bytes / costs.gpu_bytes_per_s < costs.gpu_call_s
 
 
 def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
     """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring),
     plus ``gpu_call_s`` when there are both (the fetched experts' own call, once they land; or one call
-    for both after the fetches where ``one_call`` says so), and with any
-    fetch at least the hits' reads and ``fetch_layer_s`` (what a forward with one fetch took over an
-    all-hit one, measured: its copy's latency, its bookkeeping and second call, whatever the link's rate);
+    for both after the fetches where ``one_call`` says so), and with any fetch at least the hits' reads
+    and ``fetch_layer_s`` (what a forward with one fetch took over an all-hit one, measured: its copy's
+    latency, its bookkeeping and calls, whatever the link's rate);
     ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
     read_one, link = expert_bytes / costs.gpu_bytes_per_s, fetched * expert_bytes / fetch_rate(costs, cpu_busy)
     if one_call(hits, expert_bytes, costs):
@@ -243,8 +242,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> MissSplit:
     """``split_misses``' search: the cheapest of ``fetch_all`` and ``split(a, b)`` over a <= n0, b <= n1 (a + b
     >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call
-    (or ``fetch_layer_s``), so that one point (a, b) = (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts,
-    then fewer of the second class."""
+    (or ``fetch_layer_s``), so that one point (a, b) = (n0, n1) is off its run and priced on its own.
+    Ties: fewer CPU experts, then fewer of the second class."""
     best, rank = fetch_all, (0, 0)
     candidates = [(n0, n1)] if drop else []
     for b in range(n1 + 1):
