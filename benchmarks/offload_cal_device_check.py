@@ -15,10 +15,11 @@ of rows), fixed costs (a layer, a second experts call) measured on all-hit steps
 on a cache of the group's size, and the least a forward with a fetch takes (one fetch forced into every
 layer of the same steps, over all hits: ``FixedCosts.fetch_layer_s``, which "auto" prices too), no margin.
 
-Printed last, per cell: each mode's step ms, step / floor, hit / simulated hit, auto over the faster
-pure mode, the group's fixed ms (layer + second call, / the least a forward with a fetch takes) and CPU scale; then per mode the x-floor range and
-how many cells fall outside [0.85, 1.2], and the CPU time per one-row expert the groups were priced at. A mode or cell that did not run
-prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
+Printed last, per cell: each mode's step ms, step / floor (and / the floor without ``fetch_layer_s``), hit /
+simulated hit, auto over the faster pure mode, the group's fixed ms (layer + second call / the least a forward
+with a fetch takes) and CPU scale; then per mode the x-floor range and how many cells fall outside [0.85, 1.2]
+(and the same without ``fetch_layer_s``), and the CPU time per one-row expert the groups were priced at. A mode
+or cell that did not run prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return f"{mode} {r['step_ms']:7.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
+    return (f"{mode} {r['step_ms']:7.2f} {r['x_floor']:4.2f}x({r.get('x_floor_before', 0.0):4.2f}) "
+            f"{r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}")
 
 
 def _group_text(modes: dict[str, dict]) -> str:
@@ -138,9 +140,11 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for mode in MODES:
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
+        old = [r.get("x_floor_before", 0.0) for r in rows if r["compute_misses_on"] == mode]
         out.append(f"{mode:>4}: " + ("-" if not xs else f"x floor {min(xs):.2f}-{max(xs):.2f}, "
                                     f"{sum(x > 1.2 for x in xs)} of {len(xs)} cells > 1.2, "
-                                    f"{sum(x < 0.85 for x in xs)} < 0.85"))
+                                    f"{sum(x < 0.85 for x in xs)} < 0.85 (without fetch_layer_s: "
+                                    f"{min(old):.2f}-{max(old):.2f}, {sum(x > 1.2 for x in old)} > 1.2)"))
     q = [v for modes in by_cell(rows).values() if (v := auto_vs_best(modes)) is not None]
     out.append("auto / best pure: " + ("-" if not q else f"worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, "
                                        f"{sum(v > 1.03 for v in q)} of {len(q)} cells > 1.03"))
@@ -165,7 +169,8 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("online cell | mode step ms, x floor, hit/sim | auto/best | group: fixed ms layer+call/fetch layer, CPU scale")
+    print("online cell | mode step ms, x floor (x the floor without fetch_layer_s), hit/sim | auto/best | group: fixed ms "
+          "layer+call/fetch layer, CPU scale")
     for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
         print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "

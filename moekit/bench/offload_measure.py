@@ -86,6 +86,7 @@ class OffloadRow:
     fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M, cache) (``offload_floor.fixed_costs``)
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
     fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
+    x_floor_before: float = 0.0  # step_ms over the timeline floor without ``fetch_layer_s`` (the floor before it)
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
 
@@ -272,6 +273,7 @@ def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, r
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
+    before = dataclasses.replace(costs, fetch_layer_s=0.0)  # the floor without the least a fetch forward takes
     gc.collect()
     gc.disable()
     try:
@@ -288,7 +290,8 @@ def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, r
                     times[j].append(time.perf_counter() - start)
                     bytes_one = layers[0].cache.expert_bytes
                     floors[j].append([timeline_s(done, bytes_one, costs, fixed.layer_s),
-                                      sum_floor_s(done, bytes_one, costs, fixed.layer_s)])
+                                      sum_floor_s(done, bytes_one, costs, fixed.layer_s),
+                                      timeline_s(done, bytes_one, before, fixed.layer_s)])
                     for stats in done:
                         timed[j].add(stats)
                     _add_phases(phases[j], layers, costs)
@@ -355,8 +358,9 @@ def _row(run: _Run, times: list[float], floors: list[list[float]], timed: Offloa
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s = (statistics.fmean(f[i] for f in floors) for i in range(2))
+    floor_s, sum_s, before_s = (statistics.fmean(f[i] for f in floors) for i in range(3))
     return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+            "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
