@@ -265,6 +265,12 @@ def _mode_line(rows: list[dict], mode: str) -> str:
     return f"{mode} {step:6.2f} ({tr:6.2f}) {step / floor:4.2f}x/{step / old:4.2f}x f{fetched:4.1f}/{layers:3.1f}"
 
 
+def _mean_step(rows: list[dict], mode: str) -> float | None:
+    """The mean untraced step seconds of ``mode`` (None when it did not run)."""
+    times = [r["step_s"] for r in rows if r["mode"] == mode and not r["traced"]]
+    return statistics.fmean(times) if times else None
+
+
 def _auto_vs_best(rows: list[dict]) -> str:
     """auto's mean untraced step over the faster of gpu's and cpu's (as the cal check's cells)."""
     mean = {m: statistics.fmean(r["step_s"] for r in rows if r["mode"] == m and not r["traced"]) for m in MODES}
@@ -309,6 +315,13 @@ def _print(result: dict) -> None:
                 if t.get("layers"):
                     print(f"  {cell['cell']:<17} {mode:<4} {kind:<5} n={int(t['layers']):<3} "
                           + " ".join(f"{t[p] * 1e3:6.3f}" for p in PHASES))
+    ratios = []
+    for mode in ("gpu-alone", *VARIANTS):
+        pairs = [(_mean_step(c["rows"], mode), _mean_step(c["rows"], "gpu")) for c in result["cells"]]
+        pairs = [(a, b) for a, b in pairs if a and b]
+        if pairs:
+            ratios.append(f"{mode} {statistics.fmean(a / b for a, b in pairs):.3f} ({len(pairs)} cells)")
+    print("step over gpu's, mean over cells: " + ("; ".join(ratios) or "-"))
     for name, fit in result.get("fits", {}).items():
         terms = ", ".join(f"{n} {v * 1e3:.3f}" for n, v in zip(fit["names"], fit["terms_s"]))
         print(f"fit {name}: {terms} ms; rms {fit['rms_s'] * 1e3:.3f} ms over {fit['steps']} steps")
