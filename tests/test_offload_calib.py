@@ -13,7 +13,7 @@ import torch
 
 from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import fixed_from, measure_fixed, sum_floor_s, timeline_s
-from moekit.bench.offload_measure import balanced_orders
+from moekit.bench.offload_cells import balanced_orders
 from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
 from moekit.offload import calibrate
 from moekit.routing import Routing

@@ -96,3 +96,34 @@ def test_a_layer_computes_hits_and_fetches_in_one_call_where_one_call_says_so():
         assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
         assert len(calls) == want_calls and sorted(sum(calls, [])) == touched
         assert off.last_stats.fetched == 2 and off.last_stats.hits == len(touched) - 2
+
+
+def test_the_reference_stack_is_all_hits_and_sets_the_groups_fixed_cost(monkeypatch):
+    """``run_cells(reference=True)``: the all-hit stack's timed steps (every touched expert a hit) feed
+    ``fixed_from``, and its answer is the rows' fixed cost; the quiet one stays beside it."""
+    from moekit.bench import offload_cells
+    from moekit.bench.offload_floor import FixedCosts
+    from moekit.bench.offload_hosts import host_shells
+    from moekit.offload import CpuOptions
+    from moekit.routing import Routing
+    from moekit.sim.cache import decode_stream
+
+    config = MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2)
+    shells = host_shells(config, torch.float32, torch.device("cpu"), layers=2)
+    data = decode_stream(8, 2, 2, 5, 3, 0.3, 0.3, seed=3)
+    routings = [[Routing(r.topk_ids, r.topk_weights) for r in s] for s in data.routings[1:]]
+    seen = []
+
+    def fake_fixed_from(times, hits, layers, expert_bytes, costs):
+        seen.append((list(times), list(hits), layers))
+        return 0.0123
+
+    monkeypatch.setattr(offload_cells, "fixed_from", fake_fixed_from)
+    runs = [offload_cells.Run(0.5, 8, "lfu", False, "gpu")]
+    rows = offload_cells.run_cells(shells, config, routings, data.trace, runs, 1, COSTS, torch.device("cpu"),
+                                   CpuOptions(), FixedCosts(0.004, 0.001, 0.002), reference=True)
+    (times, hits, layers), = seen
+    touched = [sum(len(set(r.topk_ids.reshape(-1).tolist())) for r in per_layer) for per_layer in routings[1:]]
+    assert layers == 2 and len(times) == len(routings) - 1 and hits == touched  # every touched expert hit
+    assert rows[0]["fixed_ms"] == pytest.approx(12.3) and rows[0]["fixed_quiet_ms"] == pytest.approx(4.0)
+    assert rows[0]["call_ms"] == pytest.approx(1.0) and rows[0]["fetch_layer_ms"] == pytest.approx(2.0)
