@@ -142,11 +142,14 @@ def _step(layers, x, per_layer, predicted, prefetch: bool, traced: bool, device,
 
 
 def _record(mode: str, traced: bool, seconds: float, done: list, costs, fixed, expert_bytes: int) -> dict:
+    """One step's row: its time, floors (``fixed``: ``FixedCosts``; the old floor without fetch_layer_s and
+    overlap_s) and counts."""
     fetched = sum(s.fetched for s in done)
     moved = sum(s.fetched + s.prefetched + s.admitted for s in done)
-    old = dataclasses.replace(costs, fetch_layer_s=0.0)  # the floor before fetch_layer_s
-    return {"mode": mode, "traced": traced, "step_s": seconds, "floor_s": timeline_s(done, expert_bytes, costs, fixed),
-            "floor_old_s": timeline_s(done, expert_bytes, old, fixed),
+    old = dataclasses.replace(costs, fetch_layer_s=0.0)
+    return {"mode": mode, "traced": traced, "step_s": seconds,
+            "floor_s": timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
+            "floor_old_s": timeline_s(done, expert_bytes, old, fixed.layer_s),
             "fetched": fetched, "fetch_layers": sum(s.fetched > 0 for s in done), "hits": sum(s.hits for s in done),
             "cpu_experts": sum(s.cpu_experts for s in done), "link_s": moved * expert_bytes / costs.link_bytes_per_s,
             "cpu_model_s": sum(costs.cpu_side_s(list(s.cpu_rows)) for s in done if s.cpu_experts), "layers": len(done)}
@@ -171,13 +174,13 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
             seconds, done, marks = _step(stacks[mode], x, routings[warm + step], trace.predicted[warm + step],
                                          prefetch, traced, device, dry=mode.endswith("dry"))
             if step:
-                rows.append(_record(mode, traced, seconds, done, costs, fixed.layer_s, bytes_one))
+                rows.append(_record(mode, traced, seconds, done, costs, fixed, bytes_one))
                 if traced:
                     times[mode] += layer_times(marks, {layers.layer_id: s.fetched for layers, s in zip(stacks[mode], done)})
     for step in range(1, steps + 1):  # gpu alone: the same steps again, no CPU step between
         seconds, done, _ = _step(stacks["gpu"], x, routings[warm + step], trace.predicted[warm + step], prefetch,
                                  False, device)
-        rows.append(_record("gpu-alone", False, seconds, done, costs, fixed.layer_s, bytes_one))
+        rows.append(_record("gpu-alone", False, seconds, done, costs, fixed, bytes_one))
     prof = _profile(stacks["gpu"], x, routings[warm + 1: warm + 1 + min(steps, 8)], trace.predicted[warm + 1:],
                     prefetch, device) if profile else {}
     del stacks
@@ -185,7 +188,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
               for mode, ts in times.items()}
     return {"cell": f"{stream[:4]} {fraction:.0%} {'rout' if prefetch else 'none'} M={m}", "slots": slots,
             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "fetch_layer_ms": fixed.fetch_layer_s * 1e3,
-            "rows": rows, "phases": phases, **prof}
+            "overlap_ms": fixed.overlap_s * 1e3, "rows": rows, "phases": phases, **prof}
 
 
 def _profile(layers, x, routings, predicted, prefetch: bool, device) -> dict:
@@ -299,12 +302,13 @@ def _print(result: dict) -> None:
             extra = per - (k * (link + read) + (f["call_ms"] if k else 0.0))
             print(f"  k={k}: step {ms:6.3f} ms, per layer over k=0 {per:6.3f} ms, unexplained {extra:6.3f} ms; phases "
                   + " ".join(f"{f['phases'][k][p] * 1e3:6.3f}" for p in PHASES))
-    print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s), fetches/fetch layers a step | "
-          "fixed+call/fetch layer ms")
+    print("cell | mode step ms (traced) x floor/x old floor (no fetch_layer_s, overlap_s), fetches/fetch layers a step | "
+          "fixed+call/fetch layer/overlap ms")
     for cell in result["cells"]:
         print(f"{cell['cell']:<17}| " + " | ".join(_mode_line(cell["rows"], m) for m in (*MODES, "gpu-alone", *VARIANTS)
                                                    if any(r["mode"] == m for r in cell["rows"]))
-              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f} | auto/best "
+              + f" | {cell['fixed_ms']:.2f}+{cell['call_ms']:.2f}/{cell['fetch_layer_ms']:.2f}/{cell['overlap_ms']:.2f}"
+              + " | auto/best "
               + _auto_vs_best(cell["rows"]))
     print("phases ms per layer (fetch / none): " + ", ".join(p.removesuffix("_s") for p in PHASES))
     for cell in result["cells"]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.bench.offload_floor import fetch_layer_from, timeline_s
+from moekit.bench.offload_floor import fetch_layer_from, overlap_from, timeline_s
 from moekit.offload import MissCosts, OffloadedMoE, OffloadStats, gpu_only
 from moekit.offload.cost import gpu_side_s, one_call
 
@@ -127,3 +127,25 @@ def test_the_reference_stack_is_all_hits_and_sets_the_groups_fixed_cost(monkeypa
     assert layers == 2 and len(times) == len(routings) - 1 and hits == touched  # every touched expert hit
     assert rows[0]["fixed_ms"] == pytest.approx(12.3) and rows[0]["fixed_quiet_ms"] == pytest.approx(4.0)
     assert rows[0]["call_ms"] == pytest.approx(1.0) and rows[0]["fetch_layer_ms"] == pytest.approx(2.0)
+
+
+def test_copies_start_overlap_s_before_the_fixed_work_ends_never_before_the_layer():
+    fixed = 0.003
+    # 5 hits, 3 fetches, overlap 2 ms: copies from 3 - 2 = 1 ms, land at 31; two calls: 31 + 3 + 0.5 = 34.5 ms
+    # (one call: 31 + 8 = 39); at least 3 + 5 + 14 = 22
+    assert timeline_s([_stats(hits=5, fetched=3)], 1000, COSTS, fixed, 0.002) == pytest.approx(0.0345)
+    # an overlap longer than the fixed work is cut to it: copies from 0, land at 30 -> 33.5 ms
+    assert timeline_s([_stats(hits=5, fetched=3)], 1000, COSTS, fixed, 0.010) == pytest.approx(0.0335)
+    # no fetch: nothing changes (3 + 5 ms)
+    assert timeline_s([_stats(hits=5)], 1000, COSTS, fixed, 0.002) == pytest.approx(0.008)
+
+
+def test_overlap_from_is_the_median_link_time_a_layer_hid():
+    link = 0.001  # a fetch's link time
+    none, every, fetched = [0.010, 0.011, 0.010], [0.016, 0.016, 0.030], [8, 8, 8]  # 2 layers
+    # per pair and layer: (8 x 1 - 6) / 2 = 1 ms, (8 - 5) / 2 = 1.5, (8 - 20) / 2 = -6 -> median 1 ms
+    assert overlap_from(none, every, fetched, 2, link, most=0.004) == pytest.approx(0.001)
+    assert overlap_from(none, every, fetched, 2, link, most=0.0005) == pytest.approx(0.0005)  # at most the fixed work
+    assert overlap_from([0.01], [0.05], [8], 2, link, most=1.0) == 0.0  # never below 0
+    with pytest.raises(ValueError, match="paired"):
+        overlap_from([0.01], [0.05, 0.06], [8], 2, link, most=1.0)

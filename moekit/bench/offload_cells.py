@@ -87,7 +87,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet), _total(dones[j]), trace,
                     warm, costs, expert_bytes, x.shape[0], phases[j]),
              "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
-             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
+             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+             "cpu_expert_us": costs.cpu_time(1) * 1e6,
              "cpu_scale": scale} for j, run in enumerate(runs)]
 
 
@@ -119,10 +120,11 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float) -> list[list[float]]:
     """Per timed step: the timeline floor, the layers' maxima summed, and the floor as before the
-    reference and ``fetch_layer_s`` (the quiet fixed cost, no such term)."""
+    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms)."""
     before = dataclasses.replace(costs, fetch_layer_s=0.0)
-    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s), sum_floor_s(done, expert_bytes, costs, fixed.layer_s),
-             timeline_s(done, expert_bytes, before, quiet)] for done in dones]
+    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
+             sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet)]
+            for done in dones]
 
 
 def balanced_orders(n: int) -> list[list[int]]:

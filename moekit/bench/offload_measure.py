@@ -87,6 +87,7 @@ class OffloadRow:
     fixed_quiet_ms: float = 0.0  # the same measured quietly before the group (``offload_floor.fixed_costs``)
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
     fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
+    overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
