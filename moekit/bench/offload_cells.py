@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.bench.offload_floor import FixedCosts, fixed_from, sum_floor_s, timeline_s
-from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats
+from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.routing import Routing
 
@@ -51,12 +51,14 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
     fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
     equally often; a CPU-heavy step leaves the host's threads busy for the next); with ``reference``,
-    the all-hit stack (module docstring) among them. Each step's floor (``offload_floor``) with
-    ``fixed``'s costs, its per-layer cost the reference's where there is one. The rows' measured fields."""
+    the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
+    (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
+    rows' measured fields."""
     stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
-    if reference:
-        stacks.append(_reference(shells, routings, costs, device, options, x))
+    ref = _reference(shells, routings, costs, device, options, x) if reference else None
+    if ref is not None:
+        stacks.append(ref)
     times, dones = [[] for _ in stacks], [[] for _ in stacks]
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
@@ -81,7 +83,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks  # the caches' slots, before the next group allocates its own
     quiet = fixed.layer_s
-    if reference:
+    if ref is not None:
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
     return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet), _total(dones[j]), trace,
@@ -93,13 +95,18 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
 
 
 def _reference(shells, routings: list[list[Routing]], costs: MissCosts, device, options: CpuOptions,
-               x: torch.Tensor) -> list[OffloadedMoE]:
-    """gpu layers on a cache holding every expert ``routings`` touch, each step run once (all hits after)."""
+               x: torch.Tensor) -> list[OffloadedMoE] | None:
+    """gpu layers on a cache holding every expert ``routings`` touch, each step run once (all hits after);
+    None where that cache would take more than half the device's free memory (the runs' caches hold the
+    rest: DeepSeek-V3 widths at M = 32 touch nearly every expert, 45 GB for two layers)."""
     touched = [set() for _ in routings[0]]
     for per_layer in routings:
         for seen, routing in zip(touched, per_layer):
             seen.update(e for e in routing.topk_ids.reshape(-1).tolist() if e >= 0)
-    cache = ExpertCache(max(1, sum(len(seen) for seen in touched)), device=device, policy="lfu")
+    slots = max(1, sum(len(seen) for seen in touched))
+    if device.type == "cuda" and slots * expert_nbytes(shells[0]) > torch.cuda.mem_get_info(device)[0] / 2:
+        return None
+    cache = ExpertCache(slots, device=device, policy="lfu")
     layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, costs=costs,
                                     cpu_options=options) for i in range(len(touched))]
     for per_layer in routings:
