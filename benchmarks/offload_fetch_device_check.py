@@ -24,7 +24,8 @@ simulator's streams with the bench's seed (``offload_cal_device_check.py``'s cel
    the copy, queueing it, the copy's lag and time on the GPU, last byte -> fetched call, each call, tail).
 3. fits over the untraced gpu / auto / gpu-alone steps: step - link bytes / BW = layers x fixed + fetches
    x per fetch + layers with a fetch x per such layer; and step - floor = const + the same two columns.
-4. profile: torch.profiler and cProfile over a few gpu steps of the first cell, the top host calls.
+4. profile: torch.profiler and cProfile over a few gpu steps of the first cell, the top host calls; and
+   the host's microseconds of each CUDA step a fetch adds, alone (``offload_timeline.host_op_costs``).
 
 Printed last: the forced table, the cells, the phases, the fits. JSON to $OUT/offload_fetch_device_check.json.
 """
@@ -48,7 +49,7 @@ import torch
 from moekit.bench.offload_floor import fixed_costs, measure_forced, timeline_s
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import DRIFT, STREAMS, cpu_rows, default_warm_steps, measure_costs
-from moekit.bench.offload_timeline import fit_steps, layer_times, mean_times
+from moekit.bench.offload_timeline import fit_steps, host_op_costs, layer_times, mean_times
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE, OffloadStats, StepTrace
 from moekit.offload.whatif import drive
@@ -319,6 +320,8 @@ def _print(result: dict) -> None:
                 if t.get("layers"):
                     print(f"  {cell['cell']:<17} {mode:<4} {kind:<5} n={int(t['layers']):<3} "
                           + " ".join(f"{t[p] * 1e3:6.3f}" for p in PHASES))
+    ops = result.get("host_ops_us") or {}
+    print("host us per op: " + (", ".join(f"{k} {v:.1f}" for k, v in ops.items()) or "-"))
     ratios = []
     for mode in ("gpu-alone", *VARIANTS):
         pairs = [(_mean_step(c["rows"], mode), _mean_step(c["rows"], "gpu")) for c in result["cells"]]
@@ -362,6 +365,7 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
     result["fits"] = fits(result["cells"])
+    result["host_ops_us"] = host_op_costs(device)
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "offload_fetch_device_check.json"), "w") as f:

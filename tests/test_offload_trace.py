@@ -10,7 +10,7 @@ import torch
 
 from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import measure_forced
-from moekit.bench.offload_timeline import fit_steps, layer_times, mean_times
+from moekit.bench.offload_timeline import fit_steps, host_op_costs, layer_times, mean_times
 from moekit.offload import ExpertCache, Mark, OffloadedMoE, OffloadStats, StepTrace
 from moekit.offload.trace import spans
 from moekit.routing import route
@@ -113,6 +113,7 @@ def test_fit_steps_recovers_terms_of_a_linear_model():
     fit = fit_steps(target, {"per_layer": [4] * 6, "fetches": fetches, "fetch_layers": layers_with})
     assert fit.terms_s == pytest.approx((0.25e-3, 0.1e-3, 0.3e-3), rel=1e-9) and fit.rms_s < 1e-12
     assert all(math.isnan(t) for t in fit_steps([1.0], {"a": [1.0], "b": [2.0]}).terms_s)
+    assert host_op_costs(torch.device("cpu")) == {}  # CUDA steps only
 
 
 def test_measure_forced_fetches_exactly_k_in_every_layer():

@@ -1,5 +1,6 @@
-"""Where a traced step's time goes, layer by layer (``moekit.offload.StepTrace``'s marks), and a linear fit of
-step times over their fetch counts (``benchmarks/offload_fetch_device_check.py``).
+"""Where a traced step's time goes, layer by layer (``moekit.offload.StepTrace``'s marks), a linear fit of
+step times over their fetch counts, and the host's price of each CUDA step a fetch adds (``host_op_costs``)
+(``benchmarks/offload_fetch_device_check.py``).
 
 Per layer (``layer_times``), host clock: the period from the layer's "start" to the next one's (the
 step's "step_end" for the last), the host's wait for the touched set ("counted" -> "touched"), the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -117,3 +119,48 @@ def fit_steps(target_s: list[float], columns: dict[str, list[float]]) -> StepFit
     terms = torch.linalg.lstsq(a, b, driver="gelsd").solution
     rms = float(((a @ terms - b) ** 2).mean().sqrt())
     return StepFit(names, tuple(terms.reshape(-1).tolist()), rms, len(target_s))
+
+
+def host_op_costs(device: torch.device, repeats: int = 200) -> dict[str, float]:
+    """Host microseconds of each CUDA-touching step of a fetching forward, alone (the median of 5 batches of
+    ``repeats``; the device synchronised between batches): what a forward with a fetch pays the host beyond
+    an all-hit one. {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stream, event = torch.cuda.Stream(device), torch.cuda.Event()
+    event.record()
+    table = [-1] * 128
+    pinned = torch.tensor(table, dtype=torch.int32, pin_memory=True)
+    src = torch.empty((2, 3 << 20), dtype=torch.uint8, pin_memory=True)  # two 3 MiB rows
+    dst = torch.empty((2, 3 << 20), dtype=torch.uint8, device=device)
+
+    def stream_switch():
+        with torch.cuda.stream(stream):
+            pass
+
+    def new_event():
+        torch.cuda.Event().record()
+
+    def copy_row():
+        with torch.cuda.stream(stream):
+            dst[1:2].copy_(src[1:2], non_blocking=True)
+
+    ops = {"current_stream": lambda: torch.cuda.current_stream(device), "stream_switch": stream_switch,
+           "event_new_record": new_event, "event_record": event.record,
+           "stream_wait_event": lambda: torch.cuda.current_stream(device).wait_event(event),
+           "pinned_map_tensor": lambda: torch.tensor(table, dtype=torch.int32, pin_memory=True),
+           "map_to_device": lambda: pinned.to(device, non_blocking=True),
+           "copy_3MiB_on_side_stream": copy_row,
+           "kernel_launch": lambda: dst[0, :1].add_(1)}
+    out = {}
+    for name, op in ops.items():
+        batches = []
+        for _ in range(5):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                op()
+            batches.append((time.perf_counter() - start) / repeats * 1e6)
+        out[name] = statistics.median(batches)
+    torch.cuda.synchronize(device)
+    return out
