@@ -16,9 +16,10 @@ simulator's streams with the bench's seed (``offload_cal_device_check.py``'s cel
    (in the first three cells with two variants, this branch's changes undone one at a time: gpu-everywait,
    the stream waits for hits as before; gpu-twocalls, two experts calls as before; gpu-dry, the fetches'
    bookkeeping without their copies: what the copy and the waits for it cost), every other step
-   traced (``moekit.offload.StepTrace``), then gpu alone for as many steps (no CPU step between: does a CPU
-   step slow the next gpu step's host?). Per cell and mode: step ms untraced / traced, x the floor
-   (``offload_floor.timeline_s`` with ``fetch_layer_s``) and x the floor without it, fetches and layers
+   traced (``moekit.offload.StepTrace``), then a fresh gpu stack alone over the same steps (no other
+   stack's step between: do they slow the next step's host?). Per cell and mode: step ms untraced /
+   traced, x the floor (``offload_floor.timeline_s`` with ``fetch_layer_s`` and ``overlap_s``) and x the
+   floor without them, fetches and layers
    with a fetch a step; per layer with and without a fetch, the
    trace's phases (``offload_timeline.LayerTimes``: host period, the touched set's wait, bookkeeping before
    the copy, queueing it, the copy's lag and time on the GPU, last byte -> fetched call, each call, tail).
@@ -178,13 +179,15 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool, mod
                 rows.append(_record(mode, traced, seconds, done, costs, fixed, bytes_one))
                 if traced:
                     times[mode] += layer_times(marks, {layers.layer_id: s.fetched for layers, s in zip(stacks[mode], done)})
-    for step in range(1, steps + 1):  # gpu alone: the same steps again, no CPU step between
-        seconds, done, _ = _step(stacks["gpu"], x, routings[warm + step], trace.predicted[warm + step], prefetch,
-                                 False, device)
-        rows.append(_record("gpu-alone", False, seconds, done, costs, fixed, bytes_one))
     prof = _profile(stacks["gpu"], x, routings[warm + 1: warm + 1 + min(steps, 8)], trace.predicted[warm + 1:],
                     prefetch, device) if profile else {}
     del stacks
+    alone = _stack(shells, trace, slots, "gpu", prefetch, warm, costs, device)  # a fresh gpu stack: gpu's counts
+    for step in range(steps + 1):  # the same steps, stepped alone: no other stack's step between
+        seconds, done, _ = _step(alone, x, routings[warm + step], trace.predicted[warm + step], prefetch, False, device)
+        if step:
+            rows.append(_record("gpu-alone", False, seconds, done, costs, fixed, bytes_one))
+    del alone
     phases = {mode: {"fetch": mean_times([t for t in ts if t.fetched]), "none": mean_times([t for t in ts if not t.fetched])}
               for mode, ts in times.items()}
     return {"cell": f"{stream[:4]} {fraction:.0%} {'rout' if prefetch else 'none'} M={m}", "slots": slots,
