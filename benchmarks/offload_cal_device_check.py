@@ -130,11 +130,12 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
 
 
 def _group_text(modes: dict[str, dict]) -> str:
-    """The group's fixed costs (ms per layer, per second call, / per forward with a fetch) and CPU scale, from any
-    of its rows."""
+    """The group's fixed costs (ms: per layer, by the all-hit reference among the cells and, q, measured before
+    them; + a second call / the least a forward with a fetch takes / how early its copies start) and CPU scale,
+    from any of its rows."""
     r = next(iter(modes.values()))
-    return (f"fix {r.get('fixed_ms', 0.0):.2f}+{r.get('call_ms', 0.0):.2f}/{r.get('fetch_layer_ms', 0.0):.2f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f}")
+    return (f"fix {r.get('fixed_ms', 0.0):.2f}(q{r.get('fixed_quiet_ms', 0.0):.2f})+{r.get('call_ms', 0.0):.2f}"
+            f"/{r.get('fetch_layer_ms', 0.0):.2f}/{r.get('overlap_ms', 0.0):.2f} cpu x{r.get('cpu_scale', 1.0):.2f}")
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -172,7 +173,7 @@ def _print(result: dict) -> None:
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
     print("online cell | mode step ms, x floor (x the old floor: fixed measured before the cells, no fetch_layer_s), "
-          "hit/sim | auto/best | group: fixed ms layer+call/fetch layer, CPU scale")
+          "hit/sim | auto/best | group: fixed ms layer(q: before the cells)+call/fetch layer/overlap, CPU scale")
     for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
         print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "

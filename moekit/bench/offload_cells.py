@@ -81,9 +81,9 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     finally:
         gc.enable()
     expert_bytes = stacks[0][0].cache.expert_bytes
-    del stacks  # the caches' slots, before the next group allocates its own
+    del stacks, ref  # the caches' slots, before the next group allocates its own
     quiet = fixed.layer_s
-    if ref is not None:
+    if reference and len(dones) > len(runs):  # the reference fitted (``_reference``)
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
     return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet), _total(dones[j]), trace,
