@@ -11,13 +11,17 @@ rate (``moekit.offload.CpuRate``); then the same table with auto on the calibrat
 allows (rows marked online on / off).
 The floor is ``moekit.bench.offload_floor``'s timeline: rates measured in the same run (link, GPU read,
 the CPU branch's call cost and per-expert time at 1-16 rows, scaled to the host's rate before each group
-of rows), fixed costs (a layer, a second experts call) measured on all-hit steps of the same stream and M
-on a cache of the group's size, no margin.
+of rows), a layer's fixed cost from an all-hit stack taking its turns among the group's cells
+(``offload_cells``), and, on all-hit steps of the same stream and M on a cache of the group's size, a second
+experts call and the least a forward with a fetch takes (one fetch forced into every layer of the same
+steps, over all hits: ``FixedCosts.fetch_layer_s``, which "auto" prices too), no margin.
 
-Printed last, per cell: each mode's step ms, step / floor, hit / simulated hit, auto over the faster
-pure mode, the group's fixed ms (layer + second call) and CPU scale; then per mode the x-floor range and
-how many cells fall outside [0.85, 1.2], and the CPU time per one-row expert the groups were priced at. A mode or cell that did not run
-prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
+Printed last, per cell: each mode's step ms, step / floor (and / the old floor: the fixed cost measured before
+the group's cells, not by the all-hit stack among them, and no ``fetch_layer_s``), hit /
+simulated hit, auto over the faster pure mode, the group's fixed ms (layer + second call / the least a forward
+with a fetch takes) and CPU scale; then per mode the x-floor range and how many cells fall outside [0.85, 1.2]
+(and the same for the old floor), and the CPU time per one-row expert the groups were priced at. A mode
+or cell that did not run prints '-'. JSON goes to $OUT/offload_cal_device_check.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -121,13 +125,17 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return f"{mode} {r['step_ms']:7.2f} {r['x_floor']:4.2f}x {r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}"
+    return (f"{mode} {r['step_ms']:7.2f} {r['x_floor']:4.2f}x({r.get('x_floor_before', 0.0):4.2f}) "
+            f"{r['hit_rate']:.2f}/{r['sim_hit_rate']:.2f}")
 
 
 def _group_text(modes: dict[str, dict]) -> str:
-    """The group's fixed costs (ms per layer, per second call) and CPU scale, from any of its rows."""
+    """The group's fixed costs (ms: per layer, by the all-hit reference among the cells and, q, measured before
+    them; + a second call / the least a forward with a fetch takes / how early its copies start) and CPU scale,
+    from any of its rows."""
     r = next(iter(modes.values()))
-    return f"fix {r.get('fixed_ms', 0.0):.2f}+{r.get('call_ms', 0.0):.2f} cpu x{r.get('cpu_scale', 1.0):.2f}"
+    return (f"fix {r.get('fixed_ms', 0.0):.2f}(q{r.get('fixed_quiet_ms', 0.0):.2f})+{r.get('call_ms', 0.0):.2f}"
+            f"/{r.get('fetch_layer_ms', 0.0):.2f}/{r.get('overlap_ms', 0.0):.2f} cpu x{r.get('cpu_scale', 1.0):.2f}")
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -135,9 +143,11 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for mode in MODES:
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
+        old = [r.get("x_floor_before", 0.0) for r in rows if r["compute_misses_on"] == mode]
         out.append(f"{mode:>4}: " + ("-" if not xs else f"x floor {min(xs):.2f}-{max(xs):.2f}, "
                                     f"{sum(x > 1.2 for x in xs)} of {len(xs)} cells > 1.2, "
-                                    f"{sum(x < 0.85 for x in xs)} < 0.85"))
+                                    f"{sum(x < 0.85 for x in xs)} < 0.85 (old floor: "
+                                    f"{min(old):.2f}-{max(old):.2f}, {sum(x > 1.2 for x in old)} > 1.2)"))
     q = [v for modes in by_cell(rows).values() if (v := auto_vs_best(modes)) is not None]
     out.append("auto / best pure: " + ("-" if not q else f"worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, "
                                        f"{sum(v > 1.03 for v in q)} of {len(q)} cells > 1.03"))
@@ -162,7 +172,8 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("online cell | mode step ms, x floor, hit/sim | auto/best | group: fixed ms layer+call, CPU scale")
+    print("online cell | mode step ms, x floor (x the old floor: fixed measured before the cells, no fetch_layer_s), "
+          "hit/sim | auto/best | group: fixed ms layer(q: before the cells)+call/fetch layer/overlap, CPU scale")
     for (online, stream, fraction, policy, prefetch, m), modes in by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
         print(f"{'on ' if online else 'off'} {stream[:4]} {fraction:4.0%} {policy} {prefetch[:4]:>4} M={m:<2} | "

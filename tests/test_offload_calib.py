@@ -13,7 +13,7 @@ import torch
 
 from moekit import MoE, MoEConfig
 from moekit.bench.offload_floor import fixed_from, measure_fixed, sum_floor_s, timeline_s
-from moekit.bench.offload_measure import balanced_orders
+from moekit.bench.offload_cells import balanced_orders
 from moekit.offload import CpuPhases, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, gpu_only, split_misses
 from moekit.offload import calibrate
 from moekit.routing import Routing
@@ -185,8 +185,12 @@ def test_cpu_rate_is_an_exponential_average_of_measured_over_modelled_branches()
         want = sample if want is None else 0.7 * want + 0.3 * sample
         assert rate.scale == pytest.approx(want, rel=1e-12)
     scaled = rate.apply(costs)
+    assert rate.apply(costs) is scaled  # asked again: the same answer, not built again
     assert rate.samples == 4 and scaled.cpu_step_s == pytest.approx(0.01 * want)
     assert scaled.cpu_time(2) == pytest.approx(1.1e-3 * want) and scaled.link_bytes_per_s == 1.0
+    rate.update(CpuPhases(0.0, 0.0, 0.03, 0.0, 1, 1, 1), costs, [1])  # a new estimate: a new answer
+    want = 0.7 * want + 0.3 * 0.03 / (0.01 + 0.9e-3)
+    assert rate.apply(costs) is not scaled and rate.apply(costs).cpu_step_s == pytest.approx(0.01 * want)
     with pytest.raises(ValueError, match="weight"):
         CpuRate(weight=0.0)
     with pytest.raises(ValueError, match="rows"):

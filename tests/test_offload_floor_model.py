@@ -118,7 +118,9 @@ def _bumpy_time(rows: int) -> float:
 
 def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, link: float) -> tuple[float, set]:
     """The cheapest split over every subset on the CPU (ties: fewer CPU experts), each expert at its
-    rows' time from the table read by hand, a second GPU call where hits and fetches meet, refetch at
+    rows' time from the table read by hand, a second GPU call where hits and fetches meet (or one call
+    after the fetches where the hits' reads take less than that call), a forward
+    with a fetch at least its hits' reads plus ``fetch_layer_s``, refetch at
     this forward's hit rate, and the hysteresis rule: a split with CPU experts only where it costs at
     most (1 - h) x fetching every miss."""
     h = hits / (hits + len(tokens))
@@ -126,7 +128,12 @@ def _brute_force(tokens: dict[int, int], hits: int, c: MissCosts, read: float, l
 
     def cost(on_cpu: set) -> float:
         fetched = len(tokens) - len(on_cpu)
-        gpu = max(hits * read, fetched * link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
+        if hits * read < c.gpu_call_s:  # the hits' reads cannot win back a second call: one call after the fetches
+            gpu = fetched * link + (hits + fetched) * read
+        else:
+            gpu = max(hits * read, fetched * link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
+        if fetched:  # a forward with any fetch takes at least its hits' reads and fetch_layer_s
+            gpu = max(gpu, hits * read + c.fetch_layer_s)
         cpu = c.cpu_margin * (c.cpu_step_s + sum(per(tokens[e]) for e in on_cpu)) if on_cpu else 0.0
         return max(gpu, cpu) + len(on_cpu) * h * link
 
@@ -147,7 +154,8 @@ def test_auto_splits_by_the_rows_table_and_second_call_as_brute_force_does_with_
         costs = MissCosts(link_bytes_per_s=1000 / link, cpu_expert_s=0.0, cpu_token_s=0.0,
                           cpu_step_s=float(torch.empty(1).uniform_(0.0, 0.02, generator=gen)), gpu_bytes_per_s=1e6,
                           cpu_margin=1.0 + case % 3 * 0.25, refetch="hit_rate", cpu_rows_s=(TABLE, BUMPY)[case % 4 // 2],
-                          hysteresis=0.0 if case % 2 else 0.1, gpu_call_s=(0.0, 0.004, 0.02)[case % 5 % 3])
+                          hysteresis=0.0 if case % 2 else 0.1, gpu_call_s=(0.0, 0.004, 0.02)[case % 5 % 3],
+                          fetch_layer_s=(0.0, 0.012, 0.05)[case % 7 % 3])
         split = split_misses(tokens, 1000, costs, hits)
         want_cost, want_cpu = _brute_force(tokens, hits, costs, 0.001, link)
         assert split.cost_s == pytest.approx(want_cost, rel=1e-12, abs=1e-15)

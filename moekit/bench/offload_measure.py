@@ -18,9 +18,12 @@ still sat in the CPU's caches, and CPU steps ran up to 6x faster than the cold-e
 The floor of a step (``offload_floor``, whose docstring lists what it includes and leaves out), from
 rates measured in the same run and the counts measured in the step, no margin: a timeline of the
 layers with one host-to-device queue in issue order, each layer paying fixed costs measured on all-hit
-steps of the same (stream, M) on a cache of the group's size (``offload_floor.fixed_costs``: the layer,
-and a second experts call), its CPU side by the calibrated grid scaled to the host's rate just before
-its group of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
+steps of the same (stream, M): the layer's, by an all-hit stack taking its turns among the group's cells
+(``offload_cells``; the host's speed drifts between moments of a run), and, on a cache of the group's
+size before it (``offload_floor.fixed_costs``), a second experts call and the least a forward with a
+fetch takes (one fetch forced into every layer), which "auto" prices too (``MissCosts.gpu_call_s`` /
+``fetch_layer_s``); its CPU side by the calibrated grid scaled to the host's rate just before its group
+of rows (``calibrate.recalibrate_cpu``: the host's rate drifts over a run).
 ``floor_sum_ms`` keeps the simpler floor next to it (the layers' maxima summed). Each row also carries the CPU
 branches' measured host time per step, by phase (``OffloadedMoE.last_cpu``), next to the model's
 prediction for the same work; the document's ``cells`` give per cell each mode's x floor and "auto"
@@ -34,22 +37,20 @@ Shapes: E experts, K hidden, N intermediate, k top-k, M tokens per step, L layer
 from __future__ import annotations
 
 import dataclasses
-import gc
-import itertools
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from moekit.bench.offload_floor import FixedCosts, fixed_costs, sum_floor_s, timeline_s
+from moekit.bench.offload_cells import Run as _Run
+from moekit.bench.offload_cells import run_cells
+from moekit.bench.offload_floor import fixed_costs
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
-from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload import CpuOptions, MissCosts, OffloadedMoE, expert_nbytes
 from moekit.offload.calibrate import recalibrate_cpu
-from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.routing import Routing
 from moekit.sim.cache import decode_stream
 
@@ -82,25 +83,14 @@ class OffloadRow:
     cpu_wait_ms: float  # the host waiting for it,
     cpu_compute_ms: float  # the CPU experts,
     cpu_back_ms: float  # the result into pinned memory and its copy queued
-    fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M, cache) (``offload_floor.fixed_costs``)
+    fixed_ms: float = 0.0  # the floor's fixed per-layer cost at this (stream, M, cache) (``offload_cells``' reference)
+    fixed_quiet_ms: float = 0.0  # the same measured quietly before the group (``offload_floor.fixed_costs``)
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
+    fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
+    overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
+    x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One cell's setting."""
-
-    fraction: float
-    slots: int
-    policy: str
-    prefetch: bool
-    place: str
-    admit: int | None = None  # admit_per_forward (None: the plan's default)
-    label: str = ""  # the row's mode ("": ``place``)
-    overrides: tuple = ()  # (MissCosts field, value) pairs for this run's layers and replay
-    online: bool = False  # the stack's layers share an ``online.CpuRate`` ("auto" prices the CPU by it)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
@@ -109,7 +99,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shells: list[MoE] | None = None, costs: MissCosts | None = None,
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
-                    online_cpu_rate: bool = False) -> dict:
+                    online_cpu_rate: bool = False, reference_fixed: bool = True) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -121,7 +111,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
     further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
     "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
-    share a ``CpuRate`` (the what-if replays the calibrated costs)."""
+    share a ``CpuRate`` (the what-if replays the calibrated costs). ``reference_fixed``: the floor's fixed
+    per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     options = cpu_options or CpuOptions()
@@ -143,10 +134,11 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                group, group_costs, scale = _prepare(group, dataclasses.replace(costs, gpu_call_s=fixed_s.call_s), probe,
-                                                     10 * len(rows), online_cpu_rate, _rows(m, top_k, experts))
-                for run, row in zip(group, _cells(shells, config, routings, data.trace, group, warm, group_costs,
-                                                  device, options, fixed_s, scale)):
+                measured = dataclasses.replace(costs, gpu_call_s=fixed_s.call_s, fetch_layer_s=fixed_s.fetch_layer_s)
+                group, group_costs, scale = _prepare(group, measured, probe, 10 * len(rows), online_cpu_rate,
+                                                     _rows(m, top_k, experts))
+                for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
+                                                     device, options, fixed_s, scale, reference_fixed)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
@@ -159,6 +151,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
             "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
             "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
+            "fetch_layer_ms": {key: v.fetch_layer_s * 1e3 for key, v in fixed.items()},
             **_tables([asdict(r) for r in rows])}
 
 
@@ -251,134 +244,5 @@ def _warm_up(shells, config, layers, batches, places, costs, device, options, ad
         data = decode_stream(config.num_experts, config.top_k, layers, 3, m, STREAMS["skewed"], DRIFT, seed=99)
         routings = [[Routing(r.topk_ids.to(device), r.topk_weights.to(device)) for r in s] for s in data.routings[1:]]
         runs = [_Run(0.0, 4 * config.top_k, "lfu", False, place, admit) for place in places]
-        rows += _cells(shells, config, routings, data.trace, runs, 1, costs, device, options)
+        rows += run_cells(shells, config, routings, data.trace, runs, 1, costs, device, options)
     return rows
-
-
-def _cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[_Run], warm: int,
-           costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
-           scale: float = 1.0) -> list[dict]:
-    """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
-    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
-    device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
-    fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
-    equally often; a CPU-heavy step leaves the host's threads busy for the next). Each step's floor
-    (``offload_floor``) with ``fixed``'s per-layer costs. The rows' measured fields, per run."""
-    stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
-    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
-    times, floors, timed = [[] for _ in runs], [[] for _ in runs], [OffloadStats() for _ in runs]
-    phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
-    gc.collect()
-    gc.disable()
-    try:
-        orders = balanced_orders(len(runs))
-        for step, per_layer in enumerate(routings):
-            for j in orders[(step - 1) % len(orders)]:  # the timed steps (from 1) start at the first order
-                run, layers = runs[j], stacks[j]
-                _sync(device)
-                start = time.perf_counter()
-                done = [_forward(layers, i, x, routing, trace.predicted[warm + step], run.prefetch)
-                        for i, routing in enumerate(per_layer)]
-                _sync(device)
-                if step:
-                    times[j].append(time.perf_counter() - start)
-                    bytes_one = layers[0].cache.expert_bytes
-                    floors[j].append([timeline_s(done, bytes_one, costs, fixed.layer_s),
-                                      sum_floor_s(done, bytes_one, costs, fixed.layer_s)])
-                    for stats in done:
-                        timed[j].add(stats)
-                    _add_phases(phases[j], layers, costs)
-    finally:
-        gc.enable()
-    expert_bytes = stacks[0][0].cache.expert_bytes
-    del stacks  # the caches' slots, before the next group allocates its own
-    return [{**_row(run, times[j], floors[j], timed[j], trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             "fixed_ms": fixed.layer_s * 1e3, "call_ms": fixed.call_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
-             "cpu_scale": scale} for j, run in enumerate(runs)]
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Every order of ``n`` runs (n! of them), each order's n rotations in a row: all of them taken in
-    turn, each run goes first equally often and follows each other run equally often; and each block
-    of n from the start (n timed steps: 3 at M >= 8 with 3 modes) puts every run first once."""
-    orders, seen = [], set()
-    for p in itertools.permutations(range(n)):
-        if p not in seen:
-            for r in range(n):
-                seen.add(p[r:] + p[:r])
-                orders.append(list(p[r:] + p[:r]))
-    return orders
-
-
-def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
-    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``."""
-    for layer in layers:
-        p = layer.last_cpu
-        if p is not None:
-            model = costs.cpu_side_s(list(layer.last_stats.cpu_rows))
-            for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
-                total[i] += v
-
-
-def _stack(shells, trace: RoutingTrace, run: _Run, warm: int, costs: MissCosts, device,
-           options: CpuOptions) -> list[OffloadedMoE]:
-    """L layers (layer i on ``shells[i]``'s host weights) on a fresh cache of ``run``'s size and policy,
-    brought through ``trace``'s first ``warm`` steps by bookkeeping only."""
-    cache = ExpertCache(run.slots, device=device, policy=run.policy)
-    rate = CpuRate() if run.online else None
-    layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, compute_misses_on=run.place,
-                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
-                                    cpu_rate=rate) for i in range(trace.num_layers)]
-    with cache.bookkeeping_only():
-        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
-    return layers
-
-
-def _run_costs(run: _Run, costs: MissCosts) -> MissCosts:
-    """The costs ``run``'s layers decide by: ``costs`` with the run's overrides."""
-    return dataclasses.replace(costs, **dict(run.overrides)) if run.overrides else costs
-
-
-def _options(run: _Run, costs: MissCosts, expert_bytes: int) -> dict:
-    """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
-    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=_run_costs(run, costs),
-                expert_bytes=expert_bytes, admit_per_forward=run.admit)
-
-
-def _row(run: _Run, times: list[float], floors: list[list[float]], timed: OffloadStats, trace: RoutingTrace, warm: int,
-         costs: MissCosts, expert_bytes: int, m: int, phases: list[float]) -> dict:
-    """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
-    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
-    steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s = (statistics.fmean(f[i] for f in floors) for i in range(2))
-    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
-            "x_floor": step_s / floor_s if floor_s else float("inf"),
-            "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
-            "cpu_tokens_per_step": timed.cpu_tokens / steps,
-            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
-            "admitted_per_step": timed.admitted / steps, "tok_s": m / step_s,
-            **{name: v * 1e3 / steps for name, v in zip(_PHASES, phases)}}
-
-
-_PHASES = ("cpu_ms", "cpu_model_ms", "cpu_stage_ms", "cpu_wait_ms", "cpu_compute_ms", "cpu_back_ms")
-
-
-def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted: list[list[int]],
-             prefetch: bool) -> OffloadStats:
-    """Layer ``i``'s forward on ``routing``, then (``prefetch``) the next layer's predicted experts
-    fetched ahead, as ``prefetch="router"`` does; the forward's stats with the prefetch's."""
-    layer = layers[i]
-    layer.run_routed(x, routing)
-    stats = layer.last_stats
-    if prefetch and i + 1 < len(layers):
-        ahead = OffloadStats()
-        layer.cache.prefetch(layers[i + 1].layer_id, predicted[i + 1], ahead)
-        layer.cache.stats.add(ahead)
-        stats = dataclasses.replace(stats)
-        stats.add(ahead)
-    return stats
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

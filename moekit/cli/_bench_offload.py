@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                   markup=False, highlight=False)
     for line in compact_table(doc["rows"]) + doc["summary"]:
         console.print(line, markup=False, highlight=False)
-    console.print("floor's fixed per-layer ms (all-hit steps): " + ", ".join(f"{k} {v:.3f}" for k, v in doc["fixed_ms"].items()),
+    console.print("floor's fixed per-layer ms (all-hit steps) / least per forward with a fetch (one forced in each "
+                  "layer): " + ", ".join(f"{k} {v:.3f}/{doc['fetch_layer_ms'][k]:.3f}" for k, v in doc["fixed_ms"].items()),
                   markup=False, highlight=False)
     console.print(f"{doc['dtype']} experts, {doc['expert_bytes'] / 2**20:.1f} MiB each; link {doc['link_GBps']:.1f} GB/s, "
                   f"GPU read {doc['gpu_read_GBps']:.0f} GB/s, CPU {doc['cpu_expert_us']:.0f} µs/expert + "

@@ -21,9 +21,11 @@ from moekit.offload.online import CpuRate
 from moekit.offload.plan import MissPlan, plan_misses
 from moekit.offload.policy import POLICIES, EvictionPolicy
 from moekit.offload.stats import OffloadStats
+from moekit.offload.trace import Mark, StepTrace
 
 __all__ = [
-    "CpuOptions", "CpuPhases", "CpuRate", "ExpertCache", "EvictionPolicy", "MissCosts", "MissPlan", "MissSplit", "OffloadStats", "OffloadedMoE", "POLICIES",
+    "CpuOptions", "CpuPhases", "CpuRate", "ExpertCache", "EvictionPolicy", "Mark", "MissCosts", "MissPlan", "MissSplit", "OffloadStats",
+    "OffloadedMoE", "POLICIES", "StepTrace",
     "expert_nbytes", "gpu_only", "link_layers", "measure_link_bandwidth", "measure_read_bandwidth", "plan_misses",
     "split_misses",
 ]

@@ -49,6 +49,7 @@ class _Slots:
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
     read_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the last read, or None
     copy_done: list[object | None] = field(default_factory=list)  # [C]; CUDA event after the copy into it, or None
+    waited: list[int | None] = field(default_factory=list)  # [C]; the stream (handle) that waited for copy_done
 
 
 class ExpertCache:
@@ -77,6 +78,7 @@ class ExpertCache:
         self._first_tick: dict[int, int] = {}  # layer -> the tick of its first lookup
         self._horizon = math.inf  # ticks an unused expert stays cached: running mean of the victims' idle ticks
         self._dry = False  # within bookkeeping_only(): fetches copy no bytes
+        self.trace = None  # a ``trace.StepTrace`` to record the step's marks in (``mark``), or None
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -98,7 +100,7 @@ class ExpertCache:
             c = self.cache_experts
             slot_blocks = layout.allocate(c, self.device)
             self._slots = _Slots(blocks=slot_blocks, owner=[None] * c, free=list(range(c - 1, -1, -1)),
-                                 read_done=[None] * c, copy_done=[None] * c)
+                                 read_done=[None] * c, copy_done=[None] * c, waited=[None] * c)
             self._slot_weights, self._expert_bytes = host.rebuild(layout.typed(slot_blocks)), host.expert_bytes
             self._layout = layout
         elif host.signature() != self._layers[0].signature():
@@ -144,6 +146,11 @@ class ExpertCache:
             yield
         finally:
             self._dry = False
+
+    def mark(self, name: str, layer: int, copy: bool = False) -> None:
+        """A point of the step for ``trace`` (nothing when it is None), on the copy stream with ``copy``."""
+        if self.trace is not None:
+            self.trace.mark(name, layer, self._copy_stream if copy else None)
 
     # -- a forward's use -----------------------------------------------------------------------------
 
@@ -193,19 +200,20 @@ class ExpertCache:
         if len(experts) > self.free_slots():
             raise RuntimeError(f"{len(experts)} experts asked for but only {self.free_slots()} cache slots can be freed")
         keys = [(layer, e) for e in experts]
-        self._fetch(keys, stats)  # protects them
+        self._fetch(keys, stats, "fetch")  # protects them
         for key in keys:
             self.policy.touch(key, self._tick)
         stats.fetched += len(experts)
 
-    def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats) -> Iterator[list[int]]:
+    def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats,
+               split: bool = True) -> Iterator[list[int]]:
         """Yield the experts of each compute group of a forward: the first round is the hits and as many
-        fetched misses as the cache can hold, then the rest in rounds of at most C. A round that has
-        both experts already cached and experts being fetched yields them as two groups, the cached
-        ones first: their compute is queued while the copies travel (it waits only for copies into
-        its own slots), and the fetched group waits for its copies. Each group's experts are in slots
-        when yielded; a round's experts are released when the consumer asks for the next round's first
-        group (or at the end)."""
+        fetched misses as the cache can hold, then the rest in rounds of at most C. With ``split``, a round
+        that has both experts already cached and experts being fetched yields them as two groups, the
+        cached ones first: their compute is queued while the copies travel (it waits only for copies into
+        its own slots), and the fetched group waits for its copies; without, one group once they land.
+        Each group's experts are in slots when yielded; a round's experts are released when the consumer
+        asks for the next round's first group (or at the end)."""
         todo, running = list(misses), list(hits)
         while True:
             batch = todo[: self.free_slots()]
@@ -213,7 +221,7 @@ class ExpertCache:
                 raise RuntimeError("the expert cache has no slot to fetch into")
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
-            for group in [running, batch] if running and batch else [running + batch]:
+            for group in [running, batch] if split and running and batch else [running + batch]:
                 self.wait_ready(layer, group)
                 yield group
             self.release(layer, running + batch)
@@ -224,19 +232,19 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Fetch ``layer``'s predicted experts that are not cached, as far as unprotected slots allow
         (the forward in flight keeps its experts); the copies overlap the compute stream's work."""
-        fetched = self._fetch_ahead(layer, experts, stats)
+        fetched = self._fetch_ahead(layer, experts, stats, "prefetch")
         self._prefetched.update(fetched)
         stats.prefetched += len(fetched)
 
     def admit(self, layer: int, experts: list[int], stats: OffloadStats) -> None:
         """Copy experts a forward computed elsewhere (the CPU) into the cache for later forwards."""
-        stats.admitted += len(self._fetch_ahead(layer, experts, stats))
+        stats.admitted += len(self._fetch_ahead(layer, experts, stats, "admit"))
 
-    def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats) -> list[Key]:
+    def _fetch_ahead(self, layer: int, experts: list[int], stats: OffloadStats, kind: str) -> list[Key]:
         """Fetch the first of ``experts`` not cached, as many as slots can be freed; unprotected after."""
         where = self._slots.where
         keys = [(layer, e) for e in experts if (layer, e) not in where][: self.free_slots()]
-        self._fetch(keys, stats)
+        self._fetch(keys, stats, kind)
         self._protected.difference_update(keys)
         return keys
 
@@ -252,6 +260,14 @@ class ExpertCache:
             self._protected.discard(key)
             if key in self._slots.where:
                 self._slots.read_done[self._slots.where[key]] = event
+
+    def evict(self, layer: int, experts: list[int]) -> list[int]:
+        """Drop ``layer``'s ``experts`` from the cache where cached and not in use by a forward (a later
+        touch misses); returns those dropped. For controlled fetch counts (``offload_floor.measure_forced``)."""
+        keys = [(layer, e) for e in experts if (layer, e) in self._slots.where and (layer, e) not in self._protected]
+        for key in keys:
+            self._drop(key)
+        return [e for _, e in keys]
 
     def slot_map(self, layer: int, experts: list[int], num_experts: int) -> torch.Tensor:
         """[E] int32 on the device: the slot of each of ``experts`` (cached), -1 for every other expert."""
@@ -278,17 +294,22 @@ class ExpertCache:
         for victim in victims:
             idle = self._tick - self.policy.last_use(victim)
             self._horizon = idle if math.isinf(self._horizon) else self._horizon + HORIZON_WEIGHT * (idle - self._horizon)
-            s = slots.where.pop(victim)
-            self.policy.remove(victim)
-            self._prefetched.discard(victim)
-            slots.owner[s] = None
-            slots.free.append(s)
+            self._drop(victim)
 
-    def _fetch(self, keys: list[Key], stats: OffloadStats) -> None:
+    def _drop(self, key: Key) -> None:
+        """``key`` leaves the cache: its slot is free, the policy forgets it."""
+        s = self._slots.where.pop(key)
+        self.policy.remove(key)
+        self._prefetched.discard(key)
+        self._slots.owner[s] = None
+        self._slots.free.append(s)
+
+    def _fetch(self, keys: list[Key], stats: OffloadStats, kind: str) -> None:
         """Copy ``keys``' blocks into slots (free or evicted) and protect them. The batch's slots, in
         ascending order, take its keys in (layer, expert) order, so consecutive experts landing in
         consecutive slots form runs, each one ``copy_`` per block group. On CUDA on the copy stream,
-        after the reads of each slot's previous expert, one event recorded after the batch."""
+        after the reads of each slot's previous expert, one event recorded after the batch. ``kind``
+        ("fetch", "prefetch", "admit") names the batch's marks (``mark``)."""
         if not keys:
             return
         slots = self._slots
@@ -309,28 +330,37 @@ class ExpertCache:
                 for event in {id(slots.read_done[s]): slots.read_done[s] for s in taken}.values():
                     if event is not None:  # slots released together share one event
                         self._copy_stream.wait_event(event)
+            self.mark(f"copy_start:{kind}", keys[0][0], copy=True)
             for layer, expert, slot, count in _runs(placed):
                 host = self._host_blocks[layer]
                 for g, block in enumerate(slots.blocks):
                     block[slot: slot + count].copy_(host[g][expert: expert + count],
                                                     non_blocking=self._copy_stream is not None)
+            self.mark(f"copy_end:{kind}", keys[0][0], copy=True)
             if self._copy_stream is not None:
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
                 for s in taken:
-                    slots.copy_done[s] = done
+                    slots.copy_done[s], slots.waited[s] = done, None
 
     def wait_ready(self, layer: int, experts: list[int]) -> None:
         """Make the compute stream wait for the copies into these experts' slots (fetched, prefetched or
-        admitted), and for nothing else on the copy stream."""
+        admitted), and for nothing else on the copy stream. A copy this stream has waited for once is
+        not waited for again (its later work is ordered after it): a cached expert's hits make no
+        stream wait at all, where they made one per batch their experts came in (up to one per hit)."""
         if self._copy_stream is None:
             return
-        stream, waited = torch.cuda.current_stream(self.device), set()
+        slots, stream, waited = self._slots, torch.cuda.current_stream(self.device), set()
+        handle = stream.cuda_stream
         for e in experts:
-            event = self._slots.copy_done[self._slots.where[(layer, e)]]
-            if event is not None and id(event) not in waited:  # one event per fetched batch
+            s = slots.where[(layer, e)]
+            event = slots.copy_done[s]
+            if event is None or slots.waited[s] == handle:
+                continue
+            if id(event) not in waited:  # one event per fetched batch
                 stream.wait_event(event)
                 waited.add(id(event))
+            slots.waited[s] = handle
 
 
 def _runs(placed: list[tuple[Key, int]]) -> list[tuple[int, int, int, int]]:

@@ -3,10 +3,12 @@ CPU, or split between the two.
 
     GPU side:  max(hits x read_one, F x fetch_one) + F x read_one      (the hits compute while the F
                (+ gpu_call_s with hits and F > 0)                      fetched misses travel; those
-                                                                       compute once they land, in a call
+               at least hits x read_one + fetch_layer_s when F > 0     compute once they land, in a call
                                                                        of their own; at the link's rate
                                                                        during CPU work when the CPU side
                                                                        runs, ``fetch_rate``)
+               or, where the hits' reads cost less than a second call (``one_call``): F x fetch_one +
+               (hits + F) x read_one, one call for both once the fetches land (then never dearer)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
                (0 when no miss runs on the CPU: no staging either)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
@@ -65,12 +67,15 @@ class MissCosts:
     hysteresis: float = 0.0  # a split with CPU experts must cost this fraction less than fetching all (``split_misses``)
     cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
     gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
+    fetch_layer_s: float = 0.0  # the least a forward with any fetch takes over an all-hit one (``gpu_side_s``)
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
             raise ValueError(f"cpu_margin must be >= 1, got {self.cpu_margin!r}")
         if not self.gpu_call_s >= 0.0:
             raise ValueError(f"gpu_call_s must be >= 0, got {self.gpu_call_s!r}")
+        if not self.fetch_layer_s >= 0.0:
+            raise ValueError(f"fetch_layer_s must be >= 0, got {self.fetch_layer_s!r}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
@@ -142,13 +147,29 @@ class MissSplit:
         return self.step_s + self.refetch_s
 
 
+def one_call(hits: int, expert_bytes: int, costs: MissCosts) -> bool:
+    """Whether a forward with ``hits`` cached experts and fetches computes them all in one experts call
+    once the fetches land, rather than the hits first (while the copies travel) and the fetched ones in a
+    second call: where the hits' reads take less than that second call (``gpu_call_s``, measured; never
+    with its default 0), overlapping them cannot win back the call (a decode step's few rows: the call's
+    launches, not the reads, cost; with no hits there is one call anyway). Then the one call costs
+    min(F x fetch_one, hits x read_one) - gpu_call_s < 0 more than two, whatever F."""
+    return hits * expert_bytes / costs.gpu_bytes_per_s < costs.gpu_call_s
+
+
 def gpu_side_s(hits: int, fetched: int, expert_bytes: int, costs: MissCosts, cpu_busy: bool = False) -> float:
     """Predicted GPU seconds of ``hits`` cached experts and ``fetched`` fetched ones (module docstring),
-    plus ``gpu_call_s`` when there are both (the fetched experts' own call, once they land);
+    plus ``gpu_call_s`` when there are both (the fetched experts' own call, once they land; or one call
+    for both after the fetches where ``one_call`` says so), and with any fetch at least the hits' reads
+    and ``fetch_layer_s`` (what a forward with one fetch took over an all-hit one, measured: its copy's
+    latency, its bookkeeping and calls, whatever the link's rate);
     ``cpu_busy``: the CPU computes misses meanwhile, so the fetches travel at ``fetch_rate``'s busy rate."""
-    read_one = expert_bytes / costs.gpu_bytes_per_s
-    second = costs.gpu_call_s if hits and fetched else 0.0
-    return max(hits * read_one, fetched * expert_bytes / fetch_rate(costs, cpu_busy)) + fetched * read_one + second
+    read_one, link = expert_bytes / costs.gpu_bytes_per_s, fetched * expert_bytes / fetch_rate(costs, cpu_busy)
+    if one_call(hits, expert_bytes, costs):
+        side = link + (hits + fetched) * read_one
+    else:
+        side = max(hits * read_one, link) + fetched * read_one + (costs.gpu_call_s if hits and fetched else 0.0)
+    return max(side, hits * read_one + costs.fetch_layer_s) if fetched else side
 
 
 def fetch_rate(costs: MissCosts, cpu_busy: bool) -> float:
@@ -186,7 +207,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
     CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b. The
     one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
-    last point of the last run: it is priced on its own. Ties go to fewer CPU experts, then fewer
+    last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
+    forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
     likely-reused ones.
 
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
@@ -212,15 +234,16 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                          fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
                          (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
 
-    best = _cheapest(split, len(classes[0]), len(classes[1]), hits > 0 and costs.gpu_call_s > 0, fetch_all)
+    drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
+    best = _cheapest(split, len(classes[0]), len(classes[1]), drop, fetch_all)
     return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
 
 
 def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> MissSplit:
     """``split_misses``' search: the cheapest of ``fetch_all`` and ``split(a, b)`` over a <= n0, b <= n1 (a + b
-    >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call,
-    so that one point (a, b) = (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts,
-    then fewer of the second class."""
+    >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call
+    (or ``fetch_layer_s``), so that one point (a, b) = (n0, n1) is off its run and priced on its own.
+    Ties: fewer CPU experts, then fewer of the second class."""
     best, rank = fetch_all, (0, 0)
     candidates = [(n0, n1)] if drop else []
     for b in range(n1 + 1):

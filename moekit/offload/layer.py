@@ -41,7 +41,7 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts
+from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -148,7 +148,9 @@ class OffloadedMoE(MoE):
         """x2d [M, K] and its routing -> [M, K], experts from the cache (and the CPU)."""
         cache, stats, e = self.cache, OffloadStats(), self.config.num_experts
         cache.begin_forward()
+        cache.mark("start", self.layer_id)
         tokens, predicted = self._touched(x2d, routing)  # the one device -> host copy
+        cache.mark("touched", self.layer_id)
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
         plan = self._plan({m: tokens[m] for m in misses}, len(hits))
@@ -162,8 +164,10 @@ class OffloadedMoE(MoE):
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
             threads, gemm = self._cpu.setting(self.costs)
+            cache.mark("cpu_start", self.layer_id)
             partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
                                              x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
+            cache.mark("cpu_end", self.layer_id)
             if not early:
                 cache.admit(self.layer_id, plan.admit, stats)
             if self.cpu_rate is not None and self.costs is not None:
@@ -175,6 +179,7 @@ class OffloadedMoE(MoE):
         self._prefetch_next(predicted, stats)
         self.last_stats = stats
         cache.stats.add(stats)
+        cache.mark("end", self.layer_id)
         return out
 
     def _touched(self, x2d: torch.Tensor, routing: Routing) -> tuple[dict[int, int], list[int]]:
@@ -187,7 +192,9 @@ class OffloadedMoE(MoE):
             pred = route(logits, nxt.config, nxt.e_score_correction_bias).topk_ids.reshape(-1)
             ids = torch.cat([ids, pred.to(ids.dtype) + (e + 2)])  # bins E+3..: the next layer's experts
             bins += nxt.config.num_experts + 1
-        host = [int(c) for c in _expert_counts(ids, bins).tolist()]  # the one device -> host copy
+        counts = _expert_counts(ids, bins)  # [bins]
+        self.cache.mark("counted", self.layer_id)
+        host = [int(c) for c in counts.tolist()]  # the one device -> host copy
         tokens = {i: c for i, c in enumerate(host[1: e + 1]) if c}
         if nxt is None or self.prefetch is None:
             return tokens, []
@@ -239,20 +246,26 @@ class OffloadedMoE(MoE):
     def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
         (computed while the misses' copies travel), the fetched misses, and further rounds when the
-        touched experts exceed the cache. The hits' expert_map is copied to the device before the
-        misses' copies are queued: host-to-device copies share the copy engine in issue order, so a map
-        copied after them would hold the hits' compute until the fetches land."""
+        touched experts exceed the cache; or hits and fetched misses in one call once the copies land,
+        where the costs say the hits' reads cannot win back a second call (``cost.one_call``). The hits'
+        expert_map is copied to the device before the misses' copies are queued: host-to-device copies
+        share the copy engine in issue order, so a map copied after them would hold the hits' compute
+        until the fetches land."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if hits and fetch else None
-        for experts in cache.rounds(self.layer_id, hits, fetch, stats):
+        split = self.costs is None or not one_call(len(hits), cache.expert_bytes, self.costs)
+        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if split and hits and fetch else None
+        for experts in cache.rounds(self.layer_id, hits, fetch, stats, split):
             if experts:
                 if hits_map is not None and experts == hits:
                     expert_map, hits_map = hits_map, None
                 else:
                     expert_map = cache.slot_map(self.layer_id, experts, e)
+                group = "" if cache.trace is None else _group(experts, hits, fetch)
+                cache.mark(f"call_start:{group}", self.layer_id)
                 partials.append(call_backend(self._experts_fn, x2d, w13, w2, routing.topk_ids, routing.topk_weights,
                                              activation=self.config.activation, expert_map=expert_map, b13=b13, b2=b2))
+                cache.mark(f"call_end:{group}", self.layer_id)
         return partials
 
     def _prefetch_next(self, predicted: list[int], stats: OffloadStats) -> None:
@@ -306,6 +319,15 @@ def _cpu_experts_fn(gemm: str):
     if backend_available("grouped_mm", "cpu"):
         return bind_options(backend_fn("grouped_mm", "cpu"), {"cpu_gemm": gemm})
     return backend_fn("auto", "cpu")
+
+
+def _group(experts: list[int], hits: list[int], fetch: list[int]) -> str:
+    """A compute group's name in a trace: "hits" (cached experts only), "fetched" (this forward's
+    fetches only) or "mixed" (both in one call, ``cost.one_call``, or a later round of a forward whose
+    experts exceed the cache)."""
+    if set(experts) <= set(hits):
+        return "hits"
+    return "fetched" if set(experts) <= set(fetch) else "mixed"
 
 
 def _take(dst: torch.Tensor, src: torch.Tensor) -> None:

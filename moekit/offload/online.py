@@ -15,7 +15,7 @@ floor prices the CPU by; layers that share one ``CpuRate`` share the estimate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moekit.offload.cost import MissCosts
 from moekit.offload.cpu_path import CpuPhases
@@ -28,6 +28,7 @@ class CpuRate:
     weight: float = 0.25  # how far one sample moves the estimate
     scale: float | None = None  # the estimate; None before the first sample
     samples: int = 0
+    _last: tuple = field(default=(), repr=False, compare=False)  # (costs, scale, scaled): ``apply``'s latest answer
 
     def __post_init__(self) -> None:
         if not 0.0 < self.weight <= 1.0:
@@ -46,5 +47,13 @@ class CpuRate:
         self.samples += 1
 
     def apply(self, costs: MissCosts) -> MissCosts:
-        """``costs`` with the CPU side scaled by the estimate (unchanged before the first sample)."""
-        return costs if self.scale is None or self.scale <= 0.0 else costs.scaled(self.scale)
+        """``costs`` with the CPU side scaled by the estimate (unchanged before the first sample). Asked
+        again with the same costs and estimate (every forward between CPU branches, every layer sharing
+        the rate), the same answer without building it again (a decode step's host time is the step)."""
+        if self.scale is None or self.scale <= 0.0:
+            return costs
+        if self._last and self._last[0] is costs and self._last[1] == self.scale:
+            return self._last[2]
+        scaled = costs.scaled(self.scale)
+        self._last = (costs, self.scale, scaled)
+        return scaled

@@ -1,0 +1,222 @@
+"""The timed cells of ``moekit bench --offload`` (``offload_measure``): each run's stack of offloaded layers
+decoding the same steps, the runs taking turns step by step, and each step's floor (``offload_floor``).
+
+With ``reference``, an all-hit stack takes its turns too: gpu layers on a cache that holds every expert the
+steps touch (each step run once before the timing), whose per-layer time less its hits' reads
+(``offload_floor.fixed_from``) is the floor's fixed cost for the group. Measured in the same rotation as the
+cells, it sees what they see: the host's speed drifts by tens of percent between moments of one run (the
+quiet measurement, ``offload_floor.fixed_costs``, came out 0.27-0.41 ms a layer at M = 1 across one H200
+run's groups), and a step that follows another stack's runs slower than one that follows its own (its
+Python objects and the driver's state out of the CPU's caches: ~8% at M = 1 on one H200 run,
+``benchmarks/offload_fetch_device_check.py``'s gpu-alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moekit.bench.offload_floor import FixedCosts, fixed_from, sum_floor_s, timeline_s
+from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload.whatif import RoutingTrace, drive, replay
+from moekit.routing import Routing
+
+
+@dataclass(frozen=True)
+class Run:
+    """One cell's setting."""
+
+    fraction: float
+    slots: int
+    policy: str
+    prefetch: bool
+    place: str
+    admit: int | None = None  # admit_per_forward (None: the plan's default)
+    label: str = ""  # the row's mode ("": ``place``)
+    overrides: tuple = ()  # (MissCosts field, value) pairs for this run's layers and replay
+    online: bool = False  # the stack's layers share an ``online.CpuRate`` ("auto" prices the CPU by it)
+
+
+def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[Run], warm: int,
+              costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
+              scale: float = 1.0, reference: bool = False) -> list[dict]:
+    """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
+    ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
+    device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
+    fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
+    equally often; a CPU-heavy step leaves the host's threads busy for the next); with ``reference``,
+    the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
+    (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
+    rows' measured fields."""
+    stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
+    x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
+    ref = _reference(shells, routings, costs, device, options, x) if reference else None
+    if ref is not None:
+        stacks.append(ref)
+    times, dones = [[] for _ in stacks], [[] for _ in stacks]
+    phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
+    gc.collect()
+    gc.disable()
+    try:
+        orders = balanced_orders(len(stacks))
+        for step, per_layer in enumerate(routings):
+            for j in orders[(step - 1) % len(orders)]:  # the timed steps (from 1) start at the first order
+                layers, prefetch = stacks[j], j < len(runs) and runs[j].prefetch
+                _sync(device)
+                start = time.perf_counter()
+                done = [_forward(layers, i, x, routing, trace.predicted[warm + step], prefetch)
+                        for i, routing in enumerate(per_layer)]
+                _sync(device)
+                if step:
+                    times[j].append(time.perf_counter() - start)
+                    dones[j].append(done)
+                    if j < len(runs):
+                        _add_phases(phases[j], layers, costs)
+    finally:
+        gc.enable()
+    expert_bytes = stacks[0][0].cache.expert_bytes
+    del stacks, ref  # the caches' slots, before the next group allocates its own
+    quiet = fixed.layer_s
+    if reference and len(dones) > len(runs):  # the reference fitted (``_reference``)
+        hits = [sum(s.hits for s in done) for done in dones[-1]]
+        fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
+    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet), _total(dones[j]), trace,
+                    warm, costs, expert_bytes, x.shape[0], phases[j]),
+             "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
+             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+             "cpu_expert_us": costs.cpu_time(1) * 1e6,
+             "cpu_scale": scale} for j, run in enumerate(runs)]
+
+
+def _reference(shells, routings: list[list[Routing]], costs: MissCosts, device, options: CpuOptions,
+               x: torch.Tensor) -> list[OffloadedMoE] | None:
+    """gpu layers on a cache holding every expert ``routings`` touch, each step run once (all hits after);
+    None where that cache would take more than half the device's free memory (the runs' caches hold the
+    rest: DeepSeek-V3 widths at M = 32 touch nearly every expert, 45 GB for two layers)."""
+    touched = [set() for _ in routings[0]]
+    for per_layer in routings:
+        for seen, routing in zip(touched, per_layer):
+            seen.update(e for e in routing.topk_ids.reshape(-1).tolist() if e >= 0)
+    slots = max(1, sum(len(seen) for seen in touched))
+    if device.type == "cuda" and slots * expert_nbytes(shells[0]) > torch.cuda.mem_get_info(device)[0] / 2:
+        return None
+    cache = ExpertCache(slots, device=device, policy="lfu")
+    layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, costs=costs,
+                                    cpu_options=options) for i in range(len(touched))]
+    for per_layer in routings:
+        for layer, routing in zip(layers, per_layer):
+            layer.run_routed(x, routing)
+    return layers
+
+
+def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
+    """Every layer's counts of every timed step, added."""
+    total = OffloadStats()
+    for done in dones:
+        for stats in done:
+            total.add(stats)
+    return total
+
+
+def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
+            quiet: float) -> list[list[float]]:
+    """Per timed step: the timeline floor, the layers' maxima summed, and the floor as before the
+    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms)."""
+    before = dataclasses.replace(costs, fetch_layer_s=0.0)
+    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
+             sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet)]
+            for done in dones]
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Every order of ``n`` runs (n! of them), each order's n rotations in a row: all of them taken in
+    turn, each run goes first equally often and follows each other run equally often; and each block
+    of n from the start (n timed steps: 3 at M >= 8 with 3 modes) puts every run first once."""
+    orders, seen = [], set()
+    for p in itertools.permutations(range(n)):
+        if p not in seen:
+            for r in range(n):
+                seen.add(p[r:] + p[:r])
+                orders.append(list(p[r:] + p[:r]))
+    return orders
+
+
+def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
+    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``."""
+    for layer in layers:
+        p = layer.last_cpu
+        if p is not None:
+            model = costs.cpu_side_s(list(layer.last_stats.cpu_rows))
+            for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
+                total[i] += v
+
+
+def _stack(shells, trace: RoutingTrace, run: Run, warm: int, costs: MissCosts, device,
+           options: CpuOptions) -> list[OffloadedMoE]:
+    """L layers (layer i on ``shells[i]``'s host weights) on a fresh cache of ``run``'s size and policy,
+    brought through ``trace``'s first ``warm`` steps by bookkeeping only."""
+    cache = ExpertCache(run.slots, device=device, policy=run.policy)
+    rate = CpuRate() if run.online else None
+    layers = [OffloadedMoE.from_moe(shells[i % len(shells)], cache=cache, prefetch=None, compute_misses_on=run.place,
+                                    costs=_run_costs(run, costs), admit_per_forward=run.admit, cpu_options=options,
+                                    cpu_rate=rate) for i in range(trace.num_layers)]
+    with cache.bookkeeping_only():
+        drive(cache, [layer.layer_id for layer in layers], trace, range(warm), **_options(run, costs, cache.expert_bytes))
+    return layers
+
+
+def _run_costs(run: Run, costs: MissCosts) -> MissCosts:
+    """The costs ``run``'s layers decide by: ``costs`` with the run's overrides."""
+    return dataclasses.replace(costs, **dict(run.overrides)) if run.overrides else costs
+
+
+def _options(run: Run, costs: MissCosts, expert_bytes: int) -> dict:
+    """What the cell's layers do with misses and predictions, as ``whatif.drive`` / ``replay`` take it."""
+    return dict(prefetch="router" if run.prefetch else None, place=run.place, costs=_run_costs(run, costs),
+                expert_bytes=expert_bytes, admit_per_forward=run.admit)
+
+
+def _row(run: Run, times: list[float], floors: list[list[float]], timed: OffloadStats, trace: RoutingTrace, warm: int,
+         costs: MissCosts, expert_bytes: int, m: int, phases: list[float]) -> dict:
+    """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
+    sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
+    steps, step_s = len(times), statistics.fmean(times)
+    floor_s, sum_s, before_s = (statistics.fmean(f[i] for f in floors) for i in range(3))
+    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+            "x_floor_before": step_s / before_s if before_s else float("inf"),
+            "x_floor": step_s / floor_s if floor_s else float("inf"),
+            "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
+            "cpu_tokens_per_step": timed.cpu_tokens / steps,
+            "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
+            "admitted_per_step": timed.admitted / steps, "tok_s": m / step_s,
+            **{name: v * 1e3 / steps for name, v in zip(_PHASES, phases)}}
+
+
+_PHASES = ("cpu_ms", "cpu_model_ms", "cpu_stage_ms", "cpu_wait_ms", "cpu_compute_ms", "cpu_back_ms")
+
+
+def _forward(layers: list[OffloadedMoE], i: int, x, routing: Routing, predicted: list[list[int]],
+             prefetch: bool) -> OffloadStats:
+    """Layer ``i``'s forward on ``routing``, then (``prefetch``) the next layer's predicted experts
+    fetched ahead, as ``prefetch="router"`` does; the forward's stats with the prefetch's."""
+    layer = layers[i]
+    layer.run_routed(x, routing)
+    stats = layer.last_stats
+    if prefetch and i + 1 < len(layers):
+        ahead = OffloadStats()
+        layer.cache.prefetch(layers[i + 1].layer_id, predicted[i + 1], ahead)
+        layer.cache.stats.add(ahead)
+        stats = dataclasses.replace(stats)
+        stats.add(ahead)
+    return stats
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
