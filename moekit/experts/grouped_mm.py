@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation
+from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
+from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
     ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
@@ -297,11 +298,34 @@ def experts_grouped_mm(
     """
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
+    options = dict(memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm)
     # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
-        return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
-                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=dict(
-                                 memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm))
+        return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=options)
+    if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm):  # compiled: the eager CPU loop, opaque
+        return cpu_experts_op(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, *spec_fields(activation),
+                              memory_budget_bytes, layout, cpu_gemm)
+    return _experts_dense(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13,
+                          b2=b2, **options)
+
+
+def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
+    """Whether a call runs as ``moekit::cpu_experts`` (``cpu_op``): traced by torch.compile, on the CPU, a
+    ``cpu_gemm`` of the eager loops, no gradient needed (the op has none; the traced path does)."""
+    if not torch.compiler.is_compiling() or x.device.type != "cpu" or cpu_gemm == "grouped_mm":
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    for t in (x, w13, w2, topk_weights, b13, b2):
+        if t is not None and t.requires_grad:
+            return False
+    return True
+
+
+def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map, b13, b2, memory_budget_bytes,
+                   layout, cpu_gemm) -> torch.Tensor:
+    """``experts_grouped_mm`` on plain weight tensors: plan, then the layout's run (per chunk)."""
     num_tokens, top_k = topk_ids.shape
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
