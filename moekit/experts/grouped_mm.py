@@ -18,7 +18,10 @@ oneDNN GEMMs (``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``)
 ``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
 at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
 ``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs
-the same loop serially with multi-threaded GEMMs).
+the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
+plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
+graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
+weights, traces the grouped GEMM path (``moekit::group_gemm``).
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
