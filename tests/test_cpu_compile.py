@@ -165,3 +165,26 @@ def test_layer_compiled_inference_runs_the_op(dtype):
     routed = token_loop(x.reshape(-1, K), moe.w13.detach(), moe.w2.detach(), routing.topk_ids, routing.topk_weights)
     experts = experts_grouped_mm(x.reshape(-1, K), moe.w13, moe.w2, routing.topk_ids, routing.topk_weights)
     assert rel_err(experts, routed) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_transposed_weights_keep_their_packed_copies_and_follow_updates():
+    """Weights stored transposed (transformers' gpt-oss layout, read as views) cross the op as stored: under
+    inductor the packed copies are keyed by the parameters themselves, kept from call to call, and an
+    in-place update of a parameter is seen (fresh copies, the new result)."""
+    x, w13, w2, ids, weights = problem(40, 3, seed=9)
+    up = torch.nn.Parameter(w13.transpose(1, 2).contiguous(), requires_grad=False)  # [E, K, 2N] storage
+    down = torch.nn.Parameter(w2.transpose(1, 2).contiguous(), requires_grad=False)  # [E, N, K] storage
+    fn = compiled(lambda *a: experts_grouped_mm(a[0], up.transpose(1, 2), down.transpose(1, 2), *a[1:]), "inductor")
+    clear_packed_weights()
+    with torch.no_grad():
+        fn(x, ids, weights)  # the first run after compiling meets an alias of the views: packed once more
+        first = fn(x, ids, weights)
+        used = packed_weight_cache().used_bytes()
+        keys = list(packed_weight_cache()._entries.keys())
+        assert fn(x, ids, weights).equal(first) and packed_weight_cache().used_bytes() == used
+        down.mul_(2)
+        updated = fn(x, ids, weights)
+    assert any(k is up for k in keys) and any(k is down for k in keys)
+    assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(updated, token_loop(x, w13, 2 * w2, ids, weights)) < 1e-5
+    clear_packed_weights()

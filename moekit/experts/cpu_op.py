@@ -12,8 +12,12 @@ arguments, so compiled runs what eager runs, layout and chunking included.
 The options cross the schema as plain values (a schema takes no dataclasses; bools, ints and strs
 are constants to the compiler): the activation as its spec's fields (``spec_fields``),
 ``memory_budget_bytes``, ``layout``, ``cpu_gemm``. The packed-weight cache is touched only in the
-op's body, where the real weight tensors (the module's parameters, or views of them) arrive; the
-fake never looks at it.
+op's body, where the real weight tensors arrive; the fake never looks at it. The cache keys a packed
+copy by its weight tensor's storage base and watches that tensor's version counter, so a weight must
+arrive as the module's parameter itself: inductor passes a graph input as is, but a view made in the
+graph (transformers' transposed gpt-oss storage read as [E, 2N, K]) as a fresh alias with no base and a
+version counter of its own (measured, torch 2.13), whose packed copies would die with the call. Such a
+weight crosses in its stored layout (``w13_transposed`` / ``w2_transposed``) and is transposed inside.
 
 Not through the op (``experts_grouped_mm`` decides): calls that need a gradient (the op has no
 backward; the traced grouped GEMM path has one) and quantized weights (dequantized inside the graph
@@ -38,10 +42,13 @@ def cpu_experts_op(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     expert_map: Optional[torch.Tensor], b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
     activation: str, gated: bool, interleaved: bool, alpha: float, limit: Optional[float], up_shift: float,
-    memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str,
+    memory_budget_bytes: Optional[int], layout: str, cpu_gemm: str, w13_transposed: bool, w2_transposed: bool,
 ) -> torch.Tensor:
-    """x [M, K], w13 [E, R, K], w2 [E, K, N], topk_ids / topk_weights [M, k], expert_map [E_global] or None,
-    b13 [E, R] / b2 [E, K] or None, the activation's ``spec_fields`` and grouped_mm's options -> [M, K]."""
+    """x [M, K], w13 [E, R, K] ([E, K, R] when ``w13_transposed``), w2 [E, K, N] ([E, N, K] when ``w2_transposed``),
+    topk_ids / topk_weights [M, k], expert_map [E_global] or None, b13 [E, R] / b2 [E, K] or None, the
+    activation's ``spec_fields`` and grouped_mm's options -> [M, K]."""
+    w13 = w13.transpose(1, 2) if w13_transposed else w13
+    w2 = w2.transpose(1, 2) if w2_transposed else w2
     return backend_fn("grouped_mm", x.device)(
         x, w13, w2, topk_ids, topk_weights, activation=_spec(activation, gated, interleaved, alpha, limit, up_shift),
         expert_map=expert_map, b13=b13, b2=b2, memory_budget_bytes=memory_budget_bytes, layout=layout,
@@ -50,7 +57,7 @@ def cpu_experts_op(
 
 @cpu_experts_op.register_fake
 def _(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activation, gated, interleaved, alpha, limit,
-      up_shift, memory_budget_bytes, layout, cpu_gemm):
+      up_shift, memory_budget_bytes, layout, cpu_gemm, w13_transposed, w2_transposed):
     return x.new_empty(x.shape)  # [M, K], x.dtype, row-major: what the eager path returns
 
 

@@ -307,8 +307,10 @@ def experts_grouped_mm(
         return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
                              expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=options)
     if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm):  # compiled: the eager CPU loop, opaque
-        return cpu_experts_op(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, *spec_fields(activation),
-                              memory_budget_bytes, layout, cpu_gemm)
+        t13, t2 = _transposed_storage(w13), _transposed_storage(w2)  # cross as stored (cpu_op says why)
+        return cpu_experts_op(x, w13.transpose(1, 2) if t13 else w13, w2.transpose(1, 2) if t2 else w2, topk_ids,
+                              topk_weights, expert_map, b13, b2, *spec_fields(activation), memory_budget_bytes, layout,
+                              cpu_gemm, t13, t2)
     return _experts_dense(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13,
                           b2=b2, **options)
 
@@ -324,6 +326,11 @@ def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
         if t is not None and t.requires_grad:
             return False
     return True
+
+
+def _transposed_storage(w: torch.Tensor) -> bool:
+    """Whether w [E, out, in] is a transposed view of [E, in, out] storage (transformers' gpt-oss layout)."""
+    return w.stride(1) == 1 and w.stride(2) != 1
 
 
 def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map, b13, b2, memory_budget_bytes,
