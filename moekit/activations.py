@@ -119,6 +119,15 @@ def as_spec(activation: str | ActivationSpec) -> ActivationSpec:
     raise TypeError(f"activation must be a str or an ActivationSpec, got {type(activation).__name__}")
 
 
+def spec_fields(activation: str | ActivationSpec) -> tuple[str, bool, bool, float, float | None, float]:
+    """``activation`` as plain values (name, gated, interleaved, alpha, limit, up_shift), the way a spec
+    crosses a ``torch.library`` custom op's schema (which takes no dataclasses); ``ActivationSpec(*fields)``
+    rebuilds it."""
+    spec = as_spec(activation)
+    limit = None if spec.limit is None else float(spec.limit)
+    return spec.name, spec.gated, spec.interleaved, float(spec.alpha), limit, float(spec.up_shift)
+
+
 def get_activation(name: str) -> Activation:
     """The activation called ``name``; a ValueError naming the argument for an unknown one."""
     if name not in ACTIVATIONS:

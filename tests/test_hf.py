@@ -157,3 +157,40 @@ def test_bench_hf_runs_gpt_oss_width_model(tmp_path):
     rows = {(r["impl"], r["mode"]): r for r in json.loads(path.read_text())["rows"]}
     for mode in ("eager", "compiled"):
         assert rows[("moekit", mode)]["logits_rel_err_vs_eager"] < 1e-5, rows[("moekit", mode)]["errors"]
+
+
+def test_compiled_cpu_model_runs_the_moekit_cpu_loop():
+    """Without gradients the compiled CPU model calls ``moekit::cpu_experts`` once per MoE layer (the eager
+    packed loop, opaque; no grouped GEMM traced): a whole forward and static-cache generate, both fullgraph,
+    give transformers' own eager experts' logits and greedy tokens."""
+    from transformers import CompileConfig
+
+    def recorder(ops: list):  # a function: generate deep-copies its config, and a copied function is itself
+        def backend(gm, example_inputs, **options):  # generate passes its CompileConfig's mode
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+        return backend
+
+    torch.manual_seed(8)
+    model = qwen3(True).eval()
+    ids = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        want = model(ids).logits
+        want_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, disable_compile=True)
+        model.set_experts_implementation("moekit")
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        forward, steps = [], []
+        got = torch.compile(model, fullgraph=True, backend=recorder(forward))(ids).logits
+        torch._dynamo.reset()
+        config = CompileConfig(fullgraph=True, backend=recorder(steps))
+        config._compile_all_devices = True  # generate compiles only on accelerators unless asked (its own tests do)
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+                                compile_config=config)
+    for ops in (forward, steps):
+        assert sum("moekit.cpu_experts" in op for op in ops) == model.config.num_hidden_layers
+        assert not any("group_gemm" in op for op in ops)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
+    assert torch.equal(tokens, want_tokens)

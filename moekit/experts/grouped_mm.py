@@ -18,7 +18,10 @@ oneDNN GEMMs (``cpu_gemm``; measured faster, see ``moekit bench --cpu-experts``)
 ``moekit.experts.cpu_packed``'s, which gathers, multiplies on prepacked weights and combines one expert
 at a time in place of the contiguous layout's [A, K] copies, with whole experts split across
 ``torch.get_num_threads()`` single-threaded workers (``"onednn_packed_split"``; ``"onednn_packed"`` runs
-the same loop serially with multi-threaded GEMMs).
+the same loop serially with multi-threaded GEMMs). Under ``torch.compile`` such a call (CPU, no gradient,
+plain weights) runs as the custom op ``moekit::cpu_experts`` (``moekit.experts.cpu_op``): the compiled
+graph calls this eager loop, which no trace could follow; a call that needs a gradient, or has quantized
+weights, traces the grouped GEMM path (``moekit::group_gemm``).
 
 Variants (``moekit.activations.ActivationSpec``, biases) are data read by the same code: the glu is
 ``apply_glu``; a bias is added per routed row before the combine weights it (the grouped GEMM takes no
@@ -40,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation
+from moekit.activations import ActivationSpec, apply_glu, as_spec, get_activation, spec_fields
+from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
     ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
@@ -297,11 +301,41 @@ def experts_grouped_mm(
     """
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
+    options = dict(memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm)
     # QuantizedWeights: dequantized to x.dtype per call (correct, not fast); fp8_block: moekit.quant's recipe
     if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
-        return run_quantized(experts_grouped_mm, x, w13, w2, topk_ids, topk_weights, activation=activation,
-                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=dict(
-                                 memory_budget_bytes=memory_budget_bytes, layout=layout, cpu_gemm=cpu_gemm))
+        return run_quantized(_experts_dense, x, w13, w2, topk_ids, topk_weights, activation=activation,
+                             expert_map=expert_map, b13=b13, b2=b2, weight_dtype=x.dtype, dense_options=options)
+    if _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm):  # compiled: the eager CPU loop, opaque
+        t13, t2 = _transposed_storage(w13), _transposed_storage(w2)  # cross as stored (cpu_op says why)
+        return cpu_experts_op(x, w13.transpose(1, 2) if t13 else w13, w2.transpose(1, 2) if t2 else w2, topk_ids,
+                              topk_weights, expert_map, b13, b2, *spec_fields(activation), memory_budget_bytes, layout,
+                              cpu_gemm, t13, t2)
+    return _experts_dense(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map, b13=b13,
+                          b2=b2, **options)
+
+
+def _runs_cpu_op(x, w13, w2, topk_weights, b13, b2, cpu_gemm) -> bool:
+    """Whether a call runs as ``moekit::cpu_experts`` (``cpu_op``): traced by torch.compile, on the CPU, a
+    ``cpu_gemm`` of the eager loops, no gradient needed (the op has none; the traced path does)."""
+    if not torch.compiler.is_compiling() or x.device.type != "cpu" or cpu_gemm == "grouped_mm":
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    for t in (x, w13, w2, topk_weights, b13, b2):
+        if t is not None and t.requires_grad:
+            return False
+    return True
+
+
+def _transposed_storage(w: torch.Tensor) -> bool:
+    """Whether w [E, out, in] is a transposed view of [E, in, out] storage (transformers' gpt-oss layout)."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map, b13, b2, memory_budget_bytes,
+                   layout, cpu_gemm) -> torch.Tensor:
+    """``experts_grouped_mm`` on plain weight tensors: plan, then the layout's run (per chunk)."""
     num_tokens, top_k = topk_ids.shape
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()

@@ -1,0 +1,190 @@
+"""The CPU experts under torch.compile: a call that needs no gradient runs the eager loop as the opaque op
+``moekit::cpu_experts``; one that needs a gradient, or has quantized weights, traces the grouped GEMM
+path. Checked against a float64 (token, slot) loop written here and against the eager call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit import MoE, MoEConfig
+from moekit.activations import ActivationSpec
+from moekit.experts.cpu_packed import clear_packed_weights, packed_weight_cache
+from moekit.experts.grouped_mm import experts_grouped_mm
+
+E, N, K = 6, 8, 16
+GPT_OSS = ActivationSpec("silu", interleaved=True, alpha=1.702, limit=7.0, up_shift=1.0)
+
+
+def glu64(h, spec):
+    """h [2N] float64 -> [N], the spec written out: gate/up halves or alternating rows, clamps, alpha, shift."""
+    gate, up = (h[0::2], h[1::2]) if spec.interleaved else h.chunk(2)
+    if spec.limit is not None:
+        gate, up = gate.clamp(max=spec.limit), up.clamp(-spec.limit, spec.limit)
+    return gate * torch.sigmoid(spec.alpha * gate) * (up + spec.up_shift)
+
+
+def token_loop(x, w13, w2, ids, weights, spec=ActivationSpec(), b13=None, b2=None, expert_map=None):
+    """float64, one (token, slot) at a time; an id outside [0, E_global) or mapped to -1 contributes nothing."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if expert_map is not None:
+                e = int(expert_map[e]) if 0 <= e < expert_map.numel() else -1
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+            y = w2[e].double() @ glu64(h, spec) + (0 if b2 is None else b2[e].double())
+            out[t] += float(weights[t, j]) * y
+    return out
+
+
+def rel_err(got, want):
+    return float((got.detach().double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def problem(m, top_k, seed, num_experts=E):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g)
+    w13 = torch.randn(num_experts, 2 * N, K, generator=g) * K**-0.5
+    w2 = torch.randn(num_experts, K, N, generator=g) * N**-0.5
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(m)])
+    ids[0, 0] = -1  # a skipped slot
+    return x, w13, w2, ids, torch.rand(m, top_k, generator=g)
+
+
+class OpRecorder:
+    """A torch.compile backend that records the ops of every graph it gets, then runs the graph as traced."""
+
+    def __init__(self):
+        self.ops: list[str] = []
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.ops += [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+        return gm.forward
+
+    def saw(self, name: str) -> bool:
+        return any(name in op for op in self.ops)
+
+
+def compiled(fn, backend):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+@pytest.mark.parametrize("variant", ["plain", "gpt-oss-biases-map"])
+@pytest.mark.parametrize("backend", ["recorder", "inductor"])
+def test_compiled_inference_runs_the_op_and_equals_eager(variant, backend):
+    x, w13, w2, ids, weights = problem(12, 3, seed=1)
+    kwargs = {}
+    if variant != "plain":
+        g = torch.Generator().manual_seed(2)
+        kwargs = dict(activation=GPT_OSS, b13=torch.randn(E, 2 * N, generator=g), b2=torch.randn(E, K, generator=g),
+                      expert_map=torch.tensor([0, -1, 1, 2, -1, 3, 4, 5]))
+        ids = torch.where(ids >= 0, ids + (ids >= 1) + (ids >= 3), ids)  # global ids 0..7, 1 and 4 not local
+    spec = kwargs.get("activation", ActivationSpec())
+    want = token_loop(x, w13, w2, ids, weights, spec, kwargs.get("b13"), kwargs.get("b2"), kwargs.get("expert_map"))
+    recorder = OpRecorder()
+    fn = compiled(lambda *a: experts_grouped_mm(*a, **kwargs), recorder if backend == "recorder" else backend)
+    got = fn(x, w13, w2, ids, weights)
+    eager = experts_grouped_mm(x, w13, w2, ids, weights, **kwargs)
+    assert rel_err(got, want) < 1e-5
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)  # the same eager loop ran
+    if backend == "recorder":
+        assert recorder.graphs == 1 and recorder.saw("moekit.cpu_experts") and not recorder.saw("group_gemm")
+
+
+def test_compiled_with_gradient_traces_the_grouped_gemm_path():
+    """The op has no backward: a call that needs one traces moekit::group_gemm, and its gradients equal eager's."""
+    x, w13, w2, ids, weights = problem(10, 2, seed=3)
+    w13.requires_grad_(True)
+    recorder = OpRecorder()
+    got = compiled(experts_grouped_mm, recorder)(x, w13, w2, ids, weights)
+    assert recorder.saw("moekit.group_gemm") and not recorder.saw("moekit.cpu_experts")
+    assert rel_err(got, token_loop(x, w13.detach(), w2, ids, weights)) < 1e-5
+    (grad,) = torch.autograd.grad(got.square().sum(), [w13])
+    (want,) = torch.autograd.grad(experts_grouped_mm(x, w13, w2, ids, weights).square().sum(), [w13])
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_gemm_grouped_mm_and_quantized_weights_keep_the_traced_path():
+    x, w13, w2, ids, weights = problem(6, 2, seed=4)
+    recorder = OpRecorder()
+    with torch.no_grad():
+        compiled(lambda *a: experts_grouped_mm(*a, cpu_gemm="grouped_mm"), recorder)(x, w13, w2, ids, weights)
+    assert recorder.saw("moekit.group_gemm") and not recorder.saw("moekit.cpu_experts")
+    cfg = MoEConfig(hidden_size=128, moe_intermediate_size=128, num_experts=E, top_k=2)
+    torch.manual_seed(5)
+    moe = MoE(cfg).quantize_("int8_w8a16")
+    x128 = torch.randn(5, 128)
+    recorder = OpRecorder()
+    with torch.no_grad():
+        eager = moe(x128)
+        got = compiled(moe, recorder)(x128)
+    assert not recorder.saw("moekit.cpu_experts")
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_cache_is_filled_by_the_op_not_by_tracing():
+    """Tracing meets only the fake (the cache stays empty until the graph runs); the run packs the real
+    weights (>= 4 rows per expert), and a second call reuses the copies."""
+    x, w13, w2, ids, weights = problem(40, 3, seed=6)
+    clear_packed_weights()
+    seen_at_trace = []
+
+    def backend(gm, example_inputs):
+        seen_at_trace.append(packed_weight_cache().used_bytes())
+        return gm.forward
+
+    fn = compiled(experts_grouped_mm, backend)
+    with torch.no_grad():
+        first = fn(x, w13, w2, ids, weights)
+        used = packed_weight_cache().used_bytes()
+        second = fn(x, w13, w2, ids, weights)
+    assert seen_at_trace == [0] and used > 0 and packed_weight_cache().used_bytes() == used
+    assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    clear_packed_weights()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_compiled_inference_runs_the_op(dtype):
+    torch.manual_seed(7)
+    cfg = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=8, top_k=2, shared_expert_intermediate_size=8)
+    moe = MoE(cfg, dtype=dtype)
+    x = torch.randn(3, 5, K, dtype=dtype)
+    recorder = OpRecorder()
+    with torch.no_grad():
+        eager = moe(x)
+        got = compiled(moe, recorder)(x)
+        routing = moe.route_tokens(x.reshape(-1, K)).routing
+    assert recorder.graphs == 1 and recorder.saw("moekit.cpu_experts")
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+    routed = token_loop(x.reshape(-1, K), moe.w13.detach(), moe.w2.detach(), routing.topk_ids, routing.topk_weights)
+    experts = experts_grouped_mm(x.reshape(-1, K), moe.w13, moe.w2, routing.topk_ids, routing.topk_weights)
+    assert rel_err(experts, routed) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_transposed_weights_keep_their_packed_copies_and_follow_updates():
+    """Weights stored transposed (transformers' gpt-oss layout, read as views) cross the op as stored: under
+    inductor the packed copies are keyed by the parameters themselves, kept from call to call, and an
+    in-place update of a parameter is seen (fresh copies, the new result)."""
+    x, w13, w2, ids, weights = problem(40, 3, seed=9)
+    up = torch.nn.Parameter(w13.transpose(1, 2).contiguous(), requires_grad=False)  # [E, K, 2N] storage
+    down = torch.nn.Parameter(w2.transpose(1, 2).contiguous(), requires_grad=False)  # [E, N, K] storage
+    fn = compiled(lambda *a: experts_grouped_mm(a[0], up.transpose(1, 2), down.transpose(1, 2), *a[1:]), "inductor")
+    clear_packed_weights()
+    with torch.no_grad():
+        fn(x, ids, weights)  # the first run after compiling meets an alias of the views: packed once more
+        first = fn(x, ids, weights)
+        used = packed_weight_cache().used_bytes()
+        keys = list(packed_weight_cache()._entries.keys())
+        assert fn(x, ids, weights).equal(first) and packed_weight_cache().used_bytes() == used
+        down.mul_(2)
+        updated = fn(x, ids, weights)
+    assert any(k is up for k in keys) and any(k is down for k in keys)
+    assert rel_err(first, token_loop(x, w13, w2, ids, weights)) < 1e-5
+    assert rel_err(updated, token_loop(x, w13, 2 * w2, ids, weights)) < 1e-5
+    clear_packed_weights()
