@@ -50,13 +50,16 @@ LAYER_BATCHES = (1, 8)
 EXPERT_VARIANTS = ("base", "addr")
 LAYER_VARIANTS = ("base", "addr", "fast")
 LARGE_M = 4096
+# Its own plan (the key has the options) with the default launches wherever A > 65 (no fold): recorded while the
+# pool takes any size, so its h and y stay pooled (no allocation per call): is the per-call buffer M's cost?
+POOL_ALL = LaunchOptions(align_fold_max=65)
 
 
 class Run:
     device = torch.device("cuda")
     scale = 1
     samples, calls, large_samples, large_calls, probe_reps = 15, 32, 5, 12, 15
-    pool_max_bytes = None  # smoke: the pool's size lowered so the probe's M takes the per-call h and y
+    pool_all_from = LARGE_M  # M from which the pool_all variant runs (h and y per call from here at real shapes)
 
 
 def set_variant(name: str) -> None:
@@ -115,12 +118,29 @@ def experts_cell(m: int, weights, shape: Shape, probe_it: bool) -> dict:
             for _ in range(3):  # compile, record, keep
                 out = fn()
             row["same"] = row["same"] and torch.equal(out, want)
+    if m >= Run.pool_all_from:
+        row["pool_all_same"] = pool_all(fns, args, want)
     row["host_us"] = host_us(fns, m)
     if probe_it:
         set_variant("addr")
         row["probe"] = probe.probe(args, want, dev, reps=Run.probe_reps)
     set_variant("addr")
     return row
+
+
+def pool_all(fns: dict, args: tuple, want: torch.Tensor) -> bool:
+    """Add ``pool_all`` (addr, h and y in the pool: ``POOL_ALL`` recorded with the pool's size lifted) to ``fns``;
+    whether its output equals ``want``."""
+    from moekit.experts.triton import _WORKSPACES
+
+    kept, _WORKSPACES.max_bytes = _WORKSPACES.max_bytes, 1 << 45
+    try:
+        fns["pool_all"] = variant_fn("addr", lambda: experts_triton(*args, options=POOL_ALL))
+        for _ in range(3):  # compile, record, keep: served from the kept entry from here on, whatever max_bytes
+            out = fns["pool_all"]()
+    finally:
+        _WORKSPACES.max_bytes = kept
+    return torch.equal(out, want)
 
 
 def layer_cell(layer: MoE, m: int) -> dict:
@@ -183,6 +203,9 @@ def table(results: dict) -> str:
             lines.append(f"{key:34}same {ha._yn(r['same'])}  host {h['base']['median']:7.1f} -> {h['addr']['median']:7.1f}"
                          f"  min {h['base']['min']:7.1f} -> {h['addr']['min']:7.1f}"
                          f"  segs {h['base']['segments']} / {h['addr']['segments']}")
+            if "pool_all" in h:
+                lines.append(f"{'':6}pool_all (h, y pooled) same {ha._yn(r['pool_all_same'])} host "
+                             f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} segs {h['pool_all']['segments']}")
             p = r.get("probe")
             if p and "steps" in p:
                 for way in ("idle", "busy", "stream"):
@@ -219,6 +242,7 @@ def main() -> None:
             a.batches, a.probe_m, a.layer_batches = [1, 40], 40, [1]
         from moekit.experts.triton import _WORKSPACES
         _WORKSPACES.max_bytes = 1 << 12  # so the probe's M takes h and y per call, as at real shapes
+        Run.pool_all_from = a.probe_m
     else:
         Run.device = torch.device("cuda", torch.cuda.current_device())
     ha.Run.device = Run.device
