@@ -10,16 +10,17 @@ Variants (every output compared bit for bit with ``base``'s, and the experts' wi
   addr      handed over as addresses, read once per call (``triton_bind.PASS_ADDRESSES``,
             ``triton_lean.PASS_ADDRESSES``)
   fast      addr and the layer's decode fast path (``moekit.layer_fast``; layer cells only)
-1. experts: host µs per ``experts_triton`` call (Qwen3-30B-A3B, DeepSeek-V3; M = 1, 8, 512, 4096, 16384; bf16,
-   uniform routing, no_grad): calls started on an idle GPU, variants interleaved (ABBA), median and min; the
-   caching allocator's cudaMalloc count (segments) during each variant's timing (a fresh segment per call
-   would be M-dependent host time).
-2. probe (M = 4096, both presets): each step's host µs of one kept call (``host_trim2_probe``): idle GPU,
-   behind a busy GPU, back to back; tensors against addresses; allocation and launch controls.
-3. layer (``MoE``, backend triton, router auto; M = 1, 8): host µs of the whole forward, ``route_tokens`` (gate +
+1. layer (``MoE``, backend triton, router auto; M = 1, 8): host µs of the whole forward, ``route_tokens`` (gate +
    router: one launch up to 4 tokens), the experts step, glue = the rest; per variant, outputs bit-equal.
-Cells run in that order until --budget-s; --hard-limit-s stops at once. JSON to $OUT/host_trim2.json; a table
-last (look for: every ``same`` yes; addr host < base host, most at M >= 512; the probe's steps that grow).
+2. experts: host µs per ``experts_triton`` call (Qwen3-30B-A3B, DeepSeek-V3; M = 1, 8, 512, 4096, 16384; bf16,
+   uniform routing, no_grad): calls started on an idle GPU, variants interleaved (ABBA), median and min; the
+   caching allocator's cudaMalloc count (segments) during each variant's timing; from M = 4096 also
+   ``pool_all`` (addr with h and y kept in the pool, no allocation per call: is that buffer M's cost?).
+3. probe (M = 4096, both presets): each step's host µs of one kept call (``host_trim2_probe``): idle GPU,
+   behind a busy GPU, back to back; tensors against addresses; allocation and launch controls.
+Cells run preset by preset (layer, experts) until --budget-s; --hard-limit-s stops at once. JSON to
+$OUT/host_trim2.json; a table last (look for: every ``same`` yes; addr host < base host, most at M >= 512;
+fast < addr for the layer at M = 1; pool_all against addr; the probe's steps that grow behind a busy GPU).
 """
 
 from __future__ import annotations
@@ -164,32 +165,40 @@ def layer_cell(layer: MoE, m: int) -> dict:
 
 
 def measure(a, start: float, results: dict) -> None:
+    """Preset by preset: its layer's cells (cheap), then its experts cells (the probe at ``a.probe_m``)."""
     with torch.no_grad():
         for i, preset in enumerate(a.presets):
+            layer = MoE(layer_config(preset), backend="triton", router="auto", dtype=torch.bfloat16,
+                        device=Run.device).eval()
+            if i == 0:
+                layer_cell(layer, 1)  # throwaway: a process's first cell runs slow
+            for m in a.layer_batches:
+                ha.budgeted_cell(results, f"layer {preset} M={m}", start, a.budget_s, lambda: layer_cell(layer, m))
+            del layer
+            clear_launch_caches()
+            free_memory()
             shape = Shape.from_preset(preset, Run.scale)
             weights = make_weights(shape, torch.bfloat16, Run.device)
-            if i == 0:
-                experts_cell(1, weights, shape, False)  # throwaway: a process's first cell runs slow
             for m in a.batches:
                 ha.budgeted_cell(results, f"experts {preset} M={m}", start, a.budget_s,
                                  lambda: experts_cell(m, weights, shape, m == a.probe_m))
             del weights
             clear_launch_caches()
-            if Run.device.type == "cuda":
-                torch.cuda.empty_cache()
-        for preset in a.presets:
-            config = MoEConfig.preset(preset)
-            if Run.scale != 1:
-                config = config.replace(hidden_size=config.hidden_size // Run.scale,
-                                        moe_intermediate_size=config.moe_intermediate_size // Run.scale,
-                                        shared_expert_intermediate_size=config.shared_expert_intermediate_size
-                                        // Run.scale)
-            layer = MoE(config, backend="triton", router="auto", dtype=torch.bfloat16, device=Run.device).eval()
-            for m in a.layer_batches:
-                ha.budgeted_cell(results, f"layer {preset} M={m}", start, a.budget_s + 20, lambda: layer_cell(layer, m))
-            del layer
-            if Run.device.type == "cuda":
-                torch.cuda.empty_cache()
+            free_memory()
+
+
+def layer_config(preset: str) -> MoEConfig:
+    config = MoEConfig.preset(preset)
+    if Run.scale == 1:
+        return config
+    return config.replace(hidden_size=config.hidden_size // Run.scale,
+                          moe_intermediate_size=config.moe_intermediate_size // Run.scale,
+                          shared_expert_intermediate_size=config.shared_expert_intermediate_size // Run.scale)
+
+
+def free_memory() -> None:
+    if Run.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def table(results: dict) -> str:
