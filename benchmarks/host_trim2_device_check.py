@@ -59,7 +59,7 @@ POOL_ALL = LaunchOptions(align_fold_max=65)
 class Run:
     device = torch.device("cuda")
     scale = 1
-    samples, calls, large_samples, large_calls, probe_reps = 15, 32, 5, 12, 15
+    samples, calls, large_samples, large_calls, probe_reps, stream_calls = 15, 32, 5, 12, 15, 12
     pool_all_from = LARGE_M  # M from which the pool_all variant runs (h and y per call from here at real shapes)
 
 
@@ -124,7 +124,7 @@ def experts_cell(m: int, weights, shape: Shape, probe_it: bool) -> dict:
     row["host_us"] = host_us(fns, m)
     if probe_it:
         set_variant("addr")
-        row["probe"] = probe.probe(args, want, dev, reps=Run.probe_reps)
+        row["probe"] = probe.probe(args, want, dev, reps=Run.probe_reps, stream_calls=Run.stream_calls)
     set_variant("addr")
     return row
 
@@ -245,7 +245,7 @@ def main() -> None:
     start = time.perf_counter()
     if a.smoke:
         Run.device, Run.scale = torch.device("cpu"), ha.SMOKE_SCALE
-        Run.samples, Run.calls, Run.large_samples, Run.large_calls, Run.probe_reps = 1, 1, 1, 1, 1
+        Run.samples, Run.calls, Run.large_samples, Run.large_calls, Run.probe_reps, Run.stream_calls = 1, 1, 1, 1, 1, 2
         a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
         if a.batches == list(BATCHES):
             a.batches, a.probe_m, a.layer_batches = [1, 40], 40, [1]
