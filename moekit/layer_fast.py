@@ -1,11 +1,13 @@
-"""The eager ``MoE`` layer's decode fast path: a repeated forward of a few tokens (up to the one-launch gate and
-router's rows) goes straight to its launches, past ``route_tokens`` and the experts step's generic code.
+"""The eager ``MoE`` layer's decode fast path: a repeated forward of up to MAX_ROWS tokens goes straight to its
+launches, past ``route_tokens`` and the experts step's generic code.
 
     first call of a kind (M rows; dtype, device, stream, thread; the layer's weights and router): the full
-      forward, then ``DecodeFast.keep``: its route buffers, the gate + router bound launch, the experts
-      backend's fast path (``register_fast_path``; None: ``MoE._experts_call``), and what they were made for
+      forward, then ``DecodeFast.keep``: its route buffers, the gate + router bound launch (up to the one
+      launch's rows, ``gate_route``; above, ``torch.mm`` into the kept logits and the router's bound launch,
+      as ``MoE._gate`` and ``FusedRouter`` run them), the experts backend's fast path (``register_fast_path``;
+      None: ``MoE._experts_call``), and what they were made for
     a repeated call that fits the kept entry:
-      [Gate -> Route, one launch into the kept buffers] -> [Experts: the backend's fast path (its own checks)]
+      [Gate -> Route, into the kept buffers] -> [Experts: the backend's fast path (its own checks)]
 
 What a hit checks (else the full forward runs): no autograd (grad mode off), nothing compiling, no CUDA graph
 capturing; x [M, K] contiguous, 16-byte aligned, of the entry's dtype and device, on its stream and thread;
@@ -35,6 +37,8 @@ from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.triton_bind import current_stream
 
 ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
+MAX_ROWS = 64  # decode-sized batches: above, a call's launches and GPU time dwarf the Python skipped here
+MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
 
 _grad = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -59,9 +63,9 @@ class _Entry:
     """One kept kind of decode call."""
 
     __slots__ = ("dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
-                 "bound", "fast", "activation", "append_shared", "cuda")
+                 "bound", "route", "fast", "activation", "append_shared", "cuda")
 
-    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, fast, append_shared: bool):
+    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, append_shared: bool):
         self.dtype, self.device, self.device_index = x2d.dtype, x2d.device, x2d.get_device()
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
@@ -69,7 +73,8 @@ class _Entry:
         self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, correction bias, w13, w2: weakly
         self.objects = _objects(layer)
         self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
-        self.buffers, self.bound, self.fast = buffers, bound, fast
+        self.buffers, self.fast = buffers, fast
+        self.bound, self.route = bound, route  # the one launch (M <= MAX_TOKENS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
 
 
@@ -89,7 +94,7 @@ def _objects(layer) -> tuple:
 
 
 class DecodeFast:
-    """A layer's kept decode calls, one per M (at most ``MAX_TOKENS``)."""
+    """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
 
     __slots__ = ("_entries",)
 
@@ -120,9 +125,18 @@ class DecodeFast:
         buffers, router = entry.buffers, objects[0]
         if bias is not None:
             router._check_bias(bias, entry.device)
-        entry.bound(x2d, weight, linear_bias, bias, None, buffers)
-        if entry.bound.ok is not None:
-            fused._assert_finite(entry.bound.ok, buffers.logits)
+        bound = entry.bound
+        if bound is not None:
+            bound(x2d, weight, linear_bias, bias, None, buffers)
+            ok = bound.ok
+        else:  # MoE._gate's linear_into, then FusedRouter's eager launch
+            if linear_bias is None:
+                torch.mm(x2d, weight.t(), out=buffers.logits)
+            else:
+                torch.addmm(linear_bias, x2d, weight.t(), out=buffers.logits)
+            ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
+        if ok is not None:
+            fused._assert_finite(ok, buffers.logits)
         fast = entry.fast
         out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation)
         if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
@@ -133,7 +147,7 @@ class DecodeFast:
     def keep(self, layer, x2d: torch.Tensor) -> None:
         """Keep this call's kind, where the fast path can serve it (the full forward has just run it)."""
         m = x2d.shape[0]
-        if m > MAX_TOKENS or not ENABLED or _grad() or _compiling() or layer.capacity_factor is not None:
+        if m > MAX_ROWS or not ENABLED or _grad() or _compiling() or layer.capacity_factor is not None:
             return
         c = layer.config
         if (layer.shared_w13 is not None or (layer.fuse_shared and layer.shared_gate is not None)
@@ -152,7 +166,16 @@ class DecodeFast:
         buffers = layer._route_ws.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * append_shared, x2d.dtype)
         if buffers is None:
             return
-        bound = bound_launch(layer._fused_router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
-        if bound is None:
-            return
-        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, fast, append_shared)
+        router, bound, route = layer._fused_router, None, None
+        if m <= MAX_TOKENS:
+            bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
+            if bound is None:
+                return
+        else:
+            plan = router._plans[1 if append_shared else 0]
+            if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
+                return
+            route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
+        if len(self._entries) >= MAX_ENTRIES and m not in self._entries:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, append_shared)

@@ -1,9 +1,9 @@
 """The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
-up to 4 tokens that it serves returns what the full forward returns, bit for bit (the fast path off), and that
+up to 64 tokens (one launch for the gate and router up to 4, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
 is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
 made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
 the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
-weight is served with the new values. Kinds it never keeps: more than 4 tokens, a gated shared expert."""
+weight is served with the new values. Kinds it never keeps: more than 64 tokens, a gated shared expert."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 8])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
@@ -100,13 +100,13 @@ def test_served_equal_to_full_forward(hits, name, m):
     assert hits[0] == 4  # the first call keeps, the others are served
 
 
-def _served_after(hits, layer, full, change) -> bool:
+def _served_after(hits, layer, full, change, m: int = 2) -> bool:
     """Whether the forward after ``change(layer, full)`` was served; its output must equal full's either way."""
     with torch.no_grad():
-        layer(_x(2, 0)), layer(_x(2, 1))
+        layer(_x(m, 0)), layer(_x(m, 1))
         change(layer, full)
         before = hits[0]
-        x = _x(2, 2)
+        x = _x(m, 2)
         assert torch.equal(layer(x), full(x))
         served = hits[0] > before
         assert torch.equal(layer(x), full(x))  # kept again: served from here on
@@ -165,6 +165,13 @@ def test_steps_aside_when_its_entry_is_stale(hits, change, served):
     assert _served_after(hits, layer, full, change) is served
 
 
+@pytest.mark.parametrize("change, served", [(_new_gate, False), (_gate_in_place, True), (_bias_in_place, True)])
+def test_above_the_one_launch_steps_aside_too(hits, change, served):
+    """At 8 tokens (the gate on torch.mm, then the router's own launch) the same rules."""
+    layer, full = _pair("grouped_shared")
+    assert _served_after(hits, layer, full, change, m=8) is served
+
+
 def test_autograd_strided_x_another_thread_and_a_cast_take_the_full_forward(hits):
     layer, full = _pair("softmax")
     x = _x(2, 0)
@@ -195,7 +202,7 @@ def test_kinds_it_never_keeps(hits):
                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for _ in range(3):
-            layer(_x(5, 0)), gated(_x(1, 0))
+            layer(_x(65, 0)), gated(_x(1, 0))
     assert hits[0] == 0 and not layer._decode._entries and not gated._decode._entries
 
 
