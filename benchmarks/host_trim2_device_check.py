@@ -15,7 +15,8 @@ Variants (every output compared bit for bit with ``base``'s, and the experts' wi
 2. experts: host µs per ``experts_triton`` call (Qwen3-30B-A3B, DeepSeek-V3; M = 1, 8, 512, 4096, 16384; bf16,
    uniform routing, no_grad): calls started on an idle GPU, variants interleaved (ABBA), median and min; the
    caching allocator's cudaMalloc count (segments) during each variant's timing; from M = 4096 also
-   ``pool_all`` (addr with h and y kept in the pool, no allocation per call: is that buffer M's cost?).
+   ``pool_all`` (addr with h and y kept in the pool, no allocation per call: is that buffer M's cost?), and at
+   the probe's M ``no_pdl`` (addr without programmatic dependent launch: does a PDL launch cost more host time?).
 3. probe (M = 4096, both presets): each step's host µs of one kept call (``host_trim2_probe``): idle GPU,
    behind a busy GPU, back to back; tensors against addresses; allocation and launch controls.
 Cells run preset by preset (layer, experts) until --budget-s; --hard-limit-s stops at once. JSON to
@@ -54,6 +55,7 @@ LARGE_M = 4096
 # Its own plan (the key has the options) with the default launches wherever A > 65 (no fold): recorded while the
 # pool takes any size, so its h and y stay pooled (no allocation per call): is the per-call buffer M's cost?
 POOL_ALL = LaunchOptions(align_fold_max=65)
+NO_PDL = LaunchOptions(dependent_launch=False)  # at the probe's M: does a PDL launch cost more host behind a busy GPU?
 
 
 class Run:
@@ -121,6 +123,9 @@ def experts_cell(m: int, weights, shape: Shape, probe_it: bool) -> dict:
             row["same"] = row["same"] and torch.equal(out, want)
     if m >= Run.pool_all_from:
         row["pool_all_same"] = pool_all(fns, args, want)
+    if probe_it:
+        fns["no_pdl"] = variant_fn("addr", lambda: experts_triton(*args, options=NO_PDL))
+        row["no_pdl_same"] = all(torch.equal(fns["no_pdl"](), want) for _ in range(3))
     row["host_us"] = host_us(fns, m)
     if probe_it:
         set_variant("addr")
@@ -212,6 +217,9 @@ def table(results: dict) -> str:
             lines.append(f"{key:34}same {ha._yn(r['same'])}  host {h['base']['median']:7.1f} -> {h['addr']['median']:7.1f}"
                          f"  min {h['base']['min']:7.1f} -> {h['addr']['min']:7.1f}"
                          f"  segs {h['base']['segments']} / {h['addr']['segments']}")
+            if "no_pdl" in h:
+                lines.append(f"{'':6}no_pdl (addr, dependent_launch off) same {ha._yn(r['no_pdl_same'])} host "
+                             f"{h['no_pdl']['median']:.1f} min {h['no_pdl']['min']:.1f}")
             if "pool_all" in h:
                 lines.append(f"{'':6}pool_all (h, y pooled) same {ha._yn(r['pool_all_same'])} host "
                              f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} segs {h['pool_all']['segments']}")
