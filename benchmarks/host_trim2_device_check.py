@@ -17,6 +17,9 @@ Variants (every output compared bit for bit with ``base``'s, and the experts' wi
    caching allocator's cudaMalloc count (segments) during each variant's timing; from M = 4096 also
    ``pool_all`` (addr with h and y kept in the pool, no allocation per call: is that buffer M's cost?), and at
    the probe's M ``no_pdl`` (addr without programmatic dependent launch: does a PDL launch cost more host time?).
+   Each variant's host µs also split into the first call of a sample (right after the sync: the host waited
+   for the GPU) and the rest's mean; at M = 8 and 512 a backlog probe: 64 calls back to back, µs per call by
+   call index (does a call cost more once many launches are queued behind a busy GPU?).
 3. probe (M = 4096, both presets): each step's host µs of one kept call (``host_trim2_probe``): idle GPU,
    behind a busy GPU, back to back; tensors against addresses; allocation and launch controls.
 Cells run preset by preset (layer, experts) until --budget-s; --hard-limit-s stops at once. JSON to
@@ -62,6 +65,7 @@ class Run:
     device = torch.device("cuda")
     scale = 1
     samples, calls, large_samples, large_calls, probe_reps, stream_calls = 15, 32, 5, 12, 15, 12
+    backlog_at, backlog_calls = (8, 512), 64  # the per-call backlog probe's cells
     pool_all_from = LARGE_M  # M from which the pool_all variant runs (h and y per call from here at real shapes)
 
 
@@ -82,24 +86,47 @@ def sync() -> None:
 
 
 def host_us(fns: dict, m: int) -> dict:
-    """Host µs per call of each variant: calls started on an idle GPU, variants interleaved (ABBA); median,
-    min, and cudaMalloc calls (segments) during the variant's samples."""
+    """Host µs per call of each variant: calls started on an idle GPU, variants interleaved (ABBA); median and
+    min of the samples' means, the median of each sample's first call (right after the sync: the host has
+    waited for the GPU) and of the rest's mean, and cudaMalloc calls (segments) during the variant's samples."""
     samples, calls = (Run.large_samples, Run.large_calls) if m >= LARGE_M else (Run.samples, Run.calls)
-    times, segments = {name: [] for name in fns}, {name: 0 for name in fns}
+    times, firsts, rests = ({name: [] for name in fns} for _ in range(3))
+    segments = {name: 0 for name in fns}
+    clock = time.perf_counter
     for sample in range(samples):
         for name in (list(fns) if sample % 2 == 0 else list(fns)[::-1]):
             fn = fns[name]
             sync()
             before = probe.memory_counts(Run.device)
-            t0 = time.perf_counter()
-            for _ in range(calls):
+            t0 = clock()
+            fn()
+            t1 = clock()
+            for _ in range(calls - 1):
                 fn()
-            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+            t2 = clock()
+            times[name].append((t2 - t0) / calls * 1e6)
+            firsts[name].append((t1 - t0) * 1e6)
+            rests[name].append((t2 - t1) / max(1, calls - 1) * 1e6)
             sync()
             after = probe.memory_counts(Run.device)
             segments[name] += after.get("segments", 0) - before.get("segments", 0)
-    return {name: {"median": round(statistics.median(t), 2), "min": round(min(t), 2), "segments": segments[name]}
-            for name, t in times.items()}
+    return {name: {"median": round(statistics.median(t), 2), "min": round(min(t), 2),
+                   "first": round(statistics.median(firsts[name]), 2), "rest": round(statistics.median(rests[name]), 2),
+                   "segments": segments[name]} for name, t in times.items()}
+
+
+def backlog_us(fn, calls: int = 64) -> dict:
+    """Host µs of each of ``calls`` back-to-back calls after one sync, as means over call index ranges: does a
+    call cost more host time once many launches are queued behind a busy GPU?"""
+    sync()
+    clock, stamps = time.perf_counter, []
+    for _ in range(calls):
+        t0 = clock()
+        fn()
+        stamps.append((clock() - t0) * 1e6)
+    sync()
+    ranges = [(0, 1), (1, 8), (8, 16), (16, 32), (32, 64)]
+    return {f"{a}-{b - 1}": round(statistics.mean(stamps[a:b]), 2) for a, b in ranges if b <= calls}
 
 
 def variant_fn(name: str, fn):
@@ -123,6 +150,8 @@ def experts_cell(m: int, weights, shape: Shape, probe_it: bool) -> dict:
             row["same"] = row["same"] and torch.equal(out, want)
     if m >= Run.pool_all_from:
         row["pool_all_same"] = pool_all(fns, args, want)
+    if m in Run.backlog_at:
+        row["backlog"] = {name: backlog_us(fns[name], Run.backlog_calls) for name in ("base", "addr")}
     if probe_it:
         fns["no_pdl"] = variant_fn("addr", lambda: experts_triton(*args, options=NO_PDL))
         row["no_pdl_same"] = all(torch.equal(fns["no_pdl"](), want) for _ in range(3))
@@ -163,7 +192,10 @@ def layer_cell(layer: MoE, m: int) -> dict:
               "experts": lambda: layer._experts_and_shared(x, routed)}
     for stage, fn in stages.items():
         names = LAYER_VARIANTS if stage == "layer" else EXPERT_VARIANTS
-        row[stage] = {k: v["median"] for k, v in host_us({n: variant_fn(n, fn) for n in names}, m).items()}
+        timed = host_us({n: variant_fn(n, fn) for n in names}, m)
+        row[stage] = {k: v["median"] for k, v in timed.items()}
+        if stage == "layer":
+            row["layer_rest"] = {k: v["rest"] for k, v in timed.items()}  # calls 2.. of each sample
     row["glue"] = {n: round(row["layer"][n] - row["route_tokens"][n] - row["experts"][n], 2) for n in EXPERT_VARIANTS}
     set_variant("addr")
     return row
@@ -216,13 +248,18 @@ def table(results: dict) -> str:
             h = r["host_us"]
             lines.append(f"{key:34}same {ha._yn(r['same'])}  host {h['base']['median']:7.1f} -> {h['addr']['median']:7.1f}"
                          f"  min {h['base']['min']:7.1f} -> {h['addr']['min']:7.1f}"
+                         f"  first {h['base']['first']:7.1f} -> {h['addr']['first']:7.1f}"
+                         f"  rest {h['base']['rest']:6.1f} -> {h['addr']['rest']:6.1f}"
                          f"  segs {h['base']['segments']} / {h['addr']['segments']}")
+            for name, ranges in r.get("backlog", {}).items():
+                lines.append(f"{'':6}backlog {name:5} µs by call index " + " ".join(f"{k}: {v}" for k, v in ranges.items()))
             if "no_pdl" in h:
                 lines.append(f"{'':6}no_pdl (addr, dependent_launch off) same {ha._yn(r['no_pdl_same'])} host "
-                             f"{h['no_pdl']['median']:.1f} min {h['no_pdl']['min']:.1f}")
+                             f"{h['no_pdl']['median']:.1f} min {h['no_pdl']['min']:.1f} rest {h['no_pdl']['rest']:.1f}")
             if "pool_all" in h:
                 lines.append(f"{'':6}pool_all (h, y pooled) same {ha._yn(r['pool_all_same'])} host "
-                             f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} segs {h['pool_all']['segments']}")
+                             f"{h['pool_all']['median']:.1f} min {h['pool_all']['min']:.1f} first {h['pool_all']['first']:.1f}"
+                             f" rest {h['pool_all']['rest']:.1f} segs {h['pool_all']['segments']}")
             p = r.get("probe")
             if p and "steps" in p:
                 for way in ("idle", "busy", "stream"):
@@ -235,7 +272,7 @@ def table(results: dict) -> str:
                 lines.append(f"{'':6}probe {p}")
         else:
             stages = " ".join(f"{s} " + " -> ".join(f"{v:.1f}" for v in r[s].values())
-                              for s in ("layer", "route_tokens", "experts", "glue"))
+                              for s in ("layer", "layer_rest", "route_tokens", "experts", "glue"))
             lines.append(f"{key:34}same {ha._yn(r['same'])}  {stages}")
     return "\n".join(lines)
 
@@ -253,7 +290,8 @@ def main() -> None:
     start = time.perf_counter()
     if a.smoke:
         Run.device, Run.scale = torch.device("cpu"), ha.SMOKE_SCALE
-        Run.samples, Run.calls, Run.large_samples, Run.large_calls, Run.probe_reps, Run.stream_calls = 1, 1, 1, 1, 1, 2
+        Run.samples, Run.calls, Run.large_samples, Run.large_calls, Run.probe_reps, Run.stream_calls = 1, 2, 1, 2, 1, 2
+        Run.backlog_at, Run.backlog_calls = (1,), 2
         a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
         if a.batches == list(BATCHES):
             a.batches, a.probe_m, a.layer_batches = [1, 40], 40, [1]
