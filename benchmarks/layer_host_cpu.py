@@ -10,7 +10,8 @@ Stages, each timed alone: ``gate`` (``MoE._router_logits``, what the layer runs:
 ``gate_torch`` (``F.linear``, the gate before: real work on the CPU, ~15 µs of Qwen3's bf16 [1, 64] x [64, 128]),
 ``router`` (the fused router on those logits), ``check`` (``check_experts_args``), ``experts``
 (``call_backend``: the check and the backend), ``route_tokens`` (gate + router + glue, into the kept buffers as forward runs it), the whole
-``layer``, and ``glue`` = layer - route_tokens - experts. Then the experts call alone at M = 1, 8, 512, 4096
+``layer`` (a repeated call: its decode fast path, ``moekit.layer_fast``), ``layer_nofast`` (that path off: the
+forward as before), and ``glue`` = layer_nofast - route_tokens - experts. Then the experts call alone at M = 1, 8, 512, 4096
 (Qwen3's E and k; ids int32 and weights fp32 as the fused router makes them): ``experts_triton`` (the public
 call: the check, then the lean launch), ``layer_call`` (what forward runs: ``MoE._experts_call``, the check
 once per weight set), ``two_layers`` (``experts_triton`` on two weight sets of one shape in turn, per call:
@@ -35,7 +36,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from moekit import MoEConfig  # noqa: E402
+from moekit import MoEConfig, layer_fast  # noqa: E402
 from moekit.experts import call_backend, check_experts_args  # noqa: E402
 from moekit.experts import triton as experts_triton_module  # noqa: E402
 from moekit.experts.triton_plan import _PLANS  # noqa: E402
@@ -98,10 +99,20 @@ def rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dt
             "experts": lambda: call_backend(layer._experts_fn, x, w13, w2, ids, weights, activation=act),
             "route_tokens": lambda: layer.route_tokens(x, layer._route_ws),  # as forward calls it
             "layer": lambda: layer(x),
+            "layer_nofast": lambda: _without_fast(layer, x),
         }
         row = {"preset": name, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}
-    row["glue"] = round(row["layer"] - row["route_tokens"] - row["experts"], 1)
+    row["glue"] = round(row["layer_nofast"] - row["route_tokens"] - row["experts"], 1)
     return row
+
+
+def _without_fast(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The forward with its decode fast path off (``moekit.layer_fast``)."""
+    layer_fast.ENABLED = False
+    try:
+        return layer(x)
+    finally:
+        layer_fast.ENABLED = True
 
 
 EXPERTS_BATCHES = (1, 8, 512, 4096)

@@ -19,7 +19,8 @@ Group and Combine per backend: ``grouped_mm`` (the CPU default) groups with ``pe
 budget, and combines with ``combine_contiguous`` / ``combine_masked``; ``triton`` (the CUDA default)
 groups with ``align_block`` and combines in the down GEMM's epilogue and its k-sum kernel.
 ``MoEStats.layout`` says which layout a forward used. With ``eager_graph_rows`` set, small eager CUDA
-calls without autograd replay the whole pipeline from a CUDA graph per kind of call (``moekit.eager_graphs``).
+calls without autograd replay the whole pipeline from a CUDA graph per kind of call (``moekit.eager_graphs``);
+without, a repeated one of up to 64 tokens goes straight to its launches (``moekit.layer_fast``).
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
 k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
@@ -38,7 +39,8 @@ from moekit.eager_graphs import EagerGraphs
 from moekit.experts import ExpertsCallCache, ExpertsFn, backend_fn, bind_options, call_backend, resolve_backend
 from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
-from moekit.losses import load_balancing_loss, sequence_balance_loss, z_loss
+from moekit.layer_fast import DecodeFast
+from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
@@ -124,6 +126,7 @@ class MoE(nn.Module):
         self.eager_graphs = None if eager_graph_rows is None else EagerGraphs(eager_graph_rows)
         self._experts_call = ExpertsCallCache()  # forward's experts call: check_experts_args once per weight set
         self._route_ws = RouteWorkspace()  # forward's routing buffers; not with a subclass's route_tokens/run_routed
+        self._decode = DecodeFast()  # forward's repeated decode calls, straight to their launches
         self._plain_run = type(self).run_routed is MoE.run_routed  # no subclass places the experts: decided once
         self._plain_routing = type(self).route_tokens is MoE.route_tokens and self._plain_run
         self.config = config
@@ -189,6 +192,7 @@ class MoE(nn.Module):
         self.router = self._router
         self._experts_call.clear()  # a move or cast may keep the Parameter objects but change their data
         self._route_ws.clear()  # buffers on the old device or in the old dtype
+        self._decode.clear()  # it holds those buffers
         return module
 
     def quantize_(self, scheme: str, **options) -> MoE:
@@ -277,8 +281,12 @@ class MoE(nn.Module):
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
             own = not return_stats and self._fused_router is not None and self._plain_routing
+            out = self._decode(self, x2d) if own else None  # a repeated decode call (moekit.layer_fast), or None
+        if out is None:
             routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]
+            if own:
+                self._decode.keep(self, x2d)
         out = out if flat else out.reshape(x.shape)
         if not return_stats:
             return out
@@ -322,20 +330,7 @@ class MoE(nn.Module):
     def _aux_loss(self, routed: RoutedTokens, seq_len: int) -> torch.Tensor | None:
         """The configured sum of coefficient x loss (``MoEOutput.aux_loss``); the sequence-wise loss takes
         x [..., T, K]'s second-to-last dim as the sequence (a 2-D x is one sequence of M tokens)."""
-        c, logits, ids = self.config, routed.router_logits, routed.selected_ids
-        if not (c.aux_loss_coef or c.seq_aux_loss_coef or c.z_loss_coef):
-            return None
-        total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
-        if logits.shape[0] == 0:
-            return total
-        if c.aux_loss_coef:
-            total = total + c.aux_loss_coef * load_balancing_loss(logits, ids, c.num_experts)
-        if c.seq_aux_loss_coef:
-            total = total + c.seq_aux_loss_coef * sequence_balance_loss(logits, ids, c.num_experts, seq_len,
-                                                                        scoring=c.scoring)
-        if c.z_loss_coef:
-            total = total + c.z_loss_coef * z_loss(logits)
-        return total
+        return configured_aux_loss(self.config, routed.router_logits, routed.selected_ids, seq_len)
 
     def run_routed(self, x2d: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts and combine stage: x2d [M, K] and its routing -> [M, K]. Subclasses that place

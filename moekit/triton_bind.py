@@ -19,6 +19,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# A raw launch hands each tensor among its pointers to the C launch as its address: given a tensor, Triton's
+# launcher calls its data_ptr and then cuPointerGetAttribute, a driver call, for each such argument of each
+# launch (the gate and router launch has ten). A CUDA tensor's data_ptr is its device address: the kernel gets
+# the same arguments. Off: the tensors as before (the A/B switch of ``benchmarks/host_trim2_device_check.py``).
+PASS_ADDRESSES = True
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -154,6 +162,8 @@ class RawLaunch:
         return raw
 
     def __call__(self, pointers: tuple, tail: tuple) -> None:
+        if PASS_ADDRESSES:
+            pointers = [p.data_ptr() if p.__class__ in _TENSORS else p for p in pointers]
         args = self._expanded(pointers) if self.desc_positions else pointers
         grid = self.grid
         self.c_launch(grid[0], grid[1], grid[2], self.stream(), self.function, self.cooperative, self.pdl, None, None,

@@ -251,3 +251,33 @@ def test_eviction_survives_the_oldest_sequence_going_meanwhile(monkeypatch):
     for plan in (Plan(), Plan()):
         assert lean.lean_sequence(plan, pool, None, torch.device("cpu"), None, None, None, None, None) is not None
     assert len(lean._SEQUENCES) == 1
+
+
+@pytest.mark.parametrize("addresses", [True, False])
+def test_raw_sequence_hands_the_call_tensors_as_their_addresses(monkeypatch, addresses):
+    """Every launch raw: the C launch gets each tensor of the call as its address (what Triton's launcher
+    would read through data_ptr), ints (h, y) and None as they are, the templates untouched; a sequence with
+    a launch that is not raw keeps the tensors (its launcher reads them itself)."""
+    lean = _lean()
+    monkeypatch.setattr(lean, "PASS_ADDRESSES", addresses)
+    monkeypatch.setattr(lean, "current_stream", lambda: 77)
+    calls = []
+    x, ids, weights, out = torch.ones(2, 4), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2), torch.empty(2, 4)
+    values = (x, ids, weights, out, None, None, None, None, None, 4096, 8192)
+    gate_up = [0, 1, 1, 0, "fn", False, True, None, None, "meta", None, None, None, None, 11, None, 12]  # x, ids, h
+    down = [0, 1, 1, 0, "fn", False, True, None, None, "meta", None, None, None, None, None, None, 3]  # w, ids, y, out
+    steps = [(lambda *a: calls.append(("gate_up", a)), gate_up, ((13, lean.X), (15, lean.IDS), (14, lean.H)), True),
+             (lambda *a: calls.append(("down", a)), down, ((13, lean.WEIGHTS), (14, lean.IDS), (15, lean.Y),
+                                                          (16, lean.OUT)), True)]
+    sequence = lean.LaunchSequence(steps, None, None, None, None)
+    sequence.launch(values)
+    want = (lambda t: t.data_ptr()) if addresses else (lambda t: t)
+    assert calls[0] == ("gate_up", (0, 1, 1, 77, "fn", False, True, None, None, "meta", None, None, None,
+                                    want(x), 4096, want(ids), 12))
+    assert calls[1] == ("down", (0, 1, 1, 77, "fn", False, True, None, None, "meta", None, None, None,
+                                 want(weights), want(ids), 8192, want(out)))
+    assert gate_up[13] is None and down[16] == 3  # the templates are copied, never filled in place
+    mixed = lean.LaunchSequence([steps[0], (lambda *a: calls.append(("runner", a)), [None, None], ((0, lean.X),),
+                                            False)], None, None, None, None)
+    mixed.launch(values)
+    assert calls[2][1][13] is x and calls[3] == ("runner", (x, None))

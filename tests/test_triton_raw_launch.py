@@ -160,3 +160,26 @@ def test_installed_hooks_send_launches_through_the_runner():
     runtime.launch_enter_hook.calls.append(print)
     bound("b")
     assert seen == [("raw", ("a", 1)), ("runner", ("b", 1))]
+
+
+@pytest.mark.parametrize("addresses", [True, False])
+def test_tensors_handed_over_as_their_addresses(monkeypatch, addresses):
+    """A tensor pointer (a parameter too) reaches the C launch as its data_ptr, what Triton's launcher would
+    have read from it; descriptors, None and ints as they are."""
+    import torch
+
+    from moekit import triton_bind
+
+    monkeypatch.setattr(triton_bind, "PASS_ADDRESSES", addresses)
+    module = _fake_module()
+    compiled, c_launch = _compiled(module, SIGNATURE, METAS)
+    raw = RawLaunch.of(compiled, (1, 1, 1))
+    raw.stream = lambda: 0
+    x, h = torch.ones(4), torch.nn.Parameter(torch.zeros(3))
+    raw((x, Desc("w", (8, 64), (64, 1)), None, h), (5, 32))
+    got = c_launch.calls[0][13:]
+    assert got[1:6] == ("map(w,128)", 8, 64, 64, 1) and got[6] is None and got[8:] == (5, 32)
+    if addresses:
+        assert (got[0], got[7]) == (x.data_ptr(), h.data_ptr())
+    else:
+        assert got[0] is x and got[7] is h

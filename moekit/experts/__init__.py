@@ -190,6 +190,11 @@ def register_fast_path(fn: ExpertsFn, fast: Callable) -> None:
     _FAST_PATHS[fn] = fast
 
 
+def fast_path_of(fn: ExpertsFn) -> Callable | None:
+    """The fast path ``fn``'s backend registered (``register_fast_path``), or None."""
+    return _FAST_PATHS.get(fn)
+
+
 class ExpertsCallCache:
     """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
     a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising

@@ -37,6 +37,12 @@ from moekit.triton_bind import current_stream
 
 X, IDS, WEIGHTS, OUT, MAP, B13, B2, W13, W2, H, Y = range(11)  # what a call fills in: its values' order
 MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
+# Where every launch of a sequence is raw, the call's tensors go to the C launch as their addresses, read once
+# per call: handed a tensor, Triton's launcher calls its data_ptr and then cuPointerGetAttribute (a driver call
+# that checks the address is the device's) for every pointer argument of every launch (at M = 512 eleven of
+# them in five launches). A CUDA tensor's data_ptr is its device address, so the kernels get the same
+# arguments. Off: the tensors as before (the A/B switch of ``benchmarks/host_trim2_device_check.py``).
+PASS_ADDRESSES = True
 
 
 class _Slot:
@@ -51,11 +57,14 @@ class _Slot:
 class LaunchSequence:
     """The recorded launches of one plan with one workspace and one descriptor pair."""
 
-    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large", "owner")
+    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large", "owner", "addressed")
 
     def __init__(self, steps: list, hooks, anchor, pair, large):
         self.steps = steps  # [(entry, template list, ((position, value index), ...), raw)]
         self.raw = any(step[3] for step in steps)  # some launch takes the stream: asked once per call
+        # every launch raw: the value indices its launches read, handed over as addresses (PASS_ADDRESSES)
+        self.addressed = (tuple(sorted({index for step in steps for _, index in step[2]}))
+                          if steps and all(step[3] for step in steps) else None)
         self.hooks = hooks  # Triton's launch hooks (a raw launch is taken only while none is installed)
         self.anchor = anchor  # weakref to the first pooled region recorded (None: no pooled region)
         self.pair = pair  # weakref to the descriptor pair recorded (None: pointer loads)
@@ -71,6 +80,12 @@ class LaunchSequence:
     def launch(self, values: tuple) -> None:
         """Every launch, with the call's ``values`` (X, IDS, ... Y) in their positions."""
         stream = current_stream() if self.raw else 0
+        if self.addressed is not None and PASS_ADDRESSES:
+            values = list(values)
+            for index in self.addressed:
+                value = values[index]
+                if value is not None and value.__class__ is not int:
+                    values[index] = value.data_ptr()
         for entry, template, slots, raw in self.steps:
             args = template.copy()  # per call: a sequence is shared by whoever runs its plan on this thread
             for position, index in slots:

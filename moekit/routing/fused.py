@@ -216,6 +216,12 @@ def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, 
                   assert_in_kernel: bool, out=None):
     """``_launch`` for eager calls: the same kernel and arguments, decided once per kind of call; ok is None
     where the kernel asserts itself."""
+    return bound_route(plan, logits, bias, gate_logits, assert_in_kernel)(logits, bias, gate_logits, out)
+
+
+def bound_route(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, gate_logits: torch.Tensor | None,
+                assert_in_kernel: bool) -> _BoundRoute:
+    """This kind of eager call's bound launch, made on its first call (kept by ``moekit.layer_fast`` too)."""
     key = (plan, logits.shape[0], logits.dtype, logits.stride(), logits.data_ptr() % 16 == 0, logits.device,
            _pointer_key(bias), _pointer_key(gate_logits), assert_in_kernel)
     bound = _BOUND.get(key)
@@ -223,7 +229,7 @@ def _launch_eager(plan: _Plan, logits: torch.Tensor, bias: torch.Tensor | None, 
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
         bound = _BOUND[key] = _BoundRoute(plan, logits, bias, gate_logits, assert_in_kernel)
-    return bound(logits, bias, gate_logits, out)
+    return bound
 
 
 @torch.library.custom_op("moekit::route_fused", mutates_args=())

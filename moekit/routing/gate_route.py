@@ -42,7 +42,7 @@ class _BoundGateRoute:
     """One kind of call (plan, shapes, strides, dtypes, alignment, device, assert mode), decided once: the
     bound launch and, with nonfinite="raise" where the kernel cannot assert itself, a flag (``_BoundRoute``)."""
 
-    __slots__ = ("launch", "ok")
+    __slots__ = ("launch", "ok", "check_finite")
 
     def __init__(self, plan, x, weight, linear_bias, bias, gate_logits, assert_in_kernel: bool,
                  num_warps: int = NUM_WARPS) -> None:
@@ -60,6 +60,7 @@ class _BoundGateRoute:
             constexprs.update(CHECK_FINITE=False, ASSERT_FINITE=True, debug=True, sanitize_overflow=False)
         grid = (-(-num_experts // tiles.block_e),)
         self.launch = BoundLaunch(kernels().gate_route_kernel, grid, 10, scalars, True, **constexprs)
+        self.check_finite = plan.check_finite  # nonfinite="raise": no token can lack a finite logit
         flag = plan.check_finite and not in_kernel
         self.ok = torch.ones(1, dtype=torch.int32, device=x.device) if flag else None  # [1], as _BoundRoute's
 
@@ -94,6 +95,25 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))):
         return None
+    bound = bound_launch(router, x, weight, linear_bias, correction_bias, shared_gate_logits, append_shared, buffers)
+    if bound is None:
+        return None
+    if correction_bias is not None:
+        router._check_bias(correction_bias, x.device)
+    gate_in = router._check_gate(x, shared_gate_logits) if append_shared else None
+    bound(x, weight, linear_bias, correction_bias, gate_in, buffers)
+    if bound.ok is not None:
+        fused._assert_finite(bound.ok, buffers.logits)
+    # As FusedRouter: with nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
+    masked = None if bound.check_finite else (~torch.isfinite(buffers.logits).any(dim=1)).sum()
+    return Routing(topk_ids=buffers.ids, topk_weights=buffers.weights, masked_tokens=masked)
+
+
+def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
+                 correction_bias: torch.Tensor | None, shared_gate_logits: torch.Tensor | None, append_shared: bool,
+                 buffers: RouteBuffers) -> _BoundGateRoute | None:
+    """This kind of call's bound launch (``gate_route``'s arguments), made on its first call; None where the
+    one launch does not apply. Kept by ``moekit.layer_fast`` for a repeated decode call."""
     plan = router._plans[1 if append_shared else 0]
     # x and weight inline (the common call has no other tensor): each function call is host time here
     key = (plan, x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, weight.shape, weight.stride(),
@@ -111,14 +131,4 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
         bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
             plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
             else None, router.assert_in_kernel)
-    if bound is _SEPARATE:
-        return None
-    if correction_bias is not None:
-        router._check_bias(correction_bias, x.device)
-    gate_in = router._check_gate(x, shared_gate_logits) if append_shared else None
-    bound(x, weight, linear_bias, correction_bias, gate_in, buffers)
-    if bound.ok is not None:
-        fused._assert_finite(bound.ok, buffers.logits)
-    # As FusedRouter: with nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
-    masked = None if plan.check_finite else (~torch.isfinite(buffers.logits).any(dim=1)).sum()
-    return Routing(topk_ids=buffers.ids, topk_weights=buffers.weights, masked_tokens=masked)
+    return None if bound is _SEPARATE else bound

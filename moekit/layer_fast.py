@@ -1,0 +1,185 @@
+"""The eager ``MoE`` layer's decode fast path: a repeated forward of up to MAX_ROWS tokens goes straight to its
+launches, past ``route_tokens`` and the experts step's generic code.
+
+    first call of a kind (M rows; dtype, device, stream, thread; the layer's weights and router): the full
+      forward, then ``DecodeFast.keep``: its route buffers, the gate + router bound launch (up to the one
+      launch's rows, ``gate_route``; above, ``torch.mm`` into the kept logits and the router's bound launch,
+      as ``MoE._gate`` and ``FusedRouter`` run them), the experts backend's fast path (``register_fast_path``;
+      None: ``MoE._experts_call``), and what they were made for
+    a repeated call that fits the kept entry:
+      [Gate -> Route, into the kept buffers] -> [Experts: the backend's fast path (its own checks)]
+
+What a hit checks (else the full forward runs): no autograd (grad mode off), nothing compiling, no CUDA graph
+capturing; x [M, K] contiguous, 16-byte aligned, of the entry's dtype and device, on its stream and thread;
+the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors (weakly held) and the first
+three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the
+router, gate+router function, experts function, route workspace, config, capacity factor (None) the same
+objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves); w13 and
+w2 by the backend's fast path (a new tensor, an in-place update, a move: it misses, and the experts run
+through ``MoE._experts_call`` on the routing just made). Outputs are the full forward's bit for bit: the
+same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
+call), a separate shared MLP, expert biases, a router dtype other than x's and the gate weight's, capacity
+dropping. ``MoE._apply`` (a move or cast) drops the entries.
+
+H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
+``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
+47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1.
+
+Shapes: M tokens, K hidden, E experts, k + S slots.
+"""
+
+from __future__ import annotations
+
+import weakref
+from threading import get_ident
+
+import torch
+
+from moekit.experts import fast_path_of
+from moekit.routing import fused
+from moekit.routing.gate_route import MAX_TOKENS, bound_launch
+from moekit.triton_bind import current_stream
+
+ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
+MAX_ROWS = 64  # decode-sized batches: above, a call's launches and GPU time dwarf the Python skipped here
+MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
+
+_grad = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # read only for CUDA x
+
+
+def _none() -> None:
+    return None
+
+
+def _ref(t):
+    """A weak reference to ``t``; for None a callable that returns None (so a check is one call either way)."""
+    return _none if t is None else weakref.ref(t)
+
+
+def _spec(t) -> tuple | None:
+    """What a bound launch specialised on besides the object: address, shape, strides, dtype."""
+    return None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+class _Entry:
+    """One kept kind of decode call."""
+
+    __slots__ = ("dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
+                 "bound", "route", "fast", "activation", "append_shared", "cuda")
+
+    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, append_shared: bool):
+        self.dtype, self.device, self.device_index = x2d.dtype, x2d.device, x2d.get_device()
+        self.cuda = x2d.is_cuda
+        self.stream = current_stream() if self.cuda else 0
+        self.thread = get_ident()
+        self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, correction bias, w13, w2: weakly
+        self.objects = _objects(layer)
+        self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
+        self.buffers, self.fast = buffers, fast
+        self.bound, self.route = bound, route  # the one launch (M <= MAX_TOKENS), else the router's bound launch
+        self.activation, self.append_shared = layer.config.activation, append_shared
+
+
+def _tensors(layer) -> tuple:
+    """(gate weight, gate bias, correction bias, w13, w2) as forward reads them."""
+    gate = layer._modules["gate"]._parameters
+    params = layer._parameters
+    return (gate["weight"], gate.get("bias"), layer._buffers.get("e_score_correction_bias"), params.get("w13"),
+            params.get("w2"))
+
+
+def _objects(layer) -> tuple:
+    """What else the forward's path depends on, compared by identity."""
+    d = layer.__dict__
+    return (d["_fused_router"], d["_gate_route"], d["_experts_fn"], d["_route_ws"], d["config"], d["capacity_factor"],
+            d["fuse_shared"], d["_plain_routing"])
+
+
+class DecodeFast:
+    """A layer's kept decode calls, one per M (at most MAX_ROWS rows, MAX_ENTRIES kinds)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _Entry] = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __call__(self, layer, x2d: torch.Tensor) -> torch.Tensor | None:
+        """out [M, K] of a repeated decode call, or None (the caller runs the full forward)."""
+        entry = self._entries.get(x2d.shape[0])
+        if entry is None or not ENABLED or _grad() or _compiling():
+            return None
+        if (x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index or not x2d.is_contiguous()
+                or x2d.data_ptr() & 15 or get_ident() != entry.thread):
+            return None
+        if entry.cuda and (_capturing() or current_stream() != entry.stream):
+            return None
+        weight, linear_bias, bias, w13, w2 = _tensors(layer)
+        gate_ref, linear_ref, bias_ref, w13_ref, w2_ref = entry.refs
+        if (gate_ref() is not weight or linear_ref() is not linear_bias or bias_ref() is not bias
+                or w13_ref() is not w13 or w2_ref() is not w2):
+            return None
+        objects = _objects(layer)  # none of them a tensor: == is identity, else a value compare
+        if objects != entry.objects or entry.specs != (_spec(weight), _spec(linear_bias), _spec(bias)):
+            return None
+        buffers, router = entry.buffers, objects[0]
+        if bias is not None:
+            router._check_bias(bias, entry.device)
+        bound = entry.bound
+        if bound is not None:
+            bound(x2d, weight, linear_bias, bias, None, buffers)
+            ok = bound.ok
+        else:  # MoE._gate's linear_into, then FusedRouter's eager launch
+            if linear_bias is None:
+                torch.mm(x2d, weight.t(), out=buffers.logits)
+            else:
+                torch.addmm(linear_bias, x2d, weight.t(), out=buffers.logits)
+            ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
+        if ok is not None:
+            fused._assert_finite(ok, buffers.logits)
+        fast = entry.fast
+        out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation)
+        if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
+            out = layer._experts_call(layer._experts_fn, x2d, w13, w2, buffers.ids, buffers.weights,
+                                      activation=entry.activation)
+        return out
+
+    def keep(self, layer, x2d: torch.Tensor) -> None:
+        """Keep this call's kind, where the fast path can serve it (the full forward has just run it)."""
+        m = x2d.shape[0]
+        if m > MAX_ROWS or not ENABLED or _grad() or _compiling() or layer.capacity_factor is not None:
+            return
+        c = layer.config
+        if (layer.shared_w13 is not None or (layer.fuse_shared and layer.shared_gate is not None)
+                or layer._gate_route is None or (c.router_dtype is not None and getattr(torch, c.router_dtype) != x2d.dtype)):
+            return
+        tensors = _tensors(layer)
+        weight, linear_bias, bias, w13, w2 = tensors
+        fast = fast_path_of(layer._experts_fn)
+        if (weight.dtype != x2d.dtype or layer._parameters.get("b13") is not None
+                or layer._parameters.get("b2") is not None or not x2d.is_contiguous() or x2d.data_ptr() & 15
+                or not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor)):
+            return
+        if x2d.is_cuda and _capturing():
+            return
+        append_shared = layer.fuse_shared  # capacity_factor is None: the kernel appends the shared slots
+        buffers = layer._route_ws.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * append_shared, x2d.dtype)
+        if buffers is None:
+            return
+        router, bound, route = layer._fused_router, None, None
+        if m <= MAX_TOKENS:
+            bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
+            if bound is None:
+                return
+        else:
+            plan = router._plans[1 if append_shared else 0]
+            if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
+                return
+            route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
+        if len(self._entries) >= MAX_ENTRIES and m not in self._entries:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, append_shared)

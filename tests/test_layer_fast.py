@@ -1,0 +1,215 @@
+"""The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
+up to 64 tokens (one launch for the gate and router up to 4, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
+is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
+made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
+the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
+weight is served with the new values. Kinds it never keeps: more than 64 tokens, a gated shared expert."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from _helpers import TOLERANCE as TOL, rel_l2
+from _triton_helpers import interpreted
+from moekit import MoE, MoEConfig, layer_fast
+from moekit.experts.reference import experts_reference
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on the branches tl.where discards
+
+K, N = 40, 24  # 16-byte weight rows in bf16
+CONFIGS = {
+    "softmax": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=8, top_k=2),
+    "grouped_shared": MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=16, top_k=4, scoring="sigmoid",
+                                n_group=4, topk_group=2, routed_scaling_factor=2.5, use_correction_bias=True,
+                                shared_expert_intermediate_size=N),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    with interpreted("moekit.routing", "moekit.routing.fused"), interpreted("moekit.experts", "moekit.experts.triton"):
+        yield
+
+
+@pytest.fixture
+def hits(monkeypatch):
+    """Counts the forwards the fast path served."""
+    seen = [0]
+    real = layer_fast.DecodeFast.__call__
+
+    def counted(self, layer, x2d):
+        out = real(self, layer, x2d)
+        seen[0] += out is not None
+        return out
+
+    monkeypatch.setattr(layer_fast.DecodeFast, "__call__", counted)
+    return seen
+
+
+def _pair(name: str, **kwargs):
+    """(layer, full): the same weights; ``full`` never takes the fast path."""
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    layer = MoE(cfg, backend="triton", router="fused", dtype=torch.bfloat16, **kwargs).eval()
+    if cfg.use_correction_bias:
+        layer.e_score_correction_bias.copy_(torch.randn(cfg.num_experts) * 0.1)
+    full = MoE(cfg, backend="triton", router="fused", dtype=torch.bfloat16, **kwargs).eval()
+    full.load_state_dict(layer.state_dict())
+    full._decode = _Never()
+    return layer, full
+
+
+class _Never:
+    """A ``DecodeFast`` that keeps nothing: the full forward every time."""
+
+    def __call__(self, layer, x2d):
+        return None
+
+    def keep(self, layer, x2d) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+
+def _reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """float64 experts over the layer's own routing of x (its shared slots included)."""
+    routing = layer.route_tokens(x).routing
+    return experts_reference(x.double(), layer.w13.double(), layer.w2.double(), routing.topk_ids.long(),
+                             routing.topk_weights.double())
+
+
+def _x(m: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_served_equal_to_full_forward(hits, name, m):
+    layer, full = _pair(name)
+    with torch.no_grad():
+        for seed in range(5):
+            x = _x(m, seed)
+            got = layer(x)
+            assert torch.equal(got, full(x))
+            assert rel_l2(got, _reference(layer, x)) < TOL[torch.bfloat16]
+    assert hits[0] == 4  # the first call keeps, the others are served
+
+
+def _served_after(hits, layer, full, change, m: int = 2) -> bool:
+    """Whether the forward after ``change(layer, full)`` was served; its output must equal full's either way."""
+    with torch.no_grad():
+        layer(_x(m, 0)), layer(_x(m, 1))
+        change(layer, full)
+        before = hits[0]
+        x = _x(m, 2)
+        assert torch.equal(layer(x), full(x))
+        served = hits[0] > before
+        assert torch.equal(layer(x), full(x))  # kept again: served from here on
+    return served
+
+
+def _new_gate(layer, full):
+    w = torch.randn_like(layer.gate.weight)
+    layer.gate.weight, full.gate.weight = torch.nn.Parameter(w), torch.nn.Parameter(w.clone())
+
+
+def _gate_data(layer, full):
+    w = torch.randn_like(layer.gate.weight)
+    layer.gate.weight.data, full.gate.weight.data = w, w.clone()
+
+
+def _gate_in_place(layer, full):
+    layer.gate.weight.mul_(-1), full.gate.weight.mul_(-1)
+
+
+def _new_bias(layer, full):
+    b = torch.randn_like(layer.e_score_correction_bias)
+    layer.e_score_correction_bias, full.e_score_correction_bias = b, b.clone()
+
+
+def _bias_in_place(layer, full):
+    b = torch.randn_like(layer.e_score_correction_bias)
+    layer.e_score_correction_bias.copy_(b), full.e_score_correction_bias.copy_(b)
+
+
+def _new_w13(layer, full):
+    w = layer.w13.detach() * 2
+    layer.w13, full.w13 = torch.nn.Parameter(w), torch.nn.Parameter(w.clone())
+
+
+def _w2_in_place(layer, full):
+    layer.w2.mul_(2), full.w2.mul_(2)
+
+
+def _router(layer, full):
+    layer.router = full.router = "torch"
+
+
+def _capacity(layer, full):
+    layer.capacity_factor = full.capacity_factor = 4.0
+
+
+@pytest.mark.parametrize("change, served", [
+    (_new_gate, False), (_gate_data, False), (_gate_in_place, True), (_new_bias, False), (_bias_in_place, True),
+    (_new_w13, False), (_w2_in_place, True), (_router, False), (_capacity, False)])
+def test_steps_aside_when_its_entry_is_stale(hits, change, served):
+    """New tensors, swapped data, another router or capacity: the full forward; an in-place update of the gate
+    weight or bias is served with the new values, and of the expert weights too (the routing served, the
+    experts through the layer's own call: the backend's fast path misses on the moved version)."""
+    layer, full = _pair("grouped_shared")
+    assert _served_after(hits, layer, full, change) is served
+
+
+@pytest.mark.parametrize("change, served", [(_new_gate, False), (_gate_in_place, True), (_bias_in_place, True)])
+def test_above_the_one_launch_steps_aside_too(hits, change, served):
+    """At 8 tokens (the gate on torch.mm, then the router's own launch) the same rules."""
+    layer, full = _pair("grouped_shared")
+    assert _served_after(hits, layer, full, change, m=8) is served
+
+
+def test_autograd_strided_x_another_thread_and_a_cast_take_the_full_forward(hits):
+    layer, full = _pair("softmax")
+    x = _x(2, 0)
+    with torch.no_grad():
+        layer(x), layer(x)
+    assert hits[0] == 1
+    assert torch.equal(layer(x), full(x)) and hits[0] == 1  # grad mode on
+    with torch.no_grad():
+        wide = torch.cat([x, x], dim=1)[:, :K]  # [2, K], row stride 2K
+        assert torch.equal(layer(wide), full(wide)) and hits[0] == 1
+        outs = []
+        def other_thread():
+            with torch.no_grad():  # grad mode is per thread
+                outs.append(layer(x))
+
+        thread = threading.Thread(target=other_thread)
+        thread.start(), thread.join()
+        assert torch.equal(outs[0], full(x)) and hits[0] == 1
+        layer.float(), full.float()
+        assert len(layer._decode._entries) == 0
+        xf = x.float()
+        assert torch.equal(layer(xf), full(xf)) and hits[0] == 1
+
+
+def test_kinds_it_never_keeps(hits):
+    layer, _ = _pair("softmax")
+    gated = MoE(CONFIGS["grouped_shared"].replace(shared_expert_gate=True), backend="triton", router="fused",
+                dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for _ in range(3):
+            layer(_x(65, 0)), gated(_x(1, 0))
+    assert hits[0] == 0 and not layer._decode._entries and not gated._decode._entries
+
+
+def test_switch_off_never_serves(hits, monkeypatch):
+    monkeypatch.setattr(layer_fast, "ENABLED", False)
+    layer, full = _pair("softmax")
+    with torch.no_grad():
+        for seed in range(3):
+            assert torch.equal(layer(_x(1, seed)), full(_x(1, seed)))
+    assert hits[0] == 0
