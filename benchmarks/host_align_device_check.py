@@ -275,6 +275,23 @@ def raise_out_of_time(signum, frame):
     raise OutOfTime()
 
 
+def run_with_hard_limit(a, start: float, out_file: Path, measure, table) -> None:
+    """``measure(results)`` under the hard time limit (``a.hard_limit_s``; none in a smoke run: the
+    interpreter takes minutes), then the results as JSON to ``out_file`` and ``table(results)`` printed.
+    Shared by the host device checks."""
+    results = {}
+    signal.signal(signal.SIGALRM, raise_out_of_time)
+    signal.alarm(0 if a.smoke else a.hard_limit_s)
+    try:
+        measure(results)
+    except OutOfTime:
+        results["hard_limit"] = {"skipped": f"stopped at the hard limit ({a.hard_limit_s} s)"}
+    signal.alarm(0)
+    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
+    out_file.write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--budget-s", type=float, default=95.0, help="stop starting cells after this many seconds")
@@ -291,17 +308,8 @@ def main() -> None:
         Run.device = torch.device("cuda", torch.cuda.current_device())
     out_dir = Path(os.environ.get("OUT", "host_align_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    signal.signal(signal.SIGALRM, raise_out_of_time)
-    signal.alarm(0 if a.smoke else a.hard_limit_s)  # the interpreter's smoke run takes minutes
-    try:
-        measure_cells(a, start, out_dir, results)
-    except OutOfTime:
-        results["hard_limit"] = {"skipped": f"stopped at the hard limit ({a.hard_limit_s} s)"}
-    signal.alarm(0)
-    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
-    (out_dir / "host_align.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
+    run_with_hard_limit(a, start, out_dir / "host_align.json", lambda results: measure_cells(a, start, out_dir, results),
+                        table)
 
 
 def budgeted_cell(results: dict, key: str, start: float, budget_s: float, measure) -> None:

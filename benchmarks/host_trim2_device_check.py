@@ -30,9 +30,7 @@ fast < addr for the layer at M = 1; pool_all against addr; the probe's steps tha
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import statistics
 import time
 from pathlib import Path
@@ -303,17 +301,7 @@ def main() -> None:
     ha.Run.device = Run.device
     out_dir = Path(os.environ.get("OUT", "host_trim2_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    signal.signal(signal.SIGALRM, ha.raise_out_of_time)
-    signal.alarm(0 if a.smoke else a.hard_limit_s)
-    try:
-        measure(a, start, results)
-    except ha.OutOfTime:
-        results["hard_limit"] = {"skipped": f"stopped at the hard limit ({a.hard_limit_s} s)"}
-    signal.alarm(0)
-    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
-    (out_dir / "host_trim2.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
+    ha.run_with_hard_limit(a, start, out_dir / "host_trim2.json", lambda results: measure(a, start, results), table)
 
 
 if __name__ == "__main__":

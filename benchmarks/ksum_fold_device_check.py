@@ -28,9 +28,7 @@ A hard alarm stops the run at --hard-limit-s. JSON to $OUT/ksum_fold.json; the s
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import torch
 import triton
 
 from host_align_device_check import (  # benchmarks/ is on sys.path
-    OutOfTime, Run, budgeted_cell, raise_out_of_time, eager_us, gpu_us, host_us, one_at_a_time_us,
+    Run, budgeted_cell, run_with_hard_limit, eager_us, gpu_us, host_us, one_at_a_time_us,
 )
 from moekit.bench.cells import Shape, make_weights, uniform_routing
 from moekit.experts.triton import _DESCRIPTORS, _WORKSPACES, experts_triton, fused_experts
@@ -269,17 +267,7 @@ def main() -> None:
         Run.device = torch.device("cuda", torch.cuda.current_device())
     out_dir = Path(os.environ.get("OUT", "ksum_fold_out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    signal.signal(signal.SIGALRM, raise_out_of_time)
-    signal.alarm(0 if a.smoke else a.hard_limit_s)
-    try:
-        measure(a, start, results)
-    except OutOfTime:
-        results["hard_limit"] = {"skipped": f"stopped at the hard limit ({a.hard_limit_s} s)"}
-    signal.alarm(0)
-    results["elapsed_s"] = {"skipped": f"{time.perf_counter() - start:.1f} s in all"}
-    (out_dir / "ksum_fold.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table(results))
+    run_with_hard_limit(a, start, out_dir / "ksum_fold.json", lambda results: measure(a, start, results), table)
 
 
 if __name__ == "__main__":
