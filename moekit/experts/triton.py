@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from moekit.experts import check_experts_args, register_fast_path
-from moekit.activations import ACTIVATIONS, ActivationSpec, as_spec
+from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
@@ -180,7 +180,7 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=Non
 # has no dataclasses, and plain bools and ints are constants to torch.compile (baked into the graph,
 # no guard on any global) and to a CUDA graph (fixed at capture). They are resolved for the device
 # inside the op, where tracing never looks (resolving asks the CUDA driver for the device's capability).
-# The activation crosses the same way: its spec's fields (``_variant_args``), the biases as optional
+# The activation crosses the same way: its spec's fields (``activations.spec_fields``), the biases as optional
 # tensors.
 @torch.library.custom_op("moekit::triton_experts", mutates_args=())
 def _experts_op(
@@ -217,14 +217,6 @@ def _experts_fake(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2, activ
 from moekit.experts.triton_backward import backward_experts_op, setup_experts_op  # noqa: E402
 
 torch.library.register_autograd("moekit::triton_experts", backward_experts_op, setup_context=setup_experts_op)
-
-
-def _variant_args(activation: str | ActivationSpec) -> tuple:
-    """The op's activation arguments: (name, gated, interleaved, alpha, limit, up_shift)."""
-    if activation.__class__ is str:
-        return activation, True, False, 1.0, None, 0.0
-    spec = as_spec(activation)  # a clear error for a wrong type
-    return spec.name, spec.gated, spec.interleaved, float(spec.alpha), spec.limit, float(spec.up_shift)
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,7 +303,7 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
         return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, None, options, b13, b2,
                       checked=checked)
     return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, expert_map, b13, b2,
-                                           *_variant_args(activation), *options.as_op_args())
+                                           *spec_fields(activation), *options.as_op_args())
 
 
 # experts_triton_unchecked's fast path with its default options (``ExpertsCallCache`` tries it first): a partial,
