@@ -7,8 +7,8 @@ and after branch host-trim2's changes, and where the experts call's M-dependent 
 Variants (every output compared bit for bit with ``base``'s, and the experts' with the BoundLaunch path's):
   base      the tensors of a call handed to each raw launch as tensors (Triton's launcher then calls data_ptr
             and cuPointerGetAttribute for every pointer of every launch): main's path
-  addr      handed over as addresses, read once per call (``triton_bind.PASS_ADDRESSES``,
-            ``triton_lean.PASS_ADDRESSES``)
+  addr      handed over as addresses, read once per call (``triton_bind.PASS_ADDRESSES``, read by
+            ``triton_lean`` too)
   fast      addr and the layer's decode fast path (``moekit.layer_fast``; layer cells only)
 1. layer (``MoE``, backend triton, router auto; M = 1, 8): host µs of the whole forward, ``route_tokens`` (gate +
    router: one launch up to 4 tokens), the experts step, glue = the rest; per variant, outputs bit-equal.
@@ -41,7 +41,6 @@ import host_align_device_check as ha
 import host_trim2_probe as probe
 from moekit import MoEConfig, triton_bind
 from moekit.bench.cells import Shape, make_weights, uniform_routing
-from moekit.experts import triton_lean
 from moekit.experts.triton import clear_launch_caches, experts_triton
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
@@ -70,7 +69,7 @@ class Run:
 def set_variant(name: str) -> None:
     """Turn each change on or off (module switches, read per call)."""
     on = name != "base"
-    triton_bind.PASS_ADDRESSES = triton_lean.PASS_ADDRESSES = on
+    triton_bind.PASS_ADDRESSES = on
     try:
         from moekit import layer_fast
     except ImportError:

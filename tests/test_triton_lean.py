@@ -259,7 +259,9 @@ def test_raw_sequence_hands_the_call_tensors_as_their_addresses(monkeypatch, add
     would read through data_ptr), ints (h, y) and None as they are, the templates untouched; a sequence with
     a launch that is not raw keeps the tensors (its launcher reads them itself)."""
     lean = _lean()
-    monkeypatch.setattr(lean, "PASS_ADDRESSES", addresses)
+    from moekit import triton_bind
+
+    monkeypatch.setattr(triton_bind, "PASS_ADDRESSES", addresses)
     monkeypatch.setattr(lean, "current_stream", lambda: 77)
     calls = []
     x, ids, weights, out = torch.ones(2, 4), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2), torch.empty(2, 4)

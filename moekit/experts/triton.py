@@ -31,7 +31,7 @@ in ``LaunchOptions`` for an A/B):
       -> plan_for(key) [triton_plan: variant constexprs, config, shortcut or alignment, workspace regions, bound launches]
       -> lean (``LaunchOptions.lean_launch``, ``triton_lean``): out (fresh), the plan's recorded LaunchSequence
          (rebuilt if the pooled workspace or the weights' descriptors changed), the call's tensors filled into
-         argument lists built once (as addresses: ``PASS_ADDRESSES``), each launched through the C entry; or, on
+         argument lists built once (as addresses: ``triton_bind.PASS_ADDRESSES``), each launched through the C entry; or, on
          the first call of a plan and wherever lean does not apply (graph capture, poisoned workspaces, a
          caller's counters, a launch hook):
       -> out (fresh), workspace (reused views; above the pool's max_bytes all but the alignment's regions

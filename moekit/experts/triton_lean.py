@@ -33,16 +33,14 @@ import torch
 
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_plan import Plan, plan_launches
+import moekit.triton_bind as triton_bind
 from moekit.triton_bind import current_stream
 
 X, IDS, WEIGHTS, OUT, MAP, B13, B2, W13, W2, H, Y = range(11)  # what a call fills in: its values' order
 MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # Where every launch of a sequence is raw, the call's tensors go to the C launch as their addresses, read once
-# per call: handed a tensor, Triton's launcher calls its data_ptr and then cuPointerGetAttribute (a driver call
-# that checks the address is the device's) for every pointer argument of every launch (at M = 512 eleven of
-# them in five launches). A CUDA tensor's data_ptr is its device address, so the kernels get the same
-# arguments. Off: the tensors as before (the A/B switch of ``benchmarks/host_trim2_device_check.py``).
-PASS_ADDRESSES = True
+# per call (``triton_bind.PASS_ADDRESSES``, the one switch for both: at M = 512 a call hands eleven pointers
+# to five launches, each a data_ptr and a cuPointerGetAttribute in Triton's launcher otherwise).
 
 
 class _Slot:
@@ -62,7 +60,7 @@ class LaunchSequence:
     def __init__(self, steps: list, hooks, anchor, pair, large):
         self.steps = steps  # [(entry, template list, ((position, value index), ...), raw)]
         self.raw = any(step[3] for step in steps)  # some launch takes the stream: asked once per call
-        # every launch raw: the value indices its launches read, handed over as addresses (PASS_ADDRESSES)
+        # every launch raw: the value indices its launches read, handed over as addresses (triton_bind.PASS_ADDRESSES)
         self.addressed = (tuple(sorted({index for step in steps for _, index in step[2]}))
                           if steps and all(step[3] for step in steps) else None)
         self.hooks = hooks  # Triton's launch hooks (a raw launch is taken only while none is installed)
@@ -80,7 +78,7 @@ class LaunchSequence:
     def launch(self, values: tuple) -> None:
         """Every launch, with the call's ``values`` (X, IDS, ... Y) in their positions."""
         stream = current_stream() if self.raw else 0
-        if self.addressed is not None and PASS_ADDRESSES:
+        if self.addressed is not None and triton_bind.PASS_ADDRESSES:
             values = list(values)
             for index in self.addressed:
                 value = values[index]
