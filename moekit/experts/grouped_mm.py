@@ -283,12 +283,29 @@ def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map
     run = _run_contiguous if plan.layout == "contiguous" else _run_masked
     if plan.chunk_tokens >= num_tokens:
         return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
+    if torch.compiler.is_compiling():
+        return _run_chunks_traced(run, plan.chunk_tokens, x, ex, topk_ids, topk_weights, expert_map, cpu_gemm)
     chunks = [
         run(x[s:s + plan.chunk_tokens], ex, topk_ids[s:s + plan.chunk_tokens],
             topk_weights[s:s + plan.chunk_tokens], expert_map, cpu_gemm)
         for s in range(0, num_tokens, plan.chunk_tokens)
     ]
     return torch.cat(chunks).to(x.dtype)  # [M, K]
+
+
+def _run_chunks_traced(run, chunk: int, x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm):
+    """M > ``chunk`` tokens under torch.compile, in chunks of exactly ``chunk`` tokens, the last one ending at
+    M and overlapping its predecessor (the overlap's rows are computed twice and kept once; a token's row
+    depends on that token alone). Every run traces at the static size ``chunk``, so with a symbolic M the
+    graph depends on M only through the chunk count (guards: M in ((n-1)*chunk, n*chunk]), never on a
+    remainder's size (a one-token remainder would be specialised)."""
+    num_tokens = x.shape[0]
+    count = (num_tokens + chunk - 1) // chunk  # >= 2
+    starts = [i * chunk for i in range(count - 1)] + [num_tokens - chunk]
+    outs = [run(x.narrow(0, s, chunk), ex, topk_ids.narrow(0, s, chunk), topk_weights.narrow(0, s, chunk), expert_map,
+                cpu_gemm) for s in starts]  # each [chunk, K]
+    outs[-1] = outs[-1][count * chunk - num_tokens:]  # drop the rows the previous chunk already holds
+    return torch.cat(outs).to(x.dtype)  # [M, K]
 
 
 def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:
