@@ -180,8 +180,9 @@ def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, interme
     and x excluded): the index buffers, the combine weights [A] and every expert's weighted rows [A, K]
     (acc) kept until the combine, plus the larger of the combine's out [M, K] (acc) and the rows in flight:
     ``workers`` experts of at most M rows each (at most A), each holding xs [m, K], h [m, 2N], the
-    activation [m, N] and w2's output [m, K] in ``dtype``. An expert gets at most M rows when a token's k ids
-    are distinct (``route()``'s); with repeats in a token up to A, which ``workers`` >= k covers."""
+    activation [m, N] and w2's output [m, K] in ``dtype``. "At most M rows" holds when a token's k ids are
+    distinct (``route()``'s; the masked layout's estimate assumes the same); ids repeated within a token can
+    put more on one expert, and the in-flight term then undercounts unless ``workers`` >= k."""
     a = num_tokens * top_k
     elem, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
     in_flight = min(a, workers * num_tokens) * (2 * hidden_size + 3 * intermediate_size) * elem

@@ -285,12 +285,11 @@ def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map
         return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
     if torch.compiler.is_compiling():
         return _run_chunks_traced(run, plan.chunk_tokens, x, ex, topk_ids, topk_weights, expert_map, cpu_gemm)
-    chunks = [
-        run(x[s:s + plan.chunk_tokens], ex, topk_ids[s:s + plan.chunk_tokens],
-            topk_weights[s:s + plan.chunk_tokens], expert_map, cpu_gemm)
-        for s in range(0, num_tokens, plan.chunk_tokens)
-    ]
-    return torch.cat(chunks).to(x.dtype)  # [M, K]
+    out = x.new_empty(x.shape)  # [M, K]: each chunk's rows land here (a list of chunks then cat held M*K twice)
+    for s in range(0, num_tokens, plan.chunk_tokens):
+        e = s + plan.chunk_tokens
+        out[s:e] = run(x[s:e], ex, topk_ids[s:e], topk_weights[s:e], expert_map, cpu_gemm)
+    return out
 
 
 def _run_chunks_traced(run, chunk: int, x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm):

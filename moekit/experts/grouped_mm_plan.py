@@ -3,14 +3,18 @@
     eager (M an int):  choose_layout(M) -> the layout with the fewest GEMM rows whose peak fits the budget;
                        none fits -> halve the chunk until one does (cached per call shape)
     traced (torch.compile): the contiguous layout, the one of this backend that needs no host sync, in
-                       chunks of the most tokens whose peak fits the budget: budget // (k * row bytes)
+                       chunks of the most tokens whose peak fits: budget // contiguous_token_bytes
 
 A traced call never reads M: with ``dynamic=True`` it is a SymInt, and ``choose_layout`` at M would take a
 max over sizes made from it and sort by them (dynamo refuses both, even on constants), while every
 comparison of M with a constant is a guard, a recompile per distinct plan. The traced plan is plain
-arithmetic on the static facts (k, K, N, dtype, budget) with the contiguous layout's byte model
-(``grouped_row_bytes``: with align 1 it holds exactly A rows), so the caller's ``M <= chunk`` is the one
-guard, and a batch longer than a chunk adds one per chunk count.
+arithmetic on the static facts (k, K, N, dtype, budget) with the contiguous run's byte model
+(``contiguous_token_bytes``: with align 1 it holds exactly A rows), so the caller's ``M <= chunk`` is the
+one guard, and a batch longer than a chunk adds one per chunk count.
+
+Either way a contiguous chunk must fit its whole run, not only the layout's GEMM buffers that
+``choose_layout`` models: the combine holds x_perm, y and their weighted copy in the accumulation dtype at
+once (in bf16 12 bytes per element of [A, K], against the GEMM phase's 4K + 6N per row).
 
 On the CPU in eager mode the call may instead run ``moekit.experts.cpu_packed``'s per-expert loop,
 which keeps every expert's weighted rows ([A, K] in the accumulation dtype) until the combine: the
@@ -74,11 +78,36 @@ def plan_grouped_mm(
     return plan
 
 
+# int64 row indices per row alive in a run (the grouping's ids, destinations, rows' sources and experts, the
+# GEMM offsets' share): small beside a row of activations, counted so the bound is one
+_INDEX_BYTES_PER_ROW = 6 * 8
+
+
+def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype):
+    """Peak bytes per layout row of a contiguous or masked run of ``experts_grouped_mm``, the larger of its two
+    phases: the GEMMs (the row's x, h, activation and y: ``grouped_row_bytes``, what ``choose_layout``
+    models) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an upcast
+    copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
+    b, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
+    gemms = grouped_row_bytes(hidden_size, intermediate_size, b)
+    combine = hidden_size * (2 * b + acc + (acc if acc != b else 0))
+    return torch.sym_max(gemms, combine) + _INDEX_BYTES_PER_ROW
+
+
+def contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype: torch.dtype):
+    """Peak bytes per token of the contiguous run (align 1: exactly k rows per token), its out [K] included."""
+    return top_k * run_row_bytes(hidden_size, intermediate_size, dtype) + hidden_size * _acc_bytes(dtype)
+
+
+def _acc_bytes(dtype: torch.dtype) -> int:
+    return torch.promote_types(dtype, torch.float32).itemsize
+
+
 def traced_plan(top_k, hidden_size, intermediate_size, dtype: torch.dtype, budget: int, layout: str) -> GroupedMMPlan:
-    """The plan of every M: contiguous, chunks of budget // (k * ``grouped_row_bytes``) tokens. Arithmetic
+    """The plan of every M: contiguous, chunks of budget // ``contiguous_token_bytes`` tokens. Arithmetic
     only, so the sizes may be SymInts (the chunk is then an expression of them, never of M)."""
     _check(budget, layout, allow_sync=False)
-    chunk = budget // (top_k * grouped_row_bytes(hidden_size, intermediate_size, dtype.itemsize))
+    chunk = budget // contiguous_token_bytes(top_k, hidden_size, intermediate_size, dtype)
     if chunk < 1:
         raise ValueError(f"memory_budget_bytes={budget} cannot hold even one token's rows in the contiguous layout")
     return GroupedMMPlan(layout="contiguous", chunk_tokens=chunk, reason=TRACED_REASON)
@@ -94,27 +123,37 @@ def _check(budget, layout, allow_sync) -> None:
 
 
 def _chooser(dims, dtype, budget, layout, allow_sync, workers):
-    """m tokens -> choose_layout's choice for them, where contiguous also needs the CPU per-expert loop
-    (``workers`` > 0: it may run that layout's call) to fit; when it does not, the other candidates compete."""
+    """m tokens -> choose_layout's choice for them, where the chosen layout's whole run must fit too
+    (``run_row_bytes``; for contiguous also the CPU per-expert loop's peak when ``workers`` > 0, since it may
+    run that layout's call); a layout whose run does not fit leaves the others to compete."""
     top_k, num_experts, hidden, inter = dims
     candidates = GROUPED_MM_LAYOUTS if layout == "auto" else (layout,)
     args = dict(top_k=top_k, num_experts=num_experts, hidden_size=hidden, intermediate_size=inter,
                 dtype_bytes=dtype.itemsize, memory_budget_bytes=budget, align=1, allow_sync=allow_sync,
                 cap_round_to=MASKED_ROUND_TO)
 
+    def run_bytes(m: int, choice: LayoutChoice) -> tuple[int, str]:
+        """The chosen layout's whole run for m tokens, and what needs it."""
+        if choice.name == "contiguous":
+            run = m * contiguous_token_bytes(top_k, hidden, inter, dtype)
+            loop = fused_loop_peak_bytes(m, top_k, hidden, inter, dtype, workers) if workers else 0
+            return (loop, "the CPU per-expert loop") if loop > run else (run, "its combine")
+        rows = next(e.rows for e in choice.estimates if e.name == choice.name)
+        return rows * run_row_bytes(hidden, inter, dtype) + m * hidden * _acc_bytes(dtype), "its combine"
+
     def choose(m: int) -> LayoutChoice:
-        choice = choose_layout(m, candidates=candidates, **args)
-        if choice.name != "contiguous" or not workers:
-            return choice
-        loop = fused_loop_peak_bytes(m, top_k, hidden, inter, dtype, workers)
-        if loop <= budget:
-            return choice
-        why = f"the CPU per-expert loop needs {loop / 2**20:.1f} MiB over the {budget / 2**20:.1f} MiB budget"
-        others = tuple(c for c in candidates if c != "contiguous")
-        if not others:
-            return LayoutChoice("none", f"{choice.reason}, but {why}", choice.estimates)
-        other = choose_layout(m, candidates=others, **args)
-        return LayoutChoice(other.name, f"contiguous: {why}; {other.reason}", choice.estimates)
+        left, why = candidates, []
+        while left:
+            choice = choose_layout(m, candidates=left, **args)
+            if choice.name == "none":
+                break
+            need, what = run_bytes(m, choice)
+            if need <= budget:
+                return choice if not why else LayoutChoice(choice.name, f"{'; '.join(why)}; {choice.reason}",
+                                                           choice.estimates)
+            why.append(f"{choice.name}: {what} needs {need / 2**20:.2f} MiB over the {budget / 2**20:.2f} MiB budget")
+            left = tuple(c for c in left if c != choice.name)
+        return LayoutChoice("none", "; ".join(why) or choice.reason, choice.estimates)
 
     return choose
 
