@@ -79,3 +79,27 @@ def test_layer_with_frozen_experts_trains_its_router():
     want = experts64(x, moe.w13.detach(), moe.w2.detach(), ids, router64(x, gate64, ids))
     (want_grad,) = torch.autograd.grad(want, [gate64], upstream)
     assert rel_err(grad, want_grad) < 1e-5
+
+
+def test_graph_replay_is_never_offered_when_a_weight_needs_a_gradient(monkeypatch):
+    """MoE(eager_graph_rows=...) replays CUDA graphs (no autograd) for calls that need no gradient; it used to
+    ask only x, the gate weight and w13. With w13 frozen and w2 trainable the replay must not be offered, and
+    w2's gradient equals the float64 one; under no_grad it is offered."""
+    torch.manual_seed(4)
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K), eager_graph_rows=64)
+    offered = []
+    monkeypatch.setattr(moe.eager_graphs, "run", lambda *args: offered.append(args) and None)  # None: runs eagerly
+    moe.w13.requires_grad_(False)
+    moe.gate.weight.requires_grad_(False)
+    x, _, _, _, upstream = problem(5)
+    out = moe(x)
+    assert not offered
+    (grad,) = torch.autograd.grad(out, [moe.w2], upstream.float())
+    routing = moe.route_tokens(x).routing
+    w2_64 = moe.w2.detach().double().requires_grad_(True)
+    want = experts64(x, moe.w13.detach(), w2_64, routing.topk_ids, routing.topk_weights.double())
+    (want_grad,) = torch.autograd.grad(want, [w2_64], upstream)
+    assert rel_err(grad, want_grad) < 1e-5
+    with torch.no_grad():
+        moe(x)
+    assert len(offered) == 1

@@ -34,9 +34,9 @@ def experts_reference(
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
-    out = torch.zeros(num_tokens, x.shape[1], dtype=acc, device=x.device)  # [M, K]
     if torch.compiler.is_compiling():
-        return _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, out).to(x.dtype)
+        return _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, acc).to(x.dtype)
+    out = torch.zeros(num_tokens, x.shape[1], dtype=acc, device=x.device)  # [M, K]
     for expert in range(num_experts):
         tokens, slots = (local == expert).nonzero(as_tuple=True)
         if tokens.numel() == 0:
@@ -51,14 +51,14 @@ def experts_reference(
     return out.to(x.dtype)
 
 
-def _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, out) -> torch.Tensor:
+def _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, acc: torch.dtype) -> torch.Tensor:
     """The same sum with no data-dependent size, for ``torch.compile`` (the loop's ``nonzero`` makes one, and
     its empty-expert test a guard on it): every token through every expert, kept where routed there, weighted
     by the sum of its slots' weights on it. E times the loop's rows: the oracle stays obvious, not fast.
-    local [M, k] (E where not routed) -> out [M, K] (acc), accumulated into ``out``."""
-    acc = out.dtype
+    local [M, k] (E where not routed) -> [M, K] in ``acc``."""
     xs = x.to(acc)  # [M, K]
     weights = topk_weights.to(acc)  # [M, k]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)  # [M, K]
     for expert in range(w13.shape[0]):
         hit = local == expert  # [M, k]
         h = xs @ w13[expert].to(acc).t()  # [M, R]
