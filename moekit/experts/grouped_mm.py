@@ -8,9 +8,11 @@
 | ``masked_measured_cap`` | ``masked_layout_measured_cap_syncs`` | ``torch.bmm`` over [E, cap] rows | ``combine_masked``   |
 
 ``layout="auto"`` lets ``moekit.layouts.choose_layout`` pick per call from the shapes alone (no host
-sync, so ``torch.compile`` traces it): the layout with the fewest GEMM rows whose peak activation bytes
-fit ``memory_budget_bytes`` (default ``DEFAULT_MEMORY_BUDGET_BYTES``). When none fits, the tokens run in
-chunks of the largest size that does (``plan_grouped_mm`` says which, and why).
+sync): the layout with the fewest GEMM rows whose whole run (combine included) fits
+``memory_budget_bytes`` (default ``DEFAULT_MEMORY_BUDGET_BYTES``). When none fits, the tokens run in
+chunks of the largest size that does (``plan_grouped_mm`` says which, and why). Under ``torch.compile``
+the plan never reads M (with ``dynamic=True`` a SymInt): contiguous, in chunks of a size fixed by the
+static shapes (``moekit.experts.grouped_mm_plan``), so one graph serves every M of one chunk count.
 
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
