@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import experts_grouped_mm
+from moekit.experts.grouped_mm_plan import contiguous_token_bytes, traced_plan
 from moekit.experts.reference import experts_reference
 
 E, N, K, TOP_K = 4, 8, 16, 2
@@ -71,27 +72,29 @@ def check_against_loop(fn, w13, w2, sizes, seed, backend="aot_eager", **kwargs):
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_dynamic_training_equals_float64_loop_with_one_graph(name):
-    """M changes from call to call (3, 5, 12, 7): one graph serves them all, forward and backward (aot_eager
-    traces the backward too)."""
+    """M changes from call to call (3, 5, 12, 7): one graph serves them all (dynamo's trace, autograd through
+    it; the layer test below compiles the backward too)."""
     w13, w2 = weights(1)
-    assert check_against_loop(BACKENDS[name], w13, w2, (3, 5, 12, 7), seed=10) == 1
+    assert check_against_loop(BACKENDS[name], w13, w2, (3, 5, 12, 7), seed=10, backend="eager") == 1
 
 
 def test_dynamic_chunks_recompile_once_per_chunk_count():
-    """A budget of 4 tokens' rows: M <= 4 in one run, longer batches in chunks of exactly 4 (the last one
-    overlapping); one graph per chunk count, whatever the remainder (5 and 8 share one, 9 and 11 another)."""
+    """A budget of 4 tokens' runs: M <= 4 in one run, longer batches in chunks of exactly 4 (the last one
+    overlapping); one graph per chunk count, whatever the remainder (5, 8 and 6 share one)."""
     w13, w2 = weights(2)
-    budget = 4 * TOP_K * (2 * K + 3 * N) * 4  # the contiguous layout's fp32 rows of 4 tokens, written out
-    graphs = check_against_loop(experts_grouped_mm, w13, w2, (3, 5, 8, 6, 9, 11), seed=20, backend="eager",
+    budget = 4 * contiguous_token_bytes(TOP_K, K, N, torch.float32)  # room for the runs of 4 tokens
+    assert traced_plan(TOP_K, K, N, torch.float32, budget, "auto").chunk_tokens == 4
+    graphs = check_against_loop(experts_grouped_mm, w13, w2, (3, 5, 8, 6), seed=20, backend="eager",
                                 memory_budget_bytes=budget)
-    assert graphs == 3
+    assert graphs == 2
 
 
-def test_compiled_dynamic_layer_equals_eager():
-    """torch.compile(MoE, fullgraph=True, dynamic=True) on the CPU default (grouped_mm): outputs and the gradients
-    of x, the router and the experts equal eager's at every M, from one graph."""
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_compiled_dynamic_layer_equals_eager(name):
+    """torch.compile(MoE, fullgraph=True, dynamic=True), backward compiled too (aot_eager): outputs and the
+    gradients of x, the router and the experts equal eager's at every M, from one graph."""
     torch.manual_seed(3)
-    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K))
+    moe = MoE(MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K), backend=name)
     params = [moe.gate.weight, moe.w13, moe.w2]
     torch._dynamo.reset()
     counters.clear()
