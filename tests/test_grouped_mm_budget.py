@@ -71,3 +71,17 @@ def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, tmp_path):
     assert peak <= budget + m * K * dtype.itemsize, (peak, budget, plan)  # the result [M, K] is the caller's
     want = loop64(x, w13, w2, ids, weights)
     assert float((out.double() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_budget_errors_name_the_argument():
+    """A bool is no budget (it used to pass as 1 byte or 0); a budget below one token's run says so, eager or traced."""
+    x, w13, w2, ids, weights = problem(4, 2, torch.float32)
+    for bad in (True, 0, -5, 2.5):
+        with pytest.raises(ValueError, match="memory_budget_bytes must be a positive int or None"):
+            experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=bad)
+    with pytest.raises(ValueError, match="memory_budget_bytes=64 cannot hold even one token"):
+        experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64)
+    fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=64), fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="memory_budget_bytes=64 cannot hold even one token"):
+        fn(x.requires_grad_(True), w13, w2, ids, weights)
