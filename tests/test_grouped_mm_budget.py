@@ -55,19 +55,21 @@ def gemm_phase_bytes(m, top_k, dtype):
     return m * top_k * (2 * K + 3 * N) * dtype.itemsize
 
 
-@pytest.mark.parametrize("cpu_gemm, top_k, dtype", [
-    ("onednn_packed", 1, torch.float32), ("onednn_packed", 2, torch.bfloat16),
-    ("grouped_mm", 2, torch.bfloat16), ("grouped_mm", 1, torch.float32),
+@pytest.mark.parametrize("cpu_gemm, top_k, dtype, layout", [
+    ("onednn_packed", 1, torch.float32, "auto"), ("onednn_packed", 2, torch.bfloat16, "auto"),
+    ("grouped_mm", 2, torch.bfloat16, "auto"), ("grouped_mm", 1, torch.float32, "auto"),
+    ("grouped_mm", 2, torch.bfloat16, "masked_measured_cap"),
 ])
-def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, tmp_path):
+def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, layout, tmp_path):
     m = 96
     x, w13, w2, ids, weights = problem(m, top_k, dtype)
     budget = gemm_phase_bytes(m, top_k, dtype)
-    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget, cpu_gemm=cpu_gemm)  # noqa: E731
+    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget, cpu_gemm=cpu_gemm,  # noqa: E731
+                                      layout=layout)
     with torch.no_grad():
         out = call()  # packs the weights (a cache, not the call's activations) before the measured call
         peak = peak_allocated(call, tmp_path / "trace.json")
-    plan = plan_grouped_mm(m, top_k, E, K, N, dtype, memory_budget_bytes=budget)
+    plan = plan_grouped_mm(m, top_k, E, K, N, dtype, memory_budget_bytes=budget, layout=layout)
     assert peak <= budget + m * K * dtype.itemsize, (peak, budget, plan)  # the result [M, K] is the caller's
     want = loop64(x, w13, w2, ids, weights)
     assert float((out.double() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -138,8 +138,10 @@ def _chooser(dims, dtype, budget, layout, allow_sync, workers):
             run = m * contiguous_token_bytes(top_k, hidden, inter, dtype)
             loop = fused_loop_peak_bytes(m, top_k, hidden, inter, dtype, workers) if workers else 0
             return (loop, "the CPU per-expert loop") if loop > run else (run, "its combine")
-        rows = next(e.rows for e in choice.estimates if e.name == choice.name)
-        return rows * run_row_bytes(hidden, inter, dtype) + m * hidden * _acc_bytes(dtype), "its combine"
+        # masked_measured_cap: E experts of the measured cap, which the counts (unknown here) set; at most M
+        # rounded up when a token's ids are distinct (route()'s, as the masked estimate assumes)
+        rows = num_experts * -(-m // MASKED_ROUND_TO) * MASKED_ROUND_TO
+        return rows * run_row_bytes(hidden, inter, dtype) + m * hidden * _acc_bytes(dtype), "its largest cap"
 
     def choose(m: int) -> LayoutChoice:
         left, why = candidates, []
