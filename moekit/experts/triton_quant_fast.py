@@ -145,10 +145,13 @@ def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool)
     if inputs is None:
         return
     plan, pool, make_launches = inputs
-    stamp = (pool.generation, _epoch[0])  # before the views: a clear or a new buffer from here on makes it stale
-    recorded = _record(plan.workspace, pool, x.device, make_launches)
-    if recorded is None:
-        return
+    for _ in range(2):  # again where the views grew the pool's buffer (a new generation) as they were carved
+        stamp = (pool.generation, _epoch[0])  # before the views: a clear or a new buffer from here on makes it stale
+        recorded = _record(plan.workspace, pool, x.device, make_launches)
+        if recorded is None:
+            return
+        if pool.generation == stamp[0]:
+            break
     _keep(x, w13, w2, ids, weights, activation, options, recorded, pool, stamp, checked)
 
 
