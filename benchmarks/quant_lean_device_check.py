@@ -2,7 +2,7 @@
 on the fp8 and weight-only paths): is the lean output the plain path's bit for bit, and the host, eager and
 graph time per experts call of each.
 
-    PYTHONPATH=$PWD OUT=/tmp/ql python benchmarks/quant_lean_device_check.py [--budget-s 120]
+    PYTHONPATH=$PWD OUT=/tmp/ql python benchmarks/quant_lean_device_check.py [--budget-s 110]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/quant_lean_device_check.py --smoke \
         --presets qwen3-30b-a3b --batches 1 8   (CPU, tiny shapes: checks the script)
 
@@ -129,8 +129,8 @@ def measure(a, start: float, results: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--budget-s", type=float, default=120.0, help="stop starting cells after this many seconds")
-    p.add_argument("--hard-limit-s", type=int, default=140, help="stop measuring at once after this many seconds")
+    p.add_argument("--budget-s", type=float, default=110.0, help="stop starting cells after this many seconds")
+    p.add_argument("--hard-limit-s", type=int, default=130, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--schemes", nargs="+", default=[*FIRST, *THEN])
