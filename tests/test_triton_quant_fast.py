@@ -187,3 +187,37 @@ def test_public_call_checks_what_only_unchecked_calls_kept(interpreter, counts):
     assert counts["hits"] == 2
     with pytest.raises(ValueError, match="topk_ids"):
         interpreter.experts_triton(x, q13, q2, ids[:1], weights[:1])
+
+
+def test_quantized_layer_served_equal_to_plain_path(interpreter, counts):
+    """``MoE.quantize_`` then repeated forwards (``ExpertsCallCache`` tries the fast path first): served, equal."""
+    from moekit import MoE, MoEConfig
+
+    config = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K)
+    torch.manual_seed(1)
+    layer = MoE(config, backend="triton", dtype=torch.bfloat16).eval().quantize_("int4_w4a16", group_size=32)
+    x = torch.randn(3, K).bfloat16()
+    with torch.no_grad():
+        outs = [layer(x) for _ in range(3)]
+    assert counts["hits"] == 2 and all(torch.equal(out, outs[0]) for out in outs)
+
+
+def test_misses_on_another_device_or_stream(interpreter, counts, monkeypatch):
+    """An entry kept for another device (its key) or another CUDA stream (its record) never serves."""
+    from moekit.experts import triton_quant_fast
+
+    q13, q2 = _weights("int8_w8a16")
+    x, ids, weights = _routing(2, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1
+    other = torch.device("cuda", 0)  # the kept entry as if it had been kept on a GPU
+    memo = triton_quant_fast._MEMO
+    for key in list(memo):
+        memo[tuple(other if part == x.device else part for part in key)] = memo.pop(key)
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # misses, kept again for the CPU
+    assert counts["hits"] == 1
+    for key, entry in memo.items():
+        entry.stream = 7  # kept on stream 7; this call's is None
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1

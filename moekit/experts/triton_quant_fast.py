@@ -100,7 +100,7 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool)
             or entry.w2() is not w2 or entry.generation != entry.pool.generation
             or entry.state != weight_state(w13, w2)):
         return None
-    if entry.stream is not None and (torch._C._cuda_isCurrentStreamCapturing() or _stream(x.device) != entry.stream):
+    if entry.stream is not None and (_stream(x.device) != entry.stream or torch._C._cuda_isCurrentStreamCapturing()):
         return None
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
