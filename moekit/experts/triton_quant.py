@@ -57,8 +57,8 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     else:
         from moekit.experts.triton_wo import fused_experts_wo
 
-        out = fused_experts_wo(x, wo_weight(w13), wo_weight(w2), topk_ids, topk_weights, activation=name,
-                               expert_map=expert_map, options=options)
+        out = fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, activation=name, expert_map=expert_map,
+                               options=options)
     if checked is not None and fp8_choice is None and expert_map is None:
         from moekit.experts.triton_quant_fast import remember_quant
 
@@ -86,8 +86,7 @@ def _warn_once(scheme: str, reason: str) -> None:
                   "(same result, not the fused kernels)", stacklevel=4)
 
 
-def wo_weight(w: QuantizedWeight):
-    """The weight-only kernels' view of ``w`` (``triton_wo.WoWeight``)."""
+def _wo(w: QuantizedWeight):
     from moekit.experts.triton_wo import WoWeight
 
     group = _GROUP[w.scheme]

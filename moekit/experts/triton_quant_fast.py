@@ -162,10 +162,10 @@ def _lean_inputs(x, w13, w2, ids, weights, activation, options):
 
         return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options)
     from moekit.activations import as_spec
-    from moekit.experts.triton_quant import wo_weight
+    from moekit.experts.triton_quant import _wo
     from moekit.experts.triton_wo import wo_lean_inputs
 
-    return wo_lean_inputs(x, wo_weight(w13), wo_weight(w2), ids, weights, as_spec(activation).name, options)
+    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, as_spec(activation).name, options)
 
 
 def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
