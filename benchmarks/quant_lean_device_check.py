@@ -16,7 +16,8 @@ Per cell: ``same`` (lean equals plain bit for bit, two routings), ``hit`` (the l
 fast path: its launch counted), ``err`` (relative L2 of lean against ``experts_reference`` on the same
 quantized weights, M <= 64), host µs per call (N calls started on an idle GPU, one sync; plain and lean
 samples interleaved ABBA; median), eager µs (back-to-back calls, one sync), graph µs (a CUDA graph of the
-calls replayed). Look for: same = yes and hit = yes everywhere (fp8 cells the Gluon choice takes and
+calls replayed); of the kept entry: ``#l`` launches, ``raw`` (each through the C launch), ``launches`` (host µs
+of the recorded launches alone: the rest of ``host lean`` is the fast path's Python). Look for: same = yes and hit = yes everywhere (fp8 cells the Gluon choice takes and
 weight-only cells the scratch decode runs say hit = no: not on this path), lean host <= 40 µs, err < 2e-2.
 JSON to $OUT/quant_lean.json (./quant_lean_out/ without OUT), the table printed last.
 """
@@ -69,6 +70,27 @@ def reference(x, q13, q2, ids, weights) -> torch.Tensor:
     return experts_reference(x, q13.select_experts(used), q2.select_experts(used), local, weights)
 
 
+def kept_entry(q13, x):
+    """The fast path's entry of calls on ``q13`` with x's shape, or None."""
+    for key, entry in triton_quant_fast._MEMO.items():
+        if key[0] == id(q13) and key[2] == x.shape and entry.w13() is q13:
+            return entry
+    return None
+
+
+def launches_only(entry, args: tuple, m: int) -> dict:
+    """The kept sequence: its launches, whether each is raw (the C launch), and the host µs of the launches
+    alone (no fast-path checks, no output allocation): the rest of ``host lean`` is the Python around them."""
+    x, _, _, ids, weights = args
+    regions = ()
+    if entry.fresh is not None:  # kept for the whole measurement: only the launches are timed
+        regions = tuple(entry.fresh.carve(torch.empty(entry.fresh.nbytes, dtype=torch.uint8, device=x.device)).values())
+    values = (x, ids, weights, torch.empty_like(x), *regions)
+    median, _ = hl.host_us({"launches": lambda: entry.sequence.launch(values)}, m)
+    steps = entry.sequence.steps
+    return {"launches": len(steps), "raw": all(step[3] for step in steps), "launches_us": median["launches"]}
+
+
 def cell(m: int, q13, q2, shape: Shape) -> dict:
     dev, row, fns = hl.Run.device, {"same": True}, {}
     for seed in (m, m + 1):  # two routings: the second reuses the kept entry
@@ -90,6 +112,9 @@ def cell(m: int, q13, q2, shape: Shape) -> dict:
     row["host_us"] = median
     row["eager_us"] = {name: hl.eager_us(fn, m) for name, fn in fns.items()}
     row["graph_us"] = {name: hl.graph_us(fn, m) for name, fn in fns.items()}
+    entry = kept_entry(q13, args[0])
+    if entry is not None:
+        row.update(launches_only(entry, args, m))
     return row
 
 
@@ -97,14 +122,16 @@ def table(results: dict) -> str:
     lines = ["host / eager / graph µs per quantized experts call, plain -> lean (same: bit-equal; hit: the fast "
              "path served the lean calls; err: lean vs experts_reference, rel L2)",
              f"{'cell':34}{'same':>5}{'hit':>4}{'err':>9}{'host plain':>11}{'host lean':>10}{'eager plain':>12}"
-             f"{'eager lean':>11}{'graph plain':>12}{'graph lean':>11}"]
+             f"{'eager lean':>11}{'graph plain':>12}{'graph lean':>11}{'#l':>4}{'raw':>4}{'launches':>10}"]
     for key, r in results.items():
         if "host_us" not in r:
             lines.append(f"{key:34}{next(iter(r.values()))}")
             continue
         lines.append(f"{key:34}{ha._yn(r['same']):>5}{ha._yn(r['hit']):>4}{r.get('err', float('nan')):>9.2e}"
                      f"{r['host_us']['plain']:>11.1f}{r['host_us']['lean']:>10.1f}{r['eager_us']['plain']:>12.1f}"
-                     f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['plain']:>12.1f}{r['graph_us']['lean']:>11.1f}")
+                     f"{r['eager_us']['lean']:>11.1f}{r['graph_us']['plain']:>12.1f}{r['graph_us']['lean']:>11.1f}"
+                     f"{r.get('launches', '-'):>4}{ha._yn(r['raw']) if 'raw' in r else '-':>4}"
+                     f"{r.get('launches_us', float('nan')):>10.1f}")
     return "\n".join(lines)
 
 
