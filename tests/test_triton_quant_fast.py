@@ -221,3 +221,19 @@ def test_misses_on_another_device_or_stream(interpreter, counts, monkeypatch):
         entry.stream = 7  # kept on stream 7; this call's is None
     _same_as_plain(interpreter, x, q13, q2, ids, weights)
     assert counts["hits"] == 1
+
+
+def test_fp8_entry_misses_under_a_new_default_gluon_choice(interpreter, counts, monkeypatch):
+    """An fp8 call kept off the Gluon path is not served once the default choice changes (it may want Gluon)."""
+    import moekit.experts.triton_gluon_fp8 as gluon_fp8
+
+    q13, q2 = _weights("fp8_block")
+    x, ids, weights = _routing(2, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1
+    monkeypatch.setattr(gluon_fp8, "DEFAULT_FP8_CHOICE", gluon_fp8.Fp8GluonChoice(min_flops=None))
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # misses, kept again under the new choice
+    assert counts["hits"] == 1
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 2

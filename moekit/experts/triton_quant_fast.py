@@ -10,7 +10,7 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
            CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
     a hit: what ``triton_fast.run_fast`` asks of a bf16 hit (eager, no autograd graph, x/ids/weights contiguous
            and 16-byte aligned, no capture, the same stream, the pool's buffers kept, no retune or clear since,
-           no launch hook), and every weight tensor the same object, unchanged (an in-place update bumps its
+           no launch hook; fp8: the default Gluon choice the entry was kept under), and every weight tensor the same object, unchanged (an in-place update bumps its
            _version, a move its data_ptr)
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
@@ -61,13 +61,18 @@ on_config_cache_clear(clear_quant_fast)  # a retune drops the plans: the entries
 class QuantEntry:
     """One kept call: its weight objects as they were, the recorded launches, what they were recorded under."""
 
-    __slots__ = ("w13", "w2", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch", "checked")
+    __slots__ = ("w13", "w2", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch", "checked",
+                 "choice")
 
-    def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool):
+    def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool,
+                 choice):
         self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), weight_state(w13_ref(), w2)
         self.sequence, self.fresh, self.pool, self.checked = sequence, fresh, pool, checked
         self.generation, self.epoch = stamp
         self.stream = stream
+        # fp8: (triton_gluon_fp8, its DEFAULT_FP8_CHOICE then): the call stayed off the Gluon path under that
+        # choice, so a new default (it may send this kind to Gluon) makes the entry stale; None: weight-only
+        self.choice = choice
 
 
 def weight_state(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple:
@@ -101,6 +106,8 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool)
             or entry.state != weight_state(w13, w2)):
         return None
     if entry.stream is not None and (_stream(x.device) != entry.stream or torch._C._cuda_isCurrentStreamCapturing()):
+        return None
+    if entry.choice is not None and entry.choice[0].DEFAULT_FP8_CHOICE is not entry.choice[1]:
         return None
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
@@ -195,7 +202,12 @@ def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, 
             _MEMO.pop(key, None)
 
     sequence, fresh = recorded
-    entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked)
+    choice = None
+    if w13.scheme == "fp8_block":
+        import moekit.experts.triton_gluon_fp8 as gluon_fp8
+
+        choice = (gluon_fp8, gluon_fp8.DEFAULT_FP8_CHOICE)
+    entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked, choice)
     with _lock:
         _MEMO.pop(key, None)
         if len(_MEMO) >= MAX_ENTRIES:
