@@ -179,6 +179,18 @@ def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> Launch
     launches = plan_launches(plan, b, _Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else _Slot(B13),
                              None if b2 is None else _Slot(B2), ids, _Slot(WEIGHTS),
                              None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"))
+    recorded = record_steps(launches)
+    if recorded is None:
+        return None
+    steps, hooks = recorded
+    anchor = weakref.ref(next(iter(views.values()))) if views else None
+    return LaunchSequence(steps, hooks, anchor, None if pair is None else weakref.ref(pair), large)
+
+
+def record_steps(launches: list) -> tuple[list, object] | None:
+    """``launches`` ((BoundLaunch, pointers) in order, stand-ins among the pointers) as a sequence's steps,
+    with Triton's launch hooks where a step is raw; None while one of them has not been compiled yet (or
+    never keeps a compiled launcher). Shared by the quantized paths' sequences (``triton_quant_fast``)."""
     steps, hooks = [], None
     for launch, pointers in launches:
         raw_launch = launch._raw
@@ -196,5 +208,4 @@ def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> Launch
             return None
         slots = tuple((i, a.index) for i, a in enumerate(template) if a.__class__ is _Slot)
         steps.append((entry, template, slots, raw))
-    anchor = weakref.ref(next(iter(views.values()))) if views else None
-    return LaunchSequence(steps, hooks, anchor, None if pair is None else weakref.ref(pair), large)
+    return steps, hooks

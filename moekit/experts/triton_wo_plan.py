@@ -31,6 +31,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -182,6 +183,16 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
         shortcut = use_naive(num_tokens * top_k, num_experts, None)
     aligned_ok = at is not None and num_tokens <= at and not use_naive(at * top_k, num_experts, None)
     return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
+
+
+@functools.lru_cache(maxsize=4096)
+def chosen_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int, itemsize: int) -> str:
+    """``choose_decode`` of an unfused call without a map (``run_experts_wo``'s scratch test), kept per
+    call kind: it walks the winners and measured tables, every call from SCRATCH_MIN_TOKENS up."""
+    return choose_decode(scheme, num_tokens, num_experts, n, k, top_k, False, itemsize=itemsize)
+
+
+on_config_cache_clear(chosen_decode.cache_clear)
 
 
 def check_decode(decode: str | None) -> None:
