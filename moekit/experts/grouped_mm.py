@@ -236,7 +236,9 @@ def experts_grouped_mm(
     """The experts contract (``moekit.experts``) through a ``moekit.layouts`` layout: group, GEMMs, combine.
 
     ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES;
-    the biases' per-row gathers are not in its count); ``layout`` "auto" or one of GROUPED_MM_LAYOUTS;
+    the biases' per-row gathers are not in its count; chunked under ``torch.compile``, the chunks' outputs,
+    [M, K] in the accumulation dtype in all, are also held until their cat: ``_run_chunks_traced``);
+    ``layout`` "auto" or one of GROUPED_MM_LAYOUTS;
     ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured best). ``plan_grouped_mm`` tells which layout
     and chunk size a call gets.
     """
@@ -299,7 +301,9 @@ def _run_chunks_traced(run, chunk: int, x, ex: ExpertParams, topk_ids, topk_weig
     M and overlapping its predecessor (the overlap's rows are computed twice and kept once; a token's row
     depends on that token alone). Every run traces at the static size ``chunk``, so with a symbolic M the
     graph depends on M only through the chunk count (guards: M in ((n-1)*chunk, n*chunk]), never on a
-    remainder's size (a one-token remainder would be specialised)."""
+    remainder's size (a one-token remainder would be specialised). Unlike eager, every chunk's output is held
+    until the cat (M*K in the accumulation dtype beyond the budget): writing each into one [M, K] as eager does
+    was measured no lower under inductor and higher under aot_eager (functionalised, each write copies it)."""
     num_tokens = x.shape[0]
     count = (num_tokens + chunk - 1) // chunk  # >= 2
     starts = [i * chunk for i in range(count - 1)] + [num_tokens - chunk]
