@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from _helpers import TOLERANCE, make_problem, rel_l2, routed_slots
 from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
+from moekit.experts.grouped_mm_plan import contiguous_token_bytes
 
 E, N, K = 8, 16, 256
 
@@ -81,3 +82,20 @@ def test_budget_errors_name_the_argument():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="memory_budget_bytes=64 cannot hold even one token"):
         fn(x.requires_grad_(True), w13, w2, ids, weights)
+
+
+def test_traced_chunks_hold_their_outputs_in_x_dtype(tmp_path):
+    """Under torch.compile the chunks' outputs are held until their cat: at most M*K in x's dtype beyond the budget
+    and the result. A bf16 call used to hold them in float32 and cat them in float32 before the cast (over by
+    ~20 KB here). 70 tokens in chunks of 16: four, then one overlapping its predecessor."""
+    m, top_k, dtype = 70, 1, torch.bfloat16
+    x, w13, w2, ids, weights = problem(m, top_k, dtype)
+    budget = 16 * contiguous_token_bytes(top_k, K, N, dtype)  # the traced chunk: 16 tokens
+    fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=budget, cpu_gemm="grouped_mm"),
+                       fullgraph=True, dynamic=True, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = fn(x, w13, w2, ids, weights)
+        peak = peak_allocated(lambda: fn(x, w13, w2, ids, weights), tmp_path / "trace.json")
+    assert peak <= budget + 2 * m * K * dtype.itemsize, (peak, budget)
+    assert out.dtype == dtype and rel_l2(out, loop64(x, w13, w2, ids, weights)) < TOLERANCE[dtype]
