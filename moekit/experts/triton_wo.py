@@ -225,14 +225,16 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         return None
-    op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)  # _experts_wo_op's
+    # the custom op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
+    op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False,
+                               sum_fold_max=options.sum_fold_max)
     plan = wo_plan_for(x, a13, a2, ids, weights, None, w13.scheme, activation, None, op_options)
-    fold = plan.down_sum
-    if fold is not None and fold._launcher is None and fold._raw is None:
+    b = LEAN_WORKSPACES.buffers(plan.workspace, x.device)
+    warm = wo_launches(plan, b, x, a13, a2, ids, weights, None, torch.empty_like(x))
+    if any(launch._launcher is None and launch._raw is None for launch, _ in warm):
         # the plain call (the op: a fresh workspace, no counters) ran the separate k-sum; the folded down GEMM
-        # the lean calls launch compiles on one call of them now, on the pool's buffers (its output dropped)
-        b = LEAN_WORKSPACES.buffers(plan.workspace, x.device)
-        for launch, pointers in wo_launches(plan, b, x, a13, a2, ids, weights, None, torch.empty_like(x)):
+        # the lean calls launch (and a plan of another fold limit) compiles on one call of them now (output dropped)
+        for launch, pointers in warm:
             launch(*pointers)
 
     def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
