@@ -222,11 +222,7 @@ def down_fp8_kernel(
         else:
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
-        if H_FP32:  # this step is one group of h's columns: quantize it here (the epilogue's twin)
-            hs = group_scale(tl.max(tl.abs(ha), axis=1))  # [BM]
-            ha = to_e4m3(ha / hs[:, None], EMULATE)
-        else:
-            hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
+        ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
         acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK)
         h_ptrs += BLOCK_K
         hs_ptrs += 1

@@ -278,7 +278,7 @@ def down_wo_gemv_kernel(
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
-    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]."""
+    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
