@@ -9,7 +9,8 @@ Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] floa
 time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4m3(v / s).
 
 The alignment (folded into the gate-up GEMM up to ``LaunchOptions.align_fold_max`` assignments), the
-tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery are the bf16 path's
+tiny-batch shortcut (A*4 <= E, no expert map), the k-sum (folded into the down GEMM up to
+``LaunchOptions.sum_fold_max`` tokens where the pool keeps its counters) and the launch machinery are the bf16 path's
 (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
 quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
 e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows

@@ -5,7 +5,8 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     dequantized per tile, x routed weight; split-K at decode where its tiles are few] -> [sum over
     splits and k]
 
-The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
+The same alignment, tiny-batch shortcut, workspace regions, k-sum (folded into the down GEMM in lean eager
+calls up to ``LaunchOptions.sum_fold_max`` tokens with one split) and launch options as the 16-bit
 path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Four decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
