@@ -290,9 +290,9 @@ def down_wo_gemv_kernel(
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
-    row_ok = rows < num_assignments  # [BM]
-    safe_rows = tl.where(row_ok, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        row_ok = rows < num_assignments
+        safe_rows = tl.where(row_ok, rows, 0)
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
