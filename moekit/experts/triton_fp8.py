@@ -9,7 +9,8 @@ Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] floa
 time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4m3(v / s).
 
 The alignment (folded into the gate-up GEMM up to ``LaunchOptions.align_fold_max`` assignments), the
-tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery are the bf16 path's
+tiny-batch shortcut (A*4 <= E, no expert map), the k-sum (folded into the down GEMM up to
+``LaunchOptions.sum_fold_max`` tokens where the pool keeps its counters) and the launch machinery are the bf16 path's
 (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
 quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
 e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows
@@ -224,23 +225,30 @@ def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_sha
 def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
                  out) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
-    shortcut), x quantized (unless gate-up does it), gate-up, down, the k-sum. ``b``: the workspace's
+    shortcut; hist and scan as one with the pool's counters where the plan has it), x quantized (unless gate-up
+    does it), gate-up, down with the k-sum folded in (where the plan has it and ``b`` the pool's counters) or
+    down and the k-sum. ``b``: the workspace's
     regions; the weight arguments are tensors or the plan's descriptors. Any argument may be a stand-in
     (``triton_quant_fast`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    counters = b.get("counters")  # only a pool's workspace keeps them (never while a graph captures)
     if plan.align is None:
         rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
     else:  # folded: the gate-up GEMM's programs write the layout
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-        launches = align_launches(plan.align, ids, map_or_ids, b)
+        launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
         x_q, x_s = x, x  # x_s is never read then
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         launches.append((plan.quantize, (x, x_q, x_s)))
     launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
-    launches.append((plan.down, (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)))
-    launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
+    down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
+    if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
+    else:  # the same sums in the same order, bit for bit
+        launches.append((plan.down, (*down, None, None, None)))
+        launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
     return launches
 
 
