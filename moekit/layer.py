@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; at <= 4 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
+| Gate     | ``MoE.gate``'s weights; at <= 8 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -43,7 +43,7 @@ from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route
 from moekit.routing.routed import RoutedTokens
 from moekit.routing.workspace import RouteWorkspace
@@ -262,7 +262,7 @@ class MoE(nn.Module):
         """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
         kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
         out = out if out is None or out.dtype == x2d.dtype else None
-        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the kernel takes at all
+        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROWS  # rows the gate kernel takes at all
         logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)

@@ -117,12 +117,13 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
 
 
-def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call."""
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None) -> bool:
+    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call, at most ``max_rows`` rows
+    (None: MAX_TOKENS; ``gate_route`` runs the same tiles up to its own limit)."""
     dtype = x.dtype
     if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
             or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
-            or x.shape[0] > MAX_TOKENS):
+            or x.shape[0] > (MAX_TOKENS if max_rows is None else max_rows)):
         return False
     return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
                             and bias.device == x.device)
