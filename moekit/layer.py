@@ -43,7 +43,7 @@ from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
+from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
 from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route
 from moekit.routing.routed import RoutedTokens
 from moekit.routing.workspace import RouteWorkspace
@@ -262,7 +262,7 @@ class MoE(nn.Module):
         """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
         kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
         out = out if out is None or out.dtype == x2d.dtype else None
-        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROWS  # rows the gate kernel takes at all
+        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the kernel takes at all
         logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)

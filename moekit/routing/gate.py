@@ -16,8 +16,9 @@ into it, which reads W at the copy rate but sums every row across the tile's thr
 (``benchmarks/gate_device_check.py``), GPU µs against cuBLAS at M = 1 / 2 / 4 / 8: Qwen3 1.9 / 2.3 /
 3.4 / 5.4 against 5.0-5.2; Mixtral 2.4 / 3.1 / 5.0 / 9.0 against 5.8; DeepSeek-V3 3.7 / 4.9 / 9.0 /
 16.7 against 6.3-6.5. A tensor-core tile (rows masked up to 16) measured 5.4-15.6 µs at every M, never
-faster than cuBLAS. So up to MAX_TOKENS rows the kernel is as fast as cuBLAS or within 2.7 µs of it
-on the GPU and 15-45 µs cheaper on the host (decode steps are host-bound); above, ``F.linear``.
+faster than cuBLAS. So up to 4 rows the kernel is as fast as cuBLAS or within 2.7 µs of it on the
+GPU and 15-45 µs cheaper on the host (decode steps are host-bound); up to 8 (MAX_TOKENS) within 10 µs on
+the GPU, still cheaper in all (see MAX_TOKENS); above, ``F.linear``.
 
 Also here: ``linear_into``, the gate above MAX_TOKENS rows as ``torch.mm`` / ``torch.addmm`` into a kept buffer
 (the ops ``F.linear`` runs, without its dispatch and allocation), and ``router_inputs``, the router-dtype casts.
@@ -35,7 +36,12 @@ import torch
 
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
-MAX_TOKENS = 4  # rows up to which the kernel runs (module docstring: measured against cuBLAS)
+# Rows up to which the kernel runs (module docstring: measured against cuBLAS). 8, not 4: at 5-8 rows the kernel costs
+# up to 10 µs more GPU time than cuBLAS (DeepSeek-V3 16.7 against 6.5 at M = 8; Qwen3 +0.4, Mixtral +3.2) but saves
+# torch.mm's 12-20 µs of host time, and in the layer the gate and router become one launch (``gate_route``), which
+# saves the router's launch too; a decode step of 8 rows is host-bound (issue 13: the layer <= 60 µs at M = 8).
+# One limit for every path (eager, the one launch, a CUDA graph), so they compute the same logits bit for bit.
+MAX_TOKENS = 8
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -117,13 +123,12 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
 
 
-def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None = None) -> bool:
-    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call, at most ``max_rows`` rows
-    (None: MAX_TOKENS; ``gate_route`` runs the same tiles up to its own limit)."""
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call."""
     dtype = x.dtype
     if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
             or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
-            or x.shape[0] > (MAX_TOKENS if max_rows is None else max_rows)):
+            or x.shape[0] > MAX_TOKENS):
         return False
     return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
                             and bias.device == x.device)

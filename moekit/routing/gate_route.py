@@ -1,4 +1,4 @@
-"""The gate GEMM and the fused router in one launch for decode-sized batches: x [M, K] (M <= MAX_TOKENS = 8) ->
+"""The gate GEMM and the fused router in one launch for decode-sized batches: x [M, K] (M <= MAX_TOKENS) ->
 router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers.
 
     [Gate -> Route (+ shared slots), one launch] -> Capacity (opt-in) -> Group -> Experts -> Combine
@@ -28,12 +28,7 @@ from moekit.routing.route import Routing
 from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
-# Rows up to which the gate and the router are one launch: past the gate kernel's own MAX_TOKENS (4), because here
-# the launch replaces two (torch.mm into the kept logits, ~12-20 µs of host time on the H200, and the router's
-# ~6 µs launch) while the gate's tiles cost at most +10 µs of GPU time at 8 rows (H200, benchmarks/gate_device_check.py,
-# M = 8: Qwen3 5.4 against cuBLAS 5.0, Mixtral 9.0 against 5.8, DeepSeek-V3 16.7 against 6.5; the router's own launch,
-# 2-4 µs, goes too). A decode step of 5-8 rows is host-bound (issue 13: the layer's host time <= 60 µs at M = 8).
-MAX_TOKENS = 8
+MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
@@ -131,7 +126,7 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias, MAX_TOKENS)
+        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
                    and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
         bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
             plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
