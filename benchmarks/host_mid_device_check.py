@@ -1,10 +1,11 @@
 """Host time per eager call at M = 1..1024 (issue 13: experts <= 40 µs at every M, the layer <= 60 µs): why the
 same experts path costs 20-40 µs more on DeepSeek-V3 and Mixtral than on Qwen3, and the layer at M = 8.
 
-    PYTHONPATH=$PWD OUT=/tmp/hm python benchmarks/host_mid_device_check.py [--budget-s 115]
+    PYTHONPATH=$PWD OUT=/tmp/hm python benchmarks/host_mid_device_check.py [--budget-s 105]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/host_mid_device_check.py --smoke   (CPU: checks the script)
 
-Per preset (DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B; bf16, no_grad, uniform routing), M = 8, 1, 64, 256, 1024:
+Per preset (Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B; bf16, no_grad, uniform routing), M = 1, 8, 64, 256, 1024,
+cells in ORDER (the layer at 8 and 1, the experts, the layer's others) until --budget-s:
 1. layer (``MoE``, backend triton, router auto), variants ``old`` (the gate kernel and the one gate+router launch
    up to 4 rows: main) and ``new`` (up to 8: this branch; the same code above 8 rows, so only ``new`` runs there):
    host µs as ``moekit bench`` measures it (``time_eager``: 16 calls, one sync, per call), split into the first
@@ -13,7 +14,7 @@ Per preset (DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B; bf16, no_grad, uniform rou
 2. experts (``experts_triton``, the bench's weights and inputs, 2 rotated sets): host µs as the bench measures it
    and split into first / rest, variants ``old`` (defaults) and, at M <= 8, ``fold8`` (``sum_fold_max=8``: the
    k-sum in the down GEMM, one launch fewer; bit-equal by construction) with GPU µs each; eager against a CUDA
-   graph: equal. The diagnosis, on the default path: the same 16-call loop after four kinds of wait --
+   graph: equal. The diagnosis (at --diagnose-at M), on the default path: the same 16-call loop after four kinds of wait --
    ``sync`` (torch.cuda.synchronize, as the bench), ``spin`` (a Python loop polling the stream: the thread never
    sleeps), ``warm`` (sync, then 300 µs of Python busy work), ``kick`` (sync, then one tiny kernel launch) --
    each as first / rest; and the first call's steps (``host_trim2_probe.timed_call``: out, stream and addresses,
@@ -43,8 +44,12 @@ from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
 from moekit.routing import gate, gate_route
 
-PRESETS = ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b")
+PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (8, 1, 64, 256, 1024)
+# cells of a preset in priority order (the budget stops the rest): the layer's decode cells, the experts, the layer's others
+ORDER = (("layer", 8), ("layer", 1), ("experts", 8), ("experts", 64), ("experts", 256), ("experts", 1024),
+         ("experts", 1), ("layer", 64), ("layer", 256), ("layer", 1024))
+DIAGNOSE_AT = (8, 256)  # experts cells with the other waits and the first call's steps
 GATE_ROWS = {"old": 4, "new": gate.MAX_TOKENS}  # the layer's variants: rows of the gate kernel / one launch
 FOLD8 = LaunchOptions(sum_fold_max=8)
 WAITS = ("sync", "spin", "warm", "kick")
@@ -55,6 +60,8 @@ class Run:
     device = torch.device("cuda")
     scale = 1
     samples = 5
+    loop_calls = LOOP_CALLS
+    warm = 3  # calls before timing: compile, record, keep
 
 
 def sync() -> None:
@@ -81,7 +88,7 @@ def wait(kind: str) -> None:
 
 
 def loop_split(fns: list, kind: str = "sync") -> dict:
-    """``LOOP_CALLS`` calls cycling through ``fns`` after a wait of ``kind``, ``Run.samples`` times: medians of the
+    """``Run.loop_calls`` calls cycling through ``fns`` after a wait of ``kind``, ``Run.samples`` times: medians of the
     mean per call, of the first call and of the rest's mean (µs)."""
     means, firsts, rests = [], [], []
     clock = time.perf_counter
@@ -92,12 +99,12 @@ def loop_split(fns: list, kind: str = "sync") -> dict:
         t0 = clock()
         fns[0]()
         t1 = clock()
-        for i in range(1, LOOP_CALLS):
+        for i in range(1, Run.loop_calls):
             fns[i % len(fns)]()
         t2 = clock()
-        means.append((t2 - t0) / LOOP_CALLS * 1e6)
+        means.append((t2 - t0) / Run.loop_calls * 1e6)
         firsts.append((t1 - t0) * 1e6)
-        rests.append((t2 - t1) / (LOOP_CALLS - 1) * 1e6)
+        rests.append((t2 - t1) / (Run.loop_calls - 1) * 1e6)
     sync()
     return {"mean": round(statistics.median(means), 2), "first": round(statistics.median(firsts), 2),
             "rest": round(statistics.median(rests), 2)}
@@ -138,7 +145,7 @@ def first_steps(sequence, args: tuple) -> dict:
     names = None
     after_wait, back_to_back = [], []
     for _ in range(Run.samples):
-        for _ in range(LOOP_CALLS):
+        for _ in range(Run.loop_calls):
             experts_triton(*args)
         sync()
         after_wait.append(probe.timed_call(sequence, x, ids, weights, w13, w2, True)[1])
@@ -149,7 +156,7 @@ def first_steps(sequence, args: tuple) -> dict:
     return {"after_sync": probe._medians(after_wait, names), "back_to_back": probe._medians(back_to_back, names)}
 
 
-def experts_cell(shape: Shape, weights, m: int) -> dict:
+def experts_cell(shape: Shape, weights, m: int, diagnose: bool) -> dict:
     sets = make_sets(shape, m, 2, torch.bfloat16, Run.device)
     w13, w2 = weights.w13, weights.w2
     variants = {"old": None}
@@ -161,7 +168,7 @@ def experts_cell(shape: Shape, weights, m: int) -> dict:
     row = {}
     want = None
     for name, calls in fns.items():
-        for _ in range(3):
+        for _ in range(Run.warm):
             out = calls[0]()
         sync()
         want = out if want is None else want
@@ -170,6 +177,8 @@ def experts_cell(shape: Shape, weights, m: int) -> dict:
         row[f"{name}_bench_host"] = bench_host(calls)
         row[f"{name}_sync"] = loop_split(calls, "sync")
         row[f"{name}_gpu"] = gpu_us(calls[0])
+    if not diagnose:
+        return row
     for kind in WAITS[1:]:
         row[f"old_{kind}"] = loop_split(fns["old"], kind)
     s = sets[0]
@@ -195,7 +204,7 @@ def layer_cell(layer: MoE, m: int) -> dict:
     for name in names:
         set_gate_rows(GATE_ROWS[name], layer)
         fn = lambda: layer(x)  # noqa: E731
-        for _ in range(3):
+        for _ in range(Run.warm):
             outs[name] = fn()
         ids[name] = layer.route_tokens(x).routing.topk_ids.clone()
         sync()
@@ -228,20 +237,20 @@ def free_memory() -> None:
 
 
 def measure(a, start: float, results: dict) -> None:
+    """Preset by preset, its layer and its experts weights side by side, cells in ORDER (the budget may stop it)."""
     with torch.no_grad():
         for preset in a.presets:
             layer = MoE(layer_config(preset), backend="triton", router="auto", dtype=torch.bfloat16,
                         device=Run.device).eval()
-            for m in a.layer_batches:
-                ha.budgeted_cell(results, f"layer {preset} M={m}", start, a.budget_s, lambda: layer_cell(layer, m))
-            del layer
-            free_memory()
             shape = Shape.from_preset(preset, Run.scale)
             weights = make_weights(shape, torch.bfloat16, Run.device)
-            for m in a.batches:
-                ha.budgeted_cell(results, f"experts {preset} M={m}", start, a.budget_s,
-                                 lambda: experts_cell(shape, weights, m))
-            del weights
+            for kind, m in ORDER:
+                if m not in (a.layer_batches if kind == "layer" else a.batches):
+                    continue
+                cell = (lambda m=m: layer_cell(layer, m)) if kind == "layer" else (
+                    lambda m=m: experts_cell(shape, weights, m, m in a.diagnose_at))
+                ha.budgeted_cell(results, f"{kind} {preset} M={m}", start, a.budget_s, cell)
+            del layer, weights
             free_memory()
 
 
@@ -280,19 +289,20 @@ def table(results: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--budget-s", type=float, default=115.0, help="stop starting cells after this many seconds")
-    p.add_argument("--hard-limit-s", type=int, default=150, help="stop measuring at once after this many seconds")
+    p.add_argument("--budget-s", type=float, default=105.0, help="stop starting cells after this many seconds")
+    p.add_argument("--hard-limit-s", type=int, default=135, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--layer-batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--diagnose-at", nargs="+", type=int, default=list(DIAGNOSE_AT))
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:
-        Run.device, Run.scale, Run.samples = torch.device("cpu"), ha.SMOKE_SCALE, 1
+        Run.device, Run.scale, Run.samples, Run.loop_calls, Run.warm = torch.device("cpu"), ha.SMOKE_SCALE, 1, 2, 3
         a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
         if a.batches == list(BATCHES):
-            a.batches, a.layer_batches, a.presets = [8, 1], [8, 1], ["mixtral-8x7b", "deepseek-v3"]
+            a.batches, a.layer_batches, a.presets, a.diagnose_at = [8], [8], ["mixtral-8x7b"], [8]
     else:
         Run.device = torch.device("cuda", torch.cuda.current_device())
     ha.Run.device = Run.device
