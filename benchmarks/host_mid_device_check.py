@@ -12,16 +12,18 @@ cells in ORDER (the layer at 8 and 1, the experts, the layer's others) until --b
    call after the sync and the rest's mean; GPU µs (graph replay); old against new: equal, ids equal, max |diff|
    over max |old|; eager against a CUDA graph of the layer: equal.
 2. experts (``experts_triton``, the bench's weights and inputs, 2 rotated sets): host µs as the bench measures it
-   and split into first / rest, variants ``old`` (defaults) and, at M <= 8, ``fold8`` (``sum_fold_max=8``: the
-   k-sum in the down GEMM, one launch fewer; bit-equal by construction) with GPU µs each; eager against a CUDA
-   graph: equal. The diagnosis (at --diagnose-at M), on the default path: the same 16-call loop after four kinds of wait --
-   ``sync`` (torch.cuda.synchronize, as the bench), ``spin`` (a Python loop polling the stream: the thread never
-   sleeps), ``warm`` (sync, then 300 µs of Python busy work), ``kick`` (sync, then one tiny kernel launch) --
-   each as first / rest; and the first call's steps (``host_trim2_probe.timed_call``: out, stream and addresses,
-   each launch) right after the sync of a 16-call loop, against the same steps back to back.
-Look for: every ``same``/``graph`` yes (layer old/new at M = 8: ids yes, diff ~1e-3 or 0); the first call's
-share of the bench's host µs (first >> rest: the wait, not the path) and which wait removes it; rest <= 40 at
-every M; layer new host < old at M = 8 and its GPU µs within ~10 µs. JSON to $OUT/host_mid.json; a table last.
+   and split into first / rest, variants ``old`` (main: the k-sum folded into the down GEMM at M = 1 only) and
+   ``new`` (this branch: up to M = 8, one launch fewer; bit-equal by construction; above 8 tokens the same plan,
+   so only ``new`` runs there), GPU µs each; eager against a CUDA graph: equal. The first call's diagnosis (at
+   --diagnose-at M; the first run showed that neither a spinning wait nor 300 µs of Python work before it
+   removes its cost): the same 16-call loop after ``sync`` (torch.cuda.synchronize, as the bench), ``kick``
+   (sync, then one tiny kernel launch) and ``torch`` (sync, then an allocation and three tiny torch kernels, as
+   a model's next ops), each as first / rest; and the first call's steps (``host_trim2_probe.timed_call``: out,
+   stream and addresses, each launch) right after the sync of a 16-call loop, against the same steps back to back.
+Look for: every ``same``/``graph`` yes (layer old/new at M = 8: same and ids yes); the first call's share of the
+bench's host µs (first >> rest) and whether ``torch`` moves it onto the torch ops (then it is the first CUDA work
+after a long GPU run, whoever issues it); experts new rest < old at M = 8 with GPU µs equal; layer new host < old
+at M = 8 and its GPU µs within ~25 µs (DeepSeek-V3's gate kernel at 8 rows). JSON to $OUT/host_mid.json; a table last.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ ORDER = (("layer", 8), ("layer", 1), ("experts", 8), ("experts", 64), ("experts"
          ("experts", 1), ("layer", 64), ("layer", 256), ("layer", 1024))
 DIAGNOSE_AT = (8, 256)  # experts cells with the other waits and the first call's steps
 GATE_ROWS = {"old": 4, "new": gate.MAX_TOKENS}  # the layer's variants: rows of the gate kernel / one launch
-FOLD8 = LaunchOptions(sum_fold_max=8)
-WAITS = ("sync", "spin", "warm", "kick")
+MAIN_OPTIONS = LaunchOptions(sum_fold_max=1)  # main's k-sum fold (M = 1 only); the branch folds up to M = 8
+WAITS = ("sync", "kick", "torch")
 LOOP_CALLS = 16  # as moekit.bench.timing.EAGER_CALLS
 
 
@@ -73,18 +75,13 @@ def wait(kind: str) -> None:
     """Let the GPU finish the queued work, the way ``kind`` says (module docstring)."""
     if Run.device.type != "cuda":
         return
-    if kind == "spin":
-        stream = torch.cuda.current_stream()
-        while not stream.query():
-            pass
-        return
     torch.cuda.synchronize()
-    if kind == "warm":
-        end = time.perf_counter() + 300e-6
-        while time.perf_counter() < end:
-            pass
-    elif kind == "kick":
+    if kind == "kick":
         torch.cuda._sleep(1)
+    elif kind == "torch":  # plain torch work first: an allocation and three tiny kernels, as a model's next ops
+        scratch = torch.empty(256, device=Run.device)
+        for _ in range(3):
+            scratch.add_(1.0)
 
 
 def loop_split(fns: list, kind: str = "sync") -> dict:
@@ -159,12 +156,10 @@ def first_steps(sequence, args: tuple) -> dict:
 def experts_cell(shape: Shape, weights, m: int, diagnose: bool) -> dict:
     sets = make_sets(shape, m, 2, torch.bfloat16, Run.device)
     w13, w2 = weights.w13, weights.w2
-    variants = {"old": None}
-    if m <= 8:
-        variants["fold8"] = FOLD8
-    fns = {name: [lambda s=s, o=o: experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights, options=o or
-                                                  LaunchOptions()) for s in sets] for name, o in variants.items()}
-    fns["old"] = [lambda s=s: experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+    variants = {"old": MAIN_OPTIONS, "new": None} if m <= 8 else {"new": None}  # the same plan above 8 tokens
+    fns = {name: [lambda s=s, o=o: experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights, options=o) if o else
+                  experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+           for name, o in variants.items()}
     row = {}
     want = None
     for name, calls in fns.items():
@@ -180,7 +175,7 @@ def experts_cell(shape: Shape, weights, m: int, diagnose: bool) -> dict:
     if not diagnose:
         return row
     for kind in WAITS[1:]:
-        row[f"old_{kind}"] = loop_split(fns["old"], kind)
+        row[f"new_{kind}"] = loop_split(fns["new"], kind)
     s = sets[0]
     args = (s.x, w13, w2, s.topk_ids, s.topk_weights)
     entry = probe.kept_entry(*args)
@@ -265,7 +260,7 @@ def table(results: dict) -> str:
         if not isinstance(r, dict) or "skipped" in r or "error" in r:
             lines.append(f"{key:30} {r}")
             continue
-        variants = [v for v in ("old", "new", "fold8") if f"{v}_sync" in r]
+        variants = [v for v in ("old", "new") if f"{v}_sync" in r]
         cells = []
         for v in variants:
             s = r[f"{v}_sync"]
@@ -275,9 +270,9 @@ def table(results: dict) -> str:
         if "rel_diff" in r:
             lines.append(f"{'':32}old vs new: same {ha._yn(r['same'])} ids {ha._yn(r['ids_same'])} "
                          f"rel diff {r['rel_diff']:.1e}")
-        if "fold8_same" in r:
-            lines.append(f"{'':32}fold8 same as old: {ha._yn(r['fold8_same'])}")
-        waits = [f"{k} {r[f'old_{k}']['first']:.1f}/{r[f'old_{k}']['rest']:.1f}" for k in WAITS[1:] if f"old_{k}" in r]
+        if "old_same" in r and "new_same" in r:
+            lines.append(f"{'':32}experts new same as old: {ha._yn(r['new_same'])}")
+        waits = [f"{k} {r[f'new_{k}']['first']:.1f}/{r[f'new_{k}']['rest']:.1f}" for k in WAITS[1:] if f"new_{k}" in r]
         if waits:
             lines.append(f"{'':32}first/rest after other waits: " + "  ".join(waits))
         steps = r.get("steps")

@@ -89,8 +89,11 @@ class LaunchOptions:
     # the separate launch): host -3 to -35 µs per call, GPU (graph) +2.6 to +15 µs at M = 1..64 on Qwen3-30B-A3B
     # and DeepSeek-V3 (+21 and +215 at M = 512), -2 to +1 on Mixtral-8x7B. Eager wall = max(host, GPU) drops
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
-    # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
-    sum_fold_max: int = 1
+    # M = 8 the GPU-bound cells lost (Qwen3 +4.4, DeepSeek +7.3). Measured again at M = 8 on the kernels of today
+    # (benchmarks/host_mid_device_check.py, first run, graph µs separate -> folded): Qwen3 121.7 -> 121.4, DeepSeek-V3
+    # 1266.5 -> 1268.8, Mixtral 574.6 -> 574.4, outputs bit-equal; a launch fewer is 6-9 µs of host time on that host.
+    # So it folds up to M = 8 (a decode batch; the layer's host target there is 60 µs).
+    sum_fold_max: int = 8
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
