@@ -13,8 +13,10 @@ cells in ORDER (the layer at 8 and 1, the experts, the layer's others) until --b
    over max |old|; eager against a CUDA graph of the layer: equal.
 2. experts (``experts_triton``, the bench's weights and inputs, 2 rotated sets): host µs as the bench measures it
    and split into first / rest, variants ``old`` (main: the k-sum folded into the down GEMM at M = 1 only) and
-   ``new`` (this branch: up to M = 8, one launch fewer; bit-equal by construction; above 8 tokens the same plan,
-   so only ``new`` runs there), GPU µs each; eager against a CUDA graph: equal. The first call's diagnosis (at
+   ``new`` (this branch: up to M = 8, one launch fewer; bit-equal by construction); at M = 1024 ``old`` = main's
+   pool size (``REUSE_MAX_BYTES`` 128 MiB: DeepSeek-V3's h and y allocated per call) against the branch's 256 MiB
+   (pooled); elsewhere the same plan as main, so only ``new`` runs; GPU µs each; eager against a CUDA graph: equal. Candidates for fewer launches
+   (CANDIDATES, not defaults): ``fold512`` at M = 64, ``one2048`` at M = 256, their host and GPU µs. The first call's diagnosis (at
    --diagnose-at M; the first run showed that neither a spinning wait nor 300 µs of Python work before it
    removes its cost): the same 16-call loop after ``sync`` (torch.cuda.synchronize, as the bench), ``kick``
    (sync, then one tiny kernel launch) and ``torch`` (sync, then an allocation and three tiny torch kernels, as
@@ -41,7 +43,9 @@ import host_trim2_probe as probe
 from moekit import MoEConfig, layer as layer_module, layer_fast
 from moekit.bench.cells import Shape, make_sets, make_weights
 from moekit.bench.timing import time_calls, time_eager
-from moekit.experts.triton import clear_launch_caches, experts_triton
+from moekit.experts.triton import _WORKSPACES, clear_launch_caches, experts_triton
+from moekit.experts import triton_fast
+from moekit.experts.triton_cache import REUSE_MAX_BYTES
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
 from moekit.routing import gate, gate_route
@@ -54,6 +58,10 @@ ORDER = (("layer", 8), ("layer", 1), ("experts", 8), ("experts", 64), ("experts"
 DIAGNOSE_AT = (8, 256)  # experts cells with the other waits and the first call's steps
 GATE_ROWS = {"old": 4, "new": gate.MAX_TOKENS}  # the layer's variants: rows of the gate kernel / one launch
 MAIN_OPTIONS = LaunchOptions(sum_fold_max=1)  # main's k-sum fold (M = 1 only); the branch folds up to M = 8
+# candidates for fewer launches past M = 8, measured for their GPU cost (not defaults): the alignment folded into
+# gate-up up to A = 512 (M = 64), the one-launch alignment up to A = 2048 (M = 256)
+MAIN_POOL_BYTES = 128 << 20  # main's REUSE_MAX_BYTES: above it h and y are allocated per call (DeepSeek-V3 M = 1024)
+CANDIDATES = {64: ("fold512", LaunchOptions(align_fold_max=512)), 256: ("one2048", LaunchOptions(align_one_launch_max=2048))}
 WAITS = ("sync", "kick", "torch")
 LOOP_CALLS = 16  # as moekit.bench.timing.EAGER_CALLS
 
@@ -153,16 +161,28 @@ def first_steps(sequence, args: tuple) -> dict:
     return {"after_sync": probe._medians(after_wait, names), "back_to_back": probe._medians(back_to_back, names)}
 
 
+def set_pool(max_bytes: int) -> None:
+    """The reused workspace's size limit, and the kept fast-path entries dropped if it changed (an entry keeps the
+    sequence it recorded, h and y pooled or per call, and does not look at the limit again)."""
+    if _WORKSPACES.max_bytes != max_bytes:
+        _WORKSPACES.max_bytes = max_bytes
+        triton_fast.clear_fast()
+
+
 def experts_cell(shape: Shape, weights, m: int, diagnose: bool) -> dict:
     sets = make_sets(shape, m, 2, torch.bfloat16, Run.device)
     w13, w2 = weights.w13, weights.w2
-    variants = {"old": MAIN_OPTIONS, "new": None} if m <= 8 else {"new": None}  # the same plan above 8 tokens
+    variants = {"old": MAIN_OPTIONS if m <= 8 else None, "new": None} if m <= 8 or m == 1024 else {"new": None}
+    if m in CANDIDATES:
+        variants[CANDIDATES[m][0]] = CANDIDATES[m][1]
+    pools = {name: MAIN_POOL_BYTES if name == "old" and m == 1024 else REUSE_MAX_BYTES for name in variants}
     fns = {name: [lambda s=s, o=o: experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights, options=o) if o else
                   experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
            for name, o in variants.items()}
     row = {}
     want = None
     for name, calls in fns.items():
+        set_pool(pools[name])
         for _ in range(Run.warm):
             out = calls[0]()
         sync()
@@ -172,6 +192,7 @@ def experts_cell(shape: Shape, weights, m: int, diagnose: bool) -> dict:
         row[f"{name}_bench_host"] = bench_host(calls)
         row[f"{name}_sync"] = loop_split(calls, "sync")
         row[f"{name}_gpu"] = gpu_us(calls[0])
+    set_pool(REUSE_MAX_BYTES)
     if not diagnose:
         return row
     for kind in WAITS[1:]:
@@ -260,7 +281,7 @@ def table(results: dict) -> str:
         if not isinstance(r, dict) or "skipped" in r or "error" in r:
             lines.append(f"{key:30} {r}")
             continue
-        variants = [v for v in ("old", "new") if f"{v}_sync" in r]
+        variants = [k[:-5] for k in r if k.endswith("_sync")]
         cells = []
         for v in variants:
             s = r[f"{v}_sync"]
@@ -270,8 +291,9 @@ def table(results: dict) -> str:
         if "rel_diff" in r:
             lines.append(f"{'':32}old vs new: same {ha._yn(r['same'])} ids {ha._yn(r['ids_same'])} "
                          f"rel diff {r['rel_diff']:.1e}")
-        if "old_same" in r and "new_same" in r:
-            lines.append(f"{'':32}experts new same as old: {ha._yn(r['new_same'])}")
+        sames = [f"{k[:-5]} {ha._yn(v)}" for k, v in r.items() if k.endswith("_same")][1:]  # against the first
+        if key.startswith("experts") and sames:
+            lines.append(f"{'':32}bit-equal to {variants[0]}: " + " ".join(sames))
         waits = [f"{k} {r[f'new_{k}']['first']:.1f}/{r[f'new_{k}']['rest']:.1f}" for k in WAITS[1:] if f"new_{k}" in r]
         if waits:
             lines.append(f"{'':32}first/rest after other waits: " + "  ".join(waits))
