@@ -228,7 +228,11 @@ def layer_cell(layer: MoE, m: int) -> dict:
         row[f"{name}_bench_host"] = bench_host([fn])
         row[f"{name}_sync"] = loop_split([fn], "sync")
         row[f"{name}_gpu"] = gpu_us(fn)
-    if "old" in outs:
+    if "old" in outs:  # new's one launch (kept buffers) against its two launches (what a CUDA graph captures)
+        one, two = layer.route_tokens(x, layer._route_ws), layer.route_tokens(x)
+        row["one_vs_two"] = {part: torch.equal(getattr(one.routing, f), getattr(two.routing, f)) for part, f in
+                             (("ids", "topk_ids"), ("weights", "topk_weights"))}
+        row["one_vs_two"]["logits"] = torch.equal(one.router_logits, two.router_logits)
         old, new = outs["old"].float(), outs["new"].float()
         row["same"] = torch.equal(outs["old"], outs["new"])
         row["ids_same"] = torch.equal(ids["old"], ids["new"])
@@ -290,7 +294,7 @@ def table(results: dict) -> str:
         lines.append(f"{key:30} " + " | ".join(cells))
         if "rel_diff" in r:
             lines.append(f"{'':32}old vs new: same {ha._yn(r['same'])} ids {ha._yn(r['ids_same'])} "
-                         f"rel diff {r['rel_diff']:.1e}")
+                         f"rel diff {r['rel_diff']:.1e}; new one launch vs two (graph's): {r.get('one_vs_two')}")
         sames = [f"{k[:-5]} {ha._yn(v)}" for k, v in r.items() if k.endswith("_same")][1:]  # against the first
         if key.startswith("experts") and sames:
             lines.append(f"{'':32}bit-equal to {variants[0]}: " + " ".join(sames))
