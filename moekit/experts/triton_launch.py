@@ -68,8 +68,10 @@ class LaunchOptions:
     # Past the single-program case, up to align_one_launch_max assignments the alignment is one launch of
     # many programs that each histogram all the ids themselves, and up to align_two_launch_max two (the
     # histogram, then the scan and the scatter together); above, three (hist, scan, scatter). 0 turns one
-    # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call).
-    align_one_launch_max: int = 512
+    # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call). One launch up to A =
+    # 2048 (was 512): at M = 256 (A = 2048) its graph µs equal the two launches' within 0.3% (H200,
+    # benchmarks/host_mid_device_check.py, second run: Qwen3 301.8 -> 302.5, DeepSeek-V3 4956.9 -> 4949.6), bit-equal.
+    align_one_launch_max: int = 2048
     align_two_launch_max: int = 4096
     # Up to align_fold_max assignments (and past the naive shortcut) the experts GEMMs run with no
     # alignment launch at all: each gate-up program derives its own block from all the ids in its
