@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; at <= 4 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
+| Gate     | ``MoE.gate``'s weights; at <= 8 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |

@@ -1,5 +1,5 @@
 """The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
-up to 64 tokens (one launch for the gate and router up to 4, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
+up to 64 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
 is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
 made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
 the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
@@ -88,7 +88,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3, 8, 12])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
@@ -167,9 +167,21 @@ def test_steps_aside_when_its_entry_is_stale(hits, change, served):
 
 @pytest.mark.parametrize("change, served", [(_new_gate, False), (_gate_in_place, True), (_bias_in_place, True)])
 def test_above_the_one_launch_steps_aside_too(hits, change, served):
-    """At 8 tokens (the gate on torch.mm, then the router's own launch) the same rules."""
+    """At 12 tokens (the gate on torch.mm, then the router's own launch) the same rules."""
     layer, full = _pair("grouped_shared")
-    assert _served_after(hits, layer, full, change, m=8) is served
+    assert _served_after(hits, layer, full, change, m=12) is served
+
+
+def test_two_sizes_in_turn_keep_an_entry_each(hits):
+    """A layer called with 1 and 12 tokens in turn (decode and a small prefill, or two batch sizes) keeps one
+    entry per M: after each size's first call every call is served, none replaces the other's entry."""
+    layer, full = _pair("grouped_shared")
+    with torch.no_grad():
+        for seed in range(4):
+            for m in (1, 12):
+                x = _x(m, seed)
+                assert torch.equal(layer(x), full(x))
+    assert hits[0] == 6 and sorted(layer._decode._entries) == [1, 12]
 
 
 def test_autograd_strided_x_another_thread_and_a_cast_take_the_full_forward(hits):

@@ -40,8 +40,8 @@ def assert_close(got, want, dtype):
     assert (got.double() - want).abs().max().item() <= TOL[dtype] * scale
 
 
-# M = 1, 3, 4 (MAX_TOKENS): one row, a padded row block, a full one
-CASES = [(m, dt) for m in (1, 3, 4) for dt in TOL]
+# M = 1, 3, 4, 6, 8 (MAX_TOKENS): one row, padded row blocks, full ones
+CASES = [(m, dt) for m in (1, 3, 4, 6, 8) for dt in TOL]
 
 
 @pytest.mark.parametrize("num_tokens,dtype", CASES)

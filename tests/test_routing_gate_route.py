@@ -92,7 +92,8 @@ def problem(cfg, m, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.bfloat16), (4, torch.float32)])
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.bfloat16), (4, torch.float32), (6, torch.bfloat16),
+                                     (8, torch.float32)])
 def test_equals_two_launches_route_and_loop(mods, name, m, dtype):
     cfg = CONFIGS[name]
     x, w, bias = problem(cfg, m, dtype, seed=m)
@@ -178,7 +179,7 @@ def test_hands_back(mods):
     fused, _, gate_route, workspace = mods
     cfg = CONFIGS["softmax"]
     router = fused.FusedRouter(cfg)
-    x, w, _ = problem(cfg, 5)
+    x, w, _ = problem(cfg, gate_route.MAX_TOKENS + 1)
     ws = workspace()
     assert gate_route.gate_route(router, x, w, None, None, None, False, ws.get(x, 12, 3, x.dtype)) is None
     x4 = x[:4]
@@ -207,6 +208,26 @@ def test_layer_runs_one_launch_and_matches_two(mods, preset_like, monkeypatch):
         layer._gate_route = None
         two = layer(x)
     assert torch.equal(one, two)
+
+
+def test_layer_at_eight_rows_runs_one_launch(mods, monkeypatch):
+    """MoE.forward at MAX_TOKENS = 8 rows takes the one launch (also from its own kept buffers), and equals the
+    layer with two launches (the gate kernel, then the router) bit for bit."""
+    _, _, gate_route, _ = mods
+    cfg = CONFIGS["grouped_sigmoid"].replace(shared_expert_intermediate_size=16)
+    with torch.no_grad():
+        layer = MoE(cfg, backend="reference", router="fused")
+        layer.e_score_correction_bias = torch.randn(cfg.num_experts) * 0.1
+        calls = []
+        monkeypatch.setattr(layer, "_gate_route", lambda *a: calls.append(1) or gate_route.gate_route(*a))
+        x = torch.randn(gate_route.MAX_TOKENS, cfg.hidden_size)
+        one, routed_one = layer(x), layer.route_tokens(x, layer._route_ws)
+        assert calls == [1, 1]
+        ids_one = routed_one.routing.topk_ids.clone()
+        layer._gate_route = None
+        two, routed_two = layer(x), layer.route_tokens(x)
+    assert gate_route.MAX_TOKENS == 8
+    assert torch.equal(ids_one, routed_two.routing.topk_ids) and torch.equal(one, two)
 
 
 def test_selected_ids_leave_out_the_shared_slots(mods):

@@ -20,9 +20,10 @@ import torch
 REGION_ALIGN = 256  # bytes; every region starts on it (Triton specialises pointers on 16-byte alignment)
 # A workspace larger than this is not kept whole: its regions outside POOLED_REGIONS are allocated per call
 # (at that size the GPU time, over 1 ms at DeepSeek-V3 shapes, dwarfs an allocation, and a kept buffer
-# would hold the memory for good). 128 MiB
-# covers every preset up to M = 512 (DeepSeek-V3 M=512: h + y = 75 MiB).
-REUSE_MAX_BYTES = 128 << 20
+# would hold the memory for good). 256 MiB covers every preset up to M = 1024 (DeepSeek-V3 M=1024: h + y = 144 MiB;
+# M=512: 75 MiB): there a fresh h and y buffer cost 12 µs to allocate and 1.8 to free of a 45 µs call (H200,
+# benchmarks/host_mid_device_check.py, first run: the call's steps back to back). Was 128 MiB.
+REUSE_MAX_BYTES = 256 << 20
 # The alignment's regions (a few int32 per assignment and per expert): above REUSE_MAX_BYTES these stay in
 # the pool and every other region (h, y; fp8's x_q, h_q, ...: the ones that grow with A*N and A*K) is carved
 # from one fresh byte buffer per call. H200 (benchmarks/host_breakdown.py, "workspace buffers"): a fresh

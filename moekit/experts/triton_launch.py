@@ -68,8 +68,10 @@ class LaunchOptions:
     # Past the single-program case, up to align_one_launch_max assignments the alignment is one launch of
     # many programs that each histogram all the ids themselves, and up to align_two_launch_max two (the
     # histogram, then the scan and the scatter together); above, three (hist, scan, scatter). 0 turns one
-    # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call).
-    align_one_launch_max: int = 512
+    # off. Every launch costs 5.5-7 µs of host time on the H200 (issue 13: <= 40 µs per call). One launch up to A =
+    # 2048 (was 512): at M = 256 (A = 2048) its graph µs equal the two launches' within 0.3% (H200,
+    # benchmarks/host_mid_device_check.py, second run: Qwen3 301.8 -> 302.5, DeepSeek-V3 4956.9 -> 4949.6), bit-equal.
+    align_one_launch_max: int = 2048
     align_two_launch_max: int = 4096
     # Up to align_fold_max assignments (and past the naive shortcut) the experts GEMMs run with no
     # alignment launch at all: each gate-up program derives its own block from all the ids in its
@@ -89,10 +91,13 @@ class LaunchOptions:
     # the separate launch): host -3 to -35 µs per call, GPU (graph) +2.6 to +15 µs at M = 1..64 on Qwen3-30B-A3B
     # and DeepSeek-V3 (+21 and +215 at M = 512), -2 to +1 on Mixtral-8x7B. Eager wall = max(host, GPU) drops
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
-    # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1. The quantized paths fold
+    # M = 8 the GPU-bound cells lost (Qwen3 +4.4, DeepSeek +7.3). Measured again at M = 8 on the kernels of today
+    # (benchmarks/host_mid_device_check.py, first run, graph µs separate -> folded): Qwen3 121.7 -> 121.4, DeepSeek-V3
+    # 1266.5 -> 1268.8, Mixtral 574.6 -> 574.4, outputs bit-equal; a launch fewer is 6-9 µs of host time on that host.
+    # So it folds up to M = 8 (a decode batch; the layer's host target there is 60 µs). The quantized paths fold
     # under the same limit: fp8_block's down GEMM (eager calls, the pool's counters) and the weight-only ones with
-    # one split (lean eager calls; split-K keeps the launch); not measured on the H200 for them yet.
-    sum_fold_max: int = 1
+    # one split (lean eager calls; split-K keeps the launch).
+    sum_fold_max: int = 8
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,

@@ -16,8 +16,9 @@ into it, which reads W at the copy rate but sums every row across the tile's thr
 (``benchmarks/gate_device_check.py``), GPU µs against cuBLAS at M = 1 / 2 / 4 / 8: Qwen3 1.9 / 2.3 /
 3.4 / 5.4 against 5.0-5.2; Mixtral 2.4 / 3.1 / 5.0 / 9.0 against 5.8; DeepSeek-V3 3.7 / 4.9 / 9.0 /
 16.7 against 6.3-6.5. A tensor-core tile (rows masked up to 16) measured 5.4-15.6 µs at every M, never
-faster than cuBLAS. So up to MAX_TOKENS rows the kernel is as fast as cuBLAS or within 2.7 µs of it
-on the GPU and 15-45 µs cheaper on the host (decode steps are host-bound); above, ``F.linear``.
+faster than cuBLAS. So up to 4 rows the kernel is as fast as cuBLAS or within 2.7 µs of it on the
+GPU and 15-45 µs cheaper on the host (decode steps are host-bound); up to 8 (MAX_TOKENS) within 10 µs on
+the GPU, still cheaper in all (see MAX_TOKENS); above, ``F.linear``.
 
 Also here: ``linear_into``, the gate above MAX_TOKENS rows as ``torch.mm`` / ``torch.addmm`` into a kept buffer
 (the ops ``F.linear`` runs, without its dispatch and allocation), and ``router_inputs``, the router-dtype casts.
@@ -35,7 +36,12 @@ import torch
 
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
-MAX_TOKENS = 4  # rows up to which the kernel runs (module docstring: measured against cuBLAS)
+# Rows up to which the kernel runs (module docstring: measured against cuBLAS). 8, not 4: at 5-8 rows the kernel costs
+# up to 10 µs more GPU time than cuBLAS (DeepSeek-V3 16.7 against 6.5 at M = 8; Qwen3 +0.4, Mixtral +3.2) but saves
+# torch.mm's 12-20 µs of host time, and in the layer the gate and router become one launch (``gate_route``), which
+# saves the router's launch too; a decode step of 8 rows is host-bound (issue 13: the layer <= 60 µs at M = 8).
+# One limit for every path (eager, the one launch, a CUDA graph), so they compute the same logits bit for bit.
+MAX_TOKENS = 8
 MAX_BOUND = 4096  # kinds of eager call whose launch is kept bound; the oldest goes first
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
