@@ -133,6 +133,9 @@ class DecodeFast:
         if bound is not None:
             bound(x2d, weight, linear_bias, bias, None, buffers)
             ok = bound.ok
+        elif x2d.shape[0] <= MAX_TOKENS:  # a plan the one launch leaves at these rows: MoE._gate (its kernel), the router
+            layer._gate(x2d, weight, linear_bias, buffers.logits)
+            ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         else:  # MoE._gate's linear_into, then FusedRouter's eager launch
             if linear_bias is None:
                 torch.mm(x2d, weight.t(), out=buffers.logits)
@@ -173,9 +176,7 @@ class DecodeFast:
         router, bound, route = layer._fused_router, None, None
         if m <= MAX_TOKENS:
             bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
-            if bound is None:
-                return
-        else:
+        if bound is None:  # above the one launch's rows, or a plan it leaves at these (gate_route.MAX_TOKENS_SIGMOID)
             plan = router._plans[1 if append_shared else 0]
             if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
                 return

@@ -94,7 +94,12 @@ def problem(cfg, m, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.bfloat16), (4, torch.float32), (6, torch.bfloat16),
                                      (8, torch.float32)])
-def test_equals_two_launches_route_and_loop(mods, name, m, dtype):
+def test_equals_two_launches_route_and_loop(mods, name, m, dtype, monkeypatch):
+    """The kernel at every row count up to MAX_TOKENS, sigmoid plans included (the layer gives them the one launch
+    only up to MAX_TOKENS_SIGMOID rows; the kernel itself is checked up to 8 here)."""
+    _, _, gate_route, _ = mods
+    monkeypatch.setattr(gate_route, "MAX_TOKENS_SIGMOID", gate_route.MAX_TOKENS)
+    monkeypatch.setattr(gate_route, "_BOUND", {})
     cfg = CONFIGS[name]
     x, w, bias = problem(cfg, m, dtype, seed=m)
     got, buffers = run(mods, cfg, x, w, bias)
@@ -210,23 +215,33 @@ def test_layer_runs_one_launch_and_matches_two(mods, preset_like, monkeypatch):
     assert torch.equal(one, two)
 
 
-def test_layer_at_eight_rows_runs_one_launch(mods, monkeypatch):
-    """MoE.forward at MAX_TOKENS = 8 rows takes the one launch (also from its own kept buffers), and equals the
-    layer with two launches (the gate kernel, then the router) bit for bit."""
-    _, _, gate_route, _ = mods
-    cfg = CONFIGS["grouped_sigmoid"].replace(shared_expert_intermediate_size=16)
+@pytest.mark.parametrize("name", ["softmax", "grouped_sigmoid"])
+def test_layer_at_eight_rows(mods, name, monkeypatch):
+    """MoE.forward at MAX_TOKENS = 8 rows: a softmax plan takes the one launch (also from its own kept buffers);
+    a sigmoid/grouped plan hands back above MAX_TOKENS_SIGMOID = 4 rows (its weights' last bits differed from the
+    two launches a CUDA graph records on the H200). Either way the output equals the layer with two launches (the
+    gate kernel, then the router) bit for bit."""
+    _, _, gate_route, workspace = mods
+    cfg = CONFIGS[name].replace(shared_expert_intermediate_size=16)
     with torch.no_grad():
         layer = MoE(cfg, backend="reference", router="fused")
-        layer.e_score_correction_bias = torch.randn(cfg.num_experts) * 0.1
-        calls = []
-        monkeypatch.setattr(layer, "_gate_route", lambda *a: calls.append(1) or gate_route.gate_route(*a))
+        if cfg.use_correction_bias:
+            layer.e_score_correction_bias = torch.randn(cfg.num_experts) * 0.1
+        taken = []
+        monkeypatch.setattr(layer, "_gate_route", lambda *a: taken.append(gate_route.gate_route(*a) is not None)
+                            or (gate_route.gate_route(*a) if taken[-1] else None))
         x = torch.randn(gate_route.MAX_TOKENS, cfg.hidden_size)
         one, routed_one = layer(x), layer.route_tokens(x, layer._route_ws)
-        assert calls == [1, 1]
         ids_one = routed_one.routing.topk_ids.clone()
         layer._gate_route = None
         two, routed_two = layer(x), layer.route_tokens(x)
-    assert gate_route.MAX_TOKENS == 8
+        assert gate_route.MAX_TOKENS == 8 and gate_route.MAX_TOKENS_SIGMOID == 4
+        assert taken == [name == "softmax"] * 2
+        if name == "grouped_sigmoid":  # and it takes the one launch at 4 rows
+            x4 = x[:gate_route.MAX_TOKENS_SIGMOID]
+            router = layer._fused_router
+            ws = workspace().get(x4, cfg.num_experts, cfg.top_k, x4.dtype)
+            assert gate_route.gate_route(router, x4, layer.gate.weight, None, None, None, False, ws) is not None
     assert torch.equal(ids_one, routed_two.routing.topk_ids) and torch.equal(one, two)
 
 

@@ -29,6 +29,11 @@ from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
+# Sigmoid or grouped routing (DeepSeek-V3) in the one launch only up to 4 rows: at 8 rows on the H200 its weights
+# differed in the last bits from the separate gate + router launches a CUDA graph records (ids equal; layer output
+# rel. diff 2.8e-4, host_mid_device_check), so eager and graph would not give the same bits. Softmax plans (Qwen3,
+# Mixtral) were bit-equal at 8 rows.
+MAX_TOKENS_SIGMOID = 4
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
@@ -126,9 +131,15 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
+        applies = (plan is not None and 0 < x.shape[0] <= _max_rows(plan) and gate._applies(x, weight, linear_bias)
                    and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
         bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
             plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
             else None, router.assert_in_kernel)
     return None if bound is _SEPARATE else bound
+
+
+def _max_rows(plan) -> int:
+    """Rows up to which this routing plan takes the one launch (``MAX_TOKENS_SIGMOID`` for sigmoid/grouped plans)."""
+    c = plan.constexprs
+    return MAX_TOKENS_SIGMOID if c["SIGMOID"] or c["GROUPED"] else MAX_TOKENS
