@@ -80,7 +80,11 @@ _DEFAULT_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
-    """Drop every plan, weight descriptor and reused workspace (the next call builds them again)."""
+    """Drop every plan, weight descriptor and reused workspace (the next call builds them again), the
+    Gluon paths' too (``triton_gluon_lean``)."""
+    from moekit.experts.triton_gluon_lean import clear_gluon_caches
+
+    clear_gluon_caches()
     clear_plans()
     clear_sequences()
     clear_fast()

@@ -252,8 +252,10 @@ class WeightDescriptors:
     def __init__(self):
         self._entries: dict[int, _WeightEntry] = {}
 
-    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
-        """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
+    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple, build=None) -> DescriptorPair:
+        """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K),
+        built by ``build(w13, w2, key)`` (``descriptor_pair`` by default; the Gluon paths pass their own, with
+        keys of their own that name the device and block shapes: ``triton_gluon_lean``)."""
         try:
             fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, w13.dtype, w2.dtype)
         except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
@@ -263,7 +265,7 @@ class WeightDescriptors:
             entry = self._new_entry(w13, fingerprint)
         descriptors = entry.descriptors.get(key)
         if descriptors is None:
-            descriptors = entry.descriptors[key] = descriptor_pair(w13, w2, key)
+            descriptors = entry.descriptors[key] = (build or descriptor_pair)(w13, w2, key)
         return descriptors
 
     def _new_entry(self, w13: torch.Tensor, fingerprint: tuple) -> _WeightEntry:

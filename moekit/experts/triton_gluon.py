@@ -106,9 +106,12 @@ def experts_gluon(
     expert_map: torch.Tensor | None = None,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    lean: bool = True,
 ) -> torch.Tensor:
     """The experts contract on the Gluon path; the caller has run ``check_experts_args``. Raises where
-    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync."""
+    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync. ``lean``:
+    launched through ``triton_gluon_lean`` (plans, weight descriptors, workspaces and launches kept);
+    off: the plain launches, built per call (the same kernels and arguments: equal outputs)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"the Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_unfit(x, w13, w2, activation, b13, b2)
@@ -116,6 +119,10 @@ def experts_gluon(
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
+    if lean:
+        from moekit.experts.triton_gluon_lean import run_lean
+
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, plan.up, plan.down)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read

@@ -138,10 +138,11 @@ def experts_gluon_fp8(
     expert_map: torch.Tensor | None = None,
     up: Fp8GluonTile | None = None,
     down: Fp8GluonTile | None = None,
+    lean: bool = True,
 ) -> torch.Tensor:
     """The fp8 experts contract on the Gluon path (arguments checked by the caller: ``check_fp8_args``).
     ``up`` / ``down``: the GEMMs' pipelines (the plan's by default). Raises where the device or the call does
-    not fit. No host sync."""
+    not fit. No host sync. ``lean`` off: the plain launches, built per call."""
     if not gluon_fp8_supported(x.device):
         raise RuntimeError(f"the fp8 Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
@@ -149,6 +150,10 @@ def experts_gluon_fp8(
         raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2_q.shape
     plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
+    if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
+        from moekit.experts.triton_gluon_lean import run_lean
+
+        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, plan.up, plan.down, w13_scale, w2_scale)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_q.shape[0]
     h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]; rows past rows_used unwritten

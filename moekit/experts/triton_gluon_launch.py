@@ -95,13 +95,25 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
+def num_sms(device: torch.device) -> int:
+    """The persistent GEMMs' program count bound: the device's SMs (1 off CUDA: the CPU tests' stand-in kernels)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                torch.float32: gl.float32}[dtype]  # float32: fp8 x_q under the interpreter (the CPU tests)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def gluon_descriptor(t: torch.Tensor, block) -> object:
+    """A Gluon TMA descriptor over the 2-D ``t`` in ``block`` tiles (its shared layout built once per block, dtype)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(tuple(block), t.dtype))
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
@@ -110,12 +122,12 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
     of BLOCK_M, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-    a_desc = _descriptor(a, [BLOCK_M, tile.block_k])
-    w_desc = _descriptor(w, [tile.block_n, tile.block_k])
-    c_desc = _descriptor(out, [BLOCK_M, tile.block_n])
+    a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
+    w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
+    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
-    grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
+    grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
