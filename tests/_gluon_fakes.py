@@ -74,22 +74,30 @@ class FakeKernel:
         return launch
 
 
-@pytest.fixture
-def fake_gemms(monkeypatch):
+def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
-    up), the Gluon paths' device check passed; yields {"bf16": FakeKernel, "fp8": FakeKernel}."""
+    up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
+    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
+    import moekit.experts.triton_gluon as tg
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts.triton import clear_launch_caches
+
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
-        monkeypatch.setattr(mod, attr, fakes[name])
-    import moekit.experts.triton_gluon as tg
-    import moekit.experts.triton_gluon_fp8 as tgf
+        setattr_(mod, attr, fakes[name])
+    setattr_(tg, "gluon_supported", lambda device: True)
+    setattr_(tgf, "gluon_fp8_supported", lambda device: True)
+    clear_launch_caches()  # no plan holding another kernel
+    return fakes
+
+
+@pytest.fixture
+def fake_gemms(monkeypatch):
+    """``install_fakes`` for one test."""
     from moekit.experts.triton import clear_launch_caches
 
-    monkeypatch.setattr(tg, "gluon_supported", lambda device: True)
-    monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
-    clear_launch_caches()  # no plan of another test's kernels
-    yield fakes
+    yield install_fakes(monkeypatch.setattr)
     clear_launch_caches()
