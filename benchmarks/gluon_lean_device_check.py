@@ -111,8 +111,68 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
             else None
         row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "graph_us": graph, "same": same,
                              "rel_vs_twin": rel_l2(outs[name], twin)}
+    row["steps_us"] = probe_steps(dtype, args, w13, w2, q)
     row["ok"] = all(r["same"] is not False and r["rel_vs_twin"] < BOUND[dtype] for r in row["rows"].values())
     return row
+
+
+def _per_call_us(fn, reps: int) -> float:
+    """Host µs per call of ``fn`` repeated ``reps`` times back to back (a sync before, none inside)."""
+    if Run.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def probe_steps(dtype: str, args: tuple, w13, w2, q) -> dict:
+    """Where the lean call's host µs go: each step of ``run_lean`` repeated alone (the launches too, with the
+    call's own tensors), next to the whole call and the fit checks ``experts_gluon`` runs before it."""
+    import moekit.experts.triton_gluon_lean as lean
+    from moekit.experts.triton_gluon import experts_gluon, gluon_unfit
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8, gluon_fp8_unfit
+    from moekit.experts.triton_gluon_launch import gluon_supported, plan_gluon
+
+    x, ids, weights = args
+    reps = 50 if Run.device.type == "cuda" else 2
+    if dtype == "bf16":
+        a, b, s13, s2 = w13, w2, None, None
+        whole = lambda: experts_gluon(x, w13, w2, ids, weights)  # noqa: E731
+        checks = lambda: (gluon_supported(x.device), gluon_unfit(x, w13, w2))  # noqa: E731
+    else:
+        a, s13, b, s2 = q
+        whole = lambda: experts_gluon_fp8(x, *q, ids, weights)  # noqa: E731
+        checks = lambda: (gluon_supported(x.device), gluon_fp8_unfit(x, *q))  # noqa: E731
+    tiles = plan_gluon(x.shape[0], ids.shape[1], b.shape[0], b.shape[2]) if dtype == "bf16" else None
+    whole()
+    plan = lean.plan_for(x, a, b, ids, weights, None, *((tiles.up, tiles.down) if tiles else _fp8_tiles()), s13, s2)
+    pair = lean._DESCRIPTORS.get(a, b, plan.weight_key, lean.weight_pair)
+    views = lean._WORKSPACES.pooled(plan.workspace, x.device)
+    sequence = lean._sequence(plan, views, pair, a, False)
+    values = (x, ids, weights, torch.empty_like(x), None, None, None, s13, s2, None, None)
+    steps = {
+        "checks": lambda: checks(),
+        "plan": lambda: lean.plan_for(x, a, b, ids, weights, None, *((tiles.up, tiles.down) if tiles else _fp8_tiles()),
+                                      s13, s2),
+        "out": lambda: torch.empty_like(x),
+        "weight_desc": lambda: lean._DESCRIPTORS.get(a, b, plan.weight_key, lean.weight_pair),
+        "pool": lambda: lean._WORKSPACES.pooled(plan.workspace, x.device),
+        "sequence": lambda: lean._sequence(plan, views, pair, a, False),
+        "fill": lambda: views["dst"].fill_(-1),
+        "launches": (lambda: sequence.launch(values)) if sequence is not None else None,
+        "whole": whole,
+    }
+    out = {name: (_per_call_us(fn, reps) if fn is not None else None) for name, fn in steps.items()}
+    out["launch_count"] = None if sequence is None else len(sequence.steps)
+    out["raw_launches"] = None if sequence is None else sum(bool(step[3]) for step in sequence.steps)
+    return out
+
+
+def _fp8_tiles() -> tuple:
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+
+    return UP_TILE, DOWN_TILE
 
 
 def measure_cells(a, start: float, results: dict) -> None:
@@ -154,6 +214,9 @@ def table(results: dict) -> str:
             same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
             lines.append(f"{label:<34} {name:<10} {r['host_us']:8.1f} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
                          f"{same:>5} {r['rel_vs_twin']:8.1e}")
+        steps = row.get("steps_us") or {}
+        lines.append(f"{'':<34} steps µs: " + " ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in steps.items()))
     return "\n".join(lines)
 
 
