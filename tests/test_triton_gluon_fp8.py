@@ -161,7 +161,7 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
 
     taken = []
     monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
-    monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
+    monkeypatch.setattr(tgf, "launch_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
     flops = 6.0 * 24 * 2 * N * K  # this call: M=24, k=2
@@ -181,7 +181,7 @@ def test_triton_backend_takes_the_fp8_path_by_its_default_choice(monkeypatch):
 
     taken = []
     monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
-    monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
+    monkeypatch.setattr(tgf, "launch_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
     flops = 6.0 * 24 * 2 * N * K

@@ -20,11 +20,12 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
 )
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_SILU = ActivationSpec("silu")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "si
         return f"w13/w2 quantized ({type(w13).__name__}, {type(w2).__name__}; plain tensors only)"
     if x.dtype not in _DTYPES:
         return f"x dtype {x.dtype} (bf16/fp16 only)"
-    if as_spec(activation) != ActivationSpec("silu"):
+    if activation != "silu" and as_spec(activation) != _SILU:  # the string first: no spec built per call
         return f"activation={activation!r} (plain gated silu only)"
     if b13 is not None or b2 is not None:
         return "biases b13/b2 given (none allowed)"
@@ -117,12 +118,18 @@ def experts_gluon(
     reason = gluon_unfit(x, w13, w2, activation, b13, b2)
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, lean)
+
+
+def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None, lean: bool = True) -> torch.Tensor:
+    """``experts_gluon`` for a caller that has run its checks (the backend: they ran once, not twice per call)."""
     num_experts, hidden, inter = w2.shape
-    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, plan.up, plan.down)
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter))
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
@@ -184,7 +191,7 @@ def experts_triton_gluon(
     if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None
             and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
-        return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+        return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                     expert_map=expert_map, b13=b13, b2=b2)
 

@@ -20,15 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_fp8 import dequantize_blocks, dequantize_groups, quantize_groups
 from moekit.experts.triton_gluon_fp8_launch import (
-    GROUP, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
+    DOWN_TILE, GROUP, UP_TILE, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
 )
 from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_supported, launch_contiguous_sum
 from moekit.experts.triton_launch import cdiv, interpreting
 from moekit.layouts.grouping import to_local_ids
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_SILU = ActivationSpec("silu")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,6 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
     """Whether the ``triton`` and ``triton_gluon`` backends run this call on the fp8 Gluon path: fp8_block weights, no
     biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
     (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
-    from moekit.activations import ActivationSpec, as_spec
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 
@@ -91,7 +92,7 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
     if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
             and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
         return False
-    if as_spec(activation) != ActivationSpec("silu"):
+    if activation != "silu" and as_spec(activation) != _SILU:  # the string first: no spec built per call
         return False
     if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
         return False
@@ -148,12 +149,19 @@ def experts_gluon_fp8(
     reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
     if reason is not None:
         raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
+    return launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, up, down, lean)
+
+
+def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
+                     up: Fp8GluonTile | None = None, down: Fp8GluonTile | None = None, lean: bool = True) -> torch.Tensor:
+    """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``)."""
     num_experts, hidden, inter = w2_q.shape
-    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
     if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, plan.up, plan.down, w13_scale, w2_scale)
+        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, up or UP_TILE, down or DOWN_TILE,
+                        w13_scale, w2_scale)
+    plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_q.shape[0]
     h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]; rows past rows_used unwritten

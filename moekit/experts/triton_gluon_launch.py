@@ -58,8 +58,12 @@ def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> Glu
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    down = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
-    return GluonPlan(rows=rows, up=UP_TILE, down=down)
+    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter))
+
+
+def down_tile(inter: int) -> GluonTile:
+    """The down GEMM's tile for experts ``inter`` (N) wide."""
+    return NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
 
 
 @functools.cache
@@ -82,12 +86,17 @@ def gluon_importable() -> bool:
 def gluon_supported(device: torch.device | str) -> bool:
     """Whether the Gluon GEMMs can run on ``device``: CUDA, compute capability 9.x (Hopper: wgmma + TMA;
     Blackwell has neither wgmma nor this schedule), a Gluon-capable Triton, and not the interpreter."""
-    device = torch.device(device)
+    if device.__class__ is not torch.device:
+        device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    return gluon_importable()
+    return _hopper_with_gluon(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _hopper_with_gluon(index: int) -> bool:
+    """Device ``index`` is a Hopper (9.x) and this Triton has Gluon: asked once per device (a call asks per call)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index)[0] == 9 and gluon_importable()
 
 
 @functools.cache
