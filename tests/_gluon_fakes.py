@@ -68,7 +68,7 @@ class FakeKernel:
         def launch(*args, **kwargs):
             bound = dict(zip(self._params, args))
             bound.update((k, v) for k, v in kwargs.items() if k in self._params)
-            self.log.append((tuple(grid), bound, {k: v for k, v in kwargs.items() if k not in self._params}))
+            self.log.append((tuple(grid) + (1,) * (3 - len(grid)), bound, {k: v for k, v in kwargs.items() if k not in self._params}))
             self.body(**bound)
 
         return launch
