@@ -110,10 +110,28 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
         same = torch.equal(outs[name], outs["old"]) if name in ("new", "old") or (name == "backend" and path == "gluon") \
             else None
         row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "graph_us": graph, "same": same,
-                             "rel_vs_twin": rel_l2(outs[name], twin)}
+                             "rel_vs_twin": rel_l2(outs[name], twin), "graph_same": graph_equals_eager(call, outs[name])}
     row["steps_us"] = probe_steps(dtype, args, w13, w2, q)
-    row["ok"] = all(r["same"] is not False and r["rel_vs_twin"] < BOUND[dtype] for r in row["rows"].values())
+    row["ok"] = all(r["same"] is not False and r["graph_same"] is not False and r["rel_vs_twin"] < BOUND[dtype]
+                    for r in row["rows"].values())
     return row
+
+
+def graph_equals_eager(call, eager_out: torch.Tensor) -> bool | None:
+    """Whether a CUDA graph of one call, replayed, writes the eager call's output bit for bit (None off CUDA)."""
+    if Run.device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture asks
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(out, eager_out)
 
 
 def _per_call_us(fn, reps: int) -> float:
@@ -178,11 +196,11 @@ def _fp8_tiles() -> tuple:
 def measure_cells(a, start: float, results: dict) -> None:
     from moekit.experts.triton import clear_launch_caches
 
-    for dtype in a.dtypes:
-        for preset in a.presets:
+    for dtype, batches in [(d, a.batches) for d in a.dtypes] + [("fp8_block", a.extra_fp8_batches)]:
+        for preset in a.presets if batches else ():
             shape = smoke_shape(preset) if Run.smoke else Shape.from_preset(preset)
             if time.perf_counter() - start > a.budget_s:
-                for m in a.batches:
+                for m in batches:
                     results[f"{dtype} {preset} M={m}"] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
                 continue
             weights = make_weights(shape, torch.bfloat16, Run.device)
@@ -193,7 +211,7 @@ def measure_cells(a, start: float, results: dict) -> None:
                 q = (*quantize_blocks(weights.w13), *quantize_blocks(weights.w2))
                 weights = None
             with torch.no_grad():
-                for m in a.batches:
+                for m in batches:
                     ha.budgeted_cell(results, f"{dtype} {preset} M={m}", start, a.budget_s,
                                      lambda: cell(dtype, shape, m, weights and weights.w13, weights and weights.w2, q))
             del weights, q
@@ -203,7 +221,7 @@ def measure_cells(a, start: float, results: dict) -> None:
 
 
 def table(results: dict) -> str:
-    head = f"{'cell':<34} {'variant':<10} {'host':>8} {'eager':>9} {'graph':>9} {'same':>5} {'rel':>8}"
+    head = f"{'cell':<34} {'variant':<10} {'host':>8} {'eager':>9} {'graph':>9} {'same':>7} {'rel':>8}"
     lines = ["gluon lean: µs per call (host = issue time of back-to-back eager calls)", head]
     for key, row in results.items():
         if "rows" not in row:
@@ -212,8 +230,9 @@ def table(results: dict) -> str:
         for name, r in row["rows"].items():
             label = f"{key} ({row['backend_path']})" if name == "backend" else key
             same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
+            same += "" if r["graph_same"] is None else ("/g" if r["graph_same"] else "/G!")
             lines.append(f"{label:<34} {name:<10} {r['host_us']:8.1f} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
-                         f"{same:>5} {r['rel_vs_twin']:8.1e}")
+                         f"{same:>7} {r['rel_vs_twin']:8.1e}")
         steps = row.get("steps_us") or {}
         lines.append(f"{'':<34} steps µs: " + " ".join(
             f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in steps.items()))
@@ -228,12 +247,14 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES))
+    p.add_argument("--extra-fp8-batches", nargs="*", type=int, default=[1024],
+                   help="fp8 cells after the rest (Fp8GluonChoice's open cells)")
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:  # the Gluon GEMMs do not run in the interpreter: the tests' torch stand-ins take their launches
         os.environ["TRITON_INTERPRET"] = "1"
         Run.device, Run.calls, Run.repeats, Run.smoke = torch.device("cpu"), 2, 1, True
-        a.batches = [a.batches[0] // 64]  # one M: the interpreter takes a minute a cell
+        a.batches, a.extra_fp8_batches = [a.batches[0] // 64], []  # one M: the interpreter takes a minute a cell
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from _gluon_fakes import install_fakes
 

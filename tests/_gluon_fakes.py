@@ -1,7 +1,8 @@
 """Stand-ins for the Gluon GEMM kernels on the CPU (Gluon does not run in Triton's interpreter): objects that a
 ``BoundLaunch`` and the plain launchers call like a kernel (``kernel[grid](*args, **kwargs)``, the real kernel's
 ``fn`` for its signature) and that compute in torch, per 128-row block of the rows in use, what the kernel
-writes; each launch's arguments are logged, bound to the kernel's parameters.
+writes; each launch's arguments are logged, bound to the kernel's parameters, with the compile options Triton would take
+from it (its keyword arguments that are not parameters, and ``num_warps`` where it comes by keyword).
 """
 
 from __future__ import annotations
@@ -68,7 +69,10 @@ class FakeKernel:
         def launch(*args, **kwargs):
             bound = dict(zip(self._params, args))
             bound.update((k, v) for k, v in kwargs.items() if k in self._params)
-            self.log.append((tuple(grid) + (1,) * (3 - len(grid)), bound, {k: v for k, v in kwargs.items() if k not in self._params}))
+            options = {k: v for k, v in kwargs.items() if k not in self._params}  # Triton's compile options
+            if "num_warps" in kwargs:  # Triton compiles with num_warps only when it comes by keyword
+                options["num_warps"] = kwargs["num_warps"]
+            self.log.append((tuple(grid) + (1,) * (3 - len(grid)), bound, options))
             self.body(**bound)
 
         return launch
