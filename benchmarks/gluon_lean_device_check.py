@@ -15,9 +15,12 @@ routing, no_grad; fp8 weights ``fp8_device_check.quantize_blocks`` of the bf16 o
 per variant: host µs per call (20 back-to-back eager calls, ``time.perf_counter`` around the issue loop, before
 the one sync; median of 5), eager µs per call (the same loop with its sync), graph-replay µs (16-call CUDA
 graph, ``moekit.bench.timing``), ``same`` (new's output bit-equal to old's; backend's too where it took the Gluon
-path) and rel L2 against the torch twin (``experts_gluon_twin`` / ``experts_gluon_fp8_twin``; < 1e-2 bf16,
-< 2e-2 fp8). Cells run until --budget-s; --hard-limit-s stops at once. JSON to $OUT/gluon_lean.json, table last
-(look for: every ``same`` yes, every rel below its bound; new host <= 40 µs; eager new <= eager old; graph equal).
+path; ``/g``: a CUDA graph of one call, replayed, wrote the eager output bit for bit, ``/G!`` where not) and rel L2
+against the torch twin (``experts_gluon_twin`` / ``experts_gluon_fp8_twin``; < 1e-2 bf16, < 2e-2 fp8); under
+each cell the lean call's host µs step by step (``probe_steps``). Last, budget permitting, fp8 cells at M = 1024
+(``--extra-fp8-batches``: where ``Fp8GluonChoice`` is open). Cells run until --budget-s; --hard-limit-s stops at
+once. JSON to $OUT/gluon_lean.json, table last (look for: every ``same`` yes/g, every rel below its bound; new
+host <= 40 µs; eager new <= eager old; graph new = graph old; fp8: new against triton_fp8, eager and graph).
 """
 
 from __future__ import annotations
