@@ -180,7 +180,7 @@ def probe_steps(dtype: str, args: tuple, w13, w2, q) -> dict:
         "weight_desc": lambda: lean._DESCRIPTORS.get(a, b, plan.weight_key, lean.weight_pair),
         "pool": lambda: lean._WORKSPACES.pooled(plan.workspace, x.device),
         "sequence": lambda: lean._sequence(plan, views, pair, a, False),
-        "fill": lambda: views["dst"].fill_(-1),
+        "fill_saved": lambda: views["dst"].fill_(-1),  # what the plain path's dst fill costs (the lean one has none)
         "launches": (lambda: sequence.launch(values)) if sequence is not None else None,
         "whole": whole,
     }

@@ -250,3 +250,20 @@ def test_one_workspace_is_kept_and_reused(fake_gemms):
     held = lean._WORKSPACES.held()
     experts_gluon(x, w13, w2, ids, weights)
     assert len(held) == 1 and lean._WORKSPACES.held() == held
+
+
+def test_skipped_slots_never_read_a_stale_dst(fake_gemms):
+    """The lean launch does not fill dst with -1: the combine reads it only for slots routed here. With the pooled
+    dst holding another call's rows (here: all 0, a real row), skipped ids (< 0, >= E, a map's -1) still add 0."""
+    from moekit.experts.triton_gluon import experts_gluon
+
+    lean = _lean()
+    x, w13, w2, ids, weights = _bf16_problem(40)
+    experts_gluon(x, w13, w2, ids, weights)
+    skipped = ids.clone()
+    skipped[::3, 0], skipped[1::5, 1] = -1, E  # dropped, another rank's (transformers' sentinel)
+    plan = next(iter(lean._PLANS.values()))
+    lean._WORKSPACES.pooled(plan.workspace, x.device)["dst"].fill_(0)
+    out = experts_gluon(x, w13, w2, skipped, weights)
+    assert torch.equal(out, experts_gluon(x, w13, w2, skipped, weights, lean=False))
+    assert rel_l2(out, _f64(x, w13, w2, skipped, weights)) < 1e-2

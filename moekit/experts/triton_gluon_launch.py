@@ -160,5 +160,5 @@ def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Ten
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
     grid = (-(-num_tokens // block_t), -(-hidden // block_k))
-    kernel[grid](y, dst, weights, out, num_tokens, hidden, y.stride(0), out.stride(0),
-                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)
+    kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
+                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)  # ids and map unread (FROM_IDS off)

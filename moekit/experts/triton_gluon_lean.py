@@ -11,7 +11,8 @@ TMA descriptors, every launch through Triton's binder) decided once and reused, 
     per (plan, thread, weights): the launches recorded once (``triton_lean.record_launches``) with the pooled
       workspace's regions and their TMA descriptors; recorded again when the pool hands out another buffer or
       the weights' descriptors are rebuilt
-    per call: out, dst filled with -1, the recorded launches with the call's x, ids, weights, map (fp8: scales)
+    per call: out, the recorded launches with the call's x, ids, weights, map (fp8: scales); dst is not filled with
+      -1 (the plain path's ``torch.full``): the combine reads it only for the slots routed here (``FROM_IDS``)
 
 The workspace is one reused buffer per (device, stream, thread) up to ``GLUON_REUSE_MAX_BYTES`` (a prefill
 call's x_perm, h and y: 1.4 GB for Qwen3-30B-A3B at M = 16384, 5.4 GB for DeepSeek-V3; ``clear_gluon_caches``
@@ -72,7 +73,7 @@ class GluonLeanPlan:
     gather: BoundLaunch  # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst
     up: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded
     down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
-    combine: BoundLaunch  # pointers: y, dst, weights, out
+    combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> tuple:
@@ -155,9 +156,12 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
         down_launch = bf16_gemm(down, inter, hidden, hidden, 0, False)
         blocks = ([BLOCK_M, up.block_k], [BLOCK_M, up.block_n], [BLOCK_M, down.block_k], [BLOCK_M, down.block_n])
         weight_blocks = ([up.block_n, up.block_k], [down.block_n, down.block_k])
+    num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
-                          (cdiv(num_tokens, SUM_TOKENS), cdiv(hidden, SUM_COLS)), 4, (num_tokens, hidden, hidden, hidden),
-                          TOP_K=top_k, BLOCK_T=SUM_TOKENS, BLOCK_K=SUM_COLS, num_warps=4, **launch)
+                          (cdiv(num_tokens, SUM_TOKENS), cdiv(hidden, SUM_COLS)), 6,
+                          (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
+                          BLOCK_T=SUM_TOKENS, BLOCK_K=SUM_COLS, FROM_IDS=True, HAS_MAP=expert_map is not None,
+                          num_warps=4, **launch)
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *map(tuple, weight_blocks))
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
                          weight_key, tuple(map(tuple, blocks)), gather, up_launch, down_launch, combine)
@@ -184,7 +188,8 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                   s13, s2, counters) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment, the gather, gate-up, down, the
     combine. ``b``: the workspace's regions; ``acts``: their descriptors; any argument may be a stand-in."""
-    launches = align_launches(plan.align, ids, expert_map if expert_map is not None else ids, b, counters)
+    map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     a_up, c_up, a_down, c_down = acts
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
@@ -194,7 +199,8 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     else:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
                      (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
-    launches.append((plan.combine, (b["y"], b["dst"], weights, out)))
+    # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
+    launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
     return launches
 
 
@@ -217,10 +223,8 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
         b = _WORKSPACES.pooled(spec, x.device)
         sequence = _sequence(plan, b, pair, w13, expert_map is not None)
         if sequence is not None:
-            b["dst"].fill_(-1)
             sequence.launch((x, ids, weights, out, expert_map, None, None, s13, s2, None, None))
             return out
-    b["dst"].fill_(-1)
     for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
                                           out, s13, s2, b.get("counters")):
         launch(*pointers)
