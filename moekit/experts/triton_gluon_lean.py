@@ -108,63 +108,83 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0)
-    regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))]
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
         return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
 
-    if fp8:
-        from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
-
-        groups = hidden // GROUP
-        regions += [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
-                    ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
-                    ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
-        gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
-        gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
-                             (cdiv(rows, QROWS), cdiv(hidden, GROUP)), 5,
-                             (rows, num_assignments, hidden, x.stride(0), hidden, groups),
-                             TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4, **launch)
-
-        def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
-                     out_groups: int, gated: bool):
-            return BoundLaunch(gemm, grid(cols, GROUP), 8,
-                               (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
-                               GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                               PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
-                               maxnreg=tile.max_registers, **launch)
-
-        up_launch = fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True)
-        down_launch = fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False)
-        blocks = ([HALF_M, GROUP], [HALF_M, GROUP], [HALF_M, GROUP], [HALF_M, GROUP])
-        weight_blocks = ([GROUP, GROUP], [GROUP, GROUP])
-    else:
-        regions += [("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))]
-        gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-        gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
-                             (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
-                             (rows, num_assignments, hidden, x.stride(0), hidden),
-                             TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
-
-        def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-            return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
-                               W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                               GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-
-        up_launch = bf16_gemm(up, hidden, inter, 2 * inter, inter, True)
-        down_launch = bf16_gemm(down, inter, hidden, hidden, 0, False)
-        blocks = ([BLOCK_M, up.block_k], [BLOCK_M, up.block_n], [BLOCK_M, down.block_k], [BLOCK_M, down.block_n])
-        weight_blocks = ([up.block_n, up.block_k], [down.block_n, down.block_k])
+    sizes = (rows, num_assignments, top_k, hidden, inter)
+    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
+            else _bf16_part(x, sizes, up, down, grid, launch))
     num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
                           (cdiv(num_tokens, SUM_TOKENS), cdiv(hidden, SUM_COLS)), 6,
                           (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
                           BLOCK_T=SUM_TOKENS, BLOCK_K=SUM_COLS, FROM_IDS=True, HAS_MAP=expert_map is not None,
                           num_warps=4, **launch)
-    weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *map(tuple, weight_blocks))
+    regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
+    weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
-                         weight_key, tuple(map(tuple, blocks)), gather, up_launch, down_launch, combine)
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What the bf16 and fp8 plans do differently: their regions, gather, GEMMs and descriptor blocks."""
+
+    regions: list  # (name, dtype, shape) after the alignment's and dst
+    gather: BoundLaunch
+    up: BoundLaunch
+    down: BoundLaunch
+    blocks: tuple  # the activation descriptors' blocks: up A, up C, down A, down C
+    weight_blocks: tuple  # w13's and w2's
+
+
+def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
+    rows, num_assignments, top_k, hidden, inter = sizes
+    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
+    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
+                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
+                         (rows, num_assignments, hidden, x.stride(0), hidden),
+                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+
+    def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
+                           W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+
+    return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
+                 gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
+                 bf16_gemm(down, inter, hidden, hidden, 0, False),
+                 ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n)),
+                 ((up.block_n, up.block_k), (down.block_n, down.block_k)))
+
+
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
+
+    rows, num_assignments, top_k, hidden, inter = sizes
+    groups = hidden // GROUP
+    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
+    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
+                         (cdiv(rows, QROWS), cdiv(hidden, GROUP)), 5,
+                         (rows, num_assignments, hidden, x.stride(0), hidden, groups),
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4, **launch)
+
+    def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
+                 out_groups: int, gated: bool):
+        return BoundLaunch(gemm, grid(cols, GROUP), 8,
+                           (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
+                           GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
+                           maxnreg=tile.max_registers, **launch)
+
+    regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
+               ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
+               ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
+    return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
+                 fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
+                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
 
 
 def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
