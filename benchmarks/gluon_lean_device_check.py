@@ -93,7 +93,7 @@ def backend_path(dtype: str, shape: Shape, m: int) -> str:
         return "gluon" if DEFAULT_CHOICE.wants(m, shape.n) else "triton"
     from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE
 
-    return "gluon" if DEFAULT_FP8_CHOICE.wants(m, shape.top_k, shape.n, shape.k) else "triton"
+    return "gluon" if DEFAULT_FP8_CHOICE.wants(m, shape.top_k, shape.n, shape.k, shape.num_experts) else "triton"
 
 
 def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:

@@ -35,19 +35,24 @@ _SILU = ActivationSpec("silu")
 
 @dataclass(frozen=True)
 class Fp8GluonChoice:
-    """Where the ``triton`` backend runs fp8_block weights on the Gluon path: calls of at least
-    ``min_flops`` (6 * M * k * N * K; None: never). Measured on the H200 (Triton 3.6, layout and combine
-    counted; benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*), against the Triton fp8 kernels,
-    CUDA-graph replay / eager: M=4096 Qwen3 1.35x / 0.73x, DeepSeek-V3 1.21x / 1.08x, Mixtral 1.36x / 1.13x;
-    M=16384 1.35x / 1.15x, 1.10x / 1.25x, 1.18x / 1.14x; M=1024 Qwen3 0.96x / 0.41x, DeepSeek-V3 0.83x / 0.77x,
-    Mixtral 1.29x / 0.71x. Eager calls pay ~0.3-0.6 ms more host time on this path (the alignment, six TMA
-    descriptors, the launches), so it is taken where both ways win: from 1e12 FLOPs (Qwen3 M=16384: 1.2e12,
-    DeepSeek-V3 and Mixtral M=4096: 2.9e12; the cells below it: <= 7.2e11)."""
+    """Where the ``triton`` backend runs fp8_block weights on the Gluon path: calls of at least ``min_flops``
+    (6 * M * k * N * K; None: never) with at least ``min_rows_per_expert`` assignments per local expert on average
+    (M * k / E: below one 128-row segment each, the segments are mostly padding). Measured on the H200 against the
+    Triton fp8 kernels (Triton 3.6, layout and combine counted), CUDA-graph replay / eager with the lean launch
+    (``triton_gluon_lean``: ~0.1 ms of host time per call instead of 0.9-1.1 ms;
+    benchmarks/results/raw/NVIDIA_H200-2026-12-02-f9b7b0d-gluon_lean.*): M=4096 Qwen3 1.27x / 1.28x, DeepSeek-V3
+    1.22x / 1.20x; M=16384 Qwen3 1.18x / 1.26x, DeepSeek-V3 1.32x / 1.30x. Graph replay in an earlier run
+    (raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*): Mixtral 1.36x (4096), 1.18x (16384), 1.29x (1024: 256 rows
+    per expert); M=1024 Qwen3 0.96x (64 rows per expert), DeepSeek-V3 0.83x (32). So: from 3e11 FLOPs (Qwen3
+    M=4096: 3.1e11) and 128 rows per expert; before the lean launch the eager host cost kept it at 1e12."""
 
-    min_flops: float | None = 1e12
+    min_flops: float | None = 3e11
+    min_rows_per_expert: float = 128.0
 
-    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int) -> bool:
-        return self.min_flops is not None and 6.0 * num_tokens * top_k * inter * hidden >= self.min_flops
+    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int, num_experts: int) -> bool:
+        assignments = num_tokens * top_k
+        return (self.min_flops is not None and 6.0 * assignments * inter * hidden >= self.min_flops
+                and assignments >= self.min_rows_per_expert * num_experts)
 
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
@@ -87,7 +92,7 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 
-    if not choice.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1]):  # first: decode calls stop here
+    if not choice.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1], w2.shape[0]):  # decode stops here
         return False
     if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
             and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):

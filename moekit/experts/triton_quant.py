@@ -31,7 +31,7 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
                          topk_weights: torch.Tensor, *, activation: str | ActivationSpec, expert_map,
                          b13, b2, options: LaunchOptions, fp8_choice=None) -> torch.Tensor:
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
-    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 1e12 FLOPs) wants
+    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128 rows per expert) wants
     and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward)."""
     scheme = check_quantized_pair(w13, w2)
     reason = _unsupported(scheme, x.dtype, activation, b13, b2)
