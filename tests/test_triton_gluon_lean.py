@@ -267,3 +267,31 @@ def test_skipped_slots_never_read_a_stale_dst(fake_gemms):
     out = experts_gluon(x, w13, w2, skipped, weights)
     assert torch.equal(out, experts_gluon(x, w13, w2, skipped, weights, lean=False))
     assert rel_l2(out, _f64(x, w13, w2, skipped, weights)) < 1e-2
+
+
+def test_backend_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
+    """``experts_triton_gluon``: a repeated call with the same weights launches from its kept sequence (no checks,
+    no plan lookup); an in-place update, another choice or a map miss it and still give the plain path's output."""
+    import moekit.experts.triton_fast as fast
+    from moekit.experts.triton_gluon import GluonChoice, experts_gluon, experts_triton_gluon
+
+    hits, real = [0], fast.launch_lean
+
+    def counted(*args):
+        hits[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(fast, "launch_lean", counted)
+    x, w13, w2, ids, weights = _bf16_problem(40)
+    everywhere = GluonChoice(min_tokens=1, min_tokens_wide=1)
+    plain = experts_gluon(x, w13, w2, ids, weights, lean=False)
+    outs = [experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere) for _ in range(3)]
+    assert all(torch.equal(out, plain) for out in outs) and hits[0] == 1  # compile, record + keep, then the hit
+    w13.mul_(2)
+    updated = experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
+    assert hits[0] == 1 and torch.equal(updated, experts_gluon(x, w13, w2, ids, weights, lean=False))
+    other = GluonChoice(min_tokens=2, min_tokens_wide=2)
+    experts_triton_gluon(x, w13, w2, ids, weights, choice=other)
+    assert hits[0] == 1  # another choice: its own key
+    experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
+    assert hits[0] == 2

@@ -26,6 +26,7 @@ from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
 _SILU = ActivationSpec("silu")
+_FAST = "triton_gluon"  # the first field of this backend's fast-path keys (``triton_fast``'s activation slot)
 
 
 @dataclass(frozen=True)
@@ -122,13 +123,15 @@ def experts_gluon(
 
 
 def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None, lean: bool = True) -> torch.Tensor:
-    """``experts_gluon`` for a caller that has run its checks (the backend: they ran once, not twice per call)."""
+                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None, lean: bool = True,
+                 fast_key: tuple | None = None) -> torch.Tensor:
+    """``experts_gluon`` for a caller that has run its checks (the backend: they ran once, not twice per call);
+    ``fast_key``: the backend's key for its fast path (``triton_gluon_lean.run_fast_gluon``)."""
     num_experts, hidden, inter = w2.shape
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter))
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
@@ -181,6 +184,13 @@ def experts_triton_gluon(
     default, the ``triton`` backend's too) wants the call and it fits, else to the Triton fp8 kernels."""
     from moekit.experts.triton import _DEFAULT_OPTIONS, _runs_directly, experts_triton_unchecked
 
+    fast_key = (_FAST, activation, choice)  # a repeated call the Gluon path took: its kept launches, no checks
+    if expert_map is None and b13 is None and b2 is None:
+        from moekit.experts.triton_gluon_lean import run_fast_gluon
+
+        out = run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key)
+        if out is not None:
+            return out
     if not isinstance(w13, torch.Tensor):  # quantized weights: fp8_block may take the fp8 Gluon path
         from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
@@ -191,7 +201,7 @@ def experts_triton_gluon(
     if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None
             and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
-        return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map)
+        return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, fast_key=fast_key)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                     expert_map=expert_map, b13=b13, b2=b2)
 

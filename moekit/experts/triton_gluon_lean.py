@@ -33,6 +33,7 @@ import torch
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
+from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, W13, W2, WEIGHTS, X, Slot, record_launches
@@ -43,6 +44,7 @@ MAX_PLANS = 1024  # kinds of call kept; the oldest goes first
 GATHER_ROWS, GATHER_COLS = 16, 512  # the bf16 gather's program tile (``launch_gather_rows``'s defaults)
 SUM_TOKENS, SUM_COLS = 16, 256  # the combine's (``launch_contiguous_sum``'s defaults)
 _KERNELS = "moekit.experts._kernels"
+_FAST_OPTIONS = LaunchOptions()  # the fast path's entries of this module: the default options (their fast_ready)
 
 _WORKSPACES = WorkspacePool(max_bytes=GLUON_REUSE_MAX_BYTES, max_entries=4)
 _DESCRIPTORS = WeightDescriptors()
@@ -224,11 +226,21 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     return launches
 
 
+def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch.Tensor | None:
+    """A repeated bf16 call with the same weights launched from what its first lean call kept, or None: the Triton
+    path's fast path (``triton_fast.run_fast``: its checks, its invalidation) on this module's pool. ``fast_key``:
+    what else decided the path (the backend's: the activation and its ``GluonChoice``); a Triton path entry never
+    has it."""
+    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, fast_key, _FAST_OPTIONS, checked=False)
+
+
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
-             s2: torch.Tensor | None = None) -> torch.Tensor:
+             s2: torch.Tensor | None = None, fast_key: tuple | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
-    [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles."""
+    [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
+    ``fast_key`` (bf16, no map): a call that launches from its sequence is kept for ``run_fast_gluon``."""
+    stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
@@ -243,6 +255,8 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
         b = _WORKSPACES.pooled(spec, x.device)
         sequence = _sequence(plan, b, pair, w13, expert_map is not None)
         if sequence is not None:
+            if fast_key is not None and expert_map is None and s13 is None and ids is topk_ids and weights is topk_weights:
+                remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, checked=False)
             sequence.launch((x, ids, weights, out, expert_map, None, None, s13, s2, None, None))
             return out
     for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
