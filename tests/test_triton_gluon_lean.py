@@ -295,3 +295,37 @@ def test_backend_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
     assert hits[0] == 1  # another choice: its own key
     experts_triton_gluon(x, w13, w2, ids, weights, choice=everywhere)
     assert hits[0] == 2
+
+
+def test_fp8_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
+    """The ``triton`` backend on fp8_block weights (the choice lowered to this tiny call): a repeated call launches
+    from its kept sequence, which holds the scales by address: an in-place scale update is seen (a hit, new values),
+    a new scale tensor misses; every output the plain path's."""
+    import dataclasses
+
+    import moekit.experts.triton_fast as fast
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts.triton import experts_triton_unchecked
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    hits, real = [0], fast.launch_lean
+
+    def counted(*args):
+        hits[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(fast, "launch_lean", counted)
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", tgf.Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
+    x, q, ids, weights = _fp8_problem(48)
+    w13 = Fp8BlockWeight(q=q[0], scale=q[1], dtype=torch.bfloat16)
+    w2 = Fp8BlockWeight(q=q[2], scale=q[3], dtype=torch.bfloat16)
+
+    def plain(w13, w2):
+        return tgf.experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, lean=False)
+
+    outs = [experts_triton_unchecked(x, w13, w2, ids, weights) for _ in range(3)]
+    assert all(torch.equal(out, plain(w13, w2)) for out in outs) and hits[0] == 1
+    w2.scale.mul_(0.5)  # in place: the same address, the kernels read the new values
+    assert torch.equal(experts_triton_unchecked(x, w13, w2, ids, weights), plain(w13, w2)) and hits[0] == 2
+    w2_new = dataclasses.replace(w2, scale=w2.scale * 2)  # a new scale tensor: another address, a miss
+    assert torch.equal(experts_triton_unchecked(x, w13, w2_new, ids, weights), plain(w13, w2_new)) and hits[0] == 2

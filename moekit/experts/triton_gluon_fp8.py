@@ -56,6 +56,22 @@ class Fp8GluonChoice:
 
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
+_FAST = "gluon_fp8"  # the first field of the fp8 Gluon path's fast-path keys (``triton_fast``'s activation slot)
+
+
+def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
+    """The fast-path key of a backend call on fp8_block weights (``triton_gluon_lean.run_fast_gluon``, keyed there by
+    the ``q`` tensors too): what decided the path besides shapes (activation, choice, block shape) and the scales'
+    addresses, which the kept launches hold (an in-place update keeps them; a new scale tensor misses)."""
+    return (_FAST, activation, choice, w13.block_shape, w13.scale.data_ptr(), w2.scale.data_ptr())
+
+
+def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None):
+    """A repeated fp8_block call the fp8 Gluon path took, launched from what it kept, or None (a miss)."""
+    from moekit.experts.triton_gluon_lean import run_fast_gluon
+
+    key = fp8_fast_key(w13, w2, activation, DEFAULT_FP8_CHOICE if choice is None else choice)
+    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key)
 
 
 def gluon_fp8_unfit(x: torch.Tensor, w13_q, w13_scale, w2_q, w2_scale, activation="silu",
@@ -158,14 +174,16 @@ def experts_gluon_fp8(
 
 
 def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
-                     up: Fp8GluonTile | None = None, down: Fp8GluonTile | None = None, lean: bool = True) -> torch.Tensor:
-    """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``)."""
+                     up: Fp8GluonTile | None = None, down: Fp8GluonTile | None = None, lean: bool = True,
+                     fast_key: tuple | None = None) -> torch.Tensor:
+    """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
+    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``)."""
     num_experts, hidden, inter = w2_q.shape
     if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
         from moekit.experts.triton_gluon_lean import run_lean
 
         return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, up or UP_TILE, down or DOWN_TILE,
-                        w13_scale, w2_scale)
+                        w13_scale, w2_scale, fast_key=fast_key)
     plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_q.shape[0]

@@ -227,10 +227,11 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
 
 
 def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch.Tensor | None:
-    """A repeated bf16 call with the same weights launched from what its first lean call kept, or None: the Triton
-    path's fast path (``triton_fast.run_fast``: its checks, its invalidation) on this module's pool. ``fast_key``:
-    what else decided the path (the backend's: the activation and its ``GluonChoice``); a Triton path entry never
-    has it."""
+    """A repeated call with the same weights launched from what its first lean call kept, or None: the Triton
+    path's fast path (``triton_fast.run_fast``: its checks, its invalidation) on this module's pool. w13, w2: bf16
+    weights, or fp8's e4m3 ``q`` tensors. ``fast_key``: what else decided the path (the backend's activation and
+    choice; fp8: the block shape and the scales' addresses, ``triton_gluon_fp8.fp8_fast_key``); a Triton path
+    entry never has it."""
     return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, fast_key, _FAST_OPTIONS, checked=False)
 
 
@@ -239,7 +240,7 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
              s2: torch.Tensor | None = None, fast_key: tuple | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
-    ``fast_key`` (bf16, no map): a call that launches from its sequence is kept for ``run_fast_gluon``."""
+    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
@@ -253,11 +254,11 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
         b = _WORKSPACES.buffers(spec, x.device)  # fresh regions (the alignment's pooled unless capturing)
     else:
         b = _WORKSPACES.pooled(spec, x.device)
-        sequence = _sequence(plan, b, pair, w13, expert_map is not None)
+        sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2)
         if sequence is not None:
-            if fast_key is not None and expert_map is None and s13 is None and ids is topk_ids and weights is topk_weights:
+            if fast_key is not None and expert_map is None and ids is topk_ids and weights is topk_weights:
                 remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, checked=False)
-            sequence.launch((x, ids, weights, out, expert_map, None, None, s13, s2, None, None))
+            sequence.launch((x, ids, weights, out, expert_map, None, None, None, None, None, None))
             return out
     for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
                                           out, s13, s2, b.get("counters")):
@@ -265,15 +266,17 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     return out
 
 
-def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool):
+def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool, s13=None, s2=None):
     """The recorded launches of ``plan`` for these weights and pooled regions on this thread (recorded now if
-    stale), or None where they cannot be used yet (a launch not compiled, a Triton launch hook)."""
-    key = (plan, threading.get_ident(), id(w13))
+    stale), or None where they cannot be used yet (a launch not compiled, a Triton launch hook). fp8: the scales
+    ``s13``, ``s2`` are recorded in it by address (the key has their addresses; an in-place update keeps them), so
+    a call launches it with the call's tensors alone (``triton_lean.launch_lean``, the fast path's)."""
+    key = (plan, threading.get_ident(), id(w13)) if s13 is None else (
+        plan, threading.get_ident(), id(w13), s13.data_ptr(), s2.data_ptr())
     sequence = _SEQUENCES.get(key)
     if sequence is None or not sequence.current(b, pair):
         launches = plan_launches(plan, b, activation_descriptors(plan, b), pair, Slot(X), Slot(IDS), Slot(WEIGHTS),
-                                 Slot(MAP) if has_map else None, Slot(OUT), Slot(W13) if plan.fp8 else None,
-                                 Slot(W2) if plan.fp8 else None, b.get("counters"))
+                                 Slot(MAP) if has_map else None, Slot(OUT), s13, s2, b.get("counters"))
         sequence = record_launches(launches, b, pair)
         if sequence is None:
             return None

@@ -44,11 +44,12 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     name = as_spec(activation).name
     if scheme == "fp8_block":
         from moekit.experts.triton_fp8 import fused_experts_fp8
-        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, gluon_fp8_takes, launch_gluon_fp8
+        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, fp8_fast_key, gluon_fp8_takes, launch_gluon_fp8
 
         choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
         if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):  # its checks: launched unchecked
-            return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map)
+            return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
+                                    fast_key=fp8_fast_key(w13, w2, activation, choice))
 
         return fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
                                  expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
