@@ -10,8 +10,9 @@ routing, no_grad; fp8 weights ``fp8_device_check.quantize_blocks`` of the bf16 o
             alignment's custom op, fresh buffers, six descriptors, ``kernel[grid](...)`` per launch)
   new       the same with ``lean=True`` (the default): kept plan, weight descriptors, workspace, recorded launches
   backend   what a user's call runs: ``experts_triton_gluon`` on bf16 weights (its ``GluonChoice`` may send the
-            cell to the Triton kernels: ``path`` says which), ``experts_triton`` on ``Fp8BlockWeight``s (its
-            ``Fp8GluonChoice`` decides), and ``triton_fp8``: the Triton fp8 kernels on the same call
+            cell to the Triton kernels: ``path`` says which), ``experts_triton_unchecked`` on ``Fp8BlockWeight``s
+            (what ``MoE`` and ``call_backend`` call after their check; its ``Fp8GluonChoice`` decides); both with
+            their fast path for a repeated call; and ``triton_fp8``: the Triton fp8 kernels on the same call
 per variant: host µs per call (20 back-to-back eager calls, ``time.perf_counter`` around the issue loop, before
 the one sync; median of 5), eager µs per call (the same loop with its sync), graph-replay µs (16-call CUDA
 graph, ``moekit.bench.timing``), ``same`` (new's output bit-equal to old's; backend's too where it took the Gluon
@@ -60,7 +61,7 @@ def smoke_shape(name: str) -> Shape:
 
 def variants(dtype: str, w13, w2, q) -> dict:
     """name -> fn(x, ids, weights); the twin last."""
-    from moekit.experts.triton import experts_triton
+    from moekit.experts.triton import experts_triton_unchecked
     from moekit.experts.triton_gluon import experts_gluon, experts_gluon_twin, experts_triton_gluon
 
     if dtype == "bf16":
@@ -79,7 +80,7 @@ def variants(dtype: str, w13, w2, q) -> dict:
     return {
         "old": lambda x, i, w: experts_gluon_fp8(x, q13, s13, q2, s2, i, w, lean=False),
         "new": lambda x, i, w: experts_gluon_fp8(x, q13, s13, q2, s2, i, w),
-        "backend": lambda x, i, w: experts_triton(x, qw13, qw2, i, w),
+        "backend": lambda x, i, w: experts_triton_unchecked(x, qw13, qw2, i, w),
         "triton_fp8": lambda x, i, w: fused_experts_fp8(x, q13, s13, q2, s2, i, w),
         "twin": lambda x, i, w: experts_gluon_fp8_twin(x, q13, s13, q2, s2, i, w),
     }
@@ -114,7 +115,7 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
             else None
         row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "graph_us": graph, "same": same,
                              "rel_vs_twin": rel_l2(outs[name], twin), "graph_same": graph_equals_eager(call, outs[name])}
-    row["steps_us"] = probe_steps(dtype, args, w13, w2, q)
+    row["steps_us"] = probe_steps(dtype, args, w13, w2, q, backend=lambda: fns["backend"](*args))
     row["ok"] = all(r["same"] is not False and r["graph_same"] is not False and r["rel_vs_twin"] < BOUND[dtype]
                     for r in row["rows"].values())
     return row
@@ -147,9 +148,10 @@ def _per_call_us(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
-def probe_steps(dtype: str, args: tuple, w13, w2, q) -> dict:
+def probe_steps(dtype: str, args: tuple, w13, w2, q, backend) -> dict:
     """Where the lean call's host µs go: each step of ``run_lean`` repeated alone (the launches too, with the
-    call's own tensors), next to the whole call and the fit checks ``experts_gluon`` runs before it."""
+    call's own tensors), next to the whole call, the fit checks ``experts_gluon`` runs before it, and the backend's
+    call (its fast path where the cell takes the Gluon path: no checks, no lookups)."""
     import moekit.experts.triton_gluon_lean as lean
     from moekit.experts.triton_gluon import experts_gluon, gluon_unfit
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8, gluon_fp8_unfit
@@ -170,7 +172,7 @@ def probe_steps(dtype: str, args: tuple, w13, w2, q) -> dict:
     plan = lean.plan_for(x, a, b, ids, weights, None, *((tiles.up, tiles.down) if tiles else _fp8_tiles()), s13, s2)
     pair = lean._DESCRIPTORS.get(a, b, plan.weight_key, lean.weight_pair)
     views = lean._WORKSPACES.pooled(plan.workspace, x.device)
-    sequence = lean._sequence(plan, views, pair, a, False)
+    sequence = lean._sequence(plan, views, pair, a, False, s13, s2)
     values = (x, ids, weights, torch.empty_like(x), None, None, None, s13, s2, None, None)
     steps = {
         "checks": lambda: checks(),
@@ -179,10 +181,11 @@ def probe_steps(dtype: str, args: tuple, w13, w2, q) -> dict:
         "out": lambda: torch.empty_like(x),
         "weight_desc": lambda: lean._DESCRIPTORS.get(a, b, plan.weight_key, lean.weight_pair),
         "pool": lambda: lean._WORKSPACES.pooled(plan.workspace, x.device),
-        "sequence": lambda: lean._sequence(plan, views, pair, a, False),
+        "sequence": lambda: lean._sequence(plan, views, pair, a, False, s13, s2),
         "fill_saved": lambda: views["dst"].fill_(-1),  # what the plain path's dst fill costs (the lean one has none)
         "launches": (lambda: sequence.launch(values)) if sequence is not None else None,
         "whole": whole,
+        "backend": backend,
     }
     out = {name: (_per_call_us(fn, reps) if fn is not None else None) for name, fn in steps.items()}
     out["launch_count"] = None if sequence is None else len(sequence.steps)
