@@ -250,6 +250,8 @@ def test_one_workspace_is_kept_and_reused(fake_gemms):
     held = lean._WORKSPACES.held()
     experts_gluon(x, w13, w2, ids, weights)
     assert len(held) == 1 and lean._WORKSPACES.held() == held
+    plan = next(iter(lean._PLANS.values()))
+    assert next(iter(held.values())).numel() == plan.workspace.nbytes  # its size, not the next power of two
 
 
 def test_skipped_slots_never_read_a_stale_dst(fake_gemms):

@@ -117,8 +117,10 @@ class WorkspacePool:
     and y; fp8's x_q, h_q, ...) is carved per call from one fresh byte buffer (``WorkspaceSpec.parts``);
     the alignment's regions and the counters stay pooled."""
 
-    def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
+    def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256,
+                 pow2: bool = True):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
+        self.pow2 = pow2  # grow to a power of two (at most max_bytes); off: to the size asked (GB-sized workspaces)
         self._workspaces: dict[tuple, _Workspace] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # int32, all 0 between calls; zeroed once when allocated
         # moves whenever a buffer or counters tensor is replaced or dropped: what was recorded of the pool's
@@ -179,7 +181,7 @@ class WorkspacePool:
         self._workspaces.pop(key, None)
         if len(self._workspaces) >= self.max_entries:
             self._workspaces.pop(next(iter(self._workspaces)))
-        size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes))
+        size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes)) if self.pow2 else nbytes
         workspace = self._workspaces[key] = _Workspace(torch.empty(size, dtype=torch.uint8, device=device))
         return workspace
 

@@ -14,9 +14,9 @@ TMA descriptors, every launch through Triton's binder) decided once and reused, 
     per call: out, the recorded launches with the call's x, ids, weights, map (fp8: scales); dst is not filled with
       -1 (the plain path's ``torch.full``): the combine reads it only for the slots routed here (``FROM_IDS``)
 
-The workspace is one reused buffer per (device, stream, thread) up to ``GLUON_REUSE_MAX_BYTES`` (a prefill
-call's x_perm, h and y: 1.4 GB for Qwen3-30B-A3B at M = 16384, 5.4 GB for DeepSeek-V3; ``clear_gluon_caches``
-frees it). Above it, while a CUDA graph captures, and on a plan's first call (its launches compile) the same
+The workspace is one reused buffer per (device, stream, thread; at most two kept) up to ``GLUON_REUSE_MAX_BYTES``
+(a prefill call's x_perm, h and y: 1.4 GB for Qwen3-30B-A3B at M = 16384, 5.4 GB for DeepSeek-V3), grown to the
+largest plan seen, not to a power of two; ``clear_gluon_caches`` frees it. Above it, while a CUDA graph captures, and on a plan's first call (its launches compile) the same
 plan's bound launches run with the regions of one fresh buffer and activation descriptors built for them.
 Either way the kernels, grids and arguments are the plain path's: the outputs are equal bit for bit.
 """
@@ -46,7 +46,8 @@ SUM_TOKENS, SUM_COLS = 16, 256  # the combine's (``launch_contiguous_sum``'s def
 _KERNELS = "moekit.experts._kernels"
 _FAST_OPTIONS = LaunchOptions()  # the fast path's entries of this module: the default options (their fast_ready)
 
-_WORKSPACES = WorkspacePool(max_bytes=GLUON_REUSE_MAX_BYTES, max_entries=4)
+# at most two streams' workspaces (a benchmark's side stream besides the main one), each its size exactly
+_WORKSPACES = WorkspacePool(max_bytes=GLUON_REUSE_MAX_BYTES, max_entries=2, pow2=False)
 _DESCRIPTORS = WeightDescriptors()
 _PLANS: dict[tuple, "GluonLeanPlan"] = {}
 _SEQUENCES: dict[tuple, object] = {}  # (plan, thread, id(w13)) -> triton_lean.LaunchSequence
