@@ -86,6 +86,10 @@ class ActivationSpec:
             used = [name for name, on in extras.items() if on]
             if used:
                 raise ValueError(f"activation.{used[0]} needs gated=True (an ungated activation has no gate/up pair)")
+        # kept as a bool: under torch.compile(dynamic=True) dynamo traces a float field read from a global spec
+        # as a symbolic float, and comparing it specialises it and restarts the whole trace (twice the compile)
+        plain = self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None and self.up_shift == 0.0
+        object.__setattr__(self, "_plain", plain)
 
     @property
     def kernel_id(self) -> int:
@@ -95,7 +99,7 @@ class ActivationSpec:
     @property
     def plain(self) -> bool:
         """Gated, gate rows first, no alpha/limit/up_shift: act(gate) * up (what ``act_and_mul`` computes)."""
-        return self.gated and not self.interleaved and self.alpha == 1.0 and self.limit is None and self.up_shift == 0.0
+        return self._plain
 
 
 def _check_finite(field: str, value) -> None:
@@ -147,6 +151,9 @@ def activation_from_hf(hidden_act: str) -> str:
 def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor:
     """The spec's torch definition: h [.., 2N] (gated) or [.., N] (ungated) -> [.., N], in h's dtype."""
     spec = as_spec(activation)
+    if spec.plain:  # reads no float field (see ActivationSpec.__post_init__)
+        gate, up = h.chunk(2, dim=-1)  # [.., N] each
+        return ACTIVATIONS[spec.name].fn(gate) * up
     if not spec.gated:
         return _act(h, spec)
     if spec.interleaved:

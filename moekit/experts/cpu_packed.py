@@ -169,6 +169,27 @@ def fused_loop_supported(dtype: torch.dtype) -> bool:
     return onednn_linear(dtype) is not None
 
 
+# int64 index buffers per assignment alive at once: the grouping's ids, destinations and sort (at most 6),
+# then src, tokens and the grouping's two kept ones through the loop (the combine weights are counted apart)
+_INDEX_BYTES_PER_ASSIGNMENT = 6 * 8
+
+
+def fused_loop_peak_bytes(num_tokens: int, top_k: int, hidden_size: int, intermediate_size: int,
+                          dtype: torch.dtype, workers: int) -> int:
+    """An upper bound on the bytes ``experts_cpu_fused`` allocates at once for M = ``num_tokens`` (weights
+    and x excluded): the index buffers, the combine weights [A] and every expert's weighted rows [A, K]
+    (acc) kept until the combine, plus the larger of the combine's out [M, K] (acc) and the rows in flight:
+    ``workers`` experts of at most M rows each (at most A), each holding xs [m, K], h [m, 2N], the
+    activation [m, N] and w2's output [m, K] in ``dtype``. "At most M rows" holds when a token's k ids are
+    distinct (``route()``'s; the masked layout's estimate assumes the same); ids repeated within a token can
+    put more on one expert, and the in-flight term then undercounts unless ``workers`` >= k."""
+    a = num_tokens * top_k
+    elem, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
+    in_flight = min(a, workers * num_tokens) * (2 * hidden_size + 3 * intermediate_size) * elem
+    kept = a * (_INDEX_BYTES_PER_ASSIGNMENT + acc + hidden_size * acc)
+    return kept + max(in_flight, num_tokens * hidden_size * acc)
+
+
 def experts_cpu_fused(x: torch.Tensor, ex: ExpertParams, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       expert_map: torch.Tensor | None, cache: PackedWeightCache | None, workers: int = 1) -> torch.Tensor:
     """x [M, K] -> [M, K] in float32, the experts contract by the per-expert loop; ``cache`` None reads the

@@ -8,9 +8,11 @@
 | ``masked_measured_cap`` | ``masked_layout_measured_cap_syncs`` | ``torch.bmm`` over [E, cap] rows | ``combine_masked``   |
 
 ``layout="auto"`` lets ``moekit.layouts.choose_layout`` pick per call from the shapes alone (no host
-sync, so ``torch.compile`` traces it): the layout with the fewest GEMM rows whose peak activation bytes
-fit ``memory_budget_bytes`` (default ``DEFAULT_MEMORY_BUDGET_BYTES``). When none fits, the tokens run in
-chunks of the largest size that does (``plan_grouped_mm`` says which, and why).
+sync): the layout with the fewest GEMM rows whose whole run (combine included) fits
+``memory_budget_bytes`` (default ``DEFAULT_MEMORY_BUDGET_BYTES``). When none fits, the tokens run in
+chunks of the largest size that does (``plan_grouped_mm`` says which, and why). Under ``torch.compile``
+the plan never reads M (with ``dynamic=True`` a SymInt): contiguous, in chunks of a size fixed by the
+static shapes (``moekit.experts.grouped_mm_plan``), so one graph serves every M of one chunk count.
 
 The grouped GEMM is ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm`` where it runs, with a
 loop over the non-empty experts elsewhere; on the CPU, when no gradient is needed, a per-expert loop of
@@ -38,7 +40,6 @@ w13 rows, T layout rows.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,71 +49,11 @@ from moekit.experts.cpu_op import cpu_experts_op
 from moekit.experts.cpu_packed import (
     ExpertParams, experts_cpu_fused, fused_loop_supported, onednn_linear, packed_weight_cache,
 )
-from moekit.layouts import (
-    choose_layout, combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous,
+from moekit.experts.grouped_mm_plan import (  # noqa: F401  (DEFAULT_MEMORY_BUDGET_BYTES, GroupedMMPlan: re-exported)
+    DEFAULT_MEMORY_BUDGET_BYTES, GROUPED_MM_LAYOUTS, MASKED_ROUND_TO, GroupedMMPlan, plan_grouped_mm,
 )
+from moekit.layouts import combine_contiguous, combine_masked, masked_layout_measured_cap_syncs, permute_contiguous
 from moekit.quant import QuantizedWeight, run_quantized
-
-# 1 GiB of activations per call. The contiguous layout needs (2K + 3N) * 4 bytes per routed row in fp32
-# (25.6 KB at Qwen3-30B-A3B's K=2048, N=768), so one chunk holds ~5000 tokens at k=8: ~320 rows per
-# expert, where the GEMMs already run at their full rate, while a long prefill stays bounded in memory.
-DEFAULT_MEMORY_BUDGET_BYTES = 1 << 30
-GROUPED_MM_LAYOUTS = ("contiguous", "masked_measured_cap")  # what this backend implements, for choose_layout
-MASKED_ROUND_TO = 8  # the measured cap's rounding: bmm computes every padding row, so round finely
-
-
-@dataclass(frozen=True)
-class GroupedMMPlan:
-    """How ``experts_grouped_mm`` runs a call; a function of the shapes and options only."""
-
-    layout: str  # one of GROUPED_MM_LAYOUTS
-    chunk_tokens: int  # tokens per chunk; >= M when the whole batch fits the budget (one chunk)
-    reason: str  # choose_layout's explanation, plus the chunking when there is one
-
-
-# (shapes, dtype, options) -> plan. A plain dict: a hit traces as a lookup under torch.compile.
-_PLANS: dict[tuple, GroupedMMPlan] = {}
-
-
-def plan_grouped_mm(
-    num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-    *, memory_budget_bytes: int | None = None, layout: str = "auto", allow_sync: bool = True,
-) -> GroupedMMPlan:
-    """The layout and chunk size for M = ``num_tokens`` (cached per arguments). ``layout`` "auto" asks
-    ``choose_layout`` (among GROUPED_MM_LAYOUTS; ``allow_sync=False`` leaves out the measured cap);
-    a layout name forces it, still chunked to the budget."""
-    budget = DEFAULT_MEMORY_BUDGET_BYTES if memory_budget_bytes is None else memory_budget_bytes
-    key = (num_tokens, top_k, num_experts, hidden_size, intermediate_size, dtype, budget, layout, allow_sync)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _plan(num_tokens, top_k, (num_experts, hidden_size, intermediate_size), dtype, budget,
-                                   layout, allow_sync)
-    return plan
-
-
-def _plan(num_tokens, top_k, dims, dtype, budget, layout, allow_sync) -> GroupedMMPlan:
-    if layout != "auto" and layout not in GROUPED_MM_LAYOUTS:
-        raise ValueError(f"layout must be 'auto' or one of {GROUPED_MM_LAYOUTS}, got {layout!r}")
-    if layout == "masked_measured_cap" and not allow_sync:
-        raise ValueError("layout='masked_measured_cap' reads the counts back to the host: CPU eager only")
-    if not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"memory_budget_bytes must be a positive int or None, got {budget!r}")
-    candidates = GROUPED_MM_LAYOUTS if layout == "auto" else (layout,)
-    args = dict(top_k=top_k, num_experts=dims[0], hidden_size=dims[1], intermediate_size=dims[2],
-                dtype_bytes=torch.empty((), dtype=dtype).element_size(), memory_budget_bytes=budget, align=1,
-                allow_sync=allow_sync, candidates=candidates,
-                cap_round_to=MASKED_ROUND_TO)
-    chunk = max(num_tokens, 1)
-    choice = choose_layout(chunk, **args)
-    whole = choice.reason
-    while choice.name == "none" and chunk > 1:  # halve until a chunk fits: the peak grows with the tokens
-        chunk = (chunk + 1) // 2
-        choice = choose_layout(chunk, **args)
-    if choice.name == "none":
-        raise ValueError(f"memory_budget_bytes={budget} cannot hold even one token's rows: {choice.reason}")
-    reason = choice.reason if chunk >= num_tokens else f"{whole}; chunks of {chunk} tokens: {choice.reason}"
-    return GroupedMMPlan(layout=choice.name, chunk_tokens=chunk, reason=reason)
-
 
 def _grouped_mm_fn():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -339,23 +280,41 @@ def _experts_dense(x, w13, w2, topk_ids, topk_weights, *, activation, expert_map
     num_tokens, top_k = topk_ids.shape
     ex = ExpertParams(w13, w2, b13, b2, as_spec(activation))
     allow_sync = x.device.type == "cpu" and not torch.compiler.is_compiling()
-    plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], x.shape[1], w2.shape[2], x.dtype,
+    plan = plan_grouped_mm(num_tokens, top_k, w13.shape[0], w13.shape[2], w2.shape[2], x.dtype,
                            memory_budget_bytes=memory_budget_bytes, layout=layout, allow_sync=allow_sync)
     run = _run_contiguous if plan.layout == "contiguous" else _run_masked
     if plan.chunk_tokens >= num_tokens:
         return run(x, ex, topk_ids, topk_weights, expert_map, cpu_gemm).to(x.dtype)
-    chunks = [
-        run(x[s:s + plan.chunk_tokens], ex, topk_ids[s:s + plan.chunk_tokens],
-            topk_weights[s:s + plan.chunk_tokens], expert_map, cpu_gemm)
-        for s in range(0, num_tokens, plan.chunk_tokens)
-    ]
-    return torch.cat(chunks).to(x.dtype)  # [M, K]
+    if torch.compiler.is_compiling():
+        return _run_chunks_traced(run, plan.chunk_tokens, x, ex, topk_ids, topk_weights, expert_map, cpu_gemm)
+    out = x.new_empty(x.shape)  # [M, K]: each chunk's rows land here (a list of chunks then cat held M*K twice)
+    for s in range(0, num_tokens, plan.chunk_tokens):
+        e = s + plan.chunk_tokens
+        out[s:e] = run(x[s:e], ex, topk_ids[s:e], topk_weights[s:e], expert_map, cpu_gemm)
+    return out
+
+
+def _run_chunks_traced(run, chunk: int, x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm):
+    """M > ``chunk`` tokens under torch.compile, in chunks of exactly ``chunk`` tokens, the last one ending at
+    M and overlapping its predecessor (the overlap's rows are computed twice and kept once; a token's row
+    depends on that token alone). Every run traces at the static size ``chunk``, so with a symbolic M the
+    graph depends on M only through the chunk count (guards: M in ((n-1)*chunk, n*chunk]), never on a
+    remainder's size (a one-token remainder would be specialised)."""
+    num_tokens = x.shape[0]
+    count = (num_tokens + chunk - 1) // chunk  # >= 2
+    starts = [i * chunk for i in range(count - 1)] + [num_tokens - chunk]
+    outs = [run(x.narrow(0, s, chunk), ex, topk_ids.narrow(0, s, chunk), topk_weights.narrow(0, s, chunk), expert_map,
+                cpu_gemm) for s in starts]  # each [chunk, K]
+    outs[-1] = outs[-1][count * chunk - num_tokens:]  # drop the rows the previous chunk already holds
+    return torch.cat(outs).to(x.dtype)  # [M, K]
 
 
 def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:
     """x [M, K] -> [M, K] (accumulation dtype) through the contiguous layout (on the CPU without
     autograd, the fused per-expert loop of ``moekit.experts.cpu_packed`` for its GEMM strategies)."""
-    inference = not (torch.is_grad_enabled() and (x.requires_grad or ex.need_grad()))
+    # the loop has no autograd: it serves only calls where nothing needs a gradient, the routed weights
+    # included (a frozen-experts call still owes the router dL/dtopk_weights)
+    inference = not (torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or ex.need_grad()))
     if (not torch.compiler.is_compiling() and cpu_gemm in _FUSED_GEMMS and x.device.type == "cpu" and inference
             and fused_loop_supported(x.dtype)):
         cache = None if cpu_gemm == "onednn_fused" else packed_weight_cache()

@@ -34,6 +34,8 @@ def experts_reference(
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     local = to_local_ids(topk_ids, num_experts, expert_map).view(num_tokens, top_k)  # [M, k]
+    if torch.compiler.is_compiling():
+        return _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, acc).to(x.dtype)
     out = torch.zeros(num_tokens, x.shape[1], dtype=acc, device=x.device)  # [M, K]
     for expert in range(num_experts):
         tokens, slots = (local == expert).nonzero(as_tuple=True)
@@ -47,3 +49,24 @@ def experts_reference(
             y = y + b2[expert].to(acc)
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].to(acc))
     return out.to(x.dtype)
+
+
+def _dense_masked(x, w13, w2, local, topk_weights, activation, b13, b2, acc: torch.dtype) -> torch.Tensor:
+    """The same sum with no data-dependent size, for ``torch.compile`` (the loop's ``nonzero`` makes one, and
+    its empty-expert test a guard on it): every token through every expert, kept where routed there, weighted
+    by the sum of its slots' weights on it. E times the loop's rows: the oracle stays obvious, not fast.
+    local [M, k] (E where not routed) -> [M, K] in ``acc``."""
+    xs = x.to(acc)  # [M, K]
+    weights = topk_weights.to(acc)  # [M, k]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)  # [M, K]
+    for expert in range(w13.shape[0]):
+        hit = local == expert  # [M, k]
+        h = xs @ w13[expert].to(acc).t()  # [M, R]
+        if b13 is not None:
+            h = h + b13[expert].to(acc)
+        y = apply_glu(h, activation) @ w2[expert].to(acc).t()  # [M, K]
+        if b2 is not None:
+            y = y + b2[expert].to(acc)
+        weight = torch.where(hit, weights, 0).sum(1, keepdim=True)  # [M, 1]
+        out = out + torch.where(hit.any(1, keepdim=True), y * weight, 0)  # an unrouted row adds 0, even if y is not finite
+    return out

@@ -83,9 +83,16 @@ def choose_layout(
     )
 
 
+def grouped_row_bytes(hidden_size: int, intermediate_size: int, dtype_bytes: int) -> int:
+    """Activation bytes of one row of a layout that materialises every stage (contiguous, masked): its x
+    row [K], the w13 output [2N], the activation [N] and the w2 output [K]. Plain arithmetic, so it also
+    takes the symbolic sizes of a ``torch.compile`` trace."""
+    return (2 * hidden_size + 3 * intermediate_size) * dtype_bytes
+
+
 def _estimates(m, k, e, hidden, inter, b, counts, block, align, round_to) -> list[LayoutEstimate]:
     a = m * k
-    per_row = lambda gate_up: (hidden + (2 * inter if gate_up else 0) + inter + hidden) * b  # noqa: E731
+    row = grouped_row_bytes(hidden, inter, b)
     block_rows = sum(math.ceil(c / block) * block for c in counts)
     contig_rows = sum(math.ceil(c / align) * align for c in counts)
     cap = max(round_to, math.ceil(max(counts, default=0) / round_to) * round_to)
@@ -93,8 +100,8 @@ def _estimates(m, k, e, hidden, inter, b, counts, block, align, round_to) -> lis
     block_bytes = a * (inter + hidden) * b + max_padded_rows(a, e, block) * 4  # + sorted_ids [R] int32
     return [
         LayoutEstimate("block_aligned", block_rows, block_bytes, syncs=False),
-        LayoutEstimate("contiguous", contig_rows, contig_rows * per_row(True), syncs=False),
+        LayoutEstimate("contiguous", contig_rows, contig_rows * row, syncs=False),
         # masked_layout(m_max=M): enough for route()'s ids, distinct within a token (the default, A, is k times more)
-        LayoutEstimate("masked", e * m, e * m * per_row(True), syncs=False),
-        LayoutEstimate("masked_measured_cap", e * cap, e * cap * per_row(True), syncs=True),
+        LayoutEstimate("masked", e * m, e * m * row, syncs=False),
+        LayoutEstimate("masked_measured_cap", e * cap, e * cap * row, syncs=True),
     ]

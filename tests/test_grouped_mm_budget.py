@@ -1,0 +1,89 @@
+"""grouped_mm's memory budget against what a call allocates: the CPU allocator's running total, read from
+torch.profiler's memory events, must stay within the budget plus the call's own result [M, K], for the
+contiguous run (the GEMM path of CUDA without Triton and of CPU training) and the CPU per-expert loop
+(which keeps every expert's weighted rows, [A, K] in float32, until its combine)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from moekit.experts.grouped_mm import experts_grouped_mm, plan_grouped_mm
+
+E, N, K = 8, 16, 256
+
+
+def peak_allocated(fn, path) -> int:
+    """The most bytes ``fn`` held at once beyond what was allocated before it, from the profiler's [memory]
+    events (each allocation's and free's size, in time order) on the calling thread."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(str(path))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
+    held = peak = 0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        held += e["args"]["Bytes"]
+        peak = max(peak, held)
+    return peak
+
+
+def loop64(x, w13, w2, ids, weights):
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+def problem(m, top_k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).to(dtype)
+    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(m)]).int()
+    return x, w13, w2, ids, torch.rand(m, top_k, generator=g)
+
+
+# The GEMM-phase estimate's bytes for the whole batch: (2K + 3N) per routed row, written out here. The old plan
+# ran every case below in one chunk under it, and three of them then held more (the combine's weighted copy,
+# the loop's kept rows and its output).
+def gemm_phase_bytes(m, top_k, dtype):
+    return m * top_k * (2 * K + 3 * N) * dtype.itemsize
+
+
+@pytest.mark.parametrize("cpu_gemm, top_k, dtype, layout", [
+    ("onednn_packed", 1, torch.float32, "auto"), ("onednn_packed", 2, torch.bfloat16, "auto"),
+    ("grouped_mm", 2, torch.bfloat16, "auto"), ("grouped_mm", 1, torch.float32, "auto"),
+    ("grouped_mm", 2, torch.bfloat16, "masked_measured_cap"),
+])
+def test_call_peak_stays_within_the_budget(cpu_gemm, top_k, dtype, layout, tmp_path):
+    m = 96
+    x, w13, w2, ids, weights = problem(m, top_k, dtype)
+    budget = gemm_phase_bytes(m, top_k, dtype)
+    call = lambda: experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=budget, cpu_gemm=cpu_gemm,  # noqa: E731
+                                      layout=layout)
+    with torch.no_grad():
+        out = call()  # packs the weights (a cache, not the call's activations) before the measured call
+        peak = peak_allocated(call, tmp_path / "trace.json")
+    plan = plan_grouped_mm(m, top_k, E, K, N, dtype, memory_budget_bytes=budget, layout=layout)
+    assert peak <= budget + m * K * dtype.itemsize, (peak, budget, plan)  # the result [M, K] is the caller's
+    want = loop64(x, w13, w2, ids, weights)
+    assert float((out.double() - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_budget_errors_name_the_argument():
+    """A bool is no budget (it used to pass as 1 byte or 0); a budget below one token's run says so, eager or traced."""
+    x, w13, w2, ids, weights = problem(4, 2, torch.float32)
+    for bad in (True, 0, -5, 2.5):
+        with pytest.raises(ValueError, match="memory_budget_bytes must be a positive int or None"):
+            experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=bad)
+    with pytest.raises(ValueError, match="memory_budget_bytes=64 cannot hold even one token"):
+        experts_grouped_mm(x, w13, w2, ids, weights, memory_budget_bytes=64)
+    fn = torch.compile(lambda *a: experts_grouped_mm(*a, memory_budget_bytes=64), fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="memory_budget_bytes=64 cannot hold even one token"):
+        fn(x.requires_grad_(True), w13, w2, ids, weights)
