@@ -113,7 +113,8 @@ def cell(dtype: str, shape: Shape, m: int, w13, w2, q) -> dict:
         graph = time_calls([call] * 16, Run.device, graph=True) if Run.device.type == "cuda" else float("nan")
         same = torch.equal(outs[name], outs["old"]) if name in ("new", "old") or (name == "backend" and path == "gluon") \
             else None
-        row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "graph_us": graph, "same": same,
+        row["rows"][name] = {"host_us": eager.host_us, "eager_us": eager.eager_us, "eager_spread_pct": eager.spread_pct,
+                             "graph_us": graph, "same": same,
                              "rel_vs_twin": rel_l2(outs[name], twin), "graph_same": graph_equals_eager(call, outs[name])}
     row["steps_us"] = probe_steps(dtype, args, w13, w2, q, backend=lambda: fns["backend"](*args))
     row["ok"] = all(r["same"] is not False and r["graph_same"] is not False and r["rel_vs_twin"] < BOUND[dtype]
