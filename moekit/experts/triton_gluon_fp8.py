@@ -44,7 +44,9 @@ class Fp8GluonChoice:
     1.22x / 1.20x; M=16384 Qwen3 1.18x / 1.26x, DeepSeek-V3 1.32x / 1.30x. Graph replay in an earlier run
     (raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*): Mixtral 1.36x (4096), 1.18x (16384), 1.29x (1024: 256 rows
     per expert); M=1024 Qwen3 0.96x (64 rows per expert), DeepSeek-V3 0.83x (32). So: from 3e11 FLOPs (Qwen3
-    M=4096: 3.1e11) and 128 rows per expert; before the lean launch the eager host cost kept it at 1e12."""
+    M=4096: 3.1e11) and 128 rows per expert; before the lean launch the eager host cost kept it at 1e12. Checked
+    on the rule's new cells (raw/NVIDIA_H200-2026-12-02-72367f7-gluon_lean*, eager / graph): Mixtral M=512 1.26x /
+    1.14x, M=1024 1.25x / 1.22x; the cells it leaves to Triton lose on Gluon (Qwen3 M=512, 1024; DeepSeek-V3 512)."""
 
     min_flops: float | None = 3e11
     min_rows_per_expert: float = 128.0
