@@ -152,8 +152,7 @@ def apply_glu(h: torch.Tensor, activation: str | ActivationSpec) -> torch.Tensor
     """The spec's torch definition: h [.., 2N] (gated) or [.., N] (ungated) -> [.., N], in h's dtype."""
     spec = as_spec(activation)
     if spec.plain:  # reads no float field (see ActivationSpec.__post_init__)
-        gate, up = h.chunk(2, dim=-1)  # [.., N] each
-        return ACTIVATIONS[spec.name].fn(gate) * up
+        return act_and_mul(h, spec.name)
     if not spec.gated:
         return _act(h, spec)
     if spec.interleaved:

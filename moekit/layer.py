@@ -310,11 +310,10 @@ class MoE(nn.Module):
     def _graphed(self, x2d: torch.Tensor) -> torch.Tensor | None:
         """The forward replayed from a CUDA graph (``eager_graph_rows``), or None where it must run eagerly:
         autograd, capacity dropping (its count is read back), a subclass that places experts elsewhere."""
-        if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
-                or (torch.is_grad_enabled()
-                    and (x2d.requires_grad or any(t.requires_grad for t in self._graph_tensors())))):
-            return None  # a replay has no autograd: any tensor that needs a gradient (w2, a bias, the shared expert)
         tensors = tuple(self._graph_tensors())
+        if (self.capacity_factor is not None or type(self).run_routed is not MoE.run_routed
+                or (torch.is_grad_enabled() and (x2d.requires_grad or any(t.requires_grad for t in tensors)))):
+            return None  # a replay has no autograd: any tensor that needs a gradient (w2, a bias, the shared expert)
         key = (self._experts_fn, self._fused_router, *(t.data_ptr() for t in tensors))
         return self.eager_graphs.run(lambda x: self._experts_and_shared(x, self.route_tokens(x)), x2d, key, tensors)
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from _helpers import rel_l2, routed_slots
 from moekit import MoE, MoEConfig
 from moekit.experts.grouped_mm import experts_grouped_mm
 from moekit.experts.grouped_mm_plan import contiguous_token_bytes, traced_plan
@@ -19,15 +20,10 @@ BACKENDS = {"grouped_mm": experts_grouped_mm, "reference": experts_reference}
 
 def loop64(x, w13, w2, ids, weights):
     """float64, one (token, slot) at a time, differentiable in every float input; ids outside [0, E) add nothing."""
-    rows = []
-    for t in range(ids.shape[0]):
-        row = torch.zeros(x.shape[1], dtype=torch.float64)
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if 0 <= e < w13.shape[0]:
-                gate, up = (w13[e] @ x[t]).chunk(2)
-                row = row + weights[t, j] * (w2[e] @ (F.silu(gate) * up))
-        rows.append(row)
+    rows = [torch.zeros(x.shape[1], dtype=torch.float64) for _ in range(ids.shape[0])]
+    for t, j, e in routed_slots(ids, w13.shape[0]):
+        gate, up = (w13[e] @ x[t]).chunk(2)
+        rows[t] = rows[t] + weights[t, j] * (w2[e] @ (F.silu(gate) * up))
     return torch.stack(rows)
 
 
@@ -45,10 +41,6 @@ def weights(seed):
     return torch.randn(E, 2 * N, K, generator=g) * K**-0.5, torch.randn(E, K, N, generator=g) * N**-0.5
 
 
-def rel_err(got, want):
-    return float((got.detach().double() - want.detach()).norm() / want.detach().norm().clamp_min(1e-30))
-
-
 def check_against_loop(fn, w13, w2, sizes, seed, backend="aot_eager", **kwargs):
     """Run the compiled ``fn`` at every M of ``sizes``; out and the gradients of x, w13, w2 and topk_weights
     against loop64's. Returns the graphs dynamo made."""
@@ -64,9 +56,9 @@ def check_against_loop(fn, w13, w2, sizes, seed, backend="aot_eager", **kwargs):
         leaves64 = [t.double().requires_grad_(True) for t in (x, w13, w2, topk_weights)]
         want = loop64(leaves64[0], leaves64[1], leaves64[2], ids, leaves64[3])
         wants = torch.autograd.grad(want, leaves64, upstream)
-        assert out.shape == (m, K) and rel_err(out, want) < 1e-5, m
+        assert out.shape == (m, K) and rel_l2(out.detach(), want.detach()) < 1e-5, m
         for name, got, ref in zip(("x", "w13", "w2", "topk_weights"), grads, wants):
-            assert rel_err(got, ref) < 1e-5, (m, name)
+            assert rel_l2(got, ref) < 1e-5, (m, name)
     return counters["stats"]["unique_graphs"]
 
 

@@ -184,8 +184,9 @@ def test_inference_mode_weights_never_kept(interpreter, counts):
     assert not torch.equal(after, outs[0])
 
 
-def test_quantized_weights_take_the_full_path(interpreter, counts):
-    """Weight-only quantized weights (not tensors) never reach the fast path, with or without autograd on."""
+def test_quantized_weights_never_take_bf16_entries(interpreter, counts):
+    """Weight-only quantized weights (not tensors) never use a bf16 entry (their own: ``triton_quant_fast``),
+    with or without autograd on."""
     config = MoEConfig(hidden_size=64, moe_intermediate_size=32, num_experts=E, top_k=2)
     torch.manual_seed(1)
     layer = MoE(config, backend="triton", dtype=torch.bfloat16).eval().quantize_("int8_w8a16")

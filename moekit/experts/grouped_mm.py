@@ -236,7 +236,9 @@ def experts_grouped_mm(
     """The experts contract (``moekit.experts``) through a ``moekit.layouts`` layout: group, GEMMs, combine.
 
     ``memory_budget_bytes`` bounds the activation buffers of one call (None = DEFAULT_MEMORY_BUDGET_BYTES;
-    the biases' per-row gathers are not in its count); ``layout`` "auto" or one of GROUPED_MM_LAYOUTS;
+    the biases' per-row gathers are not in its count; chunked under ``torch.compile``, the chunks' outputs,
+    [M, K] in x's dtype in all, are also held until their cat: ``_run_chunks_traced``);
+    ``layout`` "auto" or one of GROUPED_MM_LAYOUTS;
     ``cpu_gemm`` one of CPU_GEMMS ("auto" = the measured best). ``plan_grouped_mm`` tells which layout
     and chunk size a call gets.
     """
@@ -299,14 +301,17 @@ def _run_chunks_traced(run, chunk: int, x, ex: ExpertParams, topk_ids, topk_weig
     M and overlapping its predecessor (the overlap's rows are computed twice and kept once; a token's row
     depends on that token alone). Every run traces at the static size ``chunk``, so with a symbolic M the
     graph depends on M only through the chunk count (guards: M in ((n-1)*chunk, n*chunk]), never on a
-    remainder's size (a one-token remainder would be specialised)."""
+    remainder's size (a one-token remainder would be specialised). Unlike eager, every chunk's output is held
+    until the cat, cast to x's dtype first (M*K of it beyond the budget, not twice that in float32 for a
+    bf16 x): writing each into one [M, K] as eager does was measured no lower under inductor and higher under
+    aot_eager (functionalised, each write copies the whole [M, K])."""
     num_tokens = x.shape[0]
     count = (num_tokens + chunk - 1) // chunk  # >= 2
     starts = [i * chunk for i in range(count - 1)] + [num_tokens - chunk]
     outs = [run(x.narrow(0, s, chunk), ex, topk_ids.narrow(0, s, chunk), topk_weights.narrow(0, s, chunk), expert_map,
-                cpu_gemm) for s in starts]  # each [chunk, K]
+                cpu_gemm).to(x.dtype) for s in starts]  # each [chunk, K]
     outs[-1] = outs[-1][count * chunk - num_tokens:]  # drop the rows the previous chunk already holds
-    return torch.cat(outs).to(x.dtype)  # [M, K]
+    return torch.cat(outs)  # [M, K]
 
 
 def _run_contiguous(x, ex: ExpertParams, topk_ids, topk_weights, expert_map, cpu_gemm) -> torch.Tensor:

@@ -88,7 +88,7 @@ def run_row_bytes(hidden_size, intermediate_size, dtype: torch.dtype):
     phases: the GEMMs (the row's x, h, activation and y: ``grouped_row_bytes``, what ``choose_layout``
     models) and the combine (x and y, their weighted copy in the accumulation dtype, preceded by an upcast
     copy when y is narrower), plus the row's indices. Arithmetic only: the sizes may be SymInts."""
-    b, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize
+    b, acc = dtype.itemsize, _acc_bytes(dtype)
     gemms = grouped_row_bytes(hidden_size, intermediate_size, b)
     combine = hidden_size * (2 * b + acc + (acc if acc != b else 0))
     return torch.sym_max(gemms, combine) + _INDEX_BYTES_PER_ROW

@@ -67,6 +67,7 @@ from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
+from moekit.experts.triton_quant_fast import clear_quant_fast
 from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for, plan_launches
@@ -89,6 +90,7 @@ def clear_launch_caches() -> None:
     clear_plans()
     clear_sequences()
     clear_fast()
+    clear_quant_fast()
     _DESCRIPTORS.clear()
     _WORKSPACES.clear()
 
@@ -288,15 +290,14 @@ def experts_triton_unchecked(
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
     directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
     kernel constexprs are resolved once per plan, so a variant adds no per-call work here. A repeated call
-    (same weights, same kind) launches from what its first lean call kept (``triton_fast``; on fp8_block weights the
-    fp8 Gluon path's, ``triton_gluon_fp8.run_fast_fp8``)."""
+    (same weights, same kind) launches from what its first lean call kept (``triton_fast``, ``triton_quant_fast``;
+    then, on fp8_block weights, the fp8 Gluon path's: ``triton_gluon_fp8.run_fast_fp8``)."""
     if expert_map is None and b13 is None and b2 is None:
-        if w13.__class__ is Fp8BlockWeight:  # a repeated call the fp8 Gluon path took (``triton_gluon_lean``)
+        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+        if out is None and w13.__class__ is Fp8BlockWeight:  # a repeated call the fp8 Gluon path took
             from moekit.experts.triton_gluon_fp8 import run_fast_fp8  # here: that module imports this one
 
             out = run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
-        else:
-            out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
@@ -307,7 +308,7 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
     """``experts_triton_unchecked`` past the fast path; ``checked``: whether ``check_experts_args`` passed."""
     if (w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN) and is_quantized(w13, w2):  # fp8, weight-only
         return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map,
-                                    b13=b13, b2=b2, options=options)
+                                    b13=b13, b2=b2, options=options, checked=checked)
     if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
         check_triton_args(x, activation, b13, b2)  # raises, naming the argument
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):

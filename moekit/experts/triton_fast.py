@@ -13,6 +13,7 @@ check, the plan lookup, the workspace, descriptor and sequence lookups and goes 
       -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
          path (outputs equal bit for bit)
 
+Calls on quantized weights (``moekit.quant`` objects) go to their own entries (``triton_quant_fast``).
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
 call launched lean. Only calls without an expert map or biases are kept, and never inference-mode weights
 (no version counter to see an in-place update by) or weights that are views (transformers' transposed
@@ -33,6 +34,7 @@ import torch
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_lean import LaunchSequence, launch_lean
 from moekit.experts.triton_plan import Plan
+from moekit.experts.triton_quant_fast import run_quant_fast
 
 MAX_ENTRIES = 4096  # (weights, kind of call, thread) kept; the oldest goes first
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -114,7 +116,7 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     if _dispatching() or _tracing() or _transforming():
         return None
     if x.__class__ not in _PLAIN or w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized, subclasses
-        return None
+        return run_quant_fast(x, w13, w2, ids, weights, activation, options, checked)
     if _grad() and (x.requires_grad or w13.requires_grad or w2.requires_grad or weights.requires_grad):
         return None
     if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())

@@ -9,7 +9,8 @@ Weights (``fp8_block``, COMMON layout): w13_q [E, 2N, K] and w2_q [E, K, N] floa
 time per row per G columns: s = amax / 448 (1 for a zero group), q = round_to_e4m3(v / s).
 
 The alignment (folded into the gate-up GEMM up to ``LaunchOptions.align_fold_max`` assignments), the
-tiny-batch shortcut (A*4 <= E, no expert map), the k-sum and the launch machinery are the bf16 path's
+tiny-batch shortcut (A*4 <= E, no expert map), the k-sum (folded into the down GEMM up to
+``LaunchOptions.sum_fold_max`` tokens where the pool keeps its counters) and the launch machinery are the bf16 path's
 (``triton_align``, ``triton_launch``, ``_kernels/combine``); the GEMMs and the
 quantization are ``_kernels/gemm_fp8`` and ``_kernels/quant_fp8``; the plans ``triton_fp8_plan``. The
 e4m3 weights go to the tiny-batch GEMMs as TMA descriptors where they are contiguous with 16-byte rows
@@ -37,7 +38,7 @@ import torch
 
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton import _runs_directly
-from moekit.experts.triton_align import run_align
+from moekit.experts.triton_align import align_launches
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool
 from moekit.experts.triton_fp8_plan import QUANT_ROWS, Fp8Plan, clear_plans, plan_for
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, is_available, kernels
@@ -195,25 +196,60 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
     if plan.poison:  # a read of a row no kernel wrote shows up as NaN in the output
         for name in ("h_q", "h_s", "y"):
             b[name].fill_(float("nan"))
-    if plan.align is None:
-        rows = (None, None, None)  # the kernels read each block's expert from topk_ids instead
-    else:
-        if not plan.align.folded:  # folded: the gate-up GEMM's programs write the layout
-            run_align(plan.align, ids, expert_map, b)
-        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-    if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
-        x_q, x_s = x, x  # x_s is never read then
-    else:
-        x_q, x_s = b["x_q"], b["x_s"]
-        plan.quantize(x, x_q, x_s)
     w13_arg, w2_arg = w13_q, w2_q
     if plan.descriptor_key is not None:
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
-    plan.gate_up(x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)
-    plan.down(b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
-    plan.sum_slots(b["y"], ids, expert_map if expert_map is not None else ids, out)
+    for launch, pointers in fp8_launches(plan, b, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
+                                         out):
+        launch(*pointers)
     return out
+
+
+def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_shape: tuple[int, int],
+                    options: LaunchOptions) -> tuple:
+    """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the call used),
+    the workspace pool, and its launches as a function of (b, x, ids, weights, out), weights bound."""
+    plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, None, block_shape, None, options)
+    w13_arg, w2_arg = w13_q, w2_q
+    if plan.descriptor_key is not None:
+        pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
+        w13_arg, w2_arg = pair.w13, pair.w2
+
+    def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
+        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg)
+
+    return plan, _WORKSPACES, launches
+
+
+def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
+                 out) -> list:
+    """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
+    shortcut; hist and scan as one with the pool's counters where the plan has it), x quantized (unless gate-up
+    does it), gate-up, down with the k-sum folded in (where the plan has it and ``b`` the pool's counters) or
+    down and the k-sum. ``b``: the workspace's
+    regions; the weight arguments are tensors or the plan's descriptors. Any argument may be a stand-in
+    (``triton_quant_fast`` records where each goes)."""
+    map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    counters = b.get("counters")  # only a pool's workspace keeps them (never while a graph captures)
+    if plan.align is None:
+        rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
+    else:  # folded: the gate-up GEMM's programs write the layout
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+        launches = align_launches(plan.align, ids, map_or_ids, b, counters)
+    if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
+        x_q, x_s = x, x  # x_s is never read then
+    else:
+        x_q, x_s = b["x_q"], b["x_s"]
+        launches.append((plan.quantize, (x, x_q, x_s)))
+    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
+    down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
+    if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
+    else:  # the same sums in the same order, bit for bit
+        launches.append((plan.down, (*down, None, None, None)))
+        launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
+    return launches
 
 
 @torch.library.custom_op("moekit::triton_experts_fp8", mutates_args=())

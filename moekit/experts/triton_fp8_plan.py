@@ -35,7 +35,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import _fold_constexprs, sum_launch
+from moekit.experts.triton_plan import ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -63,8 +63,13 @@ class Fp8Plan:
     # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
     # expert_map (read by a folded alignment only)
     gate_up: BoundLaunch
-    down: BoundLaunch  # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded
-    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
+    # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded,
+    # then None, None, None (down_sum's out, counters, expert_map)
+    down: BoundLaunch
+    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out; ordered (the fold's order)
+    # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule; else None); pointers: down's
+    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one)
+    down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
 
@@ -196,7 +201,11 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
     check_config(config, group)
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True)
+    # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot (the bf16 plan's)
+    down = config.down
+    ksum_counters = num_tokens * cdiv(hidden, down.BLOCK_N) if 0 < num_tokens <= options.sum_fold_max else 0
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
+                           arrival_slot=ksum_counters)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
@@ -211,19 +220,21 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
-    up, down = config.up, config.down
+    up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
         config=config, align=align,
-        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
+                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                                 num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=down_one)),
-        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
+        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
+                              ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
@@ -261,11 +272,18 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     )
 
 
-def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num_pid_m: int, shared: dict) -> BoundLaunch:
-    """h_q [A, N], h_s [A, NB] and y [A, K] are contiguous workspace regions."""
+def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num_pid_m: int, shared: dict,
+                 ksum: tuple | None = None) -> BoundLaunch:
+    """h_q [A, N], h_s [A, NB] and y [A, K] are contiguous workspace regions. ``ksum``: (M, k, expert_map) for
+    the down GEMM with the k-sum folded in (its zero-fill programs after the GEMM's, ``gemm_fp8``'s KSUM)."""
     (num_experts, hidden, n), down = w2_q.shape, config.down
+    programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
+    if ksum is not None:
+        num_tokens, top_k, expert_map = ksum
+        shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
+        programs += cdiv(num_tokens, ZERO_TOKENS)
     return BoundLaunch(
-        kernels("gemm_fp8").down_fp8_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N),), 10,
+        kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,

@@ -36,7 +36,7 @@ from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, Works
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
-from moekit.experts.triton_lean import IDS, MAP, OUT, W13, W2, WEIGHTS, X, Slot, record_launches
+from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, record_launches
 from moekit.triton_bind import BoundLaunch
 
 GLUON_REUSE_MAX_BYTES = 8 << 30  # the largest workspace kept (DeepSeek-V3 bf16 at M = 16384: 5.4 GB)
@@ -276,8 +276,9 @@ def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Ten
         plan, threading.get_ident(), id(w13), s13.data_ptr(), s2.data_ptr())
     sequence = _SEQUENCES.get(key)
     if sequence is None or not sequence.current(b, pair):
-        launches = plan_launches(plan, b, activation_descriptors(plan, b), pair, Slot(X), Slot(IDS), Slot(WEIGHTS),
-                                 Slot(MAP) if has_map else None, Slot(OUT), s13, s2, b.get("counters"))
+        launches = plan_launches(plan, b, activation_descriptors(plan, b), pair, _Slot(X), _Slot(IDS),
+                                 _Slot(WEIGHTS), _Slot(MAP) if has_map else None, _Slot(OUT), s13, s2,
+                                 b.get("counters"))
         sequence = record_launches(launches, b, pair)
         if sequence is None:
             return None

@@ -89,7 +89,9 @@ class LaunchOptions:
     # the separate launch): host -3 to -35 µs per call, GPU (graph) +2.6 to +15 µs at M = 1..64 on Qwen3-30B-A3B
     # and DeepSeek-V3 (+21 and +215 at M = 512), -2 to +1 on Mixtral-8x7B. Eager wall = max(host, GPU) drops
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at
-    # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1.
+    # M = 8 the GPU-bound cells lose (Qwen3 +4.4, DeepSeek +7.3). So it folds at M = 1. The quantized paths fold
+    # under the same limit: fp8_block's down GEMM (eager calls, the pool's counters) and the weight-only ones with
+    # one split (lean eager calls; split-K keeps the launch); not measured on the H200 for them yet.
     sum_fold_max: int = 1
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's

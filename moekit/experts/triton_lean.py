@@ -43,7 +43,7 @@ MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # to five launches, each a data_ptr and a cuPointerGetAttribute in Triton's launcher otherwise).
 
 
-class Slot:
+class _Slot:
     """A stand-in for one of the call's values while a sequence is recorded."""
 
     __slots__ = ("index",)
@@ -170,23 +170,35 @@ def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> Launch
     keeps a compiled launcher: ``cached_launcher`` off, an asynchronous compile)."""
     b = dict(views)
     if large is not None:
-        b["h"], b["y"] = Slot(H), Slot(Y)
+        b["h"], b["y"] = _Slot(H), _Slot(Y)
     if pair is None:
-        w13_arg, up_arg, w2_arg = Slot(W13), None, Slot(W2)
+        w13_arg, up_arg, w2_arg = _Slot(W13), None, _Slot(W2)
     else:
         w13_arg, up_arg, w2_arg = pair.w13, pair.w13_up, pair.w2
-    ids = Slot(IDS)
-    launches = plan_launches(plan, b, Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else Slot(B13),
-                             None if b2 is None else Slot(B2), ids, Slot(WEIGHTS),
-                             None if expert_map is None else Slot(MAP), Slot(OUT), views.get("counters"))
+    ids = _Slot(IDS)
+    launches = plan_launches(plan, b, _Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else _Slot(B13),
+                             None if b2 is None else _Slot(B2), ids, _Slot(WEIGHTS),
+                             None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"))
     return record_launches(launches, views, pair, large)
 
 
 def record_launches(launches: list, views: dict, pair, large=None) -> LaunchSequence | None:
-    """``launches`` ([(BoundLaunch, pointers)], the call's values as ``Slot`` stand-ins) as a sequence, or
-    None while one of them has not been compiled yet. ``views``: the pooled regions they read (the first
-    is the sequence's anchor), ``pair``: the weight descriptors they hold (or None). The Gluon paths'
-    lean launch (``triton_gluon_lean``) records theirs here too."""
+    """``launches`` ([(BoundLaunch, pointers)], the call's values as ``_Slot`` stand-ins) as a sequence, or None
+    while one of them has not been compiled yet. ``views``: the pooled regions they read (the first is the
+    sequence's anchor), ``pair``: the weight descriptors they hold (or None). The Gluon paths' lean launch
+    (``triton_gluon_lean``) records theirs here."""
+    recorded = record_steps(launches)
+    if recorded is None:
+        return None
+    steps, hooks = recorded
+    anchor = weakref.ref(next(iter(views.values()))) if views else None
+    return LaunchSequence(steps, hooks, anchor, None if pair is None else weakref.ref(pair), large)
+
+
+def record_steps(launches: list) -> tuple[list, object] | None:
+    """``launches`` ((BoundLaunch, pointers) in order, stand-ins among the pointers) as a sequence's steps,
+    with Triton's launch hooks where a step is raw; None while one of them has not been compiled yet (or
+    never keeps a compiled launcher). Shared by the quantized paths' sequences (``triton_quant_fast``)."""
     steps, hooks = [], None
     for launch, pointers in launches:
         raw_launch = launch._raw
@@ -202,7 +214,6 @@ def record_launches(launches: list, views: dict, pair, large=None) -> LaunchSequ
             template, entry, raw = [*pointers, *launch.tail], launch._launcher, False
         else:
             return None
-        slots = tuple((i, a.index) for i, a in enumerate(template) if a.__class__ is Slot)
+        slots = tuple((i, a.index) for i, a in enumerate(template) if a.__class__ is _Slot)
         steps.append((entry, template, slots, raw))
-    anchor = weakref.ref(next(iter(views.values()))) if views else None
-    return LaunchSequence(steps, hooks, anchor, None if pair is None else weakref.ref(pair), large)
+    return steps, hooks

@@ -239,6 +239,17 @@ def ksum_constexprs(top_k: int, block_n: int, expert_map) -> dict:
                 ZERO_T=ZERO_TOKENS)
 
 
+def down_launches(kernel, programs: int, split_k: int, scalars: tuple, num_tokens: int, ksum: dict | None,
+                  **constexprs) -> tuple[BoundLaunch, BoundLaunch | None]:
+    """A weight-only down GEMM's launch (grid: ``programs`` x ``split_k``; pointers: its ten, then out, counters,
+    expert_map), and with ``ksum`` (``ksum_constexprs``; one split) the same GEMM with the k-sum folded in, its
+    zero-fill programs after the GEMM's (``gemm.down_kernel``'s KSUM); else None."""
+    down = BoundLaunch(kernel, (programs, split_k), 13, scalars, **constexprs)
+    if ksum is None:
+        return down, None
+    return down, BoundLaunch(kernel, (programs + cdiv(num_tokens, ZERO_TOKENS), 1), 13, scalars, **constexprs, **ksum)
+
+
 def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, expert_map, options,
                split: int = 1, ordered: bool = False) -> BoundLaunch:
     """out[t] = sum of y over token t's routed slots (and over ``split`` split-K partials, the weight-only

@@ -29,10 +29,13 @@ def is_quantized(w13, w2) -> bool:
 
 def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWeight, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, *, activation: str | ActivationSpec, expert_map,
-                         b13, b2, options: LaunchOptions, fp8_choice=None) -> torch.Tensor:
+                         b13, b2, options: LaunchOptions, fp8_choice=None, checked: bool | None = None) -> torch.Tensor:
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
-    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128 rows per expert) wants
-    and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward)."""
+    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128
+    assignments per expert) wants
+    and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward). With
+    ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a fused call keeps its entry
+    for the fast path (``triton_quant_fast``)."""
     scheme = check_quantized_pair(w13, w2)
     reason = _unsupported(scheme, x.dtype, activation, b13, b2)
     if reason is not None:
@@ -51,12 +54,18 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
             return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
                                     fast_key=fp8_fast_key(w13, w2, activation, choice))
 
-        return fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
-                                 expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
-    from moekit.experts.triton_wo import fused_experts_wo
+        out = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
+                                expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)
+    else:
+        from moekit.experts.triton_wo import fused_experts_wo
 
-    return fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, activation=name, expert_map=expert_map,
-                            options=options)
+        out = fused_experts_wo(x, _wo(w13), _wo(w2), topk_ids, topk_weights, activation=name, expert_map=expert_map,
+                               options=options)
+    if checked is not None and fp8_choice is None and expert_map is None:
+        from moekit.experts.triton_quant_fast import remember_quant
+
+        remember_quant(x, w13, w2, topk_ids, topk_weights, activation, options, checked)
+    return out
 
 
 def _unsupported(scheme: str, dtype: torch.dtype, activation, b13, b2) -> str | None:

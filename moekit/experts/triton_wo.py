@@ -5,7 +5,8 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
     dequantized per tile, x routed weight; split-K at decode where its tiles are few] -> [sum over
     splits and k]
 
-The same alignment, tiny-batch shortcut, workspace regions, k-sum and launch options as the 16-bit
+The same alignment, tiny-batch shortcut, workspace regions, k-sum (folded into the down GEMM in lean eager
+calls up to ``LaunchOptions.sum_fold_max`` tokens with one split) and launch options as the 16-bit
 path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Four decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
@@ -40,10 +41,11 @@ import torch
 
 from moekit.activations import act_and_mul, get_activation
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_align import run_align
+from moekit.experts.triton_align import align_launches
+from moekit.experts.triton_cache import WorkspacePool
 from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_plan import (
-    SCHEME_IDS, WeightArgs, check_decode, choose_decode, clear_wo_plans, weight_args, wo_plan_for,
+    SCHEME_IDS, WeightArgs, check_decode, chosen_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch
 from moekit.experts.triton_wo_winners import MIN_M
@@ -208,16 +210,62 @@ def run_experts_wo(
     if options.poison_workspace:
         b["h"].fill_(float("nan"))
         b["y"].fill_(float("nan"))
-    if plan.align is None:
-        rows = (None, None, None)  # naive: the kernels read each block's expert from topk_ids
-    else:
-        run_align(plan.align, ids, expert_map, b)
-        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
-    h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
-    plan.gate_up(x, w13.q, w13.scale, w13.zero, h, ids, *rows)
-    plan.down(h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
-    plan.sum_slots(y, ids, expert_map if expert_map is not None else ids, out)
+    for launch, pointers in wo_launches(plan, b, x, w13, w2, ids, weights, expert_map, out):
+        launch(*pointers)
     return out
+
+
+LEAN_WORKSPACES = WorkspacePool()  # the reused buffers of lean eager calls (``triton_quant_fast``)
+
+
+def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str, options: LaunchOptions):
+    """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the custom op's
+    call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
+    out), weights bound; None for a call the scratch decode runs."""
+    a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
+    a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
+    if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
+        return None
+    # the custom op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
+    op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False,
+                               sum_fold_max=options.sum_fold_max)
+    plan = wo_plan_for(x, a13, a2, ids, weights, None, w13.scheme, activation, None, op_options)
+    b = LEAN_WORKSPACES.buffers(plan.workspace, x.device)
+    warm = wo_launches(plan, b, x, a13, a2, ids, weights, None, torch.empty_like(x))
+    if any(launch._launcher is None and launch._raw is None for launch, _ in warm):
+        # the plain call (the op: a fresh workspace, no counters) ran the separate k-sum; the folded down GEMM
+        # the lean calls launch (and a plan of another fold limit) compiles on one call of them now (output dropped)
+        for launch, pointers in warm:
+            launch(*pointers)
+
+    def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
+        return wo_launches(plan, b, x_arg, a13, a2, ids_arg, weights_arg, None, out_arg)
+
+    return plan, LEAN_WORKSPACES, launches
+
+
+def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights, expert_map, out) -> list:
+    """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless the naive
+    shortcut; hist and scan as one with the pool's counters where the plan has it), gate-up, down with the
+    k-sum folded in (where the plan has it and ``b`` the pool's counters) or down and the sum over splits
+    and slots. ``b``: the workspace's regions (h [A, N],
+    y [SPLIT*A, K]). Any tensor argument may be a stand-in (``triton_quant_fast`` records where each goes)."""
+    map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    counters = b.get("counters")  # only a pool's workspace keeps them (the lean calls')
+    if plan.align is None:
+        rows, launches = (None, None, None), []  # naive: the kernels read each block's expert from topk_ids
+    else:
+        rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
+        launches = align_launches(plan.align, ids, map_or_ids, b, counters)
+    h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
+    launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, h, ids, *rows)))
+    down = (h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
+    if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
+    else:  # the same sums in the same order, bit for bit
+        launches.append((plan.down, (*down, None, None, None)))
+        launches.append((plan.sum_slots, (y, ids, map_or_ids, out)))
+    return launches
 
 
 def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:
@@ -227,8 +275,8 @@ def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode:
     if decode is not None or config is not None or split_k is not None or small:
         return decode == "scratch"
     num_experts, two_n = w13.q.shape[:2]  # the shortcut matters to the fused decodes only
-    return choose_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1], False,
-                         itemsize=x.element_size()) == "scratch"
+    return chosen_decode(scheme, x.shape[0], num_experts, two_n // 2, x.shape[1], ids.shape[1],
+                         x.element_size()) == "scratch"
 
 
 @torch.library.custom_op("moekit::triton_experts_wo", mutates_args=())
@@ -273,5 +321,6 @@ def fused_experts_wo(
 
 
 def clear_launch_caches() -> None:
-    """Drop every weight-only plan (the next call builds them again)."""
+    """Drop every weight-only plan and the lean calls' reused workspaces (the next call builds them again)."""
     clear_wo_plans()
+    LEAN_WORKSPACES.clear()

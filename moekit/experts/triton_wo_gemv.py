@@ -16,6 +16,7 @@ import torch
 
 from moekit.experts.configs import GemmTile, KernelConfig
 from moekit.experts.triton_launch import LaunchOptions, cdiv, kernels
+from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
 PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
@@ -69,9 +70,10 @@ def check_gemv_config(config: KernelConfig, scheme: str) -> None:
 
 def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
                   scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
-                  asm: bool = False) -> tuple[BoundLaunch, BoundLaunch]:
+                  asm: bool = False, ksum: dict | None = None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
     """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
-    passed to the kernels in words); ``split_len`` the down GEMM's reduction elements per split (a
+    passed to the kernels in words), and down with the k-sum folded in where ``ksum`` (else None;
+    ``triton_plan.down_launches``); ``split_len`` the down GEMM's reduction elements per split (a
     multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``)."""
     check_gemv_config(config, scheme)
     num_experts, two_n = w13.q.shape[:2]
@@ -90,11 +92,11 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
-    down_launch = BoundLaunch(
-        module.down_wo_gemv_kernel, (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+    down_launch, down_sum = down_launches(
+        module.down_wo_gemv_kernel, num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per, n,
-         *strides(w2), hidden),
+         *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
         num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
-    return gate_up, down_launch
+    return gate_up, down_launch, down_sum

@@ -31,6 +31,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,7 +43,7 @@ from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
 )
-from moekit.experts.triton_plan import sum_launch
+from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launch
 from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
@@ -118,8 +119,13 @@ class WoPlan:
     split_k: int  # the down GEMM's reduction splits (1: none); y then holds SPLIT partial rows per assignment
     workspace: WorkspaceSpec  # h [A, N], y [SPLIT*A, K] (work dtype; fp32 partials), the alignment's buffers
     gate_up: BoundLaunch  # pointers: x, q13, s13, z13, h, ids, sorted_ids, expert_ids, num_padded
-    down: BoundLaunch  # pointers: h, q2, s2, z2, y, weights, ids, sorted_ids, expert_ids, num_padded
-    sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out: the sum over splits and slots
+    # pointers: h, q2, s2, z2, y, weights, ids, sorted_ids, expert_ids, num_padded, then None, None, None
+    down: BoundLaunch
+    # pointers: y, ids, expert_map (ids without one), out: the sum over splits and slots (one split: ordered)
+    sum_slots: BoundLaunch
+    # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule, and one split; else None);
+    # pointers: down's ten, then out, counters (int32 [M * K tiles], all 0: the pool's), expert_map (ids without one)
+    down_sum: BoundLaunch | None = None
 
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
@@ -184,6 +190,16 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
 
 
+@functools.lru_cache(maxsize=4096)
+def chosen_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int, top_k: int, itemsize: int) -> str:
+    """``choose_decode`` of an unfused call without a map (``run_experts_wo``'s scratch test), kept per
+    call kind: it walks the winners and measured tables, every call from SCRATCH_MIN_TOKENS up."""
+    return choose_decode(scheme, num_tokens, num_experts, n, k, top_k, False, itemsize=itemsize)
+
+
+on_config_cache_clear(chosen_decode.cache_clear)
+
+
 def check_decode(decode: str | None) -> None:
     if decode is not None and decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES} or None (the measured choice), got {decode!r}")
@@ -221,29 +237,40 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     if not interpreting() and decode != "gemv":
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
-    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options)
-    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
-    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
-    if split_k is None:
-        split_k = decode_split_k(config, num_tokens, top_k, num_experts, n, hidden, decode == "gemv")
+    if split_k is None:  # the split decides the fold: BLOCK_M is the shortcut's 16 or the config's here
+        split_k = decode_split_k(replace(config, BLOCK_M=16 if shortcut else config.BLOCK_M), num_tokens, top_k,
+                                 num_experts, n, hidden, decode == "gemv")
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
     split_k = cdiv(n, split_len)  # no empty split
+    # the folded k-sum's counters (M <= sum_fold_max, one split), then the fused hist + scan's arrival slot
+    fold = split_k == 1 and 0 < num_tokens <= options.sum_fold_max
+    ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
+    rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
+                           arrival_slot=ksum_counters)
+    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
+    align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     act = get_activation(activation).kernel_id
+    ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
     if decode == "gemv":
-        gate_up, down = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, SCHEME_IDS[scheme],
-                                      act, options, split_k, split_len, inline_asm_ok(x.device))
+        gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
+                                                SCHEME_IDS[scheme], act, options, split_k, split_len,
+                                                inline_asm_ok(x.device), ksum)
     else:
-        gate_up, down = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode, act,
-                                       options, split_k, split_len)
+        gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
+                                                 act, options, split_k, split_len, ksum)
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
-        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ())),
+        workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
+                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
         gate_up=gate_up, down=down,
-        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k),
+        sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k,
+                             ordered=split_k == 1),
+        down_sum=down_sum,
     )
+
 
 
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
@@ -277,9 +304,9 @@ def decode_split_k(config: KernelConfig, num_tokens: int, top_k: int, num_expert
 
 def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: KernelConfig, num_pid_m: int,
                    naive: bool, scheme: str, decode: str, act: int, options: LaunchOptions, split_k: int,
-                   split_len: int) -> tuple[BoundLaunch, BoundLaunch]:
-    """The gate-up and down launches of ``decode``'s kernels; h [A, N] and y [A, K] are contiguous
-    workspace regions."""
+                   split_len: int, ksum: dict | None = None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
+    """The gate-up and down launches of ``decode``'s kernels, and down with the k-sum folded in where
+    ``ksum`` (``triton_plan.down_launches``); h [A, N] and y [A, K] are contiguous workspace regions."""
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments = two_n // 2, x.shape[1], x.shape[0] * top_k
     module, gate_up_name, down_name = _KERNELS[decode]
@@ -296,10 +323,11 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
-    down_launch = BoundLaunch(
-        getattr(gemm, down_name), (num_pid_m * cdiv(hidden, down.BLOCK_N), split_k), 10,
+    down_launch, down_sum = down_launches(
+        getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2], num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
+        x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
-    return gate_up, down_launch
+    return gate_up, down_launch, down_sum

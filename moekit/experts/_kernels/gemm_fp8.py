@@ -20,7 +20,10 @@ Narrower tiles (H_FP32: BN < BK, for more programs at decode sizes) write h in f
 the down GEMM quantizes each [BM, BK] step of it as it loads it (the same groups, the same rounding;
 each down program redoes it, which costs little only where M is small).
 down: the reduction runs over N in steps of BK, one h scale and one w2 scale per step; the routed
-weight is applied in the epilogue; y is summed over the k slots by ``combine``.
+weight is applied in the epilogue; y is summed over the k slots by ``combine``: a launch of its own, or
+(KSUM, M <= ``LaunchOptions.sum_fold_max``, eager calls with the pool's kept counters) in the down GEMM's
+epilogue, exactly as ``gemm.down_kernel``'s KSUM (its docstring): the same ``combine`` helpers, bit for
+bit the ordered separate k-sum.
 
 FOLD (gate-up only, A <= ``LaunchOptions.align_fold_max``): the bf16 gate-up's folded alignment
 (``gemm._gate_up_rows``): no alignment launch; each program derives its block from the ids, and the
@@ -46,6 +49,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
@@ -174,13 +178,21 @@ def _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, B
 def down_fp8_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
     wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -189,6 +201,8 @@ def down_fp8_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
@@ -208,11 +222,7 @@ def down_fp8_kernel(
         else:
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
-        if H_FP32:  # this step is one group of h's columns: quantize it here (the epilogue's twin)
-            hs = group_scale(tl.max(tl.abs(ha), axis=1))  # [BM]
-            ha = to_e4m3(ha / hs[:, None], EMULATE)
-        else:
-            hs = tl.load(hs_ptrs, mask=row_ok, other=0.0)
+        ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
         acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK)
         h_ptrs += BLOCK_K
         hs_ptrs += 1
@@ -222,3 +232,6 @@ def down_fp8_kernel(
     acc = acc * weight[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)

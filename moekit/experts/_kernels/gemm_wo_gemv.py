@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.wo_words import word_values
 
@@ -265,22 +266,34 @@ def _down_out(acc, xt, s_rows, out_ok, weights_ptr, y_ptr, row, ok, num_assignme
 def down_wo_gemv_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, NW, num_assignments, num_experts, num_pid_m, split_words,  # NW: words of a w2 row
     stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr,
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
-    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]."""
+    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring."""
     wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        row_ok = rows < num_assignments
+        safe_rows = tl.where(row_ok, rows, 0)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
@@ -306,3 +319,6 @@ def down_wo_gemv_kernel(
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:
         _down_out(acc1, xt1, s_rows, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym, SCHEME)
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)

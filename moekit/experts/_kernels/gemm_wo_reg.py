@@ -63,8 +63,9 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.gemm_wo import _load_weights
+from moekit.experts._kernels.gemm_wo import _load_weights, _store_y
 
 @triton.jit
 def _base(DTYPE: tl.constexpr):
@@ -268,18 +269,23 @@ def gate_up_wo_reg_kernel(
 def down_wo_reg_kernel(
     h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, N_STORED, num_assignments, num_experts, num_pid_m, split_len,  # N_STORED: bytes of a w2 row
     stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers. BLOCK_N tiles the output columns (K), the reduction runs over N. Split-K (SPLIT > 1,
-    grid axis 1 = split s): program (.., s) reduces N in [s * split_len, (s + 1) * split_len)
-    (split_len a multiple of BLOCK_K, so no step straddles two splits) into its own partial rows
-    y[s * A + a]; ``combine.sum_slots_kernel`` sums them."""
+    """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module docstring)."""
     wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
@@ -287,6 +293,8 @@ def down_wo_reg_kernel(
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     out = offs_out.to(tl.int64)
@@ -311,10 +319,7 @@ def down_wo_reg_kernel(
                              acc, BLOCK_M, SPAN, SCHEME, ASM)
             mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
-    if SCHEME == 0:
-        acc *= tl.load(s_rows, mask=out_ok, other=0.0)[None, :]
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    acc = acc * weight[:, None]
-    y_rows = tl.program_id(1) * num_assignments + safe_rows  # [BM] int64: this split's partial rows
-    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_out[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+    _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments, stride_ym, SCHEME)
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)

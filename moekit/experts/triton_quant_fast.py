@@ -1,0 +1,220 @@
+"""The fast path of eager Triton experts calls on quantized weights (fp8_block off the Gluon path,
+int8_w8a16, int4_w4a16, mxfp4): the bf16 path's lean machinery (``triton_fast``'s entries, ``triton_lean``'s
+recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``'s weight objects.
+
+    key:   id(w13), id(w2) (the QuantizedWeight objects); x, ids, weights: shape, dtype, device; activation,
+           options (as asked), thread
+    entry: w13 and w2 (weakly) with each of their tensors' identity, _version and data_ptr; the plan's launches
+           recorded once as a LaunchSequence (weights, descriptors, pooled workspace, grids, scalars fixed; x,
+           ids, weights, out and the regions allocated per call as stand-ins); the pool's generation, the
+           CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
+    a hit: what ``triton_fast.run_fast`` asks of a bf16 hit (eager, no autograd graph, x/ids/weights contiguous
+           and 16-byte aligned, no capture, the same stream, the pool's buffers kept, no retune or clear since,
+           no launch hook; fp8: the default Gluon choice the entry was kept under), and every weight tensor the same object, unchanged (an in-place update bumps its
+           _version, a move its data_ptr)
+      -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
+
+An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no
+expert map, no biases, the default fp8 choice, M >= 1; the plain call compiled the launches, so the second
+call of a kind records and the third launches lean. Not kept: the weight-only "scratch" decode (many
+launches over expert chunks, from SCRATCH_MIN_TOKENS; its decode choice is cached per kind instead,
+``triton_wo_plan.chosen_decode``), inference-mode weights (no version counter), calls whose plan has not
+compiled. The weight-only plain path allocates its workspace per call; its lean calls take theirs from a
+reused pool (``triton_wo.LEAN_WORKSPACES``), as the bf16 and fp8 eager paths do. ``clear_quant_fast``
+(``triton.clear_launch_caches``, a retune) drops every entry; an entry goes when its w13 is freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from threading import get_ident
+
+import torch
+
+from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.triton_lean import LaunchSequence, _Slot, record_steps
+from moekit.quant import QuantizedWeight
+
+X, IDS, WEIGHTS, OUT = range(4)  # the call's values; then one per region allocated per call (FRESH + i)
+FRESH = 4
+MAX_ENTRIES = 4096
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_MEMO: dict[tuple, "QuantEntry"] = {}
+_epoch = [0]
+_lock = threading.Lock()
+_dispatching = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._is_tracing
+_transforming = torch._C._are_functorch_transforms_active
+_grad = torch.is_grad_enabled
+
+
+def clear_quant_fast() -> None:
+    _epoch[0] += 1
+    _MEMO.clear()
+
+
+on_config_cache_clear(clear_quant_fast)  # a retune drops the plans: the entries hold their launches
+
+
+class QuantEntry:
+    """One kept call: its weight objects as they were, the recorded launches, what they were recorded under."""
+
+    __slots__ = ("w13", "w2", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch", "checked",
+                 "choice")
+
+    def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool,
+                 choice):
+        self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), weight_state(w13_ref(), w2)
+        self.sequence, self.fresh, self.pool, self.checked = sequence, fresh, pool, checked
+        self.generation, self.epoch = stamp
+        self.stream = stream
+        # fp8: (triton_gluon_fp8, its DEFAULT_FP8_CHOICE then): the call stayed off the Gluon path under that
+        # choice, so a new default (it may send this kind to Gluon) makes the entry stale; None: weight-only
+        self.choice = choice
+
+
+def weight_state(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple:
+    """Each tensor of both weights: identity, version (an in-place update), address (a move)."""
+    state = []
+    for w in (w13, w2):
+        for name in w.tensor_fields:
+            t = getattr(w, name)
+            state += (id(t), t._version, t.data_ptr())
+    return tuple(state)
+
+
+def _stream(device: torch.device):
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+
+
+def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
+    """out [M, K] launched from the kept entry of this call, or None (a miss: the full path runs). Called
+    by ``triton_fast.run_fast`` for weights that are not plain tensors; its eager/tracing tests have run."""
+    if x.__class__ not in _PLAIN or not isinstance(w13, QuantizedWeight):
+        return None
+    if _grad() and (x.requires_grad or weights.requires_grad):
+        return None
+    if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
+            or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
+        return None
+    entry = _MEMO.get((id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+                       ids.device, weights.device, activation, options, get_ident()))
+    if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
+            or entry.w2() is not w2 or entry.generation != entry.pool.generation
+            or entry.state != weight_state(w13, w2)):
+        return None
+    if entry.stream is not None and (_stream(x.device) != entry.stream or torch._C._cuda_isCurrentStreamCapturing()):
+        return None
+    if entry.choice is not None and entry.choice[0].DEFAULT_FP8_CHOICE is not entry.choice[1]:
+        return None
+    sequence = entry.sequence
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    return _launch(entry, x, ids, weights)
+
+
+def _launch(entry: QuantEntry, x, ids, weights) -> torch.Tensor:
+    out = torch.empty_like(x)  # [M, K]; x is contiguous here
+    sequence, fresh = entry.sequence, entry.fresh
+    if fresh is None:
+        sequence.launch((x, ids, weights, out))
+        return out
+    buffer = torch.empty(fresh.nbytes, dtype=torch.uint8, device=x.device)  # held until the launches are queued
+    if sequence.addressed is not None:  # every launch raw: the regions as addresses
+        base = buffer.data_ptr()
+        regions = tuple(base + offset for offset in fresh.offsets)
+    else:
+        regions = tuple(fresh.carve(buffer).values())
+    sequence.launch((x, ids, weights, out, *regions))
+    return out
+
+
+def remember_quant(x, w13, w2, ids, weights, activation, options, checked: bool) -> None:
+    """Keep the entry of a plain fused call that just ran (``run_quantized_triton``; no map, biases or
+    Gluon choice), where the fast path could serve it and its launches have compiled."""
+    if not options.fast_ready or torch.compiler.is_compiling() or _dispatching() or _tracing() or _transforming():
+        return
+    if x.__class__ not in _PLAIN or ids.numel() == 0 or x.shape[1] == 0:
+        return
+    if _grad() and (x.requires_grad or weights.requires_grad):
+        return
+    if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
+            or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
+        return
+    tensors = [getattr(w, name) for w in (w13, w2) for name in w.tensor_fields]
+    if any(t.is_inference() or t.requires_grad for t in tensors):  # no version counter / an autograd graph
+        return
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    inputs = _lean_inputs(x, w13, w2, ids, weights, activation, options)
+    if inputs is None:
+        return
+    plan, pool, make_launches = inputs
+    for _ in range(2):  # again where the views grew the pool's buffer (a new generation) as they were carved
+        stamp = (pool.generation, _epoch[0])  # before the views: a clear or a new buffer from here on makes it stale
+        recorded = _record(plan.workspace, pool, x.device, make_launches)
+        if recorded is None:
+            return
+        if pool.generation == stamp[0]:
+            break
+    _keep(x, w13, w2, ids, weights, activation, options, recorded, pool, stamp, checked)
+
+
+def _lean_inputs(x, w13, w2, ids, weights, activation, options):
+    """(plan, pool, launches(b, x, ids, weights, out)) of the scheme's plain path for this call, or None."""
+    if w13.scheme == "fp8_block":
+        from moekit.experts.triton_fp8 import fp8_lean_inputs
+
+        return fp8_lean_inputs(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, tuple(w13.block_shape), options)
+    from moekit.activations import as_spec
+    from moekit.experts.triton_quant import _wo
+    from moekit.experts.triton_wo import wo_lean_inputs
+
+    return wo_lean_inputs(x, _wo(w13), _wo(w2), ids, weights, as_spec(activation).name, options)
+
+
+def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
+    """(sequence, the per-call regions' spec or None) of one plan on the pool's buffers; None while a
+    launch has not compiled."""
+    fresh = None
+    if spec.nbytes > pool.max_bytes:  # the pool's policy: the alignment's regions kept, the rest per call
+        parts = spec.parts()
+        views, fresh = dict(pool.pooled(parts.pooled, device)), parts.fresh
+        views.update({name: _Slot(FRESH + i) for i, name in enumerate(fresh.names)})
+    else:
+        views = pool.pooled(spec, device)
+    recorded = record_steps(make_launches(views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT)))
+    if recorded is None:
+        return None
+    steps, hooks = recorded
+    return LaunchSequence(steps, hooks, None, None, None), fresh
+
+
+def _keep(x, w13, w2, ids, weights, activation, options, recorded: tuple, pool, stamp: tuple, checked: bool) -> None:
+    key = (id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
+           ids.device, weights.device, activation, options, get_ident())
+
+    def forget(ref: weakref.ref) -> None:  # w13 freed: its entry goes with it
+        entry = _MEMO.get(key)
+        if entry is not None and entry.w13 is ref:
+            _MEMO.pop(key, None)
+
+    sequence, fresh = recorded
+    choice = None
+    if w13.scheme == "fp8_block":
+        import moekit.experts.triton_gluon_fp8 as gluon_fp8
+
+        choice = (gluon_fp8, gluon_fp8.DEFAULT_FP8_CHOICE)
+    entry = QuantEntry(weakref.ref(w13, forget), w2, sequence, fresh, pool, stamp, _stream(x.device), checked, choice)
+    with _lock:
+        _MEMO.pop(key, None)
+        if len(_MEMO) >= MAX_ENTRIES:
+            _MEMO.pop(next(iter(_MEMO), None), None)
+        _MEMO[key] = entry
+
+
+def kept_entries() -> int:
+    """How many calls are kept (for tests)."""
+    return len(_MEMO)

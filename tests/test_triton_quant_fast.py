@@ -1,0 +1,239 @@
+"""The lean eager path of the quantized Triton experts (``triton_quant_fast``) under Triton's interpreter:
+fp8_block and every weight-only scheme. A repeated call is served from its kept entry with the plain
+path's output bit for bit (``lean_launch=False``), without the argument checks or the plan lookup; it
+misses, running the plain path, after an in-place weight update, with new weight objects or tensors
+moved under the same object, new workspaces, a retune, autograd (the custom op's path), or an expert map;
+M = 0 and bad arguments still take the plain path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from moekit.experts.configs import clear_config_cache  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
+from moekit.quant import quantize  # noqa: E402
+
+E, K, N, TOP_K = 4, 64, 32, 2
+PLAIN = LaunchOptions(lean_launch=False)
+SCHEMES = {"fp8_block": dict(block_shape=(32, 32)), "int8_w8a16": {}, "int4_w4a16": dict(group_size=32),
+           "mxfp4": {}}
+# fp8 quantizes the activations too (e4m3, ~2^-4 relative per value); the weight-only paths keep bf16 x and h
+TOL = {"fp8_block": 8e-2, "int8_w8a16": 2e-2, "int4_w4a16": 2e-2, "mxfp4": 2e-2}
+
+
+@pytest.fixture
+def counts(interpreter, monkeypatch):
+    """Counts the calls the quantized fast path served, and the plain path's checks and plan lookups."""
+    from moekit.experts import triton_fp8, triton_quant_fast, triton_wo
+
+    seen = {"hits": 0, "checks": 0, "plans": 0}
+
+    def wrap(module, name, what):
+        real = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            seen[what] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    wrap(triton_quant_fast, "_launch", "hits")
+    wrap(triton_fp8, "check_fp8_args", "checks")
+    wrap(triton_wo, "check_wo_args", "checks")
+    wrap(triton_fp8, "plan_for", "plans")
+    wrap(triton_wo, "wo_plan_for", "plans")
+    interpreter.clear_launch_caches()
+    return seen
+
+
+def _weights(scheme: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).bfloat16()
+    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).bfloat16()
+    return quantize(w13, scheme, **SCHEMES[scheme]), quantize(w2, scheme, **SCHEMES[scheme])
+
+
+def _routing(m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).bfloat16()
+    ids = torch.rand(m, E, generator=g).argsort(dim=1)[:, :TOP_K].int()  # distinct experts per token
+    weights = torch.softmax(torch.rand(m, TOP_K, generator=g), dim=1)
+    return x, ids, weights
+
+
+def _float64_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
+    """sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights, e = ids[t, j]."""
+    w13, w2 = q13.dequantize().double(), q2.dequantize().double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) if expert_map is None else int(expert_map[ids[t, j]])
+            if e < 0:
+                continue
+            h = w13[e] @ x[t].double()
+            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
+    return out
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _same_as_plain(tri, x, q13, q2, ids, weights, **kwargs) -> torch.Tensor:
+    got = tri.experts_triton(x, q13, q2, ids, weights, **kwargs)
+    assert torch.equal(got, tri.experts_triton(x, q13, q2, ids, weights, options=PLAIN, **kwargs))
+    return got
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("m", [1, 5])
+def test_repeated_call_served_equal_to_plain_path(interpreter, counts, scheme, m):
+    q13, q2 = _weights(scheme)
+    x, ids, weights = _routing(m, 0)
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # compiles; the entry is recorded after
+    assert counts["hits"] == 0
+    before = dict(counts)
+    for seed in (1, 2):  # new activations and routings of the same kind: served
+        x, ids, weights = _routing(m, seed)
+        got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+        assert _rel(got, _float64_loop(x, q13, q2, ids, weights)) < TOL[scheme]
+    assert counts["hits"] - before["hits"] == 2
+    assert counts["checks"] - before["checks"] == 2  # the plain calls' only: a served call checks nothing
+    assert counts["plans"] - before["plans"] == 2
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "int4_w4a16"])
+def test_empty_batch_and_expert_map_take_the_plain_path(interpreter, counts, scheme):
+    q13, q2 = _weights(scheme)
+    x, ids, weights = _routing(0, 0)
+    for _ in range(3):
+        assert torch.equal(_same_as_plain(interpreter, x, q13, q2, ids, weights), torch.zeros(0, K).bfloat16())
+    x, ids, weights = _routing(3, 1)
+    expert_map = torch.tensor([0, -1, 2, 3], dtype=torch.int32)  # expert 1 not local
+    for _ in range(3):
+        got = _same_as_plain(interpreter, x, q13, q2, ids, weights, expert_map=expert_map)
+    assert _rel(got, _float64_loop(x, q13, q2, ids, weights, expert_map)) < TOL[scheme]
+    assert counts["hits"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "mxfp4"])
+def test_misses_when_the_weights_change(interpreter, counts, scheme):
+    q13, q2 = _weights(scheme)
+    x, ids, weights = _routing(4, 0)
+    for _ in range(3):
+        first = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    hits = counts["hits"]
+    q13.scale.mul_(2) if scheme == "fp8_block" else q2.q.copy_(q2.q.flip(0))  # in place: _version moves
+    updated = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert not torch.equal(updated, first) and counts["hits"] == hits
+    new13, new2 = _weights(scheme, seed=1)  # new weight objects of the same kind
+    _same_as_plain(interpreter, x, new13, new2, ids, weights)
+    assert counts["hits"] == hits
+    object.__setattr__(new2, "q", new2.q.clone())  # the same object, its tensor moved to new storage
+    moved = _same_as_plain(interpreter, x, new13, new2, ids, weights)
+    assert counts["hits"] == hits
+    assert torch.equal(_same_as_plain(interpreter, x, new13, new2, ids, weights), moved)
+    assert counts["hits"] == hits + 1
+
+
+def test_misses_after_new_workspaces_a_retune_or_with_autograd(interpreter, counts):
+    from moekit.experts import triton_quant_fast, triton_wo
+
+    q13, q2 = _weights("int4_w4a16")
+    x, ids, weights = _routing(3, 0)
+    for _ in range(3):
+        want = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    hits = counts["hits"]
+    triton_wo.LEAN_WORKSPACES.clear()  # the recorded addresses are stale
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    clear_config_cache()  # a retune: every entry dropped
+    assert triton_quant_fast.kept_entries() == 0
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    with torch.enable_grad():  # through the custom op (the traced path): the same output
+        x_grad = x.clone().requires_grad_()
+        got = interpreter.experts_triton(x_grad, q13, q2, ids, weights)
+        assert torch.equal(got.detach(), want)
+    assert counts["hits"] == hits
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == hits + 1
+
+
+def test_fp8_custom_op_equals_served_call(interpreter, counts):
+    """The fp8 custom op (what torch.compile and CUDA graphs run) against the fast path's output."""
+    q13, q2 = _weights("fp8_block")
+    x, ids, weights = _routing(4, 2)
+    for _ in range(3):
+        served = interpreter.experts_triton(x, q13, q2, ids, weights)
+    assert counts["hits"] == 2  # the first call compiles, then is kept
+    op = torch.ops.moekit.triton_experts_fp8(x, q13.q, q13.scale, q2.q, q2.scale, ids, weights, None, 32, 32,
+                                              True, False, False)
+    assert torch.equal(op, served)
+
+
+def test_public_call_checks_what_only_unchecked_calls_kept(interpreter, counts):
+    from moekit.experts.triton import experts_triton_unchecked
+
+    q13, q2 = _weights("int8_w8a16")
+    x, ids, weights = _routing(2, 0)
+    for _ in range(3):
+        experts_triton_unchecked(x, q13, q2, ids, weights)
+    assert counts["hits"] == 2
+    interpreter.experts_triton(x, q13, q2, ids, weights)  # public: the entry vouches for nothing, checked once
+    assert counts["hits"] == 2
+    with pytest.raises(ValueError, match="topk_ids"):
+        interpreter.experts_triton(x, q13, q2, ids[:1], weights[:1])
+
+
+def test_quantized_layer_served_equal_to_plain_path(interpreter, counts):
+    """``MoE.quantize_`` then repeated forwards (``ExpertsCallCache`` tries the fast path first): served, equal."""
+    from moekit import MoE, MoEConfig
+
+    config = MoEConfig(hidden_size=K, moe_intermediate_size=N, num_experts=E, top_k=TOP_K)
+    torch.manual_seed(1)
+    layer = MoE(config, backend="triton", dtype=torch.bfloat16).eval().quantize_("int4_w4a16", group_size=32)
+    x = torch.randn(3, K).bfloat16()
+    with torch.no_grad():
+        outs = [layer(x) for _ in range(3)]
+    assert counts["hits"] == 2 and all(torch.equal(out, outs[0]) for out in outs)
+
+
+def test_misses_on_another_device_or_stream(interpreter, counts, monkeypatch):
+    """An entry kept for another device (its key) or another CUDA stream (its record) never serves."""
+    from moekit.experts import triton_quant_fast
+
+    q13, q2 = _weights("int8_w8a16")
+    x, ids, weights = _routing(2, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1
+    other = torch.device("cuda", 0)  # the kept entry as if it had been kept on a GPU
+    memo = triton_quant_fast._MEMO
+    for key in list(memo):
+        memo[tuple(other if part == x.device else part for part in key)] = memo.pop(key)
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # misses, kept again for the CPU
+    assert counts["hits"] == 1
+    for key, entry in memo.items():
+        entry.stream = 7  # kept on stream 7; this call's is None
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1
+
+
+def test_fp8_entry_misses_under_a_new_default_gluon_choice(interpreter, counts, monkeypatch):
+    """An fp8 call kept off the Gluon path is not served once the default choice changes (it may want Gluon)."""
+    import moekit.experts.triton_gluon_fp8 as gluon_fp8
+
+    q13, q2 = _weights("fp8_block")
+    x, ids, weights = _routing(2, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 1
+    monkeypatch.setattr(gluon_fp8, "DEFAULT_FP8_CHOICE", gluon_fp8.Fp8GluonChoice(min_flops=None))
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # misses, kept again under the new choice
+    assert counts["hits"] == 1
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == 2
