@@ -46,7 +46,7 @@ class BoundLaunch:
     is ``kernel[grid]`` itself, called with the same full argument list, so tests run the bookkeeping.
     """
 
-    __slots__ = ("kernel", "grid", "tail", "options", "cached", "raw", "_launcher", "_raw")
+    __slots__ = ("kernel", "grid", "tail", "options", "cached", "raw", "_launcher", "_raw", "_named")
 
     def __init__(self, kernel, grid: tuple, num_pointers: int, scalars: tuple, cached: bool, raw: bool = True,
                  **constexprs_and_options):
@@ -59,6 +59,10 @@ class BoundLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # a compiled launcher reads grid[0..2]
         self.tail = (*scalars, *(constexprs_and_options.pop(n, defaults[n]) for n in rest))  # signature order
         self.options = constexprs_and_options  # what is left: Triton's num_warps, num_stages, launch_pdl
+        # the trailing parameters by name for the compiling call: Triton takes its compile options from the keyword
+        # arguments only, so a parameter that is also an option (a Gluon kernel's ``num_warps: gl.constexpr``)
+        # passed by position would compile with the option's default
+        self._named = tuple(rest)
         self.cached = cached
         self.raw = raw and cached  # the C launch past Triton's Python wrappers (``RawLaunch``), where it exists
         self._launcher = None
@@ -73,7 +77,10 @@ class BoundLaunch:
         if launcher is not None:
             launcher(*pointers, *self.tail)
             return
-        compiled = self.kernel[self.grid](*pointers, *self.tail, **self.options)
+        named = self._named
+        split = len(self.tail) - len(named)  # the scalars, then the named rest
+        compiled = self.kernel[self.grid](*pointers, *self.tail[:split], **dict(zip(named, self.tail[split:])),
+                                          **self.options)
         if self.cached:
             self._launcher = _launcher_of(compiled, self.kernel, self.grid, self.options)
             self.cached = self._launcher is not None  # else kernel[grid] for good, without asking again

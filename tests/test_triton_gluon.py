@@ -179,7 +179,7 @@ def test_calls_that_need_autograd_take_the_triton_kernels(monkeypatch):
 
     taken = []
     monkeypatch.setattr(tg, "gluon_supported", lambda device: True)
-    monkeypatch.setattr(tg, "experts_gluon",
+    monkeypatch.setattr(tg, "launch_gluon",
                         lambda x, *args, **kwargs: taken.append(x.shape[0]) or torch.zeros_like(x))
     w13, w2 = _weights()
     ids, weights = _routing(20, 2)

@@ -145,7 +145,7 @@ def test_cpu_falls_back_to_the_triton_fp8_kernels():
     assert not gluon_fp8_supported("cpu")
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
-    out = experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1))
+    out = experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
     from moekit.experts import get_backend
 
     assert torch.equal(out, get_backend("triton")(x, w13, w2, ids, weights))
@@ -161,15 +161,15 @@ def test_backend_takes_the_fp8_path_only_where_chosen_and_plain(monkeypatch):
 
     taken = []
     monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
-    monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
+    monkeypatch.setattr(tgf, "launch_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
     flops = 6.0 * 24 * 2 * N * K  # this call: M=24, k=2
-    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops))
+    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops, min_rows_per_expert=0))
     assert taken == [24]
-    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops * 1.01))
+    experts_triton_gluon(x, w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=flops * 1.01, min_rows_per_expert=0))
     experts_triton_gluon(x, w13, w2, ids, weights)  # the default choice
-    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1))
+    experts_triton_gluon(x.clone().requires_grad_(True), w13, w2, ids, weights, fp8_choice=Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
     assert taken == [24]
 
 
@@ -181,14 +181,14 @@ def test_triton_backend_takes_the_fp8_path_by_its_default_choice(monkeypatch):
 
     taken = []
     monkeypatch.setattr(tgf, "gluon_fp8_supported", lambda device: True)
-    monkeypatch.setattr(tgf, "experts_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
+    monkeypatch.setattr(tgf, "launch_gluon_fp8", lambda x, *a, **kw: taken.append(x.shape[0]) or torch.zeros_like(x))
     x, q, ids, weights = _problem()
     w13, w2 = _fp8_weights(q)
     flops = 6.0 * 24 * 2 * N * K
-    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops * 1.01))
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops * 1.01, min_rows_per_expert=0))
     below = get_backend("triton")(x, w13, w2, ids, weights)
     assert taken == [] and below.abs().sum() > 0  # the Triton fp8 kernels ran
-    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops))
+    monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", Fp8GluonChoice(min_flops=flops, min_rows_per_expert=0))
     get_backend("triton")(x, w13, w2, ids, weights)
     assert taken == [24]
 
@@ -227,13 +227,18 @@ def test_unfit_calls_raise_naming_the_reason(monkeypatch):
 
 
 def test_default_choice_takes_the_cells_measured_faster_both_ways():
-    """The H200's cells (graph replay and eager both faster on the Gluon path, or not): 6*M*k*N*K >= 1e12."""
+    """The H200's cells (graph replay and eager both faster on the Gluon path, or not): 6*M*k*N*K >= 3e11 and
+    M*k >= 128 E."""
     choice = Fp8GluonChoice()
-    qwen3, deepseek, mixtral = (8, 768, 2048), (8, 2048, 7168), (2, 14336, 4096)  # (k, N, K)
-    assert choice.wants(16384, *qwen3) and not choice.wants(4096, *qwen3)  # 4096: 1.35x graph, 0.73x eager
-    assert choice.wants(4096, *deepseek) and not choice.wants(1024, *deepseek)
-    assert choice.wants(4096, *mixtral) and not choice.wants(1024, *mixtral)  # 1024: 1.29x graph, 0.71x eager
+    qwen3, deepseek, mixtral = (8, 768, 2048, 128), (8, 2048, 7168, 256), (2, 14336, 4096, 8)  # (k, N, K, E)
+    assert choice.wants(16384, *qwen3) and choice.wants(4096, *qwen3)  # 4096: 1.27x graph, 1.28x eager (lean)
+    assert not choice.wants(1024, *qwen3)  # 0.96x graph: 64 rows per expert
+    assert choice.wants(4096, *deepseek) and not choice.wants(1024, *deepseek)  # 1024: 0.83x graph, 32 rows
+    assert choice.wants(4096, *mixtral) and choice.wants(1024, *mixtral)  # 1024: 1.22x graph, 1.25x eager
+    assert choice.wants(512, *mixtral)  # 128 rows per expert, 3.6e11 FLOPs: 1.14x graph, 1.26x eager
+    assert not choice.wants(256, *mixtral)  # 1.8e11 FLOPs: below every measured win
     assert not Fp8GluonChoice(min_flops=None).wants(1 << 20, *mixtral)
+    assert not Fp8GluonChoice(min_flops=1).wants(64, *mixtral)  # 16 rows per expert
 
 
 def test_pingpong_is_refused_for_the_gate_up_gemm():

@@ -72,6 +72,7 @@ from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequen
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
 from moekit.experts.triton_plan import DTYPES, Plan, check_triton_args, clear_plans, plan_for, plan_launches
 from moekit.experts.triton_quant import is_quantized, run_quantized_triton
+from moekit.quant.fp8_block import Fp8BlockWeight
 
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
@@ -81,7 +82,11 @@ _DEFAULT_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
-    """Drop every plan, weight descriptor and reused workspace (the next call builds them again)."""
+    """Drop every plan, weight descriptor and reused workspace (the next call builds them again), the
+    Gluon paths' too (``triton_gluon_lean``)."""
+    from moekit.experts.triton_gluon_lean import clear_gluon_caches
+
+    clear_gluon_caches()
     clear_plans()
     clear_sequences()
     clear_fast()
@@ -285,9 +290,14 @@ def experts_triton_unchecked(
     which resolves the "triton" backend to this): only this backend's own checks, then the kernels,
     directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
     kernel constexprs are resolved once per plan, so a variant adds no per-call work here. A repeated call
-    (same weights, same kind) launches from what its first lean call kept (``triton_fast``)."""
+    (same weights, same kind) launches from what its first lean call kept (``triton_fast``, ``triton_quant_fast``;
+    then, on fp8_block weights, the fp8 Gluon path's: ``triton_gluon_fp8.run_fast_fp8``)."""
     if expert_map is None and b13 is None and b2 is None:
         out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+        if out is None and w13.__class__ is Fp8BlockWeight:  # a repeated call the fp8 Gluon path took
+            from moekit.experts.triton_gluon_fp8 import run_fast_fp8  # here: that module imports this one
+
+            out = run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)

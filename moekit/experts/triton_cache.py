@@ -118,8 +118,10 @@ class WorkspacePool:
     and y; fp8's x_q, h_q, ...) is carved per call from one fresh byte buffer (``WorkspaceSpec.parts``);
     the alignment's regions and the counters stay pooled."""
 
-    def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256):
+    def __init__(self, max_bytes: int = REUSE_MAX_BYTES, max_entries: int = 8, max_views: int = 256,
+                 pow2: bool = True):
         self.max_bytes, self.max_entries, self.max_views = max_bytes, max_entries, max_views
+        self.pow2 = pow2  # grow to a power of two (at most max_bytes); off: to the size asked (GB-sized workspaces)
         self._workspaces: dict[tuple, _Workspace] = {}
         self._counters: dict[tuple, torch.Tensor] = {}  # int32, all 0 between calls; zeroed once when allocated
         # moves whenever a buffer or counters tensor is replaced or dropped: what was recorded of the pool's
@@ -180,7 +182,7 @@ class WorkspacePool:
         self._workspaces.pop(key, None)
         if len(self._workspaces) >= self.max_entries:
             self._workspaces.pop(next(iter(self._workspaces)))
-        size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes))
+        size = max(nbytes, min(1 << max(0, nbytes - 1).bit_length(), self.max_bytes)) if self.pow2 else nbytes
         workspace = self._workspaces[key] = _Workspace(torch.empty(size, dtype=torch.uint8, device=device))
         return workspace
 
@@ -253,8 +255,10 @@ class WeightDescriptors:
     def __init__(self):
         self._entries: dict[int, _WeightEntry] = {}
 
-    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
-        """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K)."""
+    def get(self, w13: torch.Tensor, w2: torch.Tensor, key: tuple, build=None) -> DescriptorPair:
+        """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K),
+        built by ``build(w13, w2, key)`` (``descriptor_pair`` by default; the Gluon paths pass their own, with
+        keys of their own that name the device and block shapes: ``triton_gluon_lean``)."""
         try:
             fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, w13.dtype, w2.dtype)
         except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
@@ -264,7 +268,7 @@ class WeightDescriptors:
             entry = self._new_entry(w13, fingerprint)
         descriptors = entry.descriptors.get(key)
         if descriptors is None:
-            descriptors = entry.descriptors[key] = descriptor_pair(w13, w2, key)
+            descriptors = entry.descriptors[key] = (build or descriptor_pair)(w13, w2, key)
         return descriptors
 
     def _new_entry(self, w13: torch.Tensor, fingerprint: tuple) -> _WeightEntry:

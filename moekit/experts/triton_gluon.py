@@ -20,11 +20,13 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
 )
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_SILU = ActivationSpec("silu")
+_FAST = "triton_gluon"  # the first field of this backend's fast-path keys (``triton_fast``'s activation slot)
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def gluon_unfit(x: torch.Tensor, w13, w2, activation: str | ActivationSpec = "si
         return f"w13/w2 quantized ({type(w13).__name__}, {type(w2).__name__}; plain tensors only)"
     if x.dtype not in _DTYPES:
         return f"x dtype {x.dtype} (bf16/fp16 only)"
-    if as_spec(activation) != ActivationSpec("silu"):
+    if activation != "silu" and as_spec(activation) != _SILU:  # the string first: no spec built per call
         return f"activation={activation!r} (plain gated silu only)"
     if b13 is not None or b2 is not None:
         return "biases b13/b2 given (none allowed)"
@@ -106,15 +108,30 @@ def experts_gluon(
     expert_map: torch.Tensor | None = None,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    lean: bool = True,
 ) -> torch.Tensor:
     """The experts contract on the Gluon path; the caller has run ``check_experts_args``. Raises where
-    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync."""
+    the device or the call does not fit (``gluon_supported``, ``gluon_unfit``). No host sync. ``lean``:
+    launched through ``triton_gluon_lean`` (plans, weight descriptors, workspaces and launches kept);
+    off: the plain launches, built per call (the same kernels and arguments: equal outputs)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"the Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_unfit(x, w13, w2, activation, b13, b2)
     if reason is not None:
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
+    return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, lean)
+
+
+def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None, lean: bool = True,
+                 fast_key: tuple | None = None) -> torch.Tensor:
+    """``experts_gluon`` for a caller that has run its checks (the backend: they ran once, not twice per call);
+    ``fast_key``: the backend's key for its fast path (``triton_gluon_lean.run_fast_gluon``)."""
     num_experts, hidden, inter = w2.shape
+    if lean:
+        from moekit.experts.triton_gluon_lean import run_lean
+
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
@@ -167,6 +184,16 @@ def experts_triton_gluon(
     default, the ``triton`` backend's too) wants the call and it fits, else to the Triton fp8 kernels."""
     from moekit.experts.triton import _DEFAULT_OPTIONS, _runs_directly, experts_triton_unchecked
 
+    fast_key = (_FAST, activation, choice)  # a repeated call the Gluon path took: its kept launches, no checks
+    if expert_map is None and b13 is None and b2 is None:
+        from moekit.experts.triton_gluon_fp8 import run_fast_fp8
+        from moekit.experts.triton_gluon_lean import run_fast_gluon
+        from moekit.quant.fp8_block import Fp8BlockWeight
+
+        out = (run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, fp8_choice)
+               if w13.__class__ is Fp8BlockWeight else run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key))
+        if out is not None:
+            return out
     if not isinstance(w13, torch.Tensor):  # quantized weights: fp8_block may take the fp8 Gluon path
         from moekit.experts.triton_quant import is_quantized, run_quantized_triton
 
@@ -177,7 +204,7 @@ def experts_triton_gluon(
     if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
             and gluon_unfit(x, w13, w2, activation, b13, b2) is None
             and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
-        return experts_gluon(x, w13, w2, topk_ids, topk_weights, activation=activation, expert_map=expert_map)
+        return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, fast_key=fast_key)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                     expert_map=expert_map, b13=b13, b2=b2)
 

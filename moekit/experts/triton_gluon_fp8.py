@@ -20,35 +20,60 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_fp8 import dequantize_blocks, dequantize_groups, quantize_groups
 from moekit.experts.triton_gluon_fp8_launch import (
-    GROUP, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
+    DOWN_TILE, GROUP, UP_TILE, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
 )
 from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_supported, launch_contiguous_sum
 from moekit.experts.triton_launch import cdiv, interpreting
 from moekit.layouts.grouping import to_local_ids
 
 _DTYPES = (torch.bfloat16, torch.float16)
+_SILU = ActivationSpec("silu")
 
 
 @dataclass(frozen=True)
 class Fp8GluonChoice:
-    """Where the ``triton`` backend runs fp8_block weights on the Gluon path: calls of at least
-    ``min_flops`` (6 * M * k * N * K; None: never). Measured on the H200 (Triton 3.6, layout and combine
-    counted; benchmarks/results/raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*), against the Triton fp8 kernels,
-    CUDA-graph replay / eager: M=4096 Qwen3 1.35x / 0.73x, DeepSeek-V3 1.21x / 1.08x, Mixtral 1.36x / 1.13x;
-    M=16384 1.35x / 1.15x, 1.10x / 1.25x, 1.18x / 1.14x; M=1024 Qwen3 0.96x / 0.41x, DeepSeek-V3 0.83x / 0.77x,
-    Mixtral 1.29x / 0.71x. Eager calls pay ~0.3-0.6 ms more host time on this path (the alignment, six TMA
-    descriptors, the launches), so it is taken where both ways win: from 1e12 FLOPs (Qwen3 M=16384: 1.2e12,
-    DeepSeek-V3 and Mixtral M=4096: 2.9e12; the cells below it: <= 7.2e11)."""
+    """Where the ``triton`` backend runs fp8_block weights on the Gluon path: calls of at least ``min_flops``
+    (6 * M * k * N * K; None: never) with at least ``min_rows_per_expert`` assignments per local expert on average
+    (M * k / E: below one 128-row segment each, the segments are mostly padding). Measured on the H200 against the
+    Triton fp8 kernels (Triton 3.6, layout and combine counted), CUDA-graph replay / eager with the lean launch
+    (``triton_gluon_lean``: ~0.1 ms of host time per call instead of 0.9-1.1 ms;
+    benchmarks/results/raw/NVIDIA_H200-2026-12-02-f9b7b0d-gluon_lean.*): M=4096 Qwen3 1.27x / 1.28x, DeepSeek-V3
+    1.22x / 1.20x; M=16384 Qwen3 1.18x / 1.26x, DeepSeek-V3 1.32x / 1.30x. Graph replay in an earlier run
+    (raw/NVIDIA_H200-2026-12-02-e30386d-fp8_gluon.*): Mixtral 1.36x (4096), 1.18x (16384), 1.29x (1024: 256 rows
+    per expert); M=1024 Qwen3 0.96x (64 rows per expert), DeepSeek-V3 0.83x (32). So: from 3e11 FLOPs (Qwen3
+    M=4096: 3.1e11) and 128 rows per expert; before the lean launch the eager host cost kept it at 1e12. Checked
+    on the rule's new cells (raw/NVIDIA_H200-2026-12-02-72367f7-gluon_lean*, eager / graph): Mixtral M=512 1.26x /
+    1.14x, M=1024 1.25x / 1.22x; the cells it leaves to Triton lose on Gluon (Qwen3 M=512, 1024; DeepSeek-V3 512)."""
 
-    min_flops: float | None = 1e12
+    min_flops: float | None = 3e11
+    min_rows_per_expert: float = 128.0
 
-    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int) -> bool:
-        return self.min_flops is not None and 6.0 * num_tokens * top_k * inter * hidden >= self.min_flops
+    def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int, num_experts: int) -> bool:
+        assignments = num_tokens * top_k
+        return (self.min_flops is not None and 6.0 * assignments * inter * hidden >= self.min_flops
+                and assignments >= self.min_rows_per_expert * num_experts)
 
 
 DEFAULT_FP8_CHOICE = Fp8GluonChoice()
+_FAST = "gluon_fp8"  # the first field of the fp8 Gluon path's fast-path keys (``triton_fast``'s activation slot)
+
+
+def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
+    """The fast-path key of a backend call on fp8_block weights (``triton_gluon_lean.run_fast_gluon``, keyed there by
+    the ``q`` tensors too): what decided the path besides shapes (activation, choice, block shape) and the scales'
+    addresses, which the kept launches hold (an in-place update keeps them; a new scale tensor misses)."""
+    return (_FAST, activation, choice, w13.block_shape, w13.scale.data_ptr(), w2.scale.data_ptr())
+
+
+def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None):
+    """A repeated fp8_block call the fp8 Gluon path took, launched from what it kept, or None (a miss)."""
+    from moekit.experts.triton_gluon_lean import run_fast_gluon
+
+    key = fp8_fast_key(w13, w2, activation, DEFAULT_FP8_CHOICE if choice is None else choice)
+    return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key)
 
 
 def gluon_fp8_unfit(x: torch.Tensor, w13_q, w13_scale, w2_q, w2_scale, activation="silu",
@@ -82,16 +107,15 @@ def gluon_fp8_takes(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, activa
     """Whether the ``triton`` and ``triton_gluon`` backends run this call on the fp8 Gluon path: fp8_block weights, no
     biases, a plain silu, a call ``choice`` wants, a device that runs it, a call that fits
     (``gluon_fp8_unfit``), and nothing that needs the Triton path's custom op (tracing, autograd)."""
-    from moekit.activations import ActivationSpec, as_spec
     from moekit.experts.triton import _runs_directly
     from moekit.quant import QuantizedWeight
 
-    if not choice.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1]):  # first: decode calls stop here
+    if not choice.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1], w2.shape[0]):  # decode stops here
         return False
     if not (isinstance(w13, QuantizedWeight) and isinstance(w2, QuantizedWeight)
             and w13.scheme == w2.scheme == "fp8_block" and b13 is None and b2 is None):
         return False
-    if as_spec(activation) != ActivationSpec("silu"):
+    if activation != "silu" and as_spec(activation) != _SILU:  # the string first: no spec built per call
         return False
     if not gluon_fp8_supported(x.device) or tuple(w13.block_shape) != tuple(w2.block_shape):
         return False
@@ -138,16 +162,30 @@ def experts_gluon_fp8(
     expert_map: torch.Tensor | None = None,
     up: Fp8GluonTile | None = None,
     down: Fp8GluonTile | None = None,
+    lean: bool = True,
 ) -> torch.Tensor:
     """The fp8 experts contract on the Gluon path (arguments checked by the caller: ``check_fp8_args``).
     ``up`` / ``down``: the GEMMs' pipelines (the plan's by default). Raises where the device or the call does
-    not fit. No host sync."""
+    not fit. No host sync. ``lean`` off: the plain launches, built per call."""
     if not gluon_fp8_supported(x.device):
         raise RuntimeError(f"the fp8 Gluon path needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_fp8_unfit(x, w13_q, w13_scale, w2_q, w2_scale)
     if reason is not None:
         raise ValueError(f"the fp8 Gluon path cannot take this call: {reason}")
+    return launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map, up, down, lean)
+
+
+def launch_gluon_fp8(x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
+                     up: Fp8GluonTile | None = None, down: Fp8GluonTile | None = None, lean: bool = True,
+                     fast_key: tuple | None = None) -> torch.Tensor:
+    """``experts_gluon_fp8`` for a caller that has run its checks (the backend, through ``gluon_fp8_takes``);
+    ``fast_key``: the backend's key for its fast path (``fp8_fast_key``)."""
     num_experts, hidden, inter = w2_q.shape
+    if lean:  # triton_gluon_lean: plans, weight descriptors, workspaces and launches kept (equal outputs)
+        from moekit.experts.triton_gluon_lean import run_lean
+
+        return run_lean(x, w13_q, w2_q, topk_ids, topk_weights, expert_map, up or UP_TILE, down or DOWN_TILE,
+                        w13_scale, w2_scale, fast_key=fast_key)
     plan = plan_gluon_fp8(x.shape[0], topk_ids.shape[1], num_experts, up, down)
     layout = gluon_fp8_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_q.shape[0]

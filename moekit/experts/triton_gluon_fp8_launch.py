@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.experts.triton_gluon_launch import BLOCK_M, _num_sms
+from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import cdiv, interpreting
 
 GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the GEMM's BLOCK_N and BLOCK_K
@@ -74,15 +74,6 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
         TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4)
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
                     tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
@@ -96,12 +87,12 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
         raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
-    a_desc = _descriptor(a, [HALF_M, GROUP])
-    w_desc = _descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
-    c_desc = _descriptor(out, [HALF_M, GROUP])
+    a_desc = gluon_descriptor(a, [HALF_M, GROUP])
+    w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
+    c_desc = gluon_descriptor(out, [HALF_M, GROUP])
     num_col_blocks = out.shape[1] // GROUP
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
-    grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
+    grid = (max(1, min(num_sms(a.device), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),

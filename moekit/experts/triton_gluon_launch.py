@@ -58,8 +58,12 @@ def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> Glu
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    down = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
-    return GluonPlan(rows=rows, up=UP_TILE, down=down)
+    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter))
+
+
+def down_tile(inter: int) -> GluonTile:
+    """The down GEMM's tile for experts ``inter`` (N) wide."""
+    return NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
 
 
 @functools.cache
@@ -82,12 +86,17 @@ def gluon_importable() -> bool:
 def gluon_supported(device: torch.device | str) -> bool:
     """Whether the Gluon GEMMs can run on ``device``: CUDA, compute capability 9.x (Hopper: wgmma + TMA;
     Blackwell has neither wgmma nor this schedule), a Gluon-capable Triton, and not the interpreter."""
-    device = torch.device(device)
+    if device.__class__ is not torch.device:
+        device = torch.device(device)
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    return gluon_importable()
+    return _hopper_with_gluon(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _hopper_with_gluon(index: int) -> bool:
+    """Device ``index`` is a Hopper (9.x) and this Triton has Gluon: asked once per device (a call asks per call)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(index)[0] == 9 and gluon_importable()
 
 
 @functools.cache
@@ -95,13 +104,25 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
+def num_sms(device: torch.device) -> int:
+    """The persistent GEMMs' program count bound: the device's SMs (1 off CUDA: the CPU tests' stand-in kernels)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout(block: tuple, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                torch.float32: gl.float32}[dtype]  # float32: fp8 x_q under the interpreter (the CPU tests)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def gluon_descriptor(t: torch.Tensor, block) -> object:
+    """A Gluon TMA descriptor over the 2-D ``t`` in ``block`` tiles (its shared layout built once per block, dtype)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(tuple(block), t.dtype))
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
@@ -110,12 +131,12 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
     of BLOCK_M, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-    a_desc = _descriptor(a, [BLOCK_M, tile.block_k])
-    w_desc = _descriptor(w, [tile.block_n, tile.block_k])
-    c_desc = _descriptor(out, [BLOCK_M, tile.block_n])
+    a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
+    w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
+    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
-    grid = (max(1, min(_num_sms(a.device.index or 0), max_tiles)),)
+    grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
@@ -139,5 +160,5 @@ def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Ten
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
     grid = (-(-num_tokens // block_t), -(-hidden // block_k))
-    kernel[grid](y, dst, weights, out, num_tokens, hidden, y.stride(0), out.stride(0),
-                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)
+    kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
+                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)  # ids and map unread (FROM_IDS off)

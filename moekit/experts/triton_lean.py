@@ -179,6 +179,14 @@ def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> Launch
     launches = plan_launches(plan, b, _Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else _Slot(B13),
                              None if b2 is None else _Slot(B2), ids, _Slot(WEIGHTS),
                              None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"))
+    return record_launches(launches, views, pair, large)
+
+
+def record_launches(launches: list, views: dict, pair, large=None) -> LaunchSequence | None:
+    """``launches`` ([(BoundLaunch, pointers)], the call's values as ``_Slot`` stand-ins) as a sequence, or None
+    while one of them has not been compiled yet. ``views``: the pooled regions they read (the first is the
+    sequence's anchor), ``pair``: the weight descriptors they hold (or None). The Gluon paths' lean launch
+    (``triton_gluon_lean``) records theirs here."""
     recorded = record_steps(launches)
     if recorded is None:
         return None

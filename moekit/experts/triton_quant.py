@@ -31,7 +31,8 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
                          topk_weights: torch.Tensor, *, activation: str | ActivationSpec, expert_map,
                          b13, b2, options: LaunchOptions, fp8_choice=None, checked: bool | None = None) -> torch.Tensor:
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
-    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 1e12 FLOPs) wants
+    calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128
+    assignments per expert) wants
     and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward). With
     ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a fused call keeps its entry
     for the fast path (``triton_quant_fast``)."""
@@ -46,11 +47,12 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
     name = as_spec(activation).name
     if scheme == "fp8_block":
         from moekit.experts.triton_fp8 import fused_experts_fp8
-        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, experts_gluon_fp8, gluon_fp8_takes
+        from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, fp8_fast_key, gluon_fp8_takes, launch_gluon_fp8
 
         choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
-        if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):
-            return experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map=expert_map)
+        if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):  # its checks: launched unchecked
+            return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
+                                    fast_key=fp8_fast_key(w13, w2, activation, choice))
 
         out = fused_experts_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, activation=name,
                                 expert_map=expert_map, block_shape=tuple(w13.block_shape), options=options)

@@ -1,0 +1,302 @@
+"""The lean eager launch of the Gluon paths (bf16 ``triton_gluon``, fp8 ``triton_gluon_fp8``): what their plain
+launch decides on every call (the alignment through its custom op and ``kernel[grid](...)``, fresh buffers, six
+TMA descriptors, every launch through Triton's binder) decided once and reused, with the Triton path's machinery.
+
+    per kind of call (GluonLeanPlan; dropped on a retune): the alignment's bound launches (``plan_align``, the
+      Triton path's: hist + scan as one launch on kept counters above 4096 assignments, then the scatter), the
+      gather, the two GEMMs and the combine as ``BoundLaunch``es (grids, scalars, constexprs fixed), the
+      workspace's regions (the alignment's, dst, x_perm or x_q + x_s, h or h_q + h_s, y)
+    per weight tensor (version, storage, dtype; the key names the device, dtype and block shapes): the weights'
+      TMA descriptors, in the Triton path's ``WeightDescriptors`` cache (gone when w13 is freed)
+    per (plan, thread, weights): the launches recorded once (``triton_lean.record_launches``) with the pooled
+      workspace's regions and their TMA descriptors; recorded again when the pool hands out another buffer or
+      the weights' descriptors are rebuilt
+    per call: out, the recorded launches with the call's x, ids, weights, map (fp8: scales); dst is not filled with
+      -1 (the plain path's ``torch.full``): the combine reads it only for the slots routed here (``FROM_IDS``)
+
+The workspace is one reused buffer per (device, stream, thread; at most two kept) up to ``GLUON_REUSE_MAX_BYTES``
+(a prefill call's x_perm, h and y: 1.4 GB for Qwen3-30B-A3B at M = 16384, 5.4 GB for DeepSeek-V3), grown to the
+largest plan seen, not to a power of two; ``clear_gluon_caches`` frees it. Above it, while a CUDA graph captures, and on a plan's first call (its launches compile) the same
+plan's bound launches run with the regions of one fresh buffer and activation descriptors built for them.
+Either way the kernels, grids and arguments are the plain path's: the outputs are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.configs import on_config_cache_clear
+from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
+from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
+from moekit.experts.triton_fast import fast_stamp, remember, run_fast
+from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
+from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, record_launches
+from moekit.triton_bind import BoundLaunch
+
+GLUON_REUSE_MAX_BYTES = 8 << 30  # the largest workspace kept (DeepSeek-V3 bf16 at M = 16384: 5.4 GB)
+MAX_PLANS = 1024  # kinds of call kept; the oldest goes first
+GATHER_ROWS, GATHER_COLS = 16, 512  # the bf16 gather's program tile (``launch_gather_rows``'s defaults)
+SUM_TOKENS, SUM_COLS = 16, 256  # the combine's (``launch_contiguous_sum``'s defaults)
+_KERNELS = "moekit.experts._kernels"
+_FAST_OPTIONS = LaunchOptions()  # the fast path's entries of this module: the default options (their fast_ready)
+
+# at most two streams' workspaces (a benchmark's side stream besides the main one), each its size exactly
+_WORKSPACES = WorkspacePool(max_bytes=GLUON_REUSE_MAX_BYTES, max_entries=2, pow2=False)
+_DESCRIPTORS = WeightDescriptors()
+_PLANS: dict[tuple, "GluonLeanPlan"] = {}
+_SEQUENCES: dict[tuple, object] = {}  # (plan, thread, id(w13)) -> triton_lean.LaunchSequence
+_lock = threading.Lock()
+on_config_cache_clear(_PLANS.clear)  # a retune: the plans go, their sequences with them
+on_config_cache_clear(_SEQUENCES.clear)
+
+
+def clear_gluon_caches() -> None:
+    """Drop the plans, sequences, weight descriptors and the kept workspaces (``triton.clear_launch_caches``)."""
+    _PLANS.clear()
+    _SEQUENCES.clear()
+    _DESCRIPTORS.clear()
+    _WORKSPACES.clear()
+
+
+@dataclass(frozen=True, eq=False)
+class GluonLeanPlan:
+    """Everything the launches of one kind of call share. Holds no tensor."""
+
+    fp8: bool
+    workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
+    align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
+    weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
+    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C)
+    gather: BoundLaunch  # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst
+    up: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded
+    down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
+    combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
+
+
+def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> tuple:
+    """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
+    specialises on it), the map's length, the tiles. ``ids``, ``weights``, ``expert_map``: contiguous."""
+    return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
+            ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
+            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
+            None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down)
+
+
+def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> GluonLeanPlan:
+    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)), None)
+        _PLANS[key] = plan
+    return plan
+
+
+def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None) -> GluonLeanPlan:
+    """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``)."""
+    from moekit.layouts.grouping import max_padded_rows
+
+    options = resolve_launch_options(LaunchOptions(), x.device)
+    launch = dict(cached=options.cached_launcher, raw=options.raw_launcher)
+    (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, w2.shape, ids.shape[1]
+    num_assignments = num_tokens * top_k
+    rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
+    align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
+                       rows, options, arrival_slot=0)
+    sms = num_sms(x.device)
+
+    def grid(cols: int, block_n: int) -> tuple:
+        return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
+
+    sizes = (rows, num_assignments, top_k, hidden, inter)
+    part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
+            else _bf16_part(x, sizes, up, down, grid, launch))
+    num_global = 0 if expert_map is None else expert_map.numel()
+    combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
+                          (cdiv(num_tokens, SUM_TOKENS), cdiv(hidden, SUM_COLS)), 6,
+                          (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
+                          BLOCK_T=SUM_TOKENS, BLOCK_K=SUM_COLS, FROM_IDS=True, HAS_MAP=expert_map is not None,
+                          num_warps=4, **launch)
+    regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
+    weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
+    return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What the bf16 and fp8 plans do differently: their regions, gather, GEMMs and descriptor blocks."""
+
+    regions: list  # (name, dtype, shape) after the alignment's and dst
+    gather: BoundLaunch
+    up: BoundLaunch
+    down: BoundLaunch
+    blocks: tuple  # the activation descriptors' blocks: up A, up C, down A, down C
+    weight_blocks: tuple  # w13's and w2's
+
+
+def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
+    rows, num_assignments, top_k, hidden, inter = sizes
+    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
+    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
+                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
+                         (rows, num_assignments, hidden, x.stride(0), hidden),
+                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
+
+    def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
+                           W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+
+    return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
+                 gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
+                 bf16_gemm(down, inter, hidden, hidden, 0, False),
+                 ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n)),
+                 ((up.block_n, up.block_k), (down.block_n, down.block_k)))
+
+
+def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
+
+    rows, num_assignments, top_k, hidden, inter = sizes
+    groups = hidden // GROUP
+    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
+    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
+                         (cdiv(rows, QROWS), cdiv(hidden, GROUP)), 5,
+                         (rows, num_assignments, hidden, x.stride(0), hidden, groups),
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4, **launch)
+
+    def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
+                 out_groups: int, gated: bool):
+        return BoundLaunch(gemm, grid(cols, GROUP), 8,
+                           (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
+                           GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
+                           maxnreg=tile.max_registers, **launch)
+
+    regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
+               ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
+               ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
+    return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
+                 fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
+                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
+
+
+def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
+    """The weights' descriptors of a plan's ``weight_key``: w13 [E, 2N, K] as [E*2N, K], w2 [E, K, N] as [E*K, N]
+    (``WeightDescriptors.get``'s builder: once per weight tensor, version and key)."""
+    up_block, down_block = key[-2], key[-1]
+    return DescriptorPair(gluon_descriptor(w13.detach().view(-1, w13.shape[2]), up_block), None,
+                          gluon_descriptor(w2.detach().view(-1, w2.shape[2]), down_block))
+
+
+def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
+    """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one."""
+    if plan.fp8:
+        a_up, h = gluon_descriptor(b["x_q"], plan.blocks[0]), gluon_descriptor(b["h_q"], plan.blocks[1])
+        return a_up, h, h, gluon_descriptor(b["y"], plan.blocks[3])
+    return (gluon_descriptor(b["x_perm"], plan.blocks[0]), gluon_descriptor(b["h"], plan.blocks[1]),
+            gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]))
+
+
+def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPair, x, ids, weights, expert_map, out,
+                  s13, s2, counters) -> list:
+    """A call's launches in order, each (BoundLaunch, its pointers): the alignment, the gather, gate-up, down, the
+    combine. ``b``: the workspace's regions; ``acts``: their descriptors; any argument may be a stand-in."""
+    map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
+    launches = align_launches(plan.align, ids, map_or_ids, b, counters)
+    a_up, c_up, a_down, c_down = acts
+    rows = (b["expert_ids"], b["num_padded"])
+    if plan.fp8:
+        launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
+                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
+                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
+    else:
+        launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
+                     (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
+    # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
+    launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
+    return launches
+
+
+def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch.Tensor | None:
+    """A repeated call with the same weights launched from what its first lean call kept, or None: the Triton
+    path's fast path (``triton_fast.run_fast``: its checks, its invalidation) on this module's pool. w13, w2: bf16
+    weights, or fp8's e4m3 ``q`` tensors. ``fast_key``: what else decided the path (the backend's activation and
+    choice; fp8: the block shape and the scales' addresses, ``triton_gluon_fp8.fp8_fast_key``); a Triton path
+    entry never has it."""
+    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, fast_key, _FAST_OPTIONS, checked=False)
+
+
+def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
+             s2: torch.Tensor | None = None, fast_key: tuple | None = None) -> torch.Tensor:
+    """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
+    [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
+    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``."""
+    stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    if expert_map is not None:
+        expert_map = expert_map.contiguous()
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2)
+    out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
+    pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
+    spec = plan.workspace
+    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing or spec.nbytes > _WORKSPACES.max_bytes:
+        b = _WORKSPACES.buffers(spec, x.device)  # fresh regions (the alignment's pooled unless capturing)
+    else:
+        b = _WORKSPACES.pooled(spec, x.device)
+        sequence = _sequence(plan, b, pair, w13, expert_map is not None, s13, s2)
+        if sequence is not None:
+            if fast_key is not None and expert_map is None and ids is topk_ids and weights is topk_weights:
+                remember(stamp, x, w13, w2, ids, weights, fast_key, _FAST_OPTIONS, plan, sequence, checked=False)
+            sequence.launch((x, ids, weights, out, expert_map, None, None, None, None, None, None))
+            return out
+    for launch, pointers in plan_launches(plan, b, activation_descriptors(plan, b), pair, x, ids, weights, expert_map,
+                                          out, s13, s2, b.get("counters")):
+        launch(*pointers)
+    return out
+
+
+def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Tensor, has_map: bool, s13=None, s2=None):
+    """The recorded launches of ``plan`` for these weights and pooled regions on this thread (recorded now if
+    stale), or None where they cannot be used yet (a launch not compiled, a Triton launch hook). fp8: the scales
+    ``s13``, ``s2`` are recorded in it by address (the key has their addresses; an in-place update keeps them), so
+    a call launches it with the call's tensors alone (``triton_lean.launch_lean``, the fast path's)."""
+    key = (plan, threading.get_ident(), id(w13)) if s13 is None else (
+        plan, threading.get_ident(), id(w13), s13.data_ptr(), s2.data_ptr())
+    sequence = _SEQUENCES.get(key)
+    if sequence is None or not sequence.current(b, pair):
+        launches = plan_launches(plan, b, activation_descriptors(plan, b), pair, _Slot(X), _Slot(IDS),
+                                 _Slot(WEIGHTS), _Slot(MAP) if has_map else None, _Slot(OUT), s13, s2,
+                                 b.get("counters"))
+        sequence = record_launches(launches, b, pair)
+        if sequence is None:
+            return None
+        sequence.owner = weakref.ref(w13, _forget(key))  # it holds w13's descriptors: it goes when w13 does
+        with _lock:
+            _SEQUENCES.pop(key, None)
+            if len(_SEQUENCES) >= MAX_PLANS:
+                _SEQUENCES.pop(next(iter(_SEQUENCES), None), None)
+            _SEQUENCES[key] = sequence
+    if sequence.raw and not sequence.hooks.idle():
+        return None
+    return sequence
+
+
+def _forget(key: tuple):
+    def forget(ref: weakref.ref) -> None:
+        sequence = _SEQUENCES.get(key)
+        if sequence is not None and sequence.owner is ref:
+            _SEQUENCES.pop(key, None)
+
+    return forget

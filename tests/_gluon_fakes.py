@@ -1,0 +1,107 @@
+"""Stand-ins for the Gluon GEMM kernels on the CPU (Gluon does not run in Triton's interpreter): objects that a
+``BoundLaunch`` and the plain launchers call like a kernel (``kernel[grid](*args, **kwargs)``, the real kernel's
+``fn`` for its signature) and that compute in torch, per 128-row block of the rows in use, what the kernel
+writes; each launch's arguments are logged, bound to the kernel's parameters, with the compile options Triton would take
+from it (its keyword arguments that are not parameters, and ``num_warps`` where it comes by keyword).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+BLOCK = 128
+
+
+def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q [R, C] with one float32 scale per row per 128 columns s [R, >= C/128], in float32."""
+    return q.float() * s[:, : q.shape[1] // BLOCK].repeat_interleave(BLOCK, 1)
+
+
+def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v [R, C] float32 -> e4m3 per row per 128 columns (s = amax / 448, 1 for a zero group), and s."""
+    groups = v.view(v.shape[0], -1, BLOCK)
+    amax = groups.abs().amax(dim=2)
+    s = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    q = (groups / s[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(v.shape)
+    return q, s
+
+
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    cols = c.shape[1]
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+        first = e * W_ROWS
+        product = a[rows].float() @ w[first:first + cols].float().T  # [128, C]
+        if GATED:
+            up = a[rows].float() @ w[first + GATE_OFFSET:first + GATE_OFFSET + cols].float().T
+            product = torch.nn.functional.silu(product) * up
+        c[rows] = product.to(c.dtype)
+
+
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    cols = c.shape[1]
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+        a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [128, R]
+        w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        product = a_deq @ w_e[:cols].T
+        if GATED:
+            product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
+            c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
+        else:
+            c[rows] = product.to(c.dtype)
+
+
+class FakeKernel:
+    """``kernel[grid](*args, **kwargs)`` -> ``body`` on the arguments bound to ``real``'s parameters."""
+
+    def __init__(self, real, body):
+        self.fn, self.body, self.log = real.fn, body, []
+        self._params = list(inspect.signature(real.fn).parameters)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound = dict(zip(self._params, args))
+            bound.update((k, v) for k, v in kwargs.items() if k in self._params)
+            options = {k: v for k, v in kwargs.items() if k not in self._params}  # Triton's compile options
+            if "num_warps" in kwargs:  # Triton compiles with num_warps only when it comes by keyword
+                options["num_warps"] = kwargs["num_warps"]
+            self.log.append((tuple(grid) + (1,) * (3 - len(grid)), bound, options))
+            self.body(**bound)
+
+        return launch
+
+
+def install_fakes(setattr_=setattr) -> dict:
+    """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
+    up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
+    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
+    import moekit.experts.triton_gluon as tg
+    import moekit.experts.triton_gluon_fp8 as tgf
+    from moekit.experts.triton import clear_launch_caches
+
+    fakes = {}
+    for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
+                                     ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
+        mod = importlib.import_module(f"moekit.experts._kernels.{module}")
+        fakes[name] = FakeKernel(getattr(mod, attr), body)
+        setattr_(mod, attr, fakes[name])
+    setattr_(tg, "gluon_supported", lambda device: True)
+    setattr_(tgf, "gluon_fp8_supported", lambda device: True)
+    clear_launch_caches()  # no plan holding another kernel
+    return fakes
+
+
+@pytest.fixture
+def fake_gemms(monkeypatch):
+    """``install_fakes`` for one test."""
+    from moekit.experts.triton import clear_launch_caches
+
+    yield install_fakes(monkeypatch.setattr)
+    clear_launch_caches()
