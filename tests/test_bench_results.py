@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,21 @@ def test_timing_reports_median_and_spread():
     eager = time_eager([lambda: a @ a], torch.device("cpu"), calls=4, repeats=3)
     assert eager.eager_us > 0 and 0 < eager.host_us <= eager.eager_us
     assert eager.spread_pct >= 0 and isinstance(eager.noisy, bool)
+
+
+def test_host_rest_leaves_out_each_loops_first_call():
+    """host_rest_us is the issue time of the calls after each loop's first: a first call that takes 40 ms (as
+    the first call after a long GPU wait can take several times the others) lifts host_us, not host_rest_us."""
+    count = [0]
+
+    def call():
+        count[0] += 1
+        if count[0] % 4 == 2:  # the warm-up is call 1; each loop of 4 then starts at 2, 6, 10, ...
+            time.sleep(0.04)
+
+    eager = time_eager([call], torch.device("cpu"), calls=4, repeats=3)
+    assert count[0] == 1 + 3 * 4
+    assert eager.host_us >= 0.9 * 40_000 / 4 and eager.host_rest_us < 2_000
 
 
 def test_results_are_never_overwritten(tmp_path, fixed_ceilings, capsys):

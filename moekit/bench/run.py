@@ -130,7 +130,8 @@ def _cell_line(cell: Cell) -> str:
     vs = f", {cell.vs_bf16:.2f}x the unquantized time" if cell.vs_bf16 is not None else ""
     dtype = f" {cell.dtype}" if cell.dtype in SCHEMES else ""  # unquantized lines read as they always did
     return (f"{cell.shape} M={cell.M} {cell.backend}{dtype}: {cell.us:.1f} µs ±{cell.spread_pct:.0f}%, "
-            f"{cell.pct_floor:.0f}% of floor{vs}, eager {cell.eager_us:.1f} µs, host {cell.host_us:.1f} µs{noisy}")
+            f"{cell.pct_floor:.0f}% of floor{vs}, eager {cell.eager_us:.1f} µs, host {cell.host_us:.1f} µs "
+            f"(after the first call {cell.host_rest_us:.1f}){noisy}")
 
 
 def _ceilings_line(c: Ceilings) -> str:
@@ -184,7 +185,8 @@ def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[C
         "over 2-8 routings so each call streams its weights from HBM; us = median of >= "
         f"{MIN_REPEATS} passes (~{plan.budget_s:g} s per cell), spread_pct = interquartile range / median, "
         f"noisy above {NOISY_SPREAD_PCT:.0f}%; eager_us = {EAGER_CALLS} back-to-back eager calls, one sync at "
-        "the end, host_us = their issue time before that sync (both = us on the CPU)"
+        "the end, host_us = their issue time before that sync, host_rest_us = the same over the calls after "
+        "each loop's first (all = us on the CPU)"
     )
     quantized = len(plan.dtypes) > 1
     return {

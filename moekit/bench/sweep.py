@@ -70,7 +70,7 @@ def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, gr
             graph = False
     timing = timing or time_stats(calls, device, graph=False, budget_s=budget_s)
     if device.type != "cuda":  # the host does the work: eager, host and the timing are one wall clock
-        return BackendTiming(timing, EagerTiming(timing.us, timing.us, timing.spread_pct), False)
+        return BackendTiming(timing, EagerTiming(timing.us, timing.us, timing.spread_pct, timing.us), False)
     return BackendTiming(timing, time_eager(calls, device), graph)
 
 
@@ -114,7 +114,7 @@ def _make_cell(at: AtM, v: WeightVariant, name: str, t: BackendTiming, model: Ce
         pct_copy_bw=100 * model.bytes / (us * 1e-6) / (at.ceilings.copy_TBps * 1e12),
         tflops=model.flops / (us * 1e-6) / 1e12,
         pct_mm=100 * model.flops / (us * 1e-6) / (v.mm_TFLOPs * 1e12),
-        graph=t.graph, mm_dtype=v.mm_dtype,
+        graph=t.graph, mm_dtype=v.mm_dtype, host_rest_us=t.eager.host_rest_us,
     )
 
 

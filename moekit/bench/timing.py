@@ -71,6 +71,10 @@ class EagerTiming:
     eager_us: float  # wall time of the loop, final sync included, per call
     host_us: float  # wall time to issue the loop (before the final sync), per call: the host cost
     spread_pct: float  # interquartile range of the loops' eager times / eager_us * 100; >= 0
+    # host_us over the calls after each loop's first: the steady issue cost. The first call of a loop follows a
+    # sync; after a long GPU wait it measured 4-7x the later ones on the H200 (every step of it, pure-CPU ones
+    # too: benchmarks/host_mid_device_check.py), which host_us averages in.
+    host_rest_us: float = 0.0
 
     @property
     def noisy(self) -> bool:
@@ -102,18 +106,22 @@ def time_eager(fns: list[Callable[[], object]], device: torch.device, *, calls: 
     CPU the host does the work, so the two are equal up to noise."""
     sequence = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
     _run_all(fns)  # warm-up
-    eager, host = [], []
+    first, rest = sequence[0], sequence[1:]
+    eager, host, host_rest = [], [], []
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        _run_all(sequence)
+        first()
+        t_first = time.perf_counter()
+        _run_all(rest)
         t_issued = time.perf_counter()
         _sync(device)
         t_done = time.perf_counter()
         host.append((t_issued - t0) / len(sequence) * 1e6)
+        host_rest.append((t_issued - t_first) / max(len(rest), 1) * 1e6)
         eager.append((t_done - t0) / len(sequence) * 1e6)
     loops = Timing.from_samples(eager)
-    return EagerTiming(loops.us, statistics.median(host), loops.spread_pct)
+    return EagerTiming(loops.us, statistics.median(host), loops.spread_pct, statistics.median(host_rest))
 
 
 def _sync(device: torch.device) -> None:
