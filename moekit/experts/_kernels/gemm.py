@@ -39,6 +39,17 @@ clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None withou
 N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
 routed weight multiplies. Weights are read through their strides (transposed storage is a view).
 
+SPLIT (gate-up) / HSPLIT (down), split-K of the gate-up GEMM (``GemmTile.split_k`` of the up tile; gated,
+no b13): program (pid, s) reduces its share of K's steps and stores the raw fp32 gate and up sums in
+partials [SPLIT, A, 2N] (gate columns, then up); the down GEMM sums the splits in order, applies glu
+and rounds like h. More programs for tiny batches (Qwen3-30B-A3B M = 1: 8 experts x 12 N tiles = 96
+programs on 132 SMs).
+
+WS: the main loop asks Triton for warp specialisation (``tl.range(warp_specialize=True)``; a tile's
+``GemmTile.warp_specialize``, off by default and passed only when on). Triton's Hopper pass skips or
+rejects these loops in most forms (``benchmarks/triton-notes.md``); measured by
+``benchmarks/mid_tile_device_check.py``.
+
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
 
@@ -188,13 +199,24 @@ def gate_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, WS: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
-    w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
+    w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None.
+    SPLIT > 1 (split-K, module docstring): h_ptr is the fp32 partials [SPLIT, A, 2N], program_id(1) the split."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+    if SPLIT > 1:  # K steps [k_lo, k_hi) of this split; only split 0's programs write a folded layout
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_lo = tl.program_id(1) * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
+        layout_writer = pid_n + tl.program_id(1)  # 0 only for (N tile 0, split 0)
+    else:
+        k_lo = 0
+        k_hi = K
+        layout_writer = pid_n
+    rows, expert = _gate_up_rows(pid_m, layout_writer, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
     if expert < 0:
         return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
@@ -204,16 +226,20 @@ def gate_up_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    if SPLIT > 1:
+        x_ptrs += k_lo * stride_xk
     if W_DESC:  # descriptors over [rows, K], block [BN, BK]; rows per expert: 2N, or N (ungated, interleaved)
         gate_row = (expert * N * (1 if INTERLEAVED else (2 if GATED else 1)) + pid_n * BLOCK_N).to(tl.int32)
         up_desc, up_row = (w13_up_ptr, gate_row) if INTERLEAVED else (w13_ptr, gate_row + N)  # gated only
     else:
         w_rows, w_ok = _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N, INTERLEAVED, PAIRS)  # [1, BN or 2BN]
         wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN or 2BN]
+        if SPLIT > 1:
+            wg_ptrs += k_lo * stride_wk
         wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated, not PAIRS: the up rows
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: the one accumulator
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: never touched
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WS):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
@@ -235,10 +261,29 @@ def gate_up_kernel(
             acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
-                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if SPLIT > 1:  # the raw partial sums; the down GEMM adds the splits and applies glu
+        p_ptrs = (h_ptr + tl.program_id(1).to(tl.int64) * num_assignments * 2 * N + rows[:, None] * stride_hm
+                  + offs_n[None, :])  # [BM, BN] gate columns; up columns N further
+        tl.store(p_ptrs, acc_gate, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(p_ptrs + N, acc_up, mask=row_ok[:, None] & n_ok[None, :])
+    else:
+        h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
+                              ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
+        h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_h(p_ptrs, mask, split_stride, N, HSPLIT: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr,
+             LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
+    """[BM, BK] fp32 h tile of the split-K gate-up: glu(sum of the gate partials, sum of the up partials),
+    split 0 first (p_ptrs: split 0's gate columns; up columns N further, split s s * split_stride further)."""
+    gate = tl.load(p_ptrs, mask=mask, other=0.0)
+    up = tl.load(p_ptrs + N, mask=mask, other=0.0)
+    for s in tl.static_range(1, HSPLIT):
+        gate += tl.load(p_ptrs + s * split_stride, mask=mask, other=0.0)
+        up += tl.load(p_ptrs + s * split_stride + N, mask=mask, other=0.0)
+    return _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT)
 
 
 @triton.jit
@@ -252,8 +297,12 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+    WS: tl.constexpr = False, HSPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.0,
+    LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0,
 ):
-    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
+    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring).
+    HSPLIT > 1: h_ptr is the gate-up's fp32 partials [HSPLIT, A, 2N] (stride_hm = 2N); each h tile is their
+    sum through glu (ACT, ALPHA, LIMIT, UP_SHIFT: the gate-up's), rounded to y's dtype as h would be."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -279,9 +328,13 @@ def down_kernel(
     else:
         w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_K):
+    for n0 in tl.range(0, N, BLOCK_K, warp_specialize=WS):
         red_ok = offs_red < N - n0
-        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        if HSPLIT > 1:
+            ha = _split_h(h_ptrs, row_ok[:, None] & red_ok[None, :], num_assignments * 2 * N, N,
+                          HSPLIT, ACT, ALPHA, LIMIT, UP_SHIFT).to(y_ptr.dtype.element_ty)
+        else:
+            ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         if W_DESC:
             wb = w2_ptr.load([w_row, n0]).T  # [BK, BN]; rows past K are never stored, columns past N read 0
         else:

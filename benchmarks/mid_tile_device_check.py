@@ -1,0 +1,250 @@
+"""Tile and schedule variants of the bf16 Triton experts kernels at issue 19's mid cells, on the device.
+
+    PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py          # H200, <= 150 s
+    PYTHONPATH=$PWD python benchmarks/mid_tile_device_check.py --smoke          # CPU, TRITON_INTERPRET=1
+
+Cells (bf16, uniform routing, two routing sets per cell): Qwen3-30B-A3B M = 1 and 1024, Mixtral-8x7B
+M = 512 and 1024. Per cell, the tuned default and variants of it (``mid_tile_variants``): one field of one
+GEMM's tile at a time (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), BLOCK_M 64 / 256 with tiles
+that fit the registers, the gate-up split-K at M = 1 (``GemmTile.split_k``), then the best gate-up-only and
+the best down-only change together ("combo"); the default again at the end (the noise). Each variant:
+  - correctness: its output on set 0 against ``experts_reference`` (float32 accumulation) at the real
+    shape, rel L2 < 1e-2 (the default lands near 5e-3), PASS / FAIL;
+  - µs per call: CUDA-graph replay of both sets, median (``moekit.bench.timing``), and % of the cell's
+    floor (max(bytes / copy, FLOPs / mm), copy and mm measured in this run).
+Warp-specialised loops (``GemmTile.warp_specialize``) run last in a child process (a compiler abort must
+not end the run); variants not started by the deadline are listed as "skipped". The table is printed
+last, JSON to $OUT/mid_tile.json. Exit 1 when a variant that ran gave a wrong output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+T0 = time.perf_counter()
+TOLERANCE = 1e-2
+DEADLINE_S = 112.0  # variants of the main process not started by then are skipped
+CHILD_TIMEOUT_S = 30.0  # the warp-specialised variants' child process
+CELLS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 512), ("mixtral-8x7b", 1024))
+SMOKE_CELLS = (("smoke-qwen", 1), ("smoke-mixtral", 8))
+
+
+@dataclass
+class Row:
+    cell: str
+    variant: str
+    config: dict | None
+    us: float | None
+    pct_floor: float | None
+    err: float | None
+    status: str  # PASS, FAIL (wrong output), ERROR (raised), skipped
+    part: str = ""  # the variant's GEMM ("up", "down", "both"; "" for the default and combos)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def setup(smoke: bool):
+    """(device, ceilings); the smoke run times the interpreter against fixed ceilings."""
+    import torch
+
+    from moekit.bench.ceilings import Ceilings, measure_ceilings
+
+    if smoke:
+        return torch.device("cpu"), Ceilings(copy_TBps=0.01, mm_TFLOPs=0.01, mm_dtype="float32")
+    dev = torch.device("cuda")
+    return dev, measure_ceilings(dev)
+
+
+def cell_shape(preset: str):
+    from moekit.bench.cells import Shape
+
+    if preset == "smoke-qwen":
+        return Shape(preset, 16, 32, 64, 4)
+    if preset == "smoke-mixtral":
+        return Shape(preset, 4, 64, 32, 2)
+    return Shape.from_preset(preset)
+
+
+def default_config(shape, m: int, dev):
+    """The tuned config of the cell (interpreter-sized tiles on the CPU)."""
+    import torch
+
+    from moekit.experts.configs import GemmTile, KernelConfig, device_key, get_config
+
+    if dev.type == "cpu":
+        return KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2))
+    return get_config(m, shape.num_experts, shape.n, shape.k, shape.top_k, torch.bfloat16, device_key(dev))
+
+
+class Cell:
+    """One (shape, M): weights, two routing sets, set 0's reference, the floor."""
+
+    def __init__(self, preset: str, m: int, dev, ceilings, smoke: bool):
+        import torch
+
+        from moekit.bench.cells import cell_model, make_sets, make_weights, measured_experts_touched
+        from moekit.experts.reference import experts_reference
+
+        self.name, self.m, self.dev = f"{preset} M={m}", m, dev
+        self.shape = s = cell_shape(preset)
+        self.dtype = torch.float32 if smoke else torch.bfloat16
+        weights = make_weights(s, self.dtype, dev)
+        self.w13, self.w2 = weights.w13, weights.w2
+        self.sets = make_sets(s, m, 2, self.dtype, dev)
+        x, ids, w = self.sets[0].x, self.sets[0].topk_ids, self.sets[0].topk_weights
+        self.ref = experts_reference(x, self.w13, self.w2, ids, w).float()
+        touched = sum(measured_experts_touched(c.topk_ids, s.num_experts) for c in self.sets) / len(self.sets)
+        self.floor_us = cell_model(s, m, touched, 2, ceilings.copy_TBps, ceilings.mm_TFLOPs).floor_us
+
+    def default_config(self):
+        return default_config(self.shape, self.m, self.dev)
+
+    def call(self, config, inputs):
+        from moekit.experts.triton import fused_experts
+
+        return fused_experts(inputs.x, self.w13, self.w2, inputs.topk_ids, inputs.topk_weights, config=config)
+
+    def measure(self, variant: str, config) -> Row:
+        import torch
+
+        from moekit.bench.timing import time_calls
+
+        try:
+            out = self.call(config, self.sets[0]).float()
+            err = float(torch.linalg.vector_norm(out - self.ref) / torch.linalg.vector_norm(self.ref))
+            fns = [lambda c=c: self.call(config, c) for c in self.sets]
+            cuda = self.dev.type == "cuda"  # the interpreter: one pass (the smoke run checks plumbing only)
+            us = time_calls(fns, self.dev, graph=cuda, budget_s=0.12 if cuda else 0.0, min_reps=5 if cuda else 1,
+                            max_reps=40 if cuda else 1)
+        except Exception as e:  # a tile that does not compile or launch: reported, the run goes on
+            log(f"  {self.name} {variant}: {type(e).__name__}: {str(e)[:300]}")
+            return Row(self.name, variant, config.to_dict(), None, None, None, "ERROR")
+        status = "PASS" if err < TOLERANCE else "FAIL"
+        row = Row(self.name, variant, config.to_dict(), us, 100.0 * self.floor_us / us, err, status)
+        log(f"  {self.name} {variant:22s} {us:9.1f} µs {row.pct_floor:6.1f}% floor  err {err:.1e} {status}")
+        return row
+
+
+def run_cell(cell: Cell, variants, deadline_s: float) -> list[Row]:
+    """The default, each variant, the combo of the best up-only and down-only changes, the default again."""
+    from mid_tile_variants import combine
+
+    default = cell.default_config()
+    rows = [cell.measure("default", default)]
+    for v in variants:
+        if time.perf_counter() - T0 > deadline_s:
+            rows.append(Row(cell.name, v.name, v.config.to_dict(), None, None, None, "skipped"))
+            continue
+        row = cell.measure(v.name, v.config)
+        row.part = v.part
+        rows.append(row)
+    ok = [r for r in rows[1:] if r.status == "PASS"]
+    best = {part: min((r for r in ok if r.part == part), key=lambda r: r.us, default=None)
+            for part in ("up", "down")}
+    if best["up"] and best["down"] and rows[0].us and max(best["up"].us, best["down"].us) < rows[0].us:
+        combo = combine(default, best["up"].config, best["down"].config)
+        rows.append(cell.measure(f"combo({best['up'].variant}+{best['down'].variant})", combo))
+    if time.perf_counter() - T0 <= deadline_s:
+        rows.append(cell.measure("default(again)", default))
+    return rows
+
+
+def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None) -> list[Row]:
+    """Every cell's rows; ``risky``: the warp-specialised variants only, each row also handed to ``sink``
+    as it comes (the child process writes it at once)."""
+    import torch
+
+    from mid_tile_variants import variants_for
+
+    dev, ceilings = setup(smoke)
+    if not smoke:
+        log(f"copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s")
+    rows = []
+    for preset, m in cells:
+        if time.perf_counter() - T0 > deadline_s:
+            rows.append(Row(f"{preset} M={m}", "all", None, None, None, None, "skipped"))
+            continue
+        variants = variants_for(preset, m, default_config(cell_shape(preset), m, dev), risky=risky, smoke=smoke)
+        if not variants:
+            continue
+        cell = Cell(preset, m, dev, ceilings, smoke)
+        log(f"{cell.name}: floor {cell.floor_us:.1f} µs, default {cell.default_config().to_dict()}")
+        if risky:
+            for v in variants + [None]:  # the default last: the child's own reference timing
+                if time.perf_counter() - T0 > deadline_s:
+                    break
+                row = cell.measure(v.name, v.config) if v else cell.measure("default(child)", cell.default_config())
+                row.part = v.part if v else ""
+                rows.append(row)
+                sink(row)
+        else:
+            rows += run_cell(cell, variants, deadline_s)
+        del cell
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def risky_rows(args) -> list[Row]:
+    """The warp-specialised variants in a child process, its rows as JSON lines in a file."""
+    path = Path(os.environ.get("OUT") or "/tmp") / "mid_tile_risky.jsonl"
+    path.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--risky-child", str(path)] + (["--smoke"] if args.smoke else [])
+    try:
+        proc = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S * (20 if args.smoke else 1))
+        note = f"child exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        note = "child timeout"
+    log(f"warp-specialised variants: {note}")
+    rows = [Row(**json.loads(line)) for line in path.read_text().splitlines()] if path.exists() else []
+    return rows or [Row("all", "warp_specialize", None, None, None, None, f"ERROR ({note})")]
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| cell | variant | µs | % of floor | err | status |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        us = f"{r.us:.1f}" if r.us is not None else "-"
+        pct = f"{r.pct_floor:.1f}" if r.pct_floor is not None else "-"
+        err = f"{r.err:.1e}" if r.err is not None else "-"
+        lines.append(f"| {r.cell} | {r.variant} | {us} | {pct} | {err} | {r.status} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--risky-child", default=None, help="internal: run the warp-specialised variants, rows to FILE")
+    ap.add_argument("--no-risky", action="store_true", help="skip the warp-specialised variants")
+    args = ap.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    cells = SMOKE_CELLS if args.smoke else CELLS
+    if args.risky_child:
+        with open(args.risky_child, "w") as f:
+            def sink(row):
+                f.write(json.dumps(asdict(row)) + "\n")
+                f.flush()
+            main_rows(cells, args.smoke, True, CHILD_TIMEOUT_S - 5, sink)
+        return 0
+    rows = main_rows(cells, args.smoke, False, 1e9 if args.smoke else DEADLINE_S)
+    if not args.no_risky:
+        rows += risky_rows(args)
+    result = dict(rows=[asdict(r) for r in rows], wall_s=time.perf_counter() - T0, smoke=args.smoke)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "mid_tile.json").write_text(json.dumps(result, indent=1))
+    log(f"done in {result['wall_s']:.1f} s")
+    print(table(rows))
+    return 1 if any(r.status == "FAIL" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
