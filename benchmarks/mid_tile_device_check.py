@@ -31,7 +31,9 @@ from pathlib import Path
 T0 = time.perf_counter()
 TOLERANCE = 1e-2
 DEADLINE_S = 112.0  # variants of the main process not started by then are skipped
-CHILD_TIMEOUT_S = 30.0  # the warp-specialised variants' child process
+CELL_BUDGET_S = 23.0  # a cell's variants stop this long after its start (COMBO_RESERVE_S early: combo, default again)
+COMBO_RESERVE_S = 3.0
+CHILD_TIMEOUT_S = 28.0  # the warp-specialised variants' child process
 CELLS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 512), ("mixtral-8x7b", 1024))
 SMOKE_CELLS = (("smoke-qwen", 1), ("smoke-mixtral", 8))
 
@@ -134,14 +136,16 @@ class Cell:
         return row
 
 
-def run_cell(cell: Cell, variants, deadline_s: float) -> list[Row]:
-    """The default, each variant, the combo of the best up-only and down-only changes, the default again."""
+def run_cell(cell: Cell, variants, deadline_s: float, cell_budget_s: float) -> list[Row]:
+    """The default, each variant, the combo of the best up-only and down-only changes, the default again;
+    variants not started by the cell's budget (or the run's deadline) are listed as skipped."""
     from mid_tile_variants import combine
 
+    deadline_s = min(deadline_s, time.perf_counter() - T0 + cell_budget_s)
     default = cell.default_config()
     rows = [cell.measure("default", default)]
     for v in variants:
-        if time.perf_counter() - T0 > deadline_s:
+        if time.perf_counter() - T0 > deadline_s - COMBO_RESERVE_S:
             rows.append(Row(cell.name, v.name, v.config.to_dict(), None, None, None, "skipped"))
             continue
         row = cell.measure(v.name, v.config)
@@ -153,12 +157,11 @@ def run_cell(cell: Cell, variants, deadline_s: float) -> list[Row]:
     if best["up"] and best["down"] and rows[0].us and max(best["up"].us, best["down"].us) < rows[0].us:
         combo = combine(default, best["up"].config, best["down"].config)
         rows.append(cell.measure(f"combo({best['up'].variant}+{best['down'].variant})", combo))
-    if time.perf_counter() - T0 <= deadline_s:
-        rows.append(cell.measure("default(again)", default))
+    rows.append(cell.measure("default(again)", default))
     return rows
 
 
-def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None) -> list[Row]:
+def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None, cell_budget_s: float = CELL_BUDGET_S) -> list[Row]:
     """Every cell's rows; ``risky``: the warp-specialised variants only, each row also handed to ``sink``
     as it comes (the child process writes it at once)."""
     import torch
@@ -187,7 +190,7 @@ def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None) -> 
                 rows.append(row)
                 sink(row)
         else:
-            rows += run_cell(cell, variants, deadline_s)
+            rows += run_cell(cell, variants, deadline_s, cell_budget_s)
         del cell
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -196,9 +199,11 @@ def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None) -> 
 
 def risky_rows(args) -> list[Row]:
     """The warp-specialised variants in a child process, its rows as JSON lines in a file."""
-    path = Path(os.environ.get("OUT") or "/tmp") / "mid_tile_risky.jsonl"
+    out_dir = Path(os.environ.get("OUT") or "/tmp")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "mid_tile_risky.jsonl"
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--risky-child", str(path)] + (["--smoke"] if args.smoke else [])
+    cmd = [sys.executable, __file__, "--risky-child", str(path), "--cells", args.cells] + (["--smoke"] if args.smoke else [])
     try:
         proc = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S * (20 if args.smoke else 1))
         note = f"child exit {proc.returncode}"
@@ -224,10 +229,13 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
     ap.add_argument("--risky-child", default=None, help="internal: run the warp-specialised variants, rows to FILE")
     ap.add_argument("--no-risky", action="store_true", help="skip the warp-specialised variants")
+    ap.add_argument("--cells", default="", help="a subset, e.g. mixtral-8x7b:1024,qwen3-30b-a3b:1")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     cells = SMOKE_CELLS if args.smoke else CELLS
+    if args.cells:
+        cells = [c for c in cells if f"{c[0]}:{c[1]}" in args.cells.split(",")]
     if args.risky_child:
         with open(args.risky_child, "w") as f:
             def sink(row):
@@ -235,11 +243,13 @@ def main() -> int:
                 f.flush()
             main_rows(cells, args.smoke, True, CHILD_TIMEOUT_S - 5, sink)
         return 0
-    rows = main_rows(cells, args.smoke, False, 1e9 if args.smoke else DEADLINE_S)
+    rows = main_rows(cells, args.smoke, False, 1e9 if args.smoke else DEADLINE_S,
+                     cell_budget_s=1e9 if args.smoke else CELL_BUDGET_S)
     if not args.no_risky:
         rows += risky_rows(args)
     result = dict(rows=[asdict(r) for r in rows], wall_s=time.perf_counter() - T0, smoke=args.smoke)
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "mid_tile.json").write_text(json.dumps(result, indent=1))
     log(f"done in {result['wall_s']:.1f} s")
     print(table(rows))

@@ -41,33 +41,34 @@ _SHORT = dict(BLOCK_N="bn", BLOCK_K="bk", num_warps="w", num_stages="s", GROUP_M
 
 
 def _mid(cfg: KernelConfig) -> list[Variant]:
-    """Mixtral 512 / 1024, Qwen3 1024: 8 warps at 128-row tiles; the fields the tuner's grid left
-    coarse first (stages, GROUP_M), then widths, then the other row heights."""
+    """Mixtral 512 / 1024, Qwen3 1024 (8 warps at 128-row tiles), in the order they run (a cell's budget
+    may cut the last): other row heights (not measured in these forms), down widths, then GROUP_M and
+    stages (the ridge run measured some of them; the tuned files may have moved since)."""
     out = []
-    out += _one_field(cfg, "up", "num_stages", (3, 5))
-    out += _one_field(cfg, "down", "num_stages", (3, 4, 5))
-    out += _one_field(cfg, "up", "GROUP_M", (1, 8, 32))
-    out += _one_field(cfg, "down", "GROUP_M", (1, 4))
-    out += _one_field(cfg, "down", "BLOCK_N", (128, 256))
-    out += _one_field(cfg, "down", "BLOCK_K", (128,))
-    out.append(Variant("down_w4_bn128", _down(cfg, num_warps=4, BLOCK_N=128), "down"))
     # 64-row blocks: less padding (an expert's last block), 8 warps split along N; gate-up 256 wide
     # ([64, 256] x 2 fp32 = 128 registers a thread), down 256 wide
     out.append(Variant("bm64_bn256", KernelConfig(64, GemmTile(256, 64, cfg.up.GROUP_M, 8, 4),
                                                   GemmTile(256, 64, cfg.down.GROUP_M, 8, 4)), "both"))
-    out.append(Variant("bm64_bn128_w4", KernelConfig(64, GemmTile(128, 64, cfg.up.GROUP_M, 4, 4),
-                                                     GemmTile(128, 64, cfg.down.GROUP_M, 4, 4)), "both"))
     # 256-row blocks: each weight tile read once per expert (Mixtral 1024: ~256 rows an expert), gate-up
     # 64 wide so its two accumulators fit ([256, 64] x 2 fp32 = 128 registers a thread)
     out.append(Variant("bm256_up64", KernelConfig(256, GemmTile(64, 64, cfg.up.GROUP_M, 8, 3),
                                                   GemmTile(128, 64, cfg.down.GROUP_M, 8, 3)), "both"))
+    out.append(Variant("bm64_bn128_w4", KernelConfig(64, GemmTile(128, 64, cfg.up.GROUP_M, 4, 4),
+                                                     GemmTile(128, 64, cfg.down.GROUP_M, 4, 4)), "both"))
+    out.append(Variant("down_w4_bn128", _down(cfg, num_warps=4, BLOCK_N=128), "down"))
+    out += _one_field(cfg, "down", "BLOCK_K", (128,))
+    out += _one_field(cfg, "down", "BLOCK_N", (128, 256))
+    out += _one_field(cfg, "up", "GROUP_M", (1, 8, 32))
+    out += _one_field(cfg, "down", "GROUP_M", (1, 4))
+    out += _one_field(cfg, "up", "num_stages", (3, 5))
+    out += _one_field(cfg, "down", "num_stages", (3, 4, 5))
     return out
 
 
 def _decode(cfg: KernelConfig) -> list[Variant]:
     """Qwen3 M = 1: the gate-up split over K (more programs than 8 experts x N tiles), widths."""
     out = []
-    for split, bn in ((2, 64), (4, 64), (2, 128), (4, 128), (8, 128)):
+    for split, bn in ((2, 64), (3, 64), (4, 64), (8, 64), (4, 128), (8, 128)):
         out.append(Variant(f"up_split{split}_bn{bn}", _up(cfg, split_k=split, BLOCK_N=bn), "up"))
     out += _one_field(cfg, "up", "BLOCK_N", (32, 128))
     out += _one_field(cfg, "down", "BLOCK_N", (32, 128))
