@@ -241,7 +241,7 @@ def main() -> int:
             def sink(row):
                 f.write(json.dumps(asdict(row)) + "\n")
                 f.flush()
-            main_rows(cells, args.smoke, True, CHILD_TIMEOUT_S - 5, sink)
+            main_rows(cells, args.smoke, True, 1e9 if args.smoke else CHILD_TIMEOUT_S - 5, sink)
         return 0
     rows = main_rows(cells, args.smoke, False, 1e9 if args.smoke else DEADLINE_S,
                      cell_budget_s=1e9 if args.smoke else CELL_BUDGET_S)
