@@ -126,3 +126,14 @@ def test_split_k_with_b13_is_an_error(interpreter):
     b13 = torch.zeros(4, 2 * INTER)
     with pytest.raises(ValueError, match="split_k=2 needs a gated activation and no b13"):
         interpreter.fused_experts(p.x, p.w13, p.w2, p.ids, p.weights, config=_config(2), options=OPTIONS, b13=b13)
+
+
+def test_split_k_through_the_lean_launch_and_fast_path(interpreter):
+    """Default options (recorded launch sequence, then the repeated call's fast path): the same output as the
+    poisoned-workspace call, call after call with new routing."""
+    p = make_problem(1, 8, 40, HIDDEN, INTER, seed=9)
+    for seed in (9, 10, 9):
+        q = make_problem(1, 8, 40, HIDDEN, INTER, seed=seed)
+        fast = interpreter.fused_experts(q.x, p.w13, p.w2, q.ids, q.weights, config=_config(4))
+        want = _per_token(q.x, p.w13, p.w2, q.ids, q.weights, ActivationSpec())
+        assert torch.allclose(fast.double(), want, rtol=1e-5, atol=1e-5)
