@@ -36,6 +36,7 @@ COMBO_RESERVE_S = 3.0
 CHILD_TIMEOUT_S = 28.0  # the warp-specialised variants' child process
 CELLS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 512), ("mixtral-8x7b", 1024))
 SMOKE_CELLS = (("smoke-qwen", 1), ("smoke-mixtral", 8))
+CLOCKS: dict[str, dict] = {}  # "mm" and each mid cell's default: SM MHz and board W while it runs (mid_tile_clocks)
 
 
 @dataclass
@@ -144,6 +145,11 @@ def run_cell(cell: Cell, variants, deadline_s: float, cell_budget_s: float) -> l
     deadline_s = min(deadline_s, time.perf_counter() - T0 + cell_budget_s)
     default = cell.default_config()
     rows = [cell.measure("default", default)]
+    if cell.dev.type == "cuda" and cell.m > 1 and rows[0].us:  # decode cells are too short to sample
+        from mid_tile_clocks import graph_clocks
+
+        CLOCKS[cell.name] = asdict(graph_clocks(lambda: cell.call(default, cell.sets[0]), rows[0].us))
+        log(f"  {cell.name} default clocks: {CLOCKS[cell.name]} (mm: {CLOCKS.get('mm')})")
     for v in variants:
         if time.perf_counter() - T0 > deadline_s - COMBO_RESERVE_S:
             rows.append(Row(cell.name, v.name, v.config.to_dict(), None, None, None, "skipped"))
@@ -171,6 +177,10 @@ def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None, cel
     dev, ceilings = setup(smoke)
     if not smoke:
         log(f"copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s")
+        if not risky:
+            from mid_tile_clocks import matmul_clocks
+
+            CLOCKS["mm"] = asdict(matmul_clocks())
     rows = []
     for preset, m in cells:
         if time.perf_counter() - T0 > deadline_s:
@@ -247,12 +257,15 @@ def main() -> int:
                      cell_budget_s=1e9 if args.smoke else CELL_BUDGET_S)
     if not args.no_risky:
         rows += risky_rows(args)
-    result = dict(rows=[asdict(r) for r in rows], wall_s=time.perf_counter() - T0, smoke=args.smoke)
+    result = dict(rows=[asdict(r) for r in rows], clocks=CLOCKS, wall_s=time.perf_counter() - T0, smoke=args.smoke)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "mid_tile.json").write_text(json.dumps(result, indent=1))
     log(f"done in {result['wall_s']:.1f} s")
     print(table(rows))
+    if CLOCKS:
+        print("clocks (SM MHz, board W, while running):", "; ".join(
+            f"{name} {c['sm_mhz']} MHz {c['power_w']} W" for name, c in CLOCKS.items()))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
