@@ -137,3 +137,20 @@ def test_split_k_through_the_lean_launch_and_fast_path(interpreter):
         fast = interpreter.fused_experts(q.x, p.w13, p.w2, q.ids, q.weights, config=_config(4))
         want = _per_token(q.x, p.w13, p.w2, q.ids, q.weights, ActivationSpec())
         assert torch.allclose(fast.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_split_k_is_dropped_where_the_call_cannot_split(interpreter, monkeypatch):
+    """A tuned entry's split-K (config=None) with b13: the call runs unsplit instead of raising."""
+    from moekit.experts import triton_plan
+
+    monkeypatch.setattr(triton_plan, "get_config", lambda *a, **kw: _config(3))
+    triton_plan.clear_plans()
+    p = make_problem(4, 2, 5, HIDDEN, INTER, seed=11)
+    b13 = torch.randn(5, 2 * INTER, generator=torch.Generator().manual_seed(12))
+    got = interpreter.fused_experts(p.x, p.w13, p.w2, p.ids, p.weights, options=OPTIONS, b13=b13)
+    triton_plan.clear_plans()
+    want = torch.zeros(p.x.shape, dtype=torch.float64)
+    for t, j, e in routed_slots(p.ids, 5):
+        h = _glu64(p.w13[e].double() @ p.x[t].double() + b13[e].double(), ActivationSpec())
+        want[t] += float(p.weights[t, j]) * (p.w2[e].double() @ h)
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)

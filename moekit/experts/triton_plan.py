@@ -21,7 +21,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -153,6 +153,9 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     (num_experts, w13_rows, hidden), (num_tokens, top_k) = w13.shape, ids.shape
     n, num_assignments = w2.shape[2], num_tokens * top_k  # w13_rows: 2N gated, N ungated
     descriptors = descriptors_allowed(w13, w2, options)
+    if config is None:  # a tuned split-K entry is dropped where this call cannot split (an explicit one raises)
+        config = tuned_split_or_none(launch_config(None, x, num_experts, n, top_k, descriptors), variant, b13,
+                                     num_assignments, n)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
     # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot
@@ -246,6 +249,17 @@ def check_split(config: KernelConfig, variant: dict, b13, num_assignments: int, 
         raise ValueError(f"config.up.split_k={split}: the partials ({split} x {num_assignments} x {2 * n}) pass 2^31 "
                          "elements (the kernels index them in int32); use it at small M")
     return split
+
+
+def tuned_split_or_none(config: KernelConfig, variant: dict, b13, num_assignments: int, n: int) -> KernelConfig:
+    """``config`` (a tuned lookup) with its gate-up split-K kept only where ``check_split`` allows it."""
+    if config.up.split_k == 1:
+        return config
+    try:
+        check_split(config, variant, b13, num_assignments, n)
+        return config
+    except ValueError:
+        return replace(config, up=replace(config.up, split_k=1))
 
 
 def _ws(tile) -> dict:
