@@ -34,8 +34,9 @@ DEADLINE_S = 112.0  # variants of the main process not started by then are skipp
 CELL_BUDGET_S = 23.0  # a cell's variants stop this long after its start (COMBO_RESERVE_S early: combo, default again)
 COMBO_RESERVE_S = 3.0
 CHILD_TIMEOUT_S = 28.0  # the warp-specialised variants' child process
-CELLS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 512), ("mixtral-8x7b", 1024))
-SMOKE_CELLS = (("smoke-qwen", 1), ("smoke-mixtral", 8))
+# Qwen3 M = 1 last: its split-K variants are the one new kernel path (a device fault there ends the CUDA context)
+CELLS = (("mixtral-8x7b", 512), ("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 1))
+SMOKE_CELLS = (("smoke-mixtral", 8), ("smoke-qwen", 1))
 CLOCKS: dict[str, dict] = {}  # "mm" and each mid cell's default: SM MHz and board W while it runs (mid_tile_clocks)
 
 
@@ -148,7 +149,10 @@ def run_cell(cell: Cell, variants, deadline_s: float, cell_budget_s: float) -> l
     if cell.dev.type == "cuda" and cell.m > 1 and rows[0].us:  # decode cells are too short to sample
         from mid_tile_clocks import graph_clocks
 
-        CLOCKS[cell.name] = asdict(graph_clocks(lambda: cell.call(default, cell.sets[0]), rows[0].us))
+        try:
+            CLOCKS[cell.name] = asdict(graph_clocks(lambda: cell.call(default, cell.sets[0]), rows[0].us))
+        except Exception as e:  # a diagnostic only
+            CLOCKS[cell.name] = dict(sm_mhz=None, power_w=None, source=f"{type(e).__name__}: {str(e)[:100]}")
         log(f"  {cell.name} default clocks: {CLOCKS[cell.name]} (mm: {CLOCKS.get('mm')})")
     for v in variants:
         if time.perf_counter() - T0 > deadline_s - COMBO_RESERVE_S:
@@ -180,7 +184,10 @@ def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None, cel
         if not risky:
             from mid_tile_clocks import matmul_clocks
 
-            CLOCKS["mm"] = asdict(matmul_clocks())
+            try:
+                CLOCKS["mm"] = asdict(matmul_clocks())
+            except Exception as e:  # a diagnostic only
+                CLOCKS["mm"] = dict(sm_mhz=None, power_w=None, source=f"{type(e).__name__}: {str(e)[:100]}")
     rows = []
     for preset, m in cells:
         if time.perf_counter() - T0 > deadline_s:
