@@ -231,6 +231,36 @@ def risky_rows(args) -> list[Row]:
     return rows or [Row("all", "warp_specialize", None, None, None, None, f"ERROR ({note})")]
 
 
+def confirm_rows(path: str, smoke: bool, rounds: int = 3) -> list[Row]:
+    """A/B of chosen configs: FILE is {"preset:M": {"name": KernelConfig dict, ...}}; per cell the default and
+    each candidate, interleaved ``rounds`` times; one row per timing and a median row per candidate."""
+    import statistics
+
+    from moekit.experts.configs import KernelConfig
+
+    dev, ceilings = setup(smoke)
+    rows = []
+    for key, candidates in json.loads(Path(path).read_text()).items():
+        preset, m = key.rsplit(":", 1)
+        cell = Cell(preset, int(m), dev, ceilings, smoke)
+        configs = [("default", cell.default_config())] + [(n, KernelConfig.from_dict(d)) for n, d in candidates.items()]
+        timed = {name: [] for name, _ in configs}
+        for r in range(rounds):
+            for name, config in configs:
+                row = cell.measure(f"{name} r{r + 1}", config)
+                rows.append(row)
+                if row.us is not None:
+                    timed[name].append(row)
+        for name, got in timed.items():
+            if got:
+                us = statistics.median(r.us for r in got)
+                status = "PASS" if all(r.status == "PASS" for r in got) else "FAIL"
+                rows.append(Row(cell.name, f"{name} (median of {len(got)})", got[0].config, us,
+                                100.0 * cell.floor_us / us, max(r.err for r in got), status))
+        del cell
+    return rows
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| cell | variant | µs | % of floor | err | status |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -247,9 +277,17 @@ def main() -> int:
     ap.add_argument("--risky-child", default=None, help="internal: run the warp-specialised variants, rows to FILE")
     ap.add_argument("--no-risky", action="store_true", help="skip the warp-specialised variants")
     ap.add_argument("--cells", default="", help="a subset, e.g. mixtral-8x7b:1024,qwen3-30b-a3b:1")
+    ap.add_argument("--confirm", default=None, help="A/B only: JSON {'preset:M': {name: config dict}} (confirm_rows)")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.confirm:
+        rows = confirm_rows(args.confirm, args.smoke)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+            Path(os.environ["OUT"], "mid_tile_confirm.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        print(table(rows))
+        return 1 if any(r.status == "FAIL" for r in rows) else 0
     cells = SMOKE_CELLS if args.smoke else CELLS
     if args.cells:
         cells = [c for c in cells if f"{c[0]}:{c[1]}" in args.cells.split(",")]
