@@ -278,11 +278,12 @@ def main() -> int:
     ap.add_argument("--no-risky", action="store_true", help="skip the warp-specialised variants")
     ap.add_argument("--cells", default="", help="a subset, e.g. mixtral-8x7b:1024,qwen3-30b-a3b:1")
     ap.add_argument("--confirm", default=None, help="A/B only: JSON {'preset:M': {name: config dict}} (confirm_rows)")
+    ap.add_argument("--rounds", type=int, default=5, help="--confirm: interleaved rounds")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     if args.confirm:
-        rows = confirm_rows(args.confirm, args.smoke)
+        rows = confirm_rows(args.confirm, args.smoke, args.rounds)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
             Path(os.environ["OUT"], "mid_tile_confirm.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
