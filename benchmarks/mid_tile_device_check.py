@@ -2,19 +2,21 @@
 
     PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py          # H200, <= 150 s
     PYTHONPATH=$PWD python benchmarks/mid_tile_device_check.py --smoke          # CPU, TRITON_INTERPRET=1
+    PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py --confirm benchmarks/mid_tile_confirm.json
 
 Cells (bf16, uniform routing, two routing sets per cell): Qwen3-30B-A3B M = 1 and 1024, Mixtral-8x7B
 M = 512 and 1024. Per cell, the tuned default and variants of it (``mid_tile_variants``): one field of one
 GEMM's tile at a time (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), BLOCK_M 64 / 256 with tiles
-that fit the registers, the gate-up split-K at M = 1 (``GemmTile.split_k``), then the best gate-up-only and
+that fit the registers, then the best gate-up-only and
 the best down-only change together ("combo"); the default again at the end (the noise). Each variant:
   - correctness: its output on set 0 against ``experts_reference`` (float32 accumulation) at the real
     shape, rel L2 < 1e-2 (the default lands near 5e-3), PASS / FAIL;
   - µs per call: CUDA-graph replay of both sets, median (``moekit.bench.timing``), and % of the cell's
     floor (max(bytes / copy, FLOPs / mm), copy and mm measured in this run).
-Warp-specialised loops (``GemmTile.warp_specialize``) run last in a child process (a compiler abort must
-not end the run); variants not started by the deadline are listed as "skipped". The table is printed
-last, JSON to $OUT/mid_tile.json. Exit 1 when a variant that ran gave a wrong output.
+SM clock and board power during the mid cells' default and a compute-only matmul (``mid_tile_clocks``).
+Variants not started by the cell's budget are listed as "skipped". ``--confirm FILE``: an interleaved A/B of
+chosen configs only (``confirm_rows``). The table is printed last, JSON to $OUT/mid_tile.json (or
+mid_tile_confirm.json). Exit 1 when a variant that ran gave a wrong output.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,8 +34,7 @@ TOLERANCE = 1e-2
 DEADLINE_S = 112.0  # variants of the main process not started by then are skipped
 CELL_BUDGET_S = 23.0  # a cell's variants stop this long after its start (COMBO_RESERVE_S early: combo, default again)
 COMBO_RESERVE_S = 3.0
-CHILD_TIMEOUT_S = 28.0  # the warp-specialised variants' child process
-# Qwen3 M = 1 last: its split-K variants are the one new kernel path (a device fault there ends the CUDA context)
+# the mid cells first (the lead's priority); Qwen3 M = 1 last
 CELLS = (("mixtral-8x7b", 512), ("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 1))
 SMOKE_CELLS = (("smoke-mixtral", 8), ("smoke-qwen", 1))
 CLOCKS: dict[str, dict] = {}  # "mm" and each mid cell's default: SM MHz and board W while it runs (mid_tile_clocks)
@@ -171,9 +171,8 @@ def run_cell(cell: Cell, variants, deadline_s: float, cell_budget_s: float) -> l
     return rows
 
 
-def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None, cell_budget_s: float = CELL_BUDGET_S) -> list[Row]:
-    """Every cell's rows; ``risky``: the warp-specialised variants only, each row also handed to ``sink``
-    as it comes (the child process writes it at once)."""
+def main_rows(cells, smoke: bool, deadline_s: float, cell_budget_s: float) -> list[Row]:
+    """Every cell's rows."""
     import torch
 
     from mid_tile_variants import variants_for
@@ -181,54 +180,25 @@ def main_rows(cells, smoke: bool, risky: bool, deadline_s: float, sink=None, cel
     dev, ceilings = setup(smoke)
     if not smoke:
         log(f"copy {ceilings.copy_TBps:.2f} TB/s, mm {ceilings.mm_TFLOPs:.0f} TFLOP/s")
-        if not risky:
-            from mid_tile_clocks import matmul_clocks
+        from mid_tile_clocks import matmul_clocks
 
-            try:
-                CLOCKS["mm"] = asdict(matmul_clocks())
-            except Exception as e:  # a diagnostic only
-                CLOCKS["mm"] = dict(sm_mhz=None, power_w=None, source=f"{type(e).__name__}: {str(e)[:100]}")
+        try:
+            CLOCKS["mm"] = asdict(matmul_clocks())
+        except Exception as e:  # a diagnostic only
+            CLOCKS["mm"] = dict(sm_mhz=None, power_w=None, source=f"{type(e).__name__}: {str(e)[:100]}")
     rows = []
     for preset, m in cells:
         if time.perf_counter() - T0 > deadline_s:
             rows.append(Row(f"{preset} M={m}", "all", None, None, None, None, "skipped"))
             continue
-        variants = variants_for(preset, m, default_config(cell_shape(preset), m, dev), risky=risky, smoke=smoke)
-        if not variants:
-            continue
+        variants = variants_for(preset, m, default_config(cell_shape(preset), m, dev), smoke=smoke)
         cell = Cell(preset, m, dev, ceilings, smoke)
         log(f"{cell.name}: floor {cell.floor_us:.1f} µs, default {cell.default_config().to_dict()}")
-        if risky:
-            for v in variants + [None]:  # the default last: the child's own reference timing
-                if time.perf_counter() - T0 > deadline_s:
-                    break
-                row = cell.measure(v.name, v.config) if v else cell.measure("default(child)", cell.default_config())
-                row.part = v.part if v else ""
-                rows.append(row)
-                sink(row)
-        else:
-            rows += run_cell(cell, variants, deadline_s, cell_budget_s)
+        rows += run_cell(cell, variants, deadline_s, cell_budget_s)
         del cell
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def risky_rows(args) -> list[Row]:
-    """The warp-specialised variants in a child process, its rows as JSON lines in a file."""
-    out_dir = Path(os.environ.get("OUT") or "/tmp")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "mid_tile_risky.jsonl"
-    path.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--risky-child", str(path), "--cells", args.cells] + (["--smoke"] if args.smoke else [])
-    try:
-        proc = subprocess.run(cmd, timeout=CHILD_TIMEOUT_S * (20 if args.smoke else 1))
-        note = f"child exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        note = "child timeout"
-    log(f"warp-specialised variants: {note}")
-    rows = [Row(**json.loads(line)) for line in path.read_text().splitlines()] if path.exists() else []
-    return rows or [Row("all", "warp_specialize", None, None, None, None, f"ERROR ({note})")]
 
 
 def confirm_rows(path: str, smoke: bool, rounds: int = 3) -> list[Row]:
@@ -274,8 +244,6 @@ def table(rows: list[Row]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
-    ap.add_argument("--risky-child", default=None, help="internal: run the warp-specialised variants, rows to FILE")
-    ap.add_argument("--no-risky", action="store_true", help="skip the warp-specialised variants")
     ap.add_argument("--cells", default="", help="a subset, e.g. mixtral-8x7b:1024,qwen3-30b-a3b:1")
     ap.add_argument("--confirm", default=None, help="A/B only: JSON {'preset:M': {name: config dict}} (confirm_rows)")
     ap.add_argument("--rounds", type=int, default=5, help="--confirm: interleaved rounds")
@@ -292,17 +260,7 @@ def main() -> int:
     cells = SMOKE_CELLS if args.smoke else CELLS
     if args.cells:
         cells = [c for c in cells if f"{c[0]}:{c[1]}" in args.cells.split(",")]
-    if args.risky_child:
-        with open(args.risky_child, "w") as f:
-            def sink(row):
-                f.write(json.dumps(asdict(row)) + "\n")
-                f.flush()
-            main_rows(cells, args.smoke, True, 1e9 if args.smoke else CHILD_TIMEOUT_S - 5, sink)
-        return 0
-    rows = main_rows(cells, args.smoke, False, 1e9 if args.smoke else DEADLINE_S,
-                     cell_budget_s=1e9 if args.smoke else CELL_BUDGET_S)
-    if not args.no_risky:
-        rows += risky_rows(args)
+    rows = main_rows(cells, args.smoke, 1e9 if args.smoke else DEADLINE_S, 1e9 if args.smoke else CELL_BUDGET_S)
     result = dict(rows=[asdict(r) for r in rows], clocks=CLOCKS, wall_s=time.perf_counter() - T0, smoke=args.smoke)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)

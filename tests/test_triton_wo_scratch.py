@@ -245,21 +245,3 @@ def test_overlap_pipeline_orders_each_buffer_and_overlaps_neighbours(monkeypatch
             assert not before(("dequant", j + 1), ("gemm", j)) and not before(("gemm", j), ("dequant", j + 1))
         if j >= 1 and j + 1 < 6:
             assert before(("gemm", j - 1), ("dequant", j + 1))
-
-
-def test_scratch_unsplits_a_tuned_split_k_entry(wo, monkeypatch):
-    """A tuned bf16 entry with a gate-up split-K (``GemmTile.split_k``) would make the gate-up write fp32 partials
-    [split, A, 2N] into this path's [A, N] h scratch: the scratch plans its chunks with the split dropped."""
-    from moekit.experts import triton_plan
-    from moekit.experts.configs import GemmTile, KernelConfig
-
-    split = KernelConfig(16, GemmTile(16, 32, split_k=4), GemmTile(16, 32))
-    monkeypatch.setattr(triton_plan, "get_config", lambda *a, **kw: split)
-    triton_plan.clear_plans()
-    e, n, hidden, m, k = 4, 48, 96, 3, 2
-    w13, w2 = quantized_pair("int8_w8a16", 0, e, n, hidden, seed=5)
-    x = torch.randn(m, hidden, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
-    ids, weights = routing(m, e, k, seed=7)
-    out = run_scratch(wo, x, w13, w2, ids, weights, max_bytes=1 << 30)
-    triton_plan.clear_plans()
-    assert rel(out, experts_reference(x, w13, w2, ids, weights)) < 1e-2

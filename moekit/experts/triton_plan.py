@@ -21,7 +21,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, B
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -153,9 +153,6 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     (num_experts, w13_rows, hidden), (num_tokens, top_k) = w13.shape, ids.shape
     n, num_assignments = w2.shape[2], num_tokens * top_k  # w13_rows: 2N gated, N ungated
     descriptors = descriptors_allowed(w13, w2, options)
-    if config is None:  # a tuned split-K entry is dropped where this call cannot split (an explicit one raises)
-        config = tuned_split_or_none(launch_config(None, x, num_experts, n, top_k, descriptors), variant, b13,
-                                     num_assignments, n)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
     # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot
@@ -163,9 +160,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
                            arrival_slot=ksum_counters)
     align = rows.align
-    split = check_split(config, variant, b13, num_assignments, n)
-    h_region = ("h", work_dtype, (num_assignments, n)) if split == 1 else ("h", torch.float32, (split, num_assignments, 2 * n))
-    regions = [h_region, ("y", work_dtype, (num_assignments, hidden))]
+    regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
     gate_up, down_launch, down_sum = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
                                                     align is None, descriptors, variant, options,
@@ -209,24 +204,20 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
                   cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     fold = dict(fold)
     num_global = fold.pop("num_global")
-    # split-K gate-up (up.split_k > 1): h is the fp32 partials [split, A, 2N], summed through glu by down
-    split, stride_h = up.split_k, n if up.split_k == 1 else 2 * n
-    split_up = dict(SPLIT=split) if split > 1 else {}
-    split_down = dict(HSPLIT=split, **{k: variant[k] for k in ("ACT", "ALPHA", "LIMIT", "UP_SHIFT")}) if split > 1 else {}
     gate_up = BoundLaunch(
-        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N), split) if split > 1 else (num_pid_m * cdiv(n, up.BLOCK_N),),
-        10, (n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_global, *x.stride(), *w13.stride(),
-             *(b13.stride() if b13 is not None else (0, 0)), stride_h),
+        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
+        (n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_global, *x.stride(), *w13.stride(),
+         *(b13.stride() if b13 is not None else (0, 0)), n),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold,
         # Interleaved rows contiguous (transposed storage): one [BK, 2BN] load split in two, not two
         # stride-2 loads (measured on the H200: gpt-oss-20b at M = 64, 2693 µs strided against 385 µs TMA).
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,
-        num_warps=up.num_warps, num_stages=up.num_stages, **shared, **_ws(up), **split_up,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
-    down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, stride_h, *w2.stride(),
+    down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
                     *(b2.stride() if b2 is not None else (0, 0)), hidden)
     down_tiles = dict(BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-                      num_warps=down.num_warps, num_stages=down.num_stages, **shared, **_ws(down), **split_down)
+                      num_warps=down.num_warps, num_stages=down.num_stages, **shared)
     gemm_programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
     down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 12, down_scalars, **down_tiles)
     down_sum = None
@@ -234,38 +225,6 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
         down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 12, down_scalars,
                                **down_tiles, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
     return gate_up, down_launch, down_sum
-
-
-def check_split(config: KernelConfig, variant: dict, b13, num_assignments: int, n: int) -> int:
-    """The gate-up split-K of ``config`` (``GemmTile.split_k``), or a clear error where the path has none."""
-    split = config.up.split_k
-    if config.down.split_k != 1:
-        raise ValueError(f"config.down.split_k must be 1 (only the gate-up GEMM splits K), got {config.down.split_k}")
-    if split < 1:
-        raise ValueError(f"config.up.split_k must be >= 1, got {split}")
-    if split > 1 and (b13 is not None or not variant["GATED"]):
-        raise ValueError(f"config.up.split_k={split} needs a gated activation and no b13")
-    if split * num_assignments * 2 * n >= 2**31:
-        raise ValueError(f"config.up.split_k={split}: the partials ({split} x {num_assignments} x {2 * n}) pass 2^31 "
-                         "elements (the kernels index them in int32); use it at small M")
-    return split
-
-
-def tuned_split_or_none(config: KernelConfig, variant: dict, b13, num_assignments: int, n: int) -> KernelConfig:
-    """``config`` (a tuned lookup) with its gate-up split-K kept only where ``check_split`` allows it."""
-    if config.up.split_k == 1:
-        return config
-    try:
-        check_split(config, variant, b13, num_assignments, n)
-        return config
-    except ValueError:
-        return replace(config, up=replace(config.up, split_k=1))
-
-
-def _ws(tile) -> dict:
-    """The WS constexpr of a GEMM launch, passed only when the tile asks for it (the default launch is
-    what it was)."""
-    return dict(WS=True) if tile.warp_specialize else {}
 
 
 ZERO_TOKENS = 16  # tokens per program of the folded k-sum's zero-fill programs (after the GEMM's; ``_kernels/gemm.py``)

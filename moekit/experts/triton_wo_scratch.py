@@ -31,7 +31,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -179,9 +179,6 @@ def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions,
     w2_view = down_buffer[:count * hidden * n].view(count, hidden, n)
     cmap = expert_map if count == num_experts else chunk_map(expert_map, num_experts, expert0, count, x.device)
     plan = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options)
-    if plan.config.up.split_k > 1:  # h is this path's own [A, N] scratch, not split-K partials: unsplit tiles
-        plan = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation,
-                        replace(plan.config, up=replace(plan.config.up, split_k=1)), options)
     if plan.descriptor_key is None:
         args = (w13_view, None, w2_view)
     else:  # the scratch is fresh per call: its descriptors are too (never the per-weight cache)

@@ -39,17 +39,6 @@ clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None withou
 N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
 routed weight multiplies. Weights are read through their strides (transposed storage is a view).
 
-SPLIT (gate-up) / HSPLIT (down), split-K of the gate-up GEMM (``GemmTile.split_k`` of the up tile; gated,
-no b13): program (pid, s) reduces its share of K's steps and stores the raw fp32 gate and up sums in
-partials [SPLIT, A, 2N] (gate columns, then up); the down GEMM sums the splits in order, applies glu
-and rounds like h. More programs for tiny batches (Qwen3-30B-A3B M = 1: 8 experts x 12 N tiles = 96
-programs on 132 SMs).
-
-WS: the main loop asks Triton for warp specialisation (``tl.range(warp_specialize=True)``; a tile's
-``GemmTile.warp_specialize``, off by default and passed only when on). Triton's Hopper pass skips or
-rejects these loops in most forms (``benchmarks/triton-notes.md``); measured by
-``benchmarks/mid_tile_device_check.py``.
-
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
 
@@ -190,41 +179,6 @@ def _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N: tl.constexpr, INTERLEAVED: tl.con
 
 
 @triton.jit
-def _split_range(pid_n, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """(first K column, end, layout writer) of a gate-up program: with SPLIT > 1 program_id(1)'s share of the K
-    steps, and pid_n + split (0 only for N tile 0 of split 0: one writer of a folded layout); else all of K."""
-    if SPLIT > 1:
-        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-        k_lo = tl.program_id(1) * k_per
-        k_hi = tl.minimum(K, k_lo + k_per)
-        writer = pid_n + tl.program_id(1)
-    else:
-        k_lo = 0
-        k_hi = K
-        writer = pid_n
-    return k_lo, k_hi, writer
-
-
-@triton.jit
-def _store_h(h_ptr, acc_gate, acc_up, b13_ptr, expert, rows, row_ok, offs_n, n_ok, N, num_assignments, stride_hm,
-             stride_be, stride_bn, ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-             ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, SPLIT: tl.constexpr):
-    """The gate-up's [BM, BN] h tile (the [A, 2N] product is never written); split-K: the raw fp32 gate and
-    up sums of program_id(1)'s split at partials [split, row, n] and [split, row, N + n] (the down GEMM adds
-    the splits and applies glu)."""
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]  # [BM, BN]
-    mask = row_ok[:, None] & n_ok[None, :]
-    if SPLIT > 1:
-        h_ptrs += tl.program_id(1).to(tl.int64) * num_assignments * 2 * N
-        tl.store(h_ptrs, acc_gate, mask=mask)
-        tl.store(h_ptrs + N, acc_up, mask=mask)
-    else:
-        h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
-                              ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w13_up_ptr, b13_ptr, h_ptr,  # x [M, K], w13 [E, 2N or N, K], b13 [E, 2N or N], h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
@@ -234,15 +188,13 @@ def gate_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, WS: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1,  # > 1: split-K (module docstring), h_ptr the fp32 partials [SPLIT, A, 2N]
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    k_lo, k_hi, layout_writer = _split_range(pid_n, K, BLOCK_K, SPLIT)
-    rows, expert = _gate_up_rows(pid_m, layout_writer, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
+    rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
     if expert < 0:
         return  # past the rows in use, or (naive) an assignment not routed here: nothing reads its h row
@@ -251,17 +203,17 @@ def gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk  # [BM, BK]
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     if W_DESC:  # descriptors over [rows, K], block [BN, BK]; rows per expert: 2N, or N (ungated, interleaved)
         gate_row = (expert * N * (1 if INTERLEAVED else (2 if GATED else 1)) + pid_n * BLOCK_N).to(tl.int32)
         up_desc, up_row = (w13_up_ptr, gate_row) if INTERLEAVED else (w13_ptr, gate_row + N)  # gated only
     else:
         w_rows, w_ok = _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N, INTERLEAVED, PAIRS)  # [1, BN or 2BN]
-        wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + (k_lo + offs_k)[:, None] * stride_wk  # [BK, BN or 2BN]
+        wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN or 2BN]
         wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated, not PAIRS: the up rows
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: the one accumulator
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: never touched
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WS):
+    for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:
@@ -283,26 +235,10 @@ def gate_up_kernel(
             acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    _store_h(h_ptr, acc_gate, acc_up, b13_ptr, expert, rows, row_ok, offs_n, n_ok, N, num_assignments, stride_hm,
-             stride_be, stride_bn, ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT, SPLIT)
-
-
-@triton.jit
-def _load_h(h_ptrs, mask, split_stride, N, H_DTYPE: tl.constexpr, HSPLIT: tl.constexpr, ACT: tl.constexpr,
-            ALPHA: tl.constexpr, LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr):
-    """The down GEMM's [BM, BK] h tile: loaded, or (HSPLIT > 1) glu(sum of the gate partials, sum of the up
-    partials), split 0 first, rounded to H_DTYPE as the gate-up would store h (h_ptrs: split 0's gate columns;
-    up columns N further, split s s * split_stride further)."""
-    if HSPLIT > 1:
-        gate = tl.load(h_ptrs, mask=mask, other=0.0)
-        up = tl.load(h_ptrs + N, mask=mask, other=0.0)
-        for s in tl.static_range(1, HSPLIT):
-            gate += tl.load(h_ptrs + s * split_stride, mask=mask, other=0.0)
-            up += tl.load(h_ptrs + s * split_stride + N, mask=mask, other=0.0)
-        h = _glu(gate, up, ACT, ALPHA, LIMIT, UP_SHIFT).to(H_DTYPE)
-    else:
-        h = tl.load(h_ptrs, mask=mask, other=0.0)
-    return h
+    h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
+                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -316,8 +252,6 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    WS: tl.constexpr = False, HSPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ALPHA: tl.constexpr = 1.0,
-    LIMIT: tl.constexpr = None, UP_SHIFT: tl.constexpr = 0.0,  # HSPLIT > 1: h_ptr the split-K partials (_load_h)
 ):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
     wait_for_previous_kernel(PDL)
@@ -345,15 +279,17 @@ def down_kernel(
     else:
         w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for n0 in tl.range(0, N, BLOCK_K, warp_specialize=WS):
+    for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
-        ha = _load_h(h_ptrs, row_ok[:, None] & red_ok[None, :], num_assignments * 2 * N, N, y_ptr.dtype.element_ty, HSPLIT, ACT, ALPHA, LIMIT, UP_SHIFT)
+        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         if W_DESC:
             wb = w2_ptr.load([w_row, n0]).T  # [BK, BN]; rows past K are never stored, columns past N read 0
         else:
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
-        acc = _dot(ha, wb, acc, UPCAST, PRECISION)
+        if UPCAST:
+            ha, wb = ha.to(tl.float32), wb.to(tl.float32)
+        acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight

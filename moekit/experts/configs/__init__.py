@@ -43,19 +43,6 @@ class GemmTile:
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    # the main loop asks Triton for warp specialisation (``_kernels/gemm.py``, WS); 16-bit path only
-    warp_specialize: bool = False
-    # gate-up only: its K steps split over this many programs per tile (``_kernels/gemm.py``, SPLIT)
-    split_k: int = 1
-
-    def as_dict(self) -> dict:
-        """The fields, ``warp_specialize`` and ``split_k`` only when not the default (config files stay as
-        they were)."""
-        d = asdict(self)
-        for name, default in (("warp_specialize", False), ("split_k", 1)):
-            if d[name] == default:
-                del d[name]
-        return d
 
 
 @dataclass(frozen=True)
@@ -67,7 +54,7 @@ class KernelConfig:
     down: GemmTile  # down GEMM: columns tile K, reduction over N
 
     def to_dict(self) -> dict:
-        return {"BLOCK_M": self.BLOCK_M, "up": self.up.as_dict(), "down": self.down.as_dict()}
+        return {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
