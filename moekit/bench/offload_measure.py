@@ -88,6 +88,8 @@ class OffloadRow:
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
     fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
     overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
+    prefetch_layer_ms: float = 0.0  # a layer's prefetch of one expert over none, on the host's path, likewise
+    x_floor_no_prefetch: float = 0.0  # step_ms over the floor without ``prefetch_layer_ms``
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
@@ -134,7 +136,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                measured = dataclasses.replace(costs, gpu_call_s=fixed_s.call_s, fetch_layer_s=fixed_s.fetch_layer_s)
+                measured = fixed_s.priced(costs)
                 group, group_costs, scale = _prepare(group, measured, probe, 10 * len(rows), online_cpu_rate,
                                                      _rows(m, top_k, experts))
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
