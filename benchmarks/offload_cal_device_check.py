@@ -20,7 +20,8 @@ The skewed stream runs first (its M = 1 cells with prefetch and M = 32 at 25% ar
 The floor includes a prefetching layer's host work (``FixedCosts.prefetch_layer_s``, measured per group by one
 prefetch forced after every layer); "x no-pf" is the step over the floor without it. ``measure_costs``' own
 GPU terms (second call, least fetch layer, timed at M = 1 on its probe, ``gpu_terms``) print next to the
-groups' M = 1 values. Every CPU branch of the cells is logged (layer, rows, measured host ms by phase, the
+groups' M = 1 values. Each forward's miss planning is timed (``OffloadedMoE._plan``: host time before any fetch
+is issued, which no floor term holds). Every CPU branch of the cells is logged (layer, rows, measured host ms by phase, the
 calibrated model's ms for its rows, the online rate's scale when it ran): per cell and mode, the branches'
 measured / model (median, max) and, for the auto cells with the largest total excess, each branch.
 
@@ -71,7 +72,14 @@ class BranchLog:
         self.entries, self.group, self.cells = [], [], {}
 
     def install(self) -> None:
-        run, cells, log = OffloadedMoE.run_routed, offload_measure.run_cells, self
+        run, plan, cells, log = OffloadedMoE.run_routed, OffloadedMoE._plan, offload_measure.run_cells, self
+
+        def timed_plan(layer, tokens, hits):
+            start = time.perf_counter()
+            out = plan(layer, tokens, hits)
+            log.entries.append({"mode": layer.compute_misses_on, "plan_ms": (time.perf_counter() - start) * 1e3,
+                                "misses": len(tokens)})
+            return out
 
         def logged(layer, x2d, routing):
             scale = layer.cpu_rate.scale if layer.cpu_rate is not None else None
@@ -91,7 +99,7 @@ class BranchLog:
             finally:
                 log.group = self.entries
 
-        OffloadedMoE.run_routed, offload_measure.run_cells = logged, grouped
+        OffloadedMoE.run_routed, OffloadedMoE._plan, offload_measure.run_cells = logged, timed_plan, grouped
 
     def assign(self, r) -> None:
         if r.compute_misses_on == MODES[0]:
@@ -103,6 +111,10 @@ class BranchLog:
         branch of the ``worst`` auto cells by total excess over the model."""
         out, excess = [], {}
         for cell, entries in cells.items():
+            plans = {m: [e["plan_ms"] for e in entries if e["mode"] == m and "plan_ms" in e] for m in MODES}
+            out.append(f"{cell} plan ms a forward (mean, max): " + ", ".join(
+                f"{m} {statistics.fmean(v):.3f} {max(v):.3f}" for m, v in plans.items() if v))
+            entries = [e for e in entries if "plan_ms" not in e]
             for mode in MODES[1:]:
                 got = [e for e in entries if e["mode"] == mode]
                 if got:
@@ -114,7 +126,7 @@ class BranchLog:
                         excess[cell] = sum(e["ms"] - e["model_ms"] for e in got)
         for cell in sorted(excess, key=excess.get, reverse=True)[:worst]:
             out.append(f"branches of auto {cell}: layer rows | ms (wait, compute) / model | hits fetched | online scale")
-            for e in (e for e in cells[cell] if e["mode"] == "auto"):
+            for e in (e for e in cells[cell] if e["mode"] == "auto" and "plan_ms" not in e):
                 out.append(f"  L{e['layer']} {e['rows']} | {e['ms']:.2f} ({e['wait_ms']:.2f}, {e['compute_ms']:.2f}) / "
                            f"{e['model_ms']:.2f} | {e['hits']} {e['fetched']} | {e['scale']}")
         return out
