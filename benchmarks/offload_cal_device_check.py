@@ -50,6 +50,7 @@ from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offload
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
+from moekit.experts.cpu_packed import onednn_linear
 from moekit.offload import CpuOptions, OffloadedMoE
 
 LIMIT_S = 115.0  # the cells stop past it, after the group in flight (rows so far kept and printed): total < 150 s
@@ -132,6 +133,25 @@ class BranchLog:
         return out
 
 
+def first_calls(shape: dict, dtype: torch.dtype, rows=(33, 37, 45, 61)) -> list[dict]:
+    """oneDNN's linear (the CPU experts' GEMM) at row counts no cell ran (more than M = 32): ms of its first
+    call at each, then of a second; a first call much dearer is a one-off (a kernel built for the shape)
+    that a cell pays the first time an expert gets that many rows, beyond the calibrated grid's."""
+    op = onednn_linear(dtype)
+    if op is None:
+        return []
+    w = torch.randn(2 * shape["inter"], shape["hidden"], dtype=dtype)
+    out = []
+    for r in rows:
+        x, ms = torch.randn(r, shape["hidden"], dtype=dtype), []
+        for _ in range(2):
+            start = time.perf_counter()
+            op(x, w, None, "none", [], "")
+            ms.append((time.perf_counter() - start) * 1e3)
+        out.append({"rows": r, "first_ms": ms[0], "second_ms": ms[1]})
+    return out
+
+
 def _cell_name(stream: str, fraction: float, prefetch: str, m: int) -> str:
     return f"{stream[:4]} {fraction:4.0%} {prefetch[:4]:>4} M={m:<2}"
 
@@ -177,7 +197,7 @@ def main(smoke: bool) -> int:
     BRANCHES.install()
     shells = host_shells(config, torch.bfloat16 if cuda else torch.float32, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
-    costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches))
+    costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"] = dataclasses.asdict(costs)
     result["setup_s"] = time.perf_counter() - START
     for policies, online in PARTS:
@@ -194,6 +214,7 @@ def main(smoke: bool) -> int:
         result["parts"].append({"name": name, "state": state, "seconds": time.perf_counter() - clock,
                                 "cpu_margin": None if doc is None else doc.get("cpu_margin")})
     result["branches"] = BRANCHES.cells
+    result["first_calls"] = first_calls(shape, torch.bfloat16 if cuda else torch.float32)
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "offload_cal_device_check.json"), "w") as f:
@@ -263,6 +284,8 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
+    print("oneDNN linear [2N, K] first / second call ms at new row counts: " + (", ".join(
+        f"{f['rows']} rows {f['first_ms']:.2f}/{f['second_ms']:.2f}" for f in result.get("first_calls", ())) or "-"))
     print("CPU branches by cell (measured host ms of the branch / the model's for its rows, no margin):")
     for line in BranchLog.lines_of(result.get("branches", {})):
         print("  " + line)

@@ -129,3 +129,26 @@ def test_timeline_puts_a_prefetching_layers_host_work_on_its_path():
     # two layers: the first's prefetch work delays the second's start: 3 + 0.3 + 2, then 3 + 0.6
     assert floor([(3, 0, 1), (6, 0, 0)], 0.002) == pytest.approx(0.0089)
     assert floor([(3, 0, 1), (6, 0, 0)], 0.0) == pytest.approx(0.0069)
+
+
+def test_warm_rows_runs_the_cpu_experts_once_at_every_row_count_and_measure_costs_asks_for_it(monkeypatch):
+    from moekit.offload import calibrate
+
+    layer = OffloadedMoE.from_moe(_moe(), cache_experts=3, prefetch=None)
+    seen, run = [], layer._cpu_experts
+
+    def recorded(inputs, on_cpu, gemm):
+        x, ids, weights = inputs
+        seen.append((x.shape[0], ids.reshape(-1).tolist(), on_cpu, gemm, torch.get_num_threads()))
+        out = run(inputs, on_cpu, gemm)
+        assert out.shape == x.shape
+        return out
+
+    monkeypatch.setattr(layer, "_cpu_experts", recorded)
+    calibrate.warm_rows(layer, 4, 1, "mm_loop")
+    assert seen == [(r, [0] * r, [0], "mm_loop", 1) for r in range(1, 5)]
+    asked = []
+    monkeypatch.setattr(calibrate, "warm_rows", lambda lay, most, threads, gemm: asked.append(most))
+    layer.measure_costs(tokens=2, repeats=1, rows=(1, 2), warm=7)
+    layer.measure_costs(tokens=2, repeats=1, rows=(1, 3))
+    assert asked == [7, 3]  # given, else the grid's largest row count

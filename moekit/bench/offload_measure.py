@@ -121,7 +121,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     clock = [time.perf_counter()]
     shells = _checked(shells, layers) if shells is not None else host_shells(config, dtype, device, scheme, layers)
     clock.append(time.perf_counter())
-    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches))
+    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches), max(batches))
     clock.append(time.perf_counter())
     warm_rows = _warm_up(shells, config, layers, batches, places, costs, device, options, admit_per_forward)
     if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
@@ -200,11 +200,13 @@ def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: in
     return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
 
 
-def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None) -> MissCosts:
+def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None,
+                  warm: int | None = None) -> MissCosts:
     """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``, the CPU
-    branch timed at ``rows`` rows an expert (``calibrate.measure_costs``; None: its default)."""
+    branch timed at ``rows`` rows an expert and warmed up to ``warm`` (``calibrate.measure_costs``; None: its
+    default)."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
-    return layer.measure_costs(rows=rows)
+    return layer.measure_costs(rows=rows, warm=warm)
 
 
 def cpu_rows(batches) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cpu_path import CPU_GEMMS
+from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 from moekit.offload.cost import (
     MissCosts, fit_cpu_grid, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
@@ -63,8 +63,9 @@ def default_grid(top_k: int, num_experts: int, tokens: int, rows: tuple[int, ...
 
 
 def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
-                  experts: tuple[int, ...] | None = None, batch: int = 1) -> MissCosts:
-    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring): every term ``cost`` prices by."""
+                  experts: tuple[int, ...] | None = None, batch: int = 1, warm: int | None = None) -> MissCosts:
+    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring): every term ``cost`` prices by. Before
+    the grid, the CPU GEMM runs once at every row count 1..``warm`` (None: the grid's largest; ``warm_rows``)."""
     if tokens < 2 or repeats < 1 or batch < 1:
         raise ValueError(f"need tokens >= 2, repeats >= 1 and batch >= 1, got tokens={tokens}, repeats={repeats}, "
                          f"batch={batch}")
@@ -82,6 +83,7 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
     candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
     spread = {s: timings(k, 1, s) for s in candidates}
     best = min(candidates, key=lambda s: statistics.median(spread[s]))
+    warm_rows(layer, warm or max(rs), *best)
     grid = {(n, r): timings(n, r, best) for r in rs for n in ns}
     costs = from_grid(MissCosts(link_bytes_per_s=measure_link_bandwidth(layer.cache.device), cpu_expert_s=0.0,
                                 cpu_token_s=0.0), {key: statistics.median(t) for key, t in grid.items()})
@@ -124,6 +126,23 @@ def _probe(layer, slots: int):
     probe.prefetch, probe.compute_misses_on, probe.cpu_rate, probe._next = None, "gpu", None, []
     probe.last_stats, probe._last_touched = OffloadStats(), []
     return probe
+
+
+def warm_rows(layer, most: int, threads: int | None, gemm: str) -> None:
+    """Run ``layer``'s CPU experts (``gemm`` at ``threads``) once with one expert at each row count 1..``most``,
+    on the CPU alone (zeros in, no staging). oneDNN builds a kernel the first time it sees a GEMM shape:
+    several ms per row count (a CPU run's fp32 smoke: 6.3 ms first, 0.2 second at 33 rows), which a forward
+    paid the first time one of its CPU experts had that many rows. One H200 run's worst "auto" cell
+    (skewed 25% cache, router prefetch, M = 32, where hot experts reach row counts the grid never timed)
+    ran its CPU branches at 3.35x the model, 25.4 ms a step against 7.6; priced as the model, never paid
+    again once warm, the one-off is taken out of the forwards instead of priced into them."""
+    c = layer.config
+    dtype = layer.cache.host(layer.layer_id).w13_template.dtype
+    with torch_threads(threads):
+        for r in range(1, most + 1):
+            inputs = (torch.zeros(r, c.hidden_size, dtype=dtype), torch.zeros(r, 1, dtype=torch.int32),
+                      torch.ones(r, 1, dtype=torch.float32))
+            layer._cpu_experts(inputs, [0], gemm)
 
 
 def from_grid(costs: MissCosts, medians: dict[tuple[int, int], float]) -> MissCosts:
