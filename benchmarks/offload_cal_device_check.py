@@ -107,29 +107,29 @@ class BranchLog:
             self.cells[_cell_name(r.stream, r.cache_fraction, r.prefetch, r.M)] = self.group
 
     @staticmethod
-    def lines_of(cells: dict[str, list[dict]], worst: int = 2) -> list[str]:
-        """Per cell and CPU mode: branches, measured / model ms, the ratio's median and max; then each
-        branch of the ``worst`` auto cells by total excess over the model."""
+    def lines_of(cells: dict[str, list[dict]], worst: int = 1, most: int = 16) -> list[str]:
+        """One line per cell: auto's planning ms a forward (mean / max), then per CPU mode its branches,
+        measured / model ms, the ratio's median and max; then up to ``most`` branches of the ``worst`` auto
+        cells by total excess over the model (rows truncated)."""
         out, excess = [], {}
         for cell, entries in cells.items():
-            plans = {m: [e["plan_ms"] for e in entries if e["mode"] == m and "plan_ms" in e] for m in MODES}
-            out.append(f"{cell} plan ms a forward (mean, max): " + ", ".join(
-                f"{m} {statistics.fmean(v):.3f} {max(v):.3f}" for m, v in plans.items() if v))
-            entries = [e for e in entries if "plan_ms" not in e]
+            plans = [e["plan_ms"] for e in entries if e["mode"] == "auto" and "plan_ms" in e]
+            parts = [f"plan {statistics.fmean(plans):.3f}/{max(plans):.3f}" if plans else "plan -"]
             for mode in MODES[1:]:
-                got = [e for e in entries if e["mode"] == mode]
-                if got:
-                    ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
-                    out.append(f"{cell} {mode:>4}: {len(got)} branches, {sum(e['ms'] for e in got):8.2f} ms measured / "
-                               f"{sum(e['model_ms'] for e in got):8.2f} model, ratio median "
-                               f"{statistics.median(ratios) if ratios else 0:.2f} max {max(ratios, default=0):.2f}")
-                    if mode == "auto":
-                        excess[cell] = sum(e["ms"] - e["model_ms"] for e in got)
+                got = [e for e in entries if e["mode"] == mode and "plan_ms" not in e]
+                ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
+                parts.append(f"{mode} {len(got)} br {sum(e['ms'] for e in got):.1f}/{sum(e['model_ms'] for e in got):.1f}"
+                             f" ms x{statistics.median(ratios) if ratios else 0:.2f} max x{max(ratios, default=0):.2f}")
+                if mode == "auto" and got:
+                    excess[cell] = sum(e["ms"] - e["model_ms"] for e in got)
+            out.append(f"{cell} | " + " | ".join(parts))
         for cell in sorted(excess, key=excess.get, reverse=True)[:worst]:
             out.append(f"branches of auto {cell}: layer rows | ms (wait, compute) / model | hits fetched | online scale")
-            for e in (e for e in cells[cell] if e["mode"] == "auto" and "plan_ms" not in e):
-                out.append(f"  L{e['layer']} {e['rows']} | {e['ms']:.2f} ({e['wait_ms']:.2f}, {e['compute_ms']:.2f}) / "
-                           f"{e['model_ms']:.2f} | {e['hits']} {e['fetched']} | {e['scale']}")
+            for e in [e for e in cells[cell] if e["mode"] == "auto" and "plan_ms" not in e][:most]:
+                rows = e["rows"] if len(e["rows"]) <= 12 else e["rows"][:12] + ["..."]
+                scale = "-" if e["scale"] is None else f"{e['scale']:.2f}"
+                out.append(f"  L{e['layer']} {rows} | {e['ms']:.2f} ({e['wait_ms']:.2f}, {e['compute_ms']:.2f}) / "
+                           f"{e['model_ms']:.2f} | {e['hits']} {e['fetched']} | {scale}")
         return out
 
 
@@ -286,7 +286,8 @@ def _print(result: dict) -> None:
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
     print("oneDNN linear [2N, K] first / second call ms at new row counts: " + (", ".join(
         f"{f['rows']} rows {f['first_ms']:.2f}/{f['second_ms']:.2f}" for f in result.get("first_calls", ())) or "-"))
-    print("CPU branches by cell (measured host ms of the branch / the model's for its rows, no margin):")
+    print("by cell: auto's plan ms a forward mean/max | per CPU mode: branches, measured/model ms (no margin), "
+          "ratio median, max")
     for line in BranchLog.lines_of(result.get("branches", {})):
         print("  " + line)
     print("online cell | mode step ms, x floor (no-pf: without prefetch_layer_s), hit/sim | auto/best | "
