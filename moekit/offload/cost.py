@@ -226,11 +226,12 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
     cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
 
+    gpu = [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)]  # by fetches, CPU busy
+
     def sides(a: int, b: int) -> tuple[float, float, float]:
         """(GPU side, CPU side, refetch) of a of the first class and b of the second on the CPU (a + b >= 1)."""
         cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b])
-        return (gpu_side_s(hits, len(tokens) - a - b, expert_bytes, costs, True), cpu_s,
-                (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
+        return gpu[len(tokens) - a - b], cpu_s, (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0)
 
     def cost(a: int, b: int) -> float:  # ``MissSplit.cost_s`` of ``split(a, b)``, without building it
         gpu_s, cpu_s, refetch_s = sides(a, b)
