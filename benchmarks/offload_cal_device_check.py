@@ -20,7 +20,9 @@ The skewed stream runs first (its M = 1 cells with prefetch and M = 32 at 25% ar
 The floor includes a prefetching layer's host work (``FixedCosts.prefetch_layer_s``, measured per group by one
 prefetch forced after every layer); "x no-pf" is the step over the floor without it. ``measure_costs``' own
 GPU terms (second call, least fetch layer, timed at M = 1 on its probe, ``gpu_terms``) print next to the
-groups' M = 1 values. Each forward's miss planning is timed (``OffloadedMoE._plan``: host time before any fetch
+groups' M = 1 values. A probe times a CPU branch's end (a matmul at half the threads, then the result's pinned copy
+queued) with the copy after the thread count is restored (the old path), inside the setting (the new one),
+and with no change. Each forward's miss planning is timed (``OffloadedMoE._plan``: host time before any fetch
 is issued, which no floor term holds). Every CPU branch of the cells is logged (layer, rows, measured host ms by phase, the
 calibrated model's ms for its rows, the online rate's scale when it ran): per cell and mode, the branches'
 measured / model (median, max) and, for the auto cells with the largest total excess, each branch.
@@ -51,7 +53,8 @@ from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offloa
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
 from moekit.experts.cpu_packed import onednn_linear
-from moekit.offload import CpuOptions, OffloadedMoE
+from moekit.offload import CpuOptions, OffloadedMoE, staging
+from moekit.offload.cpu_path import torch_threads
 
 LIMIT_S = 115.0  # the cells stop past it, after the group in flight (rows so far kept and printed): total < 150 s
 START = time.perf_counter()
@@ -152,6 +155,34 @@ def first_calls(shape: dict, dtype: torch.dtype, rows=(33, 37, 45, 61)) -> list[
     return out
 
 
+def thread_probe(shape: dict, device, dtype: torch.dtype, repeats: int = 7) -> list[dict]:
+    """Host ms (median of ``repeats``) of a CPU branch's end at M = 8 and 32: a small matmul at half of torch's
+    thread count, then the [M, K] result's pinned copy queued to ``device`` (``staging.to_device``): "after",
+    the copy once the thread count is restored (the old path); "inside", within the same setting (this
+    branch's ``CpuPath.finish``); "same": no change of thread count."""
+    n = torch.get_num_threads()
+    half, w = max(1, n // 2), torch.randn(shape["hidden"], shape["hidden"], dtype=dtype)
+    buffers, out = staging.Buffers(pin=device.type == "cuda"), []
+    for m in (8, 32):
+        x, ms = torch.randn(m, shape["hidden"], dtype=dtype), {}
+        for way in ("after", "inside", "same"):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with torch_threads(n if way == "same" else half):
+                    y = x @ w
+                    if way != "after":
+                        staging.to_device(y, device, pin=buffers.pin, buffers=buffers)
+                if way == "after":
+                    staging.to_device(y, device, pin=buffers.pin, buffers=buffers)
+                times.append((time.perf_counter() - start) * 1e3)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            ms[way] = statistics.median(times)
+        out.append({"M": m, **ms})
+    return out
+
+
 def _cell_name(stream: str, fraction: float, prefetch: str, m: int) -> str:
     return f"{stream[:4]} {fraction:4.0%} {prefetch[:4]:>4} M={m:<2}"
 
@@ -215,6 +246,7 @@ def main(smoke: bool) -> int:
                                 "cpu_margin": None if doc is None else doc.get("cpu_margin")})
     result["branches"] = BRANCHES.cells
     result["first_calls"] = first_calls(shape, torch.bfloat16 if cuda else torch.float32)
+    result["thread_probe"] = thread_probe(shape, device, torch.bfloat16 if cuda else torch.float32)
     result["total_s"] = time.perf_counter() - START
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "offload_cal_device_check.json"), "w") as f:
@@ -286,6 +318,9 @@ def _print(result: dict) -> None:
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
     print("oneDNN linear [2N, K] first / second call ms at new row counts: " + (", ".join(
         f"{f['rows']} rows {f['first_ms']:.2f}/{f['second_ms']:.2f}" for f in result.get("first_calls", ())) or "-"))
+    print("branch end, host ms (matmul at half the threads + result copy queued): " + (", ".join(
+        f"M={t['M']} after {t['after']:.3f} inside {t['inside']:.3f} same {t['same']:.3f}"
+        for t in result.get("thread_probe", ())) or "-"))
     print("by cell: auto's plan ms a forward mean/max | per CPU mode: branches, measured/model ms (no margin), "
           "ratio median, max")
     for line in BranchLog.lines_of(result.get("branches", {})):
