@@ -136,10 +136,11 @@ class BranchLog:
         return out
 
 
-def first_calls(shape: dict, dtype: torch.dtype, rows=(33, 37, 45, 61)) -> list[dict]:
-    """oneDNN's linear (the CPU experts' GEMM) at row counts no cell ran (more than M = 32): ms of its first
-    call at each, then of a second; a first call much dearer is a one-off (a kernel built for the shape)
-    that a cell pays the first time an expert gets that many rows, beyond the calibrated grid's."""
+def first_calls(shape: dict, dtype: torch.dtype, rows=(16, 32, 33, 61)) -> list[dict]:
+    """oneDNN's linear (onednn_fused's GEMM) by rows: ms of a first call at each, then of a second. 16 and 32
+    were warmed by the calibration, 33 and 61 no cell ran: a first call much dearer there is a one-off (a
+    kernel built for the shape); the level by rows shows where the GEMM's time stops being linear (one H200
+    run: 10-13 ms at 33-61 rows, both calls; another's calibration 0.56 ms an expert, both GEMMs, at 16)."""
     op = onednn_linear(dtype)
     if op is None:
         return []
@@ -316,7 +317,7 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("oneDNN linear [2N, K] first / second call ms at new row counts: " + (", ".join(
+    print("oneDNN linear [2N, K] first / second call ms by rows (16, 32 warmed): " + (", ".join(
         f"{f['rows']} rows {f['first_ms']:.2f}/{f['second_ms']:.2f}" for f in result.get("first_calls", ())) or "-"))
     print("branch end, host ms (matmul at half the threads + result copy queued): " + (", ".join(
         f"M={t['M']} after {t['after']:.3f} inside {t['inside']:.3f} same {t['same']:.3f}"

@@ -210,10 +210,13 @@ def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...]
 
 
 def cpu_rows(batches) -> tuple[int, ...]:
-    """The row counts a run at these M sees per CPU expert, for the calibration's grid: 1, 2, 4, ... up
-    to the largest M (at most 16: an expert with more rows is rare at decode sizes; the model extends)."""
-    top = min(max(batches), 16)
-    return tuple(r for r in (1, 2, 4, 8, 16) if r <= top) or (1,)
+    """The row counts a run at these M sees per CPU expert, for the calibration's grid: 1, 2, 4, ... and the
+    largest M. Not capped at 16 any more: a CPU GEMM's time need not stay linear in the rows past the table
+    (oneDNN's bf16 linear on the H200 hosts: 0.56 ms an expert, both GEMMs, at 16 rows in one run's
+    calibration, 10-13 ms one GEMM at 33-61 rows in another's probe), and the worst "auto" cell of the first
+    (skewed 25% router M = 32, onednn_fused) ran its CPU branches at 3.35x the line extended from 16 rows."""
+    top = max(max(batches), 1)
+    return tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))
 
 
 def default_warm_steps(m: int) -> int:

@@ -130,12 +130,11 @@ def _probe(layer, slots: int):
 
 def warm_rows(layer, most: int, threads: int | None, gemm: str) -> None:
     """Run ``layer``'s CPU experts (``gemm`` at ``threads``) once with one expert at each row count 1..``most``,
-    on the CPU alone (zeros in, no staging). oneDNN builds a kernel the first time it sees a GEMM shape:
-    several ms per row count (a CPU run's fp32 smoke: 6.3 ms first, 0.2 second at 33 rows), which a forward
-    paid the first time one of its CPU experts had that many rows. One H200 run's worst "auto" cell
-    (skewed 25% cache, router prefetch, M = 32, where hot experts reach row counts the grid never timed)
-    ran its CPU branches at 3.35x the model, 25.4 ms a step against 7.6; priced as the model, never paid
-    again once warm, the one-off is taken out of the forwards instead of priced into them."""
+    on the CPU alone (zeros in, no staging). oneDNN may build a kernel the first time it sees a GEMM shape
+    (this repo's 2-core CPU host, fp32: 3-7 ms a first call at a new row count, 0.15 a second), which a
+    forward paid the first time one of its CPU experts had that many rows; the grid then times warm
+    kernels as the forwards will run them. (One H200 host's bf16 linear showed no such one-off: 10.2 / 11.8
+    ms first / second at 33 rows.)"""
     c = layer.config
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     with torch_threads(threads):
