@@ -93,6 +93,7 @@ class BranchLog:
                 log.entries.append({"mode": layer.compute_misses_on, "layer": layer.layer_id, "rows": rows,
                                     "hits": layer.last_stats.hits, "fetched": layer.last_stats.fetched,
                                     "ms": p.total_s * 1e3, "compute_ms": p.compute_s * 1e3, "wait_ms": p.wait_s * 1e3,
+                                    "back_ms": p.back_s * 1e3,
                                     "model_ms": layer.costs.cpu_side_s(rows) * 1e3, "scale": scale})
             return out
 
@@ -122,7 +123,8 @@ class BranchLog:
                 got = [e for e in entries if e["mode"] == mode and "plan_ms" not in e]
                 ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
                 parts.append(f"{mode} {len(got)} br {sum(e['ms'] for e in got):.1f}/{sum(e['model_ms'] for e in got):.1f}"
-                             f" ms x{statistics.median(ratios) if ratios else 0:.2f} max x{max(ratios, default=0):.2f}")
+                             f" ms x{statistics.median(ratios) if ratios else 0:.2f} max x{max(ratios, default=0):.2f}"
+                             f" back {sum(e.get('back_ms', 0.0) for e in got):.1f}")
                 if mode == "auto" and got:
                     excess[cell] = sum(e["ms"] - e["model_ms"] for e in got)
             out.append(f"{cell} | " + " | ".join(parts))
@@ -317,13 +319,13 @@ def _print(result: dict) -> None:
         extra = "" if p["state"] == "skipped" else f", {p['seconds']:.0f} s"
         print(f"part {p['name']}: {p['state']}{extra}")
     print("fixed per-layer ms: " + (", ".join(f"{k} {v:.3f}" for k, v in result["fixed_ms"].items()) or "-"))
-    print("oneDNN linear [2N, K] first / second call ms by rows (16, 32 warmed): " + (", ".join(
+    print("oneDNN linear [2N, K] first / second call ms by rows (<= max M warmed): " + (", ".join(
         f"{f['rows']} rows {f['first_ms']:.2f}/{f['second_ms']:.2f}" for f in result.get("first_calls", ())) or "-"))
     print("branch end, host ms (matmul at half the threads + result copy queued): " + (", ".join(
         f"M={t['M']} after {t['after']:.3f} inside {t['inside']:.3f} same {t['same']:.3f}"
         for t in result.get("thread_probe", ())) or "-"))
     print("by cell: auto's plan ms a forward mean/max | per CPU mode: branches, measured/model ms (no margin), "
-          "ratio median, max")
+          "ratio median, max, ms in the back phase (result copy)")
     for line in BranchLog.lines_of(result.get("branches", {})):
         print("  " + line)
     print("online cell | mode step ms, x floor (no-pf: without prefetch_layer_s), hit/sim | auto/best | "
