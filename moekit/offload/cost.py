@@ -216,7 +216,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
     on them sends a hot expert to the CPU one step and over the link the next."""
     fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
-    if cpu_cannot_win(tokens, fetch_all, costs):
+    if cpu_cannot_win(tokens, fetch_all.cost_s, costs):
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
@@ -275,16 +275,16 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[i
     return found
 
 
-def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCosts) -> bool:
-    """True when no split with a CPU expert can be taken over ``fetch_all`` (``gpu_only`` of these
-    misses): any such split costs at least its CPU side, ``cpu_margin`` x (``cpu_step_s`` + the
-    cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows. The search (and
-    the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is a few
-    hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
+def cpu_cannot_win(tokens: dict[int, int], fetch_all_s: float, costs: MissCosts) -> bool:
+    """True when no split with a CPU expert can be taken over fetching every miss (``fetch_all_s``:
+    ``gpu_only``'s ``cost_s``, its GPU side): any such split costs at least its CPU side, ``cpu_margin`` x
+    (``cpu_step_s`` + the cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows.
+    The search (and the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is
+    a few hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
     if not tokens:
         return True
-    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in tokens.values()))
-    return floor > (1.0 - costs.hysteresis) * fetch_all.cost_s
+    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in set(tokens.values())))
+    return floor > (1.0 - costs.hysteresis) * fetch_all_s
 
 
 def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
