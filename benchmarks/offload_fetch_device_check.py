@@ -47,7 +47,8 @@ import time
 
 import torch
 
-from moekit.bench.offload_floor import fixed_costs, measure_forced, timeline_s
+from moekit.bench.offload_floor import fixed_costs, timeline_s
+from moekit.offload.gpu_terms import measure_forced
 from moekit.bench.offload_hosts import host_shells
 from moekit.bench.offload_measure import DRIFT, STREAMS, cpu_rows, default_warm_steps, measure_costs
 from moekit.bench.offload_timeline import fit_steps, host_op_costs, layer_times, mean_times

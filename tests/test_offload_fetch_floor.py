@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.bench.offload_floor import fetch_layer_from, overlap_from, timeline_s
+from moekit.bench.offload_floor import timeline_s
+from moekit.offload.gpu_terms import fetch_layer_from, overlap_from
 from moekit.offload import MissCosts, OffloadedMoE, OffloadStats, gpu_only
 from moekit.offload.cost import gpu_side_s, one_call
 
@@ -102,7 +103,7 @@ def test_the_reference_stack_is_all_hits_and_sets_the_groups_fixed_cost(monkeypa
     """``run_cells(reference=True)``: the all-hit stack's timed steps (every touched expert a hit) feed
     ``fixed_from``, and its answer is the rows' fixed cost; the quiet one stays beside it."""
     from moekit.bench import offload_cells
-    from moekit.bench.offload_floor import FixedCosts
+    from moekit.offload.gpu_terms import FixedCosts
     from moekit.bench.offload_hosts import host_shells
     from moekit.offload import CpuOptions
     from moekit.routing import Routing

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.bench.offload_floor import measure_forced
+from moekit.offload.gpu_terms import measure_forced
 from moekit.bench.offload_timeline import fit_steps, host_op_costs, layer_times, mean_times
 from moekit.offload import ExpertCache, Mark, OffloadedMoE, OffloadStats, StepTrace
 from moekit.offload.trace import spans

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.bench.offload_floor import FixedCosts, fixed_from, sum_floor_s, timeline_s
+from moekit.bench.offload_floor import sum_floor_s, timeline_s
 from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
+from moekit.offload.gpu_terms import FixedCosts, fixed_from
 from moekit.offload.whatif import RoutingTrace, drive, replay
 from moekit.routing import Routing
 
@@ -90,6 +91,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     warm, costs, expert_bytes, x.shape[0], phases[j]),
              "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
              "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3,
              "cpu_expert_us": costs.cpu_time(1) * 1e6,
              "cpu_scale": scale} for j, run in enumerate(runs)]
 
@@ -126,11 +128,13 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float) -> list[list[float]]:
-    """Per timed step: the timeline floor, the layers' maxima summed, and the floor as before the
-    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms)."""
+    """Per timed step: the timeline floor, the layers' maxima summed, the floor as before the
+    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), and the
+    timeline floor without ``prefetch_layer_s``."""
     before = dataclasses.replace(costs, fetch_layer_s=0.0)
-    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
-             sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet)]
+    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
+             sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s)]
             for done in dones]
 
 
@@ -187,10 +191,11 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s = (statistics.fmean(f[i] for f in floors) for i in range(3))
+    floor_s, sum_s, before_s, unfetched_s = (statistics.fmean(f[i] for f in floors) for i in range(4))
     return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
+            "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

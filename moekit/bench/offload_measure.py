@@ -88,6 +88,8 @@ class OffloadRow:
     call_ms: float = 0.0  # the floor's cost of a layer's second experts call, likewise
     fetch_layer_ms: float = 0.0  # the least a forward with a fetch takes over an all-hit one, likewise
     overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
+    prefetch_layer_ms: float = 0.0  # a layer's prefetch of one expert over none, on the host's path, likewise
+    x_floor_no_prefetch: float = 0.0  # step_ms over the floor without ``prefetch_layer_ms``
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
@@ -119,7 +121,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     clock = [time.perf_counter()]
     shells = _checked(shells, layers) if shells is not None else host_shells(config, dtype, device, scheme, layers)
     clock.append(time.perf_counter())
-    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches))
+    costs = costs if costs is not None else measure_costs(shells[0], device, options, cpu_rows(batches), max(batches))
     clock.append(time.perf_counter())
     warm_rows = _warm_up(shells, config, layers, batches, places, costs, device, options, admit_per_forward)
     if observed_margin and sum(r["cpu_model_ms"] for r in warm_rows) > 0:
@@ -134,7 +136,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                measured = dataclasses.replace(costs, gpu_call_s=fixed_s.call_s, fetch_layer_s=fixed_s.fetch_layer_s)
+                measured = fixed_s.priced(costs)
                 group, group_costs, scale = _prepare(group, measured, probe, 10 * len(rows), online_cpu_rate,
                                                      _rows(m, top_k, experts))
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
@@ -198,18 +200,23 @@ def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: in
     return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
 
 
-def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None) -> MissCosts:
+def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None,
+                  warm: int | None = None) -> MissCosts:
     """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``, the CPU
-    branch timed at ``rows`` rows an expert (``calibrate.measure_costs``; None: its default)."""
+    branch timed at ``rows`` rows an expert and warmed up to ``warm`` (``calibrate.measure_costs``; None: its
+    default)."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=options)
-    return layer.measure_costs(rows=rows)
+    return layer.measure_costs(rows=rows, warm=warm)
 
 
 def cpu_rows(batches) -> tuple[int, ...]:
-    """The row counts a run at these M sees per CPU expert, for the calibration's grid: 1, 2, 4, ... up
-    to the largest M (at most 16: an expert with more rows is rare at decode sizes; the model extends)."""
-    top = min(max(batches), 16)
-    return tuple(r for r in (1, 2, 4, 8, 16) if r <= top) or (1,)
+    """The row counts a run at these M sees per CPU expert, for the calibration's grid: 1, 2, 4, ... and the
+    largest M. Not capped at 16 any more: a CPU GEMM's time need not stay linear in the rows past the table
+    (oneDNN's bf16 linear on the H200 hosts: 0.56 ms an expert, both GEMMs, at 16 rows in one run's
+    calibration, 10-13 ms one GEMM at 33-61 rows in another's probe), and the worst "auto" cell of the first
+    (skewed 25% router M = 32, onednn_fused) ran its CPU branches at 3.35x the line extended from 16 rows."""
+    top = max(max(batches), 1)
+    return tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))
 
 
 def default_warm_steps(m: int) -> int:

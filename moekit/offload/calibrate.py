@@ -10,6 +10,11 @@
                one call cost (``cpu_step_s``) and a per-expert time at each row count (``cpu_rows_s``)
     link, CPU busy: one large copy while the CPU branch computes (``link_during_cpu``): admissions
                travel then (``plan``)
+    GPU terms: a second experts call (``gpu_call_s``) and the least a forward with a fetch takes
+               (``fetch_layer_s``), timed at ``batch`` tokens on all-hit forwards and forwards with one
+               forced fetch (``gpu_terms.measure_terms``, the path the benchmark's floor is timed by) on a
+               probe of the layer: its own host weights (shared, not copied) behind a private cache of
+               2k slots on its device (freed after; the layer's cache and stats are left as they were)
 
 Why a grid: one H200 run's CPU branches took 0.42-0.70 ms per expert in calls of ~100 experts (M = 32)
 and 0.56-1.4 ms in calls of 1-6 (M = 1), against a model fitted at 1 and k experts of one row; the call's
@@ -25,6 +30,7 @@ stream them as fast with less contention); the fastest pair is kept in ``MissCos
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import statistics
@@ -32,10 +38,14 @@ from typing import Iterator
 
 import torch
 
-from moekit.offload.cpu_path import CPU_GEMMS
+from moekit.offload.cache import ExpertCache
+from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 from moekit.offload.cost import (
     MissCosts, fit_cpu_grid, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
 )
+from moekit.offload.gpu_terms import FixedCosts, measure_terms
+from moekit.offload.stats import OffloadStats
+from moekit.routing import Routing
 
 HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
 
@@ -53,10 +63,12 @@ def default_grid(top_k: int, num_experts: int, tokens: int, rows: tuple[int, ...
 
 
 def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
-                  experts: tuple[int, ...] | None = None) -> MissCosts:
-    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring)."""
-    if tokens < 2 or repeats < 1:
-        raise ValueError(f"need tokens >= 2 and repeats >= 1, got tokens={tokens}, repeats={repeats}")
+                  experts: tuple[int, ...] | None = None, batch: int = 1, warm: int | None = None) -> MissCosts:
+    """``layer``'s (an ``OffloadedMoE``) miss costs (module docstring): every term ``cost`` prices by. Before
+    the grid, the CPU GEMM runs once at every row count 1..``warm`` (None: the grid's largest; ``warm_rows``)."""
+    if tokens < 2 or repeats < 1 or batch < 1:
+        raise ValueError(f"need tokens >= 2, repeats >= 1 and batch >= 1, got tokens={tokens}, repeats={repeats}, "
+                         f"batch={batch}")
     c = layer.config
     k = max(c.top_k, 2)
     ns, rs = default_grid(c.top_k, c.num_experts, tokens, rows, experts)
@@ -71,15 +83,65 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
     candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
     spread = {s: timings(k, 1, s) for s in candidates}
     best = min(candidates, key=lambda s: statistics.median(spread[s]))
+    warm_rows(layer, warm or max(rs), *best)
     grid = {(n, r): timings(n, r, best) for r in rs for n in ns}
     costs = from_grid(MissCosts(link_bytes_per_s=measure_link_bandwidth(layer.cache.device), cpu_expert_s=0.0,
                                 cpu_token_s=0.0), {key: statistics.median(t) for key, t in grid.items()})
     dev = layer.cache.device
     during = [link_during_cpu(layer, next(groups)[:k], *best) for _ in range(repeats)]
-    return dataclasses.replace(costs, gpu_bytes_per_s=measure_read_bandwidth(dev),
-                               cpu_margin=margin_of(list(grid.values())), cpu_threads=best[0], cpu_gemm=best[1],
-                               link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
-                               hysteresis=HYSTERESIS)
+    costs = dataclasses.replace(costs, gpu_bytes_per_s=measure_read_bandwidth(dev),
+                                cpu_margin=margin_of(list(grid.values())), cpu_threads=best[0], cpu_gemm=best[1],
+                                link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
+                                hysteresis=HYSTERESIS)
+    return gpu_terms(layer, costs, batch).priced(costs)
+
+
+def gpu_terms(layer, costs: MissCosts, batch: int = 1, steps: int = 4) -> FixedCosts:
+    """``gpu_terms.measure_terms`` on a probe of ``layer`` (module docstring) over ``steps`` forwards of
+    ``batch`` tokens, each token routed to k distinct experts drawn (seeded) from the first 2k (at most E)."""
+    c = layer.config
+    pool = min(c.num_experts, 2 * c.top_k)
+    probe = _probe(layer, pool)
+    dev, dtype = probe.cache.device, probe.cache.host(probe.layer_id).w13_template.dtype
+    gen = torch.Generator().manual_seed(0)
+    routings = []
+    for _ in range(steps):
+        ids = torch.stack([torch.randperm(pool, generator=gen)[:c.top_k] for _ in range(batch)]).to(torch.int32)
+        routings.append([Routing(ids.to(dev), torch.full(ids.shape, 1.0 / c.top_k, device=dev))])
+    x = torch.randn(batch, c.hidden_size, generator=gen).to(dev, dtype)
+    terms = measure_terms([probe], x, routings, costs)
+    del probe
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return terms
+
+
+def _probe(layer, slots: int):
+    """A shallow copy of ``layer`` (its parameters shared) on a private ``ExpertCache`` of ``slots`` slots
+    holding its host weights (views: no copy), computing misses on the GPU, no prefetch, no CPU rate."""
+    host = layer.cache.host(layer.layer_id)
+    cache = ExpertCache(slots, device=layer.cache.device, policy="lfu")
+    probe = copy.copy(layer)
+    probe.cache, probe.layer_id = cache, cache.register(*host.rebuild(host.parts))
+    probe.prefetch, probe.compute_misses_on, probe.cpu_rate, probe._next = None, "gpu", None, []
+    probe.last_stats, probe._last_touched = OffloadStats(), []
+    return probe
+
+
+def warm_rows(layer, most: int, threads: int | None, gemm: str) -> None:
+    """Run ``layer``'s CPU experts (``gemm`` at ``threads``) once with one expert at each row count 1..``most``,
+    on the CPU alone (zeros in, no staging). oneDNN may build a kernel the first time it sees a GEMM shape
+    (this repo's 2-core CPU host, fp32: 3-7 ms a first call at a new row count, 0.15 a second), which a
+    forward paid the first time one of its CPU experts had that many rows; the grid then times warm
+    kernels as the forwards will run them. (One H200 host's bf16 linear showed no such one-off: 10.2 / 11.8
+    ms first / second at 33 rows.)"""
+    c = layer.config
+    dtype = layer.cache.host(layer.layer_id).w13_template.dtype
+    with torch_threads(threads):
+        for r in range(1, most + 1):
+            inputs = (torch.zeros(r, c.hidden_size, dtype=dtype), torch.zeros(r, 1, dtype=torch.int32),
+                      torch.ones(r, 1, dtype=torch.float32))
+            layer._cpu_experts(inputs, [0], gemm)
 
 
 def from_grid(costs: MissCosts, medians: dict[tuple[int, int], float]) -> MissCosts:

@@ -216,7 +216,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
     on them sends a hot expert to the CPU one step and over the link the next."""
     fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
-    if cpu_cannot_win(tokens, fetch_all, costs):
+    if cpu_cannot_win(tokens, fetch_all.cost_s, costs):
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
@@ -226,25 +226,36 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
     cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
 
-    def split(a: int, b: int) -> MissSplit:
-        on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
-        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b]) if on_cpu else 0.0
-        return MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu),
-                         gpu_side_s(hits, fetched, expert_bytes, costs, bool(on_cpu)), cpu_s,
-                         fetched * expert_bytes / fetch_rate(costs, bool(on_cpu)),
-                         (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0))
+    gpu = [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)]  # by fetches, CPU busy
+
+    def sides(a: int, b: int) -> tuple[float, float, float]:
+        """(GPU side, CPU side, refetch) of a of the first class and b of the second on the CPU (a + b >= 1)."""
+        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b])
+        return gpu[len(tokens) - a - b], cpu_s, (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0)
+
+    def cost(a: int, b: int) -> float:  # ``MissSplit.cost_s`` of ``split(a, b)``, without building it
+        gpu_s, cpu_s, refetch_s = sides(a, b)
+        return max(gpu_s, cpu_s) + refetch_s
 
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    best = _cheapest(split, len(classes[0]), len(classes[1]), drop, fetch_all)
+    found = _cheapest(cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s)
+    if found is None:
+        return fetch_all
+    a, b = found
+    on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
+    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *sides(a, b)[:2],
+                     fetched * expert_bytes / fetch_rate(costs, True), sides(a, b)[2])
     return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
 
 
-def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> MissSplit:
-    """``split_misses``' search: the cheapest of ``fetch_all`` and ``split(a, b)`` over a <= n0, b <= n1 (a + b
-    >= 1), by bisection on each b's convex run of a; ``drop``: fetching nothing saves a second GPU call
-    (or ``fetch_layer_s``), so that one point (a, b) = (n0, n1) is off its run and priced on its own.
-    Ties: fewer CPU experts, then fewer of the second class."""
-    best, rank = fetch_all, (0, 0)
+def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[int, int] | None:
+    """``split_misses``' search: the cheapest (a, b) by ``cost(a, b)`` over a <= n0, b <= n1 (a + b >= 1), None
+    where fetching every miss (``fetch_all_s``) costs no more; by bisection on each b's convex run of a;
+    ``drop``: fetching nothing saves a second GPU call (or ``fetch_layer_s``), so that one point (a, b) =
+    (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts, then fewer of the second class.
+    Prices are plain floats (a MissSplit, its sorted lists, is built once for the winner: at M = 32, 75
+    misses a layer, building one per probe took 16 ms of host time a layer on a 2-core host)."""
+    best, rank, found = fetch_all_s, (0, 0), None
     candidates = [(n0, n1)] if drop else []
     for b in range(n1 + 1):
         lo, hi = (1 if b == 0 else 0), n0 - (1 if drop and b == n1 else 0)  # a = b = 0: no CPU side at all
@@ -252,28 +263,28 @@ def _cheapest(split, n0: int, n1: int, drop: bool, fetch_all: MissSplit) -> Miss
             continue
         while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
             mid = (lo + hi) // 2
-            if split(mid + 1, b).cost_s < split(mid, b).cost_s:
+            if cost(mid + 1, b) < cost(mid, b):
                 lo = mid + 1
             else:
                 hi = mid
         candidates.append((lo, b))
     for a, b in candidates:
-        candidate = split(a, b)
-        if (candidate.cost_s, a + b, b) < (best.cost_s, *rank):
-            best, rank = candidate, (a + b, b)
-    return best
+        c = cost(a, b)
+        if (c, a + b, b) < (best, *rank):
+            best, rank, found = c, (a + b, b), (a, b)
+    return found
 
 
-def cpu_cannot_win(tokens: dict[int, int], fetch_all: MissSplit, costs: MissCosts) -> bool:
-    """True when no split with a CPU expert can be taken over ``fetch_all`` (``gpu_only`` of these
-    misses): any such split costs at least its CPU side, ``cpu_margin`` x (``cpu_step_s`` + the
-    cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows. The search (and
-    the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is a few
-    hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
+def cpu_cannot_win(tokens: dict[int, int], fetch_all_s: float, costs: MissCosts) -> bool:
+    """True when no split with a CPU expert can be taken over fetching every miss (``fetch_all_s``:
+    ``gpu_only``'s ``cost_s``, its GPU side): any such split costs at least its CPU side, ``cpu_margin`` x
+    (``cpu_step_s`` + the cheapest miss's ``cpu_time``), and that already exceeds what hysteresis allows.
+    The search (and the cache's reuse estimates) then need not run: a decode step's host time at M = 1 is
+    a few hundred microseconds a layer, and "auto" must not pay more than "gpu" for the same plan."""
     if not tokens:
         return True
-    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in tokens.values()))
-    return floor > (1.0 - costs.hysteresis) * fetch_all.cost_s
+    floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in set(tokens.values())))
+    return floor > (1.0 - costs.hysteresis) * fetch_all_s
 
 
 def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:

@@ -3,7 +3,13 @@
     stage:   [x, ids, weights] -> one device->host copy into a pinned buffer (queued before the GPU work)
     wait:    the host waits for that copy (an event: only the work queued before it, not the GPU's)
     compute: the CPU experts (``threads`` torch threads), one after another, from their host weights
-    back:    the [M, K] result into a pinned buffer, one host->device copy queued (not waited for)
+    back:    the [M, K] result into a pinned buffer (at the same thread count), one host->device copy
+             queued (not waited for), torch's thread count restored
+
+Why the result's copy runs inside the thread setting: one H200 run with the branch at 8 of torch's 16
+threads spent 1.3-8 ms a branch in "back" at M = 32 (5-34 ms a step; at M = 8, 0.2; 0.05-0.2 in a run whose
+branch ran at torch's own count): a [32, K] bf16 copy is torch's first parallel op after the count is
+restored (one at [8, K] is below its grain: serial), and it paid for the thread team changing size.
 
 ``CpuPhases`` holds the host seconds of each phase of the latest forward (``OffloadedMoE.last_cpu``),
 so a benchmark sets what the branch really costs against what ``cost.MissCosts`` predicts for it; the
@@ -101,11 +107,11 @@ class CpuPath:
         if staged.event is not None:
             staged.event.synchronize()
         clock.append(time.perf_counter())
-        with torch_threads(threads) as used:
-            y = compute(staged.inputs)
-        clock.append(time.perf_counter())
-        out = staging.to_device(y, device, pin=self.pin, buffers=self.buffers)
-        clock.append(time.perf_counter())
+        with torch_threads(threads) as used:  # the result's host copy too: after the count is restored, the
+            y = compute(staged.inputs)  # first parallel op (a [32, K] copy) took ms on one H200 host
+            clock.append(time.perf_counter())
+            out = staging.to_device(y, device, pin=self.pin, buffers=self.buffers)
+        clock.append(time.perf_counter())  # back: the copy queued and the thread count restored
         self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
                               experts, tokens, used)
         return out

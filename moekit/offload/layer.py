@@ -228,11 +228,16 @@ class OffloadedMoE(MoE):
         return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
                             costs, self.admit_per_forward)
 
-    def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None) -> MissCosts:
-        """This layer's miss costs, measured on its own paths (``calibrate.measure_costs``): the link, the
-        GPU's read rate, and the whole CPU branch on cold experts with the link busy, at ``rows`` rows an
-        expert (the row counts the caller will see; None: 1, 2, 4 and ``tokens``)."""
-        return calibrate.measure_costs(self, tokens, repeats, rows)
+    def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
+                      batch: int = 1, warm: int | None = None) -> MissCosts:
+        """This layer's miss costs, every term "auto" prices by, measured on its own paths
+        (``calibrate.measure_costs``): the link, the GPU's read rate, the whole CPU branch on cold experts
+        with the link busy, at ``rows`` rows an expert (the row counts the caller will see; None: 1, 2, 4
+        and ``tokens``), and a second experts call and the least a forward with a fetch takes at ``batch``
+        tokens a forward (``gpu_terms``, the benchmark's own path; on a probe cache of 2k slots). The CPU
+        GEMM is run once at every row count up to ``warm`` first (None: the largest of ``rows``): give the
+        most rows a CPU expert may get (M), so no forward pays oneDNN's first call at a new shape."""
+        return calibrate.measure_costs(self, tokens, repeats, rows, batch=batch, warm=warm)
 
     @property
     def cpu_options(self) -> CpuOptions:

@@ -2,7 +2,7 @@
 online from the CPU branches that ran.
 
     per forward with CPU misses:  sample = branch seconds / MissCosts.cpu_side_s(its experts' rows)
-    estimate:                     the first sample, then estimate + weight x (sample - estimate)
+    estimate:                     estimate + weight x (sample - estimate), from 1 (the calibrated model)
 
 The calibration measures the branch once, on cold experts (``calibrate.measure_costs``: a call cost
 and a per-expert time at each row count); the host's rate then drifts (other work on the machine,
@@ -11,6 +11,10 @@ calibration's model across one H200 benchmark run. An ``OffloadedMoE`` given a `
 it after each CPU branch (``CpuPhases``) and "auto" splits its next forward's misses with the whole
 CPU model scaled by the estimate (``apply``: ``MissCosts.scaled``), the same model the benchmark's
 floor prices the CPU by; layers that share one ``CpuRate`` share the estimate.
+
+The estimate starts at the calibration (1), not at the first sample: one H200 run's first CPU branch of
+a bench cell ran 1.4-5x its model at M = 32 (compute alone; the same cells' later branches mostly 0.8-1.3x), and
+taken whole it priced that cell's CPU side up to 2x for the rest of the run.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class CpuRate:
     """An exponential average of the CPU branch's measured over modelled time (module docstring)."""
 
     weight: float = 0.25  # how far one sample moves the estimate
-    scale: float | None = None  # the estimate; None before the first sample
+    scale: float | None = None  # the estimate; None before the first sample (then 1: the calibrated model)
     samples: int = 0
     _last: tuple = field(default=(), repr=False, compare=False)  # (costs, scale, scaled): ``apply``'s latest answer
 
@@ -43,7 +47,8 @@ class CpuRate:
         if model <= 0.0:
             return
         sample = phases.total_s / model
-        self.scale = sample if self.scale is None else self.scale + self.weight * (sample - self.scale)
+        prior = 1.0 if self.scale is None else self.scale
+        self.scale = prior + self.weight * (sample - prior)
         self.samples += 1
 
     def apply(self, costs: MissCosts) -> MissCosts:

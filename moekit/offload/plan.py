@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, cpu_cannot_win, fetch_rate, gpu_only, gpu_side_s, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, cpu_cannot_win, fetch_rate, gpu_side_s, split_misses
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -80,7 +80,7 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     asked where no CPU split can win: ``cost.cpu_cannot_win``, the same answer without the search)."""
     reuse = None
     if place == "auto" and costs is not None and tokens and cpu_cannot_win(
-            tokens, gpu_only(tokens, expert_bytes, costs, hits), costs):
+            tokens, gpu_side_s(hits, len(tokens), expert_bytes, costs), costs):  # ``gpu_only``'s cost, unbuilt
         return MissPlan(sorted(tokens), [], [])
     if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
         reuse = cache.reuse(layer, list(tokens))
