@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,7 @@ from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, Works
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
-from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, record_launches
+from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
 
 GLUON_REUSE_MAX_BYTES = 8 << 30  # the largest workspace kept (DeepSeek-V3 bf16 at M = 16384: 5.4 GB)
@@ -282,21 +281,7 @@ def _sequence(plan: GluonLeanPlan, b: dict, pair: DescriptorPair, w13: torch.Ten
         sequence = record_launches(launches, b, pair)
         if sequence is None:
             return None
-        sequence.owner = weakref.ref(w13, _forget(key))  # it holds w13's descriptors: it goes when w13 does
-        with _lock:
-            _SEQUENCES.pop(key, None)
-            if len(_SEQUENCES) >= MAX_PLANS:
-                _SEQUENCES.pop(next(iter(_SEQUENCES), None), None)
-            _SEQUENCES[key] = sequence
+        keep_sequence(_SEQUENCES, _lock, key, sequence, MAX_PLANS, w13)  # it holds w13's descriptors: goes with w13
     if sequence.raw and not sequence.hooks.idle():
         return None
     return sequence
-
-
-def _forget(key: tuple):
-    def forget(ref: weakref.ref) -> None:
-        sequence = _SEQUENCES.get(key)
-        if sequence is not None and sequence.owner is ref:
-            _SEQUENCES.pop(key, None)
-
-    return forget

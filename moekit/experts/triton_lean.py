@@ -121,25 +121,32 @@ def lean_sequence(plan: Plan, pool, descriptors, device, w13, w2, expert_map, b1
         sequence = _record(plan, views, pair, spec.parts().fresh if large else None, expert_map, b13, b2)
         if sequence is None:
             return None
-        if pair is not None:  # the sequence holds the descriptors (so w13's storage): it goes when w13 is freed
-            sequence.owner = weakref.ref(w13, _forget(key))
-        with _lock:
-            _SEQUENCES.pop(key, None)
-            if len(_SEQUENCES) >= MAX_SEQUENCES:
-                _SEQUENCES.pop(next(iter(_SEQUENCES), None), None)  # the oldest may have gone meanwhile (_forget)
-            _SEQUENCES[key] = sequence
+        # the sequence holds the descriptors (so w13's storage) where there are any: it goes when w13 is freed
+        keep_sequence(_SEQUENCES, _lock, key, sequence, MAX_SEQUENCES, w13 if pair is not None else None)
     if sequence.raw and not sequence.hooks.idle():
         return None
     return sequence
 
 
-def _forget(key: tuple):
+def keep_sequence(store: dict, lock, key: tuple, sequence: LaunchSequence, limit: int, owner=None) -> None:
+    """Keep ``sequence`` under ``key`` in ``store`` (at most ``limit`` entries, the oldest goes first); with
+    ``owner`` (the weight tensor whose descriptors it holds) the entry goes when ``owner`` is freed."""
+    if owner is not None:
+        sequence.owner = weakref.ref(owner, _forget(store, key))
+    with lock:
+        store.pop(key, None)
+        if len(store) >= limit:
+            store.pop(next(iter(store), None), None)  # the oldest may have gone meanwhile (_forget)
+        store[key] = sequence
+
+
+def _forget(store: dict, key: tuple):
     """The callback of a sequence's ``owner``: its entry goes (unless a newer sequence holds the key)."""
 
     def forget(ref: weakref.ref) -> None:
-        sequence = _SEQUENCES.get(key)
+        sequence = store.get(key)
         if sequence is not None and sequence.owner is ref:
-            _SEQUENCES.pop(key, None)
+            store.pop(key, None)
 
     return forget
 
