@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import rel_l2, routed_slots
+
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
@@ -70,18 +72,10 @@ def _float64_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
     """sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights, e = ids[t, j]."""
     w13, w2 = q13.dequantize().double(), q2.dequantize().double()
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j]) if expert_map is None else int(expert_map[ids[t, j]])
-            if e < 0:
-                continue
-            h = w13[e] @ x[t].double()
-            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
+    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
+        h = w13[e] @ x[t].double()
+        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
     return out
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b).norm() / b.norm()).item()
 
 
 def _same_as_plain(tri, x, q13, q2, ids, weights, **kwargs) -> torch.Tensor:
@@ -101,7 +95,7 @@ def test_repeated_call_served_equal_to_plain_path(interpreter, counts, scheme, m
     for seed in (1, 2):  # new activations and routings of the same kind: served
         x, ids, weights = _routing(m, seed)
         got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
-        assert _rel(got, _float64_loop(x, q13, q2, ids, weights)) < TOL[scheme]
+        assert rel_l2(got, _float64_loop(x, q13, q2, ids, weights)) < TOL[scheme]
     assert counts["hits"] - before["hits"] == 2
     assert counts["checks"] - before["checks"] == 2  # the plain calls' only: a served call checks nothing
     assert counts["plans"] - before["plans"] == 2
@@ -117,7 +111,7 @@ def test_empty_batch_and_expert_map_take_the_plain_path(interpreter, counts, sch
     expert_map = torch.tensor([0, -1, 2, 3], dtype=torch.int32)  # expert 1 not local
     for _ in range(3):
         got = _same_as_plain(interpreter, x, q13, q2, ids, weights, expert_map=expert_map)
-    assert _rel(got, _float64_loop(x, q13, q2, ids, weights, expert_map)) < TOL[scheme]
+    assert rel_l2(got, _float64_loop(x, q13, q2, ids, weights, expert_map)) < TOL[scheme]
     assert counts["hits"] == 0
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import rel_l2, routed_slots
+
 triton = pytest.importorskip("triton")
 
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
@@ -51,20 +53,10 @@ def _float64_loop(x, q13, q2, ids, weights, expert_map) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights."""
     w13, w2 = q13.dequantize().double(), q2.dequantize().double()
     out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if e >= 0 and expert_map is not None:
-                e = int(expert_map[e])
-            if e < 0:
-                continue
-            h = w13[e] @ x[t].double()
-            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
+    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
+        h = w13[e] @ x[t].double()
+        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
     return out
-
-
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _launch(scheme, decode, q13, q2, x, ids, weights, expert_map, options, pool):
@@ -136,8 +128,8 @@ def test_folded_equals_separate_sum_loop_and_twin(interpreter, scheme, decode, m
     if m > 2:
         assert bool((folded[1] == 0).all())  # no slot routed here
     want = _float64_loop(x, q13, q2, ids, weights, expert_map)
-    assert _rel(folded, want) < TOL[scheme]
-    assert _rel(folded, _twin(scheme, q13, q2, x, ids, weights, expert_map)) < 1e-2
+    assert rel_l2(folded, want) < TOL[scheme]
+    assert rel_l2(folded, _twin(scheme, q13, q2, x, ids, weights, expert_map)) < 1e-2
 
 
 def _kept_launches(tri, q13, q2, m: int, options: LaunchOptions) -> tuple[int, torch.Tensor]:
@@ -164,4 +156,4 @@ def test_lean_sequence_has_one_launch_fewer(interpreter, scheme):
     assert torch.equal(out, out_sep)
     x, ids, weights, _ = _routing(1, 2, False)
     assert torch.equal(out, interpreter.experts_triton(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False)))
-    assert _rel(out, _float64_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
+    assert rel_l2(out, _float64_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
