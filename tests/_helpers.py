@@ -49,6 +49,18 @@ def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor |
                 yield t, j, e
 
 
+def quantized_experts_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights of quantized
+    q13 [E, 2N, K] / q2 [E, K, N], over ``routed_slots``."""
+    w13, w2 = q13.dequantize().double(), q2.dequantize().double()
+    n = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
+        h = w13[e] @ x[t].double()
+        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
+    return out
+
+
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; a NaN in ``got`` (an unwritten row was read) fails at once."""
     assert not got.isnan().any(), "NaN in the output: an unwritten row was read"

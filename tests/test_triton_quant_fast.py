@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import rel_l2, routed_slots
+from _helpers import quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -68,16 +68,6 @@ def _routing(m: int, seed: int):
     return x, ids, weights
 
 
-def _float64_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
-    """sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights, e = ids[t, j]."""
-    w13, w2 = q13.dequantize().double(), q2.dequantize().double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t].double()
-        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
-    return out
-
-
 def _same_as_plain(tri, x, q13, q2, ids, weights, **kwargs) -> torch.Tensor:
     got = tri.experts_triton(x, q13, q2, ids, weights, **kwargs)
     assert torch.equal(got, tri.experts_triton(x, q13, q2, ids, weights, options=PLAIN, **kwargs))
@@ -95,7 +85,7 @@ def test_repeated_call_served_equal_to_plain_path(interpreter, counts, scheme, m
     for seed in (1, 2):  # new activations and routings of the same kind: served
         x, ids, weights = _routing(m, seed)
         got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
-        assert rel_l2(got, _float64_loop(x, q13, q2, ids, weights)) < TOL[scheme]
+        assert rel_l2(got, quantized_experts_loop(x, q13, q2, ids, weights)) < TOL[scheme]
     assert counts["hits"] - before["hits"] == 2
     assert counts["checks"] - before["checks"] == 2  # the plain calls' only: a served call checks nothing
     assert counts["plans"] - before["plans"] == 2
@@ -111,7 +101,7 @@ def test_empty_batch_and_expert_map_take_the_plain_path(interpreter, counts, sch
     expert_map = torch.tensor([0, -1, 2, 3], dtype=torch.int32)  # expert 1 not local
     for _ in range(3):
         got = _same_as_plain(interpreter, x, q13, q2, ids, weights, expert_map=expert_map)
-    assert rel_l2(got, _float64_loop(x, q13, q2, ids, weights, expert_map)) < TOL[scheme]
+    assert rel_l2(got, quantized_experts_loop(x, q13, q2, ids, weights, expert_map)) < TOL[scheme]
     assert counts["hits"] == 0
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import rel_l2, routed_slots
+from _helpers import quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -47,16 +47,6 @@ def _routing(m: int, seed: int, with_map: bool):
         ids[1] = -1  # a token with every slot skipped: the fold's zero-fill programs write it
     weights = torch.softmax(torch.rand(m, TOP_K, generator=g), dim=1)
     return x, ids, weights, (MAP if with_map else None)
-
-
-def _float64_loop(x, q13, q2, ids, weights, expert_map) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights."""
-    w13, w2 = q13.dequantize().double(), q2.dequantize().double()
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        h = w13[e] @ x[t].double()
-        out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:N]) * h[N:]))
-    return out
 
 
 def _launch(scheme, decode, q13, q2, x, ids, weights, expert_map, options, pool):
@@ -127,7 +117,7 @@ def test_folded_equals_separate_sum_loop_and_twin(interpreter, scheme, decode, m
     assert not folded.isnan().any()
     if m > 2:
         assert bool((folded[1] == 0).all())  # no slot routed here
-    want = _float64_loop(x, q13, q2, ids, weights, expert_map)
+    want = quantized_experts_loop(x, q13, q2, ids, weights, expert_map)
     assert rel_l2(folded, want) < TOL[scheme]
     assert rel_l2(folded, _twin(scheme, q13, q2, x, ids, weights, expert_map)) < 1e-2
 
@@ -156,4 +146,4 @@ def test_lean_sequence_has_one_launch_fewer(interpreter, scheme):
     assert torch.equal(out, out_sep)
     x, ids, weights, _ = _routing(1, 2, False)
     assert torch.equal(out, interpreter.experts_triton(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False)))
-    assert rel_l2(out, _float64_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
+    assert rel_l2(out, quantized_experts_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
