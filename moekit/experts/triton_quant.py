@@ -32,8 +32,8 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
                          b13, b2, options: LaunchOptions, fp8_choice=None, checked: bool | None = None) -> torch.Tensor:
     """out [M, K] from quantized w13 [E, 2N, K] / w2 [E, K, N] through the scheme's fused kernels. fp8_block
     calls that ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its default, from 3e11 FLOPs and 128
-    assignments per expert) wants
-    and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no tracing, no backward). With
+    assignments per expert) wants and that fit run on the fp8 Gluon GEMMs (``gluon_fp8_takes``: Hopper, no
+    tracing, no backward). With
     ``checked`` (True: ``check_experts_args`` passed, False: the caller vouches) a fused call keeps its entry
     for the fast path (``triton_quant_fast``)."""
     scheme = check_quantized_pair(w13, w2)
