@@ -68,6 +68,12 @@ class BoundLaunch:
         self._launcher = None
         self._raw = None
 
+    def compile_arguments(self, pointers: tuple) -> tuple[tuple, dict]:
+        """(positional, keyword) arguments of the compiling call (and of a warm-up): the pointers and scalars by
+        position, the trailing parameters by name, then the options."""
+        split = len(self.tail) - len(self._named)  # the scalars, then the named rest
+        return (*pointers, *self.tail[:split]), {**dict(zip(self._named, self.tail[split:])), **self.options}
+
     def __call__(self, *pointers) -> None:
         raw = self._raw
         if raw is not None and raw.hooks.idle():
@@ -77,10 +83,8 @@ class BoundLaunch:
         if launcher is not None:
             launcher(*pointers, *self.tail)
             return
-        named = self._named
-        split = len(self.tail) - len(named)  # the scalars, then the named rest
-        compiled = self.kernel[self.grid](*pointers, *self.tail[:split], **dict(zip(named, self.tail[split:])),
-                                          **self.options)
+        args, kwargs = self.compile_arguments(pointers)
+        compiled = self.kernel[self.grid](*args, **kwargs)
         if self.cached:
             self._launcher = _launcher_of(compiled, self.kernel, self.grid, self.options)
             self.cached = self._launcher is not None  # else kernel[grid] for good, without asking again

@@ -9,6 +9,8 @@ Shapes: M tokens, k slots, E experts, K hidden, N intermediate (odd: every tile 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -168,7 +170,7 @@ def test_the_variant_parameters_matter(interpreter):
     x, w13, w2, ids, weights, b13, b2 = _problem(5, 2, GPT_OSS, seed=7)
     ref = _loop(x, w13, w2, ids, weights, GPT_OSS, b13, b2)
     for change in (dict(limit=None), dict(alpha=1.0), dict(up_shift=0.0), dict(interleaved=False)):
-        other = ActivationSpec(**{**GPT_OSS.__dict__, **change})
+        other = dataclasses.replace(GPT_OSS, **change)
         other_ref = _loop(x, w13, w2, ids, weights, other, b13, b2)
         assert rel_l2(other_ref, ref) > 0.05, change
         _check(interpreter, x, w13, w2, ids, weights, b13, b2, other)

@@ -277,8 +277,9 @@ def test_compile_only_warms_the_same_arguments_and_restores_the_launch():
     with tuning._compile_only():
         launch("a", "b")
     launch("a", "b")
-    assert kernel.log == [("warmup", ("a", "b", 5, 16), (3, 1, 1), {"num_warps": 4}),
-                          ("launch", ("a", "b", 5, 16), (3, 1, 1), {"num_warps": 4})]
+    # the trailing parameter by name in both, as Triton reads compile options (a Gluon kernel's num_warps) by name
+    assert kernel.log == [("warmup", ("a", "b", 5), (3, 1, 1), {"BLOCK": 16, "num_warps": 4}),
+                          ("launch", ("a", "b", 5), (3, 1, 1), {"BLOCK": 16, "num_warps": 4})]
     with pytest.raises(RuntimeError), tuning._compile_only():
         raise RuntimeError("a failed pass")
     launch("c", "d")
@@ -310,7 +311,7 @@ def test_precompile_warms_every_call_inside_async_compile(monkeypatch):
 
     tuning.precompile([lambda: launch("a", "b"), broken, lambda: launch("c", "d")], torch.device("cuda"))
     assert scopes == [("enter", True), ("exit", None)]
-    assert [(kind, args) for kind, args, _, _ in kernel.log] == [("warmup", ("a", "b", 5, 16)),
-                                                                 ("warmup", ("c", "d", 5, 16))]
+    assert [(kind, args, named) for kind, args, _, named in kernel.log] == [("warmup", ("a", "b", 5), {"BLOCK": 16}),
+                                                                            ("warmup", ("c", "d", 5), {"BLOCK": 16})]
     tuning.precompile([lambda: launch("e", "f")], CPU)  # nothing to compile off the GPU
     assert len(kernel.log) == 2 and len(scopes) == 2

@@ -129,7 +129,8 @@ def _compile_only():
     launch = BoundLaunch.__call__
 
     def warm(self, *pointers) -> None:
-        self.kernel.warmup(*pointers, *self.tail, grid=self.grid, **self.options)
+        args, kwargs = self.compile_arguments(pointers)  # as the launch will compile (num_warps by name)
+        self.kernel.warmup(*args, grid=self.grid, **kwargs)
 
     BoundLaunch.__call__ = warm
     try:
