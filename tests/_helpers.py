@@ -61,6 +61,19 @@ def quantized_experts_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.T
     return out
 
 
+def count_calls(monkeypatch, seen: dict, targets: list[tuple]) -> dict:
+    """Wrap each (module, function name, key) of ``targets`` so every call adds 1 to ``seen[key]``; returns seen."""
+    for module, name, key in targets:
+        real = getattr(module, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            seen[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return seen
+
+
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64; a NaN in ``got`` (an unwritten row was read) fails at once."""
     assert not got.isnan().any(), "NaN in the output: an unwritten row was read"

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import TOLERANCE as TOL, RacingDict, make_problem, rel_l2  # noqa: E402
+from _helpers import TOLERANCE as TOL, RacingDict, count_calls, make_problem, rel_l2  # noqa: E402
 from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
 from moekit import MoE, MoEConfig  # noqa: E402
 from moekit.experts.configs import clear_config_cache  # noqa: E402
@@ -35,20 +35,9 @@ def _fast():
 @pytest.fixture
 def counts(interpreter, monkeypatch):
     """Counts the calls the fast path served ("hits"), the plans looked up and the checks run."""
-    fast, seen = _fast(), {"hits": 0, "plans": 0, "checks": 0}
-
-    def wrap(module, name, what):
-        real = getattr(module, name)
-
-        def counted(*args, **kwargs):
-            seen[what] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-
-    wrap(fast, "launch_lean", "hits")
-    wrap(interpreter, "plan_for", "plans")
-    wrap(interpreter, "check_experts_args", "checks")
+    fast = _fast()
+    seen = count_calls(monkeypatch, {"hits": 0, "plans": 0, "checks": 0}, [
+        (fast, "launch_lean", "hits"), (interpreter, "plan_for", "plans"), (interpreter, "check_experts_args", "checks")])
     interpreter.clear_launch_caches()
     return seen
 

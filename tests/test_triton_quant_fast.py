@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import quantized_experts_loop, rel_l2
+from _helpers import count_calls, quantized_experts_loop, rel_l2
 
 triton = pytest.importorskip("triton")
 
@@ -33,22 +33,9 @@ def counts(interpreter, monkeypatch):
     """Counts the calls the quantized fast path served, and the plain path's checks and plan lookups."""
     from moekit.experts import triton_fp8, triton_quant_fast, triton_wo
 
-    seen = {"hits": 0, "checks": 0, "plans": 0}
-
-    def wrap(module, name, what):
-        real = getattr(module, name)
-
-        def counted(*args, **kwargs):
-            seen[what] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-
-    wrap(triton_quant_fast, "_launch", "hits")
-    wrap(triton_fp8, "check_fp8_args", "checks")
-    wrap(triton_wo, "check_wo_args", "checks")
-    wrap(triton_fp8, "plan_for", "plans")
-    wrap(triton_wo, "wo_plan_for", "plans")
+    seen = count_calls(monkeypatch, {"hits": 0, "checks": 0, "plans": 0}, [
+        (triton_quant_fast, "_launch", "hits"), (triton_fp8, "check_fp8_args", "checks"),
+        (triton_wo, "check_wo_args", "checks"), (triton_fp8, "plan_for", "plans"), (triton_wo, "wo_plan_for", "plans")])
     interpreter.clear_launch_caches()
     return seen
 
