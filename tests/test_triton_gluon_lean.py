@@ -331,3 +331,28 @@ def test_fp8_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
     assert torch.equal(experts_triton_unchecked(x, w13, w2, ids, weights), plain(w13, w2)) and hits[0] == 2
     w2_new = dataclasses.replace(w2, scale=w2.scale * 2)  # a new scale tensor: another address, a miss
     assert torch.equal(experts_triton_unchecked(x, w13, w2_new, ids, weights), plain(w13, w2_new)) and hits[0] == 2
+
+
+def test_triton_backend_takes_the_gluon_path_where_the_default_choice_wants_it(fake_gemms, launched, monkeypatch):
+    """The ``triton`` backend (default options) hands a call ``DEFAULT_CHOICE`` wants to the Gluon path (its output
+    the plain Gluon launch's, within bf16 rounding of a float64 loop), repeats it from the kept sequence, and keeps
+    the fused kernels below the choice's sizes, for its own options and where ``triton_gluon``'s choice says no."""
+    import moekit.experts.triton_gluon as tg
+    from moekit.experts.triton import LaunchOptions, experts_triton_unchecked
+
+    x, w13, w2, ids, weights = _bf16_problem(40)
+    plain = tg.experts_gluon(x, w13, w2, ids, weights, lean=False)
+    gemms = len(fake_gemms["bf16"].log)
+    fused = experts_triton_unchecked(x, w13, w2, ids, weights)  # the default choice wants 4096+ tokens
+    assert len(fake_gemms["bf16"].log) == gemms
+    monkeypatch.setattr(tg, "DEFAULT_CHOICE", tg.GluonChoice(min_tokens=40, min_tokens_wide=40))
+    outs = [experts_triton_unchecked(x, w13, w2, ids, weights) for _ in range(3)]
+    assert all(torch.equal(out, plain) for out in outs) and launched[0] == 2  # recorded, then twice from what it kept
+    assert rel_l2(outs[0].double(), _f64(x, w13, w2, ids, weights)) < 1e-2
+    gemms = len(fake_gemms["bf16"].log)
+    never = tg.GluonChoice(min_tokens=10**9, min_tokens_wide=10**9)
+    for out in (experts_triton_unchecked(x, w13, w2, ids, weights, options=LaunchOptions()),
+                tg.experts_triton_gluon(x, w13, w2, ids, weights, choice=never),
+                experts_triton_unchecked(x[:39], w13, w2, ids[:39], weights[:39])):
+        assert torch.equal(out, fused[: out.shape[0]])
+    assert len(fake_gemms["bf16"].log) == gemms  # none of the three reached the Gluon GEMMs

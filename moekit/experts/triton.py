@@ -79,6 +79,9 @@ _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device,
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the direct eager path takes (no subclass)
 # every entry point's default: one object, so a fast-path key (``triton_fast``) matches by identity, no __eq__
 _DEFAULT_OPTIONS = LaunchOptions()
+# the defaults for a caller that has decided against the Gluon route (the ``triton_gluon`` backend, whose
+# choice said no): only the ``_DEFAULT_OPTIONS`` object takes that route
+FUSED_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
@@ -291,13 +294,20 @@ def experts_triton_unchecked(
     directly in eager mode, else through the custom op. A spec's own checks ran when it was built; its
     kernel constexprs are resolved once per plan, so a variant adds no per-call work here. A repeated call
     (same weights, same kind) launches from what its first lean call kept (``triton_fast``, ``triton_quant_fast``;
-    then, on fp8_block weights, the fp8 Gluon path's: ``triton_gluon_fp8.run_fast_fp8``)."""
+    then the Gluon paths': ``triton_gluon_fp8.run_fast_fp8`` on fp8_block weights, else
+    ``triton_gluon.run_fast_default_gluon``). On Hopper, bf16/fp16 calls that ``triton_gluon.DEFAULT_CHOICE`` wants
+    (prefill sizes where the Gluon GEMMs measured faster for the whole call) take the Gluon path, as
+    ``fp8_block`` calls take the fp8 one."""
     if expert_map is None and b13 is None and b2 is None:
         out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         if out is None and w13.__class__ is Fp8BlockWeight:  # a repeated call the fp8 Gluon path took
             from moekit.experts.triton_gluon_fp8 import run_fast_fp8  # here: that module imports this one
 
             out = run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
+        elif out is None and options is _DEFAULT_OPTIONS:  # a repeated call the bf16 Gluon path took
+            from moekit.experts.triton_gluon import run_fast_default_gluon
+
+            out = run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
@@ -311,6 +321,12 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
                                     b13=b13, b2=b2, options=options, checked=checked)
     if x.dtype not in DTYPES or (activation.__class__ is str and activation not in ACTIVATIONS):
         check_triton_args(x, activation, b13, b2)  # raises, naming the argument
+    if options is _DEFAULT_OPTIONS:  # prefill on Hopper: the Gluon GEMMs where they measured faster
+        from moekit.experts.triton_gluon import run_default_gluon
+
+        out = run_default_gluon(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2)
+        if out is not None:
+            return out
     if options.direct_eager and _runs_directly(x, w13, w2, topk_weights, b13, b2):
         return _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, None, options, b13, b2,
                       checked=checked)

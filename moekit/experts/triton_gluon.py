@@ -5,11 +5,11 @@
 
 ``experts_gluon`` runs that path (and raises where it cannot: see ``gluon_unfit``);
 ``experts_gluon_twin`` computes the same layout and products in torch (the oracle of the tests and of
-``benchmarks/gluon_device_check.py``). The backend ``triton_gluon`` (``experts_triton_gluon``) is the
-``triton`` backend that hands a call to the Gluon path where that measured faster on the H200
-(``GluonChoice``) and the call fits it, and to the fused Triton kernels everywhere else: other GPUs, a
-Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided weights,
-``torch.compile``, and calls that need a backward (the Gluon launches have none).
+``benchmarks/gluon_device_check.py``). The ``triton`` backend hands a call to the Gluon path where that measured faster on the H200
+(``DEFAULT_CHOICE``, ``run_default_gluon``) and the call fits it, and to the fused Triton kernels everywhere
+else: other GPUs, a Triton without Gluon, the interpreter, decode sizes, biases, other activations, strided
+weights, ``torch.compile``, and calls that need a backward (the Gluon launches have none). The backend
+``triton_gluon`` (``experts_triton_gluon``) is the same with the caller's ``GluonChoice``.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def experts_triton_gluon(
     Quantized weights go where the ``triton`` backend sends them (``triton_quant.run_quantized_triton``):
     ``fp8_block`` to the fp8 Gluon path where ``fp8_choice`` (``triton_gluon_fp8.Fp8GluonChoice``; None: its
     default, the ``triton`` backend's too) wants the call and it fits, else to the Triton fp8 kernels."""
-    from moekit.experts.triton import _DEFAULT_OPTIONS, _runs_directly, experts_triton_unchecked
+    from moekit.experts.triton import _DEFAULT_OPTIONS, FUSED_OPTIONS, experts_triton_unchecked
 
     fast_key = (_FAST, activation, choice)  # a repeated call the Gluon path took: its kept launches, no checks
     if expert_map is None and b13 is None and b2 is None:
@@ -201,12 +201,38 @@ def experts_triton_gluon(
             return run_quantized_triton(x, w13, w2, topk_ids, topk_weights, activation=activation,
                                         expert_map=expert_map, b13=b13, b2=b2, options=_DEFAULT_OPTIONS,
                                         fp8_choice=fp8_choice)
-    if (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
-            and gluon_unfit(x, w13, w2, activation, b13, b2) is None
-            and _runs_directly(x, w13, w2, topk_weights, b13, b2)):
+    if gluon_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):
         return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, fast_key=fast_key)
     return experts_triton_unchecked(x, w13, w2, topk_ids, topk_weights, activation=activation,
-                                    expert_map=expert_map, b13=b13, b2=b2)
+                                    expert_map=expert_map, b13=b13, b2=b2, options=FUSED_OPTIONS)
+
+
+def gluon_takes(x, w13, w2, topk_weights, activation, b13, b2, choice: GluonChoice) -> bool:
+    """Whether the Gluon path takes this call: plain weights, a size ``choice`` wants, a device that runs Gluon,
+    a call that fits it (``gluon_unfit``) and runs directly (no trace, no autograd: ``triton._runs_directly``)."""
+    from moekit.experts.triton import _runs_directly
+
+    return (isinstance(w2, torch.Tensor) and choice.wants(x.shape[0], w2.shape[-1]) and gluon_supported(x.device)
+            and gluon_unfit(x, w13, w2, activation, b13, b2) is None
+            and _runs_directly(x, w13, w2, topk_weights, b13, b2))
+
+
+def run_default_gluon(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2) -> torch.Tensor | None:
+    """The ``triton`` backend's Gluon route (bf16/fp16 weights): out where ``DEFAULT_CHOICE`` takes the call
+    (``gluon_takes``), through the lean launch under the ``triton_gluon`` backend's fast-path key (its default
+    choice: the two backends share kept calls), else None (the fused Triton kernels run it)."""
+    if not gluon_takes(x, w13, w2, topk_weights, activation, b13, b2, DEFAULT_CHOICE):
+        return None
+    return launch_gluon(x, w13, w2, topk_ids, topk_weights, expert_map, fast_key=(_FAST, activation, DEFAULT_CHOICE))
+
+
+def run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation) -> torch.Tensor | None:
+    """A repeated call ``run_default_gluon`` took, from what it kept (``triton_gluon_lean.run_fast_gluon``), or None."""
+    if x.shape[0] < min(DEFAULT_CHOICE.min_tokens, DEFAULT_CHOICE.min_tokens_wide):
+        return None
+    from moekit.experts.triton_gluon_lean import run_fast_gluon
+
+    return run_fast_gluon(x, w13, w2, topk_ids, topk_weights, (_FAST, activation, DEFAULT_CHOICE))
 
 
 def is_available(device: torch.device) -> bool:
