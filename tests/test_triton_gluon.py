@@ -137,7 +137,9 @@ def test_choice_follows_the_measured_cells():
     assert choice.wants(16384, 768)
     assert choice.wants(4096, 14336)  # Mixtral: 1.12x
     assert not choice.wants(4096, 2048)  # DeepSeek-V3: 1.00x, 0.97x
-    assert not choice.wants(1024, 14336)  # decode and the ridge stay on the fused kernels
+    assert choice.wants(1024, 14336)  # Mixtral M=1024: 1.24x
+    assert not choice.wants(2048, 768) and not choice.wants(2048, 2048)  # Qwen3 0.97x, DeepSeek-V3 0.98x
+    assert not choice.wants(512, 14336)  # not measured below 1024: the fused kernels
 
 
 def test_tiles_fit_shared_memory():
