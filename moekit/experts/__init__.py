@@ -12,9 +12,10 @@ storage passed as ``gate_up_proj.transpose(1, 2)``): backends read them through 
 An id that is < 0 or >= E, or whose ``expert_map`` entry is -1, is skipped (contributes 0): that
 covers moekit's -1, capacity drops, transformers' EP sentinel (id >= E) and vLLM's expert map.
 
-Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA),
-``triton_gluon`` (opt-in: ``triton``, with warp-specialized Gluon GEMMs on the contiguous layout where
-they measured faster: Hopper, prefill, bf16/fp16 and block-scaled fp8 weights; never picked by ``auto``). ``backend="auto"`` picks the best
+Backends: ``reference`` (the float32 oracle), ``grouped_mm`` (torch), ``triton`` (fused kernels, CUDA; on
+Hopper at prefill, warp-specialized Gluon GEMMs on the contiguous layout where they measured faster, for
+bf16/fp16 and block-scaled fp8 weights), ``triton_gluon`` (``triton`` with the caller's ``GluonChoice``; never
+picked by ``auto``). ``backend="auto"`` picks the best
 available for the device. ``backend_fn(name, device)`` is the one resolver that ``MoE``, ``EPMoE`` and
 ``moekit.hf`` use: resolved once per (name, device type), then a dictionary lookup. A backend function
 assumes ``check_experts_args`` has passed (it runs once, in ``call_backend``); only a backend's own
@@ -41,7 +42,7 @@ _BACKENDS = {
     "reference": "moekit.experts.reference:experts_reference",
     "grouped_mm": "moekit.experts.grouped_mm:experts_grouped_mm",
     "triton": "moekit.experts.triton:experts_triton_unchecked",  # experts_triton checks, then calls it
-    "triton_gluon": "moekit.experts.triton_gluon:experts_triton_gluon",  # triton + Gluon GEMMs at prefill (Hopper)
+    "triton_gluon": "moekit.experts.triton_gluon:experts_triton_gluon",  # triton with the caller's GluonChoice
 }
 # Preference order of "auto", best first. Off CUDA, Triton only runs interpreted (TRITON_INTERPRET=1,
 # for tests), so "auto" never picks it there; it stays available by name.
