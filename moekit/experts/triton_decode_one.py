@@ -4,8 +4,8 @@
     run_decode_one(x, w13, w2, ids, weights, config, options) -> out [M, K]: one launch, no host sync
     decode_one_torch(...) -> out: the torch twin (same slot loop, same roundings, float32 sums in slot order)
 
-Wiring: ``LaunchOptions.decode_one_max`` (slots, 0 = off; default off until the H200 A/B picks cells):
-``triton._fused`` sends a call with M*k <= decode_one_max here when ``decode_one_refusal`` finds nothing.
+Wiring: ``LaunchOptions.decode_one`` (off by default until the H200 A/B picks cells): ``triton._fused`` sends
+a call here when ``decode_one_refusal`` finds nothing (M*k <= SLOT_LIMIT among it).
 
 The workspace (h [S, N], y [S, K] float32, int32 counters) is kept per (device, stream, kind of call): the
 kernel leaves its counters at 0, so a kept workspace needs no reset between calls, eager or replayed in a
