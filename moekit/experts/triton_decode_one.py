@@ -8,9 +8,10 @@ Wiring: ``LaunchOptions.decode_one`` (off by default until the H200 A/B picks ce
 a call here when ``decode_one_refusal`` finds nothing (M*k <= SLOT_LIMIT among it).
 
 The workspace (h [S, N], y [S, K] float32, int32 counters) is kept per (device, stream, kind of call): the
-kernel leaves its counters at 0, so a kept workspace needs no reset between calls, eager or replayed in a
-CUDA graph. One allocated while a graph captures is the capture's own (its zeroing is part of the graph)
-and is not kept. Two streams never share one (their launches would race on the counters).
+kernel leaves its counters at 0, so they need no reset between calls, eager or replayed in a CUDA graph. The
+counters are regions of one zeroed arena per device, so a capture takes its region with no allocation and no
+zeroing in the graph (h and y: the capture's own buffers). Two streams never share a region (their launches
+would race on the counters); two graphs captured on one stream do, so replay them on one stream.
 
 Shapes: M tokens, k slots, S = M*k, E experts, K hidden, N intermediate.
 """
@@ -64,14 +65,21 @@ class DecodeOneWorkspace:
     counters: torch.Tensor  # int32 [2 + S_PAD + M*KT], all 0 between launches
 
 
+ARENA_INTS = 1 << 16  # the per-device counter arena (256 KiB): a call takes 2 + 16 + M*K/block_k_out of it
 _WORKSPACES: dict[tuple, DecodeOneWorkspace] = {}
 _LAUNCHES: dict[tuple, BoundLaunch] = {}
+_ARENAS: dict[torch.device, torch.Tensor] = {}
+_REGIONS: dict[tuple, int] = {}  # (device, stream, kind) -> offset of its counters in the arena
+_ARENA_USED: dict[torch.device, int] = {}
 
 
 def clear_decode_one() -> None:
     """Drop the kept workspaces and launches."""
     _WORKSPACES.clear()
     _LAUNCHES.clear()
+    _ARENAS.clear()
+    _REGIONS.clear()
+    _ARENA_USED.clear()
 
 
 def decode_one_refusal(x, w13, w2, topk_ids, expert_map=None, activation="silu", b13=None, b2=None,
@@ -101,17 +109,34 @@ def _slot_pad(slots: int) -> int:
     return max(16, next_pow2(slots))  # the tl.dot gate-up's row count, and the ids vector
 
 
+def _counters(device: torch.device, key: tuple, size: int, capturing: bool) -> torch.Tensor:
+    """int32 [size], all 0: a region of the device's counter arena kept for ``key`` (the kernel leaves it at 0).
+    The arena is allocated (zeroed) on the first call outside a capture; a capture before that, or a full arena,
+    gets fresh zeros (the zeroing then part of the graph)."""
+    arena = _ARENAS.get(device)
+    if arena is None and not capturing:
+        arena = _ARENAS[device] = torch.zeros(ARENA_INTS, device=device, dtype=torch.int32)
+    if arena is not None:
+        offset = _REGIONS.get(key)
+        if offset is None and _ARENA_USED.get(device, 0) + size <= ARENA_INTS:
+            offset = _REGIONS[key] = _ARENA_USED.get(device, 0)
+            _ARENA_USED[device] = offset + size
+        if offset is not None:
+            return arena[offset:offset + size]
+    return torch.zeros(size, device=device, dtype=torch.int32)
+
+
 def _workspace(x, slots: int, n: int, k: int, config: DecodeOneConfig) -> DecodeOneWorkspace:
     work = torch.float32 if interpreting() else x.dtype
     size = 2 + _slot_pad(slots) + x.shape[0] * cdiv(k, config.block_k_out)
     capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0
     key = (x.device, stream, slots, n, k, work, size)
-    ws = _WORKSPACES.get(key)
+    ws = None if capturing else _WORKSPACES.get(key)
     if ws is None:
         ws = DecodeOneWorkspace(torch.empty(slots, n, device=x.device, dtype=work),
                                 torch.empty(slots, k, device=x.device, dtype=torch.float32),
-                                torch.zeros(size, device=x.device, dtype=torch.int32))
+                                _counters(x.device, key, size, capturing))
         if not capturing:
             _WORKSPACES[key] = ws
     return ws
