@@ -65,17 +65,14 @@ def _gate_up_gemv(x_ptr, w13_ptr, h_ptr, e, token, s, nt, N, K,
     x_ptrs = x_ptr + token * K + offs_k
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = offs_k < K - k0
+    for i in range(0, tl.cdiv(K, BK)):  # i * BK, not a stepped k0: the masks keep their 16-element constancy
+        k_ok = offs_k < K - i * BK
         ok = n_ok[:, None] & k_ok[None, :]
-        wg = tl.load(g_ptrs, mask=ok, other=0.0).to(tl.float32)
-        wu = tl.load(u_ptrs, mask=ok, other=0.0).to(tl.float32)
-        xv = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        wg = tl.load(g_ptrs + i * BK, mask=ok, other=0.0).to(tl.float32)
+        wu = tl.load(u_ptrs + i * BK, mask=ok, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptrs + i * BK, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         acc_g += tl.sum(wg * xv, axis=1)
         acc_u += tl.sum(wu * xv, axis=1)
-        g_ptrs += BK
-        u_ptrs += BK
-        x_ptrs += BK
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + s * N + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -94,18 +91,15 @@ def _gate_up_dot(x_ptr, w13_ptr, h_ptr, e, nt, slots, same, N, K, top_k,
     x_ptrs = x_ptr + tokens[:, None] * K + offs_k[None, :]  # [ROWS, BK]
     acc_g = tl.zeros([ROWS, BN], dtype=tl.float32)
     acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = offs_k < K - k0
-        xa = tl.load(x_ptrs, mask=same[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    for i in range(0, tl.cdiv(K, BK)):
+        k_ok = offs_k < K - i * BK
+        xa = tl.load(x_ptrs + i * BK, mask=same[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptrs + i * BK, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs + i * BK, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g = tl.dot(xa, wg, acc_g)
         acc_u = tl.dot(xa, wu, acc_u)
-        g_ptrs += BK
-        u_ptrs += BK
-        x_ptrs += BK
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     h_ptrs = h_ptr + slots[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=same[:, None] & n_ok[None, :])
@@ -125,12 +119,10 @@ def _down_tile(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, vali
         w = tl.load(w_ptrs, mask=o_ok[:, None] & (offs_r < N)[None, :], other=0.0)  # issued before the wait
         _spin_until(counters_ptr + 2 + src, NT, SPIN_LIMIT)
         h_ptrs = h_ptr + s * N + offs_r
-        for n0 in range(0, N, BNR):
-            hv = tl.load(h_ptrs, mask=offs_r < N - n0, other=0.0, cache_modifier=".cg").to(tl.float32)
+        for i in range(0, tl.cdiv(N, BNR)):
+            hv = tl.load(h_ptrs + i * BNR, mask=offs_r < N - i * BNR, other=0.0, cache_modifier=".cg").to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
-            w_ptrs += BNR
-            h_ptrs += BNR
-            w = tl.load(w_ptrs, mask=o_ok[:, None] & (offs_r < N - n0 - BNR)[None, :], other=0.0)
+            w = tl.load(w_ptrs + (i + 1) * BNR, mask=o_ok[:, None] & (offs_r < N - (i + 1) * BNR)[None, :], other=0.0)
         acc = acc * tl.load(weights_ptr + s).to(tl.float32)
     tl.store(y_ptr + s * K + offs_o, acc, mask=o_ok)
     tl.debug_barrier()
