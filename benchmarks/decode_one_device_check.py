@@ -63,6 +63,7 @@ def variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
         "g16": base,  # the heuristic (what ``on`` runs)
         "g8_k1024": DecodeOneConfig(block_n_up=8, block_k_up=min(1024, next_pow2(k)), block_n_red=base.block_n_red),
         "g32_k256_w8": DecodeOneConfig(block_n_up=32, block_k_up=256, block_n_red=base.block_n_red, num_warps=8),
+        "g4_k2048": DecodeOneConfig(block_n_up=4, block_k_up=min(2048, next_pow2(k)), block_n_red=base.block_n_red),
         "w8": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, num_warps=8),
         "o32_r512": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=red(512)),
         "o8": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=8, block_n_red=base.block_n_red),
