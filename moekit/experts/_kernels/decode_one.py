@@ -41,7 +41,7 @@ from moekit.experts._kernels._common import wait_for_previous_kernel
 
 
 @triton.jit
-def _spin_until(ptr, target, SPIN_LIMIT: tl.constexpr):
+def spin_until(ptr, target, SPIN_LIMIT: tl.constexpr):
     """Acquire-read *ptr until it reaches target (or SPIN_LIMIT reads); then a CTA barrier so every
     thread's later loads come after the acquire."""
     seen = tl.atomic_add(ptr, 0, sem="acquire")
@@ -117,24 +117,41 @@ def _down_tile(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, vali
     acc = tl.zeros([BKO], dtype=tl.float32)
     if valid:
         w = tl.load(w_ptrs, mask=o_ok[:, None] & (offs_r < N)[None, :], other=0.0)  # issued before the wait
-        _spin_until(counters_ptr + 2 + src, NT, SPIN_LIMIT)
+        spin_until(counters_ptr + 2 + src, NT, SPIN_LIMIT)
         h_ptrs = h_ptr + s * N + offs_r
         for i in range(0, tl.cdiv(N, BNR)):
             hv = tl.load(h_ptrs + i * BNR, mask=offs_r < N - i * BNR, other=0.0, cache_modifier=".cg").to(tl.float32)
             acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
             w = tl.load(w_ptrs + (i + 1) * BNR, mask=o_ok[:, None] & (offs_r < N - (i + 1) * BNR)[None, :], other=0.0)
         acc = acc * tl.load(weights_ptr + s).to(tl.float32)
+    arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc, s, kt, offs_o, o_ok, K, top_k, KT, ARRIVALS, BKO)
+
+
+@triton.jit
+def arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc, s, kt, offs_o, o_ok, K, top_k, KT,
+                   ARRIVALS: tl.constexpr, BKO: tl.constexpr):
+    """y[s, offs_o] = acc [BKO], then count the arrival of (token, kt); the token's last slot sums its k rows of
+    y in slot order into out (float32, fixed order) and zeroes the arrival counter."""
     tl.store(y_ptr + s * K + offs_o, acc, mask=o_ok)
     tl.debug_barrier()
     token = s // top_k
     arrivals = counters_ptr + ARRIVALS + token * KT + kt
-    if tl.atomic_add(arrivals, 1, sem="acq_rel") == top_k - 1:  # the token's last slot here: sum them in order
+    if tl.atomic_add(arrivals, 1, sem="acq_rel") == top_k - 1:
         tl.debug_barrier()
         total = tl.zeros([BKO], dtype=tl.float32)
         for j in range(0, top_k):
             total += tl.load(y_ptr + (token * top_k + j) * K + offs_o, mask=o_ok, other=0.0, cache_modifier=".cg")
         tl.store(out_ptr + token * K + offs_o, total.to(out_ptr.dtype.element_ty), mask=o_ok)
         tl.atomic_xchg(arrivals, 0, sem="relaxed")
+
+
+@triton.jit
+def last_out_resets(counters_ptr, total, S_PAD: tl.constexpr):
+    """Count this program's exit; the last of the ``total`` programs zeroes the ticket, exit and up_done counters."""
+    if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == total - 1:
+        tl.store(counters_ptr + 2 + tl.arange(0, S_PAD), tl.zeros([S_PAD], dtype=tl.int32))
+        tl.store(counters_ptr, 0)
+        tl.store(counters_ptr + 1, 0)
 
 
 @triton.jit
@@ -172,8 +189,4 @@ def decode_one_kernel(
         src = s if GEMV else leader
         _down_tile(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src,
                    (ticket - up_tiles) % kt_out, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT, BN_RED, SPIN_LIMIT)
-    total = up_tiles + num_slots * kt_out
-    if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == total - 1:  # the last program out resets the rest
-        tl.store(counters_ptr + 2 + slots, tl.zeros([S_PAD], dtype=tl.int32))
-        tl.store(counters_ptr, 0)
-        tl.store(counters_ptr + 1, 0)
+    last_out_resets(counters_ptr, up_tiles + num_slots * kt_out, S_PAD)
