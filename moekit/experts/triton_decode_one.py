@@ -126,8 +126,9 @@ def _counters(device: torch.device, key: tuple, size: int, capturing: bool) -> t
     return torch.zeros(size, device=device, dtype=torch.int32)
 
 
-def _workspace(x, slots: int, n: int, k: int, config: DecodeOneConfig) -> DecodeOneWorkspace:
-    work = torch.float32 if interpreting() else x.dtype
+def workspace(x, slots: int, n: int, k: int, config: DecodeOneConfig, h_dtype=None) -> DecodeOneWorkspace:
+    """The kept workspace of this kind of call on the current stream (h in ``h_dtype``, default the work dtype)."""
+    work = h_dtype or (torch.float32 if interpreting() else x.dtype)
     size = 2 + _slot_pad(slots) + x.shape[0] * cdiv(k, config.block_k_out)
     capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     stream = torch.cuda.current_stream(x.device).cuda_stream if x.device.type == "cuda" else 0
@@ -167,7 +168,7 @@ def run_decode_one(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConfig |
     slots, n, k = ids.numel(), w2.shape[2], x.shape[1]
     config = config or default_config(n, k)
     options = resolve_launch_options(options, x.device)
-    ws = _workspace(x, slots, n, k, config)
+    ws = workspace(x, slots, n, k, config)
     out = torch.empty_like(x)
     _launch(x, w13, slots, ids.shape[1], config, options)(x, w13, w2, ids, weights, ws.h, ws.y, out, ws.counters)
     return out

@@ -1,0 +1,128 @@
+"""One launch for a whole tiny-batch fp8_block experts call: ``decode_one``'s schedule (tickets, gate-up tiles,
+then down tiles waiting on their slot's counter, the last-arrival k-sum, counters reset by the last program out)
+on e4m3 weights with 128 x 128 block scales (DeepSeek-V3's recipe, ``moekit.quant.fp8_block``).
+
+Torch twin: ``moekit.experts.triton_fp8.fused_experts_fp8_torch`` (the same quantization of x and h).
+
+Shapes as ``decode_one``; G = 128 (the scale blocks' width, the activation groups); N and K multiples of 128
+(the host refuses the rest). Scales: w13 [E, 2N/G, K/G], w2 [E, K/G, N/G] float32 (dequantized = q * scale).
+Activations are quantized as the fp8 path does (``quant_fp8``: s = amax / 448 per token per G columns, q = e4m3
+rounded to nearest even): each gate-up program quantizes its token's x step by step as it loads it (every
+program the same groups, the same rounding), and each down tile its h row (float32, written by gate-up) per G
+columns. Per G-group the products of the e4m3 values are summed in float32, then scaled by x_s * w_s once.
+
+GEMV only (CUDA cores; every slot its own programs). A gate-up tile's BN rows (<= G) lie in one scale row block,
+as do a down tile's BKO rows (<= G); BK (gate-up step) and BNR (down step) are multiples of G.
+EMULATE: the interpreter's e4m3 rounding (``quant_fp8``); the weights are converted exactly either way.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import wait_for_previous_kernel
+from moekit.experts._kernels.decode_one import arrive_and_sum, last_out_resets, spin_until
+from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
+
+G: tl.constexpr = tl.constexpr(128)
+
+
+@triton.jit
+def _quantized_groups(v, GROUPS: tl.constexpr, EMULATE: tl.constexpr):
+    """v [GROUPS*G] float32 -> (the e4m3 values as float32 [GROUPS, G], their scales [GROUPS])."""
+    v = tl.reshape(v, [GROUPS, G])
+    s = group_scale(tl.max(tl.abs(v), axis=1))
+    return to_e4m3(v / s[:, None], EMULATE).to(tl.float32), s
+
+
+@triton.jit
+def _scaled_rows(w, q, s_act, s_w, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """sum over the step's groups of (w [ROWS, GROUPS*G] . q [GROUPS, G] per group) * s_act * s_w -> [ROWS]."""
+    w = tl.reshape(w.to(tl.float32), [ROWS, GROUPS, G])
+    partial = tl.sum(w * q[None, :, :], axis=2)  # [ROWS, GROUPS]
+    return tl.sum(partial * (s_act * s_w)[None, :], axis=1)
+
+
+@triton.jit
+def _gate_up_fp8(x_ptr, wq_ptr, ws_ptr, h_ptr, e, token, s, nt, N, K,
+                 BN: tl.constexpr, BK: tl.constexpr, EMULATE: tl.constexpr):
+    """h[s, nt*BN + i] = silu(gate) * up, both block-scaled fp8 GEMVs over x[token] quantized per G columns."""
+    GROUPS: tl.constexpr = BK // G
+    kb = K // G  # scale columns
+    offs_n = nt * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    groups = tl.arange(0, GROUPS)
+    g_ptrs = wq_ptr + e * (2 * N) * K + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BN, BK]
+    u_ptrs = g_ptrs + N * K
+    sg_ptrs = ws_ptr + e * (2 * N // G) * kb + ((nt * BN) // G) * kb + groups  # [GROUPS] step 0's
+    su_ptrs = sg_ptrs + (N // G) * kb
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    for i in range(0, tl.cdiv(K, BK)):
+        k_ok = offs_k < K - i * BK  # whole groups: K is a multiple of G
+        g_ok = groups < kb - i * GROUPS
+        wg = tl.load(g_ptrs + i * BK, mask=k_ok[None, :], other=0.0)
+        wu = tl.load(u_ptrs + i * BK, mask=k_ok[None, :], other=0.0)
+        xv = tl.load(x_ptr + token * K + i * BK + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        xq, xs = _quantized_groups(xv, GROUPS, EMULATE)
+        acc_g += _scaled_rows(wg, xq, xs, tl.load(sg_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
+        acc_u += _scaled_rows(wu, xq, xs, tl.load(su_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + s * N + offs_n, h)
+
+
+@triton.jit
+def _down_fp8(h_ptr, wq_ptr, ws_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, kt, N, K, top_k,
+              NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, EMULATE: tl.constexpr,
+              SPIN_LIMIT: tl.constexpr):
+    """y[s, kt*BKO + i] = weight[s] * block-scaled (h[s] quantized per G) . w2[e, row]; then the k-sum."""
+    GROUPS: tl.constexpr = BNR // G
+    nb = N // G
+    offs_o = kt * BKO + tl.arange(0, BKO)
+    o_ok = offs_o < K
+    offs_r = tl.arange(0, BNR)
+    groups = tl.arange(0, GROUPS)
+    w_ptrs = wq_ptr + e * K * N + offs_o[:, None].to(tl.int64) * N + offs_r[None, :]  # [BKO, BNR]
+    s_ptrs = ws_ptr + e * (K // G) * nb + ((kt * BKO) // G) * nb + groups  # [GROUPS] step 0's
+    acc = tl.zeros([BKO], dtype=tl.float32)
+    if valid:
+        w = tl.load(w_ptrs, mask=(offs_r < N)[None, :], other=0.0)  # issued before the wait
+        spin_until(counters_ptr + 2 + s, NT, SPIN_LIMIT)
+        for i in range(0, tl.cdiv(N, BNR)):
+            r_ok = offs_r < N - i * BNR
+            hv = tl.load(h_ptr + s * N + i * BNR + offs_r, mask=r_ok, other=0.0, cache_modifier=".cg")
+            hq, hs = _quantized_groups(hv, GROUPS, EMULATE)
+            sw = tl.load(s_ptrs + i * GROUPS, mask=groups < nb - i * GROUPS, other=0.0)
+            acc += _scaled_rows(w, hq, hs, sw, BKO, GROUPS)
+            w = tl.load(w_ptrs + (i + 1) * BNR, mask=(offs_r < N - (i + 1) * BNR)[None, :], other=0.0)
+        acc = acc * tl.load(weights_ptr + s).to(tl.float32)
+    arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc, s, kt, offs_o, o_ok, K, top_k, KT, ARRIVALS, BKO)
+
+
+@triton.jit
+def decode_one_fp8_kernel(
+    x_ptr, w13q_ptr, w13s_ptr, w2q_ptr, w2s_ptr, ids_ptr, weights_ptr, h_ptr, y_ptr, out_ptr, counters_ptr,
+    N, K, num_experts, num_slots, top_k,
+    S_PAD: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr, BK_OUT: tl.constexpr, BN_RED: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+):
+    """The whole fp8_block experts call; phases by ticket (``decode_one``'s docstring). h: float32 [S, N]."""
+    wait_for_previous_kernel(PDL)
+    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    nt_up = tl.cdiv(N, BN_UP)
+    kt_out = tl.cdiv(K, BK_OUT)
+    up_tiles = num_slots * nt_up
+    in_up = ticket < up_tiles
+    s = tl.where(in_up, ticket // nt_up, (ticket - up_tiles) // kt_out)
+    e = tl.load(ids_ptr + s).to(tl.int64)
+    valid = (e >= 0) & (e < num_experts)
+    if in_up:
+        if valid:
+            _gate_up_fp8(x_ptr, w13q_ptr, w13s_ptr, h_ptr, e, s // top_k, s, ticket % nt_up, N, K, BN_UP, BK_UP,
+                         EMULATE)
+        tl.debug_barrier()
+        tl.atomic_add(counters_ptr + 2 + s, 1, sem="release")
+    else:
+        _down_fp8(h_ptr, w2q_ptr, w2s_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s,
+                  (ticket - up_tiles) % kt_out, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT, BN_RED, EMULATE,
+                  SPIN_LIMIT)
+    last_out_resets(counters_ptr, up_tiles + num_slots * kt_out, S_PAD)
