@@ -3,7 +3,7 @@ a GPU: every tile variant of ``decode_one_device_check.py`` at one shape, with t
 aligned pointers, N and K divisible by 16), to catch compile errors before a device run and to read the registers,
 spills, shared memory and the load widths (16-byte ``ld.global.v4`` is what the weight stream needs).
 
-    PYTHONPATH=$PWD python benchmarks/decode_one_compile_cpu.py [--n 768 --k 2048]
+    PYTHONPATH=$PWD python benchmarks/decode_one_compile_cpu.py [--n 768 --k 2048] [--fp8]
 
 Triton 3.9 here: ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)``; registers from the bundled
 ptxas that takes the PTX's version (``ptxas-blackwell`` for 3.9's PTX 9.4).
@@ -43,28 +43,36 @@ def ptxas_registers(ptx: str) -> str:
     return "ptxas: no report"
 
 
-def compile_variant(config) -> str:
+FP8_POINTERS = {"x_ptr": "*bf16", "w13q_ptr": "*fp8e4nv", "w13s_ptr": "*fp32", "w2q_ptr": "*fp8e4nv", "w2s_ptr": "*fp32",
+                "ids_ptr": "*i32", "weights_ptr": "*fp32", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*bf16",
+                "counters_ptr": "*i32"}
+
+
+def compile_variant(config, fp8: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moekit.experts._kernels.decode_one import decode_one_kernel as kernel
+    from moekit.experts._kernels.decode_one import decode_one_kernel
+    from moekit.experts._kernels.decode_one_fp8 import decode_one_fp8_kernel
     from moekit.experts.triton_decode_one import SPIN_LIMIT
 
+    kernel, pointers = (decode_one_fp8_kernel, FP8_POINTERS) if fp8 else (decode_one_kernel, POINTERS)
     constexprs = dict(S_PAD=16, BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
-                      BN_RED=config.block_n_red, GEMV=config.gemv, UPCAST=False, PDL=True, SPIN_LIMIT=SPIN_LIMIT)
-    signature = {**POINTERS, **{s: "i32" for s in SCALARS}, **{c: "constexpr" for c in constexprs}}
+                      BN_RED=config.block_n_red, **({"EMULATE": False} if fp8 else {"GEMV": config.gemv, "UPCAST": False}),
+                      PDL=True, SPIN_LIMIT=SPIN_LIMIT)
+    signature = {**pointers, **{s: "i32" for s in SCALARS}, **{c: "constexpr" for c in constexprs}}
     names = list(signature)
-    aligned = list(POINTERS) + ["N", "K"]
+    aligned = list(pointers) + ["N", "K"]
     source = ASTSource(kernel, signature, constexprs={(names.index(c),): v for c, v in constexprs.items()},
                        attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     ptx = compiled.asm["ptx"]
-    widths = {w: len(re.findall(rf"ld\.global(?:\.cg)?\.{w}\b", ptx)) for w in ("v4.b32", "b16")}
+    widths = {w: len(re.findall(rf"ld\.global(?:\.cg)?\.{w}\b", ptx)) for w in ("v4.b32", "b16", "b8")}
     order = "w2 loads before the wait" if _loads_before_acquire(ptx) else "NO w2 load before the wait"
     return (f"shared {compiled.metadata.shared} B, {ptxas_registers(ptx)}, 16-byte loads {widths['v4.b32']}, "
-            f"2-byte loads {widths['b16']}, {order}")
+            f"2-byte loads {widths['b16']}, 1-byte loads {widths['b8']}, {order}")
 
 
 def _loads_before_acquire(ptx: str) -> bool:
@@ -79,12 +87,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=768)
     p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--fp8", action="store_true", help="the fp8_block kernel, with the device check's fp8 variants")
     a = p.parse_args()
-    from decode_one_device_check import variants
+    from decode_one_device_check import fp8_variants, variants
 
-    for name, config in variants(a.n, a.k).items():
+    for name, config in (fp8_variants if a.fp8 else variants)(a.n, a.k).items():
         try:
-            print(f"{name:<14} {compile_variant(config)}", flush=True)
+            print(f"{name:<14} {compile_variant(config, a.fp8)}", flush=True)
         except Exception as exc:  # noqa: BLE001  one variant failing must not hide the others
             print(f"{name:<14} FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 

@@ -3,7 +3,7 @@ at real shapes, then CUDA-graph and eager µs against the current default ``trit
 
     PYTHONPATH=$PWD OUT=/tmp/d1 timeout 170 python benchmarks/decode_one_device_check.py [--budget-s 120]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/decode_one_device_check.py --smoke --batches 1 \
-        --presets qwen3-30b-a3b mixtral-8x7b   (CPU, tiny shapes: checks the script, ~1 min)
+        --presets qwen3-30b-a3b   (CPU, tiny shapes: checks the script, ~3 min; --no-fp8: ~1 min)
 
 Cells (bf16, no_grad, uniform routing, 4 input sets rotated per timing pass so consecutive calls touch other
 experts; L2 NOT flushed): Qwen3-30B-A3B M = 1, 2; DeepSeek-V3 M = 1, 2; Mixtral-8x7B M = 1, 2, 4, 8 (M*k <= 16).
@@ -20,7 +20,10 @@ Per cell:
   (``run_decode_one`` with its config);
 - floor: touched experts x 3·N·K·2 B + x and out, over the copy bandwidth measured in this run
   (``moekit.bench.ceilings.measure_ceilings``, read + write).
-Variants (``DecodeOneConfig``; gate-up GEMV per slot unless "dot"): VARIANTS below. What to look for: the
+After each preset's bf16 cells, fp8_block cells (FP8_CELLS; the bf16 weights quantized 128 x 128): the default
+fp8 path (activation quant, gate-up, down) against ``run_decode_one_fp8`` (``fp8_variants``), errors against the
+fp8 torch twin (``err_twin``) and the float32 reference of the bf16 weights, floor in fp8 bytes + scales.
+Variants (``DecodeOneConfig``; gate-up GEMV per slot unless "dot"): ``variants`` below. What to look for: the
 ``best`` column against ``default`` at Qwen3 M = 1 (target: the 18.1 µs floor, >= 90%; today ~25 µs); errors
 like the default's (rel L2 ~3e-3 against float32). JSON to $OUT/decode_one.json; the short table is printed last.
 """
@@ -40,9 +43,11 @@ from moekit.bench.timing import time_eager, time_stats
 from moekit.experts import run_experts
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_decode_one import _ARENAS, DecodeOneConfig, default_config, run_decode_one
+from moekit.experts.triton_decode_one_fp8 import decode_one_fp8_refusal, default_fp8_config, run_decode_one_fp8
 from moekit.experts.triton_launch import LaunchOptions, cdiv, next_pow2
 
 CELLS = (("qwen3-30b-a3b", (1, 2)), ("deepseek-v3", (1, 2)), ("mixtral-8x7b", (1, 2, 4, 8)))
+FP8_CELLS = {"qwen3-30b-a3b": (1, 2), "deepseek-v3": (1,), "mixtral-8x7b": (1,)}  # after each preset's bf16 cells
 SETS = 4
 ON = LaunchOptions(decode_one=True)
 SMOKE_SCALE = 64
@@ -75,6 +80,59 @@ def variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
         return {"g16": DecodeOneConfig(block_k_up=32, block_n_red=16),
                 "dot": DecodeOneConfig(gemv=False, block_n_up=16, block_k_up=16, block_n_red=16)}
     return table
+
+
+def fp8_variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
+    """name -> tiles of the fp8_block kernel (GEMV; rows <= 128 per tile, steps whole 128-column groups)."""
+    base = default_fp8_config(n, k)
+    if Run.smoke:
+        return {"f16": DecodeOneConfig(block_k_up=128, block_n_red=128)}
+    return {
+        "f16": base,
+        "f16_k1024": DecodeOneConfig(block_k_up=min(1024, next_pow2(k)), block_n_red=base.block_n_red),
+        "f8_k2048": DecodeOneConfig(block_n_up=8, block_k_up=min(2048, next_pow2(k)), block_n_red=base.block_n_red),
+        "f16_o32": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=min(512, base.block_n_red)),
+        "f16_w8": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, num_warps=8),
+    }
+
+
+def fp8_cell(shape: Shape, w, q, m: int) -> dict:
+    """fp8_block weights (``q``: the bf16 weights quantized 128 x 128): the default fp8 path against the one launch."""
+    from moekit.experts.triton_fp8 import fused_experts_fp8_torch
+
+    sets = make_sets(shape, m, SETS, torch.bfloat16, Run.device, seed=m)
+    args = [(s.x, q[0], q[1], s.topk_ids.contiguous(), s.topk_weights.contiguous()) for s in sets]
+    touched = sum(len(torch.unique(a[3])) for a in args) / len(args)
+    scale_bytes = 4 * (q[0].scale[0].numel() + q[1].scale[0].numel())
+    floor_bytes = touched * (3 * shape.n * shape.k + scale_bytes) + 2 * m * shape.k * 2
+    result = {"slots": m * shape.top_k, "touched": touched, "floor_MB": floor_bytes / 1e6,
+              "floor_us": floor_bytes / (Run.copy_TBps * 1e12) * 1e6}
+    x, w13, w2, ids, weights = args[0]
+    twin = fused_experts_fp8_torch(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights)
+    ref = reference32(x, w.w13, w.w2, ids, weights)
+    default = experts_triton(*args[0])
+    result["default"] = {"err_ref": rel_l2(default, ref), "err_twin": rel_l2(default, twin)}
+    result["default"].update(timings([lambda a=a: experts_triton(*a) for a in args]))
+    on = experts_triton(*args[0], options=ON)
+    result["on"] = {"err_ref": rel_l2(on, ref), "err_twin": rel_l2(on, twin), "err_default": rel_l2(on, default)}
+    result["on"].update({k: v for k, v in timings([lambda a=a: experts_triton(*a, options=ON) for a in args]).items()
+                         if k != "graph_us"})
+    for name, config in fp8_variants(shape.n, shape.k).items():
+        refusal = decode_one_fp8_refusal(x, w13, w2, ids, config=config)
+        if refusal:
+            result[name] = {"error": f"refused: {refusal}"}
+            continue
+        try:
+            outs = [run_decode_one_fp8(*args[0], config=config) for _ in range(5)]
+            row = {"err_ref": rel_l2(outs[0], ref), "err_twin": rel_l2(outs[0], twin),
+                   "err_default": rel_l2(outs[0], default), "stable": all(torch.equal(o, outs[0]) for o in outs),
+                   "zero": _arena_zero()}
+            row.update(timings([lambda a=a: run_decode_one_fp8(*a, config=config) for a in args]))
+            row["zero_after"] = _arena_zero()
+            result[name] = row
+        except Exception as exc:  # noqa: BLE001
+            result[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return result
 
 
 def reference32(x, w13, w2, ids, weights) -> torch.Tensor:
@@ -178,43 +236,63 @@ def measure(a, start: float, results: dict) -> None:
             for m in batches:
                 if m in a.batches and m * shape.top_k <= 16:
                     budgeted_cell(results, f"{preset} M={m}", start, a.budget_s, lambda: cell(shape, w, m))
+            fp8_batches = [m for m in FP8_CELLS.get(preset, ()) if m in a.batches]
+            if fp8_batches and not a.no_fp8 and time.perf_counter() - start < a.budget_s:
+                if Run.smoke:  # whole 128 x 128 scale blocks: the scaled presets have none
+                    shape = Shape(f"{preset}/smoke", min(shape.num_experts, 16), 128, 256, shape.top_k)
+                    w = make_weights(shape, torch.bfloat16, Run.device)
+                q = quantized(w)
+                for m in fp8_batches:
+                    budgeted_cell(results, f"fp8 {preset} M={m}", start, a.budget_s, lambda: fp8_cell(shape, w, q, m))
+                del q
             del w
             if Run.device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
+def quantized(w) -> tuple:
+    """(w13, w2) as ``Fp8BlockWeight`` (128 x 128 blocks), a few experts at a time (``fp8_device_check``'s)."""
+    from fp8_device_check import quantize_blocks
+
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    if Run.smoke:
+        from moekit.quant.fp8_block import quantize_fp8_block
+
+        return quantize_fp8_block(w.w13), quantize_fp8_block(w.w2)
+    return tuple(Fp8BlockWeight(q=qs[0], scale=qs[1]) for qs in (quantize_blocks(w.w13), quantize_blocks(w.w2)))
+
+
+def _bad(row: dict) -> list:
+    """Variants of a row that errored, were unstable, left counters set, failed the graph check or erred > 2x default."""
+    limit = 2 * row["default"]["err_ref"] + 2e-3
+    return [n for n, r in row.items() if isinstance(r, dict) and n != "default"
+            and ("error" in r or r.get("stable") is False or r.get("zero_after") is False or r.get("graph_eq") is False
+                 or r.get("err_ref", 0) > limit)]
+
+
 def table(results: dict) -> str:
-    names = ["default", "on"] + list(variants(64, 64))
     lines = [f"copy {results.get('copy_TBps', float('nan')):.2f} TB/s; graph µs (% of byte floor), L2 not flushed, "
-             "4 rotated input sets; eager µs below; err = rel L2 against float32 reference"]
-    head = f"{'cell':<22}{'floor':>7}" + "".join(f"{n:>15}" for n in names if n != "on") + f"{'best':>21}"
-    lines.append(head)
+             "4 rotated input sets; err = rel L2 against the float32 reference (bf16 weights)",
+             f"{'cell':<26}{'floor':>7}{'default':>16}{'best variant':>26}   others (graph µs)"]
     eager_lines = []
     for key, row in results.items():
         if not isinstance(row, dict) or "floor_us" not in row:
-            if isinstance(row, dict) and key not in ("copy_TBps",):
-                lines.append(f"{key:<22}{row}")
+            if isinstance(row, dict):
+                lines.append(f"{key:<26}{row}")
             continue
-        floor = row["floor_us"]
-        cells, best = [], ("", float("inf"))
-        for n in names:
-            if n == "on":
-                continue
-            r = row.get(n, {})
-            us = r.get("graph_us")
-            if us is None:
-                cells.append(f"{'err' if 'error' in r else '-':>15}")
-                continue
-            cells.append(f" {us:>8.1f} ({100 * floor / us:>3.0f})")
-            if n != "default" and us < best[1]:
-                best = (n, us)
-        lines.append(f"{key:<22}{floor:>7.1f}" + "".join(cells) + f"{best[0]:>13} {best[1]:>7.1f}")
-        bad = [n for n in names if n in row and ("error" in row[n] or row[n].get("stable") is False
-                                                 or row[n].get("zero_after") is False or row[n].get("graph_eq") is False
-                                                 or row[n].get("err_ref", 0) > 2 * row["default"]["err_ref"] + 2e-3)]
-        eager_lines.append(f"{key:<22} eager default {row['default'].get('eager_us', 0):.1f} on "
-                           f"{row['on'].get('eager_us', 0):.1f} (host {row['on'].get('host_us', 0):.1f}) "
-                           f"err default {row['default']['err_ref']:.1e} on {row['on']['err_ref']:.1e}"
+        floor, d = row["floor_us"], row["default"]
+        timed = {n: r["graph_us"] for n, r in row.items() if isinstance(r, dict) and n not in ("default", "on")
+                 and r.get("graph_us") is not None}
+        best = min(timed, key=timed.get) if timed else None
+        pct = lambda us: f"{us:>8.1f} ({100 * floor / us:>3.0f}%)"  # noqa: E731
+        lines.append(f"{key:<26}{floor:>7.1f}{pct(d['graph_us']):>16}"
+                     + (f"{best:>12} {pct(timed[best])}" if best else f"{'-':>26}") + "   "
+                     + " ".join(f"{n}:{us:.1f}" for n, us in timed.items() if n != best))
+        bad = _bad(row)
+        eager_lines.append(f"{key:<26} eager µs default {d.get('eager_us', 0):.1f}, on {row['on'].get('eager_us', 0):.1f}"
+                           f" (host {row['on'].get('host_us', 0):.1f}), best {row.get(best, {}).get('eager_us', 0):.1f};"
+                           f" err default {d['err_ref']:.1e}, on {row['on']['err_ref']:.1e}"
                            + (f"  BAD: {bad}" if bad else "  all ok"))
     return "\n".join(lines + eager_lines)
 
@@ -226,6 +304,7 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=[c[0] for c in CELLS])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--no-fp8", action="store_true", help="skip the fp8_block cells")
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:
