@@ -127,3 +127,15 @@ def test_refusals_fall_back(interpreter, monkeypatch, case):  # noqa: F811
     assert reason  # a stated reason
     interpreter.experts_triton(x, w13, w2, ids, weights, options=LaunchOptions(decode_one=True), **kw)
     assert not calls
+
+
+def test_ids_and_weights_dtypes_get_their_own_launch(interpreter):  # noqa: F811
+    """A kept launch is compiled for its pointers' dtypes: int32 then int64 ids, float32 then bf16 routed weights."""
+    from moekit.experts.triton_decode_one import run_decode_one
+
+    x, w13, w2, ids, weights = _inputs(2, 2)
+    for ids_dtype, weights_dtype in ((torch.int32, torch.float32), (torch.int64, torch.float32),
+                                     (torch.int64, torch.bfloat16)):
+        w = weights.to(weights_dtype)
+        out = run_decode_one(x, w13, w2, ids.to(ids_dtype), w)
+        torch.testing.assert_close(out.double(), float64_loop(x, w13, w2, ids, w.float()), rtol=1e-5, atol=1e-5)

@@ -120,7 +120,7 @@ def _counters(device: torch.device, key: tuple, size: int, capturing: bool) -> t
         offset = _REGIONS.get(key)
         if offset is None and _ARENA_USED.get(device, 0) + size <= ARENA_INTS:
             offset = _REGIONS[key] = _ARENA_USED.get(device, 0)
-            _ARENA_USED[device] = offset + size
+            _ARENA_USED[device] = offset + -(-size // 4) * 4  # regions start 16-byte aligned (Triton specialises)
         if offset is not None:
             return arena[offset:offset + size]
     return torch.zeros(size, device=device, dtype=torch.int32)
@@ -143,10 +143,17 @@ def workspace(x, slots: int, n: int, k: int, config: DecodeOneConfig, h_dtype=No
     return ws
 
 
-def _launch(x, w13, slots: int, top_k: int, config: DecodeOneConfig, options: LaunchOptions) -> BoundLaunch:
+def launch_key(x, weight_tensors: tuple, ids, weights) -> tuple:
+    """What a bound launch was compiled for beyond shapes and tiles: dtypes and 16-byte alignment of the call's
+    own tensors (the workspace's are always aligned)."""
+    tensors = (x, *weight_tensors, ids, weights)
+    return x.device, tuple(t.dtype for t in tensors), tuple(t.data_ptr() & 15 for t in tensors)
+
+
+def _launch(x, w13, w2, ids, weights, config: DecodeOneConfig, options: LaunchOptions) -> BoundLaunch:
     num_experts, _, k = w13.shape
-    n = w13.shape[1] // 2
-    key = (slots, top_k, num_experts, n, k, x.dtype, x.device, config, options)
+    n, slots, top_k = w13.shape[1] // 2, ids.numel(), ids.shape[1]
+    key = (slots, top_k, num_experts, n, k, launch_key(x, (w13, w2), ids, weights), config, options)
     launch = _LAUNCHES.get(key)
     if launch is None:
         grid = slots * cdiv(n, config.block_n_up) + slots * cdiv(k, config.block_k_out)
@@ -170,7 +177,7 @@ def run_decode_one(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConfig |
     options = resolve_launch_options(options, x.device)
     ws = workspace(x, slots, n, k, config)
     out = torch.empty_like(x)
-    _launch(x, w13, slots, ids.shape[1], config, options)(x, w13, w2, ids, weights, ws.h, ws.y, out, ws.counters)
+    _launch(x, w13, w2, ids, weights, config, options)(x, w13, w2, ids, weights, ws.h, ws.y, out, ws.counters)
     return out
 
 

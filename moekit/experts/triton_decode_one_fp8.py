@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moekit.experts.triton_decode_one import (
-    SLOT_LIMIT, SPIN_LIMIT, DecodeOneConfig, _LAUNCHES, _slot_pad, workspace,
+    SLOT_LIMIT, SPIN_LIMIT, DecodeOneConfig, _LAUNCHES, _slot_pad, launch_key, workspace,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options
 from moekit.triton_bind import BoundLaunch, interpreting
@@ -61,7 +61,8 @@ def run_decode_one_fp8(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConf
     ws = workspace(x, slots, n, k, config, h_dtype=torch.float32)
     out = torch.empty_like(x)
     num_experts = w13.q.shape[0]
-    key = ("fp8", slots, ids.shape[1], num_experts, n, k, x.dtype, x.device, config, options)
+    key = ("fp8", slots, ids.shape[1], num_experts, n, k, launch_key(x, (w13.q, w13.scale, w2.q, w2.scale), ids, weights),
+           config, options)
     launch = _LAUNCHES.get(key)
     if launch is None:
         grid = slots * cdiv(n, config.block_n_up) + slots * cdiv(k, config.block_k_out)
