@@ -72,13 +72,15 @@ def variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
         "w8": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, num_warps=8),
         "o32_r512": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=red(512)),
         "o8": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=8, block_n_red=base.block_n_red),
+        "g16_pid": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, ticket=False),
         "dot": DecodeOneConfig(gemv=False, block_n_up=32, block_k_up=128, block_n_red=base.block_n_red, num_stages=4),
         "dot64": DecodeOneConfig(gemv=False, block_n_up=64, block_k_up=128, block_n_red=base.block_n_red,
                                  num_stages=3),
     }
     if Run.smoke:  # the interpreter: two variants, small tiles
         return {"g16": DecodeOneConfig(block_k_up=32, block_n_red=16),
-                "dot": DecodeOneConfig(gemv=False, block_n_up=16, block_k_up=16, block_n_red=16)}
+                "g16_pid": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, ticket=False),
+        "dot": DecodeOneConfig(gemv=False, block_n_up=16, block_k_up=16, block_n_red=16)}
     return table
 
 

@@ -66,6 +66,16 @@ def test_matches_float64_loop(interpreter, mk, gemv):  # noqa: F811
         assert int(ws.counters.abs().sum()) == 0  # the kernel leaves its counters at 0 for the next launch
 
 
+def test_program_id_order_variant(interpreter):  # noqa: F811
+    """ticket=False (the A/B of the ticket's cost): the same result, counters back at 0."""
+    from moekit.experts.triton_decode_one import _ARENAS, DecodeOneConfig, run_decode_one
+
+    x, w13, w2, ids, weights = _inputs(2, 8)
+    out = run_decode_one(x, w13, w2, ids, weights, DecodeOneConfig(ticket=False, **TAILS))
+    torch.testing.assert_close(out.double(), float64_loop(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+    assert all(int(a.abs().sum()) == 0 for a in _ARENAS.values())
+
+
 def test_twin_matches_float64_loop(interpreter):  # noqa: F811
     from moekit.experts.triton_decode_one import decode_one_torch
 

@@ -42,6 +42,7 @@ class DecodeOneConfig:
     gemv: bool = True  # gate-up as a CUDA-core GEMV per slot; False: one tl.dot per expert over its slots
     num_warps: int = 4
     num_stages: int = 2
+    ticket: bool = True  # False: the program id as logical id (an A/B of the ticket's cost; relies on dispatch order)
 
     def __post_init__(self) -> None:
         for name in ("block_n_up", "block_k_up", "block_k_out", "block_n_red", "num_warps"):
@@ -161,6 +162,7 @@ def _launch(x, w13, w2, ids, weights, config: DecodeOneConfig, options: LaunchOp
             kernels("decode_one").decode_one_kernel, (grid,), 9, (n, k, num_experts, slots, top_k),
             S_PAD=_slot_pad(slots), BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
             BN_RED=config.block_n_red, GEMV=config.gemv, UPCAST=interpreting(), SPIN_LIMIT=SPIN_LIMIT,
+            TICKET=config.ticket,
             num_warps=config.num_warps, num_stages=config.num_stages, cached=options.cached_launcher,
             raw=options.raw_launcher, **options.pdl_kwargs())
         _LAUNCHES[key] = launch

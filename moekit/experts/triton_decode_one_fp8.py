@@ -69,7 +69,8 @@ def run_decode_one_fp8(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConf
         launch = _LAUNCHES[key] = BoundLaunch(
             kernels("decode_one_fp8").decode_one_fp8_kernel, (grid,), 11, (n, k, num_experts, slots, ids.shape[1]),
             S_PAD=_slot_pad(slots), BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
-            BN_RED=config.block_n_red, EMULATE=interpreting(), SPIN_LIMIT=SPIN_LIMIT, num_warps=config.num_warps,
+            BN_RED=config.block_n_red, EMULATE=interpreting(), SPIN_LIMIT=SPIN_LIMIT, TICKET=config.ticket,
+            num_warps=config.num_warps,
             num_stages=config.num_stages, cached=options.cached_launcher, raw=options.raw_launcher,
             **options.pdl_kwargs())
     launch(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, ws.h, ws.y, out, ws.counters)

@@ -41,6 +41,16 @@ from moekit.experts._kernels._common import wait_for_previous_kernel
 
 
 @triton.jit
+def take_ticket(counters_ptr, TICKET: tl.constexpr):
+    """This program's logical id: the next ticket (the order programs started in), or its program id."""
+    if TICKET:
+        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    else:
+        ticket = tl.program_id(0)
+    return ticket
+
+
+@triton.jit
 def spin_until(ptr, target, SPIN_LIMIT: tl.constexpr):
     """Acquire-read *ptr until it reaches target (or SPIN_LIMIT reads); then a CTA barrier so every
     thread's later loads come after the acquire."""
@@ -159,11 +169,12 @@ def decode_one_kernel(
     x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, h_ptr, y_ptr, out_ptr, counters_ptr,
     N, K, num_experts, num_slots, top_k,
     S_PAD: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr, BK_OUT: tl.constexpr, BN_RED: tl.constexpr,
-    GEMV: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    GEMV: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr, TICKET: tl.constexpr = True,
 ):
-    """The whole experts call; phases by ticket (module docstring)."""
+    """The whole experts call; phases by ticket (module docstring). TICKET=False (an A/B of the ticket's cost
+    only): the program id instead, which relies on the hardware starting programs in id order."""
     wait_for_previous_kernel(PDL)
-    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    ticket = take_ticket(counters_ptr, TICKET)
     nt_up = tl.cdiv(N, BN_UP)
     kt_out = tl.cdiv(K, BK_OUT)
     up_tiles = num_slots * nt_up

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import wait_for_previous_kernel
-from moekit.experts._kernels.decode_one import arrive_and_sum, last_out_resets, spin_until
+from moekit.experts._kernels.decode_one import arrive_and_sum, last_out_resets, spin_until, take_ticket
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 G: tl.constexpr = tl.constexpr(128)
@@ -103,11 +103,11 @@ def decode_one_fp8_kernel(
     x_ptr, w13q_ptr, w13s_ptr, w2q_ptr, w2s_ptr, ids_ptr, weights_ptr, h_ptr, y_ptr, out_ptr, counters_ptr,
     N, K, num_experts, num_slots, top_k,
     S_PAD: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr, BK_OUT: tl.constexpr, BN_RED: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr, TICKET: tl.constexpr = True,
 ):
     """The whole fp8_block experts call; phases by ticket (``decode_one``'s docstring). h: float32 [S, N]."""
     wait_for_previous_kernel(PDL)
-    ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+    ticket = take_ticket(counters_ptr, TICKET)
     nt_up = tl.cdiv(N, BN_UP)
     kt_out = tl.cdiv(K, BK_OUT)
     up_tiles = num_slots * nt_up
