@@ -149,3 +149,28 @@ def test_ids_and_weights_dtypes_get_their_own_launch(interpreter):  # noqa: F811
         w = weights.to(weights_dtype)
         out = run_decode_one(x, w13, w2, ids.to(ids_dtype), w)
         torch.testing.assert_close(out.double(), float64_loop(x, w13, w2, ids, w.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_custom_op_carries_the_options(interpreter, monkeypatch):  # noqa: F811
+    """The op's schema takes every LaunchOptions field: decode_one crosses it and routes the call."""
+    calls = _count_runs(monkeypatch, interpreter)
+    x, w13, w2, ids, weights = _inputs(1, 8)
+    out = torch.ops.moekit.triton_experts(x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None, 0.0,
+                                          *LaunchOptions(decode_one=True).as_op_args())
+    assert len(calls) == 1
+    torch.testing.assert_close(out.double(), float64_loop(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_default_choice_routes_its_cells(interpreter, monkeypatch):  # noqa: F811
+    """``decode_one_choice`` (default on) takes the cells of DEFAULT_DECODE_ONE_CHOICE; off, or past it, it does not."""
+    import moekit.experts.triton_decode_one as d1
+
+    calls = _count_runs(monkeypatch, interpreter)
+    monkeypatch.setattr(d1, "DEFAULT_DECODE_ONE_CHOICE", d1.DecodeOneChoice(max_slots=8, max_expert_elems=3 * N * K))
+    x, w13, w2, ids, weights = _inputs(1, 8)
+    interpreter.experts_triton(x, w13, w2, ids, weights)
+    assert len(calls) == 1
+    interpreter.experts_triton(x, w13, w2, ids, weights, options=LaunchOptions(decode_one_choice=False))
+    x2, w13, w2, ids2, weights2 = _inputs(2, 8)  # 16 slots > 8
+    interpreter.experts_triton(x2, w13, w2, ids2, weights2)
+    assert len(calls) == 1

@@ -65,7 +65,7 @@ import torch
 from moekit.experts import check_experts_args, register_fast_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_decode_one import clear_decode_one, decode_one_refusal, run_decode_one
+from moekit.experts.triton_decode_one import clear_decode_one, decode_one_refusal, decode_one_wanted, run_decode_one
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
 from moekit.experts.triton_quant_fast import clear_quant_fast
@@ -141,7 +141,7 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if options.decode_one and config is None and counters is None:
+    if config is None and counters is None and decode_one_wanted(x, w2, ids, options):
         if decode_one_refusal(x, w13, w2, ids, expert_map, activation, b13, b2) is None:
             return run_decode_one(x, w13, w2, ids, weights, options=options)
     plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
@@ -202,7 +202,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    lean_launch: bool, align_scan_fold: bool, fast_path: bool, decode_one: bool,
+    lean_launch: bool, align_scan_fold: bool, fast_path: bool, decode_one: bool, decode_one_choice: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -213,7 +213,8 @@ def _experts_op(
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
                             sum_fold_max=sum_fold_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold, fast_path=fast_path, decode_one=decode_one)
+                            align_scan_fold=align_scan_fold, fast_path=fast_path, decode_one=decode_one,
+                            decode_one_choice=decode_one_choice)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

@@ -59,6 +59,29 @@ def default_config(n: int, k: int) -> DecodeOneConfig:
     return DecodeOneConfig(block_k_up=min(512, next_pow2(k)), block_n_red=min(1024, next_pow2(n)))
 
 
+@dataclass(frozen=True)
+class DecodeOneChoice:
+    """Where the ``triton`` backend runs a call as one launch by default (``LaunchOptions.decode_one_choice``): at
+    most ``max_slots`` slots (M*k) and experts of at most ``max_expert_elems`` weight elements (3·N·K: short
+    streams, where the two-launch path's ramp and drain cost most). Measured on the H200 (graph replay, bf16 and
+    fp8_block alike): see benchmarks/triton-notes.md, issue 19 "one launch"."""
+
+    max_slots: int = 0  # 0: never (until the H200 A/B)
+    max_expert_elems: float = 0.0
+
+    def wants(self, slots: int, inter: int, hidden: int) -> bool:
+        return slots <= self.max_slots and 3.0 * inter * hidden <= self.max_expert_elems
+
+
+DEFAULT_DECODE_ONE_CHOICE = DecodeOneChoice()
+
+
+def decode_one_wanted(x, w2, ids, options: LaunchOptions) -> bool:
+    """Whether this call should try the one launch: asked for (``options.decode_one``) or in the default choice's cells."""
+    return options.decode_one or (options.decode_one_choice
+                                  and DEFAULT_DECODE_ONE_CHOICE.wants(ids.numel(), w2.shape[2], x.shape[1]))
+
+
 @dataclass
 class DecodeOneWorkspace:
     h: torch.Tensor  # [S, N] the work dtype

@@ -50,7 +50,9 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
         from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, fp8_fast_key, gluon_fp8_takes, launch_gluon_fp8
 
         choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
-        if options.decode_one:  # one launch for the whole tiny call (triton_decode_one_fp8), where it fits
+        from moekit.experts.triton_decode_one import decode_one_wanted
+
+        if decode_one_wanted(x, w2, topk_ids, options):  # one launch for the whole tiny call, where it fits
             from moekit.experts.triton_decode_one_fp8 import decode_one_fp8_refusal, run_decode_one_fp8
 
             if decode_one_fp8_refusal(x, w13, w2, topk_ids, expert_map, name, b13, b2) is None:
