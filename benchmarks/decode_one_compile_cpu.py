@@ -60,7 +60,8 @@ def compile_variant(config, fp8: bool = False) -> str:
     kernel, pointers = (decode_one_fp8_kernel, FP8_POINTERS) if fp8 else (decode_one_kernel, POINTERS)
     constexprs = dict(S_PAD=16, BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
                       BN_RED=config.block_n_red, **({"EMULATE": False} if fp8 else {"GEMV": config.gemv, "UPCAST": False}),
-                      PDL=True, SPIN_LIMIT=SPIN_LIMIT, TICKET=config.ticket)
+                      PDL=True, SPIN_LIMIT=SPIN_LIMIT, TICKET=config.ticket,
+                      **({} if fp8 else {"DOWN_TILES": config.down_tiles}))
     signature = {**pointers, **{s: "i32" for s in SCALARS}, **{c: "constexpr" for c in constexprs}}
     names = list(signature)
     aligned = list(pointers) + ["N", "K"]

@@ -50,13 +50,14 @@ def _inputs(m: int, k: int, num_experts: int = 8, seed: int = 0):
     return x, w13, w2, ids, weights
 
 
-@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "dot"])
+@pytest.mark.parametrize("form", ["gemv", "dot", "tiles2", "tiles3"])  # tiles: down tiles per program (K: 3 tiles)
 @pytest.mark.parametrize("mk", sorted(IDS), ids=lambda mk: f"M{mk[0]}k{mk[1]}")
-def test_matches_float64_loop(interpreter, mk, gemv):  # noqa: F811
+def test_matches_float64_loop(interpreter, mk, form):  # noqa: F811
     from moekit.experts.triton_decode_one import DecodeOneConfig, _WORKSPACES, run_decode_one
 
     x, w13, w2, ids, weights = _inputs(*mk)
-    config = DecodeOneConfig(gemv=gemv, **TAILS)
+    tiles = {"tiles2": dict(down_tiles=2, block_n_red=8), "tiles3": dict(down_tiles=3)}.get(form, {})
+    config = DecodeOneConfig(gemv=form != "dot", **{**TAILS, **tiles})
     out = run_decode_one(x, w13, w2, ids, weights, config)
     want = float64_loop(x, w13, w2, ids, weights)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)

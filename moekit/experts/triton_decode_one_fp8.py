@@ -46,8 +46,10 @@ def decode_one_fp8_refusal(x, w13, w2, topk_ids, expert_map=None, activation="si
     if not all(t.is_contiguous() for t in (w13.q, w13.scale, w2.q, w2.scale)):
         return "fp8 weights and scales must be contiguous"
     c = config or default_fp8_config(n, k)
-    if c.block_n_up > GROUP or c.block_k_out > GROUP or c.block_k_up % GROUP or c.block_n_red % GROUP or not c.gemv:
-        return f"tiles {c}: block_n_up, block_k_out <= {GROUP}, block_k_up, block_n_red multiples of {GROUP}, gemv"
+    if (c.block_n_up > GROUP or c.block_k_out > GROUP or c.block_k_up % GROUP or c.block_n_red % GROUP or not c.gemv
+            or c.down_tiles != 1):
+        return (f"tiles {c}: block_n_up, block_k_out <= {GROUP}, block_k_up, block_n_red multiples of {GROUP}, gemv, "
+                "one down tile per program")
     return None
 
 

@@ -10,7 +10,8 @@ Every program first takes a ticket (an atomic counter) and uses it as its logica
 ordered by dispatch, whatever order the hardware starts programs in:
   tickets [0, S*NT)          gate-up tiles (slot s = t // NT, N tile t % NT): h[s, tile] = silu(x w_g^T) * (x w_u^T);
                              then release-increment up_done[s]
-  tickets [S*NT, S*NT+S*KT)  down tiles (slot s, KT rows of K): issue the first w2 loads (they do not need h),
+  tickets [S*NT, S*NT+S*DP)  down programs (slot s, DOWN_TILES tiles of BK_OUT rows of K each; DP per slot): issue
+                             the first w2 loads (they do not need h),
                              then acquire-wait until up_done[src] == NT (src: the slot whose tiles wrote
                              h[s]), read h[s], y[s, tile] =
                              weight * (h w2^T); then count the arrival per (token, K tile): the last of a
@@ -116,25 +117,44 @@ def _gate_up_dot(x_ptr, w13_ptr, h_ptr, e, nt, slots, same, N, K, top_k,
 
 
 @triton.jit
-def _down_tile(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src, kt, N, K, top_k,
-               NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, SPIN_LIMIT: tl.constexpr):
-    """y[s, kt*BKO + i] = weight[s] * (h[s] . w2[e, row i]), once slot src's gate-up tiles are done (src: the
-    program that wrote h[s]); the last of the token's slots sums into out."""
-    offs_o = kt * BKO + tl.arange(0, BKO)
-    o_ok = offs_o < K
+def _down_tiles(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src, kt0, N, K, top_k,
+                NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, TILES: tl.constexpr,
+                SPIN_LIMIT: tl.constexpr):
+    """K tiles kt0 .. kt0+TILES-1 of slot s: y[s, rows] = weight[s] * (h[s] . w2[e, rows]) once slot src's gate-up
+    tiles are done (src: the program that wrote h[s]); after each tile the arrival count and the k-sum. One flat
+    loop over (tile, N step), each step's w2 loads issued before the step before it is multiplied (the first before
+    the wait), so a program's fixed costs (ticket, wait, arrivals) overlap its next loads."""
+    nch = tl.cdiv(N, BNR)
     offs_r = tl.arange(0, BNR)
-    w_ptrs = w2_ptr + e * K * N + offs_o[:, None].to(tl.int64) * N + offs_r[None, :]  # [BKO, BNR]
-    acc = tl.zeros([BKO], dtype=tl.float32)
+    lanes = tl.arange(0, BKO)
+    w_base = w2_ptr + e * K * N
+    k_end = tl.where(valid, K, 0)  # rows past it load nothing: none of an unrouted slot's
+    rows = kt0 * BKO + lanes
+    w = tl.load(w_base + rows[:, None].to(tl.int64) * N + offs_r[None, :],
+                mask=(rows < k_end)[:, None] & (offs_r < N)[None, :], other=0.0)  # issued before the wait
+    weight = 0.0
     if valid:
-        w = tl.load(w_ptrs, mask=o_ok[:, None] & (offs_r < N)[None, :], other=0.0)  # issued before the wait
         spin_until(counters_ptr + 2 + src, NT, SPIN_LIMIT)
-        h_ptrs = h_ptr + s * N + offs_r
-        for i in range(0, tl.cdiv(N, BNR)):
-            hv = tl.load(h_ptrs + i * BNR, mask=offs_r < N - i * BNR, other=0.0, cache_modifier=".cg").to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
-            w = tl.load(w_ptrs + (i + 1) * BNR, mask=o_ok[:, None] & (offs_r < N - (i + 1) * BNR)[None, :], other=0.0)
-        acc = acc * tl.load(weights_ptr + s).to(tl.float32)
-    arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc, s, kt, offs_o, o_ok, K, top_k, KT, ARRIVALS, BKO)
+        weight = tl.load(weights_ptr + s).to(tl.float32)
+    acc = tl.zeros([BKO], dtype=tl.float32)
+    steps = TILES * nch
+    for i in range(0, steps):
+        c = i % nch
+        c1 = (i + 1) % nch
+        rows1 = (kt0 + (i + 1) // nch) * BKO + lanes
+        next_end = tl.where(i + 1 < steps, k_end, 0)
+        w_next = tl.load(w_base + rows1[:, None].to(tl.int64) * N + c1 * BNR + offs_r[None, :],
+                         mask=(rows1 < next_end)[:, None] & (offs_r < N - c1 * BNR)[None, :], other=0.0)
+        hv = tl.load(h_ptr + s * N + c * BNR + offs_r, mask=offs_r < tl.where(valid, N - c * BNR, 0), other=0.0,
+                     cache_modifier=".cg").to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+        kt = kt0 + i // nch
+        if (c == nch - 1) & (kt < KT):
+            rows = kt * BKO + lanes
+            arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc * weight, s, kt, rows, rows < K, K, top_k, KT, ARRIVALS,
+                           BKO)
+            acc = tl.zeros([BKO], dtype=tl.float32)
+        w = w_next
 
 
 @triton.jit
@@ -170,6 +190,7 @@ def decode_one_kernel(
     N, K, num_experts, num_slots, top_k,
     S_PAD: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr, BK_OUT: tl.constexpr, BN_RED: tl.constexpr,
     GEMV: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr, TICKET: tl.constexpr = True,
+    DOWN_TILES: tl.constexpr = 1,
 ):
     """The whole experts call; phases by ticket (module docstring). TICKET=False (an A/B of the ticket's cost
     only): the program id instead, which relies on the hardware starting programs in id order."""
@@ -177,11 +198,12 @@ def decode_one_kernel(
     ticket = take_ticket(counters_ptr, TICKET)
     nt_up = tl.cdiv(N, BN_UP)
     kt_out = tl.cdiv(K, BK_OUT)
+    down_programs = tl.cdiv(kt_out, DOWN_TILES)  # per slot
     up_tiles = num_slots * nt_up
     slots = tl.arange(0, S_PAD)
     all_ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int64)  # [S_PAD]
     in_up = ticket < up_tiles
-    s = tl.where(in_up, ticket // nt_up, (ticket - up_tiles) // kt_out)
+    s = tl.where(in_up, ticket // nt_up, (ticket - up_tiles) // down_programs)
     e = tl.load(ids_ptr + s).to(tl.int64)
     valid = (e >= 0) & (e < num_experts)
     same = (all_ids == e) & (all_ids >= 0) & (all_ids < num_experts)  # [S_PAD] the slots of this slot's expert
@@ -198,6 +220,7 @@ def decode_one_kernel(
         tl.atomic_add(counters_ptr + 2 + s, 1, sem="release")
     else:
         src = s if GEMV else leader
-        _down_tile(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src,
-                   (ticket - up_tiles) % kt_out, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT, BN_RED, SPIN_LIMIT)
-    last_out_resets(counters_ptr, up_tiles + num_slots * kt_out, S_PAD)
+        _down_tiles(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src,
+                    ((ticket - up_tiles) % down_programs) * DOWN_TILES, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT,
+                    BN_RED, DOWN_TILES, SPIN_LIMIT)
+    last_out_resets(counters_ptr, up_tiles + num_slots * down_programs, S_PAD)
