@@ -80,12 +80,8 @@ def variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
         "dot": DecodeOneConfig(gemv=False, block_n_up=32, block_k_up=128, num_stages=4, **t4),
     }
     if Run.smoke:  # the interpreter: two variants, small tiles
-        return {"g16": DecodeOneConfig(block_k_up=32, block_n_red=16),
-                "t4": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, down_tiles=4),
-        "t8_w8_o32": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=base.block_n_red,
-                                     down_tiles=8, num_warps=8),
-        "g16_pid": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, ticket=False),
-        "dot": DecodeOneConfig(gemv=False, block_n_up=16, block_k_up=16, block_n_red=16)}
+        return {"t4_o8": DecodeOneConfig(block_k_up=32, block_k_out=8, block_n_red=16, down_tiles=4),
+                "dot": DecodeOneConfig(gemv=False, block_n_up=16, block_k_up=16, block_n_red=16)}
     return table
 
 
