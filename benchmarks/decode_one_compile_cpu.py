@@ -61,7 +61,7 @@ def compile_variant(config, fp8: bool = False) -> str:
     constexprs = dict(S_PAD=16, BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
                       BN_RED=config.block_n_red, **({"EMULATE": False} if fp8 else {"GEMV": config.gemv, "UPCAST": False}),
                       PDL=True, SPIN_LIMIT=SPIN_LIMIT, TICKET=config.ticket,
-                      **({} if fp8 else {"DOWN_TILES": config.down_tiles}))
+                      DOWN_TILES=config.down_tiles)
     signature = {**pointers, **{s: "i32" for s in SCALARS}, **{c: "constexpr" for c in constexprs}}
     names = list(signature)
     aligned = list(pointers) + ["N", "K"]

@@ -90,12 +90,16 @@ def fp8_variants(n: int, k: int) -> dict[str, DecodeOneConfig]:
     base = default_fp8_config(n, k)
     if Run.smoke:
         return {"f16": DecodeOneConfig(block_k_up=128, block_n_red=128)}
+    red = base.block_n_red
     return {
         "f16": base,
-        "f16_k1024": DecodeOneConfig(block_k_up=min(1024, next_pow2(k)), block_n_red=base.block_n_red),
-        "f8_k2048": DecodeOneConfig(block_n_up=8, block_k_up=min(2048, next_pow2(k)), block_n_red=base.block_n_red),
-        "f16_o32": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=min(512, base.block_n_red)),
-        "f16_w8": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=base.block_n_red, num_warps=8),
+        "f16_t4": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=red, down_tiles=4),
+        "f16_k1024": DecodeOneConfig(block_k_up=min(1024, next_pow2(k)), block_n_red=red),
+        "f8_k2048_t4": DecodeOneConfig(block_n_up=8, block_k_up=min(2048, next_pow2(k)), block_n_red=red, down_tiles=4),
+        "f16_o32": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=min(512, red)),
+        "f16_w8": DecodeOneConfig(block_k_up=base.block_k_up, block_n_red=red, num_warps=8),
+        "f16_t4_w8_o32": DecodeOneConfig(block_k_up=base.block_k_up, block_k_out=32, block_n_red=red, down_tiles=4,
+                                         num_warps=8),
     }
 
 

@@ -47,14 +47,15 @@ def _inputs(m: int, k: int):
     return x, w13, w2, torch.tensor(IDS[(m, k)]), torch.rand(m, k, generator=g)
 
 
+@pytest.mark.parametrize("tiles", [1, 4])  # down tiles per program: 384 / 64 = 6 tiles; 4: the last 2 past K
 @pytest.mark.parametrize("mk", sorted(IDS), ids=lambda mk: f"M{mk[0]}k{mk[1]}")
-def test_matches_float64_loop_and_twin(interpreter, mk):  # noqa: F811
+def test_matches_float64_loop_and_twin(interpreter, mk, tiles):  # noqa: F811
     from moekit.experts.triton_decode_one import _ARENAS, DecodeOneConfig
     from moekit.experts.triton_decode_one_fp8 import run_decode_one_fp8
     from moekit.experts.triton_fp8 import fused_experts_fp8_torch
 
     x, w13, w2, ids, weights = _inputs(*mk)
-    config = DecodeOneConfig(block_n_up=32, block_k_up=256, block_k_out=64, block_n_red=256)  # K: 256 + 128 steps
+    config = DecodeOneConfig(block_n_up=32, block_k_up=256, block_k_out=64, block_n_red=256, down_tiles=tiles)  # K: 256+128
     out = run_decode_one_fp8(x, w13, w2, ids, weights, config)
     # one e4m3 rounding flip of an h element moves an output by ~1/16 of that term: a loose bound against float64
     torch.testing.assert_close(out.double(), float64_loop(x, w13, w2, ids, weights), rtol=2e-2, atol=2e-2)

@@ -46,10 +46,8 @@ def decode_one_fp8_refusal(x, w13, w2, topk_ids, expert_map=None, activation="si
     if not all(t.is_contiguous() for t in (w13.q, w13.scale, w2.q, w2.scale)):
         return "fp8 weights and scales must be contiguous"
     c = config or default_fp8_config(n, k)
-    if (c.block_n_up > GROUP or c.block_k_out > GROUP or c.block_k_up % GROUP or c.block_n_red % GROUP or not c.gemv
-            or c.down_tiles != 1):
-        return (f"tiles {c}: block_n_up, block_k_out <= {GROUP}, block_k_up, block_n_red multiples of {GROUP}, gemv, "
-                "one down tile per program")
+    if c.block_n_up > GROUP or c.block_k_out > GROUP or c.block_k_up % GROUP or c.block_n_red % GROUP or not c.gemv:
+        return f"tiles {c}: block_n_up, block_k_out <= {GROUP}, block_k_up, block_n_red multiples of {GROUP}, gemv"
     return None
 
 
@@ -67,12 +65,12 @@ def run_decode_one_fp8(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConf
            config, options)
     launch = _LAUNCHES.get(key)
     if launch is None:
-        grid = slots * cdiv(n, config.block_n_up) + slots * cdiv(k, config.block_k_out)
+        grid = slots * cdiv(n, config.block_n_up) + slots * cdiv(cdiv(k, config.block_k_out), config.down_tiles)
         launch = _LAUNCHES[key] = BoundLaunch(
             kernels("decode_one_fp8").decode_one_fp8_kernel, (grid,), 11, (n, k, num_experts, slots, ids.shape[1]),
             S_PAD=_slot_pad(slots), BN_UP=config.block_n_up, BK_UP=config.block_k_up, BK_OUT=config.block_k_out,
             BN_RED=config.block_n_red, EMULATE=interpreting(), SPIN_LIMIT=SPIN_LIMIT, TICKET=config.ticket,
-            num_warps=config.num_warps,
+            DOWN_TILES=config.down_tiles, num_warps=config.num_warps,
             num_stages=config.num_stages, cached=options.cached_launcher, raw=options.raw_launcher,
             **options.pdl_kwargs())
     launch(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, ws.h, ws.y, out, ws.counters)

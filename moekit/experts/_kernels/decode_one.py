@@ -39,6 +39,9 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import wait_for_previous_kernel
+from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
+
+FP8_GROUP: tl.constexpr = tl.constexpr(128)  # fp8_block's scale blocks and activation groups (``decode_one_fp8``)
 
 
 @triton.jit
@@ -117,13 +120,14 @@ def _gate_up_dot(x_ptr, w13_ptr, h_ptr, e, nt, slots, same, N, K, top_k,
 
 
 @triton.jit
-def _down_tiles(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src, kt0, N, K, top_k,
-                NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, TILES: tl.constexpr,
-                SPIN_LIMIT: tl.constexpr):
+def down_tiles(h_ptr, w2_ptr, ws_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src, kt0, N, K, top_k,
+               NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, TILES: tl.constexpr,
+               SPIN_LIMIT: tl.constexpr, FP8: tl.constexpr = False, EMULATE: tl.constexpr = False):
     """K tiles kt0 .. kt0+TILES-1 of slot s: y[s, rows] = weight[s] * (h[s] . w2[e, rows]) once slot src's gate-up
     tiles are done (src: the program that wrote h[s]); after each tile the arrival count and the k-sum. One flat
     loop over (tile, N step), each step's w2 loads issued before the step before it is multiplied (the first before
-    the wait), so a program's fixed costs (ticket, wait, arrivals) overlap its next loads."""
+    the wait), so a program's fixed costs (ticket, wait, arrivals) overlap its next loads. FP8 (``decode_one_fp8``):
+    w2 e4m3 with block scales ws_ptr [E, K/G, N/G], h quantized per G columns step by step (``fp8_step``)."""
     nch = tl.cdiv(N, BNR)
     offs_r = tl.arange(0, BNR)
     lanes = tl.arange(0, BKO)
@@ -147,14 +151,46 @@ def _down_tiles(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, val
                          mask=(rows1 < next_end)[:, None] & (offs_r < N - c1 * BNR)[None, :], other=0.0)
         hv = tl.load(h_ptr + s * N + c * BNR + offs_r, mask=offs_r < tl.where(valid, N - c * BNR, 0), other=0.0,
                      cache_modifier=".cg").to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
         kt = kt0 + i // nch
+        if FP8:
+            acc += fp8_step(w, hv, ws_ptr, e, kt, c, N, K, KT, BKO, BNR, EMULATE)
+        else:
+            acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
         if (c == nch - 1) & (kt < KT):
             rows = kt * BKO + lanes
             arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc * weight, s, kt, rows, rows < K, K, top_k, KT, ARRIVALS,
                            BKO)
             acc = tl.zeros([BKO], dtype=tl.float32)
         w = w_next
+
+
+@triton.jit
+def quantized_groups(v, GROUPS: tl.constexpr, EMULATE: tl.constexpr):
+    """v [GROUPS*G] float32 -> (the e4m3 values as float32 [GROUPS, G], their scales [GROUPS]): ``quant_fp8``'s rule."""
+    v = tl.reshape(v, [GROUPS, FP8_GROUP])
+    s = group_scale(tl.max(tl.abs(v), axis=1))
+    return to_e4m3(v / s[:, None], EMULATE).to(tl.float32), s
+
+
+@triton.jit
+def scaled_rows(w, q, s_act, s_w, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    """sum over the step's groups of (w [ROWS, GROUPS*G] . q [GROUPS, G] per group) * s_act * s_w -> [ROWS]."""
+    w = tl.reshape(w.to(tl.float32), [ROWS, GROUPS, FP8_GROUP])
+    partial = tl.sum(w * q[None, :, :], axis=2)  # [ROWS, GROUPS]
+    return tl.sum(partial * (s_act * s_w)[None, :], axis=1)
+
+
+@triton.jit
+def fp8_step(w, hv, ws_ptr, e, kt, c, N, K, KT, BKO: tl.constexpr, BNR: tl.constexpr, EMULATE: tl.constexpr):
+    """One down step on fp8 weights: w [BKO, BNR] e4m3 of rows kt*BKO.., columns c*BNR..; hv [BNR] float32."""
+    GROUPS: tl.constexpr = BNR // FP8_GROUP
+    nb = N // FP8_GROUP
+    groups = tl.arange(0, GROUPS)
+    row_block = ((kt * BKO) // FP8_GROUP) * nb
+    limit = tl.where(kt < KT, nb - c * GROUPS, 0)  # a tile past K (down_tiles not dividing KT) reads no scale
+    sw = tl.load(ws_ptr + e * (K // FP8_GROUP) * nb + row_block + c * GROUPS + groups, mask=groups < limit, other=0.0)
+    hq, hs = quantized_groups(hv, GROUPS, EMULATE)
+    return scaled_rows(w, hq, hs, sw, BKO, GROUPS)
 
 
 @triton.jit
@@ -220,7 +256,7 @@ def decode_one_kernel(
         tl.atomic_add(counters_ptr + 2 + s, 1, sem="release")
     else:
         src = s if GEMV else leader
-        _down_tiles(h_ptr, w2_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src,
-                    ((ticket - up_tiles) % down_programs) * DOWN_TILES, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT,
-                    BN_RED, DOWN_TILES, SPIN_LIMIT)
+        down_tiles(h_ptr, w2_ptr, None, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, src,
+                   ((ticket - up_tiles) % down_programs) * DOWN_TILES, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT,
+                   BN_RED, DOWN_TILES, SPIN_LIMIT)
     last_out_resets(counters_ptr, up_tiles + num_slots * down_programs, S_PAD)

@@ -20,26 +20,11 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import wait_for_previous_kernel
-from moekit.experts._kernels.decode_one import arrive_and_sum, last_out_resets, spin_until, take_ticket
-from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
+from moekit.experts._kernels.decode_one import (
+    FP8_GROUP, down_tiles, last_out_resets, quantized_groups, scaled_rows, take_ticket,
+)
 
-G: tl.constexpr = tl.constexpr(128)
-
-
-@triton.jit
-def _quantized_groups(v, GROUPS: tl.constexpr, EMULATE: tl.constexpr):
-    """v [GROUPS*G] float32 -> (the e4m3 values as float32 [GROUPS, G], their scales [GROUPS])."""
-    v = tl.reshape(v, [GROUPS, G])
-    s = group_scale(tl.max(tl.abs(v), axis=1))
-    return to_e4m3(v / s[:, None], EMULATE).to(tl.float32), s
-
-
-@triton.jit
-def _scaled_rows(w, q, s_act, s_w, ROWS: tl.constexpr, GROUPS: tl.constexpr):
-    """sum over the step's groups of (w [ROWS, GROUPS*G] . q [GROUPS, G] per group) * s_act * s_w -> [ROWS]."""
-    w = tl.reshape(w.to(tl.float32), [ROWS, GROUPS, G])
-    partial = tl.sum(w * q[None, :, :], axis=2)  # [ROWS, GROUPS]
-    return tl.sum(partial * (s_act * s_w)[None, :], axis=1)
+G: tl.constexpr = FP8_GROUP
 
 
 @triton.jit
@@ -63,39 +48,11 @@ def _gate_up_fp8(x_ptr, wq_ptr, ws_ptr, h_ptr, e, token, s, nt, N, K,
         wg = tl.load(g_ptrs + i * BK, mask=k_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs + i * BK, mask=k_ok[None, :], other=0.0)
         xv = tl.load(x_ptr + token * K + i * BK + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        xq, xs = _quantized_groups(xv, GROUPS, EMULATE)
-        acc_g += _scaled_rows(wg, xq, xs, tl.load(sg_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
-        acc_u += _scaled_rows(wu, xq, xs, tl.load(su_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
+        xq, xs = quantized_groups(xv, GROUPS, EMULATE)
+        acc_g += scaled_rows(wg, xq, xs, tl.load(sg_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
+        acc_u += scaled_rows(wu, xq, xs, tl.load(su_ptrs + i * GROUPS, mask=g_ok, other=0.0), BN, GROUPS)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + s * N + offs_n, h)
-
-
-@triton.jit
-def _down_fp8(h_ptr, wq_ptr, ws_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, kt, N, K, top_k,
-              NT, KT, ARRIVALS: tl.constexpr, BKO: tl.constexpr, BNR: tl.constexpr, EMULATE: tl.constexpr,
-              SPIN_LIMIT: tl.constexpr):
-    """y[s, kt*BKO + i] = weight[s] * block-scaled (h[s] quantized per G) . w2[e, row]; then the k-sum."""
-    GROUPS: tl.constexpr = BNR // G
-    nb = N // G
-    offs_o = kt * BKO + tl.arange(0, BKO)
-    o_ok = offs_o < K
-    offs_r = tl.arange(0, BNR)
-    groups = tl.arange(0, GROUPS)
-    w_ptrs = wq_ptr + e * K * N + offs_o[:, None].to(tl.int64) * N + offs_r[None, :]  # [BKO, BNR]
-    s_ptrs = ws_ptr + e * (K // G) * nb + ((kt * BKO) // G) * nb + groups  # [GROUPS] step 0's
-    acc = tl.zeros([BKO], dtype=tl.float32)
-    if valid:
-        w = tl.load(w_ptrs, mask=(offs_r < N)[None, :], other=0.0)  # issued before the wait
-        spin_until(counters_ptr + 2 + s, NT, SPIN_LIMIT)
-        for i in range(0, tl.cdiv(N, BNR)):
-            r_ok = offs_r < N - i * BNR
-            hv = tl.load(h_ptr + s * N + i * BNR + offs_r, mask=r_ok, other=0.0, cache_modifier=".cg")
-            hq, hs = _quantized_groups(hv, GROUPS, EMULATE)
-            sw = tl.load(s_ptrs + i * GROUPS, mask=groups < nb - i * GROUPS, other=0.0)
-            acc += _scaled_rows(w, hq, hs, sw, BKO, GROUPS)
-            w = tl.load(w_ptrs + (i + 1) * BNR, mask=(offs_r < N - (i + 1) * BNR)[None, :], other=0.0)
-        acc = acc * tl.load(weights_ptr + s).to(tl.float32)
-    arrive_and_sum(y_ptr, out_ptr, counters_ptr, acc, s, kt, offs_o, o_ok, K, top_k, KT, ARRIVALS, BKO)
 
 
 @triton.jit
@@ -104,15 +61,17 @@ def decode_one_fp8_kernel(
     N, K, num_experts, num_slots, top_k,
     S_PAD: tl.constexpr, BN_UP: tl.constexpr, BK_UP: tl.constexpr, BK_OUT: tl.constexpr, BN_RED: tl.constexpr,
     EMULATE: tl.constexpr, PDL: tl.constexpr, SPIN_LIMIT: tl.constexpr, TICKET: tl.constexpr = True,
+    DOWN_TILES: tl.constexpr = 1,
 ):
     """The whole fp8_block experts call; phases by ticket (``decode_one``'s docstring). h: float32 [S, N]."""
     wait_for_previous_kernel(PDL)
     ticket = take_ticket(counters_ptr, TICKET)
     nt_up = tl.cdiv(N, BN_UP)
     kt_out = tl.cdiv(K, BK_OUT)
+    down_programs = tl.cdiv(kt_out, DOWN_TILES)  # per slot
     up_tiles = num_slots * nt_up
     in_up = ticket < up_tiles
-    s = tl.where(in_up, ticket // nt_up, (ticket - up_tiles) // kt_out)
+    s = tl.where(in_up, ticket // nt_up, (ticket - up_tiles) // down_programs)
     e = tl.load(ids_ptr + s).to(tl.int64)
     valid = (e >= 0) & (e < num_experts)
     if in_up:
@@ -122,7 +81,7 @@ def decode_one_fp8_kernel(
         tl.debug_barrier()
         tl.atomic_add(counters_ptr + 2 + s, 1, sem="release")
     else:
-        _down_fp8(h_ptr, w2q_ptr, w2s_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s,
-                  (ticket - up_tiles) % kt_out, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT, BN_RED, EMULATE,
-                  SPIN_LIMIT)
-    last_out_resets(counters_ptr, up_tiles + num_slots * kt_out, S_PAD)
+        down_tiles(h_ptr, w2q_ptr, w2s_ptr, y_ptr, out_ptr, weights_ptr, counters_ptr, e, valid, s, s,
+                   ((ticket - up_tiles) % down_programs) * DOWN_TILES, N, K, top_k, nt_up, kt_out, 2 + S_PAD, BK_OUT,
+                   BN_RED, DOWN_TILES, SPIN_LIMIT, FP8=True, EMULATE=EMULATE)
+    last_out_resets(counters_ptr, up_tiles + num_slots * down_programs, S_PAD)
