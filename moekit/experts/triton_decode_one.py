@@ -94,7 +94,9 @@ class DecodeOneWorkspace:
     counters: torch.Tensor  # int32 [2 + S_PAD + M*KT], all 0 between launches
 
 
-ARENA_INTS = 1 << 16  # the per-device counter arena (256 KiB): a call takes 2 + 16 + M*K/block_k_out of it
+# the per-device counter arena (4 MiB): a kind of call on a stream takes 2 + 16 + M*K/block_k_out ints of it, kept
+# (a benchmark's short-lived timing streams each take their own); past it, calls get fresh zeroed counters
+ARENA_INTS = 1 << 20
 _WORKSPACES: dict[tuple, DecodeOneWorkspace] = {}
 _LAUNCHES: dict[tuple, BoundLaunch] = {}
 _ARENAS: dict[torch.device, torch.Tensor] = {}
