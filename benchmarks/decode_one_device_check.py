@@ -42,7 +42,9 @@ from moekit.bench.cells import Shape, make_sets, make_weights
 from moekit.bench.timing import time_eager, time_stats
 from moekit.experts import run_experts
 from moekit.experts.triton import experts_triton
-from moekit.experts.triton_decode_one import _ARENAS, DecodeOneConfig, default_config, run_decode_one
+from moekit.experts.triton_decode_one import (
+    _ARENA_USED, _ARENAS, ARENA_INTS, DecodeOneConfig, default_config, run_decode_one,
+)
 from moekit.experts.triton_decode_one_fp8 import decode_one_fp8_refusal, default_fp8_config, run_decode_one_fp8
 from moekit.experts.triton_launch import LaunchOptions, cdiv, next_pow2
 
@@ -255,6 +257,7 @@ def measure(a, start: float, results: dict) -> None:
             del w
             if Run.device.type == "cuda":
                 torch.cuda.empty_cache()
+    results["arena"] = {"ints_used": {str(d): n for d, n in _ARENA_USED.items()}, "of": ARENA_INTS}
 
 
 def quantized(w) -> tuple:
