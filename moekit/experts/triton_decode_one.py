@@ -18,6 +18,7 @@ Shapes: M tokens, k slots, S = M*k, E experts, K hidden, N intermediate.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ class DecodeOneConfig:
                              f"got {self.block_n_up}, {self.block_k_up}")
 
 
+@functools.lru_cache(maxsize=256)
 def default_config(n: int, k: int) -> DecodeOneConfig:
     """The heuristic tiles: gate-up [16, 512] steps; down programs of 4 tiles of 8 rows, N up to 1024 a step
     (168 registers at 4 warps on sm_90, the gate-up branch's: 3 programs per SM)."""

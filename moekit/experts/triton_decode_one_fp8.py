@@ -12,6 +12,8 @@ Shapes: M tokens, k slots, S = M*k, E experts, K hidden, N intermediate; G = 128
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moekit.experts.triton_decode_one import (
@@ -23,6 +25,7 @@ from moekit.triton_bind import BoundLaunch, interpreting
 GROUP = 128
 
 
+@functools.lru_cache(maxsize=256)
 def default_fp8_config(n: int, k: int) -> DecodeOneConfig:
     """Heuristic tiles: 16-row gate-up tiles over 512 hidden columns (4 groups) a step; whole N up to 1024."""
     return DecodeOneConfig(block_k_up=min(512, next_pow2(k)), block_n_red=min(1024, next_pow2(n)))
