@@ -98,8 +98,8 @@ def _count_runs(monkeypatch, interpreter):  # noqa: F811
     import moekit.experts.triton as tri
 
     calls = []
-    real = tri.run_decode_one
-    monkeypatch.setattr(tri, "run_decode_one", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = tri.run_and_record
+    monkeypatch.setattr(tri, "run_and_record", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
 
 
@@ -174,4 +174,18 @@ def test_default_choice_routes_its_cells(interpreter, monkeypatch):  # noqa: F81
     interpreter.experts_triton(x, w13, w2, ids, weights, options=LaunchOptions(decode_one_choice=False))
     x2, w13, w2, ids2, weights2 = _inputs(2, 8)  # 16 slots > 8
     interpreter.experts_triton(x2, w13, w2, ids2, weights2)
+    assert len(calls) == 1
+
+
+def test_repeated_call_takes_the_fast_path(interpreter, monkeypatch):  # noqa: F811
+    """A repeated eager call launches the recorded one-launch sequence (``triton_fast``), bit-equal to the first."""
+    calls = _count_runs(monkeypatch, interpreter)
+    x, w13, w2, ids, weights = _inputs(2, 8)
+    on = LaunchOptions(decode_one=True)
+    first = interpreter.experts_triton(x, w13, w2, ids, weights, options=on)
+    again = [interpreter.experts_triton(x, w13, w2, ids, weights, options=on) for _ in range(2)]
+    assert len(calls) == 1 and all(torch.equal(a, first) for a in again)
+    x2 = torch.randn_like(x)  # new values, same kind: the fast path, the new result
+    torch.testing.assert_close(interpreter.experts_triton(x2, w13, w2, ids, weights, options=on).double(),
+                               float64_loop(x2, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
     assert len(calls) == 1

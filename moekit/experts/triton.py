@@ -65,7 +65,7 @@ import torch
 from moekit.experts import check_experts_args, register_fast_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_decode_one import clear_decode_one, decode_one_refusal, decode_one_wanted, run_decode_one
+from moekit.experts.triton_decode_one import clear_decode_one, decode_one_refusal, decode_one_wanted, run_and_record
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
 from moekit.experts.triton_quant_fast import clear_quant_fast
@@ -143,7 +143,12 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
         expert_map = expert_map.contiguous()
     if config is None and counters is None and decode_one_wanted(x, w2, ids, options):
         if decode_one_refusal(x, w13, w2, ids, expert_map, activation, b13, b2) is None:
-            return run_decode_one(x, w13, w2, ids, weights, options=options)
+            keep = checked is not None and options.fast_ready and ids is topk_ids and weights is topk_weights
+            stamp = fast_stamp(_WORKSPACES)
+            out, sequence = run_and_record(x, w13, w2, ids, weights, None, options, record=keep)
+            if sequence is not None:  # a repeated call launches it from the fast path (triton_fast)
+                remember(stamp, x, w13, w2, ids, weights, activation, options, None, sequence, checked)
+            return out
     plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != x.device
                                  or counters.numel() < plan.workspace.counters):

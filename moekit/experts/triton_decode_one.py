@@ -25,6 +25,7 @@ import torch
 
 from moekit.activations import ActivationSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options
+from moekit.experts.triton_lean import IDS, OUT, W2, W13, WEIGHTS, X, _Slot, record_launches
 from moekit.triton_bind import BoundLaunch, interpreting
 
 SLOT_LIMIT = 16  # M*k at most: the ids of all slots are one [16] vector in every program
@@ -205,14 +206,26 @@ def run_decode_one(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConfig |
                    options: LaunchOptions = LaunchOptions()) -> torch.Tensor:
     """out [M, K] in one launch. The call must fit (``decode_one_refusal`` is None); ids and weights
     contiguous [M, k]."""
+    return run_and_record(x, w13, w2, topk_ids, topk_weights, config, options, record=False)[0]
+
+
+def run_and_record(x, w13, w2, topk_ids, topk_weights, config: DecodeOneConfig | None, options: LaunchOptions,
+                   record: bool) -> tuple:
+    """(out, the launch as a ``triton_lean.LaunchSequence`` or None): with ``record`` (an eager call outside a
+    capture, its launch compiled) the sequence that repeats it, for the backend's fast path (``triton_fast``:
+    it holds the workspace's addresses, which live until ``triton.clear_launch_caches``, which drops it too)."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     slots, n, k = ids.numel(), w2.shape[2], x.shape[1]
     config = config or default_config(n, k)
     options = resolve_launch_options(options, x.device)
     ws = workspace(x, slots, n, k, config)
     out = torch.empty_like(x)
-    _launch(x, w13, w2, ids, weights, config, options)(x, w13, w2, ids, weights, ws.h, ws.y, out, ws.counters)
-    return out
+    launch = _launch(x, w13, w2, ids, weights, config, options)
+    launch(x, w13, w2, ids, weights, ws.h, ws.y, out, ws.counters)
+    if not record or (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return out, None
+    stand_ins = (_Slot(X), _Slot(W13), _Slot(W2), _Slot(IDS), _Slot(WEIGHTS), ws.h, ws.y, _Slot(OUT), ws.counters)
+    return out, record_launches([(launch, stand_ins)], {"h": ws.h}, None)
 
 
 def decode_one_torch(x, w13, w2, topk_ids, topk_weights, h_dtype: torch.dtype | None = None) -> torch.Tensor:
