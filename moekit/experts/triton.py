@@ -65,7 +65,6 @@ import torch
 from moekit.experts import check_experts_args, register_fast_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
-from moekit.experts.triton_decode_one import clear_decode_one, decode_one_refusal, decode_one_wanted, run_and_record
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
 from moekit.experts.triton_quant_fast import clear_quant_fast
@@ -92,7 +91,6 @@ def clear_launch_caches() -> None:
     clear_sequences()
     clear_fast()
     clear_quant_fast()
-    clear_decode_one()
     _DESCRIPTORS.clear()
     _WORKSPACES.clear()
 
@@ -141,14 +139,6 @@ def _fused(x, w13, w2, topk_ids, topk_weights, expert_map, activation, config, o
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if config is None and counters is None and decode_one_wanted(x, w2, ids, options):
-        if decode_one_refusal(x, w13, w2, ids, expert_map, activation, b13, b2) is None:
-            keep = checked is not None and options.fast_ready and ids is topk_ids and weights is topk_weights
-            stamp = fast_stamp(_WORKSPACES)
-            out, sequence = run_and_record(x, w13, w2, ids, weights, None, options, record=keep)
-            if sequence is not None:  # a repeated call launches it from the fast path (triton_fast)
-                remember(stamp, x, w13, w2, ids, weights, activation, options, None, sequence, checked)
-            return out
     plan = plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options, b13, b2)
     if counters is not None and (counters.dtype != torch.int32 or counters.device != x.device
                                  or counters.numel() < plan.workspace.counters):
@@ -207,7 +197,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    lean_launch: bool, align_scan_fold: bool, fast_path: bool, decode_one: bool, decode_one_choice: bool,
+    lean_launch: bool, align_scan_fold: bool, fast_path: bool,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -218,8 +208,7 @@ def _experts_op(
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
                             sum_fold_max=sum_fold_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold, fast_path=fast_path, decode_one=decode_one,
-                            decode_one_choice=decode_one_choice)
+                            align_scan_fold=align_scan_fold, fast_path=fast_path)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

@@ -120,13 +120,6 @@ class LaunchOptions:
     # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
     # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
     fast_path: bool = True
-    # Up to 16 slots (M*k, ``triton_decode_one.SLOT_LIMIT``) a plain silu call with no map or biases and contiguous
-    # 16/32-bit weights runs as ONE launch (``triton_decode_one``: gate-up tiles, then down
-    # tiles that wait on their expert's gate-up counter, then the k-sum, ordered by a ticket), so the weight stream
-    # never drains between the GEMMs. decode_one: every such call (an A/B); decode_one_choice: the cells where the
-    # H200 A/B measured it faster (``triton_decode_one.DEFAULT_DECODE_ONE_CHOICE``; benchmarks/decode_one_device_check.py).
-    decode_one: bool = False
-    decode_one_choice: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:

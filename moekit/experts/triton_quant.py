@@ -50,13 +50,6 @@ def run_quantized_triton(x: torch.Tensor, w13: QuantizedWeight, w2: QuantizedWei
         from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE, fp8_fast_key, gluon_fp8_takes, launch_gluon_fp8
 
         choice = DEFAULT_FP8_CHOICE if fp8_choice is None else fp8_choice
-        from moekit.experts.triton_decode_one import decode_one_wanted
-
-        if decode_one_wanted(x, w2, topk_ids, options):  # one launch for the whole tiny call, where it fits
-            from moekit.experts.triton_decode_one_fp8 import decode_one_fp8_refusal, run_decode_one_fp8
-
-            if decode_one_fp8_refusal(x, w13, w2, topk_ids, expert_map, name, b13, b2) is None:
-                return run_decode_one_fp8(x, w13, w2, topk_ids, topk_weights, options=options)
         if gluon_fp8_takes(x, w13, w2, topk_weights, activation, b13, b2, choice):  # its checks: launched unchecked
             return launch_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, topk_ids, topk_weights, expert_map,
                                     fast_key=fp8_fast_key(w13, w2, activation, choice))
