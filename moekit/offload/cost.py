@@ -287,6 +287,24 @@ def cpu_cannot_win(tokens: dict[int, int], fetch_all_s: float, costs: MissCosts)
     return floor > (1.0 - costs.hysteresis) * fetch_all_s
 
 
+def cpu_never_wins(touched: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
+    """True when ``cpu_cannot_win`` holds for every forward of at most ``touched`` experts with at most
+    ``rows`` rows an expert (a batch of M tokens: touched <= min(M x top-k, E), rows <= M): whatever its
+    hits and misses, "auto" fetches every miss, as "gpu" does. Sufficient, not necessary: the CPU side's
+    least price, ``cpu_margin`` x (``cpu_step_s`` + the least ``cpu_time`` over 1..``rows`` rows: at 1, at
+    ``rows`` or at a table point between, ``cpu_time`` being linear between them), against an upper bound
+    of ``gpu_only``'s cost over every split of ``touched`` into hits and F >= 1 fetches: T x read_one plus
+    the larger of ``fetch_layer_s`` and T x fetch_one + ``gpu_call_s`` (``gpu_side_s`` is a max of such
+    terms, each at most its value at T). O(table): "auto" asks it once per costs and M, not per forward."""
+    if touched < 1 or rows < 1:
+        return True
+    points = {1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}
+    cpu_least = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(r) for r in points))
+    read_one, fetch_one = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
+    fetch_all = touched * read_one + max(costs.fetch_layer_s, touched * fetch_one + costs.gpu_call_s)
+    return cpu_least > (1.0 - costs.hysteresis) * fetch_all
+
+
 def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
     """(seconds per CPU call, {rows: seconds per expert at that many rows}) fitted by least squares of the
     relative error to branch timings {(experts, rows each): seconds} (> 0), the model being time = call +
