@@ -25,8 +25,9 @@ def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     gpu = max(hits * read, fetched * link) + fetched * read
     cpu = 0.0
-    if on_cpu:
+    if on_cpu:  # the CPU branch starts once the host has issued the fetches
         cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu))
+        cpu += fetched * c.issue_s
     return max(gpu, cpu)
 
 
@@ -53,7 +54,7 @@ def _random_case(gen: torch.Generator) -> tuple[dict[int, int], int, MissCosts]:
     hits = int(torch.randint(0, 20, (1,), generator=gen))
     costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 3.0), cpu_token_s=u(0.0, 0.2),
                       cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf,
-                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0))
+                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0), issue_s=u(0.0, 0.5) if u(0, 1) > 0.5 else 0.0)
     return tokens, hits, costs
 
 
@@ -174,7 +175,7 @@ def test_cpu_never_wins_only_where_no_forward_of_that_size_puts_a_miss_on_the_cp
     rows each (any hits, any misses, any rows) is priced all-fetch by "auto"'s own search; and on these
     random costs it says so often, and not always."""
     gen, said = torch.Generator().manual_seed(seed), []
-    for _ in range(40):
+    for _ in range(60):
         _, _, costs = _random_case(gen)
         table = tuple((r, float(torch.empty(1).uniform_(0.0, 3.0, generator=gen))) for r in (1, 2, 4, 8))
         costs = dataclasses.replace(costs, hysteresis=0.05, gpu_call_s=0.3, fetch_layer_s=0.5,
@@ -191,7 +192,7 @@ def test_cpu_never_wins_only_where_no_forward_of_that_size_puts_a_miss_on_the_cp
                 for r in range(1, rows + 1):
                     tokens = {e: 1 + (r + e) % rows for e in range(fetched)}
                     assert split_misses(tokens, BYTES, costs, hits).cpu == []
-    assert 5 < sum(said) < len(said)
+    assert 2 < sum(said) < len(said)
 
 
 def test_cpu_never_wins_at_decode_on_the_h200s_measured_costs():

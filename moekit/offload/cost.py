@@ -10,7 +10,8 @@ CPU, or split between the two.
                or, where the hits' reads cost less than a second call (``one_call``): F x fetch_one +
                (hits + F) x read_one, one call for both once the fetches land (then never dearer)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
-               (0 when no miss runs on the CPU: no staging either)
+               + F x issue_s                                       (the CPU branch starts once the host
+               (0 when no miss runs on the CPU: no staging either)  has issued the F fetches' copies)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
     chosen by: forward + sum over the CPU experts of p x fetch_one     (they stay uncached: refetches;
                                                                        p: the chance one is touched again
@@ -37,13 +38,10 @@ and keeps it only where it beats fetching every miss (``gpu_only``) by ``hystere
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -68,6 +66,7 @@ class MissCosts:
     cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
     gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
     fetch_layer_s: float = 0.0  # the least a forward with any fetch takes over an all-hit one (``gpu_side_s``)
+    issue_s: float = 0.0  # host seconds to issue one fetched expert's copies, before the CPU branch can start
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
@@ -76,6 +75,8 @@ class MissCosts:
             raise ValueError(f"gpu_call_s must be >= 0, got {self.gpu_call_s!r}")
         if not self.fetch_layer_s >= 0.0:
             raise ValueError(f"fetch_layer_s must be >= 0, got {self.fetch_layer_s!r}")
+        if not self.issue_s >= 0.0:
+            raise ValueError(f"issue_s must be >= 0, got {self.issue_s!r}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
@@ -132,7 +133,8 @@ class MissSplit:
     fetch: list[int]  # experts copied to the GPU
     cpu: list[int]  # experts computed on the CPU
     gpu_s: float  # predicted GPU side: the hits and ``fetch`` (their copies, then their compute)
-    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin`` (0: ``cpu`` empty)
+    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin``, after ``fetch``'s
+    # issue (``issue_s`` each; 0: ``cpu`` empty)
     link_s: float  # the link's busy time for ``fetch`` alone
     refetch_s: float = 0.0  # the expected later cost of leaving ``cpu`` uncached (``split_misses``)
 
@@ -205,7 +207,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     with a of one class and b of the other on the CPU takes the a and b with the least CPU time
     (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b. The
+    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by bisection, for every b. The
     one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
     last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
     forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
@@ -230,7 +232,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 
     def sides(a: int, b: int) -> tuple[float, float, float]:
         """(GPU side, CPU side, refetch) of a of the first class and b of the second on the CPU (a + b >= 1)."""
-        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b])
+        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b]) + (len(tokens) - a - b) * costs.issue_s
         return gpu[len(tokens) - a - b], cpu_s, (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0)
 
     def cost(a: int, b: int) -> float:  # ``MissSplit.cost_s`` of ``split(a, b)``, without building it
@@ -335,60 +337,6 @@ def _cumulative(values: list[float]) -> list[float]:
     for v in values:
         out.append(out[-1] + v)
     return out
-
-
-def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Host -> ``device`` bytes/s from pinned memory, the best of ``repeats`` copies of ``nbytes``."""
-    device = torch.device(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
-def measure_read_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 3) -> float:
-    """Bytes/s ``device`` reads in a large device-to-device copy (each copied byte read once and written
-    once: 2 x ``nbytes`` over the best time), the rate an experts call streams cached weights at."""
-    device = torch.device(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
-@contextlib.contextmanager
-def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8) -> Iterator[None]:
-    """Keep the host -> ``device`` link busy while the body runs: ``copies`` copies of ``nbytes`` from
-    pinned memory queued on a side stream (about 40 ms at 55 GB/s), waited for on exit. CPU misses run
-    while fetches stream from host memory, so the CPU path is timed that way too. Nothing on the CPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        yield
-        return
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        for _ in range(copies):
-            dst.copy_(src, non_blocking=True)
-    try:
-        yield
-    finally:
-        stream.synchronize()
 
 
 def margin_of(timings: list[list[float]]) -> float:
