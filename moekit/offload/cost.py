@@ -223,43 +223,87 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
-    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
-                      key=lambda e: (costs.cpu_time(tokens[e]), tokens[e], e)) for hot in (False, True)]
+    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
+    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (times[tokens[e]], tokens[e], e))
+               for hot in (False, True)]
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
-    cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
-
-    gpu = [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)]  # by fetches, CPU busy
-
-    def sides(a: int, b: int) -> tuple[float, float, float]:
-        """(GPU side, CPU side, refetch) of a of the first class and b of the second on the CPU (a + b >= 1)."""
-        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b]) + (len(tokens) - a - b) * costs.issue_s
-        return gpu[len(tokens) - a - b], cpu_s, (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0)
-
-    def cost(a: int, b: int) -> float:  # ``MissSplit.cost_s`` of ``split(a, b)``, without building it
-        gpu_s, cpu_s, refetch_s = sides(a, b)
-        return max(gpu_s, cpu_s) + refetch_s
-
+    prices = _Prices(len(tokens), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes], *charge,
+                     [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)])
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    found = _cheapest(cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s)
+    found = _cheapest(prices.cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s, prices.bound_or_none())
     if found is None:
         return fetch_all
     a, b = found
     on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
-    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *sides(a, b)[:2],
-                     fetched * expert_bytes / fetch_rate(costs, True), sides(a, b)[2])
+    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *prices.sides(a, b),
+                     fetched * expert_bytes / fetch_rate(costs, True), prices.refetch(a, b))
     return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
 
 
-def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[int, int] | None:
+@dataclass(frozen=True)
+class _Prices:
+    """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
+    classes' cumulative CPU times (``cum0``, ``cum1``), their per-expert refetch charges and the GPU side by
+    fetch count (``gpu``, CPU busy); plain floats, no MissSplit built per probe."""
+
+    n: int  # misses
+    costs: MissCosts
+    cum0: list[float]
+    cum1: list[float]
+    charge0: float
+    charge1: float
+    gpu: list[float]
+
+    def sides(self, a: int, b: int) -> tuple[float, float]:
+        """(GPU side, CPU side)."""
+        c = self.costs
+        return self.gpu[self.n - a - b], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
+            self.n - a - b) * c.issue_s
+
+    def refetch(self, a: int, b: int) -> float:
+        return (a * self.charge0 if a else 0.0) + (b * self.charge1 if b else 0.0)
+
+    def cost(self, a: int, b: int) -> float:
+        """``MissSplit.cost_s`` of the split, without building it."""
+        gpu_s, cpu_s = self.sides(a, b)
+        return (gpu_s if gpu_s > cpu_s else cpu_s) + self.refetch(a, b)
+
+    def bound(self, b: int) -> float:
+        """A lower bound of ``cost(a, b)`` over every a: its CPU side and refetch at a = 0, less every first-class
+        expert's issue (a's CPU time and refetch are >= 0, each of its experts takes one issue off)."""
+        c = self.costs
+        return c.cpu_margin * (c.cpu_step_s + self.cum1[b]) + (self.n - (len(self.cum0) - 1) - b) * c.issue_s + (
+            b * self.charge1 if b else 0.0)
+
+    def bound_or_none(self):
+        """``bound``, where it is nondecreasing in b: its steps are the second class's CPU times (ascending)
+        at the margin plus its charge less one issue, so from the least step on; else None."""
+        least = self.costs.cpu_margin * (self.cum1[1] if len(self.cum1) > 1 else 0.0) + self.charge1
+        return self.bound if least >= self.costs.issue_s else None
+
+
+def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None) -> tuple[int, int] | None:
     """``split_misses``' search: the cheapest (a, b) by ``cost(a, b)`` over a <= n0, b <= n1 (a + b >= 1), None
     where fetching every miss (``fetch_all_s``) costs no more; by bisection on each b's convex run of a;
     ``drop``: fetching nothing saves a second GPU call (or ``fetch_layer_s``), so that one point (a, b) =
     (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts, then fewer of the second class.
+    ``bound(b)``: a lower bound of cost(a, b) over every a, nondecreasing in b (or None): the runs stop at
+    the first b whose bound exceeds the best price so far (no later b can reach it).
     Prices are plain floats (a MissSplit, its sorted lists, is built once for the winner: at M = 32, 75
     misses a layer, building one per probe took 16 ms of host time a layer on a 2-core host)."""
     best, rank, found = fetch_all_s, (0, 0), None
-    candidates = [(n0, n1)] if drop else []
+
+    def offer(a: int, b: int) -> None:
+        nonlocal best, rank, found
+        c = cost(a, b)
+        if (c, a + b, b) < (best, *rank):
+            best, rank, found = c, (a + b, b), (a, b)
+
+    if drop:
+        offer(n0, n1)
     for b in range(n1 + 1):
+        if bound is not None and bound(b) > best * (1.0 + 1e-12):
+            break
         lo, hi = (1 if b == 0 else 0), n0 - (1 if drop and b == n1 else 0)  # a = b = 0: no CPU side at all
         if lo > hi:
             continue
@@ -269,11 +313,7 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[i
                 lo = mid + 1
             else:
                 hi = mid
-        candidates.append((lo, b))
-    for a, b in candidates:
-        c = cost(a, b)
-        if (c, a + b, b) < (best, *rank):
-            best, rank, found = c, (a + b, b), (a, b)
+        offer(lo, b)
     return found
 
 
