@@ -190,7 +190,7 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x "
+    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(h{r.get('x_floor_host', 0):.2f}) "
             f"{r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac {_after_cpu(r)}")
 
 
@@ -207,9 +207,11 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for mode in (*MODES, TWIN):
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
+        hs = [r.get("x_floor_host", 0.0) for r in rows if r["compute_misses_on"] == mode]
         if xs:
             out.append(f"{mode:>4}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} "
-                       f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85")
+                       f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85 (host terms scaled, h: {min(hs):.2f}-{max(hs):.2f}, "
+                       f"{sum(x > 1.2 for x in hs)} > 1.2)")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
@@ -246,7 +248,8 @@ def _print(result: dict) -> None:
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
-    print("cell | mode step ms±sem x floor hit/sim, ac: step after the cpu stack / after others | auto/best | "
+    print("cell | mode step ms±sem x floor (h: its host terms scaled by fixed/q) hit/sim, ac: step after the cpu "
+          "stack / after others | auto/best | "
           "twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: prefetch layer, CPU scale")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
         q = auto_vs_best(modes)

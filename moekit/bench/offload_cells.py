@@ -145,12 +145,18 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float) -> list[list[float]]:
     """Per timed step: the timeline floor, the layers' maxima summed, the floor as before the
-    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), and the
-    timeline floor without ``prefetch_layer_s``."""
+    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), the timeline floor
+    without ``prefetch_layer_s``, and the timeline floor with the host terms measured before the group
+    (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``) scaled by the reference's fixed cost
+    over the quiet one: the host's speed among the cells over its speed then (1 without a reference)."""
     before = dataclasses.replace(costs, fetch_layer_s=0.0)
+    r = fixed.layer_s / quiet if quiet > 0 else 1.0
+    host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
+                               issue_s=costs.issue_s * r)
     return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
+             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r)]
             for done in dones]
 
 
@@ -235,12 +241,13 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s = (statistics.fmean(f[i] for f in floors) for i in range(4))
+    floor_s, sum_s, before_s, unfetched_s, host_s = (statistics.fmean(f[i] for f in floors) for i in range(5))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),
+            "x_floor_host": step_s / host_s if host_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
