@@ -81,25 +81,36 @@ class BranchLog:
         OffloadedMoE.run_routed, OffloadedMoE._plan = logged, timed_plan
 
     def close(self, name: str) -> None:
-        self.cells[name], self.entries = self.entries, []
+        """File the group's entries as a summary (``summarize``) under ``name``."""
+        self.cells[name], self.entries = self.summarize(self.entries), []
 
     @staticmethod
-    def line(entries: list[dict]) -> str:
-        """Per mode: plan ms a forward (mean / max) and the places planned by; per CPU mode its branches'
-        measured / model ms and the ratio's median."""
-        parts = []
-        for mode in (MODES[0], TWIN, *MODES[1:]):
+    def summarize(entries: list[dict]) -> dict:
+        """Per mode: forwards planned, plan ms mean / max, the places planned by; per CPU mode its branches,
+        measured and model ms summed, the ratio's median and max, ms in the result's copy back."""
+        out = {}
+        for mode in MODES:
             plans = [e for e in entries if e["mode"] == mode and "plan_ms" in e]
-            if plans:
-                places = sorted({e["place"] for e in plans})
-                ms = [e["plan_ms"] for e in plans]
-                parts.append(f"{mode} plan {statistics.fmean(ms):.3f}/{max(ms):.3f} by {'+'.join(places)}")
-        for mode in MODES[1:]:
             got = [e for e in entries if e["mode"] == mode and "plan_ms" not in e]
             ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
-            if got:
-                parts.append(f"{mode} {len(got)} br {sum(e['ms'] for e in got):.1f}/"
-                             f"{sum(e['model_ms'] for e in got):.1f} ms x{statistics.median(ratios) if ratios else 0:.2f}")
+            out[mode] = {"plans": len(plans), "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
+                         "plan_max_ms": max((e["plan_ms"] for e in plans), default=0.0),
+                         "places": sorted({e["place"] for e in plans}), "branches": len(got),
+                         "ms": sum(e["ms"] for e in got), "model_ms": sum(e["model_ms"] for e in got),
+                         "back_ms": sum(e["back_ms"] for e in got),
+                         "ratio_median": statistics.median(ratios) if ratios else 0.0, "ratio_max": max(ratios, default=0.0)}
+        return out
+
+    @staticmethod
+    def line(summary: dict) -> str:
+        """One group's summary in a line."""
+        parts = []
+        for mode, v in summary.items():
+            text = f"{mode} plan {v['plan_ms']:.3f}/{v['plan_max_ms']:.3f} by {'+'.join(v['places']) or '-'}"
+            if v["branches"]:
+                text += (f", {v['branches']} br {v['ms']:.1f}/{v['model_ms']:.1f} ms x{v['ratio_median']:.2f} "
+                         f"max x{v['ratio_max']:.2f}")
+            parts.append(text)
         return " | ".join(parts)
 
 
