@@ -276,3 +276,10 @@ def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch
     assert [r.online for r in group] == [False, False, True]
     group, _, _ = offload_measure._prepare(runs, COSTS, None, 8, online=False)
     assert not any(r.online for r in group)
+
+
+def test_after_ms_is_each_runs_mean_step_by_the_run_timed_before_it():
+    from moekit.bench.offload_cells import _after
+
+    times, before = [0.001, 0.003, 0.002, 0.006], [1, 2, 1, None]  # indexes into the names; None: nothing before
+    assert _after(times, before, ["gpu", "cpu", "ref"]) == pytest.approx({"cpu": 1.5, "ref": 3.0, "-": 6.0})
