@@ -228,7 +228,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
                for hot in (False, True)]
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
     prices = _Prices(len(tokens), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes], *charge,
-                     [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)])
+                     hits, expert_bytes)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
     found = _cheapest(prices.cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s, prices.bound_or_none())
     if found is None:
@@ -244,7 +244,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 class _Prices:
     """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
     classes' cumulative CPU times (``cum0``, ``cum1``), their per-expert refetch charges and the GPU side by
-    fetch count (``gpu``, CPU busy); plain floats, no MissSplit built per probe."""
+    fetch count (``gpu_side_s`` with ``hits``, CPU busy; priced once per fetch count the search probes);
+    plain floats, no MissSplit built per probe."""
 
     n: int  # misses
     costs: MissCosts
@@ -252,12 +253,16 @@ class _Prices:
     cum1: list[float]
     charge0: float
     charge1: float
-    gpu: list[float]
+    hits: int
+    expert_bytes: int
+    gpu: dict = dataclasses.field(default_factory=dict)  # fetches -> GPU side, as probed
 
     def sides(self, a: int, b: int) -> tuple[float, float]:
         """(GPU side, CPU side)."""
-        c = self.costs
-        return self.gpu[self.n - a - b], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
+        c, f = self.costs, self.n - a - b
+        if f not in self.gpu:
+            self.gpu[f] = gpu_side_s(self.hits, f, self.expert_bytes, c, True)
+        return self.gpu[f], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
             self.n - a - b) * c.issue_s
 
     def refetch(self, a: int, b: int) -> float:
