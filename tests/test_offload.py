@@ -226,3 +226,32 @@ def test_hits_compute_while_the_misses_are_fetched():
 
 def _routing_ids(moe: MoE, x: torch.Tensor) -> list[int]:
     return [e for e in route(moe.gate(x), moe.config, moe.e_score_correction_bias).topk_ids.reshape(-1).tolist() if e >= 0]
+
+
+def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(monkeypatch):
+    """"auto" with a CPU side dearer than fetching every expert a batch of M tokens can touch plans by "gpu"
+    itself (``cost.cpu_never_wins``, asked once per costs and M): no search, no reuse estimate, the same
+    output and counts as the "gpu" layer; where the CPU can win at M (cheap CPU) it plans by "auto"."""
+    from moekit.offload import CpuRate, layer as layer_mod, plan as plan_mod
+    from _helpers import count_calls
+
+    dear = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1.0, cpu_token_s=0.0, cpu_step_s=1.0)
+    gpu = OffloadedMoE.from_moe(_moe(), cache_experts=3, compute_misses_on="gpu", costs=dear)
+    auto = OffloadedMoE.from_moe(_moe(), cache_experts=3, compute_misses_on="auto", costs=dear, cpu_rate=CpuRate())
+    places = []
+    real = layer_mod.plan_forward
+    monkeypatch.setattr(layer_mod, "plan_forward", lambda cache, layer, place, *a: places.append(place)
+                        or real(cache, layer, place, *a))
+    seen = count_calls(monkeypatch, {"never": 0, "split": 0, "cannot": 0}, [
+        (layer_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
+        (plan_mod, "cpu_cannot_win", "cannot")])
+    for seed in range(6):  # M = 1: misses, hits and evictions in a 3-slot cache
+        x = _x(1, seed)
+        torch.testing.assert_close(auto(x), gpu(x), rtol=0, atol=0)
+        assert auto.last_stats == gpu.last_stats
+    assert set(places) == {"gpu"} and seen == {"never": 1, "split": 0, "cannot": 0}
+    cheap = MissCosts(link_bytes_per_s=1e3, cpu_expert_s=1e-9, cpu_token_s=0.0)
+    auto.costs = cheap
+    places.clear()
+    auto(_x(4, 9))
+    assert places == ["auto"] and seen["never"] == 2 and auto.last_stats.cpu_experts > 0

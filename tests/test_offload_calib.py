@@ -237,18 +237,28 @@ def test_hysteresis_keeps_every_miss_on_the_link_unless_the_cpu_wins_by_that_muc
         dataclasses.replace(costs, hysteresis=1.0)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_balanced_orders_put_each_run_first_and_after_each_other_equally_often_and_first_once_per_block(n):
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7])
+def test_balanced_orders_make_every_run_follow_every_other_once_per_cycle(n):
+    """Steps taken in turn through the orders, the cycle repeated: every ordered pair of distinct runs is
+    adjacent exactly once per n - 1 steps, the last run of a step followed by the next step's first."""
     orders = balanced_orders(n)
-    assert len(orders) == math.factorial(n) and all(sorted(o) == list(range(n)) for o in orders)
-    firsts = [sum(o[0] == j for o in orders) for j in range(n)]
-    follows = {(a, b): 0 for a, b in itertools.permutations(range(n), 2)}
-    for o in orders:
-        for a, b in zip(o, o[1:]):
-            follows[(a, b)] += 1
-    assert len(set(firsts)) == 1 and len(set(follows.values())) <= 1
-    for block in range(0, len(orders), n):  # every n in a row from the start: each run first once
-        assert sorted(o[0] for o in orders[block:block + n]) == list(range(n))
+    assert len(orders) == max(1, n - 1) and all(sorted(o) == list(range(n)) for o in orders)
+    for cycles in (1, 3):
+        runs = [j for _ in range(cycles) for o in orders for j in o]
+        follows = {(a, b): 0 for a, b in itertools.permutations(range(n), 2)}
+        for a, b in zip(runs, runs[1:] + runs[:1]):  # the repeated cycle's wrap too (n = 1: itself)
+            if a != b:
+                follows[(a, b)] += 1
+        assert set(follows.values()) <= {cycles}
+    with pytest.raises(ValueError, match="n must be"):
+        balanced_orders(0)
+
+
+def test_timed_steps_round_up_to_whole_cycles_of_the_groups_stacks():
+    from moekit.bench.offload_measure import balanced_count
+
+    assert [balanced_count(s, 4) for s in (1, 3, 4, 12)] == [3, 3, 6, 12]  # 3 modes and the reference
+    assert [balanced_count(s, 5) for s in (3, 12)] == [4, 12] and balanced_count(3, 1) == 3
 
 
 def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch):
@@ -266,3 +276,10 @@ def test_a_group_is_recalibrated_only_when_a_run_computes_on_the_cpu(monkeypatch
     assert [r.online for r in group] == [False, False, True]
     group, _, _ = offload_measure._prepare(runs, COSTS, None, 8, online=False)
     assert not any(r.online for r in group)
+
+
+def test_after_ms_is_each_runs_mean_step_by_the_run_timed_before_it():
+    from moekit.bench.offload_cells import _after
+
+    times, before = [0.001, 0.003, 0.002, 0.006], [1, 2, 1, None]  # indexes into the names; None: nothing before
+    assert _after(times, before, ["gpu", "cpu", "ref"]) == pytest.approx({"cpu": 1.5, "ref": 3.0, "-": 6.0})

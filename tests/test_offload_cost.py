@@ -3,6 +3,7 @@ brute-force search over every split of the misses, with the step-time model writ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from moekit.offload import MissCosts, plan_misses, split_misses
-from moekit.offload.cost import margin_of
+from moekit.offload.cost import cpu_never_wins, margin_of
 
 BYTES = 1000
 
@@ -24,8 +25,9 @@ def _step_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts) -
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     gpu = max(hits * read, fetched * link) + fetched * read
     cpu = 0.0
-    if on_cpu:
+    if on_cpu:  # the CPU branch starts once the host has issued the fetches
         cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu))
+        cpu += fetched * c.issue_s
     return max(gpu, cpu)
 
 
@@ -52,7 +54,7 @@ def _random_case(gen: torch.Generator) -> tuple[dict[int, int], int, MissCosts]:
     hits = int(torch.randint(0, 20, (1,), generator=gen))
     costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 3.0), cpu_token_s=u(0.0, 0.2),
                       cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf,
-                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0))
+                      cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0), issue_s=u(0.0, 0.5) if u(0, 1) > 0.5 else 0.0)
     return tokens, hits, costs
 
 
@@ -153,3 +155,53 @@ def test_measure_costs_times_the_layers_own_cpu_path():
     x = torch.randn(5, 64)
     torch.testing.assert_close(off(x), moe(x))  # "auto" without costs measures them on first use
     assert off.costs is not None
+
+
+def _fetch_all_s(hits: int, fetched: int, c: MissCosts) -> float:
+    """Fetching every miss, written out (the cost module's docstring): hits read while the copies travel,
+    then the fetched ones, a second call with both; or one call once the copies land where the hits' reads
+    cost less than that call; at least the hits' reads and ``fetch_layer_s`` with any fetch."""
+    read, link = BYTES / c.gpu_bytes_per_s, fetched * BYTES / c.link_bytes_per_s
+    if hits * read < c.gpu_call_s:
+        side = link + (hits + fetched) * read
+    else:
+        side = max(hits * read, link) + fetched * read + (c.gpu_call_s if hits and fetched else 0.0)
+    return max(side, hits * read + c.fetch_layer_s)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_never_wins_only_where_no_forward_of_that_size_puts_a_miss_on_the_cpu(seed):
+    """Wherever ``cpu_never_wins(T, M)`` says so, every forward with at most T touched experts of at most M
+    rows each (any hits, any misses, any rows) is priced all-fetch by "auto"'s own search; and on these
+    random costs it says so often, and not always."""
+    gen, said = torch.Generator().manual_seed(seed), []
+    for _ in range(60):
+        _, _, costs = _random_case(gen)
+        table = tuple((r, float(torch.empty(1).uniform_(0.0, 3.0, generator=gen))) for r in (1, 2, 4, 8))
+        costs = dataclasses.replace(costs, hysteresis=0.05, gpu_call_s=0.3, fetch_layer_s=0.5,
+                                    cpu_rows_s=table if seed % 2 else ())
+        touched, rows = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 10, (1,), generator=gen))
+        never = cpu_never_wins(touched, rows, BYTES, costs)
+        said.append(never)
+        if not never:
+            continue
+        least_cpu = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(r) for r in range(1, rows + 1)))
+        for hits in range(touched):
+            for fetched in range(1, touched - hits + 1):
+                assert least_cpu > (1 - costs.hysteresis) * _fetch_all_s(hits, fetched, costs)
+                for r in range(1, rows + 1):
+                    tokens = {e: 1 + (r + e) % rows for e in range(fetched)}
+                    assert split_misses(tokens, BYTES, costs, hits).cpu == []
+    assert 2 < sum(said) < len(said)
+
+
+def test_cpu_never_wins_at_decode_on_the_h200s_measured_costs():
+    """The H200 run's costs (a5fb310, Qwen3 widths: 9.4 MB an expert, top-8 of 128): at M = 1 the CPU side's
+    least price (1.14 x (1.87 + 0.46) ms) is above fetching all 8 experts (1.37 ms of link + a call); at
+    M = 8 (64 experts, 11 ms of link) it is not."""
+    costs = MissCosts(link_bytes_per_s=55.0e9, cpu_expert_s=483e-6, cpu_token_s=22e-6, cpu_step_s=1.868e-3,
+                      gpu_bytes_per_s=3.76e12, cpu_margin=1.137, hysteresis=0.05, gpu_call_s=152e-6,
+                      fetch_layer_s=256e-6, cpu_rows_s=((1, 505e-6), (2, 464e-6), (4, 522e-6), (8, 691e-6)))
+    expert = 3 * 2048 * 768 * 2
+    assert cpu_never_wins(8, 1, expert, costs)
+    assert not cpu_never_wins(64, 8, expert, costs)

@@ -150,3 +150,20 @@ def test_overlap_from_is_the_median_link_time_a_layer_hid():
     assert overlap_from([0.01], [0.05], [8], 2, link, most=1.0) == 0.0  # never below 0
     with pytest.raises(ValueError, match="paired"):
         overlap_from([0.01], [0.05, 0.06], [8], 2, link, most=1.0)
+
+
+def test_the_host_scaled_floor_scales_the_terms_measured_before_the_group_by_the_references_speed():
+    """``offload_cells._floors``' last entry: a layer with 5 hits and one fetch, its fixed cost 4 ms among the
+    cells against 2 ms measured quietly (the host at half speed), so the second call 0.5 -> 1 ms and
+    fetch_layer_s 2 -> 4 ms: 4 + max(5 + 4, 10 + 1 + 1) = 16 ms against the plain floor's 4 + max(5 + 2,
+    10 + 1 + 0.5) = 15.5; with a fetch layer of 9 ms (18 scaled): 4 + 5 + 9 = 18 against 4 + 5 + 18 = 27 ms."""
+    from moekit.bench.offload_cells import _floors
+    from moekit.offload.gpu_terms import FixedCosts
+
+    done = [[_stats(hits=5, fetched=1)]]
+    costs = dataclasses.replace(COSTS, fetch_layer_s=0.002)
+    floors = _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.002)
+    assert floors[0][0] == pytest.approx(0.0155) and floors[0][4] == pytest.approx(0.016)
+    costs = dataclasses.replace(COSTS, fetch_layer_s=0.009)
+    floors = _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.002)
+    assert floors[0][0] == pytest.approx(0.018) and floors[0][4] == pytest.approx(0.027)

@@ -108,6 +108,18 @@ def test_timeline_adds_the_second_call_after_the_fetches_and_prices_cpu_experts_
     assert timeline_s([both, cpu], 1000, costs, 0.003) == pytest.approx(0.0255 + want)
 
 
+def test_timeline_starts_the_cpu_side_once_the_layers_fetches_and_admissions_are_issued():
+    # link 10 ms an expert, GPU read 1 ms, fixed 3 ms; 1.5 ms of host time to issue each fetched or admitted expert
+    costs = MissCosts(link_bytes_per_s=1e5, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.002,
+                      gpu_bytes_per_s=1e6, cpu_rows_s=TABLE, issue_s=0.0015)
+    cpu = _stats(hits=1, fetched=1, cpu_rows=(6, 6, 6), admitted=1)
+    # CPU: 3 + (1 + 1) x 1.5 + 2 + 3 x 13 = 47 ms; GPU: 3 + max(1, 10) + 1 = 14; link free at 3 + 20 = 23 ms
+    want = 0.003 + 2 * 0.0015 + 0.002 + 3 * _table_time(6)
+    assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(want)
+    gpu_only = _stats(hits=1, fetched=1)  # no CPU side: the issue time is in the fetch's own terms, not added
+    assert timeline_s([gpu_only], 1000, costs, 0.003) == pytest.approx(0.003 + 0.010 + 0.001)
+
+
 BUMPY = ((1, 0.006), (2, 0.004), (4, 0.008))  # a measured table need not rise with rows
 
 

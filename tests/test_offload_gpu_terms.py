@@ -95,6 +95,31 @@ def test_measure_terms_times_the_bench_and_the_probe_alike(monkeypatch):
     assert got.call_s == pytest.approx(CALL_S) and got.fetch_layer_s == pytest.approx(FETCH_S)
     assert got.prefetch_layer_s == pytest.approx(PREFETCH_S)
     assert (got.priced(costs).gpu_call_s, got.priced(costs).fetch_layer_s) == (got.call_s, got.fetch_layer_s)
+    assert got.issue_s == 0.0 and got.priced(costs).issue_s == 0.0  # the fake clock's ensure costs nothing
+
+
+def test_measure_issue_times_the_fetch_of_every_other_touched_expert_per_expert(monkeypatch):
+    """``measure_issue``: every other touched expert (no two adjacent ids) evicted and fetched back by
+    ``ensure``, the host time per expert (a fake clock: ISSUE_S an expert ``ensure`` fetches); the cache holds
+    the same experts after."""
+    issue_s, clock, asked = 0.00004, [0.0], []
+    monkeypatch.setattr(gpu_terms, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def ensure(self, layer, experts, stats, _real=ExpertCache.ensure):
+        asked.append(list(experts))
+        _real(self, layer, experts, stats)
+        clock[0] += issue_s * len(experts)
+
+    monkeypatch.setattr(ExpertCache, "ensure", ensure)
+    layer = OffloadedMoE.from_moe(_moe(e=16), cache_experts=16, prefetch=None)
+    x = torch.randn(6, 32)
+    routing = route(layer.gate(x), layer.config)
+    layer.run_routed(x, routing)
+    cached, asked[:] = layer.cache.cached(layer.layer_id), []
+    assert gpu_terms.measure_issue(layer, routing, repeats=3) == pytest.approx(issue_s)
+    touched = sorted(set(routing.topk_ids.reshape(-1).tolist()))
+    assert asked == [touched[::2]] * 3 and all(b - a >= 2 for a, b in zip(asked[0], asked[0][1:]))
+    assert set(layer.cache.cached(layer.layer_id)) == set(cached)
 
 
 def test_forced_prefetch_fetches_k_of_each_later_layer_ahead_so_its_forward_hits():

@@ -23,14 +23,15 @@ BYTES = 1000
 
 def _cost_s(on_cpu: set[int], tokens: dict[int, int], hits: int, c: MissCosts, chance: dict[int, float]) -> float:
     """The forward (GPU side: hits while the fetches travel, at the link's rate during CPU work when the
-    CPU side runs, then the fetched; CPU side: its fixed price and its experts, at the margin; both at
-    once) plus, per CPU expert, one fetch times the mean chance
+    CPU side runs, then the fetched; CPU side: its fixed price and its experts, at the margin, after the
+    fetches' issue; both at once) plus, per CPU expert, one fetch times the mean chance
     of its class among the misses (chance >= 1/2, or below)."""
     fetched = len(tokens) - len(on_cpu)
     read, link = BYTES / c.gpu_bytes_per_s, BYTES / c.link_bytes_per_s
     busy = BYTES / c.link_cpu_bytes_per_s if on_cpu and c.link_cpu_bytes_per_s else link  # fetches beside CPU work
     gpu = max(hits * read, fetched * busy) + fetched * read
     cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu)) if on_cpu else 0.0
+    cpu += fetched * c.issue_s if on_cpu else 0.0  # the CPU branch starts once the fetches are issued
     refetch = 0.0
     for e in on_cpu:
         same = [chance[x] for x in tokens if (chance[x] >= 0.5) == (chance[e] >= 0.5)]
@@ -49,7 +50,8 @@ def _random_case(gen: torch.Generator):
     costs = MissCosts(link_bytes_per_s=BYTES / u(0.5, 2.0), cpu_expert_s=u(0.0, 2.0), cpu_token_s=u(0.0, 0.3),
                       cpu_step_s=u(0.0, 1.0), gpu_bytes_per_s=BYTES / u(0.0, 0.3) if u(0, 1) > 0.3 else math.inf,
                       cpu_margin=1.0 if u(0, 1) > 0.5 else u(1.0, 2.0),
-                      link_cpu_bytes_per_s=BYTES / u(0.5, 3.0) if u(0, 1) > 0.5 else None)
+                      link_cpu_bytes_per_s=BYTES / u(0.5, 3.0) if u(0, 1) > 0.5 else None,
+                      issue_s=u(0.0, 0.6) if u(0, 1) > 0.5 else 0.0)
     return tokens, int(torch.randint(0, 20, (1,), generator=gen)), costs, chance
 
 

@@ -50,8 +50,9 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
-    fall on every mode alike, in balanced orders (``balanced_orders``: each run follows every other
-    equally often; a CPU-heavy step leaves the host's threads busy for the next); with ``reference``,
+    fall on every mode alike, in carry-over balanced orders (``balanced_orders``: each run follows every
+    other once per n - 1 steps; a CPU-heavy step leaves the host's threads busy for the next; each row's
+    ``after_ms``: its mean step by the run before it); with ``reference``,
     the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
     (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
     rows' measured fields."""
@@ -60,7 +61,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
     if ref is not None:
         stacks.append(ref)
-    times, dones = [[] for _ in stacks], [[] for _ in stacks]
+    times, dones, after, prev = [[] for _ in stacks], [[] for _ in stacks], [[] for _ in stacks], None
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
     gc.disable()
@@ -76,9 +77,11 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                 _sync(device)
                 if step:
                     times[j].append(time.perf_counter() - start)
+                    after[j].append(prev)
                     dones[j].append(done)
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
+                prev = j
     finally:
         gc.enable()
     expert_bytes = stacks[0][0].cache.expert_bytes
@@ -93,7 +96,20 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
              "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
              "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3,
              "cpu_expert_us": costs.cpu_time(1) * 1e6,
-             "cpu_scale": scale} for j, run in enumerate(runs)]
+             "cpu_scale": scale, "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])}
+            for j, run in enumerate(runs)]
+
+
+def _name(run: Run) -> str:
+    return run.label or run.place
+
+
+def _after(times: list[float], before: list[int | None], names: list[str]) -> dict[str, float]:
+    """A run's mean step ms by the run timed just before it (``names``' index; None: none before)."""
+    by: dict[str, list[float]] = {}
+    for t, j in zip(times, before):
+        by.setdefault("-" if j is None else names[j], []).append(t)
+    return {name: statistics.fmean(ts) * 1e3 for name, ts in sorted(by.items())}
 
 
 def _reference(shells, routings: list[list[Routing]], costs: MissCosts, device, options: CpuOptions,
@@ -129,26 +145,60 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float) -> list[list[float]]:
     """Per timed step: the timeline floor, the layers' maxima summed, the floor as before the
-    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), and the
-    timeline floor without ``prefetch_layer_s``."""
+    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), the timeline floor
+    without ``prefetch_layer_s``, and the timeline floor with the host terms measured before the group
+    (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``) scaled by the reference's fixed cost
+    over the quiet one: the host's speed among the cells over its speed then (1 without a reference)."""
     before = dataclasses.replace(costs, fetch_layer_s=0.0)
+    r = fixed.layer_s / quiet if quiet > 0 else 1.0
+    host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
+                               issue_s=costs.issue_s * r)
     return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
+             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r)]
             for done in dones]
 
 
 def balanced_orders(n: int) -> list[list[int]]:
-    """Every order of ``n`` runs (n! of them), each order's n rotations in a row: all of them taken in
-    turn, each run goes first equally often and follows each other run equally often; and each block
-    of n from the start (n timed steps: 3 at M >= 8 with 3 modes) puts every run first once."""
-    orders, seen = [], set()
-    for p in itertools.permutations(range(n)):
-        if p not in seen:
-            for r in range(n):
-                seen.add(p[r:] + p[:r])
-                orders.append(list(p[r:] + p[:r]))
-    return orders
+    """n - 1 orders of ``n`` runs (one for n = 1) that, taken in turn and repeated, make every run follow
+    every other exactly once per cycle: each ordered pair (a, b), a != b, is adjacent once in the cyclic
+    sequence of the orders' runs (the last run of the last order followed by the first of the first). A
+    step's time depends on the step before it (a CPU-heavy step leaves the host's threads spinning and its
+    caches flushed for the next), so with T timed steps a multiple of n - 1 every run pays each other's
+    carry-over equally. Found by depth-first search from the identity order (instant up to n = 8). The
+    n! orders taken before balanced only over all n! steps: with 4 runs and 12 timed steps the gpu run
+    never followed the cpu run and "auto" did 4 times (one H200 run: auto 2-6% over gpu at M = 1 with
+    the same plan; the all-hit reference followed the cpu run 7 of 12 times)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if n == 1:
+        return [[0]]
+    seq, used = list(range(n)), {(a, a + 1) for a in range(n - 1)}
+    found = _extend(seq, used, n)
+    if found is None:  # not seen for n <= 8; kept explicit rather than assumed
+        raise RuntimeError(f"no carry-over balanced design of {n} runs found")
+    return [found[i: i + n] for i in range(0, n * (n - 1), n)]
+
+
+def _extend(seq: list[int], used: set[tuple[int, int]], n: int) -> list[int] | None:
+    """``balanced_orders``' search: extend ``seq`` (whole orders of n, then a partial one) by runs not yet in
+    its order whose pair with the run before is unused, to n (n - 1) runs closing the cycle; None if none."""
+    if len(seq) == n * (n - 1):
+        return list(seq) if (seq[-1], seq[0]) not in used else None
+    order = seq[len(seq) - len(seq) % n:]
+    for run in range(n):
+        pair = (seq[-1], run)
+        if run in order or pair in used or run == seq[-1]:
+            continue
+        used.add(pair)
+        seq.append(run)
+        found = _extend(seq, used, n)
+        if found is not None:
+            return found
+        seq.pop()
+        used.discard(pair)
+    return None
 
 
 def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
@@ -191,11 +241,13 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s = (statistics.fmean(f[i] for f in floors) for i in range(4))
-    return {"step_ms": step_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+    floor_s, sum_s, before_s, unfetched_s, host_s = (statistics.fmean(f[i] for f in floors) for i in range(5))
+    sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
+    return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),
+            "x_floor_host": step_s / host_s if host_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

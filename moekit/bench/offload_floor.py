@@ -28,7 +28,10 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                a term on the layer's own path that a longer copy overlaps (a max, not a sum)
     CPU side:  ``MissCosts.cpu_side_s`` of the layer's CPU experts' rows (``OffloadStats.cpu_rows``): the
                call cost plus each expert's time at its row count (``calibrate``'s grid, scaled to the
-               host's rate before each group of rows, ``calibrate.recalibrate_cpu``); the layer's
+               host's rate before each group of rows, ``calibrate.recalibrate_cpu``), started once the
+               host has issued the layer's fetches and admissions (``MissCosts.issue_s`` each: the bench
+               sets it to ``FixedCosts.issue_s``; one H200 trace: ~40 us a fetched expert, 1-1.4 ms a layer
+               before the CPU branch at M = 8, which the floor had run from the layer's start); the layer's
                admissions queue behind its fetches, its result's copy back behind them
     link:      the next layer's prefetch queues when the host is free again (after the CPU side); the
                step ends when the link is idle too
@@ -85,7 +88,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     t = free = 0.0  # the layer's start, the link's next idle moment
     for s in per_layer:
         start = t + fixed_s  # the layer's fixed work done; its copies were issued overlap_s before
-        cpu = cpu_side_s(s, costs)
+        cpu = cpu_side_s(s, costs) + ((s.fetched + s.admitted) * costs.issue_s if s.cpu_experts else 0.0)
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start - ahead) + s.fetched * rate
         free = fetched_at + s.admitted * rate

@@ -90,9 +90,12 @@ class OffloadRow:
     overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
     prefetch_layer_ms: float = 0.0  # a layer's prefetch of one expert over none, on the host's path, likewise
     x_floor_no_prefetch: float = 0.0  # step_ms over the floor without ``prefetch_layer_ms``
+    x_floor_host: float = 0.0  # over the floor with the host terms scaled to the reference's speed (``offload_cells``)
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
+    step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
+    after_ms: dict = dataclasses.field(default_factory=dict)  # mean step ms by the run timed before it ("ref": all-hit)
 
 
 def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=2048, top_k=8, layers=2,
@@ -101,7 +104,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shells: list[MoE] | None = None, costs: MissCosts | None = None,
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
-                    online_cpu_rate: bool = False, reference_fixed: bool = True) -> dict:
+                    online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -114,10 +117,10 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
     "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
     share a ``CpuRate`` (the what-if replays the calibrated costs). ``reference_fixed``: the floor's fixed
-    per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them.
+    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped)."""
+    dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
-    options = cpu_options or CpuOptions()
     clock = [time.perf_counter()]
     shells = _checked(shells, layers) if shells is not None else host_shells(config, dtype, device, scheme, layers)
     clock.append(time.perf_counter())
@@ -128,17 +131,19 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
         costs = costs.observed(sum(r["cpu_ms"] for r in warm_rows), sum(r["cpu_model_ms"] for r in warm_rows))
     clock.append(time.perf_counter())
     probe = OffloadedMoE.from_moe(shells[0], cache_experts=1, prefetch=None, device=device, cpu_options=options)
-    rows, fixed = [], {}
+    rows, fixed, stacks = [], {}, len(places) + len(variants or {}) + int(reference_fixed)  # a group's stacks
     for stream in streams:
         for m in batches:
             warm = default_warm_steps(m) if warm_steps is None else warm_steps
-            data, routings = _stream(config, layers, warm + 1 + timed_steps(steps, m), m, stream, warm, device)
+            data, routings = _stream(config, layers, warm + 1 + balanced_count(timed_steps(steps, m), stacks), m,
+                                     stream, warm, device)
             for group in _groups(stream, experts * layers, fractions, policies, places, admit_per_forward, variants):
+                if keep is not None and not keep(stream, m, group[0]):
+                    continue
                 fixed[f"{stream}/{m}/{group[0].fraction:.0%}"] = fixed_s = fixed_costs(shells, routings[:4], costs,
                                                                                          device, options, group[0].slots)
-                measured = fixed_s.priced(costs)
-                group, group_costs, scale = _prepare(group, measured, probe, 10 * len(rows), online_cpu_rate,
-                                                     _rows(m, top_k, experts))
+                group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
+                                                     online_cpu_rate, _rows(m, top_k, experts))
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                      device, options, fixed_s, scale, reference_fixed)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -147,14 +152,19 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                         on_progress(rows[-1])
     return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate,
             "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "timed_steps": {m: timed_steps(steps, m) for m in batches}, "drift": DRIFT, "skews": STREAMS,
+            "top_k": top_k, "layers": layers, "drift": DRIFT, "skews": STREAMS,
+            "timed_steps": {m: balanced_count(timed_steps(steps, m), stacks) for m in batches},
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
             "setup_s": {"host_weights": clock[1] - clock[0], "costs": clock[2] - clock[1], "warm_up": clock[3] - clock[2]},
-            "table_s": time.perf_counter() - clock[3], "fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
+            "table_s": time.perf_counter() - clock[3], **_fixed_doc(fixed), **_tables([asdict(r) for r in rows])}
+
+
+def _fixed_doc(fixed: dict) -> dict:
+    """The document's fixed costs by group key (ms)."""
+    return {"fixed_ms": {key: v.layer_s * 1e3 for key, v in fixed.items()},
             "call_ms": {key: v.call_s * 1e3 for key, v in fixed.items()},
-            "fetch_layer_ms": {key: v.fetch_layer_s * 1e3 for key, v in fixed.items()},
-            **_tables([asdict(r) for r in rows])}
+            "fetch_layer_ms": {key: v.fetch_layer_s * 1e3 for key, v in fixed.items()}}
 
 
 def _rows(m: int, top_k: int, experts: int) -> int:
@@ -229,6 +239,13 @@ def timed_steps(steps: int, m: int) -> int:
     """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
     to run jitter is a larger share; they cost little)."""
     return steps * max(1, 4 // m)
+
+
+def balanced_count(steps: int, stacks: int) -> int:
+    """``steps`` rounded up to a multiple of ``stacks`` - 1 (at least 1): the timed steps over which
+    ``offload_cells.balanced_orders`` has every stack follow every other equally often."""
+    cycle = max(1, stacks - 1)
+    return -(-steps // cycle) * cycle
 
 
 def _groups(stream: str, total: int, fractions, policies, places, admit: int | None = None,

@@ -82,8 +82,9 @@ def summary(rows: list[dict]) -> list[str]:
         out.append(f"auto / better pure mode: worst {worst_q:.2f} ({' '.join(map(str, worst_key))}), mean "
                    f"{statistics.fmean(q for q, _ in ratios):.2f}; {slower} of {len(ratios)} cells slower, "
                    f"{beyond} by more than {NOISE:.0%}")
-    gains = [(on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"])
-             for k, modes in cells.items() if k[3] == "router" for mode, on in modes.items()]
+    gains = [(on["hit_rate"] - off[mode]["hit_rate"]) for k, modes in cells.items()
+             if k[3] == "router" and (off := cells.get(k[:3] + ("none",) + k[4:])) is not None
+             for mode, on in modes.items() if mode in off]  # a subset of cells may lack the twin without prefetch
     if gains:
         out.append(f"prefetch (router) on skewed streams: hit rate +{statistics.fmean(gains):.3f} mean, "
                    f"{min(gains):+.3f} worst over {len(gains)} cells")

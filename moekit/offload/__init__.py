@@ -13,9 +13,10 @@ cache what-if); ``cost`` prices a forward's misses and ``plan`` decides where th
 CPU model), for "auto" to price by.
 """
 
+from moekit.offload.bandwidth import measure_link_bandwidth, measure_read_bandwidth
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cpu_path import CpuOptions, CpuPhases
-from moekit.offload.cost import MissCosts, MissSplit, gpu_only, measure_link_bandwidth, measure_read_bandwidth, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, gpu_only, split_misses
 from moekit.offload.layer import OffloadedMoE, expert_nbytes, link_layers
 from moekit.offload.online import CpuRate
 from moekit.offload.plan import MissPlan, plan_misses

@@ -1,7 +1,7 @@
 """``OffloadedMoE.measure_costs``: a layer's miss costs (``cost.MissCosts``), measured on its own paths.
 
-    link:      host -> GPU from pinned memory, large copies (``cost.measure_link_bandwidth``)
-    GPU read:  a large device copy (``cost.measure_read_bandwidth``)
+    link:      host -> GPU from pinned memory, large copies (``bandwidth.measure_link_bandwidth``)
+    GPU read:  a large device copy (``bandwidth.measure_read_bandwidth``)
     CPU:       the layer's whole CPU branch (``cpu_path.CpuPath``: staging in, the wait, the experts,
                the result's copy queued), host seconds, with the link busy as when fetches run beside it,
                on cold experts (no expert timed twice while E allows), the median of ``repeats``, over a
@@ -40,9 +40,8 @@ import torch
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
-from moekit.offload.cost import (
-    MissCosts, fit_cpu_grid, link_busy, margin_of, measure_link_bandwidth, measure_read_bandwidth,
-)
+from moekit.offload.bandwidth import link_busy, measure_link_bandwidth, measure_read_bandwidth
+from moekit.offload.cost import MissCosts, fit_cpu_grid, margin_of
 from moekit.offload.gpu_terms import FixedCosts, measure_terms
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing

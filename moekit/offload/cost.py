@@ -10,7 +10,8 @@ CPU, or split between the two.
                or, where the hits' reads cost less than a second call (``one_call``): F x fetch_one +
                (hits + F) x read_one, one call for both once the fetches land (then never dearer)
     CPU side:  cpu_margin x (cpu_step_s + sum over the CPU misses e of cpu_time(tokens_e))
-               (0 when no miss runs on the CPU: no staging either)
+               + F x issue_s                                       (the CPU branch starts once the host
+               (0 when no miss runs on the CPU: no staging either)  has issued the F fetches' copies)
     forward:   max(GPU side, CPU side)                                 (the two run at once)
     chosen by: forward + sum over the CPU experts of p x fetch_one     (they stay uncached: refetches;
                                                                        p: the chance one is touched again
@@ -37,13 +38,10 @@ and keeps it only where it beats fetching every miss (``gpu_only``) by ``hystere
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
-import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -68,6 +66,7 @@ class MissCosts:
     cpu_rows_s: tuple[tuple[int, float], ...] = ()  # (rows, CPU seconds per expert at that many rows), rows ascending (``cpu_time``)
     gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
     fetch_layer_s: float = 0.0  # the least a forward with any fetch takes over an all-hit one (``gpu_side_s``)
+    issue_s: float = 0.0  # host seconds to issue one fetched expert's copies, before the CPU branch can start
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
@@ -76,6 +75,8 @@ class MissCosts:
             raise ValueError(f"gpu_call_s must be >= 0, got {self.gpu_call_s!r}")
         if not self.fetch_layer_s >= 0.0:
             raise ValueError(f"fetch_layer_s must be >= 0, got {self.fetch_layer_s!r}")
+        if not self.issue_s >= 0.0:
+            raise ValueError(f"issue_s must be >= 0, got {self.issue_s!r}")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if self.refetch not in REFETCH:
@@ -132,7 +133,8 @@ class MissSplit:
     fetch: list[int]  # experts copied to the GPU
     cpu: list[int]  # experts computed on the CPU
     gpu_s: float  # predicted GPU side: the hits and ``fetch`` (their copies, then their compute)
-    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin`` (0: ``cpu`` empty)
+    cpu_s: float  # predicted CPU side: ``cpu_step_s`` and each of ``cpu``, times ``cpu_margin``, after ``fetch``'s
+    # issue (``issue_s`` each; 0: ``cpu`` empty)
     link_s: float  # the link's busy time for ``fetch`` alone
     refetch_s: float = 0.0  # the expected later cost of leaving ``cpu`` uncached (``split_misses``)
 
@@ -205,7 +207,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     with a of one class and b of the other on the CPU takes the a and b with the least CPU time
     (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts), so its leftmost minimum is found by bisection, for every b. The
+    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by bisection, for every b. The
     one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
     last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
     forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
@@ -221,43 +223,92 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     fetch_one = expert_bytes / costs.link_bytes_per_s
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
-    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
-                      key=lambda e: (costs.cpu_time(tokens[e]), tokens[e], e)) for hot in (False, True)]
+    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
+    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (times[tokens[e]], tokens[e], e))
+               for hot in (False, True)]
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
-    cum = [_cumulative([costs.cpu_time(tokens[e]) for e in c]) for c in classes]
-
-    gpu = [gpu_side_s(hits, f, expert_bytes, costs, True) for f in range(len(tokens) + 1)]  # by fetches, CPU busy
-
-    def sides(a: int, b: int) -> tuple[float, float, float]:
-        """(GPU side, CPU side, refetch) of a of the first class and b of the second on the CPU (a + b >= 1)."""
-        cpu_s = costs.cpu_margin * (costs.cpu_step_s + cum[0][a] + cum[1][b])
-        return gpu[len(tokens) - a - b], cpu_s, (a * charge[0] if a else 0.0) + (b * charge[1] if b else 0.0)
-
-    def cost(a: int, b: int) -> float:  # ``MissSplit.cost_s`` of ``split(a, b)``, without building it
-        gpu_s, cpu_s, refetch_s = sides(a, b)
-        return max(gpu_s, cpu_s) + refetch_s
-
+    prices = _Prices(len(tokens), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes], *charge,
+                     hits, expert_bytes)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    found = _cheapest(cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s)
+    found = _cheapest(prices.cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s, prices.bound_or_none())
     if found is None:
         return fetch_all
     a, b = found
     on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
-    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *sides(a, b)[:2],
-                     fetched * expert_bytes / fetch_rate(costs, True), sides(a, b)[2])
+    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *prices.sides(a, b),
+                     fetched * expert_bytes / fetch_rate(costs, True), prices.refetch(a, b))
     return best if best.cost_s <= (1.0 - costs.hysteresis) * fetch_all.cost_s else fetch_all
 
 
-def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[int, int] | None:
+@dataclass(frozen=True)
+class _Prices:
+    """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
+    classes' cumulative CPU times (``cum0``, ``cum1``), their per-expert refetch charges and the GPU side by
+    fetch count (``gpu_side_s`` with ``hits``, CPU busy; priced once per fetch count the search probes);
+    plain floats, no MissSplit built per probe."""
+
+    n: int  # misses
+    costs: MissCosts
+    cum0: list[float]
+    cum1: list[float]
+    charge0: float
+    charge1: float
+    hits: int
+    expert_bytes: int
+    gpu: dict = dataclasses.field(default_factory=dict)  # fetches -> GPU side, as probed
+
+    def sides(self, a: int, b: int) -> tuple[float, float]:
+        """(GPU side, CPU side)."""
+        c, f = self.costs, self.n - a - b
+        if f not in self.gpu:
+            self.gpu[f] = gpu_side_s(self.hits, f, self.expert_bytes, c, True)
+        return self.gpu[f], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
+            self.n - a - b) * c.issue_s
+
+    def refetch(self, a: int, b: int) -> float:
+        return (a * self.charge0 if a else 0.0) + (b * self.charge1 if b else 0.0)
+
+    def cost(self, a: int, b: int) -> float:
+        """``MissSplit.cost_s`` of the split, without building it."""
+        gpu_s, cpu_s = self.sides(a, b)
+        return (gpu_s if gpu_s > cpu_s else cpu_s) + self.refetch(a, b)
+
+    def bound(self, b: int) -> float:
+        """A lower bound of ``cost(a, b)`` over every a: its CPU side and refetch at a = 0, less every first-class
+        expert's issue (a's CPU time and refetch are >= 0, each of its experts takes one issue off)."""
+        c = self.costs
+        return c.cpu_margin * (c.cpu_step_s + self.cum1[b]) + (self.n - (len(self.cum0) - 1) - b) * c.issue_s + (
+            b * self.charge1 if b else 0.0)
+
+    def bound_or_none(self):
+        """``bound``, where it is nondecreasing in b: its steps are the second class's CPU times (ascending)
+        at the margin plus its charge less one issue, so from the least step on; else None."""
+        least = self.costs.cpu_margin * (self.cum1[1] if len(self.cum1) > 1 else 0.0) + self.charge1
+        return self.bound if least >= self.costs.issue_s else None
+
+
+def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None) -> tuple[int, int] | None:
     """``split_misses``' search: the cheapest (a, b) by ``cost(a, b)`` over a <= n0, b <= n1 (a + b >= 1), None
     where fetching every miss (``fetch_all_s``) costs no more; by bisection on each b's convex run of a;
     ``drop``: fetching nothing saves a second GPU call (or ``fetch_layer_s``), so that one point (a, b) =
     (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts, then fewer of the second class.
+    ``bound(b)``: a lower bound of cost(a, b) over every a, nondecreasing in b (or None): the runs stop at
+    the first b whose bound exceeds the best price so far (no later b can reach it).
     Prices are plain floats (a MissSplit, its sorted lists, is built once for the winner: at M = 32, 75
     misses a layer, building one per probe took 16 ms of host time a layer on a 2-core host)."""
     best, rank, found = fetch_all_s, (0, 0), None
-    candidates = [(n0, n1)] if drop else []
+
+    def offer(a: int, b: int) -> None:
+        nonlocal best, rank, found
+        c = cost(a, b)
+        if (c, a + b, b) < (best, *rank):
+            best, rank, found = c, (a + b, b), (a, b)
+
+    if drop:
+        offer(n0, n1)
     for b in range(n1 + 1):
+        if bound is not None and bound(b) > best * (1.0 + 1e-12):
+            break
         lo, hi = (1 if b == 0 else 0), n0 - (1 if drop and b == n1 else 0)  # a = b = 0: no CPU side at all
         if lo > hi:
             continue
@@ -267,11 +318,7 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float) -> tuple[i
                 lo = mid + 1
             else:
                 hi = mid
-        candidates.append((lo, b))
-    for a, b in candidates:
-        c = cost(a, b)
-        if (c, a + b, b) < (best, *rank):
-            best, rank, found = c, (a + b, b), (a, b)
+        offer(lo, b)
     return found
 
 
@@ -285,6 +332,24 @@ def cpu_cannot_win(tokens: dict[int, int], fetch_all_s: float, costs: MissCosts)
         return True
     floor = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(t) for t in set(tokens.values())))
     return floor > (1.0 - costs.hysteresis) * fetch_all_s
+
+
+def cpu_never_wins(touched: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
+    """True when ``cpu_cannot_win`` holds for every forward of at most ``touched`` experts with at most
+    ``rows`` rows an expert (a batch of M tokens: touched <= min(M x top-k, E), rows <= M): whatever its
+    hits and misses, "auto" fetches every miss, as "gpu" does. Sufficient, not necessary: the CPU side's
+    least price, ``cpu_margin`` x (``cpu_step_s`` + the least ``cpu_time`` over 1..``rows`` rows: at 1, at
+    ``rows`` or at a table point between, ``cpu_time`` being linear between them), against an upper bound
+    of ``gpu_only``'s cost over every split of ``touched`` into hits and F >= 1 fetches: T x read_one plus
+    the larger of ``fetch_layer_s`` and T x fetch_one + ``gpu_call_s`` (``gpu_side_s`` is a max of such
+    terms, each at most its value at T). O(table): "auto" asks it once per costs and M, not per forward."""
+    if touched < 1 or rows < 1:
+        return True
+    points = {1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}
+    cpu_least = costs.cpu_margin * (costs.cpu_step_s + min(costs.cpu_time(r) for r in points))
+    read_one, fetch_one = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
+    fetch_all = touched * read_one + max(costs.fetch_layer_s, touched * fetch_one + costs.gpu_call_s)
+    return cpu_least > (1.0 - costs.hysteresis) * fetch_all
 
 
 def fit_cpu_grid(timings: dict[tuple[int, int], float]) -> tuple[float, dict[int, float]]:
@@ -317,60 +382,6 @@ def _cumulative(values: list[float]) -> list[float]:
     for v in values:
         out.append(out[-1] + v)
     return out
-
-
-def measure_link_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Host -> ``device`` bytes/s from pinned memory, the best of ``repeats`` copies of ``nbytes``."""
-    device = torch.device(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
-def measure_read_bandwidth(device: torch.device | str, nbytes: int = 1 << 28, repeats: int = 3) -> float:
-    """Bytes/s ``device`` reads in a large device-to-device copy (each copied byte read once and written
-    once: 2 x ``nbytes`` over the best time), the rate an experts call streams cached weights at."""
-    device = torch.device(device)
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
-
-
-@contextlib.contextmanager
-def link_busy(device: torch.device | str, nbytes: int = 1 << 28, copies: int = 8) -> Iterator[None]:
-    """Keep the host -> ``device`` link busy while the body runs: ``copies`` copies of ``nbytes`` from
-    pinned memory queued on a side stream (about 40 ms at 55 GB/s), waited for on exit. CPU misses run
-    while fetches stream from host memory, so the CPU path is timed that way too. Nothing on the CPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        yield
-        return
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        for _ in range(copies):
-            dst.copy_(src, non_blocking=True)
-    try:
-        yield
-    finally:
-        stream.synchronize()
 
 
 def margin_of(timings: list[list[float]]) -> float:

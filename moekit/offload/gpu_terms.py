@@ -9,6 +9,8 @@ one code path for ``OffloadedMoE.measure_costs`` (``calibrate``: the terms "auto
                       copy's latency, the cache's work to evict and issue it, the host's calls; a max
                       with the link's time in the floor, not a sum)
     overlap_s:        how long before a layer's fixed work ends its copies start (``overlap_from``)
+    issue_s:          the host's time to issue one fetched expert's copies (``measure_issue``): the CPU
+                      branch of a forward starts once its fetches are issued
     prefetch_layer_s: a layer followed by one prefetch of the next layer's experts over the same layer
                       followed by none (``measure_forced(prefetch=True)``): the host's work to evict and
                       issue a prefetch batch (the same copy path as a fetch's), which a host-bound decode
@@ -43,10 +45,11 @@ class FixedCosts:
     fetch_layer_s: float = 0.0  # a forward with one fetch over an all-hit one, per layer (``fetch_layer_from``)
     overlap_s: float = 0.0  # how long before a layer's fixed work ends its copies start (``overlap_from``)
     prefetch_layer_s: float = 0.0  # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
+    issue_s: float = 0.0  # host seconds to issue one fetched expert's copies (``measure_issue``)
 
     def priced(self, costs: MissCosts) -> MissCosts:
-        """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``) set to these."""
-        return dataclasses.replace(costs, gpu_call_s=self.call_s, fetch_layer_s=self.fetch_layer_s)
+        """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``) set to these."""
+        return dataclasses.replace(costs, gpu_call_s=self.call_s, fetch_layer_s=self.fetch_layer_s, issue_s=self.issue_s)
 
 
 def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: MissCosts,
@@ -65,11 +68,32 @@ def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: Mi
     link_s = layers[0].cache.expert_bytes / costs.link_bytes_per_s
     fixed = dataclasses.replace(fixed, fetch_layer_s=fetch_layer_from(forced, len(layers)),
                                 overlap_s=overlap_from(forced[0], forced[every], fetched, len(layers), link_s,
-                                                       fixed.layer_s))
+                                                       fixed.layer_s), issue_s=measure_issue(layers[0], steps[0][0]))
     if len(layers) > 1:
         ahead = measure_forced(layers, x, steps, counts=(0, 1), repeats=forced_repeats, prefetch=True)
         fixed = dataclasses.replace(fixed, prefetch_layer_s=fetch_layer_from(ahead, len(layers) - 1))
     return fixed
+
+
+def measure_issue(layer, routing: Routing, repeats: int = 5) -> float:
+    """``FixedCosts.issue_s``: host seconds per expert of ``ExpertCache.ensure`` (the bookkeeping, one copy
+    per block, the batch's event: what the host does for a forward's fetches before its CPU branch can start)
+    on ``layer``, for every other expert of ``routing``'s touched set (no two adjacent ids: no shared copy
+    run, as a cell's scattered misses), evicted first; timed without a sync (the copies travel after), the
+    median over ``repeats``; 0 where none could be evicted."""
+    cache, times = layer.cache, []
+    experts = sorted(_touched(routing))[::2]
+    for _ in range(repeats):
+        _sync(cache.device)
+        evicted = cache.evict(layer.layer_id, experts)
+        if not evicted:
+            return 0.0
+        start = time.perf_counter()
+        cache.ensure(layer.layer_id, evicted, OffloadStats())
+        times.append((time.perf_counter() - start) / len(evicted))
+        cache.release(layer.layer_id, evicted)
+    _sync(cache.device)
+    return statistics.median(times)
 
 
 def fixed_from(step_s: list[float], hits_per_step: list[int], layers: int, expert_bytes: int,

@@ -41,7 +41,7 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, one_call
+from moekit.offload.cost import MissCosts, cpu_never_wins, one_call
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -113,7 +113,7 @@ class OffloadedMoE(MoE):
         layer.cache, layer.layer_id = cache, cache.register(*routed)
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward, layer.cpu_rate = admit_per_forward, cpu_rate
-        layer.last_stats, layer._last_touched, layer._next = OffloadStats(), [], []
+        layer.last_stats, layer._last_touched, layer._next, layer._never = OffloadStats(), [], [], (None, {})
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer
 
@@ -153,7 +153,7 @@ class OffloadedMoE(MoE):
         cache.mark("touched", self.layer_id)
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
-        plan = self._plan({m: tokens[m] for m in misses}, len(hits))
+        plan = self._plan({m: tokens[m] for m in misses}, len(hits), self._place(x2d.shape[0]))
         on_cpu, early = plan.cpu, self._cpu.options.admit_early
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
             staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
@@ -219,14 +219,30 @@ class OffloadedMoE(MoE):
         return call_backend(_cpu_experts_fn(gemm), x, w13, w2, ids, weights, activation=self.config.activation,
                             expert_map=cpu_map, b13=b13, b2=b2)
 
-    def _plan(self, tokens: dict[int, int], hits: int) -> MissPlan:
-        """Where this forward's misses (``tokens``: expert -> assignments) go (``plan.plan_forward``); the
-        costs are measured on first use when "auto" has none."""
-        if self.compute_misses_on == "auto" and self.costs is None and tokens:
+    def _place(self, m: int) -> str:
+        """The mode this forward of ``m`` tokens plans by: "gpu" for "auto" where no forward of m tokens can
+        send a miss to the CPU (``cost.cpu_never_wins``, asked once per costs and m), so it takes the gpu
+        path itself, no per-forward pricing on the host's path (at M = 1 on the H200 its CPU side's least
+        price is ~2x fetching all k experts); else ``compute_misses_on``."""
+        if self.compute_misses_on != "auto" or self.costs is None:
+            return self.compute_misses_on
+        costs = self.costs if self.cpu_rate is None else self.cpu_rate.apply(self.costs)
+        if self._never[0] is not costs:
+            self._never = (costs, {})
+        known = self._never[1]
+        if m not in known:
+            touched = min(m * self.config.top_k, self.config.num_experts)
+            known[m] = cpu_never_wins(touched, m, self.cache.expert_bytes, costs)
+        return "gpu" if known[m] else "auto"
+
+    def _plan(self, tokens: dict[int, int], hits: int, place: str) -> MissPlan:
+        """Where this forward's misses (``tokens``: expert -> assignments) go under ``place``
+        (``plan.plan_forward``); the costs are measured on first use when "auto" has none."""
+        if place == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
         costs = self.costs if self.cpu_rate is None or self.costs is None else self.cpu_rate.apply(self.costs)
-        return plan_forward(self.cache, self.layer_id, self.compute_misses_on, tokens, hits, self.cache.expert_bytes,
-                            costs, self.admit_per_forward)
+        return plan_forward(self.cache, self.layer_id, place, tokens, hits, self.cache.expert_bytes, costs,
+                            self.admit_per_forward)
 
     def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
                       batch: int = 1, warm: int | None = None) -> MissCosts:

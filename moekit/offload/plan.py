@@ -67,7 +67,8 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
     if costs is None:
         return 1
     fetch_one = expert_bytes / fetch_rate(costs, cpu_busy=True)  # admissions travel while the CPU computes
-    idle = max(split.cpu_s / costs.cpu_margin - split.link_s, 0.0)  # the model's CPU time, not the priced one
+    model_s = (split.cpu_s - len(split.fetch) * costs.issue_s) / costs.cpu_margin  # the model's CPU time, not the priced one
+    idle = max(model_s - split.link_s, 0.0)
     count = int(idle / fetch_one) if fetch_one > 0 else len(split.cpu)
     return count if split.fetch else max(count, 1)
 
