@@ -1,0 +1,213 @@
+"""The whole ``MoE`` layer eagerly (issue 13 item 4: host <= 60 µs per forward at decode sizes), beside its graph
+replay and the byte model's floor, and eager against graph bit for bit at every M.
+
+    PYTHONPATH=$PWD OUT=/tmp/lh2 python benchmarks/layer_host2_device_check.py [--budget-s 115]
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/layer_host2_device_check.py --smoke   (CPU: checks the script)
+
+Cells in ORDER until --budget-s (then the hard limit stops measuring):
+1. ``eq deepseek-v3 M=m`` (m = 5..8) with the one gate+router launch up to 8 rows for sigmoid/grouped plans
+   (``gate_route.MAX_TOKENS_SIGMOID = 8``; main: 4) and, with ``--limit-sigmoid`` unset, again at the shipped
+   limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph
+   (the gate kernel, then the router kernel); the routing of the one launch (``route_tokens`` with the kept
+   buffers) against the two launches (without): logits, ids, weights equal; the experts on the one launch's
+   routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph; the
+   eager layer twice (a nondeterministic reduction would show here).
+2. ``layer P M=m`` for Qwen3-30B-A3B, DeepSeek-V3 (shared expert fused), Mixtral-8x7B; bf16, no_grad, the
+   preset's full layer (backend triton, router auto), M in BATCHES: host µs per forward as ``moekit bench``
+   measures it (``time_eager``: 16 calls, one sync) split into the first call after the sync and the rest's
+   mean, eager wall µs per forward, graph replay µs, the floor (``moekit.analysis.roofline.batch_cost`` of the
+   routed experts on this run's measured ceilings, plus the fused shared expert's weights read at copy rate),
+   graph / floor, and eager against graph: equal.
+Look for: every ``eq`` column yes at limit 8 (then the limit can go back to 8); host rest <= 60 at M <= 8 for the
+three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to $OUT/layer_host2.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import host_align_device_check as ha
+import host_mid_device_check as hm
+from moekit import MoEConfig
+from moekit.analysis.formats import WeightFormat
+from moekit.analysis.roofline import batch_cost
+from moekit.bench.layer_measure import _ceilings
+from moekit.bench.timing import time_eager
+from moekit.layer import MoE
+from moekit.routing import Routing, gate_route
+from moekit.routing.routed import RoutedTokens
+
+PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
+BATCHES = (1, 2, 4, 8, 16, 64, 256)
+EQ_ROWS = (8, 5, 6, 7)
+SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
+
+
+class Run:
+    ceilings = None  # this run's measured copy bandwidth and matmul rate (GpuSpec)
+    router = "auto"  # "fused" in a smoke run: the CPU routes with the kernels only when asked (interpreted)
+
+
+def set_sigmoid_limit(rows: int, layer: MoE) -> None:
+    """The one launch's row limit for sigmoid/grouped plans, its kept decisions and the layer's kept calls dropped."""
+    gate_route.MAX_TOKENS_SIGMOID = rows
+    gate_route._BOUND.clear()
+    layer._decode.clear()
+
+
+def captured(fn):
+    """``fn`` captured in a CUDA graph (warmed on a side stream first) -> (graph, its output); CPU: (None, fn())."""
+    if hm.Run.device.type != "cuda":
+        return None, fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    hm.sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    hm.sync()
+    return graph, out
+
+
+def eq_cell(layer: MoE, m: int, limit: int) -> dict:
+    set_sigmoid_limit(limit, layer)
+    x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
+    fn = lambda: layer(x)  # noqa: E731
+    for _ in range(hm.Run.warm):
+        out = fn()
+    again = fn()
+    hm.sync()
+    one, two = layer.route_tokens(x, layer._route_ws), layer.route_tokens(x)
+    row = {"fast_path": m in layer._decode._entries, "one_launch": layer._decode._entries.get(m) is not None
+           and layer._decode._entries[m].bound is not None,
+           "eager_twice": torch.equal(out, again), "logits": torch.equal(one.router_logits, two.router_logits),
+           "ids": torch.equal(one.routing.topk_ids, two.routing.topk_ids),
+           "weights": torch.equal(one.routing.topk_weights, two.routing.topk_weights)}
+    ids, weights = one.routing.topk_ids.clone(), one.routing.topk_weights.clone()
+    routed = RoutedTokens(routing=Routing(topk_ids=ids, topk_weights=weights), dropped_count=None,
+                          router_logits=one.router_logits, router_ids=ids, top_k=layer.config.top_k)
+    experts = lambda: layer._experts_and_shared(x, routed)  # noqa: E731
+    plain = experts()
+    _, graphed_experts = captured(experts)
+    row["experts_eager_vs_layer"] = torch.equal(plain, out) if row["ids"] and row["weights"] else "routing differs"
+    row["experts_graph"] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed_experts, plain)
+    _, graphed = captured(fn)
+    row["layer_graph"] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
+    if row["layer_graph"] is False:
+        diff = (graphed.float() - out.float()).abs()
+        row["layer_graph_rel_diff"] = float(diff.max() / out.float().abs().max().clamp_min(1e-30))
+    set_sigmoid_limit(SHIPPED_SIGMOID, layer)
+    return row
+
+
+def floor_us(config: MoEConfig, m: int) -> float:
+    """The byte model's floor for the routed experts on this run's ceilings, plus the fused shared expert's
+    weights at the copy rate (the analysis models routed experts only)."""
+    fmt = WeightFormat("bfloat16", 16, 0.0, 1, next(iter(Run.ceilings.dense_tflops)))  # the CPU's: float32
+    routed = config.replace(shared_expert_intermediate_size=0, shared_expert_gate=False)
+    shared_bytes = 3 * config.hidden_size * config.shared_expert_intermediate_size * fmt.bytes_per_weight
+    cost = batch_cost(routed, m, fmt, Run.ceilings)
+    return (cost.time_floor_s + shared_bytes / Run.ceilings.bandwidth_bytes_s) * 1e6
+
+
+def layer_cell(layer: MoE, m: int) -> dict:
+    x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
+    fn = lambda: layer(x)  # noqa: E731
+    for _ in range(hm.Run.warm):
+        out = fn()
+    hm.sync()
+    t = time_eager([fn], hm.Run.device)
+    split = hm.loop_split([fn], "sync")
+    graph = hm.gpu_us(fn)
+    floor = floor_us(layer.config, m)
+    return {"fast_path": m in layer._decode._entries, "host": round(t.host_us, 2), "host_rest": round(t.host_rest_us, 2),
+            "first": split["first"], "rest": split["rest"], "eager": round(t.eager_us, 2), "graph_us": graph,
+            "floor": round(floor, 2), "graph_over_floor": round(graph / floor, 3), "graph_eq": hm.graph_equal(fn, out)}
+
+
+def layer_config(preset: str) -> MoEConfig:
+    return hm.layer_config(preset)
+
+
+def measure(a, start: float, results: dict) -> None:
+    """Preset by preset (DeepSeek-V3's equality cells first), cells until the budget is spent."""
+    Run.ceilings = _ceilings(hm.Run.device)
+    limits = [8] if a.limit_sigmoid else [8, SHIPPED_SIGMOID]
+    order = ["deepseek-v3"] + [p for p in a.presets if p != "deepseek-v3"] if "deepseek-v3" in a.presets else a.presets
+    with torch.no_grad():
+        for preset in order:
+            layer = MoE(layer_config(preset), backend="triton", router=Run.router, dtype=torch.bfloat16,
+                        device=hm.Run.device).eval()
+            if preset == "deepseek-v3":
+                for m in a.eq_rows:
+                    for limit in limits:
+                        ha.budgeted_cell(results, f"eq {preset} M={m} limit={limit}", start, a.budget_s,
+                                         lambda m=m, limit=limit: eq_cell(layer, m, limit))
+            for m in a.batches:
+                ha.budgeted_cell(results, f"layer {preset} M={m}", start, a.budget_s, lambda m=m: layer_cell(layer, m))
+            del layer
+            hm.free_memory()
+
+
+def _f(v, width: int = 7) -> str:
+    return f"{v:{width}.1f}" if isinstance(v, float) else f"{str(v):>{width}}"
+
+
+def table(results: dict) -> str:
+    lines = ["eq: eager layer vs its CUDA graph, one launch vs two (logits ids weights), experts on that routing "
+             "(eager = the layer's, graph), eager twice",
+             "layer: host = moekit bench's host_us; rest = calls after the first (target <= 60 at M <= 8); eager wall; "
+             "graph replay; floor; graph/floor (target <= 1.15)"]
+    for key, r in results.items():
+        if not isinstance(r, dict) or "skipped" in r or "error" in r:
+            lines.append(f"{key:34} {r}")
+        elif key.startswith("eq"):
+            cols = ("layer_graph", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice")
+            lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols)
+                         + f" one_launch={r['one_launch']}" + (f" rel={r['layer_graph_rel_diff']:.1e}"
+                                                                if "layer_graph_rel_diff" in r else ""))
+        else:
+            graph_eq = r["graph_eq"] if r["graph_eq"] == "cpu" else ha._yn(r["graph_eq"])
+            lines.append(f"{key:34} host {_f(r['host'])} rest {_f(r['rest'])} first {_f(r['first'])} eager "
+                         f"{_f(r['eager'])} graph {_f(r['graph_us'])} floor {_f(r['floor'])} g/f "
+                         f"{_f(r['graph_over_floor'], 5)} eq {graph_eq} fast {r['fast_path']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--budget-s", type=float, default=115.0, help="stop starting cells after this many seconds")
+    p.add_argument("--hard-limit-s", type=int, default=140, help="stop measuring at once after this many seconds")
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
+    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--eq-rows", nargs="*", type=int, default=list(EQ_ROWS))
+    p.add_argument("--limit-sigmoid", action="store_true", help="the eq cells at limit 8 only")
+    a = p.parse_args()
+    start = time.perf_counter()
+    if a.smoke:
+        hm.Run.device, hm.Run.scale, hm.Run.samples, hm.Run.loop_calls, hm.Run.warm = (
+            torch.device("cpu"), ha.SMOKE_SCALE, 1, 2, 2)
+        Run.router = "fused"
+        a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
+        if a.batches == list(BATCHES):
+            a.batches, a.eq_rows, a.presets, a.limit_sigmoid = [2], [8], ["deepseek-v3"], True
+    else:
+        hm.Run.device = torch.device("cuda", torch.cuda.current_device())
+    ha.Run.device = hm.Run.device
+    out_dir = Path(os.environ.get("OUT", "layer_host2_out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ha.run_with_hard_limit(a, start, out_dir / "layer_host2.json", lambda results: measure(a, start, results), table)
+
+
+if __name__ == "__main__":
+    main()
