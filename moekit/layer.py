@@ -20,7 +20,7 @@ budget, and combines with ``combine_contiguous`` / ``combine_masked``; ``triton`
 groups with ``align_block`` and combines in the down GEMM's epilogue and its k-sum kernel.
 ``MoEStats.layout`` says which layout a forward used. With ``eager_graph_rows`` set, small eager CUDA
 calls without autograd replay the whole pipeline from a CUDA graph per kind of call (``moekit.eager_graphs``);
-without, a repeated one of up to 64 tokens goes straight to its launches (``moekit.layer_fast``).
+without, a repeated one of up to 256 tokens goes straight to its launches (``moekit.layer_fast``).
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
 k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.

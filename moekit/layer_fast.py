@@ -41,7 +41,11 @@ from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.triton_bind import current_stream
 
 ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
-MAX_ROWS = 64  # decode-sized batches: above, a call's launches and GPU time dwarf the Python skipped here
+# Batches up to the memory-bound ones (issue 13: B <= 256). Above 8 rows an entry holds nothing the route workspace
+# does not keep already (its buffers, the router's bound launch), so a larger limit costs no memory; the CPU harness
+# (benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the fast path.
+# Above 256 rows a call's GPU time dwarfs the Python skipped here.
+MAX_ROWS = 256
 MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
 
 _grad = torch.is_grad_enabled

@@ -1,9 +1,9 @@
 """The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
-up to 64 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
+up to 256 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
 is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
 made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
 the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
-weight is served with the new values. Kinds it never keeps: more than 64 tokens, a gated shared expert."""
+weight is served with the new values. Kinds it never keeps: more than 256 tokens, a gated shared expert."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3, 8, 12])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 256])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_kinds_it_never_keeps(hits):
                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for _ in range(3):
-            layer(_x(65, 0)), gated(_x(1, 0))
+            layer(_x(layer_fast.MAX_ROWS + 1, 0)), gated(_x(1, 0))
     assert hits[0] == 0 and not layer._decode._entries and not gated._decode._entries
 
 
