@@ -4,7 +4,7 @@ replay and the byte model's floor, and eager against graph bit for bit at every 
     PYTHONPATH=$PWD OUT=/tmp/lh2 python benchmarks/layer_host2_device_check.py [--budget-s 115]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/layer_host2_device_check.py --smoke   (CPU: checks the script)
 
-Cells in ORDER until --budget-s (then the hard limit stops measuring):
+Cells by priority (``measure``) until --budget-s (then the hard limit stops measuring):
 1. ``eq deepseek-v3 M=m`` (m = 5..8) with the one gate+router launch up to 8 rows for sigmoid/grouped plans
    (``gate_route.MAX_TOKENS_SIGMOID = 8``; main: 4) and, with ``--limit-sigmoid`` unset, again at the shipped
    limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph
@@ -18,6 +18,8 @@ Cells in ORDER until --budget-s (then the hard limit stops measuring):
    mean, eager wall µs per forward, graph replay µs, the floor (``moekit.analysis.roofline.batch_cost`` of the
    routed experts on this run's measured ceilings, plus the fused shared expert's weights read at copy rate),
    graph / floor, and eager against graph: equal.
+3. ``parts P M=m`` (M in PARTS_AT): the fast path's pieces, host µs each (``parts_cell``): where the layer's
+   microseconds go on the device's host.
 Look for: every ``eq`` column yes at limit 8 (then the limit can go back to 8); host rest <= 60 at M <= 8 for the
 three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to $OUT/layer_host2.json.
 """
@@ -45,6 +47,7 @@ from moekit.routing.routed import RoutedTokens
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
+PARTS_AT = (1, 8, 256)  # the fast path's pieces timed apart
 SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
 
 
@@ -134,28 +137,56 @@ def layer_cell(layer: MoE, m: int) -> dict:
             "floor": round(floor, 2), "graph_over_floor": round(graph / floor, 3), "graph_eq": hm.graph_equal(fn, out)}
 
 
-def layer_config(preset: str) -> MoEConfig:
-    return hm.layer_config(preset)
+def parts_cell(layer: MoE, m: int) -> dict:
+    """Host µs per call (back to back, the calls after a loop's first) of the layer's pieces on its decode fast
+    path: the whole ``layer(x)``, ``forward`` (no ``nn.Module.__call__``), ``DecodeFast`` (no forward checks), the
+    gate + router (the one bound launch, or ``MoE._gate`` / ``torch.mm`` and the router's bound launch), the
+    experts' fast path, and ``torch.empty_like`` (one allocation) as a yardstick."""
+    x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
+    for _ in range(hm.Run.warm):
+        layer(x)
+    entry = layer._decode._entries.get(m)
+    if entry is None:
+        return {"skipped": "no fast-path entry"}
+    w, bias, buffers = layer.gate.weight, layer.e_score_correction_bias, entry.buffers
+    if entry.bound is not None:
+        route = lambda: entry.bound(x, w, None, bias, None, buffers)  # noqa: E731
+    elif m <= gate_route.MAX_TOKENS:
+        route = lambda: (layer._gate(x, w, None, buffers.logits),  # noqa: E731
+                         entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights)))
+    else:
+        route = lambda: (torch.mm(x, w.t(), out=buffers.logits),  # noqa: E731
+                         entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights)))
+    fns = {"layer": lambda: layer(x), "forward": lambda: layer.forward(x), "decode": lambda: layer._decode(layer, x),
+           "route": route, "empty_like": lambda: torch.empty_like(x)}
+    if entry.fast is not None:
+        fns["experts"] = lambda: entry.fast(x, layer.w13, layer.w2, buffers.ids, buffers.weights, entry.activation)
+    row = {name: hm.loop_split([fn], "sync")["rest"] for name, fn in fns.items()}
+    row["launches"] = "one" if entry.bound is not None else "gate+router"
+    return row
+
+
+FIRST = (8, 1)  # decode sizes measured for every preset before the other batches
 
 
 def measure(a, start: float, results: dict) -> None:
-    """Preset by preset (DeepSeek-V3's equality cells first), cells until the budget is spent."""
+    """Every preset's layer built first (~27 GB at full size), then cells by priority until the budget is spent:
+    DeepSeek-V3's equality cells, the layer and its parts at FIRST for each preset, then the other batches."""
     Run.ceilings = _ceilings(hm.Run.device)
     limits = [8] if a.limit_sigmoid else [8, SHIPPED_SIGMOID]
-    order = ["deepseek-v3"] + [p for p in a.presets if p != "deepseek-v3"] if "deepseek-v3" in a.presets else a.presets
     with torch.no_grad():
-        for preset in order:
-            layer = MoE(layer_config(preset), backend="triton", router=Run.router, dtype=torch.bfloat16,
-                        device=hm.Run.device).eval()
-            if preset == "deepseek-v3":
-                for m in a.eq_rows:
-                    for limit in limits:
-                        ha.budgeted_cell(results, f"eq {preset} M={m} limit={limit}", start, a.budget_s,
-                                         lambda m=m, limit=limit: eq_cell(layer, m, limit))
-            for m in a.batches:
-                ha.budgeted_cell(results, f"layer {preset} M={m}", start, a.budget_s, lambda m=m: layer_cell(layer, m))
-            del layer
-            hm.free_memory()
+        layers = {p: MoE(hm.layer_config(p), backend="triton", router=Run.router, dtype=torch.bfloat16,
+                         device=hm.Run.device).eval() for p in a.presets}
+        cells = [(f"eq deepseek-v3 M={m} limit={limit}", lambda m=m, limit=limit: eq_cell(layers["deepseek-v3"], m, limit))
+                 for m in (a.eq_rows if "deepseek-v3" in layers else ()) for limit in limits]
+        for first in (True, False):
+            for p, layer in layers.items():
+                cells += [(f"layer {p} M={m}", lambda m=m, layer=layer: layer_cell(layer, m))
+                          for m in a.batches if (m in FIRST) == first]
+                cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: parts_cell(layer, m))
+                          for m in a.parts_at if (m in FIRST) == first]
+        for key, cell in cells:
+            ha.budgeted_cell(results, key, start, a.budget_s, cell)
 
 
 def _f(v, width: int = 7) -> str:
@@ -170,6 +201,8 @@ def table(results: dict) -> str:
     for key, r in results.items():
         if not isinstance(r, dict) or "skipped" in r or "error" in r:
             lines.append(f"{key:34} {r}")
+        elif key.startswith("parts"):
+            lines.append(f"{key:34} " + " ".join(f"{k} {_f(v, 5)}" for k, v in r.items()))
         elif key.startswith("eq"):
             cols = ("layer_graph", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice")
             lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols)
@@ -191,6 +224,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     p.add_argument("--eq-rows", nargs="*", type=int, default=list(EQ_ROWS))
+    p.add_argument("--parts-at", nargs="*", type=int, default=list(PARTS_AT))
     p.add_argument("--limit-sigmoid", action="store_true", help="the eq cells at limit 8 only")
     a = p.parse_args()
     start = time.perf_counter()
@@ -200,7 +234,7 @@ def main() -> None:
         Run.router = "fused"
         a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
         if a.batches == list(BATCHES):
-            a.batches, a.eq_rows, a.presets, a.limit_sigmoid = [2], [8], ["deepseek-v3"], True
+            a.batches, a.eq_rows, a.presets, a.limit_sigmoid, a.parts_at = [2], [8], ["deepseek-v3"], True, [2]
     else:
         hm.Run.device = torch.device("cuda", torch.cuda.current_device())
     ha.Run.device = hm.Run.device

@@ -225,3 +225,35 @@ def test_switch_off_never_serves(hits, monkeypatch):
         for seed in range(3):
             assert torch.equal(layer(_x(1, seed)), full(_x(1, seed)))
     assert hits[0] == 0
+
+
+def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
+    """The experts' kept call (``triton_fast.KeptCall``): it serves the repeated calls; an in-place update of w13
+    misses it once (the layer's own experts call runs, with the new values) and a retune's clear too; on the
+    next call it finds the entry the full path kept since and serves again. Outputs equal full's throughout."""
+    from moekit.experts import triton_fast
+
+    served = [0]
+    real = triton_fast.KeptCall.__call__
+
+    def counted(self, *args):
+        out = real(self, *args)
+        served[0] += out is not None
+        return out
+
+    monkeypatch.setattr(triton_fast.KeptCall, "__call__", counted)
+    layer, full = _pair("grouped_shared")
+
+    def run(seed: int) -> int:
+        before = served[0]
+        x = _x(3, seed)
+        assert torch.equal(layer(x), full(x))
+        return served[0] - before
+
+    with torch.no_grad():
+        assert [run(s) for s in range(3)] == [0, 1, 1]  # the first call keeps
+        layer.w13.mul_(2), full.w13.mul_(2)
+        assert [run(s) for s in range(3)] == [0, 1, 1]
+        triton_fast.clear_fast()
+        assert [run(s) for s in range(3)] == [0, 1, 1]
+    assert hits[0] == 8
