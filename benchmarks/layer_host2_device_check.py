@@ -141,7 +141,8 @@ def parts_cell(layer: MoE, m: int) -> dict:
     """Host µs per call (back to back, the calls after a loop's first) of the layer's pieces on its decode fast
     path: the whole ``layer(x)``, ``forward`` (no ``nn.Module.__call__``), ``DecodeFast`` (no forward checks), the
     gate + router (the one bound launch, or ``MoE._gate`` / ``torch.mm`` and the router's bound launch), the
-    experts' fast path, and ``torch.empty_like`` (one allocation) as a yardstick."""
+    experts' kept call (what the path runs) and the backend's fast path (its own checks: the kept call's saving),
+    and ``torch.empty_like`` (one allocation) as a yardstick."""
     x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
     for _ in range(hm.Run.warm):
         layer(x)
@@ -159,8 +160,10 @@ def parts_cell(layer: MoE, m: int) -> dict:
                          entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights)))
     fns = {"layer": lambda: layer(x), "forward": lambda: layer.forward(x), "decode": lambda: layer._decode(layer, x),
            "route": route, "empty_like": lambda: torch.empty_like(x)}
-    if entry.fast is not None:
-        fns["experts"] = lambda: entry.fast(x, layer.w13, layer.w2, buffers.ids, buffers.weights, entry.activation)
+    if entry.kept is not None:  # what the fast path runs (triton_fast.KeptCall)
+        fns["experts"] = lambda: entry.kept(x, layer.w13, layer.w2, buffers.ids, buffers.weights)
+    if entry.fast is not None:  # the backend's fast path with its own checks (before the kept call)
+        fns["experts_fast"] = lambda: entry.fast(x, layer.w13, layer.w2, buffers.ids, buffers.weights, entry.activation)
     row = {name: hm.loop_split([fn], "sync")["rest"] for name, fn in fns.items()}
     row["launches"] = "one" if entry.bound is not None else "gate+router"
     return row
@@ -222,7 +225,7 @@ def main() -> None:
     p.add_argument("--hard-limit-s", type=int, default=140, help="stop measuring at once after this many seconds")
     p.add_argument("--smoke", action="store_true", help="CPU interpreter (TRITON_INTERPRET=1), tiny shapes")
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
-    p.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    p.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
     p.add_argument("--eq-rows", nargs="*", type=int, default=list(EQ_ROWS))
     p.add_argument("--parts-at", nargs="*", type=int, default=list(PARTS_AT))
     p.add_argument("--limit-sigmoid", action="store_true", help="the eq cells at limit 8 only")
