@@ -10,8 +10,9 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph
    (the gate kernel, then the router kernel); the routing of the one launch (``route_tokens`` with the kept
    buffers) against the two launches (without): logits, ids, weights equal; the experts on the one launch's
-   routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph; the
-   eager layer twice (a nondeterministic reduction would show here).
+   routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
+   shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
+   (a nondeterministic reduction would show here).
 2. ``layer P M=m`` for Qwen3-30B-A3B, DeepSeek-V3 (shared expert fused), Mixtral-8x7B; bf16, no_grad, the
    preset's full layer (backend triton, router auto), M in BATCHES: host µs per forward as ``moekit bench``
    measures it (``time_eager``: 16 calls, one sync) split into the first call after the sync and the rest's
@@ -40,6 +41,8 @@ from moekit.analysis.formats import WeightFormat
 from moekit.analysis.roofline import batch_cost
 from moekit.bench.layer_measure import _ceilings
 from moekit.bench.timing import time_eager
+from moekit.experts.triton import experts_triton
+from moekit.experts.triton_launch import LaunchOptions
 from moekit.layer import MoE
 from moekit.routing import Routing, gate_route
 from moekit.routing.routed import RoutedTokens
@@ -49,6 +52,9 @@ BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
 PARTS_AT = (1, 8, 256)  # the fast path's pieces timed apart
 SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
+# the experts' eager variants the eq cells compare with the layer's experts call: the k-sum as its own launch (what
+# a graph capture runs), the alignment folded into gate-up up to 128 assignments (DeepSeek-V3's 9 slots x 8 rows = 72)
+VARIANTS = {"ksum_separate": LaunchOptions(sum_fold_max=0), "align_fold128": LaunchOptions(align_fold_max=128)}
 
 
 class Run:
@@ -103,6 +109,12 @@ def eq_cell(layer: MoE, m: int, limit: int) -> dict:
     _, graphed_experts = captured(experts)
     row["experts_eager_vs_layer"] = torch.equal(plain, out) if row["ids"] and row["weights"] else "routing differs"
     row["experts_graph"] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed_experts, plain)
+    if layer.shared_w13 is None:  # the experts alone, eager, on that routing: the k-sum folded or not, the alignment
+        w13, w2 = layer.w13, layer.w2  # folded at these rows or not (what the graph path may run differently)
+        for name, options in VARIANTS.items():
+            for _ in range(2):
+                got = experts_triton(x, w13, w2, ids, weights, options=options)
+            row[name] = torch.equal(got, plain)
     _, graphed = captured(fn)
     row["layer_graph"] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
     if row["layer_graph"] is False:
@@ -207,8 +219,10 @@ def table(results: dict) -> str:
         elif key.startswith("parts"):
             lines.append(f"{key:34} " + " ".join(f"{k} {_f(v, 5)}" for k, v in r.items()))
         elif key.startswith("eq"):
-            cols = ("layer_graph", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice")
-            lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols)
+            cols = ("layer_graph", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice",
+                    *VARIANTS)
+            lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols
+                                                 if c in r)
                          + f" one_launch={r['one_launch']}" + (f" rel={r['layer_graph_rel_diff']:.1e}"
                                                                 if "layer_graph_rel_diff" in r else ""))
         else:
