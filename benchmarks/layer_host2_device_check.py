@@ -50,7 +50,7 @@ from moekit.routing.routed import RoutedTokens
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
-PARTS_AT = (1, 8, 256)  # the fast path's pieces timed apart
+PARTS_AT = (1, 8, 64, 256)  # the fast path's pieces timed apart
 SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
 # the experts' eager variants the eq cells compare with the layer's experts call: the k-sum as its own launch (what
 # a graph capture runs), the alignment folded into gate-up up to 128 assignments (DeepSeek-V3's 9 slots x 8 rows = 72)
