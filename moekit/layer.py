@@ -270,6 +270,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
+        if not return_stats and self.eager_graphs is None:  # a repeated decode call of a plain 2-D x, straight to
+            out = self._decode(self, x)  # its launches (moekit.layer_fast: a hit implies the checks below), or None
+            if out is not None:
+                return out
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -281,7 +285,7 @@ class MoE(nn.Module):
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
             own = not return_stats and self._fused_router is not None and self._plain_routing
-            out = self._decode(self, x2d) if own else None  # a repeated decode call (moekit.layer_fast), or None
+            out = self._decode(self, x2d) if own and not flat else None  # a flattened x's repeated decode call, or None
         if out is None:
             routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]

@@ -12,12 +12,13 @@ launches, past ``route_tokens`` and the experts step's generic code.
       the backend's fast path (its own checks)]
 
 What a hit checks (else the full forward runs): no autograd (grad mode off), nothing compiling or tracing, no
-dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor [M, K], contiguous, 16-byte
-aligned, of the entry's dtype and device, on its stream and thread;
+dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor [M, K] (the forward's own
+checks, which it tries this before), contiguous, 16-byte aligned, of the entry's dtype and device, on its
+stream and thread;
 the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors (weakly held) and the first
 three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the
-router, gate+router function, experts function, route workspace, config, capacity factor (None) the same
-objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves); w13 and
+router, gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs
+(None) the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves); w13 and
 w2 as the same tensors here, their versions, addresses and layouts by the kept call (an in-place update, a
 move: it misses, and the experts run through ``MoE._experts_call`` on the routing just made). Outputs are the full forward's bit for bit: the
 same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
@@ -76,11 +77,11 @@ def _spec(t) -> tuple | None:
 class _Entry:
     """One kept kind of decode call."""
 
-    __slots__ = ("dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
+    __slots__ = ("hidden", "dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
                  "bound", "route", "fast", "kept", "activation", "append_shared", "cuda")
 
     def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, append_shared: bool):
-        self.dtype, self.device, self.device_index = x2d.dtype, x2d.device, x2d.get_device()
+        self.hidden, self.dtype, self.device, self.device_index = x2d.shape[1], x2d.dtype, x2d.device, x2d.get_device()
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
         self.thread = get_ident()
@@ -104,7 +105,7 @@ def _objects(layer) -> tuple:
     """What else the forward's path depends on, compared by identity."""
     d = layer.__dict__
     return (d["_fused_router"], d["_gate_route"], d["_experts_fn"], d["_route_ws"], d["config"], d["capacity_factor"],
-            d["fuse_shared"], d["_plain_routing"])
+            d["fuse_shared"], d["_plain_routing"], d["eager_graphs"])
 
 
 class DecodeFast:
@@ -119,12 +120,16 @@ class DecodeFast:
         self._entries.clear()
 
     def __call__(self, layer, x2d: torch.Tensor) -> torch.Tensor | None:
-        """out [M, K] of a repeated decode call, or None (the caller runs the full forward)."""
-        entry = self._entries.get(x2d.shape[0])
+        """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``: what the caller
+        was given (``MoE.forward`` tries this first): anything but a plain 2-D tensor of a kept kind misses here."""
+        if x2d.__class__ is not torch.Tensor or x2d.dim() != 2:
+            return None
+        shape = x2d.shape
+        entry = self._entries.get(shape[0])
         if entry is None or not ENABLED or _grad() or _compiling() or _dispatching() or _tracing() or _transforming():
             return None
-        if (x2d.__class__ is not torch.Tensor or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index or not x2d.is_contiguous()
-                or x2d.data_ptr() & 15 or get_ident() != entry.thread):
+        if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
+                or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread):
             return None
         if entry.cuda and (_capturing() or current_stream() != entry.stream):
             return None
