@@ -257,3 +257,20 @@ def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
         triton_fast.clear_fast()
         assert [run(s) for s in range(3)] == [0, 1, 1]
     assert hits[0] == 8
+
+
+def test_forward_tries_it_first_and_still_refuses_bad_input(hits):
+    """``MoE.forward`` tries the fast path before its own checks: with an entry kept for M = 2, a bad x still
+    raises forward's errors, and a 3-D x of the same tokens is served after the reshape, equal to full's."""
+    layer, full = _pair("softmax")
+    x = _x(2, 0)
+    with torch.no_grad():
+        layer(x), layer(x)
+        assert hits[0] == 1
+        with pytest.raises(ValueError, match="hidden_size"):
+            layer(torch.randn(2, K + 8).bfloat16())
+        with pytest.raises(TypeError, match="floating-point"):
+            layer(torch.ones(2, K, dtype=torch.int32))
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            layer(x.tolist())
+        assert torch.equal(layer(x[None]), full(x[None])) and hits[0] == 2
