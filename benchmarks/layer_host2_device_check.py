@@ -7,9 +7,10 @@ replay and the byte model's floor, and eager against graph bit for bit at every 
 Cells by priority (``measure``) until --budget-s (then the hard limit stops measuring):
 1. ``eq deepseek-v3 M=m`` (m = 5..8) with the one gate+router launch up to 8 rows for sigmoid/grouped plans
    (``gate_route.MAX_TOKENS_SIGMOID = 8``; main: 4) and, with ``--limit-sigmoid`` unset, again at the shipped
-   limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph
-   (the gate kernel, then the router kernel); the routing of the one launch (``route_tokens`` with the kept
-   buffers) against the two launches (without): logits, ids, weights equal; the experts on the one launch's
+   limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph,
+   the capture's routing the one launch into fresh buffers (``gate_route.FRESH``, this branch: ``layer_graph``)
+   or the gate kernel, then the router kernel (main: ``layer_graph_two``); the routing of the one launch
+   (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
    routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
    shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
    (a nondeterministic reduction would show here).
@@ -18,7 +19,8 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    measures it (``time_eager``: 16 calls, one sync) split into the first call after the sync and the rest's
    mean, eager wall µs per forward, graph replay µs, the floor (``moekit.analysis.roofline.batch_cost`` of the
    routed experts on this run's measured ceilings, plus the fused shared expert's weights read at copy rate),
-   graph / floor, and eager against graph: equal.
+   graph / floor, and eager against graph: equal; at M <= 8 the graph also with the gate kernel and the router's
+   launch captured instead of the one launch (``graph_two``: main's capture).
 3. ``parts P M=m`` (M in PARTS_AT): the fast path's pieces, host µs each (``parts_cell``): where the layer's
    microseconds go on the device's host.
 Look for: every ``eq`` column yes at limit 8 (then the limit can go back to 8); host rest <= 60 at M <= 8 for the
@@ -52,6 +54,7 @@ BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
 PARTS_AT = (1, 8, 64, 256)  # the fast path's pieces timed apart
 SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
+SHIPPED_FRESH = gate_route.FRESH
 # the experts' eager variants the eq cells compare with the layer's experts call: the k-sum as its own launch (what
 # a graph capture runs), the alignment folded into gate-up up to 128 assignments (DeepSeek-V3's 9 slots x 8 rows = 72)
 VARIANTS = {"ksum_separate": LaunchOptions(sum_fold_max=0), "align_fold128": LaunchOptions(align_fold_max=128)}
@@ -67,6 +70,16 @@ def set_sigmoid_limit(rows: int, layer: MoE) -> None:
     gate_route.MAX_TOKENS_SIGMOID = rows
     gate_route._BOUND.clear()
     layer._decode.clear()
+
+
+class fresh_off:
+    """Calls without kept buffers (captures, stats) route with the gate kernel and the router's launch meanwhile."""
+
+    def __enter__(self):
+        gate_route.FRESH = False
+
+    def __exit__(self, *exc):
+        gate_route.FRESH = SHIPPED_FRESH
 
 
 def captured(fn):
@@ -95,7 +108,9 @@ def eq_cell(layer: MoE, m: int, limit: int) -> dict:
         out = fn()
     again = fn()
     hm.sync()
-    one, two = layer.route_tokens(x, layer._route_ws), layer.route_tokens(x)
+    one = layer.route_tokens(x, layer._route_ws)
+    with fresh_off():
+        two = layer.route_tokens(x)  # the gate kernel, then the router's launch
     row = {"fast_path": m in layer._decode._entries, "one_launch": layer._decode._entries.get(m) is not None
            and layer._decode._entries[m].bound is not None,
            "eager_twice": torch.equal(out, again), "logits": torch.equal(one.router_logits, two.router_logits),
@@ -121,11 +136,14 @@ def eq_cell(layer: MoE, m: int, limit: int) -> dict:
         if m == max(EQ_ROWS) and limit == 8:
             call = lambda: experts_triton(x, w13, w2, ids, weights)  # noqa: E731
             row["default_gpu_host"] = (hm.gpu_us(call), hm.loop_split([call], "sync")["rest"])
-    _, graphed = captured(fn)
-    row["layer_graph"] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
-    if row["layer_graph"] is False:
-        diff = (graphed.float() - out.float()).abs()
-        row["layer_graph_rel_diff"] = float(diff.max() / out.float().abs().max().clamp_min(1e-30))
+    for name, fresh in (("layer_graph", SHIPPED_FRESH), ("layer_graph_two", False)):  # the capture's gate + router:
+        gate_route.FRESH = fresh  # the one launch into fresh buffers (shipped), or the gate kernel and the router
+        _, graphed = captured(fn)
+        gate_route.FRESH = SHIPPED_FRESH
+        row[name] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
+        if row[name] is False:
+            diff = (graphed.float() - out.float()).abs()
+            row[f"{name}_rel_diff"] = float(diff.max() / out.float().abs().max().clamp_min(1e-30))
     set_sigmoid_limit(SHIPPED_SIGMOID, layer)
     return row
 
@@ -150,7 +168,11 @@ def layer_cell(layer: MoE, m: int) -> dict:
     split = hm.loop_split([fn], "sync")
     graph = hm.gpu_us(fn)
     floor = floor_us(layer.config, m)
-    return {"fast_path": m in layer._decode._entries, "host": round(t.host_us, 2), "host_rest": round(t.host_rest_us, 2),
+    extra = {}
+    if m <= gate_route.MAX_TOKENS:  # the capture with the gate kernel and the router's launch instead of the one
+        with fresh_off():
+            extra = {"graph_two_us": hm.gpu_us(fn), "graph_two_eq": hm.graph_equal(fn, out)}
+    return {**extra, "fast_path": m in layer._decode._entries, "host": round(t.host_us, 2), "host_rest": round(t.host_rest_us, 2),
             "first": split["first"], "rest": split["rest"], "eager": round(t.eager_us, 2), "graph_us": graph,
             "floor": round(floor, 2), "graph_over_floor": round(graph / floor, 3), "graph_eq": hm.graph_equal(fn, out)}
 
@@ -225,18 +247,19 @@ def table(results: dict) -> str:
         elif key.startswith("parts"):
             lines.append(f"{key:34} " + " ".join(f"{k} {_f(v, 5)}" for k, v in r.items()))
         elif key.startswith("eq"):
-            cols = ("layer_graph", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice",
+            cols = ("layer_graph", "layer_graph_two", "logits", "ids", "weights", "experts_eager_vs_layer", "experts_graph", "eager_twice",
                     *VARIANTS)
             lines.append(f"{key:34} " + " ".join(f"{c}={ha._yn(r[c]) if isinstance(r[c], bool) else r[c]}" for c in cols
                                                  if c in r)
                          + "".join(f" {k}={v}" for k, v in r.items() if k.endswith("_gpu_host"))
-                         + f" one_launch={r['one_launch']}" + (f" rel={r['layer_graph_rel_diff']:.1e}"
-                                                                if "layer_graph_rel_diff" in r else ""))
+                         + f" one_launch={r['one_launch']}" + "".join(f" {k}={v:.1e}" for k, v in r.items()
+                                                                      if k.endswith("rel_diff")))
         else:
             graph_eq = r["graph_eq"] if r["graph_eq"] == "cpu" else ha._yn(r["graph_eq"])
+            two = "" if "graph_two_us" not in r else f" | two launches: graph {_f(r['graph_two_us'])} eq {r['graph_two_eq']}"
             lines.append(f"{key:34} host {_f(r['host'])} rest {_f(r['rest'])} first {_f(r['first'])} eager "
                          f"{_f(r['eager'])} graph {_f(r['graph_us'])} floor {_f(r['floor'])} g/f "
-                         f"{_f(r['graph_over_floor'], 5)} eq {graph_eq} fast {r['fast_path']}")
+                         f"{_f(r['graph_over_floor'], 5)} eq {graph_eq} fast {r['fast_path']}{two}")
     return "\n".join(lines)
 
 

@@ -11,8 +11,10 @@ the same code as ``gate_kernel`` and ``route_kernel``, so the results are those 
 Torch twin: ``F.linear`` then ``moekit.routing.route`` (the tests check both).
 
 Only where the two launches would run on the kernels anyway (``moekit.routing.gate``'s conditions, the
-fused router's plan) and with kept buffers (``moekit.routing.workspace``), whose counter no other launch
-shares: a kind of call is keyed by its stream and thread there. ``gate_route`` returns None elsewhere.
+fused router's plan) and with buffers of the call's own (``moekit.routing.workspace``: kept ones, keyed by
+stream and thread, or fresh ones for a CUDA graph capture or a call that returns its routing), whose counter
+no other launch shares. ``gate_route`` returns None elsewhere. ``MoE`` takes it on every path that can (eager,
+captured, with stats), so they all compute the same bits.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -35,6 +37,10 @@ MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kerne
 # Mixtral) were bit-equal at 8 rows.
 MAX_TOKENS_SIGMOID = 4
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
+# Whether ``MoE.route_tokens`` without kept buffers (a CUDA graph capture, a call with stats) takes the one launch
+# too, into fresh buffers (else the gate kernel and the router's launch): the A/B switch of
+# ``benchmarks/layer_host2_device_check.py``.
+FRESH = True
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
 
@@ -97,8 +103,7 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
     launch, the logits in ``buffers.logits`` and the routing in ``buffers.ids`` / ``buffers.weights``; None
     where it does not apply (the caller runs the two steps). The caller vouches that ``buffers`` are this
     kind of call's own (``RouteWorkspace.get`` for x's rows, the router dtype and k(+S) slots)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))):
+    if not runs(x, weight, linear_bias):
         return None
     bound = bound_launch(router, x, weight, linear_bias, correction_bias, shared_gate_logits, append_shared, buffers)
     if bound is None:
@@ -112,6 +117,18 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
     # As FusedRouter: with nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
     masked = None if bound.check_finite else (~torch.isfinite(buffers.logits).any(dim=1)).sum()
     return Routing(topk_ids=buffers.ids, topk_weights=buffers.weights, masked_tokens=masked)
+
+
+def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> bool:
+    """Whether ``gate_route`` may launch at all for these tensors: nothing compiling, no autograd graph to record
+    (the caller's check before it makes buffers for the call, ``moekit.routing.workspace.fresh_buffers``)."""
+    return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad)))
+
+
+def wants_fresh(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> bool:
+    """Whether a call without kept buffers should make fresh ones for the one launch (``FRESH`` and ``runs``)."""
+    return FRESH and runs(x, weight, linear_bias)
 
 
 def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
