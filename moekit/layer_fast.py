@@ -16,12 +16,12 @@ dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor 
 checks, which it tries this before), contiguous, 16-byte aligned, of the entry's dtype and device, on its
 stream and thread;
 the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors (weakly held) and the first
-three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the
-router, gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs
-(None) the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves); w13 and
-w2 as the same tensors here, their versions, addresses and layouts by the kept call (an in-place update, a
-move: it misses, and the experts run through ``MoE._experts_call`` on the routing just made). Outputs are the full forward's bit for bit: the
-same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
+three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the router,
+gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs (None)
+the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves);
+w13 and w2 as the same tensors here, their versions, addresses and layouts by the kept call (an in-place
+update, a move: it misses, and the experts run through ``MoE._experts_call`` on the routing just made).
+Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
 call), a separate shared MLP, expert biases, a router dtype other than x's and the gate weight's, capacity
 dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
