@@ -5,12 +5,11 @@ replay and the byte model's floor, and eager against graph bit for bit at every 
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/layer_host2_device_check.py --smoke   (CPU: checks the script)
 
 Cells by priority (``measure``) until --budget-s (then the hard limit stops measuring):
-1. ``eq deepseek-v3 M=m`` (m = 5..8) with the one gate+router launch up to 8 rows for sigmoid/grouped plans
-   (``gate_route.MAX_TOKENS_SIGMOID = 8``; main: 4) and, with ``--limit-sigmoid`` unset, again at the shipped
-   limit: the layer's eager output (the decode fast path) against the same forward captured in a CUDA graph,
-   the capture's routing the one launch into fresh buffers (``gate_route.FRESH``, this branch: ``layer_graph``)
-   or the gate kernel, then the router kernel (main: ``layer_graph_two``); the routing of the one launch
-   (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
+1. ``eq deepseek-v3 M=m`` (m = 5..8; the one gate+router launch up to 8 rows for every plan, main: 4 for
+   sigmoid/grouped ones): the layer's eager output (the decode fast path) against the same forward captured in a
+   CUDA graph, the capture's routing as shipped (the one launch into fresh buffers from ``gate_route.SPLIT_ROWS``
+   rows: ``layer_graph``) or the gate kernel, then the router kernel (``layer_graph_two``); the routing of the one
+   launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
    routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
    shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
    (a nondeterministic reduction would show here).
@@ -23,7 +22,7 @@ Cells by priority (``measure``) until --budget-s (then the hard limit stops meas
    launch captured instead of the one launch (``graph_two``: main's capture).
 3. ``parts P M=m`` (M in PARTS_AT): the fast path's pieces, host µs each (``parts_cell``): where the layer's
    microseconds go on the device's host.
-Look for: every ``eq`` column yes at limit 8 (then the limit can go back to 8); host rest <= 60 at M <= 8 for the
+Look for: ``layer_graph`` yes in every ``eq`` row (the other columns say where one and two launches differ); host rest <= 60 at M <= 8 for the
 three presets (and how far at 16, 64, 256); graph/floor <= 1.15 for M <= 256. JSON to $OUT/layer_host2.json.
 """
 
@@ -53,8 +52,7 @@ PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
 PARTS_AT = (1, 8, 64, 256)  # the fast path's pieces timed apart
-SHIPPED_SIGMOID = gate_route.MAX_TOKENS_SIGMOID
-SHIPPED_FRESH = gate_route.FRESH
+SHIPPED_SPLIT = gate_route.SPLIT_ROWS
 # the experts' eager variants the eq cells compare with the layer's experts call: the k-sum as its own launch (what
 # a graph capture runs), the alignment folded into gate-up up to 128 assignments (DeepSeek-V3's 9 slots x 8 rows = 72)
 VARIANTS = {"ksum_separate": LaunchOptions(sum_fold_max=0), "align_fold128": LaunchOptions(align_fold_max=128)}
@@ -65,21 +63,14 @@ class Run:
     router = "auto"  # "fused" in a smoke run: the CPU routes with the kernels only when asked (interpreted)
 
 
-def set_sigmoid_limit(rows: int, layer: MoE) -> None:
-    """The one launch's row limit for sigmoid/grouped plans, its kept decisions and the layer's kept calls dropped."""
-    gate_route.MAX_TOKENS_SIGMOID = rows
-    gate_route._BOUND.clear()
-    layer._decode.clear()
-
-
 class fresh_off:
     """Calls without kept buffers (captures, stats) route with the gate kernel and the router's launch meanwhile."""
 
     def __enter__(self):
-        gate_route.FRESH = False
+        gate_route.SPLIT_ROWS = gate_route.MAX_TOKENS + 1
 
     def __exit__(self, *exc):
-        gate_route.FRESH = SHIPPED_FRESH
+        gate_route.SPLIT_ROWS = SHIPPED_SPLIT
 
 
 def captured(fn):
@@ -100,8 +91,7 @@ def captured(fn):
     return graph, out
 
 
-def eq_cell(layer: MoE, m: int, limit: int) -> dict:
-    set_sigmoid_limit(limit, layer)
+def eq_cell(layer: MoE, m: int) -> dict:
     x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
     fn = lambda: layer(x)  # noqa: E731
     for _ in range(hm.Run.warm):
@@ -131,20 +121,19 @@ def eq_cell(layer: MoE, m: int, limit: int) -> dict:
             for _ in range(2):
                 got = call()
             row[name] = torch.equal(got, plain)
-            if m == max(EQ_ROWS) and limit == 8:  # its cost: GPU µs (graph) and host µs (calls after the first)
+            if m == max(EQ_ROWS):  # its cost: GPU µs (graph) and host µs (calls after the first)
                 row[f"{name}_gpu_host"] = (hm.gpu_us(call), hm.loop_split([call], "sync")["rest"])
-        if m == max(EQ_ROWS) and limit == 8:
+        if m == max(EQ_ROWS):
             call = lambda: experts_triton(x, w13, w2, ids, weights)  # noqa: E731
             row["default_gpu_host"] = (hm.gpu_us(call), hm.loop_split([call], "sync")["rest"])
-    for name, fresh in (("layer_graph", SHIPPED_FRESH), ("layer_graph_two", False)):  # the capture's gate + router:
-        gate_route.FRESH = fresh  # the one launch into fresh buffers (shipped), or the gate kernel and the router
+    for name, split in (("layer_graph", SHIPPED_SPLIT), ("layer_graph_two", gate_route.MAX_TOKENS + 1)):
+        gate_route.SPLIT_ROWS = split  # the capture's gate + router as shipped, or the gate kernel and the router
         _, graphed = captured(fn)
-        gate_route.FRESH = SHIPPED_FRESH
+        gate_route.SPLIT_ROWS = SHIPPED_SPLIT
         row[name] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
         if row[name] is False:
             diff = (graphed.float() - out.float()).abs()
             row[f"{name}_rel_diff"] = float(diff.max() / out.float().abs().max().clamp_min(1e-30))
-    set_sigmoid_limit(SHIPPED_SIGMOID, layer)
     return row
 
 
@@ -216,12 +205,11 @@ def measure(a, start: float, results: dict) -> None:
     """Every preset's layer built first (~27 GB at full size), then cells by priority until the budget is spent:
     DeepSeek-V3's equality cells, the layer and its parts at FIRST for each preset, then the other batches."""
     Run.ceilings = _ceilings(hm.Run.device)
-    limits = [8] if a.limit_sigmoid else [8, SHIPPED_SIGMOID]
     with torch.no_grad():
         layers = {p: MoE(hm.layer_config(p), backend="triton", router=Run.router, dtype=torch.bfloat16,
                          device=hm.Run.device).eval() for p in a.presets}
-        cells = [(f"eq deepseek-v3 M={m} limit={limit}", lambda m=m, limit=limit: eq_cell(layers["deepseek-v3"], m, limit))
-                 for m in (a.eq_rows if "deepseek-v3" in layers else ()) for limit in limits]
+        cells = [(f"eq deepseek-v3 M={m}", lambda m=m: eq_cell(layers["deepseek-v3"], m))
+                 for m in (a.eq_rows if "deepseek-v3" in layers else ())]
         for first in (True, False):
             for p, layer in layers.items():
                 cells += [(f"layer {p} M={m}", lambda m=m, layer=layer: layer_cell(layer, m))
@@ -272,7 +260,6 @@ def main() -> None:
     p.add_argument("--batches", nargs="*", type=int, default=list(BATCHES))
     p.add_argument("--eq-rows", nargs="*", type=int, default=list(EQ_ROWS))
     p.add_argument("--parts-at", nargs="*", type=int, default=list(PARTS_AT))
-    p.add_argument("--limit-sigmoid", action="store_true", help="the eq cells at limit 8 only")
     a = p.parse_args()
     start = time.perf_counter()
     if a.smoke:
@@ -281,7 +268,7 @@ def main() -> None:
         Run.router = "fused"
         a.budget_s = 1e9  # the interpreter takes minutes: every cell runs
         if a.batches == list(BATCHES):
-            a.batches, a.eq_rows, a.presets, a.limit_sigmoid, a.parts_at = [2], [8], ["deepseek-v3"], True, [2]
+            a.batches, a.eq_rows, a.presets, a.parts_at = [2], [8], ["deepseek-v3"], [2]
     else:
         hm.Run.device = torch.device("cuda", torch.cuda.current_device())
     ha.Run.device = hm.Run.device

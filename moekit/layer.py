@@ -218,16 +218,16 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. Up to MAX_TOKENS
-        rows the gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s kept buffers
-        (``forward`` without stats), else (stats, a CUDA graph capture) fresh ones: every path, the same bits."""
+        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to MAX_TOKENS rows
+        gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s kept buffers (forward
+        without stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
         ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
         one = self._gate_route is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the one launch may take
-        if ws is None and one and wants_fresh(gx, weight, gbias):
+        if ws is None and one and wants_fresh(self._fused_router, in_kernel, gx, weight, gbias):
             ws = fresh_buffers(x2d, c.num_experts, slots, gx.dtype)  # a capture's or a stats call's own
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else

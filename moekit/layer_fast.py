@@ -27,7 +27,9 @@ dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
-47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1.
+47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1. With the experts' kept
+call (``benchmarks/layer_host2_device_check.py``, another host): Qwen3 30.4 / 30.7, DeepSeek-V3 31.8 / 47.5 (two
+launches for its gate and router at 8 rows then), Mixtral-8x7B 33.4 / 42.8 at M = 1 / 8.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -148,7 +150,7 @@ class DecodeFast:
         if bound is not None:
             bound(x2d, weight, linear_bias, bias, None, buffers)
             ok = bound.ok
-        elif x2d.shape[0] <= MAX_TOKENS:  # a plan the one launch leaves at these rows: MoE._gate (its kernel), the router
+        elif x2d.shape[0] <= MAX_TOKENS:  # a call the one launch does not take: MoE._gate (its kernel), the router
             layer._gate(x2d, weight, linear_bias, buffers.logits)
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         else:  # MoE._gate's linear_into, then FusedRouter's eager launch
@@ -194,7 +196,7 @@ class DecodeFast:
         router, bound, route = layer._fused_router, None, None
         if m <= MAX_TOKENS:
             bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
-        if bound is None:  # above the one launch's rows, or a plan it leaves at these (gate_route.MAX_TOKENS_SIGMOID)
+        if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]
             if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
                 return

@@ -12,9 +12,9 @@ Torch twin: ``F.linear`` then ``moekit.routing.route`` (the tests check both).
 
 Only where the two launches would run on the kernels anyway (``moekit.routing.gate``'s conditions, the
 fused router's plan) and with buffers of the call's own (``moekit.routing.workspace``: kept ones, keyed by
-stream and thread, or fresh ones for a CUDA graph capture or a call that returns its routing), whose counter
-no other launch shares. ``gate_route`` returns None elsewhere. ``MoE`` takes it on every path that can (eager,
-captured, with stats), so they all compute the same bits.
+stream and thread, or fresh ones for a CUDA graph capture or a call that returns its routing, ``wants_fresh``),
+whose counter no other launch shares. ``gate_route`` returns None elsewhere. Eager ``MoE`` calls take it; calls
+without kept buffers where its bits differ from the two launches' (``SPLIT_ROWS``), so every path agrees.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -31,16 +31,15 @@ from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
-# Sigmoid or grouped routing (DeepSeek-V3) in the one launch only up to 4 rows: at 8 rows on the H200 its weights
-# differed in the last bits from the separate gate + router launches a CUDA graph records (ids equal; layer output
-# rel. diff 2.8e-4, host_mid_device_check), so eager and graph would not give the same bits. Softmax plans (Qwen3,
-# Mixtral) were bit-equal at 8 rows.
-MAX_TOKENS_SIGMOID = 4
+# From this many rows a sigmoid or grouped plan's one launch and the two launches (the gate kernel, then the router's)
+# route with weights that differ in the last bits on the H200 (logits and ids equal; DeepSeek-V3 at 5-8 rows, equal
+# at 1-4; softmax plans equal at every row count: benchmarks/layer_host2_device_check.py). There a call without kept
+# buffers (a CUDA graph capture, a call with stats) takes the one launch too, into fresh buffers (``wants_fresh``),
+# so eager, captured and stats calls compute the same bits; elsewhere it takes the two launches, which replay 0-7 µs
+# faster in a graph (Qwen3-30B-A3B at 1-8 rows: one launch 32.7 / 58.1 / 89.6 / 129.1 µs against 30.7 / 50.7 /
+# 85.9 / 123.7 at M = 1 / 2 / 4 / 8).
+SPLIT_ROWS = 5
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
-# Whether ``MoE.route_tokens`` without kept buffers (a CUDA graph capture, a call with stats) takes the one launch
-# too, into fresh buffers (else the gate kernel and the router's launch): the A/B switch of
-# ``benchmarks/layer_host2_device_check.py``.
-FRESH = True
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
 
@@ -126,9 +125,13 @@ def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None
         x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad)))
 
 
-def wants_fresh(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> bool:
-    """Whether a call without kept buffers should make fresh ones for the one launch (``FRESH`` and ``runs``)."""
-    return FRESH and runs(x, weight, linear_bias)
+def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor, weight: torch.Tensor,
+                linear_bias: torch.Tensor | None) -> bool:
+    """Whether a call without kept buffers makes fresh ones for the one launch: a sigmoid or grouped plan from
+    SPLIT_ROWS rows (up to MAX_TOKENS, the caller's check), where the two launches would give other bits."""
+    plan = router._plans[1 if append_shared else 0]
+    return (x.shape[0] >= SPLIT_ROWS and plan is not None and (plan.constexprs["SIGMOID"] or plan.constexprs["GROUPED"])
+            and runs(x, weight, linear_bias))
 
 
 def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
@@ -148,15 +151,10 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        applies = (plan is not None and 0 < x.shape[0] <= _max_rows(plan) and gate._applies(x, weight, linear_bias)
+        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
                    and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
         bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
             plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
             else None, router.assert_in_kernel)
     return None if bound is _SEPARATE else bound
 
-
-def _max_rows(plan) -> int:
-    """Rows up to which this routing plan takes the one launch (``MAX_TOKENS_SIGMOID`` for sigmoid/grouped plans)."""
-    c = plan.constexprs
-    return MAX_TOKENS_SIGMOID if c["SIGMOID"] or c["GROUPED"] else MAX_TOKENS
