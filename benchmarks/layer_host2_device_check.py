@@ -7,8 +7,8 @@ replay and the byte model's floor, and eager against graph bit for bit at every 
 Cells by priority (``measure``) until --budget-s (then the hard limit stops measuring):
 1. ``eq deepseek-v3 M=m`` (m = 5..8; the one gate+router launch up to 8 rows for every plan, main: 4 for
    sigmoid/grouped ones): the layer's eager output (the decode fast path) against the same forward captured in a
-   CUDA graph, the capture's routing as shipped (the one launch into fresh buffers from ``gate_route.SPLIT_ROWS``
-   rows: ``layer_graph``) or the gate kernel, then the router kernel (``layer_graph_two``); the routing of the one
+   CUDA graph, the capture's routing as shipped (the one launch into fresh buffers, ``gate_route.wants_fresh``:
+   ``layer_graph``) or the gate kernel, then the router kernel (``layer_graph_two``); the routing of the one
    launch (``route_tokens`` with the kept buffers) against the two launches: logits, ids, weights equal; the experts on the one launch's
    routing: the decode fast path's experts call against ``MoE._experts_call`` and against its graph, and (the
    shared expert fused) ``experts_triton`` eagerly in VARIANTS against the layer's call; the eager layer twice
@@ -44,6 +44,7 @@ from moekit.bench.layer_measure import _ceilings
 from moekit.bench.timing import time_eager
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_launch import LaunchOptions
+from moekit import layer as layer_module
 from moekit.layer import MoE
 from moekit.routing import Routing, gate_route
 from moekit.routing.routed import RoutedTokens
@@ -52,7 +53,7 @@ PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 BATCHES = (1, 2, 4, 8, 16, 64, 256)
 EQ_ROWS = (8, 5, 6, 7)
 PARTS_AT = (1, 8, 64, 256)  # the fast path's pieces timed apart
-SHIPPED_SPLIT = gate_route.SPLIT_ROWS
+SHIPPED_WANTS_FRESH = layer_module.wants_fresh
 # the experts' eager variants the eq cells compare with the layer's experts call: the k-sum as its own launch (what
 # a graph capture runs), the alignment folded into gate-up up to 128 assignments (DeepSeek-V3's 9 slots x 8 rows = 72)
 VARIANTS = {"ksum_separate": LaunchOptions(sum_fold_max=0), "align_fold128": LaunchOptions(align_fold_max=128)}
@@ -67,10 +68,10 @@ class fresh_off:
     """Calls without kept buffers (captures, stats) route with the gate kernel and the router's launch meanwhile."""
 
     def __enter__(self):
-        gate_route.SPLIT_ROWS = gate_route.MAX_TOKENS + 1
+        layer_module.wants_fresh = lambda *args: False
 
     def __exit__(self, *exc):
-        gate_route.SPLIT_ROWS = SHIPPED_SPLIT
+        layer_module.wants_fresh = SHIPPED_WANTS_FRESH
 
 
 def captured(fn):
@@ -126,10 +127,10 @@ def eq_cell(layer: MoE, m: int) -> dict:
         if m == max(EQ_ROWS):
             call = lambda: experts_triton(x, w13, w2, ids, weights)  # noqa: E731
             row["default_gpu_host"] = (hm.gpu_us(call), hm.loop_split([call], "sync")["rest"])
-    for name, split in (("layer_graph", SHIPPED_SPLIT), ("layer_graph_two", gate_route.MAX_TOKENS + 1)):
-        gate_route.SPLIT_ROWS = split  # the capture's gate + router as shipped, or the gate kernel and the router
+    for name, fresh in (("layer_graph", SHIPPED_WANTS_FRESH), ("layer_graph_two", lambda *args: False)):
+        layer_module.wants_fresh = fresh  # the capture's gate + router as shipped, or the gate kernel and the router
         _, graphed = captured(fn)
-        gate_route.SPLIT_ROWS = SHIPPED_SPLIT
+        layer_module.wants_fresh = SHIPPED_WANTS_FRESH
         row[name] = "cpu" if hm.Run.device.type != "cuda" else torch.equal(graphed, out)
         if row[name] is False:
             diff = (graphed.float() - out.float()).abs()

@@ -280,9 +280,9 @@ def test_forward_tries_it_first_and_still_refuses_bad_input(hits):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_call_without_kept_buffers_routes_as_the_eager_one(hits, name, monkeypatch):
     """A forward with stats (its routing outlives the call, like a CUDA graph capture's) at 6 rows: a sigmoid/grouped
-    plan routes with the one gate + router launch into fresh buffers, as the kept path does (from
-    ``gate_route.SPLIT_ROWS`` rows its two launches' bits differ on the H200); a softmax plan with the gate kernel and
-    the router's launch (bit-equal to the one launch, faster in a graph). The same output bit for bit either way."""
+    plan routes with the one gate + router launch into fresh buffers, as the kept path does (its two launches' bits
+    differ on the H200); a renormalised softmax plan with the gate kernel and the router's launch (measured bit-equal
+    to the one launch, faster in a graph). The same output bit for bit either way."""
     from moekit.routing import gate_route
 
     launches = [0]

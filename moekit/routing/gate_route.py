@@ -14,7 +14,7 @@ Only where the two launches would run on the kernels anyway (``moekit.routing.ga
 fused router's plan) and with buffers of the call's own (``moekit.routing.workspace``: kept ones, keyed by
 stream and thread, or fresh ones for a CUDA graph capture or a call that returns its routing, ``wants_fresh``),
 whose counter no other launch shares. ``gate_route`` returns None elsewhere. Eager ``MoE`` calls take it; calls
-without kept buffers where its bits differ from the two launches' (``SPLIT_ROWS``), so every path agrees.
+without kept buffers too, unless the two launches were measured bit-equal (``wants_fresh``): every path agrees.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -31,14 +31,13 @@ from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
-# From this many rows a sigmoid or grouped plan's one launch and the two launches (the gate kernel, then the router's)
-# route with weights that differ in the last bits on the H200 (logits and ids equal; DeepSeek-V3 at 5-8 rows, equal
-# at 1-4; softmax plans equal at every row count: benchmarks/layer_host2_device_check.py). There a call without kept
-# buffers (a CUDA graph capture, a call with stats) takes the one launch too, into fresh buffers (``wants_fresh``),
-# so eager, captured and stats calls compute the same bits; elsewhere it takes the two launches, which replay 0-7 µs
-# faster in a graph (Qwen3-30B-A3B at 1-8 rows: one launch 32.7 / 58.1 / 89.6 / 129.1 µs against 30.7 / 50.7 /
-# 85.9 / 123.7 at M = 1 / 2 / 4 / 8).
-SPLIT_ROWS = 5
+# Where the one launch and the two launches (the gate kernel, then the router's) were measured bit-equal on the H200:
+# ungrouped softmax plans with renormalisation (Qwen3-30B-A3B, Mixtral-8x7B, every M <= 8). A sigmoid or grouped plan
+# differs in the weights' last bits (DeepSeek-V3 at 5-8 rows; logits and ids equal): benchmarks/layer_host2_device_check.py.
+# A call without kept buffers (a CUDA graph capture, a call with stats) takes the one launch too, into fresh buffers
+# (``wants_fresh``), for every plan but those, so eager, captured and stats calls compute the same bits; those keep the
+# two launches, which replay 0-7 µs faster in a graph (Qwen3 at M = 1 / 2 / 4 / 8: one launch 32.7 / 58.1 / 89.6 /
+# 129.1 µs against 30.7 / 50.7 / 85.9 / 123.7; DeepSeek-V3 +0 to +7 µs of 205-1177).
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
@@ -127,11 +126,13 @@ def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None
 
 def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor, weight: torch.Tensor,
                 linear_bias: torch.Tensor | None) -> bool:
-    """Whether a call without kept buffers makes fresh ones for the one launch: a sigmoid or grouped plan from
-    SPLIT_ROWS rows (up to MAX_TOKENS, the caller's check), where the two launches would give other bits."""
+    """Whether a call without kept buffers (up to MAX_TOKENS rows, the caller's check) makes fresh ones for the one
+    launch: every plan but an ungrouped softmax one with renormalisation (measured bit-equal to the two launches)."""
     plan = router._plans[1 if append_shared else 0]
-    return (x.shape[0] >= SPLIT_ROWS and plan is not None and (plan.constexprs["SIGMOID"] or plan.constexprs["GROUPED"])
-            and runs(x, weight, linear_bias))
+    if plan is None:
+        return False
+    c = plan.constexprs
+    return not (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"]) and runs(x, weight, linear_bias)
 
 
 def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
