@@ -19,7 +19,8 @@ a model's layers) and ``plans`` (how many plans were built: 1 per M, nothing reb
 the workspace pool's ``max_bytes`` is set below the plan's workspace, as at real shapes (Qwen3-30B-A3B's h and
 y are ~180 MiB there), so h and y are one fresh buffer per call. µs per call, median over repeats (the
 machine is shared: medians, not means); ``uptime`` before and after says how loaded it was. ``--profile M``
-prints a cProfile of the layer call at that M (own time) instead.
+prints a cProfile of the layer call at that M (own time) instead; ``--parts`` the decode fast path's pieces per
+M (``parts_rows``) for Qwen3, DeepSeek-V3 (sigmoid, groups, correction bias, a fused shared slot) and Mixtral.
 """
 
 from __future__ import annotations
@@ -171,12 +172,50 @@ def profile(config: MoEConfig, m: int, calls: int, dtype: torch.dtype) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+PARTS_BATCHES = (1, 8, 64, 256)
+
+
+def parts_rows(name: str, config: MoEConfig, calls: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+    """The layer's decode fast path per M, piece by piece (µs per call): ``layer`` (the whole call), ``forward``
+    (no ``nn.Module.__call__``), ``decode`` (``DecodeFast``: its checks, the gate + router, the experts), ``route``
+    (the gate + router alone: the one bound launch; above its rows ``torch.mm``, real CPU work here, and the
+    router's bound launch), ``experts`` (the kept call), ``experts_fast`` (the backend's fast path: its own
+    checks), ``nofast`` (the full forward, the fast path off), ``nokept`` (the fast path with the backend's fast
+    path in place of the kept call)."""
+    layer = MoE(config, backend="triton", router="fused", dtype=dtype).eval()
+    out = []
+    for m in PARTS_BATCHES:
+        x = torch.randn(m, config.hidden_size, dtype=dtype)
+        with torch.no_grad():
+            for _ in range(3):
+                layer(x)
+            entry = layer._decode._entries[m]
+            w, bias, b, w13, w2 = layer.gate.weight, layer.e_score_correction_bias, entry.buffers, layer.w13, layer.w2
+            if entry.bound is not None:
+                route = lambda: entry.bound(x, w, None, bias, None, b)  # noqa: E731
+            else:
+                route = lambda: (layer._gate(x, w, None, b.logits),  # noqa: E731
+                                 entry.route(b.logits, bias, None, (b.ids, b.weights)))
+            fns = {"layer": lambda: layer(x), "forward": lambda: layer.forward(x),
+                   "decode": lambda: layer._decode(layer, x), "route": route,
+                   "experts": lambda: entry.kept(x, w13, w2, b.ids, b.weights),
+                   "experts_fast": lambda: entry.fast(x, w13, w2, b.ids, b.weights, entry.activation),
+                   "nofast": lambda: _without_fast(layer, x)}
+            row = {"preset": name, "M": m, **{k: round(per_call_us(f, calls, repeats), 1) for k, f in fns.items()}}
+            kept, entry.kept = entry.kept, None
+            row["nokept"] = round(per_call_us(lambda: layer(x), calls, repeats), 1)
+            entry.kept = kept
+        out.append(row)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--profile", type=int, metavar="M", help="only a cProfile of the layer's experts call at M")
+    p.add_argument("--parts", action="store_true", help="only the fast path's pieces per M (parts_rows)")
     a = p.parse_args()
     torch.set_num_threads(1)
     stub_kernels()
@@ -185,6 +224,15 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if a.profile is not None:
         profile(qwen3, a.profile, a.calls, dtype)
+        return
+    if a.parts:
+        deepseek = MoEConfig.preset("deepseek-v3").replace(hidden_size=64, moe_intermediate_size=32,
+                                                           shared_expert_intermediate_size=32)
+        print(f"uptime: {os.getloadavg()}", flush=True)
+        for name, config in (("qwen3", qwen3), ("deepseek-v3", deepseek), ("mixtral", mixtral)):
+            for row in parts_rows(name, config, a.calls, a.repeats, dtype):
+                print(row, flush=True)
+        print(f"uptime: {os.getloadavg()}", flush=True)
         return
     print(f"uptime: {os.getloadavg()}", flush=True)
     for name, config, cf in (("qwen3", qwen3, None), ("mixtral", mixtral, None), ("qwen3 cf=1.25", qwen3, 1.25)):

@@ -20,7 +20,7 @@ budget, and combines with ``combine_contiguous`` / ``combine_masked``; ``triton`
 groups with ``align_block`` and combines in the down GEMM's epilogue and its k-sum kernel.
 ``MoEStats.layout`` says which layout a forward used. With ``eager_graph_rows`` set, small eager CUDA
 calls without autograd replay the whole pipeline from a CUDA graph per kind of call (``moekit.eager_graphs``);
-without, a repeated one of up to 64 tokens goes straight to its launches (``moekit.layer_fast``).
+without, a repeated one of up to 256 tokens goes straight to its launches (``moekit.layer_fast``).
 
 Shapes: M tokens (leading dims flattened), K hidden, N expert intermediate, E routed experts,
 k = top_k, S shared slots (the shared MLP split into routed-width experts), SN = shared width.
@@ -44,9 +44,9 @@ from moekit.losses import configured_aux_loss
 from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
 from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
-from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route
+from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route, wants_fresh
 from moekit.routing.routed import RoutedTokens
-from moekit.routing.workspace import RouteWorkspace
+from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
 
 
@@ -93,10 +93,10 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
-    With the fused router a decode-sized gate GEMM (up to 4 tokens) runs on a Triton kernel too, in the same
-    launch as the router where ``forward`` keeps the buffers (``moekit.routing.gate_route``; else two launches,
-    ``moekit.routing.gate``); above that ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd,
-    ``torch.compile``). The layer reads ``MoE.gate``'s weights: its hooks never run.
+    With the fused router a decode-sized gate GEMM (up to 8 tokens) runs in the router's launch
+    (``moekit.routing.gate_route``, on every path that can; else the gate kernel, ``moekit.routing.gate``); above,
+    ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd, ``torch.compile``). It reads ``MoE.gate``'s weights:
+    its hooks never run.
     """
 
     def __init__(
@@ -218,18 +218,21 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), then append the fused shared slots. ``workspace``
-        (``forward`` without stats: the routing dies with the call): the gate and fused router write kept buffers,
-        at most MAX_TOKENS rows in one launch (``moekit.routing.gate_route``)."""
-        # The fused kernel appends the shared slots itself unless capacity must drop in between.
-        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None
+        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to MAX_TOKENS rows
+        gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s kept buffers (forward
+        without stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
+        in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
-        ws = None if workspace is None else workspace.get(x2d, c.num_experts, c.top_k + c.num_shared_slots * in_kernel, gx.dtype)
+        slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
+        ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
+        one = self._gate_route is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the one launch may take
+        if ws is None and one and wants_fresh(self._fused_router, in_kernel, gx, weight, gbias):
+            ws = fresh_buffers(x2d, c.num_experts, slots, gx.dtype)  # a capture's or a stats call's own
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
         bias = self._buffers["e_score_correction_bias"]  # [E] fp32 or None; a buffer, never reassigned as anything else
         routing = None
-        if ws is not None and self._gate_route is not None and x2d.shape[0] <= GATE_ROUTE_ROWS:
+        if ws is not None and one:
             routing = self._gate_route(self._fused_router, gx, weight, gbias, bias, gate_logits, in_kernel, ws)
         if routing is not None:  # the gate and the router in one launch
             logits = ws.logits  # [M, E]
@@ -270,6 +273,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, return_stats: bool = False) -> torch.Tensor | MoEOutput:
         """x [..., K] -> [..., K]; with ``return_stats`` an ``MoEOutput`` with the stats (syncs with the host)."""
+        out = self._decode(self, x) if not return_stats and self.eager_graphs is None else None  # a repeated decode
+        if out is not None:  # call of a plain 2-D x, straight to its launches (moekit.layer_fast: implies the checks below)
+            return out
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -281,7 +287,7 @@ class MoE(nn.Module):
         out = self._graphed(x2d) if self.eager_graphs is not None and not return_stats else None
         if out is None:
             own = not return_stats and self._fused_router is not None and self._plain_routing
-            out = self._decode(self, x2d) if own else None  # a repeated decode call (moekit.layer_fast), or None
+            out = self._decode(self, x2d) if own and not flat else None  # a flattened x's repeated decode call, or None
         if out is None:
             routed = self.route_tokens(x2d, self._route_ws) if own else self.route_tokens(x2d)  # [Gate -> Route -> Capacity]
             out = self._experts_and_shared(x2d, routed)  # [M, K]

@@ -4,26 +4,32 @@ launches, past ``route_tokens`` and the experts step's generic code.
     first call of a kind (M rows; dtype, device, stream, thread; the layer's weights and router): the full
       forward, then ``DecodeFast.keep``: its route buffers, the gate + router bound launch (up to the one
       launch's rows, ``gate_route``; above, ``torch.mm`` into the kept logits and the router's bound launch,
-      as ``MoE._gate`` and ``FusedRouter`` run them), the experts backend's fast path (``register_fast_path``;
-      None: ``MoE._experts_call``), and what they were made for
+      as ``MoE._gate`` and ``FusedRouter`` run them), the experts backend's kept call (``register_keeper``:
+      triton's ``triton_fast.KeptCall``), else its fast path (``register_fast_path``; None: ``MoE._experts_call``),
+      and what they were made for
     a repeated call that fits the kept entry:
-      [Gate -> Route, into the kept buffers] -> [Experts: the backend's fast path (its own checks)]
+      [Gate -> Route, into the kept buffers] -> [Experts: the kept call (the checks below are its own), else
+      the backend's fast path (its own checks)]
 
-What a hit checks (else the full forward runs): no autograd (grad mode off), nothing compiling, no CUDA graph
-capturing; x [M, K] contiguous, 16-byte aligned, of the entry's dtype and device, on its stream and thread;
+What a hit checks (else the full forward runs): no autograd (grad mode off), nothing compiling or tracing, no
+dispatch mode or functorch transform, no CUDA graph capturing; x a plain tensor [M, K] (the forward's own
+checks, which it tries this before), contiguous, 16-byte aligned, of the entry's dtype and device, on its
+stream and thread;
 the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors (weakly held) and the first
-three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the
-router, gate+router function, experts function, route workspace, config, capacity factor (None) the same
-objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves); w13 and
-w2 by the backend's fast path (a new tensor, an in-place update, a move: it misses, and the experts run
-through ``MoE._experts_call`` on the routing just made). Outputs are the full forward's bit for bit: the
-same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
+three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the router,
+gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs (None)
+the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves);
+w13 and w2 as the same tensors here, their versions, addresses and layouts by the kept call (an in-place
+update, a move: it misses, and the experts run through ``MoE._experts_call`` on the routing just made).
+Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
 call), a separate shared MLP, expert biases, a router dtype other than x's and the gate weight's, capacity
 dropping. ``MoE._apply`` (a move or cast) drops the entries.
 
 H200, layer host µs per call, full forward -> this path (``benchmarks/host_trim2_device_check.py``, raw
 ``NVIDIA_H200-2026-12-02-22eddcd-host_trim2.log``, calls after the first of each sample): Qwen3-30B-A3B
-47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1.
+47.2 -> 37.9 at M = 1, 76.3 -> 61.3 at M = 8; DeepSeek-V3 48.3 -> 39.8 and 83.5 -> 67.1. With the experts' kept
+call (``benchmarks/layer_host2_device_check.py``, another host): Qwen3 30.4 / 30.7, DeepSeek-V3 31.8 / 47.5 (two
+launches for its gate and router at 8 rows then), Mixtral-8x7B 33.4 / 42.8 at M = 1 / 8.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -35,17 +41,24 @@ from threading import get_ident
 
 import torch
 
-from moekit.experts import fast_path_of
+from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.triton_bind import current_stream
 
 ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
-MAX_ROWS = 64  # decode-sized batches: above, a call's launches and GPU time dwarf the Python skipped here
+# Batches up to the memory-bound ones (issue 13: B <= 256). Above 8 rows an entry holds nothing the route workspace
+# does not keep already (its buffers, the router's bound launch), so a larger limit costs no memory; the CPU harness
+# (benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the fast path.
+# Above 256 rows a call's GPU time dwarfs the Python skipped here.
+MAX_ROWS = 256
 MAX_ENTRIES = 32  # kinds (M) kept per layer, as ``RouteWorkspace``; the oldest goes first
 
 _grad = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
+_dispatching = torch._C._len_torch_dispatch_stack
+_tracing = torch._C._is_tracing
+_transforming = torch._C._are_functorch_transforms_active
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)  # read only for CUDA x
 
 
@@ -66,18 +79,18 @@ def _spec(t) -> tuple | None:
 class _Entry:
     """One kept kind of decode call."""
 
-    __slots__ = ("dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
-                 "bound", "route", "fast", "activation", "append_shared", "cuda")
+    __slots__ = ("hidden", "dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
+                 "bound", "route", "fast", "kept", "activation", "append_shared", "cuda")
 
-    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, append_shared: bool):
-        self.dtype, self.device, self.device_index = x2d.dtype, x2d.device, x2d.get_device()
+    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, append_shared: bool):
+        self.hidden, self.dtype, self.device, self.device_index = x2d.shape[1], x2d.dtype, x2d.device, x2d.get_device()
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
         self.thread = get_ident()
         self.refs = tuple(_ref(t) for t in tensors)  # gate weight, gate bias, correction bias, w13, w2: weakly
         self.objects = _objects(layer)
         self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
-        self.buffers, self.fast = buffers, fast
+        self.buffers, self.fast, self.kept = buffers, fast, kept  # kept: the backend's kept call (keeper_of), else None
         self.bound, self.route = bound, route  # the one launch (M <= MAX_TOKENS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
 
@@ -94,7 +107,7 @@ def _objects(layer) -> tuple:
     """What else the forward's path depends on, compared by identity."""
     d = layer.__dict__
     return (d["_fused_router"], d["_gate_route"], d["_experts_fn"], d["_route_ws"], d["config"], d["capacity_factor"],
-            d["fuse_shared"], d["_plain_routing"])
+            d["fuse_shared"], d["_plain_routing"], d["eager_graphs"])
 
 
 class DecodeFast:
@@ -109,12 +122,16 @@ class DecodeFast:
         self._entries.clear()
 
     def __call__(self, layer, x2d: torch.Tensor) -> torch.Tensor | None:
-        """out [M, K] of a repeated decode call, or None (the caller runs the full forward)."""
-        entry = self._entries.get(x2d.shape[0])
-        if entry is None or not ENABLED or _grad() or _compiling():
+        """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``: what the caller
+        was given (``MoE.forward`` tries this first): anything but a plain 2-D tensor of a kept kind misses here."""
+        if x2d.__class__ is not torch.Tensor or x2d.dim() != 2:
             return None
-        if (x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index or not x2d.is_contiguous()
-                or x2d.data_ptr() & 15 or get_ident() != entry.thread):
+        shape = x2d.shape
+        entry = self._entries.get(shape[0])
+        if entry is None or not ENABLED or _grad() or _compiling() or _dispatching() or _tracing() or _transforming():
+            return None
+        if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
+                or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread):
             return None
         if entry.cuda and (_capturing() or current_stream() != entry.stream):
             return None
@@ -133,7 +150,7 @@ class DecodeFast:
         if bound is not None:
             bound(x2d, weight, linear_bias, bias, None, buffers)
             ok = bound.ok
-        elif x2d.shape[0] <= MAX_TOKENS:  # a plan the one launch leaves at these rows: MoE._gate (its kernel), the router
+        elif x2d.shape[0] <= MAX_TOKENS:  # a call the one launch does not take: MoE._gate (its kernel), the router
             layer._gate(x2d, weight, linear_bias, buffers.logits)
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         else:  # MoE._gate's linear_into, then FusedRouter's eager launch
@@ -144,8 +161,11 @@ class DecodeFast:
             ok = entry.route(buffers.logits, bias, None, (buffers.ids, buffers.weights))[2]
         if ok is not None:
             fused._assert_finite(ok, buffers.logits)
-        fast = entry.fast
-        out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation)
+        kept, fast = entry.kept, entry.fast
+        if kept is not None:  # what it relies on was checked above (triton_fast.KeptCall)
+            out = kept(x2d, w13, w2, buffers.ids, buffers.weights)
+        else:
+            out = None if fast is None else fast(x2d, w13, w2, buffers.ids, buffers.weights, entry.activation)
         if out is None:  # no backend fast path, or it missed: the layer's experts call on this routing
             out = layer._experts_call(layer._experts_fn, x2d, w13, w2, buffers.ids, buffers.weights,
                                       activation=entry.activation)
@@ -176,11 +196,13 @@ class DecodeFast:
         router, bound, route = layer._fused_router, None, None
         if m <= MAX_TOKENS:
             bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
-        if bound is None:  # above the one launch's rows, or a plan it leaves at these (gate_route.MAX_TOKENS_SIGMOID)
+        if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]
             if plan is None or layer._gate_mm is None or buffers.logits.dtype != x2d.dtype:
                 return
             route = fused.bound_route(plan, buffers.logits, bias, None, router.assert_in_kernel)
         if len(self._entries) >= MAX_ENTRIES and m not in self._entries:
             self._entries.pop(next(iter(self._entries)))
-        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, append_shared)
+        keeper = keeper_of(layer._experts_fn)
+        kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation)
+        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, append_shared)

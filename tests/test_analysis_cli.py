@@ -11,7 +11,7 @@ from rich.console import Console
 from moekit.analysis.formats import get_format
 from moekit.analysis.gpus import GpuSpec, get_gpu
 from moekit.analysis.report import DEFAULT_BATCHES, analyze, report_to_json
-from moekit.bench.layer_measure import MeasuredRow, Measurement, graph_within_target
+from moekit.bench.layer_measure import MeasuredRow, Measurement, graph_within_target, host_within_target
 from moekit.cli import main
 from moekit.cli._analyze_tables import print_measurement
 from moekit.config import MoEConfig
@@ -125,6 +125,7 @@ def test_measure_tiny(tmp_path, capsys):
         assert row["graph_s"] is None and row["eager_s"] > 0 and row["host_s"] > 0  # the CPU: no graph
         assert row["time_s"] == row["eager_s"] and row["host_s"] == row["eager_s"]  # one wall clock on the CPU
         assert row["graph_over_floor"] is None and row["graph_within_target"] is None
+        assert row["host_rest_s"] is None and row["host_within_target"] is None  # the host does the work
         assert row["eager_over_floor"] == pytest.approx(row["eager_s"] / row["predicted_time_s"])
         assert row["spread_pct"] >= 0 and isinstance(row["noisy"], bool)
         assert 1 <= row["experts_touched"] <= 8
@@ -163,17 +164,24 @@ def test_graph_target_is_judged_for_memory_bound_batches_only():
     assert graph_within_target(8, None, 1e-3) is None  # the CPU
 
 
-def measured_row(batch: int, graph_s, floor_s: float = 1e-4) -> MeasuredRow:
+def test_host_target_is_judged_on_the_calls_after_the_first_up_to_256():
+    assert host_within_target(8, 60e-6) is True and host_within_target(256, 59e-6) is True
+    assert host_within_target(1, 61e-6) is False
+    assert host_within_target(512, 10e-6) is None  # past B = 256: not judged
+    assert host_within_target(8, None) is None  # the CPU
+
+
+def measured_row(batch: int, graph_s, floor_s: float = 1e-4, host_rest_s: float | None = 5e-5) -> MeasuredRow:
     number = graph_s if isinstance(graph_s, float) else None
     return MeasuredRow(batch, 3e-4, 25.0, True, graph_s, 3e-4, 2e-4, floor_s,
                        None if number is None else number / floor_s, 3e-4 / floor_s,
                        graph_within_target(batch, graph_s, floor_s), 2, 2.0, 2.0, {16: 16.0, 128: 128.0},
-                       {16: 16.0, 128: 128.0})
+                       {16: 16.0, 128: 128.0}, host_rest_s, host_within_target(batch, host_rest_s))
 
 
 def test_measured_times_table_shows_graph_eager_host_and_the_verdict():
     ceilings = GpuSpec("cuda (measured)", 4.0, 140.0, {"bfloat16": 700.0}, "measured in this run")
-    rows = [measured_row(1, 1.1e-4), measured_row(64, 1.9e-4), measured_row(4096, 1.0e-4, 2e-5),
+    rows = [measured_row(1, 1.1e-4), measured_row(64, 1.9e-4, host_rest_s=7e-5), measured_row(4096, 1.0e-4, 2e-5),
             measured_row(128, "RuntimeError: operation not permitted when stream is capturing")]
     m = Measurement("NVIDIA H200", "triton", "bfloat16", 7168, 2048, 1, "routed experts only", ceilings, rows)
     console = Console(width=300, record=True)
@@ -185,6 +193,10 @@ def test_measured_times_table_shows_graph_eager_host_and_the_verdict():
     by_batch = {line.split()[1]: line for line in table if line.startswith("│")}
     assert "110 µs" in by_batch["1"] and by_batch["1"].rstrip(" │").endswith("met")
     assert by_batch["64"].rstrip(" │").endswith("MISSED") and "1.9" in by_batch["64"]
+    cells = {b: [c.strip() for c in line.rstrip().split("│")[1:-1]] for b, line in by_batch.items()}
+    assert cells["1"][3:5] == ["200 µs", "50 µs"] and cells["1"][-2:] == ["met", "met"]  # host, rest; both verdicts
+    assert cells["64"][4] == "70 µs" and cells["64"][-2:] == ["MISSED", "MISSED"]
+    assert cells["4,096"][-2:] == ["", ""]  # past B = 256: neither judged
     assert "MISSED" not in by_batch["4,096"] and "met" not in by_batch["4,096"] and "5 " in by_batch["4,096"]
     assert "failed" in by_batch["128"]
     assert "graph capture failed at B=128: RuntimeError: operation not permitted" in text

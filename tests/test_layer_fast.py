@@ -1,9 +1,9 @@
 """The eager layer's decode fast path (``moekit.layer_fast``) under Triton's interpreter: a repeated forward of
-up to 64 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
+up to 256 tokens (one launch for the gate and router up to 8, ``torch.mm`` and the router above) that it serves returns what the full forward returns, bit for bit (the fast path off), and that
 is the float64 reference's; and it steps aside, running the full forward, whenever something its entry was
 made for changed: a new gate weight tensor, its ``.data`` swapped, a new correction bias, new expert weights,
 the router or capacity factor set, autograd on, a strided x, another thread, a cast; an in-place update of a
-weight is served with the new values. Kinds it never keeps: more than 64 tokens, a gated shared expert."""
+weight is served with the new values. Kinds it never keeps: more than 256 tokens, a gated shared expert."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3, 8, 12])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 256])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_kinds_it_never_keeps(hits):
                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for _ in range(3):
-            layer(_x(65, 0)), gated(_x(1, 0))
+            layer(_x(layer_fast.MAX_ROWS + 1, 0)), gated(_x(1, 0))
     assert hits[0] == 0 and not layer._decode._entries and not gated._decode._entries
 
 
@@ -225,3 +225,78 @@ def test_switch_off_never_serves(hits, monkeypatch):
         for seed in range(3):
             assert torch.equal(layer(_x(1, seed)), full(_x(1, seed)))
     assert hits[0] == 0
+
+
+def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
+    """The experts' kept call (``triton_fast.KeptCall``): it serves the repeated calls; an in-place update of w13
+    misses it once (the layer's own experts call runs, with the new values) and a retune's clear too; on the
+    next call it finds the entry the full path kept since and serves again. Outputs equal full's throughout."""
+    from moekit.experts import triton_fast
+
+    served = [0]
+    real = triton_fast.KeptCall.__call__
+
+    def counted(self, *args):
+        out = real(self, *args)
+        served[0] += out is not None
+        return out
+
+    monkeypatch.setattr(triton_fast.KeptCall, "__call__", counted)
+    layer, full = _pair("grouped_shared")
+
+    def run(seed: int) -> int:
+        before = served[0]
+        x = _x(3, seed)
+        assert torch.equal(layer(x), full(x))
+        return served[0] - before
+
+    with torch.no_grad():
+        run(0), run(1)  # the first call keeps; the kept call finds its entry once the kernels are compiled
+        assert [run(s) for s in range(2)] == [1, 1]
+        layer.w13.mul_(2), full.w13.mul_(2)
+        assert [run(s) for s in range(3)] == [0, 1, 1]
+        triton_fast.clear_fast()
+        assert [run(s) for s in range(3)] == [0, 1, 1]
+    assert hits[0] == 9
+
+
+def test_forward_tries_it_first_and_still_refuses_bad_input(hits):
+    """``MoE.forward`` tries the fast path before its own checks: with an entry kept for M = 2, a bad x still
+    raises forward's errors, and a 3-D x of the same tokens is served after the reshape, equal to full's."""
+    layer, full = _pair("softmax")
+    x = _x(2, 0)
+    with torch.no_grad():
+        layer(x), layer(x)
+        assert hits[0] == 1
+        with pytest.raises(ValueError, match="hidden_size"):
+            layer(torch.randn(2, K + 8).bfloat16())
+        with pytest.raises(TypeError, match="floating-point"):
+            layer(torch.ones(2, K, dtype=torch.int32))
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            layer(x.tolist())
+        assert torch.equal(layer(x[None]), full(x[None])) and hits[0] == 2
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_call_without_kept_buffers_routes_as_the_eager_one(hits, name, monkeypatch):
+    """A forward with stats (its routing outlives the call, like a CUDA graph capture's) at 6 rows: a sigmoid/grouped
+    plan routes with the one gate + router launch into fresh buffers, as the kept path does (its two launches' bits
+    differ on the H200); a renormalised softmax plan with the gate kernel and the router's launch (measured bit-equal
+    to the one launch, faster in a graph). The same output bit for bit either way."""
+    from moekit.routing import gate_route
+
+    launches = [0]
+    real = gate_route._BoundGateRoute.__call__
+
+    def counted(self, *args):
+        launches[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(gate_route._BoundGateRoute, "__call__", counted)
+    layer, _ = _pair(name)
+    x = _x(6, 0)
+    with torch.no_grad():
+        plain = layer(x)
+        stats = layer(x, return_stats=True)
+        assert launches[0] == (2 if name == "grouped_shared" else 1) and torch.equal(stats.out, plain)
+        assert torch.equal(stats.router_logits, layer.route_tokens(x, layer._route_ws).router_logits)

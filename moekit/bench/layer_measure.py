@@ -40,6 +40,9 @@ CALIBRATION_TOKENS = 16384  # routed once to measure the router's per-expert loa
 # memory-bound, which it takes to be B <= 256 (decode batches; past that the GEMMs start to count).
 GRAPH_FLOOR_TARGET = 1.15
 MEMORY_BOUND_MAX_BATCH = 256
+# and its bar for the eager layer's host time per forward (gate, routing, experts) at those batches, judged on the
+# calls after each loop's first (``EagerTiming.host_rest_us``: the first after a sync runs several times slower)
+HOST_TARGET_S = 60e-6
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class MeasuredRow:
     skew_experts_touched: float  # from the layer's own per-expert load, measured on a calibration batch
     padding: dict[int, float]  # block -> measured padded / real rows
     predicted_padding: dict[int, float]  # block -> expected under uniform routing
+    host_rest_s: float | None = None  # host_s over the calls after each loop's first (CUDA); None on the CPU
+    host_within_target: bool | None = None  # host_rest_s <= HOST_TARGET_S; None past B = 256 or on the CPU
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class LayerTiming:
     eager_s: float  # back-to-back eager forwards, one sync at the end
     host_s: float  # the host's issue time per eager forward, before the sync
     spread_pct: float  # interquartile range of the eager passes / eager_s * 100
+    host_rest_s: float | None = None  # host_s over the calls after each loop's first; None on the CPU
 
 
 def time_layer(layer: MoE, x: torch.Tensor, budget_s: float = 0.3) -> LayerTiming:
@@ -149,7 +155,7 @@ def time_layer(layer: MoE, x: torch.Tensor, budget_s: float = 0.3) -> LayerTimin
             return LayerTiming(None, t.us * 1e-6, t.us * 1e-6, t.spread_pct)
         eager = time_eager([lambda: layer(x)], device)
         graph_s = _graph_seconds(layer, x, budget_s)
-    return LayerTiming(graph_s, eager.eager_us * 1e-6, eager.host_us * 1e-6, eager.spread_pct)
+    return LayerTiming(graph_s, eager.eager_us * 1e-6, eager.host_us * 1e-6, eager.spread_pct, eager.host_rest_us * 1e-6)
 
 
 def _graph_seconds(layer: MoE, x: torch.Tensor, budget_s: float) -> float | str:
@@ -183,6 +189,13 @@ def graph_within_target(batch: int, graph_s: float | str | None, floor_s: float)
     return graph_s <= GRAPH_FLOOR_TARGET * floor_s
 
 
+def host_within_target(batch: int, host_rest_s: float | None) -> bool | None:
+    """Issue 13's verdict on the eager host time: within HOST_TARGET_S per forward, judged for B <= 256 on CUDA."""
+    if batch > MEMORY_BOUND_MAX_BATCH or host_rest_s is None:
+        return None
+    return host_rest_s <= HOST_TARGET_S
+
+
 def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ceilings: GpuSpec,
                    budget_s: float, inclusion: np.ndarray) -> MeasuredRow:
     device, dtype = layer.w13.device, layer.w13.dtype
@@ -211,6 +224,8 @@ def _measure_batch(layer: MoE, cfg: MoEConfig, batch: int, fmt: WeightFormat, ce
         skew_experts_touched=experts_touched_from_inclusion(batch, inclusion),
         padding={b: padding_factor_from_counts(counts, b) for b in PADDING_BLOCKS},
         predicted_padding={b: padding_factor(batch, cfg.num_experts, cfg.top_k, b) for b in PADDING_BLOCKS},
+        host_rest_s=timing.host_rest_s,
+        host_within_target=host_within_target(batch, timing.host_rest_s),
     )
 
 

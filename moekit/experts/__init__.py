@@ -196,6 +196,21 @@ def fast_path_of(fn: ExpertsFn) -> Callable | None:
     return _FAST_PATHS.get(fn)
 
 
+# backend function -> its keeper of one kind of call: (x, w13, w2, topk_ids, topk_weights, activation) -> a kept
+# call (x, w13, w2, topk_ids, topk_weights) -> out | None for a caller that checks on every call what the backend's
+# keeper says (triton's ``triton_fast.KeptCall``: the decode fast path ``moekit.layer_fast``), or None.
+_KEEPERS: dict[ExpertsFn, Callable] = {}
+
+
+def register_keeper(fn: ExpertsFn, keep: Callable) -> None:
+    _KEEPERS[fn] = keep
+
+
+def keeper_of(fn: ExpertsFn) -> Callable | None:
+    """The keeper ``fn``'s backend registered (``register_keeper``), or None."""
+    return _KEEPERS.get(fn)
+
+
 class ExpertsCallCache:
     """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
     a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising

@@ -62,11 +62,11 @@ from typing import Optional
 
 import torch
 
-from moekit.experts import check_experts_args, register_fast_path
+from moekit.experts import check_experts_args, register_fast_path, register_keeper
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
-from moekit.experts.triton_fast import clear_fast, fast_stamp, remember, run_fast
+from moekit.experts.triton_fast import clear_fast, fast_stamp, keep_call, remember, run_fast
 from moekit.experts.triton_quant_fast import clear_quant_fast
 from moekit.experts.triton_lean import clear_sequences, launch_lean, lean_sequence
 from moekit.experts.triton_launch import LaunchOptions, is_available  # noqa: F401  (is_available: the backend hook)
@@ -338,3 +338,5 @@ def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, 
 # no Python frame of its own
 register_fast_path(experts_triton_unchecked,
                    functools.partial(run_fast, _WORKSPACES, options=_DEFAULT_OPTIONS, checked=False))
+# and its keeper for the layer's decode fast path (``triton_fast.KeptCall``): the same entries, fewer checks per call
+register_keeper(experts_triton_unchecked, functools.partial(keep_call, _WORKSPACES, options=_DEFAULT_OPTIONS))

@@ -135,6 +135,44 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
 
 
+class KeptCall:
+    """One kind of call kept for a caller that checks on every call what ``run_fast`` checks before its lookup
+    (``moekit.layer_fast``): no tracing, dispatch mode or functorch transform, no autograd graph, not compiling,
+    no graph capture, the stream and thread of ``keep_call``'s, x contiguous and 16-byte aligned in the kept
+    shape and dtype, ids and weights the same contiguous aligned buffers, w13 and w2 the kept tensors. It holds
+    the kind's key and the entry last found under it; a call checks only what can move under such a caller: the
+    entry superseded (a clear, the pool's buffers replaced), the weights updated in place or ``.data`` swapped,
+    a launch hook. Where the entry fails, or none was kept yet (the full path keeps one once its kernels are
+    compiled), it looks the key up again; None where that fails too (the caller runs the full path)."""
+
+    __slots__ = ("key", "entry", "pool", "stream")
+
+    def __init__(self, key: tuple, pool, stream) -> None:
+        self.key, self.entry, self.pool, self.stream = key, None, pool, stream
+
+    def __call__(self, x, w13, w2, ids, weights) -> torch.Tensor | None:
+        entry = self.entry
+        if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
+                or entry.state != _weight_state(w13, w2)):
+            entry = _MEMO.get(self.key)
+            if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
+                    or entry.w13() is not w13 or entry.w2() is not w2 or entry.stream != self.stream
+                    or entry.state != _weight_state(w13, w2)):
+                return None
+            self.entry = entry
+        sequence = entry.sequence
+        if sequence.raw and not sequence.hooks.idle():
+            return None
+        return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+
+
+def keep_call(pool, x, w13, w2, ids, weights, activation, options) -> KeptCall | None:
+    """This kind of call's ``KeptCall`` (its entry found on first use), or None where the fast path never serves it."""
+    if not options.fast_ready or not _call_fits(x, w13, w2, ids, weights):
+        return None
+    return KeptCall(_key(x, w13, w2, ids, weights, activation, options), pool, _stream(x.device))
+
+
 def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: Plan, sequence: LaunchSequence,
              checked: bool) -> None:
     """Keep the entry of a call that just launched lean from ``sequence`` (the full path's), where the

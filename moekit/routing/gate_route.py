@@ -11,8 +11,10 @@ the same code as ``gate_kernel`` and ``route_kernel``, so the results are those 
 Torch twin: ``F.linear`` then ``moekit.routing.route`` (the tests check both).
 
 Only where the two launches would run on the kernels anyway (``moekit.routing.gate``'s conditions, the
-fused router's plan) and with kept buffers (``moekit.routing.workspace``), whose counter no other launch
-shares: a kind of call is keyed by its stream and thread there. ``gate_route`` returns None elsewhere.
+fused router's plan) and with buffers of the call's own (``moekit.routing.workspace``: kept ones, keyed by
+stream and thread, or fresh ones for a CUDA graph capture or a call that returns its routing, ``wants_fresh``),
+whose counter no other launch shares. ``gate_route`` returns None elsewhere. Eager ``MoE`` calls take it; calls
+without kept buffers too, unless the two launches were measured bit-equal (``wants_fresh``): every path agrees.
 
 Shapes: M tokens, K hidden, E experts, k + S slots.
 """
@@ -29,11 +31,13 @@ from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
 MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
-# Sigmoid or grouped routing (DeepSeek-V3) in the one launch only up to 4 rows: at 8 rows on the H200 its weights
-# differed in the last bits from the separate gate + router launches a CUDA graph records (ids equal; layer output
-# rel. diff 2.8e-4, host_mid_device_check), so eager and graph would not give the same bits. Softmax plans (Qwen3,
-# Mixtral) were bit-equal at 8 rows.
-MAX_TOKENS_SIGMOID = 4
+# Where the one launch and the two launches (the gate kernel, then the router's) were measured bit-equal on the H200:
+# ungrouped softmax plans with renormalisation (Qwen3-30B-A3B, Mixtral-8x7B, every M <= 8). A sigmoid or grouped plan
+# differs in the weights' last bits (DeepSeek-V3 at 5-8 rows; logits and ids equal): benchmarks/layer_host2_device_check.py.
+# A call without kept buffers (a CUDA graph capture, a call with stats) takes the one launch too, into fresh buffers
+# (``wants_fresh``), for every plan but those, so eager, captured and stats calls compute the same bits; those keep the
+# two launches, which replay 0-7 µs faster in a graph (Qwen3 at M = 1 / 2 / 4 / 8: one launch 32.7 / 58.1 / 89.6 /
+# 129.1 µs against 30.7 / 50.7 / 85.9 / 123.7; DeepSeek-V3 +0 to +7 µs of 205-1177).
 MAX_BOUND = 4096  # kinds of call whose launch is kept bound; the oldest goes first
 NUM_WARPS = 4  # the gate kernel's: its tiles hold 16 values a thread at 4 warps; the routing then runs on 4 warps too
 
@@ -97,8 +101,7 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
     launch, the logits in ``buffers.logits`` and the routing in ``buffers.ids`` / ``buffers.weights``; None
     where it does not apply (the caller runs the two steps). The caller vouches that ``buffers`` are this
     kind of call's own (``RouteWorkspace.get`` for x's rows, the router dtype and k(+S) slots)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad))):
+    if not runs(x, weight, linear_bias):
         return None
     bound = bound_launch(router, x, weight, linear_bias, correction_bias, shared_gate_logits, append_shared, buffers)
     if bound is None:
@@ -112,6 +115,24 @@ def gate_route(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor,
     # As FusedRouter: with nonfinite="raise" no token can lack a finite logit; "mask" counts them as route does.
     masked = None if bound.check_finite else (~torch.isfinite(buffers.logits).any(dim=1)).sum()
     return Routing(topk_ids=buffers.ids, topk_weights=buffers.weights, masked_tokens=masked)
+
+
+def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None) -> bool:
+    """Whether ``gate_route`` may launch at all for these tensors: nothing compiling, no autograd graph to record
+    (the caller's check before it makes buffers for the call, ``moekit.routing.workspace.fresh_buffers``)."""
+    return not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (linear_bias is not None and linear_bias.requires_grad)))
+
+
+def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor, weight: torch.Tensor,
+                linear_bias: torch.Tensor | None) -> bool:
+    """Whether a call without kept buffers (up to MAX_TOKENS rows, the caller's check) makes fresh ones for the one
+    launch: every plan but an ungrouped softmax one with renormalisation (measured bit-equal to the two launches)."""
+    plan = router._plans[1 if append_shared else 0]
+    if plan is None:
+        return False
+    c = plan.constexprs
+    return not (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"]) and runs(x, weight, linear_bias)
 
 
 def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
@@ -131,15 +152,10 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        applies = (plan is not None and 0 < x.shape[0] <= _max_rows(plan) and gate._applies(x, weight, linear_bias)
+        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
                    and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
         bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
             plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
             else None, router.assert_in_kernel)
     return None if bound is _SEPARATE else bound
 
-
-def _max_rows(plan) -> int:
-    """Rows up to which this routing plan takes the one launch (``MAX_TOKENS_SIGMOID`` for sigmoid/grouped plans)."""
-    c = plan.constexprs
-    return MAX_TOKENS_SIGMOID if c["SIGMOID"] or c["GROUPED"] else MAX_TOKENS

@@ -10,7 +10,8 @@ routing alone. Buffers are kept per kind of call: (M, device, stream, thread, lo
 two streams or two threads never share one; none while compiling or capturing a CUDA graph. At most
 MAX_ENTRIES kinds are kept (the oldest goes first): a server that sees many batch sizes keeps the last ones.
 Each kind also keeps the one-element counter of ``moekit.routing.gate_route`` (gate and router in one launch),
-which must not be shared by two launches in flight at once: hence its place here.
+which must not be shared by two launches in flight at once: hence its place here. A call without kept buffers
+(a CUDA graph capture, a call that returns its routing) takes ``fresh_buffers``, so it runs the same launches.
 
 Shapes: M tokens, E experts, k + S slots.
 """
@@ -61,10 +62,15 @@ class RouteWorkspace:
         if buffers is None:
             if len(self._buffers) >= MAX_ENTRIES:
                 self._buffers.pop(next(iter(self._buffers)))
-            m = x2d.shape[0]
-            buffers = self._buffers[key] = RouteBuffers(
-                logits=torch.empty(m, num_experts, dtype=dtype, device=x2d.device),
-                ids=torch.empty(m, num_slots, dtype=torch.int32, device=x2d.device),
-                weights=torch.empty(m, num_slots, dtype=torch.float32, device=x2d.device),
-                count=torch.zeros(1, dtype=torch.int32, device=x2d.device))
+            buffers = self._buffers[key] = fresh_buffers(x2d, num_experts, num_slots, dtype)
         return buffers
+
+
+def fresh_buffers(x2d: torch.Tensor, num_experts: int, num_slots: int, dtype: torch.dtype) -> RouteBuffers:
+    """One call's buffers, kept by nobody: a CUDA graph capture's (from the graph's pool; the counter's zero fill is
+    recorded with it) or those of a call whose routing outlives it (``MoE.route_tokens`` without a workspace)."""
+    m, device = x2d.shape[0], x2d.device
+    return RouteBuffers(logits=torch.empty(m, num_experts, dtype=dtype, device=device),
+                        ids=torch.empty(m, num_slots, dtype=torch.int32, device=device),
+                        weights=torch.empty(m, num_slots, dtype=torch.float32, device=device),
+                        count=torch.zeros(1, dtype=torch.int32, device=device))
