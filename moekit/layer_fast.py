@@ -124,11 +124,11 @@ class DecodeFast:
     def __call__(self, layer, x2d: torch.Tensor) -> torch.Tensor | None:
         """out [M, K] of a repeated decode call, or None (the caller runs the full forward). ``x2d``: what the caller
         was given (``MoE.forward`` tries this first): anything but a plain 2-D tensor of a kept kind misses here."""
-        if x2d.__class__ is not torch.Tensor or x2d.dim() != 2:
+        if _compiling() or x2d.__class__ is not torch.Tensor or x2d.dim() != 2:  # first: a trace never reads M here
             return None
         shape = x2d.shape
         entry = self._entries.get(shape[0])
-        if entry is None or not ENABLED or _grad() or _compiling() or _dispatching() or _tracing() or _transforming():
+        if entry is None or not ENABLED or _grad() or _dispatching() or _tracing() or _transforming():
             return None
         if (shape[1] != entry.hidden or x2d.dtype is not entry.dtype or x2d.get_device() != entry.device_index
                 or not x2d.is_contiguous() or x2d.data_ptr() & 15 or get_ident() != entry.thread):
