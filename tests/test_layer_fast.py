@@ -87,17 +87,18 @@ def _x(m: int, seed: int) -> torch.Tensor:
     return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("m", [1, 3, 8, 12, 256])
+# 256 rows (the fast path's limit) on the softmax plan only: the grouped plan's rows above 8 take the same
+# torch.mm gate and router launch as at 12, and its 256-row case alone cost ~50 s under the interpreter
+@pytest.mark.parametrize("name, m", [(name, m) for name in CONFIGS for m in (1, 3, 8, 12)] + [("softmax", 256)])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
-        for seed in range(5):
+        for seed in range(3):
             x = _x(m, seed)
             got = layer(x)
             assert torch.equal(got, full(x))
-            assert rel_l2(got, _reference(layer, x)) < TOL[torch.bfloat16]
-    assert hits[0] == 4  # the first call keeps, the others are served
+        assert rel_l2(got, _reference(layer, x)) < TOL[torch.bfloat16]  # a served call's output
+    assert hits[0] == 2  # the first call keeps, the others are served
 
 
 def _served_after(hits, layer, full, change, m: int = 2) -> bool:
@@ -177,11 +178,11 @@ def test_two_sizes_in_turn_keep_an_entry_each(hits):
     entry per M: after each size's first call every call is served, none replaces the other's entry."""
     layer, full = _pair("grouped_shared")
     with torch.no_grad():
-        for seed in range(4):
+        for seed in range(3):
             for m in (1, 12):
                 x = _x(m, seed)
                 assert torch.equal(layer(x), full(x))
-    assert hits[0] == 6 and sorted(layer._decode._entries) == [1, 12]
+    assert hits[0] == 4 and sorted(layer._decode._entries) == [1, 12]
 
 
 def test_autograd_strided_x_another_thread_and_a_cast_take_the_full_forward(hits):
@@ -213,7 +214,7 @@ def test_kinds_it_never_keeps(hits):
     gated = MoE(CONFIGS["grouped_shared"].replace(shared_expert_gate=True), backend="triton", router="fused",
                 dtype=torch.bfloat16).eval()
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(2):
             layer(_x(layer_fast.MAX_ROWS + 1, 0)), gated(_x(1, 0))
     assert hits[0] == 0 and not layer._decode._entries and not gated._decode._entries
 
@@ -252,12 +253,12 @@ def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
 
     with torch.no_grad():
         run(0), run(1)  # the first call keeps; the kept call finds its entry once the kernels are compiled
-        assert [run(s) for s in range(2)] == [1, 1]
+        assert run(2) == 1
         layer.w13.mul_(2), full.w13.mul_(2)
-        assert [run(s) for s in range(3)] == [0, 1, 1]
+        assert [run(s) for s in range(2)] == [0, 1]
         triton_fast.clear_fast()
-        assert [run(s) for s in range(3)] == [0, 1, 1]
-    assert hits[0] == 9
+        assert [run(s) for s in range(2)] == [0, 1]
+    assert hits[0] == 6
 
 
 def test_forward_tries_it_first_and_still_refuses_bad_input(hits):
