@@ -3,7 +3,8 @@
 On a machine without CUDA, Triton kernels can only run under Triton's interpreter, and Triton reads
 TRITON_INTERPRET when it is first imported; set it here, before any test module imports triton, so
 every test sees one consistent triton. ``backend="auto"`` never picks triton on the CPU, so only tests
-that ask for it by name run the interpreter.
+that ask for it by name run the interpreter; ``_interpreter_speed`` removes the interpreter's repeated
+re-patching of ``triton.language`` on every helper call inside a kernel.
 """
 
 import os
@@ -14,6 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from _interpreter_speed import install
+
+    install()
 
 
 @pytest.fixture(scope="module")
