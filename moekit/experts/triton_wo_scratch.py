@@ -21,8 +21,10 @@ With ``overlap`` (SCRATCH_OVERLAP; CUDA only) each dequant runs on a side stream
 it runs (``_pipelined``): at least two chunks, w2 in a buffer of its own, so only the first chunk's w13
 dequant is not hidden behind a compute-bound GEMM.
 
-No host synchronisation (the chunk maps are built on the device from shapes): CUDA-graph capturable.
-Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
+No host synchronisation in a call: CUDA-graph capturable. What a call launches besides its chunks' bf16
+plans is kept per kind of call (``triton_wo_scratch_plan.ScratchPlan``: the dequant and k-sum launches
+bound once, the chunk maps built once from the host), and a repeated eager call without a map runs from
+a recorded sequence on a kept scratch (``triton_quant_fast``, ``scratch_lean_inputs``). Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
 
 Torch twin: ``triton_wo.fused_experts_wo_torch`` (the same dequantization, a float32 per-expert loop).
 
@@ -59,6 +61,8 @@ SCRATCH_MAX_BYTES = 2 << 30
 # buffer: 1.5x the scratch of a chunk). Off until the device check (``wo_large_device_check``, its
 # "overlap" column) measures it faster.
 SCRATCH_OVERLAP = False
+
+
 def scratch_bytes_per_expert(n: int, hidden: int, itemsize: int) -> int:
     """The scratch one expert takes: its larger matrix, w13 [2N, K] (w2 [K, N] is half of it)."""
     return 2 * n * hidden * itemsize
