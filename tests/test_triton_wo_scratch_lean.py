@@ -4,8 +4,8 @@ under Triton's interpreter, tiny shapes, the decode's thresholds lowered so the 
 A repeated scratch call (one chunk of all experts, or chunks) is served from its kept entry, bit for bit the plain
 path's output (``lean_launch=False``) and close to an independent float loop; the plain path binds its dequant and
 k-sum launches once per kind; the kept scratch buffer is reported and released; the entry misses after an in-place
-weight update, new weight objects, a release of the kept buffer or a retune; the custom op (what torch.compile and
-CUDA graphs run) equals the served output.
+weight update, new weight objects, a release of the kept buffer or a retune; the custom op (what CUDA graphs run)
+and a torch.compile(fullgraph) trace equal the served output.
 """
 
 from __future__ import annotations
@@ -169,3 +169,20 @@ def test_kept_chunk_maps_route_each_expert_to_its_chunk(interpreter, scratch, mo
     for chunk in plan.chunks:
         want = [e - chunk.expert0 if chunk.expert0 <= e < chunk.expert0 + chunk.count else -1 for e in range(E)]
         assert chunk.chunk_map.tolist() == want
+
+
+def test_compiled_scratch_call_equals_served_call(interpreter, scratch, monkeypatch):
+    """torch.compile(fullgraph) traces the call through the custom op (a fresh scratch at run time), equal to the
+    served eager call and leaving the kept entry as it was."""
+    chunked(monkeypatch, 2)
+    q13, q2 = weights_of("mxfp4")
+    x, ids, weights = routing(4, 5)
+    for _ in range(3):
+        served = interpreter.experts_triton(x, q13, q2, ids, weights)
+    hits = scratch["hits"]
+    compiled = torch.compile(lambda x, ids, weights: interpreter.experts_triton(x, q13, q2, ids, weights),
+                             fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, ids, weights), served)
+    assert scratch["hits"] == hits
+    assert torch.equal(interpreter.experts_triton(x, q13, q2, ids, weights), served)
+    assert scratch["hits"] == hits + 1
