@@ -125,13 +125,13 @@ def chunk_map(expert_map: torch.Tensor | None, num_experts: int, expert0: int, c
 
 
 def _kept_chunk_map(num_experts: int, expert0: int, count: int, device: torch.device) -> torch.Tensor | None:
-    """The chunk's map without a caller map, built once (from the host: complete when returned); None while
-    a CUDA graph captures (its tensors would be the graph's, written only on replay)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
+    """The chunk's map without a caller map, built once (from the host: complete when returned); None where
+    none is kept yet while a CUDA graph captures (a tensor built then would be the graph's, written on replay)."""
     key = (device, num_experts, expert0, count)
     kept = _CHUNK_MAPS.get(key)
     if kept is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         values = [e - expert0 if expert0 <= e < expert0 + count else -1 for e in range(num_experts)]
         kept = _CHUNK_MAPS[key] = torch.tensor(values, dtype=torch.int32, device=device)
     return kept
