@@ -91,17 +91,25 @@ def test_repeated_scratch_call_served_equal_to_plain_path(interpreter, scratch, 
     assert scratch["hits"] == 2 and scratch["plain"] == 4 and scratch["binds"] == 2 * chunks
 
 
-def test_kept_scratch_is_reported_and_released(interpreter, scratch, monkeypatch):
+@pytest.mark.parametrize("small", [True, False])  # h and y kept (at most REUSE_MAX_BYTES) or fresh per call
+def test_kept_scratch_is_reported_and_released(interpreter, scratch, monkeypatch, small):
+    from moekit.experts import triton_quant_fast, triton_wo_scratch_plan
     from moekit.experts.triton_wo_scratch_plan import held_scratch, release_scratch
 
     chunked(monkeypatch, 2)
+    if not small:
+        monkeypatch.setattr(triton_wo_scratch_plan, "REUSE_MAX_BYTES", 0)
     q13, q2 = weights_of("int4_w4a16")
-    x, ids, weights = routing(4, 0)
+    m = 4
+    x, ids, weights = routing(m, 0)
     for _ in range(2):
         want = same_as_plain(interpreter, x, q13, q2, ids, weights)
     held = list(held_scratch().values())
-    # one buffer: the scratch of one chunk (2 experts' w13) and the alignment's few int32, never h and y
-    assert len(held) == 1 and 2 * EXPERT_BYTES <= held[0].numel() < 2 * EXPERT_BYTES + 4096
+    # one buffer: the scratch of one chunk (2 experts' w13), the alignment's few int32, h and y where small
+    h_y = m * TOP_K * (N + K) * 4 if small else 0
+    assert len(held) == 1 and 2 * EXPERT_BYTES + h_y <= held[0].numel() < 2 * EXPERT_BYTES + h_y + 4096
+    (entry,) = triton_quant_fast._MEMO.values()
+    assert (entry.fresh is None) == small  # else h and y: one fresh buffer per call
     hits = scratch["hits"]
     release_scratch()
     assert held_scratch() == {}

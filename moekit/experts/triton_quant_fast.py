@@ -182,8 +182,8 @@ def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
     fresh = None
     if spec.nbytes > pool.max_bytes:  # the pool's policy: the alignment's regions kept, the rest per call
         parts = spec.parts()
-        views, fresh = dict(pool.pooled(parts.pooled, device)), parts.fresh
-        views.update({name: _Slot(FRESH + i) for i, name in enumerate(fresh.names)})
+        views, fresh = dict(pool.pooled(parts.pooled, device)), parts.fresh if parts.fresh.names else None
+        views.update({name: _Slot(FRESH + i) for i, name in enumerate(parts.fresh.names)})
     else:
         views = pool.pooled(spec, device)
     recorded = record_steps(make_launches(views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT)))

@@ -11,16 +11,17 @@ Before this each call bound the dequant and k-sum launches anew (``kernel[grid](
 and its specialisation key every time, a new C launcher entry for the k-sum), built its chunk maps with
 seven small torch kernels per chunk (DeepSeek-V3: 8 chunks, 113 launches a call, enough to fill the
 device's launch queue in 9 back-to-back calls), allocated a scratch of up to 2 GiB and encoded the scratch's
-TMA descriptors. The kept form reuses everything but h and y.
+TMA descriptors. The kept form reuses all of it (h and y up to a size).
 
 What the lean form keeps (``SCRATCH_WORKSPACES``, one buffer per (device, stream, thread), at most
 ``MAX_ENTRIES`` of them): the scratch of one chunk (at most ``triton_wo_scratch.SCRATCH_MAX_BYTES``: 2 GiB
 by default; Qwen3-30B-A3B 0.81 GB, Mixtral-8x7B 1.88 GB, DeepSeek-V3 1.97 GB), the alignment's buffers
-and its counters, grown to the largest kind seen. h [A, N] and y [A, K] stay per call (one fresh byte
-buffer, freed in stream order). ``release_scratch()`` frees the kept buffers (the entries that use them
-go stale and record again on their next call); ``triton.clear_launch_caches`` and
-``triton_wo.clear_launch_caches`` do too. A plain call (CUDA-graph capture, torch.compile, an expert map,
-the overlapped pipeline) keeps nothing: its scratch is fresh per call as before.
+and its counters, grown to the largest kind seen; h [A, N] and y [A, K] too where they take at most
+``triton_cache.REUSE_MAX_BYTES`` (256 MiB), else per call (one fresh byte buffer, freed in stream order).
+``release_scratch()`` frees the kept buffers (the entries that use them go stale and record again on their
+next call); ``triton.clear_launch_caches`` and ``triton_wo.clear_launch_caches`` do too. A plain call
+(CUDA-graph capture, torch.compile, an expert map, the overlapped pipeline) keeps nothing: its scratch is
+fresh per call as before.
 
 Every launch is the plain path's own: the same kernels, grids, scalars and constexprs, so the outputs are
 bit-equal (the fused hist + scan of the alignment, as in every lean call, writes the same layout).
@@ -37,7 +38,7 @@ import torch
 
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import align_launches
-from moekit.experts.triton_cache import WorkspacePool, WorkspaceSpec, descriptor_pair
+from moekit.experts.triton_cache import REUSE_MAX_BYTES, WorkspacePool, WorkspaceSpec, descriptor_pair
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import plan_for, sum_launch
 from moekit.triton_bind import BoundLaunch
@@ -48,7 +49,8 @@ MAX_ENTRIES = 2  # kept scratch buffers, one per (device, stream, thread); the o
 SCRATCH = "scratch"  # the kept region the chunks' matrices are dequantized into
 
 # the kept buffers of lean scratch calls: max_bytes 0, so every spec splits into its kept regions (the scratch,
-# the alignment's, the counters) and h and y, fresh per call; sized to the largest kind seen, no power of two
+# the alignment's, the counters; h and y up to REUSE_MAX_BYTES) and the rest, fresh per call; sized to the
+# largest kind seen, no power of two
 SCRATCH_WORKSPACES = WorkspacePool(max_bytes=0, max_entries=MAX_ENTRIES, pow2=False)
 
 
@@ -203,8 +205,10 @@ def scratch_weights(bf16, w13_view: torch.Tensor, w2_view: torch.Tensor) -> tupl
 
 def lean_spec(plan: ScratchPlan, bf16_plans: list, num_assignments: int, n: int, hidden: int) -> WorkspaceSpec:
     """The lean form's buffers: the scratch of one chunk and the union of the chunks' alignment regions (the
-    chunks run in stream order, so one set serves them all) kept; h [A, N] and y [A, K] per call; the
-    counters the most any chunk's plan asks (the fused hist + scan's arrival slot)."""
+    chunks run in stream order, so one set serves them all) kept; h [A, N] and y [A, K] kept too while they
+    take at most ``REUSE_MAX_BYTES`` together (the pools' rule for a whole workspace: Mixtral-8x7B M=1024 75 MB,
+    Qwen3-30B-A3B M=4096 184 MB), else per call; the counters the most any chunk's plan asks (the fused
+    hist + scan's arrival slot)."""
     align: dict[str, tuple] = {}
     for bf16 in bf16_plans:
         for name, dtype, shape in (bf16.align.regions if bf16.align is not None else ()):
@@ -214,8 +218,9 @@ def lean_spec(plan: ScratchPlan, bf16_plans: list, num_assignments: int, n: int,
     work = plan.work_dtype
     regions = [(SCRATCH, work, (plan.per * 2 * n * hidden,)), *((name, d, s) for name, (d, s) in align.items()),
                ("h", work, (num_assignments, n)), ("y", work, (num_assignments, hidden))]
+    small = num_assignments * (n + hidden) * work.itemsize <= REUSE_MAX_BYTES
     return WorkspaceSpec.of(regions, counters=max(bf16.workspace.counters for bf16 in bf16_plans),
-                            kept=(SCRATCH, *align))
+                            kept=(SCRATCH, *align, *(("h", "y") if small else ())))
 
 
 def scratch_lean_inputs(x, w13, w2, ids, weights, scheme_id: int, activation: str, options: LaunchOptions,
