@@ -19,8 +19,9 @@ variant, "current", measured for the record).
 Per cell and variant: host_rest µs per call (the bench's method: N=16 back-to-back calls after a sync, the host
 time to issue calls 2..N before the final sync, over N-1; samples rotated so no variant always goes first;
 median), eager µs per call (the same loops, the final sync included), ``same`` (main, plain and lean outputs
-bit-equal on two routings), ``hit`` (the lean calls were served by the fast path), ``#l`` the lean entry's
-launches per call, ``held`` the MB the lean path keeps (``held_scratch``).
+bit-equal on two routings), ``hit`` (the lean calls were served by the fast path), ``graph`` (a CUDA graph
+of the plain call, captured after the eager calls kept its plan and chunk maps, replays bit-equal), ``#l``
+the lean entry's launches per call, ``held`` the MB the lean path keeps (``held_scratch``).
 Profiles (torch.profiler, CPU + CUDA activities, N calls after a warm call): main and lean of the first cell
 (DeepSeek-V3 int8 M=16384) and of Mixtral int4 M=1024, bf16 Mixtral M=1024: the top CUDA runtime / driver
 calls (cuda*/cu*) by total time with counts (cudaMalloc / cudaFree / synchronise / memcpy rows show a
@@ -135,6 +136,26 @@ def profile(fn, rows: int = 12) -> list:
     return [(e.key, e.count, round(e.cpu_time_total, 1)) for e in events[:rows]]
 
 
+def graph_same(fn, want: torch.Tensor) -> bool | None:
+    """A CUDA graph of ``fn`` (captured after eager warm-up, on a side stream), replayed: its output equals
+    ``want`` bit for bit (None off CUDA)."""
+    if Run.device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    same = torch.equal(out, want)
+    del graph, out
+    return same
+
+
 def lean_entry(q13):
     for key, entry in triton_quant_fast._MEMO.items():
         if key[0] == id(q13) and entry.w13() is q13:
@@ -163,6 +184,7 @@ def wo_cell(shape: Shape, q13, q2, m: int, profiled: bool) -> dict:
         row["hit"] = HITS[0] > hits
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["plain"]) and torch.equal(outs["main"],
                                                                                              outs["plain"])
+    row["graph_same"] = graph_same(fns["plain"], outs["lean"])  # captured with the kept chunk maps and plan
     row["variants"] = loops(fns)
     entry = lean_entry(q13)
     row["launches"] = None if entry is None else len(entry.sequence.steps)
@@ -212,9 +234,10 @@ def measure(a, start: float, results: dict) -> None:
 
 def table(results: dict) -> str:
     lines = ["host_rest / eager µs per call (N=16 back to back; host_rest: calls 2..N before the sync); same: main, "
-             "plain, lean bit-equal; hit: lean served; #l: lean launches per call; held: MB kept",
-             f"{'cell':36}{'same':>5}{'hit':>4}{'main':>9}{'plain':>9}{'lean':>9}{'eager main':>11}{'eager lean':>11}"
-             f"{'#l':>4}{'held':>7}"]
+             "plain, lean bit-equal; hit: lean served; graph: a captured plain call replays bit-equal; #l: lean "
+             "launches per call; held: MB kept",
+             f"{'cell':36}{'same':>5}{'hit':>4}{'graph':>6}{'main':>9}{'plain':>9}{'lean':>9}{'eager main':>11}"
+             f"{'eager lean':>11}{'#l':>4}{'held':>7}"]
     profiles = []
     for key, r in results.items():
         if "variants" not in r:
@@ -225,7 +248,8 @@ def table(results: dict) -> str:
             lines.append(f"{key:36}{'':>9}current host_rest {v['current']['host_rest_us']:.1f}, eager "
                          f"{v['current']['eager_us']:.1f}")
         else:
-            lines.append(f"{key:36}{ha._yn(r['same']):>5}{ha._yn(r['hit']):>4}{v['main']['host_rest_us']:>9.1f}"
+            lines.append(f"{key:36}{ha._yn(r['same']):>5}{ha._yn(r['hit']):>4}{ha._yn(r['graph_same']):>6}"
+                         f"{v['main']['host_rest_us']:>9.1f}"
                          f"{v['plain']['host_rest_us']:>9.1f}{v['lean']['host_rest_us']:>9.1f}"
                          f"{v['main']['eager_us']:>11.1f}{v['lean']['eager_us']:>11.1f}"
                          f"{r['launches'] if r['launches'] is not None else '-':>4}{r['held_mb']:>7.0f}")

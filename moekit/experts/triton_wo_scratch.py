@@ -24,7 +24,8 @@ dequant is not hidden behind a compute-bound GEMM.
 No host synchronisation in a call: CUDA-graph capturable. What a call launches besides its chunks' bf16
 plans is kept per kind of call (``triton_wo_scratch_plan.ScratchPlan``: the dequant and k-sum launches
 bound once, the chunk maps built once from the host), and a repeated eager call without a map runs from
-a recorded sequence on a kept scratch (``triton_quant_fast``, ``scratch_lean_inputs``). Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
+a recorded sequence on a kept scratch (``triton_quant_fast``, ``scratch_lean_inputs``). Under Triton's
+interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
 
 Torch twin: ``triton_wo.fused_experts_wo_torch`` (the same dequantization, a float32 per-expert loop).
 

@@ -147,7 +147,8 @@ def scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id: int, activation
         return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
     return (tensor(x), x.device, *(tensor(t) for w in (w13, w2) for t in (w.q, w.scale, w.zero)), w13.group_size,
-            w2.group_size, tensor(ids), tensor(weights), tensor(expert_map), scheme_id, activation, options, per, overlap)
+            w2.group_size, tensor(ids), tensor(weights), tensor(expert_map), scheme_id, activation, options, per,
+            overlap)
 
 
 def scratch_plan_for(key: tuple, x: torch.Tensor, w13, w2, top_k: int, expert_map, scheme_id: int, per: int,
