@@ -14,6 +14,8 @@ DeepSeek-V3 M=16384 ~15,000 µs, Mixtral M=1024 ~845, Qwen3 M=4096 ~650, ...), e
   plain    LaunchOptions(lean_launch=False): this branch's plain path (kept scratch plan, kept chunk maps; a
            fresh scratch, h and y per call; the custom op's path, what graphs and torch.compile run)
   lean     the defaults: a repeated call launches its kept entry's recorded sequence on the kept scratch
+and, where the lean call launches more than 16 kernels (DeepSeek-V3's chunks), a probe: the plain call replayed
+from a CUDA graph (inputs copied in, one graph launch, the output cloned; not a path of the library),
 then the other cells the bench put over 40 µs (fp8_block, bf16: this branch leaves their path unchanged; one
 variant, "current", measured for the record).
 Per cell and variant: host_rest µs per call (the bench's method: N=16 back-to-back calls after a sync, the host
@@ -156,6 +158,35 @@ def graph_same(fn, want: torch.Tensor) -> bool | None:
     return same
 
 
+def graphed(args: tuple):
+    """A probe, not a path: the call replayed from a CUDA graph of the plain call (static inputs copied in, one
+    graph launch, the output cloned): the host time a graph replay would cost where the lean call launches
+    dozens of kernels (DeepSeek-V3's 8 chunks). None off CUDA or where the capture fails."""
+    if Run.device.type != "cuda":
+        return None
+    x, q13, q2, ids, weights = args
+    static = [t.clone() for t in (x, ids, weights)]
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            experts_triton(static[0], q13, q2, static[1], static[2], options=PLAIN)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = experts_triton(static[0], q13, q2, static[1], static[2], options=PLAIN)
+    except RuntimeError:
+        return None
+
+    def call():
+        for kept, t in zip(static, (x, ids, weights)):
+            kept.copy_(t)
+        graph.replay()
+        return out.clone()
+
+    return call
+
+
 def lean_entry(q13):
     for key, entry in triton_quant_fast._MEMO.items():
         if key[0] == id(q13) and entry.w13() is q13:
@@ -185,9 +216,18 @@ def wo_cell(shape: Shape, q13, q2, m: int, profiled: bool) -> dict:
         row["same"] = row["same"] and torch.equal(outs["lean"], outs["plain"]) and torch.equal(outs["main"],
                                                                                              outs["plain"])
     row["graph_same"] = graph_same(fns["plain"], outs["lean"])  # captured with the kept chunk maps and plan
-    row["variants"] = loops(fns)
     entry = lean_entry(q13)
     row["launches"] = None if entry is None else len(entry.sequence.steps)
+    try:  # many launches: probe a graph replay (a failure must not cost the cell's numbers)
+        replay = graphed(args) if (row["launches"] or 0) > 16 else None
+        if replay is not None:
+            row["graphed_same"] = torch.equal(replay(), outs["lean"])
+            fns["graphed"] = replay
+    except Exception as exc:  # noqa: BLE001
+        replay, row["graphed_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+    row["variants"] = loops(fns)
+    fns.pop("graphed", None)
+    del replay
     row["held_mb"] = sum(b.numel() for b in triton_wo_scratch_plan.held_scratch().values()) / 2**20
     if profiled:
         row["profile"] = {"main": profile(fns["main"]), "lean": profile(fns["lean"])}
@@ -253,6 +293,9 @@ def table(results: dict) -> str:
                          f"{v['plain']['host_rest_us']:>9.1f}{v['lean']['host_rest_us']:>9.1f}"
                          f"{v['main']['eager_us']:>11.1f}{v['lean']['eager_us']:>11.1f}"
                          f"{r['launches'] if r['launches'] is not None else '-':>4}{r['held_mb']:>7.0f}")
+        if "graphed" in v:
+            lines.append(f"{'':36}graph replay probe: host_rest {v['graphed']['host_rest_us']:.1f}, eager "
+                         f"{v['graphed']['eager_us']:.1f}, same {ha._yn(r.get('graphed_same'))}")
         for name, rows in r.get("profile", {}).items():
             profiles.append(f"profile {key} {name}: " + "; ".join(f"{k} x{c} {t:.0f}µs" for k, c, t in rows))
     return "\n".join(profiles + lines)
