@@ -88,8 +88,10 @@ def clear_launch_caches() -> None:
     """Drop every plan, weight descriptor and reused workspace (the next call builds them again), the
     Gluon paths' too (``triton_gluon_lean``)."""
     from moekit.experts.triton_gluon_lean import clear_gluon_caches
+    from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans
 
     clear_gluon_caches()
+    clear_scratch_plans()
     clear_plans()
     clear_sequences()
     clear_fast()

@@ -49,25 +49,28 @@ class WorkspaceSpec:
     # fused hist + scan's arrival slot): only a pool keeps them (its "counters" view); a fresh workspace has
     # none, and the plan then runs unfolded
     counters: int = 0
+    # the regions a pool keeps above its max_bytes (``parts``); the others are allocated per call
+    kept: tuple[str, ...] = POOLED_REGIONS
 
     @classmethod
-    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]], counters: int = 0) -> "WorkspaceSpec":
+    def of(cls, regions: list[tuple[str, torch.dtype, tuple[int, ...]]], counters: int = 0,
+           kept: tuple[str, ...] = POOLED_REGIONS) -> "WorkspaceSpec":
         offsets, end = [], 0
         for _, dtype, shape in regions:
             offsets.append(end)
             end = _round_up(end + math.prod(shape) * dtype.itemsize, REGION_ALIGN)
         names, dtypes, shapes = zip(*regions) if regions else ((), (), ())
-        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters)
+        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), end, counters, kept)
 
     def parts(self) -> "WorkspaceParts":
-        """The spec split for a pool's ``max_bytes``: ``pooled``, the alignment's regions (POOLED_REGIONS)
-        with the counters, kept by a pool however large the plan; ``fresh``, the rest, allocated per call
-        above it. Built once per spec."""
+        """The spec split for a pool's ``max_bytes``: ``pooled``, the ``kept`` regions (by default the
+        alignment's, POOLED_REGIONS) with the counters, kept by a pool however large the plan; ``fresh``, the
+        rest, allocated per call above it. Built once per spec."""
         parts = self.__dict__.get("_parts")
         if parts is None:
             regions = list(zip(self.names, self.dtypes, self.shapes))
-            parts = WorkspaceParts(WorkspaceSpec.of([r for r in regions if r[0] in POOLED_REGIONS], self.counters),
-                                   WorkspaceSpec.of([r for r in regions if r[0] not in POOLED_REGIONS]))
+            parts = WorkspaceParts(WorkspaceSpec.of([r for r in regions if r[0] in self.kept], self.counters),
+                                   WorkspaceSpec.of([r for r in regions if r[0] not in self.kept]))
             object.__setattr__(self, "_parts", parts)
         return parts
 

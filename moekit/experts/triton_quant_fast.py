@@ -16,12 +16,14 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
 
 An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no
 expert map, no biases, the default fp8 choice, M >= 1; the plain call compiled the launches, so the second
-call of a kind records and the third launches lean. Not kept: the weight-only "scratch" decode (many
-launches over expert chunks, from SCRATCH_MIN_TOKENS; its decode choice is cached per kind instead,
-``triton_wo_plan.chosen_decode``), inference-mode weights (no version counter), calls whose plan has not
-compiled. The weight-only plain path allocates its workspace per call; its lean calls take theirs from a
-reused pool (``triton_wo.LEAN_WORKSPACES``), as the bf16 and fp8 eager paths do. ``clear_quant_fast``
-(``triton.clear_launch_caches``, a retune) drops every entry; an entry goes when its w13 is freed.
+call of a kind records and the third launches lean. The weight-only "scratch" decode (from
+SCRATCH_MIN_TOKENS, chunks of experts) is kept too, from its plan (``triton_wo_scratch_plan``: the dequant
+and k-sum launches, chunk maps) on a kept scratch buffer (``SCRATCH_WORKSPACES``; h and y with it up to 256
+MiB, else per call); its decode choice is cached per kind (``triton_wo_plan.chosen_decode``). Not kept:
+inference-mode weights (no version counter), calls whose plan has not compiled. The weight-only plain path
+allocates its workspace per call; its lean calls take theirs from a reused pool (``triton_wo.LEAN_WORKSPACES``),
+as the bf16 and fp8 eager paths do. ``clear_quant_fast`` (``triton.clear_launch_caches``, a retune) drops every
+entry; an entry goes when its w13 is freed.
 """
 
 from __future__ import annotations
@@ -181,8 +183,8 @@ def _record(spec, pool, device: torch.device, make_launches) -> tuple | None:
     fresh = None
     if spec.nbytes > pool.max_bytes:  # the pool's policy: the alignment's regions kept, the rest per call
         parts = spec.parts()
-        views, fresh = dict(pool.pooled(parts.pooled, device)), parts.fresh
-        views.update({name: _Slot(FRESH + i) for i, name in enumerate(fresh.names)})
+        views, fresh = dict(pool.pooled(parts.pooled, device)), parts.fresh if parts.fresh.names else None
+        views.update({name: _Slot(FRESH + i) for i, name in enumerate(parts.fresh.names)})
     else:
         views = pool.pooled(spec, device)
     recorded = record_steps(make_launches(views, _Slot(X), _Slot(IDS), _Slot(WEIGHTS), _Slot(OUT)))

@@ -47,7 +47,8 @@ from moekit.experts.triton_launch import LaunchOptions, is_available
 from moekit.experts.triton_wo_plan import (
     SCHEME_IDS, WeightArgs, check_decode, chosen_decode, clear_wo_plans, weight_args, wo_plan_for,
 )
-from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch
+from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, run_experts_wo_scratch, scratch_chunking
+from moekit.experts.triton_wo_scratch_plan import clear_scratch_plans, scratch_lean_inputs
 from moekit.experts.triton_wo_winners import MIN_M
 from moekit.layouts.grouping import to_local_ids
 from moekit.quant import e2m1_decode
@@ -221,11 +222,16 @@ LEAN_WORKSPACES = WorkspacePool()  # the reused buffers of lean eager calls (``t
 def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str, options: LaunchOptions):
     """What ``triton_quant_fast`` records a plain eager call (no map) from: its plan (the one the custom op's
     call used: the same options), a workspace pool, and its launches as a function of (b, x, ids, weights,
-    out), weights bound; None for a call the scratch decode runs."""
+    out), weights bound. For a call the scratch decode runs, its kept form (``triton_wo_scratch_plan.
+    scratch_lean_inputs``: the custom op's options; None where there is none)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
-        return None
+        op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)
+        num_experts, two_n = a13.q.shape[:2]
+        per, overlap = scratch_chunking(x, num_experts, two_n // 2, x.shape[1])
+        return scratch_lean_inputs(x, a13, a2, ids, weights, SCHEME_IDS[w13.scheme], activation, op_options, per,
+                                   overlap)
     # the custom op's options (its plan is the one the plain call compiled), with the caller's k-sum fold limit
     op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False,
                                sum_fold_max=options.sum_fold_max)
@@ -321,6 +327,8 @@ def fused_experts_wo(
 
 
 def clear_launch_caches() -> None:
-    """Drop every weight-only plan and the lean calls' reused workspaces (the next call builds them again)."""
+    """Drop every weight-only plan and the lean calls' reused workspaces, the scratch decode's plans and kept
+    scratch too (the next call builds them again)."""
     clear_wo_plans()
+    clear_scratch_plans()
     LEAN_WORKSPACES.clear()

@@ -21,8 +21,11 @@ With ``overlap`` (SCRATCH_OVERLAP; CUDA only) each dequant runs on a side stream
 it runs (``_pipelined``): at least two chunks, w2 in a buffer of its own, so only the first chunk's w13
 dequant is not hidden behind a compute-bound GEMM.
 
-No host synchronisation (the chunk maps are built on the device from shapes): CUDA-graph capturable.
-Under Triton's interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
+No host synchronisation in a call: CUDA-graph capturable. What a call launches besides its chunks' bf16
+plans is kept per kind of call (``triton_wo_scratch_plan.ScratchPlan``: the dequant and k-sum launches
+bound once, the chunk maps built once from the host), and a repeated eager call without a map runs from
+a recorded sequence on a kept scratch (``triton_quant_fast``, ``scratch_lean_inputs``). Under Triton's
+interpreter the scratch is float32, as the workspaces are (``triton``'s docstring).
 
 Torch twin: ``triton_wo.fused_experts_wo_torch`` (the same dequantization, a float32 per-expert loop).
 
@@ -36,9 +39,13 @@ from dataclasses import dataclass
 import torch
 
 from moekit.experts.triton_align import run_align
-from moekit.experts.triton_cache import WorkspaceSpec, descriptor_pair
-from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels
-from moekit.experts.triton_plan import Plan, plan_for, sum_launch
+from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting
+from moekit.experts.triton_plan import Plan, plan_for
+from moekit.experts.triton_wo_scratch_plan import (
+    DEQUANT_TILE, ScratchChunk, ScratchPlan, chunk_map_of, dequant_launch, lean_spec, scratch_key, scratch_plan_for,
+    scratch_weights,
+)
 
 # Batches of at least this many tokens take the scratch decode (where the scratch fits). H200, Triton
 # 3.6, bf16 activations, fused tile decode -> scratch, time over moekit's bf16 (results/raw/
@@ -55,7 +62,6 @@ SCRATCH_MAX_BYTES = 2 << 30
 # buffer: 1.5x the scratch of a chunk). Off until the device check (``wo_large_device_check``, its
 # "overlap" column) measures it faster.
 SCRATCH_OVERLAP = False
-DEQUANT_TILE = (32, 128)  # BLOCK_R, BLOCK_C of the dequant kernel (one 4-warp program: 4096 weights)
 
 
 def scratch_bytes_per_expert(n: int, hidden: int, itemsize: int) -> int:
@@ -82,32 +88,19 @@ def dequantize_experts(w, scheme_id: int, cols: int, out: torch.Tensor, expert0:
                        tile: tuple[int, int] = DEQUANT_TILE) -> None:
     """out [c, R, C] (rows contiguous) = experts [expert0, expert0 + c) of the packed weight ``w`` (a
     ``triton_wo_plan.WeightArgs``) dequantized, rounded once to out's dtype; ``cols`` = C; ``tile``:
-    (BLOCK_R, BLOCK_C), powers of 2, BLOCK_C >= 32."""
+    (BLOCK_R, BLOCK_C), powers of 2, BLOCK_C >= 32. A launch bound for this call (a plan's are kept:
+    ``triton_wo_scratch_plan.dequant_launch``)."""
     chunk, rows = out.shape[:2]
-    block_r, block_c = tile
-    stored = cols if scheme_id == 0 else w.q.shape[2]  # int8: one byte a weight, else two weights a byte
-    span = block_c if scheme_id == 0 else min(block_c, w.group_size)
-    kernels("dequant_wo").dequant_wo_kernel[(cdiv(rows, block_r), cdiv(cols, block_c), chunk)](
-        w.q, w.scale, w.zero, out, rows, cols, stored, expert0, *w.strides, out.stride(0), out.stride(1),
-        SCHEME=scheme_id, GROUP=w.group_size, SPAN=span, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4,
-    )
-
-
-def chunk_map(expert_map: torch.Tensor | None, num_experts: int, expert0: int, chunk: int,
-              device: torch.device) -> torch.Tensor:
-    """The expert map of one chunk: global id -> its index in [expert0, expert0 + chunk), -1 for every
-    other expert (through ``expert_map`` where there is one; without one, global ids are local ids)."""
-    local = torch.arange(num_experts, dtype=torch.int32, device=device) if expert_map is None else expert_map
-    inside = (local >= expert0) & (local < expert0 + chunk)
-    return torch.where(inside, local - expert0, torch.full_like(local, -1))
+    launch = dequant_launch(w, scheme_id, rows, cols, chunk, expert0, (out.stride(0), out.stride(1)), tile=tile)
+    launch(w.q, w.scale, w.zero, out)
 
 
 @dataclass(frozen=True, eq=False)
 class _Chunk:
-    """What one chunk of experts launches with (built on the host before anything launches)."""
+    """What one chunk of experts launches with this call (built on the host before anything launches)."""
 
-    expert0: int  # the chunk is experts [expert0, expert0 + c)
-    expert_map: torch.Tensor | None  # the chunk's (``chunk_map``), or the caller's for a single chunk
+    kept: ScratchChunk  # its dequant launches
+    expert_map: torch.Tensor | None  # the chunk's (kept or built now), or the caller's for a single chunk
     plan: Plan  # the bf16 plan over the scratch views
     weights: tuple  # w13 (or its gate descriptor), the up descriptor or None, w2 (or its descriptor)
     align_buffers: dict | None  # the alignment's regions (None in the naive shortcut)
@@ -119,18 +112,18 @@ class _Chunk:
 def run_experts_wo_scratch(
     x: torch.Tensor, w13, w2, ids: torch.Tensor, weights: torch.Tensor, expert_map: torch.Tensor | None,
     scheme_id: int, activation: str, options: LaunchOptions = LaunchOptions(),
-    max_scratch_bytes: int = SCRATCH_MAX_BYTES, overlap: bool = SCRATCH_OVERLAP,
+    max_scratch_bytes: int | None = None, overlap: bool | None = None,
 ) -> torch.Tensor:
     """out [M, K] (x.dtype) through the scratch decode; ``w13`` / ``w2``: ``WeightArgs``; ``ids`` /
     ``weights`` [M, k] contiguous, at least one assignment; arguments already checked. ``overlap`` (CUDA
-    only): see SCRATCH_OVERLAP."""
+    only): see SCRATCH_OVERLAP; it and ``max_scratch_bytes``: None for the module's settings."""
+    max_scratch_bytes = SCRATCH_MAX_BYTES if max_scratch_bytes is None else max_scratch_bytes
     (num_experts, two_n), (num_tokens, top_k), hidden = w13.q.shape[:2], ids.shape, x.shape[1]
     n, num_assignments = two_n // 2, num_tokens * top_k
-    work = torch.float32 if interpreting() else x.dtype  # the interpreter's bf16 rounding truncates
-    per = experts_per_chunk(num_experts, n, hidden, work.itemsize, max_scratch_bytes)
-    overlap = overlap and x.device.type == "cuda" and num_experts > 1
-    if overlap:  # two chunks at least, and w2 its own buffer: each dequant has a GEMM to hide behind
-        per = min(per, cdiv(num_experts, 2))
+    per, overlap = scratch_chunking(x, num_experts, n, hidden, max_scratch_bytes, overlap)
+    key = scratch_key(x, w13, w2, ids, weights, expert_map, scheme_id, activation, options, per, overlap)
+    kept = scratch_plan_for(key, x, w13, w2, top_k, expert_map, scheme_id, per, options)
+    work = kept.work_dtype
     up_buffer = torch.empty(per * two_n * hidden, dtype=work, device=x.device)  # [c, 2N, K]
     down_buffer = torch.empty(per * hidden * n, dtype=work, device=x.device) if overlap else up_buffer  # [c, K, N]
     h = torch.empty(num_assignments, n, dtype=work, device=x.device)  # [A, N]
@@ -138,16 +131,17 @@ def run_experts_wo_scratch(
     if options.poison_workspace:
         h.fill_(float("nan"))
         y.fill_(float("nan"))
-    chunks = [_chunk(x, ids, weights, expert_map, activation, options, up_buffer, down_buffer, n, expert0,
-                     min(per, num_experts - expert0), num_experts)
-              for expert0 in range(0, num_experts, per)]
+    chunks = [_chunk(x, ids, weights, expert_map, activation, options, up_buffer, down_buffer, n, kept, chunk)
+              for chunk in kept.chunks]
+    if kept.workspace is None and not overlap:  # what the lean form keeps (``triton_wo_scratch_plan.lean_spec``)
+        kept.workspace = lean_spec(kept, [chunk.plan for chunk in chunks], num_assignments, n, hidden)
     steps = [(chunk, up) for chunk in chunks for up in (True, False)]  # gate-up then down, chunk by chunk
 
     def dequant(chunk: _Chunk, up: bool) -> None:
         if up:
-            dequantize_experts(w13, scheme_id, hidden, chunk.w13_view, chunk.expert0)
+            chunk.kept.dequant13(w13.q, w13.scale, w13.zero, chunk.w13_view)
         else:
-            dequantize_experts(w2, scheme_id, n, chunk.w2_view, chunk.expert0)
+            chunk.kept.dequant2(w2.q, w2.scale, w2.zero, chunk.w2_view)
 
     def gemm(chunk: _Chunk, up: bool) -> None:
         w13_arg, w13_up_arg, w2_arg = chunk.weights
@@ -165,30 +159,36 @@ def run_experts_wo_scratch(
             dequant(*step)
             gemm(*step)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
-    ksum = sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, chunks[-1].plan.options, ordered=True)
-    ksum(y, ids, expert_map if expert_map is not None else ids, out)
+    kept.ksum(y, ids, expert_map if expert_map is not None else ids, out)
     return out
 
 
+def scratch_chunking(x: torch.Tensor, num_experts: int, n: int, hidden: int, max_scratch_bytes: int | None = None,
+                     overlap: bool | None = None) -> tuple[int, bool]:
+    """(experts per chunk, whether the dequants overlap the GEMMs) of a call: the module's settings for None."""
+    max_scratch_bytes = SCRATCH_MAX_BYTES if max_scratch_bytes is None else max_scratch_bytes
+    overlap = SCRATCH_OVERLAP if overlap is None else overlap
+    work = torch.float32 if interpreting() else x.dtype  # the interpreter's bf16 rounding truncates
+    per = experts_per_chunk(num_experts, n, hidden, work.itemsize, max_scratch_bytes)
+    overlap = overlap and x.device.type == "cuda" and num_experts > 1
+    if overlap:  # two chunks at least, and w2 its own buffer: each dequant has a GEMM to hide behind
+        per = min(per, cdiv(num_experts, 2))
+    return per, overlap
+
+
 def _chunk(x, ids, weights, expert_map, activation: str, options: LaunchOptions, up_buffer: torch.Tensor,
-           down_buffer: torch.Tensor, n: int, expert0: int, count: int, num_experts: int) -> _Chunk:
-    """The bf16 plan, scratch views, weight descriptors and alignment buffers of experts [expert0,
-    expert0 + count)."""
-    hidden = x.shape[1]
+           down_buffer: torch.Tensor, n: int, plan: ScratchPlan, kept: ScratchChunk) -> _Chunk:
+    """The bf16 plan, scratch views, weight descriptors and alignment buffers of one chunk."""
+    hidden, count = x.shape[1], kept.count
     w13_view = up_buffer[:count * 2 * n * hidden].view(count, 2 * n, hidden)
     w2_view = down_buffer[:count * hidden * n].view(count, hidden, n)
-    cmap = expert_map if count == num_experts else chunk_map(expert_map, num_experts, expert0, count, x.device)
-    plan = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options)
-    if plan.descriptor_key is None:
-        args = (w13_view, None, w2_view)
-    else:  # the scratch is fresh per call: its descriptors are too (never the per-weight cache)
-        pair = descriptor_pair(w13_view, w2_view, plan.descriptor_key)
-        args = (pair.w13, pair.w13_up, pair.w2)
+    cmap = chunk_map_of(plan, kept, expert_map, x.device)
+    bf16 = plan_for(x, w13_view, w2_view, ids, weights, cmap, activation, None, options)
     buffers, rows = None, (None, None, None)
-    if plan.align is not None:
-        buffers = WorkspaceSpec.of(list(plan.align.regions)).allocate(x.device)
+    if bf16.align is not None:
+        buffers = WorkspaceSpec.of(list(bf16.align.regions)).allocate(x.device)
         rows = (buffers["sorted_ids"], buffers["expert_ids"], buffers["num_padded"])
-    return _Chunk(expert0, cmap, plan, args, buffers, rows, w13_view, w2_view)
+    return _Chunk(kept, cmap, bf16, scratch_weights(bf16, w13_view, w2_view), buffers, rows, w13_view, w2_view)
 
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the stream the overlapped dequants run on
