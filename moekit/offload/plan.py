@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, cpu_cannot_win, fetch_rate, gpu_side_s, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s
+from moekit.offload.split import cpu_room, split_misses
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -78,10 +79,11 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
     with the misses' reuse chances from the cache's history when "auto" prices refetches by them (not
-    asked where no CPU split can win: ``cost.cpu_cannot_win``, the same answer without the search)."""
+    asked where no CPU split can be taken: ``split.cpu_room``, the same answer without the search)."""
     reuse = None
-    if place == "auto" and costs is not None and tokens and cpu_cannot_win(
-            tokens, gpu_side_s(hits, len(tokens), expert_bytes, costs), costs):  # ``gpu_only``'s cost, unbuilt
+    if place == "auto" and costs is not None and tokens and cpu_room(
+            tokens, hits, expert_bytes, costs,
+            (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)) is None:  # ``gpu_only``'s cost
         return MissPlan(sorted(tokens), [], [])
     if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
         reuse = cache.reuse(layer, list(tokens))
