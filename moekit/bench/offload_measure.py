@@ -46,11 +46,13 @@ from moekit.bench.offload_cells import Run as _Run
 from moekit.bench.offload_cells import run_cells
 from moekit.bench.offload_floor import fixed_costs
 from moekit.bench.offload_hosts import host_shells
+from moekit.bench.offload_probe import CpuProbe, probe_shape
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.offload import CpuOptions, MissCosts, OffloadedMoE, expert_nbytes
 from moekit.offload.calibrate import recalibrate_cpu
+from moekit.offload.whatif import replay
 from moekit.routing import Routing
 from moekit.sim.cache import decode_stream
 
@@ -95,6 +97,11 @@ class OffloadRow:
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
     step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
+    x_floor_given: float = 0.0  # step_ms over the floor with the CPU model before the group (``cpu_scale``), no probe
+    probe_busy: float = 0.0  # the group's CPU probe, link busy: measured / the group's model (``offload_probe``)
+    probe_idle: float = 0.0  # likewise, link idle
+    probes: int = 0  # probe calls timed in the group
+    probe_shape: str = ""  # experts x rows of a probe call
     after_ms: dict = dataclasses.field(default_factory=dict)  # mean step ms by the run timed before it ("ref": all-hit)
 
 
@@ -104,7 +111,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shells: list[MoE] | None = None, costs: MissCosts | None = None,
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
-                    online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None) -> dict:
+                    online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None,
+                    cpu_probe: bool = True) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
     experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
@@ -118,7 +126,9 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
     share a ``CpuRate`` (the what-if replays the calibrated costs). ``reference_fixed``: the floor's fixed
     per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them.
-    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped)."""
+    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped).
+    ``cpu_probe``: in groups with CPU work, the floor's CPU side by a probe among the steps
+    (``offload_probe``), not by the recalibration before the group alone."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]
@@ -144,8 +154,9 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                                                                                          device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
                                                      online_cpu_rate, _rows(m, top_k, experts))
+                cpu = _cpu_probe(probe, group, group_costs, data.trace, warm, 10 * len(rows) + 5) if cpu_probe else None
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
-                                                     device, options, fixed_s, scale, reference_fixed)):
+                                                     device, options, fixed_s, scale, reference_fixed, cpu)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
@@ -208,6 +219,18 @@ def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: in
     if any(run.place != "gpu" for run in group):
         costs, scale = recalibrate_cpu(probe, costs, start=start, rows=rows)
     return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
+
+
+def _cpu_probe(layer: OffloadedMoE, group: list[_Run], costs: MissCosts, trace, warm: int, start: int) -> CpuProbe | None:
+    """The group's ``CpuProbe`` (None without a run computing on the CPU), shaped as its first such run's
+    mean CPU work per forward in the replay of the timed steps."""
+    run = next((r for r in group if r.place != "gpu"), None)
+    if run is None:
+        return None
+    done = replay(trace, run.slots, run.policy, "router" if run.prefetch else None, place=run.place, costs=costs,
+                  expert_bytes=layer.cache.expert_bytes, measure_from=warm + 1)
+    forwards = (len(trace.touched) - warm - 1) * trace.num_layers
+    return CpuProbe(layer, costs, *probe_shape(done.cpu_experts, done.cpu_tokens, forwards), start=start)
 
 
 def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None,
