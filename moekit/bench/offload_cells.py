@@ -56,9 +56,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ``after_ms``: its mean step by the run before it); with ``reference``,
     the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
     (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
-    rows' measured fields. With a ``probe`` (``offload_probe.CpuProbe``), it runs once per timed step right
-    after the first run that computes on the CPU, and the floor's CPU side is priced by its rates (link busy
-    and idle); the floor by ``costs``' CPU model as given stays in ``x_floor_given``."""
+    rows' measured fields. A ``probe`` (``offload_probe.CpuProbe``) runs after each timed step of the first
+    run computing on the CPU; the floor's CPU side is its rates (``x_floor_given``: by ``costs`` as given)."""
     stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
@@ -151,14 +150,15 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
-            quiet: float, busy: MissCosts, idle: MissCosts | None) -> list[list[float]]:
-    """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates), the
+            quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None) -> list[list[float]]:
+    """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates; None:
+    ``costs``' throughout), the
     layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
     fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
     speed then; 1 without a reference), and the timeline floor by ``costs``' CPU model as given."""
-    given = costs
+    given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
     before = dataclasses.replace(costs, fetch_layer_s=0.0)

@@ -121,14 +121,12 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
     (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shells`` / ``costs``: the host
     layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
-    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
-    further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
-    "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
-    share a ``CpuRate`` (the what-if replays the calibrated costs). ``reference_fixed``: the floor's fixed
-    per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them.
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group,
+    label -> (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in
+    ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
+    replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
     ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped).
-    ``cpu_probe``: in groups with CPU work, the floor's CPU side by a probe among the steps
-    (``offload_probe``), not by the recalibration before the group alone."""
+    ``cpu_probe``: the floor's CPU side by a probe among a group's steps (``offload_probe``)."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]
