@@ -115,17 +115,16 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     cpu_probe: bool = True) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
-    experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
-    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
-    ``cpu_options``: the layers' CPU branch (``CpuOptions``; None: the defaults). ``observed_margin``: raise
-    the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
-    (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shells`` / ``costs``: the host
+    experts (packed on the host, in the slots, over the link; None: bf16 on CUDA, float32 on the CPU).
+    ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
+    ``cpu_options``: the layers' CPU branch (``CpuOptions``). ``observed_margin``: raise the costs' ``cpu_margin``
+    to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` / ``costs``: the host
     layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
     ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group,
     label -> (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in
     ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
     replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
-    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped).
+    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped);
     ``cpu_probe``: the floor's CPU side by a probe among a group's steps (``offload_probe``)."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
@@ -159,9 +158,8 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                                            run.label or run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
-    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate,
-            "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "drift": DRIFT, "skews": STREAMS,
+    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate, "cpu_options": asdict(options), "experts": experts,
+            "hidden": hidden, "inter": inter, "top_k": top_k, "layers": layers, "drift": DRIFT, "skews": STREAMS,
             "timed_steps": {m: balanced_count(timed_steps(steps, m), stacks) for m in batches},
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
