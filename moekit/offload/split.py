@@ -13,6 +13,7 @@ and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass
 
 from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
@@ -55,19 +56,20 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     touched = hits + len(tokens)
     chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
     times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot), key=lambda e: (times[tokens[e]], tokens[e], e))
-               for hot in (False, True)]
-    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in classes]
-    prices = _Prices(len(tokens), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes], *charge,
-                     hits, expert_bytes)
+    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
+    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
+    # each class's cheapest on the CPU first; no more than room's most of a class can go there
+    classes = [heapq.nsmallest(room[1], c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
+    prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
+                     *charge, hits, expert_bytes)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    found = _cheapest(prices.cost, len(classes[0]), len(classes[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
+    found = _cheapest(prices.cost, len(members[0]), len(members[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
                       room)
     if found is None:
         return fetch_all
     a, b = found
     on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
-    best = MissSplit(sorted(classes[0][a:] + classes[1][b:]), sorted(on_cpu), *prices.sides(a, b),
+    best = MissSplit(sorted(set(tokens).difference(on_cpu)), sorted(on_cpu), *prices.sides(a, b),
                      fetched * expert_bytes / fetch_rate(costs, True), prices.refetch(a, b))
     return best if best.cost_s <= limit_s else fetch_all
 
@@ -75,11 +77,13 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 @dataclass(frozen=True)
 class _Prices:
     """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
-    classes' cumulative CPU times (``cum0``, ``cum1``), their per-expert refetch charges and the GPU side by
+    classes' cumulative CPU times (``cum0``, ``cum1``: their cheapest first, as far as the search may take
+    them), the first class's size, their per-expert refetch charges and the GPU side by
     fetch count (``gpu_side_s`` with ``hits``, CPU busy; priced once per fetch count the search probes);
     plain floats, no MissSplit built per probe."""
 
     n: int  # misses
+    n0: int  # of which in the first class
     costs: MissCosts
     cum0: list[float]
     cum1: list[float]
@@ -109,7 +113,7 @@ class _Prices:
         """A lower bound of ``cost(a, b)`` over every a: its CPU side and refetch at a = 0, less every first-class
         expert's issue (a's CPU time and refetch are >= 0, each of its experts takes one issue off)."""
         c = self.costs
-        return c.cpu_margin * (c.cpu_step_s + self.cum1[b]) + (self.n - (len(self.cum0) - 1) - b) * c.issue_s + (
+        return c.cpu_margin * (c.cpu_step_s + self.cum1[b]) + (self.n - self.n0 - b) * c.issue_s + (
             b * self.charge1 if b else 0.0)
 
     def bound_or_none(self):
