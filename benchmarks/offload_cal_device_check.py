@@ -197,10 +197,12 @@ def cpu_check(shell, costs, device, repeats: int = 4) -> list[dict]:
             for n in (1, 2, 4, 8):
                 for busy in (False, True):
                     total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
-                    got.setdefault((t, n, busy), []).append((total, layer.last_cpu.compute_s))
-    return [{"threads": t, "experts": n, "busy": busy, "ms": statistics.median(x for x, _ in v) * 1e3,
-             "max_ms": max(x for x, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c in v) * 1e3,
-             "model_ms": costs.cpu_side_s([1] * n) * 1e3} for (t, n, busy), v in sorted(got.items())]
+                    p = layer.last_cpu
+                    got.setdefault((t, n, busy), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+    return [{"threads": t, "experts": n, "busy": busy, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+             "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
+             "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
+            for (t, n, busy), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -286,10 +288,11 @@ def _print(result: dict) -> None:
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
-    print("CPU branch vs its model (cold experts, 1 row, ms median/max, compute median), by threads, experts, link:")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link:")
     for r in result.get("cpu_check", []):
         print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'}: {r['ms']:6.2f}/{r['max_ms']:6.2f} "
-              f"(compute {r['compute_ms']:6.2f}) model {r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
+              f"(compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} "
+              f"x{r['ms'] / r['model_ms']:.2f}")
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
