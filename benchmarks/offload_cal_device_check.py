@@ -244,10 +244,13 @@ def summary(rows: list[dict]) -> list[str]:
     for mode in (*MODES, TWIN):
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
         gs = [r.get("x_floor_given", 0.0) for r in rows if r["compute_misses_on"] == mode]
+        bs = [r.get("x_floor_busy", 0.0) for r in rows if r["compute_misses_on"] == mode]
         if xs:
             out.append(f"{mode:>4}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} "
                        f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85 (CPU by the pre-group recalibration, g: "
-                       f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85)")
+                       f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
+                       f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
+                       f"{sum(x < 0.85 for x in bs)} < 0.85)")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)

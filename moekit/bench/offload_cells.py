@@ -157,7 +157,8 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
-    speed then; 1 without a reference), and the timeline floor by ``costs``' CPU model as given."""
+    speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
+    timeline floor at ``busy``'s rate throughout (no idle rate)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
@@ -169,7 +170,8 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
-             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s)]
+             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s)]
             for done in dones]
 
 
@@ -254,7 +256,8 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s, given_s = (statistics.fmean(f[i] for f in floors) for i in range(6))
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s = (statistics.fmean(f[i] for f in floors)
+                                                                        for i in range(7))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
@@ -262,6 +265,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),
             "x_floor_host": step_s / host_s if host_s else float("inf"),
             "x_floor_given": step_s / given_s if given_s else float("inf"),
+            "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

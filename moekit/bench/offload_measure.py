@@ -98,6 +98,7 @@ class OffloadRow:
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
     step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
     x_floor_given: float = 0.0  # step_ms over the floor with the CPU model before the group (``cpu_scale``), no probe
+    x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
     probe_busy: float = 0.0  # the group's CPU probe, link busy: measured / the group's model (``offload_probe``)
     probe_idle: float = 0.0  # likewise, link idle
     probes: int = 0  # probe calls timed in the group
