@@ -86,6 +86,6 @@ def test_a_probe_with_one_state_prices_both_by_it_and_none_leaves_the_costs(monk
 
 
 def test_the_probe_shape_is_a_forwards_mean_cpu_work():
-    assert probe_shape(cpu_experts=30, cpu_tokens=90, forwards=10) == (3, 3)
+    assert probe_shape(cpu_experts=30, cpu_tokens=90, forwards=10) == (3, 3)  # 10 branches of 3 experts, 3 rows each
     assert probe_shape(cpu_experts=3, cpu_tokens=3, forwards=10) == (1, 1)  # at least one expert of one row
     assert probe_shape(cpu_experts=0, cpu_tokens=0, forwards=10) == (1, 1)

@@ -47,7 +47,7 @@ class Run:
 
 def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[Run], warm: int,
               costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
-              scale: float = 1.0, reference: bool = False, probe: CpuProbe | None = None) -> list[dict]:
+              scale: float = 1.0, reference: bool = False, probes: dict[int, CpuProbe] | None = None) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
@@ -56,15 +56,15 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ``after_ms``: its mean step by the run before it); with ``reference``,
     the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
     (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
-    rows' measured fields. A ``probe`` (``offload_probe.CpuProbe``) runs after each timed step of the first
-    run computing on the CPU; the floor's CPU side is its rates (``x_floor_given``: by ``costs`` as given)."""
+    rows' measured fields. ``probes`` (run index -> ``offload_probe.CpuProbe``) run after each timed step of
+    their run; its floor's CPU side is its probe's rates (``x_floor_given``: by ``costs`` as given)."""
     stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
     if ref is not None:
         stacks.append(ref)
     times, dones, after, prev = [[] for _ in stacks], [[] for _ in stacks], [[] for _ in stacks], None
-    cpu_run = next((j for j, run in enumerate(runs) if run.place != "gpu"), None)
+    probes = probes or {}
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
     gc.disable()
@@ -84,8 +84,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     dones[j].append(done)
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
-                    if probe is not None and j == cpu_run:
-                        probe.run(step)
+                    if j in probes:
+                        probes[j].run(step)
                 prev = j
     finally:
         gc.enable()
@@ -95,10 +95,10 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     if reference and len(dones) > len(runs):  # the reference fitted (``_reference``)
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
-    busy, idle = probe.floor_costs() if probe is not None else (costs, None)
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, busy, idle), _total(dones[j]),
-                    trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             **(probe.summary() if probe is not None else {}),
+    rates = {j: probe.floor_costs() for j, probe in probes.items()}
+    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None))),
+                    _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
+             **(probes[j].summary() if j in probes else {}),
              "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
              "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
              "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3,

@@ -99,9 +99,9 @@ class OffloadRow:
     step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
     x_floor_given: float = 0.0  # step_ms over the floor with the CPU model before the group (``cpu_scale``), no probe
     x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
-    probe_busy: float = 0.0  # the group's CPU probe, link busy: measured / the group's model (``offload_probe``)
+    probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
     probe_idle: float = 0.0  # likewise, link idle
-    probes: int = 0  # probe calls timed in the group
+    probes: int = 0  # probe calls timed after the run's steps
     probe_shape: str = ""  # experts x rows of a probe call
     after_ms: dict = dataclasses.field(default_factory=dict)  # mean step ms by the run timed before it ("ref": all-hit)
 
@@ -126,7 +126,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
     ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
     replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
     ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped);
-    ``cpu_probe``: the floor's CPU side by a probe among a group's steps (``offload_probe``)."""
+    ``cpu_probe``: a run's floor's CPU side by a probe after its steps (``offload_probe``)."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]
@@ -152,7 +152,7 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                                                                                          device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
                                                      online_cpu_rate, _rows(m, top_k, experts))
-                cpu = _cpu_probe(probe, group, group_costs, data.trace, warm, 10 * len(rows) + 5) if cpu_probe else None
+                cpu = _cpu_probes(probe, group, group_costs, data.trace, warm, 10 * len(rows) + 5) if cpu_probe else None
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
                                                      device, options, fixed_s, scale, reference_fixed, cpu)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
@@ -218,16 +218,21 @@ def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: in
     return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
 
 
-def _cpu_probe(layer: OffloadedMoE, group: list[_Run], costs: MissCosts, trace, warm: int, start: int) -> CpuProbe | None:
-    """The group's ``CpuProbe`` (None without a run computing on the CPU), shaped as its first such run's
-    mean CPU work per forward in the replay of the timed steps."""
-    run = next((r for r in group if r.place != "gpu"), None)
-    if run is None:
-        return None
-    done = replay(trace, run.slots, run.policy, "router" if run.prefetch else None, place=run.place, costs=costs,
-                  expert_bytes=layer.cache.expert_bytes, measure_from=warm + 1)
-    forwards = (len(trace.touched) - warm - 1) * trace.num_layers
-    return CpuProbe(layer, costs, *probe_shape(done.cpu_experts, done.cpu_tokens, forwards), start=start)
+def _cpu_probes(layer: OffloadedMoE, group: list[_Run], costs: MissCosts, trace, warm: int,
+                start: int) -> dict[int, CpuProbe]:
+    """A ``CpuProbe`` for each run of the group whose replay of the timed steps computes on the CPU (by run
+    index), shaped as that run's mean CPU branch; cold-expert groups from ``start`` on."""
+    probes = {}
+    for j, run in enumerate(group):
+        if run.place == "gpu":
+            continue
+        done = replay(trace, run.slots, run.policy, "router" if run.prefetch else None, place=run.place,
+                      costs=dataclasses.replace(costs, **dict(run.overrides)), expert_bytes=layer.cache.expert_bytes,
+                      measure_from=warm + 1)
+        if done.cpu_experts:
+            shape = probe_shape(done.cpu_experts, done.cpu_tokens, done.cpu_forwards)
+            probes[j] = CpuProbe(layer, costs, *shape, start=start + 7 * j)
+    return probes
 
 
 def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None,

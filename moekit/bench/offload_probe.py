@@ -83,6 +83,7 @@ class CpuProbe:
 
 
 def probe_shape(cpu_experts: int, cpu_tokens: int, forwards: int) -> tuple[int, int]:
-    """(experts, rows) of a probe call: a forward's mean CPU experts and their mean rows, rounded, at least 1."""
+    """(experts, rows) of a probe call: the mean CPU experts of a forward with CPU work (``forwards`` of
+    them) and their mean rows, rounded, at least 1."""
     experts = max(1, round(cpu_experts / forwards)) if forwards else 1
     return experts, max(1, round(cpu_tokens / cpu_experts)) if cpu_experts else 1

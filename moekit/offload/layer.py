@@ -159,7 +159,7 @@ class OffloadedMoE(MoE):
             staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
         if on_cpu:
-            stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            stats.cpu_experts, stats.cpu_tokens, stats.cpu_forwards = len(on_cpu), sum(tokens[m] for m in on_cpu), 1
             stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)

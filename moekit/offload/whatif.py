@@ -74,7 +74,7 @@ def drive(cache: ExpertCache, layers: list[int], trace: RoutingTrace, steps: ran
             for _ in cache.rounds(layer, hits, plan.fetch, stats):
                 pass  # no compute: the rounds only move the cache's bookkeeping
             if plan.cpu:
-                stats.cpu_experts, stats.cpu_tokens = len(plan.cpu), sum(counts[m] for m in plan.cpu)
+                stats.cpu_experts, stats.cpu_tokens, stats.cpu_forwards = len(plan.cpu), sum(counts[m] for m in plan.cpu), 1
                 stats.cpu_rows = tuple(counts[m] for m in plan.cpu)
                 cache.admit(layer, plan.admit, stats)
             last[i] = touched
