@@ -233,8 +233,9 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f} probe {r.get('probe_shape') or '-'} b{r.get('probe_busy', 0.0):.2f}"
-            f"/i{r.get('probe_idle', 0.0):.2f} n{r.get('probes', 0)}")
+            f"cpu x{r.get('cpu_scale', 1.0):.2f} probe " + (", ".join(
+                f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
+                for mode, v in modes.items() if v.get("probes")) or "-"))
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -301,7 +302,7 @@ def _print(result: dict) -> None:
         print(f"  {name:<22} {BranchLog.line(entries)}")
     print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
           "stack / after others | auto/best | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
-          "prefetch layer, CPU scale (pre-group), probe experts x rows, b/i: busy/idle probe over model, n probes")
+          "prefetch layer, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
         q = auto_vs_best(modes)
         tw = (f"{modes[TWIN]['step_ms'] / modes['gpu']['step_ms']:.3f}" if TWIN in modes and "gpu" in modes else "-")
