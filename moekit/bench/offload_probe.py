@@ -1,8 +1,8 @@
-"""The CPU's rate among a group's steps: a probe of the CPU branch on cold experts that takes its turn
-right after the group's CPU stack, the floor's CPU side scaled by it.
+"""The CPU's rate among a group's steps: a probe of the CPU branch on cold experts right after the turn
+of a run that computes on the CPU (one probe per such run), that run's floor's CPU side scaled by it.
 
-    per timed step:  one branch of n cold experts x r rows (the cpu run's mean per forward, from the
-                     replay), the link idle on even steps and busy (``link_busy``) on odd ones
+    per timed step:  one branch of n cold experts x r rows (the run's mean CPU branch in the replay),
+                     the link idle on even steps and busy (``link_busy``) on odd ones
     scale(state):    sum of its measured seconds / sum of the model's (``MissCosts.cpu_side_s``) for the
                      same work, per link state
 
@@ -11,12 +11,12 @@ Why among the steps and not before them: the recalibration before each group (``
 H200 run (c5d7ce5) and 0.86-0.98x in later ones, while the cpu mode's own branches ran 1.4-2.7x and
 0.64-0.76x: the host's rate moves within a minute, the pre-group sample is a few calls at one moment, and
 its shape (8-32 experts, link busy) is not a decode step's (1-6 experts a layer at M = 1, the link
-mostly idle: a cpu-mode layer queues only its admissions). The probe's work is the group's own shape
-at the same moments as the cells (the all-hit reference does the same for the fixed cost,
-``offload_cells``); its experts are cold (never two probes on one expert until E are used), as the
-calibration's, so it is no fit of the cells' steps. Right after the CPU stack: its host state (threads
-awake, caches holding other experts) is the CPU stack's own, and the carry-over design of the turns is
-kept (every stack still follows the CPU stack, probe included, equally often).
+mostly idle: a cpu-mode layer queues only its admissions). The probe's work is the run's own shape at
+the same moments as its steps (the all-hit reference does the same for the fixed cost, ``offload_cells``);
+its experts are cold (no two consecutive probes share one), as the calibration's, so it is no fit of the
+cells' steps. Right after the run's turn: its host state (threads awake, caches holding other experts)
+is that run's own, and the carry-over design of the turns is kept (every stack still follows it, probe
+included, equally often).
 
 The floor prices a layer's CPU branch at the busy rate while the link moves that layer's fetches and
 admissions, at the idle rate after (``offload_floor.timeline_s``'s ``idle``).
