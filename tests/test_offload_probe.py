@@ -89,3 +89,24 @@ def test_the_probe_shape_is_a_forwards_mean_cpu_work():
     assert probe_shape(cpu_experts=30, cpu_tokens=90, forwards=10) == (3, 3)  # 10 branches of 3 experts, 3 rows each
     assert probe_shape(cpu_experts=3, cpu_tokens=3, forwards=10) == (1, 1)  # at least one expert of one row
     assert probe_shape(cpu_experts=0, cpu_tokens=0, forwards=10) == (1, 1)
+
+
+def test_each_cpu_computing_run_gets_a_probe_shaped_as_its_replayed_branches():
+    from moekit.bench.offload_cells import Run
+    from moekit.bench.offload_measure import _cpu_probes
+    from moekit.offload.whatif import replay
+    from moekit.sim.cache import decode_stream
+
+    layer = _layer()
+    trace = decode_stream(12, 2, 2, 9, 4, 0.3, 0.3, seed=1).trace
+    cheap = MissCosts(link_bytes_per_s=1e3, cpu_expert_s=1e-9, cpu_token_s=0.0)  # "auto" sends misses to the CPU
+    runs = [Run(0.25, 6, "lfu", False, place) for place in ("gpu", "cpu", "auto")]
+    probes = _cpu_probes(layer, runs, cheap, trace, warm=3, start=0)
+    assert sorted(probes) == [1, 2]  # the gpu run computes nothing on the CPU
+    for j, probe in probes.items():
+        done = replay(trace, 6, "lfu", None, place=runs[j].place, costs=cheap, expert_bytes=layer.cache.expert_bytes,
+                      measure_from=4)
+        assert done.cpu_forwards > 0
+        assert (probe.experts, probe.rows) == (max(1, round(done.cpu_experts / done.cpu_forwards)),
+                                               max(1, round(done.cpu_tokens / done.cpu_experts)))
+        assert probe.costs is cheap
