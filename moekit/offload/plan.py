@@ -4,7 +4,7 @@ so the replay predicts the hit rate of the mode that ran, not that of an all-fet
 
     "gpu":  every miss fetched into the cache
     "cpu":  every miss computed on the CPU; the busiest copied into the cache afterwards ("admitted")
-    "auto": ``cost.split_misses``'s cheapest split (each miss's reuse from the cache's history,
+    "auto": ``split.split_misses``'s cheapest split (each miss's reuse from the cache's history,
             ``ExpertCache.reuse``); the busiest CPU misses admitted afterwards
 
 Admissions keep the cache learning the hot set while misses run on the CPU; they ride the link in
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s
-from moekit.offload.split import cpu_room, split_misses
+from moekit.offload.split import cpu_room, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -41,7 +41,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     """The plan for the misses ``tokens`` (expert -> routed assignments) of a forward with ``hits``
     cached experts. ``costs`` is required for "auto"; for "cpu" it only sizes the admissions (one per
     forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none). ``reuse``:
-    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``cost.split_misses``)."""
+    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``split.split_misses``)."""
     if place not in PLACES:
         raise ValueError(f"compute_misses_on must be one of {PLACES}, got {place!r}")
     if place == "gpu" or not tokens:
@@ -75,11 +75,14 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
 
 
 def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, int], hits: int, expert_bytes: int,
-                 costs: MissCosts | None, admit_per_forward: int | None = None) -> MissPlan:
+                 costs: MissCosts | None, admit_per_forward: int | None = None, issue=None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
     with the misses' reuse chances from the cache's history when "auto" prices refetches by them (not
-    asked where no CPU split can be taken: ``split.cpu_room``, the same answer without the search)."""
+    asked where no CPU split can be taken: ``split.cpu_room``, the same answer without the search).
+    ``issue(experts)``: with "auto", called before its search with the misses every split it can take
+    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the host
+    searches; the plan's ``fetch`` holds them."""
     reuse = None
     if place == "auto" and costs is not None and tokens and cpu_room(
             tokens, hits, expert_bytes, costs,
@@ -87,4 +90,8 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
         return MissPlan(sorted(tokens), [], [])
     if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
         reuse = cache.reuse(layer, list(tokens))
+    if place == "auto" and costs is not None and tokens and issue is not None:
+        sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse)
+        if sure:
+            issue(sure)
     return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse)

@@ -53,13 +53,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     if room is None:
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    touched = hits + len(tokens)
-    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
-    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
+    chance, times, members, classes = _classes(tokens, hits, costs, reuse, room[1])
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
-    # each class's cheapest on the CPU first; no more than room's most of a class can go there
-    classes = [heapq.nsmallest(room[1], c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
     prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
                      *charge, hits, expert_bytes)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
@@ -72,6 +67,30 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     best = MissSplit(sorted(set(tokens).difference(on_cpu)), sorted(on_cpu), *prices.sides(a, b),
                      fetched * expert_bytes / fetch_rate(costs, True), prices.refetch(a, b))
     return best if best.cost_s <= limit_s else fetch_all
+
+
+def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int):
+    """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
+    cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring)."""
+    touched = hits + len(tokens)
+    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
+    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
+    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
+    classes = [heapq.nsmallest(most, c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
+    return chance, times, members, classes
+
+
+def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+                   reuse: dict[int, float] | None = None) -> list[int]:
+    """The misses every split ``split_misses`` can return fetches (sorted): all of them where ``cpu_room``
+    finds no room, else all but each class's ``most`` cheapest (the CPU takes the cheapest of a class first,
+    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search."""
+    limit_s = (1.0 - costs.hysteresis) * gpu_only(tokens, expert_bytes, costs, hits).cost_s
+    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    if room is None:
+        return sorted(tokens)
+    candidates = {e for c in _classes(tokens, hits, costs, reuse, room[1])[3] for e in c}
+    return sorted(e for e in tokens if e not in candidates)
 
 
 @dataclass(frozen=True)
