@@ -47,9 +47,9 @@ def main() -> None:
         for layer in layers:
             plan = layer._plan
 
-            def timed(tokens, hits, where, _plan=plan, _out=plans[place]):
+            def timed(tokens, hits, where, issue=None, _plan=plan, _out=plans[place]):
                 start = time.perf_counter()
-                out = _plan(tokens, hits, where)
+                out = _plan(tokens, hits, where, issue)
                 _out.append(time.perf_counter() - start)
                 return out
 

@@ -15,7 +15,7 @@ interleaved: |gpu2 / gpu - 1| is the step-to-step noise that "auto / best" is re
 The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced
 orders (``offload_cells.balanced_orders``: each follows each other equally often over the timed steps);
 each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
-Every ``OffloadedMoE._plan`` is timed (host ms before any fetch is issued, with the mode it planned by:
+Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
 "auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
 branch logged (measured / model ms by phase). The JSON ($OUT/offload_cal_device_check.json) is rewritten
 after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
@@ -64,11 +64,17 @@ class BranchLog:
     def install(self) -> None:
         run, plan, log = OffloadedMoE.run_routed, OffloadedMoE._plan, self
 
-        def timed_plan(layer, tokens, hits, place):
-            start = time.perf_counter()
-            out = plan(layer, tokens, hits, place)
+        def timed_plan(layer, tokens, hits, place, issue=None):
+            early, start = [0.0], time.perf_counter()
+
+            def timed_issue(experts):  # the early fetches' issue is host time the gpu path pays later too
+                clock = time.perf_counter()
+                issue(experts)
+                early[0] += time.perf_counter() - clock
+
+            out = plan(layer, tokens, hits, place, timed_issue if issue is not None else None)
             log.entries.append({"mode": layer.compute_misses_on, "place": place, "misses": len(tokens),
-                                "plan_ms": (time.perf_counter() - start) * 1e3})
+                                "plan_ms": (time.perf_counter() - start - early[0]) * 1e3, "early_ms": early[0] * 1e3})
             return out
 
         def logged(layer, x2d, routing):
@@ -97,6 +103,7 @@ class BranchLog:
             ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
             out[mode] = {"plans": len(plans), "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
                          "plan_max_ms": max((e["plan_ms"] for e in plans), default=0.0),
+                         "early_ms": statistics.fmean(e["early_ms"] for e in plans) if plans else 0.0,
                          "places": sorted({e["place"] for e in plans}), "branches": len(got),
                          "ms": sum(e["ms"] for e in got), "model_ms": sum(e["model_ms"] for e in got),
                          "back_ms": sum(e["back_ms"] for e in got),
@@ -109,6 +116,7 @@ class BranchLog:
         parts = []
         for mode, v in summary.items():
             text = f"{mode} plan {v['plan_ms']:.3f}/{v['plan_max_ms']:.3f} by {'+'.join(v['places']) or '-'}"
+            text += f" (+{v['early_ms']:.3f} early fetches)" if v.get("early_ms") else ""
             if v["branches"]:
                 text += (f", {v['branches']} br {v['ms']:.1f}/{v['model_ms']:.1f} ms x{v['ratio_median']:.2f} "
                          f"max x{v['ratio_max']:.2f}")
