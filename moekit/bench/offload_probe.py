@@ -13,7 +13,7 @@ H200 run (c5d7ce5) and 0.86-0.98x in later ones, while the cpu mode's own branch
 its shape (8-32 experts, link busy) is not a decode step's (1-6 experts a layer at M = 1, the link
 mostly idle: a cpu-mode layer queues only its admissions). The probe's work is the run's own shape at
 the same moments as its steps (the all-hit reference does the same for the fixed cost, ``offload_cells``);
-its experts are cold (no two consecutive probes share one), as the calibration's, so it is no fit of the
+its experts are cold (consecutive probes share none while 2n <= E), as the calibration's, so it is no fit of the
 cells' steps. Right after the run's turn: its host state (threads awake, caches holding other experts)
 is that run's own, and the carry-over design of the turns is kept (every stack still follows it, probe
 included, equally often).
