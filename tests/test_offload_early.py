@@ -106,3 +106,30 @@ def test_auto_with_early_fetches_keeps_the_plain_output_and_the_replays_cache(mo
                        expert_bytes=3 * n * k * 4)
     assert any(early)  # the replay issued them too
     assert predicted.as_dict() | {"bytes_transferred": 0} == cache.stats.as_dict() | {"bytes_transferred": 0}
+
+
+def test_early_fetches_leave_the_cache_as_one_batch_would(monkeypatch):
+    """The replay of "auto" with its early fetches against the same replay with them switched off (the plan's
+    ``issue`` dropped): the same hits, fetches, CPU experts and admissions, step for step, at M = 8 on a
+    skewed stream (LFU ties and the eviction horizon follow the order keys were cached in)."""
+    from moekit.offload import whatif
+    from moekit.sim.cache import decode_trace
+
+    trace = decode_trace(32, 4, 3, 30, 8, 0.3, 0.3, seed=4)
+    fetch_s = 1e-3
+    costs = MissCosts(link_bytes_per_s=BYTES / fetch_s, cpu_expert_s=1.2 * fetch_s, cpu_token_s=0.0,
+                      cpu_step_s=2 * fetch_s, hysteresis=0.05)
+    early = []
+    real = ExpertCache.ensure_early
+    monkeypatch.setattr(ExpertCache, "ensure_early", lambda self, *a: early.append(real(self, *a)) or early[-1])
+    for policy in ("lfu", "lru"):
+        with_early = [replay(trace, 40, policy, None, place="auto", costs=costs, expert_bytes=BYTES, measure_from=s)
+                      for s in range(0, 30, 5)]
+        assert any(early)
+        plan = whatif.plan_forward
+        monkeypatch.setattr(whatif, "plan_forward", lambda *a: plan(*a[:8]))  # no issue: one batch
+        without = [replay(trace, 40, policy, None, place="auto", costs=costs, expert_bytes=BYTES, measure_from=s)
+                   for s in range(0, 30, 5)]
+        monkeypatch.setattr(whatif, "plan_forward", plan)
+        assert [s.as_dict() for s in with_early] == [s.as_dict() for s in without]
+        assert without[-1].cpu_experts > 0 and without[-1].hits > 0

@@ -206,9 +206,8 @@ class ExpertCache:
         stats.fetched += len(experts)
 
     def ensure_early(self, layer: int, experts: list[int], stats: OffloadStats) -> list[int]:
-        """``ensure`` as many of ``experts`` as slots can be freed now (in order): the fetches a forward
-        issues before it has planned the rest ("auto"'s, ``plan.plan_forward``'s ``issue``); returns them,
-        for ``rounds``' ``issued``."""
+        """``ensure`` as many of ``experts`` as slots can be freed now, in order: fetches issued before the rest
+        are planned ("auto"'s, ``plan.plan_forward``'s ``issue``); returns them (``rounds``' ``issued``)."""
         early = experts[: self.free_slots()]
         self.ensure(layer, early, stats)
         return early
@@ -221,7 +220,7 @@ class ExpertCache:
         cached ones first: their compute is queued while the copies travel (it waits only for copies into
         its own slots), and the fetched group waits for its copies; without, one group once they land.
         ``issued``: misses this forward already fetched (``ensure``: "auto"'s before its search), in the
-        first round's fetched group ahead of ``misses``' first batch.
+        first round's fetched group ahead of ``misses``' first batch (the cache then as after one batch).
         Each group's experts are in slots when yielded; a round's experts are released when the consumer
         asks for the next round's first group (or at the end)."""
         todo, running, early = list(misses), list(hits), list(issued)
@@ -231,6 +230,8 @@ class ExpertCache:
                 raise RuntimeError("the expert cache has no slot to fetch into")
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
+            if early:  # the policy's tie-break order as one batch of them in expert order would leave it
+                self.policy.requeue([(layer, e) for e in sorted(early + batch)])
             batch, early = early + batch, []
             for group in [running, batch] if split and running and batch else [running + batch]:
                 self.wait_ready(layer, group)
