@@ -42,7 +42,7 @@ from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CPU_GEMMS
 
-LIMIT_S = 120.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+LIMIT_S = 132.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
@@ -222,6 +222,19 @@ def _noise(rows: list[dict]) -> dict[int, float]:
     return {m: statistics.fmean(v * v for v in vs) ** 0.5 for m, vs in out.items()}
 
 
+def paired(modes: dict[str, dict]) -> tuple[float, float] | None:
+    """auto's steps less the better pure mode's, step by step (the stacks take turns, so step i of each
+    ran in the same rotation): (mean difference, its standard error), both over that mode's mean step."""
+    best = min((m for m in ("gpu", "cpu") if m in modes), key=lambda m: modes[m]["step_ms"], default=None)
+    if best is None or "auto" not in modes or not modes["auto"].get("step_times_ms"):
+        return None
+    d = [a - b for a, b in zip(modes["auto"]["step_times_ms"], modes[best]["step_times_ms"])]
+    if len(d) < 2:
+        return None
+    base = modes[best]["step_ms"]
+    return statistics.fmean(d) / base, statistics.stdev(d) / len(d) ** 0.5 / base
+
+
 def _after_cpu(r: dict) -> str:
     """A row's mean step after the cpu stack over its mean step after the others."""
     after = r.get("after_ms", {})
@@ -274,8 +287,11 @@ def summary(rows: list[dict]) -> list[str]:
         at = [v for v, key in q if key[4] == m]
         plans = {mode: [v[mode]["plan_ms"] for name, v in BRANCHES.cells.items() if name.endswith(f"/{m}")
                         and v[mode]["plans"]] for mode in ("gpu", "auto")}
+        pairs = [p for key, modes in cells.items() if key[4] == m and (p := paired(modes)) is not None]
         out.append(f"target auto <= best pure at M = {m}: worst {max(at):.3f}, {sum(v - 1.0 > 2 * noise.get(m, 0.0) for v in at)}"
-                   f" of {len(at)} beyond 2x noise {noise.get(m, 0.0):.3f}; plan ms a forward gpu "
+                   f" of {len(at)} beyond 2x noise {noise.get(m, 0.0):.3f}; paired by step: "
+                   f"{sum(d > 2 * se for d, se in pairs)} of {len(pairs)} slower by over 2 sem (worst "
+                   f"{max((d for d, _ in pairs), default=0.0):+.3f}); plan ms a forward gpu "
                    f"{statistics.fmean(plans['gpu'] or [0.0]):.3f} auto {statistics.fmean(plans['auto'] or [0.0]):.3f}")
     gains = [on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"] for k, modes in cells.items()
              if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
@@ -309,13 +325,14 @@ def _print(result: dict) -> None:
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
     print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
-          "stack / after others | auto/best | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
+          "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
           "prefetch layer, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
-        q = auto_vs_best(modes)
+        q, pair = auto_vs_best(modes), paired(modes)
+        q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")
         tw = (f"{modes[TWIN]['step_ms'] / modes['gpu']['step_ms']:.3f}" if TWIN in modes and "gpu" in modes else "-")
         print(f"{cell_name(stream, fraction, prefetch, m):<18} | " + " | ".join(_mode_text(modes, mode) for mode in MODES)
-              + f" | {'-' if q is None else f'{q:.3f}'} | {tw} | " + _group_text(modes))
+              + f" | {q_text} | {tw} | " + _group_text(modes))
     for line in summary(result["rows"]) if result["rows"] else ["no rows"]:
         print("  " + line)
 

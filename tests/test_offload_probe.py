@@ -54,8 +54,8 @@ def _layer() -> OffloadedMoE:
 
 def test_the_probe_alternates_link_states_and_scales_by_a_ratio_of_sums(monkeypatch):
     calls, script = [], iter([0.010, 0.030, 0.020, 0.050])  # steps 1-4: busy, idle, busy, idle
-    monkeypatch.setattr(offload_probe, "branch", lambda layer, group, experts, m, threads, gemm, busy:
-                        calls.append((tuple(group), experts, m, busy)) or next(script))
+    monkeypatch.setattr(offload_probe, "branch", lambda layer, group, experts, m, threads, gemm, busy, rows:
+                        calls.append((tuple(group), experts, rows[0], busy)) or next(script))
     probe = CpuProbe(_layer(), COSTS, experts=3, rows=2, start=1)
     for step in range(1, 5):
         probe.run(step)
@@ -81,6 +81,8 @@ def test_a_probe_with_one_state_prices_both_by_it_and_none_leaves_the_costs(monk
     probe.run(1)  # busy only: 28 ms against 6 ms
     busy, idle = probe.floor_costs()
     assert busy == idle == COSTS.scaled(0.028 / 0.006)
+    probe.run(3, [2, 1, 5])  # the run's own branch: 28 ms against 2 + 3 x 4 = 14 ms
+    assert probe.scale("busy") == pytest.approx(2 * 0.028 / (0.006 + 0.014))
     with pytest.raises(ValueError, match="experts >= 1"):
         CpuProbe(_layer(), COSTS, experts=0, rows=1)
 
@@ -110,3 +112,14 @@ def test_each_cpu_computing_run_gets_a_probe_shaped_as_its_replayed_branches():
         assert (probe.experts, probe.rows) == (max(1, round(done.cpu_experts / done.cpu_forwards)),
                                                max(1, round(done.cpu_tokens / done.cpu_experts)))
         assert probe.costs is cheap
+
+
+def test_a_branch_by_rows_routes_each_cpu_expert_its_own_rows():
+    from moekit.offload.calibrate import branch
+
+    layer = _layer()
+    seconds = branch(layer, [4, 7, 9, 1], 3, 1, None, "mm_loop", busy=False, rows=[2, 1, 3])
+    phases = layer.last_cpu
+    assert seconds == phases.total_s > 0 and (phases.experts, phases.tokens) == (3, 6)
+    with pytest.raises(ValueError, match="rows must hold 3"):
+        branch(layer, [4, 7, 9, 1], 3, 1, None, "mm_loop", busy=False, rows=[2, 1])

@@ -84,8 +84,9 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     dones[j].append(done)
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
-                    if j in probes:
-                        probes[j].run(step)
+                    if j in probes:  # the run's latest CPU branch: its last layer with one this step
+                        probes[j].run(step, next((l.last_stats.cpu_rows for l in reversed(layers)
+                                                  if l.last_stats.cpu_rows), None))
                 prev = j
     finally:
         gc.enable()
@@ -259,7 +260,8 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s = (statistics.fmean(f[i] for f in floors)
                                                                         for i in range(7))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
-    return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+    return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
+            "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),

@@ -99,6 +99,7 @@ class OffloadRow:
     step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
     x_floor_given: float = 0.0  # step_ms over the floor with the CPU model before the group (``cpu_scale``), no probe
     x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
+    step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
     probe_idle: float = 0.0  # likewise, link idle
     probes: int = 0  # probe calls timed after the run's steps
@@ -261,10 +262,10 @@ def default_warm_steps(m: int) -> int:
 
 
 def timed_steps(steps: int, m: int) -> int:
-    """Timed steps at M tokens: ``steps``, times 8 at M = 1, 4 at M = 2, 2 at M = 4 (steps of a few ms, where
-    step to step jitter is a larger share; they cost little: at M = 1 the twin's rms noise was 2.3% over 12
-    steps in one H200 run, 0.3% at M = 8, so auto against gpu on the same path read up to 1.056)."""
-    return steps * max(1, 8 // m)
+    """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
+    to run jitter is a larger share; they cost little). 24 at M = 1 did not lower the twin's noise on the
+    H200 (3.0%, against 2.3% with 12: the host's drift, not the count, sets it)."""
+    return steps * max(1, 4 // m)
 
 
 def balanced_count(steps: int, stacks: int) -> int:

@@ -51,13 +51,20 @@ class CpuProbe:
         self._groups = cold_groups(self.layer.config.num_experts, max(self.experts, k), self.start)
         self._size = max(self.experts, k)
 
-    def run(self, step: int) -> None:
-        """Time one branch: the link idle on even ``step``s, busy on odd ones."""
+    def run(self, step: int, rows: list[int] | None = None) -> None:
+        """Time one branch: the link idle on even ``step``s, busy on odd ones; its work ``rows`` (one count
+        per CPU expert: the run's latest CPU branch, so the probe prices the work the floor prices) or
+        else the probe's shape, on cold experts."""
         state = STATES[step % 2]
         threads, gemm = self.costs.cpu_threads, self.costs.cpu_gemm or CPU_GEMMS[0]
-        seconds = branch(self.layer, next(self._groups)[:self._size], self.experts, self.rows, threads, gemm,
-                         busy=state == "busy")
-        self.samples[state].append((seconds, self.costs.cpu_side_s([self.rows] * self.experts)))
+        rows = list(rows) if rows else [self.rows] * self.experts
+        k = max(self.layer.config.top_k, 2)
+        group = next(self._groups)
+        if len(group) < max(len(rows), k):  # a wider branch than the shape: a group of its own width
+            group = next(cold_groups(self.layer.config.num_experts, max(len(rows), k), self.start + step))
+        seconds = branch(self.layer, group[:max(len(rows), k)], len(rows), 1, threads, gemm, busy=state == "busy",
+                         rows=rows)
+        self.samples[state].append((seconds, self.costs.cpu_side_s(rows)))
 
     def scale(self, state: str) -> float | None:
         """Measured over modelled seconds of the ``state`` probes (a ratio of sums); None without any."""

@@ -228,15 +228,23 @@ def most_threads() -> int:
     return min(max(n, usable), 2 * n)
 
 
-def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str, busy: bool = True) -> float:
+def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str, busy: bool = True,
+           rows: list[int] | None = None) -> float:
     """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
     every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``);
-    the link busy throughout (``link_busy``, sized to the call), or idle with ``busy=False``."""
+    the link busy throughout (``link_busy``, sized to the call), or idle with ``busy=False``. ``rows`` (one
+    count per CPU expert): max(rows) tokens, the j-th CPU expert routed from the first rows[j] of them (the
+    other slots dropped, id -1), the rest of ``group`` from every token; ``m`` is then unused."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)
+    if rows is not None:
+        if len(rows) != experts or min(rows) < 1:
+            raise ValueError(f"rows must hold {experts} counts >= 1, got {rows}")
+        m = max(rows)
+    table = [[e if rows is None or j >= experts or t < rows[j] else -1 for j, e in enumerate(group)] for t in range(m)]
     x = torch.randn(m, c.hidden_size, dtype=dtype, device=dev)
-    ids = torch.tensor([group] * m, dtype=torch.int32, device=dev)
+    ids = torch.tensor(table, dtype=torch.int32, device=dev)
     weights = torch.full((m, k), 1.0 / k, dtype=torch.float32, device=dev)
     on_cpu = sorted(set(group[:experts]))
     if dev.type == "cuda":
@@ -244,7 +252,7 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     with link_busy(dev, copies=2 + len(on_cpu) // 4) if busy else contextlib.nullcontext():  # ~5 ms a copy at 55 GB/s
         staged = layer._cpu.stage([x, ids, weights])
         layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
-                          m * len(on_cpu), threads)
+                          sum(rows) if rows is not None else m * len(on_cpu), threads)
     return layer._cpu.last.total_s
 
 
