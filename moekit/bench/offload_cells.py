@@ -85,8 +85,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
                     if j in probes:  # the run's latest CPU branch: its last layer with one this step
-                        probes[j].run(step, next((l.last_stats.cpu_rows for l in reversed(layers)
-                                                  if l.last_stats.cpu_rows), None))
+                        probes[j].run(step, next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows), None))
                 prev = j
     finally:
         gc.enable()
