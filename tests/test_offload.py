@@ -243,7 +243,7 @@ def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(m
     monkeypatch.setattr(layer_mod, "plan_forward", lambda cache, layer, place, *a: places.append(place)
                         or real(cache, layer, place, *a))
     seen = count_calls(monkeypatch, {"never": 0, "split": 0, "room": 0}, [
-        (layer_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
+        (plan_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
         (plan_mod, "cpu_room", "room")])
     for seed in range(6):  # M = 1: misses, hits and evictions in a 3-slot cache
         x = _x(1, seed)

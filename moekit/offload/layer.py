@@ -40,11 +40,11 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, cpu_never_wins, one_call
+from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
-from moekit.offload.plan import PLACES, MissPlan, plan_forward
+from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -112,7 +112,7 @@ class OffloadedMoE(MoE):
         layer.cache, layer.layer_id = cache, cache.register(*routed)
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward, layer.cpu_rate = admit_per_forward, cpu_rate
-        layer.last_stats, layer._last_touched, layer._next, layer._never = OffloadStats(), [], [], (None, {})
+        layer.last_stats, layer._last_touched, layer._next, layer._proofs = OffloadStats(), [], [], Proofs()
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer
 
@@ -227,19 +227,14 @@ class OffloadedMoE(MoE):
 
     def _place(self, m: int) -> str:
         """The mode this forward of ``m`` tokens plans by: "gpu" for "auto" where no forward of m tokens can
-        send a miss to the CPU (``cost.cpu_never_wins``, asked once per costs and m), so it takes the gpu
+        send a miss to the CPU (``cost.cpu_never_wins``, once per costs and m: ``plan.Proofs``), so it takes the gpu
         path itself, no per-forward pricing on the host's path (at M = 1 on the H200 its CPU side's least
         price is ~2x fetching all k experts); else ``compute_misses_on``."""
         if self.compute_misses_on != "auto" or self.costs is None:
             return self.compute_misses_on
         costs = self.costs if self.cpu_rate is None else self.cpu_rate.apply(self.costs)
-        if self._never[0] is not costs:
-            self._never = (costs, {})
-        known = self._never[1]
-        if m not in known:
-            touched = min(m * self.config.top_k, self.config.num_experts)
-            known[m] = cpu_never_wins(touched, m, self.cache.expert_bytes, costs)
-        return "gpu" if known[m] else "auto"
+        touched = min(m * self.config.top_k, self.config.num_experts)
+        return "gpu" if self._proofs.never_wins(m, touched, self.cache.expert_bytes, costs) else "auto"
 
     def _plan(self, tokens: dict[int, int], hits: int, place: str, issue=None) -> MissPlan:
         """Where this forward's misses (``tokens``: expert -> assignments) go under ``place`` (``plan.plan_forward``,
@@ -247,6 +242,8 @@ class OffloadedMoE(MoE):
         if place == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
         costs = self.costs if self.cpu_rate is None or self.costs is None else self.cpu_rate.apply(self.costs)
+        if place == "auto" and tokens and self._proofs.fetch_all(tokens, hits, self.cache.expert_bytes, costs):
+            return MissPlan(sorted(tokens), [], [])  # what plan_forward answers here, without pricing this forward
         return plan_forward(self.cache, self.layer_id, place, tokens, hits, self.cache.expert_bytes, costs,
                             self.admit_per_forward, issue)
 

@@ -21,10 +21,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_side_s
-from moekit.offload.split import cpu_room, split_misses, surely_fetched
+from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
+from moekit.offload.split import cpu_room, no_room, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
+
+
+class Proofs:
+    """"auto"'s answers that depend on counts only, kept for one costs (reset when they change): whether no
+    forward of m tokens can use the CPU (``cost.cpu_never_wins``, by m) and whether a forward of n misses
+    of at most r rows beside h hits has no room (``split.no_room``, by (n, h, r)): then every miss is
+    fetched with no pricing at all (a dict lookup on the host's path, as "gpu" plans)."""
+
+    def __init__(self) -> None:
+        self.costs, self.never, self.fetch = None, {}, {}
+
+    def _for(self, costs: MissCosts) -> None:
+        if costs is not self.costs:
+            self.costs, self.never, self.fetch = costs, {}, {}
+
+    def never_wins(self, m: int, touched: int, expert_bytes: int, costs: MissCosts) -> bool:
+        self._for(costs)
+        if m not in self.never:
+            self.never[m] = cpu_never_wins(touched, m, expert_bytes, costs)
+        return self.never[m]
+
+    def fetch_all(self, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts) -> bool:
+        self._for(costs)
+        key = (len(tokens), hits, max(tokens.values()))
+        if key not in self.fetch:
+            self.fetch[key] = no_room(*key, expert_bytes, costs)
+        return self.fetch[key]
 
 
 @dataclass(frozen=True)

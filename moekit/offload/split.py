@@ -80,6 +80,19 @@ def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[in
     return chance, times, members, classes
 
 
+def no_room(misses: int, hits: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
+    """True when ``cpu_room`` finds no room for every forward of ``misses`` misses of at most ``rows`` rows
+    each beside ``hits`` hits: its scan with every CPU time at the least ``cpu_time`` over 1..``rows`` rows
+    (at 1, at ``rows`` or at a table point between: ``cpu_time`` is linear between them), which any s
+    misses' times sum to at least. Depends on the counts only, so a caller may keep the answer per
+    (misses, hits, rows) for one costs (``plan.Proofs``)."""
+    if misses < 1:
+        return True
+    cheapest = min({1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}, key=costs.cpu_time)
+    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, misses, expert_bytes, costs)
+    return cpu_room(dict.fromkeys(range(misses), cheapest), hits, expert_bytes, costs, limit_s) is None
+
+
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
                    reuse: dict[int, float] | None = None) -> list[int]:
     """The misses every split ``split_misses`` can return fetches (sorted): all of them where ``cpu_room``
