@@ -1,7 +1,7 @@
 """Host cost of "auto"'s decision at decode, on a CPU-only machine (both "devices" the CPU): per forward, the
 plan (``OffloadedMoE._plan`` with the place ``_place`` picks) and the whole ``run_routed``, for "gpu", "auto"
 (at M = 1 it plans by "gpu": ``cost.cpu_never_wins``) and "auto" priced per forward as before (``_place``
-bypassed: ``plan.plan_forward`` with "auto", its ``cpu_cannot_win`` check and the CPU rate applied).
+bypassed: ``plan.plan_forward`` with "auto", its ``split.cpu_room`` check and the CPU rate applied).
 
     PYTHONPATH=$PWD python benchmarks/offload_auto_host_cpu.py
 
@@ -47,9 +47,9 @@ def main() -> None:
         for layer in layers:
             plan = layer._plan
 
-            def timed(tokens, hits, where, _plan=plan, _out=plans[place]):
+            def timed(tokens, hits, where, issue=None, _plan=plan, _out=plans[place]):
                 start = time.perf_counter()
-                out = _plan(tokens, hits, where)
+                out = _plan(tokens, hits, where, issue)
                 _out.append(time.perf_counter() - start)
                 return out
 

@@ -15,7 +15,7 @@ interleaved: |gpu2 / gpu - 1| is the step-to-step noise that "auto / best" is re
 The stacks of a group (modes, twin, all-hit reference) take turns step by step in carry-over balanced
 orders (``offload_cells.balanced_orders``: each follows each other equally often over the timed steps);
 each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
-Every ``OffloadedMoE._plan`` is timed (host ms before any fetch is issued, with the mode it planned by:
+Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
 "auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
 branch logged (measured / model ms by phase). The JSON ($OUT/offload_cal_device_check.json) is rewritten
 after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
@@ -39,8 +39,10 @@ from moekit.bench.offload_measure import cpu_rows, measure_costs, measure_offloa
 from moekit.bench.offload_report import auto_vs_best, modes_by_cell
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE
+from moekit.offload.calibrate import branch, cold_groups
+from moekit.offload.cpu_path import CPU_GEMMS
 
-LIMIT_S = 120.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+LIMIT_S = 132.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
@@ -62,11 +64,17 @@ class BranchLog:
     def install(self) -> None:
         run, plan, log = OffloadedMoE.run_routed, OffloadedMoE._plan, self
 
-        def timed_plan(layer, tokens, hits, place):
-            start = time.perf_counter()
-            out = plan(layer, tokens, hits, place)
+        def timed_plan(layer, tokens, hits, place, issue=None):
+            early, start = [0.0], time.perf_counter()
+
+            def timed_issue(experts):  # the early fetches' issue is host time the gpu path pays later too
+                clock = time.perf_counter()
+                issue(experts)
+                early[0] += time.perf_counter() - clock
+
+            out = plan(layer, tokens, hits, place, timed_issue if issue is not None else None)
             log.entries.append({"mode": layer.compute_misses_on, "place": place, "misses": len(tokens),
-                                "plan_ms": (time.perf_counter() - start) * 1e3})
+                                "plan_ms": (time.perf_counter() - start - early[0]) * 1e3, "early_ms": early[0] * 1e3})
             return out
 
         def logged(layer, x2d, routing):
@@ -95,6 +103,7 @@ class BranchLog:
             ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
             out[mode] = {"plans": len(plans), "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
                          "plan_max_ms": max((e["plan_ms"] for e in plans), default=0.0),
+                         "early_ms": statistics.fmean(e["early_ms"] for e in plans) if plans else 0.0,
                          "places": sorted({e["place"] for e in plans}), "branches": len(got),
                          "ms": sum(e["ms"] for e in got), "model_ms": sum(e["model_ms"] for e in got),
                          "back_ms": sum(e["back_ms"] for e in got),
@@ -107,6 +116,7 @@ class BranchLog:
         parts = []
         for mode, v in summary.items():
             text = f"{mode} plan {v['plan_ms']:.3f}/{v['plan_max_ms']:.3f} by {'+'.join(v['places']) or '-'}"
+            text += f" (+{v['early_ms']:.3f} early fetches)" if v.get("early_ms") else ""
             if v["branches"]:
                 text += (f", {v['branches']} br {v['ms']:.1f}/{v['model_ms']:.1f} ms x{v['ratio_median']:.2f} "
                          f"max x{v['ratio_max']:.2f}")
@@ -154,6 +164,7 @@ def main(argv: list[str]) -> int:
     batches = (1, 8, 32) if cuda else (1, 8)
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
+    result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
     result["branches"] = BRANCHES.cells
     dump(result)
     group_size = len(MODES) + twin
@@ -181,6 +192,27 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def cpu_check(shell, costs, device, repeats: int = 4) -> list[dict]:
+    """The CPU branch against its calibrated model by link state, experts per call (1 row each) and thread
+    count (the calibration's and half of it), on cold experts, the states and shapes interleaved in each
+    repeat: is the model's shape right at a decode layer's few experts, and does a busy link slow the CPU?"""
+    layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
+    k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
+    threads = sorted({costs.cpu_threads or torch.get_num_threads(), max(1, (costs.cpu_threads or 2) // 2)}, reverse=True)
+    groups, got = cold_groups(layer.config.num_experts, k, 1000), {}
+    for _ in range(repeats):
+        for t in threads:
+            for n in (1, 2, 4, 8):
+                for busy in (False, True):
+                    total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
+                    p = layer.last_cpu
+                    got.setdefault((t, n, busy), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+    return [{"threads": t, "experts": n, "busy": busy, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+             "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
+             "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
+            for (t, n, busy), v in sorted(got.items())]
+
+
 def _noise(rows: list[dict]) -> dict[int, float]:
     """M -> the twin's noise: the root mean square of gpu2 / gpu - 1 over the cells at M."""
     out = {}
@@ -188,6 +220,19 @@ def _noise(rows: list[dict]) -> dict[int, float]:
         if TWIN in modes and "gpu" in modes:
             out.setdefault(key[4], []).append(modes[TWIN]["step_ms"] / modes["gpu"]["step_ms"] - 1.0)
     return {m: statistics.fmean(v * v for v in vs) ** 0.5 for m, vs in out.items()}
+
+
+def paired(modes: dict[str, dict]) -> tuple[float, float] | None:
+    """auto's steps less the better pure mode's, step by step (the stacks take turns, so step i of each
+    ran in the same rotation): (mean difference, its standard error), both over that mode's mean step."""
+    best = min((m for m in ("gpu", "cpu") if m in modes), key=lambda m: modes[m]["step_ms"], default=None)
+    if best is None or "auto" not in modes or not modes["auto"].get("step_times_ms"):
+        return None
+    d = [a - b for a, b in zip(modes["auto"]["step_times_ms"], modes[best]["step_times_ms"])]
+    if len(d) < 2:
+        return None
+    base = modes[best]["step_ms"]
+    return statistics.fmean(d) / base, statistics.stdev(d) / len(d) ** 0.5 / base
 
 
 def _after_cpu(r: dict) -> str:
@@ -201,7 +246,7 @@ def _mode_text(modes: dict[str, dict], mode: str) -> str:
     r = modes.get(mode)
     if r is None:
         return f"{mode} -"
-    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(h{r.get('x_floor_host', 0):.2f}) "
+    return (f"{mode} {r['step_ms']:7.2f}±{r.get('step_sem_ms', 0.0):.2f} {r['x_floor']:4.2f}x(g{r.get('x_floor_given', 0):.2f}) "
             f"{r['hit_rate']:.3f}/{r['sim_hit_rate']:.3f} ac {_after_cpu(r)}")
 
 
@@ -209,7 +254,9 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f}")
+            f"cpu x{r.get('cpu_scale', 1.0):.2f} probe " + (", ".join(
+                f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
+                for mode, v in modes.items() if v.get("probes")) or "-"))
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -218,11 +265,14 @@ def summary(rows: list[dict]) -> list[str]:
     out = []
     for mode in (*MODES, TWIN):
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
-        hs = [r.get("x_floor_host", 0.0) for r in rows if r["compute_misses_on"] == mode]
+        gs = [r.get("x_floor_given", 0.0) for r in rows if r["compute_misses_on"] == mode]
+        bs = [r.get("x_floor_busy", 0.0) for r in rows if r["compute_misses_on"] == mode]
         if xs:
             out.append(f"{mode:>4}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} "
-                       f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85 (host terms scaled, h: {min(hs):.2f}-{max(hs):.2f}, "
-                       f"{sum(x > 1.2 for x in hs)} > 1.2)")
+                       f"> 1.2, {sum(x < 0.85 for x in xs)} < 0.85 (CPU by the pre-group recalibration, g: "
+                       f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
+                       f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
+                       f"{sum(x < 0.85 for x in bs)} < 0.85)")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
@@ -233,6 +283,16 @@ def summary(rows: list[dict]) -> list[str]:
                    f" twin noise (rms gpu2/gpu - 1) by M: " + ", ".join(f"{m} {n:.3f}" for m, n in sorted(noise.items()))
                    + f"; {len(beyond)} of {len(q)} cells slower by more than 2x the noise at their M"
                    + ("" if not beyond else ": " + ", ".join(cell_name(k[0], k[1], k[3], k[4]) for k in beyond)))
+    for m in sorted({key[4] for _, key in q}):
+        at = [v for v, key in q if key[4] == m]
+        plans = {mode: [v[mode]["plan_ms"] for name, v in BRANCHES.cells.items() if name.endswith(f"/{m}")
+                        and v[mode]["plans"]] for mode in ("gpu", "auto")}
+        pairs = [p for key, modes in cells.items() if key[4] == m and (p := paired(modes)) is not None]
+        out.append(f"target auto <= best pure at M = {m}: worst {max(at):.3f}, {sum(v - 1.0 > 2 * noise.get(m, 0.0) for v in at)}"
+                   f" of {len(at)} beyond 2x noise {noise.get(m, 0.0):.3f}; paired by step: "
+                   f"{sum(d > 2 * se for d, se in pairs)} of {len(pairs)} slower by over 2 sem (worst "
+                   f"{max((d for d, _ in pairs), default=0.0):+.3f}); plan ms a forward gpu "
+                   f"{statistics.fmean(plans['gpu'] or [0.0]):.3f} auto {statistics.fmean(plans['auto'] or [0.0]):.3f}")
     gains = [on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"] for k, modes in cells.items()
              if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
              if mode in cells[k[:3] + ("none",) + k[4:]]]
@@ -256,17 +316,23 @@ def _print(result: dict) -> None:
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link:")
+    for r in result.get("cpu_check", []):
+        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'}: {r['ms']:6.2f}/{r['max_ms']:6.2f} "
+              f"(compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} "
+              f"x{r['ms'] / r['model_ms']:.2f}")
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
-    print("cell | mode step ms±sem x floor (h: its host terms scaled by fixed/q) hit/sim, ac: step after the cpu "
-          "stack / after others | auto/best | "
-          "twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: prefetch layer, CPU scale")
+    print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
+          "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
+          "prefetch layer, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
-        q = auto_vs_best(modes)
+        q, pair = auto_vs_best(modes), paired(modes)
+        q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")
         tw = (f"{modes[TWIN]['step_ms'] / modes['gpu']['step_ms']:.3f}" if TWIN in modes and "gpu" in modes else "-")
         print(f"{cell_name(stream, fraction, prefetch, m):<18} | " + " | ".join(_mode_text(modes, mode) for mode in MODES)
-              + f" | {'-' if q is None else f'{q:.3f}'} | {tw} | " + _group_text(modes))
+              + f" | {q_text} | {tw} | " + _group_text(modes))
     for line in summary(result["rows"]) if result["rows"] else ["no rows"]:
         print("  " + line)
 

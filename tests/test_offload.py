@@ -242,14 +242,14 @@ def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(m
     real = layer_mod.plan_forward
     monkeypatch.setattr(layer_mod, "plan_forward", lambda cache, layer, place, *a: places.append(place)
                         or real(cache, layer, place, *a))
-    seen = count_calls(monkeypatch, {"never": 0, "split": 0, "cannot": 0}, [
-        (layer_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
-        (plan_mod, "cpu_cannot_win", "cannot")])
+    seen = count_calls(monkeypatch, {"never": 0, "split": 0, "room": 0}, [
+        (plan_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
+        (plan_mod, "cpu_room", "room")])
     for seed in range(6):  # M = 1: misses, hits and evictions in a 3-slot cache
         x = _x(1, seed)
         torch.testing.assert_close(auto(x), gpu(x), rtol=0, atol=0)
         assert auto.last_stats == gpu.last_stats
-    assert set(places) == {"gpu"} and seen == {"never": 1, "split": 0, "cannot": 0}
+    assert set(places) == {"gpu"} and seen == {"never": 1, "split": 0, "room": 0}
     cheap = MissCosts(link_bytes_per_s=1e3, cpu_expert_s=1e-9, cpu_token_s=0.0)
     auto.costs = cheap
     places.clear()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.bench.offload_floor import sum_floor_s, timeline_s
+from moekit.bench.offload_probe import CpuProbe
 from moekit.offload import CpuOptions, CpuRate, ExpertCache, MissCosts, OffloadedMoE, OffloadStats, expert_nbytes
 from moekit.offload.gpu_terms import FixedCosts, fixed_from
 from moekit.offload.whatif import RoutingTrace, drive, replay
@@ -46,7 +47,7 @@ class Run:
 
 def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace, runs: list[Run], warm: int,
               costs: MissCosts, device, options: CpuOptions, fixed: FixedCosts = FixedCosts(0.0),
-              scale: float = 1.0, reference: bool = False) -> list[dict]:
+              scale: float = 1.0, reference: bool = False, probes: dict[int, CpuProbe] | None = None) -> list[dict]:
     """Decode ``trace``'s stream once per run, each through L layers sharing a fresh cache: the first
     ``warm`` steps through the cache's bookkeeping only, then ``routings`` (the later steps, on the
     device; the first untimed). The runs take turns step by step (garbage collector off), so slow drifts
@@ -55,13 +56,15 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ``after_ms``: its mean step by the run before it); with ``reference``,
     the all-hit stack (module docstring) among them where it fits (``_reference``). Each step's floor
     (``offload_floor``) with ``fixed``'s costs, its per-layer cost the reference's where there is one. The
-    rows' measured fields."""
+    rows' measured fields. ``probes`` (run index -> ``offload_probe.CpuProbe``) run after each timed step of
+    their run; its floor's CPU side is its probe's rates (``x_floor_given``: by ``costs`` as given)."""
     stacks = [_stack(shells, trace, run, warm, costs, device, options) for run in runs]
     x = torch.randn(routings[0][0].topk_ids.shape[0], config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
     if ref is not None:
         stacks.append(ref)
     times, dones, after, prev = [[] for _ in stacks], [[] for _ in stacks], [[] for _ in stacks], None
+    probes = probes or {}
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
     gc.disable()
@@ -81,6 +84,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     dones[j].append(done)
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
+                    if j in probes:  # the run's latest CPU branch: its last layer with one this step
+                        probes[j].run(step, next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows), None))
                 prev = j
     finally:
         gc.enable()
@@ -90,8 +95,10 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     if reference and len(dones) > len(runs):  # the reference fitted (``_reference``)
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet), _total(dones[j]), trace,
-                    warm, costs, expert_bytes, x.shape[0], phases[j]),
+    rates = {j: probe.floor_costs() for j, probe in probes.items()}
+    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None))),
+                    _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
+             **(probes[j].summary() if j in probes else {}),
              "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
              "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
              "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3,
@@ -143,20 +150,28 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
-            quiet: float) -> list[list[float]]:
-    """Per timed step: the timeline floor, the layers' maxima summed, the floor as before the
-    reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet fixed cost, no such terms), the timeline floor
-    without ``prefetch_layer_s``, and the timeline floor with the host terms measured before the group
-    (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``) scaled by the reference's fixed cost
-    over the quiet one: the host's speed among the cells over its speed then (1 without a reference)."""
+            quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None) -> list[list[float]]:
+    """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates; None:
+    ``costs``' throughout), the
+    layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
+    fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
+    host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
+    scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
+    speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
+    timeline floor at ``busy``'s rate throughout (no idle rate)."""
+    given, busy = costs, busy or costs
+    costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
+                                cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
     before = dataclasses.replace(costs, fetch_layer_s=0.0)
     r = fixed.layer_s / quiet if quiet > 0 else 1.0
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
-    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
+    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s),
-             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
+             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
+             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s)]
             for done in dones]
 
 
@@ -241,13 +256,17 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s = (statistics.fmean(f[i] for f in floors) for i in range(5))
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s = (statistics.fmean(f[i] for f in floors)
+                                                                        for i in range(7))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
-    return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+    return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
+            "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),
             "x_floor_host": step_s / host_s if host_s else float("inf"),
+            "x_floor_given": step_s / given_s if given_s else float("inf"),
+            "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

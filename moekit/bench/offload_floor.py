@@ -74,24 +74,27 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
-               overlap_s: float = 0.0, prefetch_s: float = 0.0) -> float:
+               overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
     and ``costs.fetch_layer_s`` past its start (likewise), and one that prefetches (``prefetched``:
     the next layer's experts, issued after it) ``prefetch_s`` more on the host's path (after the fetch's
     work: one host issues both; ``FixedCosts.prefetch_layer_s``); a layer's copies start ``overlap_s``
-    (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``)."""
+    (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``). With ``idle`` (the CPU model
+    with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
+    link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     ahead = min(overlap_s, fixed_s)
     t = free = 0.0  # the layer's start, the link's next idle moment
     for s in per_layer:
         start = t + fixed_s  # the layer's fixed work done; its copies were issued overlap_s before
-        cpu = cpu_side_s(s, costs) + ((s.fetched + s.admitted) * costs.issue_s if s.cpu_experts else 0.0)
+        issue = (s.fetched + s.admitted) * costs.issue_s if s.cpu_experts else 0.0
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start - ahead) + s.fetched * rate
         free = fetched_at + s.admitted * rate
+        cpu = issue + cpu_branch_s(s, costs, idle, free - start - issue)
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         end = min(end, max(start, fetched_at) + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:
@@ -103,6 +106,17 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
             end = max(end, start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0) + prefetch_s)
         t = end
     return max(t, free)
+
+
+def cpu_branch_s(s: OffloadStats, busy: MissCosts, idle: MissCosts | None, linked_s: float) -> float:
+    """A layer's CPU branch that starts with ``linked_s`` of copies still on the link: at ``busy``'s model
+    for that long (at most the whole branch), the rest of its work at ``idle``'s (None: ``busy``'s
+    throughout): T = L + (1 - L / T_busy) x T_idle, L = min(max(linked_s, 0), T_busy)."""
+    whole = cpu_side_s(s, busy)
+    if idle is None or whole <= 0.0:
+        return whole
+    linked = min(max(linked_s, 0.0), whole)
+    return linked + (1.0 - linked / whole) * cpu_side_s(s, idle)
 
 
 def sum_floor_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0) -> float:

@@ -46,11 +46,13 @@ from moekit.bench.offload_cells import Run as _Run
 from moekit.bench.offload_cells import run_cells
 from moekit.bench.offload_floor import fixed_costs
 from moekit.bench.offload_hosts import host_shells
+from moekit.bench.offload_probe import CpuProbe, probe_shape
 from moekit.bench.offload_report import by_cell, summary
 from moekit.config import MoEConfig
 from moekit.layer import MoE
 from moekit.offload import CpuOptions, MissCosts, OffloadedMoE, expert_nbytes
 from moekit.offload.calibrate import recalibrate_cpu
+from moekit.offload.whatif import replay
 from moekit.routing import Routing
 from moekit.sim.cache import decode_stream
 
@@ -95,6 +97,13 @@ class OffloadRow:
     cpu_expert_us: float = 0.0  # the CPU time of a one-row expert this group's floor and layers priced
     cpu_scale: float = 1.0  # the group's CPU model over the calibration's (``recalibrate_cpu``'s factor)
     step_sem_ms: float = 0.0  # the standard error of ``step_ms`` over the timed steps
+    x_floor_given: float = 0.0  # step_ms over the floor with the CPU model before the group (``cpu_scale``), no probe
+    x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
+    step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
+    probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
+    probe_idle: float = 0.0  # likewise, link idle
+    probes: int = 0  # probe calls timed after the run's steps
+    probe_shape: str = ""  # experts x rows of a probe call
     after_ms: dict = dataclasses.field(default_factory=dict)  # mean step ms by the run timed before it ("ref": all-hit)
 
 
@@ -104,21 +113,21 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                     scheme: str | None = None, on_progress=None, cpu_options: CpuOptions | None = None,
                     observed_margin: bool = True, shells: list[MoE] | None = None, costs: MissCosts | None = None,
                     admit_per_forward: int | None = None, variants: dict[str, tuple[str, dict]] | None = None,
-                    online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None) -> dict:
+                    online_cpu_rate: bool = False, reference_fixed: bool = True, keep=None,
+                    cpu_probe: bool = True) -> dict:
     """Every (stream, M, fraction, policy, prefetch, place); returns the document ``moekit bench
     --offload`` writes. ``streams``: names in ``STREAMS``. ``scheme``: a ``moekit.quant`` scheme for the
-    experts (kept packed on the host, in the slots and over the link); None: float experts (bf16 on
-    CUDA, float32 on the CPU). ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
-    ``cpu_options``: the layers' CPU branch (``CpuOptions``; None: the defaults). ``observed_margin``: raise
-    the costs' ``cpu_margin`` to the CPU branch's measured / predicted time over the warm-up's steps
-    (``MissCosts.observed``), so "auto" prices the CPU as it really ran. ``shells`` / ``costs``: the host
+    experts (packed on the host, in the slots, over the link; None: bf16 on CUDA, float32 on the CPU).
+    ``warm_steps``: the bookkeeping-only steps W (None: ``default_warm_steps(M)``).
+    ``cpu_options``: the layers' CPU branch (``CpuOptions``). ``observed_margin``: raise the costs' ``cpu_margin``
+    to the CPU branch's measured / predicted time over the warm-up (``MissCosts.observed``). ``shells`` / ``costs``: the host
     layers (one per layer) and costs from an earlier call (``host_shells``; ``measure_costs``), not rebuilt.
-    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it, for every layer and replay. ``variants``:
-    further runs in every group, label -> (place, MissCosts fields replaced for that run: e.g. {"refetch":
-    "hit_rate"}), rows labelled so in ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers
-    share a ``CpuRate`` (the what-if replays the calibrated costs). ``reference_fixed``: the floor's fixed
-    per-layer cost from an all-hit stack among the cells (``offload_cells``), not measured before them.
-    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped)."""
+    ``admit_per_forward``: as ``OffloadedMoE.from_moe`` takes it. ``variants``: further runs in every group,
+    label -> (place, MissCosts fields replaced: {"refetch": "hit_rate"}), rows labelled so in
+    ``compute_misses_on``. ``online_cpu_rate``: each "auto" cell's layers share a ``CpuRate`` (the what-if
+    replays the calibrated costs). ``reference_fixed``: the floor's fixed cost from an all-hit stack among the cells.
+    ``keep(stream, M, run)``: False skips the group of that first ``offload_cells.Run`` (None: none skipped);
+    ``cpu_probe``: a run's floor's CPU side by a probe after its steps (``offload_probe``)."""
     dtype, options = torch.bfloat16 if device.type == "cuda" else torch.float32, cpu_options or CpuOptions()
     config = MoEConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, top_k=top_k)
     clock = [time.perf_counter()]
@@ -144,15 +153,15 @@ def measure_offload(device: torch.device, *, experts=256, hidden=7168, inter=204
                                                                                          device, options, group[0].slots)
                 group, group_costs, scale = _prepare(group, fixed_s.priced(costs), probe, 10 * len(rows),
                                                      online_cpu_rate, _rows(m, top_k, experts))
+                cpu = _cpu_probes(probe, group, group_costs, data.trace, warm, 10 * len(rows) + 5) if cpu_probe else None
                 for run, row in zip(group, run_cells(shells, config, routings, data.trace, group, warm, group_costs,
-                                                     device, options, fixed_s, scale, reference_fixed)):
+                                                     device, options, fixed_s, scale, reference_fixed, cpu)):
                     rows.append(OffloadRow(stream, run.fraction, run.policy, "router" if run.prefetch else "none",
                                            run.label or run.place, m, **row))
                     if on_progress:
                         on_progress(rows[-1])
-    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate,
-            "cpu_options": asdict(options), "experts": experts, "hidden": hidden, "inter": inter,
-            "top_k": top_k, "layers": layers, "drift": DRIFT, "skews": STREAMS,
+    return {**_costs_doc(costs), "online_cpu_rate": online_cpu_rate, "cpu_options": asdict(options), "experts": experts,
+            "hidden": hidden, "inter": inter, "top_k": top_k, "layers": layers, "drift": DRIFT, "skews": STREAMS,
             "timed_steps": {m: balanced_count(timed_steps(steps, m), stacks) for m in batches},
             "warm_steps": {m: default_warm_steps(m) if warm_steps is None else warm_steps for m in batches},
             "dtype": scheme or str(dtype).removeprefix("torch."), "expert_bytes": expert_nbytes(shells[0]),
@@ -210,6 +219,23 @@ def _prepare(group: list[_Run], costs: MissCosts, probe: OffloadedMoE, start: in
     return [dataclasses.replace(run, online=online and run.place == "auto") for run in group], costs, scale
 
 
+def _cpu_probes(layer: OffloadedMoE, group: list[_Run], costs: MissCosts, trace, warm: int,
+                start: int) -> dict[int, CpuProbe]:
+    """A ``CpuProbe`` for each run of the group whose replay of the timed steps computes on the CPU (by run
+    index), shaped as that run's mean CPU branch; cold-expert groups from ``start`` on."""
+    probes = {}
+    for j, run in enumerate(group):
+        if run.place == "gpu":
+            continue
+        done = replay(trace, run.slots, run.policy, "router" if run.prefetch else None, place=run.place,
+                      costs=dataclasses.replace(costs, **dict(run.overrides)), expert_bytes=layer.cache.expert_bytes,
+                      measure_from=warm + 1)
+        if done.cpu_experts:
+            shape = probe_shape(done.cpu_experts, done.cpu_tokens, done.cpu_forwards)
+            probes[j] = CpuProbe(layer, costs, *shape, start=start + 7 * j)
+    return probes
+
+
 def measure_costs(shell: MoE, device, options: CpuOptions, rows: tuple[int, ...] | None = None,
                   warm: int | None = None) -> MissCosts:
     """The miss costs of ``shell``'s layers, measured on an offloaded layer with ``options``, the CPU
@@ -237,7 +263,8 @@ def default_warm_steps(m: int) -> int:
 
 def timed_steps(steps: int, m: int) -> int:
     """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
-    to run jitter is a larger share; they cost little)."""
+    to run jitter is a larger share; they cost little). 24 at M = 1 did not lower the twin's noise on the
+    H200 (3.0%, against 2.3% with 12: the host's drift, not the count, sets it)."""
     return steps * max(1, 4 // m)
 
 

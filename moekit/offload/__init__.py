@@ -16,11 +16,12 @@ CPU model), for "auto" to price by.
 from moekit.offload.bandwidth import measure_link_bandwidth, measure_read_bandwidth
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cpu_path import CpuOptions, CpuPhases
-from moekit.offload.cost import MissCosts, MissSplit, gpu_only, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, gpu_only
 from moekit.offload.layer import OffloadedMoE, expert_nbytes, link_layers
 from moekit.offload.online import CpuRate
 from moekit.offload.plan import MissPlan, plan_misses
 from moekit.offload.policy import POLICIES, EvictionPolicy
+from moekit.offload.split import split_misses
 from moekit.offload.stats import OffloadStats
 from moekit.offload.trace import Mark, StepTrace
 

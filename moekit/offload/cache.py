@@ -182,7 +182,7 @@ class ExpertCache:
         1 - exp(-H x rate), the rate being its lookups per tick since the layer's first (Poisson) and H
         the ticks an unused expert stays cached (the running mean of the victims' idle ticks at eviction,
         weight ``HORIZON_WEIGHT``). Infinite before the first eviction: H is unknown and a fetched expert
-        stays cached through the fill, while one left out misses at every later touch (``cost.split_misses``
+        stays cached through the fill, while one left out misses at every later touch (``split.split_misses``
         then fetches every miss). Call after ``lookup``, which counts this forward's touches."""
         if math.isinf(self._horizon):
             return dict.fromkeys(experts, math.inf)
@@ -205,22 +205,34 @@ class ExpertCache:
             self.policy.touch(key, self._tick)
         stats.fetched += len(experts)
 
+    def ensure_early(self, layer: int, experts: list[int], stats: OffloadStats) -> list[int]:
+        """``ensure`` as many of ``experts`` as slots can be freed now, in order: fetches issued before the rest
+        are planned ("auto"'s, ``plan.plan_forward``'s ``issue``); returns them (``rounds``' ``issued``)."""
+        early = experts[: self.free_slots()]
+        self.ensure(layer, early, stats)
+        return early
+
     def rounds(self, layer: int, hits: list[int], misses: list[int], stats: OffloadStats,
-               split: bool = True) -> Iterator[list[int]]:
+               split: bool = True, issued: list[int] = ()) -> Iterator[list[int]]:
         """Yield the experts of each compute group of a forward: the first round is the hits and as many
         fetched misses as the cache can hold, then the rest in rounds of at most C. With ``split``, a round
         that has both experts already cached and experts being fetched yields them as two groups, the
         cached ones first: their compute is queued while the copies travel (it waits only for copies into
         its own slots), and the fetched group waits for its copies; without, one group once they land.
+        ``issued``: misses this forward already fetched (``ensure``: "auto"'s before its search), in the
+        first round's fetched group ahead of ``misses``' first batch (the cache then as after one batch).
         Each group's experts are in slots when yielded; a round's experts are released when the consumer
         asks for the next round's first group (or at the end)."""
-        todo, running = list(misses), list(hits)
+        todo, running, early = list(misses), list(hits), list(issued)
         while True:
             batch = todo[: self.free_slots()]
-            if not batch and not running and todo:
+            if not batch and not running and not early and todo:
                 raise RuntimeError("the expert cache has no slot to fetch into")
             todo = todo[len(batch):]
             self.ensure(layer, batch, stats)
+            if early:  # the policy's tie-break order as one batch of them in expert order would leave it
+                self.policy.requeue([(layer, e) for e in sorted(early + batch)])
+            batch, early = early + batch, []
             for group in [running, batch] if split and running and batch else [running + batch]:
                 self.wait_ready(layer, group)
                 yield group

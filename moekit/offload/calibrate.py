@@ -30,6 +30,7 @@ stream them as fast with less contention); the fastest pair is kept in ``MissCos
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -71,7 +72,7 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
     c = layer.config
     k = max(c.top_k, 2)
     ns, rs = default_grid(c.top_k, c.num_experts, tokens, rows, experts)
-    groups = _cold_groups(c.num_experts, max(ns))
+    groups = cold_groups(c.num_experts, max(ns))
     gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else list(CPU_GEMMS)
     for gemm in gemms:
         branch(layer, next(groups)[:k], 1, 1, None, gemm)  # the first call pays one-off setup
@@ -171,7 +172,7 @@ def recalibrate_cpu(layer, costs: MissCosts, start: int = 0, rows: int = 1, repe
         raise ValueError(f"need rows >= 1 and repeats >= 1, got rows={rows}, repeats={repeats}")
     k = max(layer.config.top_k, 2)
     ns = [min(n, layer.config.num_experts) for n in (experts or (k, 4 * k))]  # distinct experts per call: at most E
-    groups = _cold_groups(layer.config.num_experts, max(ns), start)
+    groups = cold_groups(layer.config.num_experts, max(ns), start)
     setting = (costs.cpu_threads, costs.cpu_gemm or CPU_GEMMS[0])
     branch(layer, next(groups)[:k], 1, 1, *setting)  # brings the threads up after whatever ran before
     model = sum(costs.cpu_side_s([rows] * n) for n in ns)
@@ -227,27 +228,35 @@ def most_threads() -> int:
     return min(max(n, usable), 2 * n)
 
 
-def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str) -> float:
+def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str, busy: bool = True,
+           rows: list[int] | None = None) -> float:
     """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
     every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``);
-    the link busy throughout (``link_busy``, sized to the call)."""
+    the link busy throughout (``link_busy``, sized to the call), or idle with ``busy=False``. ``rows`` (one
+    count per CPU expert): max(rows) tokens, the j-th CPU expert routed from the first rows[j] of them (the
+    other slots dropped, id -1), the rest of ``group`` from every token; ``m`` is then unused."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)
+    if rows is not None:
+        if len(rows) != experts or min(rows) < 1:
+            raise ValueError(f"rows must hold {experts} counts >= 1, got {rows}")
+        m = max(rows)
+    table = [[e if rows is None or j >= experts or t < rows[j] else -1 for j, e in enumerate(group)] for t in range(m)]
     x = torch.randn(m, c.hidden_size, dtype=dtype, device=dev)
-    ids = torch.tensor([group] * m, dtype=torch.int32, device=dev)
+    ids = torch.tensor(table, dtype=torch.int32, device=dev)
     weights = torch.full((m, k), 1.0 / k, dtype=torch.float32, device=dev)
     on_cpu = sorted(set(group[:experts]))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    with link_busy(dev, copies=2 + len(on_cpu) // 4):  # ~5 ms a copy at 55 GB/s: outlasts ~1 ms per expert
+    with link_busy(dev, copies=2 + len(on_cpu) // 4) if busy else contextlib.nullcontext():  # ~5 ms a copy at 55 GB/s
         staged = layer._cpu.stage([x, ids, weights])
         layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
-                          m * len(on_cpu), threads)
+                          sum(rows) if rows is not None else m * len(on_cpu), threads)
     return layer._cpu.last.total_s
 
 
-def _cold_groups(num_experts: int, size: int, start: int = 0) -> Iterator[list[int]]:
+def cold_groups(num_experts: int, size: int, start: int = 0) -> Iterator[list[int]]:
     """Groups of ``size`` (at most E) distinct experts from group ``start`` on, disjoint until the
     experts run out (then starting over)."""
     size, g = min(size, num_experts), start

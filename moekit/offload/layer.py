@@ -10,23 +10,22 @@ the next layer's predicted counts ride on the same copy), then:
 - hits compute from their slots; misses are fetched into free or evicted slots on a side stream
   while the hits compute, then computed in a second experts call (``compute_misses_on="gpu"``), or
   computed on the CPU from the host weights while the GPU computes the rest (``"cpu"``), or split
-  between the two by ``cost.split_misses`` (``"auto"``: the cheapest split of the forward's whole miss
-  set, priced by ``measure_costs``); the partial outputs add in float32 (``plan`` decides, and the
+  between the two by ``split.split_misses`` (``"auto"``: the cheapest split of the forward's whole miss
+  set, priced by ``measure_costs``; the misses every split it may take fetches are issued before it
+  searches); the partial outputs add in float32 (``plan`` decides, and the
   cache what-if replays the same decision); the CPU branch (``cpu_path``) stages its inputs through
   reused pinned buffers, queues this forward's admissions before it computes (they travel meanwhile),
   runs at the thread count and GEMM the costs were measured at, and records its phases (``last_cpu``);
 - when the touched experts exceed the cache, the GPU side runs in rounds of at most C experts;
-- afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies
-  the next layer's router to this layer's input, ``"previous"`` takes the set the next layer touched
-  in its previous forward, ``None`` prefetches nothing.
+- afterwards the next layer's predicted experts (``link_layers``) are prefetched: ``"router"`` applies the next
+  layer's router to this input, ``"previous"`` takes the set it touched last, ``None`` prefetches nothing.
 
 Quantized experts (``moe.quant_scheme``) stay packed: the cache's slots read as a QuantizedWeight of C
-experts, which the backend runs as it runs the plain quantized ``MoE`` (Triton's fp8 / weight-only
-kernels through ``expert_map``); CPU misses dequantize only the missed experts (the CPU backend's
-quantized path). Expert biases (gpt-oss) travel with their experts.
+experts, run as the plain quantized ``MoE`` runs them (Triton's fp8 / weight-only kernels through
+``expert_map``); CPU misses dequantize only the missed experts. Expert biases travel with their experts.
 
-The result equals the plain ``MoE``'s within the dtype's rounding (partial sums add in float32).
-Shapes: M tokens, K hidden, N intermediate, E routed experts, C cache slots.
+The result equals the plain ``MoE``'s within the dtype's rounding (partial sums add in float32). Shapes:
+M tokens, K hidden, N intermediate, E routed experts, C cache slots.
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, cpu_never_wins, one_call
+from moekit.offload.cost import MissCosts, one_call
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
-from moekit.offload.plan import PLACES, MissPlan, plan_forward
+from moekit.offload.plan import PLACES, MissPlan, Proofs, plan_forward
 from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing, route
 
@@ -113,7 +112,7 @@ class OffloadedMoE(MoE):
         layer.cache, layer.layer_id = cache, cache.register(*routed)
         layer.prefetch, layer.compute_misses_on, layer.costs = prefetch, compute_misses_on, costs
         layer.admit_per_forward, layer.cpu_rate = admit_per_forward, cpu_rate
-        layer.last_stats, layer._last_touched, layer._next, layer._never = OffloadStats(), [], [], (None, {})
+        layer.last_stats, layer._last_touched, layer._next, layer._proofs = OffloadStats(), [], [], Proofs()
         layer._cpu = CpuPath(cpu_options or CpuOptions(), cache.device)
         return layer
 
@@ -153,13 +152,20 @@ class OffloadedMoE(MoE):
         cache.mark("touched", self.layer_id)
         stats.touched = len(tokens)
         hits, misses = cache.lookup(self.layer_id, sorted(tokens), stats)
-        plan = self._plan({m: tokens[m] for m in misses}, len(hits), self._place(x2d.shape[0]))
+        split = self.costs is None or not one_call(len(hits), cache.expert_bytes, self.costs)
+        issued, hits_map = [], []
+
+        def issue(experts: list[int]) -> None:  # "auto"'s sure fetches, before its search; the hits' map first
+            hits_map.extend([cache.slot_map(self.layer_id, hits, e)] if split and hits else [])
+            issued.extend(cache.ensure_early(self.layer_id, experts, stats))
+
+        plan = self._plan({m: tokens[m] for m in misses}, len(hits), self._place(x2d.shape[0]), issue)
         on_cpu, early = plan.cpu, self._cpu.options.admit_early
         if on_cpu:  # one device -> host copy, started before the GPU work is queued
             staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
-        partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats)
+        partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats, split, issued, (hits_map or [None])[0])
         if on_cpu:
-            stats.cpu_experts, stats.cpu_tokens = len(on_cpu), sum(tokens[m] for m in on_cpu)
+            stats.cpu_experts, stats.cpu_tokens, stats.cpu_forwards = len(on_cpu), sum(tokens[m] for m in on_cpu), 1
             stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
@@ -221,28 +227,25 @@ class OffloadedMoE(MoE):
 
     def _place(self, m: int) -> str:
         """The mode this forward of ``m`` tokens plans by: "gpu" for "auto" where no forward of m tokens can
-        send a miss to the CPU (``cost.cpu_never_wins``, asked once per costs and m), so it takes the gpu
+        send a miss to the CPU (``cost.cpu_never_wins``, once per costs and m: ``plan.Proofs``), so it takes the gpu
         path itself, no per-forward pricing on the host's path (at M = 1 on the H200 its CPU side's least
         price is ~2x fetching all k experts); else ``compute_misses_on``."""
         if self.compute_misses_on != "auto" or self.costs is None:
             return self.compute_misses_on
         costs = self.costs if self.cpu_rate is None else self.cpu_rate.apply(self.costs)
-        if self._never[0] is not costs:
-            self._never = (costs, {})
-        known = self._never[1]
-        if m not in known:
-            touched = min(m * self.config.top_k, self.config.num_experts)
-            known[m] = cpu_never_wins(touched, m, self.cache.expert_bytes, costs)
-        return "gpu" if known[m] else "auto"
+        touched = min(m * self.config.top_k, self.config.num_experts)
+        return "gpu" if self._proofs.never_wins(m, touched, self.cache.expert_bytes, costs) else "auto"
 
-    def _plan(self, tokens: dict[int, int], hits: int, place: str) -> MissPlan:
-        """Where this forward's misses (``tokens``: expert -> assignments) go under ``place``
-        (``plan.plan_forward``); the costs are measured on first use when "auto" has none."""
+    def _plan(self, tokens: dict[int, int], hits: int, place: str, issue=None) -> MissPlan:
+        """Where this forward's misses (``tokens``: expert -> assignments) go under ``place`` (``plan.plan_forward``,
+        ``issue``: its early fetches); the costs are measured on first use when "auto" has none."""
         if place == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
         costs = self.costs if self.cpu_rate is None or self.costs is None else self.cpu_rate.apply(self.costs)
+        if place == "auto" and tokens and self._proofs.fetch_all(tokens, hits, self.cache.expert_bytes, costs):
+            return MissPlan(sorted(tokens), [], [])  # what plan_forward answers here, without pricing this forward
         return plan_forward(self.cache, self.layer_id, place, tokens, hits, self.cache.expert_bytes, costs,
-                            self.admit_per_forward)
+                            self.admit_per_forward, issue)
 
     def measure_costs(self, tokens: int = 16, repeats: int = 3, rows: tuple[int, ...] | None = None,
                       batch: int = 1, warm: int | None = None) -> MissCosts:
@@ -264,19 +267,20 @@ class OffloadedMoE(MoE):
         """The latest forward's CPU branch in phases (``cpu_path.CpuPhases``); None when it ran none."""
         return self._cpu.last
 
-    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats) -> list[torch.Tensor]:
+    def _gpu_experts(self, x2d, routing, hits: list[int], fetch: list[int], stats: OffloadStats, split: bool,
+                     issued: list[int], hits_map: torch.Tensor | None) -> list[torch.Tensor]:
         """The partial outputs [M, K] (x2d's dtype) of each compute group of ``cache.rounds``: the hits
         (computed while the misses' copies travel), the fetched misses, and further rounds when the
         touched experts exceed the cache; or hits and fetched misses in one call once the copies land,
-        where the costs say the hits' reads cannot win back a second call (``cost.one_call``). The hits'
-        expert_map is copied to the device before the misses' copies are queued: host-to-device copies
-        share the copy engine in issue order, so a map copied after them would hold the hits' compute
-        until the fetches land."""
+        where the hits' reads cannot win back a second call (``cost.one_call``). The hits' expert_map is
+        copied before the misses' copies (host-to-device copies run in issue order: after them it would
+        hold the hits' compute); ``issued``: fetches already queued ("auto"'s early ones, after ``hits_map``)."""
         cache, e = self.cache, self.config.num_experts
         w13, w2, b13, b2 = cache.slot_weights
-        split = self.costs is None or not one_call(len(hits), cache.expert_bytes, self.costs)
-        partials, hits_map = [], cache.slot_map(self.layer_id, hits, e) if split and hits and fetch else None
-        for experts in cache.rounds(self.layer_id, hits, fetch, stats, split):
+        if hits_map is None and split and hits and fetch:
+            hits_map = cache.slot_map(self.layer_id, hits, e)
+        partials, rest = [], [f for f in fetch if f not in set(issued)]
+        for experts in cache.rounds(self.layer_id, hits, rest, stats, split, issued):
             if experts:
                 if hits_map is not None and experts == hits:
                     expert_map, hits_map = hits_map, None

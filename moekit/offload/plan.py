@@ -4,7 +4,7 @@ so the replay predicts the hit rate of the mode that ran, not that of an all-fet
 
     "gpu":  every miss fetched into the cache
     "cpu":  every miss computed on the CPU; the busiest copied into the cache afterwards ("admitted")
-    "auto": ``cost.split_misses``'s cheapest split (each miss's reuse from the cache's history,
+    "auto": ``split.split_misses``'s cheapest split (each miss's reuse from the cache's history,
             ``ExpertCache.reuse``); the busiest CPU misses admitted afterwards
 
 Admissions keep the cache learning the hot set while misses run on the CPU; they ride the link in
@@ -21,9 +21,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
-from moekit.offload.cost import MissCosts, MissSplit, cpu_cannot_win, fetch_rate, gpu_side_s, split_misses
+from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
+from moekit.offload.split import cpu_room, no_room, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
+
+
+class Proofs:
+    """"auto"'s answers that depend on counts only, kept for one costs (reset when they change): whether no
+    forward of m tokens can use the CPU (``cost.cpu_never_wins``, by m) and whether a forward of n misses
+    of at most r rows beside h hits has no room (``split.no_room``, by (n, h, r)): then every miss is
+    fetched with no pricing at all (a dict lookup on the host's path, as "gpu" plans)."""
+
+    def __init__(self) -> None:
+        self.costs, self.never, self.fetch = None, {}, {}
+
+    def _for(self, costs: MissCosts) -> None:
+        if costs is not self.costs:
+            self.costs, self.never, self.fetch = costs, {}, {}
+
+    def never_wins(self, m: int, touched: int, expert_bytes: int, costs: MissCosts) -> bool:
+        self._for(costs)
+        if m not in self.never:
+            self.never[m] = cpu_never_wins(touched, m, expert_bytes, costs)
+        return self.never[m]
+
+    def fetch_all(self, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts) -> bool:
+        self._for(costs)
+        key = (len(tokens), hits, max(tokens.values()))
+        if key not in self.fetch:
+            self.fetch[key] = no_room(*key, expert_bytes, costs)
+        return self.fetch[key]
 
 
 @dataclass(frozen=True)
@@ -40,7 +68,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     """The plan for the misses ``tokens`` (expert -> routed assignments) of a forward with ``hits``
     cached experts. ``costs`` is required for "auto"; for "cpu" it only sizes the admissions (one per
     forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none). ``reuse``:
-    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``cost.split_misses``)."""
+    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``split.split_misses``)."""
     if place not in PLACES:
         raise ValueError(f"compute_misses_on must be one of {PLACES}, got {place!r}")
     if place == "gpu" or not tokens:
@@ -74,15 +102,23 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
 
 
 def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, int], hits: int, expert_bytes: int,
-                 costs: MissCosts | None, admit_per_forward: int | None = None) -> MissPlan:
+                 costs: MissCosts | None, admit_per_forward: int | None = None, issue=None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
     with the misses' reuse chances from the cache's history when "auto" prices refetches by them (not
-    asked where no CPU split can win: ``cost.cpu_cannot_win``, the same answer without the search)."""
+    asked where no CPU split can be taken: ``split.cpu_room``, the same answer without the search).
+    ``issue(experts)``: with "auto", called before its search with the misses every split it can take
+    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the host
+    searches; the plan's ``fetch`` holds them."""
     reuse = None
-    if place == "auto" and costs is not None and tokens and cpu_cannot_win(
-            tokens, gpu_side_s(hits, len(tokens), expert_bytes, costs), costs):  # ``gpu_only``'s cost, unbuilt
+    if place == "auto" and costs is not None and tokens and cpu_room(
+            tokens, hits, expert_bytes, costs,
+            (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)) is None:  # ``gpu_only``'s cost
         return MissPlan(sorted(tokens), [], [])
     if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
         reuse = cache.reuse(layer, list(tokens))
+    if place == "auto" and costs is not None and tokens and issue is not None:
+        sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse)
+        if sure:
+            issue(sure)
     return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse)

@@ -61,6 +61,14 @@ class EvictionPolicy:
         self._uses[key] += 1
         self._push(key)
 
+    def requeue(self, keys: list[Hashable]) -> None:
+        """Give cached ``keys`` fresh insertion orders in the order given (the last tie-break): a forward
+        that fetched some of its misses early leaves the order one batch of them would have."""
+        for key in keys:
+            self._order[key] = self._inserted
+            self._inserted += 1
+            self._push(key)
+
     def last_use(self, key: Hashable) -> int:
         """The tick of ``key``'s latest use (or its insertion)."""
         return self._last_use[key]

@@ -1,0 +1,238 @@
+"""``compute_misses_on="auto"``'s decision: the cheapest split of a forward's misses between the link
+and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound that skips its search.
+
+    room:    the CPU expert counts s a split could be taken with (``cpu_room``): its cost is at least
+             max(GPU side with n - s fetches, the CPU side of the s cheapest misses) whatever the misses'
+             reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less. O(s) float
+             work and no ``ExpertCache.reuse``: where no s can be taken, "auto" fetches every miss as
+             "gpu" does, on the host's path before any copy is queued (a decode step's host time)
+    search:  the exact cheapest split over the two reuse classes (``split_misses``), its runs kept to
+             that room (the same answer: a split outside it costs more than the hysteresis allows)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from dataclasses import dataclass
+
+from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
+
+def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
+                 reuse: dict[int, float] | None = None) -> MissSplit:
+    """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
+    ``hits``: cached experts the GPU computes meanwhile) with the smallest ``cost_s``: the predicted
+    forward time plus, for each expert left on the CPU (not cached), one fetch times p, its chance of
+    being touched again while a fetched copy would still be cached (a refetch, deferred to later).
+
+    p: with ``costs.refetch == "reuse"`` and ``reuse`` (expert -> its chance, ``ExpertCache.reuse``),
+    the mean over the expert's class among these misses, the classes being "likely reused" (p >= 1/2,
+    and an infinite p: a cache that has not yet evicted, where a CPU-kept expert misses at every later
+    touch, so no miss goes to the CPU) and "likely evicted first" (below); otherwise (``"hit_rate"``,
+    session 8's, or no ``reuse``) h = hits / touched this forward for every miss. With h, a 75% cache
+    at M = 1 on the H200 (still filling after the bench's 61 steps) kept a few hot experts on the CPU
+    step after step: 0.03 less hit rate and 1.09-1.15x the pure fetch's step.
+
+    Exact: within a class every expert costs the same to fetch and to leave uncached, so the best split
+    with a of one class and b of the other on the CPU takes the a and b with the least CPU time
+    (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
+    fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
+    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by bisection, for every b. The
+    one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
+    last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
+    forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
+    likely-reused ones.
+
+    Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
+    ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
+    a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
+    on them sends a hot expert to the CPU one step and over the link the next."""
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
+    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    if room is None:
+        return fetch_all
+    fetch_one = expert_bytes / costs.link_bytes_per_s
+    chance, times, members, classes = _classes(tokens, hits, costs, reuse, room[1])
+    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
+    prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
+                     *charge, hits, expert_bytes)
+    drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
+    found = _cheapest(prices.cost, len(members[0]), len(members[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
+                      room)
+    if found is None:
+        return fetch_all
+    a, b = found
+    on_cpu, fetched = classes[0][:a] + classes[1][:b], len(tokens) - a - b
+    best = MissSplit(sorted(set(tokens).difference(on_cpu)), sorted(on_cpu), *prices.sides(a, b),
+                     fetched * expert_bytes / fetch_rate(costs, True), prices.refetch(a, b))
+    return best if best.cost_s <= limit_s else fetch_all
+
+
+def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int):
+    """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
+    cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring)."""
+    touched = hits + len(tokens)
+    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
+    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
+    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
+    classes = [heapq.nsmallest(most, c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
+    return chance, times, members, classes
+
+
+def no_room(misses: int, hits: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
+    """True when ``cpu_room`` finds no room for every forward of ``misses`` misses of at most ``rows`` rows
+    each beside ``hits`` hits: its scan with every CPU time at the least ``cpu_time`` over 1..``rows`` rows
+    (at 1, at ``rows`` or at a table point between: ``cpu_time`` is linear between them), which any s
+    misses' times sum to at least. Depends on the counts only, so a caller may keep the answer per
+    (misses, hits, rows) for one costs (``plan.Proofs``)."""
+    if misses < 1:
+        return True
+    cheapest = min({1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}, key=costs.cpu_time)
+    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, misses, expert_bytes, costs)
+    return cpu_room(dict.fromkeys(range(misses), cheapest), hits, expert_bytes, costs, limit_s) is None
+
+
+def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+                   reuse: dict[int, float] | None = None) -> list[int]:
+    """The misses every split ``split_misses`` can return fetches (sorted): all of them where ``cpu_room``
+    finds no room, else all but each class's ``most`` cheapest (the CPU takes the cheapest of a class first,
+    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search."""
+    limit_s = (1.0 - costs.hysteresis) * gpu_only(tokens, expert_bytes, costs, hits).cost_s
+    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    if room is None:
+        return sorted(tokens)
+    candidates = {e for c in _classes(tokens, hits, costs, reuse, room[1])[3] for e in c}
+    return sorted(e for e in tokens if e not in candidates)
+
+
+@dataclass(frozen=True)
+class _Prices:
+    """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
+    classes' cumulative CPU times (``cum0``, ``cum1``: their cheapest first, as far as the search may take
+    them), the first class's size, their per-expert refetch charges and the GPU side by
+    fetch count (``gpu_side_s`` with ``hits``, CPU busy; priced once per fetch count the search probes);
+    plain floats, no MissSplit built per probe."""
+
+    n: int  # misses
+    n0: int  # of which in the first class
+    costs: MissCosts
+    cum0: list[float]
+    cum1: list[float]
+    charge0: float
+    charge1: float
+    hits: int
+    expert_bytes: int
+    gpu: dict = dataclasses.field(default_factory=dict)  # fetches -> GPU side, as probed
+
+    def sides(self, a: int, b: int) -> tuple[float, float]:
+        """(GPU side, CPU side)."""
+        c, f = self.costs, self.n - a - b
+        if f not in self.gpu:
+            self.gpu[f] = gpu_side_s(self.hits, f, self.expert_bytes, c, True)
+        return self.gpu[f], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
+            self.n - a - b) * c.issue_s
+
+    def refetch(self, a: int, b: int) -> float:
+        return (a * self.charge0 if a else 0.0) + (b * self.charge1 if b else 0.0)
+
+    def cost(self, a: int, b: int) -> float:
+        """``MissSplit.cost_s`` of the split, without building it."""
+        gpu_s, cpu_s = self.sides(a, b)
+        return (gpu_s if gpu_s > cpu_s else cpu_s) + self.refetch(a, b)
+
+    def bound(self, b: int) -> float:
+        """A lower bound of ``cost(a, b)`` over every a: its CPU side and refetch at a = 0, less every first-class
+        expert's issue (a's CPU time and refetch are >= 0, each of its experts takes one issue off)."""
+        c = self.costs
+        return c.cpu_margin * (c.cpu_step_s + self.cum1[b]) + (self.n - self.n0 - b) * c.issue_s + (
+            b * self.charge1 if b else 0.0)
+
+    def bound_or_none(self):
+        """``bound``, where it is nondecreasing in b: its steps are the second class's CPU times (ascending)
+        at the margin plus its charge less one issue, so from the least step on; else None."""
+        least = self.costs.cpu_margin * (self.cum1[1] if len(self.cum1) > 1 else 0.0) + self.charge1
+        return self.bound if least >= self.costs.issue_s else None
+
+
+def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None,
+              room: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """``split_misses``' search: the cheapest (a, b) by ``cost(a, b)`` over a <= n0, b <= n1 (a + b >= 1), None
+    where fetching every miss (``fetch_all_s``) costs no more; by bisection on each b's convex run of a;
+    ``drop``: fetching nothing saves a second GPU call (or ``fetch_layer_s``), so that one point (a, b) =
+    (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts, then fewer of the second class.
+    ``bound(b)``: a lower bound of cost(a, b) over every a, nondecreasing in b (or None): the runs stop at
+    the first b whose bound exceeds the best price so far (no later b can reach it). ``room`` (lo, hi):
+    only lo <= a + b <= hi is searched (``cpu_room``: every split the caller can take lies there; a run
+    cut to an interval is still convex, and its leftmost minimum there is the run's own wherever that
+    one can be taken).
+    Prices are plain floats (a MissSplit, its sorted lists, is built once for the winner: at M = 32, 75
+    misses a layer, building one per probe took 16 ms of host time a layer on a 2-core host)."""
+    best, rank, found = fetch_all_s, (0, 0), None
+    least, most = room if room is not None else (1, n0 + n1)
+
+    def offer(a: int, b: int) -> None:
+        nonlocal best, rank, found
+        c = cost(a, b)
+        if (c, a + b, b) < (best, *rank):
+            best, rank, found = c, (a + b, b), (a, b)
+
+    if drop and most >= n0 + n1:
+        offer(n0, n1)
+    for b in range(min(n1, most) + 1):
+        if bound is not None and bound(b) > best * (1.0 + 1e-12):
+            break
+        lo = max(1 if b == 0 else 0, least - b)  # a = b = 0: no CPU side at all
+        hi = min(n0 - (1 if drop and b == n1 else 0), most - b)
+        if lo > hi:
+            continue
+        while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
+            mid = (lo + hi) // 2
+            if cost(mid + 1, b) < cost(mid, b):
+                lo = mid + 1
+            else:
+                hi = mid
+        offer(lo, b)
+    return found
+
+
+def cpu_room(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+             limit_s: float) -> tuple[int, int] | None:
+    """(lo, hi): every split of the misses ``tokens`` with s >= 1 experts on the CPU whose ``cost_s`` is at
+    most ``limit_s`` has lo <= s <= hi; None where no such split exists (then "auto" fetches every miss).
+
+    A split with s CPU experts costs at least max(G(n - s), C(s)): G the GPU side with n - s fetches and
+    the CPU busy (``gpu_side_s``), C(s) = ``cpu_margin`` x (``cpu_step_s`` + the s least ``cpu_time`` of
+    the misses) + (n - s) x ``issue_s``; the refetch charge is >= 0 and any s experts' CPU times sum to
+    at least the s least. G(f) is nondecreasing in f (G(0) the least), so once G(n - s) is within the
+    limit it stays so for every larger s; C rises with s where ``cpu_margin`` x the least CPU time is at
+    least ``issue_s`` (then the scan stops at the first s over the limit), else every s is priced.
+    Compared with a relative slack of 1e-9 (the search sums the same times in another order)."""
+    n = len(tokens)
+    if not n:
+        return None
+    by_rows = {t: costs.cpu_time(t) for t in set(tokens.values())}
+    times = sorted(by_rows[t] for t in tokens.values())
+    limit, margin, issue = limit_s * (1.0 + 1e-9), costs.cpu_margin, costs.issue_s
+    rising = margin * times[0] >= issue
+    lo = hi = 0
+    gpu_within, total = False, 0.0
+    for s in range(1, n + 1):
+        total += times[s - 1]
+        if margin * (costs.cpu_step_s + total) + (n - s) * issue > limit:
+            if rising:
+                break
+            continue
+        gpu_within = gpu_within or gpu_side_s(hits, n - s, expert_bytes, costs, True) <= limit
+        if gpu_within:
+            lo, hi = lo or s, s
+    return (lo, hi) if hi else None
+
+
+def _cumulative(values: list[float]) -> list[float]:
+    """[0, v0, v0 + v1, ...]."""
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
