@@ -51,7 +51,7 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     128-168 registers, no spills)."""
     if decode == "register":
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
-    if decode == "gemv":
+    if decode in ("gemv", "gemv_half"):
         return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
     bucket = height_bucket(num_tokens, num_experts, top_k)

@@ -20,6 +20,8 @@ from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
 PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
+# The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
+WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
 
 
@@ -57,8 +59,16 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
     return KernelConfig(block_m, GemmTile(16, step, group_m, 1, 1), GemmTile(32, step, group_m, 1, 1))
 
 
-def check_gemv_config(config: KernelConfig, scheme: str) -> None:
-    """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words."""
+def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:
+    """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words;
+    "gemv_half": a 4-bit scheme, and each step inside one group or whole groups (``group_size``)."""
+    if decode == "gemv_half":
+        if scheme == "int8_w8a16":
+            raise ValueError("decode='gemv_half' takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
+        for name, tile in (("up", config.up), ("down", config.down)):
+            if group_size and tile.BLOCK_K % group_size and group_size % tile.BLOCK_K:
+                raise ValueError(f"config.{name}.BLOCK_K must divide or be a multiple of the group size "
+                                 f"{group_size} for decode='gemv_half', got {tile.BLOCK_K}")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -70,15 +80,18 @@ def check_gemv_config(config: KernelConfig, scheme: str) -> None:
 
 def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
                   scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
-                  asm: bool = False, ksum: dict | None = None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
+                  asm: bool = False, ksum: dict | None = None,
+                  decode: str = "gemv") -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
     """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
     passed to the kernels in words), and down with the k-sum folded in where ``ksum`` (else None;
     ``triton_plan.down_launches``); ``split_len`` the down GEMM's reduction elements per split (a
-    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``)."""
-    check_gemv_config(config, scheme)
+    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``);
+    ``decode``: a WORD_DECODES name (its module's kernels take the same arguments)."""
+    for w in (w13, w2):
+        check_gemv_config(config, scheme, decode, w.group_size)
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
-    module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
+    module, up, down = kernels(WORD_DECODES[decode]), config.up, config.down
     shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm, cached=options.cached_launcher,
                   **options.pdl_kwargs())
 
@@ -86,14 +99,15 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         qe, qr, _, *rest = w.strides
         return (qe // 4, qr // 4, *rest)
 
+    suffix = "gemv" if decode == "gemv" else "half"
     gate_up = BoundLaunch(
-        module.gate_up_wo_gemv_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
+        getattr(module, f"gate_up_wo_{suffix}_kernel"), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13), n),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
         num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch, down_sum = down_launches(
-        module.down_wo_gemv_kernel, num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
+        getattr(module, f"down_wo_{suffix}_kernel"), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per, n,
          *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,

@@ -47,7 +47,7 @@ from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launc
 from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
-from moekit.experts.triton_wo_gemv import gemv_launches, words_ok
+from moekit.experts.triton_wo_gemv import WORD_DECODES, gemv_launches, words_ok
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -56,7 +56,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "gemv", "scratch")
+DECODES = ("tile", "register", "gemv", "gemv_half", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -187,7 +187,7 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     if shortcut is None:
         shortcut = use_naive(num_tokens * top_k, num_experts, None)
     aligned_ok = at is not None and num_tokens <= at and not use_naive(at * top_k, num_experts, None)
-    return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
+    return rule if pick in WORD_DECODES and not (shortcut or aligned_ok) else pick
 
 
 @functools.lru_cache(maxsize=4096)
@@ -235,11 +235,11 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    if not interpreting() and decode != "gemv":
+    if not interpreting() and decode not in WORD_DECODES:
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None:  # the split decides the fold: BLOCK_M is the shortcut's 16 or the config's here
         split_k = decode_split_k(replace(config, BLOCK_M=16 if shortcut else config.BLOCK_M), num_tokens, top_k,
-                                 num_experts, n, hidden, decode == "gemv")
+                                 num_experts, n, hidden, decode in WORD_DECODES)
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
     split_k = cdiv(n, split_len)  # no empty split
     # the folded k-sum's counters (M <= sum_fold_max, one split), then the fused hist + scan's arrival slot
@@ -247,17 +247,17 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
                            arrival_slot=ksum_counters)
-    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
+    block_m = 1 if decode in WORD_DECODES and rows.align is None else rows.block_m  # the shortcut: one row a block
     align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     act = get_activation(activation).kernel_id
     ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
-    if decode == "gemv":
+    if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], act, options, split_k, split_len,
-                                                inline_asm_ok(x.device), ksum)
+                                                inline_asm_ok(x.device), ksum, decode)
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
@@ -280,9 +280,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
     if decode == "scratch":
         raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
-    if chosen == "gemv" and not (words_ok(w13.q) and words_ok(w2.q)):
+    if chosen in WORD_DECODES and not (words_ok(w13.q) and words_ok(w2.q)):
         if decode is not None:
-            raise ValueError("decode='gemv' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
+            raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
         return "register"
     return chosen

@@ -1,0 +1,341 @@
+"""Grouped GEMMs with 4-bit weight-only experts, the packed-half word decode ("gemv_half"): as ``gemm_wo_gemv``
+(32-bit words of packed weights straight into registers, CUDA cores, M-blocks of 1-2 rows) but two
+weights per instruction: each word's 8 codes become four fp16x2 pairs and multiply-add in fp16x2
+(``fma.rn.f16x2``) against fp16x2 pairs of prescaled activations; the group scale applies to the fp16
+partial sums (converted to float32 once a group and row), never per weight.
+
+Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Schemes: int4_w4a16 (SCHEME 1) and mxfp4
+(SCHEME 2); int8's products do not fit fp16's 11 bits (``triton_wo_gemv.check_gemv_config`` refuses it).
+
+Words (``triton_wo``'s layouts: element 8j+t of a row in bits 4t..4t+3 of word j): pair t (0..3) of a word
+holds elements 8j+t (low half) and 8j+t+4 (high half), taken by one mask of (word >> 4t):
+    int4   lop3 ((w >> 4t) & 0x000F000F) | 0x64006400 = 1024 + code in each fp16 half (exact), then
+           sub.f16x2 of 1024 + zero: code - zero, exact; one fma.rn.f16x2 a pair:  7 + 4 + 4 = 15
+           instructions a word (1.9 a weight), against 12 + 8 in the float32 word decode.
+    mxfp4  the magnitude bits to fp16 bits 9-11 (e2m1 * 2^-14; the code 0.5 an fp16 subnormal, which
+           fp16x2 arithmetic keeps), the sign to bit 15: two shifts, an and, a lop3 a pair; then the fma.
+Activations: each row's x (the program's reduction range) is scaled by 2^sh, sh from its largest |x|
+(``_x_shift``, one pass before the loop), so |x'| < 2^TOP: int4 TOP 4 (|code - zero| <= 15: a product
+<= 240, a group's 64 products a half <= 15360 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is
+exact in fp16 unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the
+largest product's 240: nothing at bf16's resolution). The result is multiplied by 2^(EXTRA - sh) once
+(EXTRA 14 for mxfp4's 2^-14, else 0).
+Precision: products exact; fp16 sums of a group's 4 x BKW / (groups a step) products a half, rounding
+at 2^-11 relative of each partial sum: the layer output errs ~2^-12 relative, below its bf16 rounding.
+
+Paths: ASM (NVIDIA, compiled) the inline PTX below on fp16x2 words (int32 tensors); else (the
+interpreter) the same decode and fp16 products in Triton on separate low and high fp16 tensors, the
+word sums in float32 (the PTX sums a step's words in fp16x2: results agree to fp16 rounding).
+
+A step of BKW words lies in one group (BKW * 8 <= g: scales per row) or holds whole groups (BKW * 8 a
+multiple of g: NG groups, scales per (row, group)). Past C the words load as 0 and x as 0; scales 0.
+Split-K, KSUM, alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
+BN weight rows a program, BKW words a step.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row
+
+# One word w ($1) -> sum over its 4 pairs of (code - zero) * x as fp16x2 ($0); $2: 1024 + zero in both
+# halves, $3..$6: the x pairs of t = 0..3.
+_INT4_ASM = tl.constexpr("""{
+.reg .b32 a, v;
+lop3.b32 v, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 v, v, $2;
+mul.rn.f16x2 $0, v, $3;
+shr.u32 a, $1, 4;
+lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 v, v, $2;
+fma.rn.f16x2 $0, v, $4, $0;
+shr.u32 a, $1, 8;
+lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 v, v, $2;
+fma.rn.f16x2 $0, v, $5, $0;
+shr.u32 a, $1, 12;
+lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 v, v, $2;
+fma.rn.f16x2 $0, v, $6, $0;
+}""")
+# mxfp4: pair t's magnitudes (w << 9 - 4t) & 0x0E000E00, its signs (w << 12 - 4t) & 0x80008000.
+_MXFP4_ASM = tl.constexpr("""{
+.reg .b32 m, g, v;
+shl.b32 m, $1, 9;
+shl.b32 g, $1, 12;
+and.b32 g, g, 0x80008000;
+lop3.b32 v, m, 0x0E000E00, g, 0xEA;
+mul.rn.f16x2 $0, v, $3;
+shl.b32 m, $1, 5;
+shl.b32 g, $1, 8;
+and.b32 g, g, 0x80008000;
+lop3.b32 v, m, 0x0E000E00, g, 0xEA;
+fma.rn.f16x2 $0, v, $4, $0;
+shl.b32 m, $1, 1;
+shl.b32 g, $1, 4;
+and.b32 g, g, 0x80008000;
+lop3.b32 v, m, 0x0E000E00, g, 0xEA;
+fma.rn.f16x2 $0, v, $5, $0;
+shr.u32 m, $1, 3;
+and.b32 g, $1, 0x80008000;
+lop3.b32 v, m, 0x0E000E00, g, 0xEA;
+fma.rn.f16x2 $0, v, $6, $0;
+}""")
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127] (its bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_shift(x_row, ok, lo, hi, stride, TOP: tl.constexpr, EXTRA: tl.constexpr):
+    """sh of one activation row over its elements [lo, hi): max|x| * 2^sh < 2^TOP (clamped so 2^sh and
+    2^(EXTRA - sh) are normal floats)."""
+    m = tl.zeros([512], dtype=tl.float32)
+    for k0 in range(lo, hi, 512):
+        k = k0 + tl.arange(0, 512)
+        m = tl.maximum(m, tl.abs(tl.load(x_row + k * stride, mask=k < tl.where(ok, hi, 0), other=0.0).to(tl.float32)))
+    e = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max); 0 -> -127
+    return tl.minimum(tl.maximum(TOP - 1 - e, EXTRA - 126), 100)
+
+
+@triton.jit
+def _x_half(x_row, ok, k0, C, stride, scale, T: tl.constexpr, BKW: tl.constexpr):
+    """Element T of each word of the step at k0 [BKW], times ``scale``, in fp16 (0 past C)."""
+    k = k0 + tl.arange(0, BKW) * 8 + T
+    x = tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
+    return (x * scale).to(tl.float16)
+
+
+@triton.jit
+def _pair(lo, hi):
+    """Two fp16 tensors -> fp16x2 words (lo in the low half)."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _hadd2(a, b):
+    return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _halves_sum(p):
+    """fp16x2 words -> low + high half in float32."""
+    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo + hi
+
+
+@triton.jit
+def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
+    """The interpreter's decode: element T of each word [BN, BKW] as fp16, code - zero (int4) or
+    e2m1 * 2^-14 (mxfp4); ``zero`` fp16 [BN, 1] or [BN, BKW]."""
+    code = (w >> (4 * T)) & 0xF
+    if SCHEME == 1:
+        value = code.to(tl.float16) - zero
+    else:
+        bits = ((code & 7) << 9) | ((code & 8) << 12)
+        value = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    return value
+
+
+@triton.jit
+def _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BN: tl.constexpr, BKW: tl.constexpr, NG: tl.constexpr,
+              SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One row's products over a step's words w [BN, BKW]: [BN, NG] float32 sums per group of the step.
+    ``zero`` (int4): int32 1024 + zero per fp16 half (ASM) or the fp16 zero; [BN, 1] or [BN, BKW]."""
+    x0, x1 = _x_half(x_row, ok, k0, C, stride, scale, 0, BKW), _x_half(x_row, ok, k0, C, stride, scale, 1, BKW)
+    x2, x3 = _x_half(x_row, ok, k0, C, stride, scale, 2, BKW), _x_half(x_row, ok, k0, C, stride, scale, 3, BKW)
+    x4, x5 = _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW)
+    x6, x7 = _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW)
+    if ASM:
+        shape = (BN, BKW)
+        args = [w, tl.broadcast_to(zero, shape), tl.broadcast_to(_pair(x0, x4)[None, :], shape),
+                tl.broadcast_to(_pair(x1, x5)[None, :], shape), tl.broadcast_to(_pair(x2, x6)[None, :], shape),
+                tl.broadcast_to(_pair(x3, x7)[None, :], shape)]
+        p = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r", args,
+                                      dtype=tl.int32, is_pure=True, pack=1)
+        if NG == 1:
+            part = _halves_sum(tl.reduce(p, 1, _hadd2))[:, None]
+        else:
+            part = _halves_sum(tl.reduce(tl.reshape(p, [BN, NG, BKW // NG]), 2, _hadd2))
+    else:
+        lo = _codes_half(w, zero, 0, SCHEME) * x0[None, :] + _codes_half(w, zero, 1, SCHEME) * x1[None, :]
+        lo = lo + _codes_half(w, zero, 2, SCHEME) * x2[None, :] + _codes_half(w, zero, 3, SCHEME) * x3[None, :]
+        hi = _codes_half(w, zero, 4, SCHEME) * x4[None, :] + _codes_half(w, zero, 5, SCHEME) * x5[None, :]
+        hi = hi + _codes_half(w, zero, 6, SCHEME) * x6[None, :] + _codes_half(w, zero, 7, SCHEME) * x7[None, :]
+        part = tl.sum(tl.reshape(lo.to(tl.float32) + hi.to(tl.float32), [BN, NG, BKW // NG]), axis=2)  # [BN, NG]
+    return part
+
+
+@triton.jit
+def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr, BKW: tl.constexpr,
+            NG: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """(mul [BN, NG] float32, zero) of the step at k0 (``_step_sum``); mxfp4's zero unused (0)."""
+    first = k0 + tl.arange(0, NG) * GROUP  # [NG] each group's first element (BKW * 8 <= g: NG 1)
+    ok = n_ok[:, None] & (first < C)[None, :]
+    g = (first // GROUP)[None, :]
+    if SCHEME == 1:
+        mul = tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0.0)
+        z = tl.load(z_rows[:, None] + g * stride_zg, mask=ok, other=0).to(tl.int32)  # [BN, NG]
+        if NG > 1:  # [BN, BKW]: each word's group
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BN, NG, BKW // NG)), [BN, BKW])
+        if ASM:
+            zero = (z | (z << 16)) | 0x64006400
+        else:
+            zero = z.to(tl.float16)
+    else:
+        mul = tl.where(ok, (tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0).to(tl.int32) << 23)
+                       .to(tl.float32, bitcast=True), 0.0)
+        zero = tl.zeros([BN, 1], dtype=tl.int32)
+    return mul, zero
+
+
+@triton.jit
+def _accumulate(acc, w, mul, zero, x_row, ok, k0, C, stride, scale, BN: tl.constexpr, BKW: tl.constexpr,
+                NG: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN] float32 + the step's group sums times their scales."""
+    part = _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BN, BKW, NG, SCHEME, ASM)
+    return acc + tl.sum(part * mul, axis=1)
+
+
+@triton.jit
+def gate_up_wo_half_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
+    stride_xm, stride_xk, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_hm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2), w13 decoded in fp16x2."""
+    NG: tl.constexpr = BKW * 8 // GROUP if BKW * 8 > GROUP else 1
+    TOP: tl.constexpr = 4 if SCHEME == 1 else 15
+    EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
+    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
+    x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
+    x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
+    sh0 = _x_shift(x0, ok0, 0, K, stride_xk, TOP, EXTRA)
+    sh1 = sh0
+    if BLOCK_M > 1:
+        sh1 = _x_shift(x1, ok1, 0, K, stride_xk, TOP, EXTRA)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
+    qg, qu = words + gate * stride_qr, words + up * stride_qr
+    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
+    zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
+    acc_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
+    wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
+    for w0 in range(0, KW, BKW):
+        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
+        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+        k0 = w0 * 8
+        mul_g, zero_g = _scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
+        mul_u, zero_u = _scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
+        acc_g0 = _accumulate(acc_g0, wg, mul_g, zero_g, x0, ok0, k0, K, stride_xk, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
+        acc_u0 = _accumulate(acc_u0, wu, mul_u, zero_u, x0, ok0, k0, K, stride_xk, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
+        if BLOCK_M > 1:
+            acc_g1 = _accumulate(acc_g1, wg, mul_g, zero_g, x1, ok1, k0, K, stride_xk, _pow2(sh1), BLOCK_N, BKW, NG,
+                                 SCHEME, ASM)
+            acc_u1 = _accumulate(acc_u1, wu, mul_u, zero_u, x1, ok1, k0, K, stride_xk, _pow2(sh1), BLOCK_N, BKW, NG,
+                                 SCHEME, ASM)
+        wg, wu = next_g, next_u
+    let_next_kernel_launch(PDL)
+    h = _glu(acc_g0 * _pow2(EXTRA - sh0), acc_u0 * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
+    tl.store(h_ptr + a0 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok0, n_ok, False))
+    if BLOCK_M > 1:
+        h = _glu(acc_g1 * _pow2(EXTRA - sh1), acc_u1 * _pow2(EXTRA - sh1), ACT, 1.0, None, 0.0)
+        tl.store(h_ptr + a1 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok1, n_ok, False))
+
+
+@triton.jit
+def _down_out(acc, fin, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym):
+    """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
+    y = acc * fin * tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    y_row = tl.program_id(1) * num_assignments + row
+    tl.store(y_ptr + y_row * stride_ym + offs_out, y.to(y_ptr.dtype.element_ty), mask=tl.where(ok, out_ok, False))
+
+
+@triton.jit
+def down_wo_half_kernel(
+    h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    K, N, NW, num_assignments, num_experts, num_pid_m, split_words,  # NW: words of a w2 row
+    stride_hm, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+):
+    """y = routed weight * (h w2^T) per assignment row, w2 decoded in fp16x2 (split-K, KSUM: ``gemm_wo_gemv``)."""
+    NG: tl.constexpr = BKW * 8 // GROUP if BKW * 8 > GROUP else 1
+    TOP: tl.constexpr = 4 if SCHEME == 1 else 15
+    EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
+    wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        row_ok = rows < num_assignments
+        safe_rows = tl.where(row_ok, rows, 0)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
+    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
+    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
+    a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
+    h0, h1 = h_ptr + a0 * stride_hm, h_ptr + a1 * stride_hm
+    w_start = tl.program_id(1) * split_words
+    w_end = tl.minimum(w_start + split_words, NW)
+    sh0 = _x_shift(h0, ok0, w_start * 8, tl.minimum(w_end * 8, N), 1, TOP, EXTRA)
+    sh1 = sh0
+    if BLOCK_M > 1:
+        sh1 = _x_shift(h1, ok1, w_start * 8, tl.minimum(w_end * 8, N), 1, TOP, EXTRA)
+    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = offs_out < K
+    out = offs_out.to(tl.int64)
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
+    s_rows = s_ptr + expert * stride_se + out * stride_sr
+    z_rows = z_ptr + expert * stride_ze + out * stride_zr
+    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
+    for w0 in range(w_start, w_end, BKW):
+        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
+        mul, zero = _scales(s_rows, z_rows, w0 * 8, N, out_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
+        acc0 = _accumulate(acc0, w, mul, zero, h0, ok0, w0 * 8, N, 1, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
+        if BLOCK_M > 1:
+            acc1 = _accumulate(acc1, w, mul, zero, h1, ok1, w0 * 8, N, 1, _pow2(sh1), BLOCK_N, BKW, NG, SCHEME, ASM)
+        w = next_w
+    let_next_kernel_launch(PDL)
+    _down_out(acc0, _pow2(EXTRA - sh0), out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
+    if BLOCK_M > 1:
+        _down_out(acc1, _pow2(EXTRA - sh1), out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym)
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
