@@ -154,11 +154,10 @@ def _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BN: tl.constexpr, BKW: t
     x4, x5 = _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW)
     x6, x7 = _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW)
     if ASM:
-        shape = (BN, BKW)
-        args = [w, tl.broadcast_to(zero, shape), tl.broadcast_to(_pair(x0, x4)[None, :], shape),
-                tl.broadcast_to(_pair(x1, x5)[None, :], shape), tl.broadcast_to(_pair(x2, x6)[None, :], shape),
-                tl.broadcast_to(_pair(x3, x7)[None, :], shape)]
-        p = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r", args,
+        z = tl.broadcast_to(zero, (BN, BKW))
+        p0, p1 = tl.broadcast_to(_pair(x0, x4)[None, :], (BN, BKW)), tl.broadcast_to(_pair(x1, x5)[None, :], (BN, BKW))
+        p2, p3 = tl.broadcast_to(_pair(x2, x6)[None, :], (BN, BKW)), tl.broadcast_to(_pair(x3, x7)[None, :], (BN, BKW))
+        p = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r", [w, z, p0, p1, p2, p3],
                                       dtype=tl.int32, is_pure=True, pack=1)
         if NG == 1:
             part = _halves_sum(tl.reduce(p, 1, _hadd2))[:, None]
