@@ -10,7 +10,8 @@ moekit's bf16 path, the chooser's old default, % of the packed-byte floor and th
 Cells: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B x int4_w4a16 (g 128, zero points), mxfp4, int8_w8a16 x
 M = 1, 8, 64. Variants (an error in one is printed, the run goes on): tile, register, gemv (the
 previous decodes; "pick" is the chooser's, the old default) and, for the 4-bit schemes, gemv_half at
-its heuristic config (64 rows, 16 words a step, 2 warps) and HALF_VARIANTS' tiles. Machinery (timing,
+its heuristic config (64 rows, 16 words a step, 2 warps, no prefetch) and HALF_VARIANTS' tiles (L2
+prefetch 4 steps ahead; 64 rows 2 warps, 32 rows 1 warp, 128 rows 4 warps). Machinery (timing,
 floor, twin, verdicts, the time limit): ``wo_speed_device_check``. Table last; JSON to
 $OUT/wo_decode.json.
 """
@@ -35,16 +36,17 @@ PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 BATCHES = (1, 8, 64)
 LIMIT_S = 140.0  # whole run, compiles included
-# name -> (gate-up BLOCK_N, words a step, down BLOCK_N, words a step, warps)
-HALF_VARIANTS = {"half128w4": (128, 16, 128, 16, 4), "half32w1": (32, 16, 32, 16, 1)}
+# name -> (gate-up BLOCK_N, words a step, down BLOCK_N, words a step, warps, L2 prefetch steps ahead)
+HALF_VARIANTS = {"half_pf4": (64, 16, 64, 16, 2, 4), "half32w1pf4": (32, 16, 32, 16, 1, 4),
+                 "half128w4pf4": (128, 16, 128, 16, 4, 4)}
 OLD = ("tile", "register", "gemv")
 
 
 def half_config(variant: tuple, s: Shape, scheme: str, m: int) -> KernelConfig:
-    up_bn, up_w, down_bn, down_w, warps = variant
+    up_bn, up_w, down_bn, down_w, warps, prefetch = variant  # gemv_half: num_stages = 1 + prefetch steps
     base_cfg = gemv_heuristic_config(m, s.num_experts, s.n, s.k, s.top_k, scheme)
-    return KernelConfig(base_cfg.BLOCK_M, GemmTile(up_bn, up_w * 8, base_cfg.up.GROUP_M, warps, 1),
-                        GemmTile(down_bn, down_w * 8, base_cfg.up.GROUP_M, warps, 1))
+    return KernelConfig(base_cfg.BLOCK_M, GemmTile(up_bn, up_w * 8, base_cfg.up.GROUP_M, warps, 1 + prefetch),
+                        GemmTile(down_bn, down_w * 8, base_cfg.up.GROUP_M, warps, 1 + prefetch))
 
 
 def variants(s: Shape, scheme: str, m: int) -> dict:
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
     if smoke:
         base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
         base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
-        HALF_VARIANTS.pop("half128w4")
+        HALF_VARIANTS.pop("half128w4pf4")
+        HALF_VARIANTS.pop("half_pf4")
     import triton
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"

@@ -29,7 +29,9 @@ word sums in float32 (the PTX sums a step's words in fp16x2: results agree to fp
 
 A step of BKW words lies in one group (BKW * 8 <= g: scales per row) or holds whole groups (BKW * 8 a
 multiple of g: NG groups, scales per (row, group)). Past C the words load as 0 and x as 0; scales 0.
-Split-K, KSUM, alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
+PREFETCH > 0 (ASM only): each step also prefetches into L2 the words PREFETCH steps ahead (more bytes in
+flight than the registers' one step; the launch's num_stages - 1, ``triton_wo_gemv``). Split-K, KSUM,
+alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
 BN weight rows a program, BKW words a step.
 """
 
@@ -41,49 +43,66 @@ from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, ze
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row
 
-# One word w ($1) -> sum over its 4 pairs of (code - zero) * x as fp16x2 ($0); $2: 1024 + zero in both
-# halves, $3..$6: the x pairs of t = 0..3.
+# One word w ($1) -> sum over its 4 pairs of (code - zero) * x in fp16x2, then its two halves' sum in
+# float32 ($0); $2: 1024 + zero in both halves, $3..$6: the x pairs of t = 0..3.
+_TO_F32 = """
+mov.b32 {l, h}, p;
+cvt.f32.f16 fl, l;
+cvt.f32.f16 fh, h;
+add.f32 $0, fl, fh;
+}"""
 _INT4_ASM = tl.constexpr("""{
-.reg .b32 a, v;
+.reg .b32 a, v, p;
+.reg .b16 l, h;
+.reg .f32 fl, fh;
 lop3.b32 v, $1, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 v, v, $2;
-mul.rn.f16x2 $0, v, $3;
+mul.rn.f16x2 p, v, $3;
 shr.u32 a, $1, 4;
 lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 v, v, $2;
-fma.rn.f16x2 $0, v, $4, $0;
+fma.rn.f16x2 p, v, $4, p;
 shr.u32 a, $1, 8;
 lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 v, v, $2;
-fma.rn.f16x2 $0, v, $5, $0;
+fma.rn.f16x2 p, v, $5, p;
 shr.u32 a, $1, 12;
 lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
 sub.f16x2 v, v, $2;
-fma.rn.f16x2 $0, v, $6, $0;
-}""")
+fma.rn.f16x2 p, v, $6, p;""" + _TO_F32)
 # mxfp4: pair t's magnitudes (w << 9 - 4t) & 0x0E000E00, its signs (w << 12 - 4t) & 0x80008000.
 _MXFP4_ASM = tl.constexpr("""{
-.reg .b32 m, g, v;
+.reg .b32 m, g, v, p;
+.reg .b16 l, h;
+.reg .f32 fl, fh;
 shl.b32 m, $1, 9;
 shl.b32 g, $1, 12;
 and.b32 g, g, 0x80008000;
 lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-mul.rn.f16x2 $0, v, $3;
+mul.rn.f16x2 p, v, $3;
 shl.b32 m, $1, 5;
 shl.b32 g, $1, 8;
 and.b32 g, g, 0x80008000;
 lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 $0, v, $4, $0;
+fma.rn.f16x2 p, v, $4, p;
 shl.b32 m, $1, 1;
 shl.b32 g, $1, 4;
 and.b32 g, g, 0x80008000;
 lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 $0, v, $5, $0;
+fma.rn.f16x2 p, v, $5, p;
 shr.u32 m, $1, 3;
 and.b32 g, $1, 0x80008000;
 lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 $0, v, $6, $0;
-}""")
+fma.rn.f16x2 p, v, $6, p;""" + _TO_F32)
+
+
+@triton.jit
+def _prefetch_l2(q_words, w0, KW, BKW: tl.constexpr):
+    """prefetch.global.L2 of words w0 .. w0+BKW of each row [BN] (clamped to the row's last step, so every
+    address lies inside the weight): the rows' bytes PREFETCH steps ahead, in flight without registers."""
+    j = tl.minimum(w0, tl.maximum(KW - BKW, 0)) + tl.arange(0, BKW)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [q_words[:, None] + j[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -119,19 +138,6 @@ def _pair(lo, hi):
 
 
 @triton.jit
-def _hadd2(a, b):
-    return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _halves_sum(p):
-    """fp16x2 words -> low + high half in float32."""
-    lo = p.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (p >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo + hi
-
-
-@triton.jit
 def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
     """The interpreter's decode: element T of each word [BN, BKW] as fp16, code - zero (int4) or
     e2m1 * 2^-14 (mxfp4); ``zero`` fp16 [BN, 1] or [BN, BKW]."""
@@ -145,62 +151,64 @@ def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BN: tl.constexpr, BKW: tl.constexpr, NG: tl.constexpr,
-              SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """One row's products over a step's words w [BN, BKW]: [BN, NG] float32 sums per group of the step.
-    ``zero`` (int4): int32 1024 + zero per fp16 half (ASM) or the fp16 zero; [BN, 1] or [BN, BKW]."""
+def _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BKW: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One row's products over a step's words w [BN, BKW]: each word's sum [BN, BKW] float32 (its 8
+    products in fp16, the two halves added in float32). ``zero`` (int4): int32 1024 + zero per fp16
+    half (ASM) or the fp16 zero; [BN, 1] or [BN, BKW]."""
     x0, x1 = _x_half(x_row, ok, k0, C, stride, scale, 0, BKW), _x_half(x_row, ok, k0, C, stride, scale, 1, BKW)
     x2, x3 = _x_half(x_row, ok, k0, C, stride, scale, 2, BKW), _x_half(x_row, ok, k0, C, stride, scale, 3, BKW)
     x4, x5 = _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW)
     x6, x7 = _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW)
     if ASM:
-        z = tl.broadcast_to(zero, (BN, BKW))
-        p0, p1 = tl.broadcast_to(_pair(x0, x4)[None, :], (BN, BKW)), tl.broadcast_to(_pair(x1, x5)[None, :], (BN, BKW))
-        p2, p3 = tl.broadcast_to(_pair(x2, x6)[None, :], (BN, BKW)), tl.broadcast_to(_pair(x3, x7)[None, :], (BN, BKW))
-        p = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r", [w, z, p0, p1, p2, p3],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-        if NG == 1:
-            part = _halves_sum(tl.reduce(p, 1, _hadd2))[:, None]
-        else:
-            part = _halves_sum(tl.reduce(tl.reshape(p, [BN, NG, BKW // NG]), 2, _hadd2))
+        z = tl.broadcast_to(zero, w.shape)
+        p0, p1 = tl.broadcast_to(_pair(x0, x4)[None, :], w.shape), tl.broadcast_to(_pair(x1, x5)[None, :], w.shape)
+        p2, p3 = tl.broadcast_to(_pair(x2, x6)[None, :], w.shape), tl.broadcast_to(_pair(x3, x7)[None, :], w.shape)
+        part = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r",
+                                         [w, z, p0, p1, p2, p3], dtype=tl.int32, is_pure=True, pack=1)
+        part = part.to(tl.float32, bitcast=True)
     else:
         lo = _codes_half(w, zero, 0, SCHEME) * x0[None, :] + _codes_half(w, zero, 1, SCHEME) * x1[None, :]
         lo = lo + _codes_half(w, zero, 2, SCHEME) * x2[None, :] + _codes_half(w, zero, 3, SCHEME) * x3[None, :]
         hi = _codes_half(w, zero, 4, SCHEME) * x4[None, :] + _codes_half(w, zero, 5, SCHEME) * x5[None, :]
         hi = hi + _codes_half(w, zero, 6, SCHEME) * x6[None, :] + _codes_half(w, zero, 7, SCHEME) * x7[None, :]
-        part = tl.sum(tl.reshape(lo.to(tl.float32) + hi.to(tl.float32), [BN, NG, BKW // NG]), axis=2)  # [BN, NG]
+        part = lo.to(tl.float32) + hi.to(tl.float32)
     return part
 
 
 @triton.jit
-def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr, BKW: tl.constexpr,
-            NG: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """(mul [BN, NG] float32, zero) of the step at k0 (``_step_sum``); mxfp4's zero unused (0)."""
-    first = k0 + tl.arange(0, NG) * GROUP  # [NG] each group's first element (BKW * 8 <= g: NG 1)
-    ok = n_ok[:, None] & (first < C)[None, :]
-    g = (first // GROUP)[None, :]
+def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, GROUP: tl.constexpr,
+            SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """(mul float32, zero) of the step at k0 (``_step_sum``): [BN, 1] where the step lies in one group
+    (BKW * 8 <= g), else [BN, BKW] (each word's group); mxfp4's zero unused (0)."""
+    if BKW * 8 <= GROUP:  # loaded as [BN] (a 2D [BN, 1] load would anchor a layout of one row a thread)
+        ok = tl.where(k0 < C, n_ok, False)
+        s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
+    else:
+        first = k0 + tl.arange(0, BKW) * 8  # [BKW] each word's first element
+        ok = n_ok[:, None] & (first < C)[None, :]
+        s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
+        z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
     if SCHEME == 1:
-        mul = tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0.0)
-        z = tl.load(z_rows[:, None] + g * stride_zg, mask=ok, other=0).to(tl.int32)  # [BN, NG]
-        if NG > 1:  # [BN, BKW]: each word's group
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BN, NG, BKW // NG)), [BN, BKW])
+        mul = tl.load(s_ptrs, mask=ok, other=0.0)
+        z = tl.load(z_ptrs, mask=ok, other=0).to(tl.int32)
         if ASM:
             zero = (z | (z << 16)) | 0x64006400
         else:
             zero = z.to(tl.float16)
     else:
-        mul = tl.where(ok, (tl.load(s_rows[:, None] + g * stride_sg, mask=ok, other=0).to(tl.int32) << 23)
-                       .to(tl.float32, bitcast=True), 0.0)
-        zero = tl.zeros([BN, 1], dtype=tl.int32)
+        e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
+        mul = tl.where(ok, (e << 23).to(tl.float32, bitcast=True), 0.0)
+        zero = e
+    if BKW * 8 <= GROUP:
+        mul, zero = mul[:, None], zero[:, None]
     return mul, zero
 
 
 @triton.jit
-def _accumulate(acc, w, mul, zero, x_row, ok, k0, C, stride, scale, BN: tl.constexpr, BKW: tl.constexpr,
-                NG: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN] float32 + the step's group sums times their scales."""
-    part = _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BN, BKW, NG, SCHEME, ASM)
-    return acc + tl.sum(part * mul, axis=1)
+def _accumulate(acc, w, mul, zero, x_row, ok, k0, C, stride, scale, BKW: tl.constexpr, SCHEME: tl.constexpr,
+                ASM: tl.constexpr):
+    """acc [BN, BKW] float32 + each word's sum times its group scale."""
+    return acc + _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BKW, SCHEME, ASM) * mul
 
 
 @triton.jit
@@ -212,10 +220,9 @@ def gate_up_wo_half_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2), w13 decoded in fp16x2."""
-    NG: tl.constexpr = BKW * 8 // GROUP if BKW * 8 > GROUP else 1
     TOP: tl.constexpr = 4 if SCHEME == 1 else 15
     EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
     wait_for_previous_kernel(PDL)
@@ -239,35 +246,37 @@ def gate_up_wo_half_kernel(
     qg, qu = words + gate * stride_qr, words + up * stride_qr
     sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
-    acc_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
     wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
     for w0 in range(0, KW, BKW):
         next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
         next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+        if ASM and PREFETCH > 0:
+            _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
+            _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
         k0 = w0 * 8
-        mul_g, zero_g = _scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
-        mul_u, zero_u = _scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
-        acc_g0 = _accumulate(acc_g0, wg, mul_g, zero_g, x0, ok0, k0, K, stride_xk, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
-        acc_u0 = _accumulate(acc_u0, wu, mul_u, zero_u, x0, ok0, k0, K, stride_xk, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
+        mul_g, zero_g = _scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
+        mul_u, zero_u = _scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
+        acc_g0 = _accumulate(acc_g0, wg, mul_g, zero_g, x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW, SCHEME, ASM)
+        acc_u0 = _accumulate(acc_u0, wu, mul_u, zero_u, x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW, SCHEME, ASM)
         if BLOCK_M > 1:
-            acc_g1 = _accumulate(acc_g1, wg, mul_g, zero_g, x1, ok1, k0, K, stride_xk, _pow2(sh1), BLOCK_N, BKW, NG,
-                                 SCHEME, ASM)
-            acc_u1 = _accumulate(acc_u1, wu, mul_u, zero_u, x1, ok1, k0, K, stride_xk, _pow2(sh1), BLOCK_N, BKW, NG,
-                                 SCHEME, ASM)
+            acc_g1 = _accumulate(acc_g1, wg, mul_g, zero_g, x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW, SCHEME, ASM)
+            acc_u1 = _accumulate(acc_u1, wu, mul_u, zero_u, x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
-    h = _glu(acc_g0 * _pow2(EXTRA - sh0), acc_u0 * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
+    h = _glu(tl.sum(acc_g0, axis=1) * _pow2(EXTRA - sh0), tl.sum(acc_u0, axis=1) * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
     tl.store(h_ptr + a0 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok0, n_ok, False))
     if BLOCK_M > 1:
-        h = _glu(acc_g1 * _pow2(EXTRA - sh1), acc_u1 * _pow2(EXTRA - sh1), ACT, 1.0, None, 0.0)
+        h = _glu(tl.sum(acc_g1, axis=1) * _pow2(EXTRA - sh1), tl.sum(acc_u1, axis=1) * _pow2(EXTRA - sh1), ACT, 1.0,
+                 None, 0.0)
         tl.store(h_ptr + a1 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok1, n_ok, False))
 
 
 @triton.jit
 def _down_out(acc, fin, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym):
     """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
-    y = acc * fin * tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    y = tl.sum(acc, axis=1) * fin * tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
     y_row = tl.program_id(1) * num_assignments + row
     tl.store(y_ptr + y_row * stride_ym + offs_out, y.to(y_ptr.dtype.element_ty), mask=tl.where(ok, out_ok, False))
 
@@ -285,9 +294,9 @@ def down_wo_half_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = 0,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded in fp16x2 (split-K, KSUM: ``gemm_wo_gemv``)."""
-    NG: tl.constexpr = BKW * 8 // GROUP if BKW * 8 > GROUP else 1
     TOP: tl.constexpr = 4 if SCHEME == 1 else 15
     EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
     wait_for_previous_kernel(PDL)
@@ -321,15 +330,17 @@ def down_wo_half_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc1 = tl.zeros_like(acc0)
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
-        mul, zero = _scales(s_rows, z_rows, w0 * 8, N, out_ok, stride_sg, stride_zg, BLOCK_N, BKW, NG, GROUP, SCHEME, ASM)
-        acc0 = _accumulate(acc0, w, mul, zero, h0, ok0, w0 * 8, N, 1, _pow2(sh0), BLOCK_N, BKW, NG, SCHEME, ASM)
+        if ASM and PREFETCH > 0:
+            _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
+        mul, zero = _scales(s_rows, z_rows, w0 * 8, N, out_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
+        acc0 = _accumulate(acc0, w, mul, zero, h0, ok0, w0 * 8, N, 1, _pow2(sh0), BKW, SCHEME, ASM)
         if BLOCK_M > 1:
-            acc1 = _accumulate(acc1, w, mul, zero, h1, ok1, w0 * 8, N, 1, _pow2(sh1), BLOCK_N, BKW, NG, SCHEME, ASM)
+            acc1 = _accumulate(acc1, w, mul, zero, h1, ok1, w0 * 8, N, 1, _pow2(sh1), BKW, SCHEME, ASM)
         w = next_w
     let_next_kernel_launch(PDL)
     _down_out(acc0, _pow2(EXTRA - sh0), out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
