@@ -43,57 +43,41 @@ from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, ze
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row
 
-# One word w ($1) -> sum over its 4 pairs of (code - zero) * x in fp16x2, then its two halves' sum in
-# float32 ($0); $2: 1024 + zero in both halves, $3..$6: the x pairs of t = 0..3.
-_TO_F32 = """
-mov.b32 {l, h}, p;
-cvt.f32.f16 fl, l;
-cvt.f32.f16 fh, h;
-add.f32 $0, fl, fh;
-}"""
-_INT4_ASM = tl.constexpr("""{
-.reg .b32 a, v, p;
-.reg .b16 l, h;
-.reg .f32 fl, fh;
-lop3.b32 v, $1, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 v, v, $2;
-mul.rn.f16x2 p, v, $3;
-shr.u32 a, $1, 4;
-lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 v, v, $2;
-fma.rn.f16x2 p, v, $4, p;
-shr.u32 a, $1, 8;
-lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 v, v, $2;
-fma.rn.f16x2 p, v, $5, p;
-shr.u32 a, $1, 12;
-lop3.b32 v, a, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 v, v, $2;
-fma.rn.f16x2 p, v, $6, p;""" + _TO_F32)
-# mxfp4: pair t's magnitudes (w << 9 - 4t) & 0x0E000E00, its signs (w << 12 - 4t) & 0x80008000.
-_MXFP4_ASM = tl.constexpr("""{
-.reg .b32 m, g, v, p;
-.reg .b16 l, h;
-.reg .f32 fl, fh;
-shl.b32 m, $1, 9;
-shl.b32 g, $1, 12;
-and.b32 g, g, 0x80008000;
-lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-mul.rn.f16x2 p, v, $3;
-shl.b32 m, $1, 5;
-shl.b32 g, $1, 8;
-and.b32 g, g, 0x80008000;
-lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 p, v, $4, p;
-shl.b32 m, $1, 1;
-shl.b32 g, $1, 4;
-and.b32 g, g, 0x80008000;
-lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 p, v, $5, p;
-shr.u32 m, $1, 3;
-and.b32 g, $1, 0x80008000;
-lop3.b32 v, m, 0x0E000E00, g, 0xEA;
-fma.rn.f16x2 p, v, $6, p;""" + _TO_F32)
+
+def _word_asm(scheme: int, rows: int) -> str:
+    """Inline PTX: one word -> for each of ``rows`` activation rows, the sum over the word's 4 pairs of
+    value * x in fp16x2, then its two halves added in float32. Operands: $0 .. $rows-1 the rows' sums
+    (float32 bits), then the word w, the zero (int4: 1024 + zero in both fp16 halves; mxfp4: unused),
+    then each row's x pairs of t = 0..3. Pair t's values: int4 lop3 ((w >> 4t) & 0x000F000F) | 0x64006400
+    (1024 + code) minus the zero; mxfp4 the magnitudes (w << 9 - 4t) & 0x0E000E00 or'd with the signs
+    (w << 12 - 4t) & 0x80008000. The decode is shared by the rows."""
+    w, zero = f"${rows}", f"${rows + 1}"
+    lines = ["{", ".reg .b32 a, m, g, v;", ".reg .b16 l, h;", ".reg .f32 fl, fh;",
+             ".reg .b32 " + ", ".join(f"p{r}" for r in range(rows)) + ";"]
+    for t in range(4):
+        if scheme == 1:
+            src = w if t == 0 else "a"
+            if t:
+                lines.append(f"shr.u32 a, {w}, {4 * t};")
+            lines += [f"lop3.b32 v, {src}, 0x000F000F, 0x64006400, 0xEA;", f"sub.f16x2 v, v, {zero};"]
+        else:
+            lines.append(f"shl.b32 m, {w}, {9 - 4 * t};" if t < 3 else f"shr.u32 m, {w}, 3;")
+            if t < 3:
+                lines += [f"shl.b32 g, {w}, {12 - 4 * t};", "and.b32 g, g, 0x80008000;"]
+            else:
+                lines.append(f"and.b32 g, {w}, 0x80008000;")
+            lines.append("lop3.b32 v, m, 0x0E000E00, g, 0xEA;")
+        for r in range(rows):
+            x = f"${rows + 2 + 4 * r + t}"
+            lines.append(f"mul.rn.f16x2 p{r}, v, {x};" if t == 0 else f"fma.rn.f16x2 p{r}, v, {x}, p{r};")
+    for r in range(rows):
+        lines += [f"mov.b32 {{l, h}}, p{r};", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fh, h;", f"add.f32 ${r}, fl, fh;"]
+    return "\n".join(lines + ["}"])
+
+
+_ASM = {(scheme, rows): _word_asm(scheme, rows) for scheme in (1, 2) for rows in (1, 2)}
+_INT4_ASM1, _INT4_ASM2 = tl.constexpr(_ASM[1, 1]), tl.constexpr(_ASM[1, 2])
+_MXFP4_ASM1, _MXFP4_ASM2 = tl.constexpr(_ASM[2, 1]), tl.constexpr(_ASM[2, 2])
 
 
 @triton.jit
@@ -151,28 +135,59 @@ def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BKW: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """One row's products over a step's words w [BN, BKW]: each word's sum [BN, BKW] float32 (its 8
-    products in fp16, the two halves added in float32). ``zero`` (int4): int32 1024 + zero per fp16
-    half (ASM) or the fp16 zero; [BN, 1] or [BN, BKW]."""
-    x0, x1 = _x_half(x_row, ok, k0, C, stride, scale, 0, BKW), _x_half(x_row, ok, k0, C, stride, scale, 1, BKW)
-    x2, x3 = _x_half(x_row, ok, k0, C, stride, scale, 2, BKW), _x_half(x_row, ok, k0, C, stride, scale, 3, BKW)
-    x4, x5 = _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW)
-    x6, x7 = _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW)
+def _x_halves(x_row, ok, k0, C, stride, scale, BKW: tl.constexpr):
+    """Elements 0..7 of each word of the step at k0 of one activation row: 8 fp16 tensors [BKW]."""
+    return (_x_half(x_row, ok, k0, C, stride, scale, 0, BKW), _x_half(x_row, ok, k0, C, stride, scale, 1, BKW),
+            _x_half(x_row, ok, k0, C, stride, scale, 2, BKW), _x_half(x_row, ok, k0, C, stride, scale, 3, BKW),
+            _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW),
+            _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW))
+
+
+@triton.jit
+def _x_pairs(xs, shape):
+    """The fp16x2 pairs (t, t + 4), t = 0..3, of one row's x halves, broadcast to the words' shape."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    return (tl.broadcast_to(_pair(x0, x4)[None, :], shape), tl.broadcast_to(_pair(x1, x5)[None, :], shape),
+            tl.broadcast_to(_pair(x2, x6)[None, :], shape), tl.broadcast_to(_pair(x3, x7)[None, :], shape))
+
+
+@triton.jit
+def _plain_sum(w, zero, xs, SCHEME: tl.constexpr):
+    """The interpreter's twin of one row's ``_word_asm``: each word's 8 products in fp16, halves summed in float32."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    lo = _codes_half(w, zero, 0, SCHEME) * x0[None, :] + _codes_half(w, zero, 1, SCHEME) * x1[None, :]
+    lo = lo + _codes_half(w, zero, 2, SCHEME) * x2[None, :] + _codes_half(w, zero, 3, SCHEME) * x3[None, :]
+    hi = _codes_half(w, zero, 4, SCHEME) * x4[None, :] + _codes_half(w, zero, 5, SCHEME) * x5[None, :]
+    hi = hi + _codes_half(w, zero, 6, SCHEME) * x6[None, :] + _codes_half(w, zero, 7, SCHEME) * x7[None, :]
+    return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _step_sums(w, zero, xa, xb, TWO: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """Each word's sum [BN, BKW] float32 for row a (x halves ``xa``) and, if TWO, row b (else row a's
+    again), the words decoded once. ``zero`` (int4): int32 1024 + zero per fp16 half (ASM) or the fp16
+    zero; [BN, 1] or [BN, BKW]."""
     if ASM:
         z = tl.broadcast_to(zero, w.shape)
-        p0, p1 = tl.broadcast_to(_pair(x0, x4)[None, :], w.shape), tl.broadcast_to(_pair(x1, x5)[None, :], w.shape)
-        p2, p3 = tl.broadcast_to(_pair(x2, x6)[None, :], w.shape), tl.broadcast_to(_pair(x3, x7)[None, :], w.shape)
-        part = tl.inline_asm_elementwise(_INT4_ASM if SCHEME == 1 else _MXFP4_ASM, "=r,r,r,r,r,r,r",
-                                         [w, z, p0, p1, p2, p3], dtype=tl.int32, is_pure=True, pack=1)
-        part = part.to(tl.float32, bitcast=True)
+        a0, a1, a2, a3 = _x_pairs(xa, w.shape)
+        if TWO:
+            b0, b1, b2, b3 = _x_pairs(xb, w.shape)
+            part_a, part_b = tl.inline_asm_elementwise(
+                _INT4_ASM2 if SCHEME == 1 else _MXFP4_ASM2, "=r,=r" + ",r" * 10, [w, z, a0, a1, a2, a3, b0, b1, b2, b3],
+                dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            part_b = part_b.to(tl.float32, bitcast=True)
+        else:
+            part_a = tl.inline_asm_elementwise(_INT4_ASM1 if SCHEME == 1 else _MXFP4_ASM1, "=r" + ",r" * 6,
+                                               [w, z, a0, a1, a2, a3], dtype=tl.int32, is_pure=True, pack=1)
+        part_a = part_a.to(tl.float32, bitcast=True)
+        if not TWO:
+            part_b = part_a
     else:
-        lo = _codes_half(w, zero, 0, SCHEME) * x0[None, :] + _codes_half(w, zero, 1, SCHEME) * x1[None, :]
-        lo = lo + _codes_half(w, zero, 2, SCHEME) * x2[None, :] + _codes_half(w, zero, 3, SCHEME) * x3[None, :]
-        hi = _codes_half(w, zero, 4, SCHEME) * x4[None, :] + _codes_half(w, zero, 5, SCHEME) * x5[None, :]
-        hi = hi + _codes_half(w, zero, 6, SCHEME) * x6[None, :] + _codes_half(w, zero, 7, SCHEME) * x7[None, :]
-        part = lo.to(tl.float32) + hi.to(tl.float32)
-    return part
+        part_a = _plain_sum(w, zero, xa, SCHEME)
+        part_b = part_a
+        if TWO:
+            part_b = _plain_sum(w, zero, xb, SCHEME)
+    return part_a, part_b
 
 
 @triton.jit
@@ -197,18 +212,11 @@ def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr
             zero = z.to(tl.float16)
     else:
         e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-        mul = tl.where(ok, (e << 23).to(tl.float32, bitcast=True), 0.0)
+        mul = (e << 23).to(tl.float32, bitcast=True)  # masked: e = 0, 0.0
         zero = e
     if BKW * 8 <= GROUP:
         mul, zero = mul[:, None], zero[:, None]
     return mul, zero
-
-
-@triton.jit
-def _accumulate(acc, w, mul, zero, x_row, ok, k0, C, stride, scale, BKW: tl.constexpr, SCHEME: tl.constexpr,
-                ASM: tl.constexpr):
-    """acc [BN, BKW] float32 + each word's sum times its group scale."""
-    return acc + _step_sum(w, zero, x_row, ok, k0, C, stride, scale, BKW, SCHEME, ASM) * mul
 
 
 @triton.jit
@@ -258,11 +266,14 @@ def gate_up_wo_half_kernel(
         k0 = w0 * 8
         mul_g, zero_g = _scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
         mul_u, zero_u = _scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
-        acc_g0 = _accumulate(acc_g0, wg, mul_g, zero_g, x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW, SCHEME, ASM)
-        acc_u0 = _accumulate(acc_u0, wu, mul_u, zero_u, x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW, SCHEME, ASM)
+        xa = _x_halves(x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW)
+        xb = xa
         if BLOCK_M > 1:
-            acc_g1 = _accumulate(acc_g1, wg, mul_g, zero_g, x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW, SCHEME, ASM)
-            acc_u1 = _accumulate(acc_u1, wu, mul_u, zero_u, x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW, SCHEME, ASM)
+            xb = _x_halves(x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW)
+        part_a, part_b = _step_sums(wg, zero_g, xa, xb, BLOCK_M > 1, SCHEME, ASM)
+        acc_g0, acc_g1 = acc_g0 + part_a * mul_g, acc_g1 + part_b * mul_g
+        part_a, part_b = _step_sums(wu, zero_u, xa, xb, BLOCK_M > 1, SCHEME, ASM)
+        acc_u0, acc_u1 = acc_u0 + part_a * mul_u, acc_u1 + part_b * mul_u
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
     h = _glu(tl.sum(acc_g0, axis=1) * _pow2(EXTRA - sh0), tl.sum(acc_u0, axis=1) * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
@@ -338,9 +349,12 @@ def down_wo_half_kernel(
         if ASM and PREFETCH > 0:
             _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
         mul, zero = _scales(s_rows, z_rows, w0 * 8, N, out_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
-        acc0 = _accumulate(acc0, w, mul, zero, h0, ok0, w0 * 8, N, 1, _pow2(sh0), BKW, SCHEME, ASM)
+        xa = _x_halves(h0, ok0, w0 * 8, N, 1, _pow2(sh0), BKW)
+        xb = xa
         if BLOCK_M > 1:
-            acc1 = _accumulate(acc1, w, mul, zero, h1, ok1, w0 * 8, N, 1, _pow2(sh1), BKW, SCHEME, ASM)
+            xb = _x_halves(h1, ok1, w0 * 8, N, 1, _pow2(sh1), BKW)
+        part_a, part_b = _step_sums(w, zero, xa, xb, BLOCK_M > 1, SCHEME, ASM)
+        acc0, acc1 = acc0 + part_a * mul, acc1 + part_b * mul
         w = next_w
     let_next_kernel_launch(PDL)
     _down_out(acc0, _pow2(EXTRA - sh0), out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
