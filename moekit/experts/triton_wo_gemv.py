@@ -1,6 +1,8 @@
 """The word decode of weight-only experts (``_kernels/gemm_wo_gemv.py``: packed weights read as 32-bit
 words into registers and multiplied on the CUDA cores, no tensor cores): where it applies, its default
-config and its two bound launches. The plan (``triton_wo_plan``) calls these for decode "gemv".
+config and its two bound launches. The plan (``triton_wo_plan``) calls these for decodes "gemv" and
+"gemv_half" (``_kernels/gemm_wo_half.py``, the fp16x2 twin for the 4-bit schemes: same arguments, same
+configs; its GemmTile's num_stages is 1 + its L2 prefetch distance in steps, the launches' own num_stages 1).
 
 Config: a ``KernelConfig`` as the other decodes', read so: BLOCK_M the M-block's rows (the tiny-batch
 shortcut always runs 1 row a block), each GemmTile's BLOCK_N the weight rows of a program and BLOCK_K

@@ -6,13 +6,16 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
+    gemv_half ``_kernels/gemm_wo_half`` (4-bit schemes; gemv's launches and configs, num_stages = 1 + its
+              L2 prefetch steps): the words decoded into fp16x2 pairs, fma.rn.f16x2 against prescaled
+              fp16 activations, two weights an instruction; group scales on per-word float32 sums.
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the

@@ -1,36 +1,41 @@
 """Grouped GEMMs with 4-bit weight-only experts, the packed-half word decode ("gemv_half"): as ``gemm_wo_gemv``
 (32-bit words of packed weights straight into registers, CUDA cores, M-blocks of 1-2 rows) but two
 weights per instruction: each word's 8 codes become four fp16x2 pairs and multiply-add in fp16x2
-(``fma.rn.f16x2``) against fp16x2 pairs of prescaled activations; the group scale applies to the fp16
-partial sums (converted to float32 once a group and row), never per weight.
+(``fma.rn.f16x2``) against fp16x2 pairs of prescaled activations; each word's fp16x2 sum becomes one
+float32 (its halves added), multiplied by the group scale into a float32 accumulator [BN, BKW] per row
+(summed over the words at the end): scales per word, never per weight.
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Schemes: int4_w4a16 (SCHEME 1) and mxfp4
 (SCHEME 2); int8's products do not fit fp16's 11 bits (``triton_wo_gemv.check_gemv_config`` refuses it).
 
 Words (``triton_wo``'s layouts: element 8j+t of a row in bits 4t..4t+3 of word j): pair t (0..3) of a word
-holds elements 8j+t (low half) and 8j+t+4 (high half), taken by one mask of (word >> 4t):
+holds elements 8j+t (low half) and 8j+t+4 (high half), taken by one mask of (word >> 4t) (``_word_asm``):
     int4   lop3 ((w >> 4t) & 0x000F000F) | 0x64006400 = 1024 + code in each fp16 half (exact), then
-           sub.f16x2 of 1024 + zero: code - zero, exact; one fma.rn.f16x2 a pair:  7 + 4 + 4 = 15
-           instructions a word (1.9 a weight), against 12 + 8 in the float32 word decode.
+           sub.f16x2 of 1024 + zero: code - zero, exact; one fma.rn.f16x2 a pair; 3 shifts + 4 lop3 +
+           4 sub + 4 fma + 4 to float32 = 19 instructions a word (2.4 a weight; sm_90 SASS of the whole
+           loop, Triton 3.9, 64 x 16-word tiles, 2 warps: 3.5 a weight, the float32 word decode 3.9).
     mxfp4  the magnitude bits to fp16 bits 9-11 (e2m1 * 2^-14; the code 0.5 an fp16 subnormal, which
-           fp16x2 arithmetic keeps), the sign to bit 15: two shifts, an and, a lop3 a pair; then the fma.
+           fp16x2 arithmetic keeps), the sign to bit 15: two shifts, an and, a lop3 a pair; then the fma
+           (loop: ~5 a weight, the float32 word decode 7.3).
+    2-row M-blocks decode each word once for both rows (``_word_asm(scheme, 2)``).
 Activations: each row's x (the program's reduction range) is scaled by 2^sh, sh from its largest |x|
 (``_x_shift``, one pass before the loop), so |x'| < 2^TOP: int4 TOP 4 (|code - zero| <= 15: a product
-<= 240, a group's 64 products a half <= 15360 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is
+<= 240, a word's 4 products a half <= 960 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is
 exact in fp16 unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the
 largest product's 240: nothing at bf16's resolution). The result is multiplied by 2^(EXTRA - sh) once
 (EXTRA 14 for mxfp4's 2^-14, else 0).
-Precision: products exact; fp16 sums of a group's 4 x BKW / (groups a step) products a half, rounding
-at 2^-11 relative of each partial sum: the layer output errs ~2^-12 relative, below its bf16 rounding.
+Precision: products exact; a word's 4 products a half summed in fp16 (3 roundings at 2^-11 relative of
+the partial sum), then float32: the layer output errs ~2^-12 relative, below its bf16 rounding.
 
-Paths: ASM (NVIDIA, compiled) the inline PTX below on fp16x2 words (int32 tensors); else (the
-interpreter) the same decode and fp16 products in Triton on separate low and high fp16 tensors, the
-word sums in float32 (the PTX sums a step's words in fp16x2: results agree to fp16 rounding).
+Paths: ASM (NVIDIA, compiled) the inline PTX on fp16x2 words (int32 tensors); else (the interpreter) the
+same decode and fp16 products in Triton on separate low and high fp16 tensors (``_plain_sum``: a product
+rounded, then the sum, where the PTX fuses them: results agree to fp16 rounding, both tested against the
+reference: tests/test_triton_wo_half.py here, benchmarks/wo_decode_device_check.py on the GPU).
 
-A step of BKW words lies in one group (BKW * 8 <= g: scales per row) or holds whole groups (BKW * 8 a
-multiple of g: NG groups, scales per (row, group)). Past C the words load as 0 and x as 0; scales 0.
+A step of BKW words lies in one group (BKW * 8 <= g: scales per row, loaded as [BN]) or holds whole groups
+(scales per word [BN, BKW]). Past C the words load as 0 and x as 0; scales 0.
 PREFETCH > 0 (ASM only): each step also prefetches into L2 the words PREFETCH steps ahead (more bytes in
-flight than the registers' one step; the launch's num_stages - 1, ``triton_wo_gemv``). Split-K, KSUM,
+flight than the registers' one step; the config's num_stages - 1, ``triton_wo_gemv``). Split-K, KSUM,
 alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
 BN weight rows a program, BKW words a step.
 """
@@ -220,6 +225,35 @@ def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr
 
 
 @triton.jit
+def _shifts(x0, ok0, x1, ok1, lo, hi, stride, BLOCK_M: tl.constexpr, TOP: tl.constexpr, EXTRA: tl.constexpr):
+    """``_x_shift`` of the block's rows (row 1: row 0's where BLOCK_M is 1)."""
+    sh0 = _x_shift(x0, ok0, lo, hi, stride, TOP, EXTRA)
+    sh1 = sh0
+    if BLOCK_M > 1:
+        sh1 = _x_shift(x1, ok1, lo, hi, stride, TOP, EXTRA)
+    return sh0, sh1
+
+
+@triton.jit
+def _x_rows(x0, ok0, x1, ok1, sh0, sh1, k0, C, stride, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
+    """``_x_halves`` of the block's rows at the step k0 (row 1: row 0's where BLOCK_M is 1)."""
+    xa = _x_halves(x0, ok0, k0, C, stride, _pow2(sh0), BKW)
+    xb = xa
+    if BLOCK_M > 1:
+        xb = _x_halves(x1, ok1, k0, C, stride, _pow2(sh1), BKW)
+    return xa, xb
+
+
+@triton.jit
+def _tile_step(acc0, acc1, w, s_rows, z_rows, xa, xb, k0, C, n_ok, stride_sg, stride_zg, BLOCK_M: tl.constexpr,
+               BKW: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One weight tile's step for the block's rows: acc [BN, BKW] + each word's sum times its group scale."""
+    mul, zero = _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
+    part_a, part_b = _step_sums(w, zero, xa, xb, BLOCK_M > 1, SCHEME, ASM)
+    return acc0 + part_a * mul, acc1 + part_b * mul
+
+
+@triton.jit
 def gate_up_wo_half_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -243,10 +277,7 @@ def gate_up_wo_half_kernel(
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
     x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
-    sh0 = _x_shift(x0, ok0, 0, K, stride_xk, TOP, EXTRA)
-    sh1 = sh0
-    if BLOCK_M > 1:
-        sh1 = _x_shift(x1, ok1, 0, K, stride_xk, TOP, EXTRA)
+    sh0, sh1 = _shifts(x0, ok0, x1, ok1, 0, K, stride_xk, BLOCK_M, TOP, EXTRA)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
@@ -263,17 +294,11 @@ def gate_up_wo_half_kernel(
         if ASM and PREFETCH > 0:
             _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
             _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
-        k0 = w0 * 8
-        mul_g, zero_g = _scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
-        mul_u, zero_u = _scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
-        xa = _x_halves(x0, ok0, k0, K, stride_xk, _pow2(sh0), BKW)
-        xb = xa
-        if BLOCK_M > 1:
-            xb = _x_halves(x1, ok1, k0, K, stride_xk, _pow2(sh1), BKW)
-        part_a, part_b = _step_sums(wg, zero_g, xa, xb, BLOCK_M > 1, SCHEME, ASM)
-        acc_g0, acc_g1 = acc_g0 + part_a * mul_g, acc_g1 + part_b * mul_g
-        part_a, part_b = _step_sums(wu, zero_u, xa, xb, BLOCK_M > 1, SCHEME, ASM)
-        acc_u0, acc_u1 = acc_u0 + part_a * mul_u, acc_u1 + part_b * mul_u
+        xa, xb = _x_rows(x0, ok0, x1, ok1, sh0, sh1, w0 * 8, K, stride_xk, BLOCK_M, BKW)
+        acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, xb, w0 * 8, K, n_ok, stride_sg, stride_zg, BLOCK_M,
+                                    BKW, GROUP, SCHEME, ASM)
+        acc_u0, acc_u1 = _tile_step(acc_u0, acc_u1, wu, su, zu, xa, xb, w0 * 8, K, n_ok, stride_sg, stride_zg, BLOCK_M,
+                                    BKW, GROUP, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
     h = _glu(tl.sum(acc_g0, axis=1) * _pow2(EXTRA - sh0), tl.sum(acc_u0, axis=1) * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
@@ -329,32 +354,21 @@ def down_wo_half_kernel(
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
     h0, h1 = h_ptr + a0 * stride_hm, h_ptr + a1 * stride_hm
-    w_start = tl.program_id(1) * split_words
-    w_end = tl.minimum(w_start + split_words, NW)
-    sh0 = _x_shift(h0, ok0, w_start * 8, tl.minimum(w_end * 8, N), 1, TOP, EXTRA)
-    sh1 = sh0
-    if BLOCK_M > 1:
-        sh1 = _x_shift(h1, ok1, w_start * 8, tl.minimum(w_end * 8, N), 1, TOP, EXTRA)
+    w_start, w_end = tl.program_id(1) * split_words, tl.minimum(tl.program_id(1) * split_words + split_words, NW)
+    sh0, sh1 = _shifts(h0, ok0, h1, ok1, w_start * 8, tl.minimum(w_end * 8, N), 1, BLOCK_M, TOP, EXTRA)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
-    out = offs_out.to(tl.int64)
-    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
-    s_rows = s_ptr + expert * stride_se + out * stride_sr
-    z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
-    acc1 = tl.zeros_like(acc0)
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + offs_out.to(tl.int64) * stride_qr
+    s_rows, z_rows = s_ptr + expert * stride_se + offs_out * stride_sr, z_ptr + expert * stride_ze + offs_out * stride_zr
+    acc0, acc1 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         if ASM and PREFETCH > 0:
             _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
-        mul, zero = _scales(s_rows, z_rows, w0 * 8, N, out_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
-        xa = _x_halves(h0, ok0, w0 * 8, N, 1, _pow2(sh0), BKW)
-        xb = xa
-        if BLOCK_M > 1:
-            xb = _x_halves(h1, ok1, w0 * 8, N, 1, _pow2(sh1), BKW)
-        part_a, part_b = _step_sums(w, zero, xa, xb, BLOCK_M > 1, SCHEME, ASM)
-        acc0, acc1 = acc0 + part_a * mul, acc1 + part_b * mul
+        xa, xb = _x_rows(h0, ok0, h1, ok1, sh0, sh1, w0 * 8, N, 1, BLOCK_M, BKW)
+        acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, xb, w0 * 8, N, out_ok, stride_sg, stride_zg, BLOCK_M,
+                                BKW, GROUP, SCHEME, ASM)
         w = next_w
     let_next_kernel_launch(PDL)
     _down_out(acc0, _pow2(EXTRA - sh0), out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
