@@ -87,8 +87,9 @@ _MXFP4_ASM1, _MXFP4_ASM2 = tl.constexpr(_ASM[2, 1]), tl.constexpr(_ASM[2, 2])
 
 @triton.jit
 def _prefetch_l2(q_words, w0, KW, BKW: tl.constexpr):
-    """prefetch.global.L2 of words w0 .. w0+BKW of each row [BN] (clamped to the row's last step, so every
-    address lies inside the weight): the rows' bytes PREFETCH steps ahead, in flight without registers."""
+    """prefetch.global.L2 of words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words; the
+    callers prefetch only tiles whose rows all exist; words clamped to the row's last step: every address
+    lies inside the weight): the bytes PREFETCH steps ahead, in flight without registers."""
     j = tl.minimum(w0, tl.maximum(KW - BKW, 0)) + tl.arange(0, BKW)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [q_words[:, None] + j[None, :]],
                               dtype=tl.int32, is_pure=False, pack=1)
@@ -292,8 +293,9 @@ def gate_up_wo_half_kernel(
         next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
         next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
         if ASM and PREFETCH > 0:
-            _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
-            _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
+            if pid_n * BLOCK_N + BLOCK_N <= N:  # every row of the tile exists
+                _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
+                _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
         xa, xb = _x_rows(x0, ok0, x1, ok1, sh0, sh1, w0 * 8, K, stride_xk, BLOCK_M, BKW)
         acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, xb, w0 * 8, K, n_ok, stride_sg, stride_zg, BLOCK_M,
                                     BKW, GROUP, SCHEME, ASM)
@@ -365,7 +367,8 @@ def down_wo_half_kernel(
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         if ASM and PREFETCH > 0:
-            _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
+            if pid_n * BLOCK_N + BLOCK_N <= K:  # every row of the tile exists
+                _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
         xa, xb = _x_rows(h0, ok0, h1, ok1, sh0, sh1, w0 * 8, N, 1, BLOCK_M, BKW)
         acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, xb, w0 * 8, N, out_ok, stride_sg, stride_zg, BLOCK_M,
                                 BKW, GROUP, SCHEME, ASM)
