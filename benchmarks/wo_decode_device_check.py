@@ -11,7 +11,8 @@ Cells: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B x int4_w4a16 (g 128, zero points
 M = 1, 8, 64. Variants (an error in one is printed, the run goes on): tile, register, gemv (the
 previous decodes; "pick" is the chooser's, the old default) and, for the 4-bit schemes, gemv_half at
 its heuristic config (64 rows, 16 words a step, 2 warps, no prefetch) and HALF_VARIANTS' tiles (L2
-prefetch 4 or 8 steps ahead: 64 rows 2 warps, 32 rows 1 warp, 128 rows of 4-word steps). If half_pf* beats
+prefetch 4 or 8 steps ahead: 64 rows 2 warps; 32 rows 2 warps and 16 rows 1 warp (twice and four times the
+programs: 8 warps an SM at DeepSeek M=1, where 64-row programs fill half); 128 rows of 4-word steps). If half_pf* beats
 gemv_half, the word decodes are latency-bound (one step of words in flight a program), not issue-bound. Machinery (timing,
 floor, twin, verdicts, the time limit): ``wo_speed_device_check``. Table last; JSON to
 $OUT/wo_decode.json.
@@ -39,7 +40,8 @@ BATCHES = (1, 8, 64)
 LIMIT_S = 140.0  # whole run, compiles included
 # name -> (gate-up BLOCK_N, words a step, down BLOCK_N, words a step, warps, L2 prefetch steps ahead)
 HALF_VARIANTS = {"half_pf4": (64, 16, 64, 16, 2, 4), "half_pf8": (64, 16, 64, 16, 2, 8),
-                 "half32w1pf4": (32, 16, 32, 16, 1, 4), "half128k4pf4": (128, 4, 128, 4, 2, 4)}
+                 "half32w2pf4": (32, 16, 32, 16, 2, 4), "half16w1pf4": (16, 16, 16, 16, 1, 4),
+                 "half128k4pf4": (128, 4, 128, 4, 2, 4)}
 OLD = ("tile", "register", "gemv")
 
 
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
     if smoke:
         base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
         base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
-        for name in ("half_pf4", "half_pf8", "half128k4pf4"):
+        for name in ("half_pf4", "half_pf8", "half32w2pf4", "half128k4pf4"):
             HALF_VARIANTS.pop(name)
     import triton
 
