@@ -24,8 +24,10 @@ Activations: each row's x (the program's reduction range) is scaled by 2^sh, sh 
 exact in fp16 unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the
 largest product's 240: nothing at bf16's resolution). The result is multiplied by 2^(EXTRA - sh) once
 (EXTRA 14 for mxfp4's 2^-14, else 0).
-Precision: products exact; a word's 4 products a half summed in fp16 (3 roundings at 2^-11 relative of
-the partial sum), then float32: the layer output errs ~2^-12 relative, below its bf16 rounding.
+Precision: an int4 product rounds once to fp16 (code - zero, 4 bits, times an 8-bit bf16 mantissa: 12
+bits into 11; mxfp4's e2m1 values have 2, so its products are exact); a word's 4 products a half summed
+in fp16 (3 roundings at 2^-11 relative of the partial sum), then float32: the layer output errs ~2^-12
+relative, below its bf16 rounding (tests: rel-L2 against the float64 loop as the float32 decodes').
 
 Paths: ASM (NVIDIA, compiled) the inline PTX on fp16x2 words (int32 tensors); else (the interpreter) the
 same decode and fp16 products in Triton on separate low and high fp16 tensors (``_plain_sum``: a product
