@@ -14,6 +14,8 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moekit.experts.configs import GemmTile, KernelConfig
@@ -22,6 +24,7 @@ from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
 PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
+HALF_PREFETCH = 0  # the packed-half decode's default L2 prefetch distance, steps
 # The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
 WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
@@ -59,6 +62,14 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
     if block_m == 1:
         return KernelConfig(1, GemmTile(64, step, group_m, 2, 1), GemmTile(64, step, group_m, 2, 1))
     return KernelConfig(block_m, GemmTile(16, step, group_m, 1, 1), GemmTile(32, step, group_m, 1, 1))
+
+
+def half_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The packed-half decode's default: gemv's tiles (``gemv_heuristic_config``), num_stages 1 + HALF_PREFETCH
+    (its L2 prefetch distance in steps)."""
+    base = gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+    stages = 1 + HALF_PREFETCH
+    return KernelConfig(base.BLOCK_M, replace(base.up, num_stages=stages), replace(base.down, num_stages=stages))
 
 
 def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:
