@@ -24,7 +24,8 @@ from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
 PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
-HALF_PREFETCH = 0  # the packed-half decode's default L2 prefetch distance, steps
+HALF_PREFETCH = 4  # the packed-half decode's L2 prefetch distance at the fewest slots, steps
+HALF_FEW_SLOTS = 16  # M*k up to which the packed-half decode takes 32-row prefetching tiles
 # The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
 WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
@@ -65,11 +66,18 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
 
 
 def half_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The packed-half decode's default: gemv's tiles (``gemv_heuristic_config``), num_stages 1 + HALF_PREFETCH
-    (its L2 prefetch distance in steps)."""
+    """The packed-half decode's default: gemv's tiles (``gemv_heuristic_config``), except for the fewest slots
+    (M*k <= HALF_FEW_SLOTS: a handful of experts' rows, too few programs of 64 rows to fill the SMs) 32-row
+    tiles in 2 warps (twice the programs) with the words prefetched into L2 HALF_PREFETCH steps ahead
+    (num_stages 1 + HALF_PREFETCH). H200 (checkpoint run at b067aca, µs; 64-row 2-warp no prefetch / 32-row
+    prefetch 4 / gemv): DeepSeek-V3 int4 M=1 144 / 120 / 127, Qwen3 int4 M=1 36.1 / 27.8 / 31.5, Qwen3
+    mxfp4 M=1 63 / 35.4 / 54.5; Qwen3 int4 M=8 (64 slots) 89 / 104 / 88: more programs or prefetching
+    there only cost."""
     base = gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
-    stages = 1 + HALF_PREFETCH
-    return KernelConfig(base.BLOCK_M, replace(base.up, num_stages=stages), replace(base.down, num_stages=stages))
+    if base.BLOCK_M > 1 or num_tokens * top_k > HALF_FEW_SLOTS:
+        return base
+    tile = GemmTile(32, base.up.BLOCK_K, base.up.GROUP_M, 2, 1 + HALF_PREFETCH)
+    return KernelConfig(1, tile, replace(tile, GROUP_M=base.down.GROUP_M))
 
 
 def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:

@@ -18,12 +18,13 @@ holds elements 8j+t (low half) and 8j+t+4 (high half), taken by one mask of (wor
            fp16x2 arithmetic keeps), the sign to bit 15: two shifts, an and, a lop3 a pair; then the fma
            (loop: ~5 a weight, the float32 word decode 7.3).
     2-row M-blocks decode each word once for both rows (``_word_asm(scheme, 2)``).
-Activations: each row's x (the program's reduction range) is scaled by 2^sh, sh from its largest |x|
-(``_x_shift``, one pass before the loop), so |x'| < 2^TOP: int4 TOP 4 (|code - zero| <= 15: a product
-<= 240, a word's 4 products a half <= 960 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is
-exact in fp16 unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the
-largest product's 240: nothing at bf16's resolution). The result is multiplied by 2^(EXTRA - sh) once
-(EXTRA 14 for mxfp4's 2^-14, else 0).
+Activations: each step's x of a row (loaded a step ahead, ``_x_load``) is scaled by 2^sh, sh from the
+step's largest |x| (``_x_scaled``), so |x'| < 2^TOP: int4 TOP 4 (|code - zero| <= 15: a product <= 240, a
+word's 4 products a half <= 960 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is exact in fp16
+unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the step's largest
+product's 2^7: nothing at bf16's resolution). Each word's sum is multiplied by its group scale times
+2^(EXTRA - sh) (EXTRA 14 for mxfp4's 2^-14, else 0). (The first form, one prescale a row from a pass over
+the whole row before the loop, put that pass's serial loads ahead of every program: slower on the H200.)
 Precision: an int4 product rounds once to fp16 (code - zero, 4 bits, times an 8-bit bf16 mantissa: 12
 bits into 11; mxfp4's e2m1 values have 2, so its products are exact); a word's 4 products a half summed
 in fp16 (3 roundings at 2^-11 relative of the partial sum), then float32: the layer output errs ~2^-12
@@ -104,23 +105,10 @@ def _pow2(e):
 
 
 @triton.jit
-def _x_shift(x_row, ok, lo, hi, stride, TOP: tl.constexpr, EXTRA: tl.constexpr):
-    """sh of one activation row over its elements [lo, hi): max|x| * 2^sh < 2^TOP (clamped so 2^sh and
-    2^(EXTRA - sh) are normal floats)."""
-    m = tl.zeros([512], dtype=tl.float32)
-    for k0 in range(lo, hi, 512):
-        k = k0 + tl.arange(0, 512)
-        m = tl.maximum(m, tl.abs(tl.load(x_row + k * stride, mask=k < tl.where(ok, hi, 0), other=0.0).to(tl.float32)))
-    e = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max); 0 -> -127
-    return tl.minimum(tl.maximum(TOP - 1 - e, EXTRA - 126), 100)
-
-
-@triton.jit
-def _x_half(x_row, ok, k0, C, stride, scale, T: tl.constexpr, BKW: tl.constexpr):
-    """Element T of each word of the step at k0 [BKW], times ``scale``, in fp16 (0 past C)."""
+def _x_raw(x_row, ok, k0, C, stride, T: tl.constexpr, BKW: tl.constexpr):
+    """Element T of each word of the step at k0 [BKW] float32 (0 past C)."""
     k = k0 + tl.arange(0, BKW) * 8 + T
-    x = tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
-    return (x * scale).to(tl.float16)
+    return tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -143,12 +131,28 @@ def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _x_halves(x_row, ok, k0, C, stride, scale, BKW: tl.constexpr):
-    """Elements 0..7 of each word of the step at k0 of one activation row: 8 fp16 tensors [BKW]."""
-    return (_x_half(x_row, ok, k0, C, stride, scale, 0, BKW), _x_half(x_row, ok, k0, C, stride, scale, 1, BKW),
-            _x_half(x_row, ok, k0, C, stride, scale, 2, BKW), _x_half(x_row, ok, k0, C, stride, scale, 3, BKW),
-            _x_half(x_row, ok, k0, C, stride, scale, 4, BKW), _x_half(x_row, ok, k0, C, stride, scale, 5, BKW),
-            _x_half(x_row, ok, k0, C, stride, scale, 6, BKW), _x_half(x_row, ok, k0, C, stride, scale, 7, BKW))
+def _x_load(x_row, ok, k0, C, stride, BKW: tl.constexpr):
+    """Elements 0..7 of each word of the step at k0 of one activation row: 8 float32 tensors [BKW] (loaded a
+    step ahead of their use)."""
+    return (_x_raw(x_row, ok, k0, C, stride, 0, BKW), _x_raw(x_row, ok, k0, C, stride, 1, BKW),
+            _x_raw(x_row, ok, k0, C, stride, 2, BKW), _x_raw(x_row, ok, k0, C, stride, 3, BKW),
+            _x_raw(x_row, ok, k0, C, stride, 4, BKW), _x_raw(x_row, ok, k0, C, stride, 5, BKW),
+            _x_raw(x_row, ok, k0, C, stride, 6, BKW), _x_raw(x_row, ok, k0, C, stride, 7, BKW))
+
+
+@triton.jit
+def _x_scaled(xs, TOP: tl.constexpr, EXTRA: tl.constexpr):
+    """One row's step of x (``_x_load``) -> (its 8 fp16 tensors x * 2^sh, 2^(EXTRA - sh)): sh from the step's
+    largest |x| so that |x * 2^sh| < 2^TOP (clamped so both powers are normal floats)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                   tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    e = ((tl.max(m, axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2 max); 0 -> -127
+    sh = tl.minimum(tl.maximum(TOP - 1 - e, EXTRA - 126), 100)
+    scale = _pow2(sh)
+    return ((x0 * scale).to(tl.float16), (x1 * scale).to(tl.float16), (x2 * scale).to(tl.float16),
+            (x3 * scale).to(tl.float16), (x4 * scale).to(tl.float16), (x5 * scale).to(tl.float16),
+            (x6 * scale).to(tl.float16), (x7 * scale).to(tl.float16)), _pow2(EXTRA - sh)
 
 
 @triton.jit
@@ -228,32 +232,35 @@ def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr
 
 
 @triton.jit
-def _shifts(x0, ok0, x1, ok1, lo, hi, stride, BLOCK_M: tl.constexpr, TOP: tl.constexpr, EXTRA: tl.constexpr):
-    """``_x_shift`` of the block's rows (row 1: row 0's where BLOCK_M is 1)."""
-    sh0 = _x_shift(x0, ok0, lo, hi, stride, TOP, EXTRA)
-    sh1 = sh0
-    if BLOCK_M > 1:
-        sh1 = _x_shift(x1, ok1, lo, hi, stride, TOP, EXTRA)
-    return sh0, sh1
-
-
-@triton.jit
-def _x_rows(x0, ok0, x1, ok1, sh0, sh1, k0, C, stride, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
-    """``_x_halves`` of the block's rows at the step k0 (row 1: row 0's where BLOCK_M is 1)."""
-    xa = _x_halves(x0, ok0, k0, C, stride, _pow2(sh0), BKW)
+def _x_rows(x0, ok0, x1, ok1, k0, C, stride, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
+    """``_x_load`` of the block's rows at the step k0 (row 1: row 0's where BLOCK_M is 1)."""
+    xa = _x_load(x0, ok0, k0, C, stride, BKW)
     xb = xa
     if BLOCK_M > 1:
-        xb = _x_halves(x1, ok1, k0, C, stride, _pow2(sh1), BKW)
+        xb = _x_load(x1, ok1, k0, C, stride, BKW)
     return xa, xb
 
 
 @triton.jit
-def _tile_step(acc0, acc1, w, s_rows, z_rows, xa, xb, k0, C, n_ok, stride_sg, stride_zg, BLOCK_M: tl.constexpr,
-               BKW: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """One weight tile's step for the block's rows: acc [BN, BKW] + each word's sum times its group scale."""
+def _tile_step(acc0, acc1, w, s_rows, z_rows, xa, fa, xb, fb, k0, C, n_ok, stride_sg, stride_zg,
+               BLOCK_M: tl.constexpr, BKW: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+    """One weight tile's step for the block's rows (scaled x ``xa``, ``xb`` and their factors ``fa``, ``fb``):
+    acc [BN, BKW] + each word's sum times its group scale and the row's factor."""
     mul, zero = _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW, GROUP, SCHEME, ASM)
     part_a, part_b = _step_sums(w, zero, xa, xb, BLOCK_M > 1, SCHEME, ASM)
-    return acc0 + part_a * mul, acc1 + part_b * mul
+    return acc0 + part_a * (mul * fa), acc1 + part_b * (mul * fb)
+
+
+@triton.jit
+def _scaled_rows(xa_raw, xb_raw, BLOCK_M: tl.constexpr, SCHEME: tl.constexpr):
+    """``_x_scaled`` of the block's rows (int4: TOP 4, EXTRA 0; mxfp4: TOP 15, EXTRA 14)."""
+    TOP: tl.constexpr = 4 if SCHEME == 1 else 15
+    EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
+    xa, fa = _x_scaled(xa_raw, TOP, EXTRA)
+    xb, fb = xa, fa
+    if BLOCK_M > 1:
+        xb, fb = _x_scaled(xb_raw, TOP, EXTRA)
+    return xa, fa, xb, fb
 
 
 @triton.jit
@@ -268,8 +275,6 @@ def gate_up_wo_half_kernel(
     ASM: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2), w13 decoded in fp16x2."""
-    TOP: tl.constexpr = 4 if SCHEME == 1 else 15
-    EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -280,7 +285,6 @@ def gate_up_wo_half_kernel(
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
     x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
-    sh0, sh1 = _shifts(x0, ok0, x1, ok1, 0, K, stride_xk, BLOCK_M, TOP, EXTRA)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
@@ -291,6 +295,7 @@ def gate_up_wo_half_kernel(
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
     wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
+    next_a, next_b = _x_rows(x0, ok0, x1, ok1, 0, K, stride_xk, BLOCK_M, BKW)
     for w0 in range(0, KW, BKW):
         next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
         next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
@@ -298,25 +303,25 @@ def gate_up_wo_half_kernel(
             if pid_n * BLOCK_N + BLOCK_N <= N:  # every row of the tile exists
                 _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
                 _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
-        xa, xb = _x_rows(x0, ok0, x1, ok1, sh0, sh1, w0 * 8, K, stride_xk, BLOCK_M, BKW)
-        acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, xb, w0 * 8, K, n_ok, stride_sg, stride_zg, BLOCK_M,
-                                    BKW, GROUP, SCHEME, ASM)
-        acc_u0, acc_u1 = _tile_step(acc_u0, acc_u1, wu, su, zu, xa, xb, w0 * 8, K, n_ok, stride_sg, stride_zg, BLOCK_M,
-                                    BKW, GROUP, SCHEME, ASM)
+        xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
+        next_a, next_b = _x_rows(x0, ok0, x1, ok1, (w0 + BKW) * 8, K, stride_xk, BLOCK_M, BKW)
+        acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, fa, xb, fb, w0 * 8, K, n_ok, stride_sg, stride_zg,
+                                    BLOCK_M, BKW, GROUP, SCHEME, ASM)
+        acc_u0, acc_u1 = _tile_step(acc_u0, acc_u1, wu, su, zu, xa, fa, xb, fb, w0 * 8, K, n_ok, stride_sg, stride_zg,
+                                    BLOCK_M, BKW, GROUP, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
-    h = _glu(tl.sum(acc_g0, axis=1) * _pow2(EXTRA - sh0), tl.sum(acc_u0, axis=1) * _pow2(EXTRA - sh0), ACT, 1.0, None, 0.0)
+    h = _glu(tl.sum(acc_g0, axis=1), tl.sum(acc_u0, axis=1), ACT, 1.0, None, 0.0)
     tl.store(h_ptr + a0 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok0, n_ok, False))
     if BLOCK_M > 1:
-        h = _glu(tl.sum(acc_g1, axis=1) * _pow2(EXTRA - sh1), tl.sum(acc_u1, axis=1) * _pow2(EXTRA - sh1), ACT, 1.0,
-                 None, 0.0)
+        h = _glu(tl.sum(acc_g1, axis=1), tl.sum(acc_u1, axis=1), ACT, 1.0, None, 0.0)
         tl.store(h_ptr + a1 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok1, n_ok, False))
 
 
 @triton.jit
-def _down_out(acc, fin, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym):
+def _down_out(acc, out_ok, weights_ptr, y_ptr, row, ok, num_assignments, offs_out, stride_ym):
     """Row ``row``'s routed-weighted output [BN] into this split's partial row."""
-    y = tl.sum(acc, axis=1) * fin * tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    y = tl.sum(acc, axis=1) * tl.load(weights_ptr + row, mask=ok, other=0.0).to(tl.float32)
     y_row = tl.program_id(1) * num_assignments + row
     tl.store(y_ptr + y_row * stride_ym + offs_out, y.to(y_ptr.dtype.element_ty), mask=tl.where(ok, out_ok, False))
 
@@ -337,8 +342,6 @@ def down_wo_half_kernel(
     PREFETCH: tl.constexpr = 0,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded in fp16x2 (split-K, KSUM: ``gemm_wo_gemv``)."""
-    TOP: tl.constexpr = 4 if SCHEME == 1 else 15
-    EXTRA: tl.constexpr = 0 if SCHEME == 1 else 14
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -359,26 +362,27 @@ def down_wo_half_kernel(
     a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
     h0, h1 = h_ptr + a0 * stride_hm, h_ptr + a1 * stride_hm
     w_start, w_end = tl.program_id(1) * split_words, tl.minimum(tl.program_id(1) * split_words + split_words, NW)
-    sh0, sh1 = _shifts(h0, ok0, h1, ok1, w_start * 8, tl.minimum(w_end * 8, N), 1, BLOCK_M, TOP, EXTRA)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + offs_out.to(tl.int64) * stride_qr
     s_rows, z_rows = s_ptr + expert * stride_se + offs_out * stride_sr, z_ptr + expert * stride_ze + offs_out * stride_zr
     acc0, acc1 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
+    next_a, next_b = _x_rows(h0, ok0, h1, ok1, w_start * 8, N, 1, BLOCK_M, BKW)
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         if ASM and PREFETCH > 0:
             if pid_n * BLOCK_N + BLOCK_N <= K:  # every row of the tile exists
                 _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
-        xa, xb = _x_rows(h0, ok0, h1, ok1, sh0, sh1, w0 * 8, N, 1, BLOCK_M, BKW)
-        acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, xb, w0 * 8, N, out_ok, stride_sg, stride_zg, BLOCK_M,
-                                BKW, GROUP, SCHEME, ASM)
+        xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
+        next_a, next_b = _x_rows(h0, ok0, h1, ok1, (w0 + BKW) * 8, N, 1, BLOCK_M, BKW)
+        acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, fa, xb, fb, w0 * 8, N, out_ok, stride_sg, stride_zg,
+                                BLOCK_M, BKW, GROUP, SCHEME, ASM)
         w = next_w
     let_next_kernel_launch(PDL)
-    _down_out(acc0, _pow2(EXTRA - sh0), out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
+    _down_out(acc0, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym)
     if BLOCK_M > 1:
-        _down_out(acc1, _pow2(EXTRA - sh1), out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym)
+        _down_out(acc1, out_ok, weights_ptr, y_ptr, a1, ok1, num_assignments, offs_out, stride_ym)
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
                       out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
