@@ -12,8 +12,9 @@ Cells: DeepSeek-V3, Mixtral-8x7B, Qwen3-30B-A3B (in that order: the time limit c
 on): tile, register, gemv (the previous decodes; "pick" is the chooser's, the old default) and, for the
 4-bit schemes, gemv_half at its heuristic config (``triton_wo_gemv.half_heuristic_config``: at M*k <= 16
 32-row 2-warp tiles with an L2 prefetch 4 steps ahead, else gemv's) and HALF_VARIANTS' tiles (64 rows 2
-warps no prefetch; 32 rows 1 warp and 16 rows 1 warp, prefetch 4: sm_90 SASS 3.8 instructions a weight
-at 32 x 1 warp, 5.5 at 32 x 2 warps, where each thread's activation work serves 8 rows, not 16). Machinery (timing,
+warps no prefetch; 32 rows 1 warp, prefetch 4: sm_90 SASS 3.8 instructions a weight, 5.2 at 32 x 2 warps,
+where each thread's activation work serves 8 rows, not 16; gate-up 32 rows and down 64, 2 warps, prefetch 4:
+down's many output rows fill the SMs at 64). Machinery (timing,
 floor, twin, verdicts, the time limit): ``wo_speed_device_check``. Table last; JSON to
 $OUT/wo_decode.json.
 """
@@ -40,7 +41,7 @@ BATCHES = (1, 8, 64)
 LIMIT_S = 140.0  # whole run, compiles included
 # name -> (gate-up BLOCK_N, words a step, down BLOCK_N, words a step, warps, L2 prefetch steps ahead)
 HALF_VARIANTS = {"half64w2": (64, 16, 64, 16, 2, 0), "half32w1pf4": (32, 16, 32, 16, 1, 4),
-                 "half16w1pf4": (16, 16, 16, 16, 1, 4)}
+                 "half_up32dn64": (32, 16, 64, 16, 2, 4)}
 OLD = ("tile", "register", "gemv")
 
 

@@ -133,11 +133,17 @@ def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
 @triton.jit
 def _x_load(x_row, ok, k0, C, stride, BKW: tl.constexpr):
     """Elements 0..7 of each word of the step at k0 of one activation row: 8 float32 tensors [BKW] (loaded a
-    step ahead of their use)."""
-    return (_x_raw(x_row, ok, k0, C, stride, 0, BKW), _x_raw(x_row, ok, k0, C, stride, 1, BKW),
-            _x_raw(x_row, ok, k0, C, stride, 2, BKW), _x_raw(x_row, ok, k0, C, stride, 3, BKW),
-            _x_raw(x_row, ok, k0, C, stride, 4, BKW), _x_raw(x_row, ok, k0, C, stride, 5, BKW),
-            _x_raw(x_row, ok, k0, C, stride, 6, BKW), _x_raw(x_row, ok, k0, C, stride, 7, BKW))
+    step ahead of their use), read as one [BKW, 8] tile (a word's 8 activations are contiguous)."""
+    k = k0 + tl.arange(0, BKW)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BKW, 8]
+    x = tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, [BKW, 2, 2, 2]))  # element t = 4a + 2b + c: [BKW, a, b] at c = 0, 1
+    e0, e1 = tl.split(even)  # [BKW, a] at b = 0, 1
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
