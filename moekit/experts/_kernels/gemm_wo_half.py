@@ -225,7 +225,7 @@ def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr
         mul = tl.load(s_ptrs, mask=ok, other=0.0)
         z = tl.load(z_ptrs, mask=ok, other=0).to(tl.int32)
         if ASM:
-            zero = (z | (z << 16)) | 0x64006400
+            zero = z * 0x10001 + 0x64006400  # 1024 + z in both fp16 halves (z <= 15: no carry)
         else:
             zero = z.to(tl.float16)
     else:
