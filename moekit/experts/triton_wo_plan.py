@@ -84,13 +84,15 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # (aligned: 4A > E) 153.1 / 118.3 / 88.1, M=64 339.2 / 245.5 / 521.9. gemv_half (its 32-row prefetching tiles
 # at M*k <= 16; benchmarks/wo_decode_device_check.py, branch wo-decode at b067aca): int4 M=1 Qwen3 27.8 against
 # gemv 31.5 (taken); DeepSeek-V3 120.4 against 127.2 in that run, but gemv measured 113.7 in session 9's: within
-# the machines' noise, not taken; at Qwen3 M=8 and M=64 it lost (89 / 487 against 88 / 247).
+# the machines' noise, not taken; at Qwen3 M=8 and M=64 it lost (89 / 487 against 88 / 247). Second run
+# (e68bcde): DeepSeek-V3 mxfp4 M=1 184.2 against tile 211.4 (taken); int4 M=1 121.6 against gemv 127.9 (its
+# gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's.
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 128, 768, 2048): {1: "gemv_half", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
-    ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
+    ("mxfp4", 256, 2048, 7168): {1: "gemv_half", 8: "register", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
 
