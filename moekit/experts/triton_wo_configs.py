@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
-from moekit.experts.triton_wo_gemv import gemv_heuristic_config
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config, half_heuristic_config
 from moekit.experts.triton_wo_winners import WoTileConfig, winner
 
 MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
@@ -51,6 +51,8 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     128-168 registers, no spills)."""
     if decode == "register":
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
+    if decode == "gemv_half":
+        return half_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     if decode == "gemv":
         return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64

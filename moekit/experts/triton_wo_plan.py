@@ -6,13 +6,16 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
+    gemv_half ``_kernels/gemm_wo_half`` (4-bit schemes; gemv's launches and configs, num_stages = 1 + its
+              L2 prefetch steps): the words decoded into fp16x2 pairs, fma.rn.f16x2 against prescaled
+              fp16 activations, two weights an instruction; group scales on per-word float32 sums.
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
@@ -47,7 +50,7 @@ from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launc
 from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
-from moekit.experts.triton_wo_gemv import gemv_launches, words_ok
+from moekit.experts.triton_wo_gemv import WORD_DECODES, gemv_launches, words_ok
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -56,7 +59,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "gemv", "scratch")
+DECODES = ("tile", "register", "gemv", "gemv_half", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -78,13 +81,18 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # 949 / 658, M=64 5126 / 3413 / 5032 (2-row blocks); Mixtral M=1 244 / 149 / 130, M=8 720 / 480 / 802
 # (2-row blocks). mxfp4 and int8: the gemv lost every cell (1.1-7x), so no entry picks it there.
 # Qwen3 int4 (session 9 final run at 226019a, wo_speed / wo_device_check): M=1 39.2 / 32.9 / 31.6, M=8
-# (aligned: 4A > E) 153.1 / 118.3 / 88.1, M=64 339.2 / 245.5 / 521.9.
+# (aligned: 4A > E) 153.1 / 118.3 / 88.1, M=64 339.2 / 245.5 / 521.9. gemv_half (its 32-row prefetching tiles
+# at M*k <= 16; benchmarks/wo_decode_device_check.py, branch wo-decode at b067aca): int4 M=1 Qwen3 27.8 against
+# gemv 31.5 (taken); DeepSeek-V3 120.4 against 127.2 in that run, but gemv measured 113.7 in session 9's: within
+# the machines' noise, not taken; at Qwen3 M=8 and M=64 it lost (89 / 487 against 88 / 247). Second run
+# (e68bcde): DeepSeek-V3 mxfp4 M=1 184.2 against tile 211.4 (taken); int4 M=1 121.6 against gemv 127.9 (its
+# gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's.
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
-    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
+    ("int4_w4a16", 128, 768, 2048): {1: "gemv_half", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
-    ("mxfp4", 256, 2048, 7168): {1: "tile", 8: "register", 64: "register"},  # DeepSeek-V3
+    ("mxfp4", 256, 2048, 7168): {1: "gemv_half", 8: "register", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
 
@@ -187,7 +195,7 @@ def choose_decode(scheme: str, num_tokens: int, num_experts: int, n: int, k: int
     if shortcut is None:
         shortcut = use_naive(num_tokens * top_k, num_experts, None)
     aligned_ok = at is not None and num_tokens <= at and not use_naive(at * top_k, num_experts, None)
-    return rule if pick == "gemv" and not (shortcut or aligned_ok) else pick
+    return rule if pick in WORD_DECODES and not (shortcut or aligned_ok) else pick
 
 
 @functools.lru_cache(maxsize=4096)
@@ -235,11 +243,11 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    if not interpreting() and decode != "gemv":
+    if not interpreting() and decode not in WORD_DECODES:
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None:  # the split decides the fold: BLOCK_M is the shortcut's 16 or the config's here
         split_k = decode_split_k(replace(config, BLOCK_M=16 if shortcut else config.BLOCK_M), num_tokens, top_k,
-                                 num_experts, n, hidden, decode == "gemv")
+                                 num_experts, n, hidden, decode in WORD_DECODES)
     split_len = cdiv(cdiv(n, config.down.BLOCK_K), split_k) * config.down.BLOCK_K  # N per split
     split_k = cdiv(n, split_len)  # no empty split
     # the folded k-sum's counters (M <= sum_fold_max, one split), then the fused hist + scan's arrival slot
@@ -247,17 +255,17 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
                            arrival_slot=ksum_counters)
-    block_m = 1 if decode == "gemv" and rows.align is None else rows.block_m  # the shortcut: one row a block
+    block_m = 1 if decode in WORD_DECODES and rows.align is None else rows.block_m  # the shortcut: one row a block
     align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     work_dtype = torch.float32 if interpreting() else x.dtype
     regions = [("h", work_dtype, (num_assignments, n)),
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     act = get_activation(activation).kernel_id
     ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
-    if decode == "gemv":
+    if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], act, options, split_k, split_len,
-                                                inline_asm_ok(x.device), ksum)
+                                                inline_asm_ok(x.device), ksum, decode)
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
@@ -280,9 +288,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
     if decode == "scratch":
         raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
-    if chosen == "gemv" and not (words_ok(w13.q) and words_ok(w2.q)):
+    if chosen in WORD_DECODES and not (words_ok(w13.q) and words_ok(w2.q)):
         if decode is not None:
-            raise ValueError("decode='gemv' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
+            raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
         return "register"
     return chosen

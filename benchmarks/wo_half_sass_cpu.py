@@ -1,0 +1,119 @@
+"""The word decodes' main loops in sm_90 SASS, compiled on a machine without a GPU: instructions a weight
+(per thread) of the float32 word decode (``gemm_wo_gemv``, decode "gemv") and the packed-half one
+(``gemm_wo_half``, "gemv_half", its inline PTX included), the proxy for their issue-bound speed; also
+registers and stack (spills) per thread.
+
+    PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py            # the default tiles, both schemes
+    PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py --quick    # gemv_half only, 1- and 2-row blocks
+
+``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with
+the bundled ptxas; ``nvdisasm`` and ``cuobjdump`` (bundled too) give the SASS and the resource usage.
+The main loop is the longest backward branch's body; weights a loop step: BN x BKW x 8 (x 2 for gate-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass
+class LoopCount:
+    name: str
+    per_weight: float  # SASS instructions a weight, per thread
+    registers: int
+    stack: int  # bytes a thread (spills)
+    top: str  # the most frequent opcodes
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _compile(fn, pointer_types: dict, const: dict, num_warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in const else pointer_types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def _main_loop(sass: str) -> list[str]:
+    """The instructions of the longest loop (label .. its backward branch)."""
+    labels, ops, best = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if op:
+            ops.append(op.group(1))
+            target = re.search(r"BRA\s.*?\.(L_x_\d+)", op.group(1))
+            if target and labels.get(target.group(1), len(ops)) < len(ops) - 1:
+                body = ops[labels[target.group(1)]:]
+                best = body if len(body) > len(best) else best
+    return best
+
+
+def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
+          prefetch: int = 0) -> LoopCount:
+    kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
+    kind = "half" if module == "gemm_wo_half" else "gemv"
+    fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_{kind}_kernel")
+    pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
+    pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
+                                      "map_ptr")}
+    pointers |= {"q_ptr": "*u8", "s_ptr": "*fp32" if scheme == 1 else "*u8", "z_ptr": "*u8"}
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
+                 SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, PREFETCH=prefetch, KSUM=False,
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1)
+    out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(out.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+    loop = _main_loop(sass)
+    weights = block_n * bkw * 8 * (1 if down else 2)
+    ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
+    name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
+            f"{block_n}x{bkw}w {num_warps}w" + (f" prefetch {prefetch}" if prefetch else ""))
+    return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
+                     int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="gemv_half only, the default tile, 1- and 2-row blocks")
+    args = p.parse_args(argv)
+    jobs = [("gemm_wo_half", s, m, 64, 16, 2, False, 0) for s in (1, 2) for m in (1, 2)]
+    if not args.quick:
+        jobs += [("gemm_wo_gemv", s, 1, 64, 16, 2, False, 0) for s in (1, 2)]
+        jobs += [("gemm_wo_half", s, 1, 64, 16, 2, d, 4) for s in (1, 2) for d in (False, True)]
+    failed = 0
+    for job in jobs:
+        try:
+            c = count(*job)
+            print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack "
+                  f"{c.stack} B; {c.top}", flush=True)
+        except Exception as e:  # noqa: BLE001 (report each kernel)
+            failed += 1
+            print(f"FAIL {job}: {type(e).__name__}: {str(e)[-1500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
