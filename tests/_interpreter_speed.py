@@ -7,9 +7,10 @@ they are still patched; it changes nothing, yet it rescans every member of ``tl`
 ``tl.tensor`` (``inspect.getmembers``). In our kernels, which call helpers in their inner loops, that was half
 of the interpreter's time (a word-decode GEMV test: 34 of 68 s in the patching).
 
-``install()`` wraps the interpreter's ``_patch_lang``: a call made while a launch's patch is active, for a
-function whose language modules that launch already patched, returns a scope with nothing to restore; any
-other call (the launch itself, or a helper naming a module the launch did not) runs the original. The patched
+``install()`` wraps the interpreter's launch (``GridExecutor.__call__``, which notes the kernel's modules) and
+its ``_patch_lang``: the launch's own call patches as before; a call made while that patch is active, for a
+function whose language modules the launch already patched, returns a scope with nothing to restore; any
+other call (a helper naming a module the launch did not) runs the original. The patched
 state every helper sees is the one it saw before, so results are unchanged. A Triton whose interpreter lacks
 these names (another release) is left as it is.
 """
