@@ -2,7 +2,7 @@
 words into registers and multiplied on the CUDA cores, no tensor cores): where it applies, its default
 config and its two bound launches. The plan (``triton_wo_plan``) calls these for decodes "gemv" and
 "gemv_half" (``_kernels/gemm_wo_half.py``, the fp16x2 twin for the 4-bit schemes: same arguments, same
-configs; its GemmTile's num_stages is 1 + its L2 prefetch distance in steps, the launches' own num_stages 1).
+configs; for it a GemmTile's num_stages is 1 + its L2 prefetch distance in steps, its launches' own num_stages 1).
 
 Config: a ``KernelConfig`` as the other decodes', read so: BLOCK_M the M-block's rows (the tiny-batch
 shortcut always runs 1 row a block), each GemmTile's BLOCK_N the weight rows of a program and BLOCK_K
@@ -121,19 +121,21 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         return (qe // 4, qr // 4, *rest)
 
     suffix = "gemv" if decode == "gemv" else "half"
-    up_extra = {} if decode == "gemv" else {"PREFETCH": up.num_stages - 1}  # gemv_half: num_stages = 1 + L2 prefetch steps
-    down_extra = {} if decode == "gemv" else {"PREFETCH": down.num_stages - 1}
+
+    def staging(tile: GemmTile) -> dict:  # gemv_half: the tile's num_stages is 1 + its L2 prefetch steps
+        return {"num_stages": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
+
     gate_up = BoundLaunch(
         getattr(module, f"gate_up_wo_{suffix}_kernel"), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13), n),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
-        num_warps=up.num_warps, num_stages=1, **up_extra, **shared,
+        num_warps=up.num_warps, **staging(up), **shared,
     )
     down_launch, down_sum = down_launches(
         getattr(module, f"down_wo_{suffix}_kernel"), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per, n,
          *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
-        num_warps=down.num_warps, num_stages=1, **down_extra, **shared,
+        num_warps=down.num_warps, **staging(down), **shared,
     )
     return gate_up, down_launch, down_sum
