@@ -18,8 +18,29 @@ from dataclasses import dataclass
 
 from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``surely_fetched`` and ``split_misses`` both start from for one forward (``prepare``), computed once."""
+
+    fetch_all: MissSplit  # every miss fetched (``gpu_only``)
+    limit_s: float  # (1 - hysteresis) x its cost: what a split with CPU experts must not exceed
+    room: tuple[int, int] | None  # ``cpu_room`` at that limit
+    classes: tuple | None  # ``_classes`` kept to the room (None without room)
+
+
+def prepare(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+            reuse: dict[int, float] | None = None, room=False) -> Prepared:
+    """The forward's ``Prepared`` (``room``: ``cpu_room``'s answer when the caller has it; False: found here)."""
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
+    if room is False:
+        room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    classes = None if room is None else _classes(tokens, hits, costs, reuse, room[1])
+    return Prepared(fetch_all, limit_s, room, classes)
+
+
 def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
-                 reuse: dict[int, float] | None = None) -> MissSplit:
+                 reuse: dict[int, float] | None = None, prepared: Prepared | None = None) -> MissSplit:
     """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
     ``hits``: cached experts the GPU computes meanwhile) with the smallest ``cost_s``: the predicted
     forward time plus, for each expert left on the CPU (not cached), one fetch times p, its chance of
@@ -46,14 +67,14 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
-    on them sends a hot expert to the CPU one step and over the link the next."""
-    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
-    limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
-    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    on them sends a hot expert to the CPU one step and over the link the next. ``prepared``: ``prepare``'s
+    answer for the same arguments, when the caller has it."""
+    p = prepared or prepare(tokens, hits, expert_bytes, costs, reuse)
+    fetch_all, limit_s, room = p.fetch_all, p.limit_s, p.room
     if room is None:
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    chance, times, members, classes = _classes(tokens, hits, costs, reuse, room[1])
+    chance, times, members, classes = p.classes
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
     prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
                      *charge, hits, expert_bytes)
@@ -94,15 +115,15 @@ def no_room(misses: int, hits: int, rows: int, expert_bytes: int, costs: MissCos
 
 
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
-                   reuse: dict[int, float] | None = None) -> list[int]:
+                   reuse: dict[int, float] | None = None, prepared: Prepared | None = None) -> list[int]:
     """The misses every split ``split_misses`` can return fetches (sorted): all of them where ``cpu_room``
     finds no room, else all but each class's ``most`` cheapest (the CPU takes the cheapest of a class first,
-    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search."""
-    limit_s = (1.0 - costs.hysteresis) * gpu_only(tokens, expert_bytes, costs, hits).cost_s
-    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
-    if room is None:
+    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search.
+    ``prepared`` as ``split_misses`` takes it."""
+    p = prepared or prepare(tokens, hits, expert_bytes, costs, reuse)
+    if p.room is None:
         return sorted(tokens)
-    candidates = {e for c in _classes(tokens, hits, costs, reuse, room[1])[3] for e in c}
+    candidates = {e for c in p.classes[3] for e in c}
     return sorted(e for e in tokens if e not in candidates)
 
 

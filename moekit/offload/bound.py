@@ -1,0 +1,120 @@
+"""A cheap proof that "auto" fetches every miss of a forward: the least cost any split with CPU experts can
+have, against the limit hysteresis sets (``split.split_misses`` takes a split only at (1 - hysteresis) x
+fetching every miss, ``gpu_only``'s cost, or less).
+
+    split with s of n misses on the CPU costs at least  B(s) = max(G(n - s), C(s)) + s x q
+        G(f): the GPU side with f fetches, the CPU busy (``gpu_side_s``)
+        C(s): cpu_margin x (cpu_step_s + the s least ``cpu_time`` of the misses) + (n - s) x issue_s
+        q:    the least refetch charge of one CPU expert: one fetch times the lesser of the two reuse
+              classes' mean chances (``split_misses`` charges each CPU expert its class's; 0 when not given)
+    proof:  min over s = 1..n of B(s) > the limit (with a relative slack of 2e-9: ``split.cpu_room``
+            admits 1e-9, the search sums in another order)
+
+B is convex on s = 1..n - 1 (G is a max of lines in f once f >= 1; the CPU times sorted ascending make
+C convex; q x s is a line), so its minimum there is found by bisection on its forward difference, and
+s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. The misses' CPU
+times come from the few distinct row counts (``collections.Counter``), so a proof costs O(distinct rows
++ log n) host work, where ``split.cpu_room`` walks every s and the search sorts and prices the misses:
+one H200 run's "auto" planned 0.13 ms a forward at M = 8 (gpu 0.005), mostly forwards whose room the
+refetch charge closed (fetched all after the search).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass
+
+from moekit.offload.cost import MissCosts, gpu_side_s
+
+SLACK = 1.0 + 2e-9
+
+
+@dataclass
+class RowTimes:
+    """A forward's misses' CPU times, by distinct value ascending, with running counts and sums: the s least
+    times' sum (T(s)) in O(distinct rows)."""
+
+    n: int  # misses
+    times: list[float]  # distinct CPU times, ascending
+    ends: list[int]  # [0, then experts up to and including each time]
+    sums: list[float]  # [0.0, then their summed time]
+
+    @classmethod
+    def of(cls, tokens: dict[int, int], costs: MissCosts) -> "RowTimes":
+        times, ends, sums = [], [0], [0.0]
+        for t, c in sorted((costs.cpu_time(r), c) for r, c in Counter(tokens.values()).items()):
+            times.append(t)
+            ends.append(ends[-1] + c)
+            sums.append(sums[-1] + t * c)
+        return cls(len(tokens), times, ends, sums)
+
+    def least(self, s: int) -> float:
+        """T(s): the sum of the s least CPU times (0 <= s <= n)."""
+        i = min(bisect.bisect_right(self.ends, s) - 1, len(self.times) - 1)
+        return self.sums[i] + (s - self.ends[i]) * self.times[i]
+
+
+def fetches_all(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limit_s: float,
+                charge_s: float = 0.0) -> bool:
+    """True when no split with CPU experts of the misses (``rows``, beside ``hits`` hits) costs ``limit_s`` or
+    less (module docstring's proof). Without a charge in closed form: G(n - s) falls as s grows and C is
+    convex, so the least C(s) over the s whose G is within the limit (s >= s_G, found by bisection on G) is
+    at max(s_G, C's own least point: the experts whose CPU time at the margin is below ``issue_s``)."""
+    if not rows.n:
+        return True
+    limit = limit_s * SLACK
+    if charge_s > 0.0:
+        return least_split_s(rows, hits, expert_bytes, costs, charge_s) > limit
+    n, margin, issue = rows.n, costs.cpu_margin, costs.issue_s
+    if gpu_side_s(hits, 0, expert_bytes, costs, True) > limit:
+        return True
+    lo, hi = 0, n - 1  # the most fetches f with G(f) within the limit (G(0) is)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if gpu_side_s(hits, mid, expert_bytes, costs, True) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    falling = bisect.bisect_left(rows.times, issue / margin) if margin > 0 else 0  # distinct times below
+    s = max(n - lo, 1, rows.ends[falling])
+    return margin * (costs.cpu_step_s + rows.least(s)) + (n - s) * issue > limit
+
+
+def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, charge_s: float = 0.0) -> float:
+    """The least B(s) over s = 1..n (module docstring) for the misses ``rows`` beside ``hits`` hits,
+    ``charge_s`` the least refetch charge of a CPU expert (q); inf without misses."""
+    n = rows.n
+    if not n:
+        return float("inf")
+
+    def cost(s: int) -> float:
+        cpu = costs.cpu_margin * (costs.cpu_step_s + rows.least(s)) + (n - s) * costs.issue_s
+        gpu = gpu_side_s(hits, n - s, expert_bytes, costs, True)
+        return (gpu if gpu > cpu else cpu) + s * charge_s
+
+    lo, hi = 1, n - 1
+    while lo < hi:  # the leftmost minimum of a convex run: where its forward difference stops being negative
+        mid = (lo + hi) // 2
+        if cost(mid + 1) < cost(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return min(cost(lo), cost(n)) if n > 1 else cost(n)
+
+
+def least_charge_s(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+                   reuse: dict[int, float] | None) -> float:
+    """q: one fetch (at the idle link's rate) times the least chance ``split_misses`` prices a CPU expert's
+    refetch by: with ``reuse`` (and ``costs.refetch == "reuse"``) the lesser mean chance of its two classes
+    (chance >= 1/2 and below; a class without members aside), else this forward's hit rate."""
+    if reuse is None or costs.refetch != "reuse":
+        return expert_bytes / costs.link_bytes_per_s * hits / (hits + len(tokens))
+    sums, counts = [0.0, 0.0], [0, 0]
+    for e in tokens:
+        p = reuse[e]
+        hot = p >= 0.5
+        sums[hot] += p
+        counts[hot] += 1
+    chance = min(sums[c] / counts[c] for c in (0, 1) if counts[c])
+    return expert_bytes / costs.link_bytes_per_s * chance
