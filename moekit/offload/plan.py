@@ -23,36 +23,25 @@ from dataclasses import dataclass
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
 from moekit.offload.bound import RowTimes, fetches_all, least_charge_s
-from moekit.offload.split import Prepared, cpu_room, no_room, prepare, split_misses, surely_fetched
+from moekit.offload.split import Prepared, cpu_room, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
 
 
 class Proofs:
-    """"auto"'s answers that depend on counts only, kept for one costs (reset when they change): whether no
-    forward of m tokens can use the CPU (``cost.cpu_never_wins``, by m) and whether a forward of n misses
-    of at most r rows beside h hits has no room (``split.no_room``, by (n, h, r)): then every miss is
-    fetched with no pricing at all (a dict lookup on the host's path, as "gpu" plans)."""
+    """"auto"'s per-M answer, kept for one costs (reset when they change): whether no forward of m tokens can
+    use the CPU (``cost.cpu_never_wins``): then the layer plans by "gpu" itself, no pricing at all. A forward
+    "auto" does price is proved all-fetch, where it is, by ``bound.fetches_all`` in ``plan_forward``."""
 
     def __init__(self) -> None:
-        self.costs, self.never, self.fetch = None, {}, {}
-
-    def _for(self, costs: MissCosts) -> None:
-        if costs is not self.costs:
-            self.costs, self.never, self.fetch = costs, {}, {}
+        self.costs, self.never = None, {}
 
     def never_wins(self, m: int, touched: int, expert_bytes: int, costs: MissCosts) -> bool:
-        self._for(costs)
+        if costs is not self.costs:
+            self.costs, self.never = costs, {}
         if m not in self.never:
             self.never[m] = cpu_never_wins(touched, m, expert_bytes, costs)
         return self.never[m]
-
-    def fetch_all(self, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts) -> bool:
-        self._for(costs)
-        key = (len(tokens), hits, max(tokens.values()))
-        if key not in self.fetch:
-            self.fetch[key] = no_room(*key, expert_bytes, costs)
-        return self.fetch[key]
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound 
     room:    the CPU expert counts s a split could be taken with (``cpu_room``): its cost is at least
              max(GPU side with n - s fetches, the CPU side of the s cheapest misses) whatever the misses'
              reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less. O(s) float
-             work and no ``ExpertCache.reuse``: where no s can be taken, "auto" fetches every miss as
-             "gpu" does, on the host's path before any copy is queued (a decode step's host time)
+             work; where no s can be taken, "auto" fetches every miss as "gpu" does (``plan.plan_forward``
+             proves most such forwards cheaper still: ``bound.fetches_all``)
+    prepare: the room and the classes, found once per forward for ``surely_fetched`` and the search
     search:  the exact cheapest split over the two reuse classes (``split_misses``), its runs kept to
              that room (the same answer: a split outside it costs more than the hysteresis allows)
 """
@@ -99,19 +100,6 @@ def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[in
     members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
     classes = [heapq.nsmallest(most, c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
     return chance, times, members, classes
-
-
-def no_room(misses: int, hits: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
-    """True when ``cpu_room`` finds no room for every forward of ``misses`` misses of at most ``rows`` rows
-    each beside ``hits`` hits: its scan with every CPU time at the least ``cpu_time`` over 1..``rows`` rows
-    (at 1, at ``rows`` or at a table point between: ``cpu_time`` is linear between them), which any s
-    misses' times sum to at least. Depends on the counts only, so a caller may keep the answer per
-    (misses, hits, rows) for one costs (``plan.Proofs``)."""
-    if misses < 1:
-        return True
-    cheapest = min({1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}, key=costs.cpu_time)
-    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, misses, expert_bytes, costs)
-    return cpu_room(dict.fromkeys(range(misses), cheapest), hits, expert_bytes, costs, limit_s) is None
 
 
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,

@@ -1,0 +1,108 @@
+""""auto"'s cheap all-fetch proof (``bound.fetches_all``, ``plan.plan_forward``): the least split cost it
+bounds by is at most every subset's cost priced by the model written out in ``test_offload_room``; without a
+charge it says "no room" exactly where a brute-force scan over s finds none; ``plan_forward`` returns the
+search's own plan on random count vectors (the proof never changes a decision); on the H200's M = 8 costs
+its fetch-all forwards run no room scan, no reuse estimate and no search. CPU only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moekit.offload import ExpertCache, MissCosts, OffloadStats, split_misses
+from moekit.offload import plan as plan_mod
+from moekit.offload.bound import RowTimes, fetches_all, least_charge_s, least_split_s
+from moekit.offload.plan import plan_forward
+
+from _helpers import count_calls
+from test_offload_room import BYTES, _cost_s, _cpu_time, _gpu_s, _random_case, _subsets
+
+H200_EXPERT = 3 * 2048 * 768 * 2
+H200 = MissCosts(link_bytes_per_s=52.95e9, cpu_expert_s=0.438e-3, cpu_token_s=10.3e-6, cpu_step_s=1.776e-3,
+                 gpu_bytes_per_s=3.75e12, cpu_margin=1.219, hysteresis=0.05, gpu_call_s=0.125e-3,
+                 fetch_layer_s=0.232e-3, issue_s=68.5e-6, link_cpu_bytes_per_s=51.1e9,
+                 cpu_rows_s=((1, 448e-6), (2, 491e-6), (4, 468e-6), (8, 606e-6), (16, 572e-6), (32, 768e-6)))
+
+
+def _scan_room(tokens, hits, c: MissCosts, limit: float) -> bool:
+    """Some s = 1..n has both the GPU side with n - s fetches and the CPU side of the s least CPU times
+    within ``limit``: the loop written out."""
+    n, times = len(tokens), sorted(_cpu_time(c, t) for t in tokens.values())
+    for s in range(1, n + 1):
+        cpu = c.cpu_margin * (c.cpu_step_s + sum(times[:s])) + (n - s) * c.issue_s
+        if max(cpu, _gpu_s(n - s, hits, c, True)) <= limit:
+            return True
+    return False
+
+
+def _least_class_charge(tokens, chance, c: MissCosts) -> float:
+    means = []
+    for hot in (False, True):
+        members = [chance[e] for e in tokens if (chance[e] >= 0.5) == hot]
+        if members:
+            means.append(sum(members) / len(members))
+    return BYTES / c.link_bytes_per_s * min(means)
+
+
+def test_the_least_split_cost_bounds_every_split_from_below():
+    gen = torch.Generator().manual_seed(21)
+    tight = 0
+    for _ in range(200):
+        tokens, hits, costs, chance = _random_case(gen)
+        charge = least_charge_s(tokens, hits, BYTES, costs, chance)
+        assert charge == pytest.approx(_least_class_charge(tokens, chance, costs), rel=1e-12) or math.isinf(charge)
+        bound = least_split_s(RowTimes.of(tokens, costs), hits, BYTES, costs, charge)
+        best = min(_cost_s(s, tokens, hits, costs, chance) for s in _subsets(tokens))
+        assert bound <= best * (1 + 1e-12), (tokens, hits, costs)
+        tight += bound == pytest.approx(best, rel=1e-9)
+    assert tight > 40  # often the bound is the cost itself
+
+
+def test_without_a_charge_it_says_no_room_where_a_scan_finds_none():
+    gen = torch.Generator().manual_seed(22)
+    proved = 0
+    for _ in range(300):
+        tokens, hits, costs, _ = _random_case(gen)
+        limit = (1.0 - costs.hysteresis) * _gpu_s(len(tokens), hits, costs, False)
+        says = fetches_all(RowTimes.of(tokens, costs), hits, BYTES, costs, limit)
+        assert says == (not _scan_room(tokens, hits, costs, limit * (1 + 2e-9))), (tokens, hits, costs)
+        proved += says
+    assert 30 < proved < 270
+
+
+def test_plan_forward_returns_the_search_plan_on_random_count_vectors():
+    gen = torch.Generator().manual_seed(23)
+    kinds = {"cpu": 0, "fetch": 0}
+    for _ in range(300):
+        tokens, hits, costs, chance = _random_case(gen)
+        cache = ExpertCache(64, device="cpu", policy="lfu")
+        layer = cache.register(torch.empty(40, 0, 0), torch.empty(40, 0, 0))
+        cache.reuse = lambda _layer, experts, _chance=chance: {e: _chance[e] for e in experts}
+        plan = plan_forward(cache, layer, "auto", tokens, hits, BYTES, costs)
+        want = split_misses(tokens, BYTES, costs, hits, chance)
+        assert (plan.fetch, plan.cpu) == (want.fetch, want.cpu)
+        kinds["cpu" if want.cpu else "fetch"] += 1
+    assert kinds["cpu"] > 30 and kinds["fetch"] > 30
+
+
+def test_h200_fetch_all_forwards_run_no_scan_no_reuse_and_no_search(monkeypatch):
+    """Session 16's M = 8 forwards at 50-75% caches (10-30 misses of 1-3 rows among ~55 touched experts): proved
+    by the counts alone; at 35 misses by the least refetch charge (reuse asked, no search); a forward of 110
+    one-row misses beside no hits (M = 32, 25% cache) is searched."""
+    seen = count_calls(monkeypatch, {"room": 0, "split": 0}, [(plan_mod, "cpu_room", "room"),
+                                                                 (plan_mod, "split_misses", "split")])
+    cache = ExpertCache(64, device="cpu", policy="lfu")
+    layer = cache.register(torch.empty(128, 0, 0), torch.empty(128, 0, 0))
+    asked = []
+    monkeypatch.setattr(cache, "reuse", lambda _layer, experts: asked.append(experts) or dict.fromkeys(experts, 0.1))
+    for misses in (10, 20, 30):
+        tokens = {e: 1 + e % 3 for e in range(misses)}
+        plan = plan_forward(cache, layer, "auto", tokens, 55 - misses, H200_EXPERT, H200)
+        assert plan.fetch == sorted(tokens) and plan.cpu == []
+    assert seen == {"room": 0, "split": 0} and asked == []
+    plan = plan_forward(cache, layer, "auto", {e: 1 + e % 3 for e in range(35)}, 20, H200_EXPERT, H200)
+    assert plan.cpu == [] and seen == {"room": 0, "split": 0} and len(asked) == 1
+    plan = plan_forward(cache, layer, "auto", dict.fromkeys(range(110), 1), 0, H200_EXPERT, H200)
+    assert plan.cpu and seen == {"room": 1, "split": 1} and len(asked) == 2
