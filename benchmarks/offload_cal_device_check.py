@@ -3,6 +3,7 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
 
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 150 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --profile uniform/50/none/8
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
@@ -17,16 +18,22 @@ orders (``offload_cells.balanced_orders``: each follows each other equally often
 each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
 Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
 "auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
-branch logged (measured / model ms by phase). The JSON ($OUT/offload_cal_device_check.json) is rewritten
+branch logged (measured / model ms by phase). ``--profile CELL`` (a group's name) runs cProfile over every
+"auto" plan of that group (the early fetches' issue left out, as in the plan time), printed before the table,
+top 25 by cumulative time; the profiler's overhead inflates that group's auto steps, so its cell is left out
+of the "auto never slower" lines (and run even when ``--cells`` does not name it). The JSON ($OUT/offload_cal_device_check.json) is rewritten
 after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
 """
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import fnmatch
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -60,19 +67,42 @@ class BranchLog:
 
     def __init__(self) -> None:
         self.entries, self.cells = [], {}
+        self.current, self.profile_cell, self.profiler = "", None, cProfile.Profile()
+
+    def profiling(self, layer) -> bool:
+        """Whether ``layer``'s plan is profiled now: an "auto" layer in the ``profile_cell`` group."""
+        return self.profile_cell == self.current and layer.compute_misses_on == "auto"
+
+    def profile_text(self, top: int = 25) -> str:
+        """The profiled plans' top functions by cumulative time ("" when none ran)."""
+        out = io.StringIO()
+        try:
+            pstats.Stats(self.profiler, stream=out).sort_stats("cumulative").print_stats(top)
+        except TypeError:  # no data: the cell never ran
+            return ""
+        return out.getvalue()
 
     def install(self) -> None:
         run, plan, log = OffloadedMoE.run_routed, OffloadedMoE._plan, self
 
         def timed_plan(layer, tokens, hits, place, issue=None):
+            profiler = log.profiler if log.profiling(layer) else None
             early, start = [0.0], time.perf_counter()
 
             def timed_issue(experts):  # the early fetches' issue is host time the gpu path pays later too
+                if profiler is not None:
+                    profiler.disable()
                 clock = time.perf_counter()
                 issue(experts)
                 early[0] += time.perf_counter() - clock
+                if profiler is not None:
+                    profiler.enable()
 
+            if profiler is not None:
+                profiler.enable()
             out = plan(layer, tokens, hits, place, timed_issue if issue is not None else None)
+            if profiler is not None:
+                profiler.disable()
             log.entries.append({"mode": layer.compute_misses_on, "place": place, "misses": len(tokens),
                                 "plan_ms": (time.perf_counter() - start - early[0]) * 1e3, "early_ms": early[0] * 1e3})
             return out
@@ -135,7 +165,10 @@ def keeper(patterns: list[str]):
     """``measure_offload``'s ``keep``: a group runs when its name matches a pattern (all when none given)."""
     def keep(stream, m, run) -> bool:
         name = cell_name(stream, run.fraction, "router" if run.prefetch else "none", m)
-        return not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)
+        kept = not patterns or name == BRANCHES.profile_cell or any(fnmatch.fnmatch(name, p) for p in patterns)
+        if kept:
+            BRANCHES.current = name
+        return kept
     return keep
 
 
@@ -151,6 +184,9 @@ def dump(result: dict) -> None:
 def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = [p for a in argv[argv.index("--cells") + 1:][:1] for p in a.split(",") if p] if "--cells" in argv else []
+    BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
+    if smoke and BRANCHES.profile_cell is None:
+        BRANCHES.profile_cell = "skewed/50/none/8"  # the smoke run exercises the profiler too
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = dict(QWEN3_30B if cuda else SMOKE)
@@ -187,6 +223,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - the rows so far still print
         traceback.print_exc()
         result["state"] = f"error {type(e).__name__}: {e}"
+    result["profile"] = {"cell": BRANCHES.profile_cell, "text": BRANCHES.profile_text()}
     dump(result)
     _print(result)
     return 0
@@ -276,7 +313,9 @@ def summary(rows: list[dict]) -> list[str]:
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
-    q = [(v, key) for key, modes in cells.items() if (v := auto_vs_best(modes)) is not None]
+    timed = {key: modes for key, modes in cells.items()  # the profiled cell's auto steps carry cProfile
+             if cell_name(key[0], key[1], key[3], key[4]) != BRANCHES.profile_cell}
+    q = [(v, key) for key, modes in timed.items() if (v := auto_vs_best(modes)) is not None]
     if q:
         beyond = [key for v, key in q if v - 1.0 > 2 * noise.get(key[4], 0.0)]
         out.append(f"auto / best pure: worst {max(v for v, _ in q):.3f}, mean {statistics.fmean(v for v, _ in q):.3f};"
@@ -286,8 +325,8 @@ def summary(rows: list[dict]) -> list[str]:
     for m in sorted({key[4] for _, key in q}):
         at = [v for v, key in q if key[4] == m]
         plans = {mode: [v[mode]["plan_ms"] for name, v in BRANCHES.cells.items() if name.endswith(f"/{m}")
-                        and v[mode]["plans"]] for mode in ("gpu", "auto")}
-        pairs = [p for key, modes in cells.items() if key[4] == m and (p := paired(modes)) is not None]
+                        and v[mode]["plans"] and name != BRANCHES.profile_cell] for mode in ("gpu", "auto")}
+        pairs = [p for key, modes in timed.items() if key[4] == m and (p := paired(modes)) is not None]
         out.append(f"target auto <= best pure at M = {m}: worst {max(at):.3f}, {sum(v - 1.0 > 2 * noise.get(m, 0.0) for v in at)}"
                    f" of {len(at)} beyond 2x noise {noise.get(m, 0.0):.3f}; paired by step: "
                    f"{sum(d > 2 * se for d, se in pairs)} of {len(pairs)} slower by over 2 sem (worst "
@@ -321,6 +360,10 @@ def _print(result: dict) -> None:
         print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'}: {r['ms']:6.2f}/{r['max_ms']:6.2f} "
               f"(compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} "
               f"x{r['ms'] / r['model_ms']:.2f}")
+    profile = result.get("profile", {})
+    if profile.get("text"):
+        print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")
+        print(profile["text"])
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")
