@@ -30,7 +30,6 @@ from __future__ import annotations
 import cProfile
 import dataclasses
 import fnmatch
-import io
 import json
 import os
 import pstats
@@ -74,13 +73,17 @@ class BranchLog:
         return self.profile_cell == self.current and layer.compute_misses_on == "auto"
 
     def profile_text(self, top: int = 25) -> str:
-        """The profiled plans' top functions by cumulative time ("" when none ran)."""
-        out = io.StringIO()
+        """The profiled plans' top functions by cumulative time, in ms and us a call ("" when none ran)."""
         try:
-            pstats.Stats(self.profiler, stream=out).sort_stats("cumulative").print_stats(top)
+            stats = pstats.Stats(self.profiler).stats
         except TypeError:  # no data: the cell never ran
             return ""
-        return out.getvalue()
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][3])[:top]
+        lines = ["   calls  tot ms  cum ms  cum us/call  function"]
+        for (path, line, name), (_, calls, tot, cum, _) in rows:
+            where = f"{path.split('moekit/')[-1] if 'moekit/' in path else os.path.basename(path)}:{line}"
+            lines.append(f"  {calls:6d} {tot * 1e3:7.3f} {cum * 1e3:7.3f} {cum / calls * 1e6:12.2f}  {name} ({where})")
+        return "\n".join(lines)
 
     def install(self) -> None:
         run, plan, log = OffloadedMoE.run_routed, OffloadedMoE._plan, self

@@ -13,7 +13,7 @@ fetching every miss, ``gpu_only``'s cost, or less).
 B is convex on s = 1..n - 1 (G is a max of lines in f once f >= 1; the CPU times sorted ascending make
 C convex; q x s is a line), so its minimum there is found by bisection on its forward difference, and
 s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. The misses' CPU
-times come from the few distinct row counts (``collections.Counter``), so a proof costs O(distinct rows
+times come from the few distinct row counts, so a proof costs O(distinct rows
 + log n) host work, where ``split.cpu_room`` walks every s and the search sorts and prices the misses:
 one H200 run's "auto" planned 0.13 ms a forward at M = 8 (gpu 0.005), mostly forwards whose room the
 refetch charge closed (fetched all after the search).
@@ -22,7 +22,6 @@ refetch charge closed (fetched all after the search).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from dataclasses import dataclass
 
 from moekit.offload.cost import MissCosts, gpu_side_s
@@ -42,8 +41,8 @@ class RowTimes:
 
     @classmethod
     def of(cls, tokens: dict[int, int], costs: MissCosts) -> "RowTimes":
-        times, ends, sums = [], [0], [0.0]
-        for t, c in sorted((costs.cpu_time(r), c) for r, c in Counter(tokens.values()).items()):
+        rows, times, ends, sums = list(tokens.values()), [], [0], [0.0]
+        for t, c in sorted((costs.cpu_time(r), rows.count(r)) for r in set(rows)):  # a few distinct counts
             times.append(t)
             ends.append(ends[-1] + c)
             sums.append(sums[-1] + t * c)
