@@ -21,10 +21,10 @@ and 0.56-1.4 ms in calls of 1-6 (M = 1), against a model fitted at 1 and k exper
 fixed cost and the per-expert time at the row counts of the run are what the floor and "auto" price.
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
-None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
-x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
+None: the logical CPUs less one, 3/4 and 1/2 of torch's count (``thread_candidates``), times each of
+``cpu_path.CPU_GEMMS``, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
 stream them as fast with less contention); the pair kept goes in ``MissCosts.cpu_threads`` /
-``cpu_gemm`` (``pick_setting``: by the mean of 6+ timings, the fewest threads within 5% of the best).
+``cpu_gemm`` (``pick_setting``: by the mean of 8+ timings taken in turns, the fewest threads within 5% of the best).
 ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
 ``recalibrate_cpu`` rescales the fitted CPU model to the host's rate now (a drift factor).
 """
@@ -83,7 +83,10 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
         return [branch(layer, next(groups)[:max(n, k)], n, m, *setting) for _ in range(repeats)]
 
     candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
-    spread = {s: [branch(layer, next(groups)[:k], k, 1, *s) for _ in range(max(2 * repeats, 6))] for s in candidates}
+    spread = {s: [] for s in candidates}
+    for _ in range(max(2 * repeats, 8)):  # the settings take turns: a slow moment of the host falls on each alike
+        for s in candidates:
+            spread[s].append(branch(layer, next(groups)[:k], k, 1, *s))
     best = pick_setting(spread)
     warm_rows(layer, warm or max(rs), *best)
     grid = {(n, r): timings(n, r, best) for r in rs for n in ns}
@@ -244,12 +247,16 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
-    """The thread counts to try: ``fixed`` alone, else ``most_threads()``, torch's count, 3/4 and 1/2 of
-    it (distinct, largest first)."""
+    """The thread counts to try: ``fixed`` alone, else one less than ``most_threads()`` and 3/4 and 1/2 of
+    torch's count below that (distinct, largest first). Never every CPU: a team as large as the host's CPUs
+    stalls whenever another thread (the driver's, the OS's, another process's) takes one of them, the whole
+    team waiting at its next barrier (the H200 host's branch at 16 threads on 16 CPUs: 17.7 and 26.7 ms
+    against a 3.1 ms median, 15-18x the model in the table's cpu cells at M = 1; at 8 threads its worst was
+    1.1x its median)."""
     if fixed is not None:
         return [fixed]
-    n = torch.get_num_threads()
-    return sorted({most_threads(), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+    n, top = torch.get_num_threads(), max(1, most_threads() - 1)
+    return sorted({top, min(top, max(1, 3 * n // 4)), min(top, max(1, n // 2))}, reverse=True)
 
 
 def most_threads() -> int:
