@@ -106,3 +106,23 @@ def test_h200_fetch_all_forwards_run_no_scan_no_reuse_and_no_search(monkeypatch)
     assert plan.cpu == [] and seen == {"room": 0, "split": 0} and len(asked) == 1
     plan = plan_forward(cache, layer, "auto", dict.fromkeys(range(110), 1), 0, H200_EXPERT, H200)
     assert plan.cpu and seen == {"room": 1, "split": 1} and len(asked) == 2
+
+
+def test_the_o1_check_proves_only_what_the_row_proof_proves():
+    """``cpu_too_dear`` (one CPU expert at the least time any row count takes) never says "fetch all" where
+    ``fetches_all`` finds room; with H200's costs it proves the 75% cache's M = 8 forwards on its own."""
+    from moekit.offload.bound import cpu_too_dear
+
+    gen = torch.Generator().manual_seed(24)
+    proved = 0
+    for _ in range(300):
+        tokens, hits, costs, _ = _random_case(gen)
+        limit = (1.0 - costs.hysteresis) * _gpu_s(len(tokens), hits, costs, False)
+        if cpu_too_dear(len(tokens), costs, limit):
+            proved += 1
+            assert not _scan_room(tokens, hits, costs, limit)
+    assert proved > 20
+    limit = 0.95 * _gpu_s(12, 40, H200, False, H200_EXPERT)
+    assert cpu_too_dear(12, H200, limit)
+    falling = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1.0, cpu_token_s=-0.1)
+    assert not cpu_too_dear(3, falling, 1e-9)  # no least time over row counts: no proof

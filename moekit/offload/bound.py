@@ -12,7 +12,8 @@ fetching every miss, ``gpu_only``'s cost, or less).
 
 B is convex on s = 1..n - 1 (G is a max of lines in f once f >= 1; the CPU times sorted ascending make
 C convex; q x s is a line), so its minimum there is found by bisection on its forward difference, and
-s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. The misses' CPU
+s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. Before that, an
+O(1) check (``cpu_too_dear``) prices one CPU expert at the least time any row count takes. The misses' CPU
 times come from the few distinct row counts, so a proof costs O(distinct rows
 + log n) host work, where ``split.cpu_room`` walks every s and the search sorts and prices the misses:
 one H200 run's "auto" planned 0.13 ms a forward at M = 8 (gpu 0.005), mostly forwards whose room the
@@ -27,6 +28,22 @@ from dataclasses import dataclass
 from moekit.offload.cost import MissCosts, gpu_side_s
 
 SLACK = 1.0 + 2e-9
+
+
+def cpu_too_dear(misses: int, costs: MissCosts, limit_s: float) -> bool:
+    """The O(1) first check: True when even one CPU expert at the least time ``cpu_time`` can take (any row
+    count) prices the CPU side of every split of ``misses`` misses over ``limit_s`` (``fetches_all``'s C(1),
+    C rising from there: the least time at the margin is at least one fetch's ``issue_s``). Where
+    ``cpu_time`` has no least over row counts (a falling line) it proves nothing."""
+    table = costs.cpu_rows_s
+    if len(table) > 1 or (table and costs.cpu_token_s >= 0.0):  # linear between points, never below the last above
+        least = min(t for _, t in table)
+    elif not table and costs.cpu_token_s >= 0.0:
+        least = costs.cpu_expert_s + costs.cpu_token_s
+    else:
+        return False
+    margin, issue = costs.cpu_margin, costs.issue_s
+    return margin * least >= issue and margin * (costs.cpu_step_s + least) + (misses - 1) * issue > limit_s * SLACK
 
 
 @dataclass

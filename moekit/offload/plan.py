@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
-from moekit.offload.bound import RowTimes, fetches_all, least_charge_s
+from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s
 from moekit.offload.split import Prepared, cpu_room, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
@@ -97,8 +97,8 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
                  costs: MissCosts | None, admit_per_forward: int | None = None, issue=None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know).
-    "auto" fetches every miss without a search where ``bound.fetches_all`` proves no split can be taken:
-    first with no refetch charge (then the misses' reuse chances are not asked for), then with the least
+    "auto" fetches every miss without a search where ``bound.cpu_too_dear`` (O(1)) or ``bound.fetches_all``
+    proves no split can be taken: first with no refetch charge (then the misses' reuse chances are not asked for), then with the least
     charge by the chances from the cache's history (``ExpertCache.reuse``, where it prices refetches by
     them); else the search's room (``split.cpu_room``) and classes are found once (``split.prepare``) and
     ``issue(experts)``, when given, is called before the search with the misses every split it can take
@@ -109,6 +109,8 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
         return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
     fetch_all = MissPlan(sorted(tokens), [], [])
     limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)  # ``gpu_only``'s cost
+    if cpu_too_dear(len(tokens), costs, limit_s):
+        return fetch_all
     rows = RowTimes.of(tokens, costs)
     if fetches_all(rows, hits, expert_bytes, costs, limit_s):
         return fetch_all
