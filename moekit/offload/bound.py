@@ -7,8 +7,8 @@ fetching every miss, ``gpu_only``'s cost, or less).
         C(s): cpu_margin x (cpu_step_s + the s least ``cpu_time`` of the misses) + (n - s) x issue_s
         q:    the least refetch charge of one CPU expert: one fetch times the lesser of the two reuse
               classes' mean chances (``split_misses`` charges each CPU expert its class's; 0 when not given)
-    proof:  min over s = 1..n of B(s) > the limit (with a relative slack of 2e-9: ``split.cpu_room``
-            admits 1e-9, the search sums in another order)
+    proof:  min over s = 1..n of B(s) > the limit (with a relative slack of 1e-9, as ``split.cpu_room``:
+            the search sums in another order)
 
 B is convex on s = 1..n - 1 (G is a max of lines in f once f >= 1; the CPU times sorted ascending make
 C convex; q x s is a line), so its minimum there is found by bisection on its forward difference, and
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from moekit.offload.cost import MissCosts, gpu_side_s
 
-SLACK = 1.0 + 2e-9
+SLACK = 1.0 + 1e-9  # ``split.cpu_room``'s relative slack: the search sums the same times in another order
 
 
 def cpu_too_dear(misses: int, costs: MissCosts, limit_s: float) -> bool:
@@ -71,20 +71,21 @@ class RowTimes:
         return self.sums[i] + (s - self.ends[i]) * self.times[i]
 
 
-def fetches_all(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limit_s: float,
-                charge_s: float = 0.0) -> bool:
-    """True when no split with CPU experts of the misses (``rows``, beside ``hits`` hits) costs ``limit_s`` or
-    less (module docstring's proof). Without a charge in closed form: G(n - s) falls as s grows and C is
-    convex, so the least C(s) over the s whose G is within the limit (s >= s_G, found by bisection on G) is
-    at max(s_G, C's own least point: the experts whose CPU time at the margin is below ``issue_s``)."""
-    if not rows.n:
-        return True
-    limit = limit_s * SLACK
-    if charge_s > 0.0:
-        return least_split_s(rows, hits, expert_bytes, costs, charge_s) > limit
-    n, margin, issue = rows.n, costs.cpu_margin, costs.issue_s
-    if gpu_side_s(hits, 0, expert_bytes, costs, True) > limit:
-        return True
+def room_of(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limit_s: float) -> tuple[int, int] | None:
+    """``split.cpu_room``'s answer for the misses ``rows`` beside ``hits`` hits: (lo, hi), the CPU expert
+    counts s whose G(n - s) and C(s) are both within ``limit_s`` (with ``SLACK``), None where no s is. G
+    falls as s grows and C is convex, so they are the interval from max(s_G, the first s with C within) to
+    the last s with C within: s_G by bisection on G (the least s whose G fits), C's least point from the
+    experts whose CPU time at the margin is below ``issue_s``, and the ends by bisection on C either side.
+    O(distinct rows + log n)."""
+    n = rows.n
+    limit, margin, issue = limit_s * SLACK, costs.cpu_margin, costs.issue_s
+    if not n or gpu_side_s(hits, 0, expert_bytes, costs, True) > limit:
+        return None
+
+    def cpu(s: int) -> float:
+        return margin * (costs.cpu_step_s + rows.least(s)) + (n - s) * issue
+
     lo, hi = 0, n - 1  # the most fetches f with G(f) within the limit (G(0) is)
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -92,9 +93,35 @@ def fetches_all(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, 
             lo = mid
         else:
             hi = mid - 1
-    falling = bisect.bisect_left(rows.times, issue / margin) if margin > 0 else 0  # distinct times below
-    s = max(n - lo, 1, rows.ends[falling])
-    return margin * (costs.cpu_step_s + rows.least(s)) + (n - s) * issue > limit
+    s_g, least = max(n - lo, 1), min(n, max(1, rows.ends[bisect.bisect_left(rows.times, issue / margin)]))
+    start = max(s_g, least)
+    if cpu(start) > limit:
+        return None
+    lo, hi = start, n  # the last s with C within: C rises from its least point on
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cpu(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    last, lo, hi = lo, s_g, start  # the first s >= s_G with C within: C falls up to its least point
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cpu(mid) <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, last
+
+
+def fetches_all(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limit_s: float,
+                charge_s: float = 0.0) -> bool:
+    """True when no split with CPU experts of the misses (``rows``, beside ``hits`` hits) costs ``limit_s`` or
+    less (module docstring's proof): without a charge, ``room_of`` finds no room; with one, the least B(s)
+    (``least_split_s``) is over the limit."""
+    if charge_s > 0.0:
+        return least_split_s(rows, hits, expert_bytes, costs, charge_s) > limit_s * SLACK
+    return room_of(rows, hits, expert_bytes, costs, limit_s) is None
 
 
 def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, charge_s: float = 0.0) -> float:

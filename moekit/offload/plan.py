@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
-from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s
-from moekit.offload.split import Prepared, cpu_room, prepare, split_misses, surely_fetched
+from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s, room_of
+from moekit.offload.split import Prepared, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
 
@@ -97,10 +97,11 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
                  costs: MissCosts | None, admit_per_forward: int | None = None, issue=None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
     ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know).
-    "auto" fetches every miss without a search where ``bound.cpu_too_dear`` (O(1)) or ``bound.fetches_all``
-    proves no split can be taken: first with no refetch charge (then the misses' reuse chances are not asked for), then with the least
-    charge by the chances from the cache's history (``ExpertCache.reuse``, where it prices refetches by
-    them); else the search's room (``split.cpu_room``) and classes are found once (``split.prepare``) and
+    "auto" fetches every miss without a search where a bound proves no split can be taken: one CPU expert
+    at its least time too dear (``bound.cpu_too_dear``, O(1)), no room without a refetch charge
+    (``bound.room_of``: then the misses' reuse chances are not asked for), no room with the least charge
+    by the chances from the cache's history (``bound.fetches_all``; ``ExpertCache.reuse``, where it prices
+    refetches by them); else the room and the classes are kept for the search (``split.prepare``) and
     ``issue(experts)``, when given, is called before the search with the misses every split it can take
     fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the
     host searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
@@ -112,13 +113,11 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     if cpu_too_dear(len(tokens), costs, limit_s):
         return fetch_all
     rows = RowTimes.of(tokens, costs)
-    if fetches_all(rows, hits, expert_bytes, costs, limit_s):
+    room = room_of(rows, hits, expert_bytes, costs, limit_s)  # ``split.cpu_room``
+    if room is None:
         return fetch_all
     reuse = cache.reuse(layer, list(tokens)) if costs.refetch == "reuse" else None
     if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse)):
-        return fetch_all
-    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
-    if room is None:
         return fetch_all
     prepared = prepare(tokens, hits, expert_bytes, costs, reuse, room)
     if issue is not None:

@@ -3,9 +3,9 @@ and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound 
 
     room:    the CPU expert counts s a split could be taken with (``cpu_room``): its cost is at least
              max(GPU side with n - s fetches, the CPU side of the s cheapest misses) whatever the misses'
-             reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less. O(s) float
-             work; where no s can be taken, "auto" fetches every miss as "gpu" does (``plan.plan_forward``
-             proves most such forwards cheaper still: ``bound.fetches_all``)
+             reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less: O(distinct
+             rows + log n) float work (``bound.room_of``); where no s can be taken, "auto" fetches every
+             miss as "gpu" does (``plan.plan_forward``; the refetch charge closes more rooms: ``bound``)
     prepare: the room and the classes, found once per forward for ``surely_fetched`` and the search
     search:  the exact cheapest split over the two reuse classes (``split_misses``), its runs kept to
              that room (the same answer: a split outside it costs more than the hysteresis allows)
@@ -17,6 +17,7 @@ import dataclasses
 import heapq
 from dataclasses import dataclass
 
+from moekit.offload.bound import RowTimes, room_of
 from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
 
 @dataclass(frozen=True)
@@ -213,29 +214,11 @@ def cpu_room(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCo
     A split with s CPU experts costs at least max(G(n - s), C(s)): G the GPU side with n - s fetches and
     the CPU busy (``gpu_side_s``), C(s) = ``cpu_margin`` x (``cpu_step_s`` + the s least ``cpu_time`` of
     the misses) + (n - s) x ``issue_s``; the refetch charge is >= 0 and any s experts' CPU times sum to
-    at least the s least. G(f) is nondecreasing in f (G(0) the least), so once G(n - s) is within the
-    limit it stays so for every larger s; C rises with s where ``cpu_margin`` x the least CPU time is at
-    least ``issue_s`` (then the scan stops at the first s over the limit), else every s is priced.
+    at least the s least. G(f) is nondecreasing in f, so once G(n - s) is within the limit it stays so for
+    every larger s; C is convex in s (its steps, the sorted CPU times at the margin less ``issue_s``, rise),
+    so the s with C within the limit are an interval: ``bound.room_of`` finds its ends by bisection.
     Compared with a relative slack of 1e-9 (the search sums the same times in another order)."""
-    n = len(tokens)
-    if not n:
-        return None
-    by_rows = {t: costs.cpu_time(t) for t in set(tokens.values())}
-    times = sorted(by_rows[t] for t in tokens.values())
-    limit, margin, issue = limit_s * (1.0 + 1e-9), costs.cpu_margin, costs.issue_s
-    rising = margin * times[0] >= issue
-    lo = hi = 0
-    gpu_within, total = False, 0.0
-    for s in range(1, n + 1):
-        total += times[s - 1]
-        if margin * (costs.cpu_step_s + total) + (n - s) * issue > limit:
-            if rising:
-                break
-            continue
-        gpu_within = gpu_within or gpu_side_s(hits, n - s, expert_bytes, costs, True) <= limit
-        if gpu_within:
-            lo, hi = lo or s, s
-    return (lo, hi) if hi else None
+    return room_of(RowTimes.of(tokens, costs), hits, expert_bytes, costs, limit_s)
 
 
 def _cumulative(values: list[float]) -> list[float]:
