@@ -16,7 +16,7 @@ from moekit.offload import plan as plan_mod
 from moekit.offload.bound import RowTimes, fetches_all, least_charge_s, least_split_s
 from moekit.offload.plan import plan_forward
 
-from _helpers import count_calls
+from _helpers import TOLERANCE, count_calls, rel_l2
 from test_offload_room import BYTES, _cost_s, _cpu_time, _gpu_s, _random_case, _subsets
 
 H200_EXPERT = 3 * 2048 * 768 * 2
@@ -127,3 +127,52 @@ def test_the_o1_check_proves_only_what_the_row_proof_proves():
     assert cpu_too_dear(12, H200, limit)
     falling = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1.0, cpu_token_s=-0.1)
     assert not cpu_too_dear(3, falling, 1e-9)  # no least time over row counts: no proof
+
+
+def test_an_auto_layer_decides_and_computes_the_same_with_the_proofs_off(monkeypatch):
+    """Two stacks of "auto" layers on the same inputs, one with the bound's proofs answering "no proof"
+    (every forward with misses priced by the room scan and the search): the same stats forward by forward
+    (hits, fetches, CPU experts), the same outputs within rounding (where the search runs it issues its
+    sure fetches early, so experts may land in other slots and sum in another order), and the proofs
+    decided some forwards on the way."""
+    from moekit import MoE, MoEConfig
+    from moekit.offload import OffloadedMoE, link_layers
+
+    e, k, n = 16, 32, 16
+    cfg = MoEConfig(hidden_size=k, moe_intermediate_size=n, num_experts=e, top_k=4)
+    fetch_s = 3 * n * k * 4 / 1e9
+    costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1.2 * fetch_s, cpu_token_s=0.0, cpu_step_s=2 * fetch_s,
+                      hysteresis=0.05)
+    torch.manual_seed(0)
+    moes = [MoE(cfg, backend="grouped_mm", router="torch") for _ in range(2)]
+
+    def stack():
+        cache = ExpertCache(12, device="cpu", policy="lfu")
+        layers = [OffloadedMoE.from_moe(m, cache=cache, prefetch=None, compute_misses_on="auto", costs=costs)
+                  for m in moes]
+        link_layers(layers)
+        return layers
+
+    def run(layers, proofs_on: bool, gen):
+        outs, stats = [], []
+        for _ in range(8):
+            x = torch.randn(int(torch.randint(1, 6, (1,), generator=gen)), k, generator=gen)
+            for layer in layers:
+                with monkeypatch.context() as m:
+                    if not proofs_on:
+                        m.setattr(plan_mod, "cpu_too_dear", lambda *a: False)
+                        m.setattr(plan_mod, "fetches_all", lambda *a: False)
+                    with torch.no_grad():
+                        x = layer(x)
+                outs.append(x)
+                stats.append(layer.last_stats)
+        return outs, stats
+
+    proved = count_calls(monkeypatch, {"dear": 0, "all": 0}, [(plan_mod, "cpu_too_dear", "dear"),
+                                                              (plan_mod, "fetches_all", "all")])
+    on = run(stack(), True, torch.Generator().manual_seed(4))
+    off = run(stack(), False, torch.Generator().manual_seed(4))
+    assert on[1] == off[1]
+    for a, b in zip(on[0], off[0]):  # within rounding: the search's early fetches may take other slots
+        assert rel_l2(a, b) < TOLERANCE[torch.float32]
+    assert proved["dear"] + proved["all"] > 0 and sum(s.cpu_experts for s in on[1]) > 0
