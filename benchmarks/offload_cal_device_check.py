@@ -87,6 +87,9 @@ def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = [p for a in argv[argv.index("--cells") + 1:][:1] for p in a.split(",") if p] if "--cells" in argv else []
     BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
+    parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
+    if len(parts) != 4 or parts[0] not in ("skewed", "uniform") or not parts[3].isdigit():
+        raise SystemExit(f"--profile takes a group name stream/cache%/prefetch/M, got {BRANCHES.profile_cell!r}")
     if smoke and BRANCHES.profile_cell is None:
         BRANCHES.profile_cell = "skewed/50/none/8"  # the smoke run exercises the profiler too
     cuda = torch.cuda.is_available() and not smoke
