@@ -176,3 +176,31 @@ def test_an_auto_layer_decides_and_computes_the_same_with_the_proofs_off(monkeyp
     for a, b in zip(on[0], off[0]):  # within rounding: the search's early fetches may take other slots
         assert rel_l2(a, b) < TOLERANCE[torch.float32]
     assert proved["dear"] + proved["all"] > 0 and sum(s.cpu_experts for s in on[1]) > 0
+
+
+def test_the_least_split_cost_within_the_room_is_the_least_over_every_s():
+    """``least_split_s`` kept to ``room_of``'s room, against every s = 1..n priced by the loop written out:
+    the same least wherever that least is within the limit (outside the room none is)."""
+    from moekit.offload.bound import room_of
+
+    gen = torch.Generator().manual_seed(25)
+    checked = 0
+    for _ in range(300):
+        tokens, hits, costs, chance = _random_case(gen)
+        n, times = len(tokens), sorted(_cpu_time(costs, t) for t in tokens.values())
+        charge = least_charge_s(tokens, hits, BYTES, costs, chance)
+        if math.isinf(charge):
+            continue
+        limit = (1.0 - costs.hysteresis) * _gpu_s(n, hits, costs, False)
+        every = min(max(costs.cpu_margin * (costs.cpu_step_s + sum(times[:s])) + (n - s) * costs.issue_s,
+                        _gpu_s(n - s, hits, costs, True)) + s * charge for s in range(1, n + 1))
+        rows = RowTimes.of(tokens, costs)
+        room = room_of(rows, hits, BYTES, costs, limit)
+        if room is None:
+            continue
+        got = least_split_s(rows, hits, BYTES, costs, charge, room)
+        assert got >= every * (1 - 1e-12)
+        if every <= limit:
+            assert got == pytest.approx(every, rel=1e-9)
+            checked += 1
+    assert checked > 20

@@ -115,18 +115,20 @@ def room_of(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limi
 
 
 def fetches_all(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limit_s: float,
-                charge_s: float = 0.0) -> bool:
+                charge_s: float = 0.0, room: tuple[int, int] | None = None) -> bool:
     """True when no split with CPU experts of the misses (``rows``, beside ``hits`` hits) costs ``limit_s`` or
     less (module docstring's proof): without a charge, ``room_of`` finds no room; with one, the least B(s)
-    (``least_split_s``) is over the limit."""
+    (``least_split_s``) is over the limit, searched within ``room`` (``room_of``'s, when the caller has it:
+    outside it max(G, C) alone is over the limit)."""
     if charge_s > 0.0:
-        return least_split_s(rows, hits, expert_bytes, costs, charge_s) > limit_s * SLACK
+        return least_split_s(rows, hits, expert_bytes, costs, charge_s, room) > limit_s * SLACK
     return room_of(rows, hits, expert_bytes, costs, limit_s) is None
 
 
-def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, charge_s: float = 0.0) -> float:
-    """The least B(s) over s = 1..n (module docstring) for the misses ``rows`` beside ``hits`` hits,
-    ``charge_s`` the least refetch charge of a CPU expert (q); inf without misses."""
+def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, charge_s: float = 0.0,
+                  within: tuple[int, int] | None = None) -> float:
+    """The least B(s) over s = 1..n (module docstring), or over ``within`` (lo, hi), for the misses ``rows``
+    beside ``hits`` hits, ``charge_s`` the least refetch charge of a CPU expert (q); inf without misses."""
     n = rows.n
     if not n:
         return float("inf")
@@ -136,14 +138,18 @@ def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts
         gpu = gpu_side_s(hits, n - s, expert_bytes, costs, True)
         return (gpu if gpu > cpu else cpu) + s * charge_s
 
-    lo, hi = 1, n - 1
+    first, last = within or (1, n)
+    lo, hi = first, min(last, n - 1)  # s = n (no fetch left) is off the convex run: priced on its own
+    best = cost(n) if last == n else float("inf")
+    if lo > hi:
+        return best
     while lo < hi:  # the leftmost minimum of a convex run: where its forward difference stops being negative
         mid = (lo + hi) // 2
         if cost(mid + 1) < cost(mid):
             lo = mid + 1
         else:
             hi = mid
-    return min(cost(lo), cost(n)) if n > 1 else cost(n)
+    return min(cost(lo), best)
 
 
 def least_charge_s(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,

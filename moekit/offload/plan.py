@@ -117,7 +117,8 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     if room is None:
         return fetch_all
     reuse = cache.reuse(layer, list(tokens)) if costs.refetch == "reuse" else None
-    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse)):
+    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse),
+                   room):
         return fetch_all
     prepared = prepare(tokens, hits, expert_bytes, costs, reuse, room)
     if issue is not None:
