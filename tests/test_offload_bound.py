@@ -204,3 +204,26 @@ def test_the_least_split_cost_within_the_room_is_the_least_over_every_s():
             assert got == pytest.approx(every, rel=1e-9)
             checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("skew, m", [(0.3, 8), (0.0, 8), (0.3, 32)])
+def test_the_replay_counts_the_same_with_the_proofs_off(monkeypatch, skew, m):
+    """The bench's streams (the simulator's, E = 128, top-8, 4 layers) through the what-if with the H200's
+    costs, the CPU side cheapened as a group's recalibration did (x0.78): hits, fetches, CPU experts and
+    admissions equal with the proofs on and off, at 25 / 50% caches where both fetch-all and split
+    forwards occur."""
+    from moekit.offload.whatif import replay
+    from moekit.sim.cache import decode_stream
+
+    data = decode_stream(128, 8, 4, 14, m, skew, 0.3, seed=3)
+    costs = H200.scaled(0.78)
+    for fraction in (0.25, 0.5):
+        on = replay(data.trace, round(fraction * 512), "lfu", None, place="auto", costs=costs,
+                    expert_bytes=H200_EXPERT, measure_from=6)
+        with monkeypatch.context() as patched:
+            patched.setattr(plan_mod, "cpu_too_dear", lambda *a: False)
+            patched.setattr(plan_mod, "fetches_all", lambda *a: False)
+            off = replay(data.trace, round(fraction * 512), "lfu", None, place="auto", costs=costs,
+                         expert_bytes=H200_EXPERT, measure_from=6)
+        assert on.as_dict() == off.as_dict()
+        assert on.cpu_experts > 0 or fraction == 0.5
