@@ -95,11 +95,19 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int):
     """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
     cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring)."""
-    touched = hits + len(tokens)
-    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
+    if reuse is not None and costs.refetch == "reuse":
+        chance = {e: reuse[e] for e in tokens}
+    else:
+        chance = dict.fromkeys(tokens, hits / (hits + len(tokens)))
     times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
-    classes = [heapq.nsmallest(most, c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
+    members: list[list[int]] = [[], []]
+    for e in tokens:  # in the misses' order
+        members[chance[e] >= 0.5].append(e)
+
+    def key(e: int) -> tuple:
+        return times[tokens[e]], tokens[e], e
+
+    classes = [heapq.nsmallest(most, c, key=key) if most < len(c) else sorted(c, key=key) for c in members]
     return chance, times, members, classes
 
 
