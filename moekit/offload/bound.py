@@ -12,12 +12,13 @@ fetching every miss, ``gpu_only``'s cost, or less).
 
 B is convex on s = 1..n - 1 (G is a max of lines in f once f >= 1; the CPU times sorted ascending make
 C convex; q x s is a line), so its minimum there is found by bisection on its forward difference, and
-s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. Before that, an
-O(1) check (``cpu_too_dear``) prices one CPU expert at the least time any row count takes. The misses' CPU
-times come from the few distinct row counts, so a proof costs O(distinct rows
-+ log n) host work, where ``split.cpu_room`` walks every s and the search sorts and prices the misses:
-one H200 run's "auto" planned 0.13 ms a forward at M = 8 (gpu 0.005), mostly forwards whose room the
-refetch charge closed (fetched all after the search).
+s = n (nothing fetched: no second call, no ``fetch_layer_s``) is priced on its own. Without a charge the
+room's ends come the same way (``room_of``: G falls in s, C is convex). Before either, an O(1) check
+(``cpu_too_dear``) prices one CPU expert at the least time any row count takes. The misses' CPU times
+come from their few distinct row counts (``RowTimes``), so a proof costs O(distinct rows + log n) host
+work, where the search sorts and prices every miss: one H200 run's "auto" planned 0.13 ms a forward at
+M = 8 (gpu 0.005), much of it on forwards whose room the refetch charge closed (fetched all after the
+search), with ``split.cpu_room`` walking every s three times a forward.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ class Prepared:
 
 
 def prepare(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
-            reuse: dict[int, float] | None = None, room=False) -> Prepared:
-    """The forward's ``Prepared`` (``room``: ``cpu_room``'s answer when the caller has it; False: found here)."""
+            reuse: dict[int, float] | None = None, room: tuple[int, int] | None | bool = False) -> Prepared:
+    """The forward's ``Prepared`` (``room``: ``cpu_room``'s answer when the caller has it, None included;
+    False: found here)."""
     fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
     limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
     if room is False:
