@@ -48,6 +48,7 @@ from moekit.offload.cpu_path import CPU_GEMMS
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
 
 LIMIT_S = 122.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
 PROFILE_LIMIT_S = 135.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
@@ -144,26 +145,29 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def cpu_check(shell, costs, device, repeats: int = 4) -> list[dict]:
-    """The CPU branch against its calibrated model by link state, experts per call (1 row each) and thread
-    count (torch's, the calibration's and half of it), on cold experts, the states and shapes interleaved in each
-    repeat: is the model's shape right at a decode layer's few experts, and does a busy link slow the CPU?"""
+def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> list[dict]:
+    """The CPU branch against its calibrated model by link state, experts per call (1 row each), thread
+    count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
+    a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
+    branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
+    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly?"""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
-    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads(),
-                      max(1, (costs.cpu_threads or 2) // 2)}, reverse=True)
+    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
     groups, got = cold_groups(layer.config.num_experts, k, 1000), {}
     for _ in range(repeats):
         for t in threads:
             for n in (1, 2, 4, 8):
                 for busy in (False, True):
-                    total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
-                    p = layer.last_cpu
-                    got.setdefault((t, n, busy), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-    return [{"threads": t, "experts": n, "busy": busy, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+                    for gap in (0.0, gap_s):
+                        time.sleep(gap)
+                        total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
+                        p = layer.last_cpu
+                        got.setdefault((t, n, busy, gap), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+    return [{"threads": t, "experts": n, "busy": busy, "gap_ms": gap * 1e3, "ms": statistics.median(x for x, _, _ in v) * 1e3,
              "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
              "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, n, busy), v in sorted(got.items())]
+            for (t, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -269,11 +273,18 @@ def _print(result: dict) -> None:
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
-    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link:")
-    for r in result.get("cpu_check", []):
-        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'}: {r['ms']:6.2f}/{r['max_ms']:6.2f} "
-              f"(compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} "
-              f"x{r['ms'] / r['model_ms']:.2f}")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link, "
+          "host idle before it (ms):")
+    checks = result.get("cpu_check", [])
+    for r in checks:
+        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
+              f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "
+              f"{r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
+    slow = [b["ms"] / a["ms"] for a in checks for b in checks if a["gap_ms"] == 0 < b["gap_ms"]
+            and (a["threads"], a["experts"], a["busy"]) == (b["threads"], b["experts"], b["busy"])]
+    if slow:
+        print(f"  after an idle gap the branch took x{statistics.median(slow):.2f} its back-to-back time (median over "
+              f"settings; range {min(slow):.2f}-{max(slow):.2f})")
     profile = result.get("profile", {})
     if profile.get("text"):
         print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")
