@@ -252,7 +252,8 @@ def thread_candidates(fixed: int | None) -> list[int]:
     stalls whenever another thread (the driver's, the OS's, another process's) takes one of them, the whole
     team waiting at its next barrier (the H200 host's branch at 16 threads on 16 CPUs: 17.7 and 26.7 ms
     against a 3.1 ms median, 15-18x the model in the table's cpu cells at M = 1; at 8 threads its worst was
-    1.1x its median)."""
+    1.1x its median; the next run's 16-thread branches had none, its 12-thread cells still a 9x one: a
+    precaution, not the whole cause)."""
     if fixed is not None:
         return [fixed]
     n, top = torch.get_num_threads(), max(1, most_threads() - 1)
