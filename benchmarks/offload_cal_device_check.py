@@ -230,6 +230,12 @@ def summary(rows: list[dict]) -> list[str]:
                        f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
                        f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
                        f"{sum(x < 0.85 for x in bs)} < 0.85)")
+    for mode in ("cpu", "auto"):
+        ran = [r["x_floor_cpu_ran"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_cpu_ran")
+               and r["cpu_tokens_per_step"]]
+        if ran:
+            out.append(f"{mode:>4} with each CPU branch as it ran in the timeline (a check of the floor's other "
+                       f"terms): x {min(ran):.2f}-{max(ran):.2f}, {sum(x > 1.2 for x in ran)} of {len(ran)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
