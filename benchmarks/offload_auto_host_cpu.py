@@ -4,6 +4,14 @@ plan (``OffloadedMoE._plan`` with the place ``_place`` picks) and the whole ``ru
 bypassed: ``plan.plan_forward`` with "auto", its ``split.cpu_room`` check and the CPU rate applied).
 
     PYTHONPATH=$PWD python benchmarks/offload_auto_host_cpu.py
+    PYTHONPATH=$PWD python benchmarks/offload_auto_host_cpu.py --replay [--scale 0.78]
+
+``--replay``: "auto"'s plan at M = 8 and 32 on the bench's streams (the simulator's, skewed and uniform,
+25/50/75% of E x L cached, Qwen3-30B-A3B's expert bytes) through the cache what-if (``whatif.replay``, which
+calls ``plan.plan_forward`` as the layers do), priced by session 16's H200 costs (2384125; ``--scale``
+multiplies their CPU side, as the bench's per-group recalibration does): per cell the mean thread CPU
+time of a plan (early fetches' issue left out), apart for forwards that fetched every miss and those that
+split, against "gpu"'s plan on the same stream.
 
 E = 128, top-8 (Qwen3-30B-A3B's routing), tiny widths so the experts cost little; the costs are the H200
 run's (a5fb310), where no M = 1 forward can put a miss on the CPU. Medians over ``REPEATS`` forwards of a
@@ -13,13 +21,15 @@ run's (a5fb310), where no M = 1 forward can put a miss on the CPU. Medians over 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
 
 from moekit import MoE, MoEConfig
-from moekit.offload import CpuRate, ExpertCache, MissCosts, OffloadedMoE
+from moekit.offload import CpuRate, ExpertCache, MissCosts, OffloadedMoE, whatif
 from moekit.routing import route
+from moekit.sim.cache import decode_stream
 
 REPEATS = 400
 COSTS = MissCosts(link_bytes_per_s=55.0e9, cpu_expert_s=483e-6, cpu_token_s=22e-6, cpu_step_s=1.868e-3,
@@ -68,5 +78,55 @@ def main() -> None:
         print(f"  {place:<8} {statistics.median(plans[place]) * 1e6:6.1f} | {statistics.median(forwards[place]) * 1e6:7.1f}")
 
 
+H200 = MissCosts(link_bytes_per_s=52.95e9, cpu_expert_s=0.438e-3, cpu_token_s=10.3e-6, cpu_step_s=1.776e-3,
+                 gpu_bytes_per_s=3.75e12, cpu_margin=1.219, hysteresis=0.05, gpu_call_s=0.125e-3,
+                 fetch_layer_s=0.232e-3, issue_s=68.5e-6, link_cpu_bytes_per_s=51.1e9,
+                 cpu_rows_s=((1, 448e-6), (2, 491e-6), (4, 468e-6), (8, 606e-6), (16, 572e-6), (32, 768e-6)))
+
+
+def replay_plans(scale: float) -> None:
+    """``--replay`` (module docstring)."""
+    costs, expert_bytes, real, plans = H200.scaled(scale), 3 * 2048 * 768 * 2, whatif.plan_forward, []
+
+    def timed(cache, layer, place, tokens, hits, nbytes, c, admit=None, issue=None):
+        early = [0.0]
+
+        def timed_issue(experts):
+            clock = time.thread_time()
+            issue(experts)
+            early[0] += time.thread_time() - clock
+
+        start = time.thread_time()
+        plan = real(cache, layer, place, tokens, hits, nbytes, c, admit, timed_issue if issue else None)
+        plans.append((time.thread_time() - start - early[0], bool(plan.cpu)))
+        return plan
+
+    whatif.plan_forward = timed
+    print(f"auto's plan on the replay, H200 costs x{scale} on the CPU side; thread CPU us a plan (mean): "
+          f"fetch-all forwards (n) | split forwards (n) | gpu's plan")
+    for stream, skew in (("skewed", 0.3), ("uniform", 0.0)):
+        for m in (8, 32):
+            data = decode_stream(128, 8, 4, 60, m, skew, 0.3, seed=3)
+            for fraction in (0.25, 0.5, 0.75):
+                took = {}
+                for place in ("gpu", "auto"):
+                    plans.clear()
+                    whatif.replay(data.trace, round(fraction * 512), "lfu", None, place=place, costs=costs,
+                                  expert_bytes=expert_bytes, measure_from=17)
+                    took[place] = list(plans)
+                fetch = [t for t, split in took["auto"] if not split]
+                split = [t for t, split in took["auto"] if split]
+                print(f"  {stream:<7} {fraction:.0%} M = {m:2d}: {_mean_us(fetch):7.1f} ({len(fetch):3d}) | "
+                      f"{_mean_us(split):7.1f} ({len(split):3d}) | {_mean_us([t for t, _ in took['gpu']]):5.1f}")
+    whatif.plan_forward = real
+
+
+def _mean_us(times: list[float]) -> float:
+    return statistics.fmean(times) * 1e6 if times else 0.0
+
+
 if __name__ == "__main__":
-    main()
+    if "--replay" in sys.argv:
+        replay_plans(float(sys.argv[sys.argv.index("--scale") + 1]) if "--scale" in sys.argv else 1.0)
+    else:
+        main()

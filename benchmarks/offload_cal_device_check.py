@@ -3,6 +3,7 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
 
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 150 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --profile uniform/50/none/8
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
@@ -17,7 +18,10 @@ orders (``offload_cells.balanced_orders``: each follows each other equally often
 each row keeps its mean step by the stack before it (``after_ms``): the carry-over a CPU-heavy step leaves.
 Every ``OffloadedMoE._plan`` is timed (host ms, less the early fetches' issue, with the mode it planned by:
 "auto" at M = 1 plans by "gpu" where no forward can use the CPU, ``cost.cpu_never_wins``) and every CPU
-branch logged (measured / model ms by phase). The JSON ($OUT/offload_cal_device_check.json) is rewritten
+branch logged (measured / model ms by phase). ``--profile CELL`` (a group's name) runs that group once
+more after the table with cProfile over every "auto" plan (the early fetches' issue left out, as in the plan
+time; the profiler's overhead stays out of the table's steps), printed before the table, top 25 by cumulative
+time; the group's plan line is filed as "CELL (profiled)". The JSON ($OUT/offload_cal_device_check.json) is rewritten
 after every group, so a machine taken back mid-run leaves the groups done; the table prints last.
 """
 
@@ -41,87 +45,19 @@ from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CPU_GEMMS
+from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
 
-LIMIT_S = 132.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+LIMIT_S = 122.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
+PROFILE_LIMIT_S = 135.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
-MODES = ("gpu", "cpu", "auto")
 TWIN = "gpu2"
 
 
 class OutOfTime(Exception):
     pass
-
-
-class BranchLog:
-    """Every forward's plan (host ms, the mode it planned by) and CPU branch, by group: ``OffloadedMoE._plan``
-    and ``run_routed`` wrapped; ``close`` files a finished group's entries under its name."""
-
-    def __init__(self) -> None:
-        self.entries, self.cells = [], {}
-
-    def install(self) -> None:
-        run, plan, log = OffloadedMoE.run_routed, OffloadedMoE._plan, self
-
-        def timed_plan(layer, tokens, hits, place, issue=None):
-            early, start = [0.0], time.perf_counter()
-
-            def timed_issue(experts):  # the early fetches' issue is host time the gpu path pays later too
-                clock = time.perf_counter()
-                issue(experts)
-                early[0] += time.perf_counter() - clock
-
-            out = plan(layer, tokens, hits, place, timed_issue if issue is not None else None)
-            log.entries.append({"mode": layer.compute_misses_on, "place": place, "misses": len(tokens),
-                                "plan_ms": (time.perf_counter() - start - early[0]) * 1e3, "early_ms": early[0] * 1e3})
-            return out
-
-        def logged(layer, x2d, routing):
-            out = run(layer, x2d, routing)
-            p, rows = layer.last_cpu, list(layer.last_stats.cpu_rows)
-            if p is not None and layer.costs is not None and rows:
-                log.entries.append({"mode": layer.compute_misses_on, "layer": layer.layer_id, "rows": rows,
-                                    "ms": p.total_s * 1e3, "compute_ms": p.compute_s * 1e3, "back_ms": p.back_s * 1e3,
-                                    "model_ms": layer.costs.cpu_side_s(rows) * 1e3})
-            return out
-
-        OffloadedMoE.run_routed, OffloadedMoE._plan = logged, timed_plan
-
-    def close(self, name: str) -> None:
-        """File the group's entries as a summary (``summarize``) under ``name``."""
-        self.cells[name], self.entries = self.summarize(self.entries), []
-
-    @staticmethod
-    def summarize(entries: list[dict]) -> dict:
-        """Per mode: forwards planned, plan ms mean / max, the places planned by; per CPU mode its branches,
-        measured and model ms summed, the ratio's median and max, ms in the result's copy back."""
-        out = {}
-        for mode in MODES:
-            plans = [e for e in entries if e["mode"] == mode and "plan_ms" in e]
-            got = [e for e in entries if e["mode"] == mode and "plan_ms" not in e]
-            ratios = [e["ms"] / e["model_ms"] for e in got if e["model_ms"] > 0]
-            out[mode] = {"plans": len(plans), "plan_ms": statistics.fmean(e["plan_ms"] for e in plans) if plans else 0.0,
-                         "plan_max_ms": max((e["plan_ms"] for e in plans), default=0.0),
-                         "early_ms": statistics.fmean(e["early_ms"] for e in plans) if plans else 0.0,
-                         "places": sorted({e["place"] for e in plans}), "branches": len(got),
-                         "ms": sum(e["ms"] for e in got), "model_ms": sum(e["model_ms"] for e in got),
-                         "back_ms": sum(e["back_ms"] for e in got),
-                         "ratio_median": statistics.median(ratios) if ratios else 0.0, "ratio_max": max(ratios, default=0.0)}
-        return out
-
-    @staticmethod
-    def line(summary: dict) -> str:
-        """One group's summary in a line."""
-        parts = []
-        for mode, v in summary.items():
-            text = f"{mode} plan {v['plan_ms']:.3f}/{v['plan_max_ms']:.3f} by {'+'.join(v['places']) or '-'}"
-            text += f" (+{v['early_ms']:.3f} early fetches)" if v.get("early_ms") else ""
-            if v["branches"]:
-                text += (f", {v['branches']} br {v['ms']:.1f}/{v['model_ms']:.1f} ms x{v['ratio_median']:.2f} "
-                         f"max x{v['ratio_max']:.2f}")
-            parts.append(text)
-        return " | ".join(parts)
 
 
 BRANCHES = BranchLog()
@@ -151,6 +87,12 @@ def dump(result: dict) -> None:
 def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = [p for a in argv[argv.index("--cells") + 1:][:1] for p in a.split(",") if p] if "--cells" in argv else []
+    BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
+    parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
+    if len(parts) != 4 or parts[0] not in ("skewed", "uniform") or not parts[3].isdigit():
+        raise SystemExit(f"--profile takes a group name stream/cache%/prefetch/M, got {BRANCHES.profile_cell!r}")
+    if smoke and BRANCHES.profile_cell is None:
+        BRANCHES.profile_cell = "skewed/50/none/8"  # the smoke run exercises the profiler too
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = dict(QWEN3_30B if cuda else SMOKE)
@@ -169,48 +111,63 @@ def main(argv: list[str]) -> int:
     dump(result)
     group_size = len(MODES) + twin
 
-    def progress(r) -> None:
-        result["rows"].append({**dataclasses.asdict(r)})
-        if len(result["rows"]) % group_size == 0:  # a group's rows all in
-            BRANCHES.close(cell_name(r.stream, r.cache_fraction, r.prefetch, r.M))
+    def progress(r, key: str = "rows", suffix: str = "") -> None:
+        result[key].append({**dataclasses.asdict(r)})
+        if len(result[key]) % group_size == 0:  # a group's rows all in
+            BRANCHES.close(cell_name(r.stream, r.cache_fraction, r.prefetch, r.M) + suffix)
             dump(result)
             if time.perf_counter() - START > LIMIT_S:
                 raise OutOfTime
 
-    try:
-        measure_offload(device, batches=batches, policies=("lfu",), places=MODES, shells=shells, costs=costs,
-                        on_progress=progress, online_cpu_rate=True, streams=("skewed", "uniform"),
-                        variants={TWIN: ("gpu", {})} if twin else None, keep=keeper(patterns), **shape)
-        result["state"] = "complete"
-    except OutOfTime:
-        result["state"] = f"cut at {LIMIT_S:.0f} s"
-    except Exception as e:  # noqa: BLE001 - the rows so far still print
-        traceback.print_exc()
-        result["state"] = f"error {type(e).__name__}: {e}"
+    def table(streams, keep, on_progress, ms=batches) -> str:
+        try:
+            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs,
+                            on_progress=on_progress, online_cpu_rate=True, streams=streams,
+                            variants={TWIN: ("gpu", {})} if twin else None, keep=keep, **shape)
+            return "complete"
+        except OutOfTime:
+            return f"cut at {LIMIT_S:.0f} s"
+        except Exception as e:  # noqa: BLE001 - the rows so far still print
+            traceback.print_exc()
+            return f"error {type(e).__name__}: {e}"
+
+    result["state"] = table(("skewed", "uniform"), keeper(patterns), progress)
+    if BRANCHES.profile_cell and time.perf_counter() - START < PROFILE_LIMIT_S:  # its own pass after the table:
+        # cProfile's overhead stays out of the table's steps
+        stream, _, _, m = BRANCHES.profile_cell.split("/")
+        result["profile_rows"], BRANCHES.profile_on = [], True
+        state = table((stream,), keeper([BRANCHES.profile_cell]),
+                      lambda r: progress(r, "profile_rows", " (profiled)"), (int(m),))
+        BRANCHES.profile_on = False
+        result["profile"] = {"cell": BRANCHES.profile_cell, "state": state, "text": BRANCHES.profile_text()}
     dump(result)
     _print(result)
     return 0
 
 
-def cpu_check(shell, costs, device, repeats: int = 4) -> list[dict]:
-    """The CPU branch against its calibrated model by link state, experts per call (1 row each) and thread
-    count (the calibration's and half of it), on cold experts, the states and shapes interleaved in each
-    repeat: is the model's shape right at a decode layer's few experts, and does a busy link slow the CPU?"""
+def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> list[dict]:
+    """The CPU branch against its calibrated model by link state, experts per call (1 row each), thread
+    count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
+    a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
+    branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
+    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly?"""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
-    threads = sorted({costs.cpu_threads or torch.get_num_threads(), max(1, (costs.cpu_threads or 2) // 2)}, reverse=True)
+    threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
     groups, got = cold_groups(layer.config.num_experts, k, 1000), {}
     for _ in range(repeats):
         for t in threads:
             for n in (1, 2, 4, 8):
                 for busy in (False, True):
-                    total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
-                    p = layer.last_cpu
-                    got.setdefault((t, n, busy), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-    return [{"threads": t, "experts": n, "busy": busy, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+                    for gap in (0.0, gap_s):
+                        time.sleep(gap)
+                        total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
+                        p = layer.last_cpu
+                        got.setdefault((t, n, busy, gap), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+    return [{"threads": t, "experts": n, "busy": busy, "gap_ms": gap * 1e3, "ms": statistics.median(x for x, _, _ in v) * 1e3,
              "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
              "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, n, busy), v in sorted(got.items())]
+            for (t, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -273,6 +230,12 @@ def summary(rows: list[dict]) -> list[str]:
                        f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
                        f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
                        f"{sum(x < 0.85 for x in bs)} < 0.85)")
+    for mode in ("cpu", "auto"):
+        ran = [r["x_floor_cpu_ran"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_cpu_ran")
+               and r["cpu_tokens_per_step"]]
+        if ran:
+            out.append(f"{mode:>4} with each CPU branch as it ran in the timeline (a check of the floor's other "
+                       f"terms): x {min(ran):.2f}-{max(ran):.2f}, {sum(x > 1.2 for x in ran)} of {len(ran)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
@@ -316,11 +279,22 @@ def _print(result: dict) -> None:
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
-    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link:")
-    for r in result.get("cpu_check", []):
-        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'}: {r['ms']:6.2f}/{r['max_ms']:6.2f} "
-              f"(compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model {r['model_ms']:6.2f} "
-              f"x{r['ms'] / r['model_ms']:.2f}")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link, "
+          "host idle before it (ms):")
+    checks = result.get("cpu_check", [])
+    for r in checks:
+        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
+              f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "
+              f"{r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
+    slow = [b["ms"] / a["ms"] for a in checks for b in checks if a["gap_ms"] == 0 < b["gap_ms"]
+            and (a["threads"], a["experts"], a["busy"]) == (b["threads"], b["experts"], b["busy"])]
+    if slow:
+        print(f"  after an idle gap the branch took x{statistics.median(slow):.2f} its back-to-back time (median over "
+              f"settings; range {min(slow):.2f}-{max(slow):.2f})")
+    profile = result.get("profile", {})
+    if profile.get("text"):
+        print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")
+        print(profile["text"])
     print("plans and CPU branches by group: mode plan ms mean/max by the places planned | CPU branches measured/model")
     for name, entries in result.get("branches", {}).items():
         print(f"  {name:<22} {BranchLog.line(entries)}")

@@ -244,7 +244,7 @@ def test_auto_takes_the_gpu_path_where_no_forward_of_that_size_can_use_the_cpu(m
                         or real(cache, layer, place, *a))
     seen = count_calls(monkeypatch, {"never": 0, "split": 0, "room": 0}, [
         (plan_mod, "cpu_never_wins", "never"), (plan_mod, "split_misses", "split"),
-        (plan_mod, "cpu_room", "room")])
+        (plan_mod, "room_of", "room")])
     for seed in range(6):  # M = 1: misses, hits and evictions in a 3-slot cache
         x = _x(1, seed)
         torch.testing.assert_close(auto(x), gpu(x), rtol=0, atol=0)

@@ -175,7 +175,7 @@ def test_recalibrate_cpu_scales_the_cpu_model_by_the_median_round_and_keeps_the_
 def test_cpu_rate_is_an_exponential_average_of_measured_over_modelled_branches():
     costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.0, cpu_token_s=0.001, cpu_step_s=0.01,
                       cpu_rows_s=((1, 0.9e-3), (2, 1.1e-3)))
-    rate = CpuRate(weight=0.3)
+    rate = CpuRate(weight=0.3, clip=None)
     assert rate.apply(costs) is costs  # no sample yet
     branches = [(0.05, [1, 2, 2]), (0.08, [1] * 5), (0.02, [3, 1]), (0.002, [1])]  # (total s, rows per CPU expert)
     table = {1: 0.9e-3, 2: 1.1e-3, 3: 1.3e-3}  # the table, extended past its last point by its last slope
@@ -196,6 +196,18 @@ def test_cpu_rate_is_an_exponential_average_of_measured_over_modelled_branches()
         CpuRate(weight=0.0)
     with pytest.raises(ValueError, match="rows"):
         rate.update(CpuPhases(0.0, 0.0, 1.0, 0.0, 1, 1, 1), costs, [])
+
+
+def test_cpu_rate_clips_each_sample_to_a_factor_of_its_estimate():
+    costs = MissCosts(link_bytes_per_s=1.0, cpu_expert_s=0.001, cpu_token_s=0.0, cpu_step_s=0.0)
+    rate, want = CpuRate(weight=0.25), 1.0
+    for ratio in (12.0, 1.1, 0.05, 3.0, 3.0, 3.0, 3.0):  # an outlier, a dip, then a lasting slowdown
+        rate.update(CpuPhases(0.0, 0.0, ratio * 0.001, 0.0, 1, 1, 1), costs, [1])
+        want += 0.25 * (min(max(ratio, want / 2.0), want * 2.0) - want)
+        assert rate.scale == pytest.approx(want, rel=1e-12)
+    assert 2.0 < rate.scale < 3.0  # the slowdown tracked, the outlier's 12x never taken whole
+    with pytest.raises(ValueError, match="clip"):
+        CpuRate(clip=0.5)
 
 
 def test_a_layer_with_a_cpu_rate_updates_it_from_its_cpu_branch():

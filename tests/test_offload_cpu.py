@@ -106,8 +106,9 @@ def test_options_and_thread_candidates():
     assert thread_candidates(3) == [3]
     n = torch.get_num_threads()
     top = min(max(n, len(os.sched_getaffinity(0))), 2 * n)
-    assert most_threads() == top and thread_candidates(None)[0] == top and n in thread_candidates(None)
-    assert all(1 <= t <= top for t in thread_candidates(None))
+    assert most_threads() == top and thread_candidates(None)[0] == max(1, top - 1)  # never every CPU
+    assert all(1 <= t <= max(1, top - 1) for t in thread_candidates(None))
+    assert max(1, min(n // 2, top - 1)) in thread_candidates(None)
     with torch_threads(1) as used:
         assert used == 1 and torch.get_num_threads() == 1
     assert torch.get_num_threads() == n
@@ -120,3 +121,16 @@ def test_measured_costs_carry_their_thread_count_and_a_margin():
     assert costs.cpu_step_s >= 0 and costs.cpu_expert_s >= 0 and costs.cpu_token_s >= 0
     with pytest.raises(ValueError, match="tokens"):
         off.measure_costs(tokens=1)
+
+
+def test_pick_setting_takes_the_fewest_threads_within_tolerance_of_the_best_mean():
+    from moekit.offload.calibrate import pick_setting
+
+    steady = [3.0, 3.1, 3.0, 3.2, 3.0, 3.1]  # 8 threads: no outlier
+    spiky = [2.9, 2.9, 17.7, 2.9, 3.0, 2.9]  # 16: a lower median, one team stall
+    assert pick_setting({(16, "g"): spiky, (8, "g"): steady}) == (8, "g")
+    assert pick_setting({(16, "g"): [2.0] * 6, (8, "g"): [3.0] * 6}) == (16, "g")  # clearly faster: kept
+    assert pick_setting({(16, "g"): [3.0] * 6, (8, "g"): [3.1] * 6}) == (8, "g")  # within 5%: fewer threads
+    assert pick_setting({(8, "a"): [3.0] * 6, (8, "b"): [2.0] * 6}) == (8, "b")
+    with pytest.raises(ValueError, match="timings"):
+        pick_setting({})

@@ -202,3 +202,22 @@ def test_stats_add_keeps_its_own_cpu_rows():
     total = OffloadStats(cpu_experts=1, cpu_tokens=2, cpu_rows=(2,))
     total.add(OffloadStats(cpu_experts=2, cpu_tokens=3, cpu_rows=(1, 2)))
     assert (total.cpu_experts, total.cpu_tokens, total.cpu_rows) == (3, 5, (2,))
+
+
+def test_monotone_rows_pools_adjacent_violators():
+    from moekit.offload.calibrate import monotone_rows
+
+    got = monotone_rows({1: 448.0, 2: 491.0, 4: 468.0, 8: 606.0, 16: 572.0, 32: 768.0})  # the H200 grid's, us
+    assert got == pytest.approx({1: 448.0, 2: 479.5, 4: 479.5, 8: 589.0, 16: 589.0, 32: 768.0})
+    assert monotone_rows({1: 3.0, 2: 2.0, 4: 1.0}) == pytest.approx({1: 2.0, 2: 2.0, 4: 2.0})  # one pool
+    rising = {1: 1.0, 3: 1.0, 5: 2.5}
+    assert monotone_rows(rising) == rising
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):  # against the least-squares nondecreasing fit by brute force on a fine grid of 3 values
+        vals = torch.rand(3, generator=gen).tolist()
+        grid = [i / 200 for i in range(201)]
+        best = min(((a, b, c) for a in grid for b in grid if b >= a for c in grid if c >= b),
+                   key=lambda f: sum((x - y) ** 2 for x, y in zip(f, vals)))
+        got = list(monotone_rows(dict(zip((1, 2, 4), vals))).values())
+        assert all(x <= y for x, y in zip(got, got[1:]))
+        assert sum((x - y) ** 2 for x, y in zip(got, vals)) <= sum((x - y) ** 2 for x, y in zip(best, vals)) + 1e-12

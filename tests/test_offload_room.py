@@ -131,32 +131,3 @@ def test_a_forward_without_room_fetches_every_miss_and_asks_no_reuse(monkeypatch
         assert (asked[-1:] == [sorted(tokens)]) != proved
         if proved:
             assert plan.cpu == [] and plan.fetch == sorted(tokens)
-
-
-def test_no_room_by_counts_holds_for_every_forward_of_those_counts():
-    """``split.no_room(n, h, r)`` (what ``plan.Proofs`` keeps per counts) against ``cpu_room`` of forwards
-    with those counts and rows drawn from 1..r: where it says no room, none of them has any; and it says
-    so often enough to spare the H200's M = 8 forwards their pricing (the costs of session 16's run)."""
-    from moekit.offload.plan import Proofs
-    from moekit.offload.split import no_room
-
-    gen = torch.Generator().manual_seed(8)
-    proved = 0
-    for _ in range(150):
-        tokens, hits, costs, _ = _random_case(gen)
-        n, rows = len(tokens), max(tokens.values())
-        says = no_room(n, hits, rows, BYTES, costs)
-        proved += says
-        limit = (1.0 - costs.hysteresis) * _gpu_s(n, hits, costs, False)
-        for _ in range(20):
-            drawn = {e: int(torch.randint(1, rows + 1, (1,), generator=gen)) for e in range(n)}
-            assert not says or cpu_room(drawn, hits, BYTES, costs, limit) is None
-    assert proved > 20
-    expert = 3 * 2048 * 768 * 2
-    h200 = MissCosts(link_bytes_per_s=54.6e9, cpu_expert_s=0.645e-3, cpu_token_s=0.0, cpu_step_s=2.8e-3,
-                     gpu_bytes_per_s=3.69e12, cpu_margin=1.42, hysteresis=0.05, gpu_call_s=0.176e-3,
-                     fetch_layer_s=0.201e-3, issue_s=63.7e-6, cpu_rows_s=((1, 0.645e-3), (2, 0.99e-3), (8, 0.849e-3)))
-    proofs = Proofs()
-    assert all(proofs.fetch_all({e: 1 + e % 2 for e in range(n)}, 64 - n, expert, h200) for n in (4, 19, 40))
-    assert len(proofs.fetch) == 3 and proofs.fetch_all({e: 2 for e in range(19)}, 45, expert, h200)
-    assert len(proofs.fetch) == 3  # the same counts: asked once

@@ -248,3 +248,8 @@ def test_bench_timeline_floor_queues_copies_in_issue_order():
     assert timeline_s([first, second], 1, costs) == pytest.approx(7.0)
     # session 8's floor: max(0.3 read, 1 fetched) + max(0.1 read, 4.5 CPU) = 5.5, above 5 moved experts
     assert sum_floor_s([first, second], 1, costs) == pytest.approx(5.5)
+    # the CPU branch as it ran in place of the model: 6.5 s from 1.1 ends at 7.6, after the admissions;
+    # 2 s ends at 3.1, so the admissions (7.0) end the step
+    assert timeline_s([first, second], 1, idle, measured=[0.0, 6.5]) == pytest.approx(7.6)
+    assert timeline_s([first, second], 1, costs, measured=[0.0, 2.0]) == pytest.approx(7.0)
+    assert timeline_s([first, second], 1, costs, measured=[0.0, 4.5]) == timeline_s([first, second], 1, costs)

@@ -63,8 +63,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
     if ref is not None:
         stacks.append(ref)
-    times, dones, after, prev = [[] for _ in stacks], [[] for _ in stacks], [[] for _ in stacks], None
-    probes = probes or {}
+    times, dones, after, branches = ([[] for _ in stacks] for _ in range(4))  # per stack and step (CPU branch s)
+    probes, prev = probes or {}, None
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
     gc.disable()
@@ -82,6 +82,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     times[j].append(time.perf_counter() - start)
                     after[j].append(prev)
                     dones[j].append(done)
+                    branches[j].append([0.0 if l.last_cpu is None else l.last_cpu.total_s for l in layers])
                     if j < len(runs):
                         _add_phases(phases[j], layers, costs)
                     if j in probes:  # the run's latest CPU branch: its last layer with one this step
@@ -96,13 +97,12 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
     rates = {j: probe.floor_costs() for j, probe in probes.items()}
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None))),
+    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j]),
                     _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
              **(probes[j].summary() if j in probes else {}),
              "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
              "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
-             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3,
-             "cpu_expert_us": costs.cpu_time(1) * 1e6,
+             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
              "cpu_scale": scale, "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])}
             for j, run in enumerate(runs)]
 
@@ -150,7 +150,8 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
-            quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None) -> list[list[float]]:
+            quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None,
+            branches: list[list[float]] | None = None) -> list[list[float]]:
     """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates; None:
     ``costs``' throughout), the
     layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
@@ -158,7 +159,8 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
     speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
-    timeline floor at ``busy``'s rate throughout (no idle rate)."""
+    timeline floor at ``busy``'s rate throughout (no idle rate), and the timeline with each layer's CPU
+    branch as it ran (``branches``, per step and layer; without them, the floor)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
@@ -171,8 +173,9 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
              timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s)]
-            for done in dones]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran)]
+            for done, ran in zip(dones, branches or [None] * len(dones))]
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -256,8 +259,8 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s = (statistics.fmean(f[i] for f in floors)
-                                                                        for i in range(7))
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s = (statistics.fmean(f[i] for f in floors)
+                                                                               for i in range(8))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
             "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
@@ -267,6 +270,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
             "x_floor_host": step_s / host_s if host_s else float("inf"),
             "x_floor_given": step_s / given_s if given_s else float("inf"),
             "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
+            "x_floor_cpu_ran": step_s / ran_s if ran_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

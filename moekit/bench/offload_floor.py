@@ -74,7 +74,8 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
-               overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None) -> float:
+               overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None,
+               measured: list[float] | None = None) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
@@ -83,18 +84,20 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     work: one host issues both; ``FixedCosts.prefetch_layer_s``); a layer's copies start ``overlap_s``
     (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``). With ``idle`` (the CPU model
     with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
-    link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after."""
+    link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
+    (seconds per layer): each layer's CPU branch as it ran, in place of the model: not a floor, a check of
+    its other terms against the step."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     ahead = min(overlap_s, fixed_s)
     t = free = 0.0  # the layer's start, the link's next idle moment
-    for s in per_layer:
+    for i, s in enumerate(per_layer):
         start = t + fixed_s  # the layer's fixed work done; its copies were issued overlap_s before
         issue = (s.fetched + s.admitted) * costs.issue_s if s.cpu_experts else 0.0
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start - ahead) + s.fetched * rate
         free = fetched_at + s.admitted * rate
-        cpu = issue + cpu_branch_s(s, costs, idle, free - start - issue)
+        cpu = issue + (measured[i] if measured is not None else cpu_branch_s(s, costs, idle, free - start - issue))
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         end = min(end, max(start, fetched_at) + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:

@@ -21,10 +21,11 @@ and 0.56-1.4 ms in calls of 1-6 (M = 1), against a model fitted at 1 and k exper
 fixed cost and the per-expert time at the row counts of the run are what the floor and "auto" price.
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
-None: the logical CPUs, torch's count, 3/4 and 1/2 of it, times each of ``cpu_path.CPU_GEMMS``, each timed at k experts
-x 1 token (a decode step's shape: the weights' bytes, not FLOPs, set the time, and fewer threads may
-stream them as fast with less contention); the fastest pair is kept in ``MissCosts.cpu_threads`` /
-``cpu_gemm``. ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
+None: the logical CPUs less one, 3/4 and 1/2 of torch's count (``thread_candidates``), times each of
+``cpu_path.CPU_GEMMS``, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
+FLOPs, set the time, and fewer threads may stream them as fast with less contention); the pair kept goes
+in ``MissCosts.cpu_threads`` / ``cpu_gemm`` (``pick_setting``: by the mean of 8+ timings taken in turns,
+the fewest threads within 5% of the best). ``cpu_margin`` is ``cost.margin_of`` the grid's timings; ``hysteresis`` is ``HYSTERESIS``.
 ``recalibrate_cpu`` rescales the fitted CPU model to the host's rate now (a drift factor).
 """
 
@@ -48,6 +49,7 @@ from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing
 
 HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
+THREAD_TOLERANCE = 0.05  # ``pick_setting``: fewer threads are kept when their mean branch is within 5% of the best
 
 
 def default_grid(top_k: int, num_experts: int, tokens: int, rows: tuple[int, ...] | None = None,
@@ -81,8 +83,11 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
         return [branch(layer, next(groups)[:max(n, k)], n, m, *setting) for _ in range(repeats)]
 
     candidates = [(t, g) for t in thread_candidates(layer.cpu_options.threads) for g in gemms]
-    spread = {s: timings(k, 1, s) for s in candidates}
-    best = min(candidates, key=lambda s: statistics.median(spread[s]))
+    spread = {s: [] for s in candidates}
+    for _ in range(max(2 * repeats, 8)):  # the settings take turns: a slow moment of the host falls on each alike
+        for s in candidates:
+            spread[s].append(branch(layer, next(groups)[:k], k, 1, *s))
+    best = pick_setting(spread)
     warm_rows(layer, warm or max(rs), *best)
     grid = {(n, r): timings(n, r, best) for r in rs for n in ns}
     costs = from_grid(MissCosts(link_bytes_per_s=measure_link_bandwidth(layer.cache.device), cpu_expert_s=0.0,
@@ -144,13 +149,43 @@ def warm_rows(layer, most: int, threads: int | None, gemm: str) -> None:
             layer._cpu_experts(inputs, [0], gemm)
 
 
+def pick_setting(spread: dict[tuple[int, str], list[float]], tolerance: float = THREAD_TOLERANCE) -> tuple[int, str]:
+    """The (threads, gemm) to run the CPU branch at, from its timings at each: the fewest threads (then the
+    first listed) whose mean is within ``tolerance`` of the least mean. The mean, not the median: a team of
+    as many threads as the host has CPUs stalls whenever another thread takes one of them (the H200 host's
+    branch at 16 threads on 16 CPUs: median 3.1 ms, worst 17.7 and 26.7 ms; at 8, worst 1.1x its median),
+    and a forward pays its branch's outliers as they come."""
+    means = {s: statistics.fmean(t) for s, t in spread.items() if t}
+    if not means:
+        raise ValueError("pick_setting needs timings for at least one setting")
+    least = min(means.values())
+    return min((s for s, m in means.items() if m <= least * (1.0 + tolerance)), key=lambda s: s[0])
+
+
+def monotone_rows(per_expert: dict[int, float]) -> dict[int, float]:
+    """``per_expert`` ({rows: seconds per expert}) made nondecreasing in rows by pooling adjacent violators
+    (the least-squares nondecreasing fit): an expert with more rows reads the same weights and does more
+    FLOPs, so a row count fitted cheaper than a smaller one is the grid's noise (one H200 calibration: 448,
+    491, 468, 606, 572, 768 us at 1, 2, 4, 8, 16, 32 rows -> 448, 479.5, 479.5, 589, 589, 768)."""
+    blocks: list[list[float]] = []  # [sum, count] of pooled neighbours
+    for r in sorted(per_expert):
+        blocks.append([per_expert[r], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    values = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return dict(zip(sorted(per_expert), values))
+
+
 def from_grid(costs: MissCosts, medians: dict[tuple[int, int], float]) -> MissCosts:
     """``costs`` with the CPU model fitted to branch times {(experts, rows): seconds} (``cost.fit_cpu_grid``):
-    ``cpu_step_s`` the call cost, ``cpu_rows_s`` the per-expert times, and ``cpu_expert_s`` /
+    ``cpu_step_s`` the call cost, ``cpu_rows_s`` the per-expert times made nondecreasing in rows
+    (``monotone_rows``), and ``cpu_expert_s`` /
     ``cpu_token_s`` the line through the first and last row counts (what a linear reader of the costs,
     ``moekit analyze``, takes)."""
     call, per_expert = fit_cpu_grid(medians)
-    table = tuple(sorted(per_expert.items()))
+    table = tuple(sorted(monotone_rows(per_expert).items()))
     (r0, s0), (r1, s1) = table[0], table[-1]
     token = max(s1 - s0, 0.0) / (r1 - r0) if r1 > r0 else 0.0
     return dataclasses.replace(costs, cpu_step_s=call, cpu_rows_s=table, cpu_token_s=token,
@@ -212,12 +247,17 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
-    """The thread counts to try: ``fixed`` alone, else ``most_threads()``, torch's count, 3/4 and 1/2 of
-    it (distinct, largest first)."""
+    """The thread counts to try: ``fixed`` alone, else one less than ``most_threads()`` and 3/4 and 1/2 of
+    torch's count below that (distinct, largest first). Never every CPU: a team as large as the host's CPUs
+    stalls whenever another thread (the driver's, the OS's, another process's) takes one of them, the whole
+    team waiting at its next barrier (the H200 host's branch at 16 threads on 16 CPUs: 17.7 and 26.7 ms
+    against a 3.1 ms median, 15-18x the model in the table's cpu cells at M = 1; at 8 threads its worst was
+    1.1x its median; the next run's 16-thread branches had none, its 12-thread cells still a 9x one: a
+    precaution, not the whole cause)."""
     if fixed is not None:
         return [fixed]
-    n = torch.get_num_threads()
-    return sorted({most_threads(), n, max(1, 3 * n // 4), max(1, n // 2)}, reverse=True)
+    n, top = torch.get_num_threads(), max(1, most_threads() - 1)
+    return sorted({top, min(top, max(1, 3 * n // 4)), min(top, max(1, n // 2))}, reverse=True)
 
 
 def most_threads() -> int:

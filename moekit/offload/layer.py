@@ -242,8 +242,6 @@ class OffloadedMoE(MoE):
         if place == "auto" and self.costs is None and tokens:
             self.costs = self.measure_costs()
         costs = self.costs if self.cpu_rate is None or self.costs is None else self.cpu_rate.apply(self.costs)
-        if place == "auto" and tokens and self._proofs.fetch_all(tokens, hits, self.cache.expert_bytes, costs):
-            return MissPlan(sorted(tokens), [], [])  # what plan_forward answers here, without pricing this forward
         return plan_forward(self.cache, self.layer_id, place, tokens, hits, self.cache.expert_bytes, costs,
                             self.admit_per_forward, issue)
 

@@ -22,36 +22,26 @@ from dataclasses import dataclass
 
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
-from moekit.offload.split import cpu_room, no_room, split_misses, surely_fetched
+from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s, room_of
+from moekit.offload.split import Prepared, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
 
 
 class Proofs:
-    """"auto"'s answers that depend on counts only, kept for one costs (reset when they change): whether no
-    forward of m tokens can use the CPU (``cost.cpu_never_wins``, by m) and whether a forward of n misses
-    of at most r rows beside h hits has no room (``split.no_room``, by (n, h, r)): then every miss is
-    fetched with no pricing at all (a dict lookup on the host's path, as "gpu" plans)."""
+    """"auto"'s per-M answer, kept for one costs (reset when they change): whether no forward of m tokens can
+    use the CPU (``cost.cpu_never_wins``): then the layer plans by "gpu" itself, no pricing at all. A forward
+    "auto" does price is proved all-fetch, where it is, by ``bound.fetches_all`` in ``plan_forward``."""
 
     def __init__(self) -> None:
-        self.costs, self.never, self.fetch = None, {}, {}
-
-    def _for(self, costs: MissCosts) -> None:
-        if costs is not self.costs:
-            self.costs, self.never, self.fetch = costs, {}, {}
+        self.costs, self.never = None, {}
 
     def never_wins(self, m: int, touched: int, expert_bytes: int, costs: MissCosts) -> bool:
-        self._for(costs)
+        if costs is not self.costs:
+            self.costs, self.never = costs, {}
         if m not in self.never:
             self.never[m] = cpu_never_wins(touched, m, expert_bytes, costs)
         return self.never[m]
-
-    def fetch_all(self, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts) -> bool:
-        self._for(costs)
-        key = (len(tokens), hits, max(tokens.values()))
-        if key not in self.fetch:
-            self.fetch[key] = no_room(*key, expert_bytes, costs)
-        return self.fetch[key]
 
 
 @dataclass(frozen=True)
@@ -64,11 +54,13 @@ class MissPlan:
 
 
 def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts | None,
-                admit_per_forward: int | None = None, reuse: dict[int, float] | None = None) -> MissPlan:
+                admit_per_forward: int | None = None, reuse: dict[int, float] | None = None,
+                prepared: Prepared | None = None) -> MissPlan:
     """The plan for the misses ``tokens`` (expert -> routed assignments) of a forward with ``hits``
     cached experts. ``costs`` is required for "auto"; for "cpu" it only sizes the admissions (one per
     forward without it). ``admit_per_forward`` fixes the admissions per forward (0: none). ``reuse``:
-    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``split.split_misses``)."""
+    each miss's chance of reuse while cached ("auto" prices its refetch by it; ``split.split_misses``);
+    ``prepared``: the search's inputs for the same arguments (``split.prepare``), when the caller has them."""
     if place not in PLACES:
         raise ValueError(f"compute_misses_on must be one of {PLACES}, got {place!r}")
     if place == "gpu" or not tokens:
@@ -76,7 +68,7 @@ def plan_misses(place: str, tokens: dict[int, int], hits: int, expert_bytes: int
     if place == "auto":
         if costs is None:
             raise ValueError("compute_misses_on='auto' needs costs (MissCosts)")
-        split = split_misses(tokens, expert_bytes, costs, hits, reuse)
+        split = split_misses(tokens, expert_bytes, costs, hits, reuse, prepared)
     elif costs is None:
         split = MissSplit([], sorted(tokens), 0.0, 0.0, 0.0)
     else:
@@ -104,21 +96,33 @@ def _admissions(split: MissSplit, expert_bytes: int, costs: MissCosts | None, ad
 def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, int], hits: int, expert_bytes: int,
                  costs: MissCosts | None, admit_per_forward: int | None = None, issue=None) -> MissPlan:
     """``plan_misses`` for a forward of ``layer`` on ``cache`` after its ``lookup`` (``tokens``: the misses;
-    ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know),
-    with the misses' reuse chances from the cache's history when "auto" prices refetches by them (not
-    asked where no CPU split can be taken: ``split.cpu_room``, the same answer without the search).
-    ``issue(experts)``: with "auto", called before its search with the misses every split it can take
-    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the host
-    searches; the plan's ``fetch`` holds them."""
-    reuse = None
-    if place == "auto" and costs is not None and tokens and cpu_room(
-            tokens, hits, expert_bytes, costs,
-            (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)) is None:  # ``gpu_only``'s cost
-        return MissPlan(sorted(tokens), [], [])
-    if place == "auto" and costs is not None and costs.refetch == "reuse" and tokens:
-        reuse = cache.reuse(layer, list(tokens))
-    if place == "auto" and costs is not None and tokens and issue is not None:
-        sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse)
+    ``expert_bytes``: what one costs to fetch, which a weightless replay's cache does not know).
+    "auto" fetches every miss without a search where a bound proves no split can be taken: one CPU expert
+    at its least time too dear (``bound.cpu_too_dear``, O(1)), no room without a refetch charge
+    (``bound.room_of``: then the misses' reuse chances are not asked for), no room with the least charge
+    by the chances from the cache's history (``bound.fetches_all``; ``ExpertCache.reuse``, where it prices
+    refetches by them); else the room and the classes are kept for the search (``split.prepare``) and
+    ``issue(experts)``, when given, is called before the search with the misses every split it can take
+    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the
+    host searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
+    lower bounds of every split's cost)."""
+    if place != "auto" or costs is None or not tokens:
+        return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
+    fetch_all = MissPlan(sorted(tokens), [], [])
+    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)  # ``gpu_only``'s cost
+    if cpu_too_dear(len(tokens), costs, limit_s):
+        return fetch_all
+    rows = RowTimes.of(tokens, costs)
+    room = room_of(rows, hits, expert_bytes, costs, limit_s)  # ``split.cpu_room``
+    if room is None:
+        return fetch_all
+    reuse = cache.reuse(layer, list(tokens)) if costs.refetch == "reuse" else None
+    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse),
+                   room):
+        return fetch_all
+    prepared = prepare(tokens, hits, expert_bytes, costs, reuse, room)
+    if issue is not None:
+        sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse, prepared)
         if sure:
             issue(sure)
-    return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse)
+    return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse, prepared)

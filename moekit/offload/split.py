@@ -3,9 +3,10 @@ and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound 
 
     room:    the CPU expert counts s a split could be taken with (``cpu_room``): its cost is at least
              max(GPU side with n - s fetches, the CPU side of the s cheapest misses) whatever the misses'
-             reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less. O(s) float
-             work and no ``ExpertCache.reuse``: where no s can be taken, "auto" fetches every miss as
-             "gpu" does, on the host's path before any copy is queued (a decode step's host time)
+             reuse, and it is taken only at (1 - hysteresis) x fetching every miss or less: O(distinct
+             rows + log n) float work (``bound.room_of``); where no s can be taken, "auto" fetches every
+             miss as "gpu" does (``plan.plan_forward``; the refetch charge closes more rooms: ``bound``)
+    prepare: the room and the classes, found once per forward for ``surely_fetched`` and the search
     search:  the exact cheapest split over the two reuse classes (``split_misses``), its runs kept to
              that room (the same answer: a split outside it costs more than the hysteresis allows)
 """
@@ -16,10 +17,33 @@ import dataclasses
 import heapq
 from dataclasses import dataclass
 
+from moekit.offload.bound import RowTimes, room_of
 from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``surely_fetched`` and ``split_misses`` both start from for one forward (``prepare``), computed once."""
+
+    fetch_all: MissSplit  # every miss fetched (``gpu_only``)
+    limit_s: float  # (1 - hysteresis) x its cost: what a split with CPU experts must not exceed
+    room: tuple[int, int] | None  # ``cpu_room`` at that limit
+    classes: tuple | None  # ``_classes`` kept to the room (None without room)
+
+
+def prepare(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+            reuse: dict[int, float] | None = None, room: tuple[int, int] | None | bool = False) -> Prepared:
+    """The forward's ``Prepared`` (``room``: ``cpu_room``'s answer when the caller has it, None included;
+    False: found here)."""
+    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
+    limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
+    if room is False:
+        room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    classes = None if room is None else _classes(tokens, hits, costs, reuse, room[1])
+    return Prepared(fetch_all, limit_s, room, classes)
+
+
 def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hits: int = 0,
-                 reuse: dict[int, float] | None = None) -> MissSplit:
+                 reuse: dict[int, float] | None = None, prepared: Prepared | None = None) -> MissSplit:
     """The split of the missed experts (``tokens``: expert -> its routed assignments in this forward;
     ``hits``: cached experts the GPU computes meanwhile) with the smallest ``cost_s``: the predicted
     forward time plus, for each expert left on the CPU (not cached), one fetch times p, its chance of
@@ -46,14 +70,14 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     Hysteresis: the best split with CPU experts is taken only where it costs at most (1 -
     ``costs.hysteresis``) x ``gpu_only``'s; otherwise every miss is fetched. The model's differences of
     a few percent are within its error (the CPU rate drifts by tens of percent over a run), and a decision flipping
-    on them sends a hot expert to the CPU one step and over the link the next."""
-    fetch_all = gpu_only(tokens, expert_bytes, costs, hits)
-    limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
-    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
+    on them sends a hot expert to the CPU one step and over the link the next. ``prepared``: ``prepare``'s
+    answer for the same arguments, when the caller has it."""
+    p = prepared or prepare(tokens, hits, expert_bytes, costs, reuse)
+    fetch_all, limit_s, room = p.fetch_all, p.limit_s, p.room
     if room is None:
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    chance, times, members, classes = _classes(tokens, hits, costs, reuse, room[1])
+    chance, times, members, classes = p.classes
     charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
     prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
                      *charge, hits, expert_bytes)
@@ -72,37 +96,32 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int):
     """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
     cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring)."""
-    touched = hits + len(tokens)
-    chance = {e: (reuse[e] if reuse is not None and costs.refetch == "reuse" else hits / touched) for e in tokens}
+    if reuse is not None and costs.refetch == "reuse":
+        chance = {e: reuse[e] for e in tokens}
+    else:
+        chance = dict.fromkeys(tokens, hits / (hits + len(tokens)))
     times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    members = [[e for e in tokens if (chance[e] >= 0.5) == hot] for hot in (False, True)]
-    classes = [heapq.nsmallest(most, c, key=lambda e: (times[tokens[e]], tokens[e], e)) for c in members]
+    members: list[list[int]] = [[], []]
+    for e in tokens:  # in the misses' order
+        members[chance[e] >= 0.5].append(e)
+
+    def key(e: int) -> tuple:
+        return times[tokens[e]], tokens[e], e
+
+    classes = [heapq.nsmallest(most, c, key=key) if most < len(c) else sorted(c, key=key) for c in members]
     return chance, times, members, classes
 
 
-def no_room(misses: int, hits: int, rows: int, expert_bytes: int, costs: MissCosts) -> bool:
-    """True when ``cpu_room`` finds no room for every forward of ``misses`` misses of at most ``rows`` rows
-    each beside ``hits`` hits: its scan with every CPU time at the least ``cpu_time`` over 1..``rows`` rows
-    (at 1, at ``rows`` or at a table point between: ``cpu_time`` is linear between them), which any s
-    misses' times sum to at least. Depends on the counts only, so a caller may keep the answer per
-    (misses, hits, rows) for one costs (``plan.Proofs``)."""
-    if misses < 1:
-        return True
-    cheapest = min({1, rows} | {r for r, _ in costs.cpu_rows_s if r <= rows}, key=costs.cpu_time)
-    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, misses, expert_bytes, costs)
-    return cpu_room(dict.fromkeys(range(misses), cheapest), hits, expert_bytes, costs, limit_s) is None
-
-
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
-                   reuse: dict[int, float] | None = None) -> list[int]:
+                   reuse: dict[int, float] | None = None, prepared: Prepared | None = None) -> list[int]:
     """The misses every split ``split_misses`` can return fetches (sorted): all of them where ``cpu_room``
     finds no room, else all but each class's ``most`` cheapest (the CPU takes the cheapest of a class first,
-    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search."""
-    limit_s = (1.0 - costs.hysteresis) * gpu_only(tokens, expert_bytes, costs, hits).cost_s
-    room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
-    if room is None:
+    and no more than room's ``most`` CPU experts in all). Their copies can be issued before the search.
+    ``prepared`` as ``split_misses`` takes it."""
+    p = prepared or prepare(tokens, hits, expert_bytes, costs, reuse)
+    if p.room is None:
         return sorted(tokens)
-    candidates = {e for c in _classes(tokens, hits, costs, reuse, room[1])[3] for e in c}
+    candidates = {e for c in p.classes[3] for e in c}
     return sorted(e for e in tokens if e not in candidates)
 
 
@@ -204,29 +223,11 @@ def cpu_room(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCo
     A split with s CPU experts costs at least max(G(n - s), C(s)): G the GPU side with n - s fetches and
     the CPU busy (``gpu_side_s``), C(s) = ``cpu_margin`` x (``cpu_step_s`` + the s least ``cpu_time`` of
     the misses) + (n - s) x ``issue_s``; the refetch charge is >= 0 and any s experts' CPU times sum to
-    at least the s least. G(f) is nondecreasing in f (G(0) the least), so once G(n - s) is within the
-    limit it stays so for every larger s; C rises with s where ``cpu_margin`` x the least CPU time is at
-    least ``issue_s`` (then the scan stops at the first s over the limit), else every s is priced.
+    at least the s least. G(f) is nondecreasing in f, so once G(n - s) is within the limit it stays so for
+    every larger s; C is convex in s (its steps, the sorted CPU times at the margin less ``issue_s``, rise),
+    so the s with C within the limit are an interval: ``bound.room_of`` finds its ends by bisection.
     Compared with a relative slack of 1e-9 (the search sums the same times in another order)."""
-    n = len(tokens)
-    if not n:
-        return None
-    by_rows = {t: costs.cpu_time(t) for t in set(tokens.values())}
-    times = sorted(by_rows[t] for t in tokens.values())
-    limit, margin, issue = limit_s * (1.0 + 1e-9), costs.cpu_margin, costs.issue_s
-    rising = margin * times[0] >= issue
-    lo = hi = 0
-    gpu_within, total = False, 0.0
-    for s in range(1, n + 1):
-        total += times[s - 1]
-        if margin * (costs.cpu_step_s + total) + (n - s) * issue > limit:
-            if rising:
-                break
-            continue
-        gpu_within = gpu_within or gpu_side_s(hits, n - s, expert_bytes, costs, True) <= limit
-        if gpu_within:
-            lo, hi = lo or s, s
-    return (lo, hi) if hi else None
+    return room_of(RowTimes.of(tokens, costs), hits, expert_bytes, costs, limit_s)
 
 
 def _cumulative(values: list[float]) -> list[float]:
