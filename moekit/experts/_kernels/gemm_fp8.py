@@ -41,6 +41,10 @@ weight scale of a K-step is one scalar, and the step's partial product is folded
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
+AHEAD (X_RAW in gate-up, H_FP32 in down): the activation tile quantized in the loop is loaded one K-step
+ahead, by hand: Triton's pipeliner streams only the loads that feed a dot, so the load of a tile that is
+quantized first would otherwise wait its whole latency inside every step.
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -105,7 +109,7 @@ def gate_up_fp8_kernel(
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
 ):
@@ -133,9 +137,16 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if X_RAW and AHEAD:  # x of K-step 0 (then each step loads the next one's: see AHEAD)
+        x_next = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_RAW and AHEAD:
+            xa = x_next
+            x_next = tl.load(x_ptrs + BLOCK_K * stride_xk, mask=row_ok[:, None] & (offs_k < K - k0 - BLOCK_K)[None, :],
+                             other=0.0)
+        else:
+            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if W_DESC:  # past K the descriptor reads zeros
             wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
         else:
@@ -183,7 +194,7 @@ def down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -214,9 +225,15 @@ def down_fp8_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if H_FP32 and AHEAD:  # h of step 0 (then each step loads the next one's: see AHEAD)
+        h_next = tl.load(h_ptrs, mask=row_ok[:, None] & (offs_red < N)[None, :], other=0.0)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
-        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        if H_FP32 and AHEAD:
+            ha = h_next
+            h_next = tl.load(h_ptrs + BLOCK_K, mask=row_ok[:, None] & (offs_red < N - n0 - BLOCK_K)[None, :], other=0.0)
+        else:
+            ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
         if W_DESC:  # rows past K are never stored, columns past N read 0
             wb = w_ptr.load([w_row, n0]).T  # [BK, BN]
         else:
