@@ -102,6 +102,30 @@ def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _first_ahead(ptrs, row_ok, offs, left, QUANT_HERE: tl.constexpr, AHEAD: tl.constexpr):
+    """Step 0's activation tile [BM, BK] (columns offs < left) where the loop quantizes it and loads it a step
+    ahead (AHEAD), else a placeholder the loop carries unread."""
+    first = 0.0
+    if QUANT_HERE and AHEAD:
+        first = tl.load(ptrs, mask=row_ok[:, None] & (offs < left)[None, :], other=0.0)
+    return first
+
+
+@triton.jit
+def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUANT_HERE: tl.constexpr,
+              AHEAD: tl.constexpr):
+    """(this K-step's activation tile [BM, BK] at ptrs, columns offs < left; what the next step gets as
+    ``ahead``): the tile loaded a step before and the next one (``step`` further) loaded now where the loop
+    quantizes it (AHEAD), else loaded now (``ahead`` passed on unread)."""
+    if QUANT_HERE and AHEAD:
+        tile = ahead
+        ahead = tl.load(ptrs + step, mask=row_ok[:, None] & (offs < left - BLOCK_K)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (offs < left)[None, :], other=0.0)
+    return tile, ahead
+
+
+@triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
@@ -137,16 +161,10 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if X_RAW and AHEAD:  # x of K-step 0 (then each step loads the next one's: see AHEAD)
-        x_next = tl.load(x_ptrs, mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        if X_RAW and AHEAD:
-            xa = x_next
-            x_next = tl.load(x_ptrs + BLOCK_K * stride_xk, mask=row_ok[:, None] & (offs_k < K - k0 - BLOCK_K)[None, :],
-                             other=0.0)
-        else:
-            xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        xa, x_next = _act_tile(x_ptrs, x_next, row_ok, offs_k, K - k0, BLOCK_K * stride_xk, BLOCK_K, X_RAW, AHEAD)
         if W_DESC:  # past K the descriptor reads zeros
             wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
         else:
@@ -225,15 +243,10 @@ def down_fp8_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if H_FP32 and AHEAD:  # h of step 0 (then each step loads the next one's: see AHEAD)
-        h_next = tl.load(h_ptrs, mask=row_ok[:, None] & (offs_red < N)[None, :], other=0.0)
+    h_next = _first_ahead(h_ptrs, row_ok, offs_red, N, H_FP32, AHEAD)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
-        if H_FP32 and AHEAD:
-            ha = h_next
-            h_next = tl.load(h_ptrs + BLOCK_K, mask=row_ok[:, None] & (offs_red < N - n0 - BLOCK_K)[None, :], other=0.0)
-        else:
-            ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        ha, h_next = _act_tile(h_ptrs, h_next, row_ok, offs_red, N - n0, BLOCK_K, BLOCK_K, H_FP32, AHEAD)
         if W_DESC:  # rows past K are never stored, columns past N read 0
             wb = w_ptr.load([w_row, n0]).T  # [BK, BN]
         else:
@@ -245,8 +258,7 @@ def down_fp8_kernel(
         hs_ptrs += 1
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    acc = acc * weight[:, None]
+    acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # x routed weight
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:
