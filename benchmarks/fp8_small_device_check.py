@@ -29,7 +29,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -55,7 +55,8 @@ ROTATION_BYTES = 256 << 20
 class Variant:
     """One way to run a cell. tiles: (BLOCK_M, GROUP_M, up (BN, warps, stages), down (BN, warps, stages)),
     BLOCK_K 128; None: the plan's. route: "triton" (``fused_experts_fp8_launch``), "gluon" (the fp8 Gluon
-    path), "backend" (the ``triton`` backend on Fp8BlockWeight: its own choice of the two)."""
+    path; ``gluon``: (GEMM "up" or "down", Fp8GluonTile field, value) changes of its default pipelines),
+    "backend" (the ``triton`` backend on Fp8BlockWeight: its own choice of the two)."""
 
     name: str
     tiles: tuple | None = None
@@ -63,6 +64,7 @@ class Variant:
     x_in: bool | None = None
     ahead: bool = True
     route: str = "triton"
+    gluon: tuple = ()
 
     def kernel_config(self):
         from moekit.experts.configs import GemmTile, KernelConfig
@@ -102,7 +104,10 @@ def variants(preset: str, m: int) -> list[Variant]:
             _t(32, 1, (128, 4, 4), (128, 4, 4)), _t(32, 8, (128, 4, 4), (128, 4, 4)), _t(32, 8, (128, 4, 4), (128, 4, 4), False),
             _t(16, 1, (128, 4, 4), (128, 4, 4), False), _t(16, 1, (64, 4, 4), (64, 4, 4), x_in=True)]
     if m >= 1024:  # Qwen3 tuned: m64g8 u128/8w4s d128/4w4s tma; Mixtral: m128g8 u128/8w3s d128/8w4s ptr, Gluon by default
-        return [Variant("default"), Variant("backend", route="backend"), Variant("gluon", route="gluon"),
+        gluon = [Variant(f"gluon {g} {k}={v}", route="gluon", gluon=((g, k, v),)) for g, k, v in (
+            ("up", "stages", 4), ("up", "group_m", 4), ("up", "group_m", 16), ("down", "stages", 4),
+            ("down", "group_m", 16), ("down", "pingpong", True), ("up", "stagger", True))]
+        return [Variant("default"), Variant("backend", route="backend"), Variant("gluon", route="gluon"), *gluon,
                 _t(64, 8, (128, 8, 4), (128, 4, 4)), _t(64, 8, (128, 8, 4), (128, 4, 4), False),
                 _t(64, 1, (128, 8, 4), (128, 4, 4)), _t(64, 16, (128, 8, 4), (128, 4, 4)),
                 _t(64, 32, (128, 8, 4), (128, 4, 4)), _t(64, 8, (128, 8, 3), (128, 4, 3)),
@@ -131,7 +136,13 @@ def run_variant(v: Variant, t, w13, w2):
     if v.route == "gluon":
         from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
-        return experts_gluon_fp8(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights)
+        from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+
+        tiles = {"up": UP_TILE, "down": DOWN_TILE}
+        for gemm, name, value in v.gluon:
+            tiles[gemm] = replace(tiles[gemm], **{name: value})
+        return experts_gluon_fp8(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights, up=tiles["up"],
+                                 down=tiles["down"])
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
     return fused_experts_fp8_launch(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights,
