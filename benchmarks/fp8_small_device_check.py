@@ -7,7 +7,8 @@ Cells: Qwen3-30B-A3B M = 1 / 8 / 64 / 1024, DeepSeek-V3 M = 1 / 8, Mixtral-8x7B 
 routing, random e4m3 weights with random 128 x 128 block scales). Per cell the plan's default (tuned file or
 heuristic) and the variants of ``variants``: tiles (BLOCK_M, GROUP_M, each GEMM's BLOCK_N / warps / stages),
 weights through TMA or pointers, x quantized inside the gate-up GEMM (one launch fewer), the in-loop
-quantized tiles loaded a K-step ahead or not (``gemm_fp8``'s AHEAD), and at M = 1024 the fp8 Gluon path and
+quantized tiles loaded a K-step ahead or not (``gemm_fp8``'s AHEAD), weights prefetched into L2 before the PDL wait
+(PREWARM, the tiny-batch shortcut only), and at M = 1024 the fp8 Gluon path and
 the ``triton`` backend's own choice (what ``moekit bench`` times). Each variant's output on the cell's first
 input set is checked against the ``reference`` backend (``experts_fp8_block_reference``: the recipe), rel L2
 < 2e-2, and compared bit for bit with the default's; then timed by CUDA-graph replay over rotated inputs
@@ -63,6 +64,7 @@ class Variant:
     tma: bool | None = None
     x_in: bool | None = None
     ahead: bool = True
+    prewarm: int = 0  # K-steps of weights prefetched into L2 before the PDL wait (``gemm_fp8``'s PREWARM)
     route: str = "triton"
     gluon: tuple = ()
 
@@ -85,6 +87,9 @@ def variants(preset: str, m: int) -> list[Variant]:
     """The default first; then per cell what might beat it (the tuned entry named in each comment)."""
     base = [Variant("default"), Variant("default x-in", x_in=True), Variant("default x-in ahead-off", x_in=True,
                                                                              ahead=False)]
+    if m == 1 or preset == "deepseek-v3":  # the tiny-batch shortcut: PREWARM applies
+        base += [Variant(f"default prewarm{p}", prewarm=p) for p in (4, 8, 16)]
+        base += [Variant("default x-in prewarm8", x_in=True, prewarm=8)]
     if preset == "qwen3-30b-a3b" and m == 1:  # tuned: m16 u64/4w4s d128/4w4s tma (h float32: AHEAD in down)
         return base + [Variant("default ahead-off", ahead=False)] + [
             _t(16, 1, (32, 4, 4), (128, 4, 4)), _t(16, 1, (32, 4, 4), (64, 4, 4)), _t(16, 1, (64, 4, 4), (64, 4, 4)),
@@ -146,7 +151,8 @@ def run_variant(v: Variant, t, w13, w2):
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
     return fused_experts_fp8_launch(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights,
-                                    config=v.kernel_config(), weight_tma=v.tma, x_in_gate_up=v.x_in, ahead=v.ahead)
+                                    config=v.kernel_config(), weight_tma=v.tma, x_in_gate_up=v.x_in, ahead=v.ahead,
+                                    prewarm=v.prewarm)
 
 
 def shape_of(preset: str):

@@ -2,11 +2,12 @@
 
     python benchmarks/fp8_small_install.py RESULTS.json [--write] [--margin 0.02]
 
-Per cell: the fastest Triton variant that passed and loads ahead (AHEAD is the kernels' default, not an
-entry's), against the default; where it is faster by more than ``margin`` the cell's entry (key M) becomes
-its tiles, "weight_tma" and "x_in_gate_up" (a "default x-in" winner keeps the entry's tiles and adds the
-switch). Rows the entries cannot express are reported only: AHEAD off faster, the Gluon path or the
-backend's choice faster than the best Triton variant (``Fp8GluonChoice`` decides that).
+Per cell: the fastest Triton variant that passed, loads ahead and does not prewarm (AHEAD and PREWARM are
+the plan's arguments, not an entry's), against the default; where it is faster by more than ``margin`` the
+cell's entry (key M) becomes its tiles, "weight_tma" and "x_in_gate_up" (a "default x-in" winner keeps the
+entry's tiles and adds the switch). Rows the entries cannot express are reported only: AHEAD off or PREWARM
+on faster, the Gluon path or the backend's choice faster than the best Triton variant (``Fp8GluonChoice``
+decides that).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> int:
         if default is None or not triton:
             print(f"{preset} M={m}: no default or no Triton variant timed")
             continue
-        best = min((r for r in triton if r["spec"]["ahead"]), key=lambda r: r["us"])
+        best = min((r for r in triton if r["spec"]["ahead"] and not r["spec"].get("prewarm")), key=lambda r: r["us"])
         fastest = min(rows, key=lambda r: r["us"])
         if fastest is not best:
             print(f"{preset} M={m}: fastest {fastest['variant']} {fastest['us']:.1f} us (not an entry's choice); "

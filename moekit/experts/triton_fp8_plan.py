@@ -62,17 +62,18 @@ class Fp8Plan:
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
-    # expert_map (read by a folded alignment only)
+    # expert_map (read by a folded alignment only), w13_q itself (where prewarm, else None)
     gate_up: BoundLaunch
     # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded,
-    # then None, None, None (down_sum's out, counters, expert_map)
+    # then None, None, None (down_sum's out, counters, expert_map), w2_q itself (where prewarm, else None)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out; ordered (the fold's order)
     # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule; else None); pointers: down's
-    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one)
+    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one), w2_q
     down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
+    prewarm: bool = False  # the GEMMs get the weights themselves too (``gemm_fp8``'s PREWARM)
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -171,7 +172,7 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True, prewarm: int = 0) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch, else never (measured on the H200 at M = 1, the tiny-batch shortcut, before AHEAD: its own
@@ -179,25 +180,27 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
-    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs)."""
+    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``prewarm``:
+    K-steps of weights each GEMM program prefetches into L2 before its PDL wait where ``gemm_fp8``'s PREWARM
+    rule allows (the tiny-batch shortcut, contiguous weights, the GPU; 0: none)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, prewarm)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead)
+                                        options, x_in_gate_up, weight_tma, ahead, prewarm)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True) -> Fp8Plan:
+               ahead: bool = True, prewarm: int = 0) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -228,6 +231,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
     up = config.up
+    if not (naive and not emulate and all(w.is_contiguous() for w in (w13_q, w2_q))):
+        prewarm = 0  # gemm_fp8's PREWARM rule; the gate-up GEMM only behind the x quantization kernel
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
         config=config, align=align,
@@ -237,11 +242,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, PREWARM=0 if x_raw else prewarm),
+                                fold),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
+                          dict(shared, ONE_BLOCK=down_one, PREWARM=prewarm)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
-                              ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
+        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
+                              dict(shared, ONE_BLOCK=down_one, PREWARM=prewarm), ksum=(num_tokens, top_k, expert_map))
+        if ksum_counters else None, prewarm=prewarm > 0,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
@@ -271,7 +279,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     fold = dict(fold)
     num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 12,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
          cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
@@ -290,7 +298,7 @@ def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num
         shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
         programs += cdiv(num_tokens, ZERO_TOKENS)
     return BoundLaunch(
-        kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
+        kernels("gemm_fp8").down_fp8_kernel, (programs,), 14,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
