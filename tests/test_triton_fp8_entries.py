@@ -81,14 +81,18 @@ def test_x_in_gate_up_switch_reaches_the_plan(fp8, config_file):
     assert rel_l2(out, twin) < FLIP_TOL
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_ahead_loads_equal_the_plain_ones(fp8, m):
+@pytest.mark.parametrize("m,mapped", [(1, False), (5, False), (6, True)])
+def test_ahead_loads_equal_the_plain_ones(fp8, m, mapped):
     """NARROW: the gate-up tile (32) below the group (128), so h goes float32 and the down GEMM quantizes it
-    in its loop; x quantized inside gate-up; K = 160 and N = 96 end in partial steps."""
-    x, _, quantized, ids, weights = problem(m, 2, SHAPE, BLOCK, seed=72 + m)
-    args = (x, *quantized, ids, weights, None, BLOCK, NARROW, POISON, True)
+    in its loop; x quantized inside gate-up; K = 160 and N = 96 end in partial steps; mapped: 7 global
+    experts, the 4 local ones among them, ids with -1 (the aligned layout, not the shortcut)."""
+    x, _, quantized, ids, weights = problem(m, 2, SHAPE, BLOCK, seed=72 + m, num_global=7 if mapped else None)
+    expert_map = None
+    if mapped:
+        expert_map = torch.full((7,), -1, dtype=torch.int32)
+        expert_map[torch.tensor([5, 0, 3, 6])] = torch.arange(4, dtype=torch.int32)
+    args = (x, *quantized, ids, weights, expert_map, BLOCK, NARROW, POISON, True)
     ahead = fp8.fused_experts_fp8_launch(*args, ahead=True)
-    plain = fp8.fused_experts_fp8_launch(*args, ahead=False)
-    assert torch.equal(ahead, plain)
-    twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, block_shape=BLOCK)
+    assert torch.equal(ahead, fp8.fused_experts_fp8_launch(*args, ahead=False))
+    twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, expert_map=expert_map, block_shape=BLOCK)
     assert rel_l2(ahead, twin) < FLIP_TOL
