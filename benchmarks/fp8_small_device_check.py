@@ -64,7 +64,7 @@ class Variant:
     tma: bool | None = None
     x_in: bool | None = None
     ahead: bool = True
-    prewarm: int = 0  # K-steps of weights prefetched into L2 before the PDL wait (``gemm_fp8``'s PREWARM)
+    prewarm: int | None = None  # K-steps prefetched into L2 before the PDL wait (PREWARM); None: the plan's
     route: str = "triton"
     gluon: tuple = ()
 

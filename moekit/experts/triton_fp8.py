@@ -171,7 +171,7 @@ def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-    ahead: bool = True, prewarm: int = 0,
+    ahead: bool = True, prewarm: int | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,

@@ -46,6 +46,9 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 # against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
 # Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
 TMA_MAX_BLOCK_M = 16
+# K-steps of weights each GEMM program of the tiny-batch shortcut prefetches into L2 before its PDL wait
+# (``gemm_fp8``'s PREWARM); 0: none. Not yet measured on the H200 (benchmarks/fp8_small_device_check.py).
+PREWARM_STEPS = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,7 +175,7 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True, prewarm: int = 0) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True, prewarm: int | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch, else never (measured on the H200 at M = 1, the tiny-batch shortcut, before AHEAD: its own
@@ -182,7 +185,7 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
     load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``prewarm``:
     K-steps of weights each GEMM program prefetches into L2 before its PDL wait where ``gemm_fp8``'s PREWARM
-    rule allows (the tiny-batch shortcut, contiguous weights, the GPU; 0: none)."""
+    rule allows (the tiny-batch shortcut, contiguous weights, the GPU; 0: none; None: ``PREWARM_STEPS``)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
@@ -200,7 +203,7 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True, prewarm: int = 0) -> Fp8Plan:
+               ahead: bool = True, prewarm: int | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
@@ -231,6 +234,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
     up = config.up
+    prewarm = PREWARM_STEPS if prewarm is None else prewarm
     if not (naive and not emulate and all(w.is_contiguous() for w in (w13_q, w2_q))):
         prewarm = 0  # gemm_fp8's PREWARM rule; the gate-up GEMM only behind the x quantization kernel
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
