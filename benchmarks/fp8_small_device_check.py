@@ -345,7 +345,8 @@ def main() -> int:
             cell.floor_us = floor_us(cell.shape, cell.M, cell.touched, ceilings)
         print(f"[{speed.elapsed():5.1f}s] copy {ceilings.copy_TBps:.2f} TB/s, fp8 mm {ceilings.fp8_mm_TFLOPs} TFLOP/s",
               flush=True)
-    jobs = [(c, 0) for c in cells] + [(c, i) for c in cells for i in range(1, len(variants(c.preset, _real_m(c))))]
+    # every default first, then the variants round-robin over the cells (a cut at DEADLINE_S leaves each cell some)
+    jobs = sorted(((c, i) for c in cells for i in range(len(variants(c.preset, _real_m(c))))), key=lambda j: j[1])
     rows: dict[tuple, list[Row]] = {(c.preset, c.M): [] for c in cells}
     for cell, i in jobs:
         v = variants(cell.preset, _real_m(cell))[i]
