@@ -29,7 +29,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -40,6 +39,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 import fp8_speed_device_check as speed  # noqa: E402  (its T0 is this run's start too)
+from fp8_small_variants import Variant, variants  # noqa: E402
 
 DEADLINE_S = 138.0  # stop timing here (the lead's limit is 150 s)
 speed.WORKER_DEADLINE_S = 75.0  # compile workers still running then are stopped (their rest is skipped)
@@ -50,86 +50,6 @@ CELLS = (("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 8), ("qwen3-30b-a3b", 64), ("qw
 SMOKE_M = {1: 1, 8: 5, 64: 12, 1024: 40}  # the tiny shapes' M for each cell's M
 TOLERANCE = 2e-2
 ROTATION_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to run a cell. tiles: (BLOCK_M, GROUP_M, up (BN, warps, stages), down (BN, warps, stages)),
-    BLOCK_K 128; None: the plan's. route: "triton" (``fused_experts_fp8_launch``), "gluon" (the fp8 Gluon
-    path; ``gluon``: (GEMM "up" or "down", Fp8GluonTile field, value) changes of its default pipelines),
-    "backend" (the ``triton`` backend on Fp8BlockWeight: its own choice of the two)."""
-
-    name: str
-    tiles: tuple | None = None
-    tma: bool | None = None
-    x_in: bool | None = None
-    ahead: bool = True
-    prewarm: int | None = None  # K-steps prefetched into L2 before the PDL wait (PREWARM); None: the plan's
-    route: str = "triton"
-    gluon: tuple = ()
-
-    def kernel_config(self):
-        from moekit.experts.configs import GemmTile, KernelConfig
-
-        if self.tiles is None:
-            return None
-        block_m, group_m, up, down = self.tiles
-        return KernelConfig(block_m, GemmTile(up[0], 128, group_m, up[1], up[2]),
-                            GemmTile(down[0], 128, group_m, down[1], down[2]))
-
-
-def _t(bm: int, gm: int, up: tuple, down: tuple, tma: bool | None = True, x_in: bool | None = None) -> Variant:
-    name = f"m{bm}g{gm} u{up[0]}/{up[1]}w{up[2]}s d{down[0]}/{down[1]}w{down[2]}s" + ("" if tma else " ptr")
-    return Variant(name + (" x-in" if x_in else ""), (bm, gm, up, down), tma, x_in)
-
-
-def variants(preset: str, m: int) -> list[Variant]:
-    """The default first; then per cell what might beat it (the tuned entry named in each comment)."""
-    base = [Variant("default"), Variant("default x-in", x_in=True), Variant("default x-in ahead-off", x_in=True,
-                                                                             ahead=False)]
-    if m == 1 or preset == "deepseek-v3":  # the tiny-batch shortcut: PREWARM applies
-        base += [Variant(f"default prewarm{p}", prewarm=p) for p in (4, 8, 16)]
-        base += [Variant("default x-in prewarm8", x_in=True, prewarm=8)]
-    if preset == "qwen3-30b-a3b" and m == 1:  # tuned: m16 u64/4w4s d128/4w4s tma (h float32: AHEAD in down)
-        return base + [Variant("default ahead-off", ahead=False)] + [
-            _t(16, 1, (32, 4, 4), (128, 4, 4)), _t(16, 1, (32, 4, 4), (64, 4, 4)), _t(16, 1, (64, 4, 4), (64, 4, 4)),
-            _t(16, 1, (64, 4, 4), (32, 4, 4)), _t(16, 1, (64, 4, 3), (128, 4, 3)), _t(16, 1, (64, 4, 4), (128, 4, 4), False),
-            _t(16, 1, (128, 4, 4), (128, 4, 4)), _t(16, 1, (128, 4, 4), (64, 4, 4)), _t(16, 1, (32, 4, 3), (64, 4, 3)),
-            _t(16, 1, (128, 4, 4), (128, 4, 4), x_in=True), _t(16, 1, (32, 4, 4), (64, 4, 4), x_in=True),
-            _t(16, 1, (64, 4, 4), (64, 4, 4), x_in=True), _t(16, 1, (128, 4, 3), (64, 4, 3), x_in=True)]
-    if preset == "qwen3-30b-a3b" and m == 8:  # tuned: m16 u128/4w4s d128/4w4s tma; the alignment folded
-        return base + [
-            _t(16, 1, (64, 4, 4), (128, 4, 4)), _t(16, 1, (64, 4, 4), (64, 4, 4)), _t(16, 1, (32, 4, 4), (128, 4, 4)),
-            _t(16, 1, (128, 4, 4), (64, 4, 4)), _t(16, 1, (128, 4, 3), (128, 4, 3)), _t(16, 1, (128, 4, 4), (128, 4, 4), False),
-            _t(16, 1, (64, 4, 4), (128, 4, 4), x_in=True), _t(16, 1, (128, 4, 3), (64, 4, 3), x_in=True),
-            _t(16, 1, (128, 4, 2), (128, 4, 2))]
-    if preset == "qwen3-30b-a3b" and m == 64:  # tuned: m16 u128/4w4s d128/4w4s tma
-        return base + [
-            _t(16, 1, (64, 4, 4), (128, 4, 4)), _t(16, 1, (128, 4, 4), (64, 4, 4)), _t(16, 1, (128, 4, 3), (128, 4, 3)),
-            _t(32, 1, (128, 4, 4), (128, 4, 4)), _t(32, 8, (128, 4, 4), (128, 4, 4)), _t(32, 8, (128, 4, 4), (128, 4, 4), False),
-            _t(16, 1, (128, 4, 4), (128, 4, 4), False), _t(16, 1, (64, 4, 4), (64, 4, 4), x_in=True)]
-    if m >= 1024:  # Qwen3 tuned: m64g8 u128/8w4s d128/4w4s tma; Mixtral: m128g8 u128/8w3s d128/8w4s ptr, Gluon by default
-        gluon = [Variant(f"gluon {g} {k}={v}", route="gluon", gluon=((g, k, v),)) for g, k, v in (
-            ("up", "stages", 4), ("up", "group_m", 4), ("up", "group_m", 16), ("down", "stages", 4),
-            ("down", "group_m", 16), ("down", "pingpong", True), ("up", "stagger", True))]
-        return [Variant("default"), Variant("backend", route="backend"), Variant("gluon", route="gluon"), *gluon,
-                _t(64, 8, (128, 8, 4), (128, 4, 4)), _t(64, 8, (128, 8, 4), (128, 4, 4), False),
-                _t(64, 1, (128, 8, 4), (128, 4, 4)), _t(64, 16, (128, 8, 4), (128, 4, 4)),
-                _t(64, 32, (128, 8, 4), (128, 4, 4)), _t(64, 8, (128, 8, 3), (128, 4, 3)),
-                _t(64, 8, (128, 8, 4), (128, 8, 4)), _t(64, 8, (128, 8, 4), (64, 4, 4)),
-                _t(32, 8, (128, 4, 4), (128, 4, 4)), _t(32, 8, (128, 4, 4), (128, 4, 4), False),
-                _t(128, 8, (128, 8, 3), (128, 8, 4), False), _t(128, 8, (128, 8, 3), (128, 8, 4)),
-                _t(128, 16, (128, 8, 3), (128, 8, 4), False), _t(128, 8, (128, 8, 4), (128, 8, 4), False),
-                _t(64, 8, (128, 8, 4), (128, 4, 4), x_in=True)]
-    if preset == "deepseek-v3":  # tuned: m16 u128/4w5s d64/4w3s (M=8: d64/4w5s), TMA by the rule
-        return base + [
-            _t(16, 1, (128, 4, 4), (64, 4, 4)), _t(16, 1, (128, 4, 6), (64, 4, 5)), _t(16, 1, (64, 4, 5), (64, 4, 5)),
-            _t(16, 1, (128, 4, 5), (128, 4, 5)), _t(16, 1, (128, 4, 5), (32, 4, 5)), _t(16, 1, (256, 4, 4), (64, 4, 4)),
-            _t(16, 1, (128, 4, 5), (64, 4, 5), False), _t(16, 1, (128, 4, 5), (64, 4, 5), x_in=True)]
-    return base + [  # Mixtral M=1, tuned: m16 u128/4w5s d32/4w5s tma
-        _t(16, 1, (64, 4, 5), (32, 4, 5)), _t(16, 1, (32, 4, 5), (32, 4, 5)), _t(16, 1, (128, 4, 6), (32, 4, 6)),
-        _t(16, 1, (128, 4, 4), (32, 4, 4)), _t(16, 1, (128, 4, 5), (64, 4, 5)), _t(16, 1, (64, 4, 5), (64, 4, 5)),
-        _t(16, 1, (256, 4, 4), (32, 4, 4)), _t(16, 1, (64, 4, 5), (32, 4, 5), x_in=True)]
 
 
 def run_variant(v: Variant, t, w13, w2):
@@ -356,6 +276,7 @@ def main() -> int:
         rows[(cell.preset, cell.M)].append(row)
         print_row(row)
     report(cells, rows)
+    kernels = {} if SMOKE else breakdowns(cells, rows, weights)
     failed = [f"{r.preset} M={r.M} {r.variant}" for rs in rows.values() for r in rs if r.status.startswith("FAIL")]
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
@@ -365,9 +286,24 @@ def main() -> int:
              "compile": {" ".join(map(str, k)): v for k, v in status.items()},
              "cells": [{"preset": c.preset, "M": c.M, "floor_us": c.floor_us,
                         "rows": [asdict(r) for r in rows[(c.preset, c.M)]]} for c in cells],
-             "failed": failed, "seconds": speed.elapsed()}, indent=1) + "\n")
+             "kernels": kernels, "failed": failed, "seconds": speed.elapsed()}, indent=1) + "\n")
     print(f"FAILED: {failed or 'none'}  ({speed.elapsed():.1f} s)", flush=True)
     return 1 if failed else 0
+
+
+def breakdowns(cells: list[Cell], rows: dict, weights: dict) -> dict:
+    """At M <= 8 (until DEADLINE_S + 6 s): each kernel's device µs, eager, of the default and the fastest variant."""
+    from fp8_kernel_breakdown import describe, kernel_breakdown
+
+    found = {}
+    for c in (c for c in cells if c.M <= 8 and speed.elapsed() < DEADLINE_S + 6):
+        timed = sorted((r for r in rows[(c.preset, c.M)] if r.us is not None), key=lambda r: r.variant != "default")
+        for r in timed[:1] + sorted(timed[1:], key=lambda r: r.us)[:1]:
+            v = next(v for v in variants(c.preset, _real_m(c)) if v.name == r.variant)
+            line = describe(kernel_breakdown(lambda: run_variant(v, c.sets[0], *weights[c.preset])))
+            found[f"{c.preset} {c.M} {v.name}"] = line
+            print(f"kernels {c.preset} M={c.M} {v.name} (graph {r.us:.1f} us): {line}", flush=True)
+    return found
 
 
 def _real_m(cell: Cell) -> int:
