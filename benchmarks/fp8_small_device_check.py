@@ -5,16 +5,17 @@
 
 Cells: Qwen3-30B-A3B M = 1 / 8 / 64 / 1024, DeepSeek-V3 M = 1 / 8, Mixtral-8x7B M = 1 / 1024 (bf16 x, uniform
 routing, random e4m3 weights with random 128 x 128 block scales). Per cell the plan's default (tuned file or
-heuristic) and the variants of ``variants``: tiles (BLOCK_M, GROUP_M, each GEMM's BLOCK_N / warps / stages),
-weights through TMA or pointers, x quantized inside the gate-up GEMM (one launch fewer), the in-loop
-quantized tiles loaded a K-step ahead or not (``gemm_fp8``'s AHEAD), weights prefetched into L2 before the PDL wait
-(PREWARM, the tiny-batch shortcut only), and at M = 1024 the fp8 Gluon path and
-the ``triton`` backend's own choice (what ``moekit bench`` times). Each variant's output on the cell's first
-input set is checked against the ``reference`` backend (``experts_fp8_block_reference``: the recipe), rel L2
-< 2e-2, and compared bit for bit with the default's; then timed by CUDA-graph replay over rotated inputs
-(``fp8_speed_device_check.time_graph``), and at M <= 64 the default and the x-in-gate-up variants eagerly
-too (host µs per call, the launch path without the lean fast path for both). % of the fp8 floor per cell
-(``fp8_device_check.floor_us``: copy bandwidth and ``torch._scaled_mm`` measured in this run).
+heuristic) and the variants of ``fp8_small_variants.variants``: tiles (BLOCK_M, GROUP_M, each GEMM's BLOCK_N /
+warps / stages), weights through TMA or pointers, x quantized inside the gate-up GEMM (one launch fewer), the
+in-loop quantized tiles loaded a K-step ahead or not (``gemm_fp8``'s AHEAD), at M = 1024 the fp8 Gluon path,
+and the ``triton`` backend's own choice (what ``moekit bench`` times; at M <= 8 also with the tuned entry's
+"x_in_gate_up" set, which only eager calls follow). Each variant's output on the cell's first input set is
+checked against the ``reference`` backend (``experts_fp8_block_reference``: the recipe), rel L2 < 2e-2, and
+compared bit for bit with the default's; then timed by CUDA-graph replay over rotated inputs
+(``fp8_speed_device_check.time_graph``), and at M <= 64 the default, x-in and backend variants eagerly too
+(host and wall µs per call). % of the fp8 floor per cell (``fp8_device_check.floor_us``: copy bandwidth and
+``torch._scaled_mm`` measured in this run). At M <= 8, each kernel's eager device µs of the default and the
+fastest variant (``fp8_kernel_breakdown``).
 
 Compile: WORKERS subprocesses run every variant once on zero weights (Triton's disk cache; a compiler crash
 takes down a worker, never this process) while this process builds weights, inputs and references. Then the
@@ -29,7 +30,9 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -61,18 +64,39 @@ def run_variant(v: Variant, t, w13, w2):
     if v.route == "gluon":
         from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 
-        from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
-
-        tiles = {"up": UP_TILE, "down": DOWN_TILE}
-        for gemm, name, value in v.gluon:
-            tiles[gemm] = replace(tiles[gemm], **{name: value})
-        return experts_gluon_fp8(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights, up=tiles["up"],
-                                 down=tiles["down"])
+        return experts_gluon_fp8(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights)
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
     return fused_experts_fp8_launch(t.x, w13.q, w13.scale, w2.q, w2.scale, t.topk_ids, t.topk_weights,
-                                    config=v.kernel_config(), weight_tma=v.tma, x_in_gate_up=v.x_in, ahead=v.ahead,
-                                    prewarm=v.prewarm)
+                                    config=v.kernel_config(), weight_tma=v.tma, x_in_gate_up=v.x_in, ahead=v.ahead)
+
+
+@contextmanager
+def entry_switch(v: Variant, preset: str, m: int):
+    """For ``v.entry_x_in``: the packaged H200 file of ``preset`` with "x_in_gate_up" set in the entry M uses,
+    from a temporary MOEKIT_CONFIG_DIR (caches cleared around); else nothing."""
+    if not v.entry_x_in:
+        yield
+        return
+    from moekit.experts.configs import PACKAGED_DIR, clear_config_cache
+    from moekit.experts.triton import clear_launch_caches
+    from moekit.experts.triton_fp8_plan import config_file_name
+
+    s = shape_of(preset)
+    name = config_file_name(s.num_experts, s.n, s.k, "NVIDIA_H200")
+    doc = json.loads((PACKAGED_DIR / name).read_text())
+    doc["configs"][min(doc["configs"], key=lambda k: (abs(int(k) - m), int(k)))]["x_in_gate_up"] = True
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / name).write_text(json.dumps(doc))
+        os.environ["MOEKIT_CONFIG_DIR"] = tmp
+        clear_config_cache()
+        clear_launch_caches()
+        try:
+            yield
+        finally:
+            del os.environ["MOEKIT_CONFIG_DIR"]
+            clear_config_cache()
+            clear_launch_caches()
 
 
 def shape_of(preset: str):
@@ -121,9 +145,9 @@ def worker_main(tasks: list) -> None:
             held[preset] = fp8_weights(shape_of(preset), dev, zeros=True)
         print(f"START {preset} {m} {i}", flush=True)
         try:
-            t = make_sets(shape_of(preset), SMOKE_M[m] if SMOKE else m, 1, torch.bfloat16, dev)[0]
-            run_variant(variants(preset, m)[i], t,
-                        *held[preset])
+            t, v = make_sets(shape_of(preset), SMOKE_M[m] if SMOKE else m, 1, torch.bfloat16, dev)[0], variants(preset, m)[i]
+            with entry_switch(v, preset, m):
+                run_variant(v, t, *held[preset])
             if not SMOKE:
                 torch.cuda.synchronize()
             print(f"OK {preset} {m} {i}", flush=True)
@@ -159,7 +183,8 @@ class Row:
     spec: dict
     status: str  # "ok", "FAIL (rel_l2 ...)", "error: ...", "not compiled", "crashed in the compile worker", "no time"
     us: float | None = None
-    host_us: float | None = None  # eager host µs per call (M <= 64: default and x-in variants)
+    host_us: float | None = None  # eager host µs per call (M <= 64: default, x-in and backend variants)
+    eager_us: float | None = None  # eager wall µs per call (the same ones)
     rel_l2: float | None = None  # against the reference backend
     equal_default: bool | None = None  # bit-equal to the default variant's output
     pct_floor: float | None = None
@@ -209,33 +234,39 @@ def measure(v: Variant, i: int, cell: Cell, w, status: dict, dev) -> Row:
         row.status = "skipped (no Hopper here)"
         return row
     try:
-        out = run_variant(v, cell.sets[0], *w)
-        row.rel_l2 = speed.rel_l2(out, cell.ref)
-        if i == 0:
-            cell.default_out = out
-        elif cell.default_out is not None:
-            row.equal_default = bool(torch.equal(out, cell.default_out))
-        if not row.rel_l2 < TOLERANCE:
-            row.status = f"FAIL (rel_l2 {row.rel_l2:.2e})"
-            return row
-        if SMOKE:
-            return row
-        calls = [lambda t=t: run_variant(v, t, *w) for t in cell.sets]
-        row.us = speed.time_graph(lambda t: run_variant(v, t, *w), cell.sets, dev)
-        row.pct_floor = 100 * cell.floor_us / row.us
-        if cell.M <= 64 and (i == 0 or v.x_in):
-            from moekit.bench.timing import time_eager
-
-            row.host_us = time_eager(calls, dev, repeats=3).host_us
+        with entry_switch(v, cell.preset, cell.M):
+            check_and_time(v, i, cell, w, row, dev)
     except Exception as e:  # noqa: BLE001  (one variant's failure never ends the run)
         row.status = f"error: {type(e).__name__}: {str(e)[:160]}".replace("\n", " ")
     return row
 
 
+def check_and_time(v: Variant, i: int, cell: Cell, w, row: Row, dev) -> None:
+    """``measure``'s work: the check against the reference, then graph µs, and eager µs where asked."""
+    out = run_variant(v, cell.sets[0], *w)
+    row.rel_l2 = speed.rel_l2(out, cell.ref)
+    if i == 0:
+        cell.default_out = out
+    elif cell.default_out is not None:
+        row.equal_default = bool(torch.equal(out, cell.default_out))
+    if not row.rel_l2 < TOLERANCE:
+        row.status = f"FAIL (rel_l2 {row.rel_l2:.2e})"
+        return
+    if SMOKE:
+        return
+    row.us = speed.time_graph(lambda t: run_variant(v, t, *w), cell.sets, dev)
+    row.pct_floor = 100 * cell.floor_us / row.us
+    if cell.M <= 64 and (i == 0 or v.x_in or v.route == "backend"):
+        from moekit.bench.timing import time_eager
+
+        timing = time_eager([lambda t=t: run_variant(v, t, *w) for t in cell.sets], dev, repeats=5)
+        row.host_us, row.eager_us = timing.host_us, timing.eager_us
+
+
 def print_row(r: Row) -> None:
     us = f"{r.us:9.1f}" if r.us is not None else "        -"
     pct = f"{r.pct_floor:5.0f}%" if r.pct_floor is not None else "     -"
-    host = f"{r.host_us:6.1f}" if r.host_us is not None else "     -"
+    host = f"{r.host_us:6.1f}/{r.eager_us:6.1f}" if r.host_us is not None else "     -/     -"
     err = f"{r.rel_l2:.1e}" if r.rel_l2 is not None else "-"
     eq = {True: "=", False: "~", None: " "}[r.equal_default]
     print(f"[{speed.elapsed():5.1f}s] {r.preset:<14}{r.M:>5} {r.variant:<40}{us}{pct} host{host} {err:>8}{eq} {r.status}",
@@ -311,7 +342,7 @@ def _real_m(cell: Cell) -> int:
 
 
 def report(cells: list[Cell], rows: dict) -> None:
-    print("\nevery variant (graph µs; % of floor; eager host µs; rel L2 vs reference, = bit-equal to default)")
+    print("\nevery variant (graph µs; % of floor; eager host/wall µs; rel L2 vs reference, = bit-equal to default)")
     for c in cells:
         for r in rows[(c.preset, c.M)]:
             print_row(r)

@@ -2,12 +2,13 @@
 
     python benchmarks/fp8_small_install.py RESULTS.json [--write] [--margin 0.02]
 
-Per cell: the fastest Triton variant that passed, loads ahead and does not prewarm (AHEAD and PREWARM are
-the plan's arguments, not an entry's), against the default; where it is faster by more than ``margin`` the
-cell's entry (key M) becomes its tiles, "weight_tma" and "x_in_gate_up" (a "default x-in" winner keeps the
-entry's tiles and adds the switch). Rows the entries cannot express are reported only: AHEAD off or PREWARM
-on faster, the Gluon path or the backend's choice faster than the best Triton variant (``Fp8GluonChoice``
-decides that).
+Per cell: the fastest Triton variant that passed and loads ahead (AHEAD is the plan's argument, not an
+entry's; run 1's PREWARM rows, a plan argument since removed, are left out too), against the default; where
+it is faster by more than ``margin`` the cell's entry (key M) becomes its tiles, "weight_tma" and
+"x_in_gate_up" (a "default x-in" winner keeps the entry's tiles and adds the switch). Rows the entries cannot
+express are reported only: AHEAD off faster, the Gluon path or the backend's choice faster than the best
+Triton variant (``Fp8GluonChoice`` decides that). The eager-only "x_in_gate_up" of the "backend entry x-in"
+rows is decided by hand from their eager wall µs.
 """
 
 from __future__ import annotations

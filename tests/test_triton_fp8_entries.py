@@ -1,6 +1,6 @@
 """The fp8 tuned files' optional per-entry switches (``triton_fp8_plan.read_entries``): "weight_tma" names
-the weight loads an entry was measured with, "x_in_gate_up" where x is quantized; the plan follows them
-where the caller does not choose, an entry without them keeps the rule (``TMA_MAX_BLOCK_M``; x in a
+the weight loads an entry was measured with, "x_in_gate_up" where x is quantized (eager calls only); the plan
+follows them where the caller does not choose, an entry without them keeps the rule (``TMA_MAX_BLOCK_M``; x in a
 kernel of its own), and a value that is not a bool is refused. The result stays the torch twin's, and
 the activation tiles loaded a K-step ahead (``gemm_fp8``'s AHEAD) give bit for bit the plain loads'
 (Triton's interpreter, tiny shapes)."""
@@ -74,6 +74,9 @@ def test_x_in_gate_up_switch_reaches_the_plan(fp8, config_file):
     config_file({"1": {**NARROW.to_dict(), "x_in_gate_up": True}, "9": TALL.to_dict()})
     assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON).quantize is None
     assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON, False).quantize is not None
+    # a CUDA graph capture keeps the quantization kernel (faster on the GPU; the switch saves host time only)
+    assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON,
+                      capturing=True).quantize is not None
     assert build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON).quantize is not None
     out = fp8.fused_experts_fp8(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], weights[:1], block_shape=BLOCK,
                                 options=POISON)

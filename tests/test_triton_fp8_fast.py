@@ -118,14 +118,3 @@ def test_descriptors_follow_an_in_place_weight_update(fp8):
     w2_q.copy_((w2_q.float() * -1).to(torch.float8_e4m3fn))  # e4m3 negates exactly
     after = fp8.fused_experts_fp8(x, w13_q, w13_s, w2_q, w2_s, ids, weights, options=TMA)
     torch.testing.assert_close(after, -before)
-
-
-def test_prewarm_only_where_it_can_run(fp8):
-    """PREWARM's L2 prefetch is inline PTX: the plan keeps it off under the interpreter (and off the
-    tiny-batch shortcut), and the call's result is the plain one's either way."""
-    x, _, quantized, ids, weights = problem(1, 2, SHAPE, BLOCK, seed=81)
-    plan = build_plan(x, *quantized, ids, None, BLOCK, CONFIGS[0], TMA, None, None, True, 8)
-    names = list(inspect.signature(plan.down.kernel.fn).parameters)
-    assert not plan.prewarm and plan.down.tail[names.index("PREWARM") - (len(names) - len(plan.down.tail))] == 0
-    args = (x, *quantized, ids, weights, None, BLOCK, CONFIGS[0], TMA)
-    assert torch.equal(fp8.fused_experts_fp8_launch(*args, prewarm=8), fp8.fused_experts_fp8_launch(*args))

@@ -171,14 +171,14 @@ def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-    ahead: bool = True, prewarm: int | None = None,
+    ahead: bool = True,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
     TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
-    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``prewarm``: ``plan_for``'s. Whatever the choices, the result is the same."""
+    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``: ``plan_for``'s. Whatever the choices, the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -187,7 +187,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up, weight_tma, ahead, prewarm)
+                    x_in_gate_up, weight_tma, ahead)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 
@@ -202,7 +202,7 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
     for launch, pointers in fp8_launches(plan, b, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                                         out, (w13_q, w2_q)):
+                                         out):
         launch(*pointers)
     return out
 
@@ -218,20 +218,18 @@ def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_sha
         w13_arg, w2_arg = pair.w13, pair.w2
 
     def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
-        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg,
-                            (w13_q, w2_q))
+        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg)
 
     return plan, _WORKSPACES, launches
 
 
 def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                 out, raw: tuple = (None, None)) -> list:
+                 out) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
     shortcut; hist and scan as one with the pool's counters where the plan has it), x quantized (unless gate-up
     does it), gate-up, down with the k-sum folded in (where the plan has it and ``b`` the pool's counters) or
     down and the k-sum. ``b``: the workspace's
-    regions; the weight arguments are tensors or the plan's descriptors; ``raw``: (w13_q, w2_q) themselves, which
-    the GEMMs get where the plan prewarms. Any argument may be a stand-in
+    regions; the weight arguments are tensors or the plan's descriptors. Any argument may be a stand-in
     (``triton_quant_fast`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     counters = b.get("counters")  # only a pool's workspace keeps them (never while a graph captures)
@@ -245,13 +243,12 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         launches.append((plan.quantize, (x, x_q, x_s)))
-    w13_raw, w2_raw = raw if plan.prewarm else (None, None)
-    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map, w13_raw)))
+    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
     down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
-        launches.append((plan.down_sum, (*down, out, counters, map_or_ids, w2_raw)))
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
     else:  # the same sums in the same order, bit for bit
-        launches.append((plan.down, (*down, None, None, None, w2_raw)))
+        launches.append((plan.down, (*down, None, None, None)))
         launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
     return launches
 

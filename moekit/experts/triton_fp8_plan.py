@@ -15,8 +15,9 @@ named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equ
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
 is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
-false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: x quantized inside the gate-up
-GEMM, no launch of its own; absent or false: its own kernel).
+false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
+inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
+host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -46,9 +47,6 @@ QUANT_ROWS = 16  # rows per program of the activation quantization kernel (one c
 # against pointers at M=1 22.2 / 116.8 / 124.9 µs against 23.8 / 121.9 / 115.2 (Qwen3 / DeepSeek-V3 /
 # Mixtral), at M=4096 908 / 8049 / 5213 against 667 / 5964 / 3909 (those configs spilled registers).
 TMA_MAX_BLOCK_M = 16
-# K-steps of weights each GEMM program of the tiny-batch shortcut prefetches into L2 before its PDL wait
-# (``gemm_fp8``'s PREWARM); 0: none. Not yet measured on the H200 (benchmarks/fp8_small_device_check.py).
-PREWARM_STEPS = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,18 +63,17 @@ class Fp8Plan:
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
-    # expert_map (read by a folded alignment only), w13_q itself (where prewarm, else None)
+    # expert_map (read by a folded alignment only)
     gate_up: BoundLaunch
     # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded,
-    # then None, None, None (down_sum's out, counters, expert_map), w2_q itself (where prewarm, else None)
+    # then None, None, None (down_sum's out, counters, expert_map)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out; ordered (the fold's order)
     # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule; else None); pointers: down's
-    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one), w2_q
+    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one)
     down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
-    prewarm: bool = False  # the GEMMs get the weights themselves too (``gemm_fp8``'s PREWARM)
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -117,7 +114,7 @@ def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
 class Fp8Entry:
     """One entry of a tuned file: the config, and the weight loads it was measured with where the file
     names them (the entry's optional "weight_tma" key; None: ``TMA_MAX_BLOCK_M`` decides), and where x is
-    quantized ("x_in_gate_up": True inside the gate-up GEMM; None: in its own kernel)."""
+    quantized ("x_in_gate_up": True inside the gate-up GEMM in eager calls; None: in its own kernel)."""
 
     config: KernelConfig
     weight_tma: bool | None = None
@@ -175,36 +172,38 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True, prewarm: int | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
-    entry's switch, else never (measured on the H200 at M = 1, the tiny-batch shortcut, before AHEAD: its own
-    kernel 24.6 / 121.5 / 114.2 µs against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
+    entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
+    µs, its own kernel against inside gate-up: M = 1 Qwen3 20.6 / 24.4, DeepSeek-V3 98.6 / 101.0, Mixtral
+    110.9 / 122.4; M = 8 Qwen3 84.1 / 91.1, DeepSeek-V3 677.6 / 724.6; Qwen3 M = 64 164.5 / 167.0, M = 1024
+    247.9 / 318.0: every program quantizes each x tile it reads, in its K loop; raw/*-fp8_small.*).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
-    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``prewarm``:
-    K-steps of weights each GEMM program prefetches into L2 before its PDL wait where ``gemm_fp8``'s PREWARM
-    rule allows (the tiny-batch shortcut, contiguous weights, the GPU; 0: none; None: ``PREWARM_STEPS``)."""
+    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, prewarm)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, prewarm)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True, prewarm: int | None = None) -> Fp8Plan:
-    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
+               ahead: bool = True, capturing: bool = False) -> Fp8Plan:
+    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
+    ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n, hidden), (num_tokens, top_k) = w13_q.shape, ids.shape
@@ -212,7 +211,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
-    x_in_gate_up = entry.x_in_gate_up if x_in_gate_up is None else x_in_gate_up
+    if x_in_gate_up is None:
+        x_in_gate_up = entry.x_in_gate_up and not capturing
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot (the bf16 plan's)
     down = config.down
@@ -234,9 +234,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
     up = config.up
-    prewarm = PREWARM_STEPS if prewarm is None else prewarm
-    if not (naive and not emulate and all(w.is_contiguous() for w in (w13_q, w2_q))):
-        prewarm = 0  # gemm_fp8's PREWARM rule; the gate-up GEMM only behind the x quantization kernel
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
         config=config, align=align,
@@ -246,14 +243,11 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, PREWARM=0 if x_raw else prewarm),
-                                fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=down_one, PREWARM=prewarm)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                              dict(shared, ONE_BLOCK=down_one, PREWARM=prewarm), ksum=(num_tokens, top_k, expert_map))
-        if ksum_counters else None, prewarm=prewarm > 0,
+        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
+                              ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
@@ -283,7 +277,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     fold = dict(fold)
     num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 12,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
          cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
@@ -302,7 +296,7 @@ def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num
         shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
         programs += cdiv(num_tokens, ZERO_TOKENS)
     return BoundLaunch(
-        kernels("gemm_fp8").down_fp8_kernel, (programs,), 14,
+        kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,

@@ -45,13 +45,6 @@ AHEAD (X_RAW in gate-up, H_FP32 in down): the activation tile quantized in the l
 ahead, by hand: Triton's pipeliner streams only the loads that feed a dot, so the load of a tile that is
 quantized first would otherwise wait its whole latency inside every step.
 
-PREWARM (NAIVE only, weights contiguous, never under the interpreter; a count of K-steps, 0: off): before its
-wait for the kernel ahead (PDL), each program prefetches into L2 the first PREWARM K-steps of its weight rows
-(one 128-byte line per row per step), so its weights stream while that kernel drains. Its expert is read
-from the ids before the wait: they are the call's input, and the kernel ahead waited for everything before it
-before it let this one launch; so the down GEMM always may, the gate-up GEMM only behind the x quantization
-kernel (the plan's rule: with x quantized inside gate-up the kernel ahead may be anyone's).
-
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -133,51 +126,18 @@ def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUAN
 
 
 @triton.jit
-def _prewarm_then_wait(w_ptr, ids_ptr, num_pid_m, num_pid_n, num_experts, rows_out, stride_we, stride_wr, red,
-                       GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREWARM: tl.constexpr,
-                       GATED: tl.constexpr, PDL: tl.constexpr):
-    """``wait_for_previous_kernel``, and first (PREWARM > 0: NAIVE programs, contiguous weights) the L2 prefetch of
-    the program's first PREWARM K-steps of weight rows (see PREWARM)."""
-    if PREWARM > 0:
-        if tl.program_id(0) < num_pid_m * num_pid_n:  # not one of a KSUM down's zero-fill programs
-            pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
-            eid = tl.load(ids_ptr + pid_m).to(tl.int64)
-            if (eid >= 0) & (eid < num_experts):
-                w_ptr += eid * stride_we
-                _prefetch_rows(w_ptr, pid_n * BLOCK_N, rows_out, stride_wr, red, BLOCK_N, BLOCK_K, PREWARM)
-                if GATED:  # the up rows follow the gate rows
-                    _prefetch_rows(w_ptr + rows_out * stride_wr, pid_n * BLOCK_N, rows_out, stride_wr, red, BLOCK_N,
-                                   BLOCK_K, PREWARM)
-    wait_for_previous_kernel(PDL)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, first_row, num_rows, stride_wr, red, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   STEPS: tl.constexpr):
-    """prefetch.global.L2 of K-steps 0 .. STEPS of rows first_row .. + BN: one BK-byte (e4m3) line per row per
-    step; rows and steps clamped to the last (every address inside the weight)."""
-    rows = tl.minimum(first_row + tl.arange(0, BLOCK_N), num_rows - 1).to(tl.int64)
-    cols = tl.minimum(tl.arange(0, STEPS) * BLOCK_K, tl.maximum(red - BLOCK_K, 0))
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l",
-                              [w_ptr + rows[:, None] * stride_wr + cols[None, :]], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
-    w_raw_ptr,  # PREWARM only (else None): w13 itself (w_ptr may be its descriptor)
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
-    PREWARM: tl.constexpr = 0, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
+    FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
 ):
-    _prewarm_then_wait(w_raw_ptr, ids_ptr, num_pid_m, tl.cdiv(N, BLOCK_N), num_experts, N, stride_we, stride_wn, K,
-                       GROUP_M, BLOCK_N, BLOCK_K, PREWARM, True, PDL)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                  num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
@@ -247,17 +207,16 @@ def _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, B
 def down_fp8_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-    out_ptr, counters_ptr, map_ptr, w_raw_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles], the map; PREWARM: w2
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
     K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
-    PREWARM: tl.constexpr = 0, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    _prewarm_then_wait(w_raw_ptr, ids_ptr, num_pid_m, tl.cdiv(K, BLOCK_N), num_experts, K, stride_we, stride_wk, N,
-                       GROUP_M, BLOCK_N, BLOCK_K, PREWARM, False, PDL)
+    wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
@@ -269,7 +228,8 @@ def down_fp8_kernel(
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
-    row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
+    row_ok = rows < num_assignments
+    safe_rows = tl.where(row_ok, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
