@@ -332,8 +332,11 @@ def breakdowns(cells: list[Cell], rows: dict, weights: dict) -> dict:
         timed = sorted((r for r in rows[(c.preset, c.M)] if r.us is not None), key=lambda r: r.variant != "default")
         for r in timed[:1] + sorted(timed[1:], key=lambda r: r.us)[:1 if c.M <= 8 else 0]:
             v = next(v for v in variants(c.preset, _real_m(c)) if v.name == r.variant)
-            with entry_switch(v, c.preset, c.M):
-                line = describe(kernel_breakdown(lambda: run_variant(v, c.sets[0], *weights[c.preset])))
+            try:
+                with entry_switch(v, c.preset, c.M):
+                    line = describe(kernel_breakdown(lambda: run_variant(v, c.sets[0], *weights[c.preset])))
+            except Exception as e:  # noqa: BLE001  (a breakdown is extra: it never ends the run)
+                line = f"error: {type(e).__name__}: {str(e)[:120]}"
             found[f"{c.preset} {c.M} {v.name}"] = line
             print(f"kernels {c.preset} M={c.M} {v.name} (graph {r.us:.1f} us): {line}", flush=True)
     return found
