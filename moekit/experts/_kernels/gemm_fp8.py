@@ -11,8 +11,8 @@ output height; KB = ceil(K / BK), NB = ceil(N / BK). Scales: w13 [E, ceil(2N/GRO
 block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm``).
 
 gate-up: x_q rows gathered by token (X_RAW: x itself, each [BM, BK] step quantized as it is loaded,
-the twin of ``quant_fp8``'s kernel; the plan picks it for the tiny-batch shortcut, where it saves a
-launch), gate columns c and up columns N + c of one expert in one program (each with its own weight
+the twin of ``quant_fp8``'s kernel: a launch fewer, but slower on the GPU, every program quantizing each
+tile it reads; the plan takes it in eager calls where a tuned entry asks), gate columns c and up columns N + c of one expert in one program (each with its own weight
 scale, gathered per column: a block may straddle the gate/up boundary when N is not a multiple of
 GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
 of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
