@@ -42,8 +42,10 @@ element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product 
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
 
 AHEAD (X_RAW in gate-up, H_FP32 in down): the activation tile quantized in the loop is loaded one K-step
-ahead, by hand: Triton's pipeliner streams only the loads that feed a dot, so the load of a tile that is
-quantized first would otherwise wait its whole latency inside every step.
+ahead, by hand, into registers. H200, Triton 3.6, CUDA-graph µs with it / without (Qwen3-30B-A3B, h float32:
+the down GEMM's h): M = 8 80.4 / 87.1, M = 1 20.7 / 21.3; x in gate-up at M = 1 24.4 / 25.8 (run 1), within
+the noise elsewhere (benchmarks/results/raw/*-fp8_small.*). (Triton 3.9's pipeliner streams such a tile through
+SMEM with cp.async by itself, per its PTX for sm_90; AHEAD then replaces that by the one-step register load.)
 
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
