@@ -22,7 +22,7 @@ class Variant:
     tma: bool | None = None
     x_in: bool | None = None
     ahead: bool = True
-    entry_x_in: bool = False  # route "backend" with the tuned entry's "x_in_gate_up" set (a temporary config dir)
+    entry_x_in: bool | None = None  # route "backend" with the tuned entry's "x_in_gate_up" set so (a temporary config dir)
     route: str = "triton"
 
     def kernel_config(self):
@@ -43,35 +43,18 @@ def _t(bm: int, gm: int, up: tuple, down: tuple, tma: bool | None = True, x_in: 
 
 
 def variants(preset: str, m: int) -> list[Variant]:
-    """The default first, again last (the run's noise); between, per cell what might beat it (run 1 at f813571:
-    benchmarks/results/raw/NVIDIA_H200-2026-12-02-7190a55-fp8_small.*; the tuned entry in each comment)."""
-    again = [Variant("default again")]
-    if m >= 1024:  # Qwen3 tuned: m64g8 u128/8w4s d128/4w4s tma; Mixtral: Gluon (the backend), Triton m128g8 ptr
-        return [Variant("default"), Variant("backend", route="backend"), Variant("gluon", route="gluon"),
-                _t(64, 8, (128, 8, 4), (128, 4, 5)), _t(64, 8, (128, 8, 5), (128, 4, 4)),
-                _t(64, 4, (128, 8, 4), (128, 4, 4)), _t(64, 8, (128, 4, 4), (128, 4, 4))] + again
-    base = [Variant("default"), Variant("default ahead-off", ahead=False), Variant("default x-in", x_in=True)]
-    if m <= 8:  # eager through the backend's lean path, with the tuned entry's "x_in_gate_up" and without
-        base += [Variant("backend", route="backend"), Variant("backend entry x-in", route="backend", entry_x_in=True)]
-    if preset == "qwen3-30b-a3b" and m == 1:  # tuned: m16 u64/4w4s d128/4w4s tma (h float32: AHEAD in down)
-        return base + [
-            _t(16, 1, (64, 4, 5), (128, 4, 5)), _t(16, 1, (64, 4, 4), (128, 4, 5)), _t(16, 1, (64, 4, 5), (128, 4, 4)),
-            _t(16, 1, (16, 4, 4), (128, 4, 4)), _t(16, 1, (64, 2, 4), (128, 4, 4)), _t(16, 1, (64, 4, 4), (128, 2, 4)),
-            _t(16, 1, (32, 4, 4), (128, 4, 4)), _t(16, 1, (64, 4, 4), (128, 4, 4), False)] + again
-    if preset == "qwen3-30b-a3b" and m == 8:  # tuned: m16 u32/4w4s d128/4w4s tma (run 1: 77.6 against 84.1 for u128)
-        return base + [
-            _t(16, 1, (32, 4, 3), (128, 4, 3)), _t(16, 1, (32, 4, 5), (128, 4, 5)), _t(16, 1, (32, 4, 4), (64, 4, 4)),
-            _t(16, 1, (16, 4, 4), (128, 4, 4)), _t(16, 1, (32, 2, 4), (128, 4, 4)), _t(16, 1, (32, 4, 4), (128, 4, 5)),
-            _t(16, 1, (32, 4, 4), (128, 4, 4), False), _t(16, 1, (128, 4, 4), (128, 4, 4))] + again
-    if preset == "qwen3-30b-a3b":  # M=64, tuned: m16 u128/4w4s d128/4w4s tma
-        return base + [
-            _t(16, 1, (128, 4, 3), (128, 4, 3)), _t(16, 1, (128, 4, 3), (64, 4, 3)), _t(16, 1, (32, 4, 4), (128, 4, 4)),
-            _t(16, 1, (32, 4, 3), (128, 4, 3)), _t(16, 1, (64, 4, 3), (128, 4, 3)), _t(16, 1, (128, 4, 5), (128, 4, 5))
-        ] + again
-    if preset == "deepseek-v3":  # tuned: m16 u128/4w5s d64/4w3s (M=8: d64/4w5s), TMA by the rule
-        return base + [
-            _t(16, 1, (128, 4, 5), (128, 4, 5)), _t(16, 1, (128, 4, 6), (64, 4, 5)), _t(16, 1, (128, 4, 5), (32, 4, 5)),
-            _t(16, 1, (64, 4, 5), (128, 4, 5))] + again
-    return base + [  # Mixtral M=1, tuned: m16 u128/4w5s d32/4w5s tma
-        _t(16, 1, (128, 4, 5), (64, 4, 5)), _t(16, 1, (128, 4, 6), (64, 4, 6)), _t(16, 1, (128, 4, 5), (16, 4, 5)),
-        _t(16, 1, (128, 4, 6), (32, 4, 5))] + again
+    """Run 3 (the installed entries confirmed): the default first, again last (the run's noise), the backend
+    (what ``moekit bench`` times; eager through its lean path), and a few neighbours. Runs 1 and 2 swept wider:
+    benchmarks/results/raw/NVIDIA_H200-2026-12-02-{7190a55,d235e2d}-fp8_small.*."""
+    ends = [Variant("default"), Variant("backend", route="backend")], [Variant("default again")]
+    if preset == "qwen3-30b-a3b" and m <= 4:  # tuned M=1: u64/4w4s d128/4w4s, x in gate-up in eager calls (M <= 4)
+        extra = [Variant("backend entry no-x-in", route="backend", entry_x_in=False)]
+        if m == 1:
+            extra += [Variant("default x-in", x_in=True), _t(16, 1, (64, 4, 5), (128, 4, 5))]
+        return ends[0] + extra + ends[1]
+    if preset == "qwen3-30b-a3b" and m == 8:  # tuned: u32/4w3s d128/4w3s (run 2: 76.8 against 80.4 for 4 stages)
+        return ends[0] + [_t(16, 1, (32, 4, 4), (128, 4, 4)), _t(16, 1, (32, 4, 3), (64, 4, 3)),
+                          _t(16, 1, (32, 4, 3), (128, 4, 4)), _t(16, 1, (32, 4, 2), (128, 4, 2))] + ends[1]
+    if preset == "qwen3-30b-a3b" and m == 64:  # tuned: u128/4w4s d128/4w4s
+        return ends[0] + [_t(16, 1, (128, 4, 3), (64, 4, 3)), _t(16, 1, (128, 4, 3), (128, 4, 3))] + ends[1]
+    return ends[0] + ends[1]
