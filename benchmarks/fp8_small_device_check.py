@@ -78,14 +78,14 @@ def entry_switch(v: Variant, preset: str, m: int):
     if v.entry_x_in is None:
         yield
         return
-    from moekit.experts.configs import PACKAGED_DIR, clear_config_cache
+    from moekit.experts.configs import PACKAGED_DIR, clear_config_cache, nearest
     from moekit.experts.triton import clear_launch_caches
     from moekit.experts.triton_fp8_plan import config_file_name
 
     s = shape_of(preset)
     name = config_file_name(s.num_experts, s.n, s.k, "NVIDIA_H200")
     doc = json.loads((PACKAGED_DIR / name).read_text())
-    doc["configs"][min(doc["configs"], key=lambda k: (abs(int(k) - m), int(k)))]["x_in_gate_up"] = v.entry_x_in
+    doc["configs"][str(nearest({int(k): int(k) for k in doc["configs"]}, m))]["x_in_gate_up"] = v.entry_x_in
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / name).write_text(json.dumps(doc))
         os.environ["MOEKIT_CONFIG_DIR"] = tmp

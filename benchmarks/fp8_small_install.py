@@ -14,6 +14,7 @@ rows is decided by hand from their eager wall µs.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def entry_of(spec: dict, current: dict) -> dict:
 
 
 def nearest_key(configs: dict, m: int) -> str:
-    return min(configs, key=lambda k: (abs(int(k) - m), int(k)))
+    """The key of the entry a call of M tokens uses (``configs.nearest``: log2 distance, ties the smaller)."""
+    return min(configs, key=lambda k: (abs(math.log2(int(k)) - math.log2(max(m, 1))), int(k)))
 
 
 def main() -> int:

@@ -47,8 +47,8 @@ def variants(preset: str, m: int) -> list[Variant]:
     (what ``moekit bench`` times; eager through its lean path), and a few neighbours. Runs 1 and 2 swept wider:
     benchmarks/results/raw/NVIDIA_H200-2026-12-02-{7190a55,d235e2d}-fp8_small.*."""
     ends = [Variant("default"), Variant("backend", route="backend")], [Variant("default again")]
-    if preset == "qwen3-30b-a3b" and m <= 4:  # tuned M=1: u64/4w4s d128/4w4s, x in gate-up in eager calls (M <= 4)
-        extra = [Variant("backend entry no-x-in", route="backend", entry_x_in=False)]
+    if preset == "qwen3-30b-a3b" and m <= 4:  # tuned M=1: u64/4w4s d128/4w4s, x in gate-up in eager calls (M <= 2)
+        extra = [Variant("backend entry no-x-in", route="backend", entry_x_in=False)] if m <= 2 else []
         if m == 1:
             extra += [Variant("default x-in", x_in=True), _t(16, 1, (64, 4, 5), (128, 4, 5))]
         return ends[0] + extra + ends[1]
