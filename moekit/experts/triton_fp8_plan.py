@@ -18,6 +18,9 @@ is refused. An fp8 entry may also name the weight loads it was measured with, "w
 false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
 inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
 host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
+H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
+(run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
+(benchmarks/results/raw/*-fp8_small.*).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
