@@ -1,13 +1,16 @@
-"""The fp8 tuned files' optional per-entry switch (``triton_fp8_plan.read_entries``): "weight_tma" names
-the weight loads an entry was measured with; the plan follows it where the caller does not choose, an
-entry without it keeps the rule (``TMA_MAX_BLOCK_M``), and a value that is not a bool is refused. The
-result stays the torch twin's (Triton's interpreter, tiny shapes)."""
+"""The fp8 tuned files' optional per-entry switches (``triton_fp8_plan.read_entries``): "weight_tma" names
+the weight loads an entry was measured with, "x_in_gate_up" where x is quantized (eager calls only); the plan
+follows them where the caller does not choose, an entry without them keeps the rule (``TMA_MAX_BLOCK_M``; x in a
+kernel of its own), and a value that is not a bool is refused. The result stays the torch twin's, and
+the activation tiles loaded a K-step ahead (``gemm_fp8``'s AHEAD) give bit for bit the plain loads'
+(Triton's interpreter, tiny shapes)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -58,8 +61,41 @@ def test_entry_switch_reaches_the_plan(fp8, config_file):
     assert rel_l2(out, twin) < FLIP_TOL
 
 
-def test_entry_switch_must_be_a_bool(config_file):
+@pytest.mark.parametrize("name", ["weight_tma", "x_in_gate_up"])
+def test_entry_switch_must_be_a_bool(config_file, name):
     x, _, (w13_q, w13_s, w2_q, w2_s), ids, _ = problem(9, 2, SHAPE, BLOCK)
-    config_file({"9": {**TALL.to_dict(), "weight_tma": "yes"}})
-    with pytest.raises(ValueError, match="weight_tma"):
+    config_file({"9": {**TALL.to_dict(), name: "yes"}})
+    with pytest.raises(ValueError, match=name):
         build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON)
+
+
+def test_x_in_gate_up_switch_reaches_the_plan(fp8, config_file):
+    x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(9, 2, SHAPE, BLOCK, seed=71)
+    config_file({"1": {**NARROW.to_dict(), "x_in_gate_up": True}, "9": TALL.to_dict()})
+    assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON).quantize is None
+    assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON, False).quantize is not None
+    # a CUDA graph capture keeps the quantization kernel (faster on the GPU; the switch saves host time only)
+    assert build_plan(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], None, BLOCK, None, POISON,
+                      capturing=True).quantize is not None
+    assert build_plan(x, w13_q, w13_s, w2_q, w2_s, ids, None, BLOCK, None, POISON).quantize is not None
+    out = fp8.fused_experts_fp8(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], weights[:1], block_shape=BLOCK,
+                                options=POISON)
+    twin = fp8.fused_experts_fp8_torch(x[:1], w13_q, w13_s, w2_q, w2_s, ids[:1], weights[:1], block_shape=BLOCK)
+    assert rel_l2(out, twin) < FLIP_TOL
+
+
+@pytest.mark.parametrize("m,mapped", [(1, False), (5, False), (6, True)])
+def test_ahead_loads_equal_the_plain_ones(fp8, m, mapped):
+    """NARROW: the gate-up tile (32) below the group (128), so h goes float32 and the down GEMM quantizes it
+    in its loop; x quantized inside gate-up; K = 160 and N = 96 end in partial steps; mapped: 7 global
+    experts, the 4 local ones among them, ids with -1 (the aligned layout, not the shortcut)."""
+    x, _, quantized, ids, weights = problem(m, 2, SHAPE, BLOCK, seed=72 + m, num_global=7 if mapped else None)
+    expert_map = None
+    if mapped:
+        expert_map = torch.full((7,), -1, dtype=torch.int32)
+        expert_map[torch.tensor([5, 0, 3, 6])] = torch.arange(4, dtype=torch.int32)
+    args = (x, *quantized, ids, weights, expert_map, BLOCK, NARROW, POISON, True)
+    ahead = fp8.fused_experts_fp8_launch(*args, ahead=True)
+    assert torch.equal(ahead, fp8.fused_experts_fp8_launch(*args, ahead=False))
+    twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, expert_map=expert_map, block_shape=BLOCK)
+    assert rel_l2(ahead, twin) < FLIP_TOL

@@ -15,7 +15,12 @@ named ``E{E}_N{N}_K{K}_fp8_block_{device}.json``; BLOCK_K of both GEMMs must equ
 reduction width G and the gate-up BLOCK_N be a multiple of G (h re-quantized in its epilogue) or a
 power of two below it (h written in float32, quantized by the down GEMM); a file that says otherwise
 is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
-false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``).
+false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
+inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
+host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
+H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
+(run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
+(benchmarks/results/raw/*-fp8_small.*).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -111,10 +116,12 @@ def config_file_name(num_experts: int, n: int, k: int, device: str) -> str:
 @dataclass(frozen=True)
 class Fp8Entry:
     """One entry of a tuned file: the config, and the weight loads it was measured with where the file
-    names them (the entry's optional "weight_tma" key; None: ``TMA_MAX_BLOCK_M`` decides)."""
+    names them (the entry's optional "weight_tma" key; None: ``TMA_MAX_BLOCK_M`` decides), and where x is
+    quantized ("x_in_gate_up": True inside the gate-up GEMM in eager calls; None: in its own kernel)."""
 
     config: KernelConfig
     weight_tma: bool | None = None
+    x_in_gate_up: bool | None = None
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -142,14 +149,15 @@ def _table(num_experts: int, n: int, k: int, device: str) -> dict[int, Fp8Entry]
 
 
 def read_entries(path: Path) -> dict[int, Fp8Entry]:
-    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with their switch)."""
+    """{M: Fp8Entry} of one fp8 config file (``configs.read_configs``' entries, with their switches)."""
     raw = json.loads(Path(path).read_text())["configs"]
     entries = {}
     for m, config in read_configs(path).items():
-        weight_tma = raw[str(m)].get("weight_tma")
-        if weight_tma is not None and not isinstance(weight_tma, bool):
-            raise ValueError(f"{path}: entry {m}'s 'weight_tma' must be true or false, got {weight_tma!r}")
-        entries[m] = Fp8Entry(config, weight_tma)
+        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up")}
+        for name, value in switches.items():
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
+        entries[m] = Fp8Entry(config, **switches)
     return entries
 
 
@@ -167,32 +175,38 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
-    ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: never
-    (measured on the H200 at M = 1, the tiny-batch shortcut: its own kernel 24.6 / 121.5 / 114.2 µs
-    against 29.1 / 141.7 / 128.6 inside gate-up for Qwen3 / DeepSeek-V3 / Mixtral).
+    ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
+    entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
+    µs, its own kernel against inside gate-up: M = 1 Qwen3 20.6 / 24.4, DeepSeek-V3 98.6 / 101.0, Mixtral
+    110.9 / 122.4; M = 8 Qwen3 84.1 / 91.1, DeepSeek-V3 677.6 / 724.6; Qwen3 M = 64 164.5 / 167.0, M = 1024
+    247.9 / 318.0: every program quantizes each x tile it reads, in its K loop; raw/*-fp8_small.*).
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
-    ``TMA_MAX_BLOCK_M`` decides."""
+    ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
+    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
-               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None) -> Fp8Plan:
-    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches."""
+               options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
+               ahead: bool = True, capturing: bool = False) -> Fp8Plan:
+    """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
+    ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
     options = resolve_launch_options(options, x.device)
     (num_experts, two_n, hidden), (num_tokens, top_k) = w13_q.shape, ids.shape
@@ -200,6 +214,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
+    if x_in_gate_up is None:
+        x_in_gate_up = entry.x_in_gate_up and not capturing
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot (the bf16 plan's)
     down = config.down
@@ -219,7 +235,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
-                  W_DESC=descriptors, cached=options.cached_launcher, **options.pdl_kwargs())
+                  W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(

@@ -11,8 +11,8 @@ output height; KB = ceil(K / BK), NB = ceil(N / BK). Scales: w13 [E, ceil(2N/GRO
 block-aligned rows, the tiny-batch NAIVE shortcut) is the bf16 kernels' (``gemm``).
 
 gate-up: x_q rows gathered by token (X_RAW: x itself, each [BM, BK] step quantized as it is loaded,
-the twin of ``quant_fp8``'s kernel; the plan picks it for the tiny-batch shortcut, where it saves a
-launch), gate columns c and up columns N + c of one expert in one program (each with its own weight
+the twin of ``quant_fp8``'s kernel: a launch fewer, but slower on the GPU, every program quantizing each
+tile it reads; the plan takes it in eager calls where a tuned entry asks), gate columns c and up columns N + c of one expert in one program (each with its own weight
 scale, gathered per column: a block may straddle the gate/up boundary when N is not a multiple of
 GROUP_N), SiLU-and-mul in the epilogue. Where BN is a multiple of BK every group
 of h's columns lies in one program, and the epilogue re-quantizes h per BK columns (h_q e4m3 + h_s).
@@ -40,6 +40,12 @@ BLOCK_N, and in gate-up N a multiple of BLOCK_N, so the up tile N + c.. does not
 weight scale of a K-step is one scalar, and the step's partial product is folded in by one FMA per
 element, acc += dot * (x_s * w_s)[:, None], instead of a [BM, BN] outer product of the two scales and a
 multiply-add (the fold is not overlapped with the tensor cores: the dot's result is used at once).
+
+AHEAD (X_RAW in gate-up, H_FP32 in down): the activation tile quantized in the loop is loaded one K-step
+ahead, by hand, into registers. H200, Triton 3.6, CUDA-graph µs with it / without (Qwen3-30B-A3B, h float32:
+the down GEMM's h): M = 8 80.4 / 87.1, M = 1 20.7 / 21.3; x in gate-up at M = 1 24.4 / 25.8 (run 1), within
+the noise elsewhere (benchmarks/results/raw/*-fp8_small.*). (Triton 3.9's pipeliner streams such a tile through
+SMEM with cp.async by itself, per its PTX for sm_90; AHEAD then replaces that by the one-step register load.)
 
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
@@ -98,6 +104,30 @@ def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _first_ahead(ptrs, row_ok, offs, left, QUANT_HERE: tl.constexpr, AHEAD: tl.constexpr):
+    """Step 0's activation tile [BM, BK] (columns offs < left) where the loop quantizes it and loads it a step
+    ahead (AHEAD), else a placeholder the loop carries unread."""
+    first = 0.0
+    if QUANT_HERE and AHEAD:
+        first = tl.load(ptrs, mask=row_ok[:, None] & (offs < left)[None, :], other=0.0)
+    return first
+
+
+@triton.jit
+def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUANT_HERE: tl.constexpr,
+              AHEAD: tl.constexpr):
+    """(this K-step's activation tile [BM, BK] at ptrs, columns offs < left; what the next step gets as
+    ``ahead``): the tile loaded a step before and the next one (``step`` further) loaded now where the loop
+    quantizes it (AHEAD), else loaded now (``ahead`` passed on unread)."""
+    if QUANT_HERE and AHEAD:
+        tile = ahead
+        ahead = tl.load(ptrs + step, mask=row_ok[:, None] & (offs < left - BLOCK_K)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & (offs < left)[None, :], other=0.0)
+    return tile, ahead
+
+
+@triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
@@ -105,7 +135,7 @@ def gate_up_fp8_kernel(
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
 ):
@@ -133,9 +163,10 @@ def gate_up_fp8_kernel(
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        xa, x_next = _act_tile(x_ptrs, x_next, row_ok, offs_k, K - k0, BLOCK_K * stride_xk, BLOCK_K, X_RAW, AHEAD)
         if W_DESC:  # past K the descriptor reads zeros
             wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
         else:
@@ -183,7 +214,7 @@ def down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -214,9 +245,10 @@ def down_fp8_kernel(
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    h_next = _first_ahead(h_ptrs, row_ok, offs_red, N, H_FP32, AHEAD)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
-        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        ha, h_next = _act_tile(h_ptrs, h_next, row_ok, offs_red, N - n0, BLOCK_K, BLOCK_K, H_FP32, AHEAD)
         if W_DESC:  # rows past K are never stored, columns past N read 0
             wb = w_ptr.load([w_row, n0]).T  # [BK, BN]
         else:
@@ -228,8 +260,7 @@ def down_fp8_kernel(
         hs_ptrs += 1
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    acc = acc * weight[:, None]
+    acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # x routed weight
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:
