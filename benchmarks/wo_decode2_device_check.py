@@ -1,0 +1,120 @@
+"""GPU check of the word decodes' split-K gate-up (``triton_wo_gemv.WordConfig``: ``up_split`` splits of the
+gate-up's reduction, float32 partials summed with the activation in one launch, ``_kernels/wo_split.py``;
+``down_split`` the down GEMM's) against the chooser's pick at issue #16's decode cells: every variant
+against the torch twin at the real shapes, timed by CUDA-graph replay over rotated input sets (weights
+stream from HBM), with moekit's bf16 path, % of the packed-byte floor and the targets' verdicts.
+
+    PYTHONPATH=$PWD python benchmarks/wo_decode2_device_check.py            # H200, <= 150 s
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/wo_decode2_device_check.py --smoke   # CPU, tiny
+
+Cells: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B (in that order: the time limit cuts the last) x int4_w4a16
+(g 128, zero points), mxfp4, int8_w8a16 x M = 1, 8, 64. Variants (an error in one is printed, the run goes
+on): "pick" (the chooser's decode and config: what a call runs today); at M = 1 gemv with the gate-up in
+2 / 4 / 8 splits (g_s2, g_s4, g_s8), gemv 4 splits with the down GEMM in 8 (g_s4d8), and for the 4-bit
+schemes gemv_half at its heuristic tiles in 4 / 8 splits (h_s4, h_s8); at M = 8 g_s2, g_s4; at M = 64 the
+pick only (the floor's distance). Each split variant keeps its decode's heuristic tiles
+(``triton_wo_gemv``). Machinery (timing, floor, twin, verdicts, the time limit): ``wo_speed_device_check``.
+Progress lines as cells finish; the table last; JSON to $OUT/wo_decode2.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import wo_speed_device_check as base  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config, half_heuristic_config  # noqa: E402
+
+PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
+SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
+BATCHES = (1, 8, 64)
+LIMIT_S = 135.0  # whole run, compiles included (the lead's budget: 150 s)
+# name -> (decode, gate-up splits, down splits or 0 for the rule), per M; "h_" variants 4-bit only
+SPLIT_VARIANTS = {
+    1: {"g_s2": ("gemv", 2, 0), "g_s4": ("gemv", 4, 0), "g_s8": ("gemv", 8, 0), "g_s4d8": ("gemv", 4, 8),
+        "h_s4": ("gemv_half", 4, 0), "h_s8": ("gemv_half", 8, 0)},
+    8: {"g_s2": ("gemv", 2, 0), "g_s4": ("gemv", 4, 0)},
+    64: {},
+}
+HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
+
+
+def split_config(s: Shape, scheme: str, m: int, decode: str, up_split: int, down_split: int) -> WordConfig:
+    """``decode``'s heuristic tiles for this cell with the given splits."""
+    cfg = HEURISTICS[decode](m, s.num_experts, s.n, s.k, s.top_k, scheme)
+    return WordConfig(cfg.BLOCK_M, cfg.up, cfg.down, up_split=up_split, down_split=down_split)
+
+
+def variants(s: Shape, scheme: str, m: int) -> dict:
+    """name -> (decode or None, config or None) of one cell: the chooser's pick, then the split variants."""
+    out = {"pick": (None, None)}
+    for name, (decode, up_split, down_split) in SPLIT_VARIANTS.get(m, {}).items():
+        if decode == "gemv_half" and scheme == "int8_w8a16":
+            continue
+        out[name] = (decode, split_config(s, scheme, m, decode, up_split, down_split))
+    return out
+
+
+def table(cells) -> str:
+    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'pick':>8} {'(decode)':<10} {'best':>8} "
+             f"{'variant':<7} {'floor':>6} {'%fl pick':>8} {'%fl best':>8} {'x bf16':>6}  target (best)"]
+    for c in cells:
+        pick = c.times.get("pick", float("nan"))
+        best = c.times.get(c.best, float("nan"))
+        lines.append(f"{c.preset:<14} {c.scheme:<10} {c.m:>3} {c.bf16_us:7.1f} {pick:8.1f} {c.pick:<10} {best:8.1f} "
+                     f"{c.best:<7} {c.floor_us:6.1f} {100 * c.floor_us / pick:7.0f}% {100 * c.floor_us / best:7.0f}% "
+                     f"{best / c.bf16_us:6.2f}  {c.target}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    smoke = "--smoke" in (argv if argv is not None else sys.argv[1:])
+    base.variants, base.LIMIT_S = variants, LIMIT_S
+    dev = base.s_dev()
+    if smoke:
+        base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
+        base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
+        SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2", "h_s4")}
+        SPLIT_VARIANTS[8] = {}
+    import triton
+
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(torch.__version__, "triton", triton.__version__, name, flush=True)
+    bw = base.copy_tbps(dev)
+    print(f"copy bandwidth {bw:.2f} TB/s (read + write)", flush=True)
+    shapes = [Shape("tiny", 8, 64, 128, 2)] if smoke else [Shape.from_preset(p) for p in PRESET_ORDER]
+    batches = (1, 8) if smoke else BATCHES
+    schemes = ("int4_w4a16", "int8_w8a16") if smoke else SCHEMES
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        base.compile_all(shapes, schemes, batches, dev)
+        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    cells = []
+    for s in shapes:
+        if base.left_s() < 0:
+            base.SKIPPED.append(s.name)
+            continue
+        cells += base.shape_cells(s, schemes, batches, bw, dev)
+        print(f"-- {s.name} done at {time.perf_counter() - base.START:.1f} s", flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "wo_decode2.json"), "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
+                       "cells": [vars(c) for c in cells], "failed": base.FAILED, "skipped": base.SKIPPED}, f, indent=1)
+    print(f"total {time.perf_counter() - base.START:.1f} s; FAILED:", base.FAILED or "none", "; SKIPPED:",
+          base.SKIPPED or "none")
+    for c in cells:
+        print(f"{c.preset} {c.scheme} M={c.m}: " + "  ".join(f"{k} {v:.1f}" for k, v in sorted(c.times.items(),
+                                                                                                 key=lambda kv: kv[1])))
+    print(table(cells), flush=True)
+    return 1 if base.FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
