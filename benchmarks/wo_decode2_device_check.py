@@ -14,7 +14,8 @@ on): "pick" (the chooser's decode and config: what a call runs today); at M = 1 
 schemes gemv_half at its heuristic tiles in 4 / 8 splits (h_s4, h_s8); at M = 8 g_s2, g_s4; at M = 64 the
 pick only (the floor's distance). Each split variant keeps its decode's heuristic tiles
 (``triton_wo_gemv``). Machinery (timing, floor, twin, verdicts, the time limit): ``wo_speed_device_check``.
-Progress lines as cells finish; the table last; JSON to $OUT/wo_decode2.json.
+At M = 1 also the gate-up phase alone (its launches, timed the same way) of the pick and the best variant:
+where the time goes. Progress lines as shapes finish; the table last; JSON to $OUT/wo_decode2.json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import wo_speed_device_check as base  # noqa: E402
 from moekit.bench.cells import Shape  # noqa: E402
+from moekit.bench.timing import time_stats  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
+from moekit.experts.triton_wo import weight_args, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config, half_heuristic_config  # noqa: E402
+from moekit.experts.triton_wo_plan import wo_plan_for  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
@@ -44,6 +49,9 @@ SPLIT_VARIANTS = {
     64: {},
 }
 HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
+RUN_CELL = base.run_cell
+PHASE_ALSO: list[str] = []  # variants whose gate-up phase is timed besides the pick's and the best's (smoke: split ones)
+PHASES: dict[str, tuple[float, float]] = {}  # "shape scheme M=m variant" -> (gate-up phase µs, whole call µs)
 
 
 def split_config(s: Shape, scheme: str, m: int, decode: str, up_split: int, down_split: int) -> WordConfig:
@@ -62,6 +70,36 @@ def variants(s: Shape, scheme: str, m: int) -> dict:
     return out
 
 
+def phase_us(s: Shape, scheme: str, w13, w2, inputs, decode, config) -> float:
+    """µs of the gate-up phase alone of one variant (its launches up to the gate-up, and the split's
+    activation launch): the rest of the call's time is the down GEMM and the k-sum."""
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    options = LaunchOptions(reuse_workspace=False)
+    fns = []
+    for c in inputs:
+        plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", config, options, None,
+                           decode)
+        b, out = plan.workspace.allocate(c.x.device), torch.empty_like(c.x)
+        launches = wo_launches(plan, b, c.x, a13, a2, c.topk_ids, c.topk_weights, None, out)
+        last = max(i for i, (launch, _) in enumerate(launches) if launch in (plan.gate_up, plan.glu))
+        fns.append(lambda ls=launches[:last + 1]: [launch(*pointers) for launch, pointers in ls])
+    return time_stats(fns, c.x.device, graph=c.x.device.type == "cuda", **base.TIMING).us
+
+
+def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw: float):
+    """``wo_speed_device_check.run_cell``, then at M = 1 the gate-up phase of the pick and the best (PHASES)."""
+    cell = RUN_CELL(s, scheme, m, w13, w2, inputs, bf16_us, bw)
+    if m == 1 and base.left_s() > 0:
+        for name in dict.fromkeys(n for n in ("pick", cell.best, *PHASE_ALSO) if n in cell.times):
+            decode, config = variants(s, scheme, m)[name]
+            try:
+                PHASES[f"{s.name} {scheme} M={m} {name}"] = (phase_us(s, scheme, w13, w2, inputs, decode, config),
+                                                             cell.times[name])
+            except Exception as e:  # noqa: BLE001  (a diagnosis only)
+                print(f"phase {name}: {type(e).__name__}: {e}", flush=True)
+    return cell
+
+
 def table(cells) -> str:
     lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'pick':>8} {'(decode)':<10} {'best':>8} "
              f"{'variant':<7} {'floor':>6} {'%fl pick':>8} {'%fl best':>8} {'x bf16':>6}  target (best)"]
@@ -76,13 +114,14 @@ def table(cells) -> str:
 
 def main(argv=None) -> int:
     smoke = "--smoke" in (argv if argv is not None else sys.argv[1:])
-    base.variants, base.LIMIT_S = variants, LIMIT_S
+    base.variants, base.run_cell, base.LIMIT_S = variants, run_cell, LIMIT_S
     dev = base.s_dev()
     if smoke:
         base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
         base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
         SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2", "h_s4")}
         SPLIT_VARIANTS[8] = {}
+        PHASE_ALSO.extend(SPLIT_VARIANTS[1])
     import triton
 
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
@@ -106,12 +145,15 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "wo_decode2.json"), "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                       "cells": [vars(c) for c in cells], "failed": base.FAILED, "skipped": base.SKIPPED}, f, indent=1)
+                       "cells": [vars(c) for c in cells], "phases_us": PHASES, "failed": base.FAILED,
+                       "skipped": base.SKIPPED}, f, indent=1)
     print(f"total {time.perf_counter() - base.START:.1f} s; FAILED:", base.FAILED or "none", "; SKIPPED:",
           base.SKIPPED or "none")
     for c in cells:
         print(f"{c.preset} {c.scheme} M={c.m}: " + "  ".join(f"{k} {v:.1f}" for k, v in sorted(c.times.items(),
                                                                                                  key=lambda kv: kv[1])))
+    for key, (gate_up, whole) in PHASES.items():
+        print(f"phase {key}: gate-up {gate_up:.1f} us of {whole:.1f} ({100 * gate_up / whole:.0f}%)")
     print(table(cells), flush=True)
     return 1 if base.FAILED else 0
 
