@@ -1,0 +1,82 @@
+"""The word decodes' (gemv, gemv_half: ``triton_wo_gemv``) reduction splits and gate-up tiles measured fastest
+per (scheme, E, N, K, M) at decode sizes on the H200, as data, applied on top of the decode's heuristic tiles:
+
+    word_config(M, E, N, K, k, scheme, decode) -> the decode's heuristic config, as a ``WordConfig`` with the
+    splits (and gate-up tile) of the row of the nearest measured M (log2 distance, ties: the smaller) among
+    the rows of this (scheme, E, N, K) and decode whose M runs the same BLOCK_M (``gemv_rows``); no row: the
+    heuristic config unchanged (no split)
+
+Why splits win at M = 1 (sm_90 SASS, ``benchmarks/wo_half_sass_cpu.py``): the gemv's 64 x 16-word gate-up
+tile takes 255 registers a thread, so an SM holds at most 4 programs, and the touched experts' tiles are
+fewer than that (DeepSeek-V3: 8 x 32 = 256 programs on 132 SMs): the words in flight an SM, not the decode's
+instructions, set the time. Splitting the gate-up's K over 2-4 programs (``_kernels/wo_split``) doubles them;
+where the down GEMM has the fewest programs (Mixtral: 2 experts x 64 tiles) splitting its long reduction
+(N = 14336) does the same. The choice of decode stays ``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moekit.experts.configs import GemmTile, KernelConfig
+from moekit.experts.triton_wo_gemv import PER, WordConfig, gemv_heuristic_config, gemv_rows, half_heuristic_config
+
+
+@dataclass(frozen=True)
+class WordPick:
+    decode: str  # the word decode these splits were measured with
+    up_split: int = 1  # the gate-up's reduction splits
+    down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
+    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, L2 prefetch steps), None: the heuristic's
+
+
+# (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
+# on branch wo-decode2 at e320f4b (lead's run ~14:20 UTC); each comment: the row's time, the chooser's pick before.
+WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
+    # qwen3-30b-a3b: g_s4 22.5, pick gemv_half 29.9 (gate-up phase 19.1 -> 12.7)
+    ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4),
+    # qwen3-30b-a3b: g_s2 81.2, pick gemv 88.2
+    ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2),
+    # qwen3-30b-a3b: h4_s4 30.7, pick register 36.4
+    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4)),
+    # deepseek-v3: g_s2 99.7, pick gemv 134.9 (gate-up phase 78.4 -> 63.9)
+    ("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
+    # deepseek-v3: g_s2 160.8, pick gemv_half 184.4
+    ("mxfp4", 256, 2048, 7168, 1): WordPick("gemv", 2),
+    # deepseek-v3: g_s2 1104.6, pick register 1196.1 (the gemv unsplit 1101.5 in the e68bcde run)
+    ("mxfp4", 256, 2048, 7168, 8): WordPick("gemv", 2),
+    # mixtral-8x7b: g_s4d8 106.0, pick gemv 130.3 (g_s2 without the down split 133.6)
+    ("int4_w4a16", 8, 14336, 4096, 1): WordPick("gemv", 4, 8),
+}
+HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
+
+
+def word_pick(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, decode: str,
+              table: dict | None = None) -> WordPick | None:
+    """The row of ``table`` (default WORD_WINNERS) that covers this call (module docstring), or None."""
+    rows = WORD_WINNERS if table is None else table
+    block_m = gemv_rows(num_tokens, num_experts, top_k)
+    measured = [m for (s, e, nn, kk, m), pick in rows.items()
+                if (s, e, nn, kk) == (scheme, num_experts, n, k) and pick.decode == decode
+                and gemv_rows(m, num_experts, top_k) == block_m]
+    if not measured:
+        return None
+    target = math.log2(max(num_tokens, 1))
+    m = min(measured, key=lambda m: (abs(math.log2(m) - target), m))
+    return rows[(scheme, num_experts, n, k, m)]
+
+
+def word_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
+                decode: str) -> KernelConfig:
+    """``decode``'s heuristic config with the covering row's splits and gate-up tile (a ``WordConfig``), or
+    the heuristic config itself where no row covers the call (module docstring)."""
+    cfg = HEURISTICS[decode](num_tokens, num_experts, n, k, top_k, scheme)
+    pick = word_pick(scheme, num_experts, n, k, num_tokens, top_k, decode)
+    if pick is None:
+        return cfg
+    up = cfg.up
+    if pick.up_tile is not None:
+        rows, words, warps, prefetch = pick.up_tile  # gemv_half: num_stages = 1 + its prefetch steps
+        up = GemmTile(rows, words * PER[scheme], up.GROUP_M, warps, 1 + prefetch if decode == "gemv_half" else 1)
+    return WordConfig(cfg.BLOCK_M, up, cfg.down, up_split=pick.up_split, down_split=pick.down_split)
