@@ -9,11 +9,13 @@ stream from HBM), with moekit's bf16 path, % of the packed-byte floor and the ta
 
 Cells: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B (in that order: the time limit cuts the last) x int4_w4a16
 (g 128, zero points), mxfp4, int8_w8a16 x M = 1, 8, 64. Variants (an error in one is printed, the run goes
-on): "pick" (the chooser's decode and config: what a call runs today), and SPLIT_VARIANTS' at M = 1 and 8
-(gemv or gemv_half with the gate-up split 2 or 4 ways, some with another gate-up tile or the down GEMM split
-8 ways; the pick only at M = 64, the floor's distance). Machinery (timing, floor, twin, verdicts, the time
-limit): ``wo_speed_device_check``. At M = 1 also the gate-up phase alone (its launches, timed the same way) of the pick and the best variant:
-where the time goes. Progress lines as shapes finish; the table last; JSON to $OUT/wo_decode2.json.
+on): "pick" (the chooser's decode and config: what a call runs now, the measured splits of
+``triton_wo_word_winners`` included), "old" (the chooser's decode before, at its heuristic config, where it
+differs), and for the 4-bit schemes SPLIT_VARIANTS' at M = 1 and 8 (gemv or gemv_half with the gate-up
+and / or the down GEMM split, some with another gate-up tile); at M = 64 the pick only (the floor's distance).
+Machinery (timing, floor, twin, verdicts, the time limit): ``wo_speed_device_check``. At M = 1 also the
+gate-up phase alone (its launches, timed the same way) of the pick and the best variant: where the time goes.
+Progress lines as shapes finish; the table last; JSON to $OUT/wo_decode2.json.
 """
 
 from __future__ import annotations
@@ -30,53 +32,54 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import wo_speed_device_check as base  # noqa: E402
 from moekit.bench.cells import Shape  # noqa: E402
 from moekit.bench.timing import time_stats  # noqa: E402
-from moekit.experts.configs import GemmTile  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import weight_args, wo_launches  # noqa: E402
-from moekit.experts.triton_wo_gemv import PER, WordConfig, gemv_heuristic_config, half_heuristic_config  # noqa: E402
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config, half_heuristic_config  # noqa: E402
 from moekit.experts.triton_wo_plan import wo_plan_for  # noqa: E402
+from moekit.experts.triton_wo_word_winners import WordPick, with_pick  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
+H4 = (64, 4, 2, 4)  # gemv_half's 64 x 4-word gate-up tile in 2 warps, L2 prefetch 4 steps ahead
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 BATCHES = (1, 8, 64)
 LIMIT_S = 130.0  # whole run, compiles included (the lead's budget: 150 s)
-# name -> (decode, gate-up splits, down splits or 0 for the rule, the gate-up tile (BLOCK_N, words a step, warps,
-# L2 prefetch steps) or None for the decode's heuristic's; the down GEMM keeps its heuristic tile), per M; "h"
-# variants 4-bit only, int8 only INT8_VARIANTS'. sm_90 SASS (benchmarks/wo_half_sass_cpu.py's compile, int4
-# gate-up, registers a thread -> programs an SM): 64x16w 2 warps 255 -> 4, 64x8w 166 -> 6, half 64x4w 94 -> 10
-# (mxfp4 79 -> 12, its e8m0 scale once a row a step): bytes in flight an SM ~ programs x one step's words
+# name -> WordPick (decode, gate-up splits, down splits or 0 for the rule, the gate-up tile (BLOCK_N, words a
+# step, warps, L2 prefetch steps) or None for the decode's heuristic's; the down GEMM keeps its heuristic tile),
+# per M; 4-bit only. sm_90 SASS (benchmarks/wo_half_sass_cpu.py's compile, int4 gate-up, registers a thread ->
+# programs an SM): 64x16w 2 warps 255 -> 4, 64x8w 166 -> 6, half 64x4w 94 -> 10 (mxfp4 79 -> 12). The first
+# run (e320f4b) measured splits 2 / 4 and these tiles; this one the neighbours of its winners
+# (``triton_wo_word_winners``, now the pick) and the down GEMM's splits.
 SPLIT_VARIANTS = {
-    1: {"g_s2": ("gemv", 2, 0, None), "g_s4": ("gemv", 4, 0, None), "g_s4d8": ("gemv", 4, 8, None),
-        "g8_s4": ("gemv", 4, 0, (64, 8, 2, 0)), "h_s2": ("gemv_half", 2, 0, None), "h_s4": ("gemv_half", 4, 0, None),
-        "h8_s4": ("gemv_half", 4, 0, (64, 8, 2, 4)), "h4_s4": ("gemv_half", 4, 0, (64, 4, 2, 4))},
-    8: {"g_s2": ("gemv", 2, 0, None)},
+    1: {"g_s2": WordPick("gemv", 2), "g_s4": WordPick("gemv", 4), "g_s8": WordPick("gemv", 8),
+        "g8_s2": WordPick("gemv", 2, 0, (64, 8, 2, 0)), "g_d8": WordPick("gemv", 1, 8),
+        "g_s2d8": WordPick("gemv", 2, 8), "g_d16": WordPick("gemv", 1, 16), "h4_s2": WordPick("gemv_half", 2, 0, H4),
+        "h4_s8": WordPick("gemv_half", 8, 0, H4), "h4_d8": WordPick("gemv_half", 1, 8, H4),
+        "h4_s2d8": WordPick("gemv_half", 2, 8, H4), "h_d8": WordPick("gemv_half", 1, 8)},
+    8: {"g_s1": WordPick("gemv"), "g_s2": WordPick("gemv", 2)},
     64: {},
 }
-INT8_VARIANTS = ("g_s2", "g_s4d8")  # at M = 1 (the gemv lost every int8 cell unsplit)
+# the chooser's decode before branch wo-decode2 where it differs (its heuristic config, unsplit): "old"
+OLD_PICKS = {("qwen3-30b-a3b", "int4_w4a16", 1): "gemv_half", ("qwen3-30b-a3b", "mxfp4", 1): "register",
+             ("deepseek-v3", "int4_w4a16", 1): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv_half",
+             ("deepseek-v3", "mxfp4", 8): "register", ("mixtral-8x7b", "int4_w4a16", 1): "gemv",
+             ("qwen3-30b-a3b", "int4_w4a16", 8): "gemv"}
 HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
 RUN_CELL = base.run_cell
 PHASE_ALSO: list[str] = []  # variants whose gate-up phase is timed besides the pick's and the best's (smoke: split ones)
 PHASES: dict[str, tuple[float, float]] = {}  # "shape scheme M=m variant" -> (gate-up phase µs, whole call µs)
 
 
-def split_config(s: Shape, scheme: str, m: int, decode: str, up_split: int, down_split: int,
-                 tile: tuple | None) -> WordConfig:
-    """``decode``'s heuristic tiles for this cell with the given splits (and gate-up ``tile``, if given)."""
-    cfg = HEURISTICS[decode](m, s.num_experts, s.n, s.k, s.top_k, scheme)
-    up = cfg.up
-    if tile is not None:
-        rows, words, warps, prefetch = tile  # gemv_half: num_stages 1 + prefetch; gemv: 1
-        up = GemmTile(rows, words * PER[scheme], up.GROUP_M, warps, 1 + prefetch if decode == "gemv_half" else 1)
-    return WordConfig(cfg.BLOCK_M, up, cfg.down, up_split=up_split, down_split=down_split)
-
-
 def variants(s: Shape, scheme: str, m: int) -> dict:
-    """name -> (decode or None, config or None) of one cell: the chooser's pick, then the split variants."""
+    """name -> (decode or None, config or None) of one cell: the chooser's pick, the old pick, the variants."""
     out = {"pick": (None, None)}
-    for name, (decode, up_split, down_split, tile) in SPLIT_VARIANTS.get(m, {}).items():
-        if scheme == "int8_w8a16" and (m != 1 or name not in INT8_VARIANTS):
-            continue
-        out[name] = (decode, split_config(s, scheme, m, decode, up_split, down_split, tile))
+    old = OLD_PICKS.get((s.name, scheme, m))
+    if old is not None:
+        heuristic = HEURISTICS[old](m, s.num_experts, s.n, s.k, s.top_k, scheme) if old in HEURISTICS else None
+        out["old"] = (old, heuristic)
+    for name, pick in SPLIT_VARIANTS.get(m, {}).items():
+        if scheme != "int8_w8a16":
+            cfg = HEURISTICS[pick.decode](m, s.num_experts, s.n, s.k, s.top_k, scheme)
+            out[name] = (pick.decode, with_pick(cfg, pick, scheme))
     return out
 
 
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
     if smoke:
         base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
         base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
-        SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2", "h4_s4")}
+        SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2d8", "h4_s2")}
         SPLIT_VARIANTS[8] = {}
         PHASE_ALSO.extend(SPLIT_VARIANTS[1])
     import triton

@@ -82,15 +82,18 @@ def test_measured_splits_apply_where_a_row_covers_the_call():
     from moekit.experts.triton_wo_gemv import WordConfig, gemv_heuristic_config
     from moekit.experts.triton_wo_word_winners import WordPick, word_config, word_pick
 
-    table = {("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
+    table = {("int4_w4a16", 256, 2048, 7168, 2): WordPick("gemv", 2),
              ("int4_w4a16", 256, 2048, 7168, 8): WordPick("gemv", 4, 8),
              ("int4_w4a16", 256, 2048, 7168, 64): WordPick("gemv_half", 2)}
-    # M = 2 and 3: 1-row blocks (M*k <= E) as M = 1 and 8; M = 3 is nearer 8 in log2; 64 runs 2-row blocks
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 2, 8, "gemv", table) == WordPick("gemv", 2)
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 3, 8, "gemv", table) == WordPick("gemv", 4, 8)
+    # rows cover m/2 <= M < 2m, the nearest in log2; M = 1-8 run 1-row blocks (M*k <= E), 64 2-row blocks
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 1, 8, "gemv", table) == WordPick("gemv", 2)
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 3, 8, "gemv", table) == WordPick("gemv", 2)
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 5, 8, "gemv", table) == WordPick("gemv", 4, 8)
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 16, 8, "gemv", table) is None  # none within a factor 2
     assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv", table) is None  # gemv_half's row only
     assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv_half", table) == WordPick("gemv_half", 2)
-    assert word_pick("mxfp4", 256, 2048, 7168, 1, 8, "gemv", table) is None
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 32, 8, "gemv_half", table) is None  # 1-row blocks at 32
+    assert word_pick("mxfp4", 256, 2048, 7168, 2, 8, "gemv", table) is None
     # the shipped table: DeepSeek-V3 int4 M = 1 splits its gate-up, the heuristic tiles kept
     base = gemv_heuristic_config(1, 256, 2048, 7168, 8, "int4_w4a16")
     cfg = wo_config(1, 256, 2048, 7168, 8, "int4_w4a16", "nowhere", "gemv")
