@@ -85,11 +85,12 @@ def test_measured_splits_apply_where_a_row_covers_the_call():
     table = {("int4_w4a16", 256, 2048, 7168, 2): WordPick("gemv", 2),
              ("int4_w4a16", 256, 2048, 7168, 8): WordPick("gemv", 4, 8),
              ("int4_w4a16", 256, 2048, 7168, 64): WordPick("gemv_half", 2)}
-    # rows cover m/2 <= M < 2m, the nearest in log2; M = 1-8 run 1-row blocks (M*k <= E), 64 2-row blocks
+    # rows cover m/2 <= M <= 2m, the nearest in log2 (ties: the smaller m); M = 1-32 run 1-row blocks (M*k <= E)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 1, 8, "gemv", table) == WordPick("gemv", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 3, 8, "gemv", table) == WordPick("gemv", 2)
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 4, 8, "gemv", table) == WordPick("gemv", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 5, 8, "gemv", table) == WordPick("gemv", 4, 8)
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 16, 8, "gemv", table) is None  # none within a factor 2
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 17, 8, "gemv", table) is None  # none within a factor 2
     assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv", table) is None  # gemv_half's row only
     assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv_half", table) == WordPick("gemv_half", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 32, 8, "gemv_half", table) is None  # 1-row blocks at 32

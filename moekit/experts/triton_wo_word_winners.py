@@ -3,9 +3,10 @@ per (scheme, E, N, K, M) at decode sizes on the H200, as data, applied on top of
 
     word_config(M, E, N, K, k, scheme, decode) -> the decode's heuristic config, as a ``WordConfig`` with the
     splits (and gate-up tile) of the row of the nearest measured m (log2 distance, ties: the smaller) among
-    the rows of this (scheme, E, N, K) and decode within a factor 2 (m/2 <= M < 2m) whose m runs the same
+    the rows of this (scheme, E, N, K) and decode within a factor 2 (m/2 <= M <= 2m) whose m runs the same
     BLOCK_M (``gemv_rows``); no row: the heuristic config unchanged (no split: DeepSeek-V3 int4 M=8 split
-    in 2 measured 688 µs against 670 unsplit, so a row stays near its own M)
+    in 2 measured 688 µs against 670 unsplit, so a row stays near its own M; M = 2 takes M = 1's row, as
+    ``choose_decode`` takes M = 1's decode there)
 
 Why splits win at M = 1 (sm_90 SASS, ``benchmarks/wo_half_sass_cpu.py``): the gemv's 64 x 16-word gate-up
 tile takes 255 registers a thread, so an SM holds at most 4 programs, and the touched experts' tiles are
@@ -60,7 +61,7 @@ def word_pick(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, to
     block_m = gemv_rows(num_tokens, num_experts, top_k)
     measured = [m for (s, e, nn, kk, m), pick in rows.items()
                 if (s, e, nn, kk) == (scheme, num_experts, n, k) and pick.decode == decode
-                and m / 2 <= num_tokens < 2 * m and gemv_rows(m, num_experts, top_k) == block_m]
+                and m / 2 <= num_tokens <= 2 * m and gemv_rows(m, num_experts, top_k) == block_m]
     if not measured:
         return None
     target = math.log2(max(num_tokens, 1))
