@@ -40,24 +40,26 @@ from moekit.experts.triton_wo_word_winners import WordPick, with_pick  # noqa: E
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 H4 = (64, 4, 2, 4)  # gemv_half's 64 x 4-word gate-up tile in 2 warps, L2 prefetch 4 steps ahead
+G16P4 = (64, 16, 2, 4)  # the gemv's heuristic tile with an L2 prefetch 4 steps ahead (the kernels' PREFETCH)
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 BATCHES = (1, 8, 64)
 LIMIT_S = 130.0  # whole run, compiles included (the lead's budget: 150 s)
-# name -> WordPick (decode, gate-up splits, down splits or 0 for the rule, the gate-up tile (BLOCK_N, words a
-# step, warps, L2 prefetch steps) or None for the decode's heuristic's; the down GEMM keeps its heuristic tile),
-# per M; 4-bit only. sm_90 SASS (benchmarks/wo_half_sass_cpu.py's compile, int4 gate-up, registers a thread ->
+# name -> WordPick (decode, gate-up splits, down splits or 0 for the rule, the gate-up and down tiles (BLOCK_N,
+# words a step, warps, L2 prefetch steps) or None for the decode's heuristic's), per M; 4-bit only. sm_90 SASS (benchmarks/wo_half_sass_cpu.py's compile, int4 gate-up, registers a thread ->
 # programs an SM): 64x16w 2 warps 255 -> 4, 64x8w 166 -> 6, half 64x4w 94 -> 10 (mxfp4 79 -> 12). The first
 # run (e320f4b) measured splits 2 / 4 and these tiles; this one the neighbours of its winners
 # (``triton_wo_word_winners``, now the pick) and the down GEMM's splits.
 SPLIT_VARIANTS = {
     1: {"g_s2": WordPick("gemv", 2), "g_s4": WordPick("gemv", 4), "g_s8": WordPick("gemv", 8),
-        "g8_s2": WordPick("gemv", 2, 0, (64, 8, 2, 0)), "g_d8": WordPick("gemv", 1, 8),
-        "g_s2d8": WordPick("gemv", 2, 8), "g_d16": WordPick("gemv", 1, 16), "h4_s2": WordPick("gemv_half", 2, 0, H4),
-        "h4_s8": WordPick("gemv_half", 8, 0, H4), "h4_d8": WordPick("gemv_half", 1, 8, H4),
-        "h4_s2d8": WordPick("gemv_half", 2, 8, H4), "h_d8": WordPick("gemv_half", 1, 8)},
+        "g_d8": WordPick("gemv", 1, 8), "g_s2d8": WordPick("gemv", 2, 8), "g_d16": WordPick("gemv", 1, 16),
+        "g_s2p4": WordPick("gemv", 2, 0, G16P4), "g_s4p4": WordPick("gemv", 4, 0, G16P4),
+        "g_d8p4": WordPick("gemv", 1, 8, None, G16P4), "g_s2p4d8p4": WordPick("gemv", 2, 8, G16P4, G16P4),
+        "h4_s2": WordPick("gemv_half", 2, 0, H4), "h4_s8": WordPick("gemv_half", 8, 0, H4),
+        "h4_d8": WordPick("gemv_half", 1, 8, H4), "h4_s2d8": WordPick("gemv_half", 2, 8, H4)},
     8: {"g_s1": WordPick("gemv"), "g_s2": WordPick("gemv", 2)},
     64: {},
 }
+MXFP4_ONLY = ("h4_",)  # gemv_half's 64 x 4-word tiles: int4 lost with them at e320f4b (243-277 µs, DeepSeek/Mixtral)
 # the chooser's decode before branch wo-decode2 where it differs (its heuristic config, unsplit): "old"
 OLD_PICKS = {("qwen3-30b-a3b", "int4_w4a16", 1): "gemv_half", ("qwen3-30b-a3b", "mxfp4", 1): "register",
              ("deepseek-v3", "int4_w4a16", 1): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv_half",
@@ -77,7 +79,7 @@ def variants(s: Shape, scheme: str, m: int) -> dict:
         heuristic = HEURISTICS[old](m, s.num_experts, s.n, s.k, s.top_k, scheme) if old in HEURISTICS else None
         out["old"] = (old, heuristic)
     for name, pick in SPLIT_VARIANTS.get(m, {}).items():
-        if scheme != "int8_w8a16":
+        if scheme == "mxfp4" or (scheme == "int4_w4a16" and not name.startswith(MXFP4_ONLY)):
             cfg = HEURISTICS[pick.decode](m, s.num_experts, s.n, s.k, s.top_k, scheme)
             out[name] = (pick.decode, with_pick(cfg, pick, scheme))
     return out
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     if smoke:
         base.TIMING.update(budget_s=0.0, min_reps=1, max_reps=1)
         base.LIMIT_S = 1e9  # the interpreter: every cell, however slow
-        SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2d8", "h4_s2")}
+        SPLIT_VARIANTS[1] = {k: SPLIT_VARIANTS[1][k] for k in ("g_s2p4d8p4", "h4_s2")}
         SPLIT_VARIANTS[8] = {}
         PHASE_ALSO.extend(SPLIT_VARIANTS[1])
     import triton

@@ -31,6 +31,7 @@ class WordPick:
     up_split: int = 1  # the gate-up's reduction splits
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
     up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, L2 prefetch steps), None: the heuristic's
+    down_tile: tuple | None = None  # the down GEMM's, the same way
 
 
 # (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
@@ -71,7 +72,7 @@ def word_pick(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, to
 
 def word_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
                 decode: str) -> KernelConfig:
-    """``decode``'s heuristic config with the covering row's splits and gate-up tile (a ``WordConfig``), or
+    """``decode``'s heuristic config with the covering row's splits and tiles (a ``WordConfig``), or
     the heuristic config itself where no row covers the call (module docstring)."""
     cfg = HEURISTICS[decode](num_tokens, num_experts, n, k, top_k, scheme)
     pick = word_pick(scheme, num_experts, n, k, num_tokens, top_k, decode)
@@ -79,9 +80,13 @@ def word_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, s
 
 
 def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
-    """``cfg`` (its decode's heuristic config) with ``pick``'s splits and gate-up tile."""
-    up = cfg.up
-    if pick.up_tile is not None:
-        rows, words, warps, prefetch = pick.up_tile  # gemv_half: num_stages = 1 + its prefetch steps
-        up = GemmTile(rows, words * PER[scheme], up.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
-    return WordConfig(cfg.BLOCK_M, up, cfg.down, up_split=pick.up_split, down_split=pick.down_split)
+    """``cfg`` (its decode's heuristic config) with ``pick``'s splits and tiles."""
+
+    def tile(base: GemmTile, spec: tuple | None) -> GemmTile:
+        if spec is None:
+            return base
+        rows, words, warps, prefetch = spec  # num_stages = 1 + the L2 prefetch steps (``triton_wo_gemv``)
+        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch)
+
+    return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
+                      down_split=pick.down_split)
