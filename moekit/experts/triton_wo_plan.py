@@ -87,9 +87,9 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # the machines' noise, not taken; at Qwen3 M=8 and M=64 it lost (89 / 487 against 88 / 247). Second run
 # (e68bcde): DeepSeek-V3 mxfp4 M=1 184.2 against tile 211.4 (taken); int4 M=1 121.6 against gemv 127.9 (its
 # gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's. The word decodes with split
-# reductions (``triton_wo_word_winners``, benchmarks/wo_decode2_device_check.py at e320f4b, µs against the pick
-# before): Qwen3 int4 M=1 gemv 22.5 (gemv_half 29.9), mxfp4 M=1 gemv_half 30.7 (register 36.4); DeepSeek-V3
-# mxfp4 M=1 gemv 160.8 (gemv_half 184.4), M=8 gemv 1104.6 (register 1196.1; unsplit gemv 1101.5 at e68bcde).
+# reductions (``triton_wo_word_winners``, benchmarks/wo_decode2_device_check.py, run 2 at 34d17b2, µs against the
+# pick before): Qwen3 int4 M=1 gemv 22.7 (gemv_half 29.2), mxfp4 M=1 gemv_half 30.5 (register 36.5); DeepSeek-V3
+# mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde).
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3

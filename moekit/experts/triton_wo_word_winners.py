@@ -30,27 +30,30 @@ class WordPick:
     decode: str  # the word decode these splits were measured with
     up_split: int = 1  # the gate-up's reduction splits
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
-    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, L2 prefetch steps), None: the heuristic's
+    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps), None: the heuristic's
     down_tile: tuple | None = None  # the down GEMM's, the same way
 
 
 # (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
-# on branch wo-decode2 at e320f4b (lead's run ~14:20 UTC); each comment: the row's time, the chooser's pick before.
+# on branch wo-decode2, two runs (e320f4b, then 34d17b2 with the rows below as the pick against the old pick;
+# results/raw logs by the lead); each comment: this row's time in run 1 / run 2, the old pick's (run 2).
+# Splits measured but not taken: DeepSeek-V3 int4 M=8 split 2 690 against 671 unsplit; mxfp4 M=8 split 2
+# 1099.5 against 1100.0 unsplit (its gain there is the decode: gemv against register 1193, DECODE_MEASURED);
+# the gemv with an L2 prefetch lost every M=1 cell (12-22%).
 WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
-    # qwen3-30b-a3b: g_s4 22.5, pick gemv_half 29.9 (gate-up phase 19.1 -> 12.7)
+    # qwen3-30b-a3b: 22.5 / 22.7, old gemv_half 29.2 (gate-up phase 19.1 -> 12.7)
     ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4),
-    # qwen3-30b-a3b: g_s2 81.2, pick gemv 88.2
+    # qwen3-30b-a3b: 81.2 / 81.8, old gemv unsplit 88.6
     ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2),
-    # qwen3-30b-a3b: h4_s4 30.7, pick register 36.4
+    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5
     ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4)),
-    # deepseek-v3: g_s2 99.7, pick gemv 134.9 (gate-up phase 78.4 -> 63.9)
+    # deepseek-v3: 99.7 / 99.7 (as the pick, first timed in its cell: 109.2), old gemv unsplit 127.2
     ("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
-    # deepseek-v3: g_s2 160.8, pick gemv_half 184.4
+    # deepseek-v3: 160.8 / 160.5, old gemv_half 183.2
     ("mxfp4", 256, 2048, 7168, 1): WordPick("gemv", 2),
-    # deepseek-v3: g_s2 1104.6, pick register 1196.1 (the gemv unsplit 1101.5 in the e68bcde run)
-    ("mxfp4", 256, 2048, 7168, 8): WordPick("gemv", 2),
-    # mixtral-8x7b: g_s4d8 106.0, pick gemv 130.3 (g_s2 without the down split 133.6)
-    ("int4_w4a16", 8, 14336, 4096, 1): WordPick("gemv", 4, 8),
+    # mixtral-8x7b: the down GEMM split 8 (2 experts x 64 tiles): run 2 99.3 (gate-up split 4 too: 106.0 / 104.4),
+    # old gemv (down split 2) 129.8
+    ("int4_w4a16", 8, 14336, 4096, 1): WordPick("gemv", 1, 8),
 }
 HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
 
@@ -85,8 +88,8 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
     def tile(base: GemmTile, spec: tuple | None) -> GemmTile:
         if spec is None:
             return base
-        rows, words, warps, prefetch = spec  # num_stages = 1 + the L2 prefetch steps (``triton_wo_gemv``)
-        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch)
+        rows, words, warps, prefetch = spec  # gemv_half: num_stages = 1 + its L2 prefetch steps (gemv: none, 1)
+        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
                       down_split=pick.down_split)

@@ -26,8 +26,7 @@ a program by default: each thread then holds several weight rows of the same wor
 value it loads (and converts, and scales) serves them all.
 
 Pipelining: each program loads step k+1's words before it computes step k (two steps in flight, in
-registers); PREFETCH > 0 (ASM) also prefetches into L2 the words PREFETCH steps ahead (bytes in flight
-without registers: the 64 x 16-word gate-up tile takes 255 registers a thread, sm_90).
+registers).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
 in. Split-K (down, SPLIT > 1) as in ``gemm_wo_reg``. Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M
@@ -87,19 +86,6 @@ def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
     past the row's KW words."""
     j = w0 + tl.arange(0, BKW)
     return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
-
-
-@triton.jit
-def prefetch_l2(q_words, w0, KW, rows_end, R, BKW: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
-    """ASM and PREFETCH > 0: prefetch.global.L2 of words w0 + PREFETCH * BKW .. + BKW of each row [BN] (pointers
-    to the rows' first words), only where every row of the tile exists (its rows end at ``rows_end`` <= R, the
-    weight's rows); words clamped to the row's last step (every address inside the weight): the bytes
-    PREFETCH steps ahead, in flight without registers."""
-    if ASM and PREFETCH > 0:
-        if rows_end <= R:
-            j = tl.minimum(w0 + PREFETCH * BKW, tl.maximum(KW - BKW, 0)) + tl.arange(0, BKW)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l",
-                                      [q_words[:, None] + j[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -238,10 +224,10 @@ def gate_up_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, SPLIT: tl.constexpr = 1, PREFETCH: tl.constexpr = 0,
+    ASM: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
-    word by word; PREFETCH > 0 (ASM): the words PREFETCH steps ahead prefetched into L2. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
+    word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
     each row, h_ptr the float32 partials p [SPLIT * A, 2N] (``wo_split``)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -261,8 +247,6 @@ def gate_up_wo_gemv_kernel(
     for w0 in range(w_start, w_end, BKW):
         next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
         next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
-        prefetch_l2(qg, w0, w_end, pid_n * BLOCK_N + BLOCK_N, N, BKW, PREFETCH, ASM)
-        prefetch_l2(qu, w0, w_end, pid_n * BLOCK_N + BLOCK_N, N, BKW, PREFETCH, ASM)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
             w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
@@ -313,7 +297,6 @@ def down_wo_gemv_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 0,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -342,13 +325,14 @@ def down_wo_gemv_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0, acc1 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
-    xt0, xt1 = tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)  # ``_accumulate``'s x terms
+    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    xt0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
+    xt1 = tl.zeros_like(xt0)
     w_start = tl.program_id(1) * split_words
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
-        prefetch_l2(q_rows, w0, NW, pid_n * BLOCK_N + BLOCK_N, K, BKW, PREFETCH, ASM)
         acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
                                           h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
                                           BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)

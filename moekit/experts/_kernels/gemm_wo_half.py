@@ -49,7 +49,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row, gate_up_operands, prefetch_l2
+from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row, gate_up_operands
 from moekit.experts._kernels.wo_split import split_range, store_partials
 
 
@@ -87,6 +87,16 @@ def _word_asm(scheme: int, rows: int) -> str:
 _ASM = {(scheme, rows): _word_asm(scheme, rows) for scheme in (1, 2) for rows in (1, 2)}
 _INT4_ASM1, _INT4_ASM2 = tl.constexpr(_ASM[1, 1]), tl.constexpr(_ASM[1, 2])
 _MXFP4_ASM1, _MXFP4_ASM2 = tl.constexpr(_ASM[2, 1]), tl.constexpr(_ASM[2, 2])
+
+
+@triton.jit
+def _prefetch_l2(q_words, w0, KW, BKW: tl.constexpr):
+    """prefetch.global.L2 of words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words; the
+    callers prefetch only tiles whose rows all exist; words clamped to the row's last step: every address
+    lies inside the weight): the bytes PREFETCH steps ahead, in flight without registers."""
+    j = tl.minimum(w0, tl.maximum(KW - BKW, 0)) + tl.arange(0, BKW)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [q_words[:, None] + j[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -283,8 +293,10 @@ def gate_up_wo_half_kernel(
     for w0 in range(w_start, w_end, BKW):
         next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
         next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
-        prefetch_l2(qg, w0, w_end, pid_n * BLOCK_N + BLOCK_N, N, BKW, PREFETCH, ASM)
-        prefetch_l2(qu, w0, w_end, pid_n * BLOCK_N + BLOCK_N, N, BKW, PREFETCH, ASM)
+        if ASM and PREFETCH > 0:
+            if pid_n * BLOCK_N + BLOCK_N <= N:  # every row of the tile exists
+                _prefetch_l2(qg, w0 + PREFETCH * BKW, w_end, BKW)
+                _prefetch_l2(qu, w0 + PREFETCH * BKW, w_end, BKW)
         xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
         next_a, next_b = _x_rows(x0, ok0, x1, ok1, (w0 + BKW) * 8, K, stride_xk, BLOCK_M, BKW)
         acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, fa, xb, fb, w0 * 8, K, n_ok, stride_sg, stride_zg,
@@ -363,7 +375,9 @@ def down_wo_half_kernel(
     next_a, next_b = _x_rows(h0, ok0, h1, ok1, w_start * 8, N, 1, BLOCK_M, BKW)
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
-        prefetch_l2(q_rows, w0, NW, pid_n * BLOCK_N + BLOCK_N, K, BKW, PREFETCH, ASM)
+        if ASM and PREFETCH > 0:
+            if pid_n * BLOCK_N + BLOCK_N <= K:  # every row of the tile exists
+                _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
         xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
         next_a, next_b = _x_rows(h0, ok0, h1, ok1, (w0 + BKW) * 8, N, 1, BLOCK_M, BKW)
         acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, fa, xb, fb, w0 * 8, N, out_ok, stride_sg, stride_zg,
