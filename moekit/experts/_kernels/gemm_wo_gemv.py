@@ -29,8 +29,10 @@ Pipelining: each program loads step k+1's words before it computes step k (two s
 registers).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
-in. Split-K (down, SPLIT > 1) as in ``gemm_wo_reg``. Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M
-is the M-block's rows (1 for the tiny-batch shortcut).
+in. Split-K: down (SPLIT > 1) as in ``gemm_wo_reg``; gate-up (SPLIT > 1) float32 partials per split, summed
+with the activation by ``wo_split.split_glu_kernel`` (more programs where the touched experts' tiles are too
+few to keep the SMs' loads in flight: M = 1). Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M is the
+M-block's rows (1 for the tiny-batch shortcut).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a
 step (PER = 8 values a word for the 4-bit schemes, 4 for int8).

@@ -38,8 +38,8 @@ reference: tests/test_triton_wo_half.py here, benchmarks/wo_decode_device_check.
 A step of BKW words lies in one group (BKW * 8 <= g: scales per row, loaded as [BN]) or holds whole groups
 (scales per word [BN, BKW]). Past C the words load as 0 and x as 0; scales 0.
 PREFETCH > 0 (ASM only): each step also prefetches into L2 the words PREFETCH steps ahead (more bytes in
-flight than the registers' one step; the config's num_stages - 1, ``triton_wo_gemv``). Split-K, KSUM,
-alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
+flight than the registers' one step; the config's num_stages - 1, ``triton_wo_gemv``). Split-K (both GEMMs),
+KSUM, alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
 BN weight rows a program, BKW words a step.
 """
 
