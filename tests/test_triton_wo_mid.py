@@ -75,13 +75,24 @@ def test_a_row_covers_calls_within_a_factor_of_two():
     from moekit.experts.triton_wo_winners import winner
 
     table = {("int8_w8a16", 4, 64, 100, 1024): WoWinner("tile"), ("int8_w8a16", 4, 64, 100, 4096): WoWinner("scratch"),
-             ("int8_w8a16", 4, 64, 100, 256): WoWinner("scratch")}  # below MIN_M: never taken
+             ("int8_w8a16", 4, 64, 100, 32): WoWinner("scratch")}  # below MIN_M: never taken
     picks = {m: winner("int8_w8a16", 4, 64, 100, m, table) for m in (128, 511, 512, 2047, 2048, 8191, 8192)}
     assert picks == {128: None, 511: None, 512: table[("int8_w8a16", 4, 64, 100, 1024)],
                      2047: table[("int8_w8a16", 4, 64, 100, 1024)], 2048: table[("int8_w8a16", 4, 64, 100, 4096)],
                      8191: table[("int8_w8a16", 4, 64, 100, 4096)], 8192: None}
     assert winner("int4_w4a16", 4, 64, 100, 1024, table) is None  # another scheme
     assert winner("int8_w8a16", 8, 64, 100, 1024, table) is None  # another shape
+
+
+def test_shipped_row_mixtral_int4_takes_the_64_row_tile_at_64():
+    from moekit.experts.triton_wo_configs import wo_config
+    from moekit.experts.triton_wo_plan import choose_decode
+
+    mixtral = (8, 14336, 4096)
+    assert choose_decode("int4_w4a16", 64, *mixtral, 2) == "tile"  # 3e6e2c6: 64-row tile 824 µs, 32-row 1032
+    assert wo_config(64, *mixtral, 2, "int4_w4a16", "nowhere").BLOCK_M == 64
+    assert wo_config(64, *mixtral, 2, "mxfp4", "nowhere").BLOCK_M == 32  # mxfp4: within the noise, not taken
+    assert choose_decode("int4_w4a16", 8, *mixtral, 2) == "register"  # below the row's factor 2
 
 
 def test_shipped_row_qwen3_int8_takes_the_fused_tile_at_4096():

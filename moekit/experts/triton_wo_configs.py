@@ -2,7 +2,8 @@
 the tuned-file lookup, the measured winners (``triton_wo_winners``) and the shared-memory fit.
 
     wo_config(call) -> the device's tuned file's entry of the nearest M, else the winners table's tile
-    config (tile decode, measured M >= 1024 cells), else ``wo_heuristic_config``
+    config (tile decode, measured M >= 1024 cells), else for the word decodes their heuristic tiles with
+    the measured splits (``triton_wo_word_winners``), else ``wo_heuristic_config``
 
 ``triton_wo_winners.WoTileConfig``: a ``KernelConfig`` of the tile decode with ``ahead`` (``ahead_of``).
 
@@ -16,6 +17,7 @@ from dataclasses import replace
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
 from moekit.experts.triton_wo_gemv import gemv_heuristic_config, half_heuristic_config
 from moekit.experts.triton_wo_winners import WoTileConfig, winner
+from moekit.experts.triton_wo_word_winners import word_config
 
 MIN_PACKED_K = 32  # packed schemes: a step reads >= 16 bytes of each weight row
 MIN_PROGRAMS = 256  # decode: about two programs per SM of an H200 (132 SMs), as the bf16 heuristic
@@ -100,13 +102,17 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
               decode: str = "tile") -> KernelConfig:
     """The tuned entry of the nearest M for (E, N, K, ``config_name(scheme, decode)``, device) where this
     device has a file (``moekit tune`` measured it there); else, for the tile decode, the winners table's
-    config where it covers the call (``triton_wo_winners``: one H200 run's); else ``wo_heuristic_config``."""
+    config where it covers the call (``triton_wo_winners``: one H200 run's); for the word decodes their
+    heuristic tiles with the measured splits (``triton_wo_word_winners.word_config``); else
+    ``wo_heuristic_config``."""
     configs = load_configs(num_experts, n, k, config_name(scheme, decode), device)  # the name in the dtype's place
     if configs:
         return nearest(configs, num_tokens)
     won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
     if won is not None and won.tile is not None:
         return won.tile
+    if decode in ("gemv", "gemv_half"):  # the heuristic tiles with the measured splits (``triton_wo_word_winners``)
+        return word_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
     return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
 
 

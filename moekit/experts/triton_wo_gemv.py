@@ -14,7 +14,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,6 +29,30 @@ HALF_FEW_SLOTS = 16  # M*k up to which the packed-half decode takes 32-row prefe
 # The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
 WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
+
+
+@dataclass(frozen=True)
+class WordConfig(KernelConfig):
+    """A word-decode config with its reduction splits: ``up_split`` the gate-up's (each split's float32
+    partials reduced in the activation launch, ``split_glu_launch``; 1: none) and ``down_split`` the down
+    GEMM's (0: ``triton_wo_plan.decode_split_k``'s). A plain ``KernelConfig`` splits the gate-up never."""
+
+    up_split: int = 1
+    down_split: int = 0
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split}
+
+
+def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
+    """(splits, words a split) of the gate-up's rows of ``kw`` words: the config's up_split (``WordConfig``,
+    else 1), each split a whole number of steps and none empty."""
+    bkw = config.up.BLOCK_K // PER[scheme]
+    asked = config.up_split if isinstance(config, WordConfig) else 1
+    if asked < 1:
+        raise ValueError(f"config.up_split must be >= 1, got {asked}")
+    split_words = cdiv(cdiv(kw, bkw), asked) * bkw
+    return cdiv(kw, split_words), split_words
 
 
 def words_ok(q: torch.Tensor) -> bool:
@@ -125,11 +149,13 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     def staging(tile: GemmTile) -> dict:  # gemv_half: the tile's num_stages is 1 + its L2 prefetch steps
         return {"num_stages": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
 
-    gate_up = BoundLaunch(
-        getattr(module, f"gate_up_wo_{suffix}_kernel"), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13), n),
+    up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
+    gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)
+        getattr(module, f"gate_up_wo_{suffix}_kernel"), (num_pid_m * cdiv(n, up.BLOCK_N), up_split), 9,
+        (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13),
+         n if up_split == 1 else 2 * n, up_words),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
-        num_warps=up.num_warps, **staging(up), **shared,
+        SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared,
     )
     down_launch, down_sum = down_launches(
         getattr(module, f"down_wo_{suffix}_kernel"), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
@@ -139,3 +165,16 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         num_warps=down.num_warps, **staging(down), **shared,
     )
     return gate_up, down_launch, down_sum
+
+
+def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_words: int, scheme: str, act: int,
+                     options: LaunchOptions) -> BoundLaunch | None:
+    """The launch that sums the split gate-up's partials and applies the activation (pointers: p [SPLIT * A,
+    2N] float32, h [A, N]); None where the gate-up does not split (``up_splits``)."""
+    split = up_splits(config, w13_words, scheme)[0]
+    if split == 1:
+        return None
+    block = min(1024, max(16, 1 << (n - 1).bit_length()))
+    return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,
+                       (n, num_assignments, 2 * n, n), SPLIT=split, BLOCK_N=block, ACT=act, num_warps=4,
+                       cached=options.cached_launcher, **options.pdl_kwargs())

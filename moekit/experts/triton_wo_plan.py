@@ -50,7 +50,7 @@ from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launc
 from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
-from moekit.experts.triton_wo_gemv import WORD_DECODES, gemv_launches, words_ok
+from moekit.experts.triton_wo_gemv import WORD_DECODES, WordConfig, gemv_launches, split_glu_launch, up_splits, words_ok
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -86,13 +86,16 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # gemv 31.5 (taken); DeepSeek-V3 120.4 against 127.2 in that run, but gemv measured 113.7 in session 9's: within
 # the machines' noise, not taken; at Qwen3 M=8 and M=64 it lost (89 / 487 against 88 / 247). Second run
 # (e68bcde): DeepSeek-V3 mxfp4 M=1 184.2 against tile 211.4 (taken); int4 M=1 121.6 against gemv 127.9 (its
-# gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's.
+# gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's. The word decodes with split
+# reductions (``triton_wo_word_winners``, benchmarks/wo_decode2_device_check.py, run 2 at 34d17b2, µs against the
+# pick before): Qwen3 int4 M=1 gemv 22.7 (gemv_half 29.2), mxfp4 M=1 gemv_half 30.5 (register 36.5); DeepSeek-V3
+# mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde).
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
-    ("int4_w4a16", 128, 768, 2048): {1: "gemv_half", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
+    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
-    ("mxfp4", 128, 768, 2048): {1: "register", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
-    ("mxfp4", 256, 2048, 7168): {1: "gemv_half", 8: "register", 64: "register"},  # DeepSeek-V3
+    ("mxfp4", 128, 768, 2048): {1: "gemv_half", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
+    ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
 
@@ -134,6 +137,9 @@ class WoPlan:
     # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule, and one split; else None);
     # pointers: down's ten, then out, counters (int32 [M * K tiles], all 0: the pool's), expert_map (ids without one)
     down_sum: BoundLaunch | None = None
+    # the word decodes' split gate-up (``triton_wo_gemv.split_glu_launch``; else None): gate-up writes the float32
+    # partials p [SPLIT * A, 2N], then this launch h = act(sum over splits); pointers: p, h
+    glu: BoundLaunch | None = None
 
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
@@ -245,6 +251,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     if not interpreting() and decode not in WORD_DECODES:
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
+    if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
+        split_k = config.down_split
     if split_k is None:  # the split decides the fold: BLOCK_M is the shortcut's 16 or the config's here
         split_k = decode_split_k(replace(config, BLOCK_M=16 if shortcut else config.BLOCK_M), num_tokens, top_k,
                                  num_experts, n, hidden, decode in WORD_DECODES)
@@ -262,10 +270,15 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     act = get_activation(activation).kernel_id
     ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
+    glu = None
     if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], act, options, split_k, split_len,
                                                 inline_asm_ok(x.device), ksum, decode)
+        glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
+        if glu is not None:
+            splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
+            regions.append(("p", torch.float32, (splits * num_assignments, 2 * n)))
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
@@ -276,7 +289,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         gate_up=gate_up, down=down,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k,
                              ordered=split_k == 1),
-        down_sum=down_sum,
+        down_sum=down_sum, glu=glu,
     )
 
 

@@ -1,5 +1,5 @@
 """The weight-only decode and tile config measured fastest per (scheme, E, N, K, M) at mid and large
-batches on the H200 (issue #16's M >= 1024 target), as data: ``benchmarks/wo_mid_device_check.py``
+batches on the H200 (issue #16's M >= 1024 target; one M = 64 row), as data: ``benchmarks/wo_mid_device_check.py``
 prints the rows of WO_WINNERS ready to paste; ``triton_wo_plan.choose_decode`` takes the decode and
 ``triton_wo_configs.wo_config`` the tile decode's config from here where the device has no tuned file.
 
@@ -44,12 +44,16 @@ def tile(block_m: int, up: tuple, down: tuple, ahead: bool = False) -> WoTileCon
     return WoTileConfig(block_m, GemmTile(*up), GemmTile(*down), ahead)
 
 
-MIN_M = 1024  # the table's scope: rows of M >= MIN_M only (smaller ones are ignored), so calls below MIN_M / 2
+MIN_M = 64  # the table's scope: rows of M >= MIN_M only (smaller ones are ignored), so calls below MIN_M / 2
 # never take a row (``triton_wo.run_experts_wo`` skips the chooser's scratch test there)
 # (scheme, E, N, K, M) -> WoWinner. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_mid_device_check.py
 # on main at 384c0da (results/raw/NVIDIA_H200-2026-12-02-384c0da-wo_mid.log): the comment of a row gives the
 # winner's, scratch's, the previous default's and bf16's time.
 WO_WINNERS: dict[tuple[str, int, int, int, int], WoWinner] = {
+    # mixtral-8x7b M=64 (~16 rows an expert: a 64-row tile dequantizes each weight once), branch wo-decode2 at
+    # 3e6e2c6, benchmarks/wo_tall_decode_device_check.py, µs: m64 824, default (32-row tile) 1032, register
+    # 16-row 847, bf16 646; 1.28x bf16. mxfp4 there: m64 843 against 862, within the noise: not taken
+    ("int4_w4a16", 8, 14336, 4096, 64): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m64 501, scratch 770, default 579, bf16 371; 1.35x bf16
     ("int4_w4a16", 128, 768, 2048, 1024): WoWinner("tile", tile(64, (64, 64, 1, 4, 4), (64, 64, 1, 4, 4), False)),
     # qwen3-30b-a3b µs: m128 1324, scratch 1130, default 1130, bf16 738; 1.53x bf16

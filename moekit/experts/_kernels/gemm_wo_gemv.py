@@ -29,8 +29,10 @@ Pipelining: each program loads step k+1's words before it computes step k (two s
 registers).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
-in. Split-K (down, SPLIT > 1) as in ``gemm_wo_reg``. Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M
-is the M-block's rows (1 for the tiny-batch shortcut).
+in. Split-K: down (SPLIT > 1) as in ``gemm_wo_reg``; gate-up (SPLIT > 1) float32 partials per split, summed
+with the activation by ``wo_split.split_glu_kernel`` (more programs where the touched experts' tiles are too
+few to keep the SMs' loads in flight: M = 1). Alignment, NAIVE, PDL as in ``gemm.py``; BLOCK_M is the
+M-block's rows (1 for the tiny-batch shortcut).
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a
 step (PER = 8 values a word for the 4-bit schemes, 4 for int8).
@@ -42,6 +44,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.wo_split import split_range, store_partials
 from moekit.experts._kernels.wo_words import word_values
 
 
@@ -160,16 +163,41 @@ def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, stride_hm, SCHEME: tl.constexpr,
-                 ACT: tl.constexpr):
+def gate_up_operands(x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm,
+                     stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """What a word decode's gate-up program reads, from its block's rows and expert (shared with
+    ``gemm_wo_half``): (a0, ok0, a1, ok1) its rows' assignments and whether they exist, x0 / x1 their x rows,
+    offs_n [BN] its h columns and n_ok, the gate and up rows' word pointers qg, qu (int32), scales sg, su
+    and zeros zg, zu [BN] (the up rows follow the N gate rows)."""
+    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
+    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
+    x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
+    x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows
+    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
+    qg, qu = words + gate * stride_qr, words + up * stride_qr
+    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
+    zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
+    return a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu
+
+
+@triton.jit
+def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n, N, num_assignments, stride_hm,
+                 SCHEME: tl.constexpr, ACT: tl.constexpr, SPLIT: tl.constexpr):
     """Row ``row`` of h [BN] from its accumulators [BN, BKW] and x terms [BN] (int8: times the per-row
-    scales)."""
+    scales); SPLIT > 1: this split's gate and up partials instead (``wo_split.store_partials``)."""
     gate, up = tl.sum(acc_g, axis=1) - xt_g, tl.sum(acc_u, axis=1) - xt_u
     if SCHEME == 0:
         gate *= tl.load(sg, mask=n_ok, other=0.0)
         up *= tl.load(su, mask=n_ok, other=0.0)
-    h = _glu(gate, up, ACT, 1.0, None, 0.0)
-    tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
+    if SPLIT > 1:
+        store_partials(h_ptr, gate, up, row, ok, offs_n, n_ok, N, num_assignments, stride_hm)
+    else:
+        h = _glu(gate, up, ACT, 1.0, None, 0.0)
+        tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
 
 
 @triton.jit
@@ -195,46 +223,42 @@ def gate_up_wo_gemv_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
-    stride_ze, stride_zr, stride_zg, stride_hm,
+    stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, SPLIT: tl.constexpr = 1,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
-    word by word."""
+    word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
+    each row, h_ptr the float32 partials p [SPLIT * A, 2N] (``wo_split``)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
-    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
-    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
-    x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
-    x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
-    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
-    qg, qu = words + gate * stride_qr, words + up * stride_qr
-    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
-    zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
+    a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu = gate_up_operands(
+        x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm, stride_qe, stride_qr,
+        stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M, BLOCK_N)
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
     xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
     xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
-    wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
-    for w0 in range(0, KW, BKW):
-        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
-        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+    w_start, w_end = split_range(KW, split_words, SPLIT)
+    wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    for w0 in range(w_start, w_end, BKW):
+        next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
+        next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
             w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
-    _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, stride_hm, SCHEME, ACT)
+    _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, N, num_assignments, stride_hm,
+                 SCHEME, ACT, SPLIT)
     if BLOCK_M > 1:
-        _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, stride_hm, SCHEME, ACT)
+        _gate_up_out(acc_g1, xt_g1, acc_u1, xt_u1, sg, su, n_ok, h_ptr, a1, ok1, offs_n, N, num_assignments,
+                     stride_hm, SCHEME, ACT, SPLIT)
 
 
 @triton.jit

@@ -38,8 +38,8 @@ reference: tests/test_triton_wo_half.py here, benchmarks/wo_decode_device_check.
 A step of BKW words lies in one group (BKW * 8 <= g: scales per row, loaded as [BN]) or holds whole groups
 (scales per word [BN, BKW]). Past C the words load as 0 and x as 0; scales 0.
 PREFETCH > 0 (ASM only): each step also prefetches into L2 the words PREFETCH steps ahead (more bytes in
-flight than the registers' one step; the config's num_stages - 1, ``triton_wo_gemv``). Split-K, KSUM,
-alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
+flight than the registers' one step; the config's num_stages - 1, ``triton_wo_gemv``). Split-K (both GEMMs),
+KSUM, alignment, NAIVE, PDL: as ``gemm_wo_gemv``. Shapes: A = M*k, K hidden, N intermediate,
 BN weight rows a program, BKW words a step.
 """
 
@@ -49,7 +49,8 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row
+from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row, gate_up_operands
+from moekit.experts._kernels.wo_split import split_range, store_partials
 
 
 def _word_asm(scheme: int, rows: int) -> str:
@@ -102,13 +103,6 @@ def _prefetch_l2(q_words, w0, KW, BKW: tl.constexpr):
 def _pow2(e):
     """2^e as float32 for int32 e in [-126, 127] (its bits)."""
     return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _x_raw(x_row, ok, k0, C, stride, T: tl.constexpr, BKW: tl.constexpr):
-    """Element T of each word of the step at k0 [BKW] float32 (0 past C)."""
-    k = k0 + tl.arange(0, BKW) * 8 + T
-    return tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -275,40 +269,34 @@ def gate_up_wo_half_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_se, stride_sr, stride_sg,  # q strides in words
-    stride_ze, stride_zr, stride_zg, stride_hm,
+    stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2), w13 decoded in fp16x2."""
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2), w13 decoded in fp16x2; SPLIT:
+    ``gemm_wo_gemv``'s split-K gate-up."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
         return
-    a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
-    a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
-    x0 = x_ptr + tl.where(ok0, a0 // top_k, 0) * stride_xm
-    x1 = x_ptr + tl.where(ok1, a1 // top_k, 0) * stride_xm
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
-    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
-    qg, qu = words + gate * stride_qr, words + up * stride_qr
-    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
-    zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
+    a0, ok0, a1, ok1, x0, x1, offs_n, n_ok, qg, qu, sg, su, zg, zu = gate_up_operands(
+        x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm, stride_qe, stride_qr,
+        stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M, BLOCK_N)
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
-    wg, wu = _load_words(qg, 0, KW, n_ok, BKW), _load_words(qu, 0, KW, n_ok, BKW)
-    next_a, next_b = _x_rows(x0, ok0, x1, ok1, 0, K, stride_xk, BLOCK_M, BKW)
-    for w0 in range(0, KW, BKW):
-        next_g = _load_words(qg, w0 + BKW, KW, n_ok, BKW)
-        next_u = _load_words(qu, w0 + BKW, KW, n_ok, BKW)
+    w_start, w_end = split_range(KW, split_words, SPLIT)
+    wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    next_a, next_b = _x_rows(x0, ok0, x1, ok1, w_start * 8, K, stride_xk, BLOCK_M, BKW)
+    for w0 in range(w_start, w_end, BKW):
+        next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
+        next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
         if ASM and PREFETCH > 0:
             if pid_n * BLOCK_N + BLOCK_N <= N:  # every row of the tile exists
-                _prefetch_l2(qg, w0 + PREFETCH * BKW, KW, BKW)
-                _prefetch_l2(qu, w0 + PREFETCH * BKW, KW, BKW)
+                _prefetch_l2(qg, w0 + PREFETCH * BKW, w_end, BKW)
+                _prefetch_l2(qu, w0 + PREFETCH * BKW, w_end, BKW)
         xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
         next_a, next_b = _x_rows(x0, ok0, x1, ok1, (w0 + BKW) * 8, K, stride_xk, BLOCK_M, BKW)
         acc_g0, acc_g1 = _tile_step(acc_g0, acc_g1, wg, sg, zg, xa, fa, xb, fb, w0 * 8, K, n_ok, stride_sg, stride_zg,
@@ -317,11 +305,21 @@ def gate_up_wo_half_kernel(
                                     BLOCK_M, BKW, GROUP, SCHEME, ASM)
         wg, wu = next_g, next_u
     let_next_kernel_launch(PDL)
-    h = _glu(tl.sum(acc_g0, axis=1), tl.sum(acc_u0, axis=1), ACT, 1.0, None, 0.0)
-    tl.store(h_ptr + a0 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok0, n_ok, False))
+    _gate_up_out(acc_g0, acc_u0, h_ptr, a0, ok0, offs_n, n_ok, N, num_assignments, stride_hm, ACT, SPLIT)
     if BLOCK_M > 1:
-        h = _glu(tl.sum(acc_g1, axis=1), tl.sum(acc_u1, axis=1), ACT, 1.0, None, 0.0)
-        tl.store(h_ptr + a1 * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok1, n_ok, False))
+        _gate_up_out(acc_g1, acc_u1, h_ptr, a1, ok1, offs_n, n_ok, N, num_assignments, stride_hm, ACT, SPLIT)
+
+
+@triton.jit
+def _gate_up_out(acc_g, acc_u, h_ptr, row, ok, offs_n, n_ok, N, num_assignments, stride_hm, ACT: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """Row ``row`` of h [BN] from its accumulators [BN, BKW]; SPLIT > 1: this split's partials (``wo_split``)."""
+    gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    if SPLIT > 1:
+        store_partials(h_ptr, gate, up, row, ok, offs_n, n_ok, N, num_assignments, stride_hm)
+    else:
+        h = _glu(gate, up, ACT, 1.0, None, 0.0)
+        tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=tl.where(ok, n_ok, False))
 
 
 @triton.jit

@@ -1,0 +1,61 @@
+"""The split-K gate-up of the word decodes (``gemm_wo_gemv``, ``gemm_wo_half``): where the touched experts'
+gate-up tiles are too few to keep the SMs' loads in flight (decode, M = 1), each tile's reduction over K is
+split SPLIT ways (grid axis 1); every split stores its float32 partial gate and up sums, and one small launch
+(``split_glu_kernel``) sums the splits in split order and applies the activation into h.
+
+Partials: p [SPLIT * A, 2N] float32, row s * A + a holds split s of assignment a: gate at columns 0..N-1,
+up at N..2N-1 (each already times its group scales, int8's per-row scale too: the sums are linear).
+Rows of assignments no split wrote (skipped slots, M-block padding) are never read back by the down GEMM.
+
+Shapes: A = M*k assignments, N intermediate, BN a tile's columns.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.gemm import _glu
+
+
+@triton.jit
+def store_partials(p_ptr, gate, up, row, ok, offs_n, n_ok, N, num_assignments, stride_pm):
+    """Split ``tl.program_id(1)``'s gate and up sums [BN] float32 of assignment ``row`` into p."""
+    p_row = p_ptr + (tl.program_id(1) * num_assignments + row) * stride_pm
+    mask = tl.where(ok, n_ok, False)
+    tl.store(p_row + offs_n, gate, mask=mask)
+    tl.store(p_row + N + offs_n, up, mask=mask)
+
+
+@triton.jit
+def split_glu_kernel(
+    p_ptr, h_ptr,  # p [SPLIT * A, 2N] float32 partials; h [A, N] out
+    N, num_assignments, stride_pm, stride_hm,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+):
+    """h[a, n] = act(sum_s p[s A + a, n]) * sum_s p[s A + a, N + n], the splits summed in order; grid
+    (A, cdiv(N, BLOCK_N))."""
+    wait_for_previous_kernel(PDL)
+    a = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros_like(gate)
+    for s in range(SPLIT):
+        p_row = p_ptr + (s * num_assignments + a) * stride_pm
+        gate += tl.load(p_row + offs_n, mask=n_ok, other=0.0)
+        up += tl.load(p_row + N + offs_n, mask=n_ok, other=0.0)
+    let_next_kernel_launch(PDL)
+    h = _glu(gate, up, ACT, 1.0, None, 0.0)
+    tl.store(h_ptr + a * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def split_range(KW, split_words, SPLIT: tl.constexpr):
+    """(first, end) words of split ``tl.program_id(1)`` of a row of KW words (all of them where SPLIT is 1)."""
+    if SPLIT > 1:
+        w_start = tl.program_id(1) * split_words
+        w_end = tl.minimum(w_start + split_words, KW)
+    else:
+        w_start = 0
+        w_end = KW
+    return w_start, w_end

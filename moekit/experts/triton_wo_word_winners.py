@@ -1,0 +1,95 @@
+"""The word decodes' (gemv, gemv_half: ``triton_wo_gemv``) reduction splits and gate-up tiles measured fastest
+per (scheme, E, N, K, M) at decode sizes on the H200, as data, applied on top of the decode's heuristic tiles:
+
+    word_config(M, E, N, K, k, scheme, decode) -> the decode's heuristic config, as a ``WordConfig`` with the
+    splits (and gate-up tile) of the row of the nearest measured m (log2 distance, ties: the smaller) among
+    the rows of this (scheme, E, N, K) and decode within a factor 2 (m/2 <= M <= 2m) whose m runs the same
+    BLOCK_M (``gemv_rows``); no row: the heuristic config unchanged (no split: DeepSeek-V3 int4 M=8 split
+    in 2 measured 688 µs against 670 unsplit, so a row stays near its own M; M = 2 takes M = 1's row, as
+    ``choose_decode`` takes M = 1's decode there)
+
+Why splits win at M = 1 (sm_90 SASS, ``benchmarks/wo_half_sass_cpu.py``): the gemv's 64 x 16-word gate-up
+tile takes 255 registers a thread, so an SM holds at most 4 programs, and the touched experts' tiles are
+fewer than that (DeepSeek-V3: 8 x 32 = 256 programs on 132 SMs): the words in flight an SM, not the decode's
+instructions, set the time. Splitting the gate-up's K over 2-4 programs (``_kernels/wo_split``) doubles them;
+where the down GEMM has the fewest programs (Mixtral: 2 experts x 64 tiles) splitting its long reduction
+(N = 14336) does the same. The choice of decode stays ``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moekit.experts.configs import GemmTile, KernelConfig
+from moekit.experts.triton_wo_gemv import PER, WordConfig, gemv_heuristic_config, gemv_rows, half_heuristic_config
+
+
+@dataclass(frozen=True)
+class WordPick:
+    decode: str  # the word decode these splits were measured with
+    up_split: int = 1  # the gate-up's reduction splits
+    down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
+    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps), None: the heuristic's
+    down_tile: tuple | None = None  # the down GEMM's, the same way
+
+
+# (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
+# on branch wo-decode2, two runs (e320f4b, then 34d17b2 with the rows below as the pick against the old pick;
+# results/raw logs by the lead); each comment: this row's time in run 1 / run 2, the old pick's (run 2).
+# Splits measured but not taken: DeepSeek-V3 int4 M=8 split 2 690 against 671 unsplit; mxfp4 M=8 split 2
+# 1099.5 against 1100.0 unsplit (its gain there is the decode: gemv against register 1193, DECODE_MEASURED);
+# the gemv with an L2 prefetch lost every M=1 cell (12-22%).
+WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
+    # qwen3-30b-a3b: 22.5 / 22.7, old gemv_half 29.2 (gate-up phase 19.1 -> 12.7)
+    ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4),
+    # qwen3-30b-a3b: 81.2 / 81.8, old gemv unsplit 88.6
+    ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2),
+    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5
+    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4)),
+    # deepseek-v3: 99.7 / 99.7 (as the pick, first timed in its cell: 109.2), old gemv unsplit 127.2
+    ("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
+    # deepseek-v3: 160.8 / 160.5, old gemv_half 183.2
+    ("mxfp4", 256, 2048, 7168, 1): WordPick("gemv", 2),
+    # mixtral-8x7b: the down GEMM split 8 (2 experts x 64 tiles): run 2 99.3 (gate-up split 4 too: 106.0 / 104.4),
+    # old gemv (down split 2) 129.8
+    ("int4_w4a16", 8, 14336, 4096, 1): WordPick("gemv", 1, 8),
+}
+HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
+
+
+def word_pick(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, decode: str,
+              table: dict | None = None) -> WordPick | None:
+    """The row of ``table`` (default WORD_WINNERS) that covers this call (module docstring), or None."""
+    rows = WORD_WINNERS if table is None else table
+    block_m = gemv_rows(num_tokens, num_experts, top_k)
+    measured = [m for (s, e, nn, kk, m), pick in rows.items()
+                if (s, e, nn, kk) == (scheme, num_experts, n, k) and pick.decode == decode
+                and m / 2 <= num_tokens <= 2 * m and gemv_rows(m, num_experts, top_k) == block_m]
+    if not measured:
+        return None
+    target = math.log2(max(num_tokens, 1))
+    m = min(measured, key=lambda m: (abs(math.log2(m) - target), m))
+    return rows[(scheme, num_experts, n, k, m)]
+
+
+def word_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str,
+                decode: str) -> KernelConfig:
+    """``decode``'s heuristic config with the covering row's splits and tiles (a ``WordConfig``), or
+    the heuristic config itself where no row covers the call (module docstring)."""
+    cfg = HEURISTICS[decode](num_tokens, num_experts, n, k, top_k, scheme)
+    pick = word_pick(scheme, num_experts, n, k, num_tokens, top_k, decode)
+    return cfg if pick is None else with_pick(cfg, pick, scheme)
+
+
+def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
+    """``cfg`` (its decode's heuristic config) with ``pick``'s splits and tiles."""
+
+    def tile(base: GemmTile, spec: tuple | None) -> GemmTile:
+        if spec is None:
+            return base
+        rows, words, warps, prefetch = spec  # gemv_half: num_stages = 1 + its L2 prefetch steps (gemv: none, 1)
+        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
+
+    return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
+                      down_split=pick.down_split)
