@@ -55,7 +55,7 @@ def _kernel_us(model, prompt, config, tokens: int) -> dict[str, tuple[float, int
             if e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def _gpu_kernels(model, prompt, config, top: int = 14) -> dict:
+def _gpu_kernels(model, prompt, config, top: int) -> dict:
     """GPU µs per decode step: a 9-token generate's kernels less a 1-token one's (the prompt's prefill and
     the first step cancel), over the 8 steps between; all kernels, and the ``top`` by time (name, µs, count)."""
     nine, one = _kernel_us(model, prompt, config, 9), _kernel_us(model, prompt, config, 1)
@@ -66,7 +66,7 @@ def _gpu_kernels(model, prompt, config, top: int = 14) -> dict:
                 top=[(name[:80], round(us, 1), round(n, 2)) for name, (us, n) in rows[:top]])
 
 
-def child(impl: str, layers: int) -> dict:
+def child(impl: str, layers: int, top: int) -> dict:
     from torch._dynamo.utils import counters
 
     import moekit.hf  # noqa: F401  (registers "moekit")
@@ -84,23 +84,24 @@ def child(impl: str, layers: int) -> dict:
     step = _step_ms(model, prompt, config)
     seen = {group: dict(values) for group, values in counters.items() if values}
     return dict(impl=impl, layers=layers, step_ms=round(step, 4), counters=seen,
-                host_ops=_host_ops(model, prompt, config), gpu_kernels=_gpu_kernels(model, prompt, config))
+                host_ops=_host_ops(model, prompt, config), gpu_kernels=_gpu_kernels(model, prompt, config, top))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--impls", nargs="+", default=["moekit", "grouped_mm", "no_experts"])
+    parser.add_argument("--top", type=int, default=14, help="GPU kernels listed per implementation")
     parser.add_argument("--child", nargs=2, metavar=("IMPL", "LAYERS"))
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.child[0], int(args.child[1]))), flush=True)
+        print("RESULT " + json.dumps(child(args.child[0], int(args.child[1]), args.top)), flush=True)
         return
     results = []
     for layers in args.layers:
         for impl in args.impls:
             env = dict(os.environ, TORCH_LOGS="perf_hints,graph_breaks,recompiles")
-            run = subprocess.run([sys.executable, __file__, "--child", impl, str(layers)], env=env,
+            run = subprocess.run([sys.executable, __file__, "--child", impl, str(layers), "--top", str(args.top)], env=env,
                                  capture_output=True, text=True, timeout=150)
             lines = run.stdout.splitlines()
             found = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
@@ -117,7 +118,7 @@ def main() -> None:
     for res in results:
         gpu = res.get("gpu_kernels", {}).get("total_us", "-")
         print(f"{res['impl']:12s} {res['layers']:6d}  {res.get('step_ms', 'error')}  {gpu}")
-        for name, us, count in res.get("gpu_kernels", {}).get("top", [])[:8]:
+        for name, us, count in res.get("gpu_kernels", {}).get("top", []):
             print(f"    {us:8.1f} µs  x{count:<6} {name}")
 
 
