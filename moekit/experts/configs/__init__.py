@@ -52,13 +52,29 @@ class KernelConfig:
     BLOCK_M: int  # rows per block of the aligned layout; shared by both GEMMs
     up: GemmTile  # gate-up GEMM: columns tile N, reduction over K
     down: GemmTile  # down GEMM: columns tile K, reduction over N
+    # Tiny batches only (the naive shortcut, contiguous weights, the GPU; else ignored): the down GEMM's weights
+    # asked into L2 ahead of its main loop (``_kernels/gemm.py``, W2_PREFETCH). "off"; "up": each gate-up program
+    # after its main loop, a share of its expert's w2; "down": each down program before its dependency wait, its
+    # own slab, the gate-up GEMM letting it launch at once; "down_late": the same, launched after gate-up's loop.
+    w2_prefetch: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.w2_prefetch not in W2_PREFETCH:
+            raise ValueError(f"w2_prefetch must be one of {W2_PREFETCH}, got {self.w2_prefetch!r}")
 
     def to_dict(self) -> dict:
-        return {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
+        d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
+        if self.w2_prefetch != "off":
+            d["w2_prefetch"] = self.w2_prefetch
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
-        return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]))
+        return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
+                   w2_prefetch=d.get("w2_prefetch", "off"))
+
+
+W2_PREFETCH = ("off", "up", "down", "down_late")
 
 
 def device_key(device: torch.device | str | None = None) -> str:
