@@ -41,7 +41,7 @@ from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
-    ZERO_TOKENS, _fold_constexprs, ksum_constexprs, prefetch_constexprs, sum_launch, w2_prefetch_mode,
+    ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch, w2_prefetch_mode,
 )
 from moekit.triton_bind import BoundLaunch
 
@@ -240,7 +240,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
     prefetch = w2_prefetch_mode(config, naive, w2_q)
-    up_prefetch, down_prefetch = prefetch_constexprs(prefetch)
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
@@ -251,12 +250,12 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, **up_prefetch), fold),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, W2_PREFETCH=prefetch), fold),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=down_one, **down_prefetch)),
+                          dict(shared, ONE_BLOCK=down_one, W2_PREFETCH=prefetch)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                              dict(shared, ONE_BLOCK=down_one, **down_prefetch),
+                              dict(shared, ONE_BLOCK=down_one, W2_PREFETCH=prefetch),
                               ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace, w2_prefetch=prefetch,
     )

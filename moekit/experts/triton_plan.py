@@ -191,12 +191,6 @@ def w2_prefetch_mode(config: KernelConfig, naive: bool, w2: torch.Tensor) -> str
     return config.w2_prefetch if ok else "off"
 
 
-def prefetch_constexprs(mode: str) -> tuple[dict, dict]:
-    """(gate-up's, down's) W2_PREFETCH constexprs (``_kernels/gemm.py``) of a ``w2_prefetch_mode``."""
-    return (dict(EARLY_SIGNAL=mode == "down", PREFETCH_W2=mode == "up"),
-            dict(PREFETCH_W2=mode in ("down", "down_late")))
-
-
 def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts: int, block_m: int,
                      expert_map: torch.Tensor | None) -> dict:
     """The gate-up kernel's FOLD constexprs (``_kernels/gemm.py``), on only for a folded alignment, and
@@ -223,12 +217,11 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
                   cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     fold = dict(fold)
     num_global = fold.pop("num_global")
-    up_prefetch, down_prefetch = prefetch_constexprs(prefetch)
     gate_up = BoundLaunch(
         gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_global, *x.stride(), *w13.stride(),
          *(b13.stride() if b13 is not None else (0, 0)), n),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold, **up_prefetch,
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold, W2_PREFETCH=prefetch,
         # Interleaved rows contiguous (transposed storage): one [BK, 2BN] load split in two, not two
         # stride-2 loads (measured on the H200: gpt-oss-20b at M = 64, 2693 µs strided against 385 µs TMA).
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,
@@ -237,7 +230,7 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
                     *(b2.stride() if b2 is not None else (0, 0)), hidden)
     down_tiles = dict(BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-                      num_warps=down.num_warps, num_stages=down.num_stages, **shared, **down_prefetch)
+                      num_warps=down.num_warps, num_stages=down.num_stages, **shared, W2_PREFETCH=prefetch)
     gemm_programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
     down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 13, down_scalars, **down_tiles)
     down_sum = None
