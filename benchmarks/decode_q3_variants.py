@@ -1,0 +1,40 @@
+"""What ``decode_q3_device_check.py`` measures: its cells and each cell's variants of the tuned default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# (dtype, preset, M): Qwen3-30B-A3B is the target; DeepSeek-V3 and Mixtral-8x7B must not get slower
+CELLS = tuple((d, p, m) for d in ("bf16", "fp8") for p, ms in (("qwen3-30b-a3b", (1, 2, 8)), ("deepseek-v3", (1, 8)),
+                                                               ("mixtral-8x7b", (1, 8))) for m in ms)
+SMOKE_CELLS = (("bf16", "qwen3-30b-a3b", 1), ("fp8", "qwen3-30b-a3b", 1))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The tuned entry's config with ``w2_prefetch`` set (None: kept) and the down GEMM's stages (None: kept)."""
+
+    name: str
+    w2_prefetch: str | None = None
+    down_stages: int | None = None
+
+    @property
+    def is_default(self) -> bool:
+        return self.name == "default"
+
+    def config(self, base):
+        config = base if self.w2_prefetch is None else replace(base, w2_prefetch=self.w2_prefetch)
+        if self.down_stages is not None:
+            config = replace(config, down=replace(config.down, num_stages=self.down_stages))
+        return config
+
+
+def variants(dtype: str, preset: str, m: int) -> list[Variant]:
+    """The default first; Qwen3: the three prefetch modes, the down GEMM with its whole slab in flight (N = 768 is 6
+    steps of 128: 7 stages), with and without "up"; elsewhere "up" and "down_late" (their touched w2 is far past
+    the L2 at M = 1: expected to lose, measured so the default's rule is known)."""
+    ends = [Variant("default")]
+    if preset == "qwen3-30b-a3b":
+        return ends + [Variant("up", "up"), Variant("down", "down"), Variant("down_late", "down_late"),
+                       Variant("stages7", None, 7), Variant("up+stages7", "up", 7)]
+    return ends + [Variant("up", "up"), Variant("down_late", "down_late")]
