@@ -10,7 +10,8 @@ and the down GEMM with more stages (its whole [BN, N] slab in flight). Cells: Qw
 and Mixtral-8x7B M = 1 / 8 (those must not get slower), bf16 and fp8_block, uniform routing over rotated input sets.
 
 Per cell: every variant's output on the first set against the default's (bit-equal: the prefetch is a hint and the
-stages do not change the accumulation order) and the default's against the reference (bf16: ``experts_reference``;
+stages do not change the accumulation order; SWAP_AB sums the same products in another order, so only within the
+tolerance) and each one's against the reference (bf16: ``experts_reference``;
 fp8: ``experts_fp8_block_reference``, the recipe); then CUDA-graph replay µs, the variants interleaved over ROUNDS
 rounds, median per variant; % of the byte floor (copy bandwidth measured here); eager wall µs of the default and
 of the cell's fastest variant. Compile: WORKERS subprocesses run every (cell, variant) once on small-E weights of
@@ -321,8 +322,10 @@ def main() -> int:
             time_cell(cell, timed, base, sets, w, dev)
         print(f"[{elapsed():5.1f}s]", flush=True)
         print_cell(cell)
+    exact = {(c.dtype, c.preset, c.M, v.name): v.exact for c in results for v in variants(c.dtype, c.preset, c.M)}
     failed = [f"{c.dtype} {c.preset} M={c.M} {r.variant}" for c in results for r in c.rows
-              if r.status.startswith(("FAIL", "error")) or r.equal_default is False]
+              if r.status.startswith(("FAIL", "error")) or (r.equal_default is False
+                                                            and exact[(c.dtype, c.preset, c.M, r.variant)])]
     print("\nall cells (graph µs median of rounds, % of byte floor, x default, [round min-max], eager wall/host µs, "
           "rel L2 vs reference, = bit-equal to default)")
     for c in results:
@@ -333,7 +336,8 @@ def main() -> int:
         (out / "decode_q3.json").write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": copy_tbps,
              "cells": [asdict(c) for c in results], "failed": failed, "seconds": elapsed()}, indent=1) + "\n")
-    print(f"FAILED (error, over tolerance, or not bit-equal to default): {failed or 'none'}  ({elapsed():.1f} s)")
+    print(f"FAILED (error, over tolerance, or an exact variant not bit-equal to default): {failed or 'none'}  "
+          f"({elapsed():.1f} s)")
     return 1 if failed else 0
 
 

@@ -12,11 +12,18 @@ SMOKE_CELLS = (("bf16", "qwen3-30b-a3b", 1), ("fp8", "qwen3-30b-a3b", 1))
 
 @dataclass(frozen=True)
 class Variant:
-    """The tuned entry's config with ``w2_prefetch`` set (None: kept) and the down GEMM's stages (None: kept)."""
+    """The tuned entry's config with ``w2_prefetch`` set (None: kept), the down GEMM's stages (None: kept) and
+    ``swap_ab`` (fp8: the transposed products on e4m3 wgmma)."""
 
     name: str
     w2_prefetch: str | None = None
     down_stages: int | None = None
+    swap_ab: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """Whether its output must equal the default's bit for bit (SWAP_AB sums in another order)."""
+        return not self.swap_ab
 
     @property
     def is_default(self) -> bool:
@@ -26,15 +33,19 @@ class Variant:
         config = base if self.w2_prefetch is None else replace(base, w2_prefetch=self.w2_prefetch)
         if self.down_stages is not None:
             config = replace(config, down=replace(config.down, num_stages=self.down_stages))
-        return config
+        return replace(config, swap_ab=True) if self.swap_ab else config
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     """The default first; Qwen3: the three prefetch modes, the down GEMM with its whole slab in flight (N = 768 is 6
     steps of 128: 7 stages), with and without "up"; elsewhere "up" and "down_late" (their touched w2 is far past
-    the L2 at M = 1: expected to lose, measured so the default's rule is known)."""
+    the L2 at M = 1: expected to lose, measured so the default's rule is known). fp8: SWAP_AB alone and (Qwen3) with
+    "up" and with 7 stages."""
     ends = [Variant("default")]
+    swap = [Variant("swap", swap_ab=True)] if dtype == "fp8" else []
     if preset == "qwen3-30b-a3b":
-        return ends + [Variant("up", "up"), Variant("down", "down"), Variant("down_late", "down_late"),
-                       Variant("stages7", None, 7), Variant("up+stages7", "up", 7)]
-    return ends + [Variant("up", "up"), Variant("down_late", "down_late")]
+        if dtype == "fp8":
+            swap += [Variant("swap+up", "up", swap_ab=True), Variant("swap+stages7", None, 7, swap_ab=True)]
+        return ends + swap + [Variant("up", "up"), Variant("down", "down"), Variant("down_late", "down_late"),
+                              Variant("stages7", None, 7), Variant("up+stages7", "up", 7)]
+    return ends + swap + [Variant("up", "up"), Variant("down_late", "down_late")]

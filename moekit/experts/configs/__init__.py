@@ -57,6 +57,9 @@ class KernelConfig:
     # after its main loop, a share of its expert's w2; "down": each down program before its dependency wait, its
     # own slab, the gate-up GEMM letting it launch at once; "down_late": the same, launched after gate-up's loop.
     w2_prefetch: str = "off"
+    # The fp8 GEMMs compute the transposed product per step (``_kernels/gemm_fp8.py``, SWAP_AB): the weight tile as the
+    # MMA's M side, for decode tiles of 16 rows (Hopper's fp8 wgmma; else f16 conversions of every weight tile).
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         if self.w2_prefetch not in W2_PREFETCH:
@@ -66,12 +69,14 @@ class KernelConfig:
         d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
         if self.w2_prefetch != "off":
             d["w2_prefetch"] = self.w2_prefetch
+        if self.swap_ab:
+            d["swap_ab"] = True
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
-                   w2_prefetch=d.get("w2_prefetch", "off"))
+                   w2_prefetch=d.get("w2_prefetch", "off"), swap_ab=bool(d.get("swap_ab", False)))
 
 
 W2_PREFETCH = ("off", "up", "down", "down_late")
