@@ -67,7 +67,8 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import (
-    _block_rows, _gate_up_rows, _grid_position, after_gate_up_loop, prefetch_then_wait, wait_then_signal,
+    _block_rows, _gate_up_rows, _grid_position, acc_zeros, after_gate_up_loop, prefetch_then_wait, unswap,
+    wait_then_signal,
 )
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
@@ -81,16 +82,6 @@ def _scaled_dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """A float32 accumulator: [BM, BN], or [BN, BM] with SWAP_AB (one return: Triton compares every return's type)."""
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
 def _step(acc, a, b, scale, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + (a [BM, BK] @ b [BK, BN]) * scale ([BM, 1] or [BM, BN]); SWAP_AB: acc and the result transposed,
     b^T a^T (see SWAP_AB)."""
@@ -98,14 +89,6 @@ def _step(acc, a, b, scale, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
         acc = acc + _scaled_dot(tl.trans(b), tl.trans(a), UPCAST) * tl.trans(scale)
     else:
         acc = acc + _scaled_dot(a, b, UPCAST) * scale
-    return acc
-
-
-@triton.jit
-def _unswap(acc, SWAP_AB: tl.constexpr):
-    """An accumulator as [BM, BN]."""
-    if SWAP_AB:
-        acc = tl.trans(acc)
     return acc
 
 
@@ -203,7 +186,7 @@ def gate_up_fp8_kernel(
     ws_ptr += expert * stride_wse
     sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
-    acc_gate, acc_up = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -222,7 +205,7 @@ def gate_up_fp8_kernel(
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     after_gate_up_loop(w2_ptr, expert, pid_n, tl.cdiv(N, BLOCK_N), K, N, PDL, W2_PREFETCH)
-    h = _unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
+    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 
@@ -285,7 +268,7 @@ def down_fp8_kernel(
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
-    acc = _acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     h_next = _first_ahead(h_ptrs, row_ok, offs_red, N, H_FP32, AHEAD)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
@@ -301,7 +284,7 @@ def down_fp8_kernel(
         hs_ptrs += 1
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
-    acc = _unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    acc = unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:

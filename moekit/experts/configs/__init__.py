@@ -57,8 +57,8 @@ class KernelConfig:
     # after its main loop, a share of its expert's w2; "down": each down program before its dependency wait, its
     # own slab, the gate-up GEMM letting it launch at once; "down_late": the same, launched after gate-up's loop.
     w2_prefetch: str = "off"
-    # The fp8 GEMMs compute the transposed product per step (``_kernels/gemm_fp8.py``, SWAP_AB): the weight tile as the
-    # MMA's M side, for decode tiles of 16 rows (Hopper's fp8 wgmma; else f16 conversions of every weight tile).
+    # The GEMMs compute the transposed product per step (``_kernels/gemm.py``, SWAP_AB): the weight tile as the MMA's M
+    # side, so decode tiles of 16 rows run on Hopper's wgmma (fp8: else f16 conversions of every weight tile).
     swap_ab: bool = False
 
     def __post_init__(self) -> None:
