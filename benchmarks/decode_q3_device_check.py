@@ -280,6 +280,30 @@ def time_cell(cell: Cell, timed: list, base, sets, w, dev) -> None:
         row.eager_us, row.host_us = e.eager_us, e.host_us
 
 
+def breakdowns(results: list, weights: dict, dev) -> dict:
+    """Each kernel's eager device µs (``fp8_kernel_breakdown``) of the default and the fastest variant of the
+    Qwen3-30B-A3B M = 1 cells, while time is left (DEADLINE_S + 10 s)."""
+    from fp8_kernel_breakdown import describe, kernel_breakdown
+
+    found = {}
+    for c in (c for c in results if c.preset == "qwen3-30b-a3b" and c.M == 1):
+        timed = [r for r in c.rows if r.us is not None]
+        picks = {r.variant for r in timed[:1] + sorted(timed[1:], key=lambda r: r.us)[:1]}
+        base = tuned(c.dtype, shape_of(c.preset), c.M, dev)
+        for v in (v for v in variants(c.dtype, c.preset, c.M) if v.name in picks and elapsed() < DEADLINE_S + 10):
+            t = make_sets_once(shape_of(c.preset), c.M, dev)
+            line = describe(kernel_breakdown(lambda: run_variant(v, c.dtype, base, t, weights[(c.dtype, c.preset)])))
+            found[f"{c.dtype} {c.preset} {c.M} {v.name}"] = line
+            print(f"kernels {c.dtype} {c.preset} M={c.M} {v.name}: {line}", flush=True)
+    return found
+
+
+def make_sets_once(s, m: int, dev):
+    from moekit.bench.cells import make_sets
+
+    return make_sets(s, m, 1, torch.bfloat16, dev)[0]
+
+
 def measure_copy(dev) -> float:
     from moekit.bench.timing import time_calls
 
@@ -337,6 +361,7 @@ def main() -> int:
         print(f"[{elapsed():5.1f}s]", flush=True)
         print_cell(cell)
     exact = {(c.dtype, c.preset, c.M, v.name): v.exact for c in results for v in variants(c.dtype, c.preset, c.M)}
+    kernels = {} if SMOKE else breakdowns(results, weights, dev)
     failed = [f"{c.dtype} {c.preset} M={c.M} {r.variant}" for c in results for r in c.rows
               if r.status.startswith(("FAIL", "error")) or (r.equal_default is False
                                                             and exact[(c.dtype, c.preset, c.M, r.variant)])]
@@ -349,7 +374,8 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "decode_q3.json").write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": copy_tbps,
-             "cells": [asdict(c) for c in results], "failed": failed, "seconds": elapsed()}, indent=1) + "\n")
+             "cells": [asdict(c) for c in results], "kernels": kernels, "failed": failed, "seconds": elapsed()},
+            indent=1) + "\n")
     print(f"FAILED (error, over tolerance, or an exact variant not bit-equal to default): {failed or 'none'}  "
           f"({elapsed():.1f} s)")
     return 1 if failed else 0
