@@ -236,8 +236,8 @@ def check_cell(cell: Cell, vs: list, base, sets, w, status: dict, ci: int) -> li
     for vi, v in enumerate(vs):
         row = Row(v.name)
         cell.rows.append(row)
-        if not SMOKE and vi > 0 and status.get((ci, vi)) != "ok":
-            row.status = status.get((ci, vi), "not compiled")
+        if not SMOKE and vi > 0 and status.get((ci, vi)) not in ("ok", None):  # None: no worker reached it, try here
+            row.status = status[(ci, vi)]
             continue
         try:
             out = run_variant(v, cell.dtype, base, sets[0], w)
