@@ -20,6 +20,8 @@ class Variant:
     w2_prefetch: str | None = None
     down_stages: int | None = None
     swap_ab: bool = False
+    up_n: int | None = None  # the gate-up BLOCK_N (None: kept)
+    down_n: int | None = None  # the down BLOCK_N (None: kept)
 
     @property
     def exact(self) -> bool:
@@ -34,6 +36,10 @@ class Variant:
         config = base if self.w2_prefetch is None else replace(base, w2_prefetch=self.w2_prefetch)
         if self.down_stages is not None:
             config = replace(config, down=replace(config.down, num_stages=self.down_stages))
+        if self.up_n is not None:
+            config = replace(config, up=replace(config.up, BLOCK_N=self.up_n))
+        if self.down_n is not None:
+            config = replace(config, down=replace(config.down, BLOCK_N=self.down_n))
         return replace(config, swap_ab=True) if self.swap_ab else config
 
 
