@@ -3,15 +3,15 @@
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/decode_q3_device_check.py   # H200, < 150 s; JSON to $OUT/decode_q3.json
     PYTHONPATH=$PWD python benchmarks/decode_q3_device_check.py --smoke      # CPU: interpreter, tiny shapes, no timing
 
-Variants of the tuned default (``decode_q3_variants``): ``KernelConfig.w2_prefetch`` "up" (each gate-up program asks
-L2 for its share of its expert's w2 after its main loop), "down" (each down program asks for its w2 slab before its
-PDL wait, gate-up signalling at its start), "down_late" (the same, gate-up signalling after its main loop as now),
-and the down GEMM with more stages (its whole [BN, N] slab in flight). Cells: Qwen3-30B-A3B M = 1 / 2 / 8, DeepSeek-V3
-and Mixtral-8x7B M = 1 / 8 (those must not get slower), bf16 and fp8_block, uniform routing over rotated input sets.
+Variants of the tuned default (``decode_q3_variants``): ``KernelConfig.swap_ab`` (each K-step computes the transposed
+product, so 16-row decode tiles run on wgmma) with the tuned tiles and neighbours, and "noswap" where the tuned
+entry swaps. Cells: Qwen3-30B-A3B M = 1 / 2 / 8, DeepSeek-V3 and Mixtral-8x7B M = 1 / 8 (those must not get slower),
+bf16 and fp8_block, uniform routing over rotated input sets. Run 1 (62cabd5) also measured the L2 prefetch of the
+down weights and a 7-stage down GEMM: benchmarks/triton-notes.md.
 
-Per cell: every variant's output on the first set against the default's (bit-equal: the prefetch is a hint and the
-stages do not change the accumulation order; SWAP_AB sums the same products in another order, so only within the
-tolerance) and each one's against the reference (bf16: ``experts_reference``;
+Per cell: every variant's output on the first set against the default's (bit-equal where only tiles or stages
+change: the sums run in the same order; a variant that flips SWAP_AB sums the same products in another order, so
+only within the tolerance) and each one's against the reference (bf16: ``experts_reference``;
 fp8: ``experts_fp8_block_reference``, the recipe); then CUDA-graph replay µs, the variants interleaved over ROUNDS
 rounds, median per variant; % of the byte floor (copy bandwidth measured here); eager wall µs of the default and
 of the cell's fastest variant. Compile: WORKERS subprocesses run every (cell, variant) once on small-E weights of

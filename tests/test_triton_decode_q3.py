@@ -1,11 +1,9 @@
-"""Decode-size switches of the Triton GEMMs (issues 19 / 15), under Triton's interpreter, tiny shapes.
+"""The Triton GEMMs' SWAP_AB (issues 19 / 15), under Triton's interpreter, tiny shapes.
 
 ``KernelConfig.swap_ab`` (each K-step computes w_tile @ act^T into a transposed accumulator) must give the result
 of a float64 per-slot loop written here: fp8 (the recipe) and float32, with K and N tails, the tiny-batch shortcut
-(M = 1) and the aligned layout (M = 7), TMA descriptors and pointer loads, a bias. ``KernelConfig.w2_prefetch`` is an L2 hint
-in inline PTX, which the interpreter cannot run: the host turns it off there (checked), and the rule that decides
-where it applies on the GPU is checked with the interpreter check stubbed out; with the hint off the outputs are the
-default's bit for bit. The GPU runs both in ``benchmarks/decode_q3_device_check.py``.
+(M = 1) and the aligned layout (M = 7), TMA descriptors and pointer loads, a bias. The GPU runs it (wgmma, bf16
+and e4m3) in ``benchmarks/decode_q3_device_check.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ triton = pytest.importorskip("triton")
 from _fp8_cases import SHAPES, problem  # noqa: E402
 from _helpers import rel_l2  # noqa: E402
 from _triton_helpers import interpreted  # noqa: E402
-from moekit.experts import triton_plan  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 
@@ -96,37 +93,8 @@ def test_swap_ab_matches_float64_loop(m, options):
     assert rel_l2(out, want) < 1e-5  # the float32 contract
 
 
-def test_config_fields_round_trip_and_refuse_unknown_modes():
+def test_swap_ab_round_trips_through_a_config_entry():
     base = KernelConfig(16, GemmTile(64, 128), GemmTile(64, 128))
     assert base.to_dict() == {"BLOCK_M": 16, "up": vars(base.up), "down": vars(base.down)}  # files unchanged
-    for mode in ("up", "down", "down_late"):
-        cfg = KernelConfig(16, base.up, base.down, w2_prefetch=mode, swap_ab=True)
-        assert KernelConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(ValueError, match="w2_prefetch"):
-        KernelConfig(16, base.up, base.down, w2_prefetch="early")
-
-
-def test_w2_prefetch_applies_only_to_the_naive_gpu_path_with_contiguous_w2(monkeypatch):
-    cfg = KernelConfig(16, GemmTile(64, 128), GemmTile(64, 128), w2_prefetch="up")
-    w2 = torch.zeros(4, 160, 96, dtype=torch.bfloat16)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert triton_plan.w2_prefetch_mode(cfg, True, w2) == "off"  # the interpreter cannot run PTX
-    monkeypatch.setattr(triton_plan, "interpreting", lambda: False)
-    assert triton_plan.w2_prefetch_mode(cfg, True, w2) == "up"
-    assert triton_plan.w2_prefetch_mode(cfg, False, w2) == "off"  # the aligned layout: experts from the alignment
-    assert triton_plan.w2_prefetch_mode(cfg, True, w2.transpose(1, 2)) == "off"  # a view: slabs not contiguous
-    assert triton_plan.w2_prefetch_mode(cfg, True, torch.zeros(4, 160, 36, dtype=torch.bfloat16)) == "off"  # rows % 16
-
-
-@pytest.mark.parametrize("mode", ["up", "down", "down_late"])
-def test_w2_prefetch_off_under_the_interpreter_leaves_the_output(mode):
-    with interpreted("moekit.experts", "moekit.experts.triton") as tr:
-        g = torch.Generator().manual_seed(5)
-        x, w13, w2 = torch.randn(1, 160, generator=g), torch.randn(8, 192, 160, generator=g), torch.randn(8, 160, 96, generator=g)
-        ids, weights = torch.tensor([[2, 0]], dtype=torch.int32), torch.rand(1, 2, generator=g)  # A*4 <= E: naive
-        base = KernelConfig(16, GemmTile(32, 64), GemmTile(32, 64))
-        plain = tr.fused_experts(x, w13, w2, ids, weights, config=base)
-        hinted = tr.fused_experts(x, w13, w2, ids, weights, config=KernelConfig(16, base.up, base.down, w2_prefetch=mode))
-        plan = triton_plan.plan_for(x, w13, w2, ids, weights, None, "silu",
-                                    KernelConfig(16, base.up, base.down, w2_prefetch=mode), LaunchOptions())
-    assert plan.align is None and plan.w2_prefetch == "off" and torch.equal(plain, hinted)
+    swapped = KernelConfig(16, base.up, base.down, swap_ab=True)
+    assert swapped.to_dict()["swap_ab"] is True and KernelConfig.from_dict(swapped.to_dict()) == swapped

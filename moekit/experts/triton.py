@@ -183,7 +183,7 @@ def _run(plan: Plan, x, w13, w2, ids, weights, expert_map, b13, b2, counters=Non
     if counters is None:
         counters = b.get("counters")  # only a pool's workspace has them (never while a graph captures)
     for launch, pointers in plan_launches(plan, b, x, w13_arg, w13_up_arg, w2_arg, b13, b2, ids, weights, expert_map,
-                                          out, counters, w2):
+                                          out, counters):
         launch(*pointers)
     return out
 

@@ -202,7 +202,7 @@ def _run(plan: Fp8Plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, exper
         pair = _DESCRIPTORS.get(w13_q, w2_q, plan.descriptor_key)
         w13_arg, w2_arg = pair.w13, pair.w2
     for launch, pointers in fp8_launches(plan, b, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                                         out, w2_q):
+                                         out):
         launch(*pointers)
     return out
 
@@ -218,22 +218,20 @@ def fp8_lean_inputs(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, block_sha
         w13_arg, w2_arg = pair.w13, pair.w2
 
     def launches(b: dict, x_arg, ids_arg, weights_arg, out_arg) -> list:
-        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg,
-                            w2_q)
+        return fp8_launches(plan, b, x_arg, w13_arg, w13_scale, w2_arg, w2_scale, ids_arg, weights_arg, None, out_arg)
 
     return plan, _WORKSPACES, launches
 
 
 def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale, ids, weights, expert_map,
-                 out, w2_q=None) -> list:
+                 out) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
     shortcut; hist and scan as one with the pool's counters where the plan has it), x quantized (unless gate-up
     does it), gate-up, down with the k-sum folded in (where the plan has it and ``b`` the pool's counters) or
     down and the k-sum. ``b``: the workspace's
     regions; the weight arguments are tensors or the plan's descriptors. Any argument may be a stand-in
-    (``triton_quant_fast`` records where each goes). ``w2_q``: the e4m3 w2 itself, read where the plan prefetches it."""
+    (``triton_quant_fast`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
-    w2_up, w2_down = (w2_q if plan.w2_prefetch == "up" else None), (w2_q if plan.w2_prefetch.startswith("down") else None)
     counters = b.get("counters")  # only a pool's workspace keeps them (never while a graph captures)
     if plan.align is None:
         rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
@@ -245,12 +243,12 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
     else:
         x_q, x_s = b["x_q"], b["x_s"]
         launches.append((plan.quantize, (x, x_q, x_s)))
-    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map, w2_up)))
+    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
     down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
-        launches.append((plan.down_sum, (*down, out, counters, map_or_ids, w2_down)))
+        launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
     else:  # the same sums in the same order, bit for bit
-        launches.append((plan.down, (*down, None, None, None, w2_down)))
+        launches.append((plan.down, (*down, None, None, None)))
         launches.append((plan.sum_slots, (b["y"], ids, map_or_ids, out)))
     return launches
 

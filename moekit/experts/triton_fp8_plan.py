@@ -41,7 +41,7 @@ from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
-    ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch, w2_prefetch_mode,
+    ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch,
 )
 from moekit.triton_bind import BoundLaunch
 
@@ -68,18 +68,17 @@ class Fp8Plan:
     descriptor_key: tuple | None
     quantize: BoundLaunch | None  # pointers: x, x_q, x_s; None where gate-up quantizes x as it loads it
     # pointers: x_q, x_s, w13_q (or its descriptor), w13_scale, h_q, h_s, ids, sorted_ids, expert_ids, num_padded,
-    # expert_map (read by a folded alignment only), w2_q (w2_prefetch "up", else None)
+    # expert_map (read by a folded alignment only)
     gate_up: BoundLaunch
     # pointers: h_q, h_s, w2_q (or its descriptor), w2_scale, y, weights, ids, sorted_ids, expert_ids, num_padded,
-    # then None, None, None (down_sum's out, counters, expert_map), w2_q (w2_prefetch "down*", else None)
+    # then None, None, None (down_sum's out, counters, expert_map)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out; ordered (the fold's order)
     # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule; else None); pointers: down's
-    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one), w2_q
+    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one)
     down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
-    w2_prefetch: str = "off"  # the config's, where it applies (``triton_plan.w2_prefetch_mode``), else "off"
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -240,7 +239,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, SWAP_AB=config.swap_ab, cached=options.cached_launcher,
                   **options.pdl_kwargs())
-    prefetch = w2_prefetch_mode(config, naive, w2_q)
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(
@@ -251,14 +249,12 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, W2_PREFETCH=prefetch), fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                          dict(shared, ONE_BLOCK=down_one, W2_PREFETCH=prefetch)),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                              dict(shared, ONE_BLOCK=down_one, W2_PREFETCH=prefetch),
+        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
                               ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
-        poison=options.poison_workspace, reuse_workspace=options.reuse_workspace, w2_prefetch=prefetch,
+        poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
 
@@ -287,7 +283,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     fold = dict(fold)
     num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 12,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
          cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,
@@ -306,7 +302,7 @@ def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num
         shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
         programs += cdiv(num_tokens, ZERO_TOKENS)
     return BoundLaunch(
-        kernels("gemm_fp8").down_fp8_kernel, (programs,), 14,
+        kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),
          *w2_scale.stride(), hidden),
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,

@@ -185,7 +185,7 @@ def _record(plan: Plan, views: dict, pair, large, expert_map, b13, b2) -> Launch
     ids = _Slot(IDS)
     launches = plan_launches(plan, b, _Slot(X), w13_arg, up_arg, w2_arg, None if b13 is None else _Slot(B13),
                              None if b2 is None else _Slot(B2), ids, _Slot(WEIGHTS),
-                             None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"), _Slot(W2))
+                             None if expert_map is None else _Slot(MAP), _Slot(OUT), views.get("counters"))
     return record_launches(launches, views, pair, large)
 
 

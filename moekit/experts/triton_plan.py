@@ -49,16 +49,15 @@ class Plan:
     # (interleaved, E, 2N or N, K, up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K) with TMA weights; else None
     descriptor_key: tuple | None
     # pointers: x, w13 (or its gate descriptor), the up rows' descriptor (interleaved TMA only, else None),
-    # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded, expert_map (or None), w2 (w2_prefetch "up", else None)
+    # b13 (or None), h, ids, sorted_ids, expert_ids, num_padded, expert_map (or None)
     gate_up: BoundLaunch
     # pointers: h, w2 (or its descriptor), b2 (or None), y, weights, ids, sorted_ids, expert_ids, num_padded,
-    # then None, None, None (down_sum's out, counters, expert_map), w2 (w2_prefetch "down*", else None)
+    # then None, None, None (down_sum's out, counters, expert_map)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
     # down with the k-sum folded in (M <= options.sum_fold_max; else None); pointers: down's nine, then out,
-    # counters (int32 [M * K tiles], all 0: the workspace's "counters"), expert_map (ids without one), w2 (as down's)
+    # counters (int32 [M * K tiles], all 0: the workspace's "counters"), expert_map (ids without one)
     down_sum: BoundLaunch | None
-    w2_prefetch: str = "off"  # the config's, where it applies (``w2_prefetch_mode``), else "off"
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -99,13 +98,11 @@ def plan_for(x, w13, w2, ids, weights, expert_map, activation, config, options: 
 
 
 def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids, weights, expert_map, out,
-                  counters, w2=None) -> list:
+                  counters) -> list:
     """A call's launches in order, each (BoundLaunch, its pointers): the alignment (unless folded or the
     naive shortcut), gate-up, then down with the k-sum folded in (where the plan has it and ``counters``
     is given) or down and the k-sum. ``b``: the workspace's regions; the weight arguments are tensors or
-    the plan's descriptors; ``w2``: the w2 tensor itself, read where the plan prefetches it (``KernelConfig.w2_prefetch``).
-    Any argument may be a stand-in (``triton_lean`` records where each goes)."""
-    w2_up, w2_down = (w2 if plan.w2_prefetch == "up" else None), (w2 if plan.w2_prefetch.startswith("down") else None)
+    the plan's descriptors. Any argument may be a stand-in (``triton_lean`` records where each goes)."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     if plan.align is None:
         rows, launches = (None, None, None), []  # the kernels read each block's expert from topk_ids instead
@@ -114,14 +111,14 @@ def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids,
         launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     h, y = b["h"], b["y"]  # [A, N], [A, K]; rows of unrouted assignments unwritten
     # h = glu(x w13^T + b13), in assignment order; the map is read only by a folded alignment
-    launches.append((plan.gate_up, (x, w13_arg, up_arg, b13, h, ids, *rows, expert_map, w2_up)))
+    launches.append((plan.gate_up, (x, w13_arg, up_arg, b13, h, ids, *rows, expert_map)))
     # y = routed weight * (h w2^T + b2) per assignment, then out = the sum over each token's slots: folded
     # into the down GEMM (its epilogue, one launch fewer) where the plan has it and counters are kept, else
     # a launch of its own; either way the same sums in the same order, bit for bit.
     if counters is not None and plan.down_sum is not None:
-        launches.append((plan.down_sum, (h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map, w2_down)))
+        launches.append((plan.down_sum, (h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)))
     else:
-        launches.append((plan.down, (h, w2_arg, b2, y, weights, ids, *rows, None, None, None, w2_down)))
+        launches.append((plan.down, (h, w2_arg, b2, y, weights, ids, *rows, None, None, None)))
         launches.append((plan.sum_slots, (y, ids, map_or_ids, out)))
     return launches
 
@@ -165,11 +162,10 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
-    prefetch = w2_prefetch_mode(config, align is None, w2)
     gate_up, down_launch, down_sum = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
                                                     align is None, descriptors, variant, options,
                                                     _fold_constexprs(align, num_assignments, num_experts, rows.block_m,
-                                                                     expert_map), expert_map, prefetch)
+                                                                     expert_map), expert_map)
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -178,17 +174,8 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=down_sum, w2_prefetch=prefetch,
+        down_sum=down_sum,
     )
-
-
-def w2_prefetch_mode(config: KernelConfig, naive: bool, w2: torch.Tensor) -> str:
-    """The config's ``w2_prefetch`` where it applies, else "off": the naive shortcut (the down programs read their
-    expert from topk_ids), the GPU (the prefetch is inline PTX, a hint the interpreter skips), w2 contiguous with
-    16-byte aligned rows (the bulk prefetch's rule). Shared by the fp8 plan."""
-    ok = (naive and not interpreting() and w2.is_contiguous() and w2.data_ptr() % 16 == 0
-          and w2.shape[2] * w2.element_size() % 16 == 0)
-    return config.w2_prefetch if ok else "off"
 
 
 def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts: int, block_m: int,
@@ -204,7 +191,7 @@ def _fold_constexprs(align: AlignPlan | None, num_assignments: int, num_experts:
 
 def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_m: int, num_pid_m: int, naive: bool,
                    descriptors: bool, variant: dict, options: LaunchOptions,
-                   fold: dict, expert_map=None, prefetch: str = "off") -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
+                   fold: dict, expert_map=None) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
     """The gate-up and down GEMM launches, and the down GEMM with the k-sum folded in where
     ``options.sum_fold_max`` allows (else None). h [A, N] and y [A, K] are contiguous workspace regions; the
     weights and biases are read through their own strides (a bias that is None gets strides 0). ``fold``:
@@ -218,10 +205,10 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     fold = dict(fold)
     num_global = fold.pop("num_global")
     gate_up = BoundLaunch(
-        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
+        gemm.gate_up_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 10,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, num_global, *x.stride(), *w13.stride(),
          *(b13.stride() if b13 is not None else (0, 0)), n),
-        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold, W2_PREFETCH=prefetch,
+        BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M, **variant, **fold,
         # Interleaved rows contiguous (transposed storage): one [BK, 2BN] load split in two, not two
         # stride-2 loads (measured on the H200: gpt-oss-20b at M = 64, 2693 µs strided against 385 µs TMA).
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,
@@ -230,12 +217,12 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
                     *(b2.stride() if b2 is not None else (0, 0)), hidden)
     down_tiles = dict(BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-                      num_warps=down.num_warps, num_stages=down.num_stages, **shared, W2_PREFETCH=prefetch)
+                      num_warps=down.num_warps, num_stages=down.num_stages, **shared)
     gemm_programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
-    down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 13, down_scalars, **down_tiles)
+    down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 12, down_scalars, **down_tiles)
     down_sum = None
     if 0 < x.shape[0] <= options.sum_fold_max:
-        down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 13, down_scalars,
+        down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 12, down_scalars,
                                **down_tiles, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
     return gate_up, down_launch, down_sum
 

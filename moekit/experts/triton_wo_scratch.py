@@ -148,9 +148,9 @@ def run_experts_wo_scratch(
         if up:
             if chunk.plan.align is not None:  # a folded alignment launches nothing: the gate-up GEMM fills rows
                 run_align(chunk.plan.align, ids, chunk.expert_map, chunk.align_buffers)
-            chunk.plan.gate_up(x, w13_arg, w13_up_arg, None, h, ids, *chunk.rows, chunk.expert_map, None)
+            chunk.plan.gate_up(x, w13_arg, w13_up_arg, None, h, ids, *chunk.rows, chunk.expert_map)
         else:
-            chunk.plan.down(h, w2_arg, None, y, weights, ids, *chunk.rows, None, None, None, None)
+            chunk.plan.down(h, w2_arg, None, y, weights, ids, *chunk.rows, None, None, None)
 
     if overlap:
         _pipelined(steps, dequant, gemm, x.device)

@@ -249,9 +249,9 @@ def scratch_lean_inputs(x, w13, w2, ids, weights, scheme_id: int, activation: st
             steps.append((chunk.dequant13, (w13.q, w13.scale, w13.zero, w13_view)))
             if bf16.align is not None:
                 steps += align_launches(bf16.align, ids_arg, ids_arg if cmap is None else cmap, b, counters)
-            steps.append((bf16.gate_up, (x_arg, w13_arg, up_arg, None, b["h"], ids_arg, *rows, cmap, None)))
+            steps.append((bf16.gate_up, (x_arg, w13_arg, up_arg, None, b["h"], ids_arg, *rows, cmap)))
             steps.append((chunk.dequant2, (w2.q, w2.scale, w2.zero, w2_view)))
-            steps.append((bf16.down, (b["h"], w2_arg, None, b["y"], weights_arg, ids_arg, *rows, None, None, None, None)))
+            steps.append((bf16.down, (b["h"], w2_arg, None, b["y"], weights_arg, ids_arg, *rows, None, None, None)))
         steps.append((plan.ksum, (b["y"], ids_arg, ids_arg, out_arg)))
         return steps
 

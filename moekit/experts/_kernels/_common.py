@@ -37,36 +37,3 @@ def local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP: tl.constexp
         ids = tl.load(map_ptr + tl.where(in_map, ids, 0), mask=in_map, other=-1).to(tl.int64)
     routed = (ids >= 0) & (ids < num_experts)
     return tl.where(routed, ids, num_experts)
-
-
-@triton.jit
-def prefetch_l2(ptr, num_bytes):
-    """Ask L2 for the bytes [ptr, ptr + num_bytes) and return at once (a hint: nothing waits on it, the
-    result never depends on it). Each thread of the program issues one ``cp.async.bulk.prefetch.L2`` (Hopper's
-    bulk copy engine, no registers, no shared memory) for its 16-byte aligned share of the range. ``ptr`` and
-    ``num_bytes`` must be multiples of 16 (the instruction's rule; the callers' weights are TMA-aligned).
-    GPU (sm_90+) only: inline PTX, which the interpreter cannot run, so every caller is behind a constexpr the
-    host turns off under the interpreter."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .u32 t, n, share, off, left, size;
-        .reg .u64 a;
-        .reg .pred p;
-        mov.u32 t, %tid.x;
-        mov.u32 n, %ntid.x;
-        add.u32 share, $2, n;
-        sub.u32 share, share, 1;
-        div.u32 share, share, n;
-        add.u32 share, share, 15;
-        and.b32 share, share, -16;
-        mul.lo.u32 off, t, share;
-        setp.lt.u32 p, off, $2;
-        sub.u32 left, $2, off;
-        min.u32 size, left, share;
-        cvt.u64.u32 a, off;
-        add.u64 a, a, $1;
-        @p cp.async.bulk.prefetch.L2.global [a], size;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r", [ptr.to(tl.pointer_type(tl.int8)), num_bytes.to(tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1)

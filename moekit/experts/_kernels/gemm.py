@@ -39,16 +39,6 @@ clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None withou
 N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
 routed weight multiplies. Weights are read through their strides (transposed storage is a view).
 
-W2_PREFETCH (tiny batches: NAIVE, contiguous weights, the GPU; ``KernelConfig.w2_prefetch``, the same string in
-both GEMMs): the down GEMM's weights asked into L2 ahead of its main loop (``_common.prefetch_l2``, a hint: the
-result never depends on it; the host passes "off" under the interpreter, which cannot run the PTX). "up": each
-gate-up program, right after its main loop, asks for its share of its expert's whole w2 [K, N] (1/num_pid_n of
-it), so the w2 stream fills the gate-up tail and the gap before the down launch. "down_late": each down program
-asks for its own [BN, N] slab of w2 before its ``wait_for_previous_kernel``, reading its expert from topk_ids (the
-call's input, written before gate-up waited; a stale read would only prefetch the wrong bytes). "down": the same,
-and gate-up lets the down grid launch at its start (not after its main loop, the PDL rule above), so down programs
-take the free SMs and prefetch while gate-up still streams.
-
 SWAP_AB (``KernelConfig.swap_ab``, decode tiles): each K-step computes the transposed product, w_tile [BN, BK] @
 a_tile^T [BK, BM], into a [BN, BM] accumulator, transposed back for the epilogue: the weight tile is the MMA's M side,
 so 16-row tiles can run on Hopper's wgmma (M >= 64) straight from the shared-memory weight tile instead of mma.sync
@@ -65,7 +55,7 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, prefetch_l2, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 
@@ -218,63 +208,20 @@ def _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N: tl.constexpr, INTERLEAVED: tl.con
 
 
 @triton.jit
-def wait_then_signal(PDL: tl.constexpr, W2_PREFETCH: tl.constexpr):
-    """A gate-up program's start: wait for the kernel ahead; with W2_PREFETCH "down" let the down GEMM launch at
-    once (its programs prefetch their weights while this grid streams; else ``after_gate_up_loop`` does)."""
-    wait_for_previous_kernel(PDL)
-    if W2_PREFETCH == "down":
-        let_next_kernel_launch(PDL)
-
-
-@triton.jit
-def after_gate_up_loop(w2_ptr, expert, pid_n, num_pid_n, K, N, PDL: tl.constexpr, W2_PREFETCH: tl.constexpr):
-    """A gate-up program after its main loop: let the down GEMM launch (unless it did at its start) and with
-    W2_PREFETCH "up" ask L2 for share pid_n of num_pid_n of its expert's w2 [K, N] (W2_PREFETCH above)."""
-    if W2_PREFETCH != "down":
-        let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    if W2_PREFETCH == "up":
-        total = K * N * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8)  # bytes, a multiple of 16 (TMA rows)
-        share = (tl.cdiv(total, num_pid_n) + 15) // 16 * 16
-        first = pid_n * share
-        if first < total:
-            base = w2_ptr.to(tl.pointer_type(tl.int8)) + expert * total
-            prefetch_l2(base + first, tl.minimum(share, total - first))
-
-
-@triton.jit
-def prefetch_then_wait(w2_ptr, ids_ptr, num_pid_m, num_experts, K, N, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PDL: tl.constexpr, W2_PREFETCH: tl.constexpr):
-    """A down program's start: with W2_PREFETCH "down" or "down_late" (NAIVE) ask L2 for its [BN, N] slab of w2
-    [E, K, N] (contiguous), its expert read from topk_ids (W2_PREFETCH above; the zero-fill programs of a KSUM grid,
-    past the GEMM's, skip it); then wait for the kernel ahead."""
-    num_pid_n = tl.cdiv(K, BLOCK_N)
-    if W2_PREFETCH == "down" or W2_PREFETCH == "down_late":
-        pid_m, pid_n = _grid_position(num_pid_m, num_pid_n, GROUP_M)
-        eid = tl.load(ids_ptr + pid_m, mask=tl.program_id(0) < num_pid_m * num_pid_n, other=-1).to(tl.int64)
-        if (eid >= 0) & (eid < num_experts):
-            row_bytes = N * (w2_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            first = pid_n * BLOCK_N
-            base = w2_ptr.to(tl.pointer_type(tl.int8)) + (eid * K + first) * row_bytes
-            prefetch_l2(base, tl.minimum(BLOCK_N, K - first) * row_bytes)
-    wait_for_previous_kernel(PDL)
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, w13_ptr, w13_up_ptr, b13_ptr, h_ptr,  # x [M, K], w13 [E, 2N or N, K], b13 [E, 2N or N], h [A, N] out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr, w2_ptr,  # map: FOLD + a map; w2: W2_PREFETCH "up"
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
     N, K, num_assignments, top_k, num_experts, num_pid_m, num_global,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, W2_PREFETCH: tl.constexpr = "off",
-    SWAP_AB: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
-    wait_then_signal(PDL, W2_PREFETCH)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
@@ -315,9 +262,9 @@ def gate_up_kernel(
         if GATED:
             acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION, SWAP_AB)
         x_ptrs += BLOCK_K * stride_xk
-    after_gate_up_loop(w2_ptr, expert, pid_n, tl.cdiv(N, BLOCK_N), K, N, PDL, W2_PREFETCH)
-    h = _gate_up_epilogue(unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
-                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
+    h = _gate_up_epilogue(unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N,
+                          stride_be, stride_bn, ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -327,16 +274,16 @@ def down_kernel(
     h_ptr, w2_ptr, b2_ptr, y_ptr, weights_ptr,  # h [A, N], w2 [E, K, N], b2 [E, K], y [A, K] out: weight * (h w2^T + b2)
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
-    w2_raw_ptr, K, N, num_assignments, num_experts, num_pid_m,  # w2_raw: W2_PREFETCH "down*" only, w2 itself
+    K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_we, stride_wk, stride_wn, stride_b2e, stride_b2k, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
-    PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0, W2_PREFETCH: tl.constexpr = "off",  # docstring
+    PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     SWAP_AB: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
-    prefetch_then_wait(w2_raw_ptr, ids_ptr, num_pid_m, num_experts, K, N, GROUP_M, BLOCK_N, PDL, W2_PREFETCH)
+    wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,

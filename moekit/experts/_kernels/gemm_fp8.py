@@ -47,8 +47,6 @@ the down GEMM's h): M = 8 80.4 / 87.1, M = 1 20.7 / 21.3; x in gate-up at M = 1 
 the noise elsewhere (benchmarks/results/raw/*-fp8_small.*). (Triton 3.9's pipeliner streams such a tile through
 SMEM with cp.async by itself, per its PTX for sm_90; AHEAD then replaces that by the one-step register load.)
 
-W2_PREFETCH: ``gemm``'s, on the e4m3 w2 (its scales are not prefetched: 1/512 of the bytes).
-
 SWAP_AB (``KernelConfig.swap_ab``, decode tiles): each step computes the transposed product, w_tile [BN, BK] @
 a_tile^T [BK, BM], into a [BN, BM] accumulator (transposed back for the epilogue): the weight tile is the MMA's M
 side. With 16-row tiles Triton cannot use Hopper's wgmma (its M is at least 64) and falls back to mma.sync, which has
@@ -64,12 +62,9 @@ EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float3
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
-from moekit.experts._kernels.gemm import (
-    _block_rows, _gate_up_rows, _grid_position, acc_zeros, after_gate_up_loop, prefetch_then_wait, unswap,
-    wait_then_signal,
-)
+from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -154,7 +149,7 @@ def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUAN
 @triton.jit
 def gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
-    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr, w2_ptr,  # map: FOLD + a map; w2: W2_PREFETCH "up"
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
     N, K, num_assignments, top_k, num_experts, num_pid_m,
     stride_xm, stride_xk, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -162,9 +157,9 @@ def gate_up_fp8_kernel(
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, W2_PREFETCH: tl.constexpr = "off",
+    HAS_MAP: tl.constexpr = False,
 ):
-    wait_then_signal(PDL, W2_PREFETCH)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                  num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
@@ -204,7 +199,7 @@ def gate_up_fp8_kernel(
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
-    after_gate_up_loop(w2_ptr, expert, pid_n, tl.cdiv(N, BLOCK_N), K, N, PDL, W2_PREFETCH)
+    let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
@@ -234,15 +229,15 @@ def down_fp8_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
-    w2_raw_ptr, K, N, num_assignments, num_experts, num_pid_m,  # w2_raw: W2_PREFETCH "down*" only, w2_q itself
+    K, N, num_assignments, num_experts, num_pid_m,
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
-    KSUM: tl.constexpr = False, top_k=1, num_global=0, W2_PREFETCH: tl.constexpr = "off",  # ``gemm.down_kernel``'s
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
-    prefetch_then_wait(w2_raw_ptr, ids_ptr, num_pid_m, num_experts, K, N, GROUP_M, BLOCK_N, PDL, W2_PREFETCH)
+    wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,

@@ -7,8 +7,7 @@ One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.j
      "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
 
 ``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
-GEMMs walk the same block-aligned layout. Optional, written only when not the default: "w2_prefetch" (a string,
-``KernelConfig.w2_prefetch``) and "swap_ab" (true, ``KernelConfig.swap_ab``). A lookup takes the entry of the nearest M (in log2 distance).
+GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``). A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
 ``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
@@ -53,23 +52,12 @@ class KernelConfig:
     BLOCK_M: int  # rows per block of the aligned layout; shared by both GEMMs
     up: GemmTile  # gate-up GEMM: columns tile N, reduction over K
     down: GemmTile  # down GEMM: columns tile K, reduction over N
-    # Tiny batches only (the naive shortcut, contiguous weights, the GPU; else ignored): the down GEMM's weights
-    # asked into L2 ahead of its main loop (``_kernels/gemm.py``, W2_PREFETCH). "off"; "up": each gate-up program
-    # after its main loop, a share of its expert's w2; "down": each down program before its dependency wait, its
-    # own slab, the gate-up GEMM letting it launch at once; "down_late": the same, launched after gate-up's loop.
-    w2_prefetch: str = "off"
     # The GEMMs compute the transposed product per step (``_kernels/gemm.py``, SWAP_AB): the weight tile as the MMA's M
     # side, so decode tiles of 16 rows run on Hopper's wgmma (fp8: else f16 conversions of every weight tile).
     swap_ab: bool = False
 
-    def __post_init__(self) -> None:
-        if self.w2_prefetch not in W2_PREFETCH:
-            raise ValueError(f"w2_prefetch must be one of {W2_PREFETCH}, got {self.w2_prefetch!r}")
-
     def to_dict(self) -> dict:
         d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
-        if self.w2_prefetch != "off":
-            d["w2_prefetch"] = self.w2_prefetch
         if self.swap_ab:
             d["swap_ab"] = True
         return d
@@ -77,10 +65,7 @@ class KernelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
-                   w2_prefetch=d.get("w2_prefetch", "off"), swap_ab=bool(d.get("swap_ab", False)))
-
-
-W2_PREFETCH = ("off", "up", "down", "down_late")
+                   swap_ab=bool(d.get("swap_ab", False)))
 
 
 def device_key(device: torch.device | str | None = None) -> str:
