@@ -40,9 +40,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import (
-    ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch,
-)
+from moekit.experts.triton_plan import ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"

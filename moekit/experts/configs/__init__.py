@@ -7,7 +7,8 @@ One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.j
      "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
 
 ``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
-GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``). A lookup takes the entry of the nearest M (in log2 distance).
+GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``).
+A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
 ``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
