@@ -42,7 +42,8 @@ routed weight multiplies. Weights are read through their strides (transposed sto
 SWAP_AB (``KernelConfig.swap_ab``, decode tiles): each K-step computes the transposed product, w_tile [BN, BK] @
 a_tile^T [BK, BM], into a [BN, BM] accumulator, transposed back for the epilogue: the weight tile is the MMA's M side,
 so 16-row tiles can run on Hopper's wgmma (M >= 64) straight from the shared-memory weight tile instead of mma.sync
-(Triton 3.9's sm_90 TTGIR: ``warp_group_dot`` against ``tt.dot`` on dot-operand registers). Float32 sums in another
+(sm_90 TTGIR of Triton 3.6 and 3.9: ``warp_group_dot`` against ``tt.dot`` on dot-operand registers; a weight tile
+of >= 64 rows, narrower ones stay on mma.sync). Float32 sums in another
 order: within the twin's tolerance, not bit-equal to the unswapped kernel. fp8: see ``gemm_fp8``.
 
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
