@@ -235,7 +235,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
                ("y", y_dtype, (num_assignments, hidden))]
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
-                  W_DESC=descriptors, AHEAD=ahead, cached=options.cached_launcher, **options.pdl_kwargs())
+                  W_DESC=descriptors, AHEAD=ahead, SWAP_AB=config.swap_ab, cached=options.cached_launcher,
+                  **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
     return Fp8Plan(

@@ -199,7 +199,7 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     num_experts, hidden, n = w2.shape
     num_assignments = x.shape[0] * top_k
     up, down, gemm = config.up, config.down, kernels("gemm")
-    shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
+    shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors, SWAP_AB=config.swap_ab,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
                   cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     fold = dict(fold)

@@ -41,7 +41,7 @@ class WoWinner:
 def tile(block_m: int, up: tuple, down: tuple, ahead: bool = False) -> WoTileConfig:
     """A ``WoTileConfig`` from (BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) of each GEMM (the form
     the device check prints)."""
-    return WoTileConfig(block_m, GemmTile(*up), GemmTile(*down), ahead)
+    return WoTileConfig(block_m, GemmTile(*up), GemmTile(*down), ahead=ahead)
 
 
 MIN_M = 64  # the table's scope: rows of M >= MIN_M only (smaller ones are ignored), so calls below MIN_M / 2

@@ -47,6 +47,16 @@ the down GEMM's h): M = 8 80.4 / 87.1, M = 1 20.7 / 21.3; x in gate-up at M = 1 
 the noise elsewhere (benchmarks/results/raw/*-fp8_small.*). (Triton 3.9's pipeliner streams such a tile through
 SMEM with cp.async by itself, per its PTX for sm_90; AHEAD then replaces that by the one-step register load.)
 
+SWAP_AB (``KernelConfig.swap_ab``, decode tiles): each step computes the transposed product, w_tile [BN, BK] @
+a_tile^T [BK, BM], into a [BN, BM] accumulator (transposed back for the epilogue): the weight tile is the MMA's M
+side. With 16-row tiles Triton cannot use Hopper's wgmma (its M is at least 64) and falls back to mma.sync, which has
+no e4m3 form: each step converts the [BK, BN] e4m3 weight tile to f16 on the CUDA cores (sm_90 TTGIR of Triton 3.6
+and 3.9: ``tt.fp_to_fp`` of the dot operand, then ``tt.dot`` on f16). Swapped, the TMA tile in shared memory feeds an
+e4m3 ``warp_group_dot`` as it is (a weight tile of >= 64 rows; narrower ones stay on mma.sync and lose). The same
+exact e4m3 products, summed in another order: within the twin's tolerance, not bit-equal to the unswapped kernel.
+H200 graph µs, unswapped / swapped: Qwen3-30B-A3B M = 1 21.8 / 19.9, M = 2 29.9 / 28.3, DeepSeek-V3 M = 1 95.7 / 93.2;
+Qwen3 M = 8 (32-wide gate-up tile) 76.1 / 84.1 (raw/*-62cabd5-decode_q3.*).
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -56,7 +66,7 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
-from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position
+from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -66,6 +76,17 @@ def _scaled_dot(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _step(acc, a, b, scale, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + (a [BM, BK] @ b [BK, BN]) * scale ([BM, 1] or [BM, BN]); SWAP_AB: acc and the result transposed,
+    b^T a^T (see SWAP_AB)."""
+    if SWAP_AB:
+        acc = acc + _scaled_dot(tl.trans(b), tl.trans(a), UPCAST) * tl.trans(scale)
+    else:
+        acc = acc + _scaled_dot(a, b, UPCAST) * scale
+    return acc
 
 
 @triton.jit
@@ -136,6 +157,7 @@ def gate_up_fp8_kernel(
     num_global, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
+    SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False,
 ):
@@ -161,8 +183,7 @@ def gate_up_fp8_kernel(
     ws_ptr += expert * stride_wse
     sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -175,13 +196,13 @@ def gate_up_fp8_kernel(
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
         xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
-        acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK)
-        acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK)
+        acc_gate = _step(acc_gate, xa, wg, _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
+        acc_up = _step(acc_up, xa, wu, _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (their scales are)
+    h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
 
@@ -214,7 +235,7 @@ def down_fp8_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
+    W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -244,7 +265,7 @@ def down_fp8_kernel(
     else:
         w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     h_next = _first_ahead(h_ptrs, row_ok, offs_red, N, H_FP32, AHEAD)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
@@ -255,12 +276,12 @@ def down_fp8_kernel(
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
         ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
-        acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK)
+        acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, SWAP_AB)
         h_ptrs += BLOCK_K
         hs_ptrs += 1
         s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
-    acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # x routed weight
+    acc = unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:

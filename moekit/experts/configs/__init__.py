@@ -7,7 +7,8 @@ One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.j
      "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
 
 ``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
-GEMMs walk the same block-aligned layout. A lookup takes the entry of the nearest M (in log2 distance).
+GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``).
+A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
 ``~/.config/moekit/configs``), where ``moekit tune`` writes, then the files shipped here. With no file,
@@ -52,13 +53,20 @@ class KernelConfig:
     BLOCK_M: int  # rows per block of the aligned layout; shared by both GEMMs
     up: GemmTile  # gate-up GEMM: columns tile N, reduction over K
     down: GemmTile  # down GEMM: columns tile K, reduction over N
+    # The GEMMs compute the transposed product per step (``_kernels/gemm.py``, SWAP_AB): the weight tile as the MMA's M
+    # side, so decode tiles of 16 rows run on Hopper's wgmma (fp8: else f16 conversions of every weight tile).
+    swap_ab: bool = False
 
     def to_dict(self) -> dict:
-        return {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
+        d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
+        if self.swap_ab:
+            d["swap_ab"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
-        return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]))
+        return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
+                   swap_ab=bool(d.get("swap_ab", False)))
 
 
 def device_key(device: torch.device | str | None = None) -> str:
