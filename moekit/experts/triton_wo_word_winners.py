@@ -32,6 +32,7 @@ class WordPick:
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
     up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps), None: the heuristic's
     down_tile: tuple | None = None  # the down GEMM's, the same way
+    fold: bool = False  # the split gate-up's sum and activation in the down GEMM's prologue (``WordConfig.glu_fold``)
 
 
 # (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
@@ -92,4 +93,4 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
         return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
-                      down_split=pick.down_split)
+                      down_split=pick.down_split, glu_fold=pick.fold)

@@ -7,6 +7,11 @@ Partials: p [SPLIT * A, 2N] float32, row s * A + a holds split s of assignment a
 up at N..2N-1 (each already times its group scales, int8's per-row scale too: the sums are linear).
 Rows of assignments no split wrote (skipped slots, M-block padding) are never read back by the down GEMM.
 
+Folded (``WordConfig.glu_fold``): no activation launch; the down GEMM reads h through ``load_h``, which sums
+its elements' partials in split order and applies the activation, rounded to h's dtype, as ``split_glu_kernel``
+does (the same operations in the same order: bit-equal), one launch fewer for SPLIT x 2 float32 reads of
+each h element a down program takes (from L2: the partials are A x 2N floats a split).
+
 Shapes: A = M*k assignments, N intermediate, BN a tile's columns.
 """
 
@@ -47,6 +52,27 @@ def split_glu_kernel(
     let_next_kernel_launch(PDL)
     h = _glu(gate, up, ACT, 1.0, None, 0.0)
     tl.store(h_ptr + a * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def load_h(h_row, offs, mask, N, split_stride, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    """Float32 h at ``offs`` (any shape, ``mask`` past the row: 0) of one assignment's row: UP_SPLIT 1 ``h_row``
+    an h row, loaded; else ``h_row`` its row of split 0's partials (split s at + s * split_stride, up at + N),
+    summed in split order, the activation applied and rounded to h's dtype (ROUND 1 bf16, 2 fp16, 0 float32):
+    bit for bit what ``split_glu_kernel`` stores and the down GEMM would load."""
+    if UP_SPLIT == 1:
+        return tl.load(h_row + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.zeros_like(offs).to(tl.float32)
+    up = tl.zeros_like(gate)
+    for s in tl.static_range(UP_SPLIT):
+        gate += tl.load(h_row + s * split_stride + offs, mask=mask, other=0.0)
+        up += tl.load(h_row + s * split_stride + N + offs, mask=mask, other=0.0)
+    h = _glu(gate, up, ACT, 1.0, None, 0.0)
+    if ROUND == 1:
+        h = h.to(tl.bfloat16).to(tl.float32)
+    elif ROUND == 2:
+        h = h.to(tl.float16).to(tl.float32)
+    return h
 
 
 @triton.jit
