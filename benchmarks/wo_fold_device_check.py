@@ -39,6 +39,7 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args, wo_launches  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
+from moekit.experts import triton_wo_plan  # noqa: E402
 from moekit.experts.triton_wo_plan import DECODE_MEASURED, choose_decode, wo_plan_for  # noqa: E402
 from moekit.experts import triton_wo_word_winners as winners  # noqa: E402
 from moekit.experts.triton_wo_word_winners import WordPick, with_pick  # noqa: E402
@@ -48,6 +49,7 @@ PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
 SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 BATCHES = (1, 8, 64)
 SETS, ROUNDS, REPLAYS = 4, 5, 6  # rotated input sets per graph; interleaved rounds; replays a round
+EAGER = dict(calls=16, repeats=5)  # ``time_eager``'s (the smoke: fewer)
 TOL = 1e-2
 LIMIT_S = 135.0  # whole run, compiles included (the lead's budget: 150 s)
 START = time.perf_counter()
@@ -233,8 +235,10 @@ def eager_pick_fold(s: Shape, scheme: str, m: int, w13, w2, inputs) -> dict:
                 winners.WORD_WINNERS[key] = dataclasses.replace(row, fold=fold)
                 clear_config_cache()
                 with torch.no_grad():
-                    t = time_eager(fns, DEV)
+                    t = time_eager(fns, DEV, **EAGER)
                 samples[name].append((t.eager_us, t.host_rest_us))
+                folded = any(plan.glu_fold for plan in triton_wo_plan._WO_PLANS.values())  # the lean calls' plan: folded or not
+                check(f"{s.name} {scheme} M={m} eager {name} runs {'folded' if fold else 'unfolded'}", folded == fold)
     finally:
         winners.WORD_WINNERS[key] = row
         clear_config_cache()
@@ -291,6 +295,7 @@ def main(argv=None) -> int:
     if smoke:  # the tiny shape's M = 1 int4 pick a split gemv, so "fold" and the eager comparison run too
         global LIMIT_S
         LIMIT_S = 1e9
+        EAGER.update(calls=2, repeats=1)
         DECODE_MEASURED[("int4_w4a16", 8, 64, 128)] = {1: "gemv"}
         winners.WORD_WINNERS[("int4_w4a16", 8, 64, 128, 1)] = WordPick("gemv", 2, 0, T4, T4)
     if DEV.type == "cuda":

@@ -312,8 +312,7 @@ def down_wo_gemv_kernel(
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
     split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring.
-    UP_SPLIT > 1: h_ptr the split gate-up's float32 partials p [UP_SPLIT * A, 2N] (stride_hm 2N), each h
-    element summed and activated as read (``wo_split.load_h``: ACT, ROUND), no activation launch."""
+    UP_SPLIT > 1: h_ptr the split gate-up's partials p [UP_SPLIT * A, 2N] (stride_hm 2N), h folded as read (``load_h``)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -338,10 +337,8 @@ def down_wo_gemv_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
-    acc1 = tl.zeros_like(acc0)
-    xt0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
-    xt1 = tl.zeros_like(xt0)
+    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)  # xt: x terms
+    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
     w_start = tl.program_id(1) * split_words
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
