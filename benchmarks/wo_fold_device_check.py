@@ -7,15 +7,15 @@ the chooser's pick at issue #16's decode cells (run 1 also timed narrower word t
 
 Cells: Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B (the time limit cuts the last) x int4_w4a16 (g 128), mxfp4,
 int8_w8a16 x M = 1, 8, 64. Variants: "pick" (the chooser's decode and config: what a call runs now), "fold"
-(the pick with its split gate-up folded, where it splits), and EXTRA's (WordPick: decode, gate-up splits, down
+(the pick with its split gate-up folded, where it splits; "unfold" for a folded pick), and EXTRA's (WordPick: decode, gate-up splits, down
 splits, tiles (BLOCK_N, words a step, warps, gemv_half's L2 prefetch), fold). Each variant against the torch
 twin (rel-L2 < TOL), each folded one against its unfolded twin bit for bit (``same``); then CUDA-graph replay
 of the op path (fresh workspace: the k-sum a launch of its own) over rotated input sets, the variants' graphs
 replayed interleaved in ROUNDS (median), % of the packed-byte floor; the launches of a call. Eager (the lean
 path a model takes, k-sum folded up to 8 tokens): where "fold" exists, pick and fold interleaved through
 ``experts_triton`` (the winners table's row switched), eager and host_rest µs per call (issue #13's <= 40).
-Look for: every line PASS, same = yes; fold's graph µs below pick's (one launch fewer: ~2-4 µs at M = 1),
-host_rest lower. JSON to $OUT/wo_fold.json.
+Look for: every line PASS (bit-equal lines included); the table's folded graph µs below unfolded (one launch
+fewer), host_rest lower ("eager u/f", "host u/f": unfolded / folded). JSON to $OUT/wo_fold.json.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Cell:
     launches: dict = dataclasses.field(default_factory=dict)  # variant -> kernels of one op-path call
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
     same: dict = dataclasses.field(default_factory=dict)  # folded variant -> bit-equal to its unfolded twin
-    eager: dict = dataclasses.field(default_factory=dict)  # "pick" / "fold" -> (eager µs, host_rest µs)
+    eager: dict = dataclasses.field(default_factory=dict)  # "unfolded" / "folded" -> (eager µs, host_rest µs)
 
 
 def left_s() -> float:
@@ -100,12 +100,12 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def variants(s: Shape, scheme: str, m: int, smoke: bool) -> dict:
-    """name -> (decode, config): the pick, its fold where its gate-up splits, EXTRA's."""
+    """name -> (decode, config): the pick, its twin with the fold switched where its gate-up splits, EXTRA's."""
     decode = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
     cfg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(DEV), decode)
     out = {"pick": (decode, cfg)}
-    if isinstance(cfg, WordConfig) and cfg.up_split > 1 and not cfg.glu_fold:
-        out["fold"] = (decode, dataclasses.replace(cfg, glu_fold=True))
+    if isinstance(cfg, WordConfig) and cfg.up_split > 1:  # the pick's twin, folded or (a folded pick) not
+        out["unfold" if cfg.glu_fold else "fold"] = (decode, dataclasses.replace(cfg, glu_fold=not cfg.glu_fold))
     extra = SMOKE_EXTRA if smoke and scheme != "int8_w8a16" else EXTRA.get((s.name, scheme, m), {})
     for name, pick in extra.items():
         base = winners.HEURISTICS[pick.decode](m, s.num_experts, s.n, s.k, s.top_k, scheme)
@@ -188,7 +188,7 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
     cell.times = interleaved_us(graphs, len(inputs))
-    if "fold" in cell.errors and left_s() > 10:
+    if ("fold" in cell.errors or "unfold" in cell.errors) and left_s() > 10:
         try:
             cell.eager = eager_pick_fold(s, scheme, m, w13, w2, inputs)
         except Exception as e:  # noqa: BLE001  (a measurement only)
@@ -213,7 +213,7 @@ def lean_weight(w):
 
 def eager_pick_fold(s: Shape, scheme: str, m: int, w13, w2, inputs) -> dict:
     """(eager µs, host_rest µs) per call of the lean eager path with the winners row's fold off ("pick") and on
-    ("fold"), interleaved 3 times each (medians); the row put back after."""
+    ("folded"), interleaved 3 times each (medians); the row put back after."""
     from moekit.experts.triton import experts_triton
 
     key = (scheme, s.num_experts, s.n, s.k, m)
@@ -222,10 +222,10 @@ def eager_pick_fold(s: Shape, scheme: str, m: int, w13, w2, inputs) -> dict:
         return {}
     q13, q2 = lean_weight(w13), lean_weight(w2)
     fns = [lambda c=c: experts_triton(c.x, q13, q2, c.topk_ids, c.topk_weights) for c in inputs]
-    samples = {"pick": [], "fold": []}
+    samples = {"unfolded": [], "folded": []}
     try:
         for _ in range(3):
-            for name, fold in (("pick", False), ("fold", True)):
+            for name, fold in (("unfolded", False), ("folded", True)):
                 winners.WORD_WINNERS[key] = dataclasses.replace(row, fold=fold)
                 clear_config_cache()
                 with torch.no_grad():
@@ -259,17 +259,19 @@ def shape_cells(s: Shape, bw: float, smoke: bool) -> list[Cell]:
 
 
 def table(cells: list[Cell]) -> str:
-    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'pick':>8} {'fold':>8} {'best':>8} {'variant':<12} "
-             f"{'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} {'eager p/f':>13} {'host p/f':>11}"]
+    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'unfolded':>8} {'folded':>8} {'best':>8} {'variant':<12} "
+             f"{'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} {'eager u/f':>13} {'host u/f':>11}"]
     for c in cells:
         if not c.times:
             continue
         best = min(c.times, key=c.times.get)
         eager = c.eager or {}
-        e = (f"{eager['pick'][0]:6.1f}/{eager['fold'][0]:<6.1f}" if eager else "-")
-        h = (f"{eager['pick'][1]:5.1f}/{eager['fold'][1]:<5.1f}" if eager else "-")
-        lines.append(f"{c.preset:<14} {c.scheme:<10} {c.m:>3} {c.bf16_us:7.1f} {c.times.get('pick', float('nan')):8.1f} "
-                     f"{c.times.get('fold', float('nan')):8.1f} {c.times[best]:8.1f} {best:<12} {c.floor_us:6.1f} "
+        e = (f"{eager['unfolded'][0]:6.1f}/{eager['folded'][0]:<6.1f}" if eager else "-")
+        h = (f"{eager['unfolded'][1]:5.1f}/{eager['folded'][1]:<5.1f}" if eager else "-")
+        unfolded, folded = ((c.times["unfold"], c.times["pick"]) if "unfold" in c.times
+                            else (c.times.get("pick", float("nan")), c.times.get("fold", float("nan"))))
+        lines.append(f"{c.preset:<14} {c.scheme:<10} {c.m:>3} {c.bf16_us:7.1f} {unfolded:8.1f} "
+                     f"{folded:8.1f} {c.times[best]:8.1f} {best:<12} {c.floor_us:6.1f} "
                      f"{100 * c.floor_us / c.times[best]:7.0f}% {c.times[best] / c.bf16_us:6.2f} "
                      f"{len(c.launches.get('pick', ())):>7} {len(c.launches.get(best, ())):>7} {e:>13} {h:>11}")
     return "\n".join(lines)

@@ -46,8 +46,10 @@ WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
     ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4),
     # qwen3-30b-a3b: 81.2 / 81.8, old gemv unsplit 88.6
     ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2),
-    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5
-    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4)),
+    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5. Folded (benchmarks/wo_fold_device_check.py, branch wo-fold,
+    # run 1, interleaved): graph 29.0 against 29.8 unfolded (h4 split 8 folded 28.6), eager 33.9 against 35.8,
+    # host_rest 27.5 against 33.0 µs a call (one launch fewer); bit-equal
+    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4), fold=True),
     # deepseek-v3: 99.7 / 99.7 (as the pick, first timed in its cell: 109.2), old gemv unsplit 127.2
     ("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
     # deepseek-v3: 160.8 / 160.5, old gemv_half 183.2
