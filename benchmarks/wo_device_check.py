@@ -165,10 +165,10 @@ def precompile(jobs: list[tuple], dev) -> None:
 
 def _warm(plan, c, a13, a2, dev) -> None:
     """Submit the compiles of ``plan``'s two GEMMs (``warmup``: nothing runs; a split gate-up on its partials p)."""
-    b = plan.workspace.allocate(dev)
+    b, h = plan.workspace.allocate(dev), "p" if plan.glu_fold else "h"  # a folded gate-up's down GEMM reads p
     rows = (None,) * 3 if plan.align is None else (b["sorted_ids"], b["expert_ids"], b["num_padded"])
     for launch, pointers in ((plan.gate_up, (c.x, a13.q, a13.scale, a13.zero, b.get("p", b["h"]), c.topk_ids)),
-                             (plan.down, (b["h"], a2.q, a2.scale, a2.zero, b["y"], c.topk_weights, c.topk_ids))):
+                             (plan.down, (b[h], a2.q, a2.scale, a2.zero, b["y"], c.topk_weights, c.topk_ids))):
         launch.kernel.warmup(*pointers, *rows, *launch.tail, grid=launch.grid, **launch.options)
 
 

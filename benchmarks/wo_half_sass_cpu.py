@@ -68,7 +68,7 @@ def _main_loop(sass: str) -> list[str]:
 
 
 def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
-          prefetch: int = 0) -> LoopCount:
+          prefetch: int = 0, up_split: int = 1) -> LoopCount:
     kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
     kind = "half" if module == "gemm_wo_half" else "gemv"
     fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_{kind}_kernel")
@@ -76,9 +76,11 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
     pointers |= {"q_ptr": "*u8", "s_ptr": "*fp32" if scheme == 1 else "*u8", "z_ptr": "*u8"}
+    if up_split > 1:  # the down GEMM reading the split gate-up's float32 partials (``wo_split.load_h``)
+        pointers["h_ptr"] = "*fp32"
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, PREFETCH=prefetch, KSUM=False,
-                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1)
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1)
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -90,7 +92,8 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     weights = block_n * bkw * 8 * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
-            f"{block_n}x{bkw}w {num_warps}w" + (f" prefetch {prefetch}" if prefetch else ""))
+            f"{block_n}x{bkw}w {num_warps}w" + (f" prefetch {prefetch}" if prefetch else "")
+            + (f" h folded from {up_split} splits" if up_split > 1 else ""))
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
                      int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
 
@@ -98,11 +101,20 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="gemv_half only, the default tile, 1- and 2-row blocks")
+    p.add_argument("--fold", action="store_true", help="the down GEMMs reading h plain or folded from 2 / 4 splits")
     args = p.parse_args(argv)
+    if args.fold:
+        jobs = [(module, s, 1, 64, bkw, 2, True, 0, u) for module, s, bkw in (
+            ("gemm_wo_gemv", 1, 16), ("gemm_wo_gemv", 2, 16), ("gemm_wo_half", 2, 4)) for u in (1, 2, 4)]
+        return _report(jobs)
     jobs = [("gemm_wo_half", s, m, 64, 16, 2, False, 0) for s in (1, 2) for m in (1, 2)]
     if not args.quick:
         jobs += [("gemm_wo_gemv", s, 1, 64, 16, 2, False, 0) for s in (1, 2)]
         jobs += [("gemm_wo_half", s, 1, 64, 16, 2, d, 4) for s in (1, 2) for d in (False, True)]
+    return _report(jobs)
+
+
+def _report(jobs: list[tuple]) -> int:
     failed = 0
     for job in jobs:
         try:

@@ -210,15 +210,17 @@ def test_fp8_entry_misses_under_a_new_default_gluon_choice(interpreter, counts, 
     assert counts["hits"] == 2
 
 
-def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypatch):
-    # a measured row (``triton_wo_word_winners``) for this tiny shape: the gemv with its gate-up and down split
-    # in 2 (steps of 4 and 2 words: 2 steps each), so the plan has the activation launch (``_kernels/wo_split``)
+@pytest.mark.parametrize("fold,down_split", [(False, 2), (True, 1)])
+def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypatch, fold, down_split):
+    # a measured row (``triton_wo_word_winners``) for this tiny shape: the gemv with its gate-up split in 2 (steps
+    # of 4 and 2 words: 2 steps each), so the plan has the activation launch (``_kernels/wo_split``), the down GEMM
+    # split in 2; or the activation folded into the down GEMM, unsplit, so the lean calls fold the k-sum too
     import importlib
 
     plans = importlib.import_module("moekit.experts.triton_wo_plan")
     winners = importlib.import_module("moekit.experts.triton_wo_word_winners")
     monkeypatch.setitem(plans.DECODE_MEASURED, ("int4_w4a16", E, N, K), {1: "gemv"})
-    monkeypatch.setitem(winners.WORD_WINNERS, ("int4_w4a16", E, N, K, 1), winners.WordPick("gemv", 2, 2, (64, 4, 2, 0), (64, 2, 2, 0)))
+    monkeypatch.setitem(winners.WORD_WINNERS, ("int4_w4a16", E, N, K, 1), winners.WordPick("gemv", 2, down_split, (64, 4, 2, 0), (64, 2, 2, 0), fold))
     clear_config_cache()
     q13, q2 = _weights("int4_w4a16")
     for seed in (0, 1, 2):  # the first compiles and records; the next two are served
@@ -226,5 +228,6 @@ def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypat
         got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
         assert rel_l2(got, quantized_experts_loop(x, q13, q2, ids, weights)) < TOL["int4_w4a16"]
     assert counts["hits"] == 2
-    assert [plan.glu is not None and plan.split_k == 2 for plan in plans._WO_PLANS.values()] == [True]
+    assert [(plan.glu is None, plan.glu_fold, plan.split_k) for plan in plans._WO_PLANS.values()] == [
+        (fold, fold, down_split)]
     clear_config_cache()

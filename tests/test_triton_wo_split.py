@@ -28,10 +28,10 @@ def wo():
         yield module
 
 
-def word_config(scheme: str, block_m: int, words: int, up_split: int, down_split: int = 0):
+def word_config(scheme: str, block_m: int, words: int, up_split: int, down_split: int = 0, fold: bool = False):
     tile = GemmTile(16, words * PER[scheme], 1, 1, 1)
     word = importlib.import_module("moekit.experts.triton_wo_gemv").WordConfig  # the plan's module
-    return word(block_m, tile, tile, up_split=up_split, down_split=down_split)
+    return word(block_m, tile, tile, up_split=up_split, down_split=down_split, glu_fold=fold)
 
 
 def run(wo, x, w13, w2, ids, weights, cfg, decode):
@@ -60,6 +60,23 @@ def test_split_gate_up_aligned_two_row_blocks(wo, decode):
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
 
 
+@pytest.mark.parametrize("decode,scheme,group,block_m,down_split", [
+    ("gemv", "int4_w4a16", 32, 1, 2), ("gemv", "int8_w8a16", 0, 2, 1), ("gemv_half", "mxfp4", 32, 1, 1),
+    ("gemv_half", "int4_w4a16", 32, 2, 2)])
+def test_folded_split_equals_the_activation_launch(wo, decode, scheme, group, block_m, down_split):
+    # the down GEMM sums the partials and applies the activation as it reads h (``glu_fold``): the same sums in
+    # the same order as the activation launch, so bit-equal, and the float64 loop's values; K = 95 (int8 92) in
+    # 3 splits of 4-word steps (the last short), N = 40 (a step tail); 1-row blocks (shortcut) and aligned 2-row
+    # blocks (M = 5, k = 2 over 4 experts: padding rows); the down GEMM split too
+    hidden = 92 if scheme == "int8_w8a16" else 95
+    m, e = (2, 8) if block_m == 1 else (5, 4)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=2, e=e, hidden=hidden, n=40, seed=11)
+    launched = run(wo, x, w13, w2, ids, weights, word_config(scheme, block_m, 4, 3, down_split), decode)
+    folded = run(wo, x, w13, w2, ids, weights, word_config(scheme, block_m, 4, 3, down_split, fold=True), decode)
+    assert torch.equal(folded, launched)
+    assert rel(folded, loop64(x, w13, w2, ids, weights)) < 2e-3
+
+
 def test_split_plan_launches_and_errors(wo):
     plan_mod = importlib.import_module("moekit.experts.triton_wo_plan")
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=1, k=2, e=4, hidden=96, n=64, seed=1)
@@ -71,6 +88,14 @@ def test_split_plan_launches_and_errors(wo):
     split = plan(word_config("int4_w4a16", 1, 4, up_split=3, down_split=2))
     assert split.glu is not None and split.gate_up.grid[1] == 3 and split.split_k == 2
     assert dict(zip(split.workspace.names, split.workspace.shapes))["p"] == (3 * 2, 128)  # [SPLIT * A, 2N]
+    folded = plan(word_config("int4_w4a16", 1, 4, up_split=3, down_split=2, fold=True))
+    assert folded.glu is None and folded.glu_fold and folded.gate_up.grid[1] == 3
+    assert "p" in folded.workspace.names and folded.down.tail[7] == 128  # down reads p: stride_hm 2N
+    stand_ins = {name: i for i, name in enumerate(folded.workspace.names)}
+    launches = wo.wo_launches(folded, stand_ins, x, *args, ids, weights, None, None)
+    assert [launch for launch, _ in launches][-3:] == [folded.gate_up, folded.down, folded.sum_slots]
+    assert launches[-2][1][0] == stand_ins["p"]  # down's h pointer: the partials
+    assert plan(word_config("int4_w4a16", 1, 4, up_split=1, fold=True)).down.tail[7] == 64  # nothing to fold
     whole = plan(word_config("int4_w4a16", 1, 4, up_split=1))
     assert whole.glu is None and whole.gate_up.grid[1] == 1 and "p" not in whole.workspace.names
     with pytest.raises(ValueError, match="up_split"):

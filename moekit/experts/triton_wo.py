@@ -266,11 +266,14 @@ def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights,
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
         launches = align_launches(plan.align, ids, map_or_ids, b, counters)
     h, y = b["h"], b["y"]  # [A, N], [SPLIT*A, K]
-    if plan.glu is None:
+    if plan.glu is None and not plan.glu_fold:
         launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, h, ids, *rows)))
-    else:  # the split gate-up's partials, then their sum and the activation
+    else:  # the split gate-up's partials, then their sum and the activation (folded: down's, as it reads them)
         launches.append((plan.gate_up, (x, w13.q, w13.scale, w13.zero, b["p"], ids, *rows)))
-        launches.append((plan.glu, (b["p"], h)))
+        if plan.glu_fold:
+            h = b["p"]
+        else:
+            launches.append((plan.glu, (b["p"], h)))
     down = (h, w2.q, w2.scale, w2.zero, y, weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
         launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))

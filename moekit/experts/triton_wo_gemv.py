@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moekit.experts.configs import GemmTile, KernelConfig
-from moekit.experts.triton_launch import LaunchOptions, cdiv, kernels
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels
 from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
@@ -28,6 +28,7 @@ HALF_PREFETCH = 4  # the packed-half decode's L2 prefetch distance at the fewest
 HALF_FEW_SLOTS = 16  # M*k up to which the packed-half decode takes 32-row prefetching tiles
 # The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
 WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
+ROUND = {torch.bfloat16: 1, torch.float16: 2}  # h's dtype -> ``wo_split.load_h``'s ROUND (the folded gate-up)
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
 
 
@@ -35,13 +36,17 @@ MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight an
 class WordConfig(KernelConfig):
     """A word-decode config with its reduction splits: ``up_split`` the gate-up's (each split's float32
     partials reduced in the activation launch, ``split_glu_launch``; 1: none) and ``down_split`` the down
-    GEMM's (0: ``triton_wo_plan.decode_split_k``'s). A plain ``KernelConfig`` splits the gate-up never."""
+    GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
+    activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
+    A plain ``KernelConfig`` splits the gate-up never."""
 
     up_split: int = 1
     down_split: int = 0
+    glu_fold: bool = False
 
     def to_dict(self) -> dict:
-        return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split}
+        return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
+                "glu_fold": self.glu_fold}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -53,6 +58,13 @@ def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
         raise ValueError(f"config.up_split must be >= 1, got {asked}")
     split_words = cdiv(cdiv(kw, bkw), asked) * bkw
     return cdiv(kw, split_words), split_words
+
+
+def folded_splits(config: KernelConfig, kw: int, scheme: str) -> int:
+    """The gate-up splits whose sum and activation the down GEMM does as it reads h (``WordConfig.glu_fold``
+    and a split gate-up, ``up_splits``), else 1 (none folded)."""
+    split = up_splits(config, kw, scheme)[0]
+    return split if split > 1 and getattr(config, "glu_fold", False) else 1
 
 
 def words_ok(q: torch.Tensor) -> bool:
@@ -131,7 +143,9 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     passed to the kernels in words), and down with the k-sum folded in where ``ksum`` (else None;
     ``triton_plan.down_launches``); ``split_len`` the down GEMM's reduction elements per split (a
     multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``);
-    ``decode``: a WORD_DECODES name (its module's kernels take the same arguments)."""
+    ``decode``: a WORD_DECODES name (its module's kernels take the same arguments). A folded split gate-up
+    (``folded_splits``): down reads the partials p [SPLIT * A, 2N] in h's place (UP_SPLIT, ACT, ROUND: h's
+    dtype, x's or float32 under the interpreter, as the plan's workspace)."""
     for w in (w13, w2):
         check_gemv_config(config, scheme, decode, w.group_size)
     num_experts, two_n = w13.q.shape[:2]
@@ -157,12 +171,14 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
         SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared,
     )
+    fold = folded_splits(config, w13.q.shape[2] // 4, scheme)
+    folding = {} if fold == 1 else dict(UP_SPLIT=fold, ACT=act, ROUND=0 if interpreting() else ROUND[x.dtype])
     down_launch, down_sum = down_launches(
         getattr(module, f"down_wo_{suffix}_kernel"), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
-        (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per, n,
-         *strides(w2), hidden), x.shape[0], ksum,
+        (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per,
+         n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
-        num_warps=down.num_warps, **staging(down), **shared,
+        num_warps=down.num_warps, **staging(down), **shared, **folding,
     )
     return gate_up, down_launch, down_sum
 
@@ -170,9 +186,10 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
 def split_glu_launch(config: KernelConfig, num_assignments: int, n: int, w13_words: int, scheme: str, act: int,
                      options: LaunchOptions) -> BoundLaunch | None:
     """The launch that sums the split gate-up's partials and applies the activation (pointers: p [SPLIT * A,
-    2N] float32, h [A, N]); None where the gate-up does not split (``up_splits``)."""
+    2N] float32, h [A, N]); None where the gate-up does not split (``up_splits``) or the down GEMM folds it in
+    (``folded_splits``)."""
     split = up_splits(config, w13_words, scheme)[0]
-    if split == 1:
+    if split == 1 or folded_splits(config, w13_words, scheme) > 1:
         return None
     block = min(1024, max(16, 1 << (n - 1).bit_length()))
     return BoundLaunch(kernels("wo_split").split_glu_kernel, (num_assignments, cdiv(n, block)), 2,

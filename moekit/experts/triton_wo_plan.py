@@ -50,7 +50,9 @@ from moekit.experts.triton_plan import down_launches, ksum_constexprs, sum_launc
 from moekit.experts.triton_wo_configs import (
     MIN_PACKED_K, MIN_PROGRAMS, ahead_of, fit_wo_shared_memory, height_bucket, wo_config,
 )
-from moekit.experts.triton_wo_gemv import WORD_DECODES, WordConfig, gemv_launches, split_glu_launch, up_splits, words_ok
+from moekit.experts.triton_wo_gemv import (
+    WORD_DECODES, WordConfig, folded_splits, gemv_launches, split_glu_launch, up_splits, words_ok,
+)
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -140,6 +142,8 @@ class WoPlan:
     # the word decodes' split gate-up (``triton_wo_gemv.split_glu_launch``; else None): gate-up writes the float32
     # partials p [SPLIT * A, 2N], then this launch h = act(sum over splits); pointers: p, h
     glu: BoundLaunch | None = None
+    # the split gate-up folded into the down GEMM (``WordConfig.glu_fold``): no glu launch, down reads p for h
+    glu_fold: bool = False
 
 
 _WO_PLANS: dict[tuple, WoPlan] = {}
@@ -270,14 +274,15 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
                ("y", work_dtype if split_k == 1 else torch.float32, (split_k * num_assignments, hidden))]
     act = get_activation(activation).kernel_id
     ksum = ksum_constexprs(top_k, config.down.BLOCK_N, expert_map) if fold else None
-    glu = None
+    glu, glu_fold = None, False
     if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], act, options, split_k, split_len,
                                                 inline_asm_ok(x.device), ksum, decode)
         glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
-        if glu is not None:
-            splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
+        glu_fold = folded_splits(config, w13.q.shape[2] // 4, scheme) > 1
+        splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]
+        if splits > 1:
             regions.append(("p", torch.float32, (splits * num_assignments, 2 * n)))
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
@@ -289,7 +294,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         gate_up=gate_up, down=down,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k,
                              ordered=split_k == 1),
-        down_sum=down_sum, glu=glu,
+        down_sum=down_sum, glu=glu, glu_fold=glu_fold,
     )
 
 

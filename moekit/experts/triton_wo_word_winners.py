@@ -13,7 +13,10 @@ tile takes 255 registers a thread, so an SM holds at most 4 programs, and the to
 fewer than that (DeepSeek-V3: 8 x 32 = 256 programs on 132 SMs): the words in flight an SM, not the decode's
 instructions, set the time. Splitting the gate-up's K over 2-4 programs (``_kernels/wo_split``) doubles them;
 where the down GEMM has the fewest programs (Mixtral: 2 experts x 64 tiles) splitting its long reduction
-(N = 14336) does the same. The choice of decode stays ``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
+(N = 14336) does the same. A row's ``fold`` sums the split gate-up's partials and applies the activation in
+the down GEMM as it reads h (``_kernels/wo_split.load_h``: bit-equal, no activation launch): one launch fewer, for
+2 x splits float32 reads of each h element (H200, benchmarks/wo_fold_device_check.py). The choice of decode stays
+``triton_wo_plan.choose_decode``'s (DECODE_MEASURED).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class WordPick:
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
     up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps), None: the heuristic's
     down_tile: tuple | None = None  # the down GEMM's, the same way
+    fold: bool = False  # the split gate-up's sum and activation in the down GEMM's prologue (``WordConfig.glu_fold``)
 
 
 # (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
@@ -45,8 +49,10 @@ WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
     ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4),
     # qwen3-30b-a3b: 81.2 / 81.8, old gemv unsplit 88.6
     ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2),
-    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5
-    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4)),
+    # qwen3-30b-a3b: 30.7 / 30.5, old register 36.5. Folded (benchmarks/wo_fold_device_check.py, branch wo-fold,
+    # run 1, interleaved): graph 29.0 against 29.8 unfolded (h4 split 8 folded 28.6), eager 33.9 against 35.8,
+    # host_rest 27.5 against 33.0 µs a call (one launch fewer); bit-equal
+    ("mxfp4", 128, 768, 2048, 1): WordPick("gemv_half", 4, 0, (64, 4, 2, 4), fold=True),
     # deepseek-v3: 99.7 / 99.7 (as the pick, first timed in its cell: 109.2), old gemv unsplit 127.2
     ("int4_w4a16", 256, 2048, 7168, 1): WordPick("gemv", 2),
     # deepseek-v3: 160.8 / 160.5, old gemv_half 183.2
@@ -92,4 +98,4 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
         return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
-                      down_split=pick.down_split)
+                      down_split=pick.down_split, glu_fold=pick.fold)

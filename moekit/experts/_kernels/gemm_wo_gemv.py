@@ -44,7 +44,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.wo_split import split_range, store_partials
+from moekit.experts._kernels.wo_split import h_words, load_h, split_range, store_partials
 from moekit.experts._kernels.wo_words import word_values
 
 
@@ -91,12 +91,20 @@ def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
 
 
 @triton.jit
-def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, SCHEME: tl.constexpr):
+def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, SCHEME: tl.constexpr,
+            fold_stride, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
     """x [BKW] float32 of one activation row (``x_row`` its first element, ``ok`` whether it exists):
     element T of each word of the step at k0 (0 past C), scaled as ``wo_words``' placement needs: int4
-    odd T times 16, mxfp4 times 2^64."""
+    odd T times 16, mxfp4 times 2^64. The down GEMM's h folded from the split gate-up's partials where
+    UP_SPLIT > 1 (``wo_split.load_h``; the gate-up passes UP_SPLIT 1)."""
     k = k0 + tl.arange(0, BKW) * PER + T
-    x = tl.load(x_row + k * stride_xc, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
+    x = load_h(x_row, k * stride_xc, k < tl.where(ok, C, 0), C, fold_stride, UP_SPLIT, ACT, ROUND)
+    return _x_scale(x, T, SCHEME)
+
+
+@triton.jit
+def _x_scale(x, T: tl.constexpr, SCHEME: tl.constexpr):
+    """x as ``wo_words``' placement needs it: int4 odd T times 16, mxfp4 times 2^64."""
     if SCHEME == 2:
         x = x * 1.8446744073709552e19
     elif SCHEME == 1 and T % 2 == 1:
@@ -105,39 +113,61 @@ def _x_part(x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER
 
 
 @triton.jit
+def _fma_x(p, xs, v, x, T: tl.constexpr, SCHEME: tl.constexpr):
+    """``_fma`` on value T's loaded x [BKW]."""
+    x = _x_scale(x, T, SCHEME)
+    return p + v * x[None, :], xs + x
+
+
+@triton.jit
 def _fma(p, xs, v, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
-         SCHEME: tl.constexpr):
-    """p [BN, BKW] + v * x and xs [BKW] + x for value T of one row."""
-    x = _x_part(x_row, ok, k0, C, stride_xc, T, BKW, PER, SCHEME)
+         SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    """p [BN, BKW] + v * x and xs [BKW] + x for value T of one row (fs .. ROUND: ``_x_part``'s fold)."""
+    x = _x_part(x_row, ok, k0, C, stride_xc, T, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
     return p + v * x[None, :], xs + x
 
 
 @triton.jit
 def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
-              SCHEME: tl.constexpr):
-    """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values."""
+              SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values (fs ..
+    ROUND: ``_x_part``'s fold)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = w_values
-    p, xe = _fma(p, xe, v0, x_row, ok, k0, C, stride_xc, 0, BKW, PER, SCHEME)
-    p, xo = _fma(p, xo, v1, x_row, ok, k0, C, stride_xc, 1, BKW, PER, SCHEME)
-    p, xe = _fma(p, xe, v2, x_row, ok, k0, C, stride_xc, 2, BKW, PER, SCHEME)
-    p, xo = _fma(p, xo, v3, x_row, ok, k0, C, stride_xc, 3, BKW, PER, SCHEME)
+    if UP_SPLIT > 1 and PER == 8:  # the folded h: one [BKW, 8] tile a step, not 8 strided loads (2x slower, H200)
+        x0, x1, x2, x3, x4, x5, x6, x7 = h_words(x_row, ok, k0, C, stride_xc, BKW, fs, UP_SPLIT, ACT, ROUND)
+        p, xe = _fma_x(p, xe, v0, x0, 0, SCHEME)
+        p, xo = _fma_x(p, xo, v1, x1, 1, SCHEME)
+        p, xe = _fma_x(p, xe, v2, x2, 2, SCHEME)
+        p, xo = _fma_x(p, xo, v3, x3, 3, SCHEME)
+        p, xe = _fma_x(p, xe, v4, x4, 4, SCHEME)
+        p, xo = _fma_x(p, xo, v5, x5, 5, SCHEME)
+        p, xe = _fma_x(p, xe, v6, x6, 6, SCHEME)
+        p, xo = _fma_x(p, xo, v7, x7, 7, SCHEME)
+        return p, xe, xo
+    p, xe = _fma(p, xe, v0, x_row, ok, k0, C, stride_xc, 0, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+    p, xo = _fma(p, xo, v1, x_row, ok, k0, C, stride_xc, 1, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+    p, xe = _fma(p, xe, v2, x_row, ok, k0, C, stride_xc, 2, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+    p, xo = _fma(p, xo, v3, x_row, ok, k0, C, stride_xc, 3, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
     if PER == 8:
-        p, xe = _fma(p, xe, v4, x_row, ok, k0, C, stride_xc, 4, BKW, PER, SCHEME)
-        p, xo = _fma(p, xo, v5, x_row, ok, k0, C, stride_xc, 5, BKW, PER, SCHEME)
-        p, xe = _fma(p, xe, v6, x_row, ok, k0, C, stride_xc, 6, BKW, PER, SCHEME)
-        p, xo = _fma(p, xo, v7, x_row, ok, k0, C, stride_xc, 7, BKW, PER, SCHEME)
+        p, xe = _fma(p, xe, v4, x_row, ok, k0, C, stride_xc, 4, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+        p, xo = _fma(p, xo, v5, x_row, ok, k0, C, stride_xc, 5, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+        p, xe = _fma(p, xe, v6, x_row, ok, k0, C, stride_xc, 6, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
+        p, xo = _fma(p, xo, v7, x_row, ok, k0, C, stride_xc, 7, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
     return p, xe, xo
 
 
 @triton.jit
 def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
-                GROUP: tl.constexpr, SCHEME: tl.constexpr):
+                GROUP: tl.constexpr, SCHEME: tl.constexpr, fs=0, UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0,
+                ROUND: tl.constexpr = 0):
     """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
-    (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word."""
+    (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word; fs ..
+    ROUND: ``_x_part``'s fold (the down GEMM's)."""
     mul, add_even, add_odd = scales
     p = tl.zeros_like(acc)
     xe = tl.zeros([BKW], dtype=tl.float32)
-    p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME)
+    p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME, fs,
+                          UP_SPLIT, ACT, ROUND)
     if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
         acc += p * 32768.0
         xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
@@ -262,15 +292,17 @@ def gate_up_wo_gemv_kernel(
 
 
 @triton.jit
-def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg,
+def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg, fs,
                BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
-               SCHEME: tl.constexpr, ASM: tl.constexpr):
-    """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2)."""
+               SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+    """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2); h folded where UP_SPLIT > 1."""
     scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     values = word_values(w, SCHEME, ASM)
-    acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME)
+    acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT, ACT,
+                            ROUND)
     if BLOCK_M > 1:
-        acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME)
+        acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT,
+                                ACT, ROUND)
     return acc0, xt0, acc1, xt1
 
 
@@ -299,10 +331,12 @@ def down_wo_gemv_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+    UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
-    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring."""
+    split_words) of each row (a multiple of BKW) into partial rows y[s * A + a]. KSUM: ``gemm_wo``'s docstring.
+    UP_SPLIT > 1: h_ptr the split gate-up's partials p [UP_SPLIT * A, 2N] (stride_hm 2N), h folded as read (``load_h``)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -327,17 +361,16 @@ def down_wo_gemv_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
-    acc1 = tl.zeros_like(acc0)
-    xt0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
-    xt1 = tl.zeros_like(xt0)
+    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)  # xt: x terms
+    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
     w_start = tl.program_id(1) * split_words
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
     for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
                                           h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
-                                          BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
+                                          num_assignments * stride_hm, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, UP_SPLIT,
+                                          ACT, ROUND)
         w = next_w
     let_next_kernel_launch(PDL)
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)

@@ -18,7 +18,7 @@ holds elements 8j+t (low half) and 8j+t+4 (high half), taken by one mask of (wor
            fp16x2 arithmetic keeps), the sign to bit 15: two shifts, an and, a lop3 a pair; then the fma
            (loop: ~5 a weight, the float32 word decode 7.3).
     2-row M-blocks decode each word once for both rows (``_word_asm(scheme, 2)``).
-Activations: each step's x of a row (loaded a step ahead, ``_x_load``) is scaled by 2^sh, sh from the
+Activations: each step's x of a row (loaded a step ahead, ``_x_rows``) is scaled by 2^sh, sh from the
 step's largest |x| (``_x_scaled``), so |x'| < 2^TOP: int4 TOP 4 (|code - zero| <= 15: a product <= 240, a
 word's 4 products a half <= 960 < 65504), mxfp4 TOP 15 (a product <= 12). A scaled x is exact in fp16
 unless it falls below 2^-14 (then its product errs by <= 2^-25 absolute, against the step's largest
@@ -50,7 +50,7 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row, gate_up_operands
-from moekit.experts._kernels.wo_split import split_range, store_partials
+from moekit.experts._kernels.wo_split import h_words, split_range, store_partials
 
 
 def _word_asm(scheme: int, rows: int) -> str:
@@ -125,24 +125,8 @@ def _codes_half(w, zero, T: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _x_load(x_row, ok, k0, C, stride, BKW: tl.constexpr):
-    """Elements 0..7 of each word of the step at k0 of one activation row: 8 float32 tensors [BKW] (loaded a
-    step ahead of their use), read as one [BKW, 8] tile (a word's 8 activations are contiguous)."""
-    k = k0 + tl.arange(0, BKW)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BKW, 8]
-    x = tl.load(x_row + k * stride, mask=k < tl.where(ok, C, 0), other=0.0).to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, [BKW, 2, 2, 2]))  # element t = 4a + 2b + c: [BKW, a, b] at c = 0, 1
-    e0, e1 = tl.split(even)  # [BKW, a] at b = 0, 1
-    o0, o1 = tl.split(odd)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
 def _x_scaled(xs, TOP: tl.constexpr, EXTRA: tl.constexpr):
-    """One row's step of x (``_x_load``) -> (its 8 fp16 tensors x * 2^sh, 2^(EXTRA - sh)): sh from the step's
+    """One row's step of x (``_x_rows``) -> (its 8 fp16 tensors x * 2^sh, 2^(EXTRA - sh)): sh from the step's
     largest |x| so that |x * 2^sh| < 2^TOP (clamped so both powers are normal floats)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = xs
     m = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
@@ -232,12 +216,14 @@ def _scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr
 
 
 @triton.jit
-def _x_rows(x0, ok0, x1, ok1, k0, C, stride, BLOCK_M: tl.constexpr, BKW: tl.constexpr):
-    """``_x_load`` of the block's rows at the step k0 (row 1: row 0's where BLOCK_M is 1)."""
-    xa = _x_load(x0, ok0, k0, C, stride, BKW)
+def _x_rows(x0, ok0, x1, ok1, k0, C, stride, BLOCK_M: tl.constexpr, BKW: tl.constexpr, fs=0,
+            UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0):
+    """``wo_split.h_words`` of the block's rows at the step k0, loaded a step ahead of their use (row 1: row 0's
+    where BLOCK_M is 1)."""
+    xa = h_words(x0, ok0, k0, C, stride, BKW, fs, UP_SPLIT, ACT, ROUND)
     xb = xa
     if BLOCK_M > 1:
-        xb = _x_load(x1, ok1, k0, C, stride, BKW)
+        xb = h_words(x1, ok1, k0, C, stride, BKW, fs, UP_SPLIT, ACT, ROUND)
     return xa, xb
 
 
@@ -343,9 +329,10 @@ def down_wo_half_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0,
 ):
-    """y = routed weight * (h w2^T) per assignment row, w2 decoded in fp16x2 (split-K, KSUM: ``gemm_wo_gemv``)."""
+    """y = routed weight * (h w2^T) per assignment row, w2 decoded in fp16x2 (split-K, KSUM, the folded h of
+    UP_SPLIT > 1: ``gemm_wo_gemv``)."""
     wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
@@ -364,7 +351,7 @@ def down_wo_half_kernel(
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
     a1, ok1 = _row(rows, num_assignments, 1, BLOCK_M)
     a0, a1 = tl.where(ok0, a0, 0), tl.where(ok1, a1, 0)
-    h0, h1 = h_ptr + a0 * stride_hm, h_ptr + a1 * stride_hm
+    h0, h1, fs = h_ptr + a0 * stride_hm, h_ptr + a1 * stride_hm, num_assignments * stride_hm
     w_start, w_end = tl.program_id(1) * split_words, tl.minimum(tl.program_id(1) * split_words + split_words, NW)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
@@ -372,14 +359,14 @@ def down_wo_half_kernel(
     s_rows, z_rows = s_ptr + expert * stride_se + offs_out * stride_sr, z_ptr + expert * stride_ze + offs_out * stride_zr
     acc0, acc1 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
-    next_a, next_b = _x_rows(h0, ok0, h1, ok1, w_start * 8, N, 1, BLOCK_M, BKW)
+    next_a, next_b = _x_rows(h0, ok0, h1, ok1, w_start * 8, N, 1, BLOCK_M, BKW, fs, UP_SPLIT, ACT, ROUND)
     for w0 in range(w_start, w_end, BKW):
         next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         if ASM and PREFETCH > 0:
             if pid_n * BLOCK_N + BLOCK_N <= K:  # every row of the tile exists
                 _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
         xa, fa, xb, fb = _scaled_rows(next_a, next_b, BLOCK_M, SCHEME)
-        next_a, next_b = _x_rows(h0, ok0, h1, ok1, (w0 + BKW) * 8, N, 1, BLOCK_M, BKW)
+        next_a, next_b = _x_rows(h0, ok0, h1, ok1, (w0 + BKW) * 8, N, 1, BLOCK_M, BKW, fs, UP_SPLIT, ACT, ROUND)
         acc0, acc1 = _tile_step(acc0, acc1, w, s_rows, z_rows, xa, fa, xb, fb, w0 * 8, N, out_ok, stride_sg, stride_zg,
                                 BLOCK_M, BKW, GROUP, SCHEME, ASM)
         w = next_w
