@@ -4,6 +4,8 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 150 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --profile uniform/50/none/8
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells close --profile uniform/50/none/8
+                                        (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
@@ -54,6 +56,8 @@ START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 TWIN = "gpu2"
+CLOSE = ("*/*/*/8,skewed/25/router/1,skewed/50/router/1,skewed/75/none/1,uniform/75/none/1,"
+         "skewed/75/router/32")  # ``--cells close``: 14 groups, ~70 s on the H200
 
 
 class OutOfTime(Exception):
@@ -86,7 +90,8 @@ def dump(result: dict) -> None:
 
 def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
-    patterns = [p for a in argv[argv.index("--cells") + 1:][:1] for p in a.split(",") if p] if "--cells" in argv else []
+    cells = argv[argv.index("--cells") + 1] if "--cells" in argv else ""
+    patterns = [p for p in (CLOSE if cells == "close" else cells).split(",") if p]
     BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
     parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
     if len(parts) != 4 or parts[0] not in ("skewed", "uniform") or not parts[3].isdigit():
@@ -211,7 +216,8 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f} probe " + (", ".join(
+            f"cpu x{r.get('cpu_scale', 1.0):.2f} br " + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
+                                                                   if v.get("branch_rate")) + " probe " + (", ".join(
                 f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
                 for mode, v in modes.items() if v.get("probes")) or "-"))
 
@@ -236,6 +242,12 @@ def summary(rows: list[dict]) -> list[str]:
         if ran:
             out.append(f"{mode:>4} with each CPU branch as it ran in the timeline (a check of the floor's other "
                        f"terms): x {min(ran):.2f}-{max(ran):.2f}, {sum(x > 1.2 for x in ran)} of {len(ran)} > 1.2")
+        rated = [(r["x_floor_rate"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
+                 and r.get("branch_rate") and r["cpu_tokens_per_step"]]
+        if rated:
+            out.append(f"{mode:>4} floor at the run's own branches' median rate (x{min(b for _, b in rated):.2f}-"
+                       f"{max(b for _, b in rated):.2f} the model): x {min(x for x, _ in rated):.2f}-"
+                       f"{max(x for x, _ in rated):.2f}, {sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
