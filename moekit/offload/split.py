@@ -76,8 +76,8 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     if room is None:
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    chance, times, members, classes = p.classes
-    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
+    _, times, members, classes, sums = p.classes
+    charge = [fetch_one * total / len(c) if c else 0.0 for c, total in zip(members, sums)]
     prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
                      *charge, hits, memo_for(costs, expert_bytes).gpu)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
@@ -95,21 +95,25 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int,
              cpu=None):
     """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
-    cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring). The order is by (CPU
+    cheapest on the CPU, cheapest first, each class's summed chance): ``split_misses``' classes (its docstring),
+    in one pass over the misses. The order is by (CPU
     time, rows, expert), found by rows: a forward's misses have a few distinct row counts, so each class's
     experts are bucketed by rows and the buckets taken in that order (no per-expert sort key); ``cpu``: the
     CPU time by rows (``prices.PriceMemo.cpu``; None: ``costs.cpu_time``)."""
     if reuse is not None and costs.refetch == "reuse":
-        chance = {e: reuse[e] for e in tokens}
+        chance = reuse  # keyed by (at least) the misses
     else:
         chance = dict.fromkeys(tokens, hits / (hits + len(tokens)))
     cpu = cpu or costs.cpu_time
     times = {t: cpu(t) for t in set(tokens.values())}  # by rows: a few distinct counts
     members: list[list[int]] = [[], []]
     buckets: list[dict[int, list[int]]] = [{}, {}]
+    sums = [0.0, 0.0]
     for e, rows in tokens.items():  # in the misses' order
-        hot = chance[e] >= 0.5
+        p = chance[e]
+        hot = p >= 0.5
         members[hot].append(e)
+        sums[hot] += p
         buckets[hot].setdefault(rows, []).append(e)
     classes = []
     for by_rows in buckets:
@@ -119,7 +123,7 @@ def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[in
                 break
             taken.extend(sorted(by_rows[rows]))
         classes.append(taken[:most])
-    return chance, times, members, classes
+    return chance, times, members, classes, sums
 
 
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
