@@ -155,24 +155,31 @@ def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> l
     count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
     a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
     branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
-    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly?"""
+    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly? Where the
+    calibration's count is not torch's, it is also run with torch's count set to it throughout: does
+    switching the thread team's size at every branch (``cpu_path.torch_threads``) stall it?"""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
     threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
-    groups, got = cold_groups(layer.config.num_experts, k, 1000), {}
+    groups, got, torch_count = cold_groups(layer.config.num_experts, k, 1000), {}, torch.get_num_threads()
+    settings = [(t, False) for t in threads] + [(t, True) for t in threads if t != torch_count]
     for _ in range(repeats):
-        for t in threads:
+        for t, fixed in settings:  # fixed: torch's count set to t throughout, so the branch switches no team size
+            torch.set_num_threads(t if fixed else torch_count)
             for n in (1, 2, 4, 8):
                 for busy in (False, True):
                     for gap in (0.0, gap_s):
                         time.sleep(gap)
                         total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
                         p = layer.last_cpu
-                        got.setdefault((t, n, busy, gap), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-    return [{"threads": t, "experts": n, "busy": busy, "gap_ms": gap * 1e3, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+                        got.setdefault((t, fixed, n, busy, gap), []).append(
+                            (total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+            torch.set_num_threads(torch_count)
+    return [{"threads": t, "fixed": fixed, "experts": n, "busy": busy, "gap_ms": gap * 1e3,
+             "ms": statistics.median(x for x, _, _ in v) * 1e3,
              "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
              "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, n, busy, gap), v in sorted(got.items())]
+            for (t, fixed, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -242,12 +249,13 @@ def summary(rows: list[dict]) -> list[str]:
         if ran:
             out.append(f"{mode:>4} with each CPU branch as it ran in the timeline (a check of the floor's other "
                        f"terms): x {min(ran):.2f}-{max(ran):.2f}, {sum(x > 1.2 for x in ran)} of {len(ran)} > 1.2")
-        rated = [(r["x_floor_rate"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
+        rated = [(r["x_floor_probe"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
                  and r.get("branch_rate") and r["cpu_tokens_per_step"]]
         if rated:
-            out.append(f"{mode:>4} floor at the run's own branches' median rate (x{min(b for _, b in rated):.2f}-"
-                       f"{max(b for _, b in rated):.2f} the model): x {min(x for x, _ in rated):.2f}-"
-                       f"{max(x for x, _ in rated):.2f}, {sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")
+            out.append(f"{mode:>4} x floor's CPU rate, its branches' median: x{min(b for _, b in rated):.2f}-"
+                       f"{max(b for _, b in rated):.2f} the model; by the probe's rates instead: x "
+                       f"{min(x for x, _ in rated):.2f}-{max(x for x, _ in rated):.2f}, "
+                       f"{sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
@@ -291,18 +299,26 @@ def _print(result: dict) -> None:
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
-    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link, "
-          "host idle before it (ms):")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads (=: torch's count "
+          "set to it throughout, no switch a branch), experts, link, host idle before it (ms):")
     checks = result.get("cpu_check", [])
     for r in checks:
-        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
+        print(f"  t{r['threads']:>2}{'=' if r.get('fixed') else ' '}n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
               f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "
               f"{r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
     slow = [b["ms"] / a["ms"] for a in checks for b in checks if a["gap_ms"] == 0 < b["gap_ms"]
-            and (a["threads"], a["experts"], a["busy"]) == (b["threads"], b["experts"], b["busy"])]
+            and (a["threads"], a.get("fixed"), a["experts"], a["busy"]) == (b["threads"], b.get("fixed"), b["experts"], b["busy"])]
     if slow:
         print(f"  after an idle gap the branch took x{statistics.median(slow):.2f} its back-to-back time (median over "
               f"settings; range {min(slow):.2f}-{max(slow):.2f})")
+    key = ("threads", "experts", "busy", "gap_ms")
+    switch = [(a["ms"] / b["ms"], a["max_ms"] / b["max_ms"]) for a in checks for b in checks
+              if not a.get("fixed") and b.get("fixed") and all(a[f] == b[f] for f in key)]
+    if switch:
+        print(f"  switching the team size a branch over a fixed count: median x{statistics.median(m for m, _ in switch):.2f}"
+              f" (range {min(m for m, _ in switch):.2f}-{max(m for m, _ in switch):.2f}), max over max "
+              f"x{statistics.median(x for _, x in switch):.2f} (range {min(x for _, x in switch):.2f}-"
+              f"{max(x for _, x in switch):.2f})")
     profile = result.get("profile", {})
     if profile.get("text"):
         print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")

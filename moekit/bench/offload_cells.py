@@ -168,16 +168,17 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None,
             branches: list[list[float]] | None = None, rate: float | None = None) -> list[list[float]]:
-    """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates; None:
-    ``costs``' throughout), the
+    """Per timed step: the timeline floor (its CPU side by the CPU model as given scaled by ``rate``, the run's
+    own branches' median rate, ``branch_rate``, throughout; without a rate by ``busy`` / ``idle``, the probe's
+    rates; None: ``costs``' throughout), the
     layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
     fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
     speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
     timeline floor at ``busy``'s rate throughout (no idle rate), and the timeline with each layer's CPU
-    branch as it ran (``branches``, per step and layer; without them, the floor), and the timeline floor with
-    the CPU model as given scaled by ``rate`` (``branch_rate``; None: the floor) throughout."""
+    branch as it ran (``branches``, per step and layer; without them, the floor), and the timeline floor by
+    the probe's rates (the first entry without a ``rate``)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
@@ -186,15 +187,15 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
     by_rate = given.scaled(rate) if rate else None
-    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
+    return [[timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s) if by_rate
+             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
              timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran),
-             timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s) if by_rate
-             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle)]
             for done, ran in zip(dones, branches or [None] * len(dones))]
 
 
@@ -282,7 +283,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s, rate_s = (
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s, probe_s = (
         statistics.fmean(f[i] for f in floors) for i in range(9))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
@@ -294,7 +295,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
             "x_floor_given": step_s / given_s if given_s else float("inf"),
             "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
             "x_floor_cpu_ran": step_s / ran_s if ran_s else float("inf"),
-            "x_floor_rate": step_s / rate_s if rate_s else float("inf"),
+            "x_floor_probe": step_s / probe_s if probe_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,
