@@ -15,7 +15,7 @@ from moekit.offload import ExpertCache, MissCosts, split_misses
 from moekit.offload.cost import gpu_side_s
 from moekit.offload.plan import plan_forward
 from moekit.offload.prices import PriceMemo, memo_for
-from moekit.offload.split import _leftmost
+from moekit.offload.split import _leftmost, _run
 
 from test_offload_room import BYTES, _gpu_s
 
@@ -84,23 +84,29 @@ def test_the_memo_answers_what_the_calls_answer():
             assert memo.cpu(rows) == costs.cpu_time(rows) == memo.cpu(rows)
 
 
-def test_galloping_finds_the_first_false_from_any_hint():
+def test_galloping_finds_the_leftmost_minimum_of_a_convex_run_from_any_hint():
+    """Convex runs with flat stretches (slopes ascending, some repeated, zeros among them), any start: the first
+    index of the least value within lo..hi, as a scan finds it; each price asked at most once per a."""
     gen = torch.Generator().manual_seed(32)
     for _ in range(500):
-        lo = int(torch.randint(0, 10, (1,), generator=gen))
-        hi = lo + int(torch.randint(0, 40, (1,), generator=gen))
-        turn = lo + int(torch.randint(0, hi - lo + 2, (1,), generator=gen))  # falls(a) is True for a < turn
+        size = int(torch.randint(1, 50, (1,), generator=gen))
+        slopes = sorted(int(s) for s in torch.randint(-6, 6, (size,), generator=gen))
+        values = [0]
+        for s in slopes:
+            values.append(values[-1] + s)  # convex: its steps ascend
+        lo = int(torch.randint(0, size + 1, (1,), generator=gen))
+        hi = lo + int(torch.randint(0, size + 1 - lo, (1,), generator=gen))
         hint = int(torch.randint(lo - 5, hi + 6, (1,), generator=gen))
         asked = []
 
-        def falls(a: int, turn=turn, asked=asked) -> bool:
-            assert lo <= a < hi  # never asks outside the run (a + 1 <= hi)
+        def price(a: int, values=values, asked=asked) -> float:
+            assert lo <= a <= hi  # never asks outside the run
             asked.append(a)
-            return a < turn
+            return float(values[a])
 
-        want = next((a for a in range(lo, hi) if not a < turn), hi)
-        assert _leftmost(falls, lo, hi, hint) == want
-        assert len(asked) <= 2 * (abs(min(max(hint, lo), hi) - want) + 1).bit_length() + 2
+        want = min(range(lo, hi + 1), key=lambda a: (values[a], a))
+        assert _leftmost(_run(lambda a, b: price(a), 0), lo, hi, hint) == want
+        assert len(asked) == len(set(asked))
 
 
 def test_decode_sized_searches_reach_the_exhaustive_least_cost():

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
 from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s, room_of
+from moekit.offload.prices import memo_for
 from moekit.offload.split import Prepared, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
@@ -101,28 +102,29 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     at its least time too dear (``bound.cpu_too_dear``, O(1)), no room without a refetch charge
     (``bound.room_of``: then the misses' reuse chances are not asked for), no room with the least charge
     by the chances from the cache's history (``bound.fetches_all``; ``ExpertCache.reuse``, where it prices
-    refetches by them); else the room and the classes are kept for the search (``split.prepare``) and
-    ``issue(experts)``, when given, is called before the search with the misses every split it can take
-    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the
-    host searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
+    refetches by them, and the classes, ``split.prepare``, found before that proof: its charge is their
+    lesser mean and the search starts from them). ``issue(experts)``, when given, is called as soon as the
+    classes are known, before that proof and the search, with the misses every split the search can take
+    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the host
+    proves or searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
     lower bounds of every split's cost)."""
     if place != "auto" or costs is None or not tokens:
         return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
-    fetch_all = MissPlan(sorted(tokens), [], [])
-    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)  # ``gpu_only``'s cost
+    fetch_all, memo = MissPlan(sorted(tokens), [], []), memo_for(costs, expert_bytes)
+    limit_s = (1.0 - costs.hysteresis) * memo.gpu(hits, len(tokens))  # ``gpu_only``'s cost
     if cpu_too_dear(len(tokens), costs, limit_s):
         return fetch_all
-    rows = RowTimes.of(tokens, costs)
+    rows = RowTimes.of(tokens, costs, memo)
     room = room_of(rows, hits, expert_bytes, costs, limit_s)  # ``split.cpu_room``
     if room is None:
         return fetch_all
     reuse = cache.reuse(layer, list(tokens)) if costs.refetch == "reuse" else None
-    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse),
-                   room):
-        return fetch_all
     prepared = prepare(tokens, hits, expert_bytes, costs, reuse, room)
     if issue is not None:
         sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse, prepared)
         if sure:
             issue(sure)
+    _, _, members, _, sums = prepared.classes
+    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(members, sums, expert_bytes, costs), room):
+        return fetch_all
     return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse, prepared)

@@ -170,10 +170,14 @@ class _Prices:
         n, hits, gpu, cum0, cum1 = self.n, self.hits, self.gpu, self.cum0, self.cum1
         margin, step, issue, charge0, charge1 = (self.costs.cpu_margin, self.costs.cpu_step_s, self.costs.issue_s,
                                                  self.charge0, self.charge1)
+        by_fetches: dict[int, float] = {}  # this search's GPU sides (from the memo once each)
 
         def cost(a: int, b: int) -> float:
             f = n - a - b
-            gpu_s, cpu_s = gpu(hits, f, True), margin * (step + cum0[a] + cum1[b]) + f * issue
+            gpu_s = by_fetches.get(f)
+            if gpu_s is None:
+                gpu_s = by_fetches[f] = gpu(hits, f, True)
+            cpu_s = margin * (step + cum0[a] + cum1[b]) + f * issue
             return (gpu_s if gpu_s > cpu_s else cpu_s) + ((a * charge0 if a else 0.0) + (b * charge1 if b else 0.0))
         return cost
 
@@ -207,14 +211,13 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None
     best, rank, found = fetch_all_s, (0, 0), None
     least, most = room if room is not None else (1, n0 + n1)
 
-    def offer(a: int, b: int) -> None:
+    def offer(a: int, b: int, c: float) -> None:
         nonlocal best, rank, found
-        c = cost(a, b)
         if (c, a + b, b) < (best, *rank):
             best, rank, found = c, (a + b, b), (a, b)
 
     if drop and most >= n0 + n1:
-        offer(n0, n1)
+        offer(n0, n1, cost(n0, n1))
     hint = None
     for b in range(min(n1, most) + 1):
         if bound is not None and bound(b) > best * (1.0 + 1e-12):
@@ -223,24 +226,37 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None
         hi = min(n0 - (1 if drop and b == n1 else 0), most - b)
         if lo > hi:
             continue
-        hint = _leftmost(lambda a, b=b: cost(a + 1, b) < cost(a, b), lo, hi, lo if hint is None else hint)
-        offer(hint, b)
+        price = _run(cost, b)
+        hint = _leftmost(price, lo, hi, lo if hint is None else hint)
+        offer(hint, b, price(hint))
     return found
 
 
-def _leftmost(falls, lo: int, hi: int, hint: int) -> int:
-    """The first a in lo..hi where ``falls(a)`` (cost(a + 1) < cost(a): the run still falling) is False, hi if
-    none, for a ``falls`` True then False along a convex run: by galloping from ``hint`` (clamped to lo..hi)
-    to a bracket, then bisection in it (the previous b's answer is near: a few probes, not log(n0) each)."""
+def _run(cost, b: int):
+    """``cost(a, b)`` as a function of a, each a priced once (the probes of a run share their neighbours)."""
+    seen: dict[int, float] = {}
+
+    def price(a: int) -> float:
+        c = seen.get(a)
+        if c is None:
+            c = seen[a] = cost(a, b)
+        return c
+    return price
+
+
+def _leftmost(price, lo: int, hi: int, hint: int) -> int:
+    """The leftmost minimum of ``price`` over lo..hi, a convex run: the first a where price(a + 1) < price(a)
+    (still falling) is False, hi if none; by galloping from ``hint`` (clamped to lo..hi) to a bracket, then
+    bisection in it (the previous b's answer is near: a few probes, not log(n0) each)."""
     h = min(max(hint, lo), hi)
-    if h < hi and falls(h):  # the answer is right of h
+    if h < hi and price(h + 1) < price(h):  # the answer is right of h
         left, step = h + 1, 1
         while True:
             probe = h + step
             if probe >= hi:
                 right = hi
                 break
-            if not falls(probe):
+            if not price(probe + 1) < price(probe):
                 right = probe
                 break
             left, step = probe + 1, step * 2
@@ -251,13 +267,13 @@ def _leftmost(falls, lo: int, hi: int, hint: int) -> int:
             if probe < lo:
                 left = lo
                 break
-            if falls(probe):
+            if price(probe + 1) < price(probe):
                 left = probe + 1
                 break
             right, step = probe, step * 2
     while left < right:
         mid = (left + right) // 2
-        if falls(mid):
+        if price(mid + 1) < price(mid):
             left = mid + 1
         else:
             right = mid
