@@ -45,18 +45,19 @@ def _decode_case(gen: torch.Generator):
     return tokens, int(torch.randint(0, 60, (1,), generator=gen)), _costs(gen), chance
 
 
-def _exhaustive(tokens, hits, c: MissCosts, chance) -> float:
+def _exhaustive(tokens, hits, c: MissCosts, chance) -> tuple[float, set, float]:
     """The least cost over every (a, b): a of the unlikely-reused class's and b of the likely-reused class's
     misses on the CPU, each class's cheapest first (by CPU time, rows, expert); the forward is both sides at
     once (the CPU's after the fetches' issue, at the margin) plus each CPU expert's class mean chance times
     one fetch; taken only at (1 - hysteresis) x fetching all or less. Every split of a given (a, b) costs
-    at least this prefix's (same GPU side and charge, no less CPU time)."""
+    at least this prefix's (same GPU side and charge, no less CPU time). Returns (the least cost, its CPU
+    experts, the next-least cost of another (a, b))."""
     classes = [sorted((e for e in tokens if (chance[e] >= 0.5) == hot),
                       key=lambda e: (c.cpu_expert_s + tokens[e] * c.cpu_token_s, tokens[e], e)) for hot in (False, True)]
     fetch_one = BYTES / c.link_bytes_per_s
     charge = [fetch_one * sum(chance[e] for e in m) / len(m) if m else 0.0 for m in classes]
     n, fetch_all = len(tokens), _gpu_s(len(tokens), hits, c, False)
-    best = fetch_all
+    priced = [(fetch_all * (1.0 - c.hysteresis), ())]  # fetching all wins at that price or less
     for a in range(len(classes[0]) + 1):
         for b in range(len(classes[1]) + 1):
             if a + b == 0:
@@ -64,8 +65,10 @@ def _exhaustive(tokens, hits, c: MissCosts, chance) -> float:
             on_cpu = classes[0][:a] + classes[1][:b]
             cpu = c.cpu_margin * (c.cpu_step_s + sum(c.cpu_expert_s + tokens[e] * c.cpu_token_s for e in on_cpu))
             cost = max(_gpu_s(n - a - b, hits, c, True), cpu + (n - a - b) * c.issue_s) + a * charge[0] + b * charge[1]
-            best = min(best, cost)
-    return best if best <= (1.0 - c.hysteresis) * fetch_all else fetch_all
+            priced.append((cost, tuple(on_cpu)))
+    priced.sort(key=lambda p: p[0])
+    (best, on_cpu), runner_up = priced[0], priced[1][0]
+    return (fetch_all, set(), runner_up) if not on_cpu else (best, set(on_cpu), runner_up)
 
 
 def test_the_memo_answers_what_the_calls_answer():
@@ -111,16 +114,19 @@ def test_galloping_finds_the_leftmost_minimum_of_a_convex_run_from_any_hint():
 
 def test_decode_sized_searches_reach_the_exhaustive_least_cost():
     gen = torch.Generator().manual_seed(33)
-    kinds = {"split": 0, "fetch": 0, "both": 0}
+    kinds = {"split": 0, "fetch": 0, "both": 0, "unique": 0}
     for _ in range(120):
         tokens, hits, costs, chance = _decode_case(gen)
         split = split_misses(tokens, BYTES, costs, hits, chance)
-        want = _exhaustive(tokens, hits, costs, chance)
+        want, on_cpu, runner_up = _exhaustive(tokens, hits, costs, chance)
         assert split.cost_s == pytest.approx(want, rel=1e-9, abs=1e-12)
         assert sorted(split.fetch + split.cpu) == sorted(tokens)
+        if runner_up > want * (1 + 1e-6):  # a unique winner: the same experts on the CPU
+            assert set(split.cpu) == on_cpu
+            kinds["unique"] += 1
         kinds["split" if split.cpu else "fetch"] += 1
         kinds["both"] += len({chance[e] >= 0.5 for e in split.cpu}) == 2
-    assert kinds["split"] > 20 and kinds["fetch"] > 20 and kinds["both"] > 5
+    assert kinds["split"] > 20 and kinds["fetch"] > 20 and kinds["both"] > 5 and kinds["unique"] > 60, kinds
 
 
 def test_plan_forward_returns_the_search_plan_on_decode_sized_forwards():
