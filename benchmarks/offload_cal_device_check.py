@@ -8,6 +8,9 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
                                         (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
+``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
+no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so.
+
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
 sharing one cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu,
 the skewed stream (prefetch none and router) then the uniform one (none); "auto" with the online CPU rate.
@@ -112,6 +115,9 @@ def main(argv: list[str]) -> int:
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
+    if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
+        torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
+        result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"
     result["branches"] = BRANCHES.cells
     dump(result)
     group_size = len(MODES) + twin
