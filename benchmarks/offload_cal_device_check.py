@@ -91,16 +91,22 @@ def dump(result: dict) -> None:
         os.replace(path + ".tmp", path)
 
 
-def main(argv: list[str]) -> int:
-    smoke, twin = "--smoke" in argv, "--no-twin" not in argv
+def _options(argv: list[str]) -> list[str]:
+    """``--cells``' patterns (``CLOSE`` for "close"); sets ``BRANCHES.profile_cell`` from ``--profile`` (the
+    smoke run's default one exercises the profiler too)."""
     cells = argv[argv.index("--cells") + 1] if "--cells" in argv else ""
-    patterns = [p for p in (CLOSE if cells == "close" else cells).split(",") if p]
     BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
     parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
     if len(parts) != 4 or parts[0] not in ("skewed", "uniform") or not parts[3].isdigit():
         raise SystemExit(f"--profile takes a group name stream/cache%/prefetch/M, got {BRANCHES.profile_cell!r}")
-    if smoke and BRANCHES.profile_cell is None:
-        BRANCHES.profile_cell = "skewed/50/none/8"  # the smoke run exercises the profiler too
+    if "--smoke" in argv and BRANCHES.profile_cell is None:
+        BRANCHES.profile_cell = "skewed/50/none/8"
+    return [p for p in (CLOSE if cells == "close" else cells).split(",") if p]
+
+
+def main(argv: list[str]) -> int:
+    smoke, twin = "--smoke" in argv, "--no-twin" not in argv
+    patterns = _options(argv)
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = dict(QWEN3_30B if cuda else SMOKE)
