@@ -15,7 +15,6 @@ from moekit.offload import ExpertCache, MissCosts, OffloadStats, split_misses
 from moekit.offload import plan as plan_mod
 from moekit.offload.bound import RowTimes, fetches_all, least_charge_s, least_split_s
 from moekit.offload.plan import plan_forward
-from moekit.offload.split import prepare
 
 from _helpers import TOLERANCE, count_calls, rel_l2
 from test_offload_room import BYTES, _cost_s, _cpu_time, _gpu_s, _random_case, _subsets
@@ -38,12 +37,6 @@ def _scan_room(tokens, hits, c: MissCosts, limit: float) -> bool:
     return False
 
 
-def _charge(tokens, hits, costs: MissCosts, chance) -> float:
-    """``least_charge_s`` of the classes ``split.prepare`` finds for these misses."""
-    _, _, members, _, sums = prepare(tokens, hits, BYTES, costs, chance, (1, len(tokens))).classes
-    return least_charge_s(members, sums, BYTES, costs)
-
-
 def _least_class_charge(tokens, chance, c: MissCosts) -> float:
     means = []
     for hot in (False, True):
@@ -58,7 +51,7 @@ def test_the_least_split_cost_bounds_every_split_from_below():
     tight = 0
     for _ in range(200):
         tokens, hits, costs, chance = _random_case(gen)
-        charge = _charge(tokens, hits, costs, chance)
+        charge = least_charge_s(tokens, hits, BYTES, costs, chance)
         assert charge == pytest.approx(_least_class_charge(tokens, chance, costs), rel=1e-12) or math.isinf(charge)
         bound = least_split_s(RowTimes.of(tokens, costs), hits, BYTES, costs, charge)
         best = min(_cost_s(s, tokens, hits, costs, chance) for s in _subsets(tokens))
@@ -195,7 +188,7 @@ def test_the_least_split_cost_within_the_room_is_the_least_over_every_s():
     for _ in range(300):
         tokens, hits, costs, chance = _random_case(gen)
         n, times = len(tokens), sorted(_cpu_time(costs, t) for t in tokens.values())
-        charge = _charge(tokens, hits, costs, chance)
+        charge = least_charge_s(tokens, hits, BYTES, costs, chance)
         if math.isinf(charge):
             continue
         limit = (1.0 - costs.hysteresis) * _gpu_s(n, hits, costs, False)

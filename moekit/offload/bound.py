@@ -159,10 +159,18 @@ def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts
     return min(cost(lo), best)
 
 
-def least_charge_s(members: list[list[int]], sums: list[float], expert_bytes: int, costs: MissCosts) -> float:
+def least_charge_s(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
+                   reuse: dict[int, float] | None) -> float:
     """q: one fetch (at the idle link's rate) times the least chance ``split_misses`` prices a CPU expert's
-    refetch by, the lesser mean chance of its two classes (a class without members aside): ``members`` and
-    their summed chances ``sums`` as ``split._classes`` finds them (by reuse, or this forward's hit rate for
-    every miss without it)."""
-    chance = min(sums[c] / len(members[c]) for c in (0, 1) if members[c])
+    refetch by: with ``reuse`` (and ``costs.refetch == "reuse"``) the lesser mean chance of its two classes
+    (chance >= 1/2 and below; a class without members aside), else this forward's hit rate."""
+    if reuse is None or costs.refetch != "reuse":
+        return expert_bytes / costs.link_bytes_per_s * hits / (hits + len(tokens))
+    sums, counts = [0.0, 0.0], [0, 0]
+    for e in tokens:
+        p = reuse[e]
+        hot = p >= 0.5
+        sums[hot] += p
+        counts[hot] += 1
+    chance = min(sums[c] / counts[c] for c in (0, 1) if counts[c])
     return expert_bytes / costs.link_bytes_per_s * chance

@@ -102,12 +102,12 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     at its least time too dear (``bound.cpu_too_dear``, O(1)), no room without a refetch charge
     (``bound.room_of``: then the misses' reuse chances are not asked for), no room with the least charge
     by the chances from the cache's history (``bound.fetches_all``; ``ExpertCache.reuse``, where it prices
-    refetches by them, and the classes, ``split.prepare``, found before that proof: its charge is their
-    lesser mean and the search starts from them). ``issue(experts)``, when given, is called as soon as the
-    classes are known, before that proof and the search, with the misses every split the search can take
-    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the host
-    proves or searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
-    lower bounds of every split's cost)."""
+    refetches by them); else the room and the classes are kept for the search (``split.prepare``) and
+    ``issue(experts)``, when given, is called before the search with the misses every split it can take
+    fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the
+    host searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
+    lower bounds of every split's cost). (Finding the classes and the early fetches before the charged
+    proof, so those copies left sooner, made the forwards that proof decides 20-90% dearer on the replay.)"""
     if place != "auto" or costs is None or not tokens:
         return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
     fetch_all, memo = MissPlan(sorted(tokens), [], []), memo_for(costs, expert_bytes)
@@ -119,12 +119,12 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     if room is None:
         return fetch_all
     reuse = cache.reuse(layer, list(tokens)) if costs.refetch == "reuse" else None
+    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(tokens, hits, expert_bytes, costs, reuse),
+                   room):
+        return fetch_all
     prepared = prepare(tokens, hits, expert_bytes, costs, reuse, room)
     if issue is not None:
         sure = surely_fetched(tokens, hits, expert_bytes, costs, reuse, prepared)
         if sure:
             issue(sure)
-    _, _, members, _, sums = prepared.classes
-    if fetches_all(rows, hits, expert_bytes, costs, limit_s, least_charge_s(members, sums, expert_bytes, costs), room):
-        return fetch_all
     return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward, reuse, prepared)
