@@ -264,7 +264,7 @@ def summary(rows: list[dict]) -> list[str]:
         rated = [(r["x_floor_probe"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
                  and r.get("branch_rate") and r["cpu_tokens_per_step"]]
         if rated:
-            out.append(f"{mode:>4} x floor's CPU rate, its branches' median: x{min(b for _, b in rated):.2f}-"
+            out.append(f"{mode:>4} x floor's CPU rate, its branches' time-weighted median: x{min(b for _, b in rated):.2f}-"
                        f"{max(b for _, b in rated):.2f} the model; by the probe's rates instead: x "
                        f"{min(x for x, _ in rated):.2f}-{max(x for x, _ in rated):.2f}, "
                        f"{sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")

@@ -64,7 +64,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     if ref is not None:
         stacks.append(ref)
     times, dones, after, branches, ratios = ([[] for _ in stacks] for _ in range(5))  # per stack and step (CPU
-    # branch s; ratios: each CPU branch's measured over modelled time, ``branch_rate``)
+    # branch s; ratios: each CPU branch's (measured, modelled) seconds, ``branch_rate``)
     probes, prev = probes or {}, None
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
@@ -115,12 +115,23 @@ def _group_fields(fixed: FixedCosts, quiet: float, costs: MissCosts, scale: floa
             "cpu_scale": scale}
 
 
-def branch_rate(ratios: list[float]) -> float | None:
+def branch_rate(branches: list[tuple[float, float]]) -> float | None:
     """The run's CPU rate as its branches got it: the median of its CPU branches' measured over modelled
-    seconds (``ratios``; None without any). The median, not the mean: a stalled branch (2-9x its model in
-    H200 runs, a thread team waking late) stays the step's own cost, not the floor's, and the rate is the
-    one the branches ran at after the GPU path's host work (the probe, run back to back, read 10-40% faster)."""
-    return statistics.median(ratios) if ratios else None
+    seconds, each branch weighted by its modelled seconds (``branches``: (measured, model) pairs; the least
+    ratio whose branches at or below it hold half the modelled time; None without any). Weighted by time, as
+    the floor prices time: a decode step's branches range from one expert to dozens, and the unweighted
+    median (session 18's checkpoint) took the small ones' rate, 5-17% below the time-weighted mean. A median,
+    not the mean: a stalled branch (2-19x its model in H200 runs, single ones) stays the step's own cost, not
+    the floor's; and the branches' own, not the probe's: a probe run back to back read 10-40% faster than
+    a branch that follows the GPU path's host work."""
+    if not branches:
+        return None
+    total, seen = sum(model for _, model in branches), 0.0
+    for measured, model in sorted(branches, key=lambda b: b[0] / b[1]):
+        seen += model
+        if seen >= total / 2:
+            return measured / model
+    return None  # not reached: the last branch brings ``seen`` to ``total``
 
 
 def _name(run: Run) -> str:
@@ -240,15 +251,16 @@ def _extend(seq: list[int], used: set[tuple[int, int]], n: int) -> list[int] | N
     return None
 
 
-def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts, ratios: list[float]) -> None:
-    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``, each one's measured
-    over predicted seconds to ``ratios``."""
+def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts,
+                ratios: list[tuple[float, float]]) -> None:
+    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``, each one's (measured,
+    predicted) seconds to ``ratios``."""
     for layer in layers:
         p = layer.last_cpu
         if p is not None:
             model = costs.cpu_side_s(list(layer.last_stats.cpu_rows))
             if model > 0:
-                ratios.append(p.total_s / model)
+                ratios.append((p.total_s, model))
             for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
                 total[i] += v
 
