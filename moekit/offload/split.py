@@ -95,33 +95,26 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
 def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int,
              cpu=None):
     """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
-    cheapest on the CPU, cheapest first, each class's summed chance): ``split_misses``' classes (its docstring),
-    in one pass over the misses. The order is by (CPU
-    time, rows, expert), found by rows: a forward's misses have a few distinct row counts, so each class's
-    experts are bucketed by rows and the buckets taken in that order (no per-expert sort key); ``cpu``: the
-    CPU time by rows (``prices.PriceMemo.cpu``; None: ``costs.cpu_time``)."""
+    cheapest on the CPU, cheapest first, each class's summed chance): ``split_misses``' classes (its docstring).
+    The order is by (CPU time, rows, expert), found by rows: a forward's misses have a few distinct row
+    counts, so each class's experts are taken a row count at a time in that order until ``most`` (no
+    per-expert sort key); ``cpu``: the CPU time by rows (``prices.PriceMemo.cpu``; None: ``costs.cpu_time``)."""
     if reuse is not None and costs.refetch == "reuse":
         chance = reuse  # keyed by (at least) the misses
     else:
         chance = dict.fromkeys(tokens, hits / (hits + len(tokens)))
     cpu = cpu or costs.cpu_time
     times = {t: cpu(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    members: list[list[int]] = [[], []]
-    buckets: list[dict[int, list[int]]] = [{}, {}]
-    sums = [0.0, 0.0]
-    for e, rows in tokens.items():  # in the misses' order
-        p = chance[e]
-        hot = p >= 0.5
-        members[hot].append(e)
-        sums[hot] += p
-        buckets[hot].setdefault(rows, []).append(e)
+    members = [[e for e in tokens if not chance[e] >= 0.5], [e for e in tokens if chance[e] >= 0.5]]  # misses' order
+    sums = [sum([chance[e] for e in m]) for m in members]
+    order = sorted(times, key=lambda r: (times[r], r))
     classes = []
-    for by_rows in buckets:
+    for c in members:
         taken: list[int] = []
-        for rows in sorted(by_rows, key=lambda r: (times[r], r)):
+        for rows in order:  # at decode the cheapest row count usually fills ``most`` alone
             if len(taken) >= most:
                 break
-            taken.extend(sorted(by_rows[rows]))
+            taken.extend(sorted([e for e in c if tokens[e] == rows]))
         classes.append(taken[:most])
     return chance, times, members, classes, sums
 
