@@ -24,6 +24,7 @@ search), with ``split.cpu_room`` walking every s three times a forward.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 
 from moekit.offload.cost import MissCosts
@@ -61,9 +62,7 @@ class RowTimes:
     @classmethod
     def of(cls, tokens: dict[int, int], costs: MissCosts, memo: PriceMemo | None = None) -> "RowTimes":
         """``memo``: ``prices.memo_for(costs, ...)``, when the caller has it (the CPU times from it)."""
-        counts: dict[int, int] = {}
-        for r in tokens.values():
-            counts[r] = counts.get(r, 0) + 1
+        counts = Counter(tokens.values())
         cpu = costs.cpu_time if memo is None else memo.cpu
         times, ends, sums = [], [0], [0.0]
         for t, c in sorted((cpu(r), c) for r, c in counts.items()):  # a few distinct counts
