@@ -9,7 +9,9 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
 ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
-no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so.
+no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
+no group starts past S seconds (default 122). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU
+branch's threads sleep at once after their work instead of spinning beside the host's next layer).
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
 sharing one cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu,
@@ -93,7 +95,11 @@ def dump(result: dict) -> None:
 
 def _options(argv: list[str]) -> list[str]:
     """``--cells``' patterns (``CLOSE`` for "close"); sets ``BRANCHES.profile_cell`` from ``--profile`` (the
-    smoke run's default one exercises the profiler too)."""
+    smoke run's default one exercises the profiler too) and ``LIMIT_S`` from ``--limit`` (two runs in one call)."""
+    global LIMIT_S, PROFILE_LIMIT_S
+    if "--limit" in argv:
+        LIMIT_S = float(argv[argv.index("--limit") + 1])
+        PROFILE_LIMIT_S = LIMIT_S + 13.0
     cells = argv[argv.index("--cells") + 1] if "--cells" in argv else ""
     BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
     parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
@@ -114,7 +120,8 @@ def main(argv: list[str]) -> int:
                        top_k=shape["top_k"])
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
-              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running"}
+              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
@@ -304,7 +311,8 @@ def _print(result: dict) -> None:
     c = result.get("costs", {})
     print(f"\n{result['device']}, torch {result['torch']}, {result['cpu_count']} cpus, torch threads "
           f"{result['torch_threads']}, shape {result['shape']}; setup {result.get('setup_s', 0):.0f} s, total "
-          f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}")
+          f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}; "
+          f"OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}")
     if c:
         print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; CPU "
               f"{c['cpu_step_s'] * 1e3:.3f} ms a call, per expert by rows " + ", ".join(
