@@ -4,7 +4,14 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 150 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --profile uniform/50/none/8
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells close --profile uniform/50/none/8
+                                        (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
+
+``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
+no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
+no group starts past S seconds (default 122). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU
+branch's threads sleep at once after their work instead of spinning beside the host's next layer).
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
 sharing one cache, each its own host weights): cache 25 / 50 / 75% x M = 1 / 8 / 32 x gpu / cpu / auto, lfu,
@@ -54,6 +61,8 @@ START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 TWIN = "gpu2"
+CLOSE = ("*/*/*/8,skewed/25/router/1,skewed/50/router/1,skewed/75/none/1,uniform/75/none/1,"
+         "skewed/75/router/32")  # ``--cells close``: 14 groups, ~70 s on the H200
 
 
 class OutOfTime(Exception):
@@ -84,15 +93,26 @@ def dump(result: dict) -> None:
         os.replace(path + ".tmp", path)
 
 
-def main(argv: list[str]) -> int:
-    smoke, twin = "--smoke" in argv, "--no-twin" not in argv
-    patterns = [p for a in argv[argv.index("--cells") + 1:][:1] for p in a.split(",") if p] if "--cells" in argv else []
+def _options(argv: list[str]) -> list[str]:
+    """``--cells``' patterns (``CLOSE`` for "close"); sets ``BRANCHES.profile_cell`` from ``--profile`` (the
+    smoke run's default one exercises the profiler too) and ``LIMIT_S`` from ``--limit`` (two runs in one call)."""
+    global LIMIT_S, PROFILE_LIMIT_S
+    if "--limit" in argv:
+        LIMIT_S = float(argv[argv.index("--limit") + 1])
+        PROFILE_LIMIT_S = LIMIT_S + 13.0
+    cells = argv[argv.index("--cells") + 1] if "--cells" in argv else ""
     BRANCHES.profile_cell = argv[argv.index("--profile") + 1] if "--profile" in argv else None
     parts = (BRANCHES.profile_cell or "skewed/0/none/1").split("/")
     if len(parts) != 4 or parts[0] not in ("skewed", "uniform") or not parts[3].isdigit():
         raise SystemExit(f"--profile takes a group name stream/cache%/prefetch/M, got {BRANCHES.profile_cell!r}")
-    if smoke and BRANCHES.profile_cell is None:
-        BRANCHES.profile_cell = "skewed/50/none/8"  # the smoke run exercises the profiler too
+    if "--smoke" in argv and BRANCHES.profile_cell is None:
+        BRANCHES.profile_cell = "skewed/50/none/8"
+    return [p for p in (CLOSE if cells == "close" else cells).split(",") if p]
+
+
+def main(argv: list[str]) -> int:
+    smoke, twin = "--smoke" in argv, "--no-twin" not in argv
+    patterns = _options(argv)
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = dict(QWEN3_30B if cuda else SMOKE)
@@ -100,13 +120,17 @@ def main(argv: list[str]) -> int:
                        top_k=shape["top_k"])
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
-              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running"}
+              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
+    if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
+        torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
+        result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"
     result["branches"] = BRANCHES.cells
     dump(result)
     group_size = len(MODES) + twin
@@ -150,24 +174,31 @@ def cpu_check(shell, costs, device, repeats: int = 4, gap_s: float = GAP_S) -> l
     count (torch's and the calibration's) and the host's idle time before it (none, or ``gap_s`` asleep:
     a decode step's branch follows the host's GPU-path work, the probe and the calibration follow
     branches), on cold experts, the settings interleaved in each repeat: is the model's shape right at a
-    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly?"""
+    decode layer's few experts, does a busy link slow the CPU, does an idle host wake slowly? Where the
+    calibration's count is not torch's, it is also run with torch's count set to it throughout: does
+    switching the thread team's size at every branch (``cpu_path.torch_threads``) stall it?"""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     k, gemm = max(layer.config.top_k, 2), costs.cpu_gemm or CPU_GEMMS[0]
     threads = sorted({torch.get_num_threads(), costs.cpu_threads or torch.get_num_threads()}, reverse=True)
-    groups, got = cold_groups(layer.config.num_experts, k, 1000), {}
+    groups, got, torch_count = cold_groups(layer.config.num_experts, k, 1000), {}, torch.get_num_threads()
+    settings = [(t, False) for t in threads] + [(t, True) for t in threads if t != torch_count]
     for _ in range(repeats):
-        for t in threads:
+        for t, fixed in settings:  # fixed: torch's count set to t throughout, so the branch switches no team size
+            torch.set_num_threads(t if fixed else torch_count)
             for n in (1, 2, 4, 8):
                 for busy in (False, True):
                     for gap in (0.0, gap_s):
                         time.sleep(gap)
                         total = branch(layer, next(groups), n, 1, t, gemm, busy=busy)
                         p = layer.last_cpu
-                        got.setdefault((t, n, busy, gap), []).append((total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
-    return [{"threads": t, "experts": n, "busy": busy, "gap_ms": gap * 1e3, "ms": statistics.median(x for x, _, _ in v) * 1e3,
+                        got.setdefault((t, fixed, n, busy, gap), []).append(
+                            (total, p.compute_s, p.wait_s + p.stage_s + p.back_s))
+            torch.set_num_threads(torch_count)
+    return [{"threads": t, "fixed": fixed, "experts": n, "busy": busy, "gap_ms": gap * 1e3,
+             "ms": statistics.median(x for x, _, _ in v) * 1e3,
              "max_ms": max(x for x, _, _ in v) * 1e3, "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
              "copies_ms": statistics.median(w for _, _, w in v) * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3}
-            for (t, n, busy, gap), v in sorted(got.items())]
+            for (t, fixed, n, busy, gap), v in sorted(got.items())]
 
 
 def _noise(rows: list[dict]) -> dict[int, float]:
@@ -211,7 +242,8 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} "
-            f"cpu x{r.get('cpu_scale', 1.0):.2f} probe " + (", ".join(
+            f"cpu x{r.get('cpu_scale', 1.0):.2f} br " + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
+                                                                   if v.get("branch_rate")) + " probe " + (", ".join(
                 f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
                 for mode, v in modes.items() if v.get("probes")) or "-"))
 
@@ -236,6 +268,13 @@ def summary(rows: list[dict]) -> list[str]:
         if ran:
             out.append(f"{mode:>4} with each CPU branch as it ran in the timeline (a check of the floor's other "
                        f"terms): x {min(ran):.2f}-{max(ran):.2f}, {sum(x > 1.2 for x in ran)} of {len(ran)} > 1.2")
+        rated = [(r["x_floor_probe"], r["branch_rate"]) for r in rows if r["compute_misses_on"] == mode
+                 and r.get("branch_rate") and r["cpu_tokens_per_step"]]
+        if rated:
+            out.append(f"{mode:>4} x floor's CPU rate, its branches' time-weighted median: x{min(b for _, b in rated):.2f}-"
+                       f"{max(b for _, b in rated):.2f} the model; by the probe's rates instead: x "
+                       f"{min(x for x, _ in rated):.2f}-{max(x for x, _ in rated):.2f}, "
+                       f"{sum(x > 1.2 for x, _ in rated)} of {len(rated)} > 1.2")
     gap = max((abs(r["hit_rate"] - r["sim_hit_rate"]) for r in rows), default=0.0)
     out.append(f"largest |hit - sim| {gap:.4f}")
     noise, cells = _noise(rows), modes_by_cell(rows)
@@ -272,25 +311,34 @@ def _print(result: dict) -> None:
     c = result.get("costs", {})
     print(f"\n{result['device']}, torch {result['torch']}, {result['cpu_count']} cpus, torch threads "
           f"{result['torch_threads']}, shape {result['shape']}; setup {result.get('setup_s', 0):.0f} s, total "
-          f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}")
+          f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}; "
+          f"OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}")
     if c:
         print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; CPU "
               f"{c['cpu_step_s'] * 1e3:.3f} ms a call, per expert by rows " + ", ".join(
                   f"{r} {t * 1e6:.0f}" for r, t in c.get("cpu_rows_s", ())) + f" us at {c['cpu_threads']} threads "
               f"({c['cpu_gemm']}), margin {c['cpu_margin']:.2f}; second call {c['gpu_call_s'] * 1e3:.3f} ms, fetch layer"
               f" {c['fetch_layer_s'] * 1e3:.3f} ms, issue {c.get('issue_s', 0.0) * 1e6:.1f} us a fetched expert")
-    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads, experts, link, "
-          "host idle before it (ms):")
+    print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads (=: torch's count "
+          "set to it throughout, no switch a branch), experts, link, host idle before it (ms):")
     checks = result.get("cpu_check", [])
     for r in checks:
-        print(f"  t{r['threads']:>2} n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
+        print(f"  t{r['threads']:>2}{'=' if r.get('fixed') else ' '}n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
               f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "
               f"{r['model_ms']:6.2f} x{r['ms'] / r['model_ms']:.2f}")
     slow = [b["ms"] / a["ms"] for a in checks for b in checks if a["gap_ms"] == 0 < b["gap_ms"]
-            and (a["threads"], a["experts"], a["busy"]) == (b["threads"], b["experts"], b["busy"])]
+            and (a["threads"], a.get("fixed"), a["experts"], a["busy"]) == (b["threads"], b.get("fixed"), b["experts"], b["busy"])]
     if slow:
         print(f"  after an idle gap the branch took x{statistics.median(slow):.2f} its back-to-back time (median over "
               f"settings; range {min(slow):.2f}-{max(slow):.2f})")
+    key = ("threads", "experts", "busy", "gap_ms")
+    switch = [(a["ms"] / b["ms"], a["max_ms"] / b["max_ms"]) for a in checks for b in checks
+              if not a.get("fixed") and b.get("fixed") and all(a[f] == b[f] for f in key)]
+    if switch:
+        print(f"  switching the team size a branch over a fixed count: median x{statistics.median(m for m, _ in switch):.2f}"
+              f" (range {min(m for m, _ in switch):.2f}-{max(m for m, _ in switch):.2f}), max over max "
+              f"x{statistics.median(x for _, x in switch):.2f} (range {min(x for _, x in switch):.2f}-"
+              f"{max(x for _, x in switch):.2f})")
     profile = result.get("profile", {})
     if profile.get("text"):
         print(f"cProfile of auto's plans in {profile['cell']} (top 25 by cumulative time; early fetches' issue left out):")

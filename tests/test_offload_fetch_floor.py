@@ -167,3 +167,25 @@ def test_the_host_scaled_floor_scales_the_terms_measured_before_the_group_by_the
     costs = dataclasses.replace(COSTS, fetch_layer_s=0.009)
     floors = _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.002)
     assert floors[0][0] == pytest.approx(0.018) and floors[0][4] == pytest.approx(0.027)
+
+
+def test_the_branch_rate_floor_prices_the_cpu_side_at_the_runs_time_weighted_median_branch():
+    """``offload_cells._floors``' first entry with a branch rate: one layer computing 2 one-row experts on the CPU
+    (a 1 ms call + 2 ms an expert: 5 ms), fixed 4 ms: 4 + 1.5 x 5 = 11.5 ms at a branch rate of 1.5, the probe
+    floor (last entry; no probe: the model) 4 + 5 = 9 ms, as the first entry without a rate; the rate is the
+    median of the branches' ratios weighted by their modelled time (a stall of 9x moves it no more than any
+    branch above the middle)."""
+    from moekit.bench.offload_cells import _floors, branch_rate
+    from moekit.offload.gpu_terms import FixedCosts
+
+    costs = dataclasses.replace(COSTS, cpu_step_s=0.001, cpu_expert_s=0.002)
+    done = [[OffloadStats(touched=2, cpu_experts=2, cpu_tokens=2, cpu_forwards=1, cpu_rows=(1, 1))]]
+    floors = _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.004, rate=1.5)
+    assert floors[0][0] == pytest.approx(0.0115) and floors[0][8] == pytest.approx(0.009)  # the probe's: none here
+    assert _floors(done, 1000, costs, FixedCosts(0.004), quiet=0.004)[0][0] == pytest.approx(0.009)
+    assert branch_rate([(0.9, 1.0), (9.0, 1.0), (1.1, 1.0)]) == pytest.approx(1.1)  # a 9x stall moves it no further
+    assert branch_rate([(0.8, 1.0), (1.0, 1.0), (1.2, 1.0), (1.4, 1.0)]) == pytest.approx(1.0)  # half the time at <= 1.0
+    # by time: a 4 s branch at 0.5 outweighs a 1 s one at 1.0 and a 1 s one at 3.0 (half of 6 s is at 0.5)
+    assert branch_rate([(1.0, 1.0), (2.0, 4.0), (3.0, 1.0)]) == pytest.approx(0.5)
+    assert branch_rate([(1.0, 1.0), (1.6, 2.0), (6.0, 3.0)]) == pytest.approx(1.0)  # 2 s at 0.8, then 3 of 6 s at <= 1.0
+    assert branch_rate([]) is None

@@ -63,7 +63,8 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     ref = _reference(shells, routings, costs, device, options, x) if reference else None
     if ref is not None:
         stacks.append(ref)
-    times, dones, after, branches = ([[] for _ in stacks] for _ in range(4))  # per stack and step (CPU branch s)
+    times, dones, after, branches, ratios = ([[] for _ in stacks] for _ in range(5))  # per stack and step (CPU
+    # branch s; ratios: each CPU branch's (measured, modelled) seconds, ``branch_rate``)
     probes, prev = probes or {}, None
     phases = [[0.0] * 6 for _ in runs]  # per run: total, model, stage, wait, compute, back (seconds)
     gc.collect()
@@ -84,7 +85,7 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
                     dones[j].append(done)
                     branches[j].append([0.0 if l.last_cpu is None else l.last_cpu.total_s for l in layers])
                     if j < len(runs):
-                        _add_phases(phases[j], layers, costs)
+                        _add_phases(phases[j], layers, costs, ratios[j])
                     if j in probes:  # the run's latest CPU branch: its last layer with one this step
                         probes[j].run(step, next((l.last_stats.cpu_rows for l in layers[::-1] if l.last_stats.cpu_rows), None))
                 prev = j
@@ -97,14 +98,40 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
         hits = [sum(s.hits for s in done) for done in dones[-1]]
         fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
     rates = {j: probe.floor_costs() for j, probe in probes.items()}
-    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j]),
+    return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
+                                           branch_rate(ratios[j])),
                     _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
-             **(probes[j].summary() if j in probes else {}),
-             "fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
-             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
-             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
-             "cpu_scale": scale, "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])}
+             **(probes[j].summary() if j in probes else {}), **_group_fields(fixed, quiet, costs, scale),
+             "branch_rate": branch_rate(ratios[j]) or 0.0,
+             "after_ms": _after(times[j], after[j], [_name(r) for r in runs] + ["ref"])}
             for j, run in enumerate(runs)]
+
+
+def _group_fields(fixed: FixedCosts, quiet: float, costs: MissCosts, scale: float) -> dict:
+    """The fields every row of a group shares: its fixed costs (ms), the CPU expert's price (us) and scale."""
+    return {"fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
+            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
+            "cpu_scale": scale}
+
+
+def branch_rate(branches: list[tuple[float, float]]) -> float | None:
+    """The run's CPU rate as its branches got it: the median of its CPU branches' measured over modelled
+    seconds, each branch weighted by its modelled seconds (``branches``: (measured, model) pairs; the least
+    ratio whose branches at or below it hold half the modelled time; None without any). Weighted by time, as
+    the floor prices time: a decode step's branches range from one expert to dozens, and the unweighted
+    median (session 18's checkpoint) took the small ones' rate, 5-17% below the time-weighted mean. A median,
+    not the mean: a stalled branch (2-19x its model in H200 runs, single ones) stays the step's own cost, not
+    the floor's; and the branches' own, not the probe's: a probe run back to back read 10-40% faster than
+    a branch that follows the GPU path's host work."""
+    if not branches:
+        return None
+    total, seen = sum(model for _, model in branches), 0.0
+    for measured, model in sorted(branches, key=lambda b: b[0] / b[1]):
+        seen += model
+        if seen >= total / 2:
+            return measured / model
+    return None  # not reached: the last branch brings ``seen`` to ``total``
 
 
 def _name(run: Run) -> str:
@@ -151,16 +178,18 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None,
-            branches: list[list[float]] | None = None) -> list[list[float]]:
-    """Per timed step: the timeline floor (its CPU side by ``busy`` / ``idle``, the probe's rates; None:
-    ``costs``' throughout), the
+            branches: list[list[float]] | None = None, rate: float | None = None) -> list[list[float]]:
+    """Per timed step: the timeline floor (its CPU side by the CPU model as given scaled by ``rate``, the run's
+    own branches' median rate, ``branch_rate``, throughout; without a rate by ``busy`` / ``idle``, the probe's
+    rates; None: ``costs``' throughout), the
     layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
     fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
     speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
     timeline floor at ``busy``'s rate throughout (no idle rate), and the timeline with each layer's CPU
-    branch as it ran (``branches``, per step and layer; without them, the floor)."""
+    branch as it ran (``branches``, per step and layer; without them, the floor), and the timeline floor by
+    the probe's rates (the first entry without a ``rate``)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
@@ -168,13 +197,16 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     r = fixed.layer_s / quiet if quiet > 0 else 1.0
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
-    return [[timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
+    by_rate = given.scaled(rate) if rate else None
+    return [[timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s) if by_rate
+             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
              timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle)]
             for done, ran in zip(dones, branches or [None] * len(dones))]
 
 
@@ -219,12 +251,16 @@ def _extend(seq: list[int], used: set[tuple[int, int]], n: int) -> list[int] | N
     return None
 
 
-def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts) -> None:
-    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``."""
+def _add_phases(total: list[float], layers: list[OffloadedMoE], costs: MissCosts,
+                ratios: list[tuple[float, float]]) -> None:
+    """Add the layers' latest CPU branches (measured, predicted, by phase) into ``total``, each one's (measured,
+    predicted) seconds to ``ratios``."""
     for layer in layers:
         p = layer.last_cpu
         if p is not None:
             model = costs.cpu_side_s(list(layer.last_stats.cpu_rows))
+            if model > 0:
+                ratios.append((p.total_s, model))
             for i, v in enumerate((p.total_s, model, p.stage_s, p.wait_s, p.compute_s, p.back_s)):
                 total[i] += v
 
@@ -259,8 +295,8 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s = (statistics.fmean(f[i] for f in floors)
-                                                                               for i in range(8))
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s, probe_s = (
+        statistics.fmean(f[i] for f in floors) for i in range(9))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
             "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
@@ -271,6 +307,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
             "x_floor_given": step_s / given_s if given_s else float("inf"),
             "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
             "x_floor_cpu_ran": step_s / ran_s if ran_s else float("inf"),
+            "x_floor_probe": step_s / probe_s if probe_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

@@ -24,9 +24,11 @@ search), with ``split.cpu_room`` walking every s three times a forward.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 
-from moekit.offload.cost import MissCosts, gpu_side_s
+from moekit.offload.cost import MissCosts
+from moekit.offload.prices import PriceMemo, memo_for
 
 SLACK = 1.0 + 1e-9  # ``split.cpu_room``'s relative slack: the search sums the same times in another order
 
@@ -58,9 +60,12 @@ class RowTimes:
     sums: list[float]  # [0.0, then their summed time]
 
     @classmethod
-    def of(cls, tokens: dict[int, int], costs: MissCosts) -> "RowTimes":
-        rows, times, ends, sums = list(tokens.values()), [], [0], [0.0]
-        for t, c in sorted((costs.cpu_time(r), rows.count(r)) for r in set(rows)):  # a few distinct counts
+    def of(cls, tokens: dict[int, int], costs: MissCosts, memo: PriceMemo | None = None) -> "RowTimes":
+        """``memo``: ``prices.memo_for(costs, ...)``, when the caller has it (the CPU times from it)."""
+        counts = Counter(tokens.values())
+        cpu = costs.cpu_time if memo is None else memo.cpu
+        times, ends, sums = [], [0], [0.0]
+        for t, c in sorted((cpu(r), c) for r, c in counts.items()):  # a few distinct counts
             times.append(t)
             ends.append(ends[-1] + c)
             sums.append(sums[-1] + t * c)
@@ -79,9 +84,9 @@ def room_of(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limi
     the last s with C within: s_G by bisection on G (the least s whose G fits), C's least point from the
     experts whose CPU time at the margin is below ``issue_s``, and the ends by bisection on C either side.
     O(distinct rows + log n)."""
-    n = rows.n
+    n, gpu = rows.n, memo_for(costs, expert_bytes).gpu
     limit, margin, issue = limit_s * SLACK, costs.cpu_margin, costs.issue_s
-    if not n or gpu_side_s(hits, 0, expert_bytes, costs, True) > limit:
+    if not n or gpu(hits, 0, True) > limit:
         return None
 
     def cpu(s: int) -> float:
@@ -90,7 +95,7 @@ def room_of(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts, limi
     lo, hi = 0, n - 1  # the most fetches f with G(f) within the limit (G(0) is)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if gpu_side_s(hits, mid, expert_bytes, costs, True) <= limit:
+        if gpu(hits, mid, True) <= limit:
             lo = mid
         else:
             hi = mid - 1
@@ -130,13 +135,13 @@ def least_split_s(rows: RowTimes, hits: int, expert_bytes: int, costs: MissCosts
                   within: tuple[int, int] | None = None) -> float:
     """The least B(s) over s = 1..n (module docstring), or over ``within`` (lo, hi), for the misses ``rows``
     beside ``hits`` hits, ``charge_s`` the least refetch charge of a CPU expert (q); inf without misses."""
-    n = rows.n
+    n, gpu_side = rows.n, memo_for(costs, expert_bytes).gpu
     if not n:
         return float("inf")
 
     def cost(s: int) -> float:
         cpu = costs.cpu_margin * (costs.cpu_step_s + rows.least(s)) + (n - s) * costs.issue_s
-        gpu = gpu_side_s(hits, n - s, expert_bytes, costs, True)
+        gpu = gpu_side(hits, n - s, True)
         return (gpu if gpu > cpu else cpu) + s * charge_s
 
     first, last = within or (1, n)

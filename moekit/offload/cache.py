@@ -186,8 +186,8 @@ class ExpertCache:
         then fetches every miss). Call after ``lookup``, which counts this forward's touches."""
         if math.isinf(self._horizon):
             return dict.fromkeys(experts, math.inf)
-        elapsed = self._tick - self._first_tick.get(layer, self._tick) + 1
-        return {e: -math.expm1(-self._horizon * self._touches.get((layer, e), 0) / elapsed) for e in experts}
+        elapsed, neg, touches = self._tick - self._first_tick.get(layer, self._tick) + 1, -self._horizon, self._touches
+        return {e: -math.expm1(neg * touches.get((layer, e), 0) / elapsed) for e in experts}
 
     def free_slots(self) -> int:
         """Slots a fetch can take now: free ones plus unprotected occupied ones (every protected key is

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, MissSplit, cpu_never_wins, fetch_rate, gpu_side_s
 from moekit.offload.bound import RowTimes, cpu_too_dear, fetches_all, least_charge_s, room_of
+from moekit.offload.prices import memo_for
 from moekit.offload.split import Prepared, prepare, split_misses, surely_fetched
 
 PLACES = ("gpu", "cpu", "auto")
@@ -105,14 +106,15 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     ``issue(experts)``, when given, is called before the search with the misses every split it can take
     fetches (``split.surely_fetched``; not where that is every miss), so their copies travel while the
     host searches; the plan's ``fetch`` holds them. The same plan as the search alone (the proofs are
-    lower bounds of every split's cost)."""
+    lower bounds of every split's cost). (Finding the classes and the early fetches before the charged
+    proof, so those copies left sooner, made the forwards that proof decides 20-90% dearer on the replay.)"""
     if place != "auto" or costs is None or not tokens:
         return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
-    fetch_all = MissPlan(sorted(tokens), [], [])
-    limit_s = (1.0 - costs.hysteresis) * gpu_side_s(hits, len(tokens), expert_bytes, costs)  # ``gpu_only``'s cost
+    fetch_all, memo = MissPlan(sorted(tokens), [], []), memo_for(costs, expert_bytes)
+    limit_s = (1.0 - costs.hysteresis) * memo.gpu(hits, len(tokens))  # ``gpu_only``'s cost
     if cpu_too_dear(len(tokens), costs, limit_s):
         return fetch_all
-    rows = RowTimes.of(tokens, costs)
+    rows = RowTimes.of(tokens, costs, memo)
     room = room_of(rows, hits, expert_bytes, costs, limit_s)  # ``split.cpu_room``
     if room is None:
         return fetch_all

@@ -13,12 +13,11 @@ and the CPU (``split_misses``), priced by ``cost``'s model, and the cheap bound 
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 from dataclasses import dataclass
 
 from moekit.offload.bound import RowTimes, room_of
-from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only, gpu_side_s
+from moekit.offload.cost import MissCosts, MissSplit, fetch_rate, gpu_only
+from moekit.offload.prices import memo_for
 
 @dataclass(frozen=True)
 class Prepared:
@@ -38,7 +37,7 @@ def prepare(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCos
     limit_s = (1.0 - costs.hysteresis) * fetch_all.cost_s
     if room is False:
         room = cpu_room(tokens, hits, expert_bytes, costs, limit_s)
-    classes = None if room is None else _classes(tokens, hits, costs, reuse, room[1])
+    classes = None if room is None else _classes(tokens, hits, costs, reuse, room[1], memo_for(costs, expert_bytes).cpu)
     return Prepared(fetch_all, limit_s, room, classes)
 
 
@@ -61,7 +60,7 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     with a of one class and b of the other on the CPU takes the a and b with the least CPU time
     (``cpu_time``: by rows, not always the fewest rows when a measured table is not monotone); for a
     fixed b the cost is convex in a (the GPU side falls linearly with fewer fetches under a max, the
-    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by bisection, for every b. The
+    CPU side adds ever dearer experts, less one fetch's ``issue_s`` each), so its leftmost minimum is found by galloping from the previous b's then bisection, for every b. The
     one exception, a second GPU call (``gpu_call_s``) saved when no miss is fetched at all, is the
     last point of the last run: it is priced on its own; so is it where ``fetch_layer_s`` (the least a
     forward with any fetch takes) falls away with the last fetch. Ties go to fewer CPU experts, then fewer
@@ -77,12 +76,12 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     if room is None:
         return fetch_all
     fetch_one = expert_bytes / costs.link_bytes_per_s
-    chance, times, members, classes = p.classes
-    charge = [fetch_one * sum(chance[e] for e in c) / len(c) if c else 0.0 for c in members]
+    _, times, members, classes, sums = p.classes
+    charge = [fetch_one * total / len(c) if c else 0.0 for c, total in zip(members, sums)]
     prices = _Prices(len(tokens), len(members[0]), costs, *[_cumulative([times[tokens[e]] for e in c]) for c in classes],
-                     *charge, hits, expert_bytes)
+                     *charge, hits, memo_for(costs, expert_bytes).gpu)
     drop = (hits > 0 and costs.gpu_call_s > 0) or costs.fetch_layer_s > 0  # fetching nothing saves a step
-    found = _cheapest(prices.cost, len(members[0]), len(members[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
+    found = _cheapest(prices.cost_fn(), len(members[0]), len(members[1]), drop, fetch_all.cost_s, prices.bound_or_none(),
                       room)
     if found is None:
         return fetch_all
@@ -93,23 +92,31 @@ def split_misses(tokens: dict[int, int], expert_bytes: int, costs: MissCosts, hi
     return best if best.cost_s <= limit_s else fetch_all
 
 
-def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int):
+def _classes(tokens: dict[int, int], hits: int, costs: MissCosts, reuse: dict[int, float] | None, most: int,
+             cpu=None):
     """(each miss's chance of reuse, CPU time by rows, the two classes' members, each class's ``most``
-    cheapest on the CPU, cheapest first): ``split_misses``' classes (its docstring)."""
+    cheapest on the CPU, cheapest first, each class's summed chance): ``split_misses``' classes (its docstring).
+    The order is by (CPU time, rows, expert), found by rows: a forward's misses have a few distinct row
+    counts, so each class's experts are taken a row count at a time in that order until ``most`` (no
+    per-expert sort key); ``cpu``: the CPU time by rows (``prices.PriceMemo.cpu``; None: ``costs.cpu_time``)."""
     if reuse is not None and costs.refetch == "reuse":
-        chance = {e: reuse[e] for e in tokens}
+        chance = reuse  # keyed by (at least) the misses
     else:
         chance = dict.fromkeys(tokens, hits / (hits + len(tokens)))
-    times = {t: costs.cpu_time(t) for t in set(tokens.values())}  # by rows: a few distinct counts
-    members: list[list[int]] = [[], []]
-    for e in tokens:  # in the misses' order
-        members[chance[e] >= 0.5].append(e)
-
-    def key(e: int) -> tuple:
-        return times[tokens[e]], tokens[e], e
-
-    classes = [heapq.nsmallest(most, c, key=key) if most < len(c) else sorted(c, key=key) for c in members]
-    return chance, times, members, classes
+    cpu = cpu or costs.cpu_time
+    times = {t: cpu(t) for t in set(tokens.values())}  # by rows: a few distinct counts
+    members = [[e for e in tokens if not chance[e] >= 0.5], [e for e in tokens if chance[e] >= 0.5]]  # misses' order
+    sums = [sum([chance[e] for e in m]) for m in members]
+    order = sorted(times, key=lambda r: (times[r], r))
+    classes = []
+    for c in members:
+        taken: list[int] = []
+        for rows in order:  # at decode the cheapest row count usually fills ``most`` alone
+            if len(taken) >= most:
+                break
+            taken.extend(sorted([e for e in c if tokens[e] == rows]))
+        classes.append(taken[:most])
+    return chance, times, members, classes, sums
 
 
 def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
@@ -129,9 +136,8 @@ def surely_fetched(tokens: dict[int, int], hits: int, expert_bytes: int, costs: 
 class _Prices:
     """``split_misses``' prices of a of the first class and b of the second on the CPU (a + b >= 1), from the
     classes' cumulative CPU times (``cum0``, ``cum1``: their cheapest first, as far as the search may take
-    them), the first class's size, their per-expert refetch charges and the GPU side by
-    fetch count (``gpu_side_s`` with ``hits``, CPU busy; priced once per fetch count the search probes);
-    plain floats, no MissSplit built per probe."""
+    them), the first class's size, their per-expert refetch charges and the GPU side by fetch count (``gpu``:
+    ``prices.PriceMemo.gpu`` of the costs with ``hits``, CPU busy); plain floats, no MissSplit built per probe."""
 
     n: int  # misses
     n0: int  # of which in the first class
@@ -141,24 +147,32 @@ class _Prices:
     charge0: float
     charge1: float
     hits: int
-    expert_bytes: int
-    gpu: dict = dataclasses.field(default_factory=dict)  # fetches -> GPU side, as probed
+    gpu: object  # (hits, fetched, busy) -> GPU side seconds
 
     def sides(self, a: int, b: int) -> tuple[float, float]:
         """(GPU side, CPU side)."""
         c, f = self.costs, self.n - a - b
-        if f not in self.gpu:
-            self.gpu[f] = gpu_side_s(self.hits, f, self.expert_bytes, c, True)
-        return self.gpu[f], c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + (
-            self.n - a - b) * c.issue_s
+        return self.gpu(self.hits, f, True), c.cpu_margin * (c.cpu_step_s + self.cum0[a] + self.cum1[b]) + f * c.issue_s
 
     def refetch(self, a: int, b: int) -> float:
         return (a * self.charge0 if a else 0.0) + (b * self.charge1 if b else 0.0)
 
-    def cost(self, a: int, b: int) -> float:
-        """``MissSplit.cost_s`` of the split, without building it."""
-        gpu_s, cpu_s = self.sides(a, b)
-        return (gpu_s if gpu_s > cpu_s else cpu_s) + self.refetch(a, b)
+    def cost_fn(self):
+        """``cost(a, b)``: ``MissSplit.cost_s`` of the split, without building it (``sides`` + ``refetch``, the
+        same sums in the same order, its terms bound to locals: the search calls it a few hundred times)."""
+        n, hits, gpu, cum0, cum1 = self.n, self.hits, self.gpu, self.cum0, self.cum1
+        margin, step, issue, charge0, charge1 = (self.costs.cpu_margin, self.costs.cpu_step_s, self.costs.issue_s,
+                                                 self.charge0, self.charge1)
+        by_fetches: dict[int, float] = {}  # this search's GPU sides (from the memo once each)
+
+        def cost(a: int, b: int) -> float:
+            f = n - a - b
+            gpu_s = by_fetches.get(f)
+            if gpu_s is None:
+                gpu_s = by_fetches[f] = gpu(hits, f, True)
+            cpu_s = margin * (step + cum0[a] + cum1[b]) + f * issue
+            return (gpu_s if gpu_s > cpu_s else cpu_s) + ((a * charge0 if a else 0.0) + (b * charge1 if b else 0.0))
+        return cost
 
     def bound(self, b: int) -> float:
         """A lower bound of ``cost(a, b)`` over every a: its CPU side and refetch at a = 0, less every first-class
@@ -177,27 +191,27 @@ class _Prices:
 def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None,
               room: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """``split_misses``' search: the cheapest (a, b) by ``cost(a, b)`` over a <= n0, b <= n1 (a + b >= 1), None
-    where fetching every miss (``fetch_all_s``) costs no more; by bisection on each b's convex run of a;
-    ``drop``: fetching nothing saves a second GPU call (or ``fetch_layer_s``), so that one point (a, b) =
-    (n0, n1) is off its run and priced on its own. Ties: fewer CPU experts, then fewer of the second class.
-    ``bound(b)``: a lower bound of cost(a, b) over every a, nondecreasing in b (or None): the runs stop at
-    the first b whose bound exceeds the best price so far (no later b can reach it). ``room`` (lo, hi):
-    only lo <= a + b <= hi is searched (``cpu_room``: every split the caller can take lies there; a run
-    cut to an interval is still convex, and its leftmost minimum there is the run's own wherever that
-    one can be taken).
+    where fetching every miss (``fetch_all_s``) costs no more; the leftmost minimum of each b's convex run of a
+    (``_leftmost``, started from the previous b's); ``drop``: fetching nothing saves a second GPU call (or
+    ``fetch_layer_s``), so that one point (a, b) = (n0, n1) is off its run and priced on its own. Ties: fewer
+    CPU experts, then fewer of the second class. ``bound(b)``: a lower bound of cost(a, b) over every a,
+    nondecreasing in b (or None): the runs stop at the first b whose bound exceeds the best price so far (no
+    later b can reach it). ``room`` (lo, hi): only lo <= a + b <= hi is searched (``cpu_room``: every split the
+    caller can take lies there; a run cut to an interval is still convex, and its leftmost minimum there is
+    the run's own wherever that one can be taken).
     Prices are plain floats (a MissSplit, its sorted lists, is built once for the winner: at M = 32, 75
     misses a layer, building one per probe took 16 ms of host time a layer on a 2-core host)."""
     best, rank, found = fetch_all_s, (0, 0), None
     least, most = room if room is not None else (1, n0 + n1)
 
-    def offer(a: int, b: int) -> None:
+    def offer(a: int, b: int, c: float) -> None:
         nonlocal best, rank, found
-        c = cost(a, b)
         if (c, a + b, b) < (best, *rank):
             best, rank, found = c, (a + b, b), (a, b)
 
     if drop and most >= n0 + n1:
-        offer(n0, n1)
+        offer(n0, n1, cost(n0, n1))
+    hint = None
     for b in range(min(n1, most) + 1):
         if bound is not None and bound(b) > best * (1.0 + 1e-12):
             break
@@ -205,14 +219,58 @@ def _cheapest(cost, n0: int, n1: int, drop: bool, fetch_all_s: float, bound=None
         hi = min(n0 - (1 if drop and b == n1 else 0), most - b)
         if lo > hi:
             continue
-        while lo < hi:  # the leftmost minimum of a convex run: the first a from which the cost stops falling
-            mid = (lo + hi) // 2
-            if cost(mid + 1, b) < cost(mid, b):
-                lo = mid + 1
-            else:
-                hi = mid
-        offer(lo, b)
+        price = _run(cost, b)
+        hint = _leftmost(price, lo, hi, lo if hint is None else hint)
+        offer(hint, b, price(hint))
     return found
+
+
+def _run(cost, b: int):
+    """``cost(a, b)`` as a function of a, each a priced once (the probes of a run share their neighbours)."""
+    seen: dict[int, float] = {}
+
+    def price(a: int) -> float:
+        c = seen.get(a)
+        if c is None:
+            c = seen[a] = cost(a, b)
+        return c
+    return price
+
+
+def _leftmost(price, lo: int, hi: int, hint: int) -> int:
+    """The leftmost minimum of ``price`` over lo..hi, a convex run: the first a where price(a + 1) < price(a)
+    (still falling) is False, hi if none; by galloping from ``hint`` (clamped to lo..hi) to a bracket, then
+    bisection in it (the previous b's answer is near: a few probes, not log(n0) each)."""
+    h = min(max(hint, lo), hi)
+    if h < hi and price(h + 1) < price(h):  # the answer is right of h
+        left, step = h + 1, 1
+        while True:
+            probe = h + step
+            if probe >= hi:
+                right = hi
+                break
+            if not price(probe + 1) < price(probe):
+                right = probe
+                break
+            left, step = probe + 1, step * 2
+    else:  # the answer is h or left of it
+        right, step = h, 1
+        while True:
+            probe = h - step
+            if probe < lo:
+                left = lo
+                break
+            if price(probe + 1) < price(probe):
+                left = probe + 1
+                break
+            right, step = probe, step * 2
+    while left < right:
+        mid = (left + right) // 2
+        if price(mid + 1) < price(mid):
+            left = mid + 1
+        else:
+            right = mid
+    return left
 
 
 def cpu_room(tokens: dict[int, int], hits: int, expert_bytes: int, costs: MissCosts,
