@@ -78,20 +78,20 @@ class GluonLayout:
     input row only) and the combine never reads them."""
 
     x_perm: torch.Tensor  # [R, K]; row r = x[sorted_ids[r] // k]; padding rows uninitialised
-    block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
-    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
+    block_experts: torch.Tensor  # [R // block_m] int32; local expert of each row block, -1 past rows_used
+    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of block_m
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                 expert_map: torch.Tensor | None = None, align=None) -> GluonLayout:
-    """Group x's rows by expert into BLOCK_M-aligned segments. ``align``: the alignment function
-    (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
+                 expert_map: torch.Tensor | None = None, align=None, block_m: int = BLOCK_M) -> GluonLayout:
+    """Group x's rows by expert into ``block_m``-aligned segments (the GEMMs' tile height). ``align``: the
+    alignment function (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
     kernel then copies the real rows and writes their inverse (the torch indexing it replaced cost 0.4-1.6
     ms at prefill on the H200: a copy of x, all R rows gathered, a scatter)."""
     if align is None:
         from moekit.experts.triton_align import align_block_triton as align
-    blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
+    blocks = align(topk_ids, num_experts, block_m, expert_map, allow_naive=False)
     num_tokens, top_k = topk_ids.shape
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]

@@ -33,7 +33,7 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
-from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
+from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -153,8 +153,10 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, num_warps=tile.num_warps, maxnreg=tile.max_registers, **launch)
 
+    if up.block_m != BLOCK_M or down.block_m != BLOCK_M:  # the lean alignment and grids are BLOCK_M's
+        raise ValueError(f"up={up}, down={down}: the lean launch runs block_m={BLOCK_M} only")
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
                  bf16_gemm(down, inter, hidden, hidden, 0, False),
