@@ -122,6 +122,9 @@ class Cell:
                       "fp8": cell_model(s, m, touched, 2, ceil.copy_TBps, ceil.fp8_mm_TFLOPs or ceil.mm_TFLOPs,
                                         expert_bytes=3 * s.n * s.k + scales)}
         self.mm = {"bf16": ceil.mm_TFLOPs, "fp8": ceil.fp8_mm_TFLOPs}
+        counts = torch.bincount(self.sets[0].topk_ids.flatten().long(), minlength=s.num_experts)
+        # GEMM rows per real row with every expert's run padded to b rows (the tensor work on padding)
+        self.padding = {b: float(((counts + b - 1) // b * b).sum()) / (m * s.top_k) for b in (16, 64, 128)}
 
     def twin(self, dtype: str):
         from moekit.experts.triton_gluon import experts_gluon_twin
@@ -234,7 +237,9 @@ def main_rows(cells, smoke: bool, rounds: int, deadline_s: float, cell_budget_s:
         cell = Cell(preset, m, dev, ceil, smoke)
         floors[cell.name] = {d: asdict(f) for d, f in cell.floor.items()}
         log(f"{cell.name}: floor bf16 {cell.floor['bf16'].floor_us:.1f} µs, fp8 {cell.floor['fp8'].floor_us:.1f} µs; "
-            f"the route takes Gluon: {route_paths(cell.shape, m)}")
+            f"the route takes Gluon: {route_paths(cell.shape, m)}; GEMM rows per assignment padded to 16 / 64 / "
+            f"128: {' / '.join(f'{v:.2f}' for v in cell.padding.values())}")
+        floors[cell.name]["padding"] = cell.padding
         for i, dtype in enumerate(dtypes):  # each dtype gets its share of the cell's budget
             share = cell_budget_s * (i + 1) / len(dtypes) * (0.5 if cell.guard else 1.0)
             rows += run_dtype(cell, dtype, rounds, min(deadline_s, start + share))
@@ -278,8 +283,8 @@ def table(rows: list[Row], floors: dict) -> str:
             vs = f"{route / r.us:.3f}x" if route and r.us else "-"
             err = f"{r.err:.1e}" if r.err is not None else "-"
             lines.append(f"| {cell} | {dtype} | {r.variant} | {us} | {rounds} | {pct} | {pmm} | {vs} | {err} | {r.status} |")
-    floor_line = "; ".join(f"{c}: bf16 {f['bf16']['floor_us']:.0f} µs, fp8 {f['fp8']['floor_us']:.0f} µs"
-                           for c, f in floors.items())
+    floor_line = "; ".join(f"{c}: bf16 {f['bf16']['floor_us']:.0f} µs, fp8 {f['fp8']['floor_us']:.0f} µs, rows/assignment "
+                           f"at 64 / 128: {f['padding'][64]:.2f} / {f['padding'][128]:.2f}" for c, f in floors.items())
     return "\n".join(lines) + f"\nfloors: {floor_line}"
 
 

@@ -8,6 +8,7 @@ bf16 Gluon variants (``GluonTile``; block_m is the layout's alignment too, so bo
   - g64: 64-row tiles (half the padding of an expert's last block; 8 warps split along the columns), gate-up
     128 wide 5 stages, down 256 wide 4 stages; g64 down128: the down GEMM 128 wide, 6 stages;
   - g64 w4: 64-row tiles, one consumer warpgroup (4 warps, 240 registers), gate-up 5 stages, down 6;
+  - g64 up256: 64-row tiles, gate-up 256 wide at BLOCK_K 32 (5 stages: each warpgroup's wgmma [64, 128] x 2);
   - g128 gm32: the plan's tiles with GROUP_M 32 in both GEMMs (more row blocks share each weight tile).
 Measured before and not repeated (``benchmarks/triton-notes.md``): BLOCK_K 128 (2-3 stages), GROUP_M at
 prefill, gate-up BLOCK_N 256 (two [*, 256] accumulators leave 2 stages). Every tile passes ``check_tile``.
@@ -40,6 +41,8 @@ def bf16_gluon_tiles(inter: int) -> dict:
         "g64": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4, group_m=down.group_m)),
         "g64 w4": (GluonTile(block_m=64, stages=5, num_warps=4, max_registers=240),
                    GluonTile(block_m=64, stages=6, num_warps=4, max_registers=240, group_m=down.group_m)),
+        "g64 up256": (GluonTile(block_m=64, block_n=256, block_k=32, stages=5),
+                      GluonTile(block_m=64, block_n=256, stages=4, group_m=down.group_m)),
         "g128 down256": (UP_TILE, replace(down, block_n=256, stages=3)),
         "g64 down128": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, stages=6, group_m=down.group_m)),
         "g128 gm32": (replace(UP_TILE, group_m=32), replace(down, group_m=32)),

@@ -1,8 +1,9 @@
 """Stand-ins for the Gluon GEMM kernels on the CPU (Gluon does not run in Triton's interpreter): objects that a
 ``BoundLaunch`` and the plain launchers call like a kernel (``kernel[grid](*args, **kwargs)``, the real kernel's
-``fn`` for its signature) and that compute in torch, per 128-row block of the rows in use, what the kernel
-writes; each launch's arguments are logged, bound to the kernel's parameters, with the compile options Triton would take
-from it (its keyword arguments that are not parameters, and ``num_warps`` where it comes by keyword).
+``fn`` for its signature) and that compute in torch, per row block of the rows in use (bf16: the descriptor's
+block rows; fp8: 128), what the kernel writes; each launch's arguments are logged, bound to the kernel's
+parameters, with the compile options Triton would take from it (its keyword arguments that are not parameters,
+and ``num_warps`` where it comes by keyword).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols = c.shape[1]
-    for block in range(int(used_ptr[0]) // BLOCK):
-        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+    cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
+    for block in range(int(used_ptr[0]) // block_m):
+        e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
         first = e * W_ROWS
-        product = a[rows].float() @ w[first:first + cols].float().T  # [128, C]
+        product = a[rows].float() @ w[first:first + cols].float().T  # [block_m, C]
         if GATED:
             up = a[rows].float() @ w[first + GATE_OFFSET:first + GATE_OFFSET + cols].float().T
             product = torch.nn.functional.silu(product) * up
