@@ -13,7 +13,10 @@ Per cell (uniform routing, two routing sets, x bf16; DeepSeek-V3 M = 1024 last, 
      calls interleaved (the same config reads 5-9% apart between runs), median; % of the cell's floor
      (max(bytes / copy, FLOPs / mm): bf16 mm, or the fp8 mm rate with fp8 bytes) and of the mm rate, all
      three ceilings measured in this run.
-Cells not started by DEADLINE_S (or a cell's calls past its CELL_BUDGET_S) are listed as skipped. Progress
+Budget: a cell gets CELL_BUDGET_S x its preset's weight (BUDGET_WEIGHT), bf16 BF16_SHARE of it (its Gluon kernels
+compile per shape; the fp8 ones once), checks in the first CHECK_SHARE of a dtype's time, timing rounds in the rest;
+what is not started by then, or cells past DEADLINE_S, are listed as skipped (the variants run most promising
+first: ``ridge_variants``). Progress
 lines as it goes; the table last (per cell: the route first, then the fastest first), JSON to $OUT/ridge.json
 (rewritten after each cell). Exit 1 when a call that ran gave a wrong output.
 """
@@ -30,8 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 T0 = time.perf_counter()
-DEADLINE_S = 135.0
+DEADLINE_S = 140.0
 CELL_BUDGET_S = 26.0
+BUDGET_WEIGHT = {"mixtral-8x7b": 1.15, "qwen3-30b-a3b": 0.92, "deepseek-v3": 0.55}
+BF16_SHARE = 0.6
+CHECK_SHARE = 0.6
 ROUNDS = 3
 CELLS = (("mixtral-8x7b", 1024), ("mixtral-8x7b", 512), ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 512),
          ("deepseek-v3", 1024))
@@ -172,13 +178,15 @@ class Cell:
             return None
 
 
-def run_dtype(cell: Cell, dtype: str, rounds: int, stop_at: float) -> list[Row]:
-    """Check every call, then ROUNDS interleaved timings of those that passed; medians, % of floor and mm."""
+def run_dtype(cell: Cell, dtype: str, rounds: int, start: float, stop_at: float) -> list[Row]:
+    """Check the calls (until CHECK_SHARE of the time to stop_at), then ROUNDS interleaved timings of those that
+    passed; medians, % of floor and mm."""
     ref = cell.twin(dtype)
     calls = cell.variants(dtype)
+    check_stop = start + CHECK_SHARE * (stop_at - start)
     rows = []
     for v in calls:
-        rows.append(cell.check(v, dtype, ref) if time.perf_counter() - T0 < stop_at else
+        rows.append(cell.check(v, dtype, ref) if time.perf_counter() - T0 < check_stop else
                     Row(cell.name, dtype, v.name, v.kind))
     del ref
     timed = [(v, r) for v, r in zip(calls, rows) if r.status == "PASS"]
@@ -240,9 +248,12 @@ def main_rows(cells, smoke: bool, rounds: int, deadline_s: float, cell_budget_s:
             f"the route takes Gluon: {route_paths(cell.shape, m)}; GEMM rows per assignment padded to 16 / 64 / "
             f"128: {' / '.join(f'{v:.2f}' for v in cell.padding.values())}")
         floors[cell.name]["padding"] = cell.padding
-        for i, dtype in enumerate(dtypes):  # each dtype gets its share of the cell's budget
-            share = cell_budget_s * (i + 1) / len(dtypes) * (0.5 if cell.guard else 1.0)
-            rows += run_dtype(cell, dtype, rounds, min(deadline_s, start + share))
+        budget = cell_budget_s * BUDGET_WEIGHT.get(preset, 1.0)
+        for dtype in dtypes:  # each dtype its share of the cell's budget, from when it starts
+            begin = time.perf_counter() - T0
+            share = budget * (BF16_SHARE if dtype == "bf16" and len(dtypes) > 1 else 1.0)
+            stop = budget + start if dtype == dtypes[-1] else begin + share
+            rows += run_dtype(cell, dtype, rounds, begin, min(deadline_s, stop))
         del cell
         if dev.type == "cuda":
             torch.cuda.empty_cache()
