@@ -100,3 +100,57 @@ def test_a_call_at_these_tiles_matches_a_float64_loop(fake_gemms, block_m, num_w
     for _grid, bound, options in fake_gemms["bf16"].log:
         assert bound["a_desc"].block_shape == [block_m, tile.block_k]
         assert options == dict(num_warps=num_warps, maxnreg=tile.max_registers)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Counts the calls that went through a recorded sequence."""
+    from moekit.experts.triton_lean import LaunchSequence
+
+    count, real = [0], LaunchSequence.launch
+
+    def launch(self, values):
+        count[0] += 1
+        return real(self, values)
+
+    monkeypatch.setattr(LaunchSequence, "launch", launch)
+    return count
+
+
+@pytest.mark.parametrize("m, k", [(40, 2), (1100, 4)])  # one alignment launch; hist + scan + scatter (A > 4096)
+def test_the_lean_launch_at_64_row_tiles_equals_the_plain_one(fake_gemms, launched, monkeypatch, m, k):
+    """The route's tiles (``gluon_tiles``) at block_m 64: the lean launch aligns, grids and describes in 64-row
+    blocks, bit-equal to the plain launch and a float64 loop."""
+    import moekit.experts.triton_gluon as tg
+    import moekit.experts.triton_gluon_launch as tgl
+    from moekit.experts.triton import clear_launch_caches
+
+    tiles = (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4))
+    monkeypatch.setattr(tg, "gluon_tiles", lambda num_tokens, inter: tiles)
+    monkeypatch.setattr(tgl, "gluon_tiles", lambda num_tokens, inter: tiles)
+    clear_launch_caches()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m, K, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).bfloat16()
+    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).bfloat16()
+    ids = torch.rand(m, E, generator=g).topk(k, dim=1).indices.int()
+    weights = torch.softmax(torch.rand(m, k, generator=g), dim=1)
+    plain = tg.experts_gluon(x, w13, w2, ids, weights, lean=False)
+    first = tg.experts_gluon(x, w13, w2, ids, weights)
+    again = tg.experts_gluon(x, w13, w2, ids, weights)
+    assert launched[0] == 1 and torch.equal(first, plain) and torch.equal(again, plain)
+    ref = _experts_f64(x, w13, w2, ids, weights)
+    assert ((again.double() - ref).norm() / ref.norm()).item() < 1e-2
+    assert all(bound["a_desc"].block_shape[0] == 64 for _grid, bound, _o in fake_gemms["bf16"].log)
+    clear_launch_caches()
+
+
+def test_the_lean_launch_refuses_tiles_of_two_heights(fake_gemms, monkeypatch):
+    import moekit.experts.triton_gluon as tg
+
+    monkeypatch.setattr(tg, "gluon_tiles", lambda num_tokens, inter: (GluonTile(block_m=64), GluonTile()))
+    x = torch.randn(8, K).bfloat16()
+    w13, w2 = torch.randn(E, 2 * N, K).bfloat16(), torch.randn(E, K, N).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(8)]).int()
+    with pytest.raises(ValueError, match="block_m"):
+        tg.experts_gluon(x, w13, w2, ids, torch.rand(8, 2))

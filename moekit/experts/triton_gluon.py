@@ -20,7 +20,7 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+    BLOCK_M, gluon_supported, gluon_tiles, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
 )
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
@@ -133,9 +133,10 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, *gluon_tiles(x.shape[0], inter),
+                        fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map, block_m=plan.up.block_m)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
     launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
@@ -157,7 +158,7 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
+    layout = permute_contiguous(x, topk_ids, num_experts, plan.up.block_m, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [T, K]
     starts = layout.offsets.tolist()
     for e in range(num_experts):

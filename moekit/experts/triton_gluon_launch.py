@@ -95,12 +95,18 @@ NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
 
 
 def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
-    """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
-    (``max_padded_rows``)."""
+    """The plan of a call (``inter``: N): its tiles (``gluon_tiles``) and rows that hold any routing of the M*k
+    assignments in segments aligned to the tiles' block_m (``max_padded_rows``)."""
     from moekit.layouts.grouping import max_padded_rows
 
-    rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter))
+    up, down = gluon_tiles(num_tokens, inter)
+    return GluonPlan(rows=max_padded_rows(num_tokens * top_k, num_experts, up.block_m), up=up, down=down)
+
+
+def gluon_tiles(num_tokens: int, inter: int) -> tuple[GluonTile, GluonTile]:
+    """(gate-up, down) tiles of a call of ``num_tokens`` tokens on experts ``inter`` (N) wide; both share block_m
+    (the layout's alignment)."""
+    return UP_TILE, down_tile(inter)
 
 
 def down_tile(inter: int) -> GluonTile:
