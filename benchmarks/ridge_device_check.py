@@ -18,7 +18,9 @@ compile per shape; the fp8 ones once), checks in the first CHECK_SHARE of a dtyp
 what is not started by then, or cells past DEADLINE_S, are listed as skipped (the variants run most promising
 first: ``ridge_variants``). Progress
 lines as it goes; the table last (per cell: the route first, then the fastest first), JSON to $OUT/ridge.json
-(rewritten after each cell). Exit 1 when a call that ran gave a wrong output.
+(rewritten after each cell). Exit 1 when a call that ran gave a wrong output. A watchdog ends the run (exit 3,
+the JSON and table of what ran written first) when one call's check or timing takes over HANG_S: a new Gluon
+kernel that deadlocks on the device must not take the run's whole time.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ GUARD = {"deepseek-v3"}  # the route, the fused kernels and the Gluon plan only
 GUARD_NAMES = ("g128", "gf8", "gf8 skip")
 SMOKE_CELLS = (("smoke", 8),)
 TOLERANCE = {"gluon-bf16": 2e-3, "bf16": 1e-2, "fp8": 2e-2}
+HANG_S = 45.0  # one call's compile + check, or one timing, past this: the watchdog ends the run
+STATE = {"step": "", "since": time.perf_counter(), "rows": [], "floors": {}, "ceil": None, "smoke": False}
 
 
 @dataclass
@@ -59,6 +63,23 @@ class Row:
     pct_mm: float | None = None
     err: float | None = None
     status: str = "skipped"  # PASS, FAIL (wrong output), ERROR (raised), skipped
+
+
+def step(name: str) -> None:
+    STATE["step"], STATE["since"] = name, time.perf_counter()
+
+
+def watchdog() -> None:
+    """A daemon thread: past HANG_S in one step, the rows so far to JSON and stdout, then exit 3."""
+    while True:
+        time.sleep(1.0)
+        if time.perf_counter() - STATE["since"] > HANG_S:
+            log(f"WATCHDOG: '{STATE['step']}' has run {HANG_S:.0f} s: a hang? ending the run")
+            if STATE["ceil"] is not None:
+                write_json(STATE["rows"], STATE["floors"], STATE["ceil"], STATE["smoke"])
+            pending = [r for r in STATE.get("pending", []) if r not in STATE["rows"]]
+            print(table(STATE["rows"] + pending, STATE["floors"]), flush=True)
+            os._exit(3)
 
 
 def log(msg: str) -> None:
@@ -154,6 +175,7 @@ class Cell:
     def check(self, v, dtype: str, ref) -> Row:
         row = Row(self.name, dtype, v.name, v.kind)
         c = self.sets[0]
+        step(f"{self.name} {dtype} {v.name} check")
         try:
             row.err = rel_l2(v.call(c.x, c.topk_ids, c.topk_weights), ref)
         except Exception as e:  # a tile that does not compile or launch: reported, the run goes on
@@ -170,6 +192,7 @@ class Cell:
 
         cuda = self.dev.type == "cuda"
         fns = [lambda c=c: v.call(c.x, c.topk_ids, c.topk_weights) for c in self.sets]
+        step(f"{self.name} {v.name} timing")
         try:
             return time_calls(fns, self.dev, graph=cuda, budget_s=0.06 if cuda else 0.0, min_reps=5 if cuda else 1,
                               max_reps=40 if cuda else 1)
@@ -189,6 +212,7 @@ def run_dtype(cell: Cell, dtype: str, rounds: int, start: float, stop_at: float)
         rows.append(cell.check(v, dtype, ref) if time.perf_counter() - T0 < check_stop else
                     Row(cell.name, dtype, v.name, v.kind))
     del ref
+    STATE["pending"] = rows  # the watchdog's table shows them too
     timed = [(v, r) for v, r in zip(calls, rows) if r.status == "PASS"]
     for k in range(rounds):
         for v, row in timed:
@@ -236,12 +260,14 @@ def main_rows(cells, smoke: bool, rounds: int, deadline_s: float, cell_budget_s:
     dev = torch.device("cpu" if smoke else "cuda")
     ceil = ceilings(dev, smoke)
     log(f"copy {ceil.copy_TBps:.2f} TB/s, bf16 mm {ceil.mm_TFLOPs:.0f} TFLOP/s, fp8 mm {ceil.fp8_mm_TFLOPs}")
-    rows, floors = [], {}
+    rows, floors = STATE["rows"], STATE["floors"]
+    STATE["ceil"], STATE["smoke"] = ceil, smoke
     for preset, m in cells:
         start = time.perf_counter() - T0
         if start > deadline_s:
             rows += [Row(f"{preset} M={m}", d, "all", "") for d in dtypes]
             continue
+        step(f"{preset} M={m} setup")
         cell = Cell(preset, m, dev, ceil, smoke)
         floors[cell.name] = {d: asdict(f) for d, f in cell.floor.items()}
         log(f"{cell.name}: floor bf16 {cell.floor['bf16'].floor_us:.1f} µs, fp8 {cell.floor['fp8'].floor_us:.1f} µs; "
@@ -253,6 +279,7 @@ def main_rows(cells, smoke: bool, rounds: int, deadline_s: float, cell_budget_s:
             begin = time.perf_counter() - T0
             share = budget * (BF16_SHARE if dtype == "bf16" and len(dtypes) > 1 else 1.0)
             stop = budget + start if dtype == dtypes[-1] else begin + share
+            step(f"{preset} M={m} {dtype} twin")
             rows += run_dtype(cell, dtype, rounds, begin, min(deadline_s, stop))
         del cell
         if dev.type == "cuda":
@@ -317,6 +344,11 @@ def main() -> int:
     budget = 1e9 if args.smoke else args.cell_budget_s
     if args.smoke and not smoke_gluon_host():
         return 1
+    if not args.smoke:
+        import threading
+
+        step("ceilings")
+        threading.Thread(target=watchdog, daemon=True).start()
     rows, floors, ceil = main_rows(cells, args.smoke, 1 if args.smoke else args.rounds,
                                    1e9 if args.smoke else args.deadline_s, budget, args.dtypes.split(","))
     write_json(rows, floors, ceil, args.smoke)

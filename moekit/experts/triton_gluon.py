@@ -81,6 +81,7 @@ class GluonLayout:
     block_experts: torch.Tensor  # [R // block_m] int32; local expert of each row block, -1 past rows_used
     rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of block_m
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
+    sorted_ids: torch.Tensor  # [R] int32; the assignment of each row, M*k on padding rows
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -96,7 +97,7 @@ def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
 
 
 def experts_gluon(

@@ -158,6 +158,8 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=tile.num_warps, maxnreg=tile.max_registers, **launch)
 
+    if up.halves or down.halves:
+        raise ValueError(f"up={up}, down={down}: the lean launch binds the one-partition kernel (halves off)")
     bm = up.block_m
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
