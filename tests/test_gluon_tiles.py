@@ -130,15 +130,21 @@ def launched(monkeypatch):
     return count
 
 
+_SKIP = GluonTile(halves=True, num_warps=4, skip_padding=True)
+LEAN_TILES = {"64-row": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4)),
+              "halves skip": (_SKIP, _SKIP), "halves up only": (_SKIP, GluonTile(stages=6))}
+
+
+@pytest.mark.parametrize("name", list(LEAN_TILES))
 @pytest.mark.parametrize("m, k", [(40, 2), (1100, 4)])  # one alignment launch; hist + scan + scatter (A > 4096)
-def test_the_lean_launch_at_64_row_tiles_equals_the_plain_one(fake_gemms, launched, monkeypatch, m, k):
-    """The route's tiles (``gluon_tiles``) at block_m 64: the lean launch aligns, grids and describes in 64-row
-    blocks, bit-equal to the plain launch and a float64 loop."""
+def test_the_lean_launch_at_these_tiles_equals_the_plain_one(fake_gemms, launched, monkeypatch, m, k, name):
+    """The route's tiles (``gluon_tiles``) at block_m 64, or on the halves kernel (one more pointer: sorted_ids):
+    the lean launch aligns, grids, describes and binds them, bit-equal to the plain launch and a float64 loop."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_launch as tgl
     from moekit.experts.triton import clear_launch_caches
 
-    tiles = (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4))
+    tiles = LEAN_TILES[name]
     monkeypatch.setattr(tg, "gluon_tiles", lambda num_tokens, inter: tiles)
     monkeypatch.setattr(tgl, "gluon_tiles", lambda num_tokens, inter: tiles)
     clear_launch_caches()
@@ -154,7 +160,9 @@ def test_the_lean_launch_at_64_row_tiles_equals_the_plain_one(fake_gemms, launch
     assert launched[0] == 1 and torch.equal(first, plain) and torch.equal(again, plain)
     ref = _experts_f64(x, w13, w2, ids, weights)
     assert ((again.double() - ref).norm() / ref.norm()).item() < 1e-2
-    assert all(bound["a_desc"].block_shape[0] == 64 for _grid, bound, _o in fake_gemms["bf16"].log)
+    logged = fake_gemms["bf16"].log + fake_gemms["halves"].log
+    assert len(fake_gemms["halves"].log) == (6 if name == "halves skip" else 3 if name == "halves up only" else 0)
+    assert all(bound["a_desc"].block_shape[0] == 64 for _grid, bound, _o in logged) == (name != "halves up only")
     clear_launch_caches()
 
 

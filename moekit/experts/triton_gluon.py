@@ -140,11 +140,12 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     layout = gluon_layout(x, topk_ids, num_experts, expert_map, block_m=plan.up.block_m)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
+    pad = dict(sorted_ids=layout.sorted_ids, num_assignments=topk_ids.numel())  # the halves kernel's padding rows
     launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
-                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
+                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter, **pad)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden)
+                gated=False, w_rows=hidden, **pad)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
