@@ -2,7 +2,8 @@
 
     PYTHONPATH=$PWD OUT=... python benchmarks/ridge_device_check.py            # H200, <= 150 s
     PYTHONPATH=$PWD python benchmarks/ridge_device_check.py --smoke            # CPU, TRITON_INTERPRET=1, no Gluon
-    PYTHONPATH=$PWD OUT=... python benchmarks/ridge_device_check.py --cells mixtral-8x7b:1024 --rounds 5
+    PYTHONPATH=$PWD OUT=... python benchmarks/ridge_device_check.py --cells mixtral-8x7b:1024 --rounds 5 \
+        --names "g128,h128 skip"                                             # a subset, more rounds
 
 Per cell (uniform routing, two routing sets, x bf16; DeepSeek-V3 M = 1024 last, as a guard) and dtype:
   1. correctness of every call (``ridge_variants``: today's route, the fused Triton kernels forced, the Gluon
@@ -44,9 +45,10 @@ ROUNDS = 3
 CELLS = (("mixtral-8x7b", 1024), ("mixtral-8x7b", 512), ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 512),
          ("deepseek-v3", 1024))
 GUARD = {"deepseek-v3"}  # the route, the fused kernels and the Gluon plan only
-GUARD_NAMES = ("g128", "gf8", "gf8 skip")
+GUARD_NAMES = ("g128", "h128 skip", "gf8", "gf8 skip")
 SMOKE_CELLS = (("smoke", 8),)
 TOLERANCE = {"gluon-bf16": 2e-3, "bf16": 1e-2, "fp8": 2e-2}
+ONLY: dict = {}  # "names": the Gluon variants to run (--names), besides the route and the fused kernels
 HANG_S = 45.0  # one call's compile + check, or one timing, past this: the watchdog ends the run
 STATE = {"step": "", "since": time.perf_counter(), "rows": [], "floors": {}, "ceil": None, "smoke": False}
 
@@ -166,7 +168,7 @@ class Cell:
         from ridge_variants import bf16_variants, fp8_variants
 
         gluon = not self.smoke
-        names = GUARD_NAMES if self.guard else None
+        names = GUARD_NAMES if self.guard else ONLY.get("names")
         bf16_cfg, fp8_cfg = smoke_configs() if self.smoke else (None, None)
         if dtype == "bf16":
             return bf16_variants(self.w13, self.w2, gluon, bf16_cfg, names)
@@ -332,11 +334,14 @@ def main() -> int:
     ap.add_argument("--cells", default="", help="a subset, e.g. mixtral-8x7b:1024,qwen3-30b-a3b:512")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--names", default="", help="only these Gluon variants, e.g. 'g128,h128 skip,gf8,gf8 skip'")
     ap.add_argument("--deadline-s", type=float, default=DEADLINE_S)
     ap.add_argument("--cell-budget-s", type=float, default=CELL_BUDGET_S)
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.names:
+        ONLY["names"] = tuple(n.strip() for n in args.names.split(","))
     sys.path.insert(0, str(Path(__file__).parent))
     cells = SMOKE_CELLS if args.smoke else CELLS
     if args.cells:
