@@ -15,7 +15,8 @@ Per cell (uniform routing, two routing sets, x bf16; DeepSeek-V3 M = 1024 last, 
      (max(bytes / copy, FLOPs / mm): bf16 mm, or the fp8 mm rate with fp8 bytes) and of the mm rate, all
      three ceilings measured in this run.
 Budget: a cell gets CELL_BUDGET_S x its preset's weight (BUDGET_WEIGHT), bf16 BF16_SHARE of it (its Gluon kernels
-compile per shape; the fp8 ones once), checks in the first CHECK_SHARE of a dtype's time, timing rounds in the rest;
+compile per shape; the fp8 ones once), checks until TIMING_RESERVE_S before a dtype's end (at least 30% of its
+time), timing rounds in the rest;
 what is not started by then, or cells past DEADLINE_S, are listed as skipped (the variants run most promising
 first: ``ridge_variants``). Progress
 lines as it goes; the table last (per cell: the route first, then the fastest first), JSON to $OUT/ridge.json
@@ -38,9 +39,9 @@ from pathlib import Path
 T0 = time.perf_counter()
 DEADLINE_S = 140.0
 CELL_BUDGET_S = 26.0
-BUDGET_WEIGHT = {"mixtral-8x7b": 1.15, "qwen3-30b-a3b": 0.92, "deepseek-v3": 0.55}
+BUDGET_WEIGHT = {"mixtral-8x7b": 1.25, "qwen3-30b-a3b": 0.85, "deepseek-v3": 0.55}
 BF16_SHARE = 0.6
-CHECK_SHARE = 0.6
+TIMING_RESERVE_S = 7.0  # of a dtype's time, kept for the timing rounds (checks, which compile, get the rest)
 ROUNDS = 3
 CELLS = (("mixtral-8x7b", 1024), ("mixtral-8x7b", 512), ("qwen3-30b-a3b", 1024), ("qwen3-30b-a3b", 512),
          ("deepseek-v3", 1024))
@@ -204,11 +205,11 @@ class Cell:
 
 
 def run_dtype(cell: Cell, dtype: str, rounds: int, start: float, stop_at: float) -> list[Row]:
-    """Check the calls (until CHECK_SHARE of the time to stop_at), then ROUNDS interleaved timings of those that
+    """Check the calls (until TIMING_RESERVE_S before stop_at), then ROUNDS interleaved timings of those that
     passed; medians, % of floor and mm."""
     ref = cell.twin(dtype)
     calls = cell.variants(dtype)
-    check_stop = start + CHECK_SHARE * (stop_at - start)
+    check_stop = max(start + 0.3 * (stop_at - start), stop_at - TIMING_RESERVE_S)
     rows = []
     for v in calls:
         rows.append(cell.check(v, dtype, ref) if time.perf_counter() - T0 < check_stop else
