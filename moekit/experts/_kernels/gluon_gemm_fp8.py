@@ -100,17 +100,21 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
-        live = True
-        if SKIP_PADDING:
-            live = gl.load(as_ptr + row0 * stride_as) != 0.0
-        if live:
+        if SKIP_PADDING:  # (static: without it the tile's code is the plain one; Triton 3.6 fails to compile
+            # the gate-up GEMM's when it sits in a branch on a constant, ConvertTritonGPUToLLVM asserting)
+            if gl.load(as_ptr + row0 * stride_as) != 0.0:
+                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
+                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER,
+                                      layout)
+                _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+            else:
+                it = _release_stages(ready, empty, k_steps, it, a_bufs.type.shape[0] // 2)
+                if GATED:
+                    gl.store(cs_ptr + rows * stride_cs + cb, gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, layout)))
+        else:
             acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
                                   ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
             _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
-        else:
-            it = _release_stages(ready, empty, k_steps, it, a_bufs.type.shape[0] // 2)
-            if GATED:
-                gl.store(cs_ptr + rows * stride_cs + cb, gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, layout)))
     tma.store_wait(0)
 
 

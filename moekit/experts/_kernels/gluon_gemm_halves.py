@@ -32,8 +32,7 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 def _half(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, sorted_ptr, used_ptr, reduce_dim, num_col_blocks,
           num_assignments, HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
           SKIP_PADDING: gl.constexpr):
-    """Rows HALF*64 .. of every tile: async wgmma with one group in flight, each stage released as soon as the
-    MMAs that read it retired (the other consumer's arrival completes it), then the half's epilogue."""
+    """Rows HALF*64 .. of every tile (``_half_tile``); SKIP_PADDING: an all-padding half only releases its stages."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -49,38 +48,52 @@ def _half(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, sorted_ptr, used_ptr, re
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         row0 = rb * 2 * HALF_M + HALF * HALF_M
-        live = True
-        if SKIP_PADDING:
-            live = gl.load(sorted_ptr + row0) < num_assignments
-        if live:
-            acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
-            up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
-            for kk in range(k_steps):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                a = a_bufs.index(2 * s + HALF)
-                acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
-                if GATED:
-                    up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
-                    acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # the previous step's MMAs retired: this half is done with its stage
-                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-                it += 1
-            if GATED:
-                acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
-                acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+        if SKIP_PADDING:  # static: without it the plain tile (Triton 3.6 fails on a branch on a constant)
+            if gl.load(sorted_ptr + row0) < num_assignments:
+                it = _half_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, HALF, GATED,
+                                layout)
             else:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-            tma.store_wait(0)  # this half's last store has read c_buf
-            c_buf.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+                it = _release_stages(ready, empty, k_steps, it, STAGES)
         else:
-            it = _release_stages(ready, empty, k_steps, it, STAGES)
+            it = _half_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, HALF, GATED, layout)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _half_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, row0, cb, k_steps, it, HALF: gl.constexpr,
+               GATED: gl.constexpr, layout: gl.constexpr):
+    """One half tile: the K loop (async wgmma, one group in flight, each stage released as soon as the MMAs that
+    read it retired; the other consumer's arrival completes it), then the epilogue. Returns the ring position."""
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    up = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout)
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        a = a_bufs.index(2 * s + HALF)
+        acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
+        if GATED:
+            up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
+            acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # the previous step's MMAs retired: this half is done with its stage
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+        it += 1
+    if GATED:
+        acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+        acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+    tma.store_wait(0)  # this half's last store has read c_buf
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, cb * BLOCK_N], c_buf)
+    return it
 
 
 @gluon.jit
