@@ -35,12 +35,14 @@ class GluonChoice:
     Triton 3.6, layout and combine counted; benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run3.json):
     from ``min_tokens`` tokens for every shape (M=16384: Qwen3 1.03x, Mixtral 1.00x, DeepSeek-V3 1.15x),
     from ``min_tokens_wide`` for experts at least ``wide_inter`` wide (Mixtral N=14336 at M=4096: 1.12x; at
-    1024 / 2048: 1.24x / 1.19x, raw/NVIDIA_H200-2026-12-02-a6660ca-gluon_mid.log). Not below: Qwen3 M=4096
-    0.79x, DeepSeek-V3 (N=2048) M=4096 1.00x (0.97x in the run before); M = 1024 / 2048 Qwen3 0.91x / 0.97x,
-    DeepSeek-V3 0.80x / 0.98x."""
+    1024 / 2048: 1.24x / 1.19x, raw/NVIDIA_H200-2026-12-02-a6660ca-gluon_mid.log; at 512, graph replay, 3
+    interleaved rounds: the plan's tiles 946 µs against the fused kernels' 1032-1052, every Gluon tile tried
+    934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log). Not below: Qwen3 M=4096 0.79x, DeepSeek-V3 (N=2048)
+    M=4096 1.00x (0.97x in the run before); M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x;
+    M = 512 Qwen3 0.84x (0.93x at 64-row tiles)."""
 
     min_tokens: int = 16384
-    min_tokens_wide: int = 1024
+    min_tokens_wide: int = 512
     wide_inter: int = 8192
 
     def wants(self, num_tokens: int, inter: int) -> bool:
