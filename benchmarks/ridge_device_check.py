@@ -20,7 +20,9 @@ TIMING_RESERVE_S before a dtype's end (at least 30% of its time), timing rounds 
 by then, or cells past DEADLINE_S, are listed as skipped (the variants run most promising first:
 ``ridge_variants``). Progress
 lines as it goes; the table last (per cell: the route first, then the fastest first), JSON to $OUT/ridge.json
-(rewritten after each cell). Exit 1 when a call that ran gave a wrong output. A watchdog ends the run (exit 3,
+(rewritten after each cell); then, per cell and dtype with time left, the breakdown of the Gluon call (layout,
+GEMMs with the plan's tiles and their skip twins, combine: ``ridge_breakdown``). Exit 1 when a call that ran
+gave a wrong output. A watchdog ends the run (exit 3,
 the JSON and table of what ran written first) when one call's check or timing takes over HANG_S: a new Gluon
 kernel that deadlocks on the device must not take the run's whole time.
 """
@@ -54,6 +56,8 @@ TOLERANCE = {"gluon-bf16": 2e-3, "bf16": 1e-2, "fp8": 2e-2}
 ONLY: dict = {}  # "names": the Gluon variants to run (--names), besides the route and the fused kernels
 HANG_S = 45.0  # one call's compile + check, or one timing, past this: the watchdog ends the run
 STATE = {"step": "", "since": time.perf_counter(), "rows": [], "floors": {}, "ceil": None, "smoke": False}
+BREAKDOWN: dict = {}  # "cell dtype" -> {part: µs, "<gemm> %mm": %}: the Gluon call's launches alone (ridge_breakdown)
+BREAKDOWN_RESERVE_S = 3.0  # a dtype's time left after its rounds that a breakdown needs
 
 
 @dataclass
@@ -228,6 +232,8 @@ def run_dtype(cell: Cell, dtype: str, rounds: int, start: float, stop_at: float)
                 row.rounds_us.append(us)
         log(f"  {cell.name} {dtype} round {k + 1}: " + ", ".join(
             f"{v.name} {r.rounds_us[-1]:.0f}" for v, r in timed if len(r.rounds_us) > k))
+    if not cell.smoke and not cell.guard and stop_at - (time.perf_counter() - T0) > BREAKDOWN_RESERVE_S:
+        breakdown(cell, dtype)
     floor, mm = cell.floor[dtype], cell.mm[dtype]
     for row in rows:
         if row.rounds_us:
@@ -257,6 +263,22 @@ def smoke_gluon_host() -> bool:
             ok &= torch.equal(lay.x_perm[r], x[t]) and int(lay.block_experts[r // 64]) == int(ids[t, j])
     log(f"smoke: {len(tiles)} Gluon tile pairs fit; layout at block_m 64 ({used} rows used): {'PASS' if ok else 'FAIL'}")
     return ok
+
+
+def breakdown(cell: Cell, dtype: str) -> None:
+    """The Gluon call's launches alone (``ridge_breakdown``) on set 0, into BREAKDOWN; a failure is reported."""
+    from ridge_breakdown import bf16_parts, fp8_parts
+
+    c = cell.sets[0]
+    step(f"{cell.name} {dtype} breakdown")
+    try:
+        got = (bf16_parts(c.x, cell.w13, cell.w2, c.topk_ids, c.topk_weights.contiguous(), cell.mm["bf16"])
+               if dtype == "bf16" else fp8_parts(c.x, cell.q, c.topk_ids, c.topk_weights.contiguous(), cell.mm["fp8"]))
+    except Exception as e:  # a diagnostic only
+        got = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    BREAKDOWN[f"{cell.name} {dtype}"] = got
+    log(f"  {cell.name} {dtype} breakdown: " + ", ".join(
+        f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()))
 
 
 def main_rows(cells, smoke: bool, rounds: int, deadline_s: float, cell_budget_s: float, dtypes) -> tuple:
@@ -306,7 +328,7 @@ def write_json(rows, floors, ceil, smoke: bool) -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         result = dict(rows=[asdict(r) for r in rows], floors=floors, ceilings=asdict(ceil), smoke=smoke,
-                      wall_s=time.perf_counter() - T0)
+                      breakdown=BREAKDOWN, wall_s=time.perf_counter() - T0)
         Path(os.environ["OUT"], "ridge.json").write_text(json.dumps(result, indent=1))
 
 
@@ -363,6 +385,9 @@ def main() -> int:
     write_json(rows, floors, ceil, args.smoke)
     log(f"done in {time.perf_counter() - T0:.1f} s")
     print(table(rows, floors))
+    for name, got in BREAKDOWN.items():  # the Gluon calls' launches alone
+        print(f"breakdown {name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in got.items()))
     return 1 if any(r.status == "FAIL" for r in rows) else 0
 
 
