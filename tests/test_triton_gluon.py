@@ -139,7 +139,9 @@ def test_choice_follows_the_measured_cells():
     assert not choice.wants(4096, 2048)  # DeepSeek-V3: 1.00x, 0.97x
     assert choice.wants(1024, 14336)  # Mixtral M=1024: 1.24x
     assert not choice.wants(2048, 768) and not choice.wants(2048, 2048)  # Qwen3 0.97x, DeepSeek-V3 0.98x
-    assert not choice.wants(512, 14336)  # not measured below 1024: the fused kernels
+    assert choice.wants(512, 14336)  # Mixtral M=512: 1.11x
+    assert not choice.wants(256, 14336)  # not measured below 512: the fused kernels
+    assert not choice.wants(512, 768) and not choice.wants(1024, 2048)  # Qwen3 0.84x, DeepSeek-V3 0.80x
 
 
 def test_tiles_fit_shared_memory():
