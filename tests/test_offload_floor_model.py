@@ -204,6 +204,23 @@ def test_stats_add_keeps_its_own_cpu_rows():
     assert (total.cpu_experts, total.cpu_tokens, total.cpu_rows) == (3, 5, (2,))
 
 
+def _least_squares_monotone(vals: list[float]) -> list[float]:
+    """The least-squares nondecreasing fit by brute force: the optimum is constant on runs of consecutive values
+    (each at its run's mean), so try every split into runs and keep the best nondecreasing one."""
+    best, best_sse = None, float("inf")
+    for cuts in itertools.product((False, True), repeat=len(vals) - 1):
+        fit, start = [], 0
+        for i in range(len(vals)):
+            if i == len(vals) - 1 or cuts[i]:
+                run = vals[start:i + 1]
+                fit += [sum(run) / len(run)] * len(run)
+                start = i + 1
+        sse = sum((f - v) ** 2 for f, v in zip(fit, vals))
+        if all(a <= b for a, b in zip(fit, fit[1:])) and sse < best_sse:
+            best, best_sse = fit, sse
+    return best
+
+
 def test_monotone_rows_pools_adjacent_violators():
     from moekit.offload.calibrate import monotone_rows
 
@@ -213,11 +230,8 @@ def test_monotone_rows_pools_adjacent_violators():
     rising = {1: 1.0, 3: 1.0, 5: 2.5}
     assert monotone_rows(rising) == rising
     gen = torch.Generator().manual_seed(3)
-    for _ in range(50):  # against the least-squares nondecreasing fit by brute force on a fine grid of 3 values
-        vals = torch.rand(3, generator=gen).tolist()
-        grid = [i / 200 for i in range(201)]
-        best = min(((a, b, c) for a in grid for b in grid if b >= a for c in grid if c >= b),
-                   key=lambda f: sum((x - y) ** 2 for x, y in zip(f, vals)))
-        got = list(monotone_rows(dict(zip((1, 2, 4), vals))).values())
-        assert all(x <= y for x, y in zip(got, got[1:]))
-        assert sum((x - y) ** 2 for x, y in zip(got, vals)) <= sum((x - y) ** 2 for x, y in zip(best, vals)) + 1e-12
+    for n in (2, 3, 4, 5, 6):  # against the exact least-squares nondecreasing fit: the best feasible pooling
+        for _ in range(40):
+            vals = torch.rand(n, generator=gen, dtype=torch.float64).tolist()
+            got = list(monotone_rows(dict(zip((1, 2, 4, 8, 16, 32), vals))).values())
+            assert got == pytest.approx(_least_squares_monotone(vals), abs=1e-12)
