@@ -71,6 +71,7 @@ def test_fp8_preload_matches_float64_recipe(m, options, preload, swap):
         out = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK, config, options)
         plan = fp8.plan_for(x, *quantized, ids, weights, None, BLOCK, config, options)
         assert _constexpr(plan.down, "PRELOAD") == (min(preload, 3) if m <= 2 else 0)
+        assert _constexpr(plan.down, "W_DESC") == (options.weight_descriptors and m > 2)  # preloading: pointers
         plain = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, BLOCK,
                                              KernelConfig(16, config.up, config.down, swap_ab=swap), options)
     want = _f64_recipe(x, *quantized, ids, weights, BLOCK)

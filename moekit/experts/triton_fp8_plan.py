@@ -239,13 +239,14 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    down_shared = dict(shared, ONE_BLOCK=down_one, PRELOAD=preload_steps(config, naive, n, 1))
+    preload = preload_steps(config, naive, n, 1)  # a preloading down GEMM takes pointers (``preload_steps``)
+    down_shared = dict(shared, ONE_BLOCK=down_one, PRELOAD=preload, W_DESC=descriptors and not preload)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align is not None and align.hist_scan is not None)),
-        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
-        if descriptors else None,
+        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, None if preload else down.BLOCK_N,
+                        down.BLOCK_K) if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                                 num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, SIGNAL_EARLY=config.up_signal_early),

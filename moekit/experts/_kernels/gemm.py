@@ -66,7 +66,7 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, start_after_previous_kernel, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 
@@ -233,8 +233,7 @@ def gate_up_kernel(
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_launch(PDL and SIGNAL_EARLY)  # see SIGNAL_EARLY
+    start_after_previous_kernel(PDL, SIGNAL_EARLY)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
@@ -293,13 +292,20 @@ def w2_tile(w2_ptr, w_row, w_ptrs, n0, offs_red, out_ok, N, stride_wn, W_DESC: t
 
 
 @triton.jit
-def preload_w2(w2_ptr, w_row, w_ptrs, offs_red, out_ok, N, stride_wn, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr,
-               PRELOAD: tl.constexpr):
-    """The first PRELOAD weight tiles of a down program ([BK, BN] each, a tuple; empty for 0), issued together."""
+def w2_slab(w2_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk, stride_wn,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr, PRELOAD: tl.constexpr):
+    """(w_row, w_ptrs, preloaded) of a down program: its first row in w2's descriptor over [E*K, N] (W_DESC, blocks
+    [BN, BK]) or its [BK, BN] pointers at step 0, and its first PRELOAD weight tiles ([BK, BN] each, a tuple; empty
+    for 0), their loads issued together."""
+    w_row, w_ptrs = 0, w2_ptr
+    if W_DESC:
+        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     tiles = ()
     for i in tl.static_range(PRELOAD):
         tiles = tiles + (w2_tile(w2_ptr, w_row, w_ptrs, i * BLOCK_K, offs_red, out_ok, N, stride_wn, W_DESC),)
-    return tiles
+    return w_row, w_ptrs, tiles
 
 
 @triton.jit
@@ -316,11 +322,10 @@ def down_kernel(
     SWAP_AB: tl.constexpr = False, PRELOAD: tl.constexpr = 0,  # PRELOAD: weight tiles before the PDL wait (docstring)
 ):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
-    EARLY: tl.constexpr = PRELOAD > 0  # the wait comes after the weight loads
-    wait_for_previous_kernel(PDL and not EARLY)
+    wait_for_previous_kernel(PDL and PRELOAD == 0)  # with PRELOAD, after the weight loads below
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            wait_for_previous_kernel(PDL and EARLY)
+            wait_for_previous_kernel(PDL and PRELOAD > 0)
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
@@ -329,7 +334,7 @@ def down_kernel(
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)  # NAIVE: from topk_ids alone
     if expert < 0:
-        wait_for_previous_kernel(PDL and EARLY)  # every program waits: the next kernel's wait covers this one's
+        wait_for_previous_kernel(PDL and PRELOAD > 0)  # every program waits: the next kernel's wait covers this one's
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -338,14 +343,10 @@ def down_kernel(
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    w_row, w_ptrs = 0, w2_ptr
-    if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
-        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    pre = preload_w2(w2_ptr, w_row, w_ptrs, offs_red, out_ok, N, stride_wn, BLOCK_K, W_DESC, PRELOAD)
+    w_row, w_ptrs, pre = w2_slab(w2_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk,
+                                 stride_wn, BLOCK_N, BLOCK_K, W_DESC, PRELOAD)  # W_DESC: w2_ptr is a descriptor
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    wait_for_previous_kernel(PDL and EARLY)  # h is the gate-up GEMM's
+    wait_for_previous_kernel(PDL and PRELOAD > 0)  # h is the gate-up GEMM's
     h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     for i in tl.static_range(PRELOAD):  # the preloaded steps (PRELOAD <= the steps over N)

@@ -66,10 +66,10 @@ EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float3
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, start_after_previous_kernel, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import (
-    _block_rows, _gate_up_rows, _grid_position, acc_zeros, preload_w2, unswap, w2_tile,
+    _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap, w2_slab, w2_tile,
 )
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
@@ -165,8 +165,7 @@ def gate_up_fp8_kernel(
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
     HAS_MAP: tl.constexpr = False, SIGNAL_EARLY: tl.constexpr = False,  # SIGNAL_EARLY: ``gemm``'s
 ):
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_launch(PDL and SIGNAL_EARLY)
+    start_after_previous_kernel(PDL, SIGNAL_EARLY)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                  num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
@@ -256,11 +255,10 @@ def down_fp8_kernel(
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     PRELOAD: tl.constexpr = 0,  # weight tiles loaded before the PDL wait (NAIVE only: see PRELOAD above)
 ):
-    EARLY: tl.constexpr = PRELOAD > 0  # the wait comes after the weight loads
-    wait_for_previous_kernel(PDL and not EARLY)
+    wait_for_previous_kernel(PDL and PRELOAD == 0)  # with PRELOAD, after the weight loads below
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            wait_for_previous_kernel(PDL and EARLY)
+            wait_for_previous_kernel(PDL and PRELOAD > 0)
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
@@ -269,7 +267,7 @@ def down_fp8_kernel(
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)  # NAIVE: from topk_ids alone
     if expert < 0:
-        wait_for_previous_kernel(PDL and EARLY)  # every program waits: the next kernel's wait covers this one's
+        wait_for_previous_kernel(PDL and PRELOAD > 0)  # every program waits: the next kernel's wait covers this one's
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -278,14 +276,10 @@ def down_fp8_kernel(
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    w_row, w_ptrs = 0, w_ptr
-    if W_DESC:  # a descriptor over w2 as [E*K, N], blocks [BN, BK]
-        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    pre = preload_w2(w_ptr, w_row, w_ptrs, offs_red, out_ok, N, stride_wn, BLOCK_K, W_DESC, PRELOAD)
+    w_row, w_ptrs, pre = w2_slab(w_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk,
+                                 stride_wn, BLOCK_N, BLOCK_K, W_DESC, PRELOAD)  # W_DESC: w_ptr is a descriptor
     weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    wait_for_previous_kernel(PDL and EARLY)  # h is the gate-up GEMM's
+    wait_for_previous_kernel(PDL and PRELOAD > 0)  # h is the gate-up GEMM's
     h_ptrs = hq_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     hs_ptrs = hs_ptr + safe_rows * stride_hsm  # [BM] scale of step 0
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
