@@ -80,9 +80,10 @@ def test_fp8_preload_matches_float64_recipe(m, options, preload, swap):
     assert torch.equal(out, plain)  # the same steps summed in the same order
 
 
-@pytest.mark.parametrize("m,options", [(1, POISON_TMA), (1, POISON_PTR), (7, POISON_TMA)])
+@pytest.mark.parametrize("m,options", [(1, POISON_TMA), (1, POISON_PTR), (7, POISON_TMA), (1, LaunchOptions())])
 @pytest.mark.parametrize("preload", [2, 4])  # N = 96 in 32-steps: 3 steps, 2 preloaded / clamped to 3
 def test_preload_matches_float64_loop(m, options, preload):
+    """Default options: the second call runs the recorded lean launches (the pair's w2 a tensor, not a descriptor)."""
     g = torch.Generator().manual_seed(m + preload)
     x, w13, w2 = torch.randn(m, 160, generator=g), torch.randn(8, 192, 160, generator=g), torch.randn(8, 160, 96, generator=g)
     b2 = torch.randn(8, 160, generator=g)
@@ -91,7 +92,9 @@ def test_preload_matches_float64_loop(m, options, preload):
     config = KernelConfig(16, GemmTile(32, 32, 1, 4, 2), GemmTile(32, 32, 1, 4, 2), down_preload=preload,
                           up_signal_early=True)
     with interpreted("moekit.experts", "moekit.experts.triton") as tr:
+        first = tr.fused_experts(x, w13, w2, ids, weights, config=config, options=options, b2=b2)
         out = tr.fused_experts(x, w13, w2, ids, weights, config=config, options=options, b2=b2)
+    assert torch.equal(out, first)
     want = torch.zeros(m, 160, dtype=torch.float64)
     for t in range(m):
         for j in range(2):
