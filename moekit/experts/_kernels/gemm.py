@@ -50,8 +50,9 @@ SIGNAL_EARLY (gate-up, ``KernelConfig.up_signal_early``): the next kernel may la
 after the main loop, so a down GEMM with PRELOAD streams its weights while gate-up still streams its own.
 
 PRELOAD (down, ``KernelConfig.down_preload``; the NAIVE layout only, whose blocks come from topk_ids): a down program
-reads its expert from topk_ids and issues the loads of its first PRELOAD weight tiles (a tuple of [BK, BN] register
-tiles, all in flight together) and its routed weight before its PDL wait; after the wait it reads h and multiplies.
+reads its expert from topk_ids and issues the loads of its first PRELOAD weight tiles (a tuple of [BK, BN] tiles, all
+in flight together: Triton 3.9 keeps them in registers, 3.6 stores them to shared memory, both before the wait, per
+their sm_90 PTX) and its routed weight before its PDL wait; after the wait it reads h and multiplies.
 Safe to read early: the weights, and topk_ids / topk_weights, written by kernels before gate-up (the down grid starts
 only once every gate-up program has passed its own wait, which returned once those had finished). Every program still
 waits before it reads h or writes anything, and before an early exit.
