@@ -4,8 +4,10 @@ against ``griddepcontrol.wait`` in the PTX (all PRELOAD tiles' loads must come b
 
     PYTHONPATH=$PWD python benchmarks/decode_pdl_compile_cpu.py
 
-Pointer loads (the plan's choice for a preloading down GEMM is whatever the call's weights take; the descriptors' own
-form is checked on the GPU). One line per (dtype, tile, PRELOAD): registers, stack bytes, loads before / after the wait.
+Pointer loads (what the plan gives a preloading down GEMM), one line per (dtype, tile, PRELOAD): registers, stack
+bytes, shared memory, loads before / after the wait. Then the TMA descriptor form's order before the wait: "T" a bulk
+tensor copy, "w" an mbarrier wait; "TwTwTw..." means each tile's copy waits for the one before (why the plan takes
+pointers for it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_down(fp8: bool, block_n: int, num_warps: int, preload: int, swap: bool) -> str:
+def compile_down(fp8: bool, block_n: int, num_warps: int, preload: int, swap: bool, tma: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,11 +33,12 @@ def compile_down(fp8: bool, block_n: int, num_warps: int, preload: int, swap: bo
     from moekit.experts._kernels import gemm, gemm_fp8
 
     fn = gemm_fp8.down_fp8_kernel if fp8 else gemm.down_kernel
-    act, w = ("*fp8e4nv", "*fp8e4nv") if fp8 else ("*bf16", "*bf16")
+    act = "*fp8e4nv" if fp8 else "*bf16"
+    w = f"tensordesc<{act[1:]}[{block_n}, 128]>" if tma else act
     types = {"hq_ptr": act, "h_ptr": act, "hs_ptr": "*fp32", "w_ptr": w, "w2_ptr": w, "ws_ptr": "*fp32",
              "y_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i32"}
     const = dict(GROUP_N=128, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=1, NAIVE=True, UPCAST=False,
-                 EMULATE=False, H_FP32=False, W_DESC=False, ONE_BLOCK=True, PDL=True, AHEAD=True, SWAP_AB=swap,
+                 EMULATE=False, H_FP32=False, W_DESC=tma, ONE_BLOCK=True, PDL=True, AHEAD=True, SWAP_AB=swap,
                  KSUM=False, PRELOAD=preload, PRECISION="tf32", b2_ptr=None, sorted_ids_ptr=None,
                  expert_ids_ptr=None, num_padded_ptr=None, out_ptr=None, counters_ptr=None, map_ptr=None,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, top_k=1, num_global=0,
@@ -50,6 +53,10 @@ def compile_down(fp8: bool, block_n: int, num_warps: int, preload: int, swap: bo
     ptx = out.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     before, after = len(re.findall(r"ld\.global", ptx[:wait])), len(re.findall(r"ld\.global", ptx[wait:]))
+    if tma:
+        order = "".join("T" if op.startswith("cp") else "w"
+                        for op in re.findall(r"cp\.async\.bulk\.tensor|mbarrier\.try_wait", ptx[:wait]))
+        return f"{'fp8' if fp8 else 'bf16'} d{block_n} w{num_warps} pre{preload} TMA: before the wait {order}"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -65,6 +72,7 @@ def main() -> int:
     jobs = [(True, 64, 4, p, True) for p in (0, 6)] + [(True, 128, 8, 6, True), (True, 128, 4, 4, True),
                                                         (True, 128, 4, 0, True)]
     jobs += [(False, 64, 4, p, False) for p in (0, 4)] + [(False, 64, 8, 6, False), (False, 32, 4, 6, False)]
+    jobs += [(True, 64, 4, 6, True, True), (False, 64, 8, 6, False, True)]
     failed = 0
     for job in jobs:
         try:
