@@ -31,11 +31,12 @@ class Variant:
     early: bool | None = None
     down_n: int | None = None
     down_warps: int | None = None
+    up_n: int | None = None  # the gate-up BLOCK_N (fewer gate-up programs leave SMs to the early down programs)
 
     @property
     def exact(self) -> bool:
         """Whether its output must equal the default's bit for bit (same tiles: the same sums in the same order)."""
-        return self.down_n is None and self.down_warps is None
+        return self.down_n is None and self.down_warps is None and self.up_n is None
 
     @property
     def is_default(self) -> bool:
@@ -47,6 +48,8 @@ class Variant:
             config = replace(config, down=replace(config.down, BLOCK_N=self.down_n))
         if self.down_warps is not None:
             config = replace(config, down=replace(config.down, num_warps=self.down_warps))
+        if self.up_n is not None:
+            config = replace(config, up=replace(config.up, BLOCK_N=self.up_n))
         if self.early is not None:
             config = replace(config, up_signal_early=self.early)
         if self.preload is not None:
@@ -56,10 +59,11 @@ class Variant:
         return config
 
 
-def _pre(preload: int, early: bool = True, down_n: int | None = None, down_warps: int | None = None) -> Variant:
+def _pre(preload: int, early: bool = True, down_n: int | None = None, down_warps: int | None = None,
+         up_n: int | None = None) -> Variant:
     name = ("premax" if preload < 0 else f"pre{preload}") + (" early" if early else " late") + (
-        f" d{down_n}" if down_n else "") + (f" w{down_warps}" if down_warps else "")
-    return Variant(name, preload, early, down_n, down_warps)
+        f" d{down_n}" if down_n else "") + (f" w{down_warps}" if down_warps else "") + (f" u{up_n}" if up_n else "")
+    return Variant(name, preload, early, down_n, down_warps, up_n)
 
 
 def variants(dtype: str, preset: str, m: int, timed: bool = True) -> list[Variant]:
@@ -71,7 +75,7 @@ def variants(dtype: str, preset: str, m: int, timed: bool = True) -> list[Varian
         return ends + [_pre(-1)]
     if preset == Q3 and dtype == "fp8":  # tuned: u64 d128 w4, swapped
         return ends + [Variant("early", early=True), Variant("d64", down_n=64), _pre(6, False, 64), _pre(6, True, 64),
-                       _pre(6, True, 128, 8)]
+                       _pre(6, True, 128, 8), _pre(6, True, 64, up_n=128)]
     if preset == Q3:  # tuned: u64 d64 w4
         return ends + [Variant("early", early=True), Variant("w8", down_warps=8), _pre(6, False, down_warps=8),
                        _pre(6, True, down_warps=8), _pre(6, True, 32)]
