@@ -230,18 +230,18 @@ class DescriptorPair:
 
     w13: object  # over w13 [E, 2N or N, K] as [E*2N or E*N, K] (interleaved: its gate rows [E*N, K]), [BLOCK_N, BLOCK_K] blocks
     w13_up: object | None  # interleaved only: over w13's up rows as [E*N, K]; else None
-    w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]; or w2 (pointer loads)
+    w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]
 
 
 def descriptor_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
     """The descriptors of a plan's ``descriptor_key`` (interleaved, E, rows, K, up BLOCK_N, BLOCK_K,
-    down BLOCK_N, BLOCK_K), built now; down BLOCK_N None: the down GEMM loads w2 through pointers (w2 itself)."""
+    down BLOCK_N, BLOCK_K), built now."""
     interleaved, up_n, up_k = key[0], key[-4], key[-3]
     if interleaved:
         gate, up = weight_descriptor(w13, up_n, up_k, 0), weight_descriptor(w13, up_n, up_k, 1)
     else:
         gate, up = weight_descriptor(w13, up_n, up_k), None
-    return DescriptorPair(gate, up, w2.detach() if key[-2] is None else weight_descriptor(w2, key[-2], key[-1]))
+    return DescriptorPair(gate, up, weight_descriptor(w2, key[-2], key[-1]))
 
 
 class WeightDescriptors:

@@ -40,7 +40,7 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import ZERO_TOKENS, _fold_constexprs, ksum_constexprs, preload_steps, sum_launch
+from moekit.experts.triton_plan import ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -239,21 +239,18 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    preload = preload_steps(config, naive, n, 1)  # a preloading down GEMM takes pointers (``preload_steps``)
-    down_shared = dict(shared, ONE_BLOCK=down_one, PRELOAD=preload, W_DESC=descriptors and not preload)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align is not None and align.hist_scan is not None)),
-        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, None if preload else down.BLOCK_N,
-                        down.BLOCK_K) if descriptors else None,
+        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
+        if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, SIGNAL_EARLY=config.up_signal_early),
-                                fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
+        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared,
+        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
                               ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )

@@ -170,8 +170,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align is not None and align.hist_scan is not None)),
-        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K,
-                        None if preload_steps(config, align is None, n, w2.element_size()) else down.BLOCK_N,
+        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
@@ -213,14 +212,12 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
         # Interleaved rows contiguous (transposed storage): one [BK, 2BN] load split in two, not two
         # stride-2 loads (measured on the H200: gpt-oss-20b at M = 64, 2693 µs strided against 385 µs TMA).
         PAIRS=variant["INTERLEAVED"] and not descriptors and w13.stride(1) == 1,
-        num_warps=up.num_warps, num_stages=up.num_stages, SIGNAL_EARLY=config.up_signal_early, **shared,
+        num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_scalars = (hidden, n, num_assignments, num_experts, num_pid_m, n, *w2.stride(),
                     *(b2.stride() if b2 is not None else (0, 0)), hidden)
-    preload = preload_steps(config, naive, n, w2.element_size())
     down_tiles = dict(BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, GROUP_M=down.GROUP_M,
-                      num_warps=down.num_warps, num_stages=down.num_stages, PRELOAD=preload,
-                      **dict(shared, W_DESC=descriptors and not preload))  # see preload_steps
+                      num_warps=down.num_warps, num_stages=down.num_stages, **shared)
     gemm_programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
     down_launch = BoundLaunch(gemm.down_kernel, (gemm_programs,), 12, down_scalars, **down_tiles)
     down_sum = None
@@ -228,26 +225,6 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
         down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 12, down_scalars,
                                **down_tiles, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
     return gate_up, down_launch, down_sum
-
-
-# The most 32-bit registers a thread may hold preloaded weight tiles in (``KernelConfig.down_preload``): past it
-# ptxas spills them (255 a thread in all).
-PRELOAD_REGISTERS = 128
-
-
-def preload_steps(config: KernelConfig, naive: bool, n: int, itemsize: int) -> int:
-    """The down GEMM's PRELOAD constexpr: ``config.down_preload`` clamped to its steps over N where the tiny-batch
-    layout runs (its blocks from topk_ids, known before the PDL wait), else 0. Refused past PRELOAD_REGISTERS.
-    A preloading down GEMM loads w2 through pointers: Triton waits for each TMA load outside a loop before it issues
-    the next (sm_90 PTX of Triton 3.6 and 3.9: copy, wait, copy, wait), the pointer loads all go out together
-    (``benchmarks/decode_pdl_compile_cpu.py``)."""
-    down = config.down
-    steps = min(config.down_preload, cdiv(n, down.BLOCK_K)) if naive else 0
-    registers = steps * down.BLOCK_N * down.BLOCK_K * itemsize // (4 * 32 * down.num_warps)
-    if registers > PRELOAD_REGISTERS:
-        raise ValueError(f"down_preload={config.down_preload}: {steps} tiles of [{down.BLOCK_N}, {down.BLOCK_K}] hold "
-                         f"{registers} registers a thread on {down.num_warps} warps, over {PRELOAD_REGISTERS}")
-    return steps
 
 
 ZERO_TOKENS = 16  # tokens per program of the folded k-sum's zero-fill programs (after the GEMM's; ``_kernels/gemm.py``)

@@ -26,14 +26,6 @@ def let_next_kernel_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def start_after_previous_kernel(PDL: tl.constexpr, SIGNAL_EARLY: tl.constexpr):
-    """``wait_for_previous_kernel``, then with SIGNAL_EARLY ``let_next_kernel_launch`` at once (a kernel that
-    signals early does not signal again after its main loop)."""
-    wait_for_previous_kernel(PDL)
-    let_next_kernel_launch(PDL and SIGNAL_EARLY)
-
-
-@triton.jit
 def local_expert_ids(ids, map_ptr, num_experts, num_global, HAS_MAP: tl.constexpr):
     """Global expert ids (int64 vector) -> local ids, ``num_experts`` meaning "not routed here".
 

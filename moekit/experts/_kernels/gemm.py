@@ -46,17 +46,6 @@ so 16-row tiles can run on Hopper's wgmma (M >= 64) straight from the shared-mem
 of >= 64 rows, narrower ones stay on mma.sync). Float32 sums in another
 order: within the twin's tolerance, not bit-equal to the unswapped kernel. fp8: see ``gemm_fp8``.
 
-SIGNAL_EARLY (gate-up, ``KernelConfig.up_signal_early``): the next kernel may launch right after the wait instead of
-after the main loop, so a down GEMM with PRELOAD streams its weights while gate-up still streams its own.
-
-PRELOAD (down, ``KernelConfig.down_preload``; the NAIVE layout only, whose blocks come from topk_ids): a down program
-reads its expert from topk_ids and issues the loads of its first PRELOAD weight tiles (a tuple of [BK, BN] tiles, all
-in flight together: Triton 3.9 keeps them in registers, 3.6 stores them to shared memory, both before the wait, per
-their sm_90 PTX) and its routed weight before its PDL wait; after the wait it reads h and multiplies.
-Safe to read early: the weights, and topk_ids / topk_weights, written by kernels before gate-up (the down grid starts
-only once every gate-up program has passed its own wait, which returned once those had finished). Every program still
-waits before it reads h or writes anything, and before an early exit.
-
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
 
@@ -67,7 +56,7 @@ bf16 ``tl.dot`` returns garbage (seen with Triton 3.9: max error 2.7e10 on a 16x
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, start_after_previous_kernel, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 
@@ -230,11 +219,10 @@ def gate_up_kernel(
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
     E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-    SIGNAL_EARLY: tl.constexpr = False,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
-    start_after_previous_kernel(PDL, SIGNAL_EARLY)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_assignments,
                                  num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD, FOLD_CHUNK, HAS_MAP)
@@ -275,38 +263,11 @@ def gate_up_kernel(
         if GATED:
             acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION, SWAP_AB)
         x_ptrs += BLOCK_K * stride_xk
-    let_next_kernel_launch(PDL and not SIGNAL_EARLY)  # after the main loop: see PDL above
+    let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     h = _gate_up_epilogue(unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N,
                           stride_be, stride_bn, ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def w2_tile(w2_ptr, w_row, w_ptrs, n0, offs_red, out_ok, N, stride_wn, W_DESC: tl.constexpr):
-    """The down GEMM's weight tile of reduction step n0 (columns n0 .. of w2's rows): [BK, BN]; past N it reads 0."""
-    if W_DESC:  # rows past K are never stored, columns past N read 0
-        wb = w2_ptr.load([w_row, n0]).T
-    else:
-        wb = tl.load(w_ptrs + n0 * stride_wn, mask=(offs_red < N - n0)[:, None] & out_ok[None, :], other=0.0)
-    return wb
-
-
-@triton.jit
-def w2_slab(w2_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk, stride_wn,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_DESC: tl.constexpr, PRELOAD: tl.constexpr):
-    """(w_row, w_ptrs, preloaded) of a down program: its first row in w2's descriptor over [E*K, N] (W_DESC, blocks
-    [BN, BK]) or its [BK, BN] pointers at step 0, and its first PRELOAD weight tiles ([BK, BN] each, a tuple; empty
-    for 0), their loads issued together."""
-    w_row, w_ptrs = 0, w2_ptr
-    if W_DESC:
-        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
-    else:
-        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    tiles = ()
-    for i in tl.static_range(PRELOAD):
-        tiles = tiles + (w2_tile(w2_ptr, w_row, w_ptrs, i * BLOCK_K, offs_red, out_ok, N, stride_wn, W_DESC),)
-    return w_row, w_ptrs, tiles
 
 
 @triton.jit
@@ -320,22 +281,20 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SWAP_AB: tl.constexpr = False, PRELOAD: tl.constexpr = 0,  # PRELOAD: weight tiles before the PDL wait (docstring)
+    SWAP_AB: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
-    wait_for_previous_kernel(PDL and PRELOAD == 0)  # with PRELOAD, after the weight loads below
+    wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            wait_for_previous_kernel(PDL and PRELOAD > 0)
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
     # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)  # NAIVE: from topk_ids alone
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
-        wait_for_previous_kernel(PDL and PRELOAD > 0)  # every program waits: the next kernel's wait covers this one's
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -344,23 +303,25 @@ def down_kernel(
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    w_row, w_ptrs, pre = w2_slab(w2_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk,
-                                 stride_wn, BLOCK_N, BLOCK_K, W_DESC, PRELOAD)  # W_DESC: w2_ptr is a descriptor
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    wait_for_previous_kernel(PDL and PRELOAD > 0)  # h is the gate-up GEMM's
     h_ptrs = h_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
+    if W_DESC:  # w2_ptr is a tensor descriptor over w2 as [E*K, N], block [BN, BK]
+        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
-    for i in tl.static_range(PRELOAD):  # the preloaded steps (PRELOAD <= the steps over N)
-        ha = tl.load(h_ptrs, mask=row_ok[:, None] & (offs_red < N - i * BLOCK_K)[None, :], other=0.0)
-        acc = _dot(ha, pre[i], acc, UPCAST, PRECISION, SWAP_AB)
-        h_ptrs += BLOCK_K
-    for n0 in range(PRELOAD * BLOCK_K, N, BLOCK_K):
-        ha = tl.load(h_ptrs, mask=row_ok[:, None] & (offs_red < N - n0)[None, :], other=0.0)
-        acc = _dot(ha, w2_tile(w2_ptr, w_row, w_ptrs, n0, offs_red, out_ok, N, stride_wn, W_DESC), acc, UPCAST,
-                   PRECISION, SWAP_AB)
+    for n0 in range(0, N, BLOCK_K):
+        red_ok = offs_red < N - n0
+        ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
+        if W_DESC:
+            wb = w2_ptr.load([w_row, n0]).T  # [BK, BN]; rows past K are never stored, columns past N read 0
+        else:
+            wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wn
+        acc = _dot(ha, wb, acc, UPCAST, PRECISION, SWAP_AB)
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     acc = unswap(acc, SWAP_AB)
+    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
         b2 = tl.load(b2_ptr + expert * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=out_ok, other=0.0)
         acc += b2.to(tl.float32)[None, :]
@@ -370,3 +331,4 @@ def down_kernel(
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
                       out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+

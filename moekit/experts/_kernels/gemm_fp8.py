@@ -57,8 +57,6 @@ exact e4m3 products, summed in another order: within the twin's tolerance, not b
 H200 graph µs, unswapped / swapped: Qwen3-30B-A3B M = 1 21.8 / 19.9, M = 2 29.9 / 28.3, DeepSeek-V3 M = 1 95.7 / 93.2;
 Qwen3 M = 8 (32-wide gate-up tile) 76.1 / 84.1 (raw/*-62cabd5-decode_q3.*).
 
-SIGNAL_EARLY (gate-up) and PRELOAD (down): ``gemm``'s, the same helpers.
-
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -66,11 +64,9 @@ EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float3
 import triton
 import triton.language as tl
 
-from moekit.experts._kernels._common import let_next_kernel_launch, start_after_previous_kernel, wait_for_previous_kernel
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
-from moekit.experts._kernels.gemm import (
-    _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap, w2_slab, w2_tile,
-)
+from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
 
@@ -163,9 +159,9 @@ def gate_up_fp8_kernel(
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, SIGNAL_EARLY: tl.constexpr = False,  # SIGNAL_EARLY: ``gemm``'s
+    HAS_MAP: tl.constexpr = False,
 ):
-    start_after_previous_kernel(PDL, SIGNAL_EARLY)
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                  num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
@@ -205,7 +201,7 @@ def gate_up_fp8_kernel(
         x_ptrs += BLOCK_K * stride_xk
         xs_ptrs += 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
-    let_next_kernel_launch(PDL and not SIGNAL_EARLY)  # after the main loop (``gemm``'s PDL note)
+    let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
@@ -231,17 +227,6 @@ def _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, B
 
 
 @triton.jit
-def _down_step(acc, wb, h_ptrs, h_next, hs_ptrs, s_ptrs, row_ok, out_ok, offs_red, n0, N,
-               BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, H_FP32: tl.constexpr,
-               ONE_BLOCK: tl.constexpr, AHEAD: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc + one reduction step n0 of the down GEMM (h_ptrs, hs_ptrs, s_ptrs at step n0) with its weight tile wb."""
-    ha, h_next = _act_tile(h_ptrs, h_next, row_ok, offs_red, N - n0, BLOCK_K, BLOCK_K, H_FP32, AHEAD)
-    ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
-    acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, SWAP_AB)
-    return acc, h_next
-
-
-@triton.jit
 def down_fp8_kernel(
     hq_ptr, hs_ptr, w_ptr, ws_ptr, y_ptr, weights_ptr,  # h_q [A, N] (H_FP32: h), h_s [A, NB], w2 [E, K, N] (W_DESC: its descriptor) + scale, y [A, K]
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -253,21 +238,18 @@ def down_fp8_kernel(
     W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    PRELOAD: tl.constexpr = 0,  # weight tiles loaded before the PDL wait (NAIVE only: see PRELOAD above)
 ):
-    wait_for_previous_kernel(PDL and PRELOAD == 0)  # with PRELOAD, after the weight loads below
+    wait_for_previous_kernel(PDL)
     if KSUM:
         if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            wait_for_previous_kernel(PDL and PRELOAD > 0)
             zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
                                  top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
             return
     # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
-                               num_assignments, num_experts, BLOCK_M, NAIVE)  # NAIVE: from topk_ids alone
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
-        wait_for_previous_kernel(PDL and PRELOAD > 0)  # every program waits: the next kernel's wait covers this one's
         return
     row_ok = rows < num_assignments
     safe_rows = tl.where(row_ok, rows, 0)
@@ -276,26 +258,30 @@ def down_fp8_kernel(
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_ok = offs_out < K
     offs_red = tl.arange(0, BLOCK_K)
-    w_row, w_ptrs, pre = w2_slab(w_ptr, expert, pid_n, K, N, offs_out, out_ok, offs_red, stride_we, stride_wk,
-                                 stride_wn, BLOCK_N, BLOCK_K, W_DESC, PRELOAD)  # W_DESC: w_ptr is a descriptor
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
-    wait_for_previous_kernel(PDL and PRELOAD > 0)  # h is the gate-up GEMM's
     h_ptrs = hq_ptr + safe_rows[:, None] * stride_hm + offs_red[None, :]  # [BM, BK]
     hs_ptrs = hs_ptr + safe_rows * stride_hsm  # [BM] scale of step 0
+    if W_DESC:  # a descriptor over w2 as [E*K, N], blocks [BN, BK]
+        w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
     s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N, ONE_BLOCK)
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     h_next = _first_ahead(h_ptrs, row_ok, offs_red, N, H_FP32, AHEAD)
-    for i in tl.static_range(PRELOAD):  # the preloaded steps (no check against N: PRELOAD <= its steps)
-        acc, h_next = _down_step(acc, pre[i], h_ptrs, h_next, hs_ptrs, s_ptrs, row_ok, out_ok, offs_red,
-                                 i * BLOCK_K, N, BLOCK_K, UPCAST, EMULATE, H_FP32, ONE_BLOCK, AHEAD, SWAP_AB)
-        h_ptrs, hs_ptrs, s_ptrs = h_ptrs + BLOCK_K, hs_ptrs + 1, s_ptrs + stride_wsn
-    for n0 in range(PRELOAD * BLOCK_K, N, BLOCK_K):
-        wb = w2_tile(w_ptr, w_row, w_ptrs, n0, offs_red, out_ok, N, stride_wn, W_DESC)
-        acc, h_next = _down_step(acc, wb, h_ptrs, h_next, hs_ptrs, s_ptrs, row_ok, out_ok, offs_red, n0, N,
-                                 BLOCK_K, UPCAST, EMULATE, H_FP32, ONE_BLOCK, AHEAD, SWAP_AB)
-        h_ptrs, hs_ptrs, s_ptrs = h_ptrs + BLOCK_K, hs_ptrs + 1, s_ptrs + stride_wsn
+    for n0 in range(0, N, BLOCK_K):
+        red_ok = offs_red < N - n0
+        ha, h_next = _act_tile(h_ptrs, h_next, row_ok, offs_red, N - n0, BLOCK_K, BLOCK_K, H_FP32, AHEAD)
+        if W_DESC:  # rows past K are never stored, columns past N read 0
+            wb = w_ptr.load([w_row, n0]).T  # [BK, BN]
+        else:
+            wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wn
+        ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
+        acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, SWAP_AB)
+        h_ptrs += BLOCK_K
+        hs_ptrs += 1
+        s_ptrs += stride_wsn
     let_next_kernel_launch(PDL)
-    acc = unswap(acc, SWAP_AB) * weight[:, None]
+    acc = unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:

@@ -7,8 +7,7 @@ One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.j
      "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
 
 ``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
-GEMMs walk the same block-aligned layout. Optional, written only when set: "swap_ab", "down_preload",
-"up_signal_early" (``KernelConfig``'s fields).
+GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``).
 A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
@@ -57,24 +56,17 @@ class KernelConfig:
     # The GEMMs compute the transposed product per step (``_kernels/gemm.py``, SWAP_AB): the weight tile as the MMA's M
     # side, so decode tiles of 16 rows run on Hopper's wgmma (fp8: else f16 conversions of every weight tile).
     swap_ab: bool = False
-    # Where the tiny-batch layout runs (blocks from topk_ids): the down GEMM issues its first down_preload weight tiles
-    # before its PDL wait (``_kernels/gemm.py``, PRELOAD; clamped to its steps over N), 0: none.
-    down_preload: int = 0
-    # The gate-up GEMM lets the down GEMM launch right after its PDL wait, not after its main loop (SIGNAL_EARLY).
-    up_signal_early: bool = False
 
     def to_dict(self) -> dict:
         d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
-        for name in ("swap_ab", "down_preload", "up_signal_early"):
-            if getattr(self, name):
-                d[name] = getattr(self, name)
+        if self.swap_ab:
+            d["swap_ab"] = True
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
-                   swap_ab=bool(d.get("swap_ab", False)), down_preload=int(d.get("down_preload", 0)),
-                   up_signal_early=bool(d.get("up_signal_early", False)))
+                   swap_ab=bool(d.get("swap_ab", False)))
 
 
 def device_key(device: torch.device | str | None = None) -> str:
