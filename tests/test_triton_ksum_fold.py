@@ -17,7 +17,7 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_plan import plan_for, sum_launch  # noqa: E402
 
 FOLD = LaunchOptions(poison_workspace=True, sum_fold_max=1 << 20)
-SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0)
+SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0, sum_tail_max=0)
 # down BLOCK_N 16: K = 40 is three K tiles, the last one 8 columns wide (an odd tail)
 SMALL = KernelConfig(16, GemmTile(16, 32), GemmTile(16, 16))
 HIDDEN, INTER = 40, 24
@@ -153,7 +153,8 @@ def test_fold_runs_only_where_counters_are_kept(interpreter, launch_log):
     args = _problem(5, 6, 8, False, seed=9)
     x, w13, w2, ids, weights, _ = args
     assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, LaunchOptions(sum_fold_max=5)).down_sum is not None
-    assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, LaunchOptions(sum_fold_max=4)).down_sum is None
+    no_sum = LaunchOptions(sum_fold_max=4, sum_tail_max=0)  # past both limits
+    assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, no_sum).down_sum is None
     fresh = LaunchOptions(poison_workspace=True, sum_fold_max=8, reuse_workspace=False)
     out = _run(interpreter, args, fresh)
     names = [name for name, _ in launch_log.take()]

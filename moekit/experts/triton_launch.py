@@ -98,6 +98,12 @@ class LaunchOptions:
     # under the same limit: fp8_block's down GEMM (eager calls, the pool's counters) and the weight-only ones with
     # one split (lean eager calls; split-K keeps the launch).
     sum_fold_max: int = 8
+    # Past sum_fold_max, up to sum_tail_max tokens, the k-sum runs in the down GEMM's grid instead: programs after
+    # the GEMM's wait until every GEMM program has stored its y tile (one arrival each on a kept counter), then sum
+    # as the separate ordered k-sum does (``_kernels/gemm.py``, SUM_AFTER; bit for bit). The GEMM's programs are
+    # unchanged but for that one arrival, so its time is too; a call is one launch fewer. The same eager calls as
+    # sum_fold_max (the pool's kept counters). 0 turns it off. H200: benchmarks/host_launch_device_check.py.
+    sum_tail_max: int = 0
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
@@ -132,6 +138,8 @@ class LaunchOptions:
                              f"holds), got {self.align_fold_max}")
         if self.sum_fold_max < 0:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
+        if self.sum_tail_max < 0:
+            raise ValueError(f"sum_tail_max must be >= 0 (tokens), got {self.sum_tail_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         # lean_launch and what it needs (read on every eager call: computed once)
