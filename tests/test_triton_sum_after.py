@@ -154,3 +154,14 @@ def test_sum_programs_cover_out():
 def test_no_tokens(interpreter, launch_log):
     out = _run(interpreter, _problem(0, 2, 4, False, seed=0), TAIL)
     assert out.shape == (0, HIDDEN) and launch_log.take() == []
+
+
+def test_default_options_run_the_sum_programs_past_eight_tokens(interpreter, launch_log):
+    """The defaults (sum_fold_max 8, sum_tail_max 1024): at 9 tokens gate-up and one down launch (the alignment
+    folded), bit-equal to the separate k-sum."""
+    defaults = LaunchOptions(poison_workspace=True)
+    assert (defaults.sum_fold_max, defaults.sum_tail_max) == (8, 1024)
+    args = _problem(9, 2, 6, False, seed=9)
+    out = _run(interpreter, args, defaults)
+    assert [name for name, _ in launch_log.take()] == ["gate_up_kernel", "down_kernel"]
+    assert torch.equal(out, _run(interpreter, args, SEP))

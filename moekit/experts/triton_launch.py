@@ -103,7 +103,7 @@ class LaunchOptions:
     # as the separate ordered k-sum does (``_kernels/gemm.py``, SUM_AFTER; bit for bit). The GEMM's programs are
     # unchanged but for that one arrival, so its time is too; a call is one launch fewer. The same eager calls as
     # sum_fold_max (the pool's kept counters). 0 turns it off. H200: benchmarks/host_launch_device_check.py.
-    sum_tail_max: int = 0
+    sum_tail_max: int = 1024
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
