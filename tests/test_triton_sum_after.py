@@ -157,11 +157,14 @@ def test_no_tokens(interpreter, launch_log):
 
 
 def test_default_options_run_the_sum_programs_past_eight_tokens(interpreter, launch_log):
-    """The defaults (sum_fold_max 8, sum_tail_max 1024): at 9 tokens gate-up and one down launch (the alignment
-    folded), bit-equal to the separate k-sum."""
+    """The defaults (sum_fold_max 8, sum_tail_max 64): at 9 tokens gate-up and one down launch (the alignment
+    folded), bit-equal to the separate k-sum; at 65 tokens the k-sum's own launch again."""
     defaults = LaunchOptions(poison_workspace=True)
-    assert (defaults.sum_fold_max, defaults.sum_tail_max) == (8, 1024)
+    assert (defaults.sum_fold_max, defaults.sum_tail_max) == (8, 64)
     args = _problem(9, 2, 6, False, seed=9)
     out = _run(interpreter, args, defaults)
     assert [name for name, _ in launch_log.take()] == ["gate_up_kernel", "down_kernel"]
     assert torch.equal(out, _run(interpreter, args, SEP))
+    launch_log.take()
+    x, w13, w2, ids, weights, _ = _problem(65, 1, 6, False, seed=65)
+    assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, defaults).workspace.counters == 0
