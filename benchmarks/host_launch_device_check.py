@@ -6,12 +6,13 @@ launch, on the GPU, interleaved in one process.
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/host_launch_device_check.py --smoke --out /tmp/hl \
         --presets mixtral-8x7b --dtypes bfloat16 --batches 64   (CPU, tiny shapes: checks the script)
 
-Per (preset, dtype, M), Qwen3-30B-A3B / DeepSeek-V3 / Mixtral-8x7B, bf16 at M = 64, 256, 1024 first (the
-target), then fp8_block at those, then both at M = 1 and 8 (no_grad, the bench's uniform routing, 2 rotated input sets), ``LaunchOptions``:
-  M > 8:   sep  sum_tail_max=0 (the k-sum its own launch: main)  /  tail  sum_tail_max=1024 (sum programs after the GEMM's)
+Per (preset, dtype, M), Qwen3-30B-A3B / DeepSeek-V3 / Mixtral-8x7B, bf16 and fp8_block, M in --batches' order (the
+large M: each M's bf16 then fp8 cells; then the decode cells; no_grad, the bench's uniform routing, 2 rotated input
+sets), ``LaunchOptions``:
+  M > 8:   sep  sum_tail_max=0 (the k-sum its own launch: main)  /  tail  sum_tail_max=1024 (sum programs after the
+           GEMM's, 4 tokens each)  /  tail16  the same with 16 tokens per sum program (WIDER)
   M <= 8:  fold sum_fold_max=8 (the k-sum folded, KSUM: main)    /  tail  sum_fold_max=0, sum_tail_max=1024
-  A > 2048 (Qwen3, DeepSeek-V3 at M = 1024) also tail1: the tail and the one-launch alignment up to A = 8192
-  (``align_one_launch_max``; main: hist + scan, then scatter), one launch fewer again.
+Run 1 (ea57e59) also had tail1 at M = 1024 (the one-launch alignment up to A = 8192): +16-17% graph µs on Qwen3, gone.
 All pass explicit options, so Mixtral bf16 M = 1024 runs the fused route in all (the default object takes Gluon).
 Per cell: PASS/FAIL of the first variant against ``experts_reference`` (rel L2 < 1e-2; fp8 against its recipe,
 < 2e-2); each variant's 24 eager outputs bit-equal to the first's (same input set); the pools' kept counters all 0
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,7 +43,8 @@ from moekit.experts import triton_fp8 as tri_fp8
 from moekit.experts.reference import experts_reference
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_fp8_plan import plan_for as fp8_plan_for
-from moekit.experts.triton_launch import ALIGN_ONE_LAUNCH_LIMIT, LaunchOptions
+from moekit.experts.triton_launch import LaunchOptions
+from moekit.experts import triton_plan
 from moekit.experts.triton_plan import plan_for, plan_launches
 from moekit.quant import quantize
 
@@ -51,7 +54,10 @@ BATCHES = (64, 256, 1024, 1, 8)
 TAIL_MAX = 1024  # the sum programs' variants: up to M = 1024 (every cell here)
 VARIANTS_LARGE = {"sep": LaunchOptions(sum_tail_max=0), "tail": LaunchOptions(sum_tail_max=TAIL_MAX)}
 VARIANTS_DECODE = {"fold": LaunchOptions(sum_tail_max=0), "tail": LaunchOptions(sum_fold_max=0, sum_tail_max=TAIL_MAX)}
-ONE_LAUNCH_MAIN = LaunchOptions().align_one_launch_max  # A above it: two alignment launches (hist + scan, scatter)
+# the sum programs with more tokens each: 4x fewer programs (run 1: the tail cost graph time from M = 256, Qwen3
+# M = 1024 +6%; a sum program runs at the GEMM's occupancy, its shared memory and registers). A distinct options
+# object (the same launches at M <= 1024) keys its own plan, built with the tokens given.
+WIDER = {"tail16": (LaunchOptions(sum_tail_max=1 << 20), 16)}
 TOL = {"bfloat16": 1e-2, "fp8_block": 2e-2}  # fp8: against its exact recipe (x and h quantized too)
 EQ_CALLS, ROUNDS, GRAPH_CALLS = 24, 3, 16
 
@@ -104,7 +110,7 @@ def graph_fn(dtype: str, w13, w2, s, options: LaunchOptions):
             launch(*pointers)
         return out
 
-    return call, len(launches)
+    return call, len(launches), launches[-1][0].grid[0]  # the last launch's programs (down with the sum: + the sum's)
 
 
 def launches_of(call) -> int:
@@ -146,9 +152,18 @@ def variants_at(preset: str, m: int) -> dict:
     """The cell's variants, the first the baseline (module docstring)."""
     if m <= 8:
         return VARIANTS_DECODE
-    if m * Shape.from_preset(preset, Run.scale).top_k > ONE_LAUNCH_MAIN:  # two alignment launches on main
-        return dict(VARIANTS_LARGE, tail1=LaunchOptions(sum_tail_max=TAIL_MAX, align_one_launch_max=ALIGN_ONE_LAUNCH_LIMIT))
-    return VARIANTS_LARGE
+    return dict(VARIANTS_LARGE, **{name: options for name, (options, _) in WIDER.items()})
+
+
+@contextmanager
+def sum_tokens(name: str):
+    """``triton_plan.SUM_TAIL_TOKENS`` as variant ``name`` builds its plan with (WIDER), restored after."""
+    kept = triton_plan.SUM_TAIL_TOKENS
+    triton_plan.SUM_TAIL_TOKENS = WIDER[name][1] if name in WIDER else kept
+    try:
+        yield
+    finally:
+        triton_plan.SUM_TAIL_TOKENS = kept
 
 
 def interleaved(names: list, rounds: int):
@@ -167,9 +182,11 @@ def cell(preset: str, dtype: str, m: int, weights: dict) -> dict:
              for name, o in variants.items()}
     row: dict = {"variants": names}
     for name in names:
-        for _ in range(3):  # compile, record, keep
-            for c in calls[name]:
-                c()
+        with sum_tokens(name):  # its plan, lean sequence and kept call are built here, then reused
+            for _ in range(3):  # compile, record, keep
+                for c in calls[name]:
+                    c()
+            row[name] = {"down_grid": graph_fn(dtype, w13, w2, sets[0], variants[name])[2]}
     sync()
     wants = [calls[names[0]][i]() for i in range(2)]
     s0 = sets[0]
@@ -177,8 +194,8 @@ def cell(preset: str, dtype: str, m: int, weights: dict) -> dict:
     row["reference"] = "PASS" if row["rel_l2_vs_reference"] < TOL[dtype] else "FAIL"
     for name in names:
         outs = [calls[name][i % 2]() for i in range(EQ_CALLS)]
-        row[name] = {"equal": "PASS" if all(torch.equal(o, wants[i % 2]) for i, o in enumerate(outs)) else "FAIL",
-                     "host_us": [], "host_rest_us": [], "eager_us": []}
+        row[name].update(equal="PASS" if all(torch.equal(o, wants[i % 2]) for i, o in enumerate(outs)) else "FAIL",
+                         host_us=[], host_rest_us=[], eager_us=[])
     row["counters_zero"] = "PASS" if counters_zero() else "FAIL"
     for name in names:
         row[name]["launches"] = launches_of(calls[name][0])
@@ -191,7 +208,7 @@ def cell(preset: str, dtype: str, m: int, weights: dict) -> dict:
             row[name][key] = statistics.median(row[name][key])
     fns = {}
     for name, o in variants.items():  # the graphs' launches, run directly first: the same out
-        fns[name], row[name]["graph_launches"] = graph_fn(dtype, w13, w2, s0, o)
+        fns[name], row[name]["graph_launches"], _ = graph_fn(dtype, w13, w2, s0, o)
         row[name]["direct_equal"] = "PASS" if torch.equal(fns[name](), wants[0]) else "FAIL"
     row["counters_zero_direct"] = "PASS" if counters_zero() else "FAIL"
     if Run.device.type == "cuda":
@@ -225,9 +242,10 @@ def weights_for(preset: str, dtype: str, weights: dict) -> None:
 
 def table(results: dict) -> str:
     lines = ["host: time_eager host_us / host_rest_us (medians of 3 interleaved rounds), eager µs, graph µs (16-call"
-             " graph, 6 interleaved replays, median), L launches per call, dgraph% against the cell's first variant;"
+             " graph, 6 interleaved replays, median), L launches per call, grid: the last launch's programs,"
+             " dgraph% against the cell's first variant;"
              " checks: reference, bit-equal (24 eager calls), counters 0, direct and graph outputs equal",
-             f"{'cell':<30}{'var':>6} {'L':>2} {'host':>7} {'rest':>7} {'eager':>8} {'graph':>8} {'dgraph%':>8}  checks"]
+             f"{'cell':<30}{'var':>6} {'L':>2} {'grid':>6} {'host':>7} {'rest':>7} {'eager':>8} {'graph':>8} {'dgraph%':>8}  checks"]
     for key, r in results.items():
         if "variants" not in r:
             lines.append(f"{key:<30} {r.get('skipped') or r.get('error')}")
@@ -240,7 +258,7 @@ def table(results: dict) -> str:
             checks += [v.get(c, "-") for c in ("equal", "direct_equal", "graph_equal")]
             ok = "PASS" if all(c in ("PASS", "-") for c in checks) else "FAIL " + "/".join(checks)
             g = v.get("graph_us", float("nan"))
-            lines.append(f"{key:<30}{name:>6} {v['launches']:>2} {v['host_us']:>7.1f} {v['host_rest_us']:>7.1f} "
+            lines.append(f"{key:<30}{name:>6} {v['launches']:>2} {v.get('down_grid', 0):>6} {v['host_us']:>7.1f} {v['host_rest_us']:>7.1f} "
                          f"{v['eager_us']:>8.1f} {g:>8.1f} {100 * (g - base) / base:>8.2f}  {ok}")
     return "\n".join(lines)
 
@@ -261,10 +279,10 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": {"skipped": torch.cuda.get_device_name() if not a.smoke else "cpu"}}
     weights: dict = {}
-    large = [(m, dtype) for dtype in a.dtypes for m in a.batches if m > 8]
+    large = [(m, dtype) for m in a.batches if m > 8 for dtype in a.dtypes]
     decode = [(m, dtype) for m in a.batches if m <= 8 for dtype in a.dtypes]
     with torch.no_grad():
-        for m, dtype, preset in [(m, d, p) for m, d in large + decode for p in a.presets]:  # bf16 first, then fp8
+        for m, dtype, preset in [(m, d, p) for m, d in large + decode for p in a.presets]:  # --batches' order
             key = f"{preset} {dtype} M={m}"
             if time.perf_counter() - start > a.budget_s:
                 results[key] = {"skipped": f"time budget ({a.budget_s:.0f} s) spent"}
