@@ -258,16 +258,14 @@ SUM_TAIL_TOKENS = 4  # tokens per sum program after the down GEMM's (its SUM_T; 
 @dataclass(frozen=True)
 class SumTail:
     """The sum programs a down GEMM's grid gets after its own (``_kernels/gemm.py``, SUM_AFTER): each a
-    [SUM_T = SUM_TAIL_TOKENS tokens, SUM_K columns] tile of out (SUM_K: the separate ordered k-sum's, ``sum_launch``,
-    at most 4096 / SUM_T)."""
+    [SUM_T = SUM_TAIL_TOKENS tokens, SUM_K columns] tile of out (SUM_K: the separate ordered k-sum's, ``sum_launch``)."""
 
     programs: int
     constexprs: dict
 
     @classmethod
     def of(cls, num_tokens: int, hidden: int, top_k: int, expert_map) -> "SumTail":
-        block_t = SUM_TAIL_TOKENS
-        block_k = min(sum_tile(hidden, top_k)[1], max(32, 4096 // block_t))  # [SUM_T, SUM_K] <= 4k per slot
+        block_t, block_k = SUM_TAIL_TOKENS, sum_tile(hidden, top_k)[1]
         return cls(cdiv(num_tokens, block_t) * cdiv(hidden, block_k),
                    dict(SUM_AFTER=True, SUM_T=block_t, SUM_K=block_k, top_k=top_k, TOPK_PAD=next_pow2(top_k),
                         num_global=0 if expert_map is None else expert_map.numel(), HAS_MAP=expert_map is not None))
