@@ -17,7 +17,7 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_plan import plan_for, sum_launch  # noqa: E402
 
 FOLD = LaunchOptions(poison_workspace=True, sum_fold_max=1 << 20)
-SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0)
+SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0, sum_tail_max=0)
 # down BLOCK_N 16: K = 40 is three K tiles, the last one 8 columns wide (an odd tail)
 SMALL = KernelConfig(16, GemmTile(16, 32), GemmTile(16, 16))
 HIDDEN, INTER = 40, 24
@@ -85,7 +85,8 @@ def test_folded_equals_per_token_loop_and_separate_sum(interpreter, launch_log, 
 def test_default_options_fold_up_to_eight_tokens(interpreter, launch_log, m):
     """The default launch options fold the k-sum up to sum_fold_max = 8 tokens (a decode batch): a call is the
     gate-up and the down launch only (the alignment folded or the shortcut), bit-equal to the separate k-sum and
-    the float64 loop; at 9 tokens the k-sum is its own launch again."""
+    the float64 loop; at 9 tokens the k-sum runs in sum programs after the down GEMM's (SUM_AFTER,
+    ``test_triton_sum_after.py``), the fold no more."""
     defaults = LaunchOptions(poison_workspace=True)  # the defaults, NaN in the workspaces
     assert defaults.sum_fold_max == 8
     args = _problem(m, 2, 6, False, seed=m)
@@ -95,7 +96,8 @@ def test_default_options_fold_up_to_eight_tokens(interpreter, launch_log, m):
     assert torch.allclose(folded.double(), _per_token(*args), rtol=1e-5, atol=1e-5)
     launch_log.take()
     _run(interpreter, _problem(9, 2, 6, False, seed=9), defaults)
-    assert "sum_slots_kernel" in {name for name, _ in launch_log.take()}
+    downs = [kw for name, kw in launch_log.take() if name == "down_kernel"]
+    assert len(downs) == 1 and downs[0]["SUM_AFTER"] and not downs[0].get("KSUM")
 
 
 def test_counters_are_reused_and_left_at_zero_call_after_call(interpreter):
@@ -153,7 +155,8 @@ def test_fold_runs_only_where_counters_are_kept(interpreter, launch_log):
     args = _problem(5, 6, 8, False, seed=9)
     x, w13, w2, ids, weights, _ = args
     assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, LaunchOptions(sum_fold_max=5)).down_sum is not None
-    assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, LaunchOptions(sum_fold_max=4)).down_sum is None
+    no_sum = LaunchOptions(sum_fold_max=4, sum_tail_max=0)  # past both limits
+    assert plan_for(x, w13, w2, ids, weights, None, "silu", SMALL, no_sum).down_sum is None
     fresh = LaunchOptions(poison_workspace=True, sum_fold_max=8, reuse_workspace=False)
     out = _run(interpreter, args, fresh)
     names = [name for name, _ in launch_log.take()]

@@ -3,7 +3,8 @@ tile / register / gemv ``gemm_wo*``; ``LaunchOptions.sum_fold_max``, the bf16 pa
 under Triton's interpreter: with the pool's kept counters the down GEMM writes out itself, one launch fewer;
 the result equals the separate (ordered) k-sum bit for bit, as the bf16 fold's test asserts, a float64 loop
 written here and the torch twins; the counters are back at zero; an expert map with -1 entries; the lean
-recorded sequences of eager calls hold one launch fewer."""
+recorded sequences of eager calls hold one launch fewer. fp8_block past the fold: the k-sum in sum programs after
+the down GEMM's (``LaunchOptions.sum_tail_max``), bit-equal to the separate k-sum too."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from moekit.quant import quantize  # noqa: E402
 
 E, K, N, TOP_K = 4, 64, 32, 2
 FOLD = LaunchOptions(poison_workspace=True, sum_fold_max=8)
-SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0)
+SEP = LaunchOptions(poison_workspace=True, sum_fold_max=0, sum_tail_max=0)
+TAIL = LaunchOptions(poison_workspace=True, sum_fold_max=0, sum_tail_max=64)  # fp8: the sum programs (SUM_AFTER)
 # (scheme, decode): every weight-only decode that fuses (scratch runs the bf16 GEMMs), fp8 its one
 CASES = [("fp8_block", None), ("int8_w8a16", "tile"), ("int4_w4a16", "register"), ("int4_w4a16", "gemv"),
          ("mxfp4", "tile"), ("mxfp4", "register")]
@@ -141,9 +143,28 @@ def test_lean_sequence_has_one_launch_fewer(interpreter, scheme):
     launch; both serve the same output bit for bit, the plain path's."""
     q13, q2 = _weights(scheme, seed=3)
     folded, out = _kept_launches(interpreter, q13, q2, 1, LaunchOptions())
-    separate, out_sep = _kept_launches(interpreter, q13, q2, 1, LaunchOptions(sum_fold_max=0))
+    separate, out_sep = _kept_launches(interpreter, q13, q2, 1, LaunchOptions(sum_fold_max=0, sum_tail_max=0))
     assert folded == separate - 1
     assert torch.equal(out, out_sep)
     x, ids, weights, _ = _routing(1, 2, False)
     assert torch.equal(out, interpreter.experts_triton(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False)))
     assert rel_l2(out, quantized_experts_loop(x, q13, q2, ids, weights, None)) < TOL[scheme]
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 13])
+def test_fp8_sum_after_equals_separate_sum_loop_and_twin(interpreter, m, with_map):
+    """fp8_block with the sum programs after the down GEMM's: one launch fewer, bit-equal to the separate k-sum
+    (tails: M not a multiple of the sum tile's 4 tokens; a token with every slot skipped; map entries -1)."""
+    q13, q2 = _weights("fp8_block", seed=m)
+    x, ids, weights, expert_map = _routing(m, m * 5 + with_map, with_map)
+    pool = WorkspacePool()
+    after, ran, counters = _launch("fp8_block", None, q13, q2, x, ids, weights, expert_map, TAIL, pool)
+    assert "sum_slots_kernel" not in ran and counters.numel() >= 2 and bool((counters == 0).all())
+    separate, ran_sep, _ = _launch("fp8_block", None, q13, q2, x, ids, weights, expert_map, SEP, pool)
+    assert ran_sep.count("sum_slots_kernel") == 1 and len(ran_sep) == len(ran) + 1
+    assert torch.equal(after, separate) and not after.isnan().any()
+    if m > 2:
+        assert bool((after[1] == 0).all())  # no slot routed here
+    assert rel_l2(after, quantized_experts_loop(x, q13, q2, ids, weights, expert_map)) < TOL["fp8_block"]
+    assert rel_l2(after, _twin("fp8_block", q13, q2, x, ids, weights, expert_map)) < 1e-2

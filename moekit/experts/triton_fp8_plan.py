@@ -40,7 +40,9 @@ from moekit.experts.configs import (
 from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
-from moekit.experts.triton_plan import ZERO_TOKENS, _fold_constexprs, ksum_constexprs, sum_launch
+from moekit.experts.triton_plan import (
+    ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
+)
 from moekit.triton_bind import BoundLaunch
 
 SCHEME = "fp8_block"
@@ -72,8 +74,9 @@ class Fp8Plan:
     # then None, None, None (down_sum's out, counters, expert_map)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out; ordered (the fold's order)
-    # down with the k-sum folded in (M <= options.sum_fold_max, the bf16 plan's rule; else None); pointers: down's
-    # ten, then out, counters (int32 [M * K tiles], all 0: the pool's "counters"), expert_map (ids without one)
+    # down with the k-sum folded in (M <= options.sum_fold_max) or in sum programs after the GEMM's (M <=
+    # sum_tail_max), the bf16 plan's rule; else None; pointers: down's ten, then out, counters (int32, all 0: the
+    # pool's "counters"), expert_map (ids without one)
     down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
@@ -217,9 +220,10 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     if x_in_gate_up is None:
         x_in_gate_up = entry.x_in_gate_up and not capturing
     check_config(config, group)
-    # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot (the bf16 plan's)
+    # the folded k-sum's counters (M <= sum_fold_max; 2 for the sum programs after the GEMM's, M <= sum_tail_max),
+    # then the fused hist + scan's arrival slot (the bf16 plan's)
     down = config.down
-    ksum_counters = num_tokens * cdiv(hidden, down.BLOCK_N) if 0 < num_tokens <= options.sum_fold_max else 0
+    ksum_counters = ksum_counter_count(num_tokens, hidden, down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
                            arrival_slot=ksum_counters)
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
@@ -251,7 +255,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
-                              ksum=(num_tokens, top_k, expert_map)) if ksum_counters else None,
+                              ksum=(num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max))
+        if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
@@ -291,14 +296,20 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
 
 def _down_launch(w2_q, w2_scale, num_assignments: int, config: KernelConfig, num_pid_m: int, shared: dict,
                  ksum: tuple | None = None) -> BoundLaunch:
-    """h_q [A, N], h_s [A, NB] and y [A, K] are contiguous workspace regions. ``ksum``: (M, k, expert_map) for
-    the down GEMM with the k-sum folded in (its zero-fill programs after the GEMM's, ``gemm_fp8``'s KSUM)."""
+    """h_q [A, N], h_s [A, NB] and y [A, K] are contiguous workspace regions. ``ksum``: (M, k, expert_map, folded)
+    for the down GEMM with the k-sum in it: folded (its zero-fill programs after the GEMM's, ``gemm_fp8``'s KSUM),
+    else its sum programs after the GEMM's (SUM_AFTER)."""
     (num_experts, hidden, n), down = w2_q.shape, config.down
     programs = num_pid_m * cdiv(hidden, down.BLOCK_N)
     if ksum is not None:
-        num_tokens, top_k, expert_map = ksum
-        shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
-        programs += cdiv(num_tokens, ZERO_TOKENS)
+        num_tokens, top_k, expert_map, folded = ksum
+        if folded:
+            shared = dict(shared, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
+            programs += cdiv(num_tokens, ZERO_TOKENS)
+        else:
+            tail = SumTail.of(num_tokens, hidden, top_k, expert_map)
+            shared = dict(shared, **tail.constexprs)
+            programs += tail.programs
     return BoundLaunch(
         kernels("gemm_fp8").down_fp8_kernel, (programs,), 13,
         (hidden, n, num_assignments, num_experts, num_pid_m, n, cdiv(n, down.BLOCK_K), *w2_q.stride(),

@@ -98,6 +98,16 @@ class LaunchOptions:
     # under the same limit: fp8_block's down GEMM (eager calls, the pool's counters) and the weight-only ones with
     # one split (lean eager calls; split-K keeps the launch).
     sum_fold_max: int = 8
+    # Past sum_fold_max, up to sum_tail_max tokens, the k-sum runs in the down GEMM's grid instead: programs after
+    # the GEMM's wait until every GEMM program has stored its y tile (one arrival each on a kept counter), then sum
+    # as the separate ordered k-sum does (``_kernels/gemm.py``, SUM_AFTER; bit for bit). The GEMM's programs are
+    # unchanged but for that one arrival; a call is one launch fewer. The same eager calls as sum_fold_max (the
+    # pool's kept counters), bf16 and fp8_block. 0 turns it off. H200 (benchmarks/host_launch_device_check.py, run 1,
+    # raw/NVIDIA_H200-2026-12-03-ea57e59-host_launch.*; separate -> sum programs, all bit-equal): at M = 64 graph µs
+    # within -0.12..+0.48% and host_rest µs 53.1 -> 48.9 (Qwen3), 56.1 -> 32.0 (DeepSeek-V3), 37.6 -> 32.9 (Mixtral),
+    # fp8 41.2 -> 33.7 / 73.7 -> 65.0 / 50.1 -> 54.8; at M = 256 graph +0.2..+2.6%, at 1024 +0.8..+6.0% (Qwen3
+    # 375 -> 398 µs): the sum programs run at the GEMM's occupancy. So up to M = 64.
+    sum_tail_max: int = 64
     # Eager calls launch from their plan's recorded launch sequence (``triton_lean``): per (plan, thread, weights)
     # each launch's full argument list is built once (grids, scalars and constexprs, the pooled workspace's
     # regions and counters, the TMA descriptors' expansions); a call fills in only its own tensors (x, ids,
@@ -132,6 +142,8 @@ class LaunchOptions:
                              f"holds), got {self.align_fold_max}")
         if self.sum_fold_max < 0:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
+        if self.sum_tail_max < 0:
+            raise ValueError(f"sum_tail_max must be >= 0 (tokens), got {self.sum_tail_max}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         # lean_launch and what it needs (read on every eager call: computed once)

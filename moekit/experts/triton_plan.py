@@ -55,8 +55,8 @@ class Plan:
     # then None, None, None (down_sum's out, counters, expert_map)
     down: BoundLaunch
     sum_slots: BoundLaunch  # pointers: y, ids, expert_map (ids without one), out
-    # down with the k-sum folded in (M <= options.sum_fold_max; else None); pointers: down's nine, then out,
-    # counters (int32 [M * K tiles], all 0: the workspace's "counters"), expert_map (ids without one)
+    # down with the k-sum folded in (M <= options.sum_fold_max) or after the GEMM in its grid (M <= sum_tail_max;
+    # else None); pointers: down's nine, then out, counters (int32, all 0: the workspace's "counters"), expert_map
     down_sum: BoundLaunch | None
 
 
@@ -155,8 +155,9 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     descriptors = descriptors_allowed(w13, w2, options)
     config = launch_config(config, x, num_experts, n, top_k, descriptors)
     work_dtype = torch.float32 if interpreting() else x.dtype
-    # the folded k-sum's counters (M <= sum_fold_max), then the fused hist + scan's arrival slot
-    ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if 0 < num_tokens <= options.sum_fold_max else 0
+    # the folded k-sum's counters (M <= sum_fold_max; 2 for the k-sum after the GEMM), then the fused hist + scan's
+    # arrival slot
+    ksum_counters = ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
                            arrival_slot=ksum_counters)
     align = rows.align
@@ -224,6 +225,10 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     if 0 < x.shape[0] <= options.sum_fold_max:
         down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + cdiv(x.shape[0], ZERO_TOKENS),), 12, down_scalars,
                                **down_tiles, **ksum_constexprs(top_k, down.BLOCK_N, expert_map))
+    elif 0 < x.shape[0] <= options.sum_tail_max:
+        tail = SumTail.of(x.shape[0], hidden, top_k, expert_map)
+        down_sum = BoundLaunch(gemm.down_kernel, (gemm_programs + tail.programs,), 12, down_scalars, **down_tiles,
+                               **tail.constexprs)
     return gate_up, down_launch, down_sum
 
 
@@ -237,6 +242,38 @@ def ksum_constexprs(top_k: int, block_n: int, expert_map) -> dict:
     return dict(KSUM=True, top_k=top_k, num_global=0 if expert_map is None else expert_map.numel(), TOPK_PAD=topk_pad,
                 HAS_MAP=expert_map is not None, SUM_ROWS=max(1, min(16, 4096 // (block_n * topk_pad))),
                 ZERO_T=ZERO_TOKENS)
+
+
+def ksum_counter_count(num_tokens: int, hidden: int, block_n: int, options: LaunchOptions) -> int:
+    """The kept counters a down GEMM with the k-sum in it needs: [M, K tiles] folded (M <= sum_fold_max), 2 with
+    the sum programs after the GEMM's (M <= sum_tail_max: the GEMM's arrivals, the sum programs' exits), else 0."""
+    if 0 < num_tokens <= options.sum_fold_max:
+        return num_tokens * cdiv(hidden, block_n)
+    return 2 if 0 < num_tokens <= options.sum_tail_max else 0
+
+
+SUM_TAIL_TOKENS = 4  # tokens per sum program after the down GEMM's (its SUM_T; ``SumTail``)
+
+
+@dataclass(frozen=True)
+class SumTail:
+    """The sum programs a down GEMM's grid gets after its own (``_kernels/gemm.py``, SUM_AFTER): each a
+    [SUM_T = SUM_TAIL_TOKENS tokens, SUM_K columns] tile of out (SUM_K: the separate ordered k-sum's, ``sum_launch``)."""
+
+    programs: int
+    constexprs: dict
+
+    @classmethod
+    def of(cls, num_tokens: int, hidden: int, top_k: int, expert_map) -> "SumTail":
+        block_t, block_k = SUM_TAIL_TOKENS, sum_tile(hidden, top_k)[1]
+        return cls(cdiv(num_tokens, block_t) * cdiv(hidden, block_k),
+                   dict(SUM_AFTER=True, SUM_T=block_t, SUM_K=block_k, top_k=top_k, TOPK_PAD=next_pow2(top_k),
+                        num_global=0 if expert_map is None else expert_map.numel(), HAS_MAP=expert_map is not None))
+
+
+def sum_tile(hidden: int, top_k: int) -> tuple[int, int]:
+    """(tokens, columns) of one k-sum program: [BT, k, BK] <= 8k elements."""
+    return 4, min(next_pow2(hidden), max(32, 2048 // next_pow2(top_k)))
 
 
 def down_launches(kernel, programs: int, split_k: int, scalars: tuple, num_tokens: int, ksum: dict | None,
@@ -259,7 +296,7 @@ def sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, exper
         raise ValueError(f"an ordered k-sum sums one split, got split={split}")
     has_map = expert_map is not None
     topk_pad = next_pow2(top_k)
-    block_t, block_k = 4, min(next_pow2(hidden), max(32, 2048 // topk_pad))  # [BT, k, BK] <= 8k elements
+    block_t, block_k = sum_tile(hidden, top_k)
     return BoundLaunch(
         kernels("combine").sum_slots_kernel, (cdiv(num_tokens, block_t), cdiv(hidden, block_k)), 4,
         (num_tokens, hidden, top_k, num_experts, expert_map.numel() if has_map else 0, hidden, hidden, 1),

@@ -150,3 +150,68 @@ def zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, first_pid, K, num_assignment
         zeros = tl.zeros([ZERO_T, BLOCK_N], dtype=out_ptr.dtype.element_ty)
         for c0 in range(0, K, BLOCK_N):
             tl.store(out_ptr + safe[:, None] * K + (c0 + cols)[None, :], zeros, mask=none[:, None] & (c0 + cols < K)[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The k-sum after the down GEMM, in its grid (``gemm.down_kernel``'s SUM_AFTER; ``LaunchOptions.sum_tail_max``).
+# The GEMM's programs and schedule are unchanged; each signals once when its y tile is stored, and programs
+# appended after the GEMM's wait for every signal, then each sums a [SUM_T, SUM_K] tile of out exactly as
+# ``sum_slots_kernel`` with ORDERED (bit for bit the separate launch's out).
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def gemm_done(counters_ptr, SUM_AFTER: tl.constexpr):
+    """A GEMM program of a SUM_AFTER down kernel is done with y (nothing without SUM_AFTER): every thread's stores,
+    a CTA barrier, then one arrival on counters[0] (release, GPU scope: publishes this program's tile to the sum
+    programs)."""
+    if SUM_AFTER:
+        tl.debug_barrier()
+        tl.atomic_add(counters_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def programs_after_gemm(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, num_gemm, K, num_assignments, top_k,
+                        num_experts, num_global, stride_ym, BLOCK_N: tl.constexpr, TOPK_PAD: tl.constexpr,
+                        HAS_MAP: tl.constexpr, ZERO_T: tl.constexpr, SUM_AFTER: tl.constexpr, SUM_T: tl.constexpr,
+                        SUM_K: tl.constexpr, PDL: tl.constexpr):
+    """A program after the ``num_gemm`` GEMM programs of a down kernel with the k-sum in it: SUM_AFTER's sum
+    (``sum_after_gemm``), else KSUM's zero-fill (``zero_unrouted_tokens``)."""
+    if SUM_AFTER:
+        let_next_kernel_launch(PDL)
+        sum_after_gemm(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, num_gemm, K, num_assignments, top_k,
+                       num_experts, num_global, stride_ym, SUM_T, SUM_K, TOPK_PAD, HAS_MAP)
+    else:
+        zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_gemm, K, num_assignments, top_k, num_experts, num_global,
+                             BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+
+
+@triton.jit
+def sum_after_gemm(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, num_gemm, K, num_assignments, top_k, num_experts,
+                   num_global, stride_ym, SUM_T: tl.constexpr, SUM_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+                   HAS_MAP: tl.constexpr):
+    """A sum program (program id >= ``num_gemm``, 1-D grid): waits until all ``num_gemm`` GEMM programs have
+    arrived on counters[0], then out[tokens, cols] of its tile = the slot-order sum (``sum_token_slots``; tokens no
+    slot routes here get 0). The last sum program to leave sets counters[0] and [1] back to 0 (every sum program
+    has passed its wait by then), so the kept counters are 0 when the kernel ends.
+    Forward progress: a GPU starts a grid's programs in program-id order, so when a sum program runs, every GEMM
+    program has started (it runs or has finished) and the wait ends; the same order the single-pass scans'
+    decoupled look-back relies on. Under the interpreter the programs run one after another in that order."""
+    pid = tl.program_id(0) - num_gemm
+    col_tiles = tl.cdiv(K, SUM_K)
+    tokens = (pid // col_tiles) * SUM_T + tl.arange(0, SUM_T)
+    cols = (pid % col_tiles) * SUM_K + tl.arange(0, SUM_K)
+    t_ok = tokens < num_assignments // top_k
+    c_ok = cols < K
+    while tl.load(counters_ptr, volatile=True) < num_gemm:  # L2 reads, no atomics contending with the arrivals
+        pass
+    tl.atomic_add(counters_ptr, 0, sem="acquire", scope="gpu")  # what the arrivals released is visible
+    tl.debug_barrier()
+    acc = sum_token_slots(y_ptr, tl.where(t_ok, tokens, 0).to(tl.int64), t_ok, cols, c_ok, ids_ptr, map_ptr, top_k,
+                          num_experts, num_global, stride_ym, TOPK_PAD, HAS_MAP)
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * K + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & c_ok[None, :])
+    left = tl.atomic_add(counters_ptr + 1, 1, sem="relaxed", scope="gpu")
+    if left == tl.num_programs(0) - num_gemm - 1:
+        tl.store(counters_ptr, 0)
+        tl.store(counters_ptr + 1, 0)

@@ -31,6 +31,12 @@ a token's routed slots sums them (``combine.ksum_epilogue``, bit for bit the sep
 with ORDERED); ZERO_T-token programs after the GEMM's write 0 for tokens no slot routes here. The GEMM's
 programs, tiles and schedule are the same with and without it.
 
+SUM_AFTER (the k-sum in the down GEMM's grid, sum_fold_max < M <= ``LaunchOptions.sum_tail_max``, the same eager
+calls): programs appended after the GEMM's wait until every GEMM program has stored its y tile (one arrival each
+on the kept counters[0]), then each writes a [SUM_T, SUM_K] tile of out as the separate ordered k-sum does
+(``combine.sum_after_gemm``: bit for bit its out). The GEMM's programs, tiles and schedule are the same with and
+without it; each only signals at its end.
+
 The experts variant (``moekit.activations.ActivationSpec``) is constexprs of the gate-up kernel, so
 each variant compiles its own epilogue and the plain silu kernel is what it was: ACT (the activation's
 kernel id), GATED (False: w13 is [E, N, K], an up projection and act alone), INTERLEAVED (gate row 2j,
@@ -58,7 +64,9 @@ import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.align import fold_block_rows
-from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.combine import (
+    gemm_done, ksum_epilogue, programs_after_gemm, routed_slot_count,
+)
 
 
 @triton.jit
@@ -281,23 +289,23 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SWAP_AB: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False, SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,
 ):
-    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM: out too (module docstring)."""
+    """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM, SUM_AFTER: out too (docstring)."""
     wait_for_previous_kernel(PDL)
-    if KSUM:
-        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
-                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+    if KSUM or SUM_AFTER:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's (module docstring)
+            programs_after_gemm(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K,
+                                num_assignments, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD,
+                                HAS_MAP, ZERO_T, SUM_AFTER, SUM_T, SUM_K, PDL)
             return
-    # Here the output columns are K (hidden) and the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
-    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)  # columns: K (BLOCK_N tiles); reduce N
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
+        gemm_done(counters_ptr, SUM_AFTER)
         return
-    row_ok = rows < num_assignments
-    safe_rows = tl.where(row_ok, rows, 0)
+    row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -321,14 +329,14 @@ def down_kernel(
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     acc = unswap(acc, SWAP_AB)
-    weight = tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)  # [BM] routed weight
     if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
         b2 = tl.load(b2_ptr + expert * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=out_ok, other=0.0)
         acc += b2.to(tl.float32)[None, :]
-    acc = acc * weight[:, None]
+    acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]  # routed weight
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
                       out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    gemm_done(counters_ptr, SUM_AFTER)
 

@@ -23,7 +23,8 @@ down: the reduction runs over N in steps of BK, one h scale and one w2 scale per
 weight is applied in the epilogue; y is summed over the k slots by ``combine``: a launch of its own, or
 (KSUM, M <= ``LaunchOptions.sum_fold_max``, eager calls with the pool's kept counters) in the down GEMM's
 epilogue, exactly as ``gemm.down_kernel``'s KSUM (its docstring): the same ``combine`` helpers, bit for
-bit the ordered separate k-sum.
+bit the ordered separate k-sum; or (SUM_AFTER, up to ``LaunchOptions.sum_tail_max``) in sum programs after the
+GEMM's, ``gemm.down_kernel``'s SUM_AFTER.
 
 FOLD (gate-up only, A <= ``LaunchOptions.align_fold_max``): the bf16 gate-up's folded alignment
 (``gemm._gate_up_rows``): no alignment launch; each program derives its block from the ids, and the
@@ -65,7 +66,9 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.combine import (
+    gemm_done, ksum_epilogue, programs_after_gemm, routed_slot_count,
+)
 from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
 
@@ -238,21 +241,22 @@ def down_fp8_kernel(
     W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True, SWAP_AB: tl.constexpr = False,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,  # ``gemm.down_kernel``'s
 ):
     wait_for_previous_kernel(PDL)
-    if KSUM:
-        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
-            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
-                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+    if KSUM or SUM_AFTER:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's (module docstring)
+            programs_after_gemm(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K,
+                                num_assignments, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD,
+                                HAS_MAP, ZERO_T, SUM_AFTER, SUM_T, SUM_K, PDL)
             return
-    # The output columns are K (hidden), the reduction runs over N: BLOCK_N tiles K, BLOCK_K tiles N.
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                num_assignments, num_experts, BLOCK_M, NAIVE)
     if expert < 0:
+        gemm_done(counters_ptr, SUM_AFTER)
         return
-    row_ok = rows < num_assignments
-    safe_rows = tl.where(row_ok, rows, 0)
+    row_ok, safe_rows = rows < num_assignments, tl.where(rows < num_assignments, rows, 0)
     if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
         arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD, HAS_MAP)
     offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,9 +281,7 @@ def down_fp8_kernel(
             w_ptrs += BLOCK_K * stride_wn
         ha, hs = _x_step(ha, hs_ptrs, row_ok, H_FP32, EMULATE)  # H_FP32: h float32, quantized here as x is there
         acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs, out_ok, ONE_BLOCK), UPCAST, SWAP_AB)
-        h_ptrs += BLOCK_K
-        hs_ptrs += 1
-        s_ptrs += stride_wsn
+        h_ptrs, hs_ptrs, s_ptrs = h_ptrs + BLOCK_K, hs_ptrs + 1, s_ptrs + stride_wsn
     let_next_kernel_launch(PDL)
     acc = unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
@@ -287,3 +289,4 @@ def down_fp8_kernel(
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
                       out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)
+    gemm_done(counters_ptr, SUM_AFTER)
