@@ -80,6 +80,7 @@ def part_ridge(deadline_s: float, smoke: bool) -> int:
 
     rd.Cell = VerdictCell  # main_rows builds its cells by this name
     rd.BF16_SHARE, rd.TIMING_RESERVE_S = 0.55, 5.0  # 7 bf16 / 5 fp8 calls x 5 rounds at ~1 ms: ~4 s of timing
+    rd.BREAKDOWN_RESERVE_S = float("inf")  # no per-GEMM breakdown: run 2 has it, and the time goes to the rounds
     cells = rd.SMOKE_CELLS if smoke else RIDGE_CELLS
     rows, floors, ceil = rd.main_rows(cells, smoke, 1 if smoke else rd.ROUNDS, 1e9 if smoke else deadline_s - 3.0,
                                       1e9 if smoke else (deadline_s - 8.0) / 2.5, ["bf16", "fp8"])
