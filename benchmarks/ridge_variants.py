@@ -4,9 +4,7 @@ does not ship, bf16 and fp8_block.
 
 bf16 Gluon variants (``GluonTile``; block_m is the layout's alignment too, so both GEMMs share it):
   - g128: the plan's tiles (gate-up 128x128x64 4 stages, down 128x128x64 6 stages, GROUP_M 1 for narrow experts);
-  - h128 / h128 skip: NEW, the plan's tiles on ``gluon_gemm_halves`` (each 64-row half a 4-warp consumer
-    partition of its own); skip: a half that is all padding runs no MMA (padding in 64-row steps, weight
-    tiles still shared by 128 rows);
+  - (h128 / h128 skip, the halves kernel: removed in session 20, benchmarks/triton-notes.md);
   - g128 down256: the down GEMM 256 wide (one [128, 256] accumulator, 3 stages);
   - g64: 64-row tiles (half the padding of an expert's last block; 8 warps split along the columns), gate-up
     128 wide 5 stages, down 256 wide 4 stages; g64 down128: the down GEMM 128 wide, 6 stages;
@@ -43,10 +41,7 @@ def bf16_gluon_tiles(inter: int) -> dict:
     down = down_tile(inter)
     tiles = {  # in the order they run (a cell's budget may cut the last)
         "g128": (UP_TILE, down),
-        "h128 skip": (replace(UP_TILE, halves=True, num_warps=4, skip_padding=True),
-                      replace(down, halves=True, num_warps=4, skip_padding=True)),
         "g64": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4, group_m=down.group_m)),
-        "h128": (replace(UP_TILE, halves=True, num_warps=4), replace(down, halves=True, num_warps=4)),
         "g64 w4": (GluonTile(block_m=64, stages=5, num_warps=4, max_registers=240),
                    GluonTile(block_m=64, stages=6, num_warps=4, max_registers=240, group_m=down.group_m)),
         "g64 up256": (GluonTile(block_m=64, block_n=256, block_k=32, stages=5),
@@ -77,8 +72,7 @@ def fp8_gluon_tiles() -> dict:
 
 
 def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
-    """The bf16 Gluon path with the tiles given (plain launches; the layout aligned to up.block_m; the layout's
-    sorted_ids tell the halves kernel's SKIP_PADDING which halves are padding)."""
+    """The bf16 Gluon path with the tiles given (plain launches; the layout aligned to up.block_m)."""
     from moekit.experts.triton_gluon import gluon_layout
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum, launch_gemm
 
@@ -86,12 +80,11 @@ def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
     lay = gluon_layout(x, ids, num_experts, block_m=up.block_m)
     rows = lay.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]
-    pad = dict(sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
     launch_gemm(lay.x_perm, w13.view(num_experts * 2 * inter, hidden), h, lay.block_experts, lay.rows_used, up,
-                gated=True, w_rows=2 * inter, gate_offset=inter, **pad)
+                gated=True, w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, lay.block_experts, lay.rows_used, down, gated=False,
-                w_rows=hidden, **pad)
+                w_rows=hidden)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, lay.src_to_dst, rw.contiguous(), out)
     return out

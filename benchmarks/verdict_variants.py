@@ -3,8 +3,8 @@ takes against today's route, on the route's own launch path (``triton_gluon_lean
 difference from the route is the option.
 
 bf16 (the tiles of ``ridge_variants.bf16_gluon_tiles``): "lean g128" is the route's plan (equal to "route" but
-for the call's entry point); "lean h128" / "lean h128 skip": the halves kernel (``gluon_gemm_halves``) and its
-padding skip; "lean g64", "lean g64 w4", "lean g64 down128": 64-row tiles (half the padding of an expert's last
+for the call's entry point); "lean h128" / "lean h128 skip" (the halves kernel and its padding skip: removed
+after run 1, dd8bed6: 0.88-1.03x); "lean g64", "lean g64 w4", "lean g64 down128": 64-row tiles (half the padding of an expert's last
 block), with one consumer warpgroup (w4) or a 128-wide down tile. Ridge run 2 (8b8a364, plain launches) had
 them 0.85-1.04x the route at Mixtral 512 / 1024.
 fp8 (``ridge_variants.fp8_gluon_tiles``): "lean gf8" (the route's plan), "lean gf8 skip" (SKIP_PADDING), and the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ridge_variants import Variant, bf16_gluon_tiles, fp8_gluon_tiles
 
-BF16_NAMES = ("g128", "h128", "h128 skip", "g64", "g64 w4", "g64 down128")
+BF16_NAMES = ("g128", "g64", "g64 w4", "g64 down128")
 FP8_NAMES = ("gf8", "gf8 skip")
 
 

@@ -75,19 +75,6 @@ def _experts_f64(x, w13, w2, ids, weights):
     return out
 
 
-def _call(x, w13, w2, ids, weights, up, down):
-    """The bf16 Gluon path's plain launches with these tiles: layout aligned to up.block_m, gate-up, down, combine."""
-    lay = gluon_layout(x, ids, E, align=align_block, block_m=up.block_m)
-    pad = dict(sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
-    h = x.new_empty(lay.x_perm.shape[0], N)
-    launch_gemm(lay.x_perm, w13.view(E * 2 * N, K), h, lay.block_experts, lay.rows_used, up, True, 2 * N, N, **pad)
-    y = x.new_empty(lay.x_perm.shape[0], K)
-    launch_gemm(h, w2.view(E * K, N), y, lay.block_experts, lay.rows_used, down, False, K, **pad)
-    out = torch.empty_like(x)
-    launch_contiguous_sum(y, lay.src_to_dst, weights, out)
-    return out
-
-
 @pytest.mark.parametrize("block_m, num_warps", [(64, 4), (64, 8), (128, 8)])
 def test_a_call_at_these_tiles_matches_a_float64_loop(fake_gemms, block_m, num_warps):
     """Layout aligned to block_m, both GEMMs launched with 64- or 128-row tiles, the combine: the output of a
@@ -130,16 +117,14 @@ def launched(monkeypatch):
     return count
 
 
-_SKIP = GluonTile(halves=True, num_warps=4, skip_padding=True)
-LEAN_TILES = {"64-row": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4)),
-              "halves skip": (_SKIP, _SKIP), "halves up only": (_SKIP, GluonTile(stages=6))}
+LEAN_TILES = {"64-row": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4))}
 
 
 @pytest.mark.parametrize("name", list(LEAN_TILES))
 @pytest.mark.parametrize("m, k", [(40, 2), (1100, 4)])  # one alignment launch; hist + scan + scatter (A > 4096)
 def test_the_lean_launch_at_these_tiles_equals_the_plain_one(fake_gemms, launched, monkeypatch, m, k, name):
-    """The route's tiles (``gluon_tiles``) at block_m 64, or on the halves kernel (one more pointer: sorted_ids):
-    the lean launch aligns, grids, describes and binds them, bit-equal to the plain launch and a float64 loop."""
+    """The route's tiles (``gluon_tiles``) at block_m 64: the lean launch aligns, grids, describes and binds them,
+    bit-equal to the plain launch and a float64 loop."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_launch as tgl
     from moekit.experts.triton import clear_launch_caches
@@ -160,9 +145,7 @@ def test_the_lean_launch_at_these_tiles_equals_the_plain_one(fake_gemms, launche
     assert launched[0] == 1 and torch.equal(first, plain) and torch.equal(again, plain)
     ref = _experts_f64(x, w13, w2, ids, weights)
     assert ((again.double() - ref).norm() / ref.norm()).item() < 1e-2
-    logged = fake_gemms["bf16"].log + fake_gemms["halves"].log
-    assert len(fake_gemms["halves"].log) == (6 if name == "halves skip" else 3 if name == "halves up only" else 0)
-    assert all(bound["a_desc"].block_shape[0] == 64 for _grid, bound, _o in logged) == (name != "halves up only")
+    assert all(bound["a_desc"].block_shape[0] == 64 for _grid, bound, _o in fake_gemms["bf16"].log)
     clear_launch_caches()
 
 
@@ -175,37 +158,3 @@ def test_the_lean_launch_refuses_tiles_of_two_heights(fake_gemms, monkeypatch):
     ids = torch.stack([torch.randperm(E)[:2] for _ in range(8)]).int()
     with pytest.raises(ValueError, match="block_m"):
         tg.experts_gluon(x, w13, w2, ids, torch.rand(8, 2))
-
-
-def test_halves_fields_are_checked():
-    with pytest.raises(ValueError, match="halves"):
-        GluonTile(halves=True)  # 8 warps: a half is one 4-warp partition
-    with pytest.raises(ValueError, match="halves"):
-        GluonTile(halves=True, num_warps=4, block_m=64)
-    with pytest.raises(ValueError, match="skip_padding"):
-        GluonTile(skip_padding=True)
-    tile = GluonTile(halves=True, num_warps=4)
-    assert tile.warps_mn() == (4, 1) and tile.accumulator_registers(True) == 2 * 64 * 128 // 128
-
-
-@pytest.mark.parametrize("m", [20, 70])  # ~10 / ~35 real rows an expert: every block's second half is padding
-def test_the_halves_kernel_skipping_padding_gives_the_one_partition_output(fake_gemms, m):
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(m, K, generator=g).bfloat16()
-    w13 = (torch.randn(E, 2 * N, K, generator=g) * K**-0.5).bfloat16()
-    w2 = (torch.randn(E, K, N, generator=g) * N**-0.5).bfloat16()
-    ids = torch.rand(m, E, generator=g).topk(2, dim=1).indices.int()
-    weights = torch.softmax(torch.rand(m, 2, generator=g), dim=1)
-    one = _call(x, w13, w2, ids, weights, GluonTile(), GluonTile(stages=6))
-    skip = GluonTile(halves=True, num_warps=4, skip_padding=True)
-    halves = _call(x, w13, w2, ids, weights, skip, skip)
-    assert torch.equal(halves, one)
-    ref = _experts_f64(x, w13, w2, ids, weights)
-    assert ((halves.double() - ref).norm() / ref.norm()).item() < 1e-2
-    logged = fake_gemms["halves"].log
-    assert len(logged) == 2 and all(b["SKIP_PADDING"] and b["num_assignments"] == 2 * m for _g, b, _o in logged)
-    assert all(b["a_desc"].block_shape[0] == 64 for _g, b, _o in logged)
-    with pytest.raises(ValueError, match="sorted_ids"):
-        from moekit.experts.triton_gluon_launch import launch_gemm_halves
-
-        launch_gemm_halves(x, w13.view(-1, K), x, ids, ids, skip, True, 2 * N, N, None, 2 * m)

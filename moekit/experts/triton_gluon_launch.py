@@ -37,14 +37,8 @@ class GluonTile:
     block_m: int = BLOCK_M
     num_warps: int = NUM_WARPS
     max_registers: int = MAX_REGISTERS
-    halves: bool = False  # the two 64-row halves in two 4-warp consumer partitions (``gluon_gemm_halves``)
-    skip_padding: bool = False  # halves only: a half that is all padding runs no MMA
 
     def __post_init__(self):
-        if self.halves and (self.block_m != 128 or self.num_warps != 4):
-            raise ValueError(f"halves with block_m={self.block_m}, num_warps={self.num_warps}: 128 rows, 4 warps a half")
-        if self.skip_padding and not self.halves:
-            raise ValueError("skip_padding needs halves=True (the one 8-warp partition cannot skip a half)")
         if self.block_m not in (64, 128):
             raise ValueError(f"block_m={self.block_m}: 64 or 128 (a wgmma warpgroup covers 64 rows)")
         if self.num_warps not in (4, 8):
@@ -55,9 +49,7 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
 
     def warps_mn(self) -> tuple[int, int]:
-        """(warps along rows, along columns) of the MMA partition, as the kernel lays them out (halves: each)."""
-        if self.halves:
-            return 4, 1
+        """(warps along rows, along columns) of the MMA partition, as the kernel lays them out."""
         warps_m = self.num_warps if self.block_m >= 16 * self.num_warps else self.block_m // 16
         return warps_m, self.num_warps // warps_m
 
@@ -67,10 +59,8 @@ class GluonTile:
         return element_size * (self.stages * stage + self.block_m * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [block_m, block_n] tiles; halves: [64, block_n]
-        on each 4-warp consumer)."""
-        rows, warps = (64, 4) if self.halves else (self.block_m, self.num_warps)
-        return (2 if gated else 1) * rows * self.block_n // (32 * warps)
+        """float32 accumulator registers per MMA thread (one or two [block_m, block_n] tiles)."""
+        return (2 if gated else 1) * self.block_m * self.block_n // (32 * self.num_warps)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
@@ -184,16 +174,10 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
-                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // tile.block_m] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of tile.block_m, <= T). tile.skip_padding: sorted_ids [T] (the layout's assignment of each row, padding >=
-    num_assignments) say which halves are padding."""
-    if tile.halves:
-        launch_gemm_halves(a, w, out, block_experts, rows_used, tile, gated, w_rows, gate_offset, sorted_ids,
-                           num_assignments)
-        return
+    of tile.block_m, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [tile.block_m, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
@@ -204,27 +188,6 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=tile.num_warps, maxnreg=tile.max_registers)
-
-
-HALVES_CONSUMER_REGS = 224  # consumer 1 of the halves kernel (the fp8 kernel's split: consumer 0 gets the rest)
-
-
-def launch_gemm_halves(a, w, out, block_experts, rows_used, tile: GluonTile, gated: bool, w_rows: int,
-                       gate_offset: int, sorted_ids: torch.Tensor | None, num_assignments: int) -> None:
-    """``launch_gemm`` on ``gluon_gemm_halves`` (tile.halves)."""
-    if tile.skip_padding and sorted_ids is None:
-        raise ValueError(f"tile={tile}: skip_padding needs the layout's sorted_ids")
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_halves").grouped_gemm_halves_kernel
-    a_desc = gluon_descriptor(a, [64, tile.block_k])
-    w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
-    c_desc = gluon_descriptor(out, [64, tile.block_n])
-    num_col_blocks = out.shape[1] // tile.block_n
-    grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // 128) * num_col_blocks)),)
-    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used,
-                 block_experts if sorted_ids is None else sorted_ids, a.shape[1], num_col_blocks, num_assignments,
-                 w_rows, gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 SKIP_PADDING=tile.skip_padding, CONSUMER_REGS=HALVES_CONSUMER_REGS, num_warps=4,
-                 maxnreg=tile.max_registers)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,

@@ -76,7 +76,6 @@ class GluonLeanPlan:
     up: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded
     down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
-    halves: tuple = (False, False)  # bf16: the gate-up / down GEMM on ``gluon_gemm_halves`` (+ sorted_ids)
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> tuple:
@@ -109,7 +108,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, w2.shape, ids.shape[1]
     num_assignments = num_tokens * top_k
     block_m = BLOCK_M if fp8 else up.block_m  # the layout's alignment = the GEMMs' tile rows (fp8: two 64-row halves)
-    if not fp8 and down.block_m != block_m:  # (halves: 128-row tiles of two 64-row halves)
+    if not fp8 and down.block_m != block_m:
         raise ValueError(f"up={up}, down={down}: both GEMMs read the layout in the same block_m")
     rows = max_padded_rows(num_assignments, num_experts, block_m)
     align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
@@ -131,8 +130,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
-                         weight_key, part.blocks, part.gather, part.up, part.down, combine,
-                         (False, False) if fp8 else (up.halves, down.halves))
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
 
 
 @dataclass(frozen=True)
@@ -156,19 +154,11 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
                          TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.halves:  # one more pointer: the layout's sorted_ids (its padding rows, SKIP_PADDING)
-            return BoundLaunch(halves, grid(cols, tile.block_n), 6,
-                               (reduce_dim, cols // tile.block_n, num_assignments, w_rows, gate_offset),
-                               GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, SKIP_PADDING=tile.skip_padding,
-                               CONSUMER_REGS=HALVES_CONSUMER_REGS, num_warps=4, maxnreg=tile.max_registers, **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=tile.num_warps, maxnreg=tile.max_registers, **launch)
 
-    from moekit.experts.triton_gluon_launch import HALVES_CONSUMER_REGS
-
-    halves = importlib.import_module(f"{_KERNELS}.gluon_gemm_halves").grouped_gemm_halves_kernel
-    bm_up, bm_down = (64 if up.halves else up.block_m), (64 if down.halves else down.block_m)  # descriptor rows
+    bm_up, bm_down = up.block_m, down.block_m  # descriptor rows
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
                  bf16_gemm(down, inter, hidden, hidden, 0, False),
@@ -234,10 +224,8 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
-        up_rows = (*rows, b["sorted_ids"]) if plan.halves[0] else rows  # the halves kernel reads the padding rows
-        down_rows = (*rows, b["sorted_ids"]) if plan.halves[1] else rows
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, *up_rows)), (plan.down, (a_down, pair.w2, c_down, *down_rows))]
+                     (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
     launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
     return launches
