@@ -1,14 +1,12 @@
 """Where a Gluon call's time goes at a ridge cell (``ridge_device_check.py``): the layout (alignment + gather),
 the gate-up GEMM, the down GEMM and the k-slot combine, each alone in CUDA-graph replay, for the plan's tiles and
-their SKIP_PADDING twins; each GEMM's TFLOP/s on the real rows and % of the mm rate of its dtype.
+(session 18) their SKIP_PADDING twins; each GEMM's TFLOP/s on the real rows and % of the mm rate of its dtype.
 
 The GEMM inputs are one call's own layout and intermediates (h from that call's gate-up), so each launch reads
 what it reads in the call. (bf16's halves kernel and its skip: timed in session 18, removed in session 20.)
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -20,7 +18,7 @@ def _us(fn, dev) -> float:
 
 
 def fp8_parts(x, q, ids, rw, mm_tflops: float | None) -> dict:
-    """{part: µs} and {gemm %mm} of the fp8 Gluon call (plan's pipelines, then with skip_padding)."""
+    """{part: µs} and {gemm %mm} of the fp8 Gluon call (the plan's pipelines)."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, launch_gemm_fp8
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum
@@ -37,13 +35,11 @@ def fp8_parts(x, q, ids, rw, mm_tflops: float | None) -> dict:
     flops = 2.0 * ids.numel() * inter * hidden  # one GEMM's, down; gate-up twice that
     got = {"layout": _us(lambda: gluon_fp8_layout(x, ids, num_experts), dev),
            "combine": _us(lambda: launch_contiguous_sum(y, lay.src_to_dst, rw, out), dev)}
-    for name, up, down in (("", UP_TILE, DOWN_TILE),
-                           (" skip", replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True))):
-        launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up, True, inter)
-        got["gate-up" + name] = _us(lambda u=up: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s,
-                                                                 lay.block_experts, lay.rows_used, u, True, inter), dev)
-        got["down" + name] = _us(lambda d=down: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts,
-                                                                lay.rows_used, d, False), dev)
+    launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, UP_TILE, True, inter)
+    got["gate-up"] = _us(lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts,
+                                                 lay.rows_used, UP_TILE, True, inter), dev)
+    got["down"] = _us(lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used,
+                                              DOWN_TILE, False), dev)
     return _with_rates(got, flops, mm_tflops)
 
 

@@ -14,9 +14,8 @@ bf16 Gluon variants (``GluonTile``; block_m is the layout's alignment too, so bo
 Measured before and not repeated (``benchmarks/triton-notes.md``): BLOCK_K 128 (2-3 stages), GROUP_M at
 prefill, gate-up BLOCK_N 256 (two [*, 256] accumulators leave 2 stages). Every tile passes ``check_tile``.
 fp8 Gluon variants (``Fp8GluonTile``; the tile is fixed at [128, 128] x 128 by the scale blocks): the plan's
-pipelines; NEW: SKIP_PADDING (a consumer whose 64-row half is all padding runs no MMA: at the ridge an expert's
-last 128-row block is often half padding); one stage more in each GEMM, GROUP_M 1 and 32, the down GEMM's
-ping-pong, consumer 1 staggered.
+pipelines (SKIP_PADDING: removed in session 20, benchmarks/triton-notes.md); one stage more in each GEMM,
+GROUP_M 1 and 32, the down GEMM's ping-pong, consumer 1 staggered.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ def fp8_gluon_tiles() -> dict:
 
     return {
         "gf8": (UP_TILE, DOWN_TILE),
-        "gf8 skip": (replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True)),
         "gf8 +1 stage": (replace(UP_TILE, stages=UP_TILE.stages + 1), replace(DOWN_TILE, stages=DOWN_TILE.stages + 1)),
         "gf8 gm1": (replace(UP_TILE, group_m=1), replace(DOWN_TILE, group_m=1)),
         "gf8 gm32": (replace(UP_TILE, group_m=32), replace(DOWN_TILE, group_m=32)),
