@@ -4,9 +4,9 @@ difference from the route is the option.
 
 bf16 (the tiles of ``ridge_variants.bf16_gluon_tiles``): "lean g128" is the route's plan (equal to "route" but
 for the call's entry point); "lean h128" / "lean h128 skip" (the halves kernel and its padding skip: removed
-after run 1, dd8bed6: 0.88-1.03x); "lean g64", "lean g64 w4", "lean g64 down128": 64-row tiles (half the padding of an expert's last
-block), with one consumer warpgroup (w4) or a 128-wide down tile. Ridge run 2 (8b8a364, plain launches) had
-them 0.85-1.04x the route at Mixtral 512 / 1024.
+after run 1, dd8bed6: 0.88-1.03x); "lean g64", "lean g64 w4", "lean g64 down128" (64-row tiles, one or two
+consumer warpgroups: removed after run 1, 1.05-1.08x at Mixtral 512 there but 0.996-1.017x the plan's tiles in
+the two ridge runs, 0.96-1.01x at 1024).
 fp8 (``ridge_variants.fp8_gluon_tiles``): "lean gf8" (the route's plan) and the plain launch "gf8" (``lean=False``):
 ridge run 2 read gf8 577 µs against the route's 637 at Mixtral 512, run 1 here 616 against the lean 652. (SKIP_PADDING,
 "gf8 skip": removed after run 1, 0.95-1.00x.)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ridge_variants import Variant, bf16_gluon_tiles, fp8_gluon_tiles
 
-BF16_NAMES = ("g128", "g64", "g64 w4", "g64 down128")
+BF16_NAMES = ("g128",)
 FP8_NAMES = ("gf8",)
 
 

@@ -33,7 +33,7 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
-from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_descriptor, num_sms
+from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -69,7 +69,7 @@ class GluonLeanPlan:
 
     fp8: bool
     workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
-    align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read block_m-row expert segments
+    align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
     blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C)
     gather: BoundLaunch  # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst
@@ -107,16 +107,13 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher)
     (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, w2.shape, ids.shape[1]
     num_assignments = num_tokens * top_k
-    block_m = BLOCK_M if fp8 else up.block_m  # the layout's alignment = the GEMMs' tile rows (fp8: two 64-row halves)
-    if not fp8 and down.block_m != block_m:
-        raise ValueError(f"up={up}, down={down}: both GEMMs read the layout in the same block_m")
-    rows = max_padded_rows(num_assignments, num_experts, block_m)
-    align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
+    rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
+    align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0)
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
-        return (max(1, min(sms, cdiv(rows, block_m) * (cols // block_n))),)
+        return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
     part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
@@ -156,13 +153,12 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, num_warps=tile.num_warps, maxnreg=tile.max_registers, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
-    bm_up, bm_down = up.block_m, down.block_m  # descriptor rows
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
                  bf16_gemm(down, inter, hidden, hidden, 0, False),
-                 ((bm_up, up.block_k), (bm_up, up.block_n), (bm_down, down.block_k), (bm_down, down.block_n)),
+                 ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n)),
                  ((up.block_n, up.block_k), (down.block_n, down.block_k)))
 
 
