@@ -86,3 +86,18 @@ def test_swap_ab_round_trips_through_a_config_entry():
     assert base.to_dict() == {"BLOCK_M": 16, "up": vars(base.up), "down": vars(base.down)}  # files unchanged
     swapped = KernelConfig(16, base.up, base.down, swap_ab=True)
     assert swapped.to_dict()["swap_ab"] is True and KernelConfig.from_dict(swapped.to_dict()) == swapped
+
+
+def test_shipped_fp8_entries_swap_where_the_h200_measured_it(tmp_path, monkeypatch):
+    # H200 graph µs, tuned entry against swapped (raw/NVIDIA_H200-2026-12-03-dd8bed6-verdict.*, 5 interleaved rounds)
+    from moekit.experts.triton_fp8_plan import fp8_entry
+
+    monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))  # no user file shadows the shipped ones
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    mixtral = fp8_entry(1, 8, 14336, 4096, 2, 128, "NVIDIA_H200").config
+    assert mixtral.swap_ab and mixtral.down.BLOCK_N == 64  # 109.4 -> 102.4 (down 32 wide: mma.sync when swapped)
+    assert fp8_entry(2, 8, 14336, 4096, 2, 128, "NVIDIA_H200").config == mixtral  # M = 2 takes entry 1
+    assert not fp8_entry(64, 8, 14336, 4096, 2, 128, "NVIDIA_H200").config.swap_ab
+    assert fp8_entry(8, 256, 2048, 7168, 8, 128, "NVIDIA_H200").config.swap_ab  # 671.0 -> 650.0
+    assert not fp8_entry(1, 256, 2048, 7168, 8, 128, "NVIDIA_H200").config.swap_ab  # 98.6 -> 95.9: under 3%
+    assert fp8_entry(1, 128, 768, 2048, 8, 128, "NVIDIA_H200").config.swap_ab  # Qwen3 (session 18)
