@@ -45,6 +45,7 @@ WORKERS = 12
 BIG_WORKERS = 1  # of them, the one that takes the tasks with DeepSeek-V3's full weights (11-23 GB each)
 ROUNDS = 5
 ROTATION_BYTES = 256 << 20
+WORKER_CMD = [__file__]  # the compile workers' script and its leading arguments (a driver that changes CELLS sets its own)
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}
 
 
@@ -153,7 +154,7 @@ def start_workers(workers: int) -> list:
     for j, part in enumerate(slices):
         log = Path(f"/tmp/decode_q3_worker_{os.getpid()}_{j}.log")
         with open(log, "w") as out:
-            args = [sys.executable, __file__, "--worker", json.dumps(part)] + (["--smoke"] if SMOKE else [])
+            args = [sys.executable, *WORKER_CMD, "--worker", json.dumps(part)] + (["--smoke"] if SMOKE else [])
             procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
     return procs
 

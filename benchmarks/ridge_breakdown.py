@@ -1,14 +1,12 @@
 """Where a Gluon call's time goes at a ridge cell (``ridge_device_check.py``): the layout (alignment + gather),
 the gate-up GEMM, the down GEMM and the k-slot combine, each alone in CUDA-graph replay, for the plan's tiles and
-their SKIP_PADDING twins; each GEMM's TFLOP/s on the real rows and % of the mm rate of its dtype.
+(session 18) their SKIP_PADDING twins; each GEMM's TFLOP/s on the real rows and % of the mm rate of its dtype.
 
 The GEMM inputs are one call's own layout and intermediates (h from that call's gate-up), so each launch reads
-what it reads in the call. bf16 uses the halves kernel for the skip twin (the one-partition kernel cannot skip).
+what it reads in the call. (bf16's halves kernel and its skip: timed in session 18, removed in session 20.)
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -20,7 +18,7 @@ def _us(fn, dev) -> float:
 
 
 def fp8_parts(x, q, ids, rw, mm_tflops: float | None) -> dict:
-    """{part: µs} and {gemm %mm} of the fp8 Gluon call (plan's pipelines, then with skip_padding)."""
+    """{part: µs} and {gemm %mm} of the fp8 Gluon call (the plan's pipelines)."""
     from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, launch_gemm_fp8
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum
@@ -37,18 +35,16 @@ def fp8_parts(x, q, ids, rw, mm_tflops: float | None) -> dict:
     flops = 2.0 * ids.numel() * inter * hidden  # one GEMM's, down; gate-up twice that
     got = {"layout": _us(lambda: gluon_fp8_layout(x, ids, num_experts), dev),
            "combine": _us(lambda: launch_contiguous_sum(y, lay.src_to_dst, rw, out), dev)}
-    for name, up, down in (("", UP_TILE, DOWN_TILE),
-                           (" skip", replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True))):
-        launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up, True, inter)
-        got["gate-up" + name] = _us(lambda u=up: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s,
-                                                                 lay.block_experts, lay.rows_used, u, True, inter), dev)
-        got["down" + name] = _us(lambda d=down: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts,
-                                                                lay.rows_used, d, False), dev)
+    launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, UP_TILE, True, inter)
+    got["gate-up"] = _us(lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts,
+                                                 lay.rows_used, UP_TILE, True, inter), dev)
+    got["down"] = _us(lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used,
+                                              DOWN_TILE, False), dev)
     return _with_rates(got, flops, mm_tflops)
 
 
 def bf16_parts(x, w13, w2, ids, rw, mm_tflops: float) -> dict:
-    """{part: µs} and {gemm %mm} of the bf16 Gluon call (the plan's tiles; the halves kernel, then with skip)."""
+    """{part: µs} and {gemm %mm} of the bf16 Gluon call (the plan's tiles)."""
     from moekit.experts.triton_gluon import gluon_layout
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, launch_contiguous_sum, launch_gemm
 
@@ -60,19 +56,13 @@ def bf16_parts(x, w13, w2, ids, rw, mm_tflops: float) -> dict:
     y = x.new_empty(rows, hidden)  # [R, K]
     out = torch.empty_like(x)
     w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
-    pad = dict(sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
     got = {"layout": _us(lambda: gluon_layout(x, ids, num_experts), dev),
            "combine": _us(lambda: launch_contiguous_sum(y, lay.src_to_dst, rw, out), dev)}
-    up0, down0 = UP_TILE, down_tile(inter)
-    halves = dict(halves=True, num_warps=4)
-    for name, up, down in (("", up0, down0), (" halves", replace(up0, **halves), replace(down0, **halves)),
-                           (" halves skip", replace(up0, **halves, skip_padding=True),
-                            replace(down0, **halves, skip_padding=True))):
-        launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter, **pad)
-        got["gate-up" + name] = _us(lambda u=up: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used,
-                                                             u, True, 2 * inter, inter, **pad), dev)
-        got["down" + name] = _us(lambda d=down: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, d, False,
-                                                            hidden, **pad), dev)
+    up, down = UP_TILE, down_tile(inter)
+    launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
+    got["gate-up"] = _us(lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True,
+                                             2 * inter, inter), dev)
+    got["down"] = _us(lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden), dev)
     return _with_rates(got, 2.0 * ids.numel() * inter * hidden, mm_tflops)
 
 

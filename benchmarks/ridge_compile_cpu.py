@@ -26,33 +26,23 @@ def compile_bf16_gemm(tile, gated: bool) -> str:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from moekit.experts._kernels.gluon_gemm import grouped_gemm_kernel
-    from moekit.experts._kernels.gluon_gemm_halves import grouped_gemm_halves_kernel
-    from moekit.experts.triton_gluon_launch import HALVES_CONSUMER_REGS
+    from moekit.experts._kernels.gluon_gemm import grouped_gemm_kernel as kernel
+    from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
-    rows = 64 if tile.halves else tile.block_m  # the halves kernel's A and C blocks are one consumer's half
     int32 = torch.empty(1, dtype=torch.int32)
-    args = dict(a_desc=_descriptor([t, r], [rows, tile.block_k], bf16),
+    args = dict(a_desc=_descriptor([t, r], [BLOCK_M, tile.block_k], bf16),
                 w_desc=_descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([t, c], [rows, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32)
-    if tile.halves:
-        kernel = grouped_gemm_halves_kernel
-        args |= dict(sorted_ptr=int32, reduce_dim=r, num_col_blocks=c // tile.block_n, num_assignments=t,
-                     w_rows=w_rows, gate_offset=n if gated else 0)
-        const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, SKIP_PADDING=tile.skip_padding,
-                     CONSUMER_REGS=HALVES_CONSUMER_REGS, num_warps=4)
-    else:
-        kernel = grouped_gemm_kernel
-        args |= dict(reduce_dim=r, num_col_blocks=c // tile.block_n)
-        const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
-                     GROUP_M=tile.group_m, num_warps=tile.num_warps)
+                c_desc=_descriptor([t, c], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
+                reduce_dim=r, num_col_blocks=c // tile.block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=tile.num_warps, maxnreg=tile.max_registers))
+                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS))
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)

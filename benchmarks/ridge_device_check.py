@@ -244,8 +244,8 @@ def run_dtype(cell: Cell, dtype: str, rounds: int, start: float, stop_at: float)
 
 
 def smoke_gluon_host() -> bool:
-    """CPU: the Gluon variants' tiles pass ``check_tile`` and the layout at block_m 64 (its gather kernel
-    interpreted) holds each assignment's row of x on a 64-aligned expert segment."""
+    """CPU: the Gluon variants' tiles pass ``check_tile`` and the layout (its gather kernel interpreted) holds each
+    assignment's row of x on a 128-aligned expert segment."""
     import torch
 
     from moekit.experts.triton_gluon import gluon_layout
@@ -254,14 +254,14 @@ def smoke_gluon_host() -> bool:
     tiles = {**bf16_gluon_tiles(768), **bf16_gluon_tiles(14336), **fp8_gluon_tiles()}
     x = torch.randn(24, 128)
     ids = torch.stack([torch.randperm(4)[:2] for _ in range(24)]).to(torch.int32)
-    lay = gluon_layout(x, ids, 4, block_m=64)
+    lay = gluon_layout(x, ids, 4)
     used = int(lay.rows_used)
-    ok = used % 64 == 0 and used <= lay.x_perm.shape[0]
+    ok = used % 128 == 0 and used <= lay.x_perm.shape[0]
     for t in range(24):
         for j in range(2):
             r = int(lay.src_to_dst[t, j])
-            ok &= torch.equal(lay.x_perm[r], x[t]) and int(lay.block_experts[r // 64]) == int(ids[t, j])
-    log(f"smoke: {len(tiles)} Gluon tile pairs fit; layout at block_m 64 ({used} rows used): {'PASS' if ok else 'FAIL'}")
+            ok &= torch.equal(lay.x_perm[r], x[t]) and int(lay.block_experts[r // 128]) == int(ids[t, j])
+    log(f"smoke: {len(tiles)} Gluon tile pairs fit; layout ({used} rows used): {'PASS' if ok else 'FAIL'}")
     return ok
 
 

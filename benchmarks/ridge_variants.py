@@ -2,23 +2,17 @@
 (``run_experts(backend="triton")``), the fused Triton kernels forced, and the Gluon paths with tiles the route
 does not ship, bf16 and fp8_block.
 
-bf16 Gluon variants (``GluonTile``; block_m is the layout's alignment too, so both GEMMs share it):
+bf16 Gluon variants (``GluonTile``):
   - g128: the plan's tiles (gate-up 128x128x64 4 stages, down 128x128x64 6 stages, GROUP_M 1 for narrow experts);
-  - h128 / h128 skip: NEW, the plan's tiles on ``gluon_gemm_halves`` (each 64-row half a 4-warp consumer
-    partition of its own); skip: a half that is all padding runs no MMA (padding in 64-row steps, weight
-    tiles still shared by 128 rows);
+  - (h128 / h128 skip, the halves kernel: removed in session 20, benchmarks/triton-notes.md);
   - g128 down256: the down GEMM 256 wide (one [128, 256] accumulator, 3 stages);
-  - g64: 64-row tiles (half the padding of an expert's last block; 8 warps split along the columns), gate-up
-    128 wide 5 stages, down 256 wide 4 stages; g64 down128: the down GEMM 128 wide, 6 stages;
-  - g64 w4: 64-row tiles, one consumer warpgroup (4 warps, 240 registers), gate-up 5 stages, down 6;
-  - g64 up256: 64-row tiles, gate-up 256 wide at BLOCK_K 32 (5 stages: each warpgroup's wgmma [64, 128] x 2);
+  - (g64, g64 w4, g64 up256, g64 down128: 64-row tiles, one or two consumer warpgroups; removed in session 20);
   - g128 gm32: the plan's tiles with GROUP_M 32 in both GEMMs (more row blocks share each weight tile).
 Measured before and not repeated (``benchmarks/triton-notes.md``): BLOCK_K 128 (2-3 stages), GROUP_M at
 prefill, gate-up BLOCK_N 256 (two [*, 256] accumulators leave 2 stages). Every tile passes ``check_tile``.
 fp8 Gluon variants (``Fp8GluonTile``; the tile is fixed at [128, 128] x 128 by the scale blocks): the plan's
-pipelines; NEW: SKIP_PADDING (a consumer whose 64-row half is all padding runs no MMA: at the ridge an expert's
-last 128-row block is often half padding); one stage more in each GEMM, GROUP_M 1 and 32, the down GEMM's
-ping-pong, consumer 1 staggered.
+pipelines (SKIP_PADDING: removed in session 20, benchmarks/triton-notes.md); one stage more in each GEMM,
+GROUP_M 1 and 32, the down GEMM's ping-pong, consumer 1 staggered.
 """
 
 from __future__ import annotations
@@ -38,21 +32,12 @@ class Variant:
 
 def bf16_gluon_tiles(inter: int) -> dict:
     """name -> (gate-up GluonTile, down GluonTile) for experts ``inter`` (N) wide."""
-    from moekit.experts.triton_gluon_launch import UP_TILE, GluonTile, check_tile, down_tile
+    from moekit.experts.triton_gluon_launch import UP_TILE, check_tile, down_tile
 
     down = down_tile(inter)
     tiles = {  # in the order they run (a cell's budget may cut the last)
         "g128": (UP_TILE, down),
-        "h128 skip": (replace(UP_TILE, halves=True, num_warps=4, skip_padding=True),
-                      replace(down, halves=True, num_warps=4, skip_padding=True)),
-        "g64": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, block_n=256, stages=4, group_m=down.group_m)),
-        "h128": (replace(UP_TILE, halves=True, num_warps=4), replace(down, halves=True, num_warps=4)),
-        "g64 w4": (GluonTile(block_m=64, stages=5, num_warps=4, max_registers=240),
-                   GluonTile(block_m=64, stages=6, num_warps=4, max_registers=240, group_m=down.group_m)),
-        "g64 up256": (GluonTile(block_m=64, block_n=256, block_k=32, stages=5),
-                      GluonTile(block_m=64, block_n=256, stages=4, group_m=down.group_m)),
         "g128 down256": (UP_TILE, replace(down, block_n=256, stages=3)),
-        "g64 down128": (GluonTile(block_m=64, stages=5), GluonTile(block_m=64, stages=6, group_m=down.group_m)),
         "g128 gm32": (replace(UP_TILE, group_m=32), replace(down, group_m=32)),
     }
     for up, dn in tiles.values():
@@ -67,7 +52,6 @@ def fp8_gluon_tiles() -> dict:
 
     return {
         "gf8": (UP_TILE, DOWN_TILE),
-        "gf8 skip": (replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True)),
         "gf8 +1 stage": (replace(UP_TILE, stages=UP_TILE.stages + 1), replace(DOWN_TILE, stages=DOWN_TILE.stages + 1)),
         "gf8 gm1": (replace(UP_TILE, group_m=1), replace(DOWN_TILE, group_m=1)),
         "gf8 gm32": (replace(UP_TILE, group_m=32), replace(DOWN_TILE, group_m=32)),
@@ -77,21 +61,19 @@ def fp8_gluon_tiles() -> dict:
 
 
 def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
-    """The bf16 Gluon path with the tiles given (plain launches; the layout aligned to up.block_m; the layout's
-    sorted_ids tell the halves kernel's SKIP_PADDING which halves are padding)."""
+    """The bf16 Gluon path with the tiles given (plain launches)."""
     from moekit.experts.triton_gluon import gluon_layout
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum, launch_gemm
 
     num_experts, hidden, inter = w2.shape
-    lay = gluon_layout(x, ids, num_experts, block_m=up.block_m)
+    lay = gluon_layout(x, ids, num_experts)
     rows = lay.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]
-    pad = dict(sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
     launch_gemm(lay.x_perm, w13.view(num_experts * 2 * inter, hidden), h, lay.block_experts, lay.rows_used, up,
-                gated=True, w_rows=2 * inter, gate_offset=inter, **pad)
+                gated=True, w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, lay.block_experts, lay.rows_used, down, gated=False,
-                w_rows=hidden, **pad)
+                w_rows=hidden)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, lay.src_to_dst, rw.contiguous(), out)
     return out

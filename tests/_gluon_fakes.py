@@ -44,8 +44,7 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED,
-             SKIP_PADDING=False, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     for block in range(int(used_ptr[0]) // BLOCK):
@@ -53,10 +52,6 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
-            if SKIP_PADDING and float(as_ptr[first, 0]) == 0.0:  # all padding: no product, h scales 0
-                if GATED:
-                    cs_ptr[rows, : cols // BLOCK] = 0.0
-                continue
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T
             if GATED:
@@ -64,25 +59,6 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
                 c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
             else:
                 c[rows] = product.to(c.dtype)
-
-
-def halves_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, num_assignments, w_rows, gate_offset,
-                GATED, SKIP_PADDING, **_):
-    """``gluon_gemm_halves``: ``bf16_gemm`` per 64-row half; SKIP_PADDING: a half whose first row is padding is
-    neither computed nor stored."""
-    a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols, half = c.shape[1], BLOCK // 2
-    for block in range(int(used_ptr[0]) // BLOCK):
-        first_w = int(experts_ptr[block]) * w_rows
-        for first in (block * BLOCK, block * BLOCK + half):
-            if SKIP_PADDING and int(sorted_ptr[first]) >= num_assignments:
-                continue
-            rows = slice(first, first + half)
-            product = a[rows].float() @ w[first_w:first_w + cols].float().T  # [64, C]
-            if GATED:
-                up = a[rows].float() @ w[first_w + gate_offset:first_w + gate_offset + cols].float().T
-                product = torch.nn.functional.silu(product) * up
-            c[rows] = product.to(c.dtype)
 
 
 class FakeKernel:
@@ -108,15 +84,14 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16": FakeKernel, "fp8": FakeKernel, "halves": FakeKernel}."""
+    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
 
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
-                                     ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
-                                     ("halves", "gluon_gemm_halves", "grouped_gemm_halves_kernel", halves_gemm)):
+                                     ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

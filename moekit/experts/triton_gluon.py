@@ -20,7 +20,7 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, gluon_supported, gluon_tiles, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
 )
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
@@ -39,7 +39,7 @@ class GluonChoice:
     interleaved rounds: the plan's tiles 946 µs against the fused kernels' 1032-1052, every Gluon tile tried
     934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log). Not below: Qwen3 M=4096 0.79x, DeepSeek-V3 (N=2048)
     M=4096 1.00x (0.97x in the run before); M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x;
-    M = 512 Qwen3 0.84x (0.93x at 64-row tiles)."""
+    M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
 
     min_tokens: int = 16384
     min_tokens_wide: int = 512
@@ -80,26 +80,25 @@ class GluonLayout:
     input row only) and the combine never reads them."""
 
     x_perm: torch.Tensor  # [R, K]; row r = x[sorted_ids[r] // k]; padding rows uninitialised
-    block_experts: torch.Tensor  # [R // block_m] int32; local expert of each row block, -1 past rows_used
-    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of block_m
+    block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
+    rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
-    sorted_ids: torch.Tensor  # [R] int32; the assignment of each row, M*k on padding rows
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                 expert_map: torch.Tensor | None = None, align=None, block_m: int = BLOCK_M) -> GluonLayout:
-    """Group x's rows by expert into ``block_m``-aligned segments (the GEMMs' tile height). ``align``: the
-    alignment function (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
+                 expert_map: torch.Tensor | None = None, align=None) -> GluonLayout:
+    """Group x's rows by expert into BLOCK_M-aligned segments. ``align``: the alignment function
+    (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
     kernel then copies the real rows and writes their inverse (the torch indexing it replaced cost 0.4-1.6
     ms at prefill on the H200: a copy of x, all R rows gathered, a scatter)."""
     if align is None:
         from moekit.experts.triton_align import align_block_triton as align
-    blocks = align(topk_ids, num_experts, block_m, expert_map, allow_naive=False)
+    blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
     num_tokens, top_k = topk_ids.shape
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
 
 
 def experts_gluon(
@@ -136,18 +135,16 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     if lean:
         from moekit.experts.triton_gluon_lean import run_lean
 
-        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, *gluon_tiles(x.shape[0], inter),
-                        fast_key=fast_key)
+        return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = gluon_layout(x, topk_ids, num_experts, expert_map, block_m=plan.up.block_m)
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    pad = dict(sorted_ids=layout.sorted_ids, num_assignments=topk_ids.numel())  # the halves kernel's padding rows
     launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
-                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter, **pad)
+                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden, **pad)
+                gated=False, w_rows=hidden)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
@@ -162,7 +159,7 @@ def experts_gluon_twin(x, w13, w2, topk_ids, topk_weights, *, activation="silu",
         raise ValueError(f"the Gluon path cannot take this call: {reason}")
     num_experts, hidden, inter = w2.shape
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = permute_contiguous(x, topk_ids, num_experts, plan.up.block_m, expert_map, static_rows=plan.rows)
+    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [T, K]
     starts = layout.offsets.tolist()
     for e in range(num_experts):

@@ -24,53 +24,29 @@ _KERNELS = "moekit.experts._kernels"
 
 @dataclass(frozen=True)
 class GluonTile:
-    """One GEMM's tile and pipeline: [block_m, block_n] outputs, block_k reduction steps, ``stages``
-    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk; ``num_warps`` in
-    the MMA partition (8: two warpgroups per tile, split along the rows at block_m 128, along the columns
-    at 64; 4: one warpgroup), ``max_registers`` per thread at launch. block_m is also the layout's
-    segment alignment: both GEMMs of a call take the same (the route's plan: BLOCK_M)."""
+    """One GEMM's tile and pipeline: [BLOCK_M, block_n] outputs, block_k reduction steps, ``stages``
+    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. (64-row tiles and one
+    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    block_m: int = BLOCK_M
-    num_warps: int = NUM_WARPS
-    max_registers: int = MAX_REGISTERS
-    halves: bool = False  # the two 64-row halves in two 4-warp consumer partitions (``gluon_gemm_halves``)
-    skip_padding: bool = False  # halves only: a half that is all padding runs no MMA
 
     def __post_init__(self):
-        if self.halves and (self.block_m != 128 or self.num_warps != 4):
-            raise ValueError(f"halves with block_m={self.block_m}, num_warps={self.num_warps}: 128 rows, 4 warps a half")
-        if self.skip_padding and not self.halves:
-            raise ValueError("skip_padding needs halves=True (the one 8-warp partition cannot skip a half)")
-        if self.block_m not in (64, 128):
-            raise ValueError(f"block_m={self.block_m}: 64 or 128 (a wgmma warpgroup covers 64 rows)")
-        if self.num_warps not in (4, 8):
-            raise ValueError(f"num_warps={self.num_warps}: 4 or 8 (one or two consumer warpgroups)")
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
             raise ValueError(f"block_n={self.block_n}, block_k={self.block_k}: 64/128/256 and 32/64/128")
         if self.stages < 2 or self.group_m < 1:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
 
-    def warps_mn(self) -> tuple[int, int]:
-        """(warps along rows, along columns) of the MMA partition, as the kernel lays them out (halves: each)."""
-        if self.halves:
-            return 4, 1
-        warps_m = self.num_warps if self.block_m >= 16 * self.num_warps else self.block_m // 16
-        return warps_m, self.num_warps // warps_m
-
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + one or two weight tiles) + the output tile."""
-        stage = (self.block_m + (2 if gated else 1) * self.block_n) * self.block_k
-        return element_size * (self.stages * stage + self.block_m * self.block_n)
+        stage = (BLOCK_M + (2 if gated else 1) * self.block_n) * self.block_k
+        return element_size * (self.stages * stage + BLOCK_M * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [block_m, block_n] tiles; halves: [64, block_n]
-        on each 4-warp consumer)."""
-        rows, warps = (64, 4) if self.halves else (self.block_m, self.num_warps)
-        return (2 if gated else 1) * rows * self.block_n // (32 * warps)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M, block_n] tiles)."""
+        return (2 if gated else 1) * BLOCK_M * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
@@ -105,18 +81,12 @@ NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
 
 
 def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
-    """The plan of a call (``inter``: N): its tiles (``gluon_tiles``) and rows that hold any routing of the M*k
-    assignments in segments aligned to the tiles' block_m (``max_padded_rows``)."""
+    """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
+    (``max_padded_rows``)."""
     from moekit.layouts.grouping import max_padded_rows
 
-    up, down = gluon_tiles(num_tokens, inter)
-    return GluonPlan(rows=max_padded_rows(num_tokens * top_k, num_experts, up.block_m), up=up, down=down)
-
-
-def gluon_tiles(num_tokens: int, inter: int) -> tuple[GluonTile, GluonTile]:
-    """(gate-up, down) tiles of a call of ``num_tokens`` tokens on experts ``inter`` (N) wide; both share block_m
-    (the layout's alignment)."""
-    return UP_TILE, down_tile(inter)
+    rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
+    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter))
 
 
 def down_tile(inter: int) -> GluonTile:
@@ -184,47 +154,20 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
-                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
-    block_experts [T // tile.block_m] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of tile.block_m, <= T). tile.skip_padding: sorted_ids [T] (the layout's assignment of each row, padding >=
-    num_assignments) say which halves are padding."""
-    if tile.halves:
-        launch_gemm_halves(a, w, out, block_experts, rows_used, tile, gated, w_rows, gate_offset, sorted_ids,
-                           num_assignments)
-        return
+    block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
+    of BLOCK_M, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-    a_desc = gluon_descriptor(a, [tile.block_m, tile.block_k])
+    a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
-    c_desc = gluon_descriptor(out, [tile.block_m, tile.block_n])
+    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
-    max_tiles = -(-a.shape[0] // tile.block_m) * num_col_blocks
+    max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=tile.num_warps, maxnreg=tile.max_registers)
-
-
-HALVES_CONSUMER_REGS = 224  # consumer 1 of the halves kernel (the fp8 kernel's split: consumer 0 gets the rest)
-
-
-def launch_gemm_halves(a, w, out, block_experts, rows_used, tile: GluonTile, gated: bool, w_rows: int,
-                       gate_offset: int, sorted_ids: torch.Tensor | None, num_assignments: int) -> None:
-    """``launch_gemm`` on ``gluon_gemm_halves`` (tile.halves)."""
-    if tile.skip_padding and sorted_ids is None:
-        raise ValueError(f"tile={tile}: skip_padding needs the layout's sorted_ids")
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_halves").grouped_gemm_halves_kernel
-    a_desc = gluon_descriptor(a, [64, tile.block_k])
-    w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
-    c_desc = gluon_descriptor(out, [64, tile.block_n])
-    num_col_blocks = out.shape[1] // tile.block_n
-    grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // 128) * num_col_blocks)),)
-    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used,
-                 block_experts if sorted_ids is None else sorted_ids, a.shape[1], num_col_blocks, num_assignments,
-                 w_rows, gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 SKIP_PADDING=tile.skip_padding, CONSUMER_REGS=HALVES_CONSUMER_REGS, num_warps=4,
-                 maxnreg=tile.max_registers)
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,

@@ -33,7 +33,7 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
-from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_descriptor, num_sms
+from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -69,14 +69,13 @@ class GluonLeanPlan:
 
     fp8: bool
     workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
-    align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read block_m-row expert segments
+    align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
     blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C)
     gather: BoundLaunch  # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst
     up: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded
     down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
-    halves: tuple = (False, False)  # bf16: the gate-up / down GEMM on ``gluon_gemm_halves`` (+ sorted_ids)
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> tuple:
@@ -108,16 +107,13 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher)
     (num_tokens, hidden), (num_experts, _, inter), top_k = x.shape, w2.shape, ids.shape[1]
     num_assignments = num_tokens * top_k
-    block_m = BLOCK_M if fp8 else up.block_m  # the layout's alignment = the GEMMs' tile rows (fp8: two 64-row halves)
-    if not fp8 and down.block_m != block_m:  # (halves: 128-row tiles of two 64-row halves)
-        raise ValueError(f"up={up}, down={down}: both GEMMs read the layout in the same block_m")
-    rows = max_padded_rows(num_assignments, num_experts, block_m)
-    align = plan_align(num_assignments, num_experts, block_m, None if expert_map is None else expert_map.numel(),
+    rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
+    align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0)
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
-        return (max(1, min(sms, cdiv(rows, block_m) * (cols // block_n))),)
+        return (max(1, min(sms, cdiv(rows, BLOCK_M) * (cols // block_n))),)
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
     part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
@@ -131,8 +127,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
-                         weight_key, part.blocks, part.gather, part.up, part.down, combine,
-                         (False, False) if fp8 else (up.halves, down.halves))
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
 
 
 @dataclass(frozen=True)
@@ -156,23 +151,14 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
                          TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.halves:  # one more pointer: the layout's sorted_ids (its padding rows, SKIP_PADDING)
-            return BoundLaunch(halves, grid(cols, tile.block_n), 6,
-                               (reduce_dim, cols // tile.block_n, num_assignments, w_rows, gate_offset),
-                               GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, SKIP_PADDING=tile.skip_padding,
-                               CONSUMER_REGS=HALVES_CONSUMER_REGS, num_warps=4, maxnreg=tile.max_registers, **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, num_warps=tile.num_warps, maxnreg=tile.max_registers, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
-    from moekit.experts.triton_gluon_launch import HALVES_CONSUMER_REGS
-
-    halves = importlib.import_module(f"{_KERNELS}.gluon_gemm_halves").grouped_gemm_halves_kernel
-    bm_up, bm_down = (64 if up.halves else up.block_m), (64 if down.halves else down.block_m)  # descriptor rows
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
                  bf16_gemm(down, inter, hidden, hidden, 0, False),
-                 ((bm_up, up.block_k), (bm_up, up.block_n), (bm_down, down.block_k), (bm_down, down.block_n)),
+                 ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n)),
                  ((up.block_n, up.block_k), (down.block_n, down.block_k)))
 
 
@@ -192,8 +178,7 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
         return BoundLaunch(gemm, grid(cols, GROUP), 8,
                            (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, SKIP_PADDING=tile.skip_padding,
-                           num_warps=CONSUMER_WARPS,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
@@ -234,10 +219,8 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
-        up_rows = (*rows, b["sorted_ids"]) if plan.halves[0] else rows  # the halves kernel reads the padding rows
-        down_rows = (*rows, b["sorted_ids"]) if plan.halves[1] else rows
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, *up_rows)), (plan.down, (a_down, pair.w2, c_down, *down_rows))]
+                     (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
     launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
     return launches

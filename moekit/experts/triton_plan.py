@@ -197,10 +197,12 @@ def _gemm_launches(x, w13, w2, b13, b2, top_k: int, config: KernelConfig, block_
     ``options.sum_fold_max`` allows (else None). h [A, N] and y [A, K] are contiguous workspace regions; the
     weights and biases are read through their own strides (a bias that is None gets strides 0). ``fold``:
     the gate-up kernel's FOLD constexprs (``_fold_constexprs``)."""
+    if config.swap_ab:
+        raise ValueError("config.swap_ab is for the fp8 GEMMs (bf16 measured no faster with it, session 20)")
     num_experts, hidden, n = w2.shape
     num_assignments = x.shape[0] * top_k
     up, down, gemm = config.up, config.down, kernels("gemm")
-    shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors, SWAP_AB=config.swap_ab,
+    shared = dict(BLOCK_M=block_m, NAIVE=naive, UPCAST=interpreting(), W_DESC=descriptors,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ieee: the fp32 1e-5 contract
                   cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
     fold = dict(fold)

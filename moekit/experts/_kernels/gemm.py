@@ -45,13 +45,6 @@ clamp), UP_SHIFT (act(gate) * (up + UP_SHIFT)). Biases are pointers, None withou
 N] is added in the gate-up epilogue (one [BN] row per tile), b2 [E, K] in the down epilogue before the
 routed weight multiplies. Weights are read through their strides (transposed storage is a view).
 
-SWAP_AB (``KernelConfig.swap_ab``, decode tiles): each K-step computes the transposed product, w_tile [BN, BK] @
-a_tile^T [BK, BM], into a [BN, BM] accumulator, transposed back for the epilogue: the weight tile is the MMA's M side,
-so 16-row tiles can run on Hopper's wgmma (M >= 64) straight from the shared-memory weight tile instead of mma.sync
-(sm_90 TTGIR of Triton 3.6 and 3.9: ``warp_group_dot`` against ``tt.dot`` on dot-operand registers; a weight tile
-of >= 64 rows, narrower ones stay on mma.sync). Float32 sums in another
-order: within the twin's tolerance, not bit-equal to the unswapped kernel. fp8: see ``gemm_fp8``.
-
 PRECISION: "ieee" for float32 inputs (the fp32 contract is 1e-5; tf32 lands near 3e-4), "tf32"
 otherwise (ignored for 16-bit operands).
 
@@ -121,34 +114,11 @@ def _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False):
-    """acc + a [BM, BK] @ b [BK, BN]; SWAP_AB: acc is [BN, BM], + b^T a^T (see SWAP_AB); UPCAST: the operands in
-    float32 first (the interpreter, see above)."""
+def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b; UPCAST: the operands in float32 first (the interpreter, see above)."""
     if UPCAST:
         a, b = a.to(tl.float32), b.to(tl.float32)
-    if SWAP_AB:
-        acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """A float32 accumulator: [BM, BN], or [BN, BM] with SWAP_AB (one return: Triton compares every return's type)."""
-    if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def unswap(acc, SWAP_AB: tl.constexpr):
-    """An accumulator as [BM, BN]."""
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    return acc
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -226,7 +196,7 @@ def gate_up_kernel(
     ACT: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr, PAIRS: tl.constexpr, ALPHA: tl.constexpr,
     LIMIT: tl.constexpr, UP_SHIFT: tl.constexpr, NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, PDL: tl.constexpr, FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1,  # FOLD: docstring
-    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1, HAS_MAP: tl.constexpr = False,
 ):
     """h = glu(x w13^T + b13) per assignment (variant constexprs: module docstring; gate/up rows: _w13_rows).
     w13_up_ptr: the up rows' own descriptor when W_DESC and INTERLEAVED (w13_ptr: the gate rows'), else None."""
@@ -249,7 +219,8 @@ def gate_up_kernel(
         w_rows, w_ok = _w13_rows(pid_n, offs_n, n_ok, N, BLOCK_N, INTERLEAVED, PAIRS)  # [1, BN or 2BN]
         wg_ptrs = w13_ptr + expert * stride_we + w_rows * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN or 2BN]
         wu_ptrs = wg_ptrs + (1 if INTERLEAVED else N) * stride_wn  # gated, not PAIRS: the up rows
-    acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)  # ungated: gate only
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: the one accumulator
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # ungated: never touched
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -267,13 +238,13 @@ def gate_up_kernel(
             elif GATED:
                 wu = tl.load(wu_ptrs, mask=k_ok[:, None] & w_ok, other=0.0)
                 wu_ptrs += BLOCK_K * stride_wk
-        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION, SWAP_AB)
+        acc_gate = _dot(xa, wg, acc_gate, UPCAST, PRECISION)
         if GATED:
-            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION, SWAP_AB)
+            acc_up = _dot(xa, wu, acc_up, UPCAST, PRECISION)
         x_ptrs += BLOCK_K * stride_xk
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    h = _gate_up_epilogue(unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), b13_ptr, expert, offs_n, n_ok, N,
-                          stride_be, stride_bn, ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
+    h = _gate_up_epilogue(acc_gate, acc_up, b13_ptr, expert, offs_n, n_ok, N, stride_be, stride_bn,
+                          ACT, GATED, INTERLEAVED, ALPHA, LIMIT, UP_SHIFT)  # [BM, BN] fp32; [A, 2N] never written
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -289,7 +260,7 @@ def down_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, W_DESC: tl.constexpr,
     PDL: tl.constexpr, KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (docstring)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    SWAP_AB: tl.constexpr = False, SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,
+    SUM_AFTER: tl.constexpr = False, SUM_T: tl.constexpr = 1, SUM_K: tl.constexpr = 1,
 ):
     """y = routed weight * (h w2^T + b2) per assignment (b2_ptr None: no bias); KSUM, SUM_AFTER: out too (docstring)."""
     wait_for_previous_kernel(PDL)
@@ -316,7 +287,7 @@ def down_kernel(
         w_row = (expert * K + pid_n * BLOCK_N).to(tl.int32)
     else:
         w_ptrs = w2_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_K):
         red_ok = offs_red < N - n0
         ha = tl.load(h_ptrs, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
@@ -325,10 +296,11 @@ def down_kernel(
         else:
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
-        acc = _dot(ha, wb, acc, UPCAST, PRECISION, SWAP_AB)
+        if UPCAST:
+            ha, wb = ha.to(tl.float32), wb.to(tl.float32)
+        acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
-    acc = unswap(acc, SWAP_AB)
     if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
         b2 = tl.load(b2_ptr + expert * stride_b2e + offs_out.to(tl.int64) * stride_b2k, mask=out_ok, other=0.0)
         acc += b2.to(tl.float32)[None, :]

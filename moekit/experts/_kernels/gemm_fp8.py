@@ -66,11 +66,27 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.combine import (
-    gemm_done, ksum_epilogue, programs_after_gemm, routed_slot_count,
-)
-from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position, acc_zeros, unswap
+from moekit.experts._kernels.combine import gemm_done, ksum_epilogue, programs_after_gemm, routed_slot_count
+from moekit.experts._kernels.gemm import _block_rows, _gate_up_rows, _grid_position
 from moekit.experts._kernels.quant_fp8 import group_scale, to_e4m3
+
+
+@triton.jit
+def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A float32 accumulator: [BM, BN], or [BN, BM] with SWAP_AB (one return: Triton compares every return's type)."""
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def unswap(acc, SWAP_AB: tl.constexpr):
+    """An accumulator as [BM, BN]."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit

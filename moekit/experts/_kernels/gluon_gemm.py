@@ -14,8 +14,7 @@ read on the device: no host sync) in a GROUP_M-swizzled order, so CTAs running a
 tiles in L2. Two partitions per program:
   - loader (1 warp, few registers): TMA loads of A and W tiles into a STAGES-deep SMEM ring; each
     stage has a `ready` barrier (TMA bytes landed) and an `empty` one (the MMAs that read it retired).
-  - default (num_warps 8: two warpgroups sharing each [BLOCK_M, BLOCK_N] tile, split along the rows at
-    BLOCK_M = 128, along the columns at 64; or 4: one warpgroup): async wgmma with
+  - default (num_warps = 8, two warpgroups sharing each [BLOCK_M, BLOCK_N] tile): async wgmma with
     one group in flight, releases each stage as soon as the MMA that read it retired, then the
     epilogue (registers -> SMEM -> TMA store) while the loader already fills the next tile's stages.
 
@@ -83,11 +82,8 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     WTILES: gl.constexpr = 2 if GATED else 1
-    # warps along M: a warpgroup's wgmma covers 64 rows, so 64-row tiles at 8 warps split the columns in two
-    WARPS_M: gl.constexpr = num_warps if BLOCK_M >= 16 * num_warps else BLOCK_M // 16
-    WARPS_N: gl.constexpr = num_warps // WARPS_M
     layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N], instr_shape=[16, BLOCK_N // WARPS_N, 16])
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)

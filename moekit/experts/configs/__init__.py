@@ -53,8 +53,9 @@ class KernelConfig:
     BLOCK_M: int  # rows per block of the aligned layout; shared by both GEMMs
     up: GemmTile  # gate-up GEMM: columns tile N, reduction over K
     down: GemmTile  # down GEMM: columns tile K, reduction over N
-    # The GEMMs compute the transposed product per step (``_kernels/gemm.py``, SWAP_AB): the weight tile as the MMA's M
-    # side, so decode tiles of 16 rows run on Hopper's wgmma (fp8: else f16 conversions of every weight tile).
+    # The fp8 GEMMs compute the transposed product per step (``_kernels/gemm_fp8.py``, SWAP_AB): the weight tile as
+    # the MMA's M side, so decode tiles of 16 rows run on Hopper's wgmma, not mma.sync with f16 conversions of every
+    # weight tile. The bf16 kernels refuse it (measured no faster, session 20).
     swap_ab: bool = False
 
     def to_dict(self) -> dict:
