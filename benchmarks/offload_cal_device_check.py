@@ -53,7 +53,7 @@ from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CPU_GEMMS
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
-from offload_cpu_anatomy import anatomy, exactness, print_passes
+from offload_cpu_anatomy import passes, print_passes
 
 LIMIT_S = 122.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
 GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
@@ -130,11 +130,8 @@ def main(argv: list[str]) -> int:
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
     logged = len(BRANCHES.entries)
-    result["exact"] = exactness(shells[0], costs, device, batches, MODES)
-    del BRANCHES.entries[logged:]  # its forwards stay out of the first group's log
-    result["anatomy"] = anatomy(shells[0], costs, device, repeats=2 if smoke else 6)
-    print_passes(result["exact"], result["anatomy"])
-    sys.stdout.flush()
+    result.update(passes(shells[0], costs, device, batches, MODES, repeats=2 if smoke else 6))
+    del BRANCHES.entries[logged:]  # the exactness forwards stay out of the first group's log
     if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
         torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
         result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"

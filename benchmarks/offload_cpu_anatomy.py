@@ -16,6 +16,7 @@ is what the thread team buys on the weights' read.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -89,6 +90,15 @@ def _gemms(x, w13, w2, experts: list[int], n_dim: int, threads: int) -> float:
             a = torch.nn.functional.silu(h[:, :n_dim]) * h[:, n_dim:]  # [1, N]
             a @ w2[e].t()  # [1, K]
         return time.perf_counter() - start
+
+
+def passes(shell, costs, device, batches: tuple[int, ...], modes: tuple[str, ...], repeats: int) -> dict:
+    """Both passes, printed as they end: {"exact": ``exactness``'s rows, "anatomy": ``anatomy``'s}."""
+    out = {"exact": exactness(shell, costs, device, batches, modes)}
+    out["anatomy"] = anatomy(shell, costs, device, repeats=repeats)
+    print_passes(out["exact"], out["anatomy"])
+    sys.stdout.flush()
+    return out
 
 
 def print_passes(exact: list[dict], parts: list[dict]) -> None:
