@@ -27,7 +27,8 @@ import torch
 
 from moekit.offload import staging
 
-CPU_GEMMS = ("onednn_fused", "mm_loop")  # grouped_mm's CPU strategies for the misses (``layer._cpu_experts_fn``)
+# the misses' CPU experts: grouped_mm's strategies (``layer._cpu_experts_fn``), then ``cpu_direct`` (float weights only)
+CPU_GEMMS = ("onednn_fused", "mm_loop", "direct")
 
 
 @dataclass(frozen=True)
