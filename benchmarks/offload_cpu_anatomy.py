@@ -59,30 +59,41 @@ def exactness(shell, costs, device, batches: tuple[int, ...], modes: tuple[str, 
 
 
 def anatomy(shell, costs, device, counts: tuple[int, ...] = (1, 4, 8), repeats: int = 6) -> list[dict]:
-    """Per experts count (1 row each): medians over ``repeats`` cold groups of the branch's phases and of
-    the plain GEMMs at the branch's threads and at 1 thread, in ms."""
+    """Per experts count (1 row each): medians over ``repeats`` of the branch's phases on cold experts, its
+    compute again on the same (now warm) experts, its compute with each other CPU GEMM (cold), and the plain
+    GEMMs at the branch's threads (cold, then warm) and at 1 thread (cold), in ms."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     threads, gemm = costs.cpu_threads or torch.get_num_threads(), costs.cpu_gemm or CPU_GEMMS[0]
+    others = [g for g in CPU_GEMMS if g != gemm]
     host = layer.cache.host(layer.layer_id)
     w13, w2 = host.rebuild(host.parts)[:2]  # host [E, 2N, K], [E, K, N]
-    n_dim = w2.shape[2]
     groups = cold_groups(layer.config.num_experts, max(counts), 3000)
     got: dict[int, list[tuple[float, ...]]] = {}
     for _ in range(repeats):
         for n in counts:
-            branch(layer, next(groups), n, 1, threads, gemm, busy=False)
+            group = next(groups)
+            branch(layer, group, n, 1, threads, gemm, busy=False)
             p = layer.last_cpu
+            branch(layer, group, n, 1, threads, gemm, busy=False)
+            warm = layer.last_cpu.compute_s
+            other = []
+            for g in others:
+                branch(layer, next(groups), n, 1, threads, g, busy=False)
+                other.append(layer.last_cpu.compute_s)
             x = torch.randn(1, layer.config.hidden_size, dtype=w13.dtype)  # [1, K]
-            plain = [_gemms(x, w13, w2, next(groups)[:n], n_dim, t) for t in (threads, 1)]
-            got.setdefault(n, []).append((p.total_s, p.stage_s, p.wait_s, p.compute_s, p.back_s, *plain))
-    names = ("total", "stage", "wait", "compute", "back", "gemms", "gemms_1t")
-    return [{"experts": n, "threads": threads, "gemm": gemm,
+            plain, one = next(groups)[:n], next(groups)[:n]
+            times = [_gemms(x, w13, w2, plain, threads), _gemms(x, w13, w2, plain, threads), _gemms(x, w13, w2, one, 1)]
+            got.setdefault(n, []).append((p.total_s, p.stage_s, p.wait_s, p.compute_s, p.back_s, warm, *times, *other))
+    names = ("total", "stage", "wait", "compute", "back", "compute_warm", "gemms", "gemms_warm", "gemms_1t",
+             *(f"compute_{g}" for g in others))
+    return [{"experts": n, "threads": threads, "gemm": gemm, "others": others,
              **{f"{name}_ms": statistics.median(v[i] for v in got[n]) * 1e3 for i, name in enumerate(names)}}
             for n in counts]
 
 
-def _gemms(x, w13, w2, experts: list[int], n_dim: int, threads: int) -> float:
+def _gemms(x, w13, w2, experts: list[int], threads: int) -> float:
     """Host seconds of the experts' plain GEMMs and gated SiLU for one row x [1, K], at ``threads``."""
+    n_dim = w2.shape[2]
     with torch_threads(threads), torch.no_grad():
         start = time.perf_counter()
         for e in experts:
@@ -107,8 +118,10 @@ def print_passes(exact: list[dict], parts: list[dict]) -> None:
               f"{'PASS' if r['pass'] else 'FAIL'}")
     if parts:
         print(f"CPU branch anatomy (1 row an expert, cold, idle link; ms medians) at {parts[0]['threads']} threads, "
-              f"{parts[0]['gemm']}: total = stage + wait + compute + back; gemms: the plain GEMMs alone (t / 1 thread)")
+              f"{parts[0]['gemm']}: total = stage + wait + compute + back; compute warm (same experts again), with "
+              f"{' / '.join(parts[0]['others'])}; gemms: the plain GEMMs alone (cold / warm / 1 thread cold)")
     for r in parts:
         print(f"  n{r['experts']}: total {r['total_ms']:.3f} = {r['stage_ms']:.3f} + {r['wait_ms']:.3f} + "
-              f"{r['compute_ms']:.3f} + {r['back_ms']:.3f}; gemms {r['gemms_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
+              f"{r['compute_ms']:.3f} + {r['back_ms']:.3f}; compute warm {r['compute_warm_ms']:.3f}, others "
+              + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
               f"compute - gemms {r['compute_ms'] - r['gemms_ms']:.3f}")

@@ -101,8 +101,9 @@ def compare(docs: dict[str, dict]) -> list[str]:
                      f"range {min(q):.3f}-{max(q):.3f}, {sum(x < 1 for x in q)} of {len(q)} lower")
     for p in POLICIES:
         d = docs[p]
-        parts = [f"n{r['experts']} {r['total_ms']:.2f} (compute {r['compute_ms']:.2f}, gemms {r['gemms_ms']:.2f}/1t "
-                 f"{r['gemms_1t_ms']:.2f})" for r in d.get("anatomy", [])]
+        parts = [f"n{r['experts']} {r['total_ms']:.2f} ({r['gemm']} {r['compute_ms']:.2f}, warm {r['compute_warm_ms']:.2f}, "
+                 + ", ".join(f"{g} {r[f'compute_{g}_ms']:.2f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.2f}, "
+                 f"warm {r['gemms_warm_ms']:.2f}, 1t {r['gemms_1t_ms']:.2f})" for r in d.get("anatomy", [])]
         checks = d.get("cpu_check", [])
         by_n = {n: statistics.median(r["ms"] for r in checks if r["experts"] == n and not r.get("fixed"))
                 for n in sorted({r["experts"] for r in checks})}
