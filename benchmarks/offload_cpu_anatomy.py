@@ -125,3 +125,25 @@ def print_passes(exact: list[dict], parts: list[dict]) -> None:
               f"{r['compute_ms']:.3f} + {r['back_ms']:.3f}; compute warm {r['compute_warm_ms']:.3f}, others "
               + " / ".join(f"{r[f'compute_{g}_ms']:.3f}" for g in r["others"]) + f"; gemms {r['gemms_ms']:.3f} / {r['gemms_warm_ms']:.3f} / {r['gemms_1t_ms']:.3f}; "
               f"compute - gemms {r['compute_ms'] - r['gemms_ms']:.3f}")
+
+
+def main(argv: list[str]) -> int:
+    """``--host E T``: the anatomy alone on this machine's CPU (both "devices" the CPU), Qwen3-30B-A3B expert
+    widths in bf16 with E experts (0.3 GB of weights at 32), the branch at T threads, each CPU GEMM kept in turn."""
+    from moekit.bench.offload_hosts import host_shell
+    from moekit.config import MoEConfig
+    from moekit.offload import MissCosts
+
+    if "--host" not in argv or len(argv) < argv.index("--host") + 3:
+        raise SystemExit("usage: offload_cpu_anatomy.py --host EXPERTS THREADS")
+    experts, threads = (int(v) for v in argv[argv.index("--host") + 1:argv.index("--host") + 3])
+    config = MoEConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=experts, top_k=8)
+    shell = host_shell(config, torch.bfloat16, torch.device("cpu"))
+    for gemm in CPU_GEMMS:
+        costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_threads=threads, cpu_gemm=gemm)
+        print_passes([], anatomy(shell, costs, torch.device("cpu"), repeats=8))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
