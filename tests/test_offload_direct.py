@@ -11,6 +11,7 @@ from moekit import MoE, MoEConfig
 from moekit.offload import CpuOptions, MissCosts, OffloadedMoE
 from moekit.offload.calibrate import cpu_gemms
 from moekit.offload.cpu_direct import experts_direct
+from moekit.offload.cpu_path import CpuPath, unmeasured_gemm
 
 from _helpers import TOLERANCE, make_problem, rel_l2
 
@@ -91,3 +92,20 @@ def test_direct_is_for_float_host_weights_only():
     assert "direct" not in cpu_gemms(off)  # the calibration never tries it there
     plain = OffloadedMoE.from_moe(_moe(), cache_experts=2, compute_misses_on="cpu")
     assert cpu_gemms(plain)[-1] == "direct"
+
+
+def test_direct_is_the_cpu_gemm_where_nothing_measured_one_for_float_weights():
+    path = CpuPath(CpuOptions(), torch.device("cpu"))
+    assert path.setting(None) == (None, "direct") and unmeasured_gemm(quantized=False) == "direct"
+    assert path.setting(None, quantized=True) == (None, "onednn_fused")
+    measured = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_threads=3, cpu_gemm="mm_loop")
+    assert path.setting(measured) == (3, "mm_loop")  # measured costs name theirs
+    assert CpuPath(CpuOptions(gemm="onednn_fused"), torch.device("cpu")).setting(measured)[1] == "onednn_fused"
+    moe = _moe()  # a cold cache of 2, no costs: every forward's misses take direct, the plain layer's output
+    off = OffloadedMoE.from_moe(moe, cache_experts=2, compute_misses_on="cpu")
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
+    assert off.last_stats.cpu_experts > 0
+    quantized = OffloadedMoE.from_moe(_moe().quantize_("int8_w8a16"), cache_experts=2, compute_misses_on="cpu")
+    assert quantized(x).shape == x.shape  # no costs: grouped_mm's loop, not direct's error

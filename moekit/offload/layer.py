@@ -170,7 +170,7 @@ class OffloadedMoE(MoE):
             stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
-            threads, gemm = self._cpu.setting(self.costs)
+            threads, gemm = self._cpu.setting(self.costs, cache.host(self.layer_id).scheme is not None)
             cache.mark("cpu_start", self.layer_id)
             partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
                                              x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
