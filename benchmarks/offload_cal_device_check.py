@@ -53,6 +53,7 @@ from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CPU_GEMMS
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
+from offload_cpu_anatomy import passes, print_passes
 
 LIMIT_S = 122.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
 GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
@@ -128,6 +129,9 @@ def main(argv: list[str]) -> int:
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
+    logged = len(BRANCHES.entries)
+    result.update(passes(shells[0], costs, device, batches, MODES, repeats=2 if smoke else 6))
+    del BRANCHES.entries[logged:]  # the exactness forwards stay out of the first group's log
     if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
         torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
         result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"
@@ -322,6 +326,7 @@ def _print(result: dict) -> None:
     print("CPU branch vs its model (cold experts, 1 row, ms median/max; phases' medians), by threads (=: torch's count "
           "set to it throughout, no switch a branch), experts, link, host idle before it (ms):")
     checks = result.get("cpu_check", [])
+    print_passes(result.get("exact", []), result.get("anatomy", []))
     for r in checks:
         print(f"  t{r['threads']:>2}{'=' if r.get('fixed') else ' '}n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.2f}/"
               f"{r['max_ms']:6.2f} (compute {r['compute_ms']:6.2f}, stage+wait+back {r['copies_ms']:5.2f}) model "

@@ -30,7 +30,7 @@ def _x(m: int, seed: int) -> torch.Tensor:
     return torch.randn(m, K, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("options", [CpuOptions(), CpuOptions.baseline()])
+@pytest.mark.parametrize("options", [CpuOptions(gemm="onednn_fused"), CpuOptions.baseline()])
 def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options):
     # a cold cache: every expert runs in the CPU branch, one partial, the plain layer's own CPU loop
     # (grouped_mm's per-expert oneDNN loop; <= 3 rows per expert, so neither packs its weights)

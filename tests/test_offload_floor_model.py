@@ -89,9 +89,9 @@ def test_measure_costs_fits_the_grid_of_the_rows_it_is_asked_for(monkeypatch):
     assert all(width == max(experts, 2) for width, experts, _ in seen)  # k wide calls, wider for more experts
 
 
-def _stats(hits=0, fetched=0, cpu_rows=(), admitted=0) -> OffloadStats:
+def _stats(hits=0, fetched=0, cpu_rows=(), admitted=0, prefetched=0) -> OffloadStats:
     return OffloadStats(touched=hits + fetched + len(cpu_rows), hits=hits, fetched=fetched, cpu_experts=len(cpu_rows),
-                        cpu_tokens=sum(cpu_rows), cpu_rows=tuple(cpu_rows), admitted=admitted)
+                        cpu_tokens=sum(cpu_rows), cpu_rows=tuple(cpu_rows), admitted=admitted, prefetched=prefetched)
 
 
 def test_timeline_adds_the_second_call_after_the_fetches_and_prices_cpu_experts_by_their_rows():
@@ -118,6 +118,18 @@ def test_timeline_starts_the_cpu_side_once_the_layers_fetches_and_admissions_are
     assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(want)
     gpu_only = _stats(hits=1, fetched=1)  # no CPU side: the issue time is in the fetch's own terms, not added
     assert timeline_s([gpu_only], 1000, costs, 0.003) == pytest.approx(0.003 + 0.010 + 0.001)
+
+
+def test_timeline_issues_a_prefetch_after_the_layers_cpu_branch():
+    # link and GPU read 1 ms an expert, fixed 3 ms, the prefetch's host work 2 ms
+    costs = MissCosts(link_bytes_per_s=1e6, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.002,
+                      gpu_bytes_per_s=1e6, cpu_rows_s=TABLE)
+    cpu = _stats(hits=1, cpu_rows=(4,), prefetched=1)
+    # host: 3 + CPU (2 + 9) = 14 ms, then the prefetch's 2 ms: 16; its copy, queued after the CPU side, lands at 15
+    assert timeline_s([cpu], 1000, costs, 0.003, prefetch_s=0.002) == pytest.approx(0.016)
+    assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(0.015)  # no host cost: the link's end
+    gpu = _stats(hits=4, prefetched=1)  # no CPU side: after the hits' reads, 3 + 4 + 2 = 9 ms (link done at 4)
+    assert timeline_s([gpu], 1000, costs, 0.003, prefetch_s=0.002) == pytest.approx(0.009)
 
 
 BUMPY = ((1, 0.006), (2, 0.004), (4, 0.008))  # a measured table need not rise with rows

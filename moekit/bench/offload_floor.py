@@ -39,7 +39,9 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
     prefetch:  a layer that prefetches the next layer's experts pays ``FixedCosts.prefetch_layer_s`` on
                the host's path (``gpu_terms.measure_forced(prefetch=True)``: one prefetch forced after every
                layer over none): the cache's work to evict and issue the copies, the same copy path a
-               fetch takes. Before it, the floor priced a prefetch as link time only, and the M = 1
+               fetch takes; after the layer's CPU branch where it has one (the branch runs on the host
+               thread, and the prefetch is issued when ``run_routed`` returns: until session 20 the floor
+               let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it, the floor priced a prefetch as link time only, and the M = 1
                skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
                prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing
 
@@ -81,7 +83,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
     and ``costs.fetch_layer_s`` past its start (likewise), and one that prefetches (``prefetched``:
     the next layer's experts, issued after it) ``prefetch_s`` more on the host's path (after the fetch's
-    work: one host issues both; ``FixedCosts.prefetch_layer_s``); a layer's copies start ``overlap_s``
+    work and the CPU branch: one host does all three; ``FixedCosts.prefetch_layer_s``); a layer's copies start ``overlap_s``
     (at most ``fixed_s``) before its fixed work ends (``FixedCosts.overlap_s``). With ``idle`` (the CPU model
     with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
     link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
@@ -105,8 +107,9 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link
-        if s.prefetched:
-            end = max(end, start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0) + prefetch_s)
+        if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included
+            after = start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0)
+            end = max(end, max(after, start + cpu) + prefetch_s)
         t = end
     return max(t, free)
 

@@ -75,7 +75,7 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
     k = max(c.top_k, 2)
     ns, rs = default_grid(c.top_k, c.num_experts, tokens, rows, experts)
     groups = cold_groups(c.num_experts, max(ns))
-    gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else list(CPU_GEMMS)
+    gemms = [layer.cpu_options.gemm] if layer.cpu_options.gemm else cpu_gemms(layer)
     for gemm in gemms:
         branch(layer, next(groups)[:k], 1, 1, None, gemm)  # the first call pays one-off setup
 
@@ -99,6 +99,12 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
                                 link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
                                 hysteresis=HYSTERESIS)
     return gpu_terms(layer, costs, batch).priced(costs)
+
+
+def cpu_gemms(layer) -> list[str]:
+    """The CPU GEMMs ``layer``'s host weights can run: all of ``CPU_GEMMS``, less "direct" for quantized ones."""
+    quantized = layer.cache.host(layer.layer_id).scheme is not None
+    return [g for g in CPU_GEMMS if not (quantized and g == "direct")]
 
 
 def gpu_terms(layer, costs: MissCosts, batch: int = 1, steps: int = 4) -> FixedCosts:

@@ -27,7 +27,8 @@ import torch
 
 from moekit.offload import staging
 
-CPU_GEMMS = ("onednn_fused", "mm_loop")  # grouped_mm's CPU strategies for the misses (``layer._cpu_experts_fn``)
+# the misses' CPU experts: grouped_mm's strategies (``layer._cpu_experts_fn``), then ``cpu_direct`` (float weights only)
+CPU_GEMMS = ("onednn_fused", "mm_loop", "direct")
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class CpuOptions:
     """How the CPU branch runs. The defaults are the tuned path; ``CpuOptions.baseline()`` the simple one it is measured against."""
 
     threads: int | None = None  # torch intra-op threads for the CPU experts; None: MissCosts.cpu_threads, else torch's
-    gemm: str | None = None  # grouped_mm's cpu_gemm for the misses (CPU_GEMMS); None: MissCosts.cpu_gemm, else the first
+    gemm: str | None = None  # the misses' CPU GEMM (CPU_GEMMS); None: MissCosts.cpu_gemm, else ``unmeasured_gemm``
     reuse_staging: bool = True  # keep the pinned staging buffers (False: one pinned allocation per copy)
     admit_early: bool = True  # queue the forward's admissions before the CPU compute, so they overlap it
 
@@ -87,11 +88,11 @@ class CpuPath:
         self.buffers = staging.Buffers(pin=self.pin) if options.reuse_staging else None
         self.last: CpuPhases | None = None
 
-    def setting(self, costs) -> tuple[int | None, str]:
+    def setting(self, costs, quantized: bool = False) -> tuple[int | None, str]:
         """(threads, gemm) of a forward: the options', else those ``costs`` (a MissCosts or None) were
-        measured at, else torch's thread count and the first of CPU_GEMMS."""
+        measured at, else torch's thread count and ``unmeasured_gemm(quantized)``."""
         threads = self.options.threads or (costs.cpu_threads if costs is not None else None)
-        gemm = self.options.gemm or (costs.cpu_gemm if costs is not None else None) or CPU_GEMMS[0]
+        gemm = self.options.gemm or (costs.cpu_gemm if costs is not None else None) or unmeasured_gemm(quantized)
         return threads, gemm
 
     def stage(self, tensors: list[torch.Tensor]) -> Staged:
@@ -115,6 +116,14 @@ class CpuPath:
         self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
                               experts, tokens, used)
         return out
+
+
+def unmeasured_gemm(quantized: bool) -> str:
+    """The misses' CPU GEMM where neither the options nor measured costs name one: "direct" (``cpu_direct``;
+    one H200 process, 1 row an expert, 1 / 4 / 8 cold experts: 0.84 / 1.82 / 3.76 ms against onednn_fused's
+    1.51 / 2.64 / 4.41, README session 20), grouped_mm's "onednn_fused" for quantized host weights, which
+    "direct" does not read."""
+    return CPU_GEMMS[0] if quantized else "direct"
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from moekit.layer import MoE
 from moekit.offload import calibrate
 from moekit.offload.cache import ExpertCache
 from moekit.offload.cost import MissCosts, one_call
+from moekit.offload.cpu_direct import direct_share
 from moekit.offload.cpu_path import CpuOptions, CpuPath, CpuPhases
 from moekit.offload.online import CpuRate
 from moekit.offload.parts import ExpertWeights
@@ -169,7 +170,7 @@ class OffloadedMoE(MoE):
             stats.cpu_rows = tuple(tokens[m] for m in on_cpu)
             if early:  # queued behind the fetches, the admissions travel while the CPU computes
                 cache.admit(self.layer_id, plan.admit, stats)
-            threads, gemm = self._cpu.setting(self.costs)
+            threads, gemm = self._cpu.setting(self.costs, cache.host(self.layer_id).scheme is not None)
             cache.mark("cpu_start", self.layer_id)
             partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
                                              x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
@@ -210,10 +211,13 @@ class OffloadedMoE(MoE):
 
     def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int],
                      gemm: str) -> torch.Tensor:
-        """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights:
+        """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights ("direct":
+        ``cpu_direct``, no token layout; otherwise grouped_mm):
         float ones read in place through ``expert_map``; quantized ones selected first (their packed
         bytes copied) so the CPU backend dequantizes only those experts, not the whole layer."""
         host, e = self.cache.host(self.layer_id), self.config.num_experts
+        if gemm == "direct":
+            return direct_share(host, inputs, on_cpu, self.config.activation)
         cpu_map = torch.full((e,), -1, dtype=torch.int32)
         if host.scheme is None:
             cpu_map[on_cpu] = torch.tensor(on_cpu, dtype=torch.int32)
