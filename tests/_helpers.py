@@ -49,16 +49,29 @@ def routed_slots(ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor |
                 yield t, j, e
 
 
-def quantized_experts_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64 on the dequantized weights of quantized
-    q13 [E, 2N, K] / q2 [E, K, N], over ``routed_slots``."""
-    w13, w2 = q13.dequantize().double(), q2.dequantize().double()
+def experts_loop(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up) in float64, one (token, slot) of ``routed_slots`` at a
+    time; w13 [E, 2N, K] (gate rows first), w2 [E, K, N]."""
+    w13, w2 = w13.double(), w2.double()
     n = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
         h = w13[e] @ x[t].double()
         out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(h[:n]) * h[n:]))
     return out
+
+
+def quantized_experts_loop(x, q13, q2, ids, weights, expert_map=None) -> torch.Tensor:
+    """``experts_loop`` on the dequantized weights of quantized q13 [E, 2N, K] / q2 [E, K, N]."""
+    return experts_loop(x, q13.dequantize(), q2.dequantize(), ids, weights, expert_map)
+
+
+def partial_expert_map(e_global: int, e_local: int, seed: int) -> torch.Tensor:
+    """A map [e_global] onto e_local experts in a seeded random order, the rest -1 (not on this rank)."""
+    g = torch.Generator().manual_seed(seed)
+    expert_map = torch.full((e_global,), -1, dtype=torch.int32)
+    expert_map[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
+    return expert_map
 
 
 def count_calls(monkeypatch, seen: dict, targets: list[tuple]) -> dict:

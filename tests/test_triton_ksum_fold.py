@@ -10,7 +10,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import make_problem, routed_slots  # noqa: E402
+from _helpers import experts_loop, make_problem, partial_expert_map  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -27,29 +27,10 @@ HIDDEN, INTER = 40, 24
 CASES = [(1, 8, 40), (2, 1, 9), (3, 1, 5), (5, 6, 8), (20, 2, 6), (9, 8, 12)]
 
 
-def _per_token(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), in float64, one slot at a time."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    n = w2.shape[2]
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        gate_up = w13[e].double() @ x[t].double()
-        h = torch.nn.functional.silu(gate_up[:n]) * gate_up[n:]
-        out[t] += float(weights[t, j]) * (w2[e].double() @ h)
-    return out
-
-
-def _map(e_global: int, e_local: int, seed: int) -> torch.Tensor:
-    """A map [e_global] onto e_local experts, the rest -1 (not on this rank)."""
-    g = torch.Generator().manual_seed(seed)
-    expert_map = torch.full((e_global,), -1, dtype=torch.int32)
-    expert_map[torch.randperm(e_global, generator=g)[:e_local]] = torch.arange(e_local, dtype=torch.int32)
-    return expert_map
-
-
 def _problem(m, k, e, with_map, seed):
     """(x, w13, w2, ids, weights, expert_map): with a map, ids range over e + 3 global experts, e of them here."""
     p = make_problem(m, k, e + 3 if with_map else e, HIDDEN, INTER, seed=seed, skips=True)
-    expert_map = _map(e + 3, e, seed) if with_map else None
+    expert_map = partial_expert_map(e + 3, e, seed) if with_map else None
     return p.x, p.w13[:e], p.w2[:e], p.ids, p.weights, expert_map
 
 
@@ -68,7 +49,7 @@ def _run(interpreter, args, options, **kw):
 @pytest.mark.parametrize("m,k,e", CASES)
 def test_folded_equals_per_token_loop_and_separate_sum(interpreter, launch_log, m, k, e, with_map):
     args = _problem(m, k, e, with_map, seed=m * 11 + k + e)
-    want = _per_token(*args)
+    want = experts_loop(*args)
     folded = _run(interpreter, args, FOLD)
     ran = launch_log.take()
     downs = [kw for name, kw in ran if name == "down_kernel"]
@@ -93,7 +74,7 @@ def test_default_options_fold_up_to_eight_tokens(interpreter, launch_log, m):
     folded = _run(interpreter, args, defaults)
     assert [name for name, _ in launch_log.take()] == ["gate_up_kernel", "down_kernel"]
     assert torch.equal(folded, _run(interpreter, args, SEP))
-    assert torch.allclose(folded.double(), _per_token(*args), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(folded.double(), experts_loop(*args), rtol=1e-5, atol=1e-5)
     launch_log.take()
     _run(interpreter, _problem(9, 2, 6, False, seed=9), defaults)
     downs = [kw for name, kw in launch_log.take() if name == "down_kernel"]
@@ -129,7 +110,7 @@ def test_tokens_no_slot_routes_here_are_zero(interpreter, monkeypatch, with_map)
     none_here = [0, 7, 19] + ([3] if with_map else [])
     assert bool((folded[none_here] == 0).all()) and not folded.isnan().any()
     assert torch.equal(folded, _run(interpreter, args, SEP))
-    assert torch.allclose(folded.double(), _per_token(*args), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(folded.double(), experts_loop(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_given_counters_as_a_graph_capture_passes_them(interpreter, launch_log):
@@ -165,7 +146,7 @@ def test_fold_runs_only_where_counters_are_kept(interpreter, launch_log):
     via_op = torch.ops.moekit.triton_experts(x, w13, w2, ids, weights, None, None, None, "silu", True, False, 1.0, None,
                                              0.0, *LaunchOptions(sum_fold_max=8).as_op_args())
     assert "sum_slots_kernel" in [name for name, _ in launch_log.take()]  # the op never keeps workspaces
-    assert torch.allclose(via_op.double(), _per_token(*args), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(via_op.double(), experts_loop(*args), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="sum_fold_max"):
         LaunchOptions(sum_fold_max=-1)
     with pytest.raises(ValueError, match="split"):

@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from _helpers import make_problem, routed_slots  # noqa: E402
+from _helpers import experts_loop, make_problem, partial_expert_map  # noqa: E402
 from _triton_helpers import interpreter, launch_log  # noqa: E402, F401  (fixtures)
 from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
 from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
@@ -28,26 +28,11 @@ HIDDEN, INTER = 40, 24
 CASES = [(1, 8, 40), (1, 2, 3), (2, 1, 9), (5, 6, 8), (13, 2, 6), (9, 8, 12)]
 
 
-def _per_token(x, w13, w2, ids, weights, expert_map=None) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * w2[e] @ (silu(gate) * up), in float64, one slot at a time."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    n = w2.shape[2]
-    for t, j, e in routed_slots(ids, w13.shape[0], expert_map):
-        gate_up = w13[e].double() @ x[t].double()
-        h = torch.nn.functional.silu(gate_up[:n]) * gate_up[n:]
-        out[t] += float(weights[t, j]) * (w2[e].double() @ h)
-    return out
-
-
 def _problem(m, k, e, with_map, seed):
     """(x, w13, w2, ids, weights, expert_map): with a map, ids range over e + 3 global experts, e of them here
     (the other 3 map to -1)."""
     p = make_problem(m, k, e + 3 if with_map else e, HIDDEN, INTER, seed=seed, skips=True)
-    expert_map = None
-    if with_map:
-        g = torch.Generator().manual_seed(seed)
-        expert_map = torch.full((e + 3,), -1, dtype=torch.int32)
-        expert_map[torch.randperm(e + 3, generator=g)[:e]] = torch.arange(e, dtype=torch.int32)
+    expert_map = partial_expert_map(e + 3, e, seed) if with_map else None
     return p.x, p.w13[:e], p.w2[:e], p.ids, p.weights, expert_map
 
 
@@ -66,7 +51,7 @@ def _counters(interpreter, args, options=TAIL) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,e", CASES)
 def test_sum_after_equals_per_token_loop_and_separate_sum(interpreter, launch_log, m, k, e, with_map):
     args = _problem(m, k, e, with_map, seed=m * 7 + k + e)
-    want = _per_token(*args)
+    want = experts_loop(*args)
     after = _run(interpreter, args, TAIL)
     ran = launch_log.take()
     downs = [kw for name, kw in ran if name == "down_kernel"]
@@ -93,7 +78,7 @@ def test_tokens_no_slot_routes_here_are_zero(interpreter, monkeypatch, with_map)
     none_here = [0, 7, 12] + ([3] if with_map else [])
     assert bool((after[none_here] == 0).all()) and not after.isnan().any()
     assert torch.equal(after, _run(interpreter, args, SEP))
-    assert torch.allclose(after.double(), _per_token(*args), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(after.double(), experts_loop(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_counters_are_reused_and_left_at_zero_call_after_call(interpreter):
