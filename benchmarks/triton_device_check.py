@@ -21,6 +21,7 @@ from moekit.bench.cells import PRESETS, Shape, make_weights, uniform_routing
 from moekit.experts.reference import experts_reference
 from moekit.experts.triton import experts_triton
 from moekit.experts.triton_align import align_block_triton
+from moekit.experts.triton_gluon import DEFAULT_CHOICE, gluon_takes
 from moekit.experts.triton_launch import LaunchOptions
 from moekit.layouts.block_aligned import align_block
 
@@ -166,7 +167,12 @@ def races(dev):
             x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
             routing = uniform_routing(m, s, dev, seed=m)
             ids, w = routing.topk_ids, routing.topk_weights
-            want = experts_triton(x, w13, w2, ids, w, options=LaunchOptions(dependent_launch=False))
+            # The default call's Gluon route (prefill sizes, ``triton_gluon.DEFAULT_CHOICE``) launches without PDL and
+            # only under the default options: its reference is its own eager call (a no-PDL options object would
+            # take the fused kernels, another summation order: 3.3e-3 at Mixtral M = 1024 in session 20's run).
+            gluon = gluon_takes(x, w13, w2, w, "silu", None, None, DEFAULT_CHOICE)
+            no_pdl = {} if gluon else {"options": LaunchOptions(dependent_launch=False)}
+            want = experts_triton(x, w13, w2, ids, w, **no_pdl)
             experts_triton(x, w13, w2, ids, w)  # compile outside the capture
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -176,7 +182,8 @@ def races(dev):
                 out.zero_()
                 g.replay()
                 worst = max(worst, rel_err(out, want))
-            check(f"races {preset} M={m}: 50 graph replays vs no PDL", worst < 1e-3, f"max rel diff {worst:.1e}")
+            against = "its eager call (Gluon route, no PDL)" if gluon else "no PDL"
+            check(f"races {preset} M={m}: 50 graph replays vs {against}", worst < 1e-3, f"max rel diff {worst:.1e}")
         del expert_weights, w13, w2
         torch.cuda.empty_cache()
 
