@@ -296,9 +296,7 @@ def down_kernel(
         else:
             wb = tl.load(w_ptrs, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wn
-        if UPCAST:
-            ha, wb = ha.to(tl.float32), wb.to(tl.float32)
-        acc = tl.dot(ha, wb, acc, input_precision=PRECISION)
+        acc = _dot(ha, wb, acc, UPCAST, PRECISION)
         h_ptrs += BLOCK_K
     let_next_kernel_launch(PDL)  # after the main loop: see PDL above
     if b2_ptr is not None:  # added before the routed weight: the bias is part of the expert's output
