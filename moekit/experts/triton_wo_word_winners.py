@@ -46,7 +46,7 @@ class WordPick:
 # the gemv with an L2 prefetch lost every M=1 cell (12-22%).
 WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
     # qwen3-30b-a3b: 22.5 / 22.7, old gemv_half 29.2 (gate-up phase 19.1 -> 12.7). Folded (gemv's h read as one
-    # contiguous tile a step; benchmarks/verdict_device_check.py at dd8bed6, raw/NVIDIA_H200-2026-12-03-dd8bed6-verdict.*):
+    # contiguous tile a step; benchmarks/verdict_device_check.py, raw/NVIDIA_H200-2026-12-03-dd8bed6-verdict.*):
     # graph 19.7 against 21.8 unfolded, eager 32.7 against 39.8, host_rest 30.8 against 38.3 µs a call. (Not
     # folded where it lost: Qwen3 int4 M=8 91.2 against 80.8, DeepSeek-V3 int4 M=1 105.2 against 98.9; mxfp4 M=1 even)
     ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4, fold=True),
