@@ -37,6 +37,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from decode_q3_variants import CELLS, SMOKE_CELLS, Variant, variants  # noqa: E402
+from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
 
 T0 = time.perf_counter()
 DEADLINE_S = 132.0  # stop timing here (the lead's limit is 150 s)
@@ -45,7 +46,6 @@ WORKERS = 12
 BIG_WORKERS = 1  # of them, the one that takes the tasks with DeepSeek-V3's full weights (11-23 GB each)
 ROUNDS = 5
 ROTATION_BYTES = 256 << 20
-WORKER_CMD = [__file__]  # the compile workers' script and its leading arguments (a driver that changes CELLS sets its own)
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}
 
 
@@ -68,10 +68,21 @@ def shape_of(preset: str, small_for_m: int = 0):
     return real
 
 
+def fp8_weights(s, dev):
+    """Fp8BlockWeight pair: random e4m3 with random 128 x 128 block scales, drawn 8 experts at a time."""
+    pair = []
+    for rows, cols in ((2 * s.n, s.k), (s.k, s.n)):
+        q = torch.zeros(s.num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=dev)
+        g = torch.Generator(device=dev).manual_seed(rows * 7 + cols)
+        for e0 in range(0, s.num_experts, 8):  # [8, rows, cols] float32 at a time: DeepSeek-V3's whole are 11-23 GB
+            q[e0:e0 + 8] = (torch.randn(q[e0:e0 + 8].shape, generator=g, device=dev) * 48).clamp(-448, 448).to(q.dtype)
+        scale = torch.rand(s.num_experts, math.ceil(rows / 128), math.ceil(cols / 128), device=dev) * 2e-4 + 1e-4
+        pair.append(Fp8BlockWeight(q=q, scale=scale, dtype=torch.bfloat16))
+    return tuple(pair)
+
+
 def make_weights(dtype: str, s, dev):
     if dtype == "fp8":
-        from fp8_small_device_check import fp8_weights
-
         return fp8_weights(s, dev)
     from moekit.bench.cells import make_weights as bf16_weights
 
@@ -154,7 +165,7 @@ def start_workers(workers: int) -> list:
     for j, part in enumerate(slices):
         log = Path(f"/tmp/decode_q3_worker_{os.getpid()}_{j}.log")
         with open(log, "w") as out:
-            args = [sys.executable, *WORKER_CMD, "--worker", json.dumps(part)] + (["--smoke"] if SMOKE else [])
+            args = [sys.executable, __file__, "--worker", json.dumps(part)] + (["--smoke"] if SMOKE else [])
             procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
     return procs
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py          # H200, <= 150 s
     PYTHONPATH=$PWD python benchmarks/mid_tile_device_check.py --smoke          # CPU, TRITON_INTERPRET=1
-    PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py --confirm benchmarks/mid_tile_confirm.json
+    PYTHONPATH=$PWD OUT=... python benchmarks/mid_tile_device_check.py --confirm FILE
 
 Cells (bf16, uniform routing, two routing sets per cell): Qwen3-30B-A3B M = 1 and 1024, Mixtral-8x7B
 M = 512 and 1024. Per cell, the tuned default and variants of it (``mid_tile_variants``): one field of one
@@ -15,7 +15,8 @@ the best down-only change together ("combo"); the default again at the end (the 
     floor (max(bytes / copy, FLOPs / mm), copy and mm measured in this run).
 SM clock and board power during the mid cells' default and a compute-only matmul (``mid_tile_clocks``).
 Variants not started by the cell's budget are listed as "skipped". ``--confirm FILE``: an interleaved A/B of
-chosen configs only (``confirm_rows``). The table is printed last, JSON to $OUT/mid_tile.json (or
+chosen configs only (``confirm_rows``; FILE maps "preset:M" to {name: config}, e.g. run 2's
+``results/raw/mid_tile_confirm-cc77e90-input.json``). The table is printed last, JSON to $OUT/mid_tile.json (or
 mid_tile_confirm.json). Exit 1 when a variant that ran gave a wrong output.
 """
 

@@ -87,9 +87,10 @@ def _x(m: int, seed: int) -> torch.Tensor:
     return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-# 256 rows (the fast path's limit) on the softmax plan only: the grouped plan's rows above 8 take the same
-# torch.mm gate and router launch as at 12, and its 256-row case alone cost ~50 s under the interpreter
-@pytest.mark.parametrize("name, m", [(name, m) for name in CONFIGS for m in (1, 3, 8, 12)] + [("softmax", 256)])
+# 1 and 8 rows: the one gate + router launch (8 its limit; 3 rows took the same launch and were dropped), 12: the
+# torch.mm gate and the router's launch. 256 rows (the fast path's limit) on the softmax plan only: the grouped
+# plan's rows above 8 take the same launches as at 12, and its 256-row case alone cost ~50 s under the interpreter
+@pytest.mark.parametrize("name, m", [(name, m) for name in CONFIGS for m in (1, 8, 12)] + [("softmax", 256)])
 def test_served_equal_to_full_forward(hits, name, m):
     layer, full = _pair(name)
     with torch.no_grad():
@@ -108,9 +109,10 @@ def _served_after(hits, layer, full, change, m: int = 2) -> bool:
         change(layer, full)
         before = hits[0]
         x = _x(m, 2)
-        assert torch.equal(layer(x), full(x))
+        want = full(x)
+        assert torch.equal(layer(x), want)
         served = hits[0] > before
-        assert torch.equal(layer(x), full(x))  # kept again: served from here on
+        assert torch.equal(layer(x), want)  # kept again: served from here on
     return served
 
 
@@ -178,11 +180,11 @@ def test_two_sizes_in_turn_keep_an_entry_each(hits):
     entry per M: after each size's first call every call is served, none replaces the other's entry."""
     layer, full = _pair("grouped_shared")
     with torch.no_grad():
-        for seed in range(3):
+        for seed in range(2):  # the second round is served for both sizes: neither keep replaced the other
             for m in (1, 12):
                 x = _x(m, seed)
                 assert torch.equal(layer(x), full(x))
-    assert hits[0] == 4 and sorted(layer._decode._entries) == [1, 12]
+    assert hits[0] == 2 and sorted(layer._decode._entries) == [1, 12]
 
 
 def test_autograd_strided_x_another_thread_and_a_cast_take_the_full_forward(hits):
@@ -244,17 +246,21 @@ def test_kept_experts_call_serves_and_finds_its_entry_again(hits, monkeypatch):
 
     monkeypatch.setattr(triton_fast.KeptCall, "__call__", counted)
     layer, full = _pair("grouped_shared")
+    fulls = {}  # seed -> full's output for the weights of the time (full keeps nothing: computed once)
 
     def run(seed: int) -> int:
         before = served[0]
         x = _x(3, seed)
-        assert torch.equal(layer(x), full(x))
+        if seed not in fulls:
+            fulls[seed] = full(x)
+        assert torch.equal(layer(x), fulls[seed])
         return served[0] - before
 
     with torch.no_grad():
         run(0), run(1)  # the first call keeps; the kept call finds its entry once the kernels are compiled
         assert run(2) == 1
         layer.w13.mul_(2), full.w13.mul_(2)
+        fulls.clear()
         assert [run(s) for s in range(2)] == [0, 1]
         triton_fast.clear_fast()
         assert [run(s) for s in range(2)] == [0, 1]

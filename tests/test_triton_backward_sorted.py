@@ -34,7 +34,7 @@ def _grads(problem, tiles, dtype, spy=None) -> tuple[dict, dict]:
     return {"x": g.x, "w13": g.w13, "w2": g.w2, "topk_weights": g.topk_weights}, want
 
 
-@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("k", [1, 6])  # empty experts at k = 1 (as at k = 2, dropped), none at 6
 @pytest.mark.parametrize("dg_cols", [0, 32])
 def test_sorted_grad_gate_up_odd_shapes(interpreter, k, dg_cols):
     """K=33, N=17 (every tail masked, two N tiles of 16, dg's one 32-wide tile), 16-row M-blocks in a

@@ -95,11 +95,19 @@ def launched(monkeypatch):
     return count
 
 
-# M = 40, k = 2: A = 80, one alignment launch; M = 1100, k = 4: A = 4400 > 4096, hist + scan on kept counters + scatter
-@pytest.mark.parametrize("m, k", [(40, 2), (1100, 4)])
-def test_bf16_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, m, k):
+# M = 40, k = 2: A = 80, one alignment launch; M = 100, k = 4: A = 400 over four 128-id chunks, past the plan's
+# two-launch limit lowered to 256 (the default 4096 would need M = 1100: 11x the interpreted gather and combine
+# programs for the same launches), hist + scan on kept counters + scatter
+@pytest.mark.parametrize("m, k, two_launch_max", [(40, 2, None), (100, 4, 256)])
+def test_bf16_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, monkeypatch, m, k, two_launch_max):
+    from moekit.experts import triton_gluon_lean
     from moekit.experts.triton_gluon import experts_gluon
+    from moekit.experts.triton_launch import LaunchOptions
 
+    if two_launch_max is not None:
+        lowered = LaunchOptions(align_one_launch_max=two_launch_max, align_two_launch_max=two_launch_max)
+        monkeypatch.setattr(triton_gluon_lean, "LaunchOptions", lambda: lowered)
+        monkeypatch.setattr(triton_gluon_lean, "_PLANS", {})  # no plan of this kind from the default limits
     x, w13, w2, ids, weights = _bf16_problem(m, k)
     plain = experts_gluon(x, w13, w2, ids, weights, lean=False)
     first = experts_gluon(x, w13, w2, ids, weights)  # compiles: the bound launches
@@ -110,6 +118,8 @@ def test_bf16_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, m, k):
     x2, _, _, ids2, weights2 = _bf16_problem(m, k, seed=5)  # new call tensors through the same sequence
     assert torch.equal(experts_gluon(x2, w13, w2, ids2, weights2),
                        experts_gluon(x2, w13, w2, ids2, weights2, lean=False)) and launched[0] == 2
+    align = next(iter(triton_gluon_lean._PLANS.values())).align if two_launch_max else None
+    assert align is None or (align.hist_scan is not None and align.scatter is not None)
 
 
 def test_fp8_lean_equals_plain_and_a_float64_loop(fake_gemms, launched):
@@ -318,15 +328,15 @@ def test_fp8_repeated_call_takes_the_fast_path(fake_gemms, monkeypatch):
 
     monkeypatch.setattr(fast, "launch_lean", counted)
     monkeypatch.setattr(tgf, "DEFAULT_FP8_CHOICE", tgf.Fp8GluonChoice(min_flops=1, min_rows_per_expert=0))
-    x, q, ids, weights = _fp8_problem(48)
+    x, q, ids, weights = _fp8_problem(16)
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], dtype=torch.bfloat16)
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], dtype=torch.bfloat16)
 
     def plain(w13, w2):
         return tgf.experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, lean=False)
 
-    outs = [experts_triton_unchecked(x, w13, w2, ids, weights) for _ in range(3)]
-    assert all(torch.equal(out, plain(w13, w2)) for out in outs) and hits[0] == 1
+    outs, want = [experts_triton_unchecked(x, w13, w2, ids, weights) for _ in range(3)], plain(w13, w2)
+    assert all(torch.equal(out, want) for out in outs) and hits[0] == 1
     w2.scale.mul_(0.5)  # in place: the same address, the kernels read the new values
     assert torch.equal(experts_triton_unchecked(x, w13, w2, ids, weights), plain(w13, w2)) and hits[0] == 2
     w2_new = dataclasses.replace(w2, scale=w2.scale * 2)  # a new scale tensor: another address, a miss

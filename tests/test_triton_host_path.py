@@ -42,7 +42,7 @@ def test_bound_launcher_equals_kernel_grid(interpreter, m):
     """The compiled-launcher path hands the kernels the same arguments as ``kernel[grid](...)``: equal
     outputs, call after call with new tensors (nothing of the first call's tensors is kept)."""
     interpreter.clear_launch_caches()
-    for seed in range(3):
+    for seed in range(2):  # the first call binds the launcher, the second hands it new tensors
         x, w13, w2, ids, weights = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed)
         outs = [interpreter.experts_triton(x, w13, w2, ids, weights,
                                            options=LaunchOptions(poison_workspace=True, cached_launcher=cached))

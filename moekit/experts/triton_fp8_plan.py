@@ -6,8 +6,8 @@ on the first call of its kind and cached, like the bf16 path's ``triton_plan``.
     descriptor key (or pointer loads), the bound launches of quantize x, gate-up (+ SiLU-and-mul +
     re-quantize h), down (x routed weight), k-sum
 
-Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``,
-``benchmarks/fp8_speed_device_check.py``), are arguments of ``plan_for``: x quantized inside gate-up,
+Choices that leave the result unchanged, for A/Bs (``benchmarks/fp8_device_check.py``; session 9's sweep,
+``benchmarks/fp8_speed_device_check.py`` at 7e36ab4), are arguments of ``plan_for``: x quantized inside gate-up,
 weights through TMA or pointers.
 
 Tuned configs are JSON files in the bf16 path's format and directories (``moekit.experts.configs``),
@@ -103,7 +103,7 @@ def heuristic_fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_
     product before its scale fold, and at 64 accumulator registers per thread (128 rows on 8 warps, or
     64 on 4) it used 255 registers with 24 spilled; here 173, none. The fastest of six in every prefill
     cell: M=4096 Qwen3 910 -> 702 µs, DeepSeek-V3 8103 -> 6018, Mixtral 5261 -> 4369; M=512 Mixtral
-    1017 -> 718. The down GEMM of those on 4 warps (session 9, ``fp8_speed_device_check``, pointer
+    1017 -> 718. The down GEMM of those on 4 warps (session 9, ``fp8_speed_device_check`` at 7e36ab4, pointer
     weights): Qwen3 M=1024 / 4096 / 16384 253 -> 251, 683 -> 671, 2569 -> 2391 µs; Mixtral M=1024 / 4096
     1392 -> 1237, 4715 -> 4471."""
     width = max(128, group)  # a multiple of the group: h is re-quantized in the gate-up epilogue

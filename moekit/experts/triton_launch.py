@@ -87,7 +87,7 @@ class LaunchOptions:
     # each down program counts its rows' arrivals per (token, K tile) and the last of a token's slots sums
     # them, in the separate k-sum's order (equal bit for bit), so a call is one launch fewer. Eager calls
     # with a reused workspace only: the counters are kept zeroed in it (a CUDA graph capture and the custom
-    # op run the separate k-sum). 0 turns it off. H200 (benchmarks/ksum_fold_device_check.py, fold against
+    # op run the separate k-sum). 0 turns it off. H200 (benchmarks/ksum_fold_device_check.py at a96e644, fold against
     # the separate launch): host -3 to -35 µs per call, GPU (graph) +2.6 to +15 µs at M = 1..64 on Qwen3-30B-A3B
     # and DeepSeek-V3 (+21 and +215 at M = 512), -2 to +1 on Mixtral-8x7B. Eager wall = max(host, GPU) drops
     # only where the call is host-bound: Qwen3 M=1 31.8 -> 28.6 µs (DeepSeek M=1 +0.6, Mixtral M=1 -2.0); at

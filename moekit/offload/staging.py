@@ -10,7 +10,7 @@ return before the copy lands (a pageable one makes the host wait for it).
 
 With a ``Buffers`` the pinned buffers are kept and reused (grown to a power of two when a forward
 needs more): no pinned allocation per forward. Without one each call allocates its buffer (torch's
-caching host allocator), as session 7's path did; ``benchmarks/offload_device_check.py`` times both.
+caching host allocator), as session 7's path did; ``benchmarks/offload_device_check.py`` (at 24e172e) timed both.
 """
 
 from __future__ import annotations
