@@ -44,6 +44,11 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
+def pingpong_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, **_):
+    """The ping-pong down GEMM: ``bf16_gemm`` not gated."""
+    bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, 0, False)
+
+
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
@@ -82,15 +87,16 @@ class FakeKernel:
 
 
 def install_fakes(setattr_=setattr) -> dict:
-    """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
+    """The Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
+    returns {"bf16": FakeKernel, "pingpong": FakeKernel, "fp8": FakeKernel}."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
 
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
+                                     ("pingpong", "gluon_gemm_pingpong", "pingpong_gemm_kernel", pingpong_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
