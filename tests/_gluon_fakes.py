@@ -49,7 +49,8 @@ def pingpong_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, **_):
     bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, 0, False)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED,
+             SKIP_PADDING=False, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     for block in range(int(used_ptr[0]) // BLOCK):
@@ -57,6 +58,10 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
+            if SKIP_PADDING and float(as_ptr[first, 0]) == 0.0:  # all padding: no product, h scales 0
+                if GATED:
+                    cs_ptr[rows, : cols // BLOCK] = 0.0
+                continue
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T
             if GATED:

@@ -187,7 +187,8 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
         return BoundLaunch(gemm, grid(cols, GROUP), 8,
                            (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, SKIP_PADDING=tile.skip_padding,
+                           num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
