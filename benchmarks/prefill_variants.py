@@ -6,12 +6,13 @@ balanced one: what the 128-row padding costs).
 bf16 Gluon tiles (``GluonTile``; measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128,
 gate-up BLOCK_N 256, benchmarks/triton-notes.md "Gluon warp-specialized GEMMs"):
   - g128: the plan's tiles;
-  - g128 down256: the down GEMM 256 wide, 3 stages (at prefill measured only on the fused kernels);
   - g128 down pp: the down GEMM on the ping-pong kernel (``_kernels/gluon_gemm_pingpong.py``: two 4-warp consumers
     taking whole tiles in turn, one's epilogue under the other's MMAs), 5 stages.
-fp8 Gluon pipelines (``Fp8GluonTile``; stages measured at M = 4096 in e30386d): the plan's; the down GEMM's
-consumers taking turns (pingpong); SKIP_PADDING in both GEMMs (a 64-row half that is all padding runs no MMA;
-measured and removed at Mixtral 512 / 1024, 1.2-1.25 rows per real row there; DeepSeek-V3 M = 4096 pads ~1.5x).
+fp8 Gluon pipelines (``Fp8GluonTile``; stages measured at M = 4096 in e30386d): the plan's; SKIP_PADDING in both
+GEMMs (a 64-row half that is all padding runs no MMA; measured and removed at Mixtral 512 / 1024, 1.2-1.25 rows per
+real row there; DeepSeek-V3 M = 4096 pads ~1.5x).
+Run 1 (8966c03) also timed, and run 2 drops: the down GEMM 256 wide (3 stages) and the fp8 down GEMM's pingpong
+(Qwen3 M = 4096 0.99x, every round).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ def bf16_gluon_tiles(inter: int) -> dict:
     from moekit.experts.triton_gluon_launch import UP_TILE, check_tile, down_tile
 
     down = down_tile(inter)
-    tiles = {"g128": (UP_TILE, down), "g128 down256": (UP_TILE, replace(down, block_n=256, stages=3)),
-             "g128 down pp": (UP_TILE, replace(down, pingpong=True, stages=5))}
+    tiles = {"g128": (UP_TILE, down), "g128 down pp": (UP_TILE, replace(down, pingpong=True, stages=5))}
     for up, dn in tiles.values():
         check_tile(up, gated=True)
         check_tile(dn, gated=False)
@@ -57,7 +57,7 @@ def fp8_gluon_tiles() -> dict:
     """name -> (gate-up Fp8GluonTile, down Fp8GluonTile)."""
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
-    return {"gf8": (UP_TILE, DOWN_TILE), "gf8 down pingpong": (UP_TILE, replace(DOWN_TILE, pingpong=True)),
+    return {"gf8": (UP_TILE, DOWN_TILE),
             "gf8 skip": (replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True))}
 
 
@@ -126,28 +126,36 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
 
 
 def bf16_variants(w13, w2) -> list[Variant]:
+    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches), and the lean launch
+    (what the route runs where ``GluonChoice`` takes Gluon) with the plan's tiles and with the ping-pong down GEMM."""
     from moekit.experts import run_experts
     from moekit.experts.triton import fused_experts
+    from moekit.experts.triton_gluon_lean import run_lean
 
+    tiles = bf16_gluon_tiles(w2.shape[2])
     out = [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
            Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r))]
-    for name, (up, down) in bf16_gluon_tiles(w2.shape[2]).items():
-        out.append(Variant(name, "gluon", lambda x, i, r, u=up, d=down: gluon_bf16_call(x, w13, w2, i, r, u, d),
-                           (up, down)))
+    up, down = tiles["g128"]
+    out.append(Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)))
+    for name in ("g128", "g128 down pp"):
+        u, d = tiles[name]
+        out.append(Variant(f"lean {name}", "gluon", lambda x, i, r, u=u, d=d: run_lean(x, w13, w2, i, r, None, u, d),
+                           (u, d)))
     return out
 
 
 def fp8_variants(q: tuple) -> list[Variant]:
-    """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend) and
-    the fp8 Gluon pipelines (plain launches)."""
+    """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend: the fp8
+    Gluon path's lean launch at these cells) and the lean launch with SKIP_PADDING."""
     from moekit.experts import run_experts
-    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+    from moekit.experts.triton_gluon_lean import run_lean
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
-    out = [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"))]
-    for name, (up, down) in fp8_gluon_tiles().items():
-        out.append(Variant(name, "gluon", lambda x, i, r, u=up, d=down: experts_gluon_fp8(
-            x, *q, i, r, up=u, down=d, lean=False), (up, down)))
+    tiles = fp8_gluon_tiles()
+    out = [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), tiles["gf8"])]
+    u, d = tiles["gf8 skip"]
+    out.append(Variant("lean gf8 skip", "gluon", lambda x, i, r: run_lean(x, q[0], q[2], i, r, None, u, d, q[1], q[3]),
+                       (u, d)))
     return out
