@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 T0 = time.perf_counter()
 CELLS = ("bf16:qwen3-30b-a3b:4096", "bf16:deepseek-v3:4096", "fp8:deepseek-v3:4096", "bf16:qwen3-30b-a3b:8192",
          "bf16:deepseek-v3:8192", "bf16:qwen3-30b-a3b:16384", "bf16:deepseek-v3:16384", "fp8:deepseek-v3:16384",
-         "fp8:qwen3-30b-a3b:16384")
+         "fp8:qwen3-30b-a3b:16384", "bf16:mixtral-8x7b:4096")
 ROUND_S = 0.04  # timed replays per variant per round
 WARM_S = 0.015  # untimed replays before them
 STALL_S = 120.0  # the watchdog ends the run (table so far printed) when nothing was logged for this long
