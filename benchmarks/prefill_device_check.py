@@ -242,18 +242,24 @@ def free_memory() -> None:
 
 
 def summarize(name: str, cell: dict) -> None:
-    """One table line per variant: median µs, % of mm, ratio to the route, rounds it beat the route by >= 3%."""
+    """One table line per variant: median µs, % of mm, ratio to the route and the rounds it beat the route by >= 3%
+    (the ping-pong variant also against the lean launch with the plan's tiles: the same launch but its down GEMM)."""
     rounds = cell["rounds_us"]
     if "route" not in rounds or not rounds["route"]:
         SUMMARY.append(f"{name}: route not timed")
         return
-    base = rounds["route"]
+
+    def versus(t, base) -> str:
+        wins = sum(b / v >= 1.03 for b, v in zip(base, t))
+        return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
+
     for n, t in rounds.items():
         med = statistics.median(t)
-        wins = sum(b / v >= 1.03 for b, v in zip(base, t))
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        SUMMARY.append(f"{name:34s} {n:20s} {med:9.1f} us {pct:5.1f}% mm  x{statistics.median(base) / med:5.3f} "
-                       f"(>=3% in {wins}/{len(t)})")
+        line = f"{name:34s} {n:18s} {med:9.1f} us {pct:5.1f}% mm  {versus(t, rounds['route'])}"
+        if n == "lean g128 down pp" and rounds.get("lean g128"):
+            line += f"; vs lean g128 {versus(t, rounds['lean g128'])}"
+        SUMMARY.append(line)
 
 
 def main() -> int:
