@@ -242,8 +242,7 @@ def free_memory() -> None:
 
 
 def summarize(name: str, cell: dict) -> None:
-    """One table line per variant: median µs, % of mm, ratio to the route and the rounds it beat the route by >= 3%
-    (the ping-pong variant also against the lean launch with the plan's tiles: the same launch but its down GEMM)."""
+    """One table line per variant: median µs, % of mm, ratio to the route and the rounds it beat the route by >= 3%."""
     rounds = cell["rounds_us"]
     if "route" not in rounds or not rounds["route"]:
         SUMMARY.append(f"{name}: route not timed")
@@ -256,10 +255,7 @@ def summarize(name: str, cell: dict) -> None:
     for n, t in rounds.items():
         med = statistics.median(t)
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        line = f"{name:34s} {n:18s} {med:9.1f} us {pct:5.1f}% mm  {versus(t, rounds['route'])}"
-        if n == "lean g128 down pp" and rounds.get("lean g128"):
-            line += f"; vs lean g128 {versus(t, rounds['lean g128'])}"
-        SUMMARY.append(line)
+        SUMMARY.append(f"{name:34s} {n:18s} {med:9.1f} us {pct:5.1f}% mm  {versus(t, rounds['route'])}")
 
 
 def main() -> int:

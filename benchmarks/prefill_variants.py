@@ -1,23 +1,16 @@
-"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 16384, Qwen3-30B-A3B and
-DeepSeek-V3), bf16 and fp8_block: today's route, the fused Triton kernels, the Gluon paths with the plan's tiles and
-with the candidates the notes have not ruled out at prefill, and each Gluon GEMM alone (uniform routing against a
-balanced one: what the 128-row padding costs).
+"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
+DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
+tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
+GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
-bf16 Gluon tiles (``GluonTile``; measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128,
-gate-up BLOCK_N 256, benchmarks/triton-notes.md "Gluon warp-specialized GEMMs"):
-  - g128: the plan's tiles;
-  - g128 down pp: the down GEMM on the ping-pong kernel (``_kernels/gluon_gemm_pingpong.py``: two 4-warp consumers
-    taking whole tiles in turn, one's epilogue under the other's MMAs), 5 stages.
-fp8 Gluon pipelines (``Fp8GluonTile``; stages measured at M = 4096 in e30386d): the plan's; SKIP_PADDING in both
-GEMMs (a 64-row half that is all padding runs no MMA; measured and removed at Mixtral 512 / 1024, 1.2-1.25 rows per
-real row there; DeepSeek-V3 M = 4096 pads ~1.5x).
-Run 1 (8966c03) also timed, and run 2 drops: the down GEMM 256 wide (3 stages) and the fp8 down GEMM's pingpong
-(Qwen3 M = 4096 0.99x, every round).
+Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
+taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
+Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,24 +34,18 @@ def balanced_routing(num_tokens: int, num_experts: int, top_k: int, device) -> t
     return ids, weights
 
 
-def bf16_gluon_tiles(inter: int) -> dict:
-    """name -> (gate-up GluonTile, down GluonTile) for experts ``inter`` (N) wide."""
-    from moekit.experts.triton_gluon_launch import UP_TILE, check_tile, down_tile
+def bf16_gluon_tiles(inter: int) -> tuple:
+    """(gate-up GluonTile, down GluonTile) of the plan for experts ``inter`` (N) wide."""
+    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
 
-    down = down_tile(inter)
-    tiles = {"g128": (UP_TILE, down), "g128 down pp": (UP_TILE, replace(down, pingpong=True, stages=5))}
-    for up, dn in tiles.values():
-        check_tile(up, gated=True)
-        check_tile(dn, gated=False)
-    return tiles
+    return UP_TILE, down_tile(inter)
 
 
-def fp8_gluon_tiles() -> dict:
-    """name -> (gate-up Fp8GluonTile, down Fp8GluonTile)."""
+def fp8_gluon_tiles() -> tuple:
+    """(gate-up Fp8GluonTile, down Fp8GluonTile) of the plan."""
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
-    return {"gf8": (UP_TILE, DOWN_TILE),
-            "gf8 skip": (replace(UP_TILE, skip_padding=True), replace(DOWN_TILE, skip_padding=True))}
+    return UP_TILE, DOWN_TILE
 
 
 def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
@@ -126,36 +113,25 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
 
 
 def bf16_variants(w13, w2) -> list[Variant]:
-    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches), and the lean launch
-    (what the route runs where ``GluonChoice`` takes Gluon) with the plan's tiles and with the ping-pong down GEMM."""
+    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches) and its lean launch."""
     from moekit.experts import run_experts
     from moekit.experts.triton import fused_experts
     from moekit.experts.triton_gluon_lean import run_lean
 
-    tiles = bf16_gluon_tiles(w2.shape[2])
-    out = [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
-           Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r))]
-    up, down = tiles["g128"]
-    out.append(Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)))
-    for name in ("g128", "g128 down pp"):
-        u, d = tiles[name]
-        out.append(Variant(f"lean {name}", "gluon", lambda x, i, r, u=u, d=d: run_lean(x, w13, w2, i, r, None, u, d),
-                           (u, d)))
-    return out
+    up, down = bf16_gluon_tiles(w2.shape[2])
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
+            Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)),
+            Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)),
+            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down))]
 
 
 def fp8_variants(q: tuple) -> list[Variant]:
     """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend: the fp8
-    Gluon path's lean launch at these cells) and the lean launch with SKIP_PADDING."""
+    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines."""
     from moekit.experts import run_experts
-    from moekit.experts.triton_gluon_lean import run_lean
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
-    tiles = fp8_gluon_tiles()
-    out = [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), tiles["gf8"])]
-    u, d = tiles["gf8 skip"]
-    out.append(Variant("lean gf8 skip", "gluon", lambda x, i, r: run_lean(x, q[0], q[2], i, r, None, u, d, q[1], q[3]),
-                       (u, d)))
-    return out
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"),
+                    fp8_gluon_tiles())]

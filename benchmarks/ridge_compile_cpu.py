@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def compile_bf16_gemm(tile, gated: bool) -> str:
-    """One GEMM of the bf16 Gluon kernel (``tile.pingpong``: the ping-pong down GEMM's) at a small shape (E=2,
-    N=512, K=512; W_ROWS, GATE_OFFSET constexprs)."""
+    """One GEMM of the bf16 Gluon kernel at a small shape (E=2, N=512, K=512; W_ROWS, GATE_OFFSET constexprs)."""
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
     from triton.backends.compiler import GPUTarget
@@ -28,7 +27,7 @@ def compile_bf16_gemm(tile, gated: bool) -> str:
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm import grouped_gemm_kernel as kernel
-    from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, PINGPONG_REGISTERS, PINGPONG_WARPS
+    from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
@@ -39,17 +38,11 @@ def compile_bf16_gemm(tile, gated: bool) -> str:
                 reduce_dim=r, num_col_blocks=c // tile.block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, num_warps=NUM_WARPS)
-    options = dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
-    if tile.pingpong:
-        from moekit.experts._kernels.gluon_gemm_pingpong import pingpong_gemm_kernel as kernel
-
-        const = dict(W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=PINGPONG_REGISTERS[1],
-                     num_warps=PINGPONG_WARPS)
-        options = dict(num_warps=PINGPONG_WARPS, maxnreg=PINGPONG_REGISTERS[0])
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS))
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)

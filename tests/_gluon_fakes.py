@@ -44,13 +44,7 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
-def pingpong_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, **_):
-    """The ping-pong down GEMM: ``bf16_gemm`` not gated."""
-    bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, 0, False)
-
-
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED,
-             SKIP_PADDING=False, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     for block in range(int(used_ptr[0]) // BLOCK):
@@ -58,10 +52,6 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
-            if SKIP_PADDING and float(as_ptr[first, 0]) == 0.0:  # all padding: no product, h scales 0
-                if GATED:
-                    cs_ptr[rows, : cols // BLOCK] = 0.0
-                continue
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T
             if GATED:
@@ -92,16 +82,15 @@ class FakeKernel:
 
 
 def install_fakes(setattr_=setattr) -> dict:
-    """The Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
+    """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16": FakeKernel, "pingpong": FakeKernel, "fp8": FakeKernel}."""
+    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
 
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
-                                     ("pingpong", "gluon_gemm_pingpong", "pingpong_gemm_kernel", pingpong_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)

@@ -45,28 +45,3 @@ def test_the_shipped_tiles_fit_and_too_deep_or_too_wide_ones_raise():
     with pytest.raises(ValueError, match="accumulator registers"):
         check_tile(wide, gated=True)
     check_tile(wide, gated=False)  # one accumulator: 128 a thread
-
-
-def test_pingpong_tiles_count_two_output_buffers_and_4_warp_accumulators():
-    pp = GluonTile(block_n=128, block_k=64, stages=5, group_m=1, pingpong=True)
-    want = 2 * (5 * 64 * (128 + 128) + 2 * 128 * 128)  # 5 stages of [128, 64] + [128, 64]; two [128, 128] outputs
-    assert pp.shared_bytes(False) == want <= SM90_SHARED
-    check_tile(pp, gated=False)
-    assert pp.accumulator_registers(False) == 128 * 128 // (4 * 32)  # one [128, 128] float32 tile on 128 threads
-    with pytest.raises(ValueError, match="SMEM"):  # 6 stages: 6 x 32 KB + 64 KB
-        check_tile(GluonTile(stages=6, pingpong=True), gated=False)
-    with pytest.raises(ValueError, match="accumulator registers"):  # [128, 256] on 4 warps: 256 a thread
-        check_tile(GluonTile(block_n=256, stages=2, pingpong=True), gated=False)
-    with pytest.raises(ValueError, match="down GEMM only"):
-        check_tile(GluonTile(block_n=64, stages=2, pingpong=True), gated=True)
-
-
-def test_launch_refuses_a_gated_pingpong_tile():
-    import torch
-
-    from moekit.experts.triton_gluon_launch import launch_gemm
-
-    t = torch.empty(128, 128)
-    with pytest.raises(ValueError, match="down GEMM only"):
-        launch_gemm(t, t, t, t, t, GluonTile(block_n=64, stages=2, pingpong=True), gated=True, w_rows=128,
-                    gate_offset=64)

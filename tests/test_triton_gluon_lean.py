@@ -112,29 +112,6 @@ def test_bf16_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, m, k):
                        experts_gluon(x2, w13, w2, ids2, weights2, lean=False)) and launched[0] == 2
 
 
-def test_pingpong_down_tile_lean_equals_plain_and_a_float64_loop(fake_gemms, launched, monkeypatch):
-    """A ``pingpong`` down tile: both launches take the ping-pong kernel (4 warps, its registers), the gate-up GEMM
-    the 8-warp one; outputs equal each other and the float64 loop."""
-    from dataclasses import replace
-
-    import moekit.experts.triton_gluon as tg
-    import moekit.experts.triton_gluon_launch as tgl
-    from moekit.experts.triton_gluon import experts_gluon
-
-    pp = replace(tgl.NARROW_DOWN_TILE, pingpong=True, stages=5)
-    monkeypatch.setattr(tg, "down_tile", lambda inter: pp)
-    monkeypatch.setattr(tgl, "down_tile", lambda inter: pp)
-    x, w13, w2, ids, weights = _bf16_problem(40)
-    plain = experts_gluon(x, w13, w2, ids, weights, lean=False)
-    assert torch.equal(experts_gluon(x, w13, w2, ids, weights), plain)
-    assert torch.equal(experts_gluon(x, w13, w2, ids, weights), plain) and launched[0] == 1
-    assert rel_l2(plain, _f64(x, w13, w2, ids, weights)) < 1e-2
-    for _, bound, options in fake_gemms["pingpong"].log[:2]:  # the plain launch's, the lean compiling call's
-        assert options == {"num_warps": tgl.PINGPONG_WARPS, "maxnreg": tgl.PINGPONG_REGISTERS[0]}
-        assert bound["STAGES"] == 5 and bound["CONSUMER_REGS"] == tgl.PINGPONG_REGISTERS[1]
-    assert len(fake_gemms["pingpong"].log) == 3 and all(bound["GATED"] for _, bound, _ in fake_gemms["bf16"].log)
-
-
 def test_fp8_lean_equals_plain_and_a_float64_loop(fake_gemms, launched):
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
 

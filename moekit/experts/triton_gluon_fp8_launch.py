@@ -36,12 +36,6 @@ class Fp8GluonTile:
     max_registers: int = 160
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
-    skip_padding: bool = False  # a 64-row half that is all padding runs no MMA (the kernel's SKIP_PADDING)
-
-    def __post_init__(self):
-        if self.skip_padding and (self.pingpong or self.stagger):
-            raise ValueError(f"skip_padding with pingpong={self.pingpong} / stagger={self.stagger}: a consumer that "
-                             "skips a half would leave the other waiting for its MMA")
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB.
@@ -104,5 +98,5 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
-                        SKIP_PADDING=tile.skip_padding, num_warps=CONSUMER_WARPS,
+                        num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)

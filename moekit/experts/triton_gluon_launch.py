@@ -19,8 +19,6 @@ BLOCK_M = 128  # rows per tile = the contiguous layout's segment alignment (one 
 NUM_WARPS = 8  # the MMA partition: two warpgroups per [BLOCK_M, BLOCK_N] tile; the loader adds one warp
 MAX_REGISTERS = 168  # per thread at launch: 12 warps x 32 x 168 fit the SM's 64K; the loader gives its share back
 SHARED_BYTES = 227 * 1024  # sm_90's shared memory per program
-PINGPONG_WARPS = 4  # each consumer of the ping-pong down GEMM; the second consumer (4) and the loader (1) added
-PINGPONG_REGISTERS = (160, 224)  # at launch (12 warps x 32 x 160 of the SM's 64K), then consumer 1's; consumer 0 232
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -28,15 +26,12 @@ _KERNELS = "moekit.experts._kernels"
 class GluonTile:
     """One GEMM's tile and pipeline: [BLOCK_M, block_n] outputs, block_k reduction steps, ``stages``
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. (64-row tiles and one
-    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.) ``pingpong`` (down GEMM
-    only): two 4-warp consumers taking whole tiles in turn (``_kernels/gluon_gemm_pingpong.py``), each with its own
-    [BLOCK_M, block_n] accumulator and output buffer."""
+    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    pingpong: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -45,23 +40,18 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
-        """SMEM of one program: stages x (activation tile + one or two weight tiles) + the output tile(s: one per
-        consumer with ``pingpong``)."""
+        """SMEM of one program: stages x (activation tile + one or two weight tiles) + the output tile."""
         stage = (BLOCK_M + (2 if gated else 1) * self.block_n) * self.block_k
-        return element_size * (self.stages * stage + (2 if self.pingpong else 1) * BLOCK_M * self.block_n)
+        return element_size * (self.stages * stage + BLOCK_M * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M, block_n] tiles on the 8 warps, or
-        one tile on each 4-warp consumer with ``pingpong``)."""
-        warps = PINGPONG_WARPS if self.pingpong else NUM_WARPS
-        return (2 if gated else 1) * BLOCK_M * self.block_n // (32 * warps)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M, block_n] tiles)."""
+        return (2 if gated else 1) * BLOCK_M * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
     thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands)."""
-    if gated and tile.pingpong:
-        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only (two [128, N] accumulators a consumer)")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -168,21 +158,13 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
     of BLOCK_M, <= T)."""
-    if gated and tile.pingpong:
-        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
+    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
-    if tile.pingpong:
-        kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_pingpong").pingpong_gemm_kernel
-        kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks, W_ROWS=w_rows,
-                     STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=PINGPONG_REGISTERS[1],
-                     num_warps=PINGPONG_WARPS, maxnreg=PINGPONG_REGISTERS[0])
-        return
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)

@@ -33,9 +33,7 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
-from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, MAX_REGISTERS, NUM_WARPS, PINGPONG_REGISTERS, PINGPONG_WARPS, gluon_descriptor, num_sms,
-)
+from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -147,19 +145,12 @@ class _Part:
 def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
     rows, num_assignments, top_k, hidden, inter = sizes
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-    pingpong = (importlib.import_module(f"{_KERNELS}.gluon_gemm_pingpong").pingpong_gemm_kernel if down.pingpong
-                else None)
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
                          (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
                          (rows, num_assignments, hidden, x.stride(0), hidden),
                          TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.pingpong:  # the down GEMM's ping-pong kernel (same pointers and scalars)
-            return BoundLaunch(pingpong, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
-                               W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                               CONSUMER_REGS=PINGPONG_REGISTERS[1], num_warps=PINGPONG_WARPS,
-                               maxnreg=PINGPONG_REGISTERS[0], **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
@@ -187,8 +178,7 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
         return BoundLaunch(gemm, grid(cols, GROUP), 8,
                            (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, SKIP_PADDING=tile.skip_padding,
-                           num_warps=CONSUMER_WARPS,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
