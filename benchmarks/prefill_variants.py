@@ -1,0 +1,137 @@
+"""The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
+DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
+tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
+GEMM alone under uniform and balanced routing (what the 128-row padding costs).
+
+Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
+taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
+Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "route" (today's default), "fused" (Triton kernels), "gluon" (a Gluon path with these tiles)
+    call: Callable  # (x, topk_ids, topk_weights) -> out [M, K]
+    tiles: tuple | None = None  # (gate-up tile, down tile) of a Gluon variant
+
+
+def balanced_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert gets exactly M*k/E assignments (a multiple of 128 at the cells timed: no padding rows):
+    token t picks experts (t*k + j) mod E, j < k (distinct since k <= E). Weights: a fixed softmax."""
+    t = torch.arange(num_tokens, device=device)[:, None]  # [M, 1]
+    ids = ((t * top_k + torch.arange(top_k, device=device)[None, :]) % num_experts).int()  # [M, k]
+    g = torch.Generator(device=device).manual_seed(7)
+    weights = torch.softmax(torch.rand(num_tokens, top_k, device=device, generator=g), dim=1)  # [M, k]
+    return ids, weights
+
+
+def bf16_gluon_tiles(inter: int) -> tuple:
+    """(gate-up GluonTile, down GluonTile) of the plan for experts ``inter`` (N) wide."""
+    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
+
+    return UP_TILE, down_tile(inter)
+
+
+def fp8_gluon_tiles() -> tuple:
+    """(gate-up Fp8GluonTile, down Fp8GluonTile) of the plan."""
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+
+    return UP_TILE, DOWN_TILE
+
+
+def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
+    """The bf16 Gluon path with the tiles given (plain launches)."""
+    from moekit.experts.triton_gluon import gluon_layout
+    from moekit.experts.triton_gluon_launch import launch_contiguous_sum, launch_gemm
+
+    num_experts, hidden, inter = w2.shape
+    lay = gluon_layout(x, ids, num_experts)
+    rows = lay.x_perm.shape[0]
+    h = x.new_empty(rows, inter)  # [R, N]
+    launch_gemm(lay.x_perm, w13.view(num_experts * 2 * inter, hidden), h, lay.block_experts, lay.rows_used, up,
+                gated=True, w_rows=2 * inter, gate_offset=inter)
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm(h, w2.view(num_experts * hidden, inter), y, lay.block_experts, lay.rows_used, down, gated=False,
+                w_rows=hidden)
+    out = torch.empty_like(x)
+    launch_contiguous_sum(y, lay.src_to_dst, rw.contiguous(), out)
+    return out
+
+
+@dataclass
+class GemmPair:
+    """The two Gluon GEMMs of one layout, each a zero-argument launch on buffers made once (h written by the
+    gate-up GEMM and read by the down GEMM: run ``up`` once before timing ``down``)."""
+
+    up: Callable
+    down: Callable
+    rows_used: torch.Tensor  # [1] int32
+
+
+def bf16_gemm_pair(x, ids, w13, w2, up, down) -> GemmPair:
+    """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``."""
+    from moekit.experts.triton_gluon import gluon_layout
+    from moekit.experts.triton_gluon_launch import launch_gemm
+
+    num_experts, hidden, inter = w2.shape
+    lay = gluon_layout(x, ids, num_experts)
+    rows = lay.x_perm.shape[0]
+    h = x.new_zeros(rows, inter)  # [R, N]
+    y = x.new_empty(rows, hidden)  # [R, K]
+    w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
+    return GemmPair(
+        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter),
+        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden), lay.rows_used)
+
+
+def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
+    """The fp8 Gluon GEMMs with pipelines (up, down) on x's quantized layout under routing ``ids``."""
+    from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
+    from moekit.experts.triton_gluon_fp8_launch import launch_gemm_fp8
+
+    w13_q, w13_s, w2_q, w2_s = q
+    num_experts, hidden, inter = w2_q.shape
+    lay = gluon_fp8_layout(x, ids, num_experts)
+    rows = lay.x_q.shape[0]
+    h_q = torch.zeros(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]
+    h_s = torch.ones(rows, inter // 128, device=x.device, dtype=torch.float32)  # [R, N/128]
+    y = x.new_empty(rows, hidden)  # [R, K]
+    return GemmPair(
+        lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up,
+                                True, inter),
+        lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, down, False),
+        lay.rows_used)
+
+
+def bf16_variants(w13, w2) -> list[Variant]:
+    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches) and its lean launch."""
+    from moekit.experts import run_experts
+    from moekit.experts.triton import fused_experts
+    from moekit.experts.triton_gluon_lean import run_lean
+
+    up, down = bf16_gluon_tiles(w2.shape[2])
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
+            Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)),
+            Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)),
+            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down))]
+
+
+def fp8_variants(q: tuple) -> list[Variant]:
+    """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend: the fp8
+    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines."""
+    from moekit.experts import run_experts
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
+    w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"),
+                    fp8_gluon_tiles())]
