@@ -112,6 +112,19 @@ def test_expert_map_skipped_ids_and_split_k(wo, scheme, group):
     assert rel(out, loop64(x, w13, w2, ids, weights, expert_map)) < 2e-3
 
 
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
+@pytest.mark.parametrize("up_split", [1, 2])
+def test_words_two_steps_ahead(wo, scheme, group, up_split):
+    # num_stages 2: each program loads step s+2's words before it decodes step s (the kernels' AHEAD); K = 96 in
+    # 4-word steps: 3 gate-up steps (int8: 6), the loads past the row (or the split) masked; down split in 2
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=96, n=64, seed=11)
+    tile = GemmTile(16, 4 * PER[scheme], 1, 1, 2)
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=up_split), split_k=2)
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
+
+
 def test_empty_batch(wo):
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=0, k=1, hidden=96, seed=1)
     assert run(wo, x, w13, w2, ids, weights).shape == (0, 96)

@@ -2,7 +2,8 @@
 words into registers and multiplied on the CUDA cores, no tensor cores): where it applies, its default
 config and its two bound launches. The plan (``triton_wo_plan``) calls these for decodes "gemv" and
 "gemv_half" (``_kernels/gemm_wo_half.py``, the fp16x2 twin for the 4-bit schemes: same arguments, same
-configs; for it a GemmTile's num_stages is 1 + its L2 prefetch distance in steps, its launches' own num_stages 1).
+configs; for it a GemmTile's num_stages is 1 + its L2 prefetch distance in steps, its launches' own num_stages 1;
+for "gemv" num_stages is the steps of words loaded ahead of the one a program decodes, in registers: AHEAD).
 
 Config: a ``KernelConfig`` as the other decodes', read so: BLOCK_M the M-block's rows (the tiny-batch
 shortcut always runs 1 row a block), each GemmTile's BLOCK_N the weight rows of a program and BLOCK_K
@@ -161,7 +162,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     suffix = "gemv" if decode == "gemv" else "half"
 
     def staging(tile: GemmTile) -> dict:  # gemv_half: the tile's num_stages is 1 + its L2 prefetch steps
-        return {"num_stages": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
+        return {"num_stages": 1, "AHEAD": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)

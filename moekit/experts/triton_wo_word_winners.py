@@ -33,7 +33,7 @@ class WordPick:
     decode: str  # the word decode these splits were measured with
     up_split: int = 1  # the gate-up's reduction splits
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
-    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps), None: the heuristic's
+    up_tile: tuple | None = None  # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps / gemv's extra steps of words in registers), None: the heuristic's
     down_tile: tuple | None = None  # the down GEMM's, the same way
     fold: bool = False  # the split gate-up's sum and activation in the down GEMM's prologue (``WordConfig.glu_fold``)
 
@@ -98,7 +98,7 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
         if spec is None:
             return base
         rows, words, warps, prefetch = spec  # gemv_half: num_stages = 1 + its L2 prefetch steps (gemv: none, 1)
-        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch if pick.decode == "gemv_half" else 1)
+        return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
                       down_split=pick.down_split, glu_fold=pick.fold)

@@ -25,8 +25,8 @@ accumulates per (weight row, word column) [BN, BKW]; one sum over the word colum
 a program by default: each thread then holds several weight rows of the same words, so each activation
 value it loads (and converts, and scales) serves them all.
 
-Pipelining: each program loads step k+1's words before it computes step k (two steps in flight, in
-registers).
+Pipelining: each program loads step k+AHEAD's words before it computes step k (AHEAD 1: two steps in
+registers; AHEAD 2: three, the config's num_stages).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
 in. Split-K: down (SPLIT > 1) as in ``gemm_wo_reg``; gate-up (SPLIT > 1) float32 partials per split, summed
@@ -256,7 +256,7 @@ def gate_up_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, SPLIT: tl.constexpr = 1,
+    ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
     word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
@@ -276,13 +276,18 @@ def gate_up_wo_gemv_kernel(
     xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
     w_start, w_end = split_range(KW, split_words, SPLIT)
     wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    if AHEAD > 1:  # the step after the first too: AHEAD steps' words in flight as a step decodes
+        ng, nu = _load_words(qg, w_start + BKW, w_end, n_ok, BKW), _load_words(qu, w_start + BKW, w_end, n_ok, BKW)
     for w0 in range(w_start, w_end, BKW):
-        next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
-        next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
+        far_g = _load_words(qg, w0 + AHEAD * BKW, w_end, n_ok, BKW)
+        far_u = _load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
             w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
-        wg, wu = next_g, next_u
+        if AHEAD > 1:
+            wg, wu, ng, nu = ng, nu, far_g, far_u
+        else:
+            wg, wu = far_g, far_u
     let_next_kernel_launch(PDL)
     _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, N, num_assignments, stride_hm,
                  SCHEME, ACT, SPLIT)
@@ -331,7 +336,7 @@ def down_wo_gemv_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0,
+    UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -365,13 +370,18 @@ def down_wo_gemv_kernel(
     acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
     w_start = tl.program_id(1) * split_words
     w = _load_words(q_rows, w_start, NW, out_ok, BKW)
+    if AHEAD > 1:
+        nw = _load_words(q_rows, w_start + BKW, NW, out_ok, BKW)
     for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
-        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
+        far_w = _load_words(q_rows, w0 + AHEAD * BKW, NW, out_ok, BKW)
         acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
                                           h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
                                           num_assignments * stride_hm, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, UP_SPLIT,
                                           ACT, ROUND)
-        w = next_w
+        if AHEAD > 1:
+            w, nw = nw, far_w
+        else:
+            w = far_w
     let_next_kernel_launch(PDL)
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:
