@@ -113,16 +113,25 @@ def test_expert_map_skipped_ids_and_split_k(wo, scheme, group):
 
 
 @pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
-@pytest.mark.parametrize("up_split", [1, 2])
-def test_words_two_steps_ahead(wo, scheme, group, up_split):
+@pytest.mark.parametrize("up_split,x_tile", [(1, False), (2, True)])
+def test_words_two_steps_ahead_and_x_tile(wo, scheme, group, up_split, x_tile):
     # num_stages 2: each program loads step s+2's words before it decodes step s (the kernels' AHEAD); K = 96 in
-    # 4-word steps: 3 gate-up steps (int8: 6), the loads past the row (or the split) masked; down split in 2
+    # 4-word steps: 3 gate-up steps (int8: 6), the loads past the row (or the split) masked; down split in 2;
+    # x_tile: x and h read as one [words, 8] tile a step (the 4-bit schemes; int8 keeps its strided loads)
     from moekit.experts.triton_wo_gemv import WordConfig
 
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=96, n=64, seed=11)
     tile = GemmTile(16, 4 * PER[scheme], 1, 1, 2)
-    out = run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=up_split), split_k=2)
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=up_split, x_tile=x_tile), split_k=2)
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
+
+
+def test_gemv_ahead_limit(wo):
+    from moekit.experts.triton_wo_gemv import check_gemv_config
+
+    tile = GemmTile(16, 32, 1, 1, 3)
+    with pytest.raises(ValueError, match="num_stages"):
+        check_gemv_config(KernelConfig(1, tile, tile), "int4_w4a16")
 
 
 def test_empty_batch(wo):

@@ -39,15 +39,17 @@ class WordConfig(KernelConfig):
     partials reduced in the activation launch, ``split_glu_launch``; 1: none) and ``down_split`` the down
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
-    A plain ``KernelConfig`` splits the gate-up never."""
+    A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv"): each step's activations (and the
+    down GEMM's h) read as one [words, 8] tile, 16 bytes a word, not 8 strided 2-byte loads (the 4-bit schemes)."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
+    x_tile: bool = False
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -119,7 +121,8 @@ def half_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
 
 def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:
     """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words;
-    "gemv_half": a 4-bit scheme, and each step inside one group or whole groups (``group_size``)."""
+    "gemv_half": a 4-bit scheme, and each step inside one group or whole groups (``group_size``); "gemv": num_stages
+    (AHEAD) 1 or 2."""
     if decode == "gemv_half":
         if scheme == "int8_w8a16":
             raise ValueError("decode='gemv_half' takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
@@ -127,6 +130,9 @@ def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", g
             if group_size and tile.BLOCK_K % group_size and group_size % tile.BLOCK_K:
                 raise ValueError(f"config.{name}.BLOCK_K must divide or be a multiple of the group size "
                                  f"{group_size} for decode='gemv_half', got {tile.BLOCK_K}")
+    elif not (1 <= config.up.num_stages <= 2 and 1 <= config.down.num_stages <= 2):
+        raise ValueError(f"the gemv decode's num_stages (words loaded ahead, steps) must be 1 or 2, got "
+                         f"{config.up.num_stages} and {config.down.num_stages}")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -162,7 +168,9 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     suffix = "gemv" if decode == "gemv" else "half"
 
     def staging(tile: GemmTile) -> dict:  # gemv_half: the tile's num_stages is 1 + its L2 prefetch steps
-        return {"num_stages": 1, "AHEAD": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
+        if decode == "gemv":
+            return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False)}
+        return {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)

@@ -129,11 +129,12 @@ def _fma(p, xs, v, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constex
 
 @triton.jit
 def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
-              SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+              SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
+              XTILE: tl.constexpr = False):
     """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values (fs ..
-    ROUND: ``_x_part``'s fold)."""
+    ROUND: ``_x_part``'s fold; XTILE: x read as one [BKW, 8] tile a step too where not folded)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = w_values
-    if UP_SPLIT > 1 and PER == 8:  # the folded h: one [BKW, 8] tile a step, not 8 strided loads (2x slower, H200)
+    if (UP_SPLIT > 1 or XTILE) and PER == 8:  # one [BKW, 8] tile a step, not 8 strided loads (folded h: 2x, H200)
         x0, x1, x2, x3, x4, x5, x6, x7 = h_words(x_row, ok, k0, C, stride_xc, BKW, fs, UP_SPLIT, ACT, ROUND)
         p, xe = _fma_x(p, xe, v0, x0, 0, SCHEME)
         p, xo = _fma_x(p, xo, v1, x1, 1, SCHEME)
@@ -159,7 +160,7 @@ def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexp
 @triton.jit
 def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
                 GROUP: tl.constexpr, SCHEME: tl.constexpr, fs=0, UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0,
-                ROUND: tl.constexpr = 0):
+                ROUND: tl.constexpr = 0, XTILE: tl.constexpr = False):
     """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
     (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word; fs ..
     ROUND: ``_x_part``'s fold (the down GEMM's)."""
@@ -167,7 +168,7 @@ def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: 
     p = tl.zeros_like(acc)
     xe = tl.zeros([BKW], dtype=tl.float32)
     p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME, fs,
-                          UP_SPLIT, ACT, ROUND)
+                          UP_SPLIT, ACT, ROUND, XTILE)
     if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
         acc += p * 32768.0
         xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
@@ -233,17 +234,22 @@ def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n,
 @triton.jit
 def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1,
                   ok1, k0, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr,
-                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr,
+                  XTILE: tl.constexpr = False):
     """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
     decoded once and used by every row."""
     scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
-    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
-    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                XTILE=XTILE)
+    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                XTILE=XTILE)
     if BLOCK_M > 1:
-        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
-        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                    XTILE=XTILE)
+        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                    XTILE=XTILE)
     return acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1
 
 
@@ -256,7 +262,7 @@ def gate_up_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1,
+    ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1, XTILE: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
     word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
@@ -283,7 +289,7 @@ def gate_up_wo_gemv_kernel(
         far_u = _load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
-            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
+            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, XTILE)
         if AHEAD > 1:
             wg, wu, ng, nu = ng, nu, far_g, far_u
         else:
@@ -299,15 +305,16 @@ def gate_up_wo_gemv_kernel(
 @triton.jit
 def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg, fs,
                BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
-               SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+               SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
+               XTILE: tl.constexpr = False):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2); h folded where UP_SPLIT > 1."""
     scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     values = word_values(w, SCHEME, ASM)
     acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT, ACT,
-                            ROUND)
+                            ROUND, XTILE)
     if BLOCK_M > 1:
         acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT,
-                                ACT, ROUND)
+                                ACT, ROUND, XTILE)
     return acc0, xt0, acc1, xt1
 
 
@@ -337,6 +344,7 @@ def down_wo_gemv_kernel(
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
+    XTILE: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -377,7 +385,7 @@ def down_wo_gemv_kernel(
         acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
                                           h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
                                           num_assignments * stride_hm, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, UP_SPLIT,
-                                          ACT, ROUND)
+                                          ACT, ROUND, XTILE)
         if AHEAD > 1:
             w, nw = nw, far_w
         else:
