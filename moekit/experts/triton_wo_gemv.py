@@ -40,7 +40,8 @@ class WordConfig(KernelConfig):
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv"): each step's activations (and the
-    down GEMM's h) read as one [words, 8] tile, 16 bytes a word, not 8 strided 2-byte loads (the 4-bit schemes)."""
+    down GEMM's h) read as one [words, values a word] tile (bf16: 16 bytes a 4-bit word, 8 an int8 one), not a
+    strided 2-byte load per value."""
 
     up_split: int = 1
     down_split: int = 0
