@@ -126,6 +126,37 @@ def test_words_two_steps_ahead_and_x_tile(wo, scheme, group, up_split, x_tile):
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
 
 
+def nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view into a buffer one row and 8 columns larger, filled past it with NaN (uint8: 255, an
+    e8m0 NaN, inf once the kernel places it): a read past a row, past the last row or past a row's groups
+    reaches the output as NaN."""
+    fill = 255 if t.dtype == torch.uint8 else float("nan")
+    big = torch.full((t.shape[0] + 1, *t.shape[1:-1], t.shape[-1] + 8), fill, dtype=t.dtype)
+    view = big[:t.shape[0], ..., :t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_ahead_and_x_tile_read_nothing_past_their_tensors(wo, scheme, group, block_m):
+    # x and the scales inside NaN-filled buffers; K = 95 (int8: 100, 25 words), N = 40 (a group tail), 4-word
+    # steps, both GEMMs split in 2: the words loaded 2 steps ahead and the x / h tiles run past every row's end
+    import dataclasses
+
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    hidden = 100 if scheme == "int8_w8a16" else 95
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=4, k=2, hidden=hidden, n=40, dtype=torch.bfloat16, seed=5)
+    want = loop64(x, w13, w2, ids, weights)
+    x = nan_padded(x)
+    w13, w2 = (dataclasses.replace(w, scale=nan_padded(w.scale)) for w in (w13, w2))
+    tile = GemmTile(16, 4 * PER[scheme], 1, 1, 2)
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(block_m, tile, tile, up_split=2, x_tile=True), split_k=2)
+    assert torch.isfinite(out).all()
+    assert rel(out, want) < 1e-2
+
+
 def test_gemv_ahead_limit(wo):
     from moekit.experts.triton_wo_gemv import check_gemv_config
 
