@@ -3,17 +3,21 @@ AHEAD (a tile's num_stages: each program loads step s + AHEAD's words before it 
 against the chooser's pick at the 4-bit decode cells, with the gate-up launch timed alone too.
 
     PYTHONPATH=$PWD timeout 280 python3 benchmarks/wo_ahead_device_check.py --out $OUT/wo4     # H200, <= 200 s
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_ahead_device_check.py --smoke      # CPU, tiny
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_ahead_device_check.py --smoke [--isolate]  # CPU, tiny
 
 Cells (in this order; the time limit cuts the last): Qwen3-30B-A3B, DeepSeek-V3, Mixtral-8x7B x int4_w4a16 (g 128),
-mxfp4 x M = 1, 8. Variants: "pick" (the chooser's decode and config: what a call runs now), "g" (the gemv with its
+mxfp4, int8_w8a16 x M = 1, 8; on the GPU each preset in a child process of its own (run 1 lost the whole run to one
+illegal address during graph replay, in the first cell with an alignment: the gate-up-alone graphs now run only on
+the shortcut's calls, where the gate-up is the first launch). Variants: "pick" (the chooser's decode and config: what a call runs now), "g" (the gemv with its
 winners row or heuristic, where the pick is another decode), then on the gemv config (its splits and fold kept):
 "x" (x and h read as one [words, 8] tile a step instead of 8 strided 2-byte loads: ``WordConfig.x_tile``; sm_90
 SASS, Triton 3.9, int4 gate-up split 4: loop 1170 -> 876 instructions at 64 x 16 words, 843 -> 513 at 32 x 16),
 "xa2" (and both GEMMs' words 2 steps ahead: 64 x 16 words without the x tile spill there, with it 245 registers),
-"r32x" / "r32xa2" (32-row 16-word 2-warp tiles: twice the programs, 128 / 168 registers).
+"r32x" / "r32xa2" (32-row 16-word 2-warp tiles: twice the programs, 128 / 168 registers), "w4x" (64 x 16 words
+in 4 warps with the x tile: 128 registers, 3.90 instructions a weight against 3.41 in 2 warps at 254).
+Run 1 (ae506b6, Qwen3 int4 M=1 only): pick 20.0 µs (gate-up 10.1), x 20.7, xa2 / r32x / r32xa2 19.2.
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call and of
-its launches up to the gate-up ("<name>:up"; the alignment, if any, included) over rotated input sets, every
+the gate-up launch alone ("<name>:up", calls without an alignment) over rotated input sets, every
 graph replayed in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor. Look for: every line
 PASS; a variant's whole-call µs under the pick's in all 5 rounds by >= 3% (the ``wins`` column: rounds won).
 JSON to <out>/wo_ahead.json; the table printed last.
@@ -45,16 +49,17 @@ from moekit.experts.triton_wo_word_winners import word_config  # noqa: E402
 from wo_device_check import bf16_times, copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 PRESET_ORDER = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
-SCHEMES = ("int4_w4a16", "mxfp4")
+SCHEMES = ("int4_w4a16", "mxfp4", "int8_w8a16")
 BATCHES = (1, 8)
 SETS, ROUNDS, REPLAYS = 4, 5, 6  # rotated input sets per graph; interleaved rounds; replays a round
 TOL = 1e-2
 WIN = 0.97  # a round won: variant <= 0.97 x pick
 LIMIT_S = 200.0
+RESERVE_S = 45.0  # seconds kept for each preset still to run (``isolated``)
 START = time.perf_counter()
 # name -> (rows, words a step, warps, AHEAD, x_tile); rows None: the gemv config's own tiles
 TILES = {"x": (None, None, None, 1, True), "xa2": (None, None, None, 2, True), "r32x": (32, 16, 2, 1, True),
-         "r32xa2": (32, 16, 2, 2, True)}
+         "r32xa2": (32, 16, 2, 2, True), "w4x": (64, 16, 4, 1, True)}
 FAILED: list[str] = []
 SKIPPED: list[str] = []
 
@@ -181,9 +186,10 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
                 graphs[name] = graph_of([lambda c=c: call(c) for c in inputs])
                 plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", cfg, options,
                                    None, decode)
-                ups = [up_prefix(plan, c, a13, a2) for c in inputs]
-                ups[0]()  # runs here too under the interpreter (graph_of does nothing off the GPU)
-                graphs[name + ":up"] = graph_of(ups)
+                if plan.align is None:  # the shortcut's calls: the gate-up is the first launch
+                    ups = [up_prefix(plan, c, a13, a2) for c in inputs]
+                    ups[0]()  # runs here too under the interpreter (graph_of does nothing off the GPU)
+                    graphs[name + ":up"] = graph_of(ups)
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the run)
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
@@ -198,7 +204,7 @@ def shape_cells(s: Shape, bw: float, smoke: bool) -> list[Cell]:
     sets = {m: make_sets(s, m, SETS, torch.bfloat16, DEV, seed=m) for m in batches}
     bf16 = bf16_times(s, sets, DEV)
     cells = []
-    for scheme in (("int4_w4a16",) if smoke else SCHEMES):
+    for scheme in (("int4_w4a16", "int8_w8a16") if smoke else SCHEMES):
         if left_s() < 0:
             SKIPPED.append(f"{s.name} {scheme}")
             continue
@@ -231,22 +237,9 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    global DEV, LIMIT_S
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT"))
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--limit", type=float, default=LIMIT_S, help="wall-clock seconds before cells are skipped")
-    args = parser.parse_args(argv)
-    LIMIT_S = 1e9 if args.smoke else args.limit
-    DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import triton
-
-    name = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
-    print(torch.__version__, "triton", triton.__version__, name, flush=True)
-    bw = copy_tbps(DEV)
-    print(f"copy bandwidth {bw:.2f} TB/s (read + write)", flush=True)
-    shapes = [Shape("tiny", 8, 64, 128, 2)] if args.smoke else [Shape.from_preset(p) for p in PRESET_ORDER]
+def run_presets(names: list[str], args, bw: float) -> list[Cell]:
+    """This process's cells: ``names``' shapes in order (the smoke: the tiny one), JSON rewritten after each shape."""
+    shapes = [Shape("tiny", 8, 64, 128, 2) if n == "tiny" else Shape.from_preset(n) for n in names]
     if DEV.type == "cuda":
         t0 = time.perf_counter()
         jobs = [(s, scheme, m, decode, cfg, None) for s in shapes for scheme in SCHEMES for m in BATCHES
@@ -260,12 +253,70 @@ def main(argv=None) -> int:
             continue
         cells += shape_cells(s, bw, args.smoke)
         print(f"-- {s.name} done at {time.perf_counter() - START:.1f} s", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "wo_ahead.json"), "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                       "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED, "skipped": SKIPPED}, f,
-                      indent=1)
+        dump(args.out, f"wo_ahead-{'-'.join(names)}.json", cells, bw)
+    return cells
+
+
+def dump(out: str | None, name: str, cells: list[Cell], bw: float) -> None:
+    if out:
+        import triton
+
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "torch": torch.__version__,
+                       "triton": triton.__version__, "copy_TBps": bw, "cells": [dataclasses.asdict(c) for c in cells],
+                       "failed": FAILED, "skipped": SKIPPED}, f, indent=1)
+
+
+def isolated(names: list[str], args) -> list[Cell]:
+    """Each preset in a child process of its own (a fault in one, e.g. an illegal address, loses only its
+    cells: run 1 lost the whole run to one), each given the time left minus RESERVE_S per preset after it;
+    their JSON read back."""
+    import subprocess
+
+    cells = []
+    for i, name in enumerate(names):
+        limit = LIMIT_S - (time.perf_counter() - START) - RESERVE_S * (len(names) - 1 - i)
+        if limit < 15:
+            SKIPPED.append(name)
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--preset", name, "--limit", f"{limit:.0f}", "--out", args.out]
+        try:
+            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=limit + 60).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(args.out, f"wo_ahead-{name}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": [], "skipped": []}
+        cells += [Cell(**c) for c in got["cells"]]
+        FAILED.extend(got["failed"] + ([f"{name} child exit {rc}"] if rc not in (0, 1) else []))
+        SKIPPED.extend(got["skipped"])
+    return cells
+
+
+def main(argv=None) -> int:
+    global DEV, LIMIT_S
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/wo_ahead")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--limit", type=float, default=LIMIT_S, help="wall-clock seconds before cells are skipped")
+    parser.add_argument("--preset", help="this process runs one preset's cells (the parent starts one per preset)")
+    parser.add_argument("--isolate", action="store_true", help="a child process per preset (the GPU default)")
+    args = parser.parse_args(argv)
+    LIMIT_S = 1e9 if args.smoke else args.limit
+    DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import triton
+
+    names = ["tiny"] if args.smoke else list(PRESET_ORDER)
+    if args.preset is None and (args.isolate or DEV.type == "cuda"):
+        print(torch.__version__, "triton", triton.__version__, flush=True)
+        cells = isolated(names, args)
+        dump(args.out, "wo_ahead.json", cells, float("nan"))
+    else:
+        print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name() if DEV.type == "cuda"
+              else "cpu", flush=True)
+        bw = copy_tbps(DEV)
+        print(f"copy bandwidth {bw:.2f} TB/s (read + write)", flush=True)
+        cells = run_presets([args.preset] if args.preset else names, args, bw)
     print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", SKIPPED or "none")
     print(table(cells), flush=True)
     return 1 if FAILED else 0
