@@ -113,10 +113,12 @@ def variants(s: Shape, scheme: str, m: int, smoke: bool) -> dict:
     return out
 
 
-def graph_of(fns):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
+def graph_of(fns, tag: str):
+    """The calls captured in one CUDA graph (warmed on a side stream first) and replayed once, ``tag`` printed
+    first (a fault in a replay then names its graph), or None off the GPU."""
     if DEV.type != "cuda":
         return None
+    print(f"    graph {tag}", flush=True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -128,6 +130,8 @@ def graph_of(fns):
     with torch.cuda.graph(g):
         for fn in fns:
             fn()
+    g.replay()
+    torch.cuda.synchronize()
     return g
 
 
@@ -183,13 +187,13 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, inputs, bf16_us: float, bw:
             cell.errors[name] = err = rel_err(call(c0), want)
             check(tag, err < TOL, f"rel_err={err:.2e} ({decode})")
             if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs])
+                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], tag)
                 plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", cfg, options,
                                    None, decode)
                 if plan.align is None:  # the shortcut's calls: the gate-up is the first launch
                     ups = [up_prefix(plan, c, a13, a2) for c in inputs]
                     ups[0]()  # runs here too under the interpreter (graph_of does nothing off the GPU)
-                    graphs[name + ":up"] = graph_of(ups)
+                    graphs[name + ":up"] = graph_of(ups, tag + ":up")
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the run)
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
