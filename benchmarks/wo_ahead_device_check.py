@@ -14,7 +14,8 @@ winners row or heuristic, where the pick is another decode), then on the gemv co
 SASS, Triton 3.9, int4 gate-up split 4: loop 1170 -> 876 instructions at 64 x 16 words, 843 -> 513 at 32 x 16),
 "xa2" (and both GEMMs' words 2 steps ahead: 64 x 16 words without the x tile spill there, with it 245 registers),
 "r32x" / "r32xa2" (32-row 16-word 2-warp tiles: twice the programs, 128 / 168 registers), "w4x" (64 x 16 words
-in 4 warps with the x tile: 128 registers, 3.90 instructions a weight against 3.41 in 2 warps at 254).
+in 4 warps with the x tile: 128 registers, 3.90 instructions a weight against 3.41 in 2 warps at 254); at M = 1
+"r32x2s" ("r32x" with twice the gemv config's gate-up splits, at least 2: twice the programs again).
 Run 1 (ae506b6, Qwen3 int4 M=1 only): pick 20.0 µs (gate-up 10.1), x 20.7, xa2 / r32x / r32xa2 19.2.
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call and of
 the gate-up launch alone ("<name>:up", calls without an alignment) over rotated input sets, every
@@ -110,6 +111,9 @@ def variants(s: Shape, scheme: str, m: int, smoke: bool) -> dict:
     tiles = {"xa2": (None, None, None, 2, True), "r32xa2": (16, 4, 1, 2, True)} if smoke else TILES
     for name, (rows, words, warps, ahead, x_tile) in tiles.items():
         out[name] = ("gemv", with_tiles(gemv, rows, words, warps, ahead, x_tile, scheme))
+    if m == 1:  # the 32-row x tile with twice the gate-up splits (at least 2), the fold as the gemv config's
+        split = 2 * getattr(gemv, "up_split", 1)
+        out["r32x2s"] = ("gemv", dataclasses.replace(out["r32x" if not smoke else "r32xa2"][1], up_split=split))
     return out
 
 
