@@ -133,3 +133,15 @@ def test_measured_splits_apply_where_a_row_covers_the_call():
     assert wo_config(2, 128, 768, 2048, 8, "int4_w4a16", "nowhere", "gemv") == qwen
     assert not wo_config(8, 128, 768, 2048, 8, "int4_w4a16", "nowhere", "gemv").glu_fold  # 91.2 against 80.8
     assert word_config(1, 6, 64, 96, 2, "int4_w4a16", "gemv") == gemv_heuristic_config(1, 6, 64, 96, 2, "int4_w4a16")
+
+
+def test_a_pick_sets_the_tiles_words_ahead_and_x_tile():
+    from moekit.experts.triton_wo_gemv import gemv_heuristic_config
+    from moekit.experts.triton_wo_word_winners import WordPick, with_pick
+
+    base = gemv_heuristic_config(1, 128, 768, 2048, 8, "int4_w4a16")
+    cfg = with_pick(base, WordPick("gemv", 4, 0, (32, 16, 2, 1), None, fold=True, x_tile=True), "int4_w4a16")
+    # gemv: a tile's 4th entry is its words loaded ahead beyond one step (num_stages = 1 + it: AHEAD 2)
+    assert (cfg.up.BLOCK_N, cfg.up.BLOCK_K, cfg.up.num_warps, cfg.up.num_stages) == (32, 128, 2, 2)
+    assert cfg.down == base.down and cfg.up_split == 4 and cfg.glu_fold and cfg.x_tile
+    assert not with_pick(base, WordPick("gemv", 2), "int4_w4a16").x_tile
