@@ -45,49 +45,7 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.wo_split import h_words, load_h, split_range, store_partials
-from moekit.experts._kernels.wo_words import word_values
-
-
-@triton.jit
-def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
-                 GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """(mul, add_even, add_odd) float32 of the step at k0 (``_accumulate``): [BN] where the step lies in
-    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
-    ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0
-    scales change nothing."""
-    if SCHEME == 0:  # constants, in ``_accumulate``
-        mul = tl.zeros([1], dtype=tl.float32)
-        add_even = mul
-        add_odd = mul
-    else:
-        if BKW * PER <= GROUP:
-            ok = tl.where(k0 < C, n_ok, False)
-            s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
-        else:
-            first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
-            ok = n_ok[:, None] & (first < C)[None, :]
-            s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
-            z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
-        if SCHEME == 1:
-            sc = tl.load(s_ptrs, mask=ok, other=0.0)
-            z = tl.load(z_ptrs, mask=ok, other=0).to(tl.float32)
-            mul = sc * 128.0
-            add_even = sc * (128.0 + z)
-            add_odd = sc * (128.0 + z * 0.0625)  # X_odd sums x * 16
-        else:
-            e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-            mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
-            add_even = tl.zeros_like(mul)
-            add_odd = add_even
-    return mul, add_even, add_odd
-
-
-@triton.jit
-def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
-    """Words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words) -> [BN, BKW] int32, 0
-    past the row's KW words."""
-    j = w0 + tl.arange(0, BKW)
-    return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+from moekit.experts._kernels.wo_words import load_words, word_scales, word_values
 
 
 @triton.jit
@@ -239,8 +197,8 @@ def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg
                   XTILE: tl.constexpr = False):
     """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
     decoded once and used by every row."""
-    scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_g = word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_u = word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
     acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
                                 XTILE=XTILE)
@@ -282,12 +240,12 @@ def gate_up_wo_gemv_kernel(
     xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
     xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
     w_start, w_end = split_range(KW, split_words, SPLIT)
-    wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    wg, wu = load_words(qg, w_start, w_end, n_ok, BKW), load_words(qu, w_start, w_end, n_ok, BKW)
     if AHEAD > 1:  # the step after the first too: AHEAD steps' words in flight as a step decodes
-        ng, nu = _load_words(qg, w_start + BKW, w_end, n_ok, BKW), _load_words(qu, w_start + BKW, w_end, n_ok, BKW)
+        ng, nu = load_words(qg, w_start + BKW, w_end, n_ok, BKW), load_words(qu, w_start + BKW, w_end, n_ok, BKW)
     for w0 in range(w_start, w_end, BKW):
-        far_g = _load_words(qg, w0 + AHEAD * BKW, w_end, n_ok, BKW)
-        far_u = _load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
+        far_g = load_words(qg, w0 + AHEAD * BKW, w_end, n_ok, BKW)
+        far_u = load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
             w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, XTILE)
@@ -309,13 +267,37 @@ def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N,
                SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
                XTILE: tl.constexpr = False):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2); h folded where UP_SPLIT > 1."""
-    scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales = word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     values = word_values(w, SCHEME, ASM)
     acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT, ACT,
                             ROUND, XTILE)
     if BLOCK_M > 1:
         acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT,
                                 ACT, ROUND, XTILE)
+    return acc0, xt0, acc1, xt1
+
+
+@triton.jit
+def _down_loop(q_rows, s_rows, z_rows, h0, ok0, h1, ok1, w_start, split_words, NW, N, out_ok, stride_sg, stride_zg, fs,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
+               GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr,
+               ACT: tl.constexpr, ROUND: tl.constexpr, AHEAD: tl.constexpr, XTILE: tl.constexpr):
+    """The down GEMM's accumulators (acc0, xt0, acc1, xt1: [BN, BKW], [BN] x terms) over words [w_start,
+    w_start + split_words) of the rows q_rows [BN], each step's words loaded AHEAD steps before it decodes."""
+    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
+    w = load_words(q_rows, w_start, NW, out_ok, BKW)
+    if AHEAD > 1:
+        nw = load_words(q_rows, w_start + BKW, NW, out_ok, BKW)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
+        far_w = load_words(q_rows, w0 + AHEAD * BKW, NW, out_ok, BKW)
+        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, w0 * PER, N,
+                                          out_ok, stride_sg, stride_zg, fs, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM,
+                                          UP_SPLIT, ACT, ROUND, XTILE)
+        if AHEAD > 1:
+            w, nw = nw, far_w
+        else:
+            w = far_w
     return acc0, xt0, acc1, xt1
 
 
@@ -375,22 +357,10 @@ def down_wo_gemv_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)  # xt: x terms
-    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
-    w_start = tl.program_id(1) * split_words
-    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
-    if AHEAD > 1:
-        nw = _load_words(q_rows, w_start + BKW, NW, out_ok, BKW)
-    for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
-        far_w = _load_words(q_rows, w0 + AHEAD * BKW, NW, out_ok, BKW)
-        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
-                                          h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
-                                          num_assignments * stride_hm, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, UP_SPLIT,
-                                          ACT, ROUND, XTILE)
-        if AHEAD > 1:
-            w, nw = nw, far_w
-        else:
-            w = far_w
+    acc0, xt0, acc1, xt1 = _down_loop(q_rows, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0, h_ptr + a1 * stride_hm,
+                                      ok1, tl.program_id(1) * split_words, split_words, NW, N, out_ok, stride_sg,
+                                      stride_zg, num_assignments * stride_hm, BLOCK_M, BLOCK_N, BKW, PER, GROUP, SCHEME,
+                                      ASM, UP_SPLIT, ACT, ROUND, AHEAD, XTILE)
     let_next_kernel_launch(PDL)
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:

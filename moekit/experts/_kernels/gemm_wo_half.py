@@ -49,8 +49,9 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
-from moekit.experts._kernels.gemm_wo_gemv import _load_words, _row, gate_up_operands
+from moekit.experts._kernels.gemm_wo_gemv import _row, gate_up_operands
 from moekit.experts._kernels.wo_split import h_words, split_range, store_partials
+from moekit.experts._kernels.wo_words import load_words
 
 
 def _word_asm(scheme: int, rows: int) -> str:
@@ -274,11 +275,11 @@ def gate_up_wo_half_kernel(
     acc_g0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
     acc_u0, acc_g1, acc_u1 = tl.zeros_like(acc_g0), tl.zeros_like(acc_g0), tl.zeros_like(acc_g0)
     w_start, w_end = split_range(KW, split_words, SPLIT)
-    wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    wg, wu = load_words(qg, w_start, w_end, n_ok, BKW), load_words(qu, w_start, w_end, n_ok, BKW)
     next_a, next_b = _x_rows(x0, ok0, x1, ok1, w_start * 8, K, stride_xk, BLOCK_M, BKW)
     for w0 in range(w_start, w_end, BKW):
-        next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
-        next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
+        next_g = load_words(qg, w0 + BKW, w_end, n_ok, BKW)
+        next_u = load_words(qu, w0 + BKW, w_end, n_ok, BKW)
         if ASM and PREFETCH > 0:
             if pid_n * BLOCK_N + BLOCK_N <= N:  # every row of the tile exists
                 _prefetch_l2(qg, w0 + PREFETCH * BKW, w_end, BKW)
@@ -358,10 +359,10 @@ def down_wo_half_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + offs_out.to(tl.int64) * stride_qr
     s_rows, z_rows = s_ptr + expert * stride_se + offs_out * stride_sr, z_ptr + expert * stride_ze + offs_out * stride_zr
     acc0, acc1 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N, BKW], dtype=tl.float32)
-    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
+    w = load_words(q_rows, w_start, NW, out_ok, BKW)
     next_a, next_b = _x_rows(h0, ok0, h1, ok1, w_start * 8, N, 1, BLOCK_M, BKW, fs, UP_SPLIT, ACT, ROUND)
     for w0 in range(w_start, w_end, BKW):
-        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
+        next_w = load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
         if ASM and PREFETCH > 0:
             if pid_n * BLOCK_N + BLOCK_N <= K:  # every row of the tile exists
                 _prefetch_l2(q_rows, w0 + PREFETCH * BKW, NW, BKW)
