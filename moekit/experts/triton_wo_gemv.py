@@ -39,9 +39,8 @@ class WordConfig(KernelConfig):
     partials reduced in the activation launch, ``split_glu_launch``; 1: none) and ``down_split`` the down
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
-    A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv"): each step's activations (and the
-    down GEMM's h) read as one [words, values a word] tile (bf16: 16 bytes a 4-bit word, 8 an int8 one), not a
-    strided 2-byte load per value."""
+    A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
 
     up_split: int = 1
     down_split: int = 0
@@ -123,7 +122,7 @@ def half_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
 def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:
     """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words;
     "gemv_half": a 4-bit scheme, and each step inside one group or whole groups (``group_size``); "gemv": num_stages
-    (AHEAD) 1 or 2."""
+    (AHEAD) 1 or 2, x_tile only for the 4-bit schemes."""
     if decode == "gemv_half":
         if scheme == "int8_w8a16":
             raise ValueError("decode='gemv_half' takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
@@ -134,6 +133,8 @@ def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", g
     elif not (1 <= config.up.num_stages <= 2 and 1 <= config.down.num_stages <= 2):
         raise ValueError(f"the gemv decode's num_stages (words loaded ahead, steps) must be 1 or 2, got "
                          f"{config.up.num_stages} and {config.down.num_stages}")
+    elif getattr(config, "x_tile", False) and scheme == "int8_w8a16":
+        raise ValueError("config.x_tile takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):

@@ -90,19 +90,18 @@ def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexp
               SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
               XTILE: tl.constexpr = False):
     """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values (fs ..
-    ROUND: ``_x_part``'s fold; XTILE: x read as one [BKW, PER] tile a step, folded or not)."""
+    ROUND: ``_x_part``'s fold; XTILE: x read as one [BKW, 8] tile a step too where not folded, 4-bit schemes)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = w_values
-    if (UP_SPLIT > 1 and PER == 8) or XTILE:  # one [BKW, PER] tile a step, not PER strided loads (folded h: 2x, H200)
-        x0, x1, x2, x3, x4, x5, x6, x7 = h_words(x_row, ok, k0, C, stride_xc, BKW, fs, UP_SPLIT, ACT, ROUND, PER)
+    if (UP_SPLIT > 1 or XTILE) and PER == 8:  # one [BKW, 8] tile a step, not 8 strided loads (folded h: 2x, H200)
+        x0, x1, x2, x3, x4, x5, x6, x7 = h_words(x_row, ok, k0, C, stride_xc, BKW, fs, UP_SPLIT, ACT, ROUND)
         p, xe = _fma_x(p, xe, v0, x0, 0, SCHEME)
         p, xo = _fma_x(p, xo, v1, x1, 1, SCHEME)
         p, xe = _fma_x(p, xe, v2, x2, 2, SCHEME)
         p, xo = _fma_x(p, xo, v3, x3, 3, SCHEME)
-        if PER == 8:
-            p, xe = _fma_x(p, xe, v4, x4, 4, SCHEME)
-            p, xo = _fma_x(p, xo, v5, x5, 5, SCHEME)
-            p, xe = _fma_x(p, xe, v6, x6, 6, SCHEME)
-            p, xo = _fma_x(p, xo, v7, x7, 7, SCHEME)
+        p, xe = _fma_x(p, xe, v4, x4, 4, SCHEME)
+        p, xo = _fma_x(p, xo, v5, x5, 5, SCHEME)
+        p, xe = _fma_x(p, xe, v6, x6, 6, SCHEME)
+        p, xo = _fma_x(p, xo, v7, x7, 7, SCHEME)
         return p, xe, xo
     p, xe = _fma(p, xe, v0, x_row, ok, k0, C, stride_xc, 0, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)
     p, xo = _fma(p, xo, v1, x_row, ok, k0, C, stride_xc, 1, BKW, PER, SCHEME, fs, UP_SPLIT, ACT, ROUND)

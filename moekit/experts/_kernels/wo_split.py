@@ -78,26 +78,19 @@ def load_h(h_row, offs, mask, N, split_stride, UP_SPLIT: tl.constexpr, ACT: tl.c
 
 @triton.jit
 def h_words(x_row, ok, k0, C, stride, BKW: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr,
-            ROUND: tl.constexpr, PER: tl.constexpr = 8):
-    """Elements 0..PER-1 of each PER-value word of the step at k0 of one activation row (``x_row`` its first
-    element, ``ok`` whether it exists; 0 past C): 8 float32 tensors [BKW] (PER 4: elements 0..3 twice), read as
-    one [BKW, PER] tile (a word's values are contiguous); the down GEMM's h folded from split partials where
-    UP_SPLIT > 1 (``load_h``)."""
-    k = k0 + tl.arange(0, BKW)[:, None] * PER + tl.arange(0, PER)[None, :]  # [BKW, PER]
+            ROUND: tl.constexpr):
+    """Elements 0..7 of each 8-value word of the step at k0 of one activation row (``x_row`` its first element,
+    ``ok`` whether it exists; 0 past C): 8 float32 tensors [BKW], read as one [BKW, 8] tile (a word's 8 values
+    are contiguous); the down GEMM's h folded from split partials where UP_SPLIT > 1 (``load_h``)."""
+    k = k0 + tl.arange(0, BKW)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BKW, 8]
     x = load_h(x_row, k * stride, k < tl.where(ok, C, 0), C, fs, UP_SPLIT, ACT, ROUND)
-    if PER == 4:
-        even4, odd4 = tl.split(tl.reshape(x, [BKW, 2, 2]))  # element t = 2a + c: [BKW, a] at c = 0, 1
-        x0, x2 = tl.split(even4)
-        x1, x3 = tl.split(odd4)
-        x4, x5, x6, x7 = x0, x1, x2, x3
-    else:
-        even, odd = tl.split(tl.reshape(x, [BKW, 2, 2, 2]))  # element t = 4a + 2b + c: [BKW, a, b] at c = 0, 1
-        e0, e1 = tl.split(even)  # [BKW, a] at b = 0, 1
-        o0, o1 = tl.split(odd)
-        x0, x4 = tl.split(e0)
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
+    even, odd = tl.split(tl.reshape(x, [BKW, 2, 2, 2]))  # element t = 4a + 2b + c: [BKW, a, b] at c = 0, 1
+    e0, e1 = tl.split(even)  # [BKW, a] at b = 0, 1
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
