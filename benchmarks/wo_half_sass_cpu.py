@@ -7,7 +7,12 @@ registers and stack (spills) per thread.
     PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py --quick    # gemv_half only, 1- and 2-row blocks
 
 ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with
-the bundled ptxas; ``nvdisasm`` and ``cuobjdump`` (bundled too) give the SASS and the resource usage.
+the bundled ptxas; ``nvdisasm`` and ``cuobjdump`` (bundled too) give the SASS and the resource usage. The
+pointers, strides and word counts carry the ``tt.divisibility`` 16 a launch at the real shapes specializes them
+with (DIVISIBLE): without it the words load 32 bits at a time, not as the GPU runs them (LDG.128); the counts
+in the notes before session 21 (gemv 3.89, gemv_half 3.48 int4 gate-up) were compiled without it.
+
+    PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py --gemv    # the gemv's x tile and AHEAD 2 (session 21)
 The main loop is the longest backward branch's body; weights a loop step: BN x BKW x 8 (x 2 for gate-up).
 """
 
@@ -39,13 +44,19 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+# arguments a launch at the real shapes specializes as multiples of 16 (pointers: 16-byte aligned)
+DIVISIBLE = ("x_ptr", "h_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "KW", "NW", "stride_xm", "stride_qe",
+             "stride_qr", "stride_se", "stride_sr", "stride_ze", "stride_zr", "stride_hm", "stride_ym", "split_words")
+
+
 def _compile(fn, pointer_types: dict, const: dict, num_warps: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in const else pointer_types.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
@@ -68,7 +79,7 @@ def _main_loop(sass: str) -> list[str]:
 
 
 def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
-          prefetch: int = 0, up_split: int = 1) -> LoopCount:
+          prefetch: int = 0, up_split: int = 1, ahead: int = 1, x_tile: bool = False) -> LoopCount:
     kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
     kind = "half" if module == "gemm_wo_half" else "gemv"
     fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_{kind}_kernel")
@@ -80,7 +91,7 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
         pointers["h_ptr"] = "*fp32"
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, PREFETCH=prefetch, KSUM=False,
-                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1)
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile)
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -93,7 +104,8 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
             f"{block_n}x{bkw}w {num_warps}w" + (f" prefetch {prefetch}" if prefetch else "")
-            + (f" h folded from {up_split} splits" if up_split > 1 else ""))
+            + (f" h folded from {up_split} splits" if up_split > 1 else "") + (f" ahead {ahead}" if ahead > 1 else "")
+            + (" x tile" if x_tile else ""))
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
                      int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
 
@@ -102,7 +114,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="gemv_half only, the default tile, 1- and 2-row blocks")
     p.add_argument("--fold", action="store_true", help="the down GEMMs reading h plain or folded from 2 / 4 splits")
+    p.add_argument("--gemv", action="store_true", help="the gemv's tiles with and without the x tile and AHEAD 2")
     args = p.parse_args(argv)
+    if args.gemv:  # session 21 (int4 gate-up 64 x 16 words, 2 warps: 4.65 -> 3.41 with the x tile, same registers)
+        jobs = [("gemm_wo_gemv", s, 1, bn, 16, 2, d, 0, 1, a, x) for s in (1, 2) for bn in (64, 32)
+                for d in (False, True) for a, x in ((1, False), (1, True), (2, True))]
+        return _report(jobs)
     if args.fold:
         jobs = [(module, s, 1, 64, bkw, 2, True, 0, u) for module, s, bkw in (
             ("gemm_wo_gemv", 1, 16), ("gemm_wo_gemv", 2, 16), ("gemm_wo_half", 2, 4)) for u in (1, 2, 4)]
