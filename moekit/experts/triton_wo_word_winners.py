@@ -1,4 +1,4 @@
-"""The word decodes' (gemv, gemv_half: ``triton_wo_gemv``) reduction splits and gate-up tiles measured fastest
+"""The word decode's (gemv: ``triton_wo_gemv``) reduction splits and gate-up tiles measured fastest
 per (scheme, E, N, K, M) at decode sizes on the H200, as data, applied on top of the decode's heuristic tiles:
 
     word_config(M, E, N, K, k, scheme, decode) -> the decode's heuristic config, as a ``WordConfig`` with the
@@ -8,7 +8,7 @@ per (scheme, E, N, K, M) at decode sizes on the H200, as data, applied on top of
     in 2 measured 688 µs against 670 unsplit, so a row stays near its own M; M = 2 takes M = 1's row, as
     ``choose_decode`` takes M = 1's decode there)
 
-Why splits win at M = 1 (sm_90 SASS, ``benchmarks/wo_half_sass_cpu.py``): the gemv's 64 x 16-word gate-up
+Why splits win at M = 1 (sm_90 SASS, ``benchmarks/wo_gemv_sass_cpu.py``): the gemv's 64 x 16-word gate-up
 tile takes 255 registers a thread, so an SM holds at most 4 programs, and the touched experts' tiles are
 fewer than that (DeepSeek-V3: 8 x 32 = 256 programs on 132 SMs): the words in flight an SM, not the decode's
 instructions, set the time. Splitting the gate-up's K over 2-4 programs (``_kernels/wo_split``) doubles them;
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from moekit.experts.configs import GemmTile, KernelConfig
-from moekit.experts.triton_wo_gemv import PER, WordConfig, gemv_heuristic_config, gemv_rows, half_heuristic_config
+from moekit.experts.triton_wo_gemv import PER, WordConfig, gemv_heuristic_config, gemv_rows
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,7 @@ class WordPick:
     decode: str  # the word decode these splits were measured with
     up_split: int = 1  # the gate-up's reduction splits
     down_split: int = 0  # the down GEMM's (0: ``triton_wo_plan.decode_split_k``'s)
-    # (BLOCK_N, words a step, warps, gemv_half's L2 prefetch steps / gemv's steps of words loaded ahead beyond one),
-    # None: the heuristic's
+    # (BLOCK_N, words a step, warps, steps of words loaded ahead beyond one), None: the heuristic's
     up_tile: tuple | None = None
     down_tile: tuple | None = None  # the down GEMM's, the same way
     fold: bool = False  # the split gate-up's sum and activation in the down GEMM's prologue (``WordConfig.glu_fold``)
@@ -79,7 +78,7 @@ WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
     # old gemv (down split 2) 129.8
     ("int4_w4a16", 8, 14336, 4096, 1): WordPick("gemv", 1, 8),
 }
-HEURISTICS = {"gemv": gemv_heuristic_config, "gemv_half": half_heuristic_config}
+HEURISTICS = {"gemv": gemv_heuristic_config}
 
 
 def word_pick(scheme: str, num_experts: int, n: int, k: int, num_tokens: int, top_k: int, decode: str,
@@ -112,7 +111,7 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
     def tile(base: GemmTile, spec: tuple | None) -> GemmTile:
         if spec is None:
             return base
-        rows, words, warps, prefetch = spec  # gemv_half: num_stages = 1 + its L2 prefetch steps (gemv: none, 1)
+        rows, words, warps, prefetch = spec  # num_stages = 1 + the steps of words loaded ahead beyond one
         return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,

@@ -155,8 +155,8 @@ def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
 def gate_up_operands(x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm,
                      stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
-    """What a word decode's gate-up program reads, from its block's rows and expert (shared with
-    ``gemm_wo_half``): (a0, ok0, a1, ok1) its rows' assignments and whether they exist, x0 / x1 their x rows,
+    """What the word decode's gate-up program reads, from its block's rows and expert: (a0, ok0, a1, ok1) its
+    rows' assignments and whether they exist, x0 / x1 their x rows,
     offs_n [BN] its h columns and n_ok, the gate and up rows' word pointers qg, qu (int32), scales sg, su
     and zeros zg, zu [BN] (the up rows follow the N gate rows)."""
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
