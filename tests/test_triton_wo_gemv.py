@@ -112,6 +112,66 @@ def test_expert_map_skipped_ids_and_split_k(wo, scheme, group):
     assert rel(out, loop64(x, w13, w2, ids, weights, expert_map)) < 2e-3
 
 
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
+@pytest.mark.parametrize("up_split,x_tile", [(1, False), (2, True)])
+def test_words_two_steps_ahead_and_x_tile(wo, scheme, group, up_split, x_tile):
+    # num_stages 2: each program loads step s+2's words before it decodes step s (the kernels' AHEAD); K = 96 in
+    # 4-word steps: 3 gate-up steps (int8: 6), the loads past the row (or the split) masked; down split in 2;
+    # x_tile: x and h read as one [words, 8] tile a step (the 4-bit schemes only)
+    x_tile = x_tile and scheme != "int8_w8a16"
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=96, n=64, seed=11)
+    tile = GemmTile(16, 4 * PER[scheme], 1, 1, 2)
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=up_split, x_tile=x_tile), split_k=2)
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
+
+
+def nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a view into a buffer one row and 8 columns larger, filled past it with NaN (uint8: 255, an
+    e8m0 NaN, inf once the kernel places it): a read past a row, past the last row or past a row's groups
+    reaches the output as NaN."""
+    fill = 255 if t.dtype == torch.uint8 else float("nan")
+    big = torch.full((t.shape[0] + 1, *t.shape[1:-1], t.shape[-1] + 8), fill, dtype=t.dtype)
+    view = big[:t.shape[0], ..., :t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 32), ("mxfp4", 32), ("int8_w8a16", 0)])
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_ahead_and_x_tile_read_nothing_past_their_tensors(wo, scheme, group, block_m):
+    # x and the scales inside NaN-filled buffers; K = 95 (int8: 100, 25 words), N = 40 (a group tail), 4-word
+    # steps, both GEMMs split in 2: the words loaded 2 steps ahead and the x / h tiles run past every row's end
+    import dataclasses
+
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    hidden = 100 if scheme == "int8_w8a16" else 95
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=4, k=2, hidden=hidden, n=40, dtype=torch.bfloat16, seed=5)
+    want = loop64(x, w13, w2, ids, weights)
+    x = nan_padded(x)
+    w13, w2 = (dataclasses.replace(w, scale=nan_padded(w.scale)) for w in (w13, w2))
+    tile = GemmTile(16, 4 * PER[scheme], 1, 1, 2)
+    cfg = WordConfig(block_m, tile, tile, up_split=2, x_tile=scheme != "int8_w8a16")
+    out = run(wo, x, w13, w2, ids, weights, cfg, split_k=2)
+    assert torch.isfinite(out).all()
+    assert rel(out, want) < 1e-2
+
+
+def test_gemv_ahead_limit(wo):
+    from moekit.experts.triton_wo_gemv import check_gemv_config
+
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    tile = GemmTile(16, 32, 1, 1, 3)
+    with pytest.raises(ValueError, match="num_stages"):
+        check_gemv_config(KernelConfig(1, tile, tile), "int4_w4a16")
+    tile = GemmTile(16, 32, 1, 1, 2)
+    with pytest.raises(ValueError, match="x_tile"):
+        check_gemv_config(WordConfig(1, tile, tile, x_tile=True), "int8_w8a16")
+
+
 def test_empty_batch(wo):
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=0, k=1, hidden=96, seed=1)
     assert run(wo, x, w13, w2, ids, weights).shape == (0, 96)
@@ -133,3 +193,21 @@ def test_where_it_applies_and_config_errors(wo):
     bad = KernelConfig(1, GemmTile(16, 24, 1, 1, 1), GemmTile(16, 32, 1, 1, 1))  # 3 words a step
     with pytest.raises(ValueError, match="up.BLOCK_K must be 8 x a power of two"):
         run(wo, x, w13, w2, ids, weights, bad)
+
+
+def test_inline_ptx_compiles_for_sm90():
+    """The kernels with their inline PTX (1- and 2-row blocks, both 4-bit schemes) through Triton's pipeline and
+    the bundled ptxas to sm_90 SASS (the PTX cannot run here; a syntax or operand error fails here, not on the
+    device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_gemv_sass_cpu.py"), "--quick"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
+    assert done.returncode == 0 and len(lines) == 4 and all(line.startswith("OK") for line in lines), done.stdout + done.stderr

@@ -1,9 +1,8 @@
-"""The word decodes' split-K gate-up (``WordConfig.up_split``: ``_kernels/wo_split.py``, float32 partials per
-split summed with the activation in one launch) on the CPU under Triton's interpreter, tiny shapes: gemv and
-gemv_half against the float64 loop of ``test_triton_wo`` (the tiny-batch shortcut and 2-row aligned blocks,
-splits that do not divide the steps, odd K with a group tail, with the down GEMM split too), its launches,
-and the config's errors. The compiled kernels are checked at real shapes by
-``benchmarks/wo_decode2_device_check.py``.
+"""The word decode's split-K gate-up (``WordConfig.up_split``: ``_kernels/wo_split.py``, float32 partials per
+split summed with the activation in one launch) on the CPU under Triton's interpreter, tiny shapes: the gemv
+against the float64 loop of ``test_triton_wo`` (the tiny-batch shortcut and 2-row aligned blocks, splits that
+do not divide the steps, odd K with a group tail, with the down GEMM split too), its launches, and the
+config's errors. The compiled kernels are checked at real shapes by ``benchmarks/wo_ahead_device_check.py``.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def run(wo, x, w13, w2, ids, weights, cfg, decode):
 
 
 @pytest.mark.parametrize("decode,scheme,group", [("gemv", "int4_w4a16", 32), ("gemv", "int8_w8a16", 0),
-                                                 ("gemv_half", "int4_w4a16", 32), ("gemv_half", "mxfp4", 32)])
+                                                 ("gemv", "mxfp4", 32)])
 def test_split_gate_up_matches_loop(wo, decode, scheme, group):
     # K = 95 (odd: a group tail; int8 92: its rows read as words), 4-word steps: 3 (int8 6) steps a row in 2
     # splits of 2 and 1 (3 and 3) steps; M = 2, k = 2 over 8 experts: the tiny-batch shortcut (one row a
@@ -51,18 +50,17 @@ def test_split_gate_up_matches_loop(wo, decode, scheme, group):
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
 
 
-@pytest.mark.parametrize("decode", ["gemv", "gemv_half"])
-def test_split_gate_up_aligned_two_row_blocks(wo, decode):
+def test_split_gate_up_aligned_two_row_blocks(wo):
     # M = 5, k = 2 over 4 experts: aligned 2-row blocks (padding rows); K = 96: 3 steps in 3 splits (one each),
     # more splits asked (8) than steps: 3 splits, none empty
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=5, k=2, hidden=96, n=32, seed=9)
-    out = run(wo, x, w13, w2, ids, weights, word_config("int4_w4a16", 2, 4, up_split=8), decode)
+    out = run(wo, x, w13, w2, ids, weights, word_config("int4_w4a16", 2, 4, up_split=8), "gemv")
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
 
 
 @pytest.mark.parametrize("decode,scheme,group,block_m,down_split", [
-    ("gemv", "int4_w4a16", 32, 1, 2), ("gemv", "int8_w8a16", 0, 2, 1), ("gemv_half", "mxfp4", 32, 1, 1),
-    ("gemv_half", "int4_w4a16", 32, 2, 2)])
+    ("gemv", "int4_w4a16", 32, 1, 2), ("gemv", "int8_w8a16", 0, 2, 1), ("gemv", "mxfp4", 32, 1, 1),
+    ("gemv", "int4_w4a16", 32, 2, 2)])
 def test_folded_split_equals_the_activation_launch(wo, decode, scheme, group, block_m, down_split):
     # the down GEMM sums the partials and applies the activation as it reads h (``glu_fold``): the same sums in
     # the same order as the activation launch, so bit-equal, and the float64 loop's values; K = 95 (int8 92) in
@@ -109,16 +107,16 @@ def test_measured_splits_apply_where_a_row_covers_the_call():
 
     table = {("int4_w4a16", 256, 2048, 7168, 2): WordPick("gemv", 2),
              ("int4_w4a16", 256, 2048, 7168, 8): WordPick("gemv", 4, 8),
-             ("int4_w4a16", 256, 2048, 7168, 64): WordPick("gemv_half", 2)}
+             ("int4_w4a16", 256, 2048, 7168, 64): WordPick("other", 2)}  # another decode's row
     # rows cover m/2 <= M <= 2m, the nearest in log2 (ties: the smaller m); M = 1-32 run 1-row blocks (M*k <= E)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 1, 8, "gemv", table) == WordPick("gemv", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 3, 8, "gemv", table) == WordPick("gemv", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 4, 8, "gemv", table) == WordPick("gemv", 2)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 5, 8, "gemv", table) == WordPick("gemv", 4, 8)
     assert word_pick("int4_w4a16", 256, 2048, 7168, 17, 8, "gemv", table) is None  # none within a factor 2
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv", table) is None  # gemv_half's row only
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv_half", table) == WordPick("gemv_half", 2)
-    assert word_pick("int4_w4a16", 256, 2048, 7168, 32, 8, "gemv_half", table) is None  # 1-row blocks at 32
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "gemv", table) is None  # the other decode's row only
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 64, 8, "other", table) == WordPick("other", 2)
+    assert word_pick("int4_w4a16", 256, 2048, 7168, 32, 8, "other", table) is None  # 1-row blocks at 32
     assert word_pick("mxfp4", 256, 2048, 7168, 2, 8, "gemv", table) is None
     # the shipped table: DeepSeek-V3 int4 M = 1 splits its gate-up, the heuristic tiles kept
     base = gemv_heuristic_config(1, 256, 2048, 7168, 8, "int4_w4a16")
@@ -133,3 +131,15 @@ def test_measured_splits_apply_where_a_row_covers_the_call():
     assert wo_config(2, 128, 768, 2048, 8, "int4_w4a16", "nowhere", "gemv") == qwen
     assert not wo_config(8, 128, 768, 2048, 8, "int4_w4a16", "nowhere", "gemv").glu_fold  # 91.2 against 80.8
     assert word_config(1, 6, 64, 96, 2, "int4_w4a16", "gemv") == gemv_heuristic_config(1, 6, 64, 96, 2, "int4_w4a16")
+
+
+def test_a_pick_sets_the_tiles_words_ahead_and_x_tile():
+    from moekit.experts.triton_wo_gemv import gemv_heuristic_config
+    from moekit.experts.triton_wo_word_winners import WordPick, with_pick
+
+    base = gemv_heuristic_config(1, 128, 768, 2048, 8, "int4_w4a16")
+    cfg = with_pick(base, WordPick("gemv", 4, 0, (32, 16, 2, 1), None, fold=True, x_tile=True), "int4_w4a16")
+    # gemv: a tile's 4th entry is its words loaded ahead beyond one step (num_stages = 1 + it: AHEAD 2)
+    assert (cfg.up.BLOCK_N, cfg.up.BLOCK_K, cfg.up.num_warps, cfg.up.num_stages) == (32, 128, 2, 2)
+    assert cfg.down == base.down and cfg.up_split == 4 and cfg.glu_fold and cfg.x_tile
+    assert not with_pick(base, WordPick("gemv", 2), "int4_w4a16").x_tile

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moekit.experts.configs import GemmTile, KernelConfig, load_configs, nearest
-from moekit.experts.triton_wo_gemv import gemv_heuristic_config, half_heuristic_config
+from moekit.experts.triton_wo_gemv import gemv_heuristic_config
 from moekit.experts.triton_wo_winners import WoTileConfig, winner
 from moekit.experts.triton_wo_word_winners import word_config
 
@@ -53,8 +53,6 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
     128-168 registers, no spills)."""
     if decode == "register":
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
-    if decode == "gemv_half":
-        return half_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     if decode == "gemv":
         return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
@@ -111,7 +109,7 @@ def wo_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, sch
     won = winner(scheme, num_experts, n, k, num_tokens) if decode == "tile" else None
     if won is not None and won.tile is not None:
         return won.tile
-    if decode in ("gemv", "gemv_half"):  # the heuristic tiles with the measured splits (``triton_wo_word_winners``)
+    if decode == "gemv":  # the heuristic tiles with the measured splits (``triton_wo_word_winners``)
         return word_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
     return wo_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme, decode)
 

@@ -1,8 +1,9 @@
 """The word decode of weight-only experts (``_kernels/gemm_wo_gemv.py``: packed weights read as 32-bit
 words into registers and multiplied on the CUDA cores, no tensor cores): where it applies, its default
-config and its two bound launches. The plan (``triton_wo_plan``) calls these for decodes "gemv" and
-"gemv_half" (``_kernels/gemm_wo_half.py``, the fp16x2 twin for the 4-bit schemes: same arguments, same
-configs; for it a GemmTile's num_stages is 1 + its L2 prefetch distance in steps, its launches' own num_stages 1).
+config and its two bound launches. The plan (``triton_wo_plan``) calls these for decode "gemv"; a GemmTile's
+num_stages is the steps of words loaded ahead of the one a program decodes, in registers (the kernels' AHEAD),
+its launches' own num_stages 1. (A packed-half fp16x2 twin, "gemv_half", was removed in session 21: its last
+pick, Qwen3 mxfp4 M=1, measured 28.8 µs against this decode's 25.9.)
 
 Config: a ``KernelConfig`` as the other decodes', read so: BLOCK_M the M-block's rows (the tiny-batch
 shortcut always runs 1 row a block), each GemmTile's BLOCK_N the weight rows of a program and BLOCK_K
@@ -14,7 +15,7 @@ Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +25,7 @@ from moekit.experts.triton_plan import down_launches
 from moekit.triton_bind import BoundLaunch
 
 PER = {"int8_w8a16": 4, "int4_w4a16": 8, "mxfp4": 8}  # values a 32-bit word holds
-HALF_PREFETCH = 4  # the packed-half decode's L2 prefetch distance at the fewest slots, steps
-HALF_FEW_SLOTS = 16  # M*k up to which the packed-half decode takes 32-row prefetching tiles
-# The word decodes: decode name -> kernel module ("gemv_half": fp16x2 products, 4-bit schemes only).
-WORD_DECODES = {"gemv": "gemm_wo_gemv", "gemv_half": "gemm_wo_half"}
+WORD_DECODES = {"gemv": "gemm_wo_gemv"}  # the word decodes: decode name -> kernel module
 ROUND = {torch.bfloat16: 1, torch.float16: 2}  # h's dtype -> ``wo_split.load_h``'s ROUND (the folded gate-up)
 MAX_ROWS = 2  # the tallest M-block the word decode takes (one FMA per weight and row: CUDA cores)
 
@@ -38,15 +36,17 @@ class WordConfig(KernelConfig):
     partials reduced in the activation launch, ``split_glu_launch``; 1: none) and ``down_split`` the down
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
-    A plain ``KernelConfig`` splits the gate-up never."""
+    A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
+    x_tile: bool = False
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -101,31 +101,14 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
     return KernelConfig(block_m, GemmTile(16, step, group_m, 1, 1), GemmTile(32, step, group_m, 1, 1))
 
 
-def half_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The packed-half decode's default: gemv's tiles (``gemv_heuristic_config``), except for the fewest slots
-    (M*k <= HALF_FEW_SLOTS: a handful of experts' rows, too few programs of 64 rows to fill the SMs) 32-row
-    tiles in 2 warps (twice the programs) with the words prefetched into L2 HALF_PREFETCH steps ahead
-    (num_stages 1 + HALF_PREFETCH). H200 (checkpoint run at b067aca, µs; 64-row 2-warp no prefetch / 32-row
-    prefetch 4 / gemv): DeepSeek-V3 int4 M=1 144 / 120 / 127, Qwen3 int4 M=1 36.1 / 27.8 / 31.5, Qwen3
-    mxfp4 M=1 63 / 35.4 / 54.5; Qwen3 int4 M=8 (64 slots) 89 / 104 / 88: more programs or prefetching
-    there only cost."""
-    base = gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
-    if base.BLOCK_M > 1 or num_tokens * top_k > HALF_FEW_SLOTS:
-        return base
-    tile = GemmTile(32, base.up.BLOCK_K, base.up.GROUP_M, 2, 1 + HALF_PREFETCH)
-    return KernelConfig(1, tile, replace(tile, GROUP_M=base.down.GROUP_M))
-
-
-def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", group_size: int = 0) -> None:
-    """A clear error unless BLOCK_M <= MAX_ROWS and both GEMMs' BLOCK_K are a power-of-two number of words;
-    "gemv_half": a 4-bit scheme, and each step inside one group or whole groups (``group_size``)."""
-    if decode == "gemv_half":
-        if scheme == "int8_w8a16":
-            raise ValueError("decode='gemv_half' takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
-        for name, tile in (("up", config.up), ("down", config.down)):
-            if group_size and tile.BLOCK_K % group_size and group_size % tile.BLOCK_K:
-                raise ValueError(f"config.{name}.BLOCK_K must divide or be a multiple of the group size "
-                                 f"{group_size} for decode='gemv_half', got {tile.BLOCK_K}")
+def check_gemv_config(config: KernelConfig, scheme: str) -> None:
+    """A clear error unless BLOCK_M <= MAX_ROWS, both GEMMs' BLOCK_K are a power-of-two number of words and
+    their num_stages (AHEAD) 1 or 2; x_tile only for the 4-bit schemes."""
+    if not (1 <= config.up.num_stages <= 2 and 1 <= config.down.num_stages <= 2):
+        raise ValueError(f"the gemv decode's num_stages (words loaded ahead, steps) must be 1 or 2, got "
+                         f"{config.up.num_stages} and {config.down.num_stages}")
+    if getattr(config, "x_tile", False) and scheme == "int8_w8a16":
+        raise ValueError("config.x_tile takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -138,19 +121,18 @@ def check_gemv_config(config: KernelConfig, scheme: str, decode: str = "gemv", g
 def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, naive: bool, scheme: str,
                   scheme_id: int, act: int, options: LaunchOptions, split_k: int, split_len: int,
                   asm: bool = False, ksum: dict | None = None,
-                  decode: str = "gemv") -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
+                  ) -> tuple[BoundLaunch, BoundLaunch, BoundLaunch | None]:
     """The gate-up and down launches (``w13``/``w2``: ``triton_wo_plan.WeightArgs``, q strides in bytes,
     passed to the kernels in words), and down with the k-sum folded in where ``ksum`` (else None;
     ``triton_plan.down_launches``); ``split_len`` the down GEMM's reduction elements per split (a
-    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``);
-    ``decode``: a WORD_DECODES name (its module's kernels take the same arguments). A folded split gate-up
+    multiple of its BLOCK_K); ``asm``: the kernels' inline PTX decode (``triton_wo_plan.inline_asm_ok``). A
+    folded split gate-up
     (``folded_splits``): down reads the partials p [SPLIT * A, 2N] in h's place (UP_SPLIT, ACT, ROUND: h's
     dtype, x's or float32 under the interpreter, as the plan's workspace)."""
-    for w in (w13, w2):
-        check_gemv_config(config, scheme, decode, w.group_size)
+    check_gemv_config(config, scheme)
     num_experts, two_n = w13.q.shape[:2]
     n, hidden, num_assignments, per = two_n // 2, x.shape[1], x.shape[0] * top_k, PER[scheme]
-    module, up, down = kernels(WORD_DECODES[decode]), config.up, config.down
+    module, up, down = kernels("gemm_wo_gemv"), config.up, config.down
     shared = dict(BLOCK_M=config.BLOCK_M, PER=per, SCHEME=scheme_id, NAIVE=naive, ASM=asm, cached=options.cached_launcher,
                   **options.pdl_kwargs())
 
@@ -158,14 +140,12 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         qe, qr, _, *rest = w.strides
         return (qe // 4, qr // 4, *rest)
 
-    suffix = "gemv" if decode == "gemv" else "half"
-
-    def staging(tile: GemmTile) -> dict:  # gemv_half: the tile's num_stages is 1 + its L2 prefetch steps
-        return {"num_stages": tile.num_stages} if decode == "gemv" else {"num_stages": 1, "PREFETCH": tile.num_stages - 1}
+    def staging(tile: GemmTile) -> dict:  # the tile's num_stages: its words loaded ahead (AHEAD)
+        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False)}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)
-        getattr(module, f"gate_up_wo_{suffix}_kernel"), (num_pid_m * cdiv(n, up.BLOCK_N), up_split), 9,
+        module.gate_up_wo_gemv_kernel, (num_pid_m * cdiv(n, up.BLOCK_N), up_split), 9,
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13),
          n if up_split == 1 else 2 * n, up_words),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
@@ -174,7 +154,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
     fold = folded_splits(config, w13.q.shape[2] // 4, scheme)
     folding = {} if fold == 1 else dict(UP_SPLIT=fold, ACT=act, ROUND=0 if interpreting() else ROUND[x.dtype])
     down_launch, down_sum = down_launches(
-        getattr(module, f"down_wo_{suffix}_kernel"), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
+        module.down_wo_gemv_kernel, num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per,
          n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,

@@ -6,16 +6,13 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
-    gemv_half ``_kernels/gemm_wo_half`` (4-bit schemes; gemv's launches and configs, num_stages = 1 + its
-              L2 prefetch steps): the words decoded into fp16x2 pairs, fma.rn.f16x2 against prescaled
-              fp16 activations, two weights an instruction; group scales on per-word float32 sums.
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
@@ -61,7 +58,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "gemv", "gemv_half", "scratch")
+DECODES = ("tile", "register", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
@@ -91,12 +88,13 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # gate-up 32 / down 64 variant 113.2); lost every M=8 / M=64 cell and Mixtral's. The word decodes with split
 # reductions (``triton_wo_word_winners``, benchmarks/wo_decode2_device_check.py, run 2 at 34d17b2, µs against the
 # pick before): Qwen3 int4 M=1 gemv 22.7 (gemv_half 29.2), mxfp4 M=1 gemv_half 30.5 (register 36.5); DeepSeek-V3
-# mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde).
+# mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde). Session
+# 21 (branch wo4, wo_ahead_device_check run 2): Qwen3 mxfp4 M=1 the gemv with the x tile 25.9 against gemv_half 28.8.
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
-    ("mxfp4", 128, 768, 2048): {1: "gemv_half", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
+    ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
 }
@@ -278,7 +276,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     if decode in WORD_DECODES:
         gate_up, down, down_sum = gemv_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme,
                                                 SCHEME_IDS[scheme], act, options, split_k, split_len,
-                                                inline_asm_ok(x.device), ksum, decode)
+                                                inline_asm_ok(x.device), ksum)
         glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
         glu_fold = folded_splits(config, w13.q.shape[2] // 4, scheme) > 1
         splits = up_splits(config, w13.q.shape[2] // 4, scheme)[0]

@@ -25,8 +25,8 @@ accumulates per (weight row, word column) [BN, BKW]; one sum over the word colum
 a program by default: each thread then holds several weight rows of the same words, so each activation
 value it loads (and converts, and scales) serves them all.
 
-Pipelining: each program loads step k+1's words before it computes step k (two steps in flight, in
-registers).
+Pipelining: each program loads step k+AHEAD's words before it computes step k (AHEAD 1: two steps in
+registers; AHEAD 2: three, the config's num_stages).
 
 Past C (an odd C, a group tail, the last step) the words load as 0 and x as 0, scales as 0: nothing leaks
 in. Split-K: down (SPLIT > 1) as in ``gemm_wo_reg``; gate-up (SPLIT > 1) float32 partials per split, summed
@@ -45,49 +45,7 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.wo_split import h_words, load_h, split_range, store_partials
-from moekit.experts._kernels.wo_words import word_values
-
-
-@triton.jit
-def _word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
-                 GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """(mul, add_even, add_odd) float32 of the step at k0 (``_accumulate``): [BN] where the step lies in
-    one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
-    ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0
-    scales change nothing."""
-    if SCHEME == 0:  # constants, in ``_accumulate``
-        mul = tl.zeros([1], dtype=tl.float32)
-        add_even = mul
-        add_odd = mul
-    else:
-        if BKW * PER <= GROUP:
-            ok = tl.where(k0 < C, n_ok, False)
-            s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
-        else:
-            first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
-            ok = n_ok[:, None] & (first < C)[None, :]
-            s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
-            z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
-        if SCHEME == 1:
-            sc = tl.load(s_ptrs, mask=ok, other=0.0)
-            z = tl.load(z_ptrs, mask=ok, other=0).to(tl.float32)
-            mul = sc * 128.0
-            add_even = sc * (128.0 + z)
-            add_odd = sc * (128.0 + z * 0.0625)  # X_odd sums x * 16
-        else:
-            e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
-            mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
-            add_even = tl.zeros_like(mul)
-            add_odd = add_even
-    return mul, add_even, add_odd
-
-
-@triton.jit
-def _load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
-    """Words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words) -> [BN, BKW] int32, 0
-    past the row's KW words."""
-    j = w0 + tl.arange(0, BKW)
-    return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+from moekit.experts._kernels.wo_words import load_words, word_scales, word_values
 
 
 @triton.jit
@@ -129,11 +87,12 @@ def _fma(p, xs, v, x_row, ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constex
 
 @triton.jit
 def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
-              SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+              SCHEME: tl.constexpr, fs, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
+              XTILE: tl.constexpr = False):
     """One row's partial sums p [BN, BKW] and its x sums at even and odd T [BKW] over a step's values (fs ..
-    ROUND: ``_x_part``'s fold)."""
+    ROUND: ``_x_part``'s fold; XTILE: x read as one [BKW, 8] tile a step too where not folded, 4-bit schemes)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = w_values
-    if UP_SPLIT > 1 and PER == 8:  # the folded h: one [BKW, 8] tile a step, not 8 strided loads (2x slower, H200)
+    if (UP_SPLIT > 1 or XTILE) and PER == 8:  # one [BKW, 8] tile a step, not 8 strided loads (folded h: 2x, H200)
         x0, x1, x2, x3, x4, x5, x6, x7 = h_words(x_row, ok, k0, C, stride_xc, BKW, fs, UP_SPLIT, ACT, ROUND)
         p, xe = _fma_x(p, xe, v0, x0, 0, SCHEME)
         p, xo = _fma_x(p, xo, v1, x1, 1, SCHEME)
@@ -159,7 +118,7 @@ def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexp
 @triton.jit
 def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
                 GROUP: tl.constexpr, SCHEME: tl.constexpr, fs=0, UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0,
-                ROUND: tl.constexpr = 0):
+                ROUND: tl.constexpr = 0, XTILE: tl.constexpr = False):
     """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
     (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word; fs ..
     ROUND: ``_x_part``'s fold (the down GEMM's)."""
@@ -167,7 +126,7 @@ def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: 
     p = tl.zeros_like(acc)
     xe = tl.zeros([BKW], dtype=tl.float32)
     p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME, fs,
-                          UP_SPLIT, ACT, ROUND)
+                          UP_SPLIT, ACT, ROUND, XTILE)
     if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
         acc += p * 32768.0
         xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
@@ -196,8 +155,8 @@ def _row(rows, num_assignments, r: tl.constexpr, BLOCK_M: tl.constexpr):
 def gate_up_operands(x_ptr, q_ptr, s_ptr, z_ptr, rows, expert, pid_n, N, num_assignments, top_k, stride_xm,
                      stride_qe, stride_qr, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
-    """What a word decode's gate-up program reads, from its block's rows and expert (shared with
-    ``gemm_wo_half``): (a0, ok0, a1, ok1) its rows' assignments and whether they exist, x0 / x1 their x rows,
+    """What the word decode's gate-up program reads, from its block's rows and expert: (a0, ok0, a1, ok1) its
+    rows' assignments and whether they exist, x0 / x1 their x rows,
     offs_n [BN] its h columns and n_ok, the gate and up rows' word pointers qg, qu (int32), scales sg, su
     and zeros zg, zu [BN] (the up rows follow the N gate rows)."""
     a0, ok0 = _row(rows, num_assignments, 0, BLOCK_M)
@@ -233,17 +192,22 @@ def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n,
 @triton.jit
 def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1,
                   ok1, k0, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr,
-                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
+                  PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr,
+                  XTILE: tl.constexpr = False):
     """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
     decoded once and used by every row."""
-    scales_g = _word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    scales_u = _word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_g = word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_u = word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
-    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
-    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+    acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                XTILE=XTILE)
+    acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                XTILE=XTILE)
     if BLOCK_M > 1:
-        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
-        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME)
+        acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                    XTILE=XTILE)
+        acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
+                                    XTILE=XTILE)
     return acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1
 
 
@@ -256,7 +220,7 @@ def gate_up_wo_gemv_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, SPLIT: tl.constexpr = 1,
+    ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1, XTILE: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
     word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
@@ -275,14 +239,19 @@ def gate_up_wo_gemv_kernel(
     xt_g0 = tl.zeros([BLOCK_N], dtype=tl.float32)  # the x terms of each accumulator (``_accumulate``)
     xt_u0, xt_g1, xt_u1 = tl.zeros_like(xt_g0), tl.zeros_like(xt_g0), tl.zeros_like(xt_g0)
     w_start, w_end = split_range(KW, split_words, SPLIT)
-    wg, wu = _load_words(qg, w_start, w_end, n_ok, BKW), _load_words(qu, w_start, w_end, n_ok, BKW)
+    wg, wu = load_words(qg, w_start, w_end, n_ok, BKW), load_words(qu, w_start, w_end, n_ok, BKW)
+    if AHEAD > 1:  # the step after the first too: AHEAD steps' words in flight as a step decodes
+        ng, nu = load_words(qg, w_start + BKW, w_end, n_ok, BKW), load_words(qu, w_start + BKW, w_end, n_ok, BKW)
     for w0 in range(w_start, w_end, BKW):
-        next_g = _load_words(qg, w0 + BKW, w_end, n_ok, BKW)
-        next_u = _load_words(qu, w0 + BKW, w_end, n_ok, BKW)
+        far_g = load_words(qg, w0 + AHEAD * BKW, w_end, n_ok, BKW)
+        far_u = load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
-            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM)
-        wg, wu = next_g, next_u
+            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, XTILE)
+        if AHEAD > 1:
+            wg, wu, ng, nu = ng, nu, far_g, far_u
+        else:
+            wg, wu = far_g, far_u
     let_next_kernel_launch(PDL)
     _gate_up_out(acc_g0, xt_g0, acc_u0, xt_u0, sg, su, n_ok, h_ptr, a0, ok0, offs_n, N, num_assignments, stride_hm,
                  SCHEME, ACT, SPLIT)
@@ -294,15 +263,40 @@ def gate_up_wo_gemv_kernel(
 @triton.jit
 def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg, fs,
                BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
-               SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr):
+               SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
+               XTILE: tl.constexpr = False):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2); h folded where UP_SPLIT > 1."""
-    scales = _word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales = word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     values = word_values(w, SCHEME, ASM)
     acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT, ACT,
-                            ROUND)
+                            ROUND, XTILE)
     if BLOCK_M > 1:
         acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT,
-                                ACT, ROUND)
+                                ACT, ROUND, XTILE)
+    return acc0, xt0, acc1, xt1
+
+
+@triton.jit
+def _down_loop(q_rows, s_rows, z_rows, h0, ok0, h1, ok1, w_start, split_words, NW, N, out_ok, stride_sg, stride_zg, fs,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
+               GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr,
+               ACT: tl.constexpr, ROUND: tl.constexpr, AHEAD: tl.constexpr, XTILE: tl.constexpr):
+    """The down GEMM's accumulators (acc0, xt0, acc1, xt1: [BN, BKW], [BN] x terms) over words [w_start,
+    w_start + split_words) of the rows q_rows [BN], each step's words loaded AHEAD steps before it decodes."""
+    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
+    w = load_words(q_rows, w_start, NW, out_ok, BKW)
+    if AHEAD > 1:
+        nw = load_words(q_rows, w_start + BKW, NW, out_ok, BKW)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
+        far_w = load_words(q_rows, w0 + AHEAD * BKW, NW, out_ok, BKW)
+        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, w0 * PER, N,
+                                          out_ok, stride_sg, stride_zg, fs, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM,
+                                          UP_SPLIT, ACT, ROUND, XTILE)
+        if AHEAD > 1:
+            w, nw = nw, far_w
+        else:
+            w = far_w
     return acc0, xt0, acc1, xt1
 
 
@@ -331,7 +325,8 @@ def down_wo_gemv_kernel(
     ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0,
+    UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
+    XTILE: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -361,17 +356,10 @@ def down_wo_gemv_kernel(
     q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
     s_rows = s_ptr + expert * stride_se + out * stride_sr
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
-    acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)  # xt: x terms
-    acc1, xt1 = tl.zeros_like(acc0), tl.zeros_like(xt0)
-    w_start = tl.program_id(1) * split_words
-    w = _load_words(q_rows, w_start, NW, out_ok, BKW)
-    for w0 in range(w_start, tl.minimum(w_start + split_words, NW), BKW):
-        next_w = _load_words(q_rows, w0 + BKW, NW, out_ok, BKW)
-        acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0,
-                                          h_ptr + a1 * stride_hm, ok1, w0 * PER, N, out_ok, stride_sg, stride_zg,
-                                          num_assignments * stride_hm, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, UP_SPLIT,
-                                          ACT, ROUND)
-        w = next_w
+    acc0, xt0, acc1, xt1 = _down_loop(q_rows, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0, h_ptr + a1 * stride_hm,
+                                      ok1, tl.program_id(1) * split_words, split_words, NW, N, out_ok, stride_sg,
+                                      stride_zg, num_assignments * stride_hm, BLOCK_M, BLOCK_N, BKW, PER, GROUP, SCHEME,
+                                      ASM, UP_SPLIT, ACT, ROUND, AHEAD, XTILE)
     let_next_kernel_launch(PDL)
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:

@@ -1,4 +1,4 @@
-"""The split-K gate-up of the word decodes (``gemm_wo_gemv``, ``gemm_wo_half``): where the touched experts'
+"""The split-K gate-up of the word decode (``gemm_wo_gemv``): where the touched experts'
 gate-up tiles are too few to keep the SMs' loads in flight (decode, M = 1), each tile's reduction over K is
 split SPLIT ways (grid axis 1); every split stores its float32 partial gate and up sums, and one small launch
 (``split_glu_kernel``) sums the splits in split order and applies the activation into h.

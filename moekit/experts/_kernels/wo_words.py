@@ -1,7 +1,7 @@
 """Values of 32-bit words of packed weights as float32, by placing bits (the word decode of
 ``gemm_wo_gemv``; layouts in ``moekit.experts.triton_wo``): inline PTX on NVIDIA GPUs (ASM), else the
-same placements in Triton (``_value``, what the interpreter runs). Exact: each float32 is a fixed affine
-function of the stored code, undone by ``gemm_wo_gemv``'s scales.
+same placements in Triton (``_value``, what the interpreter runs); the words' loads and group scales.
+Exact: each float32 is a fixed affine function of the stored code, undone by ``gemm_wo_gemv``'s scales.
 
 A 4-bit word holds elements 8j .. 8j+7 of a row, element t in bits 4t .. 4t+3; an int8 word elements
 4j .. 4j+3, element t in bits 8t .. 8t+7.
@@ -125,3 +125,45 @@ def word_values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
         else:
             v4, v5, v6, v7 = _value(w, 4, SCHEME), _value(w, 5, SCHEME), _value(w, 6, SCHEME), _value(w, 7, SCHEME)
     return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
+                GROUP: tl.constexpr, SCHEME: tl.constexpr):
+    """(mul, add_even, add_odd) float32 of the step at k0 (``gemm_wo_gemv._accumulate``): [BN] where the step
+    lies in one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
+    ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0 scales
+    change nothing."""
+    if SCHEME == 0:  # constants, in ``_accumulate``
+        mul = tl.zeros([1], dtype=tl.float32)
+        add_even = mul
+        add_odd = mul
+    else:
+        if BKW * PER <= GROUP:
+            ok = tl.where(k0 < C, n_ok, False)
+            s_ptrs, z_ptrs = s_rows + (k0 // GROUP) * stride_sg, z_rows + (k0 // GROUP) * stride_zg
+        else:
+            first = k0 + tl.arange(0, BKW) * PER  # [BKW] the first element of each word
+            ok = n_ok[:, None] & (first < C)[None, :]
+            s_ptrs = s_rows[:, None] + (first // GROUP)[None, :] * stride_sg
+            z_ptrs = z_rows[:, None] + (first // GROUP)[None, :] * stride_zg
+        if SCHEME == 1:
+            sc = tl.load(s_ptrs, mask=ok, other=0.0)
+            z = tl.load(z_ptrs, mask=ok, other=0).to(tl.float32)
+            mul = sc * 128.0
+            add_even = sc * (128.0 + z)
+            add_odd = sc * (128.0 + z * 0.0625)  # X_odd sums x * 16
+        else:
+            e = tl.load(s_ptrs, mask=ok, other=0).to(tl.int32)
+            mul = (e << 23).to(tl.float32, bitcast=True) * 4.611686018427388e18  # * 2^62
+            add_even = tl.zeros_like(mul)
+            add_odd = add_even
+    return mul, add_even, add_odd
+
+
+@triton.jit
+def load_words(q_words, w0, KW, n_ok, BKW: tl.constexpr):
+    """Words w0 .. w0+BKW of each row [BN] (pointers to the rows' first words) -> [BN, BKW] int32, 0
+    past the row's KW words."""
+    j = w0 + tl.arange(0, BKW)
+    return tl.load(q_words[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)

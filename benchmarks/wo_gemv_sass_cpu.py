@@ -1,13 +1,16 @@
-"""The word decodes' main loops in sm_90 SASS, compiled on a machine without a GPU: instructions a weight
-(per thread) of the float32 word decode (``gemm_wo_gemv``, decode "gemv") and the packed-half one
-(``gemm_wo_half``, "gemv_half", its inline PTX included), the proxy for their issue-bound speed; also
-registers and stack (spills) per thread.
+"""The word decode's main loops in sm_90 SASS, compiled on a machine without a GPU: instructions a weight
+(per thread) of the float32 word decode (``gemm_wo_gemv``, decode "gemv", its inline PTX included), the proxy
+for its issue-bound speed; also registers and stack (spills) per thread. (Until session 21 also the packed-half
+decode's, "gemv_half", removed then, as ``wo_half_sass_cpu.py``.)
 
-    PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py            # the default tiles, both schemes
-    PYTHONPATH=$PWD python benchmarks/wo_half_sass_cpu.py --quick    # gemv_half only, 1- and 2-row blocks
+    PYTHONPATH=$PWD python benchmarks/wo_gemv_sass_cpu.py            # the x tile and AHEAD 2, both schemes
+    PYTHONPATH=$PWD python benchmarks/wo_gemv_sass_cpu.py --quick    # the default tiles' gate-up, 1- and 2-row
 
 ``triton.compile`` with an explicit ``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with
-the bundled ptxas; ``nvdisasm`` and ``cuobjdump`` (bundled too) give the SASS and the resource usage.
+the bundled ptxas; ``nvdisasm`` and ``cuobjdump`` (bundled too) give the SASS and the resource usage. The
+pointers, strides and word counts carry the ``tt.divisibility`` 16 a launch at the real shapes specializes them
+with (DIVISIBLE): without it the words load 32 bits at a time, not as the GPU runs them (LDG.128); the counts
+in the notes before session 21 (gemv 3.89, gemv_half 3.48 int4 gate-up) were compiled without it.
 The main loop is the longest backward branch's body; weights a loop step: BN x BKW x 8 (x 2 for gate-up).
 """
 
@@ -39,13 +42,19 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+# arguments a launch at the real shapes specializes as multiples of 16 (pointers: 16-byte aligned)
+DIVISIBLE = ("x_ptr", "h_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "KW", "NW", "stride_xm", "stride_qe",
+             "stride_qr", "stride_se", "stride_sr", "stride_ze", "stride_zr", "stride_hm", "stride_ym", "split_words")
+
+
 def _compile(fn, pointer_types: dict, const: dict, num_warps: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in const else pointer_types.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE if n in fn.arg_names}
+    src = ASTSource(fn, sig, {(fn.arg_names.index(n),): v for n, v in const.items()}, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
@@ -68,10 +77,10 @@ def _main_loop(sass: str) -> list[str]:
 
 
 def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_warps: int, down: bool = False,
-          prefetch: int = 0, up_split: int = 1) -> LoopCount:
+          up_split: int = 1, ahead: int = 1, x_tile: bool = False) -> LoopCount:
     kernels = importlib.import_module(f"moekit.experts._kernels.{module}")
-    kind = "half" if module == "gemm_wo_half" else "gemv"
-    fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_{kind}_kernel")
+    kind = "gemv"
+    fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_gemv_kernel")
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
@@ -79,8 +88,8 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     if up_split > 1:  # the down GEMM reading the split gate-up's float32 partials (``wo_split.load_h``)
         pointers["h_ptr"] = "*fp32"
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
-                 SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, PREFETCH=prefetch, KSUM=False,
-                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1)
+                 SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, KSUM=False,
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile)
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -92,26 +101,26 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
     weights = block_n * bkw * 8 * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     name = (f"{kind} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} BM={block_m} "
-            f"{block_n}x{bkw}w {num_warps}w" + (f" prefetch {prefetch}" if prefetch else "")
-            + (f" h folded from {up_split} splits" if up_split > 1 else ""))
+            f"{block_n}x{bkw}w {num_warps}w"
+            + (f" h folded from {up_split} splits" if up_split > 1 else "") + (f" ahead {ahead}" if ahead > 1 else "")
+            + (" x tile" if x_tile else ""))
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
                      int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(8)))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="gemv_half only, the default tile, 1- and 2-row blocks")
+    p.add_argument("--quick", action="store_true", help="the default 64 x 16-word gate-up, 1- and 2-row blocks")
     p.add_argument("--fold", action="store_true", help="the down GEMMs reading h plain or folded from 2 / 4 splits")
     args = p.parse_args(argv)
+    if args.quick:
+        return _report([("gemm_wo_gemv", s, m, 64 if m == 1 else 16, 16, 2 if m == 1 else 1) for s in (1, 2)
+                        for m in (1, 2)])
     if args.fold:
-        jobs = [(module, s, 1, 64, bkw, 2, True, 0, u) for module, s, bkw in (
-            ("gemm_wo_gemv", 1, 16), ("gemm_wo_gemv", 2, 16), ("gemm_wo_half", 2, 4)) for u in (1, 2, 4)]
-        return _report(jobs)
-    jobs = [("gemm_wo_half", s, m, 64, 16, 2, False, 0) for s in (1, 2) for m in (1, 2)]
-    if not args.quick:
-        jobs += [("gemm_wo_gemv", s, 1, 64, 16, 2, False, 0) for s in (1, 2)]
-        jobs += [("gemm_wo_half", s, 1, 64, 16, 2, d, 4) for s in (1, 2) for d in (False, True)]
-    return _report(jobs)
+        return _report([("gemm_wo_gemv", s, 1, 64, 16, 2, True, u) for s in (1, 2) for u in (1, 2, 4)])
+    # session 21 (int4 gate-up 64 x 16 words, 2 warps: 4.65 -> 3.41 with the x tile, same registers)
+    return _report([("gemm_wo_gemv", s, 1, bn, 16, 2, d, 1, a, x) for s in (1, 2) for bn in (64, 32)
+                    for d in (False, True) for a, x in ((1, False), (1, True), (2, True))])
 
 
 def _report(jobs: list[tuple]) -> int:
