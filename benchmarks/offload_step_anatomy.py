@@ -15,6 +15,7 @@ bench's streams and seed (``offload_fetch_device_check``'s stack and step). Part
    ran and the fixed cost measured before the cell, and with the all-hit stack's own fixed cost (same run,
    same turns): step - that floor is the excess; per mark, the host's and the GPU's time from the layer's
    start (median over layers and steps), and the CPU branch's phases.
+   The first cell's cpu stack then runs 8 more steps under cProfile (top 30 by internal time).
 3. after: one all-hit layer's forward (host clock to the sync, traced) right after a CPU branch of one cold
    expert (at the calibration's threads, and at 1 thread), after a sleep as long as a branch, after a
    branch and 2 ms asleep, and after nothing: does the host run a layer slower after a branch?
@@ -25,9 +26,12 @@ Prints as it goes; the tables last. JSON to OUT/offload_step_anatomy.json, rewri
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -104,7 +108,19 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def run_cell(shells, config, cell, costs, device, steps: int) -> dict:
+def _profile(layers, x, routings, predicted, prefetch: bool, device) -> str:
+    """cProfile over ``routings``' steps of the cpu stack (again: the cache moved on), top 30 by internal time."""
+    profiler = cProfile.Profile()
+    for i, per_layer in enumerate(routings):
+        profiler.enable()
+        _step(layers, x, per_layer, predicted[i], prefetch, False, device)
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = False) -> dict:
     """Part 2 for one cell (module docstring)."""
     stream, fraction, prefetch, m = cell
     warm, total = default_warm_steps(m), len(shells) * config.num_experts
@@ -128,13 +144,14 @@ def run_cell(shells, config, cell, costs, device, steps: int) -> dict:
                 steps_by[mode].append({"s": seconds, "traced": traced, "done": done, "phases": phases,
                                        "marks": timeline(marks) if traced else []})
     eb = stacks["cpu"][0].cache.expert_bytes
+    text = _profile(stacks["cpu"], x, routings[warm + 1: warm + 9], trace.predicted[warm + 1:], prefetch, device) if profile else ""
     del stacks
     hit_plain = [r for r in steps_by["hit"] if not r["traced"]]
     ref_fixed = fixed_from([r["s"] for r in hit_plain], [sum(s.hits for s in r["done"]) for r in hit_plain],
                            len(shells), eb, priced)
     out = {"cell": f"{stream}/{round(fraction * 100)}/{'router' if prefetch else 'none'}/{m}", "slots": slots,
            "fixed_ms": fixed.layer_s * 1e3, "ref_fixed_ms": ref_fixed * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
-           "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6, "modes": {}, "kinds": {}}
+           "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6, "modes": {}, "kinds": {}, "profile": text}
     for mode, rows in steps_by.items():
         plain = [r for r in rows if not r["traced"]]
         ran = [[sum(p) for p in r["phases"]] for r in plain]
@@ -217,6 +234,9 @@ def _print(result: dict) -> None:
         for v, r in a["variants"].items():
             print(f"  {v:<14} {r['ms']:6.3f}/{r['min_ms']:6.3f}  " + " ".join(f"{n} {t:.3f}" for n, t in r["marks"].items()))
     for cell in result["cells"]:
+        if cell["profile"]:
+            print(f"cProfile, cpu stack, {cell['cell']}, 8 steps:" + cell["profile"][-6000:])
+    for cell in result["cells"]:
         print(f"cell {cell['cell']}: slots {cell['slots']}, fixed {cell['fixed_ms']:.3f} ms (all-hit stack among the "
               f"turns {cell['ref_fixed_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer "
               f"{cell['prefetch_layer_ms']:.3f}, issue {cell['issue_us']:.1f} us")
@@ -255,14 +275,14 @@ def main() -> int:
     result["exact"] = exactness(shells[0], costs, device, (1,), ("gpu", "cpu"))
     for r in result["exact"]:
         print(f"exact {r['mode']:>3} M=1 rel_l2 {r['rel_l2']:.2e} {'PASS' if r['pass'] else 'FAIL'}", flush=True)
-    result["after"] = after_branch(shells, config, costs, device, 30 if cuda else 3)
+    result["after"] = after_branch(shells, config, costs, device, 40 if cuda else 3)
     print(f"after: {time.perf_counter() - START:.1f} s", flush=True)
     _dump(result, args.out)
     for cell in CELLS:
         if time.perf_counter() - START > args.budget:
             print(f"budget: cell {cell} skipped", flush=True)
             continue
-        result["cells"].append(run_cell(shells, config, cell, costs, device, 24 if cuda else 2))
+        result["cells"].append(run_cell(shells, config, cell, costs, device, 40 if cuda else 2, profile=not result["cells"]))
         print(f"cell {result['cells'][-1]['cell']}: {time.perf_counter() - START:.1f} s", flush=True)
         _dump(result, args.out)
         if cuda:
