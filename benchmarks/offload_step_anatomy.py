@@ -7,6 +7,7 @@ branch as it ran, does not explain (a54d29e: 0.26-0.48 ms a layer outside the br
 Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16), 4 layers on their own pinned host weights, the
 bench's streams and seed (``offload_fetch_device_check``'s stack and step). Parts:
 
+0. staging: the CPU branch's small moves and switches alone (``offload_staging_micro``).
 1. exact: the cpu and gpu modes' outputs at M = 1 against the float32 reference (``offload_cpu_anatomy.exactness``).
 2. cells (skewed 75% none, skewed 50% router, M = 1): a cpu stack, a gpu stack and an all-hit stack (a
    cache holding every expert the steps touch) take turns step by step; every other step traced
@@ -47,6 +48,7 @@ from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.gpu_terms import fixed_from
 from offload_cpu_anatomy import exactness  # benchmarks/ on sys.path
 from offload_fetch_device_check import _stack, _step, _stream
+from offload_staging_micro import staging_line, staging_parts
 
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
@@ -227,6 +229,7 @@ def _print(result: dict) -> None:
     c = result["costs"]
     print(f"\n{result['device']}, torch {result['torch']}; CPU {c['cpu_gemm']} at {c['cpu_threads']} threads, "
           f"{c['cpu_step_s'] * 1e3:.3f} ms a call; total {time.perf_counter() - START:.0f} s")
+    print(staging_line(result["staging"]))
     a = result.get("after")
     if a:
         print(f"after: one all-hit layer forward, host ms to its sync (median/min), after the setting; branch "
@@ -275,6 +278,8 @@ def main() -> int:
     result["exact"] = exactness(shells[0], costs, device, (1,), ("gpu", "cpu"))
     for r in result["exact"]:
         print(f"exact {r['mode']:>3} M=1 rel_l2 {r['rel_l2']:.2e} {'PASS' if r['pass'] else 'FAIL'}", flush=True)
+    result["staging"] = staging_parts(shells[0], device, costs.cpu_threads, 300 if cuda else 5)
+    print(staging_line(result["staging"]), flush=True)
     result["after"] = after_branch(shells, config, costs, device, 40 if cuda else 3)
     print(f"after: {time.perf_counter() - START:.1f} s", flush=True)
     _dump(result, args.out)

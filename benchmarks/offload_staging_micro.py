@@ -1,0 +1,88 @@
+"""The CPU branch's small moves and switches at M = 1, each alone (``offload_step_anatomy.py``'s first part):
+what the branch's "stage", "wait" and "back" phases and its call cost are made of on this host.
+
+Each step repeated (medians, host microseconds):
+
+    touched          the layer's one sync: a histogram of the ids on the device, its counts read (``.tolist()``)
+    touched+staged   the same counts and the branch's [x, ids, weights] in one device -> host copy into a
+                     pinned buffer, one event waited for: the fold of the staging into the touched set's copy
+    stage / wait     ``staging.to_host`` of [x, ids, weights] (reused pinned buffers), then its event waited for
+    back             ``staging.to_device`` of a [1, K] result (reused pinned buffer, asynchronous)
+    threads          ``cpu_path.torch_threads(t)`` entered and left with nothing inside (a team-size switch)
+    threads+op       the same around one small CPU add (the team used once at the new size)
+    direct empty     ``cpu_direct.experts_direct`` with no CPU expert (its host work without the GEMMs)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from moekit.offload import staging
+from moekit.offload.cpu_direct import experts_direct
+from moekit.offload.cpu_path import torch_threads
+
+PARTS = ("touched", "touched+staged", "stage", "wait", "back", "threads", "threads+op", "direct empty")
+
+
+def staging_parts(shell, device, threads: int | None, repeats: int = 200) -> dict[str, float]:
+    """{part: median host microseconds} (module docstring) at M = 1 with ``shell``'s widths and host weights."""
+    c = shell.config
+    pin = device.type == "cuda"
+    x = torch.randn(1, c.hidden_size, device=device, dtype=shell.w13.dtype)  # [1, K]
+    ids = torch.randperm(c.num_experts, device=device)[: c.top_k].to(torch.int32).view(1, -1)  # [1, k]
+    weights = torch.full((1, c.top_k), 1.0 / c.top_k, device=device)  # [1, k] float32
+    y = torch.randn(1, c.hidden_size, dtype=shell.w13.dtype)  # [1, K] host
+    bufs, fold = staging.Buffers(pin=pin), staging.Buffers(pin=pin)
+    bins = c.num_experts + 2
+    got: dict[str, list[float]] = {p: [] for p in PARTS}
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        counts = torch.histc(ids.float(), bins=bins, min=-1.5, max=bins - 1.5)  # [bins]
+        counts.tolist()
+        got["touched"].append(time.perf_counter() - t)
+        _sync(device)
+        t = time.perf_counter()
+        counts = torch.histc(ids.float(), bins=bins, min=-1.5, max=bins - 1.5)
+        views, event = staging.to_host([counts, x, ids, weights], pin=pin, buffers=fold)
+        if event is not None:
+            event.synchronize()
+        views[0].tolist()
+        got["touched+staged"].append(time.perf_counter() - t)
+        _sync(device)
+        t = time.perf_counter()
+        views, event = staging.to_host([x, ids, weights], pin=pin, buffers=bufs)
+        t1 = time.perf_counter()
+        if event is not None:
+            event.synchronize()
+        t2 = time.perf_counter()
+        staging.to_device(y, device, pin=pin, buffers=bufs)
+        t3 = time.perf_counter()
+        got["stage"].append(t1 - t)
+        got["wait"].append(t2 - t1)
+        got["back"].append(t3 - t2)
+        t = time.perf_counter()
+        with torch_threads(threads):
+            pass
+        t1 = time.perf_counter()
+        with torch_threads(threads):
+            y.add_(0)
+        t2 = time.perf_counter()
+        experts_direct(views[0], shell.w13, shell.w2, views[1], views[2], [], activation=c.activation)
+        t3 = time.perf_counter()
+        got["threads"].append(t1 - t)
+        got["threads+op"].append(t2 - t1)
+        got["direct empty"].append(t3 - t2)
+    return {p: statistics.median(v) * 1e6 for p, v in got.items()}
+
+
+def staging_line(parts: dict[str, float]) -> str:
+    return "staging parts, host us (median): " + ", ".join(f"{p} {v:.1f}" for p, v in parts.items())
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
