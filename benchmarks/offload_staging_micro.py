@@ -11,6 +11,13 @@ Each step repeated (medians, host microseconds):
     threads          ``cpu_path.torch_threads(t)`` entered and left with nothing inside (a team-size switch)
     threads+op       the same around one small CPU add (the team used once at the new size)
     direct empty     ``cpu_direct.experts_direct`` with no CPU expert (its host work without the GEMMs)
+    stage views      the candidate: one D2H copy per tensor straight into typed pinned views kept from the
+                     last forward of the same shapes, one reused event (no cat, no views made per forward)
+    wait views       its event waited for
+    back view        the candidate's back: the result into a kept typed pinned view, one copy, a reused event
+    team asleep op   a parallel CPU op (an add over 1M float32) at ``threads`` after 2 ms of host idle (the
+                     OpenMP team's workers asleep: what waking them costs the branch's first GEMM)
+    team awake op    the same op again at once (the workers still spinning)
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from moekit.offload import staging
 from moekit.offload.cpu_direct import experts_direct
 from moekit.offload.cpu_path import torch_threads
 
-PARTS = ("touched", "touched+staged", "stage", "wait", "back", "threads", "threads+op", "direct empty")
+PARTS = ("touched", "touched+staged", "stage", "wait", "back", "threads", "threads+op", "direct empty",
+         "stage views", "wait views", "back view", "team asleep op", "team awake op")
 
 
 def staging_parts(shell, device, threads: int | None, repeats: int = 200) -> dict[str, float]:
@@ -37,6 +45,11 @@ def staging_parts(shell, device, threads: int | None, repeats: int = 200) -> dic
     y = torch.randn(1, c.hidden_size, dtype=shell.w13.dtype)  # [1, K] host
     bufs, fold = staging.Buffers(pin=pin), staging.Buffers(pin=pin)
     bins = c.num_experts + 2
+    kept = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (x, ids, weights)]  # typed pinned views
+    back_view = torch.empty(y.shape, dtype=y.dtype, pin_memory=pin)
+    stage_event = torch.cuda.Event() if pin else None
+    back_event = torch.cuda.Event() if pin else None
+    big = torch.zeros(1 << 20)  # [1M] float32 host: above the parallel grain
     got: dict[str, list[float]] = {p: [] for p in PARTS}
     for _ in range(repeats):
         _sync(device)
@@ -76,6 +89,33 @@ def staging_parts(shell, device, threads: int | None, repeats: int = 200) -> dic
         got["threads"].append(t1 - t)
         got["threads+op"].append(t2 - t1)
         got["direct empty"].append(t3 - t2)
+        _sync(device)
+        t = time.perf_counter()
+        for dst, src in zip(kept, (x, ids, weights)):
+            dst.copy_(src, non_blocking=pin)
+        if stage_event is not None:
+            stage_event.record()
+        t1 = time.perf_counter()
+        if stage_event is not None:
+            stage_event.synchronize()
+        t2 = time.perf_counter()
+        back_view.copy_(y)
+        back_view.to(device, non_blocking=pin)
+        if back_event is not None:
+            back_event.record()
+        t3 = time.perf_counter()
+        got["stage views"].append(t1 - t)
+        got["wait views"].append(t2 - t1)
+        got["back view"].append(t3 - t2)
+        with torch_threads(threads):
+            time.sleep(0.002)
+            t = time.perf_counter()
+            big.add_(1.0)
+            t1 = time.perf_counter()
+            big.add_(1.0)
+            t2 = time.perf_counter()
+        got["team asleep op"].append(t1 - t)
+        got["team awake op"].append(t2 - t1)
     return {p: statistics.median(v) * 1e6 for p, v in got.items()}
 
 
