@@ -19,7 +19,9 @@ bench's streams and seed (``offload_fetch_device_check``'s stack and step). Part
    The first cell's cpu stack then runs 8 more steps under cProfile (top 30 by internal time).
 3. after: one all-hit layer's forward (host clock to the sync, traced) right after a CPU branch of one cold
    expert (at the calibration's threads, and at 1 thread), after a sleep as long as a branch, after a
-   branch and 2 ms asleep, and after nothing: does the host run a layer slower after a branch?
+   branch and 2 or 30 ms asleep, after 30 ms asleep ("quiet": no OpenMP worker can still be spinning), and
+   after nothing (the previous variant's forward): does the host run a layer slower after a branch, and
+   for how long (libgomp's workers spin after a region before they sleep)?
 
 Prints as it goes; the tables last. JSON to OUT/offload_step_anatomy.json, rewritten after every part.
 """
@@ -55,7 +57,9 @@ QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers":
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.5, True, 1))  # (stream, cache fraction, prefetch router, M)
 MODES = ("cpu", "gpu", "hit")
-AFTER = ("plain", "sleep", "branch", "branch_t1", "branch_sleep2")
+AFTER = ("quiet", "branch_t1", "branch_sleep30", "plain", "branch", "sleep", "branch_sleep2")  # a fixed cyclic order:
+# branch_t1 follows 30 ms of quiet, plain a branch and 30 ms asleep, sleep the 12-thread branch's forward
+QUIET_S = 0.03  # "quiet"'s and "branch_sleep30"'s host idle: libgomp's default spin (300k) is done long before
 
 
 def _sync(device) -> None:
@@ -133,7 +137,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
     stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, priced, device) for mode in MODES[:2]}
     stacks["hit"] = hit_stack(shells, routings[warm:], priced, device)
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
-    steps_by = {mode: [] for mode in MODES}
+    steps_by, prev = {mode: [] for mode in MODES}, None
     for step in range(steps + 1):
         for j in range(len(MODES)):
             mode = MODES[(step + j) % len(MODES)]
@@ -144,7 +148,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
                       if l.last_cpu is not None else (0.0,) * 4 for l in stacks[mode]]
             if step:
                 steps_by[mode].append({"s": seconds, "traced": traced, "done": done, "phases": phases,
-                                       "marks": timeline(marks) if traced else []})
+                                       "marks": timeline(marks) if traced else [], "after": prev})
+            prev = mode
     eb = stacks["cpu"][0].cache.expert_bytes
     text = _profile(stacks["cpu"], x, routings[warm + 1: warm + 9], trace.predicted[warm + 1:], prefetch, device) if profile else ""
     del stacks
@@ -162,6 +167,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
         cpu_layers = [p for r in plain for p in r["phases"] if sum(p) > 0]
         out["modes"][mode] = {
             "step_ms": statistics.fmean(r["s"] for r in plain) * 1e3,
+            "after_ms": {a: statistics.fmean(r["s"] for r in rows if r["after"] == a) * 1e3
+                         for a in MODES if any(r["after"] == a for r in rows)},
             "traced_ms": statistics.fmean(r["s"] for r in rows if r["traced"]) * 1e3,
             "floor_ran_ms": statistics.fmean(floors["fixed"]) * 1e3, "floor_ran_ref_ms": statistics.fmean(floors["ref"]) * 1e3,
             "branches_per_step": len(cpu_layers) / len(plain),
@@ -196,8 +203,11 @@ def after_branch(shells, config, costs, device, repeats: int) -> dict:
             variant = AFTER[(rep + j) % len(AFTER)]
             if variant.startswith("branch"):
                 branch_s.append(branch(probe, next(groups), 1, 1, 1 if variant == "branch_t1" else threads, gemm, busy=False))
-                if variant == "branch_sleep2":
-                    time.sleep(0.002)
+                pause = {"branch_sleep2": 0.002, "branch_sleep30": QUIET_S}.get(variant)
+                if pause:
+                    time.sleep(pause)
+            elif variant == "quiet":
+                time.sleep(QUIET_S)
             elif variant == "sleep":
                 time.sleep(statistics.median(branch_s) if branch_s else 0.001)
             _sync(device)
@@ -256,7 +266,8 @@ def _print(result: dict) -> None:
                   f"{r['floor_ran_ref_ms']:.3f} (x{r['step_ms'] / r['floor_ran_ref_ms']:.2f}); excess a layer "
                   f"{(r['step_ms'] - r['floor_ran_ref_ms']) / result['shape']['layers']:.3f} ms; branches {r['branches_per_step']:.2f} a step, "
                   f"median stage/wait/compute/back {b[0]:.3f}/{b[1]:.3f}/{b[2]:.3f}/{b[3]:.3f}; cpu experts "
-                  f"{r['cpu_experts_per_step']:.2f}, fetched {r['fetched_per_step']:.2f}, admitted {r['admitted_per_step']:.2f} a step")
+                  f"{r['cpu_experts_per_step']:.2f}, fetched {r['fetched_per_step']:.2f}, admitted {r['admitted_per_step']:.2f} a step; "
+                  f"step by the stack before it (traced too): " + ", ".join(f"{a} {v:.3f}" for a, v in r["after_ms"].items()))
 
 
 def main() -> int:
