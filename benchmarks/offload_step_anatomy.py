@@ -9,7 +9,8 @@ bench's streams and seed (``offload_fetch_device_check``'s stack and step). Part
 
 0. staging: the CPU branch's small moves and switches alone (``offload_staging_micro``).
 1. exact: the cpu and gpu modes' outputs at M = 1 against the float32 reference (``offload_cpu_anatomy.exactness``).
-2. cells (skewed 75% none, skewed 50% router, M = 1): a cpu stack, a gpu stack and an all-hit stack (a
+2. cells (skewed 75% none, skewed 50% router, M = 1): a cpu stack, the same with the candidate staging
+   ("cpu-views": ``offload_staging_candidate``, kept typed pinned views), a gpu stack and an all-hit stack (a
    cache holding every expert the steps touch) take turns step by step; every other step traced
    (``moekit.offload.StepTrace``: host clock and CUDA events at the layers' marks). Per mode: the step
    untraced / traced; for cpu, the floor (``offload_floor.timeline_s``) with each layer's CPU branch as it
@@ -47,16 +48,18 @@ from moekit.bench.offload_measure import cpu_rows, default_warm_steps, measure_c
 from moekit.config import MoEConfig
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE, StepTrace
 from moekit.offload.calibrate import branch, cold_groups
+from moekit.offload.cpu_path import CpuPath, CpuPhases, Staged, torch_threads
 from moekit.offload.gpu_terms import fixed_from
 from offload_cpu_anatomy import exactness  # benchmarks/ on sys.path
 from offload_fetch_device_check import _stack, _step, _stream
 from offload_staging_micro import staging_line, staging_parts
+import offload_staging_candidate as candidate
 
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.5, True, 1))  # (stream, cache fraction, prefetch router, M)
-MODES = ("cpu", "gpu", "hit")
+MODES = ("cpu", "cpu-views", "gpu", "hit")
 AFTER = ("quiet", "branch_t1", "branch_sleep30", "plain", "branch", "sleep", "branch_sleep2")  # a fixed cyclic order:
 # branch_t1 follows 30 ms of quiet, plain a branch and 30 ms asleep, sleep the 12-thread branch's forward
 QUIET_S = 0.03  # "quiet"'s and "branch_sleep30"'s host idle: libgomp's default spin (300k) is done long before
@@ -65,6 +68,34 @@ QUIET_S = 0.03  # "quiet"'s and "branch_sleep30"'s host idle: libgomp's default 
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class ViewsPath(CpuPath):
+    """The CPU branch with the candidate staging (``offload_staging_candidate``): kept typed pinned views,
+    a copy per tensor, reused events."""
+
+    def __init__(self, options: CpuOptions, device: torch.device) -> None:
+        super().__init__(options, device)
+        self.buffers = candidate.Buffers(pin=self.pin)
+
+    def stage(self, tensors: list[torch.Tensor]) -> Staged:
+        start = time.perf_counter()
+        inputs, event = candidate.to_host(tensors, pin=self.pin, buffers=self.buffers)
+        return Staged(inputs, event, time.perf_counter() - start)
+
+    def finish(self, staged, compute, device, experts: int, tokens: int, threads: int | None) -> torch.Tensor:
+        clock = [time.perf_counter()]
+        if staged.event is not None:
+            staged.event.synchronize()
+        clock.append(time.perf_counter())
+        with torch_threads(threads) as used:
+            y = compute(staged.inputs)
+            clock.append(time.perf_counter())
+            out = candidate.to_device(y, device, pin=self.pin, buffers=self.buffers)
+        clock.append(time.perf_counter())
+        self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
+                              experts, tokens, used)
+        return out
 
 
 def hit_stack(shells, routings, costs, device) -> list[OffloadedMoE]:
@@ -134,7 +165,9 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
     trace, routings = _stream(config, len(shells), m, stream, warm + 1 + steps, device)
     fixed = fixed_costs(shells, routings[warm:warm + 4], costs, device, CpuOptions(), slots)
     priced = fixed.priced(costs)
-    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, priced, device) for mode in MODES[:2]}
+    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, priced, device) for mode in MODES[:3]}
+    for layer in stacks["cpu-views"]:
+        layer._cpu = ViewsPath(layer.cpu_options, device)
     stacks["hit"] = hit_stack(shells, routings[warm:], priced, device)
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     steps_by, prev = {mode: [] for mode in MODES}, None
