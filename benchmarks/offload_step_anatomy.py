@@ -157,6 +157,15 @@ def _profile(layers, x, routings, predicted, prefetch: bool, device) -> str:
     return text.getvalue()
 
 
+def _stacks(shells, trace, routings, slots: int, prefetch: bool, warm: int, costs, device) -> dict:
+    """MODES' stacks: the cell's cpu, cpu-views and gpu stacks brought through ``warm`` steps, and the all-hit one."""
+    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in MODES[:3]}
+    for layer in stacks["cpu-views"]:
+        layer._cpu = ViewsPath(layer.cpu_options, device)
+    stacks["hit"] = hit_stack(shells, routings, costs, device)
+    return stacks
+
+
 def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = False) -> dict:
     """Part 2 for one cell (module docstring)."""
     stream, fraction, prefetch, m = cell
@@ -165,10 +174,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
     trace, routings = _stream(config, len(shells), m, stream, warm + 1 + steps, device)
     fixed = fixed_costs(shells, routings[warm:warm + 4], costs, device, CpuOptions(), slots)
     priced = fixed.priced(costs)
-    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, priced, device) for mode in MODES[:3]}
-    for layer in stacks["cpu-views"]:
-        layer._cpu = ViewsPath(layer.cpu_options, device)
-    stacks["hit"] = hit_stack(shells, routings[warm:], priced, device)
+    stacks = _stacks(shells, trace, routings[warm:], slots, prefetch, warm, priced, device)
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     steps_by, prev = {mode: [] for mode in MODES}, None
     for step in range(steps + 1):
