@@ -9,8 +9,9 @@ bench's streams and seed (``offload_fetch_device_check``'s stack and step). Part
 
 0. staging: the CPU branch's small moves and switches alone (``offload_staging_micro``).
 1. exact: the cpu and gpu modes' outputs at M = 1 against the float32 reference (``offload_cpu_anatomy.exactness``).
-2. cells (skewed 75% none, skewed 50% router, M = 1): a cpu stack, the same with the candidate staging
-   ("cpu-views": ``offload_staging_candidate``, kept typed pinned views), a gpu stack and an all-hit stack (a
+2. cells (skewed 75% none, skewed 50% router, M = 1): cpu and gpu stacks, each also as before session 21
+   ("-bump": the cache's copies bump the slot views' version, so the next experts call builds its TMA
+   descriptors and launch sequence again; "cpu-old": that and the old staging, ``offload_staging_cat``), and an all-hit stack (a
    cache holding every expert the steps touch) take turns step by step; every other step traced
    (``moekit.offload.StepTrace``: host clock and CUDA events at the layers' marks). Per mode: the step
    untraced / traced; for cpu, the floor (``offload_floor.timeline_s``) with each layer's CPU branch as it
@@ -53,13 +54,13 @@ from moekit.offload.gpu_terms import fixed_from
 from offload_cpu_anatomy import exactness  # benchmarks/ on sys.path
 from offload_fetch_device_check import _stack, _step, _stream
 from offload_staging_micro import staging_line, staging_parts
-import offload_staging_candidate as candidate
+import offload_staging_cat as cat
 
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.5, True, 1))  # (stream, cache fraction, prefetch router, M)
-MODES = ("cpu", "cpu-views", "gpu", "hit")
+MODES = ("cpu", "cpu-bump", "cpu-old", "gpu", "gpu-bump", "hit")  # module docstring
 AFTER = ("quiet", "branch_t1", "branch_sleep30", "plain", "branch", "sleep", "branch_sleep2")  # a fixed cyclic order:
 # branch_t1 follows 30 ms of quiet, plain a branch and 30 ms asleep, sleep the 12-thread branch's forward
 QUIET_S = 0.03  # "quiet"'s and "branch_sleep30"'s host idle: libgomp's default spin (300k) is done long before
@@ -70,17 +71,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-class ViewsPath(CpuPath):
-    """The CPU branch with the candidate staging (``offload_staging_candidate``): kept typed pinned views,
-    a copy per tensor, reused events."""
+class CatPath(CpuPath):
+    """The CPU branch with the staging before session 21 (``offload_staging_cat``: a cat of byte views on the
+    device, one copy, the views made per forward)."""
 
     def __init__(self, options: CpuOptions, device: torch.device) -> None:
         super().__init__(options, device)
-        self.buffers = candidate.Buffers(pin=self.pin)
+        self.buffers = cat.Buffers(pin=self.pin)
 
     def stage(self, tensors: list[torch.Tensor]) -> Staged:
         start = time.perf_counter()
-        inputs, event = candidate.to_host(tensors, pin=self.pin, buffers=self.buffers)
+        inputs, event = cat.to_host(tensors, pin=self.pin, buffers=self.buffers)
         return Staged(inputs, event, time.perf_counter() - start)
 
     def finish(self, staged, compute, device, experts: int, tokens: int, threads: int | None) -> torch.Tensor:
@@ -91,7 +92,7 @@ class ViewsPath(CpuPath):
         with torch_threads(threads) as used:
             y = compute(staged.inputs)
             clock.append(time.perf_counter())
-            out = candidate.to_device(y, device, pin=self.pin, buffers=self.buffers)
+            out = cat.to_device(y, device, pin=self.pin, buffers=self.buffers)
         clock.append(time.perf_counter())
         self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
                               experts, tokens, used)
@@ -158,10 +159,16 @@ def _profile(layers, x, routings, predicted, prefetch: bool, device) -> str:
 
 
 def _stacks(shells, trace, routings, slots: int, prefetch: bool, warm: int, costs, device) -> dict:
-    """MODES' stacks: the cell's cpu, cpu-views and gpu stacks brought through ``warm`` steps, and the all-hit one."""
-    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in MODES[:3]}
-    for layer in stacks["cpu-views"]:
-        layer._cpu = ViewsPath(layer.cpu_options, device)
+    """MODES' stacks: the cell's stacks brought through ``warm`` steps ("-bump" and "-old": their cache copies
+    through the slot views' own bases, as before session 21; "-old": the old staging too), and the all-hit one."""
+    stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in MODES[:-1]}
+    for mode, layers in stacks.items():
+        if mode.endswith(("-bump", "-old")):
+            cache = layers[0].cache
+            # float experts without biases: w13's and w2's bytes are the two blocks; a view shares their version
+            cache._slots.blocks = [w.view(w.shape[0], -1).view(torch.uint8) for w in cache.slot_weights[:2]]
+        for layer in layers if mode.endswith("-old") else []:
+            layer._cpu = CatPath(layer.cpu_options, device)
     stacks["hit"] = hit_stack(shells, routings, costs, device)
     return stacks
 
