@@ -104,18 +104,6 @@ class BlockLayout:
         return out
 
 
-def write_aliases(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each block again over the same memory, with a version counter of its own: the tensor a cache's
-    copies write through, so a copy into a slot leaves the version of the views the experts read
-    (``BlockLayout.typed``) as it was. The Triton experts' TMA descriptors (``triton_cache.WeightDescriptors``)
-    are keyed on the weights' ``_version`` and were built again, with the call's launch sequence, by the
-    first call after every fetch, prefetch or admission: one H200 run at M = 1, the hits' call took
-    0.28-0.29 ms of host time after one against 0.14-0.15 ms without (``offload_step_anatomy.py``). A
-    descriptor holds addresses, not data, and a slot's readers are ordered after its copy by events."""
-    return [torch.empty(0, dtype=b.dtype, device=b.device).set_(b.untyped_storage(), b.storage_offset(), b.shape,
-                                                                 b.stride()) for b in blocks]
-
-
 def _row_nbytes(t: torch.Tensor) -> int:
     return t[0].numel() * t.element_size()
 

@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from moekit.offload.blocks import BlockLayout, write_aliases
+from moekit.offload.blocks import BlockLayout
 from moekit.offload.parts import ExpertWeights, Weight
 from moekit.offload.policy import EvictionPolicy, PolicyName
 from moekit.offload.stats import OffloadStats
@@ -43,7 +43,7 @@ HORIZON_WEIGHT = 1 / 16  # the newest victim's share in the running mean of idle
 class _Slots:
     """The GPU side: slot tensors, who is in which slot, and when each slot was last read."""
 
-    blocks: list[torch.Tensor]  # [G] of [C, B_g] uint8: the layout's groups, copied into (``blocks.write_aliases``)
+    blocks: list[torch.Tensor]  # [G] of [C, B_g] uint8: the layout's groups (``blocks.BlockLayout``)
     owner: list[Key | None]  # [C]; the expert held by each slot, None when free
     free: list[int]  # slots holding nothing, popped from the end (slot 0 first)
     where: dict[Key, int] = field(default_factory=dict)  # key -> its slot; inverse of owner
@@ -99,7 +99,7 @@ class ExpertCache:
         if self._slots is None:
             c = self.cache_experts
             slot_blocks = layout.allocate(c, self.device)
-            self._slots = _Slots(blocks=write_aliases(slot_blocks), owner=[None] * c, free=list(range(c - 1, -1, -1)),
+            self._slots = _Slots(blocks=slot_blocks, owner=[None] * c, free=list(range(c - 1, -1, -1)),
                                  read_done=[None] * c, copy_done=[None] * c, waited=[None] * c)
             self._slot_weights, self._expert_bytes = host.rebuild(layout.typed(slot_blocks)), host.expert_bytes
             self._layout = layout
