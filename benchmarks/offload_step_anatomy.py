@@ -9,9 +9,8 @@ bench's streams and seed (``offload_fetch_device_check``'s stack and step). Part
 
 0. staging: the CPU branch's small moves and switches alone (``offload_staging_micro``).
 1. exact: the cpu and gpu modes' outputs at M = 1 against the float32 reference (``offload_cpu_anatomy.exactness``).
-2. cells (skewed 75% none, skewed 50% router, M = 1): cpu and gpu stacks, each also as before session 21
-   ("-bump": the cache's copies bump the slot views' version, so the next experts call builds its TMA
-   descriptors and launch sequence again; "cpu-old": that and the old staging, ``offload_staging_cat``), and an all-hit stack (a
+2. cells (skewed 75% none, skewed 50% router, M = 1): cpu and gpu stacks, the cpu one also with the staging
+   before session 21 ("cpu-old": ``offload_staging_cat``), and an all-hit stack (a
    cache holding every expert the steps touch) take turns step by step; every other step traced
    (``moekit.offload.StepTrace``: host clock and CUDA events at the layers' marks). Per mode: the step
    untraced / traced; for cpu, the floor (``offload_floor.timeline_s``) with each layer's CPU branch as it
@@ -60,7 +59,7 @@ START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.75, False, 1), ("skewed", 0.5, True, 1))  # (stream, cache fraction, prefetch router, M)
-MODES = ("cpu", "cpu-bump", "cpu-old", "gpu", "gpu-bump", "hit")  # module docstring
+MODES = ("cpu", "cpu-old", "gpu", "hit")  # module docstring
 AFTER = ("quiet", "branch_t1", "branch_sleep30", "plain", "branch", "sleep", "branch_sleep2")  # a fixed cyclic order:
 # branch_t1 follows 30 ms of quiet, plain a branch and 30 ms asleep, sleep the 12-thread branch's forward
 QUIET_S = 0.03  # "quiet"'s and "branch_sleep30"'s host idle: libgomp's default spin (300k) is done long before
@@ -159,16 +158,11 @@ def _profile(layers, x, routings, predicted, prefetch: bool, device) -> str:
 
 
 def _stacks(shells, trace, routings, slots: int, prefetch: bool, warm: int, costs, device) -> dict:
-    """MODES' stacks: the cell's stacks brought through ``warm`` steps ("-bump" and "-old": their cache copies
-    through the slot views' own bases, as before session 21; "-old": the old staging too), and the all-hit one."""
+    """MODES' stacks: the cell's stacks brought through ``warm`` steps ("cpu-old": the staging before session 21,
+    ``offload_staging_cat``), and the all-hit one."""
     stacks = {mode: _stack(shells, trace, slots, mode, prefetch, warm, costs, device) for mode in MODES[:-1]}
-    for mode, layers in stacks.items():
-        if mode.endswith(("-bump", "-old")):
-            cache = layers[0].cache
-            # float experts without biases: w13's and w2's bytes are the two blocks; a view shares their version
-            cache._slots.blocks = [w.view(w.shape[0], -1).view(torch.uint8) for w in cache.slot_weights[:2]]
-        for layer in layers if mode.endswith("-old") else []:
-            layer._cpu = CatPath(layer.cpu_options, device)
+    for layer in stacks["cpu-old"]:
+        layer._cpu = CatPath(layer.cpu_options, device)
     stacks["hit"] = hit_stack(shells, routings, costs, device)
     return stacks
 
@@ -204,11 +198,13 @@ def run_cell(shells, config, cell, costs, device, steps: int, profile: bool = Fa
                            len(shells), eb, priced)
     out = {"cell": f"{stream}/{round(fraction * 100)}/{'router' if prefetch else 'none'}/{m}", "slots": slots,
            "fixed_ms": fixed.layer_s * 1e3, "ref_fixed_ms": ref_fixed * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
-           "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6, "modes": {}, "kinds": {}, "profile": text}
+           "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6,
+           "copy_call_ms": fixed.copy_call_s * 1e3, "modes": {}, "kinds": {}, "profile": text}
     for mode, rows in steps_by.items():
         plain = [r for r in rows if not r["traced"]]
         ran = [[sum(p) for p in r["phases"]] for r in plain]
-        floors = {name: [timeline_s(r["done"], eb, priced, f, fixed.overlap_s, fixed.prefetch_layer_s, measured=b)
+        floors = {name: [timeline_s(r["done"], eb, priced, f, fixed.overlap_s, fixed.prefetch_layer_s, measured=b,
+                                    copy_call_s=fixed.copy_call_s)
                          for r, b in zip(plain, ran)] for name, f in (("fixed", fixed.layer_s), ("ref", ref_fixed))}
         cpu_layers = [p for r in plain for p in r["phases"] if sum(p) > 0]
         out["modes"][mode] = {
@@ -298,7 +294,7 @@ def _print(result: dict) -> None:
     for cell in result["cells"]:
         print(f"cell {cell['cell']}: slots {cell['slots']}, fixed {cell['fixed_ms']:.3f} ms (all-hit stack among the "
               f"turns {cell['ref_fixed_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer "
-              f"{cell['prefetch_layer_ms']:.3f}, issue {cell['issue_us']:.1f} us")
+              f"{cell['prefetch_layer_ms']:.3f}, issue {cell['issue_us']:.1f} us, call after a copy {cell['copy_call_ms']:.3f}")
         kinds = cell["kinds"]
         names = sorted({n for k in kinds.values() for n in k}, key=lambda n: min(k[n][0] for k in kinds.values() if n in k))
         print("  mark: host/GPU ms from the layer's start (median, n) | " + " | ".join(f"{k:>20}" for k in kinds))
