@@ -83,17 +83,20 @@ def test_admissions_before_or_after_the_cpu_compute_leave_the_same_cache():
     assert layers[0].cache.stats.admitted > 0
 
 
-def test_staging_buffers_are_kept_and_grown():
+def test_staging_buffers_and_views_are_kept_and_grown():
     buffers = staging.Buffers(pin=False)
-    first = buffers.inputs(100)
-    assert first.numel() == 100 and buffers.inputs(60).data_ptr() == first.data_ptr()
-    assert buffers.inputs(300).numel() == 300  # grown (to a power of two)
-    assert buffers.inputs(500).data_ptr() == buffers.inputs(200).data_ptr()
     x, ids = torch.randn(4, 6), torch.randint(0, 5, (4, 2), dtype=torch.int32)
     (a, b), _ = staging.to_host([x, ids], pin=False, buffers=buffers)
-    (c, _), _ = staging.to_host([x * 2, ids], pin=False, buffers=buffers)
-    assert a.data_ptr() == c.data_ptr() and torch.equal(c, x * 2) and torch.equal(b, ids)
-    assert buffers.result(64).data_ptr() == buffers.result(32).data_ptr()
+    (c, d), _ = staging.to_host([x * 2, ids + 1], pin=False, buffers=buffers)
+    assert c is a and d is b  # the same views for the same shapes: no tensor made
+    assert torch.equal(c, x * 2) and torch.equal(d, ids + 1)
+    (e, f), _ = staging.to_host([x[:1], ids[:1]], pin=False, buffers=buffers)  # other shapes, same buffer
+    assert e.data_ptr() == a.data_ptr() and torch.equal(e, x[:1]) and torch.equal(f, ids[:1])
+    (g, _), _ = staging.to_host([torch.randn(64, 6), ids], pin=False, buffers=buffers)  # grown: new views
+    assert g.data_ptr() != a.data_ptr()
+    assert e.data_ptr() == a.data_ptr() and torch.equal(e, x[:1])  # the old views still read the old buffer
+    y = torch.randn(3, 6).to(torch.bfloat16)
+    assert buffers.result_view(y) is buffers.result_view(y) and buffers.result_view(y).dtype == torch.bfloat16
 
 
 def test_options_and_thread_candidates():

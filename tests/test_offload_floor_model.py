@@ -1,6 +1,6 @@
 """The offload floor's corrected model: the CPU branch as a call cost plus a per-expert time by rows
 (``MissCosts.cpu_rows_s``, ``cost.fit_cpu_grid``, ``calibrate.measure_costs``'s grid), the second experts
-call (``offload_floor.timeline_s``'s ``call_s``), "auto"'s split on the same model against a brute-force
+call (``offload_floor.timeline_s``'s ``call_s``), the call after a layer's admissions (``copy_call_s``), "auto"'s split on the same model against a brute-force
 search written here, and ``OffloadedMoE``'s layout report. Hand-worked numbers and float64 loops; CPU only."""
 
 from __future__ import annotations
@@ -130,6 +130,24 @@ def test_timeline_issues_a_prefetch_after_the_layers_cpu_branch():
     assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(0.015)  # no host cost: the link's end
     gpu = _stats(hits=4, prefetched=1)  # no CPU side: after the hits' reads, 3 + 4 + 2 = 9 ms (link done at 4)
     assert timeline_s([gpu], 1000, costs, 0.003, prefetch_s=0.002) == pytest.approx(0.009)
+
+
+def test_timeline_charges_a_call_after_a_layers_admissions_where_nothing_else_prices_it():
+    # link and GPU read 1 ms an expert, fixed 3 ms; the experts call after a copy into the slots 0.5 ms dearer
+    costs = MissCosts(link_bytes_per_s=1e6, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.002,
+                      gpu_bytes_per_s=1e6, cpu_rows_s=TABLE)
+    admits = _stats(hits=1, cpu_rows=(4,), admitted=1)  # host: 3 + CPU (2 + 9) = 14 ms (its admission lands at 4)
+    plain = _stats(hits=2)  # 3 + 2 reads = 5 ms
+    assert timeline_s([admits, plain], 1000, costs, 0.003) == pytest.approx(0.019)
+    assert timeline_s([admits, plain], 1000, costs, 0.003, copy_call_s=0.0005) == pytest.approx(0.0195)
+    assert timeline_s([admits], 1000, costs, 0.003, copy_call_s=0.0005) == pytest.approx(0.0145)  # the last layer too
+    kept = _stats(hits=1, cpu_rows=(4,))  # nothing admitted: nothing copied, no call to rebuild
+    assert timeline_s([kept, plain], 1000, costs, 0.003, copy_call_s=0.0005) == pytest.approx(0.019)
+    ahead = _stats(hits=1, cpu_rows=(4,), admitted=1, prefetched=1)  # the prefetch's own term holds it
+    assert timeline_s([ahead, plain], 1000, costs, 0.003, 0.0, 0.002, copy_call_s=0.0005) == pytest.approx(
+        timeline_s([ahead, plain], 1000, costs, 0.003, 0.0, 0.002))
+    fetches = _stats(hits=1, fetched=1)  # a gpu layer's fetch: fetch_layer_s's, not charged here
+    assert timeline_s([fetches], 1000, costs, 0.003, copy_call_s=0.0005) == timeline_s([fetches], 1000, costs, 0.003)
 
 
 BUMPY = ((1, 0.006), (2, 0.004), (4, 0.008))  # a measured table need not rise with rows

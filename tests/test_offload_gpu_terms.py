@@ -96,6 +96,38 @@ def test_measure_terms_times_the_bench_and_the_probe_alike(monkeypatch):
     assert got.prefetch_layer_s == pytest.approx(PREFETCH_S)
     assert (got.priced(costs).gpu_call_s, got.priced(costs).fetch_layer_s) == (got.call_s, got.fetch_layer_s)
     assert got.issue_s == 0.0 and got.priced(costs).issue_s == 0.0  # the fake clock's ensure costs nothing
+    assert got.copy_call_s == 0.0  # nor does a forward after a copy
+
+
+def test_measure_copy_call_is_a_forward_after_a_copy_over_one_after_none(monkeypatch):
+    """``measure_copy_call``: per layer, a forward right after none of the cache's copies and one right after
+    a touched expert evicted and fetched again (a fake clock: a forward BASE_S, COPY_S more when a copy into
+    the slots came since the last forward); the cache holds the same experts after."""
+    copy_s, clock, copied = 0.0003, [0.0], [False]
+    monkeypatch.setattr(gpu_terms, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    run = OffloadedMoE.run_routed
+
+    def timed(self, x, routing):
+        out = run(self, x, routing)
+        clock[0] += BASE_S + (copy_s if copied[0] else 0.0)
+        copied[0] = False
+        return out
+
+    def ensure(self, layer, experts, stats, _real=ExpertCache.ensure):
+        _real(self, layer, experts, stats)
+        copied[0] = copied[0] or bool(experts)
+
+    monkeypatch.setattr(OffloadedMoE, "run_routed", timed)
+    monkeypatch.setattr(ExpertCache, "ensure", ensure)
+    cache = ExpertCache(16, device="cpu")
+    layers = [OffloadedMoE.from_moe(_moe(seed), cache=cache, prefetch=None) for seed in range(2)]
+    x = torch.randn(2, 32)
+    per_layer = [route(layer.gate(x), layer.config) for layer in layers]
+    for layer, routing in zip(layers, per_layer):
+        layer.run_routed(x, routing)
+    cached = [set(cache.cached(layer.layer_id)) for layer in layers]
+    assert gpu_terms.measure_copy_call(layers, x, per_layer, repeats=3) == pytest.approx(copy_s)
+    assert [set(cache.cached(layer.layer_id)) for layer in layers] == cached
 
 
 def test_measure_issue_times_the_fetch_of_every_other_touched_expert_per_expert(monkeypatch):

@@ -111,8 +111,8 @@ def _group_fields(fixed: FixedCosts, quiet: float, costs: MissCosts, scale: floa
     """The fields every row of a group shares: its fixed costs (ms), the CPU expert's price (us) and scale."""
     return {"fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
-            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "cpu_expert_us": costs.cpu_time(1) * 1e6,
-            "cpu_scale": scale}
+            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "copy_call_ms": fixed.copy_call_s * 1e3,
+            "cpu_expert_us": costs.cpu_time(1) * 1e6, "cpu_scale": scale}
 
 
 def branch_rate(branches: list[tuple[float, float]]) -> float | None:
@@ -198,15 +198,21 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
     by_rate = given.scaled(rate) if rate else None
-    return [[timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s) if by_rate
-             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle),
+    c = fixed.copy_call_s
+    return [[timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s,
+                        copy_call_s=c) if by_rate
+             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
+                             copy_call_s=c),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle),
-             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle),
-             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle)]
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c),
+             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle,
+                        copy_call_s=c * r),
+             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran,
+                        copy_call_s=c),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
+                        copy_call_s=c)]
             for done, ran in zip(dones, branches or [None] * len(dones))]
 
 

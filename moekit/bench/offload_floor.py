@@ -45,6 +45,14 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
                prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing
 
+    copy call: a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
+               prefetched nothing makes the next experts call build its TMA descriptors and launch
+               sequence again (every copy into the slots bumps their ``_version``): ``FixedCosts.copy_call_s``
+               more on the host's path after it (a fetch's and a prefetch's own terms hold theirs; the last
+               layer's is charged to its own step, as the next step's first layer pays it). One H200 run
+               at M = 1: the hits' call 0.28-0.29 ms of host time after an admission against 0.14-0.15
+               (``benchmarks/offload_step_anatomy.py``); the floor had priced none of it
+
 What it leaves out (so a step may run above it): the CPU side's variance within a group (the floor
 prices the probe's median rate), host-memory contention between the CPU experts and the link beyond
 what ``link_cpu_bytes_per_s`` measured, and the host's time to issue fetches and evict beyond a forced
@@ -77,7 +85,7 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
                overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None,
-               measured: list[float] | None = None) -> float:
+               measured: list[float] | None = None, *, copy_call_s: float = 0.0) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
@@ -88,7 +96,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     with the link idle; ``costs``' is with it busy) a layer's CPU branch runs at the busy rate while the
     link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
     (seconds per layer): each layer's CPU branch as it ran, in place of the model: not a floor, a check of
-    its other terms against the step."""
+    its other terms against the step. ``copy_call_s``: after a layer that admitted and prefetched nothing
+    (``FixedCosts.copy_call_s``, module docstring)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     ahead = min(overlap_s, fixed_s)
@@ -110,7 +119,7 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included
             after = start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0)
             end = max(end, max(after, start + cpu) + prefetch_s)
-        t = end
+        t = end + (copy_call_s if s.admitted and not s.prefetched else 0.0)
     return max(t, free)
 
 

@@ -1,6 +1,6 @@
 """The CPU branch of a forward whose misses run on the CPU, in timed phases.
 
-    stage:   [x, ids, weights] -> one device->host copy into a pinned buffer (queued before the GPU work)
+    stage:   [x, ids, weights] -> a device->host copy each into kept pinned views (queued before the GPU work)
     wait:    the host waits for that copy (an event: only the work queued before it, not the GPU's)
     compute: the CPU experts (``threads`` torch threads), one after another, from their host weights
     back:    the [M, K] result into a pinned buffer (at the same thread count), one host->device copy

@@ -15,6 +15,13 @@ one code path for ``OffloadedMoE.measure_costs`` (``calibrate``: the terms "auto
                       followed by none (``measure_forced(prefetch=True)``): the host's work to evict and
                       issue a prefetch batch (the same copy path as a fetch's), which a host-bound decode
                       step pays in full; the floor's link timeline priced a prefetch as link time only
+    copy_call_s:      an all-hit forward right after a copy into the cache's slots over one right after none
+                      (``measure_copy_call``): every copy bumps the slot views' ``_version``, which the
+                      Triton experts' TMA descriptors (``experts.triton_cache``) and the CPU experts' packed
+                      weights are keyed on, so the next experts call builds them and its launch sequence
+                      again. A forced fetch's or prefetch's own terms hold it; a CPU branch's admissions
+                      (copied after the layer's calls) leave it to the next layer (one H200 run, M = 1:
+                      the hits' call 0.28-0.29 ms of host time after an admission, 0.14-0.15 without)
 
 All are medians of paired differences (the same steps in the same order, with and without), at least 0.
 Timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch) sharing a cache that holds every expert the
@@ -46,6 +53,7 @@ class FixedCosts:
     overlap_s: float = 0.0  # how long before a layer's fixed work ends its copies start (``overlap_from``)
     prefetch_layer_s: float = 0.0  # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies (``measure_issue``)
+    copy_call_s: float = 0.0  # an experts call's extra host seconds right after a copy into the slots (``measure_copy_call``)
 
     def priced(self, costs: MissCosts) -> MissCosts:
         """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``) set to these."""
@@ -68,7 +76,8 @@ def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: Mi
     link_s = layers[0].cache.expert_bytes / costs.link_bytes_per_s
     fixed = dataclasses.replace(fixed, fetch_layer_s=fetch_layer_from(forced, len(layers)),
                                 overlap_s=overlap_from(forced[0], forced[every], fetched, len(layers), link_s,
-                                                       fixed.layer_s), issue_s=measure_issue(layers[0], steps[0][0]))
+                                                       fixed.layer_s), issue_s=measure_issue(layers[0], steps[0][0]),
+                                copy_call_s=measure_copy_call(layers, x, steps[0]))
     if len(layers) > 1:
         ahead = measure_forced(layers, x, steps, counts=(0, 1), repeats=forced_repeats, prefetch=True)
         fixed = dataclasses.replace(fixed, prefetch_layer_s=fetch_layer_from(ahead, len(layers) - 1))
@@ -94,6 +103,29 @@ def measure_issue(layer, routing: Routing, repeats: int = 5) -> float:
         cache.release(layer.layer_id, evicted)
     _sync(cache.device)
     return statistics.median(times)
+
+
+def measure_copy_call(layers, x: torch.Tensor, per_layer: list[Routing], repeats: int = 5) -> float:
+    """``FixedCosts.copy_call_s``: per layer of ``per_layer`` (all its experts cached), its forward alone
+    between syncs right after none of the cache's copies and right after one (a touched expert evicted and
+    fetched again, synced before the forward), ``repeats`` times; the median of the second less the median
+    of the first, at least 0; 0 where no expert could be evicted."""
+    plain, copied = [], []
+    for _ in range(repeats):
+        for layer, routing in zip(layers, per_layer):
+            for after_copy in (False, True):
+                if after_copy:
+                    expert = sorted(_touched(routing))[:1]
+                    if not layer.cache.evict(layer.layer_id, expert):
+                        return 0.0
+                    layer.cache.ensure(layer.layer_id, expert, OffloadStats())
+                    layer.cache.release(layer.layer_id, expert)
+                _sync(x.device)
+                start = time.perf_counter()
+                layer.run_routed(x, routing)
+                _sync(x.device)
+                (copied if after_copy else plain).append(time.perf_counter() - start)
+    return max(0.0, statistics.median(copied) - statistics.median(plain))
 
 
 def fixed_from(step_s: list[float], hits_per_step: list[int], layers: int, expert_bytes: int,

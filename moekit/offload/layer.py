@@ -162,7 +162,7 @@ class OffloadedMoE(MoE):
 
         plan = self._plan({m: tokens[m] for m in misses}, len(hits), self._place(x2d.shape[0]), issue)
         on_cpu, early = plan.cpu, self._cpu.options.admit_early
-        if on_cpu:  # one device -> host copy, started before the GPU work is queued
+        if on_cpu:  # device -> host copies into kept pinned views, started before the GPU work is queued
             staged = self._cpu.stage([x2d, routing.topk_ids, routing.topk_weights])
         partials = self._gpu_experts(x2d, routing, hits, plan.fetch, stats, split, issued, (hits_map or [None])[0])
         if on_cpu:

@@ -1,0 +1,67 @@
+"""Issue #18's closing table from an ``offload_cal_device_check.py`` JSON: cache fraction x M x prefetch per
+stream, each mode's tok/s, hit rate, floor and step / floor, the simulator's hit rate, "auto" over the
+better pure mode, and prefetch's hit-rate gain on the skewed stream.
+
+    python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json   (markdown to stdout)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+from moekit.bench.offload_report import auto_vs_best, modes_by_cell
+
+MODES = ("gpu", "cpu", "auto")
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown lines: one row per (stream, cache %, prefetch, M) in the JSON's order."""
+    head = ["stream", "cache", "prefetch", "M"] + [f"{m} {f}" for m in MODES for f in ("tok/s", "hit", "floor ms", "x floor")]
+    out = ["| " + " | ".join(head + ["sim hit (gpu)", "auto / best"]) + " |", "|" + " --- |" * (len(head) + 2)]
+    for (stream, fraction, _, prefetch, m), modes in modes_by_cell(rows).items():
+        cells = [stream, f"{fraction:.0%}", prefetch, str(m)]
+        for mode in MODES:
+            r = modes.get(mode)
+            cells += ["-"] * 4 if r is None else [f"{r['tok_s']:.1f}", f"{r['hit_rate']:.3f}", f"{r['floor_ms']:.2f}",
+                                                  f"{r['x_floor']:.2f}"]
+        sim = modes.get("gpu", {}).get("sim_hit_rate")
+        q = auto_vs_best(modes)
+        cells += ["-" if sim is None else f"{sim:.3f}", "-" if q is None else f"{q:.3f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's four targets over the table."""
+    out = []
+    for mode in MODES:
+        xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
+        if xs:
+            out.append(f"{mode}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} > 1.2")
+    if rows:
+        out.append(f"largest |hit - sim| {max(abs(r['hit_rate'] - r['sim_hit_rate']) for r in rows):.4f}")
+    cells = modes_by_cell(rows)
+    q = [v for modes in cells.values() if (v := auto_vs_best(modes)) is not None]
+    if q:
+        out.append(f"auto / best pure: worst {max(q):.3f}, mean {statistics.fmean(q):.3f}, {sum(v > 1.0 for v in q)} of {len(q)} > 1")
+    gains = [on["hit_rate"] - cells[k[:3] + ("none",) + k[4:]][mode]["hit_rate"] for k, modes in cells.items()
+             if k[3] == "router" and k[:3] + ("none",) + k[4:] in cells for mode, on in modes.items()
+             if mode in MODES and mode in cells[k[:3] + ("none",) + k[4:]]]
+    if gains:
+        out.append(f"prefetch (router) hit gain on skewed: mean {statistics.fmean(gains):+.3f}, least {min(gains):+.3f}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        rows = json.load(f)["rows"]
+    print("\n".join(table(rows)))
+    print()
+    print("\n".join(f"- {line}" for line in targets(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
