@@ -33,15 +33,18 @@ _FAST = "triton_gluon"  # the first field of this backend's fast-path keys (``tr
 class GluonChoice:
     """Where the Gluon path measured faster than the fused Triton kernels for the whole call (H200,
     Triton 3.6, layout and combine counted; benchmarks/results/raw/NVIDIA_H200-2026-12-01-gluon-run3.json):
-    from ``min_tokens`` tokens for every shape (M=16384: Qwen3 1.03x, Mixtral 1.00x, DeepSeek-V3 1.15x),
+    from ``min_tokens`` tokens for every shape (M=16384: Qwen3 1.03x, Mixtral 1.00x, DeepSeek-V3 1.15x; M=8192,
+    session 21, the lean launch against the fused kernels' route, 9 interleaved graph rounds: Qwen3 1.12x,
+    DeepSeek-V3 1.08x, each >= 3% in 8 of 9, raw/NVIDIA_H200-2026-12-03-0efdb0f-prefill_ab.log),
     from ``min_tokens_wide`` for experts at least ``wide_inter`` wide (Mixtral N=14336 at M=4096: 1.12x; at
     1024 / 2048: 1.24x / 1.19x, raw/NVIDIA_H200-2026-12-02-a6660ca-gluon_mid.log; at 512, graph replay, 3
     interleaved rounds: the plan's tiles 946 µs against the fused kernels' 1032-1052, every Gluon tile tried
-    934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log). Not below: Qwen3 M=4096 0.79x, DeepSeek-V3 (N=2048)
-    M=4096 1.00x (0.97x in the run before); M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x;
+    934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log). Not below: M=4096 in the same session-21 run
+    Qwen3 1.12x (8 of 9) but DeepSeek-V3 1.04x (4 of 9; 1.00x and 0.97x in earlier runs, Qwen3 0.79x
+    then); M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x;
     M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
 
-    min_tokens: int = 16384
+    min_tokens: int = 8192
     min_tokens_wide: int = 512
     wide_inter: int = 8192
 
