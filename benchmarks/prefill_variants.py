@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
 @dataclass(frozen=True)
@@ -46,25 +47,6 @@ def fp8_gluon_tiles() -> tuple:
     from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
     return UP_TILE, DOWN_TILE
-
-
-def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
-    """The bf16 Gluon path with the tiles given (plain launches)."""
-    from moekit.experts.triton_gluon import gluon_layout
-    from moekit.experts.triton_gluon_launch import launch_contiguous_sum, launch_gemm
-
-    num_experts, hidden, inter = w2.shape
-    lay = gluon_layout(x, ids, num_experts)
-    rows = lay.x_perm.shape[0]
-    h = x.new_empty(rows, inter)  # [R, N]
-    launch_gemm(lay.x_perm, w13.view(num_experts * 2 * inter, hidden), h, lay.block_experts, lay.rows_used, up,
-                gated=True, w_rows=2 * inter, gate_offset=inter)
-    y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm(h, w2.view(num_experts * hidden, inter), y, lay.block_experts, lay.rows_used, down, gated=False,
-                w_rows=hidden)
-    out = torch.empty_like(x)
-    launch_contiguous_sum(y, lay.src_to_dst, rw.contiguous(), out)
-    return out
 
 
 @dataclass
