@@ -10,7 +10,8 @@ Parts, in order, each cut by the deadline (a line per cell as it goes, JSON rewr
    current one, split 4 folded) and ``xa2`` (session 21's x tile + words 2 steps ahead, reverted in 7e0083a: the
    merged bench read eager 84.9 / host 79.6 µs against 38.3 / 36.6). First ``moekit bench``'s own cells
    (``sweep.run_cells``, Qwen3 M = 1 then 8, bf16 / fp8 / int8 / int4 / mxfp4 in the bench's order) under each row,
-   with the paths each cell's calls took; then the int4 M = 1 cell alone, rows interleaved over 3 rounds: output
+   with the paths each cell's calls took; then the int4 M = 1 cell alone, rows interleaved over 3 rounds (round 1 also
+   lists each kept plan's launches: compiled launcher kept, C launch): output
    bit-equal to the plain path (``lean_launch=False``) and near the reference, graph / eager / host / host_rest
    µs, the paths taken per call (``host_big_probe.PathCounts``), synchronisations, and (round 1) the Python
    functions (cProfile) and runtime events (torch.profiler) with the most own time per call.
@@ -171,6 +172,10 @@ def part_rows(results: dict, counts: probe.PathCounts, deadline: Deadline) -> No
             err = _reference_err(w13, w2, s)
             row = measure(calls, counts, profile=rnd == 0)
             row.update(same_as_plain=same, ref_err=err, ok=same and err is not None and err < TOL)
+            if rnd == 0:
+                row["launches"] = probe.launch_states()
+                for state in row["launches"]:
+                    print(f"      launch {state}", flush=True)
             ab.setdefault(name, []).append(row)
             print(("PASS" if row["ok"] else "FAIL") + f" rows {name} round {rnd}: same {same} err {err}  "
                   + _line("", row), flush=True)

@@ -9,6 +9,7 @@ served each call, how many synchronisations it made, and per-call host µs by fu
     python_top   cProfile over back-to-back calls: the functions with the most own time, µs a call
     runtime_top  torch.profiler (CPU + CUDA) over back-to-back calls: self CPU µs a call by event (aten ops,
                  CUDA runtime and driver calls) and the kernels one call launched
+    launch_states  the kept weight-only plans' launches: compiled launcher kept, C launch
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ def sync_count(calls: list, repeats: int = 2) -> int:
     return sum("synchroniz" in str(w.message) for w in seen)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _loop(calls: list, n: int) -> list:
     return [calls[i % len(calls)] for i in range(n)]
 
@@ -91,13 +97,13 @@ def python_top(calls: list, n: int = 32, top: int = 10) -> list[dict]:
     """cProfile over ``n`` back-to-back calls (one sync after): own time µs a call per function, most first.
     cProfile's own overhead inflates every number (~2x); the ranking is what to read."""
     sequence = _loop(calls, n)
-    torch.cuda.synchronize()
+    _sync()
     profile = cProfile.Profile()
     profile.enable()
     for c in sequence:
         c()
     profile.disable()
-    torch.cuda.synchronize()
+    _sync()
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [dict(fn=f"{name} ({file.rsplit('/', 1)[-1]}:{line})", own_us=round(tt / n * 1e6, 2),
@@ -109,12 +115,12 @@ def runtime_top(calls: list, n: int = 16, top: int = 8) -> dict:
     """torch.profiler over ``n`` back-to-back calls: self CPU µs a call by event name, most first, and
     the kernels a call launched (names shortened, with their count a call)."""
     sequence = _loop(calls, n)
-    torch.cuda.synchronize()
+    _sync()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for c in sequence:
             c()
-        torch.cuda.synchronize()
+        _sync()
     events = prof.key_averages()
     cpu = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:top]
     kernels = Counter()
@@ -131,14 +137,31 @@ def runtime_top(calls: list, n: int = 16, top: int = 8) -> dict:
 def kernel_times(run, n: int = 1) -> list[tuple[str, float]]:
     """(kernel, GPU µs) of everything ``run()`` executes on the GPU (a graph replay's kernels too), in order,
     averaged over ``n`` runs."""
-    torch.cuda.synchronize()
+    _sync()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(n):
             run()
-        torch.cuda.synchronize()
+        _sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.time_range.start)
     per = len(kernels) // max(n, 1)
     return [(e.name.split("(")[0][:60], round(sum(k.device_time for k in kernels[i::per]) / n, 1))
             for i, e in enumerate(kernels[:per])]
+
+
+def launch_states() -> list[dict]:
+    """Each kept weight-only plan's launches: kernel, whether it keeps a compiled launcher (``cached``), holds
+    one, goes through the C launch (``raw``): a launch that never keeps one makes every lean recording fail."""
+    from moekit.experts.triton_wo_plan import _WO_PLANS
+
+    rows = []
+    for plan in list(_WO_PLANS.values()):
+        for field in ("gate_up", "glu", "down", "down_sum", "sum_slots"):
+            launch = getattr(plan, field, None)
+            if launch is None:
+                continue
+            rows.append(dict(decode=plan.decode, launch=field, kernel=launch.kernel.fn.__name__, cached=launch.cached,
+                             launcher=launch._launcher is not None, raw=launch._raw is not None,
+                             grid=launch.grid))
+    return rows
