@@ -3,25 +3,25 @@ graph + 15 µs)): why a winners row cost 45 µs more, where the µs go at large 
 runs slower eagerly than in a graph.
 
     PYTHONPATH=$PWD python benchmarks/host_big_device_check.py --out $OUT/host [--deadline-s 160]
-        [--parts rows mixtral phases]
+        [--parts rows phases mixtral]
 
 Parts, in order, each cut by the deadline (a line per cell as it goes, JSON rewritten after each, a table last):
 1. rows: Qwen3-30B-A3B int4_w4a16 M = 1, two rows of ``triton_wo_word_winners`` for that cell: ``pick`` (the
    current one, split 4 folded) and ``xa2`` (session 21's x tile + words 2 steps ahead, reverted in 7e0083a: the
    merged bench read eager 84.9 / host 79.6 µs against 38.3 / 36.6). First ``moekit bench``'s own cells
-   (``sweep.run_cells``, Qwen3 M = 1 then 8, bf16 / fp8 / int8 / int4 / mxfp4 in the bench's order) under each row,
+   (``sweep.run_cells``, Qwen3 M = 1 then 8, bf16 / int8 / int4 in the bench's order) under each row,
    with the paths each cell's calls took; then the int4 M = 1 cell alone, rows interleaved over 3 rounds (round 1 also
    lists each kept plan's launches: compiled launcher kept, C launch): output
    bit-equal to the plain path (``lean_launch=False``) and near the reference, graph / eager / host / host_rest
    µs, the paths taken per call (``host_big_probe.PathCounts``), synchronisations, and (round 1) the Python
    functions (cProfile) and runtime events (torch.profiler) with the most own time per call.
-2. mixtral: Mixtral-8x7B bf16 M = 4096 (against the reference): the bench's number there (events around 2-call
+2. phases: one eager call's host time broken down (the same probes) at Qwen3 / DeepSeek-V3, bf16 and fp8_block,
+   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4 at M = 1, 64; correctness against the reference
+   (``experts_reference``) at M <= 1024.
+3. mixtral: Mixtral-8x7B bf16 M = 4096 (against the reference): the bench's number there (events around 2-call
    passes: no graph above M = 1024) against its eager one (16 calls back to back), each call's GPU µs along a
    16-call burst (eager and replayed) with the SM clock before and after, the kernels (name, GPU µs) of one eager
    call and of one graph replay.
-3. phases: one eager call's host time broken down (the same probes) at Qwen3 / DeepSeek-V3, bf16 and fp8_block,
-   M = 1, 64, 1024, 4096, 16384 (above 1024 ``graph_us`` is the bench's events number), then int8 / int4 / mxfp4 at M = 1, 64; correctness against the reference
-   (``experts_reference``) at M <= 1024.
 Look for: rows: ``fast_quant`` 1.0 a call in both rows, or which counter replaces it in ``xa2`` (the cause);
 phases: the functions and events that make up host_rest at M >= 1024; mixtral: a kernel that differs or takes
 longer eagerly, or later calls of a burst slower (clocks under sustained load).
@@ -53,10 +53,11 @@ QWEN3, DEEPSEEK, MIXTRAL = "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"
 ROW = ("int4_w4a16", 128, 768, 2048, 1)
 A2 = winners.A2
 ROWS = {"pick": winners.WORD_WINNERS[ROW], "xa2": winners.WordPick("gemv", 4, 0, A2, A2, fold=True, x_tile=True)}
-BENCH_DTYPES = ["bfloat16", "fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4"]
+BENCH_DTYPES = ["bfloat16", "int8_w8a16", "int4_w4a16"]  # the bench's order (fp8 and mxfp4 left out: time)
 PHASE_BATCHES = (1, 64, 1024, 4096, 16384)
 WO_BATCHES = (1, 64)
 REF_MAX_M = 1024
+MIXTRAL_S = 25  # seconds the last part (mixtral) takes with its compiles: the phases stop that much earlier
 TOL = 2e-2  # relative L2 against the reference: bf16 ~1e-3, fp8 (activations quantized) and 4-bit ~3e-3
 PLAIN = LaunchOptions(lean_launch=False)
 CEILINGS = Ceilings(4.2, 750.0, "bfloat16", 1400.0)  # the bench's floors only (not read here)
@@ -97,13 +98,13 @@ def measure(calls: list, counts: probe.PathCounts, profile: bool, graph: bool = 
     """graph / eager / host / host_rest µs of ``calls`` as the bench times them (``graph`` off: events around
     plain passes, the bench's number above M = 1024), the paths and syncs a call, and with ``profile`` the
     per-call Python and runtime tables."""
-    graph = time_stats(calls, torch.device("cuda"), graph=graph, budget_s=0.05).us
+    graph_us = time_stats(calls, torch.device("cuda"), graph=graph, budget_s=0.05).us
     before = counts.snapshot()
     eager = time_eager(calls, torch.device("cuda"))
     n = (len(calls) + max(16, len(calls)) * 5)  # time_eager's warm-up pass and its 5 loops
-    row = dict(graph_us=round(graph, 1), eager_us=round(eager.eager_us, 1), host_us=round(eager.host_us, 1),
+    row = dict(graph_us=round(graph_us, 1), eager_us=round(eager.eager_us, 1), host_us=round(eager.host_us, 1),
                host_rest_us=round(eager.host_rest_us, 1), paths=counts.delta(before, n), syncs=probe.sync_count(calls))
-    bound = max(1.15 * graph, graph + 15)
+    bound = max(1.15 * graph_us, graph_us + 15)
     row["eager_ok"] = eager.eager_us <= bound
     if profile:
         row["python"] = probe.python_top(calls)
@@ -195,7 +196,7 @@ def part_phases(results: dict, counts: probe.PathCounts, deadline: Deadline) -> 
     out = results.setdefault("phases", {})
     held = {}  # (preset, dtype) -> weights, made once
     for preset, dtype, m in _phase_cells():
-        if deadline.left() < (30 if m >= 4096 else 15):
+        if deadline.left() < MIXTRAL_S + (30 if m >= 4096 else 15):  # the mixtral part runs after
             print(f"deadline: phases stop before {preset} {dtype} M={m}", flush=True)
             return
         shape = Shape.from_preset(preset)
@@ -246,7 +247,7 @@ def part_mixtral(results: dict, deadline: Deadline) -> None:
     """Mixtral bf16 M = 4096: the bench's number there is events around 2-call passes (no graph above M = 1024),
     its eager number 16 calls back to back; the same kernels? each call's GPU µs along a 16-call burst (a
     later call slower: clocks under sustained load, not moekit); the kernels of one call eagerly and replayed."""
-    if deadline.left() < 20:
+    if deadline.left() < MIXTRAL_S / 2:
         print("deadline: mixtral skipped", flush=True)
         return
     device, fn, shape = torch.device("cuda"), get_backend("triton"), Shape.from_preset(MIXTRAL)
@@ -321,7 +322,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big_out"))
     parser.add_argument("--deadline-s", type=float, default=160.0)
-    parser.add_argument("--parts", nargs="+", default=["rows", "mixtral", "phases"],
+    parser.add_argument("--parts", nargs="+", default=["rows", "phases", "mixtral"],
                         choices=["rows", "phases", "mixtral"])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
