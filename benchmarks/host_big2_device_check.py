@@ -1,8 +1,8 @@
 """Second host check (issue 13): the winners row in the bench's full order, why Mixtral bf16 M = 4096 runs ~15%
-slower eagerly than replayed, and the fast-path lookup order A/B.
+slower eagerly than replayed, programmatic dependent launch's host cost at M = 1, and the fast-path lookup order A/B.
 
     PYTHONPATH=$PWD python benchmarks/host_big2_device_check.py --out $OUT/host [--deadline-s 165]
-        [--parts rows mixtral routes phases]
+        [--parts rows mixtral pdl routes phases]
 
 Parts, in order, each cut by the deadline (a line per cell, JSON rewritten after each, a table last):
 1. rows: ``moekit bench``'s own cells (``sweep.run_cells``) at Qwen3 M = 1 in its full order (bf16, fp8, int8, int4,
@@ -16,14 +16,17 @@ Parts, in order, each cut by the deadline (a line per cell, JSON rewritten after
    False)``: fresh tensors per region, the alignment through its op), ``graph`` (the default call captured and
    replayed), ``align2m`` (the lean call with every workspace region on a 2 MiB boundary). Each output equal to
    ``lean``'s; ``lean`` against ``experts_reference``.
-3. routes: ``old`` (the Triton entries looked up first on every call, the Gluon entries after a miss: the lookup
+3. pdl: programmatic dependent launch on / off at the host-bound M = 1 cells (Qwen3 bf16 / fp8 / int8 / int4, DeepSeek-V3
+   bf16) and Qwen3 bf16 1024: host_rest / eager / graph µs, 5 interleaved rounds, outputs equal.
+4. routes: ``old`` (the Triton entries looked up first on every call, the Gluon entries after a miss: the lookup
    order before this branch, reproduced here) against ``new`` (``triton._run_kept``: one lookup where one can hit),
    interleaved over 5 rounds, host_rest / host / eager µs (the bench's ``time_eager``), at the Gluon-route cells
    (Qwen3 bf16 16384, fp8 4096 and 16384; Mixtral bf16 512 and 4096; DeepSeek-V3 fp8 4096) and two fused-route
    cells (Qwen3 bf16 M = 1, 1024): outputs equal.
-4. phases: run 1's probes at the weight-only cells it did not reach (DeepSeek-V3 int4 / mxfp4 M = 1, 64).
+5. phases: run 1's probes at the weight-only cells it did not reach (DeepSeek-V3 int4 / mxfp4 M = 1, 64).
 Look for: rows: the int4 cell's host in each pass; mixtral: which variant runs at the graph's speed (the cause);
-routes: new host_rest below old at the Gluon cells (expected 2-5 µs), equal elsewhere.
+pdl: nopdl's host_rest and eager below pdl's at M = 1 (then its graph cost decides); routes: new host_rest below
+old at the Gluon cells (expected 2-5 µs), equal elsewhere.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import host_big_device_check as hb
 import host_big_probe as probe
 from moekit.bench.cells import Shape, make_sets, make_weights
 from moekit.bench.sweep import SweepPlan, run_cells
-from moekit.bench.timing import time_eager
+from moekit.bench.timing import time_eager, time_stats
 from moekit.experts import get_backend
 import moekit.experts.triton as tri
 from moekit.quant.fp8_block import Fp8BlockWeight
@@ -223,6 +226,53 @@ def part_routes(results: dict, deadline: hb.Deadline) -> None:
         del sets, calls
 
 
+PDL_CELLS = [(hb.QWEN3, "bfloat16", 1), (hb.QWEN3, "fp8_block", 1), (hb.QWEN3, "int8_w8a16", 1),
+             (hb.QWEN3, "int4_w4a16", 1), (hb.QWEN3, "bfloat16", 1024), (hb.DEEPSEEK, "bfloat16", 1)]
+
+
+def part_pdl(results: dict, deadline: hb.Deadline) -> None:
+    """Programmatic dependent launch on / off (``LaunchOptions.dependent_launch``) at the M = 1 cells where eager
+    is host-bound: host_rest, eager and graph µs, interleaved over 5 rounds (run 1: cuLaunchKernelEx 7-40 µs a
+    launch under the profiler, every launch of these cells a PDL launch)."""
+    from moekit.experts.triton_launch import LaunchOptions
+
+    device, out, held = torch.device("cuda"), results.setdefault("pdl", {}), {}
+    variants = {"pdl": LaunchOptions(), "nopdl": LaunchOptions(dependent_launch=False)}
+    for preset, dtype, m in PDL_CELLS:
+        if deadline.left() < 20:
+            print(f"deadline: pdl stops before {preset} {dtype} M={m}", flush=True)
+            return
+        shape = Shape.from_preset(preset)
+        if (preset, dtype) not in held:
+            held.clear()
+            torch.cuda.empty_cache()
+            held[(preset, dtype)] = hb._weights(shape, dtype, make_weights(shape, torch.bfloat16, device))
+        w13, w2 = held[(preset, dtype)]
+        sets = make_sets(shape, m, 4, torch.bfloat16, device)
+        calls = {n: [lambda s=s, o=o: tri.experts_triton_unchecked(s.x, w13, w2, s.topk_ids, s.topk_weights, options=o)
+                     for s in sets] for n, o in variants.items()}
+        for n in variants:
+            for c in calls[n] * 3:
+                c()
+        same = all(torch.equal(calls["pdl"][i](), calls["nopdl"][i]()) for i in range(len(sets)))
+        samples = {n: [] for n in variants}
+        for _ in range(5):
+            for n in variants:
+                samples[n].append(time_eager(calls[n], device))
+        row = {n: dict(host_rest_us=round(statistics.median(t.host_rest_us for t in ts), 1),
+                       eager_us=round(statistics.median(t.eager_us for t in ts), 1),
+                       graph_us=round(time_stats(calls[n], device, graph=True, budget_s=0.05).us, 1))
+               for n, ts in samples.items()}
+        row["same"] = same
+        key = f"{preset} {dtype} M={m}"
+        out[key] = row
+        print(f"{'PASS' if same else 'FAIL'} pdl {key}: " + "  ".join(
+            f"{n} rest {r['host_rest_us']} eager {r['eager_us']} graph {r['graph_us']}" for n, r in row.items()
+            if n != "same"), flush=True)
+        hb.yield_results(results)
+        del sets, calls
+
+
 def part_phases(results: dict, counts: probe.PathCounts, deadline: hb.Deadline) -> None:
     cells = [(hb.DEEPSEEK, d, m) for d in ("int4_w4a16", "mxfp4") for m in (1, 64)]
     hb._phase_cells = lambda: cells  # run 1's probes, at the cells it did not reach
@@ -236,6 +286,10 @@ def table(results: dict) -> None:
         print(f"rows {key:28} graph {r['us']:7.1f} eager {r['eager_us']:7.1f} host {r['host_us']:6.1f} rest {r['host_rest_us']:6.1f}")
     for i, rnd in enumerate(results.get("mixtral_ab", {}).get("rounds", [])):
         print(f"mixtral r{i} " + "  ".join(f"{n} {v['us']}" for n, v in rnd.items()))
+    for key, r in results.get("pdl", {}).items():
+        print(f"pdl {key:30} rest {r['pdl']['host_rest_us']:6.1f} / {r['nopdl']['host_rest_us']:6.1f}  eager "
+              f"{r['pdl']['eager_us']:7.1f} / {r['nopdl']['eager_us']:7.1f}  graph {r['pdl']['graph_us']:7.1f} / "
+              f"{r['nopdl']['graph_us']:7.1f}  same {r['same']}")
     for key, r in results.get("routes", {}).items():
         print(f"routes {key:30} rest old {r['old']['host_rest_us']:6.1f} new {r['new']['host_rest_us']:6.1f}  host "
               f"{r['old']['host_us']:6.1f} / {r['new']['host_us']:6.1f}  same {r['same']}")
@@ -246,8 +300,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big_out"))
     parser.add_argument("--deadline-s", type=float, default=165.0)
-    parser.add_argument("--parts", nargs="+", default=["rows", "mixtral", "routes", "phases"],
-                        choices=["rows", "mixtral", "routes", "phases"])
+    parser.add_argument("--parts", nargs="+", default=["rows", "mixtral", "pdl", "routes", "phases"],
+                        choices=["rows", "mixtral", "routes", "pdl", "phases"])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     hb._OUT[0] = os.path.join(args.out, "host_big2.json")
@@ -267,6 +321,8 @@ def main() -> None:
                     part_mixtral(results, deadline)
                 elif part == "routes":
                     part_routes(results, deadline)
+                elif part == "pdl":
+                    part_pdl(results, deadline)
                 else:
                     part_phases(results, counts, deadline)
             except torch.cuda.OutOfMemoryError as e:
