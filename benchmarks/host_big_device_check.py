@@ -6,8 +6,8 @@ runs slower eagerly than in a graph.
         [--parts rows phases mixtral]
 
 Parts, in order, each cut by the deadline (a line per cell as it goes, JSON rewritten after each, a table last):
-1. rows: Qwen3-30B-A3B int4_w4a16 M = 1, two rows of ``triton_wo_word_winners`` for that cell: ``pick`` (the
-   current one, split 4 folded) and ``xa2`` (session 21's x tile + words 2 steps ahead, reverted in 7e0083a: the
+1. rows: Qwen3-30B-A3B int4_w4a16 M = 1, two rows of ``triton_wo_word_winners`` for that cell: ``pick`` (split 4
+   folded: the row in run 1) and ``xa2`` (session 21's x tile + words 2 steps ahead, reverted in 7e0083a: the
    merged bench read eager 84.9 / host 79.6 µs against 38.3 / 36.6). First ``moekit bench``'s own cells
    (``sweep.run_cells``, Qwen3 M = 1 then 8, bf16 / int8 / int4 in the bench's order) under each row,
    with the paths each cell's calls took; then the int4 M = 1 cell alone, rows interleaved over 3 rounds (round 1 also
@@ -52,7 +52,10 @@ from moekit.quant import quantize
 QWEN3, DEEPSEEK, MIXTRAL = "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"
 ROW = ("int4_w4a16", 128, 768, 2048, 1)
 A2 = winners.A2
-ROWS = {"pick": winners.WORD_WINNERS[ROW], "xa2": winners.WordPick("gemv", 4, 0, A2, A2, fold=True, x_tile=True)}
+# run 1 (9516268) named the split-4 fold, then the row, "pick"; the x tile + A2 row is the row again since session 22
+ROWS = {"pick": winners.WordPick("gemv", 4, fold=True),
+        "xa2": winners.WordPick("gemv", 4, 0, A2, A2, fold=True, x_tile=True)}
+DEFAULT_ROW = winners.WORD_WINNERS[ROW]
 BENCH_DTYPES = ["bfloat16", "int8_w8a16", "int4_w4a16"]  # the bench's order (fp8 and mxfp4 left out: time)
 PHASE_BATCHES = (1, 64, 1024, 4096, 16384)
 WO_BATCHES = (1, 64)
@@ -127,8 +130,9 @@ def _line(tag: str, row: dict) -> str:
             f"eager_ok {row['eager_ok']} syncs {row['syncs']} paths {row['paths']}")
 
 
-def _set_row(name: str) -> None:
-    winners.WORD_WINNERS[ROW] = ROWS[name]
+def _set_row(name: str | None) -> None:
+    """The row ``name`` of ROWS in the winners table (None: the table's own), the plans built again."""
+    winners.WORD_WINNERS[ROW] = DEFAULT_ROW if name is None else ROWS[name]
     clear_config_cache()
     clear_launch_caches()
 
@@ -182,7 +186,7 @@ def part_rows(results: dict, counts: probe.PathCounts, deadline: Deadline) -> No
                   + _line("", row), flush=True)
             _print_profile(row)
             yield_results(results)
-    _set_row("pick")
+    _set_row(None)
 
 
 def _phase_cells() -> list[tuple]:
