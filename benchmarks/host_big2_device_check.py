@@ -99,8 +99,46 @@ def _burst(run, n: int = 8) -> tuple[float, dict]:
     return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)), state
 
 
-def part_mixtral(results: dict, deadline: hb.Deadline) -> None:
+def _captured(run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``run`` captured in a CUDA graph (warmed on a side stream first), and the graph's output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+def _mixtral_round(variants: dict, lean, outputs: dict, first: bool) -> dict:
+    """One interleaved round: each variant's burst and GPU state (the first round: its kernels too). ``align2m``
+    builds the plans again with 2 MiB region offsets, then the default 256 is restored and ``lean`` warmed."""
     from moekit.experts import triton_cache
+
+    this = {}
+    for name, run in variants.items():
+        if name == "align2m":
+            triton_cache.REGION_ALIGN = 2 << 20
+            tri.clear_launch_caches()
+            for _ in range(2):
+                run()
+        us, state = _burst(run)
+        this[name] = dict(us=round(us, 1), **state)
+        if first:
+            this[name]["kernels"] = probe.kernel_times(run, 2)
+            if name == "align2m":
+                outputs[name] = run()
+        if name == "align2m":
+            triton_cache.REGION_ALIGN = 256
+            tri.clear_launch_caches()
+            for _ in range(2):
+                lean()
+    return this
+
+
+def part_mixtral(results: dict, deadline: hb.Deadline) -> None:
     from moekit.experts.triton_gluon import experts_gluon
 
     if deadline.left() < 30:
@@ -111,7 +149,7 @@ def part_mixtral(results: dict, deadline: hb.Deadline) -> None:
     s = make_sets(shape, 4096, 1, torch.bfloat16, device)[0]
     w13, w2 = base.w13, base.w2
 
-    def lean():
+    def lean():  # align2m is this call under 2 MiB region offsets
         return fn(s.x, w13, w2, s.topk_ids, s.topk_weights)
 
     def plain():
@@ -120,42 +158,14 @@ def part_mixtral(results: dict, deadline: hb.Deadline) -> None:
     for _ in range(3):
         want = lean()
     err = hb._reference_err(w13, w2, s, max_m=4096)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        lean()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out = lean()
-
-    def align2m():
-        return fn(s.x, w13, w2, s.topk_ids, s.topk_weights)
-
-    variants = {"lean": lean, "plain": plain, "graph": graph.replay, "align2m": align2m}
+    graph, graph_out = _captured(lean)
+    variants = {"lean": lean, "plain": plain, "graph": graph.replay, "align2m": lean}
     outputs = {"lean": want, "plain": plain(), "graph": graph_out}
     row = {"ref_err": err, "rounds": []}
     for rnd in range(3):
         if deadline.left() < 15:
             break
-        this = {}
-        for name, run in variants.items():
-            if name == "align2m":  # the plans built again with 2 MiB region offsets, then restored
-                triton_cache.REGION_ALIGN = 2 << 20
-                tri.clear_launch_caches()
-                for _ in range(2):
-                    run()
-            us, state = _burst(run)
-            this[name] = dict(us=round(us, 1), **state)
-            if rnd == 0:
-                this[name]["kernels"] = probe.kernel_times(run, 2)
-                if name == "align2m":
-                    outputs[name] = run()
-            if name == "align2m":
-                triton_cache.REGION_ALIGN = 256
-                tri.clear_launch_caches()
-                for _ in range(2):
-                    lean()
+        this = _mixtral_round(variants, lean, outputs, rnd == 0)
         row["rounds"].append(this)
         print(f"mixtral round {rnd}: " + "  ".join(f"{n} {v['us']} µs ({v['clock_rate']} MHz, {v['power_draw']} mW, "
                                                      f"{v['temperature']} C)" for n, v in this.items()), flush=True)
