@@ -302,18 +302,50 @@ def experts_triton_unchecked(
     (prefill sizes where the Gluon GEMMs measured faster for the whole call) take the Gluon path, as
     ``fp8_block`` calls take the fp8 one."""
     if expert_map is None and b13 is None and b2 is None:
-        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
-        if out is None and w13.__class__ is Fp8BlockWeight:  # a repeated call the fp8 Gluon path took
-            from moekit.experts.triton_gluon_fp8 import run_fast_fp8  # here: that module imports this one
-
-            out = run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
-        elif out is None and options is _DEFAULT_OPTIONS:  # a repeated call the bf16 Gluon path took
-            from moekit.experts.triton_gluon import run_fast_default_gluon
-
-            out = run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
+        out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
+
+
+_GLUON: list = []  # [triton_gluon, triton_gluon_fp8], imported on first use (both import this module)
+
+
+def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOptions) -> torch.Tensor | None:
+    """A repeated call launched from what its path kept, or None: the Triton path's entries (``run_fast``) and the
+    Gluon paths' (fp8_block weights: ``run_fast_fp8``; bf16 with the default options: ``run_fast_default_gluon``),
+    one lookup where one can hit. A Gluon entry is keyed by the default choice that took it, so where that choice
+    does not want the call's size none can match and its lookup is skipped; where it does, the Gluon lookup goes
+    first (on Hopper the Triton path keeps nothing there), then the Triton one (a call the Gluon path did not take:
+    another GPU, an unfit shape). Before: the Triton lookup first on every call, a miss at every Gluon-path size
+    (H200, benchmarks/host_big_device_check.py: two fast-path lookups a call from M = 4096 fp8, 16384 bf16)."""
+    if w13.__class__ is Fp8BlockWeight:
+        if not _GLUON:
+            _import_gluon()
+        gluon_fp8 = _GLUON[1]
+        if not gluon_fp8.DEFAULT_FP8_CHOICE.wants(x.shape[0], topk_weights.shape[1], w2.shape[2], x.shape[1],
+                                                  w2.shape[0]):
+            return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+        out = gluon_fp8.run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
+    elif options is _DEFAULT_OPTIONS:
+        if not _GLUON:
+            _import_gluon()
+        gluon = _GLUON[0]
+        if not gluon.DEFAULT_CHOICE.wants(x.shape[0], w2.shape[-1]):
+            return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+        out = gluon.run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
+    else:  # the Gluon route takes the default options only
+        return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+    if out is not None:
+        return out
+    return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
+
+
+def _import_gluon() -> None:
+    import moekit.experts.triton_gluon as gluon
+    import moekit.experts.triton_gluon_fp8 as gluon_fp8
+
+    _GLUON[:] = [gluon, gluon_fp8]
 
 
 def _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options: LaunchOptions,

@@ -22,6 +22,7 @@ from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
 )
+from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -237,8 +238,6 @@ def run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation) -> to
     """A repeated call ``run_default_gluon`` took, from what it kept (``triton_gluon_lean.run_fast_gluon``), or None."""
     if x.shape[0] < min(DEFAULT_CHOICE.min_tokens, DEFAULT_CHOICE.min_tokens_wide):
         return None
-    from moekit.experts.triton_gluon_lean import run_fast_gluon
-
     return run_fast_gluon(x, w13, w2, topk_ids, topk_weights, (_FAST, activation, DEFAULT_CHOICE))
 
 

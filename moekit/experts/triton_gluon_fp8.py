@@ -26,6 +26,7 @@ from moekit.experts.triton_gluon_fp8_launch import (
     DOWN_TILE, GROUP, UP_TILE, Fp8GluonTile, launch_gather_quant, launch_gemm_fp8, plan_gluon_fp8,
 )
 from moekit.experts.triton_gluon_launch import BLOCK_M, gluon_supported, launch_contiguous_sum
+from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
 from moekit.experts.triton_launch import cdiv, interpreting
 from moekit.layouts.grouping import to_local_ids
 
@@ -70,8 +71,6 @@ def fp8_fast_key(w13, w2, activation, choice: Fp8GluonChoice) -> tuple:
 
 def run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation, choice: Fp8GluonChoice | None = None):
     """A repeated fp8_block call the fp8 Gluon path took, launched from what it kept, or None (a miss)."""
-    from moekit.experts.triton_gluon_lean import run_fast_gluon
-
     key = fp8_fast_key(w13, w2, activation, DEFAULT_FP8_CHOICE if choice is None else choice)
     return run_fast_gluon(x, w13.q, w2.q, topk_ids, topk_weights, key)
 

@@ -59,9 +59,13 @@ WORD_WINNERS: dict[tuple[str, int, int, int, int], WordPick] = {
     # contiguous tile a step; benchmarks/verdict_device_check.py, raw/NVIDIA_H200-2026-12-03-dd8bed6-verdict.*):
     # graph 19.7 against 21.8 unfolded, eager 32.7 against 39.8, host_rest 30.8 against 38.3 µs a call. (Not
     # folded where it lost: Qwen3 int4 M=8 91.2 against 80.8, DeepSeek-V3 int4 M=1 105.2 against 98.9; mxfp4 M=1 even).
-    # Session 21: x tile + A2 19.1 against 20.0 in the A/B, but the merged bench read 20.2 graph and 84.9 eager
-    # against 38.3 (host 79.6 µs against 36.6: raw/NVIDIA_H200-2026-12-03-0efdb0f-bench-dtype.log), so not taken
-    ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4, fold=True),
+    # Session 21: x tile + A2 19.1 against 20.0 (5 rounds). The merged bench then read 84.9 eager / 79.6 host µs
+    # (raw/NVIDIA_H200-2026-12-03-0efdb0f-bench-dtype.log) and the row was reverted (7e0083a); session 22 found no
+    # cause in the row: every call served by the lean fast path, its launches all kept C launches, host 28.5 / 29.1 /
+    # 35.5 against the split-4 fold's 27.8 / 37.1 / 33.2, graph 20.6 / 20.5 / 20.6 against 20.8 / 22.0 / 22.1 (3
+    # interleaved rounds; in the bench's own cells host 32.9 against 35.6, graph 18.8 against 19.3:
+    # benchmarks/host_big_device_check.py, raw/NVIDIA_H200-2026-12-03-9516268-host-ck1.log), so taken again
+    ("int4_w4a16", 128, 768, 2048, 1): WordPick("gemv", 4, 0, A2, A2, fold=True, x_tile=True),
     # qwen3-30b-a3b: 81.2 / 81.8, old gemv unsplit 88.6; session 21: x tile + A2 77.5 against 80.6
     ("int4_w4a16", 128, 768, 2048, 8): WordPick("gemv", 2, 0, A2, A2, x_tile=True),
     # qwen3-30b-a3b: session 21 R32 x tile, gate-up split 2 (not folded) 25.9 against gemv_half (64 x 4 words, split
