@@ -163,6 +163,8 @@ def main() -> None:
         res = child(args.child[0], args.child[1], int(args.child[2]), args.top, args.out_dir)
         print("RESULT " + json.dumps(res), flush=True)
         return
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
     start, results = time.monotonic(), []
     for model_name in args.models:
         for impl in args.impls:
