@@ -79,6 +79,7 @@ def _register_ab() -> None:
     """The A/B experts implementations (see the module docstring)."""
     from transformers.integrations.moe import ExpertsInterface
 
+    import moekit.experts.triton  # noqa: F401  (defines torch.ops.moekit.triton_experts)
     from moekit.activations import spec_fields
     from moekit.experts.triton_launch import LaunchOptions
     from moekit.hf.variants import PLAN_ATTR
