@@ -9,7 +9,8 @@ graph skips and re-recordings) and the CPU ops that take the host time of one st
 
 A/B variants of moekit's compiled path (registered here as experts implementations, benchmark only):
 ``ab_op`` calls the custom op straight from the experts forward (none of moekit's Python traced: no
-guards on it), ``ab_nopdl`` does the same with programmatic dependent launch off. ``guard_us``: dynamo's
+guards on it), ``ab_nopdl`` does the same with programmatic dependent launch off, ``ab_prev`` is the
+"moekit" forward before its traced entry (``call_backend`` and the backend's eager path traced). ``guard_us``: dynamo's
 guard evaluation of the compiled decode step (``profile_guard_manager``, 200 rounds, warm caches).
 ``logits``: the compiled decode's step logits against the first implementation's in the same model
 (rel. error and bit-equality; every moekit variant runs the same kernels, so bit-equal is expected).
@@ -80,6 +81,7 @@ def _register_ab() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     import moekit.experts.triton  # noqa: F401  (defines torch.ops.moekit.triton_experts)
+    import moekit.hf
     from moekit.activations import spec_fields
     from moekit.experts.triton_launch import LaunchOptions
     from moekit.hf.variants import PLAN_ATTR
@@ -92,6 +94,14 @@ def _register_ab() -> None:
                                                    *options)
         return forward
 
+    def previous(self, hidden_states, top_k_index, top_k_weights):  # before the traced entry: call_backend traced
+        from moekit.experts import backend_fn, call_backend
+
+        plan = self.__dict__[PLAN_ATTR]
+        return call_backend(backend_fn(moekit.hf.HF_BACKEND, hidden_states.device), hidden_states, self.gate_up_proj,
+                            self.down_proj, top_k_index, top_k_weights, activation=plan.activation)
+
+    ExpertsInterface.register("ab_prev", previous)
     ExpertsInterface.register("ab_op", make(LaunchOptions().as_op_args()))
     ExpertsInterface.register("ab_nopdl", make(LaunchOptions(dependent_launch=False).as_op_args()))
 
@@ -153,7 +163,7 @@ def child(impl: str, model_name: str, layers: int, top: int, out_dir: str) -> di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["qwen3", "mixtral"])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the bench's, Qwen3 8, Mixtral 2)")
     parser.add_argument("--impls", nargs="+", default=["moekit", "grouped_mm", "no_experts", "ab_op", "ab_nopdl"])
     parser.add_argument("--top", type=int, default=14, help="GPU kernels listed per implementation")
     parser.add_argument("--deadline", type=float, default=270, help="seconds: start no child past it")
@@ -167,14 +177,17 @@ def main() -> None:
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
     start, results = time.monotonic(), []
+    from moekit.bench.hf_models import MODELS
+
     for model_name in args.models:
+        layers = args.layers or MODELS[model_name].default_layers
         for impl in args.impls:
             left = args.deadline - (time.monotonic() - start)
             if left < 25:
                 print(f"deadline: {model_name} {impl} not run", flush=True)
                 continue
             env = dict(os.environ, TORCH_LOGS="perf_hints,graph_breaks,recompiles")
-            cmd = [sys.executable, __file__, "--child", impl, model_name, str(args.layers), "--top", str(args.top),
+            cmd = [sys.executable, __file__, "--child", impl, model_name, str(layers), "--top", str(args.top),
                    "--out-dir", args.out_dir]
             try:
                 run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
@@ -185,7 +198,7 @@ def main() -> None:
             found = [json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")]
             logs = [line for line in stderr.splitlines() if "cudagraph" in line.lower()
                     or "graph break" in line.lower() or "recompil" in line.lower()]
-            res = found[0] if found else dict(impl=impl, model=model_name, layers=args.layers, error=stderr[-1500:])
+            res = found[0] if found else dict(impl=impl, model=model_name, layers=layers, error=stderr[-1500:])
             res["logs"] = logs[:20]
             results.append(res)
             print(json.dumps({k: v for k, v in res.items() if k not in ("gpu_kernels", "host_ops")}, indent=1)[:2500],
