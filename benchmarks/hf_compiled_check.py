@@ -114,27 +114,13 @@ def _guard_us(kept: list) -> list:
     return out
 
 
-def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: float, log, save) -> list:
-    """Every implementation of ``impls`` compiled in turn on one model, then ``rounds`` interleaved timing rounds;
-    an implementation whose compile would start past ``deadline`` (time.monotonic) is skipped. ``save(rows)``
-    after each phase: a run killed midway keeps what it measured."""
-    import torch._dynamo.guards as dynamo_guards
-
+def _compile_all(model, model_name: str, layers: int, impls: list, prompt, config, deadline: float, current: list,
+                 log, save) -> dict:
+    """Each implementation compiled and warmed in turn (two 9-token generates); its row, with its step logits against
+    the first implementation's. ``current[0]``: the implementation being compiled (the guard hook's label)."""
     import moekit.hf
-    from moekit.bench.hf_measure import compile_config, decode, rel_err
-    from moekit.bench.hf_models import build_model, hf_config, register_no_experts
+    from moekit.bench.hf_measure import decode, rel_err
 
-    kept = {}  # impl -> [(guard manager, a copy of the frame's locals)] of its compiled frames
-    current = [None]
-    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(current[0], []).append(
-        (manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
-    register_no_experts()
-    _register_ab()
-    torch._dynamo.reset()
-    model = build_model(hf_config(model_name, layers), torch.bfloat16, DEV)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    prompt = torch.randint(1, 32000, (1, 8), generator=gen).to(DEV)
-    config = compile_config(DEV)
     rows, first = {}, None
     for impl in impls:
         if time.monotonic() > deadline:
@@ -160,6 +146,30 @@ def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: fl
                                  same_tokens=bool(torch.equal(tokens, first[2].to(tokens.device))))
         log(f"{model_name} {impl}: compiled and warm, logits {row.get('logits', 'first')}")
         save(list(rows.values()))
+    return rows
+
+
+def measure(model_name: str, layers: int, impls: list, rounds: int, deadline: float, log, save) -> list:
+    """Every implementation of ``impls`` compiled in turn on one model, then ``rounds`` interleaved timing rounds;
+    an implementation whose compile would start past ``deadline`` (time.monotonic) is skipped. ``save(rows)``
+    after each phase: a run killed midway keeps what it measured."""
+    import torch._dynamo.guards as dynamo_guards
+
+    from moekit.bench.hf_measure import compile_config
+    from moekit.bench.hf_models import build_model, hf_config, register_no_experts
+
+    kept = {}  # impl -> [(guard manager, a copy of the frame's locals)] of its compiled frames
+    current = [None]
+    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, builder: kept.setdefault(current[0], []).append(
+        (manager, {k: dict(v) if isinstance(v, dict) else v for k, v in scope.items()}))
+    register_no_experts()
+    _register_ab()
+    torch._dynamo.reset()
+    model = build_model(hf_config(model_name, layers), torch.bfloat16, DEV)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(1, 32000, (1, 8), generator=gen).to(DEV)
+    config = compile_config(DEV)
+    rows = _compile_all(model, model_name, layers, impls, prompt, config, deadline, current, log, save)
     timed = [impl for impl in impls if "steps_ms" in rows.get(impl, {})]
     for rnd in range(rounds):
         for impl in timed[rnd % len(timed):] + timed[:rnd % len(timed)]:
