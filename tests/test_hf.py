@@ -118,7 +118,7 @@ def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
     backend's eager path (a traced branch is Python dynamo guards on every compiled call): with that path
     made to fail, a whole model still compiles fullgraph, calls ``moekit::triton_experts`` once per layer and
     equals its eager self bit for bit (the same kernels; eager folds the k-sum into the down GEMM in the same
-    order). A misfit shape still raises the argument check's error while tracing."""
+    order). A misfit shape or dtype still raises the argument check's error while tracing."""
     pytest.importorskip("triton")
     import moekit.experts
     import moekit.experts.triton as triton_experts
@@ -152,6 +152,10 @@ def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
         with pytest.raises(Exception, match="topk_weights must have the shape of topk_ids"):
             torch._dynamo.reset()
             torch.compile(experts, fullgraph=True, backend="eager")(x, torch.zeros(3, 3, dtype=torch.long),
+                                                                    torch.ones(3, 2))
+        with pytest.raises(Exception, match="must share a dtype"):  # e.g. bf16 activations on fp32 weights
+            torch._dynamo.reset()
+            torch.compile(experts, fullgraph=True, backend="eager")(x.bfloat16(), torch.zeros(3, 2, dtype=torch.long),
                                                                     torch.ones(3, 2))
 
 
