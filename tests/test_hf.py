@@ -113,6 +113,52 @@ def test_moekit_experts_compile_fullgraph(monkeypatch):
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_triton_experts_trace_only_the_op(monkeypatch):
+    """Under torch.compile the "moekit" experts on the triton backend trace its custom op and nothing of the
+    backend's eager path (a traced branch is Python dynamo guards on every compiled call): with that path
+    made to fail, a whole model still compiles fullgraph, calls ``moekit::triton_experts`` once per layer and
+    equals its eager self bit for bit (the same kernels; eager folds the k-sum into the down GEMM in the same
+    order). A misfit shape or dtype still raises the argument check's error while tracing."""
+    pytest.importorskip("triton")
+    import moekit.experts
+    import moekit.experts.triton as triton_experts
+
+    monkeypatch.setattr(moekit_hf, "HF_BACKEND", "triton")
+    monkeypatch.setattr(moekit.experts, "_RESOLVED", {})
+    torch.manual_seed(5)
+    model = qwen3(True).eval()
+    model.set_experts_implementation("moekit")
+    ids = torch.randint(0, 97, (1, 4))
+    ops = []
+
+    def recorder(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def eager_only(*args, **kwargs):
+        raise AssertionError("the eager path was traced")
+
+    with torch.no_grad():
+        eager = model(ids).logits
+        for name in ("run_fast", "_unchecked"):
+            monkeypatch.setattr(triton_experts, name, eager_only)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=recorder)(ids).logits
+        assert sum("moekit.triton_experts" in op for op in ops) == model.config.num_hidden_layers
+        assert torch.equal(compiled, eager)
+        experts = model.model.layers[0].mlp.experts
+        x = torch.randn(3, model.config.hidden_size)
+        # dynamo reports the raise it traced as its Unsupported error, quoting the message
+        with pytest.raises(Exception, match="topk_weights must have the shape of topk_ids"):
+            torch._dynamo.reset()
+            torch.compile(experts, fullgraph=True, backend="eager")(x, torch.zeros(3, 3, dtype=torch.long),
+                                                                    torch.ones(3, 2))
+        with pytest.raises(Exception, match="must share a dtype"):  # e.g. bf16 activations on fp32 weights
+            torch._dynamo.reset()
+            torch.compile(experts, fullgraph=True, backend="eager")(x.bfloat16(), torch.zeros(3, 2, dtype=torch.long),
+                                                                    torch.ones(3, 2))
+
+
 def test_from_hf_config_reads_objects_and_dicts():
     v3 = MoEConfig.from_hf_config(transformers.DeepseekV3Config())
     assert (v3.num_experts, v3.top_k, v3.n_group, v3.topk_group, v3.scoring) == (256, 8, 8, 4, "sigmoid")

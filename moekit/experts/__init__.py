@@ -211,6 +211,22 @@ def keeper_of(fn: ExpertsFn) -> Callable | None:
     return _KEEPERS.get(fn)
 
 
+# backend function -> its entry while torch.compile traces a call with plain (unquantized) weights and no expert map:
+# (x, w13, w2, topk_ids, topk_weights, activation, b13, b2) -> out. Whatever a backend's eager path checks and
+# branches on (fast paths, routes, caches) is Python that dynamo traces and then guards on every compiled call;
+# the triton backend's entry is its custom op with the default options, what that path reaches under tracing.
+_TRACED_PATHS: dict[ExpertsFn, Callable] = {}
+
+
+def register_traced_path(fn: ExpertsFn, traced: Callable) -> None:
+    _TRACED_PATHS[fn] = traced
+
+
+def traced_path_of(fn: ExpertsFn) -> Callable | None:
+    """The traced entry ``fn``'s backend registered (``register_traced_path``), or None."""
+    return _TRACED_PATHS.get(fn)
+
+
 class ExpertsCallCache:
     """``call_backend`` for a caller that makes the same call again and again with its own weight tensors and
     a routing its own router made from x (``MoE``'s forward): ``check_experts_args`` runs in full (raising

@@ -63,7 +63,7 @@ from typing import Optional
 
 import torch
 
-from moekit.experts import check_experts_args, register_fast_path, register_keeper
+from moekit.experts import check_experts_args, register_fast_path, register_keeper, register_traced_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
@@ -375,3 +375,25 @@ register_fast_path(experts_triton_unchecked,
                    functools.partial(run_fast, _WORKSPACES, options=_DEFAULT_OPTIONS, checked=False))
 # and its keeper for the layer's decode fast path (``triton_fast.KeptCall``): the same entries, fewer checks per call
 register_keeper(experts_triton_unchecked, functools.partial(keep_call, _WORKSPACES, options=_DEFAULT_OPTIONS))
+
+
+_DEFAULT_OP_ARGS = _DEFAULT_OPTIONS.as_op_args()
+
+
+def traced_triton_experts(x, w13, w2, topk_ids, topk_weights, activation, b13=None, b2=None) -> torch.Tensor:
+    """What ``experts_triton_unchecked`` with its default options comes to while torch.compile traces a call with
+    plain weights and no expert map: the custom op. Its eager-only branches (the fast path, the Gluon route, the
+    direct-eager tests) are not traced, so dynamo installs no guards for them on every compiled call. Shapes and
+    dtypes are compared here (constants under tracing; ``check_experts_args`` runs only to name a misfit), the
+    dtype itself and the activation when the op builds its plan."""
+    x_shape, ids_shape = x.shape, topk_ids.shape
+    if (len(x_shape) != 2 or len(ids_shape) != 2 or ids_shape[0] != x_shape[0] or topk_weights.shape != ids_shape
+            or w13.dim() != 3 or w13.shape[2] != x_shape[1] or w2.dim() != 3 or w2.shape[0] != w13.shape[0]
+            or w2.shape[1] != x_shape[1] or w13.dtype != x.dtype or w2.dtype != x.dtype
+            or topk_ids.is_floating_point()):
+        check_experts_args(x, w13, w2, topk_ids, topk_weights, activation=activation, b13=b13, b2=b2)
+    return torch.ops.moekit.triton_experts(x, w13, w2, topk_ids, topk_weights, None, b13, b2, *spec_fields(activation),
+                                           *_DEFAULT_OP_ARGS)
+
+
+register_traced_path(experts_triton_unchecked, traced_triton_experts)

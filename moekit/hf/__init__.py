@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moekit.experts import backend_fn, call_backend
+from moekit.experts import backend_fn, call_backend, traced_path_of
 from moekit.hf.blocks import moe_from_hf
 from moekit.hf.composed import run_composed
 from moekit.hf.offload import OffloadedBlock, offload_experts
@@ -52,10 +52,13 @@ def moekit_experts_forward(
     b2 = self.down_proj_bias if plan.has_bias else None
     if plan.activation is None:
         return run_composed(self, plan, hidden_states, w13, w2, top_k_index, top_k_weights, b13, b2)
-    return call_backend(
-        backend_fn(HF_BACKEND, hidden_states.device), hidden_states, w13, w2, top_k_index, top_k_weights,
-        activation=plan.activation, b13=b13, b2=b2,
-    )
+    fn = backend_fn(HF_BACKEND, hidden_states.device)
+    if torch.compiler.is_compiling():  # the backend's traced entry: none of its eager branches traced and guarded
+        traced = traced_path_of(fn)
+        if traced is not None:
+            return traced(hidden_states, w13, w2, top_k_index, top_k_weights, plan.activation, b13, b2)
+    return call_backend(fn, hidden_states, w13, w2, top_k_index, top_k_weights, activation=plan.activation, b13=b13,
+                        b2=b2)
 
 
 def moekit_fp8_experts_forward(
