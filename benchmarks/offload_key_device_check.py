@@ -12,11 +12,11 @@
    into the slots), step ms, x floor, auto over the better pure mode.
 
 Correctness first: every mode's layer output against the plain ``MoE`` (``offload_cpu_anatomy.exactness``) under
-both keys, PASS/FAIL. Prints partial results as it goes; the JSON ($OUT/offload_key_device_check.json) is
+both keys, PASS/FAIL. Prints partial results as it goes; the JSON (``--out DIR`` or $OUT, offload_key_device_check.json) is
 rewritten after every part; the table prints last. ``--limit S``: no group starts past S seconds.
 
-    PYTHONPATH=$PWD:benchmarks OUT=/tmp/o python benchmarks/offload_key_device_check.py --limit 150
-    PYTHONPATH=$PWD:benchmarks python benchmarks/offload_key_device_check.py --smoke      (CPU, tiny shapes: runs)
+    PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --limit 130 --out $OUT/offkey
+    PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --smoke      (CPU, tiny shapes: runs)
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def version_keys():
 
 
 def dump(result: dict) -> None:
-    if os.environ.get("OUT"):
+    if result.get("out"):
         result["total_s"] = time.perf_counter() - START
-        path = os.path.join(os.environ["OUT"], "offload_key_device_check.json")
+        path = os.path.join(result["out"], "offload_key_device_check.json")
         with open(path + ".tmp", "w") as f:
             json.dump(result, f, default=str)
         os.replace(path + ".tmp", path)
@@ -150,7 +150,10 @@ def main(argv: list[str]) -> int:
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "cpu_count": os.cpu_count(), "shape": shape, "cells": patterns, "rows": [], "state": "running"}
+              "cpu_count": os.cpu_count(), "shape": shape, "cells": patterns, "rows": [], "state": "running",
+              "out": argv[argv.index("--out") + 1] if "--out" in argv else os.environ.get("OUT")}
+    if result["out"]:
+        os.makedirs(result["out"], exist_ok=True)
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
