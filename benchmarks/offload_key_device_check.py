@@ -12,8 +12,8 @@
    into the slots), step ms, x floor, auto over the better pure mode.
 
 Correctness first: every mode's layer output against the plain ``MoE`` (``offload_cpu_anatomy.exactness``) under
-both keys, PASS/FAIL. Prints partial results as it goes; the JSON (``--out DIR`` or $OUT, offload_key_device_check.json) is
-rewritten after every part; the table prints last. ``--limit S``: no group starts past S seconds.
+both keys, PASS/FAIL. Prints partial results as it goes; the JSON (``--out DIR`` or $OUT,
+offload_key_device_check.json) is rewritten after every part; the table prints last. ``--limit S``: no group starts past S seconds.
 
     PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --limit 130 --out $OUT/offkey
     PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --smoke      (CPU, tiny shapes: runs)

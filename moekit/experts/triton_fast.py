@@ -9,15 +9,17 @@ check, the plan lookup, the workspace, descriptor and sequence lookups and goes 
     a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
            weights contiguous and 16-byte aligned; the entry's weights are these ones at the same addresses
            and layout (a new tensor, ``.data`` swapped, a move: each misses; an in-place update hits, since
-           the sequence holds addresses and descriptors, never values: the kernels read the new ones); no graph capture, the same
-           stream, the pool's buffers not replaced, no retune or cache clear since; no Triton launch hook
+           the sequence holds addresses and descriptors, never values: the kernels read the new ones); no
+           graph capture, the same stream, the pool's buffers not replaced, no retune or cache clear since;
+           no Triton launch hook
       -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
          path (outputs equal bit for bit)
 
 Calls on quantized weights (``moekit.quant`` objects) go to their own entries (``triton_quant_fast``).
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
-call launched lean. Only calls without an expert map or biases are kept, and never weights that are views (transformers' transposed
-storage, a new view per call: never the same object twice); the others take the full path.
+call launched lean. Only calls without an expert map or biases are kept, and never weights that are views
+(transformers' transposed storage, a new view per call: never the same object twice); the others take the
+full path.
 A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
 ``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
 retune) drops every entry; an entry goes when its w13 is freed.
