@@ -158,6 +158,9 @@ def main(argv: list[str]) -> int:
     batches = (1, 8, 32) if cuda else (1, 8)
     costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
     result["costs"] = dataclasses.asdict(costs)
+    print(f"costs: issue {costs.issue_s * 1e6:.1f} us an expert (its victim evicted; 0efdb0f, into empty slots: 66), "
+          f"second call {costs.gpu_call_s * 1e3:.3f} ms, fetch layer {costs.fetch_layer_s * 1e3:.3f} ms, CPU expert "
+          f"{costs.cpu_time(1) * 1e6:.0f} us at 1 row, {costs.cpu_threads} threads, {costs.cpu_gemm}")
     result["exact"] = []
     for keys in ("version", "address"):
         with version_keys() if keys == "version" else contextlib.nullcontext():
@@ -198,8 +201,9 @@ def main(argv: list[str]) -> int:
 
 
 def _table(result: dict) -> None:
+    c = result["costs"]
     print(f"\n{result['device']}, torch {result['torch']}, shape {result['shape']}; {result['state']}; total "
-          f"{time.perf_counter() - START:.0f} s")
+          f"{time.perf_counter() - START:.0f} s; issue {c['issue_s'] * 1e6:.1f} us an expert")
     print_contention(result["contention"])
     fails = [r for r in result["exact"] if not r["pass"]]
     print(f"exactness: {len(result['exact']) - len(fails)} of {len(result['exact'])} PASS")
