@@ -2,9 +2,9 @@
 
 1. Contention probe: the CPU experts' branch (``calibrate.branch``, cold experts, 1 row each) with the link idle
    and while large pinned host -> device copies run (several distinct pinned source buffers, queued before the
-   branch and still running when it ends: checked per branch), with and without a ``--gap`` ms idle host time
-   before it, interleaved over ``--repeats`` rounds; medians of the branch's total and compute seconds, busy
-   over idle.
+   branch and still running when it ends: checked per branch), after ``--gaps`` ms of idle host time (0, 1, 5,
+   20: a decode layer's host work, a fetch-bound layer's wait; the branch's threads asleep meanwhile), interleaved
+   over ``--repeats`` rounds; medians of the branch's total and compute seconds, busy over idle.
 2. The key split A/B: the Triton experts' TMA descriptors keyed on addresses (the code) against the twin of
    before (``version_keys``: an entry dropped whenever a weight's ``_version`` moved, as the fingerprint with
    ``_version`` did), over cells of ``offload_cal_device_check``'s table in two turns (every cell's twin then
@@ -81,7 +81,7 @@ def dump(result: dict) -> None:
         os.replace(path + ".tmp", path)
 
 
-def contention(shell, costs, device, repeats: int, gap_s: float, sizes=(2, 4, 8)) -> list[dict]:
+def contention(shell, costs, device, repeats: int, gaps_s: tuple[float, ...], sizes=(1, 2, 4, 8)) -> list[dict]:
     """The CPU branch with the link idle vs busy (module docstring, part 1)."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     gemm, threads = costs.cpu_gemm or CPU_GEMMS[0], costs.cpu_threads or torch.get_num_threads()
@@ -96,7 +96,7 @@ def contention(shell, costs, device, repeats: int, gap_s: float, sizes=(2, 4, 8)
     for _ in range(repeats):
         for n in sizes:
             for busy in (False, True):
-                for gap in (0.0, gap_s):
+                for gap in gaps_s:
                     done = None
                     if cuda:
                         torch.cuda.synchronize(device)
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
     limit = float(argv[argv.index("--limit") + 1]) if "--limit" in argv else 150.0
     repeats = int(argv[argv.index("--repeats") + 1]) if "--repeats" in argv else (2 if smoke else 12)
-    gap_s = float(argv[argv.index("--gap") + 1]) * 1e-3 if "--gap" in argv else 0.005
+    gaps_s = tuple(float(g) * 1e-3 for g in (argv[argv.index("--gaps") + 1] if "--gaps" in argv else "0,1,5,20").split(","))
     patterns = (argv[argv.index("--cells") + 1] if "--cells" in argv else CELLS).split(",")
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
                 print(f"exact [{keys}] {r['mode']:>4} M={r['M']:<3} rel_l2 {r['rel_l2']:.2e} "
                       f"{'PASS' if r['pass'] else 'FAIL'}")
     sys.stdout.flush()
-    result["contention"] = contention(shells[0], costs, device, repeats, gap_s)
+    result["contention"] = contention(shells[0], costs, device, repeats, gaps_s)
     print_contention(result["contention"])
     dump(result)
     # two turns, each cell's twin and split back to back, in the other order on the second
