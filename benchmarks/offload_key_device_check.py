@@ -1,10 +1,10 @@
 """Device check of issue #18's slot-copy rebuild and the CPU branch's contention with the link (helper offkey):
 
-1. Contention probe: the CPU experts' branch (``calibrate.branch``, cold experts, 1 row each) with the link idle
-   and while large pinned host -> device copies run (several distinct pinned source buffers, queued before the
-   branch and still running when it ends: checked per branch), after ``--gaps`` ms of idle host time (0, 1, 5,
+1. Contention probe: the CPU experts' branch (``calibrate.branch``, cold experts, 1 row each) with the link idle,
+   while large pinned host -> device copies run (several distinct pinned source buffers, queued before the
+   branch and still running when it ends: checked per branch) and right after such copies, after ``--gaps`` ms of idle host time (0, 1, 5,
    20: a decode layer's host work, a fetch-bound layer's wait; the branch's threads asleep meanwhile), interleaved
-   over ``--repeats`` rounds; medians of the branch's total and compute seconds, busy over idle.
+   over ``--repeats`` rounds; medians of the branch's total and compute seconds, each state over idle.
 2. The key split A/B: the Triton experts' TMA descriptors keyed on addresses (the code) against the twin of
    before (``version_keys``: an entry dropped whenever a weight's ``_version`` moved, as the fingerprint with
    ``_version`` did), over cells of ``offload_cal_device_check``'s table in two turns (every cell's twin then
@@ -13,7 +13,8 @@
 
 Correctness first: every mode's layer output against the plain ``MoE`` (``offload_cpu_anatomy.exactness``) under
 both keys, PASS/FAIL. Prints partial results as it goes; the JSON (``--out DIR`` or $OUT,
-offload_key_device_check.json) is rewritten after every part; the table prints last. ``--limit S``: no group starts past S seconds.
+offload_key_device_check.json) is rewritten after every part; the table prints last. ``--limit S``: no group
+starts past S seconds. ``--cells none``: no A/B (the exactness and the probe only).
 
     PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --limit 130 --out $OUT/offkey
     PYTHONPATH=$PWD python3 benchmarks/offload_key_device_check.py --smoke      (CPU, tiny shapes: runs)
@@ -48,6 +49,9 @@ START = time.perf_counter()
 # auto over the best pure 1.123 at skewed/25/none/32, 1.055 at M = 8)
 CELLS = "skewed/25/router/1,skewed/75/router/1,skewed/25/none/32,skewed/50/none/8"
 SOURCES = 4  # distinct pinned source buffers of the link's load (a prefetch reads many experts' blocks)
+# the probe's link states: none; copies running through the branch; copies done just before it (checkpoint 1's
+# "busy": ``calibrate.branch`` synchronized the device first, 1.11-1.23x idle)
+STATES = ("idle", "during", "after")
 
 
 @contextlib.contextmanager
@@ -82,7 +86,7 @@ def dump(result: dict) -> None:
 
 
 def contention(shell, costs, device, repeats: int, gaps_s: tuple[float, ...], sizes=(1, 2, 4, 8)) -> list[dict]:
-    """The CPU branch with the link idle vs busy (module docstring, part 1)."""
+    """The CPU branch with the link idle, during copies and after them (module docstring, part 1)."""
     layer = OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device, cpu_options=CpuOptions())
     gemm, threads = costs.cpu_gemm or CPU_GEMMS[0], costs.cpu_threads or torch.get_num_threads()
     groups = cold_groups(layer.config.num_experts, max(sizes), 2000)
@@ -95,45 +99,48 @@ def contention(shell, costs, device, repeats: int, gaps_s: tuple[float, ...], si
     got: dict[tuple, list] = {}
     for _ in range(repeats):
         for n in sizes:
-            for busy in (False, True):
+            for state in STATES:
                 for gap in gaps_s:
                     done = None
                     if cuda:
                         torch.cuda.synchronize(device)
-                    if busy and cuda:  # enough copies for the gap and 4x the branch's model time, at the link's rate
+                    if state != "idle" and cuda:  # copies for the gap and 4x the branch's model time at the link's rate
                         span = gap + 4 * costs.cpu_side_s([1] * n) + 0.004
                         with torch.cuda.stream(stream):
                             for i in range(int(span * link / chunk) + 1):
                                 dst.copy_(srcs[i % SOURCES], non_blocking=True)
                             done = torch.cuda.Event()
                             done.record(stream)
+                        if state == "after":
+                            stream.synchronize()
                     time.sleep(gap)
-                    total = branch(layer, next(groups), n, 1, threads, gemm, busy=False)
+                    total = branch(layer, next(groups), n, 1, threads, gemm, busy=False, quiet=state != "during")
                     covered = done is None or not done.query()  # the copies still ran when the branch ended
                     if cuda:
                         stream.synchronize()
-                    got.setdefault((n, busy, gap), []).append((total, layer.last_cpu.compute_s, covered))
+                    got.setdefault((n, state, gap), []).append((total, layer.last_cpu.compute_s, covered))
     rows = []
-    for (n, busy, gap), v in sorted(got.items()):
-        rows.append({"experts": n, "busy": busy, "gap_ms": gap * 1e3, "ms": statistics.median(t for t, _, _ in v) * 1e3,
+    for (n, state, gap), v in sorted(got.items(), key=lambda kv: (kv[0][0], STATES.index(kv[0][1]), kv[0][2])):
+        rows.append({"experts": n, "state": state, "gap_ms": gap * 1e3, "ms": statistics.median(t for t, _, _ in v) * 1e3,
                      "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
                      "covered": sum(c for _, _, c in v) / len(v), "model_ms": costs.cpu_side_s([1] * n) * 1e3,
                      "n": len(v)})
     for r in rows:
-        if r["busy"]:
-            idle = next(i for i in rows if not i["busy"] and (i["experts"], i["gap_ms"]) == (r["experts"], r["gap_ms"]))
-            r["busy_over_idle"] = r["ms"] / idle["ms"]
-            r["compute_busy_over_idle"] = r["compute_ms"] / idle["compute_ms"]
+        if r["state"] != "idle":
+            idle = next(i for i in rows if i["state"] == "idle" and (i["experts"], i["gap_ms"]) == (r["experts"],
+                                                                                                 r["gap_ms"]))
+            r["over_idle"] = r["ms"] / idle["ms"]
+            r["compute_over_idle"] = r["compute_ms"] / idle["compute_ms"]
     return rows
 
 
 def print_contention(rows: list[dict]) -> None:
-    print("CPU branch, link idle vs busy (cold experts, 1 row each; ms medians; covered: share of busy branches "
-          "that ended before the copies did):")
+    print("CPU branch with the link idle, during H2D copies, right after them (cold experts, 1 row each; ms medians;"
+          " covered: share of branches that ended before the copies did)")
     for r in rows:
-        extra = (f"  busy/idle x{r['busy_over_idle']:.3f} (compute x{r['compute_busy_over_idle']:.3f}), covered "
-                 f"{r['covered']:.2f}" if r["busy"] else "")
-        print(f"  n{r['experts']} {'busy' if r['busy'] else 'idle'} gap{r['gap_ms']:.0f}: {r['ms']:6.3f} (compute "
+        extra = (f"  /idle x{r['over_idle']:.3f} (compute x{r['compute_over_idle']:.3f}), covered {r['covered']:.2f}"
+                 if r["state"] != "idle" else "")
+        print(f"  n{r['experts']} {r['state']:<6} gap{r['gap_ms']:<3.0f}: {r['ms']:6.3f} (compute "
               f"{r['compute_ms']:6.3f}) model {r['model_ms']:6.3f}{extra}")
     sys.stdout.flush()
 
@@ -143,7 +150,8 @@ def main(argv: list[str]) -> int:
     limit = float(argv[argv.index("--limit") + 1]) if "--limit" in argv else 150.0
     repeats = int(argv[argv.index("--repeats") + 1]) if "--repeats" in argv else (2 if smoke else 12)
     gaps_s = tuple(float(g) * 1e-3 for g in (argv[argv.index("--gaps") + 1] if "--gaps" in argv else "0,1,5,20").split(","))
-    patterns = (argv[argv.index("--cells") + 1] if "--cells" in argv else CELLS).split(",")
+    cells = argv[argv.index("--cells") + 1] if "--cells" in argv else CELLS
+    patterns = [] if cells == "none" else cells.split(",")  # none: the exactness and the probe only
     cuda = torch.cuda.is_available() and not smoke
     device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     shape = dict(QWEN3_30B if cuda else SMOKE)
