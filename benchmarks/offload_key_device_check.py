@@ -2,8 +2,8 @@
 
 1. Contention probe: the CPU experts' branch (``calibrate.branch``, cold experts, 1 row each) with the link idle,
    while large pinned host -> device copies run (several distinct pinned source buffers, queued before the
-   branch and still running when it ends: checked per branch) and right after such copies, after ``--gaps`` ms of idle host time (0, 1, 5,
-   20: a decode layer's host work, a fetch-bound layer's wait; the branch's threads asleep meanwhile), interleaved
+   branch and still running when it ends: checked per branch) and right after such copies, after ``--gaps`` ms
+   of idle host time (0, 1, 5, 20: a decode layer's host work, a fetch-bound layer's wait; the branch's threads asleep meanwhile), interleaved
    over ``--repeats`` rounds; medians of the branch's total and compute seconds, each state over idle.
 2. The key split A/B: the Triton experts' TMA descriptors keyed on addresses (the code) against the twin of
    before (``version_keys``: an entry dropped whenever a weight's ``_version`` moved, as the fingerprint with
@@ -121,7 +121,8 @@ def contention(shell, costs, device, repeats: int, gaps_s: tuple[float, ...], si
                     got.setdefault((n, state, gap), []).append((total, layer.last_cpu.compute_s, covered))
     rows = []
     for (n, state, gap), v in sorted(got.items(), key=lambda kv: (kv[0][0], STATES.index(kv[0][1]), kv[0][2])):
-        rows.append({"experts": n, "state": state, "gap_ms": gap * 1e3, "ms": statistics.median(t for t, _, _ in v) * 1e3,
+        rows.append({"experts": n, "state": state, "gap_ms": gap * 1e3,
+                     "ms": statistics.median(t for t, _, _ in v) * 1e3,
                      "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
                      "covered": sum(c for _, _, c in v) / len(v), "model_ms": costs.cpu_side_s([1] * n) * 1e3,
                      "n": len(v)})
@@ -149,7 +150,8 @@ def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
     limit = float(argv[argv.index("--limit") + 1]) if "--limit" in argv else 150.0
     repeats = int(argv[argv.index("--repeats") + 1]) if "--repeats" in argv else (2 if smoke else 12)
-    gaps_s = tuple(float(g) * 1e-3 for g in (argv[argv.index("--gaps") + 1] if "--gaps" in argv else "0,1,5,20").split(","))
+    gaps = argv[argv.index("--gaps") + 1] if "--gaps" in argv else "0,1,5,20"
+    gaps_s = tuple(float(g) * 1e-3 for g in gaps.split(","))
     cells = argv[argv.index("--cells") + 1] if "--cells" in argv else CELLS
     patterns = [] if cells == "none" else cells.split(",")  # none: the exactness and the probe only
     cuda = torch.cuda.is_available() and not smoke
