@@ -4,7 +4,8 @@
    while large pinned host -> device copies run (several distinct pinned source buffers, queued before the
    branch and still running when it ends: checked per branch) and right after such copies, after ``--gaps`` ms
    of idle host time (0, 1, 5, 20: a decode layer's host work, a fetch-bound layer's wait; the branch's threads
-   asleep meanwhile), interleaved over ``--repeats`` rounds; medians of the branch's total and compute seconds, each state over idle.
+   asleep meanwhile), interleaved over ``--repeats`` rounds; medians of the branch's total and compute seconds,
+   each state over idle.
 2. The key split A/B: the Triton experts' TMA descriptors keyed on addresses (the code) against the twin of
    before (``version_keys``: an entry dropped whenever a weight's ``_version`` moved, as the fingerprint with
    ``_version`` did), over cells of ``offload_cal_device_check``'s table in two turns (every cell's twin then
