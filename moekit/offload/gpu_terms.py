@@ -17,12 +17,12 @@ one code path for ``OffloadedMoE.measure_costs`` (``calibrate``: the terms "auto
                       issue a prefetch batch (the same copy path as a fetch's), which a host-bound decode
                       step pays in full; the floor's link timeline priced a prefetch as link time only
     copy_call_s:      an all-hit forward right after a copy into the cache's slots over one right after none
-                      (``measure_copy_call``): every copy bumps the slot views' ``_version``, which the
-                      Triton experts' TMA descriptors (``experts.triton_cache``) and the CPU experts' packed
-                      weights are keyed on, so the next experts call builds them and its launch sequence
-                      again. A forced fetch's or prefetch's own terms hold it; a CPU branch's admissions
-                      (copied after the layer's calls) leave it to the next layer (one H200 run, M = 1:
-                      the hits' call 0.28-0.29 ms of host time after an admission, 0.14-0.15 without)
+                      (``measure_copy_call``): what a copy (it bumps the slot views' ``_version``) leaves
+                      the next experts call to redo. Until the Triton experts' TMA descriptors and launch
+                      sequences were keyed on addresses only (``experts.triton_cache``), they were built
+                      again after every copy: one H200 run at M = 1, the hits' call 0.28-0.29 ms of host
+                      time after an admission, 0.14-0.15 without; an A/B of the two keys (offkey ck1): 0.104
+                      ms median (0.077-0.148) with ``_version`` in the key, 0.002 (0.000-0.052) without
 
 All are medians of paired differences (the same steps in the same order, with and without), at least 0.
 Timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch) sharing a cache that holds every expert the
