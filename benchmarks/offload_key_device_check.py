@@ -172,14 +172,7 @@ def main(argv: list[str]) -> int:
     print(f"costs: issue {costs.issue_s * 1e6:.1f} us an expert (its victim evicted; 0efdb0f, into empty slots: 66), "
           f"second call {costs.gpu_call_s * 1e3:.3f} ms, fetch layer {costs.fetch_layer_s * 1e3:.3f} ms, CPU expert "
           f"{costs.cpu_time(1) * 1e6:.0f} us at 1 row, {costs.cpu_threads} threads, {costs.cpu_gemm}")
-    result["exact"] = []
-    for keys in ("version", "address"):
-        with version_keys() if keys == "version" else contextlib.nullcontext():
-            for r in exactness(shells[0], costs, device, batches, MODES):
-                result["exact"].append({**r, "keys": keys})
-                print(f"exact [{keys}] {r['mode']:>4} M={r['M']:<3} rel_l2 {r['rel_l2']:.2e} "
-                      f"{'PASS' if r['pass'] else 'FAIL'}")
-    sys.stdout.flush()
+    result["exact"] = exact(shells[0], costs, device, batches)
     result["contention"] = contention(shells[0], costs, device, repeats, gaps_s)
     print_contention(result["contention"])
     dump(result)
@@ -209,6 +202,19 @@ def main(argv: list[str]) -> int:
     dump(result)
     _table(result)
     return 0
+
+
+def exact(shell, costs, device, batches) -> list[dict]:
+    """Every mode's layer output against the plain MoE under both keys (``offload_cpu_anatomy.exactness``), printed."""
+    rows = []
+    for keys in ("version", "address"):
+        with version_keys() if keys == "version" else contextlib.nullcontext():
+            for r in exactness(shell, costs, device, batches, MODES):
+                rows.append({**r, "keys": keys})
+                print(f"exact [{keys}] {r['mode']:>4} M={r['M']:<3} rel_l2 {r['rel_l2']:.2e} "
+                      f"{'PASS' if r['pass'] else 'FAIL'}")
+    sys.stdout.flush()
+    return rows
 
 
 def _table(result: dict) -> None:
