@@ -123,7 +123,7 @@ def contention(shell, costs, device, repeats: int, gaps_s: tuple[float, ...], si
     rows = []
     for (n, state, gap), v in sorted(got.items(), key=lambda kv: (kv[0][0], STATES.index(kv[0][1]), kv[0][2])):
         rows.append({"experts": n, "state": state, "gap_ms": gap * 1e3,
-                     "ms": statistics.median(t for t, _, _ in v) * 1e3,
+                     "ms": statistics.median(t for t, _, _ in v) * 1e3, "max_ms": max(t for t, _, _ in v) * 1e3,
                      "compute_ms": statistics.median(c for _, c, _ in v) * 1e3,
                      "covered": sum(c for _, _, c in v) / len(v), "model_ms": costs.cpu_side_s([1] * n) * 1e3,
                      "n": len(v)})
@@ -142,7 +142,7 @@ def print_contention(rows: list[dict]) -> None:
     for r in rows:
         extra = (f"  /idle x{r['over_idle']:.3f} (compute x{r['compute_over_idle']:.3f}), covered {r['covered']:.2f}"
                  if r["state"] != "idle" else "")
-        print(f"  n{r['experts']} {r['state']:<6} gap{r['gap_ms']:<3.0f}: {r['ms']:6.3f} (compute "
+        print(f"  n{r['experts']} {r['state']:<6} gap{r['gap_ms']:<3.0f}: {r['ms']:6.3f} max {r['max_ms']:6.3f} (compute "
               f"{r['compute_ms']:6.3f}) model {r['model_ms']:6.3f}{extra}")
     sys.stdout.flush()
 
