@@ -142,8 +142,8 @@ def print_contention(rows: list[dict]) -> None:
     for r in rows:
         extra = (f"  /idle x{r['over_idle']:.3f} (compute x{r['compute_over_idle']:.3f}), covered {r['covered']:.2f}"
                  if r["state"] != "idle" else "")
-        print(f"  n{r['experts']} {r['state']:<6} gap{r['gap_ms']:<3.0f}: {r['ms']:6.3f} max {r['max_ms']:6.3f} (compute "
-              f"{r['compute_ms']:6.3f}) model {r['model_ms']:6.3f}{extra}")
+        print(f"  n{r['experts']} {r['state']:<6} gap{r['gap_ms']:<3.0f}: {r['ms']:6.3f} max {r['max_ms']:6.3f} "
+              f"(compute {r['compute_ms']:6.3f}) model {r['model_ms']:6.3f}{extra}")
     sys.stdout.flush()
 
 
