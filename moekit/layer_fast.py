@@ -19,8 +19,9 @@ the layer's gate weight, gate bias, correction bias, w13 and w2 the same tensors
 three's address, shape, strides and dtype unchanged (what the bound launches specialised on); the router,
 gate+router function, experts function, route workspace, config, capacity factor (None), eager graphs (None)
 the same objects. The correction bias is checked as ``gate_route`` checks it (again when its version moves);
-w13 and w2 as the same tensors here, their versions, addresses and layouts by the kept call (an in-place
-update, a move: it misses, and the experts run through ``MoE._experts_call`` on the routing just made).
+w13 and w2 as the same tensors here, their addresses and layouts by the kept call (a move: it misses, and the
+experts run through ``MoE._experts_call`` on the routing just made; an in-place update hits: the kernels read the
+new values).
 Outputs are the full forward's bit for bit: the same launches with the same arguments. Not kept: a gated shared expert (its gate is a GEMM of its own per
 call), a separate shared MLP, expert biases, a router dtype other than x's and the gate weight's, capacity
 dropping. ``MoE._apply`` (a move or cast) drops the entries.

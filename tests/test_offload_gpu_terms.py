@@ -131,27 +131,31 @@ def test_measure_copy_call_is_a_forward_after_a_copy_over_one_after_none(monkeyp
 
 
 def test_measure_issue_times_the_fetch_of_every_other_touched_expert_per_expert(monkeypatch):
-    """``measure_issue``: every other touched expert (no two adjacent ids) evicted and fetched back by
-    ``ensure``, the host time per expert (a fake clock: ISSUE_S an expert ``ensure`` fetches); the cache holds
-    the same experts after."""
+    """``measure_issue``: every other touched expert (no two adjacent ids) evicted, the empty slots filled (of
+    both layers of the cache, without copies), and fetched back by ``ensure``, which must evict as many, the host
+    time per expert (a fake clock: ISSUE_S an expert ``ensure`` fetches); the cache holds the same experts after."""
     issue_s, clock, asked = 0.00004, [0.0], []
     monkeypatch.setattr(gpu_terms, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def ensure(self, layer, experts, stats, _real=ExpertCache.ensure):
-        asked.append(list(experts))
+        asked.append((list(experts), self.free_slots() - len(self.cached(0)) - len(self.cached(1))))  # empty slots
         _real(self, layer, experts, stats)
         clock[0] += issue_s * len(experts)
 
     monkeypatch.setattr(ExpertCache, "ensure", ensure)
-    layer = OffloadedMoE.from_moe(_moe(e=16), cache_experts=16, prefetch=None)
-    x = torch.randn(6, 32)
-    routing = route(layer.gate(x), layer.config)
-    layer.run_routed(x, routing)
-    cached, asked[:] = layer.cache.cached(layer.layer_id), []
-    assert gpu_terms.measure_issue(layer, routing, repeats=3) == pytest.approx(issue_s)
+    cache = ExpertCache(14, device="cpu")
+    layers = [OffloadedMoE.from_moe(_moe(seed, e=16), cache=cache, prefetch=None) for seed in range(2)]
+    x = torch.randn(3, 32)
+    routing = route(layers[0].gate(x), layers[0].config)
+    layers[0].run_routed(x, routing)
+    layers[1].run_routed(x, route(layers[1].gate(x), layers[1].config))
+    cached, asked[:] = [cache.cached(layer.layer_id) for layer in layers], []
+    assert gpu_terms.measure_issue(layers, routing, repeats=3) == pytest.approx(issue_s)
     touched = sorted(set(routing.topk_ids.reshape(-1).tolist()))
-    assert asked == [touched[::2]] * 3 and all(b - a >= 2 for a, b in zip(asked[0], asked[0][1:]))
-    assert set(layer.cache.cached(layer.layer_id)) == set(cached)
+    assert [a for a, _ in asked[:3]] == [touched[::2]] * 3
+    assert all(b - a >= 2 for a, b in zip(touched[::2], touched[2::2]))
+    assert [empty for _, empty in asked[:3]] == [0] * 3  # a full cache: each timed ensure evicted
+    assert [cache.cached(layer.layer_id).keys() for layer in layers] == [c.keys() for c in cached]
 
 
 def test_forced_prefetch_fetches_k_of_each_later_layer_ahead_so_its_forward_hits():

@@ -1,7 +1,8 @@
 """The fast path of a repeated eager Triton experts call (``triton_fast``) under Triton's interpreter: a
 call it serves returns what the full path returns (bit for bit, the ``BoundLaunch`` calls with the lean
-launch off) and skips the check and the plan lookup; and it misses, running the full path, whenever
-something its entry recorded changed: an in-place weight update, a new weight tensor, a weight whose
+launch off) and skips the check and the plan lookup; an in-place weight update is served with the new
+values (an entry holds addresses, never values); and it misses, running the full path, whenever
+something its entry recorded changed: a new weight tensor, a weight whose
 ``.data`` became another view of the same memory, new workspaces, a retune, autograd, a call that only
 ``experts_triton_unchecked`` saw (the public call checks it once), another thread; bad arguments still raise.
 """
@@ -77,8 +78,10 @@ def test_misses_when_the_weights_change(interpreter, counts):
     for _ in range(3):
         _same_as_full_path(interpreter, (x, w13, w2, ids, weights), full)
     hits = counts["hits"]
-    w13.mul_(-0.5)  # in place: _version moves
-    _same_as_full_path(interpreter, (x, w13, w2, ids, weights))
+    w13.mul_(-0.5)  # in place: _version moves, the addresses stay: served, with the new values
+    updated = _same_as_full_path(interpreter, (x, w13, w2, ids, weights))
+    assert counts["hits"] == hits + 1 and not torch.equal(updated, full)
+    hits = counts["hits"]
     new_w2 = w2.clone() * 2  # a new tensor of the same kind
     full = _same_as_full_path(interpreter, (x, w13, new_w2, ids, weights))  # from here on the values are new_w2's
     assert counts["hits"] == hits  # both ran the full path (and were kept again)
@@ -155,7 +158,7 @@ def test_layer_served_equal_to_full_path(interpreter, counts):
             layer.w13.mul_(2)
         full.load_state_dict(layer.state_dict())
         x = torch.randn(5, K).bfloat16()
-        assert torch.equal(layer(x), full(x)) and counts["hits"] == 2
+        assert torch.equal(layer(x), full(x)) and counts["hits"] == 3  # served after the update, with its values
 
 
 def test_fast_path_off_never_serves(interpreter, counts):
@@ -167,14 +170,17 @@ def test_fast_path_off_never_serves(interpreter, counts):
     assert all(torch.equal(out, full) for out in outs)
 
 
-def test_inference_mode_weights_never_kept(interpreter, counts):
-    with torch.inference_mode():  # weights without a version counter: an in-place update could not be seen
+def test_inference_mode_weights_kept_and_updates_seen(interpreter, counts):
+    with torch.inference_mode():  # weights without a version counter: an entry needs none (addresses only)
         problem = make_problem(8, 2, E, K, N, torch.bfloat16, seed=7)
         outs = [interpreter.experts_triton(*problem) for _ in range(3)]
+        hits = counts["hits"]
         problem.w13.mul_(2)
         after = interpreter.experts_triton(*problem)
+        assert counts["hits"] == hits + 1  # served from the kept entry, reading the new values
         assert torch.equal(after, interpreter.experts_triton(*problem, options=BOUND))
-    assert counts["hits"] == 0 and len(_fast()._MEMO) == 0
+        assert rel_l2(after, _ref(problem)) < TOL[torch.bfloat16]
+    assert len(_fast()._MEMO) == 1
     assert not torch.equal(after, outs[0])
 
 

@@ -45,13 +45,14 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
                prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing
 
-    copy call: a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
-               prefetched nothing makes the next experts call build its TMA descriptors and launch
-               sequence again (every copy into the slots bumps their ``_version``): ``FixedCosts.copy_call_s``
-               more on the host's path after it (a fetch's and a prefetch's own terms hold theirs; the last
-               layer's is charged to its own step, as the next step's first layer pays it). One H200 run
-               at M = 1: the hits' call 0.28-0.29 ms of host time after an admission against 0.14-0.15
-               (``benchmarks/offload_step_anatomy.py``); the floor had priced none of it
+    copy call: after a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
+               prefetched nothing, ``FixedCosts.copy_call_s`` more on the host's path (a fetch's and a
+               prefetch's own terms hold theirs; the last layer's is charged to its own step, as the next
+               step's first layer pays it): what a copy into the slots leaves the next experts call to redo.
+               While the Triton experts' descriptors and launch sequences were keyed on the slots'
+               ``_version`` (which every copy bumps) that was their rebuild, 0.28-0.29 ms of host time
+               against 0.14-0.15 at M = 1 (``benchmarks/offload_step_anatomy.py``); keyed on addresses, an
+               A/B read 0.002 ms against 0.104 (``benchmarks/offload_key_device_check.py``)
 
 What it leaves out (so a step may run above it): the CPU side's variance within a group (the floor
 prices the probe's median rate), host-memory contention between the CPU experts and the link beyond

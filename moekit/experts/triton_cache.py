@@ -245,14 +245,18 @@ def descriptor_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> Descript
 
 
 class WeightDescriptors:
-    """TMA descriptors of expert weights, built once per (weights, storage, version, plan's blocks).
+    """TMA descriptors of expert weights, built once per (weights, storage address, layout, plan's blocks).
 
-    Keyed by ``id(w13)`` and checked on every use against a fingerprint, ``(id(w2), data_ptr, _version
-    and dtype of both)``: a new weight tensor, an in-place update (``w.add_`` bumps ``_version``), a move
-    (new storage) or ``.data`` swapped for a same-address view of another dtype (the descriptor key has
-    no dtype) builds them again. Shapes, strides and block shapes are in the plan's descriptor key.
-    An entry goes when w13 is freed (a weak reference), and it never keeps w13 alive: the descriptors
-    hold ``w.detach()``. They do hold the storage, so a weight moved elsewhere keeps its old storage
+    Keyed by ``id(w13)`` and checked on every use against an address fingerprint, ``(id(w2), data_ptr,
+    shape, strides, dtype of both)``: a new weight tensor, a move (new storage) or ``.data`` swapped for
+    another view of the same memory (another shape, strides or dtype) builds them again. Never the
+    ``_version``: a descriptor holds an address and a layout, never data (the kernel reads the weights
+    when it runs), so an in-place update (``w.add_``; a copy into an offload cache's slots,
+    ``moekit.offload``) keeps them and the launch sequences recorded over them (``triton_lean``).
+    Caches of what is derived from the weights' values (the CPU experts' packed weights,
+    ``experts.cpu_packed``) are keyed on ``_version``. An entry goes when w13 is freed (a weak reference),
+    and it never keeps w13 alive: the descriptors hold ``w.detach()``. They do hold the storage, so its
+    address is never reused while the entry lives, and a weight moved elsewhere keeps its old storage
     referenced until it is next used here or freed (``clear`` drops everything)."""
 
     def __init__(self):
@@ -262,10 +266,8 @@ class WeightDescriptors:
         """The descriptors for the plan's ``key``: (interleaved, ..., up BLOCK_N, BLOCK_K, down BLOCK_N, BLOCK_K),
         built by ``build(w13, w2, key)`` (``descriptor_pair`` by default; the Gluon paths pass their own, with
         keys of their own that name the device and block shapes: ``triton_gluon_lean``)."""
-        try:
-            fingerprint = (id(w2), w13.data_ptr(), w13._version, w2.data_ptr(), w2._version, w13.dtype, w2.dtype)
-        except RuntimeError:  # inference-mode weights keep no version: a descriptor holds addresses, not data
-            fingerprint = (id(w2), w13.data_ptr(), None, w2.data_ptr(), None, w13.dtype, w2.dtype)
+        fingerprint = (id(w2), w13.data_ptr(), w13.shape, w13.stride(), w13.dtype, w2.data_ptr(), w2.shape, w2.stride(),
+                       w2.dtype)
         entry = self._entries.get(id(w13))
         if entry is None or entry.fingerprint != fingerprint:
             entry = self._new_entry(w13, fingerprint)

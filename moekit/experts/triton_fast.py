@@ -3,21 +3,23 @@ weight set needs is kept once, found by a key of cheap attributes, so that the c
 check, the plan lookup, the workspace, descriptor and sequence lookups and goes straight to its launches.
 
     key:   id(w13), id(w2); x, ids, weights: shape, dtype, device; activation, options (as asked), thread
-    entry: w13 and w2 (weakly) with their _version, data_ptr, shape, strides and dtype when kept; the plan; its
+    entry: w13 and w2 (weakly) with their data_ptr, shape, strides and dtype when kept; the plan; its
            recorded LaunchSequence (``triton_lean``); the pool's generation; the CUDA stream; the epoch;
            whether ``check_experts_args`` passed on a call of this key
     a hit: nothing traces and autograd needs no graph (``triton._runs_directly``'s rules); x, ids and
-           weights contiguous and 16-byte aligned; the entry's weights are these ones, unchanged (a new
-           tensor, an in-place update, ``.data`` swapped, a move: each misses); no graph capture, the same
-           stream, the pool's buffers not replaced, no retune or cache clear since; no Triton launch hook
+           weights contiguous and 16-byte aligned; the entry's weights are these ones at the same addresses
+           and layout (a new tensor, ``.data`` swapped, a move: each misses; an in-place update hits, since
+           the sequence holds addresses and descriptors, never values: the kernels read the new ones); no
+           graph capture, the same stream, the pool's buffers not replaced, no retune or cache clear since;
+           no Triton launch hook
       -> out = empty_like(x), the sequence launched: the same launches with the same arguments as the full
          path (outputs equal bit for bit)
 
 Calls on quantized weights (``moekit.quant`` objects) go to their own entries (``triton_quant_fast``).
 Anything else misses and runs the full path (``triton.fused_experts``), which keeps an entry when its
-call launched lean. Only calls without an expert map or biases are kept, and never inference-mode weights
-(no version counter to see an in-place update by) or weights that are views (transformers' transposed
-storage, a new view per call: never the same object twice); the others take the full path.
+call launched lean. Only calls without an expert map or biases are kept, and never weights that are views
+(transformers' transposed storage, a new view per call: never the same object twice); the others take the
+full path.
 A public ``experts_triton`` call skips its check only on an entry whose check passed (a call through
 ``experts_triton_unchecked`` vouches for nothing). ``clear_fast`` (``triton.clear_launch_caches``, a
 retune) drops every entry; an entry goes when its w13 is freed.
@@ -70,11 +72,10 @@ def fast_stamp(pool) -> tuple:
 
 
 def _weight_state(w13, w2) -> tuple:
-    """What a kept call's plan and sequence assumed of the weights besides their identity: a version (an
-    in-place update), an address (a move, ``.data`` swapped), shapes, strides and dtypes (``.data`` swapped
-    for another view of the same memory)."""
-    return (w13._version, w2._version, w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride(),
-            w13.dtype, w2.dtype)
+    """What a kept call's plan and sequence assumed of the weights besides their identity: an address (a
+    move, ``.data`` swapped), shapes, strides and dtypes (``.data`` swapped for another view of the same
+    memory). Not the ``_version``: nothing kept is derived from the values (``triton_cache.WeightDescriptors``)."""
+    return (w13.data_ptr(), w2.data_ptr(), w13.shape, w2.shape, w13.stride(), w2.stride(), w13.dtype, w2.dtype)
 
 
 def _key(x, w13, w2, ids, weights, activation, options) -> tuple:
@@ -141,7 +142,7 @@ class KeptCall:
     no graph capture, the stream and thread of ``keep_call``'s, x contiguous and 16-byte aligned in the kept
     shape and dtype, ids and weights the same contiguous aligned buffers, w13 and w2 the kept tensors. It holds
     the kind's key and the entry last found under it; a call checks only what can move under such a caller: the
-    entry superseded (a clear, the pool's buffers replaced), the weights updated in place or ``.data`` swapped,
+    entry superseded (a clear, the pool's buffers replaced), the weights moved or ``.data`` swapped,
     a launch hook. Where the entry fails, or none was kept yet (the full path keeps one once its kernels are
     compiled), it looks the key up again; None where that fails too (the caller runs the full path)."""
 
@@ -179,8 +180,6 @@ def remember(stamp: tuple, x, w13, w2, ids, weights, activation, options, plan: 
     fast path could serve it (``_call_fits``; the caller passes only calls without a map or biases).
     ``stamp``: ``fast_stamp`` of the pool, read before the sequence was looked up."""
     if torch.compiler.is_compiling() or not _call_fits(x, w13, w2, ids, weights):
-        return
-    if w13.is_inference() or w2.is_inference():  # no version counter: an in-place update would go unseen
         return
     if w13._base is not None or w2._base is not None:  # a view (transformers' transposed storage) is made anew
         return  # per call: an entry would never serve, only churn

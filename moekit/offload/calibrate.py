@@ -275,12 +275,14 @@ def most_threads() -> int:
 
 
 def branch(layer, group: list[int], experts: int, m: int, threads: int | None, gemm: str, busy: bool = True,
-           rows: list[int] | None = None) -> float:
+           rows: list[int] | None = None, quiet: bool = True) -> float:
     """Host seconds of ``layer``'s CPU branch (``CpuPhases.total_s``) for ``m`` tokens each routed to
     every expert of ``group`` (distinct experts), of which the first ``experts`` run on the CPU (``gemm``);
     the link busy throughout (``link_busy``, sized to the call), or idle with ``busy=False``. ``rows`` (one
     count per CPU expert): max(rows) tokens, the j-th CPU expert routed from the first rows[j] of them (the
-    other slots dropped, id -1), the rest of ``group`` from every token; ``m`` is then unused."""
+    other slots dropped, id -1), the rest of ``group`` from every token; ``m`` is then unused. ``quiet``:
+    the whole device waited for first; False: the current stream only, so copies the caller queued on
+    another stream run on through the branch (``benchmarks/offload_key_device_check.py``'s contention probe)."""
     c, dev = layer.config, layer.cache.device
     dtype = layer.cache.host(layer.layer_id).w13_template.dtype
     k = len(group)
@@ -294,7 +296,7 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
     weights = torch.full((m, k), 1.0 / k, dtype=torch.float32, device=dev)
     on_cpu = sorted(set(group[:experts]))
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(dev) if quiet else torch.cuda.current_stream(dev).synchronize()
     with link_busy(dev, copies=2 + len(on_cpu) // 4) if busy else contextlib.nullcontext():  # ~5 ms a copy at 55 GB/s
         staged = layer._cpu.stage([x, ids, weights])
         layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),

@@ -9,19 +9,20 @@ one code path for ``OffloadedMoE.measure_costs`` (``calibrate``: the terms "auto
                       copy's latency, the cache's work to evict and issue it, the host's calls; a max
                       with the link's time in the floor, not a sum)
     overlap_s:        how long before a layer's fixed work ends its copies start (``overlap_from``)
-    issue_s:          the host's time to issue one fetched expert's copies (``measure_issue``): the CPU
-                      branch of a forward starts once its fetches are issued
+    issue_s:          the host's time to issue one fetched expert's copies, its victim evicted
+                      (``measure_issue``): the CPU branch of a forward starts once its fetches and
+                      admissions are issued
     prefetch_layer_s: a layer followed by one prefetch of the next layer's experts over the same layer
                       followed by none (``measure_forced(prefetch=True)``): the host's work to evict and
                       issue a prefetch batch (the same copy path as a fetch's), which a host-bound decode
                       step pays in full; the floor's link timeline priced a prefetch as link time only
     copy_call_s:      an all-hit forward right after a copy into the cache's slots over one right after none
-                      (``measure_copy_call``): every copy bumps the slot views' ``_version``, which the
-                      Triton experts' TMA descriptors (``experts.triton_cache``) and the CPU experts' packed
-                      weights are keyed on, so the next experts call builds them and its launch sequence
-                      again. A forced fetch's or prefetch's own terms hold it; a CPU branch's admissions
-                      (copied after the layer's calls) leave it to the next layer (one H200 run, M = 1:
-                      the hits' call 0.28-0.29 ms of host time after an admission, 0.14-0.15 without)
+                      (``measure_copy_call``): what a copy (it bumps the slot views' ``_version``) leaves
+                      the next experts call to redo. Until the Triton experts' TMA descriptors and launch
+                      sequences were keyed on addresses only (``experts.triton_cache``), they were built
+                      again after every copy: one H200 run at M = 1, the hits' call 0.28-0.29 ms of host
+                      time after an admission, 0.14-0.15 without; an A/B of the two keys (offkey ck1): 0.104
+                      ms median (0.077-0.148) with ``_version`` in the key, 0.002 (0.000-0.052) without
 
 All are medians of paired differences (the same steps in the same order, with and without), at least 0.
 Timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch) sharing a cache that holds every expert the
@@ -76,7 +77,7 @@ def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: Mi
     link_s = layers[0].cache.expert_bytes / costs.link_bytes_per_s
     fixed = dataclasses.replace(fixed, fetch_layer_s=fetch_layer_from(forced, len(layers)),
                                 overlap_s=overlap_from(forced[0], forced[every], fetched, len(layers), link_s,
-                                                       fixed.layer_s), issue_s=measure_issue(layers[0], steps[0][0]),
+                                                       fixed.layer_s), issue_s=measure_issue(layers, steps[0][0]),
                                 copy_call_s=measure_copy_call(layers, x, steps[0]))
     if len(layers) > 1:
         ahead = measure_forced(layers, x, steps, counts=(0, 1), repeats=forced_repeats, prefetch=True)
@@ -84,25 +85,55 @@ def measure_terms(layers, x: torch.Tensor, steps: list[list[Routing]], costs: Mi
     return fixed
 
 
-def measure_issue(layer, routing: Routing, repeats: int = 5) -> float:
-    """``FixedCosts.issue_s``: host seconds per expert of ``ExpertCache.ensure`` (the bookkeeping, one copy
-    per block, the batch's event: what the host does for a forward's fetches before its CPU branch can start)
-    on ``layer``, for every other expert of ``routing``'s touched set (no two adjacent ids: no shared copy
-    run, as a cell's scattered misses), evicted first; timed without a sync (the copies travel after), the
-    median over ``repeats``; 0 where none could be evicted."""
-    cache, times = layer.cache, []
-    experts = sorted(_touched(routing))[::2]
+def measure_issue(layers, routing: Routing, repeats: int = 5) -> float:
+    """``FixedCosts.issue_s``: host seconds per expert of ``ExpertCache.ensure`` (the bookkeeping, the policy's
+    victims evicted, one copy per block, the batch's event: what the host does for a forward's fetches and
+    admissions before its CPU branch can start) on ``layers[0]``, for every other expert of ``routing``'s
+    touched set (no two adjacent ids: no shared copy run, as a cell's scattered misses), evicted first and the
+    empty slots then filled (``layers``' uncached experts, ``layers[0]``'s touched ones left out) so that
+    ``ensure`` evicts as a decode step's does (one H200 run: admissions took 0.25 ms a layer for 1.6 experts
+    where this read 66 us an expert into empty slots); timed without a sync (the copies travel after), the
+    median over ``repeats``; 0 where none could be evicted. ``layers``: every layer of the cache, which holds
+    the same experts after."""
+    layer, cache, times = layers[0], layers[0].cache, []
+    touched = _touched(routing)
+    experts = sorted(touched)[::2]
+    before = {other.layer_id: set(cache.cached(other.layer_id)) for other in layers}
     for _ in range(repeats):
         _sync(cache.device)
         evicted = cache.evict(layer.layer_id, experts)
         if not evicted:
-            return 0.0
+            break
+        _fill(layers, touched)
+        _sync(cache.device)
         start = time.perf_counter()
         cache.ensure(layer.layer_id, evicted, OffloadStats())
         times.append((time.perf_counter() - start) / len(evicted))
         cache.release(layer.layer_id, evicted)
+    for other in layers:  # as found: the fillers out, the victims back
+        cache.evict(other.layer_id, [e for e in cache.cached(other.layer_id) if e not in before[other.layer_id]])
+    for other in layers:
+        missing = sorted(before[other.layer_id] - set(cache.cached(other.layer_id)))
+        if missing:
+            cache.ensure(other.layer_id, missing, OffloadStats())
+            cache.release(other.layer_id, missing)
     _sync(cache.device)
-    return statistics.median(times)
+    return statistics.median(times) if times else 0.0
+
+
+def _fill(layers, touched: set[int]) -> None:
+    """Every empty slot of ``layers``' cache taken by their uncached experts (``layers[0]``'s ``touched`` left
+    out), as far as there are; nothing cached is evicted for them. Bookkeeping only: nothing reads a filler, so
+    no bytes are copied (at a cell's cache, hundreds of experts a repeat)."""
+    cache = layers[0].cache
+    empty = cache.cache_experts - sum(len(cache.cached(layer.layer_id)) for layer in layers)
+    with cache.bookkeeping_only():
+        for i, layer in enumerate(layers):
+            cached = cache.cached(layer.layer_id)
+            fillers = [e for e in range(layer.config.num_experts) if e not in cached and (i or e not in touched)]
+            fillers = fillers[: max(empty, 0)]
+            cache.prefetch(layer.layer_id, fillers, OffloadStats())
+            empty -= len(fillers)
 
 
 def measure_copy_call(layers, x: torch.Tensor, per_layer: list[Routing], repeats: int = 5) -> float:
