@@ -4,13 +4,14 @@ tiles (plain and lean launches: the lean one is what the route runs where ``Gluo
 GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
-taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
+taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING in both GEMMs
+at prefill. Session 22 (branch prefill2): the fp8 SKIP_PADDING in the down GEMM alone (``fp8_variants``).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ class Variant:
     kind: str  # "route" (today's default), "fused" (Triton kernels), "gluon" (a Gluon path with these tiles)
     call: Callable  # (x, topk_ids, topk_weights) -> out [M, K]
     tiles: tuple | None = None  # (gate-up tile, down tile) of a Gluon variant
+    versus: str | None = None  # the variant it is A/B'd against beside the route (same launch, one change)
 
 
 def balanced_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +111,19 @@ def bf16_variants(w13, w2) -> list[Variant]:
 
 def fp8_variants(q: tuple) -> list[Variant]:
     """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend: the fp8
-    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines."""
+    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines; the lean launch with
+    the plan's pipelines (what the route runs, without the backend's fast path) and with the down GEMM's
+    SKIP_PADDING (a 64-row half of h that is all padding runs no MMA; session 21: 25% faster as a GEMM alone at
+    DeepSeek-V3 4096, never timed in a whole call)."""
     from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_fp8 import launch_gluon_fp8
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
-    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"),
-                    fp8_gluon_tiles())]
+    up, down = fp8_gluon_tiles()
+    skip = replace(down, skip_padding=True)
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), (up, down)),
+            Variant("lean gf8", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=down)),
+            Variant("lean gf8 skip", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=skip),
+                    (up, skip), versus="lean gf8")]

@@ -44,7 +44,8 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED,
+             SKIP_PADDING=False, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     for block in range(int(used_ptr[0]) // BLOCK):
@@ -52,11 +53,14 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
+            if SKIP_PADDING and float(as_ptr[first, 0]) == 0.0:  # all padding: no product, no store
+                continue
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T
             if GATED:
                 product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
-                c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
+                c[rows], scales = _quant_rows(product)
+                cs_ptr[rows, : cols // BLOCK] = torch.where(as_ptr[rows, :1] != 0, scales, 0.0)  # padding rows: 0
             else:
                 c[rows] = product.to(c.dtype)
 

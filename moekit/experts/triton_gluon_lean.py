@@ -163,7 +163,10 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
 
 
 def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GROUP, HALF_M, check_fp8_tile
+    from moekit.experts.triton_gluon_fp8_launch import GATHER_ROWS as QROWS
+
+    check_fp8_tile(up, True)
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
@@ -178,7 +181,8 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
         return BoundLaunch(gemm, grid(cols, GROUP), 8,
                            (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, SKIP_PADDING=tile.skip_padding,
+                           num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
