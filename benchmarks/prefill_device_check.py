@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 T0 = time.perf_counter()
-CELLS = ("bf16:qwen3-30b-a3b:4096", "bf16:deepseek-v3:4096", "fp8:deepseek-v3:4096", "bf16:qwen3-30b-a3b:8192",
-         "bf16:deepseek-v3:8192", "bf16:qwen3-30b-a3b:16384", "bf16:deepseek-v3:16384", "fp8:deepseek-v3:16384",
-         "fp8:qwen3-30b-a3b:16384", "bf16:mixtral-8x7b:4096")
+CELLS = ("fp8:deepseek-v3:4096", "bf16:qwen3-30b-a3b:4096", "bf16:deepseek-v3:4096", "fp8:qwen3-30b-a3b:4096",
+         "bf16:qwen3-30b-a3b:8192", "bf16:deepseek-v3:16384", "fp8:deepseek-v3:16384", "fp8:qwen3-30b-a3b:16384",
+         "bf16:qwen3-30b-a3b:16384", "fp8:mixtral-8x7b:4096", "bf16:mixtral-8x7b:4096")
 ROUND_S = 0.04  # timed replays per variant per round
 WARM_S = 0.015  # untimed replays before them
 STALL_S = 120.0  # the watchdog ends the run (table so far printed) when nothing was logged for this long
@@ -150,15 +150,18 @@ def check(name: str, v, x, ids, rw, ref, dtype: str) -> bool:
 
 
 def same_as_base(name: str, v, variants, x, ids, rw) -> bool:
-    """A variant with a ``versus`` (one change that skips only padding work) must equal it bit for bit."""
+    """A variant with a ``versus`` (one change that skips only padding work) should equal it bit for bit: a
+    difference is reported as a failure (the run exits 1) but the variant is still timed."""
     base = next((b for b in variants if b.name == v.versus), None)
     if base is None:
         return True
-    ok = torch.equal(v.call(x, ids, rw), base.call(x, ids, rw))
-    log(f"{'PASS' if ok else 'FAIL'} {name} {v.name}: {'equal' if ok else 'NOT equal'} to {base.name}")
+    out, ref = v.call(x, ids, rw), base.call(x, ids, rw)
+    ok = torch.equal(out, ref)
+    log(f"{'PASS' if ok else 'FAIL'} {name} {v.name}: {'equal' if ok else 'NOT equal'} to {base.name}"
+        + ("" if ok else f" (rel L2 {rel_l2(out, ref):.2e}; timed still: it passed the twin check)"))
     if not ok:
         FAILED.append(f"{name} {v.name} vs {base.name}")
-    return ok
+    return True
 
 
 def whole_calls(name: str, variants, x, ids, rw, rounds: int, stop_at: float) -> dict:
@@ -231,7 +234,8 @@ def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: P
     name = f"{dtype} {preset} M={m}"
     passing = [v for v in variants if check(name, v, x, ids, rw, ref, dtype)]
     del ref
-    passing = [v for v in passing if same_as_base(name, v, passing, x, ids, rw)]
+    for v in passing:
+        same_as_base(name, v, passing, x, ids, rw)
     cell = {"cell": spec, "mm_TFLOPs": mm, "flops": 6 * m * s.top_k * s.n * s.k,
             "versus": {v.name: v.versus for v in variants if v.versus}}
     cell["route_kernels"] = route_kernels(name, variants[0], x, ids, rw) if variants[0] in passing else None

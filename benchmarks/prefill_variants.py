@@ -1,11 +1,12 @@
 """The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
-DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
-tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
-GEMM alone under uniform and balanced routing (what the 128-row padding costs).
+DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the Gluon paths' lean launches with the plan's tiles (what
+the route runs where ``GluonChoice`` / ``Fp8GluonChoice`` take Gluon) and with a padding skip (session 22, branch
+prefill2), and each Gluon GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
 taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING in both GEMMs
-at prefill. Session 22 (branch prefill2): the fp8 SKIP_PADDING in the down GEMM alone (``fp8_variants``).
+at prefill. Session 22 (branch prefill2): the fp8 SKIP_PADDING in the down GEMM alone (``fp8_variants``), the bf16
+SKIP_PADDING: 64-row MMAs for a row block whose lower half is padding (``bf16_variants``).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
@@ -15,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
-from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,10 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down) -> GemmPair:
     y = x.new_empty(rows, hidden)  # [R, K]
     w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
     return GemmPair(
-        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter),
-        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden), lay.rows_used)
+        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter,
+                            lay.sorted_ids, ids.numel()),
+        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden, 0, lay.sorted_ids,
+                            ids.numel()), lay.rows_used)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
@@ -97,16 +99,18 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
 
 
 def bf16_variants(w13, w2) -> list[Variant]:
-    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches) and its lean launch."""
+    """Today's route, the Gluon path's lean launch with the plan's tiles (what the route runs where ``GluonChoice``
+    takes Gluon) and with SKIP_PADDING in both GEMMs (a row block whose lower 64 rows are all padding runs 64-row
+    MMAs, each warpgroup half the columns)."""
     from moekit.experts import run_experts
-    from moekit.experts.triton import fused_experts
     from moekit.experts.triton_gluon_lean import run_lean
 
     up, down = bf16_gluon_tiles(w2.shape[2])
+    up_s, down_s = replace(up, skip_padding=True), replace(down, skip_padding=True)
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
-            Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)),
-            Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)),
-            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down))]
+            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down)),
+            Variant("lean g128 skip", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_s, down_s),
+                    (up_s, down_s), versus="lean g128")]
 
 
 def fp8_variants(q: tuple) -> list[Variant]:

@@ -31,11 +31,15 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, sorted_ptr=None,
+              num_assignments=0, SKIP_PADDING=False, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
     for block in range(int(used_ptr[0]) // block_m):
-        e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
+        lower_padding = SKIP_PADDING and int(sorted_ptr[block * block_m + block_m // 2]) >= num_assignments
+        end = block * block_m + (block_m // 2 if lower_padding else block_m)  # SKIP_PADDING: the upper half only
+        c[end:(block + 1) * block_m] = float("nan")  # the kernel stores stale rows there: never to be read
+        e, rows = int(experts_ptr[block]), slice(block * block_m, end)
         first = e * W_ROWS
         product = a[rows].float() @ w[first:first + cols].float().T  # [block_m, C]
         if GATED:
