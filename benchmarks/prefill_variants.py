@@ -105,7 +105,7 @@ def bf16_variants(w13, w2) -> list[Variant]:
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_lean import run_lean
 
-    up, down = bf16_gluon_tiles(w2.shape[2])
+    up, down = (replace(t, skip_padding=False) for t in bf16_gluon_tiles(w2.shape[2]))
     up_s, down_s = replace(up, skip_padding=True), replace(down, skip_padding=True)
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down)),
@@ -126,7 +126,7 @@ def fp8_variants(q: tuple) -> list[Variant]:
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
     up, down = fp8_gluon_tiles()
-    skip = replace(down, skip_padding=True)
+    down, skip = replace(down, skip_padding=False), replace(down, skip_padding=True)
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), (up, down)),
             Variant("lean gf8", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=down)),
             Variant("lean gf8 skip", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=skip),
