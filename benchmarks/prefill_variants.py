@@ -1,21 +1,23 @@
 """The calls ``prefill_device_check.py`` times at issues 19 / 15's prefill cells (M = 4096 / 8192 / 16384, Qwen3-30B-A3B,
-DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the Gluon paths' lean launches with the plan's tiles (what
-the route runs where ``GluonChoice`` / ``Fp8GluonChoice`` take Gluon) and with a padding skip (session 22, branch
-prefill2), and each Gluon GEMM alone under uniform and balanced routing (what the 128-row padding costs).
+DeepSeek-V3, Mixtral), bf16 and fp8_block: today's route, the fused Triton kernels, the bf16 Gluon path with the plan's
+tiles (plain and lean launches: the lean one is what the route runs where ``GluonChoice`` takes Gluon), and each Gluon
+GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
-taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING in both GEMMs
-at prefill. Session 22 (branch prefill2): the fp8 SKIP_PADDING in the down GEMM alone (``fp8_variants``), the bf16
-SKIP_PADDING: 64-row MMAs for a row block whose lower half is padding (``bf16_variants``).
+taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
+Session 22 (branch prefill2, raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log), measured and removed: a bf16
+SKIP_PADDING (a row block whose lower 64 rows are padding runs m64n64 MMAs, the warpgroups splitting the columns:
+0.79-0.99x), the fp8 SKIP_PADDING in the down GEMM alone (0.99-1.00x).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,6 @@ class Variant:
     kind: str  # "route" (today's default), "fused" (Triton kernels), "gluon" (a Gluon path with these tiles)
     call: Callable  # (x, topk_ids, topk_weights) -> out [M, K]
     tiles: tuple | None = None  # (gate-up tile, down tile) of a Gluon variant
-    versus: str | None = None  # the variant it is A/B'd against beside the route (same launch, one change)
 
 
 def balanced_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +74,8 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down) -> GemmPair:
     y = x.new_empty(rows, hidden)  # [R, K]
     w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
     return GemmPair(
-        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter,
-                            lay.sorted_ids, ids.numel()),
-        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden, 0, lay.sorted_ids,
-                            ids.numel()), lay.rows_used)
+        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter),
+        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden), lay.rows_used)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
@@ -99,35 +98,25 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
 
 
 def bf16_variants(w13, w2) -> list[Variant]:
-    """Today's route, the Gluon path's lean launch with the plan's tiles (what the route runs where ``GluonChoice``
-    takes Gluon) and with SKIP_PADDING in both GEMMs (a row block whose lower 64 rows are all padding runs 64-row
-    MMAs, each warpgroup half the columns)."""
+    """Today's route, the fused kernels, the Gluon path with the plan's tiles (plain launches) and its lean launch."""
     from moekit.experts import run_experts
+    from moekit.experts.triton import fused_experts
     from moekit.experts.triton_gluon_lean import run_lean
 
-    up, down = (replace(t, skip_padding=False) for t in bf16_gluon_tiles(w2.shape[2]))
-    up_s, down_s = replace(up, skip_padding=True), replace(down, skip_padding=True)
+    up, down = bf16_gluon_tiles(w2.shape[2])
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
-            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down)),
-            Variant("lean g128 skip", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_s, down_s),
-                    (up_s, down_s), versus="lean g128")]
+            Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)),
+            Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)),
+            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down))]
 
 
 def fp8_variants(q: tuple) -> list[Variant]:
     """q = (w13_q, w13_scale, w2_q, w2_scale): the route (fp8_block weights through the ``triton`` backend: the fp8
-    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines; the lean launch with
-    the plan's pipelines (what the route runs, without the backend's fast path) and with the down GEMM's
-    SKIP_PADDING (a 64-row half of h that is all padding runs no MMA; session 21: 25% faster as a GEMM alone at
-    DeepSeek-V3 4096, never timed in a whole call)."""
+    Gluon path's lean launch at these cells), its GEMMs timed alone with the plan's pipelines."""
     from moekit.experts import run_experts
-    from moekit.experts.triton_gluon_fp8 import launch_gluon_fp8
     from moekit.quant.fp8_block import Fp8BlockWeight
 
     w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
     w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
-    up, down = fp8_gluon_tiles()
-    down, skip = replace(down, skip_padding=False), replace(down, skip_padding=True)
-    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), (up, down)),
-            Variant("lean gf8", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=down)),
-            Variant("lean gf8 skip", "gluon", lambda x, i, r: launch_gluon_fp8(x, *q, i, r, up=up, down=skip),
-                    (up, skip), versus="lean gf8")]
+    return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"),
+                    fp8_gluon_tiles())]

@@ -70,10 +70,10 @@ def gluon_bf16_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
     rows = lay.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]
     launch_gemm(lay.x_perm, w13.view(num_experts * 2 * inter, hidden), h, lay.block_experts, lay.rows_used, up,
-                gated=True, w_rows=2 * inter, gate_offset=inter, sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
+                gated=True, w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, lay.block_experts, lay.rows_used, down, gated=False,
-                w_rows=hidden, sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
+                w_rows=hidden)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, lay.src_to_dst, rw.contiguous(), out)
     return out

@@ -31,15 +31,11 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, sorted_ptr=None,
-              num_assignments=0, SKIP_PADDING=False, **_):
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
     for block in range(int(used_ptr[0]) // block_m):
-        lower_padding = SKIP_PADDING and int(sorted_ptr[block * block_m + block_m // 2]) >= num_assignments
-        end = block * block_m + (block_m // 2 if lower_padding else block_m)  # SKIP_PADDING: the upper half only
-        c[end:(block + 1) * block_m] = float("nan")  # the kernel stores stale rows there: never to be read
-        e, rows = int(experts_ptr[block]), slice(block * block_m, end)
+        e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
         first = e * W_ROWS
         product = a[rows].float() @ w[first:first + cols].float().T  # [block_m, C]
         if GATED:
@@ -48,8 +44,7 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED,
-             SKIP_PADDING=False, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
     for block in range(int(used_ptr[0]) // BLOCK):
@@ -57,14 +52,11 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         for first in (block * BLOCK, block * BLOCK + half):  # the two consumers' 64-row halves
             rows = slice(first, first + half)
-            if SKIP_PADDING and float(as_ptr[first, 0]) == 0.0:  # all padding: no product, no store
-                continue
             a_deq = _dequant_rows(a[rows], as_ptr[rows])  # [64, R]
             product = a_deq @ w_e[:cols].T
             if GATED:
                 product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
-                c[rows], scales = _quant_rows(product)
-                cs_ptr[rows, : cols // BLOCK] = torch.where(as_ptr[rows, :1] != 0, scales, 0.0)  # padding rows: 0
+                c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
             else:
                 c[rows] = product.to(c.dtype)
 

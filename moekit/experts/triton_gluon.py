@@ -86,7 +86,6 @@ class GluonLayout:
     block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
     rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
-    sorted_ids: torch.Tensor  # [R] int32; assignment of each row, padding >= M*k (the GEMMs' skip_padding reads it)
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -102,7 +101,7 @@ def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
 
 
 def experts_gluon(
@@ -144,12 +143,11 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.x_perm.shape[0]
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    segments = {"sorted_ids": layout.sorted_ids, "num_assignments": topk_ids.numel()}  # the tiles' skip_padding
     launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
-                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter, **segments)
+                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden, **segments)
+                gated=False, w_rows=hidden)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out

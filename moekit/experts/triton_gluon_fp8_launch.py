@@ -36,12 +36,6 @@ class Fp8GluonTile:
     max_registers: int = 160
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
-    skip_padding: bool = False  # down GEMM: a 64-row half that is all padding runs no MMA (the kernel's SKIP_PADDING)
-
-    def __post_init__(self):
-        if self.skip_padding and (self.pingpong or self.stagger):
-            raise ValueError(f"skip_padding with pingpong={self.pingpong} / stagger={self.stagger}: a consumer that "
-                             "skips a half would leave the other waiting for its MMA")
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB.
@@ -80,14 +74,6 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
         TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4)
 
 
-def check_fp8_tile(tile: Fp8GluonTile, gated: bool) -> None:
-    """Raise where ``tile`` cannot run the gate-up GEMM (``gated``): pingpong (ptxas spills ~1.1 KB of the gate-up
-    consumers' registers with it) and skip_padding (both GEMMs skipping: 0.89-0.98x at prefill in session 21; the
-    gate-up GEMM marks the padding rows for the down GEMM's skip instead) are the down GEMM's only."""
-    if gated and (tile.pingpong or tile.skip_padding):
-        raise ValueError(f"tile={tile}: pingpong and skip_padding are for the down GEMM only")
-
-
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
                     tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
@@ -97,7 +83,8 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
     tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
-    check_fp8_tile(tile, gated)
+    if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
+        raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
@@ -111,5 +98,5 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
-                        SKIP_PADDING=tile.skip_padding, num_warps=CONSUMER_WARPS,
+                        num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)

@@ -32,7 +32,6 @@ class GluonTile:
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
-    skip_padding: bool = False  # a row block whose lower 64 rows are padding runs 64-row MMAs (SKIP_PADDING)
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -155,13 +154,10 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
-                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T). ``tile.skip_padding`` needs the layout's sorted_ids [T] (padding: >= num_assignments)."""
-    if tile.skip_padding and sorted_ids is None:
-        raise ValueError(f"tile={tile}: skip_padding needs the layout's sorted_ids")
+    of BLOCK_M, <= T)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
@@ -169,10 +165,9 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
-    sorted_ids = block_experts if sorted_ids is None else sorted_ids  # unread without skip_padding
-    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, sorted_ids, a.shape[1], num_col_blocks,
-                 num_assignments, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, SKIP_PADDING=tile.skip_padding, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
+                 W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,

@@ -151,10 +151,9 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
                          TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n, num_assignments),
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, SKIP_PADDING=tile.skip_padding, num_warps=NUM_WARPS,
-                           maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
@@ -164,10 +163,7 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
 
 
 def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GROUP, HALF_M, check_fp8_tile
-    from moekit.experts.triton_gluon_fp8_launch import GATHER_ROWS as QROWS
-
-    check_fp8_tile(up, True)
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
@@ -182,8 +178,7 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
         return BoundLaunch(gemm, grid(cols, GROUP), 8,
                            (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, SKIP_PADDING=tile.skip_padding,
-                           num_warps=CONSUMER_WARPS,
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
@@ -225,8 +220,7 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, *rows, b["sorted_ids"])),
-                     (plan.down, (a_down, pair.w2, c_down, *rows, b["sorted_ids"]))]
+                     (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
     launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
     return launches

@@ -3,9 +3,7 @@ quantized on the way (one pass over x instead of a gather then a quantize).
 
 gather_quant_rows_kernel: for the real rows r (sorted_ids[r] < A), x_q[r], x_s[r] = e4m3 groups of
     x[sorted_ids[r] // k] (per GROUP columns: s = amax / 448, 1 for a zero group; ``quant_fp8``'s rounding)
-    and dst[sorted_ids[r]] = r; padding rows get x_s = 0 (a real row's scale is > 0: the gate-up GEMM passes the
-    mark on as a 0 h scale, the down GEMM's sign that a 64-row half is all padding, ``SKIP_PADDING``) and no x_q
-    (their GEMM rows are never read).
+    and dst[sorted_ids[r]] = r; padding rows are not written (their GEMM rows are never read).
     Torch twin: ``moekit.layouts.contiguous.permute_contiguous`` then ``triton_fp8.quantize_groups``.
 
 Shapes: x [M, K], sorted_ids [R] (padding = sentinel A = M*k), x_q [R, K] e4m3 (float32 under EMULATE),
@@ -39,4 +37,4 @@ def gather_quant_rows_kernel(
     s = group_scale(tl.max(tl.abs(v), axis=1))  # [BR]
     rows64 = rows.to(tl.int64)
     tl.store(xq_ptr + rows64[:, None] * stride_qm + cols[None, :], to_e4m3(v / s[:, None], EMULATE), mask=mask)
-    tl.store(xs_ptr + rows64 * stride_sm + group, tl.where(real, s, 0.0), mask=r_ok)
+    tl.store(xs_ptr + rows64 * stride_sm + group, s, mask=real)

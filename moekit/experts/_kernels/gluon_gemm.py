@@ -17,8 +17,6 @@ tiles in L2. Two partitions per program:
   - default (num_warps = 8, two warpgroups sharing each [BLOCK_M, BLOCK_N] tile): async wgmma with
     one group in flight, releases each stage as soon as the MMA that read it retired, then the
     epilogue (registers -> SMEM -> TMA store) while the loader already fills the next tile's stages.
-    SKIP_PADDING: a row block whose lower half is all padding runs 64-row MMAs (each warpgroup half the
-    tile's columns: half the tensor-core work; the loads stay whole).
 
 Triton spelled the TMA copies differently across releases: 3.6 ``async_copy_global_to_shared`` /
 ``async_copy_shared_to_global``, 3.9 ``async_load`` / ``async_store`` (the old names raise). The
@@ -77,88 +75,56 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 
 @gluon.jit
-def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, sorted_ptr, used_ptr, reduce_dim, num_col_blocks,
-                  num_assignments, GATED: gl.constexpr, GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr,
-                  num_warps: gl.constexpr):
+def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                  GATED: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    # a full tile: each warpgroup 64 rows x BLOCK_N; a half tile (SKIP_PADDING): each warpgroup 64 rows x BLOCK_N/2
-    full: gl.constexpr = gl.NVMMADistributedLayout(
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    half: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps // 2, 2], instr_shape=[16, BLOCK_N // 2, 16])
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
     num_tiles = num_row_blocks * num_col_blocks
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        if SKIP_PADDING:  # the block's lower 64 rows all padding (an expert's real rows come first): 64-row MMAs
-            if gl.load(sorted_ptr + rb * BLOCK_M + BLOCK_M // 2) >= num_assignments:
-                it = _tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, BLOCK_M // 2, GATED,
-                           half)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        for kk in range(k_steps):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            a = a_bufs.index(s)
+            acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
+            if GATED:
+                up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
+                acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
             else:
-                it = _tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, BLOCK_M, GATED, full)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous step's MMAs retired: its stage may be refilled
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            it += 1
+        if GATED:
+            acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+            acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
         else:
-            it = _tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, BLOCK_M, GATED, full)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+        tma.store_wait(0)  # the last tile's store has read c_buf
+        c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, ROWS: gl.constexpr, GATED: gl.constexpr,
-          layout: gl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile: its K loop on the first ROWS rows of each A stage (ROWS = BLOCK_M / 2:
-    the rest is padding, never read: the TMA store writes whatever c_buf holds there), then the epilogue; returns
-    the ring position after it."""
-    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    WTILES: gl.constexpr = 2 if GATED else 1
-    acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-    up = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
-    for kk in range(k_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        a = a_bufs.index(s)
-        if ROWS != BLOCK_M:
-            a = a.slice(0, ROWS)
-        acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
-        if GATED:
-            up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
-            acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        # the previous step's MMAs retired: its stage may be refilled
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-        it += 1
-    if GATED:
-        acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
-        acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
-    else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-    tma.store_wait(0)  # the last tile's store has read c_buf
-    if ROWS != BLOCK_M:
-        c_buf.slice(0, ROWS).store(acc.to(c_desc.dtype))
-    else:
-        c_buf.store(acc.to(c_desc.dtype))
-    fence_async_shared()
-    _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
-    return it
-
-
-@gluon.jit
-def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_ptr, reduce_dim, num_col_blocks,
-                        num_assignments, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-                        SKIP_PADDING: gl.constexpr = False):
+def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                        W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, R] blocks [BM, BK]; w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
     experts_ptr [T / BM] int32 expert of each row block; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
-    num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED.
-    SKIP_PADDING: sorted_ptr [T] int32, the layout's assignment of each row (padding: >= num_assignments); a row
-    block whose row BM/2 is padding runs its MMAs on its first BM/2 rows only (each warpgroup half the columns).
-    Without it sorted_ptr and num_assignments are not read."""
+    num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
@@ -169,8 +135,8 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, sorted_pt
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, sorted_ptr, used_ptr, reduce_dim,
-                         num_col_blocks, num_assignments, GATED, GROUP_M, SKIP_PADDING, num_warps)),
+        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                         GATED, GROUP_M, num_warps)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
     ], [1], [24])

@@ -18,9 +18,8 @@ FMAs the other's wgmma runs. Three partitions per program:
   - loader (1 warp): TMA loads of the two A halves and the weight tile(s) into a STAGES-deep SMEM ring;
     ``ready`` (bytes landed) and ``empty`` (count 2: both consumers' MMAs that read it retired).
 GATED (gate-up): gate tile rows c.., up tile rows gate_offset + c.., out = silu(gate) * up, quantized per
-row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128] (0 for a
-padding row, which the gather marks with a 0 x scale). Otherwise (down): out = the product in out's dtype (bf16);
-the routed weight is applied by the combine; SKIP_PADDING: a half all padding (its first h scale 0) runs no MMA.
+row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128].
+Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
 
 Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
 GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
@@ -76,10 +75,8 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
               HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGGER: gl.constexpr, SKIP_PADDING: gl.constexpr):
-    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA. SKIP_PADDING
-    (down GEMM): a half whose first row's h scale is 0 is all padding (an expert's real rows come first in its
-    segment; the gate-up epilogue writes 0 there): its stages are only released, no MMA, no store."""
+              STAGGER: gl.constexpr):
+    """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -100,31 +97,10 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
-        if SKIP_PADDING:  # (static: without it the tile's code is the plain one; Triton 3.6 fails to compile
-            # the gate-up GEMM's when it sits in a branch on a constant, ConvertTritonGPUToLLVM asserting)
-            if gl.load(as_ptr + row0 * stride_as) != 0.0:
-                acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
-                                      ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER,
-                                      layout)
-                _epilogue(acc, up, c_desc, c_buf, as_ptrs, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
-            else:
-                it = _release_stages(ready, empty, k_steps, it, a_bufs.type.shape[0] // 2)
-        else:
-            acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
-                                  ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
-            _epilogue(acc, up, c_desc, c_buf, as_ptrs, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+        acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
+                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
+        _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _release_stages(ready, empty, k_steps, it, STAGES: gl.constexpr):
-    """A padding half's share of a tile: each stage waited for (so no arrival runs ahead of its phase) and released."""
-    for kk in range(k_steps):
-        s = it % STAGES
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
-        it += 1
-    return it
 
 
 @gluon.jit
@@ -189,10 +165,9 @@ def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(acc, up, c_desc, c_buf, as_ptrs, cs_ptrs, row0, cb, GATED: gl.constexpr):
+def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
     """One half tile out by TMA: GATED, h = silu(acc) * up quantized per row over its 128 columns (one h
-    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64], 0 for a padding row (its x scale
-    as_ptrs [64] is 0: the gather's mark, passed on to the down GEMM's SKIP_PADDING); else acc in c_desc's dtype."""
+    group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype."""
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     tma.store_wait(0)  # the last tile's store has read c_buf
     if GATED:
@@ -200,7 +175,7 @@ def _epilogue(acc, up, c_desc, c_buf, as_ptrs, cs_ptrs, row0, cb, GATED: gl.cons
         amax = gl.max(gl.abs(h), axis=1)
         h_scale = gl.where(amax > 0, amax / 448.0, 1.0)
         c_buf.store(gl.minimum(gl.maximum(h / h_scale[:, None], -448.0), 448.0).to(c_desc.dtype))
-        gl.store(cs_ptrs, gl.where(gl.load(as_ptrs) != 0.0, h_scale, 0.0))
+        gl.store(cs_ptrs, h_scale)
     else:
         c_buf.store(acc.to(c_desc.dtype))
     fence_async_shared()
@@ -212,7 +187,7 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            STAGGER: gl.constexpr = False, SKIP_PADDING: gl.constexpr = False):
+                            STAGGER: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
@@ -220,9 +195,7 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
-    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset).
-    SKIP_PADDING (the down GEMM, neither PINGPONG nor STAGGER: both wait on the other consumer's MMAs): a 64-row
-    half that is all padding runs no MMA (``_consumer``)."""
+    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset)."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
@@ -238,10 +211,10 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER, SKIP_PADDING)),
+                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER, SKIP_PADDING)),
+                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, 24])
