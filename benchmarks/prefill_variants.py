@@ -5,6 +5,9 @@ GEMM alone under uniform and balanced routing (what the 128-row padding costs).
 
 Measured with it and removed (benchmarks/triton-notes.md, "prefill"): a ping-pong bf16 down GEMM (two 4-warp consumers
 taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpong, the fp8 SKIP_PADDING at prefill.
+Session 22 (branch prefill2, raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log), measured and removed: a bf16
+SKIP_PADDING (a row block whose lower 64 rows are padding runs m64n64 MMAs, the warpgroups splitting the columns:
+0.79-0.99x), the fp8 SKIP_PADDING in the down GEMM alone (0.99-1.00x).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 

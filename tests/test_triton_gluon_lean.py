@@ -363,7 +363,7 @@ def test_triton_backend_takes_the_gluon_path_where_the_default_choice_wants_it(f
     assert all(torch.equal(out, plain) for out in outs) and launched[0] == 2  # recorded, then twice from what it kept
     assert rel_l2(outs[0].double(), _f64(x, w13, w2, ids, weights)) < 1e-2
     gemms = len(fake_gemms["bf16"].log)
-    never = tg.GluonChoice(min_tokens=10**9, min_tokens_wide=10**9)
+    never = tg.GluonChoice(min_tokens=10**9, min_tokens_narrow=10**9, min_tokens_wide=10**9)
     for out in (experts_triton_unchecked(x, w13, w2, ids, weights, options=LaunchOptions()),
                 tg.experts_triton_gluon(x, w13, w2, ids, weights, choice=never),
                 experts_triton_unchecked(x[:39], w13, w2, ids[:39], weights[:39])):

@@ -40,17 +40,23 @@ class GluonChoice:
     from ``min_tokens_wide`` for experts at least ``wide_inter`` wide (Mixtral N=14336 at M=4096: 1.12x; at
     1024 / 2048: 1.24x / 1.19x, raw/NVIDIA_H200-2026-12-02-a6660ca-gluon_mid.log; at 512, graph replay, 3
     interleaved rounds: the plan's tiles 946 µs against the fused kernels' 1032-1052, every Gluon tile tried
-    934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log). Not below: M=4096 in the same session-21 run
-    Qwen3 1.12x (8 of 9) but DeepSeek-V3 1.04x (4 of 9; 1.00x and 0.97x in earlier runs, Qwen3 0.79x
-    then); M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x;
-    M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
+    934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log), and from ``min_tokens_narrow`` for experts at most
+    ``narrow_inter`` wide (Qwen3 N=768 at M=4096, the lean launch against the fused kernels, interleaved graph
+    rounds: 1.115x, >= 3% in 8 of 9, session 21's prefill_ab run; 1.108x, 6 of 7, session 22's
+    raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log; 1.16x, 4 of 5, raw/...-9c15285-prefill.log).
+    Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.00x and 0.97x in earlier runs;
+    M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row
+    tiles, removed)."""
 
     min_tokens: int = 8192
+    min_tokens_narrow: int = 4096
+    narrow_inter: int = 1024
     min_tokens_wide: int = 512
     wide_inter: int = 8192
 
     def wants(self, num_tokens: int, inter: int) -> bool:
-        return num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter)
+        return (num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_narrow and inter <= self.narrow_inter)
+                or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter))
 
 
 DEFAULT_CHOICE = GluonChoice()
