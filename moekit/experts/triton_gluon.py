@@ -43,10 +43,11 @@ class GluonChoice:
     934-997, raw/NVIDIA_H200-2026-12-02-bc6d24d-ridge.log), and from ``min_tokens_narrow`` for experts at most
     ``narrow_inter`` wide (Qwen3 N=768 at M=4096, the lean launch against the fused kernels, interleaved graph
     rounds: 1.115x, >= 3% in 8 of 9, session 21's prefill_ab run; 1.108x, 6 of 7, session 22's
-    raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log; 1.16x, 4 of 5, raw/...-9c15285-prefill.log).
-    Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.00x and 0.97x in earlier runs;
-    M = 1024 / 2048 Qwen3 0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row
-    tiles, removed)."""
+    raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log; 1.16x, 4 of 5, raw/...-9c15285-prefill.log; the route so
+    chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log).
+    Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.047x (6 of 9), 1.00x and 0.97x
+    in earlier runs; Qwen3 M=2048 1.044x (7 of 9, one run); before the lean launch M = 1024 / 2048 Qwen3
+    0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
 
     min_tokens: int = 8192
     min_tokens_narrow: int = 4096
