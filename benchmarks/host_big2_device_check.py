@@ -196,6 +196,16 @@ def old_unchecked(x, w13, w2, ids, weights):
     return tri._unchecked(x, w13, w2, ids, weights, "silu", None, None, None, tri._DEFAULT_OPTIONS, checked=False)
 
 
+def _held_weights(held: dict, shape: Shape, preset: str, dtype: str, device: torch.device) -> tuple:
+    """The (w13, w2) of ``preset`` in ``dtype``, made once and kept in ``held`` while the next cell shares them
+    (one weight set at a time: the previous one is dropped first)."""
+    if (preset, dtype) not in held:
+        held.clear()
+        torch.cuda.empty_cache()
+        held[(preset, dtype)] = hb._weights(shape, dtype, make_weights(shape, torch.bfloat16, device))
+    return held[(preset, dtype)]
+
+
 def part_routes(results: dict, deadline: hb.Deadline) -> None:
     device, out = torch.device("cuda"), results.setdefault("routes", {})
     held = {}
@@ -204,11 +214,7 @@ def part_routes(results: dict, deadline: hb.Deadline) -> None:
             print(f"deadline: routes stop before {preset} {dtype} M={m}", flush=True)
             return
         shape = Shape.from_preset(preset)
-        if (preset, dtype) not in held:
-            held.clear()
-            torch.cuda.empty_cache()
-            held[(preset, dtype)] = hb._weights(shape, dtype, make_weights(shape, torch.bfloat16, device))
-        w13, w2 = held[(preset, dtype)]
+        w13, w2 = _held_weights(held, shape, preset, dtype, device)
         sets = make_sets(shape, m, 2, torch.bfloat16, device)
         fns = {"old": old_unchecked, "new": tri.experts_triton_unchecked}
         calls = {n: [lambda s=s, f=f: f(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets] for n, f in fns.items()}
@@ -252,11 +258,7 @@ def part_pdl(results: dict, deadline: hb.Deadline) -> None:
             print(f"deadline: pdl stops before {preset} {dtype} M={m}", flush=True)
             return
         shape = Shape.from_preset(preset)
-        if (preset, dtype) not in held:
-            held.clear()
-            torch.cuda.empty_cache()
-            held[(preset, dtype)] = hb._weights(shape, dtype, make_weights(shape, torch.bfloat16, device))
-        w13, w2 = held[(preset, dtype)]
+        w13, w2 = _held_weights(held, shape, preset, dtype, device)
         sets = make_sets(shape, m, 4, torch.bfloat16, device)
         calls = {n: [lambda s=s, o=o: tri.experts_triton_unchecked(s.x, w13, w2, s.topk_ids, s.topk_weights, options=o)
                      for s in sets] for n, o in variants.items()}
