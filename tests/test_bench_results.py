@@ -18,7 +18,7 @@ from moekit.bench import run
 from moekit.bench.ceilings import Ceilings
 from moekit.bench.cells import Shape
 from moekit.bench.report import footnotes, format_flops, plot_title, results_path, write_json
-from moekit.bench.timing import Timing, time_eager, time_stats
+from moekit.bench.timing import Timing, time_eager, time_paired, time_stats
 from moekit.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +60,28 @@ def test_host_rest_leaves_out_each_loops_first_call():
     eager = time_eager([call], torch.device("cpu"), calls=4, repeats=3)
     assert count[0] == 1 + 3 * 4
     assert eager.host_us >= 0.9 * 40_000 / 4 and eager.host_rest_us < 2_000
+
+
+def test_paired_timing_spreads_eager_loops_over_a_drifting_clock():
+    """A device that slows down over the run (a GPU throttling as it heats): each call sleeps longer than the
+    last. Timed one after the other, the eager loops come last and read slower than the passes; paired,
+    the loops sit between the passes and both medians see the same mid-run speed."""
+    count = [0]
+
+    def call():
+        count[0] += 1
+        time.sleep(0.001 * (1 + count[0] / 8))  # 1 ms, then 1/8 ms slower per call
+
+    cpu = torch.device("cpu")
+    stats = time_stats([call], cpu, budget_s=0, min_reps=10, max_reps=10)
+    eager = time_eager([call], cpu, calls=4, repeats=5)
+    assert eager.eager_us > 1.6 * stats.us  # the sequential order's bias: about 2x
+    count[0] = 0
+    paired = time_paired([call], cpu, budget_s=0, min_reps=10, max_reps=10, calls=4, eager_repeats=5)
+    assert count[0] == 2 + 10 + 5 * 4  # warm-up, sizing pass, 10 passes, 5 loops of 4
+    assert paired.timing.repeats == 10
+    assert 0.8 < paired.eager.eager_us / paired.timing.us < 1.4  # about 1.13: each loop follows its pass
+    assert 0 < paired.eager.host_us <= paired.eager.eager_us
 
 
 def test_results_are_never_overwritten(tmp_path, fixed_ceilings, capsys):

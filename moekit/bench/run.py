@@ -185,7 +185,8 @@ def _document(device, plan: SweepPlan, ceilings: Ceilings, shapes, cells: list[C
         "over 2-8 routings so each call streams its weights from HBM; us = median of >= "
         f"{MIN_REPEATS} passes (~{plan.budget_s:g} s per cell), spread_pct = interquartile range / median, "
         f"noisy above {NOISY_SPREAD_PCT:.0f}%; eager_us = {EAGER_CALLS} back-to-back eager calls, one sync at "
-        "the end, host_us = their issue time before that sync, host_rest_us = the same over the calls after "
+        f"the end, {MIN_REPEATS} such loops spread between the timed passes (the same GPU clock for both), "
+        "host_us = their issue time before that sync, host_rest_us = the same over the calls after "
         "each loop's first (all = us on the CPU)"
     )
     quantized = len(plan.dtypes) > 1

@@ -20,7 +20,7 @@ from moekit.bench.cells import (
     Cell, CellInputs, CellModel, ExpertWeights, Shape, cell_model, make_sets, make_weights, measured_experts_touched,
 )
 from moekit.bench.quant_cells import WeightVariant, weight_variants
-from moekit.bench.timing import EagerTiming, Timing, time_eager, time_stats
+from moekit.bench.timing import EagerTiming, Timing, time_paired, time_stats
 from moekit.experts import get_backend
 
 GRAPH_MAX_M = 1024  # CUDA-graph replay up to here: the decode range, where launch gaps matter
@@ -61,17 +61,18 @@ def _time_backend(fn, weights: ExpertWeights, sets: list[CellInputs], device, gr
                   budget_s: float) -> BackendTiming:
     w13, w2 = weights.w13, weights.w2
     calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
-    timing = None
+    if device.type != "cuda":  # the host does the work: eager, host and the timing are one wall clock
+        timing = time_stats(calls, device, budget_s=budget_s)
+        return BackendTiming(timing, EagerTiming(timing.us, timing.us, timing.spread_pct, timing.us), False)
+    paired = None
     if graph:
         try:
-            timing = time_stats(calls, device, graph=True, budget_s=budget_s)
+            paired = time_paired(calls, device, graph=True, budget_s=budget_s)
         except RuntimeError:  # a backend that syncs cannot be captured: time it with events instead
             torch.cuda.synchronize()
             graph = False
-    timing = timing or time_stats(calls, device, graph=False, budget_s=budget_s)
-    if device.type != "cuda":  # the host does the work: eager, host and the timing are one wall clock
-        return BackendTiming(timing, EagerTiming(timing.us, timing.us, timing.spread_pct, timing.us), False)
-    return BackendTiming(timing, time_eager(calls, device), graph)
+    paired = paired or time_paired(calls, device, budget_s=budget_s)
+    return BackendTiming(paired.timing, paired.eager, graph)
 
 
 @dataclass

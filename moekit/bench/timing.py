@@ -13,6 +13,10 @@ the median alone, for callers that need no spread.
 ``time_eager(fns)`` is what a plain eager caller sees: back-to-back calls, one synchronisation at the
 end, no graph, nothing between the calls; it also reports the host's issue time per call.
 
+``time_paired(fns)`` takes both in one run, the eager loops spread between the passes, so both numbers see
+the same GPU clock: timed one after the other, a GPU-bound cell's later loops ran throttled (Mixtral
+M = 4096 on the H200: 1980 MHz in the first timing, about 1430 MHz in the second).
+
 ``wall_time(fn, device)`` times one long call (a whole ``generate``, a model's prefill) by the wall
 clock between two device synchronisations; the caller repeats, interleaves and takes the median.
 """
@@ -104,24 +108,63 @@ def time_eager(fns: list[Callable[[], object]], device: torch.device, *, calls: 
     calls (Python, argument checks, launches) whichever side is slower; a backend that synchronises
     inside a call (``reference``) makes the host wait, and its host time includes that wait. On the
     CPU the host does the work, so the two are equal up to noise."""
-    sequence = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
+    loop = _EagerLoop(fns, device, calls)
     _run_all(fns)  # warm-up
-    first, rest = sequence[0], sequence[1:]
-    eager, host, host_rest = [], [], []
     for _ in range(repeats):
-        _sync(device)
+        loop.run()
+    return loop.timing()
+
+
+@dataclass(frozen=True)
+class PairedTiming:
+    """A cell's timed passes and its eager loops, taken in alternation in one run."""
+
+    timing: Timing  # as ``time_stats`` gives it
+    eager: EagerTiming  # as ``time_eager`` gives it
+
+
+def time_paired(fns: list[Callable[[], object]], device: torch.device, *, graph: bool = False,
+                budget_s: float = 0.3, min_reps: int = MIN_REPEATS, max_reps: int = 50, calls: int = EAGER_CALLS,
+                eager_repeats: int = MIN_REPEATS) -> PairedTiming:
+    """``time_stats`` and ``time_eager`` in one run: each eager loop follows a pass, spread evenly over the
+    passes (at least ``eager_repeats`` passes), so a clock that drifts over the run moves both alike."""
+    one_pass = _cuda_pass(fns, graph) if device.type == "cuda" else _cpu_pass(fns)
+    loop = _EagerLoop(fns, device, calls)
+    passes = max(eager_repeats, _repeats(one_pass(), budget_s, min_reps, max_reps))
+    loops_after = {(j + 1) * passes // eager_repeats - 1 for j in range(eager_repeats)}
+    times = []
+    for i in range(passes):
+        times.append(one_pass())
+        if i in loops_after:
+            loop.run()
+    return PairedTiming(Timing.from_samples([t / len(fns) * 1e6 for t in times]), loop.timing())
+
+
+class _EagerLoop:
+    """Timed loops of back-to-back calls, one synchronisation at the end of each."""
+
+    def __init__(self, fns, device: torch.device, calls: int):
+        sequence = [fns[i % len(fns)] for i in range(max(calls, len(fns)))]
+        self.first, self.rest, self.device = sequence[0], sequence[1:], device
+        self.eager, self.host, self.host_rest = [], [], []  # µs per call, one entry per loop
+
+    def run(self) -> None:
+        _sync(self.device)
         t0 = time.perf_counter()
-        first()
+        self.first()
         t_first = time.perf_counter()
-        _run_all(rest)
+        _run_all(self.rest)
         t_issued = time.perf_counter()
-        _sync(device)
+        _sync(self.device)
         t_done = time.perf_counter()
-        host.append((t_issued - t0) / len(sequence) * 1e6)
-        host_rest.append((t_issued - t_first) / max(len(rest), 1) * 1e6)
-        eager.append((t_done - t0) / len(sequence) * 1e6)
-    loops = Timing.from_samples(eager)
-    return EagerTiming(loops.us, statistics.median(host), loops.spread_pct, statistics.median(host_rest))
+        n = 1 + len(self.rest)
+        self.host.append((t_issued - t0) / n * 1e6)
+        self.host_rest.append((t_issued - t_first) / max(len(self.rest), 1) * 1e6)
+        self.eager.append((t_done - t0) / n * 1e6)
+
+    def timing(self) -> EagerTiming:
+        loops = Timing.from_samples(self.eager)
+        return EagerTiming(loops.us, statistics.median(self.host), loops.spread_pct, statistics.median(self.host_rest))
 
 
 def _sync(device: torch.device) -> None:
@@ -140,20 +183,35 @@ def _repeats(once_s: float, budget_s: float, min_reps: int, max_reps: int) -> in
 
 def _time_cpu(fns, budget_s, min_reps, max_reps) -> list[float]:
     """µs per call of each pass."""
-    _run_all(fns)  # warm-up
-    t0 = time.perf_counter()
-    _run_all(fns)
-    once = time.perf_counter() - t0
-    times = [once]
-    for _ in range(_repeats(once, budget_s, min_reps, max_reps) - 1):
-        t0 = time.perf_counter()
-        _run_all(fns)
-        times.append(time.perf_counter() - t0)
-    return [t / len(fns) * 1e6 for t in times]
+    return _passes(_cpu_pass(fns), len(fns), budget_s, min_reps, max_reps)
 
 
 def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> list[float]:
     """µs per call of each pass (CUDA events around the loop or the graph replay)."""
+    return _passes(_cuda_pass(fns, graph), len(fns), budget_s, min_reps, max_reps)
+
+
+def _passes(one_pass: Callable[[], float], calls: int, budget_s, min_reps, max_reps) -> list[float]:
+    """µs per call of each of the timed passes; the first pass (timed to size the count) is left out."""
+    reps = _repeats(one_pass(), budget_s, min_reps, max_reps)
+    return [one_pass() / calls * 1e6 for _ in range(reps)]
+
+
+def _cpu_pass(fns) -> Callable[[], float]:
+    """Seconds of one pass by the wall clock, after a warm-up."""
+    _run_all(fns)  # warm-up
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        _run_all(fns)
+        return time.perf_counter() - t0
+
+    return one_pass
+
+
+def _cuda_pass(fns, graph: bool) -> Callable[[], float]:
+    """Seconds of one pass by CUDA events around the loop or the graph replay, after a warm-up (and the
+    capture, where ``graph``)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up on a side stream, as graph capture requires
@@ -168,19 +226,15 @@ def _time_cuda(fns, graph, budget_s, min_reps, max_reps) -> list[float]:
             _run_all(fns)
         run = g.replay
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    once = start.elapsed_time(end) / 1e3
-    times = []
-    for _ in range(_repeats(once, budget_s, min_reps, max_reps)):
+
+    def one_pass() -> float:
         start.record()
         run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)  # ms -> µs
-    return [t / len(fns) for t in times]
+        return start.elapsed_time(end) / 1e3  # ms -> s
+
+    return one_pass
 
 
 @dataclass
