@@ -228,7 +228,9 @@ def run_cell(shells, config, cell, costs, device, steps: int, modes, probe=None,
     ref = fixed_from([r["s"] for r in hit_plain], [sum(s.hits for s in r["done"]) for r in hit_plain], len(shells), eb,
                      priced)
     out = {"cell": f"{stream}/{round(fraction * 100)}/{'router' if prefetch else 'none'}/{m}", "slots": slots,
-           "fixed_ms": fixed.layer_s * 1e3, "ref_fixed_ms": ref * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
+           "fixed_ms": fixed.layer_s * 1e3, "ref_fixed_ms": ref * 1e3,
+           "ref_fixed_mean_ms": (statistics.fmean(r["s"] for r in hit_plain) - statistics.fmean(
+               sum(s.hits for s in r["done"]) for r in hit_plain) * eb / priced.gpu_bytes_per_s) / len(shells) * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6,
            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "call_ms": fixed.call_s * 1e3,
            "copy_call_ms": fixed.copy_call_s * 1e3, "modes": {}, "kinds": {}}
@@ -264,6 +266,8 @@ def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int) ->
         return statistics.fmean(sum(getattr(s, field) for s in r["done"]) for r in plain)
 
     return {"step_ms": statistics.fmean(r["s"] for r in plain) * 1e3, "steps": len(plain),
+            "step_median_ms": statistics.median(r["s"] for r in plain) * 1e3,
+            "floor_median_ms": statistics.median(floors) * 1e3,
             "sem_ms": statistics.stdev(r["s"] for r in plain) / len(plain) ** 0.5 * 1e3,
             "floor_ms": statistics.fmean(floors) * 1e3,
             "floor_model_ms": statistics.fmean(floor(r, priced) for r in plain) * 1e3,

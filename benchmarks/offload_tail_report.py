@@ -34,7 +34,7 @@ def team_lines(rows: list[dict]) -> list[str]:
 
 def cell_lines(cell: dict, layers: int) -> list[str]:
     out = [f"cell {cell['cell']}: slots {cell['slots']}, fixed {cell['fixed_ms']:.3f} ms (all-hit stack among the turns "
-           f"{cell['ref_fixed_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer {cell['prefetch_layer_ms']:.3f}, "
+           f"{cell['ref_fixed_ms']:.3f}, by its mean step {cell['ref_fixed_mean_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer {cell['prefetch_layer_ms']:.3f}, "
            f"fetch layer {cell['fetch_layer_ms']:.3f}, call {cell['call_ms']:.3f}, issue {cell['issue_us']:.1f} us, "
            f"copy call {cell['copy_call_ms']:.3f}"]
     kinds = cell["kinds"]
@@ -47,7 +47,7 @@ def cell_lines(cell: dict, layers: int) -> list[str]:
     for mode, r in cell["modes"].items():
         b = r.get("branch_summary") or {}
         text = (f"  {mode:>9}: step {r['step_ms']:.3f}±{r['sem_ms']:.3f} ms over {r['steps']}, floor {r['floor_ms']:.3f} "
-                f"x{r['step_ms'] / r['floor_ms']:.2f} (CPU by the model x{r['step_ms'] / r['floor_model_ms']:.2f}, as ran "
+                f"x{r['step_ms'] / r['floor_ms']:.2f} (medians {r['step_median_ms']:.3f} / {r['floor_median_ms']:.3f}; CPU by the model x{r['step_ms'] / r['floor_model_ms']:.2f}, as ran "
                 f"x{r['step_ms'] / r['floor_ran_ms']:.2f}); excess a layer {(r['step_ms'] - r['floor_ms']) / layers:.3f} ms; "
                 f"steps > 1.5x floor {r['over_1_5']}; hits {r['hits']:.2f} fetched {r['fetched']:.2f} prefetched "
                 f"{r['prefetched']:.2f} used {r['prefetch_used']:.2f} a step")
