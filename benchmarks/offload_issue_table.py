@@ -2,7 +2,10 @@
 stream, each mode's tok/s, hit rate, floor and step / floor, the simulator's hit rate, "auto" over the
 better pure mode, and prefetch's hit-rate gain on the skewed stream.
 
-    python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json   (markdown to stdout)
+    python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json [<more>.json ...]   (markdown)
+
+Several JSONs (one table run split into invocations by ``--cells``) are joined, in the order given; a cell
+(stream, cache %, prefetch, M, mode) found in two of them is an error, not a silent pick.
 """
 
 from __future__ import annotations
@@ -54,9 +57,24 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def joined(paths: list[str]) -> list[dict]:
+    """The rows of every JSON in ``paths``, in order; a (stream, cache fraction, prefetch, M, mode) twice raises."""
+    rows, seen = [], {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                key = (r["stream"], r["cache_fraction"], r["prefetch"], r["M"], r["compute_misses_on"])
+                if key in seen:
+                    raise SystemExit(f"cell {key} is in both {seen[key]} and {path}")
+                seen[key] = path
+                rows.append(r)
+    return rows
+
+
 def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
-        rows = json.load(f)["rows"]
+    if not argv:
+        raise SystemExit("usage: offload_issue_table.py RUN.json [RUN2.json ...]")
+    rows = joined(argv)
     print("\n".join(table(rows)))
     print()
     print("\n".join(f"- {line}" for line in targets(rows)))
