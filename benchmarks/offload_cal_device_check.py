@@ -253,6 +253,18 @@ def _group_text(modes: dict[str, dict]) -> str:
                 for mode, v in modes.items() if v.get("probes")) or "-"))
 
 
+def _paired_lines(rows: list[dict]) -> list[str]:
+    """Per mode the x-floor range with each step's fixed cost its all-hit twin's in the same round."""
+    out = []
+    for mode in (*MODES, TWIN):
+        paired = [r["x_floor_paired"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_paired")]
+        if paired:
+            out.append(f"{mode:>4} x floor with each step's fixed cost its all-hit twin's in the same round (paired): "
+                       f"{min(paired):.2f}-{max(paired):.2f}, {sum(x > 1.2 for x in paired)} of {len(paired)} > 1.2, "
+                       f"{sum(x < 0.85 for x in paired)} < 0.85")
+    return out
+
+
 def summary(rows: list[dict]) -> list[str]:
     """Per mode the x-floor range and cells outside [0.85, 1.2]; the hit gap; auto / best against the twin's
     noise; prefetch's hit gain; the carry-over after the cpu stack."""
@@ -267,6 +279,7 @@ def summary(rows: list[dict]) -> list[str]:
                        f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
                        f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
                        f"{sum(x < 0.85 for x in bs)} < 0.85)")
+    out += _paired_lines(rows)
     for mode in ("cpu", "auto"):
         ran = [r["x_floor_cpu_ran"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_cpu_ran")
                and r["cpu_tokens_per_step"]]
