@@ -235,7 +235,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, modes, probe=None,
            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "call_ms": fixed.call_s * 1e3,
            "copy_call_ms": fixed.copy_call_s * 1e3, "modes": {}, "kinds": {}}
     for mode, got in rows.items():
-        out["modes"][mode] = _mode_summary(got, costs, priced, fixed, ref, eb)
+        out["modes"][mode] = _mode_summary(got, costs, priced, fixed, ref, eb, [
+            max(0.0, (r["s"] - sum(s.hits for s in r["done"]) * eb / priced.gpu_bytes_per_s) / len(shells)) for r in hit_plain])
         for r in got:
             for times in r["marks"]:
                 by = out["kinds"].setdefault(kind(mode, times) + ("/pf" if "copy_start:prefetch" in times else ""), {})
@@ -246,9 +247,10 @@ def run_cell(shells, config, cell, costs, device, steps: int, modes, probe=None,
     return out
 
 
-def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int) -> dict:
+def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int, paired: list[float]) -> dict:
     """One mode's steps in a cell: step, floors (CPU side by its branches' median rate, by the model, as they
-    ran), counts a step, its branches (each given its model ms) and their outliers (> 3x)."""
+    ran; and with each step's fixed cost ``paired``: the all-hit stack's in the same round), counts a step, its
+    branches (each given its model ms) and their outliers (> 3x)."""
     plain = [r for r in got if not r["traced"]]
     branches = [b for r in got for b in r["branches"]]
     for b in branches:
@@ -256,8 +258,8 @@ def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int) ->
     rate = branch_rate([(b["ms"], b["model_ms"]) for b in branches if b["model_ms"] > 0])
     by_rate = priced.scaled(rate) if rate else priced
 
-    def floor(r, c, measured=None):
-        return timeline_s(r["done"], eb, c, ref, fixed.overlap_s, fixed.prefetch_layer_s, measured=measured,
+    def floor(r, c, measured=None, layer_s=ref):
+        return timeline_s(r["done"], eb, c, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, measured=measured,
                           copy_call_s=fixed.copy_call_s)
 
     floors = [floor(r, by_rate) for r in plain]
@@ -272,6 +274,7 @@ def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int) ->
             "floor_ms": statistics.fmean(floors) * 1e3,
             "floor_model_ms": statistics.fmean(floor(r, priced) for r in plain) * 1e3,
             "floor_ran_ms": statistics.fmean(floor(r, priced, r["ran"]) for r in plain) * 1e3,
+            "floor_paired_ms": statistics.fmean(floor(r, by_rate, None, f) for r, f in zip(plain, paired)) * 1e3,
             "branch_rate": rate or 0.0, "over_1_5": sum(r["s"] > 1.5 * f for r, f in zip(plain, floors)),
             "step_ms_list": [r["s"] * 1e3 for r in plain], "floor_ms_list": [f * 1e3 for f in floors],
             **{name: per_step(name) for name in ("hits", "fetched", "prefetched", "prefetch_used")},

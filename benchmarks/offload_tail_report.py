@@ -48,7 +48,7 @@ def cell_lines(cell: dict, layers: int) -> list[str]:
         b = r.get("branch_summary") or {}
         text = (f"  {mode:>9}: step {r['step_ms']:.3f}±{r['sem_ms']:.3f} ms over {r['steps']}, floor {r['floor_ms']:.3f} "
                 f"x{r['step_ms'] / r['floor_ms']:.2f} (medians {r['step_median_ms']:.3f} / {r['floor_median_ms']:.3f}; CPU by the model x{r['step_ms'] / r['floor_model_ms']:.2f}, as ran "
-                f"x{r['step_ms'] / r['floor_ran_ms']:.2f}); excess a layer {(r['step_ms'] - r['floor_ms']) / layers:.3f} ms; "
+                f"x{r['step_ms'] / r['floor_ran_ms']:.2f}, paired x{r['step_ms'] / r['floor_paired_ms']:.2f}); excess a layer {(r['step_ms'] - r['floor_ms']) / layers:.3f} ms; "
                 f"steps > 1.5x floor {r['over_1_5']}; hits {r['hits']:.2f} fetched {r['fetched']:.2f} prefetched "
                 f"{r['prefetched']:.2f} used {r['prefetch_used']:.2f} a step")
         if b:
