@@ -43,7 +43,12 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                thread, and the prefetch is issued when ``run_routed`` returns: until session 20 the floor
                let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it, the floor priced a prefetch as link time only, and the M = 1
                skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
-               prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing
+               prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing;
+               ``prefetch_layer_s`` is timed with one expert a layer, and each further expert of a layer's
+               prefetch costs ``MissCosts.issue_s`` more (its victim evicted, its copy issued): at skewed 50%
+               router M = 1 (2.25 experts a prefetching layer) the host's time from a gpu layer's end to the
+               next layer's start was 0.16-0.28 ms against 0.03-0.04 without prefetch, at 75% (0.93 an
+               expert) 0.07-0.09 (``benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``)
 
     copy call: after a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
                prefetched nothing, ``FixedCosts.copy_call_s`` more on the host's path (a fetch's and a
@@ -117,9 +122,10 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link
-        if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included
+        if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included; one
+            # expert's issue is in prefetch_s (measured with one), each further one costs issue_s more
             after = start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0)
-            end = max(end, max(after, start + cpu) + prefetch_s)
+            end = max(end, max(after, start + cpu) + prefetch_s + (s.prefetched - 1) * costs.issue_s)
         t = end + (copy_call_s if s.admitted and not s.prefetched else 0.0)
     return max(t, free)
 
