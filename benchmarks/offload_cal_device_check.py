@@ -254,12 +254,13 @@ def _group_text(modes: dict[str, dict]) -> str:
 
 
 def _paired_lines(rows: list[dict]) -> list[str]:
-    """Per mode the x-floor range with each step's fixed cost its all-hit twin's in the same round."""
+    """Per mode the x-floor range with the group's fixed cost throughout (the reference's median step; the
+    headline pairs each step with its all-hit twin in the same round)."""
     out = []
     for mode in (*MODES, TWIN):
-        paired = [r["x_floor_paired"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_paired")]
+        paired = [r["x_floor_median"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_median")]
         if paired:
-            out.append(f"{mode:>4} x floor with each step's fixed cost its all-hit twin's in the same round (paired): "
+            out.append(f"{mode:>4} x floor with the fixed cost the reference's median step throughout (before session 23): "
                        f"{min(paired):.2f}-{max(paired):.2f}, {sum(x > 1.2 for x in paired)} of {len(paired)} > 1.2, "
                        f"{sum(x < 0.85 for x in paired)} < 0.85")
     return out

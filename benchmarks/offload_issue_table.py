@@ -1,6 +1,8 @@
 """Issue #18's closing table from an ``offload_cal_device_check.py`` JSON: cache fraction x M x prefetch per
 stream, each mode's tok/s, hit rate, floor and step / floor, the simulator's hit rate, "auto" over the
-better pure mode, and prefetch's hit-rate gain on the skewed stream.
+better pure mode, and prefetch's hit-rate gain on the skewed stream. The floor pairs each step with its all-hit
+twin in the same round (``offload_cells._floors``); the ranges by the twin's median step, the floor before
+session 23, are listed beside it where the JSON has them.
 
     python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json [<more>.json ...]   (markdown)
 
@@ -43,6 +45,10 @@ def targets(rows: list[dict]) -> list[str]:
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
         if xs:
             out.append(f"{mode}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} > 1.2")
+        med = [r["x_floor_median"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_median")]
+        if med:  # the floor before session 23: the group's fixed cost (the all-hit stack's median step) throughout
+            out.append(f"{mode}: x floor by the all-hit stack's median step throughout {min(med):.2f}-{max(med):.2f}, "
+                       f"{sum(x > 1.2 for x in med)} of {len(med)} > 1.2")
     if rows:
         out.append(f"largest |hit - sim| {max(abs(r['hit_rate'] - r['sim_hit_rate']) for r in rows):.4f}")
     cells = modes_by_cell(rows)

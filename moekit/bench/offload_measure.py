@@ -69,7 +69,8 @@ class OffloadRow:
     compute_misses_on: str
     M: int
     step_ms: float  # mean wall time of one timed decode step through all L layers
-    floor_ms: float  # mean floor of the same steps: the timeline (module docstring)
+    floor_ms: float  # mean floor of the same steps: the timeline (module docstring), each step's fixed cost its
+    # all-hit twin's in the same round where the reference ran (``offload_cells._floors``)
     floor_sum_ms: float  # mean of session 8's floor of the same steps (the layers' maxima summed)
     x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
@@ -102,7 +103,7 @@ class OffloadRow:
     x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
     x_floor_cpu_ran: float = 0.0  # step_ms over the timeline with each CPU branch as it ran (a check, not a floor)
     x_floor_probe: float = 0.0  # step_ms over the floor with the CPU side at the probe's rates (``offload_probe``)
-    x_floor_paired: float = 0.0  # over the floor whose fixed cost is each step's all-hit twin in its round (``offload_cells._floors``)
+    x_floor_median: float = 0.0  # over the floor whose fixed cost is the reference's median step throughout (before session 23)
     branch_rate: float = 0.0  # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
     step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
