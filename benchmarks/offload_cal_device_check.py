@@ -8,6 +8,8 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
                                         (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
+``--cpu-threads N``: the CPU branch at N threads (``CpuOptions(threads=N)``; default: the calibration's, half
+the CPUs since session 23; 12 on the H200 host before it). ``--out DIR``: the JSON's folder (else $OUT).
 ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
 no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
 no group starts past S seconds (default 145: all 27 groups took 112 s on 0efdb0f's merged-main run,
@@ -97,8 +99,12 @@ def dump(result: dict) -> None:
 
 def _options(argv: list[str]) -> list[str]:
     """``--cells``' patterns (``CLOSE`` for "close"); sets ``BRANCHES.profile_cell`` from ``--profile`` (the
-    smoke run's default one exercises the profiler too) and ``LIMIT_S`` from ``--limit`` (two runs in one call)."""
+    smoke run's default one exercises the profiler too), ``LIMIT_S`` from ``--limit`` (two runs in one call)
+    and ``OUT`` from ``--out`` (a folder, made)."""
     global LIMIT_S, PROFILE_LIMIT_S
+    if "--out" in argv:
+        os.environ["OUT"] = argv[argv.index("--out") + 1]
+        os.makedirs(os.environ["OUT"], exist_ok=True)
     if "--limit" in argv:
         LIMIT_S = float(argv[argv.index("--limit") + 1])
         PROFILE_LIMIT_S = LIMIT_S + 13.0
@@ -116,18 +122,19 @@ def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = _options(argv)
     cuda = torch.cuda.is_available() and not smoke
-    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    shape = dict(QWEN3_30B if cuda else SMOKE)
+    device, dtype, shape = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, dict(
+        QWEN3_30B if cuda else SMOKE)
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
+    options = CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv else CpuOptions()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
-              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
+              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running", "cpu_threads_asked": options.threads,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
-    costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
+    costs = measure_costs(shells[0], device, options, cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
     logged = len(BRANCHES.entries)
@@ -136,9 +143,8 @@ def main(argv: list[str]) -> int:
     if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
         torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
         result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"
-    result["branches"] = BRANCHES.cells
+    result["branches"], group_size = BRANCHES.cells, len(MODES) + twin
     dump(result)
-    group_size = len(MODES) + twin
 
     def progress(r, key: str = "rows", suffix: str = "") -> None:
         result[key].append({**dataclasses.asdict(r)})
@@ -150,7 +156,7 @@ def main(argv: list[str]) -> int:
 
     def table(streams, keep, on_progress, ms=batches) -> str:
         try:
-            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs,
+            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs, cpu_options=options,
                             on_progress=on_progress, online_cpu_rate=True, streams=streams,
                             variants={TWIN: ("gpu", {})} if twin else None, keep=keep, **shape)
             return "complete"
