@@ -14,7 +14,8 @@ bench's streams and seed (``offload_fetch_device_check``'s stacks and steps). Pa
    branch of one cold expert (idle link) plain, and the same with ``wake_team`` before it; each branch with
    the process's involuntary context switches and page faults over it (getrusage).
 3. cpu cells (skewed/25/router/1, skewed/75/none/1, where c1c5838's cpu mode read 1.35 / 1.34x): stacks
-   cpu, cpu-wake (``CpuOptions(wake_after_s=WAKE_AFTER_S)``), cpu-probe (the team probe's empty region before
+   cpu, cpu-wake (``wake_team`` first where the previous branch ended over ``WAKE_AFTER_S`` before; ck1 ran it
+   as ``CpuOptions.wake_after_s``, removed after: no better than none), cpu-probe (the team probe's empty region before
    each branch's compute: every branch's per-thread wake-up and CPUs), cpu-less (2/3 of the calibrated
    threads), gpu and an all-hit stack take turns
    step by step. Every CPU branch logged: measured / model, compute, the gap since the process's previous
@@ -50,7 +51,7 @@ from moekit.config import MoEConfig
 from moekit.experts.reference import experts_reference
 from moekit.offload import CpuOptions, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
-from moekit.offload.cpu_path import CpuPath, wake_team
+from moekit.offload.cpu_path import CpuPath
 from moekit.offload.gpu_terms import fixed_from
 from moekit.routing import Routing
 from offload_fetch_device_check import _stack, _step, _stream  # benchmarks/ on sys.path
@@ -81,25 +82,43 @@ def _usage() -> tuple[int, int, int]:
     return p.ru_nivcsw, t.ru_nivcsw, p.ru_minflt
 
 
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: elements a thread of an ATen parallel_for takes at least
+
+
+def wake_team(threads: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """One ATen parallel op that gives each of ``threads`` threads a grain (a [threads x GRAIN] float32 buffer
+    zeroed), so every worker of the team is awake when a branch's GEMMs start; returns the buffer (``buffer``
+    where it is large enough: a fresh one is fresh pages to fault) for the next call. Measured in ck1 (f963fdf)
+    as ``CpuOptions.wake_after_s`` and removed: no better than none (module docstring)."""
+    if buffer is None or buffer.numel() < threads * _GRAIN:
+        buffer = torch.empty(threads * _GRAIN)
+    buffer[: threads * _GRAIN].zero_()
+    return buffer
+
+
 class LoggedPath(CpuPath):
     """The CPU branch with each call logged (module docstring, part 3): the gap since the process's previous
-    branch, getrusage over it, and with a ``probe`` the team probe's empty region before its compute."""
+    branch, getrusage over it; with a ``probe`` the team probe's empty region before its compute, with ``wake``
+    ``wake_team`` before it where the previous branch ended over ``WAKE_AFTER_S`` before."""
 
     last_end = [0.0]  # the process's latest logged branch's end (perf_counter)
 
-    def __init__(self, options: CpuOptions, device: torch.device, log: list, probe: TeamProbe | None = None) -> None:
+    def __init__(self, options: CpuOptions, device: torch.device, log: list, probe: TeamProbe | None = None,
+                 wake: bool = False) -> None:
         super().__init__(options, device)
-        self.log, self.probe, self.layer_id = log, probe, -1
+        self.log, self.probe, self.wake, self.layer_id, self._buffer = log, probe, wake, -1, None
 
     def finish(self, staged, compute, device, experts: int, tokens: int, threads):
-        team = []
+        team, start, before = [], time.perf_counter(), _usage()
 
         def probed(inputs):
-            team.append(self.probe.run(torch.get_num_threads(), []).summary())
+            if self.probe is not None:
+                team.append(self.probe.run(torch.get_num_threads(), []).summary())
+            if self.wake and start - LoggedPath.last_end[0] > WAKE_AFTER_S:
+                self._buffer = wake_team(torch.get_num_threads(), self._buffer)
             return compute(inputs)
 
-        start, before = time.perf_counter(), _usage()
-        out = super().finish(staged, probed if self.probe is not None else compute, device, experts, tokens, threads)
+        out = super().finish(staged, probed, device, experts, tokens, threads)
         after, end = _usage(), time.perf_counter()
         p = self.last
         self.log.append({"layer": self.layer_id, "gap_ms": (start - LoggedPath.last_end[0]) * 1e3,
@@ -111,11 +130,11 @@ class LoggedPath(CpuPath):
 
 
 def _options(mode: str, costs) -> CpuOptions:
-    """cpu-wake: the team woken first; cpu-less: 2/3 of the calibrated threads (cores left to the host thread's
-    neighbours: a worker preempted stalls the whole region); the others the default."""
+    """cpu-less: 2/3 of the calibrated threads (cores left to the host thread's neighbours: a worker preempted
+    stalls the whole region); the others the default."""
     if mode == "cpu-less":
         return CpuOptions(threads=max(1, (costs.cpu_threads or torch.get_num_threads()) * 2 // 3))
-    return CpuOptions(wake_after_s=WAKE_AFTER_S) if mode == "cpu-wake" else CpuOptions()
+    return CpuOptions()
 
 
 def exact(shell, costs, device, probe: TeamProbe | None) -> list[dict]:
@@ -127,7 +146,8 @@ def exact(shell, costs, device, probe: TeamProbe | None) -> list[dict]:
     for mode in modes:
         layers[mode] = OffloadedMoE.from_moe(shell, cache_experts=c.num_experts // 2, prefetch=None,
                                              compute_misses_on="cpu", costs=costs, device=device)
-        layers[mode]._cpu = LoggedPath(_options(mode, costs), device, [], probe if mode == "cpu-probe" else None)
+        layers[mode]._cpu = LoggedPath(_options(mode, costs), device, [], probe if mode == "cpu-probe" else None,
+                                       mode == "cpu-wake")
     for m in (1, 8):
         for seed in range(3):
             g = torch.Generator(device="cpu").manual_seed(1000 * m + seed)
@@ -194,7 +214,7 @@ def _stacks(shells, trace, routings, slots, prefetch, warm, costs, device, modes
         if mode.startswith("cpu"):
             for layer in stacks[mode]:
                 layer._cpu = LoggedPath(_options(mode, costs), device, log.setdefault(mode, []),
-                                        probe if mode == "cpu-probe" else None)
+                                        probe if mode == "cpu-probe" else None, mode == "cpu-wake")
                 layer._cpu.layer_id = layer.layer_id
     return stacks
 

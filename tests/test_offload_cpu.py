@@ -13,7 +13,7 @@ from moekit import MoE, MoEConfig
 from moekit.offload import CpuOptions, CpuPhases, MissCosts, OffloadedMoE
 from moekit.offload import staging
 from moekit.offload.calibrate import most_threads, thread_candidates
-from moekit.offload.cpu_path import CPU_GEMMS, torch_threads, wake_team
+from moekit.offload.cpu_path import CPU_GEMMS, torch_threads
 
 from _helpers import TOLERANCE, rel_l2
 
@@ -44,7 +44,7 @@ def test_all_misses_on_the_cpu_equal_the_plain_layer_exactly(options):
 
 @pytest.mark.parametrize("options", [CpuOptions(threads=1), CpuOptions(gemm="mm_loop"), CpuOptions(gemm="onednn_fused"),
                                      CpuOptions.baseline(),
-                                     CpuOptions(admit_early=False), CpuOptions(wake_after_s=0.0)])
+                                     CpuOptions(admit_early=False)])
 @pytest.mark.parametrize("place", ["cpu", "auto"])
 def test_cpu_options_keep_the_plain_layers_output(options, place):
     moe = _moe()
@@ -54,15 +54,6 @@ def test_cpu_options_keep_the_plain_layers_output(options, place):
         x = _x(11, seed)
         assert rel_l2(off(x), moe(x)) < TOLERANCE[torch.float32]
     assert off.cache.stats.cpu_experts > 0 and off.cpu_options == options
-
-
-def test_wake_option_is_checked_and_its_buffer_kept():
-    for bad in (-1.0, float("nan")):
-        with pytest.raises(ValueError, match="wake_after_s"):
-            CpuOptions(wake_after_s=bad)
-    buffer = wake_team(2)
-    assert buffer.numel() == 2 * 32768 and torch.count_nonzero(buffer) == 0
-    assert wake_team(1, buffer) is buffer and wake_team(3, buffer) is not buffer  # grown when too small
 
 
 def test_phases_describe_the_forwards_cpu_work():

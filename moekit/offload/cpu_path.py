@@ -39,14 +39,10 @@ class CpuOptions:
     gemm: str | None = None  # the misses' CPU GEMM (CPU_GEMMS); None: MissCosts.cpu_gemm, else ``unmeasured_gemm``
     reuse_staging: bool = True  # keep the pinned staging buffers (False: one pinned allocation per copy)
     admit_early: bool = True  # queue the forward's admissions before the CPU compute, so they overlap it
-    wake_after_s: float | None = None  # wake the thread team (``wake_team``) before a branch that follows the
-    # process's previous one by more than this (None: never); an A/B of issue #18's CPU tail
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"CpuOptions.threads must be an int >= 1 or None, got {self.threads!r}")
-        if self.wake_after_s is not None and not self.wake_after_s >= 0.0:
-            raise ValueError(f"CpuOptions.wake_after_s must be a float >= 0 or None, got {self.wake_after_s!r}")
         if self.gemm is not None and self.gemm not in CPU_GEMMS:
             raise ValueError(f"CpuOptions.gemm must be one of {CPU_GEMMS}, got {self.gemm!r}")
 
@@ -91,7 +87,6 @@ class CpuPath:
         self.pin = device.type == "cuda"
         self.buffers = staging.Buffers(pin=self.pin) if options.reuse_staging else None
         self.last: CpuPhases | None = None
-        self._wake: torch.Tensor | None = None  # ``wake_team``'s buffer, kept (a fresh one is fresh pages to fault)
 
     def setting(self, costs, quantized: bool = False) -> tuple[int | None, str]:
         """(threads, gemm) of a forward: the options', else those ``costs`` (a MissCosts or None) were
@@ -114,31 +109,13 @@ class CpuPath:
             staged.event.synchronize()
         clock.append(time.perf_counter())
         with torch_threads(threads) as used:  # the result's host copy too: after the count is restored, the
-            wake = self.options.wake_after_s  # first parallel op (a [32, K] copy) took ms on one H200 host
-            if wake is not None and clock[0] - _LAST_BRANCH[0] > wake:
-                self._wake = wake_team(used, self._wake)
-            y = compute(staged.inputs)
+            y = compute(staged.inputs)  # first parallel op (a [32, K] copy) took ms on one H200 host
             clock.append(time.perf_counter())
             out = staging.to_device(y, device, pin=self.pin, buffers=self.buffers)
         clock.append(time.perf_counter())  # back: the copy queued and the thread count restored
-        _LAST_BRANCH[0] = clock[-1]
         self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
                               experts, tokens, used)
         return out
-
-
-_LAST_BRANCH = [0.0]  # perf_counter at the end of the process's latest CPU branch (one thread team per process)
-_GRAIN = 32768  # at::internal::GRAIN_SIZE: elements a thread of an ATen parallel_for takes at least
-
-
-def wake_team(threads: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """One ATen parallel op that gives each of ``threads`` threads a grain (a [threads x GRAIN] float32 buffer
-    zeroed), so every worker of the team is awake when the branch's GEMMs start; returns the buffer (``buffer``
-    where it is large enough) for the next call."""
-    if buffer is None or buffer.numel() < threads * _GRAIN:
-        buffer = torch.empty(threads * _GRAIN)
-    buffer[: threads * _GRAIN].zero_()
-    return buffer
 
 
 def unmeasured_gemm(quantized: bool) -> str:
