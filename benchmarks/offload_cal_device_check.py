@@ -253,6 +253,7 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc {r.get('copy_call_ms', 0.0):.3f} "
+            f"bl {r.get('branch_layer_ms', 0.0):.3f} "
             f"cpu x{r.get('cpu_scale', 1.0):.2f} br " + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
                                                                    if v.get("branch_rate")) + " probe " + (", ".join(
                 f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
@@ -374,7 +375,7 @@ def _print(result: dict) -> None:
         print(f"  {name:<22} {BranchLog.line(entries)}")
     print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
           "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
-          "prefetch layer, cc: a call after a copy, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
+          "prefetch layer, cc: a call after a copy, bl: a layer's host work beside its CPU branch, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
         q, pair = auto_vs_best(modes), paired(modes)
         q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")

@@ -253,7 +253,8 @@ def run_cell(shells, config, cell, costs, device, steps: int, modes, probe=None,
                sum(s.hits for s in r["done"]) for r in hit_plain) * eb / priced.gpu_bytes_per_s) / len(shells) * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
            "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "issue_us": fixed.issue_s * 1e6,
            "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "call_ms": fixed.call_s * 1e3,
-           "copy_call_ms": fixed.copy_call_s * 1e3, "modes": {}, "kinds": {}}
+           "copy_call_ms": fixed.copy_call_s * 1e3, "branch_layer_ms": fixed.branch_layer_s * 1e3, "modes": {},
+           "kinds": {}}
     for mode, got in rows.items():
         out["modes"][mode] = _mode_summary(got, costs, priced, fixed, ref, eb, [
             max(0.0, (r["s"] - sum(s.hits for s in r["done"]) * eb / priced.gpu_bytes_per_s) / len(shells)) for r in hit_plain])
@@ -280,7 +281,7 @@ def _mode_summary(got: list[dict], costs, priced, fixed, ref: float, eb: int, pa
 
     def floor(r, c, measured=None, layer_s=ref):
         return timeline_s(r["done"], eb, c, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, measured=measured,
-                          copy_call_s=fixed.copy_call_s)
+                          copy_call_s=fixed.copy_call_s, branch_layer_s=fixed.branch_layer_s)
 
     floors = [floor(r, by_rate) for r in plain]
 

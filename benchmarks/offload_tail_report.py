@@ -36,7 +36,7 @@ def cell_lines(cell: dict, layers: int) -> list[str]:
     out = [f"cell {cell['cell']}: slots {cell['slots']}, fixed {cell['fixed_ms']:.3f} ms (all-hit stack among the turns "
            f"{cell['ref_fixed_ms']:.3f}, by its mean step {cell['ref_fixed_mean_ms']:.3f}), overlap {cell['overlap_ms']:.3f}, prefetch layer {cell['prefetch_layer_ms']:.3f}, "
            f"fetch layer {cell['fetch_layer_ms']:.3f}, call {cell['call_ms']:.3f}, issue {cell['issue_us']:.1f} us, "
-           f"copy call {cell['copy_call_ms']:.3f}"]
+           f"copy call {cell['copy_call_ms']:.3f}, branch layer {cell.get('branch_layer_ms', 0.0):.3f}"]
     kinds = cell["kinds"]
     if kinds:
         names = sorted({n for k in kinds.values() for n in k}, key=lambda n: min(k[n][0] for k in kinds.values() if n in k))

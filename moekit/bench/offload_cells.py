@@ -124,6 +124,7 @@ def _group_fields(fixed: FixedCosts, quiet: float, costs: MissCosts, scale: floa
     return {"fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "copy_call_ms": fixed.copy_call_s * 1e3,
+            "branch_layer_ms": fixed.branch_layer_s * 1e3,
             "cpu_expert_us": costs.cpu_time(1) * 1e6, "cpu_scale": scale}
 
 
@@ -216,24 +217,24 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
     by_rate = given.scaled(rate) if rate else None
-    c = fixed.copy_call_s
+    c, bl = fixed.copy_call_s, fixed.branch_layer_s
 
     def head(done, layer_s: float) -> float:
-        return (timeline_s(done, expert_bytes, by_rate, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c)
+        return (timeline_s(done, expert_bytes, by_rate, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl)
                 if by_rate else timeline_s(done, expert_bytes, costs, layer_s, fixed.overlap_s, fixed.prefetch_layer_s,
-                                           idle, copy_call_s=c))
+                                           idle, copy_call_s=c, branch_layer_s=bl))
 
     return [[head(done, fixed.layer_s if paired is None else layer_s),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle,
-                        copy_call_s=c * r),
-             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
+                        copy_call_s=c * r, branch_layer_s=bl * r),
+             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran,
-                        copy_call_s=c),
+                        copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
-                        copy_call_s=c),
+                        copy_call_s=c, branch_layer_s=bl),
              head(done, fixed.layer_s)]
             for done, ran, layer_s in zip(dones, branches or [None] * len(dones), paired or [None] * len(dones))]
 

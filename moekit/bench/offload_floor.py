@@ -72,10 +72,12 @@ link time, CPU side), summed, and at least every byte the link moved over its ra
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats
-from moekit.offload.gpu_terms import FixedCosts, measure_terms
+from moekit.offload.gpu_terms import FixedCosts, measure_branch_layer, measure_terms
 from moekit.routing import Routing
 
 
@@ -91,7 +93,7 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
                overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None,
-               measured: list[float] | None = None, *, copy_call_s: float = 0.0) -> float:
+               measured: list[float] | None = None, *, copy_call_s: float = 0.0, branch_layer_s: float = 0.0) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
@@ -103,7 +105,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
     (seconds per layer): each layer's CPU branch as it ran, in place of the model: not a floor, a check of
     its other terms against the step. ``copy_call_s``: after a layer that admitted and prefetched nothing
-    (``FixedCosts.copy_call_s``, module docstring)."""
+    (``FixedCosts.copy_call_s``, module docstring). ``branch_layer_s``: a layer with a CPU branch's host work
+    outside it, before the branch (``FixedCosts.branch_layer_s``)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     ahead = min(overlap_s, fixed_s)
@@ -114,7 +117,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start - ahead) + s.fetched * rate
         free = fetched_at + s.admitted * rate
-        cpu = issue + (measured[i] if measured is not None else cpu_branch_s(s, costs, idle, free - start - issue))
+        cpu = issue + branch_layer_s + (measured[i] if measured is not None else cpu_branch_s(
+            s, costs, idle, free - start - issue - branch_layer_s)) if s.cpu_experts else 0.0
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         end = min(end, max(start, fetched_at) + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:
@@ -166,6 +170,7 @@ def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, op
     x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
                     dtype=shells[0].w13.dtype)
     fixed = measure_terms(layers, x, steps, costs)  # repeats 5: one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    fixed = dataclasses.replace(fixed, branch_layer_s=measure_branch_layer(layers, x, steps, fixed.issue_s))
     del layers, cache
     if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
         torch.cuda.empty_cache()

@@ -93,6 +93,7 @@ class OffloadRow:
     overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
     prefetch_layer_ms: float = 0.0  # a layer's prefetch of one expert over none, on the host's path, likewise
     copy_call_ms: float = 0.0  # an experts call right after a copy into the slots over one after none, likewise
+    branch_layer_ms: float = 0.0  # a forward with a CPU branch over an all-hit one, the branch itself out, likewise
     x_floor_no_prefetch: float = 0.0  # step_ms over the floor without ``prefetch_layer_ms``
     x_floor_host: float = 0.0  # over the floor with the host terms scaled to the reference's speed (``offload_cells``)
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
