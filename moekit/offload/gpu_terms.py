@@ -226,17 +226,16 @@ def measure_forced(layers, x: torch.Tensor, steps: list[list[Routing]], counts=(
 def measure_branch_layer(layers, x: torch.Tensor, steps: list[list[Routing]], issue_s: float,
                          repeats: int = 3) -> float:
     """``FixedCosts.branch_layer_s`` on ``layers`` (gpu mode, their cache holding every expert the steps
-    touch, their ``costs`` the CPU branch's setting): each step timed all hits, then with one touched expert
-    of every layer (the lowest id) evicted and the layers in the cpu mode (that expert computed on the CPU),
-    then run once untimed in the gpu mode (whatever was not admitted fetched back); the median over the pairs
+    touch, their ``costs`` the CPU branch's setting): each step run once untimed in the gpu mode (whatever an
+    admission evicted fetched back: a full cache), timed all hits, then with one touched expert of every layer
+    (the lowest id) evicted and the layers in the cpu mode (that expert computed on the CPU); the median over the pairs
     of (with - the branches' ``total_s`` - the admissions x ``issue_s`` - without) / L, at least 0."""
-    for per_layer in steps:
-        for layer, routing in zip(layers, per_layer):
-            layer.run_routed(x, routing)
     touched = [[sorted(_touched(r)) for r in per_layer] for per_layer in steps]
     extra = []
     for _ in range(repeats):
         for per_layer, sets in zip(steps, touched):
+            for layer, routing in zip(layers, per_layer):  # untimed first: whatever an admission evicted fetched
+                layer.run_routed(x, routing)
             none = _timed_step(layers, x, per_layer, False)
             for layer, experts in zip(layers, sets):
                 layer.cache.evict(layer.layer_id, experts[:1])
@@ -249,8 +248,9 @@ def measure_branch_layer(layers, x: torch.Tensor, steps: list[list[Routing]], is
                 for layer in layers:
                     layer.compute_misses_on = "gpu"
             extra.append((with_branch - own - none) / len(layers))
-            for layer, routing in zip(layers, per_layer):
-                layer.run_routed(x, routing)
+    for per_layer in steps:  # as found: every expert the steps touch cached again
+        for layer, routing in zip(layers, per_layer):
+            layer.run_routed(x, routing)
     return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
