@@ -1,16 +1,19 @@
 """Device check for issue #18's targets: each cell's step within [0.85, 1.2]x its predicted floor, hit rate
 at the simulator's, and "auto" never slower than the better pure mode, beside the noise of the same run.
 
-    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 150 s)
+    PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py            (H200, whole table, < 165 s)
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells 'skewed/75/router/1,*/*/*/8'
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --profile uniform/50/none/8
     PYTHONPATH=$PWD OUT=/tmp/o python benchmarks/offload_cal_device_check.py --cells close --profile uniform/50/none/8
                                         (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
+``--cpu-threads N``: the CPU branch at N threads (``CpuOptions(threads=N)``; default: the calibration's, half
+the CPUs since session 23; 12 on the H200 host before it). ``--out DIR``: the JSON's folder (else $OUT).
 ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
 no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
-no group starts past S seconds (default 122). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU
+no group starts past S seconds (default 145: all 27 groups took 112 s on 0efdb0f's merged-main run,
+and c1c5838's, cut at 92 s, lost the last two, uniform/50 and 75 at M = 32; a group takes at most ~6 s). The header prints ``OMP_WAIT_POLICY`` (PASSIVE: the CPU
 branch's threads sleep at once after their work instead of spinning beside the host's next layer).
 
 ``moekit bench --offload``'s table at Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16, 4 layers
@@ -55,9 +58,9 @@ from moekit.offload.cpu_path import CPU_GEMMS
 from offload_cal_log import MODES, BranchLog  # benchmarks/ on sys.path
 from offload_cpu_anatomy import passes, print_passes
 
-LIMIT_S = 122.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 150 s
+LIMIT_S = 145.0  # no group starts past it (the one in flight finishes; its rows kept and printed): total < 165 s
 GAP_S = 0.005  # ``cpu_check``'s idle host time before a branch: about a decode layer's GPU-path host work
-PROFILE_LIMIT_S = 135.0  # the --profile pass (one group after the table, ~10 s) does not start past it
+PROFILE_LIMIT_S = 158.0  # the --profile pass (one group after the table, ~10 s) does not start past it
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
@@ -96,8 +99,12 @@ def dump(result: dict) -> None:
 
 def _options(argv: list[str]) -> list[str]:
     """``--cells``' patterns (``CLOSE`` for "close"); sets ``BRANCHES.profile_cell`` from ``--profile`` (the
-    smoke run's default one exercises the profiler too) and ``LIMIT_S`` from ``--limit`` (two runs in one call)."""
+    smoke run's default one exercises the profiler too), ``LIMIT_S`` from ``--limit`` (two runs in one call)
+    and ``OUT`` from ``--out`` (a folder, made)."""
     global LIMIT_S, PROFILE_LIMIT_S
+    if "--out" in argv:
+        os.environ["OUT"] = argv[argv.index("--out") + 1]
+        os.makedirs(os.environ["OUT"], exist_ok=True)
     if "--limit" in argv:
         LIMIT_S = float(argv[argv.index("--limit") + 1])
         PROFILE_LIMIT_S = LIMIT_S + 13.0
@@ -115,18 +122,19 @@ def main(argv: list[str]) -> int:
     smoke, twin = "--smoke" in argv, "--no-twin" not in argv
     patterns = _options(argv)
     cuda = torch.cuda.is_available() and not smoke
-    device, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
-    shape = dict(QWEN3_30B if cuda else SMOKE)
+    device, dtype, shape = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32, dict(
+        QWEN3_30B if cuda else SMOKE)
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
+    options = CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv else CpuOptions()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
-              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running",
+              "cells_asked": patterns, "twin": twin, "rows": [], "state": "running", "cpu_threads_asked": options.threads,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
     batches = (1, 8, 32) if cuda else (1, 8)
-    costs = measure_costs(shells[0], device, CpuOptions(), cpu_rows(batches), max(batches))
+    costs = measure_costs(shells[0], device, options, cpu_rows(batches), max(batches))
     result["costs"], result["setup_s"] = dataclasses.asdict(costs), time.perf_counter() - START
     result["cpu_check"] = cpu_check(shells[0], costs, device, repeats=2 if smoke else 4)
     logged = len(BRANCHES.entries)
@@ -135,9 +143,8 @@ def main(argv: list[str]) -> int:
     if "--fixed-threads" in argv and costs.cpu_threads:  # torch's count at the branch's for the table: no
         torch.set_num_threads(costs.cpu_threads)  # team-size switch a branch (``cpu_check``'s "=" rows)
         result["torch_threads"] = f"{result['torch_threads']} -> {costs.cpu_threads} after cpu_check (--fixed-threads)"
-    result["branches"] = BRANCHES.cells
+    result["branches"], group_size = BRANCHES.cells, len(MODES) + twin
     dump(result)
-    group_size = len(MODES) + twin
 
     def progress(r, key: str = "rows", suffix: str = "") -> None:
         result[key].append({**dataclasses.asdict(r)})
@@ -149,7 +156,7 @@ def main(argv: list[str]) -> int:
 
     def table(streams, keep, on_progress, ms=batches) -> str:
         try:
-            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs,
+            measure_offload(device, batches=ms, policies=("lfu",), places=MODES, shells=shells, costs=costs, cpu_options=options,
                             on_progress=on_progress, online_cpu_rate=True, streams=streams,
                             variants={TWIN: ("gpu", {})} if twin else None, keep=keep, **shape)
             return "complete"
@@ -246,10 +253,24 @@ def _group_text(modes: dict[str, dict]) -> str:
     r = next(iter(modes.values()))
     return (f"fix {r.get('fixed_ms', 0.0):.3f}(q{r.get('fixed_quiet_ms', 0.0):.3f})+{r.get('call_ms', 0.0):.3f}"
             f"/{r.get('fetch_layer_ms', 0.0):.3f} pf {r.get('prefetch_layer_ms', 0.0):.3f} cc {r.get('copy_call_ms', 0.0):.3f} "
+            f"bl {r.get('branch_layer_ms', 0.0):.3f} "
             f"cpu x{r.get('cpu_scale', 1.0):.2f} br " + "/".join(f"{v.get('branch_rate', 0.0):.2f}" for v in modes.values()
                                                                    if v.get("branch_rate")) + " probe " + (", ".join(
                 f"{mode} {v['probe_shape']} b{v['probe_busy']:.2f}/i{v['probe_idle']:.2f} n{v['probes']}"
                 for mode, v in modes.items() if v.get("probes")) or "-"))
+
+
+def _paired_lines(rows: list[dict]) -> list[str]:
+    """Per mode the x-floor range with the group's fixed cost throughout (the reference's median step; the
+    headline pairs each step with its all-hit twin in the same round)."""
+    out = []
+    for mode in (*MODES, TWIN):
+        paired = [r["x_floor_median"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_median")]
+        if paired:
+            out.append(f"{mode:>4} x floor with the fixed cost the reference's median step throughout (before session 23): "
+                       f"{min(paired):.2f}-{max(paired):.2f}, {sum(x > 1.2 for x in paired)} of {len(paired)} > 1.2, "
+                       f"{sum(x < 0.85 for x in paired)} < 0.85")
+    return out
 
 
 def summary(rows: list[dict]) -> list[str]:
@@ -266,6 +287,7 @@ def summary(rows: list[dict]) -> list[str]:
                        f"{min(gs):.2f}-{max(gs):.2f}, {sum(x > 1.2 for x in gs)} > 1.2, {sum(x < 0.85 for x in gs)} < 0.85;"
                        f" probe's busy rate throughout: {min(bs):.2f}-{max(bs):.2f}, {sum(x > 1.2 for x in bs)} > 1.2, "
                        f"{sum(x < 0.85 for x in bs)} < 0.85)")
+    out += _paired_lines(rows)
     for mode in ("cpu", "auto"):
         ran = [r["x_floor_cpu_ran"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_cpu_ran")
                and r["cpu_tokens_per_step"]]
@@ -353,7 +375,7 @@ def _print(result: dict) -> None:
         print(f"  {name:<22} {BranchLog.line(entries)}")
     print("cell | mode step ms±sem x floor (g: CPU by the pre-group recalibration) hit/sim, ac: step after the cpu "
           "stack / after others | auto/best (paired by step: mean±sem over best) | twin gpu2/gpu | group: fixed layer ms (q: quiet)+call/fetch layer, pf: "
-          "prefetch layer, cc: a call after a copy, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
+          "prefetch layer, cc: a call after a copy, bl: a layer's host work beside its CPU branch, CPU scale (pre-group), probe by mode: experts x rows, b/i: busy/idle over model, n probes")
     for (stream, fraction, _, prefetch, m), modes in modes_by_cell(result["rows"]).items():
         q, pair = auto_vs_best(modes), paired(modes)
         q_text = "-" if q is None else f"{q:.3f}" + ("" if pair is None else f"({pair[0]:+.3f}±{pair[1]:.3f})")

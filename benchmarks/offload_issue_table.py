@@ -1,8 +1,13 @@
 """Issue #18's closing table from an ``offload_cal_device_check.py`` JSON: cache fraction x M x prefetch per
 stream, each mode's tok/s, hit rate, floor and step / floor, the simulator's hit rate, "auto" over the
-better pure mode, and prefetch's hit-rate gain on the skewed stream.
+better pure mode, and prefetch's hit-rate gain on the skewed stream. The floor pairs each step with its all-hit
+twin in the same round (``offload_cells._floors``); the ranges by the twin's median step, the floor before
+session 23, are listed beside it where the JSON has them.
 
-    python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json   (markdown to stdout)
+    python3 benchmarks/offload_issue_table.py benchmarks/results/raw/<file>.json [<more>.json ...]   (markdown)
+
+Several JSONs (one table run split into invocations by ``--cells``) are joined, in the order given; a cell
+(stream, cache %, prefetch, M, mode) found in two of them is an error, not a silent pick.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ def targets(rows: list[dict]) -> list[str]:
         xs = [r["x_floor"] for r in rows if r["compute_misses_on"] == mode]
         if xs:
             out.append(f"{mode}: x floor {min(xs):.2f}-{max(xs):.2f}, {sum(x > 1.2 for x in xs)} of {len(xs)} > 1.2")
+        med = [r["x_floor_median"] for r in rows if r["compute_misses_on"] == mode and r.get("x_floor_median")]
+        if med:  # the floor before session 23: the group's fixed cost (the all-hit stack's median step) throughout
+            out.append(f"{mode}: x floor by the all-hit stack's median step throughout {min(med):.2f}-{max(med):.2f}, "
+                       f"{sum(x > 1.2 for x in med)} of {len(med)} > 1.2")
     if rows:
         out.append(f"largest |hit - sim| {max(abs(r['hit_rate'] - r['sim_hit_rate']) for r in rows):.4f}")
     cells = modes_by_cell(rows)
@@ -54,9 +63,24 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
+def joined(paths: list[str]) -> list[dict]:
+    """The rows of every JSON in ``paths``, in order; a (stream, cache fraction, prefetch, M, mode) twice raises."""
+    rows, seen = [], {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                key = (r["stream"], r["cache_fraction"], r["prefetch"], r["M"], r["compute_misses_on"])
+                if key in seen:
+                    raise SystemExit(f"cell {key} is in both {seen[key]} and {path}")
+                seen[key] = path
+                rows.append(r)
+    return rows
+
+
 def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
-        rows = json.load(f)["rows"]
+    if not argv:
+        raise SystemExit("usage: offload_issue_table.py RUN.json [RUN2.json ...]")
+    rows = joined(argv)
     print("\n".join(table(rows)))
     print()
     print("\n".join(f"- {line}" for line in targets(rows)))

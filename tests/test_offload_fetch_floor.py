@@ -189,3 +189,19 @@ def test_the_branch_rate_floor_prices_the_cpu_side_at_the_runs_time_weighted_med
     assert branch_rate([(1.0, 1.0), (2.0, 4.0), (3.0, 1.0)]) == pytest.approx(0.5)
     assert branch_rate([(1.0, 1.0), (1.6, 2.0), (6.0, 3.0)]) == pytest.approx(1.0)  # 2 s at 0.8, then 3 of 6 s at <= 1.0
     assert branch_rate([]) is None
+
+
+def test_the_paired_floor_takes_each_steps_fixed_cost_from_its_all_hit_twin_in_the_same_round():
+    """``offload_cells._floors``' first entry with ``paired``: two all-hit steps of one layer (1 hit, 1 ms of
+    reads), the group's fixed cost 4 ms (the reference's median) but the twins' own 3 and 7 ms that round:
+    floors 3 + 1 = 4 and 7 + 1 = 8 ms (mean 6); entry 9 keeps the group's cost, 5 and 5; without ``paired``
+    both take the group's."""
+    from moekit.bench.offload_cells import _floors
+    from moekit.offload.gpu_terms import FixedCosts
+
+    done = [[_stats(hits=1)], [_stats(hits=1)]]  # 1000 bytes at 1e6 B/s: 1 ms
+    floors = _floors(done, 1000, COSTS, FixedCosts(0.004), quiet=0.004, paired=[0.003, 0.007])
+    assert [f[0] for f in floors] == pytest.approx([0.004, 0.008])
+    assert [f[9] for f in floors] == pytest.approx([0.005, 0.005])
+    plain = _floors(done, 1000, COSTS, FixedCosts(0.004), quiet=0.004)
+    assert [f[0] for f in plain] == [f[9] for f in plain] == pytest.approx([0.005, 0.005])

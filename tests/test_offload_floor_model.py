@@ -5,6 +5,8 @@ search written here, and ``OffloadedMoE``'s layout report. Hand-worked numbers a
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import pytest
@@ -130,6 +132,10 @@ def test_timeline_issues_a_prefetch_after_the_layers_cpu_branch():
     assert timeline_s([cpu], 1000, costs, 0.003) == pytest.approx(0.015)  # no host cost: the link's end
     gpu = _stats(hits=4, prefetched=1)  # no CPU side: after the hits' reads, 3 + 4 + 2 = 9 ms (link done at 4)
     assert timeline_s([gpu], 1000, costs, 0.003, prefetch_s=0.002) == pytest.approx(0.009)
+    # three experts prefetched: the one prefetch_s holds, and 0.5 ms of issue for each other: 3 + 4 + 2 + 1 = 10 ms
+    three = _stats(hits=4, prefetched=3)
+    issued = dataclasses.replace(costs, issue_s=0.0005)
+    assert timeline_s([three], 1000, issued, 0.003, prefetch_s=0.002) == pytest.approx(0.010)
 
 
 def test_timeline_charges_a_call_after_a_layers_admissions_where_nothing_else_prices_it():

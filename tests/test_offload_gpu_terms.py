@@ -213,3 +213,52 @@ def test_warm_rows_runs_the_cpu_experts_once_at_every_row_count_and_measure_cost
     layer.measure_costs(tokens=2, repeats=1, rows=(1, 2), warm=7)
     layer.measure_costs(tokens=2, repeats=1, rows=(1, 3))
     assert asked == [7, 3]  # given, else the grid's largest row count
+
+
+def test_measure_branch_layer_is_a_forward_with_a_cpu_expert_over_all_hits_less_the_branch(monkeypatch):
+    """``measure_branch_layer``: each step all hits, then one touched expert of each layer evicted and computed
+    on the CPU (a fake clock: a forward BASE_S; with a branch, its own BRANCH_S (set as its phases), ISSUE_S
+    for each admission and EXTRA_S of host work beside it): the median per layer is EXTRA_S; the layers are
+    back in the gpu mode with the same experts cached after."""
+    from moekit.offload.cpu_path import CpuPhases
+
+    branch_s, issue_s, extra_s, clock = 0.002, 0.00005, 0.00015, [0.0]
+    monkeypatch.setattr(gpu_terms, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    run = OffloadedMoE.run_routed
+
+    def timed(self, x, routing):
+        out = run(self, x, routing)
+        clock[0] += BASE_S
+        if self.last_stats.cpu_experts:
+            self._cpu.last = CpuPhases(0.0, 0.0, branch_s, 0.0, self.last_stats.cpu_experts, 1, 1)
+            clock[0] += branch_s + extra_s + issue_s * self.last_stats.admitted
+        return out
+
+    monkeypatch.setattr(OffloadedMoE, "run_routed", timed)
+    costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1e-6, cpu_token_s=1e-6)
+    cache = ExpertCache(16, device="cpu")
+    layers = [OffloadedMoE.from_moe(_moe(seed), cache=cache, prefetch=None, costs=costs) for seed in range(2)]
+    x = torch.randn(2, 32)
+    steps = [[route(layer.gate(x), layer.config) for layer in layers]]
+    for layer, routing in zip(layers, steps[0]):
+        layer.run_routed(x, routing)
+    cached = [set(cache.cached(layer.layer_id)) for layer in layers]
+    assert gpu_terms.measure_branch_layer(layers, x, steps, issue_s, repeats=3) == pytest.approx(extra_s)
+    assert all(layer.compute_misses_on == "gpu" for layer in layers)
+    assert [set(cache.cached(layer.layer_id)) for layer in layers] == cached
+    assert cache.stats.cpu_experts == 3 * len(layers)  # one CPU expert a layer a repeat
+
+
+def test_timeline_puts_a_branch_layers_host_work_before_its_cpu_branch():
+    # fixed 3 ms, one CPU expert (a 2 ms call + 9 ms at 4 rows): 3 + 11 = 14 ms, with 0.5 ms beside the branch 14.5;
+    # a layer without a CPU expert pays none of it
+    from moekit.bench.offload_floor import timeline_s as floor
+
+    table = ((1, 0.008), (4, 0.009))
+    costs = MissCosts(link_bytes_per_s=1e6, cpu_expert_s=0.0, cpu_token_s=0.0, cpu_step_s=0.002,
+                      gpu_bytes_per_s=1e9, cpu_rows_s=table)
+    cpu = OffloadStats(touched=1, cpu_experts=1, cpu_tokens=4, cpu_forwards=1, cpu_rows=(4,))
+    assert floor([cpu], 1000, costs, 0.003) == pytest.approx(0.014)
+    assert floor([cpu], 1000, costs, 0.003, branch_layer_s=0.0005) == pytest.approx(0.0145)
+    hits = OffloadStats(touched=1, hits=1)
+    assert floor([hits], 1000, costs, 0.003, branch_layer_s=0.0005) == floor([hits], 1000, costs, 0.003)

@@ -94,12 +94,11 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
     expert_bytes = stacks[0][0].cache.expert_bytes
     del stacks, ref  # the caches' slots, before the next group allocates its own
     quiet = fixed.layer_s
-    if reference and len(dones) > len(runs):  # the reference fitted (``_reference``)
-        hits = [sum(s.hits for s in done) for done in dones[-1]]
-        fixed = dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, len(routings[0]), expert_bytes, costs))
+    fixed, paired = _from_reference(fixed, times, dones, reference and len(dones) > len(runs), len(routings[0]),
+                                    expert_bytes, costs)
     rates = {j: probe.floor_costs() for j, probe in probes.items()}
     return [{**_row(run, times[j], _floors(dones[j], expert_bytes, costs, fixed, quiet, *rates.get(j, (None, None)), branches[j],
-                                           branch_rate(ratios[j])),
+                                           branch_rate(ratios[j]), paired),
                     _total(dones[j]), trace, warm, costs, expert_bytes, x.shape[0], phases[j]),
              **(probes[j].summary() if j in probes else {}), **_group_fields(fixed, quiet, costs, scale),
              "branch_rate": branch_rate(ratios[j]) or 0.0,
@@ -107,11 +106,25 @@ def run_cells(shells, config, routings: list[list[Routing]], trace: RoutingTrace
             for j, run in enumerate(runs)]
 
 
+def _from_reference(fixed: FixedCosts, times: list[list[float]], dones: list, fitted: bool, layers: int,
+                    expert_bytes: int, costs: MissCosts) -> tuple[FixedCosts, list[float] | None]:
+    """``fixed`` with its layer cost the reference's (the last stack's steps, ``fixed_from``), and each timed
+    step's own (step - hits' reads) / L of the reference (``_floors``' ``paired``); as given and None where the
+    reference did not fit (``fitted`` False)."""
+    if not fitted:
+        return fixed, None
+    hits = [sum(s.hits for s in done) for done in dones[-1]]
+    read = expert_bytes / costs.gpu_bytes_per_s
+    return (dataclasses.replace(fixed, layer_s=fixed_from(times[-1], hits, layers, expert_bytes, costs)),
+            [max(0.0, (t - h * read) / layers) for t, h in zip(times[-1], hits)])
+
+
 def _group_fields(fixed: FixedCosts, quiet: float, costs: MissCosts, scale: float) -> dict:
     """The fields every row of a group shares: its fixed costs (ms), the CPU expert's price (us) and scale."""
     return {"fixed_ms": fixed.layer_s * 1e3, "fixed_quiet_ms": quiet * 1e3, "call_ms": fixed.call_s * 1e3,
             "fetch_layer_ms": fixed.fetch_layer_s * 1e3, "overlap_ms": fixed.overlap_s * 1e3,
             "prefetch_layer_ms": fixed.prefetch_layer_s * 1e3, "copy_call_ms": fixed.copy_call_s * 1e3,
+            "branch_layer_ms": fixed.branch_layer_s * 1e3,
             "cpu_expert_us": costs.cpu_time(1) * 1e6, "cpu_scale": scale}
 
 
@@ -178,18 +191,24 @@ def _total(dones: list[list[OffloadStats]]) -> OffloadStats:
 
 def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts, fixed: FixedCosts,
             quiet: float, busy: MissCosts | None = None, idle: MissCosts | None = None,
-            branches: list[list[float]] | None = None, rate: float | None = None) -> list[list[float]]:
+            branches: list[list[float]] | None = None, rate: float | None = None,
+            paired: list[float] | None = None) -> list[list[float]]:
     """Per timed step: the timeline floor (its CPU side by the CPU model as given scaled by ``rate``, the run's
     own branches' median rate, ``branch_rate``, throughout; without a rate by ``busy`` / ``idle``, the probe's
-    rates; None: ``costs``' throughout), the
+    rates; None: ``costs``' throughout; its fixed cost the same step's all-hit twin's in the same round,
+    ``paired``: per timed step, the reference's (step - hits' reads) / L; None: ``fixed.layer_s``), the
     layers' maxima summed, the floor as before the reference, ``fetch_layer_s`` and ``overlap_s`` (the quiet
     fixed cost, no such terms), the timeline floor without ``prefetch_layer_s``, the timeline floor with the
     host terms measured before the group (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``, ``prefetch_layer_s``)
     scaled by the reference's fixed cost over the quiet one (the host's speed among the cells over its
     speed then; 1 without a reference), the timeline floor by ``costs``' CPU model as given, and the
     timeline floor at ``busy``'s rate throughout (no idle rate), and the timeline with each layer's CPU
-    branch as it ran (``branches``, per step and layer; without them, the floor), and the timeline floor by
-    the probe's rates (the first entry without a ``rate``)."""
+    branch as it ran (``branches``, per step and layer; without them, the floor), the timeline floor by
+    the probe's rates (the first entry without a ``rate``), and the first entry with the group's fixed cost
+    (``fixed.layer_s``: the reference's median step) throughout, the headline until session 23. Paired, the
+    floor follows the host's speed round by round and its mean holds the all-hit steps' mean, as ``step_ms`` is
+    a mean: by the median the all-hit stack itself read 1.07-1.08x its own floor in the cpu cells of one H200
+    run, where the host's slow rounds pull its mean up (``offload_tail_device_check``, ``...-f963fdf-offload3-ck1``)."""
     given, busy = costs, busy or costs
     costs = dataclasses.replace(costs, cpu_step_s=busy.cpu_step_s, cpu_expert_s=busy.cpu_expert_s,
                                 cpu_token_s=busy.cpu_token_s, cpu_rows_s=busy.cpu_rows_s)
@@ -198,22 +217,26 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
     by_rate = given.scaled(rate) if rate else None
-    c = fixed.copy_call_s
-    return [[timeline_s(done, expert_bytes, by_rate, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s,
-                        copy_call_s=c) if by_rate
-             else timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
-                             copy_call_s=c),
+    c, bl = fixed.copy_call_s, fixed.branch_layer_s
+
+    def head(done, layer_s: float) -> float:
+        return (timeline_s(done, expert_bytes, by_rate, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl)
+                if by_rate else timeline_s(done, expert_bytes, costs, layer_s, fixed.overlap_s, fixed.prefetch_layer_s,
+                                           idle, copy_call_s=c, branch_layer_s=bl))
+
+    return [[head(done, fixed.layer_s if paired is None else layer_s),
              sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle,
-                        copy_call_s=c * r),
-             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c),
+                        copy_call_s=c * r, branch_layer_s=bl * r),
+             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
+             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran,
-                        copy_call_s=c),
+                        copy_call_s=c, branch_layer_s=bl),
              timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
-                        copy_call_s=c)]
-            for done, ran in zip(dones, branches or [None] * len(dones))]
+                        copy_call_s=c, branch_layer_s=bl),
+             head(done, fixed.layer_s)]
+            for done, ran, layer_s in zip(dones, branches or [None] * len(dones), paired or [None] * len(dones))]
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -301,8 +324,8 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
     """A cell's measured fields, and the what-if's hit rate replayed from the same step."""
     sim = replay(trace, run.slots, run.policy, measure_from=warm + 1, **_options(run, costs, expert_bytes)).hit_rate
     steps, step_s = len(times), statistics.fmean(times)
-    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s, probe_s = (
-        statistics.fmean(f[i] for f in floors) for i in range(9))
+    floor_s, sum_s, before_s, unfetched_s, host_s, given_s, busy_s, ran_s, probe_s, median_s = (
+        statistics.fmean(f[i] for f in floors) for i in range(10))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
             "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
@@ -314,6 +337,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
             "x_floor_busy": step_s / busy_s if busy_s else float("inf"),
             "x_floor_cpu_ran": step_s / ran_s if ran_s else float("inf"),
             "x_floor_probe": step_s / probe_s if probe_s else float("inf"),
+            "x_floor_median": step_s / median_s if median_s else float("inf"),
             "hit_rate": timed.hit_rate, "sim_hit_rate": sim, "fetched_per_step": timed.fetched / steps,
             "cpu_tokens_per_step": timed.cpu_tokens / steps,
             "link_experts_per_step": (timed.fetched + timed.prefetched + timed.admitted) / steps,

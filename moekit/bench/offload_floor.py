@@ -43,7 +43,12 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                thread, and the prefetch is issued when ``run_routed`` returns: until session 20 the floor
                let the branch hide it, and the cpu mode's prefetching cells read over their floor). Before it, the floor priced a prefetch as link time only, and the M = 1
                skewed cells with prefetch ran 1.18-1.43x it (one H200 run): moving a fetch into a
-               prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing
+               prefetch lowered the floor by its ``fetch_layer_s`` and the step by nothing;
+               ``prefetch_layer_s`` is timed with one expert a layer, and each further expert of a layer's
+               prefetch costs ``MissCosts.issue_s`` more (its victim evicted, its copy issued): at skewed 50%
+               router M = 1 (2.25 experts a prefetching layer) the host's time from a gpu layer's end to the
+               next layer's start was 0.16-0.28 ms against 0.03-0.04 without prefetch, at 75% (0.93 an
+               expert) 0.07-0.09 (``benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``)
 
     copy call: after a layer that admitted experts (its CPU branch's misses, copied after its own calls) and
                prefetched nothing, ``FixedCosts.copy_call_s`` more on the host's path (a fetch's and a
@@ -67,10 +72,12 @@ link time, CPU side), summed, and at least every byte the link moved over its ra
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moekit.offload import ExpertCache, MissCosts, OffloadedMoE, OffloadStats
-from moekit.offload.gpu_terms import FixedCosts, measure_terms
+from moekit.offload.gpu_terms import FixedCosts, measure_branch_layer, measure_terms
 from moekit.routing import Routing
 
 
@@ -86,7 +93,7 @@ def cpu_side_s(s: OffloadStats, costs: MissCosts) -> float:
 
 def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCosts, fixed_s: float = 0.0,
                overlap_s: float = 0.0, prefetch_s: float = 0.0, idle: MissCosts | None = None,
-               measured: list[float] | None = None, *, copy_call_s: float = 0.0) -> float:
+               measured: list[float] | None = None, *, copy_call_s: float = 0.0, branch_layer_s: float = 0.0) -> float:
     """A step's floor in seconds (module docstring) from each layer's counts, in layer order:
     ``fixed_s`` per layer, ``costs.gpu_call_s`` more for a layer with both hits and fetches (the
     second call "auto" prices too, ``cost.gpu_side_s``), a layer with fetches at least its hits' reads
@@ -98,7 +105,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
     link still moves the copies queued before it (``cpu_branch_s``), at the idle rate after. ``measured``
     (seconds per layer): each layer's CPU branch as it ran, in place of the model: not a floor, a check of
     its other terms against the step. ``copy_call_s``: after a layer that admitted and prefetched nothing
-    (``FixedCosts.copy_call_s``, module docstring)."""
+    (``FixedCosts.copy_call_s``, module docstring). ``branch_layer_s``: a layer with a CPU branch's host work
+    outside it, before the branch (``FixedCosts.branch_layer_s``)."""
     read, link = expert_bytes / costs.gpu_bytes_per_s, expert_bytes / costs.link_bytes_per_s
     busy = expert_bytes / (costs.link_cpu_bytes_per_s or costs.link_bytes_per_s)
     ahead = min(overlap_s, fixed_s)
@@ -109,7 +117,8 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         rate = busy if s.cpu_experts else link
         fetched_at = max(free, start - ahead) + s.fetched * rate
         free = fetched_at + s.admitted * rate
-        cpu = issue + (measured[i] if measured is not None else cpu_branch_s(s, costs, idle, free - start - issue))
+        cpu = issue + branch_layer_s + (measured[i] if measured is not None else cpu_branch_s(
+            s, costs, idle, free - start - issue - branch_layer_s)) if s.cpu_experts else 0.0
         end = max(start + s.hits * read, fetched_at) + s.fetched * read + (costs.gpu_call_s if s.hits and s.fetched else 0.0)
         end = min(end, max(start, fetched_at) + (s.hits + s.fetched) * read)  # or one call once the fetches land
         if s.fetched:
@@ -117,9 +126,10 @@ def timeline_s(per_layer: list[OffloadStats], expert_bytes: int, costs: MissCost
         if s.cpu_experts:
             end = max(end, start + cpu, free)
         free = max(free, start + cpu) + s.prefetched * link
-        if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included
+        if s.prefetched:  # the host issues it after the layer's own host work, a CPU branch included; one
+            # expert's issue is in prefetch_s (measured with one), each further one costs issue_s more
             after = start + s.hits * read + (costs.fetch_layer_s if s.fetched else 0.0)
-            end = max(end, max(after, start + cpu) + prefetch_s)
+            end = max(end, max(after, start + cpu) + prefetch_s + (s.prefetched - 1) * costs.issue_s)
         t = end + (copy_call_s if s.admitted and not s.prefetched else 0.0)
     return max(t, free)
 
@@ -160,6 +170,7 @@ def fixed_costs(shells, steps: list[list[Routing]], costs: MissCosts, device, op
     x = torch.randn(steps[0][0].topk_ids.shape[0], shells[0].config.hidden_size, device=device,
                     dtype=shells[0].w13.dtype)
     fixed = measure_terms(layers, x, steps, costs)  # repeats 5: one H200 run's single pass of 3 read 0.24-0.51 ms at one M
+    fixed = dataclasses.replace(fixed, branch_layer_s=measure_branch_layer(layers, x, steps, fixed.issue_s))
     del layers, cache
     if device.type == "cuda":  # up to every expert of every layer: hand the slots back before the cells' caches
         torch.cuda.empty_cache()

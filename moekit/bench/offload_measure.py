@@ -69,7 +69,8 @@ class OffloadRow:
     compute_misses_on: str
     M: int
     step_ms: float  # mean wall time of one timed decode step through all L layers
-    floor_ms: float  # mean floor of the same steps: the timeline (module docstring)
+    floor_ms: float  # mean floor of the same steps: the timeline (module docstring), each step's fixed cost its
+    # all-hit twin's in the same round where the reference ran (``offload_cells._floors``)
     floor_sum_ms: float  # mean of session 8's floor of the same steps (the layers' maxima summed)
     x_floor: float  # step_ms / floor_ms
     hit_rate: float  # measured over the timed steps
@@ -92,6 +93,7 @@ class OffloadRow:
     overlap_ms: float = 0.0  # how long before a layer's fixed work ends its copies start, likewise
     prefetch_layer_ms: float = 0.0  # a layer's prefetch of one expert over none, on the host's path, likewise
     copy_call_ms: float = 0.0  # an experts call right after a copy into the slots over one after none, likewise
+    branch_layer_ms: float = 0.0  # a forward with a CPU branch over an all-hit one, the branch itself out, likewise
     x_floor_no_prefetch: float = 0.0  # step_ms over the floor without ``prefetch_layer_ms``
     x_floor_host: float = 0.0  # over the floor with the host terms scaled to the reference's speed (``offload_cells``)
     x_floor_before: float = 0.0  # step_ms over the old floor: ``fixed_quiet_ms``, no ``fetch_layer_s``
@@ -102,6 +104,7 @@ class OffloadRow:
     x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
     x_floor_cpu_ran: float = 0.0  # step_ms over the timeline with each CPU branch as it ran (a check, not a floor)
     x_floor_probe: float = 0.0  # step_ms over the floor with the CPU side at the probe's rates (``offload_probe``)
+    x_floor_median: float = 0.0  # over the floor whose fixed cost is the reference's median step throughout (before session 23)
     branch_rate: float = 0.0  # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
     step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)

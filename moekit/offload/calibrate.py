@@ -21,7 +21,7 @@ and 0.56-1.4 ms in calls of 1-6 (M = 1), against a model fitted at 1 and k exper
 fixed cost and the per-expert time at the row counts of the run are what the floor and "auto" price.
 
 The thread count and the CPU GEMM are chosen here too where the layer's ``CpuOptions`` leaves them
-None: the logical CPUs less one, 3/4 and 1/2 of torch's count (``thread_candidates``), times each of
+None: half the logical CPUs (``thread_candidates``: the other half left to the host thread's neighbours), times each of
 ``cpu_path.CPU_GEMMS``, each timed at k experts x 1 token (a decode step's shape: the weights' bytes, not
 FLOPs, set the time, and fewer threads may stream them as fast with less contention); the pair kept goes
 in ``MissCosts.cpu_threads`` / ``cpu_gemm`` (``pick_setting``: by the mean of 8+ timings taken in turns,
@@ -253,17 +253,20 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
 
 
 def thread_candidates(fixed: int | None) -> list[int]:
-    """The thread counts to try: ``fixed`` alone, else one less than ``most_threads()`` and 3/4 and 1/2 of
-    torch's count below that (distinct, largest first). Never every CPU: a team as large as the host's CPUs
-    stalls whenever another thread (the driver's, the OS's, another process's) takes one of them, the whole
-    team waiting at its next barrier (the H200 host's branch at 16 threads on 16 CPUs: 17.7 and 26.7 ms
-    against a 3.1 ms median, 15-18x the model in the table's cpu cells at M = 1; at 8 threads its worst was
-    1.1x its median; the next run's 16-thread branches had none, its 12-thread cells still a 9x one: a
-    precaution, not the whole cause)."""
+    """The thread counts to try: ``fixed`` alone, else half of ``most_threads()`` (at least 1). Never more:
+    a team that leaves the host too few CPUs stalls whenever another thread (the driver's, the OS's, another
+    process's) takes one of them, the whole team waiting at its next barrier. At 16 threads on the H200
+    host's 16 CPUs: 17.7 and 26.7 ms against a 3.1 ms median, 15-18x the model in the table's cpu cells at
+    M = 1. At 12 (the calibration's pick among 15 / 12 / 8 by the mean of back-to-back branches, which never
+    see it), decoding at M = 1 with the GPU path's host work between the branches
+    (``benchmarks/offload_tail_device_check.py``, raw ``...-f963fdf-offload3-ck1``): 17 of 373 branches over
+    2x their model, up to 21x (68 ms), with the process's threads preempted through them (1.0 involuntary
+    context switches a slow branch, 0.1 the others), cpu x floor 1.37; at 8 threads in the same turns 1 of
+    373 (2.03x), no context switch, the same median rate (0.92x the 12-thread model against 0.90), x floor
+    1.17. A team's late thread also woke 1-1.5 ms after the call (median) after 10-600 ms of idle host."""
     if fixed is not None:
         return [fixed]
-    n, top = torch.get_num_threads(), max(1, most_threads() - 1)
-    return sorted({top, min(top, max(1, 3 * n // 4)), min(top, max(1, n // 2))}, reverse=True)
+    return [max(1, most_threads() // 2)]
 
 
 def most_threads() -> int:

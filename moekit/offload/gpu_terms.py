@@ -24,6 +24,13 @@ one code path for ``OffloadedMoE.measure_costs`` (``calibrate``: the terms "auto
                       time after an admission, 0.14-0.15 without; an A/B of the two keys (offkey ck1): 0.104
                       ms median (0.077-0.148) with ``_version`` in the key, 0.002 (0.000-0.052) without
 
+    branch_layer_s:   a forward with one expert computed on the CPU over the same forward all hits, the CPU
+                      branch's own host time (``CpuPhases.total_s``, what the CPU model prices) and its
+                      admissions' issue (``issue_s`` each) taken out (``measure_branch_layer``): the plan for
+                      the misses, the second partial and its sum, the admission's plan, on the host's path
+                      before and after the branch. One H200 run at M = 1 (offload3 ck1): the cpu mode's steps
+                      read 1.14-1.18x a floor with each branch as it ran, ~0.2 ms a layer with a branch
+
 All are medians of paired differences (the same steps in the same order, with and without), at least 0.
 Timed on ``layers`` (``OffloadedMoE``, gpu mode, no prefetch) sharing a cache that holds every expert the
 steps touch, so that a forced copy is the only one.
@@ -55,6 +62,7 @@ class FixedCosts:
     prefetch_layer_s: float = 0.0  # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies (``measure_issue``)
     copy_call_s: float = 0.0  # an experts call's extra host seconds right after a copy into the slots (``measure_copy_call``)
+    branch_layer_s: float = 0.0  # a forward with a CPU branch over an all-hit one, the branch itself out (``measure_branch_layer``)
 
     def priced(self, costs: MissCosts) -> MissCosts:
         """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``) set to these."""
@@ -213,6 +221,37 @@ def measure_forced(layers, x: torch.Tensor, steps: list[list[Routing]], counts=(
                 ahead = ([[]] + evicted) if prefetch else [[] for _ in layers]
                 out[k].append(_timed_step(layers, x, per_layer, False, ahead))
     return out
+
+
+def measure_branch_layer(layers, x: torch.Tensor, steps: list[list[Routing]], issue_s: float,
+                         repeats: int = 3) -> float:
+    """``FixedCosts.branch_layer_s`` on ``layers`` (gpu mode, their cache holding every expert the steps
+    touch, their ``costs`` the CPU branch's setting): each step run once untimed in the gpu mode (whatever an
+    admission evicted fetched back: a full cache), timed all hits, then with one touched expert of every layer
+    (the lowest id) evicted and the layers in the cpu mode (that expert computed on the CPU); the median over the pairs
+    of (with - the branches' ``total_s`` - the admissions x ``issue_s`` - without) / L, at least 0."""
+    touched = [[sorted(_touched(r)) for r in per_layer] for per_layer in steps]
+    extra = []
+    for _ in range(repeats):
+        for per_layer, sets in zip(steps, touched):
+            for layer, routing in zip(layers, per_layer):  # untimed first: whatever an admission evicted fetched
+                layer.run_routed(x, routing)
+            none = _timed_step(layers, x, per_layer, False)
+            for layer, experts in zip(layers, sets):
+                layer.cache.evict(layer.layer_id, experts[:1])
+                layer.compute_misses_on = "cpu"
+            try:
+                with_branch = _timed_step(layers, x, per_layer, False)
+                own = sum(layer.last_cpu.total_s + layer.last_stats.admitted * issue_s
+                          for layer in layers if layer.last_cpu is not None)
+            finally:
+                for layer in layers:
+                    layer.compute_misses_on = "gpu"
+            extra.append((with_branch - own - none) / len(layers))
+    for per_layer in steps:  # as found: every expert the steps touch cached again
+        for layer, routing in zip(layers, per_layer):
+            layer.run_routed(x, routing)
+    return max(0.0, statistics.median(extra)) if extra else 0.0
 
 
 def fetch_layer_from(forced: dict[int, list[float]], layers: int) -> float:
