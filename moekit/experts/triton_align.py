@@ -17,7 +17,7 @@ import torch
 from moekit.experts.triton_launch import (
     ALIGN_CHUNK, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
 )
-from moekit.triton_bind import BoundLaunch
+from moekit.triton_bind import BoundLaunch, interpreting
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, use_naive
 from moekit.layouts.grouping import max_padded_rows
 
@@ -41,13 +41,24 @@ class AlignPlan:
     # hist + scan in one launch (``LaunchOptions.align_scan_fold``), taken instead of hist and scan where the
     # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
     hist_scan: BoundLaunch | None = None
+    # hist, scan and scatter in one launch of a persistent grid (``_kernels/align_one_pass.py``,
+    # ``LaunchOptions.align_one_pass``), taken instead of all three where the caller passes its kept counters
+    one: BoundLaunch | None = None
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
     @property
     def launches(self) -> int:
         """Launches per call (with the kept counters: hist and scan as one where folded)."""
+        if self.one is not None:
+            return 1
         launches = (self.small, self.naive, self.hist, self.scan, self.scatter, self.place)
         return sum(x is not None for x in launches) - (self.hist_scan is not None)
+
+    @property
+    def kept_counters(self) -> int:
+        """The kept int32 counters (0 between calls) the plan's launches with counters use from its arrival
+        slot on: 3 for the one-pass launch (arrivals, scanned, exits), 1 for the fused hist + scan, else 0."""
+        return 3 if self.one is not None else int(self.hist_scan is not None)
 
 
 @dataclass(frozen=True)
@@ -62,11 +73,12 @@ class BlockRows:
 
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
                     options: LaunchOptions, shortcut: bool = True, fold: bool = False,
-                    arrival_slot: int | None = None) -> BlockRows:
+                    arrival_slot: int | None = None, one_pass: int = 0) -> BlockRows:
     """The shortcut where ``use_naive`` allows it (and ``shortcut``), else the alignment into blocks of
     ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``): folded into the
     caller's gate-up GEMM where it can take it (``fold``) and A <= ``options.align_fold_max``.
-    ``arrival_slot``: where the caller keeps counters, the slot a fused hist + scan may count in."""
+    ``arrival_slot``: where the caller keeps counters, the slot a fused hist + scan may count in; ``one_pass``:
+    the programs a one-pass alignment may run (``one_pass_programs``; 0: none)."""
     if shortcut and use_naive(num_assignments, num_experts, expert_map):
         return BlockRows(16, num_assignments, None)
     num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
@@ -74,13 +86,17 @@ def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert
         return BlockRows(block_m, num_pid_m, AlignPlan(_layout_regions(num_pid_m * block_m, num_pid_m), folded=True))
     num_global = None if expert_map is None else expert_map.numel()
     return BlockRows(block_m, num_pid_m, plan_align(num_assignments, num_experts, block_m, num_global,
-                                                    num_pid_m * block_m, options, arrival_slot=arrival_slot))
+                                                    num_pid_m * block_m, options, arrival_slot=arrival_slot,
+                                                    one_pass=one_pass))
 
 
 def plan_align(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, num_rows: int,
-               options: LaunchOptions, naive: bool = False, arrival_slot: int | None = None) -> AlignPlan:
+               options: LaunchOptions, naive: bool = False, arrival_slot: int | None = None,
+               one_pass: int = 0) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
-    ``num_global``: the expert map's length, None without one. ``options``: resolved for the device."""
+    ``num_global``: the expert map's length, None without one. ``options``: resolved for the device.
+    ``one_pass``: past align_two_launch_max, with an ``arrival_slot``, the programs at most of the one-pass
+    launch (``one_pass_programs``; 0: hist, scan and scatter, or the fused hist + scan and the scatter)."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
     regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
@@ -98,7 +114,18 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
         return _plan_place(regions, common, e_pad, num_global is not None, launch,
                            own_hist=num_assignments <= options.align_one_launch_max)
     fused = arrival_slot if options.align_scan_fold else None
-    return _plan_chunked(regions, common, e_pad, num_global is not None, launch, fused)
+    return _plan_chunked(regions, common, e_pad, num_global is not None, launch, fused,
+                         one_pass if arrival_slot is not None else 0, arrival_slot)
+
+
+def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
+    """The programs the one-pass alignment may run on ``device``: ``options.align_one_pass`` per SM (0: off);
+    one under the interpreter, whose programs run one after another (a barrier would wait forever)."""
+    if not options.align_one_pass:
+        return 0
+    if interpreting() or device.type != "cuda":
+        return 1
+    return options.align_one_pass * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _layout_regions(num_rows: int, num_blocks: int) -> tuple:
@@ -128,9 +155,10 @@ def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch
 
 
 def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict,
-                  arrival_slot: int | None = None) -> AlignPlan:
+                  arrival_slot: int | None = None, one_pass: int = 0, one_slot: int | None = None) -> AlignPlan:
     """Histogram per chunk, one scan, then the scatter (``_kernels/align.py`` explains the three); with an
-    ``arrival_slot`` also the fused hist + scan (taken where the caller passes its kept counters)."""
+    ``arrival_slot`` also the fused hist + scan, with ``one_pass`` programs (and ``one_slot``) the one-pass
+    launch (each taken where the caller passes its kept counters)."""
     k = kernels("align")
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
@@ -152,7 +180,13 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
     scatter = BoundLaunch(k.align_scatter_kernel, (grid,), 8, (*common, num_chunks), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
                           BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
                           **launch) if grid else None
-    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan)
+    one = None
+    if one_pass and num_chunks:
+        one = BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(one_pass, grid),), 10,
+                          (*common, num_chunks, grid, one_slot), CHUNK=ALIGN_CHUNK, E_PAD=e_pad, CHUNK_ROWS=chunk_rows,
+                          BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
+                          launch_cooperative_grid=True, **launch)
+    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan, one=one)
 
 
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
@@ -173,6 +207,9 @@ def align_launches(plan: AlignPlan, ids, map_arg, b: dict, counters=None) -> lis
         return [(plan.small, (ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
     if plan.naive is not None:
         return [(plan.naive, (ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    if plan.one is not None and counters is not None:
+        return [(plan.one, (ids, map_arg, b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"],
+                            b["sorted_ids"], b["expert_ids"], counters))]
     launches = [] if plan.hist is None else [(plan.hist, (ids, map_arg, b["hist"]))]
     if plan.place is not None:
         launches.append((plan.place, (ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"],

@@ -130,6 +130,11 @@ class LaunchOptions:
     # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
     # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
     fast_path: bool = True
+    # Past align_two_launch_max, in the same eager calls as align_scan_fold, the whole alignment (hist, scan and
+    # scatter) is one launch of a persistent grid of at most align_one_pass programs per SM (cooperative: all
+    # resident), the programs meeting at a barrier after the histogram (``_kernels/align_one_pass.py``): one launch
+    # instead of two. 0 turns it off.
+    align_one_pass: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -144,6 +149,8 @@ class LaunchOptions:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.sum_tail_max < 0:
             raise ValueError(f"sum_tail_max must be >= 0 (tokens), got {self.sum_tail_max}")
+        if self.align_one_pass < 0:
+            raise ValueError(f"align_one_pass must be >= 0 (programs per SM), got {self.align_one_pass}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         # lean_launch and what it needs (read on every eager call: computed once)

@@ -126,7 +126,17 @@ def align_scatter_kernel(
 ):
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
-    pid = tl.program_id(0)
+    scatter_item(tl.program_id(0), ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr,
+                 sorted_ids_ptr, expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows,
+                 num_blocks, num_chunks, CHUNK, E_PAD, BLOCKS_PER_PROGRAM, BLOCK_PAD, HAS_MAP)
+
+
+@triton.jit
+def scatter_item(pid, ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr, sorted_ids_ptr,
+                 expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
+                 CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_PAD: tl.constexpr,
+                 HAS_MAP: tl.constexpr):
+    """The scatter's item ``pid``: chunk ``pid`` (< num_chunks) or the blocks of block item pid - num_chunks."""
     if pid < num_chunks:
         # Chunk program: place this chunk's assignments.
         lane = tl.arange(0, CHUNK)

@@ -1,0 +1,62 @@
+"""The chunked alignment (``align.py``: hist, scan, scatter) in one launch of a persistent grid.
+
+Torch twin: ``moekit.layouts.block_aligned.align_block``; the same histogram rows, scan and scatter as the
+three launches of ``align.py``, so the layout is equal element for element.
+
+Shapes: A = M*k assignments, C = CHUNK assignments per chunk, num_chunks = ceil(A / C), EP = next_pow2(E + 1)
+histogram bins, R = rows of sorted_ids, R/B blocks; P programs (<= the device's SMs x a few, all resident:
+the launch is cooperative, so a grid that cannot be resident fails to launch instead of waiting forever).
+
+    phase 1  program p writes hist rows p, p + P, ...; arrives on sync[slot] (acq_rel, GPU scope)
+             the last to arrive scans (chunk_base, counts, offsets, num_padded), then sets sync[slot + 1]
+    barrier  every program waits for sync[slot + 1] (acquire): everything phase 2 reads is written then
+    phase 2  program p does the scatter's items p, p + P, ... (chunks, then the block items)
+    exit     each program counts itself out on sync[slot + 2]; the last sets all three back to 0
+
+The next kernel in the stream is let launch only after the barrier: before it, all P programs are resident
+(each has arrived), so a dependent kernel can never take the SMs a program still waits for.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.align import chunk_hist_row, scan_hist, scatter_item
+
+
+@triton.jit
+def align_one_pass_kernel(
+    ids_ptr, map_ptr, hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, sorted_ids_ptr,
+    expert_ids_ptr, sync_ptr,  # sync: int32 [slot + 3], 0 on entry and on exit
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks, num_items, sync_slot,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    for chunk in range(pid, num_chunks, programs):
+        chunk_hist_row(ids_ptr, map_ptr, hist_ptr, chunk, num_assignments, num_experts, num_global,
+                       CHUNK, E_PAD, HAS_MAP)
+    tl.debug_barrier()
+    before = tl.atomic_add(sync_ptr + sync_slot, 1, sem="acq_rel", scope="gpu")
+    if before == programs - 1:  # every hist row written and visible (the others' releases, this acquire)
+        scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, num_chunks, num_experts,
+                  block_size, CHUNK_ROWS, E_PAD)
+        tl.debug_barrier()
+        tl.atomic_xchg(sync_ptr + sync_slot + 1, 1, sem="release", scope="gpu")
+    scanned = tl.atomic_add(sync_ptr + sync_slot + 1, 0, sem="acquire", scope="gpu")
+    while scanned == 0:
+        scanned = tl.atomic_add(sync_ptr + sync_slot + 1, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    let_next_kernel_launch(PDL)
+    for item in range(pid, num_items, programs):
+        scatter_item(item, ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr, sorted_ids_ptr,
+                     expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows, num_blocks,
+                     num_chunks, CHUNK, E_PAD, BLOCKS_PER_PROGRAM, BLOCK_PAD, HAS_MAP)
+    tl.debug_barrier()
+    left = tl.atomic_add(sync_ptr + sync_slot + 2, 1, sem="acq_rel", scope="gpu")
+    if left == programs - 1:  # every program is past the barrier: the three slots go back to 0
+        tl.store(sync_ptr + sync_slot, 0)
+        tl.store(sync_ptr + sync_slot + 1, 0)
+        tl.store(sync_ptr + sync_slot + 2, 0)

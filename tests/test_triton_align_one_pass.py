@@ -1,0 +1,86 @@
+"""The alignment in one launch of a persistent grid (``align_one_pass_kernel``, ``LaunchOptions.align_one_pass``)
+under Triton's interpreter, where the grid is one program (the interpreter runs programs one after another, so
+a barrier between programs would wait forever; the device check runs the many-program grid): its layout equals
+``align_block`` (the torch twin) and a plain loop's counts on random routings with empty experts, -1 ids, an
+expert map, ties of every kind (ids repeated within a token); it leaves its three sync slots at 0; and experts
+calls with it (bf16, lean and not, M = 0 included) equal the calls without, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from _helpers import make_problem  # noqa: E402
+from _triton_helpers import interpreter  # noqa: E402, F401  (fixture)
+from moekit.experts.triton_launch import (  # noqa: E402
+    ALIGN_CHUNK, LaunchOptions, cdiv, next_pow2, resolve_launch_options,
+)
+from moekit.layouts.block_aligned import align_block  # noqa: E402
+from moekit.layouts.grouping import max_padded_rows  # noqa: E402
+
+E, K, N = 8, 40, 24
+ONE = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # past both: chunked
+
+
+def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int) -> tuple[dict, torch.Tensor]:
+    from moekit.experts.triton_align import align_launches, plan_align
+
+    num_assignments = ids.numel()
+    rows = max_padded_rows(num_assignments, E, block)
+    plan = plan_align(num_assignments, E, block, None if expert_map is None else expert_map.numel(), rows,
+                      resolve_launch_options(LaunchOptions(**ONE), ids.device), arrival_slot=slot, one_pass=1)
+    assert plan.one is not None and plan.launches == 1 and plan.kept_counters == 3
+    b = {name: torch.full(shape, -7, dtype=dtype) for name, dtype, shape in plan.regions}
+    sync = torch.zeros(slot + 3, dtype=torch.int32)
+    launches = align_launches(plan, ids, ids if expert_map is None else expert_map, b, sync)
+    assert [launch for launch, _ in launches] == [plan.one]
+    for launch, pointers in launches:
+        launch(*pointers)
+    return b, sync
+
+
+@pytest.mark.parametrize("num_assignments, with_map, block", [(300, False, 16), (1000, True, 16), (129, False, 64),
+                                                             (512, True, 4)])
+def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block):
+    g = torch.Generator().manual_seed(num_assignments)
+    num_global = 12
+    expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, -1, 6, 7, -1], dtype=torch.int32) if with_map else None
+    high = num_global if with_map else E - 2  # without a map experts 6 and 7 stay empty
+    ids = torch.randint(-1, high, (num_assignments // 2, 2), generator=g, dtype=torch.int32)  # [M, 2], ties inside
+    b, sync = _run_kernel(ids, expert_map, block, slot=2)
+    want = align_block(ids, E, block, expert_map, allow_naive=False)
+    local = []
+    for i in ids.flatten().tolist():
+        e = int(expert_map[i]) if with_map and 0 <= i < num_global else (i if not with_map else -1)
+        local.append(e if 0 <= e < E else E)
+    assert b["counts"].tolist() == [local.count(e) for e in range(E)]
+    assert b["counts"].tolist() == want.counts.tolist()
+    used = int(want.num_padded)
+    assert b["num_padded"].tolist() == [used]
+    assert torch.equal(b["sorted_ids"][:used], want.sorted_ids[:used])
+    assert torch.equal(b["expert_ids"][:cdiv(used, block)], want.expert_ids[:cdiv(used, block)])
+    assert (b["expert_ids"][cdiv(used, block):] == -1).all()
+    assert (b["sorted_ids"][used:] == ids.numel()).all()
+    assert sync.tolist() == [0] * 5
+    chunks = cdiv(ids.numel(), ALIGN_CHUNK)
+    assert b["hist"].shape == (chunks, next_pow2(E + 1))
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_experts_with_one_pass_equal_without(interpreter, lean):
+    """Forced to the chunked alignment (A = 200 and M = 0): one launch, bit for bit the output of two."""
+    interpreter.clear_launch_caches()
+    for seed, m in ((0, 100), (1, 100), (2, 0), (3, 100)):
+        problem = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed, skips=True)
+        one = interpreter.experts_triton(*problem, options=LaunchOptions(align_one_pass=1, lean_launch=lean, **ONE))
+        plain = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **ONE))
+        assert torch.equal(one, plain)
+    from moekit.experts import triton_plan
+    from moekit.experts.triton import _WORKSPACES
+
+    assert any(p.align is not None and p.align.one is not None and p.align.launches == 1
+               for p in triton_plan._PLANS.values())
+    assert _WORKSPACES._counters and all(c.eq(0).all() for c in _WORKSPACES._counters.values())  # slots back at 0
