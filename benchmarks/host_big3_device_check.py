@@ -1,0 +1,359 @@
+"""Third host check (issue 13: <= 40 µs of host time per experts call): the alignment in one launch, and where the
+M = 64 call's extra host time goes.
+
+    PYTHONPATH=$PWD timeout 200 python3 benchmarks/host_big3_device_check.py --out $OUT/launch3 [--deadline-s 150]
+        [--parts phases align calls]   (default: all three, each cut by the deadline)
+
+Parts (a line per cell as it goes, JSON rewritten after each, a table last):
+1. phases: Qwen3-30B-A3B bf16 / fp8_block and DeepSeek-V3 bf16 at M = 1 and 64 (session 22: host_rest 27.5 vs 53.1
+   at Qwen3 bf16 with one launch more). host_rest µs of 16 back-to-back calls started on an idle GPU (``idle``) and
+   queued behind a 2 ms ``torch.cuda._sleep`` (``busy``: every launch waits in the queue), with dependent launch on
+   (default) and off (``nopdl``); for the bf16 fast path also each step of the kept sequence (each launch's entry,
+   ``empty_like``, the rest) and the call with every launch replaced by a no-op (its Python alone), idle and busy.
+   If M = 1 busy reads what M = 64 idle does, the gap is the launches behind a running queue, not per-call work.
+2. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at M = 1024, 4096,
+   16384, block 64 (the fused route) and 128 (the Gluon route): ``two`` (today: fused hist + scan, then the scatter)
+   against ``one1`` / ``one2`` / ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative).
+   Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids) and to the torch twin at M = 1024;
+   sync slots back at 0; GPU µs (events around 20 alignments queued behind a sleep) and host µs per alignment, variants interleaved over 3 rounds.
+3. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds:
+   Qwen3 bf16 M = 1024, 4096, 16384 (the Gluon route), fp8 4096, DeepSeek-V3 bf16 1024, 4096. Output bit-equal to 0's,
+   eager / host_rest µs (``time_eager``), events µs (plain passes), kernels a call.
+Look for: phases: busy vs idle at M = 1 against M = 64; align: ``one*`` GPU µs <= ``two``'s and host one launch lower;
+calls: host_rest lower by a launch (~5-9 µs) and eager (GPU-bound) not higher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from moekit.bench.cells import Shape, make_sets, make_weights
+from moekit.bench.timing import time_eager, time_stats
+from moekit.experts import get_backend
+import moekit.experts.triton as tri
+import moekit.experts.triton_fast as fast
+import moekit.experts.triton_gluon_lean as tgl
+from moekit.experts.triton_align import align_launches, plan_align
+from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+from moekit.layouts.block_aligned import align_block
+from moekit.layouts.grouping import max_padded_rows
+from moekit.quant import quantize
+
+QWEN3, DEEPSEEK = "qwen3-30b-a3b", "deepseek-v3"
+BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 calls' issue
+NOPDL = LaunchOptions(dependent_launch=False)
+_OUT = [None]
+
+
+class Deadline:
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def save(results: dict) -> None:
+    if _OUT[0] is not None:
+        with open(_OUT[0], "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def _weights(shape: Shape, dtype: str):
+    base = make_weights(shape, torch.bfloat16, torch.device("cuda"))
+    if dtype == "bfloat16":
+        return base.w13, base.w2
+    return quantize(base.w13, dtype), quantize(base.w2, dtype)
+
+
+def host_rest(calls: list, busy: bool, n: int = 16, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the issue µs a call of calls 2..n (back to back), from idle or behind a sleep."""
+    seq = [calls[i % len(calls)] for i in range(n)]
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
+        seq[0]()
+        t0 = time.perf_counter()
+        for c in seq[1:]:
+            c()
+        samples.append((time.perf_counter() - t0) / (n - 1) * 1e6)
+    torch.cuda.synchronize()
+    return round(statistics.median(samples), 1)
+
+
+def _kept_sequence(w13, m: int):
+    """The bf16 fast path's kept sequence of the default-options calls on ``w13`` with M = ``m``."""
+    for key, entry in list(fast._MEMO.items()):
+        if key[0] == id(w13) and key[2][0] == m and key[12] is tri._DEFAULT_OPTIONS:
+            return entry.sequence
+    return None
+
+
+def step_times(calls: list, sequence, busy: bool, n: int = 16, repeats: int = 5) -> dict:
+    """µs a call of each launch entry of the kept ``sequence``, of ``empty_like`` and of the whole call."""
+    real = sequence.steps
+    acc = [0.0] * (len(real) + 1)
+
+    def timed(entry, i):
+        def run(*args):
+            t = time.perf_counter()
+            entry(*args)
+            acc[i] += time.perf_counter() - t
+        return run
+
+    sequence.steps = [(timed(e, i), t, s, r) for i, (e, t, s, r) in enumerate(real)]
+    real_empty = torch.empty_like
+
+    def empty_like(*a, **k):
+        t = time.perf_counter()
+        out = real_empty(*a, **k)
+        acc[-1] += time.perf_counter() - t
+        return out
+
+    torch.empty_like = empty_like
+    try:
+        total = host_rest(calls, busy, n, repeats)
+    finally:
+        sequence.steps, torch.empty_like = real, real_empty
+    per = [round(a / (n * repeats) * 1e6, 2) for a in acc]
+    return dict(total=total, launches=per[:-1], empty_like=per[-1], rest=round(total - sum(per), 1))
+
+
+def noop_host(calls: list, sequence, busy: bool) -> float:
+    real = sequence.steps
+    sequence.steps = [((lambda *a: None), t, s, r) for (e, t, s, r) in real]
+    try:
+        return host_rest(calls, busy)
+    finally:
+        sequence.steps = real
+
+
+def part_phases(results: dict, deadline: Deadline) -> None:
+    fn, out = get_backend("triton"), results.setdefault("phases", {})
+    for preset, dtype in ((QWEN3, "bfloat16"), (QWEN3, "fp8_block"), (DEEPSEEK, "bfloat16")):
+        if deadline.left() < 100:
+            print(f"deadline: phases stop before {preset} {dtype}", flush=True)
+            return
+        shape = Shape.from_preset(preset)
+        w13, w2 = _weights(shape, dtype)
+        for m in (1, 64):
+            sets = make_sets(shape, m, 4, torch.bfloat16, torch.device("cuda"))
+            calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+            nopdl = [lambda s=s: tri.experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights, options=NOPDL)
+                     for s in sets]
+            for c in (calls + nopdl) * 3:
+                c()
+            same = bool(torch.equal(calls[0](), nopdl[0]()))
+            row = dict(same_nopdl=same)
+            for rnd in range(2):
+                for tag, cs in (("pdl", calls), ("nopdl", nopdl)):
+                    for busy in (False, True):
+                        row.setdefault(f"{tag}_{'busy' if busy else 'idle'}", []).append(host_rest(cs, busy))
+            sequence = _kept_sequence(w13, m) if dtype == "bfloat16" else None
+            if sequence is not None:
+                for busy in (False, True):
+                    row[f"steps_{'busy' if busy else 'idle'}"] = step_times(calls, sequence, busy)
+                    row[f"noop_{'busy' if busy else 'idle'}"] = noop_host(calls, sequence, busy)
+            key = f"{preset} {dtype} M={m}"
+            out[key] = row
+            print(("PASS" if same else "FAIL") + f" phases {key}: " + json.dumps(row), flush=True)
+            save(results)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def _align_variants(num_assignments: int, num_experts: int, block: int) -> dict:
+    device = torch.device("cuda")
+    options = resolve_launch_options(LaunchOptions(), device)
+    rows = max_padded_rows(num_assignments, num_experts, block)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    plans = {"two": plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0)}
+    for per in (1, 2, 4):
+        plans[f"one{per}"] = plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0,
+                                        one_pass=per * sms)
+    return plans
+
+
+def part_align(results: dict, deadline: Deadline) -> None:
+    out, device = results.setdefault("align", {}), torch.device("cuda")
+    for preset in (QWEN3, DEEPSEEK):
+        shape = Shape.from_preset(preset)
+        for m in (1024, 4096, 16384):
+            for block in (64, 128):
+                if deadline.left() < 70:
+                    print(f"deadline: align stops before {preset} M={m}", flush=True)
+                    return
+                ids = make_sets(shape, m, 1, torch.bfloat16, device)[0].topk_ids.contiguous()
+                plans = _align_variants(ids.numel(), shape.num_experts, block)
+                bufs, sync, launches = {}, {}, {}
+                for name, plan in plans.items():
+                    bufs[name] = {n: torch.full(s, -5, dtype=d, device=device) for n, d, s in plan.regions}
+                    sync[name] = torch.zeros(8, dtype=torch.int32, device=device)
+                    launches[name] = align_launches(plan, ids, ids, bufs[name], sync[name])
+                row, ref = {"grid": {n: p.one.grid[0] for n, p in plans.items() if p.one is not None}}, None
+                for name in plans:
+                    try:
+                        for launch, ptrs in launches[name]:
+                            launch(*ptrs)
+                        torch.cuda.synchronize()
+                    except RuntimeError as e:
+                        row[f"{name}_error"] = str(e)[:200]
+                        launches[name] = None
+                        print(f"FAIL align {name}: {str(e)[:200]}", flush=True)
+                        torch.cuda.synchronize()
+                b2 = bufs["two"]
+                used = int(b2["num_padded"].item())
+                nb = -(-used // block)
+                if m == 1024:
+                    twin = align_block(ids, shape.num_experts, block, None, allow_naive=False)
+                    ref = (torch.equal(twin.sorted_ids[:used], b2["sorted_ids"][:used])
+                           and torch.equal(twin.expert_ids[:nb], b2["expert_ids"][:nb]))
+                row["two_vs_twin"] = ref
+                for name in plans:
+                    if name == "two" or launches[name] is None:
+                        continue
+                    b = bufs[name]
+                    row[f"{name}_equal"] = bool(
+                        torch.equal(b["counts"], b2["counts"]) and torch.equal(b["num_padded"], b2["num_padded"])
+                        and torch.equal(b["sorted_ids"][:used], b2["sorted_ids"][:used])
+                        and torch.equal(b["expert_ids"][:nb], b2["expert_ids"][:nb])
+                        and bool((b["sorted_ids"][used:] == ids.numel()).all()) and int(sync[name].abs().sum()) == 0)
+                for rnd in range(3):
+                    for name in plans:
+                        if launches[name] is None:
+                            continue
+                        one = [lambda ls=launches[name]: [launch(*p) for launch, p in ls]]
+                        row.setdefault(f"{name}_gpu", []).append(_align_gpu_us(one[0]))
+                        row.setdefault(f"{name}_host", []).append(host_rest(one, False, 21, 5))
+                ok = ref is not False and all(v for k, v in row.items() if k.endswith("_equal"))
+                key = f"{preset} M={m} B={block}"
+                out[key] = row
+                print(("PASS" if ok else "FAIL") + f" align {key}: " + json.dumps(row), flush=True)
+                save(results)
+
+
+def _align_gpu_us(run, reps: int = 20, repeats: int = 5) -> float:
+    """GPU µs per alignment: events around ``reps`` alignments queued behind a 2 ms sleep (so no host gap between
+    them; no graph: the one-pass launch is cooperative), median of ``repeats``."""
+    start, end, samples = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(BUSY_CYCLES)
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / reps)
+    return round(statistics.median(samples), 2)
+
+
+def use_one_pass(per_sm: int) -> None:
+    """The default options' ``align_one_pass`` (the object the default route is keyed on), caches dropped."""
+    o = tri._DEFAULT_OPTIONS
+    object.__setattr__(o, "align_one_pass", per_sm)
+    object.__setattr__(o, "_args", o.as_op_args())
+    object.__setattr__(o, "_hash", hash(o._args))
+    tgl.LaunchOptions = lambda: LaunchOptions(align_one_pass=per_sm)
+    tri.clear_launch_caches()
+
+
+CALL_CELLS = [(QWEN3, "bfloat16", 1024), (QWEN3, "bfloat16", 4096), (QWEN3, "bfloat16", 16384),
+              (QWEN3, "fp8_block", 4096), (DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096)]
+
+
+def part_calls(results: dict, deadline: Deadline) -> None:
+    fn, out, held = get_backend("triton"), results.setdefault("calls", {}), {}
+    for preset, dtype, m in CALL_CELLS:
+        if deadline.left() < 25:
+            print(f"deadline: calls stop before {preset} {dtype} M={m}", flush=True)
+            break
+        shape = Shape.from_preset(preset)
+        if (preset, dtype) not in held:
+            held.clear()
+            torch.cuda.empty_cache()
+            held[(preset, dtype)] = _weights(shape, dtype)
+        w13, w2 = held[(preset, dtype)]
+        sets = make_sets(shape, m, 2, torch.bfloat16, torch.device("cuda"))
+        calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+        row, want = {}, None
+        for rnd in range(3):
+            for per in (0, 1, 2):
+                use_one_pass(per)
+                for c in calls * 2:
+                    c()
+                got = calls[0]()
+                want = got if per == 0 else want
+                row.setdefault(f"p{per}_equal", []).append(bool(torch.equal(got, want)))
+                e = time_eager(calls, torch.device("cuda"))
+                row.setdefault(f"p{per}_eager", []).append(round(e.eager_us, 1))
+                row.setdefault(f"p{per}_rest", []).append(round(e.host_rest_us, 1))
+                row.setdefault(f"p{per}_events", []).append(round(time_stats(calls, torch.device("cuda"),
+                                                                             budget_s=0.03).us, 1))
+        use_one_pass(0)
+        ok = all(all(v) for k, v in row.items() if k.endswith("_equal"))
+        key = f"{preset} {dtype} M={m}"
+        out[key] = row
+        print(("PASS" if ok else "FAIL") + f" calls {key}: " + json.dumps(row), flush=True)
+        save(results)
+
+
+def _med(v) -> float:
+    return statistics.median(v) if v else float("nan")
+
+
+def table(results: dict) -> None:
+    print("\n== host_big3: phases, host_rest µs (idle / busy), medians of 2 rounds ==")
+    for key, r in results.get("phases", {}).items():
+        s = r.get("steps_idle")
+        print(f"{key:28} pdl {_med(r['pdl_idle']):6.1f} / {_med(r['pdl_busy']):6.1f}  nopdl {_med(r['nopdl_idle']):6.1f}"
+              f" / {_med(r['nopdl_busy']):6.1f}" + (f"  noop {r['noop_idle']} / {r['noop_busy']}  launches idle "
+                                                     f"{s['launches']} busy {r['steps_busy']['launches']}" if s else ""))
+    print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
+    for key, r in results.get("align", {}).items():
+        cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
+                         for n in ("two", "one1", "one2", "one4"))
+        print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
+    print("\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass 0 / 1 / 2 ==")
+    for key, r in results.get("calls", {}).items():
+        cols = "  ".join(f"p{p} {_med(r[f'p{p}_eager']):8.1f} {_med(r[f'p{p}_rest']):5.1f} {_med(r[f'p{p}_events']):8.1f}"
+                         for p in (0, 1, 2) if f"p{p}_eager" in r)
+        print(f"{key:28} {cols}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "host_big3_out"))
+    parser.add_argument("--deadline-s", type=float, default=150.0)
+    parser.add_argument("--parts", nargs="+", default=["phases", "align", "calls"], choices=["phases", "align", "calls"])
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    _OUT[0] = os.path.join(args.out, "host_big3.json")
+    deadline = Deadline(args.deadline_s)
+    import triton
+
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
+    parts = dict(phases=part_phases, align=part_align, calls=part_calls)
+    with torch.no_grad():
+        for part in args.parts:
+            try:
+                parts[part](results, deadline)
+            except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on with the next part)
+                print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                use_one_pass(0)
+                torch.cuda.empty_cache()
+            save(results)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
