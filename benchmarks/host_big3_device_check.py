@@ -13,7 +13,8 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
    If M = 1 busy reads what M = 64 idle does, the gap is the launches behind a running queue, not per-call work.
 2. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at M = 1024, 4096,
    16384, block 64 (the fused route) and 128 (the Gluon route): ``two`` (today: fused hist + scan, then the scatter)
-   against ``one1`` / ``one2`` / ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative).
+   against ``one1`` / ``one2`` / ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative) and
+   ``one1nc`` (1 per SM, a plain launch: what the driver's co-residency check costs).
    Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids) and to the torch twin at M = 1024;
    sync slots back at 0; GPU µs (events around 20 alignments queued behind a sleep) and host µs per alignment, variants interleaved over 3 rounds.
 3. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds:
@@ -30,6 +31,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -44,6 +46,7 @@ from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
 from moekit.layouts.block_aligned import align_block
 from moekit.layouts.grouping import max_padded_rows
 from moekit.quant import quantize
+from moekit.triton_bind import BoundLaunch
 
 QWEN3, DEEPSEEK = "qwen3-30b-a3b", "deepseek-v3"
 BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 calls' issue
@@ -72,8 +75,9 @@ def _weights(shape: Shape, dtype: str):
     return quantize(base.w13, dtype), quantize(base.w2, dtype)
 
 
-def host_rest(calls: list, busy: bool, n: int = 16, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the issue µs a call of calls 2..n (back to back), from idle or behind a sleep."""
+def host_rest(calls: list, busy: bool, n: int = 16, repeats: int = 5, hooks=None) -> float:
+    """Median over ``repeats`` of the issue µs a call of calls 2..n (back to back), from idle or behind a sleep;
+    ``hooks``: (called after each loop's first call, called at each loop's end), both untimed."""
     seq = [calls[i % len(calls)] for i in range(n)]
     samples = []
     for _ in range(repeats):
@@ -81,10 +85,14 @@ def host_rest(calls: list, busy: bool, n: int = 16, repeats: int = 5) -> float:
         if busy:
             torch.cuda._sleep(BUSY_CYCLES)
         seq[0]()
+        if hooks is not None:
+            hooks[0]()
         t0 = time.perf_counter()
         for c in seq[1:]:
             c()
         samples.append((time.perf_counter() - t0) / (n - 1) * 1e6)
+        if hooks is not None:
+            hooks[1]()
     torch.cuda.synchronize()
     return round(statistics.median(samples), 1)
 
@@ -98,9 +106,17 @@ def _kept_sequence(w13, m: int):
 
 
 def step_times(calls: list, sequence, busy: bool, n: int = 16, repeats: int = 5) -> dict:
-    """µs a call of each launch entry of the kept ``sequence``, of ``empty_like`` and of the whole call."""
+    """µs a call (calls 2..n of each loop) of each launch entry of the kept ``sequence``, of ``empty_like`` and of
+    the whole call (its median loop; the steps' mean: ``rest`` is only roughly the Python around them)."""
     real = sequence.steps
-    acc = [0.0] * (len(real) + 1)
+    acc, kept = [0.0] * (len(real) + 1), [0.0] * (len(real) + 1)  # this loop's, the loops' after their first calls
+
+    def drop():  # after a loop's first call (not timed)
+        acc[:] = [0.0] * len(acc)
+
+    def keep():  # at a loop's end: its calls 2..n
+        for i, a in enumerate(acc):
+            kept[i] += a
 
     def timed(entry, i):
         def run(*args):
@@ -120,10 +136,10 @@ def step_times(calls: list, sequence, busy: bool, n: int = 16, repeats: int = 5)
 
     torch.empty_like = empty_like
     try:
-        total = host_rest(calls, busy, n, repeats)
+        total = host_rest(calls, busy, n, repeats, hooks=(drop, keep))
     finally:
         sequence.steps, torch.empty_like = real, real_empty
-    per = [round(a / (n * repeats) * 1e6, 2) for a in acc]
+    per = [round(a / ((n - 1) * repeats) * 1e6, 2) for a in kept]
     return dict(total=total, launches=per[:-1], empty_like=per[-1], rest=round(total - sum(per), 1))
 
 
@@ -147,7 +163,7 @@ def part_phases(results: dict, deadline: Deadline) -> None:
         for m in (1, 64):
             sets = make_sets(shape, m, 4, torch.bfloat16, torch.device("cuda"))
             calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
-            nopdl = [lambda s=s: tri.experts_triton(s.x, w13, w2, s.topk_ids, s.topk_weights, options=NOPDL)
+            nopdl = [lambda s=s: tri.experts_triton_unchecked(s.x, w13, w2, s.topk_ids, s.topk_weights, options=NOPDL)
                      for s in sets]
             for c in (calls + nopdl) * 3:
                 c()
@@ -179,7 +195,15 @@ def _align_variants(num_assignments: int, num_experts: int, block: int) -> dict:
     for per in (1, 2, 4):
         plans[f"one{per}"] = plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0,
                                         one_pass=per * sms)
+    plans["one1nc"] = replace(plans["one1"], one=_not_cooperative(plans["one1"].one))
     return plans
+
+
+def _not_cooperative(launch: BoundLaunch) -> BoundLaunch:
+    """``launch`` as a plain launch (no co-residency check by the driver; the grid fits one program per SM)."""
+    split = len(launch.tail) - len(launch._named)
+    named = {**dict(zip(launch._named, launch.tail[split:])), **launch.options, "launch_cooperative_grid": False}
+    return BoundLaunch(launch.kernel, launch.grid[:1], 10, launch.tail[:split], launch.cached, launch.raw, **named)
 
 
 def part_align(results: dict, deadline: Deadline) -> None:
@@ -320,7 +344,7 @@ def table(results: dict) -> None:
     print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
     for key, r in results.get("align", {}).items():
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
-                         for n in ("two", "one1", "one2", "one4"))
+                         for n in ("two", "one1", "one2", "one4", "one1nc"))
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
     print("\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass 0 / 1 / 2 ==")
     for key, r in results.get("calls", {}).items():
