@@ -8,7 +8,9 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
 1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at M = 1024, 4096,
    16384, block 64 (the fused route) and 128 (the Gluon route): ``two`` (today: fused hist + scan, then the scatter)
    against ``one1`` / ``one2`` / ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative) and
-   ``one1nc`` (1 per SM, a plain launch: what the driver's co-residency check costs).
+   ``one1nc`` (1 per SM, a plain launch: what the driver's co-residency check costs) and ``ranges1``
+   (``align_one_pass_ranges_kernel``: min(SMs, chunks) programs, each a contiguous range of chunks, the scan over P
+   rows instead of one per chunk).
    Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids) and to the torch twin at M = 1024;
    sync slots back at 0; GPU µs (events around 20 alignments queued behind a sleep) and host µs per alignment, variants interleaved over 3 rounds.
 2. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds:
@@ -43,7 +45,7 @@ import moekit.experts.triton as tri
 import moekit.experts.triton_fast as fast
 import moekit.experts.triton_gluon_lean as tgl
 from moekit.experts.triton_align import align_launches, plan_align
-from moekit.experts.triton_launch import LaunchOptions, resolve_launch_options
+from moekit.experts.triton_launch import LaunchOptions, kernels, resolve_launch_options
 from moekit.layouts.block_aligned import align_block
 from moekit.layouts.grouping import max_padded_rows
 from moekit.quant import quantize
@@ -202,8 +204,23 @@ def _align_variants(num_assignments: int, num_experts: int, block: int) -> dict:
         plans[f"one{per}"] = plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0,
                                         one_pass=per * sms)
     plans["one1nc"] = replace(plans["one1"], one=_not_cooperative(plans["one1"].one))
+    plans["ranges1"] = replace(plans["one1"], one=_ranges(plans["one1"].one, sms))
     return plans
 
+
+def _ranges(launch: BoundLaunch, sms: int) -> BoundLaunch:
+    """``align_one_pass_ranges_kernel`` in the place of ``launch`` (the one-pass kernel's): min(SMs, chunks)
+    programs, each owning a contiguous range of chunks (its hist / chunk_base row: the plan's [chunks, EP] regions
+    have that many rows)."""
+    split = len(launch.tail) - len(launch._named)
+    scalars, named = launch.tail[:split], {**dict(zip(launch._named, launch.tail[split:])), **launch.options}
+    num_chunks, items = scalars[6], scalars[7]
+    programs = min(sms, num_chunks)
+    per = -(-num_chunks // programs)
+    programs = -(-num_chunks // per)  # none without a chunk
+    kernel = kernels("align_one_pass").align_one_pass_ranges_kernel
+    return BoundLaunch(kernel, (programs,), 10, (*scalars[:7], items - num_chunks, scalars[8], per), launch.cached,
+                       launch.raw, **named)
 
 def _not_cooperative(launch: BoundLaunch) -> BoundLaunch:
     """``launch`` as a plain launch (no co-residency check by the driver; the grid fits one program per SM)."""
@@ -350,7 +367,7 @@ def table(results: dict) -> None:
     print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
     for key, r in results.get("align", {}).items():
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
-                         for n in ("two", "one1", "one2", "one4", "one1nc"))
+                         for n in ("two", "one1", "one2", "one4", "one1nc", "ranges1"))
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
     print("\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass 0 / 1 / 2 ==")
     for key, r in results.get("calls", {}).items():

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.align import chunk_hist_row, scan_hist, scatter_item
+from moekit.experts._kernels.align import chunk_hist_row, local_of, scan_hist, scatter_item
 
 
 @triton.jit
@@ -57,6 +57,69 @@ def align_one_pass_kernel(
     tl.debug_barrier()
     left = tl.atomic_add(sync_ptr + sync_slot + 2, 1, sem="acq_rel", scope="gpu")
     if left == programs - 1:  # every program is past the barrier: the three slots go back to 0
+        tl.store(sync_ptr + sync_slot, 0)
+        tl.store(sync_ptr + sync_slot + 1, 0)
+        tl.store(sync_ptr + sync_slot + 2, 0)
+
+
+@triton.jit
+def align_one_pass_ranges_kernel(
+    ids_ptr, map_ptr, hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, sorted_ids_ptr,
+    expert_ids_ptr, sync_ptr,  # hist, chunk_base: [P, EP] (a row per program); sync: int32 [slot + 3], 0 on entry and exit
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks, num_block_items, sync_slot,
+    chunks_per_program,
+    CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
+    BLOCK_PAD: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+):
+    """As ``align_one_pass_kernel``, but program p owns the chunks [p * cpp, (p + 1) * cpp) (cpp = chunks_per_program):
+    phase 1 writes one histogram row per program (the scan walks P rows, not num_chunks), phase 2 walks the program's
+    chunks in order with a running start row per expert (kept in its own chunk_base row: a register vector cannot be
+    indexed), then the block items p, p + P, ... The same rows in the same order, so the same layout."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    e = tl.arange(0, E_PAD)
+    lo = pid * chunks_per_program
+    hi = tl.minimum(lo + chunks_per_program, num_chunks)
+    mine = tl.zeros([E_PAD], dtype=tl.int32)
+    for chunk in range(lo, hi):
+        offs = chunk * CHUNK + tl.arange(0, CHUNK)
+        mine += tl.histogram(local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP), E_PAD)
+    tl.store(hist_ptr + pid * E_PAD + e, mine)
+    tl.debug_barrier()
+    before = tl.atomic_add(sync_ptr + sync_slot, 1, sem="acq_rel", scope="gpu")
+    if before == programs - 1:
+        scan_hist(hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, programs, num_experts,
+                  block_size, CHUNK_ROWS, E_PAD)
+        tl.debug_barrier()
+        tl.atomic_xchg(sync_ptr + sync_slot + 1, 1, sem="release", scope="gpu")
+    scanned = tl.atomic_add(sync_ptr + sync_slot + 1, 0, sem="acquire", scope="gpu")
+    while scanned == 0:
+        scanned = tl.atomic_add(sync_ptr + sync_slot + 1, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    let_next_kernel_launch(PDL)
+    row = chunk_base_ptr + pid * E_PAD
+    start = tl.load(row + e) + tl.load(offsets_ptr + e)  # [EP] the next free row of each expert for this program
+    lane = tl.arange(0, CHUNK)
+    for chunk in range(lo, hi):
+        tl.store(row + e, start)
+        tl.debug_barrier()
+        offs = chunk * CHUNK + lane
+        local = local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP)  # [C]
+        earlier_same = (local[:, None] == local[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
+        rank = tl.sum(earlier_same.to(tl.int32), axis=1)  # [C] rank among this chunk's rows of the expert
+        routed = local < num_experts
+        base = tl.load(row + local, mask=routed, other=0)  # [C]
+        tl.store(sorted_ids_ptr + base + rank, offs, mask=routed)
+        tl.debug_barrier()  # every lane has read the row before the next chunk overwrites it
+        start += tl.histogram(local, E_PAD)
+    for item in range(pid, num_block_items, programs):
+        scatter_item(num_chunks + item, ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr,
+                     sorted_ids_ptr, expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows,
+                     num_blocks, num_chunks, CHUNK, E_PAD, BLOCKS_PER_PROGRAM, BLOCK_PAD, HAS_MAP)
+    tl.debug_barrier()
+    left = tl.atomic_add(sync_ptr + sync_slot + 2, 1, sem="acq_rel", scope="gpu")
+    if left == programs - 1:
         tl.store(sync_ptr + sync_slot, 0)
         tl.store(sync_ptr + sync_slot + 1, 0)
         tl.store(sync_ptr + sync_slot + 2, 0)
