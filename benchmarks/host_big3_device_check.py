@@ -33,10 +33,10 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
+from host_big3_align import align_variants
 from moekit.bench.cells import Shape, make_sets, make_weights
 from moekit.bench.timing import time_eager, time_stats
 from moekit.experts import get_backend
@@ -44,12 +44,10 @@ from moekit.experts.reference import experts_reference
 import moekit.experts.triton as tri
 import moekit.experts.triton_fast as fast
 import moekit.experts.triton_gluon_lean as tgl
-from moekit.experts.triton_align import align_launches, plan_align
-from moekit.experts.triton_launch import LaunchOptions, kernels, resolve_launch_options
+from moekit.experts.triton_align import align_launches
+from moekit.experts.triton_launch import LaunchOptions
 from moekit.layouts.block_aligned import align_block
-from moekit.layouts.grouping import max_padded_rows
 from moekit.quant import quantize
-from moekit.triton_bind import BoundLaunch
 
 QWEN3, DEEPSEEK = "qwen3-30b-a3b", "deepseek-v3"
 BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 calls' issue
@@ -194,41 +192,6 @@ def part_phases(results: dict, deadline: Deadline) -> None:
         torch.cuda.empty_cache()
 
 
-def _align_variants(num_assignments: int, num_experts: int, block: int) -> dict:
-    device = torch.device("cuda")
-    options = resolve_launch_options(LaunchOptions(), device)
-    rows = max_padded_rows(num_assignments, num_experts, block)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plans = {"two": plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0)}
-    for per in (1, 2, 4):
-        plans[f"one{per}"] = plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0,
-                                        one_pass=per * sms)
-    plans["one1nc"] = replace(plans["one1"], one=_not_cooperative(plans["one1"].one))
-    plans["ranges1"] = replace(plans["one1"], one=_ranges(plans["one1"].one, sms))
-    return plans
-
-
-def _ranges(launch: BoundLaunch, sms: int) -> BoundLaunch:
-    """``align_one_pass_ranges_kernel`` in the place of ``launch`` (the one-pass kernel's): min(SMs, chunks)
-    programs, each owning a contiguous range of chunks (its hist / chunk_base row: the plan's [chunks, EP] regions
-    have that many rows)."""
-    split = len(launch.tail) - len(launch._named)
-    scalars, named = launch.tail[:split], {**dict(zip(launch._named, launch.tail[split:])), **launch.options}
-    num_chunks, items = scalars[6], scalars[7]
-    programs = min(sms, num_chunks)
-    per = -(-num_chunks // programs)
-    programs = -(-num_chunks // per)  # none without a chunk
-    kernel = kernels("align_one_pass").align_one_pass_ranges_kernel
-    return BoundLaunch(kernel, (programs,), 10, (*scalars[:7], items - num_chunks, scalars[8], per), launch.cached,
-                       launch.raw, **named)
-
-def _not_cooperative(launch: BoundLaunch) -> BoundLaunch:
-    """``launch`` as a plain launch (no co-residency check by the driver; the grid fits one program per SM)."""
-    split = len(launch.tail) - len(launch._named)
-    named = {**dict(zip(launch._named, launch.tail[split:])), **launch.options, "launch_cooperative_grid": False}
-    return BoundLaunch(launch.kernel, launch.grid[:1], 10, launch.tail[:split], launch.cached, launch.raw, **named)
-
-
 def part_align(results: dict, deadline: Deadline) -> None:
     out, device = results.setdefault("align", {}), torch.device("cuda")
     for preset in (QWEN3, DEEPSEEK):
@@ -239,7 +202,7 @@ def part_align(results: dict, deadline: Deadline) -> None:
                     print(f"deadline: align stops before {preset} M={m}", flush=True)
                     return
                 ids = make_sets(shape, m, 1, torch.bfloat16, device)[0].topk_ids.contiguous()
-                plans = _align_variants(ids.numel(), shape.num_experts, block)
+                plans = align_variants(ids.numel(), shape.num_experts, block)
                 bufs, sync, launches = {}, {}, {}
                 for name, plan in plans.items():
                     bufs[name] = {n: torch.full(s, -5, dtype=d, device=device) for n, d, s in plan.regions}
