@@ -5,25 +5,25 @@ M = 64 call's extra host time goes.
         [--parts align calls phases]   (default: all three in this order, each cut by the deadline)
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
-1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at M = 1024, 4096,
-   16384, block 64 (the fused route) and 128 (the Gluon route): ``two`` (today: fused hist + scan, then the scatter)
-   against ``one1`` / ``one2`` / ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative) and
-   ``one1nc`` (1 per SM, a plain launch: what the driver's co-residency check costs) and ``ranges1``
-   (``align_one_pass_ranges_kernel``: min(SMs, chunks) programs, each a contiguous range of chunks, the scan over P
-   rows instead of one per chunk).
-   Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids) and to the torch twin at M = 1024;
-   sync slots back at 0; GPU µs (events around 20 alignments queued behind a sleep) and host µs per alignment, variants interleaved over 3 rounds.
-2. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds:
-   Qwen3 bf16 M = 1024, 4096, 16384 (the Gluon route), fp8 4096, DeepSeek-V3 bf16 1024, 4096. Output bit-equal to 0's,
-   eager / host_rest µs (``time_eager``), events µs (plain passes).
+1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at ALIGN_CELLS:
+   ``two`` (today: hist + place at M = 512, else the fused hist + scan and the scatter) against ``one1`` / ``one2`` /
+   ``one4`` (``align_one_pass_kernel``, 1 / 2 / 4 programs per SM, cooperative), ``one1nc`` (1 per SM, a plain
+   launch: what the driver's co-residency check costs) and ``ranges1`` (``align_one_pass_ranges_kernel``: min(SMs,
+   chunks) programs, each a contiguous range of chunks, the scan over P rows instead of one per chunk). Each layout
+   equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids, the padding; sync slots back at 0) and ``two``'s
+   to the torch twin at M = 1024; GPU µs (events around 20 alignments queued behind a sleep) and host µs per
+   alignment, variants interleaved over 3 rounds.
+2. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds
+   at CALL_CELLS (Qwen3 bf16 M = 16384 and fp8 4096: the Gluon routes): output bit-equal to 0's, eager / host_rest
+   µs (``time_eager``), events µs (plain passes).
 3. phases: Qwen3-30B-A3B bf16, DeepSeek-V3 bf16, Qwen3 fp8_block at M = 1 and 64 (session 22: host_rest 27.5 vs
    53.1 at Qwen3 bf16 with one launch more), each checked against ``experts_reference``. host_rest µs of 16
-   back-to-back calls started on an idle GPU (``idle``) and queued behind a 2 ms ``torch.cuda._sleep`` (``busy``: every
-   launch waits in the queue), 3 rounds; for the bf16 fast path also each step of the kept sequence (each launch's
-   entry, ``empty_like``, the rest) and the call with every launch replaced by a no-op (its Python alone), idle and
-   busy. If M = 1 busy reads what M = 64 idle does, the gap is the launches behind a running queue, not per-call work.
-Look for: phases: busy vs idle at M = 1 against M = 64; align: ``one*`` GPU µs <= ``two``'s and host one launch lower;
-calls: host_rest lower by a launch (~5-9 µs) and eager (GPU-bound) not higher.
+   back-to-back calls started on an idle GPU (``idle``) and queued behind a 2 ms ``torch.cuda._sleep`` (``busy``:
+   every launch waits in the queue), 3 rounds; for the bf16 fast path also each step of the kept sequence (each
+   launch's entry, ``empty_like``, the rest) and the call with every launch replaced by a no-op (its Python alone),
+   idle and busy. If M = 1 busy reads what M = 64 idle does, the gap is the launches behind a running queue.
+Look for: align: ``one*`` GPU µs <= ``two``'s and host one launch lower; calls: host_rest lower by a launch (~5-9
+µs) and eager (GPU-bound) not higher; phases: busy vs idle at M = 1 against M = 64.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ from moekit.quant import quantize
 
 QWEN3, DEEPSEEK = "qwen3-30b-a3b", "deepseek-v3"
 BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 calls' issue
+# (M, block): 512 (A = 4096: hist + place today) and 1024 / 4096 at the fused route's 64 rows, 4096 / 16384 at the Gluon
+# route's 128
+ALIGN_CELLS = [(512, 64), (1024, 64), (4096, 64), (4096, 128), (16384, 128)]
 TOL = 2e-2  # relative L2 against the reference: bf16 ~1e-3, fp8 (activations quantized) ~3e-3
 _OUT = [None]
 
@@ -196,58 +199,56 @@ def part_align(results: dict, deadline: Deadline) -> None:
     out, device = results.setdefault("align", {}), torch.device("cuda")
     for preset in (QWEN3, DEEPSEEK):
         shape = Shape.from_preset(preset)
-        for m in (1024, 4096, 16384):
-            for block in (64, 128):
-                if deadline.left() < 100:
-                    print(f"deadline: align stops before {preset} M={m}", flush=True)
-                    return
-                ids = make_sets(shape, m, 1, torch.bfloat16, device)[0].topk_ids.contiguous()
-                plans = align_variants(ids.numel(), shape.num_experts, block)
-                bufs, sync, launches = {}, {}, {}
-                for name, plan in plans.items():
-                    bufs[name] = {n: torch.full(s, -5, dtype=d, device=device) for n, d, s in plan.regions}
-                    sync[name] = torch.zeros(8, dtype=torch.int32, device=device)
-                    launches[name] = align_launches(plan, ids, ids, bufs[name], sync[name])
-                row, ref = {"grid": {n: p.one.grid[0] for n, p in plans.items() if p.one is not None}}, None
+        for m, block in ALIGN_CELLS:
+            if deadline.left() < 100:
+                print(f"deadline: align stops before {preset} M={m}", flush=True)
+                return
+            ids = make_sets(shape, m, 1, torch.bfloat16, device)[0].topk_ids.contiguous()
+            plans = align_variants(ids.numel(), shape.num_experts, block)
+            bufs, sync, launches = {}, {}, {}
+            for name, plan in plans.items():
+                bufs[name] = {n: torch.full(s, -5, dtype=d, device=device) for n, d, s in plan.regions}
+                sync[name] = torch.zeros(8, dtype=torch.int32, device=device)
+                launches[name] = align_launches(plan, ids, ids, bufs[name], sync[name])
+            row, ref = {"grid": {n: p.one.grid[0] for n, p in plans.items() if p.one is not None}}, None
+            for name in plans:
+                try:
+                    for launch, ptrs in launches[name]:
+                        launch(*ptrs)
+                    torch.cuda.synchronize()
+                except RuntimeError as e:
+                    row[f"{name}_error"] = str(e)[:200]
+                    launches[name] = None
+                    print(f"FAIL align {name}: {str(e)[:200]}", flush=True)
+                    torch.cuda.synchronize()
+            b2 = bufs["two"]
+            used = int(b2["num_padded"].item())
+            nb = -(-used // block)
+            if m == 1024:
+                twin = align_block(ids, shape.num_experts, block, None, allow_naive=False)
+                ref = (torch.equal(twin.sorted_ids[:used], b2["sorted_ids"][:used])
+                       and torch.equal(twin.expert_ids[:nb], b2["expert_ids"][:nb]))
+            row["two_vs_twin"] = ref
+            for name in plans:
+                if name == "two" or launches[name] is None:
+                    continue
+                b = bufs[name]
+                row[f"{name}_equal"] = bool(  # every row and block written, as ``two`` writes them
+                    torch.equal(b["counts"], b2["counts"]) and torch.equal(b["num_padded"], b2["num_padded"])
+                    and torch.equal(b["sorted_ids"], b2["sorted_ids"]) and torch.equal(b["expert_ids"], b2["expert_ids"])
+                    and bool((b["sorted_ids"][used:] == ids.numel()).all()) and int(sync[name].abs().sum()) == 0)
+            for rnd in range(3):
                 for name in plans:
-                    try:
-                        for launch, ptrs in launches[name]:
-                            launch(*ptrs)
-                        torch.cuda.synchronize()
-                    except RuntimeError as e:
-                        row[f"{name}_error"] = str(e)[:200]
-                        launches[name] = None
-                        print(f"FAIL align {name}: {str(e)[:200]}", flush=True)
-                        torch.cuda.synchronize()
-                b2 = bufs["two"]
-                used = int(b2["num_padded"].item())
-                nb = -(-used // block)
-                if m == 1024:
-                    twin = align_block(ids, shape.num_experts, block, None, allow_naive=False)
-                    ref = (torch.equal(twin.sorted_ids[:used], b2["sorted_ids"][:used])
-                           and torch.equal(twin.expert_ids[:nb], b2["expert_ids"][:nb]))
-                row["two_vs_twin"] = ref
-                for name in plans:
-                    if name == "two" or launches[name] is None:
+                    if launches[name] is None:
                         continue
-                    b = bufs[name]
-                    row[f"{name}_equal"] = bool(
-                        torch.equal(b["counts"], b2["counts"]) and torch.equal(b["num_padded"], b2["num_padded"])
-                        and torch.equal(b["sorted_ids"][:used], b2["sorted_ids"][:used])
-                        and torch.equal(b["expert_ids"][:nb], b2["expert_ids"][:nb])
-                        and bool((b["sorted_ids"][used:] == ids.numel()).all()) and int(sync[name].abs().sum()) == 0)
-                for rnd in range(3):
-                    for name in plans:
-                        if launches[name] is None:
-                            continue
-                        one = [lambda ls=launches[name]: [launch(*p) for launch, p in ls]]
-                        row.setdefault(f"{name}_gpu", []).append(_align_gpu_us(one[0]))
-                        row.setdefault(f"{name}_host", []).append(host_rest(one, False, 21, 5))
-                ok = ref is not False and all(v for k, v in row.items() if k.endswith("_equal"))
-                key = f"{preset} M={m} B={block}"
-                out[key] = row
-                print(("PASS" if ok else "FAIL") + f" align {key}: " + json.dumps(row), flush=True)
-                save(results)
+                    one = [lambda ls=launches[name]: [launch(*p) for launch, p in ls]]
+                    row.setdefault(f"{name}_gpu", []).append(_align_gpu_us(one[0]))
+                    row.setdefault(f"{name}_host", []).append(host_rest(one, False, 21, 5))
+            ok = ref is not False and all(v for k, v in row.items() if k.endswith("_equal"))
+            key = f"{preset} M={m} B={block}"
+            out[key] = row
+            print(("PASS" if ok else "FAIL") + f" align {key}: " + json.dumps(row), flush=True)
+            save(results)
 
 
 def _align_gpu_us(run, reps: int = 20, repeats: int = 5) -> float:
@@ -276,7 +277,7 @@ def use_one_pass(per_sm: int) -> None:
     tri.clear_launch_caches()
 
 
-CALL_CELLS = [(QWEN3, "bfloat16", 1024), (QWEN3, "bfloat16", 4096), (QWEN3, "bfloat16", 16384),
+CALL_CELLS = [(QWEN3, "bfloat16", 512), (QWEN3, "bfloat16", 1024), (QWEN3, "bfloat16", 4096), (QWEN3, "bfloat16", 16384),
               (QWEN3, "fp8_block", 4096), (DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096)]
 
 

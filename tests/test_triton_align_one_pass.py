@@ -22,16 +22,17 @@ from moekit.layouts.block_aligned import align_block  # noqa: E402
 from moekit.layouts.grouping import max_padded_rows  # noqa: E402
 
 E, K, N = 8, 40, 24
-ONE = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # past both: chunked
+CHUNKED = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # hist, scan, scatter
+PLACE = dict(CHUNKED, align_two_launch_max=4096)  # hist, then place
 
 
-def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int) -> tuple[dict, torch.Tensor]:
+def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int, limits: dict) -> tuple[dict, torch.Tensor]:
     from moekit.experts.triton_align import align_launches, plan_align
 
     num_assignments = ids.numel()
     rows = max_padded_rows(num_assignments, E, block)
     plan = plan_align(num_assignments, E, block, None if expert_map is None else expert_map.numel(), rows,
-                      resolve_launch_options(LaunchOptions(**ONE), ids.device), arrival_slot=slot, one_pass=1)
+                      resolve_launch_options(LaunchOptions(**limits), ids.device), arrival_slot=slot, one_pass=1)
     assert plan.one is not None and plan.launches == 1 and plan.kept_counters == 3
     b = {name: torch.full(shape, -7, dtype=dtype) for name, dtype, shape in plan.regions}
     sync = torch.zeros(slot + 3, dtype=torch.int32)
@@ -42,15 +43,16 @@ def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int) -> tuple[d
     return b, sync
 
 
-@pytest.mark.parametrize("num_assignments, with_map, block", [(300, False, 16), (1000, True, 16), (129, False, 64),
-                                                             (512, True, 4)])
-def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block):
+@pytest.mark.parametrize("num_assignments, with_map, block, limits", [
+    (300, False, 16, CHUNKED), (1000, True, 16, CHUNKED), (129, False, 64, CHUNKED), (512, True, 4, CHUNKED),
+    (1000, True, 16, PLACE)])
+def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block, limits):
     g = torch.Generator().manual_seed(num_assignments)
     num_global = 12
     expert_map = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5, -1, 6, 7, -1], dtype=torch.int32) if with_map else None
     high = num_global if with_map else E - 2  # without a map experts 6 and 7 stay empty
     ids = torch.randint(-1, high, (num_assignments // 2, 2), generator=g, dtype=torch.int32)  # [M, 2], ties inside
-    b, sync = _run_kernel(ids, expert_map, block, slot=2)
+    b, sync = _run_kernel(ids, expert_map, block, 2, limits)
     want = align_block(ids, E, block, expert_map, allow_naive=False)
     local = []
     for i in ids.flatten().tolist():
@@ -69,14 +71,14 @@ def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block):
     assert b["hist"].shape == (chunks, next_pow2(E + 1))
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_experts_with_one_pass_equal_without(interpreter, lean):
-    """Forced to the chunked alignment (A = 200 and M = 0): one launch, bit for bit the output of two."""
+@pytest.mark.parametrize("lean, limits", [(True, CHUNKED), (False, CHUNKED), (True, PLACE)])
+def test_experts_with_one_pass_equal_without(interpreter, lean, limits):
+    """Forced past the one-launch alignment (A = 200 and M = 0): one launch, bit for bit the output of two or three."""
     interpreter.clear_launch_caches()
     for seed, m in ((0, 100), (1, 100), (2, 0), (3, 100)):
         problem = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed, skips=True)
-        one = interpreter.experts_triton(*problem, options=LaunchOptions(align_one_pass=1, lean_launch=lean, **ONE))
-        plain = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **ONE))
+        one = interpreter.experts_triton(*problem, options=LaunchOptions(align_one_pass=1, lean_launch=lean, **limits))
+        plain = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **limits))
         assert torch.equal(one, plain)
     from moekit.experts import triton_plan
     from moekit.experts.triton import _WORKSPACES

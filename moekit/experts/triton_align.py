@@ -9,7 +9,7 @@ R = rows of sorted_ids, R/B blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -42,7 +42,8 @@ class AlignPlan:
     # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
     hist_scan: BoundLaunch | None = None
     # hist, scan and scatter in one launch of a persistent grid (``_kernels/align_one_pass.py``,
-    # ``LaunchOptions.align_one_pass``), taken instead of all three where the caller passes its kept counters
+    # ``LaunchOptions.align_one_pass``), taken instead of hist + place or the chunked launches where the caller
+    # passes its kept counters
     one: BoundLaunch | None = None
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
@@ -95,8 +96,8 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
                one_pass: int = 0) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
     ``num_global``: the expert map's length, None without one. ``options``: resolved for the device.
-    ``one_pass``: past align_two_launch_max, with an ``arrival_slot``, the programs at most of the one-pass
-    launch (``one_pass_programs``; 0: hist, scan and scatter, or the fused hist + scan and the scatter)."""
+    ``one_pass``: past align_one_launch_max, with an ``arrival_slot``, the programs at most of the one-pass launch
+    (``one_pass_programs``), taken instead of the two or three launches where the caller passes its counters."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
     regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
@@ -110,12 +111,19 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
             kernels("align").align_small_kernel, (1,), 6, common,
             CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
             BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
+    has_map, one_pass = num_global is not None, one_pass if arrival_slot is not None else 0
     if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
-        return _plan_place(regions, common, e_pad, num_global is not None, launch,
-                           own_hist=num_assignments <= options.align_one_launch_max)
+        own_hist = num_assignments <= options.align_one_launch_max
+        plan = _plan_place(regions, common, e_pad, has_map, launch, own_hist)
+        if own_hist or not one_pass:
+            return plan
+        chunks = cdiv(num_assignments, ALIGN_CHUNK)  # hist [chunks, EP] is the place plan's already
+        return replace(plan, regions=plan.regions + (("chunk_base", torch.int32, (chunks, e_pad)),
+                                                     ("offsets", torch.int32, (e_pad,))),
+                       one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot))
     fused = arrival_slot if options.align_scan_fold else None
-    return _plan_chunked(regions, common, e_pad, num_global is not None, launch, fused,
-                         one_pass if arrival_slot is not None else 0, arrival_slot)
+    plan = _plan_chunked(regions, common, e_pad, has_map, launch, fused)
+    return replace(plan, one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot)) if one_pass else plan
 
 
 def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
@@ -145,7 +153,7 @@ def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch
     hist = None if own_hist else BoundLaunch(
         k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
         CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch)
-    blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     place = BoundLaunch(
         k.align_place_kernel, (num_chunks + cdiv(num_blocks, blocks_per_program),), 8, (*common, num_chunks),
         CHUNK=ALIGN_CHUNK, E_PAD=e_pad, A_PAD=next_pow2(num_assignments) if own_hist else 1,
@@ -155,10 +163,9 @@ def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch
 
 
 def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch: dict,
-                  arrival_slot: int | None = None, one_pass: int = 0, one_slot: int | None = None) -> AlignPlan:
+                  arrival_slot: int | None = None) -> AlignPlan:
     """Histogram per chunk, one scan, then the scatter (``_kernels/align.py`` explains the three); with an
-    ``arrival_slot`` also the fused hist + scan, with ``one_pass`` programs (and ``one_slot``) the one-pass
-    launch (each taken where the caller passes its kept counters)."""
+    ``arrival_slot`` also the fused hist + scan (taken where the caller passes its kept counters)."""
     k = kernels("align")
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
@@ -167,7 +174,7 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
                 ("offsets", torch.int32, (e_pad,)))  # [EP]; offsets[E] = rows used
     hist = BoundLaunch(k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
                        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch) if num_chunks else None
-    chunk_rows = max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad))
+    chunk_rows = _scan_rows(num_chunks, e_pad)
     scan = BoundLaunch(k.align_scan_kernel, (1,), 5, (num_chunks, num_experts, block_size),
                        CHUNK_ROWS=chunk_rows, E_PAD=e_pad, **launch)
     hist_scan = None
@@ -175,18 +182,38 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
         hist_scan = BoundLaunch(k.align_hist_scan_kernel, (num_chunks,), 8,
                                 (num_assignments, num_experts, num_global, num_chunks, block_size, arrival_slot),
                                 CHUNK=ALIGN_CHUNK, E_PAD=e_pad, CHUNK_ROWS=chunk_rows, HAS_MAP=has_map, **launch)
-    blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     grid = num_chunks + cdiv(num_blocks, blocks_per_program)
     scatter = BoundLaunch(k.align_scatter_kernel, (grid,), 8, (*common, num_chunks), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
                           BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
                           **launch) if grid else None
-    one = None
-    if one_pass and num_chunks:
-        one = BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(one_pass, grid),), 10,
-                          (*common, num_chunks, grid, one_slot), CHUNK=ALIGN_CHUNK, E_PAD=e_pad, CHUNK_ROWS=chunk_rows,
-                          BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
-                          launch_cooperative_grid=True, **launch)
-    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan, one=one)
+    return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan)
+
+
+def _scan_rows(num_chunks: int, e_pad: int) -> int:
+    """Rows of hist [chunks, EP] the scan sums at a time ([rows, EP] <= 8192 lanes)."""
+    return max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad))
+
+
+def _blocks_per_program(num_blocks: int, e_pad: int) -> int:
+    """Blocks one scatter item writes ([blocks, EP] <= 4096 lanes)."""
+    return max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+
+
+def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: int, slot: int) -> BoundLaunch | None:
+    """The one-pass launch (hist, scan and scatter: ``_kernels/align_one_pass.py``) on at most ``programs``
+    programs, counting in the kept counters from ``slot`` on; None without assignments. It reads and writes the
+    chunked plan's regions: hist, chunk_base [chunks, EP], offsets [EP] and the layout."""
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
+    num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
+    if not num_chunks:
+        return None
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
+    items = num_chunks + cdiv(num_blocks, blocks_per_program)
+    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, items),), 10,
+                       (*common, num_chunks, items, slot), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
+                       CHUNK_ROWS=_scan_rows(num_chunks, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
+                       BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map, launch_cooperative_grid=True, **launch)
 
 
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:

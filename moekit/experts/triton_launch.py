@@ -130,10 +130,10 @@ class LaunchOptions:
     # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
     # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
     fast_path: bool = True
-    # Past align_two_launch_max, in the same eager calls as align_scan_fold, the whole alignment (hist, scan and
-    # scatter) is one launch of a persistent grid of at most align_one_pass programs per SM (cooperative: all
-    # resident), the programs meeting at a barrier after the histogram (``_kernels/align_one_pass.py``): one launch
-    # instead of two. 0 turns it off.
+    # Past align_one_launch_max, in the same eager calls as align_scan_fold (the pool's kept counters), the whole
+    # alignment (hist, scan and scatter) is one launch of a persistent grid of at most align_one_pass programs per SM
+    # (cooperative: all resident), the programs meeting at a barrier after the histogram (``_kernels/align_one_pass.py``):
+    # one launch instead of two (hist + place, or the fused hist + scan and the scatter). 0 turns it off.
     align_one_pass: int = 0
 
     def __post_init__(self) -> None:
