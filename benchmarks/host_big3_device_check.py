@@ -56,6 +56,8 @@ BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 
 # route's 128
 ALIGN_CELLS = [(512, 64), (1024, 64), (4096, 64), (4096, 128), (16384, 128)]
 TOL = 2e-2  # relative L2 against the reference: bf16 ~1e-3, fp8 (activations quantized) ~3e-3
+DEFAULT_PER_SM = LaunchOptions().align_one_pass  # what this tree's default is: put back after each cell
+PER_SM = [0, 1, 2]  # the calls part's align_one_pass values (--per-sm); the first is the reference output
 _OUT = [None]
 
 
@@ -284,13 +286,13 @@ CALL_CELLS = [(QWEN3, "bfloat16", 512), (QWEN3, "bfloat16", 1024), (QWEN3, "bflo
 
 
 def _call_variant(row: dict, calls: list, per: int, want, kernels: bool):
-    """One round of variant ``per`` (``align_one_pass``): warm, equal to variant 0's output, eager / host_rest /
-    events µs, and (``kernels``) the kernels of one call with their GPU µs. Returns variant 0's output."""
+    """One round of variant ``per`` (``align_one_pass``): warm, equal to the first variant's output, eager / host_rest
+    / events µs, and (``kernels``) the kernels of one call with their GPU µs. Returns the first variant's output."""
     use_one_pass(per)
     for c in calls * 2:
         c()
     got = calls[0]()
-    want = got if per == 0 else want
+    want = got if per == PER_SM[0] else want
     row.setdefault(f"p{per}_equal", []).append(bool(torch.equal(got, want)))
     e = time_eager(calls, torch.device("cuda"))
     row.setdefault(f"p{per}_eager", []).append(round(e.eager_us, 1))
@@ -317,13 +319,13 @@ def part_calls(results: dict, deadline: Deadline) -> None:
         calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
         row, want = {}, None
         for rnd in range(3):
-            for per in (0, 1, 2):
+            for per in PER_SM:
                 try:
                     want = _call_variant(row, calls, per, want, rnd == 0 and deadline.left() > 60)
                 except RuntimeError as e:  # a refused launch: say so, go on
                     row[f"p{per}_error"] = str(e)[:200]
                     print(f"FAIL calls p{per}: {str(e)[:200]}", flush=True)
-        use_one_pass(0)
+        use_one_pass(DEFAULT_PER_SM)
         ok = (all(all(v) for k, v in row.items() if k.endswith("_equal"))
               and not any(k.endswith("_error") for k in row))
         key = f"{preset} {dtype} M={m}"
@@ -348,10 +350,10 @@ def table(results: dict) -> None:
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
                          for n in ("two", "one1", "one2", "one4", "one1nc", "ranges1"))
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
-    print("\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass 0 / 1 / 2 ==")
+    print(f"\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass {PER_SM} ==")
     for key, r in results.get("calls", {}).items():
         cols = "  ".join(f"p{p} {_med(r[f'p{p}_eager']):8.1f} {_med(r[f'p{p}_rest']):5.1f} {_med(r[f'p{p}_events']):8.1f}"
-                         for p in (0, 1, 2) if f"p{p}_eager" in r)
+                         for p in PER_SM if f"p{p}_eager" in r)
         print(f"{key:28} {cols}")
 
 
@@ -360,7 +362,9 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big3_out"))
     parser.add_argument("--deadline-s", type=float, default=150.0)  # parts: align to 105 s left, calls to 35, phases
     parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"], choices=["phases", "align", "calls"])
+    parser.add_argument("--per-sm", type=int, nargs="+", default=PER_SM, help="align_one_pass values of the calls part")
     args = parser.parse_args()
+    PER_SM[:] = args.per_sm
     os.makedirs(args.out, exist_ok=True)
     _OUT[0] = os.path.join(args.out, "host_big3.json")
     deadline = Deadline(args.deadline_s)
@@ -375,7 +379,7 @@ def main() -> None:
                 parts[part](results, deadline)
             except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on with the next part)
                 print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                use_one_pass(0)
+                use_one_pass(DEFAULT_PER_SM)
                 torch.cuda.empty_cache()
             save(results)
     table(results)
