@@ -3,7 +3,8 @@ under Triton's interpreter, where the grid is one program (the interpreter runs 
 a barrier between programs would wait forever; the device check runs the many-program grid): its layout equals
 ``align_block`` (the torch twin) and a plain loop's counts on random routings with empty experts, -1 ids, an
 expert map, ties of every kind (ids repeated within a token); it leaves its three sync slots at 0; and experts
-calls with it (bf16, lean and not, M = 0 included) equal the calls without, bit for bit.
+calls with it (bf16, lean and not, past the two- and the one-launch limits; fp8_block; M = 0 included) equal the
+calls without, bit for bit.
 """
 
 from __future__ import annotations
@@ -86,3 +87,20 @@ def test_experts_with_one_pass_equal_without(interpreter, lean, limits):
     assert any(p.align is not None and p.align.one is not None and p.align.launches == 1
                for p in triton_plan._PLANS.values())
     assert _WORKSPACES._counters and all(c.eq(0).all() for c in _WORKSPACES._counters.values())  # slots back at 0
+
+
+def test_fp8_with_one_pass_equal_without(interpreter):
+    """The fp8_block path (its plan keeps the one-pass launch's counters too): bit for bit the output without."""
+    from _fp8_cases import SHAPES, problem
+
+    import moekit.experts.triton_fp8 as fp8
+
+    shape, block = SHAPES[0]
+    for m in (70, 0):
+        x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(m, 2, shape, block)
+        got = [fp8.fused_experts_fp8(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=block,
+                                     options=LaunchOptions(align_one_pass=one, **CHUNKED)) for one in (1, 0)]
+        assert torch.equal(got[0], got[1])
+    from moekit.experts.triton_fp8_plan import _PLANS
+
+    assert any(p.align is not None and p.align.one is not None for p in _PLANS.values())
