@@ -111,7 +111,7 @@ def host_rest(calls: list, busy: bool, n: int = 16, repeats: int = 5, hooks=None
 def _kept_sequence(w13, m: int):
     """The bf16 fast path's kept sequence of the default-options calls on ``w13`` with M = ``m``."""
     for key, entry in list(fast._MEMO.items()):
-        if key[0] == id(w13) and key[2][0] == m and key[12] is tri._DEFAULT_OPTIONS:
+        if key[0] == id(w13) and key[2][0] == m and key[12] == tri._DEFAULT_OPTIONS:
             return entry.sequence
     return None
 
