@@ -24,6 +24,8 @@ Each launch costs the host 5.5-7 µs (H200), so smaller batches fold them (``tri
   folded: no launch of its own (A <= ``LaunchOptions.align_fold_max``): each gate-up GEMM program derives
          its own block from all A ids (``fold_block_rows``, the one-launch ``place``'s histogram), and
          the programs of the first N tile write the layout for the down GEMM.
+  one pass: hist, scan and scatter in one launch of a persistent grid whose programs meet at a barrier
+         (``align_one_pass.py``), where the caller keeps counters (eager calls with a pooled workspace).
 """
 
 import triton
