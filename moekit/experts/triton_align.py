@@ -202,17 +202,22 @@ def _blocks_per_program(num_blocks: int, e_pad: int) -> int:
 
 def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: int, slot: int) -> BoundLaunch | None:
     """The one-pass launch (hist, scan and scatter: ``_kernels/align_one_pass.py``) on at most ``programs``
-    programs, counting in the kept counters from ``slot`` on; None without assignments. It reads and writes the
-    chunked plan's regions: hist, chunk_base [chunks, EP], offsets [EP] and the layout."""
+    programs: as few chunk programs as hold the chunks with at most ``programs`` of them (each a run of consecutive
+    chunks), then one more per block item while there is room; counting in the kept counters from ``slot`` on.
+    None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base [chunks, EP]: a
+    row per chunk program; offsets [EP]) and the layout."""
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
     if not num_chunks:
         return None
+    per = cdiv(num_chunks, min(programs, num_chunks))  # chunks a chunk program
+    chunk_programs = cdiv(num_chunks, per)
     blocks_per_program = _blocks_per_program(num_blocks, e_pad)
-    items = num_chunks + cdiv(num_blocks, blocks_per_program)
-    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, items),), 10,
-                       (*common, num_chunks, items, slot), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
-                       CHUNK_ROWS=_scan_rows(num_chunks, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
+    block_items = cdiv(num_blocks, blocks_per_program)
+    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel,
+                       (min(programs, chunk_programs + block_items),), 10,
+                       (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
+                       CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
                        BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map, launch_cooperative_grid=True, **launch)
 
 
