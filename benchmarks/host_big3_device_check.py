@@ -2,26 +2,28 @@
 M = 64 call's extra host time goes.
 
     PYTHONPATH=$PWD timeout 185 python3 benchmarks/host_big3_device_check.py --out $OUT/launch3 [--deadline-s 150]
-        [--parts align calls phases]   (default: all three in this order, each cut by the deadline)
+        [--parts align calls phases] [--from 0 32768]   (default: all three parts in this order, each cut by the
+        deadline; --from: the calls part's align_one_pass_from values, the first one's output the reference)
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
 1. align: the alignment alone (Qwen3 E = 128 and DeepSeek-V3 E = 256, top-8, uniform routing) at ALIGN_CELLS:
-   ``two`` (today: hist + place at M = 512, else the fused hist + scan and the scatter) against ``one1`` / ``one2``
-   (``align_one_pass_kernel``, at most 1 / 2 programs per SM, cooperative). Each layout equal to ``two``'s (counts,
-   num_padded, sorted_ids, expert_ids, the padding; sync slots back at 0) and ``two``'s to the torch twin at
-   M = 1024; GPU µs (events around 20 alignments queued behind a sleep) and host µs per alignment, variants
-   interleaved over 3 rounds.
-2. calls: whole eager calls with the default options' ``align_one_pass`` 0 (today) / 1 / 2, interleaved over 3 rounds
-   at CALL_CELLS (Qwen3 bf16 M = 16384 and fp8 4096: the Gluon routes): output bit-equal to 0's, eager / host_rest
-   µs (``time_eager``), events µs (plain passes), and in round 1 each kernel of one call with its GPU µs.
+   ``two`` (without the one-pass launch: hist + place at M = 512, else the fused hist + scan and the scatter) against
+   ``one`` (``align_one_pass_kernel`` as the plans build it, at any A: at most two programs per SM, cooperative).
+   Each layout equal to ``two``'s (counts, num_padded, sorted_ids, expert_ids, the padding; sync slots back at 0)
+   and ``two``'s to the torch twin at M = 1024; GPU µs (events around 20 alignments queued behind a sleep) and host
+   µs per alignment, variants interleaved over 3 rounds.
+2. calls: whole eager calls under each ``align_one_pass_from`` of --from (default: 0, off, and this tree's
+   default), interleaved over 3 rounds at CALL_CELLS (Qwen3 bf16 M = 16384 and fp8 4096: the Gluon routes; int8
+   4096: the weight-only scratch path): output bit-equal to the first's, eager / host_rest µs (``time_eager``),
+   events µs (plain passes), and in round 1 each kernel of one call with its GPU µs.
 3. phases: Qwen3-30B-A3B bf16, DeepSeek-V3 bf16, Qwen3 fp8_block at M = 1 and 64 (session 22: host_rest 27.5 vs
    53.1 at Qwen3 bf16 with one launch more), each checked against ``experts_reference``. host_rest µs of 16
    back-to-back calls started on an idle GPU (``idle``) and queued behind a 2 ms ``torch.cuda._sleep`` (``busy``:
    every launch waits in the queue), 3 rounds; for the bf16 fast path also each step of the kept sequence (each
    launch's entry, ``empty_like``, the rest) and the call with every launch replaced by a no-op (its Python alone),
    idle and busy. If M = 1 busy reads what M = 64 idle does, the gap is the launches behind a running queue.
-Look for: align: ``one*`` GPU µs <= ``two``'s and host one launch lower; calls: host_rest lower by a launch (~5-9
-µs) and eager (GPU-bound) not higher; phases: busy vs idle at M = 1 against M = 64.
+Look for: align: ``one`` GPU µs <= ``two``'s from M = 4096 and host one launch lower; calls: host_rest lower by a
+launch (~5-9 µs) and eager (GPU-bound) not higher; phases: busy vs idle at M = 1 against M = 64.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import fields
 
 import torch
 
@@ -50,12 +53,11 @@ from moekit.quant import quantize
 
 QWEN3, DEEPSEEK = "qwen3-30b-a3b", "deepseek-v3"
 BUSY_CYCLES = 4_000_000  # torch.cuda._sleep: ~2 ms at 1.98 GHz, longer than 16 calls' issue
-# (M, block): 512 (A = 4096: hist + place today), 1024 / 2048 / 4096 at the fused route's 64 rows, 16384 at the Gluon
-# route's 128 (run 1: 64 or 128 rows changed nothing)
+# (M, block): the fused route's 64-row blocks, the Gluon route's 128 at 16384 (run 1: 64 or 128 changed nothing)
 ALIGN_CELLS = [(512, 64), (1024, 64), (2048, 64), (4096, 64), (16384, 128)]
 TOL = 2e-2  # relative L2 against the reference: bf16 ~1e-3, fp8 (activations quantized) ~3e-3
-DEFAULT_PER_SM = LaunchOptions().align_one_pass  # what this tree's default is: put back after each cell
-PER_SM = [0, 1, 2]  # the calls part's align_one_pass values (--per-sm); the first is the reference output
+DEFAULT_FROM = LaunchOptions().align_one_pass_from  # this tree's default: put back after each cell
+FROM = [0, DEFAULT_FROM]  # the calls part's align_one_pass_from values (--from); the first is the reference output
 _OUT = [None]
 
 
@@ -272,35 +274,39 @@ def _align_gpu_us(run, reps: int = 20, repeats: int = 5) -> float:
     return round(statistics.median(samples), 2)
 
 
-def use_one_pass(per_sm: int) -> None:
-    """The default options' ``align_one_pass`` (the object the default route is keyed on), caches dropped."""
-    o = tri._DEFAULT_OPTIONS
-    object.__setattr__(o, "align_one_pass", per_sm)
-    object.__setattr__(o, "_args", o.as_op_args())
-    object.__setattr__(o, "_hash", hash(o._args))
-    tgl.LaunchOptions = lambda: LaunchOptions(align_one_pass=per_sm)
+def use_one_pass(start: int) -> None:
+    """``align_one_pass_from`` = ``start`` for every call: the default options object (the one the default routes are
+    keyed on) and the class default (the options the quantized and Gluon paths build themselves); caches dropped."""
+    for o in (tri._DEFAULT_OPTIONS, tri.FUSED_OPTIONS):
+        object.__setattr__(o, "align_one_pass_from", start)
+        object.__setattr__(o, "_args", o.as_op_args())
+        object.__setattr__(o, "_hash", hash(o._args))
+    names = [f.name for f in fields(LaunchOptions)]
+    defaults = list(LaunchOptions.__init__.__defaults__)
+    defaults[len(defaults) - len(names) + names.index("align_one_pass_from")] = start
+    LaunchOptions.__init__.__defaults__ = tuple(defaults)
     tri.clear_launch_caches()
 
 
-CALL_CELLS = [(QWEN3, "bfloat16", 512), (QWEN3, "bfloat16", 1024), (QWEN3, "bfloat16", 4096), (QWEN3, "bfloat16", 16384),
-              (QWEN3, "fp8_block", 4096), (DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096)]
+CALL_CELLS = [(QWEN3, "bfloat16", 4096), (QWEN3, "bfloat16", 16384), (QWEN3, "fp8_block", 4096),
+              (QWEN3, "int8_w8a16", 4096), (DEEPSEEK, "bfloat16", 4096), (QWEN3, "bfloat16", 1024)]
 
 
-def _call_variant(row: dict, calls: list, per: int, want, kernels: bool):
-    """One round of variant ``per`` (``align_one_pass``): warm, equal to the first variant's output, eager / host_rest
-    / events µs, and (``kernels``) the kernels of one call with their GPU µs. Returns the first variant's output."""
-    use_one_pass(per)
+def _call_variant(row: dict, calls: list, start: int, want, kernels: bool):
+    """One round of variant ``start`` (``align_one_pass_from``): warm, equal to the first variant's output, eager /
+    host_rest / events µs, and (``kernels``) the kernels of one call with their GPU µs. Returns the first's output."""
+    use_one_pass(start)
     for c in calls * 2:
         c()
     got = calls[0]()
-    want = got if per == PER_SM[0] else want
-    row.setdefault(f"p{per}_equal", []).append(bool(torch.equal(got, want)))
+    want = got if start == FROM[0] else want
+    row.setdefault(f"f{start}_equal", []).append(bool(torch.equal(got, want)))
     e = time_eager(calls, torch.device("cuda"))
-    row.setdefault(f"p{per}_eager", []).append(round(e.eager_us, 1))
-    row.setdefault(f"p{per}_rest", []).append(round(e.host_rest_us, 1))
-    row.setdefault(f"p{per}_events", []).append(round(time_stats(calls, torch.device("cuda"), budget_s=0.03).us, 1))
+    row.setdefault(f"f{start}_eager", []).append(round(e.eager_us, 1))
+    row.setdefault(f"f{start}_rest", []).append(round(e.host_rest_us, 1))
+    row.setdefault(f"f{start}_events", []).append(round(time_stats(calls, torch.device("cuda"), budget_s=0.03).us, 1))
     if kernels:
-        row[f"p{per}_kernels"] = kernel_times(calls[0], 2)
+        row[f"f{start}_kernels"] = kernel_times(calls[0], 2)
     return want
 
 
@@ -320,13 +326,13 @@ def part_calls(results: dict, deadline: Deadline) -> None:
         calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
         row, want = {}, None
         for rnd in range(3):
-            for per in PER_SM:
+            for start in FROM:
                 try:
-                    want = _call_variant(row, calls, per, want, rnd == 0 and deadline.left() > 60)
+                    want = _call_variant(row, calls, start, want, rnd == 0 and deadline.left() > 60)
                 except RuntimeError as e:  # a refused launch: say so, go on
-                    row[f"p{per}_error"] = str(e)[:200]
-                    print(f"FAIL calls p{per}: {str(e)[:200]}", flush=True)
-        use_one_pass(DEFAULT_PER_SM)
+                    row[f"f{start}_error"] = str(e)[:200]
+                    print(f"FAIL calls f{start}: {str(e)[:200]}", flush=True)
+        use_one_pass(DEFAULT_FROM)
         ok = (all(all(v) for k, v in row.items() if k.endswith("_equal"))
               and not any(k.endswith("_error") for k in row))
         key = f"{preset} {dtype} M={m}"
@@ -336,7 +342,7 @@ def part_calls(results: dict, deadline: Deadline) -> None:
 
 
 def _med(v) -> float:
-    return statistics.median(v) if v else float("nan")
+    return statistics.median(v) if v else float("nan")  # nan: a variant that never ran
 
 
 def table(results: dict) -> None:
@@ -349,12 +355,12 @@ def table(results: dict) -> None:
     print("\n== align alone: GPU µs / host µs per alignment (medians of 3 rounds) ==")
     for key, r in results.get("align", {}).items():
         cols = "  ".join(f"{n} {_med(r.get(n + '_gpu', [])):7.2f}/{_med(r.get(n + '_host', [])):5.1f}"
-                         for n in ("two", "one1", "one2"))
+                         for n in ("two", "one"))
         print(f"{key:24} {cols}  equal {[k for k, v in r.items() if k.endswith('_equal') and v]}")
-    print(f"\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass {PER_SM} ==")
+    print(f"\n== calls: eager / host_rest / events µs (medians of 3 rounds), align_one_pass_from {FROM} ==")
     for key, r in results.get("calls", {}).items():
-        cols = "  ".join(f"p{p} {_med(r[f'p{p}_eager']):8.1f} {_med(r[f'p{p}_rest']):5.1f} {_med(r[f'p{p}_events']):8.1f}"
-                         for p in PER_SM if f"p{p}_eager" in r)
+        cols = "  ".join(f"f{v} {_med(r[f'f{v}_eager']):8.1f} {_med(r[f'f{v}_rest']):5.1f} {_med(r[f'f{v}_events']):8.1f}"
+                         for v in FROM if f"f{v}_eager" in r)
         print(f"{key:28} {cols}")
 
 
@@ -363,9 +369,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "host_big3_out"))
     parser.add_argument("--deadline-s", type=float, default=150.0)
     parser.add_argument("--parts", nargs="+", default=["align", "calls", "phases"], choices=["phases", "align", "calls"])
-    parser.add_argument("--per-sm", type=int, nargs="+", default=PER_SM, help="align_one_pass values of the calls part")
+    parser.add_argument("--from", dest="starts", type=int, nargs="+", default=FROM,
+                        help="align_one_pass_from values of the calls part (the first: the reference output)")
     args = parser.parse_args()
-    PER_SM[:] = args.per_sm
+    FROM[:] = args.starts
     os.makedirs(args.out, exist_ok=True)
     _OUT[0] = os.path.join(args.out, "host_big3.json")
     deadline = Deadline(args.deadline_s)
@@ -383,7 +390,7 @@ def main() -> None:
                 parts[part](results, deadline)
             except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on with the next part)
                 print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                use_one_pass(DEFAULT_PER_SM)
+                use_one_pass(DEFAULT_FROM)
                 torch.cuda.empty_cache()
             save(results)
     table(results)

@@ -1,4 +1,4 @@
-"""The alignment in one launch of a persistent grid (``align_one_pass_kernel``, ``LaunchOptions.align_one_pass``)
+"""The alignment in one launch of a persistent grid (``align_one_pass_kernel``, ``LaunchOptions.align_one_pass_from``)
 under Triton's interpreter, where the grid is one program (the interpreter runs programs one after another, so
 a barrier between programs would wait forever; the device check runs the many-program grid): its layout equals
 ``align_block`` (the torch twin) and a plain loop's counts on random routings with empty experts, -1 ids, an
@@ -25,6 +25,7 @@ from moekit.layouts.grouping import max_padded_rows  # noqa: E402
 E, K, N = 8, 40, 24
 CHUNKED = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # hist, scan, scatter
 PLACE = dict(CHUNKED, align_two_launch_max=4096)  # hist, then place
+ONE, OFF = dict(align_one_pass_from=1), dict(align_one_pass_from=0)  # the one-pass launch from any A past one launch; never
 
 
 def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int, limits: dict) -> tuple[dict, torch.Tensor]:
@@ -33,7 +34,7 @@ def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int, limits: di
     num_assignments = ids.numel()
     rows = max_padded_rows(num_assignments, E, block)
     plan = plan_align(num_assignments, E, block, None if expert_map is None else expert_map.numel(), rows,
-                      resolve_launch_options(LaunchOptions(**limits), ids.device), arrival_slot=slot, one_pass=1)
+                      resolve_launch_options(LaunchOptions(**ONE, **limits), ids.device), arrival_slot=slot, one_pass=1)
     assert plan.one is not None and plan.launches == 1 and plan.kept_counters == 3
     b = {name: torch.full(shape, -7, dtype=dtype) for name, dtype, shape in plan.regions}
     sync = torch.zeros(slot + 3, dtype=torch.int32)
@@ -78,8 +79,8 @@ def test_experts_with_one_pass_equal_without(interpreter, lean, limits):
     interpreter.clear_launch_caches()
     for seed, m in ((0, 100), (1, 100), (2, 0), (3, 100)):
         problem = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed, skips=True)
-        one = interpreter.experts_triton(*problem, options=LaunchOptions(align_one_pass=1, lean_launch=lean, **limits))
-        plain = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **limits))
+        one = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **ONE, **limits))
+        plain = interpreter.experts_triton(*problem, options=LaunchOptions(lean_launch=lean, **OFF, **limits))
         assert torch.equal(one, plain)
     from moekit.experts import triton_plan
     from moekit.experts.triton import _WORKSPACES
@@ -99,8 +100,21 @@ def test_fp8_with_one_pass_equal_without(interpreter):
     for m in (70, 0):
         x, _, (w13_q, w13_s, w2_q, w2_s), ids, weights = problem(m, 2, shape, block)
         got = [fp8.fused_experts_fp8(x, w13_q, w13_s, w2_q, w2_s, ids, weights, block_shape=block,
-                                     options=LaunchOptions(align_one_pass=one, **CHUNKED)) for one in (1, 0)]
+                                     options=LaunchOptions(**one, **CHUNKED)) for one in (ONE, OFF)]
         assert torch.equal(got[0], got[1])
     from moekit.experts.triton_fp8_plan import _PLANS
 
     assert any(p.align is not None and p.align.one is not None for p in _PLANS.values())
+
+
+def test_default_takes_one_pass_from_its_limit(interpreter):
+    """The default options plan the one-pass launch from ``align_one_pass_from`` assignments on, not below."""
+    from moekit.experts.triton_align import plan_align
+
+    options = resolve_launch_options(LaunchOptions(), torch.device("cpu"))
+    limit = options.align_one_pass_from
+    for num_assignments, want in ((limit - 1, False), (limit, True)):
+        rows = max_padded_rows(num_assignments, E, 64)
+        plan = plan_align(num_assignments, E, 64, None, rows, options, arrival_slot=0, one_pass=1)
+        assert (plan.one is not None) == want
+        assert plan.kept_counters == (3 if want else 1)

@@ -42,7 +42,7 @@ class AlignPlan:
     # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
     hist_scan: BoundLaunch | None = None
     # hist, scan and scatter in one launch of a persistent grid (``_kernels/align_one_pass.py``,
-    # ``LaunchOptions.align_one_pass``), taken instead of hist + place or the chunked launches where the caller
+    # ``LaunchOptions.align_one_pass_from``), taken instead of hist + place or the chunked launches where the caller
     # passes its kept counters
     one: BoundLaunch | None = None
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
@@ -96,8 +96,9 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
                one_pass: int = 0) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
     ``num_global``: the expert map's length, None without one. ``options``: resolved for the device.
-    ``one_pass``: past align_one_launch_max, with an ``arrival_slot``, the programs at most of the one-pass launch
-    (``one_pass_programs``), taken instead of the two or three launches where the caller passes its counters."""
+    ``one_pass``: with an ``arrival_slot``, from ``options.align_one_pass_from`` assignments past align_one_launch_max,
+    the programs at most of the one-pass launch (``one_pass_programs``), taken instead of the two or three launches
+    where the caller passes its counters."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
     regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
@@ -112,6 +113,7 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
             CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
             BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
     has_map, one_pass = num_global is not None, one_pass if arrival_slot is not None else 0
+    one_pass = one_pass if options.align_one_pass_from and num_assignments >= options.align_one_pass_from else 0
     if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
         own_hist = num_assignments <= options.align_one_launch_max
         plan = _plan_place(regions, common, e_pad, has_map, launch, own_hist)
@@ -127,13 +129,14 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
 
 
 def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
-    """The programs the one-pass alignment may run on ``device``: ``options.align_one_pass`` per SM (0: off);
-    one under the interpreter, whose programs run one after another (a barrier would wait forever)."""
-    if not options.align_one_pass:
+    """The programs the one-pass alignment may run on ``device`` (0: none, ``options.align_one_pass_from`` 0): two
+    per SM (all resident: the launch is cooperative); one under the interpreter, whose programs run one after
+    another (a barrier would wait forever)."""
+    if not options.align_one_pass_from:
         return 0
     if interpreting() or device.type != "cuda":
         return 1
-    return options.align_one_pass * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _layout_regions(num_rows: int, num_blocks: int) -> tuple:
@@ -202,22 +205,23 @@ def _blocks_per_program(num_blocks: int, e_pad: int) -> int:
 
 def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: int, slot: int) -> BoundLaunch | None:
     """The one-pass launch (hist, scan and scatter: ``_kernels/align_one_pass.py``) on at most ``programs``
-    programs: as few chunk programs as hold the chunks with at most ``programs`` of them (each a run of consecutive
-    chunks), then one more per block item while there is room; counting in the kept counters from ``slot`` on.
-    None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base [chunks, EP]: a
-    row per chunk program; offsets [EP]) and the layout."""
+    programs: chunk programs of at least two consecutive chunks each (fewer hist rows for the one-program scan),
+    as few as fit in ``programs``, then one more per block item while there is room; counting in the kept counters
+    from ``slot`` on. None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base
+    [chunks, EP]: a row per chunk program; offsets [EP]) and the layout. H200 (two per SM): Qwen3-30B-A3B A = 32768,
+    256 chunks, 128 chunk programs 20.6 µs against 23.1 with 256; A = 131072, 256 of 4 chunks 39.0 against 45.4
+    with 128 of 8 (run 2 of ``host_big3_device_check.py``)."""
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
     if not num_chunks:
         return None
-    per = cdiv(num_chunks, min(programs, num_chunks))  # chunks a chunk program
+    per = max(2, cdiv(num_chunks, programs))  # chunks a chunk program
     chunk_programs = cdiv(num_chunks, per)
     blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     block_items = cdiv(num_blocks, blocks_per_program)
-    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel,
-                       (min(programs, chunk_programs + block_items),), 10,
-                       (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
-                       CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
+    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, chunk_programs + block_items),),
+                       10, (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK,
+                       E_PAD=e_pad, CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
                        BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map, launch_cooperative_grid=True, **launch)
 
 
