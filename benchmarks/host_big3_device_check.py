@@ -1,5 +1,4 @@
-"""Third host check (issue 13: <= 40 µs of host time per experts call): the alignment in one launch, and where the
-M = 64 call's extra host time goes.
+"""Third host check (issue 13: <= 40 µs host per experts call): the alignment in one launch, the M = 64 host gap.
 
     PYTHONPATH=$PWD timeout 185 python3 benchmarks/host_big3_device_check.py --out $OUT/launch3 [--deadline-s 150]
         [--parts align calls phases] [--from 0 32768]   (default: all three parts in this order, each cut by the
@@ -241,7 +240,8 @@ def part_align(results: dict, deadline: Deadline) -> None:
                 b = bufs[name]
                 row[f"{name}_equal"] = bool(  # every row and block written, as ``two`` writes them
                     torch.equal(b["counts"], b2["counts"]) and torch.equal(b["num_padded"], b2["num_padded"])
-                    and torch.equal(b["sorted_ids"], b2["sorted_ids"]) and torch.equal(b["expert_ids"], b2["expert_ids"])
+                    and torch.equal(b["sorted_ids"], b2["sorted_ids"])
+                    and torch.equal(b["expert_ids"], b2["expert_ids"])
                     and bool((b["sorted_ids"][used:] == ids.numel()).all()) and int(sync[name].abs().sum()) == 0)
             for rnd in range(3):
                 for name in plans:

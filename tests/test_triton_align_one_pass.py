@@ -3,8 +3,8 @@ under Triton's interpreter, where the grid is one program (the interpreter runs 
 a barrier between programs would wait forever; the device check runs the many-program grid): its layout equals
 ``align_block`` (the torch twin) and a plain loop's counts on random routings with empty experts, -1 ids, an
 expert map, ties of every kind (ids repeated within a token); it leaves its three sync slots at 0; and experts
-calls with it (bf16, lean and not, past the two- and the one-launch limits; fp8_block; M = 0 included) equal the
-calls without, bit for bit.
+calls with it (bf16, lean and not; fp8_block; M = 0 included) equal the calls without, bit for bit; the default
+options take it from ``align_one_pass_from`` assignments on, not below.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from moekit.layouts.block_aligned import align_block  # noqa: E402
 from moekit.layouts.grouping import max_padded_rows  # noqa: E402
 
 E, K, N = 8, 40, 24
-CHUNKED = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # hist, scan, scatter
-PLACE = dict(CHUNKED, align_two_launch_max=4096)  # hist, then place
-ONE, OFF = dict(align_one_pass_from=1), dict(align_one_pass_from=0)  # the one-pass launch from any A past one launch; never
+CHUNKED = dict(align_small_max=0, align_one_launch_max=0, align_two_launch_max=0, align_fold_max=0)  # chunked
+ONE, OFF = dict(align_one_pass_from=1), dict(align_one_pass_from=0)  # the one-pass launch at any chunked A; never
 
 
 def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int, limits: dict) -> tuple[dict, torch.Tensor]:
@@ -46,8 +45,7 @@ def _run_kernel(ids: torch.Tensor, expert_map, block: int, slot: int, limits: di
 
 
 @pytest.mark.parametrize("num_assignments, with_map, block, limits", [
-    (300, False, 16, CHUNKED), (1000, True, 16, CHUNKED), (129, False, 64, CHUNKED), (512, True, 4, CHUNKED),
-    (1000, True, 16, PLACE)])
+    (300, False, 16, CHUNKED), (1000, True, 16, CHUNKED), (129, False, 64, CHUNKED), (512, True, 4, CHUNKED)])
 def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block, limits):
     g = torch.Generator().manual_seed(num_assignments)
     num_global = 12
@@ -73,9 +71,9 @@ def test_one_pass_equals_twin(interpreter, num_assignments, with_map, block, lim
     assert b["hist"].shape == (chunks, next_pow2(E + 1))
 
 
-@pytest.mark.parametrize("lean, limits", [(True, CHUNKED), (False, CHUNKED), (True, PLACE)])
+@pytest.mark.parametrize("lean, limits", [(True, CHUNKED), (False, CHUNKED)])
 def test_experts_with_one_pass_equal_without(interpreter, lean, limits):
-    """Forced past the one-launch alignment (A = 200 and M = 0): one launch, bit for bit the output of two or three."""
+    """Forced to the chunked alignment (A = 200 and M = 0): one launch, bit for bit the output of two or three."""
     interpreter.clear_launch_caches()
     for seed, m in ((0, 100), (1, 100), (2, 0), (3, 100)):
         problem = make_problem(m, 2, E, K, N, torch.bfloat16, seed=seed, skips=True)

@@ -42,8 +42,8 @@ class AlignPlan:
     # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
     hist_scan: BoundLaunch | None = None
     # hist, scan and scatter in one launch of a persistent grid (``_kernels/align_one_pass.py``,
-    # ``LaunchOptions.align_one_pass_from``), taken instead of hist + place or the chunked launches where the caller
-    # passes its kept counters
+    # ``LaunchOptions.align_one_pass_from``), taken instead of the chunked launches where the caller passes its kept
+    # counters
     one: BoundLaunch | None = None
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
@@ -96,9 +96,9 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
                one_pass: int = 0) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
     ``num_global``: the expert map's length, None without one. ``options``: resolved for the device.
-    ``one_pass``: with an ``arrival_slot``, from ``options.align_one_pass_from`` assignments past align_one_launch_max,
-    the programs at most of the one-pass launch (``one_pass_programs``), taken instead of the two or three launches
-    where the caller passes its counters."""
+    ``one_pass``: with an ``arrival_slot``, past align_two_launch_max and from ``options.align_one_pass_from``
+    assignments, the programs at most of the one-pass launch (``one_pass_programs``), taken instead of the fused
+    hist + scan and the scatter where the caller passes its counters."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
     regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
@@ -112,20 +112,15 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
             kernels("align").align_small_kernel, (1,), 6, common,
             CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
             BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
-    has_map, one_pass = num_global is not None, one_pass if arrival_slot is not None else 0
-    one_pass = one_pass if options.align_one_pass_from and num_assignments >= options.align_one_pass_from else 0
+    has_map = num_global is not None
     if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
-        own_hist = num_assignments <= options.align_one_launch_max
-        plan = _plan_place(regions, common, e_pad, has_map, launch, own_hist)
-        if own_hist or not one_pass:
-            return plan
-        chunks = cdiv(num_assignments, ALIGN_CHUNK)  # hist [chunks, EP] is the place plan's already
-        return replace(plan, regions=plan.regions + (("chunk_base", torch.int32, (chunks, e_pad)),
-                                                     ("offsets", torch.int32, (e_pad,))),
-                       one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot))
-    fused = arrival_slot if options.align_scan_fold else None
-    plan = _plan_chunked(regions, common, e_pad, has_map, launch, fused)
-    return replace(plan, one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot)) if one_pass else plan
+        return _plan_place(regions, common, e_pad, has_map, launch,
+                           own_hist=num_assignments <= options.align_one_launch_max)
+    plan = _plan_chunked(regions, common, e_pad, has_map, launch, arrival_slot if options.align_scan_fold else None)
+    start = options.align_one_pass_from
+    if one_pass and arrival_slot is not None and start and num_assignments >= start:
+        return replace(plan, one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot))
+    return plan
 
 
 def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:

@@ -34,7 +34,7 @@ from moekit.experts._kernels.align import local_of, scan_hist, scatter_item
 @triton.jit
 def align_one_pass_kernel(
     ids_ptr, map_ptr, hist_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, num_padded_ptr, sorted_ids_ptr,
-    expert_ids_ptr, sync_ptr,  # hist, chunk_base: [>= Q, EP] (a row per chunk program); sync: int32 [slot + 3], 0 on entry and exit
+    expert_ids_ptr, sync_ptr,  # hist, chunk_base: [>= Q, EP] (a row per chunk program); sync: int32 [slot + 3], 0s
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks, num_block_items, sync_slot,
     chunks_per_program, chunk_programs,
     CHUNK: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr,
@@ -66,7 +66,7 @@ def align_one_pass_kernel(
     tl.debug_barrier()
     let_next_kernel_launch(PDL)
     if pid < chunk_programs:
-        row = chunk_base_ptr + pid * E_PAD  # [EP]: the program's running start rows (a register vector cannot be indexed)
+        row = chunk_base_ptr + pid * E_PAD  # [EP] the running start rows (a register vector cannot be indexed)
         start = tl.load(row + e) + tl.load(offsets_ptr + e)  # [EP] the next free row of each expert for this program
         lane = tl.arange(0, CHUNK)
         for chunk in range(lo, hi):
