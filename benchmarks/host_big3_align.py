@@ -1,5 +1,5 @@
 """The alignment variants ``host_big3_device_check.py`` times (its align part): today's launches without the one-pass
-(``two``: hist + place up to align_two_launch_max, else the fused hist + scan and the scatter) and the one-pass launch
+(``two``: the fused hist + scan and the scatter) and the one-pass launch
 of ``_kernels/align_one_pass.py`` as the plans build it (``one``: at most two programs per SM), at any A.
 """
 
