@@ -116,3 +116,17 @@ def test_default_takes_one_pass_from_its_limit(interpreter):
         plan = plan_align(num_assignments, E, 64, None, rows, options, arrival_slot=0, one_pass=1)
         assert (plan.one is not None) == want
         assert plan.kept_counters == (3 if want else 1)
+
+
+def test_too_few_counters_take_the_chunked_launches(interpreter):
+    """Counters that do not reach the one-pass launch's three slots (a workspace sized for another plan): the fused
+    hist + scan and the scatter instead, never a write past them."""
+    from moekit.experts.triton_align import align_launches, plan_align
+
+    options = resolve_launch_options(LaunchOptions(**ONE, **CHUNKED), torch.device("cpu"))
+    plan = plan_align(300, E, 16, None, max_padded_rows(300, E, 16), options, arrival_slot=2, one_pass=1)
+    b = {name: torch.zeros(shape, dtype=dtype) for name, dtype, shape in plan.regions}
+    ids = torch.zeros(300, dtype=torch.int32)
+    assert [l for l, _ in align_launches(plan, ids, ids, b, torch.zeros(5, dtype=torch.int32))] == [plan.one]
+    assert [l for l, _ in align_launches(plan, ids, ids, b, torch.zeros(4, dtype=torch.int32))] == [plan.hist_scan,
+                                                                                                   plan.scatter]

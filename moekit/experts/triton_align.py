@@ -45,6 +45,7 @@ class AlignPlan:
     # ``LaunchOptions.align_one_pass_from``), taken instead of the chunked launches where the caller passes its kept
     # counters
     one: BoundLaunch | None = None
+    one_slot: int = 0  # the one-pass launch's first counter (it uses three)
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
     @property
@@ -119,7 +120,8 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     plan = _plan_chunked(regions, common, e_pad, has_map, launch, arrival_slot if options.align_scan_fold else None)
     start = options.align_one_pass_from
     if one_pass and arrival_slot is not None and start and num_assignments >= start:
-        return replace(plan, one=_one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot))
+        one = _one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot)
+        return replace(plan, one=one, one_slot=arrival_slot)
     return plan
 
 
@@ -230,15 +232,16 @@ def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | Non
 def align_launches(plan: AlignPlan, ids, map_arg, b: dict, counters=None) -> list:
     """``plan``'s launches in order, each (BoundLaunch, its pointers): on ids (contiguous [M, k]) and
     ``map_arg`` (the expert map, or ids without one: never read then), into the buffers ``b``; with the
-    caller's kept ``counters`` (int32, 0) hist and scan as one launch where the plan has it. The
-    arguments may be stand-ins (``triton_lean`` records where each goes)."""
+    caller's kept ``counters`` (int32, 0) hist and scan as one launch where the plan has it, or the whole
+    alignment as one where the plan has that and the counters reach its three slots. The arguments may be
+    stand-ins (``triton_lean`` records where each goes)."""
     if plan.folded:
         return []
     if plan.small is not None:
         return [(plan.small, (ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
     if plan.naive is not None:
         return [(plan.naive, (ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
-    if plan.one is not None and counters is not None:
+    if plan.one is not None and counters is not None and counters.numel() >= plan.one_slot + 3:
         return [(plan.one, (ids, map_arg, b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"],
                             b["sorted_ids"], b["expert_ids"], counters))]
     launches = [] if plan.hist is None else [(plan.hist, (ids, map_arg, b["hist"]))]
