@@ -203,7 +203,7 @@ def _experts_op(
     weight_descriptors: bool, dependent_launch: bool, poison_workspace: bool, align_small_max: int,
     align_small_max_bins: int, direct_eager: bool, cache_plans: bool, cached_launcher: bool, reuse_workspace: bool,
     raw_launcher: bool, align_one_launch_max: int, align_two_launch_max: int, align_fold_max: int, sum_fold_max: int,
-    sum_tail_max: int, lean_launch: bool, align_scan_fold: bool, fast_path: bool,
+    sum_tail_max: int, lean_launch: bool, align_scan_fold: bool, fast_path: bool, align_one_pass_from: int,
 ) -> torch.Tensor:
     # The op never reuses workspaces, whatever ``reuse_workspace`` says: compiled callers run it inside
     # CUDA-graph trees, whose warm-up runs allocate from the graph's private pool, and a buffer kept
@@ -214,7 +214,8 @@ def _experts_op(
                             raw_launcher=raw_launcher, align_one_launch_max=align_one_launch_max,
                             align_two_launch_max=align_two_launch_max, align_fold_max=align_fold_max,
                             sum_fold_max=sum_fold_max, sum_tail_max=sum_tail_max, lean_launch=lean_launch,
-                            align_scan_fold=align_scan_fold, fast_path=fast_path)
+                            align_scan_fold=align_scan_fold, fast_path=fast_path,
+                            align_one_pass_from=align_one_pass_from)
     spec = _spec_of(activation, gated, interleaved, alpha, limit, up_shift)
     return fused_experts(x, w13, w2, topk_ids, topk_weights, expert_map, spec, options=options, b13=b13, b2=b2)
 

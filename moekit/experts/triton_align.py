@@ -9,7 +9,7 @@ R = rows of sorted_ids, R/B blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from moekit.experts.triton_launch import (
     ALIGN_CHUNK, LaunchOptions, cdiv, kernels, next_pow2, resolve_launch_options,
 )
-from moekit.triton_bind import BoundLaunch
+from moekit.triton_bind import BoundLaunch, interpreting
 from moekit.layouts.block_aligned import BlockAlignedLayout, check_align_args, use_naive
 from moekit.layouts.grouping import max_padded_rows
 
@@ -41,13 +41,26 @@ class AlignPlan:
     # hist + scan in one launch (``LaunchOptions.align_scan_fold``), taken instead of hist and scan where the
     # caller passes the pool's kept counters (its arrival slot); None: hist and scan always
     hist_scan: BoundLaunch | None = None
+    # hist, scan and scatter in one launch of a persistent grid (``_kernels/align_one_pass.py``,
+    # ``LaunchOptions.align_one_pass_from``), taken instead of the chunked launches where the caller passes its kept
+    # counters
+    one: BoundLaunch | None = None
+    one_slot: int = 0  # the one-pass launch's first counter (it uses three)
     folded: bool = False  # no launch: the gate-up GEMM's prologue (``_kernels/gemm.py``, FOLD); no counts
 
     @property
     def launches(self) -> int:
         """Launches per call (with the kept counters: hist and scan as one where folded)."""
+        if self.one is not None:
+            return 1
         launches = (self.small, self.naive, self.hist, self.scan, self.scatter, self.place)
         return sum(x is not None for x in launches) - (self.hist_scan is not None)
+
+    @property
+    def kept_counters(self) -> int:
+        """The kept int32 counters (0 between calls) the plan's launches with counters use from its arrival
+        slot on: 3 for the one-pass launch (arrivals, scanned, exits), 1 for the fused hist + scan, else 0."""
+        return 3 if self.one is not None else int(self.hist_scan is not None)
 
 
 @dataclass(frozen=True)
@@ -62,11 +75,12 @@ class BlockRows:
 
 def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert_map: torch.Tensor | None,
                     options: LaunchOptions, shortcut: bool = True, fold: bool = False,
-                    arrival_slot: int | None = None) -> BlockRows:
+                    arrival_slot: int | None = None, one_pass: int = 0) -> BlockRows:
     """The shortcut where ``use_naive`` allows it (and ``shortcut``), else the alignment into blocks of
     ``block_m`` rows, its row count bounded from shapes alone (``max_padded_rows``): folded into the
     caller's gate-up GEMM where it can take it (``fold``) and A <= ``options.align_fold_max``.
-    ``arrival_slot``: where the caller keeps counters, the slot a fused hist + scan may count in."""
+    ``arrival_slot``: where the caller keeps counters, the slot a fused hist + scan may count in; ``one_pass``:
+    the programs a one-pass alignment may run (``one_pass_programs``; 0: none)."""
     if shortcut and use_naive(num_assignments, num_experts, expert_map):
         return BlockRows(16, num_assignments, None)
     num_pid_m = cdiv(max_padded_rows(num_assignments, num_experts, block_m), block_m)
@@ -74,13 +88,18 @@ def plan_block_rows(num_assignments: int, num_experts: int, block_m: int, expert
         return BlockRows(block_m, num_pid_m, AlignPlan(_layout_regions(num_pid_m * block_m, num_pid_m), folded=True))
     num_global = None if expert_map is None else expert_map.numel()
     return BlockRows(block_m, num_pid_m, plan_align(num_assignments, num_experts, block_m, num_global,
-                                                    num_pid_m * block_m, options, arrival_slot=arrival_slot))
+                                                    num_pid_m * block_m, options, arrival_slot=arrival_slot,
+                                                    one_pass=one_pass))
 
 
 def plan_align(num_assignments: int, num_experts: int, block_size: int, num_global: int | None, num_rows: int,
-               options: LaunchOptions, naive: bool = False, arrival_slot: int | None = None) -> AlignPlan:
+               options: LaunchOptions, naive: bool = False, arrival_slot: int | None = None,
+               one_pass: int = 0) -> AlignPlan:
     """The launches for A assignments into ``num_rows`` rows of sorted_ids (>= R; the rest padding).
-    ``num_global``: the expert map's length, None without one. ``options``: resolved for the device."""
+    ``num_global``: the expert map's length, None without one. ``options``: resolved for the device.
+    ``one_pass``: with an ``arrival_slot``, past align_two_launch_max and from ``options.align_one_pass_from``
+    assignments, the programs at most of the one-pass launch (``one_pass_programs``), taken instead of the fused
+    hist + scan and the scatter where the caller passes its counters."""
     e_pad, num_blocks = next_pow2(num_experts + 1), cdiv(num_rows, block_size)
     regions = _layout_regions(num_rows, num_blocks) + (("counts", torch.int32, (num_experts,)),)
     launch = dict(cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs())
@@ -94,11 +113,27 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
             kernels("align").align_small_kernel, (1,), 6, common,
             CHUNK=ALIGN_CHUNK, E_PAD=e_pad, BLOCKS_PER_ITER=max(1, min(next_pow2(num_blocks), 4096 // e_pad)),
             BLOCK_PAD=next_pow2(block_size), HAS_MAP=num_global is not None, **launch))
+    has_map = num_global is not None
     if 0 < num_assignments <= max(options.align_one_launch_max, options.align_two_launch_max):
-        return _plan_place(regions, common, e_pad, num_global is not None, launch,
+        return _plan_place(regions, common, e_pad, has_map, launch,
                            own_hist=num_assignments <= options.align_one_launch_max)
-    fused = arrival_slot if options.align_scan_fold else None
-    return _plan_chunked(regions, common, e_pad, num_global is not None, launch, fused)
+    plan = _plan_chunked(regions, common, e_pad, has_map, launch, arrival_slot if options.align_scan_fold else None)
+    start = options.align_one_pass_from
+    if one_pass and arrival_slot is not None and start and num_assignments >= start:
+        one = _one_pass(common, e_pad, has_map, launch, one_pass, arrival_slot)
+        return replace(plan, one=one, one_slot=arrival_slot)
+    return plan
+
+
+def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
+    """The programs the one-pass alignment may run on ``device`` (0: none, ``options.align_one_pass_from`` 0): two
+    per SM (all resident: the launch is cooperative); one under the interpreter, whose programs run one after
+    another (a barrier would wait forever)."""
+    if not options.align_one_pass_from:
+        return 0
+    if interpreting() or device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _layout_regions(num_rows: int, num_blocks: int) -> tuple:
@@ -118,7 +153,7 @@ def _plan_place(regions: tuple, common: tuple, e_pad: int, has_map: bool, launch
     hist = None if own_hist else BoundLaunch(
         k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
         CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch)
-    blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     place = BoundLaunch(
         k.align_place_kernel, (num_chunks + cdiv(num_blocks, blocks_per_program),), 8, (*common, num_chunks),
         CHUNK=ALIGN_CHUNK, E_PAD=e_pad, A_PAD=next_pow2(num_assignments) if own_hist else 1,
@@ -139,7 +174,7 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
                 ("offsets", torch.int32, (e_pad,)))  # [EP]; offsets[E] = rows used
     hist = BoundLaunch(k.align_hist_kernel, (num_chunks,), 3, (num_assignments, num_experts, num_global),
                        CHUNK=ALIGN_CHUNK, E_PAD=e_pad, HAS_MAP=has_map, **launch) if num_chunks else None
-    chunk_rows = max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad))
+    chunk_rows = _scan_rows(num_chunks, e_pad)
     scan = BoundLaunch(k.align_scan_kernel, (1,), 5, (num_chunks, num_experts, block_size),
                        CHUNK_ROWS=chunk_rows, E_PAD=e_pad, **launch)
     hist_scan = None
@@ -147,12 +182,44 @@ def _plan_chunked(regions: tuple, common: tuple, e_pad: int, has_map: bool, laun
         hist_scan = BoundLaunch(k.align_hist_scan_kernel, (num_chunks,), 8,
                                 (num_assignments, num_experts, num_global, num_chunks, block_size, arrival_slot),
                                 CHUNK=ALIGN_CHUNK, E_PAD=e_pad, CHUNK_ROWS=chunk_rows, HAS_MAP=has_map, **launch)
-    blocks_per_program = max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     grid = num_chunks + cdiv(num_blocks, blocks_per_program)
     scatter = BoundLaunch(k.align_scatter_kernel, (grid,), 8, (*common, num_chunks), CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
                           BLOCKS_PER_PROGRAM=blocks_per_program, BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map,
                           **launch) if grid else None
     return AlignPlan(regions, hist=hist, scan=scan, scatter=scatter, hist_scan=hist_scan)
+
+
+def _scan_rows(num_chunks: int, e_pad: int) -> int:
+    """Rows of hist [chunks, EP] the scan sums at a time ([rows, EP] <= 8192 lanes)."""
+    return max(1, min(next_pow2(max(num_chunks, 1)), 8192 // e_pad))
+
+
+def _blocks_per_program(num_blocks: int, e_pad: int) -> int:
+    """Blocks one scatter item writes ([blocks, EP] <= 4096 lanes)."""
+    return max(1, min(next_pow2(max(num_blocks, 1)), 4096 // e_pad))
+
+
+def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: int, slot: int) -> BoundLaunch | None:
+    """The one-pass launch (hist, scan and scatter: ``_kernels/align_one_pass.py``) on at most ``programs``
+    programs: chunk programs of at least two consecutive chunks each (fewer hist rows for the one-program scan),
+    as few as fit in ``programs``, then one more per block item while there is room; counting in the kept counters
+    from ``slot`` on. None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base
+    [chunks, EP]: a row per chunk program; offsets [EP]) and the layout. H200 (two per SM): Qwen3-30B-A3B A = 32768,
+    256 chunks, 128 chunk programs 20.6 µs against 23.1 with 256; A = 131072, 256 of 4 chunks 39.0 against 45.4
+    with 128 of 8 (run 2 of ``host_big3_device_check.py``)."""
+    num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
+    num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
+    if not num_chunks:
+        return None
+    per = max(2, cdiv(num_chunks, programs))  # chunks a chunk program
+    chunk_programs = cdiv(num_chunks, per)
+    blocks_per_program = _blocks_per_program(num_blocks, e_pad)
+    block_items = cdiv(num_blocks, blocks_per_program)
+    return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, chunk_programs + block_items),),
+                       10, (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK,
+                       E_PAD=e_pad, CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
+                       BLOCK_PAD=next_pow2(block_size), HAS_MAP=has_map, launch_cooperative_grid=True, **launch)
 
 
 def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | None, b: dict) -> None:
@@ -165,14 +232,18 @@ def run_align(plan: AlignPlan, ids: torch.Tensor, expert_map: torch.Tensor | Non
 def align_launches(plan: AlignPlan, ids, map_arg, b: dict, counters=None) -> list:
     """``plan``'s launches in order, each (BoundLaunch, its pointers): on ids (contiguous [M, k]) and
     ``map_arg`` (the expert map, or ids without one: never read then), into the buffers ``b``; with the
-    caller's kept ``counters`` (int32, 0) hist and scan as one launch where the plan has it. The
-    arguments may be stand-ins (``triton_lean`` records where each goes)."""
+    caller's kept ``counters`` (int32, 0) hist and scan as one launch where the plan has it, or the whole
+    alignment as one where the plan has that and the counters reach its three slots. The arguments may be
+    stand-ins (``triton_lean`` records where each goes)."""
     if plan.folded:
         return []
     if plan.small is not None:
         return [(plan.small, (ids, map_arg, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
     if plan.naive is not None:
         return [(plan.naive, (ids, b["sorted_ids"], b["expert_ids"], b["counts"], b["num_padded"]))]
+    if plan.one is not None and counters is not None and counters.numel() >= plan.one_slot + 3:
+        return [(plan.one, (ids, map_arg, b["hist"], b["chunk_base"], b["counts"], b["offsets"], b["num_padded"],
+                            b["sorted_ids"], b["expert_ids"], counters))]
     launches = [] if plan.hist is None else [(plan.hist, (ids, map_arg, b["hist"]))]
     if plan.place is not None:
         launches.append((plan.place, (ids, map_arg, b["hist"], b["chunk_start"], b["sorted_ids"], b["expert_ids"],

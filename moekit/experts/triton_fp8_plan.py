@@ -37,7 +37,7 @@ import torch
 from moekit.experts.configs import (
     PACKAGED_DIR, GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear, read_configs, user_config_dirs,
 )
-from moekit.experts.triton_align import AlignPlan, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
@@ -225,7 +225,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     down = config.down
     ksum_counters = ksum_counter_count(num_tokens, hidden, down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
-                           arrival_slot=ksum_counters)
+                           arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
     align, naive, block_m, num_pid_m = rows.align, rows.align is None, rows.block_m, rows.num_pid_m
     fold = _fold_constexprs(align, num_assignments, num_experts, block_m, expert_map)
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
@@ -246,7 +246,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
-                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
+                                   counters=ksum_counters + (align.kept_counters if align is not None else 0)),
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),

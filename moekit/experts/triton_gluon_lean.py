@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
+from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
@@ -109,7 +109,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     num_assignments = num_tokens * top_k
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
-                       rows, options, arrival_slot=0)
+                       rows, options, arrival_slot=0, one_pass=one_pass_programs(options, x.device))
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
@@ -126,7 +126,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
                           num_warps=4, **launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
-    return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=1 if align.hist_scan is not None else 0), align,
+    return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
                          weight_key, part.blocks, part.gather, part.up, part.down, combine)
 
 

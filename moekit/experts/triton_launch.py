@@ -130,6 +130,16 @@ class LaunchOptions:
     # launches straight from what its first lean call kept (``triton_fast``): no argument check, plan,
     # workspace, descriptor or sequence lookup. Needs lean_launch (``lean_ready``) and direct_eager.
     fast_path: bool = True
+    # From align_one_pass_from assignments (past align_two_launch_max), in the same eager calls as align_scan_fold (the
+    # pool's kept counters), the whole alignment (hist, scan and scatter) is one launch of a persistent cooperative
+    # grid (<= 2 programs per SM, all resident), its programs meeting at a barrier after the histogram
+    # (``_kernels/align_one_pass.py``): one launch instead of two. 0 turns it off. H200, the alignment alone, GPU µs
+    # two launches -> one (benchmarks/host_big3_device_check.py, raw NVIDIA_H200-2026-12-03-54c56d0-launch3-ck2early):
+    # Qwen3-30B-A3B A = 8192 / 16384 / 32768 / 131072: 10.4 -> 12.3, 15.2 -> 16.2, 23.1 -> 20.6, 69.3 -> 39.0
+    # (DeepSeek-V3 11.6 -> 13.7, 16.5 -> 17.6, 25.1 -> 22.6, 72.8 -> 47.6; at A = 4096 against hist + place 7.4 ->
+    # 11.0), host 4-7 µs less per call: the barrier costs 1-4 µs where the scan is short. So from A = 32768 (M = 4096
+    # at top-8).
+    align_one_pass_from: int = 32768
 
     def __post_init__(self) -> None:
         if not 0 <= self.align_small_max <= ALIGN_CHUNK:
@@ -144,6 +154,8 @@ class LaunchOptions:
             raise ValueError(f"sum_fold_max must be >= 0 (tokens), got {self.sum_fold_max}")
         if self.sum_tail_max < 0:
             raise ValueError(f"sum_tail_max must be >= 0 (tokens), got {self.sum_tail_max}")
+        if self.align_one_pass_from < 0:
+            raise ValueError(f"align_one_pass_from must be >= 0 (assignments), got {self.align_one_pass_from}")
         if self.align_two_launch_max < 0:
             raise ValueError(f"align_two_launch_max must be >= 0, got {self.align_two_launch_max}")
         # lean_launch and what it needs (read on every eager call: computed once)

@@ -27,7 +27,7 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.configs import KernelConfig, device_key, fit_shared_memory, get_config, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, align_launches, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, is_available, kernels, max_shared_memory, next_pow2, resolve_launch_options,
@@ -159,7 +159,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     # arrival slot
     ksum_counters = ksum_counter_count(num_tokens, hidden, config.down.BLOCK_N, options)
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options, fold=True,
-                           arrival_slot=ksum_counters)
+                           arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
@@ -170,7 +170,7 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     return Plan(
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
-                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
+                                   counters=ksum_counters + (align.kept_counters if align is not None else 0)),
         descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
                         down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,

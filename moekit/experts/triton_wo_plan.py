@@ -38,7 +38,7 @@ import torch
 
 from moekit.activations import get_activation
 from moekit.experts.configs import GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear
-from moekit.experts.triton_align import AlignPlan, plan_block_rows
+from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import (
     LaunchOptions, cdiv, interpreting, kernels, max_shared_memory, resolve_launch_options,
@@ -264,7 +264,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     fold = split_k == 1 and 0 < num_tokens <= options.sum_fold_max
     ksum_counters = num_tokens * cdiv(hidden, config.down.BLOCK_N) if fold else 0
     rows = plan_block_rows(num_assignments, num_experts, config.BLOCK_M, expert_map, options,
-                           arrival_slot=ksum_counters)
+                           arrival_slot=ksum_counters, one_pass=one_pass_programs(options, x.device))
     block_m = 1 if decode in WORD_DECODES and rows.align is None else rows.block_m  # the shortcut: one row a block
     align, num_pid_m, config = rows.align, rows.num_pid_m, replace(config, BLOCK_M=block_m)
     work_dtype = torch.float32 if interpreting() else x.dtype
@@ -288,7 +288,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
-                                   counters=ksum_counters + (align is not None and align.hist_scan is not None)),
+                                   counters=ksum_counters + (align.kept_counters if align is not None else 0)),
         gate_up=gate_up, down=down,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, split=split_k,
                              ordered=split_k == 1),

@@ -24,6 +24,8 @@ Each launch costs the host 5.5-7 µs (H200), so smaller batches fold them (``tri
   folded: no launch of its own (A <= ``LaunchOptions.align_fold_max``): each gate-up GEMM program derives
          its own block from all A ids (``fold_block_rows``, the one-launch ``place``'s histogram), and
          the programs of the first N tile write the layout for the down GEMM.
+  one pass: hist, scan and scatter in one launch of a persistent grid whose programs meet at a barrier
+         (``align_one_pass.py``), where the caller keeps counters (eager calls with a pooled workspace).
 """
 
 import triton
@@ -126,7 +128,17 @@ def align_scatter_kernel(
 ):
     wait_for_previous_kernel(PDL)
     let_next_kernel_launch(PDL)
-    pid = tl.program_id(0)
+    scatter_item(tl.program_id(0), ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr,
+                 sorted_ids_ptr, expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows,
+                 num_blocks, num_chunks, CHUNK, E_PAD, BLOCKS_PER_PROGRAM, BLOCK_PAD, HAS_MAP)
+
+
+@triton.jit
+def scatter_item(pid, ids_ptr, map_ptr, chunk_base_ptr, offsets_ptr, counts_ptr, num_padded_ptr, sorted_ids_ptr,
+                 expert_ids_ptr, num_assignments, num_experts, num_global, block_size, num_rows, num_blocks, num_chunks,
+                 CHUNK: tl.constexpr, E_PAD: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr, BLOCK_PAD: tl.constexpr,
+                 HAS_MAP: tl.constexpr):
+    """The scatter's item ``pid``: chunk ``pid`` (< num_chunks) or the blocks of block item pid - num_chunks."""
     if pid < num_chunks:
         # Chunk program: place this chunk's assignments.
         lane = tl.arange(0, CHUNK)
@@ -182,7 +194,7 @@ def align_place_kernel(
     is_expert = e < num_experts
     if OWN_HIST:
         a = tl.arange(0, A_PAD)
-        every = _local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP)  # [A_PAD]
+        every = local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP)  # [A_PAD]
         counts = tl.histogram(every, E_PAD)  # [EP]
     else:
         counts = _hist_rows(hist_ptr, num_chunks, num_chunks, E_PAD, CHUNK_ROWS)
@@ -201,7 +213,7 @@ def align_place_kernel(
         tl.debug_barrier()
         lane = tl.arange(0, CHUNK)
         offs = pid * CHUNK + lane
-        local = _local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP)  # [C]
+        local = local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP)  # [C]
         earlier_same = (local[:, None] == local[None, :]) & (lane[None, :] < lane[:, None])  # [C, C]
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)  # [C] rank among this chunk's rows of the expert
         routed = local < num_experts
@@ -214,7 +226,7 @@ def align_place_kernel(
 
 
 @triton.jit
-def _local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP: tl.constexpr):
+def local_of(ids_ptr, map_ptr, offs, num_assignments, num_experts, num_global, HAS_MAP: tl.constexpr):
     """Local expert ids (int32) of the assignments ``offs``; E for a lane past A or not routed here."""
     valid = offs < num_assignments
     ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int64)
@@ -331,7 +343,7 @@ def fold_block_rows(pid_m, ids_ptr, map_ptr, num_assignments, num_experts, num_g
     [CHUNK] tiles of the ids, and each lane finds its row by a [BM, CHUNK] compare."""
     e = tl.arange(0, E_PAD)
     is_expert = e < num_experts
-    every = _local_of(ids_ptr, map_ptr, tl.arange(0, A_PAD), num_assignments, num_experts, num_global, HAS_MAP)
+    every = local_of(ids_ptr, map_ptr, tl.arange(0, A_PAD), num_assignments, num_experts, num_global, HAS_MAP)
     counts = tl.histogram(every, E_PAD)  # [EP]
     padded = tl.where(is_expert, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)  # [EP]
     offsets = tl.cumsum(padded, axis=0) - padded  # [EP] exclusive start row of each expert
@@ -347,7 +359,7 @@ def fold_block_rows(pid_m, ids_ptr, map_ptr, num_assignments, num_experts, num_g
     before = first * 0  # assignments of the expert in the tiles already walked
     for a0 in range(0, tl.where(expert >= 0, num_assignments, 0), CHUNK):  # a block past the rows in use: none
         a = a0 + tl.arange(0, CHUNK)
-        mine = (_local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP) == expert).to(tl.int32)
+        mine = (local_of(ids_ptr, map_ptr, a, num_assignments, num_experts, num_global, HAS_MAP) == expert).to(tl.int32)
         rank = before + tl.cumsum(mine, axis=0) - mine  # [C]
         match = (mine[None, :] != 0) & (rank[None, :] == want[:, None])  # [BM, C]
         rows += tl.sum(tl.where(match, a[None, :], 0), axis=1)
