@@ -1,0 +1,90 @@
+"""What ``m1_device_check.py`` measures: its cells (dtype, preset, M) and each cell's variants.
+
+"default" is the backend as users call it (``experts_triton``: bf16, fp8_block and int4_w4a16 weights alike);
+"slots ..." runs the plan's gate-up launch and then ``_kernels/down_slots.py`` (the down GEMM and the k-sum in one
+launch, each program walking its token's slots; ``triton_down_slots``); "gate-up only" is the default's gate-up
+launch alone (a prefix: what the down GEMM and the k-sum add is the default minus it; its output is h, not checked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_down_slots import SlotsTile
+
+Q3, DS3, MIX = "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"
+# Qwen3 first (timing stops at the deadline), then the guards
+CELLS = (("bf16", Q3, 1), ("bf16", Q3, 2), ("fp8", Q3, 1), ("int4", Q3, 1), ("bf16", DS3, 1), ("bf16", MIX, 1),
+         ("bf16", Q3, 8), ("fp8", Q3, 8))
+SMOKE_CELLS = (("bf16", Q3, 1), ("fp8", Q3, 1), ("int4", Q3, 1))
+SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    tile: SlotsTile | None = None  # down over slots with this tile
+    prefix: bool = False  # the default's gate-up launch alone
+
+    @property
+    def is_default(self) -> bool:
+        return self.name == "default"
+
+    @property
+    def exact(self) -> bool:
+        """Must equal the default bit for bit: the same products summed in the same order (the slot sum of
+        ``down_slots`` is the ordered k-sum's)."""
+        return self.tile is not None
+
+
+def _slots(n: int, k: int = 128, w: int = 4, s: int = 8) -> Variant:
+    tile = SlotsTile(n, k, w, s)
+    return Variant("slots " + tile.name, tile)
+
+
+def variants(dtype: str, preset: str, m: int) -> list[Variant]:
+    ends = [Variant("default")]
+    if dtype != "bf16" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
+        return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 only
+    if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32
+        return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12), _slots(16, 256, s=6),
+                       _slots(16, w=2), _slots(32), _slots(32, 256, s=5), _slots(64, s=4)]
+    if preset == Q3:  # M = 2
+        return ends + [_slots(16), _slots(16, 256, s=6), _slots(32)]
+    if preset == DS3:  # K = 7168, N = 2048: 448 / 224 / 112 programs
+        return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(32, s=6), _slots(64, s=4)]
+    return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(32, s=6), _slots(64, s=4)]  # Mixtral
+
+
+def run(v: Variant, dtype: str, t, w, config=None) -> torch.Tensor:
+    """One call of ``v`` on inputs ``t`` (x, topk_ids, topk_weights) and weights ``w`` (w13, w2; quantized for
+    fp8 / int4). ``config``: the tuned entry passed explicitly (compile workers on small-E weights)."""
+    if v.is_default:
+        if config is not None and dtype == "bf16":
+            from moekit.experts.triton import fused_experts
+
+            return fused_experts(t.x, w[0], w[1], t.topk_ids, t.topk_weights, config=config)
+        from moekit.experts.triton import experts_triton
+
+        return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
+    if v.prefix:
+        return gate_up_only(t, w, config)
+    from moekit.experts.triton_down_slots import experts_down_slots
+
+    return experts_down_slots(t.x, w[0], w[1], t.topk_ids, t.topk_weights, v.tile, config=config)
+
+
+def gate_up_only(t, w, config=None) -> torch.Tensor:
+    """The default plan's gate-up launch alone (tiny-batch shortcut, TMA weights): h [A, N]."""
+    from moekit.experts import triton as tri
+    from moekit.experts.triton_launch import LaunchOptions
+    from moekit.experts.triton_plan import plan_for
+
+    ids, weights = t.topk_ids.contiguous(), t.topk_weights.contiguous()
+    plan = plan_for(t.x, w[0], w[1], ids, weights, None, "silu", config, LaunchOptions())
+    b = tri._WORKSPACES.buffers(plan.workspace, t.x.device)
+    pair = tri._DESCRIPTORS.get(w[0], w[1], plan.descriptor_key)
+    plan.gate_up(t.x, pair.w13, pair.w13_up, None, b["h"], ids, None, None, None, None)
+    return b["h"]
