@@ -236,7 +236,7 @@ def print_cell(c: Cell) -> None:
         eager = f"{r.eager_us:6.1f}/{r.host_us:5.1f}" if r.eager_us is not None else "     -/    -"
         eq = {True: "=", False: "~", None: " "}[r.equal_default]
         err = f"{r.rel_l2_ref:.1e}" if r.rel_l2_ref is not None else "-"
-        print(f"{c.dtype:<5}{c.preset:<14}{c.M:>2} {r.variant:<22}{us}{pct} x{vs} [{spread:>11}] eager {eager} "
+        print(f"{c.dtype:<5}{c.preset:<14}{c.M:>2} {r.variant:<30}{us}{pct} x{vs} [{spread:>11}] eager {eager} "
               f"{err:>8}{eq} {r.status}", flush=True)
 
 

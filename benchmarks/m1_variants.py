@@ -8,7 +8,7 @@ launch alone (a prefix: what the down GEMM and the k-sum add is the default minu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,7 @@ class Variant:
     name: str
     tile: SlotsTile | None = None  # down over slots with this tile
     prefix: bool = False  # the default's gate-up launch alone
+    up: tuple = ()  # prefix only: (field, value) pairs replaced in the tuned gate-up tile
 
     @property
     def is_default(self) -> bool:
@@ -44,13 +45,22 @@ def _slots(n: int, k: int = 128, w: int = 4, s: int = 8) -> Variant:
     return Variant("slots " + tile.name, tile)
 
 
+def _up(**fields) -> Variant:
+    """The default's gate-up launch alone with its tuned tile changed: what the gate-up GEMM's tile does to it."""
+    name = "gate-up only " + " ".join(f"{k.removeprefix('BLOCK_').removeprefix('num_').lower()}={v}"
+                                      for k, v in fields.items())
+    return Variant(name, prefix=True, up=tuple(fields.items()))
+
+
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     ends = [Variant("default")]
     if dtype != "bf16" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
         return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 only
     if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32
         return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12), _slots(16, 256, s=6),
-                       _slots(16, w=2), _slots(32), _slots(32, 256, s=5), _slots(64, s=4)]
+                       _slots(16, w=2), _slots(32), _slots(32, 256, s=5), _slots(64, s=4),
+                       _up(BLOCK_N=32), _up(num_stages=6), _up(BLOCK_N=128, num_stages=3), _up(num_warps=8),
+                       _up(BLOCK_K=256, num_stages=3)]
     if preset == Q3:  # M = 2
         return ends + [_slots(16), _slots(16, 256, s=6), _slots(32)]
     if preset == DS3:  # K = 7168, N = 2048: 448 / 224 / 112 programs
@@ -70,6 +80,12 @@ def run(v: Variant, dtype: str, t, w, config=None) -> torch.Tensor:
 
         return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
     if v.prefix:
+        if v.up:
+            from moekit.experts.configs import device_key, get_config
+
+            x, e, n, k = t.x, w[0].shape[0], w[1].shape[2], w[1].shape[1]
+            base = config or get_config(x.shape[0], e, n, k, t.topk_ids.shape[1], x.dtype, device_key(x.device))
+            config = replace(base, up=replace(base.up, **dict(v.up)))
         return gate_up_only(t, w, config)
     from moekit.experts.triton_down_slots import experts_down_slots
 
