@@ -1,9 +1,10 @@
 """What ``m1_device_check.py`` measures: its cells (dtype, preset, M) and each cell's variants.
 
 "default" is the backend as users call it (``experts_triton``: bf16, fp8_block and int4_w4a16 weights alike);
-"slots ..." runs the plan's gate-up launch and then ``_kernels/down_slots.py`` (the down GEMM and the k-sum in one
-launch, each program walking its token's slots; ``triton_down_slots``); "gate-up only" is the default's gate-up
-launch alone (a prefix: what the down GEMM and the k-sum add is the default minus it; its output is h, not checked).
+"slots ..." is the tuned config with ``KernelConfig.down_slots`` set to that tile (gate-up, then
+``_kernels/down_slots.py``: the down GEMM and the k-sum in one launch, each program walking its token's slots);
+"separate" the tuned config with it None (gate-up, down, k-sum); "gate-up only" is the default's gate-up launch alone
+(a prefix: what the down GEMM and the k-sum add is the default minus it; its output is h, not checked).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moekit.experts.triton_down_slots import SlotsTile
+from moekit.experts.configs import GemmTile
 
 Q3, DS3, MIX = "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"
 # Qwen3 first (timing stops at the deadline), then the guards
@@ -25,9 +26,10 @@ SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 @dataclass(frozen=True)
 class Variant:
     name: str
-    tile: SlotsTile | None = None  # down over slots with this tile
+    tile: GemmTile | None = None  # KernelConfig.down_slots of the tuned config set to this (with ``slots``)
+    slots: bool = False  # the tuned config with down_slots = tile (None: the separate down GEMM and k-sum)
     prefix: bool = False  # the default's gate-up launch alone
-    up: tuple = ()  # prefix only: (field, value) pairs replaced in the tuned gate-up tile
+    up: tuple = ()  # (field, value) pairs replaced in the tuned gate-up tile
 
     @property
     def is_default(self) -> bool:
@@ -37,12 +39,14 @@ class Variant:
     def exact(self) -> bool:
         """Must equal the default bit for bit: the same products summed in the same order (the slot sum of
         ``down_slots`` is the ordered k-sum's)."""
-        return self.tile is not None
+        return self.slots
 
 
 def _slots(n: int, k: int = 128, w: int = 4, s: int = 8) -> Variant:
-    tile = SlotsTile(n, k, w, s)
-    return Variant("slots " + tile.name, tile)
+    return Variant(f"slots n{n} k{k} w{w} s{s}", GemmTile(n, k, num_warps=w, num_stages=s), slots=True)
+
+
+SEPARATE = Variant("separate", slots=True)
 
 
 def _up(**fields) -> Variant:
@@ -57,12 +61,14 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     if dtype != "bf16" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
         return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 only
     if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32
-        return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12), _slots(16, 256, s=6),
+        return ends + [SEPARATE, Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12), _slots(16, 256, s=6),
                        _slots(16, w=2), _slots(32), _slots(32, 256, s=5), _slots(64, s=4),
-                       _up(BLOCK_N=32), _up(num_stages=6), _up(BLOCK_N=128, num_stages=3), _up(num_warps=8),
-                       _up(BLOCK_K=256, num_stages=3)]
+                       _up(BLOCK_N=32), _up(BLOCK_N=32, num_stages=8), _up(BLOCK_N=16, num_stages=8),
+                       _up(num_stages=6), _up(BLOCK_N=128, num_stages=3), _up(num_warps=8),
+                       _up(BLOCK_K=256, num_stages=3), replace(_slots(16), name="slots n16 + up n32 s6",
+                                                               up=(("BLOCK_N", 32), ("num_stages", 6)))]
     if preset == Q3:  # M = 2
-        return ends + [_slots(16), _slots(16, 256, s=6), _slots(32)]
+        return ends + [SEPARATE, _slots(16), _slots(16, 256, s=6), _slots(32)]
     if preset == DS3:  # K = 7168, N = 2048: 448 / 224 / 112 programs
         return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(32, s=6), _slots(64, s=4)]
     return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(32, s=6), _slots(64, s=4)]  # Mixtral
@@ -79,17 +85,19 @@ def run(v: Variant, dtype: str, t, w, config=None) -> torch.Tensor:
         from moekit.experts.triton import experts_triton
 
         return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
+    if v.up or v.slots:
+        from moekit.experts.configs import device_key, get_config
+
+        x, e, n, k = t.x, w[0].shape[0], w[1].shape[2], w[1].shape[1]
+        base = config or get_config(x.shape[0], e, n, k, t.topk_ids.shape[1], x.dtype, device_key(x.device))
+        config = replace(base, up=replace(base.up, **dict(v.up)))
+        if v.slots:
+            config = replace(config, down_slots=v.tile)
     if v.prefix:
-        if v.up:
-            from moekit.experts.configs import device_key, get_config
-
-            x, e, n, k = t.x, w[0].shape[0], w[1].shape[2], w[1].shape[1]
-            base = config or get_config(x.shape[0], e, n, k, t.topk_ids.shape[1], x.dtype, device_key(x.device))
-            config = replace(base, up=replace(base.up, **dict(v.up)))
         return gate_up_only(t, w, config)
-    from moekit.experts.triton_down_slots import experts_down_slots
+    from moekit.experts.triton import fused_experts
 
-    return experts_down_slots(t.x, w[0], w[1], t.topk_ids, t.topk_weights, v.tile, config=config)
+    return fused_experts(t.x, w[0], w[1], t.topk_ids, t.topk_weights, config=config)
 
 
 def gate_up_only(t, w, config=None) -> torch.Tensor:
