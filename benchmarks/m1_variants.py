@@ -60,9 +60,10 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     ends = [Variant("default")]
     if dtype != "bf16" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
         return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 only
-    if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32
-        return ends + [SEPARATE, Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12), _slots(16, 256, s=6),
-                       _slots(16, w=2), _slots(32), _slots(32, 256, s=5), _slots(64, s=4),
+    if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32; stages: the bytes in flight
+        return ends + [SEPARATE, Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12),
+                       _slots(16, s=16), _slots(16, 256, s=6), _slots(16, 256, s=10), _slots(16, w=2), _slots(32),
+                       _slots(32, 256, s=5), _slots(64, s=4),
                        _up(BLOCK_N=32), _up(BLOCK_N=32, num_stages=8), _up(BLOCK_N=16, num_stages=8),
                        _up(num_stages=6), _up(BLOCK_N=128, num_stages=3), _up(num_warps=8),
                        _up(BLOCK_K=256, num_stages=3), replace(_slots(16), name="slots n16 + up n32 s6",
