@@ -58,8 +58,11 @@ def _up(**fields) -> Variant:
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     ends = [Variant("default")]
-    if dtype != "bf16" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
-        return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 only
+    if dtype == "int4" or m * {Q3: 8, DS3: 8, MIX: 2}[preset] * 4 > {Q3: 128, DS3: 256, MIX: 8}[preset]:
+        return ends  # the tiny-batch shortcut only (A*4 <= E), bf16 and fp8_block
+    if dtype == "fp8":  # Qwen3 M = 1 (tuned: gate-up 64 wide, so h float32 quantized in down; down BK 128 = group)
+        return ends + [SEPARATE, _slots(16), _slots(16, s=12), _slots(16, s=16), _slots(32), _slots(32, s=12),
+                       replace(_slots(16, s=16), name="slots n16 s16 + up n128 (h_q)", up=(("BLOCK_N", 128),))]
     if preset == Q3 and m == 1:  # K = 2048: 128 programs at 16 columns, 64 at 32; stages: the bytes in flight
         return ends + [SEPARATE, Variant("gate-up only", prefix=True), _slots(16), _slots(16, s=12),
                        _slots(16, s=16), _slots(16, 256, s=6), _slots(16, 256, s=10), _slots(16, w=2), _slots(32),
@@ -75,9 +78,11 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     return ends + [Variant("gate-up only", prefix=True), _slots(16), _slots(32, s=6), _slots(64, s=4)]  # Mixtral
 
 
-def run(v: Variant, dtype: str, t, w, config=None) -> torch.Tensor:
+def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch.Tensor:
     """One call of ``v`` on inputs ``t`` (x, topk_ids, topk_weights) and weights ``w`` (w13, w2; quantized for
-    fp8 / int4). ``config``: the tuned entry passed explicitly (compile workers on small-E weights)."""
+    fp8 / int4). ``config``: the real shape's tuned config passed explicitly (compile workers on small-E weights).
+    ``eager``: an fp8 variant quantizes x where the tuned entry says for eager calls (the default's rule; under a
+    graph capture x is quantized in its own kernel either way)."""
     if v.is_default:
         if config is not None and dtype == "bf16":
             from moekit.experts.triton import fused_experts
@@ -86,19 +91,31 @@ def run(v: Variant, dtype: str, t, w, config=None) -> torch.Tensor:
         from moekit.experts.triton import experts_triton
 
         return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
-    if v.up or v.slots:
-        from moekit.experts.configs import device_key, get_config
-
-        x, e, n, k = t.x, w[0].shape[0], w[1].shape[2], w[1].shape[1]
-        base = config or get_config(x.shape[0], e, n, k, t.topk_ids.shape[1], x.dtype, device_key(x.device))
-        config = replace(base, up=replace(base.up, **dict(v.up)))
-        if v.slots:
-            config = replace(config, down_slots=v.tile)
+    entry = tuned_entry(dtype, t, w)
+    config = replace(config or entry.config, up=replace((config or entry.config).up, **dict(v.up)))
+    if v.slots:
+        config = replace(config, down_slots=v.tile)
     if v.prefix:
         return gate_up_only(t, w, config)
+    if dtype == "fp8":
+        from moekit.experts.triton_fp8 import fused_experts_fp8_launch
+
+        return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
+                                        config=config, x_in_gate_up=entry.x_in_gate_up if eager else None)
     from moekit.experts.triton import fused_experts
 
     return fused_experts(t.x, w[0], w[1], t.topk_ids, t.topk_weights, config=config)
+
+
+def tuned_entry(dtype: str, t, w):
+    """The tuned entry of these weights' shape (``Fp8Entry``-like: .config, .x_in_gate_up)."""
+    from moekit.experts.configs import device_key, get_config
+    from moekit.experts.triton_fp8_plan import Fp8Entry, fp8_entry
+
+    x, e, n, k, top_k = t.x, w[0].shape[0], w[1].shape[2], w[1].shape[1], t.topk_ids.shape[1]
+    if dtype == "fp8":
+        return fp8_entry(x.shape[0], e, n, k, top_k, 128, device_key(x.device))
+    return Fp8Entry(get_config(x.shape[0], e, n, k, top_k, x.dtype, device_key(x.device)))
 
 
 def gate_up_only(t, w, config=None) -> torch.Tensor:

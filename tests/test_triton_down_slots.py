@@ -70,3 +70,28 @@ def test_config_round_trips_through_its_dict():
     config = _slots(32, 128)
     assert KernelConfig.from_dict(config.to_dict()) == config
     assert "down_slots" not in SMALL.to_dict() and KernelConfig.from_dict(SMALL.to_dict()) == SMALL
+
+
+# fp8_block: block shape (128, 128) with K = 160 (a row tail) and N = 96 (one reduction step, a tail); (64, 32) with
+# three reduction steps (TMA weights: e4m3 rows of a multiple of 16 bytes). down_slots.BLOCK_K is the group, its
+# BLOCK_N divides the rows' block.
+@pytest.mark.parametrize("shape,block_shape,tile_n", [((8, 160, 96), (128, 128), 16), ((9, 160, 96), (64, 32), 32)])
+@pytest.mark.parametrize("up_n", [16, None])  # 16: h float32, quantized in the down kernel; None: h_q + h_s
+@pytest.mark.parametrize("m,k", [(1, 2), (2, 1)])
+def test_fp8_down_slots_equals_twin_and_separate_path(shape, block_shape, tile_n, up_n, m, k):
+    from _fp8_cases import POISON, problem
+    from _triton_helpers import interpreted
+
+    x, _, quantized, ids, weights = problem(m, k, shape, block_shape, seed=m * 5 + k + shape[0])
+    group = block_shape[1]
+    config = KernelConfig(16, GemmTile(up_n or block_shape[0], group), GemmTile(16, group))
+    with interpreted("moekit.experts", "moekit.experts.triton_fp8") as fp8:
+        args = (x, *quantized, ids, weights, None, block_shape)
+        slots = replace(config, down_slots=GemmTile(tile_n, group, num_warps=4, num_stages=2))
+        with_slots = fp8.fused_experts_fp8_launch(*args, slots, POISON)
+        separate = fp8.fused_experts_fp8_launch(*args, config, POISON)
+        twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, block_shape=block_shape)
+        plan = fp8.plan_for(x, *quantized, ids.contiguous(), weights, None, block_shape, slots, POISON)
+    assert plan.down_slots is not None
+    assert torch.allclose(with_slots, separate, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(with_slots, twin, rtol=1e-3, atol=1e-3)

@@ -60,7 +60,7 @@ class Plan:
     down_sum: BoundLaunch | None
     # down + k-sum over each token's slots (``config.down_slots`` where it applies: ``slots_tile``), else None; when
     # set it is the call's one launch after gate-up. Pointers: h, w2's descriptor (the plan's, of its tile), weights,
-    # ids, out
+    # ids, out, then None, None
     down_slots: BoundLaunch | None = None
 
 
@@ -120,7 +120,7 @@ def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids,
     # into the down GEMM (its epilogue, one launch fewer) where the plan has it and counters are kept, else
     # a launch of its own; either way the same sums in the same order, bit for bit.
     if plan.down_slots is not None:
-        launches.append((plan.down_slots, (h, w2_arg, weights, ids, out)))
+        launches.append((plan.down_slots, (h, w2_arg, weights, ids, out, None, None)))
     elif counters is not None and plan.down_sum is not None:
         launches.append((plan.down_sum, (h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)))
     else:
@@ -195,15 +195,19 @@ def slots_tile(config: KernelConfig, naive: bool, descriptors: bool, expert_map,
     return config.down_slots
 
 
-def down_slots_launch(x, w2, top_k: int, tile, options: LaunchOptions) -> BoundLaunch:
-    """``_kernels/down_slots.py``'s launch: grid (K / BLOCK_N, M); pointers h, w2's descriptor, weights, ids, out."""
+def down_slots_launch(x, w2, top_k: int, tile, options: LaunchOptions, scale_strides: tuple = (0, 0, 0),
+                      h_scale_stride: int = 0, fp8: dict | None = None) -> BoundLaunch:
+    """``_kernels/down_slots.py``'s launch: grid (K / BLOCK_N, M); pointers h, w2's descriptor, weights, ids, out, then
+    h_s and w2's scales (fp8_block: ``fp8`` its FP8 constexprs, ``scale_strides`` w2_scale's, ``h_scale_stride``
+    h_s's row stride; else None, None)."""
     num_experts, hidden, n = w2.shape
     return BoundLaunch(
-        kernels("down_slots").down_slots_kernel, (cdiv(hidden, tile.BLOCK_N), x.shape[0]), 5,
-        (hidden, n, top_k, num_experts, n, hidden),
+        kernels("down_slots").down_slots_kernel, (cdiv(hidden, tile.BLOCK_N), x.shape[0]), 7,
+        (hidden, n, top_k, num_experts, n, hidden, h_scale_stride, *scale_strides), Y_FP32=interpreting(),
         BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, TOPK_PAD=next_pow2(top_k), UPCAST=interpreting(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
         num_stages=tile.num_stages, cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
+        **(fp8 or {}),
     )
 
 
