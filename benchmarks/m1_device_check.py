@@ -39,7 +39,7 @@ from m1_variants import CELLS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 T0 = time.perf_counter()
 WORKER_DEADLINE_S = 70.0
 WORKERS = 12
-ROUNDS = 5
+ROUNDS = 7
 ROTATION_BYTES = 256 << 20
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2, "int4": 2e-2}  # fp8: against its recipe; int4: the dequantized weights
 

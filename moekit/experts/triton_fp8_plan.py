@@ -247,10 +247,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    slots = slots_tile(config, naive, descriptors, expert_map, None)
-    if slots is not None and (slots.BLOCK_K != group or block_n % slots.BLOCK_N):
-        raise ValueError(f"config.down_slots: BLOCK_K must be the block shape's {group} and BLOCK_N divide "
-                         f"{block_n}, got {slots.BLOCK_K} and {slots.BLOCK_N}")
+    slots = _checked_slots(slots_tile(config, naive, descriptors, expert_map, None), block_shape)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -270,6 +267,16 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
             x, w2_q, top_k, slots, options, scale_strides=w2_scale.stride(), h_scale_stride=cdiv(n, group),
             fp8=dict(FP8=True, H_FP32=h_fp32, EMULATE=emulate, GROUP=block_n)),
     )
+
+
+def _checked_slots(slots: GemmTile | None, block_shape: tuple[int, int]) -> GemmTile | None:
+    """``config.down_slots`` where it applies (``triton_plan.slots_tile``): each step one scale block (BLOCK_K the
+    group), its columns in one block of w2's rows (BLOCK_N divides it)."""
+    block_n, group = block_shape
+    if slots is not None and (slots.BLOCK_K != group or block_n % slots.BLOCK_N):
+        raise ValueError(f"config.down_slots: BLOCK_K must be the block shape's {group} and BLOCK_N divide "
+                         f"{block_n}, got {slots.BLOCK_K} and {slots.BLOCK_N}")
+    return slots
 
 
 def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:
