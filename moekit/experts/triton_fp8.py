@@ -245,9 +245,7 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
         launches.append((plan.quantize, (x, x_q, x_s)))
     launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
     down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
-    if plan.down_slots is not None:  # the down GEMM and the k-sum over each token's slots: one launch
-        launches.append((plan.down_slots, (b["h_q"], w2_arg, weights, ids, out, b["h_s"], w2_scale)))
-    elif counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
+    if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
         launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))
     else:  # the same sums in the same order, bit for bit
         launches.append((plan.down, (*down, None, None, None)))

@@ -41,8 +41,7 @@ from moekit.experts.triton_align import AlignPlan, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
-    ZERO_TOKENS, SumTail, _fold_constexprs, down_slots_launch, ksum_constexprs, ksum_counter_count, slots_tile,
-    sum_launch,
+    ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
 )
 from moekit.triton_bind import BoundLaunch
 
@@ -81,9 +80,6 @@ class Fp8Plan:
     down_sum: BoundLaunch | None
     poison: bool  # fill h_q, h_s, y with NaN first (tests: a read of an unwritten row shows up)
     reuse_workspace: bool  # eager calls take their buffers from the reused pool (``options.reuse_workspace``)
-    # down + k-sum over each token's slots (``config.down_slots`` where it applies, ``slots_tile``), else None; when
-    # set, the call's one launch after gate-up. Pointers: h_q, w2_q's descriptor, weights, ids, out, h_s, w2_scale
-    down_slots: BoundLaunch | None = None
 
 
 _PLANS: dict[tuple, Fp8Plan] = {}
@@ -247,13 +243,12 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    slots = _checked_slots(slots_tile(config, naive, descriptors, expert_map, None), block_shape)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align is not None and align.hist_scan is not None)),
-        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, (slots or down).BLOCK_N,
-                        (slots or down).BLOCK_K) if descriptors else None,
+        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
+        if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                                 num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
@@ -263,20 +258,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                               ksum=(num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max))
         if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
-        down_slots=None if slots is None else down_slots_launch(
-            x, w2_q, top_k, slots, options, scale_strides=w2_scale.stride(), h_scale_stride=cdiv(n, group),
-            fp8=dict(FP8=True, H_FP32=h_fp32, EMULATE=emulate, GROUP=block_n)),
     )
-
-
-def _checked_slots(slots: GemmTile | None, block_shape: tuple[int, int]) -> GemmTile | None:
-    """``config.down_slots`` where it applies (``triton_plan.slots_tile``): each step one scale block (BLOCK_K the
-    group), its columns in one block of w2's rows (BLOCK_N divides it)."""
-    block_n, group = block_shape
-    if slots is not None and (slots.BLOCK_K != group or block_n % slots.BLOCK_N):
-        raise ValueError(f"config.down_slots: BLOCK_K must be the block shape's {group} and BLOCK_N divide "
-                         f"{block_n}, got {slots.BLOCK_K} and {slots.BLOCK_N}")
-    return slots
 
 
 def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:

@@ -58,10 +58,6 @@ class Plan:
     # down with the k-sum folded in (M <= options.sum_fold_max) or after the GEMM in its grid (M <= sum_tail_max;
     # else None); pointers: down's nine, then out, counters (int32, all 0: the workspace's "counters"), expert_map
     down_sum: BoundLaunch | None
-    # down + k-sum over each token's slots (``config.down_slots`` where it applies: ``slots_tile``), else None; when
-    # set it is the call's one launch after gate-up. Pointers: h, w2's descriptor (the plan's, of its tile), weights,
-    # ids, out, then None, None
-    down_slots: BoundLaunch | None = None
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -119,9 +115,7 @@ def plan_launches(plan: Plan, b: dict, x, w13_arg, up_arg, w2_arg, b13, b2, ids,
     # y = routed weight * (h w2^T + b2) per assignment, then out = the sum over each token's slots: folded
     # into the down GEMM (its epilogue, one launch fewer) where the plan has it and counters are kept, else
     # a launch of its own; either way the same sums in the same order, bit for bit.
-    if plan.down_slots is not None:
-        launches.append((plan.down_slots, (h, w2_arg, weights, ids, out, None, None)))
-    elif counters is not None and plan.down_sum is not None:
+    if counters is not None and plan.down_sum is not None:
         launches.append((plan.down_sum, (h, w2_arg, b2, y, weights, ids, *rows, out, counters, expert_map)))
     else:
         launches.append((plan.down, (h, w2_arg, b2, y, weights, ids, *rows, None, None, None)))
@@ -169,7 +163,6 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
     align = rows.align
     regions = [("h", work_dtype, (num_assignments, n)), ("y", work_dtype, (num_assignments, hidden))]
     up, down = config.up, config.down
-    slots = slots_tile(config, align is None, descriptors, expert_map, b2)
     gate_up, down_launch, down_sum = _gemm_launches(x, w13, w2, b13, b2, top_k, config, rows.block_m, rows.num_pid_m,
                                                     align is None, descriptors, variant, options,
                                                     _fold_constexprs(align, num_assignments, num_experts, rows.block_m,
@@ -178,36 +171,11 @@ def build_plan(x, w13, w2, ids, expert_map, activation: str | ActivationSpec, co
         options=options, config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align is not None and align.hist_scan is not None)),
-        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K,
-                        *((slots or down).BLOCK_N, (slots or down).BLOCK_K)) if descriptors else None,
+        descriptor_key=(variant["INTERLEAVED"], num_experts, w13_rows, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
+                        down.BLOCK_K) if descriptors else None,
         gate_up=gate_up, down=down_launch,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         down_sum=down_sum,
-        down_slots=None if slots is None else down_slots_launch(x, w2, top_k, slots, options),
-    )
-
-
-def slots_tile(config: KernelConfig, naive: bool, descriptors: bool, expert_map, b2):
-    """``config.down_slots`` where the down-over-slots kernel applies (the tiny-batch shortcut, TMA weights, no
-    expert map, no b2), else None."""
-    if config.down_slots is None or not naive or not descriptors or expert_map is not None or b2 is not None:
-        return None
-    return config.down_slots
-
-
-def down_slots_launch(x, w2, top_k: int, tile, options: LaunchOptions, scale_strides: tuple = (0, 0, 0),
-                      h_scale_stride: int = 0, fp8: dict | None = None) -> BoundLaunch:
-    """``_kernels/down_slots.py``'s launch: grid (K / BLOCK_N, M); pointers h, w2's descriptor, weights, ids, out, then
-    h_s and w2's scales (fp8_block: ``fp8`` its FP8 constexprs, ``scale_strides`` w2_scale's, ``h_scale_stride``
-    h_s's row stride; else None, None)."""
-    num_experts, hidden, n = w2.shape
-    return BoundLaunch(
-        kernels("down_slots").down_slots_kernel, (cdiv(hidden, tile.BLOCK_N), x.shape[0]), 7,
-        (hidden, n, top_k, num_experts, n, hidden, h_scale_stride, *scale_strides), Y_FP32=interpreting(),
-        BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, TOPK_PAD=next_pow2(top_k), UPCAST=interpreting(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=tile.num_warps,
-        num_stages=tile.num_stages, cached=options.cached_launcher, raw=options.raw_launcher, **options.pdl_kwargs(),
-        **(fp8 or {}),
     )
 
 

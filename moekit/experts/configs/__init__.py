@@ -7,8 +7,7 @@ One file per (E, N, K, dtype, device), named ``E{E}_N{N}_K{K}_{dtype}_{device}.j
      "configs": {"1": {"BLOCK_M": 16, "up": {...}, "down": {...}}, "8": {...}, ...}}
 
 ``up``/``down`` each hold BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages. BLOCK_M is shared: both
-GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``);
-only when set: "down_slots" (a GemmTile, ``KernelConfig.down_slots``).
+GEMMs walk the same block-aligned layout. Optional, written only when true: "swap_ab" (``KernelConfig.swap_ab``).
 A lookup takes the entry of the nearest M (in log2 distance).
 
 Search order: ``$MOEKIT_CONFIG_DIR``, then ``$XDG_CONFIG_HOME/moekit/configs`` (default
@@ -58,24 +57,17 @@ class KernelConfig:
     # the MMA's M side, so decode tiles of 16 rows run on Hopper's wgmma, not mma.sync with f16 conversions of every
     # weight tile. The bf16 kernels refuse it (measured no faster, session 20).
     swap_ab: bool = False
-    # The bf16/fp16 tiny-batch layout (blocks from topk_ids, A*4 <= E; no expert map, no b2, TMA weights): the down
-    # GEMM and the ordered k-sum as one launch whose programs walk a token's slots (``_kernels/down_slots.py``) with
-    # this tile (BLOCK_N out columns, BLOCK_K reduction step, warps, stages; GROUP_M unused). None: down + k-sum.
-    down_slots: GemmTile | None = None
 
     def to_dict(self) -> dict:
         d = {"BLOCK_M": self.BLOCK_M, "up": asdict(self.up), "down": asdict(self.down)}
         if self.swap_ab:
             d["swap_ab"] = True
-        if self.down_slots is not None:
-            d["down_slots"] = asdict(self.down_slots)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "KernelConfig":
         return cls(BLOCK_M=int(d["BLOCK_M"]), up=GemmTile(**d["up"]), down=GemmTile(**d["down"]),
-                   swap_ab=bool(d.get("swap_ab", False)),
-                   down_slots=GemmTile(**d["down_slots"]) if d.get("down_slots") else None)
+                   swap_ab=bool(d.get("swap_ab", False)))
 
 
 def device_key(device: torch.device | str | None = None) -> str:
