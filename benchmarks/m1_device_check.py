@@ -34,7 +34,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from decode_q3_device_check import measure_copy, rel_l2, shape_of  # noqa: E402
-from m1_variants import CELLS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
+from m1_variants import _COUNTERS as kept, CELLS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 
 T0 = time.perf_counter()
 WORKER_DEADLINE_S = 70.0
@@ -278,6 +278,8 @@ def main() -> int:
         timed = check_cell(cell, vs, sets, w, ref_w, status, ci)
         if not SMOKE:
             time_cell(cell, timed, sets, w, dev, args.deadline)
+        for counters in kept.values():  # the k-sum variants' kept counters: every call must leave them at 0
+            print(f"{'PASS' if int(counters.abs().sum()) == 0 else 'FAIL'} kept counters back at 0", flush=True)
         print(f"[{elapsed():5.1f}s]", flush=True)
         print_cell(cell)
         if args.out:

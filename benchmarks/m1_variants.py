@@ -33,6 +33,9 @@ class Variant:
     down: tuple = ()  # the same for the down tile
     prefix: bool = False  # the config's gate-up launch alone
     again: bool = False  # the default, timed as a row of its own
+    # the k-sum in the down GEMM's launch with kept counters passed in (as a caller capturing its own graph may):
+    # "fold" (KSUM, the last slot's program sums) or "after" (SUM_AFTER, sum programs after the GEMM's); "" none
+    ksum: str = ""
 
     @property
     def is_default(self) -> bool:
@@ -70,7 +73,8 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
              _v(down=dict(BLOCK_N=32, BLOCK_K=256, num_stages=5))]
     both = [_v(K256_3, K256_3), _v(K256_3, K256_4), _v(dict(BLOCK_N=32, **K256_4), K256_4)]
     prefixes = [_v(prefix=True), _v(K256_3, prefix=True), _v(dict(BLOCK_N=32, **K256_4), prefix=True)]
-    return ends + gate_ups + downs + both + (prefixes if m == 1 else [])
+    ksums = [Variant("k-sum fold (counters)", ksum="fold"), Variant("k-sum after (counters)", ksum="after")]
+    return ends + gate_ups + downs + both + ksums + (prefixes if m == 1 else [])
 
 
 def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch.Tensor:
@@ -90,8 +94,23 @@ def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch
     if v.prefix:
         return gate_up_only(t, w, config)
     from moekit.experts.triton import fused_experts
+    from moekit.experts.triton_launch import LaunchOptions
 
+    if v.ksum:
+        options = LaunchOptions(sum_fold_max=8 if v.ksum == "fold" else 0, sum_tail_max=64)
+        return fused_experts(t.x, w[0], w[1], t.topk_ids, t.topk_weights, config=config, options=options,
+                             counters=kept_counters(t.x.device))
     return fused_experts(t.x, w[0], w[1], t.topk_ids, t.topk_weights, config=config)
+
+
+_COUNTERS: dict = {}
+
+
+def kept_counters(device) -> torch.Tensor:
+    """int32 zeros, allocated once outside any capture (every call leaves them at 0)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1 << 14, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def tuned_config(t, w):
