@@ -20,7 +20,9 @@ inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for 
 host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
-(benchmarks/results/raw/*-fp8_small.*).
+(benchmarks/results/raw/*-fp8_small.*). "x_prologue" (true: up to ``X_PROLOGUE_MAX`` tokens every gate-up program
+quantizes x in its prologue, ``gemm_fp8``'s X_PRO, in eager calls and captures alike: no quantize launch; it wins over
+"x_in_gate_up"; benchmarks/m1_device_check.py).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
