@@ -33,10 +33,10 @@ if SMOKE:
 import torch  # noqa: E402
 
 from decode_q3_device_check import measure_copy, rel_l2, shape_of  # noqa: E402
-from m1_variants import CELLS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
+from m1_variants import CELLS, GUARDS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 
 T0 = time.perf_counter()
-WORKER_DEADLINE_S = 70.0
+WORKER_DEADLINE_S = 40.0
 WORKERS = 12
 ROUNDS = 7
 ROTATION_BYTES = 256 << 20
@@ -50,7 +50,8 @@ def elapsed() -> float:
 def cells() -> list[tuple]:
     """The cells of this run; ``--dtypes`` (workers get it too) keeps those of the dtypes named."""
     keep = os.environ.get("M1_DTYPES")
-    return [c for c in (SMOKE_CELLS if SMOKE else CELLS) if not keep or c[0] in keep.split(",")]
+    every = SMOKE_CELLS if SMOKE else CELLS + (GUARDS if os.environ.get("M1_GUARDS") else ())
+    return [c for c in every if not keep or c[0] in keep.split(",")]
 
 
 def make_weights(dtype: str, s, dev) -> tuple:
@@ -243,10 +244,13 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--deadline", type=float, default=165.0, help="stop timing after this many seconds")
     ap.add_argument("--dtypes", default="", help="comma-separated dtypes whose cells run (bf16, fp8, int4; all)")
+    ap.add_argument("--guards", action="store_true", help="also the guard cells (DeepSeek-V3, Mixtral, Qwen3 M=2 / 8)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.dtypes:
         os.environ["M1_DTYPES"] = args.dtypes  # before the workers start: they inherit it
+    if args.guards:
+        os.environ["M1_GUARDS"] = "1"
     dev = torch.device("cpu" if SMOKE else "cuda")
     procs = start_workers(1 if SMOKE else WORKERS)
     import triton
