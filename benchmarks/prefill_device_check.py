@@ -2,11 +2,12 @@
 128-row padding costs, and the tile / pipeline candidates (``prefill_variants``) against today's route.
 
     PYTHONPATH=$PWD python3 benchmarks/prefill_device_check.py --out $OUT/prefill [--deadline-s 165] [--rounds 5]
-        [--cells bf16:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384 ...]
+        [--cells bf16:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384 ...] [--variants "route,lean g128,lean gather"]
 
 Per cell (dtype, preset, M; uniform routing, seeded):
   1. correctness: every variant's output against the torch twin of the Gluon path (``experts_gluon_twin``, fp8:
      ``experts_gluon_fp8_twin``), rel L2: Gluon bf16 < 2e-3, the route / fused kernels < 1e-2, fp8 < 1e-2 (PASS/FAIL);
+     a variant with ``same_as`` must also equal that variant's output bit for bit ("lean gather" vs "lean g128");
   2. the route's kernels (torch.profiler, device µs per kernel);
   3. whole call, CUDA-graph replay, ``--rounds`` interleaved rounds (each variant once per round, each round starting
      with the next variant; ~15 ms of untimed replays, then ~40 ms of back-to-back replays between two events);
