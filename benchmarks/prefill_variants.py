@@ -69,9 +69,8 @@ class GemmPair:
 def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPair:
     """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``; ``in_loader``: the gate-up
     GEMM gathering x's rows itself (reads x and sorted_ids, writes dst), else reading the gathered x_perm."""
-    from moekit.experts.triton_align import align_block_triton
     from moekit.experts.triton_gluon import gluon_layout
-    from moekit.experts.triton_gluon_launch import BLOCK_M, launch_gather_gemm, launch_gemm
+    from moekit.experts.triton_gluon_launch import launch_gather_gemm, launch_gemm
 
     num_experts, hidden, inter = w2.shape
     lay = gluon_layout(x, ids, num_experts)
@@ -80,11 +79,8 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPa
     y = x.new_empty(rows, hidden)  # [R, K]
     w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
     if in_loader:
-        blocks = align_block_triton(ids, num_experts, BLOCK_M, None, allow_naive=False)
-        dst = torch.empty(ids.numel(), dtype=torch.int32, device=x.device)  # [A]
-
         def up_call():
-            launch_gather_gemm(x, blocks.sorted_ids, dst, w13_2d, h, blocks.expert_ids, blocks.num_padded,
+            launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
                                ids.shape[1], up)
     else:
         def up_call():

@@ -179,6 +179,11 @@ def loader_gather_fits(x: torch.Tensor) -> bool:
     return x.element_size() == 2 and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
+def wants_loader_gather(x: torch.Tensor) -> bool:
+    """Whether a bf16/fp16 call on x takes the in-loader gather: ``IN_LOADER_GATHER`` (read per call) and x fits."""
+    return IN_LOADER_GATHER and loader_gather_fits(x)
+
+
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,
                        out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor, top_k: int,
                        tile: GluonTile) -> None:

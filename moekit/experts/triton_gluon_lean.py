@@ -34,8 +34,8 @@ from moekit.experts.triton_align import AlignPlan, align_launches, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, IN_LOADER_GATHER, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, loader_gather_fits,
-    num_sms,
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, loader_gather_fits, num_sms,
+    wants_loader_gather,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
@@ -269,13 +269,13 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``IN_LOADER_GATHER`` where x fits it (else the kernel)."""
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:
-        in_loader = IN_LOADER_GATHER and s13 is None and loader_gather_fits(x)
+        in_loader = s13 is None and wants_loader_gather(x)
     plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
