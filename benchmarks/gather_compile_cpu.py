@@ -3,7 +3,7 @@ machine without a GPU: catches layout, barrier and shared-memory errors before a
 
     PYTHONPATH=$PWD python benchmarks/gather_compile_cpu.py [--ptx DIR]
 
-Prints one line per loader configuration: seconds, SMEM bytes, the partitions' setmaxnreg, spill bytes, and the
+Prints one line per loader configuration (the default and ``prefill_variants.GATHER_OPTIONS``): seconds, SMEM bytes, the partitions' setmaxnreg, spill bytes, and the
 cp.async / cp.async.mbarrier.arrive / fence.proxy.async counts in the PTX. ``--ptx``: keep each PTX there.
 """
 
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def compile_gather_gemm(tile, loader_warps: int, loader_regs: int) -> tuple[str, str]:
+def compile_gather_gemm(tile, options: dict) -> tuple[str, str]:
     """The gather gate-up GEMM at a small shape (E=2, N=512, K=512, top-k 8): (report line, PTX)."""
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
@@ -28,7 +28,7 @@ def compile_gather_gemm(tile, loader_warps: int, loader_regs: int) -> tuple[str,
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_gather import gather_gate_up_kernel as kernel
-    from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
+    from moekit.experts.triton_gluon_launch import BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
     int32 = torch.empty(1, dtype=torch.int32)
@@ -37,7 +37,8 @@ def compile_gather_gemm(tile, loader_warps: int, loader_regs: int) -> tuple[str,
                 c_desc=_descriptor([t, n], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
                 num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
     const = dict(TOP_K=8, W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 LOADER_WARPS=loader_warps, LOADER_REGS=loader_regs, num_warps=NUM_WARPS)
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS, FENCE=True, EVICT_LAST=False,
+                 PREFETCH=False) | options
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     # x's pointer and row stride 16-byte aligned (what the route checks and Triton specialises on)
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -62,16 +63,18 @@ def main() -> int:
     parser.add_argument("--ptx", type=Path)
     args = parser.parse_args()
     failed = 0
-    for warps, regs in ((4, 64), (4, 80), (2, 96)):
+    from prefill_variants import GATHER_OPTIONS
+
+    for name, options in {"default": {}, **GATHER_OPTIONS}.items():
         try:
-            line, ptx = compile_gather_gemm(UP_TILE, warps, regs)
-            print(f"OK loader {warps} warps {regs} regs: {line}", flush=True)
+            line, ptx = compile_gather_gemm(UP_TILE, options)
+            print(f"OK {name} {options}: {line}", flush=True)
             if args.ptx:
                 args.ptx.mkdir(parents=True, exist_ok=True)
-                (args.ptx / f"gather_{warps}w_{regs}r.ptx").write_text(ptx)
+                (args.ptx / f"gather_{name}.ptx").write_text(ptx)
         except Exception as exc:  # noqa: BLE001 (report each configuration)
             failed += 1
-            print(f"FAIL loader {warps} warps {regs} regs: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
+            print(f"FAIL {name} {options}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
     return 1 if failed else 0
 
 

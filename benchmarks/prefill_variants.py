@@ -22,6 +22,11 @@ import torch
 from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
+# the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23
+GATHER_OPTIONS = {"nofence": {"FENCE": False}, "evict_last": {"EVICT_LAST": True}, "prefetch": {"PREFETCH": True},
+                  "loader2": {"LOADER_WARPS": 2, "LOADER_REGS": 96}, "loader1": {"LOADER_WARPS": 1, "LOADER_REGS": 120}}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -64,11 +69,13 @@ class GemmPair:
     up: Callable
     down: Callable
     rows_used: torch.Tensor  # [1] int32
+    h: torch.Tensor  # [R, N] what ``up`` writes
 
 
-def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPair:
+def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False, options: dict | None = None) -> GemmPair:
     """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``; ``in_loader``: the gate-up
-    GEMM gathering x's rows itself (reads x and sorted_ids, writes dst), else reading the gathered x_perm."""
+    GEMM gathering x's rows itself (reads x and sorted_ids, writes dst; ``options``: its loader's constexprs),
+    else reading the gathered x_perm."""
     from moekit.experts.triton_gluon import gluon_layout
     from moekit.experts.triton_gluon_launch import launch_gather_gemm, launch_gemm
 
@@ -81,12 +88,12 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPa
     if in_loader:
         def up_call():
             launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
-                               ids.shape[1], up)
+                               ids.shape[1], up, **(options or {}))
     else:
         def up_call():
             launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
     return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden),
-                    lay.rows_used)
+                    lay.rows_used, h)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
@@ -105,7 +112,7 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
         lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up,
                                 True, inter),
         lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, down, False),
-        lay.rows_used)
+        lay.rows_used, h_q)
 
 
 def bf16_variants(w13, w2) -> list[Variant]:

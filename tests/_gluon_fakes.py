@@ -86,11 +86,14 @@ class FakeKernel:
     def __init__(self, real, body):
         self.fn, self.body, self.log = real.fn, body, []
         self._params = list(inspect.signature(real.fn).parameters)
+        self._defaults = {n: p.default for n, p in inspect.signature(real.fn).parameters.items()
+                          if p.default is not inspect.Parameter.empty}  # what Triton binds where none is passed
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             bound = dict(zip(self._params, args))
             bound.update((k, v) for k, v in kwargs.items() if k in self._params)
+            bound = {**{k: v for k, v in self._defaults.items() if k not in bound}, **bound}
             options = {k: v for k, v in kwargs.items() if k not in self._params}  # Triton's compile options
             if "num_warps" in kwargs:  # Triton compiles with num_warps only when it comes by keyword
                 options["num_warps"] = kwargs["num_warps"]
