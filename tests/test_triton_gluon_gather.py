@@ -82,7 +82,7 @@ def test_strided_x_rows_unaligned_fall_back_or_raise(fake_gemms, monkeypatch):
     x = wide[:, 4:]  # rows K + 4 elements apart: 264 bytes, not a multiple of 16
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         _run(x, w13, w2, ids, weights, True)
-    monkeypatch.setattr(triton_gluon_launch, "IN_LOADER_GATHER", True)
+    monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N)
     out = _run(x, w13, w2, ids, weights, None)
     assert not fake_gemms["gather"].log and torch.equal(out, _run(x.contiguous(), w13, w2, ids, weights, False))
     assert rel_l2(out, _f64(x, w13, w2, ids, weights)) < 1e-2
@@ -91,12 +91,12 @@ def test_strided_x_rows_unaligned_fall_back_or_raise(fake_gemms, monkeypatch):
 
 
 def test_switched_on_the_plain_and_lean_launches_both_gather_in_the_loader(fake_gemms, monkeypatch):
-    """With ``IN_LOADER_GATHER`` on, ``experts_gluon`` plain and lean run the gather GEMM with the same arguments
+    """With ``LOADER_GATHER_MAX_INTER`` >= N, ``experts_gluon`` plain and lean run the gather GEMM with the same arguments
     (the plain launch fills dst with -1 first; the lean one needs no fill) and give the same output."""
     from moekit.experts import triton_gluon_launch
     from moekit.experts.triton_gluon import experts_gluon
 
-    monkeypatch.setattr(triton_gluon_launch, "IN_LOADER_GATHER", True)
+    monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N)
     x, w13, w2, ids, weights = _problem(40)
     outs, logs = [], []
     for lean in (False, True):
@@ -107,5 +107,5 @@ def test_switched_on_the_plain_and_lean_launches_both_gather_in_the_loader(fake_
                             and not isinstance(v, torch.Tensor)}, options))
     assert torch.equal(outs[1], outs[0]) and logs[1] == logs[0]
     assert rel_l2(outs[1], _f64(x, w13, w2, ids, weights)) < 1e-2
-    monkeypatch.setattr(triton_gluon_launch, "IN_LOADER_GATHER", False)
+    monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N - 128)  # experts too wide: the kernel
     assert torch.equal(experts_gluon(x, w13, w2, ids, weights, lean=False), outs[0])

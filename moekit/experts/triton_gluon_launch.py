@@ -22,7 +22,9 @@ SHARED_BYTES = 227 * 1024  # sm_90's shared memory per program
 # The gate-up GEMM gathering its A rows from x in its loader (``_kernels/gluon_gemm_gather.py``, issue 19): the
 # loader partition's warps (cp.async row copies + the weights' TMA) and their registers; 12 warps x 32 x 168 at launch
 LOADER_WARPS, LOADER_REGS = 4, 64
-IN_LOADER_GATHER = False  # the bf16 route's default: the gather kernel + TMA reads of x_perm (the A/B's base)
+# experts at most this wide (N) take the in-loader gather on the bf16 route (0: none; the gather kernel + TMA reads
+# of x_perm everywhere, the A/B's base)
+LOADER_GATHER_MAX_INTER = 0
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -179,9 +181,10 @@ def loader_gather_fits(x: torch.Tensor) -> bool:
     return x.element_size() == 2 and x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
 
 
-def wants_loader_gather(x: torch.Tensor) -> bool:
-    """Whether a bf16/fp16 call on x takes the in-loader gather: ``IN_LOADER_GATHER`` (read per call) and x fits."""
-    return IN_LOADER_GATHER and loader_gather_fits(x)
+def wants_loader_gather(x: torch.Tensor, inter: int) -> bool:
+    """Whether a bf16/fp16 call on x with experts ``inter`` (N) wide takes the in-loader gather: N at most
+    ``LOADER_GATHER_MAX_INTER`` (read per call) and x fits it."""
+    return inter <= LOADER_GATHER_MAX_INTER and loader_gather_fits(x)
 
 
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,

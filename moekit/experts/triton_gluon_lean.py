@@ -275,7 +275,7 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:
-        in_loader = s13 is None and wants_loader_gather(x)
+        in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
     plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
