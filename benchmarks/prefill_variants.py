@@ -24,7 +24,8 @@ from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given til
 
 # the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23
 GATHER_OPTIONS = {"nofence": {"FENCE": False}, "evict_last": {"EVICT_LAST": True}, "prefetch": {"PREFETCH": True},
-                  "loader2": {"LOADER_WARPS": 2, "LOADER_REGS": 96}, "loader1": {"LOADER_WARPS": 1, "LOADER_REGS": 120}}
+                  "loader2": {"LOADER_WARPS": 2, "LOADER_REGS": 96}, "loader1": {"LOADER_WARPS": 1, "LOADER_REGS": 120},
+                  "group4": {"GROUP_M": 4}, "group16": {"GROUP_M": 16}}
 
 
 @dataclass(frozen=True)
