@@ -37,8 +37,8 @@ def compile_gather_gemm(tile, options: dict) -> tuple[str, str]:
                 c_desc=_descriptor([t, n], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
                 num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
     const = dict(TOP_K=8, W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS, FENCE=True, EVICT_LAST=False,
-                 PREFETCH=False) | options
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS) | options
+    maxnreg = const.pop("maxnreg", MAX_REGISTERS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     # x's pointer and row stride 16-byte aligned (what the route checks and Triton specialises on)
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -46,7 +46,7 @@ def compile_gather_gemm(tile, options: dict) -> tuple[str, str]:
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()}, attrs)
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS))
+                         options=dict(num_warps=NUM_WARPS, maxnreg=maxnreg))
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)

@@ -9,7 +9,8 @@ Session 22 (branch prefill2, raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log
 SKIP_PADDING (a row block whose lower 64 rows are padding runs m64n64 MMAs, the warpgroups splitting the columns:
 0.79-0.99x), the fp8 SKIP_PADDING in the down GEMM alone (0.99-1.00x).
 Session 23 (branch gather): "lean gather", the lean launch with the gate-up GEMM gathering x's rows in its loader
-(cp.async, ``_kernels/gluon_gemm_gather.py``: no gather kernel, no x_perm), against "lean g128".
+(cp.async, ``_kernels/gluon_gemm_gather.py``: no gather kernel, no x_perm), against "lean g128" (the gather kernel:
+the route for experts wider than ``LOADER_GATHER_MAX_INTER``), and its loader options timed alone (``GATHER_OPTIONS``).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
@@ -22,10 +23,11 @@ import torch
 from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
-# the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23
-GATHER_OPTIONS = {"nofence": {"FENCE": False}, "evict_last": {"EVICT_LAST": True}, "prefetch": {"PREFETCH": True},
-                  "loader2": {"LOADER_WARPS": 2, "LOADER_REGS": 96}, "loader1": {"LOADER_WARPS": 1, "LOADER_REGS": 120},
-                  "group4": {"GROUP_M": 4}, "group16": {"GROUP_M": 16}}
+# the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23.
+# Measured at 3867e94 and removed (raw/...-3867e94-gather-ck2early.log; gate-up alone vs the default, 7 cells):
+# no proxy fence 0.98-1.01x, x read evict_last 0.99-1.02x, the next tile's ids prefetched 0.94-0.99x, GROUP_M 4 /
+# 16 0.97-1.01x, 2 / 1 loader warps 0.93-0.96x / 0.80-0.96x. Open: 8 loader warps (16 warps: 128 registers at launch).
+GATHER_OPTIONS = {"loader8": {"LOADER_WARPS": 8, "LOADER_REGS": 48, "maxnreg": 128}}
 
 
 @dataclass(frozen=True)

@@ -45,13 +45,18 @@ class GluonChoice:
     ``narrow_inter`` wide (Qwen3 N=768 at M=4096, the lean launch against the fused kernels, interleaved graph
     rounds: 1.115x, >= 3% in 8 of 9, session 21's prefill_ab run; 1.108x, 6 of 7, session 22's
     raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log; 1.16x, 4 of 5, raw/...-9c15285-prefill.log; the route so
-    chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log).
+    chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log;
+    from 2048 since session 23, with the gate-up GEMM gathering x's rows in its loader (``LOADER_GATHER_MAX_INTER``):
+    Qwen3 M=2048 1.108x (>= 3% in 6 of 7) and 1.119x (8 of 9), M=3072 1.130x (8 of 9) against the fused kernels,
+    raw/...-0f5a314-gather-ck1.log, ...-3867e94-gather-ck2early.log; M=1024 1.030x, 3 of 9: not taken).
     Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.047x (6 of 9), 1.00x and 0.97x
     in earlier runs; Qwen3 M=2048 1.044x (7 of 9, one run); before the lean launch M = 1024 / 2048 Qwen3
-    0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
+    0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed); the gather in
+    the loader for wide experts: Mixtral 4096 0.951x / 0.958x, DeepSeek-V3 8192 0.986x / 0.974x (its GEMM's work
+    6-13% slower than the TMA-fed one's, more than the gather it saves)."""
 
     min_tokens: int = 8192
-    min_tokens_narrow: int = 4096
+    min_tokens_narrow: int = 2048
     narrow_inter: int = 1024
     min_tokens_wide: int = 512
     wide_inter: int = 8192

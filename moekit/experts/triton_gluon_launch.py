@@ -22,9 +22,12 @@ SHARED_BYTES = 227 * 1024  # sm_90's shared memory per program
 # The gate-up GEMM gathering its A rows from x in its loader (``_kernels/gluon_gemm_gather.py``, issue 19): the
 # loader partition's warps (cp.async row copies + the weights' TMA) and their registers; 12 warps x 32 x 168 at launch
 LOADER_WARPS, LOADER_REGS = 4, 64
-# experts at most this wide (N) take the in-loader gather on the bf16 route (0: none; the gather kernel + TMA reads
-# of x_perm everywhere, the A/B's base)
-LOADER_GATHER_MAX_INTER = 0
+# experts at most this wide (N) take the in-loader gather on the bf16 route; wider ones the gather kernel + TMA reads
+# of x_perm. Qwen3 (N = 768) against the gather kernel, whole call, graph rounds: M = 1024 / 2048 / 3072 / 4096 / 8192
+# / 16384 1.106x (>= 3% in 9 of 9) / 1.065x (7/7), 1.052x (9/9) / 1.013x (5/9) / 1.016x (3/7), 1.023x (2/9) /
+# 1.018x (2/7), 1.020x (0/9) / 1.017x (3/7), 1.029x (6/9); the kernels' profiled sum 5.5-7% less. Wide experts lose
+# (Mixtral 4096 0.95x, DeepSeek-V3 8192 0.97-0.99x): raw/NVIDIA_H200-2026-12-03-0f5a314-gather-ck1.log, -3867e94-...
+LOADER_GATHER_MAX_INTER = 1024
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -193,7 +196,7 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     """out [T, N] = silu(x[tok] @ w[e, :N]^T) * (x[tok] @ w[e, N:]^T) per row r (tok = sorted_ids[r] // top_k),
     the rows gathered in the GEMM's loader; writes dst [A] (the row of each real assignment). w [E*2N, K]
     (contiguous 2-D view of w13); x fits ``loader_gather_fits``. ``options``: the kernel's constexprs over the
-    defaults (LOADER_WARPS, LOADER_REGS, FENCE, EVICT_LAST, PREFETCH: the device script's loader variants)."""
+    defaults (the device script's loader variants: LOADER_WARPS, LOADER_REGS, maxnreg, GROUP_M)."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
     inter = out.shape[1]
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])

@@ -34,8 +34,7 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 @gluon.jit
 def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_ready, empty, experts_ptr, used_ptr,
                    num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr, W_ROWS: gl.constexpr,
-                   GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr, LOADER_WARPS: gl.constexpr, EVICT_LAST: gl.constexpr,
-                   PREFETCH: gl.constexpr):
+                   GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr, LOADER_WARPS: gl.constexpr):
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -50,21 +49,12 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
     in_block = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))  # [BM]
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))  # [BK]
     it = 0
-    if PREFETCH:  # the first tile's assignments; each tile loads the next one's before its K loop
-        rb0, _ = _tile_of(gl.program_id(0), num_row_blocks, num_col_blocks, GROUP_M)
-        a_next = gl.load(sorted_ptr + rb0 * BLOCK_M + in_block, mask=gl.program_id(0) < num_tiles, other=0)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         expert = gl.load(experts_ptr + rb)
         w_row = expert * W_ROWS + cb * BLOCK_N
         rows = rb * BLOCK_M + in_block  # [BM]
-        if PREFETCH:
-            a = a_next
-            t_next = t + gl.num_programs(0)
-            rb_next, _ = _tile_of(t_next, num_row_blocks, num_col_blocks, GROUP_M)
-            a_next = gl.load(sorted_ptr + rb_next * BLOCK_M + in_block, mask=t_next < num_tiles, other=0)
-        else:
-            a = gl.load(sorted_ptr + rows)  # [BM] assignment of each row; >= num_assignments: padding
+        a = gl.load(sorted_ptr + rows)  # [BM] assignment of each row; >= num_assignments: padding
         real = a < num_assignments
         gl.store(dst_ptr + a, rows, mask=real & (cb == 0))
         row_start = gl.where(real, a // TOP_K, 0).to(gl.int64) * stride_x  # [BM]
@@ -76,10 +66,7 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
             mbarrier.expect(ready.index(s), nbytes)
             _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(2 * s))
             _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w_bufs.index(2 * s + 1))
-            if EVICT_LAST:  # x rows kept in L2 over the column blocks
-                _cp_async(a_bufs.index(s), src + kk * BLOCK_K, mask=keep, eviction_policy="evict_last")
-            else:
-                _cp_async(a_bufs.index(s), src + kk * BLOCK_K, mask=keep)
+            _cp_async(a_bufs.index(s), src + kk * BLOCK_K, mask=keep)
             async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
             it += 1
 
@@ -88,14 +75,11 @@ def _gather_loader(x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_
 def gather_gate_up_kernel(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments,
                           stride_x, reduce_dim, num_col_blocks, TOP_K: gl.constexpr, W_ROWS: gl.constexpr,
                           GATE_OFFSET: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                          FENCE: gl.constexpr = True, EVICT_LAST: gl.constexpr = False, PREFETCH: gl.constexpr = False):
+                          LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """x [M, R] (rows 16-byte aligned, stride_x elements apart); sorted_ptr [T] int32 assignment of each row of
     the layout (>= num_assignments: padding); dst_ptr [A] int32 (written: the row of each real assignment);
     w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, N] blocks [BM, BN]; experts_ptr [T / BM] int32;
-    used_ptr -> rows in use (a multiple of BM); reduce_dim = R; num_col_blocks = N / BN; GATE_OFFSET = N.
-    Measured in session 23's second run, then kept or removed: FENCE off (no proxy fence: unsafe, a diagnostic of
-    its cost), EVICT_LAST (x read with an evict_last L2 policy), PREFETCH (the next tile's assignments loaded early)."""
+    used_ptr -> rows in use (a multiple of BM); reduce_dim = R; num_col_blocks = N / BN; GATE_OFFSET = N."""
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -111,8 +95,8 @@ def gather_gate_up_kernel(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_pt
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr, reduce_dim, num_col_blocks,
-                         True, GROUP_M, 1 if FENCE else 2, num_warps)),
+                         True, GROUP_M, True, num_warps)),
         (_gather_loader, (x_ptr, sorted_ptr, dst_ptr, w_desc, a_bufs, w_bufs, ready, a_ready, empty, experts_ptr,
                           used_ptr, num_assignments, stride_x, reduce_dim, num_col_blocks, TOP_K, W_ROWS,
-                          GATE_OFFSET, GROUP_M, LOADER_WARPS, EVICT_LAST, PREFETCH)),
+                          GATE_OFFSET, GROUP_M, LOADER_WARPS)),
     ], [LOADER_WARPS], [LOADER_REGS])
