@@ -222,9 +222,14 @@ def loader_options(name: str, x, ids, weights, tiles, base) -> dict:
     h_base = base.h[:real].clone()
     got = {}
     for opt, options in pv.GATHER_OPTIONS.items():
-        pair = pv.bf16_gemm_pair(x, ids, *weights, *tiles, True, options)
-        pair.up()
-        torch.cuda.synchronize()
+        try:
+            pair = pv.bf16_gemm_pair(x, ids, *weights, *tiles, True, options)
+            pair.up()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 (an option that does not launch is reported; the cell goes on)
+            log(f"{name} gather gate-up alone, {opt} {options}: FAILED to run: {type(exc).__name__}: {str(exc)[-300:]}")
+            got[opt] = None
+            continue
         same = bool(torch.equal(pair.h[:real], h_base))
         graphs = (capture(base.up), capture(pair.up))
         times = [[], []]
