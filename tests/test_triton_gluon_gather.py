@@ -109,3 +109,16 @@ def test_switched_on_the_plain_and_lean_launches_both_gather_in_the_loader(fake_
     assert rel_l2(outs[1], _f64(x, w13, w2, ids, weights)) < 1e-2
     monkeypatch.setattr(triton_gluon_launch, "LOADER_GATHER_MAX_INTER", N - 128)  # experts too wide: the kernel
     assert torch.equal(experts_gluon(x, w13, w2, ids, weights, lean=False), outs[0])
+
+
+def test_the_route_gathers_in_the_loader_for_narrow_experts_only():
+    """The default: experts at most 1024 wide (Qwen3's 768) gather in the loader; DeepSeek-V3's 2048 and Mixtral's
+    14336 keep the gather kernel (they measured slower with it); x must be 2-byte with 16-byte aligned rows."""
+    from moekit.experts.triton_gluon_launch import wants_loader_gather
+
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    assert wants_loader_gather(x, 768) and wants_loader_gather(x, 1024) and wants_loader_gather(x.half(), 768)
+    assert not wants_loader_gather(x, 1152) and not wants_loader_gather(x, 2048) and not wants_loader_gather(x, 14336)
+    assert not wants_loader_gather(x.float(), 768)  # 4-byte elements
+    assert not wants_loader_gather(torch.zeros(4, 260, dtype=torch.bfloat16)[:, :256], 768)  # rows 520 bytes apart
+    assert not wants_loader_gather(torch.zeros(4, 264, dtype=torch.bfloat16)[:, 1:257], 768)  # rows start at 2 mod 16
