@@ -5,7 +5,9 @@ TMA descriptors, every launch through Triton's binder) decided once and reused, 
     per kind of call (GluonLeanPlan; dropped on a retune): the alignment's bound launches (``plan_align``, the
       Triton path's: hist + scan as one launch on kept counters above 4096 assignments, then the scatter), the
       gather, the two GEMMs and the combine as ``BoundLaunch``es (grids, scalars, constexprs fixed), the
-      workspace's regions (the alignment's, dst, x_perm or x_q + x_s, h or h_q + h_s, y)
+      workspace's regions (the alignment's, dst, x_perm or x_q + x_s, h or h_q + h_s, y); bf16 with the gather in
+      the gate-up GEMM's loader (``in_loader``, experts at most ``LOADER_GATHER_MAX_INTER`` wide): no gather
+      launch, no x_perm
     per weight tensor (version, storage, dtype; the key names the device, dtype and block shapes): the weights'
       TMA descriptors, in the Triton path's ``WeightDescriptors`` cache (gone when w13 is freed)
     per (plan, thread, weights): the launches recorded once (``triton_lean.record_launches``) with the pooled

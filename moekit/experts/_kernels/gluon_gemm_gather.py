@@ -13,7 +13,9 @@ wgmma reads), padding rows (sorted id >= A) zero-filled; the two weight tiles st
   - ``empty`` (count 1): the MMAs that read the stage retired (the plain kernel's).
 The loader of column block 0 of each row block also writes dst[sorted_ids[r]] = r for its real rows (the
 inverse the combine reads: what the gather kernel wrote before). x's rows must be 16-byte aligned (the route
-checks it). The MMA partition and its epilogue are the plain kernel's (``_mma_epilogue``, GATHER).
+checks it). The MMA partition and its epilogue are the plain kernel's (``_mma_epilogue``, GATHER). Taken for
+experts at most ``triton_gluon_launch.LOADER_GATHER_MAX_INTER`` wide (measured: benchmarks/triton-notes.md, "the
+bf16 gate-up GEMM gathers its own rows"); LOADER_WARPS = 4 (1 / 2 measured slower).
 
 Triton spelled the cp.async copy differently: 3.6 ``async_copy_global_to_shared``, 3.9 ``async_load`` (the old
 name raises); the alias picks whichever this Triton has. Gluon does not run in the interpreter.
