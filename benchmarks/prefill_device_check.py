@@ -2,11 +2,12 @@
 128-row padding costs, and the tile / pipeline candidates (``prefill_variants``) against today's route.
 
     PYTHONPATH=$PWD python3 benchmarks/prefill_device_check.py --out $OUT/prefill [--deadline-s 165] [--rounds 5]
-        [--cells bf16:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384 ...]
+        [--cells bf16:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384 ...] [--variants "route,lean g128,lean gather"]
 
 Per cell (dtype, preset, M; uniform routing, seeded):
   1. correctness: every variant's output against the torch twin of the Gluon path (``experts_gluon_twin``, fp8:
      ``experts_gluon_fp8_twin``), rel L2: Gluon bf16 < 2e-3, the route / fused kernels < 1e-2, fp8 < 1e-2 (PASS/FAIL);
+     a variant with ``same_as`` must also equal that variant's output bit for bit ("lean gather" vs "lean g128");
   2. the route's kernels (torch.profiler, device µs per kernel);
   3. whole call, CUDA-graph replay, ``--rounds`` interleaved rounds (each variant once per round, each round starting
      with the next variant; ~15 ms of untimed replays, then ~40 ms of back-to-back replays between two events);
@@ -133,15 +134,23 @@ def quantize_chunked(w: torch.Tensor, experts: int = 16) -> tuple[torch.Tensor, 
     return torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts])
 
 
-def check(name: str, v, x, ids, rw, ref, dtype: str) -> bool:
+def check(name: str, v, x, ids, rw, ref, dtype: str, outs: dict) -> bool:
     try:
-        err = rel_l2(v.call(x, ids, rw), ref)
+        out = v.call(x, ids, rw)
+        torch.cuda.synchronize()
+        err = rel_l2(out, ref)
     except Exception as exc:  # noqa: BLE001 (a variant that does not build is reported, the rest go on)
         log(f"FAIL {name} {v.name}: {type(exc).__name__}: {str(exc)[-600:]}")
         FAILED.append(f"{name} {v.name}")
         return False
     tol = 2e-3 if dtype == "bf16" and v.kind == "gluon" else 1e-2
     ok = err < tol
+    base = outs.get(v.same_as) if v.same_as else None
+    if base is not None:  # the same products in the same order: equal bit for bit, or it fails
+        same = torch.equal(out, base)
+        ok = ok and same
+        log(f"{name} {v.name} vs {v.same_as}: bit-equal {same}, max |diff| {(out.float() - base.float()).abs().max():.3g}")
+    outs[v.name] = out
     log(f"{'PASS' if ok else 'FAIL'} {name} {v.name}: rel L2 vs twin {err:.2e} (< {tol:g})")
     if not ok:
         FAILED.append(f"{name} {v.name}")
@@ -177,15 +186,15 @@ def gemms_apart(name: str, s, x, ids, variants, weights, dtype: str, mm: float, 
     flops = {"gate-up": 2 * x.shape[0] * s.top_k * 2 * s.n * s.k, "down": 2 * x.shape[0] * s.top_k * s.n * s.k}
     out, seen = {}, set()
     for v in variants:
-        if v.tiles is None or v.tiles in seen:
+        if v.tiles is None or (v.tiles, v.in_loader) in seen:
             continue
-        seen.add(v.tiles)
+        seen.add((v.tiles, v.in_loader))
         out[v.name] = {}
         if time.perf_counter() - T0 > stop_at:
             break
         for routing, r_ids in (("uniform", ids), ("balanced", bal_ids)):
             up, down = v.tiles
-            pair = (pv.bf16_gemm_pair(x, r_ids, *weights, up, down) if dtype == "bf16"
+            pair = (pv.bf16_gemm_pair(x, r_ids, *weights, up, down, v.in_loader) if dtype == "bf16"
                     else pv.fp8_gemm_pair(x, r_ids, weights, up, down))
             pair.up()
             rows = int(pair.rows_used.item())
@@ -195,11 +204,43 @@ def gemms_apart(name: str, s, x, ids, variants, weights, dtype: str, mm: float, 
                 us = statistics.median(replay_us(graph) for _ in range(3))
                 got[gemm] = us
                 got[f"{gemm} %mm"] = 100 * flops[gemm] / (us * 1e-6) / 1e12 / mm
+            if v.in_loader and routing == "uniform":
+                got["loader options"] = loader_options(name, x, r_ids, weights, v.tiles, pair)
             out[v.name][routing] = got
             log(f"{name} {v.name} {routing} (rows/real {got['padded_rows_per_row']:.3f}): gate-up {got['gate-up']:.1f} "
                 f"us ({got['gate-up %mm']:.1f}% mm), down {got['down']:.1f} us ({got['down %mm']:.1f}% mm)")
             del pair
     return out
+
+
+def loader_options(name: str, x, ids, weights, tiles, base) -> dict:
+    """The gather gate-up GEMM alone with each of ``prefill_variants.GATHER_OPTIONS`` (graph replay, interleaved with
+    the default over 3 rounds): {option: [default µs, option µs, h equal to the default's]}."""
+    import prefill_variants as pv
+
+    real = int(base.rows_used.item())
+    h_base = base.h[:real].clone()
+    got = {}
+    for opt, options in pv.GATHER_OPTIONS.items():
+        try:
+            pair = pv.bf16_gemm_pair(x, ids, *weights, *tiles, True, options)
+            pair.up()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 (an option that does not launch is reported; the cell goes on)
+            log(f"{name} gather gate-up alone, {opt} {options}: FAILED to run: {type(exc).__name__}: {str(exc)[-300:]}")
+            got[opt] = None
+            continue
+        same = bool(torch.equal(pair.h[:real], h_base))
+        graphs = (capture(base.up), capture(pair.up))
+        times = [[], []]
+        for r in range(3):
+            for i in (r % 2, 1 - r % 2):
+                times[i].append(replay_us(graphs[i]))
+        got[opt] = [statistics.median(times[0]), statistics.median(times[1]), same]
+        log(f"{name} gather gate-up alone, {opt} {options}: {got[opt][1]:.1f} us vs default {got[opt][0]:.1f} "
+            f"(x{got[opt][0] / got[opt][1]:.3f}), h equal {same}")
+        del pair, graphs
+    return got
 
 
 def route_kernels(name: str, v, x, ids, rw) -> str:
@@ -210,16 +251,22 @@ def route_kernels(name: str, v, x, ids, rw) -> str:
     return line
 
 
-def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: Path) -> None:
+def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: Path, wanted: list) -> None:
     dtype, preset, m = spec.split(":")
     m = int(m)
     mm = ceil["bf16_mm_TFLOPs"] if dtype == "bf16" else ceil["fp8_mm_TFLOPs"]
     s, x, ids, rw, weights, ref, variants = make_cell(dtype, preset, m, dev)
     name = f"{dtype} {preset} M={m}"
-    passing = [v for v in variants if check(name, v, x, ids, rw, ref, dtype)]
-    del ref
+    if wanted:
+        variants = [v for v in variants if v.name in wanted]
+    outs: dict = {}
+    passing = [v for v in variants if check(name, v, x, ids, rw, ref, dtype, outs)]
+    del ref, outs
     cell = {"cell": spec, "mm_TFLOPs": mm, "flops": 6 * m * s.top_k * s.n * s.k}
     cell["route_kernels"] = route_kernels(name, variants[0], x, ids, rw) if variants[0] in passing else None
+    for v in passing:  # the kernels of a variant that must equal another (what it removed or added)
+        if v.same_as:
+            cell[f"{v.name} kernels"] = route_kernels(f"{name} {v.name}", v, x, ids, rw)
     cell["rounds_us"] = whole_calls(name, passing, x, ids, rw, rounds, stop_at)
     if time.perf_counter() - T0 < stop_at:
         cell["gemms"] = gemms_apart(name, s, x, ids, passing, weights, dtype, mm, stop_at)
@@ -255,7 +302,9 @@ def summarize(name: str, cell: dict) -> None:
     for n, t in rounds.items():
         med = statistics.median(t)
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-        SUMMARY.append(f"{name:34s} {n:18s} {med:9.1f} us {pct:5.1f}% mm  {versus(t, rounds['route'])}")
+        against = "lean g128"  # the lean launch of today's kernels: the base of this session's variant
+        extra = f"  vs {against} {versus(t, rounds[against])}" if n != against and rounds.get(against) else ""
+        SUMMARY.append(f"{name:34s} {n:18s} {med:9.1f} us {pct:5.1f}% mm  {versus(t, rounds['route'])}{extra}")
 
 
 def main() -> int:
@@ -264,6 +313,7 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=165.0, help="no new timing after this many seconds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
+    parser.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -280,7 +330,8 @@ def main() -> int:
             SUMMARY.append(f"{spec}: not reached")
             continue
         try:
-            run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out)
+            run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out,
+                     [n.strip() for n in args.variants.split(",") if n.strip()])
         except Exception as exc:  # noqa: BLE001 (one cell's failure is reported, the others still run)
             log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
             FAILED.append(spec)

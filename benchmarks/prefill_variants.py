@@ -8,6 +8,9 @@ taking whole tiles in turn), the down GEMM 256 wide, the fp8 down GEMM's pingpon
 Session 22 (branch prefill2, raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log), measured and removed: a bf16
 SKIP_PADDING (a row block whose lower 64 rows are padding runs m64n64 MMAs, the warpgroups splitting the columns:
 0.79-0.99x), the fp8 SKIP_PADDING in the down GEMM alone (0.99-1.00x).
+Session 23 (branch gather): "lean gather", the lean launch with the gate-up GEMM gathering x's rows in its loader
+(cp.async, ``_kernels/gluon_gemm_gather.py``: no gather kernel, no x_perm), against "lean g128" (the gather kernel:
+the route for experts wider than ``LOADER_GATHER_MAX_INTER``), and its loader options timed alone (``GATHER_OPTIONS``).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
@@ -20,12 +23,21 @@ import torch
 from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
 
 
+# the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23.
+# Measured at 3867e94 and removed (raw/...-3867e94-gather-ck2early.log; gate-up alone vs the default, 7 cells):
+# no proxy fence 0.98-1.01x, x read evict_last 0.99-1.02x, the next tile's ids prefetched 0.94-0.99x, GROUP_M 4 /
+# 16 0.97-1.01x, 2 / 1 loader warps 0.93-0.96x / 0.80-0.96x. Open: 8 loader warps (16 warps: 128 registers at launch).
+GATHER_OPTIONS = {"loader8": {"LOADER_WARPS": 8, "LOADER_REGS": 48, "maxnreg": 128}}
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
     kind: str  # "route" (today's default), "fused" (Triton kernels), "gluon" (a Gluon path with these tiles)
     call: Callable  # (x, topk_ids, topk_weights) -> out [M, K]
     tiles: tuple | None = None  # (gate-up tile, down tile) of a Gluon variant
+    in_loader: bool = False  # bf16 Gluon: the gather in the gate-up GEMM's loader (its GEMMs alone timed with it)
+    same_as: str | None = None  # the variant whose output this one must equal bit for bit
 
 
 def balanced_routing(num_tokens: int, num_experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +72,15 @@ class GemmPair:
     up: Callable
     down: Callable
     rows_used: torch.Tensor  # [1] int32
+    h: torch.Tensor  # [R, N] what ``up`` writes
 
 
-def bf16_gemm_pair(x, ids, w13, w2, up, down) -> GemmPair:
-    """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``."""
+def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False, options: dict | None = None) -> GemmPair:
+    """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``; ``in_loader``: the gate-up
+    GEMM gathering x's rows itself (reads x and sorted_ids, writes dst; ``options``: its loader's constexprs),
+    else reading the gathered x_perm."""
     from moekit.experts.triton_gluon import gluon_layout
-    from moekit.experts.triton_gluon_launch import launch_gemm
+    from moekit.experts.triton_gluon_launch import launch_gather_gemm, launch_gemm
 
     num_experts, hidden, inter = w2.shape
     lay = gluon_layout(x, ids, num_experts)
@@ -73,9 +88,15 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down) -> GemmPair:
     h = x.new_zeros(rows, inter)  # [R, N]
     y = x.new_empty(rows, hidden)  # [R, K]
     w13_2d, w2_2d = w13.view(num_experts * 2 * inter, hidden), w2.view(num_experts * hidden, inter)
-    return GemmPair(
-        lambda: launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter),
-        lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden), lay.rows_used)
+    if in_loader:
+        def up_call():
+            launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
+                               ids.shape[1], up, **(options or {}))
+    else:
+        def up_call():
+            launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
+    return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden),
+                    lay.rows_used, h)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
@@ -94,7 +115,7 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
         lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up,
                                 True, inter),
         lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, down, False),
-        lay.rows_used)
+        lay.rows_used, h_q)
 
 
 def bf16_variants(w13, w2) -> list[Variant]:
@@ -107,7 +128,11 @@ def bf16_variants(w13, w2) -> list[Variant]:
     return [Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             Variant("fused", "fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)),
             Variant("g128", "gluon", lambda x, i, r: gluon_bf16_call(x, w13, w2, i, r, up, down), (up, down)),
-            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), (up, down))]
+            Variant("lean g128", "gluon", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down, in_loader=False),
+                    (up, down)),
+            Variant("lean gather", "gluon",
+                    lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down, in_loader=True), (up, down), True,
+                    "lean g128")]
 
 
 def fp8_variants(q: tuple) -> list[Variant]:

@@ -44,6 +44,25 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
+def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments, stride_x,
+                TOP_K, W_ROWS, GATE_OFFSET, **_):
+    """The gate-up GEMM gathering its rows in its loader: row r reads x[sorted[r] // TOP_K] (zeros for padding),
+    and dst[sorted[r]] = r for the real rows."""
+    w, c = w_desc.base, c_desc.base
+    cols = c.shape[1]
+    assert x_ptr.stride(0) == stride_x
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), torch.arange(block * BLOCK, (block + 1) * BLOCK)
+        a = sorted_ptr[rows].long()
+        real = a < num_assignments
+        dst_ptr[a[real]] = rows[real].to(dst_ptr.dtype)
+        xa = torch.where(real[:, None], x_ptr[torch.where(real, a // TOP_K, 0)], 0).float()  # [128, K]
+        first = e * W_ROWS
+        gate = xa @ w[first:first + cols].float().T
+        up = xa @ w[first + GATE_OFFSET:first + GATE_OFFSET + cols].float().T
+        c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
+
+
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
@@ -67,11 +86,14 @@ class FakeKernel:
     def __init__(self, real, body):
         self.fn, self.body, self.log = real.fn, body, []
         self._params = list(inspect.signature(real.fn).parameters)
+        self._defaults = {n: p.default for n, p in inspect.signature(real.fn).parameters.items()
+                          if p.default is not inspect.Parameter.empty}  # what Triton binds where none is passed
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             bound = dict(zip(self._params, args))
             bound.update((k, v) for k, v in kwargs.items() if k in self._params)
+            bound = {**{k: v for k, v in self._defaults.items() if k not in bound}, **bound}
             options = {k: v for k, v in kwargs.items() if k not in self._params}  # Triton's compile options
             if "num_warps" in kwargs:  # Triton compiles with num_warps only when it comes by keyword
                 options["num_warps"] = kwargs["num_warps"]
@@ -84,14 +106,16 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16": FakeKernel, "fp8": FakeKernel}."""
+    returns {"bf16": FakeKernel, "fp8": FakeKernel, "gather": FakeKernel} (the gather: the bf16 gate-up GEMM with
+    the gather in its loader)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
 
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
-                                     ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm)):
+                                     ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
+                                     ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

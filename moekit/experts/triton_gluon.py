@@ -20,7 +20,8 @@ import torch
 
 from moekit.activations import ActivationSpec, as_spec
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_rows, launch_gemm, plan_gluon,
+    BLOCK_M, UP_TILE, down_tile, gluon_supported, launch_contiguous_sum, launch_gather_gemm, launch_gather_rows,
+    launch_gemm, plan_gluon, wants_loader_gather,
 )
 from moekit.experts.triton_gluon_lean import run_fast_gluon  # a module import, not one per repeated call
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
@@ -44,13 +45,18 @@ class GluonChoice:
     ``narrow_inter`` wide (Qwen3 N=768 at M=4096, the lean launch against the fused kernels, interleaved graph
     rounds: 1.115x, >= 3% in 8 of 9, session 21's prefill_ab run; 1.108x, 6 of 7, session 22's
     raw/NVIDIA_H200-2026-12-03-db430ac-prefill2-ck1.log; 1.16x, 4 of 5, raw/...-9c15285-prefill.log; the route so
-    chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log).
+    chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log;
+    from 2048 since session 23, with the gate-up GEMM gathering x's rows in its loader (``LOADER_GATHER_MAX_INTER``):
+    Qwen3 M=2048 1.108x (>= 3% in 6 of 7) and 1.119x (8 of 9), M=3072 1.130x (8 of 9) against the fused kernels,
+    raw/...-0f5a314-gather-ck1.log, ...-3867e94-gather-ck2early.log; M=1024 1.030x, 3 of 9: not taken).
     Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.047x (6 of 9), 1.00x and 0.97x
     in earlier runs; Qwen3 M=2048 1.044x (7 of 9, one run); before the lean launch M = 1024 / 2048 Qwen3
-    0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed)."""
+    0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed); the gather in
+    the loader for wide experts: Mixtral 4096 0.951x / 0.958x, DeepSeek-V3 8192 0.986x / 0.974x (its GEMM's work
+    6-13% slower than the TMA-fed one's, more than the gather it saves)."""
 
     min_tokens: int = 8192
-    min_tokens_narrow: int = 4096
+    min_tokens_narrow: int = 2048
     narrow_inter: int = 1024
     min_tokens_wide: int = 512
     wide_inter: int = 8192
@@ -90,26 +96,30 @@ class GluonLayout:
     written: the GEMMs compute their rows from whatever they hold (each output row depends on its own
     input row only) and the combine never reads them."""
 
-    x_perm: torch.Tensor  # [R, K]; row r = x[sorted_ids[r] // k]; padding rows uninitialised
+    x_perm: torch.Tensor | None  # [R, K]; row r = x[sorted_ids[r] // k]; padding rows uninitialised; None: in_loader
     block_experts: torch.Tensor  # [R // BLOCK_M] int32; local expert of each row block, -1 past rows_used
     rows_used: torch.Tensor  # [1] int32; rows in use, a multiple of BLOCK_M
     src_to_dst: torch.Tensor  # [M, k] int32; row holding assignment (t, j), -1 when not routed here
+    sorted_ids: torch.Tensor  # [R] int32; assignment of each row, >= M*k for padding
 
 
 def gluon_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                 expert_map: torch.Tensor | None = None, align=None) -> GluonLayout:
+                 expert_map: torch.Tensor | None = None, align=None, in_loader: bool = False) -> GluonLayout:
     """Group x's rows by expert into BLOCK_M-aligned segments. ``align``: the alignment function
     (``align_block_triton`` by default; its torch twin ``align_block`` in the CPU tests). One Triton
     kernel then copies the real rows and writes their inverse (the torch indexing it replaced cost 0.4-1.6
-    ms at prefill on the H200: a copy of x, all R rows gathered, a scatter)."""
+    ms at prefill on the H200: a copy of x, all R rows gathered, a scatter). ``in_loader``: neither: no x_perm,
+    dst filled with -1 only (the gate-up GEMM gathering in its loader copies the rows and writes dst)."""
     if align is None:
         from moekit.experts.triton_align import align_block_triton as align
     blocks = align(topk_ids, num_experts, BLOCK_M, expert_map, allow_naive=False)
     num_tokens, top_k = topk_ids.shape
-    x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     dst = torch.full((num_tokens * top_k,), -1, dtype=torch.int32, device=x.device)  # [A]
+    if in_loader:
+        return GluonLayout(None, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
+    x_perm = x.new_empty(blocks.sorted_ids.numel(), x.shape[1])  # [R, K]
     launch_gather_rows(x, blocks.sorted_ids, top_k, x_perm, dst)
-    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k))
+    return GluonLayout(x_perm, blocks.expert_ids, blocks.num_padded, dst.view(num_tokens, top_k), blocks.sorted_ids)
 
 
 def experts_gluon(
@@ -148,11 +158,17 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
 
         return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
-    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
-    rows = layout.x_perm.shape[0]
+    w13_2d = w13.view(num_experts * 2 * inter, hidden)
+    in_loader = wants_loader_gather(x, inter)  # the gate-up GEMM reads x's rows itself and writes dst
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map, in_loader=in_loader)
+    rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm(layout.x_perm, w13.view(num_experts * 2 * inter, hidden), h, layout.block_experts, layout.rows_used,
-                plan.up, gated=True, w_rows=2 * inter, gate_offset=inter)
+    if in_loader:
+        launch_gather_gemm(x, layout.sorted_ids, layout.src_to_dst.view(-1), w13_2d, h, layout.block_experts,
+                           layout.rows_used, topk_ids.shape[1], plan.up)
+    else:
+        launch_gemm(layout.x_perm, w13_2d, h, layout.block_experts, layout.rows_used, plan.up, gated=True,
+                    w_rows=2 * inter, gate_offset=inter)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
                 gated=False, w_rows=hidden)

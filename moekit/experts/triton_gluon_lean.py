@@ -5,7 +5,9 @@ TMA descriptors, every launch through Triton's binder) decided once and reused, 
     per kind of call (GluonLeanPlan; dropped on a retune): the alignment's bound launches (``plan_align``, the
       Triton path's: hist + scan as one launch on kept counters above 4096 assignments, then the scatter), the
       gather, the two GEMMs and the combine as ``BoundLaunch``es (grids, scalars, constexprs fixed), the
-      workspace's regions (the alignment's, dst, x_perm or x_q + x_s, h or h_q + h_s, y)
+      workspace's regions (the alignment's, dst, x_perm or x_q + x_s, h or h_q + h_s, y); bf16 with the gather in
+      the gate-up GEMM's loader (``in_loader``, experts at most ``LOADER_GATHER_MAX_INTER`` wide): no gather
+      launch, no x_perm
     per weight tensor (version, storage, dtype; the key names the device, dtype and block shapes): the weights'
       TMA descriptors, in the Triton path's ``WeightDescriptors`` cache (gone when w13 is freed)
     per (plan, thread, weights): the launches recorded once (``triton_lean.record_launches``) with the pooled
@@ -33,7 +35,10 @@ from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_programs, plan_align
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
-from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, num_sms
+from moekit.experts.triton_gluon_launch import (
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, loader_gather_fits, num_sms,
+    wants_loader_gather,
+)
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
 from moekit.triton_bind import BoundLaunch
@@ -72,35 +77,45 @@ class GluonLeanPlan:
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
     blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C)
-    gather: BoundLaunch  # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst
-    up: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded
+    # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
+    gather: BoundLaunch | None
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
+    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
+    up: BoundLaunch
     down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
-def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> tuple:
+def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
     """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
     specialises on it), the map's length, the tiles. ``ids``, ``weights``, ``expert_map``: contiguous."""
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-            None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down)
+            None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down, in_loader)
 
 
-def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None) -> GluonLeanPlan:
-    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given)."""
-    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2)
+def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> GluonLeanPlan:
+    """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given; ``in_loader``:
+    bf16 with the gather in the gate-up GEMM's loader)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2)
+        plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
+                          in_loader=in_loader)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
     return plan
 
 
-def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None) -> GluonLeanPlan:
-    """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``)."""
+def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
+               in_loader: bool = False) -> GluonLeanPlan:
+    """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
+    no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows, ``triton_gluon_launch.loader_gather_fits``)."""
+    if in_loader and (fp8 or not loader_gather_fits(x)):
+        raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
+                         f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -117,7 +132,7 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
 
     sizes = (rows, num_assignments, top_k, hidden, inter)
     part = (_fp8_part(x, sizes, up, down, s13, s2, grid, launch) if fp8
-            else _bf16_part(x, sizes, up, down, grid, launch))
+            else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
     num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
                           (cdiv(num_tokens, SUM_TOKENS), cdiv(hidden, SUM_COLS)), 6,
@@ -135,16 +150,18 @@ class _Part:
     """What the bf16 and fp8 plans do differently: their regions, gather, GEMMs and descriptor blocks."""
 
     regions: list  # (name, dtype, shape) after the alignment's and dst
-    gather: BoundLaunch
+    gather: BoundLaunch | None
     up: BoundLaunch
     down: BoundLaunch
     blocks: tuple  # the activation descriptors' blocks: up A, up C, down A, down C
     weight_blocks: tuple  # w13's and w2's
 
 
-def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
+def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -> _Part:
     rows, num_assignments, top_k, hidden, inter = sizes
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
+    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n))
+    weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
                          (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
                          (rows, num_assignments, hidden, x.stride(0), hidden),
@@ -155,11 +172,18 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict) -> _Part:
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
+    down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
+    if in_loader:
+        gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
+        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
+                              (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
+                              W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=up.stages, GROUP_M=up.group_m,
+                              LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+                              maxnreg=MAX_REGISTERS, **launch)
+        return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
+                     blocks, weight_blocks)
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
-                 gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True),
-                 bf16_gemm(down, inter, hidden, hidden, 0, False),
-                 ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n)),
-                 ((up.block_n, up.block_k), (down.block_n, down.block_k)))
+                 gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
 
 def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
@@ -198,11 +222,13 @@ def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPa
 
 
 def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
-    """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one."""
+    """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one;
+    up A is None with the gather in the gate-up GEMM's loader (no x_perm)."""
     if plan.fp8:
         a_up, h = gluon_descriptor(b["x_q"], plan.blocks[0]), gluon_descriptor(b["h_q"], plan.blocks[1])
         return a_up, h, h, gluon_descriptor(b["y"], plan.blocks[3])
-    return (gluon_descriptor(b["x_perm"], plan.blocks[0]), gluon_descriptor(b["h"], plan.blocks[1]),
+    a_up = gluon_descriptor(b["x_perm"], plan.blocks[0]) if plan.gather is not None else None
+    return (a_up, gluon_descriptor(b["h"], plan.blocks[1]),
             gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]))
 
 
@@ -218,10 +244,14 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
                      (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
+    elif plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
+        launches += [(plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)),
+                     (plan.down, (a_down, pair.w2, c_down, *rows))]
     else:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
                      (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
-    # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather: no fill
+    # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
+    # gate-up GEMM's loader): no fill
     launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
     return launches
 
@@ -237,15 +267,18 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
-             s2: torch.Tensor | None = None, fast_key: tuple | None = None) -> torch.Tensor:
+             s2: torch.Tensor | None = None, fast_key: tuple | None = None, in_loader: bool | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
-    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``."""
+    ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2)
+    if in_loader is None:
+        in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
     spec = plan.workspace

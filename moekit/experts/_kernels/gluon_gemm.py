@@ -75,8 +75,8 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 
 
 @gluon.jit
-def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
-                  GATED: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                  GATED: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -95,6 +95,9 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if GATHER:  # the A tile came by cp.async (generic proxy): landed, then made visible to the wgmma's
+                mbarrier.wait(a_ready.index(s), (it // STAGES) & 1)
+                fence_async_shared()
             a = a_bufs.index(s)
             acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
             if GATED:
@@ -135,8 +138,8 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_di
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
-                         GATED, GROUP_M, num_warps)),
+        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                         GATED, GROUP_M, False, num_warps)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
     ], [1], [24])

@@ -1,0 +1,82 @@
+"""Compile the bf16 Gluon gate-up GEMM with the in-loader gather (``_kernels/gluon_gemm_gather.py``) for sm_90 on a
+machine without a GPU: catches layout, barrier and shared-memory errors before a device run, reads ptxas's spills.
+
+    PYTHONPATH=$PWD python benchmarks/gather_compile_cpu.py [--ptx DIR]
+
+Prints one line per loader configuration (the default and ``prefill_variants.GATHER_OPTIONS``): seconds, SMEM bytes, the partitions' setmaxnreg, spill bytes, and the
+cp.async / cp.async.mbarrier.arrive / fence.proxy.async counts in the PTX. ``--ptx``: keep each PTX there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def compile_gather_gemm(tile, options: dict) -> tuple[str, str]:
+    """The gather gate-up GEMM at a small shape (E=2, N=512, K=512, top-k 8): (report line, PTX)."""
+    import triton
+    from gluon_fp8_compile_cpu import _descriptor, ptxas_report
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_gemm_gather import gather_gate_up_kernel as kernel
+    from moekit.experts.triton_gluon_launch import BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS
+
+    e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
+    int32 = torch.empty(1, dtype=torch.int32)
+    args = dict(x_ptr=torch.empty(1, dtype=bf16), sorted_ptr=int32, dst_ptr=int32,
+                w_desc=_descriptor([e * 2 * n, k], [tile.block_n, tile.block_k], bf16),
+                c_desc=_descriptor([t, n], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
+                num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
+    const = dict(TOP_K=8, W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS) | options
+    maxnreg = const.pop("maxnreg", MAX_REGISTERS)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    # x's pointer and row stride 16-byte aligned (what the route checks and Triton specialises on)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("x_ptr", "sorted_ptr", "dst_ptr", "experts_ptr", "used_ptr", "stride_x", "reduce_dim")}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()}, attrs)
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=NUM_WARPS, maxnreg=maxnreg))
+    ptx = out.asm["ptx"]
+    regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
+    spills, serialized = ptxas_report(ptx)
+    counts = {op: ptx.count(op) for op in ("cp.async.cg", "cp.async.ca", "cp.async.mbarrier.arrive",
+                                           "fence.proxy.async", "cp.async.bulk.tensor")}
+    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, "
+            f"ptxas spill stores {spills} B, wgmma serialized {serialized}, {counts}"), ptx
+
+
+def main() -> int:
+    from moekit.experts.triton_gluon_launch import UP_TILE
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ptx", type=Path)
+    args = parser.parse_args()
+    failed = 0
+    from prefill_variants import GATHER_OPTIONS
+
+    for name, options in {"default": {}, **GATHER_OPTIONS}.items():
+        try:
+            line, ptx = compile_gather_gemm(UP_TILE, options)
+            print(f"OK {name} {options}: {line}", flush=True)
+            if args.ptx:
+                args.ptx.mkdir(parents=True, exist_ok=True)
+                (args.ptx / f"gather_{name}.ptx").write_text(ptx)
+        except Exception as exc:  # noqa: BLE001 (report each configuration)
+            failed += 1
+            print(f"FAIL {name} {options}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
