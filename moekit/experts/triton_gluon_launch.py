@@ -192,11 +192,10 @@ def wants_loader_gather(x: torch.Tensor, inter: int) -> bool:
 
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,
                        out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor, top_k: int,
-                       tile: GluonTile, **options) -> None:
+                       tile: GluonTile) -> None:
     """out [T, N] = silu(x[tok] @ w[e, :N]^T) * (x[tok] @ w[e, N:]^T) per row r (tok = sorted_ids[r] // top_k),
     the rows gathered in the GEMM's loader; writes dst [A] (the row of each real assignment). w [E*2N, K]
-    (contiguous 2-D view of w13); x fits ``loader_gather_fits``. ``options``: the kernel's constexprs over the
-    defaults (the device script's loader variants: LOADER_WARPS, LOADER_REGS, maxnreg, GROUP_M)."""
+    (contiguous 2-D view of w13); x fits ``loader_gather_fits``."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
     inter = out.shape[1]
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
@@ -204,9 +203,9 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     num_col_blocks = inter // tile.block_n
     grid = (max(1, min(num_sms(x.device), -(-out.shape[0] // BLOCK_M) * num_col_blocks)),)
     kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
-                 num_col_blocks, **({"TOP_K": top_k, "W_ROWS": 2 * inter, "GATE_OFFSET": inter, "STAGES": tile.stages,
-                                     "GROUP_M": tile.group_m, "LOADER_WARPS": LOADER_WARPS, "LOADER_REGS": LOADER_REGS,
-                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS} | options))
+                 num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+                 maxnreg=MAX_REGISTERS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
