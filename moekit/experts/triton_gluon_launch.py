@@ -26,7 +26,8 @@ LOADER_WARPS, LOADER_REGS = 4, 64
 # of x_perm. Qwen3 (N = 768) against the gather kernel, whole call, graph rounds: M = 1024 / 2048 / 3072 / 4096 / 8192
 # / 16384 1.106x (>= 3% in 9 of 9) / 1.065x (7/7), 1.052x (9/9) / 1.013x (5/9) / 1.016x (3/7), 1.023x (2/9) /
 # 1.018x (2/7), 1.020x (0/9) / 1.017x (3/7), 1.029x (6/9); the kernels' profiled sum 5.5-7% less. Wide experts lose
-# (Mixtral 4096 0.95x, DeepSeek-V3 8192 0.97-0.99x): raw/NVIDIA_H200-2026-12-03-0f5a314-gather-ck1.log, -3867e94-...
+# (Mixtral 4096 0.95x, DeepSeek-V3 8192 0.97-0.99x): raw/NVIDIA_H200-2026-12-03-0f5a314-gather-ck1.log, -3867e94-...;
+# on merged main (-b89fbea-gather-merged.log) the route so chosen: 1.011-1.035x at Qwen3 2048-16384, 3-5 of 9 >= 3%
 LOADER_GATHER_MAX_INTER = 1024
 _KERNELS = "moekit.experts._kernels"
 
