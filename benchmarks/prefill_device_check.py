@@ -204,43 +204,11 @@ def gemms_apart(name: str, s, x, ids, variants, weights, dtype: str, mm: float, 
                 us = statistics.median(replay_us(graph) for _ in range(3))
                 got[gemm] = us
                 got[f"{gemm} %mm"] = 100 * flops[gemm] / (us * 1e-6) / 1e12 / mm
-            if v.in_loader and routing == "uniform":
-                got["loader options"] = loader_options(name, x, r_ids, weights, v.tiles, pair)
             out[v.name][routing] = got
             log(f"{name} {v.name} {routing} (rows/real {got['padded_rows_per_row']:.3f}): gate-up {got['gate-up']:.1f} "
                 f"us ({got['gate-up %mm']:.1f}% mm), down {got['down']:.1f} us ({got['down %mm']:.1f}% mm)")
             del pair
     return out
-
-
-def loader_options(name: str, x, ids, weights, tiles, base) -> dict:
-    """The gather gate-up GEMM alone with each of ``prefill_variants.GATHER_OPTIONS`` (graph replay, interleaved with
-    the default over 3 rounds): {option: [default µs, option µs, h equal to the default's]}."""
-    import prefill_variants as pv
-
-    real = int(base.rows_used.item())
-    h_base = base.h[:real].clone()
-    got = {}
-    for opt, options in pv.GATHER_OPTIONS.items():
-        try:
-            pair = pv.bf16_gemm_pair(x, ids, *weights, *tiles, True, options)
-            pair.up()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 (an option that does not launch is reported; the cell goes on)
-            log(f"{name} gather gate-up alone, {opt} {options}: FAILED to run: {type(exc).__name__}: {str(exc)[-300:]}")
-            got[opt] = None
-            continue
-        same = bool(torch.equal(pair.h[:real], h_base))
-        graphs = (capture(base.up), capture(pair.up))
-        times = [[], []]
-        for r in range(3):
-            for i in (r % 2, 1 - r % 2):
-                times[i].append(replay_us(graphs[i]))
-        got[opt] = [statistics.median(times[0]), statistics.median(times[1]), same]
-        log(f"{name} gather gate-up alone, {opt} {options}: {got[opt][1]:.1f} us vs default {got[opt][0]:.1f} "
-            f"(x{got[opt][0] / got[opt][1]:.3f}), h equal {same}")
-        del pair, graphs
-    return got
 
 
 def route_kernels(name: str, v, x, ids, rw) -> str:

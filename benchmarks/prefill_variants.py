@@ -10,7 +10,10 @@ SKIP_PADDING (a row block whose lower 64 rows are padding runs m64n64 MMAs, the 
 0.79-0.99x), the fp8 SKIP_PADDING in the down GEMM alone (0.99-1.00x).
 Session 23 (branch gather): "lean gather", the lean launch with the gate-up GEMM gathering x's rows in its loader
 (cp.async, ``_kernels/gluon_gemm_gather.py``: no gather kernel, no x_perm), against "lean g128" (the gather kernel:
-the route for experts wider than ``LOADER_GATHER_MAX_INTER``), and its loader options timed alone (``GATHER_OPTIONS``).
+the route for experts wider than ``LOADER_GATHER_MAX_INTER``). Its loader options, timed alone against its default and
+removed (raw/...-3867e94-gather-ck2early.log, ...-b89fbea-gather-merged.log; gate-up alone): no proxy fence 0.98-1.01x,
+x read evict_last 0.99-1.02x, the next tile's ids prefetched 0.94-0.99x, GROUP_M 4 / 16 0.97-1.01x, 1 / 2 / 8 loader
+warps 0.80-0.96x / 0.93-0.96x / 0.96-1.00x (4 kept).
 Measured before at prefill and not repeated: GROUP_M 1 / 32, 3 stages, BLOCK_K 128, gate-up BLOCK_N 256.
 """
 
@@ -21,13 +24,6 @@ from typing import Callable
 
 import torch
 from ridge_variants import gluon_bf16_call  # the bf16 Gluon path with given tiles (plain launches)
-
-
-# the gather GEMM's loader options timed alone beside its default (``launch_gather_gemm``'s constexprs), session 23.
-# Measured at 3867e94 and removed (raw/...-3867e94-gather-ck2early.log; gate-up alone vs the default, 7 cells):
-# no proxy fence 0.98-1.01x, x read evict_last 0.99-1.02x, the next tile's ids prefetched 0.94-0.99x, GROUP_M 4 /
-# 16 0.97-1.01x, 2 / 1 loader warps 0.93-0.96x / 0.80-0.96x. Open: 8 loader warps (16 warps: 128 registers at launch).
-GATHER_OPTIONS = {"loader8": {"LOADER_WARPS": 8, "LOADER_REGS": 48, "maxnreg": 128}}
 
 
 @dataclass(frozen=True)
@@ -72,13 +68,11 @@ class GemmPair:
     up: Callable
     down: Callable
     rows_used: torch.Tensor  # [1] int32
-    h: torch.Tensor  # [R, N] what ``up`` writes
 
 
-def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False, options: dict | None = None) -> GemmPair:
+def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False) -> GemmPair:
     """The bf16 Gluon GEMMs with tiles (up, down) on x's layout under routing ``ids``; ``in_loader``: the gate-up
-    GEMM gathering x's rows itself (reads x and sorted_ids, writes dst; ``options``: its loader's constexprs),
-    else reading the gathered x_perm."""
+    GEMM gathering x's rows itself (reads x and sorted_ids, writes dst), else reading the gathered x_perm."""
     from moekit.experts.triton_gluon import gluon_layout
     from moekit.experts.triton_gluon_launch import launch_gather_gemm, launch_gemm
 
@@ -91,12 +85,12 @@ def bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader: bool = False, options: 
     if in_loader:
         def up_call():
             launch_gather_gemm(x, lay.sorted_ids, lay.src_to_dst.view(-1), w13_2d, h, lay.block_experts, lay.rows_used,
-                               ids.shape[1], up, **(options or {}))
+                               ids.shape[1], up)
     else:
         def up_call():
             launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter)
     return GemmPair(up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden),
-                    lay.rows_used, h)
+                    lay.rows_used)
 
 
 def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
@@ -115,7 +109,7 @@ def fp8_gemm_pair(x, ids, q, up, down) -> GemmPair:
         lambda: launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, up,
                                 True, inter),
         lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, down, False),
-        lay.rows_used, h_q)
+        lay.rows_used)
 
 
 def bf16_variants(w13, w2) -> list[Variant]:

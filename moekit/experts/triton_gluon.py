@@ -48,7 +48,8 @@ class GluonChoice:
     chosen on merged main: 1.124x at 4096, 1.133x at 6144, 0 of 9 rounds the other way, ...-c1c5838-prefill2-ck2.log;
     from 2048 since session 23, with the gate-up GEMM gathering x's rows in its loader (``LOADER_GATHER_MAX_INTER``):
     Qwen3 M=2048 1.108x (>= 3% in 6 of 7) and 1.119x (8 of 9), M=3072 1.130x (8 of 9) against the fused kernels,
-    raw/...-0f5a314-gather-ck1.log, ...-3867e94-gather-ck2early.log; M=1024 1.030x, 3 of 9: not taken).
+    raw/...-0f5a314-gather-ck1.log, ...-3867e94-gather-ck2early.log; on merged main 1.110x / 1.123x at 2048 / 3072,
+    0 of 9 rounds the other way, ...-b89fbea-gather-merged.log; M=1024 1.030x, 3 of 9: not taken).
     Not below: M=4096 DeepSeek-V3 (N=2048) 1.04x (4 of 9), 1.036x (4 of 7), 1.047x (6 of 9), 1.00x and 0.97x
     in earlier runs; Qwen3 M=2048 1.044x (7 of 9, one run); before the lean launch M = 1024 / 2048 Qwen3
     0.91x / 0.97x, DeepSeek-V3 0.80x / 0.98x; M = 512 Qwen3 0.84x (0.93x at 64-row tiles, removed); the gather in

@@ -26,7 +26,8 @@ LOADER_WARPS, LOADER_REGS = 4, 64
 # of x_perm. Qwen3 (N = 768) against the gather kernel, whole call, graph rounds: M = 1024 / 2048 / 3072 / 4096 / 8192
 # / 16384 1.106x (>= 3% in 9 of 9) / 1.065x (7/7), 1.052x (9/9) / 1.013x (5/9) / 1.016x (3/7), 1.023x (2/9) /
 # 1.018x (2/7), 1.020x (0/9) / 1.017x (3/7), 1.029x (6/9); the kernels' profiled sum 5.5-7% less. Wide experts lose
-# (Mixtral 4096 0.95x, DeepSeek-V3 8192 0.97-0.99x): raw/NVIDIA_H200-2026-12-03-0f5a314-gather-ck1.log, -3867e94-...
+# (Mixtral 4096 0.95x, DeepSeek-V3 8192 0.97-0.99x): raw/NVIDIA_H200-2026-12-03-0f5a314-gather-ck1.log, -3867e94-...;
+# on merged main (-b89fbea-gather-merged.log) the route so chosen: 1.011-1.035x at Qwen3 2048-16384, 3-5 of 9 >= 3%
 LOADER_GATHER_MAX_INTER = 1024
 _KERNELS = "moekit.experts._kernels"
 
@@ -192,11 +193,10 @@ def wants_loader_gather(x: torch.Tensor, inter: int) -> bool:
 
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,
                        out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor, top_k: int,
-                       tile: GluonTile, **options) -> None:
+                       tile: GluonTile) -> None:
     """out [T, N] = silu(x[tok] @ w[e, :N]^T) * (x[tok] @ w[e, N:]^T) per row r (tok = sorted_ids[r] // top_k),
     the rows gathered in the GEMM's loader; writes dst [A] (the row of each real assignment). w [E*2N, K]
-    (contiguous 2-D view of w13); x fits ``loader_gather_fits``. ``options``: the kernel's constexprs over the
-    defaults (the device script's loader variants: LOADER_WARPS, LOADER_REGS, maxnreg, GROUP_M)."""
+    (contiguous 2-D view of w13); x fits ``loader_gather_fits``."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
     inter = out.shape[1]
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
@@ -204,9 +204,9 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     num_col_blocks = inter // tile.block_n
     grid = (max(1, min(num_sms(x.device), -(-out.shape[0] // BLOCK_M) * num_col_blocks)),)
     kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
-                 num_col_blocks, **({"TOP_K": top_k, "W_ROWS": 2 * inter, "GATE_OFFSET": inter, "STAGES": tile.stages,
-                                     "GROUP_M": tile.group_m, "LOADER_WARPS": LOADER_WARPS, "LOADER_REGS": LOADER_REGS,
-                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGISTERS} | options))
+                 num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+                 maxnreg=MAX_REGISTERS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
