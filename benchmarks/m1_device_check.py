@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/m1_device_check.py --out $OUT/m1   # H200, < 180 s
     PYTHONPATH=$PWD python3 benchmarks/m1_device_check.py --smoke                     # CPU: interpreter, tiny shapes
 
-Cells and variants: ``m1_variants`` (the default as users call it, twice; the behaviour before a default changed).
+Cells and variants: ``m1_variants`` (the default as users call it, twice; what earlier runs measured: its docstring).
 Per cell: every variant's output on the first input set against the reference (bf16: ``experts_reference``;
 fp8_block: its recipe, ``experts_fp8_block_reference``; int4_w4a16: ``experts_reference`` on the dequantized weights)
 and against the default's (``=`` bit-equal); PASS / FAIL lines. Then CUDA-graph replay µs over rotated

@@ -99,24 +99,3 @@ def test_ahead_loads_equal_the_plain_ones(fp8, m, mapped):
     assert torch.equal(ahead, fp8.fused_experts_fp8_launch(*args, ahead=False))
     twin = fp8.fused_experts_fp8_torch(x, *quantized, ids, weights, expert_map=expert_map, block_shape=BLOCK)
     assert rel_l2(ahead, twin) < FLIP_TOL
-
-
-@pytest.mark.parametrize("shape,block_shape", SHAPES)
-@pytest.mark.parametrize("m,k", [(1, 2), (2, 3)])
-def test_x_prologue_equals_the_quantize_kernel(fp8, shape, block_shape, m, k):
-    """x quantized in every gate-up program's prologue (X_PRO): no quantize launch, the same bits as x quantized by
-    its own kernel and by the gate-up loop (X_RAW); past X_PROLOGUE_MAX tokens the quantize kernel runs."""
-    x, _, quantized, ids, weights = problem(m, k, shape, block_shape, seed=m * 7 + k)
-    args = (x, *quantized, ids, weights, None, block_shape, None, POISON)
-
-    def plan(x, quantized, ids, weights, **switches):
-        return fp8.plan_for(x, *quantized, ids.contiguous(), weights, None, block_shape, None, POISON, **switches)
-
-    assert plan(x, quantized, ids, weights, x_prologue=True).quantize is None
-    assert plan(x, quantized, ids, weights, x_prologue=False, x_in_gate_up=False).quantize is not None
-    pro = fp8.fused_experts_fp8_launch(*args, x_prologue=True)
-    own = fp8.fused_experts_fp8_launch(*args, x_prologue=False, x_in_gate_up=False)
-    in_loop = fp8.fused_experts_fp8_launch(*args, x_prologue=False, x_in_gate_up=True)
-    assert torch.equal(pro, own) and torch.equal(pro, in_loop)
-    x3, _, q3, ids3, w3 = problem(3, k, shape, block_shape, seed=m)
-    assert plan(x3, q3, ids3, w3, x_prologue=True).quantize is not None  # 3 tokens: past X_PROLOGUE_MAX

@@ -171,15 +171,14 @@ def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-    ahead: bool = True, x_prologue: bool | None = None,
+    ahead: bool = True,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
     TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
-    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``x_prologue``: ``plan_for``'s. Whatever the choices, the result
-    is the same."""
+    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``: ``plan_for``'s. Whatever the choices, the result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -188,7 +187,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up, weight_tma, ahead, x_prologue)
+                    x_in_gate_up, weight_tma, ahead)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 
@@ -239,13 +238,12 @@ def fp8_launches(plan: Fp8Plan, b: dict, x, w13_arg, w13_scale, w2_arg, w2_scale
     else:  # folded: the gate-up GEMM's programs write the layout
         rows = (b["sorted_ids"], b["expert_ids"], b["num_padded"])
         launches = align_launches(plan.align, ids, map_or_ids, b, counters)
-    if "x_q" not in b:  # the gate-up GEMM quantizes x as it loads it (X_RAW)
+    if plan.quantize is None:  # the gate-up GEMM quantizes x as it loads it
         x_q, x_s = x, x  # x_s is never read then
-    else:  # quantized by its own kernel, or by every gate-up program in its prologue (X_PRO: no quantize launch)
+    else:
         x_q, x_s = b["x_q"], b["x_s"]
-        if plan.quantize is not None:
-            launches.append((plan.quantize, (x, x_q, x_s)))
-    launches.append((plan.gate_up, (x, x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
+        launches.append((plan.quantize, (x, x_q, x_s)))
+    launches.append((plan.gate_up, (x_q, x_s, w13_arg, w13_scale, b["h_q"], b["h_s"], ids, *rows, expert_map)))
     down = (b["h_q"], b["h_s"], w2_arg, w2_scale, b["y"], weights, ids, *rows)
     if counters is not None and plan.down_sum is not None:  # the k-sum in the down GEMM's epilogue: one launch fewer
         launches.append((plan.down_sum, (*down, out, counters, map_or_ids)))

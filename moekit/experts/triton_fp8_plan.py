@@ -20,9 +20,7 @@ inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for 
 host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
-(benchmarks/results/raw/*-fp8_small.*). "x_prologue" (true: up to ``X_PROLOGUE_MAX`` tokens every gate-up program
-quantizes x in its prologue, ``gemm_fp8``'s X_PRO, in eager calls and captures alike: no quantize launch; it wins over
-"x_in_gate_up"; benchmarks/m1_device_check.py).
+(benchmarks/results/raw/*-fp8_small.*).
 
 Shapes: M tokens, k slots, A = M*k, E local experts, K hidden, N intermediate, (GN, G) the block
 shape; KB = ceil(K / G), NB = ceil(N / G).
@@ -41,9 +39,7 @@ from moekit.experts.configs import (
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_launch import (
-    LaunchOptions, cdiv, interpreting, kernels, next_pow2, resolve_launch_options,
-)
+from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
     ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
 )
@@ -129,9 +125,6 @@ class Fp8Entry:
     config: KernelConfig
     weight_tma: bool | None = None
     x_in_gate_up: bool | None = None
-    # "x_prologue": True: every gate-up program quantizes x in its prologue (``gemm_fp8``'s X_PRO), in eager calls
-    # and graph captures alike, where x is contiguous and M <= X_PROLOGUE_MAX; it takes precedence over x_in_gate_up
-    x_prologue: bool | None = None
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -163,7 +156,7 @@ def read_entries(path: Path) -> dict[int, Fp8Entry]:
     raw = json.loads(Path(path).read_text())["configs"]
     entries = {}
     for m, config in read_configs(path).items():
-        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up", "x_prologue")}
+        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up")}
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
@@ -185,7 +178,7 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True, x_prologue: bool | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
@@ -195,28 +188,26 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
-    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``x_prologue``:
-    x quantized in each gate-up program's prologue (``gemm_fp8``'s X_PRO; None: the tuned entry's switch), where
-    x is contiguous and M <= X_PROLOGUE_MAX; it takes precedence over x_in_gate_up."""
+    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, capturing, x_prologue)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing, x_prologue)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True, capturing: bool = False, x_prologue: bool | None = None) -> Fp8Plan:
+               ahead: bool = True, capturing: bool = False) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
     ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
@@ -226,7 +217,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
-    x_pro, x_in_gate_up = _x_modes(entry, x, x_in_gate_up, x_prologue, capturing)
+    if x_in_gate_up is None:
+        x_in_gate_up = entry.x_in_gate_up and not capturing
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max; 2 for the sum programs after the GEMM's, M <= sum_tail_max),
     # then the fused hist + scan's arrival slot (the bf16 plan's)
@@ -239,7 +231,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     emulate, h_fp32 = interpreting(), config.up.BLOCK_N < group
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
-    x_raw, descriptors = x_in_gate_up, weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
+    x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
     q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
     regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
                                 ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
@@ -257,10 +249,9 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                                    counters=ksum_counters + (align.kept_counters if align is not None else 0)),
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
-        quantize=None if x_raw or x_pro else _quantize_launch(x, group, options),
+        quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one, X_PRO=x_pro,
-                                                M_PAD=next_pow2(num_tokens), K_PAD=next_pow2(hidden)), fold),
+                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
         down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
@@ -268,22 +259,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
-
-
-X_PROLOGUE_MAX = 2  # tokens: the prologue holds [next_pow2(M), next_pow2(K)] float32 values across the program
-
-
-def _x_modes(entry: Fp8Entry, x: torch.Tensor, x_in_gate_up: bool | None, x_prologue: bool | None,
-             capturing: bool) -> tuple[bool, bool]:
-    """(x quantized in the gate-up prologue, x quantized in the gate-up loop): the arguments, else the entry's
-    switches (x_in_gate_up outside a capture only); the prologue where x is contiguous and M <= X_PROLOGUE_MAX,
-    and it wins over the loop."""
-    if x_prologue is None:
-        x_prologue = bool(entry.x_prologue)
-    x_pro = x_prologue and x.is_contiguous() and 0 < x.shape[0] <= X_PROLOGUE_MAX
-    if x_in_gate_up is None:
-        x_in_gate_up = bool(entry.x_in_gate_up) and not capturing
-    return x_pro, bool(x_in_gate_up) and not x_pro
 
 
 def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:
@@ -311,7 +286,7 @@ def _gate_up_launch(w13_q, w13_scale, x_stride: tuple | None, num_assignments: i
     fold = dict(fold)
     num_global = fold.pop("num_global")
     return BoundLaunch(
-        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 12,
+        kernels("gemm_fp8").gate_up_fp8_kernel, (num_pid_m * cdiv(n, up.BLOCK_N),), 11,
         (n, hidden, num_assignments, top_k, num_experts, num_pid_m, *(x_stride or (hidden, 1)),
          cdiv(hidden, up.BLOCK_K), *w13_q.stride(), *w13_scale.stride(), n, cdiv(n, up.BLOCK_K), num_global),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, GROUP_M=up.GROUP_M,

@@ -58,9 +58,6 @@ exact e4m3 products, summed in another order: within the twin's tolerance, not b
 H200 graph µs, unswapped / swapped: Qwen3-30B-A3B M = 1 21.8 / 19.9, M = 2 29.9 / 28.3, DeepSeek-V3 M = 1 95.7 / 93.2;
 Qwen3 M = 8 (32-wide gate-up tile) 76.1 / 84.1 (raw/*-62cabd5-decode_q3.*).
 
-X_PRO (tiny batches, x contiguous, the tuned entry's "x_prologue"): no quantize launch; after its PDL wait every
-gate-up program quantizes all M rows of x (one [M_PAD, K_PAD] load) into x_q / x_s itself, identical bytes from
-every program, then its loop reads them as it reads the separate kernel's (a CTA barrier between: its own writes).
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -172,7 +169,6 @@ def _act_tile(ptrs, ahead, row_ok, offs, left, step, BLOCK_K: tl.constexpr, QUAN
 
 @triton.jit
 def gate_up_fp8_kernel(
-    x_ptr,  # x [M, K] contiguous, read by X_PRO only
     xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr,  # x_q [M, K] (X_RAW: x), x_s [M, KB], w13 [E, 2N, K] (W_DESC: its descriptor) + scale, h_q, h_s out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, map_ptr,  # map: FOLD with an expert map only
     N, K, num_assignments, top_k, num_experts, num_pid_m,
@@ -182,12 +178,9 @@ def gate_up_fp8_kernel(
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False, X_PRO: tl.constexpr = False, M_PAD: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
+    HAS_MAP: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
-    if X_PRO:  # every program quantizes all M rows of x into x_q / x_s itself (module docstring)
-        _quantize_all_rows(x_ptr, xq_ptr, xs_ptr, num_assignments // top_k, K, stride_xsm, M_PAD, K_PAD, BLOCK_K,
-                           EMULATE)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _gate_up_rows(pid_m, pid_n, ids_ptr, map_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                                  num_assignments, num_experts, num_global, BLOCK_M, NAIVE, FOLD, A_PAD, E_PAD,
@@ -231,24 +224,6 @@ def gate_up_fp8_kernel(
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)
-
-
-@triton.jit
-def _quantize_all_rows(x_ptr, xq_ptr, xs_ptr, M, K, stride_xsm, M_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                       G: tl.constexpr, EMULATE: tl.constexpr):
-    """x [M, K] (contiguous, M <= M_PAD, K <= K_PAD) -> x_q [M, K] and x_s [M, KB], ``quant_fp8``'s rounding: one
-    load of every row, then a CTA barrier, so this program's loop reads what it wrote (other programs write the
-    same bytes)."""
-    r, c = tl.arange(0, M_PAD), tl.arange(0, K_PAD)
-    ok = (r < M)[:, None] & (c < K)[None, :]
-    v = tl.load(x_ptr + r[:, None] * K + c[None, :], mask=ok, other=0.0).to(tl.float32)  # [M_PAD, K_PAD]
-    v3 = tl.reshape(v, [M_PAD, K_PAD // G, G])
-    s = group_scale(tl.max(tl.abs(v3), axis=2))  # [M_PAD, K_PAD / G]
-    tl.store(xq_ptr + r[:, None] * K + c[None, :], tl.reshape(to_e4m3(v3 / s[:, :, None], EMULATE), [M_PAD, K_PAD]),
-             mask=ok)
-    g = tl.arange(0, K_PAD // G)
-    tl.store(xs_ptr + r[:, None] * stride_xsm + g[None, :], s, mask=(r < M)[:, None] & (g < tl.cdiv(K, G))[None, :])
-    tl.debug_barrier()
 
 
 @triton.jit
