@@ -31,8 +31,10 @@ What it includes, per layer, in issue order on one host-to-device queue (``timel
                host's rate before each group of rows, ``calibrate.recalibrate_cpu``), started once the
                host has issued the layer's fetches and admissions (``MissCosts.issue_s`` each: the bench
                sets it to ``FixedCosts.issue_s``; one H200 trace: ~40 us a fetched expert, 1-1.4 ms a layer
-               before the CPU branch at M = 8, which the floor had run from the layer's start); the layer's
-               admissions queue behind its fetches, its result's copy back behind them
+               before the CPU branch at M = 8, which the floor had run from the layer's start) and its host
+               work beside the branch (``FixedCosts.branch_layer_s``: the misses' plan, the second partial
+               and its sum; 0.105-0.243 ms a layer on one H200 run); the layer's admissions queue behind its
+               fetches, its result's copy back behind them
     link:      the next layer's prefetch queues when the host is free again (after the CPU side); the
                step ends when the link is idle too
 
