@@ -125,6 +125,12 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     return plan
 
 
+# The one-pass grid at one program per SM (not two) while its chunk programs fit in one per SM (``_one_pass``): H200
+# run 2 of launch3 read DeepSeek-V3 M = 4096 22.6 µs in 132 programs against 26.6 in 224. False: at most two per
+# SM always (host_pyhost_device_check's A/B only).
+ONE_PASS_ONE_PER_SM = True
+
+
 def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
     """The programs the one-pass alignment may run on ``device`` (0: none, ``options.align_one_pass_from`` 0): two
     per SM (all resident: the launch is cooperative); one under the interpreter, whose programs run one after
@@ -217,6 +223,8 @@ def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: 
     chunk_programs = cdiv(num_chunks, per)
     blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     block_items = cdiv(num_blocks, blocks_per_program)
+    if ONE_PASS_ONE_PER_SM and chunk_programs <= programs // 2:  # the chunk programs fit in one per SM: no more
+        programs //= 2
     return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, chunk_programs + block_items),),
                        10, (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK,
                        E_PAD=e_pad, CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,
