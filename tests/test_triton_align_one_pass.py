@@ -130,3 +130,29 @@ def test_too_few_counters_take_the_chunked_launches(interpreter):
     assert [l for l, _ in align_launches(plan, ids, ids, b, torch.zeros(5, dtype=torch.int32))] == [plan.one]
     assert [l for l, _ in align_launches(plan, ids, ids, b, torch.zeros(4, dtype=torch.int32))] == [plan.hist_scan,
                                                                                                    plan.scatter]
+
+
+@pytest.mark.parametrize("num_experts, num_assignments", [(128, 32768), (256, 32768), (128, 131072), (256, 65536)])
+@pytest.mark.parametrize("one_per_sm", [True, False])
+def test_one_pass_grid_one_program_per_sm_while_chunk_programs_fit(interpreter, monkeypatch, num_experts,
+                                                                   num_assignments, one_per_sm):
+    """The one-pass grid on a 132-SM device (264 programs allowed): one program per SM while its chunk programs of
+    >= 2 chunks fit in one per SM (``ONE_PASS_ONE_PER_SM``), else (or switched off) up to two per SM."""
+    import moekit.experts.triton_align as talign
+
+    monkeypatch.setattr(talign, "ONE_PASS_ONE_PER_SM", one_per_sm)
+    sms, block = 132, 64
+    rows = max_padded_rows(num_assignments, num_experts, block)
+    options = resolve_launch_options(LaunchOptions(), torch.device("cpu"))
+    plan = talign.plan_align(num_assignments, num_experts, block, None, rows, options, arrival_slot=0,
+                             one_pass=2 * sms)
+    chunks = cdiv(num_assignments, ALIGN_CHUNK)
+    per = max(2, cdiv(chunks, 2 * sms))
+    chunk_programs = cdiv(chunks, per)
+    blocks = cdiv(rows, block)
+    e_pad = next_pow2(num_experts + 1)
+    items = cdiv(blocks, max(1, min(next_pow2(blocks), 4096 // e_pad)))
+    limit = sms if one_per_sm and chunk_programs <= sms else 2 * sms
+    assert plan.one.grid[0] == min(limit, chunk_programs + items) >= chunk_programs
+    assert plan.one.grid[0] == {(128, 32768): 132 if one_per_sm else 168, (256, 32768): 132 if one_per_sm else 224,
+                                (128, 131072): 264, (256, 65536): 264}[(num_experts, num_assignments)]

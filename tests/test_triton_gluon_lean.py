@@ -87,9 +87,9 @@ def launched(monkeypatch):
 
     count, real = [0], LaunchSequence.launch
 
-    def launch(self, values):
+    def launch(self, values, stream=None):
         count[0] += 1
-        return real(self, values)
+        return real(self, values, stream)
 
     monkeypatch.setattr(LaunchSequence, "launch", launch)
     return count

@@ -41,9 +41,9 @@ def launched(monkeypatch):
     count = [0]
     real = _lean().LaunchSequence.launch
 
-    def launch(self, values):
+    def launch(self, values, stream=None):
         count[0] += 1
-        return real(self, values)
+        return real(self, values, stream)
 
     monkeypatch.setattr(_lean().LaunchSequence, "launch", launch)
     return count
@@ -288,3 +288,35 @@ def test_raw_sequence_hands_the_call_tensors_as_their_addresses(monkeypatch, add
                                             False)], None, None, None, None)
     mixed.launch(values)
     assert calls[2][1][13] is x and calls[3] == ("runner", (x, None))
+
+
+def test_raw_sequence_with_the_callers_stream_and_addresses_launches_the_same():
+    """A sequence of raw launches (fake C launches here) handed the stream and x's, ids' and weights' addresses
+    (``triton_fast.run_fast`` reads them for its checks) passes the C launches what it passes reading them itself:
+    the same grid, stream and addresses, out's own address."""
+    lean = _lean()
+    seen = []
+
+    def c_launch(*args):
+        seen.append(args)
+
+    # [grid x3, stream, function, cooperative, pdl, 6 objects, x, ids, weights, out, a constant]
+    template = [2, 1, 1, 0, "fn", False, True, None, None, "meta", None, None, None, None, None, None, None, 5]
+    slots = ((13, lean.X), (14, lean.IDS), (15, lean.WEIGHTS), (16, lean.OUT))
+    sequence = lean.LaunchSequence([(c_launch, template, slots, True), (c_launch, template, slots[1:], True)],
+                                   None, None, None, None)
+    assert sequence.addressed == (lean.X, lean.IDS, lean.WEIGHTS, lean.OUT)
+    x, ids, weights = torch.ones(3, 8), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+    pointers = (x.data_ptr(), ids.data_ptr(), weights.data_ptr())
+    original = lean.current_stream
+    lean.current_stream = lambda: 7
+    try:
+        out = lean.launch_lean(sequence, x, ids, weights, None, None, None, None, None)
+        lean.current_stream = None  # not read where the caller hands the stream over
+        given = lean.launch_lean(sequence, x, ids, weights, None, None, None, None, None, 7, pointers)
+    finally:
+        lean.current_stream = original
+    assert len(seen) == 4 and seen[0][:16] == seen[2][:16] and seen[1][:16] == seen[3][:16]
+    assert seen[0][3] == 7 and seen[0][13:16] == pointers and seen[1][13] is None and seen[1][14:16] == pointers[1:]
+    assert (seen[0][16], seen[1][16], seen[2][16], seen[3][16]) == (out.data_ptr(),) * 2 + (given.data_ptr(),) * 2
+    assert seen[0][17] == seen[3][17] == 5 and template[13:17] == [None] * 4  # the template itself untouched

@@ -125,6 +125,13 @@ def plan_align(num_assignments: int, num_experts: int, block_size: int, num_glob
     return plan
 
 
+# The one-pass grid at one program per SM (not two) while its chunk programs fit in one per SM (``_one_pass``): H200,
+# the alignment alone at M = 4096 (host_pyhost_device_check, raw/NVIDIA_H200-2026-12-03-26f5379-pyhost.*): DeepSeek-V3
+# 22.56 µs in 132 programs against 26.31 in 224, Qwen3 20.56 against 21.64 in 168; layouts equal. False: at most two
+# per SM always (that script's A/B only).
+ONE_PASS_ONE_PER_SM = True
+
+
 def one_pass_programs(options: LaunchOptions, device: torch.device) -> int:
     """The programs the one-pass alignment may run on ``device`` (0: none, ``options.align_one_pass_from`` 0): two
     per SM (all resident: the launch is cooperative); one under the interpreter, whose programs run one after
@@ -207,8 +214,8 @@ def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: 
     from ``slot`` on. None without assignments. It reads and writes the chunked plan's regions (hist, chunk_base
     [chunks, EP]: a row per chunk program; offsets [EP]) and the layout. H200, Qwen3-30B-A3B (host_big3_device_check):
     A = 32768 (256 chunks), 128 chunk programs of 2 in a grid of 132 20.6 µs against 23.1 for 256 of 1 (run 2), in
-    this grid of 168 21.9 (merged main; DeepSeek-V3 26.6 in 224 against 22.6 in 132); A = 131072, 256 of 4 chunks
-    39.0-39.2 against 45.4 for 128 of 8."""
+    a grid of 168 21.9 (merged main; DeepSeek-V3 26.6 in 224 against 22.6 in 132: hence ``ONE_PASS_ONE_PER_SM``,
+    20.56 / 22.56 in 132 on one run); A = 131072, 256 of 4 chunks 39.0-39.2 against 45.4 for 128 of 8."""
     num_assignments, num_experts, num_global, block_size, num_rows, num_blocks = common
     num_chunks = cdiv(num_assignments, ALIGN_CHUNK)
     if not num_chunks:
@@ -217,6 +224,8 @@ def _one_pass(common: tuple, e_pad: int, has_map: bool, launch: dict, programs: 
     chunk_programs = cdiv(num_chunks, per)
     blocks_per_program = _blocks_per_program(num_blocks, e_pad)
     block_items = cdiv(num_blocks, blocks_per_program)
+    if ONE_PASS_ONE_PER_SM and chunk_programs <= programs // 2:  # the chunk programs fit in one per SM: no more
+        programs //= 2
     return BoundLaunch(kernels("align_one_pass").align_one_pass_kernel, (min(programs, chunk_programs + block_items),),
                        10, (*common, num_chunks, block_items, slot, per, chunk_programs), CHUNK=ALIGN_CHUNK,
                        E_PAD=e_pad, CHUNK_ROWS=_scan_rows(chunk_programs, e_pad), BLOCKS_PER_PROGRAM=blocks_per_program,

@@ -52,6 +52,13 @@ class Fp8GluonChoice:
     min_flops: float | None = 3e11
     min_rows_per_expert: float = 128.0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.min_flops, self.min_rows_per_expert)))
+
+    def __hash__(self) -> int:
+        # In every fp8 Gluon fast-path key (``fp8_fast_key``): computed once, not by the generated __hash__ per call
+        return self._hash
+
     def wants(self, num_tokens: int, top_k: int, inter: int, hidden: int, num_experts: int) -> bool:
         assignments = num_tokens * top_k
         return (self.min_flops is not None and 6.0 * assignments * inter * hidden >= self.min_flops

@@ -75,9 +75,13 @@ class LaunchSequence:
             return False
         return (pair is None) if self.pair is None else self.pair() is pair
 
-    def launch(self, values: tuple) -> None:
-        """Every launch, with the call's ``values`` (X, IDS, ... Y) in their positions."""
-        stream = current_stream() if self.raw else 0
+    def launch(self, values: tuple, stream: int | None = None) -> None:
+        """Every launch, with the call's ``values`` (X, IDS, ... Y) in their positions; ``stream``: the current
+        stream where the caller has read it (``triton_fast.run_fast``: one read a call), else read here."""
+        if not self.raw:
+            stream = 0
+        elif stream is None:
+            stream = current_stream()
         if self.addressed is not None and triton_bind.PASS_ADDRESSES:
             values = list(values)
             for index in self.addressed:
@@ -151,14 +155,19 @@ def _forget(store: dict, key: tuple):
     return forget
 
 
-def launch_lean(sequence: LaunchSequence, x, ids, weights, expert_map, b13, b2, w13, w2) -> torch.Tensor:
-    """out [M, K] (fresh), launched from ``sequence`` (``lean_sequence``'s, still current)."""
+def launch_lean(sequence: LaunchSequence, x, ids, weights, expert_map, b13, b2, w13, w2,
+                stream: int | None = None, pointers: tuple | None = None) -> torch.Tensor:
+    """out [M, K] (fresh), launched from ``sequence`` (``lean_sequence``'s, still current); ``stream``: the
+    current stream where the caller has read it (``LaunchSequence.launch``); ``pointers``: x's, ids' and weights'
+    addresses where the caller has read them and the sequence takes addresses (``LaunchSequence.addressed``)."""
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     buffer = h = y = None
     if sequence.large is not None:  # one fresh byte buffer, held until the launches are queued
         buffer = torch.empty(sequence.large.nbytes, dtype=torch.uint8, device=x.device)
         h, y = _large_regions(sequence.large, buffer, sequence.raw)
-    sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y))
+    if pointers is not None:
+        x, ids, weights = pointers
+    sequence.launch((x, ids, weights, out, expert_map, b13, b2, w13, w2, h, y), stream)
     del buffer  # freed in stream order: the caching allocator hands it to later work on this stream only
     return out
 
