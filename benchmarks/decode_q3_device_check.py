@@ -161,19 +161,27 @@ def start_workers(workers: int) -> list:
     heavy, light = [t for t in tasks if big(t)], [t for t in tasks if not big(t)]
     n_big = min(BIG_WORKERS, workers - 1) if heavy else 0
     slices = [heavy[j::n_big] for j in range(n_big)] + [light[j::workers - n_big] for j in range(workers - n_big)]
+    return spawn_workers(__file__, slices, SMOKE, "decode_q3")
+
+
+def spawn_workers(script: str, parts: list, smoke: bool, tag: str) -> list:
+    """One process per part of the (cell, variant) tasks, running ``script --worker`` (it compiles its part and
+    prints START / OK / ERR lines); its output goes to a log under /tmp. Also ``m1_device_check.py``'s pool."""
     procs = []
-    for j, part in enumerate(slices):
-        log = Path(f"/tmp/decode_q3_worker_{os.getpid()}_{j}.log")
+    for j, part in enumerate(parts):
+        log = Path(f"/tmp/{tag}_worker_{os.getpid()}_{j}.log")
         with open(log, "w") as out:
-            args = [sys.executable, __file__, "--worker", json.dumps(part)] + (["--smoke"] if SMOKE else [])
+            args = [sys.executable, script, "--worker", json.dumps(part)] + (["--smoke"] if smoke else [])
             procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
     return procs
 
 
-def collect_workers(procs) -> dict:
+def collect_workers(procs, seconds_left=lambda: WORKER_DEADLINE_S - elapsed()) -> dict:
+    """{(cell, variant): "ok" | "crashed" | "error: ..."} from the workers' logs, each waited for until
+    ``seconds_left()`` runs out (then killed)."""
     for p, _ in procs:
         try:
-            p.wait(timeout=max(0.1, WORKER_DEADLINE_S - elapsed()))
+            p.wait(timeout=max(0.1, seconds_left()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,7 +31,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from decode_q3_device_check import measure_copy, rel_l2, shape_of  # noqa: E402
+from decode_q3_device_check import collect_workers, measure_copy, rel_l2, shape_of, spawn_workers  # noqa: E402
 from m1_variants import CELLS, GUARDS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 
 T0 = time.perf_counter()
@@ -101,30 +100,7 @@ def worker_main(tasks: list) -> None:
 
 def start_workers(workers: int) -> list:
     tasks = [(ci, vi) for ci, c in enumerate(cells()) for vi in range(len(variants(*c)))]
-    procs = []
-    for j in range(workers):
-        log = Path(f"/tmp/m1_worker_{os.getpid()}_{j}.log")
-        with open(log, "w") as out:
-            args = [sys.executable, __file__, "--worker", json.dumps(tasks[j::workers])] + (["--smoke"] if SMOKE else [])
-            procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def collect_workers(procs) -> dict:
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(0.1, WORKER_DEADLINE_S - elapsed()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    status = {}
-    for _, log in procs:
-        for line in log.read_text(errors="replace").splitlines():
-            parts = line.split(" ", 3)
-            if parts[0] in ("START", "OK", "ERR") and len(parts) >= 3:
-                status[(int(parts[1]), int(parts[2]))] = {"START": "crashed", "OK": "ok"}.get(
-                    parts[0], "error: " + (parts[3] if len(parts) > 3 else ""))
-    return status
+    return spawn_workers(__file__, [tasks[j::workers] for j in range(workers)], SMOKE, "m1")
 
 
 @dataclass
@@ -265,7 +241,7 @@ def main() -> int:
             weights[(dtype, preset)] = make_weights(dtype, shape_of(preset), dev)
     copy_tbps = 1.0 if SMOKE else measure_copy(dev)
     print(f"[{elapsed():5.1f}s] weights built, copy {copy_tbps:.2f} TB/s", flush=True)
-    status = collect_workers(procs)
+    status = collect_workers(procs, lambda: WORKER_DEADLINE_S - elapsed())
     print(f"[{elapsed():5.1f}s] compiled {sum(v == 'ok' for v in status.values())} of {len(status)}; others: "
           f"{sorted(set(status.values()) - {'ok'})}"[:600], flush=True)
     results = []
