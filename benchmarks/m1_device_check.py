@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -31,7 +31,9 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from decode_q3_device_check import collect_workers, measure_copy, rel_l2, shape_of, spawn_workers  # noqa: E402
+from decode_q3_device_check import (  # noqa: E402
+    Cell, Row, collect_workers, measure_copy, rel_l2, shape_of, spawn_workers,
+)
 from m1_variants import CELLS, GUARDS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 
 T0 = time.perf_counter()
@@ -101,29 +103,6 @@ def worker_main(tasks: list) -> None:
 def start_workers(workers: int) -> list:
     tasks = [(ci, vi) for ci, c in enumerate(cells()) for vi in range(len(variants(*c)))]
     return spawn_workers(__file__, [tasks[j::workers] for j in range(workers)], SMOKE, "m1")
-
-
-@dataclass
-class Row:
-    variant: str
-    status: str = "ok"
-    samples: list = field(default_factory=list)  # graph µs per round
-    us: float | None = None
-    pct_floor: float | None = None
-    eager_us: float | None = None
-    host_us: float | None = None
-    equal_default: bool | None = None
-    rel_l2_ref: float | None = None
-
-
-@dataclass
-class Cell:
-    dtype: str
-    preset: str
-    M: int
-    floor_us: float | None = None
-    touched: float = 0.0
-    rows: list = field(default_factory=list)
 
 
 def reference(t, w, ref_w) -> torch.Tensor:
