@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from decode_q3_variants import CELLS, SMOKE_CELLS, Variant, variants  # noqa: E402
 from moekit.quant.fp8_block import Fp8BlockWeight  # noqa: E402
 
@@ -162,37 +162,6 @@ def start_workers(workers: int) -> list:
     n_big = min(BIG_WORKERS, workers - 1) if heavy else 0
     slices = [heavy[j::n_big] for j in range(n_big)] + [light[j::workers - n_big] for j in range(workers - n_big)]
     return spawn_workers(__file__, slices, SMOKE, "decode_q3")
-
-
-def spawn_workers(script: str, parts: list, smoke: bool, tag: str) -> list:
-    """One process per part of the (cell, variant) tasks, running ``script --worker`` (it compiles its part and
-    prints START / OK / ERR lines); its output goes to a log under /tmp. Also ``m1_device_check.py``'s pool."""
-    procs = []
-    for j, part in enumerate(parts):
-        log = Path(f"/tmp/{tag}_worker_{os.getpid()}_{j}.log")
-        with open(log, "w") as out:
-            args = [sys.executable, script, "--worker", json.dumps(part)] + (["--smoke"] if smoke else [])
-            procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def collect_workers(procs, seconds_left=lambda: WORKER_DEADLINE_S - elapsed()) -> dict:
-    """{(cell, variant): "ok" | "crashed" | "error: ..."} from the workers' logs, each waited for until
-    ``seconds_left()`` runs out (then killed)."""
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(0.1, seconds_left()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    status = {}
-    for _, log in procs:
-        for line in log.read_text(errors="replace").splitlines():
-            parts = line.split(" ", 3)
-            if parts[0] in ("START", "OK", "ERR") and len(parts) >= 3:
-                status[(int(parts[1]), int(parts[2]))] = {"START": "crashed", "OK": "ok"}.get(
-                    parts[0], "error: " + (parts[3] if len(parts) > 3 else ""))
-    return status
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -363,7 +332,7 @@ def main() -> int:
             weights[(dtype, preset)] = make_weights(dtype, shape_of(preset), dev)
     print(f"[{elapsed():5.1f}s] weights built", flush=True)
     copy_tbps = 1.0 if SMOKE else measure_copy(dev)
-    status = collect_workers(procs)
+    status = collect_workers(procs, lambda: WORKER_DEADLINE_S - elapsed())
     print(f"[{elapsed():5.1f}s] compiled {sum(v == 'ok' for v in status.values())} of {len(status)}; copy "
           f"{copy_tbps:.2f} TB/s; others: {sorted(set(status.values()) - {'ok'})}"[:600], flush=True)
     results = []

@@ -31,8 +31,9 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from decode_q3_device_check import (  # noqa: E402
-    Cell, Row, collect_workers, measure_copy, rel_l2, shape_of, spawn_workers,
+    Cell, Row, measure_copy, rel_l2, shape_of,
 )
 from m1_variants import CELLS, GUARDS, SCHEME, SMOKE_CELLS, run, variants  # noqa: E402
 

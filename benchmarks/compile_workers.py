@@ -1,0 +1,45 @@
+"""The compile-worker pool of the decode device checks (``decode_q3_device_check.py``, ``m1_device_check.py``).
+
+Each worker is the check script itself run with ``--worker TASKS`` (a JSON list of (cell, variant) pairs): it
+compiles and runs its part once, printing ``START ci vi`` / ``OK ci vi`` / ``ERR ci vi message`` lines, so the main
+process knows which variants compiled while it builds the real weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def spawn_workers(script: str, parts: list, smoke: bool, tag: str) -> list:
+    """One process per part of the (cell, variant) tasks, running ``script --worker`` (it compiles its part and
+    prints START / OK / ERR lines); its output goes to a log under /tmp."""
+    procs = []
+    for j, part in enumerate(parts):
+        log = Path(f"/tmp/{tag}_worker_{os.getpid()}_{j}.log")
+        with open(log, "w") as out:
+            args = [sys.executable, script, "--worker", json.dumps(part)] + (["--smoke"] if smoke else [])
+            procs.append((subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def collect_workers(procs, seconds_left) -> dict:
+    """{(cell, variant): "ok" | "crashed" | "error: ..."} from the workers' logs, each waited for until
+    ``seconds_left()`` runs out (then killed)."""
+    for p, _ in procs:
+        try:
+            p.wait(timeout=max(0.1, seconds_left()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    status = {}
+    for _, log in procs:
+        for line in log.read_text(errors="replace").splitlines():
+            parts = line.split(" ", 3)
+            if parts[0] in ("START", "OK", "ERR") and len(parts) >= 3:
+                status[(int(parts[1]), int(parts[2]))] = {"START": "crashed", "OK": "ok"}.get(
+                    parts[0], "error: " + (parts[3] if len(parts) > 3 else ""))
+    return status
