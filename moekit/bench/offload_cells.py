@@ -14,6 +14,7 @@ Python objects and the driver's state out of the CPU's caches: ~8% at M = 1 on o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import statistics
@@ -217,25 +218,24 @@ def _floors(dones: list[list[OffloadStats]], expert_bytes: int, costs: MissCosts
     host = dataclasses.replace(costs, gpu_call_s=costs.gpu_call_s * r, fetch_layer_s=costs.fetch_layer_s * r,
                                issue_s=costs.issue_s * r)
     by_rate = given.scaled(rate) if rate else None
-    c, bl = fixed.copy_call_s, fixed.branch_layer_s
+    # every timeline below pays the fixed costs of a call after a slot copy and of a layer beside its CPU branch
+    line = functools.partial(timeline_s, copy_call_s=fixed.copy_call_s, branch_layer_s=fixed.branch_layer_s)
+    lay, ov, pf = fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s
 
     def head(done, layer_s: float) -> float:
-        return (timeline_s(done, expert_bytes, by_rate, layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl)
-                if by_rate else timeline_s(done, expert_bytes, costs, layer_s, fixed.overlap_s, fixed.prefetch_layer_s,
-                                           idle, copy_call_s=c, branch_layer_s=bl))
+        return (line(done, expert_bytes, by_rate, layer_s, ov, pf) if by_rate
+                else line(done, expert_bytes, costs, layer_s, ov, pf, idle))
 
-    return [[head(done, fixed.layer_s if paired is None else layer_s),
-             sum_floor_s(done, expert_bytes, costs, fixed.layer_s), timeline_s(done, expert_bytes, before, quiet),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, 0.0, idle, copy_call_s=c, branch_layer_s=bl),
-             timeline_s(done, expert_bytes, host, fixed.layer_s, fixed.overlap_s * r, fixed.prefetch_layer_s * r, idle,
-                        copy_call_s=c * r, branch_layer_s=bl * r),
-             timeline_s(done, expert_bytes, given, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, copy_call_s=c, branch_layer_s=bl),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle, ran,
-                        copy_call_s=c, branch_layer_s=bl),
-             timeline_s(done, expert_bytes, costs, fixed.layer_s, fixed.overlap_s, fixed.prefetch_layer_s, idle,
-                        copy_call_s=c, branch_layer_s=bl),
-             head(done, fixed.layer_s)]
+    return [[head(done, lay if paired is None else layer_s),
+             sum_floor_s(done, expert_bytes, costs, lay), timeline_s(done, expert_bytes, before, quiet),
+             line(done, expert_bytes, costs, lay, ov, 0.0, idle),
+             line(done, expert_bytes, host, lay, ov * r, pf * r, idle, copy_call_s=fixed.copy_call_s * r,
+                  branch_layer_s=fixed.branch_layer_s * r),
+             line(done, expert_bytes, given, lay, ov, pf),
+             line(done, expert_bytes, costs, lay, ov, pf),
+             line(done, expert_bytes, costs, lay, ov, pf, idle, ran),
+             line(done, expert_bytes, costs, lay, ov, pf, idle),
+             head(done, lay)]
             for done, ran, layer_s in zip(dones, branches or [None] * len(dones), paired or [None] * len(dones))]
 
 

@@ -104,7 +104,8 @@ class OffloadRow:
     x_floor_busy: float = 0.0  # step_ms over the floor with the probe's busy-link rate throughout
     x_floor_cpu_ran: float = 0.0  # step_ms over the timeline with each CPU branch as it ran (a check, not a floor)
     x_floor_probe: float = 0.0  # step_ms over the floor with the CPU side at the probe's rates (``offload_probe``)
-    x_floor_median: float = 0.0  # over the floor whose fixed cost is the reference's median step throughout (before session 23)
+    # over the floor whose fixed cost is the reference's median step throughout (the headline before session 23)
+    x_floor_median: float = 0.0
     branch_rate: float = 0.0  # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
     step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)

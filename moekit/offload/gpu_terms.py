@@ -62,7 +62,8 @@ class FixedCosts:
     prefetch_layer_s: float = 0.0  # a layer's prefetch of one expert of the next layer, per layer (``prefetch_layer_from``)
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies (``measure_issue``)
     copy_call_s: float = 0.0  # an experts call's extra host seconds right after a copy into the slots (``measure_copy_call``)
-    branch_layer_s: float = 0.0  # a forward with a CPU branch over an all-hit one, the branch itself out (``measure_branch_layer``)
+    # a forward with a CPU branch over an all-hit one, the branch itself out (``measure_branch_layer``)
+    branch_layer_s: float = 0.0
 
     def priced(self, costs: MissCosts) -> MissCosts:
         """``costs`` with the terms "auto" prices by (``gpu_call_s``, ``fetch_layer_s``, ``issue_s``) set to these."""
