@@ -92,10 +92,12 @@ def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, 
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-            None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down, in_loader)
+            None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
+            in_loader)
 
 
-def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> GluonLeanPlan:
+def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
+             in_loader: bool = False) -> GluonLeanPlan:
     """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given; ``in_loader``:
     bf16 with the gather in the gate-up GEMM's loader)."""
     key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
@@ -112,7 +114,8 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, 
 def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
                in_loader: bool = False) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
-    no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows, ``triton_gluon_launch.loader_gather_fits``)."""
+    no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
+    ``triton_gluon_launch.loader_gather_fits``)."""
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
@@ -162,10 +165,6 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n))
     weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
-    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
-                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
-                         (rows, num_assignments, hidden, x.stride(0), hidden),
-                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
@@ -182,6 +181,10 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                               maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
+    gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
+                         (cdiv(rows, GATHER_ROWS), cdiv(hidden, GATHER_COLS)), 4,
+                         (rows, num_assignments, hidden, x.stride(0), hidden),
+                         TOP_K=top_k, BLOCK_R=GATHER_ROWS, BLOCK_K=GATHER_COLS, num_warps=4, **launch)
     return _Part([("x_perm", x.dtype, (rows, hidden)), ("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))],
                  gather, bf16_gemm(up, hidden, inter, 2 * inter, inter, True), down_gemm, blocks, weight_blocks)
 
@@ -267,7 +270,8 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
-             s2: torch.Tensor | None = None, fast_key: tuple | None = None, in_loader: bool | None = None) -> torch.Tensor:
+             s2: torch.Tensor | None = None, fast_key: tuple | None = None,
+             in_loader: bool | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
