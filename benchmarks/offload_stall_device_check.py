@@ -1,6 +1,8 @@
 """Device check for issue #18's last cell (auto skewed/50/none/8 at 1.58x its floor on b89fbea: one of 4 timed
 steps 40.8 ms against ~16, one CPU branch at 8.9x its model): where a stalled CPU branch's time goes, and
-which runner (``CpuOptions.runner``: inline / worker / pool, ``moekit.offload.cpu_runner``) keeps it calibrated.
+which CPU-branch setting keeps it calibrated: the runner (``CpuOptions.runner``: inline / worker / pool,
+``moekit.offload.cpu_runner``) and the thread count (``CpuOptions.threads``). Variants and stacks are named
+[mode-]runner[-tN] (``options_of``); ck1 (96560bf) ran the three runners, ck2 the inline one at 8 / 4 / 2 / 1.
 
     PYTHONPATH=$PWD timeout 170 python3 benchmarks/offload_stall_device_check.py --out $OUT/offload4   (H200, < 150 s)
     PYTHONPATH=$PWD python3 benchmarks/offload_stall_device_check.py --smoke                        (CPU, tiny)
@@ -8,17 +10,17 @@ which runner (``CpuOptions.runner``: inline / worker / pool, ``moekit.offload.cp
 Qwen3-30B-A3B widths (E=128, K=2048, N=768, top-8, bf16), 4 layers on their own pinned host weights, the
 bench's streams and seed. Parts, printing as they go:
 
-1. exact: each runner's cpu-mode layer (M = 1 and 8, 3 seeds) against the float32 reference (rel L2 < 1e-2,
-   CPU experts > 0) and against the inline layer's output (rel L2 printed).
+1. exact: each variant's cpu-mode layer (M = 1 and 8, 3 seeds) against the float32 reference (rel L2 < 1e-2,
+   CPU experts > 0) and against the first variant's output (rel L2 printed).
 2. micro: 1 and 2 cold experts' CPU branch (1 row each, idle link) after the host was idle 0 / 60 ms
    (asleep) or 60 ms waiting for a GPU kernel (``torch.cuda._sleep``: the host in a device sync, as in a decode
-   step), the runners in turns; per branch its time over the model, the CPython collections (``gc.callbacks``)
-   inside it, every thread's run and run-queue wait (``/proc/self/task/*/schedstat``) and the process's
-   involuntary context switches over it.
-3. cells (skewed/50/none/8, then skewed/25/router/8 and uniform/75/none/8 as the budget allows): stacks auto
-   (inline), auto-worker, auto-pool, gpu, cpu (inline), cpu-pool and the all-hit stack take turns step by
-   step, many steps; per stack mean, median, sem, stalled steps (> 1.5x the stack's median), its CPU branches
-   over 3x their model, the collections' ms inside its steps; auto-X against auto paired by step.
+   step), the variants in turns; per branch its time over the model, the CPython collections (``gc.callbacks``)
+   inside it, every thread's run, run-queue wait and times put on a CPU (``/proc/self/task/*/schedstat``)
+   and the process's involuntary / voluntary context switches over it.
+3. cells (skewed/50/none/8, then uniform/75/none/8 and skewed/25/router/8 as the budget allows): the stacks
+   (``STACKS``) take turns step by step, 80 steps; per stack mean, median, sem, stalled steps (> 1.5x the
+   stack's median), its CPU branches over 3x their model, the collections' ms inside its steps; auto-X
+   against auto paired by step.
 
 JSON to OUT/offload_stall_device_check.json, rewritten after every part; the tables print last.
 """
@@ -53,8 +55,9 @@ from offload_stall_report import print_result
 START = time.perf_counter()
 QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers": 4}
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
-CELLS = (("skewed", 0.5, False, 8), ("skewed", 0.25, True, 8), ("uniform", 0.75, False, 8))
-STACKS = ("auto", "auto-worker", "auto-pool", "gpu", "cpu", "cpu-pool", "hit")
+CELLS = (("skewed", 0.5, False, 8), ("uniform", 0.75, False, 8), ("skewed", 0.25, True, 8))
+STACKS = ("auto", "auto-t4", "auto-t2", "auto-t1", "gpu", "cpu", "cpu-t4", "hit")  # ``--stacks``; ck1 (96560bf): auto, auto-worker, ...
+VARIANTS = ("inline", "inline-t4", "inline-t2", "inline-t1")  # ``--variants``: parts 1 and 2; ck1: the three runners
 GAPS = (("sleep", 0.0), ("sleep", 0.06), ("gpu", 0.06))  # part 2: (how the host idles, seconds)
 BF16_TOLERANCE = 1e-2
 GC_EVENTS: list[tuple[float, float, int]] = []  # (start, end, generation) of every CPython collection
@@ -81,28 +84,37 @@ def gc_ms(t0: float, t1: float) -> tuple[float, int]:
     return ms, gen
 
 
-def sched() -> dict[str, tuple[int, int]]:
-    """tid -> (ns on a CPU, ns waiting on a run queue) of every thread of the process."""
+def sched() -> dict[str, tuple[int, int, int]]:
+    """tid -> (ns on a CPU, ns waiting on a run queue, times it was put on a CPU) of every thread of the process."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run, wait, _ = f.read().split()
-            out[tid] = (int(run), int(wait))
+                run, wait, slices = f.read().split()
+            out[tid] = (int(run), int(wait), int(slices))
         except (OSError, ValueError):
             continue
     return out
 
 
 def sched_delta(before: dict, after: dict) -> dict:
-    """Run / run-queue wait ms over all threads, the largest one thread's wait, threads that ran."""
-    d = [(a[0] - before.get(t, (0, 0))[0], a[1] - before.get(t, (0, 0))[1]) for t, a in after.items()]
-    return {"run_ms": sum(r for r, _ in d) / 1e6, "wait_ms": sum(w for _, w in d) / 1e6,
-            "wait_max_ms": max((w for _, w in d), default=0) / 1e6, "ran": sum(r > 0 for r, _ in d)}
+    """Run / run-queue wait ms over all threads, the largest one thread's wait, threads that ran, and per thread
+    that ran (run ms, wait ms, times put on a CPU), most run first: a thread that slept through part of a
+    branch shows less run than the branch's time and a slice count over 1."""
+    zero = (0, 0, 0)
+    d = [tuple(a[i] - before.get(t, zero)[i] for i in range(3)) for t, a in after.items()]
+    ran = sorted((x for x in d if x[0] > 0), reverse=True)
+    return {"run_ms": sum(r for r, _, _ in d) / 1e6, "wait_ms": sum(w for _, w, _ in d) / 1e6,
+            "wait_max_ms": max((w for _, w, _ in d), default=0) / 1e6, "ran": len(ran),
+            "threads": [(round(r / 1e6, 3), round(w / 1e6, 3), n) for r, w, n in ran[:20]]}
 
 
 def _ivcsw() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
+def _nvcsw() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
 class LoggedPath(CpuPath):
@@ -121,8 +133,13 @@ class LoggedPath(CpuPath):
         return out
 
 
-def _runner(stack: str) -> str:
-    return stack.split("-")[1] if "-" in stack else "inline"
+def options_of(variant: str) -> CpuOptions:
+    """A variant's (or stack's) ``CpuOptions``: its name is [mode-]runner[-tN] or mode[-tN] (runner inline,
+    threads N; no N: the calibration's)."""
+    parts = [p for p in variant.split("-") if p not in ("auto", "cpu", "gpu")]
+    runner = next((p for p in parts if p in RUNNERS), "inline")
+    threads = next((int(p[1:]) for p in parts if p.startswith("t") and p[1:].isdigit()), None)
+    return CpuOptions(runner=runner, threads=threads)
 
 
 def _rows_model(costs, experts: int, tokens: int) -> float:
@@ -136,7 +153,7 @@ def exact(shell, costs, device) -> list[dict]:
     c, out = shell.config, []
     w13, w2 = shell.w13.to(device), shell.w2.to(device)  # [E, 2N, K], [E, K, N]
     layers = {r: OffloadedMoE.from_moe(shell, cache_experts=c.num_experts // 2, prefetch=None, compute_misses_on="cpu",
-                                       costs=costs, device=device, cpu_options=CpuOptions(runner=r)) for r in RUNNERS}
+                                       costs=costs, device=device, cpu_options=options_of(r)) for r in VARIANTS}
     for m in (1, 8):
         for seed in range(3):
             g = torch.Generator(device="cpu").manual_seed(1000 * m + seed)
@@ -149,7 +166,7 @@ def exact(shell, costs, device) -> list[dict]:
                 got = {r: layer.run_routed(x, routing) for r, layer in layers.items()}
             for r, y in got.items():
                 err = ((y.float() - want).norm() / want.norm()).item()
-                vs = ((y.float() - got["inline"].float()).norm() / got["inline"].float().norm()).item()
+                vs = ((y.float() - got[VARIANTS[0]].float()).norm() / got[VARIANTS[0]].float().norm()).item()
                 n = layers[r].last_stats.cpu_experts
                 out.append({"runner": r, "M": m, "seed": seed, "rel_l2": err, "vs_inline": vs, "cpu_experts": n,
                             "pass": err < BF16_TOLERANCE and n > 0})
@@ -159,14 +176,14 @@ def exact(shell, costs, device) -> list[dict]:
 def micro(shell, costs, device, repeats: int) -> list[dict]:
     """Part 2 (module docstring): one row per branch."""
     layers = {r: OffloadedMoE.from_moe(shell, cache_experts=1, prefetch=None, device=device,
-                                       cpu_options=CpuOptions(runner=r)) for r in RUNNERS}
+                                       cpu_options=options_of(r)) for r in VARIANTS}
     threads, gemm = costs.cpu_threads or torch.get_num_threads(), costs.cpu_gemm or "direct"
     groups, rows = cold_groups(shell.config.num_experts, 2, 7000), []
     for rep in range(repeats):
         for how, gap in GAPS:
             for n in (1, 2):
-                for j in range(len(RUNNERS)):
-                    r = RUNNERS[(rep + j) % len(RUNNERS)]
+                for j in range(len(VARIANTS)):
+                    r = VARIANTS[(rep + j) % len(VARIANTS)]
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     if how == "gpu" and device.type == "cuda":
@@ -174,14 +191,16 @@ def micro(shell, costs, device, repeats: int) -> list[dict]:
                         torch.cuda.synchronize(device)
                     else:
                         time.sleep(gap)
-                    before, cs, t0 = sched(), _ivcsw(), time.perf_counter()
-                    ms = branch(layers[r], next(groups), n, 1, threads, gemm, busy=False) * 1e3
+                    before, cs, vs, t0 = sched(), _ivcsw(), _nvcsw(), time.perf_counter()
+                    ms = branch(layers[r], next(groups), n, 1, layers[r].cpu_options.threads or threads, gemm,
+                                busy=False) * 1e3
                     t1 = time.perf_counter()
-                    after, cs1 = sched(), _ivcsw()
+                    after, cs1, vs1 = sched(), _ivcsw(), _nvcsw()
                     collected, gen = gc_ms(t0, t1)
                     rows.append({"runner": r, "how": how, "gap_ms": gap * 1e3, "experts": n, "ms": ms,
                                  "compute_ms": layers[r].last_cpu.compute_s * 1e3, "model_ms": costs.cpu_side_s([1] * n) * 1e3,
-                                 "gc_ms": collected, "gc_gen": gen, "ivcsw": cs1 - cs, **sched_delta(before, after)})
+                                 "gc_ms": collected, "gc_gen": gen, "ivcsw": cs1 - cs, "nvcsw": vs1 - vs,
+                                 **sched_delta(before, after)})
     return rows
 
 
@@ -215,7 +234,7 @@ def run_cell(shells, config, cell, costs, device, steps: int, deadline: float) -
             continue
         stacks[name] = _stack(shells, trace, slots, name.split("-")[0], prefetch, warm, priced, device)
         for layer in stacks[name]:
-            layer._cpu = LoggedPath(CpuOptions(runner=_runner(name)), device, logs.setdefault(name, []))
+            layer._cpu = LoggedPath(options_of(name), device, logs.setdefault(name, []))
     x = torch.randn(m, config.hidden_size, device=device, dtype=shells[0].w13.dtype)
     rows = {name: [] for name in STACKS}
     for step in range(steps + 1):
@@ -274,13 +293,17 @@ def _dump(result: dict, out: str | None) -> None:
 
 
 def main() -> int:
+    global STACKS, VARIANTS
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--budget", type=float, default=125.0, help="seconds: no part or cell starts past it")
     parser.add_argument("--steps", type=int, default=0, help="steps a cell (0: 80; smoke 3)")
     parser.add_argument("--repeats", type=int, default=0, help="part 2's rounds (0: 10; smoke 1)")
+    parser.add_argument("--stacks", default=",".join(STACKS), help="part 3's stacks: mode[-runner][-tN], gpu, hit")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="parts 1-2: runner[-tN], the first the base")
     args = parser.parse_args()
+    STACKS, VARIANTS = tuple(args.stacks.split(",")), tuple(args.variants.split(","))
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     shape = dict(QWEN3_30B if cuda else SMOKE)
