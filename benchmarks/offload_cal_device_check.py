@@ -8,8 +8,7 @@ at the simulator's, and "auto" never slower than the better pure mode, beside th
                                         (``CLOSE``: the M = 8 groups and those whose cpu cell read over 1.2 on a4689f0)
     PYTHONPATH=$PWD python benchmarks/offload_cal_device_check.py --smoke                (CPU, tiny shapes: runs)
 
-``--cpu-runner R``: where the CPU branch's experts run (``CpuOptions(runner=R)``, ``cpu_runner.RUNNERS``; default
-``CpuOptions``'). ``--cpu-threads N``: the CPU branch at N threads (``CpuOptions(threads=N)``; default: the calibration's, half
+``--cpu-threads N``: the CPU branch at N threads (``CpuOptions(threads=N)``; default: the calibration's, half
 the CPUs since session 23; 12 on the H200 host before it). ``--out DIR``: the JSON's folder (else $OUT).
 ``--fixed-threads``: after ``cpu_check``, torch's thread count is set to the calibration's for the table, so
 no CPU branch switches the thread team's size (``cpu_path.torch_threads``); the header says so. ``--limit S``:
@@ -128,12 +127,10 @@ def main(argv: list[str]) -> int:
         QWEN3_30B if cuda else SMOKE)
     config = MoEConfig(hidden_size=shape["hidden"], moe_intermediate_size=shape["inter"], num_experts=shape["experts"],
                        top_k=shape["top_k"])
-    options = CpuOptions(**({"threads": int(argv[argv.index("--cpu-threads") + 1])} if "--cpu-threads" in argv else {}),
-                         **({"runner": argv[argv.index("--cpu-runner") + 1]} if "--cpu-runner" in argv else {}))
+    options = CpuOptions(threads=int(argv[argv.index("--cpu-threads") + 1])) if "--cpu-threads" in argv else CpuOptions()
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "shape": shape,
               "cells_asked": patterns, "twin": twin, "rows": [], "state": "running", "cpu_threads_asked": options.threads,
-              "cpu_runner": options.runner,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
     BRANCHES.install()
     shells = host_shells(config, dtype, device, layers=shape["layers"])
@@ -342,7 +339,7 @@ def _print(result: dict) -> None:
     print(f"\n{result['device']}, torch {result['torch']}, {result['cpu_count']} cpus, torch threads "
           f"{result['torch_threads']}, shape {result['shape']}; setup {result.get('setup_s', 0):.0f} s, total "
           f"{time.perf_counter() - START:.0f} s; {result['state']}; cells asked {result['cells_asked'] or 'all'}; "
-          f"OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}; CPU runner {result.get('cpu_runner', 'inline')}")
+          f"OMP_WAIT_POLICY {result.get('omp_wait_policy', 'unset')}")
     if c:
         print(f"costs: link {c['link_bytes_per_s'] / 1e9:.1f} GB/s, GPU read {c['gpu_bytes_per_s'] / 1e9:.0f} GB/s; CPU "
               f"{c['cpu_step_s'] * 1e3:.3f} ms a call, per expert by rows " + ", ".join(

@@ -1,8 +1,9 @@
 """Device check for issue #18's last cell (auto skewed/50/none/8 at 1.58x its floor on b89fbea: one of 4 timed
 steps 40.8 ms against ~16, one CPU branch at 8.9x its model): where a stalled CPU branch's time goes, and
-which CPU-branch setting keeps it calibrated: the runner (``CpuOptions.runner``: inline / worker / pool,
-``moekit.offload.cpu_runner``) and the thread count (``CpuOptions.threads``). Variants and stacks are named
-[mode-]runner[-tN] (``options_of``); ck1 (96560bf) ran the three runners, ck2 the inline one at 8 / 4 / 2 / 1.
+which CPU-branch thread count (``CpuOptions.threads``) keeps it calibrated. Variants and stacks are named
+[mode][-tN] (``options_of``: N threads, none the calibration's). ck1 (96560bf) also ran the branch on a
+long-lived worker thread with its own OpenMP team and as row blocks on a pool of single-threaded workers with
+backups (``CpuOptions.runner``, removed after: both slower, INDEX row); ck2 (3c46b0a) 8 / 4 / 2 / 1 threads.
 
     PYTHONPATH=$PWD timeout 170 python3 benchmarks/offload_stall_device_check.py --out $OUT/offload4   (H200, < 150 s)
     PYTHONPATH=$PWD python3 benchmarks/offload_stall_device_check.py --smoke                        (CPU, tiny)
@@ -47,7 +48,6 @@ from moekit.experts.reference import experts_reference
 from moekit.offload import CpuOptions, ExpertCache, OffloadedMoE
 from moekit.offload.calibrate import branch, cold_groups
 from moekit.offload.cpu_path import CpuPath
-from moekit.offload.cpu_runner import RUNNERS
 from moekit.routing import Routing
 from offload_fetch_device_check import _stack, _step, _stream  # benchmarks/ on sys.path
 from offload_stall_report import print_result
@@ -57,7 +57,7 @@ QWEN3_30B = {"experts": 128, "hidden": 2048, "inter": 768, "top_k": 8, "layers":
 SMOKE = {"experts": 16, "hidden": 64, "inter": 32, "top_k": 2, "layers": 2}
 CELLS = (("skewed", 0.5, False, 8), ("uniform", 0.75, False, 8), ("skewed", 0.25, True, 8))
 STACKS = ("auto", "auto-t4", "auto-t2", "auto-t1", "gpu", "cpu", "cpu-t4", "hit")  # ``--stacks``; ck1 (96560bf): auto, auto-worker, ...
-VARIANTS = ("inline", "inline-t4", "inline-t2", "inline-t1")  # ``--variants``: parts 1 and 2; ck1: the three runners
+VARIANTS = ("cal", "t4", "t2", "t1")  # ``--variants``: parts 1 and 2 (the first the base; "cal": the calibration's count)
 GAPS = (("sleep", 0.0), ("sleep", 0.06), ("gpu", 0.06))  # part 2: (how the host idles, seconds)
 BF16_TOLERANCE = 1e-2
 GC_EVENTS: list[tuple[float, float, int]] = []  # (start, end, generation) of every CPython collection
@@ -134,12 +134,10 @@ class LoggedPath(CpuPath):
 
 
 def options_of(variant: str) -> CpuOptions:
-    """A variant's (or stack's) ``CpuOptions``: its name is [mode-]runner[-tN] or mode[-tN] (runner inline,
-    threads N; no N: the calibration's)."""
-    parts = [p for p in variant.split("-") if p not in ("auto", "cpu", "gpu")]
-    runner = next((p for p in parts if p in RUNNERS), "inline")
-    threads = next((int(p[1:]) for p in parts if p.startswith("t") and p[1:].isdigit()), None)
-    return CpuOptions(runner=runner, threads=threads)
+    """A variant's (or stack's) ``CpuOptions``: its name is [mode-]tN (N threads) or a mode alone (the
+    calibration's count)."""
+    threads = next((int(p[1:]) for p in variant.split("-") if p.startswith("t") and p[1:].isdigit()), None)
+    return CpuOptions(threads=threads)
 
 
 def _rows_model(costs, experts: int, tokens: int) -> float:
@@ -300,8 +298,8 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=125.0, help="seconds: no part or cell starts past it")
     parser.add_argument("--steps", type=int, default=0, help="steps a cell (0: 80; smoke 3)")
     parser.add_argument("--repeats", type=int, default=0, help="part 2's rounds (0: 10; smoke 1)")
-    parser.add_argument("--stacks", default=",".join(STACKS), help="part 3's stacks: mode[-runner][-tN], gpu, hit")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="parts 1-2: runner[-tN], the first the base")
+    parser.add_argument("--stacks", default=",".join(STACKS), help="part 3's stacks: mode[-tN], gpu, hit")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="parts 1-2: tN or cal, the first the base")
     args = parser.parse_args()
     STACKS, VARIANTS = tuple(args.stacks.split(",")), tuple(args.variants.split(","))
     cuda = torch.cuda.is_available() and not args.smoke

@@ -14,7 +14,7 @@ def _q(values: list[float], q: float) -> float:
 
 
 def micro_lines(rows: list[dict]) -> list[str]:
-    """Part 2 by (runner, how, gap, experts): ratio to the model median / p90 / max, slow (> 3x) branches and
+    """Part 2 by (variant, how, gap, experts): ratio to the model median / p90 / max, slow (> 3x) branches and
     what was in them: collections, the threads' run-queue wait, context switches."""
     out = ["micro: CPU branch after the host idled (1 row an expert, cold, idle link): ms median/max, x model "
            "median/max, slow (> 3x); slow ones' mean gc ms, run-queue wait ms (all threads / worst thread), ivcsw"]
@@ -38,7 +38,7 @@ def micro_lines(rows: list[dict]) -> list[str]:
     by_runner = {}
     for r in rows:
         by_runner.setdefault(r["runner"], []).append(r["ms"] / r["model_ms"])
-    out.append("  by runner, all gaps: " + "; ".join(
+    out.append("  by variant, all gaps: " + "; ".join(
         f"{k} x{statistics.median(v):.2f} p90 {_q(v, 0.9):.2f} max {max(v):.2f} slow {sum(x > 3 for x in v)}/{len(v)}"
         for k, v in sorted(by_runner.items())))
     return out
@@ -73,8 +73,8 @@ def print_result(result: dict, start: float | None = None) -> None:
           f"{len(result['affinity'])}), torch threads {result['torch_threads']}; CPU branch {result['cpu_threads']} threads "
           f"({result['cpu_gemm']}); gc threshold {result['gc_threshold']}, {result['gc_tracked']} objects; total {total:.0f} s")
     ex = result.get("exact", [])
-    print(f"exact: {sum(r['pass'] for r in ex)} of {len(ex)} PASS; rel L2 by runner: " + "; ".join(
-        f"{k} max {max(r['rel_l2'] for r in ex if r['runner'] == k):.2e} (vs inline {max(r['vs_inline'] for r in ex if r['runner'] == k):.1e})"
+    print(f"exact: {sum(r['pass'] for r in ex)} of {len(ex)} PASS; rel L2 by variant: " + "; ".join(
+        f"{k} max {max(r['rel_l2'] for r in ex if r['runner'] == k):.2e} (vs the first {max(r['vs_inline'] for r in ex if r['runner'] == k):.1e})"
         for k in sorted({r['runner'] for r in ex})))
     for line in micro_lines(result.get("micro", [])):
         print(line)

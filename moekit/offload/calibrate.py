@@ -152,7 +152,7 @@ def warm_rows(layer, most: int, threads: int | None, gemm: str) -> None:
         for r in range(1, most + 1):
             inputs = (torch.zeros(r, c.hidden_size, dtype=dtype), torch.zeros(r, 1, dtype=torch.int32),
                       torch.ones(r, 1, dtype=torch.float32))
-            layer._cpu_experts(inputs, [0], gemm, threads)
+            layer._cpu_experts(inputs, [0], gemm)
 
 
 def pick_setting(spread: dict[tuple[int, str], list[float]], tolerance: float = THREAD_TOLERANCE) -> tuple[int, str]:
@@ -246,7 +246,7 @@ def link_during_cpu(layer, group: list[int], threads: int | None, gemm: str, nby
         end.record(stream)
     staged = layer._cpu.stage([x, ids, weights])
     on_cpu = sorted(set(group))
-    layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm, threads), dev, len(on_cpu), len(on_cpu),
+    layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu), len(on_cpu),
                       threads)
     end.synchronize()
     return nbytes / (start.elapsed_time(end) * 1e-3)
@@ -302,7 +302,7 @@ def branch(layer, group: list[int], experts: int, m: int, threads: int | None, g
         torch.cuda.synchronize(dev) if quiet else torch.cuda.current_stream(dev).synchronize()
     with link_busy(dev, copies=2 + len(on_cpu) // 4) if busy else contextlib.nullcontext():  # ~5 ms a copy at 55 GB/s
         staged = layer._cpu.stage([x, ids, weights])
-        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm, threads), dev, len(on_cpu),
+        layer._cpu.finish(staged, lambda inputs: layer._cpu_experts(inputs, on_cpu, gemm), dev, len(on_cpu),
                           sum(rows) if rows is not None else m * len(on_cpu), threads)
     return layer._cpu.last.total_s
 

@@ -26,7 +26,6 @@ from typing import Callable, Iterator
 import torch
 
 from moekit.offload import staging
-from moekit.offload.cpu_runner import RUNNERS, shared_runner
 
 # the misses' CPU experts: grouped_mm's strategies (``layer._cpu_experts_fn``), then ``cpu_direct`` (float weights only)
 CPU_GEMMS = ("onednn_fused", "mm_loop", "direct")
@@ -40,15 +39,12 @@ class CpuOptions:
     gemm: str | None = None  # the misses' CPU GEMM (CPU_GEMMS); None: MissCosts.cpu_gemm, else ``unmeasured_gemm``
     reuse_staging: bool = True  # keep the pinned staging buffers (False: one pinned allocation per copy)
     admit_early: bool = True  # queue the forward's admissions before the CPU compute, so they overlap it
-    runner: str = "inline"  # where the experts run (``cpu_runner.RUNNERS``): the caller's thread, a worker, a pool
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"CpuOptions.threads must be an int >= 1 or None, got {self.threads!r}")
         if self.gemm is not None and self.gemm not in CPU_GEMMS:
             raise ValueError(f"CpuOptions.gemm must be one of {CPU_GEMMS}, got {self.gemm!r}")
-        if self.runner not in RUNNERS:
-            raise ValueError(f"CpuOptions.runner must be one of {RUNNERS}, got {self.runner!r}")
 
     @classmethod
     def baseline(cls) -> "CpuOptions":
@@ -92,12 +88,6 @@ class CpuPath:
         self.buffers = staging.Buffers(pin=self.pin) if options.reuse_staging else None
         self.last: CpuPhases | None = None
 
-    def pool(self, threads: int | None):
-        """The ``cpu_runner.ChunkPool`` the "direct" experts run on (``runner="pool"``), else None."""
-        if self.options.runner != "pool":
-            return None
-        return shared_runner("pool", threads or torch.get_num_threads())
-
     def setting(self, costs, quantized: bool = False) -> tuple[int | None, str]:
         """(threads, gemm) of a forward: the options', else those ``costs`` (a MissCosts or None) were
         measured at, else torch's thread count and ``unmeasured_gemm(quantized)``."""
@@ -118,18 +108,11 @@ class CpuPath:
         if staged.event is not None:
             staged.event.synchronize()
         clock.append(time.perf_counter())
-        if self.options.runner == "inline":
-            with torch_threads(threads) as used:  # the result's host copy too: after the count is restored, the
-                y = compute(staged.inputs)  # first parallel op (a [32, K] copy) took ms on one H200 host
-                clock.append(time.perf_counter())
-                out = staging.to_device(y, device, pin=self.pin, buffers=self.buffers)
-        else:  # "worker": the call on the worker's thread; "pool": ``compute`` hands its GEMMs to the pool
-            used = threads or torch.get_num_threads()
-            worker = shared_runner("worker", used) if self.options.runner == "worker" else None
-            y = worker.run(compute, staged.inputs) if worker is not None else compute(staged.inputs)
+        with torch_threads(threads) as used:  # the result's host copy too: after the count is restored, the
+            y = compute(staged.inputs)  # first parallel op (a [32, K] copy) took ms on one H200 host
             clock.append(time.perf_counter())
             out = staging.to_device(y, device, pin=self.pin, buffers=self.buffers)
-        clock.append(time.perf_counter())  # back: the copy queued (and the thread count restored)
+        clock.append(time.perf_counter())  # back: the copy queued and the thread count restored
         self.last = CpuPhases(staged.stage_s, clock[1] - clock[0], clock[2] - clock[1], clock[3] - clock[2],
                               experts, tokens, used)
         return out

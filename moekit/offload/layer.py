@@ -172,7 +172,7 @@ class OffloadedMoE(MoE):
                 cache.admit(self.layer_id, plan.admit, stats)
             threads, gemm = self._cpu.setting(self.costs, cache.host(self.layer_id).scheme is not None)
             cache.mark("cpu_start", self.layer_id)
-            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm, threads),
+            partials.append(self._cpu.finish(staged, lambda inputs: self._cpu_experts(inputs, on_cpu, gemm),
                                              x2d.device, len(on_cpu), stats.cpu_tokens, threads))  # [M, K], x2d's dtype
             cache.mark("cpu_end", self.layer_id)
             if not early:
@@ -210,14 +210,14 @@ class OffloadedMoE(MoE):
         return tokens, [i for i, c in enumerate(host[e + 3: e + 3 + nxt.config.num_experts]) if c]
 
     def _cpu_experts(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], on_cpu: list[int],
-                     gemm: str, threads: int | None = None) -> torch.Tensor:
+                     gemm: str) -> torch.Tensor:
         """The ``on_cpu`` experts' share of the output, computed on the CPU from their home weights ("direct":
         ``cpu_direct``, no token layout; otherwise grouped_mm):
         float ones read in place through ``expert_map``; quantized ones selected first (their packed
         bytes copied) so the CPU backend dequantizes only those experts, not the whole layer."""
         host, e = self.cache.host(self.layer_id), self.config.num_experts
         if gemm == "direct":
-            return direct_share(host, inputs, on_cpu, self.config.activation, self._cpu.pool(threads))
+            return direct_share(host, inputs, on_cpu, self.config.activation)
         cpu_map = torch.full((e,), -1, dtype=torch.int32)
         if host.scheme is None:
             cpu_map[on_cpu] = torch.tensor(on_cpu, dtype=torch.int32)
