@@ -197,7 +197,7 @@ def _costs_doc(costs: MissCosts) -> dict:
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_rows_us": {r: t * 1e6 for r, t in costs.cpu_rows_s},
             "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis, "cpu_threads": costs.cpu_threads,
-            "cpu_gemm": costs.cpu_gemm}
+            "cpu_gemm": costs.cpu_gemm, "cpu_tail_us": costs.cpu_tail_s * 1e6}
 
 
 def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
