@@ -205,3 +205,32 @@ def test_cpu_never_wins_at_decode_on_the_h200s_measured_costs():
     expert = 3 * 2048 * 768 * 2
     assert cpu_never_wins(8, 1, expert, costs)
     assert not cpu_never_wins(64, 8, expert, costs)
+
+
+def test_the_cpu_tail_is_priced_by_auto_on_the_cpu_side_and_never_by_the_model():
+    c = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1e-6, cpu_token_s=2e-6, cpu_step_s=3e-6)
+    assert c.for_plan() is c  # no tail: the same costs
+    tailed = dataclasses.replace(c, cpu_tail_s=5e-6)
+    planned = tailed.for_plan()
+    assert planned.cpu_step_s == 3e-6 + 5e-6 and planned.cpu_tail_s == 0.0 and tailed.for_plan() is planned
+    assert tailed.cpu_side_s([1, 2]) == c.cpu_side_s([1, 2]) == 3e-6 + 2 * 1e-6 + 3 * 2e-6  # the floor's model
+
+
+def test_auto_with_a_tail_dearer_than_any_gain_fetches_every_miss_and_keeps_the_output():
+    from moekit import MoE, MoEConfig
+    from moekit.offload import OffloadedMoE
+
+    from _helpers import TOLERANCE, rel_l2
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, top_k=2), backend="grouped_mm",
+              router="torch")
+    costs = MissCosts(link_bytes_per_s=1e9, cpu_expert_s=1e-6, cpu_token_s=2e-6)  # "auto" splits (the CPU is cheap)
+    layers = {tail: OffloadedMoE.from_moe(moe, cache_experts=3, compute_misses_on="auto",
+                                          costs=dataclasses.replace(costs, cpu_tail_s=tail)) for tail in (0.0, 1.0)}
+    for seed in range(4):
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            for layer in layers.values():
+                assert rel_l2(layer(x), moe(x)) < TOLERANCE[torch.float32]
+    assert layers[0.0].cache.stats.cpu_experts > 0  # without the tail some misses went to the CPU
+    assert layers[1.0].cache.stats.cpu_experts == 0  # a 1 s tail: every miss fetched

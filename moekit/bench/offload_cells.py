@@ -328,7 +328,7 @@ def _row(run: Run, times: list[float], floors: list[list[float]], timed: Offload
         statistics.fmean(f[i] for f in floors) for i in range(10))
     sem_s = statistics.stdev(times) / steps ** 0.5 if steps > 1 else 0.0
     return {"step_ms": step_s * 1e3, "step_sem_ms": sem_s * 1e3, "step_times_ms": [t * 1e3 for t in times],
-            "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
+            "floor_times_ms": [f[0] * 1e3 for f in floors], "floor_ms": floor_s * 1e3, "floor_sum_ms": sum_s * 1e3,
             "x_floor_before": step_s / before_s if before_s else float("inf"),
             "x_floor": step_s / floor_s if floor_s else float("inf"),
             "x_floor_no_prefetch": step_s / unfetched_s if unfetched_s else float("inf"),

@@ -108,6 +108,7 @@ class OffloadRow:
     x_floor_median: float = 0.0
     branch_rate: float = 0.0  # the floor's CPU rate where the run has CPU branches: their time-weighted median measured / model
     step_times_ms: list = dataclasses.field(default_factory=list)  # each timed step (the turns pair them by index)
+    floor_times_ms: list = dataclasses.field(default_factory=list)  # each timed step's floor (``floor_ms``'s terms)
     probe_busy: float = 0.0  # the run's CPU probe, link busy: measured / the group's model (``offload_probe``)
     probe_idle: float = 0.0  # likewise, link idle
     probes: int = 0  # probe calls timed after the run's steps
@@ -196,7 +197,7 @@ def _costs_doc(costs: MissCosts) -> dict:
             "cpu_expert_us": costs.cpu_expert_s * 1e6, "cpu_token_us": costs.cpu_token_s * 1e6,
             "cpu_step_us": costs.cpu_step_s * 1e6, "cpu_rows_us": {r: t * 1e6 for r, t in costs.cpu_rows_s},
             "cpu_margin": costs.cpu_margin, "hysteresis": costs.hysteresis, "cpu_threads": costs.cpu_threads,
-            "cpu_gemm": costs.cpu_gemm}
+            "cpu_gemm": costs.cpu_gemm, "cpu_tail_us": costs.cpu_tail_s * 1e6}
 
 
 def _stream(config: MoEConfig, layers: int, count: int, m: int, stream: str, warm: int, device):
@@ -272,8 +273,12 @@ def default_warm_steps(m: int) -> int:
 def timed_steps(steps: int, m: int) -> int:
     """Timed steps at M tokens: ``steps``, times 4 at M = 1 and 2 at M = 2 (steps of a few ms, where run
     to run jitter is a larger share; they cost little). 24 at M = 1 did not lower the twin's noise on the
-    H200 (3.0%, against 2.3% with 12: the host's drift, not the count, sets it)."""
-    return steps * max(1, 4 // m)
+    H200 (3.0%, against 2.3% with 12: the host's drift, not the count, sets it). Times 4 at 3 <= M <= 8 too:
+    "auto" sends a miss to the CPU there now and then (a few branches a group), and one branch stalled by
+    the host (b89fbea skewed/50/none/8: one of 4 timed steps 40.8 ms against ~16) moved a 4-step mean by
+    a third; 12 steps cost ~10 s more over the H200 table's nine M = 8 groups (M = 32's steps, 50-280 ms,
+    stay at ``steps``: their four take ~3 s a round of the nine groups)."""
+    return steps * (4 if 3 <= m <= 8 else max(1, 4 // m))
 
 
 def balanced_count(steps: int, stacks: int) -> int:

@@ -49,6 +49,14 @@ from moekit.offload.stats import OffloadStats
 from moekit.routing import Routing
 
 HYSTERESIS = 0.05  # measured costs' ``MissCosts.hysteresis``: "auto" takes a CPU split only for a 5% predicted gain
+# measured costs' ``MissCosts.cpu_tail_s``: on the H200 host a CPU branch now and then ran 5-35 ms over its model
+# (the team waiting at a barrier for one late thread; not CPython's collector, not preemption), so a branch's
+# mean exceeds its model by ~the stalls it carries: over 80 steps a stack at M = 8 (raw ...-96560bf-offload4-ck1),
+# mean less the unstalled steps' mean per branch 0.4 / 0.9 / 3.6 ms in three auto cells, 0.15 / 0.6 / 0.65 in
+# cpu ones; one call's fixed cost is ~0.7 ms. Priced, "auto" at M = 8 stops sending a 1-2 expert split to the
+# CPU for a 2-5% predicted gain its stalls turn into a 6-19% loss by the mean (auto 1.06-1.19x gpu by mean,
+# 0.97-1.01 by median there); the floor keeps the model alone.
+CPU_TAIL_S = 1.0e-3
 THREAD_TOLERANCE = 0.05  # ``pick_setting``: fewer threads are kept when their mean branch is within 5% of the best
 
 
@@ -97,7 +105,7 @@ def measure_costs(layer, tokens: int = 16, repeats: int = 3, rows: tuple[int, ..
     costs = dataclasses.replace(costs, gpu_bytes_per_s=measure_read_bandwidth(dev),
                                 cpu_margin=margin_of(list(grid.values())), cpu_threads=best[0], cpu_gemm=best[1],
                                 link_cpu_bytes_per_s=statistics.median(during) if None not in during else None,
-                                hysteresis=HYSTERESIS)
+                                hysteresis=HYSTERESIS, cpu_tail_s=CPU_TAIL_S)
     return gpu_terms(layer, costs, batch).priced(costs)
 
 

@@ -48,6 +48,9 @@ import torch
 REFETCH = ("reuse", "hit_rate")  # per expert, by its reuse in the cache's history; session 8's: this forward's hit rate
 
 
+_FOR_PLAN: list = [None, None]  # ``MissCosts.for_plan``'s latest (costs, answer)
+
+
 @dataclass(frozen=True)
 class MissCosts:
     """The rates the split decides by (seconds, bytes per second)."""
@@ -67,6 +70,9 @@ class MissCosts:
     gpu_call_s: float = 0.0  # a second GPU experts call: a forward with hits and fetched misses makes two (``gpu_side_s``)
     fetch_layer_s: float = 0.0  # the least a forward with any fetch takes over an all-hit one (``gpu_side_s``)
     issue_s: float = 0.0  # host seconds to issue one fetched expert's copies, before the CPU branch can start
+    # what a CPU branch adds on average over its model (``cpu_side_s``): its rare stalls, priced by "auto" on every
+    # split's CPU side (``for_plan``), never by the floor (the model of what a step cannot beat)
+    cpu_tail_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cpu_margin >= 1.0:
@@ -118,6 +124,16 @@ class MissCosts:
         """Predicted CPU seconds of a forward computing experts with these token counts on the CPU (0 for
         none), without the margin."""
         return self.cpu_step_s + sum(self.cpu_time(t) for t in tokens) if tokens else 0.0
+
+    def for_plan(self) -> "MissCosts":
+        """These costs as "auto" decides by: ``cpu_tail_s`` moved into ``cpu_step_s``, so every price of a CPU
+        side (the split's search, its bounds, ``cpu_never_wins``) holds it; the same object where it is 0, and
+        the same answer for the same costs again (one entry kept: every forward asks)."""
+        if self.cpu_tail_s == 0.0:
+            return self
+        if _FOR_PLAN[0] is not self:
+            _FOR_PLAN[:] = [self, dataclasses.replace(self, cpu_step_s=self.cpu_step_s + self.cpu_tail_s, cpu_tail_s=0.0)]
+        return _FOR_PLAN[1]
 
     def observed(self, measured_s: float, predicted_s: float) -> "MissCosts":
         """These costs with ``cpu_margin`` raised to ``measured_s / predicted_s`` (the CPU branch's real

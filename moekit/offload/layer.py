@@ -238,7 +238,7 @@ class OffloadedMoE(MoE):
             return self.compute_misses_on
         costs = self.costs if self.cpu_rate is None else self.cpu_rate.apply(self.costs)
         touched = min(m * self.config.top_k, self.config.num_experts)
-        return "gpu" if self._proofs.never_wins(m, touched, self.cache.expert_bytes, costs) else "auto"
+        return "gpu" if self._proofs.never_wins(m, touched, self.cache.expert_bytes, costs.for_plan()) else "auto"
 
     def _plan(self, tokens: dict[int, int], hits: int, place: str, issue=None) -> MissPlan:
         """Where this forward's misses (``tokens``: expert -> assignments) go under ``place`` (``plan.plan_forward``,

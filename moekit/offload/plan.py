@@ -110,6 +110,7 @@ def plan_forward(cache: ExpertCache, layer: int, place: str, tokens: dict[int, i
     proof, so those copies left sooner, made the forwards that proof decides 20-90% dearer on the replay.)"""
     if place != "auto" or costs is None or not tokens:
         return plan_misses(place, tokens, hits, expert_bytes, costs, admit_per_forward)
+    costs = costs.for_plan()  # a CPU branch's average stall priced on its side (``MissCosts.cpu_tail_s``)
     fetch_all, memo = MissPlan(sorted(tokens), [], []), memo_for(costs, expert_bytes)
     limit_s = (1.0 - costs.hysteresis) * memo.gpu(hits, len(tokens))  # ``gpu_only``'s cost
     if cpu_too_dear(len(tokens), costs, limit_s):
