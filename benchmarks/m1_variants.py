@@ -16,6 +16,7 @@ against 28.7, 3.4% slower).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,21 +32,34 @@ SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 @dataclass(frozen=True)
 class Variant:
     name: str
+    decode: tuple | None = None  # (block_k, stages): the one-launch persistent Gluon decode kernel (session 24)
 
     @property
     def exact(self) -> bool:
-        """Must equal the default bit for bit (the same kernels again)."""
-        return True
+        """Must equal the default bit for bit (the same kernels again); the decode kernel sums y in float32."""
+        return self.decode is None
+
+
+# the persistent Gluon decode kernel's (BK, ring stages) tried on Qwen3 bf16 (M*k <= 16); stages 5 / 11 fill SMEM
+DECODE_TILES = ((128, 5), (128, 4), (64, 11), (64, 6))
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
-    return [Variant("default"), Variant("default again")]
+    vs = [Variant("default"), Variant("default again")]
+    if dtype == "bf16" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        vs += [Variant(f"gluon decode k{bk} s{st}", (bk, st)) for bk, st in DECODE_TILES]
+    return vs
 
 
 def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch.Tensor:
     """One call of the default on inputs ``t`` (x, topk_ids, topk_weights) and weights ``w`` (w13, w2; quantized for
     fp8 / int4). ``config``: the real shape's tuned config passed explicitly (compile workers on small-E weights, bf16
     and fp8). ``eager``: unused (the backend tells eager calls from captures itself)."""
+    if v.decode is not None:
+        from moekit.experts.triton_gluon_decode import experts_gluon_decode
+
+        return experts_gluon_decode(t.x, w[0], w[1], t.topk_ids, t.topk_weights, block_k=v.decode[0],
+                                    stages=v.decode[1])
     if config is not None and dtype == "bf16":
         from moekit.experts.triton import fused_experts
 

@@ -1,0 +1,230 @@
+"""One persistent, warp-specialized Gluon kernel for a whole decode call (Hopper; issues 19, 15, 16).
+
+    h[s]      = bf16(silu(x[tok(s)] @ w13[e(s), :N]^T) * (x[tok(s)] @ w13[e(s), N:]^T))   s: a slot, tok(s) = s // k
+    y[s]      = weight[s] * (h[s] @ w2[e(s)]^T)                                           float32
+    out[t]    = bf16(sum over j = 0..k-1, in order, of y[t*k + j])
+
+One program per SM (grid <= #SMs, one program per SM by its shared memory, so all run at once) walks one tile
+list, tile t = program_id + i * grid: first the S*NB gate-up tiles (slot s, BM rows of N; gate and up rows
+both), then the S*KB down tiles (slot s, BM rows of K). Every program does all its gate-up tiles before any
+down tile, so a down tile only ever waits on gate-up tiles, which never wait: no deadlock.
+
+Two partitions share ONE shared-memory ring of STAGES stages, each stage two [BM, BK] weight tiles:
+  - loader (1 warp): x once (all K, XR padded rows, zero-filled by TMA), then for every tile of the program in
+    order its weight tiles: gate-up steps load a gate tile and an up tile of one BK step, down steps two BK
+    steps of w2's rows. It never waits on another program: the w2 tiles of a down tile are in flight while
+    the gate-up results they need are still being computed elsewhere.
+  - MMA (num_warps = 4, one warpgroup): swap-AB wgmma, weights the [BM, BK] A operand, the XR (8) padded
+    token rows of x (gate-up) or h (down) the narrow B operand ([BK, XR]). Gate-up epilogue: silu * mul, the
+    slot's token column stored to h[s], a CTA barrier, then a release increment of up_done[s]. Down tile:
+    acquire-spin until up_done[s] == NB (bounded: a bug gives a wrong result, not a hang), h[s] into SMEM
+    (the B operand; row 0, other rows 0), MMAs over the ring's w2 tiles, y[s] = weight * column 0 in float32,
+    then an acq_rel arrival on arrive[tok, kb]; the k-th arrival sums the token's k slots in slot order (the
+    same order whichever program comes last: deterministic) into out and zeroes its counter. The last program
+    out (exit counter) zeroes up_done and the exit counter: the counters are 0 again for the next call, so no
+    memset launch and the call is graph-capturable.
+
+Triton 3.6 spells the CTA barrier ``thread_barrier``, 3.9 ``barrier``; the aliases pick whichever exists.
+Gluon does not run in the interpreter: the torch twin (``triton_gluon_decode.decode_twin``) follows the same
+tile schedule on any device.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _tma_load
+
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+MAX_SPINS = gl.constexpr(1 << 22)  # acquire reads of a counter before a down tile gives up (about seconds: only a bug gets there)
+
+
+@gluon.jit
+def _slot_tile(t, S: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr):
+    """Tile id -> (is gate-up, slot, row block): gate-up tiles slot-major, then down tiles slot-major."""
+    up = t < S * NB
+    d = gl.where(up, t, t - S * NB)
+    per = gl.where(up, NB, KB)
+    return up, d // per, d % per
+
+
+@gluon.jit
+def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
+                   S: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
+    BM: gl.constexpr = w13_desc.block_type.shape[0]
+    BK: gl.constexpr = w13_desc.block_type.shape[1]
+    STAGES: gl.constexpr = ring.type.shape[0] // 2
+    NB: gl.constexpr = N // BM
+    KB: gl.constexpr = K // BM
+    nbytes: gl.constexpr = 2 * w13_desc.block_type.nbytes
+    mbarrier.expect(x_bar, (K // BK) * x_desc.block_type.nbytes)
+    for xk in gl.static_range(K // BK):
+        _tma_load(x_desc, [0, xk * BK], x_bar, x_smem.index(xk))
+    it = 0
+    for t in range(gl.program_id(0), S * (NB + KB), gl.num_programs(0)):
+        up, s, blk = _slot_tile(t, S, NB, KB)
+        e = gl.minimum(gl.load(ids_ptr + s), num_experts - 1)  # an id >= E (EP skip): weight 0, any expert's rows
+        if up:
+            row = e * (2 * N) + blk * BM
+            for kk in range(K // BK):
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
+                mbarrier.expect(ready.index(st), nbytes)
+                _tma_load(w13_desc, [row, kk * BK], ready.index(st), ring.index(2 * st))
+                _tma_load(w13_desc, [row + N, kk * BK], ready.index(st), ring.index(2 * st + 1))
+                it += 1
+        else:
+            row = e * K + blk * BM
+            for j in range(N // (2 * BK)):
+                st = it % STAGES
+                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(st), nbytes)
+                _tma_load(w2_desc, [row, 2 * j * BK], ready.index(st), ring.index(2 * st))
+                _tma_load(w2_desc, [row, (2 * j + 1) * BK], ready.index(st), ring.index(2 * st + 1))
+                it += 1
+
+
+@gluon.jit
+def _up_tile(x_smem, ring, ready, empty, h_ptr, up_done_ptr, s, blk, tok, it, rows, cols, N: gl.constexpr,
+             K: gl.constexpr, acc_layout: gl.constexpr):
+    """Gate-up tile (slot s, rows blk*BM.. of N): h[s, rows] = silu(gate) * up of the slot's token, then release."""
+    BM: gl.constexpr = ring.type.shape[1]
+    BK: gl.constexpr = ring.type.shape[2]
+    XR: gl.constexpr = x_smem.type.shape[1]
+    STAGES: gl.constexpr = ring.type.shape[0] // 2
+    g = gl.zeros([BM, XR], gl.float32, acc_layout)
+    u = gl.zeros([BM, XR], gl.float32, acc_layout)
+    for kk in range(K // BK):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        xb = x_smem.index(kk).permute((1, 0))  # [BK, XR]
+        g = warpgroup_mma(ring.index(2 * st), xb, g, is_async=True)
+        u = warpgroup_mma(ring.index(2 * st + 1), xb, u, is_async=True)
+        g, u = warpgroup_mma_wait(num_outstanding=2, deps=(g, u))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)  # the step before retired
+        it += 1
+    g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    hv = g / (1.0 + gl.exp(-g)) * u  # [BM, XR]
+    h_col = gl.sum(gl.where(cols == tok, hv, 0.0), axis=1)  # [BM] the slot's token
+    gl.store(h_ptr + s * N + blk * BM + rows, h_col.to(h_ptr.dtype.element_ty))
+    _barrier()  # every warp's h stores issued before the release
+    gl.atomic_add(up_done_ptr + s, 1, sem="release", scope="gpu")
+    return it
+
+
+@gluon.jit
+def _wait_and_stage_h(h_smem, h_ptr, up_done_ptr, s, N: gl.constexpr, NB: gl.constexpr, num_warps: gl.constexpr):
+    """Acquire-spin until slot s's NB gate-up tiles are done, then h[s] into SMEM as the down MMAs' B operand."""
+    XR: gl.constexpr = h_smem.type.shape[1]
+    BK: gl.constexpr = h_smem.type.shape[2]
+    h_layout: gl.constexpr = gl.BlockedLayout([1, 8], [XR, 32 // XR], [1, num_warps], [1, 0])  # [XR, BK] loads
+    h_rows = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(1, h_layout)), 1)  # [XR, 1]
+    h_cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, h_layout)), 0)  # [1, BK]
+    seen = gl.atomic_add(up_done_ptr + s, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (seen < NB) & (spins < MAX_SPINS):
+        seen = gl.atomic_add(up_done_ptr + s, 0, sem="acquire", scope="gpu")
+        spins += 1
+    for c in gl.static_range(N // BK):  # row 0 the slot's h, rows 1.. zero
+        hb = gl.load(h_ptr + s * N + c * BK + h_rows * 0 + h_cols, mask=h_rows == 0, other=0.0, cache_modifier=".cg")
+        h_smem.index(c).store(hb)
+    fence_async_shared()
+    _barrier()
+
+
+@gluon.jit
+def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts, s, blk, tok,
+               it, rows, cols, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr, acc_layout: gl.constexpr):
+    """Down tile (slot s, rows blk*BM.. of K): y[s, rows] = weight * (h[s] @ w2 rows^T); the token's k-th arrival
+    sums its k slots in slot order into out."""
+    BM: gl.constexpr = ring.type.shape[1]
+    BK: gl.constexpr = ring.type.shape[2]
+    XR: gl.constexpr = h_smem.type.shape[1]
+    STAGES: gl.constexpr = ring.type.shape[0] // 2
+    KB: gl.constexpr = K // BM
+    acc = gl.zeros([BM, XR], gl.float32, acc_layout)
+    for j in range(N // (2 * BK)):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        acc = warpgroup_mma(ring.index(2 * st), h_smem.index(2 * j).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma(ring.index(2 * st + 1), h_smem.index(2 * j + 1).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=j > 0)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
+    wt = gl.where(gl.load(ids_ptr + s) < num_experts, gl.load(wts_ptr + s), 0.0)
+    y_col = gl.sum(gl.where(cols == 0, acc, 0.0), axis=1) * wt  # [BM] float32
+    gl.store(y_ptr + s * K + blk * BM + rows, y_col)
+    _barrier()  # every warp's y stores issued before the arrival
+    old = gl.atomic_add(arrive_ptr + tok * KB + blk, 1, sem="acq_rel", scope="gpu")
+    if old == TOP_K - 1:  # the token's last slot here: the ordered sum
+        o = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
+        for jj in gl.static_range(TOP_K):
+            o += gl.load(y_ptr + (tok * TOP_K + jj) * K + blk * BM + rows, cache_modifier=".cg")
+        gl.store(out_ptr + tok * K + blk * BM + rows, o.to(out_ptr.dtype.element_ty))
+        gl.store(arrive_ptr + tok * KB + blk, 0)
+    return it
+
+
+@gluon.jit
+def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr,
+                arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr,
+                K: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = ring.type.shape[1]
+    XR: gl.constexpr = x_smem.type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, XR, 16])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))  # [BM]
+    cols = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(0, acc_layout)), 0)  # [1, XR]
+    mbarrier.wait(x_bar, 0)
+    it = 0
+    for t in range(gl.program_id(0), S * (N // BM + K // BM), gl.num_programs(0)):
+        up, s, blk = _slot_tile(t, S, N // BM, K // BM)
+        if up:
+            it = _up_tile(x_smem, ring, ready, empty, h_ptr, up_done_ptr, s, blk, s // TOP_K, it, rows, cols, N, K,
+                          acc_layout)
+        else:
+            _wait_and_stage_h(h_smem, h_ptr, up_done_ptr, s, N, N // BM, num_warps)
+            it = _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts,
+                            s, blk, s // TOP_K, it, rows, cols, TOP_K, N, K, acc_layout)
+    _barrier()
+    done = gl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == gl.num_programs(0) - 1:  # every program has passed all its waits: reset for the next call
+        SP: gl.constexpr = 16 if S <= 16 else 32
+        slots = gl.arange(0, SP, layout=gl.SliceLayout(1, acc_layout))
+        gl.store(up_done_ptr + slots, gl.zeros([SP], gl.int32, gl.SliceLayout(1, acc_layout)), mask=slots < S)
+        gl.store(exit_ptr, 0)
+
+
+@gluon.jit
+def decode_kernel(x_desc, w13_desc, w2_desc, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr, arrive_ptr,
+                  exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
+                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """x_desc [M, K] blocks [XR, BK]; w13_desc [E*2N, K] and w2_desc [E*K, N] blocks [BM, BK]; ids_ptr / wts_ptr
+    [S] int32 / float32 (S = M*k slots, token-major); h_ptr [S, N] (x's dtype), y_ptr [S, K] float32 scratch;
+    out_ptr [M, K]; up_done_ptr [S], arrive_ptr [M, K/BM], exit_ptr [1] int32 counters, zero at entry and exit.
+    N a multiple of 2*BK and of BM, K of BK and BM."""
+    BK: gl.constexpr = w13_desc.block_type.shape[1]
+    XR: gl.constexpr = x_desc.block_type.shape[0]
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [K // BK] + x_desc.block_type.shape, x_desc.layout)
+    h_smem = gl.allocate_shared_memory(x_desc.dtype, [N // BK] + x_desc.block_type.shape, x_desc.layout)
+    ring = gl.allocate_shared_memory(w13_desc.dtype, [2 * STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.init(x_bar, count=1)
+    gl.warp_specialize([
+        (_decode_mma, (x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr,
+                       arrive_ptr, exit_ptr, num_experts, S, TOP_K, N, K, num_warps)),
+        (_decode_loader, (x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
+                          S, N, K)),
+    ], [1], [40])

@@ -1,0 +1,183 @@
+"""A decode call (M*k <= 16 slots) as ONE persistent Gluon kernel (Hopper; ``_kernels/gluon_decode.py``).
+
+``experts_gluon_decode`` launches it: the gate-up GEMM with SiLU-and-mul, the down GEMM with the routed weight and
+the ordered sum over each token's k slots, one launch, no memset (its counters reset themselves), no host sync.
+``decode_twin`` computes the same function along the same tile schedule (``DecodePlan``) in torch: the oracle of
+the CPU tests (Gluon does not run in the interpreter) and of the device check. ``decode_unfit`` says why a call
+cannot take the kernel. Not a default: a variant of ``benchmarks/m1_device_check.py`` until the H200 says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+MAX_SLOTS = 16  # M*k at most (the h / y scratch rows, the up_done counters)
+MAX_TOKENS = 8  # M at most: x's rows are the wgmma's N = XR = 8 columns
+XR = 8  # x / h rows as the narrow B operand ([BK, XR]), zero-padded
+BM = 64  # weight rows per tile (the wgmma's M: one warpgroup)
+SHARED_BYTES = 227 * 1024
+_KERNEL = "moekit.experts._kernels.gluon_decode"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The tile schedule of one call: S slots, experts N wide, hidden K; BK the reduction step, ``stages`` ring
+    stages of two [BM, BK] weight tiles; ``grid`` programs (at most the SMs). Tiles 0 .. S*NB-1 are gate-up tiles
+    (slot, BM rows of N), then S*KB down tiles (slot, BM rows of K); program p takes p, p + grid, ..."""
+
+    slots: int
+    top_k: int
+    inter: int  # N
+    hidden: int  # K
+    block_k: int
+    stages: int
+    grid: int
+
+    @property
+    def up_blocks(self) -> int:  # NB
+        return self.inter // BM
+
+    @property
+    def down_blocks(self) -> int:  # KB
+        return self.hidden // BM
+
+    @property
+    def num_tiles(self) -> int:
+        return self.slots * (self.up_blocks + self.down_blocks)
+
+    def tile(self, t: int) -> tuple[bool, int, int]:
+        """Tile id -> (gate-up?, slot, row block): the kernel's ``_slot_tile``."""
+        up_tiles = self.slots * self.up_blocks
+        if t < up_tiles:
+            return True, t // self.up_blocks, t % self.up_blocks
+        d = t - up_tiles
+        return False, d // self.down_blocks, d % self.down_blocks
+
+    def program_tiles(self, p: int) -> list[tuple[bool, int, int]]:
+        return [self.tile(t) for t in range(p, self.num_tiles, self.grid)]
+
+    def ring_steps(self, p: int) -> int:
+        """Ring stages program p's loader fills (and its MMA partition drains): K/BK per gate-up tile, N/(2 BK) per
+        down tile."""
+        return sum(self.hidden // self.block_k if up else self.inter // (2 * self.block_k)
+                   for up, _, _ in self.program_tiles(p))
+
+    def shared_bytes(self, element_size: int = 2) -> int:
+        """x (all K) + h (all N) as [XR, BK] tiles, the ring, barriers."""
+        return element_size * (XR * (self.hidden + self.inter) + self.stages * 2 * BM * self.block_k) + 8 * (
+            2 * self.stages + 1)
+
+
+def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_programs: int, block_k: int = 128,
+                stages: int = 0) -> DecodePlan:
+    """The plan for M tokens of k slots on ``num_programs`` SMs; ``stages`` 0: as many as shared memory holds."""
+    slots = num_tokens * top_k
+    if slots > MAX_SLOTS or num_tokens > MAX_TOKENS:
+        raise ValueError(f"M={num_tokens}, k={top_k}: M*k <= {MAX_SLOTS} and M <= {MAX_TOKENS} for the decode kernel")
+    if inter % (2 * block_k) or hidden % block_k or inter % BM or hidden % BM:
+        raise ValueError(f"N={inter}, K={hidden}: N a multiple of {2 * block_k} and K of {max(block_k, BM)}")
+    probe = DecodePlan(slots, top_k, inter, hidden, block_k, 1, 1)
+    fit = (SHARED_BYTES - probe.shared_bytes()) // (2 * 2 * BM * block_k) + 1
+    stages = stages or fit
+    if stages < 2 or stages > fit:
+        raise ValueError(f"stages={stages}: 2 .. {fit} fit {SHARED_BYTES} B of shared memory at N={inter}, K={hidden}")
+    plan = DecodePlan(slots, top_k, inter, hidden, block_k, stages, 1)
+    return DecodePlan(slots, top_k, inter, hidden, block_k, stages, max(1, min(num_programs, plan.num_tiles)))
+
+
+def decode_unfit(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, expert_map=None, b13=None, b2=None,
+                 activation="silu") -> str | None:
+    """Why the decode kernel cannot take this call (None when it can)."""
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return "quantized weights (bf16 / fp16 tensors only)"
+    if x.dtype not in (torch.bfloat16, torch.float16) or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        return f"dtypes x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype} (one of bf16 / fp16)"
+    if expert_map is not None or b13 is not None or b2 is not None or activation != "silu":
+        return "expert map, biases or an activation other than plain gated silu"
+    if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
+        return "strided x or weights"
+    m, k = topk_ids.shape
+    if m * k > MAX_SLOTS or m > MAX_TOKENS:
+        return f"M={m}, k={k}: more than {MAX_SLOTS} slots or {MAX_TOKENS} tokens"
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if inter % 256 or hidden % 128:
+        return f"N={inter} (a multiple of 256), K={hidden} (of 128)"
+    return None
+
+
+_scratch: dict[tuple, tuple] = {}
+_lock = threading.Lock()
+
+
+def decode_scratch(device: torch.device, dtype: torch.dtype, inter: int, hidden: int) -> tuple:
+    """(h [16, N], y [16, K] float32, up_done [16], arrive [8, K/BM], exit [1]) kept per (device, dtype, N, K): the
+    counters zeroed once (the kernel leaves them at 0). One call in flight per device at a time (a stream's order)."""
+    key = (device, dtype, inter, hidden)
+    with _lock:
+        if key not in _scratch:
+            counters = torch.zeros(MAX_SLOTS + MAX_TOKENS * (hidden // BM) + 1, dtype=torch.int32, device=device)
+            _scratch[key] = (torch.empty(MAX_SLOTS, inter, dtype=dtype, device=device),
+                             torch.empty(MAX_SLOTS, hidden, dtype=torch.float32, device=device),
+                             counters[:MAX_SLOTS], counters[MAX_SLOTS:-1], counters[-1:])
+        return _scratch[key]
+
+
+def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, block_k: int = 128, stages: int = 0) -> torch.Tensor:
+    """out [M, K] = the experts contract for a decode call, one launch (raises where ``decode_unfit`` says why)."""
+    from moekit.experts.triton_gluon_launch import gluon_descriptor, num_sms
+
+    why = decode_unfit(x, w13, w2, topk_ids)
+    if why:
+        raise ValueError(f"gluon decode kernel: {why}")
+    m, k = topk_ids.shape
+    e, hidden, inter = w2.shape
+    out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    plan = plan_decode(m, k, inter, hidden, num_sms(x.device), block_k, stages)
+    h, y, up_done, arrive, exit_ = decode_scratch(x.device, x.dtype, inter, hidden)
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    wts = topk_weights.reshape(-1).to(torch.float32)
+    kernel = importlib.import_module(_KERNEL).decode_kernel
+    kernel[(plan.grid,)](
+        gluon_descriptor(x, [XR, block_k]), gluon_descriptor(w13.view(-1, hidden), [BM, block_k]),
+        gluon_descriptor(w2.view(-1, inter), [BM, block_k]), ids, wts, h, y, out, up_done, arrive, exit_, e,
+        S=plan.slots, TOP_K=k, N=inter, K=hidden, STAGES=plan.stages, num_warps=4)
+    return out
+
+
+def decode_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """The kernel's function along its schedule, in torch: every program's tiles in order, gate-up tiles writing h
+    (rounded to x's dtype), down tiles y (float32, times the routed weight; weight 0 for an id >= E), each token's
+    slots summed in slot order, rounded to x's dtype. float32 products (the wgmma accumulates in float32)."""
+    m, k = topk_ids.shape
+    e_count, hidden, inter = w2.shape
+    ids, wts = topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float()
+    h = torch.zeros(plan.slots, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(plan.slots, hidden, dtype=torch.float32, device=x.device)
+    up_done = [0] * plan.slots
+    for up, s, blk in map(plan.tile, range(plan.num_tiles)):  # round i of every program before round i + 1
+        e = min(int(ids[s]), e_count - 1)
+        xs = x[s // k].float()
+        if up:
+            rows = slice(blk * BM, (blk + 1) * BM)
+            g = w13[e, rows].float() @ xs
+            u = w13[e, inter + blk * BM: inter + (blk + 1) * BM].float() @ xs
+            h[s, rows] = (g * torch.sigmoid(g) * u).to(x.dtype)
+            up_done[s] += 1
+        else:
+            if up_done[s] != plan.up_blocks:
+                raise AssertionError(f"down tile of slot {s} before its {plan.up_blocks} gate-up tiles")
+            wt = float(wts[s]) if int(ids[s]) < e_count else 0.0
+            rows = slice(blk * BM, (blk + 1) * BM)
+            y[s, rows] = (w2[e, rows].float() @ h[s].float()) * wt
+    out = y.view(m, k, hidden)[:, 0].clone()
+    for j in range(1, k):
+        out += y.view(m, k, hidden)[:, j]
+    return out.to(x.dtype)
