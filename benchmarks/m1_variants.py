@@ -23,8 +23,8 @@ import torch
 
 Q3, DS3, MIX = "qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b"
 # Qwen3 first (timing stops at the deadline), then the guards
-CELLS = (("fp8", Q3, 1), ("fp8", Q3, 2), ("bf16", Q3, 1), ("int4", Q3, 1), ("fp8", Q3, 8))
-GUARDS = (("bf16", Q3, 2), ("bf16", DS3, 1), ("bf16", MIX, 1), ("bf16", Q3, 8))  # with --guards (runs 1-2 had them)
+CELLS = (("fp8", Q3, 1), ("fp8", Q3, 2), ("bf16", Q3, 1), ("bf16", Q3, 2), ("int4", Q3, 1), ("fp8", Q3, 8))
+GUARDS = (("bf16", DS3, 1), ("bf16", MIX, 1), ("bf16", Q3, 8))  # with --guards (runs 1-2 had them)
 SMOKE_CELLS = (("fp8", Q3, 1), ("bf16", Q3, 1), ("int4", Q3, 1))
 SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 

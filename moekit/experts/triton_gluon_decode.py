@@ -100,6 +100,8 @@ def decode_unfit(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, expert_map=No
         return "expert map, biases or an activation other than plain gated silu"
     if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
         return "strided x or weights"
+    if x.data_ptr() % 16 or w13.data_ptr() % 16 or w2.data_ptr() % 16:
+        return "x or weights not 16-byte aligned (TMA)"
     m, k = topk_ids.shape
     if m * k > MAX_SLOTS or m > MAX_TOKENS:
         return f"M={m}, k={k}: more than {MAX_SLOTS} slots or {MAX_TOKENS} tokens"
