@@ -32,7 +32,7 @@ SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 @dataclass(frozen=True)
 class Variant:
     name: str
-    decode: tuple | None = None  # (block_k, stages): the one-launch persistent Gluon decode kernel (session 24)
+    decode: tuple | None = None  # (block_k, stages, split): the one-launch persistent Gluon decode kernel (session 24)
 
     @property
     def exact(self) -> bool:
@@ -40,14 +40,15 @@ class Variant:
         return self.decode is None
 
 
-# the persistent Gluon decode kernel's (BK, ring stages) tried on Qwen3 bf16 (M*k <= 16); stages 5 / 11 fill SMEM
-DECODE_TILES = ((128, 5), (128, 4), (64, 11), (64, 6))
+# the persistent Gluon decode kernel's (BK, ring stages, gate-up pieces along K) tried on Qwen3 bf16 (M*k <= 16);
+# stages 5 / 11 fill SMEM at BK 128 / 64
+DECODE_TILES = ((128, 5, 1), (64, 11, 1), (128, 5, 2), (128, 5, 4), (64, 11, 4))
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     vs = [Variant("default"), Variant("default again")]
     if dtype == "bf16" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        vs += [Variant(f"gluon decode k{bk} s{st}", (bk, st)) for bk, st in DECODE_TILES]
+        vs += [Variant(f"gluon decode k{bk} s{st} ks{ks}", (bk, st, ks)) for bk, st, ks in DECODE_TILES]
     return vs
 
 
@@ -59,7 +60,7 @@ def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch
         from moekit.experts.triton_gluon_decode import experts_gluon_decode
 
         return experts_gluon_decode(t.x, w[0], w[1], t.topk_ids, t.topk_weights, block_k=v.decode[0],
-                                    stages=v.decode[1])
+                                    stages=v.decode[1], split=v.decode[2])
     if config is not None and dtype == "bf16":
         from moekit.experts.triton import fused_experts
 

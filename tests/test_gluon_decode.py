@@ -31,17 +31,18 @@ def _loop(x, w13, w2, ids, wts):
     return out
 
 
-@pytest.mark.parametrize("m,k,programs", [(1, 8, 132), (2, 8, 132), (1, 4, 5), (3, 2, 7)])
-def test_schedule_covers_every_tile_once_gate_up_first(m, k, programs):
-    plan = plan_decode(m, k, 768, 2048, programs)
+@pytest.mark.parametrize("m,k,programs,split", [(1, 8, 132, 1), (2, 8, 132, 1), (1, 4, 5, 2), (3, 2, 7, 4),
+                                                (1, 8, 132, 4)])
+def test_schedule_covers_every_tile_once_gate_up_first(m, k, programs, split):
+    plan = plan_decode(m, k, 768, 2048, programs, split=split)
     seen = []
     for p in range(plan.grid):
         tiles = plan.program_tiles(p)
-        kinds = [up for up, _, _ in tiles]
+        kinds = [up for up, _, _, _ in tiles]
         assert kinds == sorted(kinds, reverse=True)  # gate-up tiles, then down tiles: waits never form a cycle
         seen += tiles
-    expect = [(True, s, b) for s in range(m * k) for b in range(768 // BM)]
-    expect += [(False, s, b) for s in range(m * k) for b in range(2048 // BM)]
+    expect = [(True, s, b, q) for s in range(m * k) for b in range(768 // BM) for q in range(split)]
+    expect += [(False, s, b, 0) for s in range(m * k) for b in range(2048 // BM)]
     assert sorted(seen) == sorted(expect)
     assert plan.grid == min(programs, len(expect))
     steps = sum(plan.ring_steps(p) for p in range(plan.grid))
@@ -56,6 +57,8 @@ def test_plan_fills_shared_memory_and_refuses_what_does_not_fit():
         plan_decode(1, 8, 768, 2048, 132, stages=6)
     with pytest.raises(ValueError, match="M\\*k <= 16"):
         plan_decode(3, 8, 768, 2048, 132)
+    with pytest.raises(ValueError, match="split=3"):
+        plan_decode(1, 8, 768, 2048, 132, split=3)
     with pytest.raises(ValueError, match="N=640"):
         plan_decode(1, 8, 640, 2048, 132)
 
@@ -71,10 +74,10 @@ def test_unfit_names_the_reason():
     assert "N=128" in decode_unfit(x, w13[:, :256].contiguous(), w2[:, :, :128].contiguous(), ids)
 
 
-@pytest.mark.parametrize("m,k,skip", [(1, 8, False), (2, 4, True)])
-def test_twin_matches_float64_loop(m, k, skip):
+@pytest.mark.parametrize("m,k,skip,split", [(1, 8, False, 1), (2, 4, True, 2), (1, 8, False, 4)])
+def test_twin_matches_float64_loop(m, k, skip, split):
     torch.manual_seed(m * 10 + k)
-    e_count, inter, hidden = 6, 256, 384
+    e_count, inter, hidden = 6, 256, 512
     x = torch.randn(m, hidden).bfloat16()
     w13 = (torch.randn(e_count, 2 * inter, hidden) / hidden ** 0.5).bfloat16()
     w2 = (torch.randn(e_count, hidden, inter) / inter ** 0.5).bfloat16()
@@ -82,7 +85,7 @@ def test_twin_matches_float64_loop(m, k, skip):
     wts = torch.rand(m, k)
     if skip:
         ids[0, 1] = e_count  # transformers' EP skip marker (weight 0 by contract; any weight is ignored here)
-    out = decode_twin(x, w13, w2, ids, wts, plan_decode(m, k, inter, hidden, 5))
+    out = decode_twin(x, w13, w2, ids, wts, plan_decode(m, k, inter, hidden, 5, split=split))
     ref = _loop(x, w13, w2, ids, wts)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3

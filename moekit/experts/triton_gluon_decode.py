@@ -26,8 +26,9 @@ _KERNEL = "moekit.experts._kernels.gluon_decode"
 @dataclass(frozen=True)
 class DecodePlan:
     """The tile schedule of one call: S slots, experts N wide, hidden K; BK the reduction step, ``stages`` ring
-    stages of two [BM, BK] weight tiles; ``grid`` programs (at most the SMs). Tiles 0 .. S*NB-1 are gate-up tiles
-    (slot, BM rows of N), then S*KB down tiles (slot, BM rows of K); program p takes p, p + grid, ..."""
+    stages of two [BM, BK] weight tiles; ``grid`` programs (at most the SMs). Tiles 0 .. S*NB*KS-1 are gate-up tiles
+    (slot, BM rows of N, one of ``split`` = KS pieces along K), then S*KB down tiles (slot, BM rows of K); program
+    p takes p, p + grid, ..."""
 
     slots: int
     top_k: int
@@ -36,6 +37,7 @@ class DecodePlan:
     block_k: int
     stages: int
     grid: int
+    split: int = 1  # KS
 
     @property
     def up_blocks(self) -> int:  # NB
@@ -47,24 +49,24 @@ class DecodePlan:
 
     @property
     def num_tiles(self) -> int:
-        return self.slots * (self.up_blocks + self.down_blocks)
+        return self.slots * (self.up_blocks * self.split + self.down_blocks)
 
-    def tile(self, t: int) -> tuple[bool, int, int]:
-        """Tile id -> (gate-up?, slot, row block): the kernel's ``_slot_tile``."""
-        up_tiles = self.slots * self.up_blocks
-        if t < up_tiles:
-            return True, t // self.up_blocks, t % self.up_blocks
-        d = t - up_tiles
-        return False, d // self.down_blocks, d % self.down_blocks
+    def tile(self, t: int) -> tuple[bool, int, int, int]:
+        """Tile id -> (gate-up?, slot, row block, K piece): the kernel's ``_slot_tile``."""
+        per = self.up_blocks * self.split
+        if t < self.slots * per:
+            return True, t // per, t % per // self.split, t % per % self.split
+        d = t - self.slots * per
+        return False, d // self.down_blocks, d % self.down_blocks, 0
 
-    def program_tiles(self, p: int) -> list[tuple[bool, int, int]]:
+    def program_tiles(self, p: int) -> list[tuple[bool, int, int, int]]:
         return [self.tile(t) for t in range(p, self.num_tiles, self.grid)]
 
     def ring_steps(self, p: int) -> int:
-        """Ring stages program p's loader fills (and its MMA partition drains): K/BK per gate-up tile, N/(2 BK) per
-        down tile."""
-        return sum(self.hidden // self.block_k if up else self.inter // (2 * self.block_k)
-                   for up, _, _ in self.program_tiles(p))
+        """Ring stages program p's loader fills (and its MMA partition drains): K/(BK KS) per gate-up tile, N/(2 BK)
+        per down tile."""
+        return sum(self.hidden // self.block_k // self.split if up else self.inter // (2 * self.block_k)
+                   for up, _, _, _ in self.program_tiles(p))
 
     def shared_bytes(self, element_size: int = 2) -> int:
         """x (all K) + h (all N) as [XR, BK] tiles, the ring, barriers."""
@@ -73,20 +75,23 @@ class DecodePlan:
 
 
 def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_programs: int, block_k: int = 128,
-                stages: int = 0) -> DecodePlan:
-    """The plan for M tokens of k slots on ``num_programs`` SMs; ``stages`` 0: as many as shared memory holds."""
+                stages: int = 0, split: int = 1) -> DecodePlan:
+    """The plan for M tokens of k slots on ``num_programs`` SMs; ``stages`` 0: as many as shared memory holds;
+    ``split``: gate-up tiles in that many pieces along K (1, 2, 4)."""
     slots = num_tokens * top_k
     if slots > MAX_SLOTS or num_tokens > MAX_TOKENS:
         raise ValueError(f"M={num_tokens}, k={top_k}: M*k <= {MAX_SLOTS} and M <= {MAX_TOKENS} for the decode kernel")
-    if inter % (2 * block_k) or hidden % block_k or inter % BM or hidden % BM:
-        raise ValueError(f"N={inter}, K={hidden}: N a multiple of {2 * block_k} and K of {max(block_k, BM)}")
+    if split not in (1, 2, 4):
+        raise ValueError(f"split={split} (1, 2 or 4)")
+    if inter % (2 * block_k) or hidden % (block_k * split) or inter % BM or hidden % BM:
+        raise ValueError(f"N={inter}, K={hidden}: N a multiple of {2 * block_k} and K of {max(block_k * split, BM)}")
     probe = DecodePlan(slots, top_k, inter, hidden, block_k, 1, 1)
     fit = (SHARED_BYTES - probe.shared_bytes()) // (2 * 2 * BM * block_k) + 1
     stages = stages or fit
     if stages < 2 or stages > fit:
         raise ValueError(f"stages={stages}: 2 .. {fit} fit {SHARED_BYTES} B of shared memory at N={inter}, K={hidden}")
-    plan = DecodePlan(slots, top_k, inter, hidden, block_k, stages, 1)
-    return DecodePlan(slots, top_k, inter, hidden, block_k, stages, max(1, min(num_programs, plan.num_tiles)))
+    plan = DecodePlan(slots, top_k, inter, hidden, block_k, stages, 1, split)
+    return DecodePlan(slots, top_k, inter, hidden, block_k, stages, max(1, min(num_programs, plan.num_tiles)), split)
 
 
 def decode_unfit(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, expert_map=None, b13=None, b2=None,
@@ -116,20 +121,24 @@ _lock = threading.Lock()
 
 
 def decode_scratch(device: torch.device, dtype: torch.dtype, inter: int, hidden: int) -> tuple:
-    """(h [16, N], y [16, K] float32, up_done [16], arrive [8, K/BM], exit [1]) kept per (device, dtype, N, K): the
-    counters zeroed once (the kernel leaves them at 0). One call in flight per device at a time (a stream's order)."""
+    """(h [16, N], y [16, K] float32, part [16, N/BM, 4, 2, BM] float32, up_done [16], piece [16, N/BM],
+    arrive [8, K/BM], exit [1]) kept per (device, dtype, N, K): the counters zeroed once (the kernel leaves them
+    at 0). One call in flight per device at a time (a stream's order)."""
     key = (device, dtype, inter, hidden)
     with _lock:
         if key not in _scratch:
-            counters = torch.zeros(MAX_SLOTS + MAX_TOKENS * (hidden // BM) + 1, dtype=torch.int32, device=device)
+            nb, kb = inter // BM, hidden // BM
+            counters = torch.zeros(MAX_SLOTS * (1 + nb) + MAX_TOKENS * kb + 1, dtype=torch.int32, device=device)
             _scratch[key] = (torch.empty(MAX_SLOTS, inter, dtype=dtype, device=device),
                              torch.empty(MAX_SLOTS, hidden, dtype=torch.float32, device=device),
-                             counters[:MAX_SLOTS], counters[MAX_SLOTS:-1], counters[-1:])
+                             torch.empty(MAX_SLOTS * inter * 4 * 2, dtype=torch.float32, device=device),
+                             counters[:MAX_SLOTS], counters[MAX_SLOTS:MAX_SLOTS * (1 + nb)],
+                             counters[MAX_SLOTS * (1 + nb):-1], counters[-1:])
         return _scratch[key]
 
 
 def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                         topk_weights: torch.Tensor, block_k: int = 128, stages: int = 0) -> torch.Tensor:
+                         topk_weights: torch.Tensor, block_k: int = 128, stages: int = 0, split: int = 1) -> torch.Tensor:
     """out [M, K] = the experts contract for a decode call, one launch (raises where ``decode_unfit`` says why)."""
     from moekit.experts.triton_gluon_launch import gluon_descriptor, num_sms
 
@@ -141,43 +150,49 @@ def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    plan = plan_decode(m, k, inter, hidden, num_sms(x.device), block_k, stages)
-    h, y, up_done, arrive, exit_ = decode_scratch(x.device, x.dtype, inter, hidden)
+    plan = plan_decode(m, k, inter, hidden, num_sms(x.device), block_k, stages, split)
+    h, y, part, up_done, piece, arrive, exit_ = decode_scratch(x.device, x.dtype, inter, hidden)
     ids = topk_ids.reshape(-1).to(torch.int32)
     wts = topk_weights.reshape(-1).to(torch.float32)
     kernel = importlib.import_module(_KERNEL).decode_kernel
     kernel[(plan.grid,)](
         gluon_descriptor(x, [XR, block_k]), gluon_descriptor(w13.view(-1, hidden), [BM, block_k]),
-        gluon_descriptor(w2.view(-1, inter), [BM, block_k]), ids, wts, h, y, out, up_done, arrive, exit_, e,
-        S=plan.slots, TOP_K=k, N=inter, K=hidden, STAGES=plan.stages, num_warps=4)
+        gluon_descriptor(w2.view(-1, inter), [BM, block_k]), ids, wts, h, y, out, part, up_done, piece, arrive, exit_,
+        e, S=plan.slots, TOP_K=k, N=inter, K=hidden, KS=split, STAGES=plan.stages, num_warps=4)
     return out
 
 
 def decode_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-    """The kernel's function along its schedule, in torch: every program's tiles in order, gate-up tiles writing h
-    (rounded to x's dtype), down tiles y (float32, times the routed weight; weight 0 for an id >= E), each token's
-    slots summed in slot order, rounded to x's dtype. float32 products (the wgmma accumulates in float32)."""
+    """The kernel's function along its schedule, in torch: the tiles in id order (round i of every program before
+    round i + 1), gate-up pieces' float32 partials summed in piece order, h = silu(gate) * up rounded to x's dtype,
+    down tiles y (float32, times the routed weight; weight 0 for an id >= E), each token's slots summed in slot
+    order, rounded to x's dtype. float32 products (the wgmma accumulates in float32)."""
     m, k = topk_ids.shape
     e_count, hidden, inter = w2.shape
     ids, wts = topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float()
     h = torch.zeros(plan.slots, inter, dtype=x.dtype, device=x.device)
     y = torch.zeros(plan.slots, hidden, dtype=torch.float32, device=x.device)
-    up_done = [0] * plan.slots
-    for up, s, blk in map(plan.tile, range(plan.num_tiles)):  # round i of every program before round i + 1
-        e = min(int(ids[s]), e_count - 1)
-        xs = x[s // k].float()
+    part = torch.zeros(plan.slots, plan.up_blocks, plan.split, 2, BM, dtype=torch.float32, device=x.device)
+    pieces, up_done, kp = [[0] * plan.up_blocks for _ in range(plan.slots)], [0] * plan.slots, hidden // plan.split
+    for up, s, blk, piece in map(plan.tile, range(plan.num_tiles)):
+        e, rows = min(int(ids[s]), e_count - 1), slice(blk * BM, (blk + 1) * BM)
         if up:
-            rows = slice(blk * BM, (blk + 1) * BM)
-            g = w13[e, rows].float() @ xs
-            u = w13[e, inter + blk * BM: inter + (blk + 1) * BM].float() @ xs
-            h[s, rows] = (g * torch.sigmoid(g) * u).to(x.dtype)
-            up_done[s] += 1
+            ks = slice(piece * kp, (piece + 1) * kp)
+            xs = x[s // k, ks].float()
+            part[s, blk, piece, 0] = w13[e, rows, ks].float() @ xs
+            part[s, blk, piece, 1] = w13[e, inter + blk * BM: inter + (blk + 1) * BM, ks].float() @ xs
+            pieces[s][blk] += 1
+            if pieces[s][blk] == plan.split:
+                g, u = part[s, blk, 0, 0].clone(), part[s, blk, 0, 1].clone()
+                for p in range(1, plan.split):
+                    g, u = g + part[s, blk, p, 0], u + part[s, blk, p, 1]
+                h[s, rows] = (g * torch.sigmoid(g) * u).to(x.dtype)
+                up_done[s] += 1
         else:
             if up_done[s] != plan.up_blocks:
                 raise AssertionError(f"down tile of slot {s} before its {plan.up_blocks} gate-up tiles")
             wt = float(wts[s]) if int(ids[s]) < e_count else 0.0
-            rows = slice(blk * BM, (blk + 1) * BM)
             y[s, rows] = (w2[e, rows].float() @ h[s].float()) * wt
     out = y.view(m, k, hidden)[:, 0].clone()
     for j in range(1, k):

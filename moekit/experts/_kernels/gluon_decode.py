@@ -5,8 +5,9 @@
     out[t]    = bf16(sum over j = 0..k-1, in order, of y[t*k + j])
 
 One program per SM (grid <= #SMs, one program per SM by its shared memory, so all run at once) walks one tile
-list, tile t = program_id + i * grid: first the S*NB gate-up tiles (slot s, BM rows of N; gate and up rows
-both), then the S*KB down tiles (slot s, BM rows of K). Every program does all its gate-up tiles before any
+list, tile t = program_id + i * grid: first the S*NB*KS gate-up tiles (slot s, BM rows of N; gate and up rows
+both; KS pieces along K, summed in order by the last piece to finish), then the S*KB down tiles (slot s, BM
+rows of K). Every program does all its gate-up tiles before any
 down tile, so a down tile only ever waits on gate-up tiles, which never wait: no deadlock.
 
 Two partitions share ONE shared-memory ring of STAGES stages, each stage two [BM, BK] weight tiles:
@@ -44,17 +45,19 @@ MAX_SPINS = gl.constexpr(1 << 22)  # acquire reads of a counter before a down ti
 
 
 @gluon.jit
-def _slot_tile(t, S: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr):
-    """Tile id -> (is gate-up, slot, row block): gate-up tiles slot-major, then down tiles slot-major."""
-    up = t < S * NB
-    d = gl.where(up, t, t - S * NB)
-    per = gl.where(up, NB, KB)
-    return up, d // per, d % per
+def _slot_tile(t, S: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr, KS: gl.constexpr):
+    """Tile id -> (is gate-up, slot, row block, K piece): gate-up tiles (slot, row block, piece) slot-major, then down
+    tiles (slot, row block) slot-major."""
+    up = t < S * NB * KS
+    d = gl.where(up, t, t - S * NB * KS)
+    per = gl.where(up, NB * KS, KB)
+    r = d % per
+    return up, d // per, gl.where(up, r // KS, r), gl.where(up, r % KS, 0)
 
 
 @gluon.jit
 def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
-                   S: gl.constexpr, N: gl.constexpr, K: gl.constexpr):
+                   S: gl.constexpr, N: gl.constexpr, K: gl.constexpr, KS: gl.constexpr):
     BM: gl.constexpr = w13_desc.block_type.shape[0]
     BK: gl.constexpr = w13_desc.block_type.shape[1]
     STAGES: gl.constexpr = ring.type.shape[0] // 2
@@ -65,12 +68,13 @@ def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar,
     for xk in gl.static_range(K // BK):
         _tma_load(x_desc, [0, xk * BK], x_bar, x_smem.index(xk))
     it = 0
-    for t in range(gl.program_id(0), S * (NB + KB), gl.num_programs(0)):
-        up, s, blk = _slot_tile(t, S, NB, KB)
+    KP: gl.constexpr = K // BK // KS  # reduction steps of a gate-up piece
+    for t in range(gl.program_id(0), S * (NB * KS + KB), gl.num_programs(0)):
+        up, s, blk, piece = _slot_tile(t, S, NB, KB, KS)
         e = gl.minimum(gl.load(ids_ptr + s), num_experts - 1)  # an id >= E (EP skip): weight 0, any expert's rows
         if up:
             row = e * (2 * N) + blk * BM
-            for kk in range(K // BK):
+            for kk in range(piece * KP, piece * KP + KP):
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
                 mbarrier.expect(ready.index(st), nbytes)
@@ -89,32 +93,58 @@ def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar,
 
 
 @gluon.jit
-def _up_tile(x_smem, ring, ready, empty, h_ptr, up_done_ptr, s, blk, tok, it, rows, cols, N: gl.constexpr,
-             K: gl.constexpr, acc_layout: gl.constexpr):
-    """Gate-up tile (slot s, rows blk*BM.. of N): h[s, rows] = silu(gate) * up of the slot's token, then release."""
+def _up_tile(x_smem, ring, ready, empty, piece, it, K: gl.constexpr, KS: gl.constexpr, acc_layout: gl.constexpr):
+    """Gate-up MMAs of one tile's K piece: (it, gate [BM, XR], up [BM, XR]) in float32."""
     BM: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2]
     XR: gl.constexpr = x_smem.type.shape[1]
     STAGES: gl.constexpr = ring.type.shape[0] // 2
+    KP: gl.constexpr = K // BK // KS
     g = gl.zeros([BM, XR], gl.float32, acc_layout)
     u = gl.zeros([BM, XR], gl.float32, acc_layout)
-    for kk in range(K // BK):
+    for kk in range(piece * KP, piece * KP + KP):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         xb = x_smem.index(kk).permute((1, 0))  # [BK, XR]
         g = warpgroup_mma(ring.index(2 * st), xb, g, is_async=True)
         u = warpgroup_mma(ring.index(2 * st + 1), xb, u, is_async=True)
         g, u = warpgroup_mma_wait(num_outstanding=2, deps=(g, u))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)  # the step before retired
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > piece * KP)  # step before retired
         it += 1
     g, u = warpgroup_mma_wait(num_outstanding=0, deps=(g, u))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-    hv = g / (1.0 + gl.exp(-g)) * u  # [BM, XR]
-    h_col = gl.sum(gl.where(cols == tok, hv, 0.0), axis=1)  # [BM] the slot's token
-    gl.store(h_ptr + s * N + blk * BM + rows, h_col.to(h_ptr.dtype.element_ty))
-    _barrier()  # every warp's h stores issued before the release
-    gl.atomic_add(up_done_ptr + s, 1, sem="release", scope="gpu")
-    return it
+    return it, g, u
+
+
+@gluon.jit
+def _up_epilogue(g, u, h_ptr, part_ptr, piece_ptr, up_done_ptr, s, blk, piece, tok, rows, cols, N: gl.constexpr,
+                 KS: gl.constexpr):
+    """The slot's token column of gate / up; KS == 1: h[s, rows] = silu(gate) * up, then a release of up_done[s].
+    KS > 1: the piece's partial sums to part, an acq_rel arrival; the KS-th sums the pieces in order, writes h,
+    zeroes the arrival counter and releases up_done[s]."""
+    BM: gl.constexpr = g.type.shape[0]
+    g_col = gl.sum(gl.where(cols == tok, g, 0.0), axis=1)  # [BM]
+    u_col = gl.sum(gl.where(cols == tok, u, 0.0), axis=1)
+    if KS == 1:
+        gl.store(h_ptr + s * N + blk * BM + rows, (g_col / (1.0 + gl.exp(-g_col)) * u_col).to(h_ptr.dtype.element_ty))
+        _barrier()  # every warp's h stores issued before the release
+        gl.atomic_add(up_done_ptr + s, 1, sem="release", scope="gpu")
+    else:
+        tile = s * (N // BM) + blk
+        gl.store(part_ptr + (tile * KS + piece) * 2 * BM + rows, g_col)
+        gl.store(part_ptr + (tile * KS + piece) * 2 * BM + BM + rows, u_col)
+        _barrier()
+        old = gl.atomic_add(piece_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if old == KS - 1:  # the tile's last piece: the pieces' sum in piece order (whoever comes last)
+            gs = gl.zeros_like(g_col)
+            us = gl.zeros_like(u_col)
+            for p in gl.static_range(KS):
+                gs += gl.load(part_ptr + (tile * KS + p) * 2 * BM + rows, cache_modifier=".cg")
+                us += gl.load(part_ptr + (tile * KS + p) * 2 * BM + BM + rows, cache_modifier=".cg")
+            gl.store(h_ptr + s * N + blk * BM + rows, (gs / (1.0 + gl.exp(-gs)) * us).to(h_ptr.dtype.element_ty))
+            gl.store(piece_ptr + tile, 0)
+            _barrier()
+            gl.atomic_add(up_done_ptr + s, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -173,9 +203,9 @@ def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arr
 
 
 @gluon.jit
-def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr,
-                arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr,
-                K: gl.constexpr, num_warps: gl.constexpr):
+def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
+                up_done_ptr, piece_ptr, arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr,
+                N: gl.constexpr, K: gl.constexpr, KS: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = ring.type.shape[1]
     XR: gl.constexpr = x_smem.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -184,11 +214,11 @@ def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_p
     cols = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(0, acc_layout)), 0)  # [1, XR]
     mbarrier.wait(x_bar, 0)
     it = 0
-    for t in range(gl.program_id(0), S * (N // BM + K // BM), gl.num_programs(0)):
-        up, s, blk = _slot_tile(t, S, N // BM, K // BM)
+    for t in range(gl.program_id(0), S * (N // BM * KS + K // BM), gl.num_programs(0)):
+        up, s, blk, piece = _slot_tile(t, S, N // BM, K // BM, KS)
         if up:
-            it = _up_tile(x_smem, ring, ready, empty, h_ptr, up_done_ptr, s, blk, s // TOP_K, it, rows, cols, N, K,
-                          acc_layout)
+            it, g, u = _up_tile(x_smem, ring, ready, empty, piece, it, K, KS, acc_layout)
+            _up_epilogue(g, u, h_ptr, part_ptr, piece_ptr, up_done_ptr, s, blk, piece, s // TOP_K, rows, cols, N, KS)
         else:
             _wait_and_stage_h(h_smem, h_ptr, up_done_ptr, s, N, N // BM, num_warps)
             it = _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts,
@@ -203,13 +233,15 @@ def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_p
 
 
 @gluon.jit
-def decode_kernel(x_desc, w13_desc, w2_desc, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr, arrive_ptr,
-                  exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+def decode_kernel(x_desc, w13_desc, w2_desc, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr, up_done_ptr,
+                  piece_ptr, arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr,
+                  K: gl.constexpr, KS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """x_desc [M, K] blocks [XR, BK]; w13_desc [E*2N, K] and w2_desc [E*K, N] blocks [BM, BK]; ids_ptr / wts_ptr
     [S] int32 / float32 (S = M*k slots, token-major); h_ptr [S, N] (x's dtype), y_ptr [S, K] float32 scratch;
-    out_ptr [M, K]; up_done_ptr [S], arrive_ptr [M, K/BM], exit_ptr [1] int32 counters, zero at entry and exit.
-    N a multiple of 2*BK and of BM, K of BK and BM."""
+    out_ptr [M, K]; part_ptr [S, N/BM, KS, 2, BM] float32 scratch (KS > 1: the gate-up pieces' partial sums);
+    up_done_ptr [S], piece_ptr [S, N/BM], arrive_ptr [M, K/BM], exit_ptr [1] int32 counters, zero at entry and exit.
+    KS: gate-up tiles split in KS pieces along K (more, smaller tiles for the SMs). N a multiple of 2*BK and of BM,
+    K of BK*KS and BM."""
     BK: gl.constexpr = w13_desc.block_type.shape[1]
     XR: gl.constexpr = x_desc.block_type.shape[0]
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [K // BK] + x_desc.block_type.shape, x_desc.layout)
@@ -223,8 +255,8 @@ def decode_kernel(x_desc, w13_desc, w2_desc, ids_ptr, wts_ptr, h_ptr, y_ptr, out
         mbarrier.init(empty.index(i), count=1)
     mbarrier.init(x_bar, count=1)
     gl.warp_specialize([
-        (_decode_mma, (x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, up_done_ptr,
-                       arrive_ptr, exit_ptr, num_experts, S, TOP_K, N, K, num_warps)),
+        (_decode_mma, (x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
+                       up_done_ptr, piece_ptr, arrive_ptr, exit_ptr, num_experts, S, TOP_K, N, K, KS, num_warps)),
         (_decode_loader, (x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
-                          S, N, K)),
+                          S, N, K, KS)),
     ], [1], [40])
