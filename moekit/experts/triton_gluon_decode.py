@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.experts.triton_cache import WeightDescriptors
+from moekit.triton_bind import BoundLaunch
+
 MAX_SLOTS = 16  # M*k at most (the h / y scratch rows, the up_done counters)
 MAX_TOKENS = 8  # M at most: x's rows are the wgmma's N = XR = 8 columns
 XR = 8  # x / h rows as the narrow B operand ([BK, XR]), zero-padded
 BM = 64  # weight rows per tile (the wgmma's M: one warpgroup)
 SHARED_BYTES = 227 * 1024
 _KERNEL = "moekit.experts._kernels.gluon_decode"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclass(frozen=True)
@@ -68,10 +72,15 @@ class DecodePlan:
         return sum(self.hidden // self.block_k // self.split if up else self.inter // (2 * self.block_k)
                    for up, _, _, _ in self.program_tiles(p))
 
+    @property
+    def h_rows(self) -> int:
+        """HR: the staged h rows (all S slots, zero-padded), the down MMAs' B operand width."""
+        return 8 if self.slots <= 8 else 16
+
     def shared_bytes(self, element_size: int = 2) -> int:
-        """x (all K) + h (all N) as [XR, BK] tiles, the ring, barriers."""
-        return element_size * (XR * (self.hidden + self.inter) + self.stages * 2 * BM * self.block_k) + 8 * (
-            2 * self.stages + 1)
+        """x (XR rows of K) + h (HR rows of N) + the ring, and its barriers."""
+        return element_size * (XR * self.hidden + self.h_rows * self.inter + self.stages * 2 * BM * self.block_k) + (
+            8 * 2 * self.stages)
 
 
 def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_programs: int, block_k: int = 128,
@@ -137,28 +146,62 @@ def decode_scratch(device: torch.device, dtype: torch.dtype, inter: int, hidden:
         return _scratch[key]
 
 
-def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                         topk_weights: torch.Tensor, block_k: int = 128, stages: int = 0, split: int = 1) -> torch.Tensor:
-    """out [M, K] = the experts contract for a decode call, one launch (raises where ``decode_unfit`` says why)."""
-    from moekit.experts.triton_gluon_launch import gluon_descriptor, num_sms
+@dataclass
+class _Kept:
+    """What a kind of call (device, dtype, M, k, E, N, K, tile) keeps: its bound launch and scratch."""
+
+    launch: BoundLaunch
+    scratch: tuple  # decode_scratch's (h, y, part, up_done, piece, arrive, exit)
+
+
+_KEPT: dict[tuple, _Kept] = {}
+_DESCRIPTORS = WeightDescriptors()
+
+
+def _weight_descriptors(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> tuple:
+    from moekit.experts.triton_gluon_launch import gluon_descriptor
+
+    return gluon_descriptor(w13.view(-1, w13.shape[2]), [BM, key[-1]]), gluon_descriptor(w2.view(-1, w2.shape[2]),
+                                                                                         [BM, key[-1]])
+
+
+def _keep(x, w13, w2, topk_ids, key: tuple, block_k: int, stages: int, split: int) -> _Kept:
+    from moekit.experts.triton_gluon_launch import num_sms
 
     why = decode_unfit(x, w13, w2, topk_ids)
     if why:
         raise ValueError(f"gluon decode kernel: {why}")
     m, k = topk_ids.shape
     e, hidden, inter = w2.shape
-    out = torch.empty(m, hidden, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
     plan = plan_decode(m, k, inter, hidden, num_sms(x.device), block_k, stages, split)
-    h, y, part, up_done, piece, arrive, exit_ = decode_scratch(x.device, x.dtype, inter, hidden)
-    ids = topk_ids.reshape(-1).to(torch.int32)
-    wts = topk_weights.reshape(-1).to(torch.float32)
     kernel = importlib.import_module(_KERNEL).decode_kernel
-    kernel[(plan.grid,)](
-        gluon_descriptor(x, [XR, block_k]), gluon_descriptor(w13.view(-1, hidden), [BM, block_k]),
-        gluon_descriptor(w2.view(-1, inter), [BM, block_k]), ids, wts, h, y, out, part, up_done, piece, arrive, exit_,
-        e, S=plan.slots, TOP_K=k, N=inter, K=hidden, KS=split, STAGES=plan.stages, num_warps=4)
+    launch = BoundLaunch(kernel, (plan.grid,), 13, (e,), True, S=plan.slots, TOP_K=k, N=inter, K=hidden, KS=split,
+                         STAGES=plan.stages, num_warps=4)
+    kept = _KEPT[key] = _Kept(launch, decode_scratch(x.device, x.dtype, inter, hidden))
+    return kept
+
+
+def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, block_k: int = 128, stages: int = 0, split: int = 1) -> torch.Tensor:
+    """out [M, K] = the experts contract for a decode call, one launch (raises where ``decode_unfit`` says why).
+    topk_ids int32 and topk_weights float32 are read as they are (others converted: one more launch each). The
+    first call of a kind (``_KEPT``) checks the call and binds the launch; later ones check what can change
+    between calls of one kind (x's and the weights' layout and alignment) and launch."""
+    if x.shape[0] == 0:
+        return torch.empty(0, w2.shape[1], dtype=x.dtype, device=x.device)
+    key = (x.device, x.dtype, topk_ids.shape, w2.shape, w13.shape, w13.dtype, block_k, stages, split)
+    kept = _KEPT.get(key)
+    if kept is None:
+        kept = _keep(x, w13, w2, topk_ids, key, block_k, stages, split)
+    elif (w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN or not x.is_contiguous() or x.data_ptr() % 16
+          or not w13.is_contiguous() or not w2.is_contiguous() or w13.data_ptr() % 16 or w2.data_ptr() % 16):
+        raise ValueError(f"gluon decode kernel: {decode_unfit(x, w13, w2, topk_ids)}")
+    w13_desc, w2_desc = _DESCRIPTORS.get(w13, w2, ("gluon_decode", x.device, BM, block_k), _weight_descriptors)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    wts = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.to(torch.float32)
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    h, y, part, up_done, piece, arrive, exit_ = kept.scratch
+    kept.launch(w13_desc, w2_desc, x, ids, wts, h, y, out, part, up_done, piece, arrive, exit_)
     return out
 
 

@@ -11,15 +11,17 @@ rows of K). Every program does all its gate-up tiles before any
 down tile, so a down tile only ever waits on gate-up tiles, which never wait: no deadlock.
 
 Two partitions share ONE shared-memory ring of STAGES stages, each stage two [BM, BK] weight tiles:
-  - loader (1 warp): x once (all K, XR padded rows, zero-filled by TMA), then for every tile of the program in
-    order its weight tiles: gate-up steps load a gate tile and an up tile of one BK step, down steps two BK
-    steps of w2's rows. It never waits on another program: the w2 tiles of a down tile are in flight while
-    the gate-up results they need are still being computed elsewhere.
-  - MMA (num_warps = 4, one warpgroup): swap-AB wgmma, weights the [BM, BK] A operand, the XR (8) padded
-    token rows of x (gate-up) or h (down) the narrow B operand ([BK, XR]). Gate-up epilogue: silu * mul, the
-    slot's token column stored to h[s], a CTA barrier, then a release increment of up_done[s]. Down tile:
-    acquire-spin until up_done[s] == NB (bounded: a bug gives a wrong result, not a hang), h[s] into SMEM
-    (the B operand; row 0, other rows 0), MMAs over the ring's w2 tiles, y[s] = weight * column 0 in float32,
+  - loader (1 warp): for every tile of the program in order its weight tiles: gate-up steps load a gate tile
+    and an up tile of one BK step, down steps two BK steps of w2's rows. It never waits on another program:
+    the w2 tiles of a down tile are in flight while the gate-up results they need are still being computed
+    elsewhere.
+  - MMA (num_warps = 4, one warpgroup): first x's M rows (all K) into SMEM as XR = 8 zero-padded rows (plain
+    loads: no per-call TMA descriptor). Swap-AB wgmma: weights the [BM, BK] A operand, x's rows (gate-up) or
+    the S slots' h rows (down) the narrow B operand ([BK, XR] / [BK, HR]). Gate-up epilogue: the slot's token
+    column, silu * mul (KS > 1: the pieces' partials first), h[s] stored, a CTA barrier, a release increment
+    of up_done[s]. Before its first down tile a program acquire-spins until every slot's up_done == NB
+    (bounded: a bug gives a wrong result, not a hang) and stages all S rows of h in SMEM once (HR = 8 or 16
+    rows); a down tile's MMAs read the ring's w2 tiles against them, y[s] = weight * column s in float32,
     then an acq_rel arrival on arrive[tok, kb]; the k-th arrival sums the token's k slots in slot order (the
     same order whichever program comes last: deterministic) into out and zeroes its counter. The last program
     out (exit counter) zeroes up_done and the exit counter: the counters are 0 again for the next call, so no
@@ -56,19 +58,16 @@ def _slot_tile(t, S: gl.constexpr, NB: gl.constexpr, KB: gl.constexpr, KS: gl.co
 
 
 @gluon.jit
-def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
-                   S: gl.constexpr, N: gl.constexpr, K: gl.constexpr, KS: gl.constexpr):
+def _decode_loader(w13_desc, w2_desc, ring, ready, empty, ids_ptr, num_experts, S: gl.constexpr, N: gl.constexpr,
+                   K: gl.constexpr, KS: gl.constexpr):
     BM: gl.constexpr = w13_desc.block_type.shape[0]
     BK: gl.constexpr = w13_desc.block_type.shape[1]
     STAGES: gl.constexpr = ring.type.shape[0] // 2
     NB: gl.constexpr = N // BM
     KB: gl.constexpr = K // BM
-    nbytes: gl.constexpr = 2 * w13_desc.block_type.nbytes
-    mbarrier.expect(x_bar, (K // BK) * x_desc.block_type.nbytes)
-    for xk in gl.static_range(K // BK):
-        _tma_load(x_desc, [0, xk * BK], x_bar, x_smem.index(xk))
-    it = 0
     KP: gl.constexpr = K // BK // KS  # reduction steps of a gate-up piece
+    nbytes: gl.constexpr = 2 * w13_desc.block_type.nbytes
+    it = 0
     for t in range(gl.program_id(0), S * (NB * KS + KB), gl.num_programs(0)):
         up, s, blk, piece = _slot_tile(t, S, NB, KB, KS)
         e = gl.minimum(gl.load(ids_ptr + s), num_experts - 1)  # an id >= E (EP skip): weight 0, any expert's rows
@@ -90,6 +89,24 @@ def _decode_loader(x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar,
                 _tma_load(w2_desc, [row, 2 * j * BK], ready.index(st), ring.index(2 * st))
                 _tma_load(w2_desc, [row, (2 * j + 1) * BK], ready.index(st), ring.index(2 * st + 1))
                 it += 1
+
+
+@gluon.jit
+def _stage_rows(smem, src_ptr, num_rows, row_stride, num_warps: gl.constexpr):
+    """smem [C, R, BK] = src's first num_rows rows (row_stride elements apart), C chunks of BK columns; rows past
+    num_rows zero. Then made visible to the wgmma (async proxy) and the whole partition."""
+    C: gl.constexpr = smem.type.shape[0]
+    R: gl.constexpr = smem.type.shape[1]
+    BK: gl.constexpr = smem.type.shape[2]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, num_warps], [1, 0])
+    r = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, layout)), 1)  # [R, 1]
+    c = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, layout)), 0)  # [1, BK]
+    for i in gl.static_range(C):
+        v = gl.load(src_ptr + r * row_stride + i * BK + c, mask=r < num_rows, other=0.0,
+                    cache_modifier=".cg")
+        smem.index(i).store(v)
+    fence_async_shared()
+    _barrier()
 
 
 @gluon.jit
@@ -148,36 +165,31 @@ def _up_epilogue(g, u, h_ptr, part_ptr, piece_ptr, up_done_ptr, s, blk, piece, t
 
 
 @gluon.jit
-def _wait_and_stage_h(h_smem, h_ptr, up_done_ptr, s, N: gl.constexpr, NB: gl.constexpr, num_warps: gl.constexpr):
-    """Acquire-spin until slot s's NB gate-up tiles are done, then h[s] into SMEM as the down MMAs' B operand."""
-    XR: gl.constexpr = h_smem.type.shape[1]
-    BK: gl.constexpr = h_smem.type.shape[2]
-    h_layout: gl.constexpr = gl.BlockedLayout([1, 8], [XR, 32 // XR], [1, num_warps], [1, 0])  # [XR, BK] loads
-    h_rows = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(1, h_layout)), 1)  # [XR, 1]
-    h_cols = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(0, h_layout)), 0)  # [1, BK]
-    seen = gl.atomic_add(up_done_ptr + s, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < NB) & (spins < MAX_SPINS):
-        seen = gl.atomic_add(up_done_ptr + s, 0, sem="acquire", scope="gpu")
-        spins += 1
-    for c in gl.static_range(N // BK):  # row 0 the slot's h, rows 1.. zero
-        hb = gl.load(h_ptr + s * N + c * BK + h_rows * 0 + h_cols, mask=h_rows == 0, other=0.0, cache_modifier=".cg")
-        h_smem.index(c).store(hb)
-    fence_async_shared()
-    _barrier()
+def _wait_all(up_done_ptr, S: gl.constexpr, NB: gl.constexpr):
+    """Acquire-spin until every slot's NB gate-up tiles are done (bounded by MAX_SPINS reads a slot)."""
+    for q in range(S):
+        seen = gl.atomic_add(up_done_ptr + q, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (seen < NB) & (spins < MAX_SPINS):
+            seen = gl.atomic_add(up_done_ptr + q, 0, sem="acquire", scope="gpu")
+            spins += 1
 
 
 @gluon.jit
 def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts, s, blk, tok,
-               it, rows, cols, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr, acc_layout: gl.constexpr):
-    """Down tile (slot s, rows blk*BM.. of K): y[s, rows] = weight * (h[s] @ w2 rows^T); the token's k-th arrival
-    sums its k slots in slot order into out."""
+               it, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr, num_warps: gl.constexpr):
+    """Down tile (slot s, rows blk*BM.. of K): y[s, rows] = weight * (h[s] @ w2 rows^T), h[s] column s of the
+    staged h rows; the token's k-th arrival sums its k slots in slot order into out."""
     BM: gl.constexpr = ring.type.shape[1]
     BK: gl.constexpr = ring.type.shape[2]
-    XR: gl.constexpr = h_smem.type.shape[1]
+    HR: gl.constexpr = h_smem.type.shape[1]
     STAGES: gl.constexpr = ring.type.shape[0] // 2
     KB: gl.constexpr = K // BM
-    acc = gl.zeros([BM, XR], gl.float32, acc_layout)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HR, 16])
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))  # [BM]
+    cols = gl.expand_dims(gl.arange(0, HR, layout=gl.SliceLayout(0, acc_layout)), 0)  # [1, HR]
+    acc = gl.zeros([BM, HR], gl.float32, acc_layout)
     for j in range(N // (2 * BK)):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
@@ -189,7 +201,7 @@ def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arr
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
     wt = gl.where(gl.load(ids_ptr + s) < num_experts, gl.load(wts_ptr + s), 0.0)
-    y_col = gl.sum(gl.where(cols == 0, acc, 0.0), axis=1) * wt  # [BM] float32
+    y_col = gl.sum(gl.where(cols == s, acc, 0.0), axis=1) * wt  # [BM] float32
     gl.store(y_ptr + s * K + blk * BM + rows, y_col)
     _barrier()  # every warp's y stores issued before the arrival
     old = gl.atomic_add(arrive_ptr + tok * KB + blk, 1, sem="acq_rel", scope="gpu")
@@ -203,7 +215,7 @@ def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arr
 
 
 @gluon.jit
-def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
+def _decode_mma(x_smem, ring, h_smem, ready, empty, x_ptr, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
                 up_done_ptr, piece_ptr, arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr,
                 N: gl.constexpr, K: gl.constexpr, KS: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = ring.type.shape[1]
@@ -212,17 +224,21 @@ def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_p
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, XR, 16])
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))  # [BM]
     cols = gl.expand_dims(gl.arange(0, XR, layout=gl.SliceLayout(0, acc_layout)), 0)  # [1, XR]
-    mbarrier.wait(x_bar, 0)
+    _stage_rows(x_smem, x_ptr, S // TOP_K, K, num_warps)  # x's M rows, zero-padded to XR
     it = 0
+    staged = 0
     for t in range(gl.program_id(0), S * (N // BM * KS + K // BM), gl.num_programs(0)):
         up, s, blk, piece = _slot_tile(t, S, N // BM, K // BM, KS)
         if up:
             it, g, u = _up_tile(x_smem, ring, ready, empty, piece, it, K, KS, acc_layout)
             _up_epilogue(g, u, h_ptr, part_ptr, piece_ptr, up_done_ptr, s, blk, piece, s // TOP_K, rows, cols, N, KS)
         else:
-            _wait_and_stage_h(h_smem, h_ptr, up_done_ptr, s, N, N // BM, num_warps)
+            if staged == 0:  # the program's first down tile: every slot's h, once
+                _wait_all(up_done_ptr, S, N // BM)
+                _stage_rows(h_smem, h_ptr, S, N, num_warps)
+                staged = 1
             it = _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts,
-                            s, blk, s // TOP_K, it, rows, cols, TOP_K, N, K, acc_layout)
+                            s, blk, s // TOP_K, it, TOP_K, N, K, num_warps)
     _barrier()
     done = gl.atomic_add(exit_ptr, 1, sem="acq_rel", scope="gpu")
     if done == gl.num_programs(0) - 1:  # every program has passed all its waits: reset for the next call
@@ -233,30 +249,29 @@ def _decode_mma(x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_p
 
 
 @gluon.jit
-def decode_kernel(x_desc, w13_desc, w2_desc, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr, up_done_ptr,
-                  piece_ptr, arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr,
+def decode_kernel(w13_desc, w2_desc, x_ptr, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr, up_done_ptr, piece_ptr,
+                  arrive_ptr, exit_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, N: gl.constexpr,
                   K: gl.constexpr, KS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """x_desc [M, K] blocks [XR, BK]; w13_desc [E*2N, K] and w2_desc [E*K, N] blocks [BM, BK]; ids_ptr / wts_ptr
-    [S] int32 / float32 (S = M*k slots, token-major); h_ptr [S, N] (x's dtype), y_ptr [S, K] float32 scratch;
-    out_ptr [M, K]; part_ptr [S, N/BM, KS, 2, BM] float32 scratch (KS > 1: the gate-up pieces' partial sums);
-    up_done_ptr [S], piece_ptr [S, N/BM], arrive_ptr [M, K/BM], exit_ptr [1] int32 counters, zero at entry and exit.
-    KS: gate-up tiles split in KS pieces along K (more, smaller tiles for the SMs). N a multiple of 2*BK and of BM,
-    K of BK*KS and BM."""
+    """w13_desc [E*2N, K] and w2_desc [E*K, N] blocks [BM, BK]; x_ptr [M, K] contiguous (M = S / TOP_K <= 8);
+    ids_ptr / wts_ptr [S] int32 / float32 (S = M*k <= 16 slots, token-major); h_ptr [S, N] (x's dtype), y_ptr
+    [S, K] float32 scratch; out_ptr [M, K]; part_ptr [S, N/BM, KS, 2, BM] float32 scratch (KS > 1: the gate-up
+    pieces' partial sums); up_done_ptr [S], piece_ptr [S, N/BM], arrive_ptr [M, K/BM], exit_ptr [1] int32
+    counters, zero at entry and exit. KS: gate-up tiles split in KS pieces along K (more, smaller tiles for the
+    SMs). N a multiple of 2*BK and of BM, K of BK*KS and BM."""
     BK: gl.constexpr = w13_desc.block_type.shape[1]
-    XR: gl.constexpr = x_desc.block_type.shape[0]
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [K // BK] + x_desc.block_type.shape, x_desc.layout)
-    h_smem = gl.allocate_shared_memory(x_desc.dtype, [N // BK] + x_desc.block_type.shape, x_desc.layout)
-    ring = gl.allocate_shared_memory(w13_desc.dtype, [2 * STAGES] + w13_desc.block_type.shape, w13_desc.layout)
+    XR: gl.constexpr = 8
+    HR: gl.constexpr = 8 if S <= 8 else 16
+    dtype: gl.constexpr = w13_desc.dtype
+    x_smem = gl.allocate_shared_memory(dtype, [K // BK, XR, BK], gl.NVMMASharedLayout.get_default_for([XR, BK], dtype))
+    h_smem = gl.allocate_shared_memory(dtype, [N // BK, HR, BK], gl.NVMMASharedLayout.get_default_for([HR, BK], dtype))
+    ring = gl.allocate_shared_memory(dtype, [2 * STAGES] + w13_desc.block_type.shape, w13_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    mbarrier.init(x_bar, count=1)
     gl.warp_specialize([
-        (_decode_mma, (x_smem, ring, h_smem, ready, empty, x_bar, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
+        (_decode_mma, (x_smem, ring, h_smem, ready, empty, x_ptr, ids_ptr, wts_ptr, h_ptr, y_ptr, out_ptr, part_ptr,
                        up_done_ptr, piece_ptr, arrive_ptr, exit_ptr, num_experts, S, TOP_K, N, K, KS, num_warps)),
-        (_decode_loader, (x_desc, w13_desc, w2_desc, x_smem, ring, ready, empty, x_bar, ids_ptr, num_experts,
-                          S, N, K, KS)),
+        (_decode_loader, (w13_desc, w2_desc, ring, ready, empty, ids_ptr, num_experts, S, N, K, KS)),
     ], [1], [40])
