@@ -78,9 +78,10 @@ class DecodePlan:
         return 8 if self.slots <= 8 else 16
 
     def shared_bytes(self, element_size: int = 2) -> int:
-        """x (XR rows of K) + h (HR rows of N) + the ring, and its barriers."""
+        """x (XR rows of K) + h (HR rows of N) + the ring, its barriers, and 512 B for the compiler's scratch (the
+        reductions' and atomics' broadcasts: 92 B in the sm_90 builds of Triton 3.6 and 3.9)."""
         return element_size * (XR * self.hidden + self.h_rows * self.inter + self.stages * 2 * BM * self.block_k) + (
-            8 * 2 * self.stages)
+            8 * 2 * self.stages + 512)
 
 
 def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_programs: int, block_k: int = 128,
