@@ -159,7 +159,7 @@ def check_cell(cell: Cell, vs: list, sets, w, ref_w, status: dict, ci: int) -> l
         else:
             row.equal_default = default_out is not None and bool(torch.equal(out, default_out))
         ok = row.rel_l2_ref < TOLERANCE[cell.dtype]
-        if v.decode is not None:  # one-launch decode kernel: the same bits again, its counters back at 0
+        if v.decode is not None or v.route:  # one-launch decode kernel: the same bits again, its counters back at 0
             again, counters = run(v, cell.dtype, sets[0], w), decode_counters(w[0])
             ok = ok and bool(torch.equal(again, out)) and counters == 0
             print(f"{cell.preset} M={cell.M} {v.name}: repeat bit-equal {torch.equal(again, out)}, counters left "

@@ -33,11 +33,12 @@ SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 class Variant:
     name: str
     decode: tuple | None = None  # (block_k, stages, split): the one-launch persistent Gluon decode kernel (session 24)
+    route: bool = False  # the backend as users call it, its decode route on (``triton_gluon_decode.DEFAULT_DECODE``)
 
     @property
     def exact(self) -> bool:
         """Must equal the default bit for bit (the same kernels again); the decode kernel sums y in float32."""
-        return self.decode is None
+        return self.decode is None and not self.route
 
 
 # the persistent Gluon decode kernel's (BK, ring stages, gate-up pieces along K) tried on Qwen3 bf16 (M*k <= 16);
@@ -48,6 +49,7 @@ DECODE_TILES = ((128, 0, 1), (64, 0, 1), (128, 0, 2), (128, 0, 4), (64, 0, 4))
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     vs = [Variant("default"), Variant("default again")]
     if dtype == "bf16" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        vs += [Variant("default, decode route on", route=True)]
         vs += [Variant(f"gluon decode k{bk} ks{ks}", (bk, st, ks)) for bk, st, ks in DECODE_TILES]
     return vs
 
@@ -56,6 +58,15 @@ def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch
     """One call of the default on inputs ``t`` (x, topk_ids, topk_weights) and weights ``w`` (w13, w2; quantized for
     fp8 / int4). ``config``: the real shape's tuned config passed explicitly (compile workers on small-E weights, bf16
     and fp8). ``eager``: unused (the backend tells eager calls from captures itself)."""
+    if v.route:
+        import moekit.experts.triton_gluon_decode as decode
+        from moekit.experts.triton import experts_triton
+
+        kept, decode.DEFAULT_DECODE = decode.DEFAULT_DECODE, decode.DecodeChoice(max_slots=16)
+        try:
+            return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
+        finally:
+            decode.DEFAULT_DECODE = kept
     if v.decode is not None:
         from moekit.experts.triton_gluon_decode import experts_gluon_decode
 

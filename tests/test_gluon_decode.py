@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.experts.triton_gluon_decode import BM, SHARED_BYTES, decode_twin, decode_unfit, plan_decode
+import moekit.experts.triton_gluon_decode as decode
+from moekit.experts.triton_gluon_decode import BM, SHARED_BYTES, DecodeChoice, decode_twin, decode_unfit, plan_decode
 
 
 def _loop(x, w13, w2, ids, wts):
@@ -89,3 +90,25 @@ def test_twin_matches_float64_loop(m, k, skip, split):
     ref = _loop(x, w13, w2, ids, wts)
     assert out.dtype == torch.bfloat16
     assert ((out.double() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def test_route_takes_only_what_it_can_run(monkeypatch):
+    """The backend's decode route: off by default's choice when max_slots is 0; on, it still leaves CPU tensors,
+    other options, quantized weights and too many slots to the Triton path (None), and the backend's result is the
+    reference's."""
+    from moekit.experts.reference import experts_reference
+    from moekit.experts.triton import experts_triton
+
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    w13 = (torch.randn(4, 512, 256) / 16).bfloat16()
+    w2 = (torch.randn(4, 256, 256) / 16).bfloat16()
+    ids, wts = torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([[0.6, 0.4]])
+    monkeypatch.setattr(decode, "DEFAULT_DECODE", DecodeChoice(max_slots=16))
+    assert decode.DecodeChoice().wants(1, 768) is False and decode.DEFAULT_DECODE.wants(16, 768)
+    assert not decode.DEFAULT_DECODE.wants(17, 768) and not decode.DEFAULT_DECODE.wants(8, 2048)
+    assert decode.route(True, x, w13, w2, ids, wts, "silu", True) is None  # CPU
+    assert decode.route(False, x, w13, w2, ids, wts, "silu", True) is None
+    assert decode.route(True, x, object(), w2, ids, wts, "silu", True) is None
+    out = experts_triton(x, w13, w2, ids, wts)
+    ref = experts_reference(x, w13, w2, ids, wts)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

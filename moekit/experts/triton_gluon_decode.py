@@ -206,6 +206,49 @@ def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     return out
 
 
+@dataclass(frozen=True)
+class DecodeChoice:
+    """Where the ``triton`` backend (default options) hands a call to the decode kernel: bf16 / fp16 plain weights
+    on a Hopper with Gluon, at most ``max_slots`` slots (M*k; 0: never) and experts at most ``max_inter`` (N) wide,
+    no backward wanted, not while torch.compile traces."""
+
+    max_slots: int = 0
+    max_inter: int = 1024
+
+    def wants(self, slots: int, inter: int) -> bool:
+        return slots <= self.max_slots and inter <= self.max_inter
+
+
+DEFAULT_DECODE = DecodeChoice()
+
+
+def route(default_options: bool, x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+          activation, check: bool) -> torch.Tensor | None:
+    """The ``triton`` backend's decode route (its entry points call this first, no map or biases): the decode
+    kernel's output where the call has the default options and ``DEFAULT_DECODE`` wants and fits it (``check``:
+    ``check_experts_args`` first, for an entry point that has not run it), else None (the caller's path runs it).
+    Off (``max_slots`` 0) it costs one attribute read."""
+    choice = DEFAULT_DECODE
+    if not choice.max_slots or not default_options or topk_ids.dim() != 2:
+        return None
+    if w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized weights: their own paths
+        return None
+    if not choice.wants(topk_ids.numel(), w2.shape[-1]) or activation != "silu" or not x.is_cuda:
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (  # no backward here; tracing: the custom op
+            x.requires_grad or w13.requires_grad or w2.requires_grad or topk_weights.requires_grad)):
+        return None
+    from moekit.experts.triton_gluon_launch import gluon_supported
+
+    if not gluon_supported(x.device) or decode_unfit(x, w13, w2, topk_ids) is not None:
+        return None
+    if check:
+        from moekit.experts import check_experts_args
+
+        check_experts_args(x, w13, w2, topk_ids, topk_weights, activation=activation)
+    return experts_gluon_decode(x, w13, w2, topk_ids, topk_weights)
+
+
 def decode_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """The kernel's function along its schedule, in torch: the tiles in id order (round i of every program before
