@@ -176,6 +176,29 @@ def _wait_all(up_done_ptr, S: gl.constexpr, NB: gl.constexpr):
 
 
 @gluon.jit
+def _down_epilogue(acc, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts, s, blk, tok, TOP_K: gl.constexpr,
+                   K: gl.constexpr):
+    """acc [BM, HR] float32, column s slot s's product: y[s, rows] = weight * that column; the token's k-th arrival
+    on arrive[tok, blk] sums its k slots in slot order into out and zeroes the counter."""
+    BM: gl.constexpr = acc.type.shape[0]
+    HR: gl.constexpr = acc.type.shape[1]
+    KB: gl.constexpr = K // BM
+    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc.type.layout))  # [BM]
+    cols = gl.expand_dims(gl.arange(0, HR, layout=gl.SliceLayout(0, acc.type.layout)), 0)  # [1, HR]
+    wt = gl.where(gl.load(ids_ptr + s) < num_experts, gl.load(wts_ptr + s), 0.0)
+    y_col = gl.sum(gl.where(cols == s, acc, 0.0), axis=1) * wt  # [BM] float32
+    gl.store(y_ptr + s * K + blk * BM + rows, y_col)
+    _barrier()  # every warp's y stores issued before the arrival
+    old = gl.atomic_add(arrive_ptr + tok * KB + blk, 1, sem="acq_rel", scope="gpu")
+    if old == TOP_K - 1:  # the token's last slot here: the ordered sum
+        o = gl.zeros_like(y_col)
+        for jj in gl.static_range(TOP_K):
+            o += gl.load(y_ptr + (tok * TOP_K + jj) * K + blk * BM + rows, cache_modifier=".cg")
+        gl.store(out_ptr + tok * K + blk * BM + rows, o.to(out_ptr.dtype.element_ty))
+        gl.store(arrive_ptr + tok * KB + blk, 0)
+
+
+@gluon.jit
 def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts, s, blk, tok,
                it, TOP_K: gl.constexpr, N: gl.constexpr, K: gl.constexpr, num_warps: gl.constexpr):
     """Down tile (slot s, rows blk*BM.. of K): y[s, rows] = weight * (h[s] @ w2 rows^T), h[s] column s of the
@@ -184,11 +207,8 @@ def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arr
     BK: gl.constexpr = ring.type.shape[2]
     HR: gl.constexpr = h_smem.type.shape[1]
     STAGES: gl.constexpr = ring.type.shape[0] // 2
-    KB: gl.constexpr = K // BM
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HR, 16])
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))  # [BM]
-    cols = gl.expand_dims(gl.arange(0, HR, layout=gl.SliceLayout(0, acc_layout)), 0)  # [1, HR]
     acc = gl.zeros([BM, HR], gl.float32, acc_layout)
     for j in range(N // (2 * BK)):
         st = it % STAGES
@@ -200,17 +220,7 @@ def _down_tile(ring, h_smem, ready, empty, ids_ptr, wts_ptr, y_ptr, out_ptr, arr
         it += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1)
-    wt = gl.where(gl.load(ids_ptr + s) < num_experts, gl.load(wts_ptr + s), 0.0)
-    y_col = gl.sum(gl.where(cols == s, acc, 0.0), axis=1) * wt  # [BM] float32
-    gl.store(y_ptr + s * K + blk * BM + rows, y_col)
-    _barrier()  # every warp's y stores issued before the arrival
-    old = gl.atomic_add(arrive_ptr + tok * KB + blk, 1, sem="acq_rel", scope="gpu")
-    if old == TOP_K - 1:  # the token's last slot here: the ordered sum
-        o = gl.zeros([BM], gl.float32, gl.SliceLayout(1, acc_layout))
-        for jj in gl.static_range(TOP_K):
-            o += gl.load(y_ptr + (tok * TOP_K + jj) * K + blk * BM + rows, cache_modifier=".cg")
-        gl.store(out_ptr + tok * K + blk * BM + rows, o.to(out_ptr.dtype.element_ty))
-        gl.store(arrive_ptr + tok * KB + blk, 0)
+    _down_epilogue(acc, ids_ptr, wts_ptr, y_ptr, out_ptr, arrive_ptr, num_experts, s, blk, tok, TOP_K, K)
     return it
 
 
