@@ -42,6 +42,7 @@ class DecodePlan:
     stages: int
     grid: int
     split: int = 1  # KS
+    fp8: bool = False  # e4m3 weights, x and h (``_kernels/gluon_decode_fp8.py``): 1-byte tiles, float32 scales
 
     @property
     def up_blocks(self) -> int:  # NB
@@ -77,15 +78,16 @@ class DecodePlan:
         """HR: the staged h rows (all S slots, zero-padded), the down MMAs' B operand width."""
         return 8 if self.slots <= 8 else 16
 
-    def shared_bytes(self, element_size: int = 2) -> int:
-        """x (XR rows of K) + h (HR rows of N) + the ring, its barriers, and 512 B for the compiler's scratch (the
-        reductions' and atomics' broadcasts: 92 B in the sm_90 builds of Triton 3.6 and 3.9)."""
-        return element_size * (XR * self.hidden + self.h_rows * self.inter + self.stages * 2 * BM * self.block_k) + (
-            8 * 2 * self.stages + 512)
+    def shared_bytes(self) -> int:
+        """x (XR rows of K) + h (HR rows of N) + the ring (fp8: 1-byte elements; the scales live in registers), its
+        barriers, and 512 B for the compiler's scratch (the reductions' and atomics' broadcasts: 92 B in the sm_90
+        builds of Triton 3.6 and 3.9)."""
+        rows = XR * self.hidden + self.h_rows * self.inter
+        return (1 if self.fp8 else 2) * (rows + self.stages * 2 * BM * self.block_k) + 8 * 2 * self.stages + 512
 
 
 def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_programs: int, block_k: int = 128,
-                stages: int = 0, split: int = 1) -> DecodePlan:
+                stages: int = 0, split: int = 1, fp8: bool = False) -> DecodePlan:
     """The plan for M tokens of k slots on ``num_programs`` SMs; ``stages`` 0: as many as shared memory holds;
     ``split``: gate-up tiles in that many pieces along K (1, 2, 4)."""
     slots = num_tokens * top_k
@@ -93,15 +95,18 @@ def plan_decode(num_tokens: int, top_k: int, inter: int, hidden: int, num_progra
         raise ValueError(f"M={num_tokens}, k={top_k}: M*k <= {MAX_SLOTS} and M <= {MAX_TOKENS} for the decode kernel")
     if split not in (1, 2, 4):
         raise ValueError(f"split={split} (1, 2 or 4)")
+    if fp8 and block_k != 128:
+        raise ValueError(f"block_k={block_k}: fp8_block steps are one 128-column scale block")
     if inter % (2 * block_k) or hidden % (block_k * split) or inter % BM or hidden % BM:
         raise ValueError(f"N={inter}, K={hidden}: N a multiple of {2 * block_k} and K of {max(block_k * split, BM)}")
-    probe = DecodePlan(slots, top_k, inter, hidden, block_k, 1, 1)
-    fit = (SHARED_BYTES - probe.shared_bytes()) // (2 * 2 * BM * block_k) + 1
+    probe = DecodePlan(slots, top_k, inter, hidden, block_k, 1, 1, split, fp8)
+    fit = (SHARED_BYTES - probe.shared_bytes()) // ((1 if fp8 else 2) * 2 * BM * block_k + 16) + 1
     stages = stages or fit
     if stages < 2 or stages > fit:
         raise ValueError(f"stages={stages}: 2 .. {fit} fit {SHARED_BYTES} B of shared memory at N={inter}, K={hidden}")
-    plan = DecodePlan(slots, top_k, inter, hidden, block_k, stages, 1, split)
-    return DecodePlan(slots, top_k, inter, hidden, block_k, stages, max(1, min(num_programs, plan.num_tiles)), split)
+    plan = DecodePlan(slots, top_k, inter, hidden, block_k, stages, 1, split, fp8)
+    grid = max(1, min(num_programs, plan.num_tiles))
+    return DecodePlan(slots, top_k, inter, hidden, block_k, stages, grid, split, fp8)
 
 
 def decode_unfit(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, expert_map=None, b13=None, b2=None,
