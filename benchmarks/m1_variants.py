@@ -53,6 +53,7 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
         vs += [Variant("default, decode route on", route=True)]
         vs += [Variant(f"gluon decode k{bk} ks{ks}", (bk, st, ks)) for bk, st, ks in DECODE_TILES]
     if dtype == "fp8" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        vs += [Variant("default, decode route on", route=True)]
         vs += [Variant(f"gluon decode fp8 ks{ks}", (128, 0, ks)) for ks in DECODE_FP8_SPLITS]
     return vs
 
@@ -65,7 +66,7 @@ def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch
         import moekit.experts.triton_gluon_decode as decode
         from moekit.experts.triton import experts_triton
 
-        kept, decode.DEFAULT_DECODE = decode.DEFAULT_DECODE, decode.DecodeChoice(max_slots=16)
+        kept, decode.DEFAULT_DECODE = decode.DEFAULT_DECODE, decode.DecodeChoice(max_slots=16, fp8_max_slots=16)
         try:
             return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
         finally:

@@ -103,9 +103,8 @@ def test_route_takes_only_what_it_can_run(monkeypatch):
     w13 = (torch.randn(4, 512, 256) / 16).bfloat16()
     w2 = (torch.randn(4, 256, 256) / 16).bfloat16()
     ids, wts = torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([[0.6, 0.4]])
-    monkeypatch.setattr(decode, "DEFAULT_DECODE", DecodeChoice(max_slots=16))
-    assert decode.DecodeChoice().wants(1, 768) is False and decode.DEFAULT_DECODE.wants(16, 768)
-    assert not decode.DEFAULT_DECODE.wants(17, 768) and not decode.DEFAULT_DECODE.wants(8, 2048)
+    assert decode.route(True, x, w13, w2, ids, wts, "silu", True) is None  # off by default
+    monkeypatch.setattr(decode, "DEFAULT_DECODE", DecodeChoice(max_slots=16, fp8_max_slots=16))
     assert decode.route(True, x, w13, w2, ids, wts, "silu", True) is None  # CPU
     assert decode.route(False, x, w13, w2, ids, wts, "silu", True) is None
     assert decode.route(True, x, object(), w2, ids, wts, "silu", True) is None

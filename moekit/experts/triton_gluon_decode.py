@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moekit.experts.triton_cache import WeightDescriptors
+from moekit.quant.fp8_block import Fp8BlockWeight
 from moekit.triton_bind import BoundLaunch
 
 MAX_SLOTS = 16  # M*k at most (the h / y scratch rows, the up_done counters)
@@ -213,15 +214,17 @@ def experts_gluon_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
 
 @dataclass(frozen=True)
 class DecodeChoice:
-    """Where the ``triton`` backend (default options) hands a call to the decode kernel: bf16 / fp16 plain weights
-    on a Hopper with Gluon, at most ``max_slots`` slots (M*k; 0: never) and experts at most ``max_inter`` (N) wide,
-    no backward wanted, not while torch.compile traces."""
+    """Where the ``triton`` backend (default options) hands a call to the decode kernels: on a Hopper with Gluon,
+    at most ``max_slots`` slots (M*k; 0: never) on bf16 / fp16 plain weights, ``fp8_max_slots`` on fp8_block
+    weights (``triton_gluon_decode_fp8``), experts at most ``max_inter`` (N) wide, with the tiles named here; no
+    backward wanted, not while torch.compile traces."""
 
     max_slots: int = 0
+    fp8_max_slots: int = 0
     max_inter: int = 1024
-
-    def wants(self, slots: int, inter: int) -> bool:
-        return slots <= self.max_slots and inter <= self.max_inter
+    block_k: int = 128
+    split: int = 1
+    fp8_split: int = 1
 
 
 DEFAULT_DECODE = DecodeChoice()
@@ -232,26 +235,37 @@ def route(default_options: bool, x: torch.Tensor, w13, w2, topk_ids: torch.Tenso
     """The ``triton`` backend's decode route (its entry points call this first, no map or biases): the decode
     kernel's output where the call has the default options and ``DEFAULT_DECODE`` wants and fits it (``check``:
     ``check_experts_args`` first, for an entry point that has not run it), else None (the caller's path runs it).
-    Off (``max_slots`` 0) it costs one attribute read."""
+    Off (both limits 0) it costs two attribute reads."""
     choice = DEFAULT_DECODE
-    if not choice.max_slots or not default_options or topk_ids.dim() != 2:
+    if not (choice.max_slots or choice.fp8_max_slots) or not default_options or topk_ids.dim() != 2:
         return None
-    if w13.__class__ not in _PLAIN or w2.__class__ not in _PLAIN:  # quantized weights: their own paths
+    plain = w13.__class__ in _PLAIN and w2.__class__ in _PLAIN
+    fp8 = not plain and w13.__class__ is Fp8BlockWeight and w2.__class__ is Fp8BlockWeight
+    if topk_ids.numel() > (choice.max_slots if plain else choice.fp8_max_slots if fp8 else 0):
         return None
-    if not choice.wants(topk_ids.numel(), w2.shape[-1]) or activation != "silu" or not x.is_cuda:
+    if w2.shape[-1] > choice.max_inter or activation != "silu" or not x.is_cuda or torch.compiler.is_compiling():
         return None
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (  # no backward here; tracing: the custom op
-            x.requires_grad or w13.requires_grad or w2.requires_grad or topk_weights.requires_grad)):
+    if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad or (plain and (  # no backward
+            w13.requires_grad or w2.requires_grad))):
         return None
     from moekit.experts.triton_gluon_launch import gluon_supported
 
-    if not gluon_supported(x.device) or decode_unfit(x, w13, w2, topk_ids) is not None:
+    if not gluon_supported(x.device):
+        return None
+    if fp8:
+        from moekit.experts.triton_gluon_decode_fp8 import decode_fp8_unfit, experts_gluon_decode_fp8
+
+        if decode_fp8_unfit(x, w13, w2, topk_ids) is not None:
+            return None
+    elif decode_unfit(x, w13, w2, topk_ids) is not None:
         return None
     if check:
         from moekit.experts import check_experts_args
 
         check_experts_args(x, w13, w2, topk_ids, topk_weights, activation=activation)
-    return experts_gluon_decode(x, w13, w2, topk_ids, topk_weights)
+    if fp8:
+        return experts_gluon_decode_fp8(x, w13, w2, topk_ids, topk_weights, split=choice.fp8_split)
+    return experts_gluon_decode(x, w13, w2, topk_ids, topk_weights, block_k=choice.block_k, split=choice.split)
 
 
 def decode_twin(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
