@@ -33,7 +33,8 @@ SCHEME = {"fp8": "fp8_block", "int4": "int4_w4a16"}
 class Variant:
     name: str
     decode: tuple | None = None  # (block_k, stages, split): the one-launch persistent Gluon decode kernel (session 24)
-    route: bool = False  # the backend as users call it, its decode route on (``triton_gluon_decode.DEFAULT_DECODE``)
+    route: str = ""  # "on" / "off": the backend as users call it, its decode route switched so
+    # (``triton_gluon_decode.DEFAULT_DECODE``: on = every limit 16, off = 0; "": as the default has it)
 
     @property
     def exact(self) -> bool:
@@ -49,13 +50,13 @@ DECODE_FP8_SPLITS = (1, 2, 4)  # the fp8_block kernel (BK 128 = one scale block;
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     vs = [Variant("default"), Variant("default again")]
-    if dtype == "bf16" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        vs += [Variant("default, decode route on", route=True)]
-        vs += [Variant(f"gluon decode k{bk} ks{ks}", (bk, st, ks)) for bk, st, ks in DECODE_TILES]
-    if dtype == "fp8" and preset == Q3 and m * 8 <= 16 and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        vs += [Variant("default, decode route on", route=True)]
-        vs += [Variant(f"gluon decode fp8 ks{ks}", (128, 0, ks)) for ks in DECODE_FP8_SPLITS]
-    return vs
+    if preset != Q3 or m * 8 > 16 or dtype not in ("bf16", "fp8") or os.environ.get("TRITON_INTERPRET", "0") not in (
+            "", "0"):
+        return vs
+    vs += [Variant("default, decode route off", route="off"), Variant("default, decode route on", route="on")]
+    if dtype == "bf16":
+        return vs + [Variant(f"gluon decode k{bk} ks{ks}", (bk, st, ks)) for bk, st, ks in DECODE_TILES]
+    return vs + [Variant(f"gluon decode fp8 ks{ks}", (128, 0, ks)) for ks in DECODE_FP8_SPLITS]
 
 
 def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch.Tensor:
@@ -66,7 +67,8 @@ def run(v: Variant, dtype: str, t, w, config=None, eager: bool = False) -> torch
         import moekit.experts.triton_gluon_decode as decode
         from moekit.experts.triton import experts_triton
 
-        kept, decode.DEFAULT_DECODE = decode.DEFAULT_DECODE, decode.DecodeChoice(max_slots=16, fp8_max_slots=16)
+        on = decode.DecodeChoice(max_slots=16, fp8_max_slots=16) if v.route == "on" else decode.DecodeChoice(0, 0)
+        kept, decode.DEFAULT_DECODE = decode.DEFAULT_DECODE, on
         try:
             return experts_triton(t.x, w[0], w[1], t.topk_ids, t.topk_weights)
         finally:
