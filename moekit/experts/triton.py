@@ -65,7 +65,6 @@ import torch
 
 from moekit.experts import check_experts_args, register_fast_path, register_keeper, register_traced_path
 from moekit.activations import ACTIVATIONS, ActivationSpec, spec_fields
-from moekit.experts import triton_gluon_decode as _decode
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_cache import WeightDescriptors, WorkspacePool, descriptor_pair
 from moekit.experts.triton_fast import clear_fast, fast_stamp, keep_call, remember, run_fast
@@ -79,10 +78,11 @@ from moekit.quant.fp8_block import Fp8BlockWeight
 _DESCRIPTORS = WeightDescriptors()  # the weights' TMA descriptors, per weight tensor (weakly)
 _WORKSPACES = WorkspacePool()  # reused h, y and alignment buffers, per (device, stream, thread)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types the direct eager path takes (no subclass)
-# every entry point's default: one object, so a fast-path key (``triton_fast``) matches by identity, no __eq__;
-# only this object takes the Gluon routes (prefill ``triton_gluon``, decode ``triton_gluon_decode``)
+# every entry point's default: one object, so a fast-path key (``triton_fast``) matches by identity, no __eq__
 _DEFAULT_OPTIONS = LaunchOptions()
-FUSED_OPTIONS = LaunchOptions()  # the defaults for a caller that has decided against them (the triton_gluon backend)
+# the defaults for a caller that has decided against the Gluon route (the ``triton_gluon`` backend, whose
+# choice said no): only the ``_DEFAULT_OPTIONS`` object takes that route
+FUSED_OPTIONS = LaunchOptions()
 
 
 def clear_launch_caches() -> None:
@@ -105,6 +105,11 @@ def held_workspaces() -> dict[tuple, torch.Tensor]:
     """The reused workspaces kept now: (device, stream, thread) -> byte buffer. For checks and memory
     accounting; ``clear_launch_caches`` frees them."""
     return _WORKSPACES.held()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fused experts path
+# ---------------------------------------------------------------------------------------------------
 
 
 def fused_experts(
@@ -276,9 +281,7 @@ def experts_triton(
     Every ``ActivationSpec`` runs fused (biases, interleaved gate/up, ungated, clamped SwiGLU).
     ``options``: how to launch (``LaunchOptions``; the defaults are what the H200 measurements picked)."""
     if expert_map is None and b13 is None and b2 is None:  # a repeated call: kept, checked before (triton_fast)
-        out = _decode.route(options is _DEFAULT_OPTIONS, x, w13, w2, topk_ids, topk_weights, activation, True)
-        if out is None:
-            out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=True)
+        out = run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=True)
         if out is not None:
             return out
     check_experts_args(x, w13, w2, topk_ids, topk_weights, expert_map, activation=activation, b13=b13, b2=b2)
@@ -299,10 +302,8 @@ def experts_triton_unchecked(
     ``triton_gluon.run_fast_default_gluon``). On Hopper, bf16/fp16 calls that ``triton_gluon.DEFAULT_CHOICE`` wants
     (prefill sizes where the Gluon GEMMs measured faster for the whole call) take the Gluon path, as
     ``fp8_block`` calls take the fp8 one."""
-    if expert_map is None and b13 is None and b2 is None:  # decode sizes: one Gluon launch where DEFAULT_DECODE says
-        out = _decode.route(options is _DEFAULT_OPTIONS, x, w13, w2, topk_ids, topk_weights, activation, False)
-        if out is None:
-            out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
+    if expert_map is None and b13 is None and b2 is None:
+        out = _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options)
         if out is not None:
             return out
     return _unchecked(x, w13, w2, topk_ids, topk_weights, activation, expert_map, b13, b2, options, checked=False)
