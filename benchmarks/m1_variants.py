@@ -11,7 +11,10 @@ and gate-up tiles; run 2 (c144b49, raw/*-c144b49-m1-ck2early.*) BK 256 tiles for
 0.98-0.99x: none taken) and the k-sum in the down launch with kept counters in a graph (fold 1.045x, sum programs
 after 1.001x); run 3 (merged main b89fbea, raw/*-b89fbea-m1-merged.*) fp8 x quantized in every gate-up program's
 prologue (``gemm_fp8`` X_PRO, removed: Qwen3 M = 1 19.3 against 19.8 µs, 2.6%, >= 3% in 2 of 7 rounds; M = 2 29.7
-against 28.7, 3.4% slower).
+against 28.7, 3.4% slower); session 24's run (a6a50f2, raw/*-a6a50f2-persist-ck1.*) one persistent warp-specialized
+Gluon kernel per decode call, bf16 and fp8_block (branch ``persist``'s ``_kernels/gluon_decode*.py``, removed: all PASS,
+bit-stable, counters reset; Qwen3 M = 1 bf16 32.3 against 26.0 µs, M = 2 53.8 against 47.6, fp8 M = 1 30.9 against
+20.1, M = 2 50.1 against 29.1; benchmarks/triton-notes.md, "one persistent Gluon kernel per decode call").
 """
 
 from __future__ import annotations
