@@ -1,0 +1,106 @@
+"""The folded-tail Gluon GEMMs (``triton_gluon_tail``, issue 19's padding tax) on the CPU: the tile list (which row
+blocks fold the next one) against a reference computed from the experts' row counts, the launch (a torch stand-in in
+the kernel's place) against a float64 loop on every real row, and the SMEM fit. The kernels themselves run on the
+H200 (``benchmarks/padding_device_check.py``) and compile for sm_90 in ``benchmarks/tail_compile_cpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.experts.triton_gluon_launch import DOWN_TILE, NARROW_DOWN_TILE, UP_TILE
+from moekit.experts.triton_gluon_tail import merged_blocks, tail_stages
+
+from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
+
+BLOCK = 128
+
+
+def layout_from_counts(counts: list[int], num_assignments: int | None = None):
+    """(block_experts, sorted_ids, rows_used, A) of a 128-aligned layout whose expert e holds counts[e] rows: real
+    rows first in each segment (ids 0..A-1 in order), then padding (id A)."""
+    a = sum(counts) if num_assignments is None else num_assignments
+    experts, ids, nxt = [], [], 0
+    for e, n in enumerate(counts):
+        blocks = -(-n // BLOCK)
+        experts += [e] * blocks
+        ids += list(range(nxt, nxt + n)) + [a] * (blocks * BLOCK - n)
+        nxt += n
+    spare = 2  # blocks past rows_used, as the plan's static rows leave them
+    experts += [-1] * spare
+    ids += [a] * (spare * BLOCK)
+    return (torch.tensor(experts, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32),
+            (len(experts) - spare) * BLOCK, a)
+
+
+def expected_folds(counts: list[int], tail: int) -> list[bool]:
+    """Per used block: True where the block is the second-to-last of its expert and the last holds <= tail rows."""
+    out = []
+    for n in counts:
+        blocks = -(-n // BLOCK)
+        last_rows = n - BLOCK * (blocks - 1)
+        out += [blocks >= 2 and b == blocks - 2 and last_rows <= tail for b in range(blocks)]
+    return out
+
+
+@pytest.mark.parametrize("tail", [64, 128])
+@pytest.mark.parametrize("counts", [
+    [130, 0, 128, 200, 7, 0, 384 + 64, 384 + 65, 256 + 1],  # tails of 2 / 72 / 64 / 65 / 1 rows, empty experts
+    [0, 0, 1000, 0],  # one expert with every row: 7 full blocks and 104 rows
+    [64, 129, 192, 193, 0],  # tail exactly 64, a one-block expert with 64 rows
+    [5],  # one block: nothing folds
+    [0, 0],  # no rows at all
+])
+def test_merged_blocks_follow_the_counts(counts, tail):
+    experts, ids, used, a = layout_from_counts(counts)
+    got = merged_blocks(experts, ids, used, a, tail)
+    want = expected_folds(counts, tail)
+    assert got[:len(want)].tolist() == want
+    assert not got[len(want):].any()  # blocks past rows_used never fold
+
+
+def test_merged_blocks_refuses_other_tails():
+    experts, ids, used, a = layout_from_counts([130])
+    with pytest.raises(ValueError, match="tail"):
+        merged_blocks(experts, ids, used, a, 32)
+
+
+def test_tail_stages_fit_sm90_and_refuse_a_128_row_gate_up_tail():
+    for tile, tail, gated in ((UP_TILE, 64, True), (DOWN_TILE, 64, False), (DOWN_TILE, 128, False),
+                              (NARROW_DOWN_TILE, 64, False)):
+        stages = tail_stages(tile, tail, gated)
+        ring = stages * (BLOCK + tail + (2 if gated else 1) * tile.block_n) * tile.block_k * 2
+        assert stages >= 3 and ring + (BLOCK + tail) * tile.block_n * 2 <= 232448 - 1024
+    with pytest.raises(ValueError, match="gate-up"):
+        tail_stages(UP_TILE, 128, True)
+
+
+@pytest.mark.parametrize("tail, gated", [(64, True), (64, False), (128, False)])
+def test_tail_launch_matches_a_float64_loop(fake_gemms, tail, gated):  # noqa: F811
+    from moekit.experts.triton_gluon_tail import launch_tail_gemm
+
+    torch.manual_seed(0)
+    counts = [130, 0, 200, 64, 257, 1]
+    experts, ids, used, a = layout_from_counts(counts)
+    rows, k, n = ids.numel(), 64, 128
+    num_experts = len(counts)
+    w_rows = 2 * n if gated else n
+    h = torch.randn(rows, k, dtype=torch.bfloat16)
+    w = (torch.randn(num_experts * w_rows, k) * k ** -0.5).to(torch.bfloat16)
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    launch_tail_gemm(h, w, out, experts, ids, torch.tensor([used], dtype=torch.int32), a, UP_TILE if gated else
+                     DOWN_TILE, w_rows, tail, gated=gated, gate_offset=n if gated else 0)
+    (_, bound, _), = fake_gemms["tail"].log
+    assert bound["GATED"] == gated and bound["STAGES"] == tail_stages(UP_TILE if gated else DOWN_TILE, tail, gated)
+    for r in range(used):  # every real row, as float64
+        if int(ids[r]) >= a:
+            continue
+        e = int(experts[r // BLOCK])
+        we = w[e * w_rows:(e + 1) * w_rows].double()
+        prod = h[r].double() @ we.T
+        want = torch.nn.functional.silu(prod[:n]) * prod[n:] if gated else prod
+        torch.testing.assert_close(out[r].double(), want, rtol=2e-2, atol=2e-2)
+    folds = expected_folds(counts, tail)
+    for b, f in enumerate(folds):  # rows past a folded tail: never written
+        if f:
+            assert torch.isnan(out[(b + 1) * BLOCK + tail:(b + 2) * BLOCK].float()).all()
