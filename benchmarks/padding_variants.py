@@ -45,28 +45,28 @@ def buffers(x, ids, num_experts: int, inter: int, hidden: int) -> Buffers:
 
 def gate_up(b: Buffers, w13, tile, tail: int) -> None:
     from moekit.experts.triton_gluon_launch import launch_gemm
-    from moekit.experts.triton_gluon_tail import launch_tail_gemm
+    from moekit.experts.triton_gluon_tail import launch_tail_gemm, with_tail
 
     num_experts, two_n, hidden = w13.shape
     w = w13.view(num_experts * two_n, hidden)
     lay = b.lay
     if tail:
         launch_tail_gemm(lay.x_perm, w, b.h, lay.block_experts, lay.sorted_ids, lay.rows_used, b.num_assignments,
-                         tile, two_n, tail, gated=True, gate_offset=two_n // 2)
+                         with_tail(tile, tail, True), two_n, gated=True, gate_offset=two_n // 2)
     else:
         launch_gemm(lay.x_perm, w, b.h, lay.block_experts, lay.rows_used, tile, True, two_n, two_n // 2)
 
 
 def down(b: Buffers, w2, tile, tail: int) -> None:
     from moekit.experts.triton_gluon_launch import launch_gemm
-    from moekit.experts.triton_gluon_tail import launch_tail_gemm
+    from moekit.experts.triton_gluon_tail import launch_tail_gemm, with_tail
 
     num_experts, hidden, inter = w2.shape
     w = w2.view(num_experts * hidden, inter)
     lay = b.lay
     if tail:
-        launch_tail_gemm(b.h, w, b.y, lay.block_experts, lay.sorted_ids, lay.rows_used, b.num_assignments, tile,
-                         hidden, tail)
+        launch_tail_gemm(b.h, w, b.y, lay.block_experts, lay.sorted_ids, lay.rows_used, b.num_assignments,
+                         with_tail(tile, tail, False), hidden)
     else:
         launch_gemm(b.h, w, b.y, lay.block_experts, lay.rows_used, tile, False, hidden)
 

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def compile_tail_gemm(tile, tail: int, gated: bool) -> str:
+def compile_tail_gemm(tile, gated: bool) -> str:
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
     from triton.backends.compiler import GPUTarget
@@ -25,18 +25,17 @@ def compile_tail_gemm(tile, tail: int, gated: bool) -> str:
 
     from moekit.experts._kernels.gluon_gemm_tail import tail_gemm_kernel as kernel
     from moekit.experts.triton_gluon_launch import BLOCK_M, MAX_REGISTERS, NUM_WARPS
-    from moekit.experts.triton_gluon_tail import tail_stages
 
     e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
     int32 = torch.empty(1, dtype=torch.int32)
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
     args = dict(a_desc=_descriptor([t, r], [BLOCK_M, tile.block_k], bf16),
-                t_desc=_descriptor([t, r], [tail, tile.block_k], bf16),
+                t_desc=_descriptor([t, r], [tile.tail, tile.block_k], bf16),
                 w_desc=_descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16),
                 c_desc=_descriptor([t, c], [BLOCK_M, tile.block_n], bf16),
-                ct_desc=_descriptor([t, c], [tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
+                ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
                 used_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n)
-    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tail_stages(tile, tail, gated),
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
@@ -46,7 +45,7 @@ def compile_tail_gemm(tile, tail: int, gated: bool) -> str:
     ptx = out.asm["ptx"]
     regs = [ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln]
     spills, serialized = ptxas_report(ptx)
-    return (f"{time.perf_counter() - t0:.1f} s, stages {const['STAGES']}, shared {out.metadata.shared} B, "
+    return (f"{time.perf_counter() - t0:.1f} s, {tile}, shared {out.metadata.shared} B, "
             f"setmaxnreg {regs}, ptxas spill stores {spills} B, wgmma serialized {serialized}")
 
 
@@ -54,14 +53,14 @@ def main() -> int:
     import triton
 
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
-    from moekit.experts.triton_gluon_tail import TAILS
+    from moekit.experts.triton_gluon_tail import TAILS, with_tail
 
     failed = 0
     cases = [(2048, UP_TILE, 64, True)] + [(n, down_tile(n), tail, False) for n in (2048, 768) for tail in TAILS]
     for inter, tile, tail, gated in cases:
         name = f"triton {triton.__version__} N={inter} {'gate-up' if gated else 'down'} tail {tail}"
         try:
-            print(f"OK {name}: {compile_tail_gemm(tile, tail, gated)}", flush=True)
+            print(f"OK {name}: {compile_tail_gemm(with_tail(tile, tail, gated), gated)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (report each)
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)

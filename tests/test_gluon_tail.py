@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.experts.triton_gluon_launch import DOWN_TILE, NARROW_DOWN_TILE, UP_TILE
-from moekit.experts.triton_gluon_tail import merged_blocks, tail_stages
+from moekit.experts.triton_gluon_launch import DOWN_TILE, NARROW_DOWN_TILE, UP_TILE, GluonTile, check_tile
+from moekit.experts.triton_gluon_tail import merged_blocks, tail_gemm_twin, with_tail
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
 
@@ -65,19 +65,25 @@ def test_merged_blocks_refuses_other_tails():
         merged_blocks(experts, ids, used, a, 32)
 
 
-def test_tail_stages_fit_sm90_and_refuse_a_128_row_gate_up_tail():
-    for tile, tail, gated in ((UP_TILE, 64, True), (DOWN_TILE, 64, False), (DOWN_TILE, 128, False),
-                              (NARROW_DOWN_TILE, 64, False)):
-        stages = tail_stages(tile, tail, gated)
+def test_tail_tiles_fit_sm90_with_the_most_stages_and_a_128_row_gate_up_tail_is_refused():
+    for tile, tail, gated, stages in ((UP_TILE, 64, True, 3), (DOWN_TILE, 64, False, 4), (DOWN_TILE, 128, False, 3),
+                                      (NARROW_DOWN_TILE, 64, False, 4)):
+        t = with_tail(tile, tail, gated)
+        assert (t.tail, t.stages, t.block_n, t.block_k, t.group_m) == (tail, stages, tile.block_n, tile.block_k,
+                                                                       tile.group_m)
         ring = stages * (BLOCK + tail + (2 if gated else 1) * tile.block_n) * tile.block_k * 2
-        assert stages >= 3 and ring + (BLOCK + tail) * tile.block_n * 2 <= 232448 - 1024
-    with pytest.raises(ValueError, match="gate-up"):
-        tail_stages(UP_TILE, 128, True)
+        assert t.shared_bytes(gated) == ring + (BLOCK + tail) * tile.block_n * 2 <= 232448
+        with pytest.raises(ValueError, match="SMEM"):  # one stage more does not fit
+            check_tile(GluonTile(stages=stages + 1, tail=tail, group_m=tile.group_m), gated)
+    with pytest.raises(ValueError):
+        with_tail(UP_TILE, 128, True)
+    with pytest.raises(ValueError, match="tail"):
+        GluonTile(tail=32)
 
 
 @pytest.mark.parametrize("tail, gated", [(64, True), (64, False), (128, False)])
 def test_tail_launch_matches_a_float64_loop(fake_gemms, tail, gated):  # noqa: F811
-    from moekit.experts.triton_gluon_tail import launch_tail_gemm
+    from moekit.experts.triton_gluon_launch import launch_gemm
 
     torch.manual_seed(0)
     counts = [130, 0, 200, 64, 257, 1]
@@ -88,10 +94,15 @@ def test_tail_launch_matches_a_float64_loop(fake_gemms, tail, gated):  # noqa: F
     h = torch.randn(rows, k, dtype=torch.bfloat16)
     w = (torch.randn(num_experts * w_rows, k) * k ** -0.5).to(torch.bfloat16)
     out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
-    launch_tail_gemm(h, w, out, experts, ids, torch.tensor([used], dtype=torch.int32), a, UP_TILE if gated else
-                     DOWN_TILE, w_rows, tail, gated=gated, gate_offset=n if gated else 0)
+    tile = with_tail(UP_TILE if gated else DOWN_TILE, tail, gated)
+    used_t = torch.tensor([used], dtype=torch.int32)
+    launch_gemm(h, w, out, experts, used_t, tile, gated, w_rows, n if gated else 0, ids, a)  # the tail kernel
     (_, bound, _), = fake_gemms["tail"].log
-    assert bound["GATED"] == gated and bound["STAGES"] == tail_stages(UP_TILE if gated else DOWN_TILE, tail, gated)
+    assert not fake_gemms["bf16"].log
+    assert bound["GATED"] == gated and bound["STAGES"] == tile.stages and bound["t_desc"].block_shape[0] == tail
+    twin = torch.full_like(out, float("nan"))
+    tail_gemm_twin(h, w, twin, experts, ids, used_t, a, tile, w_rows, gated, n if gated else 0)
+    torch.testing.assert_close(twin, out, equal_nan=True)
     for r in range(used):  # every real row, as float64
         if int(ids[r]) >= a:
             continue

@@ -35,39 +35,48 @@ _KERNELS = "moekit.experts._kernels"
 @dataclass(frozen=True)
 class GluonTile:
     """One GEMM's tile and pipeline: [BLOCK_M, block_n] outputs, block_k reduction steps, ``stages``
-    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. (64-row tiles and one
+    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64 or 128; 0:
+    off): a row block whose next block is the same expert's last one, holding at most ``tail`` real rows, also
+    computes that block's first ``tail`` rows from the same weight stages, and the last block's own tiles are
+    skipped (``triton_gluon_tail``, the padding tax; the gate-up GEMM: 64 only). (64-row tiles and one
     consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
+    tail: int = 0
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
             raise ValueError(f"block_n={self.block_n}, block_k={self.block_k}: 64/128/256 and 32/64/128")
         if self.stages < 2 or self.group_m < 1:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
+        if self.tail not in (0, 64, 128):
+            raise ValueError(f"tail={self.tail}: 0 (off), 64 or 128")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
-        """SMEM of one program: stages x (activation tile + one or two weight tiles) + the output tile."""
-        stage = (BLOCK_M + (2 if gated else 1) * self.block_n) * self.block_k
-        return element_size * (self.stages * stage + BLOCK_M * self.block_n)
+        """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
+        tiles (the tail's too)."""
+        stage = (BLOCK_M + self.tail + (2 if gated else 1) * self.block_n) * self.block_k
+        return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M, block_n] tiles)."""
-        return (2 if gated else 1) * BLOCK_M * self.block_n // (32 * NUM_WARPS)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
+        return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
-    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands)."""
+    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands); with a
+    tail 192 (the gate-up GEMM's four accumulators: sm_90 compile without spills, ``benchmarks/tail_compile_cpu.py``)."""
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
-    if tile.accumulator_registers(gated) > 128:
+    limit = 192 if tile.tail else 128
+    if tile.accumulator_registers(gated) > limit:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): "
-                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > 128")
+                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > {limit}")
 
 
 @dataclass(frozen=True)
@@ -164,10 +173,19 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
+                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T)."""
+    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding)."""
+    if tile.tail:
+        from moekit.experts.triton_gluon_tail import launch_tail_gemm
+
+        if sorted_ids is None:
+            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids")
+        launch_tail_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, gated,
+                         gate_offset)
+        return
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
