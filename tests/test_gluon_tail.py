@@ -115,3 +115,45 @@ def test_tail_launch_matches_a_float64_loop(fake_gemms, tail, gated):  # noqa: F
     for b, f in enumerate(folds):  # rows past a folded tail: never written
         if f:
             assert torch.isnan(out[(b + 1) * BLOCK + tail:(b + 2) * BLOCK].float()).all()
+
+
+def test_lean_launch_with_tails_equals_the_plain_tiles_and_a_float64_loop(fake_gemms):  # noqa: F811
+    """The lean launch binds the tail kernel (its T / CT descriptors, sorted_ids) for both GEMMs; the call equals the
+    one without tails bit for bit (the stand-ins compute every real row alike), first call and recorded sequence."""
+    from moekit.experts.triton_gluon_lean import run_lean
+    from moekit.experts.triton_gluon_tail import merged_blocks as folds_of
+
+    g = torch.Generator().manual_seed(3)
+    e, n, k, m, top_k = 4, 128, 128, 300, 2  # ~150 rows an expert: a 128-row block and a mostly empty one each
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * n, k, generator=g) * k ** -0.5).bfloat16()
+    w2 = (torch.randn(e, k, n, generator=g) * n ** -0.5).bfloat16()
+    ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.rand(m, top_k, generator=g), dim=1)
+    up, down = with_tail(UP_TILE, 64, True), with_tail(DOWN_TILE, 64, False)
+    plain = run_lean(x, w13, w2, ids, weights, None, UP_TILE, DOWN_TILE, in_loader=False)
+    first = run_lean(x, w13, w2, ids, weights, None, up, down)  # in_loader None: not with a gate-up tail
+    again = run_lean(x, w13, w2, ids, weights, None, up, down)
+    assert torch.equal(first, plain) and torch.equal(again, plain)
+    tail_calls = fake_gemms["tail"].log
+    assert len(tail_calls) == 4 and [c[1]["GATED"] for c in tail_calls] == [True, False, True, False]
+    _, bound, _ = tail_calls[0]
+    assert bound["t_desc"].block_shape == [64, 64] and bound["ct_desc"].block_shape == [64, 128]
+    used = int(bound["used_ptr"][0])
+    assert folds_of(bound["experts_ptr"], bound["sorted_ptr"], used, bound["num_assignments"], 64).any()
+    want = torch.zeros(m, k, dtype=torch.float64)
+    for t in range(m):
+        for j in range(top_k):
+            ex = int(ids[t, j])
+            gu = w13[ex].double() @ x[t].double()
+            want[t] += float(weights[t, j]) * (w2[ex].double() @ (torch.nn.functional.silu(gu[:n]) * gu[n:]))
+    assert ((plain.double() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_a_tail_tile_without_sorted_ids_is_refused():
+    from moekit.experts.triton_gluon_launch import launch_gemm
+
+    t = torch.zeros(256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sorted_ids"):
+        launch_gemm(t, t, t, torch.zeros(2, dtype=torch.int32), torch.tensor([256]), with_tail(DOWN_TILE, 64, False),
+                    False, 128)

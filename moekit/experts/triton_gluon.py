@@ -169,19 +169,21 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
         return run_lean(x, w13, w2, topk_ids, topk_weights, expert_map, UP_TILE, down_tile(inter), fast_key=fast_key)
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     w13_2d = w13.view(num_experts * 2 * inter, hidden)
-    in_loader = wants_loader_gather(x, inter)  # the gate-up GEMM reads x's rows itself and writes dst
+    # the gate-up GEMM reads x's rows itself and writes dst (not with a tail: the gather kernel's x_perm feeds that)
+    in_loader = wants_loader_gather(x, inter) and not plan.up.tail
     layout = gluon_layout(x, topk_ids, num_experts, expert_map, in_loader=in_loader)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
+    assignments = topk_ids.numel()  # a tile's tail reads the layout's sorted_ids (>= A: padding)
     if in_loader:
         launch_gather_gemm(x, layout.sorted_ids, layout.src_to_dst.view(-1), w13_2d, h, layout.block_experts,
                            layout.rows_used, topk_ids.shape[1], plan.up)
     else:
         launch_gemm(layout.x_perm, w13_2d, h, layout.block_experts, layout.rows_used, plan.up, gated=True,
-                    w_rows=2 * inter, gate_offset=inter)
+                    w_rows=2 * inter, gate_offset=inter, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     y = x.new_empty(rows, hidden)  # [R, K]
     launch_gemm(h, w2.view(num_experts * hidden, inter), y, layout.block_experts, layout.rows_used, plan.down,
-                gated=False, w_rows=hidden)
+                gated=False, w_rows=hidden, sorted_ids=layout.sorted_ids, num_assignments=assignments)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
