@@ -85,16 +85,28 @@ def whole_call(x, w13, w2, ids, rw, up_tail: int, down_tail: int) -> torch.Tenso
 
 
 def variants(w13, w2) -> list[Variant]:
+    """route; g128 (plain launches, the base); the tails on plain launches; the lean launch (what a route with tail
+    tiles would run: "lean down t64" keeps the in-loader gather where the route takes it, Qwen3)."""
     from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
+    from moekit.experts.triton_gluon_lean import run_lean
+    from moekit.experts.triton_gluon_tail import with_tail
 
     def gluon(up_tail, down_tail):
         return lambda x, i, r: whole_call(x, w13, w2, i, r, up_tail, down_tail)
+
+    def lean(up_tail, down_tail):
+        up = with_tail(UP_TILE, up_tail, True) if up_tail else UP_TILE
+        down = with_tail(down_tile(w2.shape[2]), down_tail, False) if down_tail else down_tile(w2.shape[2])
+        return lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down)
 
     return [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             Variant("g128", gluon(0, 0)),
             Variant("down t64", gluon(0, 64), 0, 64, "g128"),
             Variant("down t128", gluon(0, 128), 0, 128, "g128"),
-            Variant("both t64", gluon(64, 64), 64, 64, "g128")]
+            Variant("both t64", gluon(64, 64), 64, 64, "g128"),
+            Variant("lean down t64", lean(0, 64), 0, 64, "g128"),
+            Variant("lean both t64", lean(64, 64), 64, 64, "g128")]
 
 
 def block_classes(b: Buffers) -> dict:
