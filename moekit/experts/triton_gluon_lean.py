@@ -221,12 +221,18 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
                            PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
+    down_gemm = fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False)
+    if down.tail:  # the third consumer folding an expert's last block (gluon_gemm_fp8_tail): 8 pointers, then A
+        tail_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8_tail").tail_down_fp8_kernel
+        down_gemm = BoundLaunch(tail_gemm, grid(hidden, GROUP), 8, (num_assignments, inter, hidden // GROUP, hidden,
+                                inter // GROUP, *s2.stride()[:2]), STAGES=down.stages, GROUP_M=down.group_m,
+                                CONSUMER_REGS=down.consumer_regs, num_warps=CONSUMER_WARPS,
+                                maxnreg=down.max_registers, **launch)
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
                ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
     return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
-                 fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
-                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
+                 down_gemm, ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
 
 
 def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
@@ -261,9 +267,11 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     a_up, c_up, a_down, c_down = acts[:4]
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
+        tail = plan.down.kernel.fn.__name__ == "tail_down_fp8_kernel"  # the down tile's tail: sorted_ids read
+        down = ((a_down, pair.w2, c_down, b["h_s"], s2, b["expert_ids"], b["sorted_ids"], b["num_padded"]) if tail
+                else (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
-                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
+                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)), (plan.down, down)]
     else:
         t_up, ct_up, t_down, ct_down = acts[4:]
         tail_rows = (b["expert_ids"], b["sorted_ids"], b["num_padded"])
