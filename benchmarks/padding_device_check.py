@@ -4,13 +4,14 @@ and the Gluon GEMMs that fold it into the tiles of the block before it (``paddin
     PYTHONPATH=$PWD python3 benchmarks/padding_device_check.py --out $OUT/prefill5 [--deadline-s 120] [--rounds 7]
         [--cells bf16:deepseek-v3:4096 ...] [--variants "route,g128,down t64"]
 
-Per cell (bf16, preset, M; uniform routing, seeded; ``prefill_device_check``'s harness):
-  1. correctness: every variant against the torch twin of the Gluon path (rel L2 < 2e-3; the route < 1e-2), and each
-     tail variant bit for bit against "g128" (PASS/FAIL);
+Per cell (bf16 or fp8, preset, M; uniform routing, seeded; ``prefill_device_check``'s harness):
+  1. correctness: every variant against the torch twin of the Gluon path (rel L2 < 2e-3; the route and fp8 < 1e-2),
+     and each tail variant bit for bit against its base, "g128" or "gf8" (PASS/FAIL);
   2. the layout's blocks: used, folded by tail 64 / tail 128, rows per real row;
   3. whole call, CUDA-graph replay, ``--rounds`` interleaved rounds (median; rounds each variant beat g128 by >= 3%);
   4. the GEMMs alone (graph replay, median of 3): plain vs tail kernels on the uniform layout; the plain kernels on
-     its mostly empty last blocks alone, on the other blocks alone, and under a balanced routing (no padding).
+     its mostly empty last blocks alone, on the other blocks alone, and under a balanced routing (no padding); fp8:
+     the down GEMM plain vs with the tail consumer.
 JSON to ``--out``/padding.json after every cell; the table is printed last. Exit 1 when a check fails.
 """
 
@@ -30,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import padding_variants as pv  # noqa: E402
 import prefill_device_check as pdc  # noqa: E402
 
-CELLS = ("bf16:deepseek-v3:4096", "bf16:qwen3-30b-a3b:4096", "bf16:mixtral-8x7b:4096", "bf16:deepseek-v3:16384",
-         "bf16:qwen3-30b-a3b:16384")
+CELLS = ("bf16:deepseek-v3:4096", "bf16:qwen3-30b-a3b:4096", "fp8:deepseek-v3:4096", "fp8:qwen3-30b-a3b:4096",
+         "bf16:mixtral-8x7b:4096", "bf16:deepseek-v3:16384", "bf16:qwen3-30b-a3b:16384", "fp8:deepseek-v3:16384")
 RESULTS: dict = {"cells": []}
 SUMMARY: list[str] = []
 log = pdc.log
@@ -46,7 +47,7 @@ def check(name: str, v, x, ids, rw, ref, outs: dict) -> bool:
         log(f"FAIL {name} {v.name}: {type(exc).__name__}: {str(exc)[-600:]}")
         pdc.FAILED.append(f"{name} {v.name}")
         return False
-    tol = 1e-2 if v.name == "route" else 2e-3
+    tol = 1e-2 if v.name == "route" or v.name.startswith("gf8") else 2e-3
     ok = err < tol
     base = outs.get(v.same_as) if v.same_as else None
     if base is not None:
@@ -110,23 +111,41 @@ def gemms(name: str, s, x, ids, w13, w2, variants, mm: float, stop_at: float) ->
     return out
 
 
+def fp8_gemms(name: str, s, x, ids, q, mm: float) -> dict:
+    """The fp8 down GEMM alone, plain vs the tail consumer, on the uniform layout: µs and % of the fp8 mm rate."""
+    plain, tail, rows_used = pv.fp8_down_pair(x, ids, q)
+    flops = 2 * x.shape[0] * s.top_k * s.n * s.k
+    out = {"padded_rows_per_row": int(rows_used.item()) / ids.numel()}
+    for kind, fn in (("down plain", plain), ("down t64", tail)):
+        us = time_fn(fn)
+        out[kind] = us
+        log(f"{name} fp8 {kind}: {us:.1f} us ({100 * flops / (us * 1e-6) / 1e12 / mm:.1f}% fp8 mm)")
+    return out
+
+
 def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: Path, wanted: list) -> None:
     from moekit.bench.cells import Shape, make_weights, uniform_routing
     from moekit.experts.triton_gluon import experts_gluon_twin
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8_twin
 
     dtype, preset, m = spec.split(":")
-    if dtype != "bf16":
-        raise ValueError(f"{spec}: bf16 cells only")
     m = int(m)
-    mm = ceil["bf16_mm_TFLOPs"]
+    mm = ceil["bf16_mm_TFLOPs"] if dtype == "bf16" else ceil["fp8_mm_TFLOPs"]
     s = Shape.from_preset(preset)
     w = make_weights(s, torch.bfloat16, dev)
     routing = uniform_routing(m, s, dev, seed=m)
     ids, rw = routing.topk_ids, routing.topk_weights
     x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
-    ref = experts_gluon_twin(x, w.w13, w.w2, ids, rw)
     name = f"{dtype} {preset} M={m}"
-    variants = [v for v in pv.variants(w.w13, w.w2) if not wanted or v.name in wanted]
+    if dtype == "fp8":
+        q = (*pdc.quantize_chunked(w.w13), *pdc.quantize_chunked(w.w2))
+        del w
+        ref = experts_gluon_fp8_twin(x, *q, ids, rw)
+        variants = pv.fp8_variants(q)
+    else:
+        ref = experts_gluon_twin(x, w.w13, w.w2, ids, rw)
+        variants = pv.variants(w.w13, w.w2)
+    variants = [v for v in variants if not wanted or v.name in wanted]
     outs: dict = {}
     passing = [v for v in variants if check(name, v, x, ids, rw, ref, outs)]
     del ref, outs
@@ -136,7 +155,8 @@ def run_cell(spec: str, dev, ceil: dict, rounds: int, stop_at: float, out_dir: P
     (out_dir / "padding.json").write_text(json.dumps(RESULTS, indent=1))
     summarize(name, cell)
     if time.perf_counter() - pdc.T0 < stop_at:
-        cell["gemms"] = gemms(name, s, x, ids, w.w13, w.w2, passing, mm, stop_at)
+        cell["gemms"] = (fp8_gemms(name, s, x, ids, q, mm) if dtype == "fp8"
+                         else gemms(name, s, x, ids, w.w13, w.w2, passing, mm, stop_at))
         (out_dir / "padding.json").write_text(json.dumps(RESULTS, indent=1))
 
 
@@ -153,7 +173,7 @@ def summarize(name: str, cell: dict) -> None:
         med = statistics.median(t)
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
         line = f"{name:30s} {n:10s} {med:9.1f} us {pct:5.1f}% mm"
-        for base in ("route", "g128"):
+        for base in ("route", "g128", "gf8"):
             if n != base and rounds.get(base):
                 line += f"  vs {base} {versus(t, rounds[base])}"
         SUMMARY.append(line)
@@ -171,10 +191,12 @@ def main() -> int:
     dev = torch.device("cuda")
     pdc.SUMMARY = SUMMARY  # the watchdog's table is this script's
     threading.Thread(target=pdc.watchdog, daemon=True).start()
-    from moekit.bench.ceilings import measure_ceilings
+    from moekit.bench.ceilings import measure_ceilings, measure_fp8_mm
 
     base = measure_ceilings(dev)
     ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
+    if any(c.startswith("fp8") for c in args.cells):
+        ceil["fp8_mm_TFLOPs"] = measure_fp8_mm(dev).TFLOPs
     RESULTS["ceilings"] = ceil
     log(f"ceilings: {ceil}; torch {torch.__version__}")
     wanted = [n.strip() for n in args.variants.split(",") if n.strip()]

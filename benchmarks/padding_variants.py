@@ -109,6 +109,47 @@ def variants(w13, w2) -> list[Variant]:
             Variant("lean both t64", lean(64, 64), 64, 64, "g128")]
 
 
+def fp8_variants(q: tuple) -> list[Variant]:
+    """q = (w13_q, w13_scale, w2_q, w2_scale): the route (the fp8 Gluon path's lean launch at these cells), the lean
+    launch with the plan's pipelines ("gf8", the base) and with the down GEMM's tail consumer ("gf8 down t64")."""
+    from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, DOWN_TILE_T64, UP_TILE
+    from moekit.experts.triton_gluon_lean import run_lean
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
+    w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
+
+    def lean(down):
+        return lambda x, i, r: run_lean(x, q[0], q[2], i, r, None, UP_TILE, down, q[1], q[3])
+
+    return [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
+            Variant("gf8", lean(DOWN_TILE)),
+            Variant("gf8 down t64", lean(DOWN_TILE_T64), 0, 64, "gf8")]
+
+
+def fp8_down_pair(x, ids, q) -> tuple:
+    """(plain down launch, tail down launch, rows_used) on x's quantized layout under ``ids`` (h from the gate-up
+    GEMM, run once here)."""
+    from moekit.experts.triton_gluon_fp8 import gluon_fp8_layout
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, DOWN_TILE_T64, UP_TILE, launch_gemm_fp8
+
+    w13_q, w13_s, w2_q, w2_s = q
+    num_experts, hidden, inter = w2_q.shape
+    lay = gluon_fp8_layout(x, ids, num_experts)
+    rows = lay.x_q.shape[0]
+    h_q = torch.empty(rows, inter, device=x.device, dtype=torch.float8_e4m3fn)  # [R, N]
+    h_s = torch.empty(rows, inter // 128, device=x.device, dtype=torch.float32)
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm_fp8(lay.x_q, lay.x_s, w13_q, w13_s, h_q, h_s, lay.block_experts, lay.rows_used, UP_TILE, True, inter)
+
+    def down(tile):
+        return lambda: launch_gemm_fp8(h_q, h_s, w2_q, w2_s, y, None, lay.block_experts, lay.rows_used, tile, False,
+                                       sorted_ids=lay.sorted_ids, num_assignments=ids.numel())
+
+    return down(DOWN_TILE), down(DOWN_TILE_T64), lay.rows_used
+
+
 def block_classes(b: Buffers) -> dict:
     """Host-side counts of the layout's row blocks (syncs): used blocks, the mostly empty last blocks (tail 64, the
     ones the tail-64 kernels fold), any last block after another (tail 128), rows per real row."""
