@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from moekit.experts._kernels.gluon_gemm import _tile_of
 from moekit.experts._kernels.gluon_gemm_fp8 import _epilogue, _k_loop, _tma_load
-from moekit.experts._kernels.gluon_gemm_tail import _merges
+from moekit.experts._kernels.gluon_gemm_tail import _merges, _tile_state
 
 FIRST, SECOND, TAIL = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # the consumers' halves (TAIL: block b + 1)
 
@@ -89,10 +89,12 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, expe
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     c_buf = c_bufs.index(HALF)
     it = 0
+    rb, cb, merged, skipped = _tile_state(gl.program_id(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr,
+                                          sorted_ptr, num_assignments, GROUP_M, 2 * HALF_M, HALF_M)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, 2 * HALF_M, HALF_M)
-        skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, 2 * HALF_M, HALF_M)
+        rb_next, cb_next, merged_next, skipped_next = _tile_state(
+            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr,
+            num_assignments, GROUP_M, 2 * HALF_M, HALF_M)
         if skipped == 0:
             if HALF == 2:
                 if merged != 0:
@@ -107,6 +109,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, as_ptr, ws_ptr, expe
             else:
                 it = _half_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, as_ptr, ws_ptr, experts_ptr, rb, cb,
                                 k_steps, it, stride_as, stride_wse, stride_wsr, HALF, layout)
+        rb, cb, merged, skipped = rb_next, cb_next, merged_next, skipped_next
     tma.store_wait(0)
 
 

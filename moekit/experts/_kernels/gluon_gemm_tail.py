@@ -30,17 +30,28 @@ from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
 @gluon.jit
 def _merges(experts_ptr, sorted_ptr, b, num_row_blocks, num_assignments, BLOCK_M: gl.constexpr,
             TAIL: gl.constexpr):
-    """Whether row block b (-1 allowed: False) takes block b + 1 into its tiles: b + 1 is the same expert's last
-    block and holds at most TAIL real rows (an expert's real rows come first in its segment)."""
-    bc = gl.maximum(b, 0)
-    last = num_row_blocks - 1
-    e = gl.load(experts_ptr + bc)
-    e1 = gl.load(experts_ptr + gl.minimum(bc + 1, last))
-    e2 = gl.load(experts_ptr + gl.minimum(bc + 2, last))
-    ok = (b >= 0) & (bc + 1 <= last) & (e1 == e) & ((bc + 2 > last) | (e2 != e))
+    """Whether row block b takes block b + 1 into its tiles (1 or 0): b + 1 is the same expert's last block and holds
+    at most TAIL real rows (an expert's real rows come first in its segment). Any b (-1, past the rows in use): 0,
+    nothing read out of range."""
+    ok = (b >= 0) & (b + 1 < num_row_blocks)
+    e = gl.load(experts_ptr + b, mask=ok, other=-1)
+    e1 = gl.load(experts_ptr + b + 1, mask=ok, other=-2)
+    e2 = gl.load(experts_ptr + b + 2, mask=ok & (b + 2 < num_row_blocks), other=-3)  # -3: no block b + 2
+    ok = ok & (e1 == e) & (e2 != e)
     if TAIL < BLOCK_M:
-        ok = ok & (gl.load(sorted_ptr + gl.minimum(bc + 1, last) * BLOCK_M + TAIL) >= num_assignments)
+        ok = ok & (gl.load(sorted_ptr + (b + 1) * BLOCK_M + TAIL, mask=ok, other=0) >= num_assignments)
     return ok.to(gl.int32)
+
+
+@gluon.jit
+def _tile_state(t, num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr, num_assignments,
+                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, TAIL: gl.constexpr):
+    """(row block, column block, merged, skipped) of tile min(t, num_tiles - 1): the MMA partitions read the next
+    tile's while this one's MMAs run (its loads off the critical path between tiles)."""
+    rb, cb = _tile_of(gl.minimum(t, gl.maximum(num_tiles - 1, 0)), num_row_blocks, num_col_blocks, GROUP_M)
+    merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, BLOCK_M, TAIL)
+    skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, BLOCK_M, TAIL)
+    return rb, cb, merged, skipped
 
 
 @gluon.jit
@@ -190,16 +201,19 @@ def _tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, emp
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
+    rb, cb, merged, skipped = _tile_state(gl.program_id(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr,
+                                          sorted_ptr, num_assignments, GROUP_M, BLOCK_M, TAIL)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, BLOCK_M, TAIL)
-        skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, BLOCK_M, TAIL)
+        rb_next, cb_next, merged_next, skipped_next = _tile_state(
+            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr,
+            num_assignments, GROUP_M, BLOCK_M, TAIL)
         if skipped == 0:
             if merged != 0:
                 it = _merged_tile(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, rb, cb,
                                   k_steps, it, GATED, layout, tail_layout)
             else:
                 it = _tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, GATED, layout)
+        rb, cb, merged, skipped = rb_next, cb_next, merged_next, skipped_next
     tma.store_wait(0)
 
 
