@@ -89,10 +89,10 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_gemm(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
-              GATE_OFFSET, GATED, **_):
-    """The bf16 GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's own
-    tiles write nothing."""
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
+              **_):
+    """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
+    own tiles write nothing."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, tail = c.shape[1], t_desc.block_shape[0]
     folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
@@ -101,27 +101,7 @@ def tail_gemm(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, 
             continue
         e, first = int(experts_ptr[block]), block * BLOCK
         rows = slice(first, first + BLOCK + (tail if fold else 0))
-        product = a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T
-        if GATED:
-            up = a[rows].float() @ w[e * W_ROWS + GATE_OFFSET:e * W_ROWS + GATE_OFFSET + cols].float().T
-            product = torch.nn.functional.silu(product) * up
-        c[rows] = product.to(c.dtype)
-
-
-def fp8_tail_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, experts_ptr, sorted_ptr, used_ptr, num_assignments, w_rows,
-                  **_):
-    """The fp8 down GEMM with the tail consumer: a folding block's tiles also write block b + 1's first 64 rows."""
-    a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols, half = c.shape[1], BLOCK // 2
-    folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, half)
-    for block, fold in enumerate(folds):
-        if block and folds[block - 1]:
-            continue
-        e = int(experts_ptr[block])
-        w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-        for first in range(block * BLOCK, (block + 1) * BLOCK + (half if fold else 0), half):  # the consumers' halves
-            rows = slice(first, first + half)
-            c[rows] = (_dequant_rows(a[rows], as_ptr[rows]) @ w_e[:cols].T).to(c.dtype)
+        c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
 
 
 class FakeKernel:
@@ -150,8 +130,8 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "fp8 tail": FakeKernel} (the gather: the bf16 gate-up GEMM with the
-    gather in its loader; tail / fp8 tail: the GEMMs folding an expert's mostly empty last block)."""
+    returns {"bf16", "fp8", "gather", "tail": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in its
+    loader; tail: the bf16 down GEMM folding an expert's mostly empty last block)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -160,8 +140,7 @@ def install_fakes(setattr_=setattr) -> dict:
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
-                                     ("tail", "gluon_gemm_tail", "tail_gemm_kernel", tail_gemm),
-                                     ("fp8 tail", "gluon_gemm_fp8_tail", "tail_down_fp8_kernel", fp8_tail_gemm)):
+                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

@@ -76,15 +76,16 @@ class GluonLeanPlan:
     workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
-    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (up T, up CT, down T,
-    # down CT), the tails' (None without one: ``GluonTile.tail``)
+    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (down T, down CT), the
+    # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
     # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
-    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded; with a tail (bf16): A, T, W, C, CT
-    # descriptors, expert_ids, sorted_ids, num_padded
+    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
-    down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
+    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
+    down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
@@ -118,9 +119,11 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
     ``triton_gluon_launch.loader_gather_fits``)."""
-    if in_loader and (fp8 or not loader_gather_fits(x) or up.tail):
-        raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows and a gate-up tile without "
-                         f"a tail (fp8={fp8}, x stride {x.stride()}, address % 16 = {x.data_ptr() % 16}, up={up})")
+    if in_loader and (fp8 or not loader_gather_fits(x)):
+        raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
+                         f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
+    if not fp8 and up.tail:
+        raise ValueError(f"up={up}: a tail is for the down GEMM only")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -170,16 +173,15 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
         return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
 
     blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n),
-              *tail_blocks(up), *tail_blocks(down))
+              *tail_blocks(down))
     weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.tail:  # the folded-tail kernel (``triton_gluon_tail``): 8 pointers, then A
-            tail_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_gemm_kernel
-            return BoundLaunch(tail_gemm, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
-                               cols // tile.block_n), W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated,
-                               STAGES=tile.stages, GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
-                               **launch)
+        if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
+            tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
+            return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
+                               cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
+                               num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
@@ -221,18 +223,12 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
                            PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
                            maxnreg=tile.max_registers, **launch)
 
-    down_gemm = fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False)
-    if down.tail:  # the third consumer folding an expert's last block (gluon_gemm_fp8_tail): 8 pointers, then A
-        tail_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8_tail").tail_down_fp8_kernel
-        down_gemm = BoundLaunch(tail_gemm, grid(hidden, GROUP), 8, (num_assignments, inter, hidden // GROUP, hidden,
-                                inter // GROUP, *s2.stride()[:2]), STAGES=down.stages, GROUP_M=down.group_m,
-                                CONSUMER_REGS=down.consumer_regs, num_warps=CONSUMER_WARPS,
-                                maxnreg=down.max_registers, **launch)
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
                ("h_s", torch.float32, (rows, inter // GROUP)), ("y", x.dtype, (rows, hidden))]
     return _Part(regions, gather, fp8_gemm(up, hidden, inter, 2 * inter, inter, groups, s13, inter // GROUP, True),
-                 down_gemm, ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
+                 fp8_gemm(down, inter, hidden, hidden, 0, inter // GROUP, s2, inter // GROUP, False),
+                 ((HALF_M, GROUP),) * 4, ((GROUP, GROUP), (GROUP, GROUP)))
 
 
 def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
@@ -245,15 +241,14 @@ def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPa
 
 def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
     """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one;
-    up A is None with the gather in the gate-up GEMM's loader (no x_perm); bf16 then the tails' (up T over x_perm,
-    up CT over h, down T over h, down CT over y; None without a tail)."""
+    up A is None with the gather in the gate-up GEMM's loader (no x_perm); bf16 then the down tail's (T over h, CT
+    over y; None without a tail)."""
     if plan.fp8:
         a_up, h = gluon_descriptor(b["x_q"], plan.blocks[0]), gluon_descriptor(b["h_q"], plan.blocks[1])
         return a_up, h, h, gluon_descriptor(b["y"], plan.blocks[3])
     a_up = gluon_descriptor(b["x_perm"], plan.blocks[0]) if plan.gather is not None else None
-    regions = (b.get("x_perm"), b["h"], b["h"], b["y"])
     tails = tuple(None if block is None else gluon_descriptor(region, block)
-                  for region, block in zip(regions, plan.blocks[4:]))
+                  for region, block in zip((b["h"], b["y"]), plan.blocks[4:]))
     return (a_up, gluon_descriptor(b["h"], plan.blocks[1]),
             gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]), *tails)
 
@@ -267,22 +262,18 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     a_up, c_up, a_down, c_down = acts[:4]
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
-        tail = plan.down.kernel.fn.__name__ == "tail_down_fp8_kernel"  # the down tile's tail: sorted_ids read
-        down = ((a_down, pair.w2, c_down, b["h_s"], s2, b["expert_ids"], b["sorted_ids"], b["num_padded"]) if tail
-                else (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)), (plan.down, down)]
+                     (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
+                     (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
-        t_up, ct_up, t_down, ct_down = acts[4:]
-        tail_rows = (b["expert_ids"], b["sorted_ids"], b["num_padded"])
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, *tail_rows) if t_down is not None
-                else (a_down, pair.w2, c_down, *rows))
+        t_down, ct_down = acts[4:]
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
+                if t_down is not None else (a_down, pair.w2, c_down, *rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:
             launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                         (plan.up, (a_up, t_up, pair.w13, c_up, ct_up, *tail_rows) if t_up is not None
-                          else (a_up, pair.w13, c_up, *rows))]
+                         (plan.up, (a_up, pair.w13, c_up, *rows))]
         launches.append((plan.down, down))
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
     # gate-up GEMM's loader): no fill
@@ -306,14 +297,13 @@ def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it and
-    the gate-up tile has no tail)."""
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
-    if in_loader is None:  # not with a gate-up tail: the gather kernel's x_perm feeds it
-        in_loader = s13 is None and not up.tail and wants_loader_gather(x, w2.shape[-1])
+    if in_loader is None:
+        in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
     plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
