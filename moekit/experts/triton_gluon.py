@@ -73,7 +73,8 @@ class GluonChoice:
 
     def wants(self, num_tokens: int, inter: int, top_k: int = 0, num_experts: int = 0) -> bool:
         """``top_k``, ``num_experts`` (0: unknown): also where the down GEMM's tail pays (``wants_tail``: DeepSeek-V3
-        M = 4096, the lean launch with it 1.083x the fused kernels, >= 3% in 6 of 7 rounds, ...-1008e29-prefill5-ck1)."""
+        M = 4096, the lean launch with it 1.083x the fused kernels, >= 3% in 6 of 7 rounds,
+        raw/...-1008e29-prefill5-ck1.log)."""
         return (num_tokens >= self.min_tokens or (num_tokens >= self.min_tokens_narrow and inter <= self.narrow_inter)
                 or (num_tokens >= self.min_tokens_wide and inter >= self.wide_inter)
                 or (top_k > 0 and wants_tail(num_tokens, top_k, num_experts, inter)))
