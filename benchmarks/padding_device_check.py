@@ -152,7 +152,7 @@ def summarize(name: str, cell: dict) -> None:
         med = statistics.median(t)
         pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
         line = f"{name:30s} {n:10s} {med:9.1f} us {pct:5.1f}% mm"
-        for base in ("route", "lean g128"):
+        for base in ("route", "fused", "lean g128"):
             if n != base and rounds.get(base):
                 line += f"  vs {base} {versus(t, rounds[base])}"
         SUMMARY.append(line)
