@@ -113,7 +113,7 @@ def run_cell(preset: str, tokens: int, weights, dev: torch.device, mm: float, sm
     twin = experts_gluon_twin(x, w13, w2, ids, rw)
     triton_out = run_experts(x, w13, w2, ids, rw, backend="triton")
     err_triton = rel_l2(triton_out, twin)
-    pick = DEFAULT_CHOICE.wants(tokens, N)
+    pick = DEFAULT_CHOICE.wants(tokens, N, k, E)
     auto = lambda: experts_triton_gluon(x, w13, w2, ids, rw)  # noqa: E731
     if smoke:  # no Gluon on the CPU: the backend must fall back to the triton kernels, bit for bit
         fallback_ok = torch.equal(auto(), triton_out)

@@ -91,7 +91,7 @@ def backend_path(dtype: str, shape: Shape, m: int) -> str:
     if dtype == "bf16":
         from moekit.experts.triton_gluon import DEFAULT_CHOICE
 
-        return "gluon" if DEFAULT_CHOICE.wants(m, shape.n) else "triton"
+        return "gluon" if DEFAULT_CHOICE.wants(m, shape.n, shape.top_k, shape.num_experts) else "triton"
     from moekit.experts.triton_gluon_fp8 import DEFAULT_FP8_CHOICE
 
     return "gluon" if DEFAULT_FP8_CHOICE.wants(m, shape.top_k, shape.n, shape.k, shape.num_experts) else "triton"

@@ -80,6 +80,30 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
                 c[rows] = product.to(c.dtype)
 
 
+def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bool]:
+    """Per used block b: b takes block b + 1's first ``tail`` rows (b + 1 the same expert's last block, its row
+    ``tail`` padding when tail < 128)."""
+    nrb = int(used_ptr[0]) // BLOCK
+    ex = [int(e) for e in experts_ptr[:nrb]]
+    return [b + 1 < nrb and ex[b + 1] == ex[b] and not (b + 2 < nrb and ex[b + 2] == ex[b])
+            and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
+
+
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
+              **_):
+    """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
+    own tiles write nothing."""
+    a, w, c = a_desc.base, w_desc.base, c_desc.base
+    cols, tail = c.shape[1], t_desc.block_shape[0]
+    folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
+    for block, fold in enumerate(folds):
+        if block and folds[block - 1]:
+            continue
+        e, first = int(experts_ptr[block]), block * BLOCK
+        rows = slice(first, first + BLOCK + (tail if fold else 0))
+        c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
+
+
 class FakeKernel:
     """``kernel[grid](*args, **kwargs)`` -> ``body`` on the arguments bound to ``real``'s parameters."""
 
@@ -106,8 +130,8 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16": FakeKernel, "fp8": FakeKernel, "gather": FakeKernel} (the gather: the bf16 gate-up GEMM with
-    the gather in its loader)."""
+    returns {"bf16", "fp8", "gather", "tail": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in its
+    loader; tail: the bf16 down GEMM folding an expert's mostly empty last block)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -115,7 +139,8 @@ def install_fakes(setattr_=setattr) -> dict:
     fakes = {}
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
-                                     ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm)):
+                                     ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
+                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

@@ -332,7 +332,7 @@ def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOpt
         if not _GLUON:
             _import_gluon()
         gluon = _GLUON[0]
-        if not gluon.DEFAULT_CHOICE.wants(x.shape[0], w2.shape[-1]):
+        if not gluon.DEFAULT_CHOICE.wants(x.shape[0], w2.shape[-1], topk_weights.shape[1], w2.shape[0]):
             return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         out = gluon.run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
     else:  # the Gluon route takes the default options only

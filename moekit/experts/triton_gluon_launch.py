@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,33 +35,43 @@ _KERNELS = "moekit.experts._kernels"
 @dataclass(frozen=True)
 class GluonTile:
     """One GEMM's tile and pipeline: [BLOCK_M, block_n] outputs, block_k reduction steps, ``stages``
-    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. (64-row tiles and one
-    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
+    down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
+    computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
+    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
+    sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
+    tail: int = 0
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
             raise ValueError(f"block_n={self.block_n}, block_k={self.block_k}: 64/128/256 and 32/64/128")
         if self.stages < 2 or self.group_m < 1:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
+        if self.tail not in (0, 64):
+            raise ValueError(f"tail={self.tail}: 0 (off) or 64")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
-        """SMEM of one program: stages x (activation tile + one or two weight tiles) + the output tile."""
-        stage = (BLOCK_M + (2 if gated else 1) * self.block_n) * self.block_k
-        return element_size * (self.stages * stage + BLOCK_M * self.block_n)
+        """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
+        tiles (the tail's too)."""
+        stage = (BLOCK_M + self.tail + (2 if gated else 1) * self.block_n) * self.block_k
+        return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M, block_n] tiles)."""
-        return (2 if gated else 1) * BLOCK_M * self.block_n // (32 * NUM_WARPS)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
+        return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
-    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands)."""
+    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
+    the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
+    if gated and tile.tail:
+        raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -90,18 +100,45 @@ NARROW_INTER = 1024
 NARROW_DOWN_TILE = GluonTile(block_n=128, block_k=64, stages=6, group_m=1)
 
 
+# The padding tax (issue 19): the route's down GEMM folds an expert's mostly empty last 128-row block into the tiles
+# of the block before it (``GluonTile.tail``) where the call's assignments per expert M*k/E lie in TAIL_PER_EXPERT
+# for experts wider than NARROW_INTER: about half the experts then end 1-40 rows past a block. Its 4 stages (not 6)
+# make every other tile slower, so it pays only there. H200 run 1 (raw/NVIDIA_H200-2026-12-03-1008e29-prefill5-ck1.log,
+# 7 interleaved graph rounds): DeepSeek-V3 M = 4096 (M*k/E = 128, 123 of 379 blocks folded) the lean launch with it
+# 7421 us against the route's fused kernels 8036 (1.083x, >= 3% in 6 of 7), its down GEMM alone 2668 against 2912;
+# slower where few blocks fold: Qwen3 4096 (256 a expert, narrow) 0.99x, Mixtral 4096 0.94x, DeepSeek-V3 16384 0.88x
+TAIL_PER_EXPERT = (112, 160)
+
+
+def wants_tail(num_tokens: int, top_k: int, num_experts: int, inter: int) -> bool:
+    """Whether the route's down GEMM takes the tail (``TAIL_PER_EXPERT``, experts wider than ``NARROW_INTER``)."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    return inter > NARROW_INTER and TAIL_PER_EXPERT[0] <= per_expert <= TAIL_PER_EXPERT[1]
+
+
 def plan_gluon(num_tokens: int, top_k: int, num_experts: int, inter: int) -> GluonPlan:
     """The plan of a call (``inter``: N); its rows hold any routing of the M*k assignments
-    (``max_padded_rows``)."""
+    (``max_padded_rows``); the down tile with the tail where ``wants_tail``."""
     from moekit.layouts.grouping import max_padded_rows
 
     rows = max_padded_rows(num_tokens * top_k, num_experts, BLOCK_M)
-    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter))
+    return GluonPlan(rows=rows, up=UP_TILE, down=down_tile(inter, wants_tail(num_tokens, top_k, num_experts, inter)))
 
 
-def down_tile(inter: int) -> GluonTile:
-    """The down GEMM's tile for experts ``inter`` (N) wide."""
-    return NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
+def down_tile(inter: int, tail: bool = False) -> GluonTile:
+    """The down GEMM's tile for experts ``inter`` (N) wide; ``tail``: with the 64-row tail (``with_tail``)."""
+    tile = NARROW_DOWN_TILE if inter <= NARROW_INTER else DOWN_TILE
+    return with_tail(tile) if tail else tile
+
+
+def with_tail(tile: GluonTile) -> GluonTile:
+    """The down ``tile`` with the 64-row tail and the most stages (at most its own) that fit sm_90: 4 (4 x 40 KB ring
+    + 48 KB out)."""
+    for stages in range(tile.stages, 1, -1):
+        candidate = replace(tile, tail=64, stages=stages)
+        if candidate.shared_bytes(gated=False) <= SHARED_BYTES:
+            return candidate
+    raise ValueError(f"tile={tile}: no stage count fits with a tail")
 
 
 @functools.cache
@@ -164,10 +201,18 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0) -> None:
+                rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
+                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T)."""
+    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding)."""
+    if tile.tail:
+        from moekit.experts.triton_gluon_tail import launch_tail_down
+
+        if sorted_ids is None or gated:
+            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
+        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
+        return
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])

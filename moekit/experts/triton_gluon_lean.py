@@ -76,13 +76,16 @@ class GluonLeanPlan:
     workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
-    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C)
+    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (down T, down CT), the
+    # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
     # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
     # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
     up: BoundLaunch
-    down: BoundLaunch  # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same
+    # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
+    down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
@@ -119,6 +122,8 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
+    if not fp8 and up.tail:
+        raise ValueError(f"up={up}: a tail is for the down GEMM only")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -163,10 +168,20 @@ class _Part:
 def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -> _Part:
     rows, num_assignments, top_k, hidden, inter = sizes
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
-    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n))
+
+    def tail_blocks(tile) -> tuple:
+        return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
+
+    blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n),
+              *tail_blocks(down))
     weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
+        if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
+            tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
+            return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
+                               cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
+                               num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
@@ -226,13 +241,16 @@ def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPa
 
 def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
     """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one;
-    up A is None with the gather in the gate-up GEMM's loader (no x_perm)."""
+    up A is None with the gather in the gate-up GEMM's loader (no x_perm); bf16 then the down tail's (T over h, CT
+    over y; None without a tail)."""
     if plan.fp8:
         a_up, h = gluon_descriptor(b["x_q"], plan.blocks[0]), gluon_descriptor(b["h_q"], plan.blocks[1])
         return a_up, h, h, gluon_descriptor(b["y"], plan.blocks[3])
     a_up = gluon_descriptor(b["x_perm"], plan.blocks[0]) if plan.gather is not None else None
+    tails = tuple(None if block is None else gluon_descriptor(region, block)
+                  for region, block in zip((b["h"], b["y"]), plan.blocks[4:]))
     return (a_up, gluon_descriptor(b["h"], plan.blocks[1]),
-            gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]))
+            gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]), *tails)
 
 
 def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPair, x, ids, weights, expert_map, out,
@@ -241,18 +259,22 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
     combine. ``b``: the workspace's regions; ``acts``: their descriptors; any argument may be a stand-in."""
     map_or_ids = expert_map if expert_map is not None else ids  # read only with a map
     launches = align_launches(plan.align, ids, map_or_ids, b, counters)
-    a_up, c_up, a_down, c_down = acts
+    a_up, c_up, a_down, c_down = acts[:4]
     rows = (b["expert_ids"], b["num_padded"])
     if plan.fp8:
         launches += [(plan.gather, (x, b["sorted_ids"], b["x_q"], b["x_s"], b["dst"])),
                      (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
-    elif plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
-        launches += [(plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)),
-                     (plan.down, (a_down, pair.w2, c_down, *rows))]
     else:
-        launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                     (plan.up, (a_up, pair.w13, c_up, *rows)), (plan.down, (a_down, pair.w2, c_down, *rows))]
+        t_down, ct_down = acts[4:]
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
+                if t_down is not None else (a_down, pair.w2, c_down, *rows))
+        if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
+            launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
+        else:
+            launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
+                         (plan.up, (a_up, pair.w13, c_up, *rows))]
+        launches.append((plan.down, down))
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
     # gate-up GEMM's loader): no fill
     launches.append((plan.combine, (b["y"], b["dst"], weights, out, ids, map_or_ids)))
