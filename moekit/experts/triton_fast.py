@@ -34,6 +34,7 @@ from threading import get_ident
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
+import moekit.experts.triton_lean as triton_lean
 from moekit.experts.triton_lean import LaunchSequence, launch_lean
 from moekit.experts.triton_plan import Plan
 from moekit.experts.triton_quant_fast import run_quant_fast
@@ -149,6 +150,11 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
+    batch = sequence.batch
+    if batch is not None and triton_lean.BATCHED and sequence.large is None:  # one C call: launch_lean's, inline
+        out = torch.empty_like(x)  # [M, K]
+        batch.launch_all(batch.blob, stream, *pointers, out, None, None, None, w13, w2)
+        return out
     if not READ_ONCE:
         return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
     # the launches take addresses where every one is raw (``LaunchSequence.addressed``): these ones, read above
