@@ -31,6 +31,7 @@ import time
 import torch
 
 import moekit.batch_launch as bl
+import moekit.experts.triton as tri
 import moekit.experts.triton_fast as fast
 import moekit.experts.triton_lean as lean
 from host_big3_device_check import (DEEPSEEK, QWEN3, TOL, Deadline, _kept_sequence, _med, _rel, _weights, host_rest,
@@ -45,6 +46,12 @@ CALL_CELLS = [(QWEN3, "bfloat16", 1), (QWEN3, "bfloat16", 1024), (QWEN3, "bfloat
 VARIANTS = {"step": False, "batch": True}  # triton_lean.BATCHED
 _OUT = [None]
 _SKIP_BATCH = [False]  # the probe failed: no batched call in this process
+
+
+def use(batched: bool) -> None:
+    """``triton_lean.BATCHED``, the caches dropped: it is read when a sequence is recorded."""
+    lean.BATCHED = batched
+    tri.clear_launch_caches()
 
 
 def save(results: dict) -> None:
@@ -87,10 +94,8 @@ def batch_noop(calls: list, busy: bool) -> float:
 
 
 def why_not() -> str:
-    """Why no kept sequence has a batch: the C module, each step's raw flag and known signature."""
-    steps = [(bool(step[3]), step[1][4] in bl.KINDS if step[3] else None)
-             for q in kept_sequences() for step in q.steps]
-    return f"module {bl.build() is not None}/{bl.module() is not None} steps (raw, known) {steps}"
+    """Why no kept sequence has a batch: ``batch_launch.refusal`` of each."""
+    return "; ".join(sorted({str(bl.refusal(q.steps)) for q in kept_sequences()}))
 
 
 def probe_child() -> None:
@@ -100,17 +105,18 @@ def probe_child() -> None:
         shape = Shape.from_preset(preset)
         w13, w2 = _weights(shape, dtype)
         s = make_sets(shape, m, 1, torch.bfloat16, torch.device("cuda"))[0]
-        lean.BATCHED = False
+        use(False)
         for _ in range(3):
             want = fn(s.x, w13, w2, s.topk_ids, s.topk_weights)
-        batched = [q for q in kept_sequences() if q.batch is not None]
-        lean.BATCHED = True
-        got = fn(s.x, w13, w2, s.topk_ids, s.topk_weights)
+        use(True)
+        got = [fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for _ in range(3)]  # recorded, then the fast path's
         torch.cuda.synchronize()
-        lean.BATCHED = False
-        same = bool(torch.equal(got, want)) and bool(batched)
-        print(("PASS" if same else "FAIL") + f" probe {preset} {dtype} M={m}: equal {torch.equal(got, want)} "
-              f"batched {len(batched)} {'' if batched else why_not()}", flush=True)
+        batched = [q for q in kept_sequences() if q.batch is not None]
+        equal = all(torch.equal(g, want) for g in got)
+        same = equal and bool(batched)
+        print(("PASS" if same else "FAIL") + f" probe {preset} {dtype} M={m}: equal {equal} "
+              f"batched {len(batched)} {batched[0].batch.names if batched else why_not()}", flush=True)
+        use(False)
         del w13, w2
         torch.cuda.empty_cache()
 
@@ -143,7 +149,7 @@ def part_anatomy(results: dict, deadline: Deadline) -> None:
             return
         sets = make_sets(shape, m, 4, torch.bfloat16, torch.device("cuda"))
         calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
-        lean.BATCHED = False
+        use(False)
         for c in calls * 3:
             c()
         s0 = sets[0]
@@ -152,21 +158,23 @@ def part_anatomy(results: dict, deadline: Deadline) -> None:
         sequence = _kept_sequence(w13, m)
         row["kept"] = sequence is not None
         if sequence is not None:
-            row["kernels"] = list(sequence.batch.names) if sequence.batch is not None else None
             for busy in (False, True):
                 tag = "busy" if busy else "idle"
                 row[f"steps_{tag}"] = step_times(calls, sequence, busy)
                 row[f"noop_{tag}"] = noop_host(calls, sequence, busy)
-                if _SKIP_BATCH[0]:
-                    continue
-                lean.BATCHED = True
-                row[f"batch_total_{tag}"] = host_rest(calls, busy)
-                row[f"batch_noop_{tag}"] = batch_noop(calls, busy)
-                lean.BATCHED = False
             if not _SKIP_BATCH[0]:
-                lean.BATCHED = True
+                use(True)
+                for c in calls * 2:
+                    c()
+                batched = _kept_sequence(w13, m)
+                row["kernels"] = (None if batched is None else list(batched.batch.names) if batched.batch is not None
+                                  else bl.refusal(batched.steps))
+                for busy in (False, True):
+                    tag = "busy" if busy else "idle"
+                    row[f"batch_total_{tag}"] = host_rest(calls, busy)
+                    row[f"batch_noop_{tag}"] = batch_noop(calls, busy)
                 row["batch_equal"] = bool(torch.equal(calls[0](), want))
-                lean.BATCHED = False
+                use(False)
         ok = row["ref_err"] < TOL and row["kept"] and row.get("batch_equal", _SKIP_BATCH[0])
         key = f"{QWEN3} bfloat16 M={m}"
         out[key] = row
@@ -175,7 +183,7 @@ def part_anatomy(results: dict, deadline: Deadline) -> None:
 
 
 def _round(row: dict, calls: list, variant: str, want, check_ref):
-    lean.BATCHED = VARIANTS[variant]
+    use(VARIANTS[variant])
     for c in calls * 2:
         c()
     got = calls[0]()
@@ -219,7 +227,7 @@ def part_calls(results: dict, deadline: Deadline) -> None:
                 except RuntimeError as e:  # a refused launch: say so, go on
                     row[f"{variant}_error"] = str(e)[:200]
                     print(f"FAIL calls {variant}: {str(e)[:200]}", flush=True)
-        lean.BATCHED = False
+        use(False)
         ok = (all(all(v) for k, v in row.items() if k.endswith("_equal")) and row.get("ref_err", 1.0) < TOL
               and not any(k.endswith("_error") for k in row))
         key = f"{preset} {dtype} M={m}"
@@ -273,7 +281,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on with the next part)
                 print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 torch.cuda.empty_cache()
-            lean.BATCHED = False
+            use(False)
             save(results)
     print(f"wall {time.perf_counter() - t0:.0f} s", flush=True)
     table(results)

@@ -61,7 +61,11 @@ static PyObject *set_driver(PyObject *self, PyObject *args) {
 }
 
 static PyObject *tensor_map_bytes(PyObject *self, PyObject *obj) {
-  if (strcmp(Py_TYPE(obj)->tp_name, "PyCUtensorMap") != 0) {
+  /* Triton's type ("triton.backends.nvidia.PyCUtensorMap" in 3.6), whose layout is the struct above */
+  const char *name = Py_TYPE(obj)->tp_name;
+  size_t length = strlen(name);
+  if (length < 13 || strcmp(name + length - 13, "PyCUtensorMap") != 0
+      || Py_TYPE(obj)->tp_basicsize < (Py_ssize_t)sizeof(TensorMapObject)) {
     PyErr_Format(PyExc_TypeError, "expected a PyCUtensorMap, got %s", Py_TYPE(obj)->tp_name);
     return NULL;
   }
@@ -185,7 +189,7 @@ def module():
 
 def expand_signature(signature: list, tensordesc_meta) -> list | None:
     """The kernel's parameter types as Triton 3.6's launcher lays them out (``make_launcher``'s expansion of
-    tensor descriptors), or None for a signature it cannot lay out (tuples)."""
+    tensor descriptors), or None for a signature it cannot lay out (tuples, a descriptor type it cannot read)."""
     metas = list(tensordesc_meta or [])
     out = []
     for ty in signature:
@@ -195,6 +199,8 @@ def expand_signature(signature: list, tensordesc_meta) -> list | None:
             out.append(ty)
             continue
         match = re.match(r"tensordesc<([^[>]*)\[([^]]*)\]", ty)
+        if match is None:
+            return None
         ndim = match.group(2).count(",") + 1
         meta = metas.pop(0) if metas else None
         out += ["*" + match.group(1), *["i64"] * (2 * ndim), "i1"] if meta is None else ["nvTmaDesc"]
@@ -237,46 +243,58 @@ class Batch:
 
     @classmethod
     def of(cls, steps: list, mod=None) -> "Batch | None":
-        """``steps`` (``triton_lean.record_steps``'s: (entry, template, slots, raw)) as a batch, or None where a step
-        is not raw, its kernel's signature is not known (``register``), or the C module is not there."""
-        if not steps or not all(step[3] for step in steps):
-            return None
-        mod = mod if mod is not None else module()
-        if mod is None:
-            return None
-        storage, patches, launches, names = bytearray(), [], [], []
-        for _, template, slots, _ in steps:
-            name, kinds = KINDS.get(template[4], (None, None))
-            args = template[13:]
-            if kinds is None or len(kinds) != len(args):
-                return None
-            names.append(name)
-            offsets = []
-            slot_of = {position - 13: index for position, index in slots if position >= 13}
-            if any(position < 13 and position != 3 for position, _ in slots):
-                return None
-            for i, (ty, value) in enumerate(zip(kinds, args)):
-                if ty == "constexpr":
-                    continue
-                data = _encode(ty, 0 if i in slot_of else value, mod)
-                if data is None or (i in slot_of and ty[0] != "*"):
-                    return None
-                align = 128 if ty == "nvTmaDesc" else len(data)
-                storage += bytes(-len(storage) % align)
-                if i in slot_of:
-                    patches.append((slot_of[i], len(storage)))
-                offsets.append(len(storage))
-                storage += data
-            for _ in range(2):  # global and profile scratch: none on a raw launch
-                storage += bytes(-len(storage) % 8)
-                offsets.append(len(storage))
-                storage += bytes(8)
-            num_warps, num_ctas, shared = template[9]
-            if num_ctas != 1 or len(offsets) > 256:
-                return None
-            flags = (1 if template[6] else 0) | (2 if template[5] else 0)
-            launches.append((template[4], (*template[:3], 32 * num_warps, shared, flags, len(offsets), 0), offsets))
-        return cls(_blob(storage, patches, launches), mod.launch_all, tuple(names))
+        """``steps`` (``triton_lean.record_steps``'s: (entry, template, slots, raw)) as a batch, or None where
+        ``refusal`` names a reason."""
+        made = _layout(steps, mod)
+        return made if isinstance(made, Batch) else None
+
+
+def refusal(steps: list, mod=None) -> str | None:
+    """Why ``steps`` cannot be batched (a step not raw, a kernel whose signature is not known, a parameter this
+    layout does not know, no C module), or None where they can."""
+    made = _layout(steps, mod)
+    return None if isinstance(made, Batch) else made
+
+
+def _layout(steps: list, mod) -> "Batch | str":
+    if not steps or not all(step[3] for step in steps):
+        return "a step is not a raw launch"
+    mod = mod if mod is not None else module()
+    if mod is None:
+        return "no C module (or no libcuda)"
+    storage, patches, launches, names = bytearray(), [], [], []
+    for _, template, slots, _ in steps:
+        name, kinds = KINDS.get(template[4], (None, None))
+        args = template[13:]
+        if kinds is None or len(kinds) != len(args):
+            return f"{name}: signature unknown or {0 if kinds is None else len(kinds)} types for {len(args)} arguments"
+        names.append(name)
+        offsets = []
+        slot_of = {position - 13: index for position, index in slots if position >= 13}
+        if any(position < 13 and position != 3 for position, _ in slots):
+            return f"{name}: a call's value among the launch's own arguments"
+        for i, (ty, value) in enumerate(zip(kinds, args)):
+            if ty == "constexpr":
+                continue
+            data = _encode(ty, 0 if i in slot_of else value, mod)
+            if data is None or (i in slot_of and ty[0] != "*"):
+                return f"{name}: parameter {i} of type {ty} ({type(value).__name__})"
+            align = 128 if ty == "nvTmaDesc" else len(data)
+            storage += bytes(-len(storage) % align)
+            if i in slot_of:
+                patches.append((slot_of[i], len(storage)))
+            offsets.append(len(storage))
+            storage += data
+        for _ in range(2):  # global and profile scratch: none on a raw launch
+            storage += bytes(-len(storage) % 8)
+            offsets.append(len(storage))
+            storage += bytes(8)
+        num_warps, num_ctas, shared = template[9]
+        if num_ctas != 1 or len(offsets) > 256:
+            return f"{name}: {num_ctas} CTAs a cluster, {len(offsets)} parameters"
+        flags = (1 if template[6] else 0) | (2 if template[5] else 0)
+        launches.append((template[4], (*template[:3], 32 * num_warps, shared, flags, len(offsets), 0), offsets))
+    return Batch(_blob(storage, patches, launches), mod.launch_all, tuple(names))
 
 
 def _blob(storage: bytearray, patches: list, launches: list) -> bytearray:

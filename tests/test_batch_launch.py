@@ -115,8 +115,13 @@ def test_batch_refuses_what_it_cannot_lay_out(mod):
     on_scalar = (None, _template(0x3000, (1, 1, 1), 4, 0, False, False, [1, lean._Slot(0)]), ((14, 0),), True)
     assert bl.Batch.of([on_scalar], mod) is None  # a call's value on a scalar parameter
     bl.register(0x3002, "d", ["tensordesc<bf16[64, 64]>"], [{"swizzle": 128}])
-    not_a_map = (None, _template(0x3002, (1, 1, 1), 4, 0, False, False, [object(), 64, 64, 64, 1]), (), True)
-    assert bl.Batch.of([not_a_map], mod) is None  # not Triton's PyCUtensorMap
+    PyCUtensorMap = type("PyCUtensorMap", (), {})  # the name alone: too small to hold a CUtensorMap
+    for value in (object(), PyCUtensorMap()):
+        not_a_map = (None, _template(0x3002, (1, 1, 1), 4, 0, False, False, [value, 64, 64, 64, 1]), (), True)
+        assert bl.Batch.of([not_a_map], mod) is None  # not Triton's PyCUtensorMap
+        assert bl.refusal([not_a_map], mod).startswith("d: parameter 0 of type nvTmaDesc")
+    assert bl.refusal([raw], mod) is None
+    assert bl.refusal([unknown], mod).startswith("None: signature unknown")
 
 
 def test_batch_raises_on_a_failed_launch_or_no_context(mod):
@@ -140,7 +145,7 @@ def test_batch_raises_on_a_failed_launch_or_no_context(mod):
 
 
 def test_sequence_batched_passes_what_each_c_launch_gets(mod, monkeypatch):
-    """LaunchSequence.launch with BATCHED: the same pointers, stream and scalars as launch by launch."""
+    """A sequence recorded with BATCHED launches the same pointers, stream and scalars as one launched step by step."""
     monkeypatch.setattr(bl, "module", lambda: mod)
     bl.register(0x5000, "f", ["*bf16", "*bf16", "i32", "*fp32"], None)
     calls = []
@@ -153,15 +158,16 @@ def test_sequence_batched_passes_what_each_c_launch_gets(mod, monkeypatch):
     template = _template(0x5000, (2, 1, 1), 4, 0, False, True, [lean._Slot(lean.X), lean._Slot(lean.OUT), 9,
                                                                  kept.data_ptr()])
     slots = ((13, lean.X), (14, lean.OUT))
-    sequence = lean.LaunchSequence([(c_launch, template, slots, True)], None, None, None, None)
-    assert sequence.batch is not None
+    monkeypatch.setattr(lean, "BATCHED", False)  # read when a sequence is recorded
+    stepwise = lean.LaunchSequence([(c_launch, template, slots, True)], None, None, None, None)
+    monkeypatch.setattr(lean, "BATCHED", True)
+    batched = lean.LaunchSequence([(c_launch, template, slots, True)], None, None, None, None)
+    assert stepwise.batch is None and batched.batch is not None
     values = (x.data_ptr(), None, None, out, None, None, None, None, None, None, None)  # out: its data_ptr is read
     driver = Driver({0x5000: [8, 8, 4, 8, 8, 8]})
     driver.install(mod)
-    monkeypatch.setattr(lean, "BATCHED", False)
-    sequence.launch(values, stream=55)
-    monkeypatch.setattr(lean, "BATCHED", True)
-    sequence.launch(values, stream=55)
+    stepwise.launch(values, stream=55)
+    batched.launch(values, stream=55)
     (args,), (got,) = calls, driver.launches
     assert (got["grid"], got["stream"], got["attrs"], got["block"]) == (tuple(args[:3]), args[3], [(PDL, 1)], (128, 1, 1))
     assert got["params"][:4] == [struct.pack("<Q", args[13]), struct.pack("<Q", args[14]), struct.pack("<i", args[15]),

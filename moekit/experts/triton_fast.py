@@ -34,7 +34,6 @@ from threading import get_ident
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
-import moekit.experts.triton_lean as triton_lean
 from moekit.experts.triton_lean import LaunchSequence, launch_lean
 from moekit.experts.triton_plan import Plan
 from moekit.experts.triton_quant_fast import run_quant_fast
@@ -151,7 +150,7 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     if sequence.raw and not sequence.hooks.idle():
         return None
     batch = sequence.batch
-    if batch is not None and triton_lean.BATCHED and sequence.large is None:  # one C call: launch_lean's, inline
+    if batch is not None and sequence.large is None:  # one C call (``triton_lean.BATCHED``): launch_lean's, inline
         out = torch.empty_like(x)  # [M, K]
         batch.launch_all(batch.blob, stream, *pointers, out, None, None, None, w13, w2)
         return out

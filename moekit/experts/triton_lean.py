@@ -44,7 +44,8 @@ MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # to five launches, each a data_ptr and a cuPointerGetAttribute in Triton's launcher otherwise).
 # Where every launch is raw, the whole sequence in one call into C (``batch_launch.Batch``): the call's values
 # written into the launches' recorded parameters there, then every cuLaunchKernelEx, instead of a Python argument
-# list and a C launch per launch. False: launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
+# list and a C launch per launch. Read when a sequence is recorded (``clear_launch_caches`` after a switch). False:
+# launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
 BATCHED = False
 
 
@@ -73,7 +74,8 @@ class LaunchSequence:
         self.pair = pair  # weakref to the descriptor pair recorded (None: pointer loads)
         self.large = large  # WorkspaceSpec of h and y, allocated per call; None when pooled
         self.owner = None  # with a pair: weakref to the w13 it was recorded for (its entry goes when w13 does)
-        self.batch = Batch.of(steps) if self.addressed is not None else None  # every launch raw: one C call
+        # every launch raw: one C call (built only while BATCHED: a sequence recorded before a switch keeps its way)
+        self.batch = Batch.of(steps) if BATCHED and self.addressed is not None else None
 
     def current(self, views: dict, pair) -> bool:
         """Whether the pool's ``views`` and the descriptor ``pair`` are the ones recorded."""
@@ -89,7 +91,7 @@ class LaunchSequence:
         elif stream is None:
             stream = current_stream()
         batch = self.batch
-        if batch is not None and BATCHED:  # it reads a tensor's data_ptr itself
+        if batch is not None:  # it reads a tensor's data_ptr itself
             batch.launch_all(batch.blob, stream, *values)
             return
         if self.addressed is not None and triton_bind.PASS_ADDRESSES:
