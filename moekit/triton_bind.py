@@ -170,6 +170,9 @@ class RawLaunch:
         # last position first: replacing a descriptor by its expansion leaves the earlier positions in place
         raw.desc_keys = tuple((i, _meta_key(meta), meta) for i, meta in reversed(list(zip(positions, metas))))
         raw.hooks, raw.stream = LaunchHooks(triton.knobs.runtime), current_stream
+        from moekit.batch_launch import register
+
+        register(compiled.function, getattr(compiled.metadata, "name", "?"), signature, metas)
         return raw
 
     def __call__(self, pointers: tuple, tail: tuple) -> None:

@@ -149,6 +149,11 @@ def run_fast(pool, x, w13, w2, ids, weights, activation, options, checked: bool)
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
+    batch = sequence.batch
+    if batch is not None and sequence.large is None:  # one C call (``triton_lean.BATCHED``): launch_lean's, inline
+        out = torch.empty_like(x)  # [M, K]
+        batch.launch_all(batch.blob, stream, *pointers, out, None, None, None, w13, w2)
+        return out
     if not READ_ONCE:
         return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
     # the launches take addresses where every one is raw (``LaunchSequence.addressed``): these ones, read above

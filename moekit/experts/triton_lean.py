@@ -33,6 +33,7 @@ import torch
 
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_plan import Plan, plan_launches
+from moekit.batch_launch import Batch
 import moekit.triton_bind as triton_bind
 from moekit.triton_bind import current_stream
 
@@ -41,6 +42,11 @@ MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # Where every launch of a sequence is raw, the call's tensors go to the C launch as their addresses, read once
 # per call (``triton_bind.PASS_ADDRESSES``, the one switch for both: at M = 512 a call hands eleven pointers
 # to five launches, each a data_ptr and a cuPointerGetAttribute in Triton's launcher otherwise).
+# Where every launch is raw, the whole sequence in one call into C (``batch_launch.Batch``): the call's values
+# written into the launches' recorded parameters there, then every cuLaunchKernelEx, instead of a Python argument
+# list and a C launch per launch. Read when a sequence is recorded (``clear_launch_caches`` after a switch). False:
+# launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
+BATCHED = False
 
 
 class _Slot:
@@ -55,7 +61,7 @@ class _Slot:
 class LaunchSequence:
     """The recorded launches of one plan with one workspace and one descriptor pair."""
 
-    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large", "owner", "addressed")
+    __slots__ = ("steps", "raw", "hooks", "anchor", "pair", "large", "owner", "addressed", "batch")
 
     def __init__(self, steps: list, hooks, anchor, pair, large):
         self.steps = steps  # [(entry, template list, ((position, value index), ...), raw)]
@@ -68,6 +74,8 @@ class LaunchSequence:
         self.pair = pair  # weakref to the descriptor pair recorded (None: pointer loads)
         self.large = large  # WorkspaceSpec of h and y, allocated per call; None when pooled
         self.owner = None  # with a pair: weakref to the w13 it was recorded for (its entry goes when w13 does)
+        # every launch raw: one C call (built only while BATCHED: a sequence recorded before a switch keeps its way)
+        self.batch = Batch.of(steps) if BATCHED and self.addressed is not None else None
 
     def current(self, views: dict, pair) -> bool:
         """Whether the pool's ``views`` and the descriptor ``pair`` are the ones recorded."""
@@ -82,6 +90,10 @@ class LaunchSequence:
             stream = 0
         elif stream is None:
             stream = current_stream()
+        batch = self.batch
+        if batch is not None:  # it reads a tensor's data_ptr itself
+            batch.launch_all(batch.blob, stream, *values)
+            return
         if self.addressed is not None and triton_bind.PASS_ADDRESSES:
             values = list(values)
             for index in self.addressed:
