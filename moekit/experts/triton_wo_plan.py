@@ -251,6 +251,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
+    if config.swap_ab and decode != "register":
+        raise ValueError(f"config.swap_ab is for the register decode (``gemm_wo_reg``), not decode {decode!r}")
     if not interpreting() and decode not in WORD_DECODES:
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
@@ -338,7 +340,7 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     shared = dict(BLOCK_M=config.BLOCK_M, SCHEME=SCHEME_IDS[scheme], NAIVE=naive, UPCAST=interpreting(),
                   cached=options.cached_launcher, **options.pdl_kwargs())
     if decode == "register":
-        shared["ASM"] = inline_asm_ok(x.device)
+        shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
     else:
         shared["AHEAD"] = ahead_of(config)
     gate_up = BoundLaunch(
