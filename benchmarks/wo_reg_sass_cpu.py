@@ -25,7 +25,7 @@ from wo_gemv_sass_cpu import LoopCount, _main_loop, _tool  # noqa: E402
 
 DIVISIBLE = ("x_ptr", "h_ptr", "q_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "K_STORED", "N_STORED", "stride_xm",
              "stride_qe", "stride_qr", "stride_se", "stride_sr", "stride_ze", "stride_zr", "stride_hm", "stride_ym",
-             "split_len")
+             "split_len", "KW", "NW")
 
 
 def _compile(fn, pointer_types: dict, const: dict, num_warps: int, num_stages: int):
@@ -41,10 +41,11 @@ def _compile(fn, pointer_types: dict, const: dict, num_warps: int, num_stages: i
 
 
 def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = False, num_warps: int = 4,
-          num_stages: int = 4) -> LoopCount:
-    from moekit.experts._kernels import gemm_wo_reg
+          num_stages: int = 4, decode: str = "register") -> LoopCount:
+    import importlib
 
-    fn = gemm_wo_reg.down_wo_reg_kernel if down else gemm_wo_reg.gate_up_wo_reg_kernel
+    kernels = importlib.import_module("moekit.experts._kernels.gemm_wo_" + ("reg" if decode == "register" else decode))
+    fn = getattr(kernels, f"{'down' if down else 'gate_up'}_wo_{'reg' if decode == 'register' else decode}_kernel")
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
@@ -63,7 +64,7 @@ def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = Fals
     loop = _main_loop(sass)
     weights = block_n * block_k * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
-    name = (f"register {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
+    name = (f"{decode} {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s{' SWAP_AB' if swap else ''}")
     return LoopCount(name, len(loop) * 32 * num_warps / weights, int(re.search(r"REG:(\d+)", usage).group(1)),
                      int(re.search(r"STACK:(\d+)", usage).group(1)), " ".join(f"{k}:{v}" for k, v in ops.most_common(10))

@@ -6,11 +6,13 @@ and the chooser's pick (the gemv word decode at DeepSeek-V3 M = 1, 8).
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_tc_device_check.py --out $OUT/w4       # H200, <= 150 s
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_tc_device_check.py --smoke      # CPU, tiny shapes
 
-Cells (in this order; the deadline cuts the last): DeepSeek-V3 int4_w4a16 (g 128) M = 8, mxfp4 M = 1, 8, then
-Mixtral-8x7B int4 M = 8 (the register decode is its pick), each in a child process of its own (a fault loses only
-its cell). Variants: "pick" (what a call runs now), "reg" (the register decode, its heuristic config), "sw" (that
-config with swap_ab), "sw_n128" (swapped, both GEMMs 128 rows of weights a program), "sw_k256" (swapped, 256-wide
-reduction steps), "sw_s3" (swapped, 3 stages). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
+Cells (in this order; the deadline cuts the last): DeepSeek-V3 int4_w4a16 (g 128) M = 8, mxfp4 M = 1, 8,
+Mixtral-8x7B int4 M = 8 (the register decode is its pick), DeepSeek-V3 int4 M = 1, each in a child process of its
+own (a fault loses only its cell). Variants: "pick" (what a call runs now), "reg" (the register decode, its
+heuristic config), "sw" (that config with swap_ab); int4: "mma" (the word MMA decode, ``gemm_wo_mma``, its
+heuristic config), "mma_sw" (swapped), "mma_n64" (64-row tiles in 2 warps), "mma_s3" (3 stages); mxfp4:
+"sw_n128" (swapped, both GEMMs 128 rows of weights a program), "sw_k256" (swapped, 256-wide reduction steps),
+"sw_s3" (swapped, 3 stages). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
 (median), % of the packed-byte floor (the touched experts' packed bytes, scales and zeros over the measured copy
 bandwidth). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_tc.json;
@@ -41,7 +43,7 @@ from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 CELLS = (("deepseek-v3", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8),
-         ("mixtral-8x7b", "int4_w4a16", 8))
+         ("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 1))
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 WIN = 0.97
@@ -76,6 +78,15 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
         out["reg"] = ("register", reg)
     sw = dataclasses.replace(reg, swap_ab=True)
     out["sw"] = ("register", sw)
+    if scheme == "int4_w4a16":  # the word MMA decode (int4 only), its heuristic config and three changes of it
+        mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")
+        narrow = GemmTile(64, 128, 1, 2, mma.up.num_stages)
+        out["mma"] = ("mma", mma)
+        out["mma_sw"] = ("mma", dataclasses.replace(mma, swap_ab=True))
+        out["mma_n64"] = ("mma", dataclasses.replace(mma, up=narrow, down=narrow))
+        out["mma_s3"] = ("mma", dataclasses.replace(mma, up=dataclasses.replace(mma.up, num_stages=3),
+                                                    down=dataclasses.replace(mma.down, num_stages=3)))
+        return out
     wide = GemmTile(128, reg.up.BLOCK_K, 1, 4, reg.up.num_stages)
     out["sw_n128"] = ("register", dataclasses.replace(sw, up=wide, down=dataclasses.replace(wide, BLOCK_K=reg.down.BLOCK_K)))
     out["sw_k256"] = ("register", dataclasses.replace(sw, up=dataclasses.replace(sw.up, BLOCK_K=256),

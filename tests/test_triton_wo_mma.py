@@ -1,0 +1,92 @@
+"""The weight-only path's word MMA decode (``decode="mma"``, ``_kernels/gemm_wo_mma.py``, int4) on the CPU under
+Triton's interpreter, tiny shapes: the kernels against the float64 loop of ``test_triton_wo`` (both operand orders,
+odd K with a group tail, split-K down, an expert map with -1), its Triton twin of the bit placement against a
+decoder written here, and its refusals by name. The inline PTX (NVIDIA only) is checked against the torch twin at
+real shapes by ``benchmarks/wo_tc_device_check.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from _triton_helpers import interpreted  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
+from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wo():
+    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
+        yield module
+
+
+def config(rows: int = 32, swap: bool = False, block_k: int = 128) -> KernelConfig:
+    tile = GemmTile(rows, block_k, 1, 1, 1)
+    return KernelConfig(16, tile, tile, swap_ab=swap)
+
+
+def run(wo, x, w13, w2, ids, weights, cfg, expert_map=None, split_k=None):
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, config=cfg, options=POISON,
+                             split_k=split_k, decode="mma")
+
+
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("hidden,group", [(256, 128), (200, 128), (256, 256)])
+def test_mma_matches_float64_loop(wo, swap, hidden, group):
+    # K = 200: the last step's words past the row (25 words) load as 0, x past K as 0, the tail group is 72 wide
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=5, k=2, hidden=hidden, n=128, seed=hidden + group)
+    out = run(wo, x, w13, w2, ids, weights, config(swap=swap))
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_mma_split_down_and_expert_map(wo, split_k):
+    # N = 384: three 128-wide steps in 2 (one of 256, one of 128) or 3 splits; global expert 2 lives elsewhere
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=3, k=2, hidden=128, n=384, seed=40 + split_k)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    ids[0, 0] = 2
+    out = run(wo, x, w13, w2, ids, weights, config(rows=16), expert_map=expert_map, split_k=split_k)
+    assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+
+
+def test_mma_heuristic_config_runs(wo):
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=2, k=2, hidden=128, n=128, seed=3)
+    out = run(wo, x, w13, w2, ids, weights, None)
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+_KERNELS = {}  # the interpreted gemm_wo_mma module (a Triton kernel reads module globals only)
+
+
+@triton.jit
+def value_kernel(w_ptr, out_ptr):
+    tl = triton.language
+    i = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16]: word i
+    v = _KERNELS["mma"]._values(tl.load(w_ptr + i), tl.float32, False)
+    for t in tl.static_range(8):
+        tl.store(out_ptr + i * 8 + t, v[t])
+
+
+def test_twin_placement_is_128_plus_each_nibble(wo):
+    import sys
+
+    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.gemm_wo_mma"]
+    words = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32)
+    words[:16] = torch.tensor([0, -1, 0x12345678, -0x789ABCDF] * 4, dtype=torch.int32)
+    out = torch.empty(256 * 8, dtype=torch.float32)
+    value_kernel[(1,)](words, out)
+    codes = [(int(w) >> (4 * t)) & 0xF for w in words.tolist() for t in range(8)]
+    assert out.tolist() == [128.0 + c for c in codes]
+
+
+@pytest.mark.parametrize("scheme,group,block_k,match", [
+    ("mxfp4", 32, 128, "int4_w4a16 only"), ("int4_w4a16", 64, 128, "BLOCK_K must be 128"),
+    ("int4_w4a16", 128, 64, "BLOCK_K must be 128")])
+def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
+    with pytest.raises(ValueError, match=match):
+        run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
