@@ -6,9 +6,11 @@ and the chooser's pick (the gemv word decode at DeepSeek-V3 M = 1, 8).
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_tc_device_check.py --out $OUT/w4       # H200, <= 150 s
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_tc_device_check.py --smoke      # CPU, tiny shapes
 
-Cells (in this order; the deadline cuts the last): DeepSeek-V3 int4_w4a16 (g 128) M = 8, mxfp4 M = 1, 8,
-Mixtral-8x7B int4 M = 8 (the register decode is its pick), DeepSeek-V3 int4 M = 1, each in a child process of its
-own (a fault loses only its cell). Variants: "pick" (what a call runs now), "reg" (the register decode, its
+Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V3 M = 8, Mixtral-8x7B M = 8 (the
+register decode is its pick), DeepSeek-V3 M = 1, Qwen3-30B-A3B M = 8, DeepSeek-V3 M = 64 (aligned blocks), Qwen3
+M = 1, then DeepSeek-V3 mxfp4 M = 1, 8, each in a child process of its own (a fault loses only its cell). Run 1
+(0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
+M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell. Variants: "pick" (what a call runs now), "reg" (the register decode, its
 heuristic config), "sw" (that config with swap_ab); int4: "mma" (the word MMA decode, ``gemm_wo_mma``, its
 heuristic config), "mma_sw" (swapped), "mma_n64" (64-row tiles in 2 warps), "mma_s3" (3 stages); mxfp4:
 "sw_n128" (swapped, both GEMMs 128 rows of weights a program), "sw_k256" (swapped, 256-wide reduction steps),
@@ -42,8 +44,9 @@ from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
-CELLS = (("deepseek-v3", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8),
-         ("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 1))
+CELLS = (("deepseek-v3", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 1),
+         ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 1),
+         ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8))
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 WIN = 0.97
