@@ -10,11 +10,9 @@ Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V
 register decode is its pick), DeepSeek-V3 M = 1, Qwen3-30B-A3B M = 8, DeepSeek-V3 M = 64 (aligned blocks), Qwen3
 M = 1, then DeepSeek-V3 mxfp4 M = 1, 8, each in a child process of its own (a fault loses only its cell). Run 1
 (0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
-M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell. Variants: "pick" (what a call runs now), "reg" (the register decode, its
-heuristic config), "sw" (that config with swap_ab); int4: "mma" (the word MMA decode, ``gemm_wo_mma``, its
-heuristic config), "mma_sw" (swapped), "mma_n64" (64-row tiles in 2 warps), "mma_s3" (3 stages); mxfp4:
-"sw_n128" (swapped, both GEMMs 128 rows of weights a program), "sw_k256" (swapped, 256-wide reduction steps),
-"sw_s3" (swapped, 3 stages). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
+M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "reg" (the register decode, its
+heuristic config), "sw" (that config with swap_ab), "mma" (the word MMA decode, ``gemm_wo_mma``, its heuristic
+config), "mma_sw" (swapped), "mma_n64" (64-row tiles in 2 warps), "mma_s3" (3 stages). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
 (median), % of the packed-byte floor (the touched experts' packed bytes, scales and zeros over the measured copy
 bandwidth). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_tc.json;
@@ -81,21 +79,13 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
         out["reg"] = ("register", reg)
     sw = dataclasses.replace(reg, swap_ab=True)
     out["sw"] = ("register", sw)
-    if scheme == "int4_w4a16":  # the word MMA decode (int4 only), its heuristic config and three changes of it
-        mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")
-        narrow = GemmTile(64, 128, 1, 2, mma.up.num_stages)
-        out["mma"] = ("mma", mma)
-        out["mma_sw"] = ("mma", dataclasses.replace(mma, swap_ab=True))
-        out["mma_n64"] = ("mma", dataclasses.replace(mma, up=narrow, down=narrow))
-        out["mma_s3"] = ("mma", dataclasses.replace(mma, up=dataclasses.replace(mma.up, num_stages=3),
-                                                    down=dataclasses.replace(mma.down, num_stages=3)))
-        return out
-    wide = GemmTile(128, reg.up.BLOCK_K, 1, 4, reg.up.num_stages)
-    out["sw_n128"] = ("register", dataclasses.replace(sw, up=wide, down=dataclasses.replace(wide, BLOCK_K=reg.down.BLOCK_K)))
-    out["sw_k256"] = ("register", dataclasses.replace(sw, up=dataclasses.replace(sw.up, BLOCK_K=256),
-                                                       down=dataclasses.replace(sw.down, BLOCK_K=256)))
-    out["sw_s3"] = ("register", dataclasses.replace(sw, up=dataclasses.replace(sw.up, num_stages=3),
-                                                     down=dataclasses.replace(sw.down, num_stages=3)))
+    mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")  # the word MMA decode
+    narrow = GemmTile(64, 128, 1, 2, mma.up.num_stages)
+    out["mma"] = ("mma", mma)
+    out["mma_sw"] = ("mma", dataclasses.replace(mma, swap_ab=True))
+    out["mma_n64"] = ("mma", dataclasses.replace(mma, up=narrow, down=narrow))
+    out["mma_s3"] = ("mma", dataclasses.replace(mma, up=dataclasses.replace(mma.up, num_stages=3),
+                                                down=dataclasses.replace(mma.down, num_stages=3)))
     return out
 
 

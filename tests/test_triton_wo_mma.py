@@ -35,18 +35,21 @@ def run(wo, x, w13, w2, ids, weights, cfg, expert_map=None, split_k=None):
 
 
 @pytest.mark.parametrize("swap", [False, True])
-@pytest.mark.parametrize("hidden,group", [(256, 128), (200, 128), (256, 256)])
-def test_mma_matches_float64_loop(wo, swap, hidden, group):
-    # K = 200: the last step's words past the row (25 words) load as 0, x past K as 0, the tail group is 72 wide
-    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=5, k=2, hidden=hidden, n=128, seed=hidden + group)
+@pytest.mark.parametrize("scheme,hidden,group", [("int4_w4a16", 256, 128), ("int4_w4a16", 200, 128),
+                                                 ("int4_w4a16", 256, 256), ("mxfp4", 256, 32), ("mxfp4", 200, 32)])
+def test_mma_matches_float64_loop(wo, swap, scheme, hidden, group):
+    # K = 200: the last step's words past the row (25 words) load as 0, x past K as 0, the tail group is 72 (int4)
+    # or 8 (mxfp4) wide; mxfp4 scales 2^-5 .. 2^-1 (``make_weight``), each weight scaled in the decode
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=2, hidden=hidden, n=128, seed=hidden + group)
     out = run(wo, x, w13, w2, ids, weights, config(swap=swap))
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
 
 
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32)])
 @pytest.mark.parametrize("split_k", [2, 3])
-def test_mma_split_down_and_expert_map(wo, split_k):
+def test_mma_split_down_and_expert_map(wo, scheme, group, split_k):
     # N = 384: three 128-wide steps in 2 (one of 256, one of 128) or 3 splits; global expert 2 lives elsewhere
-    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=3, k=2, hidden=128, n=384, seed=40 + split_k)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=128, n=384, seed=40 + split_k)
     expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
     ids[0, 0] = 2
     out = run(wo, x, w13, w2, ids, weights, config(rows=16), expert_map=expert_map, split_k=split_k)
@@ -59,14 +62,14 @@ def test_mma_heuristic_config_runs(wo):
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
 
 
-_KERNELS = {}  # the interpreted gemm_wo_mma module (a Triton kernel reads module globals only)
+_KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads module globals only)
 
 
 @triton.jit
 def value_kernel(w_ptr, out_ptr):
     tl = triton.language
     i = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16, 16]: word i
-    v = _KERNELS["mma"]._values(tl.load(w_ptr + i), tl.float32, False)
+    v = _KERNELS["mma"].pair_values(tl.load(w_ptr + i), i, tl.float32, 1, False)
     for t in tl.static_range(8):
         tl.store(out_ptr + i * 8 + t, v[t])
 
@@ -74,7 +77,7 @@ def value_kernel(w_ptr, out_ptr):
 def test_twin_placement_is_128_plus_each_nibble(wo):
     import sys
 
-    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.gemm_wo_mma"]
+    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
     words = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32)
     words[:16] = torch.tensor([0, -1, 0x12345678, -0x789ABCDF] * 4, dtype=torch.int32)
     out = torch.empty(256 * 8, dtype=torch.float32)
@@ -84,8 +87,8 @@ def test_twin_placement_is_128_plus_each_nibble(wo):
 
 
 @pytest.mark.parametrize("scheme,group,block_k,match", [
-    ("mxfp4", 32, 128, "int4_w4a16 only"), ("int4_w4a16", 64, 128, "BLOCK_K must be 128"),
-    ("int4_w4a16", 128, 64, "BLOCK_K must be 128")])
+    ("int8_w8a16", 0, 128, "int4_w4a16 and mxfp4"), ("int4_w4a16", 64, 128, "BLOCK_K must be 128"),
+    ("int4_w4a16", 128, 64, "BLOCK_K must be 128"), ("mxfp4", 32, 256, "BLOCK_K must be 128")])
 def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
     with pytest.raises(ValueError, match=match):

@@ -10,8 +10,8 @@ Five decodes of the packed weights (DECODES), each its own kernels and its own c
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
-    mma       ``_kernels/gemm_wo_mma`` (int4, steps of BLOCK_K = 128 <= g columns, rows read as words): each
-              word's eight values to bf16 pairs by prmt/lop3 in registers, eight tensor-core dots a step
+    mma       ``_kernels/gemm_wo_mma`` (int4 and mxfp4, steps of BLOCK_K = 128 columns (int4: <= g), rows read
+              as words): each word's eight values to bf16 pairs in registers, eight tensor-core dots a step
               (session 24; under measurement, no default takes it yet).
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
@@ -375,14 +375,14 @@ def _in_words(w: WeightArgs) -> tuple[int, tuple]:
 
 
 def check_mma(config: KernelConfig, scheme: str, w13: WeightArgs, w2: WeightArgs) -> None:
-    """The mma decode's requirements, each refused by name: int4, rows read as words, steps of MMA_WORDS words
-    (BLOCK_K 128) inside one group (g a multiple of 128)."""
-    if scheme != "int4_w4a16":
-        raise ValueError(f"decode='mma' runs int4_w4a16 only, got {scheme}")
+    """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, steps of MMA_WORDS
+    words (BLOCK_K 128), int4 inside one group (g a multiple of 128)."""
+    if scheme not in ("int4_w4a16", "mxfp4"):
+        raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
         raise ValueError("decode='mma' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes with strides "
                          "and addresses of multiples of 4 bytes")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
-        if tile.BLOCK_K != 8 * MMA_WORDS or group % tile.BLOCK_K:
+        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
             raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
                              f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")

@@ -1,6 +1,7 @@
-"""Grouped GEMMs with weight-only int4 experts, the word MMA decode (decode "mma", issue #16 session 24): the
-packed weights read as 32-bit words straight into registers (no shared memory, no byte shuffles), each word's
-eight values decoded to bf16 pairs by one prmt and one lop3 (plus a shift for the high nibbles), and summed on
+"""Grouped GEMMs with weight-only 4-bit experts (int4, mxfp4), the word MMA decode (decode "mma", issue #16
+session 24): the packed weights read as 32-bit words straight into registers (no byte shuffles), each word's
+eight values decoded to bf16 pairs in registers (``wo_mma_values``: int4 one prmt and one lop3 a pair plus a
+shift for the high nibbles; mxfp4 the bits placed, then one bf16x2 fma by the word's scale), and summed on
 the tensor cores by eight dots a step, one per value position T of the words: the dot's reduction order is free,
 so value T of words j = 0 .. BKW-1 is one dot's K, against the activation columns 8j + T. Built for decode-sized
 blocks (16 rows, mostly one real row at M*k < E), where the register decode's byte tiles cost ~9 SASS
@@ -9,12 +10,12 @@ instructions a weight (``benchmarks/wo_reg_sass_cpu.py``), most of them layout c
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Layout: ``triton_wo``'s int4 (element 2i the low
 nibble of byte i), read as little-endian words (``triton_wo_gemv.words_ok``): element t of word j in bits 4t..4t+3.
 
-Decoded value = 128 + code, exact in bf16 (the code in the low mantissa bits of 128.0); one step spans
-BLOCK_K = 8 * BKW <= g columns, so one group: its (scale s, zero z) apply to the step's fp32 partial product p
-[BM, BN] as acc += p * s - rowsum(x) * (128 + z) * s (``gemm_wo_reg``'s chunk form; the cancellation is ~2^-24 *
-128 * sum|x| * s, far below the bf16 rounding of the output). ASM (NVIDIA sm_80+, bf16, compiled): inline PTX on
-two words at a time (pack 2: the two words' value T form one bf16x2 register, the MMA operand's pair); else the
-same bit placement in Triton (``_twin_value``: the interpreter; UPCAST decodes to float32).
+int4: decoded value = 128 + code, exact in bf16; one step spans BLOCK_K = 8 * BKW <= g columns, so one group:
+its (scale s, zero z) apply to the step's fp32 partial product p [BM, BN] as acc += p * s - rowsum(x) * (128 + z)
+* s (``gemm_wo_reg``'s chunk form; the cancellation is ~2^-24 * 128 * sum|x| * s, far below the bf16 rounding of
+the output). mxfp4: decoded value = the weight times 2^-64 (exact for e8m0 scales 2^-61 .. 2^65,
+``wo_mma_values``), the activations times 2^64 (exact): p is the step's sum of w x. ASM (NVIDIA sm_80+, bf16,
+compiled): ``wo_mma_values``' inline PTX; else its Triton twin (the interpreter; UPCAST decodes to float32).
 
 SWAP_AB: acc^T [BN, BM] = W @ x^T (the weights the MMA's M side), transposed back for the epilogue.
 Split-K (down), KSUM, alignment, NAIVE, PDL and UPCAST as in ``gemm_wo_reg``. Past C the words load as 0, x as 0
@@ -31,52 +32,7 @@ from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, ze
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_fp8 import acc_zeros, unswap
 from moekit.experts._kernels.gemm_wo import _store_y
-
-# Two words ($8, $9) -> value T of both as one bf16x2 ($T: word $8 low half, $9 high half), 128 + code: prmt puts
-# byte T/2 of each word in bytes 0 and 2, lop3 ((t & 0x000F000F) | 0x43004300) places the low nibbles, a shift the high.
-_INT4_PAIR_ASM = tl.constexpr("""{
-.reg .b32 t, u;
-prmt.b32 t, $8, $9, 0x0400;
-lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 u, t, 4;
-lop3.b32 $1, u, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x0501;
-lop3.b32 $2, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 u, t, 4;
-lop3.b32 $3, u, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x0602;
-lop3.b32 $4, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 u, t, 4;
-lop3.b32 $5, u, 0x000F000F, 0x43004300, 0xEA;
-prmt.b32 t, $8, $9, 0x0703;
-lop3.b32 $6, t, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 u, t, 4;
-lop3.b32 $7, u, 0x000F000F, 0x43004300, 0xEA;
-}""")
-
-
-@triton.jit
-def _twin_value(w, T: tl.constexpr, DTYPE: tl.constexpr):
-    """Value T of each word of w [BN, BKW] int32 as 128 + code in DTYPE (the PTX's placement in Triton)."""
-    code = (w >> (4 * T)) & 0xF
-    if DTYPE == tl.bfloat16:
-        value = (code.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)
-    else:
-        value = (code + 128).to(tl.float32).to(DTYPE)
-    return value
-
-
-@triton.jit
-def _values(w, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """The eight values (T = 0..7) of each word of w [BN, BKW], 128 + code in DTYPE."""
-    if ASM and DTYPE == tl.bfloat16:
-        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-            _INT4_PAIR_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-    else:
-        v0, v1, v2, v3 = _twin_value(w, 0, DTYPE), _twin_value(w, 1, DTYPE), _twin_value(w, 2, DTYPE), _twin_value(w, 3, DTYPE)
-        v4, v5, v6, v7 = _twin_value(w, 4, DTYPE), _twin_value(w, 5, DTYPE), _twin_value(w, 6, DTYPE), _twin_value(w, 7, DTYPE)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
+from moekit.experts._kernels.wo_mma_values import X_SCALE, pair_values
 
 @triton.jit
 def _dot(x, v, part, SWAP_AB: tl.constexpr):
@@ -122,38 +78,65 @@ def _scaled(acc, part, rowsum, scale, add, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _t_dots(part, part2, xsum, v, u, x_rows, row_ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr,
-            DTYPE: tl.constexpr, SWAP_AB: tl.constexpr, TWO: tl.constexpr):
-    """Value position T: x_T loaded once, its dots with v (and u where TWO), xsum [BM, BKW] + x_T."""
-    x = _x_t(x_rows, row_ok, k0, C, stride_xc, T, BKW)
-    xd = x.to(DTYPE)
-    part = _dot(xd, v, part, SWAP_AB)
-    if TWO:
-        part2 = _dot(xd, u, part2, SWAP_AB)
-    return part, part2, xsum + x.to(tl.float32)
+def _word_scales(s_rows, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GROUP: tl.constexpr):
+    """mxfp4: the e8m0 scale byte of each word w0 .. w0 + BKW of the rows [BN] -> [BN, BKW] int32 (0 past C)."""
+    first = (w0 + tl.arange(0, BKW)) * 8  # [BKW] each word's first column
+    ok = n_ok[:, None] & (first < C)[None, :]
+    return tl.load(s_rows[:, None] + (first // GROUP)[None, :] * stride_sg, mask=ok, other=0).to(tl.int32)
 
 
 @triton.jit
-def _step(w, w2, x_rows, row_ok, k0, C, stride_xc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr,
-          DTYPE: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr, TWO: tl.constexpr):
-    """One step's partial products of the words w [BN, BKW] (and w2 where TWO: gate-up's up words, against the
-    same x columns, each x_T loaded once) and the activation rows' sums [BM] over the step's columns."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _values(w, DTYPE, ASM)
+def _t_dots(part, part2, xsum, v, u, x_rows, row_ok, k0, C, stride_xc, T: tl.constexpr, BKW: tl.constexpr,
+            DTYPE: tl.constexpr, SCHEME: tl.constexpr, SWAP_AB: tl.constexpr, TWO: tl.constexpr):
+    """Value position T: x_T loaded once (mxfp4: times X_SCALE, exact), its dots with v (and u where TWO),
+    xsum [BM, BKW] + x_T (int4)."""
+    x = _x_t(x_rows, row_ok, k0, C, stride_xc, T, BKW).to(tl.float32)
+    if SCHEME == 2:
+        xd = (x * X_SCALE).to(DTYPE)
+    else:
+        xd = x.to(DTYPE)
+        xsum += x
+    part = _dot(xd, v, part, SWAP_AB)
     if TWO:
-        u0, u1, u2, u3, u4, u5, u6, u7 = _values(w2, DTYPE, ASM)
+        part2 = _dot(xd, u, part2, SWAP_AB)
+    return part, part2, xsum
+
+
+@triton.jit
+def _step(w, s, w2, s2, x_rows, row_ok, k0, C, stride_xc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr,
+          TWO: tl.constexpr):
+    """One step's partial products of the words w [BN, BKW] (s: their scale bytes, mxfp4; and w2, s2 where TWO:
+    gate-up's up words, against the same x columns, each x_T loaded once) and the activation rows' sums [BM]
+    over the step's columns (int4; mxfp4: zeros)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = pair_values(w, s, DTYPE, SCHEME, ASM)
+    if TWO:
+        u0, u1, u2, u3, u4, u5, u6, u7 = pair_values(w2, s2, DTYPE, SCHEME, ASM)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = v0, v1, v2, v3, v4, v5, v6, v7
     p = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     p2, xs = p, tl.zeros([BLOCK_M, BKW], dtype=tl.float32)
-    p, p2, xs = _t_dots(p, p2, xs, v0, u0, x_rows, row_ok, k0, C, stride_xc, 0, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v1, u1, x_rows, row_ok, k0, C, stride_xc, 1, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v2, u2, x_rows, row_ok, k0, C, stride_xc, 2, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v3, u3, x_rows, row_ok, k0, C, stride_xc, 3, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v4, u4, x_rows, row_ok, k0, C, stride_xc, 4, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v5, u5, x_rows, row_ok, k0, C, stride_xc, 5, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v6, u6, x_rows, row_ok, k0, C, stride_xc, 6, BKW, DTYPE, SWAP_AB, TWO)
-    p, p2, xs = _t_dots(p, p2, xs, v7, u7, x_rows, row_ok, k0, C, stride_xc, 7, BKW, DTYPE, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v0, u0, x_rows, row_ok, k0, C, stride_xc, 0, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v1, u1, x_rows, row_ok, k0, C, stride_xc, 1, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v2, u2, x_rows, row_ok, k0, C, stride_xc, 2, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v3, u3, x_rows, row_ok, k0, C, stride_xc, 3, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v4, u4, x_rows, row_ok, k0, C, stride_xc, 4, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v5, u5, x_rows, row_ok, k0, C, stride_xc, 5, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v6, u6, x_rows, row_ok, k0, C, stride_xc, 6, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
+    p, p2, xs = _t_dots(p, p2, xs, v7, u7, x_rows, row_ok, k0, C, stride_xc, 7, BKW, DTYPE, SCHEME, SWAP_AB, TWO)
     return p, p2, tl.sum(xs, axis=1)
+
+
+@triton.jit
+def _apply(acc, part, rowsum, s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, GROUP: tl.constexpr,
+           SCHEME: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + the step's partial product: int4 scaled by its group (``_group``); mxfp4 as it is (scaled per weight)."""
+    if SCHEME == 1:
+        scale, add = _group(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, GROUP)
+        acc = _scaled(acc, part, rowsum, scale, add, SWAP_AB)
+    else:
+        acc += part
+    return acc
 
 
 @triton.jit
@@ -167,7 +150,7 @@ def gate_up_wo_mma_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (int4: SCHEME 1 only; SPAN: unused, the launch's)."""
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -192,12 +175,15 @@ def gate_up_wo_mma_kernel(
     for w0 in range(0, KW, BLOCK_K // 8):
         k0 = w0 * 8
         wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-        scale_g, add_g = _group(sg, zg, k0, K, n_ok, stride_sg, stride_zg, GROUP)
-        scale_u, add_u = _group(su, zu, k0, K, n_ok, stride_sg, stride_zg, GROUP)
-        part_g, part_u, rowsum = _step(wg, wu, x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_N,
-                                       BLOCK_K // 8, dtype, ASM, SWAP_AB, True)
-        acc_gate = _scaled(acc_gate, part_g, rowsum, scale_g, add_g, SWAP_AB)
-        acc_up = _scaled(acc_up, part_u, rowsum, scale_u, add_u, SWAP_AB)
+        if SCHEME == 2:
+            s_g = _word_scales(sg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP)
+            s_u = _word_scales(su, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP)
+        else:
+            s_g, s_u = wg, wu  # unread
+        part_g, part_u, rowsum = _step(wg, s_g, wu, s_u, x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_N,
+                                       BLOCK_K // 8, dtype, SCHEME, ASM, SWAP_AB, True)
+        acc_gate = _apply(acc_gate, part_g, rowsum, sg, zg, k0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, SWAP_AB)
+        acc_up = _apply(acc_up, part_u, rowsum, su, zu, k0, K, n_ok, stride_sg, stride_zg, GROUP, SCHEME, SWAP_AB)
     let_next_kernel_launch(PDL)
     h = _glu(unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
@@ -249,10 +235,14 @@ def down_wo_mma_kernel(
     w_start = tl.program_id(1) * (split_len // 8)
     for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
         k0 = w0 * 8
-        scale, add = _group(s_rows, z_rows, k0, N, out_ok, stride_sg, stride_zg, GROUP)
-        part, _, rowsum = _step(_words(q_rows, w0, NW, out_ok, BLOCK_K // 8), 0, h_rows, row_ok, k0, N, 1,
-                                BLOCK_M, BLOCK_N, BLOCK_K // 8, dtype, ASM, SWAP_AB, False)
-        acc = _scaled(acc, part, rowsum, scale, add, SWAP_AB)
+        w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
+        if SCHEME == 2:
+            s_w = _word_scales(s_rows, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP)
+        else:
+            s_w = w  # unread
+        part, _, rowsum = _step(w, s_w, w, s_w, h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_N, BLOCK_K // 8, dtype, SCHEME,
+                                ASM, SWAP_AB, False)
+        acc = _apply(acc, part, rowsum, s_rows, z_rows, k0, N, out_ok, stride_sg, stride_zg, GROUP, SCHEME, SWAP_AB)
     let_next_kernel_launch(PDL)
     _store_y(unswap(acc, SWAP_AB), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
              stride_ym, SCHEME)
