@@ -93,3 +93,16 @@ def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
     with pytest.raises(ValueError, match=match):
         run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
+
+
+def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
+    # a measured "mma" entry for the call's shape: taken with g = 128, the register decode with g = 64 (steps of
+    # 128 columns would straddle two groups); a caller's decode="mma" there is refused (above)
+    from moekit.experts import triton_wo_plan as plan
+
+    for group, want in ((128, "mma"), (64, "register")):
+        x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=2, k=2, hidden=128, n=128, e=4)
+        monkeypatch.setitem(plan.DECODE_MEASURED, ("int4_w4a16", 4, 128, 128), {2: "mma"})
+        args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+        built = plan.build_wo_plan(x, *args, ids, None, "int4_w4a16", "silu", None, POISON)
+        assert built.decode == want

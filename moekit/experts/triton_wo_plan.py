@@ -309,7 +309,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
                    num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
-    weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
+    weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
+    groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it."""
     if decode == "scratch":
         raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
@@ -317,6 +318,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
         if decode is not None:
             raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
+        return "register"
+    if chosen == "mma" and decode is None and not (words_ok(w13.q) and words_ok(w2.q) and (
+            scheme == "mxfp4" or (w13.group_size % (8 * MMA_WORDS) == 0 and w2.group_size % (8 * MMA_WORDS) == 0))):
         return "register"
     return chosen
 
