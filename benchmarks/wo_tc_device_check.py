@@ -6,12 +6,14 @@ and the chooser's pick (the gemv word decode at DeepSeek-V3 M = 1, 8).
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_tc_device_check.py --out $OUT/w4       # H200, <= 150 s
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_tc_device_check.py --smoke      # CPU, tiny shapes
 
-Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V3 M = 8, Mixtral-8x7B M = 8 (the
-register decode is its pick), DeepSeek-V3 M = 1, Qwen3-30B-A3B M = 8, DeepSeek-V3 M = 64 (aligned blocks), Qwen3
-M = 1, then DeepSeek-V3 mxfp4 M = 1, 8, each in a child process of its own (a fault loses only its cell). Run 1
+Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) Mixtral-8x7B M = 8, DeepSeek-V3 M = 64
+(aligned blocks), Qwen3-30B-A3B M = 64 (the register decode picked at all three: swapped by default since this
+branch), DeepSeek-V3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8, int4 DeepSeek-V3 M = 1, Qwen3 M = 8, 1, each in a child
+process of its own (a fault loses only its cell). Run 1
 (0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
-M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "reg" (the register decode, its
-heuristic config), "sw" (that config with swap_ab), "mma" (the word MMA decode, ``gemm_wo_mma``, its heuristic
+M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "prev" (the decode picked before
+this branch, where PREVIOUS names one), "reg" (the register decode, its heuristic config unswapped), "sw" (that
+config with swap_ab: the int4 default at 16-row blocks since this branch), "mma" (the word MMA decode, ``gemm_wo_mma``, its heuristic
 config), "mma_sw" (swapped), "mma_n64" (64-row tiles in 2 warps), "mma_s3" (3 stages). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
 (median), % of the packed-byte floor (the touched experts' packed bytes, scales and zeros over the measured copy
@@ -42,9 +44,12 @@ from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
-CELLS = (("deepseek-v3", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 1),
-         ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 1),
-         ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8))
+CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 64),
+         ("deepseek-v3", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8),
+         ("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 8), ("qwen3-30b-a3b", "int4_w4a16", 1))
+# (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev":
+# timed against the new pick; empty while no default changed)
+PREVIOUS: dict[tuple, str] = {}
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 WIN = 0.97
@@ -74,11 +79,12 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     """name -> (decode, config)."""
     decode = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
     out = {"pick": (decode, wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), decode))}
+    prev = PREVIOUS.get((s.name, scheme, m))
+    if prev is not None:
+        out["prev"] = (prev, wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), prev))
     reg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "register")
-    if decode != "register" or reg != out["pick"][1]:
-        out["reg"] = ("register", reg)
-    sw = dataclasses.replace(reg, swap_ab=True)
-    out["sw"] = ("register", sw)
+    out["reg"] = ("register", dataclasses.replace(reg, swap_ab=False))  # unswapped (int4's default swaps since 24)
+    out["sw"] = ("register", dataclasses.replace(reg, swap_ab=True))
     mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")  # the word MMA decode
     narrow = GemmTile(64, 128, 1, 2, mma.up.num_stages)
     out["mma"] = ("mma", mma)

@@ -77,13 +77,16 @@ def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k
     weights; sm_90 SASS 3.4 instructions a weight at 128 wide, 11 at 32 with mxfp4) and
     ``decode_split_k`` splits the reduction for the programs instead. Taller tiles: the packed gate-up
     32 wide and down <= 64 (ptxas sm_90: int4 spills 900 bytes a thread at 64 x 64); int8 as the tile
-    decode's."""
+    decode's. int4 at decode heights swaps the operands (``swap_ab``: the weight tile the MMA's M side, wgmma):
+    H200 graph µs (session 24, ``benchmarks/wo_tc_device_check.py`` at 0bdc803) Mixtral-8x7B M = 8 420.4
+    against 482.4 unswapped (5/5 rounds >= 3%), DeepSeek-V3 M = 8 857.1 against 943.1; mxfp4 lost swapped
+    (DeepSeek-V3 M = 1 257.4 against 208.6, M = 8 1492.5 against 1186.4)."""
     packed, bucket = scheme != "int8_w8a16", height_bucket(num_tokens, num_experts, top_k)
     if bucket == 16:
         blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
         up = GemmTile(_decode_width(blocks, n, widest=64), 128, 1, 4, 4)
         down_width = 128 if packed else _decode_width(blocks, k, widest=128)
-        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4))
+        return KernelConfig(16, up, GemmTile(down_width, 128, 1, 4, 4), swap_ab=scheme == "int4_w4a16")
     up_width = 32 if packed else 64  # packed: the chunks' partial products take registers
     if bucket == 32:
         return KernelConfig(32, GemmTile(up_width, 128, 1, 4, 3), GemmTile(64, 128, 1, 4, 3))
