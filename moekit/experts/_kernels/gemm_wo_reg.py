@@ -40,8 +40,10 @@ instructions (960 with the previous whole-tile fp32 decode), down 128 x 128 440;
 gate-up 918, down 718.
 
 Operand order: acc [BM, BN] = a [BM, K] @ W^T for all schemes (the decoded weights the right operand).
-SWAP_AB (``KernelConfig.swap_ab``; session 24, under measurement, no default takes it yet): acc^T [BN, BM] = W @
-a^T, the decoded weights the MMA's M side (the left operand), transposed back for the epilogue. (Session 20's
+SWAP_AB (``KernelConfig.swap_ab``; session 24: the int4 heuristic at 16-row blocks takes it, ``triton_wo_configs``):
+acc^T [BN, BM] = W @ a^T, the decoded weights the MMA's M side (the left operand, wgmma), transposed back for the
+epilogue. H200 graph µs unswapped / swapped: Mixtral int4 M = 8 482 / 420, DeepSeek-V3 int4 M = 8 943 / 857,
+mxfp4 DeepSeek-V3 M = 1 209 / 257, M = 8 1186 / 1493. (Session 20's
 swap-AB of the int8 decode measured 1.3-1.6x slower on the H200, Triton 3.6.) sm_90 SASS (Triton 3.9,
 ``benchmarks/wo_reg_sass_cpu.py``): int4 gate-up 64 x 128 9.2 instructions a weight unswapped (PRMT 2.6 of them:
 the bytes' layout change), 7.4 swapped; mxfp4 11.7 / 9.8; the decode itself is about 1 a weight.
