@@ -1,9 +1,11 @@
 """The register decode's main loops (``_kernels/gemm_wo_reg``, decode "register", inline PTX on) in sm_90 SASS,
-compiled on a machine without a GPU: SASS instructions a weight per thread (the loop body x 32 x warps over the
-weights a step), registers, spills, and whether the dots run on wgmma (HGMMA) or mma.sync (HMMA); unswapped
-against SWAP_AB (``KernelConfig.swap_ab``: the weight tile as the MMA's M side).
+and the word MMA decode's (``_kernels/gemm_wo_mma``, decode "mma") compiled on a machine without a GPU: SASS
+instructions a weight per thread (the loop body x 32 x warps over the weights a step), registers, spills, and
+whether the dots run on wgmma (HGMMA) or mma.sync (HMMA); unswapped against SWAP_AB (``KernelConfig.swap_ab``: the
+weight tile as the MMA's M side).
 
-    PYTHONPATH=$PWD python benchmarks/wo_reg_sass_cpu.py
+    PYTHONPATH=$PWD python benchmarks/wo_reg_sass_cpu.py            # register (both orders) and mma loops
+    PYTHONPATH=$PWD python benchmarks/wo_reg_sass_cpu.py --quick    # the mma decode's default tiles only
 
 The compile is ``wo_gemv_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
 ``tt.divisibility`` hints). Weights a loop step: BN x BLOCK_K (x 2 for gate-up). Tiles: the heuristic's decode
@@ -71,10 +73,20 @@ def count(scheme: int, block_n: int, block_k: int, swap: bool, down: bool = Fals
                      + f" (HGMMA {ops['HGMMA']}, HMMA {ops['HMMA']})")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the mma decode's default tiles only (both schemes, both GEMMs)")
+    args = p.parse_args(argv)
+    if args.quick:  # (scheme, BN, BK, swap, down, warps, stages, decode)
+        jobs = [(s, 128, 128, False, d, 4 if not d or s == 2 else 2, 4, "mma") for s in (1, 2) for d in (False, True)]
+    else:
+        jobs = [(s, bn, 128, sw, d) for s in (1, 2) for d in (False, True) for bn in ((128,) if d else (64, 128))
+                for sw in (False, True)]
+        jobs += [(s, 128, 128, sw, d, 4 if not d or s == 2 else 2, 4, "mma") for s in (1, 2) for d in (False, True)
+                 for sw in (False, True)]
     failed = 0
-    jobs = [(s, bn, 128, sw, d) for s in (1, 2) for d in (False, True) for bn in ((128,) if d else (64, 128))
-            for sw in (False, True)]
     for job in jobs:
         try:
             c = count(*job)

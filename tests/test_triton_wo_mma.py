@@ -106,3 +106,21 @@ def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
         args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
         built = plan.build_wo_plan(x, *args, ids, None, "int4_w4a16", "silu", None, POISON)
         assert built.decode == want
+
+
+def test_inline_ptx_compiles_for_sm90():
+    """The mma kernels with their inline PTX (both schemes, both GEMMs, the default tiles) through Triton's pipeline
+    and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the
+    device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_reg_sass_cpu.py"), "--quick"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
+    assert done.returncode == 0 and len(lines) == 4 and all(line.startswith("OK") for line in lines), done.stdout + done.stderr
