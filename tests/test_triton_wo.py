@@ -323,3 +323,26 @@ def test_decode_split_rule():
     assert split == 2 and 4096 // config.down.BLOCK_N * split >= MIN_PROGRAMS
     tall = KernelConfig(64, config.up, config.down)
     assert decode_split_k(tall, 1024, 2, 1, 14336, 4096) == 1  # never past decode tiles
+
+
+# --- SWAP_AB (the register decode: the weights as the MMA's M side) ------------------------------------
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_register_swap_ab_matches_float64_loop(wo, scheme, group, split_k):
+    # each chunk computes W @ a^T into a [BN, BM] accumulator, transposed back for the epilogue (K = 100: a group tail)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=2, hidden=100, n=64, seed=30 + split_k)
+    tile = GemmTile(32, 32, 1, 4, 2)
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    out = wo.run_experts_wo(x, *args, ids, weights, None, scheme, config=KernelConfig(16, tile, tile, swap_ab=True),
+                            options=POISON, split_k=split_k, decode="register")
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+@pytest.mark.parametrize("decode", ["tile", "gemv"])
+def test_swap_ab_is_refused_outside_the_register_decode(wo, decode):
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=2, k=2, hidden=64, n=32)
+    tile = GemmTile(32, 32, 1, 4, 2)
+    with pytest.raises(ValueError, match="swap_ab"):
+        run_kernels(wo, x, w13, w2, ids, weights, config=KernelConfig(16, tile, tile, swap_ab=True), decode=decode)

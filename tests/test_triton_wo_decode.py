@@ -218,6 +218,16 @@ def test_register_heuristic_splits_the_wide_down_tiles():
                 == wo_heuristic_config(m, 8, 14336, 4096, 2, "int8_w8a16", "tile"))
 
 
+def test_register_heuristic_swaps_int4_at_decode_heights_only():
+    from moekit.experts.triton_wo_configs import wo_heuristic_config
+
+    # session 24: swapped int4 won Mixtral M = 8 (420 vs 482 µs); mxfp4 lost swapped; taller tiles unmeasured
+    assert wo_heuristic_config(8, 8, 14336, 4096, 2, "int4_w4a16", "register").swap_ab
+    assert not wo_heuristic_config(8, 8, 14336, 4096, 2, "mxfp4", "register").swap_ab
+    assert not wo_heuristic_config(1024, 8, 14336, 4096, 2, "int4_w4a16", "register").swap_ab
+    assert not wo_heuristic_config(8, 8, 14336, 4096, 2, "int4_w4a16", "tile").swap_ab
+
+
 def test_each_decode_reads_its_own_tuned_file(wo, tmp_path, monkeypatch):
     from moekit.experts import triton_wo_configs as plans
 

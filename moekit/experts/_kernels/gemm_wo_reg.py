@@ -40,10 +40,13 @@ instructions (960 with the previous whole-tile fp32 decode), down 128 x 128 440;
 gate-up 918, down 718.
 
 Operand order: acc [BM, BN] = a [BM, K] @ W^T for all schemes (the decoded weights the right operand).
-(Swap-AB, acc^T = W @ a^T with the weights as wgmma's register operand, measured slower on the H200,
-Triton 3.6: int8 decode 1.3-1.6x the time of this order, the decode ALU work being equal. Not taken
-for the packed schemes either: with their decode elementwise, this order too decodes the weights in
-the MMA operand's registers, which was swap-AB's point.)
+SWAP_AB (``KernelConfig.swap_ab``; session 24: the int4 heuristic at 16-row blocks takes it, ``triton_wo_configs``):
+acc^T [BN, BM] = W @ a^T, the decoded weights the MMA's M side (the left operand, wgmma), transposed back for the
+epilogue. H200 graph µs unswapped / swapped: Mixtral int4 M = 8 482 / 420, DeepSeek-V3 int4 M = 8 943 / 857,
+mxfp4 DeepSeek-V3 M = 1 209 / 257, M = 8 1186 / 1493. (Session 20's
+swap-AB of the int8 decode measured 1.3-1.6x slower on the H200, Triton 3.6.) sm_90 SASS (Triton 3.9,
+``benchmarks/wo_reg_sass_cpu.py``): int4 gate-up 64 x 128 9.2 instructions a weight unswapped (PRMT 2.6 of them:
+the bytes' layout change), 7.4 swapped; mxfp4 11.7 / 9.8; the decode itself is about 1 a weight.
 
 Past C (an odd C, a group tail, a last partial step or chunk) the activations load as 0 and the
 bytes as 0, which decode to finite values; a chunk past the last group has scales 0. Nothing leaks in.
@@ -65,6 +68,7 @@ import triton.language as tl
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.gemm_fp8 import acc_zeros, unswap
 from moekit.experts._kernels.gemm_wo import _load_weights, _store_y
 
 @triton.jit
@@ -192,21 +196,32 @@ def _decode(raw, DTYPE: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _dot_chunk(raw, a, mul, add, acc, BLOCK_M: tl.constexpr, SPAN: tl.constexpr, SCHEME: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, SWAP_AB: tl.constexpr = False):
     """acc [BM, BN] + a [BM, SPAN] @ W^T for one chunk's stored bytes ``raw`` (``_load_weights``) and
-    scales (``_chunk_scales``). int8: the bytes converted (exact in bf16: |q| <= 128; scaled in the
-    epilogue). Packed: the codes decoded exactly and the group's scale applied to the fp32 partial
-    product, not per weight; two dots over the even and odd K (a byte's low and high nibble), so each
-    weight decodes from its own byte, elementwise, with no shuffle of decoded values."""
+    scales (``_chunk_scales``); SWAP_AB: acc^T [BN, BM] + W @ a^T (the weights the MMA's M side). int8: the
+    bytes converted (exact in bf16: |q| <= 128; scaled in the epilogue). Packed: the codes decoded exactly
+    and the group's scale applied to the fp32 partial product, not per weight; two dots over the even and
+    odd K (a byte's low and high nibble), so each weight decodes from its own byte, elementwise, with no
+    shuffle of decoded values."""
     if SCHEME == 0:
-        acc = tl.dot(a, tl.trans(raw.to(tl.float32).to(a.dtype)), acc)  # via float32: the interpreter's int8 -> bf16 gives NaN
+        w = raw.to(tl.float32).to(a.dtype)  # via float32: the interpreter's int8 -> bf16 gives NaN
+        if SWAP_AB:
+            acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
     else:
         a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, SPAN // 2, 2]))  # [BM, SPAN/2] each: K = 2i, 2i + 1
         low, high = _decode(raw, a.dtype, SCHEME, ASM)
-        part = tl.dot(a_odd, tl.trans(high), tl.dot(a_even, tl.trans(low)))
-        acc += part * mul[None, :]
-        if SCHEME == 1:  # the base and the zero point, once per row of the chunk
-            acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * add[None, :]
+        if SWAP_AB:
+            part = tl.dot(high, tl.trans(a_odd), tl.dot(low, tl.trans(a_even)))  # [BN, BM]
+            acc += part * mul[:, None]
+            if SCHEME == 1:  # the base and the zero point, once per row of the chunk
+                acc += add[:, None] * tl.sum(a.to(tl.float32), axis=1)[None, :]
+        else:
+            part = tl.dot(a_odd, tl.trans(high), tl.dot(a_even, tl.trans(low)))
+            acc += part * mul[None, :]
+            if SCHEME == 1:  # the base and the zero point, once per row of the chunk
+                acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * add[None, :]
     return acc
 
 
@@ -219,7 +234,7 @@ def gate_up_wo_reg_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row, w13 dequantized in registers."""
     wait_for_previous_kernel(PDL)
@@ -238,8 +253,8 @@ def gate_up_wo_reg_kernel(
     zg, zu = z_ptr + expert * stride_ze + gate * stride_zr, z_ptr + expert * stride_ze + up * stride_zr
     x_rows = x_ptr + token[:, None] * stride_xm  # [BM, 1]
     offs_k = tl.arange(0, SPAN)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)  # [BM, BN], SWAP_AB [BN, BM]
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
     dtype = x_ptr.dtype.element_ty
     if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
         dtype = tl.float32
@@ -252,11 +267,12 @@ def gate_up_wo_reg_kernel(
             k = k0 + c + offs_k
             a = tl.load(x_rows + k[None, :] * stride_xk, mask=row_ok[:, None] & (k < K)[None, :], other=0.0).to(dtype)
             acc_gate = _dot_chunk(_load_weights(qg, k0 + c, K_STORED, n_ok, stride_qc, SPAN, SCHEME), a, mul_g, add_g,
-                                  acc_gate, BLOCK_M, SPAN, SCHEME, ASM)
+                                  acc_gate, BLOCK_M, SPAN, SCHEME, ASM, SWAP_AB)
             acc_up = _dot_chunk(_load_weights(qu, k0 + c, K_STORED, n_ok, stride_qc, SPAN, SCHEME), a, mul_u, add_u,
-                                acc_up, BLOCK_M, SPAN, SCHEME, ASM)
+                                acc_up, BLOCK_M, SPAN, SCHEME, ASM, SWAP_AB)
             mul_g, add_g, mul_u, add_u = next_mul_g, next_add_g, next_mul_u, next_add_u
     let_next_kernel_launch(PDL)
+    acc_gate, acc_up = unswap(acc_gate, SWAP_AB), unswap(acc_up, SWAP_AB)
     if SCHEME == 0:  # int8: the per-row scale, once
         acc_gate *= tl.load(sg, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(su, mask=n_ok, other=0.0)[None, :]
@@ -278,6 +294,7 @@ def down_wo_reg_kernel(
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+    SWAP_AB: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 dequantized in registers (split-K, KSUM: module docstring)."""
     wait_for_previous_kernel(PDL)
@@ -303,7 +320,7 @@ def down_wo_reg_kernel(
     z_rows = z_ptr + expert * stride_ze + out * stride_zr
     h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
     offs_red = tl.arange(0, SPAN)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)  # [BM, BN], SWAP_AB [BN, BM]
     dtype = h_ptr.dtype.element_ty
     if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
         dtype = tl.float32
@@ -316,9 +333,10 @@ def down_wo_reg_kernel(
             red = n0 + c + offs_red
             a = tl.load(h_rows + red[None, :], mask=row_ok[:, None] & (red < N)[None, :], other=0.0).to(dtype)
             acc = _dot_chunk(_load_weights(q_rows, n0 + c, N_STORED, out_ok, stride_qc, SPAN, SCHEME), a, mul, add,
-                             acc, BLOCK_M, SPAN, SCHEME, ASM)
+                             acc, BLOCK_M, SPAN, SCHEME, ASM, SWAP_AB)
             mul, add = next_mul, next_add
     let_next_kernel_launch(PDL)
+    acc = unswap(acc, SWAP_AB)
     _store_y(acc, s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments, stride_ym, SCHEME)
     if KSUM:
         ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
