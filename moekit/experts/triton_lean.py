@@ -44,9 +44,10 @@ MAX_SEQUENCES = 4096  # (plan, thread, weights) kept; the oldest goes first
 # to five launches, each a data_ptr and a cuPointerGetAttribute in Triton's launcher otherwise).
 # Where every launch is raw, the whole sequence in one call into C (``batch_launch.Batch``): the call's values
 # written into the launches' recorded parameters there, then every cuLaunchKernelEx, instead of a Python argument
-# list and a C launch per launch. Read when a sequence is recorded (``clear_launch_caches`` after a switch). False:
-# launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
-BATCHED = False
+# list and a C launch per launch (H200, session 24: host 3-9 µs lower a call, bit-equal at every cell). Read when a
+# sequence is recorded (``clear_launch_caches`` after a switch); a sequence the module refuses, or a machine where it
+# cannot be built, launches step by step. False: launch by launch (the A/B of ``benchmarks/host6_device_check.py``).
+BATCHED = True
 
 
 class _Slot:
