@@ -13,9 +13,9 @@ process of its own (a fault loses only its cell). Run 1
 (0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
 M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "prev" (the decode picked before
 this branch, where PREVIOUS names one), "reg" (the register decode, its heuristic config unswapped), "sw" (that
-config with swap_ab: the int4 default at 16-row blocks since this branch), "mma" (the word MMA decode, ``gemm_wo_mma``, its heuristic
-config), "mma_n64" (64-row tiles in 2 warps; swapped and 3-stage mma variants were cut for the merged run's
-150 s: SASS has the swapped mma loop at 2.90-4.10 instructions a weight against 2.63). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
+config with swap_ab: the int4 default at 16-row blocks since this branch). The merged run (e3434b4) also ran a word
+MMA decode ("mma", ``gemm_wo_mma``: 1.3-3.2x slower than the pick in every cell; removed, history at 1fa2c6c).
+Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
 (median), % of the packed-byte floor (the touched experts' packed bytes, scales and zeros over the measured copy
 bandwidth). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_tc.json;
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
-from moekit.experts.configs import GemmTile, device_key  # noqa: E402
+from moekit.experts.configs import device_key  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
@@ -86,10 +86,6 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     reg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "register")
     out["reg"] = ("register", dataclasses.replace(reg, swap_ab=False))  # unswapped (int4's default swaps since 24)
     out["sw"] = ("register", dataclasses.replace(reg, swap_ab=True))
-    mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")  # the word MMA decode
-    narrow = GemmTile(64, 128, 1, 2, mma.up.num_stages)
-    out["mma"] = ("mma", mma)
-    out["mma_n64"] = ("mma", dataclasses.replace(mma, up=narrow, down=narrow))
     return out
 
 

@@ -55,8 +55,6 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
     if decode == "gemv":
         return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
-    if decode == "mma":
-        return _mma_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
     bucket = height_bucket(num_tokens, num_experts, top_k)
     if bucket == 16:
@@ -93,19 +91,6 @@ def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k
     if bucket == 64:
         return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
     return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(64 if packed else 128, 64, 8, 8, 3))
-
-
-def _mma_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
-    """The mma decode's default: 16-row blocks, steps of 128 columns, tiles as wide (128, 64, 32) as still give
-    >= MIN_PROGRAMS programs; 32 weight rows a warp in the gate-up (gate and up: 64), 64 in the int4 down GEMM
-    (sm_90 SASS, ``benchmarks/wo_reg_sass_cpu.py``, instructions a weight: int4 gate-up 2.63 at 128 x 128 in
-    4 warps, 3.84 at 64 x 128 in 4; int4 down 2.70 at 128 x 128 in 2 warps, 3.37 in 4; mxfp4 down 6.23 in 4,
-    2 spill)."""
-    blocks = max(1, min(num_experts, num_tokens * top_k))  # ~ one block per touched expert
-    up, down = _decode_width(blocks, n, widest=128), _decode_width(blocks, k, widest=128)
-    down_rows = 64 if scheme == "int4_w4a16" else 32  # weight rows a warp
-    return KernelConfig(16, GemmTile(up, 128, 1, max(1, up // 32), 4),
-                        GemmTile(down, 128, 1, max(1, down // down_rows), 4))
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:
