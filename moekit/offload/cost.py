@@ -132,7 +132,8 @@ class MissCosts:
         if self.cpu_tail_s == 0.0:
             return self
         if _FOR_PLAN[0] is not self:
-            _FOR_PLAN[:] = [self, dataclasses.replace(self, cpu_step_s=self.cpu_step_s + self.cpu_tail_s, cpu_tail_s=0.0)]
+            tailed = dataclasses.replace(self, cpu_step_s=self.cpu_step_s + self.cpu_tail_s, cpu_tail_s=0.0)
+            _FOR_PLAN[:] = [self, tailed]
         return _FOR_PLAN[1]
 
     def observed(self, measured_s: float, predicted_s: float) -> "MissCosts":
