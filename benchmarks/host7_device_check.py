@@ -1,0 +1,377 @@
+"""Host check of issue 13 (``host_us`` <= 40 µs in every triton cell of ``moekit bench``), session 25 helper host7:
+per cell, which route a repeated call takes and where its host µs go, the first call after a sync against the rest,
+and what the host does right after a long GPU wait.
+
+    PYTHONPATH=$PWD timeout 170 python3 benchmarks/host7_device_check.py --out $OUT/host7 [--deadline-s 140]
+        [--parts wake cells] [--cells over quant all]
+
+Parts (a line per cell as it goes, JSON rewritten after each, a table last):
+1. wake: what the host does after a sync. A fixed pure-Python workload (``PY_STEPS`` timestamped steps, no CUDA)
+   and then one Qwen3 bf16 M = 64 experts call (kept, batched), started right after waiting ``how``: ``gpu20``
+   (torch.cuda._sleep ~20 ms, then synchronize), ``gpu1`` (~1 ms), ``poll20`` (the GPU busy ~20 ms, the stream
+   polled from Python), ``spinbusy20`` (the GPU busy ~20 ms, a Python spin of 25 ms, then a sync), ``sleep20``
+   (time.sleep 20 ms, GPU idle), ``spin20`` (a Python spin of 20 ms, GPU idle), ``hot`` (nothing: right after the
+   same workload). Medians of
+   ``WAKE_REPS``: the workload's µs, its largest single step (a gap: the thread preempted; an even slowdown: a
+   cold or slow core), the call's µs, the cpu it ran on before / after the wait.
+2. cells: the bench's cells over 40 µs (final bench of session 24) and the quantized dtypes' cells. Per cell, the
+   bench's weights (``make_weights``, ``quantize``) and rotated input sets; the call checked against
+   ``experts_reference`` (M <= 64, else against the first output of the full path); then
+   - ``route``: which kept path served a repeated call (``run_fast``, the Gluon ones, the quantized one) or the
+     full path (``_unchecked``: a miss), the kept sequences it launched (kernels, batched or why not, per-call
+     regions);
+   - ``bench``: ``time_paired`` as the bench times it (graph replay passes up to M = 1024): host_us, host_rest_us;
+   - ``parts``: 5 loops of 16 calls, each after one pass of the sets and a sync (the bench's order): per call
+     index, µs of the whole call, of the C launch (``launch_all`` or the step launches), of ``empty_like`` and of
+     any ``torch.empty`` (a per-call buffer); first call vs calls 2..16 (medians);
+   - ``noop``: the same loops with every kept launch a no-op (the call's Python and allocations alone);
+     ``noop_busy``: the same behind a ~20 ms GPU sleep (is the Python slower while the GPU runs?);
+   - ``profile``: cProfile of 15 back-to-back calls, the 10 functions with the most own time (µs per call).
+Look for: PASS everywhere; which part makes a cell's rest > 40 and how much the first call adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import math
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+from host6_device_check import kept_sequences
+from host_big3_device_check import DEEPSEEK, QWEN3, TOL, Deadline, _rel, _weights
+import moekit.batch_launch as bl
+import moekit.experts.triton as tri
+import moekit.experts.triton_fast as fast
+from moekit.bench.cells import Shape, make_sets
+from moekit.bench.timing import time_paired
+from moekit.experts import get_backend
+from moekit.experts.reference import experts_reference
+
+# the final bench of session 24 over 40 (host_us / host_rest_us), grouped by weights (made once), worst first
+OVER = [(DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096), (DEEPSEEK, "bfloat16", 64),
+        (DEEPSEEK, "bfloat16", 16384), (DEEPSEEK, "fp8_block", 1024), (DEEPSEEK, "fp8_block", 16384),
+        (DEEPSEEK, "fp8_block", 1), (QWEN3, "fp8_block", 16384), (QWEN3, "fp8_block", 64),
+        (QWEN3, "bfloat16", 64), (QWEN3, "bfloat16", 1024)]
+QUANT = [(QWEN3, d, m) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
+QUANT += [(DEEPSEEK, d, m) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
+PY_STEPS, WAKE_REPS, LOOPS, CALLS = 400, 7, 5, 16
+ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
+_OUT = [None]
+
+
+def save(results: dict) -> None:
+    if _OUT[0] is not None:
+        with open(_OUT[0], "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def _py_work(stamps: list) -> None:
+    """A fixed pure-Python workload in PY_STEPS steps, each timestamped."""
+    d = {i: i for i in range(64)}
+    for i in range(PY_STEPS):
+        s = 0
+        for j in range(16):
+            s += d[(i + j) & 63]
+        stamps.append(time.perf_counter())
+
+
+def _wait(how: str) -> None:
+    if how.startswith("gpu"):
+        torch.cuda._sleep(int(2_000_000 * (20 if how == "gpu20" else 1)))  # ~1 ms a 2e6 cycles at 1.98 GHz
+        torch.cuda.synchronize()
+    elif how == "poll20":  # the GPU busy, the host polling the stream in Python (it never sleeps)
+        torch.cuda._sleep(40_000_000)
+        stream = torch.cuda.current_stream()
+        while not stream.query():
+            pass
+    elif how == "spinbusy20":  # the GPU busy, the host spinning in Python (no CUDA call) until past it, then a sync
+        torch.cuda._sleep(40_000_000)
+        end = time.perf_counter() + 0.025
+        while time.perf_counter() < end:
+            pass
+        torch.cuda.synchronize()
+    elif how == "sleep20":
+        torch.cuda.synchronize()
+        time.sleep(0.02)
+    elif how == "spin20":
+        torch.cuda.synchronize()
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+    else:
+        torch.cuda.synchronize()
+
+
+def part_wake(results: dict, deadline: Deadline) -> None:
+    fn, out = get_backend("triton"), results.setdefault("wake", {})
+    shape = Shape.from_preset(QWEN3)
+    w13, w2 = _weights(shape, "bfloat16")
+    s = make_sets(shape, 64, 1, torch.bfloat16, torch.device("cuda"))[0]
+    call = lambda: fn(s.x, w13, w2, s.topk_ids, s.topk_weights)  # noqa: E731
+    for _ in range(4):
+        call()
+    for how in ("hot", "gpu1", "gpu20", "poll20", "spinbusy20", "sleep20", "spin20"):
+        rows = []
+        for _ in range(WAKE_REPS):
+            if how == "hot":
+                _wait("x")
+                _py_work([])
+            else:
+                _wait(how)
+            cpu0 = os.sched_getcpu()
+            stamps = [time.perf_counter()]
+            _py_work(stamps)
+            t = time.perf_counter()
+            call()
+            t_call = time.perf_counter()
+            call()
+            t_second = time.perf_counter()
+            steps = [b - a for a, b in zip(stamps, stamps[1:])]
+            rows.append(dict(py=(stamps[-1] - stamps[0]) * 1e6, py_max_step=max(steps) * 1e6,
+                             py_first_half=(stamps[PY_STEPS // 2] - stamps[0]) * 1e6, call=(t_call - t) * 1e6,
+                             second=(t_second - t_call) * 1e6, moved=int(os.sched_getcpu() != cpu0)))
+        torch.cuda.synchronize()
+        row = {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
+        row["moved"] = sum(r["moved"] for r in rows)
+        out[how] = row
+        print(f"wake {how}: " + json.dumps(row), flush=True)
+        save(results)
+
+
+class Parts:
+    """Per call index: µs of the whole call and of the wrapped pieces (launches, empty_like, empty)."""
+
+    def __init__(self):
+        self.acc = {}
+        self.touched = {}
+
+    def wrap(self, name: str, f, seq=None):
+        def run(*a, **k):
+            t = time.perf_counter()
+            r = f(*a, **k)
+            acc = self.acc  # the current call's (``_loops`` starts a new one per call)
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+            if seq is not None:
+                self.touched[id(seq)] = seq
+            return r
+        return run
+
+
+def _patch(parts: Parts | None, noop: bool = False):
+    """Wrap (or no-op) every kept sequence's launches, and torch.empty_like / torch.empty; returns the undo."""
+    seqs, saved = kept_sequences(), []
+    for q in seqs:
+        saved.append((q, q.batch, q.steps))
+        if q.batch is not None:
+            f = (lambda *a: None) if noop else q.batch.launch_all
+            q.batch = bl.Batch(q.batch.blob, parts.wrap("launch", f, q) if parts else f, q.batch.names)
+        q.steps = [((lambda *a: None) if noop else (parts.wrap("launch", e, q) if parts else e), t, s, r)
+                   for e, t, s, r in q.steps]
+    real = torch.empty_like, torch.empty
+    if parts is not None:
+        torch.empty_like, torch.empty = parts.wrap("empty_like", real[0]), parts.wrap("empty", real[1])
+
+    def undo():
+        torch.empty_like, torch.empty = real
+        for q, batch, steps in saved:
+            q.batch, q.steps = batch, steps
+    return undo
+
+
+def _loops(calls: list, noop: bool, busy: bool = False) -> dict:
+    """LOOPS loops of CALLS calls, each after one pass over the sets and a sync (``busy``: then a ~20 ms GPU sleep
+    queued, so every call is issued behind a running GPU); per-part µs, first vs rest."""
+    parts = Parts()
+    undo = _patch(parts, noop)
+    per = []  # [loop][call index] -> dict
+    seq = [calls[i % len(calls)] for i in range(CALLS)]
+    try:
+        for _ in range(LOOPS):
+            for c in calls:
+                c()
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(40_000_000)
+            rows = []
+            for c in seq:
+                parts.acc = {}
+                t = time.perf_counter()
+                c()
+                rows.append(dict(total=(time.perf_counter() - t) * 1e6, **{k: v * 1e6 for k, v in parts.acc.items()}))
+            per.append(rows)
+            torch.cuda.synchronize()
+    finally:
+        undo()
+    names = sorted({k for loop in per for r in loop for k in r})
+
+    def med(rows, k):
+        return round(statistics.median(r.get(k, 0.0) for r in rows), 2)
+    first = {k: med([loop[0] for loop in per], k) for k in names}
+    rest = {k: med([r for loop in per for r in loop[1:]], k) for k in names}
+    for d in (first, rest):
+        d["other"] = round(d["total"] - sum(v for k, v in d.items() if k != "total"), 2)
+    return dict(first=first, rest=rest, touched=list(parts.touched.values()))
+
+
+def _route(calls: list) -> dict:
+    """Which of the kept paths served one repeated call (a spy on each), or the full path."""
+    import moekit.experts.triton_gluon as tg
+    import moekit.experts.triton_gluon_fp8 as tgf
+
+    hits = []
+    spots = [(tri, "run_fast"), (tg, "run_fast_default_gluon"), (tgf, "run_fast_fp8"), (fast, "run_quant_fast"),
+             (tri, "_unchecked")]
+    saved = [(m, n, getattr(m, n)) for m, n in spots]
+
+    def spy(name, f):
+        def run(*a, **k):
+            r = f(*a, **k)
+            hits.append(name if r is not None else name + ":miss")
+            return r
+        return run
+    for m, n, f in saved:
+        setattr(m, n, spy(n, f))
+    try:
+        calls[0]()
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
+    return dict(route=hits)
+
+
+def _describe(seqs: list) -> list:
+    out = []
+    for q in seqs:
+        out.append(dict(kernels=list(q.batch.names) if q.batch is not None else len(q.steps),
+                        batched=q.batch is not None, why=None if q.batch is not None else bl.refusal(q.steps),
+                        large=q.large is not None))
+    return out
+
+
+def _profile(calls: list) -> list:
+    seq = [calls[i % len(calls)] for i in range(CALLS)]
+    seq[0]()
+    prof = cProfile.Profile()
+    prof.enable()
+    for c in seq[1:]:
+        c()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:10]
+    return [f"{os.path.basename(k[0])}:{k[1]}:{k[2]} n{v[1] // (CALLS - 1)} {v[2] / (CALLS - 1) * 1e6:.1f}"
+            for k, v in rows]
+
+
+def _num_sets(shape: Shape, m: int, w13, w2) -> int:
+    per_expert = (w13.nbytes + w2.nbytes) / shape.num_experts
+    touched = max(1, min(shape.num_experts, m * shape.top_k)) * per_expert
+    return max(2, min(8, math.ceil(ROTATION_BYTES / touched)))
+
+
+def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
+    fn, out, held = get_backend("triton"), results.setdefault("cells", {}), {}
+    for preset, dtype, m in cells:
+        if deadline.left() < deadline.stops["cells"]:
+            print(f"deadline: cells stop before {preset} {dtype} M={m}", flush=True)
+            break
+        key, sets, calls = f"{preset} {dtype} M={m}", None, None
+        try:
+            shape = Shape.from_preset(preset)
+            if (preset, dtype) not in held:
+                held.clear()
+                torch.cuda.empty_cache()
+                held[(preset, dtype)] = _weights(shape, dtype)
+            w13, w2 = held[(preset, dtype)]
+            sets = make_sets(shape, m, _num_sets(shape, m, w13, w2), torch.bfloat16, torch.device("cuda"))
+            calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+            first = calls[0]().clone()
+            for c in calls * 3:
+                c()
+            s0 = sets[0]
+            row = dict(sets=len(sets), equal=bool(torch.equal(calls[0](), first)))
+            if m <= 64:
+                row["ref_err"] = _rel(first, experts_reference(s0.x, w13, w2, s0.topk_ids, s0.topk_weights))
+            row.update(_route(calls))
+            paired = time_paired(calls, torch.device("cuda"), graph=m <= 1024, budget_s=0.3)
+            row["bench"] = dict(us=round(paired.timing.us, 1), eager=round(paired.eager.eager_us, 1),
+                                host=round(paired.eager.host_us, 1), rest=round(paired.eager.host_rest_us, 1))
+            real = _loops(calls, noop=False)
+            row["seqs"] = _describe(real.pop("touched"))
+            row["parts"] = real
+            noop = _loops(calls, noop=True)
+            noop.pop("touched")
+            row["noop"] = noop
+            busy = _loops(calls, noop=True, busy=True)
+            busy.pop("touched")
+            row["noop_busy"] = busy
+            row["profile"] = _profile(calls)
+            ok = row["equal"] and row.get("ref_err", 0.0) < TOL and "_unchecked" not in row["route"]
+        except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
+            row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False
+            torch.cuda.synchronize()
+        out[key] = row
+        print(("PASS" if ok else "FAIL") + f" cell {key}: " + json.dumps(row, default=str), flush=True)
+        save(results)
+        del sets, calls
+    held.clear()
+    torch.cuda.empty_cache()
+
+
+def table(results: dict) -> None:
+    print("\n== wake: µs after waiting (pure-Python workload, its largest step, then an experts call, a second) ==")
+    for how, r in results.get("wake", {}).items():
+        print(f"{how:8} py {r['py']:7.1f} max step {r['py_max_step']:6.1f} call {r['call']:7.1f} "
+              f"second {r['second']:6.1f} moved {r['moved']}")
+    print("\n== cells: bench host/rest; loops first/rest total (launch, empty_like, empty, other); noop rest ==")
+    for key, r in results.get("cells", {}).items():
+        if "error" in r:
+            print(f"{key:34} ERROR {r['error'][:80]}")
+            continue
+        b, f, s, n = r["bench"], r["parts"]["first"], r["parts"]["rest"], r["noop"]["rest"]
+        nb = r["noop_busy"]["rest"]
+        pieces = lambda d: "/".join(f"{d.get(k, 0.0):.1f}" for k in ("launch", "empty_like", "empty", "other"))  # noqa
+        route = ",".join(sorted(set(r["route"])))
+        batched = "".join("B" if q["batched"] else ("L" if q["large"] else "s") for q in r["seqs"])
+        print(f"{key:34} bench {b['host']:5.1f}/{b['rest']:5.1f} first {f['total']:6.1f} ({pieces(f)}) rest "
+              f"{s['total']:5.1f} ({pieces(s)}) noop {n['total']:5.1f} busy {nb['total']:5.1f} [{route} {batched}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "host7_out"))
+    parser.add_argument("--deadline-s", type=float, default=140.0)
+    parser.add_argument("--parts", nargs="+", default=["wake", "cells"], choices=["wake", "cells"])
+    parser.add_argument("--cells", nargs="+", default=["over", "quant"], choices=["over", "quant"])
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    _OUT[0] = os.path.join(args.out, "host7.json")
+    deadline = Deadline(args.deadline_s)
+    deadline.stops = dict(cells=12.0)
+    import triton
+
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
+    cells = (OVER if "over" in args.cells else []) + (QUANT if "quant" in args.cells else [])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for part in args.parts:
+            try:
+                part_wake(results, deadline) if part == "wake" else part_cells(results, deadline, cells)
+            except Exception as e:  # noqa: BLE001
+                print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                torch.cuda.empty_cache()
+            tri.clear_launch_caches()
+            save(results)
+    print(f"wall {time.perf_counter() - t0:.0f} s", flush=True)
+    table(results)
+
+
+if __name__ == "__main__":
+    main()
