@@ -3,7 +3,7 @@ per cell, which route a repeated call takes and where its host µs go, the first
 and what the host does right after a long GPU wait.
 
     PYTHONPATH=$PWD timeout 170 python3 benchmarks/host7_device_check.py --out $OUT/host7 [--deadline-s 140]
-        [--parts wake cells] [--cells over quant all]
+        [--parts wake cells] [--cells over quant]
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
 1. wake: what the host does after a sync. A fixed pure-Python workload (``PY_STEPS`` timestamped steps, no CUDA)
@@ -24,6 +24,8 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
    - ``parts``: 5 loops of 16 calls, each after one pass of the sets and a sync (the bench's order): per call
      index, µs of the whole call, of the C launch (``launch_all`` or the step launches), of ``empty_like`` and of
      any ``torch.empty`` (a per-call buffer); first call vs calls 2..16 (medians);
+   - ``split``: the same loops with a batched sequence issued as one C call a launch: each launch's µs by kernel
+     (bit-equal to the first output);
    - ``noop``: the same loops with every kept launch a no-op (the call's Python and allocations alone);
      ``noop_busy``: the same behind a ~20 ms GPU sleep (is the Python slower while the GPU runs?);
    - ``profile``: cProfile of 15 back-to-back calls, the 10 functions with the most own time (µs per call).
@@ -58,17 +60,15 @@ OVER = [(DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096), (DEEPSEEK, "
         (DEEPSEEK, "bfloat16", 16384), (DEEPSEEK, "fp8_block", 1024), (DEEPSEEK, "fp8_block", 16384),
         (DEEPSEEK, "fp8_block", 1), (QWEN3, "fp8_block", 16384), (QWEN3, "fp8_block", 64),
         (QWEN3, "bfloat16", 64), (QWEN3, "bfloat16", 1024)]
-QUANT = [(QWEN3, d, m) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
-QUANT += [(DEEPSEEK, d, m) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
+QUANT = [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
 PY_STEPS, WAKE_REPS, LOOPS, CALLS = 400, 7, 5, 16
 ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
 _OUT = [None]
 
 
 def save(results: dict) -> None:
-    if _OUT[0] is not None:
-        with open(_OUT[0], "w") as f:
-            json.dump(results, f, indent=1, default=str)
+    with open(_OUT[0], "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 def _py_work(stamps: list) -> None:
@@ -119,11 +119,9 @@ def part_wake(results: dict, deadline: Deadline) -> None:
     for how in ("hot", "gpu1", "gpu20", "poll20", "spinbusy20", "sleep20", "spin20"):
         rows = []
         for _ in range(WAKE_REPS):
+            _wait(how)
             if how == "hot":
-                _wait("x")
                 _py_work([])
-            else:
-                _wait(how)
             cpu0 = os.sched_getcpu()
             stamps = [time.perf_counter()]
             _py_work(stamps)
@@ -163,12 +161,32 @@ class Parts:
         return run
 
 
-def _patch(parts: Parts | None, noop: bool = False):
-    """Wrap (or no-op) every kept sequence's launches, and torch.empty_like / torch.empty; returns the undo."""
+def _split(parts: Parts, q):
+    """A batched sequence's launches as one C call each, in order (the same launches), each timed as "L<i> name"."""
+    subs = [bl.Batch.of([step]) for step in q.steps]
+    if any(sub is None for sub in subs):
+        return q.batch.launch_all
+    names = [f"L{i} {name}" for i, name in enumerate(q.batch.names)]
+
+    def run(blob, stream, *values):
+        acc = parts.acc
+        for name, sub in zip(names, subs):
+            t = time.perf_counter()
+            sub.launch_all(sub.blob, stream, *values)
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+        parts.touched[id(q)] = q
+    return run
+
+
+def _patch(parts: Parts | None, noop: bool = False, split: bool = False):
+    """Wrap (or no-op, or ``split`` into one C call a launch) every kept sequence's launches, and torch.empty_like /
+    torch.empty; returns the undo."""
     seqs, saved = kept_sequences(), []
     for q in seqs:
         saved.append((q, q.batch, q.steps))
-        if q.batch is not None:
+        if q.batch is not None and split:
+            q.batch = bl.Batch(q.batch.blob, _split(parts, q), q.batch.names)
+        elif q.batch is not None:
             f = (lambda *a: None) if noop else q.batch.launch_all
             q.batch = bl.Batch(q.batch.blob, parts.wrap("launch", f, q) if parts else f, q.batch.names)
         q.steps = [((lambda *a: None) if noop else (parts.wrap("launch", e, q) if parts else e), t, s, r)
@@ -184,11 +202,13 @@ def _patch(parts: Parts | None, noop: bool = False):
     return undo
 
 
-def _loops(calls: list, noop: bool, busy: bool = False) -> dict:
+def _loops(calls: list, noop: bool, busy: bool = False, split: bool = False) -> dict:
     """LOOPS loops of CALLS calls, each after one pass over the sets and a sync (``busy``: then a ~20 ms GPU sleep
-    queued, so every call is issued behind a running GPU); per-part µs, first vs rest."""
+    queued, so every call is issued behind a running GPU; ``split``: a batched sequence as one C call a launch);
+    per-part µs, first vs rest; ``out``: the last loop's first output."""
     parts = Parts()
-    undo = _patch(parts, noop)
+    undo = _patch(parts, noop, split)
+    got = None
     per = []  # [loop][call index] -> dict
     seq = [calls[i % len(calls)] for i in range(CALLS)]
     try:
@@ -202,7 +222,9 @@ def _loops(calls: list, noop: bool, busy: bool = False) -> dict:
             for c in seq:
                 parts.acc = {}
                 t = time.perf_counter()
-                c()
+                r = c()
+                if not rows:
+                    got = r
                 rows.append(dict(total=(time.perf_counter() - t) * 1e6, **{k: v * 1e6 for k, v in parts.acc.items()}))
             per.append(rows)
             torch.cuda.synchronize()
@@ -210,13 +232,12 @@ def _loops(calls: list, noop: bool, busy: bool = False) -> dict:
         undo()
     names = sorted({k for loop in per for r in loop for k in r})
 
-    def med(rows, k):
-        return round(statistics.median(r.get(k, 0.0) for r in rows), 2)
+    med = lambda rows, k: round(statistics.median(r.get(k, 0.0) for r in rows), 2)  # noqa: E731
     first = {k: med([loop[0] for loop in per], k) for k in names}
     rest = {k: med([r for loop in per for r in loop[1:]], k) for k in names}
     for d in (first, rest):
         d["other"] = round(d["total"] - sum(v for k, v in d.items() if k != "total"), 2)
-    return dict(first=first, rest=rest, touched=list(parts.touched.values()))
+    return dict(first=first, rest=rest, touched=list(parts.touched.values()), out=got)
 
 
 def _route(calls: list) -> dict:
@@ -235,8 +256,7 @@ def _route(calls: list) -> dict:
             hits.append(name if r is not None else name + ":miss")
             return r
         return run
-    for m, n, f in saved:
-        setattr(m, n, spy(n, f))
+    [setattr(m, n, spy(n, f)) for m, n, f in saved]
     try:
         calls[0]()
     finally:
@@ -246,12 +266,8 @@ def _route(calls: list) -> dict:
 
 
 def _describe(seqs: list) -> list:
-    out = []
-    for q in seqs:
-        out.append(dict(kernels=list(q.batch.names) if q.batch is not None else len(q.steps),
-                        batched=q.batch is not None, why=None if q.batch is not None else bl.refusal(q.steps),
-                        large=q.large is not None))
-    return out
+    return [dict(kernels=list(q.batch.names) if q.batch is not None else len(q.steps), batched=q.batch is not None,
+                 why=None if q.batch is not None else bl.refusal(q.steps), large=q.large is not None) for q in seqs]
 
 
 def _profile(calls: list) -> list:
@@ -304,15 +320,19 @@ def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
                                 host=round(paired.eager.host_us, 1), rest=round(paired.eager.host_rest_us, 1))
             real = _loops(calls, noop=False)
             row["seqs"] = _describe(real.pop("touched"))
+            row["loops_equal"] = bool(torch.equal(real.pop("out"), first))
             row["parts"] = real
-            noop = _loops(calls, noop=True)
-            noop.pop("touched")
-            row["noop"] = noop
-            busy = _loops(calls, noop=True, busy=True)
-            busy.pop("touched")
-            row["noop_busy"] = busy
+            split = _loops(calls, noop=False, split=True)
+            split.pop("touched")
+            row["split_equal"] = bool(torch.equal(split.pop("out"), first))
+            row["split"] = split
+            for name, busy in (("noop", False), ("noop_busy", True)):
+                row[name] = _loops(calls, noop=True, busy=busy)
+                row[name].pop("touched")
+                row[name].pop("out")
             row["profile"] = _profile(calls)
-            ok = row["equal"] and row.get("ref_err", 0.0) < TOL and "_unchecked" not in row["route"]
+            ok = (row["equal"] and row["loops_equal"] and row["split_equal"] and row.get("ref_err", 0.0) < TOL
+                  and "_unchecked" not in row["route"])
         except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
             row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False
             torch.cuda.synchronize()
@@ -327,8 +347,7 @@ def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
 def table(results: dict) -> None:
     print("\n== wake: µs after waiting (pure-Python workload, its largest step, then an experts call, a second) ==")
     for how, r in results.get("wake", {}).items():
-        print(f"{how:8} py {r['py']:7.1f} max step {r['py_max_step']:6.1f} call {r['call']:7.1f} "
-              f"second {r['second']:6.1f} moved {r['moved']}")
+        print(f"{how:10} " + " ".join(f"{k} {v}" for k, v in r.items()))
     print("\n== cells: bench host/rest; loops first/rest total (launch, empty_like, empty, other); noop rest ==")
     for key, r in results.get("cells", {}).items():
         if "error" in r:
@@ -341,6 +360,10 @@ def table(results: dict) -> None:
         batched = "".join("B" if q["batched"] else ("L" if q["large"] else "s") for q in r["seqs"])
         print(f"{key:34} bench {b['host']:5.1f}/{b['rest']:5.1f} first {f['total']:6.1f} ({pieces(f)}) rest "
               f"{s['total']:5.1f} ({pieces(s)}) noop {n['total']:5.1f} busy {nb['total']:5.1f} [{route} {batched}]")
+        launches = {k: v for k, v in r["split"]["rest"].items() if k.startswith("L")}
+        if launches:
+            print(f"{'':34} split rest {r['split']['rest']['total']:5.1f}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in launches.items()))
 
 
 def main() -> None:
