@@ -10,8 +10,9 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
    and then one Qwen3 bf16 M = 64 experts call (kept, batched), started right after waiting ``how``: ``gpu20``
    (torch.cuda._sleep ~20 ms, then synchronize), ``gpu1`` (~1 ms), ``poll20`` (the GPU busy ~20 ms, the stream
    polled from Python), ``spinbusy20`` (the GPU busy ~20 ms, a Python spin of 25 ms, then a sync), ``sleep20``
-   (time.sleep 20 ms, GPU idle), ``spin20`` (a Python spin of 20 ms, GPU idle), ``hot`` (nothing: right after the
-   same workload). Medians of
+   (time.sleep 20 ms, GPU idle), ``spin20`` (a Python spin of 20 ms, GPU idle), ``graphpass`` / ``eagerpass`` (the
+   bench's pass before an eager loop: 4 calls replayed as a graph / eagerly, timed by events), ``hot`` (right after
+   the same workload). Medians of
    ``WAKE_REPS``: the workload's µs, its largest single step (a gap: the thread preempted; an even slowdown: a
    cold or slow core), the call's µs, the cpu it ran on before / after the wait.
 2. cells: the bench's cells over 40 µs (final bench of session 24) and the quantized dtypes' cells. Per cell, the
@@ -21,7 +22,7 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
      full path (``_unchecked``: a miss), the kept sequences it launched (kernels, batched or why not, per-call
      regions);
    - ``bench``: ``time_paired`` as the bench times it (graph replay passes up to M = 1024): host_us, host_rest_us;
-   - ``parts``: 5 loops of 16 calls, each after one pass of the sets and a sync (the bench's order): per call
+   - ``parts``: 5 loops of 16 calls, each after the bench's pass over the sets (graph replay to M = 1024): per call
      index, µs of the whole call, of the C launch (``launch_all`` or the step launches), of ``empty_like`` and of
      any ``torch.empty`` (a per-call buffer); first call vs calls 2..16 (medians);
    - ``split``: the same loops with a batched sequence issued as one C call a launch: each launch's µs by kernel
@@ -51,7 +52,7 @@ import moekit.batch_launch as bl
 import moekit.experts.triton as tri
 import moekit.experts.triton_fast as fast
 from moekit.bench.cells import Shape, make_sets
-from moekit.bench.timing import time_paired
+from moekit.bench.timing import _cuda_pass, time_paired
 from moekit.experts import get_backend
 from moekit.experts.reference import experts_reference
 
@@ -81,31 +82,26 @@ def _py_work(stamps: list) -> None:
         stamps.append(time.perf_counter())
 
 
-def _wait(how: str) -> None:
-    if how.startswith("gpu"):
-        torch.cuda._sleep(int(2_000_000 * (20 if how == "gpu20" else 1)))  # ~1 ms a 2e6 cycles at 1.98 GHz
-        torch.cuda.synchronize()
-    elif how == "poll20":  # the GPU busy, the host polling the stream in Python (it never sleeps)
-        torch.cuda._sleep(40_000_000)
-        stream = torch.cuda.current_stream()
-        while not stream.query():
-            pass
-    elif how == "spinbusy20":  # the GPU busy, the host spinning in Python (no CUDA call) until past it, then a sync
-        torch.cuda._sleep(40_000_000)
-        end = time.perf_counter() + 0.025
-        while time.perf_counter() < end:
-            pass
-        torch.cuda.synchronize()
-    elif how == "sleep20":
-        torch.cuda.synchronize()
-        time.sleep(0.02)
-    elif how == "spin20":
-        torch.cuda.synchronize()
-        end = time.perf_counter() + 0.02
-        while time.perf_counter() < end:
-            pass
-    else:
-        torch.cuda.synchronize()
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wait(how: str, passes: dict) -> None:
+    """poll20: the GPU busy, the host polling the stream in Python (it never sleeps); spinbusy20: the GPU busy, the
+    host spinning in Python (no CUDA call) past it, then a sync; passes: the bench's pass before an eager loop."""
+    if how in passes:
+        passes[how]()
+    elif how in ("gpu1", "gpu20", "poll20", "spinbusy20"):
+        torch.cuda._sleep(2_000_000 * (1 if how == "gpu1" else 20))  # ~1 ms a 2e6 cycles at 1.98 GHz
+        if how == "poll20":
+            stream = torch.cuda.current_stream()
+            while not stream.query():
+                pass
+        _spin(0.025 if how == "spinbusy20" else 0.0)
+    torch.cuda.synchronize()
+    time.sleep(0.02) if how == "sleep20" else _spin(0.02 if how == "spin20" else 0.0)
 
 
 def part_wake(results: dict, deadline: Deadline) -> None:
@@ -114,12 +110,13 @@ def part_wake(results: dict, deadline: Deadline) -> None:
     w13, w2 = _weights(shape, "bfloat16")
     s = make_sets(shape, 64, 1, torch.bfloat16, torch.device("cuda"))[0]
     call = lambda: fn(s.x, w13, w2, s.topk_ids, s.topk_weights)  # noqa: E731
+    passes = dict(graphpass=_cuda_pass([call] * 4, True), eagerpass=_cuda_pass([call] * 4, False))
     for _ in range(4):
         call()
-    for how in ("hot", "gpu1", "gpu20", "poll20", "spinbusy20", "sleep20", "spin20"):
+    for how in ("hot", "gpu1", "gpu20", "poll20", "spinbusy20", "sleep20", "spin20", "graphpass", "eagerpass"):
         rows = []
         for _ in range(WAKE_REPS):
-            _wait(how)
+            _wait(how, passes)
             if how == "hot":
                 _py_work([])
             cpu0 = os.sched_getcpu()
@@ -202,7 +199,7 @@ def _patch(parts: Parts | None, noop: bool = False, split: bool = False):
     return undo
 
 
-def _loops(calls: list, noop: bool, busy: bool = False, split: bool = False) -> dict:
+def _loops(calls: list, before, noop: bool, busy: bool = False, split: bool = False) -> dict:
     """LOOPS loops of CALLS calls, each after one pass over the sets and a sync (``busy``: then a ~20 ms GPU sleep
     queued, so every call is issued behind a running GPU; ``split``: a batched sequence as one C call a launch);
     per-part µs, first vs rest; ``out``: the last loop's first output."""
@@ -213,8 +210,7 @@ def _loops(calls: list, noop: bool, busy: bool = False, split: bool = False) -> 
     seq = [calls[i % len(calls)] for i in range(CALLS)]
     try:
         for _ in range(LOOPS):
-            for c in calls:
-                c()
+            before()  # the bench's pass (it ends synchronized)
             torch.cuda.synchronize()
             if busy:
                 torch.cuda._sleep(40_000_000)
@@ -318,16 +314,19 @@ def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
             paired = time_paired(calls, torch.device("cuda"), graph=m <= 1024, budget_s=0.3)
             row["bench"] = dict(us=round(paired.timing.us, 1), eager=round(paired.eager.eager_us, 1),
                                 host=round(paired.eager.host_us, 1), rest=round(paired.eager.host_rest_us, 1))
-            real = _loops(calls, noop=False)
+            before = _cuda_pass(calls, m <= 1024)  # its warm-up runs on a side stream (a new pool buffer there)
+            for c in calls * 2:
+                c()
+            real = _loops(calls, before, noop=False)
             row["seqs"] = _describe(real.pop("touched"))
             row["loops_equal"] = bool(torch.equal(real.pop("out"), first))
             row["parts"] = real
-            split = _loops(calls, noop=False, split=True)
+            split = _loops(calls, before, noop=False, split=True)
             split.pop("touched")
             row["split_equal"] = bool(torch.equal(split.pop("out"), first))
             row["split"] = split
             for name, busy in (("noop", False), ("noop_busy", True)):
-                row[name] = _loops(calls, noop=True, busy=busy)
+                row[name] = _loops(calls, before, noop=True, busy=busy)
                 row[name].pop("touched")
                 row[name].pop("out")
             row["profile"] = _profile(calls)
