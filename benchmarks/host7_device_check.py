@@ -6,15 +6,7 @@ and what the host does right after a long GPU wait.
         [--parts wake cells] [--cells over quant]
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
-1. wake: what the host does after a sync. A fixed pure-Python workload (``PY_STEPS`` timestamped steps, no CUDA)
-   and then one Qwen3 bf16 M = 64 experts call (kept, batched), started right after waiting ``how``: ``gpu20``
-   (torch.cuda._sleep ~20 ms, then synchronize), ``gpu1`` (~1 ms), ``poll20`` (the GPU busy ~20 ms, the stream
-   polled from Python), ``spinbusy20`` (the GPU busy ~20 ms, a Python spin of 25 ms, then a sync), ``sleep20``
-   (time.sleep 20 ms, GPU idle), ``spin20`` (a Python spin of 20 ms, GPU idle), ``graphpass`` / ``eagerpass`` (the
-   bench's pass before an eager loop: 4 calls replayed as a graph / eagerly, timed by events), ``hot`` (right after
-   the same workload). Medians of
-   ``WAKE_REPS``: the workload's µs, its largest single step (a gap: the thread preempted; an even slowdown: a
-   cold or slow core), the call's µs, the cpu it ran on before / after the wait.
+1. wake: what the host does right after a sync (``host7_wake``).
 2. cells: the bench's cells over 40 µs (final bench of session 24) and the quantized dtypes' cells. Per cell, the
    bench's weights (``make_weights``, ``quantize``) and rotated input sets; the call checked against
    ``experts_reference`` (M <= 64, else against the first output of the full path); then
@@ -27,6 +19,7 @@ Parts (a line per cell as it goes, JSON rewritten after each, a table last):
      any ``torch.empty`` (a per-call buffer); first call vs calls 2..16 (medians);
    - ``split``: the same loops with a batched sequence issued as one C call a launch: each launch's µs by kernel
      (bit-equal to the first output);
+   - ``nopdl``: the same loops with the batches' launches without the PDL attribute (host µs; bit-equal);
    - ``noop``: the same loops with every kept launch a no-op (the call's Python and allocations alone);
      ``noop_busy``: the same behind a ~20 ms GPU sleep (is the Python slower while the GPU runs?);
    - ``profile``: cProfile of 15 back-to-back calls, the 10 functions with the most own time (µs per call).
@@ -41,12 +34,14 @@ import json
 import math
 import os
 import pstats
+import struct
 import statistics
 import time
 
 import torch
 
 from host6_device_check import kept_sequences
+from host7_wake import part_wake
 from host_big3_device_check import DEEPSEEK, QWEN3, TOL, Deadline, _rel, _weights
 import moekit.batch_launch as bl
 import moekit.experts.triton as tri
@@ -62,7 +57,7 @@ OVER = [(DEEPSEEK, "bfloat16", 1024), (DEEPSEEK, "bfloat16", 4096), (DEEPSEEK, "
         (DEEPSEEK, "fp8_block", 1), (QWEN3, "fp8_block", 16384), (QWEN3, "fp8_block", 64),
         (QWEN3, "bfloat16", 64), (QWEN3, "bfloat16", 1024)]
 QUANT = [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("int8_w8a16", "int4_w4a16", "mxfp4") for m in (1, 64, 1024)]
-PY_STEPS, WAKE_REPS, LOOPS, CALLS = 400, 7, 5, 16
+LOOPS, CALLS = 5, 16
 ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
 _OUT = [None]
 
@@ -70,73 +65,6 @@ _OUT = [None]
 def save(results: dict) -> None:
     with open(_OUT[0], "w") as f:
         json.dump(results, f, indent=1, default=str)
-
-
-def _py_work(stamps: list) -> None:
-    """A fixed pure-Python workload in PY_STEPS steps, each timestamped."""
-    d = {i: i for i in range(64)}
-    for i in range(PY_STEPS):
-        s = 0
-        for j in range(16):
-            s += d[(i + j) & 63]
-        stamps.append(time.perf_counter())
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def _wait(how: str, passes: dict) -> None:
-    """poll20: the GPU busy, the host polling the stream in Python (it never sleeps); spinbusy20: the GPU busy, the
-    host spinning in Python (no CUDA call) past it, then a sync; passes: the bench's pass before an eager loop."""
-    if how in passes:
-        passes[how]()
-    elif how in ("gpu1", "gpu20", "poll20", "spinbusy20"):
-        torch.cuda._sleep(2_000_000 * (1 if how == "gpu1" else 20))  # ~1 ms a 2e6 cycles at 1.98 GHz
-        if how == "poll20":
-            stream = torch.cuda.current_stream()
-            while not stream.query():
-                pass
-        _spin(0.025 if how == "spinbusy20" else 0.0)
-    torch.cuda.synchronize()
-    time.sleep(0.02) if how == "sleep20" else _spin(0.02 if how == "spin20" else 0.0)
-
-
-def part_wake(results: dict, deadline: Deadline) -> None:
-    fn, out = get_backend("triton"), results.setdefault("wake", {})
-    shape = Shape.from_preset(QWEN3)
-    w13, w2 = _weights(shape, "bfloat16")
-    s = make_sets(shape, 64, 1, torch.bfloat16, torch.device("cuda"))[0]
-    call = lambda: fn(s.x, w13, w2, s.topk_ids, s.topk_weights)  # noqa: E731
-    passes = dict(graphpass=_cuda_pass([call] * 4, True), eagerpass=_cuda_pass([call] * 4, False))
-    for _ in range(4):
-        call()
-    for how in ("hot", "gpu1", "gpu20", "poll20", "spinbusy20", "sleep20", "spin20", "graphpass", "eagerpass"):
-        rows = []
-        for _ in range(WAKE_REPS):
-            _wait(how, passes)
-            if how == "hot":
-                _py_work([])
-            cpu0 = os.sched_getcpu()
-            stamps = [time.perf_counter()]
-            _py_work(stamps)
-            t = time.perf_counter()
-            call()
-            t_call = time.perf_counter()
-            call()
-            t_second = time.perf_counter()
-            steps = [b - a for a, b in zip(stamps, stamps[1:])]
-            rows.append(dict(py=(stamps[-1] - stamps[0]) * 1e6, py_max_step=max(steps) * 1e6,
-                             py_first_half=(stamps[PY_STEPS // 2] - stamps[0]) * 1e6, call=(t_call - t) * 1e6,
-                             second=(t_second - t_call) * 1e6, moved=int(os.sched_getcpu() != cpu0)))
-        torch.cuda.synchronize()
-        row = {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
-        row["moved"] = sum(r["moved"] for r in rows)
-        out[how] = row
-        print(f"wake {how}: " + json.dumps(row), flush=True)
-        save(results)
 
 
 class Parts:
@@ -175,12 +103,26 @@ def _split(parts: Parts, q):
     return run
 
 
-def _patch(parts: Parts | None, noop: bool = False, split: bool = False):
+def _flags(blob: bytearray) -> list:
+    """Byte offsets of each launch's flags word in a batch's blob (``batch_launch._blob``'s layout)."""
+    n_launches, n_patches = struct.unpack_from("<2Q", blob)
+    at, out = 24 + 16 * n_patches, []
+    for _ in range(n_launches):
+        out.append(at + 8 + 4 * 5)
+        at += 40 + 8 * struct.unpack_from("<I", blob, at + 8 + 4 * 6)[0]
+    return out
+
+
+def _patch(parts: Parts | None, noop: bool = False, split: bool = False, nopdl: bool = False):
     """Wrap (or no-op, or ``split`` into one C call a launch) every kept sequence's launches, and torch.empty_like /
-    torch.empty; returns the undo."""
-    seqs, saved = kept_sequences(), []
+    torch.empty (``nopdl``: a batch's launches without the PDL attribute, in place); returns the undo."""
+    seqs, saved, flags = kept_sequences(), [], []
     for q in seqs:
         saved.append((q, q.batch, q.steps))
+        if q.batch is not None and nopdl:
+            for at in _flags(q.batch.blob):
+                flags.append((q.batch.blob, at, struct.unpack_from("<I", q.batch.blob, at)[0]))
+                struct.pack_into("<I", q.batch.blob, at, flags[-1][2] & ~1)
         if q.batch is not None and split:
             q.batch = bl.Batch(q.batch.blob, _split(parts, q), q.batch.names)
         elif q.batch is not None:
@@ -194,17 +136,19 @@ def _patch(parts: Parts | None, noop: bool = False, split: bool = False):
 
     def undo():
         torch.empty_like, torch.empty = real
+        for blob, at, value in flags:
+            struct.pack_into("<I", blob, at, value)
         for q, batch, steps in saved:
             q.batch, q.steps = batch, steps
     return undo
 
 
-def _loops(calls: list, before, noop: bool, busy: bool = False, split: bool = False) -> dict:
+def _loops(calls: list, before, noop: bool, busy: bool = False, split: bool = False, nopdl: bool = False) -> dict:
     """LOOPS loops of CALLS calls, each after one pass over the sets and a sync (``busy``: then a ~20 ms GPU sleep
     queued, so every call is issued behind a running GPU; ``split``: a batched sequence as one C call a launch);
     per-part µs, first vs rest; ``out``: the last loop's first output."""
     parts = Parts()
-    undo = _patch(parts, noop, split)
+    undo = _patch(parts, noop, split, nopdl)
     got = None
     per = []  # [loop][call index] -> dict
     seq = [calls[i % len(calls)] for i in range(CALLS)]
@@ -325,12 +269,16 @@ def part_cells(results: dict, deadline: Deadline, cells: list) -> None:
             split.pop("touched")
             row["split_equal"] = bool(torch.equal(split.pop("out"), first))
             row["split"] = split
+            nopdl = _loops(calls, before, noop=False, nopdl=True)
+            nopdl.pop("touched")
+            row["nopdl_equal"] = bool(torch.equal(nopdl.pop("out"), first))
+            row["nopdl"] = nopdl
             for name, busy in (("noop", False), ("noop_busy", True)):
                 row[name] = _loops(calls, before, noop=True, busy=busy)
                 row[name].pop("touched")
                 row[name].pop("out")
             row["profile"] = _profile(calls)
-            ok = (row["equal"] and row["loops_equal"] and row["split_equal"] and row.get("ref_err", 0.0) < TOL
+            ok = (row["equal"] and row["loops_equal"] and row["split_equal"] and row["nopdl_equal"] and row.get("ref_err", 0.0) < TOL
                   and "_unchecked" not in row["route"])
         except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
             row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False
@@ -359,6 +307,7 @@ def table(results: dict) -> None:
         batched = "".join("B" if q["batched"] else ("L" if q["large"] else "s") for q in r["seqs"])
         print(f"{key:34} bench {b['host']:5.1f}/{b['rest']:5.1f} first {f['total']:6.1f} ({pieces(f)}) rest "
               f"{s['total']:5.1f} ({pieces(s)}) noop {n['total']:5.1f} busy {nb['total']:5.1f} [{route} {batched}]")
+        print(f"{'':34} nopdl rest {r['nopdl']['rest']['total']:5.1f} first {r['nopdl']['first']['total']:6.1f}")
         launches = {k: v for k, v in r["split"]["rest"].items() if k.startswith("L")}
         if launches:
             print(f"{'':34} split rest {r['split']['rest']['total']:5.1f}: " + ", ".join(
@@ -385,7 +334,7 @@ def main() -> None:
     with torch.no_grad():
         for part in args.parts:
             try:
-                part_wake(results, deadline) if part == "wake" else part_cells(results, deadline, cells)
+                part_wake(results, save) if part == "wake" else part_cells(results, deadline, cells)
             except Exception as e:  # noqa: BLE001
                 print(f"FAIL {part}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 torch.cuda.empty_cache()
