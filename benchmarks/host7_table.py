@@ -1,0 +1,195 @@
+"""Issue 13's host table (``host_us`` <= 40 µs in every triton cell): host_us / host_rest_us of the cells ``moekit
+bench`` times on the GPU (Qwen3-30B-A3B and DeepSeek-V3, bf16 and fp8_block at M = 1 / 64 / 1024 / 4096 / 16384; then
+int8_w8a16 / int4_w4a16 / mxfp4 at M = 1 / 64 / 1024), timed as the bench times them (``time_paired``: graph replay
+passes up to M = 1024, eager passes above, five 16-call eager loops spread between them), per variant of
+``VARIANTS`` (this tree's defaults first; the quantized cells the first only), interleaved over ``ROUNDS`` rounds; every variant's output bit-equal to the
+first variant's, the first near ``experts_reference`` at M <= 64.
+
+    PYTHONPATH=$PWD timeout 200 python3 benchmarks/host7_table.py --out $OUT/host7 [--deadline-s 170]
+        [--variants default ...] [--quant]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import struct
+import time
+
+import torch
+
+from host7_device_check import _flags
+from host_big3_device_check import DEEPSEEK, QWEN3, TOL, Deadline, _rel
+from moekit.bench.cells import Shape, make_sets, make_weights
+from moekit.bench.timing import time_paired
+from moekit.experts import get_backend
+from moekit.experts.reference import experts_reference
+import moekit.batch_launch as bl
+import moekit.experts.triton as tri
+from moekit.quant import quantize
+
+BATCHES, QUANT_BATCHES = (1, 64, 1024, 4096, 16384), (1, 64, 1024)
+ROUNDS, BUDGET_S, TARGET_US = 3, 0.1, 40.0
+ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
+
+
+def _default(on: bool) -> None:
+    """This tree's defaults (nothing to switch)."""
+
+
+_BATCH_OF = bl.Batch.__dict__["of"]
+
+
+def _nopdl(on: bool) -> None:
+    """Not a default: every batch recorded without the PDL launch attribute (host µs of the attribute; GPU µs in
+    ``us`` / ``eager``), the kernels and parameters unchanged (bit-equal)."""
+    if not on:
+        bl.Batch.of = _BATCH_OF
+        return
+
+    def of(cls, steps, mod=None):
+        made = _BATCH_OF.__func__(cls, steps, mod)
+        if made is not None:
+            for at in _flags(made.blob):
+                struct.pack_into("<I", made.blob, at, struct.unpack_from("<I", made.blob, at)[0] & ~1)
+        return made
+    bl.Batch.of = classmethod(of)
+
+
+VARIANTS = {"default": _default, "nopdl": _nopdl}  # name -> switch(on): its module switches set (on) or put back
+
+
+def _cells(quant: bool) -> list:
+    """(preset, dtype, M) grouped by weights, the bench's order within a shape."""
+    cells = [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("bfloat16", "fp8_block") for m in BATCHES]
+    if quant:
+        cells += [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("int8_w8a16", "int4_w4a16", "mxfp4")
+                  for m in QUANT_BATCHES]
+    return cells
+
+
+def _num_sets(shape: Shape, m: int, w13, w2) -> int:
+    per_expert = (w13.nbytes + w2.nbytes) / shape.num_experts
+    touched = max(1, min(shape.num_experts, m * shape.top_k)) * per_expert
+    return max(2, min(8, math.ceil(ROTATION_BYTES / touched)))
+
+
+class Held:
+    """The bf16 weights of one shape and one quantized copy at a time (the bench quantizes once per shape)."""
+
+    def __init__(self):
+        self.key, self.base, self.dtype, self.pair = None, None, None, None
+
+    def get(self, preset: str, dtype: str):
+        if self.key != preset:
+            self.base = self.pair = self.dtype = None
+            torch.cuda.empty_cache()
+            self.key, self.base = preset, make_weights(Shape.from_preset(preset), torch.bfloat16, torch.device("cuda"))
+        if dtype == "bfloat16":
+            return self.base.w13, self.base.w2
+        if self.dtype != dtype:
+            self.pair = None
+            torch.cuda.empty_cache()
+            self.dtype, self.pair = dtype, (quantize(self.base.w13, dtype), quantize(self.base.w2, dtype))
+        return self.pair
+
+
+def _use(name: str | None) -> None:
+    """Switch to variant ``name`` (None: every variant off), the launch caches dropped."""
+    for other, switch in VARIANTS.items():
+        if other != name:
+            switch(False)
+    if name is not None:
+        VARIANTS[name](True)
+    tri.clear_launch_caches()
+
+
+def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, save) -> None:
+    fn, out, held = get_backend("triton"), results.setdefault("table", {}), Held()
+    for preset, dtype, m in _cells(quant):
+        if deadline.left() < deadline.stops["table"]:
+            print(f"deadline: table stops before {preset} {dtype} M={m}", flush=True)
+            break
+        key, row = f"{preset} {dtype} M={m}", {}
+        try:
+            shape = Shape.from_preset(preset)
+            w13, w2 = held.get(preset, dtype)
+            sets = make_sets(shape, m, _num_sets(shape, m, w13, w2), torch.bfloat16, torch.device("cuda"))
+            calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
+            want, names = None, variants if dtype in ("bfloat16", "fp8_block") else variants[:1]  # quantized: the first
+            for rnd in range(ROUNDS):
+                for name in names:
+                    _use(name)
+                    for c in calls * 2:
+                        c()
+                    got = calls[0]()
+                    if want is None:
+                        want, s0 = got, sets[0]
+                        if m <= 64:
+                            row["ref_err"] = _rel(got, experts_reference(s0.x, w13, w2, s0.topk_ids, s0.topk_weights))
+                    row.setdefault(f"{name}_equal", []).append(bool(torch.equal(got, want)))
+                    p = time_paired(calls, torch.device("cuda"), graph=m <= 1024, budget_s=BUDGET_S)
+                    for field, value in (("us", p.timing.us), ("eager", p.eager.eager_us), ("host", p.eager.host_us),
+                                         ("rest", p.eager.host_rest_us)):
+                        row.setdefault(f"{name}_{field}", []).append(round(value, 1))
+            ok = all(all(v) for k, v in row.items() if k.endswith("_equal")) and row.get("ref_err", 0.0) < TOL
+        except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
+            row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False
+            torch.cuda.synchronize()
+        _use(None)
+        out[key] = row
+        print(("PASS" if ok else "FAIL") + f" table {key}: " + json.dumps(row), flush=True)
+        save(results)
+
+
+def print_table(results: dict, variants: list) -> None:
+    print(f"\n== host table: host_us / host_rest_us (medians of {ROUNDS} interleaved rounds), * over {TARGET_US} ==")
+    med = lambda r, k: statistics.median(r[k]) if r.get(k) else float("nan")  # noqa: E731
+    over = {v: 0 for v in variants}
+    for key, r in results.get("table", {}).items():
+        if "error" in r:
+            print(f"{key:34} ERROR {r['error'][:90]}")
+            continue
+        cols = []
+        for v in [v for v in variants if f"{v}_host" in r]:
+            host = med(r, f"{v}_host")
+            over[v] += host > TARGET_US
+            cols.append(f"{v} {host:5.1f}{'*' if host > TARGET_US else ' '}/{med(r, f'{v}_rest'):5.1f} "
+                        f"(us {med(r, f'{v}_us'):8.1f})")
+        print(f"{key:34} " + "  ".join(cols))
+    print("cells over: " + ", ".join(f"{v} {n}" for v, n in over.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "host7_out"))
+    parser.add_argument("--deadline-s", type=float, default=170.0)
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
+    parser.add_argument("--quant", action="store_true", help="also the int8 / int4 / mxfp4 cells")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "host7_table.json")
+
+    def save(results: dict) -> None:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    deadline = Deadline(args.deadline_s)
+    deadline.stops = dict(table=15.0)
+    import triton
+
+    results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   variants=args.variants)
+    print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        run_table(results, deadline, args.variants, args.quant, save)
+    print(f"wall {time.perf_counter() - t0:.0f} s", flush=True)
+    print_table(results, args.variants)
+
+
+if __name__ == "__main__":
+    main()
