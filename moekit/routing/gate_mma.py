@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moekit.triton_bind import BoundLaunch, next_pow2
+from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
 MAX_ROWS = 256  # rows up to which the gate runs on this kernel (issue 13: the layer's memory-bound batches)
 NUM_WARPS = 4
@@ -95,7 +95,8 @@ class BoundGateMma:
                    0 if gate_logits is None else gate_logits.stride(0), 1.0 if plan is None else plan.scaling,
                    tiles.k_per_split(k))
         constexprs = dict(NUM_EXPERTS=e, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
-                          SPLIT_K=tiles.split_k, IEEE=x.dtype == torch.float32, HAS_LINEAR_BIAS=linear_bias is not None,
+                          SPLIT_K=tiles.split_k, IEEE=x.dtype == torch.float32, UPCAST=interpreting(),
+                          HAS_LINEAR_BIAS=linear_bias is not None,
                           ROUTE=plan is not None, num_warps=NUM_WARPS, num_stages=tiles.num_stages)
         in_kernel = False
         if plan is not None:

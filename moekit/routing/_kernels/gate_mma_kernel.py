@@ -1,7 +1,8 @@
 """The gate GEMM on tensor cores for 9..256 rows, and the router in the same launch: x [M, K] -> router logits
 [M, E] (fp32 accumulation, stored in the logits' dtype) -> topk_ids [M, k(+S)] int32, topk_weights [M, k(+S)] fp32.
 
-    [Gate -> Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts -> Combine
+    [Gate -> Route: score -> (grouped) top-k -> weights (+ shared slots), one launch] -> Capacity -> Group -> Experts
+    -> Combine
 
 Torch twin: ``F.linear`` then ``moekit.routing.route`` (and ``append_shared_slots``); the route half is
 ``route_rows`` (``route_kernel.py``), the code the router's own launch runs.
@@ -28,7 +29,8 @@ def gate_mma_kernel(
     # [M, K], [E, K], [E], [M, E] contiguous, [SPLIT_K, M, E] fp32, [RB * (EB + 1)], [E], [M, 1], [M, k+S] x2, [1]
     num_tokens, hidden, stride_xm, stride_we, stride_b, stride_gm, scaling, k_per_split,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, HAS_LINEAR_BIAS: tl.constexpr, ROUTE: tl.constexpr,
+    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, HAS_LINEAR_BIAS: tl.constexpr,
+    ROUTE: tl.constexpr,
     # the router's (``fused._Plan.constexprs``); a gate-only launch (ROUTE False) leaves them at these values
     ROUTE_M: tl.constexpr = 1, PER_GROUP: tl.constexpr = 1, G_PAD: tl.constexpr = 1, P_PAD: tl.constexpr = 1,
     TOP_K: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, NUM_SHARED: tl.constexpr = 0, SLOTS_PAD: tl.constexpr = 1,
@@ -41,7 +43,7 @@ def gate_mma_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE] experts
     row_ok, col_ok = rows < num_tokens, cols < NUM_EXPERTS
-    x_row = x_ptr + tl.minimum(rows, num_tokens - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1] rows past M: not stored
+    x_row = x_ptr + tl.minimum(rows, num_tokens - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1]; rows past M unstored
     w_row = w_ptr + tl.minimum(cols, NUM_EXPERTS - 1).to(tl.int64)[:, None] * stride_we  # [BE, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
     k0 = pid_k * k_per_split
@@ -50,7 +52,9 @@ def gate_mma_kernel(
         k_ok = ks < hidden
         xt = tl.load(x_row + ks, mask=k_ok, other=0.0)  # [BM, BK]
         wt = tl.load(w_row + ks, mask=k_ok, other=0.0)  # [BE, BK]
-        if IEEE:  # fp32 inputs: full-precision products, as torch's fp32 matmul (no TF32)
+        if UPCAST:  # the interpreter only: its bf16 tl.dot returns garbage (as in experts/_kernels/gemm.py)
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+        elif IEEE:  # fp32 inputs: full-precision products, as torch's fp32 matmul (no TF32)
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
         else:
             acc = tl.dot(xt, tl.trans(wt), acc)
