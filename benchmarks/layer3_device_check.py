@@ -12,10 +12,13 @@ Cells by priority until --budget-s (then the hard limit stops measuring):
    CUDA graph (REPEATS calls a graph, rounds interleaved over the variants, median): ``cublas`` (``torch.mm`` into
    the logits), ``cublas+route`` (and the router's bound launch: what the layer runs today above 8 rows), ``mma``
    tiles (gate only, the default ``mma_tiles`` and the SWEEP), ``mma+route`` (the one launch, default tiles).
-2. ``parts P M=m`` and ``layer P M=m`` (``layer_host2_device_check``'s cells): the eager layer's host µs split into
-   its stages on the decode fast path, and the layer's host / graph / floor, at B = 1, 8, 16, 64, 256.
-Look for: mma+route GPU µs <= cublas+route at every M (the graph must not regress) and which tiles win; where the
-host µs of the layer go at 16-256 (route = gate + router, experts). JSON to $OUT/layer3.json; a table last.
+2. ``ab P M=m`` (M > 8): the layer with the one launch up to 256 rows (``new``, the default) against main's
+   ``torch.mm`` + the router's launch above 8 (``main``, ``gate_route.ROWS = 8``): host µs per forward (calls after
+   a loop's first, rounds interleaved), graph µs, eager == graph, eager twice equal, new vs main's output.
+3. ``parts P M=m`` / ``parts-main`` and ``layer P M=m`` (``layer_host2_device_check``'s cells): the eager layer's
+   host µs split into its stages on the decode fast path, and the layer's host / graph / floor, at B = 1..256.
+Look for: mma+route GPU µs <= cublas+route at every M (the graph must not regress) and which tiles win; ab: new
+rest < main rest, graph new <= main, graph_eq yes; where the host µs of the layer go at 16-256 (route, experts). JSON to $OUT/layer3.json; a table last.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ import layer_host2_device_check as lh
 from moekit import MoEConfig, route
 from moekit.routing import fused
 from moekit.routing import gate_mma as gm
+from moekit.routing import gate_route
+from moekit.routing.workspace import RouteBuffers
 
 PRESETS = ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")
-GATE_ROWS = (64, 256, 16)
+GATE_ROWS = (64, 256, 16)  # the first two measured before the layers
 LAYER_ROWS = (16, 64, 256, 1, 8)
 REPEATS = 20  # calls per graph
 ROUNDS = 7
@@ -45,48 +50,48 @@ ROUNDS = 7
 def sweep(e: int, k: int) -> dict:
     """Tile candidates besides the default: (block_m, block_e, block_k, split_k)."""
     be = max(16, min(128, 1 << (e - 1).bit_length()))
-    cands = [(16, be, 128, 1), (16, be, 128, 4), (16, be, 128, 8), (16, be, 256, 4), (32, be, 128, 4),
-             (64, be, 128, 2), (16, max(16, be // 2), 128, 4)]
+    cands = [(16, be, 128, 1), (16, be, 128, 4), (16, be, 256, 4), (32, be, 128, 4), (64, be, 128, 2),
+             (16, max(16, be // 2), 128, 4)]
     return {f"mma{bm}x{bee}x{bk}s{s}": gm.MmaTiles(bm, bee, bk, s) for bm, bee, bk, s in cands if k // (bk * s) >= 1}
 
 
+def buffers_for(bound, m: int, e: int, slots: int, device) -> RouteBuffers:
+    count, part = bound.scratch
+    return RouteBuffers(logits=torch.empty(m, e, device=device, dtype=torch.bfloat16),
+                        ids=torch.empty(m, slots, device=device, dtype=torch.int32),
+                        weights=torch.empty(m, slots, device=device, dtype=torch.float32),
+                        count=torch.zeros(max(count, 1), dtype=torch.int32, device=device),
+                        part=torch.empty(max(part, 1), dtype=torch.float32, device=device))
+
+
 class Gate:
-    """One gate shape's tensors and launches."""
+    """One gate shape's tensors and launches; every variant writes its own buffers."""
 
     def __init__(self, config: MoEConfig, m: int, device):
-        self.config, self.m = config, m
+        self.config, self.m, self.device = config, m, device
         e, k = config.num_experts, config.hidden_size
         self.x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         self.w = (torch.randn(e, k, device=device) * k ** -0.5).to(torch.bfloat16)
         self.bias = torch.rand(e, device=device) * 0.1 if config.use_correction_bias else None
-        self.logits = torch.empty(m, e, device=device, dtype=torch.bfloat16)
-        slots = config.top_k
-        self.ids = torch.empty(m, slots, device=device, dtype=torch.int32)
-        self.weights = torch.empty(m, slots, device=device, dtype=torch.float32)
         self.router = fused.FusedRouter(config)
         self.plan = self.router._plans[0]
-        self.route = fused.bound_route(self.plan, self.logits, self.bias, None, False)
         self.ref = self.x.double() @ self.w.double().t()  # [M, E]
-        self.precise = device.type == "cuda"
+        self.out = {}  # variant -> its buffers
 
-    def scratch(self, bound):
-        nc, npart = bound.scratch
-        count = torch.zeros(max(nc, 1), dtype=torch.int32, device=self.x.device)
-        part = torch.empty(max(npart, 1), dtype=torch.float32, device=self.x.device)
-        return count, part
+    def mma(self, name: str, tiles, with_route: bool):
+        bound = gm.BoundGateMma(self.plan if with_route else None, self.x, self.w, None, self.bias, None, False, tiles)
+        b = self.out[name] = buffers_for(bound, self.m, self.config.num_experts, self.config.top_k, self.device)
+        return lambda: bound(self.x, self.w, None, self.bias, None, b)
 
-    def mma(self, tiles, with_route: bool):
-        bound = gm.BoundGateMma(self.plan if with_route else None, self.x, self.w, None, self.bias, None, False,
-                                tiles, precise=self.precise)
-        count, part = self.scratch(bound)
-        ids, weights = (self.ids, self.weights) if with_route else (None, None)
-        return lambda: bound(self.x, self.w, None, self.bias, None, self.logits, ids, weights, count, part)
+    def cublas(self, name: str, with_route: bool):
+        b = self.out[name] = buffers_for(gm.BoundGateMma(None, self.x, self.w, None, tiles=gm.MmaTiles(16, 16, 64, 1)),
+                                         self.m, self.config.num_experts, self.config.top_k, self.device)
+        route_launch = fused.bound_route(self.plan, b.logits, self.bias, None, False)
 
-    def cublas(self, with_route: bool):
         def call():
-            torch.mm(self.x, self.w.t(), out=self.logits)
+            torch.mm(self.x, self.w.t(), out=b.logits)
             if with_route:
-                self.route(self.logits, self.bias, None, (self.ids, self.weights))
+                route_launch(b.logits, self.bias, None, (b.ids, b.weights))
         return call
 
 
@@ -125,46 +130,97 @@ def gate_cell(config: MoEConfig, m: int) -> dict:
     g = Gate(config, m, hm.Run.device)
     e, k = config.num_experts, config.hidden_size
     default = gm.mma_tiles(m, e, k, torch.bfloat16)
-    variants = {"cublas": g.cublas(False), "cublas+route": g.cublas(True), "mma": g.mma(default, False),
-                "mma+route": g.mma(default, True)}
+    variants = {"cublas": g.cublas("cublas", False), "cublas+route": g.cublas("cublas+route", True),
+                "mma": g.mma("mma", default, False), "mma+route": g.mma("mma+route", default, True)}
     if hm.Run.device.type == "cuda":
-        variants.update({n: g.mma(t, False) for n, t in sweep(e, k).items() if t != default})
+        variants.update({n: g.mma(n, t, False) for n, t in sweep(e, k).items() if t != default})
     row = {"default": f"{default.block_m}x{default.block_e}x{default.block_k}s{default.split_k}"}
     tol = None
     for name, fn in variants.items():
         fn()
         fn()  # twice: the counters must be back at 0
-        err = float((g.logits.double() - g.ref).abs().max())
+        b = g.out[name]
+        err = float((b.logits.double() - g.ref).abs().max())
         if name == "cublas":
             tol = 2 * err + float(g.ref.abs().max()) * 2 ** -8
-        ok = err <= tol
-        if name == "mma+route":
-            r = route(g.logits, config, g.bias)
-            ok = ok and torch.equal(r.topk_ids, g.ids) and float((r.topk_weights - g.weights).abs().max()) <= 1e-6
+        ok = err <= tol and int(b.count.abs().sum()) == 0
+        if name.endswith("+route"):
+            r = route(b.logits, config, g.bias)
+            ok = ok and torch.equal(r.topk_ids, b.ids) and float((r.topk_weights - b.weights).abs().max()) <= 1e-6
         row[f"{name}_check"] = ("PASS" if ok else "FAIL") + f" err {err:.2e}"
-    torch.cuda.synchronize() if hm.Run.device.type == "cuda" else None
     row.update({f"{n}_us": v for n, v in graph_us(variants).items()})
     return row
 
 
+def set_rows(layer, rows: int) -> None:
+    """The one launch up to ``rows`` (256: this branch; gate.MAX_TOKENS = 8: main, torch.mm and the router above)."""
+    gate_route.ROWS = rows
+    layer._decode.clear()
+
+
+def ab_cell(layer, m: int) -> dict:
+    """The layer with the one launch up to 256 rows (new) against main's torch.mm + router launch above 8 (main):
+    host µs (calls after a loop's first, rounds interleaved), graph µs, eager == graph, new vs main's output."""
+    x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
+    fn = lambda: layer(x)  # noqa: E731
+    variants = {"new": gm.MAX_ROWS, "main": gate_route.MAX_TOKENS}
+    row, outs, rests = {}, {}, {n: [] for n in variants}
+    try:
+        for name, rows in variants.items():
+            set_rows(layer, rows)
+            for _ in range(hm.Run.warm):
+                outs[name] = fn()
+            row[f"{name}_fast"] = m in layer._decode._entries
+            row[f"{name}_one"] = row[f"{name}_fast"] and layer._decode._entries[m].bound is not None
+            row[f"{name}_graph_us"] = hm.gpu_us(fn)
+            row[f"{name}_graph_eq"] = hm.graph_equal(fn, outs[name])
+            row[f"{name}_eager_twice"] = torch.equal(fn(), outs[name])
+        for _ in range(ROUNDS // 2):
+            for name, rows in variants.items():
+                set_rows(layer, rows)
+                for _ in range(hm.Run.warm):
+                    fn()
+                rests[name].append(hm.loop_split([fn], "sync")["rest"])
+    finally:
+        set_rows(layer, gm.MAX_ROWS)
+    new, main = outs["new"].float(), outs["main"].float()
+    row["new_vs_main_rel"] = float((new - main).abs().max() / main.abs().max().clamp_min(1e-30))
+    row.update({f"{n}_rest": round(statistics.median(v), 2) for n, v in rests.items()})
+    return row
+
+
+def parts_main(layer, m: int) -> dict:
+    set_rows(layer, gate_route.MAX_TOKENS)
+    try:
+        return lh.parts_cell(layer, m)
+    finally:
+        set_rows(layer, gm.MAX_ROWS)
+
+
 def measure(a, start: float, results: dict) -> None:
+    """Gate cells at the larger rows, the layers built (~27 GB), the layer A/B and its parts above 8 rows, then the
+    rest, each until the budget is spent."""
     lh.Run.ceilings = lh._ceilings(hm.Run.device)
+    big = [m for m in a.layer_rows if m > gate_route.MAX_TOKENS]
     with torch.no_grad():
-        cells = [(f"gate {p} M={m}", lambda p=p, m=m: gate_cell(hm.layer_config(p), m))
-                 for m in a.gate_rows for p in a.presets]
-        for key, cell in cells:
+        gate_cells = [(f"gate {p} M={m}", lambda p=p, m=m: gate_cell(hm.layer_config(p), m))
+                      for m in a.gate_rows for p in a.presets]
+        for key, cell in gate_cells[:2 * len(a.presets)]:
             ha.budgeted_cell(results, key, start, a.budget_s, cell)
         if a.smoke:  # the interpreter: the layer cells of the smallest router only
             a.presets = ["mixtral-8x7b"]
         layers = {p: lh.MoE(hm.layer_config(p), backend="triton", router=lh.Run.router, dtype=torch.bfloat16,
                             device=hm.Run.device).eval() for p in a.presets}
-        cells = []
-        for m in a.layer_rows:
-            for p, layer in layers.items():
-                cells.append((f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m)))
-        for m in a.layer_rows:
-            for p, layer in layers.items():
-                cells.append((f"layer {p} M={m}", lambda m=m, layer=layer: lh.layer_cell(layer, m)))
+        cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p, layer in layers.items()]
+        cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m))
+                  for m in big for p, layer in layers.items()]
+        cells += [(f"parts-main {p} M={m}", lambda m=m, layer=layer: parts_main(layer, m))
+                  for m in big for p, layer in layers.items()]
+        cells += gate_cells[2 * len(a.presets):]
+        cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m))
+                  for m in a.layer_rows if m not in big for p, layer in layers.items()]
+        cells += [(f"layer {p} M={m}", lambda m=m, layer=layer: lh.layer_cell(layer, m))
+                  for m in a.layer_rows for p, layer in layers.items()]
         for key, cell in cells:
             ha.budgeted_cell(results, key, start, a.budget_s, cell)
 
@@ -178,7 +234,12 @@ def table(results: dict) -> str:
             checks = " ".join(f"{k[:-6]}={v.split()[0]}" for k, v in r.items() if k.endswith("_check"))
             times = " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us"))
             lines.append(f"{key:30} default {r['default']} | {times} | {checks}")
-    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith("gate")}))
+        elif key.startswith("ab"):
+            lines.append(f"{key:30} host rest new {r['new_rest']:.1f} main {r['main_rest']:.1f} | graph new "
+                         f"{r['new_graph_us']:.1f} main {r['main_graph_us']:.1f} | graph_eq new {r['new_graph_eq']} main "
+                         f"{r['main_graph_eq']} | one launch new {r['new_one']} main {r['main_one']} | new vs main "
+                         f"{r['new_vs_main_rel']:.1e}")
+    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "elapsed"))}))
     return "\n".join(lines)
 
 
@@ -198,7 +259,7 @@ def main() -> None:
             torch.device("cpu"), ha.SMOKE_SCALE, 1, 2, 2)
         lh.Run.router = "fused"
         a.budget_s = 1e9
-        a.presets, a.gate_rows, a.layer_rows = ["deepseek-v3", "mixtral-8x7b"], [16], [16]
+        a.presets, a.gate_rows, a.layer_rows = ["deepseek-v3", "mixtral-8x7b"], [16], [16, 1]
     else:
         hm.Run.device = torch.device("cuda", torch.cuda.current_device())
     ha.Run.device = hm.Run.device

@@ -44,6 +44,7 @@ import torch
 
 from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
+from moekit.routing import gate_route
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
 from moekit.triton_bind import current_stream
 
@@ -92,7 +93,7 @@ class _Entry:
         self.objects = _objects(layer)
         self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
         self.buffers, self.fast, self.kept = buffers, fast, kept  # kept: the backend's kept call (keeper_of), else None
-        self.bound, self.route = bound, route  # the one launch (M <= MAX_TOKENS), else the router's bound launch
+        self.bound, self.route = bound, route  # the one launch (M <= gate_route.ROWS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
 
 
@@ -195,7 +196,7 @@ class DecodeFast:
         if buffers is None:
             return
         router, bound, route = layer._fused_router, None, None
-        if m <= MAX_TOKENS:
+        if m <= gate_route.ROWS:
             bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
         if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]

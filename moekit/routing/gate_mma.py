@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.routing import fused
 from moekit.triton_bind import BoundLaunch, interpreting, next_pow2
 
 MAX_ROWS = 256  # rows up to which the gate runs on this kernel (issue 13: the layer's memory-bound batches)
@@ -87,8 +88,10 @@ class BoundGateMma:
 
     def __init__(self, plan, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
                  bias: torch.Tensor | None = None, gate_logits: torch.Tensor | None = None,
-                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None, precise: bool = True) -> None:
+                 assert_in_kernel: bool = False, tiles: MmaTiles | None = None) -> None:
         m, e, k = x.shape[0], weight.shape[0], weight.shape[1]
+        options = fused._launch_options(x.device)
+        precise = options["PRECISE"]
         self.tiles = tiles = mma_tiles(m, e, k, x.dtype) if tiles is None else tiles
         self.scratch = scratch_sizes(m, e, k, x.dtype, tiles)
         scalars = (m, k, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
@@ -97,7 +100,8 @@ class BoundGateMma:
         constexprs = dict(NUM_EXPERTS=e, BLOCK_M=tiles.block_m, BLOCK_E=tiles.block_e, BLOCK_K=tiles.block_k,
                           SPLIT_K=tiles.split_k, IEEE=x.dtype == torch.float32, UPCAST=interpreting(),
                           HAS_LINEAR_BIAS=linear_bias is not None,
-                          ROUTE=plan is not None, num_warps=NUM_WARPS, num_stages=tiles.num_stages)
+                          ROUTE=plan is not None, PDL=options["PDL"], num_warps=NUM_WARPS,
+                          num_stages=tiles.num_stages)  # not launched with PDL
         in_kernel = False
         if plan is not None:
             in_kernel = assert_in_kernel and precise  # the interpreter: the flag
@@ -111,11 +115,10 @@ class BoundGateMma:
         flag = self.check_finite and not in_kernel
         self.ok = torch.ones(1, dtype=torch.int32, device=x.device) if flag else None  # [1], as _BoundRoute's
 
-    def __call__(self, x, weight, linear_bias, bias, gate_logits, logits, ids, weights, count, part) -> None:
-        """Launch into logits [M, E] (and ids, weights [M, k+S] with the router); count: int32 zeros of at least
-        ``scratch[0]`` elements, part: fp32 of at least ``scratch[1]`` (any tensor when 0)."""
-        ok = self.ok
-        self.launch(x, weight, weight if linear_bias is None else linear_bias, logits, part, count,
-                    x if bias is None else bias, x if gate_logits is None else gate_logits,
-                    count if ids is None else ids, part if weights is None else weights,
-                    count if ok is None else ok)
+    def __call__(self, x, weight, linear_bias, bias, gate_logits, buffers) -> None:
+        """Launch into ``buffers`` (``RouteBuffers`` of this kind of call: logits [M, E], with the router ids and
+        weights [M, k+S]; its count holds ``scratch[0]`` int32 zeros, its part ``scratch[1]`` fp32 elements)."""
+        ok, count = self.ok, buffers.count
+        self.launch(x, weight, weight if linear_bias is None else linear_bias, buffers.logits, buffers.part, count,
+                    x if bias is None else bias, x if gate_logits is None else gate_logits, buffers.ids,
+                    buffers.weights, count if ok is None else ok)

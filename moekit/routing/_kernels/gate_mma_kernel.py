@@ -19,6 +19,7 @@ row-block counters, int32, 0 between launches) are set back to 0 by the program 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from moekit.routing._kernels.route_kernel import route_rows
 
@@ -37,7 +38,10 @@ def gate_mma_kernel(
     GROUPED: tl.constexpr = False, TOP2: tl.constexpr = False, SIGMOID: tl.constexpr = False,
     RENORMALIZE: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
     CHECK_FINITE: tl.constexpr = False, PRECISE: tl.constexpr = False, ASSERT_FINITE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the experts' first kernel may launch now; it waits (gdc_wait) for this grid to finish before reading
+        gdc_launch_dependents()
     pid_m, pid_e, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e_blocks = tl.num_programs(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
