@@ -17,6 +17,9 @@ Cells by priority until --budget-s (then the hard limit stops measuring):
    a loop's first, rounds interleaved), graph µs, eager == graph, eager twice equal, new vs main's output.
 3. ``parts P M=m`` / ``parts-main`` and ``layer P M=m`` (``layer_host2_device_check``'s cells): the eager layer's
    host µs split into its stages on the decode fast path, and the layer's host / graph / floor, at B = 1..256.
+4. ``measure P`` (``--second``, after the A/B): ``moekit analyze --preset P --measure`` over B = 1..256 in this
+   process (``moekit.bench.layer_measure.measure``, its table printed): host rest, graph, floor, ``host ok`` /
+   ``graph ok``.
 Look for: mma+route GPU µs <= cublas+route at every M (the graph must not regress) and which tiles win; ab: new
 rest < main rest, graph new <= main, graph_eq yes; where the host µs of the layer go at 16-256 (route, experts). JSON to $OUT/layer3.json; a table last.
 """
@@ -197,26 +200,48 @@ def parts_main(layer, m: int) -> dict:
         set_rows(layer, gm.MAX_ROWS)
 
 
+def measure_cell(preset: str) -> dict:
+    """``moekit analyze --preset P --measure --batches 1,2,4,8,16,64,256`` in this process (its ``measure``: the
+    routed experts only, K and N scaled where the weight budget says) -> per batch host rest, graph, floor, verdicts;
+    the analyze table printed."""
+    from rich.console import Console
+
+    from moekit.bench.layer_measure import measure as layer_measure
+    from moekit.cli._analyze_tables import print_measurement
+
+    m = layer_measure(hm.layer_config(preset), lh.BATCHES)
+    print_measurement(m, Console(width=160))
+    us = lambda v: None if not isinstance(v, float) else round(v * 1e6, 1)  # noqa: E731
+    return {"scale": m.scale, "rows": {r.batch: {"host_rest": us(r.host_rest_s), "graph": us(r.graph_s),
+                                                 "eager": us(r.eager_s), "floor": us(r.predicted_time_s),
+                                                 "host_ok": r.host_within_target, "graph_ok": r.graph_within_target}
+                                       for r in m.rows}}
+
+
 def measure(a, start: float, results: dict) -> None:
     """Gate cells at the larger rows, the layers built (~27 GB), the layer A/B and its parts above 8 rows, then the
-    rest, each until the budget is spent."""
+    rest, each until the budget is spent. ``--second`` (merged main): the A/B, then ``analyze --measure`` per preset,
+    then the gate cells and the parts."""
     lh.Run.ceilings = lh._ceilings(hm.Run.device)
     big = [m for m in a.layer_rows if m > gate_route.MAX_TOKENS]
     with torch.no_grad():
         gate_cells = [(f"gate {p} M={m}", lambda p=p, m=m: gate_cell(hm.layer_config(p), m))
                       for m in a.gate_rows for p in a.presets]
-        for key, cell in gate_cells[:2 * len(a.presets)]:
+        first = [] if a.second else gate_cells[:2 * len(a.presets)]
+        for key, cell in first:
             ha.budgeted_cell(results, key, start, a.budget_s, cell)
         if a.smoke:  # the interpreter: the layer cells of the smallest router only
             a.presets = ["mixtral-8x7b"]
         layers = {p: lh.MoE(hm.layer_config(p), backend="triton", router=lh.Run.router, dtype=torch.bfloat16,
                             device=hm.Run.device).eval() for p in a.presets}
         cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p, layer in layers.items()]
+        if a.second:
+            cells += [(f"measure {p}", lambda p=p: measure_cell(p)) for p in a.presets]
         cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m))
                   for m in big for p, layer in layers.items()]
         cells += [(f"parts-main {p} M={m}", lambda m=m, layer=layer: parts_main(layer, m))
                   for m in big for p, layer in layers.items()]
-        cells += gate_cells[2 * len(a.presets):]
+        cells += [c for c in gate_cells if c not in first]
         cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m))
                   for m in a.layer_rows if m not in big for p, layer in layers.items()]
         cells += [(f"layer {p} M={m}", lambda m=m, layer=layer: lh.layer_cell(layer, m))
@@ -234,12 +259,16 @@ def table(results: dict) -> str:
             checks = " ".join(f"{k[:-6]}={v.split()[0]}" for k, v in r.items() if k.endswith("_check"))
             times = " ".join(f"{k[:-3]} {v:.1f}" for k, v in r.items() if k.endswith("_us"))
             lines.append(f"{key:30} default {r['default']} | {times} | {checks}")
+        elif key.startswith("measure"):
+            lines.append(f"{key:30} scale {r['scale']} | " + " | ".join(
+                f"B={b} host {v['host_rest']} graph {v['graph']} floor {v['floor']} ok {v['host_ok']}/{v['graph_ok']}"
+                for b, v in r["rows"].items()))
         elif key.startswith("ab"):
             lines.append(f"{key:30} host rest new {r['new_rest']:.1f} main {r['main_rest']:.1f} | graph new "
                          f"{r['new_graph_us']:.1f} main {r['main_graph_us']:.1f} | graph_eq new {r['new_graph_eq']} main "
                          f"{r['main_graph_eq']} | one launch new {r['new_one']} main {r['main_one']} | new vs main "
                          f"{r['new_vs_main_rel']:.1e}")
-    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "elapsed"))}))
+    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "measure", "elapsed"))}))
     return "\n".join(lines)
 
 
@@ -251,6 +280,7 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--gate-rows", nargs="*", type=int, default=list(GATE_ROWS))
     p.add_argument("--layer-rows", nargs="*", type=int, default=list(LAYER_ROWS))
+    p.add_argument("--second", action="store_true", help="merged main: the A/B and analyze --measure first")
     p.add_argument("--out", default=os.environ.get("OUT", "layer3_out"), help="folder for layer3.json")
     a = p.parse_args()
     start = time.perf_counter()
