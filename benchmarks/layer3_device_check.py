@@ -20,6 +20,8 @@ Cells by priority until --budget-s (then the hard limit stops measuring):
 4. ``measure P`` (``--second``, after the A/B): ``moekit analyze --preset P --measure`` over B = 1..256 in this
    process (``moekit.bench.layer_measure.measure``, its table printed): host rest, graph, floor, ``host ok`` /
    ``graph ok``.
+5. ``stages qwen3-30b-a3b M=m`` (``--second``, M = 1, 2, 4): graph µs of the layer and of its stages alone (the one
+   gate + router launch, the gate kernel + the router's launch, the experts) beside the floor.
 Look for: mma+route GPU µs <= cublas+route at every M (the graph must not regress) and which tiles win; ab: new
 rest < main rest, graph new <= main, graph_eq yes; where the host µs of the layer go at 16-256 (route, experts). JSON to $OUT/layer3.json; a table last.
 """
@@ -200,6 +202,33 @@ def parts_main(layer, m: int) -> dict:
         set_rows(layer, gm.MAX_ROWS)
 
 
+def stages_cell(layer, m: int) -> dict:
+    """Graph µs of the layer (as a capture runs it) and of its stages alone: the one gate + router launch, the gate
+    kernel then the router's launch, the experts (``experts_triton`` on that routing), beside the floor: which kernel
+    keeps graph / floor above 1.15 at Qwen3's M = 1-4."""
+    from moekit.experts.triton import experts_triton
+    from moekit.routing import gate as gate_mod
+
+    x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
+    for _ in range(hm.Run.warm):
+        layer(x)
+    entry = layer._decode._entries.get(m)
+    if entry is None or entry.bound is None:
+        return {"skipped": "no one-launch entry"}
+    w, bias, b = layer.gate.weight, layer.e_score_correction_bias, entry.buffers
+    fns = {"layer": lambda: layer(x), "one_launch": lambda: entry.bound(x, w, None, bias, None, b),
+           "experts": lambda: experts_triton(x, layer.w13, layer.w2, b.ids, b.weights)}
+    if m <= gate_route.MAX_TOKENS:
+        fns["gate"] = lambda: gate_mod.gate_logits(x, w, None, b.logits)
+        plan = layer._fused_router._plans[1 if layer.fuse_shared else 0]
+        route_launch = fused.bound_route(plan, b.logits, bias, None, layer._fused_router.assert_in_kernel)
+        fns["gate+router"] = lambda: (gate_mod.gate_logits(x, w, None, b.logits),
+                                      route_launch(b.logits, bias, None, (b.ids, b.weights)))
+    row = graph_us(fns)
+    row["floor"] = round(lh.floor_us(layer.config, m), 2)
+    return row
+
+
 def measure_cell(preset: str) -> dict:
     """``moekit analyze --preset P --measure --batches 1,2,4,8,16,64,256`` in this process (its ``measure``: the
     routed experts only, K and N scaled where the weight budget says) -> per batch host rest, graph, floor, verdicts;
@@ -237,6 +266,8 @@ def measure(a, start: float, results: dict) -> None:
         cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p, layer in layers.items()]
         if a.second:
             cells += [(f"measure {p}", lambda p=p: measure_cell(p)) for p in a.presets]
+            cells += [(f"stages {p} M={m}", lambda m=m, layer=layer: stages_cell(layer, m))
+                      for p, layer in layers.items() if p.startswith("qwen3") for m in (1, 2, 4)]
         cells += [(f"parts {p} M={m}", lambda m=m, layer=layer: lh.parts_cell(layer, m))
                   for m in big for p, layer in layers.items()]
         cells += [(f"parts-main {p} M={m}", lambda m=m, layer=layer: parts_main(layer, m))
@@ -263,12 +294,14 @@ def table(results: dict) -> str:
             lines.append(f"{key:30} scale {r['scale']} | " + " | ".join(
                 f"B={b} host {v['host_rest']} graph {v['graph']} floor {v['floor']} ok {v['host_ok']}/{v['graph_ok']}"
                 for b, v in r["rows"].items()))
+        elif key.startswith("stages"):
+            lines.append(f"{key:30} graph µs " + " ".join(f"{k} {v}" for k, v in r.items()))
         elif key.startswith("ab"):
             lines.append(f"{key:30} host rest new {r['new_rest']:.1f} main {r['main_rest']:.1f} | graph new "
                          f"{r['new_graph_us']:.1f} main {r['main_graph_us']:.1f} | graph_eq new {r['new_graph_eq']} main "
                          f"{r['main_graph_eq']} | one launch new {r['new_one']} main {r['main_one']} | new vs main "
                          f"{r['new_vs_main_rel']:.1e}")
-    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "measure", "elapsed"))}))
+    lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "measure", "stages", "elapsed"))}))
     return "\n".join(lines)
 
 

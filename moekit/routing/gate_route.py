@@ -1,5 +1,7 @@
-"""The gate GEMM and the fused router in one launch for decode-sized batches: x [M, K] (M <= MAX_TOKENS) ->
-router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers.
+"""The gate GEMM and the fused router in one launch for decode and memory-bound batches: x [M, K] (M <= ROWS = 256)
+-> router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers. Up to MAX_TOKENS = 8 rows
+the row-loop gate's launch (below); above, the tensor-core gate's (``gate_mma``: tiles, split-K, a counter per tile
+and per row block), whose logits differ from cuBLAS's in the last bits, so every path takes it there.
 
     [Gate -> Route (+ shared slots), one launch] -> Capacity (opt-in) -> Group -> Experts -> Combine
 

@@ -47,21 +47,8 @@ def gate_mma_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE] experts
     row_ok, col_ok = rows < num_tokens, cols < NUM_EXPERTS
-    x_row = x_ptr + tl.minimum(rows, num_tokens - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1]; rows past M unstored
-    w_row = w_ptr + tl.minimum(cols, NUM_EXPERTS - 1).to(tl.int64)[:, None] * stride_we  # [BE, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
-    k0 = pid_k * k_per_split
-    for start in range(k0, tl.minimum(k0 + k_per_split, hidden), BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
-        k_ok = ks < hidden
-        xt = tl.load(x_row + ks, mask=k_ok, other=0.0)  # [BM, BK]
-        wt = tl.load(w_row + ks, mask=k_ok, other=0.0)  # [BE, BK]
-        if UPCAST:  # the interpreter only: its bf16 tl.dot returns garbage (as in experts/_kernels/gemm.py)
-            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
-        elif IEEE:  # fp32 inputs: full-precision products, as torch's fp32 matmul (no TF32)
-            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, tl.trans(wt), acc)
+    acc = _dot_tile(x_ptr, w_ptr, rows, cols, pid_k * k_per_split, k_per_split, num_tokens, hidden, stride_xm,
+                    stride_we, NUM_EXPERTS, BLOCK_M, BLOCK_E, BLOCK_K, IEEE, UPCAST)  # [BM, BE] fp32
     tile = rows.to(tl.int64)[:, None] * NUM_EXPERTS + cols[None, :]  # [BM, BE] offsets into [M, E]
     tile_ok = row_ok[:, None] & col_ok[None, :]
     stored = True  # whether this program stores the logits tile
@@ -94,3 +81,26 @@ def gate_mma_kernel(
                                TOP_K, TOPK_GROUP, NUM_SHARED, SLOTS_PAD, GROUPED, TOP2, SIGMOID, RENORMALIZE, HAS_BIAS,
                                HAS_GATE, CHECK_FINITE, ROUTE_M, PRECISE, ASSERT_FINITE, True)
                 tl.store(row_counter, 0)
+
+
+@triton.jit
+def _dot_tile(x_ptr, w_ptr, rows, cols, k0, k_per_split, num_tokens, hidden, stride_xm, stride_we,
+              NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+              IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """x[rows, k0 : k0 + k_per_split] @ W[cols, same]^T -> [BM, BE] fp32 (rows and experts past the ends: clamped
+    loads, never stored)."""
+    x_row = x_ptr + tl.minimum(rows, num_tokens - 1).to(tl.int64)[:, None] * stride_xm  # [BM, 1]; rows past M unstored
+    w_row = w_ptr + tl.minimum(cols, NUM_EXPERTS - 1).to(tl.int64)[:, None] * stride_we  # [BE, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    for start in range(k0, tl.minimum(k0 + k_per_split, hidden), BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)[None, :]  # [1, BK]
+        k_ok = ks < hidden
+        xt = tl.load(x_row + ks, mask=k_ok, other=0.0)  # [BM, BK]
+        wt = tl.load(w_row + ks, mask=k_ok, other=0.0)  # [BE, BK]
+        if UPCAST:  # the interpreter only: its bf16 tl.dot returns garbage (as in experts/_kernels/gemm.py)
+            acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+        elif IEEE:  # fp32 inputs: full-precision products, as torch's fp32 matmul (no TF32)
+            acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, tl.trans(wt), acc)
+    return acc
