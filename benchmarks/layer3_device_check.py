@@ -12,9 +12,10 @@ Cells by priority until --budget-s (then the hard limit stops measuring):
    CUDA graph (REPEATS calls a graph, rounds interleaved over the variants, median): ``cublas`` (``torch.mm`` into
    the logits), ``cublas+route`` (and the router's bound launch: what the layer runs today above 8 rows), ``mma``
    tiles (gate only, the default ``mma_tiles`` and the SWEEP), ``mma+route`` (the one launch, default tiles).
-2. ``ab P M=m`` (M > 8): the layer with the one launch up to 256 rows (``new``, the default) against main's
-   ``torch.mm`` + the router's launch above 8 (``main``, ``gate_route.ROWS = 8``): host µs per forward (calls after
-   a loop's first, rounds interleaved), graph µs, eager == graph, eager twice equal, new vs main's output.
+2. ``ab P M=m`` (M > 8; with ``--second`` all M after): the layer with the one launch up to 256 rows joined to the
+   experts' one C call (``new``, the default), that launch on its own (``step``, ``layer_fast.JOINED = False``) and
+   main's ``torch.mm`` + the router's launch above 8 (``main``, ``gate_route.ROWS = 8``): host µs per forward (calls
+   after a loop's first, rounds interleaved), graph µs, eager == graph, eager twice equal, new vs main's output.
 3. ``parts P M=m`` / ``parts-main`` and ``layer P M=m`` (``layer_host2_device_check``'s cells): the eager layer's
    host µs split into its stages on the decode fast path, and the layer's host / graph / floor, at B = 1..256.
 4. ``measure P`` (``--second``, after the A/B): ``moekit analyze --preset P --measure`` over B = 1..256 in this
@@ -39,7 +40,7 @@ import torch
 import host_align_device_check as ha
 import host_mid_device_check as hm
 import layer_host2_device_check as lh
-from moekit import MoEConfig, route
+from moekit import MoEConfig, layer_fast, route
 from moekit.routing import fused
 from moekit.routing import gate_mma as gm
 from moekit.routing import gate_route
@@ -157,39 +158,46 @@ def gate_cell(config: MoEConfig, m: int) -> dict:
     return row
 
 
-def set_rows(layer, rows: int) -> None:
-    """The one launch up to ``rows`` (256: this branch; gate.MAX_TOKENS = 8: main, torch.mm and the router above)."""
-    gate_route.ROWS = rows
+def set_rows(layer, rows: int, joined: bool = True) -> None:
+    """The one launch up to ``rows`` (256: this branch; gate.MAX_TOKENS = 8: main, torch.mm and the router above),
+    joined to the experts' C call or not (``layer_fast.JOINED``); the layer's kept entries dropped."""
+    gate_route.ROWS, layer_fast.JOINED = rows, joined
     layer._decode.clear()
 
 
 def ab_cell(layer, m: int) -> dict:
-    """The layer with the one launch up to 256 rows (new) against main's torch.mm + router launch above 8 (main):
-    host µs (calls after a loop's first, rounds interleaved), graph µs, eager == graph, new vs main's output."""
+    """The layer with the one launch up to 256 rows joined to the experts' C call (new), the same launch on its own
+    (step), main's torch.mm + router launch above 8 rows (main): host µs (calls after a loop's first, rounds
+    interleaved), graph µs, eager == graph, eager twice equal, new vs main's output."""
     x = torch.randn(m, layer.config.hidden_size, device=hm.Run.device, dtype=torch.bfloat16)
     fn = lambda: layer(x)  # noqa: E731
-    variants = {"new": gm.MAX_ROWS, "main": gate_route.MAX_TOKENS}
+    variants = {"new": (gm.MAX_ROWS, True), "step": (gm.MAX_ROWS, False), "main": (gate_route.MAX_TOKENS, True)}
+    if m <= gate_route.MAX_TOKENS:
+        variants.pop("main")
     row, outs, rests = {}, {}, {n: [] for n in variants}
     try:
-        for name, rows in variants.items():
-            set_rows(layer, rows)
+        for name, how in variants.items():
+            set_rows(layer, *how)
             for _ in range(hm.Run.warm):
                 outs[name] = fn()
-            row[f"{name}_fast"] = m in layer._decode._entries
-            row[f"{name}_one"] = row[f"{name}_fast"] and layer._decode._entries[m].bound is not None
+            entry = layer._decode._entries.get(m)
+            row[f"{name}_path"] = "full" if entry is None else (
+                "joint" if entry.joint is not None else "one" if entry.bound is not None else "two")
             row[f"{name}_graph_us"] = hm.gpu_us(fn)
             row[f"{name}_graph_eq"] = hm.graph_equal(fn, outs[name])
             row[f"{name}_eager_twice"] = torch.equal(fn(), outs[name])
         for _ in range(ROUNDS // 2):
-            for name, rows in variants.items():
-                set_rows(layer, rows)
+            for name, how in variants.items():
+                set_rows(layer, *how)
                 for _ in range(hm.Run.warm):
                     fn()
                 rests[name].append(hm.loop_split([fn], "sync")["rest"])
     finally:
         set_rows(layer, gm.MAX_ROWS)
-    new, main = outs["new"].float(), outs["main"].float()
-    row["new_vs_main_rel"] = float((new - main).abs().max() / main.abs().max().clamp_min(1e-30))
+    row["new_eq_step"] = torch.equal(outs["new"], outs["step"])
+    if "main" in outs:
+        new, main = outs["new"].float(), outs["main"].float()
+        row["new_vs_main_rel"] = float((new - main).abs().max() / main.abs().max().clamp_min(1e-30))
     row.update({f"{n}_rest": round(statistics.median(v), 2) for n, v in rests.items()})
     return row
 
@@ -265,6 +273,8 @@ def measure(a, start: float, results: dict) -> None:
                             device=hm.Run.device).eval() for p in a.presets}
         cells = [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m)) for m in big for p, layer in layers.items()]
         if a.second:
+            cells += [(f"ab {p} M={m}", lambda m=m, layer=layer: ab_cell(layer, m))
+                      for m in a.layer_rows if m not in big for p, layer in layers.items()]
             cells += [(f"measure {p}", lambda p=p: measure_cell(p)) for p in a.presets]
             cells += [(f"stages {p} M={m}", lambda m=m, layer=layer: stages_cell(layer, m))
                       for p, layer in layers.items() if p.startswith("qwen3") for m in (1, 2, 4)]
@@ -297,10 +307,12 @@ def table(results: dict) -> str:
         elif key.startswith("stages"):
             lines.append(f"{key:30} graph µs " + " ".join(f"{k} {v}" for k, v in r.items()))
         elif key.startswith("ab"):
-            lines.append(f"{key:30} host rest new {r['new_rest']:.1f} main {r['main_rest']:.1f} | graph new "
-                         f"{r['new_graph_us']:.1f} main {r['main_graph_us']:.1f} | graph_eq new {r['new_graph_eq']} main "
-                         f"{r['main_graph_eq']} | one launch new {r['new_one']} main {r['main_one']} | new vs main "
-                         f"{r['new_vs_main_rel']:.1e}")
+            names = [n for n in ("new", "step", "main") if f"{n}_rest" in r]
+            lines.append(f"{key:30} host rest " + " ".join(f"{n} {r[n + '_rest']:.1f}" for n in names) + " | graph "
+                         + " ".join(f"{n} {r[n + '_graph_us']:.1f}" for n in names) + " | graph_eq "
+                         + " ".join(f"{n} {r[n + '_graph_eq']}" for n in names) + " | path "
+                         + " ".join(f"{n} {r[n + '_path']}" for n in names) + f" | new==step {r['new_eq_step']}"
+                         + (f" | new vs main {r['new_vs_main_rel']:.1e}" if "new_vs_main_rel" in r else ""))
     lines.append(lh.table({k: v for k, v in results.items() if not k.startswith(("gate", "ab", "measure", "stages", "elapsed"))}))
     return "\n".join(lines)
 

@@ -118,7 +118,11 @@ class BoundGateMma:
     def __call__(self, x, weight, linear_bias, bias, gate_logits, buffers) -> None:
         """Launch into ``buffers`` (``RouteBuffers`` of this kind of call: logits [M, E], with the router ids and
         weights [M, k+S]; its count holds ``scratch[0]`` int32 zeros, its part ``scratch[1]`` fp32 elements)."""
+        self.launch(*self.pointers(x, weight, linear_bias, bias, gate_logits, buffers))
+
+    def pointers(self, x, weight, linear_bias, bias, gate_logits, buffers) -> tuple:
+        """The launch's pointer arguments (``moekit.layer_fast`` records them once for a joined launch)."""
         ok, count = self.ok, buffers.count
-        self.launch(x, weight, weight if linear_bias is None else linear_bias, buffers.logits, buffers.part, count,
-                    x if bias is None else bias, x if gate_logits is None else gate_logits, buffers.ids,
-                    buffers.weights, count if ok is None else ok)
+        return (x, weight, weight if linear_bias is None else linear_bias, buffers.logits, buffers.part, count,
+                x if bias is None else bias, x if gate_logits is None else gate_logits, buffers.ids, buffers.weights,
+                count if ok is None else ok)

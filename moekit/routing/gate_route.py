@@ -79,10 +79,14 @@ class _BoundGateRoute:
         self.ok = torch.ones(1, dtype=torch.int32, device=x.device) if flag else None  # [1], as _BoundRoute's
 
     def __call__(self, x, weight, linear_bias, bias, gate_logits, buffers: RouteBuffers) -> None:
+        self.launch(*self.pointers(x, weight, linear_bias, bias, gate_logits, buffers))
+
+    def pointers(self, x, weight, linear_bias, bias, gate_logits, buffers: RouteBuffers) -> tuple:
+        """The launch's pointer arguments (``moekit.layer_fast`` records them once for a joined launch)."""
         ids, ok = buffers.ids, self.ok
-        self.launch(x, weight, weight if linear_bias is None else linear_bias, buffers.logits,
-                    x if bias is None else bias, x if gate_logits is None else gate_logits, ids, buffers.weights,
-                    ids if ok is None else ok, buffers.count)
+        return (x, weight, weight if linear_bias is None else linear_bias, buffers.logits,
+                x if bias is None else bias, x if gate_logits is None else gate_logits, ids, buffers.weights,
+                ids if ok is None else ok, buffers.count)
 
 
 # kind of call -> its bound launch, or _SEPARATE where the one launch does not apply
