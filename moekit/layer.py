@@ -6,7 +6,7 @@ Where each stage lives (``MoE.forward`` reads top to bottom in this order):
 
 | stage    | where                                                         | in -> out                              |
 | -------- | ------------------------------------------------------------- | -------------------------------------- |
-| Gate     | ``MoE.gate``'s weights; at <= 8 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
+| Gate     | ``MoE.gate``'s weights; at <= 256 tokens with the fused router one Triton launch with Route (``moekit.routing.gate_route``) | x2d [M, K] -> logits [M, E] |
 | Route    | ``moekit.routing.route``, or its one-kernel twin ``FusedRouter`` on CUDA (``router=``) | logits -> ids [M, k] int32, weights |
 | Capacity | ``moekit.routing.apply_capacity`` (opt-in)                    | drops over capacity as id -1, counted  |
 | Group    | the backend's layout, from ``moekit.layouts`` (below)         | x2d, ids -> rows grouped by expert     |
@@ -41,10 +41,10 @@ from moekit.activations import apply_glu
 from moekit.experts.grouped_mm import plan_grouped_mm
 from moekit.layer_fast import DecodeFast
 from moekit.losses import configured_aux_loss
-from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, route
+from moekit.routing import DropPolicy, Routing, append_shared_slots, apply_capacity, gate_route as one_launch, route
 from moekit.routing.fused import FusedRouter, RouterChoice, fused_router
-from moekit.routing.gate import gate_available, gate_logits, linear_into, router_inputs
-from moekit.routing.gate_route import MAX_TOKENS as GATE_ROUTE_ROWS, gate_route, wants_fresh
+from moekit.routing.gate import MAX_TOKENS as GATE_ROWS, gate_available, gate_logits, linear_into, router_inputs
+from moekit.routing.gate_route import gate_route, wants_fresh
 from moekit.routing.routed import RoutedTokens
 from moekit.routing.workspace import RouteWorkspace, fresh_buffers
 from moekit.quant import move_quantized_, quant_scheme_of, quantize_experts_
@@ -93,9 +93,9 @@ class MoE(nn.Module):
     ``router``: ``"auto"`` routes with the fused Triton kernel on CUDA where it applies
     (``moekit.routing.fused``) and with ``route`` elsewhere; ``"torch"`` always ``route``; ``"fused"``
     always the kernel (on the CPU only under ``TRITON_INTERPRET=1``). Both compute the same routing.
-    With the fused router a decode-sized gate GEMM (up to 8 tokens) runs in the router's launch
-    (``moekit.routing.gate_route``, on every path that can; else the gate kernel, ``moekit.routing.gate``); above,
-    ``torch.mm`` into a kept buffer, else ``F.linear`` (autograd, ``torch.compile``). It reads ``MoE.gate``'s weights:
+    With the fused router a gate GEMM of up to 256 tokens runs in the router's launch (``moekit.routing.gate_route``
+    on every path that can: row-loop gate to 8 tokens, tensor cores above; else the gate kernel); above, ``torch.mm``
+    into a kept buffer, else ``F.linear`` (autograd, ``torch.compile``). It reads ``MoE.gate``'s weights:
     its hooks never run.
     """
 
@@ -218,15 +218,15 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to MAX_TOKENS rows
-        gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s kept buffers (forward
+        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to 256 rows
+        (``gate_route.ROWS``) gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s kept buffers (forward
         without stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
         slots = c.top_k + c.num_shared_slots * in_kernel  # the kernel appends S unless capacity drops in between
         ws = None if workspace is None else workspace.get(x2d, c.num_experts, slots, gx.dtype)
-        one = self._gate_route is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the one launch may take
+        one = self._gate_route is not None and x2d.shape[0] <= one_launch.ROWS  # rows the one launch may take
         if ws is None and one and wants_fresh(self._fused_router, in_kernel, gx, weight, gbias):
             ws = fresh_buffers(x2d, c.num_experts, slots, gx.dtype)  # a capture's or a stats call's own
         gate_logits = self.shared_gate(x2d) if self.fuse_shared and self.shared_gate is not None else None  # [M, 1]
@@ -265,7 +265,7 @@ class MoE(nn.Module):
         """The gate GEMM on inputs in the router dtype: the Triton kernel for a few rows, else ``torch.mm`` into the
         kept ``out`` (a workspace's logits [M, E], used only when in that dtype), else ``F.linear``."""
         out = out if out is None or out.dtype == x2d.dtype else None
-        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROUTE_ROWS  # rows the kernel takes at all
+        kernel = self._gate_fn is not None and x2d.shape[0] <= GATE_ROWS  # rows the kernel takes at all
         logits = self._gate_fn(x2d, weight, bias, out) if kernel else None  # None: not for the kernel
         if logits is None and out is not None and self._gate_mm is not None:
             logits = self._gate_mm(x2d, weight, bias, out)

@@ -44,10 +44,14 @@ import torch
 
 from moekit.experts import fast_path_of, keeper_of
 from moekit.routing import fused
+from moekit.routing import gate_route
 from moekit.routing.gate_route import MAX_TOKENS, bound_launch
-from moekit.triton_bind import current_stream
+from moekit.triton_bind import LEAD_X, current_stream
 
 ENABLED = True  # the A/B switch of ``benchmarks/host_trim2_device_check.py``
+# The one gate + router launch in the experts' one C call (``triton_fast.JointCall``), where the kept call's launches
+# are batched; read when an entry is kept. False: its own raw launch (the A/B of ``benchmarks/layer3_device_check.py``)
+JOINED = True
 # Batches up to the memory-bound ones (issue 13: B <= 256). Above 8 rows an entry holds nothing the route workspace
 # does not keep already (its buffers, the router's bound launch), so a larger limit costs no memory; the CPU harness
 # (benchmarks/layer_host_cpu.py, kernels stubbed) measured the forward at M = 256 11-12 µs cheaper on the fast path.
@@ -81,9 +85,9 @@ class _Entry:
     """One kept kind of decode call."""
 
     __slots__ = ("hidden", "dtype", "device", "device_index", "stream", "thread", "refs", "objects", "specs", "buffers",
-                 "bound", "route", "fast", "kept", "activation", "append_shared", "cuda")
+                 "bound", "route", "fast", "kept", "joint", "activation", "append_shared", "cuda")
 
-    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, append_shared: bool):
+    def __init__(self, layer, x2d, tensors: tuple, buffers, bound, route, fast, kept, joint, append_shared: bool):
         self.hidden, self.dtype, self.device, self.device_index = x2d.shape[1], x2d.dtype, x2d.device, x2d.get_device()
         self.cuda = x2d.is_cuda
         self.stream = current_stream() if self.cuda else 0
@@ -92,7 +96,8 @@ class _Entry:
         self.objects = _objects(layer)
         self.specs = (_spec(tensors[0]), _spec(tensors[1]), _spec(tensors[2]))
         self.buffers, self.fast, self.kept = buffers, fast, kept  # kept: the backend's kept call (keeper_of), else None
-        self.bound, self.route = bound, route  # the one launch (M <= MAX_TOKENS), else the router's bound launch
+        self.joint = joint  # the one launch and the kept call in one C call (``KeptCall.joined``), else None
+        self.bound, self.route = bound, route  # the one launch (M <= gate_route.ROWS), else the router's bound launch
         self.activation, self.append_shared = layer.config.activation, append_shared
 
 
@@ -147,6 +152,11 @@ class DecodeFast:
         buffers, router = entry.buffers, objects[0]
         if bias is not None:
             router._check_bias(bias, entry.device)
+        joint = entry.joint
+        if joint is not None:  # the one launch and the experts' in one C call (no flag: the router asserts in its
+            out = joint(x2d, w13, w2, buffers.ids, buffers.weights)  # kernel); None: they go one by one below
+            if out is not None:
+                return out
         bound = entry.bound
         if bound is not None:
             bound(x2d, weight, linear_bias, bias, None, buffers)
@@ -195,7 +205,7 @@ class DecodeFast:
         if buffers is None:
             return
         router, bound, route = layer._fused_router, None, None
-        if m <= MAX_TOKENS:
+        if m <= gate_route.ROWS:
             bound = bound_launch(router, x2d, weight, linear_bias, bias, None, append_shared, buffers)
         if bound is None:  # above the one launch's rows, or a call it does not take (gate._applies)
             plan = router._plans[1 if append_shared else 0]
@@ -206,4 +216,7 @@ class DecodeFast:
             self._entries.pop(next(iter(self._entries)))
         keeper = keeper_of(layer._experts_fn)
         kept = None if keeper is None else keeper(x2d, w13, w2, buffers.ids, buffers.weights, c.activation)
-        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, append_shared)
+        joint = None  # the one launch joined to the kept call's batched launches, where both exist (no flag to read)
+        if JOINED and bound is not None and bound.ok is None and hasattr(kept, "joined"):
+            joint = kept.joined(bound.launch, bound.pointers(LEAD_X, weight, linear_bias, bias, None, buffers))
+        self._entries[m] = _Entry(layer, x2d, tensors, buffers, bound, route, fast, kept, joint, append_shared)

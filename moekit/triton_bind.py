@@ -13,6 +13,8 @@ import types
 
 import torch
 
+LEAD_X = object()  # among a joined lead launch's pointers (``triton_fast.JointCall``): the call's x
+
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block sizes are powers of two."""

@@ -178,12 +178,12 @@ def test_nonfinite_raise_and_mask(mods):
 
 
 def test_hands_back(mods):
-    """None (the caller runs two launches) above MAX_TOKENS rows, under autograd, for mixed dtypes, for an
+    """None (the caller runs two launches) above ROWS (256) rows, under autograd, for mixed dtypes, for an
     empty batch, and for buffers in another dtype."""
     fused, _, gate_route, workspace = mods
     cfg = CONFIGS["softmax"]
     router = fused.FusedRouter(cfg)
-    x, w, _ = problem(cfg, gate_route.MAX_TOKENS + 1)
+    x, w, _ = problem(cfg, gate_route.ROWS + 1)
     ws = workspace()
     assert gate_route.gate_route(router, x, w, None, None, None, False, ws.get(x, 12, 3, x.dtype)) is None
     x4 = x[:4]

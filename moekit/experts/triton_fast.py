@@ -34,11 +34,12 @@ from threading import get_ident
 import torch
 
 from moekit.experts.configs import on_config_cache_clear
-from moekit.experts.triton_lean import LaunchSequence, launch_lean
+from moekit.batch_launch import Batch
+from moekit.experts.triton_lean import X, LaunchSequence, _Slot, launch_lean, record_steps
 from moekit.experts.triton_plan import Plan
 from moekit.experts.triton_quant_fast import run_quant_fast
 import moekit.triton_bind as triton_bind
-from moekit.triton_bind import current_stream
+from moekit.triton_bind import LEAD_X, current_stream
 
 MAX_ENTRIES = 4096  # (weights, kind of call, thread) kept; the oldest goes first
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -177,6 +178,11 @@ class KeptCall:
         self.key, self.entry, self.pool, self.stream = key, None, pool, stream
 
     def __call__(self, x, w13, w2, ids, weights) -> torch.Tensor | None:
+        sequence = self.sequence(w13, w2)
+        return None if sequence is None else launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+
+    def sequence(self, w13, w2) -> LaunchSequence | None:
+        """The kept entry's sequence where it still serves this call (see the class), else None."""
         entry = self.entry
         if (entry is None or entry.epoch != _epoch[0] or entry.generation != self.pool.generation
                 or entry.state != _weight_state(w13, w2)):
@@ -187,9 +193,40 @@ class KeptCall:
                 return None
             self.entry = entry
         sequence = entry.sequence
-        if sequence.raw and not sequence.hooks.idle():
+        return None if sequence.raw and not sequence.hooks.idle() else sequence
+
+    def joined(self, launch, pointers: tuple) -> "JointCall":
+        """This call with ``launch`` (a ``BoundLaunch`` whose ``pointers`` are fixed but for x, ``LEAD_X``) before its
+        launches, in the one C call of a batched sequence (``moekit.layer_fast``: the gate + router launch)."""
+        return JointCall(self, launch, pointers)
+
+
+class JointCall:
+    """A ``KeptCall`` whose launches follow a lead launch in one C call (``batch_launch.Batch``): the lead's steps
+    recorded once, joined to the kept entry's sequence (again whenever the entry's sequence is another object). A call
+    returns out [M, K], or None where the sequence is not batched (a step not raw, no C module, workspace allocated per
+    call) or the kept call misses: the caller then launches the lead and the kept call itself."""
+
+    __slots__ = ("kept", "lead", "sequence", "batch")
+
+    def __init__(self, kept: KeptCall, launch, pointers: tuple) -> None:
+        self.kept, self.sequence, self.batch = kept, None, None
+        self.lead = (launch, tuple(_Slot(X) if p is LEAD_X else p for p in pointers))
+
+    def __call__(self, x, w13, w2, ids, weights) -> torch.Tensor | None:
+        sequence = self.kept.sequence(w13, w2)
+        if sequence is None or sequence.batch is None or sequence.large is not None:
             return None
-        return launch_lean(sequence, x, ids, weights, None, None, None, w13, w2)
+        if sequence is not self.sequence:
+            lead = record_steps([self.lead])
+            self.sequence = sequence
+            self.batch = None if lead is None else Batch.of(lead[0] + sequence.steps)
+        batch = self.batch
+        if batch is None:
+            return None
+        out = torch.empty_like(x)  # [M, K]
+        batch.launch_all(batch.blob, self.kept.stream, x, ids, weights, out, None, None, None, w13, w2)
+        return out
 
 
 def keep_call(pool, x, w13, w2, ids, weights, activation, options) -> KeptCall | None:

@@ -6,8 +6,9 @@
 what exceeds each expert's capacity and counts it (``capacity.py``); ``append_shared_slots`` adds a
 fused shared expert's S slots (``shared.py``). ``MoE.route_tokens`` composes the three in this order.
 ``route_fused`` / ``FusedRouter`` (``fused.py``) compute ``route`` (and the shared slots) in one Triton
-kernel; ``MoE`` uses it on CUDA, ``route`` stays the torch twin the kernel is tested against. For up to 4
-tokens ``gate_route.py`` runs the gate GEMM (``gate.py``) and that kernel in one launch.
+kernel; ``MoE`` uses it on CUDA, ``route`` stays the torch twin the kernel is tested against. For up to 256
+tokens ``gate_route.py`` runs the gate GEMM (``gate.py``; tensor cores above 8, ``gate_mma.py``) and that kernel
+in one launch.
 """
 
 from moekit.routing.capacity import CapacityResult, DropPolicy, apply_capacity, expert_capacity

@@ -123,12 +123,13 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 _LINEAR = object()  # in _BOUND: a kind of call the kernel does not take
 
 
-def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel computes F.linear(x, weight, bias) for this kind of call."""
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_TOKENS) -> bool:
+    """Whether the kernel (up to ``max_rows`` rows: ``gate_mma``'s for the tensor-core one) computes
+    F.linear(x, weight, bias) for this kind of call."""
     dtype = x.dtype
     if (x.dim() != 2 or weight.dim() != 2 or weight.dtype != dtype or dtype not in _DTYPES
             or x.shape[1] != weight.shape[1] or x.device != weight.device or x.stride(1) != 1 or weight.stride(1) != 1
-            or x.shape[0] > MAX_TOKENS):
+            or x.shape[0] > max_rows):
         return False
     return bias is None or (bias.dtype == dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1
                             and bias.device == x.device)

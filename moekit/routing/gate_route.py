@@ -1,5 +1,7 @@
-"""The gate GEMM and the fused router in one launch for decode-sized batches: x [M, K] (M <= MAX_TOKENS) ->
-router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers.
+"""The gate GEMM and the fused router in one launch for decode and memory-bound batches: x [M, K] (M <= ROWS = 256)
+-> router logits [M, E] and ``Routing`` [M, k(+S)], written into a caller's kept buffers. Up to MAX_TOKENS = 8 rows
+the row-loop gate's launch (below); above, the tensor-core gate's (``gate_mma``: tiles, split-K, a counter per tile
+and per row block), whose logits differ from cuBLAS's in the last bits, so every path takes it there.
 
     [Gate -> Route (+ shared slots), one launch] -> Capacity (opt-in) -> Group -> Experts -> Combine
 
@@ -25,12 +27,15 @@ import importlib
 
 import torch
 
-from moekit.routing import fused, gate
+from moekit.routing import fused, gate, gate_mma
 from moekit.routing.route import Routing
 from moekit.routing.workspace import RouteBuffers
 from moekit.triton_bind import BoundLaunch
 
-MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the gate runs on a Triton kernel at all
+MAX_TOKENS = gate.MAX_TOKENS  # rows up to which the one launch is the row-loop gate's (``gate_route_kernel``)
+# Rows up to which gate and router are one launch: above MAX_TOKENS the tensor-core gate's (``gate_mma``). Read at
+# call time by ``MoE`` and ``layer_fast`` (the device check's A/B sets MAX_TOKENS: torch.mm and the router's launch).
+ROWS = gate_mma.MAX_ROWS
 # Where the one launch and the two launches (the gate kernel, then the router's) were measured bit-equal on the H200:
 # ungrouped softmax plans with renormalisation (Qwen3-30B-A3B, Mixtral-8x7B, every M <= 8). A sigmoid or grouped plan
 # differs in the weights' last bits (DeepSeek-V3 at 5-8 rows; logits and ids equal): benchmarks/layer_host2_device_check.py.
@@ -74,10 +79,14 @@ class _BoundGateRoute:
         self.ok = torch.ones(1, dtype=torch.int32, device=x.device) if flag else None  # [1], as _BoundRoute's
 
     def __call__(self, x, weight, linear_bias, bias, gate_logits, buffers: RouteBuffers) -> None:
+        self.launch(*self.pointers(x, weight, linear_bias, bias, gate_logits, buffers))
+
+    def pointers(self, x, weight, linear_bias, bias, gate_logits, buffers: RouteBuffers) -> tuple:
+        """The launch's pointer arguments (``moekit.layer_fast`` records them once for a joined launch)."""
         ids, ok = buffers.ids, self.ok
-        self.launch(x, weight, weight if linear_bias is None else linear_bias, buffers.logits,
-                    x if bias is None else bias, x if gate_logits is None else gate_logits, ids, buffers.weights,
-                    ids if ok is None else ok, buffers.count)
+        return (x, weight, weight if linear_bias is None else linear_bias, buffers.logits,
+                x if bias is None else bias, x if gate_logits is None else gate_logits, ids, buffers.weights,
+                ids if ok is None else ok, buffers.count)
 
 
 # kind of call -> its bound launch, or _SEPARATE where the one launch does not apply
@@ -126,13 +135,15 @@ def runs(x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None
 
 def wants_fresh(router: fused.FusedRouter, append_shared: bool, x: torch.Tensor, weight: torch.Tensor,
                 linear_bias: torch.Tensor | None) -> bool:
-    """Whether a call without kept buffers (up to MAX_TOKENS rows, the caller's check) makes fresh ones for the one
-    launch: every plan but an ungrouped softmax one with renormalisation (measured bit-equal to the two launches)."""
+    """Whether a call without kept buffers (up to ROWS rows, the caller's check) makes fresh ones for the one
+    launch: above MAX_TOKENS always (the two launches would gate on cuBLAS, other bits), up to it every plan but an
+    ungrouped softmax one with renormalisation (measured bit-equal to the two launches)."""
     plan = router._plans[1 if append_shared else 0]
     if plan is None:
         return False
     c = plan.constexprs
-    return not (not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"]) and runs(x, weight, linear_bias)
+    two_equal = not c["SIGMOID"] and not c["GROUPED"] and c["RENORMALIZE"] and x.shape[0] <= MAX_TOKENS
+    return not two_equal and runs(x, weight, linear_bias)
 
 
 def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tensor, linear_bias: torch.Tensor | None,
@@ -152,10 +163,12 @@ def bound_launch(router: fused.FusedRouter, x: torch.Tensor, weight: torch.Tenso
     if bound is None:
         if len(_BOUND) >= MAX_BOUND:
             _BOUND.pop(next(iter(_BOUND)))
-        applies = (plan is not None and 0 < x.shape[0] <= MAX_TOKENS and gate._applies(x, weight, linear_bias)
+        m = x.shape[0]
+        applies = (plan is not None and 0 < m <= ROWS and gate._applies(x, weight, linear_bias, ROWS)
                    and buffers.logits.dtype == x.dtype and fused.is_available(x.device))
-        bound = _BOUND[key] = _SEPARATE if not applies else _BoundGateRoute(
-            plan, x, weight, linear_bias, correction_bias, router._check_gate(x, shared_gate_logits) if append_shared
-            else None, router.assert_in_kernel)
+        gate_in = router._check_gate(x, shared_gate_logits) if applies and append_shared else None
+        kind = _BoundGateRoute if m <= MAX_TOKENS else gate_mma.BoundGateMma
+        bound = _BOUND[key] = _SEPARATE if not applies else kind(
+            plan, x, weight, linear_bias, correction_bias, gate_in, router.assert_in_kernel)
     return None if bound is _SEPARATE else bound
 

@@ -9,8 +9,9 @@ launch ~5 µs; ``benchmarks/layer_host_device_check.py``), and a layer call made
 routing alone. Buffers are kept per kind of call: (M, device, stream, thread, logits dtype, slots), so
 two streams or two threads never share one; none while compiling or capturing a CUDA graph. At most
 MAX_ENTRIES kinds are kept (the oldest goes first): a server that sees many batch sizes keeps the last ones.
-Each kind also keeps the one-element counter of ``moekit.routing.gate_route`` (gate and router in one launch),
-which must not be shared by two launches in flight at once: hence its place here. A call without kept buffers
+Each kind also keeps the counters of ``moekit.routing.gate_route`` (gate and router in one launch) and, above 8
+rows, the tensor-core gate's split-K partials (``gate_mma``), which must not be shared by two launches in flight at
+once: hence their place here. A call without kept buffers
 (a CUDA graph capture, a call that returns its routing) takes ``fresh_buffers``, so it runs the same launches.
 
 Shapes: M tokens, E experts, k + S slots.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moekit.routing import gate, gate_mma
 from moekit.triton_bind import current_stream
 
 MAX_ENTRIES = 32  # ~40 KB each at Qwen3's M = 64; DeepSeek-V3 at M = 512: 0.3 MB
@@ -33,7 +35,10 @@ class RouteBuffers:
     logits: torch.Tensor  # [M, E] the gate's output dtype
     ids: torch.Tensor  # [M, k(+S)] int32
     weights: torch.Tensor  # [M, k(+S)] float32
-    count: torch.Tensor  # [1] int32, 0 between launches: the one-launch gate and router's programs done (gate_route)
+    # int32, 0 between launches: the one-launch gate and router's programs done (gate_route): [1] up to
+    # ``gate.MAX_TOKENS`` rows, above the tensor-core gate's tile and row-block counters (``gate_mma.scratch_sizes``)
+    count: torch.Tensor
+    part: torch.Tensor  # [SPLIT_K * M * E] fp32: the tensor-core gate's split-K partials ([1] where it needs none)
 
 
 class RouteWorkspace:
@@ -70,7 +75,12 @@ def fresh_buffers(x2d: torch.Tensor, num_experts: int, num_slots: int, dtype: to
     """One call's buffers, kept by nobody: a CUDA graph capture's (from the graph's pool; the counter's zero fill is
     recorded with it) or those of a call whose routing outlives it (``MoE.route_tokens`` without a workspace)."""
     m, device = x2d.shape[0], x2d.device
+    counters, partials = 1, 1
+    if gate.MAX_TOKENS < m <= gate_mma.MAX_ROWS:
+        counters, partials = gate_mma.scratch_sizes(m, num_experts, x2d.shape[1], dtype)
+        partials = max(partials, 1)
     return RouteBuffers(logits=torch.empty(m, num_experts, dtype=dtype, device=device),
                         ids=torch.empty(m, num_slots, dtype=torch.int32, device=device),
                         weights=torch.empty(m, num_slots, dtype=torch.float32, device=device),
-                        count=torch.zeros(1, dtype=torch.int32, device=device))
+                        count=torch.zeros(counters, dtype=torch.int32, device=device),
+                        part=torch.empty(partials, dtype=torch.float32, device=device))
