@@ -7,7 +7,8 @@ GEMM on [128, 256] tiles (``Fp8GluonTile.wide``) against today's [128, 128].
 1. Dense block-scaled fp8 GEMMs (``fp8pre_dense``): the fp8 Gluon kernel on one expert holding every row at each
    cell's two GEMM shapes and at 8192^3 (down plain / wide, gate-up), torch's block-scaled mm where this torch has
    one, torch's per-tensor mm with and without fast accumulation; each checked on its first rows against a float32
-   product (PASS/FAIL), then timed (CUDA-graph replay, interleaved rounds, median): µs, TFLOP/s, % of the fp8 mm rate.
+   product (PASS/FAIL), then timed (CUDA-graph replay, 3 interleaved rounds, median): µs, TFLOP/s, % of the fp8 mm
+   rate.
 2. Per cell (uniform routing, seeded; ``prefill_device_check``'s harness): the route, "lean" (the fp8 Gluon path's
    lean launch with the plan's tiles) and "lean wide" (its down GEMM on wide tiles, bit for bit equal to "lean")
    against the torch twin (rel L2 < 1e-2); the route's kernels (profiler µs: alignment, gather-quant, gate-up, down,
@@ -139,10 +140,12 @@ def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -
     w = make_weights(s, torch.bfloat16, dev)
     q = (*pdc.quantize_chunked(w.w13), *pdc.quantize_chunked(w.w2))
     del w
+    log(f"{spec}: weights quantized")
     routing = uniform_routing(m, s, dev, seed=m)
     ids, rw = routing.topk_ids, routing.topk_weights
     x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
     ref = experts_gluon_fp8_twin(x, *q, ids, rw)
+    log(f"{spec}: twin done")
     name = f"fp8 {preset} M={m}"
     variants = fp8_variants(q)
     outs: dict = {}
@@ -177,7 +180,7 @@ def main() -> int:
     parser.add_argument("--no-dense", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    pdc.STALL_S = 60.0
+    pdc.STALL_S = 90.0  # a hung kernel: the table so far, inside the run's limit
     threading.Thread(target=pdc.watchdog, daemon=True).start()
     from moekit.bench.ceilings import measure_fp8_mm
 
@@ -187,7 +190,7 @@ def main() -> int:
     log(f"fp8 mm {mm:.0f} TFLOP/s (torch._scaled_mm 8192^3, fast accumulation); torch {torch.__version__}")
     if not args.no_dense:
         try:
-            dense_part(mm, args.rounds, args.deadline_s, args.out)
+            dense_part(mm, min(args.rounds, 3), args.deadline_s, args.out)
         except Exception as exc:  # noqa: BLE001 (the cells still run)
             log(f"FAIL dense: {type(exc).__name__}: {str(exc)[-800:]}")
             pdc.FAILED.append("dense")
