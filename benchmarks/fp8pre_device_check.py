@@ -10,8 +10,8 @@ GEMM on [128, 256] tiles (``Fp8GluonTile.wide``) against today's [128, 128].
    product (PASS/FAIL), then timed (CUDA-graph replay, 3 interleaved rounds, median): µs, TFLOP/s, % of the fp8 mm
    rate.
 2. Per cell (uniform routing, seeded; ``prefill_device_check``'s harness): the route, "lean" (the fp8 Gluon path's
-   lean launch with the plan's tiles) and "lean wide" (its down GEMM on wide tiles, bit for bit equal to "lean")
-   against the torch twin (rel L2 < 1e-2); the route's kernels (profiler µs: alignment, gather-quant, gate-up, down,
+   lean launch with the plan's tiles), "lean wide" (its down GEMM on wide tiles) and "lean gq4" (the gather-quantize
+   kernel taking 4 column groups per program), both bit for bit equal to "lean", against the torch twin (rel L2 < 1e-2); the route's kernels (profiler µs: alignment, gather-quant, gate-up, down,
    combine); whole calls in interleaved graph rounds; each GEMM alone under uniform and balanced routing with the
    rows computed per real row.
 JSON to ``--out``/fp8pre.json after each part; the table is printed last. Exit 1 when a check fails.
@@ -126,7 +126,30 @@ def fp8_variants(q: tuple) -> list:
                        (UP_TILE, DOWN_TILE)),
             pv.Variant("lean wide", "gluon",
                        lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=UP_TILE, down=WIDE_DOWN_TILE),
-                       (UP_TILE, WIDE_DOWN_TILE), same_as="lean")]
+                       (UP_TILE, WIDE_DOWN_TILE), same_as="lean"),
+            pv.Variant("lean gq4", "gluon",
+                       with_gather_groups(4, lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=UP_TILE, down=DOWN_TILE)),
+                       same_as="lean")]
+
+
+def with_gather_groups(groups: int, call):
+    """``call`` with the gather-quantize kernel taking ``groups`` 128-column groups per program (the lean plans built
+    for it and dropped after it: GATHER_GROUPS is not in a plan's key)."""
+    from moekit.experts import triton_gluon_fp8_launch as fl, triton_gluon_lean as lean
+
+    def run(*args):
+        old = fl.GATHER_GROUPS
+        fl.GATHER_GROUPS = groups
+        lean._PLANS.clear()
+        lean._SEQUENCES.clear()
+        try:
+            return call(*args)
+        finally:
+            fl.GATHER_GROUPS = old
+            lean._PLANS.clear()
+            lean._SEQUENCES.clear()
+
+    return run
 
 
 def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -> None:
@@ -161,11 +184,12 @@ def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -
     (out_dir / "fp8pre.json").write_text(json.dumps(RESULTS, indent=1))
     pdc.summarize(name, cell)
     rounds_us = cell["rounds_us"]
-    if rounds_us.get("lean") and rounds_us.get("lean wide"):
-        base, t = rounds_us["lean"], rounds_us["lean wide"]
-        wins = sum(b / v >= 1.03 for b, v in zip(base, t))
-        pdc.SUMMARY.append(f"{name:34s} lean wide vs lean x{statistics.median(base) / statistics.median(t):.3f} "
-                           f"(>=3% in {wins}/{len(t)})")
+    for other in ("lean wide", "lean gq4"):
+        if rounds_us.get("lean") and rounds_us.get(other):
+            base, t = rounds_us["lean"], rounds_us[other]
+            wins = sum(b / v >= 1.03 for b, v in zip(base, t))
+            pdc.SUMMARY.append(f"{name:34s} {other} vs lean x{statistics.median(base) / statistics.median(t):.3f} "
+                               f"(>=3% in {wins}/{len(t)})")
     if time.perf_counter() - pdc.T0 < stop_at:
         cell["gemms"] = pdc.gemms_apart(name, s, x, ids, passing, q, "fp8", mm, stop_at)
         (out_dir / "fp8pre.json").write_text(json.dumps(RESULTS, indent=1))

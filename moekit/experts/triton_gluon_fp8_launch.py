@@ -17,6 +17,7 @@ GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the G
 HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
 CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) and the loader (1 warp) added
 GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
+GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -76,9 +77,10 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
     dst [A] int32 filled with -1 by the caller."""
     kernel = importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel
     rows, hidden = x_q.shape
-    kernel[(cdiv(rows, GATHER_ROWS), cdiv(hidden, GROUP))](
-        x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0),
-        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4)
+    groups = cdiv(hidden, GROUP)
+    kernel[(cdiv(rows, GATHER_ROWS), cdiv(groups, GATHER_GROUPS))](
+        x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0), groups,
+        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=GATHER_GROUPS, num_warps=4)
 
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
