@@ -2,7 +2,8 @@
 GEMM on [128, 256] tiles (``Fp8GluonTile.wide``) against today's [128, 128].
 
     PYTHONPATH=$PWD python3 benchmarks/fp8pre_device_check.py --out $OUT/fp8pre [--deadline-s 130] [--rounds 5]
-        [--cells fp8:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384] [--no-dense]
+        [--cells fp8:qwen3-30b-a3b:4096 fp8:deepseek-v3:16384] [--no-dense] [--no-kernels] [--no-gemms]
+        [--variants route,lean,...]
 
 1. Dense block-scaled fp8 GEMMs (``fp8pre_dense``): the fp8 Gluon kernel on one expert holding every row at each
    cell's two GEMM shapes and at 8192^3 (down plain / wide, gate-up), torch's block-scaled mm where this torch has
@@ -152,7 +153,7 @@ def with_gather_groups(groups: int, call):
     return run
 
 
-def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -> None:
+def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path, opts) -> None:
     from moekit.bench.cells import Shape, make_weights, uniform_routing
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8_twin
 
@@ -170,14 +171,12 @@ def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -
     ref = experts_gluon_fp8_twin(x, *q, ids, rw)
     log(f"{spec}: twin done")
     name = f"fp8 {preset} M={m}"
-    variants = fp8_variants(q)
+    variants = [v for v in fp8_variants(q) if not opts.variants or v.name in opts.variants.split(",")]
     outs: dict = {}
     passing = [v for v in variants if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
     del ref, outs
     cell = {"cell": spec, "mm_TFLOPs": mm, "flops": 6 * m * s.top_k * s.n * s.k}
-    if variants[0] in passing:
-        cell["route_kernels"] = pdc.route_kernels(name, variants[0], x, ids, rw)
-    for v in passing[1:]:
+    for v in passing if opts.kernels else []:
         cell[f"{v.name} kernels"] = pdc.route_kernels(f"{name} {v.name}", v, x, ids, rw)
     cell["rounds_us"] = pdc.whole_calls(name, passing, x, ids, rw, rounds, stop_at)
     RESULTS["cells"].append(cell)
@@ -190,7 +189,7 @@ def run_cell(spec: str, mm: float, rounds: int, stop_at: float, out_dir: Path) -
             wins = sum(b / v >= 1.03 for b, v in zip(base, t))
             pdc.SUMMARY.append(f"{name:34s} {other} vs lean x{statistics.median(base) / statistics.median(t):.3f} "
                                f"(>=3% in {wins}/{len(t)})")
-    if time.perf_counter() - pdc.T0 < stop_at:
+    if opts.gemms and time.perf_counter() - pdc.T0 < stop_at:
         cell["gemms"] = pdc.gemms_apart(name, s, x, ids, passing, q, "fp8", mm, stop_at)
         (out_dir / "fp8pre.json").write_text(json.dumps(RESULTS, indent=1))
 
@@ -202,6 +201,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", nargs="*", default=list(CELLS))
     parser.add_argument("--no-dense", action="store_true")
+    parser.add_argument("--no-kernels", dest="kernels", action="store_false", help="no profiler breakdown")
+    parser.add_argument("--no-gemms", dest="gemms", action="store_false", help="no GEMMs alone")
+    parser.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pdc.STALL_S = 90.0  # a hung kernel: the table so far, inside the run's limit
@@ -225,7 +227,7 @@ def main() -> int:
             pdc.SUMMARY.append(f"{spec}: not reached")
             continue
         try:
-            run_cell(spec, mm, args.rounds, args.deadline_s, args.out)
+            run_cell(spec, mm, args.rounds, args.deadline_s, args.out, args)
         except Exception as exc:  # noqa: BLE001
             log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
             pdc.FAILED.append(spec)
