@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, replace
 
 # (dtype, preset, M), the brief's cells most wanted first (timing stops at the deadline). DeepSeek-V3 fp8 1024 at
 # 88.8% of the floor is a guard as much as a target.
+# fp8 Qwen3 M = 512 runs the tuned file's 1024 entry (nearest in log2 of 1, 8, 64, 1024, ...): its neighbour.
 CELLS = (("bf16", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 1024), ("bf16", "qwen3-30b-a3b", 512),
-         ("fp8", "qwen3-30b-a3b", 64), ("bf16", "qwen3-30b-a3b", 8), ("bf16", "deepseek-v3", 8),
-         ("fp8", "deepseek-v3", 1024))
+         ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512), ("bf16", "qwen3-30b-a3b", 8),
+         ("bf16", "deepseek-v3", 8), ("fp8", "deepseek-v3", 1024))
 SMOKE_CELLS = (("bf16", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 64))
 
 
@@ -31,11 +32,12 @@ class Variant:
 
     @property
     def exact(self) -> bool:
-        """Whether its output must equal the default's bit for bit: only tile widths, stages and GROUP_M change
-        (the row height, BLOCK_K, warps and SWAP_AB can change the MMA form or the order of a row's sums)."""
-        same_order = {"BLOCK_N", "num_stages", "GROUP_M"}
+        """Whether its output must equal the default's bit for bit: only the down tile's width, stages and GROUP_M
+        change (the row height, BLOCK_K, warps and SWAP_AB can change the MMA form or the order of a row's sums; an
+        fp8 gate-up tile narrower than a scale group writes h in float32 for the down GEMM to quantize)."""
+        same_order = {"num_stages", "GROUP_M"}
         return (self.swap_ab is None and self.block_m is None and set(self.up) <= same_order
-                and set(self.down) <= same_order)
+                and set(self.down) <= same_order | {"BLOCK_N"})
 
     @property
     def is_default(self) -> bool:
@@ -77,11 +79,13 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
                        _v("d s5", down={"num_stages": 5 if preset == "qwen3-30b-a3b" else 4}),
                        _v("d64", down={"BLOCK_N": 64}) if preset == "deepseek-v3" else _v("d32", down={"BLOCK_N": 32}),
                        _v("u w8", up={"num_warps": 8})]
-    if dtype == "fp8" and preset == "qwen3-30b-a3b" and m >= 1024:  # BM 64 (1.44 rows an assignment)
+    if dtype == "fp8" and preset == "qwen3-30b-a3b" and m >= 512:  # the 1024 entry, BM 64 (1.44 rows an assignment)
         return ends + [_v("bm32 w4", 32, up={"num_warps": 4}), _v("bm128", 128, down={"num_warps": 8}),
                        _v("d w8", down={"num_warps": 8}), _v("u w4", up={"num_warps": 4}),
                        _v("s5", up={"num_stages": 5}, down={"num_stages": 5}),
-                       _v("gm1", up={"GROUP_M": 1}, down={"GROUP_M": 1})]
+                       _v("gm1", up={"GROUP_M": 1}, down={"GROUP_M": 1}),
+                       _v("u s3", up={"num_stages": 3}),
+                       _v("d256 w8", down={"BLOCK_N": 256, "num_warps": 8})]
     if dtype == "fp8" and preset == "qwen3-30b-a3b":  # M = 64: BM 16, 128-wide tiles on mma.sync (no e4m3 form)
         return ends + [_v("swap", swap_ab=True), _v("swap u64", swap_ab=True, up={"BLOCK_N": 64}),
                        _v("u64", up={"BLOCK_N": 64}), _v("s5", up={"num_stages": 5}, down={"num_stages": 5}),
