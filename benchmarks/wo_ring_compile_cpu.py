@@ -1,0 +1,85 @@
+"""Compile the int4 ring GEMV (``moekit/experts/_kernels/gluon_wo_ring.py``) for sm_90 on a machine without a GPU:
+catches typos and layout errors before a device run, and reports SMEM, registers, spills and the main loop's
+instructions a weight (SASS, where the bundled cuobjdump takes the cubin).
+
+    PYTHONPATH=$PWD python3 benchmarks/wo_ring_compile_cpu.py          # gate-up and down, the device check's plans
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
+
+from moekit.experts.triton_wo import WoWeight  # noqa: E402
+from moekit.experts.triton_wo_ring import RingPlan, _descriptors, check_plan, ring_weight  # noqa: E402
+
+
+def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_wo_ring import ring_kernel as kernel
+
+    e, n, k = 2, 256, 512
+    r, c = (2 * n, k) if gated else (k, n)
+    w = WoWeight("int4_w4a16", torch.zeros(e, r, c // 2, dtype=torch.uint8), torch.ones(e, r, c // 128),
+                 torch.zeros(e, r, c // 128, dtype=torch.uint8), 128)
+    rw = ring_weight(w, c)
+    check_plan(plan, n if gated else k)
+    q_desc, s_desc, z_desc, x_desc = _descriptors(rw, plan.block_rows, torch.empty(8, c, dtype=torch.bfloat16))
+    args = dict(q_desc=q_desc, s_desc=s_desc, z_desc=z_desc, x_desc=x_desc,
+                ids_ptr=torch.empty(1, dtype=torch.int32), wts_ptr=torch.empty(1),
+                out_ptr=torch.empty(1, dtype=torch.bfloat16 if gated else torch.float32), num_experts=e)
+    const = dict(S=8, TOP_K=8 if gated else 1, R=r, ROWS=n if gated else k, G=c // 128, GATED=gated,
+                 STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=plan.num_warps))
+    spills, _ = ptxas_report(out.asm["ptx"])
+    return out, time.perf_counter() - t0, spills
+
+
+def sass_of(cubin: bytes) -> str | None:
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(exe):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([exe, "-sass", f.name], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def main() -> int:
+    failed = 0
+    for gated, plan in ((True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
+                        (True, RingPlan(32, 8, 4))):
+        name = f"{'gate-up' if gated else 'down'} {plan}"
+        try:
+            out, sec, spills = compile_ring(gated, plan)
+            sass = sass_of(out.asm["cubin"])
+            ffma = sass.count("FFMA") if sass else None
+            print(f"OK {name}: {sec:.1f} s, shared {out.metadata.shared} B, ptxas spill stores {spills} B, "
+                  f"FFMA lines {ffma}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each)
+            failed += 1
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

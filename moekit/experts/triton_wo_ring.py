@@ -1,0 +1,138 @@
+"""The int4 weight-only decode through a TMA-fed shared-memory ring (``_kernels/gluon_wo_ring.py``; issue 16):
+its weight layout, plan, launches and torch twin. Not yet chosen by any default: the device check
+(``benchmarks/wo_ring_device_check.py``) times it against the weight-only pick.
+
+    [gate-up ring GEMV -> h [S, N] bf16] -> [down ring GEMV -> y [S, K] float32 x routed weight] -> [sum over k]
+
+Weights: ``RingWeight``, made once from an int4_w4a16 ``WoWeight`` (group 128) by ``ring_weight``: the packed
+bytes as they are ([E*R, C/2] view), the scales and zeros transposed to [E*G, R] (a TMA box needs >= 16
+contiguous bytes: the group values of a tile's rows must be contiguous). Shapes: S = M*k slots (token-major),
+E experts, R rows, C the reduction dim, G = C / 128 groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moekit.experts.triton_wo import WoWeight, dequantize_wo
+
+GROUP = 128  # the one group size the ring decodes (one group a step)
+
+
+@dataclass(frozen=True)
+class RingWeight:
+    q: torch.Tensor  # [E*R, C/2] uint8, a view of the WoWeight's packed bytes
+    scale_t: torch.Tensor  # [E*G, R] float32
+    zero_t: torch.Tensor  # [E*G, R] uint8
+    experts: int  # E
+    rows: int  # R
+    cols: int  # C
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    block_rows: int = 32  # BM: rows a tile (a multiple of 4 * num_warps)
+    stages: int = 8  # ring depth (a stage: the tile's rows x 128 values, gate and up both when gated)
+    num_warps: int = 4  # the decode partition's warps (the loader is one more)
+    programs_per_sm: int = 1
+
+
+def ring_weight(w: WoWeight, cols: int) -> RingWeight:
+    """The ring's layout of an int4_w4a16 weight [E, R, C] with group size 128 (C = ``cols``, a multiple of 128)."""
+    if w.scheme != "int4_w4a16":
+        raise ValueError(f"ring decode: int4_w4a16 weights only, got {w.scheme!r}")
+    if w.group_size != GROUP:
+        raise ValueError(f"ring decode: group size {GROUP} only, got {w.group_size}")
+    if cols % GROUP or cols <= 0:
+        raise ValueError(f"ring decode: the reduction dim must be a positive multiple of {GROUP}, got {cols}")
+    e, r, packed = w.q.shape
+    if packed != cols // 2 or not w.q.is_contiguous():
+        raise ValueError(f"ring decode: q must be contiguous [E, R, {cols // 2}], got {tuple(w.q.shape)}")
+    g = cols // GROUP
+    scale_t = w.scale.permute(0, 2, 1).contiguous().view(e * g, r)
+    zero_t = w.zero.permute(0, 2, 1).contiguous().view(e * g, r)
+    return RingWeight(w.q.view(e * r, packed), scale_t, zero_t, e, r, cols)
+
+
+def check_plan(plan: RingPlan, out_rows: int) -> None:
+    """Refuse a plan the kernel cannot run on ``out_rows`` output rows a matrix (N gated, K down), by name."""
+    if plan.block_rows % (4 * plan.num_warps) or plan.block_rows > 256:
+        raise ValueError(f"ring plan: block_rows {plan.block_rows} must be a multiple of 4 * num_warps "
+                         f"({4 * plan.num_warps}) and <= 256")
+    if out_rows % plan.block_rows:
+        raise ValueError(f"ring plan: {out_rows} rows are not a multiple of block_rows {plan.block_rows}")
+    if not 2 <= plan.stages <= 16:
+        raise ValueError(f"ring plan: stages must be 2..16, got {plan.stages}")
+
+
+def ring_grid(slots: int, out_rows: int, plan: RingPlan, num_sms: int) -> int:
+    """Programs of one launch: the tiles (slot, row block), at most programs_per_sm per SM."""
+    return max(1, min(slots * (out_rows // plan.block_rows), num_sms * plan.programs_per_sm))
+
+
+def _descriptors(w: RingWeight, bm: int, x: torch.Tensor):
+    """TMA descriptors of w's bytes [BM, 64], scales and zeros [1, BM], and x [rows, C] bf16 as int32 [1, 64]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    def desc(t: torch.Tensor, block: list[int], layout):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    flat8 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    return (desc(w.q, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.uint8)),
+            desc(w.scale_t, [1, bm], flat), desc(w.zero_t, [1, bm], flat8), desc(x.view(torch.int32), [1, 64], flat))
+
+
+def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tensor, top_k: int, gated: bool,
+              plan: RingPlan = RingPlan(), loader_only: bool = False) -> torch.Tensor:
+    """Gated: h [S, R/2] bf16 from x [S/top_k, C] bf16; else y [S, R] float32 = wts[s] * (x[s] . w[ids[s]]) from
+    x = h [S, C] bf16. ids [S] int32, wts [S] float32."""
+    from moekit.experts._kernels.gluon_wo_ring import ring_kernel
+
+    if x.dtype != torch.bfloat16 or x.shape[-1] != w.cols or not x.is_contiguous():
+        raise ValueError(f"ring decode: x must be contiguous bf16 [.., {w.cols}], got {x.dtype} {tuple(x.shape)}")
+    slots = ids.numel()
+    rows = w.rows // 2 if gated else w.rows
+    check_plan(plan, rows)
+    out = torch.empty(slots, rows, device=x.device, dtype=torch.bfloat16 if gated else torch.float32)
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = ring_grid(slots, rows, plan, num_sms)
+    q_desc, s_desc, z_desc, x_desc = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols))
+    ring_kernel[(grid,)](q_desc, s_desc, z_desc, x_desc, ids, wts, out, w.experts, S=slots,
+                         TOP_K=top_k if gated else 1, R=w.rows, ROWS=rows, G=w.cols // GROUP, GATED=gated,
+                         STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
+    return out
+
+
+def ring_experts(x: torch.Tensor, w13: RingWeight, w2: RingWeight, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, up: RingPlan = RingPlan(), down: RingPlan = RingPlan()) -> torch.Tensor:
+    """The MoE experts [M, K] bf16: gate-up ring GEMV, down ring GEMV x routed weight, the sum over k in slot order."""
+    m, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    wts = topk_weights.reshape(-1).to(torch.float32)
+    h = ring_gemv(x, w13, ids, wts, k, True, up)  # [S, N]
+    y = ring_gemv(h, w2, ids, wts, 1, False, down)  # [S, K] float32
+    return y.view(m, k, -1).sum(1).to(x.dtype)
+
+
+def ring_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's arithmetic in float32 torch: (h [S, N] bf16, out [M, K] bf16), h rounded to bf16 as the kernel
+    stores it. Slot s reads expert ids[s] (an id >= E: the last expert's rows, weight 0)."""
+    m, k = topk_ids.shape
+    e, n2, kdim = w13.q.shape[0], w13.q.shape[1], 2 * w13.q.shape[2]
+    n = n2 // 2
+    ids = topk_ids.reshape(-1).long()
+    wts = torch.where(ids < e, topk_weights.reshape(-1).float(), 0.0)
+    ids = ids.clamp(max=e - 1)
+    xs = x.float().repeat_interleave(k, 0)  # [S, K]
+    h = torch.empty(m * k, n, device=x.device, dtype=torch.bfloat16)
+    y = torch.empty(m * k, kdim, device=x.device, dtype=torch.float32)
+    for s, ex in enumerate(ids.tolist()):
+        gu = dequantize_wo(w13, kdim, ex) @ xs[s]  # [2N]
+        h[s] = (torch.nn.functional.silu(gu[:n]) * gu[n:]).to(torch.bfloat16)
+        y[s] = wts[s] * (dequantize_wo(w2, n, ex) @ h[s].float())
+    return h, y.view(m, k, kdim).sum(1).to(x.dtype)
