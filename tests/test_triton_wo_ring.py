@@ -1,0 +1,107 @@
+"""The int4 ring decode's host side (``moekit.experts.triton_wo_ring``): its weight layout, plan checks, grid, the
+torch twin against a float64 loop, and the kernel's bit placement done in torch integer ops. The Gluon kernel
+itself does not run in the interpreter (compiled offline by ``benchmarks/wo_ring_compile_cpu.py``, run on the GPU
+by ``benchmarks/wo_ring_device_check.py``)."""
+
+import pytest
+import torch
+
+from moekit.experts.triton_wo import WoWeight
+from moekit.experts.triton_wo_ring import RingPlan, check_plan, ring_grid, ring_twin, ring_weight
+
+
+def random_int4(e, r, c, seed, group=128):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (e, r, c // 2), generator=g, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (e, r, -(-c // group)), generator=g, dtype=torch.uint8)
+    scale = torch.rand(e, r, -(-c // group), generator=g) + 0.5
+    return WoWeight("int4_w4a16", q, scale, zero, group)
+
+
+def dense64(w: WoWeight, c: int) -> torch.Tensor:
+    """[E, R, C] float64 by a loop over the bytes: element 2i the low nibble of byte i."""
+    e, r, _ = w.q.shape
+    out = torch.empty(e, r, c, dtype=torch.float64)
+    for j in range(c):
+        byte = w.q[:, :, j // 2].long()
+        code = (byte & 15) if j % 2 == 0 else (byte >> 4)
+        out[:, :, j] = (code - w.zero[:, :, j // w.group_size].long()).double() * w.scale[:, :, j // w.group_size].double()
+    return out
+
+
+def test_ring_weight_transposes_groups():
+    w = random_int4(3, 8, 256, 0)
+    rw = ring_weight(w, 256)
+    assert rw.q.shape == (24, 128) and rw.q.data_ptr() == w.q.data_ptr()  # a view, no copy
+    for e in range(3):
+        for g in range(2):
+            assert torch.equal(rw.scale_t[e * 2 + g], w.scale[e, :, g])
+            assert torch.equal(rw.zero_t[e * 2 + g], w.zero[e, :, g])
+
+
+@pytest.mark.parametrize("bad, match", [
+    (WoWeight("int8_w8a16", torch.zeros(1, 8, 256, dtype=torch.int8), torch.ones(1, 8)), "int4_w4a16"),
+    (random_int4(1, 8, 256, 0, group=64), "group size 128"),
+])
+def test_ring_weight_refuses(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ring_weight(bad, 256)
+
+
+def test_ring_weight_refuses_cols():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ring_weight(random_int4(1, 8, 192, 0), 192)
+
+
+@pytest.mark.parametrize("plan, rows, match", [
+    (RingPlan(24, 8, 4), 96, "multiple of 4 \\* num_warps"),
+    (RingPlan(32, 8, 4), 48, "not a multiple of block_rows"),
+    (RingPlan(32, 1, 4), 64, "stages"),
+])
+def test_check_plan_refuses(plan, rows, match):
+    with pytest.raises(ValueError, match=match):
+        check_plan(plan, rows)
+
+
+def test_ring_grid():
+    assert ring_grid(8, 2048, RingPlan(32), 132) == 132  # 512 tiles
+    assert ring_grid(1, 256, RingPlan(32), 132) == 8  # 8 tiles
+    assert ring_grid(64, 2048, RingPlan(32, 8, 4, 2), 132) == 264
+
+
+def test_ring_twin_matches_float64_loop():
+    e, n, k, m, top_k = 4, 128, 256, 3, 2
+    w13, w2 = random_int4(e, 2 * n, k, 1), random_int4(e, k, n, 2)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [2, 2], [1, 4]])  # 4 >= E: an EP-skipped slot, weight 0
+    wts = torch.rand(m, top_k, generator=g)
+    h, out = ring_twin(x, w13, w2, ids, wts)
+    d13, d2 = dense64(w13, k), dense64(w2, n)
+    for t in range(m):
+        want = torch.zeros(k, dtype=torch.float64)
+        for j in range(top_k):
+            ex = int(ids[t, j])
+            if ex >= e:
+                continue
+            gu = d13[ex] @ x[t].double()
+            hh = torch.nn.functional.silu(gu[:n]) * gu[n:]
+            assert torch.allclose(h[t * top_k + j].double(), hh, rtol=1e-2, atol=1e-2)
+            want += wts[t, j].double() * (d2[ex] @ h[t * top_k + j].double())
+        assert torch.allclose(out[t].double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_bit_placement_is_exact():
+    """The kernel's decode in torch integer ops: every byte and zero gives code - zero (low) and 16 (code - zero)
+    (high) exactly, and an int32 of two bf16 gives both values exactly."""
+    b = torch.arange(256, dtype=torch.int32)[:, None]  # [256, 1]
+    z = torch.arange(16, dtype=torch.float32)[None, :]  # [1, 16]
+    magic = 0x4B000000
+    lo = ((b & 0x0F) | magic).view(torch.float32) - (8388608.0 + z)
+    hi = ((b & 0xF0) | magic).view(torch.float32) - (8388608.0 + 16.0 * z)
+    assert torch.equal(lo, ((b & 15).float() - z))
+    assert torch.equal(hi, 16 * ((b >> 4).float() - z))
+    x = torch.randn(64).to(torch.bfloat16)
+    bits = x.view(torch.int32)  # [32]: x[2j] in the low half (little endian)
+    assert torch.equal((bits << 16).view(torch.float32), x[0::2].float())
+    assert torch.equal((bits & -65536).view(torch.float32), x[1::2].float())
