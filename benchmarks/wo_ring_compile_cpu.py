@@ -38,11 +38,12 @@ def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
     rw = ring_weight(w, c)
     check_plan(plan, n if gated else k)
     q_desc, s_desc, z_desc, x_desc = _descriptors(rw, plan.block_rows, torch.empty(8, c, dtype=torch.bfloat16))
-    args = dict(q_desc=q_desc, s_desc=s_desc, z_desc=z_desc, x_desc=x_desc,
-                ids_ptr=torch.empty(1, dtype=torch.int32), wts_ptr=torch.empty(1),
+    i32 = torch.empty(1, dtype=torch.int32)
+    args = dict(q_desc=q_desc, s_desc=s_desc, z_desc=z_desc, x_desc=x_desc, ids_ptr=i32, wts_ptr=torch.empty(1),
+                item_e_ptr=i32, item_s_ptr=i32, count_ptr=i32,
                 out_ptr=torch.empty(1, dtype=torch.bfloat16 if gated else torch.float32), num_experts=e)
     const = dict(S=8, TOP_K=8 if gated else 1, R=r, ROWS=n if gated else k, G=c // 128, GATED=gated,
-                 STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
+                 TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -67,7 +68,8 @@ def sass_of(cubin: bytes) -> str | None:
 def main() -> int:
     failed = 0
     for gated, plan in ((True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
-                        (True, RingPlan(32, 8, 4))):
+                        (True, RingPlan(32, 8, 4, group=2)), (False, RingPlan(32, 8, 4, group=2)),
+                        (True, RingPlan(32, 8, 4, group=4))):
         name = f"{'gate-up' if gated else 'down'} {plan}"
         try:
             out, sec, spills = compile_ring(gated, plan)

@@ -6,7 +6,8 @@ warp keeps a TMA ring of packed weight tiles full, the decode warps read it from
 
 Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, each in a child process. Variants:
 "pick" (``run_experts_wo`` with the chooser's decode: today's default) and "ring <plan>" (gate-up ring, down ring,
-torch sum over k), every one against the torch twin (rel-L2 < TOL: PASS/FAIL; the ring's h also against the
+torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
+up to TM, their rows read once: ``ring_items``, torch ops in the call), every one against the torch twin (rel-L2 < TOL: PASS/FAIL; the ring's h also against the
 twin's). Launches alone (first plan): "up" / "down" and their loader-only forms "up-lo" / "down-lo" (the decode
 warps release each stage at once: what the ring delivers). CUDA-graph replay over SETS input sets, the variants
 interleaved in ROUNDS rounds (median). Whole calls: % of the packed floor (touched experts' packed bytes, scales,
@@ -41,7 +42,8 @@ from wo_tc_device_check import graph_of  # noqa: E402
 
 CELLS = (("deepseek-v3", 1), ("deepseek-v3", 8))
 PLANS = {"32x4 s8": RingPlan(32, 8, 4), "64x8 s8": RingPlan(64, 8, 8), "32x4 s4": RingPlan(32, 4, 4),
-         "32x4 s8 2/SM": RingPlan(32, 8, 4, 2), "16x4 s12": RingPlan(16, 12, 4)}
+         "32x4 s8 2/SM": RingPlan(32, 8, 4, 2), "16x4 s12": RingPlan(16, 12, 4),
+         "32x4 s8 g2": RingPlan(32, 8, 4, group=2), "32x4 s8 g4": RingPlan(32, 8, 4, group=4)}
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 START = time.perf_counter()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moekit.experts.triton_wo import WoWeight
-from moekit.experts.triton_wo_ring import RingPlan, check_plan, ring_grid, ring_twin, ring_weight
+from moekit.experts.triton_wo_ring import RingPlan, check_plan, ring_grid, ring_items, ring_twin, ring_weight
 
 
 def random_int4(e, r, c, seed, group=128):
@@ -57,6 +57,7 @@ def test_ring_weight_refuses_cols():
     (RingPlan(24, 8, 4), 96, "multiple of 4 \\* num_warps"),
     (RingPlan(32, 8, 4), 48, "not a multiple of block_rows"),
     (RingPlan(32, 1, 4), 64, "stages"),
+    (RingPlan(32, 8, 4, 1, 3), 64, "group"),
 ])
 def test_check_plan_refuses(plan, rows, match):
     with pytest.raises(ValueError, match=match):
@@ -105,3 +106,21 @@ def test_bit_placement_is_exact():
     bits = x.view(torch.int32)  # [32]: x[2j] in the low half (little endian)
     assert torch.equal((bits << 16).view(torch.float32), x[0::2].float())
     assert torch.equal((bits & -65536).view(torch.float32), x[1::2].float())
+
+
+@pytest.mark.parametrize("tm", [1, 2, 4])
+def test_ring_items_cover_every_slot_once(tm):
+    g = torch.Generator().manual_seed(tm)
+    ids = torch.randint(0, 6, (40,), generator=g, dtype=torch.int32)
+    items = ring_items(ids, tm)
+    n = int(items.count)
+    want = sum(-(-int((ids == e).sum()) // tm) for e in range(6))  # ceil(count / tm) items an expert
+    assert n == want
+    seen = []
+    for i in range(n):
+        slots = [int(v) for v in items.slots[i] if v >= 0]
+        assert 1 <= len(slots) <= tm and slots == sorted(slots)
+        assert all(int(ids[v]) == int(items.expert[i]) for v in slots)
+        seen += slots
+    assert sorted(seen) == list(range(40))
+    assert (items.slots[n:] == -1).all()

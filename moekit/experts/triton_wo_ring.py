@@ -37,6 +37,32 @@ class RingPlan:
     stages: int = 8  # ring depth (a stage: the tile's rows x 128 values, gate and up both when gated)
     num_warps: int = 4  # the decode partition's warps (the loader is one more)
     programs_per_sm: int = 1
+    group: int = 0  # 0: a slot a tile; TM > 0: items of up to TM slots of one expert (its rows read once)
+
+
+@dataclass(frozen=True)
+class RingItems:
+    expert: torch.Tensor  # [S] int32, the item's expert (items past count: unused)
+    slots: torch.Tensor  # [S, TM] int32, its slots (-1: none)
+    count: torch.Tensor  # [1] int32, items in use (on the device: no host sync)
+
+
+def ring_items(ids: torch.Tensor, tm: int) -> RingItems:
+    """The slots ids [S] grouped by expert into items of up to ``tm`` slots (each expert's slots in slot order,
+    the experts in id order), by torch ops on the device (graph-capturable, no sync)."""
+    s = ids.numel()
+    order = torch.sort(ids.long(), stable=True)  # values: the experts sorted, indices: the slots
+    pos = torch.arange(s, device=ids.device)
+    first = torch.ones(s, dtype=torch.bool, device=ids.device)
+    first[1:] = order.values[1:] != order.values[:-1]
+    rank = pos - torch.cummax(torch.where(first, pos, 0), 0).values  # the slot's place among its expert's
+    opens = rank % tm == 0
+    item = torch.cumsum(opens, 0) - 1
+    expert = torch.zeros(s, dtype=torch.int32, device=ids.device)
+    expert[item] = order.values.to(torch.int32)
+    slots = torch.full((s, tm), -1, dtype=torch.int32, device=ids.device)
+    slots[item, rank % tm] = order.indices.to(torch.int32)
+    return RingItems(expert, slots, opens.sum().to(torch.int32).view(1))
 
 
 def ring_weight(w: WoWeight, cols: int) -> RingWeight:
@@ -65,6 +91,8 @@ def check_plan(plan: RingPlan, out_rows: int) -> None:
         raise ValueError(f"ring plan: {out_rows} rows are not a multiple of block_rows {plan.block_rows}")
     if not 2 <= plan.stages <= 16:
         raise ValueError(f"ring plan: stages must be 2..16, got {plan.stages}")
+    if plan.group not in (0, 1, 2, 4, 8):
+        raise ValueError(f"ring plan: group must be 0 (a slot a tile) or 1, 2, 4, 8 slots an item, got {plan.group}")
 
 
 def ring_grid(slots: int, out_rows: int, plan: RingPlan, num_sms: int) -> int:
@@ -87,9 +115,10 @@ def _descriptors(w: RingWeight, bm: int, x: torch.Tensor):
 
 
 def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tensor, top_k: int, gated: bool,
-              plan: RingPlan = RingPlan(), loader_only: bool = False) -> torch.Tensor:
+              plan: RingPlan = RingPlan(), loader_only: bool = False, items: RingItems | None = None) -> torch.Tensor:
     """Gated: h [S, R/2] bf16 from x [S/top_k, C] bf16; else y [S, R] float32 = wts[s] * (x[s] . w[ids[s]]) from
-    x = h [S, C] bf16. ids [S] int32, wts [S] float32."""
+    x = h [S, C] bf16. ids [S] int32, wts [S] float32; ``items`` (``ring_items(ids, plan.group)``) where
+    plan.group > 0."""
     from moekit.experts._kernels.gluon_wo_ring import ring_kernel
 
     if x.dtype != torch.bfloat16 or x.shape[-1] != w.cols or not x.is_contiguous():
@@ -100,10 +129,14 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     out = torch.empty(slots, rows, device=x.device, dtype=torch.bfloat16 if gated else torch.float32)
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = ring_grid(slots, rows, plan, num_sms)
+    if (items is None) != (plan.group == 0):
+        raise ValueError(f"ring decode: items are needed exactly where plan.group > 0 (group {plan.group})")
     q_desc, s_desc, z_desc, x_desc = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols))
-    ring_kernel[(grid,)](q_desc, s_desc, z_desc, x_desc, ids, wts, out, w.experts, S=slots,
+    tables = (ids, ids, ids) if items is None else (items.expert, items.slots, items.count)
+    ring_kernel[(grid,)](q_desc, s_desc, z_desc, x_desc, ids, wts, *tables, out, w.experts, S=slots,
                          TOP_K=top_k if gated else 1, R=w.rows, ROWS=rows, G=w.cols // GROUP, GATED=gated,
-                         STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
+                         TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
+                         num_warps=plan.num_warps)
     return out
 
 
@@ -113,8 +146,9 @@ def ring_experts(x: torch.Tensor, w13: RingWeight, w2: RingWeight, topk_ids: tor
     m, k = topk_ids.shape
     ids = topk_ids.reshape(-1).to(torch.int32)
     wts = topk_weights.reshape(-1).to(torch.float32)
-    h = ring_gemv(x, w13, ids, wts, k, True, up)  # [S, N]
-    y = ring_gemv(h, w2, ids, wts, 1, False, down)  # [S, K] float32
+    items = {tm: ring_items(ids, tm) for tm in {up.group, down.group} if tm}
+    h = ring_gemv(x, w13, ids, wts, k, True, up, items=items.get(up.group))  # [S, N]
+    y = ring_gemv(h, w2, ids, wts, 1, False, down, items=items.get(down.group))  # [S, K] float32
     return y.view(m, k, -1).sum(1).to(x.dtype)
 
 
