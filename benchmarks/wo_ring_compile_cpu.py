@@ -43,7 +43,8 @@ def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
                 item_e_ptr=i32, item_s_ptr=i32, count_ptr=i32,
                 out_ptr=torch.empty(1, dtype=torch.bfloat16 if gated else torch.float32), num_experts=e)
     const = dict(S=8, TOP_K=8 if gated else 1, R=r, ROWS=n if gated else k, G=c // 128, GATED=gated,
-                 TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only, num_warps=plan.num_warps)
+                 TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
+                 num_warps=plan.num_warps)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()

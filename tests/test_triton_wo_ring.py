@@ -25,7 +25,8 @@ def dense64(w: WoWeight, c: int) -> torch.Tensor:
     for j in range(c):
         byte = w.q[:, :, j // 2].long()
         code = (byte & 15) if j % 2 == 0 else (byte >> 4)
-        out[:, :, j] = (code - w.zero[:, :, j // w.group_size].long()).double() * w.scale[:, :, j // w.group_size].double()
+        group = j // w.group_size
+        out[:, :, j] = (code - w.zero[:, :, group].long()).double() * w.scale[:, :, group].double()
     return out
 
 
