@@ -9,9 +9,9 @@ Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, 
 torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
 up to TM, their rows read once: ``ring_items``, torch ops in the call), every one against the torch twin (rel-L2 <
 TOL: PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
-loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers). CUDA-graph replay over SETS input sets, the variants
-interleaved in ROUNDS rounds (median). Whole calls: % of the packed floor (touched experts' packed bytes, scales,
-zeros over the measured copy bandwidth). Launches: TB/s of the bytes they stream (a slot reads its expert's
+loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers).
+CUDA-graph replay over SETS input sets, the variants interleaved in ROUNDS rounds (median). Whole calls: % of the
+packed floor (touched experts' packed bytes, scales, zeros over the measured copy bandwidth). Launches: TB/s of the bytes they stream (a slot reads its expert's
 rows; at M = 8 experts picked twice are read twice). JSON <out>/wo_ring.json; the table printed last.
 """
 
