@@ -11,7 +11,8 @@ up to TM, their rows read once: ``ring_items``, torch ops in the call), every on
 TOL: PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
 loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers).
 CUDA-graph replay over SETS input sets, the variants interleaved in ROUNDS rounds (median). Whole calls: % of the
-packed floor (touched experts' packed bytes, scales, zeros over the measured copy bandwidth). Launches: TB/s of the bytes they stream (a slot reads its expert's
+packed floor (touched experts' packed bytes, scales, zeros over the measured copy bandwidth).
+Launches: TB/s of the bytes they stream (a slot reads its expert's
 rows; at M = 8 experts picked twice are read twice). JSON <out>/wo_ring.json; the table printed last.
 """
 
