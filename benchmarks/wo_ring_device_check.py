@@ -7,7 +7,8 @@ warp keeps a TMA ring of packed weight tiles full, the decode warps read it from
 Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, each in a child process. Variants:
 "pick" (``run_experts_wo`` with the chooser's decode: today's default) and "ring <plan>" (gate-up ring, down ring,
 torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
-up to TM, their rows read once: ``ring_items``, torch ops in the call), every one against the torch twin (rel-L2 <
+up to TM, their rows read once: ``ring_items``, torch ops in the call; "w ..." the word decode,
+``gluon_wo_ring_words``, its x prepared by torch ops in the call), every one against the torch twin (rel-L2 <
 TOL: PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
 loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers).
 CUDA-graph replay over SETS input sets, the variants interleaved in ROUNDS rounds (median). Whole calls: % of the
@@ -42,9 +43,11 @@ from wo_device_check import copy_tbps, packed_bytes, rel_err  # noqa: E402
 from wo_tc_device_check import graph_of  # noqa: E402
 
 CELLS = (("deepseek-v3", 1), ("deepseek-v3", 8))
-PLANS = {"32x4 s8": RingPlan(32, 8, 4), "64x8 s8": RingPlan(64, 8, 8), "32x4 s4": RingPlan(32, 4, 4),
-         "32x4 s8 2/SM": RingPlan(32, 8, 4, 2), "16x4 s12": RingPlan(16, 12, 4),
-         "32x4 s8 g2": RingPlan(32, 8, 4, group=2), "32x4 s8 g4": RingPlan(32, 8, 4, group=4)}
+PLANS = {"32x4 s8": RingPlan(32, 8, 4), "64x8 s8": RingPlan(64, 8, 8), "32x4 s8 2/SM": RingPlan(32, 8, 4, 2),
+         "32x4 s8 g2": RingPlan(32, 8, 4, group=2), "w 32x4 s8": RingPlan(32, 8, 4, words=True),
+         "w 64x4 s8": RingPlan(64, 8, 4, words=True), "w 32x4 s8 2/SM": RingPlan(32, 8, 4, 2, words=True),
+         "w 32x4 s8 g2": RingPlan(32, 8, 4, group=2, words=True), "w 16x4 s12": RingPlan(16, 12, 4, words=True)}
+WORDS = "w 32x4 s8"  # the word-decode plan timed launch by launch too
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 START = time.perf_counter()
@@ -95,6 +98,35 @@ def interleaved(fns: dict, calls: int, dev) -> dict:
     return samples
 
 
+def launch_graphs(cell: Cell, s: Shape, m: int, inputs, weights, rings, h_twin, dev) -> dict:
+    """Graphs of the launches alone (bytes streamed in cell.streamed); both decodes' h against the twin's."""
+    (w13, w2), (r13, r2), c0 = weights, rings, inputs[0]
+    graphs = {}
+    plan = next(iter(PLANS.values()))
+    ids = [c.topk_ids.reshape(-1).to(torch.int32) for c in inputs]
+    wts = [c.topk_weights.reshape(-1).float() for c in inputs]
+    hs = [torch.randn(m * s.top_k, s.n, device=dev, dtype=torch.bfloat16) for _ in inputs]
+    wplan = PLANS[WORDS]
+    for name, p in (("h", plan), ("w h", wplan)):
+        cell.errors[name] = err = rel_err(ring_gemv(c0.x, r13, ids[0], wts[0], s.top_k, True, p), h_twin)
+        check(f"{s.name} M={m} ring {name}", err < TOL, f"rel_err={err:.2e} against the twin's h")
+    launches = {"up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, plan, lo),
+                "down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, plan, lo),
+                "w up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, wplan, lo),
+                "w down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, wplan, lo)}
+    for name, fn in launches.items():
+        per = packed_bytes(w13 if name.endswith("up") else w2)
+        for lo in (False, True) if name in ("up", "down") else (False,):
+            key = name + ("-lo" if lo else "")
+            cell.streamed[key] = m * s.top_k * per
+            try:
+                graphs[key] = graph_of([lambda i=i, fn=fn, lo=lo: fn(i, lo) for i in range(len(inputs))], dev)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc(limit=4)
+                check(f"{s.name} M={m} {key}", False, f"raised {type(e).__name__}: {e}")
+    return graphs
+
+
 def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
     w13 = random_int4(s.num_experts, 2 * s.n, s.k, dev, 1)
     w2 = random_int4(s.num_experts, s.k, s.n, dev, 2)
@@ -128,26 +160,7 @@ def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
         except Exception as e:  # noqa: BLE001 (one variant's failure never loses the cell)
             traceback.print_exc(limit=4)
             check(tag, False, f"raised {type(e).__name__}: {e}")
-    # the launches alone at the first plan: what each streams, and the loader-only rate
-    plan = next(iter(PLANS.values()))
-    ids = [c.topk_ids.reshape(-1).to(torch.int32) for c in inputs]
-    wts = [c.topk_weights.reshape(-1).float() for c in inputs]
-    hs = [torch.randn(m * s.top_k, s.n, device=dev, dtype=torch.bfloat16) for _ in inputs]
-    h0 = ring_gemv(c0.x, r13, ids[0], wts[0], s.top_k, True, plan)
-    cell.errors["h"] = err = rel_err(h0, h_twin)
-    check(f"{s.name} M={m} ring h", err < TOL, f"rel_err={err:.2e} against the twin's h")
-    launches = {"up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, plan, lo),
-                "down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, plan, lo)}
-    for name, fn in launches.items():
-        per = packed_bytes(w13 if name == "up" else w2)
-        for lo in (False, True):
-            key = name + ("-lo" if lo else "")
-            cell.streamed[key] = m * s.top_k * per
-            try:
-                graphs[key] = graph_of([lambda i=i, fn=fn, lo=lo: fn(i, lo) for i in range(len(inputs))], dev)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc(limit=4)
-                check(f"{s.name} M={m} {key}", False, f"raised {type(e).__name__}: {e}")
+    graphs |= launch_graphs(cell, s, m, inputs, (w13, w2), (r13, r2), h_twin, dev)
     cell.rounds = interleaved(graphs, len(inputs), dev)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
     print(f"  {s.name} M={m} floor {floor_us:.1f}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),

@@ -125,3 +125,30 @@ def test_ring_items_cover_every_slot_once(tm):
         seen += slots
     assert sorted(seen) == list(range(40))
     assert (items.slots[n:] == -1).all()
+
+
+def test_word_decode_in_torch_matches_float64_dot():
+    """The word decode's arithmetic with ``prep_x``'s x: per word, the 8 codes bit-placed as 2^23 + code 16^(j % 4)
+    (words shifted by 16 for j >= 4), minus 2^23, times the prepared x; the zero through the word's x sum."""
+    from moekit.experts.triton_wo_ring import prep_x
+
+    g = torch.Generator().manual_seed(5)
+    r, c = 6, 256
+    w = random_int4(1, r, c, 7)
+    x = torch.randn(2, c, generator=g).to(torch.bfloat16)
+    values, sums = prep_x(x)  # [2 * G * 8, 16], [2 * G, 16]
+    words = w.q[0].view(torch.int32)  # [R, C / 8]
+    got = torch.zeros(2, r)
+    for row in range(2):
+        for grp in range(c // 128):
+            xv = values[(row * 2 + grp) * 8:(row * 2 + grp + 1) * 8]  # [8, 16]
+            word = words[:, grp * 16:(grp + 1) * 16]  # [R, 16]
+            t = torch.zeros(r, 16)
+            for j in range(8):
+                src = word if j < 4 else word >> 16
+                v = ((src & (15 << (4 * (j % 4)))) | 0x4B000000).view(torch.float32) - 8388608.0
+                t += v * xv[j]
+            zero, scale = w.zero[0, :, grp].float()[:, None], w.scale[0, :, grp][:, None]
+            got[row] += ((t - zero * sums[row * 2 + grp]) * scale).sum(1)
+    want = x.double() @ dense64(w, c)[0].T  # [2, R]
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)

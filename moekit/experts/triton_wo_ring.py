@@ -38,6 +38,7 @@ class RingPlan:
     num_warps: int = 4  # the decode partition's warps (the loader is one more)
     programs_per_sm: int = 1
     group: int = 0  # 0: a slot a tile; TM > 0: items of up to TM slots of one expert (its rows read once)
+    words: bool = False  # the word decode (``gluon_wo_ring_words``: x prepared by ``prep_x``; group 0, 1 or 2)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,8 @@ def check_plan(plan: RingPlan, out_rows: int) -> None:
         raise ValueError(f"ring plan: stages must be 2..16, got {plan.stages}")
     if plan.group not in (0, 1, 2, 4, 8):
         raise ValueError(f"ring plan: group must be 0 (a slot a tile) or 1, 2, 4, 8 slots an item, got {plan.group}")
+    if plan.words and plan.group > 2:
+        raise ValueError(f"ring plan: the word decode takes items of at most 2 slots, got group {plan.group}")
 
 
 def ring_grid(slots: int, out_rows: int, plan: RingPlan, num_sms: int) -> int:
@@ -100,8 +103,20 @@ def ring_grid(slots: int, out_rows: int, plan: RingPlan, num_sms: int) -> int:
     return max(1, min(slots * (out_rows // plan.block_rows), num_sms * plan.programs_per_sm))
 
 
-def _descriptors(w: RingWeight, bm: int, x: torch.Tensor):
-    """TMA descriptors of w's bytes [BM, 64], scales and zeros [1, BM], and x [rows, C] bf16 as int32 [1, 64]."""
+def prep_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, C] (C a multiple of 128) as the word decode reads it, float32: values [rows * G * 8, 16], step g of
+    row r at rows (r G + g) 8 ..: [j, c] = x[r, 128 g + 8 c + j] * 16^-(j % 4); sums [rows * G, 16]: [r G + g, c] =
+    the sum of x[r, 128 g + 8 c ..+ 8]."""
+    rows, c = x.shape
+    v = x.float().view(rows, c // GROUP, 16, 8)  # [r, g, word c, code j]
+    scale = torch.tensor([16.0 ** -(j % 4) for j in range(8)], device=x.device)
+    values = (v * scale).transpose(2, 3).reshape(rows * (c // GROUP) * 8, 16)
+    return values, v.sum(3).reshape(rows * (c // GROUP), 16)
+
+
+def _descriptors(w: RingWeight, bm: int, x: torch.Tensor, words: bool = False):
+    """TMA descriptors of w's bytes [BM, 64] (words: int32 [BM, 16]), scales and zeros [1, BM], and x [rows, C]
+    bf16 as int32 [1, 64] (words: ``prep_x`` [9, 16] float32)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -110,6 +125,10 @@ def _descriptors(w: RingWeight, bm: int, x: torch.Tensor):
 
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     flat8 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    if words:
+        values, sums = prep_x(x)
+        return (desc(w.q.view(torch.int32), [bm, 16], flat), desc(w.scale_t, [1, bm], flat),
+                desc(w.zero_t, [1, bm], flat8), desc(values, [8, 16], flat), desc(sums, [1, 16], flat))
     return (desc(w.q, [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], gl.uint8)),
             desc(w.scale_t, [1, bm], flat), desc(w.zero_t, [1, bm], flat8), desc(x.view(torch.int32), [1, 64], flat))
 
@@ -120,6 +139,7 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     x = h [S, C] bf16. ids [S] int32, wts [S] float32; ``items`` (``ring_items(ids, plan.group)``) where
     plan.group > 0."""
     from moekit.experts._kernels.gluon_wo_ring import ring_kernel
+    from moekit.experts._kernels.gluon_wo_ring_words import ring_words_kernel
 
     if x.dtype != torch.bfloat16 or x.shape[-1] != w.cols or not x.is_contiguous():
         raise ValueError(f"ring decode: x must be contiguous bf16 [.., {w.cols}], got {x.dtype} {tuple(x.shape)}")
@@ -131,9 +151,9 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     grid = ring_grid(slots, rows, plan, num_sms)
     if (items is None) != (plan.group == 0):
         raise ValueError(f"ring decode: items are needed exactly where plan.group > 0 (group {plan.group})")
-    q_desc, s_desc, z_desc, x_desc = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols))
+    descs = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols), plan.words)
     tables = (ids, ids, ids) if items is None else (items.expert, items.slots, items.count)
-    ring_kernel[(grid,)](q_desc, s_desc, z_desc, x_desc, ids, wts, *tables, out, w.experts, S=slots,
+    (ring_words_kernel if plan.words else ring_kernel)[(grid,)](*descs, ids, wts, *tables, out, w.experts, S=slots,
                          TOP_K=top_k if gated else 1, R=w.rows, ROWS=rows, G=w.cols // GROUP, GATED=gated,
                          TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
                          num_warps=plan.num_warps)

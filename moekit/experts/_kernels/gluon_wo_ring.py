@@ -39,15 +39,20 @@ HIGH_HALF = gl.constexpr(-65536)  # 0xffff0000 as int32
 
 
 @gluon.jit
-def _ring_loader(q_desc, s_desc, z_desc, x_desc, wq, ws, wz, wx, ready, empty, ids_ptr, item_e_ptr, item_s_ptr,
-                 count_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
-                 G: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, GROUPED: gl.constexpr):
+def _ring_loader(q_desc, s_desc, z_desc, x_desc, xs_desc, wq, ws, wz, wx, wxs, ready, empty, ids_ptr, item_e_ptr,
+                 item_s_ptr, count_ptr, num_experts, S: gl.constexpr, TOP_K: gl.constexpr, R: gl.constexpr,
+                 ROWS: gl.constexpr, G: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, GROUPED: gl.constexpr,
+                 XPREP: gl.constexpr):
+    """XPREP: x_desc / xs_desc are the words decode's prepared x [rows * G * 8, 16] / sums [rows * G, 16] float32,
+    blocks [8, 16] / [1, 16] (a step's); q_desc's blocks [BM, 16] int32 words (else [BM, 64] bytes): either way 64
+    bytes of BM rows a step. Else xs_desc and wxs are unused."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     W: gl.constexpr = 2 if GATED else 1  # tiles a stage (gate and up)
     STAGES: gl.constexpr = empty.type.shape[0]
     NB: gl.constexpr = ROWS // BM
+    XB: gl.constexpr = x_desc.block_type.nbytes + (xs_desc.block_type.nbytes if XPREP else 0)
     nbytes: gl.constexpr = (W * (q_desc.block_type.nbytes + s_desc.block_type.nbytes + z_desc.block_type.nbytes)
-                            + TM * x_desc.block_type.nbytes)
+                            + TM * XB)
     if GROUPED:
         items = gl.load(count_ptr)
     else:
@@ -70,9 +75,14 @@ def _ring_loader(q_desc, s_desc, z_desc, x_desc, wq, ws, wz, wx, ready, empty, i
                     slot = gl.maximum(gl.load(item_s_ptr + item * TM + i), 0)
                 else:
                     slot = item
-                _tma_load(x_desc, [slot // TOP_K, g * 64], ready.index(st), wx.index(TM * st + i))
+                if XPREP:
+                    _tma_load(x_desc, [((slot // TOP_K) * G + g) * 8, 0], ready.index(st), wx.index(TM * st + i))
+                    _tma_load(xs_desc, [(slot // TOP_K) * G + g, 0], ready.index(st), wxs.index(TM * st + i))
+                else:
+                    _tma_load(x_desc, [slot // TOP_K, g * 64], ready.index(st), wx.index(TM * st + i))
             for w in gl.static_range(W):
-                _tma_load(q_desc, [e * R + w * ROWS + r0, g * 64], ready.index(st), wq.index(W * st + w))
+                _tma_load(q_desc, [e * R + w * ROWS + r0, g * q_desc.block_type.shape[1]], ready.index(st),
+                          wq.index(W * st + w))
                 _tma_load(s_desc, [e * G + g, w * ROWS + r0], ready.index(st), ws.index(W * st + w))
                 _tma_load(z_desc, [e * G + g, w * ROWS + r0], ready.index(st), wz.index(W * st + w))
             it += 1
@@ -190,6 +200,6 @@ def ring_kernel(q_desc, s_desc, z_desc, x_desc, ids_ptr, wts_ptr, item_e_ptr, it
     gl.warp_specialize([
         (_ring_decode, (wq, ws, wz, wx, ready, empty, ids_ptr, wts_ptr, item_s_ptr, count_ptr, out_ptr, num_experts,
                         S, ROWS, G, GATED, TM, GROUPED, LOADER_ONLY, num_warps)),
-        (_ring_loader, (q_desc, s_desc, z_desc, x_desc, wq, ws, wz, wx, ready, empty, ids_ptr, item_e_ptr, item_s_ptr,
-                        count_ptr, num_experts, S, TOP_K, R, ROWS, G, GATED, TM, GROUPED)),
+        (_ring_loader, (q_desc, s_desc, z_desc, x_desc, x_desc, wq, ws, wz, wx, wx, ready, empty, ids_ptr, item_e_ptr,
+                        item_s_ptr, count_ptr, num_experts, S, TOP_K, R, ROWS, G, GATED, TM, GROUPED, False)),
     ], [1], [40])
