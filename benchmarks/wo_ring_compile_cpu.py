@@ -32,7 +32,9 @@ def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
     from moekit.experts._kernels.gluon_wo_ring import ring_kernel
     from moekit.experts._kernels.gluon_wo_ring_words import ring_words_kernel
 
-    kernel = ring_words_kernel if plan.words else ring_kernel
+    from moekit.experts._kernels.gluon_wo_raw import raw_kernel
+
+    kernel = {"bytes": ring_kernel, "words": ring_words_kernel, "raw": raw_kernel}[plan.decode]
 
     e, n, k = 2, 256, 512
     r, c = (2 * n, k) if gated else (k, n)
@@ -40,12 +42,16 @@ def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
                  torch.zeros(e, r, c // 128, dtype=torch.uint8), 128)
     rw = ring_weight(w, c)
     check_plan(plan, n if gated else k)
-    descs = _descriptors(rw, plan.block_rows, torch.zeros(8, c, dtype=torch.bfloat16), plan.words)
+    descs = _descriptors(rw, plan.block_rows, torch.zeros(8, c, dtype=torch.bfloat16), plan.decode)
     i32 = torch.empty(1, dtype=torch.int32)
-    args = dict(zip(["q_desc", "s_desc", "z_desc", "x_desc", "xs_desc"], descs))
+    names = ["q_desc", "x_desc", "scale_ptr", "zero_ptr"] if plan.decode == "raw" else [
+        "q_desc", "s_desc", "z_desc", "x_desc", "xs_desc"]
+    args = dict(zip(names, descs))
     args |= dict(ids_ptr=i32, wts_ptr=torch.empty(1),
                 item_e_ptr=i32, item_s_ptr=i32, count_ptr=i32,
                 out_ptr=torch.empty(1, dtype=torch.bfloat16 if gated else torch.float32), num_experts=e)
+    if plan.decode == "raw":
+        args |= dict(fifteen=15, magic=0x4B000000)
     const = dict(S=8, TOP_K=8 if gated else 1, R=r, ROWS=n if gated else k, G=c // 128, GATED=gated,
                  TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
                  num_warps=plan.num_warps)
@@ -74,9 +80,12 @@ def main() -> int:
     failed = 0
     for gated, plan in ((True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
                         (True, RingPlan(32, 8, 4, group=2)), (False, RingPlan(32, 8, 4, group=2)),
-                        (True, RingPlan(32, 8, 4, group=4)), (True, RingPlan(32, 8, 4, words=True)),
-                        (False, RingPlan(32, 8, 4, words=True)), (True, RingPlan(32, 8, 4, group=2, words=True)),
-                        (True, RingPlan(64, 8, 4, words=True))):
+                        (True, RingPlan(32, 8, 4, group=4)), (True, RingPlan(32, 8, 4, decode="words")),
+                        (False, RingPlan(32, 8, 4, decode="words")),
+                        (True, RingPlan(32, 8, 4, group=2, decode="words")),
+                        (True, RingPlan(64, 8, 4, decode="words")), (True, RingPlan(64, 8, 4, decode="raw")),
+                        (False, RingPlan(64, 8, 4, decode="raw")), (True, RingPlan(64, 8, 4, group=2, decode="raw")),
+                        (True, RingPlan(32, 8, 4, decode="raw"))):
         name = f"{'gate-up' if gated else 'down'} {plan}"
         try:
             out, sec, spills = compile_ring(gated, plan)

@@ -8,7 +8,8 @@ Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, 
 "pick" (``run_experts_wo`` with the chooser's decode: today's default) and "ring <plan>" (gate-up ring, down ring,
 torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
 up to TM, their rows read once: ``ring_items``, torch ops in the call; "w ..." the word decode,
-``gluon_wo_ring_words``, its x prepared by torch ops in the call), every one against the torch twin (rel-L2 <
+``gluon_wo_ring_words``, its x prepared by torch ops in the call; "raw ..." the raw word decode, ``gluon_wo_raw``:
+moekit's own scales and zeros, raw x), every one against the torch twin (rel-L2 <
 TOL: PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
 loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers).
 CUDA-graph replay over SETS input sets, the variants interleaved in ROUNDS rounds (median). Whole calls: % of the
@@ -43,11 +44,11 @@ from wo_device_check import copy_tbps, packed_bytes, rel_err  # noqa: E402
 from wo_tc_device_check import graph_of  # noqa: E402
 
 CELLS = (("deepseek-v3", 1), ("deepseek-v3", 8))
-PLANS = {"32x4 s8": RingPlan(32, 8, 4), "32x4 s8 2/SM": RingPlan(32, 8, 4, 2),
-         "32x4 s8 g2": RingPlan(32, 8, 4, group=2), "w 32x4 s8": RingPlan(32, 8, 4, words=True),
-         "w 64x4 s8": RingPlan(64, 8, 4, words=True), "w 32x4 s8 2/SM": RingPlan(32, 8, 4, 2, words=True),
-         "w 32x4 s8 g2": RingPlan(32, 8, 4, group=2, words=True)}
-WORDS = "w 32x4 s8"  # the word-decode plan timed launch by launch too
+PLANS = {"32x4 s8": RingPlan(32, 8, 4), "w 64x4 s8": RingPlan(64, 8, 4, decode="words"),
+         "raw 64x4 s8": RingPlan(64, 8, 4, decode="raw"), "raw 32x4 s8": RingPlan(32, 8, 4, decode="raw"),
+         "raw 64x4 s8 2/SM": RingPlan(64, 8, 4, 2, decode="raw"), "raw 64x4 s12": RingPlan(64, 12, 4, decode="raw"),
+         "raw 32x4 s8 g2": RingPlan(32, 8, 4, group=2, decode="raw")}
+WORDS = "raw 64x4 s8"  # the raw-decode plan timed launch by launch too
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 START = time.perf_counter()
@@ -107,13 +108,13 @@ def launch_graphs(cell: Cell, s: Shape, m: int, inputs, weights, rings, h_twin, 
     wts = [c.topk_weights.reshape(-1).float() for c in inputs]
     hs = [torch.randn(m * s.top_k, s.n, device=dev, dtype=torch.bfloat16) for _ in inputs]
     wplan = PLANS[WORDS]
-    for name, p in (("h", plan), ("w h", wplan)):
+    for name, p in (("h", plan), ("raw h", wplan)):
         cell.errors[name] = err = rel_err(ring_gemv(c0.x, r13, ids[0], wts[0], s.top_k, True, p), h_twin)
         check(f"{s.name} M={m} ring {name}", err < TOL, f"rel_err={err:.2e} against the twin's h")
     launches = {"up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, plan, lo),
                 "down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, plan, lo),
-                "w up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, wplan, lo),
-                "w down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, wplan, lo)}
+                "raw up": lambda i, lo: ring_gemv(inputs[i].x, r13, ids[i], wts[i], s.top_k, True, wplan, lo),
+                "raw down": lambda i, lo: ring_gemv(hs[i], r2, ids[i], wts[i], 1, False, wplan, lo)}
     for name, fn in launches.items():
         per = packed_bytes(w13 if name.endswith("up") else w2)
         for lo in (False, True) if name in ("up", "down") else (False,):

@@ -152,3 +152,30 @@ def test_word_decode_in_torch_matches_float64_dot():
             got[row] += ((t - zero * sums[row * 2 + grp]) * scale).sum(1)
     want = x.double() @ dense64(w, c)[0].T  # [2, R]
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_raw_decode_in_torch_matches_float64_dot():
+    """The raw decode's arithmetic on moekit's own layout: code j of a word bit-placed at its own position as
+    2^(23-4p) + code (p = j % 4, words shifted by 16 for j >= 4), minus 2^(23-4p); x read as bf16 pairs; the zero
+    through the word's x sum."""
+    r, c = 6, 256
+    w = random_int4(1, r, c, 8)
+    x = torch.randn(c, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    words = w.q[0].view(torch.int32)  # [R, C / 8]
+    pairs = x.view(torch.int32).view(-1, 4)  # [C / 8, 4]: word c's x pairs
+    got = torch.zeros(r)
+    for grp in range(c // 128):
+        word, xp = words[:, grp * 16:(grp + 1) * 16], pairs[grp * 16:(grp + 1) * 16]  # [R, 16], [16, 4]
+        t, xs = torch.zeros(r, 16), torch.zeros(16)
+        for j in range(8):
+            p = j % 4
+            src = word if j < 4 else (word >> 16) & 0xFFFF
+            v = ((src & (15 << (4 * p))) | (0x4B000000 - (p << 25))).view(torch.float32) - 2.0 ** (23 - 4 * p)
+            bits = xp[:, j // 2]
+            xj = ((bits << 16) if j % 2 == 0 else (bits & -65536)).view(torch.float32)
+            t += v * xj
+            xs += xj
+        zero, scale = w.zero[0, :, grp].float()[:, None], w.scale[0, :, grp][:, None]
+        got += ((t - zero * xs) * scale).sum(1)
+    want = dense64(w, c)[0] @ x.double()
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)

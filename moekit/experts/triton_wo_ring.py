@@ -24,8 +24,10 @@ GROUP = 128  # the one group size the ring decodes (one group a step)
 @dataclass(frozen=True)
 class RingWeight:
     q: torch.Tensor  # [E*R, C/2] uint8, a view of the WoWeight's packed bytes
-    scale_t: torch.Tensor  # [E*G, R] float32
-    zero_t: torch.Tensor  # [E*G, R] uint8
+    scale: torch.Tensor  # [E, R, G] float32, the WoWeight's (the raw decode reads these)
+    zero: torch.Tensor  # [E, R, G] uint8
+    scale_t: torch.Tensor | None  # [E*G, R] float32 (the byte and word decodes; None: not made)
+    zero_t: torch.Tensor | None  # [E*G, R] uint8
     experts: int  # E
     rows: int  # R
     cols: int  # C
@@ -38,7 +40,7 @@ class RingPlan:
     num_warps: int = 4  # the decode partition's warps (the loader is one more)
     programs_per_sm: int = 1
     group: int = 0  # 0: a slot a tile; TM > 0: items of up to TM slots of one expert (its rows read once)
-    words: bool = False  # the word decode (``gluon_wo_ring_words``: x prepared by ``prep_x``; group 0, 1 or 2)
+    decode: str = "bytes"  # "bytes" (gluon_wo_ring), "words" (gluon_wo_ring_words), "raw" (gluon_wo_raw)
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,13 @@ def ring_items(ids: torch.Tensor, tm: int) -> RingItems:
     return RingItems(expert, slots, opens.sum().to(torch.int32).view(1))
 
 
-def ring_weight(w: WoWeight, cols: int) -> RingWeight:
-    """The ring's layout of an int4_w4a16 weight [E, R, C] with group size 128 (C = ``cols``, a multiple of 128)."""
+DECODES = ("bytes", "words", "raw")
+
+
+def ring_weight(w: WoWeight, cols: int, transposed: bool = True) -> RingWeight:
+    """The ring's layout of an int4_w4a16 weight [E, R, C] with group size 128 (C = ``cols``, a multiple of 128);
+    ``transposed``: also the [E*G, R] scales and zeros the byte and word decodes read (copies; the raw decode reads
+    the weight's own)."""
     if w.scheme != "int4_w4a16":
         raise ValueError(f"ring decode: int4_w4a16 weights only, got {w.scheme!r}")
     if w.group_size != GROUP:
@@ -77,10 +84,12 @@ def ring_weight(w: WoWeight, cols: int) -> RingWeight:
     e, r, packed = w.q.shape
     if packed != cols // 2 or not w.q.is_contiguous():
         raise ValueError(f"ring decode: q must be contiguous [E, R, {cols // 2}], got {tuple(w.q.shape)}")
+    if not (w.scale.is_contiguous() and w.zero.is_contiguous()):
+        raise ValueError("ring decode: scale and zero must be contiguous [E, R, G]")
     g = cols // GROUP
-    scale_t = w.scale.permute(0, 2, 1).contiguous().view(e * g, r)
-    zero_t = w.zero.permute(0, 2, 1).contiguous().view(e * g, r)
-    return RingWeight(w.q.view(e * r, packed), scale_t, zero_t, e, r, cols)
+    scale_t = w.scale.permute(0, 2, 1).contiguous().view(e * g, r) if transposed else None
+    zero_t = w.zero.permute(0, 2, 1).contiguous().view(e * g, r) if transposed else None
+    return RingWeight(w.q.view(e * r, packed), w.scale, w.zero, scale_t, zero_t, e, r, cols)
 
 
 def check_plan(plan: RingPlan, out_rows: int) -> None:
@@ -94,8 +103,10 @@ def check_plan(plan: RingPlan, out_rows: int) -> None:
         raise ValueError(f"ring plan: stages must be 2..16, got {plan.stages}")
     if plan.group not in (0, 1, 2, 4, 8):
         raise ValueError(f"ring plan: group must be 0 (a slot a tile) or 1, 2, 4, 8 slots an item, got {plan.group}")
-    if plan.words and plan.group > 2:
-        raise ValueError(f"ring plan: the word decode takes items of at most 2 slots, got group {plan.group}")
+    if plan.decode not in DECODES:
+        raise ValueError(f"ring plan: decode must be one of {DECODES}, got {plan.decode!r}")
+    if plan.decode != "bytes" and plan.group > 2:
+        raise ValueError(f"ring plan: the {plan.decode} decode takes items of at most 2 slots, got group {plan.group}")
 
 
 def ring_grid(slots: int, out_rows: int, plan: RingPlan, num_sms: int) -> int:
@@ -114,9 +125,10 @@ def prep_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, v.sum(3).reshape(rows * (c // GROUP), 16)
 
 
-def _descriptors(w: RingWeight, bm: int, x: torch.Tensor, words: bool = False):
-    """TMA descriptors of w's bytes [BM, 64] (words: int32 [BM, 16]), scales and zeros [1, BM], and x [rows, C]
-    bf16 as int32 [1, 64] (words: ``prep_x`` [9, 16] float32)."""
+def _descriptors(w: RingWeight, bm: int, x: torch.Tensor, decode: str = "bytes") -> tuple:
+    """The kernel's first arguments: TMA descriptors of w's bytes [BM, 64] (words, raw: int32 [BM, 16]), scales and
+    zeros [1, BM] (raw: the [E, R, G] tensors themselves), and x [rows, C] bf16 as int32 [1, 64] (words: ``prep_x``
+    [8, 16] and [1, 16] float32; raw: [16, 4] int32)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -125,7 +137,12 @@ def _descriptors(w: RingWeight, bm: int, x: torch.Tensor, words: bool = False):
 
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     flat8 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    if words:
+    if w.scale_t is None and decode != "raw":
+        raise ValueError(f"ring decode: the {decode} decode needs ring_weight(..., transposed=True)")
+    if decode == "raw":
+        pairs = x.view(torch.int32).reshape(-1, 4)  # [rows * C / 8, 4]: row r's step g at rows (r G + g) 16 ..
+        return desc(w.q.view(torch.int32), [bm, 16], flat), desc(pairs, [16, 4], flat), w.scale, w.zero
+    if decode == "words":
         values, sums = prep_x(x)
         return (desc(w.q.view(torch.int32), [bm, 16], flat), desc(w.scale_t, [1, bm], flat),
                 desc(w.zero_t, [1, bm], flat8), desc(values, [8, 16], flat), desc(sums, [1, 16], flat))
@@ -140,6 +157,7 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     plan.group > 0."""
     from moekit.experts._kernels.gluon_wo_ring import ring_kernel
     from moekit.experts._kernels.gluon_wo_ring_words import ring_words_kernel
+    from moekit.experts._kernels.gluon_wo_raw import RAW_CONSTANTS, raw_kernel
 
     if x.dtype != torch.bfloat16 or x.shape[-1] != w.cols or not x.is_contiguous():
         raise ValueError(f"ring decode: x must be contiguous bf16 [.., {w.cols}], got {x.dtype} {tuple(x.shape)}")
@@ -151,9 +169,11 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     grid = ring_grid(slots, rows, plan, num_sms)
     if (items is None) != (plan.group == 0):
         raise ValueError(f"ring decode: items are needed exactly where plan.group > 0 (group {plan.group})")
-    descs = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols), plan.words)
+    descs = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols), plan.decode)
     tables = (ids, ids, ids) if items is None else (items.expert, items.slots, items.count)
-    (ring_words_kernel if plan.words else ring_kernel)[(grid,)](*descs, ids, wts, *tables, out, w.experts, S=slots,
+    kernel = {"bytes": ring_kernel, "words": ring_words_kernel, "raw": raw_kernel}[plan.decode]
+    consts = RAW_CONSTANTS if plan.decode == "raw" else ()
+    kernel[(grid,)](*descs, ids, wts, *tables, out, w.experts, *consts, S=slots,
                          TOP_K=top_k if gated else 1, R=w.rows, ROWS=rows, G=w.cols // GROUP, GATED=gated,
                          TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
                          num_warps=plan.num_warps)
