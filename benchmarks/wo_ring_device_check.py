@@ -5,7 +5,8 @@ warp keeps a TMA ring of packed weight tiles full, the decode warps read it from
     PYTHONPATH=$PWD python3 benchmarks/wo_ring_device_check.py --smoke   # CPU: the twin against the reference only
 
 Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, each in a child process. Variants:
-"pick" (``run_experts_wo`` with the chooser's decode: today's default) and "ring <plan>" (gate-up ring, down ring,
+"pick" (``run_experts_wo`` with the chooser's fused decode and config: the default before the ring), "default"
+(``run_experts_wo`` left to choose: the ring where ``triton_wo_ring_route.RING_MEASURED`` takes the call) and "ring <plan>" (gate-up ring, down ring,
 torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
 up to TM, their rows read once: ``ring_items``, torch ops in the call; "w ..." the word decode,
 ``gluon_wo_ring_words``, its x prepared by torch ops in the call; "raw ..." the raw word decode, ``gluon_wo_raw``:
@@ -147,7 +148,8 @@ def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
     decode = choose_decode("int4_w4a16", m, s.num_experts, s.n, s.k, s.top_k)
     cfg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, "int4_w4a16", device_key(dev), decode)
     calls = {"pick": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16",
-                                              config=cfg, decode=decode)}
+                                              config=cfg, decode=decode),
+             "default": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16")}
     for name, plan in PLANS.items():
         calls[f"ring {name}"] = lambda c, p=plan: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
     graphs = {}
