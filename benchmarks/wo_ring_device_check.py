@@ -6,12 +6,12 @@ warp keeps a TMA ring of packed weight tiles full, the decode warps read it from
 
 Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, each in a child process. Variants:
 "pick" (``run_experts_wo`` with the chooser's fused decode and config: the default before the ring), "default"
-(``run_experts_wo`` left to choose: the ring where ``triton_wo_ring_route.RING_MEASURED`` takes the call) and "ring <plan>" (gate-up ring, down ring,
-torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM, "gTM" slots grouped by expert into items of
-up to TM, their rows read once: ``ring_items``, torch ops in the call; "w ..." the word decode,
-``gluon_wo_ring_words``, its x prepared by torch ops in the call; "raw ..." the raw word decode, ``gluon_wo_raw``:
-moekit's own scales and zeros, raw x), every one against the torch twin (rel-L2 <
-TOL: PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
+(``run_experts_wo`` left to choose: the ring where ``triton_wo_ring_route.RING_MEASURED`` takes the call) and
+"ring <plan>" (gate-up ring, down ring, torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM,
+"gTM" slots grouped by expert into items of up to TM, their rows read once: ``ring_items``, torch ops in the call;
+"w ..." the word decode, ``gluon_wo_ring_words``, its x prepared by torch ops in the call; "raw ..." the raw word
+decode, ``gluon_wo_raw``: moekit's own scales and zeros, raw x), every one against the torch twin (rel-L2 < TOL:
+PASS/FAIL; the ring's h also against the twin's). Launches alone (first plan): "up" / "down" and their
 loader-only forms "up-lo" / "down-lo" (the decode warps release each stage at once: what the ring delivers).
 CUDA-graph replay over SETS input sets, the variants interleaved in ROUNDS rounds (median). Whole calls: % of the
 packed floor (touched experts' packed bytes, scales, zeros over the measured copy bandwidth).
