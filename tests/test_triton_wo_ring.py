@@ -179,3 +179,19 @@ def test_raw_decode_in_torch_matches_float64_dot():
         got += ((t - zero * xs) * scale).sum(1)
     want = dense64(w, c)[0] @ x.double()
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_ring_sum_adds_routed_slots_in_order():
+    from moekit.experts.triton_wo_ring import ring_sum
+
+    m, k, kdim, e = 3, 4, 64, 5
+    g = torch.Generator().manual_seed(11)
+    y = torch.randn(m * k, kdim, generator=g)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 1, 0], [2, 2, 6, 1]], dtype=torch.int32)  # 5, 6 >= E: skipped
+    out = ring_sum(y, ids, torch.empty(m, kdim, dtype=torch.bfloat16), e)
+    want = torch.zeros(m, kdim, dtype=torch.float64)
+    for t in range(m):
+        for j in range(k):
+            if ids[t, j] < e:
+                want[t] += y[t * k + j].double()
+    assert torch.allclose(out.double(), want, rtol=1e-2, atol=1e-2)

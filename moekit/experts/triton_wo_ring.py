@@ -12,10 +12,13 @@ E experts, R rows, C the reduction dim, G = C / 128 groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from moekit.experts.triton_launch import default_launch_options
+from moekit.experts.triton_plan import sum_launch
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
 
 GROUP = 128  # the one group size the ring decodes (one group a step)
@@ -180,6 +183,18 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _sum_launch(num_tokens: int, hidden: int, top_k: int, num_experts: int, device: torch.device):
+    """moekit's k-sum (``triton_plan.sum_launch``, slot order, skipped slots unread): y [S, K] float32 -> out."""
+    return sum_launch(num_tokens, hidden, top_k, num_experts, None, default_launch_options(device), ordered=True)
+
+
+def ring_sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """out [M, K] = the sum over each token's routed slots of y [M*k, K] float32, in slot order; ids [M, k]."""
+    _sum_launch(out.shape[0], out.shape[1], ids.shape[1], num_experts, out.device)(y, ids, ids, out)
+    return out
+
+
 def ring_experts(x: torch.Tensor, w13: RingWeight, w2: RingWeight, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, up: RingPlan = RingPlan(), down: RingPlan = RingPlan()) -> torch.Tensor:
     """The MoE experts [M, K] bf16: gate-up ring GEMV, down ring GEMV x routed weight, the sum over k in slot order."""
@@ -189,7 +204,7 @@ def ring_experts(x: torch.Tensor, w13: RingWeight, w2: RingWeight, topk_ids: tor
     items = {tm: ring_items(ids, tm) for tm in {up.group, down.group} if tm}
     h = ring_gemv(x, w13, ids, wts, k, True, up, items=items.get(up.group))  # [S, N]
     y = ring_gemv(h, w2, ids, wts, 1, False, down, items=items.get(down.group))  # [S, K] float32
-    return y.view(m, k, -1).sum(1).to(x.dtype)
+    return ring_sum(y, topk_ids, torch.empty_like(x), w13.experts)
 
 
 def ring_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids: torch.Tensor,
