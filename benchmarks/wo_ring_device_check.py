@@ -37,14 +37,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.configs import device_key  # noqa: E402
-from moekit.experts.triton_wo import WoWeight, fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
+from moekit.experts.triton import experts_triton  # noqa: E402
+from moekit.experts.triton_wo import WoWeight, dequantize_wo, fused_experts_wo_torch, run_experts_wo  # noqa: E402
+from moekit.experts.triton_wo import weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from moekit.experts.triton_wo_ring import RingPlan, ring_experts, ring_gemv, ring_twin, ring_weight  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, rel_err  # noqa: E402
 from wo_tc_device_check import graph_of  # noqa: E402
 
-CELLS = (("deepseek-v3", 1), ("deepseek-v3", 8))
+CELLS = "deepseek-v3:1,deepseek-v3:8"  # --cells: preset:M, comma separated
 PLANS = {"32x4 s8": RingPlan(32, 8, 4), "w 64x4 s8": RingPlan(64, 8, 4, decode="words"),
          "raw 64x4 s8": RingPlan(64, 8, 4, decode="raw"), "raw 32x4 s8": RingPlan(32, 8, 4, decode="raw"),
          "raw 64x4 s8 2/SM": RingPlan(64, 8, 4, 2, decode="raw"), "raw 64x4 s12": RingPlan(64, 12, 4, decode="raw"),
@@ -129,7 +131,7 @@ def launch_graphs(cell: Cell, s: Shape, m: int, inputs, weights, rings, h_twin, 
     return graphs
 
 
-def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
+def run_cell(s: Shape, m: int, dev, bw: float, args) -> Cell:
     w13 = random_int4(s.num_experts, 2 * s.n, s.k, dev, 1)
     w2 = random_int4(s.num_experts, s.k, s.n, dev, 2)
     inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
@@ -141,7 +143,7 @@ def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
     h_twin, out_twin = ring_twin(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
     cell.errors["twin"] = err = rel_err(out_twin, want)
     check(f"{s.name} M={m} twin", err < TOL, f"rel_err={err:.2e} against fused_experts_wo_torch")
-    if smoke:
+    if args.smoke:
         return cell
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
     r13, r2 = ring_weight(w13, s.k), ring_weight(w2, s.n)
@@ -150,8 +152,11 @@ def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
     calls = {"pick": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16",
                                               config=cfg, decode=decode),
              "default": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16")}
-    for name, plan in PLANS.items():
-        calls[f"ring {name}"] = lambda c, p=plan: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
+    for name in args.plans.split(","):
+        calls[f"ring {name}"] = lambda c, p=PLANS[name]: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
+    if args.bf16:  # the same experts dequantized to bf16, moekit's bf16 path (the Qwen3 target is a ratio to it)
+        b13, b2 = (dequantize_wo(w, cols).to(torch.bfloat16) for w, cols in ((w13, s.k), (w2, s.n)))
+        calls["bf16"] = lambda c: experts_triton(c.x, b13, b2, c.topk_ids, c.topk_weights)
     graphs = {}
     for name, fn in calls.items():
         tag = f"{s.name} M={m} {name}"
@@ -163,7 +168,8 @@ def run_cell(s: Shape, m: int, dev, bw: float, smoke: bool) -> Cell:
         except Exception as e:  # noqa: BLE001 (one variant's failure never loses the cell)
             traceback.print_exc(limit=4)
             check(tag, False, f"raised {type(e).__name__}: {e}")
-    graphs |= launch_graphs(cell, s, m, inputs, (w13, w2), (r13, r2), h_twin, dev)
+    if args.launches:
+        graphs |= launch_graphs(cell, s, m, inputs, (w13, w2), (r13, r2), h_twin, dev)
     cell.rounds = interleaved(graphs, len(inputs), dev)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
     print(f"  {s.name} M={m} floor {floor_us:.1f}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
@@ -181,8 +187,9 @@ def table(cells: list[Cell]) -> str:
                 lines.append(f"  {k:<18} {v:8.1f} µs  {c.streamed[k] / v / 1e6:5.2f} TB/s streamed")
             else:
                 wins = sum(a <= 0.97 * b for a, b in zip(c.rounds[k], c.rounds.get("pick", ())))
+                bf16 = f"  {v / c.times['bf16']:4.2f}x bf16" if "bf16" in c.times else ""
                 lines.append(f"  {k:<18} {v:8.1f} µs  {100 * c.floor_us / v:4.0f}% of floor  {pick / v:4.2f}x pick"
-                             f"  wins {wins}/{ROUNDS}")
+                             f"  wins {wins}/{ROUNDS}{bf16}")
     return "\n".join(lines)
 
 
@@ -194,12 +201,16 @@ def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
                    "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
 
 
+def cells_of(args) -> list[tuple[str, int]]:
+    return [(cell.split(":")[0], int(cell.split(":")[1])) for cell in args.cells.split(",")]
+
+
 def child(index: int, args) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bw = copy_tbps(dev) if dev.type == "cuda" else float("nan")
-    preset, m = CELLS[index]
+    preset, m = cells_of(args)[index]
     s = Shape("tiny", 8, 128, 256, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, m, dev, bw, args.smoke)
+    cell = run_cell(s, m, dev, bw, args)
     dump(args.out, f"wo_ring-{index}.json", [cell], bw)
     return 1 if FAILED else 0
 
@@ -210,19 +221,27 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--deadline", type=float, default=140.0, help="wall-clock seconds; cells past it are skipped")
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
+    p.add_argument("--cells", default=CELLS, help="preset:M, comma separated")
+    p.add_argument("--plans", default=",".join(PLANS), help="ring plans (names of PLANS), comma separated")
+    p.add_argument("--no-launches", dest="launches", action="store_false", help="skip the launches-alone graphs")
+    p.add_argument("--bf16", action="store_true", help="also time moekit's bf16 experts on the dequantized weights")
     args = p.parse_args(argv)
+    unknown = [name for name in args.plans.split(",") if name not in PLANS]
+    if unknown:
+        p.error(f"unknown plans {unknown}; known: {list(PLANS)}")
     if args.cell is not None:
         return child(args.cell, args)
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped = [], []
-    for i, (preset, m) in enumerate(CELLS):
+    for i, (preset, m) in enumerate(cells_of(args)):
         left = args.deadline - (time.perf_counter() - START)
         if left < 20:
             skipped.append(f"{preset} M={m}")
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
+        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out, "--cells", args.cells,
+               "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + (["--bf16"] if args.bf16 else [])
         try:
             rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
         except subprocess.TimeoutExpired:
