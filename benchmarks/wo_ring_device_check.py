@@ -50,7 +50,7 @@ CELLS = "deepseek-v3:1,deepseek-v3:8"  # --cells: preset:M, comma separated
 PLANS = {"32x4 s8": RingPlan(32, 8, 4), "w 64x4 s8": RingPlan(64, 8, 4, decode="words"),
          "raw 64x4 s8": RingPlan(64, 8, 4, decode="raw"), "raw 32x4 s8": RingPlan(32, 8, 4, decode="raw"),
          "raw 64x4 s8 2/SM": RingPlan(64, 8, 4, 2, decode="raw"), "raw 64x4 s12": RingPlan(64, 12, 4, decode="raw"),
-         "raw 32x4 s8 g2": RingPlan(32, 8, 4, group=2, decode="raw")}
+         "raw 64x4 s8 g2": RingPlan(64, 8, 4, group=2, decode="raw")}
 WORDS = "raw 64x4 s8"  # the raw-decode plan timed launch by launch too
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2

@@ -133,9 +133,10 @@ def _groups(sp, zp, up, g, G: gl.constexpr):
 
 
 @gluon.jit
-def _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0, acc_g1, acc_u1, fifteen, magic,
+def _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0, acc_g1, acc_u1, fifteen, magic, has2,
           LW: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, LOADER_ONLY: gl.constexpr, num_warps: gl.constexpr):
-    """One ring stage: its words against the item's x rows, into the accumulators; the stage handed back."""
+    """One ring stage: its words against the item's x rows (the second only where the item has one: ``has2``, the
+    same for the whole program, so no divergence), into the accumulators; the stage handed back."""
     W: gl.constexpr = 2 if GATED else 1
     STAGES: gl.constexpr = empty.type.shape[0]
     st = it % STAGES
@@ -150,9 +151,10 @@ def _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0, acc_g1, acc_
         acc_g0 += tg * sg
         acc_u0 += tu * su
         if TM > 1:
-            tg, tu = _dots(wg, wu, zg, zu, wx.index(TM * st + 1), fifteen, magic, LW, GATED, num_warps)
-            acc_g1 += tg * sg
-            acc_u1 += tu * su
+            if has2:
+                tg, tu = _dots(wg, wu, zg, zu, wx.index(TM * st + 1), fifteen, magic, LW, GATED, num_warps)
+                acc_g1 += tg * sg
+                acc_u1 += tu * su
         _barrier()  # every warp has its registers before the stage is handed back
     mbarrier.arrive(empty.index(st), count=1)
     return acc_g0, acc_u0, acc_g1, acc_u1
@@ -199,6 +201,10 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
         else:
             e = gl.load(ids_ptr + item)
         first = (gl.minimum(e, num_experts - 1) * R + r0 + rows) * G  # [BM] the rows' group 0
+        if GROUPED and TM > 1:
+            has2 = gl.load(item_s_ptr + item * TM + 1) >= 0
+        else:
+            has2 = False
         if GATED:
             up = ROWS * G
         else:
@@ -229,8 +235,8 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
                     sg3, zg3, su3, zu3 = _groups(sp, zp, up, g4 + 7, G)
                 if g4 + k < G:
                     acc_g0, acc_u0, acc_g1, acc_u1 = _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0,
-                                                           acc_g1, acc_u1, fifteen, magic, LW, GATED, TM, LOADER_ONLY,
-                                                           num_warps)
+                                                           acc_g1, acc_u1, fifteen, magic, has2, LW, GATED, TM,
+                                                           LOADER_ONLY, num_warps)
                     it += 1
         _store(acc_g0, acc_u0, 0, item, r0, rows, ids_ptr, wts_ptr, item_s_ptr, out_ptr, num_experts, ROWS, GATED,
                TM, GROUPED)
