@@ -180,6 +180,25 @@ def _store(acc_g, acc_u, i: gl.constexpr, item, r0, rows, ids_ptr, wts_ptr, item
 
 
 @gluon.jit
+def _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr,
+          TM: gl.constexpr, GROUPED: gl.constexpr):
+    """Tile t -> (item, first row, [BM] offsets of the rows' group 0 in the scales / zeros, item has a 2nd slot)."""
+    BM: gl.constexpr = rows.shape[0]
+    item = t // (ROWS // BM)
+    r0 = (t % (ROWS // BM)) * BM
+    if GROUPED:
+        e = gl.load(item_e_ptr + item)
+    else:
+        e = gl.load(ids_ptr + item)
+    first = (gl.minimum(e, num_experts - 1) * R + r0 + rows) * G  # an id >= E (EP skip): weight 0, any rows
+    if GROUPED and TM > 1:
+        has2 = gl.load(item_s_ptr + item * TM + 1) >= 0
+    else:
+        has2 = False
+    return item, r0, first, has2
+
+
+@gluon.jit
 def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr, item_s_ptr, count_ptr,
                 out_ptr, num_experts, fifteen, magic, S: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
                 G: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, GROUPED: gl.constexpr,
@@ -194,17 +213,8 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
         items = S
     it = 0
     for t in range(gl.program_id(0), items * NB, gl.num_programs(0)):
-        item = t // NB
-        r0 = (t % NB) * BM
-        if GROUPED:
-            e = gl.load(item_e_ptr + item)
-        else:
-            e = gl.load(ids_ptr + item)
-        first = (gl.minimum(e, num_experts - 1) * R + r0 + rows) * G  # [BM] the rows' group 0
-        if GROUPED and TM > 1:
-            has2 = gl.load(item_s_ptr + item * TM + 1) >= 0
-        else:
-            has2 = False
+        item, r0, first, has2 = _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R, ROWS, G, TM,
+                                      GROUPED)
         if GATED:
             up = ROWS * G
         else:
