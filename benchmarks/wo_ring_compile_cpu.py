@@ -3,6 +3,8 @@ catches typos and layout errors before a device run, and reports SMEM, registers
 instructions a weight (SASS, where the bundled cuobjdump takes the cubin).
 
     PYTHONPATH=$PWD python3 benchmarks/wo_ring_compile_cpu.py          # gate-up and down, the device check's plans
+    PYTHONPATH=/tmp/triton36:$PWD python3 benchmarks/wo_ring_compile_cpu.py   # the same on Triton 3.6 (the GPU's):
+        pip install --no-deps --target /tmp/triton36 triton==3.6.0
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def sass_of(cubin: bytes) -> str | None:
 
 
 def main() -> int:
+    import triton
+
+    print("triton", triton.__version__, flush=True)
     failed = 0
     for gated, plan in ((True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
                         (True, RingPlan(32, 8, 4, group=2)), (False, RingPlan(32, 8, 4, group=2)),
