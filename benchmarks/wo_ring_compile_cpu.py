@@ -25,23 +25,26 @@ from moekit.experts.triton_wo import WoWeight  # noqa: E402
 from moekit.experts.triton_wo_ring import RingPlan, _descriptors, check_plan, ring_weight  # noqa: E402
 
 
-def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
+def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False, mx: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_wo_ring import ring_kernel
+    from moekit.experts._kernels.gluon_wo_raw import RAW_CONSTANTS, raw_kernel
     from moekit.experts._kernels.gluon_wo_ring_words import ring_words_kernel
-
-    from moekit.experts._kernels.gluon_wo_raw import raw_kernel
 
     kernel = {"bytes": ring_kernel, "words": ring_words_kernel, "raw": raw_kernel}[plan.decode]
 
     e, n, k = 2, 256, 512
     r, c = (2 * n, k) if gated else (k, n)
-    w = WoWeight("int4_w4a16", torch.zeros(e, r, c // 2, dtype=torch.uint8), torch.ones(e, r, c // 128),
-                 torch.zeros(e, r, c // 128, dtype=torch.uint8), 128)
+    if mx:
+        w = WoWeight("mxfp4", torch.zeros(e, r, c // 2, dtype=torch.uint8),
+                     torch.zeros(e, r, c // 32, dtype=torch.uint8), None, 32)
+    else:
+        w = WoWeight("int4_w4a16", torch.zeros(e, r, c // 2, dtype=torch.uint8), torch.ones(e, r, c // 128),
+                     torch.zeros(e, r, c // 128, dtype=torch.uint8), 128)
     rw = ring_weight(w, c)
     check_plan(plan, n if gated else k)
     descs = _descriptors(rw, plan.block_rows, torch.zeros(8, c, dtype=torch.bfloat16), plan.decode)
@@ -52,11 +55,12 @@ def compile_ring(gated: bool, plan: RingPlan, loader_only: bool = False):
     args |= dict(ids_ptr=i32, wts_ptr=torch.empty(1),
                 item_e_ptr=i32, item_s_ptr=i32, count_ptr=i32,
                 out_ptr=torch.empty(1, dtype=torch.bfloat16 if gated else torch.float32), num_experts=e)
-    if plan.decode == "raw":
-        args |= dict(fifteen=15, magic=0x4B000000)
     const = dict(S=8, TOP_K=8 if gated else 1, R=r, ROWS=n if gated else k, G=c // 128, GATED=gated,
                  TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
                  num_warps=plan.num_warps)
+    if plan.decode == "raw":
+        args |= dict(zip(("fifteen", "magic"), RAW_CONSTANTS[mx]))
+        const |= dict(MX=mx)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -83,17 +87,20 @@ def main() -> int:
 
     print("triton", triton.__version__, flush=True)
     failed = 0
-    for gated, plan in ((True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
-                        (True, RingPlan(32, 8, 4, group=2)), (False, RingPlan(32, 8, 4, group=2)),
-                        (True, RingPlan(32, 8, 4, group=4)), (True, RingPlan(32, 8, 4, decode="words")),
-                        (False, RingPlan(32, 8, 4, decode="words")),
-                        (True, RingPlan(32, 8, 4, group=2, decode="words")),
-                        (True, RingPlan(64, 8, 4, decode="words")), (True, RingPlan(64, 8, 4, decode="raw")),
-                        (False, RingPlan(64, 8, 4, decode="raw")), (True, RingPlan(64, 8, 4, group=2, decode="raw")),
-                        (True, RingPlan(32, 8, 4, decode="raw"))):
-        name = f"{'gate-up' if gated else 'down'} {plan}"
+    raw = dict(decode="raw")
+    jobs = [(True, RingPlan(32, 8, 4)), (False, RingPlan(32, 8, 4)), (True, RingPlan(64, 8, 8)),
+            (True, RingPlan(32, 8, 4, group=2)), (False, RingPlan(32, 8, 4, group=2)),
+            (True, RingPlan(32, 8, 4, group=4)),
+            (True, RingPlan(32, 8, 4, decode="words")), (False, RingPlan(32, 8, 4, decode="words")),
+            (True, RingPlan(32, 8, 4, group=2, decode="words")), (True, RingPlan(64, 8, 4, decode="words")),
+            (True, RingPlan(64, 8, 4, **raw)), (False, RingPlan(64, 8, 4, **raw)),
+            (True, RingPlan(64, 8, 4, group=2, **raw)), (True, RingPlan(32, 8, 4, **raw))]
+    for gated, plan, mx in [(g, p, False) for g, p in jobs] + [(True, RingPlan(64, 8, 4, **raw), True),
+                                                              (False, RingPlan(64, 8, 4, **raw), True),
+                                                              (True, RingPlan(32, 8, 4, **raw), True)]:
+        name = f"{'gate-up' if gated else 'down'} {plan}" + (" mxfp4" if mx else "")
         try:
-            out, sec, spills = compile_ring(gated, plan)
+            out, sec, spills = compile_ring(gated, plan, mx=mx)
             sass = sass_of(out.asm["cubin"])
             ffma = sass.count("FFMA") if sass else None
             print(f"OK {name}: {sec:.1f} s, shared {out.metadata.shared} B, ptxas spill stores {spills} B, "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ from moekit.experts.triton_wo_ring import RingPlan, ring_experts, ring_gemv, rin
 from wo_device_check import copy_tbps, packed_bytes, rel_err  # noqa: E402
 from wo_tc_device_check import graph_of  # noqa: E402
 
-CELLS = "deepseek-v3:1,deepseek-v3:8"  # --cells: preset:M, comma separated
+CELLS = "deepseek-v3:1,deepseek-v3:8,deepseek-v3:1:mxfp4"  # --cells: preset:M[:scheme], comma separated
 PLANS = {"32x4 s8": RingPlan(32, 8, 4), "w 64x4 s8": RingPlan(64, 8, 4, decode="words"),
          "raw 64x4 s8": RingPlan(64, 8, 4, decode="raw"), "raw 32x4 s8": RingPlan(32, 8, 4, decode="raw"),
          "raw 64x4 s8 2/SM": RingPlan(64, 8, 4, 2, decode="raw"), "raw 64x4 s12": RingPlan(64, 12, 4, decode="raw"),
@@ -62,6 +63,7 @@ FAILED: list[str] = []
 class Cell:
     preset: str
     m: int
+    scheme: str
     floor_us: float
     touched: float
     times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
@@ -85,6 +87,17 @@ def random_int4(e: int, r: int, c: int, dev, seed: int) -> WoWeight:
     return WoWeight("int4_w4a16", q, scale, zero, 128)
 
 
+def random_weight(scheme: str, e: int, r: int, c: int, dev, seed: int) -> WoWeight:
+    """``random_int4``, or for mxfp4 random codes and e8m0 scales (2^-1 .. 2^1 around unit-variance products)."""
+    if scheme == "int4_w4a16":
+        return random_int4(e, r, c, dev, seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randint(0, 256, (e, r, c // 2), generator=g, device=dev, dtype=torch.uint8)
+    center = round(127 - math.log2(2.9 * c**0.5))  # std(e2m1 value) ~ 2.9
+    scale = torch.randint(center - 1, center + 2, (e, r, c // 32), generator=g, device=dev, dtype=torch.uint8)
+    return WoWeight("mxfp4", q, scale, None, 32)
+
+
 def interleaved(fns: dict, calls: int, dev) -> dict:
     """name -> [µs a call, each round]: each graph replayed REPLAYS times a round, the graphs in turn."""
     if dev.type != "cuda":
@@ -106,11 +119,11 @@ def launch_graphs(cell: Cell, s: Shape, m: int, inputs, weights, rings, h_twin, 
     """Graphs of the launches alone (bytes streamed in cell.streamed); both decodes' h against the twin's."""
     (w13, w2), (r13, r2), c0 = weights, rings, inputs[0]
     graphs = {}
-    plan = next(iter(PLANS.values()))
+    wplan = PLANS[WORDS]
+    plan = next(iter(PLANS.values())) if cell.scheme == "int4_w4a16" else wplan  # mxfp4: the raw decode only
     ids = [c.topk_ids.reshape(-1).to(torch.int32) for c in inputs]
     wts = [c.topk_weights.reshape(-1).float() for c in inputs]
     hs = [torch.randn(m * s.top_k, s.n, device=dev, dtype=torch.bfloat16) for _ in inputs]
-    wplan = PLANS[WORDS]
     for name, p in (("h", plan), ("raw h", wplan)):
         cell.errors[name] = err = rel_err(ring_gemv(c0.x, r13, ids[0], wts[0], s.top_k, True, p), h_twin)
         check(f"{s.name} M={m} ring {name}", err < TOL, f"rel_err={err:.2e} against the twin's h")
@@ -131,13 +144,13 @@ def launch_graphs(cell: Cell, s: Shape, m: int, inputs, weights, rings, h_twin, 
     return graphs
 
 
-def run_cell(s: Shape, m: int, dev, bw: float, args) -> Cell:
-    w13 = random_int4(s.num_experts, 2 * s.n, s.k, dev, 1)
-    w2 = random_int4(s.num_experts, s.k, s.n, dev, 2)
+def run_cell(s: Shape, m: int, scheme: str, dev, bw: float, args) -> Cell:
+    w13 = random_weight(scheme, s.num_experts, 2 * s.n, s.k, dev, 1)
+    w2 = random_weight(scheme, s.num_experts, s.k, s.n, dev, 2)
     inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-    cell = Cell(s.name, m, floor_us, touched)
+    cell = Cell(s.name, m, scheme, floor_us, touched)
     c0 = inputs[0]
     want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
     h_twin, out_twin = ring_twin(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
@@ -147,19 +160,21 @@ def run_cell(s: Shape, m: int, dev, bw: float, args) -> Cell:
         return cell
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
     r13, r2 = ring_weight(w13, s.k), ring_weight(w2, s.n)
-    decode = choose_decode("int4_w4a16", m, s.num_experts, s.n, s.k, s.top_k)
-    cfg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, "int4_w4a16", device_key(dev), decode)
-    calls = {"pick": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16",
+    decode = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+    cfg = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), decode)
+    calls = {"pick": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme,
                                               config=cfg, decode=decode),
-             "default": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, "int4_w4a16")}
+             "default": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme)}
     for name in args.plans.split(","):
+        if scheme == "mxfp4" and PLANS[name].decode != "raw":
+            continue
         calls[f"ring {name}"] = lambda c, p=PLANS[name]: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
     if args.bf16:  # the same experts dequantized to bf16, moekit's bf16 path (the Qwen3 target is a ratio to it)
         b13, b2 = (dequantize_wo(w, cols).to(torch.bfloat16) for w, cols in ((w13, s.k), (w2, s.n)))
         calls["bf16"] = lambda c: experts_triton(c.x, b13, b2, c.topk_ids, c.topk_weights)
     graphs = {}
     for name, fn in calls.items():
-        tag = f"{s.name} M={m} {name}"
+        tag = f"{s.name} {scheme} M={m} {name}"
         try:
             cell.errors[name] = err = rel_err(fn(c0), want)
             check(tag, err < TOL, f"rel_err={err:.2e}" + (f" ({decode})" if name == "pick" else ""))
@@ -180,7 +195,7 @@ def run_cell(s: Shape, m: int, dev, bw: float, args) -> Cell:
 def table(cells: list[Cell]) -> str:
     lines = []
     for c in cells:
-        lines.append(f"{c.preset} int4 M={c.m}: floor {c.floor_us:.1f} µs ({c.touched:.1f} experts touched)")
+        lines.append(f"{c.preset} {c.scheme} M={c.m}: floor {c.floor_us:.1f} µs ({c.touched:.1f} experts touched)")
         pick = c.times.get("pick", float("nan"))
         for k, v in c.times.items():
             if k in c.streamed:
@@ -201,16 +216,18 @@ def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
                    "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
 
 
-def cells_of(args) -> list[tuple[str, int]]:
-    return [(cell.split(":")[0], int(cell.split(":")[1])) for cell in args.cells.split(",")]
+def cells_of(args) -> list[tuple[str, int, str]]:
+    """--cells as (preset, M, scheme): preset:M[:scheme], scheme int4_w4a16 where not given."""
+    return [(*cell.split(":")[:1], int(cell.split(":")[1]), (cell.split(":") + ["int4_w4a16"])[2])
+            for cell in args.cells.split(",")]
 
 
 def child(index: int, args) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bw = copy_tbps(dev) if dev.type == "cuda" else float("nan")
-    preset, m = cells_of(args)[index]
+    preset, m, scheme = cells_of(args)[index]
     s = Shape("tiny", 8, 128, 256, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, m, dev, bw, args)
+    cell = run_cell(s, m, scheme, dev, bw, args)
     dump(args.out, f"wo_ring-{index}.json", [cell], bw)
     return 1 if FAILED else 0
 
@@ -235,10 +252,10 @@ def main(argv=None) -> int:
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped = [], []
-    for i, (preset, m) in enumerate(cells_of(args)):
+    for i, (preset, m, scheme) in enumerate(cells_of(args)):
         left = args.deadline - (time.perf_counter() - START)
         if left < 20:
-            skipped.append(f"{preset} M={m}")
+            skipped.append(f"{preset} {scheme} M={m}")
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out, "--cells", args.cells,
                "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + (["--bf16"] if args.bf16 else [])
@@ -249,7 +266,7 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, f"wo_ring-{i}.json")
         got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
         cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
+        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
         print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
     dump(args.out, "wo_ring.json", cells, float("nan"))
     print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")

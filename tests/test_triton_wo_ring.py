@@ -195,3 +195,20 @@ def test_ring_sum_adds_routed_slots_in_order():
             if ids[t, j] < e:
                 want[t] += y[t * k + j].double()
     assert torch.allclose(out.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_mxfp4_bit_placement_is_exact():
+    """The raw decode's mxfp4 codes in torch integer ops: every code j of a word (its 3 magnitude bits shifted to
+    float bits 22..24, its sign to bit 31) is the e2m1 value times 2^-126 exactly; times x * 2^64, the products
+    stay normal, and the scale's float 2^(e8m0 - 65) undoes both."""
+    from moekit.quant import e2m1_decode
+
+    codes = torch.arange(16, dtype=torch.int32)
+    for j in range(8):
+        w = codes << (4 * j)  # the code alone at position j of a word
+        mag = (w << (22 - 4 * j)) if j <= 5 else ((w >> (4 * j - 22)) & 0x3FFFFFFF)
+        f = ((mag & 0x01C00000) | ((w << (28 - 4 * j)) & -(1 << 31))).view(torch.float32).double()
+        assert torch.equal(f * 2.0**126, e2m1_decode(codes.to(torch.uint8)).double())
+    e8 = torch.arange(0, 193, dtype=torch.int32)
+    factor = ((e8 + 62) << 23).view(torch.float32).double()
+    assert torch.equal(factor, 2.0 ** (e8.double() - 65))

@@ -22,7 +22,7 @@ def args(group=128):
 
 @pytest.fixture
 def measured(monkeypatch):
-    monkeypatch.setattr(route, "RING_MEASURED", {(E, N, K): (8, UP, DOWN)})
+    monkeypatch.setattr(route, "RING_MEASURED", {("int4_w4a16", E, N, K): (8, UP, DOWN)})
     monkeypatch.setattr(route, "gluon_supported", lambda device: True)
 
 
@@ -50,6 +50,19 @@ def test_unmeasured_shape_or_no_gluon(monkeypatch):
     monkeypatch.setattr(route, "gluon_supported", lambda device: True)
     monkeypatch.setattr(route, "RING_MEASURED", {})
     assert call(1) is None
-    monkeypatch.setattr(route, "RING_MEASURED", {(E, N, K): (8, UP, DOWN)})
+    monkeypatch.setattr(route, "RING_MEASURED", {("int4_w4a16", E, N, K): (8, UP, DOWN)})
     monkeypatch.setattr(route, "gluon_supported", lambda device: False)
     assert call(1) is None
+
+
+def test_mxfp4_measured_call_takes_the_ring(monkeypatch):
+    monkeypatch.setattr(route, "RING_MEASURED", {("mxfp4", E, N, K): (1, UP, DOWN)})
+    monkeypatch.setattr(route, "gluon_supported", lambda device: True)
+    x = torch.zeros(1, K, dtype=torch.bfloat16)
+    w13 = weight_args(torch.zeros(E, 2 * N, K // 2, dtype=torch.uint8),
+                      torch.zeros(E, 2 * N, K // 32, dtype=torch.uint8), None, 32)
+    w2 = weight_args(torch.zeros(E, K, N // 2, dtype=torch.uint8), torch.zeros(E, K, N // 32, dtype=torch.uint8),
+                     None, 32)
+    ids = torch.zeros(1, 2, dtype=torch.int32)
+    assert route.ring_route(x, w13, w2, ids, "mxfp4", "silu", None, None, None, None) == (UP, DOWN)
+    assert route.ring_route(x, w13, w2, ids, "int4_w4a16", "silu", None, None, None, None) is None

@@ -27,13 +27,14 @@ GROUP = 128  # the one group size the ring decodes (one group a step)
 @dataclass(frozen=True)
 class RingWeight:
     q: torch.Tensor  # [E*R, C/2] uint8, a view of the WoWeight's packed bytes
-    scale: torch.Tensor  # [E, R, G] float32, the WoWeight's (the raw decode reads these)
-    zero: torch.Tensor  # [E, R, G] uint8
+    scale: torch.Tensor  # [E, R, G] float32 (mxfp4: [E, R, 4G] uint8 e8m0), the WoWeight's (the raw decode's)
+    zero: torch.Tensor  # [E, R, G] uint8 (mxfp4: the scale again, never read)
     scale_t: torch.Tensor | None  # [E*G, R] float32 (the byte and word decodes; None: not made)
     zero_t: torch.Tensor | None  # [E*G, R] uint8
     experts: int  # E
     rows: int  # R
     cols: int  # C
+    scheme: str = "int4_w4a16"  # or "mxfp4" (the raw decode only)
 
 
 @dataclass(frozen=True)
@@ -75,24 +76,26 @@ DECODES = ("bytes", "words", "raw")
 
 
 def ring_weight(w: WoWeight, cols: int, transposed: bool = True) -> RingWeight:
-    """The ring's layout of an int4_w4a16 weight [E, R, C] with group size 128 (C = ``cols``, a multiple of 128);
-    ``transposed``: also the [E*G, R] scales and zeros the byte and word decodes read (copies; the raw decode reads
-    the weight's own)."""
-    if w.scheme != "int4_w4a16":
-        raise ValueError(f"ring decode: int4_w4a16 weights only, got {w.scheme!r}")
-    if w.group_size != GROUP:
-        raise ValueError(f"ring decode: group size {GROUP} only, got {w.group_size}")
+    """The ring's layout of an int4_w4a16 weight [E, R, C] with group size 128 or an mxfp4 one (C = ``cols``, a
+    multiple of 128); ``transposed`` (int4 only): also the [E*G, R] scales and zeros the byte and word decodes read
+    (copies; the raw decode reads the weight's own)."""
+    if w.scheme not in ("int4_w4a16", "mxfp4"):
+        raise ValueError(f"ring decode: int4_w4a16 or mxfp4 weights only, got {w.scheme!r}")
+    if w.group_size != (GROUP if w.scheme == "int4_w4a16" else 32):
+        raise ValueError(f"ring decode: int4 with group size {GROUP} or mxfp4 only, got {w.group_size}")
+    transposed = transposed and w.scheme == "int4_w4a16"
+    zero = w.scale if w.zero is None else w.zero
     if cols % GROUP or cols <= 0:
         raise ValueError(f"ring decode: the reduction dim must be a positive multiple of {GROUP}, got {cols}")
     e, r, packed = w.q.shape
     if packed != cols // 2 or not w.q.is_contiguous():
         raise ValueError(f"ring decode: q must be contiguous [E, R, {cols // 2}], got {tuple(w.q.shape)}")
-    if not (w.scale.is_contiguous() and w.zero.is_contiguous()):
-        raise ValueError("ring decode: scale and zero must be contiguous [E, R, G]")
+    if not (w.scale.is_contiguous() and zero.is_contiguous()):
+        raise ValueError("ring decode: scale and zero must be contiguous [E, R, groups]")
     g = cols // GROUP
     scale_t = w.scale.permute(0, 2, 1).contiguous().view(e * g, r) if transposed else None
-    zero_t = w.zero.permute(0, 2, 1).contiguous().view(e * g, r) if transposed else None
-    return RingWeight(w.q.view(e * r, packed), w.scale, w.zero, scale_t, zero_t, e, r, cols)
+    zero_t = zero.permute(0, 2, 1).contiguous().view(e * g, r) if transposed else None
+    return RingWeight(w.q.view(e * r, packed), w.scale, zero, scale_t, zero_t, e, r, cols, w.scheme)
 
 
 def check_plan(plan: RingPlan, out_rows: int) -> None:
@@ -175,11 +178,14 @@ def ring_gemv(x: torch.Tensor, w: RingWeight, ids: torch.Tensor, wts: torch.Tens
     descs = _descriptors(w, plan.block_rows, x.reshape(-1, w.cols), plan.decode)
     tables = (ids, ids, ids) if items is None else (items.expert, items.slots, items.count)
     kernel = {"bytes": ring_kernel, "words": ring_words_kernel, "raw": raw_kernel}[plan.decode]
-    consts = RAW_CONSTANTS if plan.decode == "raw" else ()
+    mx = w.scheme == "mxfp4"
+    consts = RAW_CONSTANTS[mx] if plan.decode == "raw" else ()
+    if mx and plan.decode != "raw":
+        raise ValueError(f"ring decode: mxfp4 weights take the raw decode only, got {plan.decode!r}")
     kernel[(grid,)](*descs, ids, wts, *tables, out, w.experts, *consts, S=slots,
                          TOP_K=top_k if gated else 1, R=w.rows, ROWS=rows, G=w.cols // GROUP, GATED=gated,
                          TM=max(plan.group, 1), GROUPED=plan.group > 0, STAGES=plan.stages, LOADER_ONLY=loader_only,
-                         num_warps=plan.num_warps)
+                         num_warps=plan.num_warps, **({"MX": mx} if plan.decode == "raw" else {}))
     return out
 
 

@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from moekit.experts._kernels.gluon_gemm import _tma_load
 from moekit.experts._kernels.gluon_wo_ring import HIGH_HALF, _barrier
 
-RAW_CONSTANTS = (15, 0x4B000000)  # raw_kernel's fifteen and magic (the float32 bits of 2^23)
+RAW_CONSTANTS = {False: (15, 0x4B000000), True: (0x01C00000, -(1 << 31))}  # raw_kernel's fifteen, magic by MX
 
 
 @gluon.jit
@@ -97,6 +97,35 @@ def _code(w, w_hi, j: gl.constexpr, fifteen, magic):
 
 
 @gluon.jit
+def _mx_code(w, j: gl.constexpr, mag_mask, sign_mask):
+    """e2m1 code j of each word times 2^-126, exact float32 (denormal for the 0 / 0.5 codes): its magnitude bits
+    moved to float bits 22..24, its sign to bit 31 (mag_mask = 0x01c00000, sign_mask = 0x80000000)."""
+    if j <= 5:
+        mag = w << (22 - 4 * j)
+    else:
+        mag = (w.to(gl.uint32, bitcast=True) >> (4 * j - 22)).to(gl.int32, bitcast=True)
+    return ((mag & mag_mask) | ((w << (28 - 4 * j)) & sign_mask)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _mx_dots(wg, wu, xb, mag_mask, sign_mask, LW: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+    """(t_gate, t_up) [BM, 16]: 2^-62 * sum_j e2m1_j * x[8c + j] over each word's 8 codes (x taken times 2^64: the
+    products stay normal)."""
+    tg = gl.zeros(wg.shape, gl.float32, LW)
+    tu = gl.zeros(wg.shape, gl.float32, LW)
+    for jj in gl.static_range(4):
+        xlo, xhi = _x_pair(xb, jj, LW, num_warps)
+        xlo = xlo * 18446744073709551616.0  # 2^64
+        xhi = xhi * 18446744073709551616.0
+        tg += _mx_code(wg, 2 * jj, mag_mask, sign_mask) * xlo
+        tg += _mx_code(wg, 2 * jj + 1, mag_mask, sign_mask) * xhi
+        if GATED:
+            tu += _mx_code(wu, 2 * jj, mag_mask, sign_mask) * xlo
+            tu += _mx_code(wu, 2 * jj + 1, mag_mask, sign_mask) * xhi
+    return tg, tu
+
+
+@gluon.jit
 def _dots(wg, wu, zg, zu, xb, fifteen, magic, LW: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
     """(t_gate, t_up) [BM, 16]: sum_j (code_j - zero) * x[8c + j] over each word's 8 codes (the zero through the
     word's x sum, shared by the rows)."""
@@ -117,24 +146,45 @@ def _dots(wg, wu, zg, zu, xb, fifteen, magic, LW: gl.constexpr, GATED: gl.conste
 
 
 @gluon.jit
-def _group(s_row, z_row, g, G: gl.constexpr):
-    """Group g's (scale, zero) [BM, 1] float32 of the rows (0 past G)."""
-    ok = g < G
-    return (gl.expand_dims(gl.load(s_row + g, mask=ok, other=0.0), 1),
-            gl.expand_dims(gl.load(z_row + g, mask=ok, other=0).to(gl.float32), 1))
+def _either_dots(wg, wu, zg, zu, xb, fifteen, magic, LW: gl.constexpr, GATED: gl.constexpr, MX: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """The step's word dots: mxfp4's (fifteen / magic carry its two masks) or int4's."""
+    if MX:
+        tg, tu = _mx_dots(wg, wu, xb, fifteen, magic, LW, GATED, num_warps)
+    else:
+        tg, tu = _dots(wg, wu, zg, zu, xb, fifteen, magic, LW, GATED, num_warps)
+    return tg, tu
 
 
 @gluon.jit
-def _groups(sp, zp, up, g, G: gl.constexpr):
-    """Group g's (scale, zero) of the gate rows and of the up rows ``up`` elements on (up 0: the same rows)."""
-    sg, zg = _group(sp, zp, g, G)
-    su, zu = _group(sp + up, zp + up, g, G)
+def _group(s_row, z_row, g, G: gl.constexpr, MX: gl.constexpr, LW: gl.constexpr):
+    """Step g's (scale, zero) of the rows (0 past G). int4: [BM, 1] float32 each (one group of 128). mxfp4: the
+    scale [BM, 16] a word (its group of 32: word c // 4) as 2^(e8m0 - 65) (the 2^-62 of the codes and x's 2^64
+    undone; exact for e8m0 <= 192), the zero unused."""
+    ok = g < G
+    if MX:
+        c = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LW)), 0)  # [1, 16]
+        e8 = gl.load(gl.expand_dims(s_row, 1) + 4 * g + c // 4, mask=ok, other=0).to(gl.int32)  # [BM, 16]
+        scale = ((e8 + 62) << 23).to(gl.float32, bitcast=True)
+        zero = 0.0
+    else:
+        scale = gl.expand_dims(gl.load(s_row + g, mask=ok, other=0.0), 1)
+        zero = gl.expand_dims(gl.load(z_row + g, mask=ok, other=0).to(gl.float32), 1)
+    return scale, zero
+
+
+@gluon.jit
+def _groups(sp, zp, up, g, G: gl.constexpr, MX: gl.constexpr, LW: gl.constexpr):
+    """Step g's (scale, zero) of the gate rows and of the up rows ``up`` elements on (up 0: the same rows)."""
+    sg, zg = _group(sp, zp, g, G, MX, LW)
+    su, zu = _group(sp + up, zp + up, g, G, MX, LW)
     return sg, zg, su, zu
 
 
 @gluon.jit
 def _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0, acc_g1, acc_u1, fifteen, magic, has2,
-          LW: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, LOADER_ONLY: gl.constexpr, num_warps: gl.constexpr):
+          LW: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, LOADER_ONLY: gl.constexpr, MX: gl.constexpr,
+          num_warps: gl.constexpr):
     """One ring stage: its words against the item's x rows (the second only where the item has one: ``has2``, the
     same for the whole program, so no divergence), into the accumulators; the stage handed back."""
     W: gl.constexpr = 2 if GATED else 1
@@ -147,12 +197,12 @@ def _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0, acc_g1, acc_
             wu = wq.index(W * st + 1).load(LW)
         else:
             wu = wg
-        tg, tu = _dots(wg, wu, zg, zu, wx.index(TM * st), fifteen, magic, LW, GATED, num_warps)
+        tg, tu = _either_dots(wg, wu, zg, zu, wx.index(TM * st), fifteen, magic, LW, GATED, MX, num_warps)
         acc_g0 += tg * sg
         acc_u0 += tu * su
         if TM > 1:
             if has2:
-                tg, tu = _dots(wg, wu, zg, zu, wx.index(TM * st + 1), fifteen, magic, LW, GATED, num_warps)
+                tg, tu = _either_dots(wg, wu, zg, zu, wx.index(TM * st + 1), fifteen, magic, LW, GATED, MX, num_warps)
                 acc_g1 += tg * sg
                 acc_u1 += tu * su
         _barrier()  # every warp has its registers before the stage is handed back
@@ -181,7 +231,7 @@ def _store(acc_g, acc_u, i: gl.constexpr, item, r0, rows, ids_ptr, wts_ptr, item
 
 @gluon.jit
 def _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr,
-          TM: gl.constexpr, GROUPED: gl.constexpr):
+          TM: gl.constexpr, GROUPED: gl.constexpr, MX: gl.constexpr):
     """Tile t -> (item, first row, [BM] offsets of the rows' group 0 in the scales / zeros, item has a 2nd slot)."""
     BM: gl.constexpr = rows.shape[0]
     item = t // (ROWS // BM)
@@ -190,7 +240,8 @@ def _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R: gl.constexpr
         e = gl.load(item_e_ptr + item)
     else:
         e = gl.load(ids_ptr + item)
-    first = (gl.minimum(e, num_experts - 1) * R + r0 + rows) * G  # an id >= E (EP skip): weight 0, any rows
+    GS: gl.constexpr = 4 * G if MX else G  # scales a row (mxfp4: one per 32 values)
+    first = (gl.minimum(e, num_experts - 1) * R + r0 + rows) * GS  # an id >= E (EP skip): weight 0, any rows
     if GROUPED and TM > 1:
         has2 = gl.load(item_s_ptr + item * TM + 1) >= 0
     else:
@@ -202,7 +253,7 @@ def _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R: gl.constexpr
 def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr, item_s_ptr, count_ptr,
                 out_ptr, num_experts, fifteen, magic, S: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
                 G: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, GROUPED: gl.constexpr,
-                LOADER_ONLY: gl.constexpr, num_warps: gl.constexpr):
+                LOADER_ONLY: gl.constexpr, MX: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = wq.type.shape[1]
     NB: gl.constexpr = ROWS // BM
     LW: gl.constexpr = gl.BlockedLayout([BM // (4 * num_warps), 2], [4, 8], [num_warps, 1], [1, 0])  # [BM, 16]
@@ -214,9 +265,9 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
     it = 0
     for t in range(gl.program_id(0), items * NB, gl.num_programs(0)):
         item, r0, first, has2 = _tile(t, rows, ids_ptr, item_e_ptr, item_s_ptr, num_experts, R, ROWS, G, TM,
-                                      GROUPED)
+                                      GROUPED, MX)
         if GATED:
-            up = ROWS * G
+            up = ROWS * G * (4 if MX else 1)
         else:
             up = 0
         acc_g0 = gl.zeros([BM, 16], gl.float32, LW)
@@ -225,28 +276,28 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
         acc_u1 = gl.zeros([BM, 16], gl.float32, LW)
         # groups g .. g + 3 in flight: (scale, zero) of gate (g*) and up (u*) rows, loaded 4 steps before use
         sp, zp = scale_ptr + first, zero_ptr + first
-        sg0, zg0, su0, zu0 = _groups(sp, zp, up, 0, G)
-        sg1, zg1, su1, zu1 = _groups(sp, zp, up, 1, G)
-        sg2, zg2, su2, zu2 = _groups(sp, zp, up, 2, G)
-        sg3, zg3, su3, zu3 = _groups(sp, zp, up, 3, G)
+        sg0, zg0, su0, zu0 = _groups(sp, zp, up, 0, G, MX, LW)
+        sg1, zg1, su1, zu1 = _groups(sp, zp, up, 1, G, MX, LW)
+        sg2, zg2, su2, zu2 = _groups(sp, zp, up, 2, G, MX, LW)
+        sg3, zg3, su3, zu3 = _groups(sp, zp, up, 3, G, MX, LW)
         for g4 in range(0, G, 4):
             for k in gl.static_range(4):
                 if k == 0:
                     sg, zg, su, zu = sg0, zg0, su0, zu0
-                    sg0, zg0, su0, zu0 = _groups(sp, zp, up, g4 + 4, G)
+                    sg0, zg0, su0, zu0 = _groups(sp, zp, up, g4 + 4, G, MX, LW)
                 elif k == 1:
                     sg, zg, su, zu = sg1, zg1, su1, zu1
-                    sg1, zg1, su1, zu1 = _groups(sp, zp, up, g4 + 5, G)
+                    sg1, zg1, su1, zu1 = _groups(sp, zp, up, g4 + 5, G, MX, LW)
                 elif k == 2:
                     sg, zg, su, zu = sg2, zg2, su2, zu2
-                    sg2, zg2, su2, zu2 = _groups(sp, zp, up, g4 + 6, G)
+                    sg2, zg2, su2, zu2 = _groups(sp, zp, up, g4 + 6, G, MX, LW)
                 else:
                     sg, zg, su, zu = sg3, zg3, su3, zu3
-                    sg3, zg3, su3, zu3 = _groups(sp, zp, up, g4 + 7, G)
+                    sg3, zg3, su3, zu3 = _groups(sp, zp, up, g4 + 7, G, MX, LW)
                 if g4 + k < G:
                     acc_g0, acc_u0, acc_g1, acc_u1 = _step(wq, wx, ready, empty, it, sg, zg, su, zu, acc_g0, acc_u0,
                                                            acc_g1, acc_u1, fifteen, magic, has2, LW, GATED, TM,
-                                                           LOADER_ONLY, num_warps)
+                                                           LOADER_ONLY, MX, num_warps)
                     it += 1
         _store(acc_g0, acc_u0, 0, item, r0, rows, ids_ptr, wts_ptr, item_s_ptr, out_ptr, num_experts, ROWS, GATED,
                TM, GROUPED)
@@ -259,13 +310,14 @@ def _raw_decode(wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, ite
 def raw_kernel(q_desc, x_desc, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr, item_s_ptr, count_ptr, out_ptr,
                num_experts, fifteen, magic, S: gl.constexpr, TOP_K: gl.constexpr, R: gl.constexpr, ROWS: gl.constexpr,
                G: gl.constexpr, GATED: gl.constexpr, TM: gl.constexpr, GROUPED: gl.constexpr, STAGES: gl.constexpr,
-               LOADER_ONLY: gl.constexpr, num_warps: gl.constexpr):
+               LOADER_ONLY: gl.constexpr, MX: gl.constexpr, num_warps: gl.constexpr):
     """q_desc [E*R, G*16] int32 words blocks [BM, 16]; x_desc x (GATED) or h [rows * G * 16, 4] int32 (bf16 pairs,
     row r's step g at rows (r G + g) 16 ..) blocks [16, 4]; scale_ptr [E, R, G] float32, zero_ptr [E, R, G] uint8
-    (moekit's int4 layout, group 128); ids_ptr / wts_ptr [S] int32 / float32 (slots token-major); out_ptr [S, ROWS]:
+    (moekit's int4 layout, group 128; MX: mxfp4, scale_ptr [E, R, 4G] uint8 e8m0, zero_ptr unused); ids_ptr / wts_ptr [S] int32 / float32 (slots token-major); out_ptr [S, ROWS]:
     bf16 h (GATED, ROWS = N, R = 2N) or float32 y (ROWS = R = K). GROUPED: item_e_ptr [S] int32 the items'
     experts, item_s_ptr [S, TM] int32 their slots (-1: none), count_ptr [1] int32 the items; else unused.
-    fifteen = 15, magic = 0x4b000000 (``RAW_CONSTANTS``)."""
+    fifteen, magic: ``RAW_CONSTANTS[MX]`` (int4: 15 and the float bits of 2^23; mxfp4: the masks of the code's
+    magnitude and sign bits once placed)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     W: gl.constexpr = 2 if GATED else 1
     wq = gl.allocate_shared_memory(gl.int32, [W * STAGES, BM, 16], q_desc.layout)
@@ -277,7 +329,7 @@ def raw_kernel(q_desc, x_desc, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_raw_decode, (wq, wx, ready, empty, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr, item_s_ptr, count_ptr,
-                       out_ptr, num_experts, fifteen, magic, S, R, ROWS, G, GATED, TM, GROUPED, LOADER_ONLY,
+                       out_ptr, num_experts, fifteen, magic, S, R, ROWS, G, GATED, TM, GROUPED, LOADER_ONLY, MX,
                        num_warps)),
         (_raw_loader, (q_desc, x_desc, wq, wx, ready, empty, ids_ptr, item_e_ptr, item_s_ptr, count_ptr, num_experts,
                        S, TOP_K, R, ROWS, G, GATED, TM, GROUPED)),
