@@ -4,7 +4,8 @@ warp keeps a TMA ring of packed weight tiles full, the decode warps read it from
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_ring_device_check.py --out $OUT/w5 --deadline 140   # H200
     PYTHONPATH=$PWD python3 benchmarks/wo_ring_device_check.py --smoke   # CPU: the twin against the reference only
 
-Cells: int4_w4a16 (g 128, random codes, scales and zeros) DeepSeek-V3 M = 1, 8, each in a child process. Variants:
+Cells (--cells preset:M[:scheme]; default DeepSeek-V3 int4 M = 1, 8, mxfp4 M = 1), each in a child process:
+int4_w4a16 g 128 (random codes, scales and zeros) or mxfp4 (random codes, e8m0 scales; raw plans only). Variants:
 "pick" (``run_experts_wo`` with the chooser's fused decode and config: the default before the ring), "default"
 (``run_experts_wo`` left to choose: the ring where ``triton_wo_ring_route.RING_MEASURED`` takes the call) and
 "ring <plan>" (gate-up ring, down ring, torch sum over k; plan "BMxWARPS sSTAGES", "2/SM" two programs an SM,
