@@ -314,8 +314,9 @@ def raw_kernel(q_desc, x_desc, scale_ptr, zero_ptr, ids_ptr, wts_ptr, item_e_ptr
     """q_desc [E*R, G*16] int32 words blocks [BM, 16]; x_desc x (GATED) or h [rows * G * 16, 4] int32 (bf16 pairs,
     row r's step g at rows (r G + g) 16 ..) blocks [16, 4]; scale_ptr [E, R, G] float32, zero_ptr [E, R, G] uint8
     (moekit's int4 layout, group 128; MX: mxfp4, scale_ptr [E, R, 4G] uint8 e8m0, zero_ptr unused); ids_ptr /
-    wts_ptr [S] int32 / float32 (slots token-major); out_ptr [S, ROWS]: bf16 h (GATED, ROWS = N, R = 2N) or float32 y (ROWS = R = K). GROUPED: item_e_ptr [S] int32 the items'
-    experts, item_s_ptr [S, TM] int32 their slots (-1: none), count_ptr [1] int32 the items; else unused.
+    wts_ptr [S] int32 / float32 (slots token-major); out_ptr [S, ROWS]: bf16 h (GATED, ROWS = N, R = 2N) or
+    float32 y (ROWS = R = K). GROUPED: item_e_ptr [S] int32 the items' experts, item_s_ptr [S, TM] int32 their
+    slots (-1: none), count_ptr [1] int32 the items; else unused.
     fifteen, magic: ``RAW_CONSTANTS[MX]`` (int4: 15 and the float bits of 2^23; mxfp4: the masks of the code's
     magnitude and sign bits once placed)."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
