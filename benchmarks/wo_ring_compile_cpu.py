@@ -1,6 +1,6 @@
 """Compile the int4 ring GEMV (``moekit/experts/_kernels/gluon_wo_ring.py``) for sm_90 on a machine without a GPU:
 catches typos and layout errors before a device run, and reports SMEM, registers, spills and the main loop's
-instructions a weight (SASS, where the bundled cuobjdump takes the cubin).
+instructions a weight of the decode loop (SASS, where the bundled cuobjdump takes the cubin).
 
     PYTHONPATH=$PWD python3 benchmarks/wo_ring_compile_cpu.py          # gate-up and down, the device check's plans
     PYTHONPATH=/tmp/triton36:$PWD python3 benchmarks/wo_ring_compile_cpu.py   # the same on Triton 3.6 (the GPU's):
@@ -82,6 +82,23 @@ def sass_of(cubin: bytes) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def per_weight(sass: str, gated: bool, plan: RingPlan) -> float:
+    """Instructions a weight of the decode partition's steady loop: from the first stage wait before the first
+    release to the release that ends one loop body (the raw decode unrolls 4 steps), over the weights a thread
+    decodes in those steps (rows a thread x gate and up x 16 codes a step)."""
+    import re
+
+    ops = [re.sub(r"^\s+/\*[0-9a-f]+\*/\s+", "", line).split(";")[0] for line in sass.splitlines()
+           if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    releases = [i for i, op in enumerate(ops) if "SYNCS.ARRIVE.TRANS64.A1T0" in op]
+    steps = 4 if plan.decode == "raw" else 1
+    if len(releases) < steps:
+        return float("nan")  # the loop not laid out as one body of releases (read the SASS by hand)
+    start = max(i for i, op in enumerate(ops) if "TRYWAIT" in op and i < releases[0])
+    weights = plan.block_rows // (4 * plan.num_warps) * (2 if gated else 1) * 16 * steps
+    return (releases[steps - 1] + 1 - start) / weights
+
+
 def main() -> int:
     import triton
 
@@ -102,9 +119,9 @@ def main() -> int:
         try:
             out, sec, spills = compile_ring(gated, plan, mx=mx)
             sass = sass_of(out.asm["cubin"])
-            ffma = sass.count("FFMA") if sass else None
+            each = f"{per_weight(sass, gated, plan):.2f}" if sass else "?"
             print(f"OK {name}: {sec:.1f} s, shared {out.metadata.shared} B, ptxas spill stores {spills} B, "
-                  f"FFMA lines {ffma}", flush=True)
+                  f"{each} instructions a weight", flush=True)
         except Exception as exc:  # noqa: BLE001 (report each)
             failed += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-3000:]}", flush=True)
