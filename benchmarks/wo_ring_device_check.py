@@ -170,7 +170,7 @@ def run_cell(s: Shape, m: int, scheme: str, dev, bw: float, args) -> Cell:
         if scheme == "mxfp4" and PLANS[name].decode != "raw":
             continue
         calls[f"ring {name}"] = lambda c, p=PLANS[name]: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
-    if args.bf16:  # the same experts dequantized to bf16, moekit's bf16 path (the Qwen3 target is a ratio to it)
+    if s.name in args.bf16.split(","):  # the same experts dequantized to bf16, moekit's bf16 path (the Qwen3 target is a ratio to it)
         b13, b2 = (dequantize_wo(w, cols).to(torch.bfloat16) for w, cols in ((w13, s.k), (w2, s.n)))
         calls["bf16"] = lambda c: experts_triton(c.x, b13, b2, c.topk_ids, c.topk_weights)
     graphs = {}
@@ -242,7 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--cells", default=CELLS, help="preset:M, comma separated")
     p.add_argument("--plans", default=",".join(PLANS), help="ring plans (names of PLANS), comma separated")
     p.add_argument("--no-launches", dest="launches", action="store_false", help="skip the launches-alone graphs")
-    p.add_argument("--bf16", action="store_true", help="also time moekit's bf16 experts on the dequantized weights")
+    p.add_argument("--bf16", default="", help="presets (comma separated) whose cells also time moekit's bf16 "
+                   "experts on the dequantized weights")
     args = p.parse_args(argv)
     unknown = [name for name in args.plans.split(",") if name not in PLANS]
     if unknown:
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
             skipped.append(f"{preset} {scheme} M={m}")
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out, "--cells", args.cells,
-               "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + (["--bf16"] if args.bf16 else [])
+               "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + ["--bf16", args.bf16]
         try:
             rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
         except subprocess.TimeoutExpired:
