@@ -170,7 +170,7 @@ def run_cell(s: Shape, m: int, scheme: str, dev, bw: float, args) -> Cell:
         if scheme == "mxfp4" and PLANS[name].decode != "raw":
             continue
         calls[f"ring {name}"] = lambda c, p=PLANS[name]: ring_experts(c.x, r13, r2, c.topk_ids, c.topk_weights, p, p)
-    if s.name in args.bf16.split(","):  # the same experts dequantized to bf16, moekit's bf16 path (the Qwen3 target is a ratio to it)
+    if s.name in args.bf16.split(","):  # the experts dequantized to bf16, moekit's bf16 path (Qwen3's target: a ratio)
         b13, b2 = (dequantize_wo(w, cols).to(torch.bfloat16) for w, cols in ((w13, s.k), (w2, s.n)))
         calls["bf16"] = lambda c: experts_triton(c.x, b13, b2, c.topk_ids, c.topk_weights)
     graphs = {}
