@@ -238,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/wo_ring")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--deadline", type=float, default=140.0, help="wall-clock seconds; cells past it are skipped")
+    p.add_argument("--cell-timeout", type=float, default=80.0, help="seconds a cell may take (a hang loses one cell)")
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
     p.add_argument("--cells", default=CELLS, help="preset:M, comma separated")
     p.add_argument("--plans", default=",".join(PLANS), help="ring plans (names of PLANS), comma separated")
@@ -262,7 +263,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out, "--cells", args.cells,
                "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + ["--bf16", args.bf16]
         try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
+            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=min(left, args.cell_timeout)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         path = os.path.join(args.out, f"wo_ring-{i}.json")
