@@ -263,7 +263,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out, "--cells", args.cells,
                "--plans", args.plans] + ([] if args.launches else ["--no-launches"]) + ["--bf16", args.bf16]
         try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=min(left, args.cell_timeout)).returncode
+            limit = min(left, args.cell_timeout)
+            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=limit).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         path = os.path.join(args.out, f"wo_ring-{i}.json")
