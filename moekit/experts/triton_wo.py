@@ -205,12 +205,6 @@ def run_experts_wo(
         expert_map = expert_map.contiguous()
     if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
-    if decode is None and scheme != "int8_w8a16":  # the ring decode where measured faster (its module imports this)
-        from moekit.experts.triton_wo_ring_route import ring_route, run_ring
-
-        ring = ring_route(x, w13, w2, ids, scheme, activation, expert_map, config, split_k, decode)
-        if ring is not None:
-            return run_ring(x, w13, w2, ids, weights, scheme, ring)
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # [M, K]
     b = plan.workspace.allocate(x.device)  # fresh: graph-safe, never aliased by what is returned
