@@ -66,8 +66,7 @@ def ptxas_report(ptx: str) -> tuple[int | None, bool]:
 
 
 def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int | None = None,
-                     max_registers: int | None = None, pingpong: bool = False, stagger: bool = False,
-                     wide: bool = False) -> Compiled:
+                     max_registers: int | None = None, pingpong: bool = False, stagger: bool = False) -> Compiled:
     """One GEMM at a small shape (E=2, N=256, K=512: shapes only reach the kernel as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -87,12 +86,11 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
                 c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
                 as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                reduce_dim=r, num_col_blocks=c // (256 if wide else 128), w_rows=w_rows,
-                gate_offset=n if gated else (128 if wide else 0),
+                reduce_dim=r, num_col_blocks=c // 128, w_rows=w_rows, gate_offset=n if gated else 0,
                 stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
                 stride_wsr=r // 128, stride_cs=c // 128)
     const = dict(GATED=gated, STAGES=stages, GROUP_M=group_m,
-                 CONSUMER_REGS=consumer_regs, num_warps=4, PINGPONG=pingpong, STAGGER=stagger, WIDE=wide)
+                 CONSUMER_REGS=consumer_regs, num_warps=4, PINGPONG=pingpong, STAGGER=stagger)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -101,25 +99,21 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
     name = (f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} regs={max_registers}/"
-            f"{consumer_regs}" + (" pingpong" if pingpong else "") + (" stagger" if stagger else "")
-            + (" wide" if wide else ""))
+            f"{consumer_regs}" + (" pingpong" if pingpong else "") + (" stagger" if stagger else ""))
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
                     getattr(out, "n_spills", None), regs, *ptxas_report(ptx))
 
 
 def main() -> int:
     failed = 0
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
-
-    WIDE_STAGES = WIDE_DOWN_TILE.stages
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
 
     up, down = UP_TILE.stages, DOWN_TILE.stages  # the plan's pipelines, then the device check's variants
-    for gated, stages, pingpong, stagger, wide in ((True, up, False, False, False), (False, down, False, False, False),
-                                                   (False, down, True, False, False), (True, up, False, True, False),
-                                                   (False, down, False, True, False), (False, WIDE_STAGES, False, False,
-                                                                                       True)):
+    for gated, stages, pingpong, stagger in ((True, up, False, False), (False, down, False, False),
+                                             (False, down, True, False), (True, up, False, True),
+                                             (False, down, False, True)):
         try:
-            c = compile_fp8_gemm(gated, stages, pingpong=pingpong, stagger=stagger, wide=wide)
+            c = compile_fp8_gemm(gated, stages, pingpong=pingpong, stagger=stagger)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
                   f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}")
         except Exception as exc:  # noqa: BLE001 (report each GEMM)
