@@ -1,6 +1,9 @@
 """What ``bytes_device_check.py`` measures: the byte-bound cells 8 <= M <= 1024 (issues #19, #15) and each cell's
 variants of its tuned entry (``moekit/experts/configs/``): row height (the padding), tile width, BLOCK_K for the down
 GEMM's short K (Qwen3: N = 768), stages, warps, GROUP_M, SWAP_AB (fp8).
+
+Run 1 (merged main 392c1c5, raw/NVIDIA_H200-2026-12-04-392c1c5-bytes-merged-bytes.*): every variant PASS, none >= 3%
+faster than the tuned default in any round (tables and breakdowns: benchmarks/triton-notes.md, branch `bytes`).
 """
 
 from __future__ import annotations
