@@ -87,7 +87,10 @@ static PyObject *launch_all(PyObject *self, PyObject *const *args, Py_ssize_t na
   if (PyErr_Occurred()) return NULL;
   uint64_t *patch = head + 3;
   for (uint64_t p = 0; p < n_patches; ++p, patch += 2) {
-    if ((Py_ssize_t)patch[0] + 2 >= nargs) { PyErr_SetString(PyExc_IndexError, "launch_all: too few values"); return NULL; }
+    if ((Py_ssize_t)patch[0] + 2 >= nargs) {
+      PyErr_SetString(PyExc_IndexError, "launch_all: too few values");
+      return NULL;
+    }
     PyObject *value = args[2 + patch[0]];
     unsigned long long address = 0;
     if (PyLong_CheckExact(value)) {
@@ -122,8 +125,16 @@ static PyObject *launch_all(PyObject *self, PyObject *const *args, Py_ssize_t na
     if ((uint64_t)d[0] * d[1] * d[2] == 0) continue;
     CUlaunchAttribute attrs[2];
     unsigned num_attrs = 0;
-    if (d[5] & 1) { attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION; attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1; ++num_attrs; }
-    if (d[5] & 2) { attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE; attrs[num_attrs].value.cooperative = 1; ++num_attrs; }
+    if (d[5] & 1) {
+      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
+      ++num_attrs;
+    }
+    if (d[5] & 2) {
+      attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+      attrs[num_attrs].value.cooperative = 1;
+      ++num_attrs;
+    }
     CUlaunchConfig config;
     config.gridDimX = d[0]; config.gridDimY = d[1]; config.gridDimZ = d[2];
     config.blockDimX = d[3]; config.blockDimY = 1; config.blockDimZ = 1;
