@@ -134,7 +134,8 @@ def test_layer_eager_equals_a_call_without_buffers(mods, name, monkeypatch):
         monkeypatch.setattr(layer, "_gate_route", lambda *a: taken.append(1) or gate_route.gate_route(*a))
         x = torch.randn(18, cfg.hidden_size)
         out, kept = layer(x), layer.route_tokens(x, layer._route_ws)
-        ids, weights, logits = (t.clone() for t in (kept.routing.topk_ids, kept.routing.topk_weights, kept.router_logits))
+        kept_tensors = (kept.routing.topk_ids, kept.routing.topk_weights, kept.router_logits)
+        ids, weights, logits = (t.clone() for t in kept_tensors)
         fresh = layer.route_tokens(x)
         assert taken == [1, 1, 1] and 18 in layer._decode._entries and layer._decode._entries[18].bound is not None
         again = layer(x)  # the decode fast path: the entry's bound launch
