@@ -218,10 +218,9 @@ class MoE(nn.Module):
             nn.init.normal_(self.shared_gate.weight, std=self.config.hidden_size**-0.5)
 
     def route_tokens(self, x2d: torch.Tensor, workspace: RouteWorkspace | None = None) -> RoutedTokens:
-        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to 256 rows
-        (``gate_route.ROWS``) gate and router are one launch (``moekit.routing.gate_route``) into ``workspace``'s
-        kept buffers (forward without stats), else into fresh ones where two launches' bits would differ
-        (``wants_fresh``), else two."""
+        """Gate x2d [M, K], route, drop over capacity (opt-in), append the fused shared slots. Up to ``gate_route.ROWS``
+        (256) rows gate and router are one launch (``gate_route``) into ``workspace``'s kept buffers (forward without
+        stats), else into fresh ones where two launches' bits would differ (``wants_fresh``), else two."""
         in_kernel = self.fuse_shared and self.capacity_factor is None and self._fused_router is not None  # S appended
         c = self.config
         gx, weight, gbias = self._gate_inputs(x2d)  # [M, K], [E, K], [E] | None in the router dtype
