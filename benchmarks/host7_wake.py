@@ -14,7 +14,6 @@ first half, the call's µs, the second's, and in how many repetitions the thread
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -60,6 +59,12 @@ def _wait(how: str, passes: dict) -> None:
     time.sleep(0.02) if how == "sleep20" else _spin(0.02 if how == "spin20" else 0.0)
 
 
+def _cpu() -> int:
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat; Python's os has no sched_getcpu)."""
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
 def part_wake(results: dict, save) -> None:
     fn, out = get_backend("triton"), results.setdefault("wake", {})
     shape = Shape.from_preset(QWEN3)
@@ -75,7 +80,7 @@ def part_wake(results: dict, save) -> None:
             _wait(how, passes)
             if how == "hot":
                 _py_work([])
-            cpu0 = os.sched_getcpu()
+            cpu0 = _cpu()
             stamps = [time.perf_counter()]
             _py_work(stamps)
             t = time.perf_counter()
@@ -86,7 +91,7 @@ def part_wake(results: dict, save) -> None:
             steps = [b - a for a, b in zip(stamps, stamps[1:])]
             rows.append(dict(py=(stamps[-1] - stamps[0]) * 1e6, py_max_step=max(steps) * 1e6,
                              py_first_half=(stamps[PY_STEPS // 2] - stamps[0]) * 1e6, call=(t_call - t) * 1e6,
-                             second=(t_second - t_call) * 1e6, moved=int(os.sched_getcpu() != cpu0)))
+                             second=(t_second - t_call) * 1e6, moved=int(_cpu() != cpu0)))
         torch.cuda.synchronize()
         row = {k: round(statistics.median(r[k] for r in rows), 1) for k in rows[0]}
         row["moved"] = sum(r["moved"] for r in rows)
