@@ -1,0 +1,278 @@
+"""The cells of ``bounds_device_check.py``: one call's bytes read by a pure-read launch, chains of dependent read
+launches, torch's own reads, and moekit's experts call / layer on the same routing, each a list of zero-argument
+calls over rotated input sets (so the graph replays stream from HBM, not L2), timed by ``GraphTimer``.
+
+Shapes: E experts, N intermediate, K hidden, k slots, M tokens, S experts one set touches, W words an expert row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import bounds_kernels as bk
+
+ROTATION_BYTES = 256 << 20  # at least this many distinct bytes over a cell's sets (the H200's L2 is 50 MB)
+MAX_SETS = 8
+PAD_WORDS = 4096  # a part's words rounded up to this (16 KB): <= 0.5% more than the real bytes at every cell here
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Bytes of one expert as the experts kernels stream them."""
+
+    gate_up: int  # w13 (+ its scales / zero points)
+    down: int  # w2 (+ its scales / zero points)
+
+    @property
+    def words13(self) -> int:
+        return _padded_words(self.gate_up)
+
+    @property
+    def words2(self) -> int:
+        return _padded_words(self.down)
+
+
+def _padded_words(nbytes: int) -> int:
+    return -(-nbytes // (4 * PAD_WORDS)) * PAD_WORDS
+
+
+def parts_of(fmt: str, n: int, k: int) -> Parts:
+    """bf16: 2 bytes a weight; fp8: e4m3 + fp32 128 x 128 block scales; int4: packed codes + fp32 scale and uint8
+    zero per 128 along the reduction dim (moekit's layouts; their ``nbytes_per_expert``)."""
+    if fmt == "bf16":
+        return Parts(2 * n * k * 2, k * n * 2)
+    if fmt == "fp8":
+        return Parts(2 * n * k + 4 * math.ceil(2 * n / 128) * math.ceil(k / 128),
+                     k * n + 4 * math.ceil(k / 128) * math.ceil(n / 128))
+    if fmt == "int4":
+        return Parts(2 * n * math.ceil(k / 2) + 5 * 2 * n * math.ceil(k / 128),
+                     k * math.ceil(n / 2) + 5 * k * math.ceil(n / 128))
+    raise ValueError(f"fmt must be bf16, fp8 or int4, got {fmt!r}")
+
+
+@dataclass
+class ReadSets:
+    """The experts each rotated set reads, placed in a pool of slabs: set i reads rows ids[i] (random rows of the
+    pool, as routing scatters them); torch's peers read the same number of rows as one contiguous run."""
+
+    slabs: torch.Tensor  # [sum S_i, W] int32, random words
+    ids: list[torch.Tensor]  # per set [S_i] int32 on the device
+    runs: list[tuple[int, int]]  # per set (first row, S_i): the contiguous rows torch's peers read
+    parts: Parts
+
+    @property
+    def touched(self) -> list[int]:
+        return [int(t.numel()) for t in self.ids]
+
+
+def read_sets(touched: list[int], parts: Parts, dev, seed: int = 0) -> ReadSets:
+    rows = sum(touched)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    slabs = torch.randint(-2**31, 2**31 - 1, (rows, parts.words13 + parts.words2), generator=g, device=dev,
+                          dtype=torch.int32)
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    starts = np.cumsum([0] + touched[:-1]).tolist()
+    ids = [perm[s:s + t].to(dev) for s, t in zip(starts, touched)]
+    return ReadSets(slabs, ids, list(zip(starts, touched)), parts)
+
+
+def num_sets(bytes_per_call: float) -> int:
+    return max(2, min(MAX_SETS, math.ceil(ROTATION_BYTES / max(bytes_per_call, 1))))
+
+
+def xor_of(rs: ReadSets, i: int, first: int, words: int) -> int:
+    """Every word set i reads in [first, first + words) of its rows, folded by xor (on the host)."""
+    rows = rs.slabs[rs.ids[i].long(), first:first + words]
+    return int(np.bitwise_xor.reduce(rows.cpu().numpy().reshape(-1)))
+
+
+def fold(t: torch.Tensor) -> int:
+    return int(np.bitwise_xor.reduce(t.cpu().numpy().reshape(-1)))
+
+
+@dataclass(frozen=True)
+class Config:
+    """A one-launch read: chunk words, warps, programs (per SM; 0: one program per 2 chunks), Triton stages (the loop
+    compiles to the same loads at 1 and 3 stages on Triton 3.6 and 3.9, sm_90: four ld.global.v4 a thread a chunk at
+    2048 words and 4 warps, no cp.async; so the sweep keeps 1)."""
+
+    block: int
+    warps: int
+    per_sm: int
+    stages: int = 1
+
+    @property
+    def name(self) -> str:
+        g = f"{self.per_sm}/SM" if self.per_sm else "all"
+        return f"b{self.block} w{self.warps} {g}" + (f" s{self.stages}" if self.stages > 1 else "")
+
+    def plan(self, first: int, words: int, touched: int, sms: int, **launch) -> bk.ReadPlan:
+        chunks = touched * words // self.block
+        programs = sms * self.per_sm if self.per_sm else -(-chunks // 2)
+        return bk.ReadPlan(first, words, self.block, max(1, min(programs, chunks)), self.warps, self.stages, **launch)
+
+
+SWEEP = [Config(b, w, g) for b in (1024, 2048, 4096) for w in (4, 8) for g in (1, 2, 4, 8, 0)]
+SMOKE_SWEEP = [Config(1024, 4, 1), Config(2048, 4, 0)]
+
+
+@dataclass
+class Variant:
+    """Zero-argument calls, one per rotated set, and a check of what set 0's call produced."""
+
+    name: str
+    kind: str  # "read1" (one launch), "chain", "torch", "ours", "layer"
+    fns: list
+    check: object = None  # () -> str: "PASS" or "FAIL ..." (run after fns[0]())
+    per_graph: int = 0  # 1: each replay holds one call (as ``moekit analyze --measure`` times the layer)
+    samples: list = field(default_factory=list)  # µs per call, one a timed round
+    status: str = ""  # the check's verdict ("PASS ...", "FAIL ...", "error: ...")
+    us: float | None = None  # median of samples; None: not timed
+    config: Config | None = None  # read1 variants: the launch they time
+
+
+def read1(rs: ReadSets, cfg: Config, sms: int, pdl: bool = False) -> Variant:
+    """The whole rows [0, W) in one launch; pdl: launched with PDL, waiting before its first load (as ours)."""
+    words = rs.parts.words13 + rs.parts.words2
+    launch = dict(pdl=True, wait=1, signal=2) if pdl else {}
+    plans = [cfg.plan(0, words, t, sms, **launch) for t in rs.touched]
+    outs = [torch.zeros(p.programs, dtype=torch.int32, device=rs.slabs.device) for p in plans]
+    fns = [lambda i=i: bk.launch_read(rs.slabs, rs.ids[i], plans[i], outs[i]) for i in range(len(plans))]
+    want = xor_of(rs, 0, 0, words)
+    check = lambda: "PASS" if fold(outs[0]) == want else f"FAIL (xor {fold(outs[0])} != {want})"  # noqa: E731
+    return Variant(cfg.name + (" pdl" if pdl else ""), "read1", fns, check, config=cfg)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A dependency chain of launches: [gate] -> gate-up read -> down read (reads the gate-up launch's words) ->
+    [k-sum] (reads the down launch's words); PDL on every launch after the first (or none)."""
+
+    name: str
+    pdl: bool = True
+    early: bool = False  # the gate-up read signals its dependents at its start (else after its stream)
+    down_wait_last: bool = False  # the down read streams before its PDL wait (the loosest legal dependency)
+    ksum: bool = False
+    gate: bool = False
+
+
+CHAINS = [Chain("2 launches, no PDL", pdl=False), Chain("2 launches, PDL"), Chain("2, PDL, signal early", early=True),
+          Chain("2, PDL, down waits last", early=True, down_wait_last=True),
+          Chain("3 launches (+k-sum), PDL", ksum=True),
+          Chain("3 launches, no PDL", pdl=False, ksum=True), Chain("gate + 2, PDL", gate=True),
+          Chain("gate + 3, PDL", ksum=True, gate=True), Chain("gate + 3, no PDL", pdl=False, ksum=True, gate=True)]
+
+
+@dataclass
+class ChainBuffers:
+    """What one set's chain writes (allocated once, outside the graph)."""
+
+    ids: torch.Tensor  # [S] int32: the gate launch's copy of the set's ids, which the reads take
+    logits: torch.Tensor  # [M, E] float32
+    parts13: torch.Tensor
+    parts2: torch.Tensor
+    y: torch.Tensor  # [M·k, K] bf16, the k-sum's input
+    out: torch.Tensor  # [M, K] bf16
+
+
+def chain(rs: ReadSets, cfg: Config, c: Chain, sms: int, gate_io: list) -> Variant:
+    """gate_io[i]: (x [M, K], wg [E, K], top_k) of set i (the gate launch reads them)."""
+    p = rs.parts
+    first = dict(pdl=c.pdl, wait=int(c.pdl), signal=(1 if c.early else 2) if c.pdl else 0)
+    second = dict(pdl=c.pdl, wait=(2 if c.down_wait_last else 1) if c.pdl else 0, signal=2 if c.pdl else 0)
+    dev = rs.slabs.device
+    plans, bufs = [], []
+    for i, t in enumerate(rs.touched):
+        x, wg, top_k = gate_io[i]
+        plans.append((cfg.plan(0, p.words13, t, sms, **first), cfg.plan(p.words13, p.words2, t, sms, **second)))
+        bufs.append(ChainBuffers(rs.ids[i].clone(), torch.zeros(x.shape[0], wg.shape[0], device=dev),
+                                 torch.zeros(plans[-1][0].programs, dtype=torch.int32, device=dev),
+                                 torch.zeros(plans[-1][1].programs, dtype=torch.int32, device=dev),
+                                 torch.zeros(x.shape[0] * top_k, x.shape[1], dtype=torch.bfloat16, device=dev),
+                                 torch.zeros_like(x)))
+
+    def run(i: int) -> None:
+        b, (a, d) = bufs[i], plans[i]
+        x, wg, top_k = gate_io[i]
+        ids = rs.ids[i]
+        if c.gate:
+            bk.launch_gate(x, wg, b.logits, rs.ids[i], b.ids, signal=c.pdl, pdl=False)
+            ids = b.ids
+        bk.launch_read(rs.slabs, ids, a, b.parts13)
+        bk.launch_read(rs.slabs, ids, d, b.parts2, dep=b.parts13)
+        if c.ksum:
+            bk.launch_ksum(b.y, b.out, b.parts2, top_k, wait=c.pdl, pdl=c.pdl)
+
+    want13, want2 = xor_of(rs, 0, 0, p.words13), xor_of(rs, 0, p.words13, p.words2)
+
+    def check() -> str:
+        b, (_, d) = bufs[0], plans[0]
+        dep = b.parts13.cpu().numpy()
+        want = want2 ^ int(np.bitwise_xor.reduce(dep[np.arange(d.programs) % len(dep)]))
+        ok = fold(b.parts13) == want13 and fold(b.parts2) == want
+        if c.ksum:
+            ok = ok and bool(torch.equal(b.out, bk.ksum_torch(b.y, gate_io[0][2], b.parts2)))
+        return "PASS" if ok else "FAIL (chain words or k-sum differ)"
+
+    return Variant(c.name, "chain", [lambda i=i: run(i) for i in range(len(plans))], check)
+
+
+def torch_peers(rs: ReadSets) -> list[Variant]:
+    """torch's own reads of the same number of expert rows (one contiguous run a set): ``.sum()`` and a copy (which
+    also writes them: twice the traffic, for reference)."""
+    words = rs.parts.words13 + rs.parts.words2
+    view = rs.slabs.view(torch.bfloat16)  # [rows, 2W]: the sum reads bytes, whatever they encode
+    dst = torch.empty(max(rs.touched), 2 * words, dtype=torch.bfloat16, device=rs.slabs.device)
+    sums = [lambda s=s, t=t: view[s:s + t].sum(dtype=torch.float32) for s, t in rs.runs]
+    copies = [lambda s=s, t=t: dst[:t].copy_(view[s:s + t]) for s, t in rs.runs]
+    return [Variant("torch .sum()", "torch", sums, lambda: "PASS"), Variant("torch copy (2x bytes)", "torch", copies,
+                                                                             lambda: "PASS")]
+
+
+class GraphTimer:
+    """``fns`` captured once in a CUDA graph and replayed. per_graph 0: every fn in the graph, REPLAYS_S worth of
+    replays queued back to back between two events (the GPU never waits for the host); per_graph 1: fns[0] alone, one
+    replay between two events on an idle GPU, as ``moekit.bench.timing`` times a graph (so ``moekit analyze
+    --measure``'s layer): the graph's own launch latency included. ``sample()`` gives µs per call."""
+
+    REPLAYS_S = 2e-3
+
+    def __init__(self, fns: list, per_graph: int = 0):
+        fns = fns[:1] if per_graph == 1 else fns
+        self.calls = len(fns)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for fn in fns:
+                    fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for fn in fns:
+                fn()
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        once = self._time(1, queued=False)
+        self.replays = 1 if per_graph == 1 else max(1, min(200, int(self.REPLAYS_S / max(once, 1e-7))))
+
+    def _time(self, replays: int, queued: bool) -> float:
+        """Seconds a replay; queued: one untimed replay first, so the timed ones start with work ahead of them."""
+        torch.cuda.synchronize()
+        if queued:
+            self.graph.replay()
+        self.start.record()
+        for _ in range(replays):
+            self.graph.replay()
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3 / replays
+
+    def sample(self) -> float:
+        if self.replays == 1:
+            return float(np.median([self._time(1, queued=False) for _ in range(15)])) * 1e6 / self.calls
+        return self._time(self.replays, queued=True) * 1e6 / self.calls

@@ -1,0 +1,252 @@
+"""Issues 13 item 4, 19, 15, 16: what the H200 can do at decode sizes at all, beside what moekit does.
+
+    PYTHONPATH=$PWD timeout 170 python3 benchmarks/bounds_device_check.py --out $OUT/bounds --deadline-s 140  # H200
+    PYTHONPATH=$PWD python3 benchmarks/bounds_device_check.py --smoke        # CPU: interpreter, tiny shapes, no timing
+
+Per cell (a shape, a weight format, M tokens; rotated routing sets, so replays stream from HBM), in CUDA-graph
+replay, on exactly the bytes the cell's touched experts hold (``bounds_cells``):
+1. one pure-read launch of those bytes (``bounds_kernels.read_parts_kernel``), a sweep of chunk size, warps,
+   programs per SM and Triton stages, then the best again with PDL (waiting before its first load, as ours);
+2. the same bytes as dependency chains: gate-up read -> down read (which reads words the first wrote), with and
+   without PDL, the down read waiting first (what a GEMM that needs h does) or last (the loosest legal chain), + a
+   tiny k-sum launch, + a gate launch before them (reads x and the gate weight, writes the ids the reads take);
+3. torch's own reads (``.sum()``, a copy) of as many expert rows, and moekit: the experts call (experts cells) or
+   the ``MoE`` layer forward (layer cells), in a graph of every set and, as ``moekit analyze --measure`` times the
+   layer, a graph of one call replayed on an idle GPU (``per_graph 1``), plus ``layer_measure.time_layer`` itself.
+Every variant is checked first (read words xor-folded against the host's fold, ours against the reference; PASS /
+FAIL); then the variants are timed interleaved, median of rounds. Copy bandwidth: ``moekit.bench.ceilings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+import bounds_cells as bc  # noqa: E402
+import bounds_ours as bo  # noqa: E402
+
+T0 = time.perf_counter()
+SWEEP_ROUNDS, ROUNDS = 3, 5
+Q3, MIX, DS = "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"
+
+
+@dataclass(frozen=True)
+class CellSpec:
+    kind: str  # "experts" (the experts call) or "layer" (the MoE forward: gate, routing, experts)
+    preset: str
+    fmt: str  # bf16, fp8, int4
+    m: int  # tokens
+    target_x: float  # the target: at most target_x times the floor (issue 13: 1.15; >= 80% of the floor: 1.25)
+    note: str  # which issue's bar
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.preset} {self.fmt} M={self.m}"
+
+
+P80, P90, L115 = 1 / 0.8, 1 / 0.9, 1.15
+CELLS = [
+    CellSpec("experts", Q3, "bf16", 1, P80, "#19 M=1 >= 80% of floor"),
+    CellSpec("experts", Q3, "fp8", 1, P80, "#15 M=1 >= 80% of the fp8 floor"),
+    CellSpec("layer", Q3, "bf16", 1, L115, "#13.4 layer graph <= 1.15 x floor"),
+    CellSpec("layer", Q3, "bf16", 2, L115, "#13.4"),
+    CellSpec("layer", Q3, "bf16", 4, L115, "#13.4"),
+    CellSpec("layer", Q3, "bf16", 8, L115, "#13.4"),
+    CellSpec("layer", MIX, "bf16", 1, L115, "#13.4"),
+    CellSpec("layer", MIX, "bf16", 2, L115, "#13.4"),
+    CellSpec("experts", Q3, "bf16", 2, L115, "(#13.4's bar on the experts alone)"),
+    CellSpec("experts", Q3, "bf16", 4, L115, "(#13.4's bar on the experts alone)"),
+    CellSpec("experts", Q3, "bf16", 8, P90, "#19 8 <= M: >= 90% of floor"),
+    CellSpec("experts", MIX, "bf16", 1, P80, "#19 M=1"),
+    CellSpec("experts", DS, "fp8", 1, P80, "#15 M=1"),
+    CellSpec("experts", DS, "int4", 1, P80, "#16 >= 80% of the packed floor"),
+    CellSpec("experts", MIX, "int4", 1, P80, "#16"),
+    CellSpec("experts", DS, "int4", 8, P80, "#16"),
+    CellSpec("experts", MIX, "int4", 8, P80, "#16"),
+    CellSpec("experts", Q3, "int4", 1, P80, "#16 (its own bar: <= 0.45 x bf16)"),
+    CellSpec("experts", DS, "bf16", 1, P80, "#19 M=1"),
+]
+SMOKE_CELLS = [CellSpec("experts", "smoke", f, 2, P80, "smoke") for f in ("bf16", "fp8", "int4")] + [
+    CellSpec("layer", "smoke", "bf16", 2, L115, "smoke")]
+BEST: dict = {}  # preset -> the configs of its first timed cell, fastest first (a layer cell sweeps only these)
+
+
+def elapsed() -> float:
+    return time.perf_counter() - T0
+
+
+def log(msg: str) -> None:
+    print(f"[{elapsed():6.1f}s] {msg}", flush=True)
+
+
+def check_all(variants: list) -> None:
+    for v in variants:
+        try:
+            v.fns[0]()
+            if not SMOKE:
+                torch.cuda.synchronize()
+            v.status = v.check()
+        except Exception as e:  # noqa: BLE001  (one variant's failure never ends the run)
+            v.status = f"error: {type(e).__name__}: {str(e)[:160]}".replace("\n", " ")
+        if not v.status.startswith("PASS") or SMOKE:
+            log(f"  check {v.name}: {v.status}")
+
+
+def time_all(variants: list, rounds: int, deadline: float) -> None:
+    """Graph µs of every passing variant, interleaved over rounds; v.us = the median (None: never timed)."""
+    timers = {}
+    for v in variants:
+        if v.status.startswith("PASS") and elapsed() < deadline:
+            try:
+                timers[v.name] = bc.GraphTimer(v.fns, v.per_graph)
+            except Exception as e:  # noqa: BLE001
+                v.status = f"graph error: {type(e).__name__}: {str(e)[:160]}".replace("\n", " ")
+    for _ in range(rounds):
+        for v in variants:
+            if v.name in timers and elapsed() < deadline:
+                v.samples.append(timers[v.name].sample())
+    for v in variants:
+        v.us = statistics.median(v.samples) if v.samples else None
+    del timers
+
+
+def sweep(cell, rs, sms: int, deadline: float) -> list:
+    configs = BEST.get(cell.spec.preset, [])[:4] or (bc.SMOKE_SWEEP if SMOKE else bc.SWEEP)
+    variants = [bc.read1(rs, c, sms) for c in configs]
+    check_all(variants)
+    if SMOKE:
+        return variants
+    time_all(variants, SWEEP_ROUNDS, deadline)
+    timed = sorted([v for v in variants if v.us is not None], key=lambda v: v.us)
+    BEST.setdefault(cell.spec.preset, [v.config for v in timed])
+    return variants
+
+
+def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -> dict:
+    cell = bo.build_cell(spec, dev, copy_tbps, SMOKE)
+    log(f"{spec.name}: touched {cell.touched} over {len(cell.touched)} sets, floor {cell.floor_us:.1f} µs "
+        f"(x{spec.target_x:.2f} = {spec.target_x * cell.floor_us:.1f}), {cell.note}")
+    rs = bc.read_sets(cell.touched, cell.parts, dev)
+    swept = sweep(cell, rs, sms, deadline)
+    ranked = sorted([v for v in swept if getattr(v, "us", None) is not None], key=lambda v: v.us)
+    best = ranked[0].config if ranked else swept[0].config
+    variants = [bc.read1(rs, best, sms), bc.read1(rs, best, sms, pdl=not SMOKE), bc.read1(rs, best, sms)]
+    variants[2].per_graph, variants[2].name = 1, variants[2].name + ", 1 call a graph"
+    variants += [bc.chain(rs, best, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
+    variants += bc.torch_peers(rs) + cell.ours
+    variants[1].name += " (as ours: waits first)" if not SMOKE else ""
+    check_all(variants)
+    if not SMOKE:
+        time_all(variants, ROUNDS, deadline)
+    row = dict(cell=spec.name, kind=spec.kind, preset=spec.preset, fmt=spec.fmt, M=spec.m, note=spec.note,
+               target_x=spec.target_x, touched=cell.touched, bytes_per_call=cell.bytes_per_call,
+               floor_us=cell.floor_us, target_us=spec.target_x * cell.extra.get("analyze_floor_us", cell.floor_us),
+               extra=cell.extra,
+               sweep=[_v(v) for v in swept], variants=[_v(v) for v in variants])
+    if spec.kind == "layer" and not SMOKE and elapsed() < deadline:
+        row["extra"]["analyze_time_layer_graph_us"] = bo.analyze_time_layer(cell)
+    for v in variants:
+        print(f"    {v.name:<42} {_us(v)} {v.status}", flush=True)
+    del cell, rs, swept, variants
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _v(v) -> dict:
+    return dict(name=v.name, kind=v.kind, status=v.status, us=getattr(v, "us", None), samples=v.samples,
+                per_graph=v.per_graph)
+
+
+def _us(v) -> str:
+    us = getattr(v, "us", None)
+    return f"{us:9.2f} µs" if us is not None else "        -   "
+
+
+def verdict(row: dict) -> str:
+    ours, _ = bo.pick(row, "ours")
+    needed, _ = bo.pick(row, names=bo.MINIMAL_CHAINS[row["kind"]])
+    one, _ = bo.pick(row, "read1")
+    t = row["target_us"]
+    if one is not None and one > t:
+        return f"OUT OF REACH: one pure-read launch {one:.1f} > target {t:.1f}"
+    if needed is not None and needed > t:
+        return f"OUT OF REACH with the chain it needs: {needed:.1f} > target {t:.1f} (one launch {one:.1f})"
+    if ours is None or needed is None:
+        return "incomplete"
+    if ours <= t:
+        return f"met: ours {ours:.1f} <= {t:.1f}"
+    return f"reachable: ours {ours:.1f} is {ours - t:.1f} over the target; {ours - needed:.1f} over the chain it needs"
+
+
+def table(rows: list, copy_tbps: float) -> None:
+    print(f"\nper cell, CUDA-graph µs (medians of {ROUNDS} interleaved rounds; copy {copy_tbps:.2f} TB/s): floor = "
+          "touched bytes + x/out at copy speed; target = target_x * floor (layer cells: * analyze's floor)")
+    print(f"{'cell':<36}{'floor':>8}{'target':>8}{'1 read':>8}{'2 dep':>8}{'3 dep':>8}{'g+2':>8}{'ours':>8}"
+          f"{'ours 1/g':>9}  verdict")
+    for r in rows:
+        names = [bo.CHAIN2, ("3 launches (+k-sum), PDL",), ("gate + 2, PDL",), (bo.OURS,), (bo.OURS1,)]
+        cols = [bo.pick(r, "read1")[0]] + [bo.pick(r, names=n)[0] for n in names]
+        text = "".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cols)
+        print(f"{r['cell']:<36}{r['floor_us']:8.1f}{r['target_us']:8.1f}{text} {verdict(r)}", flush=True)
+
+
+def main(args) -> int:
+    import triton
+
+    dev = torch.device("cpu" if SMOKE else "cuda")
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    log(f"torch {torch.__version__} triton {triton.__version__} {name}")
+    if SMOKE:
+        copy_tbps, sms = 1.0, 2
+    else:
+        from moekit.bench.ceilings import measure_ceilings
+
+        copy_tbps = measure_ceilings(dev).copy_TBps
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    log(f"copy {copy_tbps:.3f} TB/s, {sms} SMs")
+    cells = SMOKE_CELLS if SMOKE else [c for i, c in enumerate(CELLS) if not args.cells or i in args.cells]
+    rows = []
+    out = Path(args.out) if args.out else None
+    for spec in cells:
+        if elapsed() > args.deadline_s:
+            log(f"deadline: {spec.name} not run")
+            continue
+        try:
+            rows.append(run_cell(spec, dev, copy_tbps, sms, args.deadline_s))
+        except Exception as e:  # noqa: BLE001  (a cell's failure never ends the run)
+            log(f"{spec.name}: error {type(e).__name__}: {str(e)[:300]}")
+            rows.append(dict(cell=spec.name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bounds.json").write_text(json.dumps(dict(device=name, torch=torch.__version__,
+                                                             triton=triton.__version__, copy_TBps=copy_tbps, sms=sms,
+                                                             rows=rows), indent=1) + "\n")
+    done = [r for r in rows if "error" not in r]
+    bo.fit_lines(done)
+    table(done, copy_tbps)
+    failed = [f"{r['cell']}: {v['name']}" for r in done for v in r["variants"] + r["sweep"]
+              if not v["status"].startswith("PASS")] + [r["cell"] for r in rows if "error" in r]
+    print(f"FAILED: {failed or 'none'}  ({elapsed():.1f} s)", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for bounds.json")
+    p.add_argument("--deadline-s", type=float, default=140.0, help="seconds after which nothing new is timed")
+    p.add_argument("--cells", type=int, nargs="*", help="indices into CELLS (default: all, in order)")
+    p.add_argument("--smoke", action="store_true", help="CPU: the interpreter, tiny shapes, checks only")
+    sys.exit(main(p.parse_args()))
