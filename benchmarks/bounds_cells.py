@@ -104,20 +104,24 @@ class Config:
     warps: int
     per_sm: int
     stages: int = 1
+    tma: int = 0  # > 0: the TMA read, boxes [block / tma, tma] (no PDL, no dependency: one-launch reads only)
 
     @property
     def name(self) -> str:
         g = f"{self.per_sm}/SM" if self.per_sm else "all"
-        return f"b{self.block} w{self.warps} {g}" + (f" s{self.stages}" if self.stages > 1 else "")
+        return f"b{self.block} w{self.warps} {g}" + (f" s{self.stages}" if self.stages > 1 else "") + (
+            f" tma[{self.block // self.tma},{self.tma}]" if self.tma else "")
 
     def plan(self, first: int, words: int, touched: int, sms: int, **launch) -> bk.ReadPlan:
         chunks = touched * words // self.block
         programs = sms * self.per_sm if self.per_sm else -(-chunks // 2)
-        return bk.ReadPlan(first, words, self.block, max(1, min(programs, chunks)), self.warps, self.stages, **launch)
+        return bk.ReadPlan(first, words, self.block, max(1, min(programs, chunks)), self.warps, self.stages,
+                           tma=self.tma, **launch)
 
 
-SWEEP = [Config(b, w, g) for b in (1024, 2048, 4096) for w in (4, 8) for g in (1, 2, 4, 8, 0)]
-SMOKE_SWEEP = [Config(1024, 4, 1), Config(2048, 4, 0)]
+SWEEP = [Config(b, w, g) for b in (1024, 2048, 4096) for w in (4, 8) for g in (1, 2, 4, 8, 0)] + [
+    Config(b, 4, g, tma=256) for b in (2048, 4096) for g in (4, 8, 0)]
+SMOKE_SWEEP = [Config(1024, 4, 1), Config(2048, 4, 0), Config(2048, 4, 1, tma=256)]
 
 
 @dataclass

@@ -106,17 +106,17 @@ def check_all(variants: list) -> None:
 
 def time_all(variants: list, rounds: int, deadline: float) -> None:
     """Graph µs of every passing variant, interleaved over rounds; v.us = the median (None: never timed)."""
-    timers = {}
-    for v in variants:
+    timers = {}  # variant index -> its GraphTimer
+    for i, v in enumerate(variants):
         if v.status.startswith("PASS") and elapsed() < deadline:
             try:
-                timers[v.name] = bc.GraphTimer(v.fns, v.per_graph)
+                timers[i] = bc.GraphTimer(v.fns, v.per_graph)
             except Exception as e:  # noqa: BLE001
                 v.status = f"graph error: {type(e).__name__}: {str(e)[:160]}".replace("\n", " ")
     for _ in range(rounds):
-        for v in variants:
-            if v.name in timers and elapsed() < deadline:
-                v.samples.append(timers[v.name].sample())
+        for i, v in enumerate(variants):
+            if i in timers and elapsed() < deadline:
+                v.samples.append(timers[i].sample())
     for v in variants:
         v.us = statistics.median(v.samples) if v.samples else None
     del timers
@@ -142,9 +142,10 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     swept = sweep(cell, rs, sms, deadline)
     ranked = sorted([v for v in swept if getattr(v, "us", None) is not None], key=lambda v: v.us)
     best = ranked[0].config if ranked else swept[0].config
-    variants = [bc.read1(rs, best, sms), bc.read1(rs, best, sms, pdl=not SMOKE), bc.read1(rs, best, sms)]
+    best_ptr = next(v.config for v in ranked + swept if not v.config.tma)  # for PDL and dependency words
+    variants = [bc.read1(rs, best, sms), bc.read1(rs, best_ptr, sms, pdl=not SMOKE), bc.read1(rs, best, sms)]
     variants[2].per_graph, variants[2].name = 1, variants[2].name + ", 1 call a graph"
-    variants += [bc.chain(rs, best, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
+    variants += [bc.chain(rs, best_ptr, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
     variants += bc.torch_peers(rs) + cell.ours
     variants[1].name += " (as ours: waits first)" if not SMOKE else ""
     check_all(variants)

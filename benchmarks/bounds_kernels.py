@@ -71,6 +71,26 @@ def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, row_words, first, nu
 
 
 @triton.jit
+def read_parts_tma_kernel(desc, ids_ptr, part_ptr, rows_per_expert, first_row, total_rows, num_chunks,
+                          chunks_per_part, iters, R: tl.constexpr, C: tl.constexpr):
+    """``read_parts_kernel``'s schedule (no PDL, no dependency word) through a TMA descriptor over the slabs viewed
+    [E·W/C, C]: chunk c is the box of R rows of C words at row ids[c // CPP]·W/C + first/C + (c % CPP)·R. Triton
+    3.6 does not pipeline a descriptor load that feeds no dot (one 16 KB buffer at R 16, C 256, 3 stages, offline
+    sm_90 compile), so a program has one box in flight; the programs resident on an SM keep its loads going."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    acc = tl.zeros([R, C], tl.int32)
+    for i in range(iters):
+        c = pid + i * grid
+        live = c < num_chunks
+        c = tl.minimum(c, num_chunks - 1)
+        e = tl.load(ids_ptr + c // chunks_per_part)
+        row = e * rows_per_expert + first_row + (c % chunks_per_part) * R
+        acc ^= desc.load([tl.where(live, row, total_rows), 0])  # past the last row: zeros, nothing read
+    tl.store(part_ptr + pid, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+
+
+@triton.jit
 def gate_kernel(x_ptr, wg_ptr, logits_ptr, ids_in_ptr, ids_out_ptr, M, E, K, S, BE: tl.constexpr, BK: tl.constexpr,
                 BS: tl.constexpr, SIGNAL: tl.constexpr):
     """logits[m, e] = x[m] . wg[e] (float32) for a block of BE experts; program 0 copies ids_in [S] to ids_out (the
@@ -123,6 +143,7 @@ class ReadPlan:
     wait: int = 0  # WAIT, see the module doc (nonzero only with pdl)
     signal: int = 0  # SIGNAL
     pdl: bool = False  # launched with launch_pdl
+    tma: int = 0  # > 0: ``read_parts_tma_kernel`` with boxes of [block / tma, tma] words (no PDL, no dependency)
 
     def chunks(self, num_ids: int) -> int:
         if self.words % self.block:
@@ -143,11 +164,29 @@ def launch_read(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan, parts: t
         raise ValueError(f"words [{plan.first}, {plan.first + plan.words}) outside a {slabs.shape[1]}-word row")
     if parts.shape != (plan.programs,) or parts.dtype != torch.int32:
         raise ValueError(f"parts must be [{plan.programs}] int32, got {tuple(parts.shape)} {parts.dtype}")
+    if plan.tma:
+        return _launch_read_tma(slabs, ids, plan, parts, dep)
     dep_arg = parts if dep is None else dep
     read_parts_kernel[(plan.programs,)](
         slabs, ids, dep_arg, parts, slabs.shape[1], plan.first, plan.chunks(ids.numel()), plan.words // plan.block,
         plan.iters(ids.numel()), dep_arg.numel(), BLOCK=plan.block, WAIT=plan.wait, SIGNAL=plan.signal,
         DEP=dep is not None, num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=plan.pdl)
+    return parts
+
+
+def _launch_read_tma(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan, parts: torch.Tensor,
+                     dep: torch.Tensor | None) -> torch.Tensor:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cols, rows = plan.tma, plan.block // plan.tma
+    if dep is not None or plan.pdl or slabs.shape[1] % cols or plan.first % cols or plan.block % cols:
+        raise ValueError(f"the TMA read takes no dependency or PDL, and W, first and block multiples of {cols}")
+    flat = slabs.view(-1, cols)  # [E·W/C, C]
+    desc = TensorDescriptor.from_tensor(flat, [rows, cols])
+    read_parts_tma_kernel[(plan.programs,)](
+        desc, ids, parts, slabs.shape[1] // cols, plan.first // cols, flat.shape[0], plan.chunks(ids.numel()),
+        plan.words // plan.block, plan.iters(ids.numel()), R=rows, C=cols, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
     return parts
 
 

@@ -42,6 +42,19 @@ def test_read_parts_reads_every_word_once(block, programs, first, words):
     assert fold(parts) == xor_of_reads(slabs, ids, first, words)  # and the whole read, exactly
 
 
+@pytest.mark.parametrize("block,tma,programs", [(64, 16, 3), (128, 32, 2), (256, 64, 5)])
+def test_read_parts_tma_same_schedule(block, tma, programs):
+    """The TMA read: the pointer read's schedule and words, program by program (its boxes [block / tma, tma])."""
+    slabs = slabs_of(6, 512, seed=4)
+    ids_t = torch.tensor([5, 0, 3], dtype=torch.int32)
+    plan = bk.ReadPlan(first=256, words=256, block=block, programs=programs, tma=tma)
+    parts = bk.launch_read(slabs, ids_t, plan, torch.full((programs,), -1, dtype=torch.int32))
+    assert torch.equal(parts, bk.read_parts_torch(slabs, ids_t, plan))
+    assert fold(parts) == xor_of_reads(slabs, [5, 0, 3], 256, 256)
+    with pytest.raises(ValueError, match="TMA"):
+        bk.launch_read(slabs, ids_t, plan, parts, dep=parts)
+
+
 def test_read_parts_twin_is_its_own_schedule():
     """The twin is held to the closed form too (a program reads chunks p, p + G, ..)."""
     slabs = slabs_of(4, 256, seed=3)
