@@ -63,6 +63,7 @@ class ReadSets:
     ids: list[torch.Tensor]  # per set [S_i] int32 on the device
     runs: list[tuple[int, int]]  # per set (first row, S_i): the contiguous rows torch's peers read
     parts: Parts
+    folds: dict = field(default_factory=dict)  # (set, first, words) -> ``xor_of``, computed once (700 MB at DS-V3)
 
     @property
     def touched(self) -> list[int]:
@@ -86,8 +87,11 @@ def num_sets(bytes_per_call: float) -> int:
 
 def xor_of(rs: ReadSets, i: int, first: int, words: int) -> int:
     """Every word set i reads in [first, first + words) of its rows, folded by xor (on the host)."""
-    rows = rs.slabs[rs.ids[i].long(), first:first + words]
-    return int(np.bitwise_xor.reduce(rows.cpu().numpy().reshape(-1)))
+    key = (i, first, words)
+    if key not in rs.folds:
+        rows = rs.slabs[rs.ids[i].long(), first:first + words]
+        rs.folds[key] = int(np.bitwise_xor.reduce(rows.cpu().numpy().reshape(-1)))
+    return rs.folds[key]
 
 
 def fold(t: torch.Tensor) -> int:

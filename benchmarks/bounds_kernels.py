@@ -44,7 +44,12 @@ def _chunk(slab_ptr, ids_ptr, c, num_chunks, row_words, first, chunks_per_part, 
     return tl.load(slab_ptr + base + offs, mask=live, other=0)
 
 
-@triton.jit
+# Only the row stride and the first word stay specialized (their divisibility by 16 keeps the loads 16 bytes wide); the
+# counts vary with every cell and config, and each new divisibility pattern would be another compile.
+COUNTS = ["num_chunks", "chunks_per_part", "iters", "dep_n"]
+
+
+@triton.jit(do_not_specialize=COUNTS)
 def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, row_words, first, num_chunks, chunks_per_part, iters,
                       dep_n, BLOCK: tl.constexpr, WAIT: tl.constexpr, SIGNAL: tl.constexpr, DEP: tl.constexpr):
     pid = tl.program_id(0)
@@ -70,7 +75,7 @@ def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, row_words, first, nu
     tl.store(part_ptr + pid, r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows"] + COUNTS[:3])
 def read_parts_tma_kernel(desc, ids_ptr, part_ptr, rows_per_expert, first_row, total_rows, num_chunks,
                           chunks_per_part, iters, R: tl.constexpr, C: tl.constexpr):
     """``read_parts_kernel``'s schedule (no PDL, no dependency word) through a TMA descriptor over the slabs viewed
