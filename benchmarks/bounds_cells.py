@@ -63,6 +63,7 @@ class ReadSets:
     ids: list[torch.Tensor]  # per set [S_i] int32 on the device
     runs: list[tuple[int, int]]  # per set (first row, S_i): the contiguous rows torch's peers read
     parts: Parts
+    gate: torch.Tensor  # [1, E·K/2] int32: the gate weight's words (bf16 [E, K]), which a chain's gate stage reads
     folds: dict = field(default_factory=dict)  # (set, first, words) -> ``xor_of``, computed once (700 MB at DS-V3)
 
     @property
@@ -70,15 +71,18 @@ class ReadSets:
         return [int(t.numel()) for t in self.ids]
 
 
-def read_sets(touched: list[int], parts: Parts, dev, seed: int = 0) -> ReadSets:
+def read_sets(touched: list[int], parts: Parts, gate_words: int, dev, seed: int = 0) -> ReadSets:
     rows = sum(touched)
     g = torch.Generator(device=dev).manual_seed(seed)
     slabs = torch.randint(-2**31, 2**31 - 1, (rows, parts.words13 + parts.words2), generator=g, device=dev,
                           dtype=torch.int32)
+    if gate_words % GATE_READ.block:
+        raise ValueError(f"gate words {gate_words} is not a multiple of {GATE_READ.block}")
+    gate = torch.randint(-2**31, 2**31 - 1, (1, gate_words), generator=g, device=dev, dtype=torch.int32)
     perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
     starts = np.cumsum([0] + touched[:-1]).tolist()
     ids = [perm[s:s + t].to(dev) for s, t in zip(starts, touched)]
-    return ReadSets(slabs, ids, list(zip(starts, touched)), parts)
+    return ReadSets(slabs, ids, list(zip(starts, touched)), parts, gate)
 
 
 def num_sets(bytes_per_call: float) -> int:
@@ -158,7 +162,8 @@ def read1(rs: ReadSets, cfg: Config, sms: int, pdl: bool = False) -> Variant:
 @dataclass(frozen=True)
 class Chain:
     """A dependency chain of launches: [gate] -> gate-up read -> down read (reads the gate-up launch's words) ->
-    [k-sum] (reads the down launch's words); PDL on every launch after the first (or none)."""
+    [k-sum] (reads the down launch's words); PDL on every launch after the first (or none). The gate stage reads
+    the gate weight's words and writes the ids the reads take (``bounds_kernels``: a lower bound of gate + router)."""
 
     name: str
     pdl: bool = True
@@ -166,21 +171,23 @@ class Chain:
     down_wait_last: bool = False  # the down read streams before its PDL wait (the loosest legal dependency)
     ksum: bool = False
     gate: bool = False
+    whole: bool = False  # one read of gate-up and down parts together (the experts in one launch) after the gate
 
 
 CHAINS = [Chain("2 launches, no PDL", pdl=False), Chain("2 launches, PDL"), Chain("2, PDL, signal early", early=True),
           Chain("2, PDL, down waits last", early=True, down_wait_last=True),
-          Chain("3 launches (+k-sum), PDL", ksum=True),
-          Chain("3 launches, no PDL", pdl=False, ksum=True), Chain("gate + 2, PDL", gate=True),
+          Chain("3 launches (+k-sum), PDL", ksum=True), Chain("3 launches, no PDL", pdl=False, ksum=True),
+          Chain("gate + 1, PDL", gate=True, whole=True), Chain("gate + 2, PDL", gate=True),
           Chain("gate + 3, PDL", ksum=True, gate=True), Chain("gate + 3, no PDL", pdl=False, ksum=True, gate=True)]
+GATE_READ = Config(1024, 4, 0)  # the gate stage: 512 KB at Qwen3, 64 KB at Mixtral; one program per 2 chunks
 
 
 @dataclass
 class ChainBuffers:
     """What one set's chain writes (allocated once, outside the graph)."""
 
-    ids: torch.Tensor  # [S] int32: the gate launch's copy of the set's ids, which the reads take
-    logits: torch.Tensor  # [M, E] float32
+    ids: torch.Tensor  # [S] int32: the gate stage's copy of the set's ids, which the reads take after it
+    parts_g: torch.Tensor  # the gate stage's words
     parts13: torch.Tensor
     parts2: torch.Tensor
     y: torch.Tensor  # [M·k, K] bf16, the k-sum's input
@@ -188,43 +195,48 @@ class ChainBuffers:
 
 
 def chain(rs: ReadSets, cfg: Config, c: Chain, sms: int, gate_io: list) -> Variant:
-    """gate_io[i]: (x [M, K], wg [E, K], top_k) of set i (the gate launch reads them)."""
-    p = rs.parts
+    """gate_io[i]: (x [M, K], k) of set i (the k-sum's shapes)."""
+    p, dev = rs.parts, rs.slabs.device
     first = dict(pdl=c.pdl, wait=int(c.pdl), signal=(1 if c.early else 2) if c.pdl else 0)
     second = dict(pdl=c.pdl, wait=(2 if c.down_wait_last else 1) if c.pdl else 0, signal=2 if c.pdl else 0)
-    dev = rs.slabs.device
+    g_plan = GATE_READ.plan(0, rs.gate.shape[1], 1, sms, signal=2 if c.pdl else 0)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
     plans, bufs = [], []
     for i, t in enumerate(rs.touched):
-        x, wg, top_k = gate_io[i]
-        plans.append((cfg.plan(0, p.words13, t, sms, **first), cfg.plan(p.words13, p.words2, t, sms, **second)))
-        bufs.append(ChainBuffers(rs.ids[i].clone(), torch.zeros(x.shape[0], wg.shape[0], device=dev),
-                                 torch.zeros(plans[-1][0].programs, dtype=torch.int32, device=dev),
-                                 torch.zeros(plans[-1][1].programs, dtype=torch.int32, device=dev),
+        x, top_k = gate_io[i]
+        a = cfg.plan(0, p.words13 + p.words2 if c.whole else p.words13, t, sms, **first)
+        plans.append((a, cfg.plan(p.words13, p.words2, t, sms, **second)))
+        i32 = dict(dtype=torch.int32, device=dev)
+        bufs.append(ChainBuffers(rs.ids[i].clone(), torch.zeros(g_plan.programs, **i32),
+                                 torch.zeros(a.programs, **i32), torch.zeros(plans[-1][1].programs, **i32),
                                  torch.zeros(x.shape[0] * top_k, x.shape[1], dtype=torch.bfloat16, device=dev),
                                  torch.zeros_like(x)))
 
     def run(i: int) -> None:
         b, (a, d) = bufs[i], plans[i]
-        x, wg, top_k = gate_io[i]
         ids = rs.ids[i]
         if c.gate:
-            bk.launch_gate(x, wg, b.logits, rs.ids[i], b.ids, signal=c.pdl, pdl=False)
+            bk.launch_read(rs.gate, zero, g_plan, b.parts_g, copy=(rs.ids[i], b.ids))
             ids = b.ids
         bk.launch_read(rs.slabs, ids, a, b.parts13)
-        bk.launch_read(rs.slabs, ids, d, b.parts2, dep=b.parts13)
+        if not c.whole:
+            bk.launch_read(rs.slabs, ids, d, b.parts2, dep=b.parts13)
         if c.ksum:
-            bk.launch_ksum(b.y, b.out, b.parts2, top_k, wait=c.pdl, pdl=c.pdl)
-
-    want13, want2 = xor_of(rs, 0, 0, p.words13), xor_of(rs, 0, p.words13, p.words2)
+            bk.launch_ksum(b.y, b.out, b.parts2, gate_io[i][1], wait=c.pdl, pdl=c.pdl)
 
     def check() -> str:
-        b, (_, d) = bufs[0], plans[0]
-        dep = b.parts13.cpu().numpy()
-        want = want2 ^ int(np.bitwise_xor.reduce(dep[np.arange(d.programs) % len(dep)]))
-        ok = fold(b.parts13) == want13 and fold(b.parts2) == want
+        b, (a, d) = bufs[0], plans[0]
+        ok = fold(b.parts13) == xor_of(rs, 0, 0, a.words)
+        if not c.whole:
+            dep = b.parts13.cpu().numpy()
+            seen = int(np.bitwise_xor.reduce(dep[np.arange(d.programs) % len(dep)]))  # the words each program read
+            want = xor_of(rs, 0, p.words13, p.words2) ^ seen
+            ok = ok and fold(b.parts2) == want
+        if c.gate:
+            ok = ok and fold(b.parts_g) == fold(rs.gate) and bool(torch.equal(b.ids, rs.ids[0]))
         if c.ksum:
-            ok = ok and bool(torch.equal(b.out, bk.ksum_torch(b.y, gate_io[0][2], b.parts2)))
-        return "PASS" if ok else "FAIL (chain words or k-sum differ)"
+            ok = ok and bool(torch.equal(b.out, bk.ksum_torch(b.y, gate_io[0][1], b.parts2)))
+        return "PASS" if ok else "FAIL (chain words, ids or k-sum differ)"
 
     return Variant(c.name, "chain", [lambda i=i: run(i) for i in range(len(plans))], check)
 

@@ -39,6 +39,9 @@ import bounds_ours as bo  # noqa: E402
 
 T0 = time.perf_counter()
 SWEEP_ROUNDS, ROUNDS = 3, 5
+# Replays before a phase's first round: run 1 (091ac29) timed a sweep's first rounds up to 15% slow after the host's
+# checks left the GPU idle (DeepSeek-V3 int4 M = 8: 336 µs in the sweep, 291.6 for the same launch in the next phase)
+WARM_S = 0.3
 Q3, MIX, DS = "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"
 
 
@@ -50,6 +53,7 @@ class CellSpec:
     m: int  # tokens
     target_x: float  # the target: at most target_x times the floor (issue 13: 1.15; >= 80% of the floor: 1.25)
     note: str  # which issue's bar
+    relative_to: str = ""  # a cell's name: the target is target_x times moekit's µs there, not the floor
 
     @property
     def name(self) -> str:
@@ -75,7 +79,7 @@ CELLS = [
     CellSpec("experts", MIX, "int4", 1, P80, "#16"),
     CellSpec("experts", DS, "int4", 8, P80, "#16"),
     CellSpec("experts", MIX, "int4", 8, P80, "#16"),
-    CellSpec("experts", Q3, "int4", 1, P80, "#16 (its own bar: <= 0.45 x bf16)"),
+    CellSpec("experts", Q3, "int4", 1, 0.45, "#16: <= 0.45 x moekit's bf16", "experts qwen3-30b-a3b bf16 M=1"),
     CellSpec("experts", DS, "bf16", 1, P80, "#19 M=1"),
 ]
 SMOKE_CELLS = [CellSpec("experts", "smoke", f, 2, P80, "smoke") for f in ("bf16", "fp8", "int4")] + [
@@ -113,6 +117,12 @@ def time_all(variants: list, rounds: int, deadline: float) -> None:
                 timers[i] = bc.GraphTimer(v.fns, v.per_graph)
             except Exception as e:  # noqa: BLE001
                 v.status = f"graph error: {type(e).__name__}: {str(e)[:160]}".replace("\n", " ")
+    if timers:  # the GPU idled while the host checked: clocks up again before the first round
+        warm = timers[next(iter(timers))]
+        stop = time.perf_counter() + WARM_S
+        while time.perf_counter() < stop:
+            warm.graph.replay()
+        torch.cuda.synchronize()
     for _ in range(rounds):
         for i, v in enumerate(variants):
             if i in timers and elapsed() < deadline:
@@ -138,7 +148,7 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     cell = bo.build_cell(spec, dev, copy_tbps, SMOKE)
     log(f"{spec.name}: touched {cell.touched} over {len(cell.touched)} sets, floor {cell.floor_us:.1f} µs "
         f"(x{spec.target_x:.2f} = {spec.target_x * cell.floor_us:.1f}), {cell.note}")
-    rs = bc.read_sets(cell.touched, cell.parts, dev)
+    rs = bc.read_sets(cell.touched, cell.parts, cell.gate_words, dev)
     swept = sweep(cell, rs, sms, deadline)
     ranked = sorted([v for v in swept if getattr(v, "us", None) is not None], key=lambda v: v.us)
     best = ranked[0].config if ranked else swept[0].config
@@ -152,6 +162,7 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     if not SMOKE:
         time_all(variants, ROUNDS, deadline)
     row = dict(cell=spec.name, kind=spec.kind, preset=spec.preset, fmt=spec.fmt, M=spec.m, note=spec.note,
+               relative_to=spec.relative_to,
                target_x=spec.target_x, touched=cell.touched, bytes_per_call=cell.bytes_per_call,
                floor_us=cell.floor_us, target_us=spec.target_x * cell.extra.get("analyze_floor_us", cell.floor_us),
                extra=cell.extra,
@@ -176,32 +187,51 @@ def _us(v) -> str:
     return f"{us:9.2f} µs" if us is not None else "        -   "
 
 
+SHAPES = {  # the launch structures each kind of cell could take, fewest launches first (all PDL)
+    "experts": [("one launch", dict(kind="read1")), ("2 launches", dict(names=bo.CHAIN2)),
+                ("3 launches", dict(names=("3 launches (+k-sum), PDL",)))],
+    "layer": [("gate + 1 launch", dict(names=("gate + 1, PDL",))), ("gate + 2", dict(names=("gate + 2, PDL",))),
+              ("gate + 3", dict(names=("gate + 3, PDL",)))],
+}
+
+
+def relative_targets(rows: list) -> None:
+    """A row with ``relative_to`` takes its target from moekit's µs in that row (None when it was not timed)."""
+    by_name = {r["cell"]: r for r in rows}
+    for r in rows:
+        if r.get("relative_to"):
+            base = by_name.get(r["relative_to"])
+            ours = bo.pick(base, names=(bo.OURS,))[0] if base else None
+            r["target_us"] = None if ours is None else r["target_x"] * ours
+
+
 def verdict(row: dict) -> str:
-    ours, _ = bo.pick(row, "ours")
-    needed, _ = bo.pick(row, names=bo.MINIMAL_CHAINS[row["kind"]])
-    one, _ = bo.pick(row, "read1")
-    t = row["target_us"]
-    if one is not None and one > t:
-        return f"OUT OF REACH: one pure-read launch {one:.1f} > target {t:.1f}"
-    if needed is not None and needed > t:
-        return f"OUT OF REACH with the chain it needs: {needed:.1f} > target {t:.1f} (one launch {one:.1f})"
-    if ours is None or needed is None:
+    t, ours = row["target_us"], bo.pick(row, names=(bo.OURS,))[0]
+    shapes = [(label, bo.pick(row, **how)[0]) for label, how in SHAPES[row["kind"]]]
+    if t is None or any(us is None for _, us in shapes):
         return "incomplete"
-    if ours <= t:
-        return f"met: ours {ours:.1f} <= {t:.1f}"
-    return f"reachable: ours {ours:.1f} is {ours - t:.1f} over the target; {ours - needed:.1f} over the chain it needs"
+    if shapes[0][1] > t:
+        return f"OUT OF REACH: even {shapes[0][0]} of pure reads takes {shapes[0][1]:.1f} > target {t:.1f}"
+    fit = [i for i, (_, us) in enumerate(shapes) if us <= t][-1]
+    text = f"fits {shapes[fit][0]} ({shapes[fit][1]:.1f})"
+    if fit + 1 < len(shapes):
+        text += f", not {shapes[fit + 1][0]} ({shapes[fit + 1][1]:.1f})"
+    if ours is None:
+        return text
+    return text + (f"; ours {ours:.1f} met" if ours <= t else f"; ours {ours:.1f} is {ours - t:.1f} over")
 
 
 def table(rows: list, copy_tbps: float) -> None:
     print(f"\nper cell, CUDA-graph µs (medians of {ROUNDS} interleaved rounds; copy {copy_tbps:.2f} TB/s): floor = "
           "touched bytes + x/out at copy speed; target = target_x * floor (layer cells: * analyze's floor)")
-    print(f"{'cell':<36}{'floor':>8}{'target':>8}{'1 read':>8}{'2 dep':>8}{'3 dep':>8}{'g+2':>8}{'ours':>8}"
-          f"{'ours 1/g':>9}  verdict")
+    heads = ["floor", "target", "1 read", "2 dep", "3 dep", "g+1", "g+2", "g+3", "ours", "ours 1/g", "route"]
+    print(f"{'cell':<33}" + "".join(f"{h:>9}" for h in heads) + "  verdict")
+    names = [bo.CHAIN2, ("3 launches (+k-sum), PDL",), ("gate + 1, PDL",), ("gate + 2, PDL",), ("gate + 3, PDL",),
+             (bo.OURS,), (bo.OURS1,), (bo.ROUTE,)]
     for r in rows:
-        names = [bo.CHAIN2, ("3 launches (+k-sum), PDL",), ("gate + 2, PDL",), (bo.OURS,), (bo.OURS1,)]
-        cols = [bo.pick(r, "read1")[0]] + [bo.pick(r, names=n)[0] for n in names]
-        text = "".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cols)
-        print(f"{r['cell']:<36}{r['floor_us']:8.1f}{r['target_us']:8.1f}{text} {verdict(r)}", flush=True)
+        cols = [r["floor_us"], r["target_us"], bo.pick(r, "read1")[0]] + [bo.pick(r, names=n)[0] for n in names]
+        text = "".join(f"{c:9.1f}" if c is not None else f"{'-':>9}" for c in cols)
+        print(f"{r['cell'][:32]:<33}{text}  {verdict(r)}", flush=True)
 
 
 def main(args) -> int:
@@ -236,6 +266,7 @@ def main(args) -> int:
                                                              triton=triton.__version__, copy_TBps=copy_tbps, sms=sms,
                                                              rows=rows), indent=1) + "\n")
     done = [r for r in rows if "error" not in r]
+    relative_targets(done)
     bo.fit_lines(done)
     table(done, copy_tbps)
     failed = [f"{r['cell']}: {v['name']}" for r in done for v in r["variants"] + r["sweep"]

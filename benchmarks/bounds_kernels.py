@@ -18,6 +18,9 @@ PDL (programmatic dependent launch, compute capability >= 9.0, the host passes `
 ``gdc_wait`` before the first load (the data the reads depend on comes from the kernel before: ours), 2 after the
 stream, just before the dependency word (the loosest legal chain: weights need nothing from the kernel before);
 SIGNAL 0 never (dependents launch when this grid exits), 1 at the start, 2 after the stream.
+The gate stage of a layer's chain is this read over the gate weight's words ([1, E·K/2], ids [0]) whose program 0
+then copies the routed ids for the next launches (COPY): a lower bound of a gate + router launch, which also has to
+combine its programs' logits and pick the top k.
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ def _chunk(slab_ptr, ids_ptr, c, num_chunks, row_words, first, chunks_per_part, 
 
 # Only the row stride and the first word stay specialized (their divisibility by 16 keeps the loads 16 bytes wide); the
 # counts vary with every cell and config, and each new divisibility pattern would be another compile.
-COUNTS = ["num_chunks", "chunks_per_part", "iters", "dep_n"]
+COUNTS = ["num_chunks", "chunks_per_part", "iters", "dep_n", "copy_n"]
 
 
 @triton.jit(do_not_specialize=COUNTS)
-def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, row_words, first, num_chunks, chunks_per_part, iters,
-                      dep_n, BLOCK: tl.constexpr, WAIT: tl.constexpr, SIGNAL: tl.constexpr, DEP: tl.constexpr):
+def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, copy_src, copy_dst, row_words, first, num_chunks,
+                      chunks_per_part, iters, dep_n, copy_n, BLOCK: tl.constexpr, WAIT: tl.constexpr,
+                      SIGNAL: tl.constexpr, DEP: tl.constexpr, COPY: tl.constexpr):
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     if WAIT == 1:
@@ -73,6 +77,10 @@ def read_parts_kernel(slab_ptr, ids_ptr, dep_ptr, part_ptr, row_words, first, nu
     if DEP:
         r ^= tl.load(dep_ptr + pid % dep_n)
     tl.store(part_ptr + pid, r)
+    if COPY > 0:  # the gate stage's output: program 0 writes the ids the next launches read
+        if pid == 0:
+            s = tl.arange(0, COPY)
+            tl.store(copy_dst + s, tl.load(copy_src + s, mask=s < copy_n), mask=s < copy_n)
 
 
 @triton.jit(do_not_specialize=["total_rows"] + COUNTS[:3])
@@ -93,30 +101,6 @@ def read_parts_tma_kernel(desc, ids_ptr, part_ptr, rows_per_expert, first_row, t
         row = e * rows_per_expert + first_row + (c % chunks_per_part) * R
         acc ^= desc.load([tl.where(live, row, total_rows), 0])  # past the last row: zeros, nothing read
     tl.store(part_ptr + pid, tl.xor_sum(tl.xor_sum(acc, 1), 0))
-
-
-@triton.jit
-def gate_kernel(x_ptr, wg_ptr, logits_ptr, ids_in_ptr, ids_out_ptr, M, E, K, S, BE: tl.constexpr, BK: tl.constexpr,
-                BS: tl.constexpr, SIGNAL: tl.constexpr):
-    """logits[m, e] = x[m] . wg[e] (float32) for a block of BE experts; program 0 copies ids_in [S] to ids_out (the
-    ids the next launch reads: the router's output in the layer)."""
-    pid = tl.program_id(0)
-    rows = pid * BE + tl.arange(0, BE)
-    cols0 = tl.arange(0, BK)
-    for m in range(M):
-        acc = tl.zeros([BE], tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + cols0
-            xv = tl.load(x_ptr + m * K + cols, mask=cols < K, other=0.0).to(tl.float32)
-            w = tl.load(wg_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                        mask=(rows[:, None] < E) & (cols[None, :] < K), other=0.0).to(tl.float32)
-            acc += tl.sum(w * xv[None, :], 1)
-        tl.store(logits_ptr + m * E + rows, acc, mask=rows < E)
-    if pid == 0:
-        s = tl.arange(0, BS)
-        tl.store(ids_out_ptr + s, tl.load(ids_in_ptr + s, mask=s < S), mask=s < S)
-    if SIGNAL:
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -161,8 +145,9 @@ class ReadPlan:
 
 
 def launch_read(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan, parts: torch.Tensor,
-                dep: torch.Tensor | None = None) -> torch.Tensor:
-    """parts [G] int32 <- each program's xor (see the module doc); dep: the word array the last step reads."""
+                dep: torch.Tensor | None = None, copy: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """parts [G] int32 <- each program's xor (see the module doc); dep: the word array the last step reads; copy
+    (src [n], dst [n]) int32: program 0 copies src to dst after its stream (the gate stage writing the ids)."""
     if slabs.dtype != torch.int32 or slabs.dim() != 2 or not slabs.is_contiguous():
         raise ValueError(f"slabs must be a contiguous [E, W] int32 tensor, got {tuple(slabs.shape)} {slabs.dtype}")
     if plan.first + plan.words > slabs.shape[1]:
@@ -170,21 +155,26 @@ def launch_read(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan, parts: t
     if parts.shape != (plan.programs,) or parts.dtype != torch.int32:
         raise ValueError(f"parts must be [{plan.programs}] int32, got {tuple(parts.shape)} {parts.dtype}")
     if plan.tma:
-        return _launch_read_tma(slabs, ids, plan, parts, dep)
+        return _launch_read_tma(slabs, ids, plan, parts, dep, copy)
     dep_arg = parts if dep is None else dep
+    src, dst = copy if copy is not None else (parts, parts)
+    if src.shape != dst.shape or src.dtype != torch.int32 or dst.dtype != torch.int32:
+        raise ValueError(f"copy must be two int32 tensors of one shape, got {tuple(src.shape)} and {tuple(dst.shape)}")
     read_parts_kernel[(plan.programs,)](
-        slabs, ids, dep_arg, parts, slabs.shape[1], plan.first, plan.chunks(ids.numel()), plan.words // plan.block,
-        plan.iters(ids.numel()), dep_arg.numel(), BLOCK=plan.block, WAIT=plan.wait, SIGNAL=plan.signal,
-        DEP=dep is not None, num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=plan.pdl)
+        slabs, ids, dep_arg, parts, src, dst, slabs.shape[1], plan.first, plan.chunks(ids.numel()),
+        plan.words // plan.block, plan.iters(ids.numel()), dep_arg.numel(), src.numel(), BLOCK=plan.block,
+        WAIT=plan.wait, SIGNAL=plan.signal, DEP=dep is not None, COPY=triton.next_power_of_2(src.numel()) if copy
+        else 0, num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=plan.pdl)
     return parts
 
 
 def _launch_read_tma(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan, parts: torch.Tensor,
-                     dep: torch.Tensor | None) -> torch.Tensor:
+                     dep: torch.Tensor | None, copy) -> torch.Tensor:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cols, rows = plan.tma, plan.block // plan.tma
-    if dep is not None or plan.pdl or slabs.shape[1] % cols or plan.first % cols or plan.block % cols:
+    aligned = all(v % cols == 0 for v in (slabs.shape[1], plan.first, plan.block))
+    if dep is not None or copy is not None or plan.pdl or not aligned:
         raise ValueError(f"the TMA read takes no dependency or PDL, and W, first and block multiples of {cols}")
     flat = slabs.view(-1, cols)  # [E·W/C, C]
     desc = TensorDescriptor.from_tensor(flat, [rows, cols])
@@ -209,20 +199,6 @@ def read_parts_torch(slabs: torch.Tensor, ids: torch.Tensor, plan: ReadPlan,
         d = dep.cpu().numpy()
         parts ^= d[np.arange(plan.programs) % len(d)]
     return torch.from_numpy(parts)
-
-
-def launch_gate(x: torch.Tensor, wg: torch.Tensor, logits: torch.Tensor, ids_in: torch.Tensor, ids_out: torch.Tensor,
-                *, block_e: int = 16, block_k: int = 256, signal: bool = False, pdl: bool = False) -> None:
-    """x [M, K], wg [E, K] -> logits [M, E] float32; ids_out [S] <- ids_in [S]. One program per BE experts."""
-    m, k = x.shape
-    e = wg.shape[0]
-    gate_kernel[(triton.cdiv(e, block_e),)](x, wg, logits, ids_in, ids_out, m, e, k, ids_in.numel(), BE=block_e,
-                                            BK=block_k, BS=triton.next_power_of_2(ids_in.numel()), SIGNAL=signal,
-                                            num_warps=4, launch_pdl=pdl)
-
-
-def gate_torch(x: torch.Tensor, wg: torch.Tensor) -> torch.Tensor:
-    return x.float() @ wg.float().T  # [M, E]
 
 
 def launch_ksum(y: torch.Tensor, out: torch.Tensor, dep: torch.Tensor, top_k: int, *, block_k: int = 1024,

@@ -13,10 +13,10 @@ import torch
 
 import bounds_cells as bc
 
-OURS, OURS1 = "moekit", "moekit, 1 call a graph (analyze's way)"
+OURS, OURS1, ROUTE = "moekit", "moekit, 1 call a graph (analyze's way)", "moekit gate + router alone"
 # the experts' minimal chain: the down launch needs gate-up's h (the k-sum folded into it)
 CHAIN2 = ("2 launches, PDL", "2, PDL, signal early")
-MINIMAL_CHAINS = {"experts": CHAIN2, "layer": ("gate + 2, PDL",)}  # the layer's: routing first, then the experts
+
 TOLERANCE = 2e-2
 
 
@@ -27,7 +27,8 @@ class Cell:
     parts: bc.Parts  # bytes of one expert
     floor_us: float  # mean touched bytes + x and out, at copy speed
     bytes_per_call: float
-    gate_io: list  # per set (x [M, K], gate weight [E, K], k): what the chains' gate launch reads
+    gate_io: list  # per set (x [M, K], k): the shapes of the chains' k-sum
+    gate_words: int  # E·K/2: int32 words of the bf16 gate weight [E, K], which the chains' gate stage reads
     ours: list  # bc.Variant
     note: str
     extra: dict = field(default_factory=dict)
@@ -103,15 +104,13 @@ def experts_cell(spec, dev, copy_tbps: float, smoke: bool) -> Cell:
                                                             * (parts.gate_up + parts.down)), torch.bfloat16, dev)
     touched = [measured_experts_touched(t.topk_ids, s.num_experts) for t in sets]
     w13, w2 = random_weights(spec.fmt, s, dev)
-    g = torch.Generator(device=dev).manual_seed(5)
-    wg = torch.randn(s.num_experts, s.k, generator=g, device=dev, dtype=torch.bfloat16) * s.k**-0.5  # [E, K]
     fns = [lambda t=t: run_experts(t.x, w13, w2, t.topk_ids, t.topk_weights, backend="triton") for t in sets]
     t0 = sets[0]
     ref = subset_reference(t0.x, w13, w2, t0.topk_ids, t0.topk_weights)
     check = lambda: status(rel_l2(fns[0](), ref))  # noqa: E731
     ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS1, "ours", fns, check, per_graph=1)]
     floor, nbytes = floor_us(touched, parts, spec.m, s.k, copy_tbps)
-    return Cell(spec, touched, parts, floor, nbytes, [(t.x, wg, s.top_k) for t in sets], ours,
+    return Cell(spec, touched, parts, floor, nbytes, [(t.x, s.top_k) for t in sets], s.num_experts * s.k // 2, ours,
                 f"{spec.fmt} experts call, E={s.num_experts} N={s.n} K={s.k} k={s.top_k}")
 
 
@@ -146,16 +145,29 @@ def layer_cell(spec, dev, copy_tbps: float, smoke: bool) -> Cell:
     ref = experts_reference(xs[0], layer.w13.detach(), layer.w2.detach(), routings[0].topk_ids,
                             routings[0].topk_weights)
     check = lambda: status(rel_l2(fns[0](), ref))  # noqa: E731
-    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS1, "ours", fns, check, per_graph=1)]
+    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS1, "ours", fns, check, per_graph=1),
+            route_variant(layer, xs, routings)]
     floor, nbytes = floor_us(touched, parts, spec.m, k, copy_tbps)
     fmt = WeightFormat("bfloat16", 16, 0.0, 1, "bfloat16")
     gpu = GpuSpec("measured", copy_tbps, 0.0, {"bfloat16": 1.0e3}, "copy measured in this run")
     analyze_floor = batch_cost(cfg, spec.m, fmt, gpu).time_floor_s * 1e6
-    cell = Cell(spec, touched, parts, floor, nbytes, [(x, layer.gate.weight.detach(), top_k) for x in xs], ours,
+    cell = Cell(spec, touched, parts, floor, nbytes, [(x, top_k) for x in xs], e * k // 2, ours,
                 f"MoE layer (gate, routing, experts), E={e} N={n} K={k} k={top_k}; analyze's floor "
                 f"{analyze_floor:.1f} µs (uniform touch), x1.15 = {1.15 * analyze_floor:.1f}",
                 dict(analyze_floor_us=analyze_floor), layer, xs)
     return cell
+
+
+def route_variant(layer, xs: list, routings: list) -> bc.Variant:
+    """The layer's own gate + router stage alone (``MoE.route_tokens``), as the forward runs it."""
+
+    def route(x):
+        with torch.no_grad():
+            return layer.route_tokens(x).routing
+
+    fns = [lambda x=x: route(x) for x in xs]
+    check = lambda: "PASS" if torch.equal(fns[0]().topk_ids, routings[0].topk_ids) else "FAIL (ids differ)"  # noqa
+    return bc.Variant(ROUTE, "route", fns, check)
 
 
 def build_cell(spec, dev, copy_tbps: float, smoke: bool) -> Cell:

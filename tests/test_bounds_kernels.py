@@ -89,22 +89,19 @@ def test_read_plan_errors():
         bk.launch_read(slabs.float(), ids, bk.ReadPlan(0, 128, 64, 1), torch.zeros(1, dtype=torch.int32))
 
 
-def test_gate_against_float64_loop():
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 300, generator=g).to(torch.bfloat16)  # [M, K], K not a multiple of the block
-    wg = torch.randn(20, 300, generator=g).to(torch.bfloat16)  # [E, K]
-    logits = torch.zeros(3, 20)
-    ids_in = torch.tensor([4, 9, 1], dtype=torch.int32)
-    ids_out = torch.zeros(3, dtype=torch.int32)
-    bk.launch_gate(x, wg, logits, ids_in, ids_out, block_e=8, block_k=128)
-    want = np.zeros((3, 20))
-    xd, wd = x.double().numpy(), wg.double().numpy()
-    for m in range(3):
-        for e in range(20):
-            want[m, e] = sum(xd[m, c] * wd[e, c] for c in range(300))
-    assert np.allclose(logits.numpy(), want, rtol=1e-5, atol=1e-4)
-    assert torch.allclose(logits, bk.gate_torch(x, wg), rtol=1e-5, atol=1e-4)
-    assert ids_out.tolist() == [4, 9, 1]
+def test_read_parts_copies_the_ids():
+    """The gate stage: a read of the gate weight's words whose program 0 then writes the ids the experts read."""
+    gate = slabs_of(1, 256, seed=6)
+    zero = torch.zeros(1, dtype=torch.int32)
+    src = torch.tensor([9, 4, 7], dtype=torch.int32)
+    dst = torch.full((3,), -1, dtype=torch.int32)
+    plan = bk.ReadPlan(first=0, words=256, block=32, programs=3)
+    parts = bk.launch_read(gate, zero, plan, torch.zeros(3, dtype=torch.int32), copy=(src, dst))
+    assert dst.tolist() == [9, 4, 7]
+    assert torch.equal(parts, bk.read_parts_torch(gate, zero, plan))
+    assert fold(parts) == xor_of_reads(gate, [0], 0, 256)
+    with pytest.raises(ValueError, match="copy must be"):
+        bk.launch_read(gate, zero, plan, parts, copy=(src, dst[:2]))
 
 
 def test_ksum_against_float64_loop():
