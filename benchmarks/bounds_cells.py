@@ -140,7 +140,7 @@ class Variant:
     kind: str  # "read1" (one launch), "chain", "torch", "ours", "layer"
     fns: list
     check: object = None  # () -> str: "PASS" or "FAIL ..." (run after fns[0]())
-    per_graph: int = 0  # 1: each replay holds one call (as ``moekit analyze --measure`` times the layer)
+    per_graph: int = 0  # how it is timed: QUEUED, ANALYZE_WAY or BENCH_WAY (``GraphTimer``)
     samples: list = field(default_factory=list)  # µs per call, one a timed round
     status: str = ""  # the check's verdict ("PASS ...", "FAIL ...", "error: ...")
     us: float | None = None  # median of samples; None: not timed
@@ -174,11 +174,27 @@ class Chain:
     whole: bool = False  # one read of gate-up and down parts together (the experts in one launch) after the gate
 
 
+def timed_as(v: Variant, per_graph: int) -> Variant:
+    """The same calls (and buffers) timed another way."""
+    return Variant(v.name, v.kind, v.fns, v.check, per_graph, config=v.config)
+
+
 CHAINS = [Chain("2 launches, no PDL", pdl=False), Chain("2 launches, PDL"), Chain("2, PDL, signal early", early=True),
           Chain("2, PDL, down waits last", early=True, down_wait_last=True),
-          Chain("3 launches (+k-sum), PDL", ksum=True), Chain("3 launches, no PDL", pdl=False, ksum=True),
-          Chain("gate + 1, PDL", gate=True, whole=True), Chain("gate + 2, PDL", gate=True),
+          Chain("3 launches (+k-sum), PDL", ksum=True), Chain("3, PDL, down waits last", early=True,
+                                                                      down_wait_last=True, ksum=True),
+          Chain("3 launches, no PDL", pdl=False, ksum=True), Chain("gate + 1, PDL", gate=True, whole=True),
+          Chain("gate + 2, PDL", gate=True), Chain("gate + 2, PDL, down waits last", early=True,
+                                                                    down_wait_last=True, gate=True),
           Chain("gate + 3, PDL", ksum=True, gate=True), Chain("gate + 3, no PDL", pdl=False, ksum=True, gate=True)]
+# The chains of each length, best taken: the experts need >= 2 dependent launches (gate-up, down; the k-sum folds into
+# down), the layer >= 3 (gate + router, gate-up, down). "down waits last" is legal for the hardware: the down step's
+# weights depend on nothing the gate-up step writes (a kernel could stage them in SMEM / L2 before its wait).
+LENGTHS = {"2 launches": ("2 launches, PDL", "2, PDL, signal early", "2, PDL, down waits last"),
+           "3 launches": ("3 launches (+k-sum), PDL", "3, PDL, down waits last"),
+           "gate + 1": ("gate + 1, PDL",), "gate + 2": ("gate + 2, PDL", "gate + 2, PDL, down waits last"),
+           "gate + 3": ("gate + 3, PDL",)}
+NEEDED = {"experts": "2 launches", "layer": "gate + 2"}
 GATE_READ = Config(1024, 4, 0)  # the gate stage: 512 KB at Qwen3, 64 KB at Mixtral; one program per 2 chunks
 
 
@@ -253,16 +269,23 @@ def torch_peers(rs: ReadSets) -> list[Variant]:
                                                                              lambda: "PASS")]
 
 
+QUEUED, ANALYZE_WAY, BENCH_WAY = 0, 1, 2
+WAYS = {QUEUED: "", ANALYZE_WAY: " [analyze's way]", BENCH_WAY: " [bench's way]"}
+
+
 class GraphTimer:
-    """``fns`` captured once in a CUDA graph and replayed. per_graph 0: every fn in the graph, REPLAYS_S worth of
-    replays queued back to back between two events (the GPU never waits for the host); per_graph 1: fns[0] alone, one
-    replay between two events on an idle GPU, as ``moekit.bench.timing`` times a graph (so ``moekit analyze
-    --measure``'s layer): the graph's own launch latency included. ``sample()`` gives µs per call."""
+    """``fns`` captured once in a CUDA graph and replayed; ``sample()`` gives µs per call.
+    - QUEUED: every fn in the graph, REPLAYS_S worth of replays back to back between two events (the GPU never waits
+      for the host: the calls' own cost, as a decode step's graph of many layers sees it);
+    - ANALYZE_WAY: fns[0] alone, one replay between two events on an idle GPU, as ``moekit.bench.timing`` times the
+      layer's graph for ``moekit analyze --measure`` (issue 13 item 4's number): the graph's launch latency included;
+    - BENCH_WAY: every fn in the graph, one replay on an idle GPU, as ``moekit bench`` times a cell (issues 15, 16,
+      19): the launch latency shared by the sets."""
 
     REPLAYS_S = 2e-3
 
-    def __init__(self, fns: list, per_graph: int = 0):
-        fns = fns[:1] if per_graph == 1 else fns
+    def __init__(self, fns: list, per_graph: int = QUEUED):
+        fns = fns[:1] if per_graph == ANALYZE_WAY else fns
         self.calls = len(fns)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -278,7 +301,7 @@ class GraphTimer:
                 fn()
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         once = self._time(1, queued=False)
-        self.replays = 1 if per_graph == 1 else max(1, min(200, int(self.REPLAYS_S / max(once, 1e-7))))
+        self.replays = 1 if per_graph != QUEUED else max(1, min(200, int(self.REPLAYS_S / max(once, 1e-7))))
 
     def _time(self, replays: int, queued: bool) -> float:
         """Seconds a replay; queued: one untimed replay first, so the timed ones start with work ahead of them."""

@@ -11,8 +11,11 @@ replay, on exactly the bytes the cell's touched experts hold (``bounds_cells``):
    without PDL, the down read waiting first (what a GEMM that needs h does) or last (the loosest legal chain), + a
    tiny k-sum launch, + a gate launch before them (reads x and the gate weight, writes the ids the reads take);
 3. torch's own reads (``.sum()``, a copy) of as many expert rows, and moekit: the experts call (experts cells) or
-   the ``MoE`` layer forward (layer cells), in a graph of every set and, as ``moekit analyze --measure`` times the
-   layer, a graph of one call replayed on an idle GPU (``per_graph 1``), plus ``layer_measure.time_layer`` itself.
+   the ``MoE`` layer forward and its gate + router alone (layer cells), plus ``layer_measure.time_layer`` itself.
+Timing (``bounds_cells.GraphTimer``): every variant as queued graph replays (the calls' own cost); moekit, the best
+read and the chains of the length the computation needs also the way the issue's number is taken (experts: ``moekit
+bench``'s, one replay of a graph of every set on an idle GPU; layer: ``moekit analyze --measure``'s, one replay of a
+graph of one call), and the verdict compares like with like that way.
 Every variant is checked first (read words xor-folded against the host's fold, ours against the reference; PASS /
 FAIL); then the variants are timed interleaved, median of rounds. Copy bandwidth: ``moekit.bench.ceilings``.
 """
@@ -153,11 +156,12 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     ranked = sorted([v for v in swept if getattr(v, "us", None) is not None], key=lambda v: v.us)
     best = ranked[0].config if ranked else swept[0].config
     best_ptr = next(v.config for v in ranked + swept if not v.config.tma)  # for PDL and dependency words
-    variants = [bc.read1(rs, best, sms), bc.read1(rs, best_ptr, sms, pdl=not SMOKE), bc.read1(rs, best, sms)]
-    variants[2].per_graph, variants[2].name = 1, variants[2].name + ", 1 call a graph"
-    variants += [bc.chain(rs, best_ptr, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
-    variants += bc.torch_peers(rs) + cell.ours
+    variants = [bc.read1(rs, best, sms), bc.read1(rs, best_ptr, sms, pdl=not SMOKE)]
     variants[1].name += " (as ours: waits first)" if not SMOKE else ""
+    chains = [bc.chain(rs, best_ptr, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
+    way = bo.ISSUE_WAY[spec.kind]  # the chains of the needed length and the best read, timed as the issue times ours
+    needed = [bc.timed_as(v, way) for v in chains if v.name in bc.LENGTHS[bc.NEEDED[spec.kind]]]
+    variants += chains + [bc.timed_as(variants[0], way)] + needed + bc.torch_peers(rs) + cell.ours
     check_all(variants)
     if not SMOKE:
         time_all(variants, ROUNDS, deadline)
@@ -170,7 +174,7 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     if spec.kind == "layer" and not SMOKE and elapsed() < deadline:
         row["extra"]["analyze_time_layer_graph_us"] = bo.analyze_time_layer(cell)
     for v in variants:
-        print(f"    {v.name:<42} {_us(v)} {v.status}", flush=True)
+        print(f"    {v.name + bc.WAYS[v.per_graph]:<52} {_us(v)} {v.status}", flush=True)
     del cell, rs, swept, variants
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -187,50 +191,50 @@ def _us(v) -> str:
     return f"{us:9.2f} µs" if us is not None else "        -   "
 
 
-SHAPES = {  # the launch structures each kind of cell could take, fewest launches first (all PDL)
-    "experts": [("one launch", dict(kind="read1")), ("2 launches", dict(names=bo.CHAIN2)),
-                ("3 launches", dict(names=("3 launches (+k-sum), PDL",)))],
-    "layer": [("gate + 1 launch", dict(names=("gate + 1, PDL",))), ("gate + 2", dict(names=("gate + 2, PDL",))),
-              ("gate + 3", dict(names=("gate + 3, PDL",)))],
-}
-
-
 def relative_targets(rows: list) -> None:
     """A row with ``relative_to`` takes its target from moekit's µs in that row (None when it was not timed)."""
     by_name = {r["cell"]: r for r in rows}
     for r in rows:
         if r.get("relative_to"):
             base = by_name.get(r["relative_to"])
-            ours = bo.pick(base, names=(bo.OURS,))[0] if base else None
+            ours = bo.pick(base, names=(bo.OURS,), per_graph=bo.ISSUE_WAY[base["kind"]])[0] if base else None
             r["target_us"] = None if ours is None else r["target_x"] * ours
 
 
+def best_of(row: dict, length: str, way: int = bc.QUEUED) -> float | None:
+    return bo.pick(row, names=bc.LENGTHS[length], per_graph=way)[0]
+
+
 def verdict(row: dict) -> str:
-    t, ours = row["target_us"], bo.pick(row, names=(bo.OURS,))[0]
-    shapes = [(label, bo.pick(row, **how)[0]) for label, how in SHAPES[row["kind"]]]
-    if t is None or any(us is None for _, us in shapes):
+    """Against the issue's target, all timed the issue's way: the best chain of pure reads of the length the
+    computation needs (experts: 2 launches, layer: gate + 2) and moekit."""
+    way = bo.ISSUE_WAY[row["kind"]]
+    t, need = row["target_us"], bc.NEEDED[row["kind"]]
+    chain, ours = best_of(row, need, way), bo.pick(row, names=(bo.OURS,), per_graph=way)[0]
+    if t is None or chain is None:
         return "incomplete"
-    if shapes[0][1] > t:
-        return f"OUT OF REACH: even {shapes[0][0]} of pure reads takes {shapes[0][1]:.1f} > target {t:.1f}"
-    fit = [i for i, (_, us) in enumerate(shapes) if us <= t][-1]
-    text = f"fits {shapes[fit][0]} ({shapes[fit][1]:.1f})"
-    if fit + 1 < len(shapes):
-        text += f", not {shapes[fit + 1][0]} ({shapes[fit + 1][1]:.1f})"
+    if chain > t:
+        return f"OUT OF REACH: {need} of pure reads {chain:.1f} > target {t:.1f}"
+    text = f"reachable: {need} of pure reads {chain:.1f} <= {t:.1f} ({t - chain:.1f} µs to spare)"
     if ours is None:
         return text
-    return text + (f"; ours {ours:.1f} met" if ours <= t else f"; ours {ours:.1f} is {ours - t:.1f} over")
+    return text + (f"; ours {ours:.1f} met" if ours <= t else f"; ours {ours:.1f}, {ours - t:.1f} over")
 
 
 def table(rows: list, copy_tbps: float) -> None:
     print(f"\nper cell, CUDA-graph µs (medians of {ROUNDS} interleaved rounds; copy {copy_tbps:.2f} TB/s): floor = "
-          "touched bytes + x/out at copy speed; target = target_x * floor (layer cells: * analyze's floor)")
-    heads = ["floor", "target", "1 read", "2 dep", "3 dep", "g+1", "g+2", "g+3", "ours", "ours 1/g", "route"]
-    print(f"{'cell':<33}" + "".join(f"{h:>9}" for h in heads) + "  verdict")
-    names = [bo.CHAIN2, ("3 launches (+k-sum), PDL",), ("gate + 1, PDL",), ("gate + 2, PDL",), ("gate + 3, PDL",),
-             (bo.OURS,), (bo.OURS1,), (bo.ROUTE,)]
+          "touched bytes + x/out at copy speed; target = target_x * floor (layer cells: * analyze's floor); columns "
+          "to 'route': queued replays (best variant of each chain length); 'need' and 'ours*': the issue's way "
+          "(experts: moekit bench's, one replay of every set; layer: analyze's, one call a graph)")
+    heads = ["floor", "target", "1 read", "2 dep", "3 dep", "g+1", "g+2", "g+3", "ours", "route", "need*", "ours*"]
+    print(f"{'cell':<33}" + "".join(f"{h:>8}" for h in heads) + "  verdict (the issue's way)")
     for r in rows:
-        cols = [r["floor_us"], r["target_us"], bo.pick(r, "read1")[0]] + [bo.pick(r, names=n)[0] for n in names]
-        text = "".join(f"{c:9.1f}" if c is not None else f"{'-':>9}" for c in cols)
+        way = bo.ISSUE_WAY[r["kind"]]
+        cols = [r["floor_us"], r["target_us"], bo.pick(r, "read1")[0]]
+        cols += [best_of(r, n) for n in ("2 launches", "3 launches", "gate + 1", "gate + 2", "gate + 3")]
+        cols += [bo.pick(r, names=(bo.OURS,))[0], bo.pick(r, names=(bo.ROUTE,))[0],
+                 best_of(r, bc.NEEDED[r["kind"]], way), bo.pick(r, names=(bo.OURS,), per_graph=way)[0]]
+        text = "".join(f"{c:8.1f}" if c is not None else f"{'-':>8}" for c in cols)
         print(f"{r['cell'][:32]:<33}{text}  {verdict(r)}", flush=True)
 
 

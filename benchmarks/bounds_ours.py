@@ -13,9 +13,8 @@ import torch
 
 import bounds_cells as bc
 
-OURS, OURS1, ROUTE = "moekit", "moekit, 1 call a graph (analyze's way)", "moekit gate + router alone"
-# the experts' minimal chain: the down launch needs gate-up's h (the k-sum folded into it)
-CHAIN2 = ("2 launches, PDL", "2, PDL, signal early")
+OURS, ROUTE = "moekit", "moekit gate + router alone"
+ISSUE_WAY = {"experts": bc.BENCH_WAY, "layer": bc.ANALYZE_WAY}  # how each issue's number is timed
 
 TOLERANCE = 2e-2
 
@@ -108,7 +107,7 @@ def experts_cell(spec, dev, copy_tbps: float, smoke: bool) -> Cell:
     t0 = sets[0]
     ref = subset_reference(t0.x, w13, w2, t0.topk_ids, t0.topk_weights)
     check = lambda: status(rel_l2(fns[0](), ref))  # noqa: E731
-    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS1, "ours", fns, check, per_graph=1)]
+    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS, "ours", fns, check, per_graph=bc.BENCH_WAY)]
     floor, nbytes = floor_us(touched, parts, spec.m, s.k, copy_tbps)
     return Cell(spec, touched, parts, floor, nbytes, [(t.x, s.top_k) for t in sets], s.num_experts * s.k // 2, ours,
                 f"{spec.fmt} experts call, E={s.num_experts} N={s.n} K={s.k} k={s.top_k}")
@@ -145,7 +144,7 @@ def layer_cell(spec, dev, copy_tbps: float, smoke: bool) -> Cell:
     ref = experts_reference(xs[0], layer.w13.detach(), layer.w2.detach(), routings[0].topk_ids,
                             routings[0].topk_weights)
     check = lambda: status(rel_l2(fns[0](), ref))  # noqa: E731
-    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS1, "ours", fns, check, per_graph=1),
+    ours = [bc.Variant(OURS, "ours", fns, check), bc.Variant(OURS, "ours", fns, check, per_graph=bc.ANALYZE_WAY),
             route_variant(layer, xs, routings)]
     floor, nbytes = floor_us(touched, parts, spec.m, k, copy_tbps)
     fmt = WeightFormat("bfloat16", 16, 0.0, 1, "bfloat16")
@@ -182,9 +181,10 @@ def analyze_time_layer(cell: Cell) -> float | str | None:
     return t.graph_s * 1e6 if isinstance(t.graph_s, float) else t.graph_s
 
 
-def pick(row: dict, kind: str | None = None, names: tuple = ()) -> tuple[float | None, str]:
-    """The fastest timed variant of a row by kind or by name; (µs, name)."""
-    vs = [v for v in row["variants"] if v["us"] is not None and (v["kind"] == kind or v["name"] in names)]
+def pick(row: dict, kind: str | None = None, names: tuple = (), per_graph: int = bc.QUEUED) -> tuple[float | None, str]:
+    """The fastest variant of a row timed ``per_graph`` way, by kind or by name; (µs, name)."""
+    vs = [v for v in row["variants"] if v["us"] is not None and v["per_graph"] == per_graph
+          and (v["kind"] == kind or v["name"] in names)]
     if not vs:
         return None, "-"
     best = min(vs, key=lambda v: v["us"])
@@ -198,8 +198,8 @@ def fit_lines(rows: list) -> None:
         pts = [r for r in rows if r["kind"] == kind and r["preset"] == "qwen3-30b-a3b" and r["fmt"] == "bf16"]
         if len(pts) < 2:
             continue
-        for label, how in (("1 read", dict(kind="read1")), ("2 dep", dict(names=CHAIN2)),
-                           ("gate + 2", dict(names=("gate + 2, PDL",))), ("ours", dict(names=(OURS,)))):
+        for label, how in (("1 read", dict(kind="read1")), ("2 dep", dict(names=bc.LENGTHS["2 launches"])),
+                           ("gate + 2", dict(names=bc.LENGTHS["gate + 2"])), ("ours", dict(names=(OURS,)))):
             xy = [(r["bytes_per_call"], pick(r, **how)[0]) for r in pts]
             xy = [(b, us) for b, us in xy if us is not None]
             if len(xy) < 2:
