@@ -147,16 +147,19 @@ class Variant:
     config: Config | None = None  # read1 variants: the launch they time
 
 
-def read1(rs: ReadSets, cfg: Config, sms: int, pdl: bool = False) -> Variant:
-    """The whole rows [0, W) in one launch; pdl: launched with PDL, waiting before its first load (as ours)."""
-    words = rs.parts.words13 + rs.parts.words2
+def read1(rs: ReadSets, cfg: Config, sms: int, pdl: bool = False, part: str = "") -> Variant:
+    """The whole rows [0, W) in one launch; pdl: launched with PDL, waiting before its first load (as ours); part
+    "gate-up" / "down": that part of each row alone (what each of ours' two GEMMs streams)."""
+    first, words = {"": (0, rs.parts.words13 + rs.parts.words2), "gate-up": (0, rs.parts.words13),
+                    "down": (rs.parts.words13, rs.parts.words2)}[part]
     launch = dict(pdl=True, wait=1, signal=2) if pdl else {}
-    plans = [cfg.plan(0, words, t, sms, **launch) for t in rs.touched]
+    plans = [cfg.plan(first, words, t, sms, **launch) for t in rs.touched]
     outs = [torch.zeros(p.programs, dtype=torch.int32, device=rs.slabs.device) for p in plans]
     fns = [lambda i=i: bk.launch_read(rs.slabs, rs.ids[i], plans[i], outs[i]) for i in range(len(plans))]
-    want = xor_of(rs, 0, 0, words)
+    want = xor_of(rs, 0, first, words)
     check = lambda: "PASS" if fold(outs[0]) == want else f"FAIL (xor {fold(outs[0])} != {want})"  # noqa: E731
-    return Variant(cfg.name + (" pdl" if pdl else ""), "read1", fns, check, config=cfg)
+    name = cfg.name + (" pdl" if pdl else "") + (f", {part} part only" if part else "")
+    return Variant(name, "part" if part else "read1", fns, check, config=cfg)
 
 
 @dataclass(frozen=True)

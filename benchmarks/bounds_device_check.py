@@ -158,6 +158,7 @@ def run_cell(spec: CellSpec, dev, copy_tbps: float, sms: int, deadline: float) -
     best_ptr = next(v.config for v in ranked + swept if not v.config.tma)  # for PDL and dependency words
     variants = [bc.read1(rs, best, sms), bc.read1(rs, best_ptr, sms, pdl=not SMOKE)]
     variants[1].name += " (as ours: waits first)" if not SMOKE else ""
+    variants += [bc.read1(rs, best, sms, part=part) for part in ("gate-up", "down")]
     chains = [bc.chain(rs, best_ptr, c, sms, cell.gate_io) for c in bc.CHAINS if not (SMOKE and c.pdl)]
     way = bo.ISSUE_WAY[spec.kind]  # the chains of the needed length and the best read, timed as the issue times ours
     needed = [bc.timed_as(v, way) for v in chains if v.name in bc.LENGTHS[bc.NEEDED[spec.kind]]]
