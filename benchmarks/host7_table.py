@@ -1,12 +1,12 @@
 """Issue 13's host table (``host_us`` <= 40 µs in every triton cell): host_us / host_rest_us of the cells ``moekit
-bench`` times on the GPU (Qwen3-30B-A3B and DeepSeek-V3, bf16 and fp8_block at M = 1 / 64 / 1024 / 4096 / 16384; then
-int8_w8a16 / int4_w4a16 / mxfp4 at M = 1 / 64 / 1024), timed as the bench times them (``time_paired``: graph replay
-passes up to M = 1024, eager passes above, five 16-call eager loops spread between them), per variant of
-``VARIANTS`` (this tree's defaults first; the quantized cells the first only), interleaved over ``ROUNDS`` rounds; every variant's output bit-equal to the
-first variant's, the first near ``experts_reference`` at M <= 64.
+bench`` times on the GPU (Qwen3-30B-A3B and DeepSeek-V3; bf16, fp8_block, int8_w8a16, int4_w4a16, mxfp4; M = 1 / 64 /
+1024 / 4096 / 16384), timed as the bench times them (``time_paired``: graph replay passes up to M = 1024, eager passes
+above, five 16-call eager loops spread between them), per variant of ``VARIANTS`` (this tree's defaults first),
+interleaved over ``--rounds`` rounds; every variant's output bit-equal to the first variant's, the first near
+``experts_reference`` at M <= 64. Cells go by shape, then dtype (each quantized copy made once), then M.
 
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/host7_table.py --out $OUT/host7 [--deadline-s 170]
-        [--variants default ...] [--quant]
+        [--variants default ...] [--dtypes D ...] [--presets P ...] [--batches M ...] [--rounds R]
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from moekit.experts import get_backend
 from moekit.experts.reference import experts_reference
 import moekit.batch_launch as bl
 import moekit.experts.triton as tri
+import moekit.experts.triton_quant_fast as quant_fast
 from moekit.quant import quantize
 
-BATCHES, QUANT_BATCHES = (1, 64, 1024, 4096, 16384), (1, 64, 1024)
+BATCHES = (1, 64, 1024, 4096, 16384)
+DTYPES = ("bfloat16", "fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4")
 ROUNDS, BUDGET_S, TARGET_US = 3, 0.1, 40.0
 ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
 
@@ -59,16 +61,18 @@ def _nopdl(on: bool) -> None:
     bl.Batch.of = classmethod(of)
 
 
-VARIANTS = {"default": _default, "nopdl": _nopdl}  # name -> switch(on): its module switches set (on) or put back
+def _oldstate(on: bool) -> None:
+    """Not a default: the quantized fast path's weight state and launch of before (``triton_quant_fast.LEAN_STATE``
+    False: each tensor's id, _version and data_ptr in a loop, the stream read twice); bf16 and Gluon cells unchanged."""
+    quant_fast.LEAN_STATE = not on
 
 
-def _cells(quant: bool) -> list:
+VARIANTS = {"default": _default, "nopdl": _nopdl, "oldstate": _oldstate}  # name -> switch(on): set (on) or put back
+
+
+def _cells(presets: list, dtypes: list, batches: list) -> list:
     """(preset, dtype, M) grouped by weights, the bench's order within a shape."""
-    cells = [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("bfloat16", "fp8_block") for m in BATCHES]
-    if quant:
-        cells += [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("int8_w8a16", "int4_w4a16", "mxfp4")
-                  for m in QUANT_BATCHES]
-    return cells
+    return [(p, d, m) for p in presets for d in dtypes for m in batches]
 
 
 def _num_sets(shape: Shape, m: int, w13, w2) -> int:
@@ -107,9 +111,9 @@ def _use(name: str | None) -> None:
     tri.clear_launch_caches()
 
 
-def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, save) -> None:
+def run_table(results: dict, deadline: Deadline, variants: list, cells: list, rounds: int, save) -> None:
     fn, out, held = get_backend("triton"), results.setdefault("table", {}), Held()
-    for preset, dtype, m in _cells(quant):
+    for preset, dtype, m in cells:
         if deadline.left() < deadline.stops["table"]:
             print(f"deadline: table stops before {preset} {dtype} M={m}", flush=True)
             break
@@ -119,9 +123,9 @@ def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, sa
             w13, w2 = held.get(preset, dtype)
             sets = make_sets(shape, m, _num_sets(shape, m, w13, w2), torch.bfloat16, torch.device("cuda"))
             calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
-            want, names = None, variants if dtype in ("bfloat16", "fp8_block") else variants[:1]  # quantized: the first
-            for rnd in range(ROUNDS):
-                for name in names:
+            want = None
+            for rnd in range(rounds):
+                for name in variants:
                     _use(name)
                     for c in calls * 2:
                         c()
@@ -145,8 +149,8 @@ def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, sa
         save(results)
 
 
-def print_table(results: dict, variants: list) -> None:
-    print(f"\n== host table: host_us / host_rest_us (medians of {ROUNDS} interleaved rounds), * over {TARGET_US} ==")
+def print_table(results: dict, variants: list, rounds: int) -> None:
+    print(f"\n== host table: host_us / host_rest_us (medians of {rounds} interleaved rounds), * over {TARGET_US} ==")
     med = lambda r, k: statistics.median(r[k]) if r.get(k) else float("nan")  # noqa: E731
     over = {v: 0 for v in variants}
     for key, r in results.get("table", {}).items():
@@ -168,7 +172,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "host7_out"))
     parser.add_argument("--deadline-s", type=float, default=170.0)
     parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
-    parser.add_argument("--quant", action="store_true", help="also the int8 / int4 / mxfp4 cells")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--presets", nargs="+", default=[QWEN3, DEEPSEEK], choices=[QWEN3, DEEPSEEK])
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "host7_table.json")
@@ -182,13 +189,13 @@ def main() -> None:
     import triton
 
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   variants=args.variants)
+                   variants=args.variants, rounds=args.rounds)
     print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
     t0 = time.perf_counter()
     with torch.no_grad():
-        run_table(results, deadline, args.variants, args.quant, save)
+        run_table(results, deadline, args.variants, _cells(args.presets, args.dtypes, args.batches), args.rounds, save)
     print(f"wall {time.perf_counter() - t0:.0f} s", flush=True)
-    print_table(results, args.variants)
+    print_table(results, args.variants, args.rounds)
 
 
 if __name__ == "__main__":
