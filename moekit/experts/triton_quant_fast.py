@@ -4,7 +4,7 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
 
     key:   id(w13), id(w2) (the QuantizedWeight objects); x, ids, weights: shape, dtype, device; activation,
            options (as asked), thread
-    entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``LEAN_STATE``); the plan's launches
+    entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``state_reader``); the plan's launches
            recorded once as a LaunchSequence (weights, descriptors, pooled workspace, grids, scalars fixed; x,
            ids, weights, out and the regions allocated per call as stand-ins); the pool's generation, the
            CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
@@ -52,13 +52,6 @@ _dispatching = torch._C._len_torch_dispatch_stack
 _tracing = torch._C._is_tracing
 _transforming = torch._C._are_functorch_transforms_active
 _grad = torch.is_grad_enabled
-# A hit compares the address of every tensor of both weights, read by one expression per layout (``_ADDRESSES``), reads
-# x's, ids' and weights' addresses and the stream once and hands them to the launches (one C call where the sequence
-# is batched). Before: each tensor's identity, _version and data_ptr in a loop over ``tensor_fields`` (H200 cProfile
-# 3.4-5.3 µs a call, branch host7), the stream read twice, the launches through ``LaunchSequence.launch``. Not the
-# _version: nothing kept is derived from the values (as in the bf16 entries, ``triton_fast._weight_state``). False:
-# the state and launch of before (``benchmarks/host7_table.py``'s A/B only).
-LEAN_STATE = True
 
 
 def clear_quant_fast() -> None:
@@ -87,17 +80,6 @@ class QuantEntry:
         self.choice = choice
 
 
-def weight_state(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple:
-    """Each tensor of both weights: identity, version (an in-place update), address (a move): the state of before
-    (``LEAN_STATE`` False)."""
-    state = []
-    for w in (w13, w2):
-        for name in w.tensor_fields:
-            t = getattr(w, name)
-            state += (id(t), t._version, t.data_ptr())
-    return tuple(state)
-
-
 def _addresses_q_scale(w13, w2) -> tuple:  # fp8_block, int8_w8a16, mxfp4
     return w13.q.data_ptr(), w13.scale.data_ptr(), w2.q.data_ptr(), w2.scale.data_ptr()
 
@@ -116,9 +98,11 @@ _ADDRESSES = {("q", "scale"): _addresses_q_scale, ("q", "scale", "zero"): _addre
 
 def state_reader(w13: QuantizedWeight, w2: QuantizedWeight):
     """The function ``(w13, w2) -> tuple`` whose value a hit compares with the kept one: the address of each tensor
-    of both weights, by one expression for their layout (``weight_state`` where ``LEAN_STATE`` is off)."""
-    if not LEAN_STATE:
-        return weight_state
+    of both weights (a tensor replaced on the object, a move), by one expression for their layout. Not the _version:
+    nothing kept is derived from the values (as in the bf16 entries, ``triton_fast._weight_state``). Before: each
+    tensor's id, _version and data_ptr in a loop over ``tensor_fields`` (H200 cProfile 3.4-5.3 µs a call, branch
+    host7); with the stream and x's, ids' and weights' addresses read once and a batched sequence launched inline
+    (``_launch``), host_rest -3 to -6 µs on the quantized cells (benchmarks/triton-notes.md, branch host8)."""
     fields = w13.tensor_fields
     return _ADDRESSES.get(fields, _addresses) if w2.tensor_fields == fields else _addresses
 
@@ -156,20 +140,17 @@ def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool)
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
-    if not LEAN_STATE:
-        return _launch(entry, x, ids, weights, None, (x, ids, weights))
     return _launch(entry, x, ids, weights, stream, pointers)
 
 
-def _launch(entry: QuantEntry, x, ids, weights, stream, values: tuple) -> torch.Tensor:
-    """out [M, K]; ``stream``: the current stream (None: read by the sequence), ``values``: x, ids and weights, or
-    their addresses (a batched or raw sequence takes either)."""
+def _launch(entry: QuantEntry, x, ids, weights, stream, pointers: tuple) -> torch.Tensor:
+    """out [M, K]; ``stream``: the current stream (None off CUDA), ``pointers``: x's, ids' and weights' addresses."""
     out = torch.empty_like(x)  # [M, K]; x is contiguous here
     sequence, fresh = entry.sequence, entry.fresh
     if fresh is None:
         batch = sequence.batch
-        if batch is not None and LEAN_STATE:  # one C call: LaunchSequence.launch's, inline
-            batch.launch_all(batch.blob, stream, *values, out)
+        if batch is not None:  # one C call: LaunchSequence.launch's, inline
+            batch.launch_all(batch.blob, stream, *pointers, out)
         else:
             sequence.launch((x, ids, weights, out), stream)
         return out
