@@ -3,7 +3,7 @@ per cell, which route a repeated call takes and where its host µs go, the first
 and what the host does right after a long GPU wait.
 
     PYTHONPATH=$PWD timeout 170 python3 benchmarks/host7_device_check.py --out $OUT/host7 [--deadline-s 140]
-        [--parts wake cells] [--cells over quant]
+        [--parts wake cells] [--cells over quant | --cell PRESET:DTYPE:M ...]
 
 Parts (a line per cell as it goes, JSON rewritten after each, a table last):
 1. wake: what the host does right after a sync (``host7_wake``).
@@ -320,6 +320,8 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=140.0)
     parser.add_argument("--parts", nargs="+", default=["wake", "cells"], choices=["wake", "cells"])
     parser.add_argument("--cells", nargs="+", default=["over", "quant"], choices=["over", "quant"])
+    parser.add_argument("--cell", nargs="+", default=[], metavar="PRESET:DTYPE:M",
+                        help="these cells instead of --cells (e.g. qwen3-30b-a3b:int4_w4a16:16384)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     _OUT[0] = os.path.join(args.out, "host7.json")
@@ -330,6 +332,8 @@ def main() -> None:
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
     cells = (OVER if "over" in args.cells else []) + (QUANT if "quant" in args.cells else [])
+    if args.cell:
+        cells = [(p, d, int(m)) for p, d, m in (c.split(":") for c in args.cell)]
     t0 = time.perf_counter()
     with torch.no_grad():
         for part in args.parts:

@@ -1,12 +1,15 @@
 """Issue 13's host table (``host_us`` <= 40 µs in every triton cell): host_us / host_rest_us of the cells ``moekit
-bench`` times on the GPU (Qwen3-30B-A3B and DeepSeek-V3, bf16 and fp8_block at M = 1 / 64 / 1024 / 4096 / 16384; then
-int8_w8a16 / int4_w4a16 / mxfp4 at M = 1 / 64 / 1024), timed as the bench times them (``time_paired``: graph replay
-passes up to M = 1024, eager passes above, five 16-call eager loops spread between them), per variant of
-``VARIANTS`` (this tree's defaults first; the quantized cells the first only), interleaved over ``ROUNDS`` rounds; every variant's output bit-equal to the
-first variant's, the first near ``experts_reference`` at M <= 64.
+bench`` times on the GPU (Qwen3-30B-A3B and DeepSeek-V3; bf16, fp8_block, int8_w8a16, int4_w4a16, mxfp4; M = 1 / 64 /
+1024 / 4096 / 16384), timed as the bench times them (``time_paired``: graph replay passes up to M = 1024, eager passes
+above, five 16-call eager loops spread between them), per variant of ``VARIANTS`` (this tree's defaults first),
+interleaved over ``--rounds`` rounds; every variant's output bit-equal to the first variant's, the first near
+``experts_reference`` at M <= 64. Cells go by shape, then dtype (each quantized copy made once), then M. Per cell and
+round a control (unless ``--no-control``): the same loops with each call a bare torch op pair (``empty_like`` and a
+tiny ``add_``), each after the cell's own pass: what any host work pays as the first call after that GPU wait. The
+table marks host_us over 40 and eager_us over issue 13's bound, max(1.15 x graph, graph + 15 µs).
 
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/host7_table.py --out $OUT/host7 [--deadline-s 170]
-        [--variants default ...] [--quant]
+        [--variants default ...] [--dtypes D ...] [--presets P ...] [--batches M ...] [--rounds R] [--no-control]
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import torch
 from host7_device_check import _flags
 from host_big3_device_check import DEEPSEEK, QWEN3, TOL, Deadline, _rel
 from moekit.bench.cells import Shape, make_sets, make_weights
-from moekit.bench.timing import time_paired
+from moekit.bench.timing import EAGER_CALLS, MIN_REPEATS, _cuda_pass, _EagerLoop, time_paired
 from moekit.experts import get_backend
 from moekit.experts.reference import experts_reference
 import moekit.batch_launch as bl
 import moekit.experts.triton as tri
 from moekit.quant import quantize
 
-BATCHES, QUANT_BATCHES = (1, 64, 1024, 4096, 16384), (1, 64, 1024)
+BATCHES = (1, 64, 1024, 4096, 16384)
+DTYPES = ("bfloat16", "fp8_block", "int8_w8a16", "int4_w4a16", "mxfp4")
 ROUNDS, BUDGET_S, TARGET_US = 3, 0.1, 40.0
 ROTATION_BYTES = 256 << 20  # moekit.bench.sweep's
 
@@ -62,13 +66,9 @@ def _nopdl(on: bool) -> None:
 VARIANTS = {"default": _default, "nopdl": _nopdl}  # name -> switch(on): its module switches set (on) or put back
 
 
-def _cells(quant: bool) -> list:
+def _cells(presets: list, dtypes: list, batches: list) -> list:
     """(preset, dtype, M) grouped by weights, the bench's order within a shape."""
-    cells = [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("bfloat16", "fp8_block") for m in BATCHES]
-    if quant:
-        cells += [(p, d, m) for p in (QWEN3, DEEPSEEK) for d in ("int8_w8a16", "int4_w4a16", "mxfp4")
-                  for m in QUANT_BATCHES]
-    return cells
+    return [(p, d, m) for p in presets for d in dtypes for m in batches]
 
 
 def _num_sets(shape: Shape, m: int, w13, w2) -> int:
@@ -107,9 +107,24 @@ def _use(name: str | None) -> None:
     tri.clear_launch_caches()
 
 
-def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, save) -> None:
+def _control(calls: list, graph: bool, x: torch.Tensor, scratch: torch.Tensor) -> tuple:
+    """(host, rest) µs of the bench's eager loop with each call a bare torch op pair (``torch.empty_like(x)``, one
+    tiny CUDA ``add_``; no moekit), each loop after the cell's own pass (graph replay or eager), as ``time_paired``
+    places its loops: what any host work pays as the first call after that wait."""
+    one_pass, loop = _cuda_pass(calls, graph), _EagerLoop([lambda: (torch.empty_like(x), scratch.add_(1.0))],
+                                                          torch.device("cuda"), EAGER_CALLS)
+    for _ in range(MIN_REPEATS):
+        one_pass()
+        loop.run()
+    t = loop.timing()
+    return t.host_us, t.host_rest_us
+
+
+def run_table(results: dict, deadline: Deadline, variants: list, cells: list, rounds: int, control: bool,
+              save) -> None:
     fn, out, held = get_backend("triton"), results.setdefault("table", {}), Held()
-    for preset, dtype, m in _cells(quant):
+    scratch = torch.zeros(64, device="cuda")  # the control's add_ target
+    for preset, dtype, m in cells:
         if deadline.left() < deadline.stops["table"]:
             print(f"deadline: table stops before {preset} {dtype} M={m}", flush=True)
             break
@@ -119,9 +134,9 @@ def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, sa
             w13, w2 = held.get(preset, dtype)
             sets = make_sets(shape, m, _num_sets(shape, m, w13, w2), torch.bfloat16, torch.device("cuda"))
             calls = [lambda s=s: fn(s.x, w13, w2, s.topk_ids, s.topk_weights) for s in sets]
-            want, names = None, variants if dtype in ("bfloat16", "fp8_block") else variants[:1]  # quantized: the first
-            for rnd in range(ROUNDS):
-                for name in names:
+            want = None
+            for rnd in range(rounds):
+                for name in variants:
                     _use(name)
                     for c in calls * 2:
                         c()
@@ -135,6 +150,9 @@ def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, sa
                     for field, value in (("us", p.timing.us), ("eager", p.eager.eager_us), ("host", p.eager.host_us),
                                          ("rest", p.eager.host_rest_us)):
                         row.setdefault(f"{name}_{field}", []).append(round(value, 1))
+                if control:
+                    for field, value in zip(("host", "rest"), _control(calls, m <= 1024, sets[0].x, scratch)):
+                        row.setdefault(f"control_{field}", []).append(round(value, 1))
             ok = all(all(v) for k, v in row.items() if k.endswith("_equal")) and row.get("ref_err", 0.0) < TOL
         except Exception as e:  # noqa: BLE001 (out of memory, a refused launch: report, go on)
             row, ok = dict(error=f"{type(e).__name__}: {str(e)[:300]}"), False
@@ -145,8 +163,15 @@ def run_table(results: dict, deadline: Deadline, variants: list, quant: bool, sa
         save(results)
 
 
-def print_table(results: dict, variants: list) -> None:
-    print(f"\n== host table: host_us / host_rest_us (medians of {ROUNDS} interleaved rounds), * over {TARGET_US} ==")
+def _first(host: float, rest: float) -> float:
+    """The first call of a 16-call loop from its host and rest µs (medians over separate loops: a rough figure)."""
+    return EAGER_CALLS * host - (EAGER_CALLS - 1) * rest
+
+
+def print_table(results: dict, variants: list, rounds: int) -> None:
+    print(f"\n== host table: host_us / host_rest_us (medians of {rounds} interleaved rounds), * over {TARGET_US}; "
+          "first: the loop's first call (16 host - 15 rest); eager against max(1.15 graph, graph + 15), ! over; "
+          "control: a bare torch op pair per call after the same pass, host / rest / first ==")
     med = lambda r, k: statistics.median(r[k]) if r.get(k) else float("nan")  # noqa: E731
     over = {v: 0 for v in variants}
     for key, r in results.get("table", {}).items():
@@ -155,10 +180,14 @@ def print_table(results: dict, variants: list) -> None:
             continue
         cols = []
         for v in [v for v in variants if f"{v}_host" in r]:
-            host = med(r, f"{v}_host")
+            host, rest, us, eager = (med(r, f"{v}_{k}") for k in ("host", "rest", "us", "eager"))
             over[v] += host > TARGET_US
-            cols.append(f"{v} {host:5.1f}{'*' if host > TARGET_US else ' '}/{med(r, f'{v}_rest'):5.1f} "
-                        f"(us {med(r, f'{v}_us'):8.1f})")
+            bound = max(1.15 * us, us + 15.0)
+            cols.append(f"{v} {host:5.1f}{'*' if host > TARGET_US else ' '}/{rest:5.1f} first {_first(host, rest):6.1f}"
+                        f" (us {us:8.1f} eager {eager:8.1f}{'!' if eager > bound else ' '})")
+        if "control_host" in r:
+            host, rest = med(r, "control_host"), med(r, "control_rest")
+            cols.append(f"control {host:5.1f}/{rest:5.1f} first {_first(host, rest):6.1f}")
         print(f"{key:34} " + "  ".join(cols))
     print("cells over: " + ", ".join(f"{v} {n}" for v, n in over.items()))
 
@@ -168,7 +197,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "host7_out"))
     parser.add_argument("--deadline-s", type=float, default=170.0)
     parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS))
-    parser.add_argument("--quant", action="store_true", help="also the int8 / int4 / mxfp4 cells")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--presets", nargs="+", default=[QWEN3, DEEPSEEK], choices=[QWEN3, DEEPSEEK])
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--no-control", action="store_true", help="no bare-torch control loop per cell and round")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "host7_table.json")
@@ -182,13 +215,14 @@ def main() -> None:
     import triton
 
     results = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   variants=args.variants)
+                   variants=args.variants, rounds=args.rounds)
     print(f"{results['device']} torch {results['torch']} triton {results['triton']}", flush=True)
     t0 = time.perf_counter()
     with torch.no_grad():
-        run_table(results, deadline, args.variants, args.quant, save)
+        run_table(results, deadline, args.variants, _cells(args.presets, args.dtypes, args.batches), args.rounds,
+                  not args.no_control, save)
     print(f"wall {time.perf_counter() - t0:.0f} s", flush=True)
-    print_table(results, args.variants)
+    print_table(results, args.variants, args.rounds)
 
 
 if __name__ == "__main__":

@@ -103,3 +103,20 @@ def test_fp8_gluon_call_one_lookup(fake_gemms, lookups, monkeypatch):
     plain = tgf.experts_gluon_fp8(x, w13.q, w13.scale, w2.q, w2.scale, ids, weights, lean=False)
     assert all(torch.equal(out, plain) for out in outs)
     assert (count, hits) == (1, 1)  # no quantized Triton-path lookup (``run_quant_fast``) before it
+
+
+def test_weight_only_call_at_a_gluon_size_one_lookup(lookups, monkeypatch):
+    """A weight-only call where the bf16 Gluon choice wants the size: the Triton entry only (that path keeps no
+    weight-only call), served equal to the plain launch."""
+    import moekit.experts.triton_gluon as tg
+    from moekit.experts.triton import experts_triton_unchecked
+    from moekit.experts.triton_launch import LaunchOptions
+    from moekit.quant import quantize
+
+    x, w13, w2, ids, weights = _bf16(8, 64, 128)
+    q13, q2 = quantize(w13, "int8_w8a16"), quantize(w2, "int8_w8a16")
+    monkeypatch.setattr(tg, "DEFAULT_CHOICE", tg.GluonChoice(min_tokens=1, min_tokens_wide=1))
+    outs, count, hits = _repeat(lambda: experts_triton_unchecked(x, q13, q2, ids, weights), lookups)
+    plain = experts_triton_unchecked(x, q13, q2, ids, weights, options=LaunchOptions(lean_launch=False))
+    assert all(torch.equal(out, plain) for out in outs)
+    assert (count, hits) == (1, 1)

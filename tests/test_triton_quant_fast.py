@@ -1,8 +1,9 @@
 """The lean eager path of the quantized Triton experts (``triton_quant_fast``) under Triton's interpreter:
 fp8_block and every weight-only scheme. A repeated call is served from its kept entry with the plain
-path's output bit for bit (``lean_launch=False``), without the argument checks or the plan lookup; it
-misses, running the plain path, after an in-place weight update, with new weight objects or tensors
-moved under the same object, new workspaces, a retune, autograd (the custom op's path), or an expert map;
+path's output bit for bit (``lean_launch=False``), without the argument checks or the plan lookup, also after an
+in-place weight update (the launches hold addresses; the kernels read the new values); it misses, running the plain
+path, with new weight objects or tensors moved under the same object, new workspaces, a retune, autograd (the custom
+op's path), or an expert map;
 M = 0 and bad arguments still take the plain path.
 """
 
@@ -104,9 +105,12 @@ def test_misses_when_the_weights_change(interpreter, counts, scheme):
     for _ in range(3):
         first = _same_as_plain(interpreter, x, q13, q2, ids, weights, plain)
     hits = counts["hits"]
-    q13.scale.mul_(2) if scheme == "fp8_block" else q2.q.copy_(q2.q.flip(0))  # in place: _version moves
-    updated = _same_as_plain(interpreter, x, q13, q2, ids, weights)
-    assert not torch.equal(updated, first) and counts["hits"] == hits
+    q13.scale.mul_(2) if scheme == "fp8_block" else q2.q.copy_(q2.q.flip(0))  # in place: the same addresses
+    updated = _same_as_plain(interpreter, x, q13, q2, ids, weights)  # served: the kernels read the new values
+    assert not torch.equal(updated, first) and counts["hits"] == hits + 1
+    want = quantized_experts_loop(x, q13, q2, ids, weights)  # the float64 loop on the updated weights
+    assert rel_l2(updated, want) < TOL[scheme] < rel_l2(first, want)
+    hits = counts["hits"]
     new13, new2 = _weights(scheme, seed=1)  # new weight objects of the same kind
     _same_as_plain(interpreter, x, new13, new2, ids, weights)
     assert counts["hits"] == hits
@@ -237,3 +241,49 @@ def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypat
     assert [(plan.glu is None, plan.glu_fold, plan.split_k) for plan in plans._WO_PLANS.values()] == [
         (fold, fold, down_split)]
     clear_config_cache()
+
+
+@pytest.mark.parametrize("scheme, field", [("int4_w4a16", "zero"), ("int8_w8a16", "scale")])
+def test_misses_when_any_tensor_of_the_layout_moves(interpreter, counts, scheme, field):
+    """Every tensor field is in the compared state (int4's three, the others' two): ``.data`` swapped for new storage
+    under the same tensor object, or another tensor put on the weight object, misses and runs the plain path."""
+    q13, q2 = _weights(scheme)
+    x, ids, weights = _routing(2, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    hits = counts["hits"]
+    t = getattr(q2, field)
+    t.data = t.data.clone()  # the same object, new storage: its address moved, its _version did not
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == hits
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)  # kept again at the new address
+    assert counts["hits"] == hits + 1
+    object.__setattr__(q13, field, getattr(q13, field).clone())
+    _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    assert counts["hits"] == hits + 1
+
+
+def test_batched_hit_hands_the_call_addresses_to_its_one_c_call(interpreter, counts):
+    """A hit on a batched sequence (``batch_launch.Batch``, CUDA only) hands its C call the stream, x's, ids' and
+    weights' addresses and out, in the order the sequence's launch hands them."""
+    from moekit.experts import triton_quant_fast
+
+    q13, q2 = _weights("fp8_block")
+    x, ids, weights = _routing(3, 0)
+    for _ in range(2):
+        _same_as_plain(interpreter, x, q13, q2, ids, weights)
+    got = []
+
+    class Batch:
+        blob = bytearray(b"blob")
+
+        @staticmethod
+        def launch_all(*args):
+            got.append(args)
+
+    (entry,) = triton_quant_fast._MEMO.values()
+    entry.sequence.batch = Batch
+    out = interpreter.experts_triton(x, q13, q2, ids, weights)
+    (args,) = got
+    assert args[:5] == (Batch.blob, None, x.data_ptr(), ids.data_ptr(), weights.data_ptr())
+    assert args[5] is out and out.shape == x.shape and out.dtype == x.dtype

@@ -328,14 +328,14 @@ def _run_kept(x, w13, w2, topk_ids, topk_weights, activation, options: LaunchOpt
                                                   w2.shape[0]):
             return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         out = gluon_fp8.run_fast_fp8(x, w13, w2, topk_ids, topk_weights, activation)
-    elif options is _DEFAULT_OPTIONS:
+    elif options is _DEFAULT_OPTIONS and w13.__class__ in _PLAIN:  # weight-only: bf16 Gluon keeps none (no lookup)
         if not _GLUON:
             _import_gluon()
         gluon = _GLUON[0]
         if not gluon.DEFAULT_CHOICE.wants(x.shape[0], w2.shape[-1], topk_weights.shape[1], w2.shape[0]):
             return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
         out = gluon.run_fast_default_gluon(x, w13, w2, topk_ids, topk_weights, activation)
-    else:  # the Gluon route takes the default options only
+    else:  # the Gluon route takes the default options and plain tensors only
         return run_fast(_WORKSPACES, x, w13, w2, topk_ids, topk_weights, activation, options, checked=False)
     if out is not None:
         return out

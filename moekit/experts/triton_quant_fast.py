@@ -4,14 +4,15 @@ recorded launch sequences, ``triton_bind``'s raw launches) over ``moekit.quant``
 
     key:   id(w13), id(w2) (the QuantizedWeight objects); x, ids, weights: shape, dtype, device; activation,
            options (as asked), thread
-    entry: w13 and w2 (weakly) with each of their tensors' identity, _version and data_ptr; the plan's launches
+    entry: w13 and w2 (weakly) with each of their tensors' data_ptr (``state_reader``); the plan's launches
            recorded once as a LaunchSequence (weights, descriptors, pooled workspace, grids, scalars fixed; x,
            ids, weights, out and the regions allocated per call as stand-ins); the pool's generation, the
            CUDA stream, the epoch; whether ``check_experts_args`` passed on a call of this key
     a hit: what ``triton_fast.run_fast`` asks of a bf16 hit (eager, no autograd graph, x/ids/weights contiguous
            and 16-byte aligned, no capture, the same stream, the pool's buffers kept, no retune or clear since,
-           no launch hook; fp8: the default Gluon choice the entry was kept under), and every weight tensor the same object, unchanged (an in-place update bumps its
-           _version, a move its data_ptr)
+           no launch hook; fp8: the default Gluon choice the entry was kept under), and every weight tensor at
+           the address it had (a tensor replaced on the object, a move: each misses; an in-place update hits, as
+           in the bf16 entries: the sequence holds addresses and descriptors, never values)
       -> out = empty_like(x), the sequence launched: the plain path's kernels, grids and arguments (bit-equal)
 
 An entry is kept by ``run_quantized_triton`` after a plain call of the fused (non-Gluon) kernels with no
@@ -37,6 +38,7 @@ import torch
 from moekit.experts.configs import on_config_cache_clear
 from moekit.experts.triton_lean import LaunchSequence, _Slot, record_steps
 from moekit.quant import QuantizedWeight
+from moekit.triton_bind import current_stream
 
 X, IDS, WEIGHTS, OUT = range(4)  # the call's values; then one per region allocated per call (FRESH + i)
 FRESH = 4
@@ -63,12 +65,13 @@ on_config_cache_clear(clear_quant_fast)  # a retune drops the plans: the entries
 class QuantEntry:
     """One kept call: its weight objects as they were, the recorded launches, what they were recorded under."""
 
-    __slots__ = ("w13", "w2", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch", "checked",
-                 "choice")
+    __slots__ = ("w13", "w2", "read", "state", "sequence", "fresh", "pool", "generation", "stream", "epoch",
+                 "checked", "choice")
 
     def __init__(self, w13_ref, w2, sequence: LaunchSequence, fresh, pool, stamp: tuple, stream, checked: bool,
                  choice):
-        self.w13, self.w2, self.state = w13_ref, weakref.ref(w2), weight_state(w13_ref(), w2)
+        self.w13, self.w2, self.read = w13_ref, weakref.ref(w2), state_reader(w13_ref(), w2)
+        self.state = self.read(w13_ref(), w2)
         self.sequence, self.fresh, self.pool, self.checked = sequence, fresh, pool, checked
         self.generation, self.epoch = stamp
         self.stream = stream
@@ -77,51 +80,79 @@ class QuantEntry:
         self.choice = choice
 
 
-def weight_state(w13: QuantizedWeight, w2: QuantizedWeight) -> tuple:
-    """Each tensor of both weights: identity, version (an in-place update), address (a move)."""
-    state = []
-    for w in (w13, w2):
-        for name in w.tensor_fields:
-            t = getattr(w, name)
-            state += (id(t), t._version, t.data_ptr())
-    return tuple(state)
+def _addresses_q_scale(w13, w2) -> tuple:  # fp8_block, int8_w8a16, mxfp4
+    return w13.q.data_ptr(), w13.scale.data_ptr(), w2.q.data_ptr(), w2.scale.data_ptr()
+
+
+def _addresses_q_scale_zero(w13, w2) -> tuple:  # int4_w4a16
+    return (w13.q.data_ptr(), w13.scale.data_ptr(), w13.zero.data_ptr(), w2.q.data_ptr(), w2.scale.data_ptr(),
+            w2.zero.data_ptr())
+
+
+def _addresses(w13, w2) -> tuple:  # any other layout
+    return tuple(getattr(w, name).data_ptr() for w in (w13, w2) for name in w.tensor_fields)
+
+
+_ADDRESSES = {("q", "scale"): _addresses_q_scale, ("q", "scale", "zero"): _addresses_q_scale_zero}
+
+
+def state_reader(w13: QuantizedWeight, w2: QuantizedWeight):
+    """The function ``(w13, w2) -> tuple`` whose value a hit compares with the kept one: the address of each tensor
+    of both weights (a tensor replaced on the object, a move), by one expression for their layout. Not the _version:
+    nothing kept is derived from the values (as in the bf16 entries, ``triton_fast._weight_state``). Before: each
+    tensor's id, _version and data_ptr in a loop over ``tensor_fields`` (H200 cProfile 3.4-5.3 µs a call, branch
+    host7); with the stream and x's, ids' and weights' addresses read once and a batched sequence launched inline
+    (``_launch``), host_rest -3 to -6 µs on the quantized cells (benchmarks/triton-notes.md, branch host8)."""
+    fields = w13.tensor_fields
+    return _ADDRESSES.get(fields, _addresses) if w2.tensor_fields == fields else _addresses
 
 
 def _stream(device: torch.device):
-    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+    """The current stream (CUDA: the current device's, the one the launches take), else None."""
+    return current_stream() if device.type == "cuda" else None
 
 
 def run_quant_fast(x, w13, w2, ids, weights, activation, options, checked: bool) -> torch.Tensor | None:
     """out [M, K] launched from the kept entry of this call, or None (a miss: the full path runs). Called
     by ``triton_fast.run_fast`` for weights that are not plain tensors; its eager/tracing tests have run."""
-    if x.__class__ not in _PLAIN or not isinstance(w13, QuantizedWeight):
+    if x.__class__ not in _PLAIN:  # w13 a QuantizedWeight: an entry's is (``entry.w13() is w13`` below)
         return None
     if _grad() and (x.requires_grad or weights.requires_grad):
         return None
-    if (not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous())
-            or (x.data_ptr() | ids.data_ptr() | weights.data_ptr()) & 15):
+    if not (x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()):
+        return None
+    pointers = x.data_ptr(), ids.data_ptr(), weights.data_ptr()
+    if (pointers[0] | pointers[1] | pointers[2]) & 15:
         return None
     entry = _MEMO.get((id(w13), id(w2), x.shape, ids.shape, weights.shape, x.dtype, ids.dtype, weights.dtype, x.device,
                        ids.device, weights.device, activation, options, get_ident()))
     if (entry is None or (checked and not entry.checked) or entry.epoch != _epoch[0] or entry.w13() is not w13
             or entry.w2() is not w2 or entry.generation != entry.pool.generation
-            or entry.state != weight_state(w13, w2)):
+            or entry.read(w13, w2) != entry.state):
         return None
-    if entry.stream is not None and (_stream(x.device) != entry.stream or torch._C._cuda_isCurrentStreamCapturing()):
-        return None
+    stream = None
+    if entry.stream is not None:
+        stream = _stream(x.device)
+        if stream != entry.stream or torch._C._cuda_isCurrentStreamCapturing():
+            return None
     if entry.choice is not None and entry.choice[0].DEFAULT_FP8_CHOICE is not entry.choice[1]:
         return None
     sequence = entry.sequence
     if sequence.raw and not sequence.hooks.idle():
         return None
-    return _launch(entry, x, ids, weights)
+    return _launch(entry, x, ids, weights, stream, pointers)
 
 
-def _launch(entry: QuantEntry, x, ids, weights) -> torch.Tensor:
+def _launch(entry: QuantEntry, x, ids, weights, stream, pointers: tuple) -> torch.Tensor:
+    """out [M, K]; ``stream``: the current stream (None off CUDA), ``pointers``: x's, ids' and weights' addresses."""
     out = torch.empty_like(x)  # [M, K]; x is contiguous here
     sequence, fresh = entry.sequence, entry.fresh
     if fresh is None:
-        sequence.launch((x, ids, weights, out))
+        batch = sequence.batch
+        if batch is not None:  # one C call: LaunchSequence.launch's, inline
+            batch.launch_all(batch.blob, stream, *pointers, out)
+        else:
+            sequence.launch((x, ids, weights, out), stream)
         return out
     buffer = torch.empty(fresh.nbytes, dtype=torch.uint8, device=x.device)  # held until the launches are queued
     if sequence.addressed is not None:  # every launch raw: the regions as addresses
@@ -129,7 +160,7 @@ def _launch(entry: QuantEntry, x, ids, weights) -> torch.Tensor:
         regions = tuple(base + offset for offset in fresh.offsets)
     else:
         regions = tuple(fresh.carve(buffer).values())
-    sequence.launch((x, ids, weights, out, *regions))
+    sequence.launch((x, ids, weights, out, *regions), stream)
     return out
 
 
