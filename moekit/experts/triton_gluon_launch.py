@@ -38,14 +38,17 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
-    sessions 18 and 20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). ``late_store`` (the down GEMM only, no tail): each tile's product is
+    stored once the next tile's first two K steps are issued, so the tensor cores run them meanwhile (an accumulator
+    more a thread, 64 registers). (64-row tiles and one consumer warpgroup: measured at the ridge in sessions 18 and
+    20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
     tail: int = 0
+    late_store: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -54,6 +57,8 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
+        if self.late_store and self.tail:
+            raise ValueError(f"late_store with tail={self.tail}: the tail's kernel stores at once")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -62,16 +67,17 @@ class GluonTile:
         return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
-        return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles: gate and up, or
+        the down GEMM's product and the previous tile's it stores late)."""
+        return (2 if gated or self.late_store else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
     thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
     the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
-    if gated and tile.tail:
-        raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
+    if gated and (tile.tail or tile.late_store):
+        raise ValueError(f"tile={tile}: a tail or a late store is for the down GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -222,7 +228,16 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **late_store_arg(tile, gated))
+
+
+def late_store_arg(tile: GluonTile, gated: bool) -> dict:
+    """The plain GEMM's LATE_STORE constexpr where the tile asks for it (none otherwise: the kernel's default, so the
+    launches of the tiles without it stay what they were); raises for the gate-up GEMM."""
+    if not tile.late_store:
+        return {}
+    check_tile(tile, gated)  # the gate-up GEMM, or a product kept beside the next over the registers: raises
+    return {"LATE_STORE": True}
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:
@@ -266,11 +281,12 @@ def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_
 
 
 def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                          block_t: int = 16, block_k: int = 256) -> None:
-    """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here)."""
+                          block_t: int = 16, block_k: int = 256, num_warps: int = 4) -> None:
+    """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here); each program sums
+    [block_t tokens, block_k columns] with ``num_warps`` warps (every tile: the same sums in the same order)."""
     kernel = importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
     grid = (-(-num_tokens // block_t), -(-hidden // block_k))
     kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
-                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)  # ids and map unread (FROM_IDS off)
+                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps)  # ids, map unread (no FROM_IDS)

@@ -36,8 +36,8 @@ from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_prog
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, loader_gather_fits, num_sms,
-    wants_loader_gather,
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, gluon_descriptor, late_store_arg,
+    loader_gather_fits, num_sms, wants_loader_gather,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
@@ -184,7 +184,8 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
                                num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
         return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS,
+                           **late_store_arg(tile, gated), **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
