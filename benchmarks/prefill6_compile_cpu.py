@@ -1,6 +1,7 @@
-"""Compile the bf16 Gluon down GEMM (``_kernels/gluon_gemm.py``, not GATED) for sm_90 on a machine without a GPU, with
-and without LATE_STORE (each tile's product stored under the next tile's first MMAs): catches layout, barrier and
-shared-memory errors before a device run and reads ptxas's spills and wgmma serialization.
+"""Compile the bf16 Gluon down GEMM (``_kernels/gluon_gemm.py``, not GATED) and the gate-up GEMM gathering in its
+loader (``gluon_gemm_gather.py``) for sm_90 on a machine without a GPU, with and without LATE_STORE (each tile's
+product stored under the next tile's first MMAs): catches layout, barrier and shared-memory errors before a device
+run and reads ptxas's spills and wgmma serialization.
 
     PYTHONPATH=$PWD python benchmarks/prefill6_compile_cpu.py [--ptx DIR]
 
@@ -20,8 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def compile_down(tile, late_store: bool) -> tuple[str, str]:
-    """The down GEMM at a small shape (E=2, N=768, K=512: shapes reach the kernel as i32 arguments): (line, PTX)."""
+def compile_plain(tile, late_store: bool, gated: bool = False) -> tuple[str, str]:
+    """The plain GEMM at a small shape (E=2, N=768, K=512: shapes reach the kernel as i32 arguments), the down GEMM
+    or (``gated``) the gate-up GEMM reading x_perm by TMA: (line, PTX)."""
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
     from triton.backends.compiler import GPUTarget
@@ -33,12 +35,13 @@ def compile_down(tile, late_store: bool) -> tuple[str, str]:
 
     e, n, k, t, bf16 = 2, 768, 512, 1024, torch.bfloat16
     int32 = torch.empty(1, dtype=torch.int32)
-    args = dict(a_desc=_descriptor([t, n], [BLOCK_M, tile.block_k], bf16),
-                w_desc=_descriptor([e * k, n], [tile.block_n, tile.block_k], bf16),
-                c_desc=_descriptor([t, k], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
-                reduce_dim=n, num_col_blocks=k // tile.block_n)
-    const = dict(W_ROWS=k, GATE_OFFSET=0, GATED=False, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, LATE_STORE=late_store)
+    red, cols, w_rows = (k, n, 2 * n) if gated else (n, k, k)  # reduce over K into N columns, or over N into K
+    args = dict(a_desc=_descriptor([t, red], [BLOCK_M, tile.block_k], bf16),
+                w_desc=_descriptor([e * w_rows, red], [tile.block_n, tile.block_k], bf16),
+                c_desc=_descriptor([t, cols], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
+                reduce_dim=red, num_col_blocks=cols // tile.block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, num_warps=NUM_WARPS, LATE_STORE=late_store)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("experts_ptr", "used_ptr", "reduce_dim")}
@@ -55,24 +58,37 @@ def compile_down(tile, late_store: bool) -> tuple[str, str]:
 
 
 def main() -> int:
-    from moekit.experts.triton_gluon_launch import DOWN_TILE, NARROW_DOWN_TILE
+    from moekit.experts.triton_gluon_launch import DOWN_TILE, NARROW_DOWN_TILE, UP_TILE
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--ptx", type=Path)
     args = parser.parse_args()
     failed = 0
-    for name, tile in (("narrow", NARROW_DOWN_TILE), ("wide", DOWN_TILE)):
+    for name, tile, gated in (("narrow down", NARROW_DOWN_TILE, False), ("wide down", DOWN_TILE, False),
+                              ("TMA gate-up", UP_TILE, True)):
         for late in (False, True):
             try:
-                line, ptx = compile_down(tile, late)
+                line, ptx = compile_plain(tile, late, gated)
             except Exception as exc:  # noqa: BLE001 (the error, not a traceback through the compiler)
                 print(f"FAIL {name} late_store={late}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
                 failed += 1
                 continue
-            print(f"OK {name} late_store={late} {tile}: {line}", flush=True)
+            print(f"OK {name} late_store={late}: {line}", flush=True)
             if args.ptx:
                 args.ptx.mkdir(parents=True, exist_ok=True)
-                (args.ptx / f"down_{name}_late{int(late)}.ptx").write_text(ptx)
+                (args.ptx / f"{name.replace(' ', '_')}_late{int(late)}.ptx").write_text(ptx)
+    from gather_compile_cpu import compile_gather_gemm
+
+    for late in (False, True):
+        try:
+            line, ptx = compile_gather_gemm(UP_TILE, late)
+        except Exception as exc:  # noqa: BLE001
+            print(f"FAIL gather gate-up late_store={late}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
+            failed += 1
+            continue
+        print(f"OK gather gate-up late_store={late}: {line}", flush=True)
+        if args.ptx:
+            (args.ptx / f"gather_up_late{int(late)}.ptx").write_text(ptx)
     return 1 if failed else 0
 
 

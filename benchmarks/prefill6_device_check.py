@@ -13,7 +13,7 @@ M; the bench's weights, input sets and uniform routing):
   4. whole calls: the bench's timing helper (``time_stats``: events around passes over the rotated input sets,
      median of passes, ~``--budget-s`` a timing), ``--rounds`` interleaved rounds, each round starting with the next
      variant; x = route µs / variant µs, and the rounds a variant beat its base by >= 3%;
-  5. alone: the down GEMM with and without the late store, the combine at other program tiles (bit-equal checked);
+  5. alone: each GEMM with and without the late store, the combine at other program tiles (bit-equal checked);
   6. dense: cuBLAS on the cell's two GEMM shapes (A = M*k rows) without MoE.
 Prints as it goes, JSON to ``--out``/prefill6.json after every cell, the table LAST. Exit 1 when a check fails.
 """
@@ -116,7 +116,7 @@ def whole_calls(name: str, variants, sets, dev, rounds: int, budget_s: float, st
 
 
 def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> dict:
-    """The down GEMM plain / late store, the combine at each SumTile: {label: [µs per round]} (3 rounds)."""
+    """Each GEMM plain / late store, the combine at each SumTile: {label: [µs per round]} (3 rounds)."""
     from dataclasses import replace
 
     import prefill6_variants as pv
@@ -125,8 +125,10 @@ def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> 
     x, ids, rw = sets[0].x, sets[0].topk_ids, sets[0].topk_weights
     out: dict = {}
     down = down_tile(w.w2.shape[2])  # the plain down GEMM (the late store has no tail)
-    fns = {"down": pv.down_alone(x, ids, w.w13, w.w2, plan.up, down),
-           "down late": pv.down_alone(x, ids, w.w13, w.w2, plan.up, replace(down, late_store=True))}
+    fns = {}
+    for suffix, late in (("", False), (" late", True)):
+        tiles = replace(plan.up, late_store=late), replace(down, late_store=late)
+        fns["up" + suffix], fns["down" + suffix] = pv.gemms_alone(x, ids, w.w13, w.w2, *tiles, plan.in_loader)
     y, dst, weights = pv.combine_inputs(x, ids, rw, s.num_experts)
     outs = {}
     for tile in pv.SUM_TILES:
@@ -195,12 +197,13 @@ def summarize(name: str, cell: dict) -> None:
         for n, t in rounds.items():
             med = statistics.median(t)
             pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-            base = {"late": "lean untailed" if "lean untailed" in rounds else "lean"}.get(n)
+            late_base = "lean untailed" if "lean untailed" in rounds else "lean"
+            base = {"late up": "lean", "late down": late_base, "late both": late_base}.get(n)
             extra = f"  vs {base} {versus(t, rounds[base])}" if base in rounds else ""
             SUMMARY.append(f"  {n:14s} {med:9.1f} us {pct:5.1f}% mm  vs route {versus(t, rounds['route'])}{extra}")
     al = cell.get("alone_us", {})
     for n, t in al.items():
-        base = "down" if n.startswith("down") else next((k for k in al if k.startswith("combine")), n)
+        base = n.split()[0] if n.split()[0] in ("up", "down") else next((k for k in al if k.startswith("combine")), n)
         SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us  vs {base} {versus(t, al[base])}")
 
 

@@ -1,5 +1,5 @@
 """What ``prefill6_device_check.py`` runs at issue 19's prefill cells (bf16, M >= 4096): the route's plan in words,
-the whole-call variants against it, the kernels it can time alone (the down GEMM with and without a late store, the
+the whole-call variants against it, the kernels it can time alone (each GEMM with and without a late store, the
 k-slot combine at other program tiles), and cuBLAS on the same two GEMM shapes with no MoE (what a dense GEMM of that
 short K reaches in the same run).
 
@@ -7,9 +7,9 @@ Variants (each checked against the Gluon path's torch twin, and bit for bit wher
 order):
 - "route": ``run_experts(backend="triton")``, today's default;
 - "lean": the lean Gluon launch with the plan's tiles (what the route runs where ``GluonChoice`` takes Gluon);
-- "late": the same with the down GEMM storing each tile's product under the next tile's first MMAs
-  (``GluonTile.late_store``); where the plan's down GEMM folds tails (DeepSeek-V3 4096) it has none, so "lean
-  untailed" (the plain down GEMM) is its base there;
+- "late up" / "late down" / "late both": the same with the gate-up / down / both GEMMs storing each tile's product
+  under the next tile's first MMAs (``GluonTile.late_store``); where the plan's down GEMM folds tails (DeepSeek-V3
+  4096) the late down GEMM has none, so "lean untailed" (the plain down GEMM) is the base of those two there;
 - "fused": the fused Triton kernels (the route below ``GluonChoice``'s thresholds), at Qwen3 4096 only.
 """
 
@@ -80,13 +80,16 @@ def whole_call_variants(w13, w2, plan: Plan, with_fused: bool) -> list[Variant]:
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"))]
     if plan.gluon:
         out.append(Variant("lean", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route"))
+        up_late = replace(up, late_store=True)
+        out.append(Variant("late up", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_late, down), "lean"))
         base = "lean"
-        if down.tail:  # the late store has no tail: its base is the plain down GEMM
+        if down.tail:  # the late store has no tail: the late down GEMMs' base is the plain down GEMM
             plain = down_tile(w2.shape[2])
             out.append(Variant("lean untailed", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, plain)))
             down, base = plain, "lean untailed"
-        late = replace(down, late_store=True)
-        out.append(Variant("late", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, late), base))
+        down_late = replace(down, late_store=True)
+        out.append(Variant("late down", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down_late), base))
+        out.append(Variant("late both", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_late, down_late), base))
     if with_fused:
         out.append(Variant("fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)))
     return out
@@ -124,13 +127,14 @@ def combine_call(y, dst, weights, out, tile: SumTile) -> Callable:
     return lambda: launch_contiguous_sum(y, dst, weights, out, tile.block_t, tile.block_k, tile.num_warps)
 
 
-def down_alone(x, ids, w13, w2, up, down) -> Callable:
-    """The down GEMM alone with tile ``down`` on x's layout (h written once by the gate-up GEMM)."""
+def gemms_alone(x, ids, w13, w2, up, down, in_loader: bool) -> tuple[Callable, Callable]:
+    """(gate-up, down): each GEMM alone with tiles ``up`` / ``down`` on x's layout (``in_loader``: the gate-up GEMM
+    gathering x's rows; h written once by the gate-up GEMM before the down GEMM is timed)."""
     from prefill_variants import bf16_gemm_pair
 
-    pair = bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader=False)
+    pair = bf16_gemm_pair(x, ids, w13, w2, up, down, in_loader=in_loader)
     pair.up()
-    return pair.down
+    return pair.up, pair.down
 
 
 def dense_refs(m: int, top_k: int, inter: int, hidden: int, dev) -> dict:

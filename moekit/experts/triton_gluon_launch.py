@@ -38,10 +38,10 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). ``late_store`` (the down GEMM only, no tail): each tile's product is
-    stored once the next tile's first two K steps are issued, so the tensor cores run them meanwhile (an accumulator
-    more a thread, 64 registers). (64-row tiles and one consumer warpgroup: measured at the ridge in sessions 18 and
-    20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). ``late_store`` (no tail): each tile's product, rounded to the output
+    dtype, is kept in registers and stored once the next tile's first two K steps are issued, so the tensor cores run
+    them meanwhile (``_kernels/gluon_gemm._mma_late_store``; 32 registers more a thread at [128, 128] bf16). (64-row
+    tiles and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -67,17 +67,16 @@ class GluonTile:
         return element_size * (self.stages * stage + (BLOCK_M + self.tail) * self.block_n)
 
     def accumulator_registers(self, gated: bool) -> int:
-        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles: gate and up, or
-        the down GEMM's product and the previous tile's it stores late)."""
-        return (2 if gated or self.late_store else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
+        """float32 accumulator registers per MMA thread (one or two [BLOCK_M + tail, block_n] tiles)."""
+        return (2 if gated else 1) * (BLOCK_M + self.tail) * self.block_n // (32 * NUM_WARPS)
 
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
     thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
     the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
-    if gated and (tile.tail or tile.late_store):
-        raise ValueError(f"tile={tile}: a tail or a late store is for the down GEMM only")
+    if gated and tile.tail:
+        raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -228,16 +227,13 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **late_store_arg(tile, gated))
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **late_store_arg(tile))
 
 
-def late_store_arg(tile: GluonTile, gated: bool) -> dict:
-    """The plain GEMM's LATE_STORE constexpr where the tile asks for it (none otherwise: the kernel's default, so the
-    launches of the tiles without it stay what they were); raises for the gate-up GEMM."""
-    if not tile.late_store:
-        return {}
-    check_tile(tile, gated)  # the gate-up GEMM, or a product kept beside the next over the registers: raises
-    return {"LATE_STORE": True}
+def late_store_arg(tile: GluonTile) -> dict:
+    """The LATE_STORE constexpr of the plain and gathering GEMMs where the tile asks for it (none otherwise: the
+    kernels' default, so the launches of the tiles without it stay what they were)."""
+    return {"LATE_STORE": True} if tile.late_store else {}
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:
@@ -266,7 +262,7 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
                  num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
                  GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
-                 maxnreg=MAX_REGISTERS)
+                 maxnreg=MAX_REGISTERS, **late_store_arg(tile))
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
