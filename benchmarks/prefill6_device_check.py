@@ -197,8 +197,8 @@ def summarize(name: str, cell: dict) -> None:
         for n, t in rounds.items():
             med = statistics.median(t)
             pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-            late_base = "lean untailed" if "lean untailed" in rounds else "lean"
-            base = {"late up": "lean", "late down": late_base, "late both": late_base}.get(n)
+            late_base = "untailed" if "untailed" in rounds else "plain"
+            base = {"late up": "plain", "late down": late_base, "late both": late_base}.get(n)
             extra = f"  vs {base} {versus(t, rounds[base])}" if base in rounds else ""
             SUMMARY.append(f"  {n:14s} {med:9.1f} us {pct:5.1f}% mm  vs route {versus(t, rounds['route'])}{extra}")
     al = cell.get("alone_us", {})

@@ -6,10 +6,10 @@ short K reaches in the same run).
 Variants (each checked against the Gluon path's torch twin, and bit for bit where the products and sums keep their
 order):
 - "route": ``run_experts(backend="triton")``, today's default;
-- "lean": the lean Gluon launch with the plan's tiles (what the route runs where ``GluonChoice`` takes Gluon);
-- "late up" / "late down" / "late both": the same with the gate-up / down / both GEMMs storing each tile's product
+- "plain": the lean Gluon launch (what the route runs where ``GluonChoice`` takes Gluon) with the plan's tiles and
+  no late store; "late up" / "late down" / "late both": the gate-up / down / both GEMMs storing each tile's product
   under the next tile's first MMAs (``GluonTile.late_store``); where the plan's down GEMM folds tails (DeepSeek-V3
-  4096) the late down GEMM has none, so "lean untailed" (the plain down GEMM) is the base of those two there;
+  4096) the late down GEMM has none, so "untailed" (the plain down GEMM) is the base of those two there;
 - "fused": the fused Triton kernels (the route below ``GluonChoice``'s thresholds), at Qwen3 4096 only.
 """
 
@@ -71,25 +71,29 @@ def layout_counts(x, ids, num_experts: int) -> dict:
 
 
 def whole_call_variants(w13, w2, plan: Plan, with_fused: bool) -> list[Variant]:
+    """The route, then the lean launch with the plan's tiles at each late-store choice (set explicitly, whatever the
+    plan's defaults): "plain", "late up", "late down", "late both"; where the plan's down GEMM folds tails
+    (DeepSeek-V3 4096) "plain" and "late up" keep it and "untailed" is the plain down GEMM, the late down GEMMs' base.
+    Every Gluon variant equals the route bit for bit (the same products and sums in the same order)."""
     from moekit.experts import run_experts
     from moekit.experts.triton import fused_experts
     from moekit.experts.triton_gluon_launch import down_tile
     from moekit.experts.triton_gluon_lean import run_lean
 
-    up, down = plan.up, plan.down
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"))]
+
+    def lean(name: str, up, down) -> Variant:
+        return Variant(name, lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route")
+
     if plan.gluon:
-        out.append(Variant("lean", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route"))
-        up_late = replace(up, late_store=True)
-        out.append(Variant("late up", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_late, down), "lean"))
-        base = "lean"
+        up, up_late = replace(plan.up, late_store=False), replace(plan.up, late_store=True)
+        down = replace(plan.down, late_store=False)
+        out += [lean("plain", up, down), lean("late up", up_late, down)]
         if down.tail:  # the late store has no tail: the late down GEMMs' base is the plain down GEMM
-            plain = down_tile(w2.shape[2])
-            out.append(Variant("lean untailed", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, plain)))
-            down, base = plain, "lean untailed"
+            down = down_tile(w2.shape[2])
+            out.append(lean("untailed", up, down))
         down_late = replace(down, late_store=True)
-        out.append(Variant("late down", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down_late), base))
-        out.append(Variant("late both", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up_late, down_late), base))
+        out += [lean("late down", up, down_late), lean("late both", up_late, down_late)]
     if with_fused:
         out.append(Variant("fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)))
     return out
