@@ -19,9 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def compile_gather_gemm(tile, late_store: bool = False) -> tuple[str, str]:
-    """The gather gate-up GEMM at a small shape (E=2, N=512, K=512, top-k 8): (report line, PTX); ``late_store``:
-    its LATE_STORE form (``_mma_late_store``)."""
+def compile_gather_gemm(tile) -> tuple[str, str]:
+    """The gather gate-up GEMM at a small shape (E=2, N=512, K=512, top-k 8): (report line, PTX)."""
     import triton
     from gluon_fp8_compile_cpu import _descriptor, ptxas_report
     from triton.backends.compiler import GPUTarget
@@ -38,7 +37,7 @@ def compile_gather_gemm(tile, late_store: bool = False) -> tuple[str, str]:
                 c_desc=_descriptor([t, n], [BLOCK_M, tile.block_n], bf16), experts_ptr=int32, used_ptr=int32,
                 num_assignments=t, stride_x=k, reduce_dim=k, num_col_blocks=n // tile.block_n)
     const = dict(TOP_K=8, W_ROWS=2 * n, GATE_OFFSET=n, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS, LATE_STORE=late_store)
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     # x's pointer and row stride 16-byte aligned (what the route checks and Triton specialises on)
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]

@@ -12,8 +12,10 @@ M; the bench's weights, input sets and uniform routing):
   3. the route's kernels (torch.profiler, device µs each);
   4. whole calls: the bench's timing helper (``time_stats``: events around passes over the rotated input sets,
      median of passes, ~``--budget-s`` a timing), ``--rounds`` interleaved rounds, each round starting with the next
-     variant; x = route µs / variant µs, and the rounds a variant beat its base by >= 3%;
-  5. alone: each GEMM with and without the late store, the combine at other program tiles (bit-equal checked);
+     variant; per variant median and min, and route vs it: x = variant µs / route µs, the rounds the route won by
+     >= 3% (so "old combine" x > 1 is the new default's gain);
+  5. alone: each Gluon GEMM under uniform and balanced routing (no padding), the gate-up GEMM reading x's rows the
+     other way, the combine at other program tiles (bit-equal checked);
   6. dense: cuBLAS on the cell's two GEMM shapes (A = M*k rows) without MoE.
 Prints as it goes, JSON to ``--out``/prefill6.json after every cell, the table LAST. Exit 1 when a check fails.
 """
@@ -34,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 T0 = time.perf_counter()
-CELLS = ("qwen3-30b-a3b:16384", "qwen3-30b-a3b:4096", "deepseek-v3:4096", "deepseek-v3:16384", "mixtral-8x7b:4096")
+CELLS = ("qwen3-30b-a3b:16384", "qwen3-30b-a3b:4096", "deepseek-v3:4096", "deepseek-v3:16384", "mixtral-8x7b:4096",
+         "mixtral-8x7b:16384")
 STALL_S = 100.0  # the watchdog ends the run (table so far printed) when nothing was logged for this long
 LAST_LOG = [time.perf_counter(), "start"]
 RESULTS: dict = {"cells": []}
@@ -116,33 +119,38 @@ def whole_calls(name: str, variants, sets, dev, rounds: int, budget_s: float, st
 
 
 def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> dict:
-    """Each GEMM plain / late store, the combine at each SumTile: {label: [µs per round]} (3 rounds)."""
-    from dataclasses import replace
-
+    """Each Gluon GEMM under uniform and balanced routing (no padding rows), the gate-up GEMM reading x's rows the
+    other way (in-loader gather / gather kernel + TMA), the combine at each tile: {label: [µs per round]}."""
     import prefill6_variants as pv
+    from prefill_variants import balanced_routing
+
     from moekit.experts.triton_gluon_launch import down_tile
 
     x, ids, rw = sets[0].x, sets[0].topk_ids, sets[0].topk_weights
-    out: dict = {}
-    down = down_tile(w.w2.shape[2])  # the plain down GEMM (the late store has no tail)
+    down = down_tile(w.w2.shape[2])  # the plain down GEMM (the pair's launch has no tail)
+    bal_ids, _ = balanced_routing(x.shape[0], s.num_experts, s.top_k, dev)
+    other = "up TMA" if plan.in_loader else "up in-loader"
     fns = {}
-    for suffix, late in (("", False), (" late", True)):
-        tiles = replace(plan.up, late_store=late), replace(down, late_store=late)
-        fns["up" + suffix], fns["down" + suffix] = pv.gemms_alone(x, ids, w.w13, w.w2, *tiles, plan.in_loader)
+    fns["up"], fns["down"] = pv.gemms_alone(x, ids, w.w13, w.w2, plan.up, down, plan.in_loader)
+    fns["up balanced"], fns["down balanced"] = pv.gemms_alone(x, bal_ids, w.w13, w.w2, plan.up, down, plan.in_loader)
+    fns[other], _ = pv.gemms_alone(x, ids, w.w13, w.w2, plan.up, down, not plan.in_loader)
+    fns["gather kernel"] = pv.gather_call(x, ids, s.num_experts)
     y, dst, weights = pv.combine_inputs(x, ids, rw, s.num_experts)
     outs = {}
-    for tile in pv.SUM_TILES:
+    for tile in pv.sum_tiles():
+        label = f"combine {pv.tile_label(tile)}"
         o = torch.empty_like(x)
-        fns[f"combine {tile.label()}"] = pv.combine_call(y, dst, weights, o, tile)
-        fns[f"combine {tile.label()}"]()
-        outs[tile.label()] = o
-    base = outs[pv.SUM_TILES[0].label()]
+        fns[label] = pv.combine_call(y, dst, weights, o, tile)
+        fns[label]()
+        outs[label] = o
+    first = next(iter(outs))
     for label, o in outs.items():
-        if not torch.equal(o, base):
-            log(f"FAIL {name} combine {label}: not bit-equal to {pv.SUM_TILES[0].label()}")
-            FAILED.append(f"{name} combine {label}")
+        if not torch.equal(o, outs[first]):
+            log(f"FAIL {name} {label}: not bit-equal to {first}")
+            FAILED.append(f"{name} {label}")
+    out: dict = {}
     for r in range(3):
-        if time.perf_counter() - T0 > stop_at:
+        if time.perf_counter() - T0 > stop_at and r >= 1:
             break
         for label, fn in fns.items():
             out.setdefault(label, []).append(timed([fn], dev, budget_s / 2))
@@ -197,21 +205,24 @@ def summarize(name: str, cell: dict) -> None:
         for n, t in rounds.items():
             med = statistics.median(t)
             pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
-            late_base = "untailed" if "untailed" in rounds else "plain"
-            base = {"late up": "plain", "late down": late_base, "late both": late_base}.get(n)
-            extra = f"  vs {base} {versus(t, rounds[base])}" if base in rounds else ""
-            SUMMARY.append(f"  {n:14s} {med:9.1f} us {pct:5.1f}% mm  vs route {versus(t, rounds['route'])}{extra}")
+            SUMMARY.append(f"  {n:12s} median {med:9.1f} us {pct:5.1f}% mm, min {min(t):9.1f} us  "
+                           f"route vs it {versus(rounds['route'], t)}")
     al = cell.get("alone_us", {})
     for n, t in al.items():
-        base = n.split()[0] if n.split()[0] in ("up", "down") else next((k for k in al if k.startswith("combine")), n)
-        SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us  vs {base} {versus(t, al[base])}")
+        gemm = n.split()[0]
+        base = gemm if gemm in ("up", "down") else next((k for k in al if k.startswith("combine")), n)
+        base = n if gemm == "gather" else base
+        share = {"up": 2 / 3, "down": 1 / 3}.get(gemm)
+        pct = f" {100 * share * cell['flops'] / (statistics.median(t) * 1e-6) / 1e12 / cell['mm_TFLOPs']:5.1f}% mm" \
+            if share else ""
+        SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us{pct}  vs {base} {versus(t, al[base])}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline-s", type=float, default=130.0, help="no new timing after this many seconds")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--budget-s", type=float, default=0.05, help="seconds of passes a timing (the bench's 0.05)")
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
     parser.add_argument("--parts", nargs="+", default=["whole", "alone", "dense"])

@@ -1,21 +1,21 @@
 """What ``prefill6_device_check.py`` runs at issue 19's prefill cells (bf16, M >= 4096): the route's plan in words,
-the whole-call variants against it, the kernels it can time alone (each GEMM with and without a late store, the
-k-slot combine at other program tiles), and cuBLAS on the same two GEMM shapes with no MoE (what a dense GEMM of that
-short K reaches in the same run).
+the whole-call variants against it, the kernels it can time alone (each Gluon GEMM under uniform and balanced
+routing, the gate-up GEMM with the other way of reading x's rows, the k-slot combine at other program tiles), and
+cuBLAS on the same two GEMM shapes with no MoE (what a dense GEMM of that short K reaches in the same run).
 
 Variants (each checked against the Gluon path's torch twin, and bit for bit where the products and sums keep their
 order):
-- "route": ``run_experts(backend="triton")``, today's default;
-- "plain": the lean Gluon launch (what the route runs where ``GluonChoice`` takes Gluon) with the plan's tiles and
-  no late store; "late up" / "late down" / "late both": the gate-up / down / both GEMMs storing each tile's product
-  under the next tile's first MMAs (``GluonTile.late_store``); where the plan's down GEMM folds tails (DeepSeek-V3
-  4096) the late down GEMM has none, so "untailed" (the plain down GEMM) is the base of those two there;
+- "route": ``run_experts(backend="triton")``, today's default (the combine's program tile ``SUM_TILE``);
+- "lean": the lean Gluon launch with the plan's tiles: the route's kernels (its spread against the route is noise);
+- "old combine": the same with session 25's combine tile (16 tokens x 256 columns, 4 warps);
 - "fused": the fused Triton kernels (the route below ``GluonChoice``'s thresholds), at Qwen3 4096 only.
+Measured with it and removed (checkpoint 1, raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log): the GEMMs' late store
+(each tile's product kept in registers and stored under the next tile's first two K steps): alone 0.87-0.98x.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -35,7 +35,7 @@ class Plan:
     gluon: bool  # the Gluon path (else the fused Triton kernels)
     in_loader: bool  # the gate-up GEMM gathers x's rows in its loader (else a gather kernel + TMA reads)
     up: object  # gate-up GluonTile
-    down: object  # down GluonTile (its tail / late_store fields)
+    down: object  # down GluonTile (its tail field)
     rows: int  # the layout's static rows (max_padded_rows)
 
     def words(self) -> str:
@@ -71,48 +71,40 @@ def layout_counts(x, ids, num_experts: int) -> dict:
 
 
 def whole_call_variants(w13, w2, plan: Plan, with_fused: bool) -> list[Variant]:
-    """The route, then the lean launch with the plan's tiles at each late-store choice (set explicitly, whatever the
-    plan's defaults): "plain", "late up", "late down", "late both"; where the plan's down GEMM folds tails
-    (DeepSeek-V3 4096) "plain" and "late up" keep it and "untailed" is the plain down GEMM, the late down GEMMs' base.
-    Every Gluon variant equals the route bit for bit (the same products and sums in the same order)."""
+    """The route; on the Gluon path the lean launch with the plan's tiles ("lean": the route's own kernels, so its
+    spread against the route is the run's noise) and with session 25's combine tile ("old combine", 16 x 256, 4
+    warps), both equal to the route bit for bit; the fused Triton kernels where ``with_fused``."""
     from moekit.experts import run_experts
     from moekit.experts.triton import fused_experts
-    from moekit.experts.triton_gluon_launch import down_tile
     from moekit.experts.triton_gluon_lean import run_lean
 
+    up, down = plan.up, plan.down
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"))]
-
-    def lean(name: str, up, down) -> Variant:
-        return Variant(name, lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route")
-
     if plan.gluon:
-        up, up_late = replace(plan.up, late_store=False), replace(plan.up, late_store=True)
-        down = replace(plan.down, late_store=False)
-        out += [lean("plain", up, down), lean("late up", up_late, down)]
-        if down.tail:  # the late store has no tail: the late down GEMMs' base is the plain down GEMM
-            down = down_tile(w2.shape[2])
-            out.append(lean("untailed", up, down))
-        down_late = replace(down, late_store=True)
-        out += [lean("late down", up, down_late), lean("late both", up_late, down_late)]
+        out += [Variant("lean", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route"),
+                Variant("old combine", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down, combine=OLD_SUM),
+                        "route")]
     if with_fused:
         out.append(Variant("fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)))
     return out
 
 
-@dataclass(frozen=True)
-class SumTile:
-    """A program tile of the k-slot combine (``launch_contiguous_sum``): tokens, columns, warps."""
+def sum_tiles():
+    """The combine tiles timed alone: today's default first, session 25's, then neighbours of the default (narrower
+    columns and more tokens a program won in checkpoint 1; 8 warps lost there)."""
+    from moekit.experts.triton_gluon_launch import SUM_TILE, SumTile
 
-    block_t: int
-    block_k: int
-    num_warps: int
-
-    def label(self) -> str:
-        return f"{self.block_t}x{self.block_k} w{self.num_warps}"
+    return (SUM_TILE, OLD_SUM, SumTile(64, 64, 4), SumTile(32, 64, 4), SumTile(64, 128, 4), SumTile(16, 128, 4),
+            SumTile(32, 128, 2), SumTile(4, 2048, 8))
 
 
-SUM_TILES = (SumTile(16, 256, 4), SumTile(8, 512, 4), SumTile(32, 256, 8), SumTile(16, 512, 8), SumTile(8, 1024, 8),
-             SumTile(4, 2048, 8), SumTile(32, 128, 4), SumTile(64, 128, 8))  # the first: the default
+def _old_sum():
+    from moekit.experts.triton_gluon_launch import SumTile
+
+    return SumTile(16, 256, 4)
+
+
+OLD_SUM = _old_sum()  # session 25's combine tile (the route's until pre6)
 
 
 def combine_inputs(x, ids, rw, num_experts: int) -> tuple:
@@ -125,10 +117,25 @@ def combine_inputs(x, ids, rw, num_experts: int) -> tuple:
     return y, lay.src_to_dst, rw.contiguous()
 
 
-def combine_call(y, dst, weights, out, tile: SumTile) -> Callable:
+def gather_call(x, ids, num_experts: int) -> Callable:
+    """The gather kernel alone (x_perm [R, K] and dst from x and the layout): what the TMA-fed gate-up GEMM needs
+    before it and the in-loader gather does inside the GEMM."""
+    from moekit.experts.triton_gluon import gluon_layout
+    from moekit.experts.triton_gluon_launch import launch_gather_rows
+
+    lay = gluon_layout(x, ids, num_experts)
+    dst = lay.src_to_dst.view(-1)
+    return lambda: launch_gather_rows(x, lay.sorted_ids, ids.shape[1], lay.x_perm, dst)
+
+
+def combine_call(y, dst, weights, out, tile) -> Callable:
     from moekit.experts.triton_gluon_launch import launch_contiguous_sum
 
-    return lambda: launch_contiguous_sum(y, dst, weights, out, tile.block_t, tile.block_k, tile.num_warps)
+    return lambda: launch_contiguous_sum(y, dst, weights, out, tile)
+
+
+def tile_label(tile) -> str:
+    return f"{tile.block_t}x{tile.block_k} w{tile.num_warps}"
 
 
 def gemms_alone(x, ids, w13, w2, up, down, in_loader: bool) -> tuple[Callable, Callable]:

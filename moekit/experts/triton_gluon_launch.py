@@ -38,17 +38,14 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). ``late_store`` (no tail): each tile's product, rounded to the output
-    dtype, is kept in registers and stored once the next tile's first two K steps are issued, so the tensor cores run
-    them meanwhile (``_kernels/gluon_gemm._mma_late_store``; 32 registers more a thread at [128, 128] bf16). (64-row
-    tiles and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
+    sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
     tail: int = 0
-    late_store: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -57,8 +54,6 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if self.late_store and self.tail:
-            raise ValueError(f"late_store with tail={self.tail}: the tail's kernel stores at once")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -227,13 +222,7 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **late_store_arg(tile))
-
-
-def late_store_arg(tile: GluonTile) -> dict:
-    """The LATE_STORE constexpr of the plain and gathering GEMMs where the tile asks for it (none otherwise: the
-    kernels' default, so the launches of the tiles without it stay what they were)."""
-    return {"LATE_STORE": True} if tile.late_store else {}
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:
@@ -262,7 +251,7 @@ def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Ten
     kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
                  num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
                  GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
-                 maxnreg=MAX_REGISTERS, **late_store_arg(tile))
+                 maxnreg=MAX_REGISTERS)
 
 
 def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_perm: torch.Tensor,
@@ -276,13 +265,37 @@ def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_
                  TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
 
 
+@dataclass(frozen=True)
+class SumTile:
+    """The k-slot combine's program (``_kernels/contiguous.contiguous_sum_kernel``): ``block_t`` tokens x ``block_k``
+    columns, ``num_warps`` warps. Every tile sums the same slots in the same order: equal outputs bit for bit."""
+
+    block_t: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_t", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: a power of two")
+
+
+# The combine reads M*k rows of y [R, K] bf16 once (537 MB at Qwen3-30B-A3B M = 16384: near the copy rate), so its
+# tile only sets how many rows a program has in flight. H200 (raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log, alone,
+# 3 interleaved rounds, bit-equal): 32 tokens x 128 columns against session 25's 16 x 256 (both 4 warps) 1.034x /
+# 1.044x / 1.086x / 1.050x / 1.010x at Qwen3 16384 / 4096, DeepSeek-V3 4096 / 16384, Mixtral 4096 (195 -> 189 µs,
+# 84 -> 81, 165 -> 152, 551 -> 525, 52.7 -> 52.1); every 8-warp tile tried 0.90-0.97x
+SUM_TILE = SumTile()
+
+
 def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                          block_t: int = 16, block_k: int = 256, num_warps: int = 4) -> None:
-    """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here); each program sums
-    [block_t tokens, block_k columns] with ``num_warps`` warps (every tile: the same sums in the same order)."""
+                          tile: SumTile = SUM_TILE) -> None:
+    """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here)."""
     kernel = importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
-    grid = (-(-num_tokens // block_t), -(-hidden // block_k))
+    grid = (-(-num_tokens // tile.block_t), -(-hidden // tile.block_k))
     kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
-                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps)  # ids, map unread (no FROM_IDS)
+                 TOP_K=top_k, BLOCK_T=tile.block_t, BLOCK_K=tile.block_k,
+                 num_warps=tile.num_warps)  # ids and map unread (FROM_IDS off)

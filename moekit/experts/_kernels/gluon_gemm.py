@@ -122,82 +122,12 @@ def _mma_epilogue(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr
 
 
 @gluon.jit
-def _store_tile(c_desc, c_buf, out, rb, cb):
-    """out [BLOCK_M, BLOCK_N] (c's dtype) -> c_buf -> a TMA store at tile (rb, cb), once the last store read c_buf."""
-    tma.store_wait(0)
-    c_buf.store(out)
-    fence_async_shared()
-    _tma_store(c_desc, [rb * c_desc.block_type.shape[0], cb * c_desc.block_type.shape[1]], c_buf)
-
-
-@gluon.jit
-def _mma_late_store(c_desc, a_bufs, w_bufs, c_buf, ready, a_ready, empty, used_ptr, reduce_dim, num_col_blocks,
-                    GATED: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr):
-    """``_mma_epilogue`` storing each tile late: its product (silu(gate) * up when GATED), rounded to c's dtype, is
-    kept in registers (32 a thread at [128, 128] bf16) and written out once the next tile's first two K steps are
-    issued, so the tensor cores run them meanwhile (``_mma_epilogue`` stores first and leaves them idle: Qwen3's down
-    GEMM runs 12 K steps a tile). Each tile's MMAs are waited for before the next tile's start: a wgmma in flight
-    across the tile loop's back edge makes ptxas serialize them all (C7514, sm_90 compile of that form)."""
-    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    WTILES: gl.constexpr = 2 if GATED else 1
-    layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
-    num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    store_step = gl.minimum(k_steps - 1, 1)  # the K step after whose MMA issue the previous product is stored
-    it = 0
-    done = gl.zeros([BLOCK_M, BLOCK_N], c_desc.dtype, layout)  # the previous tile's product, not yet stored
-    done_rb = gl.program_id(0) * 0 - 1  # its row block; -1: none
-    done_cb = gl.program_id(0) * 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
-        for kk in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if GATHER:  # the A tile came by cp.async (generic proxy): landed, then made visible to the wgmma's
-                mbarrier.wait(a_ready.index(s), (it // STAGES) & 1)
-                fence_async_shared()
-            a = a_bufs.index(s)
-            acc = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), acc, is_async=True)
-            if GATED:
-                up = warpgroup_mma(a, w_bufs.index(s * WTILES + 1).permute((1, 0)), up, is_async=True)
-            if (kk == store_step) & (done_rb >= 0):
-                _store_tile(c_desc, c_buf, done, done_rb, done_cb)
-            if GATED:
-                acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            it += 1
-        if GATED:
-            acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
-            acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-        done = acc.to(c_desc.dtype)
-        done_rb = rb
-        done_cb = cb
-    if done_rb >= 0:
-        _store_tile(c_desc, c_buf, done, done_rb, done_cb)
-    tma.store_wait(0)
-
-
-@gluon.jit
 def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                         W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr,
-                        LATE_STORE: gl.constexpr = False):
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, R] blocks [BM, BK]; w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
     experts_ptr [T / BM] int32 expert of each row block; used_ptr -> rows in use (a multiple of BM); reduce_dim = R;
-    num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED. LATE_STORE: each tile's
-    product stored under the next tile's first MMAs (``_mma_late_store``)."""
+    num_col_blocks = C / BN; GATE_OFFSET = N (the up rows follow the gate rows) when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
@@ -207,17 +137,9 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_di
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if LATE_STORE:
-        gl.warp_specialize([
-            (_mma_late_store, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim,
-                               num_col_blocks, GATED, GROUP_M, False, num_warps)),
-            (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim,
-                       num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
-        ], [1], [24])
-    else:
-        gl.warp_specialize([
-            (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim,
-                             num_col_blocks, GATED, GROUP_M, False, num_warps)),
-            (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim,
-                       num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
-        ], [1], [24])
+    gl.warp_specialize([
+        (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, used_ptr, reduce_dim, num_col_blocks,
+                         GATED, GROUP_M, False, num_warps)),
+        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
+    ], [1], [24])
