@@ -120,7 +120,10 @@ def whole_calls(name: str, variants, sets, dev, rounds: int, budget_s: float, st
 
 def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> dict:
     """Each Gluon GEMM under uniform and balanced routing (no padding rows), the gate-up GEMM reading x's rows the
-    other way (in-loader gather / gather kernel + TMA), the combine at each tile: {label: [µs per round]}."""
+    other way (in-loader gather / gather kernel + TMA), the gather kernel, the narrow down GEMM at GROUP_M 2 / 4, the
+    combine at each tile: {label: [µs per round]}."""
+    from dataclasses import replace
+
     import prefill6_variants as pv
     from prefill_variants import balanced_routing
 
@@ -135,6 +138,10 @@ def alone(name: str, s, sets, w, plan, dev, budget_s: float, stop_at: float) -> 
     fns["up balanced"], fns["down balanced"] = pv.gemms_alone(x, bal_ids, w.w13, w.w2, plan.up, down, plan.in_loader)
     fns[other], _ = pv.gemms_alone(x, ids, w.w13, w.w2, plan.up, down, not plan.in_loader)
     fns["gather kernel"] = pv.gather_call(x, ids, s.num_experts)
+    if down.group_m == 1:  # narrow experts' down GEMM (row blocks in plain order): two neighbours, never timed
+        for gm in (2, 4):
+            _, fns[f"down gm{gm}"] = pv.gemms_alone(x, ids, w.w13, w.w2, plan.up, replace(down, group_m=gm),
+                                                    plan.in_loader)
     y, dst, weights = pv.combine_inputs(x, ids, rw, s.num_experts)
     outs = {}
     for tile in pv.sum_tiles():
