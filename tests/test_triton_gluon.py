@@ -16,7 +16,7 @@ from moekit.experts.triton_gluon import (
 )
 from moekit.experts.triton_gluon_launch import (
     BLOCK_M, DOWN_TILE, NARROW_DOWN_TILE, UP_TILE, gluon_importable, gluon_supported,
-    launch_contiguous_sum, plan_gluon,
+    SUM_TILE, SumTile, launch_contiguous_sum, plan_gluon,
 )
 from moekit.layouts.block_aligned import align_block
 
@@ -51,22 +51,33 @@ def _experts_f64(x, w13, w2, ids, weights):
     return out
 
 
-def test_combine_kernel_matches_a_float64_loop():
+def test_combine_kernel_matches_a_float64_loop_at_every_tile():
+    """Tiles past the tokens and columns (masked edges), the default; all equal bit for bit (the same sums)."""
     g = torch.Generator().manual_seed(3)
-    m, k, rows = 5, 3, 40
-    y = torch.randn(rows, 96, generator=g)
+    m, k, rows = 37, 3, 160
+    y = torch.randn(rows, 96, generator=g).bfloat16()
     dst = torch.randperm(rows, generator=g)[: m * k].view(m, k).int()
     dst[1, 2] = -1  # not routed here: never read
     dst[4, 0] = -1
     weights = torch.rand(m, k, generator=g)
-    out = torch.empty(m, 96)
-    launch_contiguous_sum(y, dst, weights, out, block_t=4, block_k=64)
     ref = torch.zeros(m, 96, dtype=torch.float64)
     for t in range(m):
         for j in range(k):
             if dst[t, j] >= 0:
                 ref[t] += float(weights[t, j]) * y[int(dst[t, j])].double()
-    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    outs = []
+    for tile in (SumTile(4, 64, 4), SumTile(32, 128, 4), SumTile(16, 256, 4), SumTile(8, 32, 2), SUM_TILE):
+        out = torch.empty(m, 96, dtype=torch.bfloat16)
+        launch_contiguous_sum(y, dst, weights, out, tile)
+        outs.append(out)
+    torch.testing.assert_close(outs[0].double(), ref, rtol=1e-2, atol=1e-2)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("field", ["block_t", "block_k", "num_warps"])
+def test_sum_tile_fields_are_powers_of_two(field):
+    with pytest.raises(ValueError, match=field):
+        SumTile(**{field: 24})
 
 
 def test_layout_groups_rows_by_expert_in_aligned_blocks():

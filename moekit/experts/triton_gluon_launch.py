@@ -265,12 +265,37 @@ def launch_gather_rows(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x_
                  TOP_K=top_k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
 
 
+@dataclass(frozen=True)
+class SumTile:
+    """The k-slot combine's program (``_kernels/contiguous.contiguous_sum_kernel``): ``block_t`` tokens x ``block_k``
+    columns, ``num_warps`` warps. Every tile sums the same slots in the same order: equal outputs bit for bit."""
+
+    block_t: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_t", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v}: a power of two")
+
+
+# The combine reads M*k rows of y [R, K] bf16 once (537 MB at Qwen3-30B-A3B M = 16384: near the copy rate), so its
+# tile only sets how many rows a program has in flight. H200 (raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log, alone,
+# 3 interleaved rounds, bit-equal): 32 tokens x 128 columns against session 25's 16 x 256 (both 4 warps) 1.034x /
+# 1.044x / 1.086x / 1.050x / 1.010x at Qwen3 16384 / 4096, DeepSeek-V3 4096 / 16384, Mixtral 4096 (195 -> 189 µs,
+# 84 -> 81, 165 -> 152, 551 -> 525, 52.7 -> 52.1); every 8-warp tile tried 0.90-0.97x
+SUM_TILE = SumTile()
+
+
 def launch_contiguous_sum(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-                          block_t: int = 16, block_k: int = 256) -> None:
+                          tile: SumTile = SUM_TILE) -> None:
     """out [M, K] = sum_j weights[t, j] * y[dst[t, j]] (dst [M, k] int32, -1 = not routed here)."""
     kernel = importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel
     num_tokens, top_k = dst.shape
     hidden = out.shape[1]
-    grid = (-(-num_tokens // block_t), -(-hidden // block_k))
+    grid = (-(-num_tokens // tile.block_t), -(-hidden // tile.block_k))
     kernel[grid](y, dst, weights, out, dst, dst, num_tokens, hidden, y.stride(0), out.stride(0), 0, 0,
-                 TOP_K=top_k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)  # ids and map unread (FROM_IDS off)
+                 TOP_K=top_k, BLOCK_T=tile.block_t, BLOCK_K=tile.block_k,
+                 num_warps=tile.num_warps)  # ids and map unread (FROM_IDS off)
