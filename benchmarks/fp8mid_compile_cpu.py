@@ -1,6 +1,6 @@
 """Compile the fp8 GEMMs of ``fp8mid_device_check`` for sm_90 on a machine without a GPU: the one-tile-a-program
 kernels (``gemm_fp8``) and the persistent ones (``gemm_fp8_persistent``, FLATTEN on / off) at Qwen3-30B-A3B's tuned
-M = 1024 tiles (TMA weights), so a compile error or a spill shows before device time.
+tiles (TMA weights) of M = 1024 (BM 64) and M = 64 (BM 16), so a compile error or a spill shows before device time.
 
     PYTHONPATH=$PWD python3 benchmarks/fp8mid_compile_cpu.py
 
@@ -57,15 +57,26 @@ def compile_one(kernel, pointers: dict, scalars: dict, const: dict, num_warps: i
             f"scf.for loops {ttgir.count('scf.for ')}")
 
 
+# (label, BLOCK_M, gate-up GROUP_M / warps / stages, down GROUP_M / warps / stages): the tuned entries 1024 and 64
+TILES = (("M=1024", 64, (8, 8, 4), (8, 4, 4)), ("M=64", 16, (1, 4, 4), (1, 4, 4)))
+
+
 def main() -> int:
+    failed = 0
+    for tile in TILES:
+        failed += compile_tile(*tile)
+    return 1 if failed else 0
+
+
+def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> int:
     from moekit.experts._kernels import gemm_fp8, gemm_fp8_persistent as pk
 
     f32, i32 = torch.empty(1), torch.empty(1, dtype=torch.int32)
     fp8 = torch.empty(1, dtype=torch.float8_e4m3fn)
     bf16 = torch.empty(1, dtype=torch.bfloat16)
-    up = dict(GROUP_N=128, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, UPCAST=False, EMULATE=False, W_DESC=True,
-              ONE_BLOCK=True, PDL=True)
-    down = dict(up, BLOCK_N=128)
+    up = dict(GROUP_N=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=up_tile[0], UPCAST=False, EMULATE=False,
+              W_DESC=True, ONE_BLOCK=True, PDL=True)
+    down = dict(up, GROUP_M=down_tile[0])
     up_ptrs = dict(xq_ptr=fp8, xs_ptr=f32, w_ptr=_desc(E * 2 * N, K, [128, 128]), ws_ptr=f32, hq_ptr=fp8, hs_ptr=f32,
                    ids_ptr=i32, sorted_ids_ptr=i32, expert_ids_ptr=i32, num_padded_ptr=i32, map_ptr=i32)
     up_scalars = dict.fromkeys(["N", "K", "num_assignments", "top_k", "stride_xm", "stride_xsm", "stride_we",
@@ -81,23 +92,23 @@ def main() -> int:
     one_down = dict(one, KSUM=False, TOPK_PAD=1, SUM_ROWS=1, ZERO_T=1, SUM_AFTER=False, SUM_T=1, SUM_K=1)
     jobs = [
         ("gate-up one tile a program", gemm_fp8.gate_up_fp8_kernel, up_ptrs,
-         up_scalars | dict.fromkeys(["num_experts", "num_pid_m", "num_global", "stride_xk"]), one_up, 8, 4),
+         up_scalars | dict.fromkeys(["num_experts", "num_pid_m", "num_global", "stride_xk"]), one_up, *up_tile[1:]),
         ("down one tile a program", gemm_fp8.down_fp8_kernel, down_ptrs,
-         down_scalars | dict.fromkeys(["num_experts", "num_pid_m", "top_k", "num_global"]), one_down, 4, 4),
+         down_scalars | dict.fromkeys(["num_experts", "num_pid_m", "top_k", "num_global"]), one_down, *down_tile[1:]),
     ]
     for flatten in (False, True):
         jobs.append((f"gate-up persistent flatten={flatten}", pk.gate_up_fp8_persistent_kernel, up_ptrs, up_scalars,
-                     dict(up, FLATTEN=flatten), 8, 4))
+                     dict(up, FLATTEN=flatten), *up_tile[1:]))
         jobs.append((f"down persistent flatten={flatten}", pk.down_fp8_persistent_kernel, down_ptrs, down_scalars,
-                     {k: v for k, v in dict(down, FLATTEN=flatten).items() if k != "EMULATE"}, 4, 4))
+                     {k: v for k, v in dict(down, FLATTEN=flatten).items() if k != "EMULATE"}, *down_tile[1:]))
     failed = 0
     for name, kernel, ptrs, scalars, const, warps, stages in jobs:
         try:
-            print(f"OK {name}: {compile_one(kernel, ptrs, scalars, const, warps, stages)}", flush=True)
+            print(f"OK {label} {name}: {compile_one(kernel, ptrs, scalars, const, warps, stages)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (report each)
             failed += 1
-            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
-    return 1 if failed else 0
+            print(f"FAIL {label} {name}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
+    return failed
 
 
 if __name__ == "__main__":

@@ -80,3 +80,21 @@ def persistent_constexprs(shared: dict, flatten: bool, gate_up: bool) -> dict:
     """The plan's shared constexprs and options, less what the persistent kernels do not take."""
     drop = {"NAIVE", "H_FP32", "AHEAD", "SWAP_AB", "X_RAW"} | ({"EMULATE"} if not gate_up else set())
     return {k: v for k, v in shared.items() if k not in drop} | {"FLATTEN": flatten}
+
+
+def persistent_gemms(persistent: Persistent, launches: tuple, w13_q, w13_scale, w2_q, w2_scale, num_assignments: int,
+                     top_k: int, config: KernelConfig, num_pid_m: int, up_shared: dict, down_shared: dict,
+                     device) -> tuple:
+    """The plan's (gate_up, down, down_sum) launches with the GEMMs ``persistent`` names replaced by persistent
+    ones; a persistent down GEMM has no k-sum in it (down_sum None: the k-sum in a launch of its own)."""
+    gate_up, down, down_sum = launches
+    if persistent.up_per_sm:
+        gate_up = gate_up_persistent_launch(w13_q, w13_scale, num_assignments, top_k, config, num_pid_m,
+                                            persistent_constexprs(up_shared, persistent.flatten, True),
+                                            persistent.up_per_sm, device)
+    if persistent.down_per_sm:
+        down = down_persistent_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
+                                      persistent_constexprs(down_shared, persistent.flatten, False),
+                                      persistent.down_per_sm, device)
+        down_sum = None
+    return gate_up, down, down_sum

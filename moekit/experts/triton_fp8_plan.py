@@ -39,9 +39,7 @@ from moekit.experts.configs import (
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_fp8_persistent import (
-    Persistent, check_persistent, down_persistent_launch, gate_up_persistent_launch, persistent_constexprs,
-)
+from moekit.experts.triton_fp8_persistent import Persistent, check_persistent, persistent_gemms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
     ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
@@ -252,19 +250,13 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                               num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold)
     down_shared = dict(shared, ONE_BLOCK=down_one)
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
-    down_sum = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared,
-                            ksum=(num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) \
-        if ksum_counters else None
+    down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
+        num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
     if persistent is not None:
         check_persistent(config, group, align is None or align.folded, h_fp32, x_raw)
-        if persistent.up_per_sm:
-            gate_up = gate_up_persistent_launch(w13_q, w13_scale, num_assignments, top_k, config, num_pid_m,
-                                                persistent_constexprs(dict(shared, ONE_BLOCK=up_one), persistent.flatten,
-                                                                      True), persistent.up_per_sm, x.device)
-        if persistent.down_per_sm:  # the k-sum in a launch of its own
-            down_launch, down_sum = down_persistent_launch(
-                w2_q, w2_scale, num_assignments, config, num_pid_m,
-                persistent_constexprs(down_shared, persistent.flatten, False), persistent.down_per_sm, x.device), None
+        gate_up, down_launch, down_sum = persistent_gemms(
+            persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
+            config, num_pid_m, dict(shared, ONE_BLOCK=up_one), down_shared, x.device)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -272,9 +264,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
-        gate_up=gate_up, down=down_launch,
+        gate_up=gate_up, down=down_launch, down_sum=down_sum,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=down_sum,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 
