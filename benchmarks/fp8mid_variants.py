@@ -51,15 +51,15 @@ class Variant:
         return replace(config, up=replace(config.up, **self.up), down=replace(config.down, **self.down))
 
 
-def _p(name: str, up: int, down: int, flatten: bool = True) -> Variant:
-    return Variant(name, Persistent(up, down, flatten))
+def _p(name: str, up: int, down: int, flatten: bool = True, swap_ab: bool | None = None) -> Variant:
+    return Variant(name, Persistent(up, down, flatten), swap_ab=swap_ab)
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     """The default first, then the cell's candidates. Programs per SM as the tiles' shared memory allows (sm_90
     compile, ``fp8mid_compile_cpu``, Qwen3's tuned tiles, persistent / one tile a program): gate-up 64 x 128 x 128
     at 4 stages 172 / 164 KB (one an SM), down 107 / 98 KB (two); 16-row tiles at 4 stages: gate-up 107 / 105 KB
-    (two), down 57 / 55 KB (three)."""
+    (two), down 57 / 55 KB (three); swapped (persistent) 141 and 76 KB (one, two)."""
     ends = [Variant("default")]
     if dtype != "fp8":
         return ends
@@ -68,7 +68,7 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
                        Variant("swap u128", swap_ab=True, up={"BLOCK_N": 128})]
     if preset == "qwen3-30b-a3b" and m <= 256:  # BM 16 (entry 64)
         return ends + [_p("pers", 1, 3), _p("pers noflat", 1, 3, False), _p("pers up", 1, 0), _p("pers down", 0, 3),
-                       _p("pers u2", 2, 3)]
+                       _p("pers u2", 2, 3), _p("pers swap", 1, 2, swap_ab=True)]
     if preset == "qwen3-30b-a3b":  # BM 64 (entry 1024)
         return ends + [_p("pers", 1, 2), _p("pers noflat", 1, 2, False), _p("pers up", 1, 0), _p("pers down", 0, 2),
                        _p("pers d1", 1, 1)]

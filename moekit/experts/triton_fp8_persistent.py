@@ -41,10 +41,10 @@ def sm_count(device: torch.device) -> int:
 
 def check_persistent(config: KernelConfig, group: int, folded_or_naive: bool, h_fp32: bool, x_raw: bool) -> None:
     """What the persistent kernels take: the block-aligned layout with its own launch, whole scale groups per
-    gate-up tile, x quantized by its own kernel, no SWAP_AB; anything else is refused by name."""
+    gate-up tile, x quantized by its own kernel; anything else is refused by name."""
     why = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive else
            "a gate-up tile narrower than a scale group (h float32)" if h_fp32 else
-           "x quantized inside gate-up" if x_raw else "swap_ab" if config.swap_ab else None)
+           "x quantized inside gate-up" if x_raw else None)
     if why is not None:
         raise ValueError(f"persistent fp8 GEMMs do not take {why} (config {config}, group {group})")
 
@@ -78,7 +78,7 @@ def down_persistent_launch(w2_q, w2_scale, num_assignments: int, config: KernelC
 
 def persistent_constexprs(shared: dict, flatten: bool, gate_up: bool) -> dict:
     """The plan's shared constexprs and options, less what the persistent kernels do not take."""
-    drop = {"NAIVE", "H_FP32", "AHEAD", "SWAP_AB", "X_RAW"} | ({"EMULATE"} if not gate_up else set())
+    drop = {"NAIVE", "H_FP32", "AHEAD", "X_RAW"} | ({"EMULATE"} if not gate_up else set())
     return {k: v for k, v in shared.items() if k not in drop} | {"FLATTEN": flatten}
 
 

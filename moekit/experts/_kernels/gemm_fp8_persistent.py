@@ -10,15 +10,15 @@ Torch twin: ``moekit.experts.triton_fp8.fused_experts_fp8_torch``; the same prod
 
 Shapes as ``gemm_fp8``: the block-aligned layout only (no tiny-batch NAIVE blocks, no folded alignment, no k-sum in
 the down GEMM); the tile count is read from ``num_padded`` on the device (no host sync). The gate-up tile holds
-whole scale groups (h re-quantized in its epilogue: BN a multiple of BK), x comes quantized (``quant_fp8``), no
-SWAP_AB. W_DESC: the weights through TMA descriptors, as there.
+whole scale groups (h re-quantized in its epilogue: BN a multiple of BK), x comes quantized (``quant_fp8``).
+W_DESC (the weights through TMA descriptors) and SWAP_AB (the transposed product per K-step) as there.
 """
 
 import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.gemm_fp8 import _scaled_dot, _step_scale, _store_h, _weight_scale_ptrs
+from moekit.experts._kernels.gemm_fp8 import _step, _step_scale, _store_h, _weight_scale_ptrs, acc_zeros, unswap
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def gate_up_fp8_persistent_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, W_DESC: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, FLATTEN: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, FLATTEN: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -65,8 +65,7 @@ def gate_up_fp8_persistent_kernel(
         s_ptr = ws_ptr + expert * stride_wse
         sg_ptrs = _weight_scale_ptrs(s_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)
         su_ptrs = _weight_scale_ptrs(s_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -77,9 +76,11 @@ def gate_up_fp8_persistent_kernel(
                 wu = tl.load(wg_ptrs + N * stride_wn + k0 * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             xs = tl.load(xs_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)
             step = k0 // BLOCK_K
-            acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
-            acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
-        h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (scales)
+            acc_gate = _step(acc_gate, xa, wg, _step_scale(xs, sg_ptrs + step * stride_wsk, n_ok, ONE_BLOCK), UPCAST,
+                             SWAP_AB)
+            acc_up = _step(acc_up, xa, wu, _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK), UPCAST,
+                           SWAP_AB)
+        h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; past N 0 (scales)
         _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
                  EMULATE, False)
     let_next_kernel_launch(PDL)
@@ -94,7 +95,7 @@ def down_fp8_persistent_kernel(
     stride_hm, stride_hsm, stride_we, stride_wk, stride_wn, stride_wse, stride_wsk, stride_wsn, stride_ym,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    PDL: tl.constexpr, FLATTEN: tl.constexpr,
+    PDL: tl.constexpr, FLATTEN: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(K, BLOCK_N)
@@ -113,7 +114,7 @@ def down_fp8_persistent_kernel(
             w_ptrs = w_ptr + expert * stride_we + offs_out[None, :].to(tl.int64) * stride_wk + offs_red[:, None] * stride_wn
         s_ptrs = _weight_scale_ptrs(ws_ptr + expert * stride_wse, pid_n * BLOCK_N, stride_wsk, BLOCK_N, GROUP_N,
                                     ONE_BLOCK)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
         for n0 in range(0, N, BLOCK_K):
             red_ok = offs_red < N - n0
             ha = tl.load(h_ptrs + n0, mask=row_ok[:, None] & red_ok[None, :], other=0.0)
@@ -122,9 +123,9 @@ def down_fp8_persistent_kernel(
             else:
                 wb = tl.load(w_ptrs + n0 * stride_wn, mask=red_ok[:, None] & out_ok[None, :], other=0.0)
             hs = tl.load(hs_ptrs + n0 // BLOCK_K, mask=row_ok, other=0.0)
-            acc += _scaled_dot(ha, wb, UPCAST) * _step_scale(hs, s_ptrs + (n0 // BLOCK_K) * stride_wsn, out_ok,
-                                                             ONE_BLOCK)
-        acc = acc * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            acc = _step(acc, ha, wb, _step_scale(hs, s_ptrs + (n0 // BLOCK_K) * stride_wsn, out_ok, ONE_BLOCK), UPCAST,
+                        SWAP_AB)
+        acc = unswap(acc, SWAP_AB) * tl.load(weights_ptr + safe_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         y_ptrs = y_ptr + safe_rows[:, None] * stride_ym + offs_out[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
     let_next_kernel_launch(PDL)
