@@ -1,6 +1,13 @@
 """What ``fp8mid_device_check.py`` measures (issue #15, fp8_block at 8 <= M <= 1024): the cells and, per cell, the
 tuned default against the persistent fp8 GEMMs (``triton_fp8_persistent.Persistent``: programs per SM of gate-up /
 down, the tile and K loops flattened or not) and config variants of the tuned entry; and how one variant is called.
+
+Run 1 (cb26041, raw/NVIDIA_H200-2026-12-04-cb26041-fp8mid-ck1.*; graph µs x the one-tile default, rounds >= 3% faster
+of 5): Qwen3 M = 512 both persistent 0.945 (5), down only 0.965 (4), gate-up only 0.977 (1); M = 1024 down only 0.968
+(3), both 1.002, gate-up only 1.039, both unflattened 1.039, down at one program an SM 1.123; M = 64 / 256 (16-row
+tiles) gate-up persistent 1.09-1.32 (two an SM 1.012 / 1.090), down only 1.010 / 0.999; DeepSeek-V3 M = 64 / 1024
+both 1.028 / 1.024. Taken (the tuned file): entry 1024 the persistent down GEMM, a new entry 512 (entry 1024's tiles)
+both; a new entry 256 (entry 64's tiles) keeps M = 256 where it was. Every variant bit-equal to the default.
 """
 
 from __future__ import annotations
@@ -9,11 +16,13 @@ from dataclasses import dataclass, field, replace
 
 from moekit.experts.triton_fp8_persistent import Persistent
 
-# (dtype, preset, M), the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guards.
-CELLS = (("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 64),
-         ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "deepseek-v3", 1024),
-         ("fp8", "deepseek-v3", 64))
-SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 8))
+# (dtype, preset, M), the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guards;
+# M = 2048 takes entry 1024 too (nearest in log2, ties to the smaller M). "short": the cells whose default changed.
+CELLS = (("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 2048),
+         ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 8),
+         ("fp8", "deepseek-v3", 1024), ("fp8", "deepseek-v3", 64))
+SHORT_CELLS = CELLS[:4]
+SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
 
 @dataclass(frozen=True)
@@ -51,28 +60,34 @@ class Variant:
         return replace(config, up=replace(config.up, **self.up), down=replace(config.down, **self.down))
 
 
-def _p(name: str, up: int, down: int, flatten: bool = True, swap_ab: bool | None = None) -> Variant:
-    return Variant(name, Persistent(up, down, flatten), swap_ab=swap_ab)
+def _p(name: str, up: int, down: int) -> Variant:
+    return Variant(name, Persistent(up, down))
+
+
+# entry 1024's tiles from a 16-row entry (M = 256: entry 256, entry 64's tiles)
+_BM64 = dict(block_m=64, up={"GROUP_M": 8, "num_warps": 8}, down={"GROUP_M": 8})
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
-    """The default first, then the cell's candidates. Programs per SM as the tiles' shared memory allows (sm_90
-    compile, ``fp8mid_compile_cpu``, Qwen3's tuned tiles, persistent / one tile a program): gate-up 64 x 128 x 128
-    at 4 stages 172 / 164 KB (one an SM), down 107 / 98 KB (two); 16-row tiles at 4 stages: gate-up 107 / 105 KB
-    (two), down 57 / 55 KB (three); swapped (persistent) 141 and 76 KB (one, two)."""
+    """The default first (the tuned entry, its "persistent" included), then the cell's candidates: "one tile" is the
+    entry's config with one program a tile (the default before run 1). Programs per SM as the tiles' shared memory
+    allows (sm_90 compile, ``fp8mid_compile_cpu``, persistent / one tile a program): gate-up 64 x 128 x 128 at 4
+    stages 172 / 164 KB (one an SM), down 107 / 98 KB (two); 16-row tiles at 4 stages: gate-up 107 / 105 KB (two),
+    down 57 / 55 KB (three)."""
     ends = [Variant("default")]
-    if dtype != "fp8":
+    if dtype != "fp8" or m <= 8 or preset != "qwen3-30b-a3b":  # guards: defaults unchanged
         return ends
-    if preset == "qwen3-30b-a3b" and m <= 8:  # folded alignment and a 32-wide gate-up tile: no persistent GEMM
-        return ends + [Variant("swap u64", swap_ab=True, up={"BLOCK_N": 64}),
-                       Variant("swap u128", swap_ab=True, up={"BLOCK_N": 128})]
-    if preset == "qwen3-30b-a3b" and m <= 256:  # BM 16 (entry 64)
-        return ends + [_p("pers", 1, 3), _p("pers noflat", 1, 3, False), _p("pers up", 1, 0), _p("pers down", 0, 3),
-                       _p("pers u2", 2, 3), _p("pers swap", 1, 2, swap_ab=True)]
-    if preset == "qwen3-30b-a3b":  # BM 64 (entry 1024)
-        return ends + [_p("pers", 1, 2), _p("pers noflat", 1, 2, False), _p("pers up", 1, 0), _p("pers down", 0, 2),
-                       _p("pers d1", 1, 1)]
-    return ends + [_p("pers", 1, 2), _p("pers noflat", 1, 2, False)]
+    if m == 256:  # entry 256 (16-row tiles, one tile a program) against entry 1024's tiles
+        return ends + [Variant("bm64", **_BM64), Variant("bm64 pers", Persistent(1, 2), **_BM64)]
+    if m < 256:
+        return ends + [_p("pers down", 0, 3)]
+    one = [Variant("one tile")]
+    if m == 512:  # entry 512: both persistent
+        return ends + one + [_p("pers down", 0, 2), Variant("pers ds3", Persistent(1, 2), down={"num_stages": 3})]
+    if m == 1024:  # entry 1024: the down GEMM persistent
+        return ends + one + [_p("pers", 1, 2), Variant("pers down ds3", Persistent(0, 2), down={"num_stages": 3}),
+                             Variant("pers down dw8", Persistent(0, 2), down={"num_warps": 8})]
+    return ends + one + [_p("pers", 1, 2)]
 
 
 def run_variant(v: Variant, base, t, w, explicit: bool = False):

@@ -21,16 +21,34 @@ INTERPRETER_SMS = 2  # "SMs" under the CPU interpreter: few programs, so each lo
 
 @dataclass(frozen=True)
 class Persistent:
-    """Programs per SM of the persistent gate-up and down GEMMs (0: that GEMM keeps one program a tile), and
-    FLATTEN: the tile loop and the K loop pipelined as one (``tl.range(flatten=True)``)."""
+    """Programs per SM of the persistent gate-up and down GEMMs (0: that GEMM keeps one program a tile; both 0:
+    ``OFF``), and FLATTEN: the tile loop and the K loop pipelined as one (``tl.range(flatten=True)``). A tuned
+    fp8 entry names it as "persistent": {"up_per_sm": .., "down_per_sm": .., "flatten": ..} (``from_dict``)."""
 
     up_per_sm: int = 1
     down_per_sm: int = 2
     flatten: bool = True
 
     def __post_init__(self):
-        if self.up_per_sm < 0 or self.down_per_sm < 0 or not (self.up_per_sm or self.down_per_sm):
-            raise ValueError(f"Persistent needs programs per SM >= 0, one of them > 0, got {self}")
+        for name in ("up_per_sm", "down_per_sm"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 8:
+                raise ValueError(f"Persistent.{name} must be an int in [0, 8] (programs per SM), got {value!r}")
+        if not isinstance(self.flatten, bool):
+            raise ValueError(f"Persistent.flatten must be a bool, got {self.flatten!r}")
+
+    @property
+    def on(self) -> bool:
+        return bool(self.up_per_sm or self.down_per_sm)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str) -> "Persistent":
+        if not isinstance(d, dict) or set(d) - {"up_per_sm", "down_per_sm", "flatten"}:
+            raise ValueError(f"{where}: 'persistent' must be an object with up_per_sm, down_per_sm, flatten; got {d!r}")
+        return cls(**d)
+
+
+OFF = Persistent(0, 0)  # one program a tile, both GEMMs (an A/B's explicit "no", whatever the tuned entry says)
 
 
 def sm_count(device: torch.device) -> int:
@@ -39,14 +57,18 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def check_persistent(config: KernelConfig, group: int, folded_or_naive: bool, h_fp32: bool, x_raw: bool) -> None:
-    """What the persistent kernels take: the block-aligned layout with its own launch, whole scale groups per
-    gate-up tile, x quantized by its own kernel; anything else is refused by name."""
-    why = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive else
-           "a gate-up tile narrower than a scale group (h float32)" if h_fp32 else
-           "x quantized inside gate-up" if x_raw else None)
-    if why is not None:
-        raise ValueError(f"persistent fp8 GEMMs do not take {why} (config {config}, group {group})")
+def choose_persistent(asked: Persistent | None, from_entry: Persistent | None, folded_or_naive: bool, h_fp32: bool,
+                      x_raw: bool) -> Persistent | None:
+    """The persistent GEMMs a plan runs (None: one program a tile): the caller's (``asked``; refused by name where
+    the plan cannot take them), else the tuned entry's where it can. They need the block-aligned layout with its own
+    launch, whole scale groups per gate-up tile, x quantized by its own kernel."""
+    refused = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive
+               else "a gate-up tile narrower than a scale group (h float32)" if h_fp32
+               else "x quantized inside gate-up" if x_raw else None)
+    if asked is not None and asked.on and refused:
+        raise ValueError(f"persistent fp8 GEMMs do not take {refused}")
+    chosen = asked if asked is not None else None if refused else from_entry
+    return chosen if chosen is not None and chosen.on else None
 
 
 def gate_up_persistent_launch(w13_q, w13_scale, num_assignments: int, top_k: int, config: KernelConfig,

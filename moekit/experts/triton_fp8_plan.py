@@ -17,7 +17,9 @@ power of two below it (h written in float32, quantized by the down GEMM); a file
 is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
 false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
 inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
-host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
+host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel),
+and "persistent" (``triton_fp8_persistent.Persistent``: the GEMMs on a few programs per SM that loop over the tiles,
+taken where the plan can, else one program a tile; absent: one program a tile).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
 (benchmarks/results/raw/*-fp8_small.*).
@@ -39,7 +41,7 @@ from moekit.experts.configs import (
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
-from moekit.experts.triton_fp8_persistent import Persistent, check_persistent, persistent_gemms
+from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent, persistent_gemms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
     ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
@@ -126,6 +128,7 @@ class Fp8Entry:
     config: KernelConfig
     weight_tma: bool | None = None
     x_in_gate_up: bool | None = None
+    persistent: Persistent | None = None  # "persistent": the GEMMs persistent (``triton_fp8_persistent``)
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -161,7 +164,9 @@ def read_entries(path: Path) -> dict[int, Fp8Entry]:
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
-        entries[m] = Fp8Entry(config, **switches)
+        persistent = raw[str(m)].get("persistent")
+        entries[m] = Fp8Entry(config, **switches, persistent=None if persistent is None else Persistent.from_dict(
+            persistent, f"{path}: entry {m}"))
     return entries
 
 
@@ -190,8 +195,9 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
     load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``persistent``:
-    the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; None: one
-    program a tile)."""
+    the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
+    the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
+    tile (``triton_fp8_persistent.OFF``)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
@@ -252,8 +258,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
+    persistent = choose_persistent(persistent, entry.persistent, align is None or align.folded, h_fp32, x_raw)
     if persistent is not None:
-        check_persistent(config, group, align is None or align.folded, h_fp32, x_raw)
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
             config, num_pid_m, dict(shared, ONE_BLOCK=up_one), down_shared, x.device)
