@@ -17,7 +17,9 @@ power of two below it (h written in float32, quantized by the down GEMM); a file
 is refused. An fp8 entry may also name the weight loads it was measured with, "weight_tma" (true or
 false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: in eager calls x is quantized
 inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
-host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel).
+host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel),
+and "persistent" (``triton_fp8_persistent.Persistent``: the GEMMs on a few programs per SM that loop over the tiles,
+taken where the plan can, else one program a tile; absent: one program a tile).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
 (benchmarks/results/raw/*-fp8_small.*).
@@ -39,6 +41,7 @@ from moekit.experts.configs import (
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
 from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent, persistent_gemms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
     ZERO_TOKENS, SumTail, _fold_constexprs, ksum_constexprs, ksum_counter_count, sum_launch,
@@ -125,6 +128,7 @@ class Fp8Entry:
     config: KernelConfig
     weight_tma: bool | None = None
     x_in_gate_up: bool | None = None
+    persistent: Persistent | None = None  # "persistent": the GEMMs persistent (``triton_fp8_persistent``)
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -160,7 +164,9 @@ def read_entries(path: Path) -> dict[int, Fp8Entry]:
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
-        entries[m] = Fp8Entry(config, **switches)
+        persistent = raw[str(m)].get("persistent")
+        entries[m] = Fp8Entry(config, **switches, persistent=None if persistent is None else Persistent.from_dict(
+            persistent, f"{path}: entry {m}"))
     return entries
 
 
@@ -178,7 +184,7 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
@@ -188,26 +194,29 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     ``weight_tma``: the weights through TMA descriptors (True) or pointer loads (False) where
     ``options.weight_descriptors`` and the strides allow descriptors; None: the tuned entry's switch, else
     ``TMA_MAX_BLOCK_M`` decides. ``ahead``: the GEMMs that quantize their activation tiles in the loop
-    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs)."""
+    load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``persistent``:
+    the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
+    the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
+    tile (``triton_fp8_persistent.OFF``)."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, capturing)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True, capturing: bool = False) -> Fp8Plan:
+               ahead: bool = True, capturing: bool = False, persistent: Persistent | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
     ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
@@ -243,6 +252,17 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
+    gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
+                              num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold)
+    down_shared = dict(shared, ONE_BLOCK=down_one)
+    down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
+    down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
+        num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
+    persistent = choose_persistent(persistent, entry.persistent, align is None or align.folded, h_fp32, x_raw)
+    if persistent is not None:
+        gate_up, down_launch, down_sum = persistent_gemms(
+            persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
+            config, num_pid_m, dict(shared, ONE_BLOCK=up_one), down_shared, x.device)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -250,13 +270,8 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
         if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
-        gate_up=_gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                                num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold),
-        down=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one)),
+        gate_up=gate_up, down=down_launch, down_sum=down_sum,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
-        down_sum=_down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, dict(shared, ONE_BLOCK=down_one),
-                              ksum=(num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max))
-        if ksum_counters else None,
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
 

@@ -1,0 +1,116 @@
+"""Compile the fp8 GEMMs of ``fp8mid_device_check`` for sm_90 on a machine without a GPU: the one-tile-a-program
+kernels (``gemm_fp8``) and the persistent ones (``gemm_fp8_persistent``, FLATTEN on / off, SWAP_AB) at Qwen3-30B-A3B's tuned
+tiles (TMA weights) of M = 1024 (BM 64) and M = 64 (BM 16), so a compile error or a spill shows before device time.
+
+    PYTHONPATH=$PWD python3 benchmarks/fp8mid_compile_cpu.py
+
+Prints per kernel: seconds, SMEM bytes, ptxas registers / spill stores (sm_90a), and how many TMA loads and
+``cp.async`` copies the TTGIR holds (a flattened loop that pipelines issues its next tile's loads in the loop).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+E, N, K, A, M = 128, 768, 2048, 8192, 1024
+
+
+def _desc(rows: int, cols: int, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), block)
+
+
+def compile_one(kernel, pointers: dict, scalars: dict, const: dict, num_warps: int, num_stages: int) -> str:
+    import triton
+    from gluon_fp8_compile_cpu import ptxas_report
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    const = const | {name: 1 for name in ("stride_xk", "stride_wk", "stride_wn") if name in scalars}  # 1 specialised
+    sig = {name: mangle_type(v) for name, v in pointers.items()}
+    sig |= {name: "i32" for name in scalars if name not in const} | {name: "constexpr" for name in const}
+    missing = [a for a in kernel.arg_names if a not in sig]
+    if missing:
+        raise TypeError(f"not given: {missing}")
+    # as a launch specialises them: pointers and the scalars that are multiples of 16 (all but top_k, strides 1)
+    aligned = [n for n in sig if sig[n] != "constexpr" and n not in ("top_k", "stride_wk", "stride_wn", "stride_xk")]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned if not n.startswith("w_ptr")}
+    src = ASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()}, attrs)
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps,
+                                                                            num_stages=num_stages))
+    ttgir, ptx = out.asm["ttgir"], out.asm["ptx"]
+    spills, serialized = ptxas_report(ptx)
+    tma = len(re.findall(r"async_tma_copy_global_to_local", ttgir))
+    cp_async = len(re.findall(r"async_copy_global_to_local", ttgir))
+    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, "
+            f"wgmma serialized {serialized}, TTGIR TMA loads {tma}, cp.async copies {cp_async}, "
+            f"scf.for loops {ttgir.count('scf.for ')}")
+
+
+# (label, BLOCK_M, gate-up GROUP_M / warps / stages, down GROUP_M / warps / stages): the tuned entries 1024 and 64
+TILES = (("M=1024", 64, (8, 8, 4), (8, 4, 4)), ("M=64", 16, (1, 4, 4), (1, 4, 4)))
+
+
+def main() -> int:
+    failed = 0
+    for tile in TILES:
+        failed += compile_tile(*tile)
+    return 1 if failed else 0
+
+
+def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> int:
+    from moekit.experts._kernels import gemm_fp8, gemm_fp8_persistent as pk
+
+    f32, i32 = torch.empty(1), torch.empty(1, dtype=torch.int32)
+    fp8 = torch.empty(1, dtype=torch.float8_e4m3fn)
+    bf16 = torch.empty(1, dtype=torch.bfloat16)
+    up = dict(GROUP_N=128, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, GROUP_M=up_tile[0], UPCAST=False, EMULATE=False,
+              W_DESC=True, ONE_BLOCK=True, PDL=True)
+    down = dict(up, GROUP_M=down_tile[0])
+    up_ptrs = dict(xq_ptr=fp8, xs_ptr=f32, w_ptr=_desc(E * 2 * N, K, [128, 128]), ws_ptr=f32, hq_ptr=fp8, hs_ptr=f32,
+                   ids_ptr=i32, sorted_ids_ptr=i32, expert_ids_ptr=i32, num_padded_ptr=i32, map_ptr=i32)
+    up_scalars = dict.fromkeys(["N", "K", "num_assignments", "top_k", "stride_xm", "stride_xsm", "stride_we",
+                                "stride_wn", "stride_wk", "stride_wse", "stride_wsn", "stride_wsk", "stride_hm",
+                                "stride_hsm"])
+    down_ptrs = dict(hq_ptr=fp8, hs_ptr=f32, w_ptr=_desc(E * K, N, [128, 128]), ws_ptr=f32, y_ptr=bf16,
+                     weights_ptr=f32, ids_ptr=i32, sorted_ids_ptr=i32, expert_ids_ptr=i32, num_padded_ptr=i32,
+                     out_ptr=bf16, counters_ptr=i32, map_ptr=i32)
+    down_scalars = dict.fromkeys(["K", "N", "num_assignments", "stride_hm", "stride_hsm", "stride_we", "stride_wk",
+                                  "stride_wn", "stride_wse", "stride_wsk", "stride_wsn", "stride_ym"])
+    one = dict(up, NAIVE=False, H_FP32=False, AHEAD=True, SWAP_AB=False, HAS_MAP=False)
+    one_up = dict(one, X_RAW=False, FOLD=False, A_PAD=1, E_PAD=1, FOLD_CHUNK=1)
+    one_down = dict(one, KSUM=False, TOPK_PAD=1, SUM_ROWS=1, ZERO_T=1, SUM_AFTER=False, SUM_T=1, SUM_K=1)
+    jobs = [
+        ("gate-up one tile a program", gemm_fp8.gate_up_fp8_kernel, up_ptrs,
+         up_scalars | dict.fromkeys(["num_experts", "num_pid_m", "num_global", "stride_xk"]), one_up, *up_tile[1:]),
+        ("down one tile a program", gemm_fp8.down_fp8_kernel, down_ptrs,
+         down_scalars | dict.fromkeys(["num_experts", "num_pid_m", "top_k", "num_global"]), one_down, *down_tile[1:]),
+    ]
+    for flatten, swap in ((False, False), (True, False), (True, True)):
+        jobs.append((f"gate-up persistent flatten={flatten} swap={swap}", pk.gate_up_fp8_persistent_kernel, up_ptrs,
+                     up_scalars, dict(up, FLATTEN=flatten, SWAP_AB=swap), *up_tile[1:]))
+        jobs.append((f"down persistent flatten={flatten} swap={swap}", pk.down_fp8_persistent_kernel, down_ptrs,
+                     down_scalars, {k: v for k, v in dict(down, FLATTEN=flatten, SWAP_AB=swap).items()
+                                    if k != "EMULATE"}, *down_tile[1:]))
+    failed = 0
+    for name, kernel, ptrs, scalars, const, warps, stages in jobs:
+        try:
+            print(f"OK {label} {name}: {compile_one(kernel, ptrs, scalars, const, warps, stages)}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each)
+            failed += 1
+            print(f"FAIL {label} {name}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())
