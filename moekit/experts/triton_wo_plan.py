@@ -6,10 +6,13 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
+    mma       ``_kernels/gemm_wo_mma`` (int4 and mxfp4, steps of BLOCK_K = 128 columns (int4: <= g), rows read
+              as words): each step's words decoded where they land into one MMA operand in a permuted K order,
+              the step's x tile read once in that order, one tensor-core dot a step (session 26).
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
@@ -58,9 +61,11 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "gemv", "scratch")
+DECODES = ("tile", "register", "mma", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
-            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
+            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
+            "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
+MMA_WORDS = 16  # the mma decode's words a step (BLOCK_K 128: one dot of K 128 a step)
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
 # bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
 # ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
@@ -253,7 +258,9 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     if config.swap_ab and decode != "register":
         raise ValueError(f"config.swap_ab is for the register decode (``gemm_wo_reg``), not decode {decode!r}")
-    if not interpreting() and decode not in WORD_DECODES:
+    if decode == "mma":
+        check_mma(config, scheme, w13, w2)
+    if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
         split_k = config.down_split
@@ -302,7 +309,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
                    num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
-    weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
+    weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
+    groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it."""
     if decode == "scratch":
         raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
@@ -310,6 +318,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
         if decode is not None:
             raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
+        return "register"
+    if chosen == "mma" and decode is None and not (words_ok(w13.q) and words_ok(w2.q) and (
+            scheme == "mxfp4" or (w13.group_size % (8 * MMA_WORDS) == 0 and w2.group_size % (8 * MMA_WORDS) == 0))):
         return "register"
     return chosen
 
@@ -341,19 +352,47 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
                   cached=options.cached_launcher, **options.pdl_kwargs())
     if decode == "register":
         shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
+    elif decode == "mma":
+        shared["ASM"] = inline_asm_ok(x.device)
     else:
         shared["AHEAD"] = ahead_of(config)
+    q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
+    if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words
+        q13, q2 = _in_words(w13), _in_words(w2)
     gate_up = BoundLaunch(
         getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, w13.q.shape[2], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
+        (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], n),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
     )
     down_launch, down_sum = down_launches(
         getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
-        (hidden, n, w2.q.shape[2], num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
+        (hidden, n, q2[0], num_assignments, num_experts, num_pid_m, split_len, n, *q2[1], hidden),
         x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
     )
     return gate_up, down_launch, down_sum
+
+
+def _in_words(w: WeightArgs) -> tuple[int, tuple]:
+    """(a row's words, the strides with q's in words) of a weight whose rows read as words (``words_ok``)."""
+    return w.q.shape[2] // 4, (w.strides[0] // 4, w.strides[1] // 4, 1, *w.strides[3:])
+
+
+def check_mma(config: KernelConfig, scheme: str, w13: WeightArgs, w2: WeightArgs) -> None:
+    """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
+    zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
+    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128)."""
+    if scheme not in ("int4_w4a16", "mxfp4"):
+        raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
+    if not (words_ok(w13.q) and words_ok(w2.q)):
+        raise ValueError("decode='mma' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes with strides "
+                         "and addresses of multiples of 4 bytes")
+    kind = "zero" if scheme == "int4_w4a16" else "scale"
+    if any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
+        raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
+    for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
+        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
+            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
+                             f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
