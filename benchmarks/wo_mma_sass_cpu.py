@@ -60,7 +60,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPAN=min(128, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
-                 stride_xk=1, stride_qc=1)  # a launch specializes the unit strides as constants
+                 SCALE_WORD=scheme == 2, stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: launch constants
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

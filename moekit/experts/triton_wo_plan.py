@@ -53,6 +53,7 @@ from moekit.experts.triton_wo_configs import (
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, split_glu_launch, up_splits, words_ok,
 )
+from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_launch_args
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -65,7 +66,6 @@ DECODES = ("tile", "register", "mma", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
             "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
-MMA_WORDS = 16  # the mma decode's words a step (BLOCK_K 128: one dot of K 128 a step)
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
 # bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
 # ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
@@ -319,8 +319,7 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
             raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
         return "register"
-    if chosen == "mma" and decode is None and not (words_ok(w13.q) and words_ok(w2.q) and (
-            scheme == "mxfp4" or (w13.group_size % (8 * MMA_WORDS) == 0 and w2.group_size % (8 * MMA_WORDS) == 0))):
+    if chosen == "mma" and decode is None and not mma_fits(w13, w2, scheme):
         return "register"
     return chosen
 
@@ -357,13 +356,14 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     else:
         shared["AHEAD"] = ahead_of(config)
     q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
+    extra13, extra2 = {}, {}
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words
-        q13, q2 = _in_words(w13), _in_words(w2)
+        (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
     gate_up = BoundLaunch(
         getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
         (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], n),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
-        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared, **extra13,
     )
     down_launch, down_sum = down_launches(
         getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
@@ -371,28 +371,6 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
         x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+        **extra2,
     )
     return gate_up, down_launch, down_sum
-
-
-def _in_words(w: WeightArgs) -> tuple[int, tuple]:
-    """(a row's words, the strides with q's in words) of a weight whose rows read as words (``words_ok``)."""
-    return w.q.shape[2] // 4, (w.strides[0] // 4, w.strides[1] // 4, 1, *w.strides[3:])
-
-
-def check_mma(config: KernelConfig, scheme: str, w13: WeightArgs, w2: WeightArgs) -> None:
-    """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
-    zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
-    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128)."""
-    if scheme not in ("int4_w4a16", "mxfp4"):
-        raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
-    if not (words_ok(w13.q) and words_ok(w2.q)):
-        raise ValueError("decode='mma' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes with strides "
-                         "and addresses of multiples of 4 bytes")
-    kind = "zero" if scheme == "int4_w4a16" else "scale"
-    if any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
-        raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
-    for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
-        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
-            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
-                             f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")

@@ -51,13 +51,20 @@ def _bytes(base, offs, mask):
 
 @triton.jit
 def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GROUP: tl.constexpr,
-                 SCHEME: tl.constexpr):
-    """mxfp4: the e8m0 scale byte of each word w0 .. w0 + BKW of the rows at byte offsets s_offs [BN] -> [BN, BKW]
-    int32 (0 past C); int4: the words w themselves (unread)."""
+                 SCHEME: tl.constexpr, SCALE_WORD: tl.constexpr):
+    """mxfp4: the e8m0 scale bytes of the step's BKW / 4 groups (GROUP 32: 4 words each) of the rows at byte offsets
+    s_offs [BN] -> [BN, BKW / 4] int32 (0 past C); SCALE_WORD (BKW 16, the launch's: scale rows 4-byte aligned and
+    contiguous) all four read as one aligned 32-bit word a row, else one byte a group (``_bytes``). int4: the words w
+    themselves (unread)."""
     if SCHEME == 2:
-        first = (w0 + tl.arange(0, BKW)) * 8  # [BKW] each word's first column
-        ok = n_ok[:, None] & (first < C)[None, :]
-        w = _bytes(s_ptr, s_offs[:, None] + (first // GROUP)[None, :] * stride_sg, ok)
+        groups = tl.arange(0, BKW // 4)
+        ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
+        if SCALE_WORD:  # [BN] one load a row: a [BN, 4] byte load puts the weights through shared memory (sm_90)
+            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2), mask=n_ok,
+                           other=0)
+            w = tl.where(ok, (word[:, None] >> (8 * groups)[None, :]) & 0xFF, 0)
+        else:
+            w = _bytes(s_ptr, s_offs[:, None] + ((w0 + 4 * groups) * 8 // GROUP)[None, :] * stride_sg, ok)
     return w
 
 
@@ -105,7 +112,7 @@ def gate_up_wo_mma_kernel(
     stride_ze, stride_zr, stride_zg, stride_hm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's)."""
     wait_for_previous_kernel(PDL)
@@ -133,8 +140,8 @@ def gate_up_wo_mma_kernel(
     for w0 in range(0, KW, BLOCK_K // 8):
         k0 = w0 * 8
         wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME)
-        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME)
+        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
+        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
         x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype)
         acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
                                BLOCK_K // 8, GROUP, dtype, SCHEME, ASM)
@@ -156,7 +163,7 @@ def down_wo_mma_kernel(
     stride_ze, stride_zr, stride_zg, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
-    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -193,7 +200,8 @@ def down_wo_mma_kernel(
     for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
         k0 = w0 * 8
         w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
-        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME)
+        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
+                           SCALE_WORD)
         h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype)
         acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
                           BLOCK_K // 8, GROUP, dtype, SCHEME, ASM)

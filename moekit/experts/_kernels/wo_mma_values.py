@@ -59,8 +59,8 @@ def _halves(o, DTYPE: tl.constexpr):
 
 @triton.jit
 def _twin(w, s, T: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
-    """Value T of each word of w [BN, BKW] int32 in DTYPE, through float32 (s: int4 the rows' zero points [BN, 1],
-    mxfp4 the words' e8m0 bytes [BN, BKW])."""
+    """Value T of each word of w int32 in DTYPE, through float32 (s, w's shape: int4 the rows' zero points, mxfp4
+    the words' e8m0 bytes)."""
     code = (w >> (4 * T)) & 0xF
     if SCHEME == 1:
         value = (code - s).to(tl.float32)
@@ -71,32 +71,44 @@ def _twin(w, s, T: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _pair(w, s, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST: tl.constexpr):
-    """Values t and t + 4 of each word of w [BN, BKW] -> [BN, BKW, 2] DTYPE (s: ``_twin``'s; FAST only takes
-    effect with DTYPE bf16)."""
-    if FAST and DTYPE == tl.bfloat16:
+def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST: tl.constexpr):
+    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): FAST the PTX's constant
+    (bf16x2 bits: int4 -(128 + z), mxfp4 2^(s - 65)), else ``_twin``'s s."""
+    if FAST:
         if SCHEME == 1:
-            c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), tl.broadcast_to(c | (c << 16),
-                                          w.shape)], dtype=tl.int32, is_pure=True, pack=1)
+            o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
+                                          pack=1)
         else:
-            c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
-            o = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c | (c << 16)], dtype=tl.int32,
-                                          is_pure=True, pack=1)
+            o = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
+                                          pack=1)
         pair = _halves(o, DTYPE)
     else:
-        pair = tl.join(_twin(w, s, t, DTYPE, SCHEME), _twin(w, s, t + 4, DTYPE, SCHEME))
+        pair = tl.join(_twin(w, c, t, DTYPE, SCHEME), _twin(w, c, t + 4, DTYPE, SCHEME))
     return pair
 
 
 @triton.jit
 def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
                    FAST: tl.constexpr):
-    """The step's words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order."""
-    v0 = tl.reshape(_pair(w, s, 0, DTYPE, SCHEME, FAST), (BN, BKW // 4, 4, 2))  # [BN, b, q, p]
-    v1 = tl.reshape(_pair(w, s, 1, DTYPE, SCHEME, FAST), (BN, BKW // 4, 4, 2))
-    v2 = tl.reshape(_pair(w, s, 2, DTYPE, SCHEME, FAST), (BN, BKW // 4, 4, 2))
-    v3 = tl.reshape(_pair(w, s, 3, DTYPE, SCHEME, FAST), (BN, BKW // 4, 4, 2))
+    """The step's words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
+    rows' zero points [BN, 1], mxfp4 the groups' e8m0 bytes [BN, BKW / 4] (int32); FAST only takes effect with
+    DTYPE bf16 (the PTX's constants made once a row or group). The words are taken as [BN, b, q] (word j = 4b + q)
+    and the constants as [BN, b or 1, 1], so a group's constant meets its words without a layout change."""
+    fast: tl.constexpr = FAST and DTYPE == tl.bfloat16
+    if fast:
+        if SCHEME == 1:
+            c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
+            c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
+        c = c | (c << 16)
+    else:
+        c = s
+    w = tl.reshape(w, (BN, BKW // 4, 4))  # [BN, b, q]
+    c = tl.broadcast_to(c[:, :, None], w.shape)
+    v0 = _pair(w, c, 0, DTYPE, SCHEME, fast)  # [BN, b, q, p]
+    v1 = _pair(w, c, 1, DTYPE, SCHEME, fast)
+    v2 = _pair(w, c, 2, DTYPE, SCHEME, fast)
+    v3 = _pair(w, c, 3, DTYPE, SCHEME, fast)
     d = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, b, q, p, g, h]: t = 2h + g
     return tl.reshape(tl.permute(d, (0, 1, 5, 4, 2, 3)), (BN, 8 * BKW))  # [BN, b, h, g, q, p]
 
