@@ -6,6 +6,7 @@ tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / L
 
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py            # the candidate tiles, both schemes
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
+    PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/wo_mma_sass_cpu.py --pairs 1   # another Triton, order
 
 The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
 ``tt.divisibility`` hints). Weights a loop step: BN x 128 (x 2 for gate-up).
@@ -48,8 +49,10 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
     return max(0, min(by_regs, by_shared, WARPS // num_warps, PROGRAMS))
 
 
-def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int) -> MmaCount:
+def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
+          pairs: int | None = None) -> MmaCount:
     from moekit.experts._kernels import gemm_wo_mma
+    from moekit.experts.triton_wo_mma import operand_pairs
 
     fn = getattr(gemm_wo_mma, f"{'down' if down else 'gate_up'}_wo_mma_kernel")
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
@@ -60,7 +63,8 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPAN=min(128, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
-                 SCALE_WORD=scheme == 2, stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: launch constants
+                 PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2,
+                 stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -74,7 +78,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
     name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x128 "
-            f"{num_warps}w {num_stages}s")
+            f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
@@ -87,16 +91,18 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (4 kernels)")
+    p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
+                   "``triton_wo_mma.operand_pairs``)")
     args = p.parse_args(argv)
     if args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 64, d, 2, 4) for s in (1, 2) for d in (False, True)]
+        jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
     else:
-        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((32, 1), (64, 2), (64, 4),
+        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
                                                                                       (128, 4)) for st in (3, 4)]
     failed = 0
     for job in jobs:
         try:
-            c = count(*job)
+            c = count(*job, pairs=args.pairs)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -65,20 +65,21 @@ _KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads mod
 
 
 @triton.jit
-def order_kernel(w_ptr, x_ptr, v_out, x_out):
+def order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constexpr):
     tl = triton.language
     i = tl.arange(0, 8)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [8, 16]: 8 rows of 16 words
     k = tl.arange(0, 16)[:, None] * 128 + tl.arange(0, 128)[None, :]  # [16, 128]: 16 rows of 128 columns
     w = tl.load(w_ptr + i)
     zero = tl.arange(0, 8)[:, None]  # [8, 1]: row r's zero point r
-    v = _KERNELS["mma"].weight_operand(w, zero, 8, 16, tl.float32, 1, False)  # [8, 128]: code - zero
+    v = _KERNELS["mma"].weight_operand(w, zero, 8, 16, tl.float32, 1, False, PAIRS)  # [8, 128]: code - zero
     tl.store(v_out + tl.arange(0, 8)[:, None] * 128 + tl.arange(0, 128)[None, :], v)
-    tl.store(x_out + k, _KERNELS["mma"].x_operand(tl.load(x_ptr + k), 16, 16))
+    tl.store(x_out + k, _KERNELS["mma"].x_operand(tl.load(x_ptr + k), 16, 16, PAIRS))
 
 
-def test_mma_order_pairs_weights_and_activations_alike(wo):
-    # logical k = 32b + 16h + 8g + 2q + p holds value T = 2h + g + 4p of word 4b + q: activation column 8j + T; int4
-    # values code - zero (row r's zero point r here)
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_mma_order_pairs_weights_and_activations_alike(wo, pairs):
+    # logical k = 32b + 16h + 8g + 2q + p (PAIRS 1) or 32b + 16h + 4q + 2g + p (PAIRS 2) holds value T = 2h + g + 4p
+    # of word 4b + q: activation column 8j + T; int4 values code - zero (row r's zero point r here)
     import sys
 
     _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
@@ -86,9 +87,10 @@ def test_mma_order_pairs_weights_and_activations_alike(wo):
     words[0, :4] = torch.tensor([0, -1, 0x12345678, -0x789ABCDF], dtype=torch.int32)
     x = torch.randn(16, 128)
     v_out, x_out = torch.empty(8, 128), torch.empty(16, 128)
-    order_kernel[(1,)](words, x, v_out, x_out)
+    order_kernel[(1,)](words, x, v_out, x_out, pairs)
     for k in range(128):
-        b, h, g, q, p = k // 32, (k // 16) % 2, (k // 8) % 2, (k // 2) % 4, k % 2
+        b, h, p = k // 32, (k // 16) % 2, k % 2
+        g, q = ((k // 8) % 2, (k // 2) % 4) if pairs == 1 else ((k // 2) % 2, (k // 4) % 4)
         j, t = 4 * b + q, 2 * h + g + 4 * p
         codes = [(int(w) >> (4 * t)) & 0xF for w in words[:, j].tolist()]
         assert v_out[:, k].tolist() == [c - r for r, c in enumerate(codes)]

@@ -9,6 +9,8 @@ zero (e, r, g) in elements).
 
 from __future__ import annotations
 
+import functools
+
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_wo_gemv import words_ok
 
@@ -41,10 +43,25 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
                              f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
 
 
+@functools.cache
+def operand_pairs() -> int:
+    """The kernels' PAIRS: the MMA order matching the 16-bit B operand layout this Triton gives the decoded weights
+    (``wo_mma_values``), so they reach the MMA without a shared-memory hop. Read from sm_90 SASS of the int4 gate-up
+    (``benchmarks/wo_mma_sass_cpu.py``, 32 x 128 in 1 warp): Triton 3.6 and 3.7 lay the operand 4 values a thread
+    (kWidth 4: PAIRS 2, 2.67-2.69 instructions a weight; PAIRS 1 3.70-3.71 with 151 LDS a step), 3.8 and 3.9 2
+    values (PAIRS 1: 2.49-2.73; PAIRS 2 on 3.8 3.25). Either order computes the same sums; only the speed depends on
+    it."""
+    import triton
+
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return 2 if (major, minor) < (3, 8) else 1
+
+
 def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
     """((a row's words, the strides with q's in words), the launch's extra constexprs) of a weight that meets
     ``check_mma``. SCALE_WORD (mxfp4): a step's four e8m0 bytes of a row read as one aligned 32-bit word, where
-    the scale rows start at multiples of 4 bytes and their groups are contiguous."""
+    the scale rows start at multiples of 4 bytes and their groups are contiguous. PAIRS: ``operand_pairs``."""
     qe, qr, _, se, sr, sg, *_ = w.strides
     scale_word = scheme == "mxfp4" and sg == 1 and se % 4 == 0 and sr % 4 == 0 and w.scale.data_ptr() % 4 == 0
-    return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {"SCALE_WORD": scale_word}
+    return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {"SCALE_WORD": scale_word,
+                                                                          "PAIRS": operand_pairs()}

@@ -69,18 +69,19 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
 
 
 @triton.jit
-def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr):
+def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr,
+            PAIRS: tl.constexpr):
     """The step's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + 8 BKW, 0 past C), read once as
     one contiguous tile -> the MMA-order operand [BM, 8 BKW] in DTYPE (no conversion where DTYPE is x's)."""
     k = k0 + tl.arange(0, 8 * BKW)
     x = tl.load(x_rows + k[None, :] * stride_xc, mask=row_ok[:, None] & (k < C)[None, :], other=0.0)
-    return x_operand(x.to(DTYPE), BM, BKW)
+    return x_operand(x.to(DTYPE), BM, BKW, PAIRS)
 
 
 @triton.jit
 def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr,
                 BKW: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
-                FAST: tl.constexpr):
+                FAST: tl.constexpr, PAIRS: tl.constexpr):
     """acc [BM, BN] + the step's x [BM, 8 BKW] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
     one dot from zero times the group's scale; mxfp4 (s: the words' e8m0 bytes) one dot into acc, each weight
     scaled in the decode (times 2^-64: ``finish`` undoes it)."""
@@ -88,10 +89,10 @@ def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, str
         ok = tl.where(k0 < C, n_ok, False)
         scale = tl.load(s_rows + (k0 // GROUP) * stride_sg, mask=ok, other=0.0)  # [BN]
         zero = _bytes(z_ptr, z_offs + (k0 // GROUP) * stride_zg, ok)
-        part = tl.dot(x, tl.trans(weight_operand(w, zero[:, None], BN, BKW, DTYPE, SCHEME, FAST)))
+        part = tl.dot(x, tl.trans(weight_operand(w, zero[:, None], BN, BKW, DTYPE, SCHEME, FAST, PAIRS)))
         acc += part * scale[None, :]
     else:
-        acc = tl.dot(x, tl.trans(weight_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST)), acc)
+        acc = tl.dot(x, tl.trans(weight_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST, PAIRS)), acc)
     return acc
 
 
@@ -113,6 +114,7 @@ def gate_up_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
+    PAIRS: tl.constexpr = 1,
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's)."""
     wait_for_previous_kernel(PDL)
@@ -142,11 +144,11 @@ def gate_up_wo_mma_kernel(
         wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
         s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
         s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype)
+        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
         acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM)
+                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
         acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM)
+                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
@@ -164,6 +166,7 @@ def down_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
+    PAIRS: tl.constexpr = 1,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -202,9 +205,9 @@ def down_wo_mma_kernel(
         w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
         s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
                            SCALE_WORD)
-        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype)
+        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
         acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
-                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM)
+                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
              stride_ym, SCHEME)

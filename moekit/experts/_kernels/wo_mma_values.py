@@ -4,11 +4,15 @@ step's activations [BM, 8 * BKW] (read as one contiguous tile) put in that same 
 sums them and no decoded weight moves between threads.
 
 The MMA order: the dot's reduction order is free, so K is permuted so that the thread that loaded word j holds
-exactly the eight K indices a 16-bit mma.sync operand gives one thread over two k16 blocks (pairs 2q, 2q + 1 and
-2q + 8, 2q + 9 of each): logical k = 32 b + 16 h + 8 g + 2 q + p holds value T = t + 4 p (t = 2 h + g) of word
-j = 4 b + q, i.e. activation column 8 j + T = 32 b + 8 q + 4 p + 2 h + g. Each operand register (a bf16 pair p = 0,
-1) is values t and t + 4 of one word, the nibbles at bits 4t and 4t + 16: one shift, one lop3 and one bf16x2 fma
-for two int4 weights (sm_90 SASS: ``benchmarks/wo_mma_sass_cpu.py``).
+exactly the eight K indices Triton's 16-bit mma.sync operand layout gives one thread over a k32 block, two values
+(PAIRS 1: pairs 2q, 2q + 1 and 2q + 8, 2q + 9 of each k16) or four (PAIRS 2: 4q .. 4q + 3 of each k16) a thread:
+    PAIRS 1  logical k = 32 b + 16 h + 8 g + 2 q + p
+    PAIRS 2  logical k = 32 b + 16 h + 4 q + 2 g + p
+holds value T = t + 4 p (t = 2 h + g) of word j = 4 b + q, i.e. activation column 8 j + T = 32 b + 8 q + 4 p + 2 h +
+g. Which layout Triton picks depends on its version (``triton_wo_mma.operand_pairs``); the other order costs a
+shared-memory hop of the decoded operand, never a wrong sum. Each operand register (a bf16 pair p = 0, 1) is values
+t and t + 4 of one word, the nibbles at bits 4t and 4t + 16: one shift, one lop3 and one bf16x2 fma for two int4
+weights (sm_90 SASS: ``benchmarks/wo_mma_sass_cpu.py``).
 
 Values (exact):
     int4   code - z (z the row's zero point in the step's group): the code placed in the low mantissa bits of
@@ -72,9 +76,9 @@ def _twin(w, s, T: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
 
 @triton.jit
 def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST: tl.constexpr):
-    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): FAST the PTX's constant
-    (bf16x2 bits: int4 -(128 + z), mxfp4 2^(s - 65)), else ``_twin``'s s."""
-    if FAST:
+    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): with FAST and bf16 the
+    PTX's constant (bf16x2 bits: int4 -(128 + z), mxfp4 2^(s - 65)), else ``_twin``'s s."""
+    if FAST and DTYPE == tl.bfloat16:
         if SCHEME == 1:
             o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
                                           pack=1)
@@ -89,13 +93,12 @@ def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST
 
 @triton.jit
 def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
-                   FAST: tl.constexpr):
+                   FAST: tl.constexpr, PAIRS: tl.constexpr = 1):
     """The step's words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
     rows' zero points [BN, 1], mxfp4 the groups' e8m0 bytes [BN, BKW / 4] (int32); FAST only takes effect with
     DTYPE bf16 (the PTX's constants made once a row or group). The words are taken as [BN, b, q] (word j = 4b + q)
     and the constants as [BN, b or 1, 1], so a group's constant meets its words without a layout change."""
-    fast: tl.constexpr = FAST and DTYPE == tl.bfloat16
-    if fast:
+    if FAST and DTYPE == tl.bfloat16:
         if SCHEME == 1:
             c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         else:
@@ -105,17 +108,25 @@ def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexp
         c = s
     w = tl.reshape(w, (BN, BKW // 4, 4))  # [BN, b, q]
     c = tl.broadcast_to(c[:, :, None], w.shape)
-    v0 = _pair(w, c, 0, DTYPE, SCHEME, fast)  # [BN, b, q, p]
-    v1 = _pair(w, c, 1, DTYPE, SCHEME, fast)
-    v2 = _pair(w, c, 2, DTYPE, SCHEME, fast)
-    v3 = _pair(w, c, 3, DTYPE, SCHEME, fast)
+    v0 = _pair(w, c, 0, DTYPE, SCHEME, FAST)  # [BN, b, q, p]
+    v1 = _pair(w, c, 1, DTYPE, SCHEME, FAST)
+    v2 = _pair(w, c, 2, DTYPE, SCHEME, FAST)
+    v3 = _pair(w, c, 3, DTYPE, SCHEME, FAST)
     d = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, b, q, p, g, h]: t = 2h + g
-    return tl.reshape(tl.permute(d, (0, 1, 5, 4, 2, 3)), (BN, 8 * BKW))  # [BN, b, h, g, q, p]
+    if PAIRS == 2:
+        d = tl.permute(d, (0, 1, 5, 2, 4, 3))  # [BN, b, h, q, g, p]
+    else:
+        d = tl.permute(d, (0, 1, 5, 4, 2, 3))  # [BN, b, h, g, q, p]
+    return tl.reshape(d, (BN, 8 * BKW))
 
 
 @triton.jit
-def x_operand(x, BM: tl.constexpr, BKW: tl.constexpr):
+def x_operand(x, BM: tl.constexpr, BKW: tl.constexpr, PAIRS: tl.constexpr = 1):
     """The step's activations x [BM, 8 * BKW] (columns in order) -> the MMA order (column 32b + 8q + 4p + 2h + g
     to logical k = 32b + 16h + 8g + 2q + p)."""
     x = tl.reshape(x, (BM, BKW // 4, 4, 2, 2, 2))  # [BM, b, q, p, h, g]
-    return tl.reshape(tl.permute(x, (0, 1, 4, 5, 2, 3)), (BM, 8 * BKW))  # [BM, b, h, g, q, p]
+    if PAIRS == 2:
+        x = tl.permute(x, (0, 1, 4, 2, 5, 3))  # [BM, b, h, q, g, p]
+    else:
+        x = tl.permute(x, (0, 1, 4, 5, 2, 3))  # [BM, b, h, g, q, p]
+    return tl.reshape(x, (BM, 8 * BKW))
