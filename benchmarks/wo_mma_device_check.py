@@ -10,8 +10,9 @@ Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V
 DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; each in a child process of its own
 (a fault loses only its cell). Variants: "pick" (what a call runs now), "prev" (the decode picked before this
 branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
-"m16" (16-row tiles in 1 warp: twice the programs), "m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles
-with 4 stages: more bytes in flight). Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call
+"m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
+heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch).
+(16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.) Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call
 over rotated input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
 touched experts' packed bytes, scales and zeros over the measured copy bandwidth) and the achieved TB/s (those bytes
 over the time). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_mma.json;
@@ -38,6 +39,7 @@ from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noq
 from moekit.experts.configs import GemmTile, KernelConfig, device_key  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
@@ -47,7 +49,7 @@ CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), (
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev":
 # timed against the new pick; empty while no default changed)
 PREVIOUS: dict[tuple, str] = {}
-MMA_TILES = {"m16": (16, 1, 3), "m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs
+MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
 WIN = 0.97
@@ -86,6 +88,7 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     for name, (rows, warps, stages) in MMA_TILES.items():
         tile = GemmTile(rows, 128, 1, warps, stages)
         out[name] = ("mma", KernelConfig(16, tile, tile))
+    out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))  # the gate-up split in 2
     return out
 
 

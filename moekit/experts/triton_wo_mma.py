@@ -28,7 +28,8 @@ def mma_fits(w13, w2, scheme: str) -> bool:
 def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
-    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128)."""
+    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128), no folded split gate-up (a
+    ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by the split_glu launch)."""
     if scheme not in ("int4_w4a16", "mxfp4"):
         raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
@@ -37,6 +38,8 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     kind = "zero" if scheme == "int4_w4a16" else "scale"
     if any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
+    if getattr(config, "glu_fold", False):
+        raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
         if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
             raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "

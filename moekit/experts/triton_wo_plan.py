@@ -294,6 +294,10 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
+        if decode == "mma" and up_splits(config, w13.q.shape[2] // 4, scheme)[0] > 1:  # ``WordConfig.up_split``
+            glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
+            regions.append(("p", torch.float32, (up_splits(config, w13.q.shape[2] // 4, scheme)[0] * num_assignments,
+                                                 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -356,12 +360,14 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     else:
         shared["AHEAD"] = ahead_of(config)
     q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
-    extra13, extra2 = {}, {}
-    if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words
+    extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
+    if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
+        up_split, up_words = up_splits(config, q13[0], scheme)
+        up_grid, h_tail, extra13["SPLIT"] = (up_grid[0], up_split), (n if up_split == 1 else 2 * n, up_words), up_split
     gate_up = BoundLaunch(
-        getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], n),
+        getattr(gemm, gate_up_name), up_grid, 9,
+        (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], *h_tail),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
         GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared, **extra13,
     )

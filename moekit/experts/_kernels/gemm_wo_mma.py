@@ -17,8 +17,8 @@ p [BM, BN] takes the group's scale: acc += p * s. No activation sums. mxfp4: dec
 ASM (NVIDIA sm_80+, compiled) with bf16 activations: ``wo_mma_values``' FAST placement; else its float twin (the
 interpreter decodes to float32 with UPCAST).
 
-Split-K (down), KSUM, alignment, NAIVE, PDL and UPCAST as in ``gemm_wo_reg``. Past C the words load as 0, x as 0
-and the scales as 0: nothing leaks in.
+Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
+``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
 
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step.
 """
@@ -110,13 +110,15 @@ def gate_up_wo_mma_kernel(
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
     stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
-    stride_ze, stride_zr, stride_zg, stride_hm,
+    stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
-    PAIRS: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's)."""
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's).
+    SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
+    partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -139,7 +141,8 @@ def gate_up_wo_mma_kernel(
         dtype = tl.float32
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for w0 in range(0, KW, BLOCK_K // 8):
+    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
         k0 = w0 * 8
         wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
         s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
@@ -150,9 +153,14 @@ def gate_up_wo_mma_kernel(
         acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
                              BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
-    h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
-    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:
+        p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
+        tl.store(p_rows + offs_n[None, :], _finish(acc_gate, SCHEME), mask=mask)
+        tl.store(p_rows + N + offs_n[None, :], _finish(acc_up, SCHEME), mask=mask)
+    else:
+        h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
+        tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
