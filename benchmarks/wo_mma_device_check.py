@@ -5,6 +5,7 @@ permuted K order, the step's activation tile read once as one contiguous tile an
 
     PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_mma_device_check.py --out $OUT/w6      # H200, <= 150 s
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_mma_device_check.py --smoke     # CPU, tiny shapes
+    ... --eager: each variant's eager host µs a call (enqueued behind ~1 ms of GPU work) and wall µs a call too
 
 Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V3 M = 1, Qwen3-30B-A3B M = 1,
 DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; each in a child process of its own
@@ -12,8 +13,9 @@ DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; 
 branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
 "m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
 heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch).
-(16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.) Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call
-over rotated input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
+(16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.)
+Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call over rotated
+input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
 touched experts' packed bytes, scales and zeros over the measured copy bandwidth) and the achieved TB/s (those bytes
 over the time). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_mma.json;
 the table printed last.
@@ -51,6 +53,7 @@ CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), (
 PREVIOUS: dict[tuple, str] = {}
 MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs
 SETS, ROUNDS, REPLAYS = 3, 5, 5
+EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
 TOL = 1e-2
 WIN = 0.97
 START = time.perf_counter()
@@ -68,6 +71,7 @@ class Cell:
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
     bytes: float = 0.0  # the floor's bytes (touched experts' packed weights, scales, zeros; x and out)
+    eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (EAGER)
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -129,6 +133,28 @@ def interleaved(graphs: dict, calls: int, dev) -> dict:
     return samples
 
 
+def eager_times(calls: dict) -> dict:
+    """name -> (host µs a call: enqueueing EAGER_CALLS calls behind a busy GPU, wall µs a call: the same calls to
+    completion), medians of ROUNDS interleaved rounds."""
+    host, wall = {k: [] for k in calls}, {k: [] for k in calls}
+    for _ in range(ROUNDS):
+        for name, fns in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead, so the enqueue time is the host's alone
+            t0 = time.perf_counter()
+            for i in range(EAGER_CALLS):
+                fns[i % len(fns)]()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host[name].append((t1 - t0) * 1e6 / EAGER_CALLS)
+            t0 = time.perf_counter()
+            for i in range(EAGER_CALLS):
+                fns[i % len(fns)]()
+            torch.cuda.synchronize()
+            wall[name].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
+    return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
+
+
 def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
     w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
     w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
@@ -144,7 +170,7 @@ def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
         print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
     c0 = inputs[0]
     want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
-    graphs = {}
+    graphs, calls = {}, {}
     for name, (decode, cfg) in found.items():
         tag = f"{s.name} {scheme} M={m} {name}"
         cell.configs[name] = (decode, cfg.to_dict())
@@ -157,10 +183,14 @@ def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
             check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
             if err < TOL:
                 graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
+                calls[name] = [lambda c=c, f=call: f(c) for c in inputs]
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
     cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
+    if EAGER and dev.type == "cuda":  # eager: host µs a call (enqueue only) and wall µs a call, interleaved
+        for name, (host, wall) in eager_times(calls).items():
+            cell.eager[name] = {"host_us": host, "wall_us": wall}
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
     print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
@@ -182,6 +212,9 @@ def table(cells: list[Cell]) -> str:
                          for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f} "
                      f"{tbps.get('pick', 0):.2f}TB/s  {rest}")
+        if c.eager:
+            lines.append(" " * 14 + "eager host / wall µs a call: " + "  ".join(
+                f"{k} {v['host_us']:.1f} / {v['wall_us']:.1f}" for k, v in c.eager.items()))
     return "\n".join(lines)
 
 
@@ -210,9 +243,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/wo_mma")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--eager", action="store_true", help="each variant's eager host and wall µs a call too")
     p.add_argument("--deadline", type=float, default=140.0, help="wall-clock seconds; cells past it are skipped")
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
     args = p.parse_args(argv)
+    global EAGER
+    EAGER = args.eager
     if args.cell is not None:
         return child(args.cell, args)
     import triton
@@ -226,7 +262,8 @@ def main(argv=None) -> int:
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
         try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
+            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []) + (["--eager"] if args.eager else []),
+                                timeout=left).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         path = os.path.join(args.out, f"wo_mma-{i}.json")
