@@ -12,7 +12,8 @@ DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; 
 (a fault loses only its cell). Variants: "pick" (what a call runs now), "prev" (the decode picked before this
 branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
 "m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
-heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch).
+heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch;
+with --merged m64 and m4s split it too).
 (16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.)
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call over rotated
 input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
@@ -48,12 +49,24 @@ from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_
 CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), ("deepseek-v3", "int4_w4a16", 8),
          ("mixtral-8x7b", "int4_w4a16", 8), ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1),
          ("deepseek-v3", "mxfp4", 8))
-# (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev":
-# timed against the new pick; empty while no default changed)
-PREVIOUS: dict[tuple, str] = {}
-MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs
+# --merged (the merged-main check): the cells the branch's default changed, "pick" (now the mma decode) against
+# "prev" (the decode picked there before, PREVIOUS) with eager host / wall µs; and the decode each CELLS cell picks
+# checked against GUARD (unchanged by the branch).
+MERGED_CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 16),
+                ("mixtral-8x7b", "int4_w4a16", 4))
+# then, for the notes only (no default rides on them), the split gate-up (ms2, never run before) where the mma lost
+EXPLORE_CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1))
+# (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
+PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS}
+GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16", 1): "gemv",
+         ("deepseek-v3", "int4_w4a16", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 8): "mma",
+         ("qwen3-30b-a3b", "int4_w4a16", 8): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv",
+         ("deepseek-v3", "mxfp4", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 32): "tile",
+         ("mixtral-8x7b", "int4_w4a16", 1): "gemv"}
+MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs (--merged: split 2)
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
+MERGED = False  # --merged
 TOL = 1e-2
 WIN = 0.97
 START = time.perf_counter()
@@ -87,11 +100,13 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     prev = PREVIOUS.get((s.name, scheme, m))
     if prev is not None:
         out["prev"] = (prev, wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), prev))
+    if MERGED and prev is not None:
+        return out
     mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")
     out["mma"] = ("mma", mma)
     for name, (rows, warps, stages) in MMA_TILES.items():
         tile = GemmTile(rows, 128, 1, warps, stages)
-        out[name] = ("mma", KernelConfig(16, tile, tile))
+        out[name] = ("mma", WordConfig(16, tile, tile, up_split=2) if MERGED else KernelConfig(16, tile, tile))
     out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))  # the gate-up split in 2
     return out
 
@@ -188,7 +203,7 @@ def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
             traceback.print_exc(limit=3)
             check(tag, False, f"raised {type(e).__name__}: {e}")
     cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
-    if EAGER and dev.type == "cuda":  # eager: host µs a call (enqueue only) and wall µs a call, interleaved
+    if EAGER and dev.type == "cuda" and (not MERGED or "prev" in calls):  # host µs a call (enqueue only), wall µs
         for name, (host, wall) in eager_times(calls).items():
             cell.eager[name] = {"host_us": host, "wall_us": wall}
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
@@ -202,14 +217,19 @@ def wins(cell: Cell, name: str) -> int:
     return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
 
 
+def beaten(cell: Cell, name: str) -> int:
+    """Rounds the pick took <= WIN x this variant."""
+    return sum(p <= WIN * v for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
+
+
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<13} {'scheme':<10} {'M':>2} {'floor':>6} {'pick':>14}  variants µs (% floor, TB/s, "
-             f"wins/{ROUNDS})"]
+             f"wins/{ROUNDS}, beaten: rounds the pick won)"]
     for c in cells:
         pick = c.times.get("pick", float("nan"))
         tbps = {k: c.bytes / (v * 1e-6) / 1e12 for k, v in c.times.items()}
-        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c, k)})"
-                         for k, v in c.times.items() if k != "pick")
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c, k)}, "
+                         f"beaten {beaten(c, k)})" for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f} "
                      f"{tbps.get('pick', 0):.2f}TB/s  {rest}")
         if c.eager:
@@ -232,7 +252,7 @@ def child(index: int, args) -> int:
     """One cell in this process; its JSON to <out>/wo_mma-<index>.json."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bw = copy_tbps(dev)
-    preset, scheme, m = CELLS[index]
+    preset, scheme, m = (MERGED_CELLS + EXPLORE_CELLS if MERGED else CELLS)[index]
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
     dump(args.out, f"wo_mma-{index}.json", [cell], bw)
@@ -246,24 +266,32 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="each variant's eager host and wall µs a call too")
     p.add_argument("--deadline", type=float, default=140.0, help="wall-clock seconds; cells past it are skipped")
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
+    p.add_argument("--merged", action="store_true", help="the merged-main check: MERGED_CELLS, pick against prev, "
+                   "eager times, the GUARD picks")
     args = p.parse_args(argv)
-    global EAGER
-    EAGER = args.eager
+    global EAGER, MERGED
+    EAGER, MERGED = args.eager or args.merged, args.merged
     if args.cell is not None:
         return child(args.cell, args)
+    if MERGED:
+        for (preset, scheme, m), want in GUARD.items():
+            s = Shape.from_preset(preset)
+            got = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+            check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else CELLS):
+    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else MERGED_CELLS + EXPLORE_CELLS if MERGED
+                                            else CELLS):
         left = args.deadline - (time.perf_counter() - START)
         if left < 20:
             skipped.append(f"{preset} {scheme} M={m}")
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
         try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []) + (["--eager"] if args.eager else []),
-                                timeout=left).returncode
+            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged
+            rc = subprocess.run(cmd + flags, timeout=left).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         path = os.path.join(args.out, f"wo_mma-{i}.json")

@@ -137,6 +137,18 @@ def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
         assert built.decode == want
 
 
+def test_chooser_takes_mma_where_it_won():
+    # Mixtral int4 M=8 (session 26: 343.0 against the register decode's 422.3 µs): M = 3 .. 31 take that entry
+    # (nearest in log2 to 8 of {1, 8} in the 16-row bucket; from 32 the winners table's tile); other shapes unchanged
+    from moekit.experts.triton_wo_plan import choose_decode
+
+    picks = {m: choose_decode("int4_w4a16", m, 8, 14336, 4096, 2) for m in (1, 2, 3, 8, 16, 31, 32)}
+    assert picks == {1: "gemv", 2: "register", 3: "mma", 8: "mma", 16: "mma", 31: "mma", 32: "tile"}
+    assert {choose_decode("int4_w4a16", m, e, n, k, 8) for m in (1, 8) for e, n, k in
+            ((256, 2048, 7168), (128, 768, 2048))} == {"gemv"}
+    assert choose_decode("mxfp4", 8, 8, 14336, 4096, 2) != "mma"
+
+
 def test_inline_ptx_compiles_for_sm90():
     """The mma kernels with their inline PTX (both schemes, both GEMMs, the default tiles) through Triton's pipeline
     and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the

@@ -95,10 +95,13 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # pick before): Qwen3 int4 M=1 gemv 22.7 (gemv_half 29.2), mxfp4 M=1 gemv_half 30.5 (register 36.5); DeepSeek-V3
 # mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde). Session
 # 21 (branch wo4, wo_ahead_device_check run 2): Qwen3 mxfp4 M=1 the gemv with the x tile 25.9 against gemv_half 28.8.
+# Session 26 (branch w6, wo_mma_device_check at 8bac90b, graph µs, 5 rounds): the word MMA decode won Mixtral int4
+# M=8 343.0 against the swapped register decode 422.3 (5/5; M=3..31 take it); it lost DeepSeek-V3 M=1 / 8, Qwen3
+# M=1 / 8 and both mxfp4 cells (127-1124 against 99-1013).
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
-    ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
+    ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
