@@ -13,7 +13,7 @@ DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; 
 branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
 "m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
 heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch;
-with --merged m64 and m4s split it too).
+"m64s2": m64 split so; --merged: EXPLORE's variants).
 (16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.)
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call over rotated
 input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
@@ -54,8 +54,11 @@ CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), (
 # checked against GUARD (unchanged by the branch).
 MERGED_CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 16),
                 ("mixtral-8x7b", "int4_w4a16", 4))
-# then, for the notes only (no default rides on them), the split gate-up (ms2, never run before) where the mma lost
-EXPLORE_CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1))
+# then, for the notes only (no default rides on them): the mma decode where the register decode is the pick at
+# 2-4 rows an expert (M = 64, as Mixtral M = 8), and the split gate-up (never run before) where the mma lost at M = 1
+EXPLORE = {("deepseek-v3", "int4_w4a16", 64): ("mma", "m64"), ("qwen3-30b-a3b", "int4_w4a16", 64): ("mma", "m64"),
+           ("deepseek-v3", "int4_w4a16", 1): ("ms2", "m64s2"), ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "m64s2")}
+EXPLORE_CELLS = tuple(EXPLORE)
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
 PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS}
 GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16", 1): "gemv",
@@ -63,7 +66,7 @@ GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16
          ("qwen3-30b-a3b", "int4_w4a16", 8): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv",
          ("deepseek-v3", "mxfp4", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 32): "tile",
          ("mixtral-8x7b", "int4_w4a16", 1): "gemv"}
-MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs (--merged: split 2)
+MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs; name + "s2": split
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
 MERGED = False  # --merged
@@ -106,9 +109,11 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     out["mma"] = ("mma", mma)
     for name, (rows, warps, stages) in MMA_TILES.items():
         tile = GemmTile(rows, 128, 1, warps, stages)
-        out[name] = ("mma", WordConfig(16, tile, tile, up_split=2) if MERGED else KernelConfig(16, tile, tile))
-    out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))  # the gate-up split in 2
-    return out
+        out[name] = ("mma", KernelConfig(16, tile, tile))
+        out[name + "s2"] = ("mma", WordConfig(16, tile, tile, up_split=2))  # the gate-up split in 2
+    out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))
+    keep = EXPLORE.get((s.name, scheme, m)) if MERGED else ("mma", "m64", "m4s", "ms2")
+    return {k: v for k, v in out.items() if k == "pick" or k in (keep or ())}
 
 
 def graph_of(fns, dev):
