@@ -237,3 +237,23 @@ def test_split_gate_up_served_equal_to_plain_path(interpreter, counts, monkeypat
     assert [(plan.glu is None, plan.glu_fold, plan.split_k) for plan in plans._WO_PLANS.values()] == [
         (fold, fold, down_split)]
     clear_config_cache()
+
+
+@pytest.mark.parametrize("scheme,options", [("int4_w4a16", dict(group_size=128)), ("mxfp4", {})])
+def test_mma_decode_served_equal_to_plain_path(interpreter, counts, monkeypatch, scheme, options):
+    # a measured entry for this tiny shape picking the word MMA decode (as Mixtral int4 M=8's): its kept calls (the
+    # gate-up's split_words argument, SCALE_WORD / PAIRS constexprs) served bit-equal to the plain path
+    import importlib
+
+    plans = importlib.import_module("moekit.experts.triton_wo_plan")
+    monkeypatch.setitem(plans.DECODE_MEASURED, (scheme, E, N, K), {1: "mma"})
+    monkeypatch.setitem(SCHEMES, scheme, options)
+    clear_config_cache()
+    q13, q2 = _weights(scheme)
+    for seed in (0, 1, 2):  # the first compiles and records; the next two are served
+        x, ids, weights = _routing(1, seed)
+        got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+        assert rel_l2(got, quantized_experts_loop(x, q13, q2, ids, weights)) < TOL[scheme]
+    assert counts["hits"] == 2
+    assert {plan.decode for plan in plans._WO_PLANS.values()} == {"mma"}
+    clear_config_cache()
