@@ -55,8 +55,10 @@ CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), (
 MERGED_CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 16),
                 ("mixtral-8x7b", "int4_w4a16", 4))
 # then, for the notes only (no default rides on them): the mma decode where the register decode is the pick at
-# 2-4 rows an expert (M = 64, as Mixtral M = 8), and the split gate-up (never run before) where the mma lost at M = 1
+# 2-4 rows an expert (M = 64, as Mixtral M = 8), Mixtral mxfp4 M = 8, and the split gate-up (never run before) where
+# the mma lost at M = 1
 EXPLORE = {("deepseek-v3", "int4_w4a16", 64): ("mma", "m64"), ("qwen3-30b-a3b", "int4_w4a16", 64): ("mma", "m64"),
+           ("mixtral-8x7b", "mxfp4", 8): ("mma", "m64"),  # the tile decode's pick; mma mxfp4 beat register elsewhere
            ("deepseek-v3", "int4_w4a16", 1): ("ms2", "m64s2"), ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "m64s2")}
 EXPLORE_CELLS = tuple(EXPLORE)
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
