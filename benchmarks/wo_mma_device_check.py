@@ -13,7 +13,7 @@ DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; 
 branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
 "m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
 heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch;
-"m64s2": m64 split so; --merged: EXPLORE's variants).
+"m64s2": m64 split so, "ms4": split in 4; --merged: EXPLORE's variants).
 (16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.)
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call over rotated
 input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
@@ -59,7 +59,8 @@ MERGED_CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16"
 # the mma lost at M = 1
 EXPLORE = {("deepseek-v3", "int4_w4a16", 64): ("mma", "m64"), ("qwen3-30b-a3b", "int4_w4a16", 64): ("mma", "m64"),
            ("mixtral-8x7b", "mxfp4", 8): ("mma", "m64"),  # the tile decode's pick; mma mxfp4 beat register elsewhere
-           ("deepseek-v3", "int4_w4a16", 1): ("ms2", "m64s2"), ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "m64s2")}
+           ("deepseek-v3", "int4_w4a16", 1): ("ms2", "ms4", "m64s2"),
+           ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "ms4", "m64s2")}
 EXPLORE_CELLS = tuple(EXPLORE)
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
 PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS}
@@ -114,6 +115,7 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
         out[name] = ("mma", KernelConfig(16, tile, tile))
         out[name + "s2"] = ("mma", WordConfig(16, tile, tile, up_split=2))  # the gate-up split in 2
     out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))
+    out["ms4"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=4))
     keep = EXPLORE.get((s.name, scheme, m)) if MERGED else ("mma", "m64", "m4s", "ms2")
     return {k: v for k, v in out.items() if k == "pick" or k in (keep or ())}
 
