@@ -287,3 +287,23 @@ def test_batched_hit_hands_the_call_addresses_to_its_one_c_call(interpreter, cou
     (args,) = got
     assert args[:5] == (Batch.blob, None, x.data_ptr(), ids.data_ptr(), weights.data_ptr())
     assert args[5] is out and out.shape == x.shape and out.dtype == x.dtype
+
+
+@pytest.mark.parametrize("scheme,options", [("int4_w4a16", dict(group_size=128)), ("mxfp4", {})])
+def test_mma_decode_served_equal_to_plain_path(interpreter, counts, monkeypatch, scheme, options):
+    # a measured entry for this tiny shape picking the word MMA decode (as Mixtral int4 M=8's): its kept calls (the
+    # gate-up's split_words argument, SCALE_WORD / PAIRS constexprs) served bit-equal to the plain path
+    import importlib
+
+    plans = importlib.import_module("moekit.experts.triton_wo_plan")
+    monkeypatch.setitem(plans.DECODE_MEASURED, (scheme, E, N, K), {1: "mma"})
+    monkeypatch.setitem(SCHEMES, scheme, options)
+    clear_config_cache()
+    q13, q2 = _weights(scheme)
+    for seed in (0, 1, 2):  # the first compiles and records; the next two are served
+        x, ids, weights = _routing(1, seed)
+        got = _same_as_plain(interpreter, x, q13, q2, ids, weights)
+        assert rel_l2(got, quantized_experts_loop(x, q13, q2, ids, weights)) < TOL[scheme]
+    assert counts["hits"] == 2
+    assert {plan.decode for plan in plans._WO_PLANS.values()} == {"mma"}
+    clear_config_cache()

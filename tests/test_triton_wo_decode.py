@@ -60,6 +60,9 @@ SPLIT_MEASURED = {(128, 768, 2048, 8): {("int4_w4a16", 1): ("gemv", 22.5), ("int
                   (8, 14336, 4096, 2): {("int4_w4a16", 1): ("gemv", 99.3)}}  # run 2: down split 8; old 129.8
 # the gemv with the x tile (session 21, benchmarks/wo_ahead_device_check.py run 2 at 470c186; gemv_half 28.8 there)
 XTILE_MEASURED = {(128, 768, 2048, 8): {("mxfp4", 1): ("gemv", 25.9)}}
+# the word MMA decode (session 26, benchmarks/wo_mma_device_check.py at 8bac90b, graph µs; the same run's pick, the
+# swapped register decode, 422.3; it lost every other cell of that run: DeepSeek-V3 / Qwen3 int4 M=1, 8, mxfp4 M=1, 8)
+MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0)}}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def test_chooser_picks_what_the_h200_measured_faster():
                 times["gemv"] = GEMV_MEASURED[(e, n, k, top_k)][(scheme, m)]
             if (scheme, m) in HALF_MEASURED.get((e, n, k, top_k), {}):
                 times["gemv_half"] = HALF_MEASURED[(e, n, k, top_k)][(scheme, m)]
-            for later in (SPLIT_MEASURED, XTILE_MEASURED):
+            for later in (SPLIT_MEASURED, XTILE_MEASURED, MMA_MEASURED):
                 if (scheme, m) in later.get((e, n, k, top_k), {}):
                     decode, us = later[(e, n, k, top_k)][(scheme, m)]
                     times[decode] = min(times.get(decode, us), us)

@@ -7,10 +7,12 @@ dequantized in registers inside the grouped GEMMs; activations stay in x's dtype
 
 The same alignment, tiny-batch shortcut, workspace regions, k-sum (folded into the down GEMM in lean eager
 calls up to ``LaunchOptions.sum_fold_max`` tokens with one split) and launch options as the 16-bit
-path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Four decodes of the packed weights,
+path (``moekit.experts.triton``); the plan is ``triton_wo_plan``. Five decodes of the packed weights,
 chosen per call kind from H200 measurements (``triton_wo_plan.choose_decode``) or by ``decode=``:
 "tile" (``_kernels/gemm_wo.py``: a whole dequantized tile per step, fast at prefill sizes),
-"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "gemv"
+"register" (``_kernels/gemm_wo_reg.py``: decoded in the MMA operand's registers), "mma"
+(``_kernels/gemm_wo_mma.py``, 4-bit schemes, selectable only: 32-bit words decoded where they land into one
+tensor-core operand in a permuted K order, one dot a step), "gemv"
 (``_kernels/gemm_wo_gemv.py``: 32-bit words bit-placed into float32 on the CUDA cores, blocks of 1-2
 rows; weights whose rows are whole words only, ``triton_wo_gemv.words_ok``), and at large batches
 "scratch" (``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs).
@@ -193,7 +195,7 @@ def run_experts_wo(
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
-    "register", "gemv" or "scratch", ``triton_wo_scratch``; None: ``choose_decode``, the fused ones when
+    "register", "mma", "gemv" or "scratch", ``triton_wo_scratch``; None: ``choose_decode``, the fused ones when
     ``config`` or ``split_k`` is given). Not a custom op: for tools that pick configs per call;
     models go through ``fused_experts_wo``."""
     if not is_available(x.device):

@@ -55,6 +55,8 @@ def wo_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top_k
         return _register_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
     if decode == "gemv":
         return gemv_heuristic_config(num_tokens, num_experts, n, k, top_k, scheme)
+    if decode == "mma":
+        return _mma_heuristic(num_tokens, num_experts, n, k, top_k, scheme)
     widest = 128 if scheme == "int8_w8a16" else 64
     bucket = height_bucket(num_tokens, num_experts, top_k)
     if bucket == 16:
@@ -91,6 +93,15 @@ def _register_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k
     if bucket == 64:
         return KernelConfig(64, GemmTile(up_width, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
     return KernelConfig(128, GemmTile(up_width, 64, 8, 8, 3), GemmTile(64 if packed else 128, 64, 8, 8, 3))
+
+
+def _mma_heuristic(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, scheme: str) -> KernelConfig:
+    """The mma decode's default: 16-row blocks, steps of 128 columns, 32 weight rows a program in 1 warp (gate and up:
+    64), 3 stages, both GEMMs: many small programs an SM to hide the loads' and the dots' latency (sm_90 SASS,
+    ``benchmarks/wo_mma_sass_cpu.py``, int4: gate-up 2.50 instructions a weight, ~205 registers, 9 programs an SM;
+    down 2.97, 138 registers, 14 programs an SM; 64 x 128 in 2 warps 2.53 / 3.03 at 4 / 7 programs an SM)."""
+    tile = GemmTile(32, 128, 1, 1, 3)
+    return KernelConfig(16, tile, tile)
 
 
 def _decode_width(blocks: int, cols: int, widest: int) -> int:

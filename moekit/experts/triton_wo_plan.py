@@ -6,10 +6,13 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Four decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
+    mma       ``_kernels/gemm_wo_mma`` (int4 and mxfp4, steps of BLOCK_K = 128 columns (int4: <= g), rows read
+              as words): each step's words decoded where they land into one MMA operand in a permuted K order,
+              the step's x tile read once in that order, one tensor-core dot a step (session 26).
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words
               bit-placed into float32, one FMA a weight and row, blocks of 1-2 rows; only where the
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
@@ -50,6 +53,7 @@ from moekit.experts.triton_wo_configs import (
 from moekit.experts.triton_wo_gemv import (
     WORD_DECODES, WordConfig, folded_splits, gemv_launches, split_glu_launch, up_splits, words_ok,
 )
+from moekit.experts.triton_wo_mma import check_mma, mma_fits, mma_launch_args
 from moekit.experts.triton_wo_scratch import SCRATCH_MIN_TOKENS, scratch_fits
 from moekit.experts.triton_wo_winners import winner
 from moekit.layouts.block_aligned import use_naive
@@ -58,9 +62,10 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "gemv", "scratch")
+DECODES = ("tile", "register", "mma", "gemv", "scratch")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
-            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel")}
+            "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
+            "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
 # The decode per (scheme, tile-height bucket) where no shape row below says otherwise. H200, Triton 3.6,
 # bf16 activations, two runs each (benchmarks/results/raw: ``b6a5c5f-wo_device_check`` tile and
 # ``87bfd3a-...-wo-fast-2-reverted`` register, then both in one run, ``a13647b-wo_device_check-wo-choice``;
@@ -90,10 +95,13 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # pick before): Qwen3 int4 M=1 gemv 22.7 (gemv_half 29.2), mxfp4 M=1 gemv_half 30.5 (register 36.5); DeepSeek-V3
 # mxfp4 M=1 gemv 160.5 (gemv_half 183.2), M=8 gemv unsplit 1100.0 (register 1192.7; 1101.5 at e68bcde). Session
 # 21 (branch wo4, wo_ahead_device_check run 2): Qwen3 mxfp4 M=1 the gemv with the x tile 25.9 against gemv_half 28.8.
+# Session 26 (branch w6, wo_mma_device_check at 8bac90b, graph µs, 5 rounds): the word MMA decode won Mixtral int4
+# M=8 343.0 against the swapped register decode 422.3 (5/5; M=3..31 take it); it lost DeepSeek-V3 M=1 / 8, Qwen3
+# M=1 / 8 and both mxfp4 cells (127-1124 against 99-1013).
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
     ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
-    ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "register"},  # Mixtral-8x7B
+    ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
@@ -253,7 +261,9 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
     if config.swap_ab and decode != "register":
         raise ValueError(f"config.swap_ab is for the register decode (``gemm_wo_reg``), not decode {decode!r}")
-    if not interpreting() and decode not in WORD_DECODES:
+    if decode == "mma":
+        check_mma(config, scheme, w13, w2)
+    if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
         split_k = config.down_split
@@ -287,6 +297,10 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     else:
         gate_up, down, down_sum = _gemm_launches(x, w13, w2, top_k, config, num_pid_m, align is None, scheme, decode,
                                                  act, options, split_k, split_len, ksum)
+        if decode == "mma" and up_splits(config, w13.q.shape[2] // 4, scheme)[0] > 1:  # ``WordConfig.up_split``
+            glu = split_glu_launch(config, num_assignments, n, w13.q.shape[2] // 4, scheme, act, options)
+            regions.append(("p", torch.float32, (up_splits(config, w13.q.shape[2] // 4, scheme)[0] * num_assignments,
+                                                 2 * n)))
     return WoPlan(
         options=options, decode=decode, config=config, align=align, split_k=split_k,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
@@ -302,7 +316,8 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
 def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: str, num_tokens: int,
                    num_experts: int, n: int, hidden: int, top_k: int, shortcut: bool = True) -> str:
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
-    weights do not read as words (``words_ok``); a caller's "gemv" there is an error naming it."""
+    weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
+    groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it."""
     if decode == "scratch":
         raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
@@ -310,6 +325,8 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
         if decode is not None:
             raise ValueError(f"decode={decode!r} needs w13.q and w2.q rows of a multiple of 4 contiguous bytes "
                              "with strides and addresses of multiples of 4 bytes")
+        return "register"
+    if chosen == "mma" and decode is None and not mma_fits(w13, w2, scheme):
         return "register"
     return chosen
 
@@ -341,19 +358,28 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
                   cached=options.cached_launcher, **options.pdl_kwargs())
     if decode == "register":
         shared["ASM"], shared["SWAP_AB"] = inline_asm_ok(x.device), config.swap_ab
+    elif decode == "mma":
+        shared["ASM"] = inline_asm_ok(x.device)
     else:
         shared["AHEAD"] = ahead_of(config)
+    q13, q2 = (w13.q.shape[2], w13.strides), (w2.q.shape[2], w2.strides)
+    extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
+    if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
+        (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
+        up_split, up_words = up_splits(config, q13[0], scheme)
+        up_grid, h_tail, extra13["SPLIT"] = (up_grid[0], up_split), (n if up_split == 1 else 2 * n, up_words), up_split
     gate_up = BoundLaunch(
-        getattr(gemm, gate_up_name), (num_pid_m * cdiv(n, up.BLOCK_N),), 9,
-        (n, hidden, w13.q.shape[2], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *w13.strides, n),
+        getattr(gemm, gate_up_name), up_grid, 9,
+        (n, hidden, q13[0], num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *q13[1], *h_tail),
         BLOCK_N=up.BLOCK_N, BLOCK_K=up.BLOCK_K, SPAN=span(up, scheme, w13.group_size), GROUP=w13.group_size,
-        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared,
+        GROUP_M=up.GROUP_M, ACT=act, num_warps=up.num_warps, num_stages=up.num_stages, **shared, **extra13,
     )
     down_launch, down_sum = down_launches(
         getattr(gemm, down_name), num_pid_m * cdiv(hidden, down.BLOCK_N), split_k,
-        (hidden, n, w2.q.shape[2], num_assignments, num_experts, num_pid_m, split_len, n, *w2.strides, hidden),
+        (hidden, n, q2[0], num_assignments, num_experts, num_pid_m, split_len, n, *q2[1], hidden),
         x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BLOCK_K=down.BLOCK_K, SPAN=span(down, scheme, w2.group_size), GROUP=w2.group_size,
         GROUP_M=down.GROUP_M, SPLIT=split_k, num_warps=down.num_warps, num_stages=down.num_stages, **shared,
+        **extra2,
     )
     return gate_up, down_launch, down_sum

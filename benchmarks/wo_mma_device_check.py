@@ -1,0 +1,318 @@
+"""GPU check of the reworked word MMA decode (issue #16, session 26, brief w6: ``decode="mma"``,
+``_kernels/gemm_wo_mma.py``: each step's packed words decoded where they land into ONE tensor-core operand in a
+permuted K order, the step's activation tile read once as one contiguous tile and permuted alike, one dot a step,
+1-warp programs) against the chooser's pick (today's default) at the 4-bit decode cells.
+
+    PYTHONPATH=$PWD timeout 200 python3 benchmarks/wo_mma_device_check.py --out $OUT/w6      # H200, <= 150 s
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/wo_mma_device_check.py --smoke     # CPU, tiny shapes
+    ... --eager: each variant's eager host µs a call (enqueued behind ~1 ms of GPU work) and wall µs a call too
+
+Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) DeepSeek-V3 M = 1, Qwen3-30B-A3B M = 1,
+DeepSeek-V3 M = 8, Mixtral-8x7B M = 8, Qwen3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8; each in a child process of its own
+(a fault loses only its cell). Variants: "pick" (what a call runs now), "prev" (the decode picked before this
+branch, where PREVIOUS names one), "mma" (the mma decode's heuristic config: 32-row tiles in 1 warp, 3 stages),
+"m64" (64-row tiles in 2 warps), "m4s" (the heuristic's tiles with 4 stages: more bytes in flight), "ms2" (the
+heuristic's tiles, the gate-up's reduction split in 2: twice its programs, float32 partials and one more launch;
+"m64s2": m64 split so, "ms4": split in 4; --merged: EXPLORE's variants).
+(16-row tiles were dropped before the run: on Triton 3.6 their operand goes through shared memory, sm_90 SASS.)
+Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then CUDA-graph replay of the whole call over rotated
+input sets, every graph in turn in ROUNDS interleaved rounds (median), % of the packed-byte floor (the
+touched experts' packed bytes, scales and zeros over the measured copy bandwidth) and the achieved TB/s (those bytes
+over the time). Look for: every line PASS; "wins" (rounds a variant took <= 0.97 x the pick). JSON <out>/wo_mma.json;
+the table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig, device_key  # noqa: E402
+from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
+from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
+from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
+from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+
+CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), ("deepseek-v3", "int4_w4a16", 8),
+         ("mixtral-8x7b", "int4_w4a16", 8), ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1),
+         ("deepseek-v3", "mxfp4", 8))
+# --merged (the merged-main check): the cells the branch's default changed, "pick" (now the mma decode) against
+# "prev" (the decode picked there before, PREVIOUS) with eager host / wall µs; and the decode each CELLS cell picks
+# checked against GUARD (unchanged by the branch).
+MERGED_CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("mixtral-8x7b", "int4_w4a16", 16),
+                ("mixtral-8x7b", "int4_w4a16", 4))
+# then, for the notes only (no default rides on them): the mma decode where the register decode is the pick at
+# 2-4 rows an expert (M = 64, as Mixtral M = 8), Mixtral mxfp4 M = 8, and the split gate-up (never run before) where
+# the mma lost at M = 1
+EXPLORE = {("deepseek-v3", "int4_w4a16", 64): ("mma", "m64"), ("qwen3-30b-a3b", "int4_w4a16", 64): ("mma", "m64"),
+           ("mixtral-8x7b", "mxfp4", 8): ("mma", "m64"),  # the tile decode's pick; mma mxfp4 beat register elsewhere
+           ("deepseek-v3", "int4_w4a16", 1): ("ms2", "ms4", "m64s2"),
+           ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "ms4", "m64s2")}
+EXPLORE_CELLS = tuple(EXPLORE)
+# (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
+PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS}
+GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16", 1): "gemv",
+         ("deepseek-v3", "int4_w4a16", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 8): "mma",
+         ("qwen3-30b-a3b", "int4_w4a16", 8): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv",
+         ("deepseek-v3", "mxfp4", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 32): "tile",
+         ("mixtral-8x7b", "int4_w4a16", 1): "gemv"}
+MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs; name + "s2": split
+SETS, ROUNDS, REPLAYS = 3, 5, 5
+EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
+MERGED = False  # --merged
+TOL = 1e-2
+WIN = 0.97
+START = time.perf_counter()
+FAILED: list[str] = []
+
+
+@dataclasses.dataclass
+class Cell:
+    preset: str
+    scheme: str
+    m: int
+    floor_us: float
+    times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
+    rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
+    errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
+    configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
+    bytes: float = 0.0  # the floor's bytes (touched experts' packed weights, scales, zeros; x and out)
+    eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (EAGER)
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def variants(s: Shape, scheme: str, m: int, dev) -> dict:
+    """name -> (decode, config)."""
+    decode = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+    out = {"pick": (decode, wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), decode))}
+    prev = PREVIOUS.get((s.name, scheme, m))
+    if prev is not None:
+        out["prev"] = (prev, wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), prev))
+    if MERGED and prev is not None:
+        return out
+    mma = wo_config(m, s.num_experts, s.n, s.k, s.top_k, scheme, device_key(dev), "mma")
+    out["mma"] = ("mma", mma)
+    for name, (rows, warps, stages) in MMA_TILES.items():
+        tile = GemmTile(rows, 128, 1, warps, stages)
+        out[name] = ("mma", KernelConfig(16, tile, tile))
+        out[name + "s2"] = ("mma", WordConfig(16, tile, tile, up_split=2))  # the gate-up split in 2
+    out["ms2"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=2))
+    out["ms4"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=4))
+    keep = EXPLORE.get((s.name, scheme, m)) if MERGED else ("mma", "m64", "m4s", "ms2")
+    return {k: v for k, v in out.items() if k == "pick" or k in (keep or ())}
+
+
+def graph_of(fns, dev):
+    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
+    if dev.type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns * 2:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def interleaved(graphs: dict, calls: int, dev) -> dict:
+    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
+    if dev.type != "cuda":
+        return {name: [float("nan")] for name in graphs}
+    samples = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(ROUNDS):
+        for name, g in graphs.items():
+            start.record()
+            for _ in range(REPLAYS):
+                g.replay()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
+    return samples
+
+
+def eager_times(calls: dict) -> dict:
+    """name -> (host µs a call: enqueueing EAGER_CALLS calls behind a busy GPU, wall µs a call: the same calls to
+    completion), medians of ROUNDS interleaved rounds."""
+    host, wall = {k: [] for k in calls}, {k: [] for k in calls}
+    for _ in range(ROUNDS):
+        for name, fns in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead, so the enqueue time is the host's alone
+            t0 = time.perf_counter()
+            for i in range(EAGER_CALLS):
+                fns[i % len(fns)]()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host[name].append((t1 - t0) * 1e6 / EAGER_CALLS)
+            t0 = time.perf_counter()
+            for i in range(EAGER_CALLS):
+                fns[i % len(fns)]()
+            torch.cuda.synchronize()
+            wall[name].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
+    return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
+
+
+def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
+    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
+    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
+    floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
+    cell = Cell(s.name, scheme, m, floor_us, bytes=floor_us * bw * 1e6)
+    found = variants(s, scheme, m, dev)
+    if dev.type == "cuda":
+        t0 = time.perf_counter()
+        precompile([(s, scheme, m, d, cfg, None) for d, cfg in found.values()], dev)
+        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
+    c0 = inputs[0]
+    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
+    graphs, calls = {}, {}
+    for name, (decode, cfg) in found.items():
+        tag = f"{s.name} {scheme} M={m} {name}"
+        cell.configs[name] = (decode, cfg.to_dict())
+
+        def call(c, decode=decode, cfg=cfg):
+            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=cfg, decode=decode)
+
+        try:
+            cell.errors[name] = err = rel_err(call(c0), want)
+            check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
+            if err < TOL:
+                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
+                calls[name] = [lambda c=c, f=call: f(c) for c in inputs]
+        except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
+            traceback.print_exc(limit=3)
+            check(tag, False, f"raised {type(e).__name__}: {e}")
+    cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
+    if EAGER and dev.type == "cuda" and (not MERGED or "prev" in calls):  # host µs a call (enqueue only), wall µs
+        for name, (host, wall) in eager_times(calls).items():
+            cell.eager[name] = {"host_us": host, "wall_us": wall}
+    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
+    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
+          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
+          flush=True)
+    return cell
+
+
+def wins(cell: Cell, name: str) -> int:
+    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
+
+
+def beaten(cell: Cell, name: str) -> int:
+    """Rounds the pick took <= WIN x this variant."""
+    return sum(p <= WIN * v for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
+
+
+def table(cells: list[Cell]) -> str:
+    lines = [f"{'shape':<13} {'scheme':<10} {'M':>2} {'floor':>6} {'pick':>14}  variants µs (% floor, TB/s, "
+             f"wins/{ROUNDS}, beaten: rounds the pick won)"]
+    for c in cells:
+        pick = c.times.get("pick", float("nan"))
+        tbps = {k: c.bytes / (v * 1e-6) / 1e12 for k, v in c.times.items()}
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c, k)}, "
+                         f"beaten {beaten(c, k)})" for k, v in c.times.items() if k != "pick")
+        lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f} "
+                     f"{tbps.get('pick', 0):.2f}TB/s  {rest}")
+        if c.eager:
+            lines.append(" " * 14 + "eager host / wall µs a call: " + "  ".join(
+                f"{k} {v['host_us']:.1f} / {v['wall_us']:.1f}" for k, v in c.eager.items()))
+    return "\n".join(lines)
+
+
+def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
+    import triton
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
+                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
+
+
+def child(index: int, args) -> int:
+    """One cell in this process; its JSON to <out>/wo_mma-<index>.json."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bw = copy_tbps(dev)
+    preset, scheme, m = (MERGED_CELLS + EXPLORE_CELLS if MERGED else CELLS)[index]
+    s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
+    cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
+    dump(args.out, f"wo_mma-{index}.json", [cell], bw)
+    return 1 if FAILED else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/wo_mma")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--eager", action="store_true", help="each variant's eager host and wall µs a call too")
+    p.add_argument("--deadline", type=float, default=140.0, help="wall-clock seconds; cells past it are skipped")
+    p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
+    p.add_argument("--merged", action="store_true", help="the merged-main check: MERGED_CELLS, pick against prev, "
+                   "eager times, the GUARD picks")
+    args = p.parse_args(argv)
+    global EAGER, MERGED
+    EAGER, MERGED = args.eager or args.merged, args.merged
+    if args.cell is not None:
+        return child(args.cell, args)
+    if MERGED:
+        for (preset, scheme, m), want in GUARD.items():
+            s = Shape.from_preset(preset)
+            got = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+            check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
+    import triton
+
+    print(torch.__version__, "triton", triton.__version__, flush=True)
+    cells, skipped = [], []
+    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else MERGED_CELLS + EXPLORE_CELLS if MERGED
+                                            else CELLS):
+        left = args.deadline - (time.perf_counter() - START)
+        if left < 20:
+            skipped.append(f"{preset} {scheme} M={m}")
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
+        try:
+            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged
+            rc = subprocess.run(cmd + flags, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(args.out, f"wo_mma-{i}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
+        cells += [Cell(**c) for c in got["cells"]]
+        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
+        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
+    dump(args.out, "wo_mma.json", cells, float("nan"))
+    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    print(table(cells), flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Grouped GEMMs with weight-only 4-bit experts (int4, mxfp4), the word MMA decode (decode "mma", issue #16,
+reworked in session 26): the packed weights read as 32-bit words (pipelined into shared memory by Triton's
+cp.async stages, then into registers), each step's words decoded where they land into one MMA operand
+[BN, 8 * BKW] in the "MMA order" of K (``wo_mma_values``: int4 one shift and one lop3 for two weights; mxfp4 the
+bits placed, then one bf16x2 fma by the word's scale), the step's activation tile read once (contiguous, then
+permuted in registers to the same order) and summed with them by ONE tensor-core dot a step. (Session 24's form
+ran eight dots a step, value position T of the words against x columns 8j + T, each x tile through shared memory
+and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the pick on the H200.)
+
+Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Layout: ``triton_wo``'s int4 (element 2i the low
+nibble of byte i), read as little-endian words (``triton_wo_gemv.words_ok``): element t of word j in bits 4t..4t+3.
+
+int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one step spans BLOCK_K = 8 * BKW <= g
+columns, so one group: each step's dot starts from zero (no chain across steps) and its partial product
+p [BM, BN] takes the group's scale: acc += p * s. No activation sums. mxfp4: decoded value = the weight times 2^-64
+(exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times 2^64 at the end.
+ASM (NVIDIA sm_80+, compiled) with bf16 activations: ``wo_mma_values``' FAST placement; else its float twin (the
+interpreter decodes to float32 with UPCAST).
+
+Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
+``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
+
+Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step.
+"""
+
+import triton
+import triton.language as tl
+
+from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
+from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
+from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
+from moekit.experts._kernels.gemm_wo import _store_y
+from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
+
+
+@triton.jit
+def _words(q_rows, w0, KW, n_ok, BKW: tl.constexpr):
+    """Words w0 .. w0 + BKW of the rows q_rows [BN] (int32 pointers) -> [BN, BKW] int32, 0 past KW."""
+    j = w0 + tl.arange(0, BKW)
+    return tl.load(q_rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+
+
+@triton.jit
+def _bytes(base, offs, mask):
+    """The bytes at base + offs (uint8 storage, base 4-byte aligned: ``check_mma``) as int32, each read as the aligned
+    32-bit word holding it: a byte load feeding the dot operand makes Triton pick 8-wide operand layouts, which
+    reach the MMA through shared memory (sm_90 SASS, ``benchmarks/wo_mma_sass_cpu.py``)."""
+    word = tl.load(base.to(tl.pointer_type(tl.int32), bitcast=True) + (offs >> 2), mask=mask, other=0)
+    return (word >> ((offs & 3) * 8).to(tl.int32)) & 0xFF
+
+
+@triton.jit
+def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GROUP: tl.constexpr,
+                 SCHEME: tl.constexpr, SCALE_WORD: tl.constexpr):
+    """mxfp4: the e8m0 scale bytes of the step's BKW / 4 groups (GROUP 32: 4 words each) of the rows at byte offsets
+    s_offs [BN] -> [BN, BKW / 4] int32 (0 past C); SCALE_WORD (BKW 16, the launch's: scale rows 4-byte aligned and
+    contiguous) all four read as one aligned 32-bit word a row, else one byte a group (``_bytes``). int4: the words w
+    themselves (unread)."""
+    if SCHEME == 2:
+        groups = tl.arange(0, BKW // 4)
+        ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
+        if SCALE_WORD:  # [BN] one load a row: a [BN, 4] byte load puts the weights through shared memory (sm_90)
+            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2), mask=n_ok,
+                           other=0)
+            w = tl.where(ok, (word[:, None] >> (8 * groups)[None, :]) & 0xFF, 0)
+        else:
+            w = _bytes(s_ptr, s_offs[:, None] + ((w0 + 4 * groups) * 8 // GROUP)[None, :] * stride_sg, ok)
+    return w
+
+
+@triton.jit
+def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr,
+            PAIRS: tl.constexpr):
+    """The step's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + 8 BKW, 0 past C), read once as
+    one contiguous tile -> the MMA-order operand [BM, 8 BKW] in DTYPE (no conversion where DTYPE is x's)."""
+    k = k0 + tl.arange(0, 8 * BKW)
+    x = tl.load(x_rows + k[None, :] * stride_xc, mask=row_ok[:, None] & (k < C)[None, :], other=0.0)
+    return x_operand(x.to(DTYPE), BM, BKW, PAIRS)
+
+
+@triton.jit
+def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr,
+                BKW: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
+                FAST: tl.constexpr, PAIRS: tl.constexpr):
+    """acc [BM, BN] + the step's x [BM, 8 BKW] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
+    one dot from zero times the group's scale; mxfp4 (s: the words' e8m0 bytes) one dot into acc, each weight
+    scaled in the decode (times 2^-64: ``finish`` undoes it)."""
+    if SCHEME == 1:
+        ok = tl.where(k0 < C, n_ok, False)
+        scale = tl.load(s_rows + (k0 // GROUP) * stride_sg, mask=ok, other=0.0)  # [BN]
+        zero = _bytes(z_ptr, z_offs + (k0 // GROUP) * stride_zg, ok)
+        part = tl.dot(x, tl.trans(weight_operand(w, zero[:, None], BN, BKW, DTYPE, SCHEME, FAST, PAIRS)))
+        acc += part * scale[None, :]
+    else:
+        acc = tl.dot(x, tl.trans(weight_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST, PAIRS)), acc)
+    return acc
+
+
+@triton.jit
+def _finish(acc, SCHEME: tl.constexpr):
+    """The accumulator as w x: mxfp4's decoded weights carry 2^-64 (``wo_mma_values``), undone here (exact)."""
+    if SCHEME == 2:
+        acc = acc * X_SCALE
+    return acc
+
+
+@triton.jit
+def gate_up_wo_mma_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    N, K, KW, num_assignments, top_k, num_experts, num_pid_m,  # KW: words of a w13 row
+    stride_xm, stride_xk, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_hm, split_words,  # split_words: a split's words (SPLIT > 1)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
+    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
+):
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's).
+    SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
+    partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments  # [BM]
+    token = tl.where(row_ok, rows // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    gate, up = offs_n.to(tl.int64), offs_n.to(tl.int64) + N  # [BN] w13 rows; up rows follow the N gate rows
+    words = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe
+    qg, qu = words + gate * stride_qr, words + up * stride_qr
+    sg, su = s_ptr + expert * stride_se + gate * stride_sr, s_ptr + expert * stride_se + up * stride_sr
+    zg, zu = expert * stride_ze + gate * stride_zr, expert * stride_ze + up * stride_zr  # [BN] zero byte offsets
+    bg, bu = expert * stride_se + gate * stride_sr, expert * stride_se + up * stride_sr  # scale offsets (mxfp4 bytes)
+    x_rows = x_ptr + token[:, None] * stride_xm  # [BM, 1]
+    dtype = x_ptr.dtype.element_ty
+    if UPCAST:  # the weights then decode to float32 too (the interpreter truncates float32 -> bf16)
+        dtype = tl.float32
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
+        k0 = w0 * 8
+        wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
+        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
+        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
+        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
+        acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+        acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+    let_next_kernel_launch(PDL)
+    mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT > 1:
+        p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
+        tl.store(p_rows + offs_n[None, :], _finish(acc_gate, SCHEME), mask=mask)
+        tl.store(p_rows + N + offs_n[None, :], _finish(acc_up, SCHEME), mask=mask)
+    else:
+        h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
+        tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def down_wo_mma_kernel(
+    h_ptr, q_ptr, s_ptr, z_ptr, y_ptr, weights_ptr,  # h [A, N]; w2 as q/scale/zero ([E, K, ..]); y [SPLIT*A, K] out
+    ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    out_ptr, counters_ptr, map_ptr,  # KSUM only (else None): out [M, K], counters [M, K tiles] int32, the expert map
+    K, N, NW, num_assignments, num_experts, num_pid_m, split_len,  # NW: words of a w2 row
+    stride_hm, stride_qe, stride_qr, stride_qc, stride_se, stride_sr, stride_sg,  # q strides in words
+    stride_ze, stride_zr, stride_zg, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
+    NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
+    PAIRS: tl.constexpr = 1,
+    KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
+    TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
+):
+    """y = routed weight * (h w2^T) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns)."""
+    wait_for_previous_kernel(PDL)
+    if KSUM:
+        if tl.program_id(0) >= num_pid_m * tl.cdiv(K, BLOCK_N):  # the programs after the GEMM's
+            zero_unrouted_tokens(out_ptr, ids_ptr, map_ptr, num_pid_m * tl.cdiv(K, BLOCK_N), K, num_assignments,
+                                 top_k, num_experts, num_global, BLOCK_N, TOPK_PAD, HAS_MAP, ZERO_T)
+            return
+    pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    rows, expert = _block_rows(pid_m, ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                               num_assignments, num_experts, BLOCK_M, NAIVE)
+    if expert < 0:
+        return
+    row_ok = rows < num_assignments
+    safe_rows = tl.where(row_ok, rows, 0)
+    if KSUM:  # [BM] routed slots of each row's token, loaded before the main loop (the epilogue needs them)
+        arrivals = routed_slot_count(safe_rows // top_k, ids_ptr, map_ptr, top_k, num_experts, num_global, TOPK_PAD,
+                                     HAS_MAP)
+    offs_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ok = offs_out < K
+    out = offs_out.to(tl.int64)
+    q_rows = q_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + expert * stride_qe + out * stride_qr  # [BN]
+    s_rows = s_ptr + expert * stride_se + out * stride_sr
+    z_offs = expert * stride_ze + out * stride_zr  # [BN] zero byte offsets
+    b_offs = expert * stride_se + out * stride_sr  # scale offsets (mxfp4 bytes)
+    h_rows = h_ptr + safe_rows[:, None] * stride_hm  # [BM, 1]
+    dtype = h_ptr.dtype.element_ty
+    if UPCAST:
+        dtype = tl.float32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_start = tl.multiple_of(tl.program_id(1) * (split_len // 8), BLOCK_K // 8)  # split_len: whole steps
+    for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
+        k0 = w0 * 8
+        w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
+        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
+                           SCALE_WORD)
+        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
+        acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
+                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+    let_next_kernel_launch(PDL)
+    _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
+             stride_ym, SCHEME)
+    if KSUM:
+        ksum_epilogue(y_ptr, out_ptr, counters_ptr, ids_ptr, map_ptr, safe_rows, row_ok, arrivals, pid_n, offs_out,
+                      out_ok, K, top_k, num_experts, num_global, stride_ym, BLOCK_N, TOPK_PAD, HAS_MAP, SUM_ROWS)

@@ -1,0 +1,132 @@
+"""The word MMA decode's operands (``gemm_wo_mma``, issue #16 session 26): a step's packed 4-bit words [BN, BKW]
+(element T of word j in bits 4T .. 4T+3) -> one MMA operand [BN, 8 * BKW] in the "MMA order" of K, and the
+step's activations [BM, 8 * BKW] (read as one contiguous tile) put in that same order, so one ``tl.dot`` a step
+sums them and no decoded weight moves between threads.
+
+The MMA order: the dot's reduction order is free, so K is permuted so that the thread that loaded word j holds
+exactly the eight K indices Triton's 16-bit mma.sync operand layout gives one thread over a k32 block, two values
+(PAIRS 1: pairs 2q, 2q + 1 and 2q + 8, 2q + 9 of each k16) or four (PAIRS 2: 4q .. 4q + 3 of each k16) a thread:
+    PAIRS 1  logical k = 32 b + 16 h + 8 g + 2 q + p
+    PAIRS 2  logical k = 32 b + 16 h + 4 q + 2 g + p
+holds value T = t + 4 p (t = 2 h + g) of word j = 4 b + q, i.e. activation column 8 j + T = 32 b + 8 q + 4 p + 2 h +
+g. Which layout Triton picks depends on its version (``triton_wo_mma.operand_pairs``); the other order costs a
+shared-memory hop of the decoded operand, never a wrong sum. Each operand register (a bf16 pair p = 0, 1) is values
+t and t + 4 of one word, the nibbles at bits 4t and 4t + 16: one shift, one lop3 and one bf16x2 fma for two int4
+weights (sm_90 SASS: ``benchmarks/wo_mma_sass_cpu.py``).
+
+Values (exact):
+    int4   code - z (z the row's zero point in the step's group): the code placed in the low mantissa bits of
+           bf16 128.0 (one lop3 a pair), then one fma.rn.bf16x2 adding -(128 + z); the group's scale applies to the
+           step's partial product (``gemm_wo_mma``), so the activations need no row sums.
+    mxfp4  e2m1(code) * 2^(s - 127) * 2^-64 (s the word's e8m0 scale byte): the magnitude bits to bf16 bits 6-8
+           and the sign to bit 15 (e2m1 * 2^-126; the code 0.5 a bf16 subnormal, which bf16x2 arithmetic keeps),
+           then one fma.rn.bf16x2 by 2^(s - 65). Exact for s in 66 .. 192 (scales 2^-61 .. 2^65); the kernel
+           multiplies its float32 accumulator by X_SCALE = 2^64 at the end (products below 2^-126 in float32, i.e.
+           |w x| < 2^-62, are lost: far below the bf16 rounding of any output they could change).
+FAST (the launch's ASM: NVIDIA sm_80+, compiled) with bf16: the inline PTX, one instance a word and pair (pack 1:
+its meaning does not depend on the register layout); else the float twin (``_twin``: the interpreter, fp16, float32
+with UPCAST), the same values.
+"""
+
+import triton
+import triton.language as tl
+
+X_SCALE = tl.constexpr(1.8446744073709552e19)  # 2^64: the mxfp4 accumulator's factor (``gemm_wo_mma._finish``)
+MULT_BIAS = tl.constexpr(127 - 65)  # the bf16 / float32 exponent field of 2^(s - 65) is s + MULT_BIAS
+
+# int4: $1 the word shifted right by 4t, $2 the bf16x2 bits of -(128 + z) twice -> code - z of values t, t + 4
+_INT4_PAIR_ASM = tl.constexpr("""{
+.reg .b32 a, one;
+lop3.b32 a, $1, 0x000F000F, 0x43004300, 0xEA;
+mov.b32 one, 0x3F803F80;
+fma.rn.bf16x2 $0, a, one, $2;
+}""")
+# mxfp4: $1 the word shifted right by 4t, $2 the bf16x2 bits of 2^(s - 65) twice -> values t, t + 4 as bf16x2
+_MXFP4_PAIR_ASM = tl.constexpr("""{
+.reg .b32 a, g, z;
+shl.b32 a, $1, 6;
+shl.b32 g, $1, 12;
+and.b32 g, g, 0x80008000;
+lop3.b32 a, a, 0x01C001C0, g, 0xEA;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, a, $2, z;
+}""")
+
+
+@triton.jit
+def _halves(o, DTYPE: tl.constexpr):
+    """int32 [BN, BKW] holding a bf16x2 pair -> [BN, BKW, 2] bf16 (low half first)."""
+    lo = o.to(tl.int16).to(DTYPE, bitcast=True)
+    hi = (o >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _twin(w, s, T: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr):
+    """Value T of each word of w int32 in DTYPE, through float32 (s, w's shape: int4 the rows' zero points, mxfp4
+    the words' e8m0 bytes)."""
+    code = (w >> (4 * T)) & 0xF
+    if SCHEME == 1:
+        value = (code - s).to(tl.float32)
+    else:
+        placed = (((code & 7) << 22) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # e2m1 * 2^-126
+        value = placed * ((s + MULT_BIAS) << 23).to(tl.float32, bitcast=True)  # * 2^(s - 65)
+    return value.to(DTYPE)
+
+
+@triton.jit
+def _pair(w, c, t: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr, FAST: tl.constexpr):
+    """Values t and t + 4 of each word of w [BN, b, q] -> [BN, b, q, 2] DTYPE. c (w's shape): with FAST and bf16 the
+    PTX's constant (bf16x2 bits: int4 -(128 + z), mxfp4 2^(s - 65)), else ``_twin``'s s."""
+    if FAST and DTYPE == tl.bfloat16:
+        if SCHEME == 1:
+            o = tl.inline_asm_elementwise(_INT4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        else:
+            o = tl.inline_asm_elementwise(_MXFP4_PAIR_ASM, "=r,r,r", [w >> (4 * t), c], dtype=tl.int32, is_pure=True,
+                                          pack=1)
+        pair = _halves(o, DTYPE)
+    else:
+        pair = tl.join(_twin(w, c, t, DTYPE, SCHEME), _twin(w, c, t + 4, DTYPE, SCHEME))
+    return pair
+
+
+@triton.jit
+def weight_operand(w, s, BN: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
+                   FAST: tl.constexpr, PAIRS: tl.constexpr = 1):
+    """The step's words w [BN, BKW] int32 (BKW a multiple of 4) -> [BN, 8 * BKW] DTYPE in the MMA order. s: int4 the
+    rows' zero points [BN, 1], mxfp4 the groups' e8m0 bytes [BN, BKW / 4] (int32); FAST only takes effect with
+    DTYPE bf16 (the PTX's constants made once a row or group). The words are taken as [BN, b, q] (word j = 4b + q)
+    and the constants as [BN, b or 1, 1], so a group's constant meets its words without a layout change."""
+    if FAST and DTYPE == tl.bfloat16:
+        if SCHEME == 1:
+            c = (-128.0 - s.to(tl.float32)).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
+            c = (s + MULT_BIAS) << 7  # bf16 bits of 2^(s - 65)
+        c = c | (c << 16)
+    else:
+        c = s
+    w = tl.reshape(w, (BN, BKW // 4, 4))  # [BN, b, q]
+    c = tl.broadcast_to(c[:, :, None], w.shape)
+    v0 = _pair(w, c, 0, DTYPE, SCHEME, FAST)  # [BN, b, q, p]
+    v1 = _pair(w, c, 1, DTYPE, SCHEME, FAST)
+    v2 = _pair(w, c, 2, DTYPE, SCHEME, FAST)
+    v3 = _pair(w, c, 3, DTYPE, SCHEME, FAST)
+    d = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [BN, b, q, p, g, h]: t = 2h + g
+    if PAIRS == 2:
+        d = tl.permute(d, (0, 1, 5, 2, 4, 3))  # [BN, b, h, q, g, p]
+    else:
+        d = tl.permute(d, (0, 1, 5, 4, 2, 3))  # [BN, b, h, g, q, p]
+    return tl.reshape(d, (BN, 8 * BKW))
+
+
+@triton.jit
+def x_operand(x, BM: tl.constexpr, BKW: tl.constexpr, PAIRS: tl.constexpr = 1):
+    """The step's activations x [BM, 8 * BKW] (columns in order) -> the MMA order (column 32b + 8q + 4p + 2h + g
+    to logical k = 32b + 16h + 8g + 2q + p)."""
+    x = tl.reshape(x, (BM, BKW // 4, 4, 2, 2, 2))  # [BM, b, q, p, h, g]
+    if PAIRS == 2:
+        x = tl.permute(x, (0, 1, 4, 2, 5, 3))  # [BM, b, h, q, g, p]
+    else:
+        x = tl.permute(x, (0, 1, 4, 5, 2, 3))  # [BM, b, h, g, q, p]
+    return tl.reshape(x, (BM, 8 * BKW))

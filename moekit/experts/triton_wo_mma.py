@@ -1,0 +1,70 @@
+"""The word MMA decode's host side (``_kernels/gemm_wo_mma.py``, decode "mma", issue #16): what it requires of the
+weights and config (``check_mma``, refused by name), whether the chooser may take it (``mma_fits``), and what its
+launches add to the plan's (``mma_launch_args``: the rows in words, SCALE_WORD). The plan (``triton_wo_plan``)
+calls these; the config is ``triton_wo_configs``' (``_mma_heuristic``).
+
+A weight here is a ``triton_wo_plan.WeightArgs`` (q, scale, zero, group_size, strides: q (e, r, c), scale (e, r, g),
+zero (e, r, g) in elements).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from moekit.experts.configs import KernelConfig
+from moekit.experts.triton_wo_gemv import words_ok
+
+MMA_WORDS = 16  # the mma decode's words a step (BLOCK_K 128: one dot of K 128 a step)
+
+
+def mma_fits(w13, w2, scheme: str) -> bool:
+    """Whether both weights meet ``check_mma``'s layout needs (the chooser's "mma" falls back where not)."""
+    kind = "zero" if scheme == "int4_w4a16" else "scale"
+    return (scheme in ("int4_w4a16", "mxfp4") and words_ok(w13.q) and words_ok(w2.q)
+            and all(getattr(w, kind).data_ptr() % 4 == 0 for w in (w13, w2))
+            and (scheme == "mxfp4" or all(w.group_size % (8 * MMA_WORDS) == 0 for w in (w13, w2))))
+
+
+def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
+    """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
+    zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
+    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128), no folded split gate-up (a
+    ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by the split_glu launch)."""
+    if scheme not in ("int4_w4a16", "mxfp4"):
+        raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
+    if not (words_ok(w13.q) and words_ok(w2.q)):
+        raise ValueError("decode='mma' needs w13.q and w2.q rows of a multiple of 4 contiguous bytes with strides "
+                         "and addresses of multiples of 4 bytes")
+    kind = "zero" if scheme == "int4_w4a16" else "scale"
+    if any(getattr(w, kind).data_ptr() % 4 for w in (w13, w2)):
+        raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
+    if getattr(config, "glu_fold", False):
+        raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
+    for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
+        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
+            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
+                             f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
+
+
+@functools.cache
+def operand_pairs() -> int:
+    """The kernels' PAIRS: the MMA order matching the 16-bit B operand layout this Triton gives the decoded weights
+    (``wo_mma_values``), so they reach the MMA without a shared-memory hop. Read from sm_90 SASS of the int4 gate-up
+    (``benchmarks/wo_mma_sass_cpu.py``, 32 x 128 in 1 warp): Triton 3.6 and 3.7 lay the operand 4 values a thread
+    (kWidth 4: PAIRS 2, 2.67-2.69 instructions a weight; PAIRS 1 3.70-3.71 with 151 LDS a step), 3.8 and 3.9 2
+    values (PAIRS 1: 2.49-2.73; PAIRS 2 on 3.8 3.25). Either order computes the same sums; only the speed depends on
+    it."""
+    import triton
+
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return 2 if (major, minor) < (3, 8) else 1
+
+
+def mma_launch_args(w, scheme: str) -> tuple[tuple[int, tuple], dict]:
+    """((a row's words, the strides with q's in words), the launch's extra constexprs) of a weight that meets
+    ``check_mma``. SCALE_WORD (mxfp4): a step's four e8m0 bytes of a row read as one aligned 32-bit word, where
+    the scale rows start at multiples of 4 bytes and their groups are contiguous. PAIRS: ``operand_pairs``."""
+    qe, qr, _, se, sr, sg, *_ = w.strides
+    scale_word = scheme == "mxfp4" and sg == 1 and se % 4 == 0 and sr % 4 == 0 and w.scale.data_ptr() % 4 == 0
+    return (w.q.shape[2] // 4, (qe // 4, qr // 4, 1, *w.strides[3:])), {"SCALE_WORD": scale_word,
+                                                                          "PAIRS": operand_pairs()}

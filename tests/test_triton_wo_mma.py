@@ -1,0 +1,168 @@
+"""The weight-only path's word MMA decode (``decode="mma"``, ``_kernels/gemm_wo_mma.py``, int4 and mxfp4) on the CPU
+under Triton's interpreter, tiny shapes: the kernels against the float64 loop of ``test_triton_wo`` (odd K with a
+group tail, split-K down, an expert map with -1), the MMA order of ``wo_mma_values`` (weights and activations
+permuted alike) against a decoder written here, and its refusals by name. The FAST placement (NVIDIA only) is
+checked against the torch twin at real shapes by ``benchmarks/wo_mma_device_check.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from _triton_helpers import interpreted  # noqa: E402
+from moekit.experts.configs import GemmTile, KernelConfig  # noqa: E402
+from test_triton_wo import POISON, loop64, problem, rel  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wo():
+    with interpreted("moekit.experts", "moekit.experts.triton_wo") as module:
+        yield module
+
+
+def config(rows: int = 32, block_k: int = 128) -> KernelConfig:
+    tile = GemmTile(rows, block_k, 1, 1, 1)
+    return KernelConfig(16, tile, tile)
+
+
+def run(wo, x, w13, w2, ids, weights, cfg, expert_map=None, split_k=None):
+    args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+    return wo.run_experts_wo(x, *args, ids, weights, expert_map, w13.scheme, config=cfg, options=POISON,
+                             split_k=split_k, decode="mma")
+
+
+@pytest.mark.parametrize("scheme,hidden,group", [("int4_w4a16", 256, 128), ("int4_w4a16", 200, 128),
+                                                 ("int4_w4a16", 256, 256), ("mxfp4", 256, 32), ("mxfp4", 200, 32)])
+def test_mma_matches_float64_loop(wo, scheme, hidden, group):
+    # K = 200: the last step's words past the row (25 words) load as 0, x past K as 0, the tail group is 72 (int4)
+    # or 8 (mxfp4) wide; mxfp4 scales 2^-5 .. 2^-1 (``make_weight``), each weight scaled in the decode
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=5, k=2, hidden=hidden, n=128, seed=hidden + group)
+    out = run(wo, x, w13, w2, ids, weights, config())
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32)])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_mma_split_down_and_expert_map(wo, scheme, group, split_k):
+    # N = 384: three 128-wide steps in 2 (one of 256, one of 128) or 3 splits; global expert 2 lives elsewhere
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=128, n=384, seed=40 + split_k)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    ids[0, 0] = 2
+    out = run(wo, x, w13, w2, ids, weights, config(rows=16), expert_map=expert_map, split_k=split_k)
+    assert rel(out, wo.fused_experts_wo_torch(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+
+
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32)])
+def test_mma_split_gate_up(wo, scheme, group):
+    # K = 384: three 128-column steps in 2 splits (256 + 128) or 3; float32 partials summed by the split_glu launch
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=384, n=128, seed=7)
+    tile = GemmTile(32, 128, 1, 1, 1)
+    for split in (2, 3):
+        out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=split))
+        assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+    with pytest.raises(ValueError, match="glu_fold"):
+        run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=2, glu_fold=True))
+
+
+def test_mma_heuristic_config_runs(wo):
+    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=2, k=2, hidden=128, n=128, seed=3)
+    out = run(wo, x, w13, w2, ids, weights, None)
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+_KERNELS = {}  # the interpreted wo_mma_values module (a Triton kernel reads module globals only)
+
+
+@triton.jit
+def order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constexpr):
+    tl = triton.language
+    i = tl.arange(0, 8)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [8, 16]: 8 rows of 16 words
+    k = tl.arange(0, 16)[:, None] * 128 + tl.arange(0, 128)[None, :]  # [16, 128]: 16 rows of 128 columns
+    w = tl.load(w_ptr + i)
+    zero = tl.arange(0, 8)[:, None]  # [8, 1]: row r's zero point r
+    v = _KERNELS["mma"].weight_operand(w, zero, 8, 16, tl.float32, 1, False, PAIRS)  # [8, 128]: code - zero
+    tl.store(v_out + tl.arange(0, 8)[:, None] * 128 + tl.arange(0, 128)[None, :], v)
+    tl.store(x_out + k, _KERNELS["mma"].x_operand(tl.load(x_ptr + k), 16, 16, PAIRS))
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_mma_order_pairs_weights_and_activations_alike(wo, pairs):
+    # logical k = 32b + 16h + 8g + 2q + p (PAIRS 1) or 32b + 16h + 4q + 2g + p (PAIRS 2) holds value T = 2h + g + 4p
+    # of word 4b + q: activation column 8j + T; int4 values code - zero (row r's zero point r here)
+    import sys
+
+    _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
+    words = torch.randint(-2**31, 2**31 - 1, (8, 16), dtype=torch.int32)
+    words[0, :4] = torch.tensor([0, -1, 0x12345678, -0x789ABCDF], dtype=torch.int32)
+    x = torch.randn(16, 128)
+    v_out, x_out = torch.empty(8, 128), torch.empty(16, 128)
+    order_kernel[(1,)](words, x, v_out, x_out, pairs)
+    for k in range(128):
+        b, h, p = k // 32, (k // 16) % 2, k % 2
+        g, q = ((k // 8) % 2, (k // 2) % 4) if pairs == 1 else ((k // 2) % 2, (k // 4) % 4)
+        j, t = 4 * b + q, 2 * h + g + 4 * p
+        codes = [(int(w) >> (4 * t)) & 0xF for w in words[:, j].tolist()]
+        assert v_out[:, k].tolist() == [c - r for r, c in enumerate(codes)]
+        assert torch.equal(x_out[:, k], x[:, 8 * j + t])
+    # the one dot a step equals the natural-order sum (float64)
+    natural = torch.tensor([[((int(w) >> (4 * t)) & 0xF) - r for w in row for t in range(8)]
+                            for r, row in enumerate(words.tolist())], dtype=torch.float64)  # [8, 128]
+    assert torch.allclose(x_out.double() @ v_out.double().T, x.double() @ natural.T, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("scheme,group,block_k,match", [
+    ("int8_w8a16", 0, 128, "int4_w4a16 and mxfp4"), ("int4_w4a16", 64, 128, "BLOCK_K must be 128"),
+    ("int4_w4a16", 128, 64, "BLOCK_K must be 128"), ("mxfp4", 32, 256, "BLOCK_K must be 128")])
+def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
+    with pytest.raises(ValueError, match=match):
+        run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
+
+
+def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
+    # a measured "mma" entry for the call's shape: taken with g = 128, the register decode with g = 64 (steps of
+    # 128 columns would straddle two groups); a caller's decode="mma" there is refused (above)
+    from moekit.experts import triton_wo_plan as plan
+
+    for group, want in ((128, "mma"), (64, "register")):
+        x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=2, k=2, hidden=128, n=128, e=4)
+        monkeypatch.setitem(plan.DECODE_MEASURED, ("int4_w4a16", 4, 128, 128), {2: "mma"})
+        args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
+        built = plan.build_wo_plan(x, *args, ids, None, "int4_w4a16", "silu", None, POISON)
+        assert built.decode == want
+
+
+def test_chooser_takes_mma_where_it_won():
+    # Mixtral int4 M=8 (session 26: 343.0 against the register decode's 422.3 µs): M = 3 .. 31 take that entry
+    # (nearest in log2 to 8 of {1, 8} in the 16-row bucket; from 32 the winners table's tile); other shapes unchanged
+    from moekit.experts.triton_wo_plan import choose_decode
+
+    picks = {m: choose_decode("int4_w4a16", m, 8, 14336, 4096, 2) for m in (1, 2, 3, 8, 16, 31, 32)}
+    assert picks == {1: "gemv", 2: "register", 3: "mma", 8: "mma", 16: "mma", 31: "mma", 32: "tile"}
+    assert {choose_decode("int4_w4a16", m, e, n, k, 8) for m in (1, 8) for e, n, k in
+            ((256, 2048, 7168), (128, 768, 2048))} == {"gemv"}
+    assert choose_decode("mxfp4", 8, 8, 14336, 4096, 2) != "mma"
+
+
+def test_inline_ptx_compiles_for_sm90():
+    """The mma kernels with their inline PTX (both schemes, both GEMMs, the default tiles) through Triton's pipeline
+    and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the
+    device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "wo_mma_sass_cpu.py"), "--quick"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
+    ok = done.returncode == 0 and len(lines) == 4 and all(line.startswith("OK") for line in lines)
+    assert ok, done.stdout + done.stderr
