@@ -13,7 +13,7 @@ M; the bench's weights, input sets and uniform routing):
   4. whole calls: the bench's timing helper (``time_stats``: events around passes over the rotated input sets,
      median of passes, ~``--budget-s`` a timing), ``--rounds`` interleaved rounds, each round starting with the next
      variant; per variant median and min, and route vs it: x = variant µs / route µs, the rounds the route won by
-     >= 3% (so "old combine" x > 1 is the new default's gain);
+     >= 3%;
   5. alone: each Gluon GEMM under uniform and balanced routing (no padding), the gate-up GEMM reading x's rows the
      other way, the combine at other program tiles (bit-equal checked);
   6. dense: cuBLAS on the cell's two GEMM shapes (A = M*k rows) without MoE.

@@ -5,12 +5,12 @@ cuBLAS on the same two GEMM shapes with no MoE (what a dense GEMM of that short 
 
 Variants (each checked against the Gluon path's torch twin, and bit for bit where the products and sums keep their
 order):
-- "route": ``run_experts(backend="triton")``, today's default (the combine's program tile ``SUM_TILE``);
+- "route": ``run_experts(backend="triton")``, today's default;
 - "lean": the lean Gluon launch with the plan's tiles: the route's kernels (its spread against the route is noise);
-- "old combine": the same with session 25's combine tile (16 tokens x 256 columns, 4 warps);
 - "fused": the fused Triton kernels (the route below ``GluonChoice``'s thresholds), at Qwen3 4096 only.
-Measured with it and removed (checkpoint 1, raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log): the GEMMs' late store
-(each tile's product kept in registers and stored under the next tile's first two K steps): alone 0.87-0.98x.
+Measured with it and removed (session 26, raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log, ...-b32c0fb-pre6-merged.log):
+the GEMMs' late store (each tile's product kept in registers and stored under the next tile's first two K steps:
+alone 0.87-0.98x), the combine at 32 x 128 as the route's (whole calls >= 3% in at most 4 of 7 rounds on merged main).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def layout_counts(x, ids, num_experts: int) -> dict:
 
 
 def whole_call_variants(w13, w2, plan: Plan, with_fused: bool) -> list[Variant]:
-    """The route; on the Gluon path the lean launch with the plan's tiles ("lean": the route's own kernels, so its
-    spread against the route is the run's noise) and with session 25's combine tile ("old combine", 16 x 256, 4
-    warps), both equal to the route bit for bit; the fused Triton kernels where ``with_fused``."""
+    """The route; on the Gluon path the lean launch with the plan's tiles ("lean": the route's own kernels, equal to
+    it bit for bit, so its spread against the route is the run's noise); the fused Triton kernels where
+    ``with_fused``."""
     from moekit.experts import run_experts
     from moekit.experts.triton import fused_experts
     from moekit.experts.triton_gluon_lean import run_lean
@@ -81,30 +81,18 @@ def whole_call_variants(w13, w2, plan: Plan, with_fused: bool) -> list[Variant]:
     up, down = plan.up, plan.down
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"))]
     if plan.gluon:
-        out += [Variant("lean", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route"),
-                Variant("old combine", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down, combine=OLD_SUM),
-                        "route")]
+        out.append(Variant("lean", lambda x, i, r: run_lean(x, w13, w2, i, r, None, up, down), "route"))
     if with_fused:
         out.append(Variant("fused", lambda x, i, r: fused_experts(x, w13, w2, i, r)))
     return out
 
 
 def sum_tiles():
-    """The combine tiles timed alone: today's default first, session 25's, then neighbours of the default (narrower
-    columns and more tokens a program won in checkpoint 1; 8 warps lost there)."""
+    """The combine tiles timed alone: today's default first, then the ones session 26 timed (8 warps lost)."""
     from moekit.experts.triton_gluon_launch import SUM_TILE, SumTile
 
-    return (SUM_TILE, OLD_SUM, SumTile(64, 64, 4), SumTile(32, 64, 4), SumTile(64, 128, 4), SumTile(16, 128, 4),
-            SumTile(32, 128, 2), SumTile(4, 2048, 8))
-
-
-def _old_sum():
-    from moekit.experts.triton_gluon_launch import SumTile
-
-    return SumTile(16, 256, 4)
-
-
-OLD_SUM = _old_sum()  # session 25's combine tile (the route's until pre6)
+    return (SUM_TILE, SumTile(32, 128, 4), SumTile(16, 128, 4), SumTile(4, 2048, 8), SumTile(64, 64, 4),
+            SumTile(32, 64, 4), SumTile(64, 128, 4), SumTile(32, 128, 2))
 
 
 def combine_inputs(x, ids, rw, num_experts: int) -> tuple:

@@ -270,8 +270,8 @@ class SumTile:
     """The k-slot combine's program (``_kernels/contiguous.contiguous_sum_kernel``): ``block_t`` tokens x ``block_k``
     columns, ``num_warps`` warps. Every tile sums the same slots in the same order: equal outputs bit for bit."""
 
-    block_t: int = 32
-    block_k: int = 128
+    block_t: int = 16
+    block_k: int = 256
     num_warps: int = 4
 
     def __post_init__(self):
@@ -282,10 +282,10 @@ class SumTile:
 
 
 # The combine reads M*k rows of y [R, K] bf16 once (537 MB at Qwen3-30B-A3B M = 16384: near the copy rate), so its
-# tile only sets how many rows a program has in flight. H200 (raw/NVIDIA_H200-2026-12-04-9b15964-pre6-ck1.log, alone,
-# 3 interleaved rounds, bit-equal): 32 tokens x 128 columns against session 25's 16 x 256 (both 4 warps) 1.034x /
-# 1.044x / 1.086x / 1.050x / 1.010x at Qwen3 16384 / 4096, DeepSeek-V3 4096 / 16384, Mixtral 4096 (195 -> 189 µs,
-# 84 -> 81, 165 -> 152, 551 -> 525, 52.7 -> 52.1); every 8-warp tile tried 0.90-0.97x
+# tile only sets how many rows a program has in flight. 32 x 128 (4 warps) was faster alone in session 26's first run
+# (1.01-1.09x at five prefill cells) but not on merged main (raw/NVIDIA_H200-2026-12-04-b32c0fb-pre6-merged.log: alone
+# 1.02x / 1.03x / 1.11x / 1.00x at Qwen3 16384 / 4096, DeepSeek-V3 4096 / 16384, 0.97x / 0.96x at Mixtral 4096 /
+# 16384; whole calls >= 3% in at most 4 of 7 rounds): this tile stays. 8-warp tiles lost in both runs.
 SUM_TILE = SumTile()
 
 

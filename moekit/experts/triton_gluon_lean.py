@@ -36,8 +36,8 @@ from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_prog
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, SumTile, gluon_descriptor,
-    loader_gather_fits, num_sms, wants_loader_gather,
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gluon_descriptor, loader_gather_fits,
+    num_sms, wants_loader_gather,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
@@ -88,27 +88,25 @@ class GluonLeanPlan:
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
 
 
-def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False,
-             combine: SumTile = SUM_TILE) -> tuple:
+def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
     """The kind of a call: shapes, dtypes, device, x's row stride, every pointer's 16-byte alignment (Triton
-    specialises on it), the map's length, the tiles (the combine's too). ``ids``, ``weights``, ``expert_map``:
-    contiguous."""
+    specialises on it), the map's length, the tiles. ``ids``, ``weights``, ``expert_map``: contiguous."""
     return (s13 is not None, x.shape[0], x.shape[1], x.dtype, x.device, x.stride(0), w13.shape, w13.dtype, ids.shape[1],
             ids.dtype, weights.dtype, x.data_ptr() & 15, ids.data_ptr() & 15, weights.data_ptr() & 15,
             None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
             None if s13 is None else (s13.stride(), s2.stride(), s13.data_ptr() & 15, s2.data_ptr() & 15), up, down,
-            in_loader, combine)
+            in_loader)
 
 
 def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
-             in_loader: bool = False, combine: SumTile = SUM_TILE) -> GluonLeanPlan:
+             in_loader: bool = False) -> GluonLeanPlan:
     """The cached plan of this call's kind (fp8 when the weight scales ``s13``, ``s2`` are given; ``in_loader``:
-    bf16 with the gather in the gate-up GEMM's loader; ``combine``: the k-slot combine's program tile)."""
-    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, combine)
+    bf16 with the gather in the gate-up GEMM's loader)."""
+    key = plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     plan = _PLANS.get(key)
     if plan is None:
         plan = build_plan(x, w13, w2, ids, expert_map, up, down, fp8=s13 is not None, s13=s13, s2=s2,
-                          in_loader=in_loader, combine=combine)
+                          in_loader=in_loader)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)), None)
         _PLANS[key] = plan
@@ -116,7 +114,7 @@ def plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None,
 
 
 def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=None,
-               in_loader: bool = False, combine: SumTile = SUM_TILE) -> GluonLeanPlan:
+               in_loader: bool = False) -> GluonLeanPlan:
     """The launches of one kind of call (``up`` / ``down``: ``GluonTile`` or ``Fp8GluonTile``; ``in_loader``: bf16,
     no gather launch, no x_perm: the gate-up GEMM's loader copies x's rows,
     ``triton_gluon_launch.loader_gather_fits``)."""
@@ -144,10 +142,10 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
             else _bf16_part(x, sizes, up, down, grid, launch, in_loader))
     num_global = 0 if expert_map is None else expert_map.numel()
     combine = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").contiguous_sum_kernel,
-                          (cdiv(num_tokens, combine.block_t), cdiv(hidden, combine.block_k)), 6,
+                          (cdiv(num_tokens, SUM_TILE.block_t), cdiv(hidden, SUM_TILE.block_k)), 6,
                           (num_tokens, hidden, hidden, hidden, num_experts, num_global), TOP_K=top_k,
-                          BLOCK_T=combine.block_t, BLOCK_K=combine.block_k, FROM_IDS=True,
-                          HAS_MAP=expert_map is not None, num_warps=combine.num_warps, **launch)
+                          BLOCK_T=SUM_TILE.block_t, BLOCK_K=SUM_TILE.block_k, FROM_IDS=True,
+                          HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
@@ -294,19 +292,18 @@ def run_fast_gluon(x, w13, w2, topk_ids, topk_weights, fast_key: tuple) -> torch
 def run_lean(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              expert_map: torch.Tensor | None, up, down, s13: torch.Tensor | None = None,
              s2: torch.Tensor | None = None, fast_key: tuple | None = None,
-             in_loader: bool | None = None, combine: SumTile = SUM_TILE) -> torch.Tensor:
+             in_loader: bool | None = None) -> torch.Tensor:
     """out [M, K] of a call on the Gluon path, its arguments checked by the caller: bf16 with w13 [E, 2N, K], w2
     [E, K, N]; fp8 with their e4m3 ``q`` tensors and float32 scales ``s13``, ``s2``. ``up`` / ``down``: the tiles.
     ``fast_key`` (no map): a call that launches from its sequence is kept for ``run_fast_gluon``. ``in_loader``
-    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it).
-    ``combine``: the k-slot combine's program tile (``SUM_TILE``, the default)."""
+    (bf16): the gather in the gate-up GEMM's loader; None: ``wants_loader_gather`` (the default, where x fits it)."""
     stamp = fast_stamp(_WORKSPACES)  # before the pool lookup: a new buffer from here on makes a kept entry stale
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     if in_loader is None:
         in_loader = s13 is None and wants_loader_gather(x, w2.shape[-1])
-    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader, combine)
+    plan = plan_for(x, w13, w2, ids, weights, expert_map, up, down, s13, s2, in_loader)
     out = torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)  # [M, K]
     pair = _DESCRIPTORS.get(w13, w2, plan.weight_key, weight_pair)
     spec = plan.workspace
