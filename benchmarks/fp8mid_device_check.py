@@ -34,7 +34,9 @@ if SMOKE:
 import torch  # noqa: E402
 
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
-from decode_q3_device_check import Cell, Row, floor_us, make_weights, measure_copy, print_cell, reference, rel_l2  # noqa: E402
+from decode_q3_device_check import (  # noqa: E402
+    Cell, Row, floor_us, make_weights, measure_copy, print_cell, reference, rel_l2,
+)
 from fp8mid_variants import CELLS, SHORT_CELLS, SMOKE_CELLS, run_variant, variants  # noqa: E402
 
 T0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """What ``fp8mid_device_check.py`` measures (issue #15, fp8_block at 8 <= M <= 1024): the cells and, per cell, the
 tuned default against the persistent fp8 GEMMs (``triton_fp8_persistent.Persistent``: programs per SM of gate-up /
-down, the tile and K loops flattened or not) and config variants of the tuned entry; and how one variant is called.
+down) and config variants of the tuned entry; and how one variant is called.
 
 Run 1 (cb26041, raw/NVIDIA_H200-2026-12-04-cb26041-fp8mid-ck1.*; graph µs x the one-tile default, rounds >= 3% faster
 of 5): Qwen3 M = 512 both persistent 0.945 (5), down only 0.965 (4), gate-up only 0.977 (1); M = 1024 down only 0.968
@@ -8,6 +8,11 @@ of 5): Qwen3 M = 512 both persistent 0.945 (5), down only 0.965 (4), gate-up onl
 tiles) gate-up persistent 1.09-1.32 (two an SM 1.012 / 1.090), down only 1.010 / 0.999; DeepSeek-V3 M = 64 / 1024
 both 1.028 / 1.024. Taken (the tuned file): entry 1024 the persistent down GEMM, a new entry 512 (entry 1024's tiles)
 both; a new entry 256 (entry 64's tiles) keeps M = 256 where it was. Every variant bit-equal to the default.
+
+Run 2 (merged main b32c0fb, raw/NVIDIA_H200-2026-12-04-b32c0fb-fp8mid-merged.*): the new defaults against "one tile"
+x1.034 (M = 1024), x1.051 (512), x1.036 (2048), each 5 of 5 rounds >= 3%; M = 256 unchanged (entry 1024's tiles
+1.040, with both persistent 0.996); down 3 stages 0.995 / 1.000, down 8 warps 1.214. The M = 8 SWAP_AB variants
+(0.981 in run 1) and the flattening switch (unflattened 1.02-1.04 slower) are gone.
 """
 
 from __future__ import annotations
@@ -27,13 +32,12 @@ SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
 @dataclass(frozen=True)
 class Variant:
-    """The tuned entry's config with ``block_m`` / ``swap_ab`` set (None: kept) and fields of ``up`` / ``down``
+    """The tuned entry's config with ``block_m`` set (None: kept) and fields of ``up`` / ``down``
     (``GemmTile``'s names) replaced, run with ``persistent`` GEMMs (None: one program a tile)."""
 
     name: str
     persistent: Persistent | None = None
     block_m: int | None = None
-    swap_ab: bool | None = None
     up: dict = field(default_factory=dict)
     down: dict = field(default_factory=dict)
 
@@ -46,7 +50,7 @@ class Variant:
         width, stages and GROUP_M keep every row's sums in their order; row height, BLOCK_K, warps and SWAP_AB
         may not (another MMA form), and an fp8 gate-up tile narrower than a scale group writes h in float32."""
         same_order = {"num_stages", "GROUP_M"}
-        return (self.swap_ab is None and self.block_m is None and set(self.up) <= same_order
+        return (self.block_m is None and set(self.up) <= same_order
                 and set(self.down) <= same_order | {"BLOCK_N"})
 
     @property
@@ -54,9 +58,7 @@ class Variant:
         return self.name == "default"
 
     def config(self, base):
-        config = base if self.swap_ab is None else replace(base, swap_ab=self.swap_ab)
-        if self.block_m is not None:
-            config = replace(config, BLOCK_M=self.block_m)
+        config = base if self.block_m is None else replace(base, BLOCK_M=self.block_m)
         return replace(config, up=replace(config.up, **self.up), down=replace(config.down, **self.down))
 
 

@@ -3,6 +3,14 @@ of a few programs per SM that loop over the block-aligned layout's tiles, for th
 (issue #15) where ``gemm_fp8``'s one-tile programs pay a fixed cost each (session 25's breakdown: the same tiles
 stream at 92% of the copy rate on DeepSeek-V3's 1.8 MB programs, 58-79% on Qwen3's 96-512 KB ones).
 
+Where the tuned file takes them (H200, Qwen3-30B-A3B fp8, CUDA-graph µs, persistent default / one program a tile,
+5 of 5 rounds >= 3% faster, merged run raw/NVIDIA_H200-2026-12-04-b32c0fb-fp8mid-merged.*): M = 512 both GEMMs 201.3
+/ 211.6; M = 1024 the down GEMM 242.9 / 251.1 (both: 251.5); M = 2048 (entry 1024) 384.0 / 397.7. Not taken: the
+16-row tiles of M <= 256 (gate-up persistent 1.09-1.32x slower: their one-tile programs run two an SM, balanced by
+the hardware; down 1.00-1.01x), DeepSeek-V3 (1.02-1.03x slower: 56 K-steps a tile already stream at ~100% of copy),
+the loops not flattened (1.02-1.04x slower than flattened), a down GEMM at one program an SM (1.12x) or on 8 warps
+(1.21x); 3 down stages within 0.5%. ``benchmarks/triton-notes.md`` ("persistent fp8 GEMMs") has the tables.
+
 Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, G the scale group (BLOCK_K).
 """
 
@@ -22,20 +30,16 @@ INTERPRETER_SMS = 2  # "SMs" under the CPU interpreter: few programs, so each lo
 @dataclass(frozen=True)
 class Persistent:
     """Programs per SM of the persistent gate-up and down GEMMs (0: that GEMM keeps one program a tile; both 0:
-    ``OFF``), and FLATTEN: the tile loop and the K loop pipelined as one (``tl.range(flatten=True)``). A tuned
-    fp8 entry names it as "persistent": {"up_per_sm": .., "down_per_sm": .., "flatten": ..} (``from_dict``)."""
+    ``OFF``). A tuned fp8 entry names it as "persistent": {"up_per_sm": .., "down_per_sm": ..} (``from_dict``)."""
 
     up_per_sm: int = 1
     down_per_sm: int = 2
-    flatten: bool = True
 
     def __post_init__(self):
         for name in ("up_per_sm", "down_per_sm"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 8:
                 raise ValueError(f"Persistent.{name} must be an int in [0, 8] (programs per SM), got {value!r}")
-        if not isinstance(self.flatten, bool):
-            raise ValueError(f"Persistent.flatten must be a bool, got {self.flatten!r}")
 
     @property
     def on(self) -> bool:
@@ -43,8 +47,8 @@ class Persistent:
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "Persistent":
-        if not isinstance(d, dict) or set(d) - {"up_per_sm", "down_per_sm", "flatten"}:
-            raise ValueError(f"{where}: 'persistent' must be an object with up_per_sm, down_per_sm, flatten; got {d!r}")
+        if not isinstance(d, dict) or set(d) - {"up_per_sm", "down_per_sm"}:
+            raise ValueError(f"{where}: 'persistent' must be an object with up_per_sm, down_per_sm; got {d!r}")
         return cls(**d)
 
 
@@ -58,13 +62,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def choose_persistent(asked: Persistent | None, from_entry: Persistent | None, folded_or_naive: bool, h_fp32: bool,
-                      x_raw: bool) -> Persistent | None:
+                      x_raw: bool, swap_ab: bool) -> Persistent | None:
     """The persistent GEMMs a plan runs (None: one program a tile): the caller's (``asked``; refused by name where
     the plan cannot take them), else the tuned entry's where it can. They need the block-aligned layout with its own
-    launch, whole scale groups per gate-up tile, x quantized by its own kernel."""
+    launch, whole scale groups per gate-up tile, x quantized by its own kernel, no SWAP_AB."""
     refused = ("the alignment folded into gate-up or the tiny-batch shortcut (no layout launch)" if folded_or_naive
                else "a gate-up tile narrower than a scale group (h float32)" if h_fp32
-               else "x quantized inside gate-up" if x_raw else None)
+               else "x quantized inside gate-up" if x_raw else "swap_ab" if swap_ab else None)
     if asked is not None and asked.on and refused:
         raise ValueError(f"persistent fp8 GEMMs do not take {refused}")
     chosen = asked if asked is not None else None if refused else from_entry
@@ -98,10 +102,10 @@ def down_persistent_launch(w2_q, w2_scale, num_assignments: int, config: KernelC
         num_stages=down.num_stages, **shared)
 
 
-def persistent_constexprs(shared: dict, flatten: bool, gate_up: bool) -> dict:
+def persistent_constexprs(shared: dict, gate_up: bool) -> dict:
     """The plan's shared constexprs and options, less what the persistent kernels do not take."""
-    drop = {"NAIVE", "H_FP32", "AHEAD", "X_RAW"} | ({"EMULATE"} if not gate_up else set())
-    return {k: v for k, v in shared.items() if k not in drop} | {"FLATTEN": flatten}
+    drop = {"NAIVE", "H_FP32", "AHEAD", "X_RAW", "SWAP_AB"} | ({"EMULATE"} if not gate_up else set())
+    return {k: v for k, v in shared.items() if k not in drop}
 
 
 def persistent_gemms(persistent: Persistent, launches: tuple, w13_q, w13_scale, w2_q, w2_scale, num_assignments: int,
@@ -112,11 +116,11 @@ def persistent_gemms(persistent: Persistent, launches: tuple, w13_q, w13_scale, 
     gate_up, down, down_sum = launches
     if persistent.up_per_sm:
         gate_up = gate_up_persistent_launch(w13_q, w13_scale, num_assignments, top_k, config, num_pid_m,
-                                            persistent_constexprs(up_shared, persistent.flatten, True),
+                                            persistent_constexprs(up_shared, True),
                                             persistent.up_per_sm, device)
     if persistent.down_per_sm:
         down = down_persistent_launch(w2_q, w2_scale, num_assignments, config, num_pid_m,
-                                      persistent_constexprs(down_shared, persistent.flatten, False),
+                                      persistent_constexprs(down_shared, False),
                                       persistent.down_per_sm, device)
         down_sum = None
     return gate_up, down, down_sum

@@ -258,7 +258,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
-    persistent = choose_persistent(persistent, entry.persistent, align is None or align.folded, h_fp32, x_raw)
+    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
