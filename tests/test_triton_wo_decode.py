@@ -163,7 +163,7 @@ def test_gemv_on_the_aligned_layout_only_at_or_below_where_measured():
     assert choose_decode("int4_w4a16", 8, *qwen3) == "gemv"  # A = 64, 4A > E: aligned, measured faster
     assert choose_decode("int4_w4a16", 6, *qwen3, shortcut=False) == "gemv"  # below the measured M
     assert choose_decode("int4_w4a16", 16, *qwen3) == "register"  # nearest measured M = 8, but above it
-    assert choose_decode("int4_w4a16", 64, *qwen3) == "register"
+    assert choose_decode("int4_w4a16", 64, *qwen3) == "mma"  # its own measured entry (session 26)
 
 
 @pytest.mark.parametrize("decode,gate_up,down", [("tile", "gate_up_wo_kernel", "down_wo_kernel"),
