@@ -62,17 +62,25 @@ EXPLORE = {("deepseek-v3", "int4_w4a16", 64): ("mma", "m64"), ("qwen3-30b-a3b", 
            ("deepseek-v3", "int4_w4a16", 1): ("ms2", "ms4", "m64s2"),
            ("qwen3-30b-a3b", "int4_w4a16", 1): ("ms2", "ms4", "m64s2")}
 EXPLORE_CELLS = tuple(EXPLORE)
+# --confirm (after the merged run): the defaults it suggested (int4 M=64, mxfp4 Mixtral M=8), a wider M of one of
+# them, and Mixtral int4 M=8's eager host time again, "pick" against "prev" with eager times
+CONFIRM_CELLS = (("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 64), ("mixtral-8x7b", "mxfp4", 8),
+                 ("deepseek-v3", "int4_w4a16", 256), ("mixtral-8x7b", "int4_w4a16", 8))
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev")
-PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS}
+PREVIOUS: dict[tuple, str] = {cell: "register" for cell in MERGED_CELLS + CONFIRM_CELLS}
+PREVIOUS[("mixtral-8x7b", "mxfp4", 8)] = "tile"
 GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16", 1): "gemv",
          ("deepseek-v3", "int4_w4a16", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 8): "mma",
          ("qwen3-30b-a3b", "int4_w4a16", 8): "gemv", ("deepseek-v3", "mxfp4", 1): "gemv",
          ("deepseek-v3", "mxfp4", 8): "gemv", ("mixtral-8x7b", "int4_w4a16", 32): "tile",
-         ("mixtral-8x7b", "int4_w4a16", 1): "gemv"}
+         ("mixtral-8x7b", "int4_w4a16", 1): "gemv", ("deepseek-v3", "int4_w4a16", 64): "mma",
+         ("qwen3-30b-a3b", "int4_w4a16", 64): "mma", ("mixtral-8x7b", "mxfp4", 8): "mma",
+         ("deepseek-v3", "int4_w4a16", 16): "register", ("mixtral-8x7b", "mxfp4", 1): "register",
+         ("deepseek-v3", "mxfp4", 64): "register", ("qwen3-30b-a3b", "mxfp4", 64): "register"}
 MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs; name + "s2": split
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
-MERGED = False  # --merged
+MERGED = False  # --merged or --confirm
 TOL = 1e-2
 WIN = 0.97
 START = time.perf_counter()
@@ -257,11 +265,18 @@ def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
                    "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
 
 
+def run_cells(args) -> tuple:
+    """The (preset, scheme, M) cells of this run's mode."""
+    if args.smoke:
+        return CELLS[:2]
+    return CONFIRM_CELLS if args.confirm else MERGED_CELLS + EXPLORE_CELLS if args.merged else CELLS
+
+
 def child(index: int, args) -> int:
     """One cell in this process; its JSON to <out>/wo_mma-<index>.json."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bw = copy_tbps(dev)
-    preset, scheme, m = (MERGED_CELLS + EXPLORE_CELLS if MERGED else CELLS)[index]
+    preset, scheme, m = run_cells(args)[index]
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
     dump(args.out, f"wo_mma-{index}.json", [cell], bw)
@@ -277,9 +292,10 @@ def main(argv=None) -> int:
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
     p.add_argument("--merged", action="store_true", help="the merged-main check: MERGED_CELLS, pick against prev, "
                    "eager times, the GUARD picks")
+    p.add_argument("--confirm", action="store_true", help="CONFIRM_CELLS, pick against prev, eager times, GUARD")
     args = p.parse_args(argv)
     global EAGER, MERGED
-    EAGER, MERGED = args.eager or args.merged, args.merged
+    EAGER, MERGED = args.eager or args.merged or args.confirm, args.merged or args.confirm
     if args.cell is not None:
         return child(args.cell, args)
     if MERGED:
@@ -291,15 +307,15 @@ def main(argv=None) -> int:
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else MERGED_CELLS + EXPLORE_CELLS if MERGED
-                                            else CELLS):
+    for i, (preset, scheme, m) in enumerate(run_cells(args)):
         left = args.deadline - (time.perf_counter() - START)
-        if left < 20:
+        if left < (12 if args.confirm else 20):  # a cell takes ~10-14 s (the confirm's are all medium-sized)
             skipped.append(f"{preset} {scheme} M={m}")
             continue
         cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
         try:
-            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged
+            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged + \
+                ["--confirm"] * args.confirm
             rc = subprocess.run(cmd + flags, timeout=left).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"

@@ -61,8 +61,11 @@ SPLIT_MEASURED = {(128, 768, 2048, 8): {("int4_w4a16", 1): ("gemv", 22.5), ("int
 # the gemv with the x tile (session 21, benchmarks/wo_ahead_device_check.py run 2 at 470c186; gemv_half 28.8 there)
 XTILE_MEASURED = {(128, 768, 2048, 8): {("mxfp4", 1): ("gemv", 25.9)}}
 # the word MMA decode (session 26, benchmarks/wo_mma_device_check.py at 8bac90b, graph µs; the same run's pick, the
-# swapped register decode, 422.3; it lost every other cell of that run: DeepSeek-V3 / Qwen3 int4 M=1, 8, mxfp4 M=1, 8)
-MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0)}}
+# swapped register decode, 422.3; it lost every other cell of that run: DeepSeek-V3 / Qwen3 int4 M=1, 8, mxfp4 M=1, 8;
+# on merged main b32c0fb: int4 M=64 against register 2742.0 / 196.7, mxfp4 Mixtral M=8 against tile 589.6)
+MMA_MEASURED = {(8, 14336, 4096, 2): {("int4_w4a16", 8): ("mma", 343.0), ("mxfp4", 8): ("mma", 562.0)},
+                (256, 2048, 7168, 8): {("int4_w4a16", 64): ("mma", 2309.5)},  # merged main b32c0fb
+                (128, 768, 2048, 8): {("int4_w4a16", 64): ("mma", 162.5)}}
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +163,7 @@ def test_gemv_on_the_aligned_layout_only_at_or_below_where_measured():
     assert choose_decode("int4_w4a16", 8, *qwen3) == "gemv"  # A = 64, 4A > E: aligned, measured faster
     assert choose_decode("int4_w4a16", 6, *qwen3, shortcut=False) == "gemv"  # below the measured M
     assert choose_decode("int4_w4a16", 16, *qwen3) == "register"  # nearest measured M = 8, but above it
-    assert choose_decode("int4_w4a16", 64, *qwen3) == "register"
+    assert choose_decode("int4_w4a16", 64, *qwen3) == "mma"  # its own measured entry (session 26)
 
 
 @pytest.mark.parametrize("decode,gate_up,down", [("tile", "gate_up_wo_kernel", "down_wo_kernel"),

@@ -92,7 +92,7 @@ def test_shipped_row_mixtral_int4_takes_the_64_row_tile_at_64():
     assert choose_decode("int4_w4a16", 64, *mixtral, 2) == "tile"  # 3e6e2c6: 64-row tile 824 µs, 32-row 1032
     assert wo_config(64, *mixtral, 2, "int4_w4a16", "nowhere").BLOCK_M == 64
     assert wo_config(64, *mixtral, 2, "mxfp4", "nowhere").BLOCK_M == 32  # mxfp4: within the noise, not taken
-    assert choose_decode("int4_w4a16", 8, *mixtral, 2) == "register"  # below the row's factor 2
+    assert choose_decode("int4_w4a16", 8, *mixtral, 2) == "mma"  # below the row's factor 2 (session 26: mma at 8)
 
 
 def test_shipped_row_qwen3_int8_takes_the_fused_tile_at_4096():

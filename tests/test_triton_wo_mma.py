@@ -146,7 +146,15 @@ def test_chooser_takes_mma_where_it_won():
     assert picks == {1: "gemv", 2: "register", 3: "mma", 8: "mma", 16: "mma", 31: "mma", 32: "tile"}
     assert {choose_decode("int4_w4a16", m, e, n, k, 8) for m in (1, 8) for e, n, k in
             ((256, 2048, 7168), (128, 768, 2048))} == {"gemv"}
-    assert choose_decode("mxfp4", 8, 8, 14336, 4096, 2) != "mma"
+    # int4 M=64 (DeepSeek-V3 2309.5 against 2742.0, Qwen3 162.5 against 196.7 µs) and Mixtral mxfp4 M=8 (562.0
+    # against the tile decode's 589.6), merged main b32c0fb
+    assert {m: choose_decode("int4_w4a16", m, 256, 2048, 7168, 8) for m in (22, 23, 64, 511, 512)} == {
+        22: "register", 23: "mma", 64: "mma", 511: "mma", 512: "tile"}
+    assert {m: choose_decode("int4_w4a16", m, 128, 768, 2048, 8) for m in (23, 64, 255, 256)} == {
+        23: "mma", 64: "mma", 255: "mma", 256: "tile"}
+    assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (2, 3, 8, 63)} == {
+        2: "register", 3: "mma", 8: "mma", 63: "mma"}
+    assert {choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 8, 64)} == {"gemv", "register"}
 
 
 def test_inline_ptx_compiles_for_sm90():

@@ -97,14 +97,17 @@ DECODE_RULE = {("int4_w4a16", 16): "register"}
 # 21 (branch wo4, wo_ahead_device_check run 2): Qwen3 mxfp4 M=1 the gemv with the x tile 25.9 against gemv_half 28.8.
 # Session 26 (branch w6, wo_mma_device_check at 8bac90b, graph µs, 5 rounds): the word MMA decode won Mixtral int4
 # M=8 343.0 against the swapped register decode 422.3 (5/5; M=3..31 take it); it lost DeepSeek-V3 M=1 / 8, Qwen3
-# M=1 / 8 and both mxfp4 cells (127-1124 against 99-1013).
+# M=1 / 8 and both mxfp4 cells (127-1124 against 99-1013). Merged main b32c0fb (--merged): Mixtral int4 M=8 / 16 / 4
+# 340.5 / 405.2 / 289.7 against the register decode's 422.6 / 459.9 / 352.8 (5/5 each); and, taken then (M=64
+# entries: DeepSeek-V3 M=23..511, Qwen3 M=23..255; Mixtral mxfp4 M=3..63), int4 M=64 DeepSeek-V3 2309.5 against
+# register 2742.0, Qwen3 162.5 against 196.7, mxfp4 Mixtral M=8 562.0 against tile 589.6 (5/5 each).
 DECODE_MEASURED: dict[tuple, dict[int, str]] = {
-    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "register"},  # Qwen3-30B-A3B
-    ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
+    ("int4_w4a16", 128, 768, 2048): {1: "gemv", 8: "gemv", 64: "mma"},  # Qwen3-30B-A3B
+    ("int4_w4a16", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "mma"},  # DeepSeek-V3
     ("int4_w4a16", 8, 14336, 4096): {1: "gemv", 8: "mma"},  # Mixtral-8x7B
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
-    ("mxfp4", 8, 14336, 4096): {1: "register", 8: "tile"},  # Mixtral-8x7B
+    ("mxfp4", 8, 14336, 4096): {1: "register", 8: "mma"},  # Mixtral-8x7B
 }
 
 
