@@ -250,6 +250,14 @@ def span(tile: GemmTile, scheme: str, group_size: int) -> int:
     return min(tile.BLOCK_K, group_size)
 
 
+def _check_config(config: KernelConfig, decode: str, scheme: str, w13: WeightArgs, w2: WeightArgs) -> None:
+    """Refuse a config the chosen decode cannot run."""
+    if config.swap_ab and decode != "register":
+        raise ValueError(f"config.swap_ab is for the register decode (``gemm_wo_reg``), not decode {decode!r}")
+    if decode == "mma":
+        check_mma(config, scheme, w13, w2)
+
+
 def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: str, activation: str,
                   config: KernelConfig | None, options: LaunchOptions, split_k: int | None = None,
                   decode: str | None = None) -> WoPlan:
@@ -262,10 +270,7 @@ def build_wo_plan(x, w13: WeightArgs, w2: WeightArgs, ids, expert_map, scheme: s
     decode = _usable_decode(decode, w13, w2, scheme, num_tokens, num_experts, n, hidden, top_k, shortcut)
     if config is None:
         config = wo_config(num_tokens, num_experts, n, hidden, top_k, scheme, device_key(x.device), decode)
-    if config.swap_ab and decode != "register":
-        raise ValueError(f"config.swap_ab is for the register decode (``gemm_wo_reg``), not decode {decode!r}")
-    if decode == "mma":
-        check_mma(config, scheme, w13, w2)
+    _check_config(config, decode, scheme, w13, w2)
     if not interpreting() and decode not in WORD_DECODES and decode != "mma":  # mma: BLOCK_K fixed, small
         config = fit_wo_shared_memory(config, scheme, x.element_size(), max_shared_memory(x.device))
     if split_k is None and isinstance(config, WordConfig) and config.down_split > 0:
