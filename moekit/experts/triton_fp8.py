@@ -179,8 +179,8 @@ def fused_experts_fp8_launch(
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
     TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
-    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``: ``plan_for``'s. Whatever the choices, the result is
-    the same."""
+    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``: ``plan_for``'s. Whatever the choices, the
+    result is the same."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
