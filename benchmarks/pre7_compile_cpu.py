@@ -4,7 +4,7 @@ ptxas's spills and wgmma serialization, and the global loads the tile walk adds.
 
     PYTHONPATH=$PWD python benchmarks/pre7_compile_cpu.py        (PYTHONPATH=/tmp/x-site:$PWD for another Triton)
 
-One line per kernel (TMA gate-up, down, in-loader-gather gate-up) and order: seconds, SMEM bytes, setmaxnreg, spill
+One line per kernel (TMA gate-up, down, in-loader-gather gate-up, down with the 64-row tail) and order: seconds, SMEM bytes, setmaxnreg, spill
 bytes, wgmma serialized, ld.global count in the PTX. Exit 1 when one fails to compile.
 """
 
@@ -79,17 +79,35 @@ def gather(tile) -> str:
     return _compile(gather_gate_up_kernel, args, const, aligned)
 
 
+def tail(tile) -> str:
+    from gluon_fp8_compile_cpu import _descriptor
+
+    from moekit.experts._kernels.gluon_gemm_tail import tail_down_kernel
+    from moekit.experts.triton_gluon_launch import BLOCK_M, NUM_WARPS
+
+    bf16, int32 = torch.bfloat16, torch.empty(1, dtype=torch.int32)
+    args = dict(a_desc=_descriptor([T, N], [BLOCK_M, tile.block_k], bf16),
+                t_desc=_descriptor([T, N], [tile.tail, tile.block_k], bf16),
+                w_desc=_descriptor([E * K, N], [tile.block_n, tile.block_k], bf16),
+                c_desc=_descriptor([T, K], [BLOCK_M, tile.block_n], bf16),
+                ct_desc=_descriptor([T, K], [tile.tail, tile.block_n], bf16), experts_ptr=int32, sorted_ptr=int32,
+                used_ptr=int32, offsets_ptr=int32, num_assignments=T, reduce_dim=N, num_col_blocks=K // tile.block_n)
+    const = dict(W_ROWS=K, STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order,
+                 num_warps=NUM_WARPS)
+    return _compile(tail_down_kernel, args, const, ("experts_ptr", "sorted_ptr", "used_ptr", "offsets_ptr"))
+
+
 def main() -> int:
     import triton
 
-    from moekit.experts.triton_gluon_launch import DOWN_TILE, UP_TILE
+    from moekit.experts.triton_gluon_launch import DOWN_TILE, UP_TILE, with_tail
 
     print(f"triton {triton.__version__}", flush=True)
     failed = 0
     for order in (False, True):
         up, down = replace(UP_TILE, expert_order=order), replace(DOWN_TILE, expert_order=order)
         for label, build in (("gate-up TMA", lambda: plain(up, True)), ("down", lambda: plain(down, False)),
-                             ("gate-up gather", lambda: gather(up))):
+                             ("gate-up gather", lambda: gather(up)), ("down tail", lambda: tail(with_tail(down)))):
             try:
                 print(f"OK {label} expert_order={order}: {build()}", flush=True)
             except Exception as exc:  # noqa: BLE001 (the error, not a traceback through the compiler)

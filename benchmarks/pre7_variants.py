@@ -7,8 +7,8 @@ Variants (each checked against the Gluon path's torch twin, and bit for bit agai
 which program computes a tile, not its arithmetic):
 - "route": ``run_experts(backend="triton")``, today's default;
 - "up expert": the lean launch with the gate-up GEMM in the expert order, the route's down tile;
-- "both expert": both GEMMs in the expert order (experts wider than ``NARROW_INTER`` and no tail: the narrow down
-  GEMM walks its row blocks in plain order, 1.2x faster than GROUP_M 8 there, and the tail kernel has no such order).
+- "both expert": both GEMMs in the expert order, the tail kernel's too where the route takes it (experts wider than
+  ``NARROW_INTER``: the narrow down GEMM walks its row blocks in plain order, 1.2x faster than GROUP_M 8 there).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ def expert(tile):
     return replace(tile, expert_order=True, group_m=EXPERT_GROUP)
 
 
-def orders_down(plan: Plan, inter: int) -> bool:
-    """Whether the down GEMM is timed in the expert order too (wide experts, no tail)."""
+def orders_down(inter: int) -> bool:
+    """Whether the down GEMM is timed in the expert order too (wide experts)."""
     from moekit.experts.triton_gluon_launch import NARROW_INTER
 
-    return inter > NARROW_INTER and not plan.down.tail
+    return inter > NARROW_INTER
 
 
 def whole_call_variants(w13, w2, plan: Plan) -> list[Variant]:
@@ -41,7 +41,7 @@ def whole_call_variants(w13, w2, plan: Plan) -> list[Variant]:
     if not plan.gluon:
         return out
     out.append(Variant("up expert", lambda x, i, r: run_lean(x, w13, w2, i, r, None, expert(up), down), "route"))
-    if orders_down(plan, w2.shape[2]):
+    if orders_down(w2.shape[2]):
         out.append(Variant("both expert", lambda x, i, r: run_lean(x, w13, w2, i, r, None, expert(up), expert(down)),
                            "route"))
     return out
@@ -63,6 +63,6 @@ def gemms_alone(x, ids, bal_ids, w13, w2, plan: Plan) -> dict[str, Callable]:
         ordered.up()
         fns[f"up{label}"], fns[f"up expert{label}"] = base.up, ordered.up
         fns[f"down{label}"] = base.down
-        if orders_down(replace(plan, down=down), w2.shape[2]):
+        if orders_down(w2.shape[2]):
             fns[f"down expert{label}"] = ordered.down
     return fns

@@ -107,12 +107,13 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
-              **_):
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
+              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
     """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
     own tiles write nothing."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, tail = c.shape[1], t_desc.block_shape[0]
+    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
     for block, fold in enumerate(folds):
         if block and folds[block - 1]:

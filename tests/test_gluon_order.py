@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moekit.experts.triton_gluon_launch import UP_TILE, GluonTile, down_tile
+from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, with_tail
 from moekit.experts.triton_gluon_order import segment_offsets, tile_order
 
 from _gluon_fakes import fake_gemms  # noqa: F401  (fixture)
@@ -81,11 +81,6 @@ def test_segment_offsets_are_the_padded_running_sum():
     assert got.dtype == torch.int32 and got.tolist() == want
 
 
-def test_expert_order_takes_no_tail():
-    with pytest.raises(ValueError, match="expert_order"):
-        GluonTile(tail=64, expert_order=True)
-
-
 # M = 100, k = 4: A = 400 assignments past the alignment's two-launch limit lowered to 256, so its plan writes the
 # segments' offsets (hist + scan, scatter); M = 40, k = 2 (one launch, no offsets): the expert order is refused
 def test_lean_expert_order_equals_the_default_tiles(fake_gemms, monkeypatch):
@@ -99,11 +94,13 @@ def test_lean_expert_order_equals_the_default_tiles(fake_gemms, monkeypatch):
     x, w13, w2, ids, weights = _bf16_problem(100, 4)
     up, down = replace(UP_TILE, expert_order=True, group_m=2), replace(down_tile(128), expert_order=True)
     plain = experts_gluon(x, w13, w2, ids, weights, lean=False)
-    for in_loader in (True, False):
-        fake_gemms["bf16"].log.clear()
+    for in_loader, down in ((True, down), (False, down), (False, with_tail(down))):  # the tail kernel's walk too
+        for fake in fake_gemms.values():
+            fake.log.clear()
         out = triton_gluon_lean.run_lean(x, w13, w2, ids, weights, None, up, down, in_loader=in_loader)
         assert torch.equal(out, plain)
-        assert all(bound["EXPERT_ORDER"] for _, bound, _ in fake_gemms["bf16"].log)
+        logs = [entry for fake in fake_gemms.values() for entry in fake.log]
+        assert len(logs) == 2 and all(bound["EXPERT_ORDER"] for _, bound, _ in logs)
     assert rel_l2(plain, _f64(x, w13, w2, ids, weights)) < 1e-2
     x, w13, w2, ids, weights = _bf16_problem(40, 2)
     with pytest.raises(ValueError, match="segment offsets"):

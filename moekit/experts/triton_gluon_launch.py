@@ -39,7 +39,7 @@ class GluonTile:
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
     (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
-    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones; not with a tail. (64-row tiles
+    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. (64-row tiles
     and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
@@ -56,8 +56,6 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if self.tail and self.expert_order:
-            raise ValueError(f"tail={self.tail} with expert_order: the tail kernel walks the GROUP_M order only")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -217,7 +215,7 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
 
         if sorted_ids is None or gated:
             raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
-        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
+        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, offsets)
         return
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])

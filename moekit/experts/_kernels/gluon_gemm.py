@@ -57,7 +57,7 @@ def _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_
     GROUP_M, and ends at the next such start or e's last block."""
     if EXPERT_ORDER:
         rb0 = t // num_col_blocks
-        expert = gl.load(experts_ptr + rb0)
+        expert = gl.maximum(gl.load(experts_ptr + rb0), 0)  # (-1 past the rows in use: a caller's clamped t)
         first = gl.load(offsets_ptr + expert) // BLOCK_M
         end = gl.load(offsets_ptr + expert + 1) // BLOCK_M
         start = first + (rb0 - first) // GROUP_M * GROUP_M
