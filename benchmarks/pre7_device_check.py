@@ -105,7 +105,7 @@ def summarize(name: str, cell: dict) -> None:
                               f"variant vs route {p6.versus(t, rounds['route'])}")
     al = cell.get("alone_us", {})
     for n, t in al.items():
-        base = n.replace(" expert", "")
+        base = n.replace(" expert", "").replace(" in-loader", "")
         share = 2 / 3 if n.startswith("up") else 1 / 3
         pct = 100 * share * cell["flops"] / (statistics.median(t) * 1e-6) / 1e12 / cell["mm_TFLOPs"]
         p6.SUMMARY.append(f"  alone {n:22s} {statistics.median(t):8.1f} us {pct:5.1f}% mm  vs {base} "

@@ -8,7 +8,9 @@ which program computes a tile, not its arithmetic):
 - "route": ``run_experts(backend="triton")``, today's default;
 - "up expert": the lean launch with the gate-up GEMM in the expert order, the route's down tile;
 - "both expert": both GEMMs in the expert order, the tail kernel's too where the route takes it (experts wider than
-  ``NARROW_INTER``: the narrow down GEMM walks its row blocks in plain order, 1.2x faster than GROUP_M 8 there).
+  ``NARROW_INTER``: the narrow down GEMM walks its row blocks in plain order, 1.2x faster than GROUP_M 8 there);
+- "both expert gather": that, the gate-up GEMM gathering x's rows in its loader (no gather kernel: wide experts
+  read the gather kernel + TMA, their gather GEMM measured 6-13% slower in the GROUP_M order, session 23).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ def whole_call_variants(w13, w2, plan: Plan) -> list[Variant]:
     if orders_down(w2.shape[2]):
         out.append(Variant("both expert", lambda x, i, r: run_lean(x, w13, w2, i, r, None, expert(up), expert(down)),
                            "route"))
+        if not plan.in_loader:
+            out.append(Variant("both expert gather", lambda x, i, r: run_lean(
+                x, w13, w2, i, r, None, expert(up), expert(down), in_loader=True), "route"))
     return out
 
 
@@ -65,4 +70,7 @@ def gemms_alone(x, ids, bal_ids, w13, w2, plan: Plan) -> dict[str, Callable]:
         fns[f"down{label}"] = base.down
         if orders_down(w2.shape[2]):
             fns[f"down expert{label}"] = ordered.down
+    if not plan.in_loader:  # the gate-up GEMM gathering its rows, in the expert order (uniform routing)
+        gathering = bf16_gemm_pair(x, ids, w13, w2, expert(plan.up), expert(down), in_loader=True)
+        fns["up expert in-loader"] = gathering.up
     return fns
