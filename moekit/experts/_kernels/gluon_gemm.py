@@ -71,9 +71,11 @@ def _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_
 
 
 @gluon.jit
-def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
-            num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-            GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr):
+def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+            W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
+            EXPERT_ORDER: gl.constexpr = False, offsets_ptr=None):
+    """The TMA loader; other kernels bind its leading parameters positionally, the walk's options come last
+    (``_walk_loader`` passes them by keyword)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -97,6 +99,14 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_p
             if GATED:
                 _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
             it += 1
+
+
+@gluon.jit
+def _walk_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+                 num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                 GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr):
+    _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks, W_ROWS,
+            GATE_OFFSET, GATED, GROUP_M, EXPERT_ORDER=EXPERT_ORDER, offsets_ptr=offsets_ptr)
 
 
 @gluon.jit
@@ -168,6 +178,6 @@ def grouped_gemm_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_p
     gl.warp_specialize([
         (_mma_epilogue, (c_desc, a_bufs, w_bufs, c_buf, ready, ready, empty, experts_ptr, offsets_ptr, used_ptr,
                          reduce_dim, num_col_blocks, GATED, GROUP_M, EXPERT_ORDER, False, num_warps)),
-        (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
-                   num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M, EXPERT_ORDER)),
+        (_walk_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+                        num_col_blocks, W_ROWS, GATE_OFFSET, GATED, GROUP_M, EXPERT_ORDER)),
     ], [1], [24])
