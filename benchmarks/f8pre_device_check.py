@@ -1,0 +1,228 @@
+"""Issue 15 at prefill, session 27 (branch `f8pre`): where an fp8_block call at M >= 4096 spends its time, and the
+block-scaled Gluon GEMM with A read from registers (``Fp8GluonTile.a_regs``), the [128, 256] down tile
+(``wide``) and the 4-group gather, against today's route.
+
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8pre_device_check.py --out $OUT/f8pre --deadline 70
+        [--rounds 5] [--cells fp8:qwen3-30b-a3b:4096 ...] [--variants route,lean,...] [--no-gemms]
+
+1. Ceilings in this run: copy bandwidth (``measure_ceilings``) and the fp8 mm rate (``torch._scaled_mm`` 8192^3).
+2. Per cell (the bench's weights quantized, uniform routing; ``prefill_device_check``'s harness): every variant
+   against the Gluon path's torch twin (rel L2 < 1e-2) and bit for bit against "lean" (today's kernels through the
+   lean launch: the variants change where operands live, not the products); the route's kernels and the last
+   variant's (profiler µs: align, gather-quant, gate-up, down, combine; each GEMM's TFLOP/s and % of the fp8 mm
+   rate); whole calls in ``--rounds`` interleaved CUDA-graph rounds (each round starting with the next variant);
+   each variant's GEMMs alone under uniform and balanced routing.
+The table is printed last: per variant median µs, % of the fp8 mm rate, % of the byte-model floor, x against the
+route and against "lean" with the rounds won by >= 3%. JSON to ``--out``/f8pre.json after each cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import prefill_device_check as pdc  # noqa: E402
+import prefill_variants as pv  # noqa: E402
+
+CELLS = ("fp8:qwen3-30b-a3b:4096", "fp8:deepseek-v3:16384", "fp8:mixtral-8x7b:4096", "fp8:qwen3-30b-a3b:16384",
+         "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384")
+BREAKDOWN_OF = ("route", "ar both gq4")  # the variants whose kernels the profiler splits
+RESULTS: dict = {"cells": []}
+log = pdc.log
+
+
+def variants(q: tuple) -> list:
+    """route; lean (the plan's tiles, the base); A from registers in the gate-up GEMM; the wide down tile; both
+    with A from registers; and that with the 4-group gather."""
+    from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
+    from moekit.experts.triton_gluon_fp8_launch import (
+        A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
+    )
+    from moekit.quant.fp8_block import Fp8BlockWeight
+
+    w13 = Fp8BlockWeight(q=q[0], scale=q[1], block_shape=(128, 128))
+    w2 = Fp8BlockWeight(q=q[2], scale=q[3], block_shape=(128, 128))
+
+    def lean(up, down, groups: int = 1):
+        return with_gather_groups(groups, lambda x, i, r: experts_gluon_fp8(x, *q, i, r, up=up, down=down))
+
+    return [pv.Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
+            pv.Variant("lean", "gluon", lean(UP_TILE, DOWN_TILE), (UP_TILE, DOWN_TILE)),
+            pv.Variant("ar up", "gluon", lean(A_REGS_UP_TILE, DOWN_TILE), (A_REGS_UP_TILE, DOWN_TILE),
+                       same_as="lean"),
+            pv.Variant("wide", "gluon", lean(UP_TILE, WIDE_DOWN_TILE), (UP_TILE, WIDE_DOWN_TILE), same_as="lean"),
+            pv.Variant("ar both", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE),
+                       (A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE), same_as="lean"),
+            pv.Variant("ar both gq4", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, 4), same_as="lean")]
+
+
+def with_gather_groups(groups: int, call):
+    """``call`` with the gather-quantize kernel taking ``groups`` 128-column groups per program (GATHER_GROUPS is not
+    in a lean plan's key: the plans are dropped before and after)."""
+    from moekit.experts import triton_gluon_fp8_launch as fl, triton_gluon_lean as lean
+
+    if groups == fl.GATHER_GROUPS:
+        return call
+
+    def run(*args):
+        old = fl.GATHER_GROUPS
+        fl.GATHER_GROUPS = groups
+        lean._PLANS.clear()
+        lean._SEQUENCES.clear()
+        try:
+            return call(*args)
+        finally:
+            fl.GATHER_GROUPS = old
+            lean._PLANS.clear()
+            lean._SEQUENCES.clear()
+
+    return run
+
+
+def kernels(name: str, v, x, ids, rw, flops: dict, mm: float) -> dict:
+    """Device µs per kernel (profiler, 5 eager calls); the GEMM kernel's two launches a call split in call order
+    (gate-up, then down), each with its TFLOP/s and % of the fp8 mm rate."""
+    v.call(x, ids, rw)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            v.call(x, ids, rw)
+            torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    seen: dict = defaultdict(list)
+    for e in events:
+        label = e.name[:32]
+        if label.startswith("grouped_gemm_fp8"):
+            label = ("gate-up", "down")[sum(len(t) for k, t in seen.items() if k in ("gate-up", "down")) % 2]
+        seen[label].append(e.time_range.elapsed_us())
+    got = {label: sum(t) / 5 for label, t in seen.items()}  # µs per call
+    parts = []
+    for label, us in got.items():
+        extra = ""
+        if label in flops:
+            tf = flops[label] / (us * 1e-6) / 1e12
+            extra = f" ({tf:.0f} TFLOP/s, {100 * tf / mm:.1f}% mm)"
+        parts.append(f"{label} {us:.1f}{extra}")
+    log(f"{name} {v.name} kernels: " + ", ".join(parts) + f"; sum {sum(got.values()):.1f} us")
+    return got
+
+
+def versus(t: list, base: list) -> str:
+    wins = sum(b / v >= 1.03 for b, v in zip(base, t))
+    return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
+
+
+def summarize(name: str, cell: dict) -> None:
+    rounds = cell["rounds_us"]
+    for n, t in rounds.items():
+        if not t:
+            continue
+        med = statistics.median(t)
+        pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / cell["mm_TFLOPs"]
+        line = f"{name:26s} {n:12s} {med:9.1f} us {pct:5.1f}% mm {100 * cell['floor_us'] / med:5.1f}% floor"
+        if n != "route" and rounds.get("route"):
+            line += f"  vs route {versus(t, rounds['route'])}"
+        if n not in ("route", "lean") and rounds.get("lean"):
+            line += f"  vs lean {versus(t, rounds['lean'])}"
+        pdc.SUMMARY.append(line)
+
+
+def floor_us(s, m: int, ids, ceil) -> float:
+    """The bench's byte model for fp8_block: touched experts' e4m3 weights and float32 block scales, bf16 x and out,
+    at the copy rate; FLOPs at the fp8 mm rate; the larger."""
+    from moekit.bench.cells import cell_model, measured_experts_touched
+
+    scales = 4 * 3 * (s.n // 128) * (s.k // 128)
+    touched = measured_experts_touched(ids, s.num_experts)
+    return cell_model(s, m, touched, 2, ceil.copy_TBps, ceil.fp8_mm_TFLOPs, s.expert_bytes(1) + scales).floor_us
+
+
+def run_cell(spec: str, ceil, opts) -> None:
+    from moekit.bench.cells import Shape, make_weights, uniform_routing
+    from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8_twin
+
+    dev = torch.device("cuda")
+    _, preset, m = spec.split(":")
+    m = int(m)
+    s = Shape.from_preset(preset)
+    w = make_weights(s, torch.bfloat16, dev)
+    q = (*pdc.quantize_chunked(w.w13), *pdc.quantize_chunked(w.w2))
+    del w
+    routing = uniform_routing(m, s, dev, seed=m)
+    ids, rw = routing.topk_ids, routing.topk_weights
+    x = torch.randn(m, s.k, device=dev, dtype=torch.bfloat16)
+    ref = experts_gluon_fp8_twin(x, *q, ids, rw)
+    name = f"fp8 {preset} M={m}"
+    log(f"{name}: weights quantized, twin done")
+    wanted = [v for v in variants(q) if not opts.variants or v.name in opts.variants.split(",")]
+    outs: dict = {}
+    passing = [v for v in wanted if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
+    del ref, outs
+    mm = ceil.fp8_mm_TFLOPs
+    flops = {"gate-up": 4 * m * s.top_k * s.n * s.k, "down": 2 * m * s.top_k * s.n * s.k}
+    cell = {"cell": spec, "mm_TFLOPs": mm, "copy_TBps": ceil.copy_TBps, "flops": 6 * m * s.top_k * s.n * s.k,
+            "floor_us": floor_us(s, m, ids, ceil), "kernels": {}}
+    for v in passing:
+        if v.name in BREAKDOWN_OF:
+            cell["kernels"][v.name] = kernels(name, v, x, ids, rw, flops, mm)
+    cell["rounds_us"] = pdc.whole_calls(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
+    RESULTS["cells"].append(cell)
+    (opts.out / "f8pre.json").write_text(json.dumps(RESULTS, indent=1))
+    summarize(name, cell)
+    if opts.gemms and time.perf_counter() - pdc.T0 < opts.deadline - 15:
+        cell["gemms"] = pdc.gemms_apart(name, s, x, ids, passing, q, "fp8", mm, opts.deadline - 15)
+        (opts.out / "f8pre.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline", type=float, default=70.0, help="seconds: no new cell or timing after ~this")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cells", nargs="*", default=list(CELLS))
+    parser.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--no-gemms", dest="gemms", action="store_false", help="no GEMMs alone")
+    opts = parser.parse_args()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    pdc.STALL_S = 45.0  # a hung kernel: the table so far, inside the run's limit
+    # timed replays per variant per round: 0.08 s (prefill_device_check's 0.04 s is 3 replays at DeepSeek-V3 16384)
+    pdc.replay_us = functools.partial(pdc.replay_us, budget_s=0.08)
+    threading.Thread(target=pdc.watchdog, daemon=True).start()
+    from moekit.bench.ceilings import measure_ceilings, measure_fp8_mm
+
+    dev = torch.device("cuda")
+    ceil = measure_ceilings(dev)
+    ceil = replace(ceil, fp8_mm_TFLOPs=measure_fp8_mm(dev).TFLOPs)
+    RESULTS["ceilings"] = {"copy_TBps": ceil.copy_TBps, "fp8_mm_TFLOPs": ceil.fp8_mm_TFLOPs}
+    log(f"copy {ceil.copy_TBps:.2f} TB/s, fp8 mm {ceil.fp8_mm_TFLOPs:.0f} TFLOP/s (torch._scaled_mm 8192^3, fast "
+        f"accumulation); torch {torch.__version__}")
+    for spec in opts.cells:
+        if time.perf_counter() - pdc.T0 > opts.deadline - 20:
+            log(f"SKIP {spec}: deadline")
+            pdc.SUMMARY.append(f"{spec}: not reached")
+            continue
+        try:
+            run_cell(spec, ceil, opts)
+        except Exception as exc:  # noqa: BLE001
+            log(f"FAIL {spec}: {type(exc).__name__}: {str(exc)[-800:]}")
+            pdc.FAILED.append(spec)
+        pdc.free_memory()
+    pdc.print_table()
+    return 1 if pdc.FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
