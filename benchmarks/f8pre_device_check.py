@@ -3,15 +3,18 @@ block-scaled Gluon GEMM with A read from registers (``Fp8GluonTile.a_regs``), th
 (``wide``) and the 4-group gather, against today's route.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8pre_device_check.py --out $OUT/f8pre --deadline 70
-        [--rounds 5] [--cells fp8:qwen3-30b-a3b:4096 ...] [--variants route,lean,...] [--no-gemms]
+        [--rounds 5] [--cells fp8:qwen3-30b-a3b:4096 ...] [--variants route,lean,wide,...] [--no-gemms]
+
+Variants: route, lean, wide, wide gq4 by default; ar up, ar both, ar both gq4 (A from registers) by name.
 
 1. Ceilings in this run: copy bandwidth (``measure_ceilings``) and the fp8 mm rate (``torch._scaled_mm`` 8192^3).
 2. Per cell (the bench's weights quantized, uniform routing; ``prefill_device_check``'s harness): every variant
    against the Gluon path's torch twin (rel L2 < 1e-2) and bit for bit against "lean" (today's kernels through the
-   lean launch: the variants change where operands live, not the products); the route's kernels and the last
-   variant's (profiler µs: align, gather-quant, gate-up, down, combine; each GEMM's TFLOP/s and % of the fp8 mm
+   lean launch: the variants change where operands live, not the products); the route's kernels and BREAKDOWN_OF's
+   (profiler µs: align, gather-quant, gate-up, down, combine; each GEMM's TFLOP/s and % of the fp8 mm
    rate); whole calls in ``--rounds`` interleaved CUDA-graph rounds (each round starting with the next variant);
-   each variant's GEMMs alone under uniform and balanced routing.
+   each variant's GEMMs alone under uniform and balanced routing; then the SM clock and board power while the
+   route replays and while the fp8 mm runs, and the fp8 mm rate measured again (hot: the route's % of it).
 The table is printed last: per variant median µs, % of the fp8 mm rate, % of the byte-model floor, x against the
 route and against "lean" with the rounds won by >= 3%. JSON to ``--out``/f8pre.json after each cell.
 """
@@ -35,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import prefill_device_check as pdc  # noqa: E402
 import prefill_variants as pv  # noqa: E402
 
-CELLS = ("fp8:qwen3-30b-a3b:4096", "fp8:deepseek-v3:16384", "fp8:mixtral-8x7b:4096", "fp8:qwen3-30b-a3b:16384",
-         "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384")
-BREAKDOWN_OF = ("route", "ar both gq4")  # the variants whose kernels the profiler splits
+# checkpoint 1 (654b456) ran the first three cells of this order with every variant; the rest first since then
+CELLS = ("fp8:qwen3-30b-a3b:16384", "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384", "fp8:deepseek-v3:16384",
+         "fp8:qwen3-30b-a3b:4096", "fp8:mixtral-8x7b:4096")
+DEFAULT_VARIANTS = "route,lean,wide,wide gq4"  # a_regs lost at checkpoint 1 (0.93-0.98x): selectable by name
+BREAKDOWN_OF = ("route", "wide gq4", "ar both gq4")  # the variants whose kernels the profiler splits
 RESULTS: dict = {"cells": []}
 log = pdc.log
 
@@ -65,7 +70,8 @@ def variants(q: tuple) -> list:
             pv.Variant("wide", "gluon", lean(UP_TILE, WIDE_DOWN_TILE), (UP_TILE, WIDE_DOWN_TILE), same_as="lean"),
             pv.Variant("ar both", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE),
                        (A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE), same_as="lean"),
-            pv.Variant("ar both gq4", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, 4), same_as="lean")]
+            pv.Variant("ar both gq4", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, 4), same_as="lean"),
+            pv.Variant("wide gq4", "gluon", lean(UP_TILE, WIDE_DOWN_TILE, 4), same_as="lean")]
 
 
 def with_gather_groups(groups: int, call):
@@ -120,6 +126,34 @@ def kernels(name: str, v, x, ids, rw, flops: dict, mm: float) -> dict:
     return got
 
 
+def hot_clocks(name: str, route, x, ids, rw, cell: dict) -> dict:
+    """Right after the cell's rounds (the GPU as warm as they left it): the SM clock and board power while the
+    route's graph replays back to back and while the fp8 mm runs, and the fp8 mm rate measured again now: the
+    route's % of that hot rate beside the % of the run's first (cool) one."""
+    from mid_tile_clocks import graph_clocks, sample_while
+    from moekit.bench.ceilings import measure_fp8_mm
+
+    med = statistics.median(cell["rounds_us"]["route"]) if cell["rounds_us"].get("route") else None
+    if med is None:
+        return {}
+    route = graph_clocks(lambda: route.call(x, ids, rw), med)
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    mm_clock = sample_while(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                                     use_fast_accum=True), 0.8e-3)
+    hot = measure_fp8_mm(torch.device("cuda")).TFLOPs
+    got = {"route_MHz": route.sm_mhz, "route_W": route.power_w, "mm_MHz": mm_clock.sm_mhz, "mm_W": mm_clock.power_w,
+           "source": route.source, "hot_fp8_mm_TFLOPs": hot}
+    pct = 100 * cell["flops"] / (med * 1e-6) / 1e12 / hot if hot else float("nan")
+    log(f"{name} clocks ({route.source}): route graph {route.sm_mhz} MHz {route.power_w} W, fp8 mm {mm_clock.sm_mhz} "
+        f"MHz {mm_clock.power_w} W; fp8 mm now {hot:.0f} TFLOP/s (run start {cell['mm_TFLOPs']:.0f}): route "
+        f"{pct:.1f}% of it")
+    pdc.SUMMARY.append(f"{name:26s} hot fp8 mm {hot:.0f} TFLOP/s: route {pct:.1f}% of it; route {route.sm_mhz} MHz "
+                       f"{route.power_w} W, mm {mm_clock.sm_mhz} MHz {mm_clock.power_w} W")
+    return got
+
+
 def versus(t: list, base: list) -> str:
     wins = sum(b / v >= 1.03 for b, v in zip(base, t))
     return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
@@ -167,7 +201,7 @@ def run_cell(spec: str, ceil, opts) -> None:
     ref = experts_gluon_fp8_twin(x, *q, ids, rw)
     name = f"fp8 {preset} M={m}"
     log(f"{name}: weights quantized, twin done")
-    wanted = [v for v in variants(q) if not opts.variants or v.name in opts.variants.split(",")]
+    wanted = [v for v in variants(q) if v.name in opts.variants.split(",")]
     outs: dict = {}
     passing = [v for v in wanted if pdc.check(name, v, x, ids, rw, ref, "fp8", outs)]
     del ref, outs
@@ -179,9 +213,12 @@ def run_cell(spec: str, ceil, opts) -> None:
         if v.name in BREAKDOWN_OF:
             cell["kernels"][v.name] = kernels(name, v, x, ids, rw, flops, mm)
     cell["rounds_us"] = pdc.whole_calls(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
+    summarize(name, cell)
+    route = next((v for v in passing if v.name == "route"), None)
+    if route is not None:
+        cell["clocks"] = hot_clocks(name, route, x, ids, rw, cell)
     RESULTS["cells"].append(cell)
     (opts.out / "f8pre.json").write_text(json.dumps(RESULTS, indent=1))
-    summarize(name, cell)
     if opts.gemms and time.perf_counter() - pdc.T0 < opts.deadline - 15:
         cell["gemms"] = pdc.gemms_apart(name, s, x, ids, passing, q, "fp8", mm, opts.deadline - 15)
         (opts.out / "f8pre.json").write_text(json.dumps(RESULTS, indent=1))
@@ -193,7 +230,7 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=70.0, help="seconds: no new cell or timing after ~this")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cells", nargs="*", default=list(CELLS))
-    parser.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated variant names")
     parser.add_argument("--no-gemms", dest="gemms", action="store_false", help="no GEMMs alone")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
