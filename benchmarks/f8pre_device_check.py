@@ -12,7 +12,7 @@ Variants: route, lean, wide, wide gq4 by default; ar up, ar both, ar both gq4 (A
    against the Gluon path's torch twin (rel L2 < 1e-2) and bit for bit against "lean" (today's kernels through the
    lean launch: the variants change where operands live, not the products); the route's kernels and BREAKDOWN_OF's
    (profiler µs: align, gather-quant, gate-up, down, combine; each GEMM's TFLOP/s and % of the fp8 mm
-   rate); whole calls in ``--rounds`` interleaved CUDA-graph rounds (each round starting with the next variant);
+   rate); whole calls in ``--rounds`` CUDA-graph rounds interleaved replay by replay (``replay_rounds``);
    each variant's GEMMs alone under uniform and balanced routing; then the SM clock and board power while the
    route replays and while the fp8 mm runs, and the fp8 mm rate measured again (hot: the route's % of it).
 The table is printed last: per variant median µs, % of the fp8 mm rate, % of the byte-model floor, x against the
@@ -43,6 +43,7 @@ CELLS = ("fp8:qwen3-30b-a3b:16384", "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16
          "fp8:qwen3-30b-a3b:4096", "fp8:mixtral-8x7b:4096")
 DEFAULT_VARIANTS = "route,lean,wide,wide gq4"  # a_regs lost at checkpoint 1 (0.93-0.98x): selectable by name
 BREAKDOWN_OF = ("route", "wide gq4", "ar both gq4")  # the variants whose kernels the profiler splits
+ROUND_S = 0.3  # seconds of replays a round, all variants together
 RESULTS: dict = {"cells": []}
 log = pdc.log
 
@@ -154,6 +155,46 @@ def hot_clocks(name: str, route, x, ids, rw, cell: dict) -> dict:
     return got
 
 
+def replay_rounds(name: str, wanted: list, x, ids, rw, rounds: int, stop_at: float) -> dict:
+    """name -> µs per round: each round replays every variant's graph in turn, one replay each, ~ROUND_S in all
+    (every replay between its own two events, enqueued back to back, one sync a round; the order rotated each
+    round), a variant's round value the median of its replays. The variants share the GPU's state (clock,
+    temperature) replay by replay; timed one after another for 0.08 s each (``prefill_device_check.whole_calls``,
+    checkpoint 1) the state drifted between them (rounds 5-35% apart at DeepSeek-V3 16384)."""
+    graphs = {}
+    for v in wanted:
+        try:
+            graphs[v.name] = pdc.capture(lambda v=v: v.call(x, ids, rw))
+        except Exception as exc:  # noqa: BLE001
+            log(f"capture failed {name} {v.name}: {type(exc).__name__}: {str(exc)[-300:]}")
+    names = list(graphs)
+    once_s = sum(pdc.replay_us(graphs[n], budget_s=0.0) for n in names) * 1e-6  # one turn over every variant
+    turns = max(3, min(60, int(ROUND_S / max(once_s, 1e-6))))
+    per: dict = {n: [] for n in names}
+    for r in range(rounds):
+        if time.perf_counter() - pdc.T0 > stop_at and r >= 1:
+            log(f"{name}: deadline, {r} rounds")
+            break
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            graphs[n].replay()  # untimed: the round starts warm
+        events = [(n, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(turns) for n in order]
+        for n, start, end in events:
+            start.record()
+            graphs[n].replay()
+            end.record()
+        torch.cuda.synchronize()
+        got = defaultdict(list)
+        for n, start, end in events:
+            got[n].append(start.elapsed_time(end) * 1e3)
+        for n in names:
+            per[n].append(statistics.median(got[n]))
+        log(f"{name} round {r} ({turns} turns): " + ", ".join(f"{n} {t[-1]:.1f}" for n, t in per.items()))
+    del graphs
+    return per
+
+
 def versus(t: list, base: list) -> str:
     wins = sum(b / v >= 1.03 for b, v in zip(base, t))
     return f"x{statistics.median(base) / statistics.median(t):5.3f} (>=3% in {wins}/{len(t)})"
@@ -212,7 +253,7 @@ def run_cell(spec: str, ceil, opts) -> None:
     for v in passing:
         if v.name in BREAKDOWN_OF:
             cell["kernels"][v.name] = kernels(name, v, x, ids, rw, flops, mm)
-    cell["rounds_us"] = pdc.whole_calls(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
+    cell["rounds_us"] = replay_rounds(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
     summarize(name, cell)
     route = next((v for v in passing if v.name == "route"), None)
     if route is not None:
