@@ -256,8 +256,10 @@ def run_cell(spec: str, ceil, opts) -> None:
     cell["rounds_us"] = replay_rounds(name, passing, x, ids, rw, opts.rounds, opts.deadline - 8)
     summarize(name, cell)
     route = next((v for v in passing if v.name == "route"), None)
-    if route is not None:
-        cell["clocks"] = hot_clocks(name, route, x, ids, rw, cell)
+    try:
+        cell["clocks"] = hot_clocks(name, route, x, ids, rw, cell) if route is not None else {}
+    except Exception as exc:  # noqa: BLE001 (a diagnostic: the cell's timings stand without it)
+        log(f"{name} clocks: {type(exc).__name__}: {str(exc)[-300:]}")
     RESULTS["cells"].append(cell)
     (opts.out / "f8pre.json").write_text(json.dumps(RESULTS, indent=1))
     if opts.gemms and time.perf_counter() - pdc.T0 < opts.deadline - 15:
