@@ -1,7 +1,7 @@
 """The fp8 Gluon down GEMM on [128, 256] tiles (``Fp8GluonTile.wide``) on the CPU: the plain and lean launches with
 the GEMMs as torch stand-ins that address the weights tile by tile as the kernel does (``_gluon_fakes.fp8_gemm``:
 a wrong column-block count or second-tile offset leaves NaN or wrong columns), against the [128, 128] tiles bit for
-bit and a float64 loop; and the refusals. The kernel itself: ``benchmarks/fp8pre_device_check.py`` on the H200."""
+bit and a float64 loop; and the refusals. The kernel itself: ``benchmarks/f8pre_device_check.py`` on the H200."""
 
 from __future__ import annotations
 
