@@ -54,7 +54,8 @@ UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB (a device variant)
 # Device variants (benchmarks/f8pre_device_check.py): A through registers where a step runs two MMAs on one A half
-# (16 more registers a consumer: 168 / 240, consumer 0 240; no spills on Triton 3.6 or 3.9, gluon_fp8_compile_cpu.py)
+# (16 more registers a consumer: 168 / 240, consumer 0 240; no K-loop spills on Triton 3.6 or 3.9). Checkpoint 1 of
+# session 27: whole calls 0.93-0.98x, the gate-up alone 1.04-1.07x the time (raw/...-654b456-f8pre-ck1.*).
 A_REGS_UP_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, a_regs=True)
 A_REGS_WIDE_DOWN_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, wide=True, a_regs=True)
 
