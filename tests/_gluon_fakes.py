@@ -81,9 +81,13 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
         c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
+             gate_offset, GATED, WIDE=False, **_):
+    """Down GEMM: tile by tile as the kernel addresses them (WIDE: column block cb's weight rows cb*256.. and
+    cb*256 + gate_offset..), so a wrong num_col_blocks or gate_offset leaves NaN columns or wrong ones."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
+    step = 2 * BLOCK if WIDE else BLOCK  # output columns per tile
     for block in range(int(used_ptr[0]) // BLOCK):
         e = int(experts_ptr[block])
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
@@ -95,7 +99,11 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
                 product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
                 c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
             else:
-                c[rows] = product.to(c.dtype)
+                out = torch.full((half, cols), float("nan"))
+                for cb in range(num_col_blocks):
+                    for j, w0 in enumerate((cb * step, cb * step + gate_offset) if WIDE else (cb * step,)):
+                        out[:, cb * step + j * BLOCK:cb * step + (j + 1) * BLOCK] = a_deq @ w_e[w0:w0 + BLOCK].T
+                c[rows] = out.to(c.dtype)
 
 
 def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bool]:

@@ -208,23 +208,28 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
 
 
 def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
+    from moekit.experts import triton_gluon_fp8_launch as fl
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
-                         (cdiv(rows, QROWS), cdiv(hidden, GROUP)), 5,
-                         (rows, num_assignments, hidden, x.stride(0), hidden, groups),
-                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4, **launch)
+                         (cdiv(rows, QROWS), cdiv(groups, fl.GATHER_GROUPS)), 5,
+                         (rows, num_assignments, hidden, x.stride(0), hidden, groups, groups),
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=fl.GATHER_GROUPS,
+                         num_warps=4, **launch)
 
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
                  out_groups: int, gated: bool):
-        return BoundLaunch(gemm, grid(cols, GROUP), 8,
-                           (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
+        check_wide(tile, gated, cols)
+        gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 8,
+                           (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
+                            out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
-                           maxnreg=tile.max_registers, **launch)
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, WIDE=tile.wide, A_REGS=tile.a_regs,
+                           num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
