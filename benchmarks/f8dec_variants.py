@@ -1,0 +1,88 @@
+"""What ``f8dec_device_check.py`` measures (issue #15, fp8_block at 8 <= M <= 1024, session 27): per Qwen3-30B-A3B
+cell the tuned default against the gate-up GEMM with gate and up in one dot a K-step (``gemm_fp8``'s PAIR_DOT:
+one [BM, BK] @ [BK, 2BN] product, on Hopper one wgmma waited for a step instead of two) and a few config variants
+of the tuned entry at M = 8; DeepSeek-V3 M = 1024 as the guard. Run by ``fp8mid_device_check``'s machinery
+(``f8dec_device_check.py`` names this module), so the cells, variants and ``run_variant`` have its shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from moekit.experts.triton_fp8_persistent import Persistent
+
+NAME = "f8dec"  # the JSON's and the workers' logs' name
+# (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
+CELLS = (("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 256),
+         ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "deepseek-v3", 1024))
+SHORT_CELLS = CELLS[:3]
+SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The tuned entry's config with ``block_m`` set (None: kept) and fields of ``up`` / ``down`` (``GemmTile``'s
+    names) replaced, run with ``persistent`` GEMMs (None: the entry's) and ``pair_dot`` (None: the entry's)."""
+
+    name: str
+    pair_dot: bool | None = None
+    persistent: Persistent | None = None
+    block_m: int | None = None
+    up: dict = field(default_factory=dict)
+    down: dict = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    @property
+    def exact(self) -> bool:
+        """Whether its output must equal the default's bit for bit: the down tile's width and stages keep every
+        row's sums in their order. PAIR_DOT multiplies the same products (bit-equal under the interpreter), but a
+        wgmma of N = 256 is another instruction: reported, not required."""
+        return (self.pair_dot is None and self.block_m is None and not self.up
+                and set(self.down) <= {"num_stages", "BLOCK_N"})
+
+    @property
+    def is_default(self) -> bool:
+        return self.name == "default"
+
+    def config(self, base):
+        config = base if self.block_m is None else replace(base, BLOCK_M=self.block_m)
+        return replace(config, up=replace(config.up, **self.up), down=replace(config.down, **self.down))
+
+
+_BM64 = dict(block_m=64, up={"GROUP_M": 8, "num_warps": 8}, down={"GROUP_M": 8})  # entry 1024's tiles
+
+
+def variants(dtype: str, preset: str, m: int) -> list[Variant]:
+    """The default first (the tuned entry, its switches included), then the cell's candidates."""
+    ends = [Variant("default"), Variant("pair", pair_dot=True)]
+    if preset != "qwen3-30b-a3b":
+        return ends
+    if m == 8:  # entry 8: 16-row tiles, a 32-wide gate-up (h float32), down 128 wide, 3 stages
+        return ends + [Variant("down64", down={"BLOCK_N": 64}), Variant("down st4", down={"num_stages": 4}),
+                       Variant("up64", up={"BLOCK_N": 64})]
+    if m == 256:  # entry 256 (16-row tiles) against entry 1024's tiles with the pair dot
+        return ends + [Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
+    if m == 1024:  # entry 1024: the down GEMM persistent; the gate-up too with the pair dot
+        return ends + [Variant("pair pers", pair_dot=True, persistent=Persistent(1, 2))]
+    if m == 512:  # entry 512: both persistent; the pair dot on one-tile gate-up programs
+        return ends + [Variant("pair one-tile up", pair_dot=True, persistent=Persistent(0, 2))]
+    return ends
+
+
+def run_variant(v: Variant, base, t, w, explicit: bool = False):
+    """One call of ``v`` on input set ``t`` with weights ``w`` (two ``Fp8BlockWeight``): the default (config None:
+    the tuned entry; ``explicit``: that entry's config passed, for compile workers whose small-E weights find no
+    tuned file) or the tuned config changed by ``v``; a config passed keeps the entry's weight loads and switches."""
+    from moekit.experts.triton_fp8 import fused_experts_fp8_launch
+
+    changed = v.block_m is not None or v.up or v.down
+    config = base.config if explicit or changed else None
+    if changed:
+        config = v.config(base.config)
+    persistent = v.persistent if v.persistent is not None else None if config is None else base.persistent
+    pair = v.pair_dot if v.pair_dot is not None else None if config is None else base.pair_dot
+    tma = True if pair else None if config is None else base.weight_tma  # the pair dot reads TMA tiles
+    return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
+                                    config=config, weight_tma=tma, persistent=persistent, pair_dot=pair)
