@@ -1,7 +1,13 @@
 """What ``f8dec_device_check.py`` measures (issue #15, fp8_block at 8 <= M <= 1024, session 27): per Qwen3-30B-A3B
 cell the tuned default against the gate-up GEMM with gate and up in one dot a K-step (``gemm_fp8``'s PAIR_DOT:
-one [BM, BK] @ [BK, 2BN] product, on Hopper one wgmma waited for a step instead of two) and a few config variants
-of the tuned entry at M = 8; DeepSeek-V3 M = 1024 as the guard. Run by ``fp8mid_device_check``'s machinery
+one [BM, BK] @ [BK, 2BN] product, on Hopper one wgmma waited for a step instead of two), the down GEMM swapped alone
+(``swap_down``: its weight tile as wgmma's M side, e4m3 from shared memory, where 16-row tiles otherwise take
+mma.sync and convert each weight tile to f16) and config variants of the tuned entry; DeepSeek-V3 as the guard.
+
+Check 1 (df86542, results/f8dec-ck1; copy 4.17 TB/s; x default, rounds >= 3% faster of 5; every output bit-equal to
+the default): PAIR_DOT Qwen3 M = 1024 0.987 (0), 512 0.994, 256 0.994, 64 0.999, 8 1.102; DeepSeek-V3 1024 0.991;
+M = 256 entry 1024's tiles with PAIR_DOT, both persistent 0.988; M = 8 down 64 wide 1.071, down 4 stages 1.015, up
+64 wide 1.086. Run by ``fp8mid_device_check``'s machinery
 (``f8dec_device_check.py`` names this module), so the cells, variants and ``run_variant`` have its shapes.
 """
 
@@ -13,8 +19,9 @@ from moekit.experts.triton_fp8_persistent import Persistent
 
 NAME = "f8dec"  # the JSON's and the workers' logs' name
 # (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
-CELLS = (("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 256),
-         ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "deepseek-v3", 1024))
+CELLS = (("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 256),
+         ("fp8", "qwen3-30b-a3b", 16), ("fp8", "qwen3-30b-a3b", 4), ("fp8", "deepseek-v3", 64),
+         ("fp8", "qwen3-30b-a3b", 1024))
 SHORT_CELLS = CELLS[:3]
 SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
@@ -22,10 +29,11 @@ SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 @dataclass(frozen=True)
 class Variant:
     """The tuned entry's config with ``block_m`` set (None: kept) and fields of ``up`` / ``down`` (``GemmTile``'s
-    names) replaced, run with ``persistent`` GEMMs (None: the entry's) and ``pair_dot`` (None: the entry's)."""
+    names) replaced, run with ``persistent`` GEMMs, ``pair_dot`` and ``swap_down`` (None: the entry's)."""
 
     name: str
     pair_dot: bool | None = None
+    swap_down: bool | None = None
     persistent: Persistent | None = None
     block_m: int | None = None
     up: dict = field(default_factory=dict)
@@ -39,7 +47,7 @@ class Variant:
         """Whether its output must equal the default's bit for bit: the down tile's width and stages keep every
         row's sums in their order. PAIR_DOT multiplies the same products (bit-equal under the interpreter), but a
         wgmma of N = 256 is another instruction: reported, not required."""
-        return (self.pair_dot is None and self.block_m is None and not self.up
+        return (self.pair_dot is None and self.swap_down is None and self.block_m is None and not self.up
                 and set(self.down) <= {"num_stages", "BLOCK_N"})
 
     @property
@@ -55,20 +63,19 @@ _BM64 = dict(block_m=64, up={"GROUP_M": 8, "num_warps": 8}, down={"GROUP_M": 8})
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
-    """The default first (the tuned entry, its switches included), then the cell's candidates."""
-    ends = [Variant("default"), Variant("pair", pair_dot=True)]
-    if preset != "qwen3-30b-a3b":
-        return ends
+    """The default first (the tuned entry, its switches included), then the cell's candidates: the swapped down GEMM
+    where the entry's tiles are 16 rows (M <= 256; entry 8 serves M = 3 .. 22), PAIR_DOT at M = 1024 again."""
+    ends, swap = [Variant("default")], Variant("swap down", swap_down=True)
+    if m == 1024:
+        return ends + [Variant("pair", pair_dot=True)]
+    if preset != "qwen3-30b-a3b" or m in (4, 16, 64):
+        return ends + [swap]
     if m == 8:  # entry 8: 16-row tiles, a 32-wide gate-up (h float32), down 128 wide, 3 stages
-        return ends + [Variant("down64", down={"BLOCK_N": 64}), Variant("down st4", down={"num_stages": 4}),
-                       Variant("up64", up={"BLOCK_N": 64})]
-    if m == 256:  # entry 256 (16-row tiles) against entry 1024's tiles with the pair dot
-        return ends + [Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
-    if m == 1024:  # entry 1024: the down GEMM persistent; the gate-up too with the pair dot
-        return ends + [Variant("pair pers", pair_dot=True, persistent=Persistent(1, 2))]
-    if m == 512:  # entry 512: both persistent; the pair dot on one-tile gate-up programs
-        return ends + [Variant("pair one-tile up", pair_dot=True, persistent=Persistent(0, 2))]
-    return ends
+        return ends + [swap, Variant("swap down st4", swap_down=True, down={"num_stages": 4}),
+                       Variant("swap down 64", swap_down=True, down={"BLOCK_N": 64})]
+    if m == 256:  # entry 256 (16-row tiles); entry 1024's tiles with the pair dot, both persistent: 0.988 at check 1
+        return ends + [swap, Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
+    return ends + [swap]
 
 
 def run_variant(v: Variant, base, t, w, explicit: bool = False):
@@ -84,5 +91,7 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     persistent = v.persistent if v.persistent is not None else None if config is None else base.persistent
     pair = v.pair_dot if v.pair_dot is not None else None if config is None else base.pair_dot
     tma = True if pair else None if config is None else base.weight_tma  # the pair dot reads TMA tiles
+    swap = v.swap_down if v.swap_down is not None else None if config is None else base.swap_down
     return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
-                                    config=config, weight_tma=tma, persistent=persistent, pair_dot=pair)
+                                    config=config, weight_tma=tma, persistent=persistent, pair_dot=pair,
+                                    swap_down=swap)
