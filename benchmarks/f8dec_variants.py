@@ -36,6 +36,7 @@ class Variant:
     swap_down: bool | None = None
     persistent: Persistent | None = None
     block_m: int | None = None
+    swap_ab: bool | None = None  # the config's swap_ab (both GEMMs swapped)
     up: dict = field(default_factory=dict)
     down: dict = field(default_factory=dict)
 
@@ -47,7 +48,8 @@ class Variant:
         """Whether its output must equal the default's bit for bit: the down tile's width and stages keep every
         row's sums in their order. PAIR_DOT multiplies the same products (bit-equal under the interpreter), but a
         wgmma of N = 256 is another instruction: reported, not required."""
-        return (self.pair_dot is None and self.swap_down is None and self.block_m is None and not self.up
+        return (self.pair_dot is None and self.swap_down is None and self.block_m is None and self.swap_ab is None
+                and not self.up
                 and set(self.down) <= {"num_stages", "BLOCK_N"})
 
     @property
@@ -56,6 +58,7 @@ class Variant:
 
     def config(self, base):
         config = base if self.block_m is None else replace(base, BLOCK_M=self.block_m)
+        config = config if self.swap_ab is None else replace(config, swap_ab=self.swap_ab)
         return replace(config, up=replace(config.up, **self.up), down=replace(config.down, **self.down))
 
 
@@ -72,7 +75,8 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
         return ends + [swap]
     if m == 8:  # entry 8: 16-row tiles, a 32-wide gate-up (h float32), down 128 wide, 3 stages
         return ends + [swap, Variant("swap down st4", swap_down=True, down={"num_stages": 4}),
-                       Variant("swap down 64", swap_down=True, down={"BLOCK_N": 64})]
+                       Variant("swap down 64", swap_down=True, down={"BLOCK_N": 64}),
+                       Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64})]
     if m == 256:  # entry 256 (16-row tiles); entry 1024's tiles with the pair dot, both persistent: 0.988 at check 1
         return ends + [swap, Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
     return ends + [swap]
@@ -84,7 +88,7 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     tuned file) or the tuned config changed by ``v``; a config passed keeps the entry's weight loads and switches."""
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
 
-    changed = v.block_m is not None or v.up or v.down
+    changed = v.block_m is not None or v.swap_ab is not None or v.up or v.down
     config = base.config if explicit or changed else None
     if changed:
         config = v.config(base.config)
