@@ -19,9 +19,9 @@ from moekit.experts.triton_fp8_persistent import Persistent
 
 NAME = "f8dec"  # the JSON's and the workers' logs' name
 # (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
-CELLS = (("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 256),
-         ("fp8", "qwen3-30b-a3b", 16), ("fp8", "qwen3-30b-a3b", 4), ("fp8", "deepseek-v3", 64),
-         ("fp8", "qwen3-30b-a3b", 1024))
+CELLS = (("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 1024),
+         ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 16),
+         ("fp8", "qwen3-30b-a3b", 4), ("fp8", "deepseek-v3", 64))
 SHORT_CELLS = CELLS[:3]
 SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
@@ -29,7 +29,8 @@ SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 @dataclass(frozen=True)
 class Variant:
     """The tuned entry's config with ``block_m`` set (None: kept) and fields of ``up`` / ``down`` (``GemmTile``'s
-    names) replaced, run with ``persistent`` GEMMs, ``pair_dot`` and ``swap_down`` (None: the entry's)."""
+    names) replaced, run with ``persistent`` GEMMs, ``pair_dot``, ``swap_down`` and ``up_registers`` (None: the
+    entry's)."""
 
     name: str
     pair_dot: bool | None = None
@@ -37,6 +38,7 @@ class Variant:
     persistent: Persistent | None = None
     block_m: int | None = None
     swap_ab: bool | None = None  # the config's swap_ab (both GEMMs swapped)
+    up_registers: int | None = None  # the gate-up GEMM's maxnreg
     up: dict = field(default_factory=dict)
     down: dict = field(default_factory=dict)
 
@@ -49,7 +51,7 @@ class Variant:
         row's sums in their order. PAIR_DOT multiplies the same products (bit-equal under the interpreter), but a
         wgmma of N = 256 is another instruction: reported, not required."""
         return (self.pair_dot is None and self.swap_down is None and self.block_m is None and self.swap_ab is None
-                and not self.up
+                and self.up_registers is None and not self.up
                 and set(self.down) <= {"num_stages", "BLOCK_N"})
 
     @property
@@ -69,8 +71,11 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     """The default first (the tuned entry, its switches included), then the cell's candidates: the swapped down GEMM
     where the entry's tiles are 16 rows (M <= 256; entry 8 serves M = 3 .. 22), PAIR_DOT at M = 1024 again."""
     ends, swap = [Variant("default")], Variant("swap down", swap_down=True)
-    if m == 1024:
-        return ends + [Variant("pair", pair_dot=True)]
+    if m == 1024:  # entry 1024: one-tile gate-up at ~175 registers, one 164 KB program an SM; two at 128 / 82 KB
+        return ends + [Variant("pair", pair_dot=True), Variant("up 2/SM", up_registers=128, up={"num_stages": 2})]
+    if m == 512:  # entry 512: both persistent (1 / 2 an SM)
+        return ends + [Variant("up 2/SM one-tile", persistent=Persistent(0, 2), up_registers=128, up={"num_stages": 2}),
+                       Variant("up pers 2/SM", persistent=Persistent(2, 2), up_registers=128, up={"num_stages": 2})]
     if preset != "qwen3-30b-a3b" or m in (4, 16, 64):
         return ends + [swap]
     if m == 8:  # entry 8: 16-row tiles, a 32-wide gate-up (h float32), down 128 wide, 3 stages
@@ -96,6 +101,7 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     pair = v.pair_dot if v.pair_dot is not None else None if config is None else base.pair_dot
     tma = True if pair else None if config is None else base.weight_tma  # the pair dot reads TMA tiles
     swap = v.swap_down if v.swap_down is not None else None if config is None else base.swap_down
+    registers = v.up_registers if v.up_registers is not None else None if config is None else base.up_registers
     return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
                                     config=config, weight_tma=tma, persistent=persistent, pair_dot=pair,
-                                    swap_down=swap)
+                                    swap_down=swap, up_registers=registers)
