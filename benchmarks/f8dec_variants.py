@@ -7,7 +7,13 @@ mma.sync and convert each weight tile to f16) and config variants of the tuned e
 Check 1 (df86542, results/f8dec-ck1; copy 4.17 TB/s; x default, rounds >= 3% faster of 5; every output bit-equal to
 the default): PAIR_DOT Qwen3 M = 1024 0.987 (0), 512 0.994, 256 0.994, 64 0.999, 8 1.102; DeepSeek-V3 1024 0.991;
 M = 256 entry 1024's tiles with PAIR_DOT, both persistent 0.988; M = 8 down 64 wide 1.071, down 4 stages 1.015, up
-64 wide 1.086. Run by ``fp8mid_device_check``'s machinery
+64 wide 1.086. Check 1b (f71fb8c, results/f8dec-ck1b; copy 4.15): swap_down M = 16 0.969 (4), 8 0.991, 4 0.989 (1),
+64 1.001, 256 1.008, DeepSeek-V3 64 0.993; M = 8 both swapped with a 64-wide gate-up 0.981 (0); PAIR_DOT M = 1024
+0.981 (0); M = 256 entry 1024's tiles + PAIR_DOT 0.980 (0); two gate-up programs an SM (maxnreg 128, 2 stages) M =
+1024 1.053, 512 one-tile 0.997, 512 persistent 1.028. No default changed (none >= 3% in 5 of 5 rounds).
+The merged run (check 2) measures the closest ones again, and at M = 4 / 8 / 16 the same calls without programmatic
+dependent launch (eager, the swapped down kernel took 15.9 / 38.3 µs against 22.4 / 41.6 at M = 4 / 16; in the graph
+the calls moved by 0.5 / 3.6 µs). Run by ``fp8mid_device_check``'s machinery
 (``f8dec_device_check.py`` names this module), so the cells, variants and ``run_variant`` have its shapes.
 """
 
@@ -19,9 +25,9 @@ from moekit.experts.triton_fp8_persistent import Persistent
 
 NAME = "f8dec"  # the JSON's and the workers' logs' name
 # (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
-CELLS = (("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 1024),
-         ("fp8", "qwen3-30b-a3b", 512), ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 16),
-         ("fp8", "qwen3-30b-a3b", 4), ("fp8", "deepseek-v3", 64))
+CELLS = (("fp8", "qwen3-30b-a3b", 16), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 4),
+         ("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 512),
+         ("fp8", "deepseek-v3", 1024))
 SHORT_CELLS = CELLS[:3]
 SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
@@ -39,6 +45,7 @@ class Variant:
     block_m: int | None = None
     swap_ab: bool | None = None  # the config's swap_ab (both GEMMs swapped)
     up_registers: int | None = None  # the gate-up GEMM's maxnreg
+    pdl: bool = True  # False: LaunchOptions(dependent_launch=False), each kernel launched after the last (exact)
     up: dict = field(default_factory=dict)
     down: dict = field(default_factory=dict)
 
@@ -68,23 +75,16 @@ _BM64 = dict(block_m=64, up={"GROUP_M": 8, "num_warps": 8}, down={"GROUP_M": 8})
 
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
-    """The default first (the tuned entry, its switches included), then the cell's candidates: the swapped down GEMM
-    where the entry's tiles are 16 rows (M <= 256; entry 8 serves M = 3 .. 22), PAIR_DOT at M = 1024 again."""
-    ends, swap = [Variant("default")], Variant("swap down", swap_down=True)
-    if m == 1024:  # entry 1024: one-tile gate-up at ~175 registers, one 164 KB program an SM; two at 128 / 82 KB
-        return ends + [Variant("pair", pair_dot=True), Variant("up 2/SM", up_registers=128, up={"num_stages": 2})]
-    if m == 512:  # entry 512: both persistent (1 / 2 an SM)
-        return ends + [Variant("up 2/SM one-tile", persistent=Persistent(0, 2), up_registers=128, up={"num_stages": 2}),
-                       Variant("up pers 2/SM", persistent=Persistent(2, 2), up_registers=128, up={"num_stages": 2})]
-    if preset != "qwen3-30b-a3b" or m in (4, 16, 64):
-        return ends + [swap]
-    if m == 8:  # entry 8: 16-row tiles, a 32-wide gate-up (h float32), down 128 wide, 3 stages
-        return ends + [swap, Variant("swap down st4", swap_down=True, down={"num_stages": 4}),
-                       Variant("swap down 64", swap_down=True, down={"BLOCK_N": 64}),
-                       Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64})]
-    if m == 256:  # entry 256 (16-row tiles); entry 1024's tiles with the pair dot, both persistent: 0.988 at check 1
-        return ends + [swap, Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
-    return ends + [swap]
+    """The default first (the tuned entry, its switches included), then the cell's candidates (check 2: the closest
+    of checks 1 and 1b again; entry 8 serves M = 3 .. 22)."""
+    ends = [Variant("default")]
+    if m in (4, 8, 16):
+        swaps = [Variant("swap down", swap_down=True), Variant("no PDL", pdl=False),
+                 Variant("swap down no PDL", swap_down=True, pdl=False)]
+        return ends + swaps + ([Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64})] if m == 8 else [])
+    if m == 256:  # entry 256 (16-row tiles) against entry 1024's tiles with the pair dot, both persistent
+        return ends + [Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
+    return ends + [Variant("pair", pair_dot=True)]
 
 
 def run_variant(v: Variant, base, t, w, explicit: bool = False):
@@ -92,6 +92,7 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     the tuned entry; ``explicit``: that entry's config passed, for compile workers whose small-E weights find no
     tuned file) or the tuned config changed by ``v``; a config passed keeps the entry's weight loads and switches."""
     from moekit.experts.triton_fp8 import fused_experts_fp8_launch
+    from moekit.experts.triton_launch import LaunchOptions
 
     changed = v.block_m is not None or v.swap_ab is not None or v.up or v.down
     config = base.config if explicit or changed else None
@@ -104,4 +105,5 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     registers = v.up_registers if v.up_registers is not None else None if config is None else base.up_registers
     return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
                                     config=config, weight_tma=tma, persistent=persistent, pair_dot=pair,
-                                    swap_down=swap, up_registers=registers)
+                                    swap_down=swap, up_registers=registers,
+                                    options=LaunchOptions(dependent_launch=v.pdl))
