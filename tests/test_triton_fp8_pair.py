@@ -1,7 +1,8 @@
 """The gate-up GEMM's PAIR_DOT (``_kernels/gemm_fp8``: each K-step's gate and up tiles as one TMA tile through a
 [2E, N, K] descriptor, one dot) under the interpreter: the one-tile-a-program and the persistent gate-up against the
 same call with two dots a step (the same products and fold) and against the twin ``fused_experts_fp8_torch``; the
-float64 emulation of the recipe (``test_triton_fp8``) checks the twin."""
+float64 emulation of the recipe (``test_triton_fp8``) checks the twin. Also the tuned entry's "pair_dot" and
+"up_registers" (the gate-up launch's maxnreg), which leaves the result as it is."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_swap_down_swaps_the_down_launch_only(fp8):
     x, _, quantized, ids, weights = problem(13, 2, SHAPE, BLOCK_SHAPE, seed=4)
     plan = fp8.plan_for(x, *quantized, ids.contiguous(), weights, None, BLOCK_SHAPE, H_Q, POISON, swap_down=True)
 
-    def swapped(launch):
-        return dict(zip(launch._named, launch.tail[-len(launch._named):]))["SWAP_AB"]
+    def swapped(launch):  # the named trailing arguments of the bound launch
+        return launch.compile_arguments(())[1]["SWAP_AB"]
 
     assert swapped(plan.down) and not swapped(plan.gate_up)
