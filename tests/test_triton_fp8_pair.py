@@ -42,10 +42,12 @@ def _launch(fp8, case, config, pair_dot, persistent=None, weight_tma=True):
                                         weight_tma, True, persistent, pair_dot)
 
 
-@pytest.mark.parametrize("which, persistent", [(0, None), (1, None), (1, Persistent(1, 0)), (2, None),
-                                               (2, Persistent(1, 2))])
-def test_pair_dot_equals_two_dots_and_twin(fp8, which, persistent):
+@pytest.mark.parametrize("which, persistent, swap_ab", [
+    (0, None, False), (1, None, False), (1, Persistent(1, 0), False), (2, None, False), (2, Persistent(1, 2), False),
+    (0, None, True), (2, None, True)])
+def test_pair_dot_equals_two_dots_and_twin(fp8, which, persistent, swap_ab):
     shape, block_shape, config = CASES[which]
+    config = replace(config, swap_ab=swap_ab)  # swapped: the [2BN, BK] weight tile as the MMA's M side
     x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=7 + which)
     case = (x, quantized, ids, weights, block_shape)
     out = _launch(fp8, case, config, True, persistent)
@@ -64,8 +66,6 @@ def test_pair_dot_refuses_what_it_does_not_take(fp8):
     across = replace(config, up=replace(config.up, BLOCK_N=64))  # N = 96: the second tile holds columns 64-127
     with pytest.raises(ValueError, match="across weight scale blocks"):
         _launch(fp8, case, across, True)
-    with pytest.raises(ValueError, match="swap_ab"):
-        _launch(fp8, case, replace(config, swap_ab=True), True)
     assert _launch(fp8, case, config, None).shape == x.shape  # None: the entry's (none here), two dots
 
 

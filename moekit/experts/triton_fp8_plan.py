@@ -267,7 +267,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    pair, maxnreg = (choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one, config.swap_ab),
+    pair, maxnreg = (choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one),
                      entry.up_registers if up_registers is None else up_registers)
     up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N), **_registers(maxnreg))
     gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
@@ -312,13 +312,12 @@ def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int
                       ("y", y_dtype, (num_assignments, hidden))]
 
 
-def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bool, up_one_block: bool,
-                    swap_ab: bool) -> bool:
+def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bool, up_one_block: bool) -> bool:
     """Whether the gate-up GEMM runs PAIR_DOT: the caller's ``asked`` (True refused by name where the plan cannot
-    take it), else the tuned entry's where it can. It needs TMA weight descriptors, every gate-up tile in one
-    weight scale block (one scalar scale a step for each of gate and up) and no SWAP_AB."""
+    take it), else the tuned entry's where it can. It needs TMA weight descriptors and every gate-up tile in one
+    weight scale block (one scalar scale a step for each of gate and up)."""
     refused = ("pointer weights (no TMA descriptors)" if not descriptors
-               else "a gate-up tile across weight scale blocks" if not up_one_block else "swap_ab" if swap_ab else None)
+               else "a gate-up tile across weight scale blocks" if not up_one_block else None)
     if asked and refused:
         raise ValueError(f"pair_dot does not take {refused}")
     return bool(from_entry if asked is None else asked) and refused is None

@@ -58,7 +58,7 @@ exact e4m3 products, summed in another order: within the twin's tolerance, not b
 H200 graph µs, unswapped / swapped: Qwen3-30B-A3B M = 1 21.8 / 19.9, M = 2 29.9 / 28.3, DeepSeek-V3 M = 1 95.7 / 93.2;
 Qwen3 M = 8 (32-wide gate-up tile) 76.1 / 84.1 (raw/*-62cabd5-decode_q3.*).
 
-PAIR_DOT (gate-up, W_DESC and ONE_BLOCK, not SWAP_AB): w_ptr is a descriptor over w13 as [E, N/C, 2, C, K]
+PAIR_DOT (gate-up, W_DESC and ONE_BLOCK): w_ptr is a descriptor over w13 as [E, N/C, 2, C, K]
 (C = PAIR_CHUNK columns: chunk j of expert e's gate rows, then the same chunk of its up rows; ``triton_cache.
 pair_descriptor``) with [1, BN/C, 2, C, BK] blocks: each K-step loads the gate and up tiles as one [2BN, BK] tile
 (gate and up interleaved by chunks of C rows) and runs one [BM, BK] @ [BK, 2BN] dot instead of two: on Hopper one
@@ -66,7 +66,9 @@ wgmma of N = 2BN waited for once a step instead of two each waited for (sm_90 TT
 64 x 256 ``warp_group_dot`` a step, the tile reshaped in shared memory, no spills). The product is folded by one
 [BM, 2BN] scale (x_s times the gate or up block's scalar). C = 64: on 8 warps each warpgroup's 128 columns hold
 the gate and up of the same 64 columns, so the epilogue's split stays in registers (with gate and up as two
-halves it went through shared memory). The same products and the same fold, element by element.
+halves it went through shared memory). With SWAP_AB the [2BN, BK] tile is the MMA's M side (acc [2BN, BM]; at a
+64-wide tile one 128 x 16 wgmma a step instead of two 64 x 16 ones). The same products and the same fold, element by
+element.
 
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
@@ -143,22 +145,31 @@ def _step_scale(xs, s_ptrs, col_ok, ONE_BLOCK: tl.constexpr):
 
 @triton.jit
 def _pair_step(acc, xa, w_desc, expert, pid_n, k0, xs, sg_ptr, su_ptr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
     """PAIR_DOT: acc [BM, 2BN] (chunks of CHUNK gate columns and CHUNK up columns in turn) + xa [BM, BK] @ tile pid_n's
     gate and up rows of K-step k0 as one [BK, 2BN] operand, times x_s [BM] and the step's two weight scales (scalar
-    pointers sg_ptr, su_ptr)."""
+    pointers sg_ptr, su_ptr); SWAP_AB: acc and the product transposed, [2BN, BM]."""
     w = w_desc.load([expert, pid_n * (BLOCK_N // CHUNK), 0, 0, k0])  # [1, BN/C, 2, C, BK]; past K: zeros
-    w = w.reshape(2 * BLOCK_N, BLOCK_K).T  # [BK, 2BN]
+    w = w.reshape(2 * BLOCK_N, BLOCK_K)  # [2BN, BK]
     is_gate = (tl.arange(0, 2 * BLOCK_N) // CHUNK) % 2 == 0
     w_scale = tl.where(is_gate, tl.load(sg_ptr), tl.load(su_ptr))  # [2BN]
-    return acc + _scaled_dot(xa, w, UPCAST) * (xs[:, None] * w_scale[None, :])
+    if SWAP_AB:
+        acc = acc + _scaled_dot(w, tl.trans(xa), UPCAST) * (w_scale[:, None] * xs[None, :])
+    else:
+        acc = acc + _scaled_dot(xa, w.T, UPCAST) * (xs[:, None] * w_scale[None, :])
+    return acc
 
 
 @triton.jit
 def _pair_split(acc_gate, acc_up, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                PAIR_DOT: tl.constexpr):
-    """(gate [BM, BN], up [BM, BN]): PAIR_DOT's acc_gate [BM, 2BN] split (acc_up unused), else as they are."""
-    if PAIR_DOT:
+                PAIR_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """(gate [BM, BN], up [BM, BN]; SWAP_AB: [BN, BM] each): PAIR_DOT's acc_gate [BM, 2BN] (SWAP_AB: [2BN, BM]) split
+    (acc_up unused), else as they are."""
+    if PAIR_DOT and SWAP_AB:
+        chunks = tl.permute(tl.reshape(acc_gate, [BLOCK_N // CHUNK, 2, CHUNK, BLOCK_M]), [0, 2, 3, 1])
+        acc_gate, acc_up = tl.split(chunks)  # [BN/C, C, BM] each
+        acc_gate, acc_up = tl.reshape(acc_gate, [BLOCK_N, BLOCK_M]), tl.reshape(acc_up, [BLOCK_N, BLOCK_M])
+    elif PAIR_DOT:
         chunks = tl.permute(tl.reshape(acc_gate, [BLOCK_M, BLOCK_N // CHUNK, 2, CHUNK]), [0, 1, 3, 2])
         acc_gate, acc_up = tl.split(chunks)  # [BM, BN/C, C] each
         acc_gate, acc_up = tl.reshape(acc_gate, [BLOCK_M, BLOCK_N]), tl.reshape(acc_up, [BLOCK_M, BLOCK_N])
@@ -244,7 +255,7 @@ def gate_up_fp8_kernel(
         if PAIR_DOT:
             xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
             acc_gate = _pair_step(acc_gate, xa, w_ptr, expert.to(tl.int32), pid_n, k0, xs, sg_ptrs, su_ptrs, BLOCK_N,
-                                  BLOCK_K, PAIR_CHUNK, UPCAST)
+                                  BLOCK_K, PAIR_CHUNK, UPCAST, SWAP_AB)
         else:
             if W_DESC:  # past K the descriptor reads zeros
                 wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
@@ -258,7 +269,7 @@ def gate_up_fp8_kernel(
         x_ptrs, xs_ptrs = x_ptrs + BLOCK_K * stride_xk, xs_ptrs + 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
-    acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT)
+    acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, SWAP_AB)
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)

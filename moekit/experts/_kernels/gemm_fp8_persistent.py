@@ -81,7 +81,7 @@ def gate_up_fp8_persistent_kernel(
                 xs = tl.load(xs_ptrs + step, mask=row_ok, other=0.0)
                 acc_gate = _pair_step(acc_gate, xa, w_ptr, expert.to(tl.int32), pid_n, k0, xs,
                                       sg_ptrs + step * stride_wsk, su_ptrs + step * stride_wsk, BLOCK_N, BLOCK_K,
-                                      PAIR_CHUNK, UPCAST)
+                                      PAIR_CHUNK, UPCAST, False)
             else:
                 if W_DESC:  # past K the descriptor reads zeros
                     wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
@@ -93,7 +93,7 @@ def gate_up_fp8_persistent_kernel(
                 acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs + step * stride_wsk, n_ok,
                                                                       ONE_BLOCK)
                 acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
-        acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT)
+        acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, False)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (scales)
         _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
                  EMULATE, False)
