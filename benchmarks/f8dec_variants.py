@@ -26,8 +26,8 @@ from moekit.experts.triton_fp8_persistent import Persistent
 NAME = "f8dec"  # the JSON's and the workers' logs' name
 # (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
 CELLS = (("fp8", "qwen3-30b-a3b", 16), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 4),
-         ("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 256), ("fp8", "qwen3-30b-a3b", 512),
-         ("fp8", "deepseek-v3", 1024))
+         ("fp8", "qwen3-30b-a3b", 1), ("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 256),
+         ("fp8", "qwen3-30b-a3b", 512), ("fp8", "deepseek-v3", 8), ("fp8", "deepseek-v3", 1024))
 SHORT_CELLS = CELLS[:3]
 SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
@@ -76,12 +76,15 @@ _BM64 = dict(block_m=64, up={"GROUP_M": 8, "num_warps": 8}, down={"GROUP_M": 8})
 
 def variants(dtype: str, preset: str, m: int) -> list[Variant]:
     """The default first (the tuned entry, its switches included), then the cell's candidates (check 2: the closest
-    of checks 1 and 1b again; entry 8 serves M = 3 .. 22)."""
+    of checks 1 and 1b again; entry 8 serves M = 3 .. 22; PAIR_DOT on the swapped decode tiles: entry 1 of Qwen3 and
+    entry 8 of DeepSeek-V3 swap both GEMMs)."""
     ends = [Variant("default")]
-    if m in (4, 8, 16):
+    if m in (4, 8, 16) and preset == "qwen3-30b-a3b":
         swaps = [Variant("swap down", swap_down=True), Variant("no PDL", pdl=False),
                  Variant("swap down no PDL", swap_down=True, pdl=False)]
-        return ends + swaps + ([Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64})] if m == 8 else [])
+        both = [Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64}),
+                Variant("swap both up64 pair", swap_ab=True, pair_dot=True, up={"BLOCK_N": 64})]
+        return ends + swaps + (both if m == 8 else [])
     if m == 256:  # entry 256 (16-row tiles) against entry 1024's tiles with the pair dot, both persistent
         return ends + [Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
     return ends + [Variant("pair", pair_dot=True)]
