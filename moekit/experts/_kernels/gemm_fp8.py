@@ -238,7 +238,7 @@ def gate_up_fp8_kernel(
     n_ok, offs_k = offs_n < N, tl.arange(0, BLOCK_K)
     x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
-    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: as [2E, N, K], see there)
+    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: ``pair_descriptor``'s, see there)
         gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     else:
         wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
