@@ -25,9 +25,8 @@ from moekit.experts.triton_fp8_persistent import Persistent
 
 NAME = "f8dec"  # the JSON's and the workers' logs' name
 # (dtype, preset, M): the brief's cells most wanted first (timing stops at the deadline); DeepSeek-V3 the guard
-CELLS = (("fp8", "qwen3-30b-a3b", 16), ("fp8", "qwen3-30b-a3b", 8), ("fp8", "qwen3-30b-a3b", 4),
-         ("fp8", "qwen3-30b-a3b", 1), ("fp8", "qwen3-30b-a3b", 1024), ("fp8", "qwen3-30b-a3b", 256),
-         ("fp8", "qwen3-30b-a3b", 512), ("fp8", "deepseek-v3", 8), ("fp8", "deepseek-v3", 1024))
+CELLS = tuple(("fp8", "qwen3-30b-a3b", m) for m in (16, 8, 4, 1, 2, 1024, 256, 512)) + (
+    ("fp8", "deepseek-v3", 8), ("fp8", "deepseek-v3", 1024))
 SHORT_CELLS = CELLS[:3]
 SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 
@@ -84,7 +83,7 @@ def variants(dtype: str, preset: str, m: int) -> list[Variant]:
                  Variant("swap down no PDL", swap_down=True, pdl=False)]
         both = [Variant("swap both up64", swap_ab=True, up={"BLOCK_N": 64}),
                 Variant("swap both up64 pair", swap_ab=True, pair_dot=True, up={"BLOCK_N": 64})]
-        return ends + swaps + (both if m == 8 else [])
+        return ends + swaps + both
     if m == 256:  # entry 256 (16-row tiles) against entry 1024's tiles with the pair dot, both persistent
         return ends + [Variant("bm64 pair", pair_dot=True, persistent=Persistent(1, 2), **_BM64)]
     return ends + [Variant("pair", pair_dot=True)]
