@@ -37,16 +37,19 @@ class WordConfig(KernelConfig):
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
-    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
+    ``max_registers`` ("gemv"): both launches' register cap a thread (Triton's maxnreg; 0: ptxas's own count, 254 at
+    the 64 x 16-word gate-up, so 4 two-warp programs an SM): a lower cap puts more programs on an SM."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
+    max_registers: int = 0
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "max_registers": self.max_registers}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -103,12 +106,15 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
 
 def check_gemv_config(config: KernelConfig, scheme: str) -> None:
     """A clear error unless BLOCK_M <= MAX_ROWS, both GEMMs' BLOCK_K are a power-of-two number of words and
-    their num_stages (AHEAD) 1 or 2; x_tile only for the 4-bit schemes."""
+    their num_stages (AHEAD) 1 or 2; x_tile only for the 4-bit schemes; max_registers 0 or 24 to 255."""
     if not (1 <= config.up.num_stages <= 2 and 1 <= config.down.num_stages <= 2):
         raise ValueError(f"the gemv decode's num_stages (words loaded ahead, steps) must be 1 or 2, got "
                          f"{config.up.num_stages} and {config.down.num_stages}")
     if getattr(config, "x_tile", False) and scheme == "int8_w8a16":
         raise ValueError("config.x_tile takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
+    cap = getattr(config, "max_registers", 0)
+    if cap and not 24 <= cap <= 255:
+        raise ValueError(f"config.max_registers must be 0 (none) or 24 to 255, got {cap}")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -140,8 +146,10 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         qe, qr, _, *rest = w.strides
         return (qe // 4, qr // 4, *rest)
 
-    def staging(tile: GemmTile) -> dict:  # the tile's num_stages: its words loaded ahead (AHEAD)
-        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False)}
+    def staging(tile: GemmTile) -> dict:  # the tile's num_stages: its words loaded ahead (AHEAD); the register cap
+        cap = getattr(config, "max_registers", 0)
+        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False),
+                **({"maxnreg": cap} if cap and not interpreting() else {})}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)
