@@ -1,22 +1,22 @@
-"""GPU check of the int4 word decode at M = 1 (issue #16 targets 1-2, session 27, brief dec7): the decode ladder and
-the register cap.
+"""GPU check of the int4 word decode at M = 1 and 8 (issue #16 targets 1-2, session 27, brief dec7): the decode
+ladder and the wide steps.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/dec7_device_check.py --out $OUT/dec7 --deadline 70   # H200
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec7_device_check.py --smoke                 # CPU
 
 Cells (int4_w4a16, g 128; the deadline cuts the last): DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B at M = 1, then
 DeepSeek-V3 M = 8, each in a child process. Per cell:
-- the ladder (``dec7_kernels.geom_read_kernel``, two launches: gate-up rows, then down rows) in the gemv pick's own
-  geometry (tile, warps, splits, words ahead) and in a wide one (16 rows x 64 words: 256-byte row segments a step
-  instead of 64): "rd0" a pure read of the words (xor-folded), "rd1" + every int4 value decoded as the gemv does and
-  summed. Checked: rd0's xor of its parts against the host's xor of every touched word, rd1's sum against the
-  exact sum of the decoded values (float64 from the bytes).
+- the ladder (``dec7_kernels.geom_read_kernel``, two launches: gate-up rows, then down rows) in a variant's own
+  geometry (tile, warps, splits, words ahead; READS): "rd0" a pure read of the words (xor-folded), "rd1" + every
+  int4 value decoded as the gemv does and summed. Checked: rd0's xor of its parts against the host's xor of every
+  touched word, rd1's sum against the exact sum of the decoded values (float64 from the bytes). Run 1 (CK1, 9e61726):
+  the pick's 64 x 16-word tiles (64-byte row segments a step) read at 59% of the packed floor, 16 x 64 words at 99%.
 - the whole call (``run_experts_wo``, decode "gemv") against the torch twin (rel-L2 < TOL): "pick" (today's
-  config), and the pick with a register cap (``WordConfig.max_registers``: ptxas gives the 64 x 16-word gate-up 254
-  registers, so 4 two-warp programs an SM) and the gate-up split so its programs fill the SMs at that cap: "r168"
-  (6 programs an SM), "r128" (8); "x168" / "x128" the same with the x tile (``WordConfig.x_tile``) and the words one
-  step ahead (offline sm_90, gate-up: 3.45 / 3.60 instructions a weight against the pick's 4.65 at DeepSeek-V3 M=1;
-  no spill in the loop at 168). (The 16 x 64-word tiles in the real kernel: 5.75 a weight and spills, not run.)
+  config) and the wide steps (WIDE: ``WordConfig.group_select``, a step of 2-4 whole groups with its scales selected
+  per word column; 128-256-byte row segments a step): "g32" 32 x 32 words in 2 warps with the x tile, "g32n" the
+  same with the pick's x tile setting, "g64" 64 x 32 in 4 warps, "g16" 16 x 64 in 2 warps; the gate-up split
+  scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick with a register cap of 168
+  (``WordConfig.max_registers``, split 3), run 1's best cap (14% slower), kept for the merged run's re-measure.
 Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); %
 of the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the
 same process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 0.97 x the pick. JSON
@@ -54,10 +54,12 @@ from wo_mma_device_check import graph_of  # noqa: E402
 
 CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8))
 SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
-# name -> (register cap, x tile, words loaded ahead: a step's num_stages, None: the pick's)
-CAPS = {"r168": (168, False, None), "r128": (128, False, None), "x168": (168, True, 1), "x128": (128, True, 1)}
-PER_SM = {168: 6, 128: 8, 255: 4}  # two-warp programs an SM at a register cap (65536 registers)
-WIDE = (16, 64)  # the wide geometry: rows, words a step
+# the wide steps (``WordConfig.group_select``): name -> (rows, words a step, warps, x tile (None: the pick's), the
+# pick's gate-up split divided by this: about the pick's programs)
+WIDE = {"g32": (32, 32, 2, True, 2), "g32n": (32, 32, 2, None, 2), "g64": (64, 32, 4, True, 1),
+        "g16": (16, 64, 2, True, 4)}
+CAP = ("r168", 168)  # CK1's best register cap (the pick with maxnreg 168), DeepSeek-V3 M = 1 only: CK2 re-measures it
+READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd0-g16", "g16", 0), ("rd1-g32", "g32", 1))
 START = time.perf_counter()
 FAILED: list[str] = []
 
@@ -80,32 +82,28 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
-def fill_split(tiles: int, cap: int, sms: int) -> int:
-    """The gate-up splits (1-8) that bring its programs nearest to the SMs' slots at this register cap."""
-    return max(1, min(8, round(PER_SM[cap] * sms / tiles)))
-
-
 def variants(s: Shape, m: int, dev) -> dict:
-    """name -> WordConfig of the gemv decode: the pick and the register-cap / wide variants (module doc)."""
+    """name -> WordConfig of the gemv decode: the pick and the wide-step variants (module doc)."""
     base = wo_config(m, s.num_experts, s.n, s.k, s.top_k, SCHEME, device_key(dev), "gemv")
     if not isinstance(base, WordConfig):
         base = WordConfig(base.BLOCK_M, base.up, base.down)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-    tiles = m * s.top_k * -(-s.n // base.up.BLOCK_N)
     out = {"pick": base}
-    for name, (cap, x_tile, stages) in CAPS.items():
-        up, down = (t if stages is None else dataclasses.replace(t, num_stages=stages) for t in (base.up, base.down))
-        out[name] = dataclasses.replace(base, up=up, down=down, max_registers=cap, x_tile=x_tile or base.x_tile,
-                                        up_split=fill_split(tiles, cap, sms))
+    for name, (rows, words, warps, x_tile, div) in WIDE.items():
+        up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps)
+                    for t in (base.up, base.down))
+        out[name] = dataclasses.replace(base, up=up, down=down, group_select=True,
+                                        up_split=max(1, base.up_split // div),
+                                        x_tile=base.x_tile if x_tile is None else x_tile)
+    if (s.name, m) == ("deepseek-v3", 1):
+        out[CAP[0]] = dataclasses.replace(base, max_registers=CAP[1], up_split=3)
     return out
 
 
-def read_plans(cfg: WordConfig, down_split: int, s: Shape, level: int, wide: bool) -> tuple[GeomPlan, GeomPlan]:
-    """(gate-up, down) reads in the geometry of ``cfg`` (``wide``: WIDE's rows and words), its splits."""
+def read_plans(cfg: WordConfig, down_split: int, s: Shape, level: int) -> tuple[GeomPlan, GeomPlan]:
+    """(gate-up, down) reads in the geometry of ``cfg`` (tiles, warps, words ahead) and its splits."""
     up, down = cfg.up, cfg.down
-    shape = (lambda t: WIDE) if wide else (lambda t: (t.BLOCK_N, t.BLOCK_K // 8))
-    return (GeomPlan(s.n, s.n, *shape(up), up.num_warps, cfg.up_split, up.num_stages, level),
-            GeomPlan(s.k, 0, *shape(down), down.num_warps, down_split, down.num_stages, level))
+    return (GeomPlan(s.n, s.n, up.BLOCK_N, up.BLOCK_K // 8, up.num_warps, cfg.up_split, up.num_stages, level),
+            GeomPlan(s.k, 0, down.BLOCK_N, down.BLOCK_K // 8, down.num_warps, down_split, down.num_stages, level))
 
 
 def expected(words13, words2, ids: list[int], plans: tuple[GeomPlan, GeomPlan]) -> float:
@@ -138,10 +136,9 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
         check(tag, abs(got - want) <= 1e-5 * abs(want), f"sum {got:.6e} want {want:.6e}")
 
 
-def ladder(cfg: WordConfig, down_split: int, s: Shape) -> dict:
-    """name -> (gate-up, down) read plans of the ladder: rd0 / rd1 in the pick's and the wide geometry."""
-    return {f"rd{level}{'-wide' if wide else ''}": read_plans(cfg, down_split, s, level, wide)
-            for level in (0, 1) for wide in (False, True)}
+def ladder(found: dict, down_splits: dict, s: Shape) -> dict:
+    """name -> (gate-up, down) read plans of the ladder (READS: a variant's geometry and splits, the level)."""
+    return {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS}
 
 
 def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, dev) -> None:
@@ -239,9 +236,9 @@ def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
     cell = Cell(s.name, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw)
     found = variants(s, m, dev)
     c0 = inputs[0]
-    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", found["pick"],
-                       LaunchOptions(), None, "gemv")
-    reads = ladder(found["pick"], plan.down.grid[1], s)
+    down_splits = {v: wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", found[v],
+                                  LaunchOptions(), None, "gemv").down.grid[1] for _, v, _ in READS}
+    reads = ladder(found, down_splits, s)
     if dev.type == "cuda":
         precompile_cell(s, m, found, reads, w13, w2, dev)
     graphs: dict = {}

@@ -39,17 +39,24 @@ class WordConfig(KernelConfig):
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
     (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
     ``max_registers`` ("gemv"): both launches' register cap a thread (Triton's maxnreg; 0: ptxas's own count, 254 at
-    the 64 x 16-word gate-up, so 4 two-warp programs an SM): a lower cap puts more programs on an SM."""
+    the 64 x 16-word gate-up, so 4 two-warp programs an SM): a lower cap puts more programs on an SM.
+    ``group_select`` ("gemv", a GEMM whose BLOCK_K is a multiple of its group size, 4-bit schemes): a step of G whole
+    groups takes each word column's scale from G per-row loads by a select (``wo_words.group_select``), the zero
+    points' x terms per row and group, where the per-word path loads a scale and a zero a word: for wide steps
+    (H200: a row segment of 64 bytes a step, the 16-word steps at g = 128, reads at 59% of the packed floor in the
+    gemv's geometry, 256 bytes at 99%; benchmarks/dec7_device_check.py)."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
     max_registers: int = 0
+    group_select: bool = False
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "max_registers": self.max_registers}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "max_registers": self.max_registers,
+                "group_select": self.group_select}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -146,9 +153,10 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         qe, qr, _, *rest = w.strides
         return (qe // 4, qr // 4, *rest)
 
-    def staging(tile: GemmTile) -> dict:  # the tile's num_stages: its words loaded ahead (AHEAD); the register cap
+    def staging(tile: GemmTile, group: int) -> dict:  # words loaded ahead (AHEAD); the register cap; GSEL
         cap = getattr(config, "max_registers", 0)
-        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False),
+        gsel = getattr(config, "group_select", False) and scheme != "int8_w8a16" and tile.BLOCK_K % group == 0
+        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False), "GSEL": gsel,
                 **({"maxnreg": cap} if cap and not interpreting() else {})}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
@@ -157,7 +165,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13),
          n if up_split == 1 else 2 * n, up_words),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
-        SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared,
+        SPLIT=up_split, num_warps=up.num_warps, **staging(up, w13.group_size), **shared,
     )
     fold = folded_splits(config, w13.q.shape[2] // 4, scheme)
     folding = {} if fold == 1 else dict(UP_SPLIT=fold, ACT=act, ROUND=0 if interpreting() else ROUND[x.dtype])
@@ -166,7 +174,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per,
          n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
-        num_warps=down.num_warps, **staging(down), **shared, **folding,
+        num_warps=down.num_warps, **staging(down, w2.group_size), **shared, **folding,
     )
     return gate_up, down_launch, down_sum
 
