@@ -5,7 +5,8 @@ ladder and the wide steps.
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec7_device_check.py --smoke                 # CPU
 
 Cells (int4_w4a16, g 128; the deadline cuts the last): DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B at M = 1, then
-DeepSeek-V3 M = 8, each in a child process. Per cell:
+DeepSeek-V3 M = 8, then mxfp4 DeepSeek-V3 M = 1 (pick, "gs" = the pick with ``group_select``, g32); each in a child
+process. Per cell:
 - the ladder (``dec7_kernels.geom_read_kernel``, two launches: gate-up rows, then down rows) in a variant's own
   geometry (tile, warps, splits, words ahead; READS): "rd0" a pure read of the words (xor-folded), "rd1" + every
   int4 value decoded as the gemv does and summed. Checked: rd0's xor of its parts against the host's xor of every
@@ -52,7 +53,7 @@ from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
 from wo_mma_device_check import graph_of  # noqa: E402
 
-CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8))
+CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8), ("deepseek-v3", 1, "mxfp4"))
 SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
 # the wide steps (``WordConfig.group_select``): name -> (rows, words a step, warps, x tile (None: the pick's), the
 # pick's gate-up split divided by this: about the pick's programs)
@@ -71,6 +72,7 @@ class Cell:
     floor_us: float
     bytes: float
     copy_tbps: float
+    scheme: str = "int4_w4a16"
     times: dict = dataclasses.field(default_factory=dict)  # graph -> median µs a call
     rounds: dict = dataclasses.field(default_factory=dict)  # graph -> µs a call, each round
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> config dict / read plans
@@ -88,15 +90,17 @@ def variants(s: Shape, m: int, dev) -> dict:
     if not isinstance(base, WordConfig):
         base = WordConfig(base.BLOCK_M, base.up, base.down)
     out = {"pick": base}
+    if SCHEME == "mxfp4":  # g = 32: the pick's 16-word steps already span 4 groups (scales loaded a word)
+        out["gs"] = dataclasses.replace(base, group_select=True)
     for name, (rows, words, warps, x_tile, div) in WIDE.items():
         up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps)
                     for t in (base.up, base.down))
         out[name] = dataclasses.replace(base, up=up, down=down, group_select=True,
                                         up_split=max(1, base.up_split // div),
                                         x_tile=base.x_tile if x_tile is None else x_tile)
-    if (s.name, m) == ("deepseek-v3", 1):
+    if (s.name, m, SCHEME) == ("deepseek-v3", 1, "int4_w4a16"):
         out[CAP[0]] = dataclasses.replace(base, max_registers=CAP[1], up_split=3)
-    return out
+    return {k: v for k, v in out.items() if SCHEME != "mxfp4" or k in ("pick", "gs", "g32")}
 
 
 def read_plans(cfg: WordConfig, down_split: int, s: Shape, level: int) -> tuple[GeomPlan, GeomPlan]:
@@ -138,7 +142,7 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
 
 def ladder(found: dict, down_splits: dict, s: Shape) -> dict:
     """name -> (gate-up, down) read plans of the ladder (READS: a variant's geometry and splits, the level)."""
-    return {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS}
+    return {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS if v in found}
 
 
 def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, dev) -> None:
@@ -233,11 +237,11 @@ def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
     inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
-    cell = Cell(s.name, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw)
+    cell = Cell(s.name, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw, SCHEME)
     found = variants(s, m, dev)
     c0 = inputs[0]
     down_splits = {v: wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", found[v],
-                                  LaunchOptions(), None, "gemv").down.grid[1] for _, v, _ in READS}
+                                  LaunchOptions(), None, "gemv").down.grid[1] for _, v, _ in READS if v in found}
     reads = ladder(found, down_splits, s)
     if dev.type == "cuda":
         precompile_cell(s, m, found, reads, w13, w2, dev)
@@ -258,7 +262,7 @@ def wins(cell: Cell, name: str) -> int:
 def table(cells: list[Cell]) -> str:
     lines = ["graph µs a call (% of the packed floor, TB/s; whole calls: wins/5 against pick)"]
     for c in cells:
-        lines.append(f"{c.preset} int4 M={c.m}: floor {c.floor_us:.1f} µs ({c.bytes / 1e6:.1f} MB at copy "
+        lines.append(f"{c.preset} {c.scheme} M={c.m}: floor {c.floor_us:.1f} µs ({c.bytes / 1e6:.1f} MB at copy "
                      f"{c.copy_tbps:.2f} TB/s)")
         for k, v in c.times.items():
             extra = "" if k.startswith("rd") or k == "pick" else f", wins {wins(c, k)}/{len(c.rounds[k])}"
@@ -278,8 +282,9 @@ def dump(path: str, cells: list[Cell]) -> None:
 
 
 def child(index: int, args) -> int:
+    global SCHEME
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset, m = CELLS[index]
+    preset, m, SCHEME = (*CELLS[index], SCHEME)[:3]
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     dump(os.path.join(args.out, f"dec7-{index}.json"), [run_cell(s, m, dev, args.until)])
     return 1 if FAILED else 0
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped = [], []
-    for i, (preset, m) in enumerate(CELLS[:1] if args.smoke else CELLS):
+    for i, (preset, m, *_) in enumerate(CELLS[:1] if args.smoke else CELLS):
         left = args.deadline - (time.perf_counter() - START)
         if left < 12:
             skipped.append(f"{preset} M={m}")
