@@ -12,11 +12,11 @@ process. Per cell:
   int4 value decoded as the gemv does and summed. Checked: rd0's xor of its parts against the host's xor of every
   touched word, rd1's sum against the exact sum of the decoded values (float64 from the bytes). Run 1 (CK1, 9e61726):
   the pick's 64 x 16-word tiles (64-byte row segments a step) read at 59% of the packed floor, 16 x 64 words at 99%.
+  Also reads in the mma decode's geometry (MMA_READS), for the cells it picks at M = 2-64.
 - the whole call (``run_experts_wo``, decode "gemv") against the torch twin (rel-L2 < TOL): "pick" (today's
   config) and the wide steps (WIDE: ``WordConfig.group_select``, a step of 2-4 whole groups with its scales selected
-  per word column; 128-256-byte row segments a step): "g32" 32 x 32 words in 2 warps with the x tile, "g32n" the
-  same with the pick's x tile setting, "g64" 64 x 32 in 4 warps, "g16" 16 x 64 in 2 warps; the gate-up split
-  scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick with a register cap of 168
+  per word column; 128-byte row segments a step): "g32" 32 x 32 words in 2 warps with the x tile, "g64" 64 x 32 in
+  4 warps; the gate-up split scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick with a register cap of 168
   (``WordConfig.max_registers``, split 3), run 1's best cap (14% slower), kept for the merged run's re-measure.
 Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); %
 of the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the
@@ -57,10 +57,14 @@ CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepse
 SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
 # the wide steps (``WordConfig.group_select``): name -> (rows, words a step, warps, x tile (None: the pick's), the
 # pick's gate-up split divided by this: about the pick's programs)
-WIDE = {"g32": (32, 32, 2, True, 2), "g32n": (32, 32, 2, None, 2), "g64": (64, 32, 4, True, 1),
-        "g16": (16, 64, 2, True, 4)}
+# (CK1b also ran "g32n" (g32 with the pick's x tile setting) and "g16" (16 x 64 in 2 warps, split / 4): 1.04-1.09x and
+# 1.5-2.0x the pick's time; dropped)
+WIDE = {"g32": (32, 32, 2, True, 2), "g64": (64, 32, 4, True, 1)}
 CAP = ("r168", 168)  # CK1's best register cap (the pick with maxnreg 168), DeepSeek-V3 M = 1 only: CK2 re-measures it
-READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd0-g16", "g16", 0), ("rd1-g32", "g32", 1))
+READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd1-g32", "g32", 1))
+# reads in the mma decode's geometry (``decode="mma"``, the pick at 2-64 rows an expert: 32 rows x 16 words in 1 warp,
+# 64-byte row segments a step) and in the same with 32-word steps, at the pick's splits: name -> (rows, words, warps)
+MMA_READS = {"rd0-m16": (32, 16, 1), "rd0-m32": (32, 32, 1)}
 START = time.perf_counter()
 FAILED: list[str] = []
 
@@ -142,7 +146,12 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
 
 def ladder(found: dict, down_splits: dict, s: Shape) -> dict:
     """name -> (gate-up, down) read plans of the ladder (READS: a variant's geometry and splits, the level)."""
-    return {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS if v in found}
+    reads = {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS if v in found}
+    for name, (rows, words, warps) in MMA_READS.items():
+        up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps, num_stages=2)
+                    for t in (found["pick"].up, found["pick"].down))
+        reads[name] = read_plans(dataclasses.replace(found["pick"], up=up, down=down), down_splits["pick"], s, 0)
+    return reads
 
 
 def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, dev) -> None:
