@@ -63,8 +63,9 @@ WIDE = {"g32": (32, 32, 2, True, 2), "g64": (64, 32, 4, True, 1)}
 CAP = ("r168", 168)  # CK1's best register cap (the pick with maxnreg 168), DeepSeek-V3 M = 1 only: CK2 re-measures it
 READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd1-g32", "g32", 1))
 # reads in the mma decode's geometry (``decode="mma"``, the pick at 2-64 rows an expert: 32 rows x 16 words in 1 warp,
-# 64-byte row segments a step) and in the same with 32-word steps, at the pick's splits: name -> (rows, words, warps)
-MMA_READS = {"rd0-m16": (32, 16, 1), "rd0-m32": (32, 32, 1)}
+# 64-byte row segments a step), in the same with 32-word steps, and with 32-word steps as two 16-word loads issued
+# back to back (HALVES: two sub-steps a loop step), at the pick's splits: name -> (rows, words, warps, halves)
+MMA_READS = {"rd0-m16": (32, 16, 1, False), "rd0-m32": (32, 32, 1, False), "rd0-m32h": (32, 32, 1, True)}
 START = time.perf_counter()
 FAILED: list[str] = []
 
@@ -147,10 +148,11 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
 def ladder(found: dict, down_splits: dict, s: Shape) -> dict:
     """name -> (gate-up, down) read plans of the ladder (READS: a variant's geometry and splits, the level)."""
     reads = {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS if v in found}
-    for name, (rows, words, warps) in MMA_READS.items():
+    for name, (rows, words, warps, halves) in MMA_READS.items():
         up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps, num_stages=2)
                     for t in (found["pick"].up, found["pick"].down))
-        reads[name] = read_plans(dataclasses.replace(found["pick"], up=up, down=down), down_splits["pick"], s, 0)
+        plans = read_plans(dataclasses.replace(found["pick"], up=up, down=down), down_splits["pick"], s, 0)
+        reads[name] = tuple(dataclasses.replace(p, halves=halves) for p in plans)
     return reads
 
 

@@ -6,7 +6,8 @@ kernel to its torch twin and to a reference written there.
 ``geom_read_kernel`` is one GEMM's launch of the gemv decode: program (p, s) reads, for expert ids[p // tiles],
 rows t·BN .. t·BN + BN (t = p % tiles) of that expert's packed words [E, R, KW] int32, and where PAIR the same rows
 + half (the gate-up's up rows), words [s·split_words, (s + 1)·split_words) in steps of BKW words, each step's tile
-[BN, BKW] loaded AHEAD steps before it is used (the gemv's ``load_words`` and its loop). What it does with a tile:
+[BN, BKW] loaded AHEAD steps before it is used (the gemv's ``load_words`` and its loop; HALVES: as two loads of BKW / 2
+words a row issued back to back, what a step of two 64-byte sub-steps would issue). What it does with a tile:
     LEVEL 0  xor-fold the words (a pure read with our geometry); parts[s·P + p] = the xor of every word it read
     LEVEL 1  decode every value of the words as the int4 gemv does (``wo_words.word_values``: 1 + q/128 at even
              positions, 1 + q/2048 at odd) and add them up in float32 (no activations, no scales); the words a
@@ -38,19 +39,22 @@ def _fold(acc, fsum, w, LEVEL: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _second(rows, w0, w_end, ok, BN: tl.constexpr, BKW: tl.constexpr, PAIR: tl.constexpr):
-    """The up rows' words of a step where PAIR, else zeros (nothing loaded)."""
-    if PAIR:
-        w = load_words(rows, w0, w_end, ok, BKW)
+def _tile(rows, w0, w_end, ok, BN: tl.constexpr, BKW: tl.constexpr, LOAD: tl.constexpr, HALVES: tl.constexpr):
+    """A step's words of the rows [BN] where LOAD, else zeros (nothing loaded): [BN, BKW], or with HALVES two loads of
+    BKW / 2 words issued back to back, joined [BN, BKW / 2, 2] (no data moved: the new dim is a thread's own)."""
+    if not LOAD:
+        w = tl.zeros([BN, BKW // 2, 2] if HALVES else [BN, BKW], tl.int32)
+    elif HALVES:
+        w = tl.join(load_words(rows, w0, w_end, ok, BKW // 2), load_words(rows, w0 + BKW // 2, w_end, ok, BKW // 2))
     else:
-        w = tl.zeros([BN, BKW], tl.int32)
+        w = load_words(rows, w0, w_end, ok, BKW)
     return w
 
 
 @triton.jit
 def geom_read_kernel(q_ptr, ids_ptr, part_ptr, rows, half, kw, stride_e, stride_r, tiles, split_words,
                      BN: tl.constexpr, BKW: tl.constexpr, PAIR: tl.constexpr, AHEAD: tl.constexpr,
-                     LEVEL: tl.constexpr, ASM: tl.constexpr):
+                     LEVEL: tl.constexpr, ASM: tl.constexpr, HALVES: tl.constexpr = False):
     """One GEMM launch's reads in the gemv decode's geometry (module doc); q_ptr int32 words [E, R, KW]."""
     pid, s = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pid // tiles).to(tl.int64)
@@ -60,15 +64,15 @@ def geom_read_kernel(q_ptr, ids_ptr, part_ptr, rows, half, kw, stride_e, stride_
     second = first + half * stride_r  # PAIR: the up rows
     w_start = s * split_words
     w_end = tl.minimum(w_start + split_words, kw)
-    acc = tl.zeros([BN, BKW], tl.int32)
-    fsum = tl.zeros([BN, BKW], tl.float32)
-    g, u = load_words(first, w_start, w_end, ok, BKW), _second(second, w_start, w_end, ok, BN, BKW, PAIR)
+    g = _tile(first, w_start, w_end, ok, BN, BKW, True, HALVES)
+    u = _tile(second, w_start, w_end, ok, BN, BKW, PAIR, HALVES)
+    acc, fsum = tl.zeros_like(g), tl.zeros_like(g).to(tl.float32)
     if AHEAD > 1:
-        ng = load_words(first, w_start + BKW, w_end, ok, BKW)
-        nu = _second(second, w_start + BKW, w_end, ok, BN, BKW, PAIR)
+        ng = _tile(first, w_start + BKW, w_end, ok, BN, BKW, True, HALVES)
+        nu = _tile(second, w_start + BKW, w_end, ok, BN, BKW, PAIR, HALVES)
     for w0 in range(w_start, w_end, BKW):
-        far_g = load_words(first, w0 + AHEAD * BKW, w_end, ok, BKW)
-        far_u = _second(second, w0 + AHEAD * BKW, w_end, ok, BN, BKW, PAIR)
+        far_g = _tile(first, w0 + AHEAD * BKW, w_end, ok, BN, BKW, True, HALVES)
+        far_u = _tile(second, w0 + AHEAD * BKW, w_end, ok, BN, BKW, PAIR, HALVES)
         acc, fsum = _fold(acc, fsum, g, LEVEL, ASM)
         if PAIR:
             acc, fsum = _fold(acc, fsum, u, LEVEL, ASM)
@@ -78,9 +82,9 @@ def geom_read_kernel(q_ptr, ids_ptr, part_ptr, rows, half, kw, stride_e, stride_
             g, u = far_g, far_u
     out = part_ptr + s * tl.num_programs(0) + pid
     if LEVEL == 0:
-        tl.store(out, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+        tl.store(out, tl.xor_sum(tl.reshape(acc, [BN * BKW]), 0))
     else:
-        tl.store(out, tl.sum(tl.sum(fsum, 1), 0))
+        tl.store(out, tl.sum(tl.reshape(fsum, [BN * BKW]), 0))
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class GeomPlan:
     split: int = 1  # S: the reduction's splits
     ahead: int = 1  # AHEAD: steps of words loaded before the one in use (1 or 2)
     level: int = 0  # LEVEL (module doc)
+    halves: bool = False  # HALVES: each step's words as two loads of bkw / 2 words issued back to back
 
     def tiles(self) -> int:
         return triton.cdiv(self.rows, self.bn)
@@ -122,7 +127,7 @@ def launch_geom(words: torch.Tensor, ids: torch.Tensor, plan: GeomPlan, parts: t
     args = (words, ids, parts, plan.rows, plan.half, words.shape[2], words.stride(0), words.stride(1), plan.tiles(),
             plan.split_words(words.shape[2]))
     meta = dict(BN=plan.bn, BKW=plan.bkw, PAIR=plan.half > 0, AHEAD=plan.ahead, LEVEL=plan.level, ASM=asm,
-                num_warps=plan.warps)
+                HALVES=plan.halves, num_warps=plan.warps)
     if warmup:
         geom_read_kernel.warmup(*args, grid=grid, **meta)
     else:

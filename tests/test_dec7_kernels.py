@@ -43,23 +43,25 @@ def run(words, ids, plan):
     return dk.launch_geom(words, torch.tensor(ids, dtype=torch.int32), plan, plan.parts(len(ids), "cpu"))
 
 
-@pytest.mark.parametrize("bn,bkw,split,ahead", [(8, 16, 1, 1), (4, 32, 3, 2), (16, 8, 2, 1), (2, 64, 1, 2)])
+@pytest.mark.parametrize("bn,bkw,split,ahead,halves", [(8, 16, 1, 1, False), (4, 32, 3, 2, False), (16, 8, 2, 1, True),
+                                                      (2, 64, 1, 2, False), (4, 32, 3, 2, True)])
 @pytest.mark.parametrize("pair", [False, True])
-def test_pure_read_reads_every_word_once(bn, bkw, split, ahead, pair):
+def test_pure_read_reads_every_word_once(bn, bkw, split, ahead, halves, pair):
     words = words_of(5, 40, 52)
     ids, rows = [3, 1, 4], 20 if pair else 37  # 37: a last tile past the rows; 52 words: a step past the row
-    plan = dk.GeomPlan(rows, rows if pair else 0, bn, bkw, split=split, ahead=ahead)
+    plan = dk.GeomPlan(rows, rows if pair else 0, bn, bkw, split=split, ahead=ahead, halves=halves)
     parts = run(words, ids, plan)
     assert torch.equal(parts, dk.geom_torch(words, torch.tensor(ids), plan))
     assert int(np.bitwise_xor.reduce(parts.numpy())) == xor_rows(words, ids, rows, pair)
 
 
-@pytest.mark.parametrize("bn,bkw,split,ahead,pair", [(4, 16, 2, 1, True), (8, 8, 1, 2, False)])
-def test_decoding_read_sums_the_values(bn, bkw, split, ahead, pair):
+@pytest.mark.parametrize("bn,bkw,split,ahead,pair,halves", [(4, 16, 2, 1, True, False), (8, 8, 1, 2, False, False),
+                                                             (4, 16, 1, 2, True, True)])
+def test_decoding_read_sums_the_values(bn, bkw, split, ahead, pair, halves):
     # 32 words a row, 16 rows: every tile full, so the parts sum to the values alone
     words = words_of(4, 32, 32, seed=3)
     ids = [2, 0]
-    plan = dk.GeomPlan(16, 16 if pair else 0, bn, bkw, split=split, ahead=ahead, level=1)
+    plan = dk.GeomPlan(16, 16 if pair else 0, bn, bkw, split=split, ahead=ahead, level=1, halves=halves)
     parts = run(words, ids, plan)
     assert torch.allclose(parts, dk.geom_torch(words, torch.tensor(ids), plan), rtol=1e-6)
     assert abs(parts.double().sum().item() - nibble_sum(words, ids, 16, pair)) < 1e-6 * parts.double().sum().item()
