@@ -5,8 +5,10 @@ ladder and the wide steps.
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec7_device_check.py --smoke                 # CPU
 
 Cells (int4_w4a16, g 128; the deadline cuts the last): DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B at M = 1, then
-DeepSeek-V3 M = 8, then mxfp4 DeepSeek-V3 M = 1 (pick, "gs" = the pick with ``group_select``, g32); each in a child
-process. Per cell:
+DeepSeek-V3 M = 8; then Mixtral M = 8 on the mma decode (its pick: "mu2" / "mu2s3" = two 16-word steps a loop
+iteration, ``WordConfig.unroll``, at 2 / 3 stages; offline sm_90 int4 gate-up 2.83 / 2.91 instructions a weight,
+8 / 6 programs an SM, against 2.70 and 12); then mxfp4 DeepSeek-V3 M = 1 (pick, "gs" = the pick with
+``group_select``, g32); each in a child process. Per cell:
 - the ladder (``dec7_kernels.geom_read_kernel``, two launches: gate-up rows, then down rows) in a variant's own
   geometry (tile, warps, splits, words ahead; READS): "rd0" a pure read of the words (xor-folded), "rd1" + every
   int4 value decoded as the gemv does and summed. Checked: rd0's xor of its parts against the host's xor of every
@@ -16,8 +18,9 @@ process. Per cell:
 - the whole call (``run_experts_wo``, decode "gemv") against the torch twin (rel-L2 < TOL): "pick" (today's
   config) and the wide steps (WIDE: ``WordConfig.group_select``, a step of 2-4 whole groups with its scales selected
   per word column; 128-byte row segments a step): "g32" 32 x 32 words in 2 warps with the x tile, "g64" 64 x 32 in
-  4 warps; the gate-up split scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick with a register cap of 168
-  (``WordConfig.max_registers``, split 3), run 1's best cap (14% slower), kept for the merged run's re-measure.
+  4 warps; the gate-up split scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick
+  with a register cap of 168 (``WordConfig.max_registers``, split 3), run 1's best cap (14% slower), kept for the
+  merged run's re-measure.
 Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); %
 of the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the
 same process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 0.97 x the pick. JSON
@@ -53,7 +56,11 @@ from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
 from wo_mma_device_check import graph_of  # noqa: E402
 
-CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8), ("deepseek-v3", 1, "mxfp4"))
+CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8),
+         ("mixtral-8x7b", 8, "int4_w4a16", "mma"), ("deepseek-v3", 1, "mxfp4"))
+DECODE = "gemv"  # the cell's decode (its child sets it, with SCHEME)
+# the mma cell: name -> (steps a loop iteration, num_stages) of the mma pick's tiles (``WordConfig.unroll``)
+UNROLLS = {"mu2": (2, 2), "mu2s3": (2, 3)}
 SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
 # the wide steps (``WordConfig.group_select``): name -> (rows, words a step, warps, x tile (None: the pick's), the
 # pick's gate-up split divided by this: about the pick's programs)
@@ -91,10 +98,15 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 def variants(s: Shape, m: int, dev) -> dict:
     """name -> WordConfig of the gemv decode: the pick and the wide-step variants (module doc)."""
-    base = wo_config(m, s.num_experts, s.n, s.k, s.top_k, SCHEME, device_key(dev), "gemv")
+    base = wo_config(m, s.num_experts, s.n, s.k, s.top_k, SCHEME, device_key(dev), DECODE)
     if not isinstance(base, WordConfig):
         base = WordConfig(base.BLOCK_M, base.up, base.down)
     out = {"pick": base}
+    if DECODE == "mma":
+        for name, (unroll, stages) in UNROLLS.items():
+            up, down = (dataclasses.replace(t, num_stages=stages) for t in (base.up, base.down))
+            out[name] = dataclasses.replace(base, up=up, down=down, unroll=unroll)
+        return out
     if SCHEME == "mxfp4":  # g = 32: the pick's 16-word steps already span 4 groups (scales loaded a word)
         out["gs"] = dataclasses.replace(base, group_select=True)
     for name, (rows, words, warps, x_tile, div) in WIDE.items():
@@ -111,8 +123,9 @@ def variants(s: Shape, m: int, dev) -> dict:
 def read_plans(cfg: WordConfig, down_split: int, s: Shape, level: int) -> tuple[GeomPlan, GeomPlan]:
     """(gate-up, down) reads in the geometry of ``cfg`` (tiles, warps, words ahead) and its splits."""
     up, down = cfg.up, cfg.down
-    return (GeomPlan(s.n, s.n, up.BLOCK_N, up.BLOCK_K // 8, up.num_warps, cfg.up_split, up.num_stages, level),
-            GeomPlan(s.k, 0, down.BLOCK_N, down.BLOCK_K // 8, down.num_warps, down_split, down.num_stages, level))
+    return (GeomPlan(s.n, s.n, up.BLOCK_N, up.BLOCK_K // 8, up.num_warps, cfg.up_split, min(up.num_stages, 2), level),
+            GeomPlan(s.k, 0, down.BLOCK_N, down.BLOCK_K // 8, down.num_warps, down_split, min(down.num_stages, 2),
+                     level))
 
 
 def expected(words13, words2, ids: list[int], plans: tuple[GeomPlan, GeomPlan]) -> float:
@@ -160,6 +173,8 @@ def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, reads: dict, s: Shape, 
     """The ladder's read graphs, each checked on the first set."""
     words13, words2 = w13.q.view(torch.int32), w2.q.view(torch.int32)
     ids = [c.topk_ids.reshape(-1).to(torch.int32) for c in inputs]
+    if DECODE == "mma":  # its blocks read an expert once for all its rows (the gemv: once an assignment)
+        ids = [torch.unique(i) for i in ids]
     for name, plans in reads.items():
         cell.configs[name] = [dataclasses.asdict(p) for p in plans]
         try:
@@ -193,7 +208,7 @@ def precompile_cell(s: Shape, m: int, found: dict, reads: dict, w13, w2, dev) ->
                     launch_geom(words, ids, plan, plan.parts(ids.numel(), dev), True, warmup=True)
             for cfg in found.values():
                 _warm(wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME, "silu", cfg,
-                                  LaunchOptions(reuse_workspace=False), None, "gemv"), c, a13, a2, dev)
+                                  LaunchOptions(reuse_workspace=False), None, DECODE), c, a13, a2, dev)
     except Exception as e:  # noqa: BLE001  (the kernels compile, and report, on first use)
         print(f"precompile: {type(e).__name__}: {e}", flush=True)
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -207,7 +222,7 @@ def add_calls(cell: Cell, graphs: dict, a13, a2, w13, w2, inputs, found: dict, s
         cell.configs[name] = cfg.to_dict()
 
         def call(c, cfg=cfg):
-            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME, config=cfg, decode="gemv")
+            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME, config=cfg, decode=DECODE)
 
         try:
             err = rel_err(call(c0), want)
@@ -252,7 +267,7 @@ def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
     found = variants(s, m, dev)
     c0 = inputs[0]
     down_splits = {v: wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", found[v],
-                                  LaunchOptions(), None, "gemv").down.grid[1] for _, v, _ in READS if v in found}
+                                  LaunchOptions(), None, DECODE).down.grid[1] for _, v, _ in READS if v in found}
     reads = ladder(found, down_splits, s)
     if dev.type == "cuda":
         precompile_cell(s, m, found, reads, w13, w2, dev)
@@ -293,9 +308,10 @@ def dump(path: str, cells: list[Cell]) -> None:
 
 
 def child(index: int, args) -> int:
-    global SCHEME
+    global SCHEME, DECODE
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset, m, SCHEME = (*CELLS[index], SCHEME)[:3]
+    preset, m, SCHEME, DECODE = (*CELLS[index], "int4_w4a16", "gemv")[:4] if len(CELLS[index]) == 2 else \
+        (*CELLS[index], "gemv")[:4]
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     dump(os.path.join(args.out, f"dec7-{index}.json"), [run_cell(s, m, dev, args.until)])
     return 1 if FAILED else 0

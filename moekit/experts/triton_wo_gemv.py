@@ -44,7 +44,8 @@ class WordConfig(KernelConfig):
     groups takes each word column's scale from G per-row loads by a select (``wo_words.group_select``), the zero
     points' x terms per row and group, where the per-word path loads a scale and a zero a word: for wide steps
     (H200: a row segment of 64 bytes a step, the 16-word steps at g = 128, reads at 59% of the packed floor in the
-    gemv's geometry, 256 bytes at 99%; benchmarks/dec7_device_check.py)."""
+    gemv's geometry, 256 bytes at 99%; benchmarks/dec7_device_check.py). ``unroll`` ("mma" only): steps a loop
+    iteration of the mma decode (1 or 2: two 16-word steps, a row's 128 bytes of words loaded in one iteration)."""
 
     up_split: int = 1
     down_split: int = 0
@@ -52,11 +53,12 @@ class WordConfig(KernelConfig):
     x_tile: bool = False
     max_registers: int = 0
     group_select: bool = False
+    unroll: int = 1
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
                 "glu_fold": self.glu_fold, "x_tile": self.x_tile, "max_registers": self.max_registers,
-                "group_select": self.group_select}
+                "group_select": self.group_select, "unroll": self.unroll}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
