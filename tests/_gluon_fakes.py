@@ -63,6 +63,20 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
         c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
+def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, scale_ptr, stride_se, W_ROWS, GATE_OFFSET, GATED, **_):
+    """The int8 weight-only GEMM: the codes' products, each output column times its row's scale (epilogue order)."""
+    a, q, c = a_desc.base, q_desc.base, c_desc.base
+    cols = c.shape[1]
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+        scale = scale_ptr.reshape(-1)[e * stride_se:e * stride_se + W_ROWS]
+        product = (a[rows].float() @ q[e * W_ROWS:e * W_ROWS + cols].float().T) * scale[:cols]
+        if GATED:
+            up = a[rows].float() @ q[e * W_ROWS + GATE_OFFSET:e * W_ROWS + GATE_OFFSET + cols].float().T
+            product = torch.nn.functional.silu(product) * (up * scale[GATE_OFFSET:GATE_OFFSET + cols])
+        c[rows] = product.to(c.dtype)
+
+
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
@@ -130,8 +144,8 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in its
-    loader; tail: the bf16 down GEMM folding an expert's mostly empty last block)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in
+    its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8 weight-only GEMM)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -140,11 +154,13 @@ def install_fakes(setattr_=setattr) -> dict:
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
-                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down)):
+                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])
     setattr_(tg, "gluon_supported", lambda device: True)
+    setattr_(importlib.import_module("moekit.experts.triton_gluon_wo"), "gluon_supported", lambda device: True)
     setattr_(tgf, "gluon_fp8_supported", lambda device: True)
     clear_launch_caches()  # no plan holding another kernel
     return fakes

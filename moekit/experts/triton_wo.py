@@ -195,9 +195,9 @@ def run_experts_wo(
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
-    "register", "mma", "gemv" or "scratch", ``triton_wo_scratch``; None: ``choose_decode``, the fused ones when
-    ``config`` or ``split_k`` is given). Not a custom op: for tools that pick configs per call;
-    models go through ``fused_experts_wo``."""
+    "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
+    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). Not a custom op: for tools that
+    pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -205,6 +205,10 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
+    if decode == "gluon":  # selectable: the weight-only Gluon GEMMs (``triton_gluon_wo``)
+        from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
+
+        return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
     if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)

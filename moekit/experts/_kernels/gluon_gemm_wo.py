@@ -1,0 +1,129 @@
+"""Warp-specialized weight-only grouped GEMM for Hopper (Gluon), int8_w8a16, on the contiguous layout.
+
+    out[r, c] = act(A[r, :] @ (Q[e(r), c, :] * scale[e(r), c])^T)      r: a row of the permuted buffer
+
+``gluon_gemm.grouped_gemm_kernel``'s schedule (persistent, GROUP_M-swizzled tiles, its loader partition unchanged:
+TMA loads of the activation tile and the int8 weight tiles into a STAGES-deep ring) with a decoding MMA partition:
+wgmma reads its right operand from shared memory only, so each step's int8 tiles [BN, BK] are read from their
+stage into registers, converted to bf16 (exact: |q| <= 128) and stored into one of two decoded buffers; the
+decode of step k + 1 runs while step k's asynchronous wgmma does (the brief's "consumer decodes tile k+1 while
+wgmma k runs"). The per-output-channel scale multiplies the fp32 accumulator once, in the epilogue (so the loop
+is only a convert). Barriers on the decoded buffers (both warpgroups read each one) come from Triton's membar
+pass: a CTA barrier before the decode's store (after this step's wgmma wait: the step before's MMAs, the last
+readers, retired in both warpgroups) and before the wgmma that reads it; ``fence_async_shared`` after the
+store orders the generic-proxy writes before the async-proxy read.
+
+Q is a 2-D view [E * W_ROWS, R] int8 of w13.q [E, 2N, K] (W_ROWS = 2N) or w2.q [E, K, N] (W_ROWS = K); scale
+[E, W_ROWS] fp32 (``stride_se`` elements an expert). GATED: gate rows c and up rows N + c, out = silu(gate) * up.
+Gluon does not run in the interpreter (CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
+
+
+@gluon.jit
+def _decode_step(q_bufs, w_bufs, stage, slot, WTILES: gl.constexpr, num_warps: gl.constexpr):
+    """The int8 tiles of ``stage`` -> bf16 into decoded ``slot`` (WTILES tiles each), fenced for the wgmma."""
+    BLOCK_K: gl.constexpr = q_bufs.type.shape[2]
+    # [BN, BK] int8: 16 contiguous bytes a thread (one 16-byte shared load), BK / 16 threads a row
+    dec: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
+    for i in gl.static_range(WTILES):
+        raw = q_bufs.index(stage * WTILES + i).load(dec)
+        w_bufs.index(slot * WTILES + i).store(raw.to(gl.float32).to(gl.bfloat16))
+    fence_async_shared()
+
+
+@gluon.jit
+def _scaled(acc, scale_row, cols):
+    """acc [BM, BN] * scale_row[cols] (the output channels' int8 scales) along its columns."""
+    return acc * gl.load(scale_row + cols)[None, :]
+
+
+@gluon.jit
+def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, scale_ptr,
+                     stride_se, reduce_dim, num_col_blocks, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                     GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, a_bufs.type.shape[2])
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        _decode_step(q_bufs, w_bufs, it % STAGES, 0, WTILES, num_warps)
+        for kk in range(k_steps):
+            s = it % STAGES
+            slot = kk % 2
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(slot * WTILES).permute((1, 0)), acc, is_async=True)
+            if GATED:
+                up = warpgroup_mma(a_bufs.index(s), w_bufs.index(slot * WTILES + 1).permute((1, 0)), up,
+                                   is_async=True)
+                acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous step's MMAs retired: its stage may be refilled, its decoded slot rewritten
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            if kk + 1 < k_steps:  # the next step's tiles decoded while this step's MMAs run
+                mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
+                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, 1 - slot, WTILES, num_warps)
+            it += 1
+        scale_row = scale_ptr + gl.load(experts_ptr + rb) * stride_se
+        cols = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        if GATED:
+            acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+            acc = _scaled(acc, scale_row, cols)
+            up = _scaled(up, scale_row + GATE_OFFSET, cols)
+            acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = _scaled(acc, scale_row, cols)
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+        tma.store_wait(0)  # the last tile's store has read c_buf
+        c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, scale_ptr, stride_se, reduce_dim,
+                           num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
+    experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of BM); scale_ptr [E, W_ROWS] fp32 (expert
+    stride ``stride_se``); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = q_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * WTILES, BLOCK_N, BLOCK_K], w_layout)  # decoded, 2 slots
+    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_wo_mma_epilogue, (c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, scale_ptr,
+                            stride_se, reduce_dim, num_col_blocks, GATE_OFFSET, GATED, GROUP_M, num_warps)),
+        (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
+    ], [1], [24])
