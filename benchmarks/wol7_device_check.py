@@ -45,13 +45,14 @@ from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin, run_experts_wo
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
-SCHEME = "int8_w8a16"
+SCHEMES = ("int8_w8a16", "int4_w4a16")  # int4: group 128 with zero points (moekit bench's)
 CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 4096), ("qwen3-30b-a3b", 4096),
          ("deepseek-v3", 1024), ("deepseek-v3", 4096))
-# gluon tile variants: name -> (gate-up tile, down tile or None for the route's down_tile(N))
-GLUON = {"gluon": (UP_TILE, None), "gluon_s3": (GluonTile(128, 64, 3), GluonTile(128, 64, 4)),
-         "gluon_d256": (UP_TILE, GluonTile(256, 64, 3))}
+# gluon tile variants (int8 only): name -> (gate-up tile, down tile or None for the route's down_tile(N))
+TILES = {"gluon_s3": (GluonTile(128, 64, 3), GluonTile(128, 64, 4)), "gluon_d256": (UP_TILE, GluonTile(256, 64, 3))}
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
+PER_WORKER = 4  # compile workers a preset (DeepSeek-V3: 2)
+WATCHDOG_S = 10.0
 T0 = time.perf_counter()
 FAILED: list[str] = []
 ARGS = argparse.Namespace(deadline=70.0, out=os.environ.get("OUT"))
@@ -65,35 +66,60 @@ def elapsed() -> float:
 class Cell:
     preset: str
     m: int
-    pick: str  # the decode today's chooser takes
-    flop_floor_us: float
-    byte_floor_us: float
+    picks: dict  # scheme -> the decode today's chooser takes
+    flop_floor_us: float  # 2 x M*k x 3NK over the measured mm rate
+    byte_floor_us: dict  # scheme -> the touched experts' stored bytes (and x, out) over the copy rate
     rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
     times: dict = dataclasses.field(default_factory=dict)  # variant -> median
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> {"ref": rel-L2, "twin": rel-L2}
+    skipped: dict = dataclasses.field(default_factory=dict)  # variant -> its compile worker's status
 
 
 def shape_of(preset: str) -> Shape:
     return Shape(f"{preset}/smoke", 8, 128, 256, 2) if SMOKE else Shape.from_preset(preset)
 
 
-def weights(s: Shape, dev, seed: int | None):
-    """(w13, w2) int8 WoWeights, their WeightArgs, and the bf16 weights they dequantize to (None when compiling)."""
-    w13 = quantized(SCHEME, s.num_experts, 2 * s.n, s.k, dev, seed=seed)
-    w2 = quantized(SCHEME, s.num_experts, s.k, s.n, dev, seed=None if seed is None else seed + 1)
-    args = tuple(weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    bf16 = tuple((w.q.to(torch.bfloat16) * w.scale[:, :, None]).to(torch.bfloat16) for w in (w13, w2))
-    return (w13, w2), args, bf16
+class Weights:
+    """One preset's weights, each built on first use: the int8 and int4 WoWeights (random, ``seed``; None:
+    uninitialised, for compiling) and the bf16 weights the int8 ones dequantize to (uninitialised when compiling)."""
+
+    def __init__(self, s: Shape, dev, seed: int | None):
+        self.s, self.dev, self.seed, self.held = s, dev, seed, {}
+
+    def wo(self, scheme: str) -> tuple:
+        if scheme not in self.held:
+            s, seed = self.s, self.seed
+            seed2 = None if seed is None else seed + 1
+            self.held[scheme] = (quantized(scheme, s.num_experts, 2 * s.n, s.k, self.dev, seed=seed),
+                                 quantized(scheme, s.num_experts, s.k, s.n, self.dev, seed=seed2))
+        return self.held[scheme]
+
+    def args(self, scheme: str) -> tuple:
+        return tuple(weight_args(w.q, w.scale, w.zero, w.group_size) for w in self.wo(scheme))
+
+    def bf16(self) -> tuple:
+        if "bf16" not in self.held:
+            if self.seed is None:
+                s = self.s
+                self.held["bf16"] = (torch.empty(s.num_experts, 2 * s.n, s.k, device=self.dev, dtype=torch.bfloat16),
+                                     torch.empty(s.num_experts, s.k, s.n, device=self.dev, dtype=torch.bfloat16))
+            else:
+                self.held["bf16"] = tuple((w.q.to(torch.bfloat16) * w.scale[:, :, None]).to(torch.bfloat16)
+                                          for w in self.wo("int8_w8a16"))
+        return self.held["bf16"]
 
 
-def variants(s: Shape, m: int, w) -> dict:
-    """name -> fn(inputs) -> out."""
-    (w13, w2), (a13, a2), (b13, b2) = w
-    out = {"bf16": lambda c: experts_triton(c.x, b13, b2, c.topk_ids, c.topk_weights),
-           "pick": lambda c: run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME)}
-    for name, (up, down) in GLUON.items():
-        out[name] = (lambda c, up=up, down=down: run_experts_wo_gluon(
-            c.x, a13, a2, c.topk_ids, c.topk_weights, None, SCHEME, up_tile=up, down=down or down_tile(s.n)))
+def variants(s: Shape, m: int, w: Weights) -> dict:
+    """name -> (scheme or None for bf16, fn(inputs) -> out)."""
+    out = {"bf16": (None, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))}
+    for scheme in SCHEMES:
+        tag = "int8" if scheme == "int8_w8a16" else "int4"
+        out[f"pick_{tag}"] = (scheme, lambda c, sc=scheme: run_experts_wo(c.x, *w.args(sc), c.topk_ids,
+                                                                             c.topk_weights, None, sc))
+        tiles = {"gluon": (UP_TILE, None), **(TILES if tag == "int8" else {})}
+        for name, (up, down) in tiles.items():
+            out[f"{name}_{tag}"] = (scheme, lambda c, sc=scheme, up=up, down=down: run_experts_wo_gluon(
+                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, up_tile=up, down=down or down_tile(s.n)))
     return out
 
 
@@ -105,30 +131,40 @@ def worker_main(tasks: list) -> None:
         s = shape_of(preset)
         if preset not in held:
             held.clear()
-            held[preset] = weights(s, dev, None)
+            held[preset] = Weights(s, dev, None)
         print(f"START {ci} {vi}", flush=True)
         try:
-            fn = list(variants(s, m, held[preset]).values())[vi]
+            _, fn = list(variants(s, m, held[preset]).values())[vi]
             fn(make_sets(s, m, 1, torch.bfloat16, dev)[0])
             if not SMOKE:
                 torch.cuda.synchronize()
             print(f"OK {ci} {vi}", flush=True)
-        except Exception as err:  # noqa: BLE001  (reported; the main process tries it itself)
+        except Exception as err:  # noqa: BLE001  (reported; the main process skips it)
             print(f"ERR {ci} {vi} {type(err).__name__}: {str(err)[:200]!r}".replace("\n", " "), flush=True)
 
 
-def start_workers() -> list:
-    """One worker per preset (its cells in order)."""
-    count = len(variants(shape_of(CELLS[0][0]), 1, ((None,) * 2, (None,) * 2, (None,) * 2)))
-    parts = {}
+def start_workers() -> dict:
+    """preset -> its workers: each preset's (cell, variant) tasks in parts of PER_WORKER (one part for DeepSeek-V3's
+    bf16 and int8 variants, one for the rest: its weights are 40 GB)."""
+    count = len(variants(shape_of(CELLS[0][0]), 1, Weights(shape_of(CELLS[0][0]), None, None)))
+    tasks = {}
     for ci, (preset, _) in enumerate(CELLS):
-        parts.setdefault(preset, []).extend((ci, vi) for vi in range(count))
-    return spawn_workers(__file__, list(parts.values()), SMOKE, "wol7")
+        tasks.setdefault(preset, []).extend((ci, vi) for vi in range(count))
+    procs = {}
+    for preset, todo in tasks.items():
+        if preset == "deepseek-v3":
+            parts = [[t for t in todo if t[1] < 4], [t for t in todo if t[1] >= 4]]
+        else:
+            parts = [todo[j::PER_WORKER] for j in range(PER_WORKER)]
+        procs[preset] = spawn_workers(__file__, [p for p in parts if p], SMOKE, f"wol7_{preset}")
+    return procs
 
 
-def check(cell: Cell, name: str, fn, c0, want, twin) -> bool:
-    """PASS / FAIL of one variant on the first input set (rel-L2 against the reference, gluon also the twin)."""
+def check(cell: Cell, name: str, fn, c0, refs: dict) -> bool:
+    """PASS / FAIL of one variant on the first input set: rel-L2 against the exact reference of its scheme (bf16:
+    int8's, the weights it dequantizes), gluon also against the twin."""
     tag = f"{cell.preset} M={cell.m} {name}"
+    want, twin = refs
     try:
         out = fn(c0)
         errs = {"ref": rel_err(out, want)}
@@ -179,25 +215,39 @@ def interleaved(graphs: dict, calls: int) -> dict:
     return samples
 
 
-def run_cell(preset: str, m: int, w, dev, ceil: dict) -> Cell:
+def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
+    s = shape_of(preset)
+    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
+    io = 2 * 2 * m * s.k  # x in, out
+    floors = {sc: (touched * (packed_bytes(w.wo(sc)[0]) + packed_bytes(w.wo(sc)[1])) + io) / (ceil["copy_tbps"] * 1e6)
+              for sc in SCHEMES}
+    picks = {sc: choose_decode(sc, m, s.num_experts, s.n, s.k, s.top_k) for sc in SCHEMES}
+    return Cell(preset, m, picks, 2 * m * s.top_k * 3 * s.n * s.k / (ceil["mm_tflops"] * 1e6), floors)
+
+
+def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
+    preset, m = CELLS[ci]
     s = shape_of(preset)
     inputs = make_sets(s, m, 1 if SMOKE else SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    flops = 2 * m * s.top_k * 3 * s.n * s.k
-    wbytes = touched * (packed_bytes(w[0][0]) + packed_bytes(w[0][1])) + 2 * 2 * m * s.k
-    cell = Cell(preset, m, choose_decode(SCHEME, m, s.num_experts, s.n, s.k, s.top_k),
-                flops / (ceil["mm_tflops"] * 1e6), wbytes / (ceil["copy_tbps"] * 1e6))
-    c0 = inputs[0]
-    want = fused_experts_wo_torch(c0.x, w[0][0], w[0][1], c0.topk_ids, c0.topk_weights)
-    twin = experts_gluon_wo_twin(c0.x, w[1][0], w[1][1], c0.topk_ids, c0.topk_weights)
+    cell, c0 = new_cell(preset, m, w, inputs, ceil), inputs[0]
+    refs = {}
+    for sc in SCHEMES:
+        w13, w2 = w.wo(sc)
+        refs[sc] = (fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights),
+                    experts_gluon_wo_twin(c0.x, w13, w2, c0.topk_ids, c0.topk_weights))
     graphs = {}
-    for name, fn in variants(s, m, w).items():
-        if check(cell, name, fn, c0, want, twin) and dev.type == "cuda":
+    for vi, (name, (scheme, fn)) in enumerate(variants(s, m, w).items()):
+        if status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
+            cell.skipped[name] = status[(ci, vi)]
+            print(f"FAIL  {preset} M={m} {name}  (compile worker: {status[(ci, vi)][:160]})", flush=True)
+            FAILED.append(f"{preset} M={m} {name}")
+            continue
+        if check(cell, name, fn, c0, refs[scheme or SCHEMES[0]]) and dev.type == "cuda":
             graphs[name] = graph_of([lambda c=c, fn=fn: fn(c) for c in inputs], dev)
     if graphs:
         cell.rounds = interleaved(graphs, len(inputs))
         cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
-    print(f"[{elapsed():5.1f}s] {preset} M={m} pick={cell.pick}: "
+    print(f"[{elapsed():5.1f}s] {preset} M={m} picks {cell.picks}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
 
@@ -218,16 +268,21 @@ def ceilings(dev) -> dict:
     return {"copy_tbps": copy, "mm_tflops": mm}
 
 
-def row(c: Cell) -> str:
-    bf16, pick = c.times.get("bf16"), c.times.get("pick")
-    parts = []
+def row(c: Cell) -> list[str]:
+    """The cell's lines: per variant µs, x bf16, % of the flop floor and of its scheme's byte floor, rounds >= 3%
+    faster than its scheme's pick."""
+    bf16 = c.times.get("bf16")
+    lines = [f"{c.preset:<14}{c.m:>5} picks {c.picks}; floors flop {c.flop_floor_us:.0f} µs, byte "
+             + ", ".join(f"{k[:4]} {v:.0f}" for k, v in c.byte_floor_us.items()) + " µs"]
     for k, v in c.times.items():
-        vs_bf16 = f"{v / bf16:.2f}x bf16" if bf16 else "-"
-        won = sum(x <= WIN * p for x, p in zip(c.rounds[k], c.rounds.get("pick", ()))) if k != "pick" else "-"
-        parts.append(f"{k} {v:.1f} ({vs_bf16}, {100 * c.flop_floor_us / v:.0f}% flop, "
-                     f"{100 * c.byte_floor_us / v:.0f}% byte, wins {won}/{ROUNDS})")
-    return (f"{c.preset:<14}{c.m:>5} pick={c.pick:<8} floors flop {c.flop_floor_us:.0f} byte {c.byte_floor_us:.0f}"
-            f" µs | " + "; ".join(parts) + ("" if pick else " (no pick time)"))
+        tag = k.rsplit("_", 1)[-1]
+        scheme = next((sc for sc in SCHEMES if sc.startswith(tag)), None)
+        pick = c.rounds.get(f"pick_{tag}", ())
+        won = sum(x <= WIN * p for x, p in zip(c.rounds[k], pick)) if pick and not k.startswith("pick") else "-"
+        byte = f", {100 * c.byte_floor_us[scheme] / v:.0f}% byte" if scheme else ""
+        lines.append(f"    {k:<16}{v:9.1f} µs {v / bf16 if bf16 else float('nan'):6.3f}x bf16  "
+                     f"{100 * c.flop_floor_us / v:3.0f}% flop{byte}  wins vs pick {won}/{ROUNDS}")
+    return lines
 
 
 def dump(cells: list, ceil: dict) -> None:
@@ -251,34 +306,54 @@ def install_smoke_fakes() -> None:
     install_fakes()
 
 
+def table(cells: list, ceil: dict) -> None:
+    print(f"\ngraph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
+          f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
+    for c in cells:
+        print("\n".join(row(c)))
+    print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
+
+
+def watchdog(cells: list, ceil: dict) -> None:
+    """Past the deadline + WATCHDOG_S (a hung kernel): the table and JSON so far, then exit."""
+    time.sleep(max(1.0, ARGS.deadline + WATCHDOG_S - elapsed()))
+    print(f"watchdog: {elapsed():.0f} s, exiting", flush=True)
+    FAILED.append("watchdog")
+    table(list(cells), ceil)
+    dump(list(cells), ceil)
+    os._exit(1)
+
+
 def main() -> int:
+    import threading
+
     dev = torch.device("cpu" if SMOKE else "cuda")
     if SMOKE:
         install_smoke_fakes()
-    procs = [] if SMOKE else start_workers()
+    procs = {} if SMOKE else start_workers()
     ceil = ceilings(dev)
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
           "TFLOP/s", flush=True)
-    cells, held = [], {}
-    for ci, (preset, m) in enumerate(CELLS):
-        budget = 14.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
+    cells, held, status = [], {}, {}
+    threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
+    for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
+        budget = 16.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
         if elapsed() + budget > ARGS.deadline:
             print(f"skipped (deadline): {preset} M={m}", flush=True)
             continue
         if preset not in held:
             held.clear()
-            held[preset] = weights(shape_of(preset), dev, seed=1)
-        if ci == 0 and procs:
-            status = collect_workers(procs[:1], lambda: ARGS.deadline * 0.5 - elapsed())
-            print(f"[{elapsed():5.1f}s] first worker: {status}", flush=True)
-        cells.append(run_cell(preset, m, held[preset], dev, ceil))
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # the last preset's weights back before DeepSeek-V3's 40 GB
+            held[preset] = Weights(shape_of(preset), dev, seed=1)
+        if preset in procs:  # its compile workers, given until half the time left
+            status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
+            print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
+        cells.append(run_cell(ci, held[preset], dev, ceil, status))
         dump(cells, ceil)
-    collect_workers(procs, lambda: 0.1)
-    print(f"\n{SCHEME} graph µs (median of {ROUNDS} rounds), copy {ceil['copy_tbps']:.2f} TB/s, mm "
-          f"{ceil['mm_tflops']:.0f} TFLOP/s; wins: rounds <= {WIN} x pick; target <= 1.11x bf16")
-    for c in cells:
-        print(row(c))
-    print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)")
+    for rest in procs.values():
+        collect_workers(rest, lambda: 0.1)
+    table(cells, ceil)
     return 1 if FAILED else 0
 
 

@@ -63,17 +63,31 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
         c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
-def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, scale_ptr, stride_se, W_ROWS, GATE_OFFSET, GATED, **_):
-    """The int8 weight-only GEMM: the codes' products, each output column times its row's scale (epilogue order)."""
+def _wo_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, first: int, count: int, group: int, scheme: int):
+    """Rows [first, first + count) of one expert's stored weight as the weight-only GEMM multiplies them, float32
+    [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale rounded to bf16."""
+    rows = slice(first, first + count)
+    if scheme == 0:
+        return q[rows].float()
+    codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1).float()  # low nibble first
+    per = torch.arange(codes.shape[1]) // group
+    return ((codes - z[rows][:, per].float()) * s[rows][:, per]).bfloat16().float()
+
+
+def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS, GATE_OFFSET, GATED, SCHEME, GROUP,
+            **_):
+    """The weight-only GEMM: int8 the codes' products, each output column times its row's scale (epilogue order);
+    int4 the products with the weights dequantized (one bf16 rounding)."""
     a, q, c = a_desc.base, q_desc.base, c_desc.base
     cols = c.shape[1]
     for block in range(int(used_ptr[0]) // BLOCK):
         e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
-        scale = scale_ptr.reshape(-1)[e * stride_se:e * stride_se + W_ROWS]
-        product = (a[rows].float() @ q[e * W_ROWS:e * W_ROWS + cols].float().T) * scale[:cols]
+        q_e, scale = q[e * W_ROWS:(e + 1) * W_ROWS], s_ptr[e]
+        ones = torch.ones(W_ROWS) if SCHEME else scale  # int8: the scale after the product; int4: inside the weight
+        product = (a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], 0, cols, GROUP, SCHEME).T) * ones[:cols]
         if GATED:
-            up = a[rows].float() @ q[e * W_ROWS + GATE_OFFSET:e * W_ROWS + GATE_OFFSET + cols].float().T
-            product = torch.nn.functional.silu(product) * (up * scale[GATE_OFFSET:GATE_OFFSET + cols])
+            up = a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], GATE_OFFSET, cols, GROUP, SCHEME).T
+            product = torch.nn.functional.silu(product) * (up * ones[GATE_OFFSET:GATE_OFFSET + cols])
         c[rows] = product.to(c.dtype)
 
 

@@ -1,9 +1,10 @@
-"""Weight-only experts (int8_w8a16) on warp-specialized Gluon GEMMs for Hopper at large batches (issue #16's
-M >= 1024 target): the bf16 Gluon path's layout and combine (``triton_gluon``), its GEMMs replaced by
-``_kernels/gluon_gemm_wo.py`` (the int8 tiles decoded to bf16 in shared memory one step ahead of the wgmma).
+"""Weight-only experts (int8_w8a16, int4_w4a16 with groups a multiple of 64) on warp-specialized Gluon GEMMs for
+Hopper at large batches (issue #16's M >= 1024 target): the bf16 Gluon path's layout and combine (``triton_gluon``),
+its GEMMs replaced by ``_kernels/gluon_gemm_wo.py`` (the stored tiles decoded to bf16 in shared memory one step
+ahead of the wgmma).
 
-    [align, gather x into 128-aligned expert segments] -> [gate-up GEMM on w13.q, int8 scales in its epilogue,
-      silu(gate)*up] -> [down GEMM on w2.q, scales in its epilogue] -> [weighted sum over the k slots]
+    [align, gather x into 128-aligned expert segments] -> [gate-up GEMM on w13.q (int8: scales in its epilogue;
+      int4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over the k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``: selectable, no default
 takes it until the device measures a win); ``gluon_wo_unfit`` says why a call cannot take it.
@@ -23,43 +24,56 @@ from moekit.experts.triton_gluon_launch import (
     BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
     launch_contiguous_sum, num_sms, plan_gluon,
 )
+from moekit.experts.triton_wo import WoWeight, dequantize_wo
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
-GLUON_WO_SCHEMES = ("int8_w8a16",)
+GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1}  # the kernel's SCHEME
 
 
-def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str) -> str | None:
-    """Why the weight-only Gluon path cannot take this call (None when it can): int8_w8a16, bf16 x, plain silu,
-    contiguous q, N and K multiples of 128. ``w13`` / ``w2``: anything with ``q`` and ``scale`` (WeightArgs,
-    WoWeight)."""
+def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
+                   block_k: int = UP_TILE.block_k) -> str | None:
+    """Why the weight-only Gluon path cannot take this call (None when it can): int8_w8a16 or int4_w4a16 (zero points,
+    groups a multiple of ``block_k``: one group a step), bf16 x, plain silu, contiguous q, N and K multiples of 128.
+    ``w13`` / ``w2``: anything with ``q``, ``scale``, ``zero``, ``group_size`` (WeightArgs, WoWeight)."""
     if scheme not in GLUON_WO_SCHEMES:
-        return f"scheme {scheme!r} (the Gluon weight-only GEMMs take {GLUON_WO_SCHEMES})"
+        return f"scheme {scheme!r} (the Gluon weight-only GEMMs take {tuple(GLUON_WO_SCHEMES)})"
+    if scheme == "int4_w4a16" and (w13.group_size % block_k or w2.group_size % block_k or w2.zero is None):
+        return f"int4 groups {w13.group_size} / {w2.group_size} (multiples of {block_k}, with zero points only)"
     if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return f"x {x.dtype} (bf16 with unit-stride rows only)"
     if activation != "silu":
         return f"activation={activation!r} (silu only)"
     if not (w13.q.is_contiguous() and w2.q.is_contiguous()):
         return "strided w13.q or w2.q (TMA reads them as 2-D)"
-    hidden, inter = w2.q.shape[1], w2.q.shape[2]
+    hidden, inter = w2.q.shape[1], w13.q.shape[1] // 2
     if inter % 128 or hidden % 128:
         return f"w2 [E, K={hidden}, N={inter}]: N and K must be multiples of 128"
     return None
 
 
-def launch_gemm_wo(a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                   block_experts: torch.Tensor, rows_used: torch.Tensor, tile: GluonTile, gated: bool,
-                   w_rows: int, gate_offset: int = 0) -> None:
-    """out [T, C] = act(a [T, R] @ (q[e] * scale[e])^T) per row block; q [E*w_rows, R] int8 (2-D view of a
-    contiguous [E, w_rows, R]); scale [E, w_rows] float32 (unit column stride)."""
+def _strides(w) -> tuple:
+    """(expert, row, group) strides of the scale and of the zero (int8: scale [E, R], no group; no zero: 0s)."""
+    s = w.scale.stride() if w.scale.dim() == 3 else (*w.scale.stride(), 0)
+    return (*s, *(w.zero.stride() if w.zero is not None else (0, 0, 0)))
+
+
+def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
+                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0) -> None:
+    """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
+    stores: int8 q * scale, int4 (q - zero) * scale per group."""
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
+    num_experts, w_rows, stored = w.q.shape
+    pack = 1 if scheme == "int8_w8a16" else 2
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
-    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k])
+    q_desc = gluon_descriptor(w.q.view(num_experts * w_rows, stored), [tile.block_n, tile.block_k // pack])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
-    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, scale, scale.stride(0), a.shape[1],
+    zero = w.scale if w.zero is None else w.zero  # int8: never read
+    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                 GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -69,30 +83,28 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
     ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
-    reason = gluon_wo_unfit(x, w13, w2, scheme, activation)
+    reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
     if reason is not None:
         raise ValueError(f"decode='gluon' cannot take this call: {reason}")
-    num_experts, hidden, inter = w2.q.shape
+    num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     down = down_tile(inter) if down is None else down
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm_wo(layout.x_perm, w13.q.view(num_experts * 2 * inter, hidden), w13.scale, h, layout.block_experts,
-                   layout.rows_used, up_tile, gated=True, w_rows=2 * inter, gate_offset=inter)
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter)
     y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm_wo(h, w2.q.view(num_experts * hidden, inter), w2.scale, y, layout.block_experts, layout.rows_used,
-                   down, gated=False, w_rows=hidden)
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out
 
 
-def experts_gluon_wo_twin(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                          expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """The path's arithmetic in torch on the same layout: per expert segment float32 products with the int8
-    codes, the scales on the products' columns, h and y rounded to x's dtype like the kernels, float32 combine.
-    Syncs."""
-    num_experts, hidden, inter = w2.q.shape
+def experts_gluon_wo_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids: torch.Tensor,
+                          topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The path's arithmetic in torch on the same layout: per expert segment float32 products, int8: with the codes,
+    the scales on the products' columns; int4: with each weight dequantized and rounded to bf16 (the decode's one
+    rounding); h and y rounded to x's dtype like the kernels, float32 combine. Syncs."""
+    num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
     y = x.new_zeros(plan.rows, hidden)  # [R, K]
@@ -101,7 +113,15 @@ def experts_gluon_wo_twin(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk
         lo, hi = starts[e], starts[e + 1]
         if hi == lo:
             continue
-        gate_up = (layout.x_perm[lo:hi].float() @ w13.q[e].float().t()) * w13.scale[e][None, :]  # [rows, 2N]
+        gate_up = layout.x_perm[lo:hi].float() @ _weight_t(w13, e, hidden)  # [rows, 2N]
         h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        y[lo:hi] = ((h.float() @ w2.q[e].float().t()) * w2.scale[e][None, :]).to(x.dtype)
+        y[lo:hi] = (h.float() @ _weight_t(w2, e, inter)).to(x.dtype)
     return combine_contiguous(y, layout, topk_weights).to(x.dtype)
+
+
+def _weight_t(w: WoWeight, e: int, cols: int) -> torch.Tensor:
+    """Expert e's weight as the twin multiplies it, transposed [C, R]: int8 the codes times their rows' scales (the
+    kernel scales the products: equal up to float32 rounding), int4 dequantized and rounded to bf16."""
+    if w.scheme == "int8_w8a16":
+        return w.q[e].float().t() * w.scale[e][None, :].float()  # == (x @ q^T) * scale up to float32 rounding
+    return dequantize_wo(w, cols, e).to(torch.bfloat16).float().t()

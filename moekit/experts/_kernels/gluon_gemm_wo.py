@@ -30,43 +30,98 @@ from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
 
 
 @gluon.jit
-def _decode_step(q_bufs, w_bufs, stage, slot, WTILES: gl.constexpr, num_warps: gl.constexpr):
-    """The int8 tiles of ``stage`` -> bf16 into decoded ``slot`` (WTILES tiles each), fenced for the wgmma."""
-    BLOCK_K: gl.constexpr = q_bufs.type.shape[2]
-    # [BN, BK] int8: 16 contiguous bytes a thread (one 16-byte shared load), BK / 16 threads a row
-    dec: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [num_warps, 1], [1, 0])
-    for i in gl.static_range(WTILES):
-        raw = q_bufs.index(stage * WTILES + i).load(dec)
-        w_bufs.index(slot * WTILES + i).store(raw.to(gl.float32).to(gl.bfloat16))
+def _decode_tile(src, dst, mul, add, SCHEME: gl.constexpr, num_warps: gl.constexpr):
+    """One stored tile ``src`` -> bf16 ``dst`` [BN, BK]. int8: converted (exact). int4 (two codes a byte, low nibble
+    first): each nibble to bits 16-19 of float32 128.0 (128 + code exactly), then (128 + code) * mul + add with the
+    row's (scale, -(128 + zero) * scale) of this step's group, the two nibbles interleaved back in K order."""
+    BYTES: gl.constexpr = src.type.shape[1]
+    # [BN, BYTES] stored bytes: 16 contiguous a thread (one 16-byte shared load); ``_scale_rows``' rows too
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
+    raw = src.load(layout)
+    if SCHEME == 0:
+        dst.store(raw.to(gl.float32).to(gl.bfloat16))
+    else:
+        packed = raw.to(gl.int32)
+        low = (((packed & 0x0F) << 16) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
+        high = (((packed & 0xF0) << 12) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
+        dst.store(gl.reshape(gl.join(low, high), [src.type.shape[0], 2 * BYTES]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _group_scales(s_rows, z_rows, k0, reduce_dim, stride_sg, stride_zg, GROUP: gl.constexpr, SCHEME: gl.constexpr):
+    """(mul, add) [BN] float32 of the group holding step k0's columns (int4: GROUP a multiple of BLOCK_K, so one
+    group a step; 0 past the reduction); int8: unused zeros (its scales multiply in the epilogue)."""
+    if SCHEME == 0:
+        mul = gl.zeros_like(s_rows.to(gl.int64).to(gl.float32))
+        add = mul
+    else:
+        ok = k0 < reduce_dim
+        g = k0 // GROUP
+        mul = gl.load(s_rows + g * stride_sg, mask=ok, other=0.0)
+        zero = gl.load(z_rows + g * stride_zg, mask=ok, other=0).to(gl.float32)
+        add = -(128.0 + zero) * mul
+    return mul, add
+
+
+@gluon.jit
+def _decode_step(q_bufs, w_bufs, stage, slot, mul_g, add_g, mul_u, add_u, GATED: gl.constexpr,
+                 SCHEME: gl.constexpr, num_warps: gl.constexpr):
+    """The stored tiles of ``stage`` -> bf16 into decoded ``slot``, fenced for the wgmma (gate then up when GATED)."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    _decode_tile(q_bufs.index(stage * WTILES), w_bufs.index(slot * WTILES), mul_g, add_g, SCHEME, num_warps)
+    if GATED:
+        _decode_tile(q_bufs.index(stage * WTILES + 1), w_bufs.index(slot * WTILES + 1), mul_u, add_u, SCHEME,
+                     num_warps)
     fence_async_shared()
 
 
 @gluon.jit
-def _scaled(acc, scale_row, cols):
-    """acc [BM, BN] * scale_row[cols] (the output channels' int8 scales) along its columns."""
-    return acc * gl.load(scale_row + cols)[None, :]
+def _scaled(acc, scale_row, cols, SCHEME: gl.constexpr):
+    """int8: acc [BM, BN] * scale_row[cols] (the output channels' scales) along its columns; else acc."""
+    if SCHEME == 0:
+        acc = acc * gl.load(scale_row + cols)[None, :]
+    return acc
 
 
 @gluon.jit
-def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, scale_ptr,
-                     stride_se, reduce_dim, num_col_blocks, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                     GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+def _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_N: gl.constexpr,
+                BYTES: gl.constexpr, num_warps: gl.constexpr):
+    """[BN] pointers to the scale and zero rows of column block cb's weight rows (``_decode_tile``'s row layout)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
+    rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    return s_ptr + expert * stride_se + rows * stride_sr, z_ptr + expert * stride_ze + rows * stride_zr
+
+
+@gluon.jit
+def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr,
+                     stride_se, stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
+                     GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
+                     GROUP: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     WTILES: gl.constexpr = 2 if GATED else 1
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
     num_tiles = num_row_blocks * num_col_blocks
-    k_steps = gl.cdiv(reduce_dim, a_bufs.type.shape[2])
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        expert = gl.load(experts_ptr + rb)
+        sg, zg = _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_N,
+                             q_bufs.type.shape[2], num_warps)
+        su, zu = sg + GATE_OFFSET * stride_sr, zg + GATE_OFFSET * stride_zr
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        mul_g, add_g = _group_scales(sg, zg, 0, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        mul_u, add_u = _group_scales(su, zu, 0, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
         mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
-        _decode_step(q_bufs, w_bufs, it % STAGES, 0, WTILES, num_warps)
+        _decode_step(q_bufs, w_bufs, it % STAGES, 0, mul_g, add_g, mul_u, add_u, GATED, SCHEME, num_warps)
+        mul_g, add_g = _group_scales(sg, zg, BLOCK_K, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        mul_u, add_u = _group_scales(su, zu, BLOCK_K, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
         for kk in range(k_steps):
             s = it % STAGES
             slot = kk % 2
@@ -81,36 +136,50 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
             if kk + 1 < k_steps:  # the next step's tiles decoded while this step's MMAs run
                 mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
-                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, 1 - slot, WTILES, num_warps)
+                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, 1 - slot, mul_g, add_g, mul_u, add_u, GATED,
+                             SCHEME, num_warps)
+                k_next = (kk + 2) * BLOCK_K  # the step after: its group's scales load while this step runs
+                mul_g, add_g = _group_scales(sg, zg, k_next, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+                mul_u, add_u = _group_scales(su, zu, k_next, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
             it += 1
-        scale_row = scale_ptr + gl.load(experts_ptr + rb) * stride_se
-        cols = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        if GATED:
-            acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
-            acc = _scaled(acc, scale_row, cols)
-            up = _scaled(up, scale_row + GATE_OFFSET, cols)
-            acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            acc = _scaled(acc, scale_row, cols)
+        _epilogue(c_desc, c_buf, acc, up, s_ptr + expert * stride_se, rb, cb, GATE_OFFSET, GATED, SCHEME, layout)
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-        tma.store_wait(0)  # the last tile's store has read c_buf
-        c_buf.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
     tma.store_wait(0)
 
 
 @gluon.jit
-def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, scale_ptr, stride_se, reduce_dim,
-                           num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
-    """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R] int8 blocks [BN, BK]; c_desc [T, C] blocks [BM, BN];
-    experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of BM); scale_ptr [E, W_ROWS] fp32 (expert
-    stride ``stride_se``); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+def _epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+              SCHEME: gl.constexpr, layout: gl.constexpr):
+    """The last MMAs retired, int8's scales, silu(gate) * up when GATED, then the tile stored by TMA."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    cols = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if GATED:
+        acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+        acc = _scaled(acc, scale_row, cols, SCHEME)
+        up = _scaled(up, scale_row + GATE_OFFSET, cols, SCHEME)
+        acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = _scaled(acc, scale_row, cols, SCHEME)
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+
+
+@gluon.jit
+def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se, stride_sr,
+                           stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr,
+                           GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                           SCHEME: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8: PACK 1; int4:
+    uint8, PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of
+    BM); s_ptr / z_ptr the scales / zeros through their strides (int8: scale [E, W_ROWS], z unread; int4: [E, W_ROWS,
+    R / GROUP], GROUP a multiple of BK); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
     w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
@@ -122,8 +191,9 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, scale_
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_wo_mma_epilogue, (c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, scale_ptr,
-                            stride_se, reduce_dim, num_col_blocks, GATE_OFFSET, GATED, GROUP_M, num_warps)),
+        (_wo_mma_epilogue, (c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr,
+                            stride_se, stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim,
+                            num_col_blocks, GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, num_warps)),
         (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   W_ROWS, GATE_OFFSET, GATED, GROUP_M)),
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1 if SCHEME == 0 else 2)),
     ], [1], [24])
