@@ -1,0 +1,82 @@
+"""Compile the weight-only Gluon GEMM (``moekit/experts/_kernels/gluon_gemm_wo.py``) for sm_90 on a machine without a
+GPU: every (scheme, GEMM, tile) the device check runs, with SMEM, ptxas's spill stores and the CTA barriers in the
+PTX (the decoded buffers' barriers come from Triton's membar pass; expect them around each step's wgmma).
+
+    PYTHONPATH=$PWD python3 benchmarks/wol7_compile_cpu.py                          # this Triton (3.9 here)
+    PYTHONPATH=/tmp/NAME-site:$PWD python3 benchmarks/wol7_compile_cpu.py           # a private Triton 3.6 wheel
+
+Shapes reach the kernel as i32 arguments and W_ROWS / GATE_OFFSET constexprs: one small shape (E=2, N=256, K=512).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
+
+# (gated, stages, scheme, block_n): the route's tiles (gate-up 4 stages, down 6) and the device check's variants
+CASES = ((True, 4, 0, 128), (False, 6, 0, 128), (True, 3, 0, 128), (False, 4, 0, 128), (False, 3, 0, 256),
+         (True, 4, 1, 128), (False, 6, 1, 128))
+
+
+def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t = torch.empty(shape, dtype=dtype)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.int8: gl.int8, torch.uint8: gl.uint8}[dtype]
+    return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: int = 64) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel as kernel
+
+    e, n, k, t = 2, 256, 512, 1024
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    pack, q_dtype = (1, torch.int8) if scheme == 0 else (2, torch.uint8)
+    args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
+                q_desc=_descriptor([e * w_rows, r // pack], [block_n, block_k // pack], q_dtype),
+                c_desc=_descriptor([t, c], [128, block_n], torch.bfloat16),
+                experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
+                s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=torch.uint8), stride_se=w_rows * 4, stride_sr=4,
+                stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r, num_col_blocks=c // block_n)
+    const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
+                 GROUP=128 if scheme else 1, num_warps=8)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+    ptx = out.asm["ptx"]
+    spills, serialized = ptxas_report(ptx)
+    return (f"{'int8' if scheme == 0 else 'int4'} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "
+            f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, wgmma "
+            f"serialized {serialized}, bar.sync {ptx.count('bar.sync')}")
+
+
+def main() -> int:
+    import triton
+
+    print("triton", triton.__version__, flush=True)
+    failed = 0
+    for case in CASES:
+        try:
+            print("OK", compile_case(*case), flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each case)
+            failed += 1
+            print(f"FAIL {case}: {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
