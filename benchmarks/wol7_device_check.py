@@ -3,7 +3,7 @@ the weight-only Gluon GEMMs (``decode="gluon"``, ``moekit/experts/triton_gluon_w
 shared memory one step ahead of the async wgmma) against today's pick (``choose_decode``: tile or scratch) and
 moekit's bf16 path on the same weights (dequantized), int8_w8a16.
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/wol7_device_check.py --out $OUT/wol7 --deadline 70   # H200
+    PYTHONPATH=$PWD timeout 72 python3 benchmarks/wol7_device_check.py --out $OUT/wol7 --deadline 56   # H200, <= 70 s
     PYTHONPATH=$PWD python3 benchmarks/wol7_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
 
 Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024 / 4096, then DeepSeek-V3 1024 / 4096 (skipped past the
@@ -51,11 +51,12 @@ CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 4096)
 # gluon tile variants (int8 only): name -> (gate-up tile, down tile or None for the route's down_tile(N))
 TILES = {"gluon_s3": (GluonTile(128, 64, 3), GluonTile(128, 64, 4)), "gluon_d256": (UP_TILE, GluonTile(256, 64, 3))}
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
+BREAKDOWN = ("bf16", "pick_int8", "gluon_int8", "gluon_int4")  # their kernels profiled where time is left
 PER_WORKER = 4  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
 T0 = time.perf_counter()
 FAILED: list[str] = []
-ARGS = argparse.Namespace(deadline=70.0, out=os.environ.get("OUT"))
+ARGS = argparse.Namespace(deadline=56.0, out=os.environ.get("OUT"))
 
 
 def elapsed() -> float:
@@ -73,6 +74,7 @@ class Cell:
     times: dict = dataclasses.field(default_factory=dict)  # variant -> median
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> {"ref": rel-L2, "twin": rel-L2}
     skipped: dict = dataclasses.field(default_factory=dict)  # variant -> its compile worker's status
+    kernels: dict = dataclasses.field(default_factory=dict)  # variant -> its kernels' eager µs (``breakdown``)
 
 
 def shape_of(preset: str) -> Shape:
@@ -247,9 +249,20 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     if graphs:
         cell.rounds = interleaved(graphs, len(inputs))
         cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
+        breakdown(cell, {k: fn for k, (_, fn) in variants(s, m, w).items() if k in graphs}, c0)
     print(f"[{elapsed():5.1f}s] {preset} M={m} picks {cell.picks}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
+
+
+def breakdown(cell: Cell, fns: dict, c0) -> None:
+    """Each BREAKDOWN variant's kernels (eager, torch.profiler: µs a launch) where time is left."""
+    from fp8_kernel_breakdown import describe, kernel_breakdown
+
+    for name in () if SMOKE else BREAKDOWN:
+        if name in fns and elapsed() < ARGS.deadline - 12:
+            cell.kernels[name] = describe(kernel_breakdown(lambda fn=fns[name]: fn(c0), calls=3))
+            print(f"  kernels {cell.preset} M={cell.m} {name}: {cell.kernels[name]}", flush=True)
 
 
 def ceilings(dev) -> dict:
@@ -311,6 +324,8 @@ def table(cells: list, ceil: dict) -> None:
           f"TFLOP/s; wins: rounds <= {WIN} x the scheme's pick; target <= 1.11x bf16")
     for c in cells:
         print("\n".join(row(c)))
+        for name, kernels in c.kernels.items():
+            print(f"      {name} kernels: {kernels}"[:400])
     print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
 
 
