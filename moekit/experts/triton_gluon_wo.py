@@ -6,8 +6,8 @@ ahead of the wgmma).
     [align, gather x into 128-aligned expert segments] -> [gate-up GEMM on w13.q (int8: scales in its epilogue;
       int4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over the k slots]
 
-``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``: selectable, no default
-takes it until the device measures a win); ``gluon_wo_unfit`` says why a call cannot take it.
+``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
+``gluon_wo_takes``: the measured cells of GLUON_WO_FROM); ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -28,6 +28,17 @@ from moekit.experts.triton_wo import WoWeight, dequantize_wo
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1}  # the kernel's SCHEME
+# (scheme, E, N, K) -> the fewest tokens from which a call without ``decode`` takes this path (``gluon_wo_takes``):
+# where the H200 measured it >= 3% faster than the chooser's pick in every round (benchmarks/wol7_device_check.py)
+GLUON_WO_FROM: dict[tuple[str, int, int, int], int] = {}
+
+
+def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
+    """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
+    GLUON_WO_FROM from that many tokens, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
+    start = GLUON_WO_FROM.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]))
+    return (start is not None and x.shape[0] >= start and gluon_supported(x.device)
+            and gluon_wo_unfit(x, w13, w2, scheme, activation) is None)
 
 
 def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
