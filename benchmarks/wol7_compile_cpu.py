@@ -22,7 +22,7 @@ from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
 
 # (gated, stages, scheme, block_n): the route's tiles (gate-up 4 stages, down 6) and the device check's variants
 CASES = ((True, 4, 0, 128), (False, 6, 0, 128), (True, 3, 0, 128), (False, 4, 0, 128), (False, 3, 0, 256),
-         (True, 4, 1, 128), (False, 6, 1, 128))
+         (True, 4, 1, 128), (False, 6, 1, 128), (True, 4, 2, 128), (False, 6, 2, 128))
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -52,14 +52,14 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
                 s_ptr=torch.empty(1), z_ptr=torch.empty(1, dtype=torch.uint8), stride_se=w_rows * 4, stride_sr=4,
                 stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r, num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
-                 GROUP=128 if scheme else 1, num_warps=8)
+                 GROUP=(1, 128, 32)[scheme], num_warps=8)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
-    return (f"{'int8' if scheme == 0 else 'int4'} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "
+    return (f"{('int8', 'int4', 'mxfp4')[scheme]} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "
             f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, wgmma "
             f"serialized {serialized}, bar.sync {ptx.count('bar.sync')}")
 

@@ -65,19 +65,24 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
 
 def _wo_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, first: int, count: int, group: int, scheme: int):
     """Rows [first, first + count) of one expert's stored weight as the weight-only GEMM multiplies them, float32
-    [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale rounded to bf16."""
+    [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127),
+    rounded to bf16."""
     rows = slice(first, first + count)
     if scheme == 0:
         return q[rows].float()
-    codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1).float()  # low nibble first
+    codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1)  # low nibble first
     per = torch.arange(codes.shape[1]) // group
-    return ((codes - z[rows][:, per].float()) * s[rows][:, per]).bfloat16().float()
+    if scheme == 2:  # mxfp4: e2m1 codes (sign bit 3), e8m0 scales
+        magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.long() & 7]
+        values = torch.where(codes >= 8, -magnitude, magnitude)
+        return (values * torch.exp2(s[rows][:, per].float() - 127)).bfloat16().float()
+    return ((codes.float() - z[rows][:, per].float()) * s[rows][:, per]).bfloat16().float()
 
 
 def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS, GATE_OFFSET, GATED, SCHEME, GROUP,
             **_):
     """The weight-only GEMM: int8 the codes' products, each output column times its row's scale (epilogue order);
-    int4 the products with the weights dequantized (one bf16 rounding)."""
+    int4 / mxfp4 the products with the weights dequantized (one bf16 rounding)."""
     a, q, c = a_desc.base, q_desc.base, c_desc.base
     cols = c.shape[1]
     for block in range(int(used_ptr[0]) // BLOCK):

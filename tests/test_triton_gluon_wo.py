@@ -31,8 +31,15 @@ def _int4(rows: int, cols: int, seed: int, group: int = 128) -> WoWeight:
     return WoWeight("int4_w4a16", q, scale, zero, group)
 
 
+def _mxfp4(rows: int, cols: int, seed: int) -> WoWeight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (E, rows, cols // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(119, 124, (E, rows, cols // 32), generator=g, dtype=torch.uint8)  # ~ 1 / (2.9 sqrt(C))
+    return WoWeight("mxfp4", q, scale, None, 32)
+
+
 def _weights(scheme: str) -> tuple[WoWeight, WoWeight]:
-    make = _int8 if scheme == "int8_w8a16" else _int4
+    make = {"int8_w8a16": _int8, "int4_w4a16": _int4, "mxfp4": _mxfp4}[scheme]
     return make(2 * N, K, 1), make(K, N, 2)
 
 
@@ -46,12 +53,15 @@ def _call(m: int, k: int = 2, seed: int = 3):
 
 def _dense64(w: WoWeight) -> torch.Tensor:
     """The weight w stores, float64 [E, R, C], decoded here: int8 q * scale per row; int4 (code - zero) * scale per
-    group along C, code 2i the low nibble of byte i."""
+    group along C, mxfp4 e2m1(code) * 2^(e8m0 - 127) per 32; code 2i the low nibble of byte i."""
     if w.scheme == "int8_w8a16":
         return w.q.double() * w.scale.double()[:, :, None]
-    codes = torch.stack((w.q & 15, w.q >> 4), dim=-1).reshape(*w.q.shape[:2], -1).double()
+    codes = torch.stack((w.q & 15, w.q >> 4), dim=-1).reshape(*w.q.shape[:2], -1)
     per = torch.arange(codes.shape[2]) // w.group_size
-    return (codes - w.zero[:, :, per].double()) * w.scale[:, :, per].double()
+    if w.scheme == "mxfp4":  # e2m1: sign bit 3, magnitudes 0 .5 1 1.5 2 3 4 6; e8m0 scale 2^(s - 127)
+        magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)[codes.long() & 7]
+        return torch.where(codes >= 8, -magnitude, magnitude) * torch.exp2(w.scale[:, :, per].double() - 127)
+    return (codes.double() - w.zero[:, :, per].double()) * w.scale[:, :, per].double()
 
 
 def _f64(x, w13: WoWeight, w2: WoWeight, ids, weights) -> torch.Tensor:
@@ -70,7 +80,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16"])
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16", "mxfp4"])
 def test_twin_matches_a_float64_loop(scheme):
     w13, w2 = _weights(scheme)
     x, ids, weights = _call(40)
@@ -79,7 +89,7 @@ def test_twin_matches_a_float64_loop(scheme):
     assert _rel(out, _f64(x, w13, w2, ids, weights)) < 1e-2
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16"])
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16", "mxfp4"])
 @pytest.mark.parametrize("m", [1, 40, 300])  # one row; blocks part full; an expert over two 128-row blocks
 def test_gluon_decode_matches_a_float64_loop(fake_gemms, m, scheme):
     w13, w2 = _weights(scheme)
@@ -91,7 +101,8 @@ def test_gluon_decode_matches_a_float64_loop(fake_gemms, m, scheme):
     launches = fake_gemms["wo"].log
     assert [bound["GATED"] for _, bound, _ in launches] == [True, False]  # gate-up, then down
     assert [bound["W_ROWS"] for _, bound, _ in launches] == [2 * N, K]
-    assert [bound["SCHEME"] for _, bound, _ in launches] == [0 if scheme == "int8_w8a16" else 1] * 2
+    kernel_scheme = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}[scheme]
+    assert [bound["SCHEME"] for _, bound, _ in launches] == [kernel_scheme] * 2
 
 
 def test_tiles_reach_the_kernel(fake_gemms):
@@ -105,7 +116,7 @@ def test_tiles_reach_the_kernel(fake_gemms):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("scheme", "scheme 'mxfp4'"), ("group", "int4 groups 32"), ("dtype", "x torch.float16"), ("act", "activation='gelu'"),
+    ("scheme", "scheme 'fp8_block'"), ("group", "int4 groups 32"), ("dtype", "x torch.float16"), ("act", "activation='gelu'"),
     ("strided", "strided w13.q"), ("narrow", "multiples of 128"),
 ])
 def test_unfit_calls_name_their_reason(case, reason):
@@ -113,7 +124,7 @@ def test_unfit_calls_name_their_reason(case, reason):
     x = torch.randn(4, K).bfloat16()
     scheme, act = "int8_w8a16", "silu"
     if case == "scheme":
-        scheme = "mxfp4"
+        scheme = "fp8_block"
     elif case == "group":
         scheme, w13 = "int4_w4a16", _int4(2 * N, K, 1, group=32)
         w2 = _int4(K, N, 2)

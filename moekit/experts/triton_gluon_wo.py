@@ -1,10 +1,10 @@
-"""Weight-only experts (int8_w8a16, int4_w4a16 with groups a multiple of 64) on warp-specialized Gluon GEMMs for
-Hopper at large batches (issue #16's M >= 1024 target): the bf16 Gluon path's layout and combine (``triton_gluon``),
+"""Weight-only experts (int8_w8a16, int4_w4a16 with groups a multiple of 64, mxfp4) on warp-specialized Gluon GEMMs
+for Hopper at large batches (issue #16's M >= 1024 target): the bf16 Gluon path's layout and combine (``triton_gluon``),
 its GEMMs replaced by ``_kernels/gluon_gemm_wo.py`` (the stored tiles decoded to bf16 in shared memory one step
 ahead of the wgmma).
 
     [align, gather x into 128-aligned expert segments] -> [gate-up GEMM on w13.q (int8: scales in its epilogue;
-      int4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over the k slots]
+      int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
 ``gluon_wo_takes``: the measured cells of GLUON_WO_FROM); ``gluon_wo_unfit`` says why a call cannot take it.
@@ -27,7 +27,7 @@ from moekit.experts.triton_gluon_launch import (
 from moekit.experts.triton_wo import WoWeight, dequantize_wo
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
-GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1}  # the kernel's SCHEME
+GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 # (scheme, E, N, K) -> the fewest tokens from which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # where the H200 measured it >= 3% faster than the chooser's pick in every round (benchmarks/wol7_device_check.py)
 GLUON_WO_FROM: dict[tuple[str, int, int, int], int] = {}
@@ -43,8 +43,9 @@ def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str
 
 def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
                    block_k: int = UP_TILE.block_k) -> str | None:
-    """Why the weight-only Gluon path cannot take this call (None when it can): int8_w8a16 or int4_w4a16 (zero points,
-    groups a multiple of ``block_k``: one group a step), bf16 x, plain silu, contiguous q, N and K multiples of 128.
+    """Why the weight-only Gluon path cannot take this call (None when it can): int8_w8a16, int4_w4a16 (zero points,
+    groups a multiple of ``block_k``: one group a step) or mxfp4, bf16 x, plain silu, contiguous q, N and K multiples
+    of 128.
     ``w13`` / ``w2``: anything with ``q``, ``scale``, ``zero``, ``group_size`` (WeightArgs, WoWeight)."""
     if scheme not in GLUON_WO_SCHEMES:
         return f"scheme {scheme!r} (the Gluon weight-only GEMMs take {tuple(GLUON_WO_SCHEMES)})"
@@ -113,8 +114,8 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
 def experts_gluon_wo_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids: torch.Tensor,
                           topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """The path's arithmetic in torch on the same layout: per expert segment float32 products, int8: with the codes,
-    the scales on the products' columns; int4: with each weight dequantized and rounded to bf16 (the decode's one
-    rounding); h and y rounded to x's dtype like the kernels, float32 combine. Syncs."""
+    the scales on the products' columns; int4 / mxfp4: with each weight dequantized and rounded to bf16 (the
+    decode's one rounding); h and y rounded to x's dtype like the kernels, float32 combine. Syncs."""
     num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
     plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
     layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
@@ -132,7 +133,7 @@ def experts_gluon_wo_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids
 
 def _weight_t(w: WoWeight, e: int, cols: int) -> torch.Tensor:
     """Expert e's weight as the twin multiplies it, transposed [C, R]: int8 the codes times their rows' scales (the
-    kernel scales the products: equal up to float32 rounding), int4 dequantized and rounded to bf16."""
+    kernel scales the products: equal up to float32 rounding), int4 / mxfp4 dequantized and rounded to bf16."""
     if w.scheme == "int8_w8a16":
         return w.q[e].float().t() * w.scale[e][None, :].float()  # == (x @ q^T) * scale up to float32 rounding
     return dequantize_wo(w, cols, e).to(torch.bfloat16).float().t()

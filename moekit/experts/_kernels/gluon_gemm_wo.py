@@ -1,4 +1,4 @@
-"""Warp-specialized weight-only grouped GEMM for Hopper (Gluon), int8_w8a16, on the contiguous layout.
+"""Warp-specialized weight-only grouped GEMM for Hopper (Gluon), int8_w8a16 / int4_w4a16 / mxfp4, contiguous layout.
 
     out[r, c] = act(A[r, :] @ (Q[e(r), c, :] * scale[e(r), c])^T)      r: a row of the permuted buffer
 
@@ -33,33 +33,50 @@ from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
 def _decode_tile(src, dst, mul, add, SCHEME: gl.constexpr, num_warps: gl.constexpr):
     """One stored tile ``src`` -> bf16 ``dst`` [BN, BK]. int8: converted (exact). int4 (two codes a byte, low nibble
     first): each nibble to bits 16-19 of float32 128.0 (128 + code exactly), then (128 + code) * mul + add with the
-    row's (scale, -(128 + zero) * scale) of this step's group, the two nibbles interleaved back in K order."""
+    row's (scale, -(128 + zero) * scale) of this step's group. mxfp4: the tile viewed [BN, BK / 32, 16 bytes] (a
+    thread's 16 bytes are one group's 32 codes), each code's bits placed as float16 e2m1 * 2^-14 (exact), times the
+    group's 2^(e8m0 - 113) (mul [BN, BK / 32]). The two nibbles interleaved back in K order."""
+    BN: gl.constexpr = src.type.shape[0]
     BYTES: gl.constexpr = src.type.shape[1]
     # [BN, BYTES] stored bytes: 16 contiguous a thread (one 16-byte shared load); ``_scale_rows``' rows too
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
     raw = src.load(layout)
     if SCHEME == 0:
         dst.store(raw.to(gl.float32).to(gl.bfloat16))
-    else:
+    elif SCHEME == 1:
         packed = raw.to(gl.int32)
         low = (((packed & 0x0F) << 16) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
         high = (((packed & 0xF0) << 12) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
-        dst.store(gl.reshape(gl.join(low, high), [src.type.shape[0], 2 * BYTES]).to(gl.bfloat16))
+        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * BYTES]).to(gl.bfloat16))
+    else:
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // (BYTES // 16), BYTES // 16, 1], [num_warps, 1, 1],
+                                                [2, 1, 0])
+        packed = gl.convert_layout(gl.reshape(raw, [BN, BYTES // 16, 16]), groups).to(gl.int32)
+        low = (((packed & 0x07) << 9) | ((packed & 0x08) << 12)).to(gl.int16).to(gl.float16, bitcast=True)
+        high = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(gl.int16).to(gl.float16, bitcast=True)
+        low = low.to(gl.float32) * mul[:, :, None]
+        high = high.to(gl.float32) * mul[:, :, None]
+        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * BYTES]).to(gl.bfloat16))
 
 
 @gluon.jit
 def _group_scales(s_rows, z_rows, k0, reduce_dim, stride_sg, stride_zg, GROUP: gl.constexpr, SCHEME: gl.constexpr):
-    """(mul, add) [BN] float32 of the group holding step k0's columns (int4: GROUP a multiple of BLOCK_K, so one
-    group a step; 0 past the reduction); int8: unused zeros (its scales multiply in the epilogue)."""
+    """(mul, add) float32 of step k0's groups, loaded a step ahead; 0 past the reduction. int4 [BN]: GROUP a multiple
+    of BLOCK_K (one group a step), add = -(128 + zero) * scale; mxfp4 [BN, BK / 32] (``_scale_rows``' group pointers):
+    mul = 2^(e8m0 - 113), add unused; int8: unused zeros (its scales multiply in the epilogue)."""
+    ok = k0 < reduce_dim
+    g = k0 // GROUP
     if SCHEME == 0:
         mul = gl.zeros_like(s_rows.to(gl.int64).to(gl.float32))
         add = mul
-    else:
-        ok = k0 < reduce_dim
-        g = k0 // GROUP
+    elif SCHEME == 1:
         mul = gl.load(s_rows + g * stride_sg, mask=ok, other=0.0)
         zero = gl.load(z_rows + g * stride_zg, mask=ok, other=0).to(gl.float32)
         add = -(128.0 + zero) * mul
+    else:
+        exponent = gl.load(s_rows + g * stride_sg, mask=ok, other=0).to(gl.int32)
+        mul = ((exponent + 14) << 23).to(gl.float32, bitcast=True)
+        add = mul
     return mul, add
 
 
@@ -84,12 +101,23 @@ def _scaled(acc, scale_row, cols, SCHEME: gl.constexpr):
 
 
 @gluon.jit
-def _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_N: gl.constexpr,
-                BYTES: gl.constexpr, num_warps: gl.constexpr):
-    """[BN] pointers to the scale and zero rows of column block cb's weight rows (``_decode_tile``'s row layout)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
-    rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    return s_ptr + expert * stride_se + rows * stride_sr, z_ptr + expert * stride_ze + rows * stride_zr
+def _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr,
+                BLOCK_N: gl.constexpr, BYTES: gl.constexpr, SCHEME: gl.constexpr, num_warps: gl.constexpr):
+    """Pointers to the scale and zero rows of column block cb's weight rows in ``_decode_tile``'s layouts: [BN]; mxfp4
+    [BN, BK / 32] (a step's groups: its first at column 0; ``_group_scales`` adds the step's)."""
+    if SCHEME == 2:
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // (BYTES // 16), BYTES // 16, 1], [num_warps, 1, 1],
+                                                [2, 1, 0])
+        rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, groups)))
+        part = gl.arange(0, BYTES // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, groups)))
+        s_rows = s_ptr + expert * stride_se + rows[:, None] * stride_sr + part[None, :] * stride_sg
+        z_rows = s_rows
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
+        rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        s_rows = s_ptr + expert * stride_se + rows * stride_sr
+        z_rows = z_ptr + expert * stride_ze + rows * stride_zr
+    return s_rows, z_rows
 
 
 @gluon.jit
@@ -111,8 +139,8 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         expert = gl.load(experts_ptr + rb)
-        sg, zg = _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_ze, stride_zr, BLOCK_N,
-                             q_bufs.type.shape[2], num_warps)
+        sg, zg = _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr, BLOCK_N,
+                             q_bufs.type.shape[2], SCHEME, num_warps)
         su, zu = sg + GATE_OFFSET * stride_sr, zg + GATE_OFFSET * stride_zr
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
