@@ -1,7 +1,7 @@
 """Issue #16 target 3 (weight-only cells at M >= 1024 no slower than bf16 / 0.9, i.e. <= 1.11x moekit's bf16 cell):
-the weight-only Gluon GEMMs (``decode="gluon"``, ``moekit/experts/triton_gluon_wo.py``: int8 tiles decoded to bf16 in
+the weight-only Gluon GEMMs (``decode="gluon"``, ``moekit/experts/triton_gluon_wo.py``: stored tiles decoded to bf16 in
 shared memory one step ahead of the async wgmma) against today's pick (``choose_decode``: tile or scratch) and
-moekit's bf16 path on the same weights (dequantized), int8_w8a16.
+moekit's bf16 path on the same weights (int8's, dequantized), int8_w8a16, int4_w4a16 (group 128) and mxfp4.
 
     PYTHONPATH=$PWD timeout 72 python3 benchmarks/wol7_device_check.py --out $OUT/wol7 --deadline 56   # H200, <= 70 s
     PYTHONPATH=$PWD python3 benchmarks/wol7_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
@@ -45,13 +45,13 @@ from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin, run_experts_wo
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
-SCHEMES = ("int8_w8a16", "int4_w4a16")  # int4: group 128 with zero points (moekit bench's)
+SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")  # int4: group 128 with zero points (moekit bench's)
 CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 4096), ("qwen3-30b-a3b", 4096),
          ("deepseek-v3", 1024), ("deepseek-v3", 4096))
 # gluon tile variants (int8 only): name -> (gate-up tile, down tile or None for the route's down_tile(N))
-TILES = {"gluon_s3": (GluonTile(128, 64, 3), GluonTile(128, 64, 4)), "gluon_d256": (UP_TILE, GluonTile(256, 64, 3))}
+TILES = {"gluon_d256": (UP_TILE, GluonTile(256, 64, 3))}
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
-BREAKDOWN = ("bf16", "pick_int8", "gluon_int8", "gluon_int4")  # their kernels profiled where time is left
+BREAKDOWN = ("bf16", "pick_int8", "gluon_int8", "gluon_int4", "gluon_mxfp4")  # kernels profiled where time is left
 PER_WORKER = 4  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
 T0 = time.perf_counter()
@@ -82,7 +82,7 @@ def shape_of(preset: str) -> Shape:
 
 
 class Weights:
-    """One preset's weights, each built on first use: the int8 and int4 WoWeights (random, ``seed``; None:
+    """One preset's weights, each built on first use: the int8, int4 and mxfp4 WoWeights (random, ``seed``; None:
     uninitialised, for compiling) and the bf16 weights the int8 ones dequantize to (uninitialised when compiling)."""
 
     def __init__(self, s: Shape, dev, seed: int | None):
@@ -115,7 +115,7 @@ def variants(s: Shape, m: int, w: Weights) -> dict:
     """name -> (scheme or None for bf16, fn(inputs) -> out)."""
     out = {"bf16": (None, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))}
     for scheme in SCHEMES:
-        tag = "int8" if scheme == "int8_w8a16" else "int4"
+        tag = scheme.split("_")[0]
         out[f"pick_{tag}"] = (scheme, lambda c, sc=scheme: run_experts_wo(c.x, *w.args(sc), c.topk_ids,
                                                                              c.topk_weights, None, sc))
         tiles = {"gluon": (UP_TILE, None), **(TILES if tag == "int8" else {})}
