@@ -19,10 +19,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_fp8_compile_cpu import ptxas_report  # noqa: E402
+from wo_gemv_sass_cpu import _tool  # noqa: E402
 
 # (gated, stages, scheme, block_n): the route's tiles (gate-up 4 stages, down 6) and the device check's variants
 CASES = ((True, 4, 0, 128), (False, 6, 0, 128), (True, 3, 0, 128), (False, 4, 0, 128), (False, 3, 0, 256),
-         (True, 4, 1, 128), (False, 6, 1, 128), (True, 4, 2, 128), (False, 6, 2, 128))
+         (True, 4, 1, 128), (False, 6, 1, 128), (True, 4, 2, 128), (False, 6, 2, 128), (True, 6, 0, 64),
+         (True, 6, 1, 64), (True, 6, 2, 64))
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -30,8 +32,32 @@ def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     t = torch.empty(shape, dtype=dtype)
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.int8: gl.int8, torch.uint8: gl.uint8}[dtype]
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.int8: gl.int8, torch.uint8: gl.uint8, torch.int32: gl.int32}[dtype]
     return TensorDescriptor(t, shape, list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+
+
+def loop_counts(cubin: bytes, weights: int) -> str:
+    """The MMA partition's main loop in the SASS (the backward branch whose body holds the HGMMAs): instructions a
+    weight a thread (8 warps share a step's ``weights``), and its most frequent opcodes."""
+    import re
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        body = lines[labels.get(m.group(1), i):i + 1] if m else []
+        if any("HGMMA" in b for b in body):
+            ops = [b.split("*/")[1].split()[1 if b.split("*/")[1].split()[0].startswith("@") else 0].split(".")[0]
+                   for b in body if re.match(r"\s*/\*[0-9a-f]+\*/", b)]
+            top = " ".join(f"{k}:{v}" for k, v in Counter(ops).most_common(8))
+            return f"loop {len(ops)} instructions, {len(ops) * 8 * 32 / weights:.2f} a weight a thread ({top})"
+    return "loop not found"
 
 
 def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: int = 64) -> str:
@@ -44,7 +70,7 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
 
     e, n, k, t = 2, 256, 512, 1024
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
-    pack, q_dtype = (1, torch.int8) if scheme == 0 else (2, torch.uint8)
+    pack, q_dtype = ((1, torch.int8), (8, torch.int32), (2, torch.uint8))[scheme]  # int4: int32 words of 8 codes
     args = dict(a_desc=_descriptor([t, r], [128, block_k], torch.bfloat16),
                 q_desc=_descriptor([e * w_rows, r // pack], [block_n, block_k // pack], q_dtype),
                 c_desc=_descriptor([t, c], [128, block_n], torch.bfloat16),
@@ -61,7 +87,8 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
     spills, serialized = ptxas_report(ptx)
     return (f"{('int8', 'int4', 'mxfp4')[scheme]} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "
             f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, wgmma "
-            f"serialized {serialized}, bar.sync {ptx.count('bar.sync')}")
+            f"serialized {serialized}, bar.sync {ptx.count('bar.sync')}; "
+            + loop_counts(out.asm["cubin"], (2 if gated else 1) * block_n * block_k))
 
 
 def main() -> int:

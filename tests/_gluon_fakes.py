@@ -67,7 +67,7 @@ def _wo_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, first: int, coun
     """Rows [first, first + count) of one expert's stored weight as the weight-only GEMM multiplies them, float32
     [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127),
     rounded to bf16."""
-    rows = slice(first, first + count)
+    rows, q = slice(first, first + count), q.view(torch.uint8) if q.dtype == torch.int32 else q  # int4: words
     if scheme == 0:
         return q[rows].float()
     codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1)  # low nibble first

@@ -101,6 +101,8 @@ def test_gluon_decode_matches_a_float64_loop(fake_gemms, m, scheme):
     launches = fake_gemms["wo"].log
     assert [bound["GATED"] for _, bound, _ in launches] == [True, False]  # gate-up, then down
     assert [bound["W_ROWS"] for _, bound, _ in launches] == [2 * N, K]
+    params = set(fake_gemms["wo"]._params)
+    assert all(set(bound) == params for _, bound, _ in launches)  # every parameter passed (none left to a default)
     kernel_scheme = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}[scheme]
     assert [bound["SCHEME"] for _, bound, _ in launches] == [kernel_scheme] * 2
 

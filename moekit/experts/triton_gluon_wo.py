@@ -28,6 +28,7 @@ from moekit.experts.triton_wo import WoWeight, dequantize_wo
 from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
+PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
 # (scheme, E, N, K) -> the fewest tokens from which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # where the H200 measured it >= 3% faster than the chooser's pick in every round (benchmarks/wol7_device_check.py)
 GLUON_WO_FROM: dict[tuple[str, int, int, int], int] = {}
@@ -66,7 +67,8 @@ def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
 def _strides(w) -> tuple:
     """(expert, row, group) strides of the scale and of the zero (int8: scale [E, R], no group; no zero: 0s)."""
     s = w.scale.stride() if w.scale.dim() == 3 else (*w.scale.stride(), 0)
-    return (*s, *(w.zero.stride() if w.zero is not None else (0, 0, 0)))
+    zero = w.zero is not None and w.zero is not w.scale and w.zero.dim() == 3  # WeightArgs: zero = scale without one
+    return (*s, *(w.zero.stride() if zero else (0, 0, 0)))
 
 
 def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
@@ -75,9 +77,11 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     stores: int8 q * scale, int4 (q - zero) * scale per group."""
     kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
-    pack = 1 if scheme == "int8_w8a16" else 2
+    q = w.q.view(num_experts * w_rows, stored)
+    if scheme == "int4_w4a16":  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
+        q = q.view(torch.int32)
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
-    q_desc = gluon_descriptor(w.q.view(num_experts * w_rows, stored), [tile.block_n, tile.block_k // pack])
+    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // PACK[scheme]])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = out.shape[1] // tile.block_n
     grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)

@@ -30,39 +30,58 @@ from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
 
 
 @gluon.jit
+def _nibble(words, SHIFT: gl.constexpr, mul, add):
+    """The code at bits [16 - SHIFT, 20 - SHIFT) of each int32 word moved to bits 16-19 of float32 128.0 (one shift,
+    one LOP3: 128 + code exactly), then (128 + code) * mul + add (one fma) with the rows' group (scale, -(128 +
+    zero) * scale)."""
+    if SHIFT > 0:
+        placed = words << SHIFT
+    elif SHIFT < 0:
+        placed = words >> (-SHIFT)
+    else:
+        placed = words
+    return ((placed & 0x000F0000) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
+
+
+@gluon.jit
 def _decode_tile(src, dst, mul, add, SCHEME: gl.constexpr, num_warps: gl.constexpr):
-    """One stored tile ``src`` -> bf16 ``dst`` [BN, BK]. int8: converted (exact). int4 (two codes a byte, low nibble
-    first): each nibble to bits 16-19 of float32 128.0 (128 + code exactly), then (128 + code) * mul + add with the
-    row's (scale, -(128 + zero) * scale) of this step's group. mxfp4: the tile viewed [BN, BK / 32, 16 bytes] (a
-    thread's 16 bytes are one group's 32 codes), each code's bits placed as float16 e2m1 * 2^-14 (exact), times the
-    group's 2^(e8m0 - 113) (mul [BN, BK / 32]). The two nibbles interleaved back in K order."""
+    """One stored tile ``src`` -> bf16 ``dst`` [BN, BK]. int8 (bytes): converted (exact). int4 (int32 words of 8
+    codes, code p at bits 4p: K order): ``_nibble`` per code, the 8 codes of a word interleaved back in K order.
+    mxfp4 (bytes, two codes a byte, low nibble first): the tile viewed [BN, ROW / VEC, VEC bytes] (a thread's bytes
+    lie in one 32-code group), each code's bits placed as float16 e2m1 * 2^-14 (exact), times its group's
+    2^(e8m0 - 113) (mul [BN, ROW / VEC]), the two nibbles interleaved back in K order."""
     BN: gl.constexpr = src.type.shape[0]
-    BYTES: gl.constexpr = src.type.shape[1]
-    # [BN, BYTES] stored bytes: 16 contiguous a thread (one 16-byte shared load); ``_scale_rows``' rows too
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
-    raw = src.load(layout)
+    ROW: gl.constexpr = src.type.shape[1]
+    FULL: gl.constexpr = 128 // src.dtype.primitive_bitwidth  # elements of 16 bytes: one shared load a thread
+    SPREAD: gl.constexpr = BN * ROW // (32 * num_warps)  # or fewer, so that no two threads hold the same element
+    VEC: gl.constexpr = FULL if FULL < SPREAD else SPREAD
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (ROW // VEC), ROW // VEC], [num_warps, 1], [1, 0])
+    raw = src.load(layout)  # ``_scale_rows``' rows are this layout's
     if SCHEME == 0:
         dst.store(raw.to(gl.float32).to(gl.bfloat16))
     elif SCHEME == 1:
-        packed = raw.to(gl.int32)
-        low = (((packed & 0x0F) << 16) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
-        high = (((packed & 0xF0) << 12) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
-        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * BYTES]).to(gl.bfloat16))
+        w0, w4 = _nibble(raw, 16, mul, add), _nibble(raw, 0, mul, add)
+        w1, w5 = _nibble(raw, 12, mul, add), _nibble(raw, -4, mul, add)
+        w2, w6 = _nibble(raw, 8, mul, add), _nibble(raw, -8, mul, add)
+        w3, w7 = _nibble(raw, 4, mul, add), _nibble(raw, -12, mul, add)
+        # [BN, ROW, 2, 2, 2]: the first join's dim is code bit 2, the last's bit 0 -> [BN, 8 ROW] in K order
+        w = gl.join(gl.join(gl.join(w0, w4), gl.join(w2, w6)), gl.join(gl.join(w1, w5), gl.join(w3, w7)))
+        dst.store(gl.reshape(w, [BN, 8 * ROW]).to(gl.bfloat16))
     else:
-        groups: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // (BYTES // 16), BYTES // 16, 1], [num_warps, 1, 1],
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [32 // (ROW // VEC), ROW // VEC, 1], [num_warps, 1, 1],
                                                 [2, 1, 0])
-        packed = gl.convert_layout(gl.reshape(raw, [BN, BYTES // 16, 16]), groups).to(gl.int32)
+        packed = gl.convert_layout(gl.reshape(raw, [BN, ROW // VEC, VEC]), groups).to(gl.int32)
         low = (((packed & 0x07) << 9) | ((packed & 0x08) << 12)).to(gl.int16).to(gl.float16, bitcast=True)
         high = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(gl.int16).to(gl.float16, bitcast=True)
         low = low.to(gl.float32) * mul[:, :, None]
         high = high.to(gl.float32) * mul[:, :, None]
-        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * BYTES]).to(gl.bfloat16))
+        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * ROW]).to(gl.bfloat16))
 
 
 @gluon.jit
 def _group_scales(s_rows, z_rows, k0, reduce_dim, stride_sg, stride_zg, GROUP: gl.constexpr, SCHEME: gl.constexpr):
     """(mul, add) float32 of step k0's groups, loaded a step ahead; 0 past the reduction. int4 [BN]: GROUP a multiple
-    of BLOCK_K (one group a step), add = -(128 + zero) * scale; mxfp4 [BN, BK / 32] (``_scale_rows``' group pointers):
+    of BLOCK_K (one group a step), add = -(128 + zero) * scale; mxfp4 [BN, ROW / VEC] (``_scale_rows``' pointers):
     mul = 2^(e8m0 - 113), add unused; int8: unused zeros (its scales multiply in the epilogue)."""
     ok = k0 < reduce_dim
     g = k0 // GROUP
@@ -102,18 +121,20 @@ def _scaled(acc, scale_row, cols, SCHEME: gl.constexpr):
 
 @gluon.jit
 def _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr,
-                BLOCK_N: gl.constexpr, BYTES: gl.constexpr, SCHEME: gl.constexpr, num_warps: gl.constexpr):
-    """Pointers to the scale and zero rows of column block cb's weight rows in ``_decode_tile``'s layouts: [BN]; mxfp4
-    [BN, BK / 32] (a step's groups: its first at column 0; ``_group_scales`` adds the step's)."""
+                BLOCK_N: gl.constexpr, ROW: gl.constexpr, VEC: gl.constexpr, SCHEME: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Pointers to the scale and zero rows of column block cb's weight rows in ``_decode_tile``'s layouts (a stored
+    tile row of ROW elements, VEC a thread): [BN]; mxfp4 [BN, ROW / VEC] (each part's group in a step: its first at
+    column 0; ``_group_scales`` adds the step's)."""
     if SCHEME == 2:
-        groups: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // (BYTES // 16), BYTES // 16, 1], [num_warps, 1, 1],
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [32 // (ROW // VEC), ROW // VEC, 1], [num_warps, 1, 1],
                                                 [2, 1, 0])
         rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, groups)))
-        part = gl.arange(0, BYTES // 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, groups)))
-        s_rows = s_ptr + expert * stride_se + rows[:, None] * stride_sr + part[None, :] * stride_sg
+        part = gl.arange(0, ROW // VEC, layout=gl.SliceLayout(0, gl.SliceLayout(2, groups)))  # VEC bytes: 2 VEC codes
+        s_rows = s_ptr + expert * stride_se + rows[:, None] * stride_sr + (part * VEC // 16)[None, :] * stride_sg
         z_rows = s_rows
     else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BYTES // 16), BYTES // 16], [num_warps, 1], [1, 0])
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (ROW // VEC), ROW // VEC], [num_warps, 1], [1, 0])
         rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         s_rows = s_ptr + expert * stride_se + rows * stride_sr
         z_rows = z_ptr + expert * stride_ze + rows * stride_zr
@@ -130,6 +151,9 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     WTILES: gl.constexpr = 2 if GATED else 1
+    FULL: gl.constexpr = 128 // q_bufs.dtype.primitive_bitwidth  # ``_decode_tile``'s elements a thread
+    SPREAD: gl.constexpr = BLOCK_N * q_bufs.type.shape[2] // (32 * num_warps)
+    VEC: gl.constexpr = FULL if FULL < SPREAD else SPREAD
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
@@ -140,7 +164,7 @@ def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, expert
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
         expert = gl.load(experts_ptr + rb)
         sg, zg = _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr, BLOCK_N,
-                             q_bufs.type.shape[2], SCHEME, num_warps)
+                             q_bufs.type.shape[2], VEC, SCHEME, num_warps)
         su, zu = sg + GATE_OFFSET * stride_sr, zg + GATE_OFFSET * stride_zr
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
@@ -202,10 +226,12 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
                            GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                            SCHEME: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8: PACK 1; int4:
-    uint8, PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32; used_ptr -> rows in use (a multiple of
-    BM); s_ptr / z_ptr the scales / zeros through their strides (int8: scale [E, W_ROWS], z unread; int4: [E, W_ROWS,
-    R / GROUP], GROUP a multiple of BK); reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+    int32 words, PACK 8; mxfp4: uint8, PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32;
+    used_ptr -> rows in use (a multiple of BM); s_ptr / z_ptr the scales / zeros through their strides (int8: scale
+    [E, W_ROWS], z unread; int4: [E, W_ROWS, R / GROUP], GROUP a multiple of BK; mxfp4: e8m0 [E, W_ROWS, R / 32]);
+    reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
     WTILES: gl.constexpr = 2 if GATED else 1
+    PACK: gl.constexpr = 1 if SCHEME == 0 else (8 if SCHEME == 1 else 2)  # weights a stored element
     BLOCK_N: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -223,5 +249,5 @@ def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr,
                             stride_se, stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim,
                             num_col_blocks, GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, num_warps)),
         (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, 1 if SCHEME == 0 else 2)),
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
     ], [1], [24])
