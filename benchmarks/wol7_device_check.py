@@ -9,8 +9,9 @@ moekit's bf16 path on the same weights (int8's, dequantized), int8_w8a16, int4_w
 
 Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024, DeepSeek-V3 4096 (CK1's one int4 win), Mixtral and Qwen3 4096,
 DeepSeek-V3 1024 (skipped past the deadline). Compile workers (PER_WORKER a preset) run every variant once while
-this process builds the weights and measures the ceilings (copy rate, dense bf16 mm rate). Per cell: "gluon" (and its tile variants) against the torch
-twin (``experts_gluon_wo_twin``) and the exact reference (``fused_experts_wo_torch``), "pick" against the reference:
+this process builds the weights and measures the ceilings (copy rate, dense bf16 mm rate). Per cell: "gluon" (and
+its tile variants) against the torch twin (``experts_gluon_wo_twin``) and the exact reference
+(``fused_experts_wo_torch``), "pick" against the reference:
 PASS / FAIL with rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds
 (median µs, x bf16, x pick, rounds >= 3% faster than the pick), the flop floor (2 x M*k x 3NK over the mm rate) and
 the byte floor (touched experts' int8 bytes and scales over the copy rate) as % of each. The table is printed last;

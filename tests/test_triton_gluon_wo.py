@@ -118,8 +118,8 @@ def test_tiles_reach_the_kernel(fake_gemms):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("scheme", "scheme 'fp8_block'"), ("group", "int4 groups 32"), ("dtype", "x torch.float16"), ("act", "activation='gelu'"),
-    ("strided", "strided w13.q"), ("narrow", "multiples of 128"),
+    ("scheme", "scheme 'fp8_block'"), ("group", "int4 groups 32"), ("dtype", "x torch.float16"),
+    ("act", "activation='gelu'"), ("strided", "strided w13.q"), ("narrow", "multiples of 128"),
 ])
 def test_unfit_calls_name_their_reason(case, reason):
     w13, w2 = _int8(2 * N, K, 1), _int8(K, N, 2)
