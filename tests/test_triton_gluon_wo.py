@@ -161,10 +161,11 @@ def test_off_hopper_the_call_raises():
 
 
 def test_measured_cells_start_where_the_cheap_test_looks():
-    from moekit.experts.triton_gluon_wo import GLUON_WO_FROM
+    from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, GLUON_WO_SCHEMES
     from moekit.experts.triton_wo import GLUON_MIN_TOKENS
 
-    assert all(start >= GLUON_MIN_TOKENS for start in GLUON_WO_FROM.values())
+    assert all(GLUON_MIN_TOKENS <= lo < hi for lo, hi in GLUON_WO_CELLS.values())
+    assert all(scheme in GLUON_WO_SCHEMES for scheme, *_ in GLUON_WO_CELLS)
 
 
 @pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16"])
@@ -175,12 +176,14 @@ def test_a_measured_cell_takes_the_path_without_a_decode(fake_gemms, monkeypatch
     w13, w2 = _weights(scheme)
     x, ids, weights = _call(600)
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    monkeypatch.setattr(tgw, "GLUON_WO_FROM", {(scheme, E, N, K): 600})
+    monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {(scheme, E, N, K): (600, 601)})
     out = run_experts_wo(x, a13, a2, ids, weights, None, scheme)
     assert len(fake_gemms["wo"].log) == 2 and _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
     assert two.wo_lean_inputs(x, w13, w2, ids, weights, "silu", two.LaunchOptions()) is None  # calls stay plain
-    run_experts_wo(x[:599], a13, a2, ids[:599], weights[:599], None, scheme)  # below the cell's start: the chooser's
+    run_experts_wo(x[:599], a13, a2, ids[:599], weights[:599], None, scheme)  # below the range: the chooser's decode
     assert len(fake_gemms["wo"].log) == 2
+    x2, ids2, _ = _call(601)
+    assert not tgw.gluon_wo_takes(x2, a13, a2, ids2, scheme, "silu")  # past its end
 
 
 def test_off_hopper_a_measured_cell_keeps_the_triton_kernels(monkeypatch):
@@ -188,7 +191,7 @@ def test_off_hopper_a_measured_cell_keeps_the_triton_kernels(monkeypatch):
 
     w13, w2 = _weights("int8_w8a16")
     x, ids, _ = _call(600)
-    monkeypatch.setattr(tgw, "GLUON_WO_FROM", {("int8_w8a16", E, N, K): 512})
+    monkeypatch.setattr(tgw, "GLUON_WO_CELLS", {("int8_w8a16", E, N, K): (512, 1024)})
     assert not tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")  # the CPU: no Gluon
     monkeypatch.setattr(tgw, "gluon_supported", lambda device: True)
     assert tgw.gluon_wo_takes(x, w13, w2, ids, "int8_w8a16", "silu")

@@ -7,7 +7,7 @@ ahead of the wgmma).
       int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
 
 ``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
-``gluon_wo_takes``: the measured cells of GLUON_WO_FROM); ``gluon_wo_unfit`` says why a call cannot take it.
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS); ``gluon_wo_unfit`` says why a call cannot take it.
 ``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
 
 Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
@@ -32,16 +32,27 @@ PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored elemen
 # the producer partition's warps and registers (``gluon_gemm_wo_ws``): 8 MMA warps + 4 at MAX_REGISTERS fill the SM's
 # 64K at launch; in the partitions the MMA warps get 192 registers, the producer's 120 (ptx for sm_90, Triton 3.6)
 PRODUCER = (4, 120)
-# (scheme, E, N, K) -> the fewest tokens from which a call without ``decode`` takes this path (``gluon_wo_takes``):
-# where the H200 measured it >= 3% faster than the chooser's pick in every round (benchmarks/wol7_device_check.py)
-GLUON_WO_FROM: dict[tuple[str, int, int, int], int] = {}
+# (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
+# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
+# against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
+# median of 5 interleaved rounds, this path / the pick / bf16): the measured M up to twice it, down to the measured
+# M below where that lost (DeepSeek-V3 M = 1024: int8 5947 / tile 4841; Mixtral int8 4096: 7167 / scratch 6354;
+# Qwen3 mxfp4 4096: 1214 / scratch 1123).
+GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
+    ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
+    ("int8_w8a16", 128, 768, 2048): (1024, 8192),  # Qwen3 M=1024: 368 / tile 424 / 363; M=4096: 896 / tile 1092 / 658
+    ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
+    ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
+    ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
+    ("mxfp4", 128, 768, 2048): (1024, 2048),  # Qwen3 M=1024: 493 / tile 525 / 363
+}
 
 
 def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
     """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
-    GLUON_WO_FROM from that many tokens, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
-    start = GLUON_WO_FROM.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]))
-    return (start is not None and x.shape[0] >= start and gluon_supported(x.device)
+    GLUON_WO_CELLS with M in its range, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
+    lo, hi = GLUON_WO_CELLS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]), (0, 0))
+    return (lo <= x.shape[0] < hi and gluon_supported(x.device)
             and gluon_wo_unfit(x, w13, w2, scheme, activation) is None)
 
 
