@@ -1,21 +1,23 @@
 """Issue #16 target 3 (weight-only cells at M >= 1024 no slower than bf16 / 0.9, i.e. <= 1.11x moekit's bf16 cell):
-the weight-only Gluon GEMMs (``decode="gluon"``, ``moekit/experts/triton_gluon_wo.py``: stored tiles decoded to bf16 in
-shared memory one step ahead of the async wgmma) against today's pick (``choose_decode``: tile or scratch) and
-moekit's bf16 path on the same weights (int8's, dequantized), int8_w8a16, int4_w4a16 (group 128) and mxfp4.
+the weight-only Gluon GEMMs (``moekit/experts/triton_gluon_wo.py``: stored tiles decoded to bf16 in shared memory one
+step ahead of the async wgmma; the default in ``GLUON_WO_CELLS``) against the decode the chooser picked before
+(``choose_decode``: tile or scratch) and moekit's bf16 path on the same weights (int8's, dequantized), int8_w8a16,
+int4_w4a16 (group 128) and mxfp4.
 
     PYTHONPATH=$PWD timeout 72 python3 benchmarks/wol7_device_check.py --out $OUT/wol7 --deadline 56   # H200, <= 70 s
     PYTHONPATH=$PWD timeout 60 python3 benchmarks/wol7_device_check.py --out $OUT/wol7 --deadline 46   # <= 60 s
     PYTHONPATH=$PWD python3 benchmarks/wol7_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
 
-Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024, DeepSeek-V3 4096 (CK1's one int4 win), Mixtral and Qwen3 4096,
-DeepSeek-V3 1024 (skipped past the deadline). Compile workers (PER_WORKER a preset) run every variant once while
-this process builds the weights and measures the ceilings (copy rate, dense bf16 mm rate). Per cell: "gluon" (and
-its tile variants) against the torch twin (``experts_gluon_wo_twin``) and the exact reference
-(``fused_experts_wo_torch``), "pick" against the reference:
-PASS / FAIL with rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds
-(median µs, x bf16, x pick, rounds >= 3% faster than the pick), the flop floor (2 x M*k x 3NK over the mm rate) and
-the byte floor (touched experts' int8 bytes and scales over the copy rate) as % of each. The table is printed last;
-JSON <out>/wol7.json.
+Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024, DeepSeek-V3 4096, Mixtral and Qwen3 4096, DeepSeek-V3 1024
+(skipped past the deadline). Compile workers (PER_WORKER a preset) run every variant once while this process builds
+the weights and measures the ceilings (copy rate, dense bf16 mm rate). Variants (``variants``): bf16; per scheme
+"pick" (the default), "prev" (the decode picked before, where the default is the Gluon path) or "gluon", and
+"gluon_ws" (the decode in a producer partition, ``gluon_gemm_wo_ws``). Each against the exact reference
+(``fused_experts_wo_torch``), the Gluon ones also against the torch twin (``experts_gluon_wo_twin``): PASS / FAIL with
+rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds (median µs, x bf16,
+rounds >= 3% faster than the pick; "prev": rounds the pick was >= 3% faster), the flop floor (2 x M*k x 3NK over the
+mm rate) and the byte floor (touched experts' stored bytes and scales over the copy rate) as % of each. The table is
+printed last; JSON <out>/wol7.json.
 """
 
 from __future__ import annotations
@@ -42,21 +44,15 @@ from wo_device_check import packed_bytes, quantized, rel_err  # noqa: E402
 
 from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.triton import experts_triton  # noqa: E402
-from moekit.experts.triton_gluon_launch import UP_TILE, GluonTile, down_tile  # noqa: E402
-from moekit.experts.triton_gluon_wo import experts_gluon_wo_twin, run_experts_wo_gluon  # noqa: E402
+from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, experts_gluon_wo_twin, run_experts_wo_gluon  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")  # int4: group 128 with zero points (moekit bench's)
 CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("deepseek-v3", 4096), ("mixtral-8x7b", 4096),
          ("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024))
-# gluon tiles: name -> (gate-up tile, down tile or None for the route's down_tile(N)); "n64": the gate-up's two
-# accumulators half as wide (64 registers a thread, not 128: room for the decode's, CK1's int4 ran 1.6-2.3x bf16)
-TILES = {"gluon": (UP_TILE, None, False), "gluon_n64": (GluonTile(64, 64, 6), None, False),
-         "gluon_ws": (UP_TILE, None, True)}  # ws: the decode in a producer partition (``gluon_gemm_wo_ws``)
-NARROW_SCHEMES = ("int4_w4a16",)  # the schemes "gluon_n64" runs for (time)
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
-BREAKDOWN = ("bf16", "gluon_int8", "gluon_int4", "gluon_ws_int4")  # kernels profiled where time is left
+BREAKDOWN = ("bf16", "pick_int8", "gluon_ws_int8", "pick_int4", "gluon_ws_int4")  # kernels profiled where time is left
 PER_WORKER = 5  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
 T0 = time.perf_counter()
@@ -116,19 +112,30 @@ class Weights:
         return self.held["bf16"]
 
 
+def gluon_cell(scheme: str, s: Shape, m: int) -> bool:
+    """Whether the default takes the weight-only Gluon path at this cell (``GLUON_WO_CELLS``; the H200 fits it)."""
+    lo, hi = GLUON_WO_CELLS.get((scheme, s.num_experts, s.n, s.k), (0, 0))
+    return lo <= m < hi
+
+
 def variants(s: Shape, m: int, w: Weights) -> dict:
-    """name -> (scheme or None for bf16, fn(inputs) -> out)."""
+    """name -> (scheme or None for bf16, fn(inputs) -> out): bf16, then per scheme the default ("pick"), where the
+    default is the Gluon path the decode the chooser picked before it ("prev", ``choose_decode``), else the Gluon
+    path ("gluon"), and the Gluon path with the decode in a producer partition ("gluon_ws")."""
     out = {"bf16": (None, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))}
     for scheme in SCHEMES:
         tag = scheme.split("_")[0]
         out[f"pick_{tag}"] = (scheme, lambda c, sc=scheme: run_experts_wo(c.x, *w.args(sc), c.topk_ids,
                                                                              c.topk_weights, None, sc))
-        for name, (up, down, ws) in TILES.items():
-            if name == "gluon_n64" and scheme not in NARROW_SCHEMES:
-                continue
-            out[f"{name}_{tag}"] = (scheme, lambda c, sc=scheme, up=up, down=down, ws=ws: run_experts_wo_gluon(
-                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, up_tile=up, down=down or down_tile(s.n),
-                producer=ws))
+        if gluon_cell(scheme, s, m):
+            prev = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+            out[f"prev_{tag}"] = (scheme, lambda c, sc=scheme, d=prev: run_experts_wo(
+                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, decode=d))
+        for name, ws in (("gluon", False), ("gluon_ws", True)):
+            if name == "gluon" and gluon_cell(scheme, s, m):
+                continue  # the pick
+            out[f"{name}_{tag}"] = (scheme, lambda c, sc=scheme, ws=ws: run_experts_wo_gluon(
+                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, producer=ws))
     return out
 
 
@@ -155,9 +162,9 @@ def worker_main(tasks: list) -> None:
 def start_workers() -> dict:
     """preset -> its workers: each preset's (cell, variant) tasks in parts of PER_WORKER (one part for DeepSeek-V3's
     bf16 and int8 variants, one for the rest: its weights are 40 GB)."""
-    count = len(variants(shape_of(CELLS[0][0]), 1, Weights(shape_of(CELLS[0][0]), None, None)))
     tasks = {}
-    for ci, (preset, _) in enumerate(CELLS):
+    for ci, (preset, m) in enumerate(CELLS):
+        count = len(variants(shape_of(preset), m, Weights(shape_of(preset), None, None)))
         tasks.setdefault(preset, []).extend((ci, vi) for vi in range(count))
     procs = {}
     for preset, todo in tasks.items():
@@ -230,7 +237,8 @@ def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
     io = 2 * 2 * m * s.k  # x in, out
     floors = {sc: (touched * (packed_bytes(w.wo(sc)[0]) + packed_bytes(w.wo(sc)[1])) + io) / (ceil["copy_tbps"] * 1e6)
               for sc in SCHEMES}
-    picks = {sc: choose_decode(sc, m, s.num_experts, s.n, s.k, s.top_k) for sc in SCHEMES}
+    picks = {sc: "gluon" if gluon_cell(sc, s, m) else choose_decode(sc, m, s.num_experts, s.n, s.k, s.top_k)
+             for sc in SCHEMES}
     return Cell(preset, m, picks, 2 * m * s.top_k * 3 * s.n * s.k / (ceil["mm_tflops"] * 1e6), floors)
 
 
@@ -298,7 +306,10 @@ def row(c: Cell) -> list[str]:
         tag = k.rsplit("_", 1)[-1]
         scheme = next((sc for sc in SCHEMES if sc.startswith(tag)), None)
         pick = c.rounds.get(f"pick_{tag}", ())
-        won = sum(x <= WIN * p for x, p in zip(c.rounds[k], pick)) if pick and not k.startswith("pick") else "-"
+        if k.startswith("prev"):  # the rounds the pick (the Gluon path) took <= WIN x the decode before it
+            won = f"pick {sum(p <= WIN * x for x, p in zip(c.rounds[k], pick))}" if pick else "-"
+        else:
+            won = sum(x <= WIN * p for x, p in zip(c.rounds[k], pick)) if pick and not k.startswith("pick") else "-"
         byte = f", {100 * c.byte_floor_us[scheme] / v:.0f}% byte" if scheme else ""
         lines.append(f"    {k:<16}{v:9.1f} µs {v / bf16 if bf16 else float('nan'):6.3f}x bf16  "
                      f"{100 * c.flop_floor_us / v:3.0f}% flop{byte}  wins vs pick {won}/{ROUNDS}")
@@ -319,11 +330,14 @@ def dump(cells: list, ceil: dict) -> None:
 
 
 def install_smoke_fakes() -> None:
-    """CPU: the Gluon GEMMs (bf16 and weight-only) replaced by the tests' torch stand-ins."""
+    """CPU: the Gluon GEMMs (bf16 and weight-only) replaced by the tests' torch stand-ins; the first cell's int8 a
+    cell of the Gluon path's."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from _gluon_fakes import install_fakes
 
     install_fakes()
+    s = shape_of(CELLS[0][0])  # its int8 cell the default's (as on the H200 for the real shape): "prev" runs too
+    GLUON_WO_CELLS[("int8_w8a16", s.num_experts, s.n, s.k)] = (CELLS[0][1], 2 * CELLS[0][1])
 
 
 def table(cells: list, ceil: dict) -> None:
@@ -357,7 +371,8 @@ def main() -> int:
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
           "TFLOP/s", flush=True)
     cells, held, status = [], {}, {}
-    threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
+    if not SMOKE:  # (the interpreter takes minutes)
+        threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
     for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
         budget = 10.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
         if elapsed() + budget > ARGS.deadline:
