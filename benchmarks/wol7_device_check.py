@@ -9,10 +9,11 @@ int4_w4a16 (group 128) and mxfp4.
     PYTHONPATH=$PWD python3 benchmarks/wol7_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
 
 Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024, DeepSeek-V3 4096, Mixtral and Qwen3 4096, DeepSeek-V3 1024
-(skipped past the deadline). Compile workers (PER_WORKER a preset) run every variant once while this process builds
-the weights and measures the ceilings (copy rate, dense bf16 mm rate). Variants (``variants``): bf16; per scheme
-"pick" (the default), "prev" (the decode picked before, where the default is the Gluon path) or "gluon", and
-"gluon_ws" (the decode in a producer partition, ``gluon_gemm_wo_ws``). Each against the exact reference
+(skipped past the deadline), then the producer-partition kernel at WS_CELLS. Compile workers (PER_WORKER a preset) run
+every variant of the first phase once while this process builds the weights and measures the ceilings (copy rate,
+dense bf16 mm rate). Variants (``variants``): bf16; per scheme "pick" (the default), "prev" (the decode picked before,
+where the default is the Gluon path) or "gluon"; the second phase per scheme the pick and "gluon_ws" (the decode in a
+producer partition, ``gluon_gemm_wo_ws``: never run before, so after everything else). Each against the exact reference
 (``fused_experts_wo_torch``), the Gluon ones also against the torch twin (``experts_gluon_wo_twin``): PASS / FAIL with
 rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds (median µs, x bf16,
 rounds >= 3% faster than the pick; "prev": rounds the pick was >= 3% faster), the flop floor (2 x M*k x 3NK over the
@@ -40,17 +41,15 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
-from wo_device_check import packed_bytes, quantized, rel_err  # noqa: E402
+from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
-from moekit.experts.triton import experts_triton  # noqa: E402
-from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, experts_gluon_wo_twin, run_experts_wo_gluon  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
+from wol7_variants import CELLS, SCHEMES, WS_CELLS, Weights, gluon_cell, shape_of, variants  # noqa: E402
+
+from moekit.bench.cells import make_sets, measured_experts_touched  # noqa: E402
+from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, experts_gluon_wo_twin  # noqa: E402
+from moekit.experts.triton_wo import fused_experts_wo_torch  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
-SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")  # int4: group 128 with zero points (moekit bench's)
-CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("deepseek-v3", 4096), ("mixtral-8x7b", 4096),
-         ("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024))
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
 BREAKDOWN = ("bf16", "pick_int8", "gluon_ws_int8", "pick_int4", "gluon_ws_int4")  # kernels profiled where time is left
 PER_WORKER = 5  # compile workers a preset (DeepSeek-V3: 2)
@@ -76,67 +75,7 @@ class Cell:
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> {"ref": rel-L2, "twin": rel-L2}
     skipped: dict = dataclasses.field(default_factory=dict)  # variant -> its compile worker's status
     kernels: dict = dataclasses.field(default_factory=dict)  # variant -> its kernels' eager µs (``breakdown``)
-
-
-def shape_of(preset: str) -> Shape:
-    return Shape(f"{preset}/smoke", 8, 128, 256, 2) if SMOKE else Shape.from_preset(preset)
-
-
-class Weights:
-    """One preset's weights, each built on first use: the int8, int4 and mxfp4 WoWeights (random, ``seed``; None:
-    uninitialised, for compiling) and the bf16 weights the int8 ones dequantize to (uninitialised when compiling)."""
-
-    def __init__(self, s: Shape, dev, seed: int | None):
-        self.s, self.dev, self.seed, self.held = s, dev, seed, {}
-
-    def wo(self, scheme: str) -> tuple:
-        if scheme not in self.held:
-            s, seed = self.s, self.seed
-            seed2 = None if seed is None else seed + 1
-            self.held[scheme] = (quantized(scheme, s.num_experts, 2 * s.n, s.k, self.dev, seed=seed),
-                                 quantized(scheme, s.num_experts, s.k, s.n, self.dev, seed=seed2))
-        return self.held[scheme]
-
-    def args(self, scheme: str) -> tuple:
-        return tuple(weight_args(w.q, w.scale, w.zero, w.group_size) for w in self.wo(scheme))
-
-    def bf16(self) -> tuple:
-        if "bf16" not in self.held:
-            if self.seed is None:
-                s = self.s
-                self.held["bf16"] = (torch.empty(s.num_experts, 2 * s.n, s.k, device=self.dev, dtype=torch.bfloat16),
-                                     torch.empty(s.num_experts, s.k, s.n, device=self.dev, dtype=torch.bfloat16))
-            else:
-                self.held["bf16"] = tuple((w.q.to(torch.bfloat16) * w.scale[:, :, None]).to(torch.bfloat16)
-                                          for w in self.wo("int8_w8a16"))
-        return self.held["bf16"]
-
-
-def gluon_cell(scheme: str, s: Shape, m: int) -> bool:
-    """Whether the default takes the weight-only Gluon path at this cell (``GLUON_WO_CELLS``; the H200 fits it)."""
-    lo, hi = GLUON_WO_CELLS.get((scheme, s.num_experts, s.n, s.k), (0, 0))
-    return lo <= m < hi
-
-
-def variants(s: Shape, m: int, w: Weights) -> dict:
-    """name -> (scheme or None for bf16, fn(inputs) -> out): bf16, then per scheme the default ("pick"), where the
-    default is the Gluon path the decode the chooser picked before it ("prev", ``choose_decode``), else the Gluon
-    path ("gluon"), and the Gluon path with the decode in a producer partition ("gluon_ws")."""
-    out = {"bf16": (None, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))}
-    for scheme in SCHEMES:
-        tag = scheme.split("_")[0]
-        out[f"pick_{tag}"] = (scheme, lambda c, sc=scheme: run_experts_wo(c.x, *w.args(sc), c.topk_ids,
-                                                                             c.topk_weights, None, sc))
-        if gluon_cell(scheme, s, m):
-            prev = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
-            out[f"prev_{tag}"] = (scheme, lambda c, sc=scheme, d=prev: run_experts_wo(
-                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, decode=d))
-        for name, ws in (("gluon", False), ("gluon_ws", True)):
-            if name == "gluon" and gluon_cell(scheme, s, m):
-                continue  # the pick
-            out[f"{name}_{tag}"] = (scheme, lambda c, sc=scheme, ws=ws: run_experts_wo_gluon(
-                c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc, producer=ws))
-    return out
+    ws: bool = False  # the producer-partition phase's cell (the picks and "gluon_ws")
 
 
 def worker_main(tasks: list) -> None:
@@ -169,7 +108,7 @@ def start_workers() -> dict:
     procs = {}
     for preset, todo in tasks.items():
         if preset == "deepseek-v3":
-            parts = [[t for t in todo if t[1] < 4], [t for t in todo if t[1] >= 4]]  # bf16 + int8; int4 + mxfp4
+            parts = [[t for t in todo if t[1] < 3], [t for t in todo if t[1] >= 3]]  # bf16 + int8; int4 + mxfp4
         else:
             parts = [todo[j::PER_WORKER] for j in range(PER_WORKER)]
         procs[preset] = spawn_workers(__file__, [p for p in parts if p], SMOKE, f"wol7_{preset}")
@@ -242,19 +181,20 @@ def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
     return Cell(preset, m, picks, 2 * m * s.top_k * 3 * s.n * s.k / (ceil["mm_tflops"] * 1e6), floors)
 
 
-def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
+def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict, ws: bool = False) -> Cell:
     preset, m = CELLS[ci]
     s = shape_of(preset)
     inputs = make_sets(s, m, 1 if SMOKE else SETS, torch.bfloat16, dev, seed=m)
     cell, c0 = new_cell(preset, m, w, inputs, ceil), inputs[0]
+    cell.ws = ws
     refs = {}
     for sc in SCHEMES:
         w13, w2 = w.wo(sc)
         refs[sc] = (fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights),
                     experts_gluon_wo_twin(c0.x, w13, w2, c0.topk_ids, c0.topk_weights))
     graphs = {}
-    for vi, (name, (scheme, fn)) in enumerate(variants(s, m, w).items()):
-        if status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
+    for vi, (name, (scheme, fn)) in enumerate(variants(s, m, w, ws).items()):
+        if not ws and status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
             cell.skipped[name] = status[(ci, vi)]
             print(f"FAIL  {preset} M={m} {name}  (compile worker: {status[(ci, vi)][:160]})", flush=True)
             FAILED.append(f"{preset} M={m} {name}")
@@ -264,7 +204,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     if graphs:
         cell.rounds = interleaved(graphs, len(inputs))
         cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
-        breakdown(cell, {k: fn for k, (_, fn) in variants(s, m, w).items() if k in graphs}, c0)
+        breakdown(cell, {k: fn for k, (_, fn) in variants(s, m, w, ws).items() if k in graphs}, c0)
     print(f"[{elapsed():5.1f}s] {preset} M={m} picks {cell.picks}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
@@ -300,8 +240,9 @@ def row(c: Cell) -> list[str]:
     """The cell's lines: per variant µs, x bf16, % of the flop floor and of its scheme's byte floor, rounds >= 3%
     faster than its scheme's pick."""
     bf16 = c.times.get("bf16")
-    lines = [f"{c.preset:<14}{c.m:>5} picks {c.picks}; floors flop {c.flop_floor_us:.0f} µs, byte "
-             + ", ".join(f"{k[:4]} {v:.0f}" for k, v in c.byte_floor_us.items()) + " µs"]
+    floors = ", ".join(f"{k[:4]} {v:.0f}" for k, v in c.byte_floor_us.items())
+    lines = [f"{c.preset:<14}{c.m:>5}{' ws' if c.ws else ''} picks {c.picks}; floors flop {c.flop_floor_us:.0f} µs, "
+             f"byte {floors} µs"]
     for k, v in c.times.items():
         tag = k.rsplit("_", 1)[-1]
         scheme = next((sc for sc in SCHEMES if sc.startswith(tag)), None)
@@ -366,6 +307,7 @@ def main() -> int:
     dev = torch.device("cpu" if SMOKE else "cuda")
     if SMOKE:
         install_smoke_fakes()
+        ARGS.deadline = float("inf")  # the interpreter takes minutes
     procs = {} if SMOKE else start_workers()
     ceil = ceilings(dev)
     print(f"[{elapsed():5.1f}s] {torch.__version__} copy {ceil['copy_tbps']:.2f} TB/s, mm {ceil['mm_tflops']:.0f} "
@@ -373,10 +315,13 @@ def main() -> int:
     cells, held, status = [], {}, {}
     if not SMOKE:  # (the interpreter takes minutes)
         threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
-        budget = 10.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
+    cells_then_ws = [(ci, False) for ci in range(len(CELLS))] + [(ci, True) for ci in WS_CELLS]
+    order = [(0, False), (0, True)] if SMOKE else cells_then_ws
+    for ci, ws in order:  # the cells, then the producer-partition kernel's (a hang there loses only its own)
+        preset, m = CELLS[ci]
+        budget = (10.0 if preset == "deepseek-v3" else 5.0) if not ws else 4.0  # weights, checks, graphs, rounds
         if elapsed() + budget > ARGS.deadline:
-            print(f"skipped (deadline): {preset} M={m}", flush=True)
+            print(f"skipped (deadline): {preset} M={m}{' ws' if ws else ''}", flush=True)
             continue
         if preset not in held:
             held.clear()  # (a preset's cells need not be adjacent: its weights are then built again)
@@ -386,7 +331,7 @@ def main() -> int:
         if preset in procs:  # its compile workers, given until half the time left
             status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
             print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.append(run_cell(ci, held[preset], dev, ceil, status))
+        cells.append(run_cell(ci, held[preset], dev, ceil, status, ws))
         dump(cells, ceil)
     for rest in procs.values():
         collect_workers(rest, lambda: 0.1)
