@@ -54,6 +54,7 @@ SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
 BREAKDOWN = ("bf16", "pick_int8", "gluon_ws_int8", "pick_int4", "gluon_ws_int4")  # kernels profiled where time is left
 PER_WORKER = 5  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
+EAGER_CALLS = 8
 T0 = time.perf_counter()
 FAILED: list[str] = []
 ARGS = argparse.Namespace(deadline=56.0, out=os.environ.get("OUT"))
@@ -76,6 +77,7 @@ class Cell:
     skipped: dict = dataclasses.field(default_factory=dict)  # variant -> its compile worker's status
     kernels: dict = dataclasses.field(default_factory=dict)  # variant -> its kernels' eager µs (``breakdown``)
     ws: bool = False  # the producer-partition phase's cell (the picks and "gluon_ws")
+    eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (``eager``)
 
 
 def worker_main(tasks: list) -> None:
@@ -204,10 +206,38 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict, ws: bool = Fals
     if graphs:
         cell.rounds = interleaved(graphs, len(inputs))
         cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
-        breakdown(cell, {k: fn for k, (_, fn) in variants(s, m, w, ws).items() if k in graphs}, c0)
+        timed = {k: fn for k, (_, fn) in variants(s, m, w, ws).items() if k in graphs}
+        eager(cell, timed, inputs)
+        breakdown(cell, timed, c0)
     print(f"[{elapsed():5.1f}s] {preset} M={m} picks {cell.picks}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
+
+
+def eager(cell: Cell, fns: dict, inputs) -> None:
+    """Where a scheme's default is the Gluon path (its calls plain launches, not the lean recorder's): its and the
+    replaced decode's eager µs a call, host (enqueueing EAGER_CALLS calls behind ~1 ms of GPU work) and wall (the same
+    calls to completion), medians of 3 interleaved rounds."""
+    pairs = [k for k in fns if k.startswith("prev_")]
+    names = [n for k in pairs for n in (k.replace("prev_", "pick_"), k) if n in fns]
+    if SMOKE or not names:
+        return
+    host, wall = {n: [] for n in names}, {n: [] for n in names}
+    for _ in range(3):
+        for n in names:
+            for record, busy in ((host, True), (wall, False)):
+                torch.cuda.synchronize()
+                if busy:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead: the enqueue time is the host's alone
+                t0 = time.perf_counter()
+                for i in range(EAGER_CALLS):
+                    fns[n](inputs[i % len(inputs)])
+                if not busy:
+                    torch.cuda.synchronize()
+                record[n].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
+    cell.eager = {n: {"host_us": statistics.median(host[n]), "wall_us": statistics.median(wall[n])} for n in names}
+    print(f"  eager host / wall µs a call {cell.preset} M={cell.m}: "
+          + "  ".join(f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in cell.eager.items()), flush=True)
 
 
 def breakdown(cell: Cell, fns: dict, c0) -> None:
@@ -288,6 +318,9 @@ def table(cells: list, ceil: dict) -> None:
         print("\n".join(row(c)))
         for name, kernels in c.kernels.items():
             print(f"      {name} kernels: {kernels}"[:400])
+        if c.eager:
+            print("      eager host / wall µs a call: " + "  ".join(
+                f"{k} {v['host_us']:.0f} / {v['wall_us']:.0f}" for k, v in c.eager.items()))
     print(f"FAILED: {FAILED or 'none'} ({elapsed():.1f} s)", flush=True)
 
 
