@@ -81,6 +81,39 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
         c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
+def _wo_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, first: int, count: int, group: int, scheme: int):
+    """Rows [first, first + count) of one expert's stored weight as the weight-only GEMM multiplies them, float32
+    [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127),
+    rounded to bf16."""
+    rows, q = slice(first, first + count), q.view(torch.uint8) if q.dtype == torch.int32 else q  # int4: words
+    if scheme == 0:
+        return q[rows].float()
+    codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1)  # low nibble first
+    per = torch.arange(codes.shape[1]) // group
+    if scheme == 2:  # mxfp4: e2m1 codes (sign bit 3), e8m0 scales
+        magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.long() & 7]
+        values = torch.where(codes >= 8, -magnitude, magnitude)
+        return (values * torch.exp2(s[rows][:, per].float() - 127)).bfloat16().float()
+    return ((codes.float() - z[rows][:, per].float()) * s[rows][:, per]).bfloat16().float()
+
+
+def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS, GATE_OFFSET, GATED, SCHEME, GROUP,
+            **_):
+    """The weight-only GEMM: int8 the codes' products, each output column times its row's scale (epilogue order);
+    int4 / mxfp4 the products with the weights dequantized (one bf16 rounding)."""
+    a, q, c = a_desc.base, q_desc.base, c_desc.base
+    cols = c.shape[1]
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+        q_e, scale = q[e * W_ROWS:(e + 1) * W_ROWS], s_ptr[e]
+        ones = torch.ones(W_ROWS) if SCHEME else scale  # int8: the scale after the product; int4: inside the weight
+        product = (a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], 0, cols, GROUP, SCHEME).T) * ones[:cols]
+        if GATED:
+            up = a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], GATE_OFFSET, cols, GROUP, SCHEME).T
+            product = torch.nn.functional.silu(product) * (up * ones[GATE_OFFSET:GATE_OFFSET + cols])
+        c[rows] = product.to(c.dtype)
+
+
 def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
              gate_offset, GATED, WIDE=False, **_):
     """Down GEMM: tile by tile as the kernel addresses them (WIDE: column block cb's weight rows cb*256.. and
@@ -157,8 +190,9 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in its
-    loader; tail: the bf16 down GEMM folding an expert's mostly empty last block)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_ws": FakeKernel} (the gather: the bf16 gate-up GEMM with the
+    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo / wo_ws: the
+    weight-only GEMM, its decode in the MMA partition / in a producer partition)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -167,11 +201,14 @@ def install_fakes(setattr_=setattr) -> dict:
     for name, module, attr, body in (("bf16", "gluon_gemm", "grouped_gemm_kernel", bf16_gemm),
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
-                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down)):
+                                     ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
+                                     ("wo_ws", "gluon_gemm_wo_ws", "grouped_gemm_wo_ws_kernel", wo_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])
     setattr_(tg, "gluon_supported", lambda device: True)
+    setattr_(importlib.import_module("moekit.experts.triton_gluon_wo"), "gluon_supported", lambda device: True)
     setattr_(tgf, "gluon_fp8_supported", lambda device: True)
     clear_launch_caches()  # no plan holding another kernel
     return fakes

@@ -191,7 +191,9 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
-                torch.float32: gl.float32}[dtype]  # float32: fp8 x_q under the interpreter (the CPU tests)
+                torch.float32: gl.float32, torch.int8: gl.int8, torch.uint8: gl.uint8,
+                torch.int32: gl.int32}[dtype]  # float32: fp8 x_q under the interpreter
+    # (the CPU tests); int8 / uint8 / int32: the weight-only GEMM's stored weights (``triton_gluon_wo``)
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 

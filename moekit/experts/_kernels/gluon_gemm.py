@@ -73,9 +73,10 @@ def _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
             W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr,
-            EXPERT_ORDER: gl.constexpr = False, offsets_ptr=None):
+            PACK: gl.constexpr = 1, EXPERT_ORDER: gl.constexpr = False, offsets_ptr=None):
     """The TMA loader; other kernels bind its leading parameters positionally, the walk's options come last
-    (``_walk_loader`` passes them by keyword)."""
+    (``_walk_loader`` passes them by keyword). PACK: weights a stored element holds (2: the weight-only GEMM's
+    packed int4 bytes, ``gluon_gemm_wo``)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -95,9 +96,10 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
             mbarrier.expect(ready.index(s), nbytes)
             _tma_load(a_desc, [rb * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
-            _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
+            _tma_load(w_desc, [w_row, kk * (BLOCK_K // PACK)], ready.index(s), w_bufs.index(s * WTILES))
             if GATED:
-                _tma_load(w_desc, [w_row + GATE_OFFSET, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
+                _tma_load(w_desc, [w_row + GATE_OFFSET, kk * (BLOCK_K // PACK)], ready.index(s),
+                          w_bufs.index(s * WTILES + 1))
             it += 1
 
 
