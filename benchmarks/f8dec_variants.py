@@ -34,8 +34,7 @@ SMOKE_CELLS = (("fp8", "qwen3-30b-a3b", 64), ("fp8", "qwen3-30b-a3b", 512))
 @dataclass(frozen=True)
 class Variant:
     """The tuned entry's config with ``block_m`` set (None: kept) and fields of ``up`` / ``down`` (``GemmTile``'s
-    names) replaced, run with ``persistent`` GEMMs, ``pair_dot``, ``swap_down`` and ``up_registers`` (None: the
-    entry's)."""
+    names) replaced, run with ``persistent`` GEMMs, ``pair_dot`` and ``swap_down`` (None: the entry's)."""
 
     name: str
     pair_dot: bool | None = None
@@ -43,7 +42,6 @@ class Variant:
     persistent: Persistent | None = None
     block_m: int | None = None
     swap_ab: bool | None = None  # the config's swap_ab (both GEMMs swapped)
-    up_registers: int | None = None  # the gate-up GEMM's maxnreg
     pdl: bool = True  # False: LaunchOptions(dependent_launch=False), each kernel launched after the last (exact)
     up: dict = field(default_factory=dict)
     down: dict = field(default_factory=dict)
@@ -57,8 +55,7 @@ class Variant:
         row's sums in their order. PAIR_DOT multiplies the same products (bit-equal under the interpreter), but a
         wgmma of N = 256 is another instruction: reported, not required."""
         return (self.pair_dot is None and self.swap_down is None and self.block_m is None and self.swap_ab is None
-                and self.up_registers is None and not self.up
-                and set(self.down) <= {"num_stages", "BLOCK_N"})
+                and not self.up and set(self.down) <= {"num_stages", "BLOCK_N"})
 
     @property
     def is_default(self) -> bool:
@@ -104,8 +101,7 @@ def run_variant(v: Variant, base, t, w, explicit: bool = False):
     pair = v.pair_dot if v.pair_dot is not None else None if config is None else base.pair_dot
     tma = True if pair else None if config is None else base.weight_tma  # the pair dot reads TMA tiles
     swap = v.swap_down if v.swap_down is not None else None if config is None else base.swap_down
-    registers = v.up_registers if v.up_registers is not None else None if config is None else base.up_registers
     return fused_experts_fp8_launch(t.x, w[0].q, w[0].scale, w[1].q, w[1].scale, t.topk_ids, t.topk_weights,
                                     config=config, weight_tma=tma, persistent=persistent, pair_dot=pair,
-                                    swap_down=swap, up_registers=registers,
+                                    swap_down=swap,
                                     options=LaunchOptions(dependent_launch=v.pdl))
