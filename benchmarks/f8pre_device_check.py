@@ -1,11 +1,12 @@
 """Issue 15 at prefill, session 27 (branch `f8pre`): where an fp8_block call at M >= 4096 spends its time, and the
-block-scaled Gluon GEMM with A read from registers (``Fp8GluonTile.a_regs``), the [128, 256] down tile
-(``wide``) and the 4-group gather, against today's route.
+block-scaled Gluon GEMM's [128, 256] down tile (``wide``) and the 4-group gather, against today's route. A read from
+registers (``a_regs``; "ar up", "ar both", "ar both gq4") lost at checkpoint 1 (0.93-0.98x, the gate-up alone
+1.04-1.07x the time) and in the merged run: removed.
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/f8pre_device_check.py --out $OUT/f8pre --deadline 70
         [--rounds 5] [--cells fp8:qwen3-30b-a3b:4096 ...] [--variants route,lean,wide,...] [--no-gemms]
 
-Variants: route, lean, wide, wide gq4 by default; ar up, ar both, ar both gq4 (A from registers) by name.
+Variants: route, lean, wide, wide gq4.
 
 1. Ceilings in this run: copy bandwidth (``measure_ceilings``) and the fp8 mm rate (``torch._scaled_mm`` 8192^3).
 2. Per cell (the bench's weights quantized, uniform routing; ``prefill_device_check``'s harness): every variant
@@ -41,20 +42,19 @@ import prefill_variants as pv  # noqa: E402
 # checkpoint 1 (654b456) ran the first three cells of this order with every variant; the rest first since then
 CELLS = ("fp8:qwen3-30b-a3b:16384", "fp8:deepseek-v3:4096", "fp8:mixtral-8x7b:16384", "fp8:deepseek-v3:16384",
          "fp8:qwen3-30b-a3b:4096", "fp8:mixtral-8x7b:4096")
-DEFAULT_VARIANTS = "route,lean,wide,wide gq4"  # a_regs lost at checkpoint 1 (0.93-0.98x): selectable by name
-BREAKDOWN_OF = ("route", "wide gq4", "ar both gq4")  # the variants whose kernels the profiler splits
+DEFAULT_VARIANTS = "route,lean,wide,wide gq4"
+BREAKDOWN_OF = ("route", "wide gq4")  # the variants whose kernels the profiler splits
 ROUND_S = 0.3  # seconds of replays a round, all variants together
 RESULTS: dict = {"cells": []}
 log = pdc.log
 
 
 def variants(q: tuple) -> list:
-    """route; lean (the plan's tiles, the base); A from registers in the gate-up GEMM; the wide down tile; both
-    with A from registers; and that with the 4-group gather."""
+    """route; lean (the plan's tiles, the base); the wide down tile; and that with the 4-group gather."""
     from moekit.experts import run_experts
     from moekit.experts.triton_gluon_fp8 import experts_gluon_fp8
     from moekit.experts.triton_gluon_fp8_launch import (
-        A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
+        DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
     )
     from moekit.quant.fp8_block import Fp8BlockWeight
 
@@ -66,12 +66,7 @@ def variants(q: tuple) -> list:
 
     return [pv.Variant("route", "route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton")),
             pv.Variant("lean", "gluon", lean(UP_TILE, DOWN_TILE), (UP_TILE, DOWN_TILE)),
-            pv.Variant("ar up", "gluon", lean(A_REGS_UP_TILE, DOWN_TILE), (A_REGS_UP_TILE, DOWN_TILE),
-                       same_as="lean"),
             pv.Variant("wide", "gluon", lean(UP_TILE, WIDE_DOWN_TILE), (UP_TILE, WIDE_DOWN_TILE), same_as="lean"),
-            pv.Variant("ar both", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE),
-                       (A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE), same_as="lean"),
-            pv.Variant("ar both gq4", "gluon", lean(A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, 4), same_as="lean"),
             pv.Variant("wide gq4", "gluon", lean(UP_TILE, WIDE_DOWN_TILE, 4), same_as="lean")]
 
 

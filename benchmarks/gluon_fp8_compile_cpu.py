@@ -88,7 +88,7 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
                 stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
                 stride_wsr=r // 128, stride_cs=c // 128)
     const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                 num_warps=4, PINGPONG=tile.pingpong, STAGGER=tile.stagger, WIDE=tile.wide, A_REGS=tile.a_regs)
+                 num_warps=4, PINGPONG=tile.pingpong, STAGGER=tile.stagger, WIDE=tile.wide)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
@@ -96,7 +96,7 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
     ptx = out.asm["ptx"]
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
-    flags = [name for name in ("pingpong", "stagger", "wide", "a_regs") if getattr(tile, name)]
+    flags = [name for name in ("pingpong", "stagger", "wide") if getattr(tile, name)]
     name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
             f"regs={tile.max_registers}/{tile.consumer_regs} " + " ".join(flags)).rstrip()
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
@@ -106,14 +106,12 @@ def compile_fp8_gemm(gated: bool, tile) -> Compiled:
 def main() -> int:
     from dataclasses import replace
 
-    from moekit.experts.triton_gluon_fp8_launch import (
-        A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
-    )
+    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE, WIDE_DOWN_TILE
 
     failed = 0
     variants = [(True, UP_TILE), (False, DOWN_TILE), (False, replace(DOWN_TILE, pingpong=True)),
                 (True, replace(UP_TILE, stagger=True)), (False, replace(DOWN_TILE, stagger=True)),
-                (False, WIDE_DOWN_TILE), (True, A_REGS_UP_TILE), (False, A_REGS_WIDE_DOWN_TILE)]
+                (False, WIDE_DOWN_TILE)]
     for gated, tile in variants:  # the plan's pipelines, then the device checks' variants
         try:
             c = compile_fp8_gemm(gated, tile)

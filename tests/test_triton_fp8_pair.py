@@ -1,8 +1,7 @@
 """The gate-up GEMM's PAIR_DOT (``_kernels/gemm_fp8``: each K-step's gate and up tiles as one TMA tile through a
 [2E, N, K] descriptor, one dot) under the interpreter: the one-tile-a-program and the persistent gate-up against the
 same call with two dots a step (the same products and fold) and against the twin ``fused_experts_fp8_torch``; the
-float64 emulation of the recipe (``test_triton_fp8``) checks the twin. Also the tuned entry's "pair_dot" and
-"up_registers" (the gate-up launch's maxnreg), which leaves the result as it is."""
+float64 emulation of the recipe (``test_triton_fp8``) checks the twin. Also the tuned entry's "pair_dot"."""
 
 from __future__ import annotations
 
@@ -69,39 +68,25 @@ def test_pair_dot_refuses_what_it_does_not_take(fp8):
     assert _launch(fp8, case, config, None).shape == x.shape  # None: the entry's (none here), two dots
 
 
-def test_up_registers_leaves_the_result(fp8):
-    shape, block_shape, config = CASES[2]
-    x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=3)
-    capped = fp8.fused_experts_fp8_launch(x, *quantized, ids, weights, None, block_shape, config, UNFOLDED,
-                                          up_registers=128)
-    assert torch.equal(capped, _launch(fp8, (x, quantized, ids, weights, block_shape), config, False, weight_tma=None))
-
-
 def test_tuned_entry_switch(tmp_path, monkeypatch):
     # Entry 9 asks for pair_dot: taken with TMA weights, not with pointers (no error: an entry's switch applies
-    # where it can); the descriptor key names the pair descriptor. Its "up_registers" caps the gate-up launch's.
+    # where it can); the descriptor key names the pair descriptor.
     shape, block_shape, config = CASES[0]
     monkeypatch.setenv("MOEKIT_CONFIG_DIR", str(tmp_path))
     body = {"E": 4, "N": 96, "K": 160, "dtype": "fp8_block", "device": "cpu",
-            "configs": {"9": {**config.to_dict(), "weight_tma": True, "pair_dot": True, "up_registers": 128}}}
+            "configs": {"9": {**config.to_dict(), "weight_tma": True, "pair_dot": True}}}
     (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
     clear_config_cache()
     try:
         x, _, quantized, ids, weights = problem(13, 2, shape, block_shape, seed=9)
         plan = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
         assert plan.descriptor_key[0] == "pair"
-        assert plan.gate_up.options["maxnreg"] == 128 and "maxnreg" not in plan.down.options
         pointers = build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED, weight_tma=False)
         assert pointers.descriptor_key is None
         body["configs"]["9"]["pair_dot"] = 1
         (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
         clear_config_cache()
         with pytest.raises(ValueError, match="pair_dot' must be true or false"):
-            build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
-        body["configs"]["9"].update(pair_dot=True, up_registers=300)
-        (tmp_path / "E4_N96_K160_fp8_block_cpu.json").write_text(json.dumps(body))
-        clear_config_cache()
-        with pytest.raises(ValueError, match="up_registers' must be an int"):
             build_plan(x, *quantized, ids, None, block_shape, None, UNFOLDED)
     finally:
         clear_config_cache()

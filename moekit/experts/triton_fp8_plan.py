@@ -21,10 +21,7 @@ host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU;
 and "persistent" (``triton_fp8_persistent.Persistent``: the GEMMs on a few programs per SM that loop over the tiles,
 taken where the plan can, else one program a tile; absent: one program a tile), and "pair_dot" (true: the gate-up
 GEMM loads each K-step's gate and up tiles as one TMA tile and multiplies them in one dot, ``gemm_fp8``'s PAIR_DOT,
-where the plan has TMA weights and a gate-up tile within one weight scale block; absent or false: two dots), and
-"swap_down" (true: the down GEMM swapped, ``gemm_fp8``'s SWAP_AB, whatever the gate-up does; an entry's "swap_ab"
-swaps both), and "up_registers" (the gate-up GEMM compiled to at most this many registers a thread, ``maxnreg``: a
-64-row tile on 8 warps takes ~175, one program an SM; at 128 and 2 stages, 82 KB, two fit).
+where the plan has TMA weights and a gate-up tile within one weight scale block; absent or false: two dots).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
 (benchmarks/results/raw/*-fp8_small.*).
@@ -135,8 +132,6 @@ class Fp8Entry:
     x_in_gate_up: bool | None = None
     persistent: Persistent | None = None  # "persistent": the GEMMs persistent (``triton_fp8_persistent``)
     pair_dot: bool | None = None  # "pair_dot": gate and up in one dot a K-step (``gemm_fp8``'s PAIR_DOT)
-    swap_down: bool | None = None  # "swap_down": the down GEMM's SWAP_AB alone
-    up_registers: int | None = None  # "up_registers": the gate-up GEMM's maxnreg
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -168,17 +163,13 @@ def read_entries(path: Path) -> dict[int, Fp8Entry]:
     raw = json.loads(Path(path).read_text())["configs"]
     entries = {}
     for m, config in read_configs(path).items():
-        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up", "pair_dot", "swap_down")}
+        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up", "pair_dot")}
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
-        registers = raw[str(m)].get("up_registers")
-        if registers is not None and (not isinstance(registers, int) or isinstance(registers, bool)
-                                      or not 24 <= registers <= 255):
-            raise ValueError(f"{path}: entry {m}'s 'up_registers' must be an int in [24, 255], got {registers!r}")
         persistent = raw[str(m)].get("persistent")
-        entries[m] = Fp8Entry(config, **switches, up_registers=registers, persistent=None if persistent is None
-                              else Persistent.from_dict(persistent, f"{path}: entry {m}"))
+        entries[m] = Fp8Entry(config, **switches, persistent=None if persistent is None else Persistent.from_dict(
+            persistent, f"{path}: entry {m}"))
     return entries
 
 
@@ -197,7 +188,7 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
              weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None,
-             pair_dot: bool | None = None, swap_down: bool | None = None, up_registers: int | None = None) -> Fp8Plan:
+             pair_dot: bool | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
@@ -211,33 +202,27 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
     the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
     tile (``triton_fp8_persistent.OFF``). ``pair_dot``: the gate-up GEMM's gate and up tiles in one dot a K-step
-    (``choose_pair_dot``; True refused where the plan cannot take it); None: the tuned entry's "pair_dot".
-    ``swap_down``: the down GEMM swapped (SWAP_AB) whatever the gate-up does; None: the tuned entry's "swap_down"
-    (the config's swap_ab swaps both GEMMs either way). ``up_registers``: the gate-up GEMM's ``maxnreg``; None: the
-    tuned entry's "up_registers", else the compiler's choice."""
+    (``choose_pair_dot``; True refused where the plan cannot take it); None: the tuned entry's "pair_dot"."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, swap_down,
-           up_registers, capturing)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot,
-                                        swap_down, up_registers)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
                ahead: bool = True, capturing: bool = False, persistent: Persistent | None = None,
-               pair_dot: bool | None = None, swap_down: bool | None = None,
-               up_registers: int | None = None) -> Fp8Plan:
+               pair_dot: bool | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
     ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
@@ -267,17 +252,15 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
-    pair, maxnreg = (choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one),
-                     entry.up_registers if up_registers is None else up_registers)
-    up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N), **_registers(maxnreg))
+    pair = choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one)
+    up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N))
     gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
                               num_pid_m, dict(up_shared, X_RAW=x_raw), fold)
-    down_swap = config.swap_ab or bool(entry.swap_down if swap_down is None else swap_down)
-    down_shared = dict(shared, ONE_BLOCK=down_one, SWAP_AB=down_swap)
+    down_shared = dict(shared, ONE_BLOCK=down_one)
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
-    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, down_swap)
+    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
@@ -293,11 +276,6 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
-
-
-def _registers(maxnreg: int | None) -> dict:
-    """The launch option capping a kernel's registers a thread (none: the compiler's choice)."""
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int, x_raw: bool, h_fp32: bool) -> list:

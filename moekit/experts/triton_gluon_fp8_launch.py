@@ -38,7 +38,6 @@ class Fp8GluonTile:
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
-    a_regs: bool = False  # the consumers' A halves through registers (wgmma A from registers; the kernel's A_REGS)
 
     @property
     def block_n(self) -> int:
@@ -53,11 +52,6 @@ class Fp8GluonTile:
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB (a device variant)
-# Device variants (benchmarks/f8pre_device_check.py): A through registers where a step runs two MMAs on one A half
-# (16 more registers a consumer: 168 / 240, consumer 0 240; no K-loop spills on Triton 3.6 or 3.9). Checkpoint 1 of
-# session 27: whole calls 0.93-0.98x, the gate-up alone 1.04-1.07x the time (raw/...-654b456-f8pre-ck1.*).
-A_REGS_UP_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, a_regs=True)
-A_REGS_WIDE_DOWN_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, wide=True, a_regs=True)
 
 
 @dataclass(frozen=True)
@@ -115,7 +109,7 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
-                        WIDE=tile.wide, A_REGS=tile.a_regs, num_warps=CONSUMER_WARPS,
+                        WIDE=tile.wide, num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)
 
 

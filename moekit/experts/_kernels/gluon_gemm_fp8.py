@@ -78,7 +78,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
               HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGGER: gl.constexpr, WIDE: gl.constexpr, A_REGS: gl.constexpr):
+              STAGGER: gl.constexpr, WIDE: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -102,7 +102,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
         acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
                               ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, PINGPONG, STAGGER,
-                              A_REGS, layout)
+                              layout)
         if WIDE:
             _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
         else:
@@ -112,8 +112,7 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
 
 @gluon.jit
 def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
-            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, A_REGS: gl.constexpr,
-            layout: gl.constexpr):
+            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, layout: gl.constexpr):
     """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
     (acc [64, 128] float32, up (GATED: two weight tiles a stage, gate/up or WIDE's two column blocks; else
     unused), the ring position after it). Keeping the next step's
@@ -134,8 +133,6 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
             w_up = gl.load(ws_up + kk)
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         a = a_bufs.index(2 * s + HALF)
-        if A_REGS:  # [64, 128] e4m3 into registers once: both MMAs of the step read it there, not from SMEM twice
-            a = a.load(gl.DotOperandLayout(operand_index=0, parent=layout, k_width=4))
         _take_turn(turns, it * WTILES, HALF, PINGPONG)
         part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
         _pass_turn(turns, HALF, PINGPONG)
@@ -213,7 +210,7 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            STAGGER: gl.constexpr = False, WIDE: gl.constexpr = False, A_REGS: gl.constexpr = False):
+                            STAGGER: gl.constexpr = False, WIDE: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
@@ -222,11 +219,7 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
     STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset).
-    WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
-    A_REGS: each consumer loads its A half into registers once per K-step (wgmma with A from registers): the two
-    MMAs of a gate-up / WIDE step do not read it from SMEM twice (SMEM bandwidth: the ring's TMA writes and the
-    MMAs' reads). It needs 16 more registers a consumer thread: max_registers 168, consumer_regs 240. Measured slower
-    (gate-up alone 1.04-1.07x the time, H200, session 27): each step waits for its LDSMs before its first wgmma."""
+    WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128]."""
     WTILES: gl.constexpr = 2 if GATED or WIDE else 1
     OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -243,10 +236,10 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE, A_REGS)),
+                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE, A_REGS)),
+                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
                    w_rows, gate_offset, GATED, GROUP_M, WIDE)),
     ], [4, 1], [CONSUMER_REGS, 24])
