@@ -38,14 +38,16 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). (64-row tiles and one consumer warpgroup: measured at the ridge in
-    sessions 18 and 20, no win; removed.)"""
+    (``triton_gluon_tail``, the padding tax). ``halves``: a row block whose rows 64-127 are all padding runs a 64-row
+    tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail). (64-row tiles everywhere and one
+    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
     group_m: int = 8
     tail: int = 0
+    halves: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -54,6 +56,8 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
+        if self.tail and self.halves:
+            raise ValueError(f"tail={self.tail} and halves: one padding scheme a tile")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -205,7 +209,16 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
                 sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding)."""
+    of BLOCK_M, <= T). A tile with a ``tail`` or ``halves`` reads the layout's sorted_ids [T] (>= num_assignments:
+    padding)."""
+    if tile.halves:
+        from moekit.experts.triton_gluon_half import launch_half_gemm
+
+        if sorted_ids is None:
+            raise ValueError(f"tile={tile}: halves need the layout's sorted_ids")
+        launch_half_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, gated, w_rows,
+                         gate_offset)
+        return
     if tile.tail:
         from moekit.experts.triton_gluon_tail import launch_tail_down
 
