@@ -1,10 +1,10 @@
 """Issue 19 at the ridge (branch `mid7`): bf16 Mixtral-8x7B M = 512 / 1024 and Qwen3-30B-A3B M = 1024 / 512 against
 90% of the floor: the half-tile Gluon GEMMs against today's route, and where each call's time goes.
 
-    PYTHONPATH=$PWD timeout 85 python3 benchmarks/mid7_device_check.py --out $OUT/mid7 --deadline 70   # H200
+    PYTHONPATH=$PWD timeout 75 python3 benchmarks/mid7_device_check.py --out $OUT/mid7 --deadline 64   # H200
 
-First the ceilings (the bench's own: copy, bf16 mm 8192^3), while compile workers (this script with ``--worker``)
-run every call and part once at the real shapes (zero weights) to fill Triton's cache. Per cell (the bench's weights,
+First compile workers (this script with ``--worker``) run every call and part once at the real shapes (zero weights)
+to fill Triton's cache; then the ceilings (the bench's own: copy, bf16 mm 8192^3). Per cell (the bench's weights,
 two uniform routing sets; ``mid7_variants`` names every call):
   1. correctness: every whole call on set 0 against the Gluon path's torch twin (``experts_gluon_twin``; rel L2 <
      5e-3 for the Gluon calls, < 1e-2 for the route), PASS / FAIL; a failing call is not timed;
@@ -196,8 +196,6 @@ def padded_rows(x, ids, num_experts: int) -> tuple[int, int]:
 
 
 def run_cell(spec: str, dev, ceil: dict, args) -> None:
-    import mid7_variants as mv  # noqa: F401  (imported before timing: the calls' modules)
-
     from moekit.bench.cells import cell_model, measured_experts_touched
     from moekit.experts.triton_gluon import experts_gluon_twin
 
@@ -268,7 +266,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline", type=float, default=70.0, help="no new timing after this many seconds")
-    parser.add_argument("--worker-deadline", type=float, default=30.0, help="compile workers killed after this")
+    parser.add_argument("--worker-deadline", type=float, default=28.0, help="compile workers killed after this")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
     args = parser.parse_args()
@@ -280,13 +278,13 @@ def main() -> int:
 
     from moekit.bench.ceilings import measure_ceilings
 
+    wait_workers(procs, args.worker_deadline)  # before the ceilings: the workers' kernels share the GPU
+    threading.Thread(target=watchdog, daemon=True).start()
     base = measure_ceilings(dev)
     ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}
     RESULTS.update(ceilings=ceil, device=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=triton.__version__)
     log(f"ceilings: {ceil}; torch {torch.__version__}, triton {triton.__version__}")
-    wait_workers(procs, args.worker_deadline)
-    threading.Thread(target=watchdog, daemon=True).start()
     for spec in args.cells:
         if time.perf_counter() - T0 > args.deadline:
             SUMMARY.append(f"{spec}: not reached (deadline)")
