@@ -89,3 +89,37 @@ def test_halves_are_one_padding_scheme_and_fit_like_the_plain_tiles():
     for tile, gated in ((UP_TILE, True), (DOWN_TILE, False)):
         half = GluonTile(tile.block_n, tile.block_k, tile.stages, tile.group_m, halves=True)
         assert half.shared_bytes(gated) == tile.shared_bytes(gated)  # the same ring: the A stage's first 64 rows
+
+
+def test_lean_launch_with_halves_equals_the_plain_tiles_and_a_float64_loop(fake_gemms):  # noqa: F811
+    """The lean launch binds the half kernel (sorted_ids after expert_ids) for either GEMM; the call equals the one
+    without halves bit for bit (the stand-ins compute every real row alike), first call and recorded sequence."""
+    from moekit.experts.triton_gluon_lean import run_lean
+
+    g = torch.Generator().manual_seed(5)
+    e, n, k, m, top_k = 4, 128, 128, 300, 2  # ~150 rows an expert: a 128-row block and a mostly empty one each
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * n, k, generator=g) * k ** -0.5).bfloat16()
+    w2 = (torch.randn(e, k, n, generator=g) * n ** -0.5).bfloat16()
+    ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.rand(m, top_k, generator=g), dim=1)
+    up = GluonTile(UP_TILE.block_n, UP_TILE.block_k, UP_TILE.stages, UP_TILE.group_m, halves=True)
+    down = GluonTile(DOWN_TILE.block_n, DOWN_TILE.block_k, DOWN_TILE.stages, DOWN_TILE.group_m, halves=True)
+    plain = run_lean(x, w13, w2, ids, weights, None, UP_TILE, DOWN_TILE, in_loader=False)
+    for tiles in ((up, DOWN_TILE), (UP_TILE, down), (up, down)):
+        first = run_lean(x, w13, w2, ids, weights, None, *tiles, in_loader=False)
+        again = run_lean(x, w13, w2, ids, weights, None, *tiles, in_loader=False)
+        assert torch.equal(first, plain) and torch.equal(again, plain)
+    calls = fake_gemms["half"].log
+    assert [c[1]["GATED"] for c in calls] == [True, True, False, False, True, False, True, False]
+    _, bound, _ = calls[0]
+    assert half_blocks(bound["sorted_ptr"], int(bound["used_ptr"][0]), bound["num_assignments"]).any()
+    with pytest.raises(ValueError, match="in-loader"):
+        run_lean(x, w13, w2, ids, weights, None, up, DOWN_TILE, in_loader=True)
+    want = torch.zeros(m, k, dtype=torch.float64)
+    for t in range(m):
+        for j in range(top_k):
+            ex = int(ids[t, j])
+            gu = w13[ex].double() @ x[t].double()
+            want[t] += float(weights[t, j]) * (w2[ex].double() @ (torch.nn.functional.silu(gu[:n]) * gu[n:]))
+    assert ((plain.double() - want).norm() / want.norm()).item() < 1e-2

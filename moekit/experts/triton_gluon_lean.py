@@ -86,6 +86,8 @@ class GluonLeanPlan:
     # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
+    halves: tuple = (False, False)  # (gate-up, down) with ``GluonTile.halves``: its pointers then A, W, C descriptors,
+    # expert_ids, sorted_ids, num_padded
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
@@ -148,8 +150,9 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
                           HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
+    halves = (False, False) if fp8 else (up.halves, down.halves)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
-                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine, halves)
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
     weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
+        if tile.halves:  # mostly empty blocks as 64-row tiles (``triton_gluon_half``): 6 pointers, then A
+            half = importlib.import_module(f"{_KERNELS}.gluon_gemm_half").half_gemm_kernel
+            return BoundLaunch(half, grid(cols, tile.block_n), 6, (num_assignments, reduce_dim, cols // tile.block_n),
+                               W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                               GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
         if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
             tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
             return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
@@ -187,6 +195,8 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
+        if up.halves:
+            raise ValueError(f"up={up}: halves read x_perm (no in-loader gather)")
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
         up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
@@ -266,13 +276,14 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down = acts[4:]
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"])
-                if t_down is not None else (a_down, pair.w2, c_down, *rows))
+        half_rows = (b["expert_ids"], b["sorted_ids"], b["num_padded"])  # a GEMM with halves reads sorted_ids too
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, *half_rows) if t_down is not None
+                else (a_down, pair.w2, c_down, *(half_rows if plan.halves[1] else rows)))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:
             launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
-                         (plan.up, (a_up, pair.w13, c_up, *rows))]
+                         (plan.up, (a_up, pair.w13, c_up, *(half_rows if plan.halves[0] else rows)))]
         launches.append((plan.down, down))
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
     # gate-up GEMM's loader): no fill
