@@ -253,7 +253,7 @@ def summarize(cell: dict, s, ceil: dict) -> None:
         if base and n != "route":
             wins = sum(b >= 1.03 * v for b, v in zip(base, t))
             vs = f" x{statistics.median(base) / med:5.3f} ({wins}/{min(len(t), len(base))} rounds >= 3%)"
-        SUMMARY.append(f"  {n:10s} {med:8.1f} us [{min(t):.0f}-{max(t):.0f}] {100 * cell['floor_us'] / med:5.1f}% "
+        SUMMARY.append(f"  {n:14s} {med:8.1f} us [{min(t):.0f}-{max(t):.0f}] {100 * cell['floor_us'] / med:5.1f}% "
                        f"floor{vs}")
     for n, t in cell.get("parts_us", {}).items():
         med = statistics.median(t)

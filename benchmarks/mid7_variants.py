@@ -8,7 +8,8 @@ Whole calls (``whole_variants``):
   - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
     tile), the route's down GEMM;
   - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
-  - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM.
+  - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM;
+  - lean halves up, lean halves: those two through the route's own lean launch (the candidates for the route).
 Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, at g128 under balanced routing
 (M*k/E rows an expert: no padding rows at these cells), the probes (``mid7_probes``: loads only, MMAs only), the
 layout (alignment + gather), the combine, and cuBLAS ``bmm`` on [E, M*k/E, K] x [E, K, 2N] / [E, M*k/E, N] x [E, N, K]
@@ -73,6 +74,7 @@ def layout_buffers(x, ids, w2) -> tuple:
 
 def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_lean import run_lean
 
     num_experts, _, inter = w2.shape
     route_up, route_down = route_tiles(m, top_k, num_experts, inter)
@@ -83,6 +85,10 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
+    for name in ("halves up", "halves"):  # the candidates for the route: its own lean launch with these tiles
+        up, down = tiles[name]
+        out.append(Variant(f"lean {name}", lambda x, i, r, u=up, d=down: run_lean(x, w13, w2, i, r, None, u, d,
+                                                                                    in_loader=False), 5e-3))
     return out
 
 
