@@ -5,12 +5,15 @@ Whole calls (``whole_variants``):
   - route: ``run_experts(backend="triton")`` (Mixtral: the lean Gluon launch, the down GEMM folding tails at 512;
     Qwen3: the fused Triton kernels);
   - g128: the route's Gluon tiles through the plain launches (the lean launch's kernels, launched per call);
+  - wide: the gate-up GEMM's gate and up tiles as one [64, 256] wgmma a warpgroup (``GluonTile.wide``), the route's
+    down GEMM; wide down256 (where the route's down GEMM has no tail): with the down GEMM 256 wide (3 stages);
   - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
     tile), the route's down GEMM;
   - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
   - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM;
-  - lean halves up, lean halves: those two through the route's own lean launch (the candidates for the route).
-Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, at g128 under balanced routing
+  - lean wide, lean halves up, lean halves: those through the route's own lean launch (the candidates for the route).
+Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, the wide gate-up GEMM (and the
+256-wide down GEMM where the route's has no tail), at g128 under balanced routing
 (M*k/E rows an expert: no padding rows at these cells), the probes (``mid7_probes``: loads only, MMAs only), the
 layout (alignment + gather), the combine, and cuBLAS ``bmm`` on [E, M*k/E, K] x [E, K, 2N] / [E, M*k/E, N] x [E, N, K]
 (each expert's rows, balanced, no padding: the vendor's grouped GEMM at the same bytes and FLOPs).
@@ -79,13 +82,18 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     num_experts, _, inter = w2.shape
     route_up, route_down = route_tiles(m, top_k, num_experts, inter)
     half_up, half_down = half_tiles(inter)
-    tiles = {"g128": (route_up, route_down), "halves up": (half_up, route_down), "halves": (half_up, half_down)}
+    tiles = {"g128": (route_up, route_down), "wide": (replace(route_up, wide=True), route_down),
+             "halves up": (half_up, route_down), "halves": (half_up, half_down)}
     if route_down.tail:
         tiles["no tail"] = (route_up, replace(route_down, tail=0, stages=half_down.stages))
+    else:  # the down GEMM's one [64, 256] wgmma a warpgroup too (3 stages: a 64 KB output tile)
+        tiles["wide down256"] = (tiles["wide"][0], replace(route_down, block_n=256, stages=3))
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
-    for name in ("halves up", "halves"):  # the candidates for the route: its own lean launch with these tiles
+    for name in ("wide", "wide down256", "halves up", "halves"):  # the route's candidates through its own lean launch
+        if name not in tiles:
+            continue
         up, down = tiles[name]
         out.append(Variant(f"lean {name}", lambda x, i, r, u=up, d=down: run_lean(x, w13, w2, i, r, None, u, d,
                                                                                     in_loader=False), 5e-3))
@@ -150,6 +158,10 @@ def part_calls(x, ids, rw, w13, w2, m: int, top_k: int, balanced_ids) -> dict:
     out = {}
     out["up g128"], out["down route"] = gemm_calls(x, ids, w13, w2, g_up, g_down)
     out["up halves"], out["down halves"] = gemm_calls(x, ids, w13, w2, h_up, h_down)
+    out["up wide"], wide_down = gemm_calls(x, ids, w13, w2, replace(g_up, wide=True), replace(g_down, block_n=256,
+                                                                                               stages=3, tail=0))
+    if not g_down.tail:
+        out["down 256"] = wide_down
     plain_down = replace(h_down, halves=False)
     if g_down.tail:
         out["down plain"] = gemm_calls(x, ids, w13, w2, g_up, plain_down)[1]

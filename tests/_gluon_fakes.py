@@ -149,7 +149,7 @@ def install_fakes(setattr_=setattr) -> dict:
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
     returns {"bf16", "fp8", "gather", "tail", "half": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather
     in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; half: the bf16 GEMM running
-    such blocks as 64-row tiles)."""
+    such blocks as 64-row tiles; wide: the bf16 gate-up GEMM with one wgmma for gate and up, the plain one's sums)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -159,7 +159,8 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
-                                     ("half", "gluon_gemm_half", "half_gemm_kernel", half_gemm)):
+                                     ("half", "gluon_gemm_half", "half_gemm_kernel", half_gemm),
+                                     ("wide", "gluon_gemm_wide", "wide_gate_up_kernel", bf16_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

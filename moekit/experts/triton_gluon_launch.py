@@ -39,8 +39,9 @@ class GluonTile:
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
     (``triton_gluon_tail``, the padding tax). ``halves``: a row block whose rows 64-127 are all padding runs a 64-row
-    tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail). (64-row tiles everywhere and one
-    consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail). ``wide`` (the gate-up GEMM only): its
+    gate and up tiles as one [64, 2 * block_n] wgmma a warpgroup (``_kernels/gluon_gemm_wide.py``). (64-row tiles
+    everywhere and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -48,6 +49,7 @@ class GluonTile:
     group_m: int = 8
     tail: int = 0
     halves: bool = False
+    wide: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -58,6 +60,9 @@ class GluonTile:
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
         if self.tail and self.halves:
             raise ValueError(f"tail={self.tail} and halves: one padding scheme a tile")
+        if self.wide and (self.tail or self.halves or 2 * self.block_n > 256):
+            raise ValueError(f"wide with tail={self.tail}, halves={self.halves}, block_n={self.block_n}: the plain "
+                             "tile's gate and up, 2 * block_n <= 256")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -76,6 +81,8 @@ def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
     if gated and tile.tail:
         raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
+    if tile.wide and not gated:
+        raise ValueError(f"tile={tile}: wide is for the gate-up GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
@@ -226,7 +233,8 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
             raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
         launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
         return
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
+    check_tile(tile, gated)
+    kernel = gemm_kernel(tile)
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
@@ -236,6 +244,13 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
                  W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+
+
+def gemm_kernel(tile: GluonTile):
+    """The plain bf16 Gluon GEMM kernel of a tile (no tail, no halves): ``gluon_gemm_wide``'s where ``tile.wide``."""
+    if tile.wide:
+        return importlib.import_module(f"{_KERNELS}.gluon_gemm_wide").wide_gate_up_kernel
+    return importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:

@@ -36,8 +36,8 @@ from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_prog
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gluon_descriptor, loader_gather_fits,
-    num_sms, wants_loader_gather,
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gemm_kernel, gluon_descriptor,
+    loader_gather_fits, num_sms, wants_loader_gather,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
@@ -123,8 +123,8 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
-    if not fp8 and up.tail:
-        raise ValueError(f"up={up}: a tail is for the down GEMM only")
+    if not fp8 and (up.tail or down.wide):
+        raise ValueError(f"up={up}, down={down}: a tail is for the down GEMM only, wide for the gate-up GEMM only")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -169,7 +169,6 @@ class _Part:
 
 def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -> _Part:
     rows, num_assignments, top_k, hidden, inter = sizes
-    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
 
     def tail_blocks(tile) -> tuple:
         return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
@@ -189,14 +188,14 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
             return BoundLaunch(tail_down, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
                                cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
                                num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-        return BoundLaunch(gemm, grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
+        return BoundLaunch(gemm_kernel(tile), grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
-        if up.halves:
-            raise ValueError(f"up={up}: halves read x_perm (no in-loader gather)")
+        if up.halves or up.wide:
+            raise ValueError(f"up={up}: halves and wide read x_perm (no in-loader gather)")
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
         up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
