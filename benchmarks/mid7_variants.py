@@ -6,12 +6,14 @@ Whole calls (``whole_variants``):
     Qwen3: the fused Triton kernels);
   - g128: the route's Gluon tiles through the plain launches (the lean launch's kernels, launched per call);
   - wide: the gate-up GEMM's gate and up tiles as one [64, 256] wgmma a warpgroup (``GluonTile.wide``), the route's
-    down GEMM; wide down256 (where the route's down GEMM has no tail): with the down GEMM 256 wide (3 stages);
+    down GEMM; where the route's down GEMM has no tail: wide down256 (the down GEMM 256 wide, 3 stages), tail and
+    wide tail (the down GEMM folding an expert's last block of <= 64 rows, ``GluonTile.tail``);
   - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
     tile), the route's down GEMM;
   - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
   - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM;
-  - lean wide, lean halves up, lean halves: those through the route's own lean launch (the candidates for the route).
+  - lean wide, lean wide down256, lean wide tail, lean halves up, lean halves: those through the route's own lean
+    launch (the candidates for the route).
 Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, the wide gate-up GEMM (and the
 256-wide down GEMM where the route's has no tail), at g128 under balanced routing
 (M*k/E rows an expert: no padding rows at these cells), the probes (``mid7_probes``: loads only, MMAs only), the
@@ -77,6 +79,7 @@ def layout_buffers(x, ids, w2) -> tuple:
 
 def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     from moekit.experts import run_experts
+    from moekit.experts.triton_gluon_launch import with_tail
     from moekit.experts.triton_gluon_lean import run_lean
 
     num_experts, _, inter = w2.shape
@@ -86,12 +89,14 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
              "halves up": (half_up, route_down), "halves": (half_up, half_down)}
     if route_down.tail:
         tiles["no tail"] = (route_up, replace(route_down, tail=0, stages=half_down.stages))
-    else:  # the down GEMM's one [64, 256] wgmma a warpgroup too (3 stages: a 64 KB output tile)
+    else:  # the down GEMM's one [64, 256] wgmma a warpgroup too (3 stages: a 64 KB output tile); its tail
         tiles["wide down256"] = (tiles["wide"][0], replace(route_down, block_n=256, stages=3))
+        tiles["tail"] = (route_up, with_tail(route_down))
+        tiles["wide tail"] = (tiles["wide"][0], with_tail(route_down))
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
-    for name in ("wide", "wide down256", "halves up", "halves"):  # the route's candidates through its own lean launch
+    for name in ("wide", "wide down256", "wide tail", "halves up", "halves"):  # the route's candidates, lean launch
         if name not in tiles:
             continue
         up, down = tiles[name]
