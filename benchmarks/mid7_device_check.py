@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 T0 = time.perf_counter()
 CELLS = ("mixtral-8x7b:512", "mixtral-8x7b:1024", "qwen3-30b-a3b:1024", "qwen3-30b-a3b:512")
 ROUNDS, PART_ROUNDS = 5, 3
-WORKERS_PER_CELL = 3
+WORKERS_PER_CELL = 4
 STALL_S = 25.0
 LAST_LOG = [time.perf_counter(), "start"]
 RESULTS: dict = {"cells": []}
@@ -105,6 +105,7 @@ def worker_main(ci: int, slot: int) -> None:
     s0 = c["sets"][0]
     items = [(v.name, lambda v=v: v.call(s0.x, s0.topk_ids, s0.topk_weights)) for v in variants] + list(parts.items())
     for name, fn in items[slot::WORKERS_PER_CELL]:
+        print(f"START {CELLS[ci]} {name}", flush=True)
         try:
             fn()
             torch.cuda.synchronize()
@@ -125,7 +126,9 @@ def start_workers(cells: list) -> list:
     return procs
 
 
-def wait_workers(procs: list, until_s: float) -> None:
+def wait_workers(procs: list, until_s: float) -> set:
+    """Wait for the compile workers (killed at ``until_s``); returns {"cell name"} of the calls a worker started and
+    never finished (a hang or a crash): the main process does not run those."""
     import subprocess
 
     for p in procs:
@@ -133,10 +136,18 @@ def wait_workers(procs: list, until_s: float) -> None:
             p.wait(timeout=max(0.1, until_s - (time.perf_counter() - T0)))
         except subprocess.TimeoutExpired:
             p.kill()
-    bad = []
+    bad, started, ended = [], set(), set()
     for f in Path("/tmp").glob(f"mid7_worker_{os.getpid()}_*.log"):
-        bad += [ln for ln in f.read_text(errors="replace").splitlines() if ln.startswith("ERR")]
-    log(f"compile workers done; errors: {bad or 'none'}"[:1500])
+        for ln in f.read_text(errors="replace").splitlines():
+            head, _, rest = ln.partition(" ")
+            if head == "START":
+                started.add(rest)
+            elif head in ("OK", "ERR"):
+                ended.add(rest.split(": ")[0] if head == "ERR" else rest)
+                bad += [ln] if head == "ERR" else []
+    hung = started - ended
+    log(f"compile workers done; errors: {bad or 'none'}; started, not finished (not run): {sorted(hung) or 'none'}"[:2000])
+    return hung
 
 
 def check(name: str, v, s0, ref, outs: dict) -> bool:
@@ -211,6 +222,8 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
         f"90% needs <= {model.floor_us / 0.9:.1f} us; rows multiplied per real row {rows / (m * s.top_k):.3f} "
         f"(halves: {(rows - 64 * halves) / (m * s.top_k):.3f}, {halves} half blocks of {rows // 128})")
     variants, parts = calls_of(c)
+    variants = [v for v in variants if f"{spec} {v.name}" not in args.hung]
+    parts = {k: f for k, f in parts.items() if f"{spec} {k}" not in args.hung}
     ref = experts_gluon_twin(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
     outs: dict = {}
     passing = [v for v in variants if check(name, v, s0, ref, outs)]
@@ -278,7 +291,7 @@ def main() -> int:
 
     from moekit.bench.ceilings import measure_ceilings
 
-    wait_workers(procs, args.worker_deadline)  # before the ceilings: the workers' kernels share the GPU
+    args.hung = wait_workers(procs, args.worker_deadline)  # before the ceilings: the workers' kernels share the GPU
     threading.Thread(target=watchdog, daemon=True).start()
     base = measure_ceilings(dev)
     ceil = {"copy_TBps": base.copy_TBps, "bf16_mm_TFLOPs": base.mm_TFLOPs}

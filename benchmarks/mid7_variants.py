@@ -6,8 +6,10 @@ Whole calls (``whole_variants``):
     Qwen3: the fused Triton kernels);
   - g128: the route's Gluon tiles through the plain launches (the lean launch's kernels, launched per call);
   - wide: the gate-up GEMM's gate and up tiles as one [64, 256] wgmma a warpgroup (``GluonTile.wide``), the route's
-    down GEMM; where the route's down GEMM has no tail: wide down256 (the down GEMM 256 wide, 3 stages), tail and
-    wide tail (the down GEMM folding an expert's last block of <= 64 rows, ``GluonTile.tail``);
+    down GEMM; wide tail up: the wide gate-up GEMM folding an expert's last block of <= 64 rows into the block before
+    (``_kernels/gluon_gemm_wide_tail.py``; plain launches only); where the route's down GEMM has no tail: wide down256
+    (the down GEMM 256 wide, 3 stages), tail, wide tail and wide tails (the down GEMM folding such blocks,
+    ``GluonTile.tail``, with the plain / wide / wide folding gate-up GEMM);
   - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
     tile), the route's down GEMM;
   - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
@@ -42,6 +44,13 @@ def route_tiles(m: int, top_k: int, num_experts: int, inter: int) -> tuple:
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, wants_tail
 
     return UP_TILE, down_tile(inter, wants_tail(m, top_k, num_experts, inter))
+
+
+def wide_tail_up():
+    """The wide gate-up tile folding an expert's last block of <= 64 rows (3 stages: the tail's A tile and output)."""
+    from moekit.experts.triton_gluon_launch import UP_TILE
+
+    return replace(UP_TILE, wide=True, tail=64, stages=3)
 
 
 def half_tiles(inter: int) -> tuple:
@@ -86,13 +95,15 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     route_up, route_down = route_tiles(m, top_k, num_experts, inter)
     half_up, half_down = half_tiles(inter)
     tiles = {"g128": (route_up, route_down), "wide": (replace(route_up, wide=True), route_down),
-             "halves up": (half_up, route_down), "halves": (half_up, half_down)}
+             "wide tail up": (wide_tail_up(), route_down), "halves up": (half_up, route_down),
+             "halves": (half_up, half_down)}
     if route_down.tail:
         tiles["no tail"] = (route_up, replace(route_down, tail=0, stages=half_down.stages))
     else:  # the down GEMM's one [64, 256] wgmma a warpgroup too (3 stages: a 64 KB output tile); its tail
         tiles["wide down256"] = (tiles["wide"][0], replace(route_down, block_n=256, stages=3))
         tiles["tail"] = (route_up, with_tail(route_down))
         tiles["wide tail"] = (tiles["wide"][0], with_tail(route_down))
+        tiles["wide tails"] = (wide_tail_up(), with_tail(route_down))
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
@@ -106,7 +117,8 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
 
 
 def gemm_calls(x, ids, w13, w2, up, down) -> tuple[Callable, Callable]:
-    """(gate-up, down) alone with tiles (up, down) on the layout of ``ids`` (h written once before the down GEMM)."""
+    """(gate-up, down) alone with tiles (up, down) on the layout of ``ids`` (the down GEMM reads an h of unit normal
+    values: no kernel runs before the calls, so a worker's log names any that hangs)."""
     from moekit.experts.triton_gluon_launch import launch_gemm
 
     lay, h, y = layout_buffers(x, ids, w2)
@@ -118,7 +130,7 @@ def gemm_calls(x, ids, w13, w2, up, down) -> tuple[Callable, Callable]:
         launch_gemm(lay.x_perm, w13_2d, h, lay.block_experts, lay.rows_used, up, True, 2 * inter, inter,
                     lay.sorted_ids, a)
 
-    up_call()
+    h.normal_()
     return up_call, lambda: launch_gemm(h, w2_2d, y, lay.block_experts, lay.rows_used, down, False, hidden, 0,
                                         lay.sorted_ids, a)
 
@@ -163,6 +175,7 @@ def part_calls(x, ids, rw, w13, w2, m: int, top_k: int, balanced_ids) -> dict:
     out = {}
     out["up g128"], out["down route"] = gemm_calls(x, ids, w13, w2, g_up, g_down)
     out["up halves"], out["down halves"] = gemm_calls(x, ids, w13, w2, h_up, h_down)
+    out["up wide tail"] = gemm_calls(x, ids, w13, w2, wide_tail_up(), g_down)[0]
     out["up wide"], wide_down = gemm_calls(x, ids, w13, w2, replace(g_up, wide=True), replace(g_down, block_n=256,
                                                                                                stages=3, tail=0))
     if not g_down.tail:

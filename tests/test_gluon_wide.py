@@ -21,7 +21,7 @@ def test_wide_is_the_plain_gate_up_tile_only():
     assert WIDE.shared_bytes(True) == UP_TILE.shared_bytes(True)  # the same ring: gate and up side by side
     with pytest.raises(ValueError, match="gate-up GEMM only"):
         check_tile(GluonTile(stages=6, wide=True), gated=False)
-    for bad in (dict(tail=64), dict(halves=True), dict(block_n=256)):
+    for bad in (dict(halves=True), dict(block_n=256)):
         with pytest.raises(ValueError, match="wide"):
             GluonTile(stages=3, wide=True, **bad)
 
@@ -65,3 +65,32 @@ def test_lean_launch_with_wide_equals_the_plain_tiles(fake_gemms):  # noqa: F811
         run_lean(x, w13, w2, ids, weights, None, UP_TILE, GluonTile(stages=6, wide=True), in_loader=False)
     with pytest.raises(ValueError, match="in-loader"):
         run_lean(x, w13, w2, ids, weights, None, WIDE, DOWN_TILE, in_loader=True)
+
+
+def test_wide_tail_launch_matches_a_float64_loop_and_skips_folded_rows(fake_gemms):  # noqa: F811
+    from test_gluon_tail import expected_folds
+
+    torch.manual_seed(3)
+    counts = [130, 0, 200, 64, 257, 1]
+    experts, ids, used, a = layout_from_counts(counts)
+    rows, k, n = ids.numel(), 64, 128
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    w = (torch.randn(len(counts) * 2 * n, k) * k ** -0.5).to(torch.bfloat16)
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    tile = GluonTile(UP_TILE.block_n, UP_TILE.block_k, 3, UP_TILE.group_m, tail=64, wide=True)
+    check_tile(tile, gated=True)  # 192 accumulator registers: the wide tail's limit
+    launch_gemm(x, w, out, experts, torch.tensor([used], dtype=torch.int32), tile, True, 2 * n, n, ids, a)
+    (_, bound, _), = fake_gemms["wide tail"].log
+    assert bound["STAGES"] == 3 and bound["t_desc"].block_shape == [64, 64] and bound["GATE_OFFSET"] == n
+    for r in range(used):
+        if int(ids[r]) >= a:
+            continue
+        first = int(experts[r // 128]) * 2 * n
+        gate = w[first:first + n].double() @ x[r].double()
+        up = w[first + n:first + 2 * n].double() @ x[r].double()
+        torch.testing.assert_close(out[r].double(), torch.nn.functional.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    for b, f in enumerate(expected_folds(counts)):  # rows past a folded tail: never written
+        if f:
+            assert torch.isnan(out[(b + 1) * 128 + 64:(b + 2) * 128].float()).all()
+    with pytest.raises(ValueError, match="down GEMM only"):
+        check_tile(GluonTile(stages=3, tail=64), gated=True)  # the plain gate-up GEMM: no tail

@@ -60,9 +60,9 @@ class GluonTile:
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
         if self.tail and self.halves:
             raise ValueError(f"tail={self.tail} and halves: one padding scheme a tile")
-        if self.wide and (self.tail or self.halves or 2 * self.block_n > 256):
-            raise ValueError(f"wide with tail={self.tail}, halves={self.halves}, block_n={self.block_n}: the plain "
-                             "tile's gate and up, 2 * block_n <= 256")
+        if self.wide and (self.halves or 2 * self.block_n > 256):
+            raise ValueError(f"wide with halves={self.halves}, block_n={self.block_n}: gate and up in one wgmma, "
+                             "2 * block_n <= 256")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -77,18 +77,20 @@ class GluonTile:
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
-    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
-    the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
-    if gated and tile.tail:
-        raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
+    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands; the wide gate-up
+    tail's 192: no spills at its partition's 240, sm_90 offline, Triton 3.6 and 3.9), a tail on the plain gate-up GEMM
+    (measured slower everywhere: its 3 stages; removed; the wide one's: ``_kernels/gluon_gemm_wide_tail.py``)."""
+    if gated and tile.tail and not tile.wide:
+        raise ValueError(f"tile={tile}: a tail is for the down GEMM only (or the wide gate-up GEMM)")
     if tile.wide and not gated:
         raise ValueError(f"tile={tile}: wide is for the gate-up GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
-    if tile.accumulator_registers(gated) > 128:
+    limit = 192 if tile.wide and tile.tail else 128
+    if tile.accumulator_registers(gated) > limit:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): "
-                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > 128")
+                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > {limit}")
 
 
 @dataclass(frozen=True)
@@ -227,11 +229,15 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
                          gate_offset)
         return
     if tile.tail:
-        from moekit.experts.triton_gluon_tail import launch_tail_down
+        from moekit.experts.triton_gluon_tail import launch_tail_down, launch_tail_gate_up
 
-        if sorted_ids is None or gated:
-            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
-        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
+        if sorted_ids is None:
+            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids")
+        if gated:
+            launch_tail_gate_up(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows,
+                                gate_offset)
+        else:
+            launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
         return
     check_tile(tile, gated)
     kernel = gemm_kernel(tile)

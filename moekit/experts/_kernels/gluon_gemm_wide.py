@@ -52,12 +52,43 @@ def _wide_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used
 
 
 @gluon.jit
+def _wide_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, layout: gl.constexpr):
+    """Row block rb's [BLOCK_M, BLOCK_N] tile of h in column block cb: the K loop over the ring (one wgmma in flight,
+    each stage released once the wgmma that read it retired) and the epilogue; returns the ring position after it."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, layout)  # [gate | up]
+    for kk in range(k_steps):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # the previous step's MMA retired: its stage may be refilled
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    c_buf.store(_silu_mul(acc, BLOCK_N).to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+    return it
+
+
+@gluon.jit
+def _silu_mul(acc, BLOCK_N: gl.constexpr):
+    """silu(gate) * up of a [rows, 2 * BLOCK_N] accumulator [gate | up] (columns c and BLOCK_N + c in one thread)."""
+    gate, up = acc.reshape([acc.shape[0], 2, BLOCK_N]).permute((0, 2, 1)).split()  # [rows, BLOCK_N] each
+    return gate / (1.0 + gl.exp(-gate)) * up
+
+
+@gluon.jit
 def _wide_mma(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
               GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BLOCK_N, 16])
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
@@ -66,23 +97,7 @@ def _wide_mma(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim,
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        acc = gl.zeros([BLOCK_M, 2 * BLOCK_N], gl.float32, layout)  # [gate | up]
-        for kk in range(k_steps):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the previous step's MMA retired: its stage may be refilled
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
-        gate, up = acc.reshape([BLOCK_M, 2, BLOCK_N]).permute((0, 2, 1)).split()  # [BM, BN] each
-        h = gate / (1.0 + gl.exp(-gate)) * up  # silu(gate) * up
-        tma.store_wait(0)  # the last tile's store has read c_buf
-        c_buf.store(h.to(c_desc.dtype))
-        fence_async_shared()
-        _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+        it = _wide_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, layout)
     tma.store_wait(0)
 
 
