@@ -97,13 +97,20 @@ def calls_of(c: dict) -> tuple[list, dict]:
     return mv.whole_variants(w.w13, w.w2, c["m"], c["s"].top_k), parts
 
 
+def wanted(name: str, only: set) -> bool:
+    """Whether a whole-call variant is timed (``--only``; route and g128 always)."""
+    return not only or name in ("route", "g128") or name in only
+
+
 def worker_main(ci: int, slot: int) -> None:
     """Run this worker's share (index % WORKERS_PER_CELL == slot) of cell ci's calls once (Triton's disk cache)."""
     dev = torch.device("cuda")
     c = cell_inputs(CELLS[ci], dev, zeros=True)
     variants, parts = calls_of(c)
     s0 = c["sets"][0]
-    items = [(v.name, lambda v=v: v.call(s0.x, s0.topk_ids, s0.topk_weights)) for v in variants] + list(parts.items())
+    only = set(filter(None, os.environ.get("MID7_ONLY", "").split(",")))  # --only, from the main process
+    items = [(v.name, lambda v=v: v.call(s0.x, s0.topk_ids, s0.topk_weights)) for v in variants
+             if wanted(v.name, only)] + list(parts.items())
     for name, fn in items[slot::WORKERS_PER_CELL]:
         print(f"START {CELLS[ci]} {name}", flush=True)
         try:
@@ -128,7 +135,8 @@ def start_workers(cells: list) -> list:
 
 def wait_workers(procs: list, until_s: float) -> set:
     """Wait for the compile workers (killed at ``until_s``); returns {"cell name"} of the calls a worker started and
-    never finished (a hang or a crash): the main process does not run those."""
+    did not finish OK (a hang, a crash, an error that may have broken its CUDA context): the main process does not
+    run those, except the route and g128 (the baselines)."""
     import subprocess
 
     for p in procs:
@@ -136,17 +144,18 @@ def wait_workers(procs: list, until_s: float) -> set:
             p.wait(timeout=max(0.1, until_s - (time.perf_counter() - T0)))
         except subprocess.TimeoutExpired:
             p.kill()
-    bad, started, ended = [], set(), set()
+    bad, started, ok = [], set(), set()
     for f in Path("/tmp").glob(f"mid7_worker_{os.getpid()}_*.log"):
         for ln in f.read_text(errors="replace").splitlines():
             head, _, rest = ln.partition(" ")
             if head == "START":
                 started.add(rest)
-            elif head in ("OK", "ERR"):
-                ended.add(rest.split(": ")[0] if head == "ERR" else rest)
-                bad += [ln] if head == "ERR" else []
-    hung = started - ended
-    log(f"compile workers done; errors: {bad or 'none'}; started, not finished (not run): {sorted(hung) or 'none'}"[:2000])
+            elif head == "OK":
+                ok.add(rest)
+            elif head == "ERR":
+                bad.append(ln)
+    hung = {item for item in started - ok if item.split(" ", 1)[1] not in ("route", "g128")}
+    log(f"compile workers done; errors: {bad or 'none'}; not finished OK (not run): {sorted(hung) or 'none'}"[:2000])
     return hung
 
 
@@ -222,7 +231,7 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
         f"90% needs <= {model.floor_us / 0.9:.1f} us; rows multiplied per real row {rows / (m * s.top_k):.3f} "
         f"(halves: {(rows - 64 * halves) / (m * s.top_k):.3f}, {halves} half blocks of {rows // 128})")
     variants, parts = calls_of(c)
-    variants = [v for v in variants if f"{spec} {v.name}" not in args.hung]
+    variants = [v for v in variants if f"{spec} {v.name}" not in args.hung and wanted(v.name, args.only)]
     parts = {k: f for k, f in parts.items() if f"{spec} {k}" not in args.hung}
     ref = experts_gluon_twin(s0.x, w.w13, w.w2, s0.topk_ids, s0.topk_weights)
     outs: dict = {}
@@ -282,10 +291,13 @@ def main() -> int:
     parser.add_argument("--worker-deadline", type=float, default=28.0, help="compile workers killed after this")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--cells", nargs="+", default=list(CELLS))
+    parser.add_argument("--only", type=lambda t: set(t.split(",")), default=set(),
+                        help="comma-separated whole-call variants to time besides route and g128 (default: all)")
     args = parser.parse_args()
     args.deadline -= 4.0  # the table and JSON after the last timing
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
+    os.environ["MID7_ONLY"] = ",".join(sorted(args.only))  # the compile workers' share
     procs = start_workers(args.cells)
     import triton
 

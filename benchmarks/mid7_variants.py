@@ -7,15 +7,14 @@ Whole calls (``whole_variants``):
   - g128: the route's Gluon tiles through the plain launches (the lean launch's kernels, launched per call);
   - wide: the gate-up GEMM's gate and up tiles as one [64, 256] wgmma a warpgroup (``GluonTile.wide``), the route's
     down GEMM; wide tail up: the wide gate-up GEMM folding an expert's last block of <= 64 rows into the block before
-    (``_kernels/gluon_gemm_wide_tail.py``; plain launches only); where the route's down GEMM has no tail: wide down256
+    (``_kernels/gluon_gemm_wide_tail.py``); where the route's down GEMM has no tail: wide down256
     (the down GEMM 256 wide, 3 stages), tail, wide tail and wide tails (the down GEMM folding such blocks,
     ``GluonTile.tail``, with the plain / wide / wide folding gate-up GEMM);
   - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
     tile), the route's down GEMM;
   - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
   - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM;
-  - lean wide, lean wide down256, lean wide tail, lean halves up, lean halves: those through the route's own lean
-    launch (the candidates for the route).
+  - lean ...: the wide, wide tail and halves variants through the route's own lean launch (the route's candidates).
 Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, the wide gate-up GEMM (and the
 256-wide down GEMM where the route's has no tail), at g128 under balanced routing
 (M*k/E rows an expert: no padding rows at these cells), the probes (``mid7_probes``: loads only, MMAs only), the
@@ -107,7 +106,7 @@ def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
-    for name in ("wide", "wide down256", "wide tail", "halves up", "halves"):  # the route's candidates, lean launch
+    for name in ("wide", "wide tail up", "wide down256", "wide tail", "wide tails", "halves up", "halves"):  # lean
         if name not in tiles:
             continue
         up, down = tiles[name]

@@ -94,3 +94,31 @@ def test_wide_tail_launch_matches_a_float64_loop_and_skips_folded_rows(fake_gemm
             assert torch.isnan(out[(b + 1) * 128 + 64:(b + 2) * 128].float()).all()
     with pytest.raises(ValueError, match="down GEMM only"):
         check_tile(GluonTile(stages=3, tail=64), gated=True)  # the plain gate-up GEMM: no tail
+
+
+def test_lean_launch_with_the_wide_tail_equals_the_plain_tiles(fake_gemms):  # noqa: F811
+    """The lean launch binds the wide gate-up GEMM folding tails (T over x_perm, CT over h, sorted_ids), with and
+    without the down GEMM's tail; equal to the plain tiles bit for bit, first call and recorded sequence."""
+    from moekit.experts.triton_gluon_launch import with_tail
+    from moekit.experts.triton_gluon_lean import run_lean
+
+    g = torch.Generator().manual_seed(8)
+    e, n, k, m, top_k = 4, 128, 128, 300, 2  # ~150 rows an expert: a 128-row block and a mostly empty one each
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * n, k, generator=g) * k ** -0.5).bfloat16()
+    w2 = (torch.randn(e, k, n, generator=g) * n ** -0.5).bfloat16()
+    ids = torch.rand(m, e, generator=g).topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.rand(m, top_k, generator=g), dim=1)
+    up = GluonTile(UP_TILE.block_n, UP_TILE.block_k, 3, UP_TILE.group_m, tail=64, wide=True)
+    plain = run_lean(x, w13, w2, ids, weights, None, UP_TILE, DOWN_TILE, in_loader=False)
+    for down in (DOWN_TILE, with_tail(DOWN_TILE)):
+        first = run_lean(x, w13, w2, ids, weights, None, up, down, in_loader=False)
+        again = run_lean(x, w13, w2, ids, weights, None, up, down, in_loader=False)
+        assert torch.equal(first, plain) and torch.equal(again, plain)
+    calls = fake_gemms["wide tail"].log
+    assert len(calls) == 4 and len(fake_gemms["tail"].log) == 2
+    _, bound, _ = calls[0]
+    assert bound["t_desc"].block_shape == [64, 64] and bound["ct_desc"].block_shape == [64, 128]
+    assert bound["t_desc"].base.shape[1] == k and bound["ct_desc"].base.shape[1] == n  # x_perm and h
+    with pytest.raises(ValueError, match="in-loader"):
+        run_lean(x, w13, w2, ids, weights, None, up, DOWN_TILE, in_loader=True)
