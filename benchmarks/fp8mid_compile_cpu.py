@@ -1,11 +1,13 @@
 """Compile the fp8 GEMMs of ``fp8mid_device_check`` for sm_90 on a machine without a GPU: the one-tile-a-program
 kernels (``gemm_fp8``) and the persistent ones (``gemm_fp8_persistent``) at Qwen3-30B-A3B's tuned
-tiles (TMA weights) of M = 1024 (BM 64) and M = 64 (BM 16), so a compile error or a spill shows before device time.
+tiles (TMA weights) of M = 1024 (BM 64) and M = 64 (BM 16), so a compile error or a spill shows before device time;
+each gate-up also with PAIR_DOT (session 27: gate and up in one dot a step, through ``triton_cache.pair_descriptor``).
 
     PYTHONPATH=$PWD python3 benchmarks/fp8mid_compile_cpu.py
 
-Prints per kernel: seconds, SMEM bytes, ptxas registers / spill stores (sm_90a), and how many TMA loads and
-``cp.async`` copies the TTGIR holds (a flattened loop that pipelines issues its next tile's loads in the loop).
+Prints per kernel: seconds, SMEM bytes, ptxas registers / spill stores (sm_90a), how many TMA loads and
+``cp.async`` copies the TTGIR holds (a flattened loop that pipelines issues its next tile's loads in the loop), its
+wgmmas (shapes) and their waits (pendings), and its layout conversions (one through shared memory is a cost).
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ def compile_one(kernel, pointers: dict, scalars: dict, const: dict, num_warps: i
     spills, serialized = ptxas_report(ptx)
     tma = len(re.findall(r"async_tma_copy_global_to_local", ttgir))
     cp_async = len(re.findall(r"async_copy_global_to_local", ttgir))
+    wgmma = re.findall(r"ttng.warp_group_dot [^\n]*-> tensor<(\d+x\d+)", ttgir)
+    waits = re.findall(r"warp_group_dot_wait[^\n]*pendings = (\d+)", ttgir)
     return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, "
             f"wgmma serialized {serialized}, TTGIR TMA loads {tma}, cp.async copies {cp_async}, "
-            f"scf.for loops {ttgir.count('scf.for ')}")
+            f"scf.for loops {ttgir.count('scf.for ')}, wgmma {wgmma} waits {waits}, mma.sync dots "
+            f"{ttgir.count('tt.dot ')}, layout conversions {ttgir.count('convert_layout')}")
 
 
 # (label, BLOCK_M, gate-up GROUP_M / warps / stages, down GROUP_M / warps / stages): the tuned entries 1024 and 64
@@ -70,6 +75,7 @@ def main() -> int:
 
 def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> int:
     from moekit.experts._kernels import gemm_fp8, gemm_fp8_persistent as pk
+    from moekit.experts.triton_cache import pair_chunk, pair_descriptor
 
     f32, i32 = torch.empty(1), torch.empty(1, dtype=torch.int32)
     fp8 = torch.empty(1, dtype=torch.float8_e4m3fn)
@@ -88,7 +94,8 @@ def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> 
     down_scalars = dict.fromkeys(["K", "N", "num_assignments", "stride_hm", "stride_hsm", "stride_we", "stride_wk",
                                   "stride_wn", "stride_wse", "stride_wsk", "stride_wsn", "stride_ym"])
     one = dict(up, NAIVE=False, H_FP32=False, AHEAD=True, SWAP_AB=False, HAS_MAP=False)
-    one_up = dict(one, X_RAW=False, FOLD=False, A_PAD=1, E_PAD=1, FOLD_CHUNK=1)
+    two_dots = dict(PAIR_DOT=False, PAIR_CHUNK=64)
+    one_up = dict(one, X_RAW=False, FOLD=False, A_PAD=1, E_PAD=1, FOLD_CHUNK=1, **two_dots)
     one_down = dict(one, KSUM=False, TOPK_PAD=1, SUM_ROWS=1, ZERO_T=1, SUM_AFTER=False, SUM_T=1, SUM_K=1)
     jobs = [
         ("gate-up one tile a program", gemm_fp8.gate_up_fp8_kernel, up_ptrs,
@@ -96,7 +103,11 @@ def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> 
         ("down one tile a program", gemm_fp8.down_fp8_kernel, down_ptrs,
          down_scalars | dict.fromkeys(["num_experts", "num_pid_m", "top_k", "num_global"]), one_down, *down_tile[1:]),
     ]
-    jobs.append(("gate-up persistent", pk.gate_up_fp8_persistent_kernel, up_ptrs, up_scalars, up, *up_tile[1:]))
+    jobs.append(("gate-up persistent", pk.gate_up_fp8_persistent_kernel, up_ptrs, up_scalars, up | two_dots, *up_tile[1:]))
+    pair_ptrs = dict(up_ptrs, w_ptr=pair_descriptor(torch.empty(E, 2 * N, K, dtype=torch.float8_e4m3fn), 128, 128))
+    for name, kernel, _, scalars, const, warps, stages in (jobs[0], jobs[2]):  # the two gate-ups
+        pair = dict(const, PAIR_DOT=True, PAIR_CHUNK=pair_chunk(128))
+        jobs.append((f"{name}, PAIR_DOT", kernel, pair_ptrs, scalars, pair, warps, stages))
     jobs.append(("down persistent", pk.down_fp8_persistent_kernel, down_ptrs, down_scalars,
                  {k: v for k, v in down.items() if k != "EMULATE"}, *down_tile[1:]))
     failed = 0

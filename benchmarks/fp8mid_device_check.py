@@ -12,12 +12,14 @@ over ROUNDS rounds, median, x default, rounds >= 3% faster than the default, % o
 measured in this run); then each kernel's eager µs (torch.profiler) of the default and the fastest variant, each
 GEMM's weight bytes / µs against the copy rate. Compile: WORKERS subprocesses run every (cell, variant) once
 (Triton's disk cache) while this process builds the weights. Lines as it goes, the JSON rewritten after each cell,
-the table last; --deadline stops timing in time.
+the table last; --deadline stops timing in time. Another cells-and-variants module with the same names (and NAME,
+the JSON's) runs through the same machinery where $FP8MID_VARIANTS names it (``f8dec_device_check.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -37,7 +39,11 @@ from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from decode_q3_device_check import (  # noqa: E402
     Cell, Row, floor_us, make_weights, measure_copy, print_cell, reference, rel_l2,
 )
-from fp8mid_variants import CELLS, SHORT_CELLS, SMOKE_CELLS, run_variant, variants  # noqa: E402
+
+VARIANTS = importlib.import_module(os.environ.get("FP8MID_VARIANTS", "fp8mid_variants"))  # the workers inherit it
+CELLS, SHORT_CELLS, SMOKE_CELLS = VARIANTS.CELLS, VARIANTS.SHORT_CELLS, VARIANTS.SMOKE_CELLS
+run_variant, variants = VARIANTS.run_variant, VARIANTS.variants
+NAME = getattr(VARIANTS, "NAME", "fp8mid")
 
 T0 = time.perf_counter()
 WORKERS = 12
@@ -113,7 +119,7 @@ def start_workers(workers: int) -> list:
     light = [t for t in tasks if cells()[t[0]][1] != "deepseek-v3"]
     n = max(1, workers - (1 if big else 0))
     return spawn_workers(__file__, ([big] if big else []) + [light[j::n] for j in range(n) if light[j::n]], SMOKE,
-                         "fp8mid")
+                         NAME)
 
 
 def check_cell(cell: Cell, vs: list, base, sets, w, status: dict, ci: int) -> list:
@@ -190,7 +196,7 @@ def write_json(results: list, extra: dict) -> None:
         return
     out = Path(ARGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8mid.json").write_text(json.dumps({**extra, "cells": [asdict(c) for c in results],
+    (out / f"{NAME}.json").write_text(json.dumps({**extra, "cells": [asdict(c) for c in results],
                                                  "seconds": elapsed()}, indent=1, default=str) + "\n")
 
 
@@ -272,7 +278,7 @@ if __name__ == "__main__":
         parser.add_argument("--smoke", action="store_true")
         parser.add_argument("--deadline", type=float, default=ARGS.deadline, help="stop timing after this many s")
         parser.add_argument("--worker-deadline", type=float, default=ARGS.worker_deadline)
-        parser.add_argument("--out", default=ARGS.out, help="folder for fp8mid.json (default $OUT)")
+        parser.add_argument("--out", default=ARGS.out, help=f"folder for {NAME}.json (default $OUT)")
         parser.add_argument("--short", action="store_true", help="only the cells whose default changed")
         ARGS = parser.parse_args()
         if ARGS.short:

@@ -2,7 +2,8 @@
 GPU, to catch typos and layout errors before a device run, and to read its SMEM, the partitions' register
 counts (setmaxnreg) and ptxas's spills (``ptxas -v`` on the PTX, with the ptxas Triton bundles that takes it).
 
-    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # gate-up and down, the plan's tiles
+    PYTHONPATH=$PWD python benchmarks/gluon_fp8_compile_cpu.py     # the plan's tiles, then the device variants
+    PYTHONPATH=/tmp/NAME-site:$PWD python benchmarks/gluon_fp8_compile_cpu.py   # the same on another Triton (3.6)
 
 Needs a Triton whose Gluon has ``GluonASTSource`` (3.9 here; ``triton.compile`` with an explicit
 ``GPUTarget("cuda", 90, 32)`` runs the whole pipeline to a cubin with the bundled ptxas, no driver).
@@ -65,19 +66,15 @@ def ptxas_report(ptx: str) -> tuple[int | None, bool]:
     return None, False
 
 
-def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: int | None = None,
-                     max_registers: int | None = None, pingpong: bool = False, stagger: bool = False) -> Compiled:
-    """One GEMM at a small shape (E=2, N=256, K=512: shapes only reach the kernel as i32 arguments)."""
+def compile_fp8_gemm(gated: bool, tile) -> Compiled:
+    """One GEMM (``tile``: an ``Fp8GluonTile``) at a small shape (E=2, N=256, K=512: shapes only reach the kernel
+    as i32 arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from moekit.experts._kernels.gluon_gemm_fp8 import grouped_gemm_fp8_kernel as kernel
-    from moekit.experts.triton_gluon_fp8_launch import Fp8GluonTile
-
-    consumer_regs = Fp8GluonTile.consumer_regs if consumer_regs is None else consumer_regs
-    max_registers = Fp8GluonTile.max_registers if max_registers is None else max_registers
 
     e, n, k, t = 2, 256, 512, 1024
     fp8 = torch.float8_e4m3fn
@@ -86,39 +83,45 @@ def compile_fp8_gemm(gated: bool, stages: int, group_m: int = 8, consumer_regs: 
                 c_desc=_descriptor([t, c], [64, 128], fp8 if gated else torch.bfloat16),
                 as_ptr=torch.empty(1), ws_ptr=torch.empty(1), cs_ptr=torch.empty(1),
                 experts_ptr=torch.empty(1, dtype=torch.int32), used_ptr=torch.empty(1, dtype=torch.int32),
-                reduce_dim=r, num_col_blocks=c // 128, w_rows=w_rows, gate_offset=n if gated else 0,
+                reduce_dim=r, num_col_blocks=c // tile.block_n, w_rows=w_rows,
+                gate_offset=n if gated else (128 if tile.wide else 0),
                 stride_as=r // 128, stride_wse=w_rows * r // 128 ** 2,
                 stride_wsr=r // 128, stride_cs=c // 128)
-    const = dict(GATED=gated, STAGES=stages, GROUP_M=group_m,
-                 CONSUMER_REGS=consumer_regs, num_warps=4, PINGPONG=pingpong, STAGGER=stagger)
+    const = dict(GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
+                 num_warps=4, PINGPONG=tile.pingpong, STAGGER=tile.stagger, WIDE=tile.wide, A_REGS=tile.a_regs)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
-    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=max_registers))
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=tile.max_registers))
     ptx = out.asm["ptx"]
     regs = sorted({int(line.split("setmaxnreg")[1].split(",")[0].split(".")[-1].strip().rstrip(";").split()[-1])
                    for line in ptx.splitlines() if "setmaxnreg" in line}) if "setmaxnreg" in ptx else []
-    name = (f"{'gate-up' if gated else 'down'} stages={stages} group_m={group_m} regs={max_registers}/"
-            f"{consumer_regs}" + (" pingpong" if pingpong else "") + (" stagger" if stagger else ""))
+    flags = [name for name in ("pingpong", "stagger", "wide", "a_regs") if getattr(tile, name)]
+    name = (f"{'gate-up' if gated else 'down'} stages={tile.stages} group_m={tile.group_m} "
+            f"regs={tile.max_registers}/{tile.consumer_regs} " + " ".join(flags)).rstrip()
     return Compiled(name, time.perf_counter() - t0, out.metadata.shared, getattr(out, "n_regs", None),
                     getattr(out, "n_spills", None), regs, *ptxas_report(ptx))
 
 
 def main() -> int:
-    failed = 0
-    from moekit.experts.triton_gluon_fp8_launch import DOWN_TILE, UP_TILE
+    from dataclasses import replace
 
-    up, down = UP_TILE.stages, DOWN_TILE.stages  # the plan's pipelines, then the device check's variants
-    for gated, stages, pingpong, stagger in ((True, up, False, False), (False, down, False, False),
-                                             (False, down, True, False), (True, up, False, True),
-                                             (False, down, False, True)):
+    from moekit.experts.triton_gluon_fp8_launch import (
+        A_REGS_UP_TILE, A_REGS_WIDE_DOWN_TILE, DOWN_TILE, UP_TILE, WIDE_DOWN_TILE,
+    )
+
+    failed = 0
+    variants = [(True, UP_TILE), (False, DOWN_TILE), (False, replace(DOWN_TILE, pingpong=True)),
+                (True, replace(UP_TILE, stagger=True)), (False, replace(DOWN_TILE, stagger=True)),
+                (False, WIDE_DOWN_TILE), (True, A_REGS_UP_TILE), (False, A_REGS_WIDE_DOWN_TILE)]
+    for gated, tile in variants:  # the plan's pipelines, then the device checks' variants
         try:
-            c = compile_fp8_gemm(gated, stages, pingpong=pingpong, stagger=stagger)
+            c = compile_fp8_gemm(gated, tile)
             print(f"OK {c.name}: {c.seconds:.1f} s, shared {c.shared} B, setmaxnreg {c.setmaxnreg}, "
                   f"ptxas spill stores {c.spill_bytes} B, wgmma serialized {c.serialized}")
         except Exception as exc:  # noqa: BLE001 (report each GEMM)
             failed += 1
-            print(f"FAIL {'gate-up' if gated else 'down'}: {type(exc).__name__}: {str(exc)[-2000:]}")
+            print(f"FAIL {'gate-up' if gated else 'down'} {tile}: {type(exc).__name__}: {str(exc)[-2000:]}")
     return 1 if failed else 0
 
 

@@ -61,12 +61,12 @@ def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
     if kind == "wide tail":
         return (dict(a_desc=a_desc, t_desc=_descriptor([t, r], [tile.tail, tile.block_k], bf16), w_desc=w_desc,
                      c_desc=c_desc, ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32,
-                     sorted_ptr=int32, used_ptr=int32, num_assignments=t, reduce_dim=r,
+                     sorted_ptr=int32, used_ptr=int32, offsets_ptr=int32, num_assignments=t, reduce_dim=r,
                      num_col_blocks=c // tile.block_n),
-                {k: v for k, v in dict(W_ROWS=w_rows, **const).items() if k != "GATED"})
+                {k: v for k, v in dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const).items() if k != "GATED"})
     if kind == "wide":
-        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, used_ptr=int32, reduce_dim=r,
-                     num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, **const))
+        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, used_ptr=int32, offsets_ptr=int32,
+                     reduce_dim=r, num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const))
     if kind == "stream":
         return (dict(a_desc=a_desc, w_desc=w_desc, experts_ptr=int32, used_ptr=int32, reduce_dim=r,
                      num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, **const))

@@ -31,9 +31,26 @@ def _quant_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET, GATED, **_):
+def check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m=BLOCK):
+    """What the kernel's tile walk reads holds: with EXPERT_ORDER, offsets_ptr [E + 1] brackets every used block
+    of each expert, and the walk (``tile_order``, the kernel's arithmetic) visits every tile once."""
+    from moekit.experts.triton_gluon_order import tile_order
+
+    if not EXPERT_ORDER:
+        return
+    blocks = int(used_ptr[0]) // block_m
+    for b in range(blocks):
+        e = int(experts_ptr[b])
+        assert int(offsets_ptr[e]) <= b * block_m < int(offsets_ptr[e + 1]), (b, e, offsets_ptr.tolist())
+    walk = tile_order(experts_ptr, offsets_ptr, blocks * block_m, num_col_blocks, GROUP_M, True, block_m)
+    assert sorted(map(tuple, walk.tolist())) == [(rb, cb) for rb in range(blocks) for cb in range(num_col_blocks)]
+
+
+def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_col_blocks, W_ROWS, GATE_OFFSET, GATED,
+              GROUP_M, EXPERT_ORDER, **_):
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, block_m = c.shape[1], a_desc.block_shape[0]  # the tile's rows: the layout's alignment (64 or 128)
+    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER, block_m)
     for block in range(int(used_ptr[0]) // block_m):
         e, rows = int(experts_ptr[block]), slice(block * block_m, (block + 1) * block_m)
         first = e * W_ROWS
@@ -44,12 +61,13 @@ def bf16_gemm(a_desc, w_desc, c_desc, experts_ptr, used_ptr, W_ROWS, GATE_OFFSET
         c[rows] = product.to(c.dtype)
 
 
-def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, num_assignments, stride_x,
-                TOP_K, W_ROWS, GATE_OFFSET, **_):
+def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, num_assignments,
+                stride_x, num_col_blocks, TOP_K, W_ROWS, GATE_OFFSET, GROUP_M, EXPERT_ORDER, **_):
     """The gate-up GEMM gathering its rows in its loader: row r reads x[sorted[r] // TOP_K] (zeros for padding),
     and dst[sorted[r]] = r for the real rows."""
     w, c = w_desc.base, c_desc.base
     cols = c.shape[1]
+    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     assert x_ptr.stride(0) == stride_x
     for block in range(int(used_ptr[0]) // BLOCK):
         e, rows = int(experts_ptr[block]), torch.arange(block * BLOCK, (block + 1) * BLOCK)
@@ -63,9 +81,46 @@ def gather_gemm(x_ptr, sorted_ptr, dst_ptr, w_desc, c_desc, experts_ptr, used_pt
         c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
 
 
-def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, w_rows, gate_offset, GATED, **_):
+def _wo_rows(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, first: int, count: int, group: int, scheme: int):
+    """Rows [first, first + count) of one expert's stored weight as the weight-only GEMM multiplies them, float32
+    [count, R]: int8 the codes (scaled after the product), int4 (code - zero) * scale, mxfp4 e2m1 * 2^(e8m0 - 127),
+    rounded to bf16."""
+    rows, q = slice(first, first + count), q.view(torch.uint8) if q.dtype == torch.int32 else q  # int4: words
+    if scheme == 0:
+        return q[rows].float()
+    codes = torch.stack((q[rows] & 15, q[rows] >> 4), dim=-1).reshape(count, -1)  # low nibble first
+    per = torch.arange(codes.shape[1]) // group
+    if scheme == 2:  # mxfp4: e2m1 codes (sign bit 3), e8m0 scales
+        magnitude = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes.long() & 7]
+        values = torch.where(codes >= 8, -magnitude, magnitude)
+        return (values * torch.exp2(s[rows][:, per].float() - 127)).bfloat16().float()
+    return ((codes.float() - z[rows][:, per].float()) * s[rows][:, per]).bfloat16().float()
+
+
+def wo_gemm(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, W_ROWS, GATE_OFFSET, GATED, SCHEME, GROUP,
+            **_):
+    """The weight-only GEMM: int8 the codes' products, each output column times its row's scale (epilogue order);
+    int4 / mxfp4 the products with the weights dequantized (one bf16 rounding)."""
+    a, q, c = a_desc.base, q_desc.base, c_desc.base
+    cols = c.shape[1]
+    for block in range(int(used_ptr[0]) // BLOCK):
+        e, rows = int(experts_ptr[block]), slice(block * BLOCK, (block + 1) * BLOCK)
+        q_e, scale = q[e * W_ROWS:(e + 1) * W_ROWS], s_ptr[e]
+        ones = torch.ones(W_ROWS) if SCHEME else scale  # int8: the scale after the product; int4: inside the weight
+        product = (a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], 0, cols, GROUP, SCHEME).T) * ones[:cols]
+        if GATED:
+            up = a[rows].float() @ _wo_rows(q_e, scale, z_ptr[e], GATE_OFFSET, cols, GROUP, SCHEME).T
+            product = torch.nn.functional.silu(product) * (up * ones[GATE_OFFSET:GATE_OFFSET + cols])
+        c[rows] = product.to(c.dtype)
+
+
+def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr, num_col_blocks, w_rows,
+             gate_offset, GATED, WIDE=False, **_):
+    """Down GEMM: tile by tile as the kernel addresses them (WIDE: column block cb's weight rows cb*256.. and
+    cb*256 + gate_offset..), so a wrong num_col_blocks or gate_offset leaves NaN columns or wrong ones."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, half = c.shape[1], BLOCK // 2
+    step = 2 * BLOCK if WIDE else BLOCK  # output columns per tile
     for block in range(int(used_ptr[0]) // BLOCK):
         e = int(experts_ptr[block])
         w_e = w[e * w_rows:(e + 1) * w_rows].float() * ws_ptr[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
@@ -77,7 +132,11 @@ def fp8_gemm(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_p
                 product = torch.nn.functional.silu(product) * (a_deq @ w_e[gate_offset:gate_offset + cols].T)
                 c[rows], cs_ptr[rows, : cols // BLOCK] = _quant_rows(product)
             else:
-                c[rows] = product.to(c.dtype)
+                out = torch.full((half, cols), float("nan"))
+                for cb in range(num_col_blocks):
+                    for j, w0 in enumerate((cb * step, cb * step + gate_offset) if WIDE else (cb * step,)):
+                        out[:, cb * step + j * BLOCK:cb * step + (j + 1) * BLOCK] = a_deq @ w_e[w0:w0 + BLOCK].T
+                c[rows] = out.to(c.dtype)
 
 
 def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bool]:
@@ -89,12 +148,13 @@ def _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail) -> list[bo
             and (tail == BLOCK or int(sorted_ptr[(b + 1) * BLOCK + tail]) >= num_assignments) for b in range(nrb)]
 
 
-def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
-              **_):
+def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
+              num_assignments, num_col_blocks, W_ROWS, GROUP_M, EXPERT_ORDER, **_):
     """The bf16 down GEMM with folded tails: a folding block also writes block b + 1's first ``tail`` rows; b + 1's
     own tiles write nothing."""
     a, w, c = a_desc.base, w_desc.base, c_desc.base
     cols, tail = c.shape[1], t_desc.block_shape[0]
+    check_walk(experts_ptr, used_ptr, offsets_ptr, num_col_blocks, GROUP_M, EXPERT_ORDER)
     folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
     for block, fold in enumerate(folds):
         if block and folds[block - 1]:
@@ -164,10 +224,11 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "half": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather
-    in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; half: the bf16 GEMM running
-    such blocks as 64-row tiles; wide: the bf16 gate-up GEMM with one wgmma for gate and up, the plain one's sums;
-    wide tail: that GEMM folding an expert's mostly empty last block)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_ws", "half", "wide", "wide tail": FakeKernel} (the gather:
+    the bf16 gate-up GEMM with the gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last
+    block; wo / wo_ws: the weight-only GEMM, its decode in the MMA partition / in a producer partition; half: the bf16
+    GEMM running such blocks as 64-row tiles; wide: the bf16 gate-up GEMM with one wgmma for gate and up, the plain
+    one's sums; wide tail: that GEMM folding an expert's mostly empty last block)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -177,6 +238,8 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
+                                     ("wo_ws", "gluon_gemm_wo_ws", "grouped_gemm_wo_ws_kernel", wo_gemm),
                                      ("half", "gluon_gemm_half", "half_gemm_kernel", half_gemm),
                                      ("wide", "gluon_gemm_wide", "wide_gate_up_kernel", bf16_gemm),
                                      ("wide tail", "gluon_gemm_wide_tail", "wide_tail_gate_up_kernel",
@@ -185,6 +248,7 @@ def install_fakes(setattr_=setattr) -> dict:
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])
     setattr_(tg, "gluon_supported", lambda device: True)
+    setattr_(importlib.import_module("moekit.experts.triton_gluon_wo"), "gluon_supported", lambda device: True)
     setattr_(tgf, "gluon_fp8_supported", lambda device: True)
     clear_launch_caches()  # no plan holding another kernel
     return fakes

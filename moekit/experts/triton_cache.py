@@ -233,11 +233,32 @@ class DescriptorPair:
     w2: object  # over w2 [E, K, N] as [E*K, N], blocks of the down tile [BLOCK_N, BLOCK_K]
 
 
+PAIR_CHUNK = 64  # gate / up rows interleaved in chunks of this many in a PAIR_DOT tile (``gemm_fp8``'s PAIR_DOT)
+
+
+def pair_chunk(block_n: int) -> int:
+    """The chunk C of a PAIR_DOT gate-up tile BLOCK_N wide (it divides BLOCK_N)."""
+    return min(block_n, PAIR_CHUNK)
+
+
+def pair_descriptor(w13: torch.Tensor, block_n: int, block_k: int):
+    """A TMA tensor descriptor over w13 [E, 2N, K] viewed as [E, N/C, 2, C, K] (C = ``pair_chunk(block_n)``; chunk j
+    of the gate rows, then chunk j of the up rows; N a multiple of C), blocks of [1, block_n/C, 2, C, block_k]: one
+    copy brings a gate tile and its up tile, interleaved by chunks (``gemm_fp8``'s PAIR_DOT)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (num_experts, two_n, hidden), chunk = w13.shape, pair_chunk(block_n)
+    view = w13.detach().view(num_experts, 2, two_n // 2 // chunk, chunk, hidden).permute(0, 2, 1, 3, 4)
+    return TensorDescriptor.from_tensor(view, [1, block_n // chunk, 2, chunk, block_k])
+
+
 def descriptor_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPair:
     """The descriptors of a plan's ``descriptor_key`` (interleaved, E, rows, K, up BLOCK_N, BLOCK_K,
-    down BLOCK_N, BLOCK_K), built now."""
+    down BLOCK_N, BLOCK_K), built now; interleaved "pair": w13's through ``pair_descriptor``."""
     interleaved, up_n, up_k = key[0], key[-4], key[-3]
-    if interleaved:
+    if interleaved == "pair":
+        gate, up = pair_descriptor(w13, up_n, up_k), None
+    elif interleaved:
         gate, up = weight_descriptor(w13, up_n, up_k, 0), weight_descriptor(w13, up_n, up_k, 1)
     else:
         gate, up = weight_descriptor(w13, up_n, up_k), None

@@ -172,15 +172,17 @@ def fused_experts_fp8_launch(
     x, w13_q, w13_scale, w2_q, w2_scale, topk_ids, topk_weights, expert_map=None,
     block_shape: tuple[int, int] = (128, 128), config: KernelConfig | None = None,
     options: LaunchOptions = LaunchOptions(), x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-    ahead: bool = True, persistent: Persistent | None = None,
+    ahead: bool = True, persistent: Persistent | None = None, pair_dot: bool | None = None,
+    swap_down: bool | None = None, up_registers: int | None = None,
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked). ``config`` overrides the tuned lookup (for
     tuning and tests); models go through ``fused_experts_fp8``. Of ``options``, weight_descriptors,
     dependent_launch, cached_launcher and poison_workspace apply. ``x_in_gate_up``: quantize x inside the gate-up GEMM
     (True) or in a kernel of its own (False, and None: measured faster). ``weight_tma``: the weights through
     TMA descriptors (True) or pointers (False); None: the tuned entry's, else the plan's rule
-    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``: ``plan_for``'s. Whatever the choices, the
-    result is the same."""
+    (``triton_fp8_plan.TMA_MAX_BLOCK_M``). ``ahead``, ``persistent``, ``pair_dot``, ``swap_down``,
+    ``up_registers``: ``plan_for``'s.
+    Whatever the choices, the result is the same (up to the summation order where a GEMM is swapped)."""
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
     if ids.numel() == 0:
         return x.new_zeros(x.shape)
@@ -189,7 +191,7 @@ def fused_experts_fp8_launch(
     if expert_map is not None:
         expert_map = expert_map.contiguous()
     plan = plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, tuple(block_shape), config, options,
-                    x_in_gate_up, weight_tma, ahead, persistent)
+                    x_in_gate_up, weight_tma, ahead, persistent, pair_dot, swap_down, up_registers)
     return _run(plan, x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map)
 
 

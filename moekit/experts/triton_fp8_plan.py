@@ -19,7 +19,12 @@ false; absent: the plan's rule, ``TMA_MAX_BLOCK_M``), and "x_in_gate_up" (true: 
 inside the gate-up GEMM, no launch of its own: a launch of host time fewer, for cells whose eager calls are
 host-bound; a CUDA graph capture keeps the kernel of its own, faster on the GPU; absent or false: its own kernel),
 and "persistent" (``triton_fp8_persistent.Persistent``: the GEMMs on a few programs per SM that loop over the tiles,
-taken where the plan can, else one program a tile; absent: one program a tile).
+taken where the plan can, else one program a tile; absent: one program a tile), and "pair_dot" (true: the gate-up
+GEMM loads each K-step's gate and up tiles as one TMA tile and multiplies them in one dot, ``gemm_fp8``'s PAIR_DOT,
+where the plan has TMA weights and a gate-up tile within one weight scale block; absent or false: two dots), and
+"swap_down" (true: the down GEMM swapped, ``gemm_fp8``'s SWAP_AB, whatever the gate-up does; an entry's "swap_ab"
+swaps both), and "up_registers" (the gate-up GEMM compiled to at most this many registers a thread, ``maxnreg``: a
+64-row tile on 8 warps takes ~175, one program an SM; at 128 and 2 stages, 82 KB, two fit).
 H200 Qwen3-30B-A3B, the backend's eager wall µs with the switch / without: M = 1 31.0 / 37.7 (run 2), 39.8 / 46.8
 (run 3), M = 2 37.1 / 38.6; at M = 8 94.7 / 84.0 (GPU-bound), so only its entry 1 (M = 1, 2) has it
 (benchmarks/results/raw/*-fp8_small.*).
@@ -40,7 +45,7 @@ from moekit.experts.configs import (
     PACKAGED_DIR, GemmTile, KernelConfig, device_key, nearest, on_config_cache_clear, read_configs, user_config_dirs,
 )
 from moekit.experts.triton_align import AlignPlan, one_pass_programs, plan_block_rows
-from moekit.experts.triton_cache import WorkspaceSpec
+from moekit.experts.triton_cache import WorkspaceSpec, pair_chunk
 from moekit.experts.triton_fp8_persistent import Persistent, choose_persistent, persistent_gemms
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, kernels, resolve_launch_options
 from moekit.experts.triton_plan import (
@@ -129,6 +134,9 @@ class Fp8Entry:
     weight_tma: bool | None = None
     x_in_gate_up: bool | None = None
     persistent: Persistent | None = None  # "persistent": the GEMMs persistent (``triton_fp8_persistent``)
+    pair_dot: bool | None = None  # "pair_dot": gate and up in one dot a K-step (``gemm_fp8``'s PAIR_DOT)
+    swap_down: bool | None = None  # "swap_down": the down GEMM's SWAP_AB alone
+    up_registers: int | None = None  # "up_registers": the gate-up GEMM's maxnreg
 
 
 def fp8_config(num_tokens: int, num_experts: int, n: int, k: int, top_k: int, group: int, device: str) -> KernelConfig:
@@ -160,13 +168,17 @@ def read_entries(path: Path) -> dict[int, Fp8Entry]:
     raw = json.loads(Path(path).read_text())["configs"]
     entries = {}
     for m, config in read_configs(path).items():
-        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up")}
+        switches = {name: raw[str(m)].get(name) for name in ("weight_tma", "x_in_gate_up", "pair_dot", "swap_down")}
         for name, value in switches.items():
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{path}: entry {m}'s {name!r} must be true or false, got {value!r}")
+        registers = raw[str(m)].get("up_registers")
+        if registers is not None and (not isinstance(registers, int) or isinstance(registers, bool)
+                                      or not 24 <= registers <= 255):
+            raise ValueError(f"{path}: entry {m}'s 'up_registers' must be an int in [24, 255], got {registers!r}")
         persistent = raw[str(m)].get("persistent")
-        entries[m] = Fp8Entry(config, **switches, persistent=None if persistent is None else Persistent.from_dict(
-            persistent, f"{path}: entry {m}"))
+        entries[m] = Fp8Entry(config, **switches, up_registers=registers, persistent=None if persistent is None
+                              else Persistent.from_dict(persistent, f"{path}: entry {m}"))
     return entries
 
 
@@ -184,7 +196,8 @@ def check_config(config: KernelConfig, group: int, where: str = "config") -> Non
 
 def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, block_shape: tuple[int, int],
              config: KernelConfig | None, options: LaunchOptions, x_in_gate_up: bool | None = None,
-             weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None) -> Fp8Plan:
+             weight_tma: bool | None = None, ahead: bool = True, persistent: Persistent | None = None,
+             pair_dot: bool | None = None, swap_down: bool | None = None, up_registers: int | None = None) -> Fp8Plan:
     """The cached plan of this call's kind. ``ids``, ``weights``, ``expert_map``: contiguous.
     ``x_in_gate_up``: quantize x inside the gate-up GEMM instead of in a kernel of its own; None: the tuned
     entry's switch outside a CUDA graph capture, else never: on the GPU it is slower everywhere (H200, graph
@@ -197,26 +210,34 @@ def plan_for(x, w13_q, w13_scale, w2_q, w2_scale, ids, weights, expert_map, bloc
     load each one a K-step ahead (``gemm_fp8``'s AHEAD; False: the plain in-loop load, for A/Bs). ``persistent``:
     the GEMMs on a grid of a few programs per SM looping over the tiles (``triton_fp8_persistent``; refused where
     the plan cannot take them); None: the tuned entry's "persistent" where the plan takes it, else one program a
-    tile (``triton_fp8_persistent.OFF``)."""
+    tile (``triton_fp8_persistent.OFF``). ``pair_dot``: the gate-up GEMM's gate and up tiles in one dot a K-step
+    (``choose_pair_dot``; True refused where the plan cannot take it); None: the tuned entry's "pair_dot".
+    ``swap_down``: the down GEMM swapped (SWAP_AB) whatever the gate-up does; None: the tuned entry's "swap_down"
+    (the config's swap_ab swaps both GEMMs either way). ``up_registers``: the gate-up GEMM's ``maxnreg``; None: the
+    tuned entry's "up_registers", else the compiler's choice."""
     # Triton specialises each pointer on its 16-byte alignment, and a plan keeps the compiled launcher.
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     aligned = tuple(t.data_ptr() & 15 for t in (x, w13_q, w13_scale, w2_q, w2_scale, ids, weights))
     key = (x.shape, x.dtype, x.device, x.stride(), w13_q.shape, w13_q.stride(), w13_scale.stride(), w2_q.stride(),
            w2_scale.stride(), ids.shape[1], ids.dtype, weights.dtype, aligned,
            None if expert_map is None else (expert_map.numel(), expert_map.dtype, expert_map.data_ptr() & 15),
-           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, capturing)
+           block_shape, config, options, x_in_gate_up, weight_tma, ahead, persistent, pair_dot, swap_down,
+           up_registers, capturing)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= 4096:
             _PLANS.pop(next(iter(_PLANS)))
         plan = _PLANS[key] = build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape, config,
-                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent)
+                                        options, x_in_gate_up, weight_tma, ahead, capturing, persistent, pair_dot,
+                                        swap_down, up_registers)
     return plan
 
 
 def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape: tuple[int, int], config,
                options: LaunchOptions, x_in_gate_up: bool | None = None, weight_tma: bool | None = None,
-               ahead: bool = True, capturing: bool = False, persistent: Persistent | None = None) -> Fp8Plan:
+               ahead: bool = True, capturing: bool = False, persistent: Persistent | None = None,
+               pair_dot: bool | None = None, swap_down: bool | None = None,
+               up_registers: int | None = None) -> Fp8Plan:
     """Decide everything for this call's kind: config, shortcut or alignment, workspace, launches.
     ``capturing``: for a CUDA graph capture (a tuned entry's "x_in_gate_up" applies to eager calls only)."""
     block_n, group = block_shape
@@ -226,8 +247,7 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     entry = Fp8Entry(config) if config is not None else fp8_entry(num_tokens, num_experts, n, hidden, top_k, group,
                                                                    device_key(x.device))
     config, weight_tma = entry.config, entry.weight_tma if weight_tma is None else weight_tma
-    if x_in_gate_up is None:
-        x_in_gate_up = entry.x_in_gate_up and not capturing
+    x_in_gate_up = (entry.x_in_gate_up and not capturing) if x_in_gate_up is None else x_in_gate_up
     check_config(config, group)
     # the folded k-sum's counters (M <= sum_fold_max; 2 for the sum programs after the GEMM's, M <= sum_tail_max),
     # then the fused hist + scan's arrival slot (the bf16 plan's)
@@ -241,39 +261,66 @@ def build_plan(x, w13_q, w13_scale, w2_q, w2_scale, ids, expert_map, block_shape
     if weight_tma is None:
         weight_tma = block_m <= TMA_MAX_BLOCK_M
     x_raw, descriptors = bool(x_in_gate_up), weight_tma and fp8_descriptors_allowed(w13_q, w2_q, options)
-    q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
-    regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
-                                ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
-    regions += [("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
-               ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
-               ("y", y_dtype, (num_assignments, hidden))]
+    regions = _workspace_regions(x, num_assignments, n, group, x_raw, h_fp32)
     shared = dict(GROUP_N=block_n, BLOCK_M=block_m, NAIVE=naive, UPCAST=emulate, EMULATE=emulate, H_FP32=h_fp32,
                   W_DESC=descriptors, AHEAD=ahead, SWAP_AB=config.swap_ab, cached=options.cached_launcher,
                   **options.pdl_kwargs())
     up = config.up
     up_one, down_one = block_n % up.BLOCK_N == 0 and n % up.BLOCK_N == 0, block_n % down.BLOCK_N == 0
+    pair, maxnreg = (choose_pair_dot(pair_dot, entry.pair_dot, descriptors, up_one),
+                     entry.up_registers if up_registers is None else up_registers)
+    up_shared = dict(shared, ONE_BLOCK=up_one, PAIR_DOT=pair, PAIR_CHUNK=pair_chunk(up.BLOCK_N), **_registers(maxnreg))
     gate_up = _gate_up_launch(w13_q, w13_scale, x.stride() if x_raw else None, num_assignments, top_k, config,
-                              num_pid_m, dict(shared, X_RAW=x_raw, ONE_BLOCK=up_one), fold)
-    down_shared = dict(shared, ONE_BLOCK=down_one)
+                              num_pid_m, dict(up_shared, X_RAW=x_raw), fold)
+    down_swap = config.swap_ab or bool(entry.swap_down if swap_down is None else swap_down)
+    down_shared = dict(shared, ONE_BLOCK=down_one, SWAP_AB=down_swap)
     down_launch = _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared)
     down_sum = ksum_counters and _down_launch(w2_q, w2_scale, num_assignments, config, num_pid_m, down_shared, ksum=(
         num_tokens, top_k, expert_map, num_tokens <= options.sum_fold_max)) or None
-    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, config.swap_ab)
+    persistent = choose_persistent(persistent, entry.persistent, naive or align.folded, h_fp32, x_raw, down_swap)
     if persistent is not None:
         gate_up, down_launch, down_sum = persistent_gemms(
             persistent, (gate_up, down_launch, down_sum), w13_q, w13_scale, w2_q, w2_scale, num_assignments, top_k,
-            config, num_pid_m, dict(shared, ONE_BLOCK=up_one), down_shared, x.device)
+            config, num_pid_m, up_shared, down_shared, x.device)
     return Fp8Plan(
         config=config, align=align,
         workspace=WorkspaceSpec.of(regions + list(align.regions if align is not None else ()),
                                    counters=ksum_counters + (align.kept_counters if align is not None else 0)),
-        descriptor_key=(False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N, down.BLOCK_K)
-        if descriptors else None,
+        descriptor_key=("pair" if pair else False, num_experts, two_n, hidden, up.BLOCK_N, up.BLOCK_K, down.BLOCK_N,
+                        down.BLOCK_K) if descriptors else None,
         quantize=None if x_raw else _quantize_launch(x, group, options),
         gate_up=gate_up, down=down_launch, down_sum=down_sum,
         sum_slots=sum_launch(num_tokens, hidden, top_k, num_experts, expert_map, options, ordered=True),
         poison=options.poison_workspace, reuse_workspace=options.reuse_workspace,
     )
+
+
+def _registers(maxnreg: int | None) -> dict:
+    """The launch option capping a kernel's registers a thread (none: the compiler's choice)."""
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
+
+
+def _workspace_regions(x: torch.Tensor, num_assignments: int, n: int, group: int, x_raw: bool, h_fp32: bool) -> list:
+    """(name, dtype, shape) of x_q [M, K] and x_s [M, KB] (none where gate-up quantizes x), h_q [A, N], h_s [A, NB]
+    (h_fp32: h float32 and h_s [1], unused), y [A, K]; under the interpreter e4m3 values and y in float32."""
+    (num_tokens, hidden), emulate = x.shape, interpreting()
+    q_dtype, y_dtype = (torch.float32, torch.float32) if emulate else (torch.float8_e4m3fn, x.dtype)
+    regions = [] if x_raw else [("x_q", q_dtype, (num_tokens, hidden)),
+                                ("x_s", torch.float32, (num_tokens, cdiv(hidden, group)))]
+    return regions + [("h_q", torch.float32 if h_fp32 else q_dtype, (num_assignments, n)),
+                      ("h_s", torch.float32, (1,) if h_fp32 else (num_assignments, cdiv(n, group))),
+                      ("y", y_dtype, (num_assignments, hidden))]
+
+
+def choose_pair_dot(asked: bool | None, from_entry: bool | None, descriptors: bool, up_one_block: bool) -> bool:
+    """Whether the gate-up GEMM runs PAIR_DOT: the caller's ``asked`` (True refused by name where the plan cannot
+    take it), else the tuned entry's where it can. It needs TMA weight descriptors and every gate-up tile in one
+    weight scale block (one scalar scale a step for each of gate and up)."""
+    refused = ("pointer weights (no TMA descriptors)" if not descriptors
+               else "a gate-up tile across weight scale blocks" if not up_one_block else None)
+    if asked and refused:
+        raise ValueError(f"pair_dot does not take {refused}")
+    return bool(from_entry if asked is None else asked) and refused is None
 
 
 def fp8_descriptors_allowed(w13_q: torch.Tensor, w2_q: torch.Tensor, options: LaunchOptions) -> bool:

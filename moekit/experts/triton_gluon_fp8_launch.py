@@ -17,6 +17,7 @@ GROUP = 128  # the scale blocks (weights 128 x 128, activations 1 x 128) = the G
 HALF_M = BLOCK_M // 2  # rows per consumer warpgroup
 CONSUMER_WARPS = 4  # the default partition (consumer 0); consumer 1 (4 warps) and the loader (1 warp) added
 GATHER_ROWS = 16  # rows per program of the gather-quantize kernel
+GATHER_GROUPS = 1  # 128-column groups per program of the gather-quantize kernel
 _KERNELS = "moekit.experts._kernels"
 
 
@@ -36,6 +37,13 @@ class Fp8GluonTile:
     max_registers: int = 160
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
+    wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
+    a_regs: bool = False  # the consumers' A halves through registers (wgmma A from registers; the kernel's A_REGS)
+
+    @property
+    def block_n(self) -> int:
+        """Output columns per tile."""
+        return 2 * GROUP if self.wide else GROUP
 
 
 # SMEM per program: stages x (two A halves 2 x 8 KB + weight tiles 16 KB each) + two output halves, of 227 KB.
@@ -44,6 +52,12 @@ class Fp8GluonTile:
 # DeepSeek-V3 1480 / 1644, Mixtral 968 / 973, Qwen3 150 / 149.
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
+WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB (a device variant)
+# Device variants (benchmarks/f8pre_device_check.py): A through registers where a step runs two MMAs on one A half
+# (16 more registers a consumer: 168 / 240, consumer 0 240; no K-loop spills on Triton 3.6 or 3.9). Checkpoint 1 of
+# session 27: whole calls 0.93-0.98x, the gate-up alone 1.04-1.07x the time (raw/...-654b456-f8pre-ck1.*).
+A_REGS_UP_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, a_regs=True)
+A_REGS_WIDE_DOWN_TILE = Fp8GluonTile(stages=3, consumer_regs=240, max_registers=168, wide=True, a_regs=True)
 
 
 @dataclass(frozen=True)
@@ -69,9 +83,10 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
     dst [A] int32 filled with -1 by the caller."""
     kernel = importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel
     rows, hidden = x_q.shape
-    kernel[(cdiv(rows, GATHER_ROWS), cdiv(hidden, GROUP))](
-        x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0),
-        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4)
+    groups = cdiv(hidden, GROUP)
+    kernel[(cdiv(rows, GATHER_ROWS), cdiv(groups, GATHER_GROUPS))](
+        x, sorted_ids, x_q, x_s, dst, rows, dst.numel(), hidden, x.stride(0), x_q.stride(0), x_s.stride(0), groups,
+        TOP_K=top_k, BLOCK_R=GATHER_ROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=GATHER_GROUPS, num_warps=4)
 
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
@@ -85,12 +100,14 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     registers, spills and PTX for the device check)."""
     if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
         raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
+    check_wide(tile, gated, out.shape[1])
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
     w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
     c_desc = gluon_descriptor(out, [HALF_M, GROUP])
-    num_col_blocks = out.shape[1] // GROUP
+    num_col_blocks = out.shape[1] // tile.block_n
+    gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
@@ -98,5 +115,15 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),
                         out_s.stride(0), GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                         CONSUMER_REGS=tile.consumer_regs, PINGPONG=tile.pingpong, STAGGER=tile.stagger,
-                        num_warps=CONSUMER_WARPS,
+                        WIDE=tile.wide, A_REGS=tile.a_regs, num_warps=CONSUMER_WARPS,
                         maxnreg=tile.max_registers)
+
+
+def check_wide(tile: Fp8GluonTile, gated: bool, cols: int) -> None:
+    """A wide tile is for the down GEMM, whose output width ``cols`` (K) must be a multiple of 256, and
+    pairs with neither PINGPONG nor STAGGER (their turns count one MMA a step)."""
+    if not tile.wide:
+        return
+    if gated or cols % tile.block_n or tile.pingpong or tile.stagger:
+        raise ValueError(f"tile={tile}: wide tiles are for the down GEMM alone (gated={gated}), with an output "
+                         f"width that is a multiple of {tile.block_n} (got {cols}) and without pingpong / stagger")

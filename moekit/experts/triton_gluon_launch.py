@@ -38,9 +38,11 @@ class GluonTile:
     SMEM slots, ``group_m`` row blocks sharing each column block in the persistent walk. ``tail`` (64; 0: off, the
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
-    (``triton_gluon_tail``, the padding tax). ``halves``: a row block whose rows 64-127 are all padding runs a 64-row
-    tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail). ``wide`` (the gate-up GEMM only): its
-    gate and up tiles as one [64, 2 * block_n] wgmma a warpgroup (``_kernels/gluon_gemm_wide.py``). (64-row tiles
+    (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
+    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. ``halves``: a row block whose rows
+    64-127 are all padding runs a 64-row tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail or
+    the expert order). ``wide`` (the gate-up GEMM only): its gate and up tiles as one [64, 2 * block_n] wgmma a
+    warpgroup (``_kernels/gluon_gemm_wide.py``; with a tail ``_kernels/gluon_gemm_wide_tail.py``). (64-row tiles
     everywhere and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
@@ -48,6 +50,7 @@ class GluonTile:
     stages: int = 4
     group_m: int = 8
     tail: int = 0
+    expert_order: bool = False
     halves: bool = False
     wide: bool = False
 
@@ -58,8 +61,9 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if self.tail and self.halves:
-            raise ValueError(f"tail={self.tail} and halves: one padding scheme a tile")
+        if self.halves and (self.tail or self.expert_order):
+            raise ValueError(f"halves with tail={self.tail}, expert_order={self.expert_order}: one padding scheme a "
+                             "tile, the GROUP_M walk")
         if self.wide and (self.halves or 2 * self.block_n > 256):
             raise ValueError(f"wide with halves={self.halves}, block_n={self.block_n}: gate and up in one wgmma, "
                              "2 * block_n <= 256")
@@ -202,7 +206,9 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
-                torch.float32: gl.float32}[dtype]  # float32: fp8 x_q under the interpreter (the CPU tests)
+                torch.float32: gl.float32, torch.int8: gl.int8, torch.uint8: gl.uint8,
+                torch.int32: gl.int32}[dtype]  # float32: fp8 x_q under the interpreter
+    # (the CPU tests); int8 / uint8 / int32: the weight-only GEMM's stored weights (``triton_gluon_wo``)
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
@@ -215,11 +221,12 @@ def gluon_descriptor(t: torch.Tensor, block) -> object:
 
 def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                 rows_used: torch.Tensor, tile: GluonTile, gated: bool, w_rows: int, gate_offset: int = 0,
-                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0) -> None:
+                sorted_ids: torch.Tensor | None = None, num_assignments: int = 0,
+                offsets: torch.Tensor | None = None) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
     of BLOCK_M, <= T). A tile with a ``tail`` or ``halves`` reads the layout's sorted_ids [T] (>= num_assignments:
-    padding)."""
+    padding); one with ``expert_order`` the segments' offsets [E + 1] int32 (``triton_gluon_order.segment_offsets``)."""
     if tile.halves:
         from moekit.experts.triton_gluon_half import launch_half_gemm
 
@@ -235,9 +242,9 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
             raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids")
         if gated:
             launch_tail_gate_up(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows,
-                                gate_offset)
+                                gate_offset, offsets)
         else:
-            launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows)
+            launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, offsets)
         return
     check_tile(tile, gated)
     kernel = gemm_kernel(tile)
@@ -247,9 +254,19 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
     num_col_blocks = out.shape[1] // tile.block_n
     max_tiles = -(-a.shape[0] // BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
-    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, a.shape[1], num_col_blocks,
-                 W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+    kernel[grid](a_desc, w_desc, c_desc, block_experts, rows_used, order_offsets(tile, offsets, rows_used), a.shape[1],
+                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+
+
+def order_offsets(tile: GluonTile, offsets: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """The offsets pointer of a launch: ``offsets`` where the tile's walk reads them (``expert_order``, required
+    then), else ``stand_in`` (never read)."""
+    if not tile.expert_order:
+        return stand_in
+    if offsets is None:
+        raise ValueError(f"tile={tile}: the expert order reads the segments' offsets; none given")
+    return offsets
 
 
 def gemm_kernel(tile: GluonTile):
@@ -272,19 +289,20 @@ def wants_loader_gather(x: torch.Tensor, inter: int) -> bool:
 
 def launch_gather_gemm(x: torch.Tensor, sorted_ids: torch.Tensor, dst: torch.Tensor, w: torch.Tensor,
                        out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor, top_k: int,
-                       tile: GluonTile) -> None:
+                       tile: GluonTile, offsets: torch.Tensor | None = None) -> None:
     """out [T, N] = silu(x[tok] @ w[e, :N]^T) * (x[tok] @ w[e, N:]^T) per row r (tok = sorted_ids[r] // top_k),
     the rows gathered in the GEMM's loader; writes dst [A] (the row of each real assignment). w [E*2N, K]
-    (contiguous 2-D view of w13); x fits ``loader_gather_fits``."""
+    (contiguous 2-D view of w13); x fits ``loader_gather_fits``; ``offsets`` as ``launch_gemm``'s."""
     kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
     inter = out.shape[1]
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
     num_col_blocks = inter // tile.block_n
     grid = (max(1, min(num_sms(x.device), -(-out.shape[0] // BLOCK_M) * num_col_blocks)),)
-    kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, dst.numel(), x.stride(0), x.shape[1],
-                 num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
+    kernel[grid](x, sorted_ids, dst, w_desc, c_desc, block_experts, rows_used, order_offsets(tile, offsets, rows_used),
+                 dst.numel(), x.stride(0), x.shape[1], num_col_blocks, TOP_K=top_k, W_ROWS=2 * inter,
+                 GATE_OFFSET=inter, STAGES=tile.stages, GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order,
+                 LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
                  maxnreg=MAX_REGISTERS)
 
 

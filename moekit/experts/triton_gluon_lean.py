@@ -79,11 +79,12 @@ class GluonLeanPlan:
     # up CT), the tiles' tails' (None without one: ``GluonTile.tail``; the gate-up GEMM's: the wide one's)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
-    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded; with the gather in
-    # its loader: x, sorted_ids, dst, W, C descriptors, expert_ids, num_padded
+    # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded, then (bf16) the
+    # segments' offsets (num_padded where the tile's walk does not read them); with the gather in its loader: x,
+    # sorted_ids, dst, W, C descriptors, expert_ids, num_padded, offsets
     up: BoundLaunch
     # pointers: A, W, C descriptors, then (fp8) h_s, w2 scale, h_s (never written), then the same; with a tail (bf16):
-    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded
+    # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded, offsets
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
     halves: tuple = (False, False)  # (gate-up, down) with ``GluonTile.halves``: its pointers then A, W, C descriptors,
@@ -135,6 +136,8 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     rows = max_padded_rows(num_assignments, num_experts, BLOCK_M)
     align = plan_align(num_assignments, num_experts, BLOCK_M, None if expert_map is None else expert_map.numel(),
                        rows, options, arrival_slot=0, one_pass=one_pass_programs(options, x.device))
+    if not fp8 and (up.expert_order or down.expert_order) and "offsets" not in (r[0] for r in align.regions):
+        raise ValueError(f"{num_assignments} assignments: this alignment writes no segment offsets (the expert order)")
     sms = num_sms(x.device)
 
     def grid(cols: int, block_n: int) -> tuple:
@@ -184,27 +187,29 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
             return BoundLaunch(half, grid(cols, tile.block_n), 6, (num_assignments, reduce_dim, cols // tile.block_n),
                                W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                                GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-        if tile.tail:  # a GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
+        if tile.tail:  # a GEMM folding tails (``triton_gluon_tail``; gate-up: the wide one's): 9 pointers, then A
             kernel = (importlib.import_module(f"{_KERNELS}.gluon_gemm_wide_tail").wide_tail_gate_up_kernel if gated
                       else importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel)
             offset = dict(GATE_OFFSET=gate_offset) if gated else {}
-            return BoundLaunch(kernel, grid(cols, tile.block_n), 8, (num_assignments, reduce_dim,
+            return BoundLaunch(kernel, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,
                                cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                               num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **offset, **launch)
-        return BoundLaunch(gemm_kernel(tile), grid(cols, tile.block_n), 5, (reduce_dim, cols // tile.block_n),
+                               EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **offset,
+                               **launch)
+        return BoundLaunch(gemm_kernel(tile), grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                           GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+                           GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS,
+                           maxnreg=MAX_REGISTERS, **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
         if up.halves or up.wide or up.tail:
             raise ValueError(f"up={up}: halves, wide and tails read x_perm (no in-loader gather)")
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
-        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 7,
+        up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 8,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
                               W_ROWS=2 * inter, GATE_OFFSET=inter, STAGES=up.stages, GROUP_M=up.group_m,
-                              LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS, num_warps=NUM_WARPS,
-                              maxnreg=MAX_REGISTERS, **launch)
+                              EXPERT_ORDER=up.expert_order, LOADER_WARPS=LOADER_WARPS, LOADER_REGS=LOADER_REGS,
+                              num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
         return _Part([("h", x.dtype, (rows, inter)), ("y", x.dtype, (rows, hidden))], None, up_gemm, down_gemm,
                      blocks, weight_blocks)
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.contiguous").gather_rows_kernel,
@@ -216,23 +221,28 @@ def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -
 
 
 def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
-    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M
+    from moekit.experts import triton_gluon_fp8_launch as fl
+    from moekit.experts.triton_gluon_fp8_launch import CONSUMER_WARPS, GATHER_ROWS as QROWS, GROUP, HALF_M, check_wide
 
     rows, num_assignments, top_k, hidden, inter = sizes
     groups = hidden // GROUP
     gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     gather = BoundLaunch(importlib.import_module(f"{_KERNELS}.gather_fp8").gather_quant_rows_kernel,
-                         (cdiv(rows, QROWS), cdiv(hidden, GROUP)), 5,
-                         (rows, num_assignments, hidden, x.stride(0), hidden, groups),
-                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), num_warps=4, **launch)
+                         (cdiv(rows, QROWS), cdiv(groups, fl.GATHER_GROUPS)), 5,
+                         (rows, num_assignments, hidden, x.stride(0), hidden, groups, groups),
+                         TOP_K=top_k, BLOCK_R=QROWS, GROUP=GROUP, EMULATE=interpreting(), GROUPS=fl.GATHER_GROUPS,
+                         num_warps=4, **launch)
 
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
                  out_groups: int, gated: bool):
-        return BoundLaunch(gemm, grid(cols, GROUP), 8,
-                           (reduce_dim, cols // GROUP, w_rows, gate_offset, a_groups, *scale.stride()[:2], out_groups),
+        check_wide(tile, gated, cols)
+        gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 8,
+                           (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
+                            out_groups),
                            GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m, CONSUMER_REGS=tile.consumer_regs,
-                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, num_warps=CONSUMER_WARPS,
-                           maxnreg=tile.max_registers, **launch)
+                           PINGPONG=tile.pingpong, STAGGER=tile.stagger, WIDE=tile.wide, A_REGS=tile.a_regs,
+                           num_warps=CONSUMER_WARPS, maxnreg=tile.max_registers, **launch)
 
     regions = [("x_q", torch.float32 if interpreting() else torch.float8_e4m3fn, (rows, hidden)),
                ("x_s", torch.float32, (rows, groups)), ("h_q", torch.float8_e4m3fn, (rows, inter)),
@@ -278,13 +288,15 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
         t_down, ct_down, t_up, ct_up = acts[4:]
+        rows += (b.get("offsets", b["num_padded"]),)  # the segments' offsets: read by an expert-order tile only
+        tails = (b["expert_ids"], b["sorted_ids"], b["num_padded"], rows[2])  # a tile folding tails
         half_rows = (b["expert_ids"], b["sorted_ids"], b["num_padded"])  # a GEMM with halves reads sorted_ids too
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, *half_rows) if t_down is not None
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, *tails) if t_down is not None
                 else (a_down, pair.w2, c_down, *(half_rows if plan.halves[1] else rows)))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:
-            up = ((a_up, t_up, pair.w13, c_up, ct_up, *half_rows) if t_up is not None
+            up = ((a_up, t_up, pair.w13, c_up, ct_up, *tails) if t_up is not None
                   else (a_up, pair.w13, c_up, *(half_rows if plan.halves[0] else rows)))
             launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])), (plan.up, up)]
         launches.append((plan.down, down))

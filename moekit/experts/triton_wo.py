@@ -59,6 +59,7 @@ from moekit.quant.base import unpack_nibbles
 SCHEMES = tuple(SCHEME_IDS)
 GROUP_SIZES = {"int8_w8a16": (0,), "int4_w4a16": (32, 64, 128), "mxfp4": (32,)}
 X_DTYPES = (torch.bfloat16, torch.float16)
+GLUON_MIN_TOKENS = 512  # no ``triton_gluon_wo.GLUON_WO_CELLS`` range starts below it (a test holds them to it)
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -195,9 +196,9 @@ def run_experts_wo(
 ) -> torch.Tensor:
     """The kernels, launched (arguments already checked); ``config`` overrides the lookup (of ``decode``'s
     configs), ``split_k`` the down GEMM's splits (None: ``decode_split_k``), ``decode`` the decode ("tile",
-    "register", "mma", "gemv" or "scratch", ``triton_wo_scratch``; None: ``choose_decode``, the fused ones when
-    ``config`` or ``split_k`` is given). Not a custom op: for tools that pick configs per call;
-    models go through ``fused_experts_wo``."""
+    "register", "mma", "gemv", "scratch" (``triton_wo_scratch``) or "gluon" (``triton_gluon_wo``); None:
+    ``choose_decode``, the fused ones when ``config`` or ``split_k`` is given). Not a custom op: for tools that
+    pick configs per call; models go through ``fused_experts_wo``."""
     if not is_available(x.device):
         raise RuntimeError(f"the triton backend needs a CUDA device (or TRITON_INTERPRET=1 on the CPU), got {x.device}")
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()  # the kernels read them flat: [A]
@@ -205,6 +206,10 @@ def run_experts_wo(
         return x.new_zeros(x.shape)
     if expert_map is not None:
         expert_map = expert_map.contiguous()
+    if _runs_gluon(x, w13, w2, ids, scheme, activation, config, split_k, decode):  # ``triton_gluon_wo``
+        from moekit.experts.triton_gluon_wo import run_experts_wo_gluon
+
+        return run_experts_wo_gluon(x, w13, w2, ids, weights, expert_map, scheme, activation)
     if _runs_scratch(x, w13, ids, scheme, config, split_k, decode):
         return run_experts_wo_scratch(x, w13, w2, ids, weights, expert_map, SCHEME_IDS[scheme], activation, options)
     plan = wo_plan_for(x, w13, w2, ids, weights, expert_map, scheme, activation, config, options, split_k, decode)
@@ -228,6 +233,8 @@ def wo_lean_inputs(x, w13: WoWeight, w2: WoWeight, ids, weights, activation: str
     scratch_lean_inputs``: the custom op's options; None where there is none)."""
     a13 = weight_args(w13.q, w13.scale, w13.zero, w13.group_size)
     a2 = weight_args(w2.q, w2.scale, w2.zero, w2.group_size)
+    if _runs_gluon(x, a13, a2, ids, w13.scheme, activation, None, None, None):
+        return None  # the Gluon path's calls stay plain (its launches are not recorded)
     if _runs_scratch(x, a13, ids, w13.scheme, None, None, None):
         op_options = LaunchOptions(dependent_launch=options.dependent_launch, reuse_workspace=False)
         num_experts, two_n = a13.q.shape[:2]
@@ -281,6 +288,17 @@ def wo_launches(plan, b: dict, x, w13: WeightArgs, w2: WeightArgs, ids, weights,
         launches.append((plan.down, (*down, None, None, None)))
         launches.append((plan.sum_slots, (y, ids, map_or_ids, out)))
     return launches
+
+
+def _runs_gluon(x, w13: WeightArgs, w2: WeightArgs, ids, scheme: str, activation: str, config, split_k,
+                decode: str | None) -> bool:
+    """The caller's "gluon", or for a call that fixes no decode, config or split the measured cells'
+    (``triton_gluon_wo.gluon_wo_takes``; cheap first test: below GLUON_MIN_TOKENS never)."""
+    if decode is not None or config is not None or split_k is not None or x.shape[0] < GLUON_MIN_TOKENS:
+        return decode == "gluon"
+    from moekit.experts.triton_gluon_wo import gluon_wo_takes
+
+    return gluon_wo_takes(x, w13, w2, ids, scheme, activation)
 
 
 def _runs_scratch(x, w13: WeightArgs, ids, scheme: str, config, split_k, decode: str | None) -> bool:

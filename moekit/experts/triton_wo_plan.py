@@ -18,6 +18,8 @@ Five decodes of the packed weights (DECODES), each its own kernels and its own c
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
+    gluon     ``triton_gluon_wo`` (int8, Hopper): warp-specialized Gluon GEMMs decoding each int8 tile to bf16 in
+              shared memory one step ahead of the wgmma (no fused plan: ``run_experts_wo`` diverts); selectable.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
 call (``triton_wo_winners``, mid and large batches), else per (scheme, shape, nearest measured M of the same
 tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on
@@ -62,7 +64,7 @@ from moekit.triton_bind import BoundLaunch
 SCHEME_IDS = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernels' SCHEME constexpr
 MAX_PLANS = 1024
 MAX_SPLIT = 8  # the down GEMM's reduction splits at most (each adds an [A, K] fp32 partial to write and read)
-DECODES = ("tile", "register", "mma", "gemv", "scratch")
+DECODES = ("tile", "register", "mma", "gemv", "scratch", "gluon")
 _KERNELS = {"tile": ("gemm_wo", "gate_up_wo_kernel", "down_wo_kernel"),
             "register": ("gemm_wo_reg", "gate_up_wo_reg_kernel", "down_wo_reg_kernel"),
             "mma": ("gemm_wo_mma", "gate_up_wo_mma_kernel", "down_wo_mma_kernel")}
@@ -326,8 +328,9 @@ def _usable_decode(decode: str | None, w13: WeightArgs, w2: WeightArgs, scheme: 
     """``decode``, or ``choose_decode``'s for None; the chooser's "gemv" becomes "register" where the
     weights do not read as words (``words_ok``), and its "mma" where the weights do not meet ``check_mma`` (int4
     groups not a multiple of 128); a caller's "gemv" or "mma" there is an error naming it."""
-    if decode == "scratch":
-        raise ValueError("decode='scratch' has no fused plan: run_experts_wo runs it (triton_wo_scratch)")
+    if decode in ("scratch", "gluon"):
+        raise ValueError(f"decode={decode!r} has no fused plan: run_experts_wo runs it "
+                         "(triton_wo_scratch / triton_gluon_wo)")
     chosen = decode or choose_decode(scheme, num_tokens, num_experts, n, hidden, top_k, shortcut, fused=True)
     if chosen in WORD_DECODES and not (words_ok(w13.q) and words_ok(w2.q)):
         if decode is not None:
@@ -374,6 +377,7 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
+        extra13["UNROLL"] = extra2["UNROLL"] = getattr(config, "unroll", 1)
         up_split, up_words = up_splits(config, q13[0], scheme)
         up_grid, h_tail, extra13["SPLIT"] = (up_grid[0], up_split), (n if up_split == 1 else 2 * n, up_words), up_split
     gate_up = BoundLaunch(

@@ -58,6 +58,18 @@ exact e4m3 products, summed in another order: within the twin's tolerance, not b
 H200 graph µs, unswapped / swapped: Qwen3-30B-A3B M = 1 21.8 / 19.9, M = 2 29.9 / 28.3, DeepSeek-V3 M = 1 95.7 / 93.2;
 Qwen3 M = 8 (32-wide gate-up tile) 76.1 / 84.1 (raw/*-62cabd5-decode_q3.*).
 
+PAIR_DOT (gate-up, W_DESC and ONE_BLOCK): w_ptr is a descriptor over w13 as [E, N/C, 2, C, K]
+(C = PAIR_CHUNK columns: chunk j of expert e's gate rows, then the same chunk of its up rows; ``triton_cache.
+pair_descriptor``) with [1, BN/C, 2, C, BK] blocks: each K-step loads the gate and up tiles as one [2BN, BK] tile
+(gate and up interleaved by chunks of C rows) and runs one [BM, BK] @ [BK, 2BN] dot instead of two: on Hopper one
+wgmma of N = 2BN waited for once a step instead of two each waited for (sm_90 TTGIR of Triton 3.6 and 3.9: one
+64 x 256 ``warp_group_dot`` a step, the tile reshaped in shared memory, no spills). The product is folded by one
+[BM, 2BN] scale (x_s times the gate or up block's scalar). C = 64: on 8 warps each warpgroup's 128 columns hold
+the gate and up of the same 64 columns, so the epilogue's split stays in registers (with gate and up as two
+halves it went through shared memory). With SWAP_AB the [2BN, BK] tile is the MMA's M side (acc [2BN, BM]; at a
+64-wide tile one 128 x 16 wgmma a step instead of two 64 x 16 ones). The same products and the same fold, element by
+element.
+
 UPCAST (the interpreter only, which has no fp8 ``tl.dot``): operands converted to float32 first.
 EMULATE: see ``quant_fp8`` (the interpreter's e4m3 rounding); h_q is then float32 holding e4m3 values.
 """
@@ -132,6 +144,39 @@ def _step_scale(xs, s_ptrs, col_ok, ONE_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pair_step(acc, xa, w_desc, expert, pid_n, k0, xs, sg_ptr, su_ptr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
+    """PAIR_DOT: acc [BM, 2BN] (chunks of CHUNK gate columns and CHUNK up columns in turn) + xa [BM, BK] @ tile pid_n's
+    gate and up rows of K-step k0 as one [BK, 2BN] operand, times x_s [BM] and the step's two weight scales (scalar
+    pointers sg_ptr, su_ptr); SWAP_AB: acc and the product transposed, [2BN, BM]."""
+    w = w_desc.load([expert, pid_n * (BLOCK_N // CHUNK), 0, 0, k0])  # [1, BN/C, 2, C, BK]; past K: zeros
+    w = w.reshape(2 * BLOCK_N, BLOCK_K)  # [2BN, BK]
+    is_gate = (tl.arange(0, 2 * BLOCK_N) // CHUNK) % 2 == 0
+    w_scale = tl.where(is_gate, tl.load(sg_ptr), tl.load(su_ptr))  # [2BN]
+    if SWAP_AB:
+        acc = acc + _scaled_dot(w, tl.trans(xa), UPCAST) * (w_scale[:, None] * xs[None, :])
+    else:
+        acc = acc + _scaled_dot(xa, w.T, UPCAST) * (xs[:, None] * w_scale[None, :])
+    return acc
+
+
+@triton.jit
+def _pair_split(acc_gate, acc_up, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                PAIR_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """(gate [BM, BN], up [BM, BN]; SWAP_AB: [BN, BM] each): PAIR_DOT's acc_gate [BM, 2BN] (SWAP_AB: [2BN, BM]) split
+    (acc_up unused), else as they are."""
+    if PAIR_DOT and SWAP_AB:
+        chunks = tl.permute(tl.reshape(acc_gate, [BLOCK_N // CHUNK, 2, CHUNK, BLOCK_M]), [0, 2, 3, 1])
+        acc_gate, acc_up = tl.split(chunks)  # [BN/C, C, BM] each
+        acc_gate, acc_up = tl.reshape(acc_gate, [BLOCK_N, BLOCK_M]), tl.reshape(acc_up, [BLOCK_N, BLOCK_M])
+    elif PAIR_DOT:
+        chunks = tl.permute(tl.reshape(acc_gate, [BLOCK_M, BLOCK_N // CHUNK, 2, CHUNK]), [0, 1, 3, 2])
+        acc_gate, acc_up = tl.split(chunks)  # [BM, BN/C, C] each
+        acc_gate, acc_up = tl.reshape(acc_gate, [BLOCK_M, BLOCK_N]), tl.reshape(acc_up, [BLOCK_M, BLOCK_N])
+    return acc_gate, acc_up
+
+
+@triton.jit
 def _x_step(xa, xs_ptrs, row_ok, X_RAW: tl.constexpr, EMULATE: tl.constexpr):
     """(x_q [BM, BK], x_s [BM]) of one K-step: loaded (xa is x_q), or (X_RAW: xa is x) quantized here,
     this step being one group of x's columns (the twin of ``quant_fp8``'s kernel)."""
@@ -178,7 +223,7 @@ def gate_up_fp8_kernel(
     X_RAW: tl.constexpr, W_DESC: tl.constexpr, ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = True,
     SWAP_AB: tl.constexpr = False,
     FOLD: tl.constexpr = False, A_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, FOLD_CHUNK: tl.constexpr = 1,
-    HAS_MAP: tl.constexpr = False,
+    HAS_MAP: tl.constexpr = False, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
 ):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _grid_position(num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -190,11 +235,10 @@ def gate_up_fp8_kernel(
     row_ok = rows < num_assignments  # [BM]
     token = tl.where(row_ok, rows // top_k, 0)  # [BM] int64: the gather, x row of each assignment
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    n_ok, offs_k = offs_n < N, tl.arange(0, BLOCK_K)
     x_ptrs = xq_ptr + token[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
     xs_ptrs = xs_ptr + token * stride_xsm  # [BM] scale of K-step 0
-    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK]
+    if W_DESC:  # a descriptor over w13 as [E*2N, K], blocks [BN, BK] (PAIR_DOT: ``pair_descriptor``'s, see there)
         gate_row = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     else:
         wg_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
@@ -202,25 +246,30 @@ def gate_up_fp8_kernel(
     ws_ptr += expert * stride_wse
     sg_ptrs = _weight_scale_ptrs(ws_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # gate columns
     su_ptrs = _weight_scale_ptrs(ws_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)  # up columns
-    acc_gate, acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc_gate = acc_zeros(BLOCK_M, BLOCK_N * (2 if PAIR_DOT else 1), SWAP_AB)  # PAIR_DOT: [BM, 2BN], gate and up
+    acc_up = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)  # [BM, BN] (unused with PAIR_DOT)
     x_next = _first_ahead(x_ptrs, row_ok, offs_k, K, X_RAW, AHEAD)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         xa, x_next = _act_tile(x_ptrs, x_next, row_ok, offs_k, K - k0, BLOCK_K * stride_xk, BLOCK_K, X_RAW, AHEAD)
-        if W_DESC:  # past K the descriptor reads zeros
-            wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
+        if PAIR_DOT:
+            xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
+            acc_gate = _pair_step(acc_gate, xa, w_ptr, expert.to(tl.int32), pid_n, k0, xs, sg_ptrs, su_ptrs, BLOCK_N,
+                                  BLOCK_K, PAIR_CHUNK, UPCAST, SWAP_AB)
         else:
-            wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
-        xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
-        acc_gate = _step(acc_gate, xa, wg, _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
-        acc_up = _step(acc_up, xa, wu, _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
-        x_ptrs += BLOCK_K * stride_xk
-        xs_ptrs += 1
+            if W_DESC:  # past K the descriptor reads zeros
+                wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
+            else:
+                wg = tl.load(wg_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                wg_ptrs, wu_ptrs = wg_ptrs + BLOCK_K * stride_wk, wu_ptrs + BLOCK_K * stride_wk
+            xa, xs = _x_step(xa, xs_ptrs, row_ok, X_RAW, EMULATE)
+            acc_gate = _step(acc_gate, xa, wg, _step_scale(xs, sg_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
+            acc_up = _step(acc_up, xa, wu, _step_scale(xs, su_ptrs, n_ok, ONE_BLOCK), UPCAST, SWAP_AB)
+        x_ptrs, xs_ptrs = x_ptrs + BLOCK_K * stride_xk, xs_ptrs + 1
         sg_ptrs, su_ptrs = sg_ptrs + stride_wsk, su_ptrs + stride_wsk
     let_next_kernel_launch(PDL)  # after the main loop (``gemm``'s PDL note)
+    acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, SWAP_AB)
     h = unswap(acc_gate * tl.sigmoid(acc_gate) * acc_up, SWAP_AB)  # [BM, BN] fp32; columns past N are 0 (scales)
     _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K, EMULATE,
              H_FP32)

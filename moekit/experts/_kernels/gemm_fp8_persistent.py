@@ -12,14 +12,16 @@ Torch twin: ``moekit.experts.triton_fp8.fused_experts_fp8_torch``; the same prod
 Shapes as ``gemm_fp8``: the block-aligned layout only (no tiny-batch NAIVE blocks, no folded alignment, no k-sum in
 the down GEMM); the tile count is read from ``num_padded`` on the device (no host sync). The gate-up tile holds
 whole scale groups (h re-quantized in its epilogue: BN a multiple of BK), x comes quantized (``quant_fp8``), no
-SWAP_AB. W_DESC: the weights through TMA descriptors, as there.
+SWAP_AB. W_DESC: the weights through TMA descriptors, as there; PAIR_DOT (gate-up): ``gemm_fp8``'s.
 """
 
 import triton
 import triton.language as tl
 
 from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_previous_kernel
-from moekit.experts._kernels.gemm_fp8 import _scaled_dot, _step_scale, _store_h, _weight_scale_ptrs
+from moekit.experts._kernels.gemm_fp8 import (
+    _pair_split, _pair_step, _scaled_dot, _step_scale, _store_h, _weight_scale_ptrs,
+)
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def gate_up_fp8_persistent_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_hsm,
     GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, EMULATE: tl.constexpr, W_DESC: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, PDL: tl.constexpr, PAIR_DOT: tl.constexpr = False, PAIR_CHUNK: tl.constexpr = 64,
 ):
     wait_for_previous_kernel(PDL)
     num_pid_m, num_pid_n = tl.cdiv(tl.load(num_padded_ptr), BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -68,20 +70,30 @@ def gate_up_fp8_persistent_kernel(
         s_ptr = ws_ptr + expert * stride_wse
         sg_ptrs = _weight_scale_ptrs(s_ptr, pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)
         su_ptrs = _weight_scale_ptrs(s_ptr, N + pid_n * BLOCK_N, stride_wsn, BLOCK_N, GROUP_N, ONE_BLOCK)
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # [BM, BN] each, or (PAIR_DOT) acc_gate [BM, 2BN] holding both, acc_up unused
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N * (2 if PAIR_DOT else 1)], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             xa = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if W_DESC:  # past K the descriptor reads zeros
-                wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
-            else:
-                wg = tl.load(wg_ptrs + k0 * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                wu = tl.load(wg_ptrs + N * stride_wn + k0 * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            xs = tl.load(xs_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)
             step = k0 // BLOCK_K
-            acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
-            acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
+            if PAIR_DOT:
+                xs = tl.load(xs_ptrs + step, mask=row_ok, other=0.0)
+                acc_gate = _pair_step(acc_gate, xa, w_ptr, expert.to(tl.int32), pid_n, k0, xs,
+                                      sg_ptrs + step * stride_wsk, su_ptrs + step * stride_wsk, BLOCK_N, BLOCK_K,
+                                      PAIR_CHUNK, UPCAST, False)
+            else:
+                if W_DESC:  # past K the descriptor reads zeros
+                    wg, wu = w_ptr.load([gate_row, k0]).T, w_ptr.load([gate_row + N, k0]).T  # [BK, BN] each
+                else:
+                    wg = tl.load(wg_ptrs + k0 * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    wu = tl.load(wg_ptrs + N * stride_wn + k0 * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                                 other=0.0)
+                xs = tl.load(xs_ptrs + step, mask=row_ok, other=0.0)
+                acc_gate += _scaled_dot(xa, wg, UPCAST) * _step_scale(xs, sg_ptrs + step * stride_wsk, n_ok,
+                                                                      ONE_BLOCK)
+                acc_up += _scaled_dot(xa, wu, UPCAST) * _step_scale(xs, su_ptrs + step * stride_wsk, n_ok, ONE_BLOCK)
+        acc_gate, acc_up = _pair_split(acc_gate, acc_up, BLOCK_M, BLOCK_N, PAIR_CHUNK, PAIR_DOT, False)
         h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BM, BN] fp32; columns past N are 0 (scales)
         _store_h(h, hq_ptr, hs_ptr, rows, row_ok, pid_n, N, stride_hm, stride_hsm, BLOCK_M, BLOCK_N, BLOCK_K,
                  EMULATE, False)

@@ -20,6 +20,8 @@ FMAs the other's wgmma runs. Three partitions per program:
 GATED (gate-up): gate tile rows c.., up tile rows gate_offset + c.., out = silu(gate) * up, quantized per
 row over the tile's 128 columns (one h group): out e4m3 [T, N] by TMA, its scale into out_s [T, N/128].
 Otherwise (down): out = the product in out's dtype (bf16); the routed weight is applied by the combine.
+WIDE (down only): a tile is [128, 256], two adjacent weight column blocks read like gate and up (gate_offset = 128,
+two accumulators per consumer), so each A stage feeds twice the MMA work; both halves stored as they are.
 
 Persistent: one program per SM walks the tiles of the rows in use (``rows_used``, read on the device) in
 GROUP_M-swizzled order (``gluon_gemm._tile_of``). Gluon does not run in the interpreter (CUDA sm_90 only).
@@ -45,12 +47,13 @@ SECOND_HALF = gl.constexpr(1)
 
 @gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr):
+            w_rows, gate_offset, GATED: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
     HALF_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    STAGES: gl.constexpr = w_bufs.type.shape[0] // (2 if GATED else 1)
-    WTILES: gl.constexpr = 2 if GATED else 1
+    WTILES: gl.constexpr = 2 if GATED or WIDE else 1
+    STAGES: gl.constexpr = w_bufs.type.shape[0] // WTILES
+    COL_STEP: gl.constexpr = BLOCK_N * (2 if WIDE else 1)  # weight rows per column block of the tile walk
     nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + WTILES * w_desc.block_type.nbytes
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
@@ -58,7 +61,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
-        w_row = gl.load(experts_ptr + rb) * w_rows + cb * BLOCK_N
+        w_row = gl.load(experts_ptr + rb) * w_rows + cb * COL_STEP
         for kk in range(k_steps):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass phase 1
@@ -66,7 +69,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
             _tma_load(a_desc, [rb * 2 * HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s))
             _tma_load(a_desc, [rb * 2 * HALF_M + HALF_M, kk * BLOCK_K], ready.index(s), a_bufs.index(2 * s + 1))
             _tma_load(w_desc, [w_row, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES))
-            if GATED:
+            if GATED or WIDE:
                 _tma_load(w_desc, [w_row + gate_offset, kk * BLOCK_K], ready.index(s), w_bufs.index(s * WTILES + 1))
             it += 1
 
@@ -75,7 +78,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr,
 def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr, used_ptr,
               reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
               HALF: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, PINGPONG: gl.constexpr,
-              STAGGER: gl.constexpr):
+              STAGGER: gl.constexpr, WIDE: gl.constexpr, A_REGS: gl.constexpr):
     """Rows HALF*64 .. of every tile: per K-step a wgmma into a fresh part, then the scaled FMA."""
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -85,8 +88,8 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
     num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), 2 * HALF_M)
     num_tiles = num_row_blocks * num_col_blocks
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
-    up_block = gate_offset // BLOCK_N  # the up rows' first weight block
-    c_buf = c_bufs.index(HALF)
+    up_block = gate_offset // BLOCK_N  # the up rows' first weight block (WIDE: the next column block, 1)
+    col_blocks: gl.constexpr = 2 if WIDE else 1  # weight scale blocks per tile column block
     if STAGGER and HALF == 1:
         if gl.program_id(0) < num_tiles:  # consumer 0 arrives at its first MMA: start one MMA behind it
             mbarrier.wait(turns.index(1), 0)
@@ -96,18 +99,24 @@ def _consumer(c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_pt
         row0 = rb * 2 * HALF_M + HALF * HALF_M
         rows = row0 + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, layout))  # [64]
         as_ptrs = as_ptr + rows * stride_as  # [64] this half's rows' scales of K-step 0
-        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * stride_wsr  # scalar pointer, K-step 0
+        ws_gate = ws_ptr + gl.load(experts_ptr + rb) * stride_wse + cb * col_blocks * stride_wsr  # K-step 0's
         acc, up, it = _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate,
-                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED, PINGPONG, STAGGER, layout)
-        _epilogue(acc, up, c_desc, c_buf, cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
+                              ws_gate + up_block * stride_wsr, k_steps, it, HALF, GATED or WIDE, PINGPONG, STAGGER,
+                              A_REGS, layout)
+        if WIDE:
+            _wide_epilogue(acc, up, c_desc, c_bufs.index(2 * HALF), c_bufs.index(2 * HALF + 1), row0, cb)
+        else:
+            _epilogue(acc, up, c_desc, c_bufs.index(HALF), cs_ptr + rows * stride_cs + cb, row0, cb, GATED)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_steps, it, HALF: gl.constexpr,
-            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, layout: gl.constexpr):
+            GATED: gl.constexpr, PINGPONG: gl.constexpr, STAGGER: gl.constexpr, A_REGS: gl.constexpr,
+            layout: gl.constexpr):
     """One tile's reduction, each MMA waited at once (the other consumer's MMAs fill the tensor cores meanwhile):
-    (acc [64, 128] float32, up (GATED; else unused), the ring position after it). Keeping the next step's
+    (acc [64, 128] float32, up (GATED: two weight tiles a stage, gate/up or WIDE's two column blocks; else
+    unused), the ring position after it). Keeping the next step's
     wgmma in flight while folding in the last one (two parts, the down GEMM has the registers) makes ptxas
     serialize the wgmmas (C7514: accumulator registers read inside the pipeline stage), so it is not done."""
     HALF_M: gl.constexpr = a_bufs.type.shape[1]
@@ -125,6 +134,8 @@ def _k_loop(a_bufs, w_bufs, ready, empty, turns, as_ptrs, ws_gate, ws_up, k_step
             w_up = gl.load(ws_up + kk)
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         a = a_bufs.index(2 * s + HALF)
+        if A_REGS:  # [64, 128] e4m3 into registers once: both MMAs of the step read it there, not from SMEM twice
+            a = a.load(gl.DotOperandLayout(operand_index=0, parent=layout, k_width=4))
         _take_turn(turns, it * WTILES, HALF, PINGPONG)
         part = warpgroup_mma(a, w_bufs.index(s * WTILES).permute((1, 0)), part, use_acc=False, is_async=True)
         _pass_turn(turns, HALF, PINGPONG)
@@ -165,6 +176,21 @@ def _pass_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
+def _wide_epilogue(acc, right, c_desc, c_left, c_right, row0, cb):
+    """WIDE: one half tile's two [64, 128] column blocks 2cb, 2cb + 1 out by TMA in c_desc's dtype. Each goes
+    through a blocked layout on its way to SMEM: stored from the wgmma layout (stmatrix), ptxas kept the loop's
+    registers in a layout that spilled 364 B in the K loop (sm_90a, Triton 3.9); this way 16 B (3.6: none)."""
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    tma.store_wait(0)  # the last tile's stores have read both buffers
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 4 warps, 8 contiguous bf16 a thread
+    c_left.store(gl.convert_layout(acc.to(c_desc.dtype), blocked))
+    c_right.store(gl.convert_layout(right.to(c_desc.dtype), blocked))
+    fence_async_shared()
+    _tma_store(c_desc, [row0, 2 * cb * BLOCK_N], c_left)
+    _tma_store(c_desc, [row0, (2 * cb + 1) * BLOCK_N], c_right)
+
+
+@gluon.jit
 def _epilogue(acc, up, c_desc, c_buf, cs_ptrs, row0, cb, GATED: gl.constexpr):
     """One half tile out by TMA: GATED, h = silu(acc) * up quantized per row over its 128 columns (one h
     group; ``quant_fp8``'s scale and rounding), its scales to cs_ptrs [64]; else acc in c_desc's dtype."""
@@ -187,7 +213,7 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
                             num_col_blocks, w_rows, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
                             GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr, PINGPONG: gl.constexpr = False,
-                            STAGGER: gl.constexpr = False):
+                            STAGGER: gl.constexpr = False, WIDE: gl.constexpr = False, A_REGS: gl.constexpr = False):
     """w_rows = W_ROWS and gate_offset = N (GATED) are plain arguments (one compile serves every shape).
     a_desc e4m3 [T, R] blocks [64, 128]; w_desc e4m3 [E*W_ROWS, R] blocks [128, 128]; c_desc [T, C] blocks
     [64, 128] (GATED: e4m3 h, else bf16 y); as_ptr [T, R/128] fp32 (row stride stride_as); ws_ptr [E, W_ROWS/128,
@@ -195,11 +221,17 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     stride_cs); experts_ptr [T/128] int32; used_ptr -> rows in use (a multiple of 128); num_col_blocks = C/128.
     num_warps = 4 (consumer 0); consumer 1 (4 warps, CONSUMER_REGS registers) and the loader (1 warp) added.
     PINGPONG: the consumers issue their MMAs in turn (two more mbarriers), one's FMAs under the other's MMA.
-    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset)."""
-    WTILES: gl.constexpr = 2 if GATED else 1
+    STAGGER: consumer 1 starts once consumer 0 issued its first MMA (then both run freely, offset).
+    WIDE (down only): [128, 256] tiles, gate_offset = 128, num_col_blocks = C/256; c_desc blocks [64, 128].
+    A_REGS: each consumer loads its A half into registers once per K-step (wgmma with A from registers): the two
+    MMAs of a gate-up / WIDE step do not read it from SMEM twice (SMEM bandwidth: the ring's TMA writes and the
+    MMAs' reads). It needs 16 more registers a consumer thread: max_registers 168, consumer_regs 240. Measured slower
+    (gate-up alone 1.04-1.07x the time, H200, session 27): each step waits for its LDSMs before its first wgmma."""
+    WTILES: gl.constexpr = 2 if GATED or WIDE else 1
+    OUT_BUFS: gl.constexpr = 4 if WIDE else 2  # one [64, 128] output buffer per consumer per column block
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * WTILES] + w_desc.block_type.shape, w_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [OUT_BUFS] + c_desc.block_type.shape, c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -211,10 +243,10 @@ def grouped_gemm_fp8_kernel(a_desc, w_desc, c_desc, as_ptr, ws_ptr, cs_ptr, expe
     gl.warp_specialize([
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
+                     FIRST_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE, A_REGS)),
         (_consumer, (c_desc, a_bufs, w_bufs, c_bufs, ready, empty, turns, as_ptr, ws_ptr, cs_ptr, experts_ptr,
                      used_ptr, reduce_dim, num_col_blocks, gate_offset, stride_as, stride_wse, stride_wsr, stride_cs,
-                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER)),
+                     SECOND_HALF, GATED, GROUP_M, PINGPONG, STAGGER, WIDE, A_REGS)),
         (_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                   w_rows, gate_offset, GATED, GROUP_M)),
+                   w_rows, gate_offset, GATED, GROUP_M, WIDE)),
     ], [4, 1], [CONSUMER_REGS, 24])

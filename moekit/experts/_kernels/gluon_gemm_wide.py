@@ -21,12 +21,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_at, _tma_load, _tma_store
 
 
 @gluon.jit
-def _wide_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
-                 W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr):
+def _wide_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+                 num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr,
+                 EXPERT_ORDER: gl.constexpr):
     """``gluon_gemm._loader`` (GATED), the gate and up tiles of a stage into one [2 * BLOCK_N, BLOCK_K] buffer."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -38,7 +39,7 @@ def _wide_loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
         w_row = gl.load(experts_ptr + rb) * W_ROWS + cb * BLOCK_N
         for kk in range(k_steps):
             s = it % STAGES
@@ -84,8 +85,8 @@ def _silu_mul(acc, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _wide_mma(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks,
-              GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+def _wide_mma(c_desc, a_bufs, w_bufs, c_buf, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+              num_col_blocks, GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -96,18 +97,20 @@ def _wide_mma(c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim,
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
         it = _wide_tile(c_desc, a_bufs, w_bufs, c_buf, ready, empty, rb, cb, k_steps, it, layout)
     tma.store_wait(0)
 
 
 @gluon.jit
-def wide_gate_up_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+def wide_gate_up_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, offsets_ptr, reduce_dim, num_col_blocks,
                         W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
-                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                        STAGES: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr,
+                        num_warps: gl.constexpr):
     """``gluon_gemm.grouped_gemm_kernel``'s arguments (GATED must be True: the gate-up GEMM only): a_desc [T, R]
     blocks [BM, BK]; w_desc [E*W_ROWS, R] blocks [BN, BK]; c_desc [T, N] blocks [BM, BN]; experts_ptr [T / BM] int32;
-    used_ptr -> rows in use (a multiple of BM); GATE_OFFSET = N."""
+    used_ptr -> rows in use (a multiple of BM); offsets_ptr [E + 1] int32 (read with EXPERT_ORDER only); GATE_OFFSET =
+    N."""
     gl.static_assert(GATED, "the wide wgmma is the gate-up GEMM's")
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -120,8 +123,8 @@ def wide_gate_up_kernel(a_desc, w_desc, c_desc, experts_ptr, used_ptr, reduce_di
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
-        (_wide_mma, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, used_ptr, reduce_dim, num_col_blocks, GROUP_M,
-                     num_warps)),
-        (_wide_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim,
-                        num_col_blocks, W_ROWS, GATE_OFFSET, GROUP_M)),
+        (_wide_mma, (c_desc, a_bufs, w_bufs, c_buf, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+                     num_col_blocks, GROUP_M, EXPERT_ORDER, num_warps)),
+        (_wide_loader, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr, used_ptr, reduce_dim,
+                        num_col_blocks, W_ROWS, GATE_OFFSET, GROUP_M, EXPERT_ORDER)),
     ], [1], [24])

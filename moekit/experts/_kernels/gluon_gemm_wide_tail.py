@@ -21,15 +21,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from moekit.experts._kernels.gluon_gemm import _tile_of, _tma_load, _tma_store
+from moekit.experts._kernels.gluon_gemm import _tile_at, _tma_load, _tma_store
 from moekit.experts._kernels.gluon_gemm_tail import _merges, _tile_state
 from moekit.experts._kernels.gluon_gemm_wide import _silu_mul, _wide_tile
 
 
 @gluon.jit
-def _wide_tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr, used_ptr,
-                      num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr, GATE_OFFSET: gl.constexpr,
-                      GROUP_M: gl.constexpr):
+def _wide_tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr,
+                      sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr,
+                      GATE_OFFSET: gl.constexpr, GROUP_M: gl.constexpr, EXPERT_ORDER: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     TAIL: gl.constexpr = t_desc.block_type.shape[0]
@@ -42,7 +42,7 @@ def _wide_tail_loader(a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, emp
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        rb, cb = _tile_at(t, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, BLOCK_M, GROUP_M, EXPERT_ORDER)
         merged = _merges(experts_ptr, sorted_ptr, rb, num_row_blocks, num_assignments, BLOCK_M, TAIL)
         skipped = _merges(experts_ptr, sorted_ptr, rb - 1, num_row_blocks, num_assignments, BLOCK_M, TAIL)
         if skipped == 0:
@@ -93,9 +93,9 @@ def _wide_merged_tile(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, re
 
 
 @gluon.jit
-def _wide_tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, sorted_ptr,
-                   used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr):
+def _wide_tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr, offsets_ptr,
+                   sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M: gl.constexpr,
+                   EXPERT_ORDER: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
     TAIL: gl.constexpr = ct_desc.block_type.shape[0]
@@ -110,11 +110,12 @@ def _wide_tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready
     k_steps = gl.cdiv(reduce_dim, BLOCK_K)
     it = 0
     rb, cb, merged, skipped = _tile_state(gl.program_id(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr,
-                                          sorted_ptr, num_assignments, GROUP_M, BLOCK_M, TAIL)
+                                          offsets_ptr, sorted_ptr, num_assignments, GROUP_M, EXPERT_ORDER, BLOCK_M,
+                                          TAIL)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         rb_next, cb_next, merged_next, skipped_next = _tile_state(
-            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, sorted_ptr,
-            num_assignments, GROUP_M, BLOCK_M, TAIL)
+            t + gl.num_programs(0), num_tiles, num_row_blocks, num_col_blocks, experts_ptr, offsets_ptr, sorted_ptr,
+            num_assignments, GROUP_M, EXPERT_ORDER, BLOCK_M, TAIL)
         if skipped == 0:
             if merged != 0:
                 it = _wide_merged_tile(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, rb, cb,
@@ -126,13 +127,14 @@ def _wide_tail_mma(c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready
 
 
 @gluon.jit
-def wide_tail_gate_up_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr,
+def wide_tail_gate_up_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, offsets_ptr,
                              num_assignments, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr,
                              GATE_OFFSET: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             EXPERT_ORDER: gl.constexpr, num_warps: gl.constexpr):
     """a_desc [T, K] blocks [BM, BK] and t_desc the same tensor in [TAIL, BK] blocks; w_desc [E*2N, K] blocks [BN, BK];
     c_desc [T, N] blocks [BM, BN] and ct_desc the same tensor in [TAIL, BN] blocks; experts_ptr [T / BM] int32;
-    sorted_ptr [T] int32 (>= num_assignments: padding); used_ptr -> rows in use; reduce_dim = K; GATE_OFFSET = N."""
+    sorted_ptr [T] int32 (>= num_assignments: padding); used_ptr -> rows in use; offsets_ptr [E + 1] int32 (read with
+    EXPERT_ORDER only); reduce_dim = K; GATE_OFFSET = N."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -147,7 +149,9 @@ def wide_tail_gate_up_kernel(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_pt
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_wide_tail_mma, (c_desc, ct_desc, a_bufs, t_bufs, w_bufs, c_buf, ct_buf, ready, empty, experts_ptr,
-                          sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M, num_warps)),
-        (_wide_tail_loader, (a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, sorted_ptr,
-                             used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS, GATE_OFFSET, GROUP_M)),
+                          offsets_ptr, sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, GROUP_M,
+                          EXPERT_ORDER, num_warps)),
+        (_wide_tail_loader, (a_desc, t_desc, w_desc, a_bufs, t_bufs, w_bufs, ready, empty, experts_ptr, offsets_ptr,
+                             sorted_ptr, used_ptr, num_assignments, reduce_dim, num_col_blocks, W_ROWS, GATE_OFFSET,
+                             GROUP_M, EXPERT_ORDER)),
     ], [1], [24])

@@ -1,0 +1,253 @@
+"""Warp-specialized weight-only grouped GEMM for Hopper (Gluon), int8_w8a16 / int4_w4a16 / mxfp4, contiguous layout.
+
+    out[r, c] = act(A[r, :] @ (Q[e(r), c, :] * scale[e(r), c])^T)      r: a row of the permuted buffer
+
+``gluon_gemm.grouped_gemm_kernel``'s schedule (persistent, GROUP_M-swizzled tiles, its loader partition unchanged:
+TMA loads of the activation tile and the int8 weight tiles into a STAGES-deep ring) with a decoding MMA partition:
+wgmma reads its right operand from shared memory only, so each step's int8 tiles [BN, BK] are read from their
+stage into registers, converted to bf16 (exact: |q| <= 128) and stored into one of two decoded buffers; the
+decode of step k + 1 runs while step k's asynchronous wgmma does (the brief's "consumer decodes tile k+1 while
+wgmma k runs"). The per-output-channel scale multiplies the fp32 accumulator once, in the epilogue (so the loop
+is only a convert). Barriers on the decoded buffers (both warpgroups read each one) come from Triton's membar
+pass: a CTA barrier before the decode's store (after this step's wgmma wait: the step before's MMAs, the last
+readers, retired in both warpgroups) and before the wgmma that reads it; ``fence_async_shared`` after the
+store orders the generic-proxy writes before the async-proxy read.
+
+Q is a 2-D view [E * W_ROWS, R] int8 of w13.q [E, 2N, K] (W_ROWS = 2N) or w2.q [E, K, N] (W_ROWS = K); scale
+[E, W_ROWS] fp32 (``stride_se`` elements an expert). GATED: gate rows c and up rows N + c, out = silu(gate) * up.
+Gluon does not run in the interpreter (CUDA sm_90 only). Torch twin: ``triton_gluon_wo.experts_gluon_wo_twin``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+
+from moekit.experts._kernels.gluon_gemm import _loader, _tile_of, _tma_store
+
+
+@gluon.jit
+def _nibble(words, SHIFT: gl.constexpr, mul, add):
+    """The code at bits [16 - SHIFT, 20 - SHIFT) of each int32 word moved to bits 16-19 of float32 128.0 (one shift,
+    one LOP3: 128 + code exactly), then (128 + code) * mul + add (one fma) with the rows' group (scale, -(128 +
+    zero) * scale)."""
+    if SHIFT > 0:
+        placed = words << SHIFT
+    elif SHIFT < 0:
+        placed = words >> (-SHIFT)
+    else:
+        placed = words
+    return ((placed & 0x000F0000) | 0x43000000).to(gl.float32, bitcast=True) * mul[:, None] + add[:, None]
+
+
+@gluon.jit
+def _decode_tile(src, dst, mul, add, SCHEME: gl.constexpr, num_warps: gl.constexpr):
+    """One stored tile ``src`` -> bf16 ``dst`` [BN, BK]. int8 (bytes): converted (exact). int4 (int32 words of 8
+    codes, code p at bits 4p: K order): ``_nibble`` per code, the 8 codes of a word interleaved back in K order.
+    mxfp4 (bytes, two codes a byte, low nibble first): the tile viewed [BN, ROW / VEC, VEC bytes] (a thread's bytes
+    lie in one 32-code group), each code's bits placed as float16 e2m1 * 2^-14 (exact), times its group's
+    2^(e8m0 - 113) (mul [BN, ROW / VEC]), the two nibbles interleaved back in K order."""
+    BN: gl.constexpr = src.type.shape[0]
+    ROW: gl.constexpr = src.type.shape[1]
+    FULL: gl.constexpr = 128 // src.dtype.primitive_bitwidth  # elements of 16 bytes: one shared load a thread
+    SPREAD: gl.constexpr = BN * ROW // (32 * num_warps)  # or fewer, so that no two threads hold the same element
+    VEC: gl.constexpr = FULL if FULL < SPREAD else SPREAD
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (ROW // VEC), ROW // VEC], [num_warps, 1], [1, 0])
+    raw = src.load(layout)  # ``_scale_rows``' rows are this layout's
+    if SCHEME == 0:
+        dst.store(raw.to(gl.float32).to(gl.bfloat16))
+    elif SCHEME == 1:
+        w0, w4 = _nibble(raw, 16, mul, add), _nibble(raw, 0, mul, add)
+        w1, w5 = _nibble(raw, 12, mul, add), _nibble(raw, -4, mul, add)
+        w2, w6 = _nibble(raw, 8, mul, add), _nibble(raw, -8, mul, add)
+        w3, w7 = _nibble(raw, 4, mul, add), _nibble(raw, -12, mul, add)
+        # [BN, ROW, 2, 2, 2]: the first join's dim is code bit 2, the last's bit 0 -> [BN, 8 ROW] in K order
+        w = gl.join(gl.join(gl.join(w0, w4), gl.join(w2, w6)), gl.join(gl.join(w1, w5), gl.join(w3, w7)))
+        dst.store(gl.reshape(w, [BN, 8 * ROW]).to(gl.bfloat16))
+    else:
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [32 // (ROW // VEC), ROW // VEC, 1], [num_warps, 1, 1],
+                                                [2, 1, 0])
+        packed = gl.convert_layout(gl.reshape(raw, [BN, ROW // VEC, VEC]), groups).to(gl.int32)
+        low = (((packed & 0x07) << 9) | ((packed & 0x08) << 12)).to(gl.int16).to(gl.float16, bitcast=True)
+        high = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(gl.int16).to(gl.float16, bitcast=True)
+        low = low.to(gl.float32) * mul[:, :, None]
+        high = high.to(gl.float32) * mul[:, :, None]
+        dst.store(gl.reshape(gl.join(low, high), [BN, 2 * ROW]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _group_scales(s_rows, z_rows, k0, reduce_dim, stride_sg, stride_zg, GROUP: gl.constexpr, SCHEME: gl.constexpr):
+    """(mul, add) float32 of step k0's groups, loaded a step ahead; 0 past the reduction. int4 [BN]: GROUP a multiple
+    of BLOCK_K (one group a step), add = -(128 + zero) * scale; mxfp4 [BN, ROW / VEC] (``_scale_rows``' pointers):
+    mul = 2^(e8m0 - 113), add unused; int8: unused zeros (its scales multiply in the epilogue)."""
+    ok = k0 < reduce_dim
+    g = k0 // GROUP
+    if SCHEME == 0:
+        mul = gl.zeros_like(s_rows.to(gl.int64).to(gl.float32))
+        add = mul
+    elif SCHEME == 1:
+        mul = gl.load(s_rows + g * stride_sg, mask=ok, other=0.0)
+        zero = gl.load(z_rows + g * stride_zg, mask=ok, other=0).to(gl.float32)
+        add = -(128.0 + zero) * mul
+    else:
+        exponent = gl.load(s_rows + g * stride_sg, mask=ok, other=0).to(gl.int32)
+        mul = ((exponent + 14) << 23).to(gl.float32, bitcast=True)
+        add = mul
+    return mul, add
+
+
+@gluon.jit
+def _decode_step(q_bufs, w_bufs, stage, slot, mul_g, add_g, mul_u, add_u, GATED: gl.constexpr,
+                 SCHEME: gl.constexpr, num_warps: gl.constexpr):
+    """The stored tiles of ``stage`` -> bf16 into decoded ``slot``, fenced for the wgmma (gate then up when GATED)."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    _decode_tile(q_bufs.index(stage * WTILES), w_bufs.index(slot * WTILES), mul_g, add_g, SCHEME, num_warps)
+    if GATED:
+        _decode_tile(q_bufs.index(stage * WTILES + 1), w_bufs.index(slot * WTILES + 1), mul_u, add_u, SCHEME,
+                     num_warps)
+    fence_async_shared()
+
+
+@gluon.jit
+def _scaled(acc, scale_row, cols, SCHEME: gl.constexpr):
+    """int8: acc [BM, BN] * scale_row[cols] (the output channels' scales) along its columns; else acc."""
+    if SCHEME == 0:
+        acc = acc * gl.load(scale_row + cols)[None, :]
+    return acc
+
+
+@gluon.jit
+def _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr,
+                BLOCK_N: gl.constexpr, ROW: gl.constexpr, VEC: gl.constexpr, SCHEME: gl.constexpr,
+                num_warps: gl.constexpr):
+    """Pointers to the scale and zero rows of column block cb's weight rows in ``_decode_tile``'s layouts (a stored
+    tile row of ROW elements, VEC a thread): [BN]; mxfp4 [BN, ROW / VEC] (each part's group in a step: its first at
+    column 0; ``_group_scales`` adds the step's)."""
+    if SCHEME == 2:
+        groups: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [32 // (ROW // VEC), ROW // VEC, 1], [num_warps, 1, 1],
+                                                [2, 1, 0])
+        rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, groups)))
+        part = gl.arange(0, ROW // VEC, layout=gl.SliceLayout(0, gl.SliceLayout(2, groups)))  # VEC bytes: 2 VEC codes
+        s_rows = s_ptr + expert * stride_se + rows[:, None] * stride_sr + (part * VEC // 16)[None, :] * stride_sg
+        z_rows = s_rows
+    else:
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (ROW // VEC), ROW // VEC], [num_warps, 1], [1, 0])
+        rows = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        s_rows = s_ptr + expert * stride_se + rows * stride_sr
+        z_rows = z_ptr + expert * stride_ze + rows * stride_zr
+    return s_rows, z_rows
+
+
+@gluon.jit
+def _wo_mma_epilogue(c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr,
+                     stride_se, stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks,
+                     GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, GROUP_M: gl.constexpr, SCHEME: gl.constexpr,
+                     GROUP: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    WTILES: gl.constexpr = 2 if GATED else 1
+    FULL: gl.constexpr = 128 // q_bufs.dtype.primitive_bitwidth  # ``_decode_tile``'s elements a thread
+    SPREAD: gl.constexpr = BLOCK_N * q_bufs.type.shape[2] // (32 * num_warps)
+    VEC: gl.constexpr = FULL if FULL < SPREAD else SPREAD
+    layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    num_row_blocks = gl.cdiv(gl.load(used_ptr).to(gl.int32), BLOCK_M)
+    num_tiles = num_row_blocks * num_col_blocks
+    k_steps = gl.cdiv(reduce_dim, BLOCK_K)
+    it = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        rb, cb = _tile_of(t, num_row_blocks, num_col_blocks, GROUP_M)
+        expert = gl.load(experts_ptr + rb)
+        sg, zg = _scale_rows(s_ptr, z_ptr, expert, cb, stride_se, stride_sr, stride_sg, stride_ze, stride_zr, BLOCK_N,
+                             q_bufs.type.shape[2], VEC, SCHEME, num_warps)
+        su, zu = sg + GATE_OFFSET * stride_sr, zg + GATE_OFFSET * stride_zr
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
+        mul_g, add_g = _group_scales(sg, zg, 0, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        mul_u, add_u = _group_scales(su, zu, 0, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+        _decode_step(q_bufs, w_bufs, it % STAGES, 0, mul_g, add_g, mul_u, add_u, GATED, SCHEME, num_warps)
+        mul_g, add_g = _group_scales(sg, zg, BLOCK_K, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        mul_u, add_u = _group_scales(su, zu, BLOCK_K, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+        for kk in range(k_steps):
+            s = it % STAGES
+            slot = kk % 2
+            acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(slot * WTILES).permute((1, 0)), acc, is_async=True)
+            if GATED:
+                up = warpgroup_mma(a_bufs.index(s), w_bufs.index(slot * WTILES + 1).permute((1, 0)), up,
+                                   is_async=True)
+                acc, up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the previous step's MMAs retired: its stage may be refilled, its decoded slot rewritten
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            if kk + 1 < k_steps:  # the next step's tiles decoded while this step's MMAs run
+                mbarrier.wait(ready.index((it + 1) % STAGES), ((it + 1) // STAGES) & 1)
+                _decode_step(q_bufs, w_bufs, (it + 1) % STAGES, 1 - slot, mul_g, add_g, mul_u, add_u, GATED,
+                             SCHEME, num_warps)
+                k_next = (kk + 2) * BLOCK_K  # the step after: its group's scales load while this step runs
+                mul_g, add_g = _group_scales(sg, zg, k_next, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+                mul_u, add_u = _group_scales(su, zu, k_next, reduce_dim, stride_sg, stride_zg, GROUP, SCHEME)
+            it += 1
+        _epilogue(c_desc, c_buf, acc, up, s_ptr + expert * stride_se, rb, cb, GATE_OFFSET, GATED, SCHEME, layout)
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k_steps > 0)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _epilogue(c_desc, c_buf, acc, up, scale_row, rb, cb, GATE_OFFSET: gl.constexpr, GATED: gl.constexpr,
+              SCHEME: gl.constexpr, layout: gl.constexpr):
+    """The last MMAs retired, int8's scales, silu(gate) * up when GATED, then the tile stored by TMA."""
+    BLOCK_M: gl.constexpr = c_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = c_desc.block_type.shape[1]
+    cols = cb * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    if GATED:
+        acc, up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, up))
+        acc = _scaled(acc, scale_row, cols, SCHEME)
+        up = _scaled(up, scale_row + GATE_OFFSET, cols, SCHEME)
+        acc = acc / (1.0 + gl.exp(-acc)) * up  # silu(gate) * up
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = _scaled(acc, scale_row, cols, SCHEME)
+    tma.store_wait(0)  # the last tile's store has read c_buf
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    _tma_store(c_desc, [rb * BLOCK_M, cb * BLOCK_N], c_buf)
+
+
+@gluon.jit
+def grouped_gemm_wo_kernel(a_desc, q_desc, c_desc, experts_ptr, used_ptr, s_ptr, z_ptr, stride_se, stride_sr,
+                           stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim, num_col_blocks, W_ROWS: gl.constexpr,
+                           GATE_OFFSET: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                           SCHEME: gl.constexpr, GROUP: gl.constexpr, num_warps: gl.constexpr):
+    """a_desc [T, R] bf16 blocks [BM, BK]; q_desc [E*W_ROWS, R / PACK] blocks [BN, BK / PACK] (int8: PACK 1; int4:
+    int32 words, PACK 8; mxfp4: uint8, PACK 2); c_desc [T, C] blocks [BM, BN]; experts_ptr [T / BM] int32;
+    used_ptr -> rows in use (a multiple of BM); s_ptr / z_ptr the scales / zeros through their strides (int8: scale
+    [E, W_ROWS], z unread; int4: [E, W_ROWS, R / GROUP], GROUP a multiple of BK; mxfp4: e8m0 [E, W_ROWS, R / 32]);
+    reduce_dim = R; num_col_blocks = C / BN; GATE_OFFSET = N when GATED."""
+    WTILES: gl.constexpr = 2 if GATED else 1
+    PACK: gl.constexpr = 1 if SCHEME == 0 else (8 if SCHEME == 1 else 2)  # weights a stored element
+    BLOCK_N: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES * WTILES] + q_desc.block_type.shape, q_desc.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.bfloat16)
+    w_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 * WTILES, BLOCK_N, BLOCK_K], w_layout)  # decoded, 2 slots
+    c_buf = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_wo_mma_epilogue, (c_desc, a_bufs, q_bufs, w_bufs, c_buf, ready, empty, experts_ptr, used_ptr, s_ptr, z_ptr,
+                            stride_se, stride_sr, stride_sg, stride_ze, stride_zr, stride_zg, reduce_dim,
+                            num_col_blocks, GATE_OFFSET, GATED, GROUP_M, SCHEME, GROUP, num_warps)),
+        (_loader, (a_desc, q_desc, a_bufs, q_bufs, ready, empty, experts_ptr, used_ptr, reduce_dim, num_col_blocks,
+                   W_ROWS, GATE_OFFSET, GATED, GROUP_M, PACK)),
+    ], [1], [24])

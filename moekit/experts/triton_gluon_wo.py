@@ -1,0 +1,167 @@
+"""Weight-only experts (int8_w8a16, int4_w4a16 with groups a multiple of 64, mxfp4) on warp-specialized Gluon GEMMs
+for Hopper at large batches (issue #16's M >= 1024 target): the bf16 Gluon path's layout and combine (``triton_gluon``),
+its GEMMs replaced by ``_kernels/gluon_gemm_wo.py`` (the stored tiles decoded to bf16 in shared memory one step
+ahead of the wgmma).
+
+    [align, gather x into 128-aligned expert segments] -> [gate-up GEMM on w13.q (int8: scales in its epilogue;
+      int4 / mxfp4: each weight dequantized), silu(gate)*up] -> [down GEMM on w2.q] -> [weighted sum over k slots]
+
+``run_experts_wo_gluon`` runs it (``triton_wo.run_experts_wo`` with ``decode="gluon"``, or without a decode where
+``gluon_wo_takes``: the measured cells of GLUON_WO_CELLS); ``gluon_wo_unfit`` says why a call cannot take it.
+``experts_gluon_wo_twin`` is its arithmetic in torch (the oracle of the tests and the device check).
+
+Shapes: M tokens, k slots, E local experts, K hidden, N intermediate, R rows of the permuted buffer.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from moekit.experts.triton_gluon import gluon_layout
+from moekit.experts.triton_gluon_launch import (
+    BLOCK_M, MAX_REGISTERS, NUM_WARPS, UP_TILE, GluonTile, down_tile, gluon_descriptor, gluon_supported,
+    launch_contiguous_sum, num_sms, plan_gluon,
+)
+from moekit.experts.triton_wo import WoWeight, dequantize_wo
+from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
+
+GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
+PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
+# the producer partition's warps and registers (``gluon_gemm_wo_ws``): 8 MMA warps + 4 at MAX_REGISTERS fill the SM's
+# 64K at launch; in the partitions the MMA warps get 192 registers, the producer's 120 (ptx for sm_90, Triton 3.6)
+PRODUCER = (4, 120)
+# (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
+# around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
+# against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
+# median of 5 interleaved rounds, this path / the pick / bf16): the measured M up to twice it, down to the measured
+# M below where that lost (DeepSeek-V3 M = 1024: int8 5947 / tile 4841; Mixtral int8 4096: 7167 / scratch 6354;
+# Qwen3 mxfp4 4096: 1214 / scratch 1123), and only where its eager calls were faster too (the merged run at 7ff5a47:
+# this path's plain launches cost ~1 ms of host a call, so at Qwen3 M = 1024 int8 / mxfp4, 368 / 493 µs of GPU, eager
+# calls took 1307 / 1318 µs against the tile decode's 458 / 564: those two cells are not taken).
+GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
+    ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
+    ("int8_w8a16", 128, 768, 2048): (4096, 8192),  # Qwen3 M=4096: 896 / tile 1092 / 658 (eager 1031 / 1139)
+    ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
+    ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
+    ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
+}
+
+
+def gluon_wo_takes(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, scheme: str, activation: str) -> bool:
+    """Whether a call that names no decode, config or split takes the weight-only Gluon path: its shape in
+    GLUON_WO_CELLS with M in its range, a Hopper with Gluon, and a call it fits (``gluon_wo_unfit``)."""
+    lo, hi = GLUON_WO_CELLS.get((scheme, w13.q.shape[0], w13.q.shape[1] // 2, x.shape[1]), (0, 0))
+    return (lo <= x.shape[0] < hi and gluon_supported(x.device)
+            and gluon_wo_unfit(x, w13, w2, scheme, activation) is None)
+
+
+def gluon_wo_unfit(x: torch.Tensor, w13, w2, scheme: str, activation: str,
+                   block_k: int = UP_TILE.block_k) -> str | None:
+    """Why the weight-only Gluon path cannot take this call (None when it can): int8_w8a16, int4_w4a16 (zero points,
+    groups a multiple of ``block_k``: one group a step) or mxfp4, bf16 x, plain silu, contiguous q, N and K multiples
+    of 128.
+    ``w13`` / ``w2``: anything with ``q``, ``scale``, ``zero``, ``group_size`` (WeightArgs, WoWeight)."""
+    if scheme not in GLUON_WO_SCHEMES:
+        return f"scheme {scheme!r} (the Gluon weight-only GEMMs take {tuple(GLUON_WO_SCHEMES)})"
+    if scheme == "int4_w4a16" and (w13.group_size % block_k or w2.group_size % block_k or w2.zero is None):
+        return f"int4 groups {w13.group_size} / {w2.group_size} (multiples of {block_k}, with zero points only)"
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return f"x {x.dtype} (bf16 with unit-stride rows only)"
+    if activation != "silu":
+        return f"activation={activation!r} (silu only)"
+    if not (w13.q.is_contiguous() and w2.q.is_contiguous()):
+        return "strided w13.q or w2.q (TMA reads them as 2-D)"
+    hidden, inter = w2.q.shape[1], w13.q.shape[1] // 2
+    if inter % 128 or hidden % 128:
+        return f"w2 [E, K={hidden}, N={inter}]: N and K must be multiples of 128"
+    return None
+
+
+def _strides(w) -> tuple:
+    """(expert, row, group) strides of the scale and of the zero (int8: scale [E, R], no group; no zero: 0s)."""
+    s = w.scale.stride() if w.scale.dim() == 3 else (*w.scale.stride(), 0)
+    zero = w.zero is not None and w.zero is not w.scale and w.zero.dim() == 3  # WeightArgs: zero = scale without one
+    return (*s, *(w.zero.stride() if zero else (0, 0, 0)))
+
+
+def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
+                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0, producer: bool = False) -> None:
+    """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
+    stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127). ``producer``: the decode
+    in its own partition (``gluon_gemm_wo_ws``, PRODUCER warps and registers)."""
+    if producer:
+        kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo_ws").grouped_gemm_wo_ws_kernel
+        extra = dict(PRODUCER_WARPS=PRODUCER[0], PRODUCER_REGS=PRODUCER[1])
+    else:
+        kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
+        extra = {}
+    num_experts, w_rows, stored = w.q.shape
+    q = w.q.view(num_experts * w_rows, stored)
+    if scheme == "int4_w4a16":  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
+        q = q.view(torch.int32)
+    a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
+    q_desc = gluon_descriptor(q, [tile.block_n, tile.block_k // PACK[scheme]])
+    c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
+    num_col_blocks = out.shape[1] // tile.block_n
+    grid = (max(1, min(num_sms(a.device), -(-a.shape[0] // BLOCK_M) * num_col_blocks)),)
+    zero = w.scale if w.zero is None else w.zero  # int8: never read
+    kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
+                 num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
+                 GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **extra)
+
+
+def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
+                         producer: bool = False) -> torch.Tensor:
+    """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
+    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
+    ``producer``: both GEMMs with the decode in its own partition (``launch_gemm_wo``)."""
+    if not gluon_supported(x.device):
+        raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
+    reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
+    if reason is not None:
+        raise ValueError(f"decode='gluon' cannot take this call: {reason}")
+    num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
+    down = down_tile(inter) if down is None else down
+    layout = gluon_layout(x, topk_ids, num_experts, expert_map)
+    rows = layout.sorted_ids.numel()
+    h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter,
+                   producer)
+    y = x.new_empty(rows, hidden)  # [R, K]
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, 0, producer)
+    out = torch.empty_like(x)
+    launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
+    return out
+
+
+def experts_gluon_wo_twin(x: torch.Tensor, w13: WoWeight, w2: WoWeight, topk_ids: torch.Tensor,
+                          topk_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The path's arithmetic in torch on the same layout: per expert segment float32 products, int8: with the codes,
+    the scales on the products' columns; int4 / mxfp4: with each weight dequantized and rounded to bf16 (the
+    decode's one rounding); h and y rounded to x's dtype like the kernels, float32 combine. Syncs."""
+    num_experts, hidden, inter = w2.q.shape[0], x.shape[1], w13.q.shape[1] // 2
+    plan = plan_gluon(x.shape[0], topk_ids.shape[1], num_experts, inter)
+    layout = permute_contiguous(x, topk_ids, num_experts, BLOCK_M, expert_map, static_rows=plan.rows)
+    y = x.new_zeros(plan.rows, hidden)  # [R, K]
+    starts = layout.offsets.tolist()
+    for e in range(num_experts):
+        lo, hi = starts[e], starts[e + 1]
+        if hi == lo:
+            continue
+        gate_up = layout.x_perm[lo:hi].float() @ _weight_t(w13, e, hidden)  # [rows, 2N]
+        h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        y[lo:hi] = (h.float() @ _weight_t(w2, e, inter)).to(x.dtype)
+    return combine_contiguous(y, layout, topk_weights).to(x.dtype)
+
+
+def _weight_t(w: WoWeight, e: int, cols: int) -> torch.Tensor:
+    """Expert e's weight as the twin multiplies it, transposed [C, R]: int8 the codes times their rows' scales (the
+    kernel scales the products: equal up to float32 rounding), int4 / mxfp4 dequantized and rounded to bf16."""
+    if w.scheme == "int8_w8a16":
+        return w.q[e].float().t() * w.scale[e][None, :].float()  # == (x @ q^T) * scale up to float32 rounding
+    return dequantize_wo(w, cols, e).to(torch.bfloat16).float().t()
