@@ -1,0 +1,110 @@
+"""Compile what ``mid7_device_check.py`` runs new for sm_90 on a machine without a GPU (Gluon does not run in the
+interpreter): the half-tile GEMM (``_kernels/gluon_gemm_half.py``) at the tiles of ``mid7_variants``, the wide gate-up
+GEMM (``_kernels/gluon_gemm_wide.py``) and the probe
+kernels (``mid7_probes.py``); layout and SMEM errors before a device run, ptxas's spills and wgmma serialization.
+
+    PYTHONPATH=$PWD python3 benchmarks/mid7_compile_cpu.py      (Triton 3.9; 3.6: PYTHONPATH=<its dir>:$PWD)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def compile_sm90(kernel, args: dict, const: dict) -> str:
+    """Compile ``kernel`` (a Gluon jit function) for sm_90 with these runtime ``args`` and ``const`` constexprs."""
+    import triton
+    from gluon_fp8_compile_cpu import ptxas_report
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from moekit.experts.triton_gluon_launch import MAX_REGISTERS, NUM_WARPS
+
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
+    t0 = time.perf_counter()
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS,
+                                                                               maxnreg=MAX_REGISTERS))
+    ptx = out.asm["ptx"]
+    regs = sorted({ln.split()[-1].rstrip(";") for ln in ptx.splitlines() if "setmaxnreg" in ln})
+    spills, serialized = ptxas_report(ptx)
+    return (f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, setmaxnreg {regs}, "
+            f"ptxas spill stores {spills} B, wgmma serialized {serialized}")
+
+
+def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
+    """(args, constexprs) of one GEMM at a small shape (E=2, N=512, K=512); kind "half", "wide", "wide tail",
+    "stream" or "mma"."""
+    from gluon_fp8_compile_cpu import _descriptor
+
+    from moekit.experts.triton_gluon_launch import BLOCK_M, NUM_WARPS
+
+    e, n, k, t, bf16 = 2, 512, 512, 1024, torch.bfloat16
+    w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
+    int32 = torch.empty(1, dtype=torch.int32)
+    a_desc = _descriptor([t, r], [BLOCK_M, tile.block_k], bf16)
+    w_desc = _descriptor([e * w_rows, r], [tile.block_n, tile.block_k], bf16)
+    c_desc = _descriptor([t, c], [BLOCK_M, tile.block_n], bf16)
+    const = dict(GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
+                 num_warps=NUM_WARPS)
+    if kind == "half":
+        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, sorted_ptr=int32,
+                     used_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n),
+                dict(W_ROWS=w_rows, **const))
+    if kind == "wide tail":
+        return (dict(a_desc=a_desc, t_desc=_descriptor([t, r], [tile.tail, tile.block_k], bf16), w_desc=w_desc,
+                     c_desc=c_desc, ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32,
+                     sorted_ptr=int32, used_ptr=int32, offsets_ptr=int32, num_assignments=t, reduce_dim=r,
+                     num_col_blocks=c // tile.block_n),
+                {k: v for k, v in dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const).items() if k != "GATED"})
+    if kind == "wide":
+        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, used_ptr=int32, offsets_ptr=int32,
+                     reduce_dim=r, num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const))
+    if kind == "stream":
+        return (dict(a_desc=a_desc, w_desc=w_desc, experts_ptr=int32, used_ptr=int32, reduce_dim=r,
+                     num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, **const))
+    return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, used_ptr=int32, reduce_dim=r,
+                 num_col_blocks=c // tile.block_n), const)
+
+
+def main() -> int:
+    import triton
+
+    import mid7_probes
+    from mid7_variants import half_tiles, wide_tail_up
+
+    from moekit.experts._kernels.gluon_gemm_half import half_gemm_kernel
+    from moekit.experts._kernels.gluon_gemm_wide import wide_gate_up_kernel
+    from moekit.experts._kernels.gluon_gemm_wide_tail import wide_tail_gate_up_kernel
+    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
+
+    jobs = []
+    for inter in (14336, 768):
+        up, down = half_tiles(inter)
+        jobs += [(f"N={inter} half gate-up {up}", half_gemm_kernel, up, True, "half"),
+                 (f"N={inter} half down {down}", half_gemm_kernel, down, False, "half")]
+    jobs.append(("wide gate-up", wide_gate_up_kernel, UP_TILE, True, "wide"))
+    jobs.append(("wide tail gate-up", wide_tail_gate_up_kernel, wide_tail_up(), True, "wide tail"))
+    for gated, tile in ((True, UP_TILE), (False, down_tile(14336))):
+        for kind, kernel in (("stream", mid7_probes.stream_kernel), ("mma", mid7_probes.mma_kernel)):
+            jobs.append((f"probe {kind} {'gate-up' if gated else 'down'}", kernel, tile, gated, kind))
+    failed = 0
+    for name, kernel, tile, gated, kind in jobs:
+        try:
+            print(f"OK triton {triton.__version__} {name}: {compile_sm90(kernel, *gemm_args(tile, gated, kind))}",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 (report each)
+            failed += 1
+            print(f"FAIL triton {triton.__version__} {name}: {type(exc).__name__}: {str(exc)[-2500:]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
