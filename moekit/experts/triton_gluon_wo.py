@@ -39,10 +39,10 @@ PRODUCER = (4, 120)
 # M below where that lost (DeepSeek-V3 M = 1024: int8 5947 / tile 4841; Mixtral int8 4096: 7167 / scratch 6354;
 # Qwen3 mxfp4 4096: 1214 / scratch 1123), and only where its eager calls were faster too (the merged run at 7ff5a47:
 # this path's plain launches cost ~1 ms of host a call, so at Qwen3 M = 1024 int8 / mxfp4, 368 / 493 µs of GPU, eager
-# calls took 1307 / 1318 µs against the tile decode's 458 / 564: those two cells are not taken).
+# calls took 1307 / 1318 µs against the tile decode's 458 / 564; at Qwen3 int8 M = 4096 the session's final bench,
+# which times M > 1024 by eager calls, read 1.69 ms against 1.13 the session before: no Qwen3 cell is taken).
 GLUON_WO_CELLS: dict[tuple[str, int, int, int], tuple[int, int]] = {
     ("int8_w8a16", 8, 14336, 4096): (1024, 2048),  # Mixtral M=1024: 1913 / tile 2414 / 1333
-    ("int8_w8a16", 128, 768, 2048): (4096, 8192),  # Qwen3 M=4096: 896 / tile 1092 / 658 (eager 1031 / 1139)
     ("int8_w8a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 8972 / tile 12783 / 7353
     ("int4_w4a16", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11670 / tile 14848 (CK1: 12049 / 14565)
     ("mxfp4", 256, 2048, 7168): (4096, 8192),  # DeepSeek-V3 M=4096: 11856 / tile 14878
