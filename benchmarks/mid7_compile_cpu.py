@@ -1,7 +1,6 @@
 """Compile what ``mid7_device_check.py`` runs new for sm_90 on a machine without a GPU (Gluon does not run in the
-interpreter): the half-tile GEMM (``_kernels/gluon_gemm_half.py``) at the tiles of ``mid7_variants``, the wide gate-up
-GEMM (``_kernels/gluon_gemm_wide.py``) and the probe
-kernels (``mid7_probes.py``); layout and SMEM errors before a device run, ptxas's spills and wgmma serialization.
+interpreter): the probe kernels (``mid7_probes.py``); layout and SMEM errors before a device run, ptxas's spills and
+wgmma serialization. (The half-tile and wide gate-up GEMMs it also compiled were removed after the merged run.)
 
     PYTHONPATH=$PWD python3 benchmarks/mid7_compile_cpu.py      (Triton 3.9; 3.6: PYTHONPATH=<its dir>:$PWD)
 """
@@ -40,8 +39,7 @@ def compile_sm90(kernel, args: dict, const: dict) -> str:
 
 
 def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
-    """(args, constexprs) of one GEMM at a small shape (E=2, N=512, K=512); kind "half", "wide", "wide tail",
-    "stream" or "mma"."""
+    """(args, constexprs) of one probe at a small shape (E=2, N=512, K=512); kind "stream" or "mma"."""
     from gluon_fp8_compile_cpu import _descriptor
 
     from moekit.experts.triton_gluon_launch import BLOCK_M, NUM_WARPS
@@ -54,19 +52,6 @@ def gemm_args(tile, gated: bool, kind: str) -> tuple[dict, dict]:
     c_desc = _descriptor([t, c], [BLOCK_M, tile.block_n], bf16)
     const = dict(GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=tile.stages, GROUP_M=tile.group_m,
                  num_warps=NUM_WARPS)
-    if kind == "half":
-        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, sorted_ptr=int32,
-                     used_ptr=int32, num_assignments=t, reduce_dim=r, num_col_blocks=c // tile.block_n),
-                dict(W_ROWS=w_rows, **const))
-    if kind == "wide tail":
-        return (dict(a_desc=a_desc, t_desc=_descriptor([t, r], [tile.tail, tile.block_k], bf16), w_desc=w_desc,
-                     c_desc=c_desc, ct_desc=_descriptor([t, c], [tile.tail, tile.block_n], bf16), experts_ptr=int32,
-                     sorted_ptr=int32, used_ptr=int32, offsets_ptr=int32, num_assignments=t, reduce_dim=r,
-                     num_col_blocks=c // tile.block_n),
-                {k: v for k, v in dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const).items() if k != "GATED"})
-    if kind == "wide":
-        return (dict(a_desc=a_desc, w_desc=w_desc, c_desc=c_desc, experts_ptr=int32, used_ptr=int32, offsets_ptr=int32,
-                     reduce_dim=r, num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, EXPERT_ORDER=False, **const))
     if kind == "stream":
         return (dict(a_desc=a_desc, w_desc=w_desc, experts_ptr=int32, used_ptr=int32, reduce_dim=r,
                      num_col_blocks=c // tile.block_n), dict(W_ROWS=w_rows, **const))
@@ -78,20 +63,10 @@ def main() -> int:
     import triton
 
     import mid7_probes
-    from mid7_variants import half_tiles, wide_tail_up
 
-    from moekit.experts._kernels.gluon_gemm_half import half_gemm_kernel
-    from moekit.experts._kernels.gluon_gemm_wide import wide_gate_up_kernel
-    from moekit.experts._kernels.gluon_gemm_wide_tail import wide_tail_gate_up_kernel
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
 
     jobs = []
-    for inter in (14336, 768):
-        up, down = half_tiles(inter)
-        jobs += [(f"N={inter} half gate-up {up}", half_gemm_kernel, up, True, "half"),
-                 (f"N={inter} half down {down}", half_gemm_kernel, down, False, "half")]
-    jobs.append(("wide gate-up", wide_gate_up_kernel, UP_TILE, True, "wide"))
-    jobs.append(("wide tail gate-up", wide_tail_gate_up_kernel, wide_tail_up(), True, "wide tail"))
     for gated, tile in ((True, UP_TILE), (False, down_tile(14336))):
         for kind, kernel in (("stream", mid7_probes.stream_kernel), ("mma", mid7_probes.mma_kernel)):
             jobs.append((f"probe {kind} {'gate-up' if gated else 'down'}", kernel, tile, gated, kind))

@@ -1,5 +1,6 @@
 """Issue 19 at the ridge (branch `mid7`): bf16 Mixtral-8x7B M = 512 / 1024 and Qwen3-30B-A3B M = 1024 / 512 against
-90% of the floor: the half-tile Gluon GEMMs against today's route, and where each call's time goes.
+90% of the floor: where each call's time goes (the route, its Gluon tiles, each part alone; the half-tile and wide
+Gluon GEMMs it measured at checkpoints 1, 1b, 1c were removed after the merged run: ``triton-notes.md``).
 
     PYTHONPATH=$PWD timeout 75 python3 benchmarks/mid7_device_check.py --out $OUT/mid7 --deadline 64   # H200
 
@@ -11,7 +12,7 @@ two uniform routing sets; ``mid7_variants`` names every call):
   2. whole calls: CUDA-graph replay over both sets (``time_calls(graph=True)``, as the bench at M <= 1024), ROUNDS
      interleaved rounds, median; x the route and the rounds >= 3% faster than the route's; % of the floor
      (``cell_model``: max(bytes / copy, FLOPs / mm) on this run's ceilings);
-  3. parts alone (graph replay, PART_ROUNDS rounds, median): each GEMM at g128 / halves / balanced routing, the
+  3. parts alone (graph replay, PART_ROUNDS rounds, median): each GEMM at g128 / balanced routing, the
      probes (loads only, MMAs only), layout, combine, cuBLAS bmm; per GEMM its touched weight bytes / µs against copy
      and its FLOPs / µs against mm on the real rows and on the rows it multiplies (padding included).
 Prints as it goes, JSON to ``--out``/mid7.json after each cell, the table LAST. Exit 1 when a check fails. A watchdog
@@ -205,14 +206,11 @@ def rounds_of(name: str, calls: dict, dev, rounds: int, budget_s: float, stop_at
     return {k: t for k, t in per.items() if t}
 
 
-def padded_rows(x, ids, num_experts: int) -> tuple[int, int]:
-    """Rows the 128-aligned layout multiplies (syncs once) and the 64-row half blocks among them."""
+def padded_rows(x, ids, num_experts: int) -> int:
+    """Rows the 128-aligned layout multiplies (syncs once)."""
     from moekit.experts.triton_gluon import gluon_layout
-    from moekit.experts.triton_gluon_half import half_blocks
 
-    lay = gluon_layout(x, ids, num_experts)
-    used = int(lay.rows_used[0])
-    return used, int(half_blocks(lay.sorted_ids, used, ids.numel()).sum())
+    return int(gluon_layout(x, ids, num_experts).rows_used[0])
 
 
 def run_cell(spec: str, dev, ceil: dict, args) -> None:
@@ -224,12 +222,12 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
     s0, name = sets[0], spec
     touched = sum(measured_experts_touched(t.topk_ids, s.num_experts) for t in sets) / len(sets)
     model = cell_model(s, m, touched, 2, ceil["copy_TBps"], ceil["bf16_mm_TFLOPs"])
-    rows, halves = padded_rows(s0.x, s0.topk_ids, s.num_experts)
+    rows = padded_rows(s0.x, s0.topk_ids, s.num_experts)
     cell = {"cell": spec, "floor_us": model.floor_us, "flops": model.flops, "bytes": model.bytes, "touched": touched,
-            "rows_multiplied": rows, "half_blocks": halves, "assignments": m * s.top_k}
+            "rows_multiplied": rows, "assignments": m * s.top_k}
     log(f"{name}: floor {model.floor_us:.1f} us (bytes {model.bytes / 1e9:.3f} GB, {model.flops / 1e9:.1f} GFLOP), "
         f"90% needs <= {model.floor_us / 0.9:.1f} us; rows multiplied per real row {rows / (m * s.top_k):.3f} "
-        f"(halves: {(rows - 64 * halves) / (m * s.top_k):.3f}, {halves} half blocks of {rows // 128})")
+        f"({rows // 128} row blocks)")
     variants, parts = calls_of(c)
     variants = [v for v in variants if f"{spec} {v.name}" not in args.hung and wanted(v.name, args.only)]
     parts = {k: f for k, f in parts.items() if f"{spec} {k}" not in args.hung}
@@ -257,8 +255,6 @@ def part_rates(label: str, us: float, cell: dict, s, ceil: dict) -> str:
     wbytes = cell["touched"] * (2 if gemm == "up" else 1) * s.n * s.k * 2
     real = share * cell["flops"] / (us * 1e-6) / 1e12 / ceil["bf16_mm_TFLOPs"]
     pad = 1.0 if "balanced" in label or "bmm" in label else cell["rows_multiplied"] / cell["assignments"]
-    if "halves" in label:
-        pad = (cell["rows_multiplied"] - 64 * cell["half_blocks"]) / cell["assignments"]
     return (f" {100 * wbytes / (us * 1e-6) / 1e12 / ceil['copy_TBps']:5.1f}% copy, {100 * real:5.1f}% mm real rows, "
             f"{100 * real * pad:5.1f}% mm multiplied")
 
@@ -266,8 +262,7 @@ def part_rates(label: str, us: float, cell: dict, s, ceil: dict) -> str:
 def summarize(cell: dict, s, ceil: dict) -> None:
     rounds = cell.get("rounds_us", {})
     SUMMARY.append(f"{cell['cell']}: floor {cell['floor_us']:.1f} us, 90% needs <= {cell['floor_us'] / 0.9:.1f}; "
-                   f"rows per real row {cell['rows_multiplied'] / cell['assignments']:.3f}, "
-                   f"{cell['half_blocks']} half blocks")
+                   f"rows per real row {cell['rows_multiplied'] / cell['assignments']:.3f}")
     base = rounds.get("route")
     for n, t in rounds.items():
         med = statistics.median(t)

@@ -5,18 +5,12 @@ Whole calls (``whole_variants``):
   - route: ``run_experts(backend="triton")`` (Mixtral: the lean Gluon launch, the down GEMM folding tails at 512;
     Qwen3: the fused Triton kernels);
   - g128: the route's Gluon tiles through the plain launches (the lean launch's kernels, launched per call);
-  - wide: the gate-up GEMM's gate and up tiles as one [64, 256] wgmma a warpgroup (``GluonTile.wide``), the route's
-    down GEMM; wide tail up: the wide gate-up GEMM folding an expert's last block of <= 64 rows into the block before
-    (``_kernels/gluon_gemm_wide_tail.py``); where the route's down GEMM has no tail: wide down256
-    (the down GEMM 256 wide, 3 stages), tail, wide tail and wide tails (the down GEMM folding such blocks,
-    ``GluonTile.tail``, with the plain / wide / wide folding gate-up GEMM);
-  - halves up: the gate-up GEMM with ``GluonTile.halves`` (an expert's last block with <= 64 real rows as a 64-row
-    tile), the route's down GEMM;
-  - halves: both GEMMs with halves (the down GEMM at its plain 6 stages: no tail);
-  - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM;
-  - lean ...: the wide, wide tail and halves variants through the route's own lean launch (the route's candidates).
-Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 and at halves, the wide gate-up GEMM (and the
-256-wide down GEMM where the route's has no tail), at g128 under balanced routing
+  - no tail (where the route's down GEMM folds tails): g128 with the plain down GEMM; tail (where it does not): g128
+    with the down GEMM folding an expert's last block of <= 64 rows (``GluonTile.tail``).
+(wide / wide tail up / wide down256 / wide tail / wide tails, halves up / halves and their lean launches: 0.74-1.04x
+the route at checkpoints 1, 1b, 1c, never >= 3% faster in more than 2 of 5 rounds; removed after the merged run.)
+Parts (``part_calls``; each on set 0's layout): each GEMM alone at g128 (the down GEMM also without its tail where
+the route's folds), at g128 under balanced routing
 (M*k/E rows an expert: no padding rows at these cells), the probes (``mid7_probes``: loads only, MMAs only), the
 layout (alignment + gather), the combine, and cuBLAS ``bmm`` on [E, M*k/E, K] x [E, K, 2N] / [E, M*k/E, N] x [E, N, K]
 (each expert's rows, balanced, no padding: the vendor's grouped GEMM at the same bytes and FLOPs).
@@ -24,7 +18,7 @@ layout (alignment + gather), the combine, and cuBLAS ``bmm`` on [E, M*k/E, K] x 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -43,20 +37,6 @@ def route_tiles(m: int, top_k: int, num_experts: int, inter: int) -> tuple:
     from moekit.experts.triton_gluon_launch import UP_TILE, down_tile, wants_tail
 
     return UP_TILE, down_tile(inter, wants_tail(m, top_k, num_experts, inter))
-
-
-def wide_tail_up():
-    """The wide gate-up tile folding an expert's last block of <= 64 rows (3 stages: the tail's A tile and output)."""
-    from moekit.experts.triton_gluon_launch import UP_TILE
-
-    return replace(UP_TILE, wide=True, tail=64, stages=3)
-
-
-def half_tiles(inter: int) -> tuple:
-    """(gate-up, down) GluonTile with halves: the plan's tiles (the down GEMM without a tail, 6 stages)."""
-    from moekit.experts.triton_gluon_launch import UP_TILE, down_tile
-
-    return replace(UP_TILE, halves=True), replace(down_tile(inter), halves=True)
 
 
 def gluon_call(x, w13, w2, ids, rw, up, down) -> torch.Tensor:
@@ -87,31 +67,18 @@ def layout_buffers(x, ids, w2) -> tuple:
 
 def whole_variants(w13, w2, m: int, top_k: int) -> list[Variant]:
     from moekit.experts import run_experts
-    from moekit.experts.triton_gluon_launch import with_tail
-    from moekit.experts.triton_gluon_lean import run_lean
+    from moekit.experts.triton_gluon_launch import down_tile, with_tail
 
     num_experts, _, inter = w2.shape
     route_up, route_down = route_tiles(m, top_k, num_experts, inter)
-    half_up, half_down = half_tiles(inter)
-    tiles = {"g128": (route_up, route_down), "wide": (replace(route_up, wide=True), route_down),
-             "wide tail up": (wide_tail_up(), route_down), "halves up": (half_up, route_down),
-             "halves": (half_up, half_down)}
+    tiles = {"g128": (route_up, route_down)}
     if route_down.tail:
-        tiles["no tail"] = (route_up, replace(route_down, tail=0, stages=half_down.stages))
-    else:  # the down GEMM's one [64, 256] wgmma a warpgroup too (3 stages: a 64 KB output tile); its tail
-        tiles["wide down256"] = (tiles["wide"][0], replace(route_down, block_n=256, stages=3))
+        tiles["no tail"] = (route_up, down_tile(inter))
+    else:
         tiles["tail"] = (route_up, with_tail(route_down))
-        tiles["wide tail"] = (tiles["wide"][0], with_tail(route_down))
-        tiles["wide tails"] = (wide_tail_up(), with_tail(route_down))
     out = [Variant("route", lambda x, i, r: run_experts(x, w13, w2, i, r, backend="triton"), 1e-2)]
     for name, (up, down) in tiles.items():
         out.append(Variant(name, lambda x, i, r, u=up, d=down: gluon_call(x, w13, w2, i, r, u, d), 5e-3))
-    for name in ("wide", "wide tail up", "wide down256", "wide tail", "wide tails", "halves up", "halves"):  # lean
-        if name not in tiles:
-            continue
-        up, down = tiles[name]
-        out.append(Variant(f"lean {name}", lambda x, i, r, u=up, d=down: run_lean(x, w13, w2, i, r, None, u, d,
-                                                                                    in_loader=False), 5e-3))
     return out
 
 
@@ -166,20 +133,13 @@ def bmm_calls(m: int, top_k: int, w13, w2) -> dict:
 def part_calls(x, ids, rw, w13, w2, m: int, top_k: int, balanced_ids) -> dict:
     """{name: call} of every part timed alone (module docstring)."""
     from moekit.experts.triton_gluon import gluon_layout
-    from moekit.experts.triton_gluon_launch import launch_contiguous_sum
+    from moekit.experts.triton_gluon_launch import down_tile, launch_contiguous_sum
 
     num_experts, _, inter = w2.shape
     g_up, g_down = route_tiles(m, top_k, num_experts, inter)
-    h_up, h_down = half_tiles(inter)
+    plain_down = down_tile(inter)
     out = {}
     out["up g128"], out["down route"] = gemm_calls(x, ids, w13, w2, g_up, g_down)
-    out["up halves"], out["down halves"] = gemm_calls(x, ids, w13, w2, h_up, h_down)
-    out["up wide tail"] = gemm_calls(x, ids, w13, w2, wide_tail_up(), g_down)[0]
-    out["up wide"], wide_down = gemm_calls(x, ids, w13, w2, replace(g_up, wide=True), replace(g_down, block_n=256,
-                                                                                               stages=3, tail=0))
-    if not g_down.tail:
-        out["down 256"] = wide_down
-    plain_down = replace(h_down, halves=False)
     if g_down.tail:
         out["down plain"] = gemm_calls(x, ids, w13, w2, g_up, plain_down)[1]
     out["up balanced"], out["down balanced"] = gemm_calls(x, balanced_ids, w13, w2, g_up, plain_down)

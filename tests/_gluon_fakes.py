@@ -164,40 +164,6 @@ def tail_down(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, 
         c[rows] = (a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T).to(c.dtype)
 
 
-def tail_gate_up(a_desc, t_desc, w_desc, c_desc, ct_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS,
-                 GATE_OFFSET, **_):
-    """The wide gate-up GEMM with folded tails: silu(gate) * up; a folding block also writes block b + 1's first
-    ``tail`` rows; b + 1's own tiles write nothing."""
-    a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols, tail = c.shape[1], t_desc.block_shape[0]
-    folds = _folded(experts_ptr, sorted_ptr, used_ptr, num_assignments, tail)
-    for block, fold in enumerate(folds):
-        if block and folds[block - 1]:
-            continue
-        first = int(experts_ptr[block]) * W_ROWS
-        rows = slice(block * BLOCK, (block + 1) * BLOCK + (tail if fold else 0))
-        gate = a[rows].float() @ w[first:first + cols].float().T
-        up = a[rows].float() @ w[first + GATE_OFFSET:first + GATE_OFFSET + cols].float().T
-        c[rows] = (torch.nn.functional.silu(gate) * up).to(c.dtype)
-
-
-def half_gemm(a_desc, w_desc, c_desc, experts_ptr, sorted_ptr, used_ptr, num_assignments, W_ROWS, GATE_OFFSET, GATED,
-              **_):
-    """The bf16 GEMM with half tiles: a block whose row 64 is padding writes its first 64 rows only (the kernel's
-    rows 64-127 there get stale values, which nothing reads: left as they were)."""
-    a, w, c = a_desc.base, w_desc.base, c_desc.base
-    cols = c.shape[1]
-    for block in range(int(used_ptr[0]) // BLOCK):
-        first = block * BLOCK
-        height = BLOCK // 2 if int(sorted_ptr[first + BLOCK // 2]) >= num_assignments else BLOCK
-        e, rows = int(experts_ptr[block]), slice(first, first + height)
-        product = a[rows].float() @ w[e * W_ROWS:e * W_ROWS + cols].float().T
-        if GATED:
-            up = a[rows].float() @ w[e * W_ROWS + GATE_OFFSET:e * W_ROWS + GATE_OFFSET + cols].float().T
-            product = torch.nn.functional.silu(product) * up
-        c[rows] = product.to(c.dtype)
-
-
 class FakeKernel:
     """``kernel[grid](*args, **kwargs)`` -> ``body`` on the arguments bound to ``real``'s parameters."""
 
@@ -224,11 +190,9 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_ws", "half", "wide", "wide tail": FakeKernel} (the gather:
-    the bf16 gate-up GEMM with the gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last
-    block; wo / wo_ws: the weight-only GEMM, its decode in the MMA partition / in a producer partition; half: the bf16
-    GEMM running such blocks as 64-row tiles; wide: the bf16 gate-up GEMM with one wgmma for gate and up, the plain
-    one's sums; wide tail: that GEMM folding an expert's mostly empty last block)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_ws": FakeKernel} (the gather: the bf16 gate-up GEMM with the
+    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo / wo_ws: the
+    weight-only GEMM, its decode in the MMA partition / in a producer partition)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -239,11 +203,7 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
                                      ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
-                                     ("wo_ws", "gluon_gemm_wo_ws", "grouped_gemm_wo_ws_kernel", wo_gemm),
-                                     ("half", "gluon_gemm_half", "half_gemm_kernel", half_gemm),
-                                     ("wide", "gluon_gemm_wide", "wide_gate_up_kernel", bf16_gemm),
-                                     ("wide tail", "gluon_gemm_wide_tail", "wide_tail_gate_up_kernel",
-                                      tail_gate_up)):
+                                     ("wo_ws", "gluon_gemm_wo_ws", "grouped_gemm_wo_ws_kernel", wo_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

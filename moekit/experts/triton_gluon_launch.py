@@ -39,11 +39,8 @@ class GluonTile:
     down GEMM only): a row block whose next block is the same expert's last one, holding at most 64 real rows, also
     computes that block's first 64 rows from the same weight stages, and the last block's own tiles are skipped
     (``triton_gluon_tail``, the padding tax). ``expert_order``: a group of the walk is one expert's row blocks (at
-    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. ``halves``: a row block whose rows
-    64-127 are all padding runs a 64-row tile (``triton_gluon_half``, the padding tax at the ridge; not with a tail or
-    the expert order). ``wide`` (the gate-up GEMM only): its gate and up tiles as one [64, 2 * block_n] wgmma a
-    warpgroup (``_kernels/gluon_gemm_wide.py``; with a tail ``_kernels/gluon_gemm_wide_tail.py``). (64-row tiles
-    everywhere and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
+    most ``group_m``; ``triton_gluon_order``), not any ``group_m`` consecutive ones. (64-row tiles
+    and one consumer warpgroup: measured at the ridge in sessions 18 and 20, no win; removed.)"""
 
     block_n: int = 128
     block_k: int = 64
@@ -51,8 +48,6 @@ class GluonTile:
     group_m: int = 8
     tail: int = 0
     expert_order: bool = False
-    halves: bool = False
-    wide: bool = False
 
     def __post_init__(self):
         if self.block_n not in (64, 128, 256) or self.block_k not in (32, 64, 128):
@@ -61,12 +56,6 @@ class GluonTile:
             raise ValueError(f"stages={self.stages} (>= 2), group_m={self.group_m} (>= 1)")
         if self.tail not in (0, 64):
             raise ValueError(f"tail={self.tail}: 0 (off) or 64")
-        if self.halves and (self.tail or self.expert_order):
-            raise ValueError(f"halves with tail={self.tail}, expert_order={self.expert_order}: one padding scheme a "
-                             "tile, the GROUP_M walk")
-        if self.wide and (self.halves or 2 * self.block_n > 256):
-            raise ValueError(f"wide with halves={self.halves}, block_n={self.block_n}: gate and up in one wgmma, "
-                             "2 * block_n <= 256")
 
     def shared_bytes(self, gated: bool, element_size: int = 2) -> int:
         """SMEM of one program: stages x (activation tile + the tail's + one or two weight tiles) + the output
@@ -81,20 +70,16 @@ class GluonTile:
 
 def check_tile(tile: GluonTile, gated: bool, element_size: int = 2) -> None:
     """Raise (naming the tile) where it cannot run: SMEM over sm_90's, accumulators over 128 registers a
-    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands; the wide gate-up
-    tail's 192: no spills at its partition's 240, sm_90 offline, Triton 3.6 and 3.9), a tail on the plain gate-up GEMM
-    (measured slower everywhere: its 3 stages; removed; the wide one's: ``_kernels/gluon_gemm_wide_tail.py``)."""
-    if gated and tile.tail and not tile.wide:
-        raise ValueError(f"tile={tile}: a tail is for the down GEMM only (or the wide gate-up GEMM)")
-    if tile.wide and not gated:
-        raise ValueError(f"tile={tile}: wide is for the gate-up GEMM only")
+    thread (the rest of the partition's registers hold addresses, the epilogue and the wgmma operands), a tail on
+    the gate-up GEMM (measured slower everywhere: its 3 stages; removed)."""
+    if gated and tile.tail:
+        raise ValueError(f"tile={tile}: a tail is for the down GEMM only")
     smem = tile.shared_bytes(gated, element_size)
     if smem > SHARED_BYTES:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): {smem} B of SMEM > {SHARED_BYTES}")
-    limit = 192 if tile.wide and tile.tail else 128
-    if tile.accumulator_registers(gated) > limit:
+    if tile.accumulator_registers(gated) > 128:
         raise ValueError(f"tile={tile} ({'gate-up' if gated else 'down'}): "
-                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > {limit}")
+                         f"{tile.accumulator_registers(gated)} accumulator registers a thread > 128")
 
 
 @dataclass(frozen=True)
@@ -225,29 +210,16 @@ def launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_exper
                 offsets: torch.Tensor | None = None) -> None:
     """out [T, C] = act(a [T, R] @ w[e]^T) per row block; w [E*w_rows, R] (contiguous 2-D view);
     block_experts [T // BLOCK_M] int32; rows_used: a 1-element integer tensor (rows in use, a multiple
-    of BLOCK_M, <= T). A tile with a ``tail`` or ``halves`` reads the layout's sorted_ids [T] (>= num_assignments:
-    padding); one with ``expert_order`` the segments' offsets [E + 1] int32 (``triton_gluon_order.segment_offsets``)."""
-    if tile.halves:
-        from moekit.experts.triton_gluon_half import launch_half_gemm
-
-        if sorted_ids is None:
-            raise ValueError(f"tile={tile}: halves need the layout's sorted_ids")
-        launch_half_gemm(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, gated, w_rows,
-                         gate_offset)
-        return
+    of BLOCK_M, <= T). A tile with a ``tail`` reads the layout's sorted_ids [T] (>= num_assignments: padding); one
+    with ``expert_order`` the segments' offsets [E + 1] int32 (``triton_gluon_order.segment_offsets``)."""
     if tile.tail:
-        from moekit.experts.triton_gluon_tail import launch_tail_down, launch_tail_gate_up
+        from moekit.experts.triton_gluon_tail import launch_tail_down
 
-        if sorted_ids is None:
-            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids")
-        if gated:
-            launch_tail_gate_up(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows,
-                                gate_offset, offsets)
-        else:
-            launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, offsets)
+        if sorted_ids is None or gated:
+            raise ValueError(f"tile={tile}: a tail needs the layout's sorted_ids and the down GEMM (gated={gated})")
+        launch_tail_down(a, w, out, block_experts, sorted_ids, rows_used, num_assignments, tile, w_rows, offsets)
         return
-    check_tile(tile, gated)
-    kernel = gemm_kernel(tile)
+    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
     a_desc = gluon_descriptor(a, [BLOCK_M, tile.block_k])
     w_desc = gluon_descriptor(w, [tile.block_n, tile.block_k])
     c_desc = gluon_descriptor(out, [BLOCK_M, tile.block_n])
@@ -267,13 +239,6 @@ def order_offsets(tile: GluonTile, offsets: torch.Tensor | None, stand_in: torch
     if offsets is None:
         raise ValueError(f"tile={tile}: the expert order reads the segments' offsets; none given")
     return offsets
-
-
-def gemm_kernel(tile: GluonTile):
-    """The plain bf16 Gluon GEMM kernel of a tile (no tail, no halves): ``gluon_gemm_wide``'s where ``tile.wide``."""
-    if tile.wide:
-        return importlib.import_module(f"{_KERNELS}.gluon_gemm_wide").wide_gate_up_kernel
-    return importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
 
 
 def loader_gather_fits(x: torch.Tensor) -> bool:

@@ -36,8 +36,8 @@ from moekit.experts.triton_align import AlignPlan, align_launches, one_pass_prog
 from moekit.experts.triton_cache import DescriptorPair, WeightDescriptors, WorkspacePool, WorkspaceSpec
 from moekit.experts.triton_fast import fast_stamp, remember, run_fast
 from moekit.experts.triton_gluon_launch import (
-    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gemm_kernel, gluon_descriptor,
-    loader_gather_fits, num_sms, wants_loader_gather,
+    BLOCK_M, LOADER_REGS, LOADER_WARPS, MAX_REGISTERS, NUM_WARPS, SUM_TILE, gluon_descriptor, loader_gather_fits,
+    num_sms, wants_loader_gather,
 )
 from moekit.experts.triton_launch import LaunchOptions, cdiv, interpreting, resolve_launch_options
 from moekit.experts.triton_lean import IDS, MAP, OUT, WEIGHTS, X, _Slot, keep_sequence, record_launches
@@ -75,8 +75,8 @@ class GluonLeanPlan:
     workspace: WorkspaceSpec  # the alignment's regions, dst [A], then (bf16) x_perm, h, y or (fp8) x_q, x_s, h_q, h_s, y
     align: AlignPlan  # never folded, never the naive shortcut: the GEMMs read 128-row expert segments
     weight_key: tuple  # (path, device, weight dtype, E, 2N, K, up block, down block): the weights' descriptors
-    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (down T, down CT, up T,
-    # up CT), the tiles' tails' (None without one: ``GluonTile.tail``; the gate-up GEMM's: the wide one's)
+    blocks: tuple  # the activation descriptors' blocks: (up A, up C, down A, down C); bf16 then (down T, down CT), the
+    # down tile's tail's (None without one: ``GluonTile.tail``)
     # pointers: x, sorted_ids, x_perm (bf16) or x_q, x_s (fp8), dst; None: the gate-up GEMM's loader gathers (bf16)
     gather: BoundLaunch | None
     # pointers: A, W, C descriptors, then (fp8) x_s, w13 scale, h_s, then expert_ids, num_padded, then (bf16) the
@@ -87,8 +87,6 @@ class GluonLeanPlan:
     # A, T, W, C, CT descriptors, expert_ids, sorted_ids, num_padded, offsets
     down: BoundLaunch
     combine: BoundLaunch  # pointers: y, dst, weights, out, ids, map (ids without one); FROM_IDS: dst never filled
-    halves: tuple = (False, False)  # (gate-up, down) with ``GluonTile.halves``: its pointers then A, W, C descriptors,
-    # expert_ids, sorted_ids, num_padded
 
 
 def plan_key(x, w13, w2, ids, weights, expert_map, up, down, s13=None, s2=None, in_loader: bool = False) -> tuple:
@@ -124,9 +122,8 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
     if in_loader and (fp8 or not loader_gather_fits(x)):
         raise ValueError(f"the in-loader gather needs bf16/fp16 x with 16-byte aligned rows (fp8={fp8}, x stride "
                          f"{x.stride()}, address % 16 = {x.data_ptr() % 16})")
-    if not fp8 and ((up.tail and not up.wide) or down.wide):
-        raise ValueError(f"up={up}, down={down}: a tail is for the down GEMM only (or the wide gate-up GEMM), wide for "
-                         "the gate-up GEMM only")
+    if not fp8 and up.tail:
+        raise ValueError(f"up={up}: a tail is for the down GEMM only")
     from moekit.layouts.grouping import max_padded_rows
 
     options = resolve_launch_options(LaunchOptions(), x.device)
@@ -154,9 +151,8 @@ def build_plan(x, w13, w2, ids, expert_map, up, down, fp8: bool, s13=None, s2=No
                           HAS_MAP=expert_map is not None, num_warps=SUM_TILE.num_warps, **launch)
     regions = list(align.regions) + [("dst", torch.int32, (num_assignments,))] + part.regions
     weight_key = ("gluon_fp8" if fp8 else "gluon", x.device, w13.dtype, *w13.shape, *part.weight_blocks)
-    halves = (False, False) if fp8 else (up.halves, down.halves)
     return GluonLeanPlan(fp8, WorkspaceSpec.of(regions, counters=align.kept_counters), align,
-                         weight_key, part.blocks, part.gather, part.up, part.down, combine, halves)
+                         weight_key, part.blocks, part.gather, part.up, part.down, combine)
 
 
 @dataclass(frozen=True)
@@ -173,37 +169,28 @@ class _Part:
 
 def _bf16_part(x, sizes: tuple, up, down, grid, launch: dict, in_loader: bool) -> _Part:
     rows, num_assignments, top_k, hidden, inter = sizes
+    gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm").grouped_gemm_kernel
 
     def tail_blocks(tile) -> tuple:
         return ((tile.tail, tile.block_k), (tile.tail, tile.block_n)) if tile.tail else (None, None)
 
     blocks = ((BLOCK_M, up.block_k), (BLOCK_M, up.block_n), (BLOCK_M, down.block_k), (BLOCK_M, down.block_n),
-              *tail_blocks(down), *tail_blocks(up))
+              *tail_blocks(down))
     weight_blocks = ((up.block_n, up.block_k), (down.block_n, down.block_k))
 
     def bf16_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, gated: bool):
-        if tile.halves:  # mostly empty blocks as 64-row tiles (``triton_gluon_half``): 6 pointers, then A
-            half = importlib.import_module(f"{_KERNELS}.gluon_gemm_half").half_gemm_kernel
-            return BoundLaunch(half, grid(cols, tile.block_n), 6, (num_assignments, reduce_dim, cols // tile.block_n),
-                               W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
-                               GROUP_M=tile.group_m, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
-        if tile.tail:  # a GEMM folding tails (``triton_gluon_tail``; gate-up: the wide one's): 9 pointers, then A
-            kernel = (importlib.import_module(f"{_KERNELS}.gluon_gemm_wide_tail").wide_tail_gate_up_kernel if gated
-                      else importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel)
-            offset = dict(GATE_OFFSET=gate_offset) if gated else {}
-            return BoundLaunch(kernel, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,
+        if tile.tail:  # the down GEMM folding tails (``triton_gluon_tail``): 8 pointers, then A
+            tail_down = importlib.import_module(f"{_KERNELS}.gluon_gemm_tail").tail_down_kernel
+            return BoundLaunch(tail_down, grid(cols, tile.block_n), 9, (num_assignments, reduce_dim,
                                cols // tile.block_n), W_ROWS=w_rows, STAGES=tile.stages, GROUP_M=tile.group_m,
-                               EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **offset,
-                               **launch)
-        return BoundLaunch(gemm_kernel(tile), grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n),
+                               EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **launch)
+        return BoundLaunch(gemm, grid(cols, tile.block_n), 6, (reduce_dim, cols // tile.block_n),
                            W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                            GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS,
                            maxnreg=MAX_REGISTERS, **launch)
 
     down_gemm = bf16_gemm(down, inter, hidden, hidden, 0, False)
     if in_loader:
-        if up.halves or up.wide or up.tail:
-            raise ValueError(f"up={up}: halves, wide and tails read x_perm (no in-loader gather)")
         gather_gemm = importlib.import_module(f"{_KERNELS}.gluon_gemm_gather").gather_gate_up_kernel
         up_gemm = BoundLaunch(gather_gemm, grid(inter, up.block_n), 8,
                               (num_assignments, x.stride(0), hidden, inter // up.block_n), TOP_K=top_k,
@@ -263,13 +250,13 @@ def weight_pair(w13: torch.Tensor, w2: torch.Tensor, key: tuple) -> DescriptorPa
 def activation_descriptors(plan: GluonLeanPlan, b: dict) -> tuple:
     """The descriptors over the workspace's regions: (up A, up C, down A, down C); fp8's up C and down A are one;
     up A is None with the gather in the gate-up GEMM's loader (no x_perm); bf16 then the down tail's (T over h, CT
-    over y) and the gate-up tail's (T over x_perm, CT over h; None without a tail)."""
+    over y; None without a tail)."""
     if plan.fp8:
         a_up, h = gluon_descriptor(b["x_q"], plan.blocks[0]), gluon_descriptor(b["h_q"], plan.blocks[1])
         return a_up, h, h, gluon_descriptor(b["y"], plan.blocks[3])
     a_up = gluon_descriptor(b["x_perm"], plan.blocks[0]) if plan.gather is not None else None
     tails = tuple(None if block is None else gluon_descriptor(region, block)
-                  for region, block in zip((b["h"], b["y"], b.get("x_perm"), b["h"]), plan.blocks[4:]))
+                  for region, block in zip((b["h"], b["y"]), plan.blocks[4:]))
     return (a_up, gluon_descriptor(b["h"], plan.blocks[1]),
             gluon_descriptor(b["h"], plan.blocks[2]), gluon_descriptor(b["y"], plan.blocks[3]), *tails)
 
@@ -287,18 +274,15 @@ def plan_launches(plan: GluonLeanPlan, b: dict, acts: tuple, pair: DescriptorPai
                      (plan.up, (a_up, pair.w13, c_up, b["x_s"], s13, b["h_s"], *rows)),
                      (plan.down, (a_down, pair.w2, c_down, b["h_s"], s2, b["h_s"], *rows))]
     else:
-        t_down, ct_down, t_up, ct_up = acts[4:]
+        t_down, ct_down = acts[4:]
         rows += (b.get("offsets", b["num_padded"]),)  # the segments' offsets: read by an expert-order tile only
-        tails = (b["expert_ids"], b["sorted_ids"], b["num_padded"], rows[2])  # a tile folding tails
-        half_rows = (b["expert_ids"], b["sorted_ids"], b["num_padded"])  # a GEMM with halves reads sorted_ids too
-        down = ((a_down, t_down, pair.w2, c_down, ct_down, *tails) if t_down is not None
-                else (a_down, pair.w2, c_down, *(half_rows if plan.halves[1] else rows)))
+        down = ((a_down, t_down, pair.w2, c_down, ct_down, b["expert_ids"], b["sorted_ids"], b["num_padded"], rows[2])
+                if t_down is not None else (a_down, pair.w2, c_down, *rows))
         if plan.gather is None:  # the gate-up GEMM's loader reads x by sorted_ids and writes dst
             launches.append((plan.up, (x, b["sorted_ids"], b["dst"], pair.w13, c_up, *rows)))
         else:
-            up = ((a_up, t_up, pair.w13, c_up, ct_up, *tails) if t_up is not None
-                  else (a_up, pair.w13, c_up, *(half_rows if plan.halves[0] else rows)))
-            launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])), (plan.up, up)]
+            launches += [(plan.gather, (x, b["sorted_ids"], b["x_perm"], b["dst"])),
+                         (plan.up, (a_up, pair.w13, c_up, *rows))]
         launches.append((plan.down, down))
     # the combine reads dst only for the slots routed here (FROM_IDS), each written by this call's gather (or the
     # gate-up GEMM's loader): no fill

@@ -61,26 +61,6 @@ def launch_tail_down(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_
                  maxnreg=MAX_REGISTERS)
 
 
-def launch_tail_gate_up(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
-                        sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, tile: GluonTile,
-                        w_rows: int, gate_offset: int, offsets: torch.Tensor | None = None) -> None:
-    """out [T, N] = silu(x @ w[e, :N]^T) * (x @ w[e, N:]^T) per row block, merged blocks' tiles computing the next
-    block's first TAIL rows (``merged_blocks``): the wide gate-up GEMM (``GluonTile.wide``, ``_kernels/
-    gluon_gemm_wide_tail.py``); x [T, K] (x_perm), w [E*w_rows, K]; rows of out past a merged tail unwritten."""
-    if tile.tail != TAIL or not tile.wide:
-        raise ValueError(f"tile={tile}: a wide tile with tail {TAIL} expected")
-    check_tile(tile, gated=True)
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_wide_tail").wide_tail_gate_up_kernel
-    descriptors = [gluon_descriptor(x, [BLOCK_M, tile.block_k]), gluon_descriptor(x, [TAIL, tile.block_k]),
-                   gluon_descriptor(w, [tile.block_n, tile.block_k]), gluon_descriptor(out, [BLOCK_M, tile.block_n]),
-                   gluon_descriptor(out, [TAIL, tile.block_n])]
-    num_col_blocks = out.shape[1] // tile.block_n
-    grid = (max(1, min(num_sms(x.device), -(-x.shape[0] // BLOCK_M) * num_col_blocks)),)
-    kernel[grid](*descriptors, block_experts, sorted_ids, rows_used, order_offsets(tile, offsets, rows_used),
-                 num_assignments, x.shape[1], num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, STAGES=tile.stages,
-                 GROUP_M=tile.group_m, EXPERT_ORDER=tile.expert_order, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
-
-
 def tail_down_twin(h: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_experts: torch.Tensor,
                    sorted_ids: torch.Tensor, rows_used: torch.Tensor, num_assignments: int, w_rows: int) -> None:
     """``launch_tail_down`` in torch (float32 products rounded to out's dtype): the rows the kernel writes, the
