@@ -5,10 +5,10 @@ ladder and the wide steps.
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec7_device_check.py --smoke                 # CPU
 
 Cells (int4_w4a16, g 128; the deadline cuts the last): DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B at M = 1, then
-DeepSeek-V3 M = 8; then Mixtral M = 8 on the mma decode (its pick: "mu2" / "mu2s3" = two 16-word steps a loop
-iteration, ``WordConfig.unroll``, at 2 / 3 stages; offline sm_90 int4 gate-up 2.83 / 2.91 instructions a weight,
-8 / 6 programs an SM, against 2.70 and 12); then mxfp4 DeepSeek-V3 M = 1 (pick, "gs" = the pick with
-``group_select``, g32); each in a child process. Per cell:
+DeepSeek-V3 M = 8; then Mixtral M = 8 on the mma decode (its pick; the merged run's "mu2" / "mu2s3", two 16-word
+steps a loop iteration at 2 / 3 stages, offline sm_90 int4 gate-up 2.83 / 2.91 instructions a weight, 8 / 6 programs
+an SM, against 2.70 and 12, timed out unmeasured: the option is removed); then mxfp4 DeepSeek-V3 M = 1 (the pick;
+"gs", the pick with the removed group_select, lost); each in a child process. Per cell:
 - the ladder (``dec7_kernels.geom_read_kernel``, two launches: gate-up rows, then down rows) in a variant's own
   geometry (tile, warps, splits, words ahead; READS): "rd0" a pure read of the words (xor-folded), "rd1" + every
   int4 value decoded as the gemv does and summed. Checked: rd0's xor of its parts against the host's xor of every
@@ -16,11 +16,11 @@ iteration, ``WordConfig.unroll``, at 2 / 3 stages; offline sm_90 int4 gate-up 2.
   the pick's 64 x 16-word tiles (64-byte row segments a step) read at 59% of the packed floor, 16 x 64 words at 99%.
   Also reads in the mma decode's geometry (MMA_READS), for the cells it picks at M = 2-64.
 - the whole call (``run_experts_wo``, decode "gemv") against the torch twin (rel-L2 < TOL): "pick" (today's
-  config) and the wide steps (WIDE: ``WordConfig.group_select``, a step of 2-4 whole groups with its scales selected
-  per word column; 128-byte row segments a step): "g32" 32 x 32 words in 2 warps with the x tile, "g64" 64 x 32 in
-  4 warps; the gate-up split scaled so the programs stay about the pick's. "r168" (DeepSeek-V3 M = 1): the pick
-  with a register cap of 168 (``WordConfig.max_registers``, split 3), run 1's best cap (14% slower), kept for the
-  merged run's re-measure.
+  config). The wide steps' geometries (WIDE, 128-byte row segments a step: "g32" 32 x 32 words in 2 warps with the
+  x tile, "g64" 64 x 32 in 4 warps; the gate-up split scaled so the programs stay about the pick's) are read by the
+  ladder only: their whole calls took the removed ``group_select`` (a step of 2-4 whole groups, scales selected per
+  word column) and lost 0/5 in every cell, 3 runs; "r168" (the removed register cap, maxnreg 168, split 3) lost
+  14-230%.
 Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); %
 of the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the
 same process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 0.97 x the pick. JSON
@@ -59,15 +59,12 @@ from wo_mma_device_check import graph_of  # noqa: E402
 CELLS = (("deepseek-v3", 1), ("qwen3-30b-a3b", 1), ("mixtral-8x7b", 1), ("deepseek-v3", 8),
          ("mixtral-8x7b", 8, "int4_w4a16", "mma"), ("deepseek-v3", 1, "mxfp4"))
 DECODE = "gemv"  # the cell's decode (its child sets it, with SCHEME)
-# the mma cell: name -> (steps a loop iteration, num_stages) of the mma pick's tiles (``WordConfig.unroll``)
-UNROLLS = {"mu2": (2, 2), "mu2s3": (2, 3)}
 SCHEME, SETS, ROUNDS, REPLAYS, TOL, WIN = "int4_w4a16", 3, 5, 5, 1e-2, 0.97
-# the wide steps (``WordConfig.group_select``): name -> (rows, words a step, warps, x tile (None: the pick's), the
+# the wide steps' geometries (read by the ladder): name -> (rows, words a step, warps, x tile (None: the pick's), the
 # pick's gate-up split divided by this: about the pick's programs)
 # (CK1b also ran "g32n" (g32 with the pick's x tile setting) and "g16" (16 x 64 in 2 warps, split / 4): 1.04-1.09x and
 # 1.5-2.0x the pick's time; dropped)
 WIDE = {"g32": (32, 32, 2, True, 2), "g64": (64, 32, 4, True, 1)}
-CAP = ("r168", 168)  # CK1's best register cap (the pick with maxnreg 168), DeepSeek-V3 M = 1 only: CK2 re-measures it
 READS = (("rd0", "pick", 0), ("rd0-g32", "g32", 0), ("rd0-g64", "g64", 0), ("rd1-g32", "g32", 1))
 # reads in the mma decode's geometry (``decode="mma"``, the pick at 2-64 rows an expert: 32 rows x 16 words in 1 warp,
 # 64-byte row segments a step), in the same with 32-word steps, and with 32-word steps as two 16-word loads issued
@@ -96,28 +93,23 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
-def variants(s: Shape, m: int, dev) -> dict:
-    """name -> WordConfig of the gemv decode: the pick and the wide-step variants (module doc)."""
+def pick(s: Shape, m: int, dev) -> WordConfig:
+    """The cell's config (the whole call's, module doc)."""
     base = wo_config(m, s.num_experts, s.n, s.k, s.top_k, SCHEME, device_key(dev), DECODE)
-    if not isinstance(base, WordConfig):
-        base = WordConfig(base.BLOCK_M, base.up, base.down)
+    return base if isinstance(base, WordConfig) else WordConfig(base.BLOCK_M, base.up, base.down)
+
+
+def geometries(base: WordConfig) -> dict:
+    """name -> WordConfig whose geometry the ladder reads: the pick's and the wide steps' (WIDE; gemv only)."""
     out = {"pick": base}
     if DECODE == "mma":
-        for name, (unroll, stages) in UNROLLS.items():
-            up, down = (dataclasses.replace(t, num_stages=stages) for t in (base.up, base.down))
-            out[name] = dataclasses.replace(base, up=up, down=down, unroll=unroll)
         return out
-    if SCHEME == "mxfp4":  # g = 32: the pick's 16-word steps already span 4 groups (scales loaded a word)
-        out["gs"] = dataclasses.replace(base, group_select=True)
     for name, (rows, words, warps, x_tile, div) in WIDE.items():
         up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps)
                     for t in (base.up, base.down))
-        out[name] = dataclasses.replace(base, up=up, down=down, group_select=True,
-                                        up_split=max(1, base.up_split // div),
+        out[name] = dataclasses.replace(base, up=up, down=down, up_split=max(1, base.up_split // div),
                                         x_tile=base.x_tile if x_tile is None else x_tile)
-    if (s.name, m, SCHEME) == ("deepseek-v3", 1, "int4_w4a16"):
-        out[CAP[0]] = dataclasses.replace(base, max_registers=CAP[1], up_split=3)
-    return {k: v for k, v in out.items() if SCHEME != "mxfp4" or k in ("pick", "gs", "g32")}
+    return {k: v for k, v in out.items() if SCHEME != "mxfp4" or k in ("pick", "g32")}
 
 
 def read_plans(cfg: WordConfig, down_split: int, s: Shape, level: int) -> tuple[GeomPlan, GeomPlan]:
@@ -158,13 +150,13 @@ def check_read(tag: str, parts: list, want, level: int) -> None:
         check(tag, abs(got - want) <= 1e-5 * abs(want), f"sum {got:.6e} want {want:.6e}")
 
 
-def ladder(found: dict, down_splits: dict, s: Shape) -> dict:
+def ladder(geoms: dict, down_splits: dict, s: Shape) -> dict:
     """name -> (gate-up, down) read plans of the ladder (READS: a variant's geometry and splits, the level)."""
-    reads = {name: read_plans(found[v], down_splits[v], s, level) for name, v, level in READS if v in found}
+    reads = {name: read_plans(geoms[v], down_splits[v], s, level) for name, v, level in READS if v in geoms}
     for name, (rows, words, warps, halves) in MMA_READS.items():
         up, down = (dataclasses.replace(t, BLOCK_N=rows, BLOCK_K=words * 8, num_warps=warps, num_stages=2)
-                    for t in (found["pick"].up, found["pick"].down))
-        plans = read_plans(dataclasses.replace(found["pick"], up=up, down=down), down_splits["pick"], s, 0)
+                    for t in (geoms["pick"].up, geoms["pick"].down))
+        plans = read_plans(dataclasses.replace(geoms["pick"], up=up, down=down), down_splits["pick"], s, 0)
         reads[name] = tuple(dataclasses.replace(p, halves=halves) for p in plans)
     return reads
 
@@ -264,11 +256,12 @@ def run_cell(s: Shape, m: int, dev, until: float) -> Cell:
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
     cell = Cell(s.name, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw, SCHEME)
-    found = variants(s, m, dev)
+    found = {"pick": pick(s, m, dev)}
+    geoms = geometries(found["pick"])
     c0 = inputs[0]
-    down_splits = {v: wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", found[v],
-                                  LaunchOptions(), None, DECODE).down.grid[1] for _, v, _ in READS if v in found}
-    reads = ladder(found, down_splits, s)
+    down_splits = {v: wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, SCHEME, "silu", geoms[v],
+                                  LaunchOptions(), None, DECODE).down.grid[1] for _, v, _ in READS if v in geoms}
+    reads = ladder(geoms, down_splits, s)
     if dev.type == "cuda":
         precompile_cell(s, m, found, reads, w13, w2, dev)
     graphs: dict = {}

@@ -89,8 +89,7 @@ def count(module: str, scheme: int, block_m: int, block_n: int, bkw: int, num_wa
         pointers["h_ptr"] = "*fp32"
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BKW=bkw, PER=8, GROUP=128 if scheme == 1 else 32, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, PDL=False, ASM=True, SPLIT=1, KSUM=False,
-                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile,
-                 GSEL=False)
+                 TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1, UP_SPLIT=up_split, ROUND=1, AHEAD=ahead, XTILE=x_tile)
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")

@@ -50,7 +50,7 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None, unroll: int = 1) -> MmaCount:
+          pairs: int | None = None) -> MmaCount:
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
@@ -64,7 +64,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2,
-                 UNROLL=unroll, stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
+                 stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -73,12 +73,12 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     loop = _main_loop(sass)
-    weights = block_n * 128 * unroll * (1 if down else 2)
+    weights = block_n * 128 * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
     name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x128 "
-            f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}" + (f" unroll {unroll}" if unroll > 1 else ""))
+            f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
@@ -93,7 +93,6 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (4 kernels)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
-    p.add_argument("--unroll", type=int, default=1, choices=(1, 2), help="steps a loop iteration (UNROLL)")
     args = p.parse_args(argv)
     if args.quick:  # (scheme, BN, down, warps, stages)
         jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
     failed = 0
     for job in jobs:
         try:
-            c = count(*job, pairs=args.pairs, unroll=args.unroll)
+            c = count(*job, pairs=args.pairs)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

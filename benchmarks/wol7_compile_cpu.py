@@ -25,8 +25,6 @@ from wo_gemv_sass_cpu import _tool  # noqa: E402
 CASES = ((True, 4, 0, 128), (False, 6, 0, 128), (True, 3, 0, 128), (False, 4, 0, 128), (False, 3, 0, 256),
          (True, 4, 1, 128), (False, 6, 1, 128), (True, 4, 2, 128), (False, 6, 2, 128), (True, 6, 0, 64),
          (True, 6, 1, 64), (True, 6, 2, 64))
-# the producer-partition kernel (``gluon_gemm_wo_ws``): (gated, stages, scheme), 128-wide tiles
-WS_CASES = ((True, 4, 0), (False, 6, 0), (True, 4, 1), (False, 6, 1), (True, 4, 2), (False, 6, 2))
 
 
 def _descriptor(shape: list[int], block: list[int], dtype: torch.dtype):
@@ -62,15 +60,13 @@ def loop_counts(cubin: bytes, weights: int) -> str:
     return "loop not found"
 
 
-def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: int = 64, producer: bool = False) -> str:
+def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: int = 64) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from moekit.experts._kernels import gluon_gemm_wo, gluon_gemm_wo_ws
-
-    kernel = gluon_gemm_wo_ws.grouped_gemm_wo_ws_kernel if producer else gluon_gemm_wo.grouped_gemm_wo_kernel
+    from moekit.experts._kernels.gluon_gemm_wo import grouped_gemm_wo_kernel as kernel
 
     e, n, k, t = 2, 256, 512, 1024
     w_rows, r, c = (2 * n, k, n) if gated else (k, n, k)
@@ -83,16 +79,13 @@ def compile_case(gated: bool, stages: int, scheme: int, block_n: int, block_k: i
                 stride_sg=1, stride_ze=w_rows * 4, stride_zr=4, stride_zg=1, reduce_dim=r, num_col_blocks=c // block_n)
     const = dict(W_ROWS=w_rows, GATE_OFFSET=n if gated else 0, GATED=gated, STAGES=stages, GROUP_M=8, SCHEME=scheme,
                  GROUP=(1, 128, 32)[scheme], num_warps=8)
-    if producer:
-        const |= dict(PRODUCER_WARPS=4, PRODUCER_REGS=120)
     sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in const}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(name),): v for name, v in const.items()})
     t0 = time.perf_counter()
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
     ptx = out.asm["ptx"]
     spills, serialized = ptxas_report(ptx)
-    return (f"{('int8', 'int4', 'mxfp4')[scheme]} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}"
-            f"{' producer' if producer else ''}: "
+    return (f"{('int8', 'int4', 'mxfp4')[scheme]} {'gate-up' if gated else 'down'} {block_n}x{block_k} s{stages}: "
             f"{time.perf_counter() - t0:.1f} s, shared {out.metadata.shared} B, spill stores {spills} B, wgmma "
             f"serialized {serialized}, bar.sync {ptx.count('bar.sync')}; "
             + loop_counts(out.asm["cubin"], (2 if gated else 1) * block_n * block_k))
@@ -103,7 +96,7 @@ def main() -> int:
 
     print("triton", triton.__version__, flush=True)
     failed = 0
-    for case in CASES + tuple((gated, stages, scheme, 128, 64, True) for gated, stages, scheme in WS_CASES):
+    for case in CASES:
         try:
             print("OK", compile_case(*case), flush=True)
         except Exception as exc:  # noqa: BLE001 (report each case)

@@ -9,13 +9,12 @@ int4_w4a16 (group 128) and mxfp4.
     PYTHONPATH=$PWD python3 benchmarks/wol7_device_check.py --smoke    # CPU: tiny shapes, the Gluon GEMMs faked
 
 Cells: Mixtral-8x7B and Qwen3-30B-A3B at M = 1024, DeepSeek-V3 4096, Mixtral and Qwen3 4096, DeepSeek-V3 1024
-(skipped past the deadline), then the producer-partition kernel at WS_CELLS. Compile workers (PER_WORKER a preset) run
-every variant of the first phase once while this process builds the weights and measures the ceilings (copy rate,
-dense bf16 mm rate). Variants (``variants``): bf16; per scheme "pick" (the default), "prev" (the decode picked before,
-where the default is the Gluon path) or "gluon"; the second phase per scheme the pick and "gluon_ws" (the decode in a
-producer partition, ``gluon_gemm_wo_ws``: never run before, so after everything else). Each against the exact reference
-(``fused_experts_wo_torch``), the Gluon ones also against the torch twin (``experts_gluon_wo_twin``): PASS / FAIL with
-rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds (median µs, x bf16,
+(skipped past the deadline). Compile workers (PER_WORKER a preset) run every variant once while this process builds
+the weights and measures the ceilings (copy rate, dense bf16 mm rate). Variants (``variants``): bf16; per scheme
+"pick" (the default), "prev" (the decode picked before, where the default is the Gluon path) or "gluon". (The merged
+run's second phase, "gluon_ws" with the decode in a producer partition, 0/5 and 1.3-1.7x slower than the pick:
+removed.) Each against the exact reference (``fused_experts_wo_torch``), the Gluon ones also against the torch twin
+(``experts_gluon_wo_twin``): PASS / FAIL with rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds (median µs, x bf16,
 rounds >= 3% faster than the pick; "prev": rounds the pick was >= 3% faster), the flop floor (2 x M*k x 3NK over the
 mm rate) and the byte floor (touched experts' stored bytes and scales over the copy rate) as % of each. The table is
 printed last; JSON <out>/wol7.json.
@@ -43,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile_workers import collect_workers, spawn_workers  # noqa: E402
 from wo_device_check import packed_bytes, rel_err  # noqa: E402
 
-from wol7_variants import CELLS, SCHEMES, WS_CELLS, Weights, gluon_cell, shape_of, variants  # noqa: E402
+from wol7_variants import CELLS, SCHEMES, Weights, gluon_cell, shape_of, variants  # noqa: E402
 
 from moekit.bench.cells import make_sets, measured_experts_touched  # noqa: E402
 from moekit.experts.triton_gluon_wo import GLUON_WO_CELLS, experts_gluon_wo_twin  # noqa: E402
@@ -51,7 +50,7 @@ from moekit.experts.triton_wo import fused_experts_wo_torch  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
 
 SETS, ROUNDS, REPLAYS, WIN, TOL = 2, 5, 3, 0.97, 2e-2
-BREAKDOWN = ("bf16", "pick_int8", "gluon_ws_int8", "pick_int4", "gluon_ws_int4")  # kernels profiled where time is left
+BREAKDOWN = ("bf16", "pick_int8", "pick_int4")  # kernels profiled where time is left
 PER_WORKER = 5  # compile workers a preset (DeepSeek-V3: 2)
 WATCHDOG_S = 10.0
 EAGER_CALLS = 8
@@ -76,7 +75,6 @@ class Cell:
     errors: dict = dataclasses.field(default_factory=dict)  # variant -> {"ref": rel-L2, "twin": rel-L2}
     skipped: dict = dataclasses.field(default_factory=dict)  # variant -> its compile worker's status
     kernels: dict = dataclasses.field(default_factory=dict)  # variant -> its kernels' eager µs (``breakdown``)
-    ws: bool = False  # the producer-partition phase's cell (the picks and "gluon_ws")
     eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (``eager``)
 
 
@@ -183,20 +181,19 @@ def new_cell(preset: str, m: int, w: Weights, inputs, ceil: dict) -> Cell:
     return Cell(preset, m, picks, 2 * m * s.top_k * 3 * s.n * s.k / (ceil["mm_tflops"] * 1e6), floors)
 
 
-def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict, ws: bool = False) -> Cell:
+def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict) -> Cell:
     preset, m = CELLS[ci]
     s = shape_of(preset)
     inputs = make_sets(s, m, 1 if SMOKE else SETS, torch.bfloat16, dev, seed=m)
     cell, c0 = new_cell(preset, m, w, inputs, ceil), inputs[0]
-    cell.ws = ws
     refs = {}
     for sc in SCHEMES:
         w13, w2 = w.wo(sc)
         refs[sc] = (fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights),
                     experts_gluon_wo_twin(c0.x, w13, w2, c0.topk_ids, c0.topk_weights))
     graphs = {}
-    for vi, (name, (scheme, fn)) in enumerate(variants(s, m, w, ws).items()):
-        if not ws and status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
+    for vi, (name, (scheme, fn)) in enumerate(variants(s, m, w).items()):
+        if status.get((ci, vi), "ok") != "ok":  # its compile worker failed or hung: never run here
             cell.skipped[name] = status[(ci, vi)]
             print(f"FAIL  {preset} M={m} {name}  (compile worker: {status[(ci, vi)][:160]})", flush=True)
             FAILED.append(f"{preset} M={m} {name}")
@@ -206,7 +203,7 @@ def run_cell(ci: int, w: Weights, dev, ceil: dict, status: dict, ws: bool = Fals
     if graphs:
         cell.rounds = interleaved(graphs, len(inputs))
         cell.times = {k: statistics.median(v) for k, v in cell.rounds.items()}
-        timed = {k: fn for k, (_, fn) in variants(s, m, w, ws).items() if k in graphs}
+        timed = {k: fn for k, (_, fn) in variants(s, m, w).items() if k in graphs}
         eager(cell, timed, inputs)
         breakdown(cell, timed, c0)
     print(f"[{elapsed():5.1f}s] {preset} M={m} picks {cell.picks}: "
@@ -271,7 +268,7 @@ def row(c: Cell) -> list[str]:
     faster than its scheme's pick."""
     bf16 = c.times.get("bf16")
     floors = ", ".join(f"{k[:4]} {v:.0f}" for k, v in c.byte_floor_us.items())
-    lines = [f"{c.preset:<14}{c.m:>5}{' ws' if c.ws else ''} picks {c.picks}; floors flop {c.flop_floor_us:.0f} µs, "
+    lines = [f"{c.preset:<14}{c.m:>5} picks {c.picks}; floors flop {c.flop_floor_us:.0f} µs, "
              f"byte {floors} µs"]
     for k, v in c.times.items():
         tag = k.rsplit("_", 1)[-1]
@@ -348,13 +345,10 @@ def main() -> int:
     cells, held, status = [], {}, {}
     if not SMOKE:  # (the interpreter takes minutes)
         threading.Thread(target=watchdog, args=(cells, ceil), daemon=True).start()
-    cells_then_ws = [(ci, False) for ci in range(len(CELLS))] + [(ci, True) for ci in WS_CELLS]
-    order = [(0, False), (0, True)] if SMOKE else cells_then_ws
-    for ci, ws in order:  # the cells, then the producer-partition kernel's (a hang there loses only its own)
-        preset, m = CELLS[ci]
-        budget = (10.0 if preset == "deepseek-v3" else 5.0) if not ws else 4.0  # weights, checks, graphs, rounds
+    for ci, (preset, m) in enumerate(CELLS[:1] if SMOKE else CELLS):
+        budget = 10.0 if preset == "deepseek-v3" else 5.0  # a cell's weights, checks, graphs and rounds
         if elapsed() + budget > ARGS.deadline:
-            print(f"skipped (deadline): {preset} M={m}{' ws' if ws else ''}", flush=True)
+            print(f"skipped (deadline): {preset} M={m}", flush=True)
             continue
         if preset not in held:
             held.clear()  # (a preset's cells need not be adjacent: its weights are then built again)
@@ -364,7 +358,7 @@ def main() -> int:
         if preset in procs:  # its compile workers, given until half the time left
             status.update(collect_workers(procs.pop(preset), lambda: (ARGS.deadline + elapsed()) / 2 - elapsed()))
             print(f"[{elapsed():5.1f}s] {preset} compiled: {sorted(set(status.values()))}"[:400], flush=True)
-        cells.append(run_cell(ci, held[preset], dev, ceil, status, ws))
+        cells.append(run_cell(ci, held[preset], dev, ceil, status))
         dump(cells, ceil)
     for rest in procs.values():
         collect_workers(rest, lambda: 0.1)

@@ -19,7 +19,6 @@ SMOKE = "--smoke" in sys.argv
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")  # int4: group 128 with zero points (moekit bench's)
 CELLS = (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 1024), ("deepseek-v3", 4096), ("mixtral-8x7b", 4096),
          ("qwen3-30b-a3b", 4096), ("deepseek-v3", 1024))
-WS_CELLS = (0, 2, 1, 3, 4)  # the cells the producer-partition kernel runs at afterwards, in this order
 
 def shape_of(preset: str) -> Shape:
     return Shape(f"{preset}/smoke", 8, 128, 256, 2) if SMOKE else Shape.from_preset(preset)
@@ -61,13 +60,10 @@ def gluon_cell(scheme: str, s: Shape, m: int) -> bool:
     return lo <= m < hi
 
 
-def variants(s: Shape, m: int, w: Weights, ws: bool = False) -> dict:
+def variants(s: Shape, m: int, w: Weights) -> dict:
     """name -> (scheme or None for bf16, fn(inputs) -> out): bf16, then per scheme the default ("pick"), where the
     default is the Gluon path the decode the chooser picked before it ("prev", ``choose_decode``), else the Gluon
-    path ("gluon"). ``ws``: per scheme the default and the Gluon path with the decode in a producer partition
-    ("gluon_ws"; never run before: its own phase after the others, no compile worker runs it)."""
-    if ws:
-        return {name: v for sc in SCHEMES for name, v in _ws_pair(s, m, w, sc).items()}
+    path ("gluon")."""
     out = {"bf16": (None, lambda c: experts_triton(c.x, *w.bf16(), c.topk_ids, c.topk_weights))}
     for scheme in SCHEMES:
         tag = scheme.split("_")[0]
@@ -81,11 +77,3 @@ def variants(s: Shape, m: int, w: Weights, ws: bool = False) -> dict:
             out[f"gluon_{tag}"] = (scheme, lambda c, sc=scheme: run_experts_wo_gluon(
                 c.x, *w.args(sc), c.topk_ids, c.topk_weights, None, sc))
     return out
-
-
-def _ws_pair(s: Shape, m: int, w: Weights, scheme: str) -> dict:
-    tag = scheme.split("_")[0]
-    return {f"pick_{tag}": (scheme, lambda c: run_experts_wo(c.x, *w.args(scheme), c.topk_ids, c.topk_weights, None,
-                                                               scheme)),
-            f"gluon_ws_{tag}": (scheme, lambda c: run_experts_wo_gluon(c.x, *w.args(scheme), c.topk_ids,
-                                                                         c.topk_weights, None, scheme, producer=True))}

@@ -190,9 +190,8 @@ class FakeKernel:
 def install_fakes(setattr_=setattr) -> dict:
     """Both Gluon GEMM kernels replaced by their torch stand-ins (in their modules, where every launcher looks them
     up) and the Gluon paths' device checks passed, through ``setattr_`` (a monkeypatch's, to be undone);
-    returns {"bf16", "fp8", "gather", "tail", "wo", "wo_ws": FakeKernel} (the gather: the bf16 gate-up GEMM with the
-    gather in its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo / wo_ws: the
-    weight-only GEMM, its decode in the MMA partition / in a producer partition)."""
+    returns {"bf16", "fp8", "gather", "tail", "wo": FakeKernel} (the gather: the bf16 gate-up GEMM with the gather in
+    its loader; tail: the bf16 down GEMM folding an expert's mostly empty last block; wo: the int8 weight-only GEMM)."""
     import moekit.experts.triton_gluon as tg
     import moekit.experts.triton_gluon_fp8 as tgf
     from moekit.experts.triton import clear_launch_caches
@@ -202,8 +201,7 @@ def install_fakes(setattr_=setattr) -> dict:
                                      ("fp8", "gluon_gemm_fp8", "grouped_gemm_fp8_kernel", fp8_gemm),
                                      ("gather", "gluon_gemm_gather", "gather_gate_up_kernel", gather_gemm),
                                      ("tail", "gluon_gemm_tail", "tail_down_kernel", tail_down),
-                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm),
-                                     ("wo_ws", "gluon_gemm_wo_ws", "grouped_gemm_wo_ws_kernel", wo_gemm)):
+                                     ("wo", "gluon_gemm_wo", "grouped_gemm_wo_kernel", wo_gemm)):
         mod = importlib.import_module(f"moekit.experts._kernels.{module}")
         fakes[name] = FakeKernel(getattr(mod, attr), body)
         setattr_(mod, attr, fakes[name])

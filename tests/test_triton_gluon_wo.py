@@ -107,18 +107,6 @@ def test_gluon_decode_matches_a_float64_loop(fake_gemms, m, scheme):
     assert [bound["SCHEME"] for _, bound, _ in launches] == [kernel_scheme] * 2
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a16", "int4_w4a16", "mxfp4"])
-def test_producer_partition_matches_a_float64_loop(fake_gemms, scheme):
-    w13, w2 = _weights(scheme)
-    x, ids, weights = _call(300)
-    out = run_experts_wo_gluon(x, w13, w2, ids, weights, None, scheme, producer=True)
-    assert _rel(out, _f64(x, w13, w2, ids, weights)) < 2e-2
-    launches = fake_gemms["wo_ws"].log
-    assert len(launches) == 2 and not fake_gemms["wo"].log
-    params = set(fake_gemms["wo_ws"]._params)
-    assert all(set(bound) == params and bound["PRODUCER_WARPS"] == 4 for _, bound, _ in launches)
-
-
 def test_tiles_reach_the_kernel(fake_gemms):
     from moekit.experts.triton_gluon_launch import GluonTile
 

@@ -172,37 +172,6 @@ def test_gemv_ahead_limit(wo):
         check_gemv_config(WordConfig(1, tile, tile, x_tile=True), "int8_w8a16")
 
 
-def test_register_cap(wo):
-    # WordConfig.max_registers: Triton's maxnreg on both launches (a compile option: the interpreter runs the same
-    # kernels, so the output equals the uncapped call's bit for bit); outside 24..255 an error
-    from moekit.experts.triton_wo_gemv import WordConfig, check_gemv_config
-
-    x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=3, k=2, hidden=96, n=64, seed=7)
-    tile = GemmTile(16, 4 * 8, 1, 1, 1)
-    capped = run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=2, max_registers=128))
-    assert torch.equal(capped, run(wo, x, w13, w2, ids, weights, WordConfig(1, tile, tile, up_split=2)))
-    assert rel(capped, loop64(x, w13, w2, ids, weights)) < 2e-3
-    for cap in (16, 256):
-        with pytest.raises(ValueError, match="max_registers"):
-            check_gemv_config(WordConfig(1, tile, tile, max_registers=cap), "int4_w4a16")
-
-
-@pytest.mark.parametrize("scheme,group,words", [("int4_w4a16", 32, 8), ("int4_w4a16", 32, 16), ("int4_w4a16", 64, 16),
-                                                ("mxfp4", 32, 8)])
-@pytest.mark.parametrize("block_m,x_tile", [(1, False), (2, True)])
-def test_group_select(wo, scheme, group, words, block_m, x_tile):
-    # WordConfig.group_select: a step of 2-4 whole groups, each word column's scale selected among the groups' per-row
-    # scales and the zero points' x terms per row and group; K = 224 and N = 96 end mid-step (and, at g = 64,
-    # mid-group), gate-up split in 2, down in 3
-    from moekit.experts.triton_wo_gemv import WordConfig
-
-    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=224, n=96, seed=13)
-    tile = GemmTile(16, words * 8, 1, 2, 1)
-    cfg = WordConfig(block_m, tile, tile, up_split=2, x_tile=x_tile, group_select=True)
-    out = run(wo, x, w13, w2, ids, weights, cfg, split_k=3)
-    assert rel(out, loop64(x, w13, w2, ids, weights)) < 2e-3
-
-
 def test_empty_batch(wo):
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 32, m=0, k=1, hidden=96, seed=1)
     assert run(wo, x, w13, w2, ids, weights).shape == (0, 96)

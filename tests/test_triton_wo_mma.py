@@ -69,21 +69,6 @@ def test_mma_split_gate_up(wo, scheme, group):
         run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=2, glu_fold=True))
 
 
-@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32)])
-def test_mma_two_steps_an_iteration(wo, scheme, group):
-    # WordConfig.unroll 2: K = 640 (5 steps) in gate-up splits of 3 + 2 steps and N = 384 (3 steps) in down splits of
-    # 2 + 1: an iteration's second step past its split reads nothing; K = 200 unsplit: its second step past the row
-    from moekit.experts.triton_wo_gemv import WordConfig
-
-    tile = GemmTile(32, 128, 1, 1, 1)
-    for hidden, split, split_k in ((640, 2, 2), (200, 1, 1)):
-        x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=hidden, n=384, seed=21)
-        out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=split, unroll=2), split_k=split_k)
-        assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
-    with pytest.raises(ValueError, match="unroll"):
-        run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, unroll=3))
-
-
 def test_mma_heuristic_config_runs(wo):
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=2, k=2, hidden=128, n=128, seed=3)
     out = run(wo, x, w13, w2, ids, weights, None)

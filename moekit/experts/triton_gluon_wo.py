@@ -29,9 +29,6 @@ from moekit.layouts.contiguous import combine_contiguous, permute_contiguous
 
 GLUON_WO_SCHEMES = {"int8_w8a16": 0, "int4_w4a16": 1, "mxfp4": 2}  # the kernel's SCHEME
 PACK = {"int8_w8a16": 1, "int4_w4a16": 8, "mxfp4": 2}  # weights a stored element the kernel reads (int4: int32 words)
-# the producer partition's warps and registers (``gluon_gemm_wo_ws``): 8 MMA warps + 4 at MAX_REGISTERS fill the SM's
-# 64K at launch; in the partitions the MMA warps get 192 registers, the producer's 120 (ptx for sm_90, Triton 3.6)
-PRODUCER = (4, 120)
 # (scheme, E, N, K) -> [lo, hi): the tokens for which a call without ``decode`` takes this path (``gluon_wo_takes``):
 # around the M where the H200 measured it >= 3% faster than the chooser's pick in 5 of 5 rounds, every output PASS
 # against the twin and the reference (benchmarks/wol7_device_check.py, session 27 checkpoint 1b at c67cbe0, graph µs
@@ -87,16 +84,10 @@ def _strides(w) -> tuple:
 
 
 def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0, producer: bool = False) -> None:
+                   tile: GluonTile, gated: bool, scheme: str, gate_offset: int = 0) -> None:
     """out [T, C] = act(a [T, R] @ W[e]^T) per row block, W the weight ``w`` (q contiguous [E, w_rows, R / PACK])
-    stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127). ``producer``: the decode
-    in its own partition (``gluon_gemm_wo_ws``, PRODUCER warps and registers)."""
-    if producer:
-        kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo_ws").grouped_gemm_wo_ws_kernel
-        extra = dict(PRODUCER_WARPS=PRODUCER[0], PRODUCER_REGS=PRODUCER[1])
-    else:
-        kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
-        extra = {}
+    stores: int8 q * scale, int4 (q - zero) * scale per group, mxfp4 e2m1 * 2^(e8m0 - 127)."""
+    kernel = importlib.import_module("moekit.experts._kernels.gluon_gemm_wo").grouped_gemm_wo_kernel
     num_experts, w_rows, stored = w.q.shape
     q = w.q.view(num_experts * w_rows, stored)
     if scheme == "int4_w4a16":  # read as int32 words of 8 codes (``gluon_gemm_wo._decode_tile``)
@@ -110,16 +101,14 @@ def launch_gemm_wo(a: torch.Tensor, w, out: torch.Tensor, block_experts: torch.T
     kernel[grid](a_desc, q_desc, c_desc, block_experts, rows_used, w.scale, zero, *_strides(w), a.shape[1],
                  num_col_blocks, W_ROWS=w_rows, GATE_OFFSET=gate_offset, GATED=gated, STAGES=tile.stages,
                  GROUP_M=tile.group_m, SCHEME=GLUON_WO_SCHEMES[scheme], GROUP=max(w.group_size, 1),
-                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **extra)
+                 num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
 
 
 def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          expert_map: torch.Tensor | None, scheme: str, activation: str = "silu",
-                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None,
-                         producer: bool = False) -> torch.Tensor:
+                         up_tile: GluonTile = UP_TILE, down: GluonTile | None = None) -> torch.Tensor:
     """The path's launches (arguments checked by the caller); raises where the device or the call does not fit.
-    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail);
-    ``producer``: both GEMMs with the decode in its own partition (``launch_gemm_wo``)."""
+    ``up_tile`` / ``down``: the GEMMs' tiles (None: the bf16 route's ``down_tile`` for N, without a tail)."""
     if not gluon_supported(x.device):
         raise RuntimeError(f"decode='gluon' needs a Hopper GPU and a Triton with Gluon; x is on {x.device}")
     reason = gluon_wo_unfit(x, w13, w2, scheme, activation, min(up_tile.block_k, (down or up_tile).block_k))
@@ -130,10 +119,9 @@ def run_experts_wo_gluon(x: torch.Tensor, w13, w2, topk_ids: torch.Tensor, topk_
     layout = gluon_layout(x, topk_ids, num_experts, expert_map)
     rows = layout.sorted_ids.numel()
     h = x.new_empty(rows, inter)  # [R, N]; rows past rows_used are never written nor read
-    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter,
-                   producer)
+    launch_gemm_wo(layout.x_perm, w13, h, layout.block_experts, layout.rows_used, up_tile, True, scheme, inter)
     y = x.new_empty(rows, hidden)  # [R, K]
-    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme, 0, producer)
+    launch_gemm_wo(h, w2, y, layout.block_experts, layout.rows_used, down, False, scheme)
     out = torch.empty_like(x)
     launch_contiguous_sum(y, layout.src_to_dst, topk_weights.contiguous(), out)
     return out

@@ -37,28 +37,16 @@ class WordConfig(KernelConfig):
     GEMM's (0: ``triton_wo_plan.decode_split_k``'s); ``glu_fold``: the split gate-up's partials summed and
     activated in the down GEMM's prologue instead (``_kernels/wo_split.load_h``: bit-equal, one launch fewer).
     A plain ``KernelConfig`` splits the gate-up never. ``x_tile`` ("gemv", the 4-bit schemes): each step's activations
-    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads.
-    ``max_registers`` ("gemv"): both launches' register cap a thread (Triton's maxnreg; 0: ptxas's own count, 254 at
-    the 64 x 16-word gate-up, so 4 two-warp programs an SM): a lower cap puts more programs on an SM.
-    ``group_select`` ("gemv", a GEMM whose BLOCK_K is a multiple of its group size, 4-bit schemes): a step of G whole
-    groups takes each word column's scale from G per-row loads by a select (``wo_words.group_select``), the zero
-    points' x terms per row and group, where the per-word path loads a scale and a zero a word: for wide steps
-    (H200: a row segment of 64 bytes a step, the 16-word steps at g = 128, reads at 59% of the packed floor in the
-    gemv's geometry, 256 bytes at 99%; benchmarks/dec7_device_check.py). ``unroll`` ("mma" only): steps a loop
-    iteration of the mma decode (1 or 2: two 16-word steps, a row's 128 bytes of words loaded in one iteration)."""
+    (and the down GEMM's h) read as one [words, 8] tile (bf16: 16 bytes a word), not 8 strided 2-byte loads."""
 
     up_split: int = 1
     down_split: int = 0
     glu_fold: bool = False
     x_tile: bool = False
-    max_registers: int = 0
-    group_select: bool = False
-    unroll: int = 1
 
     def to_dict(self) -> dict:
         return {**super().to_dict(), "up_split": self.up_split, "down_split": self.down_split,
-                "glu_fold": self.glu_fold, "x_tile": self.x_tile, "max_registers": self.max_registers,
-                "group_select": self.group_select, "unroll": self.unroll}
+                "glu_fold": self.glu_fold, "x_tile": self.x_tile}
 
 
 def up_splits(config: KernelConfig, kw: int, scheme: str) -> tuple[int, int]:
@@ -115,15 +103,12 @@ def gemv_heuristic_config(num_tokens: int, num_experts: int, n: int, k: int, top
 
 def check_gemv_config(config: KernelConfig, scheme: str) -> None:
     """A clear error unless BLOCK_M <= MAX_ROWS, both GEMMs' BLOCK_K are a power-of-two number of words and
-    their num_stages (AHEAD) 1 or 2; x_tile only for the 4-bit schemes; max_registers 0 or 24 to 255."""
+    their num_stages (AHEAD) 1 or 2; x_tile only for the 4-bit schemes."""
     if not (1 <= config.up.num_stages <= 2 and 1 <= config.down.num_stages <= 2):
         raise ValueError(f"the gemv decode's num_stages (words loaded ahead, steps) must be 1 or 2, got "
                          f"{config.up.num_stages} and {config.down.num_stages}")
     if getattr(config, "x_tile", False) and scheme == "int8_w8a16":
         raise ValueError("config.x_tile takes the 4-bit schemes (int4_w4a16, mxfp4), got int8_w8a16")
-    cap = getattr(config, "max_registers", 0)
-    if cap and not 24 <= cap <= 255:
-        raise ValueError(f"config.max_registers must be 0 (none) or 24 to 255, got {cap}")
     if not 1 <= config.BLOCK_M <= MAX_ROWS:
         raise ValueError(f"config.BLOCK_M must be 1 to {MAX_ROWS} for the gemv decode, got {config.BLOCK_M}")
     for name, tile in (("up", config.up), ("down", config.down)):
@@ -155,11 +140,8 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         qe, qr, _, *rest = w.strides
         return (qe // 4, qr // 4, *rest)
 
-    def staging(tile: GemmTile, group: int) -> dict:  # words loaded ahead (AHEAD); the register cap; GSEL
-        cap = getattr(config, "max_registers", 0)
-        gsel = getattr(config, "group_select", False) and scheme != "int8_w8a16" and tile.BLOCK_K % group == 0
-        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False), "GSEL": gsel,
-                **({"maxnreg": cap} if cap and not interpreting() else {})}
+    def staging(tile: GemmTile) -> dict:  # the tile's num_stages: its words loaded ahead (AHEAD)
+        return {"num_stages": 1, "AHEAD": tile.num_stages, "XTILE": getattr(config, "x_tile", False)}
 
     up_split, up_words = up_splits(config, w13.q.shape[2] // 4, scheme)
     gate_up = BoundLaunch(  # SPLIT > 1: h_ptr the float32 partials [SPLIT * A, 2N] (``_kernels/wo_split``)
@@ -167,7 +149,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         (n, hidden, w13.q.shape[2] // 4, num_assignments, top_k, num_experts, num_pid_m, *x.stride(), *strides(w13),
          n if up_split == 1 else 2 * n, up_words),
         BLOCK_N=up.BLOCK_N, BKW=up.BLOCK_K // per, GROUP=w13.group_size, GROUP_M=up.GROUP_M, ACT=act,
-        SPLIT=up_split, num_warps=up.num_warps, **staging(up, w13.group_size), **shared,
+        SPLIT=up_split, num_warps=up.num_warps, **staging(up), **shared,
     )
     fold = folded_splits(config, w13.q.shape[2] // 4, scheme)
     folding = {} if fold == 1 else dict(UP_SPLIT=fold, ACT=act, ROUND=0 if interpreting() else ROUND[x.dtype])
@@ -176,7 +158,7 @@ def gemv_launches(x, w13, w2, top_k: int, config: KernelConfig, num_pid_m: int, 
         (hidden, n, w2.q.shape[2] // 4, num_assignments, num_experts, num_pid_m, split_len // per,
          n if fold == 1 else 2 * n, *strides(w2), hidden), x.shape[0], ksum,
         BLOCK_N=down.BLOCK_N, BKW=down.BLOCK_K // per, GROUP=w2.group_size, GROUP_M=down.GROUP_M, SPLIT=split_k,
-        num_warps=down.num_warps, **staging(down, w2.group_size), **shared, **folding,
+        num_warps=down.num_warps, **staging(down), **shared, **folding,
     )
     return gate_up, down_launch, down_sum
 

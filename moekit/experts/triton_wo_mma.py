@@ -40,8 +40,6 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
         raise ValueError(f"decode='mma' needs w13.{kind} and w2.{kind} at addresses of multiples of 4 bytes")
     if getattr(config, "glu_fold", False):
         raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
-    if getattr(config, "unroll", 1) not in (1, 2):
-        raise ValueError(f"decode='mma': config.unroll must be 1 or 2, got {config.unroll}")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
         if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
             raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "

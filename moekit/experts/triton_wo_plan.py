@@ -377,7 +377,6 @@ def _gemm_launches(x, w13: WeightArgs, w2: WeightArgs, top_k: int, config: Kerne
     extra13, extra2, up_grid, h_tail = {}, {}, (num_pid_m * cdiv(n, up.BLOCK_N),), (n,)
     if decode == "mma":  # the rows read as int32 words: their lengths and q strides in words; a split gate-up
         (q13, extra13), (q2, extra2) = mma_launch_args(w13, scheme), mma_launch_args(w2, scheme)
-        extra13["UNROLL"] = extra2["UNROLL"] = getattr(config, "unroll", 1)
         up_split, up_words = up_splits(config, q13[0], scheme)
         up_grid, h_tail, extra13["SPLIT"] = (up_grid[0], up_split), (n if up_split == 1 else 2 * n, up_words), up_split
     gate_up = BoundLaunch(

@@ -38,8 +38,6 @@ class WordPick:
     down_tile: tuple | None = None  # the down GEMM's, the same way
     fold: bool = False  # the split gate-up's sum and activation in the down GEMM's prologue (``WordConfig.glu_fold``)
     x_tile: bool = False  # gemv: x and h read as one [words, values] tile a step (``WordConfig.x_tile``)
-    max_registers: int = 0  # gemv: both launches' register cap a thread (``WordConfig.max_registers``; 0: none)
-    group_select: bool = False  # gemv: steps of whole groups, scales selected per word column (``WordConfig``'s)
 
 
 # (scheme, E, N, K, M) -> WordPick. H200, Triton 3.6, bf16 activations, µs: benchmarks/wo_decode2_device_check.py
@@ -122,5 +120,4 @@ def with_pick(cfg: KernelConfig, pick: WordPick, scheme: str) -> WordConfig:
         return GemmTile(rows, words * PER[scheme], base.GROUP_M, warps, 1 + prefetch)
 
     return WordConfig(cfg.BLOCK_M, tile(cfg.up, pick.up_tile), tile(cfg.down, pick.down_tile), up_split=pick.up_split,
-                      down_split=pick.down_split, glu_fold=pick.fold, x_tile=pick.x_tile,
-                      max_registers=pick.max_registers, group_select=pick.group_select)
+                      down_split=pick.down_split, glu_fold=pick.fold, x_tile=pick.x_tile)

@@ -45,7 +45,7 @@ from moekit.experts._kernels._common import let_next_kernel_launch, wait_for_pre
 from moekit.experts._kernels.combine import ksum_epilogue, routed_slot_count, zero_unrouted_tokens
 from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.wo_split import h_words, load_h, split_range, store_partials
-from moekit.experts._kernels.wo_words import group_terms, load_words, word_scales, word_values
+from moekit.experts._kernels.wo_words import load_words, word_scales, word_values
 
 
 @triton.jit
@@ -118,30 +118,23 @@ def _row_part(p, xe, xo, w_values, x_row, ok, k0, C, stride_xc, BKW: tl.constexp
 @triton.jit
 def _accumulate(acc, xterm, w_values, scales, x_row, ok, k0, C, stride_xc, BKW: tl.constexpr, PER: tl.constexpr,
                 GROUP: tl.constexpr, SCHEME: tl.constexpr, fs=0, UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0,
-                ROUND: tl.constexpr = 0, XTILE: tl.constexpr = False, GSEL: tl.constexpr = False):
+                ROUND: tl.constexpr = 0, XTILE: tl.constexpr = False):
     """One row's step: acc [BN, BKW] + part * mul, and the x terms X_even * add_even + X_odd * add_odd
-    (subtracted at the end) into xterm [BN] where the scales are per row (or per row and group: GSEL, a step of
-    whole groups, ``wo_words.group_select``), else into acc per word; fs .. ROUND: ``_x_part``'s fold (the down
-    GEMM's)."""
+    (subtracted at the end) into xterm [BN] where the scales are per row, else into acc per word; fs ..
+    ROUND: ``_x_part``'s fold (the down GEMM's)."""
+    mul, add_even, add_odd = scales
     p = tl.zeros_like(acc)
     xe = tl.zeros([BKW], dtype=tl.float32)
     p, xe, xo = _row_part(p, xe, tl.zeros_like(xe), w_values, x_row, ok, k0, C, stride_xc, BKW, PER, SCHEME, fs,
                           UP_SPLIT, ACT, ROUND, XTILE)
-    if GSEL:
-        mul, s_rows, z_rows, n_ok, stride_sg, stride_zg = scales
-        acc += p * mul
-        if SCHEME == 1:
-            xterm += group_terms(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, xe, xo, BKW, PER, GROUP, SCHEME)
-    elif SCHEME == 0:  # sum q x = 2^15 part - 32896 X
+    if SCHEME == 0:  # sum q x = 2^15 part - 32896 X
         acc += p * 32768.0
         xterm += 32896.0 * (tl.sum(xe, axis=0) + tl.sum(xo, axis=0))
     elif BKW * PER <= GROUP:
-        mul, add_even, add_odd = scales
         acc += p * mul[:, None]
         if SCHEME == 1:
             xterm += add_even * tl.sum(xe, axis=0) + add_odd * tl.sum(xo, axis=0)
     else:
-        mul, add_even, add_odd = scales
         acc += p * mul
         if SCHEME == 1:
             acc -= xe[None, :] * add_even + xo[None, :] * add_odd
@@ -200,21 +193,21 @@ def _gate_up_out(acc_g, xt_g, acc_u, xt_u, sg, su, n_ok, h_ptr, row, ok, offs_n,
 def _gate_up_step(acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1,
                   ok1, k0, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BKW: tl.constexpr,
                   PER: tl.constexpr, GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr,
-                  XTILE: tl.constexpr = False, GSEL: tl.constexpr = False):
+                  XTILE: tl.constexpr = False):
     """One step of the gate and up tiles wg, wu [BN, BKW] for the block's rows (1 or 2): each value
     decoded once and used by every row."""
-    scales_g = word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME, GSEL)
-    scales_u = word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME, GSEL)
+    scales_g = word_scales(sg, zg, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
+    scales_u = word_scales(su, zu, k0, K, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     vg, vu = word_values(wg, SCHEME, ASM), word_values(wu, SCHEME, ASM)
     acc_g0, xt_g0 = _accumulate(acc_g0, xt_g0, vg, scales_g, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
-                                XTILE=XTILE, GSEL=GSEL)
+                                XTILE=XTILE)
     acc_u0, xt_u0 = _accumulate(acc_u0, xt_u0, vu, scales_u, x0, ok0, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
-                                XTILE=XTILE, GSEL=GSEL)
+                                XTILE=XTILE)
     if BLOCK_M > 1:
         acc_g1, xt_g1 = _accumulate(acc_g1, xt_g1, vg, scales_g, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
-                                    XTILE=XTILE, GSEL=GSEL)
+                                    XTILE=XTILE)
         acc_u1, xt_u1 = _accumulate(acc_u1, xt_u1, vu, scales_u, x1, ok1, k0, K, stride_xk, BKW, PER, GROUP, SCHEME,
-                                    XTILE=XTILE, GSEL=GSEL)
+                                    XTILE=XTILE)
     return acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1
 
 
@@ -228,7 +221,6 @@ def gate_up_wo_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr, NAIVE: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, SPLIT: tl.constexpr = 1, AHEAD: tl.constexpr = 1, XTILE: tl.constexpr = False,
-    GSEL: tl.constexpr = False,  # a step of whole groups, scales selected per word column (``_accumulate``)
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (BLOCK_M 1 or 2 rows a block), w13 decoded
     word by word. SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of
@@ -255,7 +247,7 @@ def gate_up_wo_gemv_kernel(
         far_u = load_words(qu, w0 + AHEAD * BKW, w_end, n_ok, BKW)
         acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1 = _gate_up_step(
             acc_g0, xt_g0, acc_u0, xt_u0, acc_g1, xt_g1, acc_u1, xt_u1, wg, wu, sg, su, zg, zu, x0, ok0, x1, ok1,
-            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, XTILE, GSEL)
+            w0 * PER, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM, XTILE)
         if AHEAD > 1:
             wg, wu, ng, nu = ng, nu, far_g, far_u
         else:
@@ -272,15 +264,15 @@ def gate_up_wo_gemv_kernel(
 def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N, out_ok, stride_sg, stride_zg, fs,
                BLOCK_M: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr, GROUP: tl.constexpr,
                SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr,
-               XTILE: tl.constexpr = False, GSEL: tl.constexpr = False):
+               XTILE: tl.constexpr = False):
     """One step of the w2 tile w [BN, BKW] for the block's rows (1 or 2); h folded where UP_SPLIT > 1."""
-    scales = word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME, GSEL)
+    scales = word_scales(s_rows, z_rows, n0, N, out_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
     values = word_values(w, SCHEME, ASM)
     acc0, xt0 = _accumulate(acc0, xt0, values, scales, h0, ok0, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT, ACT,
-                            ROUND, XTILE, GSEL)
+                            ROUND, XTILE)
     if BLOCK_M > 1:
         acc1, xt1 = _accumulate(acc1, xt1, values, scales, h1, ok1, n0, N, 1, BKW, PER, GROUP, SCHEME, fs, UP_SPLIT,
-                                ACT, ROUND, XTILE, GSEL)
+                                ACT, ROUND, XTILE)
     return acc0, xt0, acc1, xt1
 
 
@@ -288,8 +280,7 @@ def _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, n0, N,
 def _down_loop(q_rows, s_rows, z_rows, h0, ok0, h1, ok1, w_start, split_words, NW, N, out_ok, stride_sg, stride_zg, fs,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BKW: tl.constexpr, PER: tl.constexpr,
                GROUP: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, UP_SPLIT: tl.constexpr,
-               ACT: tl.constexpr, ROUND: tl.constexpr, AHEAD: tl.constexpr, XTILE: tl.constexpr,
-               GSEL: tl.constexpr = False):
+               ACT: tl.constexpr, ROUND: tl.constexpr, AHEAD: tl.constexpr, XTILE: tl.constexpr):
     """The down GEMM's accumulators (acc0, xt0, acc1, xt1: [BN, BKW], [BN] x terms) over words [w_start,
     w_start + split_words) of the rows q_rows [BN], each step's words loaded AHEAD steps before it decodes."""
     acc0, xt0 = tl.zeros([BLOCK_N, BKW], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -301,7 +292,7 @@ def _down_loop(q_rows, s_rows, z_rows, h0, ok0, h1, ok1, w_start, split_words, N
         far_w = load_words(q_rows, w0 + AHEAD * BKW, NW, out_ok, BKW)
         acc0, xt0, acc1, xt1 = _down_step(acc0, xt0, acc1, xt1, w, s_rows, z_rows, h0, ok0, h1, ok1, w0 * PER, N,
                                           out_ok, stride_sg, stride_zg, fs, BLOCK_M, BKW, PER, GROUP, SCHEME, ASM,
-                                          UP_SPLIT, ACT, ROUND, XTILE, GSEL)
+                                          UP_SPLIT, ACT, ROUND, XTILE)
         if AHEAD > 1:
             w, nw = nw, far_w
         else:
@@ -335,7 +326,7 @@ def down_wo_gemv_kernel(
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
     UP_SPLIT: tl.constexpr = 1, ACT: tl.constexpr = 0, ROUND: tl.constexpr = 0, AHEAD: tl.constexpr = 1,
-    XTILE: tl.constexpr = False, GSEL: tl.constexpr = False,
+    XTILE: tl.constexpr = False,
 ):
     """y = routed weight * (h w2^T) per assignment row, w2 decoded word by word; BLOCK_N tiles the output
     columns (K). Split-K (SPLIT > 1, grid axis 1 = split s): words [s * split_words, (s + 1) *
@@ -368,7 +359,7 @@ def down_wo_gemv_kernel(
     acc0, xt0, acc1, xt1 = _down_loop(q_rows, s_rows, z_rows, h_ptr + a0 * stride_hm, ok0, h_ptr + a1 * stride_hm,
                                       ok1, tl.program_id(1) * split_words, split_words, NW, N, out_ok, stride_sg,
                                       stride_zg, num_assignments * stride_hm, BLOCK_M, BLOCK_N, BKW, PER, GROUP, SCHEME,
-                                      ASM, UP_SPLIT, ACT, ROUND, AHEAD, XTILE, GSEL)
+                                      ASM, UP_SPLIT, ACT, ROUND, AHEAD, XTILE)
     let_next_kernel_launch(PDL)
     _down_out(acc0, xt0, s_rows, out_ok, weights_ptr, y_ptr, a0, ok0, num_assignments, offs_out, stride_ym, SCHEME)
     if BLOCK_M > 1:

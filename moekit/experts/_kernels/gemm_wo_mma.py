@@ -105,24 +105,6 @@ def _finish(acc, SCHEME: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_step(acc_gate, acc_up, x_rows, row_ok, qg, qu, s_ptr, bg, bu, sg, su, z_ptr, zg, zu, w0, KW, K, n_ok,
-                  stride_xk, stride_sg, stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP: tl.constexpr, dtype: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr,
-                  SCALE_WORD: tl.constexpr, PAIRS: tl.constexpr):
-    """The gate and up accumulators after the step at word w0 (words past KW, columns past K: nothing)."""
-    k0 = w0 * 8
-    wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-    s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-    s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-    x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-    acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                           BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
-    acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                         BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
-    return acc_gate, acc_up
-
-
-@triton.jit
 def gate_up_wo_mma_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, h_ptr,  # x [M, K]; w13 as q/scale/zero ([E, 2N, ..]); h [A, N] out
     ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
@@ -133,7 +115,6 @@ def gate_up_wo_mma_kernel(
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
     PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
-    UNROLL: tl.constexpr = 1,  # steps a loop iteration (2: a row's 128 bytes of words loaded in one iteration)
 ):
     """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's).
     SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
@@ -161,16 +142,16 @@ def gate_up_wo_mma_kernel(
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
-    w_end = tl.minimum(w_start + split_words, KW)
-    for w0 in range(w_start, w_end, UNROLL * (BLOCK_K // 8)):
-        acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_ok, qg, qu, s_ptr, bg, bu, sg, su, z_ptr, zg, zu,
-                                         w0, KW, K, n_ok, stride_xk, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K,
-                                         GROUP, dtype, SCHEME, ASM, SCALE_WORD, PAIRS)
-        if UNROLL > 1:  # the next step in the same iteration, nothing past the split (its words, columns, scales)
-            acc_gate, acc_up = _gate_up_step(acc_gate, acc_up, x_rows, row_ok, qg, qu, s_ptr, bg, bu, sg, su, z_ptr, zg,
-                                             zu, w0 + BLOCK_K // 8, w_end, tl.minimum(K, w_end * 8), n_ok, stride_xk,
-                                             stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, dtype, SCHEME, ASM,
-                                             SCALE_WORD, PAIRS)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
+        k0 = w0 * 8
+        wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
+        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
+        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
+        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
+        acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+        acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:
@@ -180,20 +161,6 @@ def gate_up_wo_mma_kernel(
     else:
         h = _glu(_finish(acc_gate, SCHEME), _finish(acc_up, SCHEME), ACT, 1.0, None, 0.0)  # [BM, BN] fp32
         tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _down_step(acc, h_rows, row_ok, q_rows, s_ptr, b_offs, s_rows, z_ptr, z_offs, w0, NW, N, out_ok, stride_sg,
-               stride_zg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-               dtype: tl.constexpr, SCHEME: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr,
-               PAIRS: tl.constexpr):
-    """The down accumulator after the step at word w0 (words past NW, columns past N: nothing)."""
-    k0 = w0 * 8
-    w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
-    s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-    h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-    return _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
-                       BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
 
 
 @triton.jit
@@ -210,7 +177,6 @@ def down_wo_mma_kernel(
     PAIRS: tl.constexpr = 1,
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
-    UNROLL: tl.constexpr = 1,  # steps a loop iteration (the gate-up's)
 ):
     """y = routed weight * (h w2^T) per assignment row (split-K, KSUM: ``gemm_wo_reg``'s; split_len in columns)."""
     wait_for_previous_kernel(PDL)
@@ -242,14 +208,14 @@ def down_wo_mma_kernel(
         dtype = tl.float32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = tl.multiple_of(tl.program_id(1) * (split_len // 8), BLOCK_K // 8)  # split_len: whole steps
-    w_end = tl.minimum(w_start + split_len // 8, NW)
-    for w0 in range(w_start, w_end, UNROLL * (BLOCK_K // 8)):
-        acc = _down_step(acc, h_rows, row_ok, q_rows, s_ptr, b_offs, s_rows, z_ptr, z_offs, w0, NW, N, out_ok,
-                         stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, dtype, SCHEME, ASM, SCALE_WORD, PAIRS)
-        if UNROLL > 1:  # the next step in the same iteration, nothing past the split
-            acc = _down_step(acc, h_rows, row_ok, q_rows, s_ptr, b_offs, s_rows, z_ptr, z_offs, w0 + BLOCK_K // 8,
-                             w_end, tl.minimum(N, w_end * 8), out_ok, stride_sg, stride_zg, BLOCK_M, BLOCK_N, BLOCK_K,
-                             GROUP, dtype, SCHEME, ASM, SCALE_WORD, PAIRS)
+    for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
+        k0 = w0 * 8
+        w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
+        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
+                           SCALE_WORD)
+        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
+        acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
+                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
              stride_ym, SCHEME)

@@ -129,24 +129,11 @@ def word_values(w, SCHEME: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def word_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
-                GROUP: tl.constexpr, SCHEME: tl.constexpr, GSEL: tl.constexpr = False):
+                GROUP: tl.constexpr, SCHEME: tl.constexpr):
     """(mul, add_even, add_odd) float32 of the step at k0 (``gemm_wo_gemv._accumulate``): [BN] where the step
     lies in one group (BKW * PER <= GROUP), else [BN, BKW] (a group per word); int8 unused zeros (constants in
     ``_accumulate``, its per-row scale at the end); mxfp4 adds nothing. Past C the x are 0: the masked 0 scales
-    change nothing. GSEL (a step of whole groups, 4-bit schemes): (mul [BN, BKW] from ``group_select``, then what
-    ``group_terms`` reads: s_rows, z_rows, n_ok, stride_sg, stride_zg)."""
-    if GSEL:
-        scales = (group_select(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME), s_rows,
-                  z_rows, n_ok, stride_sg, stride_zg)
-    else:
-        scales = _row_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW, PER, GROUP, SCHEME)
-    return scales
-
-
-@triton.jit
-def _row_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
-                GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """``word_scales`` without GSEL."""
+    change nothing."""
     if SCHEME == 0:  # constants, in ``_accumulate``
         mul = tl.zeros([1], dtype=tl.float32)
         add_even = mul
@@ -172,39 +159,6 @@ def _row_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.const
             add_even = tl.zeros_like(mul)
             add_odd = add_even
     return mul, add_even, add_odd
-
-
-@triton.jit
-def group_select(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, BKW: tl.constexpr, PER: tl.constexpr,
-                 GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """mul [BN, BKW] of a step at k0 (a multiple of GROUP) spanning G = BKW * PER / GROUP whole groups: each word
-    column takes its group's per-row mul (``word_scales`` of that group), chosen among the G by the column's
-    group: G per-row loads and a select a word per group past the first, where the per-word path loads a scale
-    (and a zero point) a word."""
-    col_group = tl.arange(0, BKW) // (GROUP // PER)  # [BKW]
-    mul, _, _ = _row_scales(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, GROUP // PER, PER, GROUP, SCHEME)
-    mul = mul[:, None] + tl.zeros([1, BKW], dtype=tl.float32)
-    for g in tl.static_range(1, BKW * PER // GROUP):
-        m_g, _, _ = _row_scales(s_rows, z_rows, k0 + g * GROUP, C, n_ok, stride_sg, stride_zg, GROUP // PER, PER,
-                                GROUP, SCHEME)
-        mul = tl.where((col_group == g)[None, :], m_g[:, None], mul)
-    return mul
-
-
-@triton.jit
-def group_terms(s_rows, z_rows, k0, C, n_ok, stride_sg, stride_zg, xe, xo, BKW: tl.constexpr, PER: tl.constexpr,
-                GROUP: tl.constexpr, SCHEME: tl.constexpr):
-    """[BN]: the int4 x terms of a step of G whole groups (``group_select``), sum over its groups g of
-    add_even_g * X_even_g + add_odd_g * X_odd_g, X_g the sums of xe / xo [BKW] over group g's word columns."""
-    col_group = tl.arange(0, BKW) // (GROUP // PER)  # [BKW]
-    terms = tl.zeros_like(n_ok.to(tl.float32))
-    for g in tl.static_range(BKW * PER // GROUP):
-        _, add_even, add_odd = _row_scales(s_rows, z_rows, k0 + g * GROUP, C, n_ok, stride_sg, stride_zg,
-                                           GROUP // PER, PER, GROUP, SCHEME)
-        x_even = tl.sum(tl.where(col_group == g, xe, 0.0), axis=0)
-        x_odd = tl.sum(tl.where(col_group == g, xo, 0.0), axis=0)
-        terms += add_even * x_even + add_odd * x_odd
-    return terms
 
 
 @triton.jit
