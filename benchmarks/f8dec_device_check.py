@@ -3,7 +3,8 @@
 ``fp8mid_device_check``'s machinery (PASS / FAIL against the recipe's reference, CUDA-graph µs over 5 interleaved
 rounds, % of the fp8 byte floor at this run's copy rate, rounds >= 3% faster, the eager kernel breakdown).
 
-    PYTHONPATH=$PWD timeout 80 python3 benchmarks/f8dec_device_check.py --out $OUT/f8dec --deadline 54 --worker-deadline 30
+    PYTHONPATH=$PWD timeout 80 python3 benchmarks/f8dec_device_check.py --out $OUT/f8dec --deadline 54 \
+        --worker-deadline 30
     PYTHONPATH=$PWD python3 benchmarks/f8dec_device_check.py --smoke                                   # CPU
 """
 

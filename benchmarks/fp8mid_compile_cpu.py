@@ -103,7 +103,8 @@ def compile_tile(label: str, block_m: int, up_tile: tuple, down_tile: tuple) -> 
         ("down one tile a program", gemm_fp8.down_fp8_kernel, down_ptrs,
          down_scalars | dict.fromkeys(["num_experts", "num_pid_m", "top_k", "num_global"]), one_down, *down_tile[1:]),
     ]
-    jobs.append(("gate-up persistent", pk.gate_up_fp8_persistent_kernel, up_ptrs, up_scalars, up | two_dots, *up_tile[1:]))
+    jobs.append(("gate-up persistent", pk.gate_up_fp8_persistent_kernel, up_ptrs, up_scalars, up | two_dots,
+                 *up_tile[1:]))
     pair_ptrs = dict(up_ptrs, w_ptr=pair_descriptor(torch.empty(E, 2 * N, K, dtype=torch.float8_e4m3fn), 128, 128))
     for name, kernel, _, scalars, const, warps, stages in (jobs[0], jobs[2]):  # the two gate-ups
         pair = dict(const, PAIR_DOT=True, PAIR_CHUNK=pair_chunk(128))

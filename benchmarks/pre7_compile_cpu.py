@@ -4,8 +4,8 @@ ptxas's spills and wgmma serialization, and the global loads the tile walk adds.
 
     PYTHONPATH=$PWD python benchmarks/pre7_compile_cpu.py        (PYTHONPATH=/tmp/x-site:$PWD for another Triton)
 
-One line per kernel (TMA gate-up, down, in-loader-gather gate-up, down with the 64-row tail) and order: seconds, SMEM bytes, setmaxnreg, spill
-bytes, wgmma serialized, ld.global count in the PTX. Exit 1 when one fails to compile.
+One line per kernel (TMA gate-up, down, in-loader-gather gate-up, down with the 64-row tail) and order: seconds,
+SMEM bytes, setmaxnreg, spill bytes, wgmma serialized, ld.global count in the PTX. Exit 1 when one fails to compile.
 """
 
 from __future__ import annotations

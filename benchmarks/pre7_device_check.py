@@ -86,8 +86,9 @@ def run_cell(spec: str, dev, ceil: dict, args) -> None:
         cell["alone_us"] = alone(name, s, sets, w, plan, dev, args.budget_s, args.deadline)
     if "dense" in args.parts and time.perf_counter() - p6.T0 < args.deadline:
         cell["dense"] = pv.dense_refs(m, s.top_k, s.n, s.k, dev)
-        p6.log(f"{name} dense cuBLAS: " + ", ".join(f"{k} {v['us']:.1f} us ({100 * v['TFLOPs'] / ceil['bf16_mm_TFLOPs']:.1f}"
-                                                    f"% mm)" for k, v in cell["dense"].items()))
+        mm = ceil["bf16_mm_TFLOPs"]
+        p6.log(f"{name} dense cuBLAS: " + ", ".join(f"{k} {v['us']:.1f} us ({100 * v['TFLOPs'] / mm:.1f}% mm)"
+                                                    for k, v in cell["dense"].items()))
     p6.RESULTS["cells"].append(cell)
     (args.out / "pre7.json").write_text(json.dumps(p6.RESULTS, indent=1))
     summarize(name, cell)

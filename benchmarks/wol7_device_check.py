@@ -14,7 +14,8 @@ the weights and measures the ceilings (copy rate, dense bf16 mm rate). Variants 
 "pick" (the default), "prev" (the decode picked before, where the default is the Gluon path) or "gluon". (The merged
 run's second phase, "gluon_ws" with the decode in a producer partition, 0/5 and 1.3-1.7x slower than the pick:
 removed.) Each against the exact reference (``fused_experts_wo_torch``), the Gluon ones also against the torch twin
-(``experts_gluon_wo_twin``): PASS / FAIL with rel-L2; then CUDA-graph replay over rotated input sets, the variants interleaved in ROUNDS rounds (median µs, x bf16,
+(``experts_gluon_wo_twin``): PASS / FAIL with rel-L2; then CUDA-graph replay over rotated input sets, the variants
+interleaved in ROUNDS rounds (median µs, x bf16,
 rounds >= 3% faster than the pick; "prev": rounds the pick was >= 3% faster), the flop floor (2 x M*k x 3NK over the
 mm rate) and the byte floor (touched experts' stored bytes and scales over the copy rate) as % of each. The table is
 printed last; JSON <out>/wol7.json.
