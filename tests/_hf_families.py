@@ -109,8 +109,11 @@ def small_config(fam: Family):
 def build_experts(fam: Family, seed: int = 0) -> torch.nn.Module:
     """A small instance with random weights and random non-zero biases (float32)."""
     cfg = small_config(fam)
-    # ERNIE-4.5-VL's experts take their width as an argument (one per modality)
-    kwargs = {"intermediate_size": 16} if "intermediate_size" in inspect.signature(fam.cls.__init__).parameters else {}
+    # ERNIE-4.5-VL's experts take their width as an argument (one per modality); Bailing-Hybrid's and Step-3.7's
+    # their layer index (which picks the layer's SwiGLU clamp: none in the default configs)
+    params = inspect.signature(fam.cls.__init__).parameters
+    kwargs = {"intermediate_size": 16} if "intermediate_size" in params else {}
+    kwargs |= {"layer_idx": 0} if "layer_idx" in params else {}
     with torch.device("meta"):
         size = sum(p.numel() for p in fam.cls(cfg, **kwargs).parameters())
     if size > MAX_PARAMS:
@@ -135,15 +138,24 @@ class Case:
     eager: torch.Tensor  # [M, K]: the module's own eager forward, the sentinel slot sent to expert 0 instead
 
 
+# Experts classes whose caller hands them one route a row with unit weight: the eager forward reads [R, 1] ids and
+# never scales by the weights (Ergo's projections, its routes normalised outside); called with k = 1 and weights 1
+ROUTE_ROWS = {"ErgoExpertProjections"}
+
+
 def make_case(fam: Family, tokens: int = 9, top_k: int = 2, seed: int = 1) -> Case:
     module = build_experts(fam)
+    route_rows = fam.cls.__name__ in ROUTE_ROWS
+    top_k = 1 if route_rows else top_k
     e = module.down_proj.shape[0]
     hidden = module.down_proj.shape[2 if getattr(module, "is_transposed", False) else 1]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=g)
+    weights = torch.ones(tokens, top_k) if route_rows else torch.rand(tokens, top_k, generator=g)
     weights[0, -1] = 0.0
+    if route_rows:  # its eager forward skips ids >= E itself and ignores the weights: the sentinel goes in as is
+        ids[0, -1] = e
     module.config._experts_implementation = "eager"
     with torch.no_grad():  # some eager forwards (gpt-oss, Nemotron-H) cannot take the sentinel: weight 0 instead
         eager = module(x, ids, weights)
