@@ -6,7 +6,7 @@ does for 16-bit weights (and reusing its alignment, workspace and k-sum machiner
     config (tuned file or heuristic, per decode), alignment or the naive shortcut, workspace regions
     h [A, N] and y [A, K], gate-up / down / k-sum launches
 
-Five decodes of the packed weights (DECODES), each its own kernels and its own configs:
+Six decodes of the packed weights (DECODES), each its own kernels and its own configs:
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
@@ -18,8 +18,9 @@ Five decodes of the packed weights (DECODES), each its own kernels and its own c
               packed rows read as words (``words_ok``: the chooser falls back to register elsewhere).
     scratch   ``triton_wo_scratch``: dequantized once into a scratch buffer, then the bf16 GEMMs (no fused
               plan: ``run_experts_wo`` diverts to it); chosen from SCRATCH_MIN_TOKENS where it fits.
-    gluon     ``triton_gluon_wo`` (int8, Hopper): warp-specialized Gluon GEMMs decoding each int8 tile to bf16 in
-              shared memory one step ahead of the wgmma (no fused plan: ``run_experts_wo`` diverts); selectable.
+    gluon     ``triton_gluon_wo`` (int8 / int4 / mxfp4, Hopper with Gluon): warp-specialized Gluon GEMMs decoding
+              each stored tile to bf16 in shared memory one step ahead of the wgmma (no fused plan:
+              ``run_experts_wo`` diverts to it); taken where ``GLUON_WO_CELLS`` measured it faster, else selectable.
 ``choose_decode`` picks what the H200 measured faster: the winners table's decode where a row covers the
 call (``triton_wo_winners``, mid and large batches), else per (scheme, shape, nearest measured M of the same
 tile-height bucket) for the measured shapes (``DECODE_MEASURED``; gemv only on the tiny-batch shortcut, or on
