@@ -7,9 +7,10 @@ tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / L
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py            # the candidate tiles, both schemes
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
     PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/wo_mma_sass_cpu.py --pairs 1   # another Triton, order
+    PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --block-k 256 --tiles 32:1:3 64:2:2   # 32-word steps
 
 The compile is ``wo_reg_sass_cpu``'s (``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the launch's
-``tt.divisibility`` hints). Weights a loop step: BN x 128 (x 2 for gate-up).
+``tt.divisibility`` hints). Weights a loop step: BN x BLOCK_K (x 2 for gate-up).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
 
 
 def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int,
-          pairs: int | None = None) -> MmaCount:
+          pairs: int | None = None, block_k: int = 128) -> MmaCount:
     from moekit.experts._kernels import gemm_wo_mma
     from moekit.experts.triton_wo_mma import operand_pairs
 
@@ -60,7 +61,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
                                       "map_ptr")}
     pointers |= {"q_ptr": "*u8", "s_ptr": "*fp32" if scheme == 1 else "*u8", "z_ptr": "*u8"}
     group = 128 if scheme == 1 else 32
-    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, SPAN=min(128, group), GROUP=group, GROUP_M=1,
+    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
                  PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2,
@@ -73,11 +74,11 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     loop = _main_loop(sass)
-    weights = block_n * 128 * (1 if down else 2)
+    weights = block_n * block_k * (1 if down else 2)
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
-    name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x128 "
+    name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
@@ -93,16 +94,22 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (4 kernels)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
+    p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256, 512),
+                   help="the steps' columns (BLOCK_K: 16, 32 or 64 words of a row a step)")
+    p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     args = p.parse_args(argv)
-    if args.quick:  # (scheme, BN, down, warps, stages)
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
+        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w, st in tiles]
+    elif args.quick:  # (scheme, BN, down, warps, stages)
         jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
     else:
         jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
                                                                                       (128, 4)) for st in (3, 4)]
     failed = 0
-    for job in jobs:
+    for job, job_k in [(job, bk) for bk in args.block_k for job in jobs]:
         try:
-            c = count(*job, pairs=args.pairs)
+            c = count(*job, pairs=args.pairs, block_k=job_k)
             print(f"OK {c.name}: {c.per_weight:.2f} instructions a weight, {c.registers} registers, stack {c.stack} B,"
                   f" shared {c.shared} B, {c.programs} programs an SM; {c.top}", flush=True)
         except Exception as e:  # noqa: BLE001 (report each kernel)

@@ -69,6 +69,38 @@ def test_mma_split_gate_up(wo, scheme, group):
         run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=2, glu_fold=True))
 
 
+@pytest.mark.parametrize("scheme,hidden,group,block_k", [
+    ("int4_w4a16", 200, 128, 256), ("int4_w4a16", 640, 128, 256), ("int4_w4a16", 640, 256, 512),
+    ("int4_w4a16", 296, 128, 512), ("mxfp4", 200, 32, 256), ("mxfp4", 328, 32, 512)])
+def test_mma_wide_steps_match_float64_loop(wo, scheme, hidden, group, block_k):
+    # steps of 32 / 64 words (128 / 256 bytes of a row, one load) run as 2 / 4 dots of 16 words on the step's parts,
+    # each dot inside one int4 group; K = 200 / 296 / 328 / 640: tail steps whose later sub-steps lie past the row
+    # (their words, x and scales 0), int4 tail groups of 72 / 40 / 128 columns, an mxfp4 tail group of 8; N = 384 in
+    # the down GEMM: a step of 256 then a half step (or one 512 step, half past the row)
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=hidden, n=384, seed=hidden + block_k)
+    out = run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
+    assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
+
+
+@pytest.mark.parametrize("scheme,group", [("int4_w4a16", 128), ("mxfp4", 32)])
+@pytest.mark.parametrize("m", [0, 1])
+def test_mma_wide_steps_edges(wo, scheme, group, m):
+    # M = 0 (an empty output) and M = 1 with an expert map whose -1 drops one of the token's experts; 32-word steps,
+    # the down GEMM split in 2 (one 256-column step each) and the gate-up in 2 (float32 partials)
+    from moekit.experts.triton_wo_gemv import WordConfig
+
+    x, w13, w2, ids, weights = problem(wo, scheme, group, m=m, k=2, hidden=512, n=512, seed=11 + m)
+    expert_map = torch.tensor([0, 1, -1, 2, 3], dtype=torch.int32)
+    if m:
+        ids[0] = torch.tensor([2, 4], dtype=torch.int32)  # global expert 2 lives elsewhere
+    tile = GemmTile(32, 256, 1, 1, 2)
+    out = run(wo, x, w13, w2, ids, weights, WordConfig(16, tile, tile, up_split=2), expert_map=expert_map,
+              split_k=2)
+    assert out.shape == (m, 512)
+    if m:
+        assert rel(out, loop64(x, w13, w2, ids, weights, expert_map=expert_map)) < 1e-3
+
+
 def test_mma_heuristic_config_runs(wo):
     x, w13, w2, ids, weights = problem(wo, "int4_w4a16", 128, m=2, k=2, hidden=128, n=128, seed=3)
     out = run(wo, x, w13, w2, ids, weights, None)
@@ -116,8 +148,9 @@ def test_mma_order_pairs_weights_and_activations_alike(wo, pairs):
 
 
 @pytest.mark.parametrize("scheme,group,block_k,match", [
-    ("int8_w8a16", 0, 128, "int4_w4a16 and mxfp4"), ("int4_w4a16", 64, 128, "BLOCK_K must be 128"),
-    ("int4_w4a16", 128, 64, "BLOCK_K must be 128"), ("mxfp4", 32, 256, "BLOCK_K must be 128")])
+    ("int8_w8a16", 0, 128, "int4_w4a16 and mxfp4"), ("int4_w4a16", 64, 128, "multiple of 128"),
+    ("int4_w4a16", 64, 256, "multiple of 128"), ("int4_w4a16", 128, 64, "BLOCK_K must be one of"),
+    ("mxfp4", 32, 384, "BLOCK_K must be one of"), ("mxfp4", 32, 1024, "BLOCK_K must be one of")])
 def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
     with pytest.raises(ValueError, match=match):

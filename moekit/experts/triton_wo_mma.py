@@ -14,7 +14,8 @@ import functools
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_wo_gemv import words_ok
 
-MMA_WORDS = 16  # the mma decode's words a step (BLOCK_K 128: one dot of K 128 a step)
+MMA_WORDS = 16  # the mma decode's words a dot (K 128); a step loads 1, 2 or 4 dots' words of a row at once
+STEP_COLUMNS = (128, 256, 512)  # BLOCK_K: 64, 128 or 256 bytes of a row a step (``gemm_wo_mma.SUB_WORDS``)
 
 
 def mma_fits(w13, w2, scheme: str) -> bool:
@@ -28,8 +29,9 @@ def mma_fits(w13, w2, scheme: str) -> bool:
 def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     """The mma decode's requirements, each refused by name: a 4-bit scheme, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
-    MMA_WORDS words (BLOCK_K 128), int4 inside one group (g a multiple of 128), no folded split gate-up (a
-    ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by the split_glu launch)."""
+    1, 2 or 4 dots of MMA_WORDS words (BLOCK_K 128, 256 or 512), int4 each dot inside one group (g a multiple of
+    128), no folded split gate-up (a ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by
+    the split_glu launch)."""
     if scheme not in ("int4_w4a16", "mxfp4"):
         raise ValueError(f"decode='mma' runs int4_w4a16 and mxfp4, got {scheme}")
     if not (words_ok(w13.q) and words_ok(w2.q)):
@@ -41,9 +43,9 @@ def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     if getattr(config, "glu_fold", False):
         raise ValueError("decode='mma' sums a split gate-up in its own launch: config.glu_fold must be False")
     for name, tile, group in (("up", config.up, w13.group_size), ("down", config.down, w2.group_size)):
-        if tile.BLOCK_K != 8 * MMA_WORDS or (scheme == "int4_w4a16" and group % tile.BLOCK_K):
-            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be {8 * MMA_WORDS} and divide the group "
-                             f"size, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
+        if tile.BLOCK_K not in STEP_COLUMNS or (scheme == "int4_w4a16" and group % (8 * MMA_WORDS)):
+            raise ValueError(f"decode='mma': config.{name}.BLOCK_K must be one of {STEP_COLUMNS} and int4's group "
+                             f"size a multiple of {8 * MMA_WORDS}, got BLOCK_K {tile.BLOCK_K}, group_size {group}")
 
 
 @functools.cache

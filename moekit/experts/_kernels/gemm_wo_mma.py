@@ -3,15 +3,18 @@ reworked in session 26): the packed weights read as 32-bit words (pipelined into
 cp.async stages, then into registers), each step's words decoded where they land into one MMA operand
 [BN, 8 * BKW] in the "MMA order" of K (``wo_mma_values``: int4 one shift and one lop3 for two weights; mxfp4 the
 bits placed, then one bf16x2 fma by the word's scale), the step's activation tile read once (contiguous, then
-permuted in registers to the same order) and summed with them by ONE tensor-core dot a step. (Session 24's form
-ran eight dots a step, value position T of the words against x columns 8j + T, each x tile through shared memory
-and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the pick on the H200.)
+permuted in registers to the same order) and summed with them by ONE tensor-core dot of K 128 (16 words) a
+sub-step. A step loads BKW = 16, 32 or 64 words of each row at once (64, 128 or 256 bytes a row: session 27's reads
+in this geometry stream 2.5 TB/s at 64 bytes, 3.9-4.1 at 128) and runs BKW / 16 sub-steps on its parts (``_part``).
+(Session 24's form ran eight dots a step, value position T of the words against x columns 8j + T, each x tile
+through shared memory and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the
+pick on the H200.)
 
 Torch twin: ``moekit.experts.triton_wo.fused_experts_wo_torch``. Layout: ``triton_wo``'s int4 (element 2i the low
 nibble of byte i), read as little-endian words (``triton_wo_gemv.words_ok``): element t of word j in bits 4t..4t+3.
 
-int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one step spans BLOCK_K = 8 * BKW <= g
-columns, so one group: each step's dot starts from zero (no chain across steps) and its partial product
+int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one sub-step spans 128 <= g columns, so one
+group: each sub-step's dot starts from zero (no chain across sub-steps) and its partial product
 p [BM, BN] takes the group's scale: acc += p * s. No activation sums. mxfp4: decoded value = the weight times 2^-64
 (exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times 2^64 at the end.
 ASM (NVIDIA sm_80+, compiled) with bf16 activations: ``wo_mma_values``' FAST placement; else its float twin (the
@@ -20,7 +23,7 @@ interpreter decodes to float32 with UPCAST).
 Split-K (down; the gate-up's: float32 partials, SPLIT), KSUM, alignment, NAIVE, PDL and UPCAST as in
 ``gemm_wo_reg``. Past C the words load as 0, x as 0 and the scales as 0: nothing leaks in.
 
-Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step.
+Shapes: A = M*k assignments, E local experts, K hidden, N intermediate, BM/BN the tile, BKW words a step (BLOCK_K / 8).
 """
 
 import triton
@@ -32,12 +35,34 @@ from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo import _store_y
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
+SUB_WORDS = tl.constexpr(16)  # words a dot (K 128): a step of BLOCK_K = 8 * 16 * SUB columns runs SUB of them
+
 
 @triton.jit
 def _words(q_rows, w0, KW, n_ok, BKW: tl.constexpr):
     """Words w0 .. w0 + BKW of the rows q_rows [BN] (int32 pointers) -> [BN, BKW] int32, 0 past KW."""
     j = w0 + tl.arange(0, BKW)
     return tl.load(q_rows[:, None] + j[None, :], mask=n_ok[:, None] & (j < KW)[None, :], other=0)
+
+
+@triton.jit
+def _part(t, i: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr):
+    """Columns [i C / SUB, (i + 1) C / SUB) of t [R, C] (SUB 1, 2 or 4): a step's words of sub-step i, split in
+    halves (each a [R, C / 2, 2] join's two sides: no data moves where a thread holds both)."""
+    part = t
+    if SUB > 1:
+        lo, hi = tl.split(tl.permute(tl.reshape(t, (R, 2, C // 2)), (0, 2, 1)))  # [R, C / 2] each
+        if i >= SUB // 2:
+            part = hi
+        else:
+            part = lo
+        if SUB == 4:
+            lo, hi = tl.split(tl.permute(tl.reshape(part, (R, 2, C // 4)), (0, 2, 1)))  # [R, C / 4] each
+            if i % 2 == 1:
+                part = hi
+            else:
+                part = lo
+    return part
 
 
 @triton.jit
@@ -60,8 +85,8 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
         groups = tl.arange(0, BKW // 4)
         ok = n_ok[:, None] & ((w0 + 4 * groups) * 8 < C)[None, :]
         if SCALE_WORD:  # [BN] one load a row: a [BN, 4] byte load puts the weights through shared memory (sm_90)
-            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2), mask=n_ok,
-                           other=0)
+            word = tl.load(s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + ((s_offs + w0 // 4) >> 2),
+                           mask=tl.where(w0 * 8 < C, n_ok, False), other=0)
             w = tl.where(ok, (word[:, None] >> (8 * groups)[None, :]) & 0xFF, 0)
         else:
             w = _bytes(s_ptr, s_offs[:, None] + ((w0 + 4 * groups) * 8 // GROUP)[None, :] * stride_sg, ok)
@@ -143,15 +168,18 @@ def gate_up_wo_mma_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
     for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
-        k0 = w0 * 8
-        wg, wu = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-        s_g = _word_scales(s_ptr, bg, wg, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-        s_u = _word_scales(s_ptr, bu, wu, w0, K, n_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME, SCALE_WORD)
-        x = _x_step(x_rows, row_ok, k0, K, stride_xk, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-        acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                               BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
-        acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, k0, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                             BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+        wg_step, wu_step = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
+        for i in tl.static_range(BLOCK_K // (8 * SUB_WORDS)):  # sub-steps of SUB_WORDS words: one dot each
+            ws = w0 + i * SUB_WORDS
+            wg = _part(wg_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))  # [BN, SUB_WORDS]
+            wu = _part(wu_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))
+            s_g = _word_scales(s_ptr, bg, wg, ws, K, n_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
+            s_u = _word_scales(s_ptr, bu, wu, ws, K, n_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
+            x = _x_step(x_rows, row_ok, ws * 8, K, stride_xk, BLOCK_M, SUB_WORDS, dtype, PAIRS)
+            acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, ws * 8, K, n_ok, stride_sg, stride_zg,
+                                   BLOCK_N, SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
+            acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, ws * 8, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                                 SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:
@@ -209,13 +237,14 @@ def down_wo_mma_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_start = tl.multiple_of(tl.program_id(1) * (split_len // 8), BLOCK_K // 8)  # split_len: whole steps
     for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
-        k0 = w0 * 8
-        w = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)
-        s_w = _word_scales(s_ptr, b_offs, w, w0, N, out_ok, stride_sg, BLOCK_K // 8, GROUP, SCHEME,
-                           SCALE_WORD)
-        h = _x_step(h_rows, row_ok, k0, N, 1, BLOCK_M, BLOCK_K // 8, dtype, PAIRS)
-        acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, k0, N, out_ok, stride_sg, stride_zg, BLOCK_N,
-                          BLOCK_K // 8, GROUP, dtype, SCHEME, ASM, PAIRS)
+        w_step = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)  # [BN, BKW]: one load of a row's words a step
+        for i in tl.static_range(BLOCK_K // (8 * SUB_WORDS)):  # sub-steps of SUB_WORDS words: one dot each
+            ws = w0 + i * SUB_WORDS
+            w = _part(w_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))  # [BN, SUB_WORDS]
+            s_w = _word_scales(s_ptr, b_offs, w, ws, N, out_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
+            h = _x_step(h_rows, row_ok, ws * 8, N, 1, BLOCK_M, SUB_WORDS, dtype, PAIRS)
+            acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, ws * 8, N, out_ok, stride_sg, stride_zg,
+                              BLOCK_N, SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
              stride_ym, SCHEME)
