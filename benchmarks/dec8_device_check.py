@@ -1,0 +1,282 @@
+"""GPU check of the word MMA decode in 128- and 256-byte row steps (issue #16 target 1, session 28, brief dec8):
+today's pick against ``decode="mma"`` with steps of 32 / 64 words (BLOCK_K 256 / 512, ``gemm_wo_mma``'s sub-steps),
+beside pure reads of the same bytes in the same geometry (the cap).
+
+    PYTHONPATH=$PWD timeout 85 python3 benchmarks/dec8_device_check.py --out $OUT/dec8 --deadline 70   # H200
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec8_device_check.py --smoke                 # CPU
+
+Groups (one child process each, weights made once for its Ms; the deadline skips the last): GROUPS, in the order
+most likely to decide a pick first. Per M:
+- the whole call (``run_experts_wo``) against the torch twin (rel-L2 < TOL): "pick" (config and decode chosen as the
+  bench's call: ``choose_decode``, ``wo_config``), and the mma decode's configs (VARIANTS: "m16" today's mma
+  heuristic, 32 rows x 16 words in 1 warp, 3 stages; "m32" 32 x 32 words, 2 stages; "m32s3" 3 stages; "m64" 32 x 64
+  words, 2 stages; "m32u2" m32 with the gate-up split in 2, at M = 1 only, where the touched experts give few
+  programs). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``), instructions a weight / programs an SM, int4
+  gate-up and down: m16 2.70 / 12, 3.15 / 15; m32 2.52 / 8, 2.82 / 10; m64 2.67 / 6 (512 B spilled), 2.86 / 8;
+  mxfp4 m16 4.65, 5.19; m32 4.22, 4.62.
+- pure reads (``dec7_kernels.geom_read_kernel``, LEVEL 0: the words xor-folded, checked against the host's xor of
+  every touched word) of the touched experts' words in the mma geometry: "rd-m16" 32 rows x 16 words a step (64
+  bytes a row), "rd-m32" x 32 words (128 bytes), 1 warp, the m32 variant's splits: the cap of each geometry.
+Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); % of
+the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the same
+process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 0.97 x the pick. JSON <out>/dec8.json
+(the children's under a temporary directory); the table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.experts.configs import GemmTile  # noqa: E402
+from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
+from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
+from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
+from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
+from dec7_device_check import expected, interleaved  # noqa: E402
+from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
+from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
+from wo_mma_device_check import graph_of  # noqa: E402
+
+# (preset, scheme, Ms): the cells the mma decode picks today first (a direct A/B of the step), then the gemv's
+GROUPS = (("mixtral-8x7b", "int4_w4a16", (8, 1)), ("deepseek-v3", "int4_w4a16", (64, 1, 8)),
+          ("mixtral-8x7b", "mxfp4", (8,)), ("deepseek-v3", "mxfp4", (1, 8)), ("mixtral-8x7b", "int4_w4a16", (64,)))
+# name -> (rows, words a step, warps, stages, gate-up split; None: at M = 1 only)
+VARIANTS = {"m16": (32, 16, 1, 3, 1), "m32": (32, 32, 1, 2, 1), "m32s3": (32, 32, 1, 3, 1), "m64": (32, 64, 1, 2, 1),
+            "m32u2": (32, 32, 1, 2, None)}
+READS = {"rd-m16": 16, "rd-m32": 32}  # name -> words a step (32 rows, 1 warp, the m32 variant's splits)
+SETS, TOL, WIN = 3, 1e-2, 0.97
+START = time.perf_counter()
+FAILED: list[str] = []
+
+
+@dataclasses.dataclass
+class Cell:
+    preset: str
+    scheme: str
+    m: int
+    floor_us: float
+    bytes: float
+    copy_tbps: float
+    pick: str = ""  # the decode today's chooser takes
+    times: dict = dataclasses.field(default_factory=dict)  # graph -> median µs a call
+    rounds: dict = dataclasses.field(default_factory=dict)  # graph -> µs a call, each round
+    configs: dict = dataclasses.field(default_factory=dict)  # variant -> config dict / read plans
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def variants(m: int) -> dict:
+    """name -> (decode, config): the pick (None, None: the chooser's) and the mma configs (VARIANTS) at this M."""
+    out = {"pick": (None, None)}
+    for name, (rows, words, warps, stages, split) in VARIANTS.items():
+        if split is None and m != 1:
+            continue
+        tile = GemmTile(rows, 8 * words, 1, warps, stages)
+        out[name] = ("mma", WordConfig(16, tile, tile, up_split=split or 2))
+    return out
+
+
+def read_plans(s: Shape, plan, words: int) -> tuple[GeomPlan, GeomPlan]:
+    """(gate-up, down) pure reads of 32 rows x ``words`` a step in 1 warp, at ``plan``'s splits (a WoPlan)."""
+    up_split, down_split = plan.gate_up.grid[1] if len(plan.gate_up.grid) > 1 else 1, plan.down.grid[1]
+    return (GeomPlan(s.n, s.n, 32, words, 1, up_split, 1, 0), GeomPlan(s.k, 0, 32, words, 1, down_split, 1, 0))
+
+
+def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev) -> None:
+    """The pure reads' graphs (READS; the experts each set touches, once each), checked on the first set."""
+    words13, words2 = w13.q.view(torch.int32), w2.q.view(torch.int32)
+    ids = [torch.unique(c.topk_ids.reshape(-1).to(torch.int32)) for c in inputs]
+    for name, words in READS.items():
+        plans = read_plans(s, plan, words)
+        cell.configs[name] = [dataclasses.asdict(p) for p in plans]
+        try:
+            bufs = [[p.parts(ids[i].numel(), dev) for p in plans] for i in range(len(inputs))]
+
+            def run(i, plans=plans, bufs=bufs):
+                launch_geom(words13, ids[i], plans[0], bufs[i][0], dev.type == "cuda")
+                launch_geom(words2, ids[i], plans[1], bufs[i][1], dev.type == "cuda")
+
+            run(0)
+            got, want = 0, expected(words13, words2, ids[0].tolist(), plans)
+            for part in bufs[0]:
+                got ^= int(np.bitwise_xor.reduce(part.cpu().numpy()))
+            check(f"{s.name} {cell.scheme} M={cell.m} {name}", got == want, f"xor {got:#x} want {want:#x}")
+            graphs[name] = graph_of([lambda i=i: run(i) for i in range(len(inputs))], dev)
+        except Exception as e:  # noqa: BLE001  (one read's failure never loses the cell)
+            traceback.print_exc(limit=3)
+            check(f"{s.name} {cell.scheme} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
+
+
+def add_calls(cell: Cell, graphs: dict, a13, a2, w13, w2, inputs, found: dict, s: Shape, dev) -> None:
+    """The whole-call graphs of each variant, each checked against the torch twin on the first set."""
+    c0 = inputs[0]
+    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
+    for name, (decode, cfg) in found.items():
+        cell.configs[name] = {"decode": decode or cell.pick, "config": None if cfg is None else cfg.to_dict()}
+
+        def call(c, cfg=cfg, decode=decode):
+            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, cell.scheme, config=cfg,
+                                  decode=decode)
+
+        try:
+            err = rel_err(call(c0), want)
+            check(f"{s.name} {cell.scheme} M={cell.m} {name}", err < TOL, f"rel_err={err:.2e} {cell.configs[name]}")
+            if err < TOL:
+                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(limit=3)
+            check(f"{s.name} {cell.scheme} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
+
+
+def precompile(s: Shape, scheme: str, ms: tuple, w13, w2, dev) -> None:
+    """Every call's kernels of the group compiled at once in a thread pool (Triton's AsyncCompileMode)."""
+    from triton import AsyncCompileMode
+
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for m in ms:
+                c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
+                ids = torch.unique(c.topk_ids.reshape(-1).to(torch.int32))
+                for name, (decode, cfg) in variants(m).items():
+                    plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", cfg,
+                                       LaunchOptions(reuse_workspace=False), None, decode)
+                    _warm(plan, c, a13, a2, dev)
+                    if name == "m32":
+                        for words in READS.values():
+                            for q, p in zip((w13.q, w2.q), read_plans(s, plan, words)):
+                                launch_geom(q.view(torch.int32), ids, p, p.parts(ids.numel(), dev), True, warmup=True)
+    except Exception as e:  # noqa: BLE001  (the kernels compile, and report, on first use)
+        print(f"precompile: {type(e).__name__}: {e}", flush=True)
+    print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def run_cell(s: Shape, scheme: str, m: int, w13, w2, bw: float, dev, until: float) -> Cell:
+    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
+    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
+    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
+    nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
+    cell = Cell(s.name, scheme, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw,
+                choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k))
+    found, c0 = variants(m), inputs[0]
+    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", found["m32"][1],
+                       LaunchOptions(), None, "mma")
+    graphs: dict = {}
+    add_reads(cell, graphs, w13, w2, inputs, plan, s, dev)
+    add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
+    cell.rounds = interleaved(graphs, len(inputs), dev, until)
+    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
+    print(f"  {s.name} {scheme} M={m} floor {cell.floor_us:.1f} (copy {bw:.2f} TB/s), pick {cell.pick}: "
+          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
+    return cell
+
+
+def wins(cell: Cell, name: str) -> int:
+    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
+
+
+def table(cells: list[Cell]) -> str:
+    lines = ["graph µs a call (% of the packed floor, TB/s of its bytes; calls: x the pick, wins/rounds >= 3%)"]
+    for c in cells:
+        lines.append(f"{c.preset} {c.scheme} M={c.m}: floor {c.floor_us:.1f} µs ({c.bytes / 1e6:.1f} MB at copy "
+                     f"{c.copy_tbps:.2f} TB/s), pick {c.pick}")
+        for k, v in c.times.items():
+            extra = ""
+            if not (k.startswith("rd") or k == "pick") and "pick" in c.times:
+                extra = f", x{v / c.times['pick']:.3f}, wins {wins(c, k)}/{len(c.rounds[k])}"
+            lines.append(f"    {k:<7} {v:8.1f}  ({100 * c.floor_us / v:5.1f}%, {c.bytes / (v * 1e-6) / 1e12:.2f}"
+                         f"{extra})")
+    return "\n".join(lines)
+
+
+def dump(path: str, cells: list[Cell]) -> None:
+    import triton
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__,
+                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
+
+
+def child(index: int, args) -> int:
+    """One group in this process: its weights once, its Ms in turn (no M begins past --until)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preset, scheme, ms = GROUPS[index]
+    s = Shape("tiny", 8, 128, 256, 2) if args.smoke else Shape.from_preset(preset)
+    ms = ms[:1] if args.smoke else ms
+    bw = copy_tbps(dev)
+    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
+    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
+    if dev.type == "cuda":
+        precompile(s, scheme, ms, w13, w2, dev)
+    cells = []
+    for m in ms:
+        if cells and time.time() > args.until - 6:
+            print(f"deadline: {s.name} {scheme} M={m} skipped", flush=True)
+            break
+        cells.append(run_cell(s, scheme, m, w13, w2, bw, dev, args.until))
+        dump(os.path.join(args.cells, f"dec8-{index}.json"), cells)
+    return 1 if FAILED else 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/dec8")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
+    p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
+    p.add_argument("--cells", help="(a group) where its JSON goes")
+    p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
+    args = p.parse_args(argv)
+    if args.group is not None:
+        return child(args.group, args)
+    import triton
+
+    print(torch.__version__, "triton", triton.__version__, flush=True)
+    cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="dec8-")
+    for i, (preset, scheme, ms) in enumerate(GROUPS[:1] if args.smoke else GROUPS):
+        left = args.deadline - (time.perf_counter() - START)
+        if left < 12:
+            skipped.append(f"{preset} {scheme} M={ms}")
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--group", str(i), "--cells", tmp,
+               "--until", str(time.time() + left - 4)] + ["--smoke"] * args.smoke
+        try:
+            rc = subprocess.run(cmd, timeout=left).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = os.path.join(tmp, f"dec8-{i}.json")
+        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
+        cells += [Cell(**c) for c in got["cells"]]
+        FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if rc not in (0, 1) else []))
+        print(f"-- group {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
+    dump(os.path.join(args.out, "dec8.json"), cells)
+    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    print(table(cells), flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
