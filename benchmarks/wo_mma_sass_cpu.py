@@ -59,12 +59,12 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     pointers = {n: "*bf16" for n in ("x_ptr", "h_ptr", "y_ptr", "weights_ptr", "out_ptr")}
     pointers |= {n: "*i32" for n in ("ids_ptr", "sorted_ids_ptr", "expert_ids_ptr", "num_padded_ptr", "counters_ptr",
                                       "map_ptr")}
-    pointers |= {"q_ptr": "*u8", "s_ptr": "*fp32" if scheme == 1 else "*u8", "z_ptr": "*u8"}
-    group = 128 if scheme == 1 else 32
+    pointers |= {"q_ptr": "*u8", "s_ptr": "*u8" if scheme == 2 else "*fp32", "z_ptr": "*u8"}
+    group = {0: block_k, 1: 128, 2: 32}[scheme]
     const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPAN=min(block_k, group), GROUP=group, GROUP_M=1,
                  SCHEME=scheme, ACT=0, NAIVE=True, UPCAST=False, PDL=False, ASM=True, SPLIT=1, KSUM=False,
                  TOPK_PAD=1, HAS_MAP=False, SUM_ROWS=1, ZERO_T=1,
-                 PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2,
+                 PAIRS=operand_pairs() if pairs is None else pairs, SCALE_WORD=scheme == 2, PER=4 if scheme == 0 else 8,
                  stride_xk=1, stride_qc=1, stride_sg=1)  # unit strides: constants at launch
     out = _compile(fn, pointers, {k: v for k, v in const.items() if k in fn.arg_names}, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,7 +78,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     ops = Counter((o.split()[1] if o.startswith("@") else o.split()[0]).split(".")[0] for o in loop)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     shared = int(out.metadata.shared)
-    name = (f"mma {'int4' if scheme == 1 else 'mxfp4'} {'down' if down else 'gate-up'} {block_n}x{block_k} "
+    name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
     top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
                                              "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
@@ -97,10 +97,11 @@ def main(argv=None) -> int:
     p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256, 512),
                    help="the steps' columns (BLOCK_K: 16, 32 or 64 words of a row a step)")
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
+    p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     args = p.parse_args(argv)
     if args.tiles:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
-        jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w, st in tiles]
+        jobs = [(s, bn, d, w, st) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
     elif args.quick:  # (scheme, BN, down, warps, stages)
         jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
     else:

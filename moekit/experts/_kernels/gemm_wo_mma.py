@@ -1,5 +1,5 @@
-"""Grouped GEMMs with weight-only 4-bit experts (int4, mxfp4), the word MMA decode (decode "mma", issue #16,
-reworked in session 26): the packed weights read as 32-bit words (pipelined into shared memory by Triton's
+"""Grouped GEMMs with weight-only experts (int4, mxfp4; int8 from session 28), the word MMA decode (decode "mma",
+issue #16, reworked in session 26): the packed weights read as 32-bit words (pipelined into shared memory by Triton's
 cp.async stages, then into registers), each step's words decoded where they land into one MMA operand
 [BN, 8 * BKW] in the "MMA order" of K (``wo_mma_values``: int4 one shift and one lop3 for two weights; mxfp4 the
 bits placed, then one bf16x2 fma by the word's scale), the step's activation tile read once (contiguous, then
@@ -15,8 +15,10 @@ nibble of byte i), read as little-endian words (``triton_wo_gemv.words_ok``): el
 
 int4: decoded value = code - z (exact in bf16; ``wo_mma_values``); one sub-step spans 128 <= g columns, so one
 group: each sub-step's dot starts from zero (no chain across sub-steps) and its partial product
-p [BM, BN] takes the group's scale: acc += p * s. No activation sums. mxfp4: decoded value = the weight times 2^-64
-(exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times 2^64 at the end.
+p [BM, BN] takes the group's scale: acc += p * s. No activation sums. int8 (PER 4 values a word, 32 words a dot):
+the codes themselves (exact in bf16), all dots into acc, the row's scale on acc at the end. mxfp4: decoded value =
+the weight times 2^-64 (exact for e8m0 scales 2^-61 .. 2^65, ``wo_mma_values``): the dot accumulates into acc, times
+2^64 at the end.
 ASM (NVIDIA sm_80+, compiled) with bf16 activations: ``wo_mma_values``' FAST placement; else its float twin (the
 interpreter decodes to float32 with UPCAST).
 
@@ -35,7 +37,7 @@ from moekit.experts._kernels.gemm import _block_rows, _glu, _grid_position
 from moekit.experts._kernels.gemm_wo import _store_y
 from moekit.experts._kernels.wo_mma_values import X_SCALE, weight_operand, x_operand
 
-SUB_WORDS = tl.constexpr(16)  # words a dot (K 128): a step of BLOCK_K = 8 * 16 * SUB columns runs SUB of them
+DOT_K = tl.constexpr(128)  # columns a dot (16 words of 4-bit values, 32 of int8): a step runs BLOCK_K / DOT_K dots
 
 
 @triton.jit
@@ -95,21 +97,22 @@ def _word_scales(s_ptr, s_offs, w, w0, C, n_ok, stride_sg, BKW: tl.constexpr, GR
 
 @triton.jit
 def _x_step(x_rows, row_ok, k0, C, stride_xc, BM: tl.constexpr, BKW: tl.constexpr, DTYPE: tl.constexpr,
-            PAIRS: tl.constexpr):
-    """The step's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + 8 BKW, 0 past C), read once as
-    one contiguous tile -> the MMA-order operand [BM, 8 BKW] in DTYPE (no conversion where DTYPE is x's)."""
-    k = k0 + tl.arange(0, 8 * BKW)
+            PAIRS: tl.constexpr, SCHEME: tl.constexpr, PER: tl.constexpr):
+    """The dot's activation tile of the rows x_rows [BM, 1] (columns k0 .. k0 + PER BKW, 0 past C), read once as
+    one contiguous tile -> the MMA-order operand [BM, PER BKW] in DTYPE (no conversion where DTYPE is x's)."""
+    k = k0 + tl.arange(0, PER * BKW)
     x = tl.load(x_rows + k[None, :] * stride_xc, mask=row_ok[:, None] & (k < C)[None, :], other=0.0)
-    return x_operand(x.to(DTYPE), BM, BKW, PAIRS)
+    return x_operand(x.to(DTYPE), BM, BKW, PAIRS, SCHEME)
 
 
 @triton.jit
 def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, stride_zg, BN: tl.constexpr,
                 BKW: tl.constexpr, GROUP: tl.constexpr, DTYPE: tl.constexpr, SCHEME: tl.constexpr,
                 FAST: tl.constexpr, PAIRS: tl.constexpr):
-    """acc [BM, BN] + the step's x [BM, 8 BKW] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
+    """acc [BM, BN] + the dot's x [BM, DOT_K] (MMA order) times the words w [BN, BKW] decoded: int4 code - zero,
     one dot from zero times the group's scale; mxfp4 (s: the words' e8m0 bytes) one dot into acc, each weight
-    scaled in the decode (times 2^-64: ``finish`` undoes it)."""
+    scaled in the decode (times 2^-64: ``finish`` undoes it); int8 the codes, one dot into acc (the row scale:
+    ``_row_scaled``, ``gemm_wo._store_y``)."""
     if SCHEME == 1:
         ok = tl.where(k0 < C, n_ok, False)
         scale = tl.load(s_rows + (k0 // GROUP) * stride_sg, mask=ok, other=0.0)  # [BN]
@@ -118,6 +121,14 @@ def _accumulate(acc, x, w, s, s_rows, z_ptr, z_offs, k0, C, n_ok, stride_sg, str
         acc += part * scale[None, :]
     else:
         acc = tl.dot(x, tl.trans(weight_operand(w, s, BN, BKW, DTYPE, SCHEME, FAST, PAIRS)), acc)
+    return acc
+
+
+@triton.jit
+def _row_scaled(acc, s_rows, n_ok, SCHEME: tl.constexpr):
+    """acc [BM, BN] times int8's per-row scales at s_rows [BN] (the gate-up's; other schemes: acc)."""
+    if SCHEME == 0:
+        acc = acc * tl.load(s_rows, mask=n_ok, other=0.0)[None, :]
     return acc
 
 
@@ -139,9 +150,9 @@ def gate_up_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, ACT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
-    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1, SPLIT: tl.constexpr = 1, PER: tl.constexpr = 8,
 ):
-    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 1 int4 or 2 mxfp4; SPAN: unused, the launch's).
+    """h = act(x w_gate^T) * (x w_up^T) per assignment row (SCHEME 0 int8, 1 int4 or 2 mxfp4; SPAN: unused).
     SPLIT > 1 (grid axis 1 = split s): words [s * split_words, (s + 1) * split_words) of each row, h_ptr the float32
     partials p [SPLIT * A, 2N] (gate then up; ``wo_split.split_glu_kernel`` sums and activates them)."""
     wait_for_previous_kernel(PDL)
@@ -166,21 +177,22 @@ def gate_up_wo_mma_kernel(
         dtype = tl.float32
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // 8)  # split_words: whole steps (>= KW: 1)
-    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // 8):
-        wg_step, wu_step = _words(qg, w0, KW, n_ok, BLOCK_K // 8), _words(qu, w0, KW, n_ok, BLOCK_K // 8)
-        for i in tl.static_range(BLOCK_K // (8 * SUB_WORDS)):  # sub-steps of SUB_WORDS words: one dot each
-            ws = w0 + i * SUB_WORDS
-            wg = _part(wg_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))  # [BN, SUB_WORDS]
-            wu = _part(wu_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))
-            s_g = _word_scales(s_ptr, bg, wg, ws, K, n_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
-            s_u = _word_scales(s_ptr, bu, wu, ws, K, n_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
-            x = _x_step(x_rows, row_ok, ws * 8, K, stride_xk, BLOCK_M, SUB_WORDS, dtype, PAIRS)
-            acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, ws * 8, K, n_ok, stride_sg, stride_zg,
-                                   BLOCK_N, SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
-            acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, ws * 8, K, n_ok, stride_sg, stride_zg, BLOCK_N,
-                                 SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
+    w_start = tl.multiple_of(tl.program_id(1) * split_words, BLOCK_K // PER)  # split_words: whole steps (>= KW: 1)
+    for w0 in range(w_start, tl.minimum(w_start + split_words, KW), BLOCK_K // PER):
+        wg_step, wu_step = _words(qg, w0, KW, n_ok, BLOCK_K // PER), _words(qu, w0, KW, n_ok, BLOCK_K // PER)
+        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
+            ws = w0 + i * (DOT_K // PER)
+            wg = _part(wg_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
+            wu = _part(wu_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)
+            s_g = _word_scales(s_ptr, bg, wg, ws, K, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            s_u = _word_scales(s_ptr, bu, wu, ws, K, n_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            x = _x_step(x_rows, row_ok, ws * PER, K, stride_xk, BLOCK_M, DOT_K // PER, dtype, PAIRS, SCHEME, PER)
+            acc_gate = _accumulate(acc_gate, x, wg, s_g, sg, z_ptr, zg, ws * PER, K, n_ok, stride_sg, stride_zg,
+                                   BLOCK_N, DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
+            acc_up = _accumulate(acc_up, x, wu, s_u, su, z_ptr, zu, ws * PER, K, n_ok, stride_sg, stride_zg, BLOCK_N,
+                                 DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
+    acc_gate, acc_up = _row_scaled(acc_gate, sg, n_ok, SCHEME), _row_scaled(acc_up, su, n_ok, SCHEME)
     mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT > 1:
         p_rows = h_ptr + (tl.program_id(1) * num_assignments + rows.to(tl.int64))[:, None] * stride_hm
@@ -202,7 +214,7 @@ def down_wo_mma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
     GROUP: tl.constexpr, GROUP_M: tl.constexpr, SCHEME: tl.constexpr, SPLIT: tl.constexpr,
     NAIVE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, SCALE_WORD: tl.constexpr = False,
-    PAIRS: tl.constexpr = 1,
+    PAIRS: tl.constexpr = 1, PER: tl.constexpr = 8,  # PER: values a word (int8 4)
     KSUM: tl.constexpr = False, top_k=1, num_global=0,  # KSUM: the k-sum folded in (``gemm.down_kernel``'s, SPLIT 1)
     TOPK_PAD: tl.constexpr = 1, HAS_MAP: tl.constexpr = False, SUM_ROWS: tl.constexpr = 1, ZERO_T: tl.constexpr = 1,
 ):
@@ -235,16 +247,16 @@ def down_wo_mma_kernel(
     if UPCAST:
         dtype = tl.float32
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_start = tl.multiple_of(tl.program_id(1) * (split_len // 8), BLOCK_K // 8)  # split_len: whole steps
-    for w0 in range(w_start, tl.minimum(w_start + split_len // 8, NW), BLOCK_K // 8):
-        w_step = _words(q_rows, w0, NW, out_ok, BLOCK_K // 8)  # [BN, BKW]: one load of a row's words a step
-        for i in tl.static_range(BLOCK_K // (8 * SUB_WORDS)):  # sub-steps of SUB_WORDS words: one dot each
-            ws = w0 + i * SUB_WORDS
-            w = _part(w_step, i, BLOCK_N, BLOCK_K // 8, BLOCK_K // (8 * SUB_WORDS))  # [BN, SUB_WORDS]
-            s_w = _word_scales(s_ptr, b_offs, w, ws, N, out_ok, stride_sg, SUB_WORDS, GROUP, SCHEME, SCALE_WORD)
-            h = _x_step(h_rows, row_ok, ws * 8, N, 1, BLOCK_M, SUB_WORDS, dtype, PAIRS)
-            acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, ws * 8, N, out_ok, stride_sg, stride_zg,
-                              BLOCK_N, SUB_WORDS, GROUP, dtype, SCHEME, ASM, PAIRS)
+    w_start = tl.multiple_of(tl.program_id(1) * (split_len // PER), BLOCK_K // PER)  # split_len: whole steps
+    for w0 in range(w_start, tl.minimum(w_start + split_len // PER, NW), BLOCK_K // PER):
+        w_step = _words(q_rows, w0, NW, out_ok, BLOCK_K // PER)  # [BN, BKW]: one load of a row's words a step
+        for i in tl.static_range(BLOCK_K // DOT_K):  # a dot's words each (DOT_K // PER)
+            ws = w0 + i * (DOT_K // PER)
+            w = _part(w_step, i, BLOCK_N, BLOCK_K // PER, BLOCK_K // DOT_K)  # [BN, DOT_K // PER]
+            s_w = _word_scales(s_ptr, b_offs, w, ws, N, out_ok, stride_sg, DOT_K // PER, GROUP, SCHEME, SCALE_WORD)
+            h = _x_step(h_rows, row_ok, ws * PER, N, 1, BLOCK_M, DOT_K // PER, dtype, PAIRS, SCHEME, PER)
+            acc = _accumulate(acc, h, w, s_w, s_rows, z_ptr, z_offs, ws * PER, N, out_ok, stride_sg, stride_zg,
+                              BLOCK_N, DOT_K // PER, GROUP, dtype, SCHEME, ASM, PAIRS)
     let_next_kernel_launch(PDL)
     _store_y(_finish(acc, SCHEME), s_rows, weights_ptr, y_ptr, safe_rows, row_ok, offs_out, out_ok, num_assignments,
              stride_ym, SCHEME)
