@@ -3,20 +3,21 @@ today's pick against ``decode="mma"`` with steps of 32 / 64 words (BLOCK_K 256 /
 beside pure reads of the same bytes in the same geometry (the cap).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/dec8_device_check.py --out $OUT/dec8 --deadline 70   # H200
-    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec8_device_check.py --smoke                 # CPU
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python3 benchmarks/dec8_device_check.py --smoke [--groups 2]    # CPU
 
 Groups (one child process each, weights made once for its Ms; the deadline skips the last): GROUPS, in the order
 most likely to decide a pick first. Per M:
 - the whole call (``run_experts_wo``) against the torch twin (rel-L2 < TOL): "pick" (config and decode chosen as the
-  bench's call: ``choose_decode``, ``wo_config``), and the mma decode's configs (VARIANTS: "m16" today's mma
-  heuristic, 32 rows x 16 words in 1 warp, 3 stages; "m32" 32 x 32 words, 2 stages; "m32s3" 3 stages; "m64" 32 x 64
-  words, 2 stages; "m32u2" m32 with the gate-up split in 2, at M = 1 only, where the touched experts give few
-  programs). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``), instructions a weight / programs an SM, int4
-  gate-up and down: m16 2.70 / 12, 3.15 / 15; m32 2.52 / 8, 2.82 / 10; m64 2.67 / 6 (512 B spilled), 2.86 / 8;
-  mxfp4 m16 4.65, 5.19; m32 4.22, 4.62.
+  bench's call: ``choose_decode``, ``wo_config``), and the mma decode's configs (VARIANTS, 32 rows in 1 warp: "k128"
+  today's mma heuristic, BLOCK_K 128, 3 stages, where the pick is another decode; "k256" BLOCK_K 256, 2 stages;
+  "k256s3" 3 stages; "k256u2" k256 with the gate-up split in 2, at M = 1 only, where the touched experts give few
+  programs). A step reads BLOCK_K / 2 bytes of a 4-bit row (k128 64 bytes, k256 128), BLOCK_K of an int8 row (128,
+  256). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``), instructions a weight / programs an SM, gate-up and
+  down: int4 k128 2.70 / 12, 3.15 / 15; k256 2.52 / 8, 2.82 / 10; mxfp4 k128 4.65, 5.19; k256 4.22, 4.62; int8 k128
+  (2 stages) 2.56 / 16, 2.88 / 23; k256 2.52 / 9, 2.78 / 14.
 - pure reads (``dec7_kernels.geom_read_kernel``, LEVEL 0: the words xor-folded, checked against the host's xor of
-  every touched word) of the touched experts' words in the mma geometry: "rd-m16" 32 rows x 16 words a step (64
-  bytes a row), "rd-m32" x 32 words (128 bytes), 1 warp, the m32 variant's splits: the cap of each geometry.
+  every touched word) of the touched experts' words in the mma geometry: "rd64B" 32 rows x 16 words a step (64
+  bytes a row), "rd128B" x 32 words (128 bytes), 1 warp, the k256 variant's splits: the cap of each geometry.
 Timing: CUDA-graph replay over SETS rotated input sets, every graph in turn, ROUNDS interleaved rounds (median); % of
 the packed floor (touched experts' packed bytes, scales, zeros, x and out over the copy rate measured in the same
 process) and TB/s (those bytes over the time); "wins": rounds a variant took <= 0.97 x the pick. JSON <out>/dec8.json
@@ -54,15 +55,20 @@ from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  
 from wo_mma_device_check import graph_of  # noqa: E402
 
 # (preset, scheme, Ms): the cells the mma decode picks today first (a direct A/B of the step), then the gemv's
-GROUPS = (("mixtral-8x7b", "int4_w4a16", (8, 1)), ("deepseek-v3", "int4_w4a16", (64, 1, 8)),
-          ("mixtral-8x7b", "mxfp4", (8,)), ("deepseek-v3", "mxfp4", (1, 8)), ("mixtral-8x7b", "int4_w4a16", (64,)))
-# name -> (rows, words a step, warps, stages, gate-up split; None: at M = 1 only)
-VARIANTS = {"m16": (32, 16, 1, 3, 1), "m32": (32, 32, 1, 2, 1), "m32s3": (32, 32, 1, 3, 1), "m64": (32, 64, 1, 2, 1),
-            "m32u2": (32, 32, 1, 2, None)}
-READS = {"rd-m16": 16, "rd-m32": 32}  # name -> words a step (32 rows, 1 warp, the m32 variant's splits)
+# (CK1 at 7b2627a: every group ~13-14 s before its timing, so about five fit 70 s; --groups picks others)
+GROUPS = (("mixtral-8x7b", "int4_w4a16", (8,)), ("deepseek-v3", "int4_w4a16", (64, 1)),
+          ("deepseek-v3", "int8_w8a16", (1, 64)), ("mixtral-8x7b", "mxfp4", (8,)), ("mixtral-8x7b", "int8_w8a16", (8,)),
+          ("deepseek-v3", "int4_w4a16", (8,)), ("deepseek-v3", "mxfp4", (1, 8)),
+          ("mixtral-8x7b", "int4_w4a16", (1, 64)),
+          ("deepseek-v3", "int8_w8a16", (8,)), ("mixtral-8x7b", "int8_w8a16", (1, 64)))
+# name -> (rows, BLOCK_K, warps, stages, gate-up split; None: at M = 1 only); "k128" only where the pick is not mma
+VARIANTS = {"k128": (32, 128, 1, 3, 1), "k256": (32, 256, 1, 2, 1), "k256s3": (32, 256, 1, 3, 1),
+            "k256u2": (32, 256, 1, 2, None)}
+READS = {"rd64B": 16, "rd128B": 32}  # name -> words a step (32 rows, 1 warp, the k256 variant's splits)
 SETS, TOL, WIN = 3, 1e-2, 0.97
 START = time.perf_counter()
 FAILED: list[str] = []
+KEPT: list = []  # what a captured read graph points at (its ids and parts), alive until the process ends
 
 
 @dataclasses.dataclass
@@ -85,13 +91,13 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
-def variants(m: int) -> dict:
-    """name -> (decode, config): the pick (None, None: the chooser's) and the mma configs (VARIANTS) at this M."""
+def variants(m: int, pick: str) -> dict:
+    """name -> (decode, config): the pick (None, None: the chooser's, ``pick``) and the mma configs (VARIANTS)."""
     out = {"pick": (None, None)}
-    for name, (rows, words, warps, stages, split) in VARIANTS.items():
-        if split is None and m != 1:
+    for name, (rows, block_k, warps, stages, split) in VARIANTS.items():
+        if (split is None and m != 1) or (name == "k128" and pick == "mma"):
             continue
-        tile = GemmTile(rows, 8 * words, 1, warps, stages)
+        tile = GemmTile(rows, block_k, 1, warps, stages)
         out[name] = ("mma", WordConfig(16, tile, tile, up_split=split or 2))
     return out
 
@@ -116,6 +122,7 @@ def add_reads(cell: Cell, graphs: dict, w13, w2, inputs, plan, s: Shape, dev) ->
                 launch_geom(words13, ids[i], plans[0], bufs[i][0], dev.type == "cuda")
                 launch_geom(words2, ids[i], plans[1], bufs[i][1], dev.type == "cuda")
 
+            KEPT.append((ids, bufs))
             run(0)
             got, want = 0, expected(words13, words2, ids[0].tolist(), plans)
             for part in bufs[0]:
@@ -159,11 +166,12 @@ def precompile(s: Shape, scheme: str, ms: tuple, w13, w2, dev) -> None:
             for m in ms:
                 c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
                 ids = torch.unique(c.topk_ids.reshape(-1).to(torch.int32))
-                for name, (decode, cfg) in variants(m).items():
+                pick = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
+                for name, (decode, cfg) in variants(m, pick).items():
                     plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", cfg,
                                        LaunchOptions(reuse_workspace=False), None, decode)
                     _warm(plan, c, a13, a2, dev)
-                    if name == "m32":
+                    if name == "k256":
                         for words in READS.values():
                             for q, p in zip((w13.q, w2.q), read_plans(s, plan, words)):
                                 launch_geom(q.view(torch.int32), ids, p, p.parts(ids.numel(), dev), True, warmup=True)
@@ -179,8 +187,8 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, bw: float, dev, until: floa
     nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
     cell = Cell(s.name, scheme, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw,
                 choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k))
-    found, c0 = variants(m), inputs[0]
-    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", found["m32"][1],
+    found, c0 = variants(m, cell.pick), inputs[0]
+    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", found["k256"][1],
                        LaunchOptions(), None, "mma")
     graphs: dict = {}
     add_reads(cell, graphs, w13, w2, inputs, plan, s, dev)
@@ -247,6 +255,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--deadline", type=float, default=70.0, help="wall-clock seconds; groups past it are skipped")
     p.add_argument("--group", type=int, help="run one group in this process (the parent starts one per group)")
+    p.add_argument("--groups", type=int, nargs="+", help="the GROUPS to run, in this order (default: all; --smoke: 0)")
     p.add_argument("--cells", help="(a group) where its JSON goes")
     p.add_argument("--until", type=float, default=float("inf"), help="(a group) no timing round begins past this")
     args = p.parse_args(argv)
@@ -256,7 +265,8 @@ def main(argv=None) -> int:
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="dec8-")
-    for i, (preset, scheme, ms) in enumerate(GROUPS[:1] if args.smoke else GROUPS):
+    order = args.groups or ([0] if args.smoke else range(len(GROUPS)))
+    for i, (preset, scheme, ms) in ((i, GROUPS[i]) for i in order):
         left = args.deadline - (time.perf_counter() - START)
         if left < 12:
             skipped.append(f"{preset} {scheme} M={ms}")
@@ -270,7 +280,8 @@ def main(argv=None) -> int:
         path = os.path.join(tmp, f"dec8-{i}.json")
         got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
         cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if rc not in (0, 1) else []))
+        broken = rc not in (0, 1) or (rc == 1 and not got["failed"])  # 1 with no failed line: it raised
+        FAILED.extend(got["failed"] + ([f"{preset} {scheme}: child exit {rc}"] if broken else []))
         print(f"-- group {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
     dump(os.path.join(args.out, "dec8.json"), cells)
     print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
