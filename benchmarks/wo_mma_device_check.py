@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -44,6 +42,8 @@ from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, wei
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
+from bench_rounds import eager_us, graph_of, interleaved, medians, wins  # noqa: E402
+from bench_run import RunLog, cells_in_children, run_info, write_json  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), ("deepseek-v3", "int4_w4a16", 8),
@@ -82,9 +82,7 @@ SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
 MERGED = False  # --merged or --confirm
 TOL = 1e-2
-WIN = 0.97
-START = time.perf_counter()
-FAILED: list[str] = []
+RUN = RunLog()
 
 
 @dataclasses.dataclass
@@ -99,12 +97,6 @@ class Cell:
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
     bytes: float = 0.0  # the floor's bytes (touched experts' packed weights, scales, zeros; x and out)
     eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (EAGER)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
 
 
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
@@ -126,65 +118,6 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     out["ms4"] = ("mma", WordConfig(mma.BLOCK_M, mma.up, mma.down, up_split=4))
     keep = EXPLORE.get((s.name, scheme, m)) if MERGED else ("mma", "m64", "m4s", "ms2")
     return {k: v for k, v in out.items() if k == "pick" or k in (keep or ())}
-
-
-def graph_of(fns, dev):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
-    if dev.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int, dev) -> dict:
-    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    if dev.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
-
-
-def eager_times(calls: dict) -> dict:
-    """name -> (host µs a call: enqueueing EAGER_CALLS calls behind a busy GPU, wall µs a call: the same calls to
-    completion), medians of ROUNDS interleaved rounds."""
-    host, wall = {k: [] for k in calls}, {k: [] for k in calls}
-    for _ in range(ROUNDS):
-        for name, fns in calls.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000)  # ~1 ms of GPU work ahead, so the enqueue time is the host's alone
-            t0 = time.perf_counter()
-            for i in range(EAGER_CALLS):
-                fns[i % len(fns)]()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            host[name].append((t1 - t0) * 1e6 / EAGER_CALLS)
-            t0 = time.perf_counter()
-            for i in range(EAGER_CALLS):
-                fns[i % len(fns)]()
-            torch.cuda.synchronize()
-            wall[name].append((time.perf_counter() - t0) * 1e6 / EAGER_CALLS)
-    return {k: (statistics.median(host[k]), statistics.median(wall[k])) for k in calls}
 
 
 def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
@@ -212,31 +145,22 @@ def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
 
         try:
             cell.errors[name] = err = rel_err(call(c0), want)
-            check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
+            RUN.check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
             if err < TOL:
                 graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
                 calls[name] = [lambda c=c, f=call: f(c) for c in inputs]
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
             traceback.print_exc(limit=3)
-            check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
+            RUN.check(tag, False, f"raised {type(e).__name__}: {e}")
+    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
     if EAGER and dev.type == "cuda" and (not MERGED or "prev" in calls):  # host µs a call (enqueue only), wall µs
-        for name, (host, wall) in eager_times(calls).items():
+        for name, (host, wall) in eager_us(calls, ROUNDS, EAGER_CALLS).items():
             cell.eager[name] = {"host_us": host, "wall_us": wall}
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
+    cell.times = medians(cell.rounds)
     print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
           flush=True)
     return cell
-
-
-def wins(cell: Cell, name: str) -> int:
-    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
-
-
-def beaten(cell: Cell, name: str) -> int:
-    """Rounds the pick took <= WIN x this variant."""
-    return sum(p <= WIN * v for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
 
 
 def table(cells: list[Cell]) -> str:
@@ -245,8 +169,9 @@ def table(cells: list[Cell]) -> str:
     for c in cells:
         pick = c.times.get("pick", float("nan"))
         tbps = {k: c.bytes / (v * 1e-6) / 1e12 for k, v in c.times.items()}
-        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c, k)}, "
-                         f"beaten {beaten(c, k)})" for k, v in c.times.items() if k != "pick")
+        base = c.rounds.get("pick", ())  # beaten: the rounds the pick took <= 0.97 x the variant
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {tbps[k]:.2f}, {wins(c.rounds[k], base)}, "
+                         f"beaten {wins(base, c.rounds[k])})" for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f} "
                      f"{tbps.get('pick', 0):.2f}TB/s  {rest}")
         if c.eager:
@@ -256,13 +181,8 @@ def table(cells: list[Cell]) -> str:
 
 
 def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    import triton
-
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as f:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
+    cells = [dataclasses.asdict(c) for c in cells]
+    write_json(os.path.join(out, name), {**run_info(), "copy_TBps": bw, "cells": cells, "failed": RUN.failed})
 
 
 def run_cells(args) -> tuple:
@@ -280,7 +200,7 @@ def child(index: int, args) -> int:
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
     dump(args.out, f"wo_mma-{index}.json", [cell], bw)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 def main(argv=None) -> int:
@@ -302,32 +222,21 @@ def main(argv=None) -> int:
         for (preset, scheme, m), want in GUARD.items():
             s = Shape.from_preset(preset)
             got = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
-            check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
+            RUN.check(f"guard {preset} {scheme} M={m} picks {want}", got == want, f"got {got}")
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(run_cells(args)):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < (12 if args.confirm else 20):  # a cell takes ~10-14 s (the confirm's are all medium-sized)
-            skipped.append(f"{preset} {scheme} M={m}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
-        try:
-            flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged + \
-                ["--confirm"] * args.confirm
-            rc = subprocess.run(cmd + flags, timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(args.out, f"wo_mma-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
+    flags = ["--smoke"] * args.smoke + ["--eager"] * args.eager + ["--merged"] * args.merged + \
+        ["--confirm"] * args.confirm
+    labels = [f"{preset} {scheme} M={m}" for preset, scheme, m in run_cells(args)]
+    min_left = 12 if args.confirm else 20  # a cell takes ~10-14 s (the confirm's are all medium-sized)
+    got, skipped = cells_in_children(__file__, labels, args.out, "wo_mma", RUN, args.deadline, min_left,
+                                     lambda left: flags)
+    cells = [Cell(**c) for c in got]
     dump(args.out, "wo_mma.json", cells, float("nan"))
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ Cells (in this order; the deadline cuts the last): int4_w4a16 (g 128) Mixtral-8x
 branch), DeepSeek-V3 M = 8, mxfp4 DeepSeek-V3 M = 1, 8, int4 DeepSeek-V3 M = 1, Qwen3 M = 8, 1, each in a child
 process of its own (a fault loses only its cell). Run 1
 (0bdc803, the first four variants, DeepSeek-V3 int4 M=8, mxfp4 M=1/8, Mixtral int4 M=8): swap_ab won Mixtral int4
-M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere. Variants: "pick" (what a call runs now), "prev" (the decode picked before
-this branch, where PREVIOUS names one), "reg" (the register decode, its heuristic config unswapped), "sw" (that
-config with swap_ab: the int4 default at 16-row blocks since this branch). The merged run (e3434b4) also ran a word
+M=8 (420 vs 482 µs, 5/5) and lost every mxfp4 cell; 128-row and 256-wide swapped register tiles lost everywhere.
+Variants: "pick" (what a call runs now), "prev" (the decode picked before this branch, where PREVIOUS names one),
+"reg" (the register decode, its heuristic config unswapped), "sw" (that config with swap_ab: the int4 default at
+16-row blocks since this branch). The merged run (e3434b4) also ran a word
 MMA decode ("mma", ``gemm_wo_mma``: 1.3-3.2x slower than the pick in every cell; removed, history at 1fa2c6c).
 Each variant against the torch twin (rel-L2 < TOL, PASS/FAIL); then
 CUDA-graph replay of the whole call over rotated input sets, every graph in turn in ROUNDS interleaved rounds
@@ -26,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -43,6 +42,8 @@ from moekit.experts.configs import device_key  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
+from bench_rounds import graph_of, interleaved, medians, wins  # noqa: E402
+from bench_run import RunLog, cells_in_children, run_info, write_json  # noqa: E402
 from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
 
 CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 64),
@@ -53,9 +54,7 @@ CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), (
 PREVIOUS: dict[tuple, str] = {}
 SETS, ROUNDS, REPLAYS = 3, 5, 5
 TOL = 1e-2
-WIN = 0.97
-START = time.perf_counter()
-FAILED: list[str] = []
+RUN = RunLog()
 
 
 @dataclasses.dataclass
@@ -70,12 +69,6 @@ class Cell:
     configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
-    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
-    if not ok:
-        FAILED.append(name)
-
-
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     """name -> (decode, config)."""
     decode = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
@@ -87,43 +80,6 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     out["reg"] = ("register", dataclasses.replace(reg, swap_ab=False))  # unswapped (int4's default swaps since 24)
     out["sw"] = ("register", dataclasses.replace(reg, swap_ab=True))
     return out
-
-
-def graph_of(fns, dev):
-    """The calls captured in one CUDA graph (warmed on a side stream first), or None off the GPU."""
-    if dev.type != "cuda":
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns * 2:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
-def interleaved(graphs: dict, calls: int, dev) -> dict:
-    """name -> [µs per call, each round]: every graph replayed REPLAYS times a round, the graphs in turn."""
-    if dev.type != "cuda":
-        return {name: [float("nan")] for name in graphs}
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(ROUNDS):
-        for name, g in graphs.items():
-            start.record()
-            for _ in range(REPLAYS):
-                g.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1e3 / (REPLAYS * calls))
-    return samples
 
 
 def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
@@ -151,41 +107,32 @@ def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
 
         try:
             cell.errors[name] = err = rel_err(call(c0), want)
-            check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
+            RUN.check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
             if err < TOL:
                 graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
         except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
             traceback.print_exc(limit=3)
-            check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved({k: g for k, g in graphs.items()}, len(inputs), dev)
-    cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
-    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: " + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
-          flush=True)
+            RUN.check(tag, False, f"raised {type(e).__name__}: {e}")
+    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
+    cell.times = medians(cell.rounds)
+    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
+          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
     return cell
-
-
-def wins(cell: Cell, name: str) -> int:
-    return sum(v <= WIN * p for v, p in zip(cell.rounds.get(name, ()), cell.rounds.get("pick", ())))
 
 
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<13} {'scheme':<10} {'M':>2} {'floor':>6} {'pick':>7}  variants µs (% floor, wins/{ROUNDS})"]
     for c in cells:
         pick = c.times.get("pick", float("nan"))
-        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {wins(c, k)})" for k, v in c.times.items()
-                         if k != "pick")
+        rest = "  ".join(f"{k} {v:.1f} ({100 * c.floor_us / v:.0f}%, {wins(c.rounds[k], c.rounds.get('pick', ()))})"
+                         for k, v in c.times.items() if k != "pick")
         lines.append(f"{c.preset:<13} {c.scheme:<10} {c.m:>2} {c.floor_us:6.1f} {pick:7.1f}  {rest}")
     return "\n".join(lines)
 
 
 def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    import triton
-
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name), "w") as f:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": bw,
-                   "cells": [dataclasses.asdict(c) for c in cells], "failed": FAILED}, f, indent=1)
+    cells = [dataclasses.asdict(c) for c in cells]
+    write_json(os.path.join(out, name), {**run_info(), "copy_TBps": bw, "cells": cells, "failed": RUN.failed})
 
 
 def child(index: int, args) -> int:
@@ -196,7 +143,7 @@ def child(index: int, args) -> int:
     s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
     cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
     dump(args.out, f"wo_tc-{index}.json", [cell], bw)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 def main(argv=None) -> int:
@@ -211,26 +158,14 @@ def main(argv=None) -> int:
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
-    cells, skipped = [], []
-    for i, (preset, scheme, m) in enumerate(CELLS[:2] if args.smoke else CELLS):
-        left = args.deadline - (time.perf_counter() - START)
-        if left < 20:
-            skipped.append(f"{preset} {scheme} M={m}")
-            continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(i), "--out", args.out]
-        try:
-            rc = subprocess.run(cmd + (["--smoke"] if args.smoke else []), timeout=left).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        path = os.path.join(args.out, f"wo_tc-{i}.json")
-        got = json.load(open(path)) if os.path.exists(path) else {"cells": [], "failed": []}
-        cells += [Cell(**c) for c in got["cells"]]
-        FAILED.extend(got["failed"] + ([f"{preset} {scheme} M={m}: child exit {rc}"] if rc not in (0, 1) else []))
-        print(f"-- cell {i} done at {time.perf_counter() - START:.1f} s (exit {rc})", flush=True)
+    labels = [f"{preset} {scheme} M={m}" for preset, scheme, m in (CELLS[:2] if args.smoke else CELLS)]
+    got, skipped = cells_in_children(__file__, labels, args.out, "wo_tc", RUN, args.deadline, 20,
+                                     lambda left: ["--smoke"] * args.smoke)
+    cells = [Cell(**c) for c in got]
     dump(args.out, "wo_tc.json", cells, float("nan"))
-    print(f"total {time.perf_counter() - START:.1f} s; FAILED:", FAILED or "none", "; SKIPPED:", skipped or "none")
+    print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
-    return 1 if FAILED else 0
+    return 1 if RUN.failed else 0
 
 
 if __name__ == "__main__":
