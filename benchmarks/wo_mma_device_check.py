@@ -25,26 +25,21 @@ the table printed last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import statistics
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.configs import GemmTile, KernelConfig, device_key  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
-from bench_rounds import eager_us, graph_of, interleaved, medians, wins  # noqa: E402
-from bench_run import RunLog, cells_in_children, run_info, write_json  # noqa: E402
-from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_rounds import graph_of, wins  # noqa: E402,F401  (graph_of: scripts copied from dec7 import it here)
+from bench_run import RunLog, cells_in_children  # noqa: E402
+from wo_cells import ROUNDS, Cell, child, dump, measure_cell  # noqa: E402
 
 CELLS = (("deepseek-v3", "int4_w4a16", 1), ("qwen3-30b-a3b", "int4_w4a16", 1), ("deepseek-v3", "int4_w4a16", 8),
          ("mixtral-8x7b", "int4_w4a16", 8), ("qwen3-30b-a3b", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1),
@@ -78,25 +73,9 @@ GUARD = {("deepseek-v3", "int4_w4a16", 1): "gemv", ("qwen3-30b-a3b", "int4_w4a16
          ("deepseek-v3", "int4_w4a16", 16): "register", ("mixtral-8x7b", "mxfp4", 1): "register",
          ("deepseek-v3", "mxfp4", 64): "register", ("qwen3-30b-a3b", "mxfp4", 64): "register"}
 MMA_TILES = {"m64": (64, 2, 3), "m4s": (32, 1, 4)}  # name -> (rows, warps, stages), both GEMMs; name + "s2": split
-SETS, ROUNDS, REPLAYS = 3, 5, 5
 EAGER, EAGER_CALLS = False, 12  # --eager: each variant's eager host and wall µs a call too
 MERGED = False  # --merged or --confirm
-TOL = 1e-2
 RUN = RunLog()
-
-
-@dataclasses.dataclass
-class Cell:
-    preset: str
-    scheme: str
-    m: int
-    floor_us: float
-    times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
-    rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
-    errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
-    configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
-    bytes: float = 0.0  # the floor's bytes (touched experts' packed weights, scales, zeros; x and out)
-    eager: dict = dataclasses.field(default_factory=dict)  # variant -> {"host_us", "wall_us"} (EAGER)
 
 
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
@@ -121,46 +100,10 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
 
 
 def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
-    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-    cell = Cell(s.name, scheme, m, floor_us, bytes=floor_us * bw * 1e6)
+    """The cell with this mode's variants; eager times with --eager (--merged / --confirm: where "prev" runs)."""
     found = variants(s, scheme, m, dev)
-    if dev.type == "cuda":
-        t0 = time.perf_counter()
-        precompile([(s, scheme, m, d, cfg, None) for d, cfg in found.values()], dev)
-        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    c0 = inputs[0]
-    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
-    graphs, calls = {}, {}
-    for name, (decode, cfg) in found.items():
-        tag = f"{s.name} {scheme} M={m} {name}"
-        cell.configs[name] = (decode, cfg.to_dict())
-
-        def call(c, decode=decode, cfg=cfg):
-            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=cfg, decode=decode)
-
-        try:
-            cell.errors[name] = err = rel_err(call(c0), want)
-            RUN.check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
-            if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
-                calls[name] = [lambda c=c, f=call: f(c) for c in inputs]
-        except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
-            traceback.print_exc(limit=3)
-            RUN.check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
-    if EAGER and dev.type == "cuda" and (not MERGED or "prev" in calls):  # host µs a call (enqueue only), wall µs
-        for name, (host, wall) in eager_us(calls, ROUNDS, EAGER_CALLS).items():
-            cell.eager[name] = {"host_us": host, "wall_us": wall}
-    cell.times = medians(cell.rounds)
-    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
-          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()),
-          flush=True)
-    return cell
+    eager = EAGER_CALLS if EAGER and (not MERGED or "prev" in found) else 0
+    return measure_cell(s, scheme, m, dev, bw, found, RUN, eager)
 
 
 def table(cells: list[Cell]) -> str:
@@ -180,27 +123,11 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    cells = [dataclasses.asdict(c) for c in cells]
-    write_json(os.path.join(out, name), {**run_info(), "copy_TBps": bw, "cells": cells, "failed": RUN.failed})
-
-
 def run_cells(args) -> tuple:
     """The (preset, scheme, M) cells of this run's mode."""
     if args.smoke:
         return CELLS[:2]
     return CONFIRM_CELLS if args.confirm else MERGED_CELLS + EXPLORE_CELLS if args.merged else CELLS
-
-
-def child(index: int, args) -> int:
-    """One cell in this process; its JSON to <out>/wo_mma-<index>.json."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bw = copy_tbps(dev)
-    preset, scheme, m = run_cells(args)[index]
-    s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
-    dump(args.out, f"wo_mma-{index}.json", [cell], bw)
-    return 1 if RUN.failed else 0
 
 
 def main(argv=None) -> int:
@@ -217,7 +144,7 @@ def main(argv=None) -> int:
     global EAGER, MERGED
     EAGER, MERGED = args.eager or args.merged or args.confirm, args.merged or args.confirm
     if args.cell is not None:
-        return child(args.cell, args)
+        return child(run_cells(args)[args.cell], args, "wo_mma", args.cell, run_cell, RUN)
     if MERGED:
         for (preset, scheme, m), want in GUARD.items():
             s = Shape.from_preset(preset)
@@ -233,7 +160,7 @@ def main(argv=None) -> int:
     got, skipped = cells_in_children(__file__, labels, args.out, "wo_mma", RUN, args.deadline, min_left,
                                      lambda left: flags)
     cells = [Cell(**c) for c in got]
-    dump(args.out, "wo_mma.json", cells, float("nan"))
+    dump(os.path.join(args.out, "wo_mma.json"), cells, float("nan"), RUN)
     print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
     return 1 if RUN.failed else 0

@@ -28,23 +28,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
-import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from moekit.bench.cells import Shape, make_sets, measured_experts_touched  # noqa: E402
+from moekit.bench.cells import Shape  # noqa: E402
 from moekit.experts.configs import device_key  # noqa: E402
-from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_configs import wo_config  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode  # noqa: E402
-from bench_rounds import graph_of, interleaved, medians, wins  # noqa: E402
-from bench_run import RunLog, cells_in_children, run_info, write_json  # noqa: E402
-from wo_device_check import copy_tbps, packed_bytes, precompile, quantized, rel_err  # noqa: E402
+from bench_rounds import wins  # noqa: E402
+from bench_run import RunLog, cells_in_children  # noqa: E402
+from wo_cells import ROUNDS, Cell, child, dump, measure_cell  # noqa: E402
 
 CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), ("qwen3-30b-a3b", "int4_w4a16", 64),
          ("deepseek-v3", "int4_w4a16", 8), ("deepseek-v3", "mxfp4", 1), ("deepseek-v3", "mxfp4", 8),
@@ -52,21 +48,7 @@ CELLS = (("mixtral-8x7b", "int4_w4a16", 8), ("deepseek-v3", "int4_w4a16", 64), (
 # (preset, scheme, M) -> the decode the chooser picked there before this branch's DECODE_MEASURED rows ("prev":
 # timed against the new pick; empty while no default changed)
 PREVIOUS: dict[tuple, str] = {}
-SETS, ROUNDS, REPLAYS = 3, 5, 5
-TOL = 1e-2
 RUN = RunLog()
-
-
-@dataclasses.dataclass
-class Cell:
-    preset: str
-    scheme: str
-    m: int
-    floor_us: float
-    times: dict = dataclasses.field(default_factory=dict)  # variant -> median µs a call
-    rounds: dict = dataclasses.field(default_factory=dict)  # variant -> µs a call, each round
-    errors: dict = dataclasses.field(default_factory=dict)  # variant -> rel-L2 against the twin
-    configs: dict = dataclasses.field(default_factory=dict)  # variant -> (decode, config dict)
 
 
 def variants(s: Shape, scheme: str, m: int, dev) -> dict:
@@ -82,44 +64,6 @@ def variants(s: Shape, scheme: str, m: int, dev) -> dict:
     return out
 
 
-def run_cell(s: Shape, scheme: str, m: int, dev, bw: float) -> Cell:
-    w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
-    w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
-    a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
-    inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
-    touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
-    floor_us = (touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2) / (bw * 1e12) * 1e6
-    cell = Cell(s.name, scheme, m, floor_us)
-    found = variants(s, scheme, m, dev)
-    if dev.type == "cuda":
-        t0 = time.perf_counter()
-        precompile([(s, scheme, m, d, cfg, None) for d, cfg in found.values()], dev)
-        print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    c0 = inputs[0]
-    want = fused_experts_wo_torch(c0.x, w13, w2, c0.topk_ids, c0.topk_weights)
-    graphs = {}
-    for name, (decode, cfg) in found.items():
-        tag = f"{s.name} {scheme} M={m} {name}"
-        cell.configs[name] = (decode, cfg.to_dict())
-
-        def call(c, decode=decode, cfg=cfg):
-            return run_experts_wo(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, config=cfg, decode=decode)
-
-        try:
-            cell.errors[name] = err = rel_err(call(c0), want)
-            RUN.check(tag, err < TOL, f"rel_err={err:.2e} ({decode} {cfg.to_dict()})")
-            if err < TOL:
-                graphs[name] = graph_of([lambda c=c: call(c) for c in inputs], dev)
-        except Exception as e:  # noqa: BLE001  (one variant's failure never loses the cell)
-            traceback.print_exc(limit=3)
-            RUN.check(tag, False, f"raised {type(e).__name__}: {e}")
-    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS)
-    cell.times = medians(cell.rounds)
-    print(f"  {s.name} {scheme} M={m} floor {floor_us:.1f}: "
-          + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
-    return cell
-
-
 def table(cells: list[Cell]) -> str:
     lines = [f"{'shape':<13} {'scheme':<10} {'M':>2} {'floor':>6} {'pick':>7}  variants µs (% floor, wins/{ROUNDS})"]
     for c in cells:
@@ -130,22 +74,6 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def dump(out: str, name: str, cells: list[Cell], bw: float) -> None:
-    cells = [dataclasses.asdict(c) for c in cells]
-    write_json(os.path.join(out, name), {**run_info(), "copy_TBps": bw, "cells": cells, "failed": RUN.failed})
-
-
-def child(index: int, args) -> int:
-    """One cell in this process; its JSON to <out>/wo_tc-<index>.json."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bw = copy_tbps(dev)
-    preset, scheme, m = CELLS[index]
-    s = Shape("tiny", 8, 64, 128, 2) if args.smoke else Shape.from_preset(preset)
-    cell = run_cell(s, scheme, 1 if args.smoke and m > 1 else m, dev, bw)
-    dump(args.out, f"wo_tc-{index}.json", [cell], bw)
-    return 1 if RUN.failed else 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT") or "/tmp/wo_tc")
@@ -154,7 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--cell", type=int, help="run one cell in this process (the parent starts one per cell)")
     args = p.parse_args(argv)
     if args.cell is not None:
-        return child(args.cell, args)
+        return child(CELLS[args.cell], args, "wo_tc", args.cell, lambda s, scheme, m, dev, bw: measure_cell(
+            s, scheme, m, dev, bw, variants(s, scheme, m, dev), RUN), RUN)
     import triton
 
     print(torch.__version__, "triton", triton.__version__, flush=True)
@@ -162,7 +91,7 @@ def main(argv=None) -> int:
     got, skipped = cells_in_children(__file__, labels, args.out, "wo_tc", RUN, args.deadline, 20,
                                      lambda left: ["--smoke"] * args.smoke)
     cells = [Cell(**c) for c in got]
-    dump(args.out, "wo_tc.json", cells, float("nan"))
+    dump(os.path.join(args.out, "wo_tc.json"), cells, float("nan"), RUN)
     print(f"total {RUN.elapsed():.1f} s; FAILED:", RUN.failed or "none", "; SKIPPED:", skipped or "none")
     print(table(cells), flush=True)
     return 1 if RUN.failed else 0
