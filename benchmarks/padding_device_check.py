@@ -171,7 +171,8 @@ def main() -> int:
     RESULTS["ceilings"] = ceil
     log(f"ceilings: {ceil}; torch {torch.__version__}")
     wanted = [n.strip() for n in args.variants.split(",") if n.strip()]
-    pdc.RUN.each_cell(args.cells, lambda spec: run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out, wanted),
+    pdc.RUN.each_cell(args.cells,
+                      lambda spec: run_cell(spec, dev, ceil, args.rounds, args.deadline_s, args.out, wanted),
                       args.deadline_s, pdc.free_memory)
     pdc.print_table()
     return 1 if pdc.FAILED else 0

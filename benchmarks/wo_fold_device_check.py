@@ -196,7 +196,8 @@ def eager_pick_fold(s: Shape, scheme: str, m: int, w13, w2, inputs) -> dict:
                 with torch.no_grad():
                     t = time_eager(fns, DEV, **EAGER)
                 samples[name].append((t.eager_us, t.host_rest_us))
-                folded = any(plan.glu_fold for plan in triton_wo_plan._WO_PLANS.values())  # the lean calls' plan: folded or not
+                # the lean calls' plan: folded or not
+                folded = any(plan.glu_fold for plan in triton_wo_plan._WO_PLANS.values())
                 check(f"{s.name} {scheme} M={m} eager {name} runs {'folded' if fold else 'unfolded'}", folded == fold)
     finally:
         winners.WORD_WINNERS[key] = row
@@ -224,8 +225,9 @@ def shape_cells(s: Shape, bw: float, smoke: bool) -> list[Cell]:
 
 
 def table(cells: list[Cell]) -> str:
-    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'unfolded':>8} {'folded':>8} {'best':>8} {'variant':<12} "
-             f"{'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} {'eager u/f':>13} {'host u/f':>11}"]
+    lines = [f"{'shape':<14} {'scheme':<10} {'M':>3} {'bf16':>7} {'unfolded':>8} {'folded':>8} {'best':>8} "
+             f"{'variant':<12} {'floor':>6} {'%fl best':>8} {'x bf16':>6} {'#l pick':>7} {'#l best':>7} "
+             f"{'eager u/f':>13} {'host u/f':>11}"]
     for c in cells:
         if not c.times:
             continue
