@@ -49,10 +49,10 @@ from moekit.experts.triton_launch import LaunchOptions  # noqa: E402
 from moekit.experts.triton_wo import fused_experts_wo_torch, run_experts_wo, weight_args  # noqa: E402
 from moekit.experts.triton_wo_gemv import WordConfig  # noqa: E402
 from moekit.experts.triton_wo_plan import choose_decode, wo_plan_for  # noqa: E402
-from dec7_device_check import expected, interleaved  # noqa: E402
+from bench_rounds import graph_of, interleaved  # noqa: E402
+from dec7_device_check import expected  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
-from wo_mma_device_check import graph_of  # noqa: E402
 
 # (preset, scheme, Ms): the cells the mma decode picks today first (a direct A/B of the step), then the gemv's
 # (CK1 at 7b2627a: every group ~13-14 s before its timing, so about five fit 70 s; --groups picks others)
@@ -65,7 +65,7 @@ GROUPS = (("mixtral-8x7b", "int4_w4a16", (8,)), ("deepseek-v3", "int4_w4a16", (6
 VARIANTS = {"k128": (32, 128, 1, 3, 1), "k256": (32, 256, 1, 2, 1), "k256s3": (32, 256, 1, 3, 1),
             "k256u2": (32, 256, 1, 2, None)}
 READS = {"rd64B": 16, "rd128B": 32}  # name -> words a step (32 rows, 1 warp, the k256 variant's splits)
-SETS, TOL, WIN = 3, 1e-2, 0.97
+SETS, ROUNDS, REPLAYS, TOL, WIN = 3, 5, 5, 1e-2, 0.97
 START = time.perf_counter()
 FAILED: list[str] = []
 KEPT: list = []  # what a captured read graph points at (its ids and parts), alive until the process ends
@@ -193,7 +193,7 @@ def run_cell(s: Shape, scheme: str, m: int, w13, w2, bw: float, dev, until: floa
     graphs: dict = {}
     add_reads(cell, graphs, w13, w2, inputs, plan, s, dev)
     add_calls(cell, graphs, a13, a2, w13, w2, inputs, found, s, dev)
-    cell.rounds = interleaved(graphs, len(inputs), dev, until)
+    cell.rounds = interleaved(graphs, len(inputs), dev, ROUNDS, REPLAYS, until)
     cell.times = {name: statistics.median(v) for name, v in cell.rounds.items()}
     print(f"  {s.name} {scheme} M={m} floor {cell.floor_us:.1f} (copy {bw:.2f} TB/s), pick {cell.pick}: "
           + "  ".join(f"{k} {v:.1f}" for k, v in cell.times.items()), flush=True)
