@@ -24,7 +24,7 @@ def mma_fits(w13, w2, scheme: str) -> bool:
     kind = "zero" if scheme == "int4_w4a16" else "scale"
     return (scheme in SCHEMES and words_ok(w13.q) and words_ok(w2.q)
             and (scheme == "int8_w8a16" or all(getattr(w, kind).data_ptr() % 4 == 0 for w in (w13, w2)))
-            and (scheme == "mxfp4" or all(w.group_size % (8 * MMA_WORDS) == 0 for w in (w13, w2))))
+            and (scheme != "int4_w4a16" or all(w.group_size % (8 * MMA_WORDS) == 0 for w in (w13, w2))))
 
 
 def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
