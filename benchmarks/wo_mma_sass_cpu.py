@@ -80,7 +80,7 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     shared = int(out.metadata.shared)
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
-    top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
+    top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS", "LDL", "STL",
                                              "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
                     int(re.search(r"STACK:(\d+)", usage).group(1)), shared,

@@ -196,11 +196,11 @@ def test_chooser_mma_falls_back_where_the_groups_do_not_fit(wo, monkeypatch):
     # 128 columns would straddle two groups); a caller's decode="mma" there is refused (above)
     from moekit.experts import triton_wo_plan as plan
 
-    for group, want in ((128, "mma"), (64, "register")):
-        x, w13, w2, ids, weights = problem(wo, "int4_w4a16", group, m=2, k=2, hidden=128, n=128, e=4)
-        monkeypatch.setitem(plan.DECODE_MEASURED, ("int4_w4a16", 4, 128, 128), {2: "mma"})
+    for scheme, group, want in (("int4_w4a16", 128, "mma"), ("int4_w4a16", 64, "register"), ("int8_w8a16", 0, "mma")):
+        x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128, e=4)
+        monkeypatch.setitem(plan.DECODE_MEASURED, (scheme, 4, 128, 128), {2: "mma"})
         args = [wo.weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2)]
-        built = plan.build_wo_plan(x, *args, ids, None, "int4_w4a16", "silu", None, POISON)
+        built = plan.build_wo_plan(x, *args, ids, None, scheme, "silu", None, POISON)
         assert built.decode == want
 
 
@@ -222,6 +222,19 @@ def test_chooser_takes_mma_where_it_won():
     assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (2, 3, 8, 63)} == {
         2: "register", 3: "mma", 8: "mma", 63: "mma"}
     assert {choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 8, 64)} == {"gemv", "register"}
+    # DeepSeek-V3 int8 M=1 (session 28: 103.7 against the tile decode's 122.8 µs): M <= 8 (the tie at 8 goes to the
+    # smaller measured M), the tile decode from 9 (M=64: 2332.7 against 2410.2)
+    assert {m: choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (1, 2, 8, 9, 64)} == {
+        1: "mma", 2: "mma", 8: "mma", 9: "tile", 64: "tile"}
+
+
+def test_int8_mma_tuned_steps():
+    # the winner's config is a tuned file (256-column steps, 3 stages, 32 rows in 1 warp); other devices, the heuristic
+    from moekit.experts.triton_wo_configs import wo_config
+
+    tile = GemmTile(32, 256, 1, 1, 3)
+    assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "other", "mma").up.BLOCK_K == 128
 
 
 def test_inline_ptx_compiles_for_sm90():
