@@ -8,13 +8,13 @@ beside pure reads of the same bytes in the same geometry (the cap).
 Groups (one child process each, weights made once for its Ms; the deadline skips the last): GROUPS, in the order
 most likely to decide a pick first. Per M:
 - the whole call (``run_experts_wo``) against the torch twin (rel-L2 < TOL): "pick" (config and decode chosen as the
-  bench's call: ``choose_decode``, ``wo_config``), and the mma decode's configs (VARIANTS, 32 rows in 1 warp: "k128"
-  today's mma heuristic, BLOCK_K 128, 3 stages, where the pick is another decode; "k256" BLOCK_K 256, 2 stages;
-  "k256s3" 3 stages; "k256u2" k256 with the gate-up split in 2, at M = 1 only, where the touched experts give few
-  programs). A step reads BLOCK_K / 2 bytes of a 4-bit row (k128 64 bytes, k256 128), BLOCK_K of an int8 row (128,
-  256). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``), instructions a weight / programs an SM, gate-up and
-  down: int4 k128 2.70 / 12, 3.15 / 15; k256 2.52 / 8, 2.82 / 10; mxfp4 k128 4.65, 5.19; k256 4.22, 4.62; int8 k128
-  (2 stages) 2.56 / 16, 2.88 / 23; k256 2.52 / 9, 2.78 / 14.
+  bench's call: ``choose_decode``, ``wo_config``), and the group's VARIANTS: "tile" the tile decode; the mma decode
+  with 32-row 1-warp tiles "kB" (BLOCK_K B, 2 stages), "kBsS" (S stages), "d256s3" (gate-up k128, down k256, 3
+  stages), "...u2" (the gate-up split in 2, M = 1 only). A step reads BLOCK_K / 2 bytes of a 4-bit row (k128 64
+  bytes, k256 128), BLOCK_K of an int8 row (128, 256). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``),
+  instructions a weight / programs an SM, gate-up and down: int4 k128s3 2.70 / 12, 3.15 / 15; k256 2.52 / 8, 2.82 /
+  10; k256s3 2.66 / 6 (104 B spilled, LDL / STL in the loop), 2.92 / 9; mxfp4 k128s3 4.65, 5.19; k256 4.22, 4.62;
+  int8 k128s3 2.61 / 9, 2.98 / 14; k256s3 2.54 / 4, 2.83 / 7; k256s4 2.54 / 3, 2.83 / 4; k512s3 2.60 / 2, 2.78 / 3.
 - pure reads (``dec7_kernels.geom_read_kernel``, LEVEL 0: the words xor-folded, checked against the host's xor of
   every touched word) of the touched experts' words in the mma geometry: "rd64B" 32 rows x 16 words a step (64
   bytes a row), "rd128B" x 32 words (128 bytes), 1 warp, the k256 variant's splits: the cap of each geometry.
@@ -54,16 +54,21 @@ from dec7_device_check import expected  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
 
-# (preset, scheme, Ms): the cells the mma decode picks today first (a direct A/B of the step), then the gemv's
-# (CK1 at 7b2627a: every group ~13-14 s before its timing, so about five fit 70 s; --groups picks others)
-GROUPS = (("mixtral-8x7b", "int4_w4a16", (8,)), ("deepseek-v3", "int4_w4a16", (64, 1)),
-          ("deepseek-v3", "int8_w8a16", (1, 64)), ("mixtral-8x7b", "mxfp4", (8,)), ("mixtral-8x7b", "int8_w8a16", (8,)),
-          ("deepseek-v3", "int4_w4a16", (8,)), ("deepseek-v3", "mxfp4", (1, 8)),
-          ("mixtral-8x7b", "int4_w4a16", (1, 64)),
-          ("deepseek-v3", "int8_w8a16", (8,)), ("mixtral-8x7b", "int8_w8a16", (1, 64)))
-# name -> (rows, BLOCK_K, warps, stages, gate-up split; None: at M = 1 only); "k128" only where the pick is not mma
-VARIANTS = {"k128": (32, 128, 1, 3, 1), "k256": (32, 256, 1, 2, 1), "k256s3": (32, 256, 1, 3, 1),
-            "k256u2": (32, 256, 1, 2, None)}
+# (preset, scheme, Ms, variants): CK1c's cells, the taken DeepSeek-V3 int8 entry first (CK2: --groups 0). CK1 at
+# 7b2627a: a group takes ~13-14 s before its timing. CK1b (7bf25c9) ran Mixtral int4 M=8, DeepSeek-V3 int4 M=64 / 1
+# and int8 M=1 / 64 with k128 / k256 / k256s3 / k256u2: only int8 k256s3 won (DeepSeek-V3 M=1).
+GROUPS = (("deepseek-v3", "int8_w8a16", (1, 8), ("tile", "k256s4", "k512s3", "k256s3u2")),
+          ("mixtral-8x7b", "int8_w8a16", (8, 1), ("k128", "k256s3", "k256s4")),
+          ("mixtral-8x7b", "mxfp4", (8,), ("k256s3", "d256s3")),
+          ("mixtral-8x7b", "int4_w4a16", (8,), ("d256s3", "k128s4")),
+          ("deepseek-v3", "int4_w4a16", (64,), ("d256s3",)))
+# name -> (the mma decode's gate-up tile, down tile: (rows, BLOCK_K, warps, stages), gate-up split); "tile": the
+# tile decode with its config; a name ending "u2" runs at M = 1 only
+VARIANTS = {"tile": None, "k128": ((32, 128, 1, 3), (32, 128, 1, 3), 1),
+            "k128s4": ((32, 128, 1, 4), (32, 128, 1, 4), 1),
+            "k256": ((32, 256, 1, 2), (32, 256, 1, 2), 1), "k256s3": ((32, 256, 1, 3), (32, 256, 1, 3), 1),
+            "k256s4": ((32, 256, 1, 4), (32, 256, 1, 4), 1), "k512s3": ((32, 512, 1, 3), (32, 512, 1, 3), 1),
+            "k256s3u2": ((32, 256, 1, 3), (32, 256, 1, 3), 2), "d256s3": ((32, 128, 1, 3), (32, 256, 1, 3), 1)}
 READS = {"rd64B": 16, "rd128B": 32}  # name -> words a step (32 rows, 1 warp, the k256 variant's splits)
 SETS, ROUNDS, REPLAYS, TOL, WIN = 3, 5, 5, 1e-2, 0.97
 START = time.perf_counter()
@@ -91,15 +96,22 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILED.append(name)
 
 
-def variants(m: int, pick: str) -> dict:
-    """name -> (decode, config): the pick (None, None: the chooser's, ``pick``) and the mma configs (VARIANTS)."""
+def variants(m: int, names: tuple) -> dict:
+    """name -> (decode, config): the pick (None, None: the chooser's) and the group's VARIANTS at this M."""
     out = {"pick": (None, None)}
-    for name, (rows, block_k, warps, stages, split) in VARIANTS.items():
-        if (split is None and m != 1) or (name == "k128" and pick == "mma"):
+    for name in names:
+        if name.endswith("u2") and m != 1:
             continue
-        tile = GemmTile(rows, block_k, 1, warps, stages)
-        out[name] = ("mma", WordConfig(16, tile, tile, up_split=split or 2))
+        if VARIANTS[name] is None:
+            out[name] = (name, None)
+            continue
+        up, down, split = VARIANTS[name]
+        out[name] = ("mma", WordConfig(16, GemmTile(up[0], up[1], 1, *up[2:]), GemmTile(down[0], down[1], 1, *down[2:]),
+                                       up_split=split))
     return out
+
+
+READ_CONFIG = WordConfig(16, GemmTile(32, 256, 1, 1, 3), GemmTile(32, 256, 1, 1, 3))  # the reads' splits: its plan's
 
 
 def read_plans(s: Shape, plan, words: int) -> tuple[GeomPlan, GeomPlan]:
@@ -155,7 +167,7 @@ def add_calls(cell: Cell, graphs: dict, a13, a2, w13, w2, inputs, found: dict, s
             check(f"{s.name} {cell.scheme} M={cell.m} {name}", False, f"raised {type(e).__name__}: {e}")
 
 
-def precompile(s: Shape, scheme: str, ms: tuple, w13, w2, dev) -> None:
+def precompile(s: Shape, scheme: str, ms: tuple, names: tuple, w13, w2, dev) -> None:
     """Every call's kernels of the group compiled at once in a thread pool (Triton's AsyncCompileMode)."""
     from triton import AsyncCompileMode
 
@@ -166,29 +178,30 @@ def precompile(s: Shape, scheme: str, ms: tuple, w13, w2, dev) -> None:
             for m in ms:
                 c = make_sets(s, m, 1, torch.bfloat16, dev)[0]
                 ids = torch.unique(c.topk_ids.reshape(-1).to(torch.int32))
-                pick = choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k)
-                for name, (decode, cfg) in variants(m, pick).items():
+                for name, (decode, cfg) in variants(m, names).items():
                     plan = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu", cfg,
                                        LaunchOptions(reuse_workspace=False), None, decode)
                     _warm(plan, c, a13, a2, dev)
-                    if name == "k256":
+                    if name == "pick":
                         for words in READS.values():
-                            for q, p in zip((w13.q, w2.q), read_plans(s, plan, words)):
+                            read = wo_plan_for(c.x, a13, a2, c.topk_ids, c.topk_weights, None, scheme, "silu",
+                                               READ_CONFIG, LaunchOptions(reuse_workspace=False), None, "mma")
+                            for q, p in zip((w13.q, w2.q), read_plans(s, read, words)):
                                 launch_geom(q.view(torch.int32), ids, p, p.parts(ids.numel(), dev), True, warmup=True)
     except Exception as e:  # noqa: BLE001  (the kernels compile, and report, on first use)
         print(f"precompile: {type(e).__name__}: {e}", flush=True)
     print(f"precompiled in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def run_cell(s: Shape, scheme: str, m: int, w13, w2, bw: float, dev, until: float) -> Cell:
+def run_cell(s: Shape, scheme: str, m: int, names: tuple, w13, w2, bw: float, dev, until: float) -> Cell:
     a13, a2 = (weight_args(w.q, w.scale, w.zero, w.group_size) for w in (w13, w2))
     inputs = make_sets(s, m, SETS, torch.bfloat16, dev, seed=m)
     touched = statistics.mean(measured_experts_touched(c.topk_ids, s.num_experts) for c in inputs)
     nbytes = touched * (packed_bytes(w13) + packed_bytes(w2)) + 2 * m * s.k * 2
     cell = Cell(s.name, scheme, m, nbytes / (bw * 1e12) * 1e6, nbytes, bw,
                 choose_decode(scheme, m, s.num_experts, s.n, s.k, s.top_k))
-    found, c0 = variants(m, cell.pick), inputs[0]
-    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", found["k256"][1],
+    found, c0 = variants(m, names), inputs[0]
+    plan = wo_plan_for(c0.x, a13, a2, c0.topk_ids, c0.topk_weights, None, scheme, "silu", READ_CONFIG,
                        LaunchOptions(), None, "mma")
     graphs: dict = {}
     add_reads(cell, graphs, w13, w2, inputs, plan, s, dev)
@@ -231,20 +244,20 @@ def dump(path: str, cells: list[Cell]) -> None:
 def child(index: int, args) -> int:
     """One group in this process: its weights once, its Ms in turn (no M begins past --until)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    preset, scheme, ms = GROUPS[index]
+    preset, scheme, ms, names = GROUPS[index]
     s = Shape("tiny", 8, 128, 256, 2) if args.smoke else Shape.from_preset(preset)
     ms = ms[:1] if args.smoke else ms
     bw = copy_tbps(dev)
     w13 = quantized(scheme, s.num_experts, 2 * s.n, s.k, dev, seed=1)
     w2 = quantized(scheme, s.num_experts, s.k, s.n, dev, seed=2)
     if dev.type == "cuda":
-        precompile(s, scheme, ms, w13, w2, dev)
+        precompile(s, scheme, ms, names, w13, w2, dev)
     cells = []
     for m in ms:
         if cells and time.time() > args.until - 6:
             print(f"deadline: {s.name} {scheme} M={m} skipped", flush=True)
             break
-        cells.append(run_cell(s, scheme, m, w13, w2, bw, dev, args.until))
+        cells.append(run_cell(s, scheme, m, names, w13, w2, bw, dev, args.until))
         dump(os.path.join(args.cells, f"dec8-{index}.json"), cells)
     return 1 if FAILED else 0
 
@@ -266,7 +279,7 @@ def main(argv=None) -> int:
     print(torch.__version__, "triton", triton.__version__, flush=True)
     cells, skipped, tmp = [], [], tempfile.mkdtemp(prefix="dec8-")
     order = args.groups or ([0] if args.smoke else range(len(GROUPS)))
-    for i, (preset, scheme, ms) in ((i, GROUPS[i]) for i in order):
+    for i, (preset, scheme, ms, _) in ((i, GROUPS[i]) for i in order):
         left = args.deadline - (time.perf_counter() - START)
         if left < 12:
             skipped.append(f"{preset} {scheme} M={ms}")

@@ -2,7 +2,8 @@
 compiled on a machine without a GPU: SASS instructions a weight per thread (the loop body x 32 x warps over the
 weights a step), registers, spills, shared memory, the programs an SM can hold (occupancy from the registers, the
 shared memory and the warps; an H200 SM: 64K registers, 227 KB shared, 64 warps, 32 programs), and the opcodes that
-tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / LDS / LDSM / BAR: shared memory).
+tell where the operands travel (HMMA: the dots; LDGSTS: cp.async stages; STS / LDS / LDSM / BAR: shared memory;
+LDL / STL: spills).
 
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py            # the candidate tiles, both schemes
     PYTHONPATH=$PWD python benchmarks/wo_mma_sass_cpu.py --quick    # the heuristic's tiles (the test's compile check)
@@ -80,8 +81,8 @@ def count(scheme: int, block_n: int, down: bool, num_warps: int, num_stages: int
     shared = int(out.metadata.shared)
     name = (f"mma {('int8', 'int4', 'mxfp4')[scheme]} {'down' if down else 'gate-up'} {block_n}x{block_k} "
             f"{num_warps}w {num_stages}s PAIRS {const['PAIRS']}")
-    top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS", "LDL", "STL",
-                                             "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
+    top = " ".join(f"{k}:{ops[k]}" for k in ("HMMA", "LOP3", "SHF", "PRMT", "IMAD", "FFMA", "HFMA2", "LDG", "LDGSTS",
+                                             "LDL", "STL", "STS", "LDS", "LDSM", "BAR", "SHFL") if ops[k])
     return MmaCount(name, len(loop) * 32 * num_warps / weights, registers,
                     int(re.search(r"STACK:(\d+)", usage).group(1)), shared,
                     programs_per_sm(registers, shared, num_warps), top)
