@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (4 kernels)")
+    p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (6 kernels: int8, int4, mxfp4)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
     p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256, 512),
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles]
         jobs = [(s, bn, d, w, st) for s in args.schemes for d in (False, True) for bn, w, st in tiles]
     elif args.quick:  # (scheme, BN, down, warps, stages)
-        jobs = [(s, 32, d, 1, 3) for s in (1, 2) for d in (False, True)]
+        jobs = [(s, 32, d, 1, 3) for s in (0, 1, 2) for d in (False, True)]
     else:
         jobs = [(s, bn, d, w, st) for s in (1, 2) for d in (False, True) for bn, w in ((16, 1), (32, 1), (64, 2),
                                                                                       (128, 4)) for st in (3, 4)]
