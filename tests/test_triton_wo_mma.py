@@ -161,8 +161,8 @@ def int8_order_kernel(w_ptr, x_ptr, v_out, x_out, PAIRS: triton.language.constex
 
 @pytest.mark.parametrize("pairs", [1, 2])
 def test_mma_int8_order_weights_and_activations_alike(wo, pairs):
-    # int8: logical k = 32b + 16e + 8t + 2q + p (PAIRS 1) or 32b + 16e + 4q + 2t + p (PAIRS 2) holds value t + 2p of word
-    # 8b + 2q + e (the signed byte at bits 8(t + 2p)): activation column 4j + t + 2p
+    # int8: logical k = 32b + 16e + 8t + 2q + p (PAIRS 1) or 32b + 16e + 4q + 2t + p (PAIRS 2) holds value t + 2p of
+    # word 8b + 2q + e (the signed byte at bits 8(t + 2p)): activation column 4j + t + 2p
     import sys
 
     _KERNELS["mma"] = sys.modules["moekit.experts._kernels.wo_mma_values"]
@@ -238,8 +238,8 @@ def test_int8_mma_tuned_steps():
 
 
 def test_inline_ptx_compiles_for_sm90():
-    """The mma kernels with their inline PTX (int8, int4, mxfp4, both GEMMs, the default tiles) through Triton's pipeline
-    and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the
+    """The mma kernels with their inline PTX (int8, int4, mxfp4, both GEMMs, the default tiles) through Triton's
+    pipeline and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the
     device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
     import os
     import subprocess
