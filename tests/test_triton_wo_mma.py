@@ -222,10 +222,11 @@ def test_chooser_takes_mma_where_it_won():
     assert {m: choose_decode("mxfp4", m, 8, 14336, 4096, 2) for m in (2, 3, 8, 63)} == {
         2: "register", 3: "mma", 8: "mma", 63: "mma"}
     assert {choose_decode("mxfp4", m, 256, 2048, 7168, 8) for m in (1, 8, 64)} == {"gemv", "register"}
-    # DeepSeek-V3 int8 M=1 (session 28: 103.7 against the tile decode's 122.8 µs): M <= 8 (the tie at 8 goes to the
-    # smaller measured M), the tile decode from 9 (M=64: 2332.7 against 2410.2)
-    assert {m: choose_decode("int8_w8a16", m, 256, 2048, 7168, 8) for m in (1, 2, 8, 9, 64)} == {
-        1: "mma", 2: "mma", 8: "mma", 9: "tile", 64: "tile"}
+    # int8 M=1 (session 28: DeepSeek-V3 104.4 against the tile decode's 123.7 µs, Mixtral 122.2 against 135.8): M <= 2
+    # (nearest in log2 to 1 of {1, 8, 64}), the tile decode from 3 (M=8: DeepSeek-V3 694.2 against 714.3)
+    for e, n, k, top_k in ((256, 2048, 7168, 8), (8, 14336, 4096, 2)):
+        assert {m: choose_decode("int8_w8a16", m, e, n, k, top_k) for m in (1, 2, 3, 8, 64)} == {
+            1: "mma", 2: "mma", 3: "tile", 8: "tile", 64: "tile"}
 
 
 def test_int8_mma_tuned_steps():
@@ -234,13 +235,14 @@ def test_int8_mma_tuned_steps():
 
     tile = GemmTile(32, 256, 1, 1, 3)
     assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
+    assert wo_config(2, 8, 14336, 4096, 2, "int8_w8a16", "NVIDIA_H200", "mma") == KernelConfig(16, tile, tile)
     assert wo_config(1, 256, 2048, 7168, 8, "int8_w8a16", "other", "mma").up.BLOCK_K == 128
 
 
 def test_inline_ptx_compiles_for_sm90():
     """The mma kernels with their inline PTX (int8, int4, mxfp4, both GEMMs, the default tiles) through Triton's
-    pipeline and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on the
-    device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
+    pipeline and the bundled ptxas to sm_90 SASS (the PTX cannot run here: a syntax or operand error fails here, not on
+    the device). In a process of its own: this module's interpreted kernels patch Triton's frontend."""
     import os
     import subprocess
     import sys

@@ -111,8 +111,8 @@ DECODE_MEASURED: dict[tuple, dict[int, str]] = {
     ("mxfp4", 128, 768, 2048): {1: "gemv", 8: "tile", 64: "register"},  # Qwen3-30B-A3B
     ("mxfp4", 256, 2048, 7168): {1: "gemv", 8: "gemv", 64: "register"},  # DeepSeek-V3
     ("mxfp4", 8, 14336, 4096): {1: "register", 8: "mma"},  # Mixtral-8x7B
-    # session 28 (dec8 CK1b, 5 rounds): M=1 mma (256-byte steps, tuned file) 103.7 µs vs tile 122.8; M=64 tile 2332.7
-    ("int8_w8a16", 256, 2048, 7168): {1: "mma", 64: "tile"},  # DeepSeek-V3 (vs mma 2410.2): M <= 8 on the mma
+    ("int8_w8a16", 256, 2048, 7168): {1: "mma", 8: "tile", 64: "tile"},  # DeepSeek-V3 (session 28, dec8: the mma's
+    ("int8_w8a16", 8, 14336, 4096): {1: "mma", 8: "tile"},  # Mixtral-8x7B  256-byte steps; its tuned files: µs)
 }
 
 
