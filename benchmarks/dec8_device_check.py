@@ -1,5 +1,5 @@
 """GPU check of the word MMA decode in 128- and 256-byte row steps (issue #16 target 1, session 28, brief dec8):
-today's pick against ``decode="mma"`` with steps of 32 / 64 words (BLOCK_K 256 / 512, ``gemm_wo_mma``'s sub-steps),
+today's pick against ``decode="mma"`` with steps of BLOCK_K 256 (``gemm_wo_mma``'s two dots a step; int8 on it too),
 beside pure reads of the same bytes in the same geometry (the cap).
 
     PYTHONPATH=$PWD timeout 85 python3 benchmarks/dec8_device_check.py --out $OUT/dec8 --deadline 70   # H200
@@ -14,7 +14,8 @@ most likely to decide a pick first. Per M:
   bytes, k256 128), BLOCK_K of an int8 row (128, 256). Offline sm_90 SASS (Triton 3.6, ``wo_mma_sass_cpu.py``),
   instructions a weight / programs an SM, gate-up and down: int4 k128s3 2.70 / 12, 3.15 / 15; k256 2.52 / 8, 2.82 /
   10; k256s3 2.66 / 6 (104 B spilled, LDL / STL in the loop), 2.92 / 9; mxfp4 k128s3 4.65, 5.19; k256 4.22, 4.62;
-  int8 k128s3 2.61 / 9, 2.98 / 14; k256s3 2.54 / 4, 2.83 / 7; k256s4 2.54 / 3, 2.83 / 4; k512s3 2.60 / 2, 2.78 / 3.
+  int8 k128s3 2.61 / 9, 2.98 / 14; k256s3 2.54 / 4, 2.83 / 7; k256s4 2.54 / 3, 2.83 / 4. (BLOCK_K 512, "k512s3",
+  measured at 9e90a12 1.7x the pick, was removed with the kernel's 4-way split.)
 - pure reads (``dec7_kernels.geom_read_kernel``, LEVEL 0: the words xor-folded, checked against the host's xor of
   every touched word) of the touched experts' words in the mma geometry: "rd64B" 32 rows x 16 words a step (64
   bytes a row), "rd128B" x 32 words (128 bytes), 1 warp, the k256 variant's splits: the cap of each geometry.
@@ -54,11 +55,13 @@ from dec7_device_check import expected  # noqa: E402
 from dec7_kernels import GeomPlan, launch_geom  # noqa: E402
 from wo_device_check import _warm, copy_tbps, packed_bytes, quantized, rel_err  # noqa: E402
 
-# (preset, scheme, Ms, variants): CK1c's cells, the taken DeepSeek-V3 int8 entry first (CK2: --groups 0). CK1 at
-# 7b2627a: a group takes ~13-14 s before its timing. CK1b (7bf25c9) ran Mixtral int4 M=8, DeepSeek-V3 int4 M=64 / 1
-# and int8 M=1 / 64 with k128 / k256 / k256s3 / k256u2: only int8 k256s3 won (DeepSeek-V3 M=1).
-GROUPS = (("deepseek-v3", "int8_w8a16", (1, 8), ("tile", "k256s4", "k512s3", "k256s3u2")),
-          ("mixtral-8x7b", "int8_w8a16", (8, 1), ("k128", "k256s3", "k256s4")),
+# (preset, scheme, Ms, variants): the taken int8 entries against the tile decode they replaced first (CK2: --groups 0
+# 1), then CK1c's other cells. A group takes ~13-14 s before its timing. CK1b (7bf25c9) ran Mixtral int4 M=8,
+# DeepSeek-V3 int4 M=64 / 1 and int8 M=1 / 64 with k128 / k256 / k256s3 / k256u2: only int8 k256s3 won (DeepSeek-V3
+# M=1); CK1c (9e90a12) DeepSeek-V3 / Mixtral int8 M=1 / 8 and Mixtral mxfp4 M=8 (one round): Mixtral int8 M=1 k256s3.
+GROUPS = (("deepseek-v3", "int8_w8a16", (1,), ("tile",)), ("mixtral-8x7b", "int8_w8a16", (1,), ("tile",)),
+          ("deepseek-v3", "int8_w8a16", (8,), ("tile", "k256s4")),
+          ("mixtral-8x7b", "int8_w8a16", (8,), ("k128", "k256s3")),
           ("mixtral-8x7b", "mxfp4", (8,), ("k256s3", "d256s3")),
           ("mixtral-8x7b", "int4_w4a16", (8,), ("d256s3", "k128s4")),
           ("deepseek-v3", "int4_w4a16", (64,), ("d256s3",)))
@@ -67,7 +70,7 @@ GROUPS = (("deepseek-v3", "int8_w8a16", (1, 8), ("tile", "k256s4", "k512s3", "k2
 VARIANTS = {"tile": None, "k128": ((32, 128, 1, 3), (32, 128, 1, 3), 1),
             "k128s4": ((32, 128, 1, 4), (32, 128, 1, 4), 1),
             "k256": ((32, 256, 1, 2), (32, 256, 1, 2), 1), "k256s3": ((32, 256, 1, 3), (32, 256, 1, 3), 1),
-            "k256s4": ((32, 256, 1, 4), (32, 256, 1, 4), 1), "k512s3": ((32, 512, 1, 3), (32, 512, 1, 3), 1),
+            "k256s4": ((32, 256, 1, 4), (32, 256, 1, 4), 1),
             "k256s3u2": ((32, 256, 1, 3), (32, 256, 1, 3), 2), "d256s3": ((32, 128, 1, 3), (32, 256, 1, 3), 1)}
 READS = {"rd64B": 16, "rd128B": 32}  # name -> words a step (32 rows, 1 warp, the k256 variant's splits)
 SETS, ROUNDS, REPLAYS, TOL, WIN = 3, 5, 5, 1e-2, 0.97

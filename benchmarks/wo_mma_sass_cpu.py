@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the heuristic's tiles only (6 kernels: int8, int4, mxfp4)")
     p.add_argument("--pairs", type=int, choices=(1, 2), help="the kernels' PAIRS (default: this Triton's, "
                    "``triton_wo_mma.operand_pairs``)")
-    p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256, 512),
-                   help="the steps' columns (BLOCK_K: 16, 32 or 64 words of a row a step)")
+    p.add_argument("--block-k", type=int, nargs="+", default=[128], choices=(128, 256),
+                   help="the steps' columns (BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8)")
     p.add_argument("--tiles", nargs="+", help="BN:warps:stages (default: the candidates)")
     p.add_argument("--schemes", type=int, nargs="+", default=[1, 2], choices=(0, 1, 2), help="0 int8, 1 int4, 2 mxfp4")
     args = p.parse_args(argv)

@@ -71,14 +71,14 @@ def test_mma_split_gate_up(wo, scheme, group):
 
 
 @pytest.mark.parametrize("scheme,hidden,group,block_k", [
-    ("int4_w4a16", 200, 128, 256), ("int4_w4a16", 640, 128, 256), ("int4_w4a16", 640, 256, 512),
-    ("int4_w4a16", 296, 128, 512), ("mxfp4", 200, 32, 256), ("mxfp4", 328, 32, 512), ("int8_w8a16", 200, 0, 256),
-    ("int8_w8a16", 328, 0, 512)])
+    ("int4_w4a16", 200, 128, 256), ("int4_w4a16", 640, 128, 256), ("int4_w4a16", 640, 256, 256),
+    ("int4_w4a16", 296, 128, 256), ("mxfp4", 200, 32, 256), ("mxfp4", 328, 32, 256), ("int8_w8a16", 200, 0, 256),
+    ("int8_w8a16", 328, 0, 256), ("int8_w8a16", 328, 0, 128)])
 def test_mma_wide_steps_match_float64_loop(wo, scheme, hidden, group, block_k):
-    # steps of 32 / 64 words (128 / 256 bytes of a row, one load) run as 2 / 4 dots of 16 words on the step's parts,
+    # steps of 256 columns (one load of 128 bytes of a 4-bit row, 256 of int8) run as 2 dots on the step's halves,
     # each dot inside one int4 group; K = 200 / 296 / 328 / 640: tail steps whose later sub-steps lie past the row
     # (their words, x and scales 0), int4 tail groups of 72 / 40 / 128 columns, an mxfp4 tail group of 8; N = 384 in
-    # the down GEMM: a step of 256 then a half step (or one 512 step, half past the row)
+    # the down GEMM: a step of 256 then a half step; int8 at 128 columns (32 words, one dot) too
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=3, k=2, hidden=hidden, n=384, seed=hidden + block_k)
     out = run(wo, x, w13, w2, ids, weights, config(block_k=block_k))
     assert rel(out, loop64(x, w13, w2, ids, weights)) < 1e-3
@@ -184,7 +184,7 @@ def test_mma_int8_order_weights_and_activations_alike(wo, pairs):
 @pytest.mark.parametrize("scheme,group,block_k,match", [
     ("int8_w8a16", 0, 384, "BLOCK_K must be one of"), ("int4_w4a16", 64, 128, "multiple of 128"),
     ("int4_w4a16", 64, 256, "multiple of 128"), ("int4_w4a16", 128, 64, "BLOCK_K must be one of"),
-    ("mxfp4", 32, 384, "BLOCK_K must be one of"), ("mxfp4", 32, 1024, "BLOCK_K must be one of")])
+    ("mxfp4", 32, 384, "BLOCK_K must be one of"), ("mxfp4", 32, 512, "BLOCK_K must be one of")])
 def test_mma_refusals_name_the_problem(wo, scheme, group, block_k, match):
     x, w13, w2, ids, weights = problem(wo, scheme, group, m=2, k=2, hidden=128, n=128)
     with pytest.raises(ValueError, match=match):

@@ -14,9 +14,9 @@ import functools
 from moekit.experts.configs import KernelConfig
 from moekit.experts.triton_wo_gemv import PER, words_ok
 
-MMA_WORDS = 16  # the mma decode's words a dot (K 128); a step loads 1, 2 or 4 dots' words of a row at once
+MMA_WORDS = 16  # the mma decode's words a dot (4-bit, K 128); a step loads 1 or 2 dots' words of a row at once
 SCHEMES = ("int8_w8a16", "int4_w4a16", "mxfp4")
-STEP_COLUMNS = (128, 256, 512)  # BLOCK_K: 64, 128 or 256 bytes of a row a step (``gemm_wo_mma.SUB_WORDS``)
+STEP_COLUMNS = (128, 256)  # BLOCK_K: 64 or 128 bytes of a 4-bit row a step, 128 or 256 of int8 (``gemm_wo_mma``)
 
 
 def mma_fits(w13, w2, scheme: str) -> bool:
@@ -30,7 +30,7 @@ def mma_fits(w13, w2, scheme: str) -> bool:
 def check_mma(config: KernelConfig, scheme: str, w13, w2) -> None:
     """The mma decode's requirements, each refused by name: one of SCHEMES, rows read as words, the byte tensors (int4
     zero points, mxfp4 scales) at 4-byte aligned addresses (the kernel reads their bytes as aligned words), steps of
-    1, 2 or 4 dots of MMA_WORDS words (BLOCK_K 128, 256 or 512), int4 each dot inside one group (g a multiple of
+    1 or 2 dots of 128 columns (BLOCK_K 128 or 256), int4 each dot inside one group (g a multiple of
     128), no folded split gate-up (a ``triton_wo_gemv.WordConfig``'s up_split is taken: float32 partials summed by
     the split_glu launch)."""
     if scheme not in SCHEMES:

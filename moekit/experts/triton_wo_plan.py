@@ -10,7 +10,7 @@ Six decodes of the packed weights (DECODES), each its own kernels and its own co
     tile      ``_kernels/gemm_wo``: one whole dequantized [BN, BK] tile per step, one ``tl.dot``.
     register  ``_kernels/gemm_wo_reg``: decoded in the MMA operand's registers (inline PTX on NVIDIA
               sm_80+ with bf16, ``inline_asm_ok``), group scales on each chunk's fp32 partial product.
-    mma       ``_kernels/gemm_wo_mma`` (int8, int4, mxfp4; steps of BLOCK_K = 128, 256 or 512 columns, rows read as
+    mma       ``_kernels/gemm_wo_mma`` (int8, int4, mxfp4; steps of BLOCK_K = 128 or 256 columns, rows read as
               words): each 128 columns' words decoded where they land into one MMA operand in a permuted K order,
               their x tile read once in that order, one tensor-core dot each (session 26; int8, wide steps: 28).
     gemv      ``_kernels/gemm_wo_gemv`` (launches: ``triton_wo_gemv``): no tensor cores; 32-bit words

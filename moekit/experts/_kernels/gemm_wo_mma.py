@@ -4,8 +4,9 @@ cp.async stages, then into registers), each step's words decoded where they land
 [BN, 8 * BKW] in the "MMA order" of K (``wo_mma_values``: int4 one shift and one lop3 for two weights; mxfp4 the
 bits placed, then one bf16x2 fma by the word's scale), the step's activation tile read once (contiguous, then
 permuted in registers to the same order) and summed with them by ONE tensor-core dot of K 128 (16 words) a
-sub-step. A step loads BKW = 16, 32 or 64 words of each row at once (64, 128 or 256 bytes a row: session 27's reads
-in this geometry stream 2.5 TB/s at 64 bytes, 3.9-4.1 at 128) and runs BKW / 16 sub-steps on its parts (``_part``).
+sub-step. A step loads BKW words of each row at once, BLOCK_K 128 or 256 (4-bit: 64 or 128 bytes a row, int8 128 or
+256: session 27's reads in this geometry stream 2.5 TB/s at 64 bytes, 3.9-4.1 at 128) and runs one dot, or two on
+its halves (``_part``; BLOCK_K 512 measured 1.7x slower in session 28: removed).
 (Session 24's form ran eight dots a step, value position T of the words against x columns 8j + T, each x tile
 through shared memory and all on one accumulator chain, with one 4-warp program an SM at decode sizes: 1.3-3.2x the
 pick on the H200.)
@@ -49,8 +50,8 @@ def _words(q_rows, w0, KW, n_ok, BKW: tl.constexpr):
 
 @triton.jit
 def _part(t, i: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SUB: tl.constexpr):
-    """Columns [i C / SUB, (i + 1) C / SUB) of t [R, C] (SUB 1, 2 or 4): a step's words of sub-step i, split in
-    halves (each a [R, C / 2, 2] join's two sides: no data moves where a thread holds both)."""
+    """Columns [i C / SUB, (i + 1) C / SUB) of t [R, C] (SUB 1 or 2): a step's words of sub-step i, split in halves
+    (each a [R, C / 2, 2] join's two sides: no data moves where a thread holds both)."""
     part = t
     if SUB > 1:
         lo, hi = tl.split(tl.permute(tl.reshape(t, (R, 2, C // 2)), (0, 2, 1)))  # [R, C / 2] each
@@ -58,12 +59,6 @@ def _part(t, i: tl.constexpr, R: tl.constexpr, C: tl.constexpr, SUB: tl.constexp
             part = hi
         else:
             part = lo
-        if SUB == 4:
-            lo, hi = tl.split(tl.permute(tl.reshape(part, (R, 2, C // 4)), (0, 2, 1)))  # [R, C / 4] each
-            if i % 2 == 1:
-                part = hi
-            else:
-                part = lo
     return part
 
 
