@@ -38,6 +38,13 @@ class Fp8GluonTile:
     pingpong: bool = False  # down GEMM: the consumers issue their MMAs in turn (the kernel's PINGPONG)
     stagger: bool = False  # consumer 1 starts one MMA behind consumer 0 (the kernel's STAGGER)
     wide: bool = False  # down GEMM: [128, 256] tiles, two weight column blocks per A stage (the kernel's WIDE)
+    # down GEMM, 64 or 0: a third consumer computes the next block's first 64 rows where that block is the same
+    # expert's last and holds at most 64 real rows (``_kernels/gluon_gemm_fp8_tail.py``; the padding tax)
+    tail: int = 0
+
+    def __post_init__(self):
+        if self.tail not in (0, 64) or (self.tail and (self.pingpong or self.stagger or self.wide)):
+            raise ValueError(f"tail={self.tail}: 0 or 64, not with pingpong / stagger / wide")
 
     @property
     def block_n(self) -> int:
@@ -52,6 +59,10 @@ class Fp8GluonTile:
 UP_TILE = Fp8GluonTile(stages=3)  # 3 x 48 KB + 2 x 8 KB e4m3 h = 160 KB
 DOWN_TILE = Fp8GluonTile(stages=5)  # 5 x 32 KB + 2 x 16 KB bf16 y = 192 KB
 WIDE_DOWN_TILE = Fp8GluonTile(stages=3, wide=True)  # 3 x 48 KB + 4 x 16 KB bf16 y = 208 KB (a device variant)
+# The down GEMM with the tail consumer (a device variant, plain launches only): 4 stages x (three A halves 3 x 8 KB +
+# 16 KB) + 3 x 16 KB y = 208 KB; four warpgroups at 128 registers a thread at launch, consumers 1 and 2 at 160
+# (consumer 0: 168; no spills on sm_90, benchmarks/f8mid8_compile_cpu.py)
+DOWN_TILE_T64 = Fp8GluonTile(stages=4, consumer_regs=160, max_registers=128, tail=64)
 
 
 @dataclass(frozen=True)
@@ -85,17 +96,20 @@ def launch_gather_quant(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int, x
 
 def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: torch.Tensor, out: torch.Tensor,
                     out_s: torch.Tensor | None, block_experts: torch.Tensor, rows_used: torch.Tensor,
-                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0):
+                    tile: Fp8GluonTile, gated: bool, gate_offset: int = 0, sorted_ids: torch.Tensor | None = None,
+                    num_assignments: int = 0):
     """out [T, C] = act(block-scaled a [T, R] @ w[e]^T) per row block. a e4m3, a_s [T, R/128] float32
     (unit column stride); w e4m3 [E, W_ROWS, R] contiguous, w_s [E, W_ROWS/128, R/128] float32 contiguous;
     gated: out e4m3 h [T, N] and out_s [T, N/128] its scales, gate rows c.. and up rows gate_offset + c..
     (W_ROWS = 2N); else out bf16/fp16 [T, K]. block_experts [T/128] int32; rows_used: 1-element integer
-    tensor (a multiple of 128, <= T). Returns what the launch returns (Triton's compiled kernel: its
+    tensor (a multiple of 128, <= T). A tile with a ``tail`` (down GEMM) reads the layout's sorted_ids [T]
+    (>= num_assignments: padding). Returns what the launch returns (Triton's compiled kernel: its
     registers, spills and PTX for the device check)."""
     if gated and tile.pingpong:  # ptxas spills ~1.1 KB of the gate-up consumers' registers with it
         raise ValueError(f"tile={tile}: pingpong is for the down GEMM only")
     check_wide(tile, gated, out.shape[1])
-    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
+    if tile.tail and (gated or sorted_ids is None):  # four warpgroups leave ~160 registers a consumer: gate-up needs 232
+        raise ValueError(f"tile={tile}: a tail is for the down GEMM only and reads the layout's sorted_ids")
     num_experts, w_rows, reduce_dim = w.shape
     a_desc = gluon_descriptor(a, [HALF_M, GROUP])
     w_desc = gluon_descriptor(w.view(num_experts * w_rows, reduce_dim), [GROUP, GROUP])
@@ -104,6 +118,14 @@ def launch_gemm_fp8(a: torch.Tensor, a_s: torch.Tensor, w: torch.Tensor, w_s: to
     gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
     max_tiles = cdiv(a.shape[0], BLOCK_M) * num_col_blocks
     grid = (max(1, min(num_sms(a.device), max_tiles)),)
+    if tile.tail:
+        tail_kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8_tail").tail_down_fp8_kernel
+        return tail_kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, block_experts, sorted_ids, rows_used,
+                                 num_assignments, reduce_dim, num_col_blocks, w_rows, a_s.stride(0), w_s.stride(0),
+                                 w_s.stride(1), STAGES=tile.stages, GROUP_M=tile.group_m,
+                                 CONSUMER_REGS=tile.consumer_regs, num_warps=CONSUMER_WARPS,
+                                 maxnreg=tile.max_registers)
+    kernel = importlib.import_module(f"{_KERNELS}.gluon_gemm_fp8").grouped_gemm_fp8_kernel
     out_s = a_s if out_s is None else out_s  # never written by the down GEMM
     return kernel[grid](a_desc, w_desc, c_desc, a_s, w_s, out_s, block_experts, rows_used, reduce_dim,
                         num_col_blocks, w_rows, gate_offset, a_s.stride(0), w_s.stride(0), w_s.stride(1),

@@ -223,6 +223,8 @@ def _fp8_part(x, sizes: tuple, up, down, s13, s2, grid, launch: dict) -> _Part:
     def fp8_gemm(tile, reduce_dim: int, cols: int, w_rows: int, gate_offset: int, a_groups: int, scale,
                  out_groups: int, gated: bool):
         check_wide(tile, gated, cols)
+        if tile.tail:  # the tail consumer reads sorted_ids: a device variant, bound by the plain launch only
+            raise ValueError(f"tile={tile}: a tail runs through the plain launch (lean=False)")
         gate_offset = GROUP if tile.wide else gate_offset  # WIDE: the second weight tile is the next column block
         return BoundLaunch(gemm, grid(cols, tile.block_n), 8,
                            (reduce_dim, cols // tile.block_n, w_rows, gate_offset, a_groups, *scale.stride()[:2],
